@@ -1,0 +1,51 @@
+# k3lab: two commands on a fresh machine.
+#   make run   - the whole suite on this machine, report in build/report.html
+#   make test  - the whole test suite (notebooks included)
+# Both make a virtual environment (.venv) unless one is already active, install
+# what is missing, and never replace a torch that is already installed (a ROCm or
+# CUDA build): the venv sees the system's packages, and torch is installed only
+# when none can be imported.
+
+SHELL := /bin/bash
+PY_SYS ?= python3
+ifdef VIRTUAL_ENV
+  PY := $(VIRTUAL_ENV)/bin/python
+  STAMP := $(VIRTUAL_ENV)/.k3lab-installed
+else ifdef CONDA_PREFIX
+  PY := $(CONDA_PREFIX)/bin/python
+  STAMP := $(CONDA_PREFIX)/.k3lab-installed
+else
+  PY := .venv/bin/python
+  STAMP := .venv/.k3lab-installed
+endif
+# torch 2.13.0 is the CPU build that lies on disk on the CPU machines here.
+TORCH_SPEC ?= torch==2.13.0
+# The same Triton as the lent H200 machine; installed only where no triton exists.
+TRITON_SPEC ?= triton==3.6.0
+
+.PHONY: run test install lint clean-build
+
+run: $(STAMP)
+	$(PY) -m k3lab.cli report
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check k3lab tests
+
+install: $(STAMP)
+
+.venv/bin/python:
+	$(PY_SYS) -m venv --system-site-packages .venv
+
+$(STAMP): pyproject.toml $(if $(VIRTUAL_ENV)$(CONDA_PREFIX),,.venv/bin/python)
+	@$(PY) -c "import torch" 2>/dev/null && echo "k3lab: keeping the installed torch $$($(PY) -c 'import torch; print(torch.__version__)')" \
+	  || { echo "k3lab: no torch found, installing $(TORCH_SPEC)"; $(PY) -m pip install -q "$(TORCH_SPEC)"; }
+	@$(PY) -c "import triton" 2>/dev/null && echo "k3lab: keeping the installed triton" \
+	  || { echo "k3lab: no triton found, installing $(TRITON_SPEC) (CPU: the interpreter)"; $(PY) -m pip install -q "$(TRITON_SPEC)"; }
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+clean-build:
+	rm -rf build

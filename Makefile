@@ -29,7 +29,7 @@ run: $(STAMP)
 	$(PY) -m k3lab.cli report
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests notebooks --nbval-lax --nbval-current-env -p no:cacheprovider
 
 lint: $(STAMP)
 	$(PY) -m ruff check k3lab tests

@@ -138,5 +138,5 @@ def describe() -> str:
     parts.append(f"triton={v.get('triton') or 'none'}")
     parts.append(f"preset={default_preset(info)}")
     if triton_interpreted():
-        parts.append("triton=interpreter")
+        parts.append("(Triton kernels run in the interpreter)")
     return "k3lab: " + " ".join(parts)

@@ -1,0 +1,104 @@
+"""The `k3lab` command: info, bench, profile, report.
+
+    k3lab info                         backend, device, versions, preset, optional backends
+    k3lab bench STUDY [--preset P] [--cases A B] [--save-profiles]
+    k3lab profile STUDY [--preset P]   traces and kernel tables of each variant
+    k3lab report [--skip-notebooks] [--skip-studies]   everything this machine can run -> build/report.html
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _cmd_info(args) -> int:
+    from k3lab import env
+    from k3lab.config import K3Config
+
+    print(env.describe())
+    info = env.detect()
+    v = env.versions()
+    print(f"  device: {info.name} ({info.compute_units} compute units"
+          + (f", {info.memory_gb:.0f} GB" if info.memory_gb else "") + ")")
+    print(f"  peaks used for floors: {info.peak.bandwidth_tbs} TB/s ({info.peak.bandwidth_source}), "
+          f"{info.peak.bf16_tflops} TFLOP/s bf16 ({info.peak.bf16_source})")
+    print("  versions: " + ", ".join(f"{k}={val}" for k, val in v.items() if val))
+    print(f"  preset: {env.default_preset(info)}  ({K3Config.preset(env.default_preset(info)).summary()})")
+    for name, status in env.optional_backends().items():
+        print(f"  {name}: {status}")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from k3lab import bench
+    from k3lab.studies import load_study
+
+    study = load_study(args.study)
+    records = study.run(preset=args.preset, cases=args.cases)
+    table = bench.compare(records)
+    print(table.to_string(index=False))
+    root = "profiles" if args.save_profiles else str(Path(args.out) / "records")
+    paths = bench.save_records(records, root=root, overwrite=args.overwrite)
+    print(f"saved {len(paths)} records under {root}/")
+    return 0
+
+
+def _cmd_profile(args) -> int:
+    from k3lab import profile
+    from k3lab.studies import load_study
+
+    study = load_study(args.study)
+    out = Path(args.out) / "traces" / args.study
+    out.mkdir(parents=True, exist_ok=True)
+    for variant, fn in study.profile_targets(preset=args.preset).items():
+        cap = profile.capture(fn, steps=args.steps, warmup=1, trace_dir=out, name=f"{args.study}-{variant}")
+        print(f"== {args.study} / {variant}: {cap.counts()}  trace: {cap.trace_path}")
+        print(cap.table.head(args.top).to_string(index=False))
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from k3lab.report import build_report
+
+    path = build_report(out=Path(args.out), preset=args.preset, run_studies=not args.skip_studies,
+                        run_notebooks=not args.skip_notebooks, timeout_s=args.timeout)
+    print(f"report: {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="k3lab", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="backend, device, versions, preset, optional backends")
+    b = sub.add_parser("bench", help="run a study's cases: checks, timings, floors, records")
+    b.add_argument("study")
+    b.add_argument("--preset", default=None, help="full, tiny or tpN (default: tp8 on a GPU, tiny on CPU)")
+    b.add_argument("--cases", nargs="*", default=None)
+    b.add_argument("--out", default="build")
+    b.add_argument("--save-profiles", action="store_true", help="save records under profiles/ (committed results)")
+    b.add_argument("--overwrite", action="store_true", help="replace committed records")
+    pr = sub.add_parser("profile", help="trace each variant of a study and print its kernel table")
+    pr.add_argument("study")
+    pr.add_argument("--preset", default=None)
+    pr.add_argument("--steps", type=int, default=3)
+    pr.add_argument("--top", type=int, default=15)
+    pr.add_argument("--out", default="build")
+    r = sub.add_parser("report", help="run what this machine can, execute the notebooks, write build/report.html")
+    r.add_argument("--out", default="build")
+    r.add_argument("--preset", default=None)
+    r.add_argument("--skip-studies", action="store_true")
+    r.add_argument("--skip-notebooks", action="store_true")
+    r.add_argument("--timeout", type=int, default=1200, help="seconds per notebook cell")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"info": _cmd_info, "bench": _cmd_bench, "profile": _cmd_profile, "report": _cmd_report}
+    return handler[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

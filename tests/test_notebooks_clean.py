@@ -1,0 +1,32 @@
+"""Notebooks are stored without outputs and follow the suite's shape (nbval executes them separately)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS, "notebooks/ holds no .ipynb"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_stored_without_outputs(path):
+    nb = json.loads(path.read_text())
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] == "code":
+            assert cell.get("outputs", []) == [], f"{path.name} cell {i} has stored outputs"
+            assert cell.get("execution_count") is None, f"{path.name} cell {i} has an execution count"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_starts_with_a_title_and_prints_the_setup(path):
+    nb = json.loads(path.read_text())
+    first = nb["cells"][0]
+    assert first["cell_type"] == "markdown" and "".join(first["source"]).lstrip().startswith("#")
+    code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    assert "describe()" in code, f"{path.name} never prints the machine line (k3lab.env.describe())"
+    tagged = [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert tagged, f"{path.name} has no cell tagged 'parameters'"

@@ -37,7 +37,7 @@ import torch
 from k3lab import env as _env
 
 __all__ = [
-    "Timing", "time_fn", "rotation_count", "rotation_sets",
+    "Timing", "time_fn", "capture_graph", "rotation_count", "rotation_sets",
     "CheckFailed", "Tolerance", "TOLERANCES", "tolerance_for", "check", "check_all",
     "launch_cost_us", "floor_breakdown", "floor_us",
     "Record", "VARIANTS", "PEERS", "validate_variant", "make_record", "device_slug", "git_commit",
@@ -155,6 +155,17 @@ def _time_eager_gpu(call, warmup: int, repeats: int, min_time_s: float | None, f
         samples += [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
         if len(samples) >= repeats and (min_time_s is None or sum(samples) * 1e-6 >= min_time_s):
             return samples
+
+
+def capture_graph(fn: Callable, *, copies: int = 1, rotate: list[tuple] | None = None,
+                  warmup: int = 3) -> "torch.cuda.CUDAGraph":
+    """Capture `copies` successive calls of fn (cycling through `rotate` argument sets, as time_fn
+    does) into a CUDA/HIP graph after `warmup` eager calls on a side stream; replay with .replay()."""
+    if not torch.cuda.is_available():
+        raise ValueError("capture_graph needs a CUDA/HIP device; torch sees none")
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    return _capture_graph(_caller(fn, rotate), copies, warmup)
 
 
 def _capture_graph(call, copies: int, warmup: int) -> "torch.cuda.CUDAGraph":

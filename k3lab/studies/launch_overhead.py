@@ -1,0 +1,234 @@
+"""Study: what one kernel launch costs, and why moving 1,792 bytes faster barely helps.
+
+The seed (section 3) found 69 needless copies per decode step, one per KDA layer, each moving only
+1,792 bytes yet taking about 4.8 us on an MI355X: launch overhead, not bandwidth. This study measures
+that on the machine at hand:
+
+- `tiny_op`: a one-element torch op (x.add_(1)), the cost of any small PyTorch kernel call;
+- `empty_kernel` (GPU): torch.cuda._sleep(0), a kernel with nothing to do;
+- `empty_triton` (GPU with Triton): a one-program Triton kernel storing one value;
+- `copy_<size>`: a device copy from 1,792 bytes up to 64 MiB (4 MiB on CPU), with its bandwidth floor
+  and the achieved bytes/s, which stays far below the bandwidth until the copy is megabytes long.
+
+Variants: 'before' = each op launched eagerly (device events around one call); 'after' = the same op
+replayed inside a CUDA/HIP graph of 100 calls (per-call = replay time / 100): graph replay is the fix
+for launch-bound chains of tiny kernels. On CPU there is no graph: only 'before', timed with
+perf_counter (launch cost is not modelled on CPU; the figure is PyTorch's host overhead). The model
+preset does not change this study (it is accepted so every study has the same signature).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from k3lab import bench
+from k3lab import env as _env
+
+NAME = "launch_overhead"
+
+SEED_COPY_BYTES = 1792  # one KDA layer's needless copy (seed, section 3)
+SEED_COPIES_PER_STEP = 69  # one per KDA layer
+GRAPH_COPIES = 100  # calls per captured graph (anchors.md: "100 of them replayed in one CUDA graph")
+_GPU_SIZES = [SEED_COPY_BYTES] + [4 ** k * 1024 for k in range(1, 9)]  # 1,792 B, 4 KiB .. 64 MiB
+_CPU_SIZES = [SEED_COPY_BYTES] + [4 ** k * 1024 for k in range(1, 6)]  # 1,792 B, 4 KiB .. 1 MiB
+
+
+def _size_label(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
+
+
+def _gpu() -> bool:
+    return _env.detect().backend != "cpu"
+
+
+def _copy_sizes() -> dict[str, int]:
+    return {f"copy_{_size_label(n)}": n for n in (_GPU_SIZES if _gpu() else _CPU_SIZES)}
+
+
+def _triton_ok() -> bool:
+    if not _gpu():
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def case_names(preset=None) -> list[str]:
+    """Cases on this machine: tiny_op, the empty kernels (GPU only), then copies by growing size."""
+    if preset is not None and not isinstance(preset, str):
+        raise ValueError(f"preset must be a preset name or None, got {type(preset).__name__}")
+    names = ["tiny_op"]
+    if _gpu():
+        names.append("empty_kernel")
+        if _triton_ok():
+            names.append("empty_triton")
+    return names + list(_copy_sizes())
+
+
+def _device() -> torch.device:
+    return _env.detect().device
+
+
+def _triton_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _store_one(ptr):
+        tl.store(ptr, 1.0)
+
+    return _store_one
+
+
+def _build(case: str) -> dict:
+    """The op for a case: fn (called as fn(*args) over the `rotate` sets, or fn()), and
+    prepare() -> (result tensors, expected tensors) that resets state so one call (or one call per
+    rotated set) must turn `result` into `expected`."""
+    dev = _device()
+    if case == "tiny_op":
+        x = torch.rand(1, device=dev) + 0.5
+        return {"fn": lambda: x.add_(1.0), "rotate": None, "prepare": lambda: ([x], [x.clone() + 1.0]),
+                "bytes": 8, "dtype": "float32", "shape": {"elements": 1}}
+    if case == "empty_kernel":
+        if not hasattr(torch.cuda, "_sleep"):
+            raise ValueError("empty_kernel needs torch.cuda._sleep, absent in this torch build")
+        return {"fn": lambda: torch.cuda._sleep(0), "rotate": None, "prepare": None, "bytes": 0,
+                "dtype": "none", "shape": {"threads": 1}}
+    if case == "empty_triton":
+        kernel = _triton_kernel()
+        y = torch.zeros(1, device=dev)
+        return {"fn": lambda: kernel[(1,)](y), "rotate": None,
+                "prepare": lambda: ([y.zero_()], [torch.ones_like(y)]), "bytes": 4, "dtype": "float32",
+                "shape": {"programs": 1}}
+    sizes = _copy_sizes()
+    if case not in sizes:
+        raise ValueError(f"unknown case {case!r}; cases here: {case_names()}")
+    n = sizes[case]
+
+    def make():
+        return (torch.randint(1, 256, (n,), dtype=torch.uint8, device=dev),
+                torch.randint(1, 256, (n,), dtype=torch.uint8, device=dev))
+
+    # Small copies would be timed cache-hot: cycle enough pairs to exceed twice the cache.
+    sets = bench.rotation_sets(make, 2 * n, max_sets=64 if _gpu() else 8)
+
+    def copy(src, dst):
+        dst.copy_(src)
+
+    def prepare():
+        for _, d in sets:
+            d.random_(1, 256)  # random bytes: only a copy that really ran can make dst equal src
+        return [d for _, d in sets], [s for s, _ in sets]
+
+    return {"fn": copy, "rotate": sets, "prepare": prepare, "bytes": 2 * n, "dtype": "uint8",
+            "shape": {"bytes": n}}
+
+
+def _compare(case: str, results: list, expected: list) -> dict:
+    worst: dict = {}
+    for i, (got, ref) in enumerate(zip(results, expected)):
+        figs = bench.check(got.to(torch.float64), ref.to(torch.float64), dtype="fp64", name=f"{case}[{i}]")
+        if not worst or figs["max_rel"] > worst["max_rel"]:
+            worst = figs
+    return worst
+
+
+def _verify(case: str, op: dict, graph: bool) -> dict:
+    """Run the variant once (eagerly, or by replaying a captured graph) and check its result."""
+    if op["prepare"] is None:
+        return {"checked": "nothing to compare: an empty kernel has no result"}
+    calls = len(op["rotate"]) if op["rotate"] else 1
+    g = bench.capture_graph(op["fn"], copies=calls, rotate=op["rotate"]) if graph else None
+    results, expected = op["prepare"]()  # after capture: the capture's warm-up calls changed state
+    if g is not None:
+        g.replay()
+        torch.cuda.synchronize()
+    else:
+        for i in range(calls):
+            op["fn"](*op["rotate"][i]) if op["rotate"] else op["fn"]()
+    figs = _compare(case, results, expected)
+    figs["checked"] = f"{'graph replay' if graph else 'eager'} result vs expected"
+    return figs
+
+
+def _timing_args() -> dict:
+    return {"warmup": 20, "repeats": 200} if _gpu() else {"warmup": 5, "repeats": 40}
+
+
+def run(preset=None, cases=None) -> list[bench.Record]:
+    """Check, then time, every case: 'before' (eager) everywhere, 'after' (graph replay) on a GPU."""
+    valid = case_names(preset)
+    chosen = valid if cases is None else list(cases)
+    unknown = [c for c in chosen if c not in valid]
+    if unknown:
+        raise ValueError(f"cases must be among {valid}, got unknown {unknown}")
+    gpu = _gpu()
+    launch_eager = bench.launch_cost_us("eager") if gpu else None
+    launch_graph = bench.launch_cost_us("graph") if gpu else None
+    records: list[bench.Record] = []
+    for case in chosen:
+        op = _build(case)
+        variants = [("before", False)] + ([("after", True)] if gpu else [])
+        for variant, graph in variants:
+            err = _verify(case, op, graph)
+            t = bench.time_fn(op["fn"], rotate=op["rotate"], graph=graph,
+                              graph_copies=GRAPH_COPIES if graph else None, **_timing_args())
+            floor = bench.floor_us(bytes=op["bytes"]) if op["bytes"] >= 1024 else None
+            extra = {"bytes_moved": op["bytes"],
+                     "achieved_gbs": op["bytes"] / t.median_us / 1e3 if op["bytes"] else None,
+                     "launch_eager_us": launch_eager, "launch_graph_us": launch_graph,
+                     "launch_note": "" if gpu else "launch cost is not modelled on CPU (host overhead only)"}
+            if case == f"copy_{_size_label(SEED_COPY_BYTES)}":
+                extra["per_decode_step_us"] = SEED_COPIES_PER_STEP * t.median_us
+            records.append(bench.make_record(NAME, case, variant, t, shape=op["shape"], dtype=op["dtype"],
+                                             floor_us=floor, error=err, **extra))
+    return records
+
+
+def summary(records: list[bench.Record]):
+    """One row per case: eager and graph time, floor, achieved GB/s of each, and the share of the
+    eager time that a perfect (floor-speed) copy would save."""
+    import pandas as pd
+
+    rows: dict[str, dict] = {}
+    for r in records:
+        if r.study != NAME:
+            continue
+        row = rows.setdefault(r.case, {"case": r.case, "bytes": r.shape.get("bytes"), "eager_us": None,
+                                       "graph_us": None, "floor_us": r.floor_us, "eager_gbs": None,
+                                       "graph_gbs": None})
+        key = "eager" if r.variant == "before" else "graph"
+        row[f"{key}_us"] = r.median_us
+        row[f"{key}_gbs"] = r.extra.get("achieved_gbs")
+        row["timer_overhead_us" if key == "eager" else "graph_timer_overhead_us"] = r.extra.get("overhead_us")
+    df = pd.DataFrame(list(rows.values()))
+    if not df.empty and "floor_us" in df:
+        df["floor_share_of_eager"] = df["floor_us"] / df["eager_us"]
+    return df
+
+
+def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
+    """'before': the tiny op and the seed's 1,792-byte copy launched eagerly; 'after' (GPU only): one
+    replay of a graph holding the same two ops."""
+    case_names(preset)  # validates preset
+    dev = _device()
+    x = torch.rand(1, device=dev) + 0.5
+    src = torch.randint(1, 256, (SEED_COPY_BYTES,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+
+    def step():
+        x.add_(1.0)
+        dst.copy_(src)
+
+    targets = {"before": step}
+    if _gpu():
+        g = bench.capture_graph(step, copies=1)
+        targets["after"] = g.replay
+    return targets

@@ -1,0 +1,304 @@
+"""Plotly figures for notebooks and the report: plain go.Figure objects, no renderer set, no I/O.
+
+A figure returned here shows in JupyterLab (plotly's mimetype renderer) and in exported HTML
+(fig.to_html) the same way. k3lab.bench and k3lab.profile never import this module, so plotly is
+only needed where figures are drawn.
+
+- before_after(records or compare() frame): grouped bars per case, peers and floor as lines.
+- size_sweep(records): time (or bytes/s) against a size, per variant, with the floor (log-log).
+- kernel_bars({variant: kernel table}): per-kernel stacked bars per variant.
+- timeline({variant: kernels}): a Gantt-like kernel timeline per variant.
+- roofline(points): arithmetic intensity against achieved TFLOP/s under bandwidth and compute ceilings.
+- records_table(records): the records as a table figure.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from k3lab import bench
+from k3lab import env as _env
+
+__all__ = ["before_after", "size_sweep", "kernel_bars", "timeline", "roofline", "records_table"]
+
+_VARIANT_COLORS = {"before": "#d62728", "after": "#2ca02c", "reference": "#7f7f7f"}
+_PEER_COLORS = ["#1f77b4", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
+_CATEGORY_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                    "#bcbd22", "#17becf"]
+
+
+def _records_list(obj) -> list[bench.Record] | None:
+    if isinstance(obj, pd.DataFrame):
+        return None
+    items = list(obj)
+    if not all(isinstance(r, bench.Record) for r in items):
+        raise ValueError("expected a list of bench.Record or a bench.compare() DataFrame")
+    return items
+
+
+def _case_label(row, multi_mode: bool, multi_device: bool) -> str:
+    label = str(row["case"])
+    if multi_mode:
+        label += f" [{row['mode']}]"
+    if multi_device:
+        label += f" ({row['device']})"
+    return label
+
+
+def before_after(df_or_records, *, log: bool = False, title: str | None = None, unit: str = "us",
+                 cases: list[str] | None = None) -> go.Figure:
+    """Grouped bars of before / after / reference per case (20th-80th percentile whiskers when
+    records are given), each peer as a line with markers, and the floor as a dashed line.
+
+    df_or_records: list of bench.Record (any studies) or a bench.compare() DataFrame. log: log-scale
+    time axis (for cases spanning orders of magnitude). cases: keep only these cases, in this order."""
+    if unit not in ("us", "ms"):
+        raise ValueError(f"unit must be 'us' or 'ms', got {unit!r}")
+    records = _records_list(df_or_records)
+    table = bench.compare(records) if records is not None else df_or_records.copy()
+    needed = {"case", "mode", "device", "before_us", "after_us", "floor_us"}
+    if not needed <= set(table.columns):
+        raise ValueError(f"the DataFrame needs columns {sorted(needed)} (from bench.compare); "
+                         f"got {list(table.columns)}")
+    if cases is not None:
+        table = table[table["case"].isin(cases)]
+        table = table.set_index("case").loc[[c for c in cases if c in set(table.index)]].reset_index()
+    scale = 1.0 if unit == "us" else 1e-3
+    multi_mode = table["mode"].nunique() > 1
+    multi_device = table["device"].nunique() > 1
+    x = [_case_label(row, multi_mode, multi_device) for _, row in table.iterrows()]
+
+    spread = {}
+    if records is not None:
+        for r in records:
+            spread[(r.device, r.study, r.case, r.mode, r.variant)] = (r.p20_us, r.p80_us)
+
+    fig = go.Figure()
+    for variant in ("before", "after", "reference"):
+        col = f"{variant}_us"
+        if col not in table or table[col].isna().all():
+            continue
+        y = table[col] * scale
+        err = None
+        if spread:
+            lo, hi = [], []
+            for _, row in table.iterrows():
+                p = spread.get((row["device"], row["study"], row["case"], row["mode"], variant))
+                med = row[col]
+                lo.append((med - p[0]) * scale if p and not math.isnan(med) else 0.0)
+                hi.append((p[1] - med) * scale if p and not math.isnan(med) else 0.0)
+            err = dict(type="data", symmetric=False, array=hi, arrayminus=lo, thickness=1)
+        fig.add_trace(go.Bar(name=variant, x=x, y=y, error_y=err, marker_color=_VARIANT_COLORS[variant],
+                             hovertemplate=f"%{{x}}<br>{variant}: %{{y:.3g}} {unit}<extra></extra>"))
+    peer_cols = [c for c in table.columns if c.endswith("_us") and c not in
+                 {"before_us", "after_us", "reference_us", "floor_us", "peer_us"}]
+    for i, col in enumerate(peer_cols):
+        if table[col].isna().all():
+            continue
+        peer = col[:-3]
+        fig.add_trace(go.Scatter(name=f"peer: {peer}", x=x, y=table[col] * scale, mode="lines+markers",
+                                 line=dict(color=_PEER_COLORS[i % len(_PEER_COLORS)], width=2),
+                                 hovertemplate=f"%{{x}}<br>{peer}: %{{y:.3g}} {unit}<extra></extra>"))
+    if not table["floor_us"].isna().all():
+        fig.add_trace(go.Scatter(name="floor", x=x, y=table["floor_us"] * scale, mode="lines+markers",
+                                 line=dict(color="black", dash="dash", width=1.5), marker=dict(symbol="line-ew-open",
+                                                                                                size=14),
+                                 hovertemplate=f"%{{x}}<br>floor: %{{y:.3g}} {unit}<extra></extra>"))
+    fig.update_layout(barmode="group", title=title, xaxis_title="case", yaxis_title=f"time per call ({unit})",
+                      legend_title_text="variant", template="plotly_white")
+    if log:
+        fig.update_yaxes(type="log")
+    return fig
+
+
+def size_sweep(records: Iterable[bench.Record], *, size_key: str = "bytes", throughput: bool = False,
+               title: str | None = None) -> go.Figure:
+    """Time per call (or achieved GB/s with throughput=True, from extra['bytes_moved'] or the size)
+    against shape[size_key], one line per (variant, mode), with the floor; log-log axes. Records
+    without shape[size_key] are left out."""
+    rows = []
+    for r in records:
+        if size_key not in r.shape:
+            continue
+        moved = r.extra.get("bytes_moved", r.shape[size_key])
+        rows.append({"size": r.shape[size_key], "series": f"{r.variant} ({r.mode})", "variant": r.variant,
+                     "us": r.median_us, "p20": r.p20_us, "p80": r.p80_us, "floor": r.floor_us,
+                     "gbs": moved / r.median_us / 1e3 if r.median_us > 0 else math.nan})
+    if not rows:
+        raise ValueError(f"no record has shape[{size_key!r}]; nothing to plot")
+    df = pd.DataFrame(rows).sort_values("size")
+    fig = go.Figure()
+    for i, (series, sub) in enumerate(df.groupby("series", sort=True)):
+        color = _VARIANT_COLORS.get(sub["variant"].iloc[0], _PEER_COLORS[i % len(_PEER_COLORS)])
+        if throughput:
+            fig.add_trace(go.Scatter(name=series, x=sub["size"], y=sub["gbs"], mode="lines+markers",
+                                     line=dict(color=color)))
+        else:
+            fig.add_trace(go.Scatter(name=series, x=sub["size"], y=sub["us"], mode="lines+markers",
+                                     line=dict(color=color),
+                                     error_y=dict(type="data", symmetric=False, array=sub["p80"] - sub["us"],
+                                                  arrayminus=sub["us"] - sub["p20"], thickness=1)))
+    floors = df.dropna(subset=["floor"]).groupby("size", as_index=False)["floor"].max()
+    if not floors.empty:
+        if throughput:
+            bw = _env.detect().peak.bandwidth_tbs * 1e3  # GB/s; flat ceiling
+            fig.add_trace(go.Scatter(name=f"bandwidth ({bw:.0f} GB/s)", x=[df["size"].min(), df["size"].max()],
+                                     y=[bw, bw], mode="lines", line=dict(color="black", dash="dash")))
+        else:
+            fig.add_trace(go.Scatter(name="floor", x=floors["size"], y=floors["floor"], mode="lines",
+                                     line=dict(color="black", dash="dash")))
+    fig.update_xaxes(type="log", title=f"{size_key}")
+    fig.update_yaxes(type="log", title="achieved GB/s" if throughput else "time per call (us)")
+    fig.update_layout(title=title, template="plotly_white")
+    return fig
+
+
+def _check_frames(frames: dict, needed: set, what: str) -> None:
+    if not isinstance(frames, dict) or not frames:
+        raise ValueError(f"{what} must be a non-empty dict variant -> DataFrame")
+    for variant, df in frames.items():
+        if not isinstance(df, pd.DataFrame):
+            raise ValueError(f"{what}[{variant!r}] must be a DataFrame, got {type(df).__name__}")
+        missing = needed - set(df.columns)
+        if missing:
+            raise ValueError(f"{what}[{variant!r}] lacks columns {sorted(missing)}")
+
+
+def kernel_bars(tables: dict[str, pd.DataFrame], *, by: str = "name", top: int = 12,
+                title: str | None = None) -> go.Figure:
+    """One stacked bar per variant, one segment per kernel (by='name') or per category
+    (by='category'), height = total_us. The `top` largest kernels across variants keep their own
+    segment; the rest are summed as 'other'. tables: variant -> profile kernel table (name, category,
+    calls, total_us)."""
+    if by not in ("name", "category"):
+        raise ValueError(f"by must be 'name' or 'category', got {by!r}")
+    _check_frames(tables, {"name", "category", "total_us"}, "tables")
+    frames = []
+    for variant, df in tables.items():
+        agg_cols = {"total_us": "sum"} | ({"calls": "sum"} if "calls" in df else {})
+        g = df.groupby(by, as_index=False).agg(agg_cols)
+        g["variant"] = variant
+        frames.append(g)
+    allk = pd.concat(frames, ignore_index=True)
+    if "calls" not in allk:
+        allk["calls"] = math.nan
+    ranking = allk.groupby(by)["total_us"].sum().sort_values(ascending=False)
+    keep = list(ranking.index[:top])
+    allk["segment"] = allk[by].where(allk[by].isin(keep), "other")
+    seg = allk.groupby(["segment", "variant"], as_index=False).agg({"total_us": "sum", "calls": "sum"})
+    order = keep + (["other"] if (seg["segment"] == "other").any() else [])
+    variants = list(tables)
+    fig = go.Figure()
+    for i, name in enumerate(order):
+        sub = seg[seg["segment"] == name].set_index("variant").reindex(variants)
+        fig.add_trace(go.Bar(name=str(name), x=variants, y=sub["total_us"].fillna(0.0),
+                             customdata=sub["calls"].fillna(0).to_numpy(),
+                             marker_color=_CATEGORY_COLORS[i % len(_CATEGORY_COLORS)] if name != "other" else "#cccccc",
+                             hovertemplate=f"{name}<br>%{{x}}: %{{y:.3g}} us in %{{customdata}} calls<extra></extra>"))
+    totals = seg.groupby("variant")["total_us"].sum().reindex(variants)
+    fig.add_trace(go.Scatter(name="total", x=variants, y=totals, mode="text", text=[f"{v:.3g} us" for v in totals],
+                             textposition="top center", showlegend=False))
+    fig.update_layout(barmode="stack", title=title, yaxis_title="GPU time per step (us)", xaxis_title="variant",
+                      legend_title_text="kernel" if by == "name" else "category", template="plotly_white")
+    return fig
+
+
+def timeline(kernels: dict[str, pd.DataFrame], *, title: str | None = None, max_kernels: int = 2000) -> go.Figure:
+    """A Gantt-like timeline: one row per variant, one bar per kernel from start_us for dur_us
+    (times relative to the variant's first kernel), coloured by category. kernels: variant -> profile
+    kernel DataFrame (name, category, start_us, dur_us). At most `max_kernels` kernels per variant
+    are drawn (the first ones); the title says when some were left out."""
+    _check_frames(kernels, {"name", "category", "start_us", "dur_us"}, "kernels")
+    parts = []
+    cut = {}
+    for variant, df in kernels.items():
+        d = df.sort_values("start_us")
+        if len(d) > max_kernels:
+            cut[variant] = len(d) - max_kernels
+            d = d.iloc[:max_kernels]
+        d = d.assign(variant=variant, t0=d["start_us"] - (d["start_us"].min() if len(d) else 0.0))
+        parts.append(d)
+    allk = pd.concat(parts, ignore_index=True)
+    cats = sorted(allk["category"].astype(str).unique())
+    fig = go.Figure()
+    for i, cat in enumerate(cats):
+        sub = allk[allk["category"].astype(str) == cat]
+        fig.add_trace(go.Bar(name=cat, orientation="h", y=sub["variant"], x=sub["dur_us"], base=sub["t0"],
+                             customdata=sub[["name"]].to_numpy(), marker_color=_CATEGORY_COLORS[i % len(_CATEGORY_COLORS)],
+                             hovertemplate="%{customdata[0]}<br>start %{base:.2f} us, %{x:.2f} us<extra>" + cat +
+                             "</extra>"))
+    note = "" if not cut else " (left out: " + ", ".join(f"{v}: {n}" for v, n in cut.items()) + " kernels)"
+    fig.update_layout(barmode="overlay", title=(title or "kernel timeline") + note, xaxis_title="time (us)",
+                      yaxis=dict(title="variant", categoryorder="array", categoryarray=list(kernels)[::-1]),
+                      legend_title_text="category", template="plotly_white")
+    return fig
+
+
+def _roofline_points(points) -> pd.DataFrame:
+    if isinstance(points, pd.DataFrame):
+        df = points.copy()
+    else:
+        items = list(points)
+        if items and all(isinstance(p, bench.Record) for p in items):
+            df = pd.DataFrame([{"name": f"{r.case} {r.variant}", "flops": r.extra.get("flops", 0),
+                                "bytes": r.extra.get("bytes_moved", r.extra.get("bytes", 0)),
+                                "time_us": r.median_us} for r in items])
+        else:
+            df = pd.DataFrame(items)
+    needed = {"name", "flops", "bytes", "time_us"}
+    if not needed <= set(df.columns):
+        raise ValueError(f"roofline points need {sorted(needed)} (one per kernel or op); got {list(df.columns)}")
+    return df
+
+
+def roofline(points, *, peak=None, title: str | None = None) -> go.Figure:
+    """Arithmetic intensity (flop/byte) against achieved TFLOP/s, log-log, under the bandwidth slope
+    and the bf16 compute ceiling of `peak` (default: k3lab.env.detect().peak). points: a DataFrame or
+    list of dicts with name, flops, bytes, time_us, or bench.Records carrying extra['flops'] and
+    extra['bytes_moved']. Points without flops or bytes cannot sit on a roofline; the title counts them."""
+    df = _roofline_points(points)
+    pk = peak if peak is not None else _env.detect().peak
+    ok = (df["flops"] > 0) & (df["bytes"] > 0) & (df["time_us"] > 0)
+    shown = df[ok].assign(intensity=lambda d: d["flops"] / d["bytes"],
+                          tflops=lambda d: d["flops"] / d["time_us"] / 1e6)
+    ridge = pk.bf16_tflops / pk.bandwidth_tbs  # flop/byte where the two ceilings meet
+    lo = min([ridge / 100] + list(shown["intensity"] / 2))
+    hi = max([ridge * 100] + list(shown["intensity"] * 2))
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(name=f"bandwidth {pk.bandwidth_tbs:g} TB/s", x=[lo, ridge],
+                             y=[lo * pk.bandwidth_tbs, pk.bf16_tflops], mode="lines",
+                             line=dict(color="black", dash="dash")))
+    fig.add_trace(go.Scatter(name=f"bf16 {pk.bf16_tflops:g} TFLOP/s", x=[ridge, hi],
+                             y=[pk.bf16_tflops, pk.bf16_tflops], mode="lines", line=dict(color="black")))
+    fig.add_trace(go.Scatter(name="measured", x=shown["intensity"], y=shown["tflops"], mode="markers+text",
+                             text=shown["name"], textposition="top center", marker=dict(size=10),
+                             hovertemplate="%{text}<br>%{x:.3g} flop/B, %{y:.3g} TFLOP/s<extra></extra>"))
+    left_out = int((~ok).sum())
+    note = f" ({left_out} points without flops/bytes not shown)" if left_out else ""
+    fig.update_xaxes(type="log", title="arithmetic intensity (flop / byte)")
+    fig.update_yaxes(type="log", title="achieved TFLOP/s")
+    fig.update_layout(title=(title or f"roofline: {pk.name}") + note, template="plotly_white")
+    return fig
+
+
+def records_table(records: Iterable[bench.Record], *, title: str | None = None) -> go.Figure:
+    """The records as a table: study, case, variant, mode, device, median/p20/p80, floor, max_rel,
+    commit, date."""
+    df = bench.records_frame(list(records))
+    if df.empty:
+        raise ValueError("records is empty: nothing to tabulate")
+    cols = ["study", "case", "variant", "mode", "device", "median_us", "p20_us", "p80_us", "floor_us", "max_rel",
+            "commit", "date"]
+    df = df[cols].copy()
+    for c in ("median_us", "p20_us", "p80_us", "floor_us", "max_rel"):
+        df[c] = [("" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}") for v in df[c]]
+    df["commit"] = df["commit"].str.slice(0, 12) + df["commit"].str.endswith("-dirty").map({True: "-dirty",
+                                                                                          False: ""})
+    fig = go.Figure(go.Table(header=dict(values=cols, align="left"),
+                             cells=dict(values=[df[c].tolist() for c in cols], align="left")))
+    fig.update_layout(title=title, template="plotly_white")
+    return fig

@@ -1,0 +1,34 @@
+"""Profile a region and read any profiler's trace into one kernel table.
+
+    cap = k3lab.profile.capture(step, steps=3)      # torch.profiler: CUPTI / roctracer / CPU ops
+    cap.table                                       # per kernel name: calls, total_us, mean_us, share
+    cap.counts()                                    # per step: launches, copies, bytes_copied
+    cap.trace_path                                  # Chrome/Perfetto JSON (ui.perfetto.dev)
+
+    df = k3lab.profile.read_trace("run_results.db")  # rocprofv3 CSV/JSON/rocpd, rocprof v1, torch
+    k3lab.profile.kernel_table(df)
+
+rocprofv3 (ROCm) runs a workload in a child process: `capture_rocprofv3("study.py")`.
+ncu (NVIDIA) reads hardware counters of one kernel: `ncu_command(...)` + `parse_ncu_csv(...)`.
+The implementation lives in k3lab/profiling/, one module per format.
+"""
+
+from k3lab.profiling.capture import BACKENDS, Capture, capture, default_trace_dir, device_time_us, \
+    sort_key, write_chrome_trace
+from k3lab.profiling.categories import CATEGORIES, categorize
+from k3lab.profiling.frame import COLUMNS, KINDS, TABLE_COLUMNS, NoKernelsRecorded, category_table, \
+    counts, kernel_table
+from k3lab.profiling.ncu import DEFAULT_NCU_METRICS, ncu_command, ncu_metrics, parse_ncu_csv
+from k3lab.profiling.read import FORMATS, detect_format, read_rocprofv3_dir, read_stats, read_trace
+from k3lab.profiling.rocprofv3_run import NOT_RUN_ON_AMD, capture_rocprofv3, rocprofv3_available, \
+    rocprofv3_command
+from k3lab.profiling.torch_trace import kernels_from_trace
+
+__all__ = [
+    "BACKENDS", "CATEGORIES", "COLUMNS", "DEFAULT_NCU_METRICS", "FORMATS", "KINDS", "NOT_RUN_ON_AMD",
+    "TABLE_COLUMNS", "Capture", "NoKernelsRecorded", "capture", "capture_rocprofv3", "categorize",
+    "category_table", "counts", "default_trace_dir", "detect_format", "device_time_us",
+    "kernel_table", "kernels_from_trace", "ncu_command", "ncu_metrics", "parse_ncu_csv",
+    "read_rocprofv3_dir", "read_stats", "read_trace", "rocprofv3_available", "rocprofv3_command",
+    "sort_key", "write_chrome_trace",
+]

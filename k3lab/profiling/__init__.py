@@ -1,0 +1,15 @@
+"""The pieces behind `k3lab.profile`, one module per job:
+
+categories     kernel/op name -> category
+frame          the kernel frame (one row per execution), kernel_table, counts
+torch_trace    torch.profiler (Kineto) Chrome traces: CUDA, ROCm, CPU
+rocprofv3      rocprofv3 CSV / JSON / stats files
+rocpd          rocpd SQLite databases
+legacy         legacy rocprof v1 files
+ncu            Nsight Compute command and CSV parser
+read           format detection and read_trace
+capture        torch.profiler capture, Capture, trace writing
+rocprofv3_run  rocprofv3 on a child process
+
+Import the public API from `k3lab.profile`.
+"""

@@ -65,8 +65,9 @@ def before_after(df_or_records, *, log: bool = False, title: str | None = None, 
         raise ValueError(f"the DataFrame needs columns {sorted(needed)} (from bench.compare); "
                          f"got {list(table.columns)}")
     if cases is not None:
-        table = table[table["case"].isin(cases)]
-        table = table.set_index("case").loc[[c for c in cases if c in set(table.index)]].reset_index()
+        order = {c: i for i, c in enumerate(cases)}
+        table = table[table["case"].isin(order)]
+        table = table.iloc[sorted(range(len(table)), key=lambda i: order[table["case"].iloc[i]])]
     scale = 1.0 if unit == "us" else 1e-3
     multi_mode = table["mode"].nunique() > 1
     multi_device = table["device"].nunique() > 1

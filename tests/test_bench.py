@@ -1,0 +1,324 @@
+"""k3lab.bench on CPU: timer statistics, checks that must fail, per-dtype bounds, floors, records."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import time
+
+import pandas as pd
+import pytest
+import torch
+
+from k3lab import bench
+from k3lab.env import Peak
+
+# ----------------------------------------------------------------------------------------------- timer
+
+
+def test_sleep_is_timed_near_its_length():
+    t = bench.time_fn(lambda: time.sleep(0.002), warmup=1, repeats=15)
+    assert t.mode == "cpu" and t.repeats == 15 and len(t.samples_us) == 15
+    # sleep never returns early; a loaded 2-core CI box may oversleep, so the upper bound is generous.
+    assert 2000 <= t.median_us < 12000
+    assert t.p20_us <= t.median_us <= t.p80_us
+    assert 0 <= t.overhead_us < 100 and t.overhead_us < t.median_us / 10
+
+
+def test_percentiles_follow_a_known_mix_of_durations():
+    # 1 ms and 4 ms calls alternate (rotate): p20 sits on the short ones, p80 on the long ones.
+    t = bench.time_fn(lambda s: time.sleep(s), warmup=0, repeats=20, rotate=[(0.001,), (0.004,)])
+    assert t.rotate_sets == 2
+    assert 1000 <= t.p20_us < 3000
+    assert 4000 <= t.p80_us < 12000
+    assert t.p20_us < t.median_us < t.p80_us
+
+
+def test_busy_loop_scales_with_work():
+    def work(n):
+        s = 0
+        for i in range(n):
+            s += i
+        return s
+
+    # p20, not the median: on a shared 2-core CI box the longer loop is preempted more often, and the
+    # lower percentile is the one that tracks the work rather than the neighbours.
+    short = bench.time_fn(lambda: work(20_000), warmup=2, repeats=25).p20_us
+    long = bench.time_fn(lambda: work(80_000), warmup=2, repeats=25).p20_us
+    assert 2.0 < long / short < 8.0
+
+
+def test_percentile_helper_on_known_list():
+    vals = [float(v) for v in range(1, 11)]
+    assert bench._stats(vals) == pytest.approx((5.5, 2.8, 8.2))
+
+
+def test_min_time_extends_repeats():
+    t = bench.time_fn(lambda: time.sleep(0.001), warmup=0, repeats=3, min_time_s=0.03)
+    assert t.repeats >= 10 and sum(t.samples_us) >= 30000
+
+
+def test_rotate_cycles_every_set_in_order():
+    seen = []
+    bench.time_fn(lambda a, b: seen.append((a, b)), warmup=0, repeats=6, rotate=[(1, 2), (3, 4), (5, 6)])
+    assert seen == [(1, 2), (3, 4), (5, 6)] * 2
+
+
+@pytest.mark.parametrize("kwargs, word", [({"graph": True}, "graph"), ({"flush_l2": True}, "flush_l2"),
+                                          ({"repeats": 0}, "repeats"), ({"rotate": []}, "rotate"),
+                                          ({"warmup": -1}, "warmup")])
+def test_time_fn_rejects_bad_arguments(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        bench.time_fn(lambda *a: None, **kwargs)
+
+
+def test_rotation_count_exceeds_twice_the_cache():
+    assert bench.rotation_count(1 << 20, cache_bytes=8 << 20) == 16
+    assert bench.rotation_count(64 << 20, cache_bytes=8 << 20) == 1
+    assert bench.rotation_count(10, cache_bytes=8 << 20, max_sets=5) == 5
+    sets = bench.rotation_sets(lambda: torch.randn(4), 16, cache_bytes=64)
+    assert len(sets) == 8 and not torch.equal(sets[0][0], sets[1][0])
+
+
+# ----------------------------------------------------------------------------------------------- checks
+
+
+def test_exact_result_passes_with_zero_error():
+    x = torch.randn(64, 32)
+    figs = bench.check(x.clone(), x, dtype=torch.float32, name="same")
+    assert figs["max_abs"] == 0 and figs["max_rel"] == 0 and figs["rel_l2"] == 0 and figs["dtype"] == "fp32"
+
+
+def test_wrong_kernel_is_caught_even_at_bf16_bounds():
+    x = torch.randn(4, 256, dtype=torch.float64)
+    ref = torch.cumsum(x, dim=-1)
+    exclusive = ref - x  # an off-by-one scan: exclusive instead of inclusive
+    with pytest.raises(bench.CheckFailed, match="scan"):
+        bench.check(exclusive.to(torch.bfloat16), ref, dtype=torch.bfloat16, name="scan")
+    a, b = torch.randn(32, 32), torch.randn(32, 32)
+    with pytest.raises(bench.CheckFailed):  # a transposed operand
+        bench.check(a @ b.T, a @ b, dtype="bf16", name="matmul")
+
+
+def test_small_systematic_error_fails_fp32():
+    ref = torch.randn(1000, dtype=torch.float64)
+    with pytest.raises(bench.CheckFailed, match="rel_l2"):
+        bench.check((ref * 1.001).float(), ref, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nan_and_inf_never_pass(bad):
+    ref = torch.randn(100)
+    got = ref.clone()
+    got[17] = bad
+    with pytest.raises(bench.CheckFailed, match="non-finite"):
+        bench.check(got, ref, dtype="fp8", max_rel=float("inf"), rel_l2=float("inf"))
+    with pytest.raises(bench.CheckFailed, match="ref has"):
+        bench.check(ref, got, dtype="fp8", max_rel=float("inf"), rel_l2=float("inf"))
+
+
+def _round_tf32(x: torch.Tensor) -> torch.Tensor:
+    # keep 10 mantissa bits (round to nearest) as TF32 inputs do
+    bits = x.float().view(torch.int32)
+    bits = (bits + 0x1000) & ~0x1FFF
+    return bits.view(torch.float32)
+
+
+_ROUNDERS = {
+    "fp32": lambda x: x.float(),
+    "tf32": _round_tf32,
+    "fp16": lambda x: x.half(),
+    "bf16": lambda x: x.bfloat16(),
+}
+if hasattr(torch, "float8_e4m3fn"):
+    _ROUNDERS["fp8"] = lambda x: x.to(torch.float8_e4m3fn)
+_ORDER = ["fp64", "fp32", "tf32", "fp16", "bf16", "fp8"]
+
+
+@pytest.mark.parametrize("key", list(_ROUNDERS))
+def test_rounding_to_a_dtype_passes_its_bound_and_fails_the_tighter_one(key):
+    ref = torch.randn(4096, dtype=torch.float64)
+    got = _ROUNDERS[key](ref)
+    bench.check(got, ref, dtype=key, name=key)
+    tighter = {"fp32": "fp64", "tf32": "fp32", "fp16": "fp32", "bf16": "fp16", "fp8": "bf16"}[key]
+    with pytest.raises(bench.CheckFailed):
+        bench.check(got, ref, dtype=tighter, name=key)
+
+
+def test_bounds_grow_as_precision_shrinks():
+    tols = [bench.TOLERANCES[k] for k in _ORDER]
+    for tight, loose in zip(tols, tols[1:]):
+        assert tight.max_rel <= loose.max_rel and tight.rel_l2 <= loose.rel_l2
+    assert bench.tolerance_for(torch.bfloat16)[0] == "bf16"
+    assert bench.tolerance_for("float16")[0] == "fp16"
+    with pytest.raises(ValueError, match="dtype"):
+        bench.tolerance_for(torch.int32)
+
+
+def test_max_rel_floor_ignores_tiny_reference_elements():
+    ref = torch.randn(1000, dtype=torch.float64)
+    ref[3] = 1e-12
+    got = ref.clone()
+    got[3] += 1e-6  # enormous relative to 1e-12, negligible relative to the tensor's scale
+    figs = bench.check(got, ref, dtype=torch.float32)
+    assert figs["max_rel"] < 2e-6
+
+
+def test_check_rejects_shape_mismatch_and_non_tensors():
+    with pytest.raises(ValueError, match="shape"):
+        bench.check(torch.zeros(3), torch.zeros(4), dtype="fp32")
+    with pytest.raises(ValueError, match="tensors"):
+        bench.check([1.0], torch.zeros(1), dtype="fp32")
+
+
+def test_check_all_reports_every_failure():
+    ref = torch.randn(50, dtype=torch.float64)
+    state = torch.randn(8, 8, dtype=torch.float64)
+    ok = bench.check_all({"o": (ref.float(), ref), "state": (state.float(), state)}, torch.float32)
+    assert set(ok) == {"o", "state"}
+    with pytest.raises(bench.CheckFailed) as info:
+        bench.check_all({"o": (ref + 1, ref), "state": (state * 2, state), "fine": (ref.float(), ref)},
+                        {"o": "bf16", "state": "fp32", "fine": "fp32"})
+    msg = str(info.value)
+    assert "o (bf16)" in msg and "state (fp32)" in msg and "fine" not in msg
+
+
+# ----------------------------------------------------------------------------------------------- floors
+
+_PEAK = Peak("test", bandwidth_tbs=2.0, bandwidth_source="test", bf16_tflops=1000.0, bf16_source="test")
+
+
+def test_floor_is_the_largest_bound():
+    assert bench.floor_us(bytes=4e6, peak=_PEAK) == pytest.approx(2.0)  # 4 MB / 2 TB/s
+    assert bench.floor_us(flops=1e9, peak=_PEAK) == pytest.approx(1.0)  # 1 GFLOP / 1000 TFLOP/s
+    assert bench.floor_us(bytes=4e6, flops=1e9, peak=_PEAK) == pytest.approx(2.0)
+    parts = bench.floor_breakdown(bytes=4e6, flops=1e10, peak=_PEAK)
+    assert parts["memory_us"] == pytest.approx(2.0) and parts["compute_us"] == pytest.approx(10.0)
+    assert parts["floor_us"] == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="bytes"):
+        bench.floor_us(bytes=-1)
+
+
+def test_launch_cost_not_modelled_on_cpu():
+    assert bench.launch_cost_us() is None
+    with pytest.warns(UserWarning, match="not modelled on CPU"):
+        f = bench.floor_us(bytes=4e6, launches=69, peak=_PEAK)
+    assert f == pytest.approx(2.0)
+
+
+# ----------------------------------------------------------------------------------------------- records
+
+
+def _timing(median=10.0):
+    return bench.Timing(median, median * 0.9, median * 1.1, 50, "cpu", 0.1)
+
+
+def _record(case="c", variant="before", median=10.0, floor=None, mode="cpu", study="s"):
+    r = bench.make_record(study, case, variant, _timing(median), shape={"B": 1, "T": 4}, dtype=torch.bfloat16,
+                          floor_us=floor, error={"max_rel": 1e-3}, note="x")
+    r.mode = mode
+    return r
+
+
+def test_record_fields_are_filled_and_round_trip(tmp_path):
+    r = _record(floor=2.5)
+    assert r.dtype == "bfloat16" and r.versions["torch"] == torch.__version__
+    assert r.commit and (r.commit == "unknown" or len(r.commit.split("-")[0]) == 40)
+    assert dt.datetime.fromisoformat(r.date).utcoffset() == dt.timedelta(0)
+    assert r.extra["note"] == "x" and r.extra["repeats"] == 50
+    paths = bench.save_records([r, _record(variant="after", median=4.0)], root=tmp_path)
+    assert sorted(p.name for p in paths) == ["c__after.json", "c__before.json"]
+    assert all(p.parent == tmp_path / bench.device_slug() / "s" for p in paths)
+    assert [p.name for p in (tmp_path / bench.device_slug() / "s").iterdir() if p.suffix != ".json"] == []
+    back = bench.load_records(root=tmp_path)
+    assert sorted(back, key=lambda x: x.variant)[1] == r
+    json.loads(paths[0].read_text())  # plain JSON
+
+
+def test_load_filters_by_study_and_device(tmp_path):
+    bench.save_records([_record(study="a"), _record(study="b")], root=tmp_path)
+    gpu = _record(study="a")
+    gpu.device, gpu.backend = "NVIDIA H200", "cuda"
+    bench.save_records([gpu], root=tmp_path)
+    assert {r.study for r in bench.load_records(study="a", root=tmp_path)} == {"a"}
+    assert len(bench.load_records(study="a", root=tmp_path)) == 2
+    assert [r.device for r in bench.load_records(device="nvidia-h200", root=tmp_path)] == ["NVIDIA H200"]
+    assert [r.device for r in bench.load_records(device="NVIDIA H200", root=tmp_path)] == ["NVIDIA H200"]
+    assert bench.load_records(root=tmp_path / "nothing") == []
+
+
+def test_variant_and_names_are_validated():
+    for ok in ("before", "after", "reference", "fla", "torch"):
+        _record(variant=ok)
+    with pytest.raises(ValueError, match="variant"):
+        _record(variant="faster")
+    with pytest.raises(ValueError, match="case"):
+        _record(case="a/b")
+    with pytest.raises(ValueError, match="timing"):
+        bench.make_record("s", "c", "after", 3.0, shape={}, dtype="fp32")
+
+
+def test_device_slug():
+    assert bench.device_slug("NVIDIA H200", "cuda") == "nvidia-h200"
+    assert bench.device_slug("AMD Instinct MI355X", "rocm") == "amd-instinct-mi355x"
+    assert bench.device_slug("x86_64", "cpu") == "cpu"
+
+
+def _git(cwd, *args):
+    subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=cwd, check=True,
+                   capture_output=True)
+
+
+def test_tracked_file_is_not_overwritten(tmp_path):
+    _git(tmp_path, "init", "-q")
+    root = tmp_path / "profiles"
+    (path,) = bench.save_records([_record(median=10.0)], root=root)
+    bench.save_records([_record(median=11.0)], root=root)  # untracked: replaced freely
+    assert bench.load_records(root=root)[0].median_us == 11.0
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "reference")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        bench.save_records([_record(median=12.0)], root=root)
+    assert bench.load_records(root=root)[0].median_us == 11.0
+    bench.save_records([_record(median=12.0)], root=root, overwrite=True)
+    assert bench.load_records(root=root)[0].median_us == 12.0
+
+
+def test_git_commit_marks_dirty_trees(tmp_path, monkeypatch):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "f.txt").write_text("a")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "one")
+    bench.git_commit.cache_clear()
+    clean = bench.git_commit(str(tmp_path))
+    assert len(clean) == 40 and "-dirty" not in clean
+    (tmp_path / "f.txt").write_text("b")
+    bench.git_commit.cache_clear()
+    assert bench.git_commit(str(tmp_path)) == clean + "-dirty"
+    outside = tmp_path / "nogit"
+    outside.mkdir()
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    monkeypatch.delenv("K3LAB_COMMIT", raising=False)
+    bench.git_commit.cache_clear()
+    assert bench.git_commit(str(outside)) == "unknown"
+    monkeypatch.setenv("K3LAB_COMMIT", "abc123")
+    bench.git_commit.cache_clear()
+    assert bench.git_commit(str(outside)) == "abc123"
+    bench.git_commit.cache_clear()
+
+
+def test_compare_ratios():
+    recs = [_record("k", "before", 10.0, floor=2.0), _record("k", "after", 4.0, floor=2.0),
+            _record("k", "fla", 5.0), _record("k", "torch", 8.0),
+            _record("k", "before", 3.0, mode="graph"), _record("k", "after", 1.5, mode="graph")]
+    df = bench.compare(recs).set_index("mode")
+    row = df.loc["cpu"]
+    assert row["speedup"] == pytest.approx(2.5)
+    assert row["peer"] == "fla" and row["peer_us"] == 5.0 and row["torch_us"] == 8.0
+    assert row["after_vs_peer"] == pytest.approx(1.25)
+    assert row["floor_fraction"] == pytest.approx(0.5)
+    g = df.loc["graph"]
+    assert g["speedup"] == pytest.approx(2.0) and pd.isna(g["peer"]) and pd.isna(g["after_vs_peer"])
+    assert set(df.columns) >= {"before_us", "after_us", "floor_us", "fla_us", "torch_us"}

@@ -1,0 +1,93 @@
+"""The launch_overhead study on CPU, and the studies registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3lab import bench, studies
+from k3lab.studies import launch_overhead as lo
+
+
+@pytest.fixture(scope="module")
+def records():
+    return lo.run()
+
+
+def test_cases_on_cpu():
+    names = lo.case_names()
+    assert names[0] == "tiny_op" and names[1] == "copy_1792B" and names[-1] == "copy_1MiB"
+    assert "empty_kernel" not in names  # no GPU here
+
+
+def test_run_returns_sane_records(records):
+    assert [r.case for r in records] == lo.case_names()
+    for r in records:
+        assert r.study == "launch_overhead" and r.variant == "before" and r.mode == "cpu"
+        assert 0 < r.p20_us <= r.median_us <= r.p80_us < 1e5
+        assert r.extra["repeats"] >= 40 and r.extra["overhead_us"] < r.median_us
+        assert "not modelled on CPU" in r.extra["launch_note"]
+    copies = {r.case: r for r in records if r.case.startswith("copy_")}
+    for r in copies.values():
+        n = r.shape["bytes"]
+        assert r.error["max_rel"] == 0.0 and "eager" in r.error["checked"]
+        assert r.floor_us == pytest.approx(bench.floor_us(bytes=2 * n))
+        assert r.extra["achieved_gbs"] == pytest.approx(2 * n / r.median_us / 1e3)
+    seed = copies["copy_1792B"]
+    assert seed.shape == {"bytes": 1792}
+    assert seed.extra["per_decode_step_us"] == pytest.approx(69 * seed.median_us)
+    # 585x the bytes cost far less than 585x the time: a small copy is overhead, not bandwidth
+    assert copies["copy_1MiB"].median_us > copies["copy_1792B"].median_us
+    assert copies["copy_1MiB"].extra["achieved_gbs"] > 5 * seed.extra["achieved_gbs"]
+
+
+def test_summary_and_compare(records):
+    df = lo.summary(records)
+    assert list(df["case"]) == lo.case_names()
+    row = df.set_index("case").loc["copy_1792B"]
+    assert row["eager_us"] > 0 and row["graph_us"] is None
+    assert bench.compare(records)["before_us"].notna().all()
+
+
+def test_a_broken_copy_is_caught():
+    op = lo._build("copy_4KiB")
+    good = op["fn"]
+    op["fn"] = lambda src, dst: dst[: dst.numel() // 2].copy_(src[: src.numel() // 2])  # copies half
+    with pytest.raises(bench.CheckFailed):
+        lo._verify("copy_4KiB", op, graph=False)
+    op["fn"] = good
+    assert lo._verify("copy_4KiB", op, graph=False)["max_rel"] == 0.0
+    tiny = lo._build("tiny_op")
+    tiny["fn"] = lambda: None  # a kernel that does nothing
+    with pytest.raises(bench.CheckFailed):
+        lo._verify("tiny_op", tiny, graph=False)
+
+
+def test_bad_cases_and_preset():
+    with pytest.raises(ValueError, match="copy_3B"):
+        lo.run(cases=["copy_3B"])
+    with pytest.raises(ValueError, match="preset"):
+        lo.case_names(preset=3)
+    assert [r.case for r in lo.run(cases=["copy_1792B"])] == ["copy_1792B"]
+
+
+def test_profile_targets_run():
+    targets = lo.profile_targets()
+    assert list(targets) == ["before"]  # no graph on CPU
+    targets["before"]()
+
+
+def test_registry_lists_studies_and_loads_lazily(monkeypatch):
+    assert list(studies.STUDIES) == ["launch_overhead", "copy_removal", "mla_padding", "kda_scan", "kda_verify",
+                                     "kda_precision", "draft_depth"]
+    assert studies.load_study("launch_overhead") is lo
+    with pytest.raises(ValueError, match="unknown study 'nope'"):
+        studies.load_study("nope")
+    monkeypatch.setitem(studies.STUDIES, "ghost", "k3lab.studies.ghost_study_not_written")
+    with pytest.raises(ImportError, match="does not exist yet"):
+        studies.load_study("ghost")
+    monkeypatch.setitem(studies.STUDIES, "half", "k3lab.config")  # a module without the study contract
+    with pytest.raises(studies.StudyNotAvailable, match="case_names"):
+        studies.load_study("half")
+    assert "launch_overhead" in studies.available() and "ghost" not in studies.available()
+    assert torch is not None

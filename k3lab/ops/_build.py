@@ -1,0 +1,193 @@
+"""Compile kernels/<name>.cu into a shared library once, cache it, load it with ctypes.
+
+The .cu kernels expose `extern "C"` launchers that take raw device pointers, sizes and a stream, so
+no torch C++ ABI is involved: tensors go in as `data_ptr()` and the stream as
+`torch.cuda.current_stream().cuda_stream` (which keeps CUDA-graph capture working).
+
+- NVIDIA: `nvcc -O3`, for the device's own architecture; Hopper (sm_90) gets
+  `-gencode=arch=compute_90a,code=sm_90a`.
+- AMD: `hipcc -x hip --offload-arch=<gcnArchName>`, with HIP_PLATFORM=amd. Not yet run on AMD
+  hardware by this project (only compiled, for gfx90a and gfx940, with Debian's hipcc).
+
+Libraries are cached under ~/.cache/k3lab/kernels/<hash>/ (K3LAB_KERNEL_CACHE overrides the root);
+the hash covers the sources (the .cu and the headers in kernels/), the flags, the target and the
+compiler's version line, so any change rebuilds and nothing stale is loaded.
+
+A missing compiler or GPU is not an error at import: `status(name)` says whether the kernel can run
+here and, if not, why (callers then use the PyTorch reference and say so).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+NOT_RUN_ON_AMD = "not yet run on AMD hardware by this project"
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or run here (no GPU, no compiler, or the build failed)."""
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    kind: str  # 'nvcc' or 'hipcc'
+    path: str
+    version: str
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("K3LAB_KERNEL_CACHE", Path.home() / ".cache" / "k3lab" / "kernels"))
+
+
+def source_path(name: str) -> Path:
+    path = KERNEL_DIR / f"{name}.cu"
+    if not path.is_file():
+        raise ValueError(f"no kernel source kernels/{name}.cu (looked in {KERNEL_DIR})")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def find_toolchain(kind: str) -> Toolchain | None:
+    """nvcc or hipcc on PATH (nvcc also under CUDA_HOME), with its version line; None if absent."""
+    if kind not in ("nvcc", "hipcc"):
+        raise ValueError(f"kind must be 'nvcc' or 'hipcc', got {kind!r}")
+    path = shutil.which(kind)
+    if path is None and kind == "nvcc":
+        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+        cand = Path(home) / "bin" / "nvcc"
+        path = str(cand) if cand.is_file() else None
+    if path is None:
+        return None
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60,
+                             env=_compiler_env(kind))
+        lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
+        version = lines[-1] if kind == "nvcc" and lines else (lines[0] if lines else "unknown")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return Toolchain(kind, path, version)
+
+
+def _compiler_env(kind: str) -> dict:
+    env = dict(os.environ)
+    if kind == "hipcc":
+        env["HIP_PLATFORM"] = "amd"  # where nvcc is also installed, hipcc would otherwise pick it
+    return env
+
+
+def device_target(device=None) -> tuple[str, str]:
+    """(toolchain kind, target) of a visible GPU: ('nvcc', 'sm_90a') or ('hipcc', 'gfx942...')."""
+    if not torch.cuda.is_available():
+        raise KernelUnavailable("no GPU visible to torch (torch.cuda.is_available() is False)")
+    props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+    if getattr(torch.version, "hip", None):
+        return "hipcc", props.gcnArchName  # full target id, e.g. gfx942:sramecc+:xnack-
+    major, minor = props.major, props.minor
+    return "nvcc", f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+
+
+def arch_flags(kind: str, target: str) -> list[str]:
+    """Code-generation flags for one target ('sm_90a', 'sm_89', 'gfx90a', ...)."""
+    if kind == "nvcc":
+        if not target.startswith("sm_"):
+            raise ValueError(f"nvcc target must look like 'sm_90a', got {target!r}")
+        num = target[3:]
+        return [f"-gencode=arch=compute_{num},code=sm_{num}"]
+    if kind == "hipcc":
+        if not target.startswith("gfx"):
+            raise ValueError(f"hipcc target must look like 'gfx942', got {target!r}")
+        return [f"--offload-arch={target}"]
+    raise ValueError(f"kind must be 'nvcc' or 'hipcc', got {kind!r}")
+
+
+def base_flags(kind: str) -> list[str]:
+    common = ["-O3", "-std=c++17", f"-I{KERNEL_DIR}"]
+    if kind == "nvcc":
+        return common + ["-Xcompiler", "-fPIC", "--split-compile=0"]
+    return ["-x", "hip"] + common + ["-fPIC"]
+
+
+def _sources_digest(name: str) -> str:
+    h = hashlib.sha256()
+    for path in [source_path(name), *sorted(KERNEL_DIR.glob("*.h"))]:
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def build_key(name: str, tool: Toolchain, flags: list[str]) -> str:
+    h = hashlib.sha256()
+    for part in (_sources_digest(name), tool.kind, tool.version, *flags):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def compile_kernel(name: str, *, kind: str, target: str, output: str = "shared",
+                   dest: Path | None = None, extra_flags: tuple[str, ...] = (), timeout: float = 900) -> Path:
+    """Compile kernels/<name>.cu for one target. output='shared' (a .so to load) or 'object' (a .o:
+    a compile-only check, no GPU needed). Returns the cached (or `dest`) path; raises
+    KernelUnavailable when the compiler is missing or fails (its message included)."""
+    if output not in ("shared", "object"):
+        raise ValueError(f"output must be 'shared' or 'object', got {output!r}")
+    tool = find_toolchain(kind)
+    if tool is None:
+        raise KernelUnavailable(f"{kind} is not on PATH: cannot compile kernels/{name}.cu")
+    flags = base_flags(kind) + arch_flags(kind, target) + list(extra_flags)
+    flags += ["-shared"] if output == "shared" else ["-c"]
+    suffix = ".so" if output == "shared" else ".o"
+    if dest is None:
+        folder = cache_root() / build_key(name, tool, flags)
+        dest = folder / f"{name}{suffix}"
+        if dest.is_file():
+            return dest
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=suffix, dir=dest.parent)
+    os.close(fd)
+    cmd = [tool.path, *flags, str(source_path(name)), "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_compiler_env(kind))
+        if proc.returncode != 0:
+            raise KernelUnavailable(f"{kind} failed on kernels/{name}.cu ({' '.join(cmd)}):\n"
+                                    f"{proc.stderr[-4000:]}")
+        os.replace(tmp, dest)  # atomic: a concurrent build never sees half a library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return dest
+
+
+@functools.lru_cache(maxsize=None)
+def load(name: str) -> ctypes.CDLL:
+    """Build (once, cached on disk) and load kernels/<name>.cu for the current GPU."""
+    kind, target = device_target()
+    if kind == "hipcc":
+        pass  # the HIP build: not yet run on AMD hardware by this project
+    path = compile_kernel(name, kind=kind, target=target, output="shared")
+    return ctypes.CDLL(str(path))
+
+
+def status(name: str) -> tuple[bool, str]:
+    """(True, what runs) when kernels/<name>.cu can be built and loaded here, else (False, why).
+    Builds on first call (tens of seconds), then reads the cache."""
+    try:
+        kind, target = device_target()
+        if find_toolchain(kind) is None:
+            return False, f"{kind} not found on PATH: no compiler for the {target} GPU"
+        load(name)
+    except KernelUnavailable as exc:
+        return False, str(exc)
+    note = f" ({NOT_RUN_ON_AMD})" if kind == "hipcc" else ""
+    return True, f"kernels/{name}.cu built with {kind} for {target}{note}"

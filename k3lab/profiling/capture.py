@@ -216,6 +216,11 @@ def capture(fn: Callable[[], object], *, steps: int = 1, warmup: int = 1, trace_
         print(f"k3lab.profile: {note}")  # say once per process what is used instead of rocprofv3
         _said.add(note)
 
+    path = Path(trace_path) if trace_path is not None else unique_trace_path(
+        trace_dir or default_trace_dir(), name, dev)
+    if path.exists() and not overwrite:  # checked before anything runs
+        raise FileExistsError(f"trace_path: {path} exists; pass overwrite=True to replace it")
+
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -232,10 +237,6 @@ def capture(fn: Callable[[], object], *, steps: int = 1, warmup: int = 1, trace_
         if gpu:
             torch.cuda.synchronize()
 
-    path = Path(trace_path) if trace_path is not None else unique_trace_path(
-        trace_dir or default_trace_dir(), name, dev)
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"trace_path: {path} exists; pass overwrite=True to replace it")
     tmp = _tmp_beside(path)
     prof.export_chrome_trace(str(tmp))
     trace = json.loads(tmp.read_text())

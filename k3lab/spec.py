@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -611,7 +611,7 @@ class DepthChoice:
 
     depth: int
     tokens_per_s: float
-    table: "object"  # pandas.DataFrame, one row per depth
+    table: object  # pandas.DataFrame, one row per depth
     source: str
 
     def __str__(self) -> str:
@@ -774,7 +774,7 @@ def costs_from_records(*, draft_step_us: float, commit_us: float = 0.0, rest_one
             f"{batch}) cover 1 and 2 positions in both {VERIFY_STUDIES['kda']} and {VERIFY_STUDIES['mla']}; "
             f"measured position counts found: {have or 'none'}. Use linear_costs(...) or "
             f"illustrative_costs(...) and label them as such.")
-    slug = sorted(usable, key=lambda s: (s == "cpu", s))[0]  # a GPU's records before a CPU's
+    slug = min(usable, key=lambda s: (s == "cpu", s))  # a GPU's records before a CPU's
     entry, hi = usable[slug]
 
     def per_layer(table: dict[int, float], n: int) -> float:

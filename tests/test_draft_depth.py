@@ -88,3 +88,37 @@ def test_token_logits_are_random_and_conditioned():
     assert target.shape == draft.shape == (8, 8)
     assert not np.allclose(target, draft)
     assert np.std(target[:, 0]) > 0.1  # rows differ: the next token depends on the previous one
+
+
+def test_figures_show_the_numbers():
+    ref = spec.reference_acceptance(8)
+    sims = [spec.simulate_cycles(ref, k, 20_000, seed=k) for k in (3, 4)]
+    fig = dd.agreement_figure(ref, sims)
+    assert list(fig.data[0].x) == list(range(1, 9)) and list(fig.data[1].x) == [3, 4]
+    assert fig.data[0].y[3] == pytest.approx(3.36, abs=0.005)
+    bars = dd.breakeven_figure(ref)
+    assert bars.data[0].y[2] == pytest.approx(12.0, abs=0.5)  # the seed's 12%: 3 -> 4 drafts
+    assert len(dd.z_figure([0.5, -1.0], [2, 3]).data[0].y) == 2
+
+    profiles = {name: spec.illustrative_costs(name) for name in spec.ILLUSTRATIVE_PROFILES}
+    rates = dd.rate_figure(ref, profiles)
+    stars = [t for t in rates.data if t.marker.symbol == "star"]
+    assert [int(s.x[0]) for s in stars] == [spec.best_depth(ref, c).depth for c in profiles.values()]
+
+    target, draft = dd.token_logits()
+    stats = spec.simulate_tokens(target, draft, 3, 5_000, seed=1)
+    tok = dd.token_figure({"residual": stats}, previous_token=2)
+    assert np.allclose(tok.data[0].y, stats.target[2])
+    with pytest.raises(ValueError, match="previous_token"):
+        dd.token_figure({"residual": stats}, previous_token=8)
+
+
+def test_explorer_follows_its_defaults():
+    fig, choice = dd.explorer_figure(**dd.EXPLORER_DEFAULTS)
+    curve = spec.geometric_acceptance(dd.EXPLORER_DEFAULTS["first"], dd.EXPLORER_DEFAULTS["decay"], 8)
+    assert choice.depth == spec.best_depth(curve, dd.explorer_costs(
+        **{k: v for k, v in dd.EXPLORER_DEFAULTS.items() if k not in ("first", "decay")})).depth
+    assert f"best depth {choice.depth}" in fig.layout.title.text
+    box = dd.explorer()
+    sliders = box.children[0].children
+    assert len(sliders) == 7 and sliders[0].value == dd.EXPLORER_DEFAULTS["first"]

@@ -23,7 +23,7 @@ this study (it is accepted so every study has the same signature).
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 

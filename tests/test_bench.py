@@ -19,7 +19,7 @@ from k3lab.env import Peak
 
 
 def test_sleep_is_timed_near_its_length():
-    t = bench.time_fn(lambda: time.sleep(0.002), warmup=1, repeats=15)
+    t = bench.time_fn(lambda: time.sleep(0.002), warmup=1, repeats=15, device="cpu")
     assert t.mode == "cpu" and t.repeats == 15 and len(t.samples_us) == 15
     # sleep never returns early; a loaded 2-core CI box may oversleep, so the upper bound is generous.
     assert 2000 <= t.median_us < 12000
@@ -29,7 +29,7 @@ def test_sleep_is_timed_near_its_length():
 
 def test_percentiles_follow_a_known_mix_of_durations():
     # 1 ms and 4 ms calls alternate (rotate): p20 sits on the short ones, p80 on the long ones.
-    t = bench.time_fn(lambda s: time.sleep(s), warmup=0, repeats=20, rotate=[(0.001,), (0.004,)])
+    t = bench.time_fn(lambda s: time.sleep(s), warmup=0, repeats=20, rotate=[(0.001,), (0.004,)], device="cpu")
     assert t.rotate_sets == 2
     assert 1000 <= t.p20_us < 3000
     assert 4000 <= t.p80_us < 12000
@@ -45,8 +45,8 @@ def test_busy_loop_scales_with_work():
 
     # p20, not the median: on a shared 2-core CI box the longer loop is preempted more often, and the
     # lower percentile is the one that tracks the work rather than the neighbours.
-    short = bench.time_fn(lambda: work(20_000), warmup=2, repeats=25).p20_us
-    long = bench.time_fn(lambda: work(80_000), warmup=2, repeats=25).p20_us
+    short = bench.time_fn(lambda: work(20_000), warmup=2, repeats=25, device="cpu").p20_us
+    long = bench.time_fn(lambda: work(80_000), warmup=2, repeats=25, device="cpu").p20_us
     assert 2.0 < long / short < 8.0
 
 
@@ -56,13 +56,13 @@ def test_percentile_helper_on_known_list():
 
 
 def test_min_time_extends_repeats():
-    t = bench.time_fn(lambda: time.sleep(0.001), warmup=0, repeats=3, min_time_s=0.03)
+    t = bench.time_fn(lambda: time.sleep(0.001), warmup=0, repeats=3, min_time_s=0.03, device="cpu")
     assert t.repeats >= 10 and sum(t.samples_us) >= 30000
 
 
 def test_rotate_cycles_every_set_in_order():
     seen = []
-    bench.time_fn(lambda a, b: seen.append((a, b)), warmup=0, repeats=6, rotate=[(1, 2), (3, 4), (5, 6)])
+    bench.time_fn(lambda a, b: seen.append((a, b)), warmup=0, repeats=6, rotate=[(1, 2), (3, 4), (5, 6)], device="cpu")
     assert seen == [(1, 2), (3, 4), (5, 6)] * 2
 
 
@@ -71,7 +71,7 @@ def test_rotate_cycles_every_set_in_order():
                                           ({"warmup": -1}, "warmup")])
 def test_time_fn_rejects_bad_arguments(kwargs, word):
     with pytest.raises(ValueError, match=word):
-        bench.time_fn(lambda *a: None, **kwargs)
+        bench.time_fn(lambda *a: None, device="cpu", **kwargs)
 
 
 def test_rotation_count_exceeds_twice_the_cache():
@@ -201,6 +201,7 @@ def test_floor_is_the_largest_bound():
         bench.floor_us(bytes=-1)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour; a GPU is present")
 def test_launch_cost_not_modelled_on_cpu():
     assert bench.launch_cost_us() is None
     with pytest.warns(UserWarning, match="not modelled on CPU"):
@@ -322,3 +323,68 @@ def test_compare_ratios():
     g = df.loc["graph"]
     assert g["speedup"] == pytest.approx(2.0) and pd.isna(g["peer"]) and pd.isna(g["after_vs_peer"])
     assert set(df.columns) >= {"before_us", "after_us", "floor_us", "fla_us", "torch_us"}
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+# These run only where torch sees a CUDA/HIP device (pytest -m gpu); on CPU they are skipped.
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/HIP device")
+
+
+def _host_us(fn, n=5):
+    out = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return sorted(out)[n // 2]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_events_agree_with_a_host_clock_on_a_long_spin():
+    spin = lambda: torch.cuda._sleep(2_000_000)  # noqa: E731 - ~1 ms of clock cycles
+    t = bench.time_fn(spin, warmup=2, repeats=10)
+    host = _host_us(spin)  # adds launch + synchronize, tens of us at most
+    assert t.mode == "eager" and t.p20_us <= t.median_us <= t.p80_us
+    assert 0.9 * host < t.median_us < host + 5
+    assert 0 <= t.overhead_us < 20
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_graph_replay_beats_eager_on_a_tiny_op_and_runs_every_call():
+    x = torch.zeros(1, device="cuda")
+    eager = bench.time_fn(lambda: x.add_(1.0), warmup=5, repeats=50)
+    x.zero_()
+    g = bench.time_fn(lambda: x.add_(1.0), warmup=5, repeats=50, graph=True, graph_copies=40)
+    assert g.mode == "graph" and g.graph_copies == 40
+    assert g.median_us < eager.median_us
+    # capture warm-up (5) + replay warm-up (5) + timed (50) replays, 40 adds each, and capture itself runs nothing
+    assert x.item() == 5 + 40 * (5 + 50)
+    auto = bench.time_fn(lambda: x.add_(1.0), warmup=2, repeats=5, graph=True)
+    assert 1 <= auto.graph_copies <= 100
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_rotation_under_graph_and_l2_flush():
+    sets = [(torch.randn(1024, device="cuda"), torch.zeros(1024, device="cuda")) for _ in range(3)]
+    t = bench.time_fn(lambda s, d: d.copy_(s), rotate=sets, graph=True, graph_copies=6, warmup=1, repeats=5)
+    assert t.rotate_sets == 3 and all(torch.equal(s, d) for s, d in sets)
+    f = bench.time_fn(lambda s, d: d.copy_(s), rotate=sets, flush_l2=True, warmup=1, repeats=10)
+    assert f.flush_l2 and f.median_us > 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_checks_and_launch_floor():
+    ref = torch.randn(256, 256, device="cuda", dtype=torch.float64)
+    bench.check(ref.bfloat16(), ref, dtype=torch.bfloat16)
+    with pytest.raises(bench.CheckFailed):
+        bench.check(ref.T.bfloat16(), ref, dtype=torch.bfloat16)
+    eager, graph = bench.launch_cost_us("eager"), bench.launch_cost_us("graph")
+    assert 0 < graph < eager < 100
+    assert bench.floor_us(launches=69) == pytest.approx(69 * eager)

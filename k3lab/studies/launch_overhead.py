@@ -232,3 +232,41 @@ def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
         g = bench.capture_graph(step, copies=1)
         targets["after"] = g.replay
     return targets
+
+
+def main(argv=None) -> int:
+    """python -m k3lab.studies.launch_overhead [--json PATH] [--cases ...]: run, print the size curve and
+    the launch and timer figures, and (with --json) write every record into one JSON file."""
+    import argparse
+    import json
+    import os
+
+    ap = argparse.ArgumentParser(prog="python -m k3lab.studies.launch_overhead", description=main.__doc__)
+    ap.add_argument("--json", default=None, help="write all records (a list) to this file")
+    ap.add_argument("--cases", nargs="*", default=None)
+    args = ap.parse_args(argv)
+    print(_env.describe())
+    records = run(cases=args.cases)
+    if _gpu():
+        print(f"empty kernel launch: {bench.launch_cost_us('eager'):.2f} us eager, "
+              f"{bench.launch_cost_us('graph'):.2f} us per kernel inside a {GRAPH_COPIES}-kernel graph")
+    else:
+        print("launch cost is not modelled on CPU: figures below are PyTorch host overhead")
+    df = summary(records)
+    print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    seed = next((r for r in records if r.case == "copy_1792B" and r.variant == "before"), None)
+    if seed is not None:
+        print(f"{SEED_COPIES_PER_STEP} copies of {SEED_COPY_BYTES} B per decode step: "
+              f"{seed.extra['per_decode_step_us']:.1f} us eager; at the bandwidth floor they would take "
+              f"{SEED_COPIES_PER_STEP * (seed.floor_us or 0):.2f} us")
+    if args.json:
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump([r.to_dict() for r in records], f, indent=1, sort_keys=True)
+        os.replace(tmp, args.json)
+        print(f"wrote {len(records)} records to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,415 @@
+"""KDA speculative verification: T = 1..8 draft positions per sequence, in one launch.
+
+A verification step runs the KDA recurrence (k3lab.nn.kda.kda_recurrent) over a few draft tokens
+and must keep the state after *every* position, so that when the sampler accepts only the first j
+drafts the server can roll back to state j without recomputing (`states[b, j - 1]`).
+
+Two kernels compute the same thing:
+
+* `kda_verify_before`: the shape of the original kernel. One program per (sequence, head, 32 value
+  columns), a workgroup of 128 threads, the token loop's length read at run time, and each token's
+  q, k, v, g, beta loaded inside the loop, so every position waits for its own memory round trip.
+  At TP8 (12 heads, V = 128) and one sequence that is 12 x 4 = 48 programs: a GPU with 132 SMs
+  (H200) or 256 CUs (MI355X) is mostly idle.
+* `kda_verify` (after): the seed's four changes (section 5, vLLM PR 58045).
+  1. narrow tiles: `tile_v` value columns per program (4 or 8 instead of 32), chosen from
+     batch x heads against the device's compute-unit count (`choose_tile_v`): 384 programs at B = 1;
+  2. single-wave workgroups: a 128 x 4 fp32 tile is 16 values per lane of one 32-wide warp, so the
+     reduction over K is lane shuffles only, no shared memory or barrier (`choose_num_warps` reads
+     the wave width from the device);
+  3. uniform-length specialisation: T is a compile-time constant, the token loop is unrolled and
+     needs no masks; ragged batches (cu_seqlens or per-sequence lengths) keep a dynamic path;
+  4. hoisted token-invariant work: every position's inputs are loaded before the recurrence starts
+     (one memory round trip instead of T), exp(g) and q.k are computed up front, and the output
+     o_t = S_dec^T q + (q.k) beta (v - S_dec^T k) needs two reductions that run side by side
+     instead of one after the other.
+
+Both write fp32 states [B, T, H, K, V] (or, ragged, [total_tokens, H, K, V]: the state after token
+i of the flattened batch), or only the final state when `final_state_only=True`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3lab import env
+from k3lab.nn.kda import kda_recurrent
+
+HEAD_DIM = 128  # K3's KDA head dim; the kernels hold one full K = 128 column of the state per lane group
+MAX_POSITIONS = 8  # drafts + 1 verified by one call; beyond this, use the chunked prefill path
+TILE_WIDTHS = (32, 16, 8, 4)  # value columns per program, widest first
+BEFORE_TILE_V = 32
+BEFORE_THREADS = 128  # the original kernel's workgroup size, in threads
+
+
+# ----------------------------------------------------------------------------------------------
+# launch choices, from the device
+
+
+def workgroups(batch: int, heads: int, tile_v: int, v_dim: int = HEAD_DIM) -> int:
+    """Programs (workgroups, CTAs) one launch creates: one per (sequence, head, tile of V)."""
+    return batch * heads * (v_dim // tile_v)
+
+
+def choose_tile_v(batch: int, heads: int, v_dim: int = HEAD_DIM, compute_units: int | None = None,
+                  programs_per_unit: int = 2) -> int:
+    """The widest tile that still gives every compute unit `programs_per_unit` programs.
+
+    Wider tiles load each position's q, k, g once for more columns (less traffic per state byte);
+    narrower tiles make more programs. So: take the widest width whose program count reaches
+    programs_per_unit x units (two single-wave programs per SM/CU hide each other's latency), and the
+    narrowest (4 columns, one 16-byte fp32 vector per row) when none does. B = 1, 12 heads:
+    H200 (132 SMs) -> 4 (384 programs); MI355X (256 CUs) -> 4; B = 8 on H200 -> 32 (384 programs)."""
+    units = compute_units if compute_units is not None else env.detect().compute_units
+    for width in TILE_WIDTHS:
+        if v_dim % width == 0 and workgroups(batch, heads, width, v_dim) >= programs_per_unit * units:
+            return width
+    return TILE_WIDTHS[-1]
+
+
+def _wave_width() -> int:
+    # The interpreter (CPU) has no waves; 32 only sizes the (ignored) num_warps there.
+    return env.detect().wave_width or 32
+
+
+def choose_num_warps(tile_v: int, k_dim: int = HEAD_DIM, values_per_lane: int = 32,
+                     wave_width: int | None = None) -> int:
+    """Waves per program: one wave until a lane would hold more than `values_per_lane` state values.
+    A 128 x 4 or 128 x 8 fp32 tile is one wave on NVIDIA (32 lanes) and AMD (64 lanes)."""
+    wave = wave_width or _wave_width()
+    return max(1, (k_dim * tile_v) // (wave * values_per_lane))
+
+
+def before_num_warps(wave_width: int | None = None) -> int:
+    """The original kernel's 128-thread workgroup, in waves of this device (4 on NVIDIA, 2 on AMD)."""
+    return max(1, BEFORE_THREADS // (wave_width or _wave_width()))
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _verify_before_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale, T_run,
+                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                          RAGGED: tl.constexpr, ALL_STATES: tl.constexpr):
+    """One program per (tile of BV columns, sequence x head). The token loop's length is read at
+    run time and each token's inputs are loaded inside it: T memory round trips in series."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    if RAGGED == 1:  # cu_seqlens [N + 1]
+        bos = tl.load(seq_info + i_b).to(tl.int64)
+        L = tl.load(seq_info + i_b + 1).to(tl.int64) - bos
+    elif RAGGED == 2:  # lengths [N], padded [N, T_run] layout
+        bos = i_b.to(tl.int64) * T_run
+        L = tl.load(seq_info + i_b).to(tl.int64)
+    else:
+        bos = i_b.to(tl.int64) * T_run
+        L = T_run
+    offs_k = tl.arange(0, K)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    tile = offs_k[:, None] * V + offs_v[None, :]
+    S = tl.load(h0 + (i_b * H + i_h).to(tl.int64) * K * V + tile)
+    t = 0
+    while t < L:  # a while loop: the interpreter cannot range() over a run-time scalar
+        row = (bos + t) * H + i_h
+        q_t = tl.load(q + row * K + offs_k).to(tl.float32) * scale
+        k_t = tl.load(k + row * K + offs_k).to(tl.float32)
+        g_t = tl.load(g + row * K + offs_k).to(tl.float32)
+        v_t = tl.load(v + row * V + offs_v).to(tl.float32)
+        b_t = tl.load(beta + row).to(tl.float32)
+        S = S * tl.exp(g_t)[:, None]
+        u = tl.sum(S * k_t[:, None], axis=0)
+        S = S + k_t[:, None] * (b_t * (v_t - u))[None, :]
+        o_t = tl.sum(S * q_t[:, None], axis=0)
+        tl.store(o + row * V + offs_v, o_t.to(o.dtype.element_ty))
+        if ALL_STATES:
+            tl.store(hs + row * K * V + tile, S)
+        t += 1
+    if not ALL_STATES:
+        tl.store(hs + (i_b * H + i_h).to(tl.int64) * K * V + tile, S)
+
+
+@triton.jit
+def _verify_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
+                   T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                   RAGGED: tl.constexpr, ALL_STATES: tl.constexpr):
+    """Narrow-tile verification. T is a compile-time constant (the uniform length, or the ragged
+    batch's longest sequence), so both loops below unroll; all positions' inputs are loaded before
+    the recurrence starts."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    offs_k = tl.arange(0, K)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    if RAGGED == 1:  # cu_seqlens [N + 1], flattened tokens
+        bos = tl.load(seq_info + i_b).to(tl.int64)
+        L = tl.load(seq_info + i_b + 1).to(tl.int64) - bos
+    elif RAGGED == 2:  # lengths [N], padded [N, T] layout
+        bos = i_b.to(tl.int64) * T
+        L = tl.load(seq_info + i_b).to(tl.int64)
+    else:
+        bos = i_b.to(tl.int64) * T
+        L = T
+    tile = offs_k[:, None] * V + offs_v[None, :]
+    S = tl.load(h0 + (i_b * H + i_h).to(tl.int64) * K * V + tile)
+    # Hoisted: every position's inputs are requested before the first update, so the T loads overlap
+    # (one memory round trip, not T), and everything that does not depend on the state is computed
+    # up front: the decay d = exp(g), the decayed query and key d*q, d*k, the scalar q.k and beta*v.
+    # A dead ragged position loads k = g = beta = 0: its update is the identity, no branch needed.
+    ds = ()
+    dqs = ()
+    dks = ()
+    ks = ()
+    bs = ()
+    bvs = ()
+    qks = ()
+    for t in tl.static_range(T):
+        row = (bos + t) * H + i_h
+        if RAGGED == 0:
+            q_t = tl.load(q + row * K + offs_k).to(tl.float32) * scale
+            k_t = tl.load(k + row * K + offs_k).to(tl.float32)
+            g_t = tl.load(g + row * K + offs_k).to(tl.float32)
+            v_t = tl.load(v + row * V + offs_v).to(tl.float32)
+            b_t = tl.load(beta + row).to(tl.float32)
+        else:
+            alive = L > t
+            q_t = tl.load(q + row * K + offs_k, mask=(offs_k < K) & alive, other=0.0).to(tl.float32) * scale
+            k_t = tl.load(k + row * K + offs_k, mask=(offs_k < K) & alive, other=0.0).to(tl.float32)
+            g_t = tl.load(g + row * K + offs_k, mask=(offs_k < K) & alive, other=0.0).to(tl.float32)
+            v_t = tl.load(v + row * V + offs_v, mask=(offs_v < V) & alive, other=0.0).to(tl.float32)
+            b_t = tl.load(beta + row, mask=alive, other=0.0).to(tl.float32)
+        d_t = tl.exp(g_t)
+        # kept broadcast to the tile's shape, so the register shuffle into the tile's layout happens
+        # here, in the prologue, and not on the recurrence's critical path
+        ds = ds + (tl.broadcast_to(d_t[:, None], (K, BV)),)
+        dqs = dqs + (tl.broadcast_to((d_t * q_t)[:, None], (K, BV)),)
+        dks = dks + (tl.broadcast_to((d_t * k_t)[:, None], (K, BV)),)
+        ks = ks + (tl.broadcast_to(k_t[:, None], (K, BV)),)
+        bs = bs + (b_t,)
+        bvs = bvs + (b_t * v_t,)
+        qks = qks + (tl.sum(q_t * k_t, axis=0),)
+    # Per position, with S the state before it: u = S^T (d*k) and p = S^T (d*q) are two independent
+    # reductions of the same tile; delta = beta (v - u); S' = d*S + k delta^T; o = S'^T q = p + (q.k) delta.
+    # The decay product d*S runs beside the reductions, so the chain from S to S' is one multiply, one
+    # reduction and one fused multiply-add.
+    for t in tl.static_range(T):
+        u = tl.sum(S * dks[t], axis=0)
+        p = tl.sum(S * dqs[t], axis=0)
+        S_dec = S * ds[t]
+        delta = bvs[t] - bs[t] * u
+        S = S_dec + ks[t] * delta[None, :]
+        o_t = p + qks[t] * delta
+        row_t = (bos + t) * H + i_h
+        if RAGGED == 0:
+            tl.store(o + row_t * V + offs_v, o_t.to(o.dtype.element_ty))
+            if ALL_STATES:
+                tl.store(hs + row_t * K * V + tile, S)
+        else:
+            alive = L > t
+            # padded layout (lengths): a dead position's q is 0, so its output row is written as 0;
+            # flattened layout (cu_seqlens): the row belongs to the next sequence, so it is skipped
+            if RAGGED == 1:
+                tl.store(o + row_t * V + offs_v, o_t.to(o.dtype.element_ty), mask=(offs_v < V) & alive)
+            else:
+                tl.store(o + row_t * V + offs_v, o_t.to(o.dtype.element_ty))
+            if ALL_STATES:
+                tl.store(hs + row_t * K * V + tile, S, mask=(tile >= 0) & alive)
+    if not ALL_STATES:
+        tl.store(hs + (i_b * H + i_h).to(tl.int64) * K * V + tile, S)
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks (before any kernel runs)
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile_v):
+    """Validate shapes and dtypes; return (N sequences, T positions per call, H, ragged mode)."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if K != HEAD_DIM:
+        raise ValueError(f"q/k head dim K must be {HEAD_DIM} (K3's KDA head), got K={K}")
+    for name, t in (("k", k), ("g", g)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B={B}, T={T}, H={H}, V], got {tuple(v.shape)}")
+    V = v.shape[-1]
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B={B}, T={T}, H={H}] (one scalar per head), got {tuple(beta.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if cu_seqlens is not None and lengths is not None:
+        raise ValueError("give cu_seqlens or lengths, not both")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens, q must be [1, total_tokens, H, K] (flattened), got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [N + 1], got "
+                             f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        N = cu_seqlens.numel() - 1
+        mode = 1
+        if max_seqlen is None:
+            # One host read, which also checks the offsets; pass max_seqlen to skip it (needed under
+            # graph capture): the caller then promises no sequence is longer and cu_seqlens[-1] == T.
+            if _capturing():
+                raise ValueError("under graph capture, pass max_seqlen with cu_seqlens (it cannot be read)")
+            seq_lens = cu_seqlens[1:] - cu_seqlens[:-1]
+            if int(cu_seqlens[0]) != 0 or int(seq_lens.min()) < 0 or int(cu_seqlens[-1]) != T:
+                raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the token count {T}, "
+                                 f"got {cu_seqlens.tolist()}")
+            max_seqlen = int(seq_lens.max())
+        steps = max_seqlen
+    elif lengths is not None:
+        if lengths.dim() != 1 or lengths.numel() != B or lengths.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"lengths must be a 1-D int32/int64 tensor [B={B}], got "
+                             f"{lengths.dtype} {tuple(lengths.shape)}")
+        N, mode, steps = B, 2, T
+        if max_seqlen is not None and max_seqlen != T:
+            raise ValueError(f"with lengths, max_seqlen must be the padded length T={T}, got {max_seqlen}")
+        if not _capturing() and not (0 <= int(lengths.min()) and int(lengths.max()) <= T):
+            raise ValueError(f"lengths must lie in 0..T={T} (the padded length), got {lengths.tolist()}")
+    else:
+        N, mode, steps = B, 0, T
+    if not 1 <= steps <= MAX_POSITIONS:
+        raise ValueError(f"T (positions per sequence) must be in 1..{MAX_POSITIONS}, got {steps}")
+    if initial_state is not None:
+        if initial_state.dtype != torch.float32:
+            raise ValueError(f"initial_state must be float32 (the recurrent state is kept in fp32), "
+                             f"got {initial_state.dtype}")
+        if initial_state.shape != (N, H, K, V):
+            raise ValueError(f"initial_state must be [N={N}, H={H}, K={K}, V={V}], got "
+                             f"{tuple(initial_state.shape)}")
+    if tile_v is not None and (tile_v not in TILE_WIDTHS or V % tile_v):
+        raise ValueError(f"tile_v must be one of {TILE_WIDTHS} and divide V={V}, got {tile_v}")
+    return N, steps, H, V, mode
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _states_buffer(states_out, shape, device):
+    if states_out is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    if states_out.shape != shape or states_out.dtype != torch.float32 or not states_out.is_contiguous():
+        raise ValueError(f"states_out must be a contiguous float32 tensor of shape {shape}, got "
+                         f"{states_out.dtype} {tuple(states_out.shape)}")
+    return states_out
+
+
+def _prepare(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out,
+             tile_v, zero_outputs=False):
+    N, steps, H, V, mode = _check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile_v)
+    B, T = q.shape[:2]
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    h0 = (torch.zeros(N, H, HEAD_DIM, V, dtype=torch.float32, device=q.device) if initial_state is None
+          else initial_state.contiguous())
+    if final_state_only:
+        shape = (N, H, HEAD_DIM, V)
+    else:
+        shape = (B, T, H, HEAD_DIM, V)  # ragged: B = 1 and T = total tokens, i.e. one state per token
+    hs = _states_buffer(states_out, shape, q.device)
+    # the before kernel skips dead padded positions, so their output rows must start at zero
+    o = (torch.zeros_like if zero_outputs and mode == 2 else torch.empty_like)(v, dtype=q.dtype)
+    seq_info = cu_seqlens if mode == 1 else lengths if mode == 2 else h0  # h0: an unused placeholder
+    return q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode
+
+
+# ----------------------------------------------------------------------------------------------
+# entry points
+
+
+def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, lengths=None, max_seqlen=None,
+               final_state_only=False, states_out=None, tile_v=None, num_warps=None):
+    """Verify T = 1..8 draft positions per sequence (the narrow-tile kernel).
+
+    q, k: [B, T, H, 128] (L2-normalised); v: [B, T, H, V]; g: [B, T, H, 128] log-decay (fp32 advised);
+    beta: [B, T, H]; initial_state: [N, H, 128, V] float32 (None: zeros). Ragged batches: either
+    `cu_seqlens` [N + 1] with tensors flattened to [1, total, ...] (fla's convention; pass
+    `max_seqlen` to skip a host read), or `lengths` [B] with padded [B, T, ...] tensors (positions at or
+    beyond a sequence's length are neither computed nor written).
+    Returns (o in q's dtype, shaped like v; states): states is float32 [B, T, H, 128, V] (ragged:
+    [1, total, H, 128, V]) holding the state after each position, or [N, H, 128, V] with
+    `final_state_only`. `states_out` writes into a caller buffer of that shape.
+    `tile_v`, `num_warps`: None chooses from the device (choose_tile_v, choose_num_warps)."""
+    (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode) = _prepare(
+        q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out, tile_v)
+    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    bv = tile_v or choose_tile_v(N, H, V)
+    warps = num_warps or choose_num_warps(bv)
+    grid = (V // bv, N * H)
+    _verify_kernel[grid](q, k, v, g, beta, h0, o, hs, seq_info, scale,
+                         T=steps, H=H, K=HEAD_DIM, V=V, BV=bv,
+                         RAGGED=mode, ALL_STATES=not final_state_only, num_warps=warps)
+    return o, hs
+
+
+def kda_verify_before(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, lengths=None,
+                      max_seqlen=None, final_state_only=False, states_out=None, tile_v=BEFORE_TILE_V,
+                      num_warps=None):
+    """The original verification kernel: 32-column tiles, 128-thread workgroups, run-time length,
+    per-token loads. Same arguments and results as `kda_verify`."""
+    (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode) = _prepare(
+        q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out, tile_v,
+        zero_outputs=True)
+    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    warps = num_warps or before_num_warps()
+    grid = (V // tile_v, N * H)
+    _verify_before_kernel[grid](q, k, v, g, beta, h0, o, hs, seq_info, scale, q.shape[1],
+                                H=H, K=HEAD_DIM, V=V, BV=tile_v, RAGGED=mode, ALL_STATES=not final_state_only,
+                                num_warps=warps)
+    return o, hs
+
+
+def select_accepted(states: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """The state to keep after verification: states [B, T, H, K, V], num_accepted [B] in 1..T
+    (accepted drafts + the bonus/recovery token) -> [B, H, K, V]."""
+    if states.dim() != 5:
+        raise ValueError(f"states must be [B, T, H, K, V], got {tuple(states.shape)}")
+    if num_accepted.shape != states.shape[:1]:
+        raise ValueError(f"num_accepted must be [B={states.shape[0]}], got {tuple(num_accepted.shape)}")
+    idx = (num_accepted.long() - 1).view(-1, 1, 1, 1, 1).expand(-1, 1, *states.shape[2:])
+    return states.gather(1, idx).squeeze(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# reference
+
+
+def reference_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, lengths=None,
+                     dtype=torch.float64):
+    """Per-position outputs and states from k3lab.nn.kda.kda_recurrent, one position at a time, in
+    `dtype` (fp64 by default). Same layouts as `kda_verify` (ragged positions past a length: o = 0,
+    state = NaN, so a comparison that reads them fails)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if cu_seqlens is not None:
+        bounds = [(int(a), int(b)) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
+        seqs = [(0, a, b - a) for a, b in bounds]  # (batch row, first token, length)
+    elif lengths is not None:
+        seqs = [(i, 0, int(n)) for i, n in enumerate(lengths.tolist())]
+    else:
+        seqs = [(i, 0, T) for i in range(B)]
+    o = torch.zeros(B, T, H, V, dtype=dtype)
+    states = torch.full((B, T, H, K, V), float("nan"), dtype=dtype)
+    cast = [t.detach().to("cpu", dtype) for t in (q, k, v, g, beta)]
+    h0 = (torch.zeros(len(seqs), H, K, V, dtype=dtype) if initial_state is None
+          else initial_state.detach().to("cpu", dtype))
+    for n, (row, start, length) in enumerate(seqs):
+        S = h0[n:n + 1]
+        for t in range(start, start + length):
+            step = [x[row:row + 1, t:t + 1] for x in cast]
+            out, S = kda_recurrent(*step, scale=scale, initial_state=S)
+            o[row, t] = out[0, 0]
+            states[row, t] = S[0]
+    return o, states

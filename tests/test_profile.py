@@ -313,6 +313,24 @@ def test_capture_cpu_counts_ops_and_copy_bytes(tmp_path, monkeypatch):
     assert "aten::mm" in cap.profiler_table(row_limit=5)
 
 
+def _views_and_a_transposed_copy():
+    A.t()  # a view: launches nothing
+    A.contiguous()  # already contiguous: returns A without even an op record
+    B.reshape(-1)  # a view again
+    B.t().contiguous()  # a real copy (aten::contiguous -> clone -> copy_)
+
+
+def test_capture_cpu_views_are_not_launches(tmp_path):
+    cap = P.capture(_views_and_a_transposed_copy, steps=2, trace_dir=tmp_path, device="cpu")
+    step = cap.kernels.iloc[:4]
+    assert list(step["name"]) == ["aten::t", "aten::reshape", "aten::t", "aten::contiguous"]
+    assert list(step["kind"]) == ["cpu_meta", "cpu_meta", "cpu_meta", "cpu_op"]
+    assert step["category"].iloc[3] == "copy" and step["bytes"].iloc[3] == 32 * 32 * 4
+    assert cap.counts() == {"launches": 1, "copies": 1, "bytes_copied": 32 * 32 * 4, "bytes_known": 1}
+    back = P.read_trace(P.write_chrome_trace(cap.kernels, tmp_path / "rt.json"))  # kinds survive a rewrite
+    assert list(back["kind"]) == list(cap.kernels["kind"]) and P.counts(back, 2) == cap.counts()
+
+
 def test_capture_never_overwrites_unless_asked(tmp_path):
     path = tmp_path / "reference.trace.json"
     path.write_text("committed reference")

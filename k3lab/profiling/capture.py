@@ -145,13 +145,14 @@ def write_chrome_trace(kernels: pd.DataFrame, path, *, overwrite: bool = False, 
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
-    cats = {"kernel": "kernel", "memcpy": "gpu_memcpy", "memset": "gpu_memset", "cpu_op": "cpu_op"}
+    cats = {"kernel": "kernel", "memcpy": "gpu_memcpy", "memset": "gpu_memset", "cpu_op": "cpu_op",
+            "cpu_meta": "cpu_op"}
     devices = {d: i for i, d in enumerate(dict.fromkeys(kernels["device"]))}
     base = int(kernels["start_ns"].min()) if len(kernels) else 0
     events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": str(dev)}}
               for dev, pid in devices.items()]
     for row in kernels.itertuples(index=False):
-        args = {"device": row.device, "category": row.category}
+        args = {"device": row.device, "category": row.category, "k3lab_kind": row.kind}
         for key in ("stream", "correlation", "bytes"):
             value = getattr(row, key)
             if not pd.isna(value):

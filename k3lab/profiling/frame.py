@@ -5,7 +5,8 @@ trace, per top-level ATen op) with these columns:
 
   name        kernel / op name as the tool wrote it
   category    `categorize(name)`
-  kind        'kernel', 'memcpy', 'memset' or 'cpu_op'
+  kind        'kernel', 'memcpy', 'memset'; on a CPU trace 'cpu_op', or 'cpu_meta' for a view or
+              metadata op that does no work (aten::view, aten::t, ...: no kernel on a GPU)
   start_ns    start on the tool's own clock, integer nanoseconds (int64)
   dur_ns      duration, integer nanoseconds (int64)
   start_us    start in microseconds from the first row of the file (float; for timelines)
@@ -28,7 +29,7 @@ from k3lab.profiling.categories import categorize
 
 COLUMNS = ("name", "category", "kind", "start_ns", "dur_ns", "start_us", "dur_us", "bytes", "device",
            "stream", "correlation", "source")
-KINDS = ("kernel", "memcpy", "memset", "cpu_op")
+KINDS = ("kernel", "memcpy", "memset", "cpu_op", "cpu_meta")
 TABLE_COLUMNS = ("name", "category", "calls", "total_us", "mean_us", "min_us", "max_us", "share", "bytes")
 
 
@@ -140,8 +141,9 @@ def _per_step(value: int, steps: int):
 def counts(df: pd.DataFrame, steps: int = 1) -> dict:
     """Per-step counts from a kernel frame.
 
-    launches:     device operations enqueued (kernels, memcpys, memsets); on a CPU trace, top-level ops
-    copies:       rows whose category is 'copy' (DMA copies and copy kernels alike)
+    launches:     device operations enqueued (kernels, memcpys, memsets); on a CPU trace, top-level
+                  ops that do work (kind 'cpu_meta' rows, views and metadata, are not counted)
+    copies:       launches whose category is 'copy' (DMA copies and copy kernels alike)
     bytes_copied: bytes of those copies where the trace gives a size (0 when none does; see
                   `bytes_known`, the number of copies with a known size)
     Integers when `steps` divides the totals, floats otherwise.
@@ -149,10 +151,11 @@ def counts(df: pd.DataFrame, steps: int = 1) -> dict:
     _check_frame(df, "counts")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"counts: steps must be a positive int, got {steps!r}")
-    copies = df[df["category"] == "copy"]
+    work = df[df["kind"] != "cpu_meta"] if "kind" in df.columns else df
+    copies = work[work["category"] == "copy"]
     known = copies["bytes"].dropna() if "bytes" in copies.columns else pd.Series(dtype="Int64")
     return {
-        "launches": _per_step(len(df), steps),
+        "launches": _per_step(len(work), steps),
         "copies": _per_step(len(copies), steps),
         "bytes_copied": _per_step(int(known.sum()) if len(known) else 0, steps),
         "bytes_known": _per_step(len(known), steps),

@@ -8,7 +8,9 @@ What the reader relies on (shared/fixtures/FORMATS.md section 11, checked on the
   ATen copy op the memcpy came from (linked by External id), when exactly one memcpy links to it;
 - host launch calls are `cat == "cuda_runtime"` on both vendors (hipLaunchKernel on ROCm).
 A CPU-only trace has no device rows: its rows are the top-level ATen ops of each thread (an op
-called inside another op, such as aten::mm inside aten::matmul, is part of its parent's row).
+called inside another op, such as aten::mm inside aten::matmul, is part of its parent's row);
+view and metadata ops that do no work (aten::view, aten::t, a no-op aten::contiguous) get kind
+'cpu_meta', so they are not counted as launches.
 """
 
 from __future__ import annotations
@@ -95,21 +97,37 @@ def op_bytes(event: dict):
     return math.prod(int(d) for d in dims[0]) * size
 
 
-def _top_level_ops(ops: list[dict]) -> list[dict]:
-    """Ops not nested inside another op on the same thread (one row per user-visible op call)."""
+# Ops that only make a view or metadata (or return their input unchanged): on a GPU they launch
+# nothing. A top-level op counts as work if it, or any op nested in it, is not one of these
+# (aten::reshape that had to copy calls aten::clone; aten::contiguous of a contiguous tensor calls nothing).
+META_OPS = frozenset(f"aten::{op}" for op in (
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "expand", "expand_as",
+    "as_strided", "slice", "select", "unsqueeze", "squeeze", "unbind", "split", "split_with_sizes", "chunk",
+    "narrow", "detach", "alias", "resolve_conj", "resolve_neg", "contiguous", "to", "lift_fresh", "empty",
+    "empty_like", "empty_strided", "flatten", "unflatten", "view_as", "diagonal", "movedim", "swapaxes",
+    "numpy_T", "real", "imag", "view_as_real", "view_as_complex", "_nested_tensor_from_mask_left_aligned",
+    "set_", "result_type", "is_nonzero", "size", "stride", "dim", "requires_grad_"))
+
+
+def _top_level_ops(ops: list[dict]) -> list[tuple[dict, bool]]:
+    """(op, does_work) for each op not nested inside another op on the same thread: one row per
+    user-visible op call. does_work is False for a view/metadata op with no working op inside."""
     by_thread: dict[tuple, list[dict]] = {}
     for e in ops:
         by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    top = []
+    top: list[list] = []
     for events in by_thread.values():
         events.sort(key=lambda e: (_ns(e["ts"]), -_ns(e["ts"]) - _ns(e.get("dur", 0))))
         open_until = None
         for e in events:
             start, end = _ns(e["ts"]), _ns(e["ts"]) + _ns(e.get("dur", 0))
+            works = str(e.get("name", "")) not in META_OPS
             if open_until is None or start >= open_until:
-                top.append(e)
+                top.append([e, works])
                 open_until = end
-    return top
+            elif works:
+                top[-1][1] = True  # a working op nested in the current top-level op
+    return [(e, works) for e, works in top]
 
 
 def kernels_from_trace(trace, *, expect_gpu: bool | None = None, label: str = "trace") -> pd.DataFrame:
@@ -137,12 +155,13 @@ def kernels_from_trace(trace, *, expect_gpu: bool | None = None, label: str = "t
             "profiler was given the CUDA activity and that the work ran inside the profiled region.")
     else:
         rows = []
-        for e in _top_level_ops(cpu_ops):
+        for e, works in _top_level_ops(cpu_ops):
             name, args = str(e.get("name", "")), e.get("args") or {}
-            nbytes = _int_or_none(args.get("bytes"))  # present in traces k3lab wrote itself
-            if nbytes is None and name in _COPY_OPS:
+            kind = args.get("k3lab_kind") or ("cpu_op" if works else "cpu_meta")  # traces k3lab wrote keep theirs
+            nbytes = _int_or_none(args.get("bytes"))  # likewise
+            if nbytes is None and name in _COPY_OPS and kind == "cpu_op":
                 nbytes = op_bytes(e)
-            rows.append({"name": name, "kind": "cpu_op", "start_ns": _ns(e["ts"]),
+            rows.append({"name": name, "kind": kind, "start_ns": _ns(e["ts"]),
                          "dur_ns": _ns(e.get("dur", 0)), "device": "cpu",
                          "stream": _int_or_none(args.get("stream", e.get("tid"))),
                          "correlation": _int_or_none(args.get("External id", args.get("correlation"))),

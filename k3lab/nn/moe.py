@@ -114,7 +114,8 @@ class LatentMoE(nn.Module):
         y = torch.zeros(z.shape, dtype=acc_dtype, device=z.device)
         for e in idx.unique().tolist():  # only the experts some token chose
             rows, slot = (idx == e).nonzero(as_tuple=True)
-            y.index_add_(0, rows, weights[rows, slot, None].to(acc_dtype) * self.experts[e](z[rows]).to(acc_dtype))
+            # a token picks an expert at most once, so `rows` has no repeats (index_add_ is very slow on CPU)
+            y[rows] += weights[rows, slot, None].to(acc_dtype) * self.experts[e](z[rows]).to(acc_dtype)
         return y
 
     def forward(self, x):

@@ -1,0 +1,734 @@
+"""Chunked KDA prefill in Triton: the plain chunk walk ("before") and the group scan ("after").
+
+The problem (seed, section 5): KDA's state after a chunk depends on the state before it, so a
+prefill walks its chunks one after another. With few sequences and heads (B = 1 at TP8: 12 heads,
+two 64-wide value tiles each = 24 programs) most of the GPU's 132 SMs (256 CUs on MI355X) sit idle
+while 24 programs each walk 256 chunks of a 16K-token prompt.
+
+Both variants start with the same chunk-local prologue (one launch, every chunk in parallel):
+per chunk and head, the in-chunk cumulative log-decay G, Akk and Aqk, the 64 x 64 unit
+lower-triangular inverse R = (I + Akk)^-1 in fp32, and from it W = R diag(beta) (K e^G),
+U = R diag(beta) V, Qg = scale Q e^G, Kd^T = (K e^(G_last - G))^T and d = e^(G_last) (the
+`k3lab.ops.kda_scan_math.ChunkQuantities`, written to memory in the inputs' dtype).
+
+* before (`kda_chunk_before`, 2 launches): the walk. One program per (sequence, head, value tile)
+  keeps its state tile S [128 x BV] fp32 on chip and, chunk after chunk, computes
+  E = U - W S, O = Qg S + Aqk E, S = diag(d) S + Kd^T E.
+* after (`kda_chunk_after`, 4 launches): the group scan.
+  1. the same prologue;
+  2. summaries: every group of `group_size` chunks composes its chunk maps
+     S_out = A_c S_in + B_c (A_c = diag(d) - Kd^T W, B_c = Kd^T U) into one map
+     S_out = (D + N) S_in + b. D = the product of the chunks' d (a diagonal, kept exact in fp32);
+     N and b come from the same walk as above run on the wider state [N | b] (K + V columns):
+     N starts at 0 with right-hand side -W diag(D_so_far), b starts at 0 with right-hand side U;
+  3. the scan: one program per (sequence, head, value tile) walks the groups in order,
+     S <- D S + N S + b, writing every group's starting state (n_groups steps, not n_chunks);
+  4. replay: every group walks its own chunks from its starting state, all groups in parallel,
+     writing O (and the final state from each sequence's last group). It is the "before" kernel
+     with more, shorter walks.
+  The extra work is the summary walk on K + V = 256 columns (about as many matrix flops as the
+  replay itself) and the scan; it pays only while the plain walk leaves the GPU idle.
+  `choose_group_size` makes that call from sequences x heads against the device's compute units,
+  and falls back to the plain walk (one group per sequence) when there is enough parallel work.
+
+Inputs: q, k [B, T, H, 128], v [B, T, H, 128] (bf16, fp16 or fp32, one dtype), g [B, T, H, 128]
+fp32 log-decay (<= 0), beta [B, T, H] fp32, an optional fp32 initial state [N, H, 128, 128];
+variable-length batches are packed as B = 1 with cu_seqlens [N + 1] (FlashAttention's convention).
+Outputs: o like v's layout in q's dtype, final state [N, H, 128, 128] fp32.
+
+Precision: the inverse and its intermediates stay fp32 (Akk from fp32 operands, "tf32x3" on NVIDIA,
+exact fp32 elsewhere), and only the finished R is rounded to the input dtype for W and U (seed,
+technical note). The walks use the input dtype's matrix units with an fp32 state and fp32
+accumulation, as fla does. With fp32 inputs every product is an fp32 one ("ieee"): that is what the
+CPU tests check in Triton's interpreter, where bf16 dots are wrong.
+
+The decay factors: within a 16-row block the kernel splits e^(G_i - G_j) = e^(G_i - G_s) e^(G_s - G_j)
+around the block's first row s; the second factor is at most e^(15 max|g|), within fp32 for
+K3's gate (g in (-5, 0), architecture.md). A block whose spread is wider than SAFE_SPREAD takes an
+exact column-by-column path instead (slower, same result), so no input overflows.
+
+ROCm: the kernels are plain Triton and read unit counts from the device; they have not yet been run
+on AMD hardware by this project.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from k3lab import env
+
+HEAD_DIM = 128  # K = V = 128 for K3's KDA; the kernels hold whole 128-row state tiles
+CHUNK = 64
+SUB = 16  # the inverse works on 16 x 16 blocks
+SAFE_SPREAD = 64.0  # largest in-block decay spread (natural log) the factored path accepts
+_SLOTS_PER_UNIT = 2  # prologue programs per compute unit (each owns a 64 KB scratch slot)
+# Triton's interpreter (CPU) turns a run-time loop bound into a 1-element array that numpy >= 2.3 will not
+# convert to an int; the kernels then loop with `while`, which it handles (compiled code keeps `for`).
+_WHILE = env.triton_interpreted()
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _prologue_kernel(q, k, v, g, beta, chunk_tok, chunk_len,
+                     w_out, u_out, qg_out, kdt_out, aqk_out, d_out, scratch,
+                     n_items, nprog, n_iter, H, scale,
+                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                     SPREAD: tl.constexpr, AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr,
+                     INV_PREC: tl.constexpr, OUT_PREC: tl.constexpr, WHILE: tl.constexpr):
+    """Persistent: program p handles items p, p + P, ... (item = chunk * H + head) and keeps its
+    G / Akk / R in its own scratch slot, so the slots stay in L2 instead of streaming to memory.
+    WHILE (Triton's interpreter) uses while loops: its `for` cannot take run-time bounds here."""
+    pid = tl.program_id(0)
+    s_g = scratch + pid.to(tl.int64) * (C * K + 2 * C * C)
+    if WHILE:
+        it = 0
+        while it < n_iter:
+            item = pid + it * nprog
+            if item < n_items:
+                _prologue_item(q, k, v, g, beta, chunk_tok, chunk_len, w_out, u_out, qg_out, kdt_out, aqk_out,
+                               d_out, s_g, item, H, scale, K, V, C, BC, SPREAD, AKK_PREC, AQK_PREC, INV_PREC,
+                               OUT_PREC)
+            it += 1
+    else:
+        for it in range(0, n_iter):
+            item = pid + it * nprog
+            if item < n_items:
+                _prologue_item(q, k, v, g, beta, chunk_tok, chunk_len, w_out, u_out, qg_out, kdt_out, aqk_out,
+                               d_out, s_g, item, H, scale, K, V, C, BC, SPREAD, AKK_PREC, AQK_PREC, INV_PREC,
+                               OUT_PREC)
+
+
+@triton.jit
+def _prologue_item(q, k, v, g, beta, chunk_tok, chunk_len, w_out, u_out, qg_out, kdt_out, aqk_out, d_out,
+                   s_g, item, H, scale, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                   SPREAD: tl.constexpr, AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr,
+                   INV_PREC: tl.constexpr, OUT_PREC: tl.constexpr):
+    """One chunk of one head: G, Akk, Aqk, R = (I + Akk)^-1, W, U, Qg, Kd^T, d."""
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, K)
+    rv = tl.arange(0, V)
+    rb = tl.arange(0, BC)
+    s_a = s_g + C * K
+    s_r = s_a + C * C
+    INTER = w_out.dtype.element_ty
+    c = item // H
+    h = item % H
+    tok0 = tl.load(chunk_tok + c).to(tl.int64)
+    L = tl.load(chunk_len + c)
+    rmask = rc < L
+    row_qk = ((tok0 + rc) * H + h) * K
+    kf = tl.load(k + row_qk[:, None] + rk[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    qf = tl.load(q + row_qk[:, None] + rk[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    gf = tl.load(g + row_qk[:, None] + rk[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    bt = tl.load(beta + (tok0 + rc) * H + h, mask=rmask, other=0.0).to(tl.float32)
+    # padded rows: g = 0 keeps G at G_last, k = 0 and beta = 0 make them no-ops
+    G = tl.cumsum(gf, axis=0)
+    tl.store(s_g + rc[:, None] * K + rk[None, :], G)
+    tl.debug_barrier()
+    out = c.to(tl.int64) * H + h
+    aqk_base = aqk_out + out * C * C
+    # --- Akk, Aqk by 16-column blocks, around the block's first row s: e^(G_i - G_s) e^(G_s - G_j)
+    for J in tl.static_range(C // BC):
+        jj = J * BC + rb
+        G_s = tl.load(s_g + J * BC * K + rk)
+        G_J = tl.load(s_g + jj[:, None] * K + rk[None, :])
+        k_J = tl.load(k + ((tok0 + jj) * H + h)[:, None] * K + rk[None, :], mask=(jj < L)[:, None],
+                      other=0.0).to(tl.float32)
+        spread = tl.max(tl.max(G_s[None, :] - G_J, axis=1), axis=0)
+        if spread <= SPREAD:
+            col = k_J * tl.exp(G_s[None, :] - G_J)  # <= e^SPREAD
+            row = tl.exp(tl.where(rc[:, None] >= J * BC, G - G_s[None, :], float("-inf")))  # <= 1
+            akk = tl.dot(kf * row, tl.trans(col), input_precision=AKK_PREC)
+            aqk = tl.dot(qf * row, tl.trans(col), input_precision=AQK_PREC)
+        else:  # wide decay inside the block: exact pairwise decays, one key column at a time
+            akk = tl.zeros([C, BC], dtype=tl.float32)
+            aqk = tl.zeros([C, BC], dtype=tl.float32)
+            for cc in range(BC):
+                j = J * BC + cc
+                k_j = tl.load(k + ((tok0 + j) * H + h) * K + rk, mask=(rk < K) & (j < L),
+                              other=0.0).to(tl.float32)
+                G_j = tl.load(s_g + j * K + rk)
+                e = tl.exp(tl.where(rc[:, None] >= j, G - G_j[None, :], float("-inf")))
+                ke = k_j[None, :] * e
+                akk = tl.where(rb[None, :] == cc, tl.sum(kf * ke, axis=1)[:, None], akk)
+                aqk = tl.where(rb[None, :] == cc, tl.sum(qf * ke, axis=1)[:, None], aqk)
+        akk = tl.where(rc[:, None] > jj[None, :], akk * bt[:, None], 0.0)
+        aqk = tl.where(rc[:, None] >= jj[None, :], aqk * scale, 0.0)
+        tl.store(s_a + rc[:, None] * C + jj[None, :], akk)
+        tl.store(aqk_base + rc[:, None] * C + jj[None, :], aqk.to(INTER))
+    tl.debug_barrier()
+    # --- R = (I + Akk)^-1: the four diagonal 16 x 16 blocks by forward substitution, side by side
+    b3 = tl.arange(0, C // BC)[:, None, None]
+    i3 = rb[None, :, None]
+    j3 = rb[None, None, :]
+    diag = (b3 * BC + i3) * C + b3 * BC + j3
+    L3 = tl.load(s_a + diag)
+    X3 = tl.zeros([C // BC, BC, BC], dtype=tl.float32)  # R - I, filled row by row
+    for i in range(1, BC):
+        a = -tl.sum(tl.where(i3 == i, L3, 0.0), axis=1)  # row i of -L, every block
+        x = a + tl.sum(a[:, :, None] * X3, axis=1)
+        X3 = tl.where(i3 == i, x[:, None, :], X3)
+    R3 = X3 + tl.where(i3 == j3, 1.0, 0.0)
+    tl.store(s_r + diag, R3)
+    tl.debug_barrier()
+    # --- off-diagonal blocks: R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ, fp32 products
+    r00 = _blk(s_r, 0, 0, C, BC)
+    r11 = _blk(s_r, 1, 1, C, BC)
+    r22 = _blk(s_r, 2, 2, C, BC)
+    r33 = _blk(s_r, 3, 3, C, BC)
+    l10 = _blk(s_a, 1, 0, C, BC)
+    l21 = _blk(s_a, 2, 1, C, BC)
+    l32 = _blk(s_a, 3, 2, C, BC)
+    r10 = -_mm(r11, _mm(l10, r00, INV_PREC), INV_PREC)
+    r21 = -_mm(r22, _mm(l21, r11, INV_PREC), INV_PREC)
+    r32 = -_mm(r33, _mm(l32, r22, INV_PREC), INV_PREC)
+    l20 = _blk(s_a, 2, 0, C, BC)
+    l31 = _blk(s_a, 3, 1, C, BC)
+    r20 = -_mm(r22, _mm(l20, r00, INV_PREC) + _mm(l21, r10, INV_PREC), INV_PREC)
+    r31 = -_mm(r33, _mm(l31, r11, INV_PREC) + _mm(l32, r21, INV_PREC), INV_PREC)
+    l30 = _blk(s_a, 3, 0, C, BC)
+    r30 = -_mm(r33, _mm(l30, r00, INV_PREC) + _mm(l31, r10, INV_PREC) + _mm(l32, r20, INV_PREC), INV_PREC)
+    _blk_store(s_r, 1, 0, r10, C, BC)
+    _blk_store(s_r, 2, 1, r21, C, BC)
+    _blk_store(s_r, 3, 2, r32, C, BC)
+    _blk_store(s_r, 2, 0, r20, C, BC)
+    _blk_store(s_r, 3, 1, r31, C, BC)
+    _blk_store(s_r, 3, 0, r30, C, BC)
+    tl.debug_barrier()
+    R = tl.load(s_r + rc[:, None] * C + rc[None, :], mask=(rc[:, None] // BC) >= (rc[None, :] // BC), other=0.0)
+    # --- W, U from the finished inverse (rounded to the input dtype only now, as the seed does)
+    eG = tl.exp(G)
+    Rb = R.to(INTER)
+    W = tl.dot(Rb, (kf * eG * bt[:, None]).to(INTER), input_precision=OUT_PREC)
+    vf = tl.load(v + ((tok0 + rc) * H + h)[:, None] * V + rv[None, :], mask=rmask[:, None],
+                 other=0.0).to(tl.float32)
+    U = tl.dot(Rb, (vf * bt[:, None]).to(INTER), input_precision=OUT_PREC)
+    tl.store(w_out + out * C * K + rc[:, None] * K + rk[None, :], W.to(INTER))
+    tl.store(u_out + out * C * V + rc[:, None] * V + rv[None, :], U.to(INTER))
+    tl.store(qg_out + out * C * K + rc[:, None] * K + rk[None, :], (qf * eG * scale).to(INTER))
+    G_last = tl.load(s_g + (C - 1) * K + rk)
+    kd_t = tl.trans(kf * tl.exp(G_last[None, :] - G))  # [K, C]
+    tl.store(kdt_out + out * K * C + rk[:, None] * C + rc[None, :], kd_t.to(INTER))
+    tl.store(d_out + out * K + rk, tl.exp(G_last))
+    tl.debug_barrier()  # the next item reuses this program's scratch slot
+
+
+@triton.jit
+def _blk(base, I: tl.constexpr, J: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    r = tl.arange(0, BC)
+    return tl.load(base + (I * BC + r)[:, None] * C + J * BC + r[None, :])
+
+
+@triton.jit
+def _blk_store(base, I: tl.constexpr, J: tl.constexpr, x, C: tl.constexpr, BC: tl.constexpr):
+    r = tl.arange(0, BC)
+    tl.store(base + (I * BC + r)[:, None] * C + J * BC + r[None, :], x)
+
+
+@triton.jit
+def _mm(a, b, PREC: tl.constexpr):
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _walk_step(S, cidx, h, w, u, qg, kdt, aqk, dd, chunk_tok, chunk_len, o, H, v0,
+               K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """One chunk: E = U - W S; O = Qg S + Aqk E (stored); returns diag(d) S + Kd^T E."""
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, K)
+    rbv = tl.arange(0, BV)
+    INTER = w.dtype.element_ty
+    base = cidx * H + h
+    W = tl.load(w + base * C * K + rc[:, None] * K + rk[None, :])
+    U = tl.load(u + base * C * V + rc[:, None] * V + v0 + rbv[None, :]).to(tl.float32)
+    Qg = tl.load(qg + base * C * K + rc[:, None] * K + rk[None, :])
+    KdT = tl.load(kdt + base * K * C + rk[:, None] * C + rc[None, :])
+    A = tl.load(aqk + base * C * C + rc[:, None] * C + rc[None, :])
+    d = tl.load(dd + base * K + rk)
+    Sb = S.to(INTER)
+    E = U - tl.dot(W, Sb, input_precision=PREC)
+    Eb = E.to(INTER)
+    O = tl.dot(Qg, Sb, input_precision=PREC) + tl.dot(A, Eb, input_precision=PREC)
+    tok0 = tl.load(chunk_tok + cidx).to(tl.int64)
+    L = tl.load(chunk_len + cidx)
+    tl.store(o + ((tok0 + rc) * H + h)[:, None] * V + v0 + rbv[None, :], O.to(o.dtype.element_ty),
+             mask=(rc < L)[:, None])
+    return d[:, None] * S + tl.dot(KdT, Eb, input_precision=PREC)
+
+
+@triton.jit
+def _walk_kernel(w, u, qg, kdt, aqk, dd, chunk_tok, chunk_len,
+                 grp_chunk0, grp_nchunks, grp_seq, grp_sin, grp_last,
+                 s_in, o, s_final, H,
+                 K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+                 HAS_SIN: tl.constexpr, PREC: tl.constexpr, WHILE: tl.constexpr):
+    """One program per (value tile, head, group): walk the group's chunks keeping S [K, BV] on chip.
+    The 'before' launches it with one group per sequence; the 'after' replay with many groups."""
+    iv = tl.program_id(0)
+    h = tl.program_id(1)
+    gi = tl.program_id(2)
+    rk = tl.arange(0, K)
+    rbv = tl.arange(0, BV)
+    v0 = iv * BV
+    c0 = tl.load(grp_chunk0 + gi).to(tl.int64)
+    nch = tl.load(grp_nchunks + gi)
+    if HAS_SIN:
+        sidx = tl.load(grp_sin + gi).to(tl.int64)
+        S = tl.load(s_in + ((sidx * H + h) * K + rk)[:, None] * V + v0 + rbv[None, :])
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    if WHILE:
+        t = 0
+        while t < nch:
+            S = _walk_step(S, c0 + t, h, w, u, qg, kdt, aqk, dd, chunk_tok, chunk_len, o, H, v0, K, V, C, BV, PREC)
+            t += 1
+    else:
+        for t in range(nch):
+            S = _walk_step(S, c0 + t, h, w, u, qg, kdt, aqk, dd, chunk_tok, chunk_len, o, H, v0, K, V, C, BV, PREC)
+    if tl.load(grp_last + gi) != 0:
+        n = tl.load(grp_seq + gi).to(tl.int64)
+        tl.store(s_final + ((n * H + h) * K + rk)[:, None] * V + v0 + rbv[None, :], S)
+
+
+@triton.jit
+def _summary_step(X, Dc, cidx, h, w, u, kdt, dd, H, is_n, col0, vcol0,
+                  K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, K)
+    rbv = tl.arange(0, BV)
+    INTER = w.dtype.element_ty
+    base = cidx * H + h
+    W = tl.load(w + base * C * K + rc[:, None] * K + rk[None, :])
+    KdT = tl.load(kdt + base * K * C + rk[:, None] * C + rc[None, :])
+    d = tl.load(dd + base * K + rk)
+    if is_n:
+        Wc = tl.load(w + base * C * K + rc[:, None] * K + col0 + rbv[None, :]).to(tl.float32)
+        rhs = -(Wc * Dc[None, :])
+        Dc = Dc * tl.load(dd + base * K + col0 + rbv)
+    else:
+        rhs = tl.load(u + base * C * V + rc[:, None] * V + vcol0 + rbv[None, :]).to(tl.float32)
+    E = rhs - tl.dot(W, X.to(INTER), input_precision=PREC)
+    X = d[:, None] * X + tl.dot(KdT, E.to(INTER), input_precision=PREC)
+    return X, Dc
+
+
+@triton.jit
+def _summary_kernel(w, u, kdt, dd, grp_chunk0, grp_nchunks, sum_grp,
+                    sum_n, sum_b, sum_d, H,
+                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+                    PREC: tl.constexpr, WHILE: tl.constexpr):
+    """One program per (column tile of [N | b], head, summarised group). Tiles below K // BV build
+    N (right-hand side -W diag(D so far), D tracked exactly); the others build b (right-hand side U).
+    Both walk X <- diag(d) X + Kd^T (rhs - W X) from X = 0."""
+    it = tl.program_id(0)
+    h = tl.program_id(1)
+    si = tl.program_id(2)
+    rk = tl.arange(0, K)
+    rbv = tl.arange(0, BV)
+    gi = tl.load(sum_grp + si)
+    c0 = tl.load(grp_chunk0 + gi).to(tl.int64)
+    nch = tl.load(grp_nchunks + gi)
+    is_n = it < K // BV
+    col0 = it * BV  # N: columns of M
+    vcol0 = (it - K // BV) * BV  # b: value columns
+    X = tl.zeros([K, BV], dtype=tl.float32)
+    Dc = tl.full([BV], 1.0, dtype=tl.float32)
+    if WHILE:
+        t = 0
+        while t < nch:
+            X, Dc = _summary_step(X, Dc, c0 + t, h, w, u, kdt, dd, H, is_n, col0, vcol0, K, V, C, BV, PREC)
+            t += 1
+    else:
+        for t in range(nch):
+            X, Dc = _summary_step(X, Dc, c0 + t, h, w, u, kdt, dd, H, is_n, col0, vcol0, K, V, C, BV, PREC)
+    sbase = si.to(tl.int64) * H + h
+    if is_n:
+        tl.store(sum_n + (sbase * K + rk)[:, None] * K + col0 + rbv[None, :], X)
+        tl.store(sum_d + sbase * K + col0 + rbv, Dc)
+    else:
+        tl.store(sum_b + (sbase * K + rk)[:, None] * V + vcol0 + rbv[None, :], X)
+
+
+@triton.jit
+def _scan_step(S, gi, last, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0,
+               K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    rk = tl.arange(0, K)
+    rbv = tl.arange(0, BV)
+    tl.store(s_in + ((gi * H + h) * K + rk)[:, None] * V + v0 + rbv[None, :], S)
+    if not last:
+        sb = tl.load(grp_sum + gi).to(tl.int64) * H + h
+        D = tl.load(sum_d + sb * K + rk)
+        N = tl.load(sum_n + (sb * K + rk)[:, None] * K + rk[None, :])
+        b = tl.load(sum_b + (sb * K + rk)[:, None] * V + v0 + rbv[None, :])
+        S = D[:, None] * S + tl.dot(N, S, input_precision=PREC) + b
+    return S
+
+
+@triton.jit
+def _scan_kernel(sum_n, sum_b, sum_d, grp_sum, seq_grp0, seq_ngrp, s_init, s_in, H,
+                 K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_INIT: tl.constexpr,
+                 PREC: tl.constexpr, WHILE: tl.constexpr):
+    """One program per (value tile, head, sequence): S <- D S + N S + b over the sequence's groups,
+    storing each group's starting state. The last group needs no summary (replay writes the end)."""
+    iv = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.program_id(2).to(tl.int64)
+    rk = tl.arange(0, K)
+    rbv = tl.arange(0, BV)
+    v0 = iv * BV
+    g0 = tl.load(seq_grp0 + n).to(tl.int64)
+    ng = tl.load(seq_ngrp + n)
+    if HAS_INIT:
+        S = tl.load(s_init + ((n * H + h) * K + rk)[:, None] * V + v0 + rbv[None, :])
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    if WHILE:
+        j = 0
+        while j < ng:
+            S = _scan_step(S, g0 + j, j == ng - 1, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0, K, V, BV, PREC)
+            j += 1
+    else:
+        for j in range(ng):
+            S = _scan_step(S, g0 + j, j == ng - 1, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0, K, V, BV, PREC)
+
+
+# ----------------------------------------------------------------------------------------------
+# plan: chunk and group tables built once on the host (no device sync in the timed call)
+
+
+@dataclass
+class KdaPlan:
+    """Where every chunk and group lies in the packed token stream. Build with `make_plan`, reuse
+    across calls with the same lengths (building needs the lengths on the host)."""
+
+    lengths: list[int]
+    heads: int
+    group_size: int | None  # chunks per group; None = one group per sequence (the plain walk)
+    n_chunks: int
+    chunk_tok: torch.Tensor
+    chunk_len: torch.Tensor
+    n_groups: int
+    grp_chunk0: torch.Tensor
+    grp_nchunks: torch.Tensor
+    grp_seq: torch.Tensor
+    grp_last: torch.Tensor
+    grp_sum: torch.Tensor  # summary slot of a group, -1 for a sequence's last group
+    sum_grp: torch.Tensor  # group of each summary slot
+    n_summaries: int
+    seq_grp0: torch.Tensor
+    seq_ngrp: torch.Tensor
+    seq_index: torch.Tensor  # arange(N): the 'before' reads initial_state[n] for group n
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def uses_scan(self) -> bool:
+        return self.n_summaries > 0
+
+
+def make_plan(lengths, heads: int, group_size: int | None = None, device=None) -> KdaPlan:
+    """Tables for sequences of `lengths` tokens (packed one after the other) and `group_size` chunks
+    per group (None: the whole sequence, i.e. no scan)."""
+    lengths = [int(x) for x in lengths]
+    if not lengths or any(x < 0 for x in lengths):
+        raise ValueError(f"lengths must be a non-empty list of non-negative ints, got {lengths[:8]}")
+    if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
+        raise ValueError(f"group_size must be a positive int or None, got {group_size!r}")
+    chunk_tok, chunk_len = [], []
+    grp_chunk0, grp_nchunks, grp_seq, grp_last, grp_sum, sum_grp = [], [], [], [], [], []
+    seq_grp0, seq_ngrp = [], []
+    bos = 0
+    for n, length in enumerate(lengths):
+        nc = -(-length // CHUNK)
+        c_first = len(chunk_tok)
+        for i in range(nc):
+            chunk_tok.append(bos + i * CHUNK)
+            chunk_len.append(min(CHUNK, length - i * CHUNK))
+        gs = nc if (group_size is None or nc == 0) else min(group_size, nc)
+        ng = max(1, -(-nc // gs)) if gs else 1
+        seq_grp0.append(len(grp_chunk0))
+        seq_ngrp.append(ng)
+        for j in range(ng):
+            gidx = len(grp_chunk0)
+            grp_chunk0.append(c_first + j * gs)
+            grp_nchunks.append(min(gs, nc - j * gs) if gs else 0)
+            grp_seq.append(n)
+            last = j == ng - 1
+            grp_last.append(int(last))
+            if last:
+                grp_sum.append(-1)
+            else:
+                grp_sum.append(len(sum_grp))
+                sum_grp.append(gidx)
+        bos += length
+
+    def it(xs):
+        return torch.tensor(xs if xs else [0], dtype=torch.int32, device=device)
+
+    return KdaPlan(lengths=lengths, heads=heads, group_size=group_size, n_chunks=len(chunk_tok),
+                   chunk_tok=it(chunk_tok), chunk_len=it(chunk_len), n_groups=len(grp_chunk0),
+                   grp_chunk0=it(grp_chunk0), grp_nchunks=it(grp_nchunks), grp_seq=it(grp_seq),
+                   grp_last=it(grp_last), grp_sum=it(grp_sum), sum_grp=it(sum_grp), n_summaries=len(sum_grp),
+                   seq_grp0=it(seq_grp0), seq_ngrp=it(seq_ngrp), seq_index=it(list(range(len(lengths)))))
+
+
+def walk_programs(n_seqs: int, heads: int, block_v: int = 64, v_dim: int = HEAD_DIM) -> int:
+    """Programs the plain walk launches: one per (sequence, head, value tile)."""
+    return n_seqs * heads * (v_dim // block_v)
+
+
+def choose_group_size(lengths, heads: int, compute_units: int | None = None, block_v: int = 64,
+                      fill: float = 2.0, min_group: int = 4) -> int | None:
+    """Chunks per group for the group scan, or None for the plain walk.
+
+    The rule: the plain walk has P = sequences x heads x (V / block_v) programs. If P already gives
+    every compute unit one program (P >= units), the GPU is busy and the scan's extra passes (a
+    summary walk over K + V columns, a scan, 2 more launches) cost more than they save: plain walk.
+    Otherwise split each sequence into about fill x units / P groups, so the replay has ~fill
+    programs per unit, but never groups shorter than the depth-optimal sqrt(n_chunks / 2) (the
+    critical path is 2 x group + n_groups chunk steps) nor than `min_group` chunks."""
+    units = compute_units if compute_units is not None else env.detect().compute_units
+    lengths = [int(x) for x in lengths]
+    n_chunks = max((-(-x // CHUNK) for x in lengths), default=0)
+    P = walk_programs(len(lengths), heads, block_v)
+    if P >= units or n_chunks <= 2 * min_group:
+        return None
+    want_groups = max(1, math.ceil(fill * units / P))
+    gs = max(min_group, math.ceil(math.sqrt(n_chunks / 2)), math.ceil(n_chunks / want_groups))
+    return None if gs >= n_chunks else gs
+
+
+# ----------------------------------------------------------------------------------------------
+# entry points
+
+
+def _precisions(dtype: torch.dtype) -> dict:
+    """dot precisions: fp32 inputs -> exact fp32 everywhere; 16-bit inputs -> the matrix units for
+    the walks and the output products, near-fp32 ('tf32x3' on NVIDIA) for Akk and the scan."""
+    backend = env.detect().backend
+    exact = "ieee"
+    if dtype == torch.float32 or backend != "cuda":
+        near = exact
+        fast = exact if dtype == torch.float32 else "tf32"
+    else:
+        near = "tf32x3"
+        fast = "tf32"
+    return {"AKK_PREC": near, "AQK_PREC": fast if dtype != torch.float32 else exact,
+            "INV_PREC": exact, "OUT_PREC": exact if dtype == torch.float32 else "tf32",
+            "SCAN_PREC": near, "WALK_PREC": exact if dtype == torch.float32 else "tf32"}
+
+
+def _validate(q, k, v, g, beta, initial_state, cu_seqlens, scale):
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a [B, T, H, K] tensor, got {getattr(q, 'shape', type(q).__name__)}")
+    B, T, H, K = q.shape
+    if K != HEAD_DIM:
+        raise ValueError(f"q's head dim K must be {HEAD_DIM} (the kernels hold 128-row state tiles), got {K}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {getattr(t, 'dtype', type(t).__name__)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape != (B, T, H, HEAD_DIM):
+        raise ValueError(f"v must be [B={B}, T={T}, H={H}, V={HEAD_DIM}], got {tuple(v.shape)}")
+    if not isinstance(g, torch.Tensor) or g.shape != q.shape or g.dtype != torch.float32:
+        raise ValueError(f"g must be a float32 log-decay tensor of q's shape {tuple(q.shape)}, got "
+                         f"{getattr(g, 'dtype', None)} {tuple(getattr(g, 'shape', ()))}")
+    if not isinstance(beta, torch.Tensor) or beta.shape != (B, T, H) or beta.dtype != torch.float32:
+        raise ValueError(f"beta must be a float32 tensor [B={B}, T={T}, H={H}], got "
+                         f"{getattr(beta, 'dtype', None)} {tuple(getattr(beta, 'shape', ()))}")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    if cu_seqlens is None:
+        lengths = [T] * B
+    else:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens, q must be packed as B = 1, got B = {B}")
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        if isinstance(cu_seqlens, torch.Tensor) and (cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point()):
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {cu_seqlens.dtype} "
+                             f"{tuple(cu_seqlens.shape)}")
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T = {T}, got "
+                             f"{cu[:4]}...{cu[-2:]} ({len(cu)} entries)")
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+    N = len(lengths)
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or initial_state.dtype != torch.float32:
+            raise ValueError(f"initial_state must be a float32 tensor, got {getattr(initial_state, 'dtype', None)}")
+        if initial_state.shape != (N, H, HEAD_DIM, HEAD_DIM):
+            raise ValueError(f"initial_state must be [N={N}, H={H}, {HEAD_DIM}, {HEAD_DIM}], got "
+                             f"{tuple(initial_state.shape)}")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
+    return lengths, H
+
+
+@dataclass
+class _Work:
+    """Prologue outputs and scratch, reused between calls of the same shape (allocation is not part
+    of what the study times)."""
+
+    w: torch.Tensor
+    u: torch.Tensor
+    qg: torch.Tensor
+    kdt: torch.Tensor
+    aqk: torch.Tensor
+    d: torch.Tensor
+    scratch: torch.Tensor
+    slots: int
+
+
+def _alloc_work(n_chunks: int, H: int, dtype, device) -> _Work:
+    n = max(1, n_chunks)
+    C, K = CHUNK, HEAD_DIM
+    info = env.detect()
+    slots = max(1, min(n * H, info.compute_units * _SLOTS_PER_UNIT))
+    return _Work(w=torch.empty(n, H, C, K, dtype=dtype, device=device),
+                 u=torch.empty(n, H, C, K, dtype=dtype, device=device),
+                 qg=torch.empty(n, H, C, K, dtype=dtype, device=device),
+                 kdt=torch.empty(n, H, K, C, dtype=dtype, device=device),
+                 aqk=torch.empty(n, H, C, C, dtype=dtype, device=device),
+                 d=torch.empty(n, H, K, dtype=torch.float32, device=device),
+                 scratch=torch.empty(slots * (C * K + 2 * C * C), dtype=torch.float32, device=device),
+                 slots=slots)
+
+
+def kda_chunk_prologue(q, k, v, g, beta, plan: KdaPlan, scale: float, work: _Work | None = None,
+                       num_warps: int = 8) -> _Work:
+    """Launch 1 of both variants: the per-chunk quantities, written into `work`."""
+    H = q.shape[2]
+    work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)
+    n_items = plan.n_chunks * H
+    if n_items == 0:
+        return work
+    p = _precisions(q.dtype)
+    nprog = min(n_items, work.slots)
+    _prologue_kernel[(nprog,)](q, k, v, g, beta, plan.chunk_tok, plan.chunk_len,
+                           work.w, work.u, work.qg, work.kdt, work.aqk, work.d, work.scratch,
+                           n_items, nprog, triton.cdiv(n_items, nprog), H, float(scale), K=HEAD_DIM, V=HEAD_DIM, C=CHUNK, BC=SUB,
+                           SPREAD=SAFE_SPREAD, AKK_PREC=p["AKK_PREC"], AQK_PREC=p["AQK_PREC"],
+                           INV_PREC=p["INV_PREC"], OUT_PREC=p["OUT_PREC"], WHILE=_WHILE, num_warps=num_warps)
+    return work
+
+
+def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, group_size, variant):
+    lengths, H = _validate(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+    if plan is None:
+        if variant == "after" and group_size is None:
+            group_size = choose_group_size(lengths, H)
+        plan = make_plan(lengths, H, group_size if variant == "after" else None, device=q.device)
+    elif plan.lengths != lengths or plan.heads != H:
+        raise ValueError(f"plan was made for lengths {plan.lengths[:4]}... and {plan.heads} heads, not for "
+                         f"these inputs (lengths {lengths[:4]}..., {H} heads)")
+    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    return plan, H, scale
+
+
+def _outputs(q, plan, H):
+    o = torch.empty(q.shape[0], q.shape[1], H, HEAD_DIM, dtype=q.dtype, device=q.device)
+    s_final = torch.empty(plan.n_seqs, H, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=q.device)
+    return o, s_final
+
+
+def _walk(work, plan, o, s_final, s_in, sin_index, H, dtype, block_v, num_warps):
+    p = _precisions(dtype)
+    grid = (HEAD_DIM // block_v, H, plan.n_groups)
+    _walk_kernel[grid](work.w, work.u, work.qg, work.kdt, work.aqk, work.d, plan.chunk_tok, plan.chunk_len,
+                       plan.grp_chunk0, plan.grp_nchunks, plan.grp_seq, sin_index, plan.grp_last,
+                       s_in if s_in is not None else s_final, o, s_final, H,
+                       K=HEAD_DIM, V=HEAD_DIM, C=CHUNK, BV=block_v, HAS_SIN=s_in is not None,
+                       PREC=p["WALK_PREC"], WHILE=_WHILE, num_warps=num_warps)
+
+
+def kda_chunk_before(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, *,
+                     plan: KdaPlan | None = None, work: _Work | None = None, block_v: int = 64,
+                     num_warps: int = 4):
+    """Chunked KDA prefill, plain walk (2 launches: prologue, walk). Returns (o, final_state).
+
+    q, k [B, T, H, 128]; v [B, T, H, 128] (one 16/32-bit float dtype); g [B, T, H, 128] fp32
+    log-decay; beta [B, T, H] fp32; initial_state [N, H, 128, 128] fp32 or None (zeros);
+    cu_seqlens [N + 1] for packed variable-length batches (B = 1), else N = B."""
+    if plan is not None and plan.uses_scan:
+        raise ValueError("plan uses groups (a scan plan); kda_chunk_before needs a plan with group_size=None")
+    plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, None, "before")
+    _check_block_v(block_v)
+    o, s_final = _outputs(q, plan, H)
+    if plan.n_chunks:
+        work = kda_chunk_prologue(q, k, v, g, beta, plan, scale, work)
+    else:
+        work = work or _alloc_work(0, H, q.dtype, q.device)
+    _walk(work, plan, o, s_final, initial_state, plan.seq_index, H, q.dtype, block_v, num_warps)
+    return o, s_final
+
+
+def kda_chunk_after(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, *,
+                    group_size: int | None = None, plan: KdaPlan | None = None, work: _Work | None = None,
+                    block_v: int = 64, summary_block: int = 64, scan_block: int = 32, num_warps: int = 4):
+    """Chunked KDA prefill by the group scan (4 launches: prologue, summaries, scan, replay), or the
+    plain walk when `choose_group_size` (or the plan) says the GPU is already full. Same arguments
+    and results as `kda_chunk_before`, plus `group_size` (chunks per group; None = chosen here)."""
+    plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, group_size, "after")
+    _check_block_v(block_v)
+    _check_block_v(summary_block, "summary_block")
+    _check_block_v(scan_block, "scan_block")
+    if not plan.uses_scan:
+        return kda_chunk_before(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan=plan, work=work,
+                                block_v=block_v, num_warps=num_warps)
+    o, s_final = _outputs(q, plan, H)
+    work = kda_chunk_prologue(q, k, v, g, beta, plan, scale, work)
+    p = _precisions(q.dtype)
+    K = HEAD_DIM
+    dev = q.device
+    sum_n = torch.empty(plan.n_summaries, H, K, K, dtype=torch.float32, device=dev)
+    sum_b = torch.empty(plan.n_summaries, H, K, K, dtype=torch.float32, device=dev)
+    sum_d = torch.empty(plan.n_summaries, H, K, dtype=torch.float32, device=dev)
+    s_in = torch.empty(plan.n_groups, H, K, K, dtype=torch.float32, device=dev)
+    _summary_kernel[(2 * K // summary_block, H, plan.n_summaries)](
+        work.w, work.u, work.kdt, work.d, plan.grp_chunk0, plan.grp_nchunks, plan.sum_grp,
+        sum_n, sum_b, sum_d, H, K=K, V=K, C=CHUNK, BV=summary_block, PREC=p["WALK_PREC"], WHILE=_WHILE,
+        num_warps=num_warps)
+    _scan_kernel[(K // scan_block, H, plan.n_seqs)](
+        sum_n, sum_b, sum_d, plan.grp_sum, plan.seq_grp0, plan.seq_ngrp,
+        initial_state if initial_state is not None else s_in, s_in, H,
+        K=K, V=K, BV=scan_block, HAS_INIT=initial_state is not None, PREC=p["SCAN_PREC"], WHILE=_WHILE, num_warps=4)
+    _walk(work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, block_v, num_warps)
+    return o, s_final
+
+
+def _arange_groups(plan: KdaPlan) -> torch.Tensor:
+    cached = getattr(plan, "_grp_index", None)
+    if cached is None:
+        cached = torch.arange(plan.n_groups, dtype=torch.int32, device=plan.grp_chunk0.device)
+        plan._grp_index = cached
+    return cached
+
+
+def _check_block_v(b, name="block_v"):
+    if b not in (16, 32, 64, 128):
+        raise ValueError(f"{name} must be 16, 32, 64 or 128 (a power-of-two tile of V = 128), got {b!r}")
+
+
+def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, *, variant: str = "after",
+              **kw):
+    """One entry point: variant 'before' (plain walk) or 'after' (group scan when it pays)."""
+    if variant == "before":
+        return kda_chunk_before(q, k, v, g, beta, scale, initial_state, cu_seqlens, **kw)
+    if variant == "after":
+        return kda_chunk_after(q, k, v, g, beta, scale, initial_state, cu_seqlens, **kw)
+    raise ValueError(f"variant must be 'before' or 'after', got {variant!r}")

@@ -13,15 +13,33 @@ ncu (NVIDIA) reads hardware counters of one kernel: `ncu_command(...)` + `parse_
 The implementation lives in k3lab/profiling/, one module per format.
 """
 
-from k3lab.profiling.capture import BACKENDS, Capture, capture, default_trace_dir, device_time_us, \
-    sort_key, write_chrome_trace
+from k3lab.profiling.capture import (
+    BACKENDS,
+    Capture,
+    capture,
+    default_trace_dir,
+    device_time_us,
+    sort_key,
+    write_chrome_trace,
+)
 from k3lab.profiling.categories import CATEGORIES, categorize
-from k3lab.profiling.frame import COLUMNS, KINDS, TABLE_COLUMNS, NoKernelsRecorded, category_table, \
-    counts, kernel_table
+from k3lab.profiling.frame import (
+    COLUMNS,
+    KINDS,
+    TABLE_COLUMNS,
+    NoKernelsRecorded,
+    category_table,
+    counts,
+    kernel_table,
+)
 from k3lab.profiling.ncu import DEFAULT_NCU_METRICS, ncu_command, ncu_metrics, parse_ncu_csv
 from k3lab.profiling.read import FORMATS, detect_format, read_rocprofv3_dir, read_stats, read_trace
-from k3lab.profiling.rocprofv3_run import NOT_RUN_ON_AMD, capture_rocprofv3, rocprofv3_available, \
-    rocprofv3_command
+from k3lab.profiling.rocprofv3_run import (
+    NOT_RUN_ON_AMD,
+    capture_rocprofv3,
+    rocprofv3_available,
+    rocprofv3_command,
+)
 from k3lab.profiling.torch_trace import kernels_from_trace
 
 __all__ = [

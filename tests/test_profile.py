@@ -78,7 +78,7 @@ def test_rocprofv3_memory_copy_trace():
     assert df["dur_ns"].iloc[0] == 1057963336564212 - 1057963336487172
     assert df["bytes"].isna().all()  # the CSV has no byte column: unknown, not zero
     c = P.counts(df)
-    assert c == {"launches": 4, "copies": 4, "bytes_copied": 0, "bytes_known": 0}
+    assert c == {"launches": 4, "copies": 4, "bytes_copied": 0, "bytes_known": 0, "api_launches": None}
     old = P.read_trace(V3 / "docs-samples-2024" / "memory_copy_trace.csv")
     assert list(old["name"]) == ["Memcpy HtoD", "Memcpy DtoH"] and set(old["device"]) == {"Agent 1"}
 
@@ -217,7 +217,10 @@ def test_torch_trace_cuda_a100():
     assert copies["bytes"].notna().all()  # CUPTI memcpy rows carry args.bytes
     assert copies["bytes"].iloc[0] == 92928 and int(copies["bytes"].sum()) == 244403360
     assert set(df.loc[df["name"].str.startswith("ampere_sgemm"), "category"]) == {"gemm"}
-    assert P.counts(df)["bytes_copied"] == 244403360
+    c = P.counts(df)
+    assert c["bytes_copied"] == 244403360
+    # host calls that enqueued work: 79 cudaLaunchKernel + 16 cudaMemcpyAsync + 5 cudaMemsetAsync
+    assert c["api_launches"] == 100 and P.counts(df, steps=4)["api_launches"] == 25
 
 
 def test_torch_trace_rocm_mi250_recovers_copy_bytes():
@@ -230,6 +233,8 @@ def test_torch_trace_rocm_mi250_recovers_copy_bytes():
     # ROCm memcpy rows have no size; each comes from an aten::copy_ of a [5, 128] float tensor.
     assert list(copies["bytes"]) == [5 * 128 * 4] * 2
     assert set(df.loc[df["name"].str.startswith("Cijk_"), "category"]) == {"gemm"}
+    # 12 hipLaunchKernel + 2 hipExtModuleLaunchKernel + 2 hipMemcpyWithStream: one call per device row
+    assert P.counts(df)["api_launches"] == 16 == len(df)
 
 
 def test_torch_trace_rocm_mi300x_triton():
@@ -242,6 +247,7 @@ def test_torch_trace_rocm_mi300x_triton():
     assert cat["triton_poi_fused__unsafe_view_mul_silu_2"] == "elementwise"
     assert (df["category"] == "gemm").sum() == 7
     assert df["dur_ns"].iloc[0] == 77074  # ts/dur are floats with ns fractions on ROCm
+    assert P.counts(df)["api_launches"] == 12  # 7 hipExtModuleLaunchKernel (hipBLASLt) + 5 hipModuleLaunchKernel
 
 
 # ---------------------------------------------------------------- categories
@@ -261,8 +267,8 @@ def test_torch_trace_rocm_mi300x_triton():
     ("triton_red_fused_add_mean_mul_pow_rsqrt_0", "norm"),
     ("__amd_rocclr_copyBuffer", "copy"), ("Memcpy DtoD (Device -> Device)", "copy"),
     ("Memcpy HtoD (Pageable -> Device)", "copy"), ("CopyDeviceToHost", "copy"), ("aten::copy_", "copy"),
-    ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<"
-     "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)", "copy"),
+    (("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<"
+      "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"), "copy"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "elementwise"),
     ("triton_poi_fused__unsafe_view_mul_silu_2", "elementwise"), ("__amd_rocclr_fillBufferAligned", "elementwise"),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float>>>", "reduction"),
@@ -299,7 +305,8 @@ def test_capture_cpu_counts_ops_and_copy_bytes(tmp_path, monkeypatch):
     cap = P.capture(_three_matmuls_and_a_copy, steps=2, warmup=1, trace_dir=tmp_path, device="cpu")
     assert cap.backend == "torch.profiler" and cap.device == "cpu"
     assert "rocprofv3 not on PATH" in cap.note and "torch.profiler" in cap.note
-    assert cap.counts() == {"launches": 4, "copies": 1, "bytes_copied": 32 * 32 * 4, "bytes_known": 1}
+    assert cap.counts() == {"launches": 4, "copies": 1, "bytes_copied": 32 * 32 * 4, "bytes_known": 1,
+                            "api_launches": None}
     _assert_frame(cap.kernels)
     assert list(cap.kernels["name"][:4]) == ["aten::matmul", "aten::mm", "aten::matmul", "aten::copy_"]
     table = cap.table.set_index("name")
@@ -326,7 +333,8 @@ def test_capture_cpu_views_are_not_launches(tmp_path):
     assert list(step["name"]) == ["aten::t", "aten::reshape", "aten::t", "aten::contiguous"]
     assert list(step["kind"]) == ["cpu_meta", "cpu_meta", "cpu_meta", "cpu_op"]
     assert step["category"].iloc[3] == "copy" and step["bytes"].iloc[3] == 32 * 32 * 4
-    assert cap.counts() == {"launches": 1, "copies": 1, "bytes_copied": 32 * 32 * 4, "bytes_known": 1}
+    assert cap.counts() == {"launches": 1, "copies": 1, "bytes_copied": 32 * 32 * 4, "bytes_known": 1,
+                            "api_launches": None}
     back = P.read_trace(P.write_chrome_trace(cap.kernels, tmp_path / "rt.json"))  # kinds survive a rewrite
     assert list(back["kind"]) == list(cap.kernels["kind"]) and P.counts(back, 2) == cap.counts()
 
@@ -485,7 +493,8 @@ def test_capture_rocprofv3_with_a_stand_in_tool(tmp_path, monkeypatch):
     args = json.loads((tmp_path / "args.json").read_text())
     assert args[:4] == ["--kernel-trace", "--memory-copy-trace", "--stats", "-d"]
     assert cap.backend == "rocprofv3" and "not yet run on AMD hardware" in cap.note
-    assert cap.counts() == {"launches": 13, "copies": 4, "bytes_copied": 0, "bytes_known": 0}
+    assert cap.counts() == {"launches": 13, "copies": 4, "bytes_copied": 0, "bytes_known": 0,
+                            "api_launches": None}
     assert (cap.kernels["kind"] == "kernel").sum() == 9
     back = P.read_trace(cap.trace_path)  # the Perfetto-readable conversion
     assert list(back["name"]) == list(cap.kernels["name"])
@@ -528,8 +537,9 @@ def test_parse_ncu_csv_raw_page_hand_made():
     text = "\n".join([
         "==PROF== Connected to process 4242 (/usr/bin/python3)",
         "==PROF== Profiling \"chunk_kda_fwd\" - 0: 0%....50%....100% - 9 passes",
-        '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
-        '"Grid Size","Device","CC","dram__bytes_read.sum","gpu__time_duration.sum","sm__throughput.avg.pct_of_peak_sustained_elapsed"',
+        ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+         '"Grid Size","Device","CC","dram__bytes_read.sum","gpu__time_duration.sum",'
+         '"sm__throughput.avg.pct_of_peak_sustained_elapsed"'),
         '"","","","","","","","","","","","Mbyte","usecond","%"',
         '"0","4242","python3","h","chunk_kda_fwd","1","7","(128, 1, 1)","(64, 8, 1)","0","9.0","1,024.50","12.5","n/a"',
         '"1","4242","python3","h","chunk_kda_fwd","1","7","(128, 1, 1)","(64, 8, 1)","0","9.0","1,000.00","12.0","40.1"',

@@ -20,7 +20,7 @@ trace, per top-level ATen op) with these columns:
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import pandas as pd
@@ -146,6 +146,9 @@ def counts(df: pd.DataFrame, steps: int = 1) -> dict:
     copies:       launches whose category is 'copy' (DMA copies and copy kernels alike)
     bytes_copied: bytes of those copies where the trace gives a size (0 when none does; see
                   `bytes_known`, the number of copies with a known size)
+    api_launches: host API calls that enqueued work (cudaLaunchKernel, hipModuleLaunchKernel,
+                  cudaGraphLaunch, cudaMemcpyAsync, ...), from a torch.profiler GPU trace; None
+                  elsewhere. A graph replay shows many kernels but one API launch.
     Integers when `steps` divides the totals, floats otherwise.
     """
     _check_frame(df, "counts")
@@ -159,4 +162,5 @@ def counts(df: pd.DataFrame, steps: int = 1) -> dict:
         "copies": _per_step(len(copies), steps),
         "bytes_copied": _per_step(int(known.sum()) if len(known) else 0, steps),
         "bytes_known": _per_step(len(known), steps),
+        "api_launches": _per_step(df.attrs["api_launches"], steps) if "api_launches" in df.attrs else None,
     }

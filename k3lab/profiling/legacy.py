@@ -62,8 +62,8 @@ def read_v1_json(obj: dict) -> pd.DataFrame:
         args = e.get("args") or {}
         start, end = to_int(args.get("BeginNs")), to_int(args.get("EndNs"))
         if start is None or end is None:  # fall back to the microsecond ts/dur strings
-            start = int(round(float(e["ts"]) * 1000))
-            end = start + int(round(float(e.get("dur", 0)) * 1000))
+            start = round(float(e["ts"]) * 1000)
+            end = start + round(float(e.get("dur", 0)) * 1000)
         out.append({"name": str(e.get("name", "")), "kind": "memcpy" if proc == "COPY" else "kernel",
                     "start_ns": start, "dur_ns": end - start,
                     "device": f"gpu-id {args.get('dev-id', '')}".strip(),

@@ -54,7 +54,7 @@ def capture_rocprofv3(script_or_cmd, *, steps: int = 1, trace_dir=None, name: st
     out_dir = unique_trace_path(trace_dir or default_trace_dir(), name, "rocprofv3", suffix="")
     out_dir.mkdir(parents=True)
     cmd = rocprofv3_command(script_or_cmd, out_dir=out_dir, name=name, extra_args=extra_args)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False,
                           env={**os.environ, **(env or {})})
     if done.returncode != 0:
         raise RuntimeError(f"rocprofv3 exited with {done.returncode}: {' '.join(cmd)}\n"

@@ -24,7 +24,11 @@ from k3lab.profiling.frame import NoKernelsRecorded, make_frame
 
 _DEVICE_CATS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset",
                 "memcpy": "memcpy", "memset": "memset"}
-_LAUNCH = re.compile(r"launchkernel|modulelaunch|graphlaunch|culaunch|launchcooperative", re.I)
+_LAUNCH = re.compile(r"launchkernel|modulelaunch|graphlaunch|culaunch|launchcooperative", re.IGNORECASE)
+# Host API calls that put work on a stream: kernel and graph launches, async copies and memsets.
+# With a CUDA/HIP graph, one graph launch replaces many kernel launches: this count shows it.
+_ENQUEUE = re.compile(r"launchkernel|modulelaunch|graphlaunch|culaunch|launchcooperative|memcpy|memset",
+                      re.IGNORECASE)
 _COPY_OPS = {"aten::copy_", "aten::_to_copy", "aten::_copy_from", "aten::_copy_from_and_resize",
              "aten::to", "aten::clone", "aten::contiguous"}
 
@@ -60,7 +64,7 @@ def vendor_of(trace: dict) -> str:
              if isinstance(e, dict) and e.get("cat") == "cuda_runtime"]
     if any(n.startswith("hip") for n in names):
         return "rocm"
-    if any(n.startswith("cuda") or n.startswith("cu") for n in names):
+    if any(n.startswith("cu") for n in names):
         return "cuda"
     props = trace.get("deviceProperties") or []
     warp = {p.get("warpSize") for p in props if isinstance(p, dict)}
@@ -75,7 +79,7 @@ def vendor_of(trace: dict) -> str:
 
 def _ns(value) -> int:
     # ts/dur are microseconds; ROCm writes floats with ns fractions, older CUDA writes integers.
-    return int(round(float(value) * 1000.0))
+    return round(float(value) * 1000.0)
 
 
 def _int_or_none(value):
@@ -147,6 +151,8 @@ def kernels_from_trace(trace, *, expect_gpu: bool | None = None, label: str = "t
 
     if device_events:
         frame = make_frame(_device_rows(device_events, cpu_ops), source="torch")
+        frame.attrs["api_launches"] = sum(
+            1 for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and _ENQUEUE.search(str(e.get("name", ""))))
     elif expect_gpu or (expect_gpu is None and launches):
         raise NoKernelsRecorded(
             f"{label}: a GPU trace ({vendor}) with no kernel, memcpy or memset row "

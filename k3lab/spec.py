@@ -692,45 +692,63 @@ def _shape_value(shape: dict, keys: Sequence[str]):
     return None
 
 
-def _per_position_table(records, variant: str, batch: int) -> tuple[dict[int, float], str]:
+def _per_position_table(records, variant: str, batch: int, where: Mapping | None = None):
     """positions -> median us of one layer, from the records of one study on one device.
 
     Graph-replay timings are preferred (the cost of a kernel inside the served graph); eager ones
-    are used only when the study recorded no graph timing."""
+    are used only when the study recorded no graph timing. ``where`` keeps only records whose shape
+    has those values (e.g. {"L": 32768} for one MLA context length). Returns (table, mode,
+    ambiguous): ``ambiguous`` names the other shape keys that still take several values at one
+    position count (two context lengths, say), which a median would silently mix."""
+    where = dict(where or {})
     picked = [r for r in records if r.variant == variant and _shape_value(r.shape, _BATCH_KEYS) in (batch, None)
-              and _shape_value(r.shape, _POSITION_KEYS) is not None]
+              and _shape_value(r.shape, _POSITION_KEYS) is not None
+              and all(r.shape.get(k, v) == v for k, v in where.items())]
     modes = {r.mode for r in picked}
     mode = "graph" if "graph" in modes else ("eager" if "eager" in modes else next(iter(modes), ""))
     table: dict[int, list[float]] = {}
+    seen: dict[int, dict[str, set]] = {}
     for r in picked:
-        if r.mode == mode:
-            table.setdefault(int(_shape_value(r.shape, _POSITION_KEYS)), []).append(float(r.median_us))
-    return {n: float(np.median(v)) for n, v in sorted(table.items())}, mode
+        if r.mode != mode:
+            continue
+        n = int(_shape_value(r.shape, _POSITION_KEYS))
+        table.setdefault(n, []).append(float(r.median_us))
+        for key, value in r.shape.items():
+            if key not in _POSITION_KEYS and key not in _BATCH_KEYS:
+                seen.setdefault(n, {}).setdefault(key, set()).add(repr(value))
+    ambiguous = sorted({key for per_n in seen.values() for key, values in per_n.items() if len(values) > 1})
+    return {n: float(np.median(v)) for n, v in sorted(table.items())}, mode, ambiguous
 
 
 def verify_records_summary(device: str | None = None, root="profiles", *, variant: str = "after",
-                           batch: int = 1) -> dict[str, dict]:
-    """What k3lab has measured for verification: {device slug: {'kda': {positions: us}, 'mla': ...,
-    'modes': {...}}}. Empty when no records exist (nothing has been run on a GPU yet)."""
+                           batch: int = 1, where: Mapping[str, Mapping] | None = None) -> dict[str, dict]:
+    """What k3lab has measured for verification: {device slug: {'device': name, 'kda': {positions:
+    us}, 'mla': {...}, 'modes': {...}, 'ambiguous': {...}}}; ``where`` = {'kda': {...}, 'mla': {...}}
+    filters shapes per part. Empty when no records exist (nothing has been run on a GPU yet)."""
     from k3lab import bench
 
+    where = dict(where or {})
+    unknown = set(where) - set(VERIFY_STUDIES)
+    if unknown:
+        raise ValueError(f"where must map parts among {sorted(VERIFY_STUDIES)} to shape values; got {sorted(unknown)}")
     out: dict[str, dict] = {}
-    for part, study in VERIFY_STUDIES.items():
+    for study in VERIFY_STUDIES.values():
         for r in bench.load_records(study=study, device=device, root=root):
-            slug = bench.device_slug(r.device, r.backend)
-            out.setdefault(slug, {"device": r.device})
+            out.setdefault(bench.device_slug(r.device, r.backend), {"device": r.device})
     for slug, entry in out.items():
-        entry["modes"] = {}
+        entry["modes"], entry["ambiguous"] = {}, {}
         for part, study in VERIFY_STUDIES.items():
             recs = bench.load_records(study=study, device=slug, root=root)
-            entry[part], entry["modes"][part] = _per_position_table(recs, variant, batch)
+            entry[part], entry["modes"][part], entry["ambiguous"][part] = _per_position_table(
+                recs, variant, batch, where.get(part))
     return out
 
 
 def costs_from_records(*, draft_step_us: float, commit_us: float = 0.0, rest_one_us: float = 0.0,
                        rest_extra_position_us: float = 0.0, device: str | None = None, root="profiles",
                        variant: str = "after", batch: int = 1, kda_layers: int | None = None,
-                       mla_layers: int | None = None, draft_fixed_us: float = 0.0) -> CycleCosts:
+                       mla_layers: int | None = None, draft_fixed_us: float = 0.0,
+                       where: Mapping[str, Mapping] | None = None) -> CycleCosts:
     """Cycle costs whose verification part comes from k3lab's measured kernel records.
 
     verify(n) = kda_layers * KDA verification of n positions (study kda_verify)
@@ -742,7 +760,9 @@ def costs_from_records(*, draft_step_us: float, commit_us: float = 0.0, rest_one
     counts default to K3's 69 KDA and 24 MLA layers. Between measured position counts the time is
     interpolated linearly; outside them nothing is invented: the depth stops at the last position
     count both studies measured. Raises NoVerifyRecords when no device has records covering one and
-    two positions (the message says what exists). The returned ``source`` names the device.
+    two positions (the message says what exists), or whose records mix shapes at one position
+    count (two MLA context lengths, say): pick one with ``where={"mla": {"L": 32768}}``. The
+    returned ``source`` names the device.
     """
     from k3lab.config import K3Config
 
@@ -755,11 +775,13 @@ def costs_from_records(*, draft_step_us: float, commit_us: float = 0.0, rest_one
     _cost("commit_us", commit_us)
     batch = _count("batch", batch)
 
-    found = verify_records_summary(device=device, root=root, variant=variant, batch=batch)
+    found = verify_records_summary(device=device, root=root, variant=variant, batch=batch, where=where)
     usable = {}
     for slug, entry in found.items():
         kda, mla = entry["kda"], entry["mla"]
         if kda_layers and not kda or mla_layers and not mla:
+            continue
+        if any(entry["ambiguous"][part] for part, layers in (("kda", kda_layers), ("mla", mla_layers)) if layers):
             continue
         tables = [t for t, layers in ((kda, kda_layers), (mla, mla_layers)) if layers]
         lo = max(min(t) for t in tables)
@@ -767,13 +789,17 @@ def costs_from_records(*, draft_step_us: float, commit_us: float = 0.0, rest_one
         if lo == 1 and hi >= 2:
             usable[slug] = (entry, hi)
     if not usable:
-        where = f"device {device!r}" if device else "any device"
+        place = f"device {device!r}" if device else "any device"
         have = {slug: {part: sorted(e[part]) for part in VERIFY_STUDIES} for slug, e in found.items()}
+        mixed = {slug: {p: k for p, k in e["ambiguous"].items() if k} for slug, e in found.items()
+                 if any(e["ambiguous"].values())}
         raise NoVerifyRecords(
-            f"no measured verification records for {where} under {root}/ (variant {variant!r}, batch "
+            f"no measured verification records for {place} under {root}/ (variant {variant!r}, batch "
             f"{batch}) cover 1 and 2 positions in both {VERIFY_STUDIES['kda']} and {VERIFY_STUDIES['mla']}; "
-            f"measured position counts found: {have or 'none'}. Use linear_costs(...) or "
-            f"illustrative_costs(...) and label them as such.")
+            f"measured position counts found: {have or 'none'}"
+            + (f"; records mixing several values of {mixed} at one position count: choose one with where=" if mixed
+               else "")
+            + ". Use linear_costs(...) or illustrative_costs(...) and label them as such.")
     slug = min(usable, key=lambda s: (s == "cpu", s))  # a GPU's records before a CPU's
     entry, hi = usable[slug]
 
@@ -794,7 +820,8 @@ def costs_from_records(*, draft_step_us: float, commit_us: float = 0.0, rest_one
         parts.append(f"{kda_layers} x KDA verify ({entry['modes']['kda']}, n = {sorted(entry['kda'])})")
     if mla_layers:
         parts.append(f"{mla_layers} x MLA q_len = n ({entry['modes']['mla']}, n = {sorted(entry['mla'])})")
-    source = (f"measured on {entry['device']} (k3lab records, variant {variant!r}, batch {batch}): "
+    chosen = f", shapes {dict(where)}" if where else ""
+    source = (f"measured on {entry['device']} (k3lab records, variant {variant!r}, batch {batch}{chosen}): "
               + " + ".join(parts) + f"; rest of the forward {rest_one:g} us + {rest_extra:g} us per extra "
               f"position and drafter {draft_step_us:g} us per token: user-given")
     return CycleCosts(draft_step_us=draft_step_us, verify_us=tuple(verify), commit_us=commit_us,

@@ -331,3 +331,19 @@ def test_costs_from_records_says_when_there_are_none(tmp_path):
 def test_bad_input_names_the_argument(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def test_costs_from_records_never_mixes_context_lengths(tmp_path):
+    from k3lab import bench
+
+    recs = [_record("kda_verify", {"B": 1, "T": t}, 5.0 + t) for t in (1, 2, 3)]
+    for L, base in ((1024, 10.0), (32768, 40.0)):
+        recs += [_record("mla_padding", {"B": 1, "q_len": n, "L": L}, base + n) for n in (1, 2, 3)]
+    bench.save_records(recs, root=tmp_path)
+    with pytest.raises(spec.NoVerifyRecords, match="'L'"):
+        spec.costs_from_records(draft_step_us=100, root=tmp_path)
+    costs = spec.costs_from_records(draft_step_us=100, root=tmp_path, where={"mla": {"L": 32768}})
+    assert costs.verify(2) == pytest.approx(69 * 7.0 + 24 * 42.0)
+    assert "32768" in costs.source
+    with pytest.raises(ValueError, match="where"):
+        spec.costs_from_records(draft_step_us=100, root=tmp_path, where={"moe": {}})

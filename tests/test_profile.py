@@ -113,6 +113,38 @@ def test_rocprofv3_results_json_real_mi350x_run(mi350x_json):
     assert table.iloc[0]["name"].startswith("ncclDevKernel_Generic_1")
 
 
+def test_rocprofv3_results_json_memory_copies_hand_made():
+    """Memory-copy records of a `_results.json`. Hand-made: the real fixture traced kernels only.
+    The record fields (operation, src/dst agent handles, bytes) follow the SDK's
+    rocprofiler_buffer_tracing_memory_copy_record_t; kind and operation are decoded through the
+    file's own string table, laid out as in the real MI350X file."""
+    kinds = [{"kind": "NONE", "operations": []}] * 10 + [
+        {"kind": "MEMORY_COPY", "operations": ["MEMORY_COPY_NONE", "MEMORY_COPY_HOST_TO_HOST",
+                                               "MEMORY_COPY_HOST_TO_DEVICE", "MEMORY_COPY_DEVICE_TO_HOST",
+                                               "MEMORY_COPY_DEVICE_TO_DEVICE"]},
+        {"kind": "KERNEL_DISPATCH", "operations": ["KERNEL_DISPATCH_NONE", "KERNEL_DISPATCH_ENQUEUE",
+                                                   "KERNEL_DISPATCH_COMPLETE"]}]
+    proc = {
+        "strings": {"buffer_records": kinds},
+        "agents": [{"id": {"handle": 7}, "type": 1, "logical_node_id": 0, "name": "cpu"},
+                   {"id": {"handle": 9}, "type": 2, "logical_node_id": 2, "name": "gfx950",
+                    "product_name": "AMD Instinct MI355X"}],
+        "kernel_symbols": [],
+        "buffer_records": {"kernel_dispatch": [], "memory_copy": [
+            {"kind": 10, "operation": 2, "correlation_id": {"internal": 5}, "start_timestamp": 100,
+             "end_timestamp": 350, "src_agent_id": {"handle": 7}, "dst_agent_id": {"handle": 9}, "bytes": 4096},
+            {"kind": 10, "operation": 4, "correlation_id": {"internal": 6}, "start_timestamp": 400,
+             "end_timestamp": 420, "src_agent_id": {"handle": 9}, "dst_agent_id": {"handle": 9}, "bytes": 512}]},
+    }
+    from k3lab.profiling.rocprofv3 import read_results_json
+
+    df = read_results_json({"rocprofiler-sdk-tool": [proc]})
+    _assert_frame(df)
+    assert list(df["name"]) == ["Memcpy HtoD", "Memcpy DtoD"] and list(df["bytes"]) == [4096, 512]
+    assert set(df["device"]) == {"Agent 2"} and list(df["dur_ns"]) == [250, 20]
+    assert P.counts(df)["bytes_copied"] == 4608
+
+
 def test_rocprofv3_stats_real_run():
     stats = P.read_stats(V3 / "hipfire-gfx1151" / "flat84_kernel_stats.csv")
     assert list(stats.columns) == list(P.TABLE_COLUMNS)

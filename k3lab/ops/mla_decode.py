@@ -1,0 +1,788 @@
+"""Absorbed MLA decode over the 576-wide latent cache: the 12-head "before" and the padded,
+split-history "after" (seed section 4), plus the plain-PyTorch peers and, on ROCm, AITER.
+
+Every query head attends to the same latent rows (MQA over the latent): keys are the whole 576-wide
+row [c 512 | k_pe 64], values its first 512 columns, softmax scale 192^-0.5. Each function returns
+`(o [B, Tq, H, 512], lse [B, Tq, H])`, where lse is the **natural-log** log-sum-exp of the scaled
+scores (kernels work in base 2 inside and convert once at the end), the figure by which partial
+results are merged. The reference is `k3lab.nn.mla.latent_attention`.
+
+Two launch policies compute the same thing:
+
+* **before** (`mla_decode_before`): the conservative policy, one program per query row (request x
+  verify token x head) walking the request's whole history. At TP8 decode (B = 1, 12 heads) that is
+  12 programs on a GPU of 132 SMs or 256 CUs, however long the conversation is. Twelve rows cannot
+  feed the matrix units: Triton's `tl.dot` needs at least 16 rows (NVIDIA mma and AMD MFMA tiles are
+  16 rows tall), and this kernel may not pad, so every score and value product runs as a broadcast
+  multiply and a reduction on the vector units (CUDA cores / VALU), one head per program. The latent
+  row is re-read once per head (from L2 when it fits there).
+
+* **after** (`mla_decode_after`): the query is padded to 16 heads (rows past the real heads are
+  masked loads of zero, computed and never written: each head's softmax is its own, so the 12 real
+  heads are unchanged), which lets `tl.dot` put both products on the matrix units and read each
+  latent tile once for all heads. The history is split into `num_splits` pieces handled by separate
+  programs; each writes a partial output and its log-sum-exp, and a second, small kernel merges the
+  pieces: lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s. `choose_num_splits` picks the
+  split count from the device's compute units, the batch and the context length. With one split the
+  first kernel writes the final result and the merge is skipped. `pad="copy"` instead builds the
+  seed's explicit 16-head query buffer (vLLM PR 50578) and slices the 16-head output: same result,
+  two extra small copies.
+
+Both take a contiguous cache [B, L, 576] or a paged one (a pool [num_pages, page_size, 576] with a
+block table [B, max_pages]), per-request context lengths, and multi-token verification (q_len 1..8,
+causal inside the verification group: token t of request b sits at position lengths[b] - q_len + t).
+
+Bad input raises ValueError before any kernel runs. Validation reads `lengths` and the block table
+on the host (one device sync), so it is done once per `plan_*` call; a plan then launches with no
+checks and no host sync (CUDA-graph capturable). Contents that change after planning are not
+re-checked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from k3lab import env
+from k3lab.nn.mla import latent_attention
+
+LATENT_DIM = 576  # [c 512 | k_pe 64] per position (architecture.md section 3)
+VALUE_DIM = 512  # values are the first 512 latent columns
+ROPE_DIM = LATENT_DIM - VALUE_DIM
+DEFAULT_SCALE = 192 ** -0.5  # K3's qk head dim (128 nope + 64 rope); absorption does not change it
+MMA_ROWS = 16  # the fewest rows tl.dot accepts: the padded head count
+MAX_Q_LEN = 8  # verification group: the draft tokens plus one
+TOKENS_PER_PROGRAM = 4  # after: verify tokens sharing one program (4 x 16 = 64 rows of accumulator)
+MAX_SPLITS = 256
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+
+__all__ = [
+    "LATENT_DIM", "VALUE_DIM", "DEFAULT_SCALE", "MMA_ROWS", "MAX_Q_LEN",
+    "DecodePlan", "plan_before", "plan_after", "mla_decode_before", "mla_decode_after",
+    "choose_num_splits", "split_cost", "launch_config",
+    "einsum_decode", "sdpa_decode", "to_paged", "gather_paged", "reference",
+    "aiter_status", "aiter_decode",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# input checks
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What the kernels need to know about one validated call."""
+
+    batch: int
+    q_len: int
+    heads: int
+    kv: torch.Tensor  # [B, L, 576] or [num_pages, page_size, 576]
+    paged: bool
+    page_size: int  # paged: the page size; contiguous: L (one "page" per request)
+    block_table: torch.Tensor  # int32 [B, max_pages] (contiguous: a [B, 1] dummy)
+    lengths: torch.Tensor  # int32 [B] on the device
+    lengths_host: tuple[int, ...]
+    capacity: int  # positions a request can hold
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lengths_host)
+
+
+def _validate(q, cache, lengths, block_table, *, max_heads: int | None = None) -> _Inputs:
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a tensor [B, q_len, H, {LATENT_DIM}], got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    B, Tq, H, D = q.shape
+    if D != LATENT_DIM:
+        raise ValueError(f"q's last dim must be the latent width {LATENT_DIM} (512 absorbed nope + 64 rope), "
+                         f"got {D}")
+    if not 1 <= Tq <= MAX_Q_LEN:
+        raise ValueError(f"q_len (q.shape[1]) must be in 1..{MAX_Q_LEN} (one decode token or a verification "
+                         f"group), got {Tq}")
+    if B < 1 or H < 1:
+        raise ValueError(f"q must have at least one request and one head, got shape {tuple(q.shape)}")
+    if max_heads is not None and H > max_heads:
+        raise ValueError(f"heads (q.shape[2]) = {H} exceeds {max_heads}: the padded path runs one 16-row "
+                         f"tile of heads per program; pass fold_heads=True to run {H} heads as "
+                         f"{-(-H // MMA_ROWS)} folded groups of 16")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"q.dtype must be float32, float16 or bfloat16, got {q.dtype}")
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 3:
+        raise ValueError(f"cache must be [B, L, {LATENT_DIM}] (contiguous) or [num_pages, page_size, "
+                         f"{LATENT_DIM}] (paged), got "
+                         f"{tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__}")
+    if cache.shape[2] != LATENT_DIM:
+        raise ValueError(f"cache width (cache.shape[2]) must be {LATENT_DIM} to match q, got {cache.shape[2]}")
+    if cache.dtype != q.dtype:
+        raise ValueError(f"cache.dtype ({cache.dtype}) must equal q.dtype ({q.dtype})")
+    if cache.device != q.device:
+        raise ValueError(f"cache is on {cache.device} but q is on {q.device}")
+    if cache.stride(2) != 1 or q.stride(3) != 1:
+        raise ValueError("q and cache must be contiguous in their last (latent) dim")
+    dev = q.device
+    if block_table is None:
+        if cache.shape[0] != B:
+            raise ValueError(f"contiguous cache must be [B={B}, L, {LATENT_DIM}], got {tuple(cache.shape)} "
+                             "(pass block_table= for a paged pool)")
+        paged, page_size, capacity = False, cache.shape[1], cache.shape[1]
+        bt = torch.arange(B, dtype=torch.int32, device=dev)[:, None]
+    else:
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != B:
+            raise ValueError(f"block_table must be an integer tensor [B={B}, max_pages], got "
+                             f"{tuple(block_table.shape) if isinstance(block_table, torch.Tensor) else block_table!r}")
+        if block_table.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"block_table.dtype must be int32 or int64, got {block_table.dtype}")
+        if block_table.device != dev:
+            raise ValueError(f"block_table is on {block_table.device} but q is on {dev}")
+        page_size = cache.shape[1]
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page size (cache.shape[1]) must be a power of two, got {page_size}")
+        paged, capacity = True, block_table.shape[1] * page_size
+        bt = block_table.to(torch.int32).contiguous()
+    if lengths is None:
+        lens_host = (capacity,) * B
+        lens = torch.full((B,), capacity, dtype=torch.int32, device=dev)
+    else:
+        lens = torch.as_tensor(lengths, device=dev)
+        if lens.shape != (B,) or lens.dtype.is_floating_point or lens.dtype == torch.bool:
+            raise ValueError(f"lengths must be integers [B={B}], got shape {tuple(lens.shape)} dtype {lens.dtype}")
+        lens_host = tuple(int(x) for x in lens.tolist())  # the one host sync, at plan time
+        lens = lens.to(torch.int32).contiguous()
+    too_long = [(b, n) for b, n in enumerate(lens_host) if n > capacity]
+    if too_long:
+        b, n = too_long[0]
+        raise ValueError(f"lengths[{b}] = {n} is longer than the cache holds ({capacity} positions"
+                         f"{' = max_pages x page_size' if paged else ''})")
+    too_short = [(b, n) for b, n in enumerate(lens_host) if n < Tq]
+    if too_short:
+        b, n = too_short[0]
+        raise ValueError(f"lengths[{b}] = {n} is shorter than q_len {Tq} (the new tokens are in the cache)")
+    if paged:
+        used = (torch.tensor(lens_host, device=dev) + page_size - 1) // page_size
+        mask = torch.arange(bt.shape[1], device=dev)[None, :] < used[:, None]
+        pages = bt[mask]
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= cache.shape[0]):
+            raise ValueError(f"block_table holds page ids outside the pool [0, {cache.shape[0]}) for positions "
+                             f"in use: min {int(pages.min())}, max {int(pages.max())}")
+    return _Inputs(B, Tq, H, cache, paged, page_size, bt, lens, lens_host, capacity)
+
+
+# ----------------------------------------------------------------------------------------------
+# the split-count rule
+
+
+def split_cost(splits: int, batch: int, context_len: int, compute_units: int, *, groups_per_request: int = 1,
+               block_n: int = 64, overhead_blocks: float = 2.0, merge_blocks: float = 6.0,
+               merge_blocks_per_split: float = 0.05) -> float:
+    """Modelled time of the split-history decode, in units of "one program reading one tile of
+    block_n latent rows".
+
+    Programs run in waves of `compute_units`; each program reads its share of the tiles plus a fixed
+    cost (loading the query, writing a fp32 partial) worth `overhead_blocks` tiles. Splitting (s > 1)
+    adds the merge launch (`merge_blocks`) and a merge read that grows with s."""
+    blocks = max(1, -(-context_len // block_n))
+    programs = batch * groups_per_request * splits
+    waves = -(-programs // max(1, compute_units))
+    cost = waves * (-(-blocks // splits) + overhead_blocks)
+    if splits > 1:
+        cost += merge_blocks + merge_blocks_per_split * splits
+    return float(cost)
+
+
+def choose_num_splits(batch: int, context_len: int, compute_units: int | None = None, *,
+                      groups_per_request: int = 1, block_n: int = 64, max_splits: int = MAX_SPLITS,
+                      **cost_terms) -> int:
+    """How many pieces to cut each request's history into: the split count with the lowest
+    `split_cost` (ties go to fewer splits).
+
+    The rule fills the machine: with few requests (B = 1 at TP8 decode) and a long history, the
+    programs B x groups x s should cover the compute units once; each piece must still be worth its
+    fixed cost, so a short history gets few splits, and a batch that already fills the machine gets
+    one (no merge). `compute_units` defaults to `env.detect().compute_units` (132 SMs on an H200,
+    256 CUs on an MI355X).
+
+    Peers, for comparison: AITER's non-persistent path (aiter/mla.py, get_meta_param) scores split
+    counts 1..16 by CU occupancy x avg_kv / (avg_kv + 84.1 x s), a similar fill-the-units rule
+    capped at 16 splits; FlashMLA's scheduler (get_mla_metadata) instead cuts the whole batch's
+    tiles, plus a fixed overhead per request, into one equal share per SM part (SMs / ceil(rows/64)),
+    so a piece may end inside one request and start in the next."""
+    for label, v in (("batch", batch), ("context_len", context_len), ("groups_per_request", groups_per_request),
+                     ("block_n", block_n), ("max_splits", max_splits)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{label} must be a positive integer, got {v!r}")
+    units = env.detect().compute_units if compute_units is None else compute_units
+    if not isinstance(units, int) or units < 1:
+        raise ValueError(f"compute_units must be a positive integer, got {units!r}")
+    blocks = -(-context_len // block_n)
+    best, best_cost = 1, math.inf
+    for s in range(1, min(max_splits, blocks) + 1):
+        c = split_cost(s, batch, context_len, units, groups_per_request=groups_per_request, block_n=block_n,
+                       **cost_terms)
+        if c < best_cost - 1e-9:
+            best, best_cost = s, c
+    return best
+
+
+# ----------------------------------------------------------------------------------------------
+# launch configuration, from the device
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_n: int  # latent rows per tile
+    num_warps: int
+    num_stages: int
+
+
+def _shared_memory_bytes() -> int | None:
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    for name in ("shared_memory_per_block_optin", "shared_memory_per_multiprocessor"):
+        v = getattr(props, name, None)
+        if v:
+            return int(v)
+    return None
+
+
+def launch_config(variant: str, dtype: torch.dtype = torch.bfloat16, rows: int = MMA_ROWS,
+                  block_n: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None) -> LaunchConfig:
+    """Tile size, warps and pipeline depth for a variant. The pipeline depth is as many latent tiles
+    as fit in the device's shared memory (LDS on AMD) per program, at most 3; warps follow the rows
+    held (16 rows: 4 warps, 64 rows: 8)."""
+    if variant not in ("before", "after"):
+        raise ValueError(f"variant must be 'before' or 'after', got {variant!r}")
+    if variant == "before":
+        bn = block_n or 32
+        return LaunchConfig(bn, num_warps or 8, num_stages or 2)
+    # 16 rows (one decode token): 64-position tiles, the wgmma M size. 64 rows (a verify group): the
+    # 64 x 512 fp32 accumulator needs 8 warps, and 32-position tiles keep them clear of spills.
+    bn = block_n or (64 if rows <= 16 else 32)
+    warps = num_warps or (4 if rows <= 16 else 8)
+    if num_stages is None:
+        smem = _shared_memory_bytes()
+        elem = torch.tensor([], dtype=dtype).element_size()
+        tile = bn * LATENT_DIM * elem
+        reserve = rows * LATENT_DIM * elem + 16384  # the query tile and the p tile live there too
+        num_stages = 2 if smem is None else max(1, min(3, (smem - reserve) // tile))
+    return LaunchConfig(bn, warps, num_stages)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _row_offsets(kv_ptr, bt_ptr, b, pos, pmask, stride_kvp, stride_kvr, stride_btb,
+                 PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Element offsets of latent rows `pos` of request b (paged: through the block table)."""
+    if PAGED:
+        page = tl.load(bt_ptr + b * stride_btb + pos // PAGE_SIZE, mask=pmask, other=0).to(tl.int64)
+        return page * stride_kvp + (pos % PAGE_SIZE).to(tl.int64) * stride_kvr
+    else:
+        return b.to(tl.int64) * stride_kvp + pos.to(tl.int64) * stride_kvr
+
+
+@triton.jit
+def _before_tile(kv_ptr, bt_ptr, b, n0, end, q_c, q_pe, m_i, l_i, acc, stride_kvp, stride_kvr, stride_btb,
+                 scale_log2, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """One tile of BLOCK_N positions for one query row, on the vector units (no tl.dot)."""
+    offs_v = tl.arange(0, DV)
+    offs_r = tl.arange(0, DR)
+    pos = n0 + tl.arange(0, BLOCK_N)
+    pmask = pos < end
+    rows = _row_offsets(kv_ptr, bt_ptr, b, pos, pmask, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
+    k_c = tl.load(kv_ptr + rows[:, None] + offs_v[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)
+    k_pe = tl.load(kv_ptr + rows[:, None] + DV + offs_r[None, :], mask=pmask[:, None], other=0.0)
+    s = tl.sum(k_c * q_c[None, :], axis=1) + tl.sum(k_pe.to(tl.float32) * q_pe[None, :], axis=1)
+    s = tl.where(pmask, s * scale_log2, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: position n0 is always visible
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc = acc * alpha + tl.sum(p[:, None] * k_c, axis=0)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _before_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
+                   q_len,
+                   stride_qb, stride_qt, stride_qh,
+                   stride_kvp, stride_kvr, stride_btb,
+                   stride_ob, stride_ot, stride_oh,
+                   stride_lb, stride_lt,
+                   scale_log2,
+                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    # One program = one query row (head h of verify token t of request b), whole history, no tl.dot.
+    h = tl.program_id(0)
+    t = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_v = tl.arange(0, DV)
+    offs_r = tl.arange(0, DR)
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
+    q_c = tl.load(q_row + offs_v).to(tl.float32)
+    q_pe = tl.load(q_row + DV + offs_r).to(tl.float32)
+    end = tl.load(len_ptr + b) - q_len + t + 1  # causal: positions <= this token's own
+    m_i = -float("inf")
+    l_i = 0.0
+    acc = tl.zeros([DV], dtype=tl.float32)
+    if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
+        n0 = 0
+        while n0 < end:
+            m_i, l_i, acc = _before_tile(kv_ptr, bt_ptr, b, n0, end, q_c, q_pe, m_i, l_i, acc, stride_kvp,
+                                         stride_kvr, stride_btb, scale_log2, PAGED, PAGE_SIZE, DV, DR, BLOCK_N)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(0, end, BLOCK_N):
+            m_i, l_i, acc = _before_tile(kv_ptr, bt_ptr, b, n0, end, q_c, q_pe, m_i, l_i, acc, stride_kvp,
+                                         stride_kvr, stride_btb, scale_log2, PAGED, PAGE_SIZE, DV, DR, BLOCK_N)
+    o = acc / l_i
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + offs_v,
+             o.to(o_ptr.dtype.element_ty))
+    tl.store(lse_ptr + b * stride_lb + t * stride_lt + h, (m_i + tl.log2(l_i)) * 0.6931471805599453)
+
+
+@triton.jit
+def _split_tile(kv_ptr, bt_ptr, b, n0, end, qpos, q_t, qpe_t, m_i, l_i, acc, stride_kvp, stride_kvr, stride_btb,
+                scale_log2, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+                BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of BLOCK_N positions for all query rows of the program, both products on tl.dot.
+
+    Transposed: positions are the M dimension (BLOCK_N = 64 rows, what Hopper's wgmma wants) and the
+    16 padded heads the N dimension, so the latent tile feeds both products from shared memory.
+    s^T [BLOCK_N, rows] = K q^T;  acc^T [DV, rows] += K_v^T p^T."""
+    offs_v = tl.arange(0, DV)
+    offs_r = tl.arange(0, DR)
+    pos = n0 + tl.arange(0, BLOCK_N)
+    pmask = pos < end
+    rows = _row_offsets(kv_ptr, bt_ptr, b, pos, pmask, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
+    k_c = tl.load(kv_ptr + rows[:, None] + offs_v[None, :], mask=pmask[:, None], other=0.0)
+    k_pe = tl.load(kv_ptr + rows[:, None] + DV + offs_r[None, :], mask=pmask[:, None], other=0.0)
+    if IEEE:  # fp32 inputs: no tf32 rounding
+        s = tl.dot(k_c, q_t, input_precision="ieee")
+        s = tl.dot(k_pe, qpe_t, s, input_precision="ieee")
+    else:
+        s = tl.dot(k_c, q_t)
+        s = tl.dot(k_pe, qpe_t, s)
+    visible = (pos[:, None] <= qpos[None, :]) & pmask[:, None]
+    s = tl.where(visible, s * scale_log2, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row that sees nothing yet stays at zero
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    if IEEE:
+        acc = tl.dot(tl.trans(k_c), p.to(k_c.dtype), acc * alpha[None, :], input_precision="ieee")
+    else:
+        acc = tl.dot(tl.trans(k_c), p.to(k_c.dtype), acc * alpha[None, :])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_ptr,
+                  heads, q_len, num_splits, head_groups,
+                  stride_qb, stride_qt, stride_qh,
+                  stride_kvp, stride_kvr, stride_btb,
+                  stride_ob, stride_ot, stride_oh,
+                  stride_lb, stride_lt,
+                  scale_log2,
+                  PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  DV: tl.constexpr, DR: tl.constexpr,
+                  HEAD_TILE: tl.constexpr, TOK_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  WRITE_FINAL: tl.constexpr, IEEE: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    # One program = one piece of one request's history, for TOK_TILE verify tokens x HEAD_TILE heads.
+    split = tl.program_id(0)
+    b = tl.program_id(1)
+    grp = tl.program_id(2)
+    hg = grp % head_groups
+    tg = grp // head_groups
+    M: tl.constexpr = TOK_TILE * HEAD_TILE
+    r = tl.arange(0, M)
+    t = tg * TOK_TILE + r // HEAD_TILE
+    h = hg * HEAD_TILE + r % HEAD_TILE
+    row_ok = (t < q_len) & (h < heads)  # rows past the real heads are the padding: zero query, never stored
+    offs_v = tl.arange(0, DV)
+    offs_r = tl.arange(0, DR)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
+    q_t = tl.load(q_rows[None, :] + offs_v[:, None], mask=row_ok[None, :], other=0.0)  # [DV, M]
+    qpe_t = tl.load(q_rows[None, :] + DV + offs_r[:, None], mask=row_ok[None, :], other=0.0)  # [DR, M]
+    length = tl.load(len_ptr + b)
+    qpos = tl.where(row_ok, length - q_len + t, -1)  # last visible position per row (causal)
+    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+    m_i = tl.full([M], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([M], dtype=tl.float32)
+    acc = tl.zeros([DV, M], dtype=tl.float32)
+    if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _split_tile(kv_ptr, bt_ptr, b, n0, end, qpos, q_t, qpe_t, m_i, l_i, acc, stride_kvp,
+                                        stride_kvr, stride_btb, scale_log2, PAGED, PAGE_SIZE, DV, DR, BLOCK_N, IEEE)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _split_tile(kv_ptr, bt_ptr, b, n0, end, qpos, q_t, qpe_t, m_i, l_i, acc, stride_kvp,
+                                        stride_kvr, stride_btb, scale_log2, PAGED, PAGE_SIZE, DV, DR, BLOCK_N, IEEE)
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[None, :]
+    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -float("inf"))
+    if WRITE_FINAL:
+        o_rows = o_ptr + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
+        tl.store(o_rows[None, :] + offs_v[:, None], o.to(o_ptr.dtype.element_ty), mask=row_ok[None, :])
+        tl.store(lse_ptr + b * stride_lb + t * stride_lt + h, lse2 * 0.6931471805599453, mask=row_ok)
+    else:
+        # partials [B, q_len * heads, num_splits, DV] (fp32) and [B, q_len * heads, num_splits] (base 2)
+        prow = (b * q_len * heads + t * heads + h).to(tl.int64) * num_splits + split
+        tl.store(op_ptr + prow[None, :] * DV + offs_v[:, None], o, mask=row_ok[None, :])
+        tl.store(lsep_ptr + prow, lse2, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(op_ptr, lsep_ptr, o_ptr, lse_ptr,
+                  heads, q_len, num_splits,
+                  stride_ob, stride_ot, stride_oh,
+                  stride_lb, stride_lt,
+                  DV: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_TILE: tl.constexpr):
+    # One program = one (request, row) and BLOCK_DV value columns: lse-weighted sum of the pieces.
+    b = tl.program_id(0)
+    row = tl.program_id(1)
+    dv0 = tl.program_id(2) * BLOCK_DV
+    t = row // heads
+    h = row % heads
+    base = (b * q_len * heads + row).to(tl.int64) * num_splits
+    offs_s = tl.arange(0, SPLITS_P2)
+    lse_all = tl.load(lsep_ptr + base + offs_s, mask=offs_s < num_splits, other=-float("inf"))
+    m = tl.max(lse_all, axis=0)
+    m_use = tl.where(m == -float("inf"), 0.0, m)
+    denom = tl.sum(tl.exp2(lse_all - m_use), axis=0)
+    offs_v = dv0 + tl.arange(0, BLOCK_DV)
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, SPLITS_P2, SPLIT_TILE):  # compile-time bounds: the interpreter needs them
+        ss = s0 + tl.arange(0, SPLIT_TILE)
+        smask = ss < num_splits
+        w = tl.exp2(tl.load(lsep_ptr + base + ss, mask=smask, other=-float("inf")) - m_use)
+        part = tl.load(op_ptr + (base + ss)[:, None] * DV + offs_v[None, :], mask=smask[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * part, axis=0)
+    seen = denom > 0
+    o = acc / tl.where(seen, denom, 1.0)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + offs_v,
+             o.to(o_ptr.dtype.element_ty))
+    if dv0 == 0:
+        lse = tl.where(seen, (m_use + tl.log2(tl.where(seen, denom, 1.0))) * 0.6931471805599453, -float("inf"))
+        tl.store(lse_ptr + b * stride_lb + t * stride_lt + h, lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# plans: validated once, launched many times
+
+
+@dataclass
+class DecodePlan:
+    """A validated decode, ready to launch: `plan()` runs it and returns (o, lse) (the plan's own
+    output buffers, overwritten by each call).
+
+    programs: programs of the main kernel (the figure to hold against the compute units);
+    launches: kernels per call; num_splits: history pieces per request (before: 1)."""
+
+    variant: str
+    grid: tuple[int, int, int]
+    num_splits: int
+    launches: int
+    config: LaunchConfig
+    heads: int
+    rows_per_program: int
+    pad: str
+    out: torch.Tensor
+    lse: torch.Tensor
+    _launch: object = field(repr=False)
+
+    @property
+    def programs(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._launch()
+        return self.out, self.lse
+
+
+def _kv_strides(inp: _Inputs) -> tuple[int, int]:
+    return inp.kv.stride(0), inp.kv.stride(1)
+
+
+def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, block_n=None, num_warps=None,
+                num_stages=None) -> DecodePlan:
+    """Validate once and return a launchable plan of the conservative kernel (see module docstring)."""
+    inp = _validate(q, cache, lengths, block_table)
+    cfg = launch_config("before", q.dtype, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    B, Tq, H = inp.batch, inp.q_len, inp.heads
+    out = torch.empty(B, Tq, H, VALUE_DIM, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
+    scale_log2 = (DEFAULT_SCALE if scale is None else float(scale)) * _LOG2E
+    grid = (H, Tq, B)
+    skvp, skvr = _kv_strides(inp)
+    kv, bt, lens = inp.kv, inp.block_table, inp.lengths
+    kwargs = dict(PAGED=inp.paged, PAGE_SIZE=inp.page_size, DV=VALUE_DIM, DR=ROPE_DIM, BLOCK_N=cfg.block_n,
+                  INTERPRET=env.triton_interpreted(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def launch():
+        _before_kernel[grid](q, kv, bt, lens, out, lse, Tq, q.stride(0), q.stride(1), q.stride(2),
+                             skvp, skvr, bt.stride(0), out.stride(0), out.stride(1), out.stride(2),
+                             lse.stride(0), lse.stride(1), scale_log2, **kwargs)
+
+    return DecodePlan("before", grid, 1, 1, cfg, H, 1, "none", out, lse, launch)
+
+
+def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, fold_heads=False,
+               pad="registers", compute_units=None, block_n=None, num_warps=None, num_stages=None,
+               pad_fill: float = 0.0) -> DecodePlan:
+    """Validate once and return a launchable plan of the padded split-history decode.
+
+    num_splits: None = `choose_num_splits` for this batch, the longest context and the device's
+    compute units; an int forces it (the study's sweep). fold_heads: allow H > 16 as groups of 16.
+    pad: 'registers' (masked loads of the 16-row tile; nothing extra in memory) or 'copy' (the
+    seed's adapter: an explicit [B, q_len, 16, 576] query buffer whose extra heads are filled with
+    `pad_fill`, a 16-head output whose extra heads are dropped)."""
+    if pad not in ("registers", "copy"):
+        raise ValueError(f"pad must be 'registers' or 'copy', got {pad!r}")
+    inp = _validate(q, cache, lengths, block_table, max_heads=None if fold_heads else MMA_ROWS)
+    B, Tq, H = inp.batch, inp.q_len, inp.heads
+    head_groups = -(-H // MMA_ROWS)
+    if pad == "copy" and head_groups != 1:
+        raise ValueError(f"pad='copy' builds one 16-head buffer; heads = {H} needs pad='registers' with folding")
+    tok_tile = min(triton.next_power_of_2(Tq), TOKENS_PER_PROGRAM)
+    tok_groups = -(-Tq // tok_tile)
+    rows = tok_tile * MMA_ROWS
+    cfg = launch_config("after", q.dtype, rows=rows, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    if num_splits is None:
+        num_splits = choose_num_splits(B, inp.max_len, compute_units, groups_per_request=head_groups * tok_groups,
+                                       block_n=cfg.block_n)
+    if not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an integer in 1..{MAX_SPLITS}, got {num_splits!r}")
+    dev = q.device
+    scale_log2 = (DEFAULT_SCALE if scale is None else float(scale)) * _LOG2E
+    out = torch.empty(B, Tq, H, VALUE_DIM, dtype=q.dtype, device=dev)
+    lse = torch.empty(B, Tq, H, dtype=torch.float32, device=dev)
+    if pad == "copy":
+        kq = torch.full((B, Tq, MMA_ROWS, LATENT_DIM), pad_fill, dtype=q.dtype, device=dev)
+        k_out = torch.empty(B, Tq, MMA_ROWS, VALUE_DIM, dtype=q.dtype, device=dev)
+        k_lse = torch.empty(B, Tq, MMA_ROWS, dtype=torch.float32, device=dev)
+        k_heads = MMA_ROWS
+    else:
+        kq, k_out, k_lse, k_heads = q, out, lse, H
+    if num_splits > 1:
+        o_part = torch.empty(B * Tq * k_heads * num_splits, VALUE_DIM, dtype=torch.float32, device=dev)
+        l_part = torch.empty(B * Tq * k_heads * num_splits, dtype=torch.float32, device=dev)
+    else:
+        o_part = l_part = k_lse  # unused (WRITE_FINAL)
+    grid = (num_splits, B, head_groups * tok_groups)
+    skvp, skvr = _kv_strides(inp)
+    kv, bt, lens = inp.kv, inp.block_table, inp.lengths
+    kwargs = dict(PAGED=inp.paged, PAGE_SIZE=inp.page_size, DV=VALUE_DIM, DR=ROPE_DIM, HEAD_TILE=MMA_ROWS,
+                  TOK_TILE=tok_tile, BLOCK_N=cfg.block_n, WRITE_FINAL=num_splits == 1,
+                  IEEE=q.dtype == torch.float32, INTERPRET=env.triton_interpreted(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    merge_dv = 128
+    merge_grid = (B, Tq * k_heads, VALUE_DIM // merge_dv)
+    merge_kwargs = dict(DV=VALUE_DIM, BLOCK_DV=merge_dv, SPLITS_P2=triton.next_power_of_2(num_splits),
+                        SPLIT_TILE=min(16, triton.next_power_of_2(num_splits)), num_warps=1)
+
+    def launch():
+        if pad == "copy":
+            kq[:, :, :H].copy_(q)
+        _split_kernel[grid](kq, kv, bt, lens, k_out, k_lse, o_part, l_part, k_heads, Tq, num_splits, head_groups,
+                            kq.stride(0), kq.stride(1), kq.stride(2), skvp, skvr, bt.stride(0),
+                            k_out.stride(0), k_out.stride(1), k_out.stride(2), k_lse.stride(0), k_lse.stride(1),
+                            scale_log2, **kwargs)
+        if num_splits > 1:
+            _merge_kernel[merge_grid](o_part, l_part, k_out, k_lse, k_heads, Tq, num_splits,
+                                      k_out.stride(0), k_out.stride(1), k_out.stride(2),
+                                      k_lse.stride(0), k_lse.stride(1), **merge_kwargs)
+        if pad == "copy":
+            out.copy_(k_out[:, :, :H])  # the padded heads' outputs are dropped here
+            lse.copy_(k_lse[:, :, :H])
+
+    launches = 1 + (num_splits > 1) + (3 if pad == "copy" else 0)
+    plan = DecodePlan("after", grid, num_splits, launches, cfg, H, rows, pad, out, lse, launch)
+    if pad == "copy":
+        plan.padded_query, plan.padded_out = kq, k_out  # for the notebook and tests: what the padding holds
+    return plan
+
+
+def mla_decode_before(q, cache, lengths=None, *, block_table=None, scale=None):
+    """The conservative decode: one program per (request, verify token, head) walking the whole
+    history on the vector units (12 rows cannot use tl.dot). Returns (o, lse), lse in natural log."""
+    o, lse = plan_before(q, cache, lengths, block_table=block_table, scale=scale)()
+    return o.clone(), lse.clone()
+
+
+def mla_decode_after(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, fold_heads=False,
+                     pad="registers"):
+    """The padded, split-history decode (query padded to 16 heads for tl.dot; history split over
+    `num_splits` programs per request, merged by log-sum-exp). Returns (o, lse), lse in natural log."""
+    o, lse = plan_after(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits,
+                        fold_heads=fold_heads, pad=pad)()
+    return o.clone(), lse.clone()
+
+
+# ----------------------------------------------------------------------------------------------
+# caches: paged <-> contiguous
+
+
+def to_paged(cache: torch.Tensor, page_size: int = 64, *, shuffle: bool = True, seed: int = 0,
+             spare_pages: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A paged copy of a contiguous cache [B, L, 576]: (pool [num_pages, page_size, 576], block_table
+    [B, ceil(L / page_size)] int32). With shuffle, pages sit in the pool in a random order, as they
+    do in a server after many requests come and go; `spare_pages` adds unused pages to the pool."""
+    if cache.dim() != 3:
+        raise ValueError(f"cache must be [B, L, D], got {tuple(cache.shape)}")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size}")
+    B, L, D = cache.shape
+    per = -(-L // page_size)
+    n_pages = B * per + spare_pages
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n_pages, generator=gen) if shuffle else torch.arange(n_pages)
+    block_table = order[: B * per].view(B, per).to(torch.int32).to(cache.device)
+    pool = torch.empty(n_pages, page_size, D, dtype=cache.dtype, device=cache.device)
+    pool.normal_() if pool.is_floating_point() else pool.zero_()  # unused slots hold garbage, never zeros
+    padded = torch.zeros(B, per * page_size, D, dtype=cache.dtype, device=cache.device)
+    padded[:, :L] = cache
+    pool[block_table.long().flatten()] = padded.view(B * per, page_size, D)
+    return pool, block_table
+
+
+def gather_paged(pool: torch.Tensor, block_table: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """The contiguous [B, L, 576] view of a paged cache (L = max_pages x page_size, or `length`)."""
+    B, per = block_table.shape
+    rows = pool[block_table.long().flatten()].view(B, per * pool.shape[1], pool.shape[2])
+    return rows if length is None else rows[:, :length]
+
+
+def reference(q, cache, lengths=None, *, block_table=None, scale=None):
+    """k3lab.nn.mla.latent_attention in fp32 (fp64 for fp64 inputs) on the same cache (a paged cache
+    is gathered first)."""
+    if block_table is not None:
+        cache = gather_paged(cache, block_table)
+    return latent_attention(q, cache, lengths=lengths, scale=scale, value_dim=VALUE_DIM)
+
+
+# ----------------------------------------------------------------------------------------------
+# plain PyTorch peers
+
+
+def _visible_mask(lengths, q_len: int, L: int, device) -> torch.Tensor:
+    pos = torch.arange(L, device=device)
+    qpos = lengths[:, None] - q_len + torch.arange(q_len, device=device)[None, :]
+    return pos[None, None, :] <= qpos[:, :, None]  # [B, Tq, L]
+
+
+def einsum_decode(q, cache, lengths=None, *, scale=None):
+    """Plain PyTorch decode in the inputs' dtype: einsum scores, masked softmax (fp32), einsum
+    values. Contiguous cache [B, L, 576] only (gather a paged one first). Returns (o, lse)."""
+    B, Tq, H, D = q.shape
+    L = cache.shape[1]
+    scale = DEFAULT_SCALE if scale is None else scale
+    scores = torch.einsum("bthd,bld->bthl", q, cache).float() * scale
+    if lengths is not None or Tq > 1:
+        lens = torch.full((B,), L, device=q.device) if lengths is None else torch.as_tensor(lengths, device=q.device)
+        vis = _visible_mask(lens, Tq, L, q.device)
+        scores = scores.masked_fill(~vis[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse[..., None]).to(cache.dtype)
+    o = torch.einsum("bthl,blv->bthv", p, cache[..., :VALUE_DIM])
+    return o, lse
+
+
+def sdpa_decode(q, cache, lengths=None, *, scale=None):
+    """torch.nn.functional.scaled_dot_product_attention on the same latent cache: keys the whole row,
+    values its first 512 columns, one KV head shared by all query heads (enable_gqa). SDPA returns
+    no log-sum-exp: lse is None. Contiguous cache only."""
+    B, Tq, H, D = q.shape
+    L = cache.shape[1]
+    scale = DEFAULT_SCALE if scale is None else scale
+    mask = None
+    if lengths is not None or Tq > 1:
+        lens = torch.full((B,), L, device=q.device) if lengths is None else torch.as_tensor(lengths, device=q.device)
+        mask = _visible_mask(lens, Tq, L, q.device)[:, None]  # [B, 1, Tq, L]
+    k = cache[:, None]  # [B, 1, L, 576]
+    v = cache[:, None, :, :VALUE_DIM]
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                                         enable_gqa=True)
+    return o.transpose(1, 2), None
+
+
+# ----------------------------------------------------------------------------------------------
+# AITER (ROCm) -- not yet run on AMD hardware by this project
+
+
+def aiter_status() -> tuple[bool, str]:
+    """(usable, why): AITER's MLA decode needs a ROCm torch with a device and the amd-aiter package."""
+    info = env.detect()
+    if info.backend != "rocm":
+        return False, f"backend is {info.backend}, AITER runs on ROCm only: k3lab's own kernel is used"
+    if importlib.util.find_spec("aiter") is None:
+        return False, "aiter is not installed (amd-aiter for this ROCm): k3lab's own kernel is used"
+    try:
+        from aiter import mla as _mla  # noqa: F401
+    except Exception as exc:  # a broken install is reported, not fatal
+        return False, f"aiter.mla failed to import ({type(exc).__name__}: {exc}): k3lab's own kernel is used"
+    return True, "aiter.mla.mla_decode_fwd (not yet run on AMD hardware by this project)"
+
+
+def aiter_decode(q, cache, lengths=None, *, block_table=None, scale=None):
+    """AITER's padded 16-head assembly decode, called the way the seed's adapter does (vLLM PR 50578):
+    copy the real heads into a 16-head query, run aiter.mla.mla_decode_fwd, drop the extra heads.
+
+    NOT YET RUN ON AMD HARDWARE BY THIS PROJECT. The cache is described to AITER token by token
+    (page_size 1: kv_indices lists each position's row in the pool), the layout every AITER version
+    accepts. Returns (o, lse) with lse in natural log as AITER returns it (checked by the study)."""
+    ok, why = aiter_status()
+    if not ok:
+        raise RuntimeError(f"aiter_decode unavailable: {why}")
+    from aiter import mla as aiter_mla
+
+    inp = _validate(q, cache, lengths, block_table, max_heads=MMA_ROWS)
+    B, Tq, H = inp.batch, inp.q_len, inp.heads
+    dev = q.device
+    q16 = torch.zeros(B, Tq, MMA_ROWS, LATENT_DIM, dtype=q.dtype, device=dev)
+    q16[:, :, :H] = q
+    lens = torch.tensor(inp.lengths_host, device=dev, dtype=torch.int64)
+    if inp.paged:
+        ps = inp.page_size
+        idx = [inp.block_table[b, torch.arange(n, device=dev) // ps].long() * ps + torch.arange(n, device=dev) % ps
+               for b, n in enumerate(inp.lengths_host)]
+        kv_rows = cache.reshape(-1, 1, 1, LATENT_DIM)
+    else:
+        L = cache.shape[1]
+        idx = [b * L + torch.arange(n, device=dev) for b, n in enumerate(inp.lengths_host)]
+        kv_rows = cache.reshape(B * L, 1, 1, LATENT_DIM)
+    kv_indices = torch.cat(idx).to(torch.int32)
+    kv_indptr = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+    kv_indptr[1:] = torch.cumsum(lens, 0).to(torch.int32)
+    qo_indptr = torch.arange(0, (B + 1) * Tq, Tq, dtype=torch.int32, device=dev)
+    last_page = torch.ones(B, dtype=torch.int32, device=dev)
+    o16 = torch.empty(B * Tq, MMA_ROWS, VALUE_DIM, dtype=q.dtype, device=dev)
+    kwargs = dict(sm_scale=DEFAULT_SCALE if scale is None else float(scale))
+    params = inspect.signature(aiter_mla.mla_decode_fwd).parameters
+    if "return_lse" in params:
+        kwargs["return_lse"] = True
+    if "page_size" in params:
+        kwargs["page_size"] = 1
+    res = aiter_mla.mla_decode_fwd(q16.view(B * Tq, MMA_ROWS, LATENT_DIM), kv_rows, o16, qo_indptr, kv_indptr,
+                                   kv_indices, last_page, Tq, **kwargs)
+    lse16 = res[1] if isinstance(res, tuple) and len(res) > 1 else None
+    o = o16.view(B, Tq, MMA_ROWS, VALUE_DIM)[:, :, :H].contiguous()
+    lse = None if lse16 is None else lse16.reshape(B, Tq, MMA_ROWS)[:, :, :H].float().contiguous()
+    return o, lse

@@ -156,7 +156,6 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
   }
 
   // ---- 2. every per-token input this block needs, loaded before any is used (one round trip)
-  const int HKt = a.H * HK;
   const k3_bf16* xq = a.q + (long long)b * a.q_rs + h * HK;
   const k3_bf16* xk = a.k + (long long)b * a.k_rs + h * HK;
   const k3_bf16* xv = a.v + (long long)b * a.v_rs + h * HV + v0;
@@ -429,7 +428,6 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
   X(128, 256)             \
   X(128, 512)             \
   X(64, 128)              \
-  X(64, 256)              \
   X(32, 128)              \
   X(16, 64)               \
   X(16, 128)              \
@@ -474,8 +472,11 @@ K3_EXPORT int k3_kda_decode(const k3kda::Args* args, int tile_v, int threads, in
     found = 1;                                                                                \
     if ((int)sizeof(k3kda::Smem<W_, NT_>) > max_shared) return -3;                            \
     dim3 grid(k3kda::HV / W_, a.H, a.B);                                                      \
-    if (state_vk) k3kda::kda_decode_kernel<W_, NT_, true><<<grid, NT_, 0, st>>>(a);           \
-    else k3kda::kda_decode_kernel<W_, NT_, false><<<grid, NT_, 0, st>>>(a);                   \
+    if (state_vk) {                                                                           \
+      k3kda::kda_decode_kernel<W_, NT_, true><<<grid, NT_, 0, st>>>(a);                       \
+    } else {                                                                                  \
+      k3kda::kda_decode_kernel<W_, NT_, false><<<grid, NT_, 0, st>>>(a);                      \
+    }                                                                                         \
   }
   K3_KDA_CONFIGS(K3_LAUNCH)
 #undef K3_LAUNCH

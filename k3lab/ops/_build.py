@@ -57,7 +57,7 @@ def source_path(name: str) -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def find_toolchain(kind: str) -> Toolchain | None:
     """nvcc or hipcc on PATH (nvcc also under CUDA_HOME), with its version line; None if absent."""
     if kind not in ("nvcc", "hipcc"):
@@ -71,7 +71,7 @@ def find_toolchain(kind: str) -> Toolchain | None:
         return None
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60,
-                             env=_compiler_env(kind))
+                             env=_compiler_env(kind), check=False)
         lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
         version = lines[-1] if kind == "nvcc" and lines else (lines[0] if lines else "unknown")
     except (OSError, subprocess.SubprocessError):
@@ -114,7 +114,7 @@ def arch_flags(kind: str, target: str) -> list[str]:
 def base_flags(kind: str) -> list[str]:
     common = ["-O3", "-std=c++17", f"-I{KERNEL_DIR}"]
     if kind == "nvcc":
-        return common + ["-Xcompiler", "-fPIC", "--split-compile=0"]
+        return common + ["-Xcompiler", "-fPIC", "--split-compile=0", "-Xptxas", "-v"]
     return ["-x", "hip"] + common + ["-fPIC"]
 
 
@@ -134,20 +134,25 @@ def build_key(name: str, tool: Toolchain, flags: list[str]) -> str:
     return h.hexdigest()[:24]
 
 
-def compile_kernel(name: str, *, kind: str, target: str, output: str = "shared",
-                   dest: Path | None = None, extra_flags: tuple[str, ...] = (), timeout: float = 900) -> Path:
-    """Compile kernels/<name>.cu for one target. output='shared' (a .so to load) or 'object' (a .o:
-    a compile-only check, no GPU needed). Returns the cached (or `dest`) path; raises
-    KernelUnavailable when the compiler is missing or fails (its message included)."""
+def compile_kernel(name: str, *, kind: str, target, output: str = "shared", dest: Path | None = None,
+                   extra_flags: tuple[str, ...] = (), timeout: float = 900, source: Path | None = None) -> Path:
+    """Compile kernels/<name>.cu (or `source`) for one target, or several (a tuple: one fat binary).
+    output='shared' (a .so to load) or 'object' (a .o: a compile-only check, no GPU needed). Returns
+    the cached (or `dest`) path; raises KernelUnavailable when the compiler is missing or fails (its
+    message included)."""
     if output not in ("shared", "object"):
         raise ValueError(f"output must be 'shared' or 'object', got {output!r}")
     tool = find_toolchain(kind)
     if tool is None:
         raise KernelUnavailable(f"{kind} is not on PATH: cannot compile kernels/{name}.cu")
-    flags = base_flags(kind) + arch_flags(kind, target) + list(extra_flags)
+    targets = (target,) if isinstance(target, str) else tuple(target)
+    flags = base_flags(kind) + [f for t in targets for f in arch_flags(kind, t)] + list(extra_flags)
     flags += ["-shared"] if output == "shared" else ["-c"]
     suffix = ".so" if output == "shared" else ".o"
+    src = Path(source) if source is not None else source_path(name)
     if dest is None:
+        if source is not None:
+            raise ValueError("a custom source needs an explicit dest (the cache key covers kernels/ only)")
         folder = cache_root() / build_key(name, tool, flags)
         dest = folder / f"{name}{suffix}"
         if dest.is_file():
@@ -156,9 +161,12 @@ def compile_kernel(name: str, *, kind: str, target: str, output: str = "shared",
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=suffix, dir=dest.parent)
     os.close(fd)
-    cmd = [tool.path, *flags, str(source_path(name)), "-o", tmp]
+    cmd = [tool.path, *flags, str(src), "-o", tmp]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_compiler_env(kind))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_compiler_env(kind),
+                              check=False)
+        # the compiler's report (e.g. ptxas -v: registers, spills) kept beside the output
+        Path(str(dest) + ".log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
         if proc.returncode != 0:
             raise KernelUnavailable(f"{kind} failed on kernels/{name}.cu ({' '.join(cmd)}):\n"
                                     f"{proc.stderr[-4000:]}")
@@ -169,7 +177,7 @@ def compile_kernel(name: str, *, kind: str, target: str, output: str = "shared",
     return dest
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load(name: str) -> ctypes.CDLL:
     """Build (once, cached on disk) and load kernels/<name>.cu for the current GPU."""
     kind, target = device_target()

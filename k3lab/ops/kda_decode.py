@@ -76,20 +76,21 @@ class KDADecodeWeights:
         return self.A_log.shape[0]
 
     @classmethod
-    def from_layer(cls, layer) -> "KDADecodeWeights":
-        """From a k3lab.nn.KimiDeltaAttention (weights converted to fp32 once, here)."""
-        f32 = dict(dtype=torch.float32, memory_format=torch.contiguous_format)
-        return cls(layer.q_conv.weight[:, 0].to(**f32), layer.k_conv.weight[:, 0].to(**f32),
-                   layer.v_conv.weight[:, 0].to(**f32), layer.A_log.detach().to(**f32),
+    def from_layer(cls, layer, dtype=torch.float32) -> KDADecodeWeights:
+        """From a k3lab.nn.KimiDeltaAttention (weights converted once, here; fp32 for the kernels,
+        fp64 for an fp64 reference)."""
+        f32 = {"dtype": dtype, "memory_format": torch.contiguous_format}
+        return cls(layer.q_conv.weight.detach()[:, 0].to(**f32), layer.k_conv.weight.detach()[:, 0].to(**f32),
+                   layer.v_conv.weight.detach()[:, 0].to(**f32), layer.A_log.detach().to(**f32),
                    layer.dt_bias.detach().to(**f32), layer.o_norm.weight.detach().to(**f32),
                    float(layer.lower_bound), float(layer.eps))
 
     @classmethod
     def random(cls, num_heads: int, *, device="cpu", generator: torch.Generator | None = None,
-               dtype=torch.float32) -> "KDADecodeWeights":
+               dtype=torch.float32) -> KDADecodeWeights:
         """Fresh random weights of plausible size (never zeros), for tests and benchmarks."""
         H, K = num_heads, HEAD_DIM
-        r = dict(generator=generator, dtype=dtype)
+        r = {"generator": generator, "dtype": dtype}
 
         def rnd(*shape, scale=1.0, shift=0.0):
             return (torch.randn(*shape, **r) * scale + shift).to(device)
@@ -130,7 +131,7 @@ def clone_cache(cache: KDACache) -> KDACache:
 
 def _tensor(name, t):
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
     return t
 
 
@@ -139,9 +140,9 @@ def validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out=None, state_lay
     if state_layout not in STATE_LAYOUTS:
         raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
     if not isinstance(cache, KDACache):
-        raise ValueError(f"cache must be a k3lab.nn.KDACache, got {type(cache).__name__}")
+        raise ValueError(f"cache must be a k3lab.nn.KDACache, got {type(cache).__name__}")  # noqa: TRY004
     if not isinstance(weights, KDADecodeWeights):
-        raise ValueError(f"weights must be a KDADecodeWeights, got {type(weights).__name__}")
+        raise ValueError(f"weights must be a KDADecodeWeights, got {type(weights).__name__}")  # noqa: TRY004
     K = HEAD_DIM
     _tensor("q", q)
     if q.dim() != 2 or q.shape[1] % K:
@@ -545,8 +546,9 @@ def kda_decode(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, impl
         raise ValueError(f"{sorted(kernel_options)} apply to impl='after' only")
     if impl == "before":
         return before(q, k, v, g_raw, beta_raw, gate, cache, weights, out=out, state_layout=state_layout)
+    fp64 = isinstance(cache, KDACache) and isinstance(cache.state, torch.Tensor) and cache.state.dtype == torch.float64
     res, new = reference(q, k, v, g_raw, beta_raw, gate, cache, weights, state_layout=state_layout,
-                         compute_dtype=torch.float64 if cache.state.dtype == torch.float64 else torch.float32)
+                         compute_dtype=torch.float64 if fp64 else torch.float32)
     _write_back(cache, new)
     if out is None:
         return res.to(q.dtype)

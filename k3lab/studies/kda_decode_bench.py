@@ -1,0 +1,273 @@
+"""Fused KDA decode benchmark: before (unfused chain), after (one launch), fla-core peer, floor.
+
+At the TP8 slice (12 heads, K = V = 128, bf16 activations, fp32 state) for B in {1, 8, 32, 128}:
+every variant is first checked against the fp32 reference on fresh random inputs (output, the three
+conv states and the recurrent state), then timed eager and under CUDA-graph replay
+(`k3lab.bench.time_fn`). The floor is the bytes one step must move (state read + write, conv states,
+per-token inputs, output, weights) over the measured copy bandwidth.
+
+The peer is what an fla-core user runs for the same step: three `causal_conv1d_update` calls (one
+per ShortConvolution), `fused_recurrent_kda` with its in-kernel gate, L2 norm and beta sigmoid, and
+`rms_norm_gated` with a sigmoid gate.
+
+Not a registered study: the copy_removal study (notebook 03) folds these functions in. Run
+`python -m k3lab.studies.kda_decode_bench --out DIR` on a GPU to write records and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from k3lab import bench
+from k3lab.nn import KDACache
+from k3lab.ops import kda_decode as kd
+
+STUDY = "kda_decode"
+HEADS = 12  # TP8 slice
+BATCHES = (1, 8, 32, 128)
+HEAD = kd.HEAD_DIM
+
+
+def step_bytes(batch: int, heads: int) -> dict[str, int]:
+    """Bytes one decode step must move, by kind (bf16 activations, fp32 state and weights)."""
+    B, H, K = batch, heads, HEAD
+    return {
+        "state": 2 * B * H * K * K * 4,                      # read + write
+        "conv_states": 2 * 3 * B * H * K * (kd.CONV_SIZE - 1) * 2,
+        "inputs": 5 * B * H * K * 2 + B * H * 2,            # q, k, v, g_raw, gate; beta_raw
+        "output": B * H * K * 2,
+        "weights": 3 * H * K * kd.CONV_SIZE * 4 + H * K * 4 + H * 4 + K * 4,
+    }
+
+
+def floor_us(batch: int, heads: int) -> float:
+    return bench.floor_us(bytes=sum(step_bytes(batch, heads).values()))
+
+
+# ----------------------------------------------------------------------------------------------
+# the fla-core peer
+
+
+def fla_available() -> tuple[bool, str]:
+    try:
+        import fla.ops.kda  # noqa: F401
+        from fla.modules.causal_conv1d.ops import causal_conv1d_update  # noqa: F401
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - absent or broken: no peer, said so
+        return False, f"fla-core not usable here ({type(exc).__name__}: {exc}); no peer timings"
+    return True, "fla-core " + getattr(__import__("fla"), "__version__", "?")
+
+
+def fla_cache(cache: KDACache) -> dict:
+    """fla keeps the last 4 inputs per channel ([B, C, 4]); the oldest is never read on update."""
+    def widen(c):
+        return torch.cat([torch.zeros_like(c[..., :1]), c], -1).contiguous()
+    return {"conv_q": widen(cache.conv_q), "conv_k": widen(cache.conv_k), "conv_v": widen(cache.conv_v),
+            "state": cache.state.clone()}
+
+
+def fla_step(inputs: dict, cache: dict, weights: kd.KDADecodeWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step as an fla-core user runs it. Updates the conv caches in place; returns
+    (out [B, H*V], new state) (fused_recurrent_kda returns a new state tensor)."""
+    from fla.modules.causal_conv1d.ops import causal_conv1d_update
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    from fla.ops.kda import fused_recurrent_kda
+
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    B, C = q.shape
+    H = C // HEAD
+    yq, _ = causal_conv1d_update(x=q, cache=cache["conv_q"], weight=weights.conv_q, activation="silu")
+    yk, _ = causal_conv1d_update(x=k, cache=cache["conv_k"], weight=weights.conv_k, activation="silu")
+    yv, _ = causal_conv1d_update(x=v, cache=cache["conv_v"], weight=weights.conv_v, activation="silu")
+    o, state = fused_recurrent_kda(
+        yq.view(B, 1, H, HEAD), yk.view(B, 1, H, HEAD), yv.view(B, 1, H, HEAD),
+        g=inputs["g_raw"].view(B, 1, H, HEAD), beta=inputs["beta_raw"].view(B, 1, H),
+        A_log=weights.A_log, dt_bias=weights.dt_bias, scale=HEAD ** -0.5, initial_state=cache["state"],
+        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, lower_bound=weights.lower_bound)
+    out = rms_norm_gated(o.view(B * H, HEAD), inputs["gate"].view(B * H, HEAD), weights.o_norm, None,
+                         activation="sigmoid", eps=weights.eps)
+    return out.view(B, H * HEAD), state
+
+
+# ----------------------------------------------------------------------------------------------
+# checks
+
+
+def check_case(batch: int, heads: int = HEADS, *, device="cuda", seed: int = 0, state_layout="kv",
+               variants=("before", "after", "fla"), **kernel_options) -> dict[str, dict]:
+    """Every variant vs the fp32 reference on fresh random inputs: output, conv states, state.
+    `after` keeps fp32 intermediates on chip: its state must meet the fp32 bound. `before` and fla
+    store the conv outputs and o in bf16 between kernels, so their state meets the bf16 bound (and,
+    for `before`, the fp32 bound against a reference rounding at the same handoffs)."""
+    inputs, cache, w = kd.make_example(batch, heads, device=device, state_layout=state_layout, seed=seed)
+    ref_out, ref = kd.reference(**inputs, cache=cache, weights=w, state_layout=state_layout)
+    ref_h_out, ref_h = kd.reference(**inputs, cache=cache, weights=w, state_layout=state_layout,
+                                    handoff_dtype=torch.bfloat16)
+    results = {}
+
+    def pairs(out, c, r_out, r):
+        return {"output": (out, r_out), "conv_q": (c.conv_q, r.conv_q), "conv_k": (c.conv_k, r.conv_k),
+                "conv_v": (c.conv_v, r.conv_v), "state": (c.state, r.state)}
+
+    exact_conv = {"conv_q": "fp32", "conv_k": "fp32", "conv_v": "fp32"}
+    if "after" in variants:
+        c = kd.clone_cache(cache)
+        out = kd.after(**inputs, cache=c, weights=w, state_layout=state_layout, **kernel_options)
+        results["after"] = bench.check_all(pairs(out, c, ref_out, ref),
+                                           {"output": "bf16", "state": "fp32", **exact_conv})
+    if "before" in variants:
+        c = kd.clone_cache(cache)
+        out = kd.before(**inputs, cache=c, weights=w, state_layout=state_layout)
+        results["before"] = bench.check_all(pairs(out, c, ref_out, ref),
+                                            {"output": "bf16", "state": "bf16", **exact_conv})
+        results["before_vs_handoff_ref"] = bench.check_all(
+            {"output": (out, ref_h_out), "state": (c.state, ref_h.state)}, {"output": "bf16", "state": "bf16"})
+    if "fla" in variants and state_layout == "kv" and fla_available()[0]:
+        fc = fla_cache(cache)
+        out, state = fla_step(inputs, fc, w)
+        got = KDACache(fc["conv_q"][..., 1:], fc["conv_k"][..., 1:], fc["conv_v"][..., 1:], state)
+        results["fla"] = bench.check_all(pairs(out, got, ref_out, ref),
+                                         {"output": "bf16", "state": "bf16", **exact_conv})
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+
+
+def make_callables(batch: int, heads: int = HEADS, *, device="cuda", seed: int = 1,
+                   **kernel_options) -> dict[str, Callable[[], None]]:
+    """variant -> one decode step on its own copy of the cache (state evolves across calls)."""
+    inputs, cache, w = kd.make_example(batch, heads, device=device, seed=seed)
+    out = torch.empty(batch, heads * HEAD, device=device, dtype=torch.bfloat16)
+    c_before, c_after = kd.clone_cache(cache), kd.clone_cache(cache)
+    fns = {
+        "before": lambda: kd.before(**inputs, cache=c_before, weights=w, out=out),
+        "after": lambda: kd.after(**inputs, cache=c_after, weights=w, out=out, **kernel_options),
+    }
+    if fla_available()[0]:
+        fc = fla_cache(cache)
+        fns["fla"] = lambda: fla_step(inputs, fc, w)
+    return fns
+
+
+LAUNCHES = {"before": 5, "after": 1, "fla": 5}  # kernels + copies per step
+
+
+def time_case(batch: int, heads: int = HEADS, *, modes=("eager", "graph"), repeats: int = 200,
+              errors: dict | None = None, **kernel_options) -> list[bench.Record]:
+    fns = make_callables(batch, heads, **kernel_options)
+    fl = floor_us(batch, heads)
+    sb = step_bytes(batch, heads)
+    records = []
+    for variant, fn in fns.items():
+        for mode in modes:
+            t = bench.time_fn(fn, warmup=20, repeats=repeats, graph=(mode == "graph"))
+            extra = {"launches": LAUNCHES[variant], "bytes": sb,
+                     "state_tbs": sb["state"] / (t.median_us * 1e-6) / 1e12}
+            if variant == "after":
+                dev = kd._load_fused(torch.device("cuda"))
+                extra["config"] = kernel_options or dict(zip(("tile_v", "threads"), kd.choose_config(
+                    batch, heads, dev.units, dev.warp_size)))
+            records.append(bench.make_record(
+                STUDY, f"B{batch}_H{heads}", variant, t, shape={"B": batch, "H": heads, "K": HEAD, "V": HEAD},
+                dtype=torch.bfloat16, floor_us=fl, error=(errors or {}).get(variant, {}), **extra))
+    return records
+
+
+def sweep_configs(batch: int, heads: int = HEADS, *, repeats: int = 50,
+                  hints=(0,), layouts=("kv", "vk"), configs=None) -> list[dict]:
+    """Graph-replay time of every compiled (tile_v, threads) (or `configs`) and state layout, after
+    checking each against the reference."""
+    dev = kd._load_fused(torch.device("cuda"))
+    rows = []
+    for (tile_v, threads) in sorted(configs or dev.configs):
+        for layout in layouts:
+            for hint in hints:
+                opts = {"tile_v": tile_v, "threads": threads, "hints": hint}
+                row = {"B": batch, "tile_v": tile_v, "threads": threads, "layout": layout, "hints": hint}
+                try:
+                    errs = check_case(batch, heads, state_layout=layout, variants=("after",), seed=batch + 7,
+                                      **opts)
+                except bench.CheckFailed as exc:  # keep sweeping; the row says what failed
+                    rows.append(dict(row, failed=str(exc)[:500]))
+                    continue
+                inputs, cache, w = kd.make_example(batch, heads, device="cuda", state_layout=layout, seed=3)
+                out = torch.empty(batch, heads * HEAD, device="cuda", dtype=torch.bfloat16)
+                def step(inputs=inputs, cache=cache, w=w, out=out, layout=layout, opts=opts):
+                    kd.after(**inputs, cache=cache, weights=w, out=out, state_layout=layout, **opts)
+
+                t = bench.time_fn(step,
+                                  warmup=10, repeats=repeats, graph=True)
+                rows.append({**row, "graph_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us,
+                             "state_max_rel": errs["after"]["state"]["max_rel"],
+                             "out_max_rel": errs["after"]["output"]["max_rel"]})
+    return rows
+
+
+def run(batches=BATCHES, heads: int = HEADS, modes=("eager", "graph"), **kernel_options) -> list[bench.Record]:
+    """Check every variant at each batch (raising on failure), then time them; returns records."""
+    records = []
+    for B in batches:
+        errs = {}
+        for layout in ("kv", "vk"):
+            res = check_case(B, heads, state_layout=layout, seed=B, **kernel_options)
+            if layout == "kv":
+                errs = {k: v for k, v in res.items() if k in ("before", "after", "fla")}
+        records += time_case(B, heads, modes=modes, errors=errs, **kernel_options)
+    return records
+
+
+def table(records: list[bench.Record]) -> str:
+    rows = {}
+    for r in records:
+        rows.setdefault((r.case, r.mode), {})[r.variant] = r
+    lines = [(f"{'case':>10} {'mode':>6} {'before':>9} {'after':>9} {'fla':>9} {'floor':>7} "
+              f"{'bef/aft':>8} {'fla/aft':>8} {'state TB/s':>10}")]
+    for (case, mode), v in sorted(rows.items(), key=lambda kv: (int(kv[0][0].split('_')[0][1:]), kv[0][1])):
+        def us(name, v=v):
+            return v[name].median_us if name in v else math.nan
+        a = us("after")
+        lines.append(f"{case:>10} {mode:>6} {us('before'):9.2f} {a:9.2f} {us('fla'):9.2f} "
+                     f"{v['after'].floor_us:7.2f} {us('before') / a:8.2f} {us('fla') / a:8.2f} "
+                     f"{v['after'].extra['state_tbs']:10.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="folder for records (profiles/ layout) and sweep.json")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--sweep", action="store_true", help="also time every compiled kernel config")
+    ap.add_argument("--repeats", type=int, default=200)
+    args = ap.parse_args(argv)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    print(kd.fused_status()[1], "|", fla_available()[1])
+    if args.sweep:
+        rows = []
+        for B in batches:
+            rows += sweep_configs(B)
+            best = min((r for r in rows if r["B"] == B and "graph_us" in r), key=lambda r: r["graph_us"])
+            rows += sweep_configs(B, hints=(1, 2, 3), layouts=(best["layout"],),
+                                  configs=[(best["tile_v"], best["threads"])])
+        for r in rows:
+            print("sweep", json.dumps(r))
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "sweep.json").write_text(json.dumps(rows, indent=1))
+    records = run(batches)
+    if args.out:  # one file: the device copy brings back few files (profiles/ is written from it later)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "records.json").write_text(json.dumps([r.to_dict() for r in records], indent=1))
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""KDA decode (seed section 3): the reference against the equations and the nn layer, the unfused
+Triton chain against the reference (CPU, Triton's interpreter), bad input, and on a GPU the fused
+kernel (kernels/kda_decode.cu) against the reference for every compiled config and both layouts."""
+
+import math
+
+import pytest
+import torch
+
+from k3lab import bench
+from k3lab.config import K3Config
+from k3lab.model import init_weights
+from k3lab.nn import KDACache
+from k3lab.nn.kda import KimiDeltaAttention
+from k3lab.ops import kda_decode as kd
+
+GPU = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not GPU, reason="the fused kernel needs a CUDA/ROCm GPU; none is visible")
+
+
+def plain_step(inputs, cache, w, state_layout="kv"):
+    """The decode step written from architecture.md section 3 with plain fp64 torch, per head."""
+    d = torch.float64
+    q, k, v = (inputs[n].to(d) for n in ("q", "k", "v"))
+    B, C = q.shape
+    H, K = C // 128, 128
+
+    def conv(x, wt, st):
+        xs = torch.cat([st.to(d), x[..., None]], -1)  # [B, C, 4], oldest first
+        y = (xs * wt.to(d)).sum(-1)
+        return y * torch.sigmoid(y), xs[..., 1:]
+
+    yq, cq = conv(q, w.conv_q, cache.conv_q)
+    yk, ck = conv(k, w.conv_k, cache.conv_k)
+    yv, cv = conv(v, w.conv_v, cache.conv_v)
+    out = torch.empty(B, H, K, dtype=d)
+    S_all = cache.state.to(d).clone()
+    for b in range(B):
+        for h in range(H):
+            sl = slice(h * K, (h + 1) * K)
+            qh = yq[b, sl] / torch.sqrt((yq[b, sl] ** 2).sum() + 1e-6) * K ** -0.5
+            kh = yk[b, sl] / torch.sqrt((yk[b, sl] ** 2).sum() + 1e-6)
+            g = w.lower_bound * torch.sigmoid(torch.exp(w.A_log[h].to(d)) * (inputs["g_raw"][b, sl].to(d)
+                                                                            + w.dt_bias[sl].to(d)))
+            beta = torch.sigmoid(inputs["beta_raw"][b, h].to(d))
+            S = S_all[b, h] if state_layout == "kv" else S_all[b, h].T
+            S = torch.exp(g)[:, None] * S
+            u = S.T @ kh
+            S = S + torch.outer(kh, beta * (yv[b, sl] - u))
+            o = S.T @ qh
+            S_all[b, h] = S if state_layout == "kv" else S.T
+            o = o / torch.sqrt((o ** 2).mean() + w.eps) * w.o_norm.to(d)
+            out[b, h] = o * torch.sigmoid(inputs["gate"][b, sl].to(d))
+    return out.reshape(B, C), KDACache(cq, ck, cv, S_all)
+
+
+def assert_cache_close(got, ref, *, state_tol=1e-10):
+    for n in ("conv_q", "conv_k", "conv_v"):
+        assert torch.equal(getattr(got, n).to(torch.float64), getattr(ref, n).to(torch.float64)), n
+    torch.testing.assert_close(got.state.to(torch.float64), ref.state.to(torch.float64), rtol=state_tol,
+                               atol=state_tol)
+
+
+# ------------------------------------------------------------------ reference (CPU)
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_reference_matches_plain_equations_fp64(layout):
+    inputs, cache, w = kd.make_example(2, 2, dtype=torch.float64, state_layout=layout, seed=11)
+    cache.state = cache.state.double()
+    out, new = kd.reference(**inputs, cache=cache, weights=w, state_layout=layout, compute_dtype=torch.float64)
+    ref_out, ref = plain_step(inputs, cache, w, layout)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    assert_cache_close(new, ref)
+    assert not torch.equal(new.state, cache.state)  # the step changed the state: the test can fail
+
+
+def test_reference_is_pure():
+    inputs, cache, w = kd.make_example(1, 1, dtype=torch.float32, seed=3)
+    before = kd.clone_cache(cache)
+    kd.reference(**inputs, cache=cache, weights=w)
+    assert_cache_close(cache, before, state_tol=0)
+
+
+def test_reference_matches_the_nn_layer_decode_fp64():
+    """The op's inputs are the layer's projections: o_proj(reference) must equal the layer's T=1 step."""
+    cfg = K3Config.tiny()
+    layer = init_weights(KimiDeltaAttention(cfg, dtype=torch.float64), seed=5)
+    with torch.no_grad():
+        layer.A_log.copy_(torch.log(torch.linspace(1.0, 16.0, layer.num_heads, dtype=torch.float64)))
+        layer.dt_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    B, H = 2, layer.num_heads
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(B, 1, cfg.hidden_size, generator=gen, dtype=torch.float64)
+    cache = layer.empty_cache(B, state_dtype=torch.float64)
+    for t in (cache.conv_q, cache.conv_k, cache.conv_v, cache.state):
+        t.normal_(0, 0.3, generator=gen)
+    with torch.no_grad():
+        want, want_cache = layer(x, cache=cache)
+        inputs = {"q": layer.q_proj(x)[:, 0], "k": layer.k_proj(x)[:, 0], "v": layer.v_proj(x)[:, 0],
+                  "g_raw": layer.f_b(layer.f_a(x))[:, 0], "beta_raw": layer.b_proj(x)[:, 0],
+                  "gate": layer.g_proj(x)[:, 0]}
+        w = kd.KDADecodeWeights.from_layer(layer, dtype=torch.float64)
+        out, new = kd.reference(**inputs, cache=cache, weights=w, compute_dtype=torch.float64)
+        got = layer.o_proj(out)
+    torch.testing.assert_close(got, want[:, 0], rtol=1e-10, atol=1e-10)
+    assert_cache_close(new, want_cache)
+    assert B * H * 128 == out.numel()
+
+
+def test_handoff_rounding_is_what_differs():
+    """Rounding the conv outputs and o to bf16 (the unfused chain's handoffs) moves the result by
+    bf16-sized amounts; without it the reference is unchanged."""
+    inputs, cache, w = kd.make_example(2, 2, dtype=torch.bfloat16, seed=4)
+    out, new = kd.reference(**inputs, cache=cache, weights=w)
+    out_h, new_h = kd.reference(**inputs, cache=cache, weights=w, handoff_dtype=torch.bfloat16)
+    rel = (new_h.state - new.state).norm() / new.state.norm()
+    assert 1e-5 < rel < 2e-2
+    bench.check(out_h, out, dtype="bf16", name="output")
+
+
+# ------------------------------------------------------------------ before (CPU: Triton interpreter)
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_before_matches_reference_fp32(layout):
+    inputs, cache, w = kd.make_example(2, 2, dtype=torch.float32, state_layout=layout, seed=21)
+    ref_out, ref = kd.reference(**inputs, cache=cache, weights=w, state_layout=layout, compute_dtype=torch.float64)
+    out = kd.kda_decode(**inputs, cache=cache, weights=w, impl="before", state_layout=layout)
+    bench.check(out, ref_out, dtype="fp32", name="output")
+    bench.check(cache.state, ref.state, dtype="fp32", name="state")
+    assert_cache_close(KDACache(cache.conv_q, cache.conv_k, cache.conv_v, ref.state), ref)
+
+
+def test_before_bf16_matches_reference_with_the_same_handoffs():
+    inputs, cache, w = kd.make_example(3, 1, dtype=torch.bfloat16, seed=22)
+    ref_out, ref = kd.reference(**inputs, cache=cache, weights=w, compute_dtype=torch.float64,
+                                handoff_dtype=torch.bfloat16)
+    out = torch.empty(3, 128, dtype=torch.bfloat16)
+    got = kd.before(**inputs, cache=cache, weights=w, out=out)
+    assert got is out
+    bench.check_all({"output": (out, ref_out), "state": (cache.state, ref.state)}, {"output": "bf16", "state": "bf16"})
+    for n in ("conv_q", "conv_k", "conv_v"):
+        assert torch.equal(getattr(cache, n).double(), getattr(ref, n)), n
+
+
+def test_before_takes_views_of_one_packed_projection():
+    """q, k, v as column slices of one [B, 3*H*K] buffer (row stride 3*H*K), as a fused projection gives."""
+    inputs, cache, w = kd.make_example(2, 1, dtype=torch.float32, seed=23)
+    packed = torch.cat([inputs["q"], inputs["k"], inputs["v"]], 1)
+    views = dict(inputs, q=packed[:, :128], k=packed[:, 128:256], v=packed[:, 256:])
+    ref_out, ref = kd.reference(**inputs, cache=cache, weights=w, compute_dtype=torch.float64)
+    out = kd.before(**views, cache=cache, weights=w)
+    bench.check(out, ref_out, dtype="fp32", name="output")
+    bench.check(cache.state, ref.state, dtype="fp32", name="state")
+
+
+def test_three_steps_carry_state():
+    inputs, cache, w = kd.make_example(1, 1, dtype=torch.float32, seed=24)
+    ref_cache = KDACache(*(t.double() for t in (cache.conv_q, cache.conv_k, cache.conv_v, cache.state)))
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        step_in = {n: torch.randn(t.shape, generator=gen, dtype=torch.float64) for n, t in inputs.items()}
+        ref_out, ref_cache = kd.reference(**step_in, cache=ref_cache, weights=w, compute_dtype=torch.float64)
+        out = kd.before(**{n: t.float() for n, t in step_in.items()}, cache=cache, weights=w)
+        bench.check(out, ref_out, dtype="fp32", name=f"output step {step}")
+    bench.check(cache.state, ref_cache.state, dtype="fp32", name="state")
+
+
+# ------------------------------------------------------------------ entry point and bad input (CPU)
+def test_reference_impl_updates_in_place():
+    inputs, cache, w = kd.make_example(2, 1, dtype=torch.float32, seed=31)
+    ref_out, ref = kd.reference(**inputs, cache=cache, weights=w)
+    out = kd.kda_decode(**inputs, cache=cache, weights=w, impl="reference")
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(cache.state, ref.state)
+
+
+@pytest.mark.skipif(GPU, reason="checks what impl='auto' does without a GPU")
+def test_auto_without_gpu_says_it_uses_the_reference():
+    ok, why = kd.fused_status()
+    assert not ok and "reference" in why
+    inputs, cache, w = kd.make_example(1, 1, dtype=torch.bfloat16, seed=32)
+    ref_out, _ = kd.reference(**inputs, cache=cache, weights=w)
+    out = kd.kda_decode(**inputs, cache=cache, weights=w)  # auto
+    bench.check(out, ref_out, dtype="bf16")
+    inputs, cache, w = kd.make_example(1, 1, seed=33)
+    with pytest.raises(ValueError, match="GPU"):
+        kd.after(**inputs, cache=cache, weights=w)
+
+
+def _bad(**change):
+    inputs, cache, w = kd.make_example(2, 2, dtype=torch.float32, seed=40)
+    args = dict(inputs, cache=cache, weights=w)
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("impl", ["reference", "before"])
+@pytest.mark.parametrize("change, match", [
+    (lambda a: {"q": a["q"][:, :200]}, "q must be"),
+    (lambda a: {"k": a["k"][:1]}, "k must be"),
+    (lambda a: {"beta_raw": a["beta_raw"][:, :1]}, "beta_raw must be"),
+    (lambda a: {"gate": a["gate"].double()}, "gate must have q's dtype"),
+    (lambda a: {"cache": KDACache(a["cache"].conv_q, a["cache"].conv_k, a["cache"].conv_v,
+                                  a["cache"].state.bfloat16())}, "cache.state must be float32"),
+    (lambda a: {"cache": KDACache(a["cache"].conv_q[..., :2], a["cache"].conv_k, a["cache"].conv_v,
+                                  a["cache"].state)}, "cache.conv_q must be"),
+    (lambda a: {"cache": KDACache(a["cache"].conv_q, a["cache"].conv_k, a["cache"].conv_v,
+                                  a["cache"].state[..., :64])}, "cache.state must be"),
+    (lambda a: {"weights": kd.KDADecodeWeights.random(3)}, "weights.A_log must be"),
+    (lambda a: {"cache": (1, 2)}, "cache must be a k3lab.nn.KDACache"),
+])
+def test_bad_input_is_rejected_before_any_kernel(impl, change, match):
+    base = _bad()
+    args = _bad(**change(base))
+    state_before = args["cache"].state.clone() if isinstance(args["cache"], KDACache) else None
+    with pytest.raises(ValueError, match=match):
+        kd.kda_decode(**args, impl=impl)
+    if state_before is not None:
+        assert torch.equal(args["cache"].state, state_before)
+
+
+def test_head_dim_must_be_128():
+    inputs, cache, w = kd.make_example(1, 1, dtype=torch.float32, seed=41)
+    q = torch.randn(1, 192)  # 1.5 heads of 128, or 3 heads of 64: neither is K3's head_dim
+    with pytest.raises(ValueError, match="head_dim 128"):
+        kd.kda_decode(**dict(inputs, q=q), cache=cache, weights=w, impl="reference")
+
+
+def test_bad_impl_and_layout_names():
+    args = _bad()
+    with pytest.raises(ValueError, match="impl must be one of"):
+        kd.kda_decode(**args, impl="fused")
+    with pytest.raises(ValueError, match="state_layout must be one of"):
+        kd.kda_decode(**args, impl="reference", state_layout="kvk")
+    with pytest.raises(ValueError, match="apply to impl='after' only"):
+        kd.kda_decode(**args, impl="reference", tile_v=16)
+
+
+def test_choose_config_fills_the_units():
+    # B = 1, 12 heads on 132 SMs: the widest slice with >= 132 blocks is 8 columns (192 blocks)
+    assert kd.choose_config(1, 12, 132) == (8, 64)
+    assert kd.choose_config(8, 12, 132) == (64, 128)
+    assert kd.choose_config(128, 12, 132) == (128, 256)
+    for B in (1, 8, 32, 128):
+        tv, th = kd.choose_config(B, 12, 256, warp_size=64)  # MI355X-like: 256 CUs, wave64
+        assert th % 64 == 0 and B * 12 * (128 // tv) >= min(256, B * 12 * 16)
+
+
+def test_step_bytes_floor_inputs():
+    from k3lab.studies import kda_decode_bench as kb
+    sb = kb.step_bytes(128, 12)
+    assert sb["state"] == 2 * 128 * 12 * 128 * 128 * 4  # the anchors' KDA decode floor term
+    assert sum(sb.values()) > sb["state"]
+
+
+# ------------------------------------------------------------------ the fused kernel (GPU)
+def _fused_ready():
+    ok, why = kd.fused_status()
+    if not ok:
+        pytest.skip(why)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_fused_every_config_matches_reference(layout):
+    _fused_ready()
+    for (tile_v, threads) in sorted(kd._load_fused(torch.device("cuda")).configs):
+        for B in (1, 3):
+            for hints in (0, 3):
+                res = __import__("k3lab.studies.kda_decode_bench", fromlist=["x"]).check_case(
+                    B, 5, state_layout=layout, variants=("after",), seed=B * 100 + tile_v, tile_v=tile_v,
+                    threads=threads, hints=hints)
+                assert res["after"]["state"]["max_rel"] < 2e-4
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8, 32, 128])
+def test_fused_tp8_slice_against_reference_and_before(B):
+    _fused_ready()
+    from k3lab.studies import kda_decode_bench as kb
+    res = kb.check_case(B, 12, seed=B)
+    assert set(res) >= {"after", "before"}
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_fused_strided_inputs_and_output_buffer():
+    _fused_ready()
+    inputs, cache, w = kd.make_example(4, 3, device="cuda", seed=50)
+    ref_out, ref = kd.reference(**inputs, cache=cache, weights=w)
+    packed = torch.cat([inputs["q"], inputs["k"], inputs["v"]], 1)
+    views = dict(inputs, q=packed[:, :384], k=packed[:, 384:768], v=packed[:, 768:])
+    big = torch.zeros(4, 2 * 384, device="cuda", dtype=torch.bfloat16)
+    out = big[:, 384:]  # row stride 768: written in place, the other half untouched
+    for tile_v in (128, 16):
+        c = kd.clone_cache(cache)
+        kd.after(**views, cache=c, weights=w, out=out, tile_v=tile_v)
+        bench.check(out, ref_out, dtype="bf16")
+        bench.check(c.state, ref.state, dtype="fp32", name="state")
+        assert torch.count_nonzero(big[:, :384]) == 0
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_fused_under_cuda_graph_replay():
+    _fused_ready()
+    inputs, cache, w = kd.make_example(2, 12, device="cuda", seed=51)
+    ref_cache = kd.clone_cache(cache)
+    outs = []
+    for _ in range(3):  # eager reference trajectory: three steps of the same token
+        o, ref_cache = kd.reference(**inputs, cache=ref_cache, weights=w)
+        outs.append(o)
+    out = torch.empty(2, 12 * 128, device="cuda", dtype=torch.bfloat16)
+    kd.after(**inputs, cache=kd.clone_cache(cache), weights=w, out=out, tile_v=16)  # warm: workspace
+    g = torch.cuda.CUDAGraph()
+    c = kd.clone_cache(cache)
+    snapshot = kd.clone_cache(c)
+    with torch.cuda.graph(g):
+        kd.after(**inputs, cache=c, weights=w, out=out, tile_v=16)
+    for n in ("conv_q", "conv_k", "conv_v", "state"):  # capture must not have run it
+        getattr(c, n).copy_(getattr(snapshot, n))
+    for step in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        bench.check(out, outs[step], dtype="bf16", name=f"output step {step}")
+    bench.check(c.state, ref_cache.state, dtype="fp32", name="state")
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_fused_rejects_non_bf16_and_bad_config():
+    _fused_ready()
+    inputs, cache, w = kd.make_example(1, 2, device="cuda", dtype=torch.float16, seed=52)
+    with pytest.raises(ValueError, match="bf16"):
+        kd.after(**inputs, cache=cache, weights=w)
+    inputs, cache, w = kd.make_example(1, 2, device="cuda", seed=52)
+    with pytest.raises(ValueError, match="tile_v, threads"):
+        kd.after(**inputs, cache=cache, weights=w, tile_v=12, threads=64)
+    assert math.isfinite(float(kd.after(**inputs, cache=cache, weights=w).float().sum()))

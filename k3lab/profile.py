@@ -10,8 +10,11 @@
 
 rocprofv3 (ROCm) runs a workload in a child process: `capture_rocprofv3("study.py")`.
 ncu (NVIDIA) reads hardware counters of one kernel: `ncu_command(...)` + `parse_ncu_csv(...)`.
+`python -m k3lab.profile` captures a small known workload here and checks the table (selfcheck).
 The implementation lives in k3lab/profiling/, one module per format.
 """
+
+import sys
 
 from k3lab.profiling.capture import (
     BACKENDS,
@@ -40,6 +43,8 @@ from k3lab.profiling.rocprofv3_run import (
     rocprofv3_available,
     rocprofv3_command,
 )
+from k3lab.profiling.selfcheck import main as _selfcheck_main
+from k3lab.profiling.selfcheck import selfcheck
 from k3lab.profiling.torch_trace import kernels_from_trace
 
 __all__ = [
@@ -48,5 +53,8 @@ __all__ = [
     "category_table", "counts", "default_trace_dir", "detect_format", "device_time_us",
     "kernel_table", "kernels_from_trace", "ncu_command", "ncu_metrics", "parse_ncu_csv",
     "read_rocprofv3_dir", "read_stats", "read_trace", "rocprofv3_available", "rocprofv3_command",
-    "sort_key", "write_chrome_trace",
+    "selfcheck", "sort_key", "write_chrome_trace",
 ]
+
+if __name__ == "__main__":
+    sys.exit(_selfcheck_main())

@@ -397,6 +397,16 @@ def test_capture_bad_arguments():
         P.capture(_three_matmuls_and_a_copy, backend="nsys", device="cpu")
     with pytest.raises(ValueError, match="device"):
         P.capture(_three_matmuls_and_a_copy, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no GPU"):
+            P.capture(_three_matmuls_and_a_copy, device="cuda")
+
+
+def test_selfcheck_on_cpu(tmp_path):
+    summary = P.selfcheck(device="cpu", size=32, trace_dir=tmp_path)
+    assert summary["problems"] == []
+    assert summary["counts"]["launches"] == 4  # matmul, mm, copy_, contiguous (t is a view)
+    assert summary["counts"]["copies"] == 2 and summary["counts"]["bytes_copied"] == 2 * 32 * 32 * 4
 
 
 # ---------------------------------------------------------------- no-kernel GPU traces

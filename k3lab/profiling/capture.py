@@ -226,6 +226,8 @@ def capture(fn: Callable[[], object], *, steps: int = 1, warmup: int = 1, trace_
     from torch.profiler import ProfilerActivity, profile, record_function
 
     gpu = dev != "cpu"
+    if gpu and not torch.cuda.is_available():
+        raise ValueError(f"device: {dev!r} asked for, but torch sees no GPU; use device='cpu' or None")
     for _ in range(warmup):
         fn()
     if gpu:

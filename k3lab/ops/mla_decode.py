@@ -181,7 +181,7 @@ def _validate(q, cache, lengths, block_table, *, max_heads: int | None = None) -
 
 def split_cost(splits: int, batch: int, context_len: int, compute_units: int, *, groups_per_request: int = 1,
                block_n: int = 64, overhead_blocks: float = 2.0, merge_blocks: float = 6.0,
-               merge_blocks_per_split: float = 0.05) -> float:
+               merge_blocks_per_split: float = 0.01) -> float:
     """Modelled time of the split-history decode, in units of "one program reading one tile of
     block_n latent rows".
 

@@ -1,0 +1,190 @@
+"""k3lab.ops.mla_decode: both kernels against the fp32 reference (outputs and LSE), the split-count
+rule, the padding, and bad input. On CPU the kernels run in Triton's interpreter (fp32 / fp16)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
+from k3lab import bench
+from k3lab.ops import mla_decode as mla
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(B, Tq, H, L, dtype, *, lengths=None, paged=False, page_size=16, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(B, Tq, H, mla.LATENT_DIM, generator=g).to(DEV, dtype)
+    cache = torch.randn(B, L, mla.LATENT_DIM, generator=g).to(DEV, dtype)
+    lens = None if lengths is None else torch.tensor(lengths, device=DEV)
+    if paged:
+        pool, bt = mla.to_paged(cache, page_size, seed=seed, spare_pages=3)
+        return q, cache, lens, pool, bt
+    return q, cache, lens, cache, None
+
+
+def _check(o, lse, ref_o, ref_l, dtype, name):
+    bench.check(o, ref_o, dtype=dtype, name=f"{name}/o")
+    bench.check(lse, ref_l, dtype=dtype, name=f"{name}/lse")
+
+
+# (B, q_len, heads, cache length, per-request lengths, paged): context lengths are not multiples of
+# the tiles (32 / 64) or pages (16), batches mix lengths, q_len > 1 checks causality inside the group.
+CASES = {
+    "b1_h12_L100_contig": (1, 1, 12, 100, None, False),
+    "b2_h12_mixed_paged": (2, 1, 12, 150, [150, 37], True),
+    "b2_q3_h4_mixed_paged": (2, 3, 4, 90, [90, 5], True),
+    "b3_q2_h4_mixed_contig": (3, 2, 4, 70, [70, 9, 33], False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_before_and_after_match_reference(case, dtype):
+    B, Tq, H, L, lengths, paged = CASES[case]
+    q, cache, lens, kv, bt = _inputs(B, Tq, H, L, dtype, lengths=lengths, paged=paged)
+    ref_o, ref_l = mla.reference(q.float(), cache.float(), lens)
+    o, lse = mla.mla_decode_before(q, kv, lens, block_table=bt)
+    assert o.shape == (B, Tq, H, mla.VALUE_DIM) and o.dtype == dtype and lse.shape == (B, Tq, H)
+    _check(o, lse, ref_o, ref_l, dtype, f"{case}/before")
+    o, lse = mla.mla_decode_after(q, kv, lens, block_table=bt)  # split count from the rule
+    assert o.shape == (B, Tq, H, mla.VALUE_DIM) and o.dtype == dtype
+    _check(o, lse, ref_o, ref_l, dtype, f"{case}/after")
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_after_any_split_count(splits):
+    # 5 splits of a 150-long history in 64-position tiles: some pieces are empty, and the short
+    # request (37 positions) gets one non-empty piece: the merge must ignore the empty ones.
+    q, cache, lens, kv, bt = _inputs(2, 2, 12, 150, torch.float32, lengths=[150, 37], paged=True, seed=splits)
+    ref_o, ref_l = mla.reference(q.float(), cache.float(), lens)
+    plan = mla.plan_after(q, kv, lens, block_table=bt, num_splits=splits)
+    assert plan.num_splits == splits and plan.programs == splits * 2 * 1
+    assert plan.launches == (1 if splits == 1 else 2)
+    o, lse = plan()
+    _check(o, lse, ref_o, ref_l, torch.float32, f"splits{splits}")
+
+
+def test_lse_is_natural_log_and_merges_shards():
+    # Two halves of a history, each decoded alone, merged with natural-log weights, equal the whole.
+    q, cache, _, _, _ = _inputs(1, 1, 12, 96, torch.float32, seed=3)
+    o1, l1 = mla.mla_decode_after(q, cache[:, :48].contiguous())
+    o2, l2 = mla.mla_decode_after(q, cache[:, 48:].contiguous())
+    ref_o, ref_l = mla.reference(q, cache)
+    lse = torch.logaddexp(l1, l2)
+    o = torch.exp(l1 - lse)[..., None] * o1 + torch.exp(l2 - lse)[..., None] * o2
+    _check(o, lse, ref_o, ref_l, torch.float32, "merged halves")
+
+
+def test_padding_never_reaches_the_output():
+    # pad='copy' builds the seed's 16-head query; fill the 4 extra heads with NaN: they are computed
+    # (their outputs are NaN) and dropped, and the 12 real heads are exact.
+    q, cache, lens, kv, bt = _inputs(1, 1, 12, 80, torch.float32, seed=5)
+    plan = mla.plan_after(q, kv, lens, pad="copy", pad_fill=float("nan"), num_splits=2)
+    o, lse = plan()
+    assert plan.padded_query.shape[2] == mla.MMA_ROWS and o.shape[2] == 12
+    assert torch.isnan(plan.padded_out[:, :, 12:]).all()
+    ref_o, ref_l = mla.reference(q, cache)
+    _check(o, lse, ref_o, ref_l, torch.float32, "pad=copy")
+
+
+def test_fold_heads_beyond_16():
+    q, cache, _, _, _ = _inputs(1, 1, 20, 40, torch.float32, seed=7)
+    with pytest.raises(ValueError, match="fold_heads"):
+        mla.plan_after(q, cache)
+    plan = mla.plan_after(q, cache, fold_heads=True, num_splits=1)
+    assert plan.grid == (1, 1, 2)  # 20 heads = 2 groups of 16 rows
+    o, lse = plan()
+    ref_o, ref_l = mla.reference(q, cache)
+    _check(o, lse, ref_o, ref_l, torch.float32, "folded")
+
+
+def test_plain_pytorch_peers():
+    q, cache, lens, _, _ = _inputs(2, 3, 12, 50, torch.float32, lengths=[50, 20], seed=11)
+    ref_o, ref_l = mla.reference(q, cache, lens)
+    o, lse = mla.einsum_decode(q, cache, lens)
+    _check(o, lse, ref_o, ref_l, torch.float32, "einsum")
+    o, lse = mla.sdpa_decode(q, cache, lens)
+    assert lse is None
+    bench.check(o, ref_o, dtype=torch.float32, name="sdpa/o")
+
+
+def test_split_rule_choices():
+    rule = mla.choose_num_splits
+    # one request, long history: enough pieces to cover most of an H200's 132 SMs
+    s = rule(1, 32768, 132)
+    assert 64 <= s <= 132, s
+    assert rule(1, 32768, 256) > s  # more units, more pieces (MI355X)
+    # a short history gets few pieces; one tile's worth gets exactly one (no merge)
+    assert rule(1, 64, 132) == 1
+    assert rule(1, 1024, 132) <= 16
+    # a batch that fills the machine needs little or no splitting
+    assert rule(64, 8192, 132) <= 4
+    assert rule(256, 8192, 132) == 1
+    # never fewer pieces for a longer history, never more for a bigger batch
+    lens = [256, 1024, 4096, 32768, 131072]
+    assert [rule(1, n, 132) for n in lens] == sorted(rule(1, n, 132) for n in lens)
+    batches = [1, 2, 8, 32, 128]
+    assert [rule(b, 8192, 132) for b in batches] == sorted((rule(b, 8192, 132) for b in batches), reverse=True)
+    # the rule is the argmin of its cost model
+    costs = {k: mla.split_cost(k, 1, 32768, 132) for k in range(1, 257)}
+    assert costs[s] == min(costs.values())
+    with pytest.raises(ValueError, match="compute_units"):
+        rule(1, 1024, 0)
+
+
+def test_plan_reuse_is_stable():
+    q, cache, lens, kv, bt = _inputs(1, 1, 12, 70, torch.float32, seed=13)
+    plan = mla.plan_after(q, kv, num_splits=3)
+    o1 = plan()[0].clone()
+    o2 = plan()[0]
+    assert torch.equal(o1, o2)
+
+
+def test_bad_input():
+    q, cache, _, _, _ = _inputs(1, 1, 12, 32, torch.float32)
+    with pytest.raises(ValueError, match="cache width"):
+        mla.plan_after(q, cache[..., :512].contiguous())
+    with pytest.raises(ValueError, match="latent width"):
+        mla.plan_before(q[..., :512].contiguous(), cache)
+    with pytest.raises(ValueError, match="longer than the cache"):
+        mla.plan_after(q, cache, torch.tensor([33]))
+    with pytest.raises(ValueError, match="longer than the cache"):
+        mla.plan_before(q, cache, torch.tensor([40]))
+    with pytest.raises(ValueError, match="q_len"):
+        mla.plan_after(torch.randn(1, 9, 12, 576, device=DEV), cache)
+    with pytest.raises(ValueError, match="q_len"):
+        mla.plan_before(torch.randn(1, 0, 12, 576, device=DEV), cache)
+    with pytest.raises(ValueError, match="shorter than q_len"):
+        mla.plan_after(torch.randn(1, 4, 12, 576, device=DEV), cache, torch.tensor([3]))
+    with pytest.raises(ValueError, match="dtype"):
+        mla.plan_after(q.half(), cache)
+    with pytest.raises(ValueError, match="heads"):
+        mla.plan_after(torch.randn(1, 1, 17, 576, device=DEV), cache)
+    pool, bt = mla.to_paged(cache, 16)
+    with pytest.raises(ValueError, match="page ids"):
+        mla.plan_after(q, pool, block_table=bt + 100)
+    with pytest.raises(ValueError, match="block_table"):
+        mla.plan_after(q, pool, block_table=bt.float())
+    with pytest.raises(ValueError, match="pad"):
+        mla.plan_after(q, cache, pad="zeros")
+    with pytest.raises(ValueError, match="num_splits"):
+        mla.plan_after(q, cache, num_splits=0)
+
+
+def test_aiter_absence_is_not_an_error():
+    ok, why = mla.aiter_status()
+    if mla.env.detect().backend != "rocm":
+        assert not ok and "ROCm" in why
+    assert isinstance(why, str) and why
+
+
+def test_launch_config_reads_the_device():
+    cfg = mla.launch_config("after", torch.bfloat16, rows=16)
+    assert cfg.block_n == 64 and cfg.num_stages >= 1
+    cfg64 = mla.launch_config("after", torch.bfloat16, rows=64)
+    assert cfg64.num_warps == 8 and cfg64.block_n * mla.LATENT_DIM * 2 * cfg64.num_stages < 232448
+    assert math.isclose(mla.DEFAULT_SCALE, 192 ** -0.5)

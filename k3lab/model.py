@@ -167,6 +167,60 @@ class K3Model(nn.Module):
         return torch.cat(out, dim=1)
 
 
+# ------------------------------------------------------------ anatomy: what the model is made of
+# MXFP4 stores 32 4-bit values with one shared 8-bit scale: 4 + 8/32 = 4.25 bits per expert weight.
+MXFP4_BYTES_PER_PARAM = 4.25 / 8
+BF16_BYTES = 2
+
+
+def layer_plan(config: K3Config) -> list[dict]:
+    """One row per decoder layer: layer, attention ('kda'|'mla'), mlp ('dense'|'moe'), attn_res_block
+    (which AttnRes block the layer's outputs are summed into) and opens_block (the layer that pushes
+    the previous block: 0, 12, 24, ... in K3)."""
+    starts = set(config.attn_res_block_starts())
+    return [{"layer": i, "attention": kind, "mlp": "moe" if config.is_moe_layer(i) else "dense",
+             "attn_res_block": i // config.attn_res_block_size, "opens_block": i in starts}
+            for i, kind in enumerate(config.layer_types)]
+
+
+def component_table(config: K3Config) -> list[dict]:
+    """Parameters and release storage per component, from `config.component_params()`: one row per
+    component with params_each, count (instances in the model), params, format and bytes. Routed
+    experts are MXFP4 (4.25 bits per weight); everything else is counted as BF16 (the few fp32 gate
+    parameters are negligible)."""
+    c = config.component_params()
+    moe_layers = config.num_moe_layers
+    rows = [
+        ("embedding", c["embedding"], 1), ("lm_head", c["lm_head"], 1), ("final_norm", c["final_norm"], 1),
+        ("layer_norms", c["layer_norms"], config.num_hidden_layers),
+        ("kda", c["kda"], config.num_kda_layers), ("mla", c["mla"], config.num_mla_layers),
+        ("dense_mlp", c["dense_mlp"], config.first_k_dense_replace),
+        ("moe_common", c["moe_common"], moe_layers),
+        ("routed_experts", c["expert"], moe_layers * config.num_experts),
+    ]
+    out = []
+    for name, each, count in rows:
+        fmt, per = ("MXFP4", MXFP4_BYTES_PER_PARAM) if name == "routed_experts" else ("BF16", BF16_BYTES)
+        out.append({"component": name, "params_each": each, "count": count, "params": each * count,
+                    "format": fmt, "bytes": each * count * per})
+    return out
+
+
+def state_sizes(config: K3Config, *, latent_bytes: float = 1, conv_bytes: int = BF16_BYTES) -> dict[str, float]:
+    """What serving keeps per position and per sequence (this config's share), in bytes:
+    mla_per_position_per_layer (576 in FP8), mla_per_position (all MLA layers), kda_state_per_sequence
+    and kda_conv_per_sequence (all KDA layers), attn_res_per_token_in_flight (the 8 blocks + partial a
+    token holds during a forward pass, fp32; nothing is carried to the next step)."""
+    return {
+        "mla_per_position_per_layer": config.mla_latent_bytes_per_position(latent_bytes),
+        "mla_per_position": config.num_mla_layers * config.mla_latent_bytes_per_position(latent_bytes),
+        "kda_state_per_sequence_per_layer": config.kda_state_bytes_per_sequence(),
+        "kda_state_per_sequence": config.kda_state_bytes_all_layers(),
+        "kda_conv_per_sequence": config.num_kda_layers * config.kda_conv_state_values_per_sequence() * conv_bytes,
+        "attn_res_per_token_in_flight": config.attn_res_max_sources * config.hidden_size * 4,
+    }
+
+
 # ------------------------------------------------------------ deterministic weights
 def _init_value(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
     """A fresh fp32 tensor for parameter `name`: scales chosen so that every projection keeps unit-size

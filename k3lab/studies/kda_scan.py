@@ -1,0 +1,447 @@
+"""Study: chunked KDA prefill, the plain chunk walk ("before") against the group scan ("after").
+
+Seed, section 5: KDA's state after a chunk depends on the state before it. With one sequence and
+12 heads (TP8) the plain walk runs 24 programs of 256 chunk steps each on a 16K-token prompt while
+the rest of the GPU idles. The group scan first summarises each group of chunks as one affine map
+of its incoming state, scans the summaries in order, then replays every group in parallel: 4
+launches instead of 2, and more arithmetic, in exchange for a much shorter dependency chain. With
+many sequences or heads the walk already fills the GPU and the scan's extra passes cost more than
+they save; `k3lab.ops.kda_chunk.choose_group_size` then falls back to the walk.
+
+Variants: 'before' = `kda_chunk_before`, 'after' = `kda_chunk_after`, 'fla' = fla-core's
+`chunk_kda` (raw log-decay g, no in-kernel gate, norm or sigmoid: the same function), when
+fla-core and a GPU are present. Every variant is checked against `k3lab.nn.kda.kda_chunked` in
+fp64 (on GPU: on the first heads and sequences of the batch, over the whole length) before it is
+timed, outputs and final state both.
+
+Cases are named h{heads}_b{batch}_t{tokens}, or h{heads}_ragged (cu_seqlens). On a GPU: the TP8
+slice (12 heads) at B = 1, T = 4K / 16K / 64K and B = 8, T = 4K / 16K, and all 96 heads at B = 1,
+T = 4K / 16K. On CPU (Triton's interpreter, fp32, tiny T) the same kernels run at a size a laptop
+finishes in seconds, with the group size forced small so the scan path runs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from k3lab import bench
+from k3lab import env as _env
+from k3lab.nn.kda import kda_chunked
+from k3lab.ops import kda_chunk as kc
+
+NAME = "kda_scan"
+HEAD_DIM = kc.HEAD_DIM
+
+GPU_CASES = ["h12_b1_t4096", "h12_b1_t16384", "h12_b1_t65536", "h12_b8_t4096", "h12_b8_t16384",
+             "h96_b1_t4096", "h96_b1_t16384"]
+CPU_CASES = ["h2_b1_t200", "h1_ragged"]
+RAGGED_LENGTHS = {"gpu": [8192, 4096, 3000, 1000, 130, 64, 1], "cpu": [70, 0, 130, 5]}
+CROSSOVER_HEADS = (12, 96)
+CROSSOVER_BATCH = (1, 8)
+CROSSOVER_T = (4096, 16384, 65536)
+MAX_TOKEN_HEADS = 96 * 8 * 16384  # bigger crossover points do not fit one H200 with fla beside
+
+
+@dataclass
+class Case:
+    name: str
+    heads: int
+    lengths: list[int]  # one entry per sequence
+    ragged: bool = False  # packed with cu_seqlens (B = 1) rather than [B, T]
+    group_size: int | None = None  # None: the rule in choose_group_size
+    dtype: torch.dtype = torch.bfloat16
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    def shape(self) -> dict:
+        T = self.lengths[0] if not self.ragged else self.tokens
+        d = {"heads": self.heads, "batch": self.batch, "T": T, "K": HEAD_DIM, "V": HEAD_DIM,
+             "chunk": kc.CHUNK}
+        if self.ragged:
+            d["lengths"] = list(self.lengths)
+        return d
+
+
+def _gpu() -> bool:
+    return _env.detect().backend != "cpu"
+
+
+def parse_case(name: str) -> Case:
+    """'h12_b1_t16384' -> Case(heads 12, one sequence of 16384); 'h2_ragged' -> packed sequences."""
+    gpu = _gpu()
+    m = re.fullmatch(r"h(\d+)_b(\d+)_t(\d+)", name)
+    dtype = torch.bfloat16 if gpu else torch.float32  # bf16 dots are wrong in the interpreter
+    if m:
+        H, B, T = (int(x) for x in m.groups())
+        if H < 1 or B < 1 or T < 1:
+            raise ValueError(f"case {name!r}: heads, batch and T must be >= 1")
+        return Case(name, H, [T] * B, dtype=dtype, group_size=None if gpu else 1)
+    m = re.fullmatch(r"h(\d+)_ragged", name)
+    if m:
+        return Case(name, int(m.group(1)), list(RAGGED_LENGTHS["gpu" if gpu else "cpu"]), ragged=True,
+                    dtype=dtype, group_size=None if gpu else 1)
+    raise ValueError(f"case must look like 'h12_b1_t16384' or 'h12_ragged', got {name!r}")
+
+
+def case_names(preset=None) -> list[str]:
+    """The cases this machine runs: the TP8 / full-head grid on a GPU, two tiny ones on CPU."""
+    if preset is not None and not isinstance(preset, str):
+        raise ValueError(f"preset must be a preset name or None, got {type(preset).__name__}")
+    return list(GPU_CASES if _gpu() else CPU_CASES)
+
+
+def crossover_cases() -> list[str]:
+    """heads {12, 96} x batch {1, 8} x T {4K, 16K, 64K}, without the points too big for one GPU."""
+    out = []
+    for H in CROSSOVER_HEADS:
+        for B in CROSSOVER_BATCH:
+            for T in CROSSOVER_T:
+                if H * B * T <= MAX_TOKEN_HEADS:
+                    out.append(f"h{H}_b{B}_t{T}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs, references, variants
+
+
+def make_inputs(case: Case, seed: int = 0, device=None):
+    """Fresh random inputs: L2-normalised q, k; a per-channel spread of decay rates (slow channels
+    with g ~ -1e-4 up to fast ones near K3's bound -5), so the state carries information across
+    many chunks; beta in (0, 1); a random initial state. Returns a dict of kernel arguments."""
+    device = device or _env.detect().device
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    H, K = case.heads, HEAD_DIM
+    B, T = (1, case.tokens) if case.ragged else (case.batch, case.lengths[0])
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    q = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1).to(case.dtype)
+    k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1).to(case.dtype)
+    v = rnd(B, T, H, K).to(case.dtype)
+    bias = (torch.linspace(-9.0, 0.0, K)[torch.randperm(K, generator=gen)]).to(device)
+    g = -5.0 * torch.sigmoid(rnd(B, T, H, K) + bias)
+    beta = torch.sigmoid(rnd(B, T, H))
+    S0 = rnd(case.batch, H, K, K) * 0.1
+    cu = None
+    if case.ragged:
+        cu = torch.tensor([0] + list(_cumsum(case.lengths)), dtype=torch.int32, device=device)
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": S0, "cu_seqlens": cu}
+
+
+def _cumsum(xs):
+    s = 0
+    for x in xs:
+        s += x
+        yield s
+
+
+def reference(case: Case, inp: dict, max_heads: int | None = None, max_seqs: int | None = None):
+    """kda_chunked in fp64 on the first `max_heads` heads of the first `max_seqs` sequences (all when
+    None). Returns (o_ref per sequence: list of [1, T_n, h, V], S_ref [n, h, K, V], heads, seqs)."""
+    h = case.heads if max_heads is None else min(max_heads, case.heads)
+    n = case.batch if max_seqs is None else min(max_seqs, case.batch)
+    outs, states = [], []
+    for s, (tok, L) in enumerate(_seq_slices(case)[:n]):
+        S0 = inp["initial_state"][s:s + 1, :h].double()
+        if L == 0:
+            outs.append(None)
+            states.append(S0)
+            continue
+        args = [_seq(inp[x], case, s, tok, L)[:, :, :h].double() for x in ("q", "k", "v", "g")]
+        bt = _seq(inp["beta"], case, s, tok, L)[:, :, :h].double()
+        o, S = kda_chunked(*args, bt, initial_state=S0)
+        outs.append(o)
+        states.append(S)
+    return outs, torch.cat(states), h, n
+
+
+def _seq_slices(case: Case):
+    out, b = [], 0
+    for L in case.lengths:
+        out.append((b, L))
+        b += L
+    return out
+
+
+def _seq(t: torch.Tensor, case: Case, s: int, tok: int, L: int) -> torch.Tensor:
+    return t[:, tok:tok + L] if case.ragged else t[s:s + 1]
+
+
+def check_variant(case: Case, inp: dict, o: torch.Tensor, S: torch.Tensor, ref) -> dict:
+    """check_all on the referenced heads/sequences: outputs and final state, in the case's dtype."""
+    outs, S_ref, h, n = ref
+    got_o = [(_seq(o, case, s, tok, L)[:, :, :h], r) for s, ((tok, L), r) in
+             enumerate(zip(_seq_slices(case)[:n], outs)) if r is not None]
+    pairs = {"o": (torch.cat([g.reshape(-1) for g, _ in got_o]), torch.cat([r.reshape(-1) for _, r in got_o])),
+             "state": (S[:n, :h], S_ref)}
+    return bench.check_all(pairs, case.dtype)
+
+
+def fla_available() -> bool:
+    if not _gpu():
+        return False
+    try:
+        from fla.ops.kda import chunk_kda  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class Runner:
+    """Plans and work buffers for one case, built once so that timed calls hold only the launches."""
+
+    def __init__(self, case: Case, inp: dict, block_v: int = 64, num_warps: int = 4):
+        self.case, self.inp = case, inp
+        self.block_v, self.num_warps = block_v, num_warps
+        dev = inp["q"].device
+        self.group_size = (case.group_size if case.group_size is not None else
+                           kc.choose_group_size(case.lengths, case.heads, block_v=block_v))
+        self.plan_before = kc.make_plan(case.lengths, case.heads, None, device=dev)
+        self.plan_after = kc.make_plan(case.lengths, case.heads, self.group_size, device=dev)
+        self.work = kc._alloc_work(self.plan_before.n_chunks, case.heads, case.dtype, dev)
+
+    def _args(self):
+        i = self.inp
+        return i["q"], i["k"], i["v"], i["g"], i["beta"]
+
+    def before(self):
+        i = self.inp
+        return kc.kda_chunk_before(*self._args(), initial_state=i["initial_state"], cu_seqlens=i["cu_seqlens"],
+                                   plan=self.plan_before, work=self.work, block_v=self.block_v,
+                                   num_warps=self.num_warps)
+
+    def after(self, plan=None):
+        i = self.inp
+        return kc.kda_chunk_after(*self._args(), initial_state=i["initial_state"], cu_seqlens=i["cu_seqlens"],
+                                  plan=plan or self.plan_after, work=self.work, block_v=self.block_v,
+                                  num_warps=self.num_warps)
+
+    def fla(self):
+        from fla.ops.kda import chunk_kda
+
+        i = self.inp
+        with torch.inference_mode():
+            o, S = chunk_kda(*self._args(), initial_state=i["initial_state"], output_final_state=True,
+                             cu_seqlens=None if i["cu_seqlens"] is None else i["cu_seqlens"].long())
+        return o, S
+
+    def variants(self) -> dict[str, Callable]:
+        out = {"before": self.before, "after": self.after}
+        if fla_available():
+            out["fla"] = self.fla
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# floors
+
+
+def chunk_flops(case: Case) -> float:
+    """Matrix flops of the chunked algorithm, per chunk and head: Akk, Aqk, W (2 C^2 K each), U
+    (2 C^2 V), then W S, Qg S, Kd^T E (2 C K V each) and Aqk E (2 C^2 V). The inverse and the scan's
+    extra passes are not counted: the floor is for the problem, not for one way of solving it."""
+    C, K, V = kc.CHUNK, HEAD_DIM, HEAD_DIM
+    chunks = sum(-(-L // C) for L in case.lengths)
+    per = 2 * C * C * (3 * K + 2 * V) + 6 * C * K * V
+    return float(chunks * case.heads * per)
+
+
+def io_bytes(case: Case) -> float:
+    """Bytes that must cross memory once: q, k, v read and o written in the input dtype, g fp32,
+    beta fp32, the initial state read and the final state written (fp32)."""
+    e = torch.tensor([], dtype=case.dtype).element_size()
+    tok_heads = case.tokens * case.heads
+    per_token = HEAD_DIM * (3 * e + 4 + e) + 4
+    states = 2 * case.batch * case.heads * HEAD_DIM * HEAD_DIM * 4
+    return float(tok_heads * per_token + states)
+
+
+def floor_for(case: Case) -> float:
+    return bench.floor_us(bytes=io_bytes(case), flops=chunk_flops(case))
+
+
+# ----------------------------------------------------------------------------------------------
+# the study contract
+
+
+def _ref_limits(case: Case):
+    # on a GPU the fp64 reference runs on 2 heads of 2 sequences (heads are independent; the length,
+    # where the state's error builds up, is checked in full); on CPU everything is referenced
+    return (2, 2) if _gpu() else (None, None)
+
+
+def _timing_kw(case: Case) -> dict:
+    if not _gpu():
+        return {"warmup": 0, "repeats": 2}
+    big = case.tokens * case.heads >= 12 * 65536
+    return {"warmup": 3 if big else 5, "repeats": 20 if big else 50}
+
+
+def run(preset=None, cases=None, variants=None, graph: bool = False) -> list[bench.Record]:
+    """Check every variant against the fp64 reference (raising on failure), then time it. Returns
+    records (not saved). `cases`: names from case_names() or crossover_cases() or any
+    h{H}_b{B}_t{T}; `variants`: a subset of before / after / fla."""
+    names = case_names(preset) if cases is None else list(cases)
+    records = []
+    for name in names:
+        case = parse_case(name)
+        inp = make_inputs(case)
+        runner = Runner(case, inp)
+        ref = reference(case, inp, *_ref_limits(case))
+        floor = floor_for(case)
+        for variant, fn in runner.variants().items():
+            if variants is not None and variant not in variants:
+                continue
+            o, S = fn()
+            err = check_variant(case, inp, o, S, ref)
+            timing = bench.time_fn(fn, graph=graph, **_timing_kw(case))
+            gs = runner.group_size if variant == "after" else None
+            plan = runner.plan_after if variant == "after" else runner.plan_before
+            records.append(bench.make_record(
+                NAME, name, variant, timing, shape=case.shape(), dtype=case.dtype, floor_us=floor, error=err,
+                group_size=gs, launches=_launches(variant, plan), walk_programs=_programs(case, variant, plan),
+                sequential_steps=_depth(case, variant, plan), ref_heads=ref[2], ref_seqs=ref[3],
+                interpreter=_env.triton_interpreted()))
+    return records
+
+
+def _launches(variant: str, plan) -> int | None:
+    if variant == "fla":
+        return None
+    return 4 if (variant == "after" and plan.uses_scan) else 2
+
+
+def _programs(case: Case, variant: str, plan) -> int | None:
+    if variant == "fla":
+        return None
+    return plan.n_groups * case.heads * (HEAD_DIM // 64)
+
+
+def _depth(case: Case, variant: str, plan) -> int | None:
+    """Chunk steps on the critical path of the longest sequence."""
+    if variant == "fla":
+        return None
+    from k3lab.ops.kda_scan_math import sequential_depth
+
+    n = max(-(-L // kc.CHUNK) for L in case.lengths)
+    return sequential_depth(n, plan.group_size if variant == "after" and plan.uses_scan else None)
+
+
+def group_size_sweep(name: str, sizes=None) -> list[bench.Record]:
+    """The 'after' at several group sizes on one case (checked, then timed): the curve behind
+    choose_group_size. Records are named '<case>.gs<size>' ('<case>.walk' for the plain walk)."""
+    case = parse_case(name)
+    inp = make_inputs(case)
+    runner = Runner(case, inp)
+    ref = reference(case, inp, *_ref_limits(case))
+    n = max(-(-L // kc.CHUNK) for L in case.lengths)
+    sizes = sizes or [s for s in (2, 4, 8, 16, 32, 64, 128) if s < n]
+    floor = floor_for(case)
+    records = []
+    for gs in list(sizes) + [None]:
+        plan = kc.make_plan(case.lengths, case.heads, gs, device=inp["q"].device)
+        fn = (lambda p=plan: runner.after(plan=p))
+        o, S = fn()
+        err = check_variant(case, inp, o, S, ref)
+        timing = bench.time_fn(fn, **_timing_kw(case))
+        label = f"{name}.gs{gs}" if gs else f"{name}.walk"
+        records.append(bench.make_record(NAME, label, "after", timing, shape=case.shape(), dtype=case.dtype,
+                                         floor_us=floor, error=err, group_size=gs,
+                                         launches=_launches("after", plan),
+                                         sequential_steps=_depth(case, "after", plan),
+                                         chosen_group_size=runner.group_size))
+    return records
+
+
+def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
+    """variant -> one call on the study's headline case (h12_b1_t16384 on a GPU, the first CPU case)."""
+    name = "h12_b1_t16384" if _gpu() else CPU_CASES[0]
+    case = parse_case(name)
+    runner = Runner(case, make_inputs(case))
+    return {v: (lambda f=f: f()) for v, f in runner.variants().items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# tables for the notebook
+
+
+def crossover_table(records):
+    """Per case (heads, batch, T): before / after / fla medians, the group size the rule chose, and
+    after/before and after/fla (< 1: the scan wins). Takes Records or their dicts."""
+    import pandas as pd
+
+    rows = {}
+    for r in records:
+        r = r if isinstance(r, dict) else r.to_dict()
+        if "." in r["case"]:
+            continue  # group-size sweep points
+        key = r["case"]
+        row = rows.setdefault(key, {"case": key, "heads": r["shape"].get("heads"),
+                                    "batch": r["shape"].get("batch"), "T": r["shape"].get("T")})
+        row[f"{r['variant']}_us"] = r["median_us"]
+        if r["variant"] == "after":
+            row["group_size"] = r.get("extra", {}).get("group_size")
+            row["floor_us"] = r.get("floor_us")
+    df = pd.DataFrame(list(rows.values()))
+    if df.empty:
+        return df
+    if {"after_us", "before_us"} <= set(df.columns):
+        df["after/before"] = df["after_us"] / df["before_us"]
+    if {"after_us", "fla_us"} <= set(df.columns):
+        df["after/fla"] = df["after_us"] / df["fla_us"]
+    return df.sort_values(["heads", "batch", "T"]).reset_index(drop=True)
+
+
+def sweep_table(records):
+    """Group-size sweep records -> DataFrame (case, group_size, median_us, sequential_steps)."""
+    import pandas as pd
+
+    rows = []
+    for r in records:
+        r = r if isinstance(r, dict) else r.to_dict()
+        if "." not in r["case"]:
+            continue
+        base, _, tag = r["case"].partition(".")
+        rows.append({"case": base, "group_size": r["extra"].get("group_size"),
+                     "median_us": r["median_us"], "sequential_steps": r["extra"].get("sequential_steps"),
+                     "chosen": r["extra"].get("chosen_group_size")})
+    return pd.DataFrame(rows)
+
+
+def reference_records(device: str = "nvidia-h200", root="profiles"):
+    """The committed GPU records of this study (for a CPU reader)."""
+    return bench.load_records(NAME, device=device, root=root)
+
+
+def predict(case_name: str) -> dict:
+    """Before measuring: floors, programs and critical-path chunk steps of both variants."""
+    case = parse_case(case_name)
+    gs = case.group_size if case.group_size is not None else kc.choose_group_size(case.lengths, case.heads)
+    n = max(-(-L // kc.CHUNK) for L in case.lengths)
+    from k3lab.ops.kda_scan_math import sequential_depth
+
+    n_groups = sum(max(1, -(-(-(-L // kc.CHUNK)) // gs)) if gs else 1 for L in case.lengths)
+    return {"case": case_name, "floor_us": floor_for(case), "io_MB": io_bytes(case) / 1e6,
+            "GFLOP": chunk_flops(case) / 1e9, "walk_programs": kc.walk_programs(case.batch, case.heads),
+            "group_size": gs, "replay_programs": n_groups * case.heads * 2,
+            "steps_before": n, "steps_after": sequential_depth(n, gs),
+            "compute_units": _env.detect().compute_units}
+
+
+__all__ = ["NAME", "case_names", "run", "profile_targets", "crossover_cases", "crossover_table",
+           "group_size_sweep", "sweep_table", "reference_records", "predict", "parse_case", "make_inputs",
+           "Runner", "floor_for"]
+

@@ -1,0 +1,266 @@
+"""Chunked KDA prefill: the group-scan algebra (PyTorch, fp64) and the Triton kernels (interpreter on
+CPU, fp32 inputs) against k3lab.nn.kda, plus the group-size rule, plans and bad input."""
+
+import math
+
+import pytest
+import torch
+
+import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 on a machine without a GPU)
+from k3lab import bench
+from k3lab.nn.kda import kda_chunked, kda_recurrent
+from k3lab.ops import kda_chunk as kc
+from k3lab.ops import kda_scan_math as sm
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(B, T, H, K=128, V=128, dtype=torch.float32, seed=0, device=DEV):
+    """Normalised q, k; per-channel decay rates from ~-1e-4 (slow) to ~-5 (fast): the state keeps
+    information across chunks, so a wrong starting state shows."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    bias = torch.linspace(-9, 0, K)[torch.randperm(K, generator=gen)]
+    g = -5 * torch.sigmoid(torch.randn(B, T, H, K, generator=gen) + bias)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    to = lambda t, dt=dtype: t.to(device=device, dtype=dt)  # noqa: E731
+    return to(q), to(k), to(v), to(g, torch.float32), to(beta, torch.float32)
+
+
+def _ref(q, k, v, g, beta, S0=None):
+    return kda_chunked(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                       initial_state=None if S0 is None else S0.double())
+
+
+# ---------------------------------------------------------------------------------------------
+# the algebra
+
+
+def test_composition_equals_sequential_application_random_maps():
+    gen = torch.Generator().manual_seed(1)
+    K, V, n = 8, 5, 7
+    maps = [(torch.randn(K, K, generator=gen, dtype=torch.float64) * 0.5,
+             torch.randn(K, V, generator=gen, dtype=torch.float64)) for _ in range(n)]
+    S0 = torch.randn(K, V, generator=gen, dtype=torch.float64)
+    S = S0
+    for m in maps:
+        S = sm.apply(m, S)
+    total = maps[0]
+    for m in maps[1:]:
+        total = sm.compose(total, m)
+    torch.testing.assert_close(sm.apply(total, S0), S, rtol=1e-12, atol=1e-12)
+    # grouping is associative: (1..3)(4..7) composed equals the whole
+    left, right = maps[0], maps[3]
+    for m in maps[1:3]:
+        left = sm.compose(left, m)
+    for m in maps[4:]:
+        right = sm.compose(right, m)
+    torch.testing.assert_close(sm.apply(sm.compose(left, right), S0), S, rtol=1e-12, atol=1e-12)
+    # and order matters: the reversed composition is a different map
+    assert not torch.allclose(sm.apply(sm.compose(maps[1], maps[0]), S0), sm.apply(sm.compose(maps[0], maps[1]), S0))
+
+
+@pytest.mark.parametrize("T,group_size", [(64 * 5, 2), (200, 3), (130, 1), (64, 4)])
+def test_group_scan_on_real_chunk_maps_equals_recurrence(T, group_size):
+    B, H, K, V = 1, 2, 16, 12
+    q, k, v, g, beta = (t.double() for t in _inputs(B, T, H, K, V, device="cpu", seed=T))
+    S0 = torch.randn(B, H, K, V, dtype=torch.float64)
+    o_ref, S_ref = kda_recurrent(q, k, v, g, beta, initial_state=S0)
+    cq = sm.chunk_quantities(q, k, v, g, beta)
+    A, Bc = sm.chunk_affine(cq)
+    # every chunk's map equals one step of the walk
+    S = S0
+    for c in range(cq.n_chunks):
+        _, S_next = sm.chunk_step(cq, c, S)
+        torch.testing.assert_close(sm.apply((A[:, :, c], Bc[:, :, c]), S), S_next, rtol=1e-10, atol=1e-10)
+        S = S_next
+    torch.testing.assert_close(S, S_ref, rtol=1e-10, atol=1e-10)
+    # group summaries composed in order give the same end state, and the scan the same starts
+    M, b = sm.group_summaries(A, Bc, group_size)
+    starts = sm.scan_starts(M, b, S0)
+    S = S0
+    for j, (s, e) in enumerate(sm.group_bounds(cq.n_chunks, group_size)):
+        torch.testing.assert_close(starts[:, :, j], S, rtol=1e-10, atol=1e-10)
+        for c in range(s, e):
+            S = sm.chunk_step(cq, c, S)[1]
+    o, S_end = sm.kda_group_scan(q, k, v, g, beta, initial_state=S0, group_size=group_size)
+    torch.testing.assert_close(o, o_ref, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(S_end, S_ref, rtol=1e-9, atol=1e-10)
+    o2, S2 = sm.kda_chunk_walk(q, k, v, g, beta, initial_state=S0)
+    torch.testing.assert_close(o2, o_ref, rtol=1e-9, atol=1e-10)
+
+
+def test_sequential_depth():
+    assert sm.sequential_depth(256, None) == 256
+    assert sm.sequential_depth(256, 16) == 16 + 15 + 16
+    assert sm.sequential_depth(10, 64) == 10
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels (interpreter on CPU: fp32 inputs, every product fp32)
+
+
+def _check(o, S, o_ref, S_ref, dtype=torch.float32):
+    bench.check_all({"o": (o, o_ref), "state": (S, S_ref)}, dtype)
+
+
+@pytest.mark.parametrize("variant,group_size", [("before", None), ("after", 1), ("after", 2)])
+def test_kernels_match_reference_partial_chunk_and_initial_state(variant, group_size):
+    B, T, H = 1, 130 if group_size != 2 else 300, 1  # 3 or 5 chunks, the last partial
+    q, k, v, g, beta = _inputs(B, T, H, seed=3)
+    S0 = torch.randn(B, H, 128, 128, device=DEV) * 0.5
+    o_ref, S_ref = _ref(q, k, v, g, beta, S0)
+    kw = {"group_size": group_size} if variant == "after" else {}
+    o, S = kc.kda_chunk(q, k, v, g, beta, initial_state=S0, variant=variant, **kw)
+    assert o.dtype == q.dtype and S.dtype == torch.float32 and o.shape == (B, T, H, 128)
+    _check(o, S, o_ref, S_ref)
+
+
+def test_scan_path_really_differs_from_walk_only_by_rounding():
+    """The scan's starting states come from composed summaries, not from the walk: same result up
+    to fp32 rounding, and not bit-identical (which would mean the scan was skipped)."""
+    q, k, v, g, beta = _inputs(1, 256, 1, seed=4)
+    S0 = torch.randn(1, 1, 128, 128, device=DEV)
+    ob, Sb = kc.kda_chunk_before(q, k, v, g, beta, initial_state=S0)
+    plan = kc.make_plan([256], 1, group_size=1, device=DEV)
+    assert plan.uses_scan and plan.n_summaries == 3
+    oa, Sa = kc.kda_chunk_after(q, k, v, g, beta, initial_state=S0, plan=plan)
+    assert not torch.equal(oa, ob)
+    torch.testing.assert_close(oa, ob, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(Sa, Sb, rtol=1e-4, atol=1e-5)
+
+
+def test_ragged_batch_with_cu_seqlens():
+    lengths = [70, 0, 5, 64]
+    H = 1
+    q, k, v, g, beta = _inputs(1, sum(lengths), H, seed=5)
+    S0 = torch.randn(len(lengths), H, 128, 128, device=DEV)
+    cu = torch.tensor([0, 70, 70, 75, 139], dtype=torch.int32, device=DEV)
+    for variant in ("before", "after"):
+        kw = {"group_size": 1} if variant == "after" else {}
+        o, S = kc.kda_chunk(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu, variant=variant, **kw)
+        bos = 0
+        for n, L in enumerate(lengths):
+            if L == 0:  # an empty sequence hands its initial state back unchanged
+                torch.testing.assert_close(S[n], S0[n], rtol=0, atol=0)
+                continue
+            sl = slice(bos, bos + L)
+            o_ref, S_ref = _ref(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], S0[n:n + 1])
+            _check(o[:, sl], S[n:n + 1], o_ref, S_ref)
+            bos += L
+
+
+def test_plain_batch_without_initial_state():
+    q, k, v, g, beta = _inputs(2, 65, 2, seed=6)
+    o_ref, S_ref = _ref(q, k, v, g, beta)
+    o, S = kc.kda_chunk_after(q, k, v, g, beta, group_size=1)
+    _check(o, S, o_ref, S_ref)
+
+
+def test_wide_decay_block_takes_the_exact_path():
+    """A 16-token block whose decay spreads beyond SAFE_SPREAD (e^64) cannot use the factored
+    e^(G_i - G_s) e^(G_s - G_j) form in fp32; the kernel switches to exact pairwise decays."""
+    q, k, v, g, beta = _inputs(1, 64, 1, seed=7)
+    g[:, 2:12] = -8.0  # 80 nats inside the first 16-token block
+    spread = (g[0, :16, 0].sum(0) - g[0, 0, 0]).abs().max()
+    assert spread > kc.SAFE_SPREAD
+    S0 = torch.randn(1, 1, 128, 128, device=DEV)
+    o_ref, S_ref = _ref(q, k, v, g, beta, S0)
+    o, S = kc.kda_chunk_before(q, k, v, g, beta, initial_state=S0)
+    _check(o, S, o_ref, S_ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# plans and the group-size rule
+
+
+def test_plan_tables_cover_every_chunk_once():
+    plan = kc.make_plan([130, 0, 640, 1], heads=3, group_size=4)
+    tok, ln = plan.chunk_tok.tolist(), plan.chunk_len.tolist()
+    assert plan.n_chunks == 3 + 0 + 10 + 1
+    assert sum(ln) == 130 + 640 + 1 and tok[:3] == [0, 64, 128] and ln[2] == 2
+    covered = []
+    for c0, nc in zip(plan.grp_chunk0.tolist(), plan.grp_nchunks.tolist()):
+        covered += list(range(c0, c0 + nc))
+    assert covered == list(range(plan.n_chunks))
+    # every sequence has a last group (which writes the final state), and only non-last groups a summary
+    assert plan.grp_last.tolist().count(1) == 4
+    assert all((s == -1) == bool(last) for s, last in zip(plan.grp_sum.tolist(), plan.grp_last.tolist()))
+    assert plan.n_summaries == plan.n_groups - 4
+
+
+def test_group_size_rule():
+    H200 = 132
+    gs = kc.choose_group_size([16384], 12, compute_units=H200)
+    assert gs is not None
+    n_chunks, n_groups = 256, math.ceil(256 / gs)
+    assert n_groups * 12 * 2 >= H200  # the replay fills the GPU
+    assert sm.sequential_depth(n_chunks, gs) < n_chunks / 3
+    # enough parallel work already: the plain walk
+    assert kc.choose_group_size([16384], 96, compute_units=H200) is None
+    assert kc.choose_group_size([4096] * 8, 12, compute_units=H200) is None
+    # too short to split
+    assert kc.choose_group_size([256], 12, compute_units=H200) is None
+    # MI355X's 256 CUs: the same rule reads the unit count
+    assert kc.choose_group_size([16384] * 8, 12, compute_units=256) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: a.update(initial_state=a["initial_state"].double()), "initial_state"),
+    (lambda a: a.update(initial_state=torch.zeros(1, 1, 128, 64, device=DEV)), "initial_state"),
+    (lambda a: a.update(q=a["q"][..., :64], k=a["k"][..., :64], g=a["g"][..., :64]), "K must be 128"),
+    (lambda a: a.update(g=a["g"].to(torch.bfloat16)), "g must be a float32"),
+    (lambda a: a.update(beta=a["beta"][:, :-1]), "beta"),
+    (lambda a: a.update(k=a["k"].to(torch.float16)), "k must have q's dtype"),
+    (lambda a: a.update(cu_seqlens=torch.tensor([0, 10, 50], device=DEV)), "cu_seqlens"),
+    (lambda a: a.update(cu_seqlens=torch.tensor([0, 30, 20, 70], device=DEV)), "cu_seqlens"),
+    (lambda a: a.update(q=a["q"][0]), "q must be"),
+])
+def test_bad_input_names_the_argument(mutate, match):
+    q, k, v, g, beta = _inputs(1, 70, 1)
+    args = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": torch.zeros(1, 1, 128, 128, device=DEV)}
+    mutate(args)
+    for fn in (kc.kda_chunk_before, kc.kda_chunk_after):
+        with pytest.raises(ValueError, match=match):
+            fn(**args)
+
+
+def test_bad_options():
+    q, k, v, g, beta = _inputs(2, 70, 1)
+    with pytest.raises(ValueError, match="B = 1"):
+        kc.kda_chunk_after(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 70, 140]))
+    with pytest.raises(ValueError, match="plan"):
+        kc.kda_chunk_after(q, k, v, g, beta, plan=kc.make_plan([70], 1))
+    with pytest.raises(ValueError, match="block_v"):
+        kc.kda_chunk_before(q, k, v, g, beta, block_v=48)
+    with pytest.raises(ValueError, match="variant"):
+        kc.kda_chunk(q, k, v, g, beta, variant="fast")
+    with pytest.raises(ValueError, match="group_size"):
+        kc.make_plan([70], 1, group_size=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the study's helpers (no kernels)
+
+
+def test_study_helpers():
+    from k3lab.studies import kda_scan as ks
+
+    c = ks.parse_case("h12_b8_t4096")
+    assert (c.heads, c.batch, c.tokens) == (12, 8, 32768)
+    with pytest.raises(ValueError, match="case"):
+        ks.parse_case("h12-b1")
+    names = ks.crossover_cases()
+    assert "h12_b1_t65536" in names and "h96_b8_t65536" not in names
+    assert ks.floor_for(c) > 0 and ks.chunk_flops(c) == 8 * 64 * 12 * (2 * 64 * 64 * 640 + 6 * 64 * 128 * 128)
+    recs = [{"case": "h12_b1_t16384", "variant": v, "median_us": t, "shape": {"heads": 12, "batch": 1, "T": 16384},
+             "floor_us": 70.0, "extra": {"group_size": 16}} for v, t in (("before", 400.0), ("after", 200.0),
+                                                                         ("fla", 1000.0))]
+    df = ks.crossover_table(recs)
+    assert df.loc[0, "after/before"] == pytest.approx(0.5) and df.loc[0, "after/fla"] == pytest.approx(0.2)

@@ -53,10 +53,11 @@ __all__ = [
 class Timing:
     """Statistics of one timed function, in microseconds per call.
 
-    mode: 'eager' (device events around each call), 'graph' (device events around each replay of a
-    CUDA/HIP graph holding `graph_copies` calls; per-call = replay time / graph_copies) or 'cpu'
-    (perf_counter around each call). overhead_us: the same timer around an empty function, so a
-    reader can tell when a figure is mostly the timer itself; it is reported, never subtracted.
+    Each sample brackets `calls_per_sample` back-to-back calls with one pair of timers and divides by
+    that count. mode: 'eager' (device events around eagerly launched calls), 'graph' (device events
+    around one replay of a CUDA/HIP graph holding the calls) or 'cpu' (perf_counter). overhead_us: the
+    same timer around an empty function, per call (divided by calls_per_sample too), so a reader can
+    tell when a figure is mostly the timer; it is reported, never subtracted.
     """
 
     median_us: float
@@ -65,15 +66,21 @@ class Timing:
     repeats: int
     mode: str
     overhead_us: float
-    graph_copies: int = 1
+    calls_per_sample: int = 1
     flush_l2: bool = False
     rotate_sets: int = 1
     samples_us: list[float] = field(default_factory=list, repr=False)
 
+    @property
+    def graph_copies(self) -> int:
+        """Calls captured in the replayed graph (1 outside graph mode)."""
+        return self.calls_per_sample if self.mode == "graph" else 1
+
     def summary(self) -> str:
-        extra = f", {self.graph_copies} calls per graph" if self.mode == "graph" else ""
+        what = {"graph": "calls per graph replay", "eager": "back-to-back calls per sample",
+                "cpu": "calls per sample"}[self.mode] if self.mode in ("graph", "eager", "cpu") else "calls"
         return (f"{self.median_us:.2f} us (p20 {self.p20_us:.2f}, p80 {self.p80_us:.2f}; {self.repeats} "
-                f"repeats, {self.mode}{extra}; timer overhead {self.overhead_us:.2f} us)")
+                f"samples, {self.mode}, {self.calls_per_sample} {what}; timer overhead {self.overhead_us:.2f} us)")
 
 
 def _percentile(sorted_vals: Sequence[float], q: float) -> float:
@@ -116,45 +123,47 @@ def _flush_buffer() -> torch.Tensor:
     return torch.empty(2 * l2, dtype=torch.int8, device="cuda")
 
 
-def _time_cpu(call, warmup: int, repeats: int, min_time_s: float | None) -> list[float]:
+def _done(samples: list[float], repeats: int, min_time_s: float | None, k: int) -> bool:
+    return len(samples) >= repeats and (min_time_s is None or sum(samples) * k * 1e-6 >= min_time_s)
+
+
+def _time_cpu(call, warmup: int, repeats: int, min_time_s: float | None, k: int = 1) -> list[float]:
     for i in range(warmup):
         call(i)
     samples: list[float] = []
-    total = 0.0
     i = 0
     clock = time.perf_counter
-    while i < repeats or (min_time_s is not None and total < min_time_s):
+    while not _done(samples, repeats, min_time_s, k):
         t0 = clock()
-        call(i)
-        t1 = clock()
-        samples.append((t1 - t0) * 1e6)
-        total += t1 - t0
-        i += 1
+        for _ in range(k):
+            call(i)
+            i += 1
+        samples.append((clock() - t0) * 1e6 / k)
     return samples
 
 
-def _time_eager_gpu(call, warmup: int, repeats: int, min_time_s: float | None, flush_l2: bool) -> list[float]:
+def _time_eager_gpu(call, warmup: int, repeats: int, min_time_s: float | None, flush_l2: bool,
+                    k: int = 1) -> list[float]:
     for i in range(warmup):
         call(i)
     torch.cuda.synchronize()
     flush = _flush_buffer() if flush_l2 else None
     samples: list[float] = []
     i = 0
-    batch = max(repeats, 1)
-    while True:
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(batch)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(batch)]
-        for j in range(batch):
+    while not _done(samples, repeats, min_time_s, k):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        for j in range(repeats):
             if flush is not None:
                 flush.zero_()  # outside the events: evicts L2 without being timed
             starts[j].record()
-            call(i)
+            for _ in range(k):
+                call(i)
+                i += 1
             ends[j].record()
-            i += 1
         torch.cuda.synchronize()
-        samples += [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
-        if len(samples) >= repeats and (min_time_s is None or sum(samples) * 1e-6 >= min_time_s):
-            return samples
+        samples += [s.elapsed_time(e) * 1e3 / k for s, e in zip(starts, ends)]
+    return samples
 
 
 def capture_graph(fn: Callable, *, copies: int = 1, rotate: list[tuple] | None = None,
@@ -192,7 +201,7 @@ def _time_graph(call, warmup: int, repeats: int, min_time_s: float | None, copie
         graph.replay()
     torch.cuda.synchronize()
     samples: list[float] = []
-    while True:
+    while not _done(samples, repeats, min_time_s, copies):
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
         for j in range(repeats):
@@ -201,34 +210,46 @@ def _time_graph(call, warmup: int, repeats: int, min_time_s: float | None, copie
             ends[j].record()
         torch.cuda.synchronize()
         samples += [s.elapsed_time(e) * 1e3 / copies for s, e in zip(starts, ends)]
-        if min_time_s is None or sum(samples) * copies * 1e-6 >= min_time_s:
-            return samples
+    return samples
 
 
-def _auto_graph_copies(call, target_us: float = 500.0, max_copies: int = 100) -> int:
-    """Enough copies that one replay runs ~target_us, so the graph launch itself is amortised."""
-    est = _stats(_time_eager_gpu(call, 2, 5, None, False))[0]
-    return int(min(max_copies, max(1, math.ceil(target_us / max(est, 1e-3)))))
+AUTO_SAMPLE_US = 500.0  # auto calls_per_sample: enough calls that one sample lasts about this long
+MAX_CALLS_PER_SAMPLE = 100
+
+
+def _auto_calls(call, gpu: bool) -> int:
+    """Enough back-to-back calls that one sample lasts ~AUTO_SAMPLE_US (1..MAX_CALLS_PER_SAMPLE), from
+    the median of 5 lone calls: the timer and, for graphs, the graph launch are then amortised."""
+    lone = _time_eager_gpu(call, 2, 5, None, False) if gpu else _time_cpu(call, 2, 5, None)
+    est = _stats(lone)[0]
+    return int(min(MAX_CALLS_PER_SAMPLE, max(1, math.ceil(AUTO_SAMPLE_US / max(est, 1e-3)))))
 
 
 def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool = False,
             rotate: list[tuple] | None = None, min_time_s: float | None = None, flush_l2: bool = False,
-            graph_copies: int | None = None, device=None) -> Timing:
-    """Time `fn` per call. GPU (when torch sees one, or device='cuda'): device events around each call,
-    after `warmup` calls. CPU: perf_counter around each call. Returns the median and p20/p80 of
-    `repeats` samples (more if `min_time_s` asks for a longer run).
+            calls_per_sample: int | None = None, graph_copies: int | None = None, device=None) -> Timing:
+    """Time `fn` per call: the median and p20/p80 of `repeats` samples (more if `min_time_s` asks for a
+    longer run), each sample = one timer pair around `calls_per_sample` back-to-back calls, divided by
+    that count. GPU (when torch sees one, or device='cuda'): device events, after `warmup` calls. CPU:
+    perf_counter.
 
-    graph=True (GPU only): capture a CUDA/HIP graph holding `graph_copies` successive calls and time
-    its replays; the per-call figure is replay time / graph_copies. Why a graph of k calls rather than
-    N replays of a one-call graph: each replay pays a graph launch of its own (a few us), which would
+    calls_per_sample (k): None picks enough calls that a sample lasts ~0.5 ms (1..100; 1 for long
+    calls). Why several calls per sample: on the lent H200 an event pair alone costs 6-10 us of host
+    time, more than a small kernel; one event pair around k calls measures the cost of a call in a
+    stream of work (what a decode step of many kernels sees: launch-bound ops show their launch rate,
+    long ops their GPU time), and spreads the timer over k. k=1 gives the latency of a lone call,
+    timer included.
+
+    graph=True (GPU only): capture a CUDA/HIP graph holding k successive calls (`graph_copies` is the
+    same knob) and time its replays; per call = replay time / k. Why a graph of k calls rather than N
+    replays of a one-call graph: each replay pays a graph launch of its own (a few us), which would
     swamp the per-kernel cost we want to show. A served decode step is one graph of hundreds of
-    kernels, so the cost of a kernel *inside a long graph* is the figure that matters. graph_copies=None
-    picks enough copies (1..100) that a replay lasts ~0.5 ms.
+    kernels, so the cost of a kernel inside a long graph is the figure that matters.
 
     rotate: a list of argument tuples; call i runs fn(*rotate[i % len(rotate)]) so inputs that fit in
-    cache are not timed hot (see `rotation_sets`). flush_l2: write a 2 x L2 buffer before each eager
-    call, outside the events (not with graph=True: the flush would land inside the replay).
-    overhead_us: the same timer around an empty function (reported, not subtracted).
+    cache are not timed hot (see `rotation_sets`). flush_l2: write a 2 x L2 buffer before each sample,
+    outside the events (eager GPU only, and only with k=1, since the calls of one sample share it).
+    overhead_us: the same timer around an empty function, per call (reported, never subtracted).
     """
     if not callable(fn):
         raise ValueError(f"fn must be callable, got {type(fn).__name__}")
@@ -242,8 +263,13 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
         rotate = [tuple(a) if isinstance(a, (tuple, list)) else (a,) for a in rotate]
         if not rotate:
             raise ValueError("rotate must be a non-empty list of argument tuples, or None")
-    if graph_copies is not None and graph_copies < 1:
-        raise ValueError(f"graph_copies must be >= 1 or None, got {graph_copies}")
+    for label, v in (("calls_per_sample", calls_per_sample), ("graph_copies", graph_copies)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"{label} must be an int >= 1 or None, got {v!r}")
+    if calls_per_sample is not None and graph_copies is not None and calls_per_sample != graph_copies:
+        raise ValueError(f"graph_copies={graph_copies} and calls_per_sample={calls_per_sample} name the same "
+                         "knob; pass one")
+    k = calls_per_sample if calls_per_sample is not None else graph_copies
     gpu = _use_gpu(device)
     if graph and not gpu:
         raise ValueError("graph=True needs a CUDA/HIP device (graph replay does not exist on CPU); "
@@ -253,26 +279,30 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
                          "the replayed graph; use rotate= to keep inputs cold under graphs")
     if flush_l2 and not gpu:
         raise ValueError("flush_l2=True is a GPU option (it evicts the device L2); on CPU use rotate=")
+    if flush_l2:
+        if k not in (None, 1):
+            raise ValueError(f"flush_l2=True flushes before each sample, so calls_per_sample must be 1, got {k}")
+        k = 1
 
     call = _caller(fn, rotate)
     empty = lambda i: None  # noqa: E731 - the timer around nothing
     n_sets = len(rotate) if rotate else 1
+    if k is None:
+        k = _auto_calls(call, gpu)
     if not gpu:
-        samples = _time_cpu(call, warmup, repeats, min_time_s)
-        overhead = _stats(_time_cpu(empty, warmup, repeats, None))[0]
-        mode, copies = "cpu", 1
+        samples = _time_cpu(call, warmup, repeats, min_time_s, k)
+        overhead = _stats(_time_cpu(empty, warmup, repeats, None, 1))[0] / k
+        mode = "cpu"
     elif graph:
-        copies = graph_copies or _auto_graph_copies(call)
-        samples = _time_graph(call, warmup, repeats, min_time_s, copies)
-        # An empty event pair, shared by the `copies` calls of a replay.
-        overhead = _stats(_time_eager_gpu(empty, warmup, repeats, None, False))[0] / copies
+        samples = _time_graph(call, warmup, repeats, min_time_s, k)
+        overhead = _stats(_time_eager_gpu(empty, warmup, repeats, None, False))[0] / k
         mode = "graph"
     else:
-        samples = _time_eager_gpu(call, warmup, repeats, min_time_s, flush_l2)
-        overhead = _stats(_time_eager_gpu(empty, warmup, repeats, None, False))[0]
-        mode, copies = "eager", 1
+        samples = _time_eager_gpu(call, warmup, repeats, min_time_s, flush_l2, k)
+        overhead = _stats(_time_eager_gpu(empty, warmup, repeats, None, False))[0] / k
+        mode = "eager"
     med, p20, p80 = _stats(samples)
-    return Timing(med, p20, p80, len(samples), mode, overhead, copies, flush_l2, n_sets, samples)
+    return Timing(med, p20, p80, len(samples), mode, overhead, k, flush_l2, n_sets, samples)
 
 
 def _cache_bytes() -> int:
@@ -452,16 +482,16 @@ def _empty_kernel() -> Callable[[], None]:
 
 
 def launch_cost_us(mode: str = "eager") -> float | None:
-    """Cost of one empty kernel launch on this GPU, measured once per process and mode ('eager':
-    device events around one launch; 'graph': per kernel inside a 100-kernel graph). None on CPU:
+    """Cost of one empty kernel launch on this GPU, measured once per process and mode: per launch
+    among 100 back-to-back eager launches ('eager'), or per kernel inside a 100-kernel graph ('graph').
+    That is the launch's share of a chain of kernels, the case a launch floor is for. None on CPU:
     launch cost is not modelled there."""
     if mode not in ("eager", "graph"):
         raise ValueError(f"mode must be 'eager' or 'graph', got {mode!r}")
     if not torch.cuda.is_available():
         return None
     if mode not in _launch_cache:
-        t = time_fn(_empty_kernel(), warmup=20, repeats=200, graph=(mode == "graph"),
-                    graph_copies=100 if mode == "graph" else None)
+        t = time_fn(_empty_kernel(), warmup=20, repeats=200, graph=(mode == "graph"), calls_per_sample=100)
         _launch_cache[mode] = t.median_us
     return _launch_cache[mode]
 
@@ -582,7 +612,9 @@ def git_commit(path: str | None = None) -> str:
                                capture_output=True, text=True, timeout=10)
         return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("K3LAB_COMMIT", "unknown")
+        given = os.environ.get("K3LAB_COMMIT", "").strip()
+        # a copied tree without .git: trust K3LAB_COMMIT only if it looks like a commit id
+        return given if re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", given) else "unknown"
 
 
 def device_slug(device: str | None = None, backend: str | None = None) -> str:
@@ -613,7 +645,8 @@ def make_record(study: str, case: str, variant: str, timing: Timing, *, shape: d
     if not isinstance(shape, dict):
         raise ValueError(f"shape must be a dict of named sizes, got {type(shape).__name__}")
     info = _env.detect()
-    ext = {"repeats": timing.repeats, "overhead_us": timing.overhead_us, "graph_copies": timing.graph_copies,
+    ext = {"repeats": timing.repeats, "overhead_us": timing.overhead_us,
+           "calls_per_sample": timing.calls_per_sample, "graph_copies": timing.graph_copies,
            "rotate_sets": timing.rotate_sets, "flush_l2": timing.flush_l2}
     ext.update(extra)
     return Record(study=study, case=case, variant=variant, device=info.name, backend=info.backend,

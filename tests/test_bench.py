@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -29,7 +30,8 @@ def test_sleep_is_timed_near_its_length():
 
 def test_percentiles_follow_a_known_mix_of_durations():
     # 1 ms and 4 ms calls alternate (rotate): p20 sits on the short ones, p80 on the long ones.
-    t = bench.time_fn(lambda s: time.sleep(s), warmup=0, repeats=20, rotate=[(0.001,), (0.004,)], device="cpu")
+    t = bench.time_fn(lambda s: time.sleep(s), warmup=0, repeats=20, rotate=[(0.001,), (0.004,)], device="cpu",
+                      calls_per_sample=1)
     assert t.rotate_sets == 2
     assert 1000 <= t.p20_us < 3000
     assert 4000 <= t.p80_us < 12000
@@ -43,10 +45,13 @@ def test_busy_loop_scales_with_work():
             s += i
         return s
 
-    # p20, not the median: on a shared 2-core CI box the longer loop is preempted more often, and the
-    # lower percentile is the one that tracks the work rather than the neighbours.
-    short = bench.time_fn(lambda: work(20_000), warmup=2, repeats=25, device="cpu").p20_us
-    long = bench.time_fn(lambda: work(80_000), warmup=2, repeats=25, device="cpu").p20_us
+    # The two loop lengths alternate within one run (rotate, one call per sample), so a CPU clock that
+    # ramps up during the test affects both alike; p20, not the median, because on a shared 2-core CI
+    # box the longer loop is preempted more often.
+    t = bench.time_fn(work, rotate=[(20_000,), (80_000,)], warmup=2, repeats=40, device="cpu",
+                      calls_per_sample=1)
+    short = bench._stats(t.samples_us[0::2])[1]
+    long = bench._stats(t.samples_us[1::2])[1]
     assert 2.0 < long / short < 8.0
 
 
@@ -60,9 +65,28 @@ def test_min_time_extends_repeats():
     assert t.repeats >= 10 and sum(t.samples_us) >= 30000
 
 
+def test_calls_per_sample_batches_calls_and_auto_batches_fast_ones():
+    count = [0]
+
+    def bump():
+        count[0] += 1
+
+    t = bench.time_fn(bump, warmup=0, repeats=5, calls_per_sample=7, device="cpu")
+    assert count[0] == 35 and t.calls_per_sample == 7 and t.repeats == 5
+    auto = bench.time_fn(bump, warmup=0, repeats=5, device="cpu")
+    assert auto.calls_per_sample == bench.MAX_CALLS_PER_SAMPLE  # a ~0.1 us call hits the cap
+    slow = bench.time_fn(lambda: time.sleep(0.001), warmup=0, repeats=3, device="cpu")
+    assert slow.calls_per_sample == 1
+    lone = bench.time_fn(bump, warmup=0, repeats=50, calls_per_sample=1, device="cpu")
+    assert auto.overhead_us < lone.overhead_us  # the timer is spread over the batch
+    with pytest.raises(ValueError, match="same knob"):
+        bench.time_fn(bump, calls_per_sample=2, graph_copies=3, device="cpu")
+
+
 def test_rotate_cycles_every_set_in_order():
     seen = []
-    bench.time_fn(lambda a, b: seen.append((a, b)), warmup=0, repeats=6, rotate=[(1, 2), (3, 4), (5, 6)], device="cpu")
+    bench.time_fn(lambda a, b: seen.append((a, b)), warmup=0, repeats=6, rotate=[(1, 2), (3, 4), (5, 6)], device="cpu",
+                   calls_per_sample=1)
     assert seen == [(1, 2), (3, 4), (5, 6)] * 2
 
 
@@ -226,7 +250,7 @@ def _record(case="c", variant="before", median=10.0, floor=None, mode="cpu", stu
 def test_record_fields_are_filled_and_round_trip(tmp_path):
     r = _record(floor=2.5)
     assert r.dtype == "bfloat16" and r.versions["torch"] == torch.__version__
-    assert r.commit and (r.commit == "unknown" or len(r.commit.split("-")[0]) == 40)
+    assert re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?|unknown", r.commit), r.commit
     assert dt.datetime.fromisoformat(r.date).utcoffset() == dt.timedelta(0)
     assert r.extra["note"] == "x" and r.extra["repeats"] == 50
     paths = bench.save_records([r, _record(variant="after", median=4.0)], root=tmp_path)
@@ -239,7 +263,10 @@ def test_record_fields_are_filled_and_round_trip(tmp_path):
 
 
 def test_load_filters_by_study_and_device(tmp_path):
-    bench.save_records([_record(study="a"), _record(study="b")], root=tmp_path)
+    cpu = [_record(study="a"), _record(study="b")]
+    for r in cpu:
+        r.device, r.backend = "x86_64", "cpu"
+    bench.save_records(cpu, root=tmp_path)
     gpu = _record(study="a")
     gpu.device, gpu.backend = "NVIDIA H200", "cuda"
     bench.save_records([gpu], root=tmp_path)
@@ -304,9 +331,12 @@ def test_git_commit_marks_dirty_trees(tmp_path, monkeypatch):
     monkeypatch.delenv("K3LAB_COMMIT", raising=False)
     bench.git_commit.cache_clear()
     assert bench.git_commit(str(outside)) == "unknown"
-    monkeypatch.setenv("K3LAB_COMMIT", "abc123")
+    monkeypatch.setenv("K3LAB_COMMIT", "abc1234-dirty")
     bench.git_commit.cache_clear()
-    assert bench.git_commit(str(outside)) == "abc123"
+    assert bench.git_commit(str(outside)) == "abc1234-dirty"
+    monkeypatch.setenv("K3LAB_COMMIT", "HEAD\nabc1234")  # not a commit id: not trusted
+    bench.git_commit.cache_clear()
+    assert bench.git_commit(str(outside)) == "unknown"
     bench.git_commit.cache_clear()
 
 
@@ -366,6 +396,8 @@ def test_gpu_graph_replay_beats_eager_on_a_tiny_op_and_runs_every_call():
     assert x.item() == 5 + 40 * (5 + 50)
     auto = bench.time_fn(lambda: x.add_(1.0), warmup=2, repeats=5, graph=True)
     assert 1 <= auto.graph_copies <= 100
+    lone = bench.time_fn(lambda: x.add_(1.0), warmup=5, repeats=50, calls_per_sample=1)
+    assert eager.calls_per_sample > 1 and eager.median_us < lone.median_us  # the event pair is spread
 
 
 @pytest.mark.gpu

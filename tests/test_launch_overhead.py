@@ -30,8 +30,9 @@ def test_run_returns_sane_records(records):
     for r in records:
         assert r.study == "launch_overhead" and r.variant == "before" and r.mode == "cpu"
         assert 0 < r.p20_us <= r.median_us <= r.p80_us < 1e5
-        assert r.extra["repeats"] >= 40 and r.extra["overhead_us"] < r.median_us
+        assert r.extra["repeats"] >= 30 and r.extra["overhead_us"] < r.median_us
         assert "not modelled on CPU" in r.extra["launch_note"]
+        assert 1 <= r.extra["calls_per_sample"] <= bench.MAX_CALLS_PER_SAMPLE and r.extra["lone_call_us"] > 0
     copies = {r.case: r for r in records if r.case.startswith("copy_")}
     for r in copies.values():
         n = r.shape["bytes"]
@@ -41,12 +42,13 @@ def test_run_returns_sane_records(records):
     seed = copies["copy_1792B"]
     assert seed.shape == {"bytes": 1792}
     assert seed.extra["per_decode_step_us"] == pytest.approx(69 * seed.median_us)
-    # 585x the bytes cost far less than 585x the time: a small copy is overhead, not bandwidth.
-    # p20 rather than the median: torch splits a 1 MiB copy over threads, which a busy 2-core CI box
-    # starves now and then; the lower percentile keeps the comparison about the copy.
-    big = copies["copy_1MiB"]
-    assert big.p20_us > seed.p20_us
-    assert (2 * big.shape["bytes"] / big.p20_us) > 3 * (2 * 1792 / seed.p20_us)
+    # 9x the bytes cost far less than 9x the time: a small copy is overhead, not bandwidth. 16 KiB, not
+    # 1 MiB: torch splits copies above 32768 elements over threads, which a busy 2-core CI box starves
+    # now and then; both of these run on one thread. p20 for the same reason.
+    mid = copies["copy_16KiB"]
+    assert mid.p20_us > seed.p20_us
+    assert (2 * mid.shape["bytes"] / mid.p20_us) > 2 * (2 * 1792 / seed.p20_us)
+    assert copies["copy_1MiB"].median_us > seed.median_us
 
 
 @cpu_only
@@ -77,7 +79,7 @@ def test_bad_cases_and_preset():
         lo.run(cases=["copy_3B"])
     with pytest.raises(ValueError, match="preset"):
         lo.case_names(preset=3)
-    assert [r.case for r in lo.run(cases=["copy_1792B"])] == ["copy_1792B"]
+    assert {r.case for r in lo.run(cases=["copy_1792B"])} == {"copy_1792B"}
 
 
 @cpu_only

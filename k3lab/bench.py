@@ -217,11 +217,27 @@ AUTO_SAMPLE_US = 500.0  # auto calls_per_sample: enough calls that one sample la
 MAX_CALLS_PER_SAMPLE = 100
 
 
-def _auto_calls(call, gpu: bool) -> int:
-    """Enough back-to-back calls that one sample lasts ~AUTO_SAMPLE_US (1..MAX_CALLS_PER_SAMPLE), from
-    the median of 5 lone calls: the timer and, for graphs, the graph launch are then amortised."""
-    lone = _time_eager_gpu(call, 2, 5, None, False) if gpu else _time_cpu(call, 2, 5, None)
-    est = _stats(lone)[0]
+def _auto_calls(call, gpu: bool, warmup: int) -> int:
+    """Run the warm-up calls one by one, each timed alone, and pick enough back-to-back calls that a
+    sample lasts ~AUTO_SAMPLE_US (1..MAX_CALLS_PER_SAMPLE) from the median of the warm calls (the first
+    is left out when there are several: it may compile or allocate). The warm-up is not repeated
+    afterwards, so a slow function costs no extra calls."""
+    n = max(warmup, 1)
+    if gpu:
+        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        for i, (a, b) in enumerate(pairs):
+            a.record()
+            call(i)
+            b.record()
+        torch.cuda.synchronize()
+        lone = [a.elapsed_time(b) * 1e3 for a, b in pairs]
+    else:
+        lone = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            call(i)
+            lone.append((time.perf_counter() - t0) * 1e6)
+    est = _stats(lone[1:] if n > 1 else lone)[0]
     return int(min(MAX_CALLS_PER_SAMPLE, max(1, math.ceil(AUTO_SAMPLE_US / max(est, 1e-3)))))
 
 
@@ -233,8 +249,8 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
     that count. GPU (when torch sees one, or device='cuda'): device events, after `warmup` calls. CPU:
     perf_counter.
 
-    calls_per_sample (k): None picks enough calls that a sample lasts ~0.5 ms (1..100; 1 for long
-    calls). Why several calls per sample: on the lent H200 an event pair alone costs 6-10 us of host
+    calls_per_sample (k): None picks, while running the warm-up calls one by one, enough calls that a
+    sample lasts ~0.5 ms (1..100; 1 for calls of 0.5 ms or more). Why several calls per sample: on the lent H200 an event pair alone costs 6-10 us of host
     time, more than a small kernel; one event pair around k calls measures the cost of a call in a
     stream of work (what a decode step of many kernels sees: launch-bound ops show their launch rate,
     long ops their GPU time), and spreads the timer over k. k=1 gives the latency of a lone call,
@@ -288,18 +304,19 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
     empty = lambda i: None  # noqa: E731 - the timer around nothing
     n_sets = len(rotate) if rotate else 1
     if k is None:
-        k = _auto_calls(call, gpu)
+        k = _auto_calls(call, gpu, warmup)
+        warmup = 0  # _auto_calls ran the warm-up
     if not gpu:
         samples = _time_cpu(call, warmup, repeats, min_time_s, k)
-        overhead = _stats(_time_cpu(empty, warmup, repeats, None, 1))[0] / k
+        overhead = _stats(_time_cpu(empty, 3, repeats, None, 1))[0] / k
         mode = "cpu"
     elif graph:
         samples = _time_graph(call, warmup, repeats, min_time_s, k)
-        overhead = _stats(_time_eager_gpu(empty, warmup, repeats, None, False))[0] / k
+        overhead = _stats(_time_eager_gpu(empty, 3, repeats, None, False))[0] / k
         mode = "graph"
     else:
         samples = _time_eager_gpu(call, warmup, repeats, min_time_s, flush_l2, k)
-        overhead = _stats(_time_eager_gpu(empty, warmup, repeats, None, False))[0] / k
+        overhead = _stats(_time_eager_gpu(empty, 3, repeats, None, False))[0] / k
         mode = "eager"
     med, p20, p80 = _stats(samples)
     return Timing(med, p20, p80, len(samples), mode, overhead, k, flush_l2, n_sets, samples)

@@ -73,10 +73,12 @@ def test_calls_per_sample_batches_calls_and_auto_batches_fast_ones():
 
     t = bench.time_fn(bump, warmup=0, repeats=5, calls_per_sample=7, device="cpu")
     assert count[0] == 35 and t.calls_per_sample == 7 and t.repeats == 5
-    auto = bench.time_fn(bump, warmup=0, repeats=5, device="cpu")
+    auto = bench.time_fn(bump, warmup=3, repeats=5, device="cpu")
     assert auto.calls_per_sample == bench.MAX_CALLS_PER_SAMPLE  # a ~0.1 us call hits the cap
-    slow = bench.time_fn(lambda: time.sleep(0.001), warmup=0, repeats=3, device="cpu")
+    slow_calls = []
+    slow = bench.time_fn(lambda: slow_calls.append(time.sleep(0.001)), warmup=2, repeats=3, device="cpu")
     assert slow.calls_per_sample == 1
+    assert len(slow_calls) == 2 + 3  # choosing k reused the warm-up: no extra calls
     lone = bench.time_fn(bump, warmup=0, repeats=50, calls_per_sample=1, device="cpu")
     assert auto.overhead_us < lone.overhead_us  # the timer is spread over the batch
     with pytest.raises(ValueError, match="same knob"):

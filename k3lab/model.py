@@ -22,7 +22,6 @@ from torch import nn
 from .config import K3Config
 from .nn.attn_res import AttnResState, attn_res_mix
 from .nn.decoder import DecoderLayer
-from .nn.kda import KDACache
 from .nn.mla import MLACache
 from .nn.norms import RMSNorm
 
@@ -72,7 +71,7 @@ class K3Model(nn.Module):
     def __init__(self, config: K3Config, *, device=None, dtype=None):
         super().__init__()
         if not isinstance(config, K3Config):
-            raise ValueError(f"config must be a K3Config, got {type(config).__name__}")
+            raise ValueError(f"config must be a K3Config, got {type(config).__name__}")  # noqa: TRY004
         if config.tp_size != 1:
             raise ValueError(f"K3Model is the whole model: config must have tp_size 1, got {config.tp_size} "
                              "(build single layers from a TP slice instead)")
@@ -100,7 +99,7 @@ class K3Model(nn.Module):
 
     def _check_cache(self, cache, batch):
         if not isinstance(cache, K3Cache):
-            raise ValueError(f"cache must be a K3Cache (from prefill or decode), got {type(cache).__name__}")
+            raise ValueError(f"cache must be a K3Cache (from prefill or decode), got {type(cache).__name__}")  # noqa: TRY004
         if len(cache.layers) != len(self.layers):
             raise ValueError(f"cache.layers must have {len(self.layers)} entries, got {len(cache.layers)}")
         for i, (layer, c) in enumerate(zip(self.layers, cache.layers)):
@@ -238,7 +237,7 @@ def _init_value(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Ten
         return torch.empty(shape).uniform_(-6.0, 0.0, generator=gen)
     if last == "e_score_correction_bias":  # small enough to only nudge the choice
         return 0.1 * randn(*shape)
-    if owner.endswith("norm") or owner.endswith("layernorm"):
+    if owner.endswith(("norm", "layernorm")):
         return 1.0 + 0.1 * randn(*shape)
     if owner.endswith("_conv"):  # depthwise [C, 1, W]
         return randn(*shape) * shape[-1] ** -0.5

@@ -145,3 +145,20 @@ def test_bad_inputs(model64):
         model64.decode(ids_for(2, 1, seed=0), K3Cache(layers, cache.attn_res_blocks, cache.attn_res_partial, 3))
     with pytest.raises(ValueError, match="max_new_tokens"):
         model64.generate(ids_for(1, 2, seed=0), -1)
+
+
+def test_anatomy_helpers_agree_with_the_config():
+    from k3lab.model import component_table, layer_plan, state_sizes
+    full = K3Config.full()
+    plan = layer_plan(full)
+    assert len(plan) == 93 and sum(r["attention"] == "mla" for r in plan) == 24
+    assert [r["layer"] for r in plan if r["opens_block"]] == [0, 12, 24, 36, 48, 60, 72, 84]
+    assert plan[0]["mlp"] == "dense" and all(r["mlp"] == "moe" for r in plan[1:])
+    rows = {r["component"]: r for r in component_table(full)}
+    assert sum(r["params"] for r in rows.values()) == full.param_counts()[0]
+    assert rows["routed_experts"]["count"] == 92 * 896 and rows["routed_experts"]["format"] == "MXFP4"
+    assert rows["routed_experts"]["bytes"] == rows["routed_experts"]["params"] * 4.25 / 8
+    s = state_sizes(full)
+    assert s["mla_per_position"] == 24 * 576 and s["kda_state_per_sequence_per_layer"] == 6 * 2**20
+    assert s["kda_conv_per_sequence"] == 69 * 3 * 12288 * 3 * 2
+    assert s["attn_res_per_token_in_flight"] == 9 * 7168 * 4

@@ -11,8 +11,15 @@ from hypothesis import strategies as st
 
 from k3lab.config import K3Config
 from k3lab.model import init_weights
-from k3lab.nn.kda import (KDACache, KimiDeltaAttention, kda_beta, kda_chunked, kda_gate, kda_recurrent,
-                          short_conv)
+from k3lab.nn.kda import (
+    KDACache,
+    KimiDeltaAttention,
+    kda_beta,
+    kda_chunked,
+    kda_gate,
+    kda_recurrent,
+    short_conv,
+)
 
 
 def kda_inputs(B, T, H, K, V, *, seed, dtype=torch.float64, state=False):
@@ -74,7 +81,7 @@ def test_chunked_equals_recurrent_property(B, T, H, K, V, chunk, with_state, see
 def _fla_naive():
     try:
         from fla.ops.kda import naive
-    except Exception as err:  # fla-core is optional
+    except Exception as err:  # noqa: BLE001 - fla-core is optional; any import failure means "absent"
         pytest.skip(f"fla-core not importable ({type(err).__name__}: {err}); k3lab's references are "
                     "checked against each other and the hand-written layer instead")
     return naive
@@ -104,7 +111,7 @@ def test_chunked_equals_fla_naive_chunk():
 def test_gate_equals_fla_lower_bound_gate():
     try:
         from fla.ops.kda.gate import naive_kda_lowerbound_gate
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - as above
         pytest.skip(f"fla-core not importable ({type(err).__name__}: {err})")
     gen = torch.Generator().manual_seed(5)
     H, K = 3, 16
@@ -234,7 +241,7 @@ def test_layer_algorithms_agree_and_empty_cache_is_a_fresh_start():
     x = torch.randn(2, 20, layer.hidden_size, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     a, ca = layer(x, algorithm="chunked")
     b, cb = layer(x, algorithm="recurrent")
-    c, cc = layer(x, layer.empty_cache(2, state_dtype=torch.float64))
+    c, _ = layer(x, layer.empty_cache(2, state_dtype=torch.float64))
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ca.state, cb.state, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(c, a, rtol=1e-12, atol=1e-12)

@@ -12,7 +12,7 @@ from k3lab.nn.situ import situ_glu
 def test_route_hand_example_bias_moves_the_choice_not_the_weights():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], dtype=torch.float64)
     s = torch.sigmoid(logits[0])
-    w, idx, scores = route(logits, torch.zeros(4, dtype=torch.float64), top_k=2)
+    w, idx, _ = route(logits, torch.zeros(4, dtype=torch.float64), top_k=2)
     assert sorted(idx[0].tolist()) == [0, 1]
     torch.testing.assert_close(w[0], s[idx[0]] / s[idx[0]].sum())
     bias = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64)  # expert 3 now wins selection

@@ -3,17 +3,24 @@ k3lab kernel is checked against. Nothing here imports k3lab.ops."""
 
 from .attn_res import AttnResState, attn_res_mix
 from .decoder import DecoderLayer
-from .kda import (KDACache, KimiDeltaAttention, chunk_inverse, kda_beta, kda_chunked, kda_gate, kda_recurrent,
-                  short_conv)
+from .kda import (
+    KDACache,
+    KimiDeltaAttention,
+    chunk_inverse,
+    kda_beta,
+    kda_chunked,
+    kda_gate,
+    kda_recurrent,
+    short_conv,
+)
 from .mla import MLACache, MultiHeadLatentAttention, latent_attention
 from .moe import DenseMLP, LatentMoE, MoEGate, RoutedExpert, SiTUMLP, route
 from .norms import RMSNorm, gated_rms_norm, l2_normalize, rms_norm
 from .situ import situ_gate, situ_glu, situ_up
 
 __all__ = [
-    "AttnResState", "attn_res_mix", "DecoderLayer", "KDACache", "KimiDeltaAttention", "chunk_inverse",
-    "kda_beta", "kda_chunked", "kda_gate", "kda_recurrent", "short_conv", "MLACache",
-    "MultiHeadLatentAttention", "latent_attention", "DenseMLP", "LatentMoE", "MoEGate", "RoutedExpert",
-    "SiTUMLP", "route", "RMSNorm", "gated_rms_norm", "l2_normalize", "rms_norm", "situ_gate", "situ_glu",
-    "situ_up",
+    "AttnResState", "DecoderLayer", "DenseMLP", "KDACache", "KimiDeltaAttention", "LatentMoE", "MLACache",
+    "MoEGate", "MultiHeadLatentAttention", "RMSNorm", "RoutedExpert", "SiTUMLP", "attn_res_mix",
+    "chunk_inverse", "gated_rms_norm", "kda_beta", "kda_chunked", "kda_gate", "kda_recurrent", "l2_normalize",
+    "latent_attention", "rms_norm", "route", "short_conv", "situ_gate", "situ_glu", "situ_up",
 ]

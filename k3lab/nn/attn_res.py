@@ -52,7 +52,7 @@ class AttnResState:
     partial: torch.Tensor
 
     @classmethod
-    def start(cls, embeddings: torch.Tensor) -> "AttnResState":
+    def start(cls, embeddings: torch.Tensor) -> AttnResState:
         """Before layer 0: no block yet; the partial sum is the token embeddings."""
         return cls((), embeddings)
 
@@ -63,9 +63,9 @@ class AttnResState:
     def mix(self, norm_weight, proj_weight, eps) -> torch.Tensor:
         return attn_res_mix(self.sources(), norm_weight, proj_weight, eps)
 
-    def push_block(self) -> "AttnResState":
+    def push_block(self) -> AttnResState:
         """Close the current block: its partial sum becomes a stored block and the partial restarts at 0."""
         return AttnResState((*self.blocks, self.partial), torch.zeros_like(self.partial))
 
-    def add(self, delta: torch.Tensor) -> "AttnResState":
+    def add(self, delta: torch.Tensor) -> AttnResState:
         return AttnResState(self.blocks, self.partial + delta.to(self.partial.dtype))

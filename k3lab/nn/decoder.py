@@ -51,7 +51,7 @@ class DecoderLayer(nn.Module):
         """state: the AttnRes depth state of the tokens in flight ([B, T, hidden] each); cache: this
         layer's KDACache or MLACache (None at the start of a sequence). Returns (state, cache)."""
         if not isinstance(state, AttnResState):
-            raise ValueError(f"state must be an AttnResState, got {type(state).__name__}")
+            raise ValueError(f"state must be an AttnResState, got {type(state).__name__}")  # noqa: TRY004
         dtype = state.partial.dtype
         h = (state.mix(self.self_attention_res_norm.weight, self.self_attention_res_proj.weight, self.eps)
              if state.blocks else state.partial)

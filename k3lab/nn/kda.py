@@ -265,7 +265,7 @@ class KimiDeltaAttention(nn.Module):
 
     def check_cache(self, cache: KDACache, batch: int) -> None:
         if not isinstance(cache, KDACache):
-            raise ValueError(f"cache must be a KDACache or None, got {type(cache).__name__}")
+            raise ValueError(f"cache must be a KDACache or None, got {type(cache).__name__}")  # noqa: TRY004
         conv = (batch, self.width, self.conv_size - 1)
         for name in ("conv_q", "conv_k", "conv_v"):
             t = getattr(cache, name)

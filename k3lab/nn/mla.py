@@ -38,7 +38,7 @@ def latent_attention(q, cache, lengths=None, scale=None, value_dim=512):
     """
     if q.dim() != 4:
         raise ValueError(f"q must be [B, Tq, H, D], got shape {tuple(q.shape)}")
-    B, Tq, H, D = q.shape
+    B, Tq, _, D = q.shape
     if cache.dim() != 3 or cache.shape[0] != B or cache.shape[2] != D:
         raise ValueError(f"cache must be [B={B}, L, D={D}], got {tuple(cache.shape)}")
     if not 0 < value_dim <= D:
@@ -80,7 +80,7 @@ class MLACache:
     def length(self) -> int:
         return self.latent.shape[1]
 
-    def append(self, rows: torch.Tensor) -> "MLACache":
+    def append(self, rows: torch.Tensor) -> MLACache:
         """A new cache with `rows` [B, T, 576] after the existing positions (the old one is untouched)."""
         if rows.dim() != 3 or rows.shape[0] != self.latent.shape[0] or rows.shape[2] != self.latent.shape[2]:
             raise ValueError(f"rows must be [B={self.latent.shape[0]}, T, {self.latent.shape[2]}], "
@@ -126,7 +126,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def check_cache(self, cache: MLACache, batch: int) -> None:
         if not isinstance(cache, MLACache):
-            raise ValueError(f"cache must be an MLACache or None, got {type(cache).__name__}")
+            raise ValueError(f"cache must be an MLACache or None, got {type(cache).__name__}")  # noqa: TRY004
         t = cache.latent
         if t.dim() != 3 or t.shape[0] != batch or t.shape[2] != self.latent_dim:
             raise ValueError(f"cache.latent must be [B={batch}, L, {self.latent_dim}], got {tuple(t.shape)}")

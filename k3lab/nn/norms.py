@@ -17,7 +17,7 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
 
 def _require_float(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
     if not t.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
@@ -88,7 +88,7 @@ def check_hidden_states(x: torch.Tensor, hidden_size: int, dtype: torch.dtype, n
     """The input check every layer shares: `x` is [B, T >= 1, hidden_size] in the layer's weight dtype.
     Returns (B, T); raises ValueError naming `name` otherwise."""
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor [B, T, {hidden_size}], got {type(x).__name__}")
+        raise ValueError(f"{name} must be a torch.Tensor [B, T, {hidden_size}], got {type(x).__name__}")  # noqa: TRY004
     if x.dim() != 3 or x.shape[-1] != hidden_size:
         raise ValueError(f"{name} must be [B, T, hidden_size={hidden_size}], got shape {tuple(x.shape)}")
     if x.shape[0] < 1 or x.shape[1] < 1:

@@ -25,13 +25,22 @@ def _inputs(B, T, H, K=128, V=128, dtype=torch.float32, seed=0, device=DEV):
     bias = torch.linspace(-9, 0, K)[torch.randperm(K, generator=gen)]
     g = -5 * torch.sigmoid(torch.randn(B, T, H, K, generator=gen) + bias)
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
-    to = lambda t, dt=dtype: t.to(device=device, dtype=dt)  # noqa: E731
+
+    def to(t, dt=dtype):
+        return t.to(device=device, dtype=dt)
+
     return to(q), to(k), to(v), to(g, torch.float32), to(beta, torch.float32)
 
 
 def _ref(q, k, v, g, beta, S0=None):
-    return kda_chunked(q.double(), k.double(), v.double(), g.double(), beta.double(),
-                       initial_state=None if S0 is None else S0.double())
+    return kda_chunked(
+        q.double(),
+        k.double(),
+        v.double(),
+        g.double(),
+        beta.double(),
+        initial_state=None if S0 is None else S0.double(),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -41,8 +50,13 @@ def _ref(q, k, v, g, beta, S0=None):
 def test_composition_equals_sequential_application_random_maps():
     gen = torch.Generator().manual_seed(1)
     K, V, n = 8, 5, 7
-    maps = [(torch.randn(K, K, generator=gen, dtype=torch.float64) * 0.5,
-             torch.randn(K, V, generator=gen, dtype=torch.float64)) for _ in range(n)]
+    maps = [
+        (
+            torch.randn(K, K, generator=gen, dtype=torch.float64) * 0.5,
+            torch.randn(K, V, generator=gen, dtype=torch.float64),
+        )
+        for _ in range(n)
+    ]
     S0 = torch.randn(K, V, generator=gen, dtype=torch.float64)
     S = S0
     for m in maps:
@@ -59,7 +73,9 @@ def test_composition_equals_sequential_application_random_maps():
         right = sm.compose(right, m)
     torch.testing.assert_close(sm.apply(sm.compose(left, right), S0), S, rtol=1e-12, atol=1e-12)
     # and order matters: the reversed composition is a different map
-    assert not torch.allclose(sm.apply(sm.compose(maps[1], maps[0]), S0), sm.apply(sm.compose(maps[0], maps[1]), S0))
+    assert not torch.allclose(
+        sm.apply(sm.compose(maps[1], maps[0]), S0), sm.apply(sm.compose(maps[0], maps[1]), S0)
+    )
 
 
 @pytest.mark.parametrize("T,group_size", [(64 * 5, 2), (200, 3), (130, 1), (64, 4)])
@@ -90,6 +106,7 @@ def test_group_scan_on_real_chunk_maps_equals_recurrence(T, group_size):
     torch.testing.assert_close(S_end, S_ref, rtol=1e-9, atol=1e-10)
     o2, S2 = sm.kda_chunk_walk(q, k, v, g, beta, initial_state=S0)
     torch.testing.assert_close(o2, o_ref, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(S2, S_ref, rtol=1e-9, atol=1e-10)
 
 
 def test_sequential_depth():
@@ -147,8 +164,8 @@ def test_ragged_batch_with_cu_seqlens():
                 torch.testing.assert_close(S[n], S0[n], rtol=0, atol=0)
                 continue
             sl = slice(bos, bos + L)
-            o_ref, S_ref = _ref(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], S0[n:n + 1])
-            _check(o[:, sl], S[n:n + 1], o_ref, S_ref)
+            o_ref, S_ref = _ref(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], S0[n : n + 1])
+            _check(o[:, sl], S[n : n + 1], o_ref, S_ref)
             bos += L
 
 
@@ -211,20 +228,30 @@ def test_group_size_rule():
 # bad input
 
 
-@pytest.mark.parametrize("mutate,match", [
-    (lambda a: a.update(initial_state=a["initial_state"].double()), "initial_state"),
-    (lambda a: a.update(initial_state=torch.zeros(1, 1, 128, 64, device=DEV)), "initial_state"),
-    (lambda a: a.update(q=a["q"][..., :64], k=a["k"][..., :64], g=a["g"][..., :64]), "K must be 128"),
-    (lambda a: a.update(g=a["g"].to(torch.bfloat16)), "g must be a float32"),
-    (lambda a: a.update(beta=a["beta"][:, :-1]), "beta"),
-    (lambda a: a.update(k=a["k"].to(torch.float16)), "k must have q's dtype"),
-    (lambda a: a.update(cu_seqlens=torch.tensor([0, 10, 50], device=DEV)), "cu_seqlens"),
-    (lambda a: a.update(cu_seqlens=torch.tensor([0, 30, 20, 70], device=DEV)), "cu_seqlens"),
-    (lambda a: a.update(q=a["q"][0]), "q must be"),
-])
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda a: a.update(initial_state=a["initial_state"].double()), "initial_state"),
+        (lambda a: a.update(initial_state=torch.zeros(1, 1, 128, 64, device=DEV)), "initial_state"),
+        (lambda a: a.update(q=a["q"][..., :64], k=a["k"][..., :64], g=a["g"][..., :64]), "K must be 128"),
+        (lambda a: a.update(g=a["g"].to(torch.bfloat16)), "g must be a float32"),
+        (lambda a: a.update(beta=a["beta"][:, :-1]), "beta"),
+        (lambda a: a.update(k=a["k"].to(torch.float16)), "k must have q's dtype"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([0, 10, 50], device=DEV)), "cu_seqlens"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([0, 30, 20, 70], device=DEV)), "cu_seqlens"),
+        (lambda a: a.update(q=a["q"][0]), "q must be"),
+    ],
+)
 def test_bad_input_names_the_argument(mutate, match):
     q, k, v, g, beta = _inputs(1, 70, 1)
-    args = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": torch.zeros(1, 1, 128, 128, device=DEV)}
+    args = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "g": g,
+        "beta": beta,
+        "initial_state": torch.zeros(1, 1, 128, 128, device=DEV),
+    }
     mutate(args)
     for fn in (kc.kda_chunk_before, kc.kda_chunk_after):
         with pytest.raises(ValueError, match=match):
@@ -259,8 +286,16 @@ def test_study_helpers():
     names = ks.crossover_cases()
     assert "h12_b1_t65536" in names and "h96_b8_t65536" not in names
     assert ks.floor_for(c) > 0 and ks.chunk_flops(c) == 8 * 64 * 12 * (2 * 64 * 64 * 640 + 6 * 64 * 128 * 128)
-    recs = [{"case": "h12_b1_t16384", "variant": v, "median_us": t, "shape": {"heads": 12, "batch": 1, "T": 16384},
-             "floor_us": 70.0, "extra": {"group_size": 16}} for v, t in (("before", 400.0), ("after", 200.0),
-                                                                         ("fla", 1000.0))]
+    recs = [
+        {
+            "case": "h12_b1_t16384",
+            "variant": v,
+            "median_us": t,
+            "shape": {"heads": 12, "batch": 1, "T": 16384},
+            "floor_us": 70.0,
+            "extra": {"group_size": 16},
+        }
+        for v, t in (("before", 400.0), ("after", 200.0), ("fla", 1000.0))
+    ]
     df = ks.crossover_table(recs)
     assert df.loc[0, "after/before"] == pytest.approx(0.5) and df.loc[0, "after/fla"] == pytest.approx(0.2)

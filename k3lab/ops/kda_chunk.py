@@ -53,6 +53,7 @@ on AMD hardware by this project.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -77,12 +78,37 @@ _WHILE = env.triton_interpreted()
 
 
 @triton.jit
-def _prologue_kernel(q, k, v, g, beta, chunk_tok, chunk_len,
-                     w_out, u_out, qg_out, kdt_out, aqk_out, d_out, scratch,
-                     n_items, nprog, n_iter, H, scale,
-                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                     SPREAD: tl.constexpr, AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr,
-                     INV_PREC: tl.constexpr, OUT_PREC: tl.constexpr, WHILE: tl.constexpr):
+def _prologue_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    chunk_tok,
+    chunk_len,
+    w_out,
+    u_out,
+    qg_out,
+    kdt_out,
+    aqk_out,
+    d_out,
+    scratch,
+    n_items,
+    nprog,
+    n_iter,
+    H,
+    scale,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    SPREAD: tl.constexpr,
+    AKK_PREC: tl.constexpr,
+    AQK_PREC: tl.constexpr,
+    INV_PREC: tl.constexpr,
+    OUT_PREC: tl.constexpr,
+    WHILE: tl.constexpr,
+):
     """Persistent: program p handles items p, p + P, ... (item = chunk * H + head) and keeps its
     G / Akk / R in its own scratch slot, so the slots stay in L2 instead of streaming to memory.
     WHILE (Triton's interpreter) uses while loops: its `for` cannot take run-time bounds here."""
@@ -93,24 +119,98 @@ def _prologue_kernel(q, k, v, g, beta, chunk_tok, chunk_len,
         while it < n_iter:
             item = pid + it * nprog
             if item < n_items:
-                _prologue_item(q, k, v, g, beta, chunk_tok, chunk_len, w_out, u_out, qg_out, kdt_out, aqk_out,
-                               d_out, s_g, item, H, scale, K, V, C, BC, SPREAD, AKK_PREC, AQK_PREC, INV_PREC,
-                               OUT_PREC)
+                _prologue_item(
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    chunk_tok,
+                    chunk_len,
+                    w_out,
+                    u_out,
+                    qg_out,
+                    kdt_out,
+                    aqk_out,
+                    d_out,
+                    s_g,
+                    item,
+                    H,
+                    scale,
+                    K,
+                    V,
+                    C,
+                    BC,
+                    SPREAD,
+                    AKK_PREC,
+                    AQK_PREC,
+                    INV_PREC,
+                    OUT_PREC,
+                )
             it += 1
     else:
-        for it in range(0, n_iter):
+        for it in range(n_iter):
             item = pid + it * nprog
             if item < n_items:
-                _prologue_item(q, k, v, g, beta, chunk_tok, chunk_len, w_out, u_out, qg_out, kdt_out, aqk_out,
-                               d_out, s_g, item, H, scale, K, V, C, BC, SPREAD, AKK_PREC, AQK_PREC, INV_PREC,
-                               OUT_PREC)
+                _prologue_item(
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    chunk_tok,
+                    chunk_len,
+                    w_out,
+                    u_out,
+                    qg_out,
+                    kdt_out,
+                    aqk_out,
+                    d_out,
+                    s_g,
+                    item,
+                    H,
+                    scale,
+                    K,
+                    V,
+                    C,
+                    BC,
+                    SPREAD,
+                    AKK_PREC,
+                    AQK_PREC,
+                    INV_PREC,
+                    OUT_PREC,
+                )
 
 
 @triton.jit
-def _prologue_item(q, k, v, g, beta, chunk_tok, chunk_len, w_out, u_out, qg_out, kdt_out, aqk_out, d_out,
-                   s_g, item, H, scale, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                   SPREAD: tl.constexpr, AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr,
-                   INV_PREC: tl.constexpr, OUT_PREC: tl.constexpr):
+def _prologue_item(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    chunk_tok,
+    chunk_len,
+    w_out,
+    u_out,
+    qg_out,
+    kdt_out,
+    aqk_out,
+    d_out,
+    s_g,
+    item,
+    H,
+    scale,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    SPREAD: tl.constexpr,
+    AKK_PREC: tl.constexpr,
+    AQK_PREC: tl.constexpr,
+    INV_PREC: tl.constexpr,
+    OUT_PREC: tl.constexpr,
+):
     """One chunk of one head: G, Akk, Aqk, R = (I + Akk)^-1, W, U, Qg, Kd^T, d."""
     rc = tl.arange(0, C)
     rk = tl.arange(0, K)
@@ -140,8 +240,9 @@ def _prologue_item(q, k, v, g, beta, chunk_tok, chunk_len, w_out, u_out, qg_out,
         jj = J * BC + rb
         G_s = tl.load(s_g + J * BC * K + rk)
         G_J = tl.load(s_g + jj[:, None] * K + rk[None, :])
-        k_J = tl.load(k + ((tok0 + jj) * H + h)[:, None] * K + rk[None, :], mask=(jj < L)[:, None],
-                      other=0.0).to(tl.float32)
+        k_J = tl.load(
+            k + ((tok0 + jj) * H + h)[:, None] * K + rk[None, :], mask=(jj < L)[:, None], other=0.0
+        ).to(tl.float32)
         spread = tl.max(tl.max(G_s[None, :] - G_J, axis=1), axis=0)
         if spread <= SPREAD:
             col = k_J * tl.exp(G_s[None, :] - G_J)  # <= e^SPREAD
@@ -153,8 +254,9 @@ def _prologue_item(q, k, v, g, beta, chunk_tok, chunk_len, w_out, u_out, qg_out,
             aqk = tl.zeros([C, BC], dtype=tl.float32)
             for cc in range(BC):
                 j = J * BC + cc
-                k_j = tl.load(k + ((tok0 + j) * H + h) * K + rk, mask=(rk < K) & (j < L),
-                              other=0.0).to(tl.float32)
+                k_j = tl.load(k + ((tok0 + j) * H + h) * K + rk, mask=(rk < K) & (j < L), other=0.0).to(
+                    tl.float32
+                )
                 G_j = tl.load(s_g + j * K + rk)
                 e = tl.exp(tl.where(rc[:, None] >= j, G - G_j[None, :], float("-inf")))
                 ke = k_j[None, :] * e
@@ -203,13 +305,16 @@ def _prologue_item(q, k, v, g, beta, chunk_tok, chunk_len, w_out, u_out, qg_out,
     _blk_store(s_r, 3, 1, r31, C, BC)
     _blk_store(s_r, 3, 0, r30, C, BC)
     tl.debug_barrier()
-    R = tl.load(s_r + rc[:, None] * C + rc[None, :], mask=(rc[:, None] // BC) >= (rc[None, :] // BC), other=0.0)
+    R = tl.load(
+        s_r + rc[:, None] * C + rc[None, :], mask=(rc[:, None] // BC) >= (rc[None, :] // BC), other=0.0
+    )
     # --- W, U from the finished inverse (rounded to the input dtype only now, as the seed does)
     eG = tl.exp(G)
     Rb = R.to(INTER)
     W = tl.dot(Rb, (kf * eG * bt[:, None]).to(INTER), input_precision=OUT_PREC)
-    vf = tl.load(v + ((tok0 + rc) * H + h)[:, None] * V + rv[None, :], mask=rmask[:, None],
-                 other=0.0).to(tl.float32)
+    vf = tl.load(v + ((tok0 + rc) * H + h)[:, None] * V + rv[None, :], mask=rmask[:, None], other=0.0).to(
+        tl.float32
+    )
     U = tl.dot(Rb, (vf * bt[:, None]).to(INTER), input_precision=OUT_PREC)
     tl.store(w_out + out * C * K + rc[:, None] * K + rk[None, :], W.to(INTER))
     tl.store(u_out + out * C * V + rc[:, None] * V + rv[None, :], U.to(INTER))
@@ -222,15 +327,15 @@ def _prologue_item(q, k, v, g, beta, chunk_tok, chunk_len, w_out, u_out, qg_out,
 
 
 @triton.jit
-def _blk(base, I: tl.constexpr, J: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+def _blk(base, BI: tl.constexpr, BJ: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
     r = tl.arange(0, BC)
-    return tl.load(base + (I * BC + r)[:, None] * C + J * BC + r[None, :])
+    return tl.load(base + (BI * BC + r)[:, None] * C + BJ * BC + r[None, :])
 
 
 @triton.jit
-def _blk_store(base, I: tl.constexpr, J: tl.constexpr, x, C: tl.constexpr, BC: tl.constexpr):
+def _blk_store(base, BI: tl.constexpr, BJ: tl.constexpr, x, C: tl.constexpr, BC: tl.constexpr):
     r = tl.arange(0, BC)
-    tl.store(base + (I * BC + r)[:, None] * C + J * BC + r[None, :], x)
+    tl.store(base + (BI * BC + r)[:, None] * C + BJ * BC + r[None, :], x)
 
 
 @triton.jit
@@ -239,8 +344,27 @@ def _mm(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _walk_step(S, cidx, h, w, u, qg, kdt, aqk, dd, chunk_tok, chunk_len, o, H, v0,
-               K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+def _walk_step(
+    S,
+    cidx,
+    h,
+    w,
+    u,
+    qg,
+    kdt,
+    aqk,
+    dd,
+    chunk_tok,
+    chunk_len,
+    o,
+    H,
+    v0,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """One chunk: E = U - W S; O = Qg S + Aqk E (stored); returns diag(d) S + Kd^T E."""
     rc = tl.arange(0, C)
     rk = tl.arange(0, K)
@@ -256,20 +380,44 @@ def _walk_step(S, cidx, h, w, u, qg, kdt, aqk, dd, chunk_tok, chunk_len, o, H, v
     Sb = S.to(INTER)
     E = U - tl.dot(W, Sb, input_precision=PREC)
     Eb = E.to(INTER)
-    O = tl.dot(Qg, Sb, input_precision=PREC) + tl.dot(A, Eb, input_precision=PREC)
+    out = tl.dot(Qg, Sb, input_precision=PREC) + tl.dot(A, Eb, input_precision=PREC)
     tok0 = tl.load(chunk_tok + cidx).to(tl.int64)
     L = tl.load(chunk_len + cidx)
-    tl.store(o + ((tok0 + rc) * H + h)[:, None] * V + v0 + rbv[None, :], O.to(o.dtype.element_ty),
-             mask=(rc < L)[:, None])
+    tl.store(
+        o + ((tok0 + rc) * H + h)[:, None] * V + v0 + rbv[None, :],
+        out.to(o.dtype.element_ty),
+        mask=(rc < L)[:, None],
+    )
     return d[:, None] * S + tl.dot(KdT, Eb, input_precision=PREC)
 
 
 @triton.jit
-def _walk_kernel(w, u, qg, kdt, aqk, dd, chunk_tok, chunk_len,
-                 grp_chunk0, grp_nchunks, grp_seq, grp_sin, grp_last,
-                 s_in, o, s_final, H,
-                 K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                 HAS_SIN: tl.constexpr, PREC: tl.constexpr, WHILE: tl.constexpr):
+def _walk_kernel(
+    w,
+    u,
+    qg,
+    kdt,
+    aqk,
+    dd,
+    chunk_tok,
+    chunk_len,
+    grp_chunk0,
+    grp_nchunks,
+    grp_seq,
+    grp_sin,
+    grp_last,
+    s_in,
+    o,
+    s_final,
+    H,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_SIN: tl.constexpr,
+    PREC: tl.constexpr,
+    WHILE: tl.constexpr,
+):
     """One program per (value tile, head, group): walk the group's chunks keeping S [K, BV] on chip.
     The 'before' launches it with one group per sequence; the 'after' replay with many groups."""
     iv = tl.program_id(0)
@@ -288,19 +436,40 @@ def _walk_kernel(w, u, qg, kdt, aqk, dd, chunk_tok, chunk_len,
     if WHILE:
         t = 0
         while t < nch:
-            S = _walk_step(S, c0 + t, h, w, u, qg, kdt, aqk, dd, chunk_tok, chunk_len, o, H, v0, K, V, C, BV, PREC)
+            S = _walk_step(
+                S, c0 + t, h, w, u, qg, kdt, aqk, dd, chunk_tok, chunk_len, o, H, v0, K, V, C, BV, PREC
+            )
             t += 1
     else:
         for t in range(nch):
-            S = _walk_step(S, c0 + t, h, w, u, qg, kdt, aqk, dd, chunk_tok, chunk_len, o, H, v0, K, V, C, BV, PREC)
+            S = _walk_step(
+                S, c0 + t, h, w, u, qg, kdt, aqk, dd, chunk_tok, chunk_len, o, H, v0, K, V, C, BV, PREC
+            )
     if tl.load(grp_last + gi) != 0:
         n = tl.load(grp_seq + gi).to(tl.int64)
         tl.store(s_final + ((n * H + h) * K + rk)[:, None] * V + v0 + rbv[None, :], S)
 
 
 @triton.jit
-def _summary_step(X, Dc, cidx, h, w, u, kdt, dd, H, is_n, col0, vcol0,
-                  K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+def _summary_step(
+    X,
+    Dc,
+    cidx,
+    h,
+    w,
+    u,
+    kdt,
+    dd,
+    H,
+    is_n,
+    col0,
+    vcol0,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
     rc = tl.arange(0, C)
     rk = tl.arange(0, K)
     rbv = tl.arange(0, BV)
@@ -321,10 +490,25 @@ def _summary_step(X, Dc, cidx, h, w, u, kdt, dd, H, is_n, col0, vcol0,
 
 
 @triton.jit
-def _summary_kernel(w, u, kdt, dd, grp_chunk0, grp_nchunks, sum_grp,
-                    sum_n, sum_b, sum_d, H,
-                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                    PREC: tl.constexpr, WHILE: tl.constexpr):
+def _summary_kernel(
+    w,
+    u,
+    kdt,
+    dd,
+    grp_chunk0,
+    grp_nchunks,
+    sum_grp,
+    sum_n,
+    sum_b,
+    sum_d,
+    H,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BV: tl.constexpr,
+    PREC: tl.constexpr,
+    WHILE: tl.constexpr,
+):
     """One program per (column tile of [N | b], head, summarised group). Tiles below K // BV build
     N (right-hand side -W diag(D so far), D tracked exactly); the others build b (right-hand side U).
     Both walk X <- diag(d) X + Kd^T (rhs - W X) from X = 0."""
@@ -358,8 +542,23 @@ def _summary_kernel(w, u, kdt, dd, grp_chunk0, grp_nchunks, sum_grp,
 
 
 @triton.jit
-def _scan_step(S, gi, last, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0,
-               K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+def _scan_step(
+    S,
+    gi,
+    last,
+    h,
+    sum_n,
+    sum_b,
+    sum_d,
+    grp_sum,
+    s_in,
+    H,
+    v0,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
     rk = tl.arange(0, K)
     rbv = tl.arange(0, BV)
     tl.store(s_in + ((gi * H + h) * K + rk)[:, None] * V + v0 + rbv[None, :], S)
@@ -373,9 +572,23 @@ def _scan_step(S, gi, last, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0,
 
 
 @triton.jit
-def _scan_kernel(sum_n, sum_b, sum_d, grp_sum, seq_grp0, seq_ngrp, s_init, s_in, H,
-                 K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_INIT: tl.constexpr,
-                 PREC: tl.constexpr, WHILE: tl.constexpr):
+def _scan_kernel(
+    sum_n,
+    sum_b,
+    sum_d,
+    grp_sum,
+    seq_grp0,
+    seq_ngrp,
+    s_init,
+    s_in,
+    H,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    PREC: tl.constexpr,
+    WHILE: tl.constexpr,
+):
     """One program per (value tile, head, sequence): S <- D S + N S + b over the sequence's groups,
     storing each group's starting state. The last group needs no summary (replay writes the end)."""
     iv = tl.program_id(0)
@@ -393,11 +606,15 @@ def _scan_kernel(sum_n, sum_b, sum_d, grp_sum, seq_grp0, seq_ngrp, s_init, s_in,
     if WHILE:
         j = 0
         while j < ng:
-            S = _scan_step(S, g0 + j, j == ng - 1, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0, K, V, BV, PREC)
+            S = _scan_step(
+                S, g0 + j, j == ng - 1, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0, K, V, BV, PREC
+            )
             j += 1
     else:
         for j in range(ng):
-            S = _scan_step(S, g0 + j, j == ng - 1, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0, K, V, BV, PREC)
+            S = _scan_step(
+                S, g0 + j, j == ng - 1, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0, K, V, BV, PREC
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,11 +692,25 @@ def make_plan(lengths, heads: int, group_size: int | None = None, device=None) -
     def it(xs):
         return torch.tensor(xs if xs else [0], dtype=torch.int32, device=device)
 
-    return KdaPlan(lengths=lengths, heads=heads, group_size=group_size, n_chunks=len(chunk_tok),
-                   chunk_tok=it(chunk_tok), chunk_len=it(chunk_len), n_groups=len(grp_chunk0),
-                   grp_chunk0=it(grp_chunk0), grp_nchunks=it(grp_nchunks), grp_seq=it(grp_seq),
-                   grp_last=it(grp_last), grp_sum=it(grp_sum), sum_grp=it(sum_grp), n_summaries=len(sum_grp),
-                   seq_grp0=it(seq_grp0), seq_ngrp=it(seq_ngrp), seq_index=it(list(range(len(lengths)))))
+    return KdaPlan(
+        lengths=lengths,
+        heads=heads,
+        group_size=group_size,
+        n_chunks=len(chunk_tok),
+        chunk_tok=it(chunk_tok),
+        chunk_len=it(chunk_len),
+        n_groups=len(grp_chunk0),
+        grp_chunk0=it(grp_chunk0),
+        grp_nchunks=it(grp_nchunks),
+        grp_seq=it(grp_seq),
+        grp_last=it(grp_last),
+        grp_sum=it(grp_sum),
+        sum_grp=it(sum_grp),
+        n_summaries=len(sum_grp),
+        seq_grp0=it(seq_grp0),
+        seq_ngrp=it(seq_ngrp),
+        seq_index=it(list(range(len(lengths)))),
+    )
 
 
 def walk_programs(n_seqs: int, heads: int, block_v: int = 64, v_dim: int = HEAD_DIM) -> int:
@@ -487,8 +718,14 @@ def walk_programs(n_seqs: int, heads: int, block_v: int = 64, v_dim: int = HEAD_
     return n_seqs * heads * (v_dim // block_v)
 
 
-def choose_group_size(lengths, heads: int, compute_units: int | None = None, block_v: int = 64,
-                      fill: float = 2.0, min_group: int = 4) -> int | None:
+def choose_group_size(
+    lengths,
+    heads: int,
+    compute_units: int | None = None,
+    block_v: int = 64,
+    fill: float = 2.0,
+    min_group: int = 4,
+) -> int | None:
     """Chunks per group for the group scan, or None for the plain walk.
 
     The rule: the plain walk has P = sequences x heads x (V / block_v) programs. If P already gives
@@ -523,9 +760,14 @@ def _precisions(dtype: torch.dtype) -> dict:
     else:
         near = "tf32x3"
         fast = "tf32"
-    return {"AKK_PREC": near, "AQK_PREC": fast if dtype != torch.float32 else exact,
-            "INV_PREC": exact, "OUT_PREC": exact if dtype == torch.float32 else "tf32",
-            "SCAN_PREC": near, "WALK_PREC": exact if dtype == torch.float32 else "tf32"}
+    return {
+        "AKK_PREC": near,
+        "AQK_PREC": fast if dtype != torch.float32 else exact,
+        "INV_PREC": exact,
+        "OUT_PREC": exact if dtype == torch.float32 else "tf32",
+        "SCAN_PREC": near,
+        "WALK_PREC": exact if dtype == torch.float32 else "tf32",
+    }
 
 
 def _validate(q, k, v, g, beta, initial_state, cu_seqlens, scale):
@@ -538,17 +780,23 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens, scale):
         raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dtype != q.dtype:
-            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {getattr(t, 'dtype', type(t).__name__)}")
+            raise ValueError(
+                f"{name} must have q's dtype {q.dtype}, got {getattr(t, 'dtype', type(t).__name__)}"
+            )
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.shape != (B, T, H, HEAD_DIM):
         raise ValueError(f"v must be [B={B}, T={T}, H={H}, V={HEAD_DIM}], got {tuple(v.shape)}")
     if not isinstance(g, torch.Tensor) or g.shape != q.shape or g.dtype != torch.float32:
-        raise ValueError(f"g must be a float32 log-decay tensor of q's shape {tuple(q.shape)}, got "
-                         f"{getattr(g, 'dtype', None)} {tuple(getattr(g, 'shape', ()))}")
+        raise ValueError(
+            f"g must be a float32 log-decay tensor of q's shape {tuple(q.shape)}, got "
+            f"{getattr(g, 'dtype', None)} {tuple(getattr(g, 'shape', ()))}"
+        )
     if not isinstance(beta, torch.Tensor) or beta.shape != (B, T, H) or beta.dtype != torch.float32:
-        raise ValueError(f"beta must be a float32 tensor [B={B}, T={T}, H={H}], got "
-                         f"{getattr(beta, 'dtype', None)} {tuple(getattr(beta, 'shape', ()))}")
+        raise ValueError(
+            f"beta must be a float32 tensor [B={B}, T={T}, H={H}], got "
+            f"{getattr(beta, 'dtype', None)} {tuple(getattr(beta, 'shape', ()))}"
+        )
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
@@ -561,19 +809,27 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens, scale):
             raise ValueError(f"with cu_seqlens, q must be packed as B = 1, got B = {B}")
         cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
         if isinstance(cu_seqlens, torch.Tensor) and (cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point()):
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {cu_seqlens.dtype} "
-                             f"{tuple(cu_seqlens.shape)}")
-        if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T = {T}, got "
-                             f"{cu[:4]}...{cu[-2:]} ({len(cu)} entries)")
-        lengths = [b - a for a, b in zip(cu, cu[1:])]
+            raise ValueError(
+                f"cu_seqlens must be a 1-D integer tensor [N + 1], got {cu_seqlens.dtype} "
+                f"{tuple(cu_seqlens.shape)}"
+            )
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in itertools.pairwise(cu)):
+            raise ValueError(
+                f"cu_seqlens must start at 0, never decrease and end at T = {T}, got "
+                f"{cu[:4]}...{cu[-2:]} ({len(cu)} entries)"
+            )
+        lengths = [b - a for a, b in itertools.pairwise(cu)]
     N = len(lengths)
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor) or initial_state.dtype != torch.float32:
-            raise ValueError(f"initial_state must be a float32 tensor, got {getattr(initial_state, 'dtype', None)}")
+            raise ValueError(
+                f"initial_state must be a float32 tensor, got {getattr(initial_state, 'dtype', None)}"
+            )
         if initial_state.shape != (N, H, HEAD_DIM, HEAD_DIM):
-            raise ValueError(f"initial_state must be [N={N}, H={H}, {HEAD_DIM}, {HEAD_DIM}], got "
-                             f"{tuple(initial_state.shape)}")
+            raise ValueError(
+                f"initial_state must be [N={N}, H={H}, {HEAD_DIM}, {HEAD_DIM}], got "
+                f"{tuple(initial_state.shape)}"
+            )
         if initial_state.device != q.device:
             raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
     return lengths, H
@@ -599,18 +855,21 @@ def _alloc_work(n_chunks: int, H: int, dtype, device) -> _Work:
     C, K = CHUNK, HEAD_DIM
     info = env.detect()
     slots = max(1, min(n * H, info.compute_units * _SLOTS_PER_UNIT))
-    return _Work(w=torch.empty(n, H, C, K, dtype=dtype, device=device),
-                 u=torch.empty(n, H, C, K, dtype=dtype, device=device),
-                 qg=torch.empty(n, H, C, K, dtype=dtype, device=device),
-                 kdt=torch.empty(n, H, K, C, dtype=dtype, device=device),
-                 aqk=torch.empty(n, H, C, C, dtype=dtype, device=device),
-                 d=torch.empty(n, H, K, dtype=torch.float32, device=device),
-                 scratch=torch.empty(slots * (C * K + 2 * C * C), dtype=torch.float32, device=device),
-                 slots=slots)
+    return _Work(
+        w=torch.empty(n, H, C, K, dtype=dtype, device=device),
+        u=torch.empty(n, H, C, K, dtype=dtype, device=device),
+        qg=torch.empty(n, H, C, K, dtype=dtype, device=device),
+        kdt=torch.empty(n, H, K, C, dtype=dtype, device=device),
+        aqk=torch.empty(n, H, C, C, dtype=dtype, device=device),
+        d=torch.empty(n, H, K, dtype=torch.float32, device=device),
+        scratch=torch.empty(slots * (C * K + 2 * C * C), dtype=torch.float32, device=device),
+        slots=slots,
+    )
 
 
-def kda_chunk_prologue(q, k, v, g, beta, plan: KdaPlan, scale: float, work: _Work | None = None,
-                       num_warps: int = 8) -> _Work:
+def kda_chunk_prologue(
+    q, k, v, g, beta, plan: KdaPlan, scale: float, work: _Work | None = None, num_warps: int = 8
+) -> _Work:
     """Launch 1 of both variants: the per-chunk quantities, written into `work`."""
     H = q.shape[2]
     work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)
@@ -619,11 +878,39 @@ def kda_chunk_prologue(q, k, v, g, beta, plan: KdaPlan, scale: float, work: _Wor
         return work
     p = _precisions(q.dtype)
     nprog = min(n_items, work.slots)
-    _prologue_kernel[(nprog,)](q, k, v, g, beta, plan.chunk_tok, plan.chunk_len,
-                           work.w, work.u, work.qg, work.kdt, work.aqk, work.d, work.scratch,
-                           n_items, nprog, triton.cdiv(n_items, nprog), H, float(scale), K=HEAD_DIM, V=HEAD_DIM, C=CHUNK, BC=SUB,
-                           SPREAD=SAFE_SPREAD, AKK_PREC=p["AKK_PREC"], AQK_PREC=p["AQK_PREC"],
-                           INV_PREC=p["INV_PREC"], OUT_PREC=p["OUT_PREC"], WHILE=_WHILE, num_warps=num_warps)
+    _prologue_kernel[(nprog,)](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        plan.chunk_tok,
+        plan.chunk_len,
+        work.w,
+        work.u,
+        work.qg,
+        work.kdt,
+        work.aqk,
+        work.d,
+        work.scratch,
+        n_items,
+        nprog,
+        triton.cdiv(n_items, nprog),
+        H,
+        float(scale),
+        K=HEAD_DIM,
+        V=HEAD_DIM,
+        C=CHUNK,
+        BC=SUB,
+        SPREAD=SAFE_SPREAD,
+        AKK_PREC=p["AKK_PREC"],
+        AQK_PREC=p["AQK_PREC"],
+        INV_PREC=p["INV_PREC"],
+        OUT_PREC=p["OUT_PREC"],
+        WHILE=_WHILE,
+        num_warps=num_warps,
+        num_stages=1,
+    )
     return work
 
 
@@ -634,9 +921,11 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, group_siz
             group_size = choose_group_size(lengths, H)
         plan = make_plan(lengths, H, group_size if variant == "after" else None, device=q.device)
     elif plan.lengths != lengths or plan.heads != H:
-        raise ValueError(f"plan was made for lengths {plan.lengths[:4]}... and {plan.heads} heads, not for "
-                         f"these inputs (lengths {lengths[:4]}..., {H} heads)")
-    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
+        raise ValueError(
+            f"plan was made for lengths {plan.lengths[:4]}... and {plan.heads} heads, not for "
+            f"these inputs (lengths {lengths[:4]}..., {H} heads)"
+        )
+    scale = HEAD_DIM**-0.5 if scale is None else float(scale)
     return plan, H, scale
 
 
@@ -646,19 +935,56 @@ def _outputs(q, plan, H):
     return o, s_final
 
 
-def _walk(work, plan, o, s_final, s_in, sin_index, H, dtype, block_v, num_warps):
+def _walk(work, plan, o, s_final, s_in, sin_index, H, dtype, block_v, num_warps, num_stages):
     p = _precisions(dtype)
     grid = (HEAD_DIM // block_v, H, plan.n_groups)
-    _walk_kernel[grid](work.w, work.u, work.qg, work.kdt, work.aqk, work.d, plan.chunk_tok, plan.chunk_len,
-                       plan.grp_chunk0, plan.grp_nchunks, plan.grp_seq, sin_index, plan.grp_last,
-                       s_in if s_in is not None else s_final, o, s_final, H,
-                       K=HEAD_DIM, V=HEAD_DIM, C=CHUNK, BV=block_v, HAS_SIN=s_in is not None,
-                       PREC=p["WALK_PREC"], WHILE=_WHILE, num_warps=num_warps)
+    _walk_kernel[grid](
+        work.w,
+        work.u,
+        work.qg,
+        work.kdt,
+        work.aqk,
+        work.d,
+        plan.chunk_tok,
+        plan.chunk_len,
+        plan.grp_chunk0,
+        plan.grp_nchunks,
+        plan.grp_seq,
+        sin_index,
+        plan.grp_last,
+        s_in if s_in is not None else s_final,
+        o,
+        s_final,
+        H,
+        K=HEAD_DIM,
+        V=HEAD_DIM,
+        C=CHUNK,
+        BV=block_v,
+        HAS_SIN=s_in is not None,
+        PREC=p["WALK_PREC"],
+        WHILE=_WHILE,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
 
 
-def kda_chunk_before(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, *,
-                     plan: KdaPlan | None = None, work: _Work | None = None, block_v: int = 64,
-                     num_warps: int = 4):
+def kda_chunk_before(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    *,
+    plan: KdaPlan | None = None,
+    work: _Work | None = None,
+    block_v: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    prologue_warps: int = 8,
+):
     """Chunked KDA prefill, plain walk (2 launches: prologue, walk). Returns (o, final_state).
 
     q, k [B, T, H, 128]; v [B, T, H, 128] (one 16/32-bit float dtype); g [B, T, H, 128] fp32
@@ -670,16 +996,33 @@ def kda_chunk_before(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlen
     _check_block_v(block_v)
     o, s_final = _outputs(q, plan, H)
     if plan.n_chunks:
-        work = kda_chunk_prologue(q, k, v, g, beta, plan, scale, work)
+        work = kda_chunk_prologue(q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps)
     else:
         work = work or _alloc_work(0, H, q.dtype, q.device)
-    _walk(work, plan, o, s_final, initial_state, plan.seq_index, H, q.dtype, block_v, num_warps)
+    _walk(work, plan, o, s_final, initial_state, plan.seq_index, H, q.dtype, block_v, num_warps, num_stages)
     return o, s_final
 
 
-def kda_chunk_after(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, *,
-                    group_size: int | None = None, plan: KdaPlan | None = None, work: _Work | None = None,
-                    block_v: int = 64, summary_block: int = 64, scan_block: int = 32, num_warps: int = 4):
+def kda_chunk_after(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    *,
+    group_size: int | None = None,
+    plan: KdaPlan | None = None,
+    work: _Work | None = None,
+    block_v: int = 64,
+    summary_block: int = 64,
+    scan_block: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    prologue_warps: int = 8,
+):
     """Chunked KDA prefill by the group scan (4 launches: prologue, summaries, scan, replay), or the
     plain walk when `choose_group_size` (or the plan) says the GPU is already full. Same arguments
     and results as `kda_chunk_before`, plus `group_size` (chunks per group; None = chosen here)."""
@@ -688,10 +1031,24 @@ def kda_chunk_after(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens
     _check_block_v(summary_block, "summary_block")
     _check_block_v(scan_block, "scan_block")
     if not plan.uses_scan:
-        return kda_chunk_before(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan=plan, work=work,
-                                block_v=block_v, num_warps=num_warps)
+        return kda_chunk_before(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale,
+            initial_state,
+            cu_seqlens,
+            plan=plan,
+            work=work,
+            block_v=block_v,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            prologue_warps=prologue_warps,
+        )
     o, s_final = _outputs(q, plan, H)
-    work = kda_chunk_prologue(q, k, v, g, beta, plan, scale, work)
+    work = kda_chunk_prologue(q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps)
     p = _precisions(q.dtype)
     K = HEAD_DIM
     dev = q.device
@@ -700,14 +1057,46 @@ def kda_chunk_after(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens
     sum_d = torch.empty(plan.n_summaries, H, K, dtype=torch.float32, device=dev)
     s_in = torch.empty(plan.n_groups, H, K, K, dtype=torch.float32, device=dev)
     _summary_kernel[(2 * K // summary_block, H, plan.n_summaries)](
-        work.w, work.u, work.kdt, work.d, plan.grp_chunk0, plan.grp_nchunks, plan.sum_grp,
-        sum_n, sum_b, sum_d, H, K=K, V=K, C=CHUNK, BV=summary_block, PREC=p["WALK_PREC"], WHILE=_WHILE,
-        num_warps=num_warps)
+        work.w,
+        work.u,
+        work.kdt,
+        work.d,
+        plan.grp_chunk0,
+        plan.grp_nchunks,
+        plan.sum_grp,
+        sum_n,
+        sum_b,
+        sum_d,
+        H,
+        K=K,
+        V=K,
+        C=CHUNK,
+        BV=summary_block,
+        PREC=p["WALK_PREC"],
+        WHILE=_WHILE,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     _scan_kernel[(K // scan_block, H, plan.n_seqs)](
-        sum_n, sum_b, sum_d, plan.grp_sum, plan.seq_grp0, plan.seq_ngrp,
-        initial_state if initial_state is not None else s_in, s_in, H,
-        K=K, V=K, BV=scan_block, HAS_INIT=initial_state is not None, PREC=p["SCAN_PREC"], WHILE=_WHILE, num_warps=4)
-    _walk(work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, block_v, num_warps)
+        sum_n,
+        sum_b,
+        sum_d,
+        plan.grp_sum,
+        plan.seq_grp0,
+        plan.seq_ngrp,
+        initial_state if initial_state is not None else s_in,
+        s_in,
+        H,
+        K=K,
+        V=K,
+        BV=scan_block,
+        HAS_INIT=initial_state is not None,
+        PREC=p["SCAN_PREC"],
+        WHILE=_WHILE,
+        num_warps=4,
+        num_stages=1,
+    )
+    _walk(work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, block_v, num_warps, num_stages)
     return o, s_final
 
 
@@ -724,8 +1113,9 @@ def _check_block_v(b, name="block_v"):
         raise ValueError(f"{name} must be 16, 32, 64 or 128 (a power-of-two tile of V = 128), got {b!r}")
 
 
-def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, *, variant: str = "after",
-              **kw):
+def kda_chunk(
+    q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, *, variant: str = "after", **kw
+):
     """One entry point: variant 'before' (plain walk) or 'after' (group scan when it pays)."""
     if variant == "before":
         return kda_chunk_before(q, k, v, g, beta, scale, initial_state, cu_seqlens, **kw)

@@ -51,10 +51,10 @@ class ChunkQuantities:
 def chunk_quantities(q, k, v, g, beta, scale=None, chunk_size: int = 64) -> ChunkQuantities:
     """The prologue of every chunk (no state needed). Same inputs as `kda_chunked`; the last chunk is
     padded with no-op tokens (k = 0, g = 0, beta = 0)."""
-    B, T, H, K, V = _check_kda_inputs(q, k, v, g, beta, None)
+    B, T, H, K, _ = _check_kda_inputs(q, k, v, g, beta, None)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     dt = _compute_dtype(q, k, v, g, beta)
     C = chunk_size
     n = -(-T // C)
@@ -84,16 +84,17 @@ def chunk_quantities(q, k, v, g, beta, scale=None, chunk_size: int = 64) -> Chun
     R = chunk_inverse(Akk)
     U = R @ (bt * Vc)
     W = R @ (bt * Kc * G.exp())
-    return ChunkQuantities(W=W, U=U, Qg=scale * Q * G.exp(), Kd=Kc * (G_last - G).exp(), Aqk=Aqk,
-                           d=G_last.squeeze(-2).exp(), T=T)
+    return ChunkQuantities(
+        W=W, U=U, Qg=scale * Q * G.exp(), Kd=Kc * (G_last - G).exp(), Aqk=Aqk, d=G_last.squeeze(-2).exp(), T=T
+    )
 
 
 def chunk_step(cq: ChunkQuantities, c: int, S: torch.Tensor):
     """Walk one chunk c from state S [B, H, K, V] (the sequential step): returns (O [B, H, C, V], S_out)."""
     E = cq.U[:, :, c] - cq.W[:, :, c] @ S
-    O = cq.Qg[:, :, c] @ S + cq.Aqk[:, :, c] @ E
+    o_c = cq.Qg[:, :, c] @ S + cq.Aqk[:, :, c] @ E
     S_out = cq.d[:, :, c].unsqueeze(-1) * S + cq.Kd[:, :, c].transpose(-1, -2) @ E
-    return O, S_out
+    return o_c, S_out
 
 
 def chunk_affine(cq: ChunkQuantities):
@@ -161,30 +162,29 @@ def replay(cq: ChunkQuantities, starts: torch.Tensor, group_size: int):
     B, H, _, C, V = cq.U.shape
     out = torch.zeros(B, H, n, C, V, dtype=cq.U.dtype, device=cq.U.device)
     S = starts.clone()  # [B, H, n_groups, K, V]
-    finals = [None] * len(bounds)
     for t in range(group_size):
         for j, (s, e) in enumerate(bounds):  # independent groups: a GPU runs them side by side
             c = s + t
             if c >= e:
                 continue
-            O, S_j = chunk_step(cq, c, S[:, :, j])
-            out[:, :, c] = O
+            o_c, S_j = chunk_step(cq, c, S[:, :, j])
+            out[:, :, c] = o_c
             S[:, :, j] = S_j
     S_final = S[:, :, -1]
-    o = out.permute(0, 2, 3, 1, 4).reshape(B, n * C, H, V)[:, :cq.T]
+    o = out.permute(0, 2, 3, 1, 4).reshape(B, n * C, H, V)[:, : cq.T]
     return o, S_final
 
 
-def kda_group_scan(q, k, v, g, beta, scale=None, initial_state=None, chunk_size: int = 64,
-                   group_size: int = 4):
+def kda_group_scan(
+    q, k, v, g, beta, scale=None, initial_state=None, chunk_size: int = 64, group_size: int = 4
+):
     """KDA by the group scan: prologue, per-chunk maps, group summaries, scan, parallel replay.
     Same arguments and results as `k3lab.nn.kda.kda_chunked` (o in q's dtype, state in the compute
     dtype), plus `group_size` (chunks per group)."""
-    B, T, H, K, V = _check_kda_inputs(q, k, v, g, beta, initial_state)
+    B, _, H, K, V = _check_kda_inputs(q, k, v, g, beta, initial_state)
     dt = _compute_dtype(q, k, v, g, beta, initial_state)
     cq = chunk_quantities(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)
-    S0 = (torch.zeros(B, H, K, V, dtype=dt, device=q.device) if initial_state is None
-          else initial_state.to(dt))
+    S0 = torch.zeros(B, H, K, V, dtype=dt, device=q.device) if initial_state is None else initial_state.to(dt)
     A, Bc = chunk_affine(cq)
     M, b = group_summaries(A, Bc, group_size)
     starts = scan_starts(M, b, S0)
@@ -197,8 +197,7 @@ def kda_chunk_walk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size:
     B, T, H, K, V = _check_kda_inputs(q, k, v, g, beta, initial_state)
     dt = _compute_dtype(q, k, v, g, beta, initial_state)
     cq = chunk_quantities(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)
-    S = (torch.zeros(B, H, K, V, dtype=dt, device=q.device) if initial_state is None
-         else initial_state.to(dt))
+    S = torch.zeros(B, H, K, V, dtype=dt, device=q.device) if initial_state is None else initial_state.to(dt)
     n, C = cq.n_chunks, chunk_size
     out = torch.zeros(B, H, n, C, V, dtype=dt, device=q.device)
     for c in range(n):

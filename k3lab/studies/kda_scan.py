@@ -23,8 +23,8 @@ finishes in seconds, with the group size forced small so the scan path runs.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -36,8 +36,15 @@ from k3lab.ops import kda_chunk as kc
 NAME = "kda_scan"
 HEAD_DIM = kc.HEAD_DIM
 
-GPU_CASES = ["h12_b1_t4096", "h12_b1_t16384", "h12_b1_t65536", "h12_b8_t4096", "h12_b8_t16384",
-             "h96_b1_t4096", "h96_b1_t16384"]
+GPU_CASES = [
+    "h12_b1_t4096",
+    "h12_b1_t16384",
+    "h12_b1_t65536",
+    "h12_b8_t4096",
+    "h12_b8_t16384",
+    "h96_b1_t4096",
+    "h96_b1_t16384",
+]
 CPU_CASES = ["h2_b1_t200", "h1_ragged"]
 RAGGED_LENGTHS = {"gpu": [8192, 4096, 3000, 1000, 130, 64, 1], "cpu": [70, 0, 130, 5]}
 CROSSOVER_HEADS = (12, 96)
@@ -66,8 +73,14 @@ class Case:
 
     def shape(self) -> dict:
         T = self.lengths[0] if not self.ragged else self.tokens
-        d = {"heads": self.heads, "batch": self.batch, "T": T, "K": HEAD_DIM, "V": HEAD_DIM,
-             "chunk": kc.CHUNK}
+        d = {
+            "heads": self.heads,
+            "batch": self.batch,
+            "T": T,
+            "K": HEAD_DIM,
+            "V": HEAD_DIM,
+            "chunk": kc.CHUNK,
+        }
         if self.ragged:
             d["lengths"] = list(self.lengths)
         return d
@@ -89,8 +102,14 @@ def parse_case(name: str) -> Case:
         return Case(name, H, [T] * B, dtype=dtype, group_size=None if gpu else 1)
     m = re.fullmatch(r"h(\d+)_ragged", name)
     if m:
-        return Case(name, int(m.group(1)), list(RAGGED_LENGTHS["gpu" if gpu else "cpu"]), ragged=True,
-                    dtype=dtype, group_size=None if gpu else 1)
+        return Case(
+            name,
+            int(m.group(1)),
+            list(RAGGED_LENGTHS["gpu" if gpu else "cpu"]),
+            ragged=True,
+            dtype=dtype,
+            group_size=None if gpu else 1,
+        )
     raise ValueError(f"case must look like 'h12_b1_t16384' or 'h12_ragged', got {name!r}")
 
 
@@ -155,7 +174,7 @@ def reference(case: Case, inp: dict, max_heads: int | None = None, max_seqs: int
     n = case.batch if max_seqs is None else min(max_seqs, case.batch)
     outs, states = [], []
     for s, (tok, L) in enumerate(_seq_slices(case)[:n]):
-        S0 = inp["initial_state"][s:s + 1, :h].double()
+        S0 = inp["initial_state"][s : s + 1, :h].double()
         if L == 0:
             outs.append(None)
             states.append(S0)
@@ -177,16 +196,21 @@ def _seq_slices(case: Case):
 
 
 def _seq(t: torch.Tensor, case: Case, s: int, tok: int, L: int) -> torch.Tensor:
-    return t[:, tok:tok + L] if case.ragged else t[s:s + 1]
+    return t[:, tok : tok + L] if case.ragged else t[s : s + 1]
 
 
 def check_variant(case: Case, inp: dict, o: torch.Tensor, S: torch.Tensor, ref) -> dict:
     """check_all on the referenced heads/sequences: outputs and final state, in the case's dtype."""
     outs, S_ref, h, n = ref
-    got_o = [(_seq(o, case, s, tok, L)[:, :, :h], r) for s, ((tok, L), r) in
-             enumerate(zip(_seq_slices(case)[:n], outs)) if r is not None]
-    pairs = {"o": (torch.cat([g.reshape(-1) for g, _ in got_o]), torch.cat([r.reshape(-1) for _, r in got_o])),
-             "state": (S[:n, :h], S_ref)}
+    got_o = [
+        (_seq(o, case, s, tok, L)[:, :, :h], r)
+        for s, ((tok, L), r) in enumerate(zip(_seq_slices(case)[:n], outs))
+        if r is not None
+    ]
+    pairs = {
+        "o": (torch.cat([g.reshape(-1) for g, _ in got_o]), torch.cat([r.reshape(-1) for _, r in got_o])),
+        "state": (S[:n, :h], S_ref),
+    }
     return bench.check_all(pairs, case.dtype)
 
 
@@ -195,7 +219,7 @@ def fla_available() -> bool:
         return False
     try:
         from fla.ops.kda import chunk_kda  # noqa: F401
-    except Exception:
+    except Exception:  # noqa: BLE001 - a broken optional install means 'no peer', said in the records
         return False
     return True
 
@@ -203,12 +227,17 @@ def fla_available() -> bool:
 class Runner:
     """Plans and work buffers for one case, built once so that timed calls hold only the launches."""
 
-    def __init__(self, case: Case, inp: dict, block_v: int = 64, num_warps: int = 4):
-        self.case, self.inp = case, inp
-        self.block_v, self.num_warps = block_v, num_warps
+    def __init__(self, case: Case, inp: dict, **tune):
+        """tune: launch options passed to both k3lab variants (block_v, num_warps, num_stages,
+        prologue_warps); the defaults are kda_chunk's."""
+        self.case, self.inp, self.tune = case, inp, dict(tune)
+        block_v = self.tune.get("block_v", 64)
         dev = inp["q"].device
-        self.group_size = (case.group_size if case.group_size is not None else
-                           kc.choose_group_size(case.lengths, case.heads, block_v=block_v))
+        self.group_size = (
+            case.group_size
+            if case.group_size is not None
+            else kc.choose_group_size(case.lengths, case.heads, block_v=block_v)
+        )
         self.plan_before = kc.make_plan(case.lengths, case.heads, None, device=dev)
         self.plan_after = kc.make_plan(case.lengths, case.heads, self.group_size, device=dev)
         self.work = kc._alloc_work(self.plan_before.n_chunks, case.heads, case.dtype, dev)
@@ -219,23 +248,37 @@ class Runner:
 
     def before(self):
         i = self.inp
-        return kc.kda_chunk_before(*self._args(), initial_state=i["initial_state"], cu_seqlens=i["cu_seqlens"],
-                                   plan=self.plan_before, work=self.work, block_v=self.block_v,
-                                   num_warps=self.num_warps)
+        return kc.kda_chunk_before(
+            *self._args(),
+            initial_state=i["initial_state"],
+            cu_seqlens=i["cu_seqlens"],
+            plan=self.plan_before,
+            work=self.work,
+            **self.tune,
+        )
 
     def after(self, plan=None):
         i = self.inp
-        return kc.kda_chunk_after(*self._args(), initial_state=i["initial_state"], cu_seqlens=i["cu_seqlens"],
-                                  plan=plan or self.plan_after, work=self.work, block_v=self.block_v,
-                                  num_warps=self.num_warps)
+        return kc.kda_chunk_after(
+            *self._args(),
+            initial_state=i["initial_state"],
+            cu_seqlens=i["cu_seqlens"],
+            plan=plan or self.plan_after,
+            work=self.work,
+            **self.tune,
+        )
 
     def fla(self):
         from fla.ops.kda import chunk_kda
 
         i = self.inp
         with torch.inference_mode():
-            o, S = chunk_kda(*self._args(), initial_state=i["initial_state"], output_final_state=True,
-                             cu_seqlens=None if i["cu_seqlens"] is None else i["cu_seqlens"].long())
+            o, S = chunk_kda(
+                *self._args(),
+                initial_state=i["initial_state"],
+                output_final_state=True,
+                cu_seqlens=None if i["cu_seqlens"] is None else i["cu_seqlens"].long(),
+            )
         return o, S
 
     def variants(self) -> dict[str, Callable]:
@@ -290,31 +333,59 @@ def _timing_kw(case: Case) -> dict:
     return {"warmup": 3 if big else 5, "repeats": 20 if big else 50}
 
 
-def run(preset=None, cases=None, variants=None, graph: bool = False) -> list[bench.Record]:
+def run(
+    preset=None, cases=None, variants=None, graph: bool = False, strict: bool = True, tune: dict | None = None
+) -> list[bench.Record]:
     """Check every variant against the fp64 reference (raising on failure), then time it. Returns
     records (not saved). `cases`: names from case_names() or crossover_cases() or any
-    h{H}_b{B}_t{T}; `variants`: a subset of before / after / fla."""
+    h{H}_b{B}_t{T}; `variants`: a subset of before / after / fla. strict=False records a failed
+    check in the record's error (error['failed']) and still times it (for exploring, never for
+    committed references)."""
     names = case_names(preset) if cases is None else list(cases)
     records = []
     for name in names:
         case = parse_case(name)
         inp = make_inputs(case)
-        runner = Runner(case, inp)
+        runner = Runner(case, inp, **(tune or {}))
         ref = reference(case, inp, *_ref_limits(case))
         floor = floor_for(case)
         for variant, fn in runner.variants().items():
             if variants is not None and variant not in variants:
                 continue
             o, S = fn()
-            err = check_variant(case, inp, o, S, ref)
+            try:
+                err = check_variant(case, inp, o, S, ref)
+            except bench.CheckFailed as exc:
+                if strict:
+                    raise
+                err = {"failed": str(exc)}
+            del o, S
             timing = bench.time_fn(fn, graph=graph, **_timing_kw(case))
             gs = runner.group_size if variant == "after" else None
             plan = runner.plan_after if variant == "after" else runner.plan_before
-            records.append(bench.make_record(
-                NAME, name, variant, timing, shape=case.shape(), dtype=case.dtype, floor_us=floor, error=err,
-                group_size=gs, launches=_launches(variant, plan), walk_programs=_programs(case, variant, plan),
-                sequential_steps=_depth(case, variant, plan), ref_heads=ref[2], ref_seqs=ref[3],
-                interpreter=_env.triton_interpreted()))
+            records.append(
+                bench.make_record(
+                    NAME,
+                    name,
+                    variant,
+                    timing,
+                    shape=case.shape(),
+                    dtype=case.dtype,
+                    floor_us=floor,
+                    error=err,
+                    group_size=gs,
+                    launches=_launches(variant, plan),
+                    walk_programs=_programs(case, variant, plan),
+                    sequential_steps=_depth(case, variant, plan),
+                    ref_heads=ref[2],
+                    ref_seqs=ref[3],
+                    interpreter=_env.triton_interpreted(),
+                    tune=dict(tune or {}) if variant != "fla" else {},
+                )
+            )
+        del runner, inp, ref
+        if _gpu():
+            torch.cuda.empty_cache()
     return records
 
 
@@ -340,7 +411,7 @@ def _depth(case: Case, variant: str, plan) -> int | None:
     return sequential_depth(n, plan.group_size if variant == "after" and plan.uses_scan else None)
 
 
-def group_size_sweep(name: str, sizes=None) -> list[bench.Record]:
+def group_size_sweep(name: str, sizes=None, strict: bool = True) -> list[bench.Record]:
     """The 'after' at several group sizes on one case (checked, then timed): the curve behind
     choose_group_size. Records are named '<case>.gs<size>' ('<case>.walk' for the plain walk)."""
     case = parse_case(name)
@@ -353,16 +424,51 @@ def group_size_sweep(name: str, sizes=None) -> list[bench.Record]:
     records = []
     for gs in list(sizes) + [None]:
         plan = kc.make_plan(case.lengths, case.heads, gs, device=inp["q"].device)
-        fn = (lambda p=plan: runner.after(plan=p))
+
+        def fn(p=plan):
+            return runner.after(plan=p)
+
         o, S = fn()
-        err = check_variant(case, inp, o, S, ref)
+        try:
+            err = check_variant(case, inp, o, S, ref)
+        except bench.CheckFailed as exc:
+            if strict:
+                raise
+            err = {"failed": str(exc)}
         timing = bench.time_fn(fn, **_timing_kw(case))
         label = f"{name}.gs{gs}" if gs else f"{name}.walk"
-        records.append(bench.make_record(NAME, label, "after", timing, shape=case.shape(), dtype=case.dtype,
-                                         floor_us=floor, error=err, group_size=gs,
-                                         launches=_launches("after", plan),
-                                         sequential_steps=_depth(case, "after", plan),
-                                         chosen_group_size=runner.group_size))
+        records.append(
+            bench.make_record(
+                NAME,
+                label,
+                "after",
+                timing,
+                shape=case.shape(),
+                dtype=case.dtype,
+                floor_us=floor,
+                error=err,
+                group_size=gs,
+                launches=_launches("after", plan),
+                sequential_steps=_depth(case, "after", plan),
+                chosen_group_size=runner.group_size,
+            )
+        )
+    return records
+
+
+def tune_sweep(name: str, options: list[dict], strict: bool = False) -> list[bench.Record]:
+    """before and after under several launch options (block_v, num_warps, num_stages, prologue_warps)
+    on one case; records are named '<case>.tune<i>' with the options in extra['tune']."""
+    records = []
+    for i, opts in enumerate(options):
+        try:
+            recs = run(cases=[name], variants=("before", "after"), strict=strict, tune=opts)
+        except Exception as exc:  # noqa: BLE001 - an option the compiler refuses (shared memory): go on
+            print(f"tune {opts}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        for r in recs:
+            r.case = f"{name}.tune{i}"
+        records += recs
     return records
 
 
@@ -389,8 +495,15 @@ def crossover_table(records):
         if "." in r["case"]:
             continue  # group-size sweep points
         key = r["case"]
-        row = rows.setdefault(key, {"case": key, "heads": r["shape"].get("heads"),
-                                    "batch": r["shape"].get("batch"), "T": r["shape"].get("T")})
+        row = rows.setdefault(
+            key,
+            {
+                "case": key,
+                "heads": r["shape"].get("heads"),
+                "batch": r["shape"].get("batch"),
+                "T": r["shape"].get("T"),
+            },
+        )
         row[f"{r['variant']}_us"] = r["median_us"]
         if r["variant"] == "after":
             row["group_size"] = r.get("extra", {}).get("group_size")
@@ -412,12 +525,18 @@ def sweep_table(records):
     rows = []
     for r in records:
         r = r if isinstance(r, dict) else r.to_dict()
-        if "." not in r["case"]:
-            continue
         base, _, tag = r["case"].partition(".")
-        rows.append({"case": base, "group_size": r["extra"].get("group_size"),
-                     "median_us": r["median_us"], "sequential_steps": r["extra"].get("sequential_steps"),
-                     "chosen": r["extra"].get("chosen_group_size")})
+        if not (tag.startswith("gs") or tag == "walk"):
+            continue
+        rows.append(
+            {
+                "case": base,
+                "group_size": r["extra"].get("group_size"),
+                "median_us": r["median_us"],
+                "sequential_steps": r["extra"].get("sequential_steps"),
+                "chosen": r["extra"].get("chosen_group_size"),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -426,22 +545,134 @@ def reference_records(device: str = "nvidia-h200", root="profiles"):
     return bench.load_records(NAME, device=device, root=root)
 
 
-def predict(case_name: str) -> dict:
-    """Before measuring: floors, programs and critical-path chunk steps of both variants."""
+def predict(case_name: str, compute_units: int | None = None) -> dict:
+    """Before measuring: floors, programs and critical-path chunk steps of both variants, with the
+    group size the rule picks for `compute_units` (default: this device's; pass 132 for an H200)."""
     case = parse_case(case_name)
-    gs = case.group_size if case.group_size is not None else kc.choose_group_size(case.lengths, case.heads)
+    units = compute_units or _env.detect().compute_units
+    gs = kc.choose_group_size(case.lengths, case.heads, compute_units=units)
     n = max(-(-L // kc.CHUNK) for L in case.lengths)
     from k3lab.ops.kda_scan_math import sequential_depth
 
-    n_groups = sum(max(1, -(-(-(-L // kc.CHUNK)) // gs)) if gs else 1 for L in case.lengths)
-    return {"case": case_name, "floor_us": floor_for(case), "io_MB": io_bytes(case) / 1e6,
-            "GFLOP": chunk_flops(case) / 1e9, "walk_programs": kc.walk_programs(case.batch, case.heads),
-            "group_size": gs, "replay_programs": n_groups * case.heads * 2,
-            "steps_before": n, "steps_after": sequential_depth(n, gs),
-            "compute_units": _env.detect().compute_units}
+    chunks = [-(-L // kc.CHUNK) for L in case.lengths]
+    n_groups = sum(max(1, -(-c // gs)) if gs else 1 for c in chunks)
+    return {
+        "case": case_name,
+        "floor_us": floor_for(case),
+        "io_MB": io_bytes(case) / 1e6,
+        "GFLOP": chunk_flops(case) / 1e9,
+        "walk_programs": kc.walk_programs(case.batch, case.heads),
+        "group_size": gs,
+        "replay_programs": n_groups * case.heads * 2,
+        "steps_before": n,
+        "steps_after": sequential_depth(n, gs),
+        "compute_units": units,
+    }
 
 
-__all__ = ["NAME", "case_names", "run", "profile_targets", "crossover_cases", "crossover_table",
-           "group_size_sweep", "sweep_table", "reference_records", "predict", "parse_case", "make_inputs",
-           "Runner", "floor_for"]
+def main(argv=None) -> int:
+    """Run the whole study on this machine and write every record to <out>/records.json (one file,
+    so a remote run returns it whole): the cases, graph-replay timings of the headline cases, the
+    group-size sweep, launch-option tuning and the crossover grid, within a time budget."""
+    import argparse
+    import json
+    import os
+    import time
+    import traceback
 
+    ap = argparse.ArgumentParser(prog="python -m k3lab.studies.kda_scan")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--phases", default="cases,graph,sweep,tune,crossover")
+    ap.add_argument("--tune", default="[]", help="JSON list of launch-option dicts for the tune phase")
+    ap.add_argument("--sweep-cases", default="h12_b1_t16384,h12_b1_t4096,h12_b8_t4096,h96_b1_t4096")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    records: list[bench.Record] = []
+    print("kda_scan:", _env.describe(), flush=True)
+
+    def left() -> float:
+        return args.budget_s - (time.time() - t0)
+
+    def save():
+        with open(os.path.join(args.out, "records.json"), "w") as f:
+            json.dump([r.to_dict() for r in records], f, indent=1)
+
+    def step(label, fn, need_s=20.0):
+        if left() < need_s:
+            print(f"[skip {label}: {left():.0f} s left]", flush=True)
+            return
+        t = time.time()
+        try:
+            recs = fn()
+            records.extend(recs)
+            for r in recs:
+                e = r.error
+                el = (
+                    ("FAILED " + e["failed"][:120])
+                    if "failed" in e
+                    else f"o {e['o']['rel_l2']:.1e} S {e['state']['rel_l2']:.1e}"
+                )
+                print(
+                    f"  {r.case:28s} {r.variant:7s} {r.median_us:10.1f} us  gs={r.extra.get('group_size')}  "
+                    f"{el}",
+                    flush=True,
+                )
+        except Exception:  # noqa: BLE001 - one failing case must not lose the others' records
+            print(f"[{label} failed]\n" + traceback.format_exc()[-1500:], flush=True)
+        print(f"[{label}: {time.time() - t:.1f} s, {left():.0f} s left]", flush=True)
+        save()
+
+    phases = args.phases.split(",")
+    done = set()
+    if "cases" in phases:
+        for name in GPU_CASES + ["h12_ragged"]:
+            step(name, lambda n=name: run(cases=[n], strict=False))
+            done.add(name)
+    if "graph" in phases:
+        for name in ("h12_b1_t4096", "h12_b1_t16384"):
+
+            def g(n=name):
+                recs = run(cases=[n], graph=True, strict=False)
+                for r in recs:
+                    r.case = f"{n}.graph"
+                return recs
+
+            step(name + " graph", g)
+    if "sweep" in phases:
+        for name in args.sweep_cases.split(","):
+            step(name + " sweep", lambda n=name: group_size_sweep(n, strict=False))
+    if "tune" in phases:
+        opts = json.loads(args.tune)
+        if opts:
+            step("tune", lambda: tune_sweep("h12_b1_t16384", opts), need_s=30.0)
+    if "crossover" in phases:
+        for name in crossover_cases():
+            if name not in done:
+                step(name, lambda n=name: run(cases=[n], strict=False), need_s=40.0)
+    save()
+    print(f"kda_scan done: {len(records)} records, {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+__all__ = [
+    "NAME",
+    "Runner",
+    "case_names",
+    "crossover_cases",
+    "crossover_table",
+    "floor_for",
+    "group_size_sweep",
+    "make_inputs",
+    "parse_case",
+    "predict",
+    "profile_targets",
+    "reference_records",
+    "run",
+    "sweep_table",
+]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

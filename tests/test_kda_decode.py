@@ -163,6 +163,37 @@ def test_three_steps_carry_state():
     bench.check(cache.state, ref_cache.state, dtype="fp32", name="state")
 
 
+# ------------------------------------------------------------------ the bound step (CPU)
+@pytest.mark.parametrize("impl", ["before", "reference"])
+def test_bound_step_matches_the_functional_form(impl):
+    inputs, cache, w = kd.make_example(2, 2, dtype=torch.float32, seed=25)
+    c1, c2 = kd.clone_cache(cache), kd.clone_cache(cache)
+    step = kd.KDADecodeStep(c1, w, impl=impl)
+    for _ in range(2):  # two tokens: the bound cache carries the state
+        got = step(*(inputs[n] for n in kd.TOKEN_INPUTS))
+        want = kd.kda_decode(**inputs, cache=c2, weights=w, impl=impl)
+    assert got is step.out
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(c1.state, c2.state, rtol=0, atol=0)
+
+
+def test_bound_step_checks_each_token_input():
+    inputs, cache, w = kd.make_example(2, 2, dtype=torch.float32, seed=26)
+    step = kd.KDADecodeStep(cache, w, impl="before")
+    args = [inputs[n] for n in kd.TOKEN_INPUTS]
+    for i, name in enumerate(kd.TOKEN_INPUTS):
+        bad = list(args)
+        bad[i] = args[i][:1]
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            step(*bad)
+    bad = list(args)
+    bad[5] = torch.randn(256, 2).t()  # right shape, last dimension strided
+    with pytest.raises(ValueError, match="gate must have a contiguous last dimension"):
+        step(*bad)
+    with pytest.raises(ValueError, match="apply to impl='after' only"):
+        kd.KDADecodeStep(cache, w, impl="before", tile_v=16)
+
+
 # ------------------------------------------------------------------ entry point and bad input (CPU)
 def test_reference_impl_updates_in_place():
     inputs, cache, w = kd.make_example(2, 1, dtype=torch.float32, seed=31)
@@ -324,6 +355,24 @@ def test_fused_under_cuda_graph_replay():
         torch.cuda.synchronize()
         bench.check(out, outs[step], dtype="bf16", name=f"output step {step}")
     bench.check(c.state, ref_cache.state, dtype="fp32", name="state")
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_fused_bound_step_matches_reference_over_steps():
+    _fused_ready()
+    inputs, cache, w = kd.make_example(3, 12, device="cuda", seed=53)
+    ref = kd.clone_cache(cache)
+    step = kd.KDADecodeStep(cache, w, impl="after")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for t in range(4):
+        tok = {n: torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype) for n, x in inputs.items()}
+        want, ref = kd.reference(**tok, cache=ref, weights=w)
+        ref = KDACache(*(x.to(torch.bfloat16) if i < 3 else x for i, x in enumerate(
+            (ref.conv_q, ref.conv_k, ref.conv_v, ref.state))))
+        got = step(*(tok[n] for n in kd.TOKEN_INPUTS))
+        bench.check(got, want, dtype="bf16", name=f"output token {t}")
+    bench.check(cache.state, ref.state, dtype="fp32", name="state after 4 tokens")
 
 
 @needs_gpu

@@ -135,8 +135,11 @@ def _tensor(name, t):
     return t
 
 
-def validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out=None, state_layout="kv") -> tuple[int, int]:
-    """Check shapes, dtypes, devices and layouts; returns (B, H). ValueError names the argument."""
+TOKEN_INPUTS = ("q", "k", "v", "g_raw", "beta_raw", "gate")
+
+
+def _check_static(cache, weights, out, B, H, act, dev, state_layout, source="q") -> None:
+    """The parts of a step that stay the same from token to token: cache, weights, output buffer."""
     if state_layout not in STATE_LAYOUTS:
         raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
     if not isinstance(cache, KDACache):
@@ -144,30 +147,12 @@ def validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out=None, state_lay
     if not isinstance(weights, KDADecodeWeights):
         raise ValueError(f"weights must be a KDADecodeWeights, got {type(weights).__name__}")  # noqa: TRY004
     K = HEAD_DIM
-    _tensor("q", q)
-    if q.dim() != 2 or q.shape[1] % K:
-        raise ValueError(f"q must be [B, H*{K}] (one token per sequence, head_dim {K}), got {tuple(q.shape)}")
-    B, H = q.shape[0], q.shape[1] // K
-    if B < 1:
-        raise ValueError("q must hold at least one sequence (B >= 1)")
-    act = q.dtype
-    if not act.is_floating_point:
-        raise ValueError(f"q must be floating point, got {act}")
-    dev = q.device
-    expect = {"k": (k, (B, H * K)), "v": (v, (B, H * K)), "g_raw": (g_raw, (B, H * K)),
-              "beta_raw": (beta_raw, (B, H)), "gate": (gate, (B, H * K))}
-    for name, (t, shape) in expect.items():
-        _tensor(name, t)
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must be {list(shape)} (B={B}, H={H}, head_dim {K}), got {tuple(t.shape)}")
-        if t.dtype != act:
-            raise ValueError(f"{name} must have q's dtype {act}, got {t.dtype}")
     for name in ("conv_q", "conv_k", "conv_v"):
         t = _tensor(f"cache.{name}", getattr(cache, name))
         if tuple(t.shape) != (B, H * K, CONV_SIZE - 1):
             raise ValueError(f"cache.{name} must be [B={B}, H*K={H * K}, {CONV_SIZE - 1}], got {tuple(t.shape)}")
         if t.dtype != act:
-            raise ValueError(f"cache.{name} must have q's dtype {act} (it stores past inputs), got {t.dtype}")
+            raise ValueError(f"cache.{name} must have {source}'s dtype {act} (it stores past inputs), got {t.dtype}")
     S = _tensor("cache.state", cache.state)
     if tuple(S.shape) != (B, H, K, K):
         dims = "K, V" if state_layout == "kv" else "V, K"
@@ -176,67 +161,93 @@ def validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out=None, state_lay
     if S.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"cache.state must be float32 (the recurrent state is kept in fp32), got {S.dtype}")
     w = weights
-    if w.A_log.shape != (H,):
+    if tuple(_tensor("weights.A_log", w.A_log).shape) != (H,):
         raise ValueError(f"weights.A_log must be [H={H}], got {tuple(w.A_log.shape)}")
     for name in ("conv_q", "conv_k", "conv_v"):
-        t = getattr(w, name)
+        t = _tensor(f"weights.{name}", getattr(w, name))
         if tuple(t.shape) != (H * K, CONV_SIZE):
             raise ValueError(f"weights.{name} must be [H*K={H * K}, {CONV_SIZE}], got {tuple(t.shape)} "
                              "(KDADecodeWeights.from_layer converts K3's [C, 1, 4])")
-    if w.dt_bias.shape != (H * K,):
+    if tuple(_tensor("weights.dt_bias", w.dt_bias).shape) != (H * K,):
         raise ValueError(f"weights.dt_bias must be [H*K={H * K}], got {tuple(w.dt_bias.shape)}")
-    if w.o_norm.shape != (K,):
+    if tuple(_tensor("weights.o_norm", w.o_norm).shape) != (K,):
         raise ValueError(f"weights.o_norm must be [{K}], got {tuple(w.o_norm.shape)}")
     if not w.lower_bound < 0:
         raise ValueError(f"weights.lower_bound must be negative, got {w.lower_bound}")
     if not w.eps > 0:
         raise ValueError(f"weights.eps must be positive, got {w.eps}")
-    if out is not None:
-        _tensor("out", out)
-        if tuple(out.shape) != (B, H * K) or out.dtype != act:
-            raise ValueError(f"out must be [B={B}, H*V={H * K}] of q's dtype {act}, got {tuple(out.shape)} "
-                             f"{out.dtype}")
-    tensors = {"q": q, "k": k, "v": v, "g_raw": g_raw, "beta_raw": beta_raw, "gate": gate,
-               "cache.conv_q": cache.conv_q, "cache.conv_k": cache.conv_k, "cache.conv_v": cache.conv_v,
+    tensors = {"cache.conv_q": cache.conv_q, "cache.conv_k": cache.conv_k, "cache.conv_v": cache.conv_v,
                "cache.state": S, "weights.conv_q": w.conv_q, "weights.conv_k": w.conv_k,
                "weights.conv_v": w.conv_v, "weights.A_log": w.A_log, "weights.dt_bias": w.dt_bias,
                "weights.o_norm": w.o_norm}
     if out is not None:
+        _tensor("out", out)
+        if tuple(out.shape) != (B, H * K) or out.dtype != act:
+            raise ValueError(f"out must be [B={B}, H*V={H * K}] of {source}'s dtype {act}, got "
+                             f"{tuple(out.shape)} {out.dtype}")
         tensors["out"] = out
     for name, t in tensors.items():
         if t.device != dev:
+            raise ValueError(f"{name} is on {t.device} but {source} is on {dev}: all must be on one device")
+
+
+def validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out=None, state_layout="kv") -> tuple[int, int]:
+    """Check shapes, dtypes, devices and layouts; returns (B, H). ValueError names the argument."""
+    if state_layout not in STATE_LAYOUTS:
+        raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
+    if not isinstance(cache, KDACache):
+        raise ValueError(f"cache must be a k3lab.nn.KDACache, got {type(cache).__name__}")  # noqa: TRY004
+    K = HEAD_DIM
+    _tensor("q", q)
+    if q.dim() != 2 or q.shape[1] % K or q.shape[1] == 0:
+        raise ValueError(f"q must be [B, H*{K}] (one token per sequence, head_dim {K}), got {tuple(q.shape)}")
+    B, H = q.shape[0], q.shape[1] // K
+    if B < 1:
+        raise ValueError("q must hold at least one sequence (B >= 1)")
+    act, dev = q.dtype, q.device
+    if not act.is_floating_point:
+        raise ValueError(f"q must be floating point, got {act}")
+    expect = {"k": (k, (B, H * K)), "v": (v, (B, H * K)), "g_raw": (g_raw, (B, H * K)),
+              "beta_raw": (beta_raw, (B, H)), "gate": (gate, (B, H * K))}
+    for name, (t, shape) in expect.items():
+        _tensor(name, t)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be {list(shape)} (B={B}, H={H}, head_dim {K}), got {tuple(t.shape)}")
+        if t.dtype != act:
+            raise ValueError(f"{name} must have q's dtype {act}, got {t.dtype}")
+        if t.device != dev:
             raise ValueError(f"{name} is on {t.device} but q is on {dev}: all must be on one device")
+    _check_static(cache, weights, out, B, H, act, dev, state_layout)
     return B, H
 
 
-def _validate_kernel_layout(q, k, v, g_raw, beta_raw, gate, cache, weights, out):
-    """What the compiled kernels additionally need: bf16 rows with a contiguous last dimension, packed
-    conv states and state heads, contiguous fp32 weights."""
-    if q.dtype != torch.bfloat16:
-        raise ValueError(f"the fused kernel takes bf16 activations (q, k, v, g_raw, beta_raw, gate, conv "
-                         f"states), got {q.dtype}; use impl='reference' for other dtypes")
-    for name, t in (("q", q), ("k", k), ("v", v), ("g_raw", g_raw), ("beta_raw", beta_raw), ("gate", gate)):
-        if t.stride(1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
+def _check_kernel_static(cache, weights, out, impl) -> None:
+    """What the compiled kernels additionally need from the static parts: packed conv states and
+    state heads, contiguous fp32 weights (fused kernel), a contiguous last dimension of `out`."""
     if out is not None and out.stride(1) != 1:
         raise ValueError(f"out must have a contiguous last dimension (stride 1), got strides {out.stride()}")
     for name in ("conv_q", "conv_k", "conv_v"):
         t = getattr(cache, name)
-        if t.stride(1) != CONV_SIZE - 1 or t.stride(2) != 1:
+        if t.stride()[1:] != (CONV_SIZE - 1, 1):
             raise ValueError(f"cache.{name} must be packed per sequence (strides [*, 3, 1]), got {t.stride()}")
     S = cache.state
-    if S.dtype != torch.float32:
-        raise ValueError(f"cache.state must be float32 for the fused kernel, got {S.dtype}")
     if S.stride()[1:] != (HEAD_DIM * HEAD_DIM, HEAD_DIM, 1):
         raise ValueError(f"cache.state must have packed heads (strides [*, {HEAD_DIM ** 2}, {HEAD_DIM}, 1]), "
                          f"got {S.stride()}")
+    if impl != "after":
+        return
+    if cache.conv_q.dtype != torch.bfloat16:
+        raise ValueError(f"the fused kernel takes bf16 activations (q, k, v, g_raw, beta_raw, gate, conv "
+                         f"states), got {cache.conv_q.dtype}; use impl='reference' for other dtypes")
+    if S.dtype != torch.float32:
+        raise ValueError(f"cache.state must be float32 for the fused kernel, got {S.dtype}")
     for name in ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias", "o_norm"):
         t = getattr(weights, name)
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"weights.{name} must be contiguous float32 (prepare weights once with "
                              f"KDADecodeWeights.from_layer), got {t.dtype}, contiguous={t.is_contiguous()}")
-    if q.device.type != "cuda":
-        raise ValueError(f"the fused kernel runs on a GPU; q is on {q.device}")
+    if S.device.type != "cuda":
+        raise ValueError(f"the fused kernel runs on a GPU; the cache is on {S.device}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -370,27 +381,13 @@ BEFORE_CONV_BLOCK = 256
 BEFORE_TILE_V = 32  # value columns per program of the recurrence kernel (the original's 4 tiles per head)
 
 
-def before(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_layout="kv") -> torch.Tensor:
-    """The unfused chain: conv kernel -> norm/gates/recurrence kernel -> copy -> output-norm kernel ->
-    copy into `out`. Intermediates go through memory in the activation dtype."""
-    B, H = validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout)
-    if triton is None:
-        raise _build.KernelUnavailable("impl='before' needs Triton, which is not installed")
-    for name, t in (("q", q), ("k", k), ("v", v), ("g_raw", g_raw), ("beta_raw", beta_raw), ("gate", gate)):
-        if t.stride(1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
-    S = cache.state
-    if S.stride()[1:] != (HEAD_DIM * HEAD_DIM, HEAD_DIM, 1):
-        raise ValueError(f"cache.state must have packed heads, got strides {S.stride()}")
+def _before_launch(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout, B, H) -> torch.Tensor:
     K, C, act = HEAD_DIM, H * HEAD_DIM, q.dtype
-    cs = [getattr(cache, n) for n in ("conv_q", "conv_k", "conv_v")]
-    for n, t in zip(("conv_q", "conv_k", "conv_v"), cs):
-        if t.stride()[1:] != (CONV_SIZE - 1, 1):
-            raise ValueError(f"cache.{n} must be packed per sequence (strides [*, 3, 1]), got {t.stride()}")
+    S, cq, ck, cv = cache.state, cache.conv_q, cache.conv_k, cache.conv_v
     y = torch.empty(B, 3, C, device=q.device, dtype=act)
     _conv_silu_kernel[(B, 3, triton.cdiv(C, BEFORE_CONV_BLOCK))](
-        q, k, v, q.stride(0), k.stride(0), v.stride(0), cs[0], cs[1], cs[2], cs[0].stride(0), cs[1].stride(0),
-        cs[2].stride(0), weights.conv_q, weights.conv_k, weights.conv_v, y, C, BC=BEFORE_CONV_BLOCK)
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), cq, ck, cv, cq.stride(0), ck.stride(0), cv.stride(0),
+        weights.conv_q, weights.conv_k, weights.conv_v, y, C, BC=BEFORE_CONV_BLOCK)
     o_tmp = torch.empty(B, H, K, device=q.device, dtype=act)
     sk, sv = (K, 1) if state_layout == "kv" else (1, K)
     _norm_gates_recurrence_kernel[(B * H, K // BEFORE_TILE_V)](
@@ -401,8 +398,6 @@ def before(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_la
     normed = torch.empty(B * H, K, device=q.device, dtype=act)
     _gated_rms_norm_kernel[(B * H,)](core, gate, gate.stride(0), weights.o_norm, normed, H, float(weights.eps),
                                      V=K)
-    if out is None:
-        out = torch.empty(B, H * K, device=q.device, dtype=act)
     out.copy_(normed.view(B, H * K))  # copy 2: into the caller's buffer
     return out
 
@@ -410,11 +405,17 @@ def before(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_la
 # ----------------------------------------------------------------------------------------------
 # after: the fused kernel (kernels/kda_decode.cu)
 
-# (tile_v value columns per block, threads per block) compiled into the library, widest first.
+# (tile_v value columns per block, default threads per block), widest first; the library may hold
+# more (threads) variants: `_load_fused(device).configs`.
 CONFIGS = ((128, 256), (64, 128), (32, 128), (16, 64), (8, 64))
+# kernels/kda_decode.cu's Args, field by field (checked against the library's sizeof at load)
 _ARGS_FORMAT = "<" + "Q" * 6 + "q" * 6 + "Q" * 3 + "q" * 3 + "Q" * 6 + "Qq" + "Qq" + "QQ" + "ii" + "fff" + "ii" + "4x"
+_TOKEN_FORMAT = "<" + "Q" * 6 + "q" * 6  # the leading per-token fields, rewritten every step
 _ARGS_SIZE = struct.calcsize(_ARGS_FORMAT)
 HINT_STREAM_LOADS, HINT_STREAM_STORES = 1, 2
+_LAUNCH_ERRORS = {-1: "no compiled kernel for this (tile_v, threads)", -2: "warp width does not fit the block",
+                  -3: "the config needs more shared memory than the device has", -4: "bad sizes"}
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
 
 
 @dataclass
@@ -424,7 +425,6 @@ class _Fused:
     warp_size: int
     max_shared: int
     units: int
-    args: ctypes.Array
 
 
 _fused_cache: dict = {}
@@ -452,7 +452,7 @@ def _load_fused(device) -> _Fused:
     if warp <= 0:
         raise _build.KernelUnavailable("torch does not report this GPU's warp/wavefront width")
     max_shared = int(getattr(props, "shared_memory_per_block", 0) or 48 * 1024)
-    f = _Fused(lib, configs, warp, max_shared, props.multi_processor_count, ctypes.create_string_buffer(_ARGS_SIZE))
+    f = _Fused(lib, configs, warp, max_shared, props.multi_processor_count)
     _fused_cache[idx] = f
     return f
 
@@ -479,7 +479,7 @@ def choose_config(batch: int, heads: int, units: int, warp_size: int = 32) -> tu
 
 def _workspace(device, n_heads_total: int):
     """Counters (left at zero by every launch) and o slices for heads split across blocks; one per
-    device, grown as needed. Launches sharing it must be ordered (one stream, or a graph)."""
+    device, grown as needed. Launches sharing it must be ordered (one stream, or one graph)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ws = _workspaces.get(idx)
     if ws is None or ws[0].numel() < n_heads_total:
@@ -489,40 +489,125 @@ def _workspace(device, n_heads_total: int):
     return ws
 
 
+class KDADecodeStep:
+    """One KDA layer's decode step bound to its cache, weights and output buffer, as a serving engine
+    holds it: everything that does not change from token to token is checked (and, for the fused
+    kernel, packed into its argument block) once here; a call checks only the six per-token inputs.
+
+        step = KDADecodeStep(cache, weights, impl="after")   # or "before", "reference"
+        out = step(q, k, v, g_raw, beta_raw, gate)           # updates cache in place, fills step.out
+    """
+
+    def __init__(self, cache, weights, *, out=None, impl="after", state_layout="kv", tile_v=None, threads=None,
+                 hints=0):
+        if impl not in ("after", "before", "reference"):
+            raise ValueError(f"impl must be 'after', 'before' or 'reference', got {impl!r}")
+        if not isinstance(cache, KDACache):
+            raise ValueError(f"cache must be a k3lab.nn.KDACache, got {type(cache).__name__}")  # noqa: TRY004
+        S = _tensor("cache.state", cache.state)
+        if S.dim() != 4:
+            raise ValueError(f"cache.state must be [B, H, {HEAD_DIM}, {HEAD_DIM}], got {tuple(S.shape)}")
+        B, H = S.shape[0], S.shape[1]
+        act = _tensor("cache.conv_q", cache.conv_q).dtype
+        _check_static(cache, weights, out, B, H, act, S.device, state_layout, source="cache.conv_q")
+        if impl != "reference":
+            _check_kernel_static(cache, weights, out, impl)
+        if impl == "before" and triton is None:
+            raise _build.KernelUnavailable("impl='before' needs Triton, which is not installed")
+        if (tile_v is not None or threads is not None or hints) and impl != "after":
+            raise ValueError("tile_v, threads and hints apply to impl='after' only")
+        self.cache, self.weights, self.impl, self.state_layout = cache, weights, impl, state_layout
+        self.batch, self.heads, self.dtype, self.device = B, H, act, S.device
+        self.out = out if out is not None else torch.empty(B, H * HEAD_DIM, device=S.device, dtype=act)
+        hk = torch.Size((B, H * HEAD_DIM))
+        self._shapes = (hk, hk, hk, hk, torch.Size((B, H)), hk)
+        if impl == "after":
+            self._init_fused(tile_v, threads, hints)
+
+    def _init_fused(self, tile_v, threads, hints):
+        f = _load_fused(self.device)
+        B, H = self.batch, self.heads
+        if tile_v is None:
+            tile_v, threads = choose_config(B, H, f.units, f.warp_size)
+        elif threads is None:
+            threads = dict(CONFIGS).get(tile_v)
+        if (tile_v, threads) not in f.configs:
+            raise ValueError(f"(tile_v, threads) must be one of {sorted(f.configs)}, got {(tile_v, threads)}")
+        self.tile_v, self.threads, self.hints = tile_v, threads, int(hints)
+        counters, o_part = _workspace(self.device, B * H) if tile_v < HEAD_DIM else (None, None)
+        self._workspace = (counters, o_part)  # held, so it outlives a regrown shared one
+        w, c, S, out = self.weights, self.cache, self.cache.state, self.out
+        self._args = ctypes.create_string_buffer(_ARGS_SIZE)
+        struct.pack_into(
+            _ARGS_FORMAT, self._args, 0, *([0] * 12),
+            c.conv_q.data_ptr(), c.conv_k.data_ptr(), c.conv_v.data_ptr(),
+            c.conv_q.stride(0), c.conv_k.stride(0), c.conv_v.stride(0),
+            w.conv_q.data_ptr(), w.conv_k.data_ptr(), w.conv_v.data_ptr(), w.A_log.data_ptr(),
+            w.dt_bias.data_ptr(), w.o_norm.data_ptr(), S.data_ptr(), S.stride(0), out.data_ptr(), out.stride(0),
+            counters.data_ptr() if counters is not None else 0, o_part.data_ptr() if o_part is not None else 0,
+            B, H, float(w.lower_bound), float(w.eps), HEAD_DIM ** -0.5, f.warp_size, self.hints)
+        self._launch = f.lib.k3_kda_decode
+        self._launch_tail = (tile_v, threads, int(self.state_layout == "vk"), f.max_shared)
+        self._dev_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def _bad_token(self, name, t, shape):
+        _tensor(name, t)
+        if t.shape != shape:
+            raise ValueError(f"{name} must be {list(shape)} (B={self.batch}, H={self.heads}, head_dim "
+                             f"{HEAD_DIM}), got {tuple(t.shape)}")
+        if t.dtype != self.dtype:
+            raise ValueError(f"{name} must have the cache's dtype {self.dtype}, got {t.dtype}")
+        if t.device != self.device:
+            raise ValueError(f"{name} is on {t.device} but the cache is on {self.device}")
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
+
+    def __call__(self, q, k, v, g_raw, beta_raw, gate) -> torch.Tensor:
+        toks = (q, k, v, g_raw, beta_raw, gate)
+        dtype, device = self.dtype, self.device
+        for name, t, shape in zip(TOKEN_INPUTS, toks, self._shapes):
+            try:
+                ok = t.shape == shape and t.dtype is dtype and t.device == device and t.stride(-1) == 1
+            except AttributeError:
+                ok = False
+            if not ok:
+                self._bad_token(name, t, shape)
+        if self.impl == "after":
+            struct.pack_into(_TOKEN_FORMAT, self._args, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                             g_raw.data_ptr(), beta_raw.data_ptr(), gate.data_ptr(), q.stride(0), k.stride(0),
+                             v.stride(0), g_raw.stride(0), beta_raw.stride(0), gate.stride(0))
+            stream = (_raw_stream(self._dev_index) if _raw_stream is not None
+                      else torch.cuda.current_stream(self.device).cuda_stream)
+            rc = self._launch(self._args, *self._launch_tail, stream)
+            if rc != 0:
+                raise RuntimeError(f"kda_decode launch failed: {_LAUNCH_ERRORS.get(rc, f'runtime error {rc}')}")
+            return self.out
+        if self.impl == "before":
+            return _before_launch(q, k, v, g_raw, beta_raw, gate, self.cache, self.weights, self.out,
+                                  self.state_layout, self.batch, self.heads)
+        fp64 = self.cache.state.dtype == torch.float64
+        res, new = reference(q, k, v, g_raw, beta_raw, gate, self.cache, self.weights, state_layout=self.state_layout,
+                             compute_dtype=torch.float64 if fp64 else torch.float32)
+        _write_back(self.cache, new)
+        self.out.copy_(res)
+        return self.out
+
+
+def before(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_layout="kv") -> torch.Tensor:
+    """The unfused chain: conv kernel -> norm/gates/recurrence kernel -> copy -> output-norm kernel ->
+    copy into `out`. Intermediates go through memory in the activation dtype."""
+    validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout)
+    return KDADecodeStep(cache, weights, out=out, impl="before", state_layout=state_layout)(
+        q, k, v, g_raw, beta_raw, gate)
+
+
 def after(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_layout="kv", tile_v=None,
           threads=None, hints=0) -> torch.Tensor:
     """The fused kernel: one launch per step. tile_v/threads override the choice from the device
-    (`choose_config`); hints: HINT_STREAM_LOADS | HINT_STREAM_STORES cache hints for S."""
-    B, H = validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout)
-    _validate_kernel_layout(q, k, v, g_raw, beta_raw, gate, cache, weights, out)
-    f = _load_fused(q.device)
-    if tile_v is None:
-        tile_v, threads = choose_config(B, H, f.units, f.warp_size)
-    elif threads is None:
-        threads = dict(CONFIGS).get(tile_v)
-    if (tile_v, threads) not in f.configs:
-        raise ValueError(f"(tile_v, threads) must be one of {sorted(f.configs)}, got {(tile_v, threads)}")
-    if out is None:
-        out = torch.empty(B, H * HEAD_DIM, device=q.device, dtype=q.dtype)
-    counters, o_part = _workspace(q.device, B * H) if tile_v < HEAD_DIM else (None, None)
-    w, c, S = weights, cache, cache.state
-    struct.pack_into(
-        _ARGS_FORMAT, f.args, 0,
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), g_raw.data_ptr(), beta_raw.data_ptr(), gate.data_ptr(),
-        q.stride(0), k.stride(0), v.stride(0), g_raw.stride(0), beta_raw.stride(0), gate.stride(0),
-        c.conv_q.data_ptr(), c.conv_k.data_ptr(), c.conv_v.data_ptr(),
-        c.conv_q.stride(0), c.conv_k.stride(0), c.conv_v.stride(0),
-        w.conv_q.data_ptr(), w.conv_k.data_ptr(), w.conv_v.data_ptr(), w.A_log.data_ptr(), w.dt_bias.data_ptr(),
-        w.o_norm.data_ptr(), S.data_ptr(), S.stride(0), out.data_ptr(), out.stride(0),
-        counters.data_ptr() if counters is not None else 0, o_part.data_ptr() if o_part is not None else 0,
-        B, H, float(w.lower_bound), float(w.eps), HEAD_DIM ** -0.5, f.warp_size, int(hints))
-    rc = f.lib.k3_kda_decode(f.args, tile_v, threads, int(state_layout == "vk"), f.max_shared,
-                             torch.cuda.current_stream(q.device).cuda_stream)
-    if rc != 0:
-        reasons = {-1: "no compiled kernel for this (tile_v, threads)", -2: "warp width does not fit the block",
-                   -3: "the config needs more shared memory than the device has", -4: "bad sizes"}
-        raise RuntimeError(f"kda_decode launch failed: {reasons.get(rc, f'runtime error {rc}')}")
-    return out
+    (`choose_config`); hints: HINT_STREAM_LOADS | HINT_STREAM_STORES cache hints for S.
+    Checks everything on every call; a serving loop binds a `KDADecodeStep` once instead."""
+    validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout)
+    return KDADecodeStep(cache, weights, out=out, impl="after", state_layout=state_layout, tile_v=tile_v,
+                         threads=threads, hints=hints)(q, k, v, g_raw, beta_raw, gate)
 
 
 # ----------------------------------------------------------------------------------------------

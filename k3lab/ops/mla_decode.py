@@ -66,7 +66,7 @@ _LOG2E = 1.0 / _LN2
 __all__ = [
     "LATENT_DIM", "VALUE_DIM", "DEFAULT_SCALE", "MMA_ROWS", "MAX_Q_LEN",
     "DecodePlan", "plan_before", "plan_after", "mla_decode_before", "mla_decode_after",
-    "choose_num_splits", "split_cost", "launch_config",
+    "choose_num_splits", "split_cost", "launch_config", "after_groups",
     "einsum_decode", "sdpa_decode", "to_paged", "gather_paged", "reference",
     "aiter_status", "aiter_decode",
 ]
@@ -229,6 +229,16 @@ def choose_num_splits(batch: int, context_len: int, compute_units: int | None = 
         if c < best_cost - 1e-9:
             best, best_cost = s, c
     return best
+
+
+def _token_tile(q_len: int) -> int:
+    """Verify tokens one after-program holds (a power of two, at most TOKENS_PER_PROGRAM)."""
+    return min(triton.next_power_of_2(q_len), TOKENS_PER_PROGRAM)
+
+
+def after_groups(heads: int, q_len: int = 1) -> int:
+    """Programs the after kernel launches per request and split: 16-head groups x verify-token groups."""
+    return -(-heads // MMA_ROWS) * -(-q_len // _token_tile(q_len))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -562,7 +572,7 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     head_groups = -(-H // MMA_ROWS)
     if pad == "copy" and head_groups != 1:
         raise ValueError(f"pad='copy' builds one 16-head buffer; heads = {H} needs pad='registers' with folding")
-    tok_tile = min(triton.next_power_of_2(Tq), TOKENS_PER_PROGRAM)
+    tok_tile = _token_tile(Tq)
     tok_groups = -(-Tq // tok_tile)
     rows = tok_tile * MMA_ROWS
     cfg = launch_config("after", q.dtype, rows=rows, block_n=block_n, num_warps=num_warps, num_stages=num_stages)

@@ -1,0 +1,546 @@
+"""Study: MLA decode with 12 heads padded to 16 and the history split across programs (seed section 4).
+
+At TP8 each GPU holds 12 of K3's 96 MLA query heads. The seed padded them to 16 so that AITER's
+assembly decode could run (each head attends on its own, so the real heads are unchanged and the
+extra outputs are dropped), and that path also cut a long history into pieces handled in parallel
+instead of one workgroup walking the whole conversation: 43.8 -> 23.6 ms per output token at 32K
+input, 22.9 -> 22.8 at 1K (8x MI355X, TP8, concurrency 1, whole-model time per token).
+
+Here both policies run as kernels (`k3lab.ops.mla_decode`) on the machine at hand:
+
+- before: 12 heads, one program per query row walking the whole history, no matrix units;
+- after: padded to 16 rows for tl.dot, the history split by `choose_num_splits`, merged by LSE;
+- peers in the same run: plain PyTorch (einsum + softmax: variant 'torch') and torch SDPA
+  (recorded as case '<case>.sdpa', variant 'torch', since both are plain PyTorch), and AITER's
+  padded decode on ROCm when it is installed (variant 'aiter', not yet run on AMD hardware by this
+  project).
+
+Cases on a GPU (bf16 cache, paged, page size 64, B = 1 unless named): 1K, 32K and 128K context; a
+batch sweep B in {1, 8, 64} at 8K; a ragged batch; 4-position verification at 32K; the seed's
+explicit-copy padding ('<case>.padcopy') and a contiguous cache ('<case>.contig'); a split-count
+sweep at 1K, 32K and 128K ('ctx32k.s64', ...); and, when asked (`tune=True`), launch-configuration
+variants ('tune.<case>.<variant>.bn64w4s2'). On a CPU the same code runs on tiny contexts in fp32
+through Triton's interpreter (timings there say nothing about GPUs). Every record carries its error
+figures against the fp32 reference (k3lab.nn.mla.latent_attention) and the floor: cache bytes over
+the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from k3lab import bench
+from k3lab import env as _env
+from k3lab.config import K3Config
+from k3lab.ops import mla_decode as mla
+
+NAME = "mla_padding"
+PAGE_SIZE = 64
+DEFAULT_PRESET = "tp8"  # the seed's case: 12 heads per GPU (the preset picks the head count only)
+
+# Seed section 4: mean time per output token, ms (8x MI355X, TP8, concurrency 1, whole model).
+SEED_MS_PER_TOKEN = {"1K": (22.9, 22.8), "32K": (43.8, 23.6)}
+# shared/anchors.md, one H200, plain PyTorch, B = 1, 12 heads unless noted: (einsum+softmax us, SDPA us)
+ANCHORS_H200_US = {1024: (71.0, 106.0), 32768: (71.0, 548.0), 131072: (140.0, 1999.0)}
+# Targets set for this study on the H200 (bf16, B = 1): checked by `targets()`.
+TARGETS = {"bw_32k": 0.70, "bw_128k": 0.80, "speedup_32k": 1.8, "ratio_1k_band": 0.15, "vs_einsum_32k": 5.0}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int
+    context: int
+    q_len: int = 1
+    ragged: bool = False  # per-request lengths drawn in [context / 8, context], the first = context
+    splits: int | None = None  # force the split count (the sweep)
+    kind: str = "main"  # 'main', 'sweep' or 'tune'
+    tune: tuple | None = None  # (variant, block_n, num_warps, num_stages)
+
+
+def _gpu() -> bool:
+    return _env.detect().backend != "cpu"
+
+
+def _main_cases() -> list[Case]:
+    if _gpu():
+        return [Case("ctx1k", 1, 1024), Case("ctx32k", 1, 32768), Case("ctx128k", 1, 131072),
+                Case("b1_8k", 1, 8192), Case("b8_8k", 8, 8192), Case("b64_8k", 64, 8192),
+                Case("ragged8_8k", 8, 8192, ragged=True), Case("verify4_32k", 1, 32768, q_len=4)]
+    return [Case("ctx96", 1, 96), Case("ctx320", 1, 320), Case("b3_ctx160", 3, 160),
+            Case("ragged3_ctx160", 3, 160, ragged=True), Case("verify4_ctx160", 1, 160, q_len=4)]
+
+
+def _sweep_cases() -> list[Case]:
+    if _gpu():
+        grid = {"ctx1k": (1024, (1, 2, 4, 8, 16)),
+                "ctx32k": (32768, (1, 8, 16, 32, 64, 96, 128, 132, 192, 256)),
+                "ctx128k": (131072, (16, 32, 64, 128, 132, 256))}
+    else:
+        grid = {"ctx320": (320, (1, 2, 5))}
+    return [Case(f"{base}.s{s}", 1, n, splits=s, kind="sweep") for base, (n, ss) in grid.items() for s in ss]
+
+
+def _tune_cases() -> list[Case]:
+    """Launch-configuration variants (GPU): tile rows, warps, pipeline stages."""
+    if not _gpu():
+        return []
+    out = []
+    for base, n, tq in (("ctx32k", 32768, 1), ("ctx128k", 131072, 1), ("verify4_32k", 32768, 4)):
+        cfgs = ((64, 4, 2), (64, 8, 2), (32, 4, 3), (32, 4, 4), (32, 8, 3), (128, 8, 1)) if tq == 1 else \
+            ((32, 8, 3), (32, 8, 2), (64, 8, 2), (16, 8, 4), (32, 4, 3))
+        out += [Case(f"tune.{base}.after.bn{b}w{w}s{s}", 1, n, q_len=tq, kind="tune", tune=("after", b, w, s))
+                for b, w, s in cfgs]
+    out += [Case(f"tune.ctx32k.before.bn{b}w{w}s{s}", 1, 32768, kind="tune", tune=("before", b, w, s))
+            for b, w, s in ((16, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 2), (32, 8, 3))]
+    return out
+
+
+def cases(preset=None, *, tune: bool = False) -> list[Case]:
+    _heads(preset)  # validates the preset
+    return _main_cases() + _sweep_cases() + (_tune_cases() if tune else [])
+
+
+def case_names(preset=None) -> list[str]:
+    """Main cases, then the split-count sweep (tuning cases are run only when asked: run(tune=True))."""
+    return [c.name for c in cases(preset)]
+
+
+def _heads(preset) -> int:
+    cfg = K3Config.preset(preset or DEFAULT_PRESET)
+    return cfg.num_attention_heads
+
+
+def _dtype(dtype=None) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    return torch.bfloat16 if _gpu() else torch.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+
+
+def _lengths(case: Case, gen: torch.Generator) -> list[int]:
+    if not case.ragged:
+        return [case.context] * case.batch
+    lo = max(case.q_len, case.context // 8)
+    rest = torch.randint(lo, case.context + 1, (case.batch - 1,), generator=gen).tolist()
+    return [case.context] + rest
+
+
+def _make_set(case: Case, heads: int, dtype, seed: int) -> dict:
+    """One input set: query, contiguous cache (for the PyTorch peers) and its paged copy (kernels)."""
+    dev = _env.detect().device
+    gen = torch.Generator().manual_seed(seed)
+    lens = _lengths(case, gen)
+    q = torch.randn(case.batch, case.q_len, heads, mla.LATENT_DIM, generator=gen).to(dev, dtype)
+    cache = torch.empty(case.batch, case.context, mla.LATENT_DIM, dtype=dtype, device=dev)
+    cache.normal_(generator=torch.Generator(device=dev).manual_seed(seed + 1))
+    pool, table = mla.to_paged(cache, PAGE_SIZE, seed=seed)
+    lengths = torch.tensor(lens, dtype=torch.int32, device=dev)
+    return {"q": q, "cache": cache, "pool": pool, "table": table, "lengths": lengths,
+            "lengths_host": lens, "plans": {}}
+
+
+def cache_bytes(case: Case, dtype, lengths: list[int] | None = None) -> int:
+    """Latent bytes one decode step must read: every position in use, 576 values each."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    total = sum(lengths) if lengths is not None else case.batch * case.context
+    return total * mla.LATENT_DIM * elem
+
+
+# ----------------------------------------------------------------------------------------------
+# variants
+
+
+def _variants(case: Case, heads: int) -> dict[str, tuple[str, str]]:
+    """(record case, record variant) for each runnable variant key of a case."""
+    if case.kind == "sweep":
+        return {"after": (case.name, "after")}
+    if case.kind == "tune":
+        return {case.tune[0]: (case.name, case.tune[0])}
+    out = {"before": (case.name, "before"), "after": (case.name, "after"), "einsum": (case.name, "torch"),
+           "sdpa": (f"{case.name}.sdpa", "torch"), "padcopy": (f"{case.name}.padcopy", "after"),
+           "contig": (f"{case.name}.contig", "after")}
+    if heads > mla.MMA_ROWS:
+        out.pop("padcopy")
+    if mla.aiter_status()[0] and heads <= mla.MMA_ROWS:
+        out["aiter"] = (case.name, "aiter")
+    return out
+
+
+def _plan(key: str, case: Case, s: dict, heads: int):
+    """The callable for variant `key` on input set s (kernel plans are built once per set)."""
+    if key in s["plans"]:
+        return s["plans"][key]
+    q, pool, table, lens, cache = s["q"], s["pool"], s["table"], s["lengths"], s["cache"]
+    ragged = case.ragged or case.q_len > 1
+    fold = heads > mla.MMA_ROWS
+    tune = dict(zip(("block_n", "num_warps", "num_stages"), case.tune[1:])) if case.tune else {}
+    if key == "before":
+        fn = mla.plan_before(q, pool, lens, block_table=table, **tune)
+    elif key == "after":
+        fn = mla.plan_after(q, pool, lens, block_table=table, num_splits=case.splits, fold_heads=fold, **tune)
+    elif key == "padcopy":
+        fn = mla.plan_after(q, pool, lens, block_table=table, pad="copy")
+    elif key == "contig":
+        fn = mla.plan_after(q, cache, lens, fold_heads=fold)
+    elif key == "einsum":
+        fn = (lambda: mla.einsum_decode(q, cache, lens)) if ragged else (lambda: mla.einsum_decode(q, cache))
+    elif key == "sdpa":
+        fn = (lambda: mla.sdpa_decode(q, cache, lens)) if ragged else (lambda: mla.sdpa_decode(q, cache))
+    elif key == "aiter":  # not yet run on AMD hardware by this project
+        fn = lambda: mla.aiter_decode(q, pool, lens, block_table=table)  # noqa: E731
+    else:
+        raise ValueError(f"unknown variant {key!r}")
+    s["plans"][key] = fn
+    return fn
+
+
+def _plan_facts(fn) -> dict:
+    if isinstance(fn, mla.DecodePlan):
+        return {"num_splits": fn.num_splits, "programs": fn.programs, "launches": fn.launches,
+                "block_n": fn.config.block_n, "num_warps": fn.config.num_warps, "num_stages": fn.config.num_stages,
+                "rows_per_program": fn.rows_per_program, "pad": fn.pad}
+    return {}
+
+
+# ----------------------------------------------------------------------------------------------
+# the study contract
+
+
+def _timing_opts(gpu: bool, repeats: int | None) -> dict:
+    if gpu:
+        return {"warmup": 10, "repeats": repeats or 100}
+    return {"warmup": 1, "repeats": repeats or 3}
+
+
+def run(preset=None, cases=None, *, tune: bool = False, modes=None, dtype=None, repeats: int | None = None,
+        log: Callable[[str], None] | None = None) -> list[bench.Record]:
+    """Check every variant of each case against the fp32 reference (raising bench.CheckFailed on a
+    mismatch), then time it; returns the records (not saved).
+
+    cases: names from case_names() (or tuning names from cases(tune=True)); None = all of
+    case_names() (plus the tuning cases when tune=True). modes: GPU timing modes, default
+    ('eager', 'graph') for main cases and ('graph',) for sweep and tuning cases."""
+    heads = _heads(preset)
+    dt = _dtype(dtype)
+    table = {c.name: c for c in _main_cases() + _sweep_cases() + _tune_cases()}
+    if cases is None:
+        chosen = [c for c in _main_cases() + _sweep_cases() + (_tune_cases() if tune else [])]
+    else:
+        unknown = [n for n in cases if n not in table]
+        if unknown:
+            raise ValueError(f"unknown cases {unknown}; cases here: {list(table)}")
+        chosen = [table[n] for n in cases]
+    gpu = _gpu()
+    info = _env.detect()
+    records: list[bench.Record] = []
+    for case in chosen:
+        records += _run_case(case, heads, dt, gpu, info, modes, repeats, log)
+    return records
+
+
+def _run_case(case: Case, heads: int, dt, gpu: bool, info, modes, repeats, log) -> list[bench.Record]:
+    say = log or (lambda msg: None)
+    first = _make_set(case, heads, dt, seed=zlib.crc32(case.name.encode()) % 10_000)
+    nbytes = cache_bytes(case, dt, first["lengths_host"])
+    sets = [first] + [_make_set(case, heads, dt, seed=1000 + i)
+                      for i in range(bench.rotation_count(nbytes, max_sets=64 if gpu else 2) - 1)]
+    ref_o, ref_l = mla.latent_attention(first["q"].float(), first["cache"].float(), lengths=first["lengths"])
+    variants = _variants(case, heads)
+    errors: dict[str, dict] = {}
+    for key, (rcase, _) in variants.items():  # every check before any timing
+        out = _plan(key, case, first, heads)()
+        o, lse = out if isinstance(out, tuple) else (out, None)
+        pairs = {"o": (o, ref_o)}
+        if lse is not None:
+            pairs["lse"] = (lse, ref_l)
+        errors[key] = bench.check_all(pairs, dtype=dt)
+    floor = bench.floor_us(bytes=nbytes)
+    if gpu:
+        use_modes = tuple(modes) if modes else (("eager", "graph") if case.kind == "main" else ("graph",))
+    else:
+        use_modes = ("cpu",)
+    records = []
+    shape = {"batch": case.batch, "context": case.context, "q_len": case.q_len, "heads": heads,
+             "padded_heads": mla.MMA_ROWS, "latent": mla.LATENT_DIM, "value": mla.VALUE_DIM,
+             "page_size": PAGE_SIZE, "ragged": case.ragged, "lengths_sum": sum(first["lengths_host"])}
+    for key, (rcase, variant) in variants.items():
+        facts = _plan_facts(_plan(key, case, first, heads))
+        for s in sets:  # validate and plan every set now: no host sync inside timing or graph capture
+            _plan(key, case, s, heads)
+        rot = [(s,) for s in sets]
+        fn = (lambda s, k=key: _plan(k, case, s, heads)())
+        for mode in use_modes:
+            timing = bench.time_fn(fn, rotate=rot, graph=(mode == "graph"), **_timing_opts(gpu, repeats))
+            achieved = nbytes / (timing.median_us * 1e-6) / 1e12
+            extra = dict(facts, cache_bytes=nbytes, achieved_tbs=achieved,
+                         copy_bw_fraction=achieved / info.peak.bandwidth_tbs, compute_units=info.compute_units,
+                         layout="contiguous" if key in ("einsum", "sdpa", "contig") else "paged",
+                         peer=("einsum+softmax" if key == "einsum" else "sdpa" if key == "sdpa" else None))
+            rec = bench.make_record(NAME, rcase, variant, timing, shape=shape, dtype=dt, floor_us=floor,
+                                    error=errors[key], **extra)
+            records.append(rec)
+            say(f"{rcase:28s} {variant:7s} {mode:6s} {timing.median_us:10.2f} us  floor {floor:8.2f} us  "
+                f"{achieved:6.3f} TB/s  splits {facts.get('num_splits', '-')}")
+    del sets, first
+    if gpu:
+        torch.cuda.empty_cache()
+    return records
+
+
+def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
+    """One decode step per variant at 32K (GPU) or 320 positions (CPU), for traces."""
+    heads = _heads(preset)
+    case = Case("ctx32k", 1, 32768) if _gpu() else Case("ctx320", 1, 320)
+    s = _make_set(case, heads, _dtype(), seed=7)
+    out = {}
+    for key, label in (("before", "before"), ("after", "after"), ("einsum", "torch")):
+        fn = _plan(key, case, s, heads)
+        out[label] = (lambda f=fn: f())
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# tables and figures for the notebook and the report
+
+
+def programs_table(preset=None, contexts=(1024, 32768), batch: int = 1, q_len: int = 1,
+                   compute_units: int | None = None):
+    """Programs each policy launches against the compute units, per context length (no GPU needed)."""
+    import pandas as pd
+
+    heads = _heads(preset)
+    units = compute_units or _env.detect().compute_units
+    groups = mla.after_groups(heads, q_len)
+    rows = []
+    for n in contexts:
+        before_programs = batch * q_len * heads
+        rows.append({"context": n, "policy": "before", "programs": before_programs, "compute_units": units,
+                     "units_busy": min(1.0, before_programs / units), "splits": 1,
+                     "positions_per_program": n, "launches": 1, "matrix_units": False})
+        s = mla.choose_num_splits(batch, n, units, groups_per_request=groups)
+        after_programs = batch * groups * s
+        rows.append({"context": n, "policy": "after", "programs": after_programs, "compute_units": units,
+                     "units_busy": min(1.0, after_programs / units), "splits": s,
+                     "positions_per_program": -(-n // s), "launches": 1 + (s > 1), "matrix_units": True})
+    return pd.DataFrame(rows)
+
+
+def programs_figure(table, title: str | None = None):
+    """Bars: programs per policy and context, with the compute-unit count as a line."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for policy, color in (("before", "#d62728"), ("after", "#2ca02c")):
+        sub = table[table["policy"] == policy]
+        fig.add_trace(go.Bar(name=policy, x=[f"{c // 1024}K" if c >= 1024 else str(c) for c in sub["context"]],
+                             y=sub["programs"], marker_color=color,
+                             text=[f"{p} programs, {s} split(s)" for p, s in zip(sub["programs"], sub["splits"])]))
+    units = int(table["compute_units"].iloc[0])
+    fig.add_hline(y=units, line_dash="dash", annotation_text=f"{units} compute units")
+    fig.update_layout(barmode="group", template="plotly_white", xaxis_title="context length",
+                      yaxis_title="programs in the main kernel",
+                      title=title or "Programs launched vs compute units, B = 1 decode")
+    return fig
+
+
+def padding_cost(preset=None, contexts=(1024, 32768, 131072), batch: int = 1, dtype=torch.bfloat16):
+    """What padding 12 -> 16 heads costs: the cache read (the bulk of the bytes) is the same; only
+    the query, the matrix rows and the dropped outputs grow."""
+    import pandas as pd
+
+    heads = _heads(preset)
+    padded = -(-heads // mla.MMA_ROWS) * mla.MMA_ROWS
+    elem = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for n in contexts:
+        cache = batch * n * mla.LATENT_DIM * elem
+        for label, h in (("12 heads" if heads == 12 else f"{heads} heads", heads), (f"padded to {padded}", padded)):
+            q_bytes = batch * h * mla.LATENT_DIM * elem
+            flops = 2 * batch * h * n * (mla.LATENT_DIM + mla.VALUE_DIM)
+            rows.append({"context": n, "query": label, "cache_bytes": cache, "query_bytes": q_bytes,
+                         "output_bytes": batch * h * mla.VALUE_DIM * elem, "matrix_flops": flops,
+                         "flops_per_cache_byte": flops / cache})
+    return pd.DataFrame(rows)
+
+
+def instruction_mix(dtype: str = "bf16", arch: int = 90):
+    """Compile both kernels for an NVIDIA sm_90 (H100/H200) here, with no GPU needed (Triton's own
+    compiler and ptxas), and report which instructions carry the products: wgmma / mma.sync (matrix
+    units) or fma only, with registers, spills and shared memory. Returns a DataFrame; empty with a
+    note when this Triton has no NVIDIA backend."""
+    import glob
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import pandas as pd
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    div16 = {"q_ptr", "kv_ptr", "bt_ptr", "len_ptr", "o_ptr", "lse_ptr", "op_ptr", "lsep_ptr", "stride_qb",
+             "stride_qt", "stride_qh", "stride_kvp", "stride_kvr", "stride_ob", "stride_ot", "stride_oh"}
+    ptr = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "bt_ptr": "*i32", "len_ptr": "*i32", "o_ptr": f"*{dtype}",
+           "lse_ptr": "*fp32", "op_ptr": "*fp32", "lsep_ptr": "*fp32", "scale_log2": "fp32"}
+    bcfg = mla.launch_config("before")
+    acfg = mla.launch_config("after", rows=mla.MMA_ROWS)
+    acfg = mla.LaunchConfig(acfg.block_n, acfg.num_warps, 2)  # stages as on a 228 KB Hopper SM
+    kernels = {
+        "before": (mla._before_kernel, dict(PAGED=True, PAGE_SIZE=PAGE_SIZE, DV=512, DR=64, BLOCK_N=bcfg.block_n,
+                                            INTERPRET=False), bcfg),
+        "after": (mla._split_kernel, dict(PAGED=True, PAGE_SIZE=PAGE_SIZE, DV=512, DR=64, HEAD_TILE=16, TOK_TILE=1,
+                                          BLOCK_N=acfg.block_n, WRITE_FINAL=False, IEEE=False, INTERPRET=False), acfg),
+    }
+    ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+    rows = []
+    for name, (fn, consts, cfg) in kernels.items():
+        names = fn.arg_names
+        sig = {n: ("constexpr" if n in consts else ptr.get(n, "i32")) for n in names}
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in div16}
+        try:
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                               target=GPUTarget("cuda", arch, 32),
+                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        except Exception as exc:  # no NVIDIA backend in this Triton build: say so, do not fail
+            return pd.DataFrame([{"kernel": name, "note": f"could not compile for sm_{arch}: {exc}"}])
+        ptx = k.asm["ptx"]
+        row = {"kernel": name, "target": f"sm_{arch}", "wgmma": ptx.count("wgmma.mma_async"),
+               "mma_sync": ptx.count("mma.sync"), "fma_f32": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+               "shared_kb": k.metadata.shared / 1024, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+               "registers": None, "spill_bytes": None}
+        if ptxas:
+            with tempfile.TemporaryDirectory() as d:
+                src = os.path.join(d, "k.ptx")
+                with open(src, "w") as f:
+                    f.write(ptx)
+                res = subprocess.run([ptxas[0], "-v", f"--gpu-name=sm_{arch}a", src, "-o", os.path.join(d, "k.cubin")],
+                                     capture_output=True, text=True)
+            m_reg = re.search(r"Used (\d+) registers", res.stderr)
+            m_sp = re.search(r"(\d+) bytes spill stores", res.stderr)
+            row["registers"] = int(m_reg.group(1)) if m_reg else None
+            row["spill_bytes"] = int(m_sp.group(1)) if m_sp else None
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _main_name(case: str) -> str:
+    return case.split(".")[0]
+
+
+def summary(records):
+    """One row per (device, main case, mode): before, after, the peers and AITER, the floor, and
+    the ratios (speedup = before / after; bw_fraction = floor / after = share of the copy bandwidth)."""
+    import pandas as pd
+
+    keyed: dict[tuple, dict] = {}
+    for r in records:
+        if r.study != NAME or r.case.startswith("tune.") or ".s" in r.case and r.case.split(".")[-1][1:].isdigit():
+            continue
+        base = _main_name(r.case)
+        suffix = r.case[len(base) + 1:] if r.case != base else ""
+        col = {("", "before"): "before_us", ("", "after"): "after_us", ("", "torch"): "einsum_us",
+               ("sdpa", "torch"): "sdpa_us", ("padcopy", "after"): "after_padcopy_us",
+               ("contig", "after"): "after_contig_us", ("", "aiter"): "aiter_us"}.get((suffix, r.variant))
+        if col is None:
+            continue
+        row = keyed.setdefault((r.device, base, r.mode), {"device": r.device, "case": base, "mode": r.mode,
+                                                          "batch": r.shape.get("batch"),
+                                                          "context": r.shape.get("context"),
+                                                          "q_len": r.shape.get("q_len"), "floor_us": r.floor_us})
+        row[col] = r.median_us
+        if col == "after_us":
+            row["splits"] = r.extra.get("num_splits")
+            row["programs"] = r.extra.get("programs")
+    df = pd.DataFrame(list(keyed.values()))
+    if df.empty:
+        return df
+    for c in ("before_us", "after_us", "einsum_us", "sdpa_us", "after_padcopy_us", "after_contig_us", "aiter_us"):
+        if c not in df:
+            df[c] = math.nan
+    df["speedup"] = df["before_us"] / df["after_us"]
+    df["bw_fraction"] = df["floor_us"] / df["after_us"]
+    df["vs_einsum"] = df["einsum_us"] / df["after_us"]
+    df["vs_sdpa"] = df["sdpa_us"] / df["after_us"]
+    return df
+
+
+def sweep_table(records, compute_units: int | None = None):
+    """The split-count sweep: context, splits, time (graph replay), and the split count the rule picks."""
+    import pandas as pd
+
+    rows = []
+    for r in records:
+        if r.study != NAME or r.case.startswith("tune.") or "." not in r.case:
+            continue
+        base, tail = r.case.split(".", 1)
+        if not (tail.startswith("s") and tail[1:].isdigit()):
+            continue
+        rows.append({"device": r.device, "case": base, "context": r.shape["context"], "splits": int(tail[1:]),
+                     "mode": r.mode, "median_us": r.median_us, "floor_us": r.floor_us,
+                     "bw_fraction": r.floor_us / r.median_us if r.floor_us else math.nan})
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    units = {}
+    for r in records:
+        units.setdefault(r.device, r.extra.get("compute_units"))
+    df["rule_choice"] = [mla.choose_num_splits(1, int(c), compute_units or units.get(d) or 1)
+                         for d, c in zip(df["device"], df["context"])]
+    return df.sort_values(["device", "context", "splits"]).reset_index(drop=True)
+
+
+def sweep_figure(table, title: str | None = None):
+    """Time against split count per context, the rule's choice marked."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for (dev, case), sub in table.groupby(["device", "case"]):
+        fig.add_trace(go.Scatter(x=sub["splits"], y=sub["median_us"], mode="lines+markers", name=f"{case} ({dev})"))
+        choice = int(sub["rule_choice"].iloc[0])
+        hit = sub[sub["splits"] == choice]
+        if not hit.empty:
+            fig.add_trace(go.Scatter(x=hit["splits"], y=hit["median_us"], mode="markers", showlegend=False,
+                                     marker=dict(symbol="star", size=14, color="black"),
+                                     hovertext=f"rule's choice: {choice}"))
+    fig.update_layout(template="plotly_white", xaxis_title="history pieces per request (num_splits)",
+                      yaxis_title="time per decode step (us)", xaxis_type="log", yaxis_type="log",
+                      title=title or "Split-count sweep (star: choose_num_splits)")
+    return fig
+
+
+def targets(records, device: str = "NVIDIA H200"):
+    """The study's H200 targets against the records: name, target, measured, met (graph replay and
+    eager both shown where the target depends on the timing mode)."""
+    import pandas as pd
+
+    df = summary([r for r in records if r.device == device])
+    rows = []
+    if df.empty:
+        return pd.DataFrame(rows)
+    for mode in sorted(df["mode"].unique()):
+        sub = df[df["mode"] == mode].set_index("case")
+
+        def get(case, col):
+            return float(sub.loc[case, col]) if case in sub.index and col in sub else math.nan
+
+        checks = [
+            ("after share of copy bandwidth, 32K", ">= 0.70", get("ctx32k", "bw_fraction"), lambda v: v >= 0.70),
+            ("after share of copy bandwidth, 128K", ">= 0.80", get("ctx128k", "bw_fraction"), lambda v: v >= 0.80),
+            ("before / after, 32K", ">= 1.8", get("ctx32k", "speedup"), lambda v: v >= 1.8),
+            ("before / after, 1K", "0.85 .. 1.15", get("ctx1k", "speedup"), lambda v: 0.85 <= v <= 1.15),
+            ("einsum / after, 32K", ">= 5", get("ctx32k", "vs_einsum"), lambda v: v >= 5.0),
+        ]
+        for name, target, value, ok in checks:
+            rows.append({"mode": mode, "target": name, "wanted": target, "measured": value,
+                         "met": bool(ok(value)) if not math.isnan(value) else None})
+    return pd.DataFrame(rows)

@@ -162,14 +162,15 @@ def test_layer_bad_inputs():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 @torch.no_grad()
 def test_one_layer_of_each_kind_on_gpu():
-    """KDA + dense MLP and MLA attention at full dims in bf16; KDA/MLA + latent MoE at the TP8 slice
-    (the whole 896-expert layer alone is 30B parameters)."""
+    """KDA + dense MLP and MLA attention at full dims in bf16; MLA + latent MoE at the TP8 slice
+    (the whole 896-expert layer alone is 30B parameters). Weights are drawn on the CPU (deterministic),
+    so this takes tens of seconds."""
     from k3lab.nn.attn_res import AttnResState
     from k3lab.nn.mla import MultiHeadLatentAttention
     mla = init_weights(MultiHeadLatentAttention(FULL, device="cuda", dtype=torch.bfloat16), 0)
     out, cache = mla(torch.randn(1, 4, 7168, device="cuda", dtype=torch.bfloat16))
     assert torch.isfinite(out).all() and cache.latent.shape == (1, 4, 576)
-    for cfg, idx in ((FULL, 0), (K3Config.tp_slice(8), 1), (K3Config.tp_slice(8), 3)):
+    for cfg, idx in ((FULL, 0), (K3Config.tp_slice(8), 3)):
         layer = init_weights(DecoderLayer(cfg, idx, device="cuda", dtype=torch.bfloat16), 0)
         state = AttnResState.start(torch.randn(1, 4, cfg.hidden_size, device="cuda", dtype=torch.bfloat16))
         state, _ = layer(state)

@@ -389,27 +389,31 @@ def select_accepted(states: torch.Tensor, num_accepted: torch.Tensor) -> torch.T
 def reference_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, lengths=None,
                      dtype=torch.float64):
     """Per-position outputs and states from k3lab.nn.kda.kda_recurrent, one position at a time, in
-    `dtype` (fp64 by default). Same layouts as `kda_verify` (ragged positions past a length: o = 0,
-    state = NaN, so a comparison that reads them fails)."""
+    `dtype` (fp64 by default) on the inputs' device. Same layouts as `kda_verify`; ragged positions
+    past a length get o = 0 and state = NaN, so a comparison that reads them fails."""
     B, T, H, K = q.shape
     V = v.shape[-1]
+    dev = q.device
+    cast = [t.detach().to(dtype) for t in (q, k, v, g, beta)]
+    o = torch.zeros(B, T, H, V, dtype=dtype, device=dev)
+    states = torch.full((B, T, H, K, V), float("nan"), dtype=dtype, device=dev)
+    if cu_seqlens is None and lengths is None:  # uniform: the whole batch steps together
+        S = (torch.zeros(B, H, K, V, dtype=dtype, device=dev) if initial_state is None
+             else initial_state.detach().to(dtype))
+        for t in range(T):
+            out, S = kda_recurrent(*[x[:, t:t + 1] for x in cast], scale=scale, initial_state=S)
+            o[:, t], states[:, t] = out[:, 0], S
+        return o, states
     if cu_seqlens is not None:
-        bounds = [(int(a), int(b)) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
+        bounds = list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
         seqs = [(0, a, b - a) for a, b in bounds]  # (batch row, first token, length)
-    elif lengths is not None:
-        seqs = [(i, 0, int(n)) for i, n in enumerate(lengths.tolist())]
     else:
-        seqs = [(i, 0, T) for i in range(B)]
-    o = torch.zeros(B, T, H, V, dtype=dtype)
-    states = torch.full((B, T, H, K, V), float("nan"), dtype=dtype)
-    cast = [t.detach().to("cpu", dtype) for t in (q, k, v, g, beta)]
-    h0 = (torch.zeros(len(seqs), H, K, V, dtype=dtype) if initial_state is None
-          else initial_state.detach().to("cpu", dtype))
+        seqs = [(i, 0, int(n)) for i, n in enumerate(lengths.tolist())]
+    h0 = (torch.zeros(len(seqs), H, K, V, dtype=dtype, device=dev) if initial_state is None
+          else initial_state.detach().to(dtype))
     for n, (row, start, length) in enumerate(seqs):
         S = h0[n:n + 1]
         for t in range(start, start + length):
-            step = [x[row:row + 1, t:t + 1] for x in cast]
-            out, S = kda_recurrent(*step, scale=scale, initial_state=S)
-            o[row, t] = out[0, 0]
-            states[row, t] = S[0]
+            out, S = kda_recurrent(*[x[row:row + 1, t:t + 1] for x in cast], scale=scale, initial_state=S)
+            o[row, t], states[row, t] = out[0, 0], S[0]
     return o, states

@@ -1,0 +1,284 @@
+"""Study: KDA speculative verification with narrow tiles (seed section 5, vLLM PR 58045).
+
+A verify step runs KDA over T draft positions of each sequence and keeps the state after every
+position (for rollback). At TP8 one GPU has 12 KDA heads x 128 value columns; with 32-column tiles
+one sequence makes 48 programs, far fewer than the 132 SMs of an H200 or 256 CUs of an MI355X.
+
+Variants (all checked, outputs and every per-position state, against an fp64 reference first):
+  before  `kda_verify_before`: 32-column tiles, 128-thread workgroups, run-time length, per-token loads
+  after   `kda_verify`: narrow tiles chosen from the device, single-wave workgroups, compile-time
+          length, hoisted inputs and token-invariant work
+  fla     fla-core's `fused_recurrent_kda` (GPU only), the public peer; it returns the final state
+          only, so the `.final_only` cases time every variant writing just the final state as well.
+
+Cases: `b{B}_t{T}` (per-position states), `b{B}_t{T}.final_only`; on a GPU also the ablation at B=1,
+T=4 (`.narrow_only`, `.narrow_1wave`, `.hoist_wide`, `.ragged`: one change at a time, variant
+'after') and a tile-width x waves sweep (`b{B}_t4.tile{W}_w{N}`). Floors: state read + state writes +
+inputs and outputs over the copy bandwidth, and one launch (graph or eager launch cost).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import zlib
+from typing import Callable
+
+import torch
+
+from k3lab import bench
+from k3lab import env as _env
+from k3lab.config import K3Config
+from k3lab.ops import kda_verify as kv
+
+NAME = "kda_verify"
+
+GPU_SHAPES = [(1, 4), (8, 4), (32, 4), (1, 2), (1, 8)]  # (batch, positions)
+CPU_SHAPES = [(1, 4)]
+ABLATIONS = ("narrow_only", "narrow_1wave", "hoist_wide", "ragged")
+SWEEP_BATCHES = (1, 8, 32)
+SWEEP_WIDTHS = (4, 8, 16, 32)
+SWEEP_WARPS = (1, 2, 4)
+GATE_LOWER_BOUND = K3Config.full().kda_gate_lower_bound  # -5: g = -5 sigmoid(.)
+
+
+def _gpu() -> bool:
+    return _env.detect().backend != "cpu"
+
+
+def fla_available() -> bool:
+    """fla-core's fused_recurrent_kda is timed as the peer on a GPU when installed (absent: no peer)."""
+    return _gpu() and importlib.util.find_spec("fla") is not None
+
+
+def _heads(preset) -> int:
+    return K3Config.preset(preset or _env.default_preset()).kda_num_heads
+
+
+def _input_dtype() -> torch.dtype:
+    # bf16 inputs as served; fp32 on CPU, where the Triton interpreter runs the kernels
+    return torch.bfloat16 if _gpu() else torch.float32
+
+
+def case_names(preset=None) -> list[str]:
+    if preset is not None and not isinstance(preset, str):
+        raise ValueError(f"preset must be a preset name or None, got {type(preset).__name__}")
+    shapes = GPU_SHAPES if _gpu() else CPU_SHAPES
+    names = []
+    for B, T in shapes:
+        names += [f"b{B}_t{T}", f"b{B}_t{T}.final_only"]
+    if _gpu():
+        names += [f"b1_t4.{a}" for a in ABLATIONS]
+        names += [f"b{B}_t4.tile{w}_w{n}" for B in SWEEP_BATCHES for w in SWEEP_WIDTHS for n in SWEEP_WARPS]
+    else:
+        names.append("b1_t4.ragged")
+    return names
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs, reference, floor
+
+
+def make_inputs(B: int, T: int, H: int, *, V: int = kv.HEAD_DIM, dtype=None, device=None,
+                generator: torch.Generator | None = None) -> dict:
+    """Fresh random verify inputs: L2-normalised q, k; K3-style gates g = -5 sigmoid(x) (fp32);
+    beta = sigmoid(x); a random fp32 state with the scale of a long-running one."""
+    dtype = dtype or _input_dtype()
+    device = device or _env.detect().device
+    K = kv.HEAD_DIM
+
+    def rn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float32)
+
+    t = {
+        "q": torch.nn.functional.normalize(rn(B, T, H, K), dim=-1).to(dtype),
+        "k": torch.nn.functional.normalize(rn(B, T, H, K), dim=-1).to(dtype),
+        "v": rn(B, T, H, V).to(dtype),
+        "g": GATE_LOWER_BOUND * torch.sigmoid(rn(B, T, H, K) * 2.0 - 1.0),
+        "beta": torch.sigmoid(rn(B, T, H)).to(dtype),
+        "initial_state": rn(B, H, K, V) * 0.5,
+    }
+    return {n: x.to(device) for n, x in t.items()}
+
+
+def bytes_moved(B: int, T: int, H: int, in_bytes: int, *, final_only: bool = False, V: int = kv.HEAD_DIM) -> int:
+    """Memory traffic one call cannot avoid: read the state once, write it T times (or once), read q,
+    k (in_bytes each), g (fp32), v and beta, write o (in_bytes)."""
+    K = kv.HEAD_DIM
+    state = B * H * K * V * 4
+    writes = state if final_only else T * state
+    inputs = B * T * H * (K * (2 * in_bytes + 4) + V * in_bytes + in_bytes)
+    out = B * T * H * V * in_bytes
+    return state + writes + inputs + out
+
+
+def floor_parts(B: int, T: int, H: int, in_bytes: int, *, final_only: bool, mode: str) -> dict:
+    """The memory floor and the one-launch floor (graph or eager launch cost) and their max."""
+    launch_mode = "graph" if mode == "graph" else "eager"
+    parts = bench.floor_breakdown(bytes=bytes_moved(B, T, H, in_bytes, final_only=final_only),
+                                  launches=1 if _gpu() else 0, launch_mode=launch_mode)
+    return {"floor_us": parts["floor_us"], "floor_memory_us": parts["memory_us"],
+            "floor_launch_us": parts["launch_us"], "bytes": bytes_moved(B, T, H, in_bytes, final_only=final_only)}
+
+
+def reference(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 outputs [B, T, H, V] and per-position states [B, T, H, K, V] (k3lab.nn.kda)."""
+    return kv.reference_verify(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+                               inputs["initial_state"])
+
+
+def check_result(o, states, ref_o, ref_states, *, final_only: bool) -> dict:
+    """Outputs (in their dtype's bound) and states (fp32 bound) against fp64; per-position state
+    errors too. Raises bench.CheckFailed outside the bounds."""
+    ref_s = ref_states[:, -1] if final_only else ref_states
+    figs = bench.check_all({"o": (o, ref_o), "states": (states, ref_s)},
+                           dtype={"o": o.dtype, "states": torch.float32})
+    if not final_only:
+        figs["state_max_rel_by_position"] = [
+            bench.check(states[:, t], ref_states[:, t], dtype=torch.float32, name=f"state[{t}]")["max_rel"]
+            for t in range(states.shape[1])]
+    return figs
+
+
+# ----------------------------------------------------------------------------------------------
+# variants
+
+
+def _variant_fn(kind: str, *, final_only: bool, tile_v: int | None = None, num_warps: int | None = None,
+                ragged: bool = False) -> Callable:
+    """fn(q, k, v, g, beta, h0, states_buf) -> (o, states) for one variant."""
+    if kind == "fla":
+        from fla.ops.kda import fused_recurrent_kda
+
+        def run_fla(q, k, v, g, beta, h0, buf):
+            return fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        return run_fla
+    fn = kv.kda_verify if kind == "after" else kv.kda_verify_before
+    kw = {"final_state_only": final_only}
+    if tile_v is not None:
+        kw["tile_v"] = tile_v
+    if num_warps is not None:
+        kw["num_warps"] = num_warps
+
+    if ragged:  # the same work through the dynamic path: flattened tokens + cu_seqlens
+        def run_ragged(q, k, v, g, beta, h0, buf, cu, T):
+            B = q.shape[0]
+            flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+            out = buf.view(1, B * T, *buf.shape[2:]) if buf is not None and not final_only else buf
+            o, s = fn(*flat, h0, cu_seqlens=cu, max_seqlen=T, states_out=out, **kw)
+            return o.view(B, T, *o.shape[2:]), (s.view(B, T, *s.shape[2:]) if not final_only else s)
+        return run_ragged
+
+    def run(q, k, v, g, beta, h0, buf):
+        return fn(q, k, v, g, beta, h0, states_out=buf, **kw)
+    return run
+
+
+def _parse(case: str, H: int) -> dict:
+    """Case name -> what to run: shape, final_only and the list of (variant label, spec)."""
+    base, _, tail = case.partition(".")
+    B, T = (int(x[1:]) for x in base.split("_"))
+    after_w = kv.choose_tile_v(B, H)
+    after = dict(kind="after", tile_v=after_w, num_warps=kv.choose_num_warps(after_w))
+    before = dict(kind="before", tile_v=kv.BEFORE_TILE_V, num_warps=kv.before_num_warps())
+    spec = {"B": B, "T": T, "final_only": tail == "final_only", "variants": []}
+    if tail in ("", "final_only"):
+        spec["variants"] = [("before", before), ("after", after)]
+        if fla_available():
+            spec["variants"].append(("fla", dict(kind="fla", tile_v=32, num_warps=4)))
+    elif tail == "narrow_only":  # narrow tiles, still the 128-thread, per-token-load kernel
+        spec["variants"] = [("after", dict(kind="before", tile_v=after_w, num_warps=kv.before_num_warps()))]
+    elif tail == "narrow_1wave":  # + one wave per program
+        spec["variants"] = [("after", dict(kind="before", tile_v=after_w, num_warps=1))]
+    elif tail == "hoist_wide":  # hoisting + compile-time length, but 32-column tiles
+        spec["variants"] = [("after", dict(kind="after", tile_v=kv.BEFORE_TILE_V,
+                                           num_warps=kv.choose_num_warps(kv.BEFORE_TILE_V)))]
+    elif tail == "ragged":  # the full kernel through its dynamic (cu_seqlens) path
+        spec["variants"] = [("after", dict(after, ragged=True))]
+    elif tail.startswith("tile"):
+        w, n = tail[4:].split("_w")
+        spec["variants"] = [("after", dict(kind="after", tile_v=int(w), num_warps=int(n)))]
+    else:
+        raise ValueError(f"unknown case {case!r}")
+    return spec
+
+
+def _timing_args(graph: bool) -> dict:
+    if not _gpu():
+        return {"warmup": 1, "repeats": 5}
+    return {"warmup": 10, "repeats": 100, "graph": graph}
+
+
+def run(preset=None, cases=None, *, modes=None) -> list[bench.Record]:
+    """Check every variant of every case against the fp64 reference, then time it (eager and graph
+    replay on a GPU, perf_counter on CPU; the sweep and ablation cases in graph replay only)."""
+    valid = case_names(preset)
+    chosen = valid if cases is None else list(cases)
+    unknown = [c for c in chosen if c not in valid]
+    if unknown:
+        raise ValueError(f"cases must be among {valid}, got unknown {unknown}")
+    H = _heads(preset)
+    dev = _env.detect().device
+    dtype = _input_dtype()
+    in_bytes = torch.tensor([], dtype=dtype).element_size()
+    records: list[bench.Record] = []
+    for case in chosen:
+        spec = _parse(case, H)
+        B, T, final_only = spec["B"], spec["T"], spec["final_only"]
+        main = "." not in case or case.endswith(".final_only")
+        case_modes = modes or ((["eager", "graph"] if main else ["graph"]) if _gpu() else ["cpu"])
+        gen = torch.Generator().manual_seed(zlib.crc32(case.encode()))
+
+        def make():
+            x = make_inputs(B, T, H, dtype=dtype, device=dev, generator=gen)
+            shape = (B, H, kv.HEAD_DIM, kv.HEAD_DIM) if final_only else (B, T, H, kv.HEAD_DIM, kv.HEAD_DIM)
+            buf = torch.empty(shape, dtype=torch.float32, device=dev)
+            return (x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], buf)
+
+        per_set = bytes_moved(B, T, H, in_bytes, final_only=final_only)
+        sets = bench.rotation_sets(make, per_set, max_sets=32) if _gpu() else [make()]
+        first = dict(zip(("q", "k", "v", "g", "beta", "initial_state"), sets[0][:6]))
+        ref_o, ref_states = reference(first)
+        for label, vs in spec["variants"]:
+            fn = _variant_fn(vs["kind"], final_only=final_only, tile_v=vs["tile_v"], num_warps=vs["num_warps"],
+                             ragged=vs.get("ragged", False))
+            if vs.get("ragged"):
+                cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=dev)
+                inner = fn
+                fn = lambda *a, _f=inner, _cu=cu: _f(*a, _cu, T)  # noqa: E731
+            o, states = fn(*sets[0])
+            err = check_result(o, states, ref_o.to(o.device), ref_states.to(o.device),
+                               final_only=final_only or vs["kind"] == "fla")
+            for mode in case_modes:
+                t = bench.time_fn(fn, rotate=sets, **_timing_args(mode == "graph"))
+                fl = floor_parts(B, T, H, in_bytes, final_only=final_only or vs["kind"] == "fla", mode=t.mode)
+                extra = {"kernel": vs["kind"], "tile_v": vs["tile_v"], "num_warps": vs["num_warps"],
+                         "workgroups": kv.workgroups(B, H, vs["tile_v"]),
+                         "compute_units": _env.detect().compute_units, "wave_width": _env.detect().wave_width,
+                         "path": "ragged" if vs.get("ragged") else "uniform",
+                         "states_written": "final" if (final_only or vs["kind"] == "fla") else "every position",
+                         "floor_memory_us": fl["floor_memory_us"], "floor_launch_us": fl["floor_launch_us"],
+                         "bytes": fl["bytes"]}
+                records.append(bench.make_record(NAME, case, label, t, shape={"B": B, "T": T, "H": H, "K": 128,
+                                                                             "V": 128},
+                                                 dtype=str(dtype).replace("torch.", ""), floor_us=fl["floor_us"],
+                                                 error=err, **extra))
+    return records
+
+
+def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
+    """One verify step (B = 1, T = 4) per variant, for traces."""
+    H = _heads(preset)
+    dev = _env.detect().device
+    x = make_inputs(1, 4, H, device=dev)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], None)
+    spec = _parse("b1_t4", H)
+    out = {}
+    for label, vs in spec["variants"]:
+        fn = _variant_fn(vs["kind"], final_only=False, tile_v=vs["tile_v"], num_warps=vs["num_warps"])
+        out[label] = lambda _f=fn: _f(*args)
+    return out
+
+
+def summary(records: list[bench.Record]):
+    """One row per (case, mode): before / after / fla / floor and the ratios (bench.compare)."""
+    return bench.compare(records)

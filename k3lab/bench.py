@@ -769,30 +769,59 @@ def records_frame(records: Iterable[Record]):
     return pd.DataFrame(rows)
 
 
+def _variant_order(v: str) -> tuple:
+    return (VARIANTS.index(v) if v in VARIANTS else len(VARIANTS), v)
+
+
+def _mode_label(recs: list[Record]) -> str:
+    """One mode when all records share it, else 'before:eager after:graph' (variant:mode pairs)."""
+    modes = {r.mode for r in recs}
+    if len(modes) == 1:
+        return modes.pop()
+    pairs = {r.variant: r.mode for r in recs}
+    return " ".join(f"{v}:{pairs[v]}" for v in sorted(pairs, key=_variant_order))
+
+
 def compare(records: Iterable[Record]):
-    """One row per (device, study, case, mode): before_us, after_us, reference_us, <peer>_us per peer,
+    """One row per (device, study, case): before_us, after_us, reference_us, <peer>_us per peer,
     peer (the fastest peer) and peer_us, floor_us (the largest floor given), and the ratios
     speedup = before / after, after_vs_peer = peer / after (> 1: after beats the peer),
-    floor_fraction = floor / after (1 = at the floor)."""
+    floor_fraction = floor / after (1 = at the floor).
+
+    `mode` names the timing mode, or 'before:eager after:graph' when the variants were timed
+    differently (graph replay as the 'after' of a launch-bound case). When one variant of a case was
+    timed in several modes, the case gets one row per mode instead."""
     import pandas as pd
 
-    records = list(records)
-    groups: dict[tuple, dict] = {}
+    by_case: dict[tuple, list[Record]] = {}
     for r in records:
-        key = (r.device, r.study, r.case, r.mode)
-        g = groups.setdefault(key, {"device": r.device, "study": r.study, "case": r.case, "mode": r.mode,
-                                    "before_us": math.nan, "after_us": math.nan, "reference_us": math.nan,
-                                    "floor_us": math.nan, "_peers": {}})
-        if r.variant in VARIANTS:
-            g[f"{r.variant}_us"] = r.median_us
+        by_case.setdefault((r.device, r.study, r.case), []).append(r)
+    groups: list[list[Record]] = []
+    for recs in by_case.values():
+        modes_per_variant: dict[str, set] = {}
+        for r in recs:
+            modes_per_variant.setdefault(r.variant, set()).add(r.mode)
+        if any(len(m) > 1 for m in modes_per_variant.values()):
+            split: dict[str, list[Record]] = {}
+            for r in recs:
+                split.setdefault(r.mode, []).append(r)
+            groups += list(split.values())
         else:
-            g["_peers"][r.variant] = r.median_us
-        if r.floor_us is not None and not (g["floor_us"] >= r.floor_us):
-            g["floor_us"] = float(r.floor_us)
+            groups.append(recs)
     rows = []
-    peer_names = sorted({p for g in groups.values() for p in g["_peers"]})
-    for g in groups.values():
-        peers = g.pop("_peers")
+    peer_names = sorted({r.variant for recs in groups for r in recs if r.variant not in VARIANTS})
+    for recs in groups:
+        first = recs[0]
+        g = {"device": first.device, "study": first.study, "case": first.case, "mode": _mode_label(recs),
+             "before_us": math.nan, "after_us": math.nan, "reference_us": math.nan, "floor_us": math.nan}
+        peers: dict[str, float] = {}
+        for r in recs:
+            if r.variant in VARIANTS:
+                g[f"{r.variant}_us"] = r.median_us
+            else:
+                peers[r.variant] = r.median_us
+            if r.floor_us is not None and not (g["floor_us"] >= r.floor_us):
+                g["floor_us"] = float(r.floor_us)
         for p in peer_names:
             g[f"{p}_us"] = peers.get(p, math.nan)
         if peers:

@@ -78,6 +78,12 @@ def before_after(df_or_records, *, log: bool = False, title: str | None = None, 
         for r in records:
             spread[(r.device, r.study, r.case, r.mode, r.variant)] = (r.p20_us, r.p80_us)
 
+    def _mode_of(row, variant):
+        # compare() labels mixed rows 'before:eager after:graph'
+        label = str(row["mode"])
+        pairs = dict(p.split(":", 1) for p in label.split() if ":" in p)
+        return pairs.get(variant, label)
+
     fig = go.Figure()
     for variant in ("before", "after", "reference"):
         col = f"{variant}_us"
@@ -88,7 +94,7 @@ def before_after(df_or_records, *, log: bool = False, title: str | None = None, 
         if spread:
             lo, hi = [], []
             for _, row in table.iterrows():
-                p = spread.get((row["device"], row["study"], row["case"], row["mode"], variant))
+                p = spread.get((row["device"], row["study"], row["case"], _mode_of(row, variant), variant))
                 med = row[col]
                 lo.append((med - p[0]) * scale if p and not math.isnan(med) else 0.0)
                 hi.append((p[1] - med) * scale if p and not math.isnan(med) else 0.0)

@@ -342,7 +342,17 @@ def test_git_commit_marks_dirty_trees(tmp_path, monkeypatch):
     bench.git_commit.cache_clear()
 
 
+def test_compare_pairs_an_eager_before_with_a_graph_after():
+    recs = [_record("k", "before", 10.0, mode="eager"), _record("k", "after", 2.0, mode="graph", floor=1.0)]
+    df = bench.compare(recs)
+    assert len(df) == 1
+    row = df.iloc[0]
+    assert row["mode"] == "before:eager after:graph" and row["speedup"] == pytest.approx(5.0)
+    assert row["floor_fraction"] == pytest.approx(0.5)
+
+
 def test_compare_ratios():
+    # the 'before' and 'after' variants were each timed in two modes: one row per mode
     recs = [_record("k", "before", 10.0, floor=2.0), _record("k", "after", 4.0, floor=2.0),
             _record("k", "fla", 5.0), _record("k", "torch", 8.0),
             _record("k", "before", 3.0, mode="graph"), _record("k", "after", 1.5, mode="graph")]

@@ -50,9 +50,13 @@ def test_before_after_from_compare_frame_and_case_order(records):
 
 
 def test_before_after_labels_modes_when_mixed():
-    recs = [_rec("k", "before", 4.0), _rec("k", "after", 2.0, mode="graph")]
+    # an eager 'before' and a graph 'after' share one group; the case in another row keeps eager only
+    recs = [_rec("k", "before", 4.0), _rec("k", "after", 2.0, mode="graph"), _rec("j", "before", 3.0),
+            _rec("j", "after", 1.0)]
     fig = plots.before_after(recs)
-    assert set(fig.data[0].x) | set(fig.data[1].x) == {"k [eager]", "k [graph]"}
+    assert list(fig.data[0].x) == ["k [before:eager after:graph]", "j [eager]"]
+    assert list(fig.data[1].y) == [2.0, 1.0]
+    assert list(fig.data[1].error_y.array) == pytest.approx([0.6, 0.3])  # the graph record's p80 found
 
 
 def test_size_sweep_time_and_throughput():

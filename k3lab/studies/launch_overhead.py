@@ -207,24 +207,33 @@ def run(preset=None, cases=None) -> list[bench.Record]:
 
 
 def summary(records: list[bench.Record]):
-    """One row per case: eager and graph time, floor, achieved GB/s of each, and the share of the
-    eager time that a perfect (floor-speed) copy would save."""
+    """One row per case (launch cases first, then copies by size): eager and graph time per call, the
+    lone-call latency where recorded, the bandwidth floor, achieved GB/s of each, eager / graph, the
+    timer overheads, and floor / eager (the share of the eager time a floor-speed copy would keep)."""
     import pandas as pd
 
     rows: dict[str, dict] = {}
     for r in records:
         if r.study != NAME:
             continue
-        row = rows.setdefault(r.case, {"case": r.case, "bytes": r.shape.get("bytes"), "eager_us": None,
-                                       "graph_us": None, "floor_us": r.floor_us, "eager_gbs": None,
-                                       "graph_gbs": None})
+        row = rows.setdefault(r.case, {"case": r.case, "bytes": r.shape.get("bytes")})
+        row["floor_us"] = r.floor_us
         key = "eager" if r.variant == "before" else "graph"
         row[f"{key}_us"] = r.median_us
         row[f"{key}_gbs"] = r.extra.get("achieved_gbs")
-        row["timer_overhead_us" if key == "eager" else "graph_timer_overhead_us"] = r.extra.get("overhead_us")
-    df = pd.DataFrame(list(rows.values()))
-    if not df.empty and "floor_us" in df:
-        df["floor_share_of_eager"] = df["floor_us"] / df["eager_us"]
+        row[f"{key}_timer_overhead_us"] = r.extra.get("overhead_us")
+        if key == "eager" and r.extra.get("lone_call_us") is not None:
+            row["lone_call_us"] = r.extra["lone_call_us"]
+    order = {"tiny_op": 0, "empty_kernel": 1, "empty_triton": 2}
+    ranked = sorted(rows.values(), key=lambda w: (order.get(w["case"], 3), w["bytes"] or 0))
+    cols = ["case", "bytes", "eager_us", "graph_us", "lone_call_us", "floor_us", "eager_gbs", "graph_gbs",
+            "eager_timer_overhead_us", "graph_timer_overhead_us"]
+    df = pd.DataFrame(ranked)
+    df = df[[c for c in cols if c in df.columns]]
+    if "graph_us" in df:
+        df["eager_over_graph"] = df["eager_us"] / df["graph_us"]
+    if "eager_us" in df:
+        df["floor_over_eager"] = df["floor_us"] / df["eager_us"]
     return df
 
 

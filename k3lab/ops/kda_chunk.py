@@ -462,6 +462,7 @@ def _summary_step(
     dd,
     H,
     is_n,
+    not_n,
     col0,
     vcol0,
     K: tl.constexpr,
@@ -478,12 +479,16 @@ def _summary_step(
     W = tl.load(w + base * C * K + rc[:, None] * K + rk[None, :])
     KdT = tl.load(kdt + base * K * C + rk[:, None] * C + rc[None, :])
     d = tl.load(dd + base * K + rk)
-    if is_n:
-        Wc = tl.load(w + base * C * K + rc[:, None] * K + col0 + rbv[None, :]).to(tl.float32)
-        rhs = -(Wc * Dc[None, :])
-        Dc = Dc * tl.load(dd + base * K + col0 + rbv)
-    else:
-        rhs = tl.load(u + base * C * V + rc[:, None] * V + vcol0 + rbv[None, :]).to(tl.float32)
+    # program-uniform masks instead of a branch: the loop stays one straight body the compiler can
+    # software-pipeline; a masked-off load costs no memory traffic
+    Wc = tl.load(w + base * C * K + rc[:, None] * K + col0 + rbv[None, :], mask=is_n, other=0.0).to(
+        tl.float32
+    )
+    Uc = tl.load(u + base * C * V + rc[:, None] * V + vcol0 + rbv[None, :], mask=not_n, other=0.0).to(
+        tl.float32
+    )
+    rhs = Uc - Wc * Dc[None, :]
+    Dc = Dc * tl.load(dd + base * K + col0 + rbv, mask=is_n, other=1.0)
     E = rhs - tl.dot(W, X.to(INTER), input_precision=PREC)
     X = d[:, None] * X + tl.dot(KdT, E.to(INTER), input_precision=PREC)
     return X, Dc
@@ -521,18 +526,23 @@ def _summary_kernel(
     c0 = tl.load(grp_chunk0 + gi).to(tl.int64)
     nch = tl.load(grp_nchunks + gi)
     is_n = it < K // BV
-    col0 = it * BV  # N: columns of M
-    vcol0 = (it - K // BV) * BV  # b: value columns
+    not_n = it >= K // BV
+    col0 = (it % (K // BV)) * BV  # N: columns of M (b tiles keep an in-range, masked-off offset)
+    vcol0 = (it % (K // BV)) * BV  # b: value columns
     X = tl.zeros([K, BV], dtype=tl.float32)
     Dc = tl.full([BV], 1.0, dtype=tl.float32)
     if WHILE:
         t = 0
         while t < nch:
-            X, Dc = _summary_step(X, Dc, c0 + t, h, w, u, kdt, dd, H, is_n, col0, vcol0, K, V, C, BV, PREC)
+            X, Dc = _summary_step(
+                X, Dc, c0 + t, h, w, u, kdt, dd, H, is_n, not_n, col0, vcol0, K, V, C, BV, PREC
+            )
             t += 1
     else:
         for t in range(nch):
-            X, Dc = _summary_step(X, Dc, c0 + t, h, w, u, kdt, dd, H, is_n, col0, vcol0, K, V, C, BV, PREC)
+            X, Dc = _summary_step(
+                X, Dc, c0 + t, h, w, u, kdt, dd, H, is_n, not_n, col0, vcol0, K, V, C, BV, PREC
+            )
     sbase = si.to(tl.int64) * H + h
     if is_n:
         tl.store(sum_n + (sbase * K + rk)[:, None] * K + col0 + rbv[None, :], X)

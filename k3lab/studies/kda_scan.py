@@ -419,7 +419,7 @@ def group_size_sweep(name: str, sizes=None, strict: bool = True) -> list[bench.R
     runner = Runner(case, inp)
     ref = reference(case, inp, *_ref_limits(case))
     n = max(-(-L // kc.CHUNK) for L in case.lengths)
-    sizes = sizes or [s for s in (2, 4, 8, 16, 32, 64, 128) if s < n]
+    sizes = sizes or [s for s in (4, 8, 16, 32, 64) if s < n]
     floor = floor_for(case)
     records = []
     for gs in list(sizes) + [None]:
@@ -435,7 +435,9 @@ def group_size_sweep(name: str, sizes=None, strict: bool = True) -> list[bench.R
             if strict:
                 raise
             err = {"failed": str(exc)}
-        timing = bench.time_fn(fn, **_timing_kw(case))
+        kw = _timing_kw(case)
+        kw["repeats"] = min(kw["repeats"], 20)
+        timing = bench.time_fn(fn, **kw)
         label = f"{name}.gs{gs}" if gs else f"{name}.walk"
         records.append(
             bench.make_record(
@@ -586,6 +588,7 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", default="cases,graph,sweep,tune,crossover")
     ap.add_argument("--tune", default="[]", help="JSON list of launch-option dicts for the tune phase")
     ap.add_argument("--sweep-cases", default="h12_b1_t16384,h12_b1_t4096,h12_b8_t4096,h96_b1_t4096")
+    ap.add_argument("--cases", default=None, help="comma list replacing the cases phase's list")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -627,7 +630,7 @@ def main(argv=None) -> int:
     phases = args.phases.split(",")
     done = set()
     if "cases" in phases:
-        for name in GPU_CASES + ["h12_ragged"]:
+        for name in args.cases.split(",") if args.cases else GPU_CASES + ["h12_ragged"]:
             step(name, lambda n=name: run(cases=[n], strict=False))
             done.add(name)
     if "graph" in phases:

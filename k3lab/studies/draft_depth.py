@@ -7,8 +7,9 @@ study measures is the machinery that backs the formula up:
   'before' = the plain loop over cycles and positions, 'after' = the vectorised numpy simulator;
   both read the same uniform draws, so their counts must be identical (checked first), and the
   mean must lie within 3 standard errors of the formula. Timed with k3lab.bench's CPU timer; numpy
-  runs this on one core (each record carries the process CPU seconds per wall second of its timing
-  run: at most 1.0 shows one core; well below 1.0 means other processes shared it, so re-run).
+  runs this on one core. Each record carries the process CPU seconds per wall second of its timing
+  run (at most 1.0 shows one core; well below 1.0 means other processes shared it and the wall
+  figures are inflated) and the CPU time per call, which such sharing does not inflate.
 - `random_curves`: 20 random acceptance curves of depth 1..8, 10^5 cycles each: the largest
   |z| between simulator and formula (must be < 3) and the time of the whole sweep.
 - `tokens_v8_depth4`: token-level rejection sampling over an 8-token vocabulary with random
@@ -50,12 +51,17 @@ def case_names(preset=None) -> list[str]:
     return [f"cycles_depth{k}" for k in DEPTHS] + ["random_curves", f"tokens_v{TOKEN_VOCAB}_depth{TOKEN_DEPTH}"]
 
 
-def _time_on_cpu(fn: Callable[[], object], repeats: int) -> tuple[bench.Timing, float]:
-    """bench's CPU timer around fn, and the process CPU seconds per wall second over the whole
-    timing run: about 1.0 when one core did the work (below 1 when other processes took the core)."""
+def _time_on_cpu(fn: Callable[[], object], repeats: int) -> tuple[bench.Timing, dict]:
+    """bench's CPU timer around fn, plus two figures from the process CPU clock over the whole
+    timing run: cpu_per_wall (CPU seconds per wall second: about 1.0 when one core did the work,
+    well below 1.0 when other processes shared the core, which inflates the wall-clock figures) and
+    cpu_us_per_call (mean CPU time of one call, which such sharing does not inflate)."""
+    warmup = 1
     c0, w0 = time.process_time(), time.perf_counter()
-    timing = bench.time_fn(fn, warmup=1, repeats=repeats, device="cpu")
-    return timing, (time.process_time() - c0) / (time.perf_counter() - w0)
+    timing = bench.time_fn(fn, warmup=warmup, repeats=repeats, device="cpu")
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    calls = warmup + timing.repeats
+    return timing, {"cpu_per_wall": cpu / wall, "cpu_us_per_call": cpu / calls * 1e6}
 
 
 def _cycles_case(case: str, depth: int) -> list[bench.Record]:
@@ -76,10 +82,10 @@ def _cycles_case(case: str, depth: int) -> list[bench.Record]:
     out = []
     for variant, fn, repeats in (("before", lambda: spec.simulate_cycles_loop(curve, depth, CYCLES), 2),
                                  ("after", lambda: spec.simulate_cycles(curve, depth, CYCLES), 20)):
-        timing, cpu_per_wall = _time_on_cpu(fn, repeats)
+        timing, cpu = _time_on_cpu(fn, repeats)
         out.append(bench.make_record(
             NAME, case, variant, timing, shape=shape, dtype="float64", error=error,
-            cycles_per_s=CYCLES / (timing.median_us * 1e-6), cpu_per_wall=cpu_per_wall,
+            cycles_per_s=CYCLES / (timing.median_us * 1e-6), **cpu,
             runs_on="host CPU, numpy (single-threaded)",
             implementation="python loop over cycles" if variant == "before" else "numpy, 64K-cycle chunks",
             floor_note="no hardware floor: a host-side simulation"))
@@ -107,12 +113,12 @@ def _random_curves_case(case: str) -> list[bench.Record]:
         a, k = curves[worst]
         raise bench.CheckFailed(f"{case}: curve {np.round(a, 3).tolist()} (depth {k}) is {zs[worst]:+.2f} "
                                 f"standard errors from the formula")
-    timing, cpu_per_wall = _time_on_cpu(sweep, 5)
+    timing, cpu = _time_on_cpu(sweep, 5)
     error = {"max_abs_z": float(abs(zs[worst])), "z": [float(z) for z in zs], "curves": RANDOM_CURVES}
     return [bench.make_record(NAME, case, "after", timing,
                               shape={"curves": RANDOM_CURVES, "cycles_each": RANDOM_CYCLES,
                                      "depths": [k for _, k in curves]},
-                              dtype="float64", error=error, cpu_per_wall=cpu_per_wall,
+                              dtype="float64", error=error, **cpu,
                               runs_on="host CPU, numpy (single-threaded)")]
 
 
@@ -136,12 +142,12 @@ def _tokens_case(case: str) -> list[bench.Record]:
         raise bench.CheckFailed(f"{case}: committed tokens vs target: chi-square {stat:.1f} on {dof} dof "
                                 f"(p = {pval:.2e}); mean {stats.mean:.4f} vs exact {stats.expected:.4f} "
                                 f"({z:+.2f} standard errors)")
-    timing, cpu_per_wall = _time_on_cpu(run_once, 5)
+    timing, cpu = _time_on_cpu(run_once, 5)
     error = {"chi_square": stat, "dof": dof, "p_value": pval, "z": z, "simulated": stats.mean,
              "formula": stats.expected, "acceptance": [float(x) for x in stats.acceptance]}
     return [bench.make_record(NAME, case, "after", timing,
                               shape={"cycles": TOKEN_CYCLES, "depth": TOKEN_DEPTH, "vocab": TOKEN_VOCAB},
-                              dtype="float64", error=error, cpu_per_wall=cpu_per_wall,
+                              dtype="float64", error=error, **cpu,
                               runs_on="host CPU, numpy (single-threaded)")]
 
 

@@ -28,20 +28,41 @@ import subprocess
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
 from k3lab import env as _env
 
 __all__ = [
-    "Timing", "time_fn", "capture_graph", "rotation_count", "rotation_sets",
-    "CheckFailed", "Tolerance", "TOLERANCES", "tolerance_for", "check", "check_all",
-    "launch_cost_us", "floor_breakdown", "floor_us",
-    "Record", "VARIANTS", "PEERS", "validate_variant", "make_record", "device_slug", "git_commit",
-    "save_records", "load_records", "records_frame", "compare",
+    "PEERS",
+    "TOLERANCES",
+    "VARIANTS",
+    "CheckFailed",
+    "Record",
+    "Timing",
+    "Tolerance",
+    "capture_graph",
+    "check",
+    "check_all",
+    "compare",
+    "device_slug",
+    "floor_breakdown",
+    "floor_us",
+    "git_commit",
+    "launch_cost_us",
+    "load_records",
+    "make_record",
+    "records_frame",
+    "rotation_count",
+    "rotation_sets",
+    "save_records",
+    "time_fn",
+    "tolerance_for",
+    "validate_variant",
 ]
 
 # ----------------------------------------------------------------------------------------------
@@ -167,7 +188,7 @@ def _time_eager_gpu(call, warmup: int, repeats: int, min_time_s: float | None, f
 
 
 def capture_graph(fn: Callable, *, copies: int = 1, rotate: list[tuple] | None = None,
-                  warmup: int = 3) -> "torch.cuda.CUDAGraph":
+                  warmup: int = 3) -> torch.cuda.CUDAGraph:
     """Capture `copies` successive calls of fn (cycling through `rotate` argument sets, as time_fn
     does) into a CUDA/HIP graph after `warmup` eager calls on a side stream; replay with .replay()."""
     if not torch.cuda.is_available():
@@ -177,7 +198,7 @@ def capture_graph(fn: Callable, *, copies: int = 1, rotate: list[tuple] | None =
     return _capture_graph(_caller(fn, rotate), copies, warmup)
 
 
-def _capture_graph(call, copies: int, warmup: int) -> "torch.cuda.CUDAGraph":
+def _capture_graph(call, copies: int, warmup: int) -> torch.cuda.CUDAGraph:
     # Warm up on a side stream first (cuBLAS workspaces, Triton compilation, allocator pools):
     # nothing may be allocated for the first time inside capture.
     side = torch.cuda.Stream()
@@ -268,7 +289,7 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
     overhead_us: the same timer around an empty function, per call (reported, never subtracted).
     """
     if not callable(fn):
-        raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+        raise ValueError(f"fn must be callable, got {type(fn).__name__}")  # noqa: TRY004 - bad input is a ValueError here
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if warmup < 0:
@@ -301,7 +322,7 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
         k = 1
 
     call = _caller(fn, rotate)
-    empty = lambda i: None  # noqa: E731 - the timer around nothing
+    empty = lambda i: None
     n_sets = len(rotate) if rotate else 1
     if k is None:
         k = _auto_calls(call, gpu, warmup)
@@ -431,8 +452,8 @@ def check(got: torch.Tensor, ref: torch.Tensor, *, dtype, name: str = "output",
     ref holds NaN or Inf (always, whatever the bounds). `max_rel` / `rel_l2` override the dtype's
     bounds for one call (say why where you do)."""
     if not isinstance(got, torch.Tensor) or not isinstance(ref, torch.Tensor):
-        raise ValueError(f"{name}: got and ref must be tensors, got {type(got).__name__} and "
-                         f"{type(ref).__name__}")
+        kinds = f"{type(got).__name__} and {type(ref).__name__}"
+        raise ValueError(f"{name}: got and ref must be tensors, got {kinds}")  # noqa: TRY004 - bad input is a ValueError here
     if tuple(got.shape) != tuple(ref.shape):
         raise ValueError(f"{name}: got has shape {tuple(got.shape)} but ref has {tuple(ref.shape)}")
     key, tol = tolerance_for(dtype)
@@ -602,7 +623,7 @@ class Record:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Record":
+    def from_dict(cls, d: dict) -> Record:
         names = {f.name for f in dataclasses.fields(cls)}
         missing = {f.name for f in dataclasses.fields(cls)
                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING} - set(d)
@@ -622,11 +643,11 @@ def git_commit(path: str | None = None) -> str:
     where = path or str(_repo_root())
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,
-                              timeout=10)
+                              check=False, timeout=10)
         if head.returncode != 0:
             raise OSError(head.stderr)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
-                               capture_output=True, text=True, timeout=10)
+                               capture_output=True, text=True, check=False, timeout=10)
         return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         given = os.environ.get("K3LAB_COMMIT", "").strip()
@@ -658,9 +679,9 @@ def make_record(study: str, case: str, variant: str, timing: Timing, *, shape: d
     """A Record for this machine now: device, backend, versions, commit and date filled in; the
     timing's repeats, overhead and graph copies kept in `extra`."""
     if not isinstance(timing, Timing):
-        raise ValueError(f"timing must be a bench.Timing, got {type(timing).__name__}")
+        raise ValueError(f"timing must be a bench.Timing, got {type(timing).__name__}")  # noqa: TRY004 - bad input is a ValueError here
     if not isinstance(shape, dict):
-        raise ValueError(f"shape must be a dict of named sizes, got {type(shape).__name__}")
+        raise ValueError(f"shape must be a dict of named sizes, got {type(shape).__name__}")  # noqa: TRY004 - bad input is a ValueError here
     info = _env.detect()
     ext = {"repeats": timing.repeats, "overhead_us": timing.overhead_us,
            "calls_per_sample": timing.calls_per_sample, "graph_copies": timing.graph_copies,
@@ -693,7 +714,7 @@ def _jsonable(obj):
 def _git_tracked(path: Path) -> bool:
     try:
         out = subprocess.run(["git", "ls-files", "--error-unmatch", path.name], cwd=path.parent,
-                             capture_output=True, text=True, timeout=10)
+                             capture_output=True, text=True, check=False, timeout=10)
         return out.returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
@@ -723,7 +744,7 @@ def save_records(records: Iterable[Record], root="profiles", overwrite: bool = F
     groups: dict[Path, list[Record]] = {}
     for r in records:
         if not isinstance(r, Record):
-            raise ValueError(f"records must hold bench.Record, got {type(r).__name__}")
+            raise ValueError(f"records must hold bench.Record, got {type(r).__name__}")  # noqa: TRY004 - bad input is a ValueError here
         path = Path(root) / device_slug(r.device, r.backend) / r.study / f"{r.case}__{r.variant}.json"
         groups.setdefault(path, []).append(r)
     for path in groups:  # refuse before writing anything

@@ -15,7 +15,7 @@ only needed where figures are drawn.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -23,7 +23,7 @@ import plotly.graph_objects as go
 from k3lab import bench
 from k3lab import env as _env
 
-__all__ = ["before_after", "size_sweep", "kernel_bars", "timeline", "roofline", "records_table"]
+__all__ = ["before_after", "kernel_bars", "records_table", "roofline", "size_sweep", "timeline"]
 
 _VARIANT_COLORS = {"before": "#d62728", "after": "#2ca02c", "reference": "#7f7f7f"}
 _PEER_COLORS = ["#1f77b4", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
@@ -98,7 +98,7 @@ def before_after(df_or_records, *, log: bool = False, title: str | None = None, 
                 med = row[col]
                 lo.append((med - p[0]) * scale if p and not math.isnan(med) else 0.0)
                 hi.append((p[1] - med) * scale if p and not math.isnan(med) else 0.0)
-            err = dict(type="data", symmetric=False, array=hi, arrayminus=lo, thickness=1)
+            err = {"type": "data", "symmetric": False, "array": hi, "arrayminus": lo, "thickness": 1}
         fig.add_trace(go.Bar(name=variant, x=x, y=y, error_y=err, marker_color=_VARIANT_COLORS[variant],
                              hovertemplate=f"%{{x}}<br>{variant}: %{{y:.3g}} {unit}<extra></extra>"))
     peer_cols = [c for c in table.columns if c.endswith("_us") and c not in
@@ -108,12 +108,12 @@ def before_after(df_or_records, *, log: bool = False, title: str | None = None, 
             continue
         peer = col[:-3]
         fig.add_trace(go.Scatter(name=f"peer: {peer}", x=x, y=table[col] * scale, mode="lines+markers",
-                                 line=dict(color=_PEER_COLORS[i % len(_PEER_COLORS)], width=2),
+                                 line={"color": _PEER_COLORS[i % len(_PEER_COLORS)], "width": 2},
                                  hovertemplate=f"%{{x}}<br>{peer}: %{{y:.3g}} {unit}<extra></extra>"))
     if not table["floor_us"].isna().all():
         fig.add_trace(go.Scatter(name="floor", x=x, y=table["floor_us"] * scale, mode="lines+markers",
-                                 line=dict(color="black", dash="dash", width=1.5), marker=dict(symbol="line-ew-open",
-                                                                                                size=14),
+                                 line={"color": "black", "dash": "dash", "width": 1.5}, marker={"symbol": "line-ew-open",
+                                                                                                "size": 14},
                                  hovertemplate=f"%{{x}}<br>floor: %{{y:.3g}} {unit}<extra></extra>"))
     fig.update_layout(barmode="group", title=title, xaxis_title="case", yaxis_title=f"time per call ({unit})",
                       legend_title_text="variant", template="plotly_white")
@@ -143,21 +143,21 @@ def size_sweep(records: Iterable[bench.Record], *, size_key: str = "bytes", thro
         color = _VARIANT_COLORS.get(sub["variant"].iloc[0], _PEER_COLORS[i % len(_PEER_COLORS)])
         if throughput:
             fig.add_trace(go.Scatter(name=series, x=sub["size"], y=sub["gbs"], mode="lines+markers",
-                                     line=dict(color=color)))
+                                     line={"color": color}))
         else:
             fig.add_trace(go.Scatter(name=series, x=sub["size"], y=sub["us"], mode="lines+markers",
-                                     line=dict(color=color),
-                                     error_y=dict(type="data", symmetric=False, array=sub["p80"] - sub["us"],
-                                                  arrayminus=sub["us"] - sub["p20"], thickness=1)))
+                                     line={"color": color},
+                                     error_y={"type": "data", "symmetric": False, "array": sub["p80"] - sub["us"],
+                                                  "arrayminus": sub["us"] - sub["p20"], "thickness": 1}))
     floors = df.dropna(subset=["floor"]).groupby("size", as_index=False)["floor"].max()
     if not floors.empty:
         if throughput:
             bw = _env.detect().peak.bandwidth_tbs * 1e3  # GB/s; flat ceiling
             fig.add_trace(go.Scatter(name=f"bandwidth ({bw:.0f} GB/s)", x=[df["size"].min(), df["size"].max()],
-                                     y=[bw, bw], mode="lines", line=dict(color="black", dash="dash")))
+                                     y=[bw, bw], mode="lines", line={"color": "black", "dash": "dash"}))
         else:
             fig.add_trace(go.Scatter(name="floor", x=floors["size"], y=floors["floor"], mode="lines",
-                                     line=dict(color="black", dash="dash")))
+                                     line={"color": "black", "dash": "dash"}))
     fig.update_xaxes(type="log", title=f"{size_key}")
     fig.update_yaxes(type="log", title="achieved GB/s" if throughput else "time per call (us)")
     fig.update_layout(title=title, template="plotly_white")
@@ -169,7 +169,7 @@ def _check_frames(frames: dict, needed: set, what: str) -> None:
         raise ValueError(f"{what} must be a non-empty dict variant -> DataFrame")
     for variant, df in frames.items():
         if not isinstance(df, pd.DataFrame):
-            raise ValueError(f"{what}[{variant!r}] must be a DataFrame, got {type(df).__name__}")
+            raise ValueError(f"{what}[{variant!r}] must be a DataFrame, got {type(df).__name__}")  # noqa: TRY004 - bad input is a ValueError here
         missing = needed - set(df.columns)
         if missing:
             raise ValueError(f"{what}[{variant!r}] lacks columns {sorted(missing)}")
@@ -240,7 +240,7 @@ def timeline(kernels: dict[str, pd.DataFrame], *, title: str | None = None, max_
                              "</extra>"))
     note = "" if not cut else " (left out: " + ", ".join(f"{v}: {n}" for v, n in cut.items()) + " kernels)"
     fig.update_layout(barmode="overlay", title=(title or "kernel timeline") + note, xaxis_title="time (us)",
-                      yaxis=dict(title="variant", categoryorder="array", categoryarray=list(kernels)[::-1]),
+                      yaxis={"title": "variant", "categoryorder": "array", "categoryarray": list(kernels)[::-1]},
                       legend_title_text="category", template="plotly_white")
     return fig
 
@@ -278,11 +278,11 @@ def roofline(points, *, peak=None, title: str | None = None) -> go.Figure:
     fig = go.Figure()
     fig.add_trace(go.Scatter(name=f"bandwidth {pk.bandwidth_tbs:g} TB/s", x=[lo, ridge],
                              y=[lo * pk.bandwidth_tbs, pk.bf16_tflops], mode="lines",
-                             line=dict(color="black", dash="dash")))
+                             line={"color": "black", "dash": "dash"}))
     fig.add_trace(go.Scatter(name=f"bf16 {pk.bf16_tflops:g} TFLOP/s", x=[ridge, hi],
-                             y=[pk.bf16_tflops, pk.bf16_tflops], mode="lines", line=dict(color="black")))
+                             y=[pk.bf16_tflops, pk.bf16_tflops], mode="lines", line={"color": "black"}))
     fig.add_trace(go.Scatter(name="measured", x=shown["intensity"], y=shown["tflops"], mode="markers+text",
-                             text=shown["name"], textposition="top center", marker=dict(size=10),
+                             text=shown["name"], textposition="top center", marker={"size": 10},
                              hovertemplate="%{text}<br>%{x:.3g} flop/B, %{y:.3g} TFLOP/s<extra></extra>"))
     left_out = int((~ok).sum())
     note = f" ({left_out} points without flops/bytes not shown)" if left_out else ""
@@ -305,7 +305,7 @@ def records_table(records: Iterable[bench.Record], *, title: str | None = None) 
         df[c] = [("" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}") for v in df[c]]
     df["commit"] = df["commit"].str.slice(0, 12) + df["commit"].str.endswith("-dirty").map({True: "-dirty",
                                                                                           False: ""})
-    fig = go.Figure(go.Table(header=dict(values=cols, align="left"),
-                             cells=dict(values=[df[c].tolist() for c in cols], align="left")))
+    fig = go.Figure(go.Table(header={"values": cols, "align": "left"},
+                             cells={"values": [df[c].tolist() for c in cols], "align": "left"}))
     fig.update_layout(title=title, template="plotly_white")
     return fig

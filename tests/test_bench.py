@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
-import os
 import re
 import subprocess
 import time
@@ -175,7 +175,7 @@ def test_rounding_to_a_dtype_passes_its_bound_and_fails_the_tighter_one(key):
 
 def test_bounds_grow_as_precision_shrinks():
     tols = [bench.TOLERANCES[k] for k in _ORDER]
-    for tight, loose in zip(tols, tols[1:]):
+    for tight, loose in itertools.pairwise(tols):
         assert tight.max_rel <= loose.max_rel and tight.rel_l2 <= loose.rel_l2
     assert bench.tolerance_for(torch.bfloat16)[0] == "bf16"
     assert bench.tolerance_for("float16")[0] == "fp16"
@@ -304,7 +304,7 @@ def _git(cwd, *args):
 def test_tracked_file_is_not_overwritten(tmp_path):
     _git(tmp_path, "init", "-q")
     root = tmp_path / "profiles"
-    (path,) = bench.save_records([_record(median=10.0)], root=root)
+    (_path,) = bench.save_records([_record(median=10.0)], root=root)
     bench.save_records([_record(median=11.0)], root=root)  # untracked: replaced freely
     assert bench.load_records(root=root)[0].median_us == 11.0
     _git(tmp_path, "add", ".")
@@ -387,7 +387,7 @@ def _host_us(fn, n=5):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_events_agree_with_a_host_clock_on_a_long_spin():
-    spin = lambda: torch.cuda._sleep(2_000_000)  # noqa: E731 - ~1 ms of clock cycles
+    spin = lambda: torch.cuda._sleep(2_000_000)
     t = bench.time_fn(spin, warmup=2, repeats=10)
     host = _host_us(spin)  # adds launch + synchronize, tens of us at most
     assert t.mode == "eager" and t.p20_us <= t.median_us <= t.p80_us

@@ -8,7 +8,6 @@ import torch
 from k3lab import bench, studies
 from k3lab.studies import launch_overhead as lo
 
-
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="expectations for a CPU run; a GPU is present")
 
 

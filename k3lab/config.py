@@ -99,8 +99,9 @@ class K3Config:
     def tp_slice(cls, tp: int = 8) -> "K3Config":
         """One rank's share under tensor parallelism `tp` (the seed serves K3 at TP8).
 
-        Heads and intermediate widths are divided; the hidden size, the MLA latent (replicated
-        under TP), the router and the latent MoE projections are not.
+        Heads, intermediate widths and the vocabulary (embedding and lm_head are vocab-parallel) are
+        divided; the hidden size, the MLA latent (replicated under TP), the router and the latent MoE
+        projections are not.
         """
         return cls.full().sliced(tp)
 
@@ -137,6 +138,7 @@ class K3Config:
             "kda_num_heads": self.kda_num_heads,
             "moe_intermediate_size": self.moe_intermediate_size,
             "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,  # embedding and lm_head are split by vocabulary under TP
         }
         for name, value in divided.items():
             if value % tp:
@@ -243,7 +245,8 @@ class K3Config:
         h = self.hidden_size
         w = self.kda_width
         nh = self.num_attention_heads
-        layer_norms = 4 * h + 2  # input/post norms, two AttnRes norm+proj pairs
+        # input and post-attention norms, and two AttnRes pairs (norm [h] + projection [1, h])
+        layer_norms = 6 * h
         kda = (
             3 * w * h + 3 * w * self.kda_conv_size + self.kda_gate_rank * h + w * self.kda_gate_rank
             + w + self.kda_num_heads + self.kda_num_heads * h + w * h + self.kda_head_dim + h * w
@@ -263,7 +266,7 @@ class K3Config:
         return {
             "embedding": self.vocab_size * h,
             "lm_head": 0 if self.tie_word_embeddings else self.vocab_size * h,
-            "final_norm": h + 2,
+            "final_norm": 3 * h,  # the final norm and the output AttnRes pair
             "layer_norms": layer_norms,
             "kda": kda,
             "mla": mla,

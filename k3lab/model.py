@@ -221,7 +221,7 @@ def state_sizes(config: K3Config, *, latent_bytes: float = 1, conv_bytes: int = 
 
 
 # ------------------------------------------------------------ deterministic weights
-def _init_value(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+def _init_value(name: str, shape: torch.Size, gen: torch.Generator, device=None) -> torch.Tensor:
     """A fresh fp32 tensor for parameter `name`: scales chosen so that every projection keeps unit-size
     activations, gates sit in their working range and norms are near (not exactly) one."""
     leaf = name.rsplit(".", 2)
@@ -229,12 +229,12 @@ def _init_value(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Ten
     owner = leaf[-2] if len(leaf) > 1 else ""
 
     def randn(*s):
-        return torch.randn(*s, generator=gen)
+        return torch.randn(*s, generator=gen, device=device)
 
     if last == "A_log":  # decay rate multiplier exp(A_log) in [0.5, 2]
-        return torch.empty(shape).uniform_(math.log(0.5), math.log(2.0), generator=gen)
+        return torch.empty(shape, device=device).uniform_(math.log(0.5), math.log(2.0), generator=gen)
     if last == "dt_bias":  # spread channels from slow (g ~ -0.01) to fast (g ~ -2.5) decay
-        return torch.empty(shape).uniform_(-6.0, 0.0, generator=gen)
+        return torch.empty(shape, device=device).uniform_(-6.0, 0.0, generator=gen)
     if last == "e_score_correction_bias":  # small enough to only nudge the choice
         return 0.1 * randn(*shape)
     if owner.endswith(("norm", "layernorm")):
@@ -249,14 +249,18 @@ def _init_value(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Ten
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:
+def init_weights(model: nn.Module, seed: int = 0, on_device: bool = False) -> nn.Module:
     """Fill every parameter of `model` (a K3Model or any k3lab.nn layer) deterministically from `seed`.
     Values are drawn on the CPU in fp32 in parameter order and copied, so the same seed gives the same
-    weights on any device and in any dtype. Returns the model."""
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    weights on any device and in any dtype. on_device=True draws them on the parameters' device
+    instead (GPU-sized models in seconds; the same seed then gives other values than on the CPU).
+    Returns the model."""
+    first = next(model.parameters(), None)
+    device = first.device if on_device and first is not None else torch.device("cpu")
+    gen = torch.Generator(device=device).manual_seed(int(seed))
     for name, p in model.named_parameters():
         if p.is_meta:
             raise ValueError(f"model parameter {name} is on the meta device: build the model on a real "
                              "device (or call model.to_empty(device=...)) before init_weights")
-        p.copy_(_init_value(name, p.shape, gen))
+        p.copy_(_init_value(name, p.shape, gen, device))
     return model

@@ -80,9 +80,6 @@ def test_full_dims_parameter_counts_match_the_config(full_layers):
     assert _numel(moe.experts[0]) == c["expert"]
 
 
-@pytest.mark.xfail(strict=True, reason="k3lab/config.py counts each AttnRes proj [1, 7168] as 1 parameter "
-                   "(layer_norms = 4h + 2, final_norm = h + 2); architecture.md section 2 gives 6h per layer "
-                   "and 3h at the output. Reported to the config's owner.")
 def test_full_dims_norm_counts_match_the_config(full_layers):
     layer = full_layers[3]
     own = _numel(layer) - _numel(layer.self_attn) - _numel(layer.mlp)

@@ -142,7 +142,7 @@ def packing_model(config: K3Config | None = None, batch: int = 1, prompt: int = 
     device = _device()
     dtype = torch.bfloat16 if _gpu() else torch.float32
     with torch.device(device):
-        model = init_weights(K3Model(config, dtype=dtype), seed=seed)
+        model = init_weights(K3Model(config, dtype=dtype), seed=seed, on_device=True)
     g = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(0, config.vocab_size, (batch, prompt), generator=g).to(device)
     with torch.no_grad():

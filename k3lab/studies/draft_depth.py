@@ -235,7 +235,7 @@ def token_figure(stats: Mapping[str, spec.TokenStats], previous_token: int = 0, 
                              name=f"{label} (all rows: chi-square p = {pval:.2g})"))
     fig.update_layout(barmode="group", template="plotly_white",
                       title=title or f"Committed tokens after token {previous_token}: observed vs target",
-                      xaxis_title="token", yaxis_title="frequency")
+                      xaxis_title="token", yaxis_title="frequency", xaxis_dtick=1)
     return fig
 
 
@@ -266,6 +266,7 @@ def rate_figure(acceptance, profiles: Mapping[str, spec.CycleCosts], *, max_dept
 
     colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
     fig = go.Figure()
+    plain_drawn: set[float] = set()
     for (name, costs), color in zip(profiles.items(), colors):
         choice = spec.best_depth(acceptance, costs, max_depth=max_depth)
         t = choice.table
@@ -278,7 +279,11 @@ def rate_figure(acceptance, profiles: Mapping[str, spec.CycleCosts], *, max_dept
                                  marker=dict(symbol="star", size=16, color=color),
                                  hovertemplate=f"best for {name}: depth {choice.depth}"))
         if isinstance(costs, spec.CycleCosts):
-            fig.add_hline(y=1e6 / costs.plain_decode_us(), line=dict(color=color, dash="dot", width=1))
+            plain = round(1e6 / costs.plain_decode_us(), 6)
+            label = {} if plain in plain_drawn else {"annotation_text": "plain decode",
+                                                     "annotation_position": "bottom right"}
+            fig.add_hline(y=plain, line=dict(color=color, dash="dot", width=1), **label)
+            plain_drawn.add(plain)
     fig.update_layout(title=title or "Committed tokens per second against draft depth (stars: best)",
                       xaxis_title="drafted tokens per cycle (depth)",
                       yaxis_title="committed tokens / s per sequence", template="plotly_white")

@@ -194,10 +194,12 @@ def packing_records(batch: int = 1) -> list[bench.Record]:
 
 # ------------------------------------------------------------------ fused KDA decode
 def kda_decode_records(batches=None) -> list[bench.Record]:
-    """Delegates to k3lab.ops.kda_decode's benchmark (GPU: the fused HIP/CUDA kernel)."""
-    from k3lab.ops import kda_decode
+    """k3lab.studies.kda_decode_bench at the TP8 slice (GPU: the fused HIP/CUDA kernel), relabelled
+    as this study's `kda_decode_b{B}` cases (eager and graph records of a variant share a case)."""
+    from k3lab.studies import kda_decode_bench
 
-    return kda_decode.benchmark(batches=batches or KDA_DECODE_BATCHES, study=NAME)
+    records = kda_decode_bench.run(batches=tuple(batches or KDA_DECODE_BATCHES))
+    return [dataclasses.replace(r, study=NAME, case=f"kda_decode_b{r.shape['B']}") for r in records]
 
 
 # ------------------------------------------------------------------ study contract

@@ -29,6 +29,7 @@ typedef hipError_t k3_error_t;
 #define K3_ATTR_MAX_SHARED_PER_BLOCK hipDeviceAttributeMaxSharedMemoryPerBlock
 #define K3_ATTR_WARP_SIZE hipDeviceAttributeWarpSize
 #define K3_ATTR_UNITS hipDeviceAttributeMultiprocessorCount
+#define k3_occupancy hipOccupancyMaxActiveBlocksPerMultiprocessor
 #else
 #define K3_CUDA 1
 #include <cuda_runtime.h>
@@ -41,6 +42,7 @@ typedef cudaError_t k3_error_t;
 #define K3_ATTR_MAX_SHARED_PER_BLOCK cudaDevAttrMaxSharedMemoryPerBlock
 #define K3_ATTR_WARP_SIZE cudaDevAttrWarpSize
 #define K3_ATTR_UNITS cudaDevAttrMultiProcessorCount
+#define k3_occupancy cudaOccupancyMaxActiveBlocksPerMultiprocessor
 #endif
 
 #define K3_DEVICE __device__ __forceinline__
@@ -86,6 +88,26 @@ K3_DEVICE void k3_store_stream(float4* p, float4 v) {
 #else
   __stcs(p, v);
 #endif
+}
+
+// Ask L2 to fetch `bytes` (a multiple of 16, 16-byte aligned) from `p` ahead of a later load.
+// Hopper's bulk-copy engine does it from one thread; elsewhere there is no portable equivalent and
+// it is a no-op (HIP: not yet run on AMD hardware by this project).
+K3_DEVICE void k3_prefetch_l2(const void* p, unsigned bytes) {
+#if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+// Sum over an aligned group of 32 lanes. A group of 32 fits inside a warp or wavefront on every
+// vendor (NVIDIA 32 lanes, AMD 64 or 32), so this needs no device's width as a constant.
+K3_DEVICE float k3_group32_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += k3_shfl_xor(x, off);
+  return x;
 }
 
 // A load that bypasses the (incoherent) per-unit L1, for values another block wrote in this launch

@@ -14,11 +14,14 @@
 // so the two reductions over K (u and S_dec^T q) share one read of S_dec, then S_new is written.
 //
 // Work split: a block owns one (b, h, slice of W value columns); with W < V several blocks share a
-// head (so B = 1 with 12 heads still fills the GPU). Each recomputes the head's q/k vectors (cheap,
-// L2-resident) instead of waiting for another launch. The output RMSNorm needs all V outputs of the
-// head: each block publishes its slice to a workspace, and the last block of the head to arrive
-// (an atomic counter) normalises all V and writes them, then resets the counter; it also writes the
-// q/k conv states, which its siblings have all finished reading by then.
+// head (so B = 1 with 12 heads still spreads over the GPU). Each recomputes the head's q/k vectors
+// (cheap, L2-resident) instead of waiting for another launch. The output RMSNorm needs all V
+// outputs of the head, so the blocks of a head exchange one number, their partial sum of o^2:
+//   * cluster mode (CUDA, Hopper and later): the head's blocks form a thread-block cluster and read
+//     each other's partial sums from shared memory (distributed shared memory), no memory round trip;
+//   * atomic mode (portable, e.g. HIP): each block publishes its o slice to a workspace; the last
+//     block of the head to arrive (an atomic counter) normalises all V and resets the counter.
+// Either way the q/k conv states are rolled by one block once every sibling has read them.
 //
 // Layouts: per-token inputs are bf16 rows [B, X] with a row stride (last dim contiguous), so views
 // of one packed projection output work. Conv states [B, H*K, 3] bf16 per q, k, v (channel c's last
@@ -28,6 +31,9 @@
 // Single source for CUDA and HIP through k3lab_portability.h; warp width, shared-memory limit and
 // unit counts come from the caller. The HIP build is not yet run on AMD hardware by this project.
 #include "k3lab_portability.h"
+#if defined(K3_CUDA)
+#include <cooperative_groups.h>
+#endif
 
 namespace k3kda {
 
@@ -63,55 +69,61 @@ struct Args {
   // output
   k3_bf16* out;
   long long out_rs;
-  // workspace for split heads: counters [B*H] (zero, left zero), o_part [B*H*V]
+  // workspace for atomic mode: counters [B*H] (zero, left zero), o_part [B*H*V]
   int* counters;
   float* o_part;
   int B, H;
   float lower_bound, eps, scale;
-  int warp_size;
-  int hints;  // bit 0: streaming loads of S, bit 1: streaming stores of S
+  int warp_size;       // checked by the launcher; the kernel reduces in aligned 32-lane groups
+  int hints;           // bit 0: streaming loads of S, bit 1: streaming stores of S, bit 2: L2 prefetch
+  int prefetch_ahead;  // blocks ahead (in launch order) whose state slice bit 2 prefetches
 };
+
+enum Mode { WHOLE_HEAD = 0, SPLIT_ATOMIC = 1, SPLIT_CLUSTER = 2 };
 
 template <int W, int NT>
 struct Smem {
   float q[HK], k[HK], dec[HK];  // conv+SiLU q and k (not yet normalised), exp(g)
   float v[W], delta[W];
-  float gate[HV], o[HV];        // sigmoid(gate) * o_norm, and the head's outputs before the norm
+  float gate[HV], o[HV];        // sigmoid(gate) * o_norm, and the outputs before the norm
   float ru[(NT / 32) * W], rw[(NT / 32) * W];  // partial S^T k and S^T q per 32-lane group
-  float red[3][32];             // per-warp partial sums
+  float red[3][NT / 32];        // per-group partial sums
+  float o2;                     // this block's sum of o^2 (read by its cluster peers)
   float beta;
   int last;
 };
 
-template <int N>
-K3_DEVICE void zero(float (&x)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) x[i] = 0.f;
-}
-
 K3_DEVICE float4 f4_mul(float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); }
 K3_DEVICE float f4_dot(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
 
-// Sum over a whole warp/wavefront of `warp_size` lanes (read from the device by the launcher).
-K3_DEVICE float warp_sum(float x, int warp_size) {
-  for (int off = warp_size >> 1; off > 0; off >>= 1) x += k3_shfl_xor(x, off);
-  return x;
-}
-
 // Causal depthwise conv over [s0, s1, s2, x] with weights w (w.w multiplies x), then SiLU.
-K3_DEVICE float conv_silu(float s0, float s1, float s2, float x, float4 w) {
-  float y = w.x * s0 + w.y * s1 + w.z * s2 + w.w * x;
+K3_DEVICE float conv_silu(const k3_bf16 (&x)[4], float4 w) {
+  float y = w.x * k3_bf16_to_f32(x[0]) + w.y * k3_bf16_to_f32(x[1]) + w.z * k3_bf16_to_f32(x[2]) +
+            w.w * k3_bf16_to_f32(x[3]);
   return y / (1.0f + expf(-y));
 }
 
-template <int W, int NT, bool VK>
+K3_DEVICE void roll(k3_bf16* st, const k3_bf16 (&x)[4]) {  // [s0, s1, s2] <- [s1, s2, x]
+#pragma unroll
+  for (int t = 0; t < CONV_T; ++t) st[t] = x[t + 1];
+}
+
+template <int NG>
+K3_DEVICE float sum_groups(const float (&red)[NG]) {
+  float t = 0.f;
+#pragma unroll
+  for (int g = 0; g < NG; ++g) t += red[g];
+  return t;
+}
+
+template <int W, int NT, bool VK, int MODE>
 __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
   constexpr int NS = HV / W;            // blocks sharing one head
-  constexpr bool SPLIT = NS > 1;
   constexpr int NF4 = 32 * W / NT;      // float4 of state per thread
   constexpr int NG = NT / 32;           // 32-lane groups per block
   static_assert(HV % W == 0 && W % 4 == 0 && W <= 128, "slice width");
   static_assert(NT % 32 == 0 && (32 * W) % NT == 0 && NF4 >= 1, "threads per block");
+  static_assert((MODE == WHOLE_HEAD) == (NS == 1), "a whole head per block, or a split mode");
   // 'kv' mapping: CG threads across the W columns (4 each), RG row groups
   constexpr int CG = W / 4;
   constexpr int RG = NT / CG;
@@ -129,33 +141,11 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
   const int tid = threadIdx.x;
   const int slice = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int v0 = slice * W;
-  const int nwarps = NT / a.warp_size;
-  const int lane = tid % a.warp_size, warp = tid / a.warp_size;
+  const int grp = tid >> 5;
+  const bool grp_lead = (tid & 31) == 0;
 
-  // ---- 1. the state slice: its loads go out first and stay in flight during the vector work
-  float* S = a.state + (long long)b * a.state_bs + (long long)h * HK * HV;
-  float4 s[NF4];
-  const int kv_tv = tid % CG, kv_tk = tid / CG;  // 'kv' mapping
-  const int vk_l = tid % 8, vk_vg = tid / 8;     // 'vk' mapping
-  auto s_index = [&](int j) -> long long {
-    if (VK) {
-      const int col = v0 + vk_vg + CPP * (j / 4);
-      const int kq = vk_l + 8 * (j % 4);
-      return (long long)col * HK + 4 * kq;
-    } else {
-      const int row = kv_tk + RG * j;
-      return (long long)row * HV + v0 + 4 * kv_tv;
-    }
-  };
-  if (a.hints & 1) {
-#pragma unroll
-    for (int j = 0; j < NF4; ++j) s[j] = k3_load_stream(reinterpret_cast<const float4*>(S + s_index(j)));
-  } else {
-#pragma unroll
-    for (int j = 0; j < NF4; ++j) s[j] = *reinterpret_cast<const float4*>(S + s_index(j));
-  }
-
-  // ---- 2. every per-token input this block needs, loaded before any is used (one round trip)
+  // ---- 1. every per-token input this block needs, loaded before any is used (one round trip);
+  // issued first because the conv/norm work waits on them, the state only later
   const k3_bf16* xq = a.q + (long long)b * a.q_rs + h * HK;
   const k3_bf16* xk = a.k + (long long)b * a.k_rs + h * HK;
   const k3_bf16* xv = a.v + (long long)b * a.v_rs + h * HV + v0;
@@ -204,6 +194,45 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
   const float A = a.A_log[h];
   const float braw = k3_bf16_to_f32(a.b_raw[(long long)b * a.b_rs + h]);
 
+  // ---- 2. the state slice: in flight during the vector work below
+  float* S = a.state + (long long)b * a.state_bs + (long long)h * HK * HV;
+  float4 s[NF4];
+  const int kv_tv = tid % CG, kv_tk = tid / CG;  // 'kv' mapping
+  const int vk_l = tid % 8, vk_vg = tid / 8;     // 'vk' mapping
+  auto s_index = [&](int j) -> long long {
+    if (VK) {
+      const int col = v0 + vk_vg + CPP * (j / 4);
+      const int kq = vk_l + 8 * (j % 4);
+      return (long long)col * HK + 4 * kq;
+    } else {
+      const int row = kv_tk + RG * j;
+      return (long long)row * HV + v0 + 4 * kv_tv;
+    }
+  };
+  if (a.hints & 1) {
+#pragma unroll
+    for (int j = 0; j < NF4; ++j) s[j] = k3_load_stream(reinterpret_cast<const float4*>(S + s_index(j)));
+  } else {
+#pragma unroll
+    for (int j = 0; j < NF4; ++j) s[j] = *reinterpret_cast<const float4*>(S + s_index(j));
+  }
+  if (a.hints & 4) {
+    // Warm L2 with the slice of a block `prefetch_ahead` places later in launch order, so DRAM keeps
+    // streaming while resident blocks compute (large batches; a no-op where unsupported).
+    const long long total = (long long)NS * a.H * a.B;
+    const long long lin = slice + NS * ((long long)h + (long long)a.H * b) + a.prefetch_ahead;
+    if (lin < total) {
+      const int s2 = (int)(lin % NS), h2 = (int)((lin / NS) % a.H);
+      const long long b2 = lin / ((long long)NS * a.H);
+      const float* S2 = a.state + b2 * a.state_bs + (long long)h2 * HK * HV;
+      if (VK || NS == 1) {
+        if (tid == 0) k3_prefetch_l2(S2 + (long long)s2 * W * HK, W * HK * 4);
+      } else {
+        for (int r = tid; r < HK; r += NT) k3_prefetch_l2(S2 + (long long)r * HV + s2 * W, W * 4);
+      }
+    }
+  }
+
   // ---- 3. conv + SiLU, gates; q/k norms and q.k reduced over the head
   float pqq = 0.f, pkk = 0.f, pqk = 0.f;
   const float expA = expf(A);
@@ -211,10 +240,8 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
   for (int it = 0; it < QK_IT; ++it) {
     const int d = tid + it * NT;
     if (d < HK) {
-      const float yq = conv_silu(k3_bf16_to_f32(lq[it][0]), k3_bf16_to_f32(lq[it][1]),
-                                 k3_bf16_to_f32(lq[it][2]), k3_bf16_to_f32(lq[it][3]), lwq[it]);
-      const float yk = conv_silu(k3_bf16_to_f32(lk[it][0]), k3_bf16_to_f32(lk[it][1]),
-                                 k3_bf16_to_f32(lk[it][2]), k3_bf16_to_f32(lk[it][3]), lwk[it]);
+      const float yq = conv_silu(lq[it], lwq[it]);
+      const float yk = conv_silu(lk[it], lwk[it]);
       sm.q[d] = yq;
       sm.k[d] = yk;
       pqq += yq * yq;
@@ -222,24 +249,16 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
       pqk += yq * yk;
       const float z = expA * (lg[it] + lbias[it]);
       sm.dec[d] = expf(a.lower_bound * k3_sigmoid(z));
-      if (!SPLIT) {  // sole reader of these conv states: roll them now
-#pragma unroll
-        for (int t = 0; t < CONV_T; ++t) {
-          cq[d * CONV_T + t] = lq[it][t + 1];
-          ck[d * CONV_T + t] = lk[it][t + 1];
-        }
+      if (MODE == WHOLE_HEAD) {  // sole reader of these conv states: roll them now
+        roll(cq + d * CONV_T, lq[it]);
+        roll(ck + d * CONV_T, lk[it]);
       }
     }
   }
 #pragma unroll
   for (int it = 0; it < V_IT; ++it) {
     const int i = tid + it * NT;
-    if (i < W) {
-      sm.v[i] = conv_silu(k3_bf16_to_f32(lv[it][0]), k3_bf16_to_f32(lv[it][1]), k3_bf16_to_f32(lv[it][2]),
-                          k3_bf16_to_f32(lv[it][3]), lwv[it]);
-#pragma unroll
-      for (int t = 0; t < CONV_T; ++t) cv[i * CONV_T + t] = lv[it][t + 1];  // this block's own channels
-    }
+    if (i < W) sm.v[i] = conv_silu(lv[it], lwv[it]);
   }
 #pragma unroll
   for (int it = 0; it < G_IT; ++it) {
@@ -247,32 +266,26 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
     if (i < HV) sm.gate[i] = k3_sigmoid(lgate[it]) * lnorm[it];
   }
   if (tid == 0) sm.beta = k3_sigmoid(braw);
-  pqq = warp_sum(pqq, a.warp_size);
-  pkk = warp_sum(pkk, a.warp_size);
-  pqk = warp_sum(pqk, a.warp_size);
-  if (lane == 0) {
-    sm.red[0][warp] = pqq;
-    sm.red[1][warp] = pkk;
-    sm.red[2][warp] = pqk;
+  pqq = k3_group32_sum(pqq);
+  pkk = k3_group32_sum(pkk);
+  pqk = k3_group32_sum(pqk);
+  if (grp_lead) {
+    sm.red[0][grp] = pqq;
+    sm.red[1][grp] = pkk;
+    sm.red[2][grp] = pqk;
   }
   __syncthreads();
-  float qq = 0.f, kk = 0.f, qk = 0.f;
-  for (int w = 0; w < nwarps; ++w) {
-    qq += sm.red[0][w];
-    kk += sm.red[1][w];
-    qk += sm.red[2][w];
-  }
-  const float rq = 1.0f / sqrtf(qq + L2_EPS);
-  const float rk = 1.0f / sqrtf(kk + L2_EPS);
-  const float qscale = rq * a.scale;  // q_n = q * qscale (normalised and scaled)
-  const float kq = qk * rk * qscale;  // k_n . q_n
+  const float rq = 1.0f / sqrtf(sum_groups(sm.red[0]) + L2_EPS);
+  const float rk = 1.0f / sqrtf(sum_groups(sm.red[1]) + L2_EPS);
+  const float qscale = rq * a.scale;                // q_n = q * qscale (normalised and scaled)
+  const float kq = sum_groups(sm.red[2]) * rk * qscale;  // k_n . q_n
   const float beta = sm.beta;
 
   // ---- 4. decay S and reduce S_dec^T k, S_dec^T q over K in one pass
   if (VK) {
     float u[NC], w[NC];
-    zero(u);
-    zero(w);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) u[c] = w[c] = 0.f;
 #pragma unroll
     for (int j = 0; j < NF4; ++j) {
       const int kq4 = vk_l + 8 * (j % 4);
@@ -314,7 +327,7 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
       w4.z += k3_shfl_xor(w4.z, off); w4.w += k3_shfl_xor(w4.w, off);
     }
     if ((tid & 31) < CG) {
-      const int base = (tid >> 5) * W + 4 * kv_tv;
+      const int base = grp * W + 4 * kv_tv;
       sm.ru[base + 0] = u4.x; sm.ru[base + 1] = u4.y; sm.ru[base + 2] = u4.z; sm.ru[base + 3] = u4.w;
       sm.rw[base + 0] = w4.x; sm.rw[base + 1] = w4.y; sm.rw[base + 2] = w4.z; sm.rw[base + 3] = w4.w;
     }
@@ -344,22 +357,82 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
     sm.delta[tid] = delta;
     sm.o[v0 + tid] = o;
     o2 = o * o;
-    if (SPLIT) a.o_part[((long long)b * a.H + h) * HV + v0 + tid] = o;
+    if (MODE == SPLIT_ATOMIC) {
+      a.o_part[((long long)b * a.H + h) * HV + v0 + tid] = o;
+      __threadfence();  // published before this block's arrival below
+    }
   }
-  if (!SPLIT) {
-    o2 = warp_sum(o2, a.warp_size);
-    if (lane == 0) sm.red[0][warp] = o2;
-  } else {
-    __threadfence();  // publish this slice of o before the arrival below
-  }
+  o2 = k3_group32_sum(o2);
+  if (grp_lead) sm.red[0][grp] = o2;  // red[0] was last read before the previous barrier
   __syncthreads();
 
-  // ---- 6. S <- S_dec + k delta^T, written back
+  // ---- 6. gated RMSNorm of the head's V outputs, straight into the caller's bf16 buffer
+  k3_bf16* out = a.out + (long long)b * a.out_rs + h * HV;
+  if (MODE == WHOLE_HEAD) {
+    const float rstd = 1.0f / sqrtf(sum_groups(sm.red[0]) / HV + a.eps);
+    for (int i = tid; i < HV; i += NT) out[i] = k3_f32_to_bf16(sm.o[i] * rstd * sm.gate[i]);
+  }
+#if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  if (MODE == SPLIT_CLUSTER) {
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    if (tid == 0) sm.o2 = sum_groups(sm.red[0]);
+    cluster.sync();  // every block's sum of o^2 is in its shared memory; all have read the conv states
+    float tot = 0.f;
+#pragma unroll
+    for (int r = 0; r < NS; ++r) tot += *cluster.map_shared_rank(&sm.o2, r);
+    const float rstd = 1.0f / sqrtf(tot / HV + a.eps);
+    if (tid < W) out[v0 + tid] = k3_f32_to_bf16(sm.o[v0 + tid] * rstd * sm.gate[v0 + tid]);
+    if (slice == 0) {
+#pragma unroll
+      for (int it = 0; it < QK_IT; ++it) {
+        const int d = tid + it * NT;
+        if (d < HK) {
+          roll(cq + d * CONV_T, lq[it]);
+          roll(ck + d * CONV_T, lk[it]);
+        }
+      }
+    }
+  }
+#endif
+  if (MODE == SPLIT_ATOMIC) {
+    int* counter = a.counters + (long long)b * a.H + h;
+    if (tid == 0) sm.last = atomicAdd(counter, 1) == NS - 1;
+    __syncthreads();
+    if (sm.last) {
+      // Every slice of o is published and every sibling has read the q/k conv states: normalise the
+      // whole head and roll those states.
+      __threadfence();
+      const float* op = a.o_part + ((long long)b * a.H + h) * HV;
+      float p = 0.f;
+      for (int i = tid; i < HV; i += NT) {
+        const float o = k3_load_coherent(op + i);
+        sm.o[i] = o;
+        p += o * o;
+      }
+      p = k3_group32_sum(p);
+      if (grp_lead) sm.red[1][grp] = p;
+      __syncthreads();
+      const float rstd = 1.0f / sqrtf(sum_groups(sm.red[1]) / HV + a.eps);
+      for (int i = tid; i < HV; i += NT) out[i] = k3_f32_to_bf16(sm.o[i] * rstd * sm.gate[i]);
+#pragma unroll
+      for (int it = 0; it < QK_IT; ++it) {
+        const int d = tid + it * NT;
+        if (d < HK) {
+          roll(cq + d * CONV_T, lq[it]);
+          roll(ck + d * CONV_T, lk[it]);
+        }
+      }
+      if (tid == 0) *counter = 0;  // ready for the next launch
+    }
+  }
+
+  // ---- 7. S <- S_dec + k delta^T written back; this block's v conv states rolled
   if (VK) {
 #pragma unroll
     for (int j = 0; j < NF4; ++j) {
       const int kq4 = vk_l + 8 * (j % 4);
-      float4 k4 = reinterpret_cast<const float4*>(sm.k)[kq4];
+      const float4 k4 = reinterpret_cast<const float4*>(sm.k)[kq4];
       const float dl = sm.delta[vk_vg + CPP * (j / 4)] * rk;
       s[j].x += k4.x * dl; s[j].y += k4.y * dl; s[j].z += k4.z * dl; s[j].w += k4.w * dl;
     }
@@ -378,60 +451,76 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
 #pragma unroll
     for (int j = 0; j < NF4; ++j) *reinterpret_cast<float4*>(S + s_index(j)) = s[j];
   }
-
-  // ---- 7. gated RMSNorm of the head's V outputs, straight into the caller's bf16 buffer
-  k3_bf16* out = a.out + (long long)b * a.out_rs + h * HV;
-  if (!SPLIT) {
-    float tot = 0.f;
-    for (int w = 0; w < nwarps; ++w) tot += sm.red[0][w];
-    const float rstd = 1.0f / sqrtf(tot / HV + a.eps);
-    for (int i = tid; i < HV; i += NT) out[i] = k3_f32_to_bf16(sm.o[i] * rstd * sm.gate[i]);
-    return;
-  }
-  int* counter = a.counters + (long long)b * a.H + h;
-  if (tid == 0) sm.last = atomicAdd(counter, 1) == NS - 1;
-  __syncthreads();
-  if (!sm.last) return;
-  // The last block of this head: every slice of o is published and every sibling has read the
-  // q/k conv states, so it normalises the whole head and rolls those states.
-  __threadfence();
-  const float* op = a.o_part + ((long long)b * a.H + h) * HV;
-  o2 = 0.f;
-  for (int i = tid; i < HV; i += NT) {
-    const float o = k3_load_coherent(op + i);
-    sm.o[i] = o;
-    o2 += o * o;
-  }
-  o2 = warp_sum(o2, a.warp_size);
-  if (lane == 0) sm.red[1][warp] = o2;  // red[0] may still be read by no one; [1] keeps it separate
-  __syncthreads();
-  float tot = 0.f;
-  for (int w = 0; w < nwarps; ++w) tot += sm.red[1][w];
-  const float rstd = 1.0f / sqrtf(tot / HV + a.eps);
-  for (int i = tid; i < HV; i += NT) out[i] = k3_f32_to_bf16(sm.o[i] * rstd * sm.gate[i]);
 #pragma unroll
-  for (int it = 0; it < QK_IT; ++it) {
-    const int d = tid + it * NT;
-    if (d < HK) {
-#pragma unroll
-      for (int t = 0; t < CONV_T; ++t) {
-        cq[d * CONV_T + t] = lq[it][t + 1];
-        ck[d * CONV_T + t] = lk[it][t + 1];
-      }
-    }
+  for (int it = 0; it < V_IT; ++it) {
+    const int i = tid + it * NT;
+    if (i < W) roll(cv + i * CONV_T, lv[it]);
   }
-  if (tid == 0) *counter = 0;  // ready for the next launch
+#if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  if (MODE == SPLIT_CLUSTER) cooperative_groups::this_cluster().sync();  // peers may still read sm.o2
+#endif
 }
 
-// The (slice width W, threads) pairs compiled, each for both state layouts.
+// The (slice width W, threads) pairs compiled, each for both state layouts and every split mode
+// that applies (cluster mode: CUDA builds, at most 8 blocks per head, the portable cluster size).
 #define K3_KDA_CONFIGS(X) \
   X(128, 256)             \
-  X(128, 512)             \
   X(64, 128)              \
   X(32, 128)              \
   X(16, 64)               \
-  X(16, 128)              \
-  X(8, 64)
+  X(16, 128)
+
+template <int W, int NT, bool VK, int MODE>
+static int launch_kernel(const Args& a, k3_stream_t st) {
+  const dim3 grid(HV / W, a.H, a.B);
+#if defined(K3_CUDA)
+  if (MODE == SPLIT_CLUSTER) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(NT);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = HV / W;  // the blocks of one head
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return (int)cudaLaunchKernelEx(&cfg, kda_decode_kernel<W, NT, VK, MODE>, a);
+  }
+#endif
+  kda_decode_kernel<W, NT, VK, MODE><<<grid, NT, 0, st>>>(a);
+  return (int)k3_get_last_error();
+}
+
+template <int W, int NT, bool VK, int MODE>
+static int occupancy(int* blocks) {
+  return (int)k3_occupancy(blocks, kda_decode_kernel<W, NT, VK, MODE>, NT, 0);
+}
+
+// query = 0: launch; 1: write resident blocks per unit to *blocks. Returns 0, a runtime error code,
+// or -5 when this build has no such split mode for this slice width.
+template <int W, int NT, int MODE>
+static int run_layout(const Args* a, int vk, k3_stream_t st, int* blocks) {
+  if (blocks) return vk ? occupancy<W, NT, true, MODE>(blocks) : occupancy<W, NT, false, MODE>(blocks);
+  return vk ? launch_kernel<W, NT, true, MODE>(*a, st) : launch_kernel<W, NT, false, MODE>(*a, st);
+}
+
+template <int W, int NT>
+static int run_mode(const Args* a, int vk, int mode, k3_stream_t st, int* blocks) {
+  if constexpr (W == HV) {
+    return mode == WHOLE_HEAD ? run_layout<W, NT, WHOLE_HEAD>(a, vk, st, blocks) : -5;
+  } else {
+    if (mode == SPLIT_ATOMIC) return run_layout<W, NT, SPLIT_ATOMIC>(a, vk, st, blocks);
+#if defined(K3_CUDA)
+    if constexpr (HV / W <= 8) {
+      if (mode == SPLIT_CLUSTER) return run_layout<W, NT, SPLIT_CLUSTER>(a, vk, st, blocks);
+    }
+#endif
+    return -5;
+  }
+}
 
 }  // namespace k3kda
 
@@ -440,46 +529,64 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
 
 K3_EXPORT int k3_kda_decode_args_size() { return (int)sizeof(k3kda::Args); }
 
-// Writes up to `max_pairs` (W, threads, static shared bytes) triples; returns how many exist.
-K3_EXPORT int k3_kda_decode_configs(int* out, int max_pairs) {
+// Split modes this build has: bit 1 atomic (always), bit 2 cluster (CUDA builds).
+K3_EXPORT int k3_kda_decode_split_modes() {
+#if defined(K3_CUDA)
+  return (1 << k3kda::SPLIT_ATOMIC) | (1 << k3kda::SPLIT_CLUSTER);
+#else
+  return 1 << k3kda::SPLIT_ATOMIC;
+#endif
+}
+
+// Writes up to `max_configs` (W, threads, static shared bytes) triples; returns how many exist.
+K3_EXPORT int k3_kda_decode_configs(int* out, int max_configs) {
   int n = 0;
-#define K3_LIST(W_, NT_)                                          \
-  if (n < max_pairs) {                                            \
-    out[3 * n] = W_;                                              \
-    out[3 * n + 1] = NT_;                                         \
-    out[3 * n + 2] = (int)sizeof(k3kda::Smem<W_, NT_>);           \
-  }                                                               \
+#define K3_LIST(W_, NT_)                                \
+  if (n < max_configs) {                                \
+    out[3 * n] = W_;                                    \
+    out[3 * n + 1] = NT_;                               \
+    out[3 * n + 2] = (int)sizeof(k3kda::Smem<W_, NT_>); \
+  }                                                     \
   ++n;
   K3_KDA_CONFIGS(K3_LIST)
 #undef K3_LIST
   return n;
 }
 
+// mode: 0 whole head per block (tile_v = V), 1 split heads with atomics, 2 split heads in clusters.
+static int k3_dispatch(const k3kda::Args* a, int tile_v, int threads, int state_vk, int mode, void* stream,
+                       int* blocks) {
+  k3_stream_t st = (k3_stream_t)stream;
+#define K3_RUN(W_, NT_) \
+  if (tile_v == W_ && threads == NT_) return k3kda::run_mode<W_, NT_>(a, state_vk, mode, st, blocks);
+  K3_KDA_CONFIGS(K3_RUN)
+#undef K3_RUN
+  return -1;
+}
+
+// Resident blocks per compute unit for one kernel variant (for the L2 prefetch distance), or < 0.
+K3_EXPORT int k3_kda_decode_occupancy(int tile_v, int threads, int state_vk, int mode) {
+  int blocks = 0;
+  const int rc = k3_dispatch(nullptr, tile_v, threads, state_vk, mode, nullptr, &blocks);
+  return rc == 0 ? blocks : (rc < 0 ? rc : -100 - rc);
+}
+
 // Launch one decode step. tile_v: value columns per block (W); threads: block size; state_vk: 0 for
-// [B, H, K, V], 1 for [B, H, V, K]; max_shared: the device's shared memory (LDS) per block in bytes.
-// Returns 0, or -1 (no such compiled config), -2 (warp width does not divide the block or exceeds
-// 32 * 32 lanes of partial sums), -3 (config needs more shared memory than the device has),
-// -4 (bad sizes), or the runtime's error code from the launch.
-K3_EXPORT int k3_kda_decode(const k3kda::Args* args, int tile_v, int threads, int state_vk, int max_shared,
-                            void* stream) {
+// [B, H, K, V], 1 for [B, H, V, K]; mode: see above; max_shared: the device's shared memory (LDS)
+// per block in bytes. Returns 0, or -1 (no such compiled config), -2 (block size not a multiple of
+// the warp width, or warps narrower than 32 lanes), -3 (more shared memory than the device has),
+// -4 (bad sizes), -5 (no such mode for this config/build), or the runtime's error code.
+K3_EXPORT int k3_kda_decode(const k3kda::Args* args, int tile_v, int threads, int state_vk, int mode,
+                            int max_shared, void* stream) {
   const k3kda::Args& a = *args;
   if (a.B <= 0 || a.H <= 0 || a.B > 65535 || a.H > 65535) return -4;
-  if (a.warp_size <= 0 || threads % a.warp_size != 0 || threads / a.warp_size > 32) return -2;
-  k3_stream_t st = (k3_stream_t)stream;
-  int found = 0;
-#define K3_LAUNCH(W_, NT_)                                                                    \
-  if (!found && tile_v == W_ && threads == NT_) {                                             \
-    found = 1;                                                                                \
-    if ((int)sizeof(k3kda::Smem<W_, NT_>) > max_shared) return -3;                            \
-    dim3 grid(k3kda::HV / W_, a.H, a.B);                                                      \
-    if (state_vk) {                                                                           \
-      k3kda::kda_decode_kernel<W_, NT_, true><<<grid, NT_, 0, st>>>(a);                       \
-    } else {                                                                                  \
-      k3kda::kda_decode_kernel<W_, NT_, false><<<grid, NT_, 0, st>>>(a);                      \
-    }                                                                                         \
-  }
-  K3_KDA_CONFIGS(K3_LAUNCH)
-#undef K3_LAUNCH
-  if (!found) return -1;
-  return (int)k3_get_last_error();
+  if (a.warp_size < 32 || threads % a.warp_size != 0) return -2;
+  int smem = -1;
+#define K3_SMEM(W_, NT_) \
+  if (tile_v == W_ && threads == NT_) smem = (int)sizeof(k3kda::Smem<W_, NT_>);
+  K3_KDA_CONFIGS(K3_SMEM)
+#undef K3_SMEM
+  if (smem < 0) return -1;
+  if (smem > max_shared) return -3;
+  return k3_dispatch(args, tile_v, threads, state_vk, mode, stream, nullptr);
 }

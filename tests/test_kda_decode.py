@@ -266,13 +266,15 @@ def test_bad_impl_and_layout_names():
 
 
 def test_choose_config_fills_the_units():
-    # B = 1, 12 heads on 132 SMs: the widest slice with >= 132 blocks is 8 columns (192 blocks)
-    assert kd.choose_config(1, 12, 132) == (8, 64)
-    assert kd.choose_config(8, 12, 132) == (64, 128)
-    assert kd.choose_config(128, 12, 132) == (128, 256)
+    # B = 1, 12 heads on 132 SMs: no slice width gives 132 blocks; the finest (16 columns, 96 blocks)
+    assert kd.choose_config(1, 12, 132) == (16, 128)
+    assert kd.choose_config(8, 12, 132) == (64, 128)  # 192 blocks
+    assert kd.choose_config(128, 12, 132) == (128, 256)  # a head per block
     for B in (1, 8, 32, 128):
         tv, th = kd.choose_config(B, 12, 256, warp_size=64)  # MI355X-like: 256 CUs, wave64
-        assert th % 64 == 0 and B * 12 * (128 // tv) >= min(256, B * 12 * 16)
+        assert th % 64 == 0 and B * 12 * (128 // tv) >= min(256, B * 12 * 8)
+    assert kd.default_hints(1, 12, 60 << 20) == kd.HINT_STREAM_LOADS | kd.HINT_STREAM_STORES
+    assert kd.default_hints(128, 12, 60 << 20) & kd.HINT_PREFETCH_L2
 
 
 def test_step_bytes_floor_inputs():
@@ -294,13 +296,20 @@ def _fused_ready():
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_fused_every_config_matches_reference(layout):
     _fused_ready()
-    for (tile_v, threads) in sorted(kd._load_fused(torch.device("cuda")).configs):
-        for B in (1, 3):
-            for hints in (0, 3):
-                res = __import__("k3lab.studies.kda_decode_bench", fromlist=["x"]).check_case(
-                    B, 5, state_layout=layout, variants=("after",), seed=B * 100 + tile_v, tile_v=tile_v,
-                    threads=threads, hints=hints)
+    from k3lab.studies import kda_decode_bench as kb
+    f = kd._load_fused(torch.device("cuda"))
+    n = 0
+    for (tile_v, threads) in sorted(f.configs):
+        splits = ["whole"] if tile_v == 128 else [m for m in ("atomic", "cluster") if m in f.split_modes]
+        for split in splits:
+            if split == "cluster" and not f.clusters:
+                continue
+            for B, hints in ((1, 0), (3, 7)):
+                res = kb.check_case(B, 5, state_layout=layout, variants=("after",), seed=B * 100 + tile_v,
+                                    tile_v=tile_v, threads=threads, hints=hints, split=split)
                 assert res["after"]["state"]["max_rel"] < 2e-4
+                n += 1
+    assert n >= len(f.configs) * 2
 
 
 @needs_gpu
@@ -333,21 +342,26 @@ def test_fused_strided_inputs_and_output_buffer():
 
 @needs_gpu
 @pytest.mark.gpu
-def test_fused_under_cuda_graph_replay():
+@pytest.mark.parametrize("split", ["atomic", "cluster"])
+def test_fused_under_cuda_graph_replay(split):
     _fused_ready()
+    if split == "cluster" and not kd._load_fused(torch.device("cuda")).clusters:
+        pytest.skip("thread-block clusters need compute capability >= 9.0")
     inputs, cache, w = kd.make_example(2, 12, device="cuda", seed=51)
     ref_cache = kd.clone_cache(cache)
     outs = []
     for _ in range(3):  # eager reference trajectory: three steps of the same token
         o, ref_cache = kd.reference(**inputs, cache=ref_cache, weights=w)
+        ref_cache = KDACache(ref_cache.conv_q.bfloat16(), ref_cache.conv_k.bfloat16(),
+                             ref_cache.conv_v.bfloat16(), ref_cache.state)  # exact: past bf16 inputs
         outs.append(o)
     out = torch.empty(2, 12 * 128, device="cuda", dtype=torch.bfloat16)
-    kd.after(**inputs, cache=kd.clone_cache(cache), weights=w, out=out, tile_v=16)  # warm: workspace
+    kd.after(**inputs, cache=kd.clone_cache(cache), weights=w, out=out, tile_v=16, split=split)  # warm
     g = torch.cuda.CUDAGraph()
     c = kd.clone_cache(cache)
     snapshot = kd.clone_cache(c)
     with torch.cuda.graph(g):
-        kd.after(**inputs, cache=c, weights=w, out=out, tile_v=16)
+        kd.after(**inputs, cache=c, weights=w, out=out, tile_v=16, split=split)
     for n in ("conv_q", "conv_k", "conv_v", "state"):  # capture must not have run it
         getattr(c, n).copy_(getattr(snapshot, n))
     for step in range(3):

@@ -405,16 +405,18 @@ def _before_launch(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_la
 # ----------------------------------------------------------------------------------------------
 # after: the fused kernel (kernels/kda_decode.cu)
 
-# (tile_v value columns per block, default threads per block), widest first; the library may hold
-# more (threads) variants: `_load_fused(device).configs`.
-CONFIGS = ((128, 256), (64, 128), (32, 128), (16, 64), (8, 64))
+# (tile_v value columns per block, threads per block) compiled into the library, widest first.
+CONFIGS = ((128, 256), (64, 128), (32, 128), (16, 128), (16, 64))
 # kernels/kda_decode.cu's Args, field by field (checked against the library's sizeof at load)
-_ARGS_FORMAT = "<" + "Q" * 6 + "q" * 6 + "Q" * 3 + "q" * 3 + "Q" * 6 + "Qq" + "Qq" + "QQ" + "ii" + "fff" + "ii" + "4x"
+_ARGS_FORMAT = "<" + "Q" * 6 + "q" * 6 + "Q" * 3 + "q" * 3 + "Q" * 6 + "Qq" + "Qq" + "QQ" + "ii" + "fff" + "iii"
 _TOKEN_FORMAT = "<" + "Q" * 6 + "q" * 6  # the leading per-token fields, rewritten every step
 _ARGS_SIZE = struct.calcsize(_ARGS_FORMAT)
-HINT_STREAM_LOADS, HINT_STREAM_STORES = 1, 2
+HINT_STREAM_LOADS, HINT_STREAM_STORES, HINT_PREFETCH_L2 = 1, 2, 4
+# How the blocks of a split head exchange their partial sums for the output norm.
+SPLIT_MODES = {"whole": 0, "atomic": 1, "cluster": 2}
 _LAUNCH_ERRORS = {-1: "no compiled kernel for this (tile_v, threads)", -2: "warp width does not fit the block",
-                  -3: "the config needs more shared memory than the device has", -4: "bad sizes"}
+                  -3: "the config needs more shared memory than the device has", -4: "bad sizes",
+                  -5: "this split mode is not compiled for this tile width"}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
 
 
@@ -422,9 +424,15 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Trito
 class _Fused:
     lib: ctypes.CDLL
     configs: dict  # (tile_v, threads) -> static shared bytes
+    split_modes: set  # names of the split modes this build has
+    clusters: bool  # the device runs thread-block clusters (compute capability >= 9)
     warp_size: int
     max_shared: int
     units: int
+    l2_bytes: int
+
+    def occupancy(self, tile_v: int, threads: int, state_vk: int, mode: int) -> int:
+        return self.lib.k3_kda_decode_occupancy(tile_v, threads, state_vk, mode)
 
 
 _fused_cache: dict = {}
@@ -439,7 +447,7 @@ def _load_fused(device) -> _Fused:
     lib = _build.load("kda_decode")
     lib.k3_kda_decode.restype = ctypes.c_int
     lib.k3_kda_decode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_void_p]
+                                  ctypes.c_int, ctypes.c_void_p]
     size = lib.k3_kda_decode_args_size()
     if size != _ARGS_SIZE:
         raise _build.KernelUnavailable(f"kda_decode.cu's Args is {size} bytes but the Python packing is "
@@ -447,12 +455,16 @@ def _load_fused(device) -> _Fused:
     buf = (ctypes.c_int * 96)()
     n = lib.k3_kda_decode_configs(buf, 32)
     configs = {(buf[3 * i], buf[3 * i + 1]): buf[3 * i + 2] for i in range(min(n, 32))}
+    bits = lib.k3_kda_decode_split_modes()
+    modes = {name for name, m in SPLIT_MODES.items() if m and bits & (1 << m)}
     props = torch.cuda.get_device_properties(idx)
     warp = int(getattr(props, "warp_size", 0) or 0)
     if warp <= 0:
         raise _build.KernelUnavailable("torch does not report this GPU's warp/wavefront width")
     max_shared = int(getattr(props, "shared_memory_per_block", 0) or 48 * 1024)
-    f = _Fused(lib, configs, warp, max_shared, props.multi_processor_count)
+    clusters = not getattr(torch.version, "hip", None) and props.major >= 9
+    l2 = int(getattr(props, "L2_cache_size", 0) or 0)
+    f = _Fused(lib, configs, modes, clusters, warp, max_shared, props.multi_processor_count, l2)
     _fused_cache[idx] = f
     return f
 
@@ -469,17 +481,39 @@ def fused_status() -> tuple[bool, str]:
 def choose_config(batch: int, heads: int, units: int, warp_size: int = 32) -> tuple[int, int]:
     """(tile_v, threads): the widest value slice whose block count still covers every compute unit
     (`units`, read from the device), so that B = 1 with 12 heads spreads over the GPU while large
-    batches keep one block per head (no cross-block output-norm exchange)."""
+    batches keep one block per head (no exchange for the output norm)."""
     for tile_v, threads in CONFIGS:
         if batch * heads * (HEAD_DIM // tile_v) >= units and threads % warp_size == 0:
             return tile_v, threads
-    tile_v, threads = CONFIGS[-1]
-    return tile_v, max(threads, warp_size)
+    narrowest = min(tv for tv, _ in CONFIGS)  # too few heads to cover the units: the finest split,
+    for tile_v, threads in CONFIGS:          # with the larger block (more loads in flight per unit)
+        if tile_v == narrowest and threads % warp_size == 0:
+            return tile_v, threads
+    raise ValueError(f"no compiled block size is a multiple of the warp width {warp_size}")
+
+
+def choose_split(f: _Fused, tile_v: int) -> str:
+    """'whole' for a head per block; else clusters where the device and build have them and the
+    head's blocks fit a portable cluster (<= 8), else the portable atomic exchange."""
+    if tile_v == HEAD_DIM:
+        return "whole"
+    if "cluster" in f.split_modes and f.clusters and HEAD_DIM // tile_v <= 8:
+        return "cluster"
+    return "atomic"
+
+
+def default_hints(batch: int, heads: int, l2_bytes: int) -> int:
+    """Streaming cache hints for S always (each byte is read once and written once); the L2 prefetch
+    only when the step's states (B x H x 64 KiB) no longer fit in L2 anyway."""
+    hints = HINT_STREAM_LOADS | HINT_STREAM_STORES
+    if batch * heads * HEAD_DIM * HEAD_DIM * 4 > l2_bytes:
+        hints |= HINT_PREFETCH_L2
+    return hints
 
 
 def _workspace(device, n_heads_total: int):
-    """Counters (left at zero by every launch) and o slices for heads split across blocks; one per
-    device, grown as needed. Launches sharing it must be ordered (one stream, or one graph)."""
+    """Counters (left at zero by every launch) and o slices for heads split across blocks (atomic
+    mode); one per device, grown as needed. Launches sharing it must be ordered (one stream/graph)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ws = _workspaces.get(idx)
     if ws is None or ws[0].numel() < n_heads_total:
@@ -499,7 +533,9 @@ class KDADecodeStep:
     """
 
     def __init__(self, cache, weights, *, out=None, impl="after", state_layout="kv", tile_v=None, threads=None,
-                 hints=0):
+                 hints=None, split=None):
+        """tile_v/threads/hints/split (impl='after' only) override what `choose_config`,
+        `default_hints` and `choose_split` pick from the device."""
         if impl not in ("after", "before", "reference"):
             raise ValueError(f"impl must be 'after', 'before' or 'reference', got {impl!r}")
         if not isinstance(cache, KDACache):
@@ -514,17 +550,17 @@ class KDADecodeStep:
             _check_kernel_static(cache, weights, out, impl)
         if impl == "before" and triton is None:
             raise _build.KernelUnavailable("impl='before' needs Triton, which is not installed")
-        if (tile_v is not None or threads is not None or hints) and impl != "after":
-            raise ValueError("tile_v, threads and hints apply to impl='after' only")
+        if (tile_v is not None or threads is not None or hints is not None or split is not None) and impl != "after":
+            raise ValueError("tile_v, threads, hints and split apply to impl='after' only")
         self.cache, self.weights, self.impl, self.state_layout = cache, weights, impl, state_layout
         self.batch, self.heads, self.dtype, self.device = B, H, act, S.device
         self.out = out if out is not None else torch.empty(B, H * HEAD_DIM, device=S.device, dtype=act)
         hk = torch.Size((B, H * HEAD_DIM))
         self._shapes = (hk, hk, hk, hk, torch.Size((B, H)), hk)
         if impl == "after":
-            self._init_fused(tile_v, threads, hints)
+            self._init_fused(tile_v, threads, hints, split)
 
-    def _init_fused(self, tile_v, threads, hints):
+    def _init_fused(self, tile_v, threads, hints, split):
         f = _load_fused(self.device)
         B, H = self.batch, self.heads
         if tile_v is None:
@@ -533,8 +569,19 @@ class KDADecodeStep:
             threads = dict(CONFIGS).get(tile_v)
         if (tile_v, threads) not in f.configs:
             raise ValueError(f"(tile_v, threads) must be one of {sorted(f.configs)}, got {(tile_v, threads)}")
-        self.tile_v, self.threads, self.hints = tile_v, threads, int(hints)
-        counters, o_part = _workspace(self.device, B * H) if tile_v < HEAD_DIM else (None, None)
+        split = choose_split(f, tile_v) if split is None else split
+        if split not in SPLIT_MODES or (split == "whole") != (tile_v == HEAD_DIM):
+            raise ValueError(f"split must be 'whole' (tile_v={HEAD_DIM}), 'atomic' or 'cluster' (tile_v < "
+                             f"{HEAD_DIM}), got {split!r} with tile_v={tile_v}")
+        if split == "cluster" and not (f.clusters and "cluster" in f.split_modes and HEAD_DIM // tile_v <= 8):
+            raise ValueError("split='cluster' needs a CUDA GPU of compute capability >= 9.0 and tile_v >= 16")
+        hints = default_hints(B, H, f.l2_bytes) if hints is None else int(hints)
+        vk = int(self.state_layout == "vk")
+        ahead = 0
+        if hints & HINT_PREFETCH_L2:  # one launch's worth of resident blocks ahead
+            ahead = max(f.occupancy(tile_v, threads, vk, SPLIT_MODES[split]), 1) * f.units
+        self.tile_v, self.threads, self.hints, self.split = tile_v, threads, hints, split
+        counters, o_part = _workspace(self.device, B * H) if split == "atomic" else (None, None)
         self._workspace = (counters, o_part)  # held, so it outlives a regrown shared one
         w, c, S, out = self.weights, self.cache, self.cache.state, self.out
         self._args = ctypes.create_string_buffer(_ARGS_SIZE)
@@ -545,9 +592,9 @@ class KDADecodeStep:
             w.conv_q.data_ptr(), w.conv_k.data_ptr(), w.conv_v.data_ptr(), w.A_log.data_ptr(),
             w.dt_bias.data_ptr(), w.o_norm.data_ptr(), S.data_ptr(), S.stride(0), out.data_ptr(), out.stride(0),
             counters.data_ptr() if counters is not None else 0, o_part.data_ptr() if o_part is not None else 0,
-            B, H, float(w.lower_bound), float(w.eps), HEAD_DIM ** -0.5, f.warp_size, self.hints)
+            B, H, float(w.lower_bound), float(w.eps), HEAD_DIM ** -0.5, f.warp_size, hints, ahead)
         self._launch = f.lib.k3_kda_decode
-        self._launch_tail = (tile_v, threads, int(self.state_layout == "vk"), f.max_shared)
+        self._launch_tail = (tile_v, threads, vk, SPLIT_MODES[split], f.max_shared)
         self._dev_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
 
     def _bad_token(self, name, t, shape):
@@ -601,13 +648,14 @@ def before(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_la
 
 
 def after(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_layout="kv", tile_v=None,
-          threads=None, hints=0) -> torch.Tensor:
+          threads=None, hints=None, split=None) -> torch.Tensor:
     """The fused kernel: one launch per step. tile_v/threads override the choice from the device
-    (`choose_config`); hints: HINT_STREAM_LOADS | HINT_STREAM_STORES cache hints for S.
+    (`choose_config`); split: 'atomic' or 'cluster' for split heads (`choose_split`); hints: a mix of
+    HINT_STREAM_LOADS, HINT_STREAM_STORES, HINT_PREFETCH_L2 (`default_hints`).
     Checks everything on every call; a serving loop binds a `KDADecodeStep` once instead."""
     validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout)
     return KDADecodeStep(cache, weights, out=out, impl="after", state_layout=state_layout, tile_v=tile_v,
-                         threads=threads, hints=hints)(q, k, v, g_raw, beta_raw, gate)
+                         threads=threads, hints=hints, split=split)(q, k, v, g_raw, beta_raw, gate)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -183,33 +183,42 @@ def time_case(batch: int, heads: int = HEADS, *, modes=("eager", "graph"), repea
     return records
 
 
-def sweep_configs(batch: int, heads: int = HEADS, *, repeats: int = 50,
-                  hints=(0,), layouts=("kv", "vk"), configs=None) -> list[dict]:
-    """Graph-replay time of every compiled (tile_v, threads) (or `configs`) and state layout, after
-    checking each against the reference."""
-    dev = kd._load_fused(torch.device("cuda"))
-    rows = []
-    for (tile_v, threads) in sorted(configs or dev.configs):
-        for layout in layouts:
-            for hint in hints:
-                opts = {"tile_v": tile_v, "threads": threads, "hints": hint}
-                row = {"B": batch, "tile_v": tile_v, "threads": threads, "layout": layout, "hints": hint}
-                try:
-                    errs = check_case(batch, heads, state_layout=layout, variants=("after",), seed=batch + 7,
-                                      **opts)
-                except bench.CheckFailed as exc:  # keep sweeping; the row says what failed
-                    rows.append(dict(row, failed=str(exc)[:500]))
-                    continue
-                inputs, cache, w = kd.make_example(batch, heads, device="cuda", state_layout=layout, seed=3)
-                out = torch.empty(batch, heads * HEAD, device="cuda", dtype=torch.bfloat16)
-                def step(inputs=inputs, cache=cache, w=w, out=out, layout=layout, opts=opts):
-                    kd.after(**inputs, cache=cache, weights=w, out=out, state_layout=layout, **opts)
+def sweep_options(f=None) -> list[dict]:
+    """Every compiled (tile_v, threads) with each split mode the device runs, 'kv' state, with the
+    streaming hints and with the L2 prefetch added."""
+    f = f or kd._load_fused(torch.device("cuda"))
+    opts = []
+    for (tile_v, threads) in sorted(f.configs, reverse=True):
+        if tile_v == kd.HEAD_DIM:
+            splits = ["whole"]
+        else:
+            splits = [m for m in ("cluster", "atomic") if m in f.split_modes and (m != "cluster" or f.clusters)]
+        for split in splits:
+            for hints in (3, 7):
+                opts.append({"tile_v": tile_v, "threads": threads, "split": split, "hints": hints, "layout": "kv"})
+    return opts
 
-                t = bench.time_fn(step,
-                                  warmup=10, repeats=repeats, graph=True)
-                rows.append({**row, "graph_us": t.median_us, "p20_us": t.p20_us, "p80_us": t.p80_us,
-                             "state_max_rel": errs["after"]["state"]["max_rel"],
-                             "out_max_rel": errs["after"]["output"]["max_rel"]})
+
+def sweep_configs(batch: int, heads: int = HEADS, options=None, *, repeats: int = 50) -> list[dict]:
+    """Graph-replay time of each kernel option (tile_v, threads, split, hints, layout), after checking
+    each against the reference; a failed check is recorded in the row, not raised."""
+    rows = []
+    for o in options or sweep_options():
+        opts = {k: v for k, v in o.items() if k != "layout"}
+        layout = o.get("layout", "kv")
+        row = dict(o, B=batch)
+        try:
+            errs = check_case(batch, heads, state_layout=layout, variants=("after",), seed=batch + 7, **opts)
+        except bench.CheckFailed as exc:  # keep sweeping; the row says what failed
+            rows.append(dict(row, failed=str(exc)[:500]))
+            continue
+        inputs, cache, w = kd.make_example(batch, heads, device="cuda", state_layout=layout, seed=3)
+        step = kd.KDADecodeStep(cache, w, impl="after", state_layout=layout, **opts)
+        args = tuple(inputs[n] for n in kd.TOKEN_INPUTS)
+        t = bench.time_fn(lambda step=step, args=args: step(*args), warmup=10, repeats=repeats, graph=True)
+        rows.append(dict(row, graph_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us,
+                         state_max_rel=errs["after"]["state"]["max_rel"],
+                         out_max_rel=errs["after"]["output"]["max_rel"]))
     return rows
 
 
@@ -261,13 +270,14 @@ def main(argv=None) -> None:
     if args.sweep:
         rows = []
         for B in batches:
-            rows += sweep_configs(B)
-            best = min((r for r in rows if r["B"] == B and "graph_us" in r), key=lambda r: r["graph_us"])
-            rows += sweep_configs(B, hints=(1, 2, 3), layouts=(best["layout"],),
-                                  configs=[(best["tile_v"], best["threads"])])
-            for r in rows:
-                if r["B"] == B:
-                    print("sweep", json.dumps(r), flush=True)
+            got = sweep_configs(B)
+            best = min((r for r in got if "graph_us" in r), key=lambda r: r["graph_us"])
+            more = [dict(best, layout="vk"), dict(best, hints=0)]
+            got += sweep_configs(B, [{k: r[k] for k in ("tile_v", "threads", "split", "hints", "layout")}
+                                     for r in more])
+            rows += got
+            for r in got:
+                print("sweep", json.dumps(r), flush=True)
             if out:
                 (out / "sweep.json").write_text(json.dumps(rows, indent=1))
 

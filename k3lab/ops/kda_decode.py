@@ -533,9 +533,10 @@ class KDADecodeStep:
     """
 
     def __init__(self, cache, weights, *, out=None, impl="after", state_layout="kv", tile_v=None, threads=None,
-                 hints=None, split=None):
+                 hints=None, split=None, prefetch_ahead=None):
         """tile_v/threads/hints/split (impl='after' only) override what `choose_config`,
-        `default_hints` and `choose_split` pick from the device."""
+        `default_hints` and `choose_split` pick from the device; prefetch_ahead (blocks, with
+        HINT_PREFETCH_L2) overrides one launch's worth of resident blocks."""
         if impl not in ("after", "before", "reference"):
             raise ValueError(f"impl must be 'after', 'before' or 'reference', got {impl!r}")
         if not isinstance(cache, KDACache):
@@ -550,17 +551,18 @@ class KDADecodeStep:
             _check_kernel_static(cache, weights, out, impl)
         if impl == "before" and triton is None:
             raise _build.KernelUnavailable("impl='before' needs Triton, which is not installed")
-        if (tile_v is not None or threads is not None or hints is not None or split is not None) and impl != "after":
-            raise ValueError("tile_v, threads, hints and split apply to impl='after' only")
+        tuning = (tile_v, threads, hints, split, prefetch_ahead)
+        if any(x is not None for x in tuning) and impl != "after":
+            raise ValueError("tile_v, threads, hints, split and prefetch_ahead apply to impl='after' only")
         self.cache, self.weights, self.impl, self.state_layout = cache, weights, impl, state_layout
         self.batch, self.heads, self.dtype, self.device = B, H, act, S.device
         self.out = out if out is not None else torch.empty(B, H * HEAD_DIM, device=S.device, dtype=act)
         hk = torch.Size((B, H * HEAD_DIM))
         self._shapes = (hk, hk, hk, hk, torch.Size((B, H)), hk)
         if impl == "after":
-            self._init_fused(tile_v, threads, hints, split)
+            self._init_fused(tile_v, threads, hints, split, prefetch_ahead)
 
-    def _init_fused(self, tile_v, threads, hints, split):
+    def _init_fused(self, tile_v, threads, hints, split, prefetch_ahead):
         f = _load_fused(self.device)
         B, H = self.batch, self.heads
         if tile_v is None:
@@ -578,8 +580,10 @@ class KDADecodeStep:
         hints = default_hints(B, H, f.l2_bytes) if hints is None else int(hints)
         vk = int(self.state_layout == "vk")
         ahead = 0
-        if hints & HINT_PREFETCH_L2:  # one launch's worth of resident blocks ahead
-            ahead = max(f.occupancy(tile_v, threads, vk, SPLIT_MODES[split]), 1) * f.units
+        if hints & HINT_PREFETCH_L2:  # by default one launch's worth of resident blocks ahead
+            ahead = (int(prefetch_ahead) if prefetch_ahead is not None
+                     else max(f.occupancy(tile_v, threads, vk, SPLIT_MODES[split]), 1) * f.units)
+        self.prefetch_ahead = ahead
         self.tile_v, self.threads, self.hints, self.split = tile_v, threads, hints, split
         counters, o_part = _workspace(self.device, B * H) if split == "atomic" else (None, None)
         self._workspace = (counters, o_part)  # held, so it outlives a regrown shared one
@@ -648,14 +652,15 @@ def before(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_la
 
 
 def after(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_layout="kv", tile_v=None,
-          threads=None, hints=None, split=None) -> torch.Tensor:
+          threads=None, hints=None, split=None, prefetch_ahead=None) -> torch.Tensor:
     """The fused kernel: one launch per step. tile_v/threads override the choice from the device
     (`choose_config`); split: 'atomic' or 'cluster' for split heads (`choose_split`); hints: a mix of
     HINT_STREAM_LOADS, HINT_STREAM_STORES, HINT_PREFETCH_L2 (`default_hints`).
     Checks everything on every call; a serving loop binds a `KDADecodeStep` once instead."""
     validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout)
     return KDADecodeStep(cache, weights, out=out, impl="after", state_layout=state_layout, tile_v=tile_v,
-                         threads=threads, hints=hints, split=split)(q, k, v, g_raw, beta_raw, gate)
+                         threads=threads, hints=hints, split=split, prefetch_ahead=prefetch_ahead)(
+        q, k, v, g_raw, beta_raw, gate)
 
 
 # ----------------------------------------------------------------------------------------------

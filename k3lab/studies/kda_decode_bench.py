@@ -153,8 +153,8 @@ def make_callables(batch: int, heads: int = HEADS, *, device="cuda", seed: int =
     before = kd.KDADecodeStep(kd.clone_cache(cache), w, impl="before")
     after = kd.KDADecodeStep(kd.clone_cache(cache), w, impl="after", **kernel_options)
     fns = {"before": lambda: before(*args), "after": lambda: after(*args)}
-    config = {"tile_v": after.tile_v, "threads": after.threads, "hints": after.hints,
-              "host_path": "KDADecodeStep (bound once)"}
+    config = {"tile_v": after.tile_v, "threads": after.threads, "split": after.split, "hints": after.hints,
+              "prefetch_ahead": after.prefetch_ahead, "host_path": "KDADecodeStep (bound once)"}
     if fla_available()[0]:
         fc = fla_cache(cache)
         fns["fla"] = lambda: fla_step(inputs, fc, w)
@@ -196,10 +196,13 @@ def sweep_options(f=None) -> list[dict]:
         for split in splits:
             for hints in (3, 7):
                 opts.append({"tile_v": tile_v, "threads": threads, "split": split, "hints": hints, "layout": "kv"})
+            if split == "whole":  # the prefetch distance, in blocks: one, two, four SM-counts ahead
+                opts += [{"tile_v": tile_v, "threads": threads, "split": split, "hints": 7, "layout": "kv",
+                          "prefetch_ahead": n * f.units} for n in (1, 2, 4)]
     return opts
 
 
-def sweep_configs(batch: int, heads: int = HEADS, options=None, *, repeats: int = 50) -> list[dict]:
+def sweep_configs(batch: int, *, heads: int = HEADS, options=None, repeats: int = 50) -> list[dict]:
     """Graph-replay time of each kernel option (tile_v, threads, split, hints, layout), after checking
     each against the reference; a failed check is recorded in the row, not raised."""
     rows = []
@@ -222,16 +225,20 @@ def sweep_configs(batch: int, heads: int = HEADS, options=None, *, repeats: int 
     return rows
 
 
-def run(batches=BATCHES, heads: int = HEADS, modes=("eager", "graph"), **kernel_options) -> list[bench.Record]:
-    """Check every variant at each batch (raising on failure), then time them; returns records."""
+def run(batches=BATCHES, heads: int = HEADS, modes=("eager", "graph"), options: dict | None = None,
+        repeats: int = 200, **kernel_options) -> list[bench.Record]:
+    """Check every variant at each batch (raising on failure), then time them; returns records.
+    options: batch -> kernel options for `after` (say, the best of a sweep); default: the library's
+    choice from the device (or **kernel_options for every batch)."""
     records = []
     for B in batches:
+        opts = dict((options or {}).get(B, kernel_options))
         errs = {}
         for layout in ("kv", "vk"):
-            res = check_case(B, heads, state_layout=layout, seed=B, **kernel_options)
+            res = check_case(B, heads, state_layout=layout, seed=B, **opts)
             if layout == "kv":
                 errs = {k: v for k, v in res.items() if k in ("before", "after", "fla")}
-        records += time_case(B, heads, modes=modes, errors=errs, **kernel_options)
+        records += time_case(B, heads, modes=modes, errors=errs, repeats=repeats, **opts)
     return records
 
 
@@ -251,11 +258,25 @@ def table(records: list[bench.Record]) -> str:
     return "\n".join(lines)
 
 
+OPTION_KEYS = ("tile_v", "threads", "split", "hints", "prefetch_ahead")
+
+
+def best_options(rows: list[dict]) -> dict[int, dict]:
+    """batch -> the kernel options of the fastest checked sweep row (state layout 'kv')."""
+    best: dict[int, dict] = {}
+    for r in rows:
+        if "graph_us" in r and r.get("layout", "kv") == "kv" and (
+                r["B"] not in best or r["graph_us"] < best[r["B"]]["graph_us"]):
+            best[r["B"]] = r
+    return {B: {k: r[k] for k in OPTION_KEYS if k in r} for B, r in best.items()}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="folder for records (profiles/ layout) and sweep.json")
+    ap.add_argument("--out", default=None, help="folder for records.json and sweep.json")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    ap.add_argument("--sweep", action="store_true", help="also time every compiled kernel config")
+    ap.add_argument("--sweep", action="store_true", help="time every kernel option first")
+    ap.add_argument("--tuned", action="store_true", help="time `after` with each batch's best sweep option")
     ap.add_argument("--repeats", type=int, default=200)
     args = ap.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -263,23 +284,25 @@ def main(argv=None) -> None:
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-    records = run(batches)
-    if out:  # one file: the device copy brings back few files (profiles/ is written from it later)
-        (out / "records.json").write_text(json.dumps([r.to_dict() for r in records], indent=1))
-    print(table(records), flush=True)
-    if args.sweep:
-        rows = []
+    rows: list[dict] = []
+    if args.sweep or args.tuned:
         for B in batches:
             got = sweep_configs(B)
-            best = min((r for r in got if "graph_us" in r), key=lambda r: r["graph_us"])
-            more = [dict(best, layout="vk"), dict(best, hints=0)]
-            got += sweep_configs(B, [{k: r[k] for k in ("tile_v", "threads", "split", "hints", "layout")}
-                                     for r in more])
+            best = best_options(got)[B]
+            more = [dict(best, layout="vk"), dict(best, hints=best.get("hints", 3) & ~3)]
+            got += sweep_configs(B, options=more)
             rows += got
             for r in got:
                 print("sweep", json.dumps(r), flush=True)
             if out:
                 (out / "sweep.json").write_text(json.dumps(rows, indent=1))
+    options = best_options(rows) if args.tuned else None
+    if options:
+        print("tuned options:", json.dumps(options), flush=True)
+    records = run(batches, options=options, repeats=args.repeats)
+    if out:  # one file: the device copy brings back few files (profiles/ is written from it later)
+        (out / "records.json").write_text(json.dumps([r.to_dict() for r in records], indent=1))
+    print(table(records), flush=True)
 
 
 if __name__ == "__main__":

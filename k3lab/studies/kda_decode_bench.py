@@ -278,6 +278,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep", action="store_true", help="time every kernel option first")
     ap.add_argument("--tuned", action="store_true", help="time `after` with each batch's best sweep option")
     ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--trace", action="store_true", help="profiler traces of one B=1 step per variant")
     args = ap.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
     print(kd.fused_status()[1], "|", fla_available()[1], flush=True)
@@ -303,6 +304,27 @@ def main(argv=None) -> None:
     if out:  # one file: the device copy brings back few files (profiles/ is written from it later)
         (out / "records.json").write_text(json.dumps([r.to_dict() for r in records], indent=1))
     print(table(records), flush=True)
+    if args.trace:
+        trace(out or Path("."), options=options)
+
+
+def trace(folder: Path, batch: int = 1, heads: int = HEADS, options: dict | None = None) -> dict:
+    """torch.profiler traces of one step per variant (k3lab.profile.capture); prints and returns
+    the launches and copies per step that each one ran."""
+    from k3lab import profile
+
+    fns, _ = make_callables(batch, heads, **dict((options or {}).get(batch, {})))
+    counts = {}
+    for variant, fn in fns.items():
+        try:
+            cap = profile.capture(fn, steps=3, warmup=3, trace_path=folder / f"trace_B{batch}_{variant}.json",
+                                  name=f"kda_decode B{batch} {variant}", overwrite=True)
+            counts[variant] = cap.counts()
+            print("trace", variant, json.dumps(counts[variant]), cap.table[["name", "calls", "mean_us"]]
+                  .to_string(index=False).replace("\n", "\n  "), flush=True)
+        except Exception as exc:  # noqa: BLE001 - a trace is extra; the records are already written
+            print("trace", variant, "failed:", type(exc).__name__, str(exc)[:300], flush=True)
+    return counts
 
 
 if __name__ == "__main__":

@@ -6,26 +6,29 @@ drafts the server can roll back to state j without recomputing (`states[b, j - 1
 
 Two kernels compute the same thing:
 
-* `kda_verify_before`: the shape of the original kernel. One program per (sequence, head, 32 value
-  columns), a workgroup of 128 threads, the token loop's length read at run time, and each token's
-  q, k, v, g, beta loaded inside the loop, so every position waits for its own memory round trip.
-  At TP8 (12 heads, V = 128) and one sequence that is 12 x 4 = 48 programs: a GPU with 132 SMs
-  (H200) or 256 CUs (MI355X) is mostly idle.
-* `kda_verify` (after): the seed's four changes (section 5, vLLM PR 58045).
-  1. narrow tiles: `tile_v` value columns per program (4 or 8 instead of 32), chosen from
-     batch x heads against the device's compute-unit count (`choose_tile_v`): 384 programs at B = 1;
-  2. single-wave workgroups: a 128 x 4 fp32 tile is 16 values per lane of one 32-wide warp, so the
-     reduction over K is lane shuffles only, no shared memory or barrier (`choose_num_warps` reads
-     the wave width from the device);
-  3. uniform-length specialisation: T is a compile-time constant, the token loop is unrolled and
-     needs no masks; ragged batches (cu_seqlens or per-sequence lengths) keep a dynamic path;
-  4. hoisted token-invariant work: every position's inputs are loaded before the recurrence starts
-     (one memory round trip instead of T), exp(g) and q.k are computed up front, and the output
-     o_t = S_dec^T q + (q.k) beta (v - S_dec^T k) needs two reductions that run side by side
-     instead of one after the other.
+* the streaming kernel (`kda_verify_before`, the shape of the original): one program per
+  (sequence, head, 32 value columns), a 128-thread workgroup, the token loop's length read at run
+  time, each token's q, k, v, g, beta loaded inside the loop, so every position waits for its own
+  memory round trip. At TP8 (12 heads, V = 128) one sequence makes 12 x 4 = 48 programs: a GPU with
+  132 SMs (H200) or 256 CUs (MI355X) is mostly idle, and what runs is a chain of T round trips.
+* the narrow kernel (`kda_verify`, after): the seed's four changes (section 5, vLLM PR 58045).
+  1. narrow tiles: 4 (or 8) value columns per program, chosen from batch x heads against the
+     device's compute-unit count (`choose_tile_v`): 384 programs at B = 1 on 12 heads;
+  2. single-wave workgroups: a 128 x 4 fp32 tile is 16 values per lane of one wave, so the reduction
+     over K is lane shuffles only, no shared memory and no barrier (`choose_num_warps` reads the wave
+     width from the device);
+  3. uniform-length specialisation: T is a compile-time constant and the loops unroll; ragged
+     batches (cu_seqlens or per-sequence lengths) keep a dynamic path (masked positions);
+  4. hoisted token-invariant work: every position's inputs are loaded before the recurrence (one
+     round trip instead of T), exp(g), d*k, d*q, q.k and beta*v are computed up front, and the output
+     o_t = S^T (d q) + (q.k) delta needs two reductions of the old state that run side by side.
 
-Both write fp32 states [B, T, H, K, V] (or, ragged, [total_tokens, H, K, V]: the state after token
-i of the flattened batch), or only the final state when `final_state_only=True`.
+When batch x heads already gives every compute unit enough programs, `choose_tile_v` returns a wide
+tile and `kda_verify` runs the streaming kernel with it: there is no idle hardware for narrow tiles
+to fill, and a wide tile writes whole memory sectors per row with fewer instructions.
+
+States are fp32 [B, T, H, K, V] (ragged: [1, total_tokens, H, K, V], the state after each token of
+the flattened batch), or only the final [N, H, K, V] with `final_state_only=True`.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from k3lab.nn.kda import kda_recurrent
 HEAD_DIM = 128  # K3's KDA head dim; the kernels hold one full K = 128 column of the state per lane group
 MAX_POSITIONS = 8  # drafts + 1 verified by one call; beyond this, use the chunked prefill path
 TILE_WIDTHS = (32, 16, 8, 4)  # value columns per program, widest first
+NARROW_MAX = 8  # tiles up to this width run the narrow kernel; wider ones the streaming kernel
 BEFORE_TILE_V = 32
 BEFORE_THREADS = 128  # the original kernel's workgroup size, in threads
 
@@ -76,8 +80,11 @@ def _wave_width() -> int:
 
 def choose_num_warps(tile_v: int, k_dim: int = HEAD_DIM, values_per_lane: int = 32,
                      wave_width: int | None = None) -> int:
-    """Waves per program: one wave until a lane would hold more than `values_per_lane` state values.
-    A 128 x 4 or 128 x 8 fp32 tile is one wave on NVIDIA (32 lanes) and AMD (64 lanes)."""
+    """Waves per program. Narrow tiles: one wave until a lane would hold more than `values_per_lane`
+    state values (a 128 x 4 or 128 x 8 fp32 tile is one wave on NVIDIA's 32 lanes and AMD's 64).
+    Wide tiles (streaming kernel): the original 128-thread workgroup."""
+    if tile_v > NARROW_MAX:
+        return before_num_warps(wave_width)
     wave = wave_width or _wave_width()
     return max(1, (k_dim * tile_v) // (wave * values_per_lane))
 
@@ -92,7 +99,7 @@ def before_num_warps(wave_width: int | None = None) -> int:
 
 
 @triton.jit
-def _verify_before_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale, T_run,
+def _verify_stream_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale, T_run,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                           RAGGED: tl.constexpr, ALL_STATES: tl.constexpr):
     """One program per (tile of BV columns, sequence x head). The token loop's length is read at
@@ -135,18 +142,16 @@ def _verify_before_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale, T_run,
 
 
 @triton.jit
-def _verify_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
-                   T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                   RAGGED: tl.constexpr, ALL_STATES: tl.constexpr):
-    """Narrow-tile verification. T is a compile-time constant (the uniform length, or the ragged
-    batch's longest sequence), so both loops below unroll; all positions' inputs are loaded before
-    the recurrence starts."""
+def _verify_narrow_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
+                          T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          BV: tl.constexpr, RAGGED: tl.constexpr, ALL_STATES: tl.constexpr):
+    """Narrow tiles, one wave. T is a compile-time constant (the uniform length, or the ragged
+    batch's longest sequence), so the loops unroll. Three phases: every load, then every
+    state-independent quantity, then the recurrence."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
-    offs_k = tl.arange(0, K)
-    offs_v = i_v * BV + tl.arange(0, BV)
     if RAGGED == 1:  # cu_seqlens [N + 1], flattened tokens
         bos = tl.load(seq_info + i_b).to(tl.int64)
         L = tl.load(seq_info + i_b + 1).to(tl.int64) - bos
@@ -156,58 +161,70 @@ def _verify_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
     else:
         bos = i_b.to(tl.int64) * T
         L = T
-    tile = offs_k[:, None] * V + offs_v[None, :]
+    offs_k = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)[None, :]  # [1, BV]: a row of the tile
+    tile = offs_k[:, None] * V + cv
     S = tl.load(h0 + (i_b * H + i_h).to(tl.int64) * K * V + tile)
-    # Hoisted: every position's inputs are requested before the first update, so the T loads overlap
-    # (one memory round trip, not T), and everything that does not depend on the state is computed
-    # up front: the decay d = exp(g), the decayed query and key d*q, d*k, the scalar q.k and beta*v.
-    # A dead ragged position loads k = g = beta = 0: its update is the identity, no branch needed.
-    ds = ()
-    dqs = ()
-    dks = ()
+    # Phase 1, hoisted loads: every position's inputs are requested before any is used, so the T
+    # loads overlap: one memory round trip, not T. A dead ragged position reads k = g = beta = 0,
+    # which makes its update the identity, so the unrolled loop needs no branch.
+    qs = ()
     ks = ()
+    gs = ()
+    vs = ()
     bs = ()
-    bvs = ()
-    qks = ()
     for t in tl.static_range(T):
         row = (bos + t) * H + i_h
         if RAGGED == 0:
-            q_t = tl.load(q + row * K + offs_k).to(tl.float32) * scale
-            k_t = tl.load(k + row * K + offs_k).to(tl.float32)
-            g_t = tl.load(g + row * K + offs_k).to(tl.float32)
-            v_t = tl.load(v + row * V + offs_v).to(tl.float32)
-            b_t = tl.load(beta + row).to(tl.float32)
+            qs = qs + (tl.load(q + row * K + offs_k),)
+            ks = ks + (tl.load(k + row * K + offs_k),)
+            gs = gs + (tl.load(g + row * K + offs_k),)
+            vs = vs + (tl.load(v + row * V + cv),)
+            bs = bs + (tl.load(beta + row),)
         else:
             alive = L > t
-            q_t = tl.load(q + row * K + offs_k, mask=(offs_k < K) & alive, other=0.0).to(tl.float32) * scale
-            k_t = tl.load(k + row * K + offs_k, mask=(offs_k < K) & alive, other=0.0).to(tl.float32)
-            g_t = tl.load(g + row * K + offs_k, mask=(offs_k < K) & alive, other=0.0).to(tl.float32)
-            v_t = tl.load(v + row * V + offs_v, mask=(offs_v < V) & alive, other=0.0).to(tl.float32)
-            b_t = tl.load(beta + row, mask=alive, other=0.0).to(tl.float32)
-        d_t = tl.exp(g_t)
-        # kept broadcast to the tile's shape, so the register shuffle into the tile's layout happens
-        # here, in the prologue, and not on the recurrence's critical path
-        ds = ds + (tl.broadcast_to(d_t[:, None], (K, BV)),)
-        dqs = dqs + (tl.broadcast_to((d_t * q_t)[:, None], (K, BV)),)
-        dks = dks + (tl.broadcast_to((d_t * k_t)[:, None], (K, BV)),)
-        ks = ks + (tl.broadcast_to(k_t[:, None], (K, BV)),)
-        bs = bs + (b_t,)
-        bvs = bvs + (b_t * v_t,)
-        qks = qks + (tl.sum(q_t * k_t, axis=0),)
-    # Per position, with S the state before it: u = S^T (d*k) and p = S^T (d*q) are two independent
-    # reductions of the same tile; delta = beta (v - u); S' = d*S + k delta^T; o = S'^T q = p + (q.k) delta.
-    # The decay product d*S runs beside the reductions, so the chain from S to S' is one multiply, one
-    # reduction and one fused multiply-add.
+            qs = qs + (tl.load(q + row * K + offs_k, mask=(offs_k < K) & alive, other=0.0),)
+            ks = ks + (tl.load(k + row * K + offs_k, mask=(offs_k < K) & alive, other=0.0),)
+            gs = gs + (tl.load(g + row * K + offs_k, mask=(offs_k < K) & alive, other=0.0),)
+            vs = vs + (tl.load(v + row * V + cv, mask=(cv < V) & alive, other=0.0),)
+            bs = bs + (tl.load(beta + row, mask=alive, other=0.0),)
+    # Loads may not move across a barrier: without it the compiler interleaves position t+1's loads
+    # with the arithmetic on position t's data and pays a round trip per position again.
+    tl.debug_barrier()
+    # Phase 2, token-invariant work (nothing here depends on the state). Each vector is broadcast to
+    # the tile's shape here, so its move into the tile's register layout (through shared memory)
+    # happens now and not on the recurrence's critical path: decay d = exp(g), d*k, d*q, k, and the
+    # scalars q.k and beta*v.
+    ds = ()
+    dks = ()
+    dqs = ()
+    kf = ()
+    qks = ()
+    bvs = ()
     for t in tl.static_range(T):
-        u = tl.sum(S * dks[t], axis=0)
-        p = tl.sum(S * dqs[t], axis=0)
+        q_t = tl.broadcast_to(qs[t][:, None], (K, BV)).to(tl.float32) * scale
+        k_t = tl.broadcast_to(ks[t][:, None], (K, BV)).to(tl.float32)
+        d_t = tl.exp(tl.broadcast_to(gs[t][:, None], (K, BV)).to(tl.float32))
+        ds = ds + (d_t,)
+        dks = dks + (d_t * k_t,)
+        dqs = dqs + (d_t * q_t,)
+        kf = kf + (k_t,)
+        qks = qks + (tl.sum(q_t * k_t, axis=0, keep_dims=True),)  # [1, BV], every column the same
+        bvs = bvs + (bs[t].to(tl.float32) * vs[t].to(tl.float32),)
+    # Phase 3, the recurrence. With S the state before position t:
+    #   u = S^T (d*k) and p = S^T (d*q): two independent reductions of the same tile, side by side;
+    #   delta = beta (v - u);  S' = d*S + k delta^T;  o = S'^T q = p + (q.k) delta.
+    # The chain from S to S' is one multiply, one reduction over K and one fused multiply-add.
+    for t in tl.static_range(T):
+        u = tl.sum(S * dks[t], axis=0, keep_dims=True)  # [1, BV]
+        p = tl.sum(S * dqs[t], axis=0, keep_dims=True)
         S_dec = S * ds[t]
-        delta = bvs[t] - bs[t] * u
-        S = S_dec + ks[t] * delta[None, :]
+        delta = bvs[t] - bs[t].to(tl.float32) * u
+        S = S_dec + kf[t] * delta
         o_t = p + qks[t] * delta
         row_t = (bos + t) * H + i_h
         if RAGGED == 0:
-            tl.store(o + row_t * V + offs_v, o_t.to(o.dtype.element_ty))
+            tl.store(o + row_t * V + cv, o_t.to(o.dtype.element_ty))
             if ALL_STATES:
                 tl.store(hs + row_t * K * V + tile, S)
         else:
@@ -215,9 +232,9 @@ def _verify_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
             # padded layout (lengths): a dead position's q is 0, so its output row is written as 0;
             # flattened layout (cu_seqlens): the row belongs to the next sequence, so it is skipped
             if RAGGED == 1:
-                tl.store(o + row_t * V + offs_v, o_t.to(o.dtype.element_ty), mask=(offs_v < V) & alive)
+                tl.store(o + row_t * V + cv, o_t.to(o.dtype.element_ty), mask=(cv < V) & alive)
             else:
-                tl.store(o + row_t * V + offs_v, o_t.to(o.dtype.element_ty))
+                tl.store(o + row_t * V + cv, o_t.to(o.dtype.element_ty))
             if ALL_STATES:
                 tl.store(hs + row_t * K * V + tile, S, mask=(tile >= 0) & alive)
     if not ALL_STATES:
@@ -331,26 +348,40 @@ def _prepare(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, f
 
 def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, lengths=None, max_seqlen=None,
                final_state_only=False, states_out=None, tile_v=None, num_warps=None):
-    """Verify T = 1..8 draft positions per sequence (the narrow-tile kernel).
+    """Verify T = 1..8 draft positions per sequence (after: narrow tiles where parallelism is short).
 
     q, k: [B, T, H, 128] (L2-normalised); v: [B, T, H, V]; g: [B, T, H, 128] log-decay (fp32 advised);
     beta: [B, T, H]; initial_state: [N, H, 128, V] float32 (None: zeros). Ragged batches: either
     `cu_seqlens` [N + 1] with tensors flattened to [1, total, ...] (fla's convention; pass
-    `max_seqlen` to skip a host read), or `lengths` [B] with padded [B, T, ...] tensors (positions at or
-    beyond a sequence's length are neither computed nor written).
-    Returns (o in q's dtype, shaped like v; states): states is float32 [B, T, H, 128, V] (ragged:
+    `max_seqlen` to skip a host read, and under graph capture), or `lengths` [B] with padded
+    [B, T, ...] tensors (positions at or past a length: o = 0, state not written).
+    Returns (o in q's dtype, shaped like v; states): float32 [B, T, H, 128, V] (ragged:
     [1, total, H, 128, V]) holding the state after each position, or [N, H, 128, V] with
     `final_state_only`. `states_out` writes into a caller buffer of that shape.
-    `tile_v`, `num_warps`: None chooses from the device (choose_tile_v, choose_num_warps)."""
+    `tile_v`, `num_warps`: None chooses from the device (`choose_tile_v`, `choose_num_warps`); tiles
+    up to NARROW_MAX columns run the narrow kernel, wider ones the streaming kernel."""
     (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode) = _prepare(
         q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out, tile_v)
-    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     bv = tile_v or choose_tile_v(N, H, V)
-    warps = num_warps or choose_num_warps(bv)
+    if bv > NARROW_MAX:
+        if mode == 2:  # the streaming kernel skips padded positions: their output rows start at zero
+            o.zero_()
+        return _launch_stream(q, k, v, g, beta, h0, o, hs, seq_info, scale, N, H, V, mode, final_state_only, bv,
+                              num_warps or choose_num_warps(bv))
+    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     grid = (V // bv, N * H)
-    _verify_kernel[grid](q, k, v, g, beta, h0, o, hs, seq_info, scale,
-                         T=steps, H=H, K=HEAD_DIM, V=V, BV=bv,
-                         RAGGED=mode, ALL_STATES=not final_state_only, num_warps=warps)
+    _verify_narrow_kernel[grid](q, k, v, g, beta, h0, o, hs, seq_info, scale,
+                                T=steps, H=H, K=HEAD_DIM, V=V, BV=bv, RAGGED=mode,
+                                ALL_STATES=not final_state_only, num_warps=num_warps or choose_num_warps(bv))
+    return o, hs
+
+
+def _launch_stream(q, k, v, g, beta, h0, o, hs, seq_info, scale, N, H, V, mode, final_state_only, bv, warps):
+    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    grid = (V // bv, N * H)
+    _verify_stream_kernel[grid](q, k, v, g, beta, h0, o, hs, seq_info, scale, q.shape[1],
+                                H=H, K=HEAD_DIM, V=V, BV=bv, RAGGED=mode, ALL_STATES=not final_state_only,
+                                num_warps=warps)
     return o, hs
 
 
@@ -358,17 +389,12 @@ def kda_verify_before(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens
                       max_seqlen=None, final_state_only=False, states_out=None, tile_v=BEFORE_TILE_V,
                       num_warps=None):
     """The original verification kernel: 32-column tiles, 128-thread workgroups, run-time length,
-    per-token loads. Same arguments and results as `kda_verify`."""
+    per-token loads (the streaming kernel). Same arguments and results as `kda_verify`."""
     (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode) = _prepare(
         q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out, tile_v,
         zero_outputs=True)
-    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
-    warps = num_warps or before_num_warps()
-    grid = (V // tile_v, N * H)
-    _verify_before_kernel[grid](q, k, v, g, beta, h0, o, hs, seq_info, scale, q.shape[1],
-                                H=H, K=HEAD_DIM, V=V, BV=tile_v, RAGGED=mode, ALL_STATES=not final_state_only,
-                                num_warps=warps)
-    return o, hs
+    return _launch_stream(q, k, v, g, beta, h0, o, hs, seq_info, scale, N, H, V, mode, final_state_only, tile_v,
+                          num_warps or before_num_warps())
 
 
 def select_accepted(states: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,13 @@ Variants (all checked, outputs and every per-position state, against an fp64 ref
           only, so the `.final_only` cases time every variant writing just the final state as well.
 
 Cases: `b{B}_t{T}` (per-position states), `b{B}_t{T}.final_only`; on a GPU also the ablation at B=1,
-T=4 (`.narrow_only`, `.narrow_1wave`, `.hoist_wide`, `.ragged`: one change at a time, variant
-'after') and a tile-width x waves sweep (`b{B}_t4.tile{W}_w{N}`). Floors: state read + state writes +
-inputs and outputs over the copy bandwidth, and one launch (graph or eager launch cost).
+T=4, one change at a time on top of 'before' (variant 'after' in the records): `.narrow_only` (the
+streaming kernel with 4-column tiles, still 128 threads), `.narrow_1wave` (+ one wave), then the
+full narrow kernel (= 'after'), and `.ragged` (the narrow kernel through its dynamic cu_seqlens
+path); and a sweep of tile width x waves for both kernels (`b{B}_t4.narrow{W}_w{N}`,
+`b{B}_t4.stream{W}_w{N}`). Graph timings replay one graph of >= 10 calls cycling through enough input
+sets to exceed twice the L2 (inputs and states are not cache-hot). Floors: state read + state
+writes + inputs and outputs over the copy bandwidth, and one launch (graph or eager launch cost).
 """
 
 from __future__ import annotations
@@ -34,10 +38,10 @@ NAME = "kda_verify"
 
 GPU_SHAPES = [(1, 4), (8, 4), (32, 4), (1, 2), (1, 8)]  # (batch, positions)
 CPU_SHAPES = [(1, 4)]
-ABLATIONS = ("narrow_only", "narrow_1wave", "hoist_wide", "ragged")
+ABLATIONS = ("narrow_only", "narrow_1wave", "ragged")
 SWEEP_BATCHES = (1, 8, 32)
-SWEEP_WIDTHS = (4, 8, 16, 32)
-SWEEP_WARPS = (1, 2, 4)
+SWEEP = [("narrow", w, n) for w in (4, 8) for n in (1, 2)] + [("stream", w, n) for w in (4, 8, 16, 32) for n in (1, 4)]
+MIN_GRAPH_CALLS = 10
 GATE_LOWER_BOUND = K3Config.full().kda_gate_lower_bound  # -5: g = -5 sigmoid(.)
 
 
@@ -68,9 +72,9 @@ def case_names(preset=None) -> list[str]:
         names += [f"b{B}_t{T}", f"b{B}_t{T}.final_only"]
     if _gpu():
         names += [f"b1_t4.{a}" for a in ABLATIONS]
-        names += [f"b{B}_t4.tile{w}_w{n}" for B in SWEEP_BATCHES for w in SWEEP_WIDTHS for n in SWEEP_WARPS]
-    else:
-        names.append("b1_t4.ragged")
+        names += [f"b{B}_t4.{kind}{w}_w{n}" for B in SWEEP_BATCHES for kind, w, n in SWEEP]
+    else:  # the CPU picks wide tiles for itself (2 units); run the narrow kernel too, by name
+        names += ["b1_t4.ragged", "b1_t4.narrow4_w1"]
     return names
 
 
@@ -174,38 +178,47 @@ def _variant_fn(kind: str, *, final_only: bool, tile_v: int | None = None, num_w
 
 
 def _parse(case: str, H: int) -> dict:
-    """Case name -> what to run: shape, final_only and the list of (variant label, spec)."""
+    """Case name -> what to run: shape, final_only and the list of (variant label, spec); a spec's
+    kind is 'after' (kda_verify), 'before' (the streaming kernel via kda_verify_before) or 'fla'."""
     base, _, tail = case.partition(".")
     B, T = (int(x[1:]) for x in base.split("_"))
     after_w = kv.choose_tile_v(B, H)
     after = dict(kind="after", tile_v=after_w, num_warps=kv.choose_num_warps(after_w))
     before = dict(kind="before", tile_v=kv.BEFORE_TILE_V, num_warps=kv.before_num_warps())
+    narrow_w = kv.TILE_WIDTHS[-1]
     spec = {"B": B, "T": T, "final_only": tail == "final_only", "variants": []}
     if tail in ("", "final_only"):
         spec["variants"] = [("before", before), ("after", after)]
         if fla_available():
             spec["variants"].append(("fla", dict(kind="fla", tile_v=32, num_warps=4)))
-    elif tail == "narrow_only":  # narrow tiles, still the 128-thread, per-token-load kernel
-        spec["variants"] = [("after", dict(kind="before", tile_v=after_w, num_warps=kv.before_num_warps()))]
+    elif tail == "narrow_only":  # narrow tiles in the original kernel: 128 threads, per-token loads
+        spec["variants"] = [("after", dict(kind="before", tile_v=narrow_w, num_warps=kv.before_num_warps()))]
     elif tail == "narrow_1wave":  # + one wave per program
-        spec["variants"] = [("after", dict(kind="before", tile_v=after_w, num_warps=1))]
-    elif tail == "hoist_wide":  # hoisting + compile-time length, but 32-column tiles
-        spec["variants"] = [("after", dict(kind="after", tile_v=kv.BEFORE_TILE_V,
-                                           num_warps=kv.choose_num_warps(kv.BEFORE_TILE_V)))]
-    elif tail == "ragged":  # the full kernel through its dynamic (cu_seqlens) path
+        spec["variants"] = [("after", dict(kind="before", tile_v=narrow_w, num_warps=1))]
+    elif tail == "ragged":  # the after kernel through its dynamic (cu_seqlens) path
         spec["variants"] = [("after", dict(after, ragged=True))]
-    elif tail.startswith("tile"):
-        w, n = tail[4:].split("_w")
-        spec["variants"] = [("after", dict(kind="after", tile_v=int(w), num_warps=int(n)))]
+    elif tail.startswith(("narrow", "stream")):
+        kind = "after" if tail.startswith("narrow") else "before"
+        w, n = tail[6:].split("_w")
+        spec["variants"] = [("after", dict(kind=kind, tile_v=int(w), num_warps=int(n)))]
     else:
         raise ValueError(f"unknown case {case!r}")
     return spec
 
 
-def _timing_args(graph: bool) -> dict:
+def kernel_name(kind: str, tile_v: int) -> str:
+    """Which kernel a variant runs: 'narrow' (kda_verify at <= NARROW_MAX columns), 'stream' or 'fla'."""
+    if kind == "fla":
+        return "fla"
+    return "narrow" if kind == "after" and tile_v <= kv.NARROW_MAX else "stream"
+
+
+def _timing_args(graph: bool, n_sets: int) -> dict:
     if not _gpu():
         return {"warmup": 1, "repeats": 5}
-    return {"warmup": 10, "repeats": 100, "graph": graph}
+    if graph:  # one graph replays every input set (>= 10 calls), so no call finds its inputs in L2
+        return {"warmup": 10, "repeats": 100, "graph": True, "graph_copies": max(n_sets, MIN_GRAPH_CALLS)}
+    return {"warmup": 10, "repeats": 100}
 
 
 def run(preset=None, cases=None, *, modes=None) -> list[bench.Record]:
@@ -249,9 +262,9 @@ def run(preset=None, cases=None, *, modes=None) -> list[bench.Record]:
             err = check_result(o, states, ref_o.to(o.device), ref_states.to(o.device),
                                final_only=final_only or vs["kind"] == "fla")
             for mode in case_modes:
-                t = bench.time_fn(fn, rotate=sets, **_timing_args(mode == "graph"))
+                t = bench.time_fn(fn, rotate=sets, **_timing_args(mode == "graph", len(sets)))
                 fl = floor_parts(B, T, H, in_bytes, final_only=final_only or vs["kind"] == "fla", mode=t.mode)
-                extra = {"kernel": vs["kind"], "tile_v": vs["tile_v"], "num_warps": vs["num_warps"],
+                extra = {"kernel": kernel_name(vs["kind"], vs["tile_v"]), "tile_v": vs["tile_v"], "num_warps": vs["num_warps"],
                          "workgroups": kv.workgroups(B, H, vs["tile_v"]),
                          "compute_units": _env.detect().compute_units, "wave_width": _env.detect().wave_width,
                          "path": "ragged" if vs.get("ragged") else "uniform",

@@ -28,8 +28,9 @@ def main(out: Path) -> None:
     print(env.describe(), flush=True)
     print(env.versions(), flush=True)
     names = study.case_names()
-    first = ["b1_t4", "b1_t4.final_only"] + [c for c in names if c.startswith("b1_t4.") and "tile" not in c]
-    order = first + [c for c in names if c not in first and "tile" not in c] + [c for c in names if "tile" in c]
+    sweep = [c for c in names if "_w" in c]
+    first = ["b1_t4", "b1_t4.final_only"] + [c for c in names if c.startswith("b1_t4.") and c not in sweep]
+    order = first + [c for c in names if c not in first and c not in sweep] + sweep
     records, failed = [], []
     for case in order:
         if time.time() - t0 > BUDGET_S:

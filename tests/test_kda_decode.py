@@ -265,16 +265,21 @@ def test_bad_impl_and_layout_names():
         kd.kda_decode(**args, impl="reference", tile_v=16)
 
 
-def test_choose_config_fills_the_units():
-    # B = 1, 12 heads on 132 SMs: no slice width gives 132 blocks; the finest (16 columns, 96 blocks)
-    assert kd.choose_config(1, 12, 132) == (16, 128)
-    assert kd.choose_config(8, 12, 132) == (64, 128)  # 192 blocks
-    assert kd.choose_config(128, 12, 132) == (128, 256)  # a head per block
-    for B in (1, 8, 32, 128):
-        tv, th = kd.choose_config(B, 12, 256, warp_size=64)  # MI355X-like: 256 CUs, wave64
-        assert th % 64 == 0 and B * 12 * (128 // tv) >= min(256, B * 12 * 8)
-    assert kd.default_hints(1, 12, 60 << 20) == kd.HINT_STREAM_LOADS | kd.HINT_STREAM_STORES
-    assert kd.default_hints(128, 12, 60 << 20) & kd.HINT_PREFETCH_L2
+def test_choose_config_and_hints_follow_the_measured_rules():
+    # H200: 132 SMs. 12 heads at B = 1 are split over clusters of 4 (48 blocks); from 66 heads on, a head
+    # per block; without clusters (the split would need an atomic exchange) always a head per block.
+    assert kd.choose_config(1, 12, 132) == kd.SPLIT_TILE
+    assert kd.choose_config(5, 12, 132) == kd.SPLIT_TILE
+    assert kd.choose_config(6, 12, 132) == (128, 256)
+    assert kd.choose_config(128, 12, 132) == (128, 256)
+    assert kd.choose_config(1, 12, 132, clusters=False) == (128, 256)
+    assert kd.choose_config(1, 12, 256, warp_size=64, clusters=False)[1] % 64 == 0  # MI355X-like
+    with pytest.raises(ValueError, match="warp width"):
+        kd.choose_config(1, 12, 132, warp_size=96)
+    l2 = 60 << 20
+    assert kd.default_hints(1, 12, l2) == kd.HINT_PREFETCH_L2  # 0.75 MiB of state: stays in L2
+    assert kd.default_hints(32, 12, l2) == kd.HINT_PREFETCH_L2  # 24 MiB
+    assert kd.default_hints(128, 12, l2) == kd.HINT_PREFETCH_L2 | kd.HINT_STREAM_LOADS | kd.HINT_STREAM_STORES
 
 
 def test_step_bytes_floor_inputs():

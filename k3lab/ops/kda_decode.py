@@ -478,18 +478,28 @@ def fused_status() -> tuple[bool, str]:
     return True, why
 
 
-def choose_config(batch: int, heads: int, units: int, warp_size: int = 32) -> tuple[int, int]:
-    """(tile_v, threads): the widest value slice whose block count still covers every compute unit
-    (`units`, read from the device), so that B = 1 with 12 heads spreads over the GPU while large
-    batches keep one block per head (no exchange for the output norm)."""
-    for tile_v, threads in CONFIGS:
-        if batch * heads * (HEAD_DIM // tile_v) >= units and threads % warp_size == 0:
-            return tile_v, threads
-    narrowest = min(tv for tv, _ in CONFIGS)  # too few heads to cover the units: the finest split,
-    for tile_v, threads in CONFIGS:          # with the larger block (more loads in flight per unit)
-        if tile_v == narrowest and threads % warp_size == 0:
-            return tile_v, threads
-    raise ValueError(f"no compiled block size is a multiple of the warp width {warp_size}")
+SPLIT_TILE = (32, 128)  # a split head: 4 blocks of 32 value columns, 128 threads each
+
+
+def choose_config(batch: int, heads: int, units: int, warp_size: int = 32, clusters: bool = True
+                  ) -> tuple[int, int]:
+    """(tile_v, threads) for `batch` x `heads` heads on a device with `units` compute units.
+
+    One head per block (no exchange for the output norm) once the heads alone give half the units
+    a block; below that, each head is split over a cluster of 4 blocks (32 value columns each) so
+    the state moves through more units. Without clusters (the split then needs an atomic exchange
+    through memory) whole heads always. Measured on the H200 (132 SMs, 12 heads, graph replay,
+    profiles/nvidia-h200/kda_decode/sweep.json): B = 1: 32-column clusters 4.1 us, 16-column 4.1,
+    64-column 4.35, whole heads 4.5, atomic exchange 4.7-5.3; B = 8 (96 heads): whole heads 5.9 us,
+    any split 6.6-7.7; B = 32 and 128: whole heads, by 14-25%."""
+    whole = (HEAD_DIM, 256)
+    if not clusters or batch * heads * 2 >= units:
+        tile_v, threads = whole
+    else:
+        tile_v, threads = SPLIT_TILE
+    if threads % warp_size:
+        raise ValueError(f"block size {threads} is not a multiple of the warp width {warp_size}")
+    return tile_v, threads
 
 
 def choose_split(f: _Fused, tile_v: int) -> str:
@@ -503,11 +513,13 @@ def choose_split(f: _Fused, tile_v: int) -> str:
 
 
 def default_hints(batch: int, heads: int, l2_bytes: int) -> int:
-    """Streaming cache hints for S always (each byte is read once and written once); the L2 prefetch
-    only when the step's states (B x H x 64 KiB) no longer fit in L2 anyway."""
-    hints = HINT_STREAM_LOADS | HINT_STREAM_STORES
+    """The L2 prefetch of a later block's state always; streaming (evict-first) loads and stores of S
+    once the step's states (B x H x 64 KiB) exceed L2, where keeping them would only evict the
+    per-token inputs and weights. H200, graph replay: B = 128 53.6 us with both, 54.4 prefetch only,
+    55.2 streaming only; B = 1 and 8 (states in L2): prefetch alone 0.5-1.5% faster than both."""
+    hints = HINT_PREFETCH_L2
     if batch * heads * HEAD_DIM * HEAD_DIM * 4 > l2_bytes:
-        hints |= HINT_PREFETCH_L2
+        hints |= HINT_STREAM_LOADS | HINT_STREAM_STORES
     return hints
 
 
@@ -536,7 +548,7 @@ class KDADecodeStep:
                  hints=None, split=None, prefetch_ahead=None):
         """tile_v/threads/hints/split (impl='after' only) override what `choose_config`,
         `default_hints` and `choose_split` pick from the device; prefetch_ahead (blocks, with
-        HINT_PREFETCH_L2) overrides one launch's worth of resident blocks."""
+        HINT_PREFETCH_L2) overrides the default of one block per compute unit."""
         if impl not in ("after", "before", "reference"):
             raise ValueError(f"impl must be 'after', 'before' or 'reference', got {impl!r}")
         if not isinstance(cache, KDACache):
@@ -566,7 +578,8 @@ class KDADecodeStep:
         f = _load_fused(self.device)
         B, H = self.batch, self.heads
         if tile_v is None:
-            tile_v, threads = choose_config(B, H, f.units, f.warp_size)
+            tile_v, threads = choose_config(B, H, f.units, f.warp_size,
+                                            clusters=f.clusters and "cluster" in f.split_modes)
         elif threads is None:
             threads = dict(CONFIGS).get(tile_v)
         if (tile_v, threads) not in f.configs:
@@ -580,9 +593,10 @@ class KDADecodeStep:
         hints = default_hints(B, H, f.l2_bytes) if hints is None else int(hints)
         vk = int(self.state_layout == "vk")
         ahead = 0
-        if hints & HINT_PREFETCH_L2:  # by default one launch's worth of resident blocks ahead
-            ahead = (int(prefetch_ahead) if prefetch_ahead is not None
-                     else max(f.occupancy(tile_v, threads, vk, SPLIT_MODES[split]), 1) * f.units)
+        if hints & HINT_PREFETCH_L2:
+            # One block per unit ahead in launch order: on the H200 at B = 128 that beat two and four
+            # per unit (53.6 vs 56.5 vs 65.5 us); further ahead, prefetched lines are evicted unused.
+            ahead = int(prefetch_ahead) if prefetch_ahead is not None else f.units
         self.prefetch_ahead = ahead
         self.tile_v, self.threads, self.hints, self.split = tile_v, threads, hints, split
         counters, o_part = _workspace(self.device, B * H) if split == "atomic" else (None, None)

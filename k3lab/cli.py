@@ -1,7 +1,8 @@
 """The `k3lab` command: info, bench, profile, report.
 
     k3lab info                         backend, device, versions, preset, optional backends
-    k3lab bench STUDY [--preset P] [--cases A B] [--save-profiles]
+    k3lab bench STUDY [--preset P] [--cases A B] [--save-profiles] [--json FILE]
+    k3lab import FILE... [--overwrite]  records from a remote run into profiles/<device>/<study>/
     k3lab profile STUDY [--preset P]   traces and kernel tables of each variant
     k3lab report [--skip-notebooks] [--skip-studies]   everything this machine can run -> build/report.html
 """
@@ -39,9 +40,30 @@ def _cmd_bench(args) -> int:
     records = study.run(preset=args.preset, cases=args.cases)
     table = bench.compare(records)
     print(table.to_string(index=False))
+    if args.json:  # one file holding every record: what a remote run brings back
+        import json
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps([r.to_dict() for r in records], indent=1) + "\n")
+        print(f"wrote {len(records)} records to {args.json}")
     root = "profiles" if args.save_profiles else str(Path(args.out) / "records")
     paths = bench.save_records(records, root=root, overwrite=args.overwrite)
     print(f"saved {len(paths)} records under {root}/")
+    return 0
+
+
+def _cmd_import(args) -> int:
+    """Save records from a JSON list (k3lab bench --json) under profiles/<device>/<study>/."""
+    import json
+
+    from k3lab import bench
+
+    records = []
+    for f in args.files:
+        data = json.loads(Path(f).read_text())
+        records += [bench.Record.from_dict(d) for d in (data if isinstance(data, list) else [data])]
+    paths = bench.save_records(records, root=args.root, overwrite=args.overwrite)
+    print(f"saved {len(records)} records in {len(paths)} files under {args.root}/")
     return 0
 
 
@@ -79,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="build")
     b.add_argument("--save-profiles", action="store_true", help="save records under profiles/ (committed results)")
     b.add_argument("--overwrite", action="store_true", help="replace committed records")
+    b.add_argument("--json", default=None, help="also write every record to this one JSON file")
+    im = sub.add_parser("import", help="save records from JSON files (k3lab bench --json) under profiles/")
+    im.add_argument("files", nargs="+")
+    im.add_argument("--root", default="profiles")
+    im.add_argument("--overwrite", action="store_true", help="replace committed records")
     pr = sub.add_parser("profile", help="trace each variant of a study and print its kernel table")
     pr.add_argument("study")
     pr.add_argument("--preset", default=None)
@@ -96,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"info": _cmd_info, "bench": _cmd_bench, "profile": _cmd_profile, "report": _cmd_report}
+    handler = {"info": _cmd_info, "bench": _cmd_bench, "profile": _cmd_profile, "report": _cmd_report,
+               "import": _cmd_import}
     return handler[args.command](args)
 
 

@@ -62,3 +62,16 @@ def test_failing_notebook_raises(tmp_path):
     nbformat.write(nb, src)
     with pytest.raises(Exception, match="boom"):
         report.execute_notebook(src, tmp_path / "out", timeout_s=60)
+
+
+def test_bench_json_then_import_round_trip(tmp_path):
+    out = tmp_path / "all.json"
+    assert cli.main(["bench", "launch_overhead", "--out", str(tmp_path / "b"), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert rows and all(r["study"] == "launch_overhead" for r in rows)
+    assert cli.main(["import", str(out), "--root", str(tmp_path / "profiles")]) == 0
+    from k3lab import bench
+
+    back = bench.load_records(study="launch_overhead", root=str(tmp_path / "profiles"))
+    assert sorted((r.case, r.variant, r.median_us) for r in back) == \
+        sorted((r["case"], r["variant"], r["median_us"]) for r in rows)

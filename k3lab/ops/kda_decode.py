@@ -22,7 +22,12 @@ Three implementations, one entry point `kda_decode(..., impl=...)`:
 All three update `cache` (a k3lab.nn.KDACache: conv_q, conv_k, conv_v [B, H*K, 3], state) in place
 and return out [B, H*V]. State layout 'kv' is [B, H, K, V] (fla's default); 'vk' is [B, H, V, K].
 `impl='auto'` runs `after` where the fused kernel can be built here, else `reference`;
-`fused_status()` says which and why.
+`fused_status()` says which and why. A serving loop binds `KDADecodeStep(cache, weights, impl=...)`
+once per layer and calls it with the six per-token inputs (q, k, v, g_raw, beta_raw, gate).
+
+Measured (H200, TP8 slice of 12 heads, CUDA-graph replay, profiles/nvidia-h200/kda_decode/):
+B = 1: before 8.8 us, after 4.1 us, fla-core 16.6 us; B = 128: 74.4 / 53.6 / 87.4 us, the fused
+kernel moving its 201 MB of state at 3.76 TB/s (88% of the 4.25 TB/s device copy).
 """
 
 from __future__ import annotations

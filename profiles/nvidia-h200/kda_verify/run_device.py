@@ -29,7 +29,8 @@ def main(out: Path) -> None:
     print(env.versions(), flush=True)
     names = study.case_names()
     sweep = [c for c in names if "_w" in c]
-    first = ["b1_t4", "b1_t4.final_only"] + [c for c in names if c.startswith("b1_t4.") and c not in sweep]
+    first = ["b1_t4", "b1_t4.final_only"]
+    first += [c for c in names if c.startswith("b1_t4.") and c not in sweep and c not in first]
     order = first + [c for c in names if c not in first and c not in sweep] + sweep
     records, failed = [], []
     for case in order:

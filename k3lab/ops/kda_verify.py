@@ -12,8 +12,9 @@ Two kernels compute the same thing:
   memory round trip. At TP8 (12 heads, V = 128) one sequence makes 12 x 4 = 48 programs: a GPU with
   132 SMs (H200) or 256 CUs (MI355X) is mostly idle, and what runs is a chain of T round trips.
 * the narrow kernel (`kda_verify`, after): the seed's four changes (section 5, vLLM PR 58045).
-  1. narrow tiles: 4 (or 8) value columns per program, chosen from batch x heads against the
-     device's compute-unit count (`choose_tile_v`): 384 programs at B = 1 on 12 heads;
+  1. narrow tiles: 8 (H200) or 4 (MI355X, the seed) value columns per program, chosen from
+     batch x heads against the device's compute-unit count (`choose_tile_v`): 192 or 384 programs
+     at B = 1 on 12 heads instead of 48;
   2. single-wave workgroups: a 128 x 4 fp32 tile is 16 values per lane of one wave, so the reduction
      over K is lane shuffles only, no shared memory and no barrier (`choose_num_warps` reads the wave
      width from the device);
@@ -57,20 +58,43 @@ def workgroups(batch: int, heads: int, tile_v: int, v_dim: int = HEAD_DIM) -> in
     return batch * heads * (v_dim // tile_v)
 
 
-def choose_tile_v(batch: int, heads: int, v_dim: int = HEAD_DIM, compute_units: int | None = None,
-                  programs_per_unit: int = 2) -> int:
-    """The widest tile that still gives every compute unit `programs_per_unit` programs.
+# The narrowest row segment a tile should write per state row, by backend. NVIDIA's L2 works in
+# 32-byte sectors: a 4-column fp32 row (16 B) leaves every sector half written, and on the H200
+# 8-column tiles ran B = 1, T = 4 in 4.21 us against 6.03 us for 4 columns (profiles/nvidia-h200/
+# kda_verify, sweep). On AMD the seed's 4-column tiles (16 B) are kept (not yet run on AMD hardware
+# by this project); the CPU interpreter has no sectors.
+MIN_ROW_BYTES = {"cuda": 32, "rocm": 16, "cpu": 16}
+# Programs per compute unit above which a wider tile pays (fewer q/k/g re-reads, fewer instructions).
+# Measured on the H200 (12 heads, T = 4, all states): at B = 8, 1,536 programs of 8 columns (13.5 us)
+# beat 768 of 16 (14.2 us) and 384 of 32 (16.0 us); at B = 32, 3,072 programs of 16 columns
+# (40.5 us) beat 6,144 of 8 (47.5 us) and 1,536 of 32 (47.0 us).
+PROGRAMS_PER_UNIT = 12
 
-    Wider tiles load each position's q, k, g once for more columns (less traffic per state byte);
-    narrower tiles make more programs. So: take the widest width whose program count reaches
-    programs_per_unit x units (two single-wave programs per SM/CU hide each other's latency), and the
-    narrowest (4 columns, one 16-byte fp32 vector per row) when none does. B = 1, 12 heads:
-    H200 (132 SMs) -> 4 (384 programs); MI355X (256 CUs) -> 4; B = 8 on H200 -> 32 (384 programs)."""
+
+def min_tile_v(backend: str | None = None, state_bytes: int = 4) -> int:
+    """Narrowest tile width for this backend: MIN_ROW_BYTES / bytes per state value."""
+    backend = backend or env.detect().backend
+    return max(TILE_WIDTHS[-1], MIN_ROW_BYTES.get(backend, 16) // state_bytes)
+
+
+def choose_tile_v(batch: int, heads: int, v_dim: int = HEAD_DIM, compute_units: int | None = None,
+                  programs_per_unit: int = PROGRAMS_PER_UNIT, backend: str | None = None) -> int:
+    """The widest tile that still gives every compute unit `programs_per_unit` programs, else the
+    narrowest the backend allows (`min_tile_v`).
+
+    Narrow tiles make more programs for a short batch (12 heads x 128 columns / 32 = 48 programs
+    for one sequence, against 132 SMs or 256 CUs); wide tiles re-read each position's q, k, g for
+    fewer programs and run fewer instructions per state value, which wins once the GPU is full.
+    12 heads, H200 (132 SMs): B = 1 -> 8 (192 programs), B = 8 -> 8 (1,536), B = 32 -> 16 (3,072);
+    MI355X (256 CUs): B = 1 -> 4 (384 programs, the seed's choice)."""
     units = compute_units if compute_units is not None else env.detect().compute_units
+    narrowest = min_tile_v(backend)
     for width in TILE_WIDTHS:
+        if width < narrowest:
+            break
         if v_dim % width == 0 and workgroups(batch, heads, width, v_dim) >= programs_per_unit * units:
             return width
-    return TILE_WIDTHS[-1]
+    return narrowest
 
 
 def _wave_width() -> int:
@@ -78,15 +102,14 @@ def _wave_width() -> int:
     return env.detect().wave_width or 32
 
 
-def choose_num_warps(tile_v: int, k_dim: int = HEAD_DIM, values_per_lane: int = 32,
-                     wave_width: int | None = None) -> int:
-    """Waves per program. Narrow tiles: one wave until a lane would hold more than `values_per_lane`
-    state values (a 128 x 4 or 128 x 8 fp32 tile is one wave on NVIDIA's 32 lanes and AMD's 64).
-    Wide tiles (streaming kernel): the original 128-thread workgroup."""
-    if tile_v > NARROW_MAX:
-        return before_num_warps(wave_width)
+def choose_num_warps(tile_v: int, k_dim: int = HEAD_DIM, wave_width: int | None = None) -> int:
+    """Waves per program: one wave until a lane would hold more than 32 state values (narrow
+    kernel) or 64 (streaming kernel, which keeps fewer vectors per lane). A 128 x 4 or 128 x 8 fp32
+    tile is one wave on NVIDIA's 32 lanes and on AMD's 64; so is a 128 x 16 tile in the streaming
+    kernel (on the H200 it ran faster with one wave than with four at B = 1, 8 and 32)."""
     wave = wave_width or _wave_width()
-    return max(1, (k_dim * tile_v) // (wave * values_per_lane))
+    per_lane = 32 if tile_v <= NARROW_MAX else 64
+    return max(1, (k_dim * tile_v) // (wave * per_lane))
 
 
 def before_num_warps(wave_width: int | None = None) -> int:

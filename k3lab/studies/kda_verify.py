@@ -13,7 +13,7 @@ Variants (all checked, outputs and every per-position state, against an fp64 ref
 
 Cases: `b{B}_t{T}` (per-position states), `b{B}_t{T}.final_only`; on a GPU also the ablation at B=1,
 T=4, one change at a time on top of 'before' (variant 'after' in the records): `.narrow_only` (the
-streaming kernel with 4-column tiles, still 128 threads), `.narrow_1wave` (+ one wave), then the
+streaming kernel with the narrowest tiles, still 128 threads), `.narrow_1wave` (+ one wave), then the
 full narrow kernel (= 'after'), and `.ragged` (the narrow kernel through its dynamic cu_seqlens
 path); and a sweep of tile width x waves for both kernels (`b{B}_t4.narrow{W}_w{N}`,
 `b{B}_t4.stream{W}_w{N}`). Graph timings replay one graph of >= 10 calls cycling through enough input
@@ -73,8 +73,8 @@ def case_names(preset=None) -> list[str]:
     if _gpu():
         names += [f"b1_t4.{a}" for a in ABLATIONS]
         names += [f"b{B}_t4.{kind}{w}_w{n}" for B in SWEEP_BATCHES for kind, w, n in SWEEP]
-    else:  # the CPU picks wide tiles for itself (2 units); run the narrow kernel too, by name
-        names += ["b1_t4.ragged", "b1_t4.narrow4_w1"]
+    else:
+        names.append("b1_t4.ragged")
     return names
 
 
@@ -185,7 +185,7 @@ def _parse(case: str, H: int) -> dict:
     after_w = kv.choose_tile_v(B, H)
     after = dict(kind="after", tile_v=after_w, num_warps=kv.choose_num_warps(after_w))
     before = dict(kind="before", tile_v=kv.BEFORE_TILE_V, num_warps=kv.before_num_warps())
-    narrow_w = kv.TILE_WIDTHS[-1]
+    narrow_w = kv.min_tile_v()
     spec = {"B": B, "T": T, "final_only": tail == "final_only", "variants": []}
     if tail in ("", "final_only"):
         spec["variants"] = [("before", before), ("after", after)]
@@ -215,7 +215,7 @@ def kernel_name(kind: str, tile_v: int) -> str:
 
 def _timing_args(graph: bool, n_sets: int) -> dict:
     if not _gpu():
-        return {"warmup": 1, "repeats": 5}
+        return {"warmup": 1, "repeats": 3}
     if graph:  # one graph replays every input set (>= 10 calls), so no call finds its inputs in L2
         return {"warmup": 10, "repeats": 100, "graph": True, "graph_copies": max(n_sets, MIN_GRAPH_CALLS)}
     return {"warmup": 10, "repeats": 100}

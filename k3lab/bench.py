@@ -636,6 +636,10 @@ def _repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
 
 
+# The committed results: found from any working directory (a notebook runs in notebooks/).
+PROFILES = _repo_root() / "profiles"
+
+
 @functools.lru_cache(maxsize=4)
 def git_commit(path: str | None = None) -> str:
     """HEAD of the git tree holding k3lab (or `path`), '-dirty' appended when it has changes;
@@ -733,11 +737,12 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def save_records(records: Iterable[Record], root="profiles", overwrite: bool = False) -> list[Path]:
+def save_records(records: Iterable[Record], root=None, overwrite: bool = False) -> list[Path]:
     """Write records as JSON: <root>/<device-slug>/<study>/<case>__<variant>.json, one file per
     (device, study, case, variant) holding a list (eager and graph timings of one variant share it).
     Atomic (temp file + os.replace). A file git tracks is a committed reference: it is not replaced
     unless overwrite=True. Returns the paths written."""
+    root = PROFILES if root is None else root
     records = list(records)
     if not records:
         raise ValueError("records is empty: nothing to save")
@@ -756,10 +761,10 @@ def save_records(records: Iterable[Record], root="profiles", overwrite: bool = F
     return list(groups)
 
 
-def load_records(study: str | None = None, device: str | None = None, root="profiles") -> list[Record]:
+def load_records(study: str | None = None, device: str | None = None, root=None) -> list[Record]:
     """Read records back from <root>/<device-slug>/<study>/*.json. `device` is a slug ('nvidia-h200',
     'cpu') or a device name; None reads every device. Missing folders give an empty list."""
-    base = Path(root)
+    base = Path(PROFILES if root is None else root)
     if not base.is_dir():
         return []
     dev_dirs = sorted(p for p in base.iterdir() if p.is_dir())

@@ -46,9 +46,9 @@ def _cmd_bench(args) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([r.to_dict() for r in records], indent=1) + "\n")
         print(f"wrote {len(records)} records to {args.json}")
-    root = "profiles" if args.save_profiles else str(Path(args.out) / "records")
+    root = None if args.save_profiles else str(Path(args.out) / "records")
     paths = bench.save_records(records, root=root, overwrite=args.overwrite)
-    print(f"saved {len(paths)} records under {root}/")
+    print(f"saved {len(paths)} records under {root or bench.PROFILES}/")
     return 0
 
 
@@ -63,7 +63,7 @@ def _cmd_import(args) -> int:
         data = json.loads(Path(f).read_text())
         records += [bench.Record.from_dict(d) for d in (data if isinstance(data, list) else [data])]
     paths = bench.save_records(records, root=args.root, overwrite=args.overwrite)
-    print(f"saved {len(records)} records in {len(paths)} files under {args.root}/")
+    print(f"saved {len(records)} records in {len(paths)} files under {args.root or bench.PROFILES}/")
     return 0
 
 
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="also write every record to this one JSON file")
     im = sub.add_parser("import", help="save records from JSON files (k3lab bench --json) under profiles/")
     im.add_argument("files", nargs="+")
-    im.add_argument("--root", default="profiles")
+    im.add_argument("--root", default=None, help="default: the repository's profiles/")
     im.add_argument("--overwrite", action="store_true", help="replace committed records")
     pr = sub.add_parser("profile", help="trace each variant of a study and print its kernel table")
     pr.add_argument("study")

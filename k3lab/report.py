@@ -107,7 +107,7 @@ def _reference_section() -> str:
     """Committed records from real GPU runs, grouped by device and study."""
     from k3lab import bench
 
-    records = bench.load_records(root=str(REPO / "profiles"))
+    records = bench.load_records()
     if not records:
         return "<p>No committed GPU records yet.</p>"
     table = bench.compare(records)

@@ -1,0 +1,180 @@
+"""KDA verification kernels (k3lab.ops.kda_verify) against the fp64 reference, on CPU through
+Triton's interpreter (fp32 inputs: bf16 is not trusted there). V is kept small (K must be 128) so
+each case runs a few dozen programs."""
+
+import pytest
+import torch
+
+import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
+from k3lab import bench
+from k3lab.ops import kda_verify as kv
+
+K = kv.HEAD_DIM
+
+
+def make(B, T, H, V=32, seed=0, N=None):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen)
+
+    x = {
+        "q": torch.nn.functional.normalize(rn(B, T, H, K), dim=-1),
+        "k": torch.nn.functional.normalize(rn(B, T, H, K), dim=-1),
+        "v": rn(B, T, H, V),
+        "g": -5.0 * torch.sigmoid(2 * rn(B, T, H, K) - 1),
+        "beta": torch.sigmoid(rn(B, T, H)),
+        "initial_state": 0.5 * rn(N or B, H, K, V),
+    }
+    return x
+
+
+def check(o, states, ref_o, ref_states):
+    bench.check_all({"o": (o, ref_o), "states": (states, ref_states)}, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("tile_v", [4, 8, 32])
+def test_every_position_matches_reference(tile_v):
+    x = make(2, 3, 2)
+    ref_o, ref_s = kv.reference_verify(**x)
+    o, states = kv.kda_verify(**x, tile_v=tile_v)
+    assert states.shape == (2, 3, 2, K, 32)
+    check(o, states, ref_o, ref_s)
+    for t in range(3):  # each saved state on its own, so a wrong early position cannot hide
+        bench.check(states[:, t], ref_s[:, t], dtype=torch.float32, name=f"state[{t}]")
+
+
+def test_before_kernel_matches_reference():
+    x = make(2, 3, 2)
+    ref_o, ref_s = kv.reference_verify(**x)
+    check(*kv.kda_verify_before(**x), ref_o, ref_s)
+    check(*kv.kda_verify_before(**x, tile_v=8, num_warps=1), ref_o, ref_s)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_position_count_limits(T):
+    x = make(1, T, 1, V=16)
+    ref_o, ref_s = kv.reference_verify(**x)
+    check(*kv.kda_verify(**x, tile_v=8), ref_o, ref_s)
+
+
+@pytest.mark.parametrize("fn", [kv.kda_verify, kv.kda_verify_before])
+def test_final_state_only_is_the_last_position(fn):
+    x = make(2, 4, 1, V=16)
+    o_all, states = fn(**x, tile_v=8)
+    o_fin, final = fn(**x, tile_v=8, final_state_only=True)
+    assert final.shape == (2, 1, K, 16)
+    assert torch.equal(o_all, o_fin)
+    _, ref_s = kv.reference_verify(**x)
+    bench.check(final, ref_s[:, -1], dtype=torch.float32, name="final")
+
+
+@pytest.mark.parametrize("tile_v", [4, 32])
+def test_ragged_cu_seqlens(tile_v):
+    lens = [3, 1, 0, 4]
+    cu = torch.tensor([0, 3, 4, 4, 8], dtype=torch.int32)
+    x = make(1, sum(lens), 2, V=16 if tile_v < 16 else 32, N=len(lens))
+    ref_o, ref_s = kv.reference_verify(**x, cu_seqlens=cu)
+    for fn in (kv.kda_verify, kv.kda_verify_before):
+        o, states = fn(**x, cu_seqlens=cu, tile_v=tile_v)
+        check(o, states, ref_o, ref_s)
+        o2, final = fn(**x, cu_seqlens=cu, tile_v=tile_v, final_state_only=True, max_seqlen=4)
+        # each sequence ends at its last token; the empty one keeps its initial state
+        expect = torch.stack([ref_s[0, 2], ref_s[0, 3], x["initial_state"][2].double(), ref_s[0, 7]])
+        bench.check(final, expect, dtype=torch.float32, name="final per sequence")
+        assert torch.equal(o2, o)
+
+
+@pytest.mark.parametrize("fn", [kv.kda_verify, kv.kda_verify_before])
+def test_ragged_lengths_leave_padding_untouched(fn):
+    x = make(3, 4, 1, V=16)
+    lengths = torch.tensor([4, 1, 2])
+    ref_o, ref_s = kv.reference_verify(**x, lengths=lengths)
+    buf = torch.full((3, 4, 1, K, 16), float("nan"))
+    o, states = fn(**x, lengths=lengths, states_out=buf, tile_v=8)
+    assert states.data_ptr() == buf.data_ptr()
+    live = ~ref_s.isnan()
+    assert torch.equal(states.isnan(), ~live), "positions past a length must not be written"
+    bench.check(states[live], ref_s[live], dtype=torch.float32, name="live states")
+    bench.check(o, ref_o, dtype=torch.float32, name="o (padding rows are 0)")
+
+
+@pytest.mark.parametrize("tile_v", [4, 8])
+def test_uniform_path_equals_ragged_path(tile_v):
+    x = make(3, 4, 2, V=16)
+    o_u, s_u = kv.kda_verify(**x, tile_v=tile_v)
+    flat = {n: (t.reshape(1, 12, *t.shape[2:]) if n != "initial_state" else t) for n, t in x.items()}
+    cu = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    o_r, s_r = kv.kda_verify(**flat, cu_seqlens=cu, max_seqlen=4, tile_v=tile_v)
+    assert torch.equal(o_u, o_r.view_as(o_u))
+    assert torch.equal(s_u, s_r.view_as(s_u))
+    o_l, s_l = kv.kda_verify(**x, lengths=torch.tensor([4, 4, 4]), tile_v=tile_v)
+    assert torch.equal(o_u, o_l) and torch.equal(s_u, s_l)
+
+
+def test_select_accepted_rolls_back():
+    x = make(3, 4, 1, V=16)
+    _, states = kv.kda_verify(**x, tile_v=8)
+    kept = kv.select_accepted(states, torch.tensor([1, 4, 2]))
+    assert torch.equal(kept, torch.stack([states[0, 0], states[1, 3], states[2, 1]]))
+
+
+def test_caller_buffer_is_written():
+    x = make(1, 2, 1, V=16)
+    buf = torch.zeros(1, 2, 1, K, 16)
+    _, states = kv.kda_verify(**x, states_out=buf, tile_v=8)
+    assert states is buf and buf.abs().sum() > 0
+
+
+@pytest.mark.parametrize("change, word", [
+    (lambda x: x.update(initial_state=x["initial_state"].double()), "initial_state"),
+    (lambda x: x.update(initial_state=x["initial_state"].bfloat16()), "initial_state"),
+    (lambda x: x.update(initial_state=x["initial_state"][:, :, :, :8]), "initial_state"),
+    (lambda x: x.update(q=x["q"][..., :64], k=x["k"][..., :64], g=x["g"][..., :64]), "K"),
+    (lambda x: x.update(k=x["k"][:, :1]), "k"),
+    (lambda x: x.update(beta=x["beta"].unsqueeze(-1)), "beta"),
+    (lambda x: x.update(v=x["v"][:, :, :1]), "v"),
+])
+def test_bad_input_names_the_argument(change, word):
+    x = make(1, 2, 2, V=16)
+    change(x)
+    with pytest.raises(ValueError, match=word):
+        kv.kda_verify(**x, tile_v=8)
+
+
+@pytest.mark.parametrize("T", [0, 9])
+def test_positions_outside_1_to_8(T):
+    x = make(1, T, 1, V=16)
+    with pytest.raises(ValueError, match="T"):
+        kv.kda_verify(**x)
+    with pytest.raises(ValueError, match="T"):
+        kv.kda_verify_before(**x)
+
+
+def test_bad_ragged_and_launch_arguments():
+    x = make(2, 2, 1, V=16)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        kv.kda_verify(**x, cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32))  # needs B = 1
+    with pytest.raises(ValueError, match="lengths"):
+        kv.kda_verify(**x, lengths=torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="tile_v"):
+        kv.kda_verify(**x, tile_v=6)
+    with pytest.raises(ValueError, match="states_out"):
+        kv.kda_verify(**x, states_out=torch.empty(2, 2, 1, K, 8))
+    flat = make(1, 4, 1, V=16, N=2)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        kv.kda_verify(**flat, cu_seqlens=torch.tensor([0, 1, 3], dtype=torch.int32))  # does not end at 4
+
+
+def test_tile_rule_follows_units_and_backend():
+    # 12 heads x 128 columns: one sequence on an H200 (132 SMs) -> 8 columns (32-byte rows);
+    # on an MI355X (256 CUs) -> the seed's 4 columns; enough sequences -> wider tiles.
+    assert kv.choose_tile_v(1, 12, compute_units=132, backend="cuda") == 8
+    assert kv.choose_tile_v(8, 12, compute_units=132, backend="cuda") == 8
+    assert kv.choose_tile_v(32, 12, compute_units=132, backend="cuda") == 16
+    assert kv.choose_tile_v(1, 12, compute_units=256, backend="rocm") == 4
+    assert kv.choose_tile_v(512, 12, compute_units=256, backend="rocm") == 32
+    assert kv.workgroups(1, 12, 32) == 48 and kv.workgroups(1, 12, 4) == 384
+    assert kv.choose_num_warps(4, wave_width=32) == 1 and kv.choose_num_warps(8, wave_width=64) == 1
+    assert kv.choose_num_warps(32, wave_width=32) == 2
+    assert kv.before_num_warps(32) == 4 and kv.before_num_warps(64) == 2

@@ -149,6 +149,20 @@ def test_scan_path_really_differs_from_walk_only_by_rounding():
     torch.testing.assert_close(Sa, Sb, rtol=1e-4, atol=1e-5)
 
 
+def test_after_launches_one_by_one_equal_the_whole_call():
+    q, k, v, g, beta = _inputs(1, 200, 1, seed=9)
+    S0 = torch.randn(1, 1, 128, 128, device=DEV)
+    plan = kc.make_plan([200], 1, group_size=2, device=DEV)
+    parts = kc.after_launches(q, k, v, g, beta, initial_state=S0, plan=plan)
+    assert list(parts) == ["prologue", "summaries", "scan", "replay", "result"]
+    for name in ("prologue", "summaries", "scan", "replay"):
+        parts[name]()
+    o, S = parts["result"]()
+    o2, S2 = kc.kda_chunk_after(q, k, v, g, beta, initial_state=S0, plan=plan)
+    torch.testing.assert_close(o, o2, rtol=0, atol=0)
+    torch.testing.assert_close(S, S2, rtol=0, atol=0)
+
+
 def test_ragged_batch_with_cu_seqlens():
     lengths = [70, 0, 5, 64]
     H = 1
@@ -176,7 +190,8 @@ def test_plain_batch_without_initial_state():
     _check(o, S, o_ref, S_ref)
 
 
-def test_wide_decay_block_takes_the_exact_path():
+@pytest.mark.parametrize("prologue", kc.PROLOGUES)
+def test_wide_decay_block_takes_the_exact_path(prologue):
     """A 16-token block whose decay spreads beyond SAFE_SPREAD (e^64) cannot use the factored
     e^(G_i - G_s) e^(G_s - G_j) form in fp32; the kernel switches to exact pairwise decays."""
     q, k, v, g, beta = _inputs(1, 64, 1, seed=7)
@@ -185,7 +200,7 @@ def test_wide_decay_block_takes_the_exact_path():
     assert spread > kc.SAFE_SPREAD
     S0 = torch.randn(1, 1, 128, 128, device=DEV)
     o_ref, S_ref = _ref(q, k, v, g, beta, S0)
-    o, S = kc.kda_chunk_before(q, k, v, g, beta, initial_state=S0)
+    o, S = kc.kda_chunk_before(q, k, v, g, beta, initial_state=S0, prologue=prologue)
     _check(o, S, o_ref, S_ref)
 
 
@@ -258,6 +273,25 @@ def test_bad_input_names_the_argument(mutate, match):
             fn(**args)
 
 
+@pytest.mark.parametrize("prologue", kc.PROLOGUES)
+def test_both_prologues_write_the_same_chunk_quantities(prologue):
+    """Either prologue against the PyTorch algebra (fp64) on every field the walks read."""
+    q, k, v, g, beta = _inputs(1, 100, 2, seed=8)
+    plan = kc.make_plan([100], 2)
+    work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 128**-0.5, prologue=prologue)
+    cq = sm.chunk_quantities(*(t.double() for t in (q, k, v, g, beta)))
+    pairs = {
+        "W": (work.w, cq.W),
+        "U": (work.u, cq.U),
+        "Qg": (work.qg, cq.Qg),
+        "Aqk": (work.aqk, cq.Aqk),
+        "KdT": (work.kdt, cq.Kd.transpose(-1, -2)),
+        "d": (work.d, cq.d),
+    }
+    for name, (got, ref) in pairs.items():  # kernel layout [n, H, ...] vs [B=1, H, n, ...]
+        torch.testing.assert_close(got.double(), ref[0].transpose(0, 1), rtol=2e-4, atol=2e-6, msg=name)
+
+
 def test_bad_options():
     q, k, v, g, beta = _inputs(2, 70, 1)
     with pytest.raises(ValueError, match="B = 1"):
@@ -270,6 +304,8 @@ def test_bad_options():
         kc.kda_chunk(q, k, v, g, beta, variant="fast")
     with pytest.raises(ValueError, match="group_size"):
         kc.make_plan([70], 1, group_size=0)
+    with pytest.raises(ValueError, match="prologue"):
+        kc.kda_chunk_before(q, k, v, g, beta, prologue="fast")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ _WHILE = env.triton_interpreted()
 # kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_items", "nprog", "n_iter", "H"])
 def _prologue_kernel(
     q,
     k,
@@ -326,6 +326,292 @@ def _prologue_item(
     tl.debug_barrier()  # the next item reuses this program's scratch slot
 
 
+# ----------------------------------------------------------------------------------------------
+# prologue, block form: one program per (chunk, head), the chunk held as four 16-row blocks in
+# registers (no scratch). Decays are factored so that every exponential is <= 1 except inside a
+# diagonal block, where the factor is <= e^spread (exact pairwise decays beyond SAFE_SPREAD):
+#   e^(G_i - G_j) = e^(G_i - s_I) e^(s_I - e_J) e^(e_J - G_j)   (i in block I > J, j in block J)
+# with s_I the first row of block I and e_J the last row of block J.
+
+
+@triton.jit
+def _row_of(x, r, BC: tl.constexpr):
+    """Row r of a [BC, N] tile as an [N] vector (exact: one nonzero term per column)."""
+    rb = tl.arange(0, BC)
+    return tl.sum(tl.where(rb[:, None] == r, x, 0.0), axis=0)
+
+
+@triton.jit
+def _pb_block(q, k, g, beta, tok0, L, h, H, carry, BI: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
+    """Load block BI (16 rows) and its decays: G = carry + in-block cumsum; r = e^(G - s) <= 1 and
+    cp = k e^(e - G) <= 1 around the block's first (s) and last (e) rows."""
+    rb = tl.arange(0, BC)
+    rk = tl.arange(0, K)
+    rows = BI * BC + rb
+    m = rows < L
+    off = ((tok0 + rows) * H + h)[:, None] * K + rk[None, :]
+    kb = tl.load(k + off, mask=m[:, None], other=0.0).to(tl.float32)
+    qb = tl.load(q + off, mask=m[:, None], other=0.0).to(tl.float32)
+    gb = tl.load(g + off, mask=m[:, None], other=0.0).to(tl.float32)
+    bb = tl.load(beta + (tok0 + rows) * H + h, mask=m, other=0.0).to(tl.float32)
+    G = carry[None, :] + tl.cumsum(gb, axis=0)
+    s = _row_of(G, 0, BC)
+    e = _row_of(G, BC - 1, BC)
+    r = tl.exp(G - s[None, :])
+    cp = kb * tl.exp(e[None, :] - G)
+    return kb, qb, G, bb, s, e, r, cp
+
+
+@triton.jit
+def _pb_diag(
+    kb,
+    qb,
+    G,
+    s,
+    e,
+    r,
+    cp,
+    bb,
+    scale,
+    SPREAD: tl.constexpr,
+    AKK_PREC: tl.constexpr,
+    AQK_PREC: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """Akk, Aqk inside one block. Factored around s while the block's decay spread fits fp32
+    (K3's gate, g > -5, always does); exact pairwise decays otherwise."""
+    rb = tl.arange(0, BC)
+    spread = tl.max(tl.max(s[None, :] - G, axis=1), axis=0)
+    if spread <= SPREAD:
+        c = cp * tl.exp(s - e)[None, :]  # k e^(s - G_j) <= e^spread
+        akk = tl.dot(kb * r, tl.trans(c), input_precision=AKK_PREC)
+        aqk = tl.dot(qb * r, tl.trans(c), input_precision=AQK_PREC)
+    else:
+        akk = tl.zeros([BC, BC], dtype=tl.float32)
+        aqk = tl.zeros([BC, BC], dtype=tl.float32)
+        for cc in range(BC):
+            k_j = _row_of(kb, cc, BC)
+            G_j = _row_of(G, cc, BC)
+            ke = k_j[None, :] * tl.exp(tl.where(rb[:, None] >= cc, G - G_j[None, :], float("-inf")))
+            akk = tl.where(rb[None, :] == cc, tl.sum(kb * ke, axis=1)[:, None], akk)
+            aqk = tl.where(rb[None, :] == cc, tl.sum(qb * ke, axis=1)[:, None], aqk)
+    akk = tl.where(rb[:, None] > rb[None, :], akk * bb[:, None], 0.0)
+    aqk = tl.where(rb[:, None] >= rb[None, :], aqk * scale, 0.0)
+    return akk, aqk
+
+
+@triton.jit
+def _pb_off(kb_i, qb_i, r_i, s_i, bb_i, cp_j, e_j, scale, AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr):
+    """Akk, Aqk of row block i against an earlier column block j: every factor <= 1."""
+    rr = r_i * tl.exp(s_i - e_j)[None, :]
+    akk = tl.dot(kb_i * rr, tl.trans(cp_j), input_precision=AKK_PREC) * bb_i[:, None]
+    aqk = tl.dot(qb_i * rr, tl.trans(cp_j), input_precision=AQK_PREC) * scale
+    return akk, aqk
+
+
+@triton.jit
+def _pb_store_aqk(aqk_base, x, BI: tl.constexpr, BJ: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    rb = tl.arange(0, BC)
+    tl.store(aqk_base + (BI * BC + rb)[:, None] * C + BJ * BC + rb[None, :], x.to(aqk_base.dtype.element_ty))
+
+
+@triton.jit
+def _pb_store_rows(base, x, BI: tl.constexpr, N: tl.constexpr, BC: tl.constexpr):
+    rb = tl.arange(0, BC)
+    rn = tl.arange(0, N)
+    tl.store(base + (BI * BC + rb)[:, None] * N + rn[None, :], x.to(base.dtype.element_ty))
+
+
+@triton.jit
+def _inv16x4(a0, a1, a2, a3, BC: tl.constexpr):
+    """(I + A)^-1 of four strictly lower [BC, BC] blocks by forward substitution, side by side:
+    row i of X = R - I is -A[i] - sum_c A[i, c] X[c]."""
+    rb = tl.arange(0, BC)
+    x0 = tl.zeros([BC, BC], dtype=tl.float32)
+    x1 = tl.zeros([BC, BC], dtype=tl.float32)
+    x2 = tl.zeros([BC, BC], dtype=tl.float32)
+    x3 = tl.zeros([BC, BC], dtype=tl.float32)
+    for i in range(1, BC):
+        sel = rb[:, None] == i
+        n0 = -tl.sum(tl.where(sel, a0, 0.0), axis=0)
+        n1 = -tl.sum(tl.where(sel, a1, 0.0), axis=0)
+        n2 = -tl.sum(tl.where(sel, a2, 0.0), axis=0)
+        n3 = -tl.sum(tl.where(sel, a3, 0.0), axis=0)
+        x0 = tl.where(sel, (n0 + tl.sum(n0[:, None] * x0, axis=0))[None, :], x0)
+        x1 = tl.where(sel, (n1 + tl.sum(n1[:, None] * x1, axis=0))[None, :], x1)
+        x2 = tl.where(sel, (n2 + tl.sum(n2[:, None] * x2, axis=0))[None, :], x2)
+        x3 = tl.where(sel, (n3 + tl.sum(n3[:, None] * x3, axis=0))[None, :], x3)
+    eye = tl.where(rb[:, None] == rb[None, :], 1.0, 0.0)
+    return x0 + eye, x1 + eye, x2 + eye, x3 + eye
+
+
+@triton.jit(do_not_specialize=["H"])
+def _prologue_blocks_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    chunk_tok,
+    chunk_len,
+    w_out,
+    u_out,
+    qg_out,
+    kdt_out,
+    aqk_out,
+    d_out,
+    H,
+    scale,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    SPREAD: tl.constexpr,
+    AKK_PREC: tl.constexpr,
+    AQK_PREC: tl.constexpr,
+    INV_PREC: tl.constexpr,
+    OUT_PREC: tl.constexpr,
+):
+    """One program per (chunk, head); C = 64 = four 16-row blocks."""
+    c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    rk = tl.arange(0, K)
+    rb = tl.arange(0, BC)
+    INTER = w_out.dtype.element_ty
+    tok0 = tl.load(chunk_tok + c).to(tl.int64)
+    L = tl.load(chunk_len + c)
+    out = c * H + h
+    aqk_base = aqk_out + out * C * C
+    # --- Akk, Aqk block by block; Qg stored as each block passes, W's input kept (bf16)
+    k0, q0, G0, b0, s0, e0, r0, cp0 = _pb_block(
+        q, k, g, beta, tok0, L, h, H, tl.zeros([K], tl.float32), 0, K, BC
+    )
+    a00, z00 = _pb_diag(k0, q0, G0, s0, e0, r0, cp0, b0, scale, SPREAD, AKK_PREC, AQK_PREC, BC)
+    eg0 = r0 * tl.exp(s0)[None, :]  # e^G
+    _pb_store_rows(qg_out + out * C * K, q0 * eg0 * scale, 0, K, BC)
+    xw0 = (k0 * eg0 * b0[:, None]).to(INTER)
+
+    k1, q1, G1, b1, s1, e1, r1, cp1 = _pb_block(q, k, g, beta, tok0, L, h, H, e0, 1, K, BC)
+    a11, z11 = _pb_diag(k1, q1, G1, s1, e1, r1, cp1, b1, scale, SPREAD, AKK_PREC, AQK_PREC, BC)
+    a10, z10 = _pb_off(k1, q1, r1, s1, b1, cp0, e0, scale, AKK_PREC, AQK_PREC)
+    eg1 = r1 * tl.exp(s1)[None, :]
+    _pb_store_rows(qg_out + out * C * K, q1 * eg1 * scale, 1, K, BC)
+    xw1 = (k1 * eg1 * b1[:, None]).to(INTER)
+
+    k2, q2, G2, b2, s2, e2, r2, cp2 = _pb_block(q, k, g, beta, tok0, L, h, H, e1, 2, K, BC)
+    a22, z22 = _pb_diag(k2, q2, G2, s2, e2, r2, cp2, b2, scale, SPREAD, AKK_PREC, AQK_PREC, BC)
+    a20, z20 = _pb_off(k2, q2, r2, s2, b2, cp0, e0, scale, AKK_PREC, AQK_PREC)
+    a21, z21 = _pb_off(k2, q2, r2, s2, b2, cp1, e1, scale, AKK_PREC, AQK_PREC)
+    eg2 = r2 * tl.exp(s2)[None, :]
+    _pb_store_rows(qg_out + out * C * K, q2 * eg2 * scale, 2, K, BC)
+    xw2 = (k2 * eg2 * b2[:, None]).to(INTER)
+
+    k3, q3, G3, b3, s3, e3, r3, cp3 = _pb_block(q, k, g, beta, tok0, L, h, H, e2, 3, K, BC)
+    a33, z33 = _pb_diag(k3, q3, G3, s3, e3, r3, cp3, b3, scale, SPREAD, AKK_PREC, AQK_PREC, BC)
+    a30, z30 = _pb_off(k3, q3, r3, s3, b3, cp0, e0, scale, AKK_PREC, AQK_PREC)
+    a31, z31 = _pb_off(k3, q3, r3, s3, b3, cp1, e1, scale, AKK_PREC, AQK_PREC)
+    a32, z32 = _pb_off(k3, q3, r3, s3, b3, cp2, e2, scale, AKK_PREC, AQK_PREC)
+    eg3 = r3 * tl.exp(s3)[None, :]
+    _pb_store_rows(qg_out + out * C * K, q3 * eg3 * scale, 3, K, BC)
+    xw3 = (k3 * eg3 * b3[:, None]).to(INTER)
+
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
+    _pb_store_aqk(aqk_base, z00, 0, 0, C, BC)
+    _pb_store_aqk(aqk_base, zero, 0, 1, C, BC)
+    _pb_store_aqk(aqk_base, zero, 0, 2, C, BC)
+    _pb_store_aqk(aqk_base, zero, 0, 3, C, BC)
+    _pb_store_aqk(aqk_base, z10, 1, 0, C, BC)
+    _pb_store_aqk(aqk_base, z11, 1, 1, C, BC)
+    _pb_store_aqk(aqk_base, zero, 1, 2, C, BC)
+    _pb_store_aqk(aqk_base, zero, 1, 3, C, BC)
+    _pb_store_aqk(aqk_base, z20, 2, 0, C, BC)
+    _pb_store_aqk(aqk_base, z21, 2, 1, C, BC)
+    _pb_store_aqk(aqk_base, z22, 2, 2, C, BC)
+    _pb_store_aqk(aqk_base, zero, 2, 3, C, BC)
+    _pb_store_aqk(aqk_base, z30, 3, 0, C, BC)
+    _pb_store_aqk(aqk_base, z31, 3, 1, C, BC)
+    _pb_store_aqk(aqk_base, z32, 3, 2, C, BC)
+    _pb_store_aqk(aqk_base, z33, 3, 3, C, BC)
+    # --- Kd^T = (k e^(G_last - G))^T, G_last = e3; d = e^(G_last)
+    kd_base = kdt_out + out * K * C
+    for_blk = tl.exp(e3 - e0)
+    tl.store(kd_base + rk[:, None] * C + (0 * BC + rb)[None, :], tl.trans(cp0 * for_blk[None, :]).to(INTER))
+    tl.store(
+        kd_base + rk[:, None] * C + (1 * BC + rb)[None, :], tl.trans(cp1 * tl.exp(e3 - e1)[None, :]).to(INTER)
+    )
+    tl.store(
+        kd_base + rk[:, None] * C + (2 * BC + rb)[None, :], tl.trans(cp2 * tl.exp(e3 - e2)[None, :]).to(INTER)
+    )
+    tl.store(kd_base + rk[:, None] * C + (3 * BC + rb)[None, :], tl.trans(cp3).to(INTER))
+    tl.store(d_out + out * K + rk, tl.exp(e3))
+    # --- R = (I + Akk)^-1 in fp32: diagonal blocks, then R_IJ = -R_II sum_M L_IM R_MJ
+    r00, r11, r22, r33 = _inv16x4(a00, a11, a22, a33, BC)
+    r10 = -_mm(r11, _mm(a10, r00, INV_PREC), INV_PREC)
+    r21 = -_mm(r22, _mm(a21, r11, INV_PREC), INV_PREC)
+    r32 = -_mm(r33, _mm(a32, r22, INV_PREC), INV_PREC)
+    r20 = -_mm(r22, _mm(a20, r00, INV_PREC) + _mm(a21, r10, INV_PREC), INV_PREC)
+    r31 = -_mm(r33, _mm(a31, r11, INV_PREC) + _mm(a32, r21, INV_PREC), INV_PREC)
+    r30 = -_mm(r33, _mm(a30, r00, INV_PREC) + _mm(a31, r10, INV_PREC) + _mm(a32, r20, INV_PREC), INV_PREC)
+    # --- W = R diag(beta) (K e^G), U = R diag(beta) V: R rounded to the input dtype only now
+    vb0 = _pb_v(v, tok0, L, h, H, b0, 0, V, BC).to(INTER)
+    vb1 = _pb_v(v, tok0, L, h, H, b1, 1, V, BC).to(INTER)
+    vb2 = _pb_v(v, tok0, L, h, H, b2, 2, V, BC).to(INTER)
+    vb3 = _pb_v(v, tok0, L, h, H, b3, 3, V, BC).to(INTER)
+    wb = w_out + out * C * K
+    ub = u_out + out * C * V
+    _pb_store_rows(wb, _mm(r00.to(INTER), xw0, OUT_PREC), 0, K, BC)
+    _pb_store_rows(ub, _mm(r00.to(INTER), vb0, OUT_PREC), 0, V, BC)
+    _pb_store_rows(wb, _mm(r10.to(INTER), xw0, OUT_PREC) + _mm(r11.to(INTER), xw1, OUT_PREC), 1, K, BC)
+    _pb_store_rows(ub, _mm(r10.to(INTER), vb0, OUT_PREC) + _mm(r11.to(INTER), vb1, OUT_PREC), 1, V, BC)
+    _pb_store_rows(
+        wb,
+        _mm(r20.to(INTER), xw0, OUT_PREC)
+        + _mm(r21.to(INTER), xw1, OUT_PREC)
+        + _mm(r22.to(INTER), xw2, OUT_PREC),
+        2,
+        K,
+        BC,
+    )
+    _pb_store_rows(
+        ub,
+        _mm(r20.to(INTER), vb0, OUT_PREC)
+        + _mm(r21.to(INTER), vb1, OUT_PREC)
+        + _mm(r22.to(INTER), vb2, OUT_PREC),
+        2,
+        V,
+        BC,
+    )
+    _pb_store_rows(
+        wb,
+        _mm(r30.to(INTER), xw0, OUT_PREC)
+        + _mm(r31.to(INTER), xw1, OUT_PREC)
+        + _mm(r32.to(INTER), xw2, OUT_PREC)
+        + _mm(r33.to(INTER), xw3, OUT_PREC),
+        3,
+        K,
+        BC,
+    )
+    _pb_store_rows(
+        ub,
+        _mm(r30.to(INTER), vb0, OUT_PREC)
+        + _mm(r31.to(INTER), vb1, OUT_PREC)
+        + _mm(r32.to(INTER), vb2, OUT_PREC)
+        + _mm(r33.to(INTER), vb3, OUT_PREC),
+        3,
+        V,
+        BC,
+    )
+
+
+@triton.jit
+def _pb_v(v, tok0, L, h, H, bb, BI: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
+    rb = tl.arange(0, BC)
+    rv = tl.arange(0, V)
+    rows = BI * BC + rb
+    x = tl.load(v + ((tok0 + rows) * H + h)[:, None] * V + rv[None, :], mask=(rows < L)[:, None], other=0.0)
+    return x.to(tl.float32) * bb[:, None]
+
+
 @triton.jit
 def _blk(base, BI: tl.constexpr, BJ: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
     r = tl.arange(0, BC)
@@ -391,7 +677,7 @@ def _walk_step(
     return d[:, None] * S + tl.dot(KdT, Eb, input_precision=PREC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])
 def _walk_kernel(
     w,
     u,
@@ -494,7 +780,7 @@ def _summary_step(
     return X, Dc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])
 def _summary_kernel(
     w,
     u,
@@ -581,7 +867,7 @@ def _scan_step(
     return S
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])
 def _scan_kernel(
     sum_n,
     sum_b,
@@ -877,16 +1163,69 @@ def _alloc_work(n_chunks: int, H: int, dtype, device) -> _Work:
     )
 
 
+PROLOGUES = ("blocks", "persistent")
+DEFAULT_PROLOGUE = "blocks"
+
+
 def kda_chunk_prologue(
-    q, k, v, g, beta, plan: KdaPlan, scale: float, work: _Work | None = None, num_warps: int = 8
+    q,
+    k,
+    v,
+    g,
+    beta,
+    plan: KdaPlan,
+    scale: float,
+    work: _Work | None = None,
+    num_warps: int | None = None,
+    prologue: str | None = None,
 ) -> _Work:
-    """Launch 1 of both variants: the per-chunk quantities, written into `work`."""
+    """Launch 1 of both variants: the per-chunk quantities, written into `work`.
+
+    prologue='blocks' (default): one program per (chunk, head), the chunk as four 16-row blocks in
+    registers. 'persistent': the first version, a persistent grid whose programs keep G, Akk and R
+    in an L2-resident scratch slot (kept for comparison: on the H200 it was the slower one)."""
+    prologue = prologue or DEFAULT_PROLOGUE
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
     H = q.shape[2]
     work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)
     n_items = plan.n_chunks * H
     if n_items == 0:
         return work
     p = _precisions(q.dtype)
+    common = dict(
+        K=HEAD_DIM,
+        V=HEAD_DIM,
+        C=CHUNK,
+        BC=SUB,
+        SPREAD=SAFE_SPREAD,
+        AKK_PREC=p["AKK_PREC"],
+        AQK_PREC=p["AQK_PREC"],
+        INV_PREC=p["INV_PREC"],
+        OUT_PREC=p["OUT_PREC"],
+    )
+    if prologue == "blocks":
+        _prologue_blocks_kernel[(plan.n_chunks, H)](
+            q,
+            k,
+            v,
+            g,
+            beta,
+            plan.chunk_tok,
+            plan.chunk_len,
+            work.w,
+            work.u,
+            work.qg,
+            work.kdt,
+            work.aqk,
+            work.d,
+            H,
+            float(scale),
+            **common,
+            num_warps=num_warps or 4,
+            num_stages=1,
+        )
+        return work
     nprog = min(n_items, work.slots)
     _prologue_kernel[(nprog,)](
         q,
@@ -908,17 +1247,9 @@ def kda_chunk_prologue(
         triton.cdiv(n_items, nprog),
         H,
         float(scale),
-        K=HEAD_DIM,
-        V=HEAD_DIM,
-        C=CHUNK,
-        BC=SUB,
-        SPREAD=SAFE_SPREAD,
-        AKK_PREC=p["AKK_PREC"],
-        AQK_PREC=p["AQK_PREC"],
-        INV_PREC=p["INV_PREC"],
-        OUT_PREC=p["OUT_PREC"],
+        **common,
         WHILE=_WHILE,
-        num_warps=num_warps,
+        num_warps=num_warps or 8,
         num_stages=1,
     )
     return work
@@ -993,7 +1324,8 @@ def kda_chunk_before(
     block_v: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
-    prologue_warps: int = 8,
+    prologue_warps: int | None = None,
+    prologue: str | None = None,
 ):
     """Chunked KDA prefill, plain walk (2 launches: prologue, walk). Returns (o, final_state).
 
@@ -1006,7 +1338,9 @@ def kda_chunk_before(
     _check_block_v(block_v)
     o, s_final = _outputs(q, plan, H)
     if plan.n_chunks:
-        work = kda_chunk_prologue(q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps)
+        work = kda_chunk_prologue(
+            q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps, prologue=prologue
+        )
     else:
         work = work or _alloc_work(0, H, q.dtype, q.device)
     _walk(work, plan, o, s_final, initial_state, plan.seq_index, H, q.dtype, block_v, num_warps, num_stages)
@@ -1031,7 +1365,8 @@ def kda_chunk_after(
     scan_block: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
-    prologue_warps: int = 8,
+    prologue_warps: int | None = None,
+    prologue: str | None = None,
 ):
     """Chunked KDA prefill by the group scan (4 launches: prologue, summaries, scan, replay), or the
     plain walk when `choose_group_size` (or the plan) says the GPU is already full. Same arguments
@@ -1056,16 +1391,33 @@ def kda_chunk_after(
             num_warps=num_warps,
             num_stages=num_stages,
             prologue_warps=prologue_warps,
+            prologue=prologue,
         )
     o, s_final = _outputs(q, plan, H)
-    work = kda_chunk_prologue(q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps)
-    p = _precisions(q.dtype)
+    work = kda_chunk_prologue(
+        q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps, prologue=prologue
+    )
+    sums, s_in = _scan_buffers(plan, H, q.device)
+    _launch_summaries(work, plan, sums, H, q.dtype, summary_block, num_warps, num_stages)
+    _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block)
+    _walk(work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, block_v, num_warps, num_stages)
+    return o, s_final
+
+
+def _scan_buffers(plan: KdaPlan, H: int, device):
     K = HEAD_DIM
-    dev = q.device
-    sum_n = torch.empty(plan.n_summaries, H, K, K, dtype=torch.float32, device=dev)
-    sum_b = torch.empty(plan.n_summaries, H, K, K, dtype=torch.float32, device=dev)
-    sum_d = torch.empty(plan.n_summaries, H, K, dtype=torch.float32, device=dev)
-    s_in = torch.empty(plan.n_groups, H, K, K, dtype=torch.float32, device=dev)
+    sums = (
+        torch.empty(plan.n_summaries, H, K, K, dtype=torch.float32, device=device),
+        torch.empty(plan.n_summaries, H, K, K, dtype=torch.float32, device=device),
+        torch.empty(plan.n_summaries, H, K, dtype=torch.float32, device=device),
+    )
+    return sums, torch.empty(plan.n_groups, H, K, K, dtype=torch.float32, device=device)
+
+
+def _launch_summaries(work, plan, sums, H, dtype, summary_block, num_warps, num_stages):
+    """Launch 2 of the after: every non-last group's (D, N, b)."""
+    K = HEAD_DIM
+    sum_n, sum_b, sum_d = sums
     _summary_kernel[(2 * K // summary_block, H, plan.n_summaries)](
         work.w,
         work.u,
@@ -1082,11 +1434,17 @@ def kda_chunk_after(
         V=K,
         C=CHUNK,
         BV=summary_block,
-        PREC=p["WALK_PREC"],
+        PREC=_precisions(dtype)["WALK_PREC"],
         WHILE=_WHILE,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+
+
+def _launch_scan(plan, sums, s_in, initial_state, H, dtype, scan_block):
+    """Launch 3 of the after: the ordered scan over each sequence's groups."""
+    K = HEAD_DIM
+    sum_n, sum_b, sum_d = sums
     _scan_kernel[(K // scan_block, H, plan.n_seqs)](
         sum_n,
         sum_b,
@@ -1101,13 +1459,59 @@ def kda_chunk_after(
         V=K,
         BV=scan_block,
         HAS_INIT=initial_state is not None,
-        PREC=p["SCAN_PREC"],
+        PREC=_precisions(dtype)["SCAN_PREC"],
         WHILE=_WHILE,
         num_warps=4,
         num_stages=1,
     )
-    _walk(work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, block_v, num_warps, num_stages)
-    return o, s_final
+
+
+def after_launches(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    *,
+    plan: KdaPlan,
+    work: _Work | None = None,
+    block_v: int = 64,
+    summary_block: int = 64,
+    scan_block: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    prologue_warps: int | None = None,
+    prologue: str | None = None,
+) -> dict:
+    """The after's launches as separate callables on fixed buffers (for timing each one and for
+    profiling): {'prologue', 'summaries', 'scan', 'replay'} (or {'prologue', 'walk'} for a plan
+    without groups). Run them in that order; each reads what the previous wrote."""
+    plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, None, "after")
+    o, s_final = _outputs(q, plan, H)
+    work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)
+    out = {
+        "prologue": lambda: kda_chunk_prologue(
+            q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps, prologue=prologue
+        )
+    }
+    if not plan.uses_scan:
+        out["walk"] = lambda: _walk(
+            work, plan, o, s_final, initial_state, plan.seq_index, H, q.dtype, block_v, num_warps, num_stages
+        )
+        return out
+    sums, s_in = _scan_buffers(plan, H, q.device)
+    out["summaries"] = lambda: _launch_summaries(
+        work, plan, sums, H, q.dtype, summary_block, num_warps, num_stages
+    )
+    out["scan"] = lambda: _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block)
+    out["replay"] = lambda: _walk(
+        work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, block_v, num_warps, num_stages
+    )
+    out["result"] = lambda: (o, s_final)
+    return out
 
 
 def _arange_groups(plan: KdaPlan) -> torch.Tensor:

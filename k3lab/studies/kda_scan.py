@@ -227,11 +227,13 @@ def fla_available() -> bool:
 class Runner:
     """Plans and work buffers for one case, built once so that timed calls hold only the launches."""
 
-    def __init__(self, case: Case, inp: dict, **tune):
-        """tune: launch options passed to both k3lab variants (block_v, num_warps, num_stages,
-        prologue_warps); the defaults are kda_chunk's."""
-        self.case, self.inp, self.tune = case, inp, dict(tune)
-        block_v = self.tune.get("block_v", 64)
+    def __init__(self, case: Case, inp: dict, tune: dict | None = None, tune_after: dict | None = None):
+        """tune: launch options for both k3lab variants (block_v, num_warps, num_stages, prologue,
+        prologue_warps; kda_chunk's defaults otherwise); tune_after overrides them for the after."""
+        self.case, self.inp = case, inp
+        self.tune = dict(tune or {})
+        self.tune_after = {**self.tune, **(tune_after or {})}
+        block_v = self.tune_after.get("block_v", 64)
         dev = inp["q"].device
         self.group_size = (
             case.group_size
@@ -265,7 +267,7 @@ class Runner:
             cu_seqlens=i["cu_seqlens"],
             plan=plan or self.plan_after,
             work=self.work,
-            **self.tune,
+            **self.tune_after,
         )
 
     def fla(self):
@@ -334,7 +336,13 @@ def _timing_kw(case: Case) -> dict:
 
 
 def run(
-    preset=None, cases=None, variants=None, graph: bool = False, strict: bool = True, tune: dict | None = None
+    preset=None,
+    cases=None,
+    variants=None,
+    graph: bool = False,
+    strict: bool = True,
+    tune: dict | None = None,
+    tune_after: dict | None = None,
 ) -> list[bench.Record]:
     """Check every variant against the fp64 reference (raising on failure), then time it. Returns
     records (not saved). `cases`: names from case_names() or crossover_cases() or any
@@ -346,7 +354,7 @@ def run(
     for name in names:
         case = parse_case(name)
         inp = make_inputs(case)
-        runner = Runner(case, inp, **(tune or {}))
+        runner = Runner(case, inp, tune, tune_after)
         ref = reference(case, inp, *_ref_limits(case))
         floor = floor_for(case)
         for variant, fn in runner.variants().items():
@@ -380,13 +388,21 @@ def run(
                     ref_heads=ref[2],
                     ref_seqs=ref[3],
                     interpreter=_env.triton_interpreted(),
-                    tune=dict(tune or {}) if variant != "fla" else {},
+                    tune=_tune_record(runner, variant),
                 )
             )
         del runner, inp, ref
         if _gpu():
             torch.cuda.empty_cache()
     return records
+
+
+def _tune_record(runner: Runner, variant: str) -> dict:
+    if variant == "fla":
+        return {}
+    t = dict(runner.tune_after if variant == "after" else runner.tune)
+    t.setdefault("prologue", kc.DEFAULT_PROLOGUE)
+    return t
 
 
 def _launches(variant: str, plan) -> int | None:
@@ -411,12 +427,14 @@ def _depth(case: Case, variant: str, plan) -> int | None:
     return sequential_depth(n, plan.group_size if variant == "after" and plan.uses_scan else None)
 
 
-def group_size_sweep(name: str, sizes=None, strict: bool = True) -> list[bench.Record]:
+def group_size_sweep(
+    name: str, sizes=None, strict: bool = True, tune: dict | None = None
+) -> list[bench.Record]:
     """The 'after' at several group sizes on one case (checked, then timed): the curve behind
     choose_group_size. Records are named '<case>.gs<size>' ('<case>.walk' for the plain walk)."""
     case = parse_case(name)
     inp = make_inputs(case)
-    runner = Runner(case, inp)
+    runner = Runner(case, inp, tune)
     ref = reference(case, inp, *_ref_limits(case))
     n = max(-(-L // kc.CHUNK) for L in case.lengths)
     sizes = sizes or [s for s in (4, 8, 16, 32, 64) if s < n]
@@ -456,6 +474,114 @@ def group_size_sweep(name: str, sizes=None, strict: bool = True) -> list[bench.R
             )
         )
     return records
+
+
+def calibrate(
+    name: str = "h12_b1_t16384",
+    prologues=(("blocks", 4), ("blocks", 8), ("persistent", 8)),
+    walks=((64, 4), (32, 4), (64, 8)),
+):
+    """Time each launch on its own (no fla, no reference) to pick launch options on this device:
+    the prologue kind and warps, and (block_v, num_warps) for the plain walk and for the after's
+    summaries + replay. Returns (records named '<case>.part_*', {'tune': ..., 'tune_after': ...})."""
+    case = parse_case(name)
+    inp = make_inputs(case)
+    runner = Runner(case, inp)
+    q, k, v, g, beta = runner._args()
+    S0, scale = inp["initial_state"], HEAD_DIM**-0.5
+    kw = {"warmup": 3, "repeats": 20} if _gpu() else {"warmup": 0, "repeats": 1}
+    records, times = [], {}
+
+    def rec(part, variant, timing, **extra):
+        times[part] = timing.median_us
+        records.append(
+            bench.make_record(
+                NAME, f"{name}.part_{part}", variant, timing, shape=case.shape(), dtype=case.dtype, **extra
+            )
+        )
+
+    for pro, w in prologues:
+
+        def fn(pro=pro, w=w):
+            kc.kda_chunk_prologue(
+                q, k, v, g, beta, runner.plan_before, scale, runner.work, num_warps=w, prologue=pro
+            )
+
+        try:
+            rec(f"prologue_{pro}_w{w}", "before", bench.time_fn(fn, **kw), prologue=pro, prologue_warps=w)
+        except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses is skipped
+            print(f"calibrate prologue {pro} w{w}: {type(exc).__name__}: {str(exc)[:300]}")
+    pro_key = min((p for p in times if p.startswith("prologue_")), key=times.get)
+    _, pro, w = pro_key.split("_")
+    best = {"prologue": pro, "prologue_warps": int(w[1:])}
+    kc.kda_chunk_prologue(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        runner.plan_before,
+        scale,
+        runner.work,
+        num_warps=best["prologue_warps"],
+        prologue=pro,
+    )
+    walk_t, after_t = {}, {}
+    for bv, nw in walks:
+        tag = f"bv{bv}_w{nw}"
+        try:
+            parts = kc.after_launches(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                scale,
+                S0,
+                inp["cu_seqlens"],
+                plan=runner.plan_before,
+                work=runner.work,
+                block_v=bv,
+                num_warps=nw,
+            )
+            rec(f"walk_{tag}", "before", bench.time_fn(parts["walk"], **kw), block_v=bv, num_warps=nw)
+            walk_t[(bv, nw)] = times[f"walk_{tag}"]
+            if runner.plan_after.uses_scan:
+                parts = kc.after_launches(
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    scale,
+                    S0,
+                    inp["cu_seqlens"],
+                    plan=runner.plan_after,
+                    work=runner.work,
+                    block_v=bv,
+                    num_warps=nw,
+                )
+                total = 0.0
+                for part in ("summaries", "scan", "replay"):
+                    rec(
+                        f"{part}_{tag}",
+                        "after",
+                        bench.time_fn(parts[part], **kw),
+                        block_v=bv,
+                        num_warps=nw,
+                        group_size=runner.group_size,
+                    )
+                    total += times[f"{part}_{tag}"]
+                after_t[(bv, nw)] = total
+        except Exception as exc:  # noqa: BLE001
+            print(f"calibrate walk {tag}: {type(exc).__name__}: {str(exc)[:300]}")
+    bw = min(walk_t, key=walk_t.get)
+    tune = {**best, "block_v": bw[0], "num_warps": bw[1]}
+    tune_after = {}
+    if after_t:
+        ba = min(after_t, key=after_t.get)
+        tune_after = {"block_v": ba[0], "num_warps": ba[1]}
+    return records, {"tune": tune, "tune_after": tune_after, "times_us": times}
 
 
 def tune_sweep(name: str, options: list[dict], strict: bool = False) -> list[bench.Record]:
@@ -585,9 +711,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m k3lab.studies.kda_scan")
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=240.0)
-    ap.add_argument("--phases", default="cases,graph,sweep,tune,crossover")
+    ap.add_argument("--phases", default="calibrate,cases,sweep,crossover")
     ap.add_argument("--tune", default="[]", help="JSON list of launch-option dicts for the tune phase")
-    ap.add_argument("--sweep-cases", default="h12_b1_t16384,h12_b1_t4096,h12_b8_t4096,h96_b1_t4096")
+    ap.add_argument("--sweep-cases", default="h12_b1_t16384")
+    ap.add_argument("--calibrate-case", default="h12_b1_t16384")
     ap.add_argument("--cases", default=None, help="comma list replacing the cases phase's list")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -612,11 +739,12 @@ def main(argv=None) -> int:
             records.extend(recs)
             for r in recs:
                 e = r.error
-                el = (
-                    ("FAILED " + e["failed"][:120])
-                    if "failed" in e
-                    else f"o {e['o']['rel_l2']:.1e} S {e['state']['rel_l2']:.1e}"
-                )
+                if "failed" in e:
+                    el = "FAILED " + e["failed"][:120]
+                elif "o" in e:
+                    el = f"o {e['o']['rel_l2']:.1e} S {e['state']['rel_l2']:.1e}"
+                else:
+                    el = ""
                 print(
                     f"  {r.case:28s} {r.variant:7s} {r.median_us:10.1f} us  gs={r.extra.get('group_size')}  "
                     f"{el}",
@@ -628,24 +756,53 @@ def main(argv=None) -> int:
         save()
 
     phases = args.phases.split(",")
+    tune, tune_after = {}, {}
+    if "calibrate" in phases:
+
+        def cal():
+            nonlocal tune, tune_after
+            recs, choice = calibrate(args.calibrate_case)
+            tune, tune_after = choice["tune"], choice["tune_after"]
+            print("calibrated:", json.dumps({k: choice[k] for k in ("tune", "tune_after")}), flush=True)
+            print(
+                "part times (us):",
+                json.dumps({k: round(v, 1) for k, v in choice["times_us"].items()}),
+                flush=True,
+            )
+            return recs
+
+        step("calibrate", cal, need_s=60.0)
     done = set()
+    first = ["h12_b1_t16384", "h12_b1_t4096", "h12_b1_t65536", "h12_b8_t4096", "h12_b8_t16384"]
+    later = ["h96_b1_t4096", "h96_b1_t16384", "h12_ragged"]
+    names = args.cases.split(",") if args.cases else first + later
     if "cases" in phases:
-        for name in args.cases.split(",") if args.cases else GPU_CASES + ["h12_ragged"]:
-            step(name, lambda n=name: run(cases=[n], strict=False))
+        for name in [n for n in names if n in first or args.cases]:
+            step(name, lambda n=name: run(cases=[n], strict=False, tune=tune, tune_after=tune_after))
+            done.add(name)
+    if "sweep" in phases:
+        for name in args.sweep_cases.split(","):
+            step(
+                name + " sweep", lambda n=name: group_size_sweep(n, strict=False, tune={**tune, **tune_after})
+            )
+    if "cases" in phases and not args.cases:
+        for name in later:
+            step(
+                name,
+                lambda n=name: run(cases=[n], strict=False, tune=tune, tune_after=tune_after),
+                need_s=45.0,
+            )
             done.add(name)
     if "graph" in phases:
-        for name in ("h12_b1_t4096", "h12_b1_t16384"):
+        for name in ("h12_b1_t16384",):
 
             def g(n=name):
-                recs = run(cases=[n], graph=True, strict=False)
+                recs = run(cases=[n], graph=True, strict=False, tune=tune, tune_after=tune_after)
                 for r in recs:
                     r.case = f"{n}.graph"
                 return recs
 
             step(name + " graph", g)
-    if "sweep" in phases:
-        for name in args.sweep_cases.split(","):
-            step(name + " sweep", lambda n=name: group_size_sweep(n, strict=False))
     if "tune" in phases:
         opts = json.loads(args.tune)
         if opts:
@@ -653,7 +810,11 @@ def main(argv=None) -> int:
     if "crossover" in phases:
         for name in crossover_cases():
             if name not in done:
-                step(name, lambda n=name: run(cases=[n], strict=False), need_s=40.0)
+                step(
+                    name,
+                    lambda n=name: run(cases=[n], strict=False, tune=tune, tune_after=tune_after),
+                    need_s=45.0,
+                )
     save()
     print(f"kda_scan done: {len(records)} records, {time.time() - t0:.0f} s", flush=True)
     return 0

@@ -233,8 +233,10 @@ def test_group_size_rule():
     # enough parallel work already: the plain walk
     assert kc.choose_group_size([16384], 96, compute_units=H200) is None
     assert kc.choose_group_size([4096] * 8, 12, compute_units=H200) is None
-    # too short to split
+    # too short to split: below ~96 chunks the H200 lost time to the scan's extra passes
     assert kc.choose_group_size([256], 12, compute_units=H200) is None
+    assert kc.choose_group_size([4096], 12, compute_units=H200) is None
+    assert kc.choose_group_size([4096], 12, compute_units=H200, min_chunks=8) is not None
     # MI355X's 256 CUs: the same rule reads the unit count
     assert kc.choose_group_size([16384] * 8, 12, compute_units=256) is not None
 

@@ -47,6 +47,13 @@ around the block's first row s; the second factor is at most e^(15 max|g|), with
 K3's gate (g in (-5, 0), architecture.md). A block whose spread is wider than SAFE_SPREAD takes an
 exact column-by-column path instead (slower, same result), so no input overflows.
 
+Measured (H200, 12 heads, bf16, fla-core 0.6.0 in the same run; profiles/nvidia-h200/kda_scan):
+both variants match the fp64 reference as closely as fla does (rel. L2 4.4e-3 on o and state). The
+group scan beats the plain walk by 9% at 16K tokens and 14% at 64K, but both are about 2x slower
+than fla's chunk_kda: the 'persistent' prologue costs ~0.5 us of GPU time per chunk and head (its
+fit over all cases), against ~0.24 us for all of fla's kernels together. The 'blocks' prologue is
+the rewrite aimed at that and has not yet been compiled or timed on a GPU.
+
 ROCm: the kernels are plain Triton and read unit counts from the device; they have not yet been run
 on AMD hardware by this project.
 """
@@ -1021,6 +1028,7 @@ def choose_group_size(
     block_v: int = 64,
     fill: float = 2.0,
     min_group: int = 4,
+    min_chunks: int = 96,
 ) -> int | None:
     """Chunks per group for the group scan, or None for the plain walk.
 
@@ -1029,12 +1037,16 @@ def choose_group_size(
     summary walk over K + V columns, a scan, 2 more launches) cost more than they save: plain walk.
     Otherwise split each sequence into about fill x units / P groups, so the replay has ~fill
     programs per unit, but never groups shorter than the depth-optimal sqrt(n_chunks / 2) (the
-    critical path is 2 x group + n_groups chunk steps) nor than `min_group` chunks."""
+    critical path is 2 x group + n_groups chunk steps) nor than `min_group` chunks.
+
+    `min_chunks`: a sequence shorter than this walks plainly even on an idle GPU. Measured on the
+    H200 (profiles/nvidia-h200/kda_scan, 12 heads, B = 1): the scan lost 6% at 64 chunks (4K
+    tokens), won 9% at 256 and 14% at 1024; the break-even lies near 90 chunks."""
     units = compute_units if compute_units is not None else env.detect().compute_units
     lengths = [int(x) for x in lengths]
     n_chunks = max((-(-x // CHUNK) for x in lengths), default=0)
     P = walk_programs(len(lengths), heads, block_v)
-    if P >= units or n_chunks <= 2 * min_group:
+    if P >= units or n_chunks < max(min_chunks, 2 * min_group + 1):
         return None
     want_groups = max(1, math.ceil(fill * units / P))
     gs = max(min_group, math.ceil(math.sqrt(n_chunks / 2)), math.ceil(n_chunks / want_groups))
@@ -1164,7 +1176,9 @@ def _alloc_work(n_chunks: int, H: int, dtype, device) -> _Work:
 
 
 PROLOGUES = ("blocks", "persistent")
-DEFAULT_PROLOGUE = "blocks"
+# 'persistent' is the prologue measured on the H200 (profiles/nvidia-h200/kda_scan); 'blocks' passes the
+# same tests in Triton's interpreter but has not yet been compiled or timed on a GPU by this project.
+DEFAULT_PROLOGUE = "persistent"
 
 
 def kda_chunk_prologue(
@@ -1181,9 +1195,13 @@ def kda_chunk_prologue(
 ) -> _Work:
     """Launch 1 of both variants: the per-chunk quantities, written into `work`.
 
-    prologue='blocks' (default): one program per (chunk, head), the chunk as four 16-row blocks in
-    registers. 'persistent': the first version, a persistent grid whose programs keep G, Akk and R
-    in an L2-resident scratch slot (kept for comparison: on the H200 it was the slower one)."""
+    prologue='persistent' (the default, measured on the H200): a persistent grid whose programs keep
+    G, Akk and R in an L2-resident scratch slot of their own. On the H200 it costs about 0.5 us of
+    GPU time per chunk and head, most of each variant's time (see profiles/nvidia-h200/kda_scan).
+    prologue='blocks': one program per (chunk, head), the chunk held as four 16-row blocks in
+    registers, no scratch, a third of the exponentials; it writes the same quantities (tests) but
+    has not yet been compiled or timed on a GPU by this project: `k3lab.studies.kda_scan.calibrate`
+    times both on the next GPU run."""
     prologue = prologue or DEFAULT_PROLOGUE
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")

@@ -30,6 +30,9 @@ to fill, and a wide tile writes whole memory sectors per row with fewer instruct
 
 States are fp32 [B, T, H, K, V] (ragged: [1, total_tokens, H, K, V], the state after each token of
 the flattened batch), or only the final [N, H, K, V] with `final_state_only=True`.
+
+Measured on an NVIDIA H200 (profiles/nvidia-h200/kda_verify); the ROCm path (wave 64, 4-column
+tiles) is the same Triton code but has not yet been run on AMD hardware by this project.
 """
 
 from __future__ import annotations

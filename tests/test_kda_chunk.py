@@ -335,5 +335,10 @@ def test_study_helpers():
         }
         for v, t in (("before", 400.0), ("after", 200.0), ("fla", 1000.0))
     ]
+    pr = ks.predict("h12_b1_t16384", target="H200")
+    assert pr["compute_units"] == 132 and pr["group_size"] == 24 and pr["steps_after"] == 2 * 24 + 10
+    assert 60 < pr["floor_us"] < 90  # 303 MB over 4.25 TB/s
+    with pytest.raises(ValueError, match="target"):
+        ks.predict("h12_b1_t16384", target="TPU")
     df = ks.crossover_table(recs)
     assert df.loc[0, "after/before"] == pytest.approx(0.5) and df.loc[0, "after/fla"] == pytest.approx(0.2)

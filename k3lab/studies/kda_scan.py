@@ -673,20 +673,30 @@ def reference_records(device: str = "nvidia-h200", root="profiles"):
     return bench.load_records(NAME, device=device, root=root)
 
 
-def predict(case_name: str, compute_units: int | None = None) -> dict:
-    """Before measuring: floors, programs and critical-path chunk steps of both variants, with the
-    group size the rule picks for `compute_units` (default: this device's; pass 132 for an H200)."""
+def predict(case_name: str, target: str | None = None, compute_units: int | None = None) -> dict:
+    """Before measuring: floors, programs and critical-path chunk steps of both variants.
+
+    target: None for this machine, or a key of k3lab.env.PEAKS ('H200', 'MI355X', ...) to predict
+    that GPU from anywhere (bf16 inputs, its bandwidth, matrix rate and compute units)."""
     case = parse_case(case_name)
-    units = compute_units or _env.detect().compute_units
+    peak = None
+    if target is not None:
+        if target not in _env.PEAKS:
+            raise ValueError(f"target must be None or one of {sorted(_env.PEAKS)}, got {target!r}")
+        peak = _env.PEAKS[target]
+        case.dtype = torch.bfloat16
+    units = compute_units or (peak.compute_units if peak is not None else None) or _env.detect().compute_units
     gs = kc.choose_group_size(case.lengths, case.heads, compute_units=units)
     n = max(-(-L // kc.CHUNK) for L in case.lengths)
     from k3lab.ops.kda_scan_math import sequential_depth
 
     chunks = [-(-L // kc.CHUNK) for L in case.lengths]
     n_groups = sum(max(1, -(-c // gs)) if gs else 1 for c in chunks)
+    floor = bench.floor_us(bytes=io_bytes(case), flops=chunk_flops(case), peak=peak)
     return {
         "case": case_name,
-        "floor_us": floor_for(case),
+        "target": target or _env.detect().name,
+        "floor_us": floor,
         "io_MB": io_bytes(case) / 1e6,
         "GFLOP": chunk_flops(case) / 1e9,
         "walk_programs": kc.walk_programs(case.batch, case.heads),

@@ -305,3 +305,13 @@ def test_function_bad_inputs():
         kda_chunked(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 8, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="beta"):
         kda_recurrent(q, k, v, g, beta[..., :1])
+
+
+def test_empty_sequence_passes_the_state_through():
+    q = torch.randn(1, 0, 2, 8, dtype=torch.float64)
+    v = torch.randn(1, 0, 2, 4, dtype=torch.float64)
+    beta = torch.rand(1, 0, 2, dtype=torch.float64)
+    s0 = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    for fn in (kda_chunked, kda_recurrent):
+        o, s = fn(q, q, v, q, beta, initial_state=s0)
+        assert o.shape == (1, 0, 2, 4) and torch.equal(s, s0)

@@ -98,7 +98,11 @@ def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64)
     scale = K ** -0.5 if scale is None else scale
     dt = _compute_dtype(q, k, v, g, beta, initial_state)
     C = chunk_size
-    n = -(-T // C) if T else 0
+    if T == 0:  # nothing to process: the state passes through
+        S = (torch.zeros(B, H, K, V, dtype=dt, device=q.device) if initial_state is None
+             else initial_state.to(dt).clone())
+        return torch.empty(B, 0, H, V, dtype=q.dtype if q.dtype != dt else dt, device=q.device), S
+    n = -(-T // C)
     pad = n * C - T
 
     def prep(t):  # [B, T, H, X] -> [B, H, n, C, X] in the compute dtype, padded with zeros

@@ -701,7 +701,10 @@ def _per_position_table(records, variant: str, batch: int, where: Mapping | None
     ambiguous): ``ambiguous`` names the other shape keys that still take several values at one
     position count (two context lengths, say), which a median would silently mix."""
     where = dict(where or {})
-    picked = [r for r in records if r.variant == variant and _shape_value(r.shape, _BATCH_KEYS) in (batch, None)
+    # a case name with a '.' is a sweep or ablation point of its case (b1_t4.narrow8_w1), not the
+    # case as the library runs it: those would skew the median
+    picked = [r for r in records if "." not in r.case and r.variant == variant
+              and _shape_value(r.shape, _BATCH_KEYS) in (batch, None)
               and _shape_value(r.shape, _POSITION_KEYS) is not None
               and all(r.shape.get(k, v) == v for k, v in where.items())]
     modes = {r.mode for r in picked}
@@ -720,7 +723,7 @@ def _per_position_table(records, variant: str, batch: int, where: Mapping | None
     return {n: float(np.median(v)) for n, v in sorted(table.items())}, mode, ambiguous
 
 
-def verify_records_summary(device: str | None = None, root="profiles", *, variant: str = "after",
+def verify_records_summary(device: str | None = None, root=None, *, variant: str = "after",
                            batch: int = 1, where: Mapping[str, Mapping] | None = None) -> dict[str, dict]:
     """What k3lab has measured for verification: {device slug: {'device': name, 'kda': {positions:
     us}, 'mla': {...}, 'modes': {...}, 'ambiguous': {...}}}; ``where`` = {'kda': {...}, 'mla': {...}}
@@ -745,7 +748,7 @@ def verify_records_summary(device: str | None = None, root="profiles", *, varian
 
 
 def costs_from_records(*, draft_step_us: float, commit_us: float = 0.0, rest_one_us: float = 0.0,
-                       rest_extra_position_us: float = 0.0, device: str | None = None, root="profiles",
+                       rest_extra_position_us: float = 0.0, device: str | None = None, root=None,
                        variant: str = "after", batch: int = 1, kda_layers: int | None = None,
                        mla_layers: int | None = None, draft_fixed_us: float = 0.0,
                        where: Mapping[str, Mapping] | None = None) -> CycleCosts:

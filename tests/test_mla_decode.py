@@ -165,10 +165,13 @@ def test_bad_input():
     with pytest.raises(ValueError, match="heads"):
         mla.plan_after(torch.randn(1, 1, 17, 576, device=DEV), cache)
     pool, bt = mla.to_paged(cache, 16)
+    full = torch.tensor([32], device=DEV)
+    with pytest.raises(ValueError, match="lengths is required"):
+        mla.plan_after(q, pool, block_table=bt)
     with pytest.raises(ValueError, match="page ids"):
-        mla.plan_after(q, pool, block_table=bt + 100)
+        mla.plan_after(q, pool, full, block_table=bt + 100)
     with pytest.raises(ValueError, match="block_table"):
-        mla.plan_after(q, pool, block_table=bt.float())
+        mla.plan_after(q, pool, full, block_table=bt.float())
     with pytest.raises(ValueError, match="pad"):
         mla.plan_after(q, cache, pad="zeros")
     with pytest.raises(ValueError, match="num_splits"):
@@ -188,3 +191,16 @@ def test_launch_config_reads_the_device():
     cfg64 = mla.launch_config("after", torch.bfloat16, rows=64)
     assert cfg64.num_warps == 8 and cfg64.block_n * mla.LATENT_DIM * 2 * cfg64.num_stages < 232448
     assert math.isclose(mla.DEFAULT_SCALE, 192 ** -0.5)
+
+
+@pytest.mark.parametrize("page_size,block_n,splits", [(64, 32, 1), (16, 16, 1), (16, 16, 3), (32, 16, 2)])
+def test_after_paged_page_groups(page_size, block_n, splits):
+    # Tiles inside pages: the kernel reads the block table 16 pages at a time; 300 positions in
+    # pages of 16 are 19 pages, so the second group and a partial last page are exercised.
+    q, cache, lens, kv, bt = _inputs(2, 2, 12, 300, torch.float32, lengths=[300, 131], paged=True,
+                                     page_size=page_size, seed=page_size + splits)
+    ref_o, ref_l = mla.reference(q, cache, lens)
+    plan = mla.plan_after(q, kv, lens, block_table=bt, num_splits=splits, block_n=block_n)
+    assert plan.config.block_n == block_n
+    o, lse = plan()
+    _check(o, lse, ref_o, ref_l, torch.float32, f"page{page_size}/bn{block_n}/s{splits}")

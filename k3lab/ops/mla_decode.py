@@ -43,6 +43,8 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import math
+import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +61,7 @@ DEFAULT_SCALE = 192 ** -0.5  # K3's qk head dim (128 nope + 64 rope); absorption
 MMA_ROWS = 16  # the fewest rows tl.dot accepts: the padded head count
 MAX_Q_LEN = 8  # verification group: the draft tokens plus one
 TOKENS_PER_PROGRAM = 4  # after: verify tokens sharing one program (4 x 16 = 64 rows of accumulator)
-MAX_SPLITS = 256
+MAX_SPLITS = 512
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
 
@@ -147,6 +149,9 @@ def _validate(q, cache, lengths, block_table, *, max_heads: int | None = None) -
             raise ValueError(f"page size (cache.shape[1]) must be a power of two, got {page_size}")
         paged, capacity = True, block_table.shape[1] * page_size
         bt = block_table.to(torch.int32).contiguous()
+    if lengths is None and paged:
+        raise ValueError("lengths is required with a paged cache (block_table=...): the pool does not say where "
+                         "each request's history ends")
     if lengths is None:
         lens_host = (capacity,) * B
         lens = torch.full((B,), capacity, dtype=torch.int32, device=dev)
@@ -180,17 +185,18 @@ def _validate(q, cache, lengths, block_table, *, max_heads: int | None = None) -
 
 
 def split_cost(splits: int, batch: int, context_len: int, compute_units: int, *, groups_per_request: int = 1,
-               block_n: int = 64, overhead_blocks: float = 2.0, merge_blocks: float = 6.0,
+               block_n: int = 64, programs_per_unit: int = 1, overhead_blocks: float = 2.0, merge_blocks: float = 6.0,
                merge_blocks_per_split: float = 0.01) -> float:
     """Modelled time of the split-history decode, in units of "one program reading one tile of
     block_n latent rows".
 
-    Programs run in waves of `compute_units`; each program reads its share of the tiles plus a fixed
+    Programs run in waves of compute_units x programs_per_unit (how many fit on one unit at once);
+    each program reads its share of the tiles plus a fixed
     cost (loading the query, writing a fp32 partial) worth `overhead_blocks` tiles. Splitting (s > 1)
     adds the merge launch (`merge_blocks`) and a merge read that grows with s."""
     blocks = max(1, -(-context_len // block_n))
     programs = batch * groups_per_request * splits
-    waves = -(-programs // max(1, compute_units))
+    waves = -(-programs // max(1, compute_units * programs_per_unit))
     cost = waves * (-(-blocks // splits) + overhead_blocks)
     if splits > 1:
         cost += merge_blocks + merge_blocks_per_split * splits
@@ -198,13 +204,14 @@ def split_cost(splits: int, batch: int, context_len: int, compute_units: int, *,
 
 
 def choose_num_splits(batch: int, context_len: int, compute_units: int | None = None, *,
-                      groups_per_request: int = 1, block_n: int = 64, max_splits: int = MAX_SPLITS,
-                      **cost_terms) -> int:
+                      groups_per_request: int = 1, block_n: int = 64, programs_per_unit: int = 1,
+                      max_splits: int = MAX_SPLITS, **cost_terms) -> int:
     """How many pieces to cut each request's history into: the split count with the lowest
     `split_cost` (ties go to fewer splits).
 
     The rule fills the machine: with few requests (B = 1 at TP8 decode) and a long history, the
-    programs B x groups x s should cover the compute units once; each piece must still be worth its
+    programs B x groups x s should cover the compute units once (programs_per_unit programs each,
+    when that many fit on a unit at once); each piece must still be worth its
     fixed cost, so a short history gets few splits, and a batch that already fills the machine gets
     one (no merge). `compute_units` defaults to `env.detect().compute_units` (132 SMs on an H200,
     256 CUs on an MI355X).
@@ -215,7 +222,7 @@ def choose_num_splits(batch: int, context_len: int, compute_units: int | None = 
     tiles, plus a fixed overhead per request, into one equal share per SM part (SMs / ceil(rows/64)),
     so a piece may end inside one request and start in the next."""
     for label, v in (("batch", batch), ("context_len", context_len), ("groups_per_request", groups_per_request),
-                     ("block_n", block_n), ("max_splits", max_splits)):
+                     ("block_n", block_n), ("programs_per_unit", programs_per_unit), ("max_splits", max_splits)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{label} must be a positive integer, got {v!r}")
     units = env.detect().compute_units if compute_units is None else compute_units
@@ -225,7 +232,7 @@ def choose_num_splits(batch: int, context_len: int, compute_units: int | None = 
     best, best_cost = 1, math.inf
     for s in range(1, min(max_splits, blocks) + 1):
         c = split_cost(s, batch, context_len, units, groups_per_request=groups_per_request, block_n=block_n,
-                       **cost_terms)
+                       programs_per_unit=programs_per_unit, **cost_terms)
         if c < best_cost - 1e-9:
             best, best_cost = s, c
     return best
@@ -292,9 +299,9 @@ def launch_config(variant: str, dtype: torch.dtype = torch.bfloat16, rows: int =
 
 
 @triton.jit
-def _row_offsets(kv_ptr, bt_ptr, b, pos, pmask, stride_kvp, stride_kvr, stride_btb,
+def _row_offsets(bt_ptr, b, pos, pmask, stride_kvp, stride_kvr, stride_btb,
                  PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Element offsets of latent rows `pos` of request b (paged: through the block table)."""
+    """Element offsets of latent rows `pos` of request b (paged: one block-table lookup per row)."""
     if PAGED:
         page = tl.load(bt_ptr + b * stride_btb + pos // PAGE_SIZE, mask=pmask, other=0).to(tl.int64)
         return page * stride_kvp + (pos % PAGE_SIZE).to(tl.int64) * stride_kvr
@@ -303,20 +310,24 @@ def _row_offsets(kv_ptr, bt_ptr, b, pos, pmask, stride_kvp, stride_kvr, stride_b
 
 
 @triton.jit
-def _before_tile(kv_ptr, bt_ptr, b, n0, end, q_c, q_pe, m_i, l_i, acc, stride_kvp, stride_kvr, stride_btb,
-                 scale_log2, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+def _before_load(kv_ptr, bt_ptr, b, n0, end, stride_kvp, stride_kvr, stride_btb,
+                 PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
                  BLOCK_N: tl.constexpr):
-    """One tile of BLOCK_N positions for one query row, on the vector units (no tl.dot)."""
-    offs_v = tl.arange(0, DV)
-    offs_r = tl.arange(0, DR)
     pos = n0 + tl.arange(0, BLOCK_N)
     pmask = pos < end
-    rows = _row_offsets(kv_ptr, bt_ptr, b, pos, pmask, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
-    k_c = tl.load(kv_ptr + rows[:, None] + offs_v[None, :], mask=pmask[:, None], other=0.0).to(tl.float32)
-    k_pe = tl.load(kv_ptr + rows[:, None] + DV + offs_r[None, :], mask=pmask[:, None], other=0.0)
+    rows = _row_offsets(bt_ptr, b, pos, pmask, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
+    k_c = tl.load(kv_ptr + rows[:, None] + tl.arange(0, DV)[None, :], mask=pmask[:, None], other=0.0)
+    k_pe = tl.load(kv_ptr + rows[:, None] + DV + tl.arange(0, DR)[None, :], mask=pmask[:, None], other=0.0)
+    return k_c, k_pe, pmask
+
+
+@triton.jit
+def _before_update(k_c, k_pe, pmask, q_c, q_pe, m_i, l_i, acc, scale_log2):
+    """One tile for one query row on the vector units: broadcast multiply and reduce (no tl.dot)."""
+    k_c = k_c.to(tl.float32)
     s = tl.sum(k_c * q_c[None, :], axis=1) + tl.sum(k_pe.to(tl.float32) * q_pe[None, :], axis=1)
     s = tl.where(pmask, s * scale_log2, -float("inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: position n0 is always visible
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: the tile's first position is always visible
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=0)
@@ -335,28 +346,34 @@ def _before_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
                    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
     # One program = one query row (head h of verify token t of request b), whole history, no tl.dot.
+    # The next tile is loaded before the current one is reduced, so one load is always in flight.
     h = tl.program_id(0)
     t = tl.program_id(1)
     b = tl.program_id(2)
     offs_v = tl.arange(0, DV)
-    offs_r = tl.arange(0, DR)
     q_row = q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
     q_c = tl.load(q_row + offs_v).to(tl.float32)
-    q_pe = tl.load(q_row + DV + offs_r).to(tl.float32)
+    q_pe = tl.load(q_row + DV + tl.arange(0, DR)).to(tl.float32)
     end = tl.load(len_ptr + b) - q_len + t + 1  # causal: positions <= this token's own
     m_i = -float("inf")
     l_i = 0.0
     acc = tl.zeros([DV], dtype=tl.float32)
+    k_c, k_pe, pmask = _before_load(kv_ptr, bt_ptr, b, 0, end, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE,
+                                    DV, DR, BLOCK_N)
     if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
         n0 = 0
         while n0 < end:
-            m_i, l_i, acc = _before_tile(kv_ptr, bt_ptr, b, n0, end, q_c, q_pe, m_i, l_i, acc, stride_kvp,
-                                         stride_kvr, stride_btb, scale_log2, PAGED, PAGE_SIZE, DV, DR, BLOCK_N)
+            nk_c, nk_pe, npmask = _before_load(kv_ptr, bt_ptr, b, n0 + BLOCK_N, end, stride_kvp, stride_kvr,
+                                               stride_btb, PAGED, PAGE_SIZE, DV, DR, BLOCK_N)
+            m_i, l_i, acc = _before_update(k_c, k_pe, pmask, q_c, q_pe, m_i, l_i, acc, scale_log2)
+            k_c, k_pe, pmask = nk_c, nk_pe, npmask
             n0 += BLOCK_N
     else:
         for n0 in range(0, end, BLOCK_N):
-            m_i, l_i, acc = _before_tile(kv_ptr, bt_ptr, b, n0, end, q_c, q_pe, m_i, l_i, acc, stride_kvp,
-                                         stride_kvr, stride_btb, scale_log2, PAGED, PAGE_SIZE, DV, DR, BLOCK_N)
+            nk_c, nk_pe, npmask = _before_load(kv_ptr, bt_ptr, b, n0 + BLOCK_N, end, stride_kvp, stride_kvr,
+                                               stride_btb, PAGED, PAGE_SIZE, DV, DR, BLOCK_N)
+            m_i, l_i, acc = _before_update(k_c, k_pe, pmask, q_c, q_pe, m_i, l_i, acc, scale_log2)
+            k_c, k_pe, pmask = nk_c, nk_pe, npmask
     o = acc / l_i
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + offs_v,
              o.to(o_ptr.dtype.element_ty))
@@ -364,21 +381,17 @@ def _before_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
 
 
 @triton.jit
-def _split_tile(kv_ptr, bt_ptr, b, n0, end, qpos, q_t, qpe_t, m_i, l_i, acc, stride_kvp, stride_kvr, stride_btb,
-                scale_log2, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
-                BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """One tile of BLOCK_N positions for all query rows of the program, both products on tl.dot.
+def _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2,
+                DV: tl.constexpr, DR: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of latent rows (element offsets `rows` of positions `pos`) for all query rows of
+    the program, both products on tl.dot.
 
-    Transposed: positions are the M dimension (BLOCK_N = 64 rows, what Hopper's wgmma wants) and the
-    16 padded heads the N dimension, so the latent tile feeds both products from shared memory.
+    Transposed: positions are the M dimension (64-row tiles are what Hopper's wgmma wants) and the 16
+    padded heads the N dimension, so the latent tile feeds both products straight from shared memory.
     s^T [BLOCK_N, rows] = K q^T;  acc^T [DV, rows] += K_v^T p^T."""
-    offs_v = tl.arange(0, DV)
-    offs_r = tl.arange(0, DR)
-    pos = n0 + tl.arange(0, BLOCK_N)
     pmask = pos < end
-    rows = _row_offsets(kv_ptr, bt_ptr, b, pos, pmask, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
-    k_c = tl.load(kv_ptr + rows[:, None] + offs_v[None, :], mask=pmask[:, None], other=0.0)
-    k_pe = tl.load(kv_ptr + rows[:, None] + DV + offs_r[None, :], mask=pmask[:, None], other=0.0)
+    k_c = tl.load(kv_ptr + rows[:, None] + tl.arange(0, DV)[None, :], mask=pmask[:, None], other=0.0)
+    k_pe = tl.load(kv_ptr + rows[:, None] + DV + tl.arange(0, DR)[None, :], mask=pmask[:, None], other=0.0)
     if IEEE:  # fp32 inputs: no tf32 rounding
         s = tl.dot(k_c, q_t, input_precision="ieee")
         s = tl.dot(k_pe, qpe_t, s, input_precision="ieee")
@@ -407,7 +420,7 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
                   stride_ob, stride_ot, stride_oh,
                   stride_lb, stride_lt,
                   scale_log2,
-                  PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_GROUPS: tl.constexpr,
                   DV: tl.constexpr, DR: tl.constexpr,
                   HEAD_TILE: tl.constexpr, TOK_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                   WRITE_FINAL: tl.constexpr, IEEE: tl.constexpr,
@@ -424,10 +437,9 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
     h = hg * HEAD_TILE + r % HEAD_TILE
     row_ok = (t < q_len) & (h < heads)  # rows past the real heads are the padding: zero query, never stored
     offs_v = tl.arange(0, DV)
-    offs_r = tl.arange(0, DR)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
     q_t = tl.load(q_rows[None, :] + offs_v[:, None], mask=row_ok[None, :], other=0.0)  # [DV, M]
-    qpe_t = tl.load(q_rows[None, :] + DV + offs_r[:, None], mask=row_ok[None, :], other=0.0)  # [DR, M]
+    qpe_t = tl.load(q_rows[None, :] + DV + tl.arange(0, DR)[:, None], mask=row_ok[None, :], other=0.0)  # [DR, M]
     length = tl.load(len_ptr + b)
     qpos = tl.where(row_ok, length - q_len + t, -1)  # last visible position per row (causal)
     chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
@@ -436,16 +448,48 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
     m_i = tl.full([M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([DV, M], dtype=tl.float32)
-    if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
-        n0 = start
-        while n0 < end:
-            m_i, l_i, acc = _split_tile(kv_ptr, bt_ptr, b, n0, end, qpos, q_t, qpe_t, m_i, l_i, acc, stride_kvp,
-                                        stride_kvr, stride_btb, scale_log2, PAGED, PAGE_SIZE, DV, DR, BLOCK_N, IEEE)
-            n0 += BLOCK_N
+    offs_n = tl.arange(0, BLOCK_N)
+    if PAGE_GROUPS > 0:
+        # Paged, tiles inside pages: read the block table PAGE_GROUPS entries at a time into
+        # registers, so the inner loop's addresses need no memory read and the pipeliner can
+        # fetch tiles ahead (a block-table load in the loop would make every copy wait).
+        gidx = tl.arange(0, PAGE_GROUPS)
+        last_page = tl.cdiv(end, PAGE_SIZE)
+        pg = start // PAGE_SIZE
+        while pg < last_page:
+            pages = tl.load(bt_ptr + b * stride_btb + pg + gidx, mask=pg + gidx < last_page, other=0).to(tl.int64)
+            g_start = tl.maximum(start, pg * PAGE_SIZE)
+            g_end = tl.minimum(end, (pg + PAGE_GROUPS) * PAGE_SIZE)
+            if INTERPRET:
+                n0 = g_start
+                while n0 < g_end:
+                    page = tl.sum(tl.where(gidx == n0 // PAGE_SIZE - pg, pages, 0))
+                    rows = page * stride_kvp + ((n0 % PAGE_SIZE) + offs_n).to(tl.int64) * stride_kvr
+                    m_i, l_i, acc = _split_tile(kv_ptr, rows, n0 + offs_n, end, qpos, q_t, qpe_t, m_i, l_i, acc,
+                                                scale_log2, DV, DR, IEEE)
+                    n0 += BLOCK_N
+            else:
+                for n0 in range(g_start, g_end, BLOCK_N):
+                    page = tl.sum(tl.where(gidx == n0 // PAGE_SIZE - pg, pages, 0))
+                    rows = page * stride_kvp + ((n0 % PAGE_SIZE) + offs_n).to(tl.int64) * stride_kvr
+                    m_i, l_i, acc = _split_tile(kv_ptr, rows, n0 + offs_n, end, qpos, q_t, qpe_t, m_i, l_i, acc,
+                                                scale_log2, DV, DR, IEEE)
+            pg += PAGE_GROUPS
     else:
-        for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _split_tile(kv_ptr, bt_ptr, b, n0, end, qpos, q_t, qpe_t, m_i, l_i, acc, stride_kvp,
-                                        stride_kvr, stride_btb, scale_log2, PAGED, PAGE_SIZE, DV, DR, BLOCK_N, IEEE)
+        if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
+            n0 = start
+            while n0 < end:
+                pos = n0 + offs_n
+                rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
+                m_i, l_i, acc = _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2,
+                                            DV, DR, IEEE)
+                n0 += BLOCK_N
+        else:
+            for n0 in range(start, end, BLOCK_N):
+                pos = n0 + offs_n
+                rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
+                m_i, l_i, acc = _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2,
+                                            DV, DR, IEEE)
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[None, :]
     lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -float("inf"))
@@ -467,6 +511,7 @@ def _merge_kernel(op_ptr, lsep_ptr, o_ptr, lse_ptr,
                   stride_lb, stride_lt,
                   DV: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_TILE: tl.constexpr):
     # One program = one (request, row) and BLOCK_DV value columns: lse-weighted sum of the pieces.
+    # Wide [SPLIT_TILE, BLOCK_DV] loads keep many bytes in flight: the merge is latency-bound.
     b = tl.program_id(0)
     row = tl.program_id(1)
     dv0 = tl.program_id(2) * BLOCK_DV
@@ -499,13 +544,47 @@ def _merge_kernel(op_ptr, lsep_ptr, o_ptr, lse_ptr,
 # plans: validated once, launched many times
 
 
+class _Launch:
+    """One kernel launch with fixed arguments. The first call goes through Triton's JIT (binding,
+    specialisation, cache lookup: ~20 us of host time per call on the H200 machine); after
+    `enable_fast()` the compiled kernel is relaunched directly with the same arguments."""
+
+    def __init__(self, kernel, grid, args: tuple, consts: dict):
+        self.kernel, self.grid, self.args, self.consts = kernel, grid, args, consts
+        self.compiled = None
+        self._fast = None
+
+    def __call__(self):
+        if self._fast is not None:
+            self._fast(*self._all_args)
+        else:
+            ck = self.kernel[self.grid](*self.args, **self.consts)
+            if self.compiled is None and ck is not None and not isinstance(ck, (int, float, tuple)):
+                self.compiled = ck  # a CompiledKernel on a GPU; None in the interpreter
+
+    def enable_fast(self) -> bool:
+        if self.compiled is None or not hasattr(self.compiled, "__getitem__"):
+            return False
+        names = self.kernel.arg_names
+        values = dict(zip(names, self.args))
+        values.update({k: v for k, v in self.consts.items() if k in names})
+        self._all_args = [values[n] for n in names]
+        self._fast = self.compiled[self.grid]
+        return True
+
+    def disable_fast(self):
+        self._fast = None
+
+
 @dataclass
 class DecodePlan:
     """A validated decode, ready to launch: `plan()` runs it and returns (o, lse) (the plan's own
     output buffers, overwritten by each call).
 
     programs: programs of the main kernel (the figure to hold against the compute units);
-    launches: kernels per call; num_splits: history pieces per request (before: 1)."""
+    programs_per_unit: how many of them fit on one compute unit at once (from the compiled kernel's
+    registers and shared memory); launches: kernels per call; num_splits: history pieces per
+    request (before: 1); tuning: us per candidate launch configuration when one was picked by timing."""
 
     variant: str
     grid: tuple[int, int, int]
@@ -518,6 +597,11 @@ class DecodePlan:
     out: torch.Tensor
     lse: torch.Tensor
     _launch: object = field(repr=False)
+    programs_per_unit: int = 1
+    tuning: dict | None = None
+    fast_launch: bool = False
+    _kernels: list = field(default_factory=list, repr=False)
+    _outputs: list = field(default_factory=list, repr=False)  # every buffer the kernels write
 
     @property
     def programs(self) -> int:
@@ -527,16 +611,68 @@ class DecodePlan:
         self._launch()
         return self.out, self.lse
 
+    def facts(self) -> dict:
+        return {"num_splits": self.num_splits, "programs": self.programs, "programs_per_unit": self.programs_per_unit,
+                "launches": self.launches, "block_n": self.config.block_n, "num_warps": self.config.num_warps,
+                "num_stages": self.config.num_stages, "rows_per_program": self.rows_per_program, "pad": self.pad,
+                "fast_launch": self.fast_launch, "tuning": self.tuning}
+
 
 def _kv_strides(inp: _Inputs) -> tuple[int, int]:
     return inp.kv.stride(0), inp.kv.stride(1)
 
 
-def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, block_n=None, num_warps=None,
-                num_stages=None) -> DecodePlan:
-    """Validate once and return a launchable plan of the conservative kernel (see module docstring)."""
-    inp = _validate(q, cache, lengths, block_table)
-    cfg = launch_config("before", q.dtype, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+def _occupancy(compiled, num_warps: int) -> int:
+    """Programs of a compiled kernel that fit on one compute unit at once, from its registers and
+    shared memory (LDS) against the device's per-unit limits; 1 when any figure is unknown."""
+    if compiled is None or not torch.cuda.is_available():
+        return 1
+    try:
+        compiled._init_handles()
+        shared, regs = int(compiled.metadata.shared), int(getattr(compiled, "n_regs", 0) or 0)
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        wave = env.detect().wave_width or 32
+        fits = []
+        smem_unit = getattr(props, "shared_memory_per_multiprocessor", None)
+        if smem_unit:
+            fits.append(int(smem_unit) // (shared + 1024))  # the driver reserves 1 KiB per program
+        regs_unit = getattr(props, "regs_per_multiprocessor", None)
+        if regs_unit and regs:
+            fits.append(int(regs_unit) // (regs * wave * num_warps))
+        threads_unit = getattr(props, "max_threads_per_multi_processor", None)
+        if threads_unit:
+            fits.append(int(threads_unit) // (wave * num_warps))
+        return max(1, min(fits)) if fits else 1
+    except Exception:  # a figure the runtime does not expose: assume one program per unit
+        return 1
+
+
+def _enable_fast_launch(plan: DecodePlan) -> bool:
+    """Relaunch the compiled kernels directly, after checking once that this gives bit-identical
+    results to the JIT launch (it should: same kernels, same arguments). GPU only."""
+    if not _on_gpu():
+        return False
+    try:
+        o_ref, l_ref = (t.clone() for t in plan())
+        if not all(k.enable_fast() for k in plan._kernels):
+            for k in plan._kernels:
+                k.disable_fast()
+            return False
+        for t in plan._outputs:  # so that a relaunch that does nothing cannot pass
+            t.fill_(float("nan"))
+        o, lse = plan()
+        torch.cuda.synchronize()
+        if torch.equal(o, o_ref) and torch.equal(lse, l_ref):
+            return True
+        warnings.warn("mla_decode: direct relaunch differs from the JIT launch; using the JIT launch")
+    except Exception as exc:  # the relaunch API differs in this Triton: keep the JIT launch
+        warnings.warn(f"mla_decode: direct relaunch unavailable ({type(exc).__name__}: {exc}); using the JIT launch")
+    for k in plan._kernels:
+        k.disable_fast()
+    return False
+
+
+def _build_before(inp: _Inputs, q, cfg: LaunchConfig, scale, fast_launch: bool) -> DecodePlan:
     B, Tq, H = inp.batch, inp.q_len, inp.heads
     out = torch.empty(B, Tq, H, VALUE_DIM, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Tq, H, dtype=torch.float32, device=q.device)
@@ -544,44 +680,101 @@ def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, block_n
     grid = (H, Tq, B)
     skvp, skvr = _kv_strides(inp)
     kv, bt, lens = inp.kv, inp.block_table, inp.lengths
-    kwargs = dict(PAGED=inp.paged, PAGE_SIZE=inp.page_size, DV=VALUE_DIM, DR=ROPE_DIM, BLOCK_N=cfg.block_n,
+    consts = dict(PAGED=inp.paged, PAGE_SIZE=inp.page_size, DV=VALUE_DIM, DR=ROPE_DIM, BLOCK_N=cfg.block_n,
                   INTERPRET=env.triton_interpreted(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch = _Launch(_before_kernel, grid, (q, kv, bt, lens, out, lse, Tq, q.stride(0), q.stride(1), q.stride(2),
+                                            skvp, skvr, bt.stride(0), out.stride(0), out.stride(1), out.stride(2),
+                                            lse.stride(0), lse.stride(1), scale_log2), consts)
+    plan = DecodePlan("before", grid, 1, 1, cfg, H, 1, "none", out, lse, launch, _kernels=[launch],
+                      _outputs=[out, lse])
+    if torch.cuda.is_available() and not env.triton_interpreted():
+        plan()  # compile, and read how many programs fit on one unit
+        plan.programs_per_unit = _occupancy(launch.compiled, cfg.num_warps)
+        if fast_launch:
+            plan.fast_launch = _enable_fast_launch(plan)
+    return plan
 
-    def launch():
-        _before_kernel[grid](q, kv, bt, lens, out, lse, Tq, q.stride(0), q.stride(1), q.stride(2),
-                             skvp, skvr, bt.stride(0), out.stride(0), out.stride(1), out.stride(2),
-                             lse.stride(0), lse.stride(1), scale_log2, **kwargs)
 
-    return DecodePlan("before", grid, 1, 1, cfg, H, 1, "none", out, lse, launch)
+# Launch configurations the before kernel is timed with on a GPU: (block_n, num_warps, num_stages).
+BEFORE_CANDIDATES = ((32, 8, 2), (16, 4, 2), (16, 8, 2), (64, 8, 2))
 
 
-def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, fold_heads=False,
-               pad="registers", compute_units=None, block_n=None, num_warps=None, num_stages=None,
-               pad_fill: float = 0.0) -> DecodePlan:
-    """Validate once and return a launchable plan of the padded split-history decode.
+def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, block_n=None, num_warps=None,
+                num_stages=None, tune: bool | None = None, fast_launch: bool = True) -> DecodePlan:
+    """Validate once and return a launchable plan of the conservative kernel (see module docstring).
 
-    num_splits: None = `choose_num_splits` for this batch, the longest context and the device's
-    compute units; an int forces it (the study's sweep). fold_heads: allow H > 16 as groups of 16.
-    pad: 'registers' (masked loads of the 16-row tile; nothing extra in memory) or 'copy' (the
-    seed's adapter: an explicit [B, q_len, 16, 576] query buffer whose extra heads are filled with
-    `pad_fill`, a 16-head output whose extra heads are dropped)."""
-    if pad not in ("registers", "copy"):
-        raise ValueError(f"pad must be 'registers' or 'copy', got {pad!r}")
-    inp = _validate(q, cache, lengths, block_table, max_heads=None if fold_heads else MMA_ROWS)
+    Launch configuration: block_n / num_warps / num_stages fix it; otherwise, on a GPU, the
+    candidates of BEFORE_CANDIDATES are timed once per shape class, as `plan_after` does, so the
+    conservative kernel gets the same tuning as the fast one."""
+    inp = _validate(q, cache, lengths, block_table)
+    fixed = block_n is not None or num_warps is not None or num_stages is not None
+    if fixed or not _tuning_wanted(tune) or not _on_gpu():
+        cfg = launch_config("before", q.dtype, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+        return _build_before(inp, q, cfg, scale, fast_launch)
+    cfg, table = _autotune(("before",) + _tuning_key(inp, q, "none"), BEFORE_CANDIDATES,
+                           lambda c: _build_before(inp, q, c, scale, False), smem_need=None)
+    plan = _build_before(inp, q, cfg, scale, fast_launch)
+    plan.tuning = table
+    return plan
+
+
+def _on_gpu() -> bool:
+    return torch.cuda.is_available() and not env.triton_interpreted()
+
+
+def _tuning_wanted(tune: bool | None) -> bool:
+    """tune=None: tune on a GPU unless K3LAB_MLA_TUNE=0 (static launch_config defaults, reproducible)."""
+    if tune is None:
+        return os.environ.get("K3LAB_MLA_TUNE", "1") != "0"
+    return bool(tune)
+
+
+def _autotune(key: tuple, candidates, build, smem_need) -> tuple[LaunchConfig, dict]:
+    """Time each candidate configuration once per key (5 calls, L2 flushed, median) and keep the
+    fastest. smem_need(cfg) -> bytes skips candidates that cannot fit in the device's shared memory."""
+    if key in _TUNED:
+        return _TUNED[key]
+    smem = _shared_memory_bytes()
+    table, best = {}, None
+    for bn, warps, stages in candidates:
+        cfg = LaunchConfig(bn, warps, stages)
+        name = f"bn{bn}w{warps}s{stages}"
+        if smem is not None and smem_need is not None and smem_need(cfg) > smem:
+            table[name] = "shared memory"
+            continue
+        try:
+            us = _time_plan(build(cfg))
+        except Exception as exc:  # out of resources on this device: that candidate is skipped
+            table[name] = type(exc).__name__
+            continue
+        table[name] = round(us, 2)
+        if best is None or us < best[0]:
+            best = (us, cfg)
+    if best is None:
+        raise RuntimeError(f"mla_decode: no launch configuration ran on this device: {table}")
+    _TUNED[key] = (best[1], table)
+    return _TUNED[key]
+
+
+# Launch configurations the after kernel is timed with on a GPU, per rows held (16 = one decode
+# token, 32 = two verify tokens, 64 = four to eight): (block_n, num_warps, num_stages).
+AFTER_CANDIDATES = {
+    16: ((64, 4, 2), (32, 4, 3), (32, 4, 2), (16, 4, 4), (128, 8, 1)),
+    32: ((32, 8, 3), (32, 4, 3), (64, 8, 2), (16, 8, 4)),
+    64: ((32, 8, 3), (32, 8, 2), (16, 8, 4), (64, 8, 2)),
+}
+_TUNED: dict[tuple, tuple[LaunchConfig, dict]] = {}
+
+
+def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_splits, compute_units, scale,
+                 fast_launch: bool) -> DecodePlan:
     B, Tq, H = inp.batch, inp.q_len, inp.heads
     head_groups = -(-H // MMA_ROWS)
-    if pad == "copy" and head_groups != 1:
-        raise ValueError(f"pad='copy' builds one 16-head buffer; heads = {H} needs pad='registers' with folding")
     tok_tile = _token_tile(Tq)
     tok_groups = -(-Tq // tok_tile)
     rows = tok_tile * MMA_ROWS
-    cfg = launch_config("after", q.dtype, rows=rows, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    if num_splits is None:
-        num_splits = choose_num_splits(B, inp.max_len, compute_units, groups_per_request=head_groups * tok_groups,
-                                       block_n=cfg.block_n)
-    if not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be an integer in 1..{MAX_SPLITS}, got {num_splits!r}")
     dev = q.device
+    units = env.detect().compute_units if compute_units is None else compute_units
     scale_log2 = (DEFAULT_SCALE if scale is None else float(scale)) * _LOG2E
     out = torch.empty(B, Tq, H, VALUE_DIM, dtype=q.dtype, device=dev)
     lse = torch.empty(B, Tq, H, dtype=torch.float32, device=dev)
@@ -592,41 +785,153 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
         k_heads = MMA_ROWS
     else:
         kq, k_out, k_lse, k_heads = q, out, lse, H
-    if num_splits > 1:
-        o_part = torch.empty(B * Tq * k_heads * num_splits, VALUE_DIM, dtype=torch.float32, device=dev)
-        l_part = torch.empty(B * Tq * k_heads * num_splits, dtype=torch.float32, device=dev)
-    else:
-        o_part = l_part = k_lse  # unused (WRITE_FINAL)
-    grid = (num_splits, B, head_groups * tok_groups)
+    # Tiles inside pages: read the block table a group of pages at a time (see _split_kernel).
+    page_groups = 16 if inp.paged and inp.page_size % cfg.block_n == 0 else 0
     skvp, skvr = _kv_strides(inp)
     kv, bt, lens = inp.kv, inp.block_table, inp.lengths
-    kwargs = dict(PAGED=inp.paged, PAGE_SIZE=inp.page_size, DV=VALUE_DIM, DR=ROPE_DIM, HEAD_TILE=MMA_ROWS,
-                  TOK_TILE=tok_tile, BLOCK_N=cfg.block_n, WRITE_FINAL=num_splits == 1,
-                  IEEE=q.dtype == torch.float32, INTERPRET=env.triton_interpreted(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    merge_dv = 128
-    merge_grid = (B, Tq * k_heads, VALUE_DIM // merge_dv)
-    merge_kwargs = dict(DV=VALUE_DIM, BLOCK_DV=merge_dv, SPLITS_P2=triton.next_power_of_2(num_splits),
-                        SPLIT_TILE=min(16, triton.next_power_of_2(num_splits)), num_warps=1)
 
-    def launch():
-        if pad == "copy":
-            kq[:, :, :H].copy_(q)
-        _split_kernel[grid](kq, kv, bt, lens, k_out, k_lse, o_part, l_part, k_heads, Tq, num_splits, head_groups,
-                            kq.stride(0), kq.stride(1), kq.stride(2), skvp, skvr, bt.stride(0),
-                            k_out.stride(0), k_out.stride(1), k_out.stride(2), k_lse.stride(0), k_lse.stride(1),
-                            scale_log2, **kwargs)
-        if num_splits > 1:
-            _merge_kernel[merge_grid](o_part, l_part, k_out, k_lse, k_heads, Tq, num_splits,
-                                      k_out.stride(0), k_out.stride(1), k_out.stride(2),
-                                      k_lse.stride(0), k_lse.stride(1), **merge_kwargs)
-        if pad == "copy":
-            out.copy_(k_out[:, :, :H])  # the padded heads' outputs are dropped here
-            lse.copy_(k_lse[:, :, :H])
+    def build(splits: int, ppu: int) -> DecodePlan:
+        if splits > 1:
+            o_part = torch.empty(B * Tq * k_heads * splits, VALUE_DIM, dtype=torch.float32, device=dev)
+            l_part = torch.empty(B * Tq * k_heads * splits, dtype=torch.float32, device=dev)
+        else:
+            o_part = l_part = k_lse  # unused: the split kernel writes the result itself
+        grid = (splits, B, head_groups * tok_groups)
+        consts = dict(PAGED=inp.paged, PAGE_SIZE=inp.page_size, PAGE_GROUPS=page_groups, DV=VALUE_DIM, DR=ROPE_DIM,
+                      HEAD_TILE=MMA_ROWS, TOK_TILE=tok_tile, BLOCK_N=cfg.block_n, WRITE_FINAL=splits == 1,
+                      IEEE=q.dtype == torch.float32, INTERPRET=env.triton_interpreted(),
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        split = _Launch(_split_kernel, grid, (kq, kv, bt, lens, k_out, k_lse, o_part, l_part, k_heads, Tq, splits,
+                                              head_groups, kq.stride(0), kq.stride(1), kq.stride(2), skvp, skvr,
+                                              bt.stride(0), k_out.stride(0), k_out.stride(1), k_out.stride(2),
+                                              k_lse.stride(0), k_lse.stride(1), scale_log2), consts)
+        kernels = [split]
+        if splits > 1:
+            merge_dv = 64
+            sp2 = triton.next_power_of_2(splits)
+            merge = _Launch(_merge_kernel, (B, Tq * k_heads, VALUE_DIM // merge_dv),
+                            (o_part, l_part, k_out, k_lse, k_heads, Tq, splits, k_out.stride(0), k_out.stride(1),
+                             k_out.stride(2), k_lse.stride(0), k_lse.stride(1)),
+                            dict(DV=VALUE_DIM, BLOCK_DV=merge_dv, SPLITS_P2=sp2, SPLIT_TILE=min(sp2, 128), num_warps=4))
+            kernels.append(merge)
 
-    launches = 1 + (num_splits > 1) + (3 if pad == "copy" else 0)
-    plan = DecodePlan("after", grid, num_splits, launches, cfg, H, rows, pad, out, lse, launch)
-    if pad == "copy":
-        plan.padded_query, plan.padded_out = kq, k_out  # for the notebook and tests: what the padding holds
+        def launch():
+            if pad == "copy":
+                kq[:, :, :H].copy_(q)
+            for k in kernels:
+                k()
+            if pad == "copy":
+                out.copy_(k_out[:, :, :H])  # the padded heads' outputs are dropped here
+                lse.copy_(k_lse[:, :, :H])
+
+        launches = len(kernels) + (3 if pad == "copy" else 0)
+        written = [out, lse] + ([o_part, l_part] if splits > 1 else []) + ([k_out, k_lse] if pad == "copy" else [])
+        plan = DecodePlan("after", grid, splits, launches, cfg, H, rows, pad, out, lse, launch, programs_per_unit=ppu,
+                          _kernels=kernels, _outputs=written)
+        if pad == "copy":
+            plan.padded_query, plan.padded_out = kq, k_out  # what the padding holds, for the notebook and tests
+        return plan
+
+    groups = head_groups * tok_groups
+
+    def rule(ppu: int) -> int:
+        return choose_num_splits(B, inp.max_len, units, groups_per_request=groups, block_n=cfg.block_n,
+                                 programs_per_unit=ppu)
+
+    splits = num_splits if num_splits is not None else rule(1)
+    plan = build(splits, 1)
+    if _on_gpu():
+        plan()  # compile (and run once) to read the kernel's registers and shared memory
+        ppu = _occupancy(plan._kernels[0].compiled, cfg.num_warps)
+        plan.programs_per_unit = ppu
+        if num_splits is None and ppu > 1 and rule(ppu) != splits:
+            plan = build(rule(ppu), ppu)
+            plan()
+        if fast_launch:
+            plan.fast_launch = _enable_fast_launch(plan)
+    return plan
+
+
+def _time_plan(plan: DecodePlan, reps: int = 5) -> float:
+    """Median us of one plan call, replayed from a CUDA/HIP graph (no host launch cost inside the
+    events) with the L2 flushed before each replay."""
+    flush = _l2_flush_buffer()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        plan()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+_FLUSH: list = []
+
+
+def _l2_flush_buffer() -> torch.Tensor:
+    if not _FLUSH:
+        l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or (64 << 20)
+        _FLUSH.append(torch.empty(2 * l2, dtype=torch.int8, device="cuda"))
+    return _FLUSH[0]
+
+
+def _tuning_key(inp: _Inputs, q, pad: str) -> tuple:
+    bucket = triton.next_power_of_2(inp.max_len)
+    return (torch.cuda.current_device(), q.dtype, inp.paged, inp.page_size, inp.heads > MMA_ROWS,
+            -(-inp.heads // MMA_ROWS), _token_tile(inp.q_len), -(-inp.q_len // _token_tile(inp.q_len)),
+            inp.batch, bucket, pad)
+
+
+def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, fold_heads=False,
+               pad="registers", compute_units=None, block_n=None, num_warps=None, num_stages=None,
+               pad_fill: float = 0.0, tune: bool | None = None, fast_launch: bool = True) -> DecodePlan:
+    """Validate once and return a launchable plan of the padded split-history decode.
+
+    num_splits: None = `choose_num_splits` for this batch, the longest context, the device's compute
+    units and how many programs fit on one unit; an int forces it (the study's sweep).
+    fold_heads: allow H > 16 as groups of 16. pad: 'registers' (masked loads of the 16-row tile;
+    nothing extra in memory) or 'copy' (the seed's adapter: an explicit [B, q_len, 16, 576] query
+    buffer whose extra heads are filled with `pad_fill`, a 16-head output whose extra heads are
+    dropped).
+
+    Launch configuration: block_n / num_warps / num_stages fix it. Otherwise, on a GPU (tune=None or
+    True), each candidate of AFTER_CANDIDATES is built, checked to run, and timed on these inputs
+    with the L2 flushed (5 calls, median), once per shape class (batch, context rounded up to a power
+    of two, rows, layout) per process; the fastest is kept and `plan.tuning` lists every candidate's
+    time. In the interpreter (CPU), or with K3LAB_MLA_TUNE=0, the static `launch_config` default is used."""
+    if pad not in ("registers", "copy"):
+        raise ValueError(f"pad must be 'registers' or 'copy', got {pad!r}")
+    inp = _validate(q, cache, lengths, block_table, max_heads=None if fold_heads else MMA_ROWS)
+    H = inp.heads
+    if pad == "copy" and H > MMA_ROWS:
+        raise ValueError(f"pad='copy' builds one 16-head buffer; heads = {H} needs pad='registers' with folding")
+    if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be an integer in 1..{MAX_SPLITS}, got {num_splits!r}")
+    rows = _token_tile(inp.q_len) * MMA_ROWS
+    kw = dict(pad=pad, pad_fill=pad_fill, num_splits=num_splits, compute_units=compute_units, scale=scale,
+              fast_launch=fast_launch)
+    fixed = block_n is not None or num_warps is not None or num_stages is not None
+    if fixed or not _tuning_wanted(tune) or not _on_gpu():
+        cfg = launch_config("after", q.dtype, rows=rows, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+        return _build_after(inp, q, cfg=cfg, **kw)
+    elem = q.element_size()
+    cfg, table = _autotune(_tuning_key(inp, q, pad), AFTER_CANDIDATES[rows],
+                           lambda c: _build_after(inp, q, cfg=c, **dict(kw, fast_launch=False)),
+                           smem_need=lambda c: (c.num_stages * c.block_n + rows) * LATENT_DIM * elem)
+    plan = _build_after(inp, q, cfg=cfg, **kw)
+    plan.tuning = table
     return plan
 
 

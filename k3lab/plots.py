@@ -175,6 +175,18 @@ def _check_frames(frames: dict, needed: set, what: str) -> None:
             raise ValueError(f"{what}[{variant!r}] lacks columns {sorted(missing)}")
 
 
+def short_kernel_name(name: str, width: int = 48) -> str:
+    """A legend-sized kernel name: C++ templates and argument lists dropped ('void at::native::
+    elementwise_kernel<128, 2, ...>(int, ...)' -> 'at::native::elementwise_kernel')."""
+    text = str(name)
+    if text.startswith("void "):
+        text = text[5:]
+    for stop in ("<", "("):
+        if stop in text and text.index(stop) > 0:
+            text = text[: text.index(stop)]
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def kernel_bars(tables: dict[str, pd.DataFrame], *, by: str = "name", top: int = 12,
                 title: str | None = None) -> go.Figure:
     """One stacked bar per variant, one segment per kernel (by='name') or per category
@@ -202,7 +214,8 @@ def kernel_bars(tables: dict[str, pd.DataFrame], *, by: str = "name", top: int =
     fig = go.Figure()
     for i, name in enumerate(order):
         sub = seg[seg["segment"] == name].set_index("variant").reindex(variants)
-        fig.add_trace(go.Bar(name=str(name), x=variants, y=sub["total_us"].fillna(0.0),
+        label = short_kernel_name(name) if by == "name" else str(name)
+        fig.add_trace(go.Bar(name=label, x=variants, y=sub["total_us"].fillna(0.0),
                              customdata=sub["calls"].fillna(0).to_numpy(),
                              marker_color=_CATEGORY_COLORS[i % len(_CATEGORY_COLORS)] if name != "other" else "#cccccc",
                              hovertemplate=f"{name}<br>%{{x}}: %{{y:.3g}} us in %{{customdata}} calls<extra></extra>"))

@@ -143,3 +143,13 @@ def test_bench_does_not_import_plotly():
 
     code = "import sys, k3lab.bench; assert 'plotly' not in sys.modules, 'bench pulled plotly in'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_short_kernel_name_drops_templates_and_arguments():
+    from k3lab.plots import short_kernel_name
+
+    long = ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::"
+            "BinaryFunctor<float, float, float> > >(int, at::native::BinaryFunctor<float, float, float>)")
+    assert short_kernel_name(long) == "at::native::elementwise_kernel"
+    assert short_kernel_name("_attn_res_norm_kernel") == "_attn_res_norm_kernel"
+    assert short_kernel_name("x" * 100, width=10) == "x" * 9 + "…"

@@ -104,15 +104,27 @@ def _study_section(name: str, preset: str | None, out: Path, parts: ReportParts)
 
 
 def _reference_section() -> str:
-    """Committed records from real GPU runs, grouped by device and study."""
-    from k3lab import bench
+    """Committed records from real GPU runs: per device and study, the comparison table and figure
+    (graph-replay timings where a study has them: that is how a served decode step runs)."""
+    from k3lab import bench, plots
 
-    records = bench.load_records()
+    records = [r for r in bench.load_records() if r.backend != "cpu"]
     if not records:
         return "<p>No committed GPU records yet.</p>"
-    table = bench.compare(records)
-    return ("<p>Committed under profiles/ from real GPU runs (device, versions and commit are in each "
-            "record).</p>" + table.to_html(index=False, float_format=lambda x: f"{x:.3g}"))
+    parts = ["<p>Committed under profiles/ from real GPU runs (device, versions and commit are in each "
+             "record; the issue notes say which session ran them).</p>"]
+    groups: dict[tuple[str, str], list] = {}
+    for r in records:
+        groups.setdefault((r.device, r.study), []).append(r)
+    for (device, study), recs in sorted(groups.items()):
+        shown = [r for r in recs if r.mode == "graph"] or recs
+        table = bench.compare(recs)
+        fig = plots.before_after(shown, log=True, title=f"{study} on {device}"
+                                 + (" (graph replay)" if shown[0].mode == "graph" else ""))
+        parts.append(f"<h3>{html.escape(study)} on {html.escape(device)}</h3>"
+                     + table.to_html(index=False, float_format=lambda x: f"{x:.3g}")
+                     + fig.to_html(include_plotlyjs=False, full_html=False))
+    return "\n".join(parts)
 
 
 def build_report(out: Path = Path("build"), preset: str | None = None, run_studies: bool = True,
@@ -130,6 +142,11 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
 
     if run_studies:
         parts.sections.append("<h2>Studies run on this machine</h2>")
+        if env.detect().backend == "cpu":
+            parts.sections.append(
+                "<p>No GPU here: Triton kernels run in Triton's interpreter and the fused HIP/CUDA kernels "
+                "are not built, so these CPU timings show that before and after agree, not which is faster. "
+                "The GPU records below show that.</p>")
         for name in tqdm(list(STUDIES), desc="studies", file=sys.stderr):
             _study_section(name, preset, out, parts)
 

@@ -187,7 +187,7 @@ def test_aiter_absence_is_not_an_error():
 
 def test_launch_config_reads_the_device():
     cfg = mla.launch_config("after", torch.bfloat16, rows=16)
-    assert cfg.block_n == 64 and cfg.num_stages >= 1
+    assert cfg.block_n == 32 and cfg.num_stages >= 1
     cfg64 = mla.launch_config("after", torch.bfloat16, rows=64)
     assert cfg64.num_warps == 8 and cfg64.block_n * mla.LATENT_DIM * 2 * cfg64.num_stages < 232448
     assert math.isclose(mla.DEFAULT_SCALE, 192 ** -0.5)
@@ -204,3 +204,35 @@ def test_after_paged_page_groups(page_size, block_n, splits):
     assert plan.config.block_n == block_n
     o, lse = plan()
     _check(o, lse, ref_o, ref_l, torch.float32, f"page{page_size}/bn{block_n}/s{splits}")
+
+
+def test_study_checks_and_records():
+    from k3lab.studies import mla_padding as study
+
+    if DEV != "cpu":
+        pytest.skip("the study's GPU cases are benchmarks, run by `k3lab bench mla_padding`")
+    records = study.run("tp8", cases=["ctx96"])
+    by = {(r.case, r.variant) for r in records}
+    assert {("ctx96", "before"), ("ctx96", "after"), ("ctx96", "torch"), ("ctx96.sdpa", "torch"),
+            ("ctx96.padcopy", "after"), ("ctx96.contig", "after")} <= by
+    for r in records:
+        assert r.study == study.NAME and r.floor_us > 0 and r.shape["heads"] == 12
+        assert r.error["o"]["max_rel"] <= r.error["o"]["bound_max_rel"]
+    after = next(r for r in records if (r.case, r.variant) == ("ctx96", "after"))
+    assert "lse" in after.error and after.extra["num_splits"] >= 1
+    table = study.summary(records)
+    assert set(table["case"]) == {"ctx96"} and (table["speedup"] > 0).all()
+
+
+def test_study_tables_from_committed_h200_records():
+    from k3lab.studies import mla_padding as study
+
+    h200 = bench.load_records(study.NAME, device="nvidia-h200")
+    if not h200:
+        pytest.skip("no committed H200 records in profiles/")
+    summary = study.summary(h200)
+    assert {"ctx1k", "ctx32k", "ctx128k", "verify4_32k", "b64_8k"} <= set(summary["case"])
+    sweep = study.sweep_table(h200)
+    assert (sweep.groupby("case")["splits"].nunique() >= 5).all()
+    targets = study.targets(h200)
+    assert len(targets) == 10 and set(targets["mode"]) == {"eager", "graph"}

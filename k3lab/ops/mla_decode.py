@@ -35,7 +35,16 @@ causal inside the verification group: token t of request b sits at position leng
 Bad input raises ValueError before any kernel runs. Validation reads `lengths` and the block table
 on the host (one device sync), so it is done once per `plan_*` call; a plan then launches with no
 checks and no host sync (CUDA-graph capturable). Contents that change after planning are not
-re-checked.
+re-checked. A paged cache needs `lengths` (the pool does not say where a request ends).
+
+Status on GPUs. The first version of these kernels (64-row tiles, 2 stages, block table read in the
+loop) ran on an H200: correct in every case, but the after kernel reached only 26% of the copy
+bandwidth at 32K (profiles/nvidia-h200/mla_padding, commit eaaa8f9), because Triton's pipeliner
+made each tile wait for its own copy. The current version (3 stages of 32 rows, block table read
+16 pages at a time, wider merge, prefetch in the before) was checked in the interpreter and
+compiled for sm_90 with the loads pipelined, but has NOT YET RUN ON A GPU BY THIS PROJECT; nor have
+the opt-in launch tuning (tune=True, K3LAB_MLA_TUNE=1) and direct relaunch (fast_launch=True,
+K3LAB_MLA_FAST_LAUNCH=1). The AITER path is not yet run on AMD hardware by this project.
 """
 
 from __future__ import annotations
@@ -281,16 +290,20 @@ def launch_config(variant: str, dtype: torch.dtype = torch.bfloat16, rows: int =
     if variant == "before":
         bn = block_n or 32
         return LaunchConfig(bn, num_warps or 8, num_stages or 2)
-    # 16 rows (one decode token): 64-position tiles, the wgmma M size. 64 rows (a verify group): the
-    # 64 x 512 fp32 accumulator needs 8 warps, and 32-position tiles keep them clear of spills.
-    bn = block_n or (64 if rows <= 16 else 32)
+    # 32-position tiles, 3 stages. Why not one 64-row tile (the wgmma M size) and 2 stages, the
+    # first version measured on the H200: with 2 stages Triton 3.6's pipeliner waits for every copy
+    # at the top of the loop, so loads and math never overlap (26% of copy bandwidth at 32K). With
+    # 3 stages of 32 rows it keeps two tiles in flight, uses no spill registers, and two programs
+    # fit on one H200 SM (~91 KB shared memory each). Read off the compiled IR, not yet timed.
+    # 64 rows (a verify group): the 64 x 512 fp32 accumulator needs 8 warps.
+    bn = block_n or 32
     warps = num_warps or (4 if rows <= 16 else 8)
     if num_stages is None:
         smem = _shared_memory_bytes()
         elem = torch.tensor([], dtype=dtype).element_size()
         tile = bn * LATENT_DIM * elem
         reserve = rows * LATENT_DIM * elem + 16384  # the query tile and the p tile live there too
-        num_stages = 2 if smem is None else max(1, min(3, (smem - reserve) // tile))
+        num_stages = 3 if smem is None else max(1, min(3, (smem - reserve) // tile))
     return LaunchConfig(bn, warps, num_stages)
 
 
@@ -700,13 +713,16 @@ BEFORE_CANDIDATES = ((32, 8, 2), (16, 4, 2), (16, 8, 2), (64, 8, 2))
 
 
 def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, block_n=None, num_warps=None,
-                num_stages=None, tune: bool | None = None, fast_launch: bool = True) -> DecodePlan:
+                num_stages=None, tune: bool | None = None, fast_launch: bool | None = None) -> DecodePlan:
     """Validate once and return a launchable plan of the conservative kernel (see module docstring).
 
     Launch configuration: block_n / num_warps / num_stages fix it; otherwise, on a GPU, the
-    candidates of BEFORE_CANDIDATES are timed once per shape class, as `plan_after` does, so the
-    conservative kernel gets the same tuning as the fast one."""
+    candidates of BEFORE_CANDIDATES are timed once per shape class when tuning is on (tune=True or
+    K3LAB_MLA_TUNE=1), as `plan_after` does, so the conservative kernel gets the same tuning as the
+    fast one. fast_launch (or K3LAB_MLA_FAST_LAUNCH=1): relaunch the compiled kernel directly after
+    one bit-exact comparison with the JIT launch. Both are not yet run on a GPU by this project."""
     inp = _validate(q, cache, lengths, block_table)
+    fast_launch = _fast_launch_wanted(fast_launch)
     fixed = block_n is not None or num_warps is not None or num_stages is not None
     if fixed or not _tuning_wanted(tune) or not _on_gpu():
         cfg = launch_config("before", q.dtype, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
@@ -723,10 +739,20 @@ def _on_gpu() -> bool:
 
 
 def _tuning_wanted(tune: bool | None) -> bool:
-    """tune=None: tune on a GPU unless K3LAB_MLA_TUNE=0 (static launch_config defaults, reproducible)."""
+    """tune=None: K3LAB_MLA_TUNE=1 turns launch tuning on; off by default (static launch_config).
+
+    Launch tuning and the direct relaunch are compiled and unit-checked here, but NOT YET RUN ON A
+    GPU BY THIS PROJECT: they stay opt-in until a GPU run has validated them."""
     if tune is None:
-        return os.environ.get("K3LAB_MLA_TUNE", "1") != "0"
+        return os.environ.get("K3LAB_MLA_TUNE", "0") == "1"
     return bool(tune)
+
+
+def _fast_launch_wanted(fast_launch: bool | None) -> bool:
+    """fast_launch=None: K3LAB_MLA_FAST_LAUNCH=1 turns the checked direct relaunch on; off by default."""
+    if fast_launch is None:
+        return os.environ.get("K3LAB_MLA_FAST_LAUNCH", "0") == "1"
+    return bool(fast_launch)
 
 
 def _autotune(key: tuple, candidates, build, smem_need) -> tuple[LaunchConfig, dict]:
@@ -896,7 +922,7 @@ def _tuning_key(inp: _Inputs, q, pad: str) -> tuple:
 
 def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, fold_heads=False,
                pad="registers", compute_units=None, block_n=None, num_warps=None, num_stages=None,
-               pad_fill: float = 0.0, tune: bool | None = None, fast_launch: bool = True) -> DecodePlan:
+               pad_fill: float = 0.0, tune: bool | None = None, fast_launch: bool | None = None) -> DecodePlan:
     """Validate once and return a launchable plan of the padded split-history decode.
 
     num_splits: None = `choose_num_splits` for this batch, the longest context, the device's compute
@@ -906,11 +932,14 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     buffer whose extra heads are filled with `pad_fill`, a 16-head output whose extra heads are
     dropped).
 
-    Launch configuration: block_n / num_warps / num_stages fix it. Otherwise, on a GPU (tune=None or
-    True), each candidate of AFTER_CANDIDATES is built, checked to run, and timed on these inputs
-    with the L2 flushed (5 calls, median), once per shape class (batch, context rounded up to a power
-    of two, rows, layout) per process; the fastest is kept and `plan.tuning` lists every candidate's
-    time. In the interpreter (CPU), or with K3LAB_MLA_TUNE=0, the static `launch_config` default is used."""
+    Launch configuration: block_n / num_warps / num_stages fix it; by default the static
+    `launch_config`. With tune=True (or K3LAB_MLA_TUNE=1) on a GPU, each candidate of
+    AFTER_CANDIDATES is built and timed on these inputs (CUDA-graph replay, L2 flushed, 5 calls,
+    median), once per shape class (batch, context rounded up to a power of two, rows, layout) per
+    process; the fastest is kept and `plan.tuning` lists every candidate's time. fast_launch=True
+    (or K3LAB_MLA_FAST_LAUNCH=1) relaunches the compiled kernels directly after one bit-exact
+    comparison with the JIT launch. Tuning and the direct relaunch are NOT YET RUN ON A GPU BY THIS
+    PROJECT (compiled for sm_90 and unit-checked only), hence opt-in."""
     if pad not in ("registers", "copy"):
         raise ValueError(f"pad must be 'registers' or 'copy', got {pad!r}")
     inp = _validate(q, cache, lengths, block_table, max_heads=None if fold_heads else MMA_ROWS)
@@ -921,7 +950,7 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
         raise ValueError(f"num_splits must be an integer in 1..{MAX_SPLITS}, got {num_splits!r}")
     rows = _token_tile(inp.q_len) * MMA_ROWS
     kw = dict(pad=pad, pad_fill=pad_fill, num_splits=num_splits, compute_units=compute_units, scale=scale,
-              fast_launch=fast_launch)
+              fast_launch=_fast_launch_wanted(fast_launch))
     fixed = block_n is not None or num_warps is not None or num_stages is not None
     if fixed or not _tuning_wanted(tune) or not _on_gpu():
         cfg = launch_config("after", q.dtype, rows=rows, block_n=block_n, num_warps=num_warps, num_stages=num_stages)

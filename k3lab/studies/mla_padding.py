@@ -412,7 +412,7 @@ def _instruction_rows(dtype: str, arch: int) -> list[dict]:
     ptr = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "bt_ptr": "*i32", "len_ptr": "*i32", "o_ptr": f"*{dtype}",
            "lse_ptr": "*fp32", "op_ptr": "*fp32", "lsep_ptr": "*fp32", "scale_log2": "fp32"}
     bcfg = mla.launch_config("before")
-    acfg = mla.LaunchConfig(64, 4, 2)  # one 64-row tile per stage, two stages: fits a 228 KB Hopper SM
+    acfg = mla.launch_config("after", rows=mla.MMA_ROWS)  # the static default (no device needed)
     kernels = {
         "before": (mla._before_kernel, dict(PAGED=True, PAGE_SIZE=PAGE_SIZE, DV=512, DR=64, BLOCK_N=bcfg.block_n,
                                             INTERPRET=False), bcfg),

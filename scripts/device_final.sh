@@ -10,4 +10,5 @@ timeout 100 python3 -m k3lab.cli bench copy_removal --out /tmp/k3lab-run --json 
 timeout 190 python3 -m k3lab.cli bench mla_padding --out /tmp/k3lab-run --json "$OUT/mla.json" --cases \
   ctx1k ctx32k ctx128k b1_8k b8_8k b64_8k ragged8_8k verify4_32k ctx32k.s1 ctx32k.s16 ctx32k.s64 ctx32k.s128 \
   ctx32k.s256 2>&1 | tail -20
-timeout 110 python3 -m k3lab.studies.kda_scan --out "$OUT/ks" --phases calibrate --budget-s 90 2>&1 | tail -12
+timeout 110 python3 -m k3lab.studies.kda_scan --out /tmp/k3lab-run/ks --phases calibrate --budget-s 90 2>&1 | tail -12
+tar czf "$OUT/kda_scan.tgz" -C /tmp/k3lab-run ks

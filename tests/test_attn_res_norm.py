@@ -84,3 +84,15 @@ def test_bad_input_names_the_argument(bad, match):
             op.attn_res_norm(**args, impl=impl)
     with pytest.raises(ValueError, match="impl"):
         op.attn_res_norm(**args, impl="fast")
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("n_blocks", [1, 2, 8])
+def test_prefetch_and_warps_do_not_change_the_result(prefetch, n_blocks):
+    x = _inputs(2, 130, torch.float32, seed=11)
+    ref_out, ref_prefix = _reference(x, n_blocks)
+    prefix, blocks = x["prefix"].clone(), x["blocks"].clone()
+    out = op.after(prefix, x["delta"], blocks, n_blocks, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"],
+                   prefetch=prefetch, num_warps=2)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    assert torch.equal(prefix, ref_prefix)

@@ -82,65 +82,57 @@ if triton is not None:
 
     @triton.jit
     def _attn_res_norm_kernel(prefix_ptr, delta_ptr, blocks_ptr, out_ptr, w_mix_ptr, w_next_ptr,
-                              stride_block, eps, D: tl.constexpr, N_BLOCKS: tl.constexpr, NB_PAD: tl.constexpr,
+                              stride_block, eps, D: tl.constexpr, N_BLOCKS: tl.constexpr,
                               HAS_DELTA: tl.constexpr, PUSH: tl.constexpr, BLOCK_D: tl.constexpr,
-                              CHUNK: tl.constexpr):
+                              PREFETCH: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         mask = cols < D
         base = row.to(tl.int64) * D
+        stride = stride_block.to(tl.int64)
         # the partial sum: add the delta and round to the storage dtype, as the persistent residual does
         x = tl.load(prefix_ptr + base + cols, mask=mask, other=0.0)
         if HAS_DELTA:
             x = (x.to(tl.float32) + tl.load(delta_ptr + base + cols, mask=mask, other=0.0).to(tl.float32))
             x = _round_to(x, prefix_ptr.dtype.element_ty)
         if PUSH:
-            tl.store(blocks_ptr + N_BLOCKS * stride_block.to(tl.int64) + base + cols, x, mask=mask)
+            tl.store(blocks_ptr + N_BLOCKS * stride + base + cols, x, mask=mask)
             tl.store(prefix_ptr + base + cols, tl.zeros_like(x), mask=mask)
         elif HAS_DELTA:
             tl.store(prefix_ptr + base + cols, x, mask=mask)
-        xf = x.to(tl.float32)
-        w = tl.load(w_mix_ptr + cols, mask=mask, other=0.0)
-        logit_x = tl.sum(xf * w, axis=0) * tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-        h = xf
-        if N_BLOCKS > 0:
-            # Pass 1, the logits of the stored blocks: each step loads one column chunk of *every*
-            # block at once, so all of them are in flight together (a source-by-source walk waits
-            # for one load and one reduction per source: latency-bound for a single token).
-            rows = tl.arange(0, NB_PAD)
-            rmask = rows < N_BLOCKS
-            rbase = blocks_ptr + rows[:, None].to(tl.int64) * stride_block + base
-            dot = tl.zeros([NB_PAD], dtype=tl.float32)
-            ss = tl.zeros([NB_PAD], dtype=tl.float32)
-            for c0 in tl.static_range(0, D, CHUNK):
-                ccols = c0 + tl.arange(0, CHUNK)
-                cmask = ccols < D
-                v = tl.load(rbase + ccols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-                v = v.to(tl.float32)
-                wc = tl.load(w_mix_ptr + ccols, mask=cmask, other=0.0)
-                dot += tl.sum(v * wc[None, :], axis=1)
-                ss += tl.sum(v * v, axis=1)
-            logits = tl.where(rmask, dot * tl.rsqrt(ss / D + eps), float("-inf"))
-            m = tl.maximum(tl.max(logits, axis=0), logit_x)
-            p_blocks = tl.exp(logits - m)  # 0 for the padding rows
-            p_x = tl.exp(logit_x - m)
-            total = tl.sum(p_blocks, axis=0) + p_x
-            # Pass 2, the mix: the weights are known, so the block loads have no reduction between
-            # them (they come back from L2, where pass 1 just brought them).
-            h = xf * p_x
-            for i in tl.static_range(N_BLOCKS):
-                p_i = tl.sum(tl.where(rows == i, p_blocks, 0.0), axis=0)
-                v = tl.load(blocks_ptr + i * stride_block.to(tl.int64) + base + cols, mask=mask, other=0.0)
-                h += p_i * v.to(tl.float32)
-            h = h / total
+        w = tl.load(w_mix_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        # online softmax over the sources, the partial first, then each stored block, each read once
+        h = x.to(tl.float32)
+        m = tl.sum(h * w, axis=0) * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
+        s = 1.0
+        if PREFETCH:  # the next block's load is in flight while this one is reduced
+            nxt = tl.load(blocks_ptr + base + cols, mask=mask, other=0.0)
+        for i in tl.static_range(N_BLOCKS):  # 0..8 blocks: unrolled, one compile each
+            if PREFETCH:
+                cur = nxt
+                if i + 1 < N_BLOCKS:
+                    nxt = tl.load(blocks_ptr + (i + 1) * stride + base + cols, mask=mask, other=0.0)
+            else:
+                cur = tl.load(blocks_ptr + i * stride + base + cols, mask=mask, other=0.0)
+            v = cur.to(tl.float32)
+            logit = tl.sum(v * w, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
+            m_new = tl.maximum(m, logit)
+            scale_old = tl.exp(m - m_new)
+            p = tl.exp(logit - m_new)
+            h = h * scale_old + p * v
+            s = s * scale_old + p
+            m = m_new
+        h = h / s
         y = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
         y = y * tl.load(w_next_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + base + cols, _round_to(y, out_ptr.dtype.element_ty), mask=mask)
 
 
-# columns of every stored block loaded per step of the logit pass: 8 blocks x 512 columns keeps
-# 16 KiB in flight per program without crowding the registers that hold the row
-CHUNK_COLUMNS = 512
+# Launch configuration: one program per token; warps per program and whether the next block's
+# load is issued before the current one is reduced. None picks from the row width (_num_warps) and
+# prefetches. Measured choices on the H200 are in profiles/nvidia-h200/copy_removal (the '.w' cases).
+DEFAULT_NUM_WARPS: int | None = None
+DEFAULT_PREFETCH = True
 
 
 def _num_warps(block_d: int) -> int:
@@ -155,7 +147,7 @@ def fold_mix_weight(res_norm_w, res_proj_w):
 
 
 def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False,
-          mix_weight=None):
+          mix_weight=None, num_warps=None, prefetch=None):
     """One Triton kernel for the whole step. Same arguments, effects and result as `before`;
     pass `mix_weight=fold_mix_weight(...)` (folded at load time) to keep the step at one launch."""
     T, D = _check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block)
@@ -169,11 +161,11 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
         raise ValueError(f"mix_weight must be fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")
     out = torch.empty_like(prefix)
     block_d = triton.next_power_of_2(D)
+    warps = num_warps or DEFAULT_NUM_WARPS or _num_warps(block_d)
     _attn_res_norm_kernel[(T,)](
         prefix, delta if delta is not None else prefix, blocks, out, w_mix, next_norm_w.contiguous(),
-        blocks.stride(0), eps, D=D, N_BLOCKS=n_blocks, NB_PAD=max(2, triton.next_power_of_2(max(n_blocks, 1))),
-        HAS_DELTA=delta is not None, PUSH=push_block, BLOCK_D=block_d, CHUNK=min(block_d, CHUNK_COLUMNS),
-        num_warps=_num_warps(block_d))
+        blocks.stride(0), eps, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None, PUSH=push_block,
+        BLOCK_D=block_d, PREFETCH=DEFAULT_PREFETCH if prefetch is None else bool(prefetch), num_warps=warps)
     return out
 
 

@@ -120,6 +120,50 @@ def _attn_res_case(tokens: int, sources: int, hidden: int, graph: bool) -> list[
     return records
 
 
+ATTN_RES_SWEEP = [(1, 9), (64, 9), (8192, 2), (8192, 9)]
+
+
+def attn_res_sweep(shapes=None, warps=(4, 8, 16), prefetch=(False, True)) -> list[bench.Record]:
+    """The fused kernel's launch choices (warps per token, prefetching the next block) under graph
+    replay, each checked first; cases 'attn_res_t{T}_s{S}.w{warps}[p]', variant 'after'."""
+    hidden = HIDDEN_GPU if _gpu() else K3Config.tiny().hidden_size
+    records = []
+    for tokens, sources in shapes or (ATTN_RES_SWEEP if _gpu() else [(2, 3)]):
+        x = attn_res_inputs(tokens, sources, hidden)
+        ref = check_attn_res(x)["after"]
+        floor = bench.floor_us(bytes=attn_res_bytes(tokens, sources, hidden)) if _gpu() else None
+        for w in warps:
+            for pf in prefetch:
+                prefix, blocks = x.prefix.clone(), x.blocks.clone()
+                got = arn.after(prefix, x.delta, blocks, x.n_blocks, x.res_norm_w, x.res_proj_w, x.next_norm_w,
+                                mix_weight=x.mix_weight, num_warps=w, prefetch=pf)
+                want = arn.after(x.prefix.clone(), x.delta, x.blocks.clone(), x.n_blocks, x.res_norm_w,
+                                 x.res_proj_w, x.next_norm_w, mix_weight=x.mix_weight)
+                bench.check(got, want, dtype=x.prefix.dtype, name=f"after w{w} prefetch={pf}")
+                t = bench.time_fn(lambda w=w, pf=pf: arn.after(*x.args(), mix_weight=x.mix_weight, num_warps=w,
+                                                               prefetch=pf),
+                                  graph=_gpu(), warmup=3, repeats=30 if tokens >= 4096 else 100)
+                records.append(bench.make_record(
+                    NAME, f"attn_res_t{tokens}_s{sources}.w{w}{'p' if pf else ''}", "after", t,
+                    shape={"tokens": tokens, "sources": sources, "hidden": hidden}, dtype=x.prefix.dtype,
+                    floor_us=floor, error=ref, num_warps=w, prefetch=pf))
+    return records
+
+
+def best_attn_res_config(sweep: list[bench.Record]) -> dict:
+    """The (num_warps, prefetch) with the smallest sum over shapes of time / that shape's best time."""
+    best_per_shape: dict[str, float] = {}
+    for r in sweep:
+        shape = r.case.split(".")[0]
+        best_per_shape[shape] = min(best_per_shape.get(shape, float("inf")), r.median_us)
+    score: dict[tuple, float] = {}
+    for r in sweep:
+        key = (r.extra["num_warps"], r.extra["prefetch"])
+        score[key] = score.get(key, 0.0) + r.median_us / best_per_shape[r.case.split(".")[0]]
+    (warps, pf), _ = min(score.items(), key=lambda kv: kv[1])
+    return {"num_warps": warps, "prefetch": pf, "score": score[(warps, pf)] / len(best_per_shape)}
+
+
 # ------------------------------------------------------------------ packing copies
 def packing_config() -> K3Config:
     """Full depth (93 layers: 69 KDA, 24 MLA). On a GPU: one TP8 rank's widths (12 MLA heads, 12 KDA

@@ -9,7 +9,7 @@ import json, sys
 from k3lab import bench
 from k3lab.ops import attn_res_norm as arn
 from k3lab.studies import copy_removal as cr
-sweep = cr.attn_res_sweep()
+sweep = cr.attn_res_sweep(warps=(4, 8), prefetch=(1, 2))
 best = cr.best_attn_res_config(sweep)
 print("best:", best)
 for r in sweep:

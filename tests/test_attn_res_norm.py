@@ -86,8 +86,8 @@ def test_bad_input_names_the_argument(bad, match):
         op.attn_res_norm(**args, impl="fast")
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-@pytest.mark.parametrize("n_blocks", [1, 2, 8])
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("n_blocks", [1, 2, 3, 8])
 def test_prefetch_and_warps_do_not_change_the_result(prefetch, n_blocks):
     x = _inputs(2, 130, torch.float32, seed=11)
     ref_out, ref_prefix = _reference(x, n_blocks)

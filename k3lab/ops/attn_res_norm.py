@@ -105,15 +105,25 @@ if triton is not None:
         h = x.to(tl.float32)
         m = tl.sum(h * w, axis=0) * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
         s = 1.0
-        if PREFETCH:  # the next block's load is in flight while this one is reduced
-            nxt = tl.load(blocks_ptr + base + cols, mask=mask, other=0.0)
+        # PREFETCH = how many blocks ahead loads are issued, so they are in flight while the current
+        # block is reduced (0: load, then reduce, one block at a time)
+        if PREFETCH >= 1:
+            n1 = tl.load(blocks_ptr + base + cols, mask=mask, other=0.0)
+        if PREFETCH >= 2 and N_BLOCKS > 1:
+            n2 = tl.load(blocks_ptr + stride + base + cols, mask=mask, other=0.0)
         for i in tl.static_range(N_BLOCKS):  # 0..8 blocks: unrolled, one compile each
-            if PREFETCH:
-                cur = nxt
-                if i + 1 < N_BLOCKS:
-                    nxt = tl.load(blocks_ptr + (i + 1) * stride + base + cols, mask=mask, other=0.0)
-            else:
+            if PREFETCH == 0:
                 cur = tl.load(blocks_ptr + i * stride + base + cols, mask=mask, other=0.0)
+            elif PREFETCH == 1:
+                cur = n1
+                if i + 1 < N_BLOCKS:
+                    n1 = tl.load(blocks_ptr + (i + 1) * stride + base + cols, mask=mask, other=0.0)
+            else:
+                cur = n1
+                if i + 1 < N_BLOCKS:
+                    n1 = n2
+                if i + 2 < N_BLOCKS:
+                    n2 = tl.load(blocks_ptr + (i + 2) * stride + base + cols, mask=mask, other=0.0)
             v = cur.to(tl.float32)
             logit = tl.sum(v * w, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
             m_new = tl.maximum(m, logit)
@@ -128,11 +138,11 @@ if triton is not None:
         tl.store(out_ptr + base + cols, _round_to(y, out_ptr.dtype.element_ty), mask=mask)
 
 
-# Launch configuration: one program per token; warps per program and whether the next block's
-# load is issued before the current one is reduced. None picks from the row width (_num_warps) and
-# prefetches. Measured choices on the H200 are in profiles/nvidia-h200/copy_removal (the '.w' cases).
-DEFAULT_NUM_WARPS: int | None = None
-DEFAULT_PREFETCH = True
+# Launch configuration: one program per token; warps per program and how many blocks ahead the
+# loads run (0, 1 or 2). Chosen by the H200 sweep (profiles/nvidia-h200/copy_removal, the '.w'
+# cases): 4 warps with one block of prefetch was best overall; None for warps picks by row width.
+DEFAULT_NUM_WARPS: int | None = 4
+DEFAULT_PREFETCH = 1
 
 
 def _num_warps(block_d: int) -> int:
@@ -165,7 +175,7 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     _attn_res_norm_kernel[(T,)](
         prefix, delta if delta is not None else prefix, blocks, out, w_mix, next_norm_w.contiguous(),
         blocks.stride(0), eps, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None, PUSH=push_block,
-        BLOCK_D=block_d, PREFETCH=DEFAULT_PREFETCH if prefetch is None else bool(prefetch), num_warps=warps)
+        BLOCK_D=block_d, PREFETCH=DEFAULT_PREFETCH if prefetch is None else int(prefetch), num_warps=warps)
     return out
 
 

@@ -123,9 +123,9 @@ def _attn_res_case(tokens: int, sources: int, hidden: int, graph: bool) -> list[
 ATTN_RES_SWEEP = [(1, 9), (64, 9), (8192, 2), (8192, 9)]
 
 
-def attn_res_sweep(shapes=None, warps=(4, 8, 16), prefetch=(False, True)) -> list[bench.Record]:
-    """The fused kernel's launch choices (warps per token, prefetching the next block) under graph
-    replay, each checked first; cases 'attn_res_t{T}_s{S}.w{warps}[p]', variant 'after'."""
+def attn_res_sweep(shapes=None, warps=(4, 8, 16), prefetch=(0, 1)) -> list[bench.Record]:
+    """The fused kernel's launch choices (warps per token, blocks of prefetch) under graph replay,
+    each checked first; cases 'attn_res_t{T}_s{S}.w{warps}' + 'p' per prefetched block, variant 'after'."""
     hidden = HIDDEN_GPU if _gpu() else K3Config.tiny().hidden_size
     records = []
     for tokens, sources in shapes or (ATTN_RES_SWEEP if _gpu() else [(2, 3)]):
@@ -144,7 +144,7 @@ def attn_res_sweep(shapes=None, warps=(4, 8, 16), prefetch=(False, True)) -> lis
                                                                prefetch=pf),
                                   graph=_gpu(), warmup=3, repeats=30 if tokens >= 4096 else 100)
                 records.append(bench.make_record(
-                    NAME, f"attn_res_t{tokens}_s{sources}.w{w}{'p' if pf else ''}", "after", t,
+                    NAME, f"attn_res_t{tokens}_s{sources}.w{w}" + ("p" * int(pf)), "after", t,
                     shape={"tokens": tokens, "sources": sources, "hidden": hidden}, dtype=x.prefix.dtype,
                     floor_us=floor, error=ref, num_warps=w, prefetch=pf))
     return records

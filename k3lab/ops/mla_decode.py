@@ -37,14 +37,13 @@ on the host (one device sync), so it is done once per `plan_*` call; a plan then
 checks and no host sync (CUDA-graph capturable). Contents that change after planning are not
 re-checked. A paged cache needs `lengths` (the pool does not say where a request ends).
 
-Status on GPUs. The first version of these kernels (64-row tiles, 2 stages, block table read in the
-loop) ran on an H200: correct in every case, but the after kernel reached only 26% of the copy
-bandwidth at 32K (profiles/nvidia-h200/mla_padding, commit eaaa8f9), because Triton's pipeliner
-made each tile wait for its own copy. The current version (3 stages of 32 rows, block table read
-16 pages at a time, wider merge, prefetch in the before) was checked in the interpreter and
-compiled for sm_90 with the loads pipelined, but has NOT YET RUN ON A GPU BY THIS PROJECT; nor have
-the opt-in launch tuning (tune=True, K3LAB_MLA_TUNE=1) and direct relaunch (fast_launch=True,
-K3LAB_MLA_FAST_LAUNCH=1). The AITER path is not yet run on AMD hardware by this project.
+Status on GPUs. Both versions ran on an H200 and were correct in every case. The first (64-row
+tiles, 2 stages, block table read in the loop; commit eaaa8f9) reached 26% of the copy bandwidth
+at 32K, because Triton's pipeliner made each tile wait for its own copy. The current one (3 stages
+of 32 rows, block table read 16 pages at a time, wider merge, prefetch in the before; commit
+38cd806) reaches 38% at 32K and 67% at 128K (profiles/nvidia-h200/mla_padding). The opt-in launch
+tuning (tune=True, K3LAB_MLA_TUNE=1) and direct relaunch (fast_launch=True,
+K3LAB_MLA_FAST_LAUNCH=1) have NOT YET RUN ON A GPU BY THIS PROJECT. The AITER path is not yet run on AMD hardware by this project.
 """
 
 from __future__ import annotations

@@ -797,7 +797,7 @@ def costs_from_records(*, draft_step_us: float, commit_us: float = 0.0, rest_one
         mixed = {slug: {p: k for p, k in e["ambiguous"].items() if k} for slug, e in found.items()
                  if any(e["ambiguous"].values())}
         raise NoVerifyRecords(
-            f"no measured verification records for {place} under {root}/ (variant {variant!r}, batch "
+            f"no measured verification records for {place} under {root or bench.PROFILES}/ (variant {variant!r}, batch "
             f"{batch}) cover 1 and 2 positions in both {VERIFY_STUDIES['kda']} and {VERIFY_STUDIES['mla']}; "
             f"measured position counts found: {have or 'none'}"
             + (f"; records mixing several values of {mixed} at one position count: choose one with where=" if mixed

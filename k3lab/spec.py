@@ -767,6 +767,8 @@ def costs_from_records(*, draft_step_us: float, commit_us: float = 0.0, rest_one
     count (two MLA context lengths, say): pick one with ``where={"mla": {"L": 32768}}``. The
     returned ``source`` names the device.
     """
+    from k3lab import bench as _bench
+
     from k3lab.config import K3Config
 
     full = K3Config.full()
@@ -797,7 +799,7 @@ def costs_from_records(*, draft_step_us: float, commit_us: float = 0.0, rest_one
         mixed = {slug: {p: k for p, k in e["ambiguous"].items() if k} for slug, e in found.items()
                  if any(e["ambiguous"].values())}
         raise NoVerifyRecords(
-            f"no measured verification records for {place} under {root or bench.PROFILES}/ (variant {variant!r}, batch "
+            f"no measured verification records for {place} under {root or _bench.PROFILES}/ (variant {variant!r}, batch "
             f"{batch}) cover 1 and 2 positions in both {VERIFY_STUDIES['kda']} and {VERIFY_STUDIES['mla']}; "
             f"measured position counts found: {have or 'none'}"
             + (f"; records mixing several values of {mixed} at one position count: choose one with where=" if mixed

@@ -322,7 +322,7 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
         k = 1
 
     call = _caller(fn, rotate)
-    empty = lambda i: None
+    empty = lambda i: None  # noqa: E731 - the timer around nothing
     n_sets = len(rotate) if rotate else 1
     if k is None:
         k = _auto_calls(call, gpu, warmup)

@@ -387,7 +387,7 @@ def _host_us(fn, n=5):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_events_agree_with_a_host_clock_on_a_long_spin():
-    spin = lambda: torch.cuda._sleep(2_000_000)
+    spin = lambda: torch.cuda._sleep(2_000_000)  # noqa: E731
     t = bench.time_fn(spin, warmup=2, repeats=10)
     host = _host_us(spin)  # adds launch + synchronize, tens of us at most
     assert t.mode == "eager" and t.p20_us <= t.median_us <= t.p80_us

@@ -273,7 +273,7 @@ def _run_case(case: Case, heads: int, dt, gpu: bool, info, modes, repeats, log) 
         for s in sets:  # validate and plan every set now: no host sync inside timing or graph capture
             _plan(key, case, s, heads)
         rot = [(s,) for s in sets]
-        fn = (lambda s, k=key: _plan(k, case, s, heads)())
+        fn = (lambda s, k=key: _plan(k, case, s, heads)())  # noqa: E731 - one step per input set
         for mode in use_modes:
             timing = bench.time_fn(fn, rotate=rot, graph=(mode == "graph"), **_timing_opts(gpu, repeats))
             achieved = nbytes / (timing.median_us * 1e-6) / 1e12

@@ -167,7 +167,6 @@ def test_kda_gate_formula_and_range():
     wide = kda_gate(torch.randn(100, 8, dtype=torch.float64, generator=gen) * 10, torch.zeros(2), torch.zeros(8),
                     -5.0)
     assert bool((wide >= -5).all()) and bool((wide <= 0).all())
-    assert bool((wide[wide.abs() < 4.9] > -5).all())
     torch.testing.assert_close(kda_beta(torch.tensor([0.0, 2.0])), torch.sigmoid(torch.tensor([0.0, 2.0])))
 
 

@@ -214,6 +214,18 @@ def check_variant(case: Case, inp: dict, o: torch.Tensor, S: torch.Tensor, ref) 
     return bench.check_all(pairs, case.dtype)
 
 
+
+def _run_and_check(case, inp, fn, ref, strict: bool) -> dict:
+    """Run one variant once and check it; with strict=False a failed check is kept in the record
+    (a sweep goes on) instead of raised."""
+    o, S = fn()
+    try:
+        return check_variant(case, inp, o, S, ref)
+    except bench.CheckFailed as exc:
+        if strict:
+            raise
+        return {"failed": str(exc)}
+
 def fla_available() -> bool:
     if not _gpu():
         return False
@@ -360,14 +372,7 @@ def run(
         for variant, fn in runner.variants().items():
             if variants is not None and variant not in variants:
                 continue
-            o, S = fn()
-            try:
-                err = check_variant(case, inp, o, S, ref)
-            except bench.CheckFailed as exc:
-                if strict:
-                    raise
-                err = {"failed": str(exc)}
-            del o, S
+            err = _run_and_check(case, inp, fn, ref, strict)
             timing = bench.time_fn(fn, graph=graph, **_timing_kw(case))
             gs = runner.group_size if variant == "after" else None
             plan = runner.plan_after if variant == "after" else runner.plan_before
@@ -446,13 +451,7 @@ def group_size_sweep(
         def fn(p=plan):
             return runner.after(plan=p)
 
-        o, S = fn()
-        try:
-            err = check_variant(case, inp, o, S, ref)
-        except bench.CheckFailed as exc:
-            if strict:
-                raise
-            err = {"failed": str(exc)}
+        err = _run_and_check(case, inp, fn, ref, strict)
         kw = _timing_kw(case)
         kw["repeats"] = min(kw["repeats"], 20)
         timing = bench.time_fn(fn, **kw)

@@ -125,6 +125,22 @@ def before_num_warps(wave_width: int | None = None) -> int:
 
 
 @triton.jit
+def _sequence_span(seq_info, i_b, T, RAGGED: tl.constexpr):
+    """(first token row, length) of sequence i_b: RAGGED 1 reads cu_seqlens [N + 1] (flattened
+    tokens), 2 reads lengths [N] in a padded [N, T] layout, 0 is the uniform [N, T] batch."""
+    if RAGGED == 1:
+        bos = tl.load(seq_info + i_b).to(tl.int64)
+        L = tl.load(seq_info + i_b + 1).to(tl.int64) - bos
+    elif RAGGED == 2:
+        bos = i_b.to(tl.int64) * T
+        L = tl.load(seq_info + i_b).to(tl.int64)
+    else:
+        bos = i_b.to(tl.int64) * T
+        L = T
+    return bos, L
+
+
+@triton.jit
 def _verify_stream_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale, T_run,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                           RAGGED: tl.constexpr, ALL_STATES: tl.constexpr):
@@ -134,15 +150,7 @@ def _verify_stream_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale, T_run,
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
-    if RAGGED == 1:  # cu_seqlens [N + 1]
-        bos = tl.load(seq_info + i_b).to(tl.int64)
-        L = tl.load(seq_info + i_b + 1).to(tl.int64) - bos
-    elif RAGGED == 2:  # lengths [N], padded [N, T_run] layout
-        bos = i_b.to(tl.int64) * T_run
-        L = tl.load(seq_info + i_b).to(tl.int64)
-    else:
-        bos = i_b.to(tl.int64) * T_run
-        L = T_run
+    bos, L = _sequence_span(seq_info, i_b, T_run, RAGGED)
     offs_k = tl.arange(0, K)
     offs_v = i_v * BV + tl.arange(0, BV)
     tile = offs_k[:, None] * V + offs_v[None, :]
@@ -178,15 +186,7 @@ def _verify_narrow_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
-    if RAGGED == 1:  # cu_seqlens [N + 1], flattened tokens
-        bos = tl.load(seq_info + i_b).to(tl.int64)
-        L = tl.load(seq_info + i_b + 1).to(tl.int64) - bos
-    elif RAGGED == 2:  # lengths [N], padded [N, T] layout
-        bos = i_b.to(tl.int64) * T
-        L = tl.load(seq_info + i_b).to(tl.int64)
-    else:
-        bos = i_b.to(tl.int64) * T
-        L = T
+    bos, L = _sequence_span(seq_info, i_b, T, RAGGED)
     offs_k = tl.arange(0, K)
     cv = i_v * BV + tl.arange(0, BV)[None, :]  # [1, BV]: a row of the tile
     tile = offs_k[:, None] * V + cv

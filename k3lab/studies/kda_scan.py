@@ -526,40 +526,19 @@ def calibrate(
         prologue=pro,
     )
     walk_t, after_t = {}, {}
+
+    def launches(plan, bv, nw):
+        return kc.after_launches(q, k, v, g, beta, scale, S0, inp["cu_seqlens"], plan=plan, work=runner.work,
+                                 block_v=bv, num_warps=nw)
+
     for bv, nw in walks:
         tag = f"bv{bv}_w{nw}"
         try:
-            parts = kc.after_launches(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                scale,
-                S0,
-                inp["cu_seqlens"],
-                plan=runner.plan_before,
-                work=runner.work,
-                block_v=bv,
-                num_warps=nw,
-            )
+            parts = launches(runner.plan_before, bv, nw)
             rec(f"walk_{tag}", "before", bench.time_fn(parts["walk"], **kw), block_v=bv, num_warps=nw)
             walk_t[(bv, nw)] = times[f"walk_{tag}"]
             if runner.plan_after.uses_scan:
-                parts = kc.after_launches(
-                    q,
-                    k,
-                    v,
-                    g,
-                    beta,
-                    scale,
-                    S0,
-                    inp["cu_seqlens"],
-                    plan=runner.plan_after,
-                    work=runner.work,
-                    block_v=bv,
-                    num_warps=nw,
-                )
+                parts = launches(runner.plan_after, bv, nw)
                 total = 0.0
                 for part in ("summaries", "scan", "replay"):
                     rec(

@@ -140,15 +140,9 @@ if triton is not None:
 
 # Launch configuration: one program per token; warps per program and how many blocks ahead the
 # loads run (0, 1 or 2). Chosen by the H200 sweep (profiles/nvidia-h200/copy_removal, the '.w'
-# cases): 4 warps with one block of prefetch was best overall; None for warps picks by row width.
-DEFAULT_NUM_WARPS: int | None = 4
+# cases): 4 warps with one block of prefetch was best overall (8 warps is faster below ~64 tokens).
+DEFAULT_NUM_WARPS = 4
 DEFAULT_PREFETCH = 1
-
-
-def _num_warps(block_d: int) -> int:
-    # about 16 values per thread keeps the fp32 mixture, one source and the weights in registers
-    threads = max(32, block_d // 16)
-    return max(1, min(16, threads // 32))
 
 
 def fold_mix_weight(res_norm_w, res_proj_w):
@@ -171,7 +165,7 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
         raise ValueError(f"mix_weight must be fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")
     out = torch.empty_like(prefix)
     block_d = triton.next_power_of_2(D)
-    warps = num_warps or DEFAULT_NUM_WARPS or _num_warps(block_d)
+    warps = num_warps or DEFAULT_NUM_WARPS
     _attn_res_norm_kernel[(T,)](
         prefix, delta if delta is not None else prefix, blocks, out, w_mix, next_norm_w.contiguous(),
         blocks.stride(0), eps, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None, PUSH=push_block,

@@ -49,7 +49,13 @@ MAX_POSITIONS = 8  # drafts + 1 verified by one call; beyond this, use the chunk
 TILE_WIDTHS = (32, 16, 8, 4)  # value columns per program, widest first
 NARROW_MAX = 8  # tiles up to this width run the narrow kernel; wider ones the streaming kernel
 BEFORE_TILE_V = 32
-BEFORE_THREADS = 128  # the original kernel's workgroup size, in threads
+# How the narrow kernel walks the positions: 'chunk' (all positions as one small chunk: one
+# state-dependent reduction round, `_verify_chunk_kernel`) or 'step' (position after position,
+# `_verify_narrow_kernel`).
+NARROW_FORMS = ("chunk", "step")
+NARROW_FORM = "chunk"
+BEFORE_THREADS = 128
+CHUNK_PER_LANE = 32  # values per lane of the chunk form's [T, K, tile] products (registers, no spills)  # the original kernel's workgroup size, in threads
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,12 +111,17 @@ def _wave_width() -> int:
     return env.detect().wave_width or 32
 
 
-def choose_num_warps(tile_v: int, k_dim: int = HEAD_DIM, wave_width: int | None = None) -> int:
+def choose_num_warps(tile_v: int, k_dim: int = HEAD_DIM, wave_width: int | None = None, form: str = "step",
+                     positions: int = 4) -> int:
     """Waves per program: one wave until a lane would hold more than 32 state values (narrow
     kernel) or 64 (streaming kernel, which keeps fewer vectors per lane). A 128 x 4 or 128 x 8 fp32
     tile is one wave on NVIDIA's 32 lanes and on AMD's 64; so is a 128 x 16 tile in the streaming
     kernel (on the H200 it ran faster with one wave than with four at B = 1, 8 and 32)."""
     wave = wave_width or _wave_width()
+    if form == "chunk" and tile_v <= NARROW_MAX:
+        # the chunk form's [T, K, tile] products: CHUNK_PER_LANE values per lane, 2..8 waves
+        span = triton.next_power_of_2(max(1, positions))
+        return min(8, max(2, (span * k_dim * tile_v) // (wave * CHUNK_PER_LANE)))
     per_lane = 32 if tile_v <= NARROW_MAX else 64
     return max(1, (k_dim * tile_v) // (wave * per_lane))
 
@@ -267,6 +278,102 @@ def _verify_narrow_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
         tl.store(hs + (i_b * H + i_h).to(tl.int64) * K * V + tile, S)
 
 
+@triton.jit
+def _decay_scan(a1, x1, a2, x2):
+    # (decay, value) pairs of the recurrence S_t = a_t S_{t-1} + x_t, composed left to right
+    return a1 * a2, a2 * x1 + x2
+
+
+@triton.jit
+def _small_mm(a, b):
+    """[P, P] @ [P, P] for the tiny per-call matrices (no tensor cores: broadcast and sum)."""
+    return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+
+
+@triton.jit
+def _verify_chunk_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
+                         T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BV: tl.constexpr, RAGGED: tl.constexpr, ALL_STATES: tl.constexpr):
+    """The T positions as one small chunk (the WY form of chunked prefill, at chunk size T): the only
+    state-dependent reductions, a_t = S0^T (c_t k_t) and b_t = S0^T (c_t q_t) for every t, run
+    together, so the chain from the state load to the outputs holds one reduction over K instead of T
+    in series. With c_t the cumulative decay and E[t, i] = c_t / c_i (i <= t):
+        delta = P (v - a),  o = b + R (v - a),
+    where P = (I + diag(beta) A)^-1 diag(beta), A[t, i] = (E[t, i] k_i) . k_t (i < t), and
+    R = B P, B[t, i] = (E[t, i] k_i) . q_t (i <= t), are T x T and state-independent (computed while
+    the state is in flight; the unit-triangular inverse is a finite Neumann product). The states
+    S_t = d_t S_{t-1} + k_t delta_t^T are then elementwise: one scan over positions, one 3-D store.
+    TP is T rounded up to a power of two; positions past the sequence read k = g = beta = 0 (an
+    identity update) and are not written."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    bos, L = _sequence_span(seq_info, i_b, T, RAGGED)
+    offs_t = tl.arange(0, TP)
+    offs_k = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    alive = (offs_t < L) & (offs_t < T)  # [TP]
+    rows = (bos + offs_t) * H + i_h  # [TP] token-head rows
+    m_tk = alive[:, None] & (offs_k[None, :] < K)
+    m_tv = alive[:, None] & (cv[None, :] < V)
+    # every load is issued before any is used: inputs of all positions and the state slice
+    qt = tl.load(q + rows[:, None] * K + offs_k[None, :], mask=m_tk, other=0.0)
+    kt = tl.load(k + rows[:, None] * K + offs_k[None, :], mask=m_tk, other=0.0)
+    gt = tl.load(g + rows[:, None] * K + offs_k[None, :], mask=m_tk, other=0.0)
+    vt = tl.load(v + rows[:, None] * V + cv[None, :], mask=m_tv, other=0.0)
+    bt = tl.load(beta + rows, mask=alive, other=0.0)
+    tile = offs_k[:, None] * V + cv[None, :]
+    S0 = tl.load(h0 + (i_b * H + i_h).to(tl.int64) * K * V + tile)
+    qf = qt.to(tl.float32) * scale
+    kf = kt.to(tl.float32)
+    gf = gt.to(tl.float32)
+    vf = vt.to(tl.float32)
+    bf = bt.to(tl.float32)
+    # state-independent T x T algebra
+    gc = tl.cumsum(gf, axis=0)  # log of the cumulative decay c_t
+    lower = offs_t[:, None] >= offs_t[None, :]  # i <= t
+    strict = offs_t[:, None] > offs_t[None, :]  # i < t
+    e = tl.exp(tl.where(lower[:, :, None], gc[:, None, :] - gc[None, :, :], float("-inf")))  # [TP, TP, K]
+    ek = e * kf[None, :, :]
+    A = tl.where(strict, tl.sum(ek * kf[:, None, :], axis=2), 0.0)
+    Bm = tl.sum(ek * qf[:, None, :], axis=2)
+    eye = tl.where(offs_t[:, None] == offs_t[None, :], 1.0, 0.0)
+    N = bf[:, None] * A  # strictly lower: N^TP = 0
+    minv = eye - N
+    if TP > 2:
+        n2 = _small_mm(N, N)
+        minv = _small_mm(minv, eye + n2)
+        if TP > 4:
+            minv = _small_mm(minv, eye + _small_mm(n2, n2))
+    P = minv * bf[None, :]
+    R = _small_mm(Bm, P)
+    c = tl.exp(gc)
+    # the state-dependent part: one reduction over K for all positions
+    a = tl.sum(S0[None, :, :] * (c * kf)[:, :, None], axis=1)  # [TP, BV]
+    b = tl.sum(S0[None, :, :] * (c * qf)[:, :, None], axis=1)
+    r = vf - a
+    delta = tl.sum(P[:, :, None] * r[None, :, :], axis=1)
+    out = b + tl.sum(R[:, :, None] * r[None, :, :], axis=1)
+    if RAGGED == 1:  # flattened rows past this sequence belong to the next one
+        tl.store(o + rows[:, None] * V + cv[None, :], out.to(o.dtype.element_ty), mask=m_tv)
+    else:  # padded positions of a dead sequence tail have q = 0, so their rows are written as 0
+        tl.store(o + rows[:, None] * V + cv[None, :], out.to(o.dtype.element_ty),
+                 mask=(offs_t[:, None] < T) & (cv[None, :] < V))
+    x = kf[:, :, None] * delta[:, None, :]  # [TP, K, BV]: k_t delta_t^T
+    if ALL_STATES:
+        dec = tl.broadcast_to(tl.exp(gf)[:, :, None], (TP, K, BV))
+        _, u = tl.associative_scan((dec, x), axis=0, combine_fn=_decay_scan)
+        states = u + c[:, :, None] * S0[None, :, :]
+        ptr = hs + rows[:, None, None] * K * V + tile[None, :, :]
+        tl.store(ptr, states, mask=alive[:, None, None] & (tile[None, :, :] >= 0))
+    else:
+        glast = tl.sum(gf, axis=0)  # dead positions carry g = 0
+        w = tl.exp(glast[None, :] - gc)  # c_T / c_i
+        S = tl.exp(glast)[:, None] * S0 + tl.sum(w[:, :, None] * x, axis=0)
+        tl.store(hs + (i_b * H + i_h).to(tl.int64) * K * V + tile, S)
+
+
 # ----------------------------------------------------------------------------------------------
 # argument checks (before any kernel runs)
 
@@ -373,7 +480,7 @@ def _prepare(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, f
 
 
 def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, lengths=None, max_seqlen=None,
-               final_state_only=False, states_out=None, tile_v=None, num_warps=None):
+               final_state_only=False, states_out=None, tile_v=None, num_warps=None, form=None):
     """Verify T = 1..8 draft positions per sequence (after: narrow tiles where parallelism is short).
 
     q, k: [B, T, H, 128] (L2-normalised); v: [B, T, H, V]; g: [B, T, H, 128] log-decay (fp32 advised);
@@ -386,6 +493,8 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
     `final_state_only`. `states_out` writes into a caller buffer of that shape.
     `tile_v`, `num_warps`: None chooses from the device (`choose_tile_v`, `choose_num_warps`); tiles
     up to NARROW_MAX columns run the narrow kernel, wider ones the streaming kernel."""
+    if form is not None and form not in NARROW_FORMS:
+        raise ValueError(f"form must be one of {NARROW_FORMS}, got {form!r}")
     (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode) = _prepare(
         q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out, tile_v)
     bv = tile_v or choose_tile_v(N, H, V)
@@ -396,6 +505,13 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
                               num_warps or choose_num_warps(bv))
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     grid = (V // bv, N * H)
+    form = form or NARROW_FORM
+    if form == "chunk":
+        _verify_chunk_kernel[grid](q, k, v, g, beta, h0, o, hs, seq_info, scale,
+                                   T=steps, TP=triton.next_power_of_2(steps), H=H, K=HEAD_DIM, V=V, BV=bv,
+                                   RAGGED=mode, ALL_STATES=not final_state_only,
+                                   num_warps=num_warps or choose_num_warps(bv, form="chunk", positions=steps))
+        return o, hs
     _verify_narrow_kernel[grid](q, k, v, g, beta, h0, o, hs, seq_info, scale,
                                 T=steps, H=H, K=HEAD_DIM, V=V, BV=bv, RAGGED=mode,
                                 ALL_STATES=not final_state_only, num_warps=num_warps or choose_num_warps(bv))

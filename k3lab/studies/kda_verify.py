@@ -37,11 +37,17 @@ from k3lab.ops import kda_verify as kv
 
 NAME = "kda_verify"
 
-GPU_SHAPES = [(1, 4), (8, 4), (32, 4), (1, 2), (1, 8)]  # (batch, positions)
+GPU_SHAPES = [(1, 4), (8, 4), (32, 4), (1, 1), (1, 2), (1, 8)]  # (batch, positions); T = 1..8 for draft depth
 CPU_SHAPES = [(1, 4)]
 ABLATIONS = ("narrow_only", "narrow_1wave", "ragged")
 SWEEP_BATCHES = (1, 8, 32)
 SWEEP = [("narrow", w, n) for w in (4, 8) for n in (1, 2)] + [("stream", w, n) for w in (4, 8, 16, 32) for n in (1, 4)]
+# The chunk form of the narrow kernel (all positions in one reduction round): tile x waves, per batch
+# (T = 4), and at the other depths of the draft-depth profile.
+CHUNK_SWEEP = ([f"b1_t4.chunk8_w{n}" for n in (1, 2, 4, 8)] + ["b1_t4.chunk16_w4", "b1_t4.chunk16_w8"]
+               + ["b8_t4.chunk8_w2", "b8_t4.chunk8_w4", "b8_t4.chunk16_w4", "b32_t4.chunk16_w4", "b32_t4.chunk16_w8"]
+               + ["b1_t1.narrow8_w1", "b1_t1.chunk8_w2", "b1_t1.chunk8_w4", "b1_t2.narrow8_w1", "b1_t2.chunk8_w2",
+                  "b1_t2.chunk8_w4", "b1_t8.narrow8_w1", "b1_t8.chunk8_w4", "b1_t8.chunk8_w8"])
 MIN_GRAPH_CALLS = 10
 GATE_LOWER_BOUND = K3Config.full().kda_gate_lower_bound  # -5: g = -5 sigmoid(.)
 
@@ -74,6 +80,7 @@ def case_names(preset=None) -> list[str]:
     if _gpu():
         names += [f"b1_t4.{a}" for a in ABLATIONS]
         names += [f"b{B}_t4.{kind}{w}_w{n}" for B in SWEEP_BATCHES for kind, w, n in SWEEP]
+        names += CHUNK_SWEEP
     else:
         names.append("b1_t4.ragged")
     return names
@@ -149,7 +156,7 @@ def check_result(o, states, ref_o, ref_states, *, final_only: bool) -> dict:
 
 
 def _variant_fn(kind: str, *, final_only: bool, tile_v: int | None = None, num_warps: int | None = None,
-                ragged: bool = False) -> Callable:
+                ragged: bool = False, form: str | None = None) -> Callable:
     """fn(q, k, v, g, beta, h0, states_buf) -> (o, states) for one variant."""
     if kind == "fla":
         from fla.ops.kda import fused_recurrent_kda
@@ -163,6 +170,8 @@ def _variant_fn(kind: str, *, final_only: bool, tile_v: int | None = None, num_w
         kw["tile_v"] = tile_v
     if num_warps is not None:
         kw["num_warps"] = num_warps
+    if form is not None and kind == "after":
+        kw["form"] = form
 
     if ragged:  # the same work through the dynamic path: flattened tokens + cu_seqlens
         def run_ragged(q, k, v, g, beta, h0, buf, cu, T):
@@ -184,7 +193,9 @@ def _parse(case: str, H: int) -> dict:
     base, _, tail = case.partition(".")
     B, T = (int(x[1:]) for x in base.split("_"))
     after_w = kv.choose_tile_v(B, H)
-    after = dict(kind="after", tile_v=after_w, num_warps=kv.choose_num_warps(after_w))
+    after_form = kv.NARROW_FORM if after_w <= kv.NARROW_MAX else "step"
+    after = dict(kind="after", tile_v=after_w, num_warps=kv.choose_num_warps(after_w, positions=T, form=after_form),
+                 form=after_form)
     before = dict(kind="before", tile_v=kv.BEFORE_TILE_V, num_warps=kv.before_num_warps())
     narrow_w = kv.min_tile_v()
     spec = {"B": B, "T": T, "final_only": tail == "final_only", "variants": []}
@@ -198,20 +209,26 @@ def _parse(case: str, H: int) -> dict:
         spec["variants"] = [("after", dict(kind="before", tile_v=narrow_w, num_warps=1))]
     elif tail == "ragged":  # the after kernel through its dynamic (cu_seqlens) path
         spec["variants"] = [("after", dict(after, ragged=True))]
-    elif tail.startswith(("narrow", "stream")):
-        kind = "after" if tail.startswith("narrow") else "before"
-        w, n = tail[6:].split("_w")
-        spec["variants"] = [("after", dict(kind=kind, tile_v=int(w), num_warps=int(n)))]
+    elif tail.startswith(("narrow", "stream", "chunk")):
+        m = re.fullmatch(r"(narrow|stream|chunk)(\d+)_w(\d+)", tail)
+        if m is None:
+            raise ValueError(f"unknown case {case!r}")
+        kind = "before" if m[1] == "stream" else "after"
+        form = "chunk" if m[1] == "chunk" else "step"
+        spec["variants"] = [("after", dict(kind=kind, tile_v=int(m[2]), num_warps=int(m[3]), form=form))]
     else:
         raise ValueError(f"unknown case {case!r}")
     return spec
 
 
-def kernel_name(kind: str, tile_v: int) -> str:
-    """Which kernel a variant runs: 'narrow' (kda_verify at <= NARROW_MAX columns), 'stream' or 'fla'."""
+def kernel_name(kind: str, tile_v: int, form: str | None = None) -> str:
+    """Which kernel a variant runs: 'chunk' or 'narrow' (kda_verify at <= NARROW_MAX columns, in its
+    chunk or step form), 'stream' or 'fla'."""
     if kind == "fla":
         return "fla"
-    return "narrow" if kind == "after" and tile_v <= kv.NARROW_MAX else "stream"
+    if kind == "after" and tile_v <= kv.NARROW_MAX:
+        return "chunk" if (form or kv.NARROW_FORM) == "chunk" else "narrow"
+    return "stream"
 
 
 def _timing_args(graph: bool, n_sets: int) -> dict:
@@ -254,7 +271,7 @@ def run(preset=None, cases=None, *, modes=None) -> list[bench.Record]:
         ref_o, ref_states = reference(first)
         for label, vs in spec["variants"]:
             fn = _variant_fn(vs["kind"], final_only=final_only, tile_v=vs["tile_v"], num_warps=vs["num_warps"],
-                             ragged=vs.get("ragged", False))
+                             ragged=vs.get("ragged", False), form=vs.get("form"))
             if vs.get("ragged"):
                 cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=dev)
                 inner = fn
@@ -265,7 +282,7 @@ def run(preset=None, cases=None, *, modes=None) -> list[bench.Record]:
             for mode in case_modes:
                 t = bench.time_fn(fn, rotate=sets, **_timing_args(mode == "graph", len(sets)))
                 fl = floor_parts(B, T, H, in_bytes, final_only=final_only or vs["kind"] == "fla", mode=t.mode)
-                extra = {"kernel": kernel_name(vs["kind"], vs["tile_v"]), "tile_v": vs["tile_v"], "num_warps": vs["num_warps"],
+                extra = {"kernel": kernel_name(vs["kind"], vs["tile_v"], vs.get("form")), "tile_v": vs["tile_v"], "num_warps": vs["num_warps"],
                          "workgroups": kv.workgroups(B, H, vs["tile_v"]),
                          "compute_units": _env.detect().compute_units, "wave_width": _env.detect().wave_width,
                          "path": "ragged" if vs.get("ragged") else "uniform",
@@ -288,7 +305,8 @@ def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
     spec = _parse("b1_t4", H)
     out = {}
     for label, vs in spec["variants"]:
-        fn = _variant_fn(vs["kind"], final_only=False, tile_v=vs["tile_v"], num_warps=vs["num_warps"])
+        fn = _variant_fn(vs["kind"], final_only=False, tile_v=vs["tile_v"], num_warps=vs["num_warps"],
+                         form=vs.get("form"))
         out[label] = lambda _f=fn: _f(*args)
     return out
 
@@ -349,7 +367,7 @@ def reference_records(device: str = "nvidia-h200", root=None) -> list[bench.Reco
 
 
 def _is_sweep(case: str) -> bool:
-    return re.fullmatch(r"b\d+_t\d+\.(narrow|stream)\d+_w\d+", case) is not None
+    return re.fullmatch(r"b\d+_t\d+\.(narrow|stream|chunk)\d+_w\d+", case) is not None
 
 
 def sweep_table(records) -> "pandas.DataFrame":  # noqa: F821

@@ -7,6 +7,7 @@ import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 on CPU before triton loads)
 from k3lab.nn.attn_res import attn_res_mix
 from k3lab.nn.norms import rms_norm
 from k3lab.ops import attn_res_norm as op
+from k3lab.studies.copy_removal import ATTN_RES_VARIANTS as VARIANTS
 
 pytest.importorskip("triton")
 
@@ -86,13 +87,76 @@ def test_bad_input_names_the_argument(bad, match):
         op.attn_res_norm(**args, impl="fast")
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
-@pytest.mark.parametrize("n_blocks", [1, 2, 3, 8])
-def test_prefetch_and_warps_do_not_change_the_result(prefetch, n_blocks):
-    x = _inputs(2, 130, torch.float32, seed=11)
+def _case(sources):
+    """Deterministic coverage from the source count: T, dtype, push_block and delta vary together."""
+    return dict(T=1 if sources % 2 else 3, dtype=torch.bfloat16 if sources in (2, 5, 6, 9) else torch.float32,
+                push=sources % 3 == 1, with_delta=sources % 4 != 2)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("sources", range(1, 10))
+def test_every_kernel_variant_matches_reference_and_before(variant, sources):
+    c = _case(sources)
+    n_blocks, dtype = sources - 1, c["dtype"]
+    x = _inputs(c["T"], 130, dtype, seed=sources)  # 130: the masked tail of a 256-wide row
+    if not c["with_delta"]:
+        x["delta"] = None
     ref_out, ref_prefix = _reference(x, n_blocks)
+    args = (n_blocks, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"])
+    pa, ba, pb, bb = x["prefix"].clone(), x["blocks"].clone(), x["prefix"].clone(), x["blocks"].clone()
+    ya = op.after(pa, x["delta"], ba, *args, push_block=c["push"], **VARIANTS[variant])
+    yb = op.before(pb, x["delta"], bb, *args, push_block=c["push"])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ya.double(), ref_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(ya.float(), yb.float(), rtol=tol, atol=tol)
+    # the persistent state: bit-exact, and equal to what the unfused sequence leaves
+    assert torch.equal(pa, pb) and torch.equal(ba, bb)
+    if c["push"]:
+        assert torch.equal(ba[n_blocks], ref_prefix.to(dtype)) and torch.count_nonzero(pa) == 0
+    else:
+        assert torch.equal(pa, ref_prefix.to(dtype))
+
+
+@pytest.mark.parametrize("variant", ["tile16", "walk4", "pipe8s3"])
+def test_variants_at_64_tokens(variant):
+    x = _inputs(64, 96, torch.bfloat16, seed=64)
+    ref_out, ref_prefix = _reference(x, 8)
     prefix, blocks = x["prefix"].clone(), x["blocks"].clone()
-    out = op.after(prefix, x["delta"], blocks, n_blocks, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"],
-                   prefetch=prefetch, num_warps=2)
+    out = op.after(prefix, x["delta"], blocks, 8, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"],
+                   **VARIANTS[variant])
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-2, atol=1e-2)
+    assert torch.equal(prefix, ref_prefix) and torch.equal(blocks, x["blocks"])
+
+
+@pytest.mark.parametrize("n_blocks,group", [(0, 1), (1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)])
+def test_launch_config_tiles_small_batches_and_walks_large_ones(n_blocks, group):
+    units = 132
+    for tokens in (1, 64, units):  # one token per unit at most: every block in one tile, one round trip
+        cfg = op.launch_config(tokens, n_blocks, compute_units=units)
+        assert cfg["group"] == group and cfg["num_warps"] == 16 and cfg["stages"] == 0
+    for tokens in (units + 1, 8192):  # many tokens per unit: one block at a time, loads kept in flight
+        cfg = op.launch_config(tokens, n_blocks, compute_units=units)
+        assert cfg["group"] == 1
+        assert cfg["prefetch"] == 1 or cfg["stages"] > 0
+    assert op.launch_config(1, n_blocks, compute_units=units) != op.launch_config(8192, n_blocks, compute_units=units)
+
+
+def test_the_dispatched_launch_is_the_one_launch_config_names(monkeypatch):
+    """after() without overrides runs launch_config's choice (a config it cannot run would raise)."""
+    seen = []
+    real = op.launch_config
+    monkeypatch.setattr(op, "launch_config", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    x = _inputs(2, 64, torch.float32, seed=5)
+    ref_out, _ = _reference(x, 3)
+    out = op.after(x["prefix"].clone(), x["delta"], x["blocks"].clone(), 3, x["res_norm_w"], x["res_proj_w"],
+                   x["next_norm_w"])
+    assert len(seen) == 1
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
-    assert torch.equal(prefix, ref_prefix)
+
+
+@pytest.mark.parametrize("bad", [dict(group=3), dict(prefetch=2), dict(w_reload=5), dict(stages=-1)])
+def test_bad_launch_overrides_name_the_argument(bad):
+    x = _inputs(2, 64, torch.float32)
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        op.after(x["prefix"], x["delta"], x["blocks"], 2, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"], **bad)

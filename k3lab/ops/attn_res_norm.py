@@ -81,68 +81,121 @@ if triton is not None:
             return x.to(dtype)
 
     @triton.jit
+    def _widen(x):
+        # bf16 -> fp32 spelled as the bit shift it is. The mix widens the group a second time this way
+        # so the compiler does not merge it with the logits' widening and keep an fp32 copy of the
+        # whole group live across the reduction (twice the registers of the bf16 group).
+        if x.dtype == tl.bfloat16:
+            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
+    def _mix_group(cur, valid, w, h, m, s, eps, D: tl.constexpr):
+        # one online-softmax step over a [GROUP, BLOCK_D] tile of blocks (padding rows: valid=False)
+        v = cur.to(tl.float32)
+        dot = tl.sum(v * w[None, :], axis=1)
+        ss = tl.sum(v * v, axis=1)
+        logits = tl.where(valid, dot * tl.rsqrt(ss / D + eps), float("-inf"))
+        m_new = tl.maximum(m, tl.max(logits, axis=0))
+        scale_old = tl.exp(m - m_new)
+        p = tl.exp(logits - m_new)  # 0 on padding rows
+        h = h * scale_old + tl.sum(p[:, None] * _widen(cur), axis=0)
+        s = s * scale_old + tl.sum(p, axis=0)
+        return h, m_new, s
+
+    @triton.jit(do_not_specialize=["w_step"])  # w_step must stay a run-time value (see W_RELOAD)
     def _attn_res_norm_kernel(prefix_ptr, delta_ptr, blocks_ptr, out_ptr, w_mix_ptr, w_next_ptr,
-                              stride_block, eps, D: tl.constexpr, N_BLOCKS: tl.constexpr,
+                              stride_block, w_step, eps, D: tl.constexpr, N_BLOCKS: tl.constexpr,
                               HAS_DELTA: tl.constexpr, PUSH: tl.constexpr, BLOCK_D: tl.constexpr,
-                              PREFETCH: tl.constexpr):
+                              GROUP: tl.constexpr, PREFETCH: tl.constexpr, W_RELOAD: tl.constexpr,
+                              STAGES: tl.constexpr):
+        # One program per token. The stored blocks are taken GROUP at a time as one [GROUP, BLOCK_D]
+        # tile: the group's loads are all in flight together, its logits come from one reduction, and
+        # an online softmax carries the mixture from group to group. GROUP = all blocks (rounded up to
+        # a power of two) is a single step: every load of the token in one round trip (small T, where
+        # a chain of per-block load -> reduce trips is the whole cost). GROUP = 1 walks the blocks one
+        # at a time, the least registers (large T, where occupancy keeps HBM busy).
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         mask = cols < D
         base = row.to(tl.int64) * D
         stride = stride_block.to(tl.int64)
-        # the partial sum: add the delta and round to the storage dtype, as the persistent residual does
+        N_GROUPS: tl.constexpr = (N_BLOCKS + GROUP - 1) // GROUP
+        g_rows = tl.arange(0, GROUP)
+        g_ptrs = blocks_ptr + g_rows[:, None].to(tl.int64) * stride + base + cols[None, :]
+        # every load that does not depend on a reduction is issued before the first one: a reduction
+        # ends in a barrier, and no load after it in program order starts before it
         x = tl.load(prefix_ptr + base + cols, mask=mask, other=0.0)
         if HAS_DELTA:
-            x = (x.to(tl.float32) + tl.load(delta_ptr + base + cols, mask=mask, other=0.0).to(tl.float32))
-            x = _round_to(x, prefix_ptr.dtype.element_ty)
+            dx = tl.load(delta_ptr + base + cols, mask=mask, other=0.0)
+        if PREFETCH and STAGES == 0 and N_GROUPS > 0:
+            nxt = tl.load(g_ptrs, mask=(g_rows < N_BLOCKS)[:, None] & mask[None, :], other=0.0)
+        w = tl.load(w_mix_ptr + cols, mask=mask, other=0.0)
+        # the partial sum: add the delta and round to the storage dtype, as the persistent residual does
+        if HAS_DELTA:
+            x = _round_to(x.to(tl.float32) + dx.to(tl.float32), prefix_ptr.dtype.element_ty)
         if PUSH:
             tl.store(blocks_ptr + N_BLOCKS * stride + base + cols, x, mask=mask)
             tl.store(prefix_ptr + base + cols, tl.zeros_like(x), mask=mask)
         elif HAS_DELTA:
             tl.store(prefix_ptr + base + cols, x, mask=mask)
-        w = tl.load(w_mix_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        # online softmax over the sources, the partial first, then each stored block, each read once
+        # online softmax over the sources: the partial first, then the stored blocks group by group
         h = x.to(tl.float32)
         m = tl.sum(h * w, axis=0) * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
-        s = 1.0
-        # PREFETCH = how many blocks ahead loads are issued, so they are in flight while the current
-        # block is reduced (0: load, then reduce, one block at a time)
-        if PREFETCH >= 1:
-            n1 = tl.load(blocks_ptr + base + cols, mask=mask, other=0.0)
-        if PREFETCH >= 2 and N_BLOCKS > 1:
-            n2 = tl.load(blocks_ptr + stride + base + cols, mask=mask, other=0.0)
-        for i in tl.static_range(N_BLOCKS):  # 0..8 blocks: unrolled, one compile each
-            if PREFETCH == 0:
-                cur = tl.load(blocks_ptr + i * stride + base + cols, mask=mask, other=0.0)
-            elif PREFETCH == 1:
-                cur = n1
-                if i + 1 < N_BLOCKS:
-                    n1 = tl.load(blocks_ptr + (i + 1) * stride + base + cols, mask=mask, other=0.0)
-            else:
-                cur = n1
-                if i + 1 < N_BLOCKS:
-                    n1 = n2
-                if i + 2 < N_BLOCKS:
-                    n2 = tl.load(blocks_ptr + (i + 2) * stride + base + cols, mask=mask, other=0.0)
-            v = cur.to(tl.float32)
-            logit = tl.sum(v * w, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
-            m_new = tl.maximum(m, logit)
-            scale_old = tl.exp(m - m_new)
-            p = tl.exp(logit - m_new)
-            h = h * scale_old + p * v
-            s = s * scale_old + p
-            m = m_new
-        h = h / s
+        s = m * 0.0 + 1.0
+        if STAGES == 0:
+            for g in tl.static_range(N_GROUPS):  # at most 8 groups: unrolled, one compile per shape
+                valid = (g * GROUP + g_rows) < N_BLOCKS
+                if PREFETCH:
+                    cur = nxt
+                    if g + 1 < N_GROUPS:  # the next group's loads fly while this one is reduced
+                        nxt = tl.load(g_ptrs + (g + 1) * GROUP * stride,
+                                      mask=(((g + 1) * GROUP + g_rows) < N_BLOCKS)[:, None] & mask[None, :],
+                                      other=0.0)
+                else:
+                    cur = tl.load(g_ptrs + g * GROUP * stride, mask=valid[:, None] & mask[None, :], other=0.0)
+                if W_RELOAD:  # re-read the weight (cache-hot) instead of keeping it live across the loop;
+                    # w_step is 0 at run time, unknown to the compiler, which would otherwise merge the reads
+                    w = tl.load(w_mix_ptr + g * w_step + cols, mask=mask, other=0.0)
+                h, m, s = _mix_group(cur, valid, w, h, m, s, eps, D)
+        else:
+            # a loop the compiler keeps rolled and software-pipelines: STAGES groups' loads run ahead
+            # through shared memory (asynchronous copies), so the loads in flight cost no registers
+            for g in tl.range(0, N_GROUPS, num_stages=STAGES):
+                valid = (g * GROUP + g_rows) < N_BLOCKS
+                cur = tl.load(g_ptrs + g * GROUP * stride, mask=valid[:, None] & mask[None, :], other=0.0)
+                if W_RELOAD:
+                    w = tl.load(w_mix_ptr + g * w_step + cols, mask=mask, other=0.0)
+                h, m, s = _mix_group(cur, valid, w, h, m, s, eps, D)
+        h = h * (1.0 / s)
         y = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
         y = y * tl.load(w_next_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + base + cols, _round_to(y, out_ptr.dtype.element_ty), mask=mask)
 
 
-# Launch configuration: one program per token; warps per program and how many blocks ahead the
-# loads run (0, 1 or 2). Chosen by the H200 sweep (profiles/nvidia-h200/copy_removal, the '.w'
-# cases): 4 warps with one block of prefetch was best overall (8 warps is faster below ~64 tokens).
-DEFAULT_NUM_WARPS = 4
-DEFAULT_PREFETCH = 1
+# Launch configuration, chosen per call by `launch_config` (the rule and the H200 sweep behind it are
+# documented there). Fields: group (blocks per tile step), num_warps, prefetch (the next group's loads
+# issued before this group is reduced), w_reload (re-read the logit weight each step instead of
+# keeping it in registers), stages (0: the loop over groups is unrolled; k > 0: a rolled loop that
+# the compiler software-pipelines k deep through shared memory).
+def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None) -> dict:
+    """The kernel configuration for `tokens` tokens and `n_blocks` stored blocks.
+
+    Up to one token per compute unit the step is latency-bound (one program per token, so a unit
+    holds one program at most): every stored block is loaded at once as one tile (group = all
+    blocks), spread over 16 warps so the tile fits the registers. Beyond that the step is
+    bandwidth-bound and many programs share a unit: blocks go one at a time with the next one
+    prefetched, and the register budget per program is kept small so more programs (and so more
+    loads) fit per unit. compute_units: the device's SM/CU count (read from the device when None).
+    """
+    if compute_units is None:
+        from k3lab import env
+        compute_units = env.detect().compute_units or 1
+    all_blocks = 1 << max(n_blocks - 1, 0).bit_length()  # next power of two
+    if tokens <= compute_units:
+        return {"group": all_blocks, "num_warps": 16, "prefetch": 1, "w_reload": 0, "stages": 0}
+    return {"group": 1, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0}
 
 
 def fold_mix_weight(res_norm_w, res_proj_w):
@@ -151,9 +204,10 @@ def fold_mix_weight(res_norm_w, res_proj_w):
 
 
 def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False,
-          mix_weight=None, num_warps=None, prefetch=None):
+          mix_weight=None, num_warps=None, prefetch=None, group=None, w_reload=None, stages=None):
     """One Triton kernel for the whole step. Same arguments, effects and result as `before`;
-    pass `mix_weight=fold_mix_weight(...)` (folded at load time) to keep the step at one launch."""
+    pass `mix_weight=fold_mix_weight(...)` (folded at load time) to keep the step at one launch.
+    num_warps / prefetch / group / w_reload / stages override `launch_config`'s choice (for sweeps)."""
     T, D = _check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block)
     if triton is None:
         raise RuntimeError("attn_res_norm.after needs Triton, which is not installed; use before()")
@@ -163,13 +217,26 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     w_mix = fold_mix_weight(res_norm_w, res_proj_w) if mix_weight is None else mix_weight
     if w_mix.shape != (D,) or w_mix.dtype != torch.float32:
         raise ValueError(f"mix_weight must be fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")
+    cfg = launch_config(T, n_blocks) if None in (num_warps, prefetch, group, w_reload, stages) else {}
+    warps = int(cfg["num_warps"] if num_warps is None else num_warps)
+    pf = int(cfg["prefetch"] if prefetch is None else prefetch)
+    g = int(cfg["group"] if group is None else group)
+    wr = int(cfg["w_reload"] if w_reload is None else w_reload)
+    st = int(cfg["stages"] if stages is None else stages)
+    if g < 1 or g & (g - 1):
+        raise ValueError(f"group must be a power of two >= 1, got {group}")
+    if pf not in (0, 1) or wr not in (0, 1):
+        raise ValueError(f"prefetch and w_reload must be 0 or 1, got {prefetch}, {w_reload}")
+    if st < 0:
+        raise ValueError(f"stages must be >= 0 (0: unrolled loop), got {stages}")
+    g = min(g, 1 << max(n_blocks - 1, 0).bit_length())  # no tile taller than the blocks in use
     out = torch.empty_like(prefix)
-    block_d = triton.next_power_of_2(D)
-    warps = num_warps or DEFAULT_NUM_WARPS
+    if T == 0:
+        return out
     _attn_res_norm_kernel[(T,)](
         prefix, delta if delta is not None else prefix, blocks, out, w_mix, next_norm_w.contiguous(),
-        blocks.stride(0), eps, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None, PUSH=push_block,
-        BLOCK_D=block_d, PREFETCH=DEFAULT_PREFETCH if prefetch is None else int(prefetch), num_warps=warps)
+        blocks.stride(0), 0, eps, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None, PUSH=push_block,
+        BLOCK_D=triton.next_power_of_2(D), GROUP=g, PREFETCH=pf, W_RELOAD=wr, STAGES=st, num_warps=warps)
     return out
 
 

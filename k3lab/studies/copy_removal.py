@@ -23,7 +23,7 @@ from k3lab.ops import attn_res_norm as arn
 
 NAME = "copy_removal"
 HIDDEN_GPU = 7168
-ATTN_RES_GPU = [(1, 2), (1, 9), (64, 2), (64, 5), (64, 9), (8192, 2), (8192, 5), (8192, 9)]
+ATTN_RES_GPU = [(1, 2), (1, 5), (1, 9), (64, 2), (64, 5), (64, 9), (8192, 2), (8192, 5), (8192, 9)]
 ATTN_RES_CPU = [(1, 2), (1, 9), (16, 5)]
 KDA_DECODE_BATCHES = [1, 8, 32, 128]
 
@@ -120,48 +120,95 @@ def _attn_res_case(tokens: int, sources: int, hidden: int, graph: bool) -> list[
     return records
 
 
-ATTN_RES_SWEEP = [(1, 9), (64, 9), (8192, 2), (8192, 9)]
+# The fused kernel's launch choices swept on a GPU (see arn.launch_config): name -> configuration.
+# tile*: every stored block in one tile (group 8 is clamped to the blocks in use); walk*: one block at
+# a time with the next prefetched; pipe*: one block at a time in a rolled loop the compiler
+# software-pipelines `stages` deep through shared memory; 'r': the logit weight re-read per block.
+ATTN_RES_VARIANTS = {
+    "tile8": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0),
+    "tile16": dict(group=8, num_warps=16, prefetch=1, w_reload=0, stages=0),
+    "tile32": dict(group=8, num_warps=32, prefetch=1, w_reload=0, stages=0),
+    "pair16": dict(group=2, num_warps=16, prefetch=1, w_reload=0, stages=0),
+    "walk4": dict(group=1, num_warps=4, prefetch=1, w_reload=0, stages=0),  # the previous kernel's choice
+    "walk8": dict(group=1, num_warps=8, prefetch=1, w_reload=0, stages=0),
+    "walk8r": dict(group=1, num_warps=8, prefetch=1, w_reload=1, stages=0),
+    "pipe4s3r": dict(group=1, num_warps=4, prefetch=0, w_reload=1, stages=3),
+    "pipe8s3": dict(group=1, num_warps=8, prefetch=0, w_reload=0, stages=3),
+    "pipe8s4": dict(group=1, num_warps=8, prefetch=0, w_reload=0, stages=4),
+    "pipe16s3": dict(group=1, num_warps=16, prefetch=0, w_reload=0, stages=3),
+    "pipe16s4": dict(group=1, num_warps=16, prefetch=0, w_reload=0, stages=4),
+    "pairpipe16s3": dict(group=2, num_warps=16, prefetch=0, w_reload=0, stages=3),
+}
+_SMALL = ["tile8", "tile16", "tile32", "pair16", "walk8", "pipe16s4"]
+_LARGE = ["tile16", "walk4", "walk8r", "pipe4s3r", "pipe8s3", "pipe8s4", "pipe16s3", "pipe16s4", "pairpipe16s3"]
+# (tokens, sources) -> the variants timed there: the small-T kernels where latency rules, the
+# large-T ones where bandwidth does, and both in between to place the switch
+ATTN_RES_SWEEP = {**{(1, s): _SMALL for s in (2, 5, 9)},
+                  **{(64, s): sorted(set(_SMALL + _LARGE)) for s in (2, 5, 9)},
+                  **{(512, s): sorted(set(_SMALL + _LARGE)) for s in (5, 9)},
+                  **{(8192, s): _LARGE for s in (2, 5, 9)}}
 
 
-def attn_res_sweep(shapes=None, warps=(4, 8, 16), prefetch=(0, 1)) -> list[bench.Record]:
-    """The fused kernel's launch choices (warps per token, blocks of prefetch) under graph replay,
-    each checked first; cases 'attn_res_t{T}_s{S}.w{warps}' + 'p' per prefetched block, variant 'after'."""
+def attn_res_sweep(shapes: dict | None = None, on_shape: Callable | None = None) -> list[bench.Record]:
+    """Every variant of ATTN_RES_VARIANTS named for each shape, checked against the fp64 reference and
+    timed under graph replay, with `before` timed alongside (ratios from one run). Cases
+    'attn_res_t{T}_s{S}.{variant name}' (variant 'after', the configuration in extra) and
+    'attn_res_t{T}_s{S}.before'. on_shape(records so far) is called after each shape (to save as it goes)."""
     hidden = HIDDEN_GPU if _gpu() else K3Config.tiny().hidden_size
+    shapes = shapes or (ATTN_RES_SWEEP if _gpu() else {(2, 3): ["tile16", "walk4", "pipe8s3"]})
     records = []
-    for tokens, sources in shapes or (ATTN_RES_SWEEP if _gpu() else [(2, 3)]):
+    for (tokens, sources), names in shapes.items():
         x = attn_res_inputs(tokens, sources, hidden)
-        ref = check_attn_res(x)["after"]
-        floor = bench.floor_us(bytes=attn_res_bytes(tokens, sources, hidden)) if _gpu() else None
-        for w in warps:
-            for pf in prefetch:
-                prefix, blocks = x.prefix.clone(), x.blocks.clone()
-                got = arn.after(prefix, x.delta, blocks, x.n_blocks, x.res_norm_w, x.res_proj_w, x.next_norm_w,
-                                mix_weight=x.mix_weight, num_warps=w, prefetch=pf)
-                want = arn.after(x.prefix.clone(), x.delta, x.blocks.clone(), x.n_blocks, x.res_norm_w,
-                                 x.res_proj_w, x.next_norm_w, mix_weight=x.mix_weight)
-                bench.check(got, want, dtype=x.prefix.dtype, name=f"after w{w} prefetch={pf}")
-                t = bench.time_fn(lambda w=w, pf=pf: arn.after(*x.args(), mix_weight=x.mix_weight, num_warps=w,
-                                                               prefetch=pf),
-                                  graph=_gpu(), warmup=3, repeats=30 if tokens >= 4096 else 100)
-                records.append(bench.make_record(
-                    NAME, f"attn_res_t{tokens}_s{sources}.w{w}" + ("p" * int(pf)), "after", t,
-                    shape={"tokens": tokens, "sources": sources, "hidden": hidden}, dtype=x.prefix.dtype,
-                    floor_us=floor, error=ref, num_warps=w, prefetch=pf))
+        errors = check_attn_res(x)
+        nbytes = attn_res_bytes(tokens, sources, hidden, x.prefix.element_size())
+        floor = bench.floor_us(bytes=nbytes) if _gpu() else None
+        shape = {"tokens": tokens, "sources": sources, "hidden": hidden}
+        repeats = 30 if tokens >= 4096 else 50
+        t = bench.time_fn(lambda: arn.before(*x.args()), graph=_gpu(), warmup=3, repeats=repeats)
+        records.append(bench.make_record(NAME, f"attn_res_t{tokens}_s{sources}.before", "before", t, shape=shape,
+                                         dtype=x.prefix.dtype, floor_us=floor, error=errors["before"], bytes=nbytes))
+        prefix0 = x.prefix.clone()  # the timed calls update x.prefix in place: each check starts from this
+        ref = arn.after(x.prefix.clone(), x.delta, x.blocks.clone(), x.n_blocks, *x.args()[4:],
+                        mix_weight=x.mix_weight)
+        for name in names:
+            cfg = ATTN_RES_VARIANTS[name]
+            x.prefix.copy_(prefix0)
+            prefix, blocks = x.prefix.clone(), x.blocks.clone()
+            got = arn.after(prefix, x.delta, blocks, x.n_blocks, *x.args()[4:], mix_weight=x.mix_weight, **cfg)
+            err = bench.check(got, ref, dtype=x.prefix.dtype, name=f"attn_res {name}")
+            if not torch.equal(prefix, (x.prefix.float() + x.delta.float()).to(x.prefix.dtype)):
+                raise bench.CheckFailed(f"attn_res {name}: the persistent partial sum is not bit-exact")
+            t = bench.time_fn(lambda cfg=cfg: arn.after(*x.args(), mix_weight=x.mix_weight, **cfg),
+                              graph=_gpu(), warmup=3, repeats=repeats)
+            records.append(bench.make_record(
+                NAME, f"attn_res_t{tokens}_s{sources}.{name}", "after", t, shape=shape, dtype=x.prefix.dtype,
+                floor_us=floor, error=err, bytes=nbytes, **cfg))
+        if on_shape is not None:
+            on_shape(records)
     return records
 
 
-def best_attn_res_config(sweep: list[bench.Record]) -> dict:
-    """The (num_warps, prefetch) with the smallest sum over shapes of time / that shape's best time."""
-    best_per_shape: dict[str, float] = {}
-    for r in sweep:
-        shape = r.case.split(".")[0]
-        best_per_shape[shape] = min(best_per_shape.get(shape, float("inf")), r.median_us)
-    score: dict[tuple, float] = {}
-    for r in sweep:
-        key = (r.extra["num_warps"], r.extra["prefetch"])
-        score[key] = score.get(key, 0.0) + r.median_us / best_per_shape[r.case.split(".")[0]]
-    (warps, pf), _ = min(score.items(), key=lambda kv: kv[1])
-    return {"num_warps": warps, "prefetch": pf, "score": score[(warps, pf)] / len(best_per_shape)}
+def sweep_table(records: list[bench.Record]):
+    """One row per (shape, variant) of a sweep: time, speed-up over that shape's `before`, fraction of
+    the floor, and the best variant per shape marked."""
+    import pandas as pd
+
+    rows, before = [], {}
+    for r in records:
+        base, name = r.case.split(".", 1)
+        if name == "before":
+            before[base] = r.median_us
+    for r in records:
+        base, name = r.case.split(".", 1)
+        if name == "before":
+            continue
+        rows.append({"shape": base, "variant": name, "after_us": r.median_us,
+                     "speedup": before.get(base, float("nan")) / r.median_us,
+                     "floor_fraction": (r.floor_us / r.median_us) if r.floor_us else float("nan")})
+    df = pd.DataFrame(rows)
+    if len(df):
+        df["best"] = df.groupby("shape")["after_us"].transform("min") == df["after_us"]
+    return df
 
 
 # ------------------------------------------------------------------ packing copies

@@ -246,6 +246,13 @@ def choose_num_splits(batch: int, context_len: int, compute_units: int | None = 
     return best
 
 
+def _page_groups(max_len: int, splits: int, block_n: int, page_size: int) -> int:
+    """Block-table entries the split kernel holds in registers at once: enough for one piece of the
+    longest request (a piece need not start on a page boundary: one page more), 16 to 64."""
+    piece = -(-(-(-max_len // splits)) // block_n) * block_n
+    return max(16, min(64, triton.next_power_of_2(-(-piece // page_size) + 1)))
+
+
 def _token_tile(q_len: int) -> int:
     """Verify tokens one after-program holds (a power of two, at most TOKENS_PER_PROGRAM)."""
     return min(triton.next_power_of_2(q_len), TOKENS_PER_PROGRAM)
@@ -513,6 +520,165 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
         # partials [B, q_len * heads, num_splits, DV] (fp32) and [B, q_len * heads, num_splits] (base 2)
         prow = (b * q_len * heads + t * heads + h).to(tl.int64) * num_splits + split
         tl.store(op_ptr + prow[None, :] * DV + offs_v[:, None], o, mask=row_ok[None, :])
+        tl.store(lsep_ptr + prow, lse2, mask=row_ok)
+
+
+@triton.jit
+def _chunk_dot(a, b, acc, PREC: tl.constexpr):
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _chunk_tile(kv_ptr, rows, pos, end, qpos, q0, q1, q2, q3, qpe, m_i, l_i, a0, a1, a2, a3, scale_log2,
+                DV: tl.constexpr, DR: tl.constexpr, QK_INDEP: tl.constexpr, PREC: tl.constexpr):
+    """One tile of latent rows for all query rows of the program, the 512 value columns cut into 4
+    chunks of 128 (each its own copy into shared memory).
+
+    Transposed as in _split_tile (positions are the M dimension). The chunks serve both products
+    from the same shared-memory tiles: the scores are sum_j K_j q_j^T (QK_INDEP: 4 independent
+    products summed at the end, so no product waits for the previous one's accumulator; otherwise
+    one chained accumulation) and the value product is 4 independent accumulators acc_j^T += K_j^T p^T."""
+    C: tl.constexpr = DV // 4
+    pmask = pos < end
+    offs_c = tl.arange(0, C)
+    base = kv_ptr + rows[:, None]
+    k0 = tl.load(base + offs_c[None, :], mask=pmask[:, None], other=0.0)
+    k1 = tl.load(base + C + offs_c[None, :], mask=pmask[:, None], other=0.0)
+    k2 = tl.load(base + 2 * C + offs_c[None, :], mask=pmask[:, None], other=0.0)
+    k3 = tl.load(base + 3 * C + offs_c[None, :], mask=pmask[:, None], other=0.0)
+    k_pe = tl.load(base + DV + tl.arange(0, DR)[None, :], mask=pmask[:, None], other=0.0)
+    zero = tl.zeros([k0.shape[0], q0.shape[1]], dtype=tl.float32)
+    if QK_INDEP:
+        s = (_chunk_dot(k0, q0, zero, PREC) + _chunk_dot(k1, q1, zero, PREC)) + \
+            (_chunk_dot(k2, q2, zero, PREC) + _chunk_dot(k3, q3, zero, PREC)) + _chunk_dot(k_pe, qpe, zero, PREC)
+    else:
+        s = _chunk_dot(k0, q0, zero, PREC)
+        s = _chunk_dot(k1, q1, s, PREC)
+        s = _chunk_dot(k2, q2, s, PREC)
+        s = _chunk_dot(k3, q3, s, PREC)
+        s = _chunk_dot(k_pe, qpe, s, PREC)
+    visible = (pos[:, None] <= qpos[None, :]) & pmask[:, None]
+    s = tl.where(visible, s * scale_log2, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row that sees nothing yet stays at zero
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    p = p.to(k0.dtype)
+    a0 = _chunk_dot(tl.trans(k0), p, a0 * alpha[None, :], PREC)
+    a1 = _chunk_dot(tl.trans(k1), p, a1 * alpha[None, :], PREC)
+    a2 = _chunk_dot(tl.trans(k2), p, a2 * alpha[None, :], PREC)
+    a3 = _chunk_dot(tl.trans(k3), p, a3 * alpha[None, :], PREC)
+    return m_new, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def _chunk_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_ptr,
+                  heads, q_len, num_splits, head_groups,
+                  stride_qb, stride_qt, stride_qh,
+                  stride_kvp, stride_kvr, stride_btb,
+                  stride_ob, stride_ot, stride_oh,
+                  stride_lb, stride_lt,
+                  scale_log2,
+                  PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_GROUPS: tl.constexpr,
+                  DV: tl.constexpr, DR: tl.constexpr,
+                  HEAD_TILE: tl.constexpr, TOK_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  WRITE_FINAL: tl.constexpr, QK_INDEP: tl.constexpr, PREC: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    # The split kernel with the latent row cut into column chunks (see _chunk_tile); the loop over
+    # the history and the outputs are those of _split_kernel.
+    C: tl.constexpr = DV // 4
+    split = tl.program_id(0)
+    b = tl.program_id(1)
+    grp = tl.program_id(2)
+    hg = grp % head_groups
+    tg = grp // head_groups
+    M: tl.constexpr = TOK_TILE * HEAD_TILE
+    r = tl.arange(0, M)
+    t = tg * TOK_TILE + r // HEAD_TILE
+    h = hg * HEAD_TILE + r % HEAD_TILE
+    row_ok = (t < q_len) & (h < heads)  # rows past the real heads are the padding: zero query, never stored
+    offs_c = tl.arange(0, C)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
+    q0 = tl.load(q_rows[None, :] + offs_c[:, None], mask=row_ok[None, :], other=0.0)  # [C, M]
+    q1 = tl.load(q_rows[None, :] + C + offs_c[:, None], mask=row_ok[None, :], other=0.0)
+    q2 = tl.load(q_rows[None, :] + 2 * C + offs_c[:, None], mask=row_ok[None, :], other=0.0)
+    q3 = tl.load(q_rows[None, :] + 3 * C + offs_c[:, None], mask=row_ok[None, :], other=0.0)
+    qpe = tl.load(q_rows[None, :] + DV + tl.arange(0, DR)[:, None], mask=row_ok[None, :], other=0.0)  # [DR, M]
+    length = tl.load(len_ptr + b)
+    qpos = tl.where(row_ok, length - q_len + t, -1)  # last visible position per row (causal)
+    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+    m_i = tl.full([M], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([M], dtype=tl.float32)
+    a0 = tl.zeros([C, M], dtype=tl.float32)
+    a1 = tl.zeros([C, M], dtype=tl.float32)
+    a2 = tl.zeros([C, M], dtype=tl.float32)
+    a3 = tl.zeros([C, M], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    if PAGE_GROUPS > 0:
+        # Paged, tiles inside pages: the block table is read PAGE_GROUPS entries at a time into
+        # registers (sized so one group usually covers the whole piece), so the tile loop's
+        # addresses need no memory read and the pipeliner can fetch tiles ahead.
+        gidx = tl.arange(0, PAGE_GROUPS)
+        last_page = tl.cdiv(end, PAGE_SIZE)
+        pg = start // PAGE_SIZE
+        while pg < last_page:
+            pages = tl.load(bt_ptr + b * stride_btb + pg + gidx, mask=pg + gidx < last_page, other=0).to(tl.int64)
+            g_start = tl.maximum(start, pg * PAGE_SIZE)
+            g_end = tl.minimum(end, (pg + PAGE_GROUPS) * PAGE_SIZE)
+            if INTERPRET:
+                n0 = g_start
+                while n0 < g_end:
+                    page = tl.sum(tl.where(gidx == n0 // PAGE_SIZE - pg, pages, 0))
+                    rows = page * stride_kvp + ((n0 % PAGE_SIZE) + offs_n).to(tl.int64) * stride_kvr
+                    m_i, l_i, a0, a1, a2, a3 = _chunk_tile(kv_ptr, rows, n0 + offs_n, end, qpos, q0, q1, q2, q3, qpe,
+                                                           m_i, l_i, a0, a1, a2, a3, scale_log2, DV, DR, QK_INDEP,
+                                                           PREC)
+                    n0 += BLOCK_N
+            else:
+                for n0 in range(g_start, g_end, BLOCK_N):
+                    page = tl.sum(tl.where(gidx == n0 // PAGE_SIZE - pg, pages, 0))
+                    rows = page * stride_kvp + ((n0 % PAGE_SIZE) + offs_n).to(tl.int64) * stride_kvr
+                    m_i, l_i, a0, a1, a2, a3 = _chunk_tile(kv_ptr, rows, n0 + offs_n, end, qpos, q0, q1, q2, q3, qpe,
+                                                           m_i, l_i, a0, a1, a2, a3, scale_log2, DV, DR, QK_INDEP,
+                                                           PREC)
+            pg += PAGE_GROUPS
+    else:
+        if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
+            n0 = start
+            while n0 < end:
+                pos = n0 + offs_n
+                rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
+                m_i, l_i, a0, a1, a2, a3 = _chunk_tile(kv_ptr, rows, pos, end, qpos, q0, q1, q2, q3, qpe, m_i, l_i,
+                                                       a0, a1, a2, a3, scale_log2, DV, DR, QK_INDEP, PREC)
+                n0 += BLOCK_N
+        else:
+            for n0 in range(start, end, BLOCK_N):
+                pos = n0 + offs_n
+                rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
+                m_i, l_i, a0, a1, a2, a3 = _chunk_tile(kv_ptr, rows, pos, end, qpos, q0, q1, q2, q3, qpe, m_i, l_i,
+                                                       a0, a1, a2, a3, scale_log2, DV, DR, QK_INDEP, PREC)
+    seen = l_i > 0
+    inv = 1.0 / tl.where(seen, l_i, 1.0)
+    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -float("inf"))
+    if WRITE_FINAL:
+        o_rows = o_ptr + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
+        ty = o_ptr.dtype.element_ty
+        tl.store(o_rows[None, :] + offs_c[:, None], (a0 * inv[None, :]).to(ty), mask=row_ok[None, :])
+        tl.store(o_rows[None, :] + C + offs_c[:, None], (a1 * inv[None, :]).to(ty), mask=row_ok[None, :])
+        tl.store(o_rows[None, :] + 2 * C + offs_c[:, None], (a2 * inv[None, :]).to(ty), mask=row_ok[None, :])
+        tl.store(o_rows[None, :] + 3 * C + offs_c[:, None], (a3 * inv[None, :]).to(ty), mask=row_ok[None, :])
+        tl.store(lse_ptr + b * stride_lb + t * stride_lt + h, lse2 * 0.6931471805599453, mask=row_ok)
+    else:
+        # partials [B, q_len * heads, num_splits, DV] (fp32) and [B, q_len * heads, num_splits] (base 2)
+        prow = (b * q_len * heads + t * heads + h).to(tl.int64) * num_splits + split
+        p_rows = op_ptr + prow[None, :] * DV
+        tl.store(p_rows + offs_c[:, None], a0 * inv[None, :], mask=row_ok[None, :])
+        tl.store(p_rows + C + offs_c[:, None], a1 * inv[None, :], mask=row_ok[None, :])
+        tl.store(p_rows + 2 * C + offs_c[:, None], a2 * inv[None, :], mask=row_ok[None, :])
+        tl.store(p_rows + 3 * C + offs_c[:, None], a3 * inv[None, :], mask=row_ok[None, :])
         tl.store(lsep_ptr + prow, lse2, mask=row_ok)
 
 
@@ -792,7 +958,7 @@ _TUNED: dict[tuple, tuple[LaunchConfig, dict]] = {}
 
 
 def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_splits, compute_units, scale,
-                 fast_launch: bool) -> DecodePlan:
+                 fast_launch: bool, kernel: str = "chunked", qk_indep: bool = True, merge_dv: int = 32) -> DecodePlan:
     B, Tq, H = inp.batch, inp.q_len, inp.heads
     head_groups = -(-H // MMA_ROWS)
     tok_tile = _token_tile(Tq)
@@ -810,8 +976,7 @@ def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_split
         k_heads = MMA_ROWS
     else:
         kq, k_out, k_lse, k_heads = q, out, lse, H
-    # Tiles inside pages: read the block table a group of pages at a time (see _split_kernel).
-    page_groups = 16 if inp.paged and inp.page_size % cfg.block_n == 0 else 0
+    tiles_in_pages = inp.paged and inp.page_size % cfg.block_n == 0
     skvp, skvr = _kv_strides(inp)
     kv, bt, lens = inp.kv, inp.block_table, inp.lengths
 
@@ -822,22 +987,30 @@ def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_split
         else:
             o_part = l_part = k_lse  # unused: the split kernel writes the result itself
         grid = (splits, B, head_groups * tok_groups)
+        # Tiles inside pages: the block table is read a group of pages at a time, a group sized to
+        # cover one piece of the longest request (16 to 64 pages), so the tile loop usually runs once.
+        page_groups = _page_groups(inp.max_len, splits, cfg.block_n, inp.page_size) if tiles_in_pages else 0
         consts = dict(PAGED=inp.paged, PAGE_SIZE=inp.page_size, PAGE_GROUPS=page_groups, DV=VALUE_DIM, DR=ROPE_DIM,
                       HEAD_TILE=MMA_ROWS, TOK_TILE=tok_tile, BLOCK_N=cfg.block_n, WRITE_FINAL=splits == 1,
-                      IEEE=q.dtype == torch.float32, INTERPRET=env.triton_interpreted(),
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        split = _Launch(_split_kernel, grid, (kq, kv, bt, lens, k_out, k_lse, o_part, l_part, k_heads, Tq, splits,
+                      INTERPRET=env.triton_interpreted(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if kernel == "chunked":
+            kfn = _chunk_kernel
+            consts.update(QK_INDEP=qk_indep, PREC="ieee" if q.dtype == torch.float32 else "tf32")
+        else:
+            kfn = _split_kernel
+            consts.update(IEEE=q.dtype == torch.float32)
+        split = _Launch(kfn, grid, (kq, kv, bt, lens, k_out, k_lse, o_part, l_part, k_heads, Tq, splits,
                                               head_groups, kq.stride(0), kq.stride(1), kq.stride(2), skvp, skvr,
                                               bt.stride(0), k_out.stride(0), k_out.stride(1), k_out.stride(2),
                                               k_lse.stride(0), k_lse.stride(1), scale_log2), consts)
         kernels = [split]
         if splits > 1:
-            merge_dv = 64
             sp2 = triton.next_power_of_2(splits)
             merge = _Launch(_merge_kernel, (B, Tq * k_heads, VALUE_DIM // merge_dv),
                             (o_part, l_part, k_out, k_lse, k_heads, Tq, splits, k_out.stride(0), k_out.stride(1),
                              k_out.stride(2), k_lse.stride(0), k_lse.stride(1)),
-                            dict(DV=VALUE_DIM, BLOCK_DV=merge_dv, SPLITS_P2=sp2, SPLIT_TILE=min(sp2, 128), num_warps=4))
+                            dict(DV=VALUE_DIM, BLOCK_DV=merge_dv, SPLITS_P2=sp2,
+                                 SPLIT_TILE=min(sp2, max(16, 8192 // merge_dv)), num_warps=4))
             kernels.append(merge)
 
         def launch():
@@ -921,7 +1094,8 @@ def _tuning_key(inp: _Inputs, q, pad: str) -> tuple:
 
 def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, fold_heads=False,
                pad="registers", compute_units=None, block_n=None, num_warps=None, num_stages=None,
-               pad_fill: float = 0.0, tune: bool | None = None, fast_launch: bool | None = None) -> DecodePlan:
+               pad_fill: float = 0.0, tune: bool | None = None, fast_launch: bool | None = None,
+               kernel: str = "chunked", qk_indep: bool = True, merge_dv: int = 32) -> DecodePlan:
     """Validate once and return a launchable plan of the padded split-history decode.
 
     num_splits: None = `choose_num_splits` for this batch, the longest context, the device's compute
@@ -948,8 +1122,12 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be an integer in 1..{MAX_SPLITS}, got {num_splits!r}")
     rows = _token_tile(inp.q_len) * MMA_ROWS
+    if kernel not in ("chunked", "plain"):
+        raise ValueError(f"kernel must be 'chunked' or 'plain', got {kernel!r}")
+    if merge_dv not in (16, 32, 64, 128):
+        raise ValueError(f"merge_dv must be 16, 32, 64 or 128 value columns per merge program, got {merge_dv!r}")
     kw = dict(pad=pad, pad_fill=pad_fill, num_splits=num_splits, compute_units=compute_units, scale=scale,
-              fast_launch=_fast_launch_wanted(fast_launch))
+              fast_launch=_fast_launch_wanted(fast_launch), kernel=kernel, qk_indep=qk_indep, merge_dv=merge_dv)
     fixed = block_n is not None or num_warps is not None or num_stages is not None
     if fixed or not _tuning_wanted(tune) or not _on_gpu():
         cfg = launch_config("after", q.dtype, rows=rows, block_n=block_n, num_warps=num_warps, num_stages=num_stages)

@@ -610,6 +610,509 @@ def _prologue_blocks_kernel(
     )
 
 
+# ----------------------------------------------------------------------------------------------
+# prologue, sliced form: one program per (chunk, head) that walks the 128 key channels in slices of
+# BK. The in-chunk cumsum runs down each channel on its own, so a slice needs only its own g, k, q:
+# three [64, BK] tiles live at a time instead of whole [64, 128] ones (the register pressure that
+# sank both earlier prologues). Akk and Aqk accumulate over the slices in 4 column blocks of 16;
+# column block J is factored around P_J, the cumulative log-decay before the block's first row:
+#   e^(G_i - G_j) = e^(G_i - P_J) e^(P_J - G_j),  left <= 1 for rows i >= 16 J, right <= e^spread.
+# The inverse then reads Akk back from a per-(chunk, head) fp32 buffer (L2-hot): its diagonal 16 x 16
+# blocks by forward substitution, the rest by block products, all fp32; W and U come from the
+# finished inverse rounded to the input dtype, as the seed prescribes.
+
+
+@triton.jit
+def _sl_colblock(
+    akk,
+    aqk,
+    ks,
+    qs,
+    gs,
+    G,
+    k,
+    g,
+    tok0,
+    L,
+    h,
+    H,
+    col,
+    J: tl.constexpr,
+    K: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    SPREAD: tl.constexpr,
+    AKK_PREC: tl.constexpr,
+    AQK_PREC: tl.constexpr,
+):
+    """Add this key slice's share of Akk[:, block J] and Aqk[:, block J] ([C, BC] each, unscaled)."""
+    rc = tl.arange(0, C)
+    rb = tl.arange(0, BC)
+    P = tl.sum(tl.where(rc[:, None] < J * BC, gs, 0.0), axis=0)  # G before block J, [BK]
+    jj = J * BC + rb
+    off_j = ((tok0 + jj) * H + h)[:, None] * K + col[None, :]
+    k_j = tl.load(k + off_j, mask=(jj < L)[:, None], other=0.0).to(tl.float32)  # L1-hot re-read
+    g_j = tl.load(g + off_j, mask=(jj < L)[:, None], other=0.0).to(tl.float32)
+    Gw = tl.cumsum(g_j, axis=0)  # G_j - P_J <= 0
+    spread = -tl.min(tl.min(Gw, axis=1), axis=0)
+    if spread <= SPREAD:
+        right = k_j * tl.exp(-Gw)  # <= e^SPREAD
+        left = tl.exp(tl.where(rc[:, None] >= J * BC, G - P[None, :], float("-inf")))  # <= 1
+        akk += tl.dot(ks * left, tl.trans(right), input_precision=AKK_PREC)
+        aqk += tl.dot(qs * left, tl.trans(right), input_precision=AQK_PREC)
+    else:  # a block whose decay spreads too wide for fp32: exact pairwise decays, one key at a time
+        for cc in range(BC):
+            k_c = _row_of(k_j, cc, BC)
+            G_c = P + _row_of(Gw, cc, BC)
+            e = tl.exp(tl.where(rc[:, None] >= J * BC + cc, G - G_c[None, :], float("-inf")))
+            ke = k_c[None, :] * e
+            akk += tl.where(rb[None, :] == cc, tl.sum(ks * ke, axis=1)[:, None], 0.0)
+            aqk += tl.where(rb[None, :] == cc, tl.sum(qs * ke, axis=1)[:, None], 0.0)
+    return akk, aqk
+
+
+@triton.jit
+def _sl_store_a(aqk_base, r_base, akk, aqk, bt, scale, J: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    """Mask and scale column block J: Aqk (input dtype) to its output, Akk (fp32) to the R buffer."""
+    rc = tl.arange(0, C)
+    jj = J * BC + tl.arange(0, BC)
+    akk = tl.where(rc[:, None] > jj[None, :], akk * bt[:, None], 0.0)
+    aqk = tl.where(rc[:, None] >= jj[None, :], aqk * scale, 0.0)
+    tl.store(aqk_base + rc[:, None] * C + jj[None, :], aqk.to(aqk_base.dtype.element_ty))
+    tl.store(r_base + rc[:, None] * C + jj[None, :], akk)
+
+
+@triton.jit
+def _sl_subst(x, base, i, BI: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    """One forward-substitution row of diagonal block BI: X[i] = -A[i] - A[i] X (A's row read back)."""
+    rb = tl.arange(0, BC)
+    a = -tl.load(base + (BI * BC + i) * C + BI * BC + rb)
+    return tl.where(rb[:, None] == i, (a + tl.sum(a[:, None] * x, axis=0))[None, :], x)
+
+
+@triton.jit(do_not_specialize=["H"])
+def _prologue_sliced_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    chunk_tok,
+    chunk_len,
+    w_out,
+    u_out,
+    qg_out,
+    kdt_out,
+    aqk_out,
+    d_out,
+    r_buf,
+    H,
+    scale,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    SPREAD: tl.constexpr,
+    AKK_PREC: tl.constexpr,
+    AQK_PREC: tl.constexpr,
+    INV_PREC: tl.constexpr,
+    OUT_PREC: tl.constexpr,
+    PARTS: tl.constexpr,
+):
+    """One program per (chunk, head). PARTS (bits; 7 = all, anything else only for timing the stages):
+    1 = Akk / Aqk, 2 = the inverse, 4 = W and U."""
+    c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    rc = tl.arange(0, C)
+    rb = tl.arange(0, BC)
+    rs = tl.arange(0, BK)
+    INTER = w_out.dtype.element_ty
+    tok0 = tl.load(chunk_tok + c).to(tl.int64)
+    L = tl.load(chunk_len + c)
+    rmask = rc < L
+    out = c * H + h
+    row = ((tok0 + rc) * H + h) * K
+    bt = tl.load(beta + (tok0 + rc) * H + h, mask=rmask, other=0.0).to(tl.float32)
+    r_base = r_buf + out * C * C
+    akk0 = tl.zeros([C, BC], dtype=tl.float32)
+    akk1 = tl.zeros([C, BC], dtype=tl.float32)
+    akk2 = tl.zeros([C, BC], dtype=tl.float32)
+    akk3 = tl.zeros([C, BC], dtype=tl.float32)
+    aqk0 = tl.zeros([C, BC], dtype=tl.float32)
+    aqk1 = tl.zeros([C, BC], dtype=tl.float32)
+    aqk2 = tl.zeros([C, BC], dtype=tl.float32)
+    aqk3 = tl.zeros([C, BC], dtype=tl.float32)
+    for s in tl.static_range(K // BK):
+        col = s * BK + rs
+        off = row[:, None] + col[None, :]
+        # padded rows: g = 0 keeps G at G_last, k = q = 0 and beta = 0 make them no-ops
+        gs = tl.load(g + off, mask=rmask[:, None], other=0.0).to(tl.float32)
+        ks = tl.load(k + off, mask=rmask[:, None], other=0.0).to(tl.float32)
+        qs = tl.load(q + off, mask=rmask[:, None], other=0.0).to(tl.float32)
+        G = tl.cumsum(gs, axis=0)
+        G_last = tl.sum(gs, axis=0)
+        eG = tl.exp(G)
+        tile = out * C * K + rc[:, None] * K + col[None, :]
+        tl.store(qg_out + tile, (qs * eG * scale).to(INTER))
+        tl.store(w_out + tile, (ks * eG * bt[:, None]).to(INTER))  # W's right factor, replaced below
+        kd = ks * tl.exp(G_last[None, :] - G)
+        tl.store(kdt_out + out * K * C + col[:, None] * C + rc[None, :], tl.trans(kd).to(INTER))
+        tl.store(d_out + out * K + col, tl.exp(G_last))
+        if PARTS % 2 == 1:
+            akk0, aqk0 = _sl_colblock(
+                akk0, aqk0, ks, qs, gs, G, k, g, tok0, L, h, H, col, 0, K, C, BC, SPREAD, AKK_PREC, AQK_PREC
+            )
+            akk1, aqk1 = _sl_colblock(
+                akk1, aqk1, ks, qs, gs, G, k, g, tok0, L, h, H, col, 1, K, C, BC, SPREAD, AKK_PREC, AQK_PREC
+            )
+            akk2, aqk2 = _sl_colblock(
+                akk2, aqk2, ks, qs, gs, G, k, g, tok0, L, h, H, col, 2, K, C, BC, SPREAD, AKK_PREC, AQK_PREC
+            )
+            akk3, aqk3 = _sl_colblock(
+                akk3, aqk3, ks, qs, gs, G, k, g, tok0, L, h, H, col, 3, K, C, BC, SPREAD, AKK_PREC, AQK_PREC
+            )
+    aqk_base = aqk_out + out * C * C
+    _sl_store_a(aqk_base, r_base, akk0, aqk0, bt, scale, 0, C, BC)
+    _sl_store_a(aqk_base, r_base, akk1, aqk1, bt, scale, 1, C, BC)
+    _sl_store_a(aqk_base, r_base, akk2, aqk2, bt, scale, 2, C, BC)
+    _sl_store_a(aqk_base, r_base, akk3, aqk3, bt, scale, 3, C, BC)
+    tl.debug_barrier()
+    if PARTS // 2 % 2 == 1:
+        # --- R = (I + Akk)^-1, fp32: the diagonal blocks by forward substitution, side by side
+        x0 = tl.zeros([BC, BC], dtype=tl.float32)
+        x1 = tl.zeros([BC, BC], dtype=tl.float32)
+        x2 = tl.zeros([BC, BC], dtype=tl.float32)
+        x3 = tl.zeros([BC, BC], dtype=tl.float32)
+        for i in range(1, BC):
+            x0 = _sl_subst(x0, r_base, i, 0, C, BC)
+            x1 = _sl_subst(x1, r_base, i, 1, C, BC)
+            x2 = _sl_subst(x2, r_base, i, 2, C, BC)
+            x3 = _sl_subst(x3, r_base, i, 3, C, BC)
+        eye = tl.where(rb[:, None] == rb[None, :], 1.0, 0.0)
+        r00 = x0 + eye
+        r11 = x1 + eye
+        r22 = x2 + eye
+        r33 = x3 + eye
+        # --- off-diagonal blocks: R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ
+        l10 = _blk(r_base, 1, 0, C, BC)
+        l21 = _blk(r_base, 2, 1, C, BC)
+        l32 = _blk(r_base, 3, 2, C, BC)
+        l20 = _blk(r_base, 2, 0, C, BC)
+        l31 = _blk(r_base, 3, 1, C, BC)
+        l30 = _blk(r_base, 3, 0, C, BC)
+        r10 = -_mm(r11, _mm(l10, r00, INV_PREC), INV_PREC)
+        r21 = -_mm(r22, _mm(l21, r11, INV_PREC), INV_PREC)
+        r32 = -_mm(r33, _mm(l32, r22, INV_PREC), INV_PREC)
+        r20 = -_mm(r22, _mm(l20, r00, INV_PREC) + _mm(l21, r10, INV_PREC), INV_PREC)
+        r31 = -_mm(r33, _mm(l31, r11, INV_PREC) + _mm(l32, r21, INV_PREC), INV_PREC)
+        r30 = -_mm(r33, _mm(l30, r00, INV_PREC) + _mm(l31, r10, INV_PREC) + _mm(l32, r20, INV_PREC), INV_PREC)
+        tl.debug_barrier()  # every thread has read Akk before R overwrites it
+        _blk_store(r_base, 0, 0, r00, C, BC)
+        _blk_store(r_base, 1, 1, r11, C, BC)
+        _blk_store(r_base, 2, 2, r22, C, BC)
+        _blk_store(r_base, 3, 3, r33, C, BC)
+        _blk_store(r_base, 1, 0, r10, C, BC)
+        _blk_store(r_base, 2, 1, r21, C, BC)
+        _blk_store(r_base, 3, 2, r32, C, BC)
+        _blk_store(r_base, 2, 0, r20, C, BC)
+        _blk_store(r_base, 3, 1, r31, C, BC)
+        _blk_store(r_base, 3, 0, r30, C, BC)
+        tl.debug_barrier()
+    if PARTS // 4 % 2 == 1:
+        # --- W = R (beta K e^G), U = R (beta V): the finished inverse rounded to the input dtype
+        R = tl.load(
+            r_base + rc[:, None] * C + rc[None, :], mask=(rc[:, None] // BC) >= (rc[None, :] // BC), other=0.0
+        ).to(INTER)
+        for s in tl.static_range(K // BK):
+            col = s * BK + rs
+            tile = out * C * K + rc[:, None] * K + col[None, :]
+            xw = tl.load(w_out + tile)
+            tl.store(w_out + tile, tl.dot(R, xw, input_precision=OUT_PREC).to(INTER))
+        for s in tl.static_range(V // BK):
+            col = s * BK + rs
+            vs = tl.load(v + ((tok0 + rc) * H + h)[:, None] * V + col[None, :], mask=rmask[:, None], other=0.0)
+            vb = (vs.to(tl.float32) * bt[:, None]).to(INTER)
+            tl.store(u_out + out * C * V + rc[:, None] * V + col[None, :], tl.dot(R, vb, input_precision=OUT_PREC).to(INTER))
+
+
+# ----------------------------------------------------------------------------------------------
+# prologue, pairs form (the default): one program per (chunk, head) that walks the key channels in
+# slices of BK and, within a slice, the chunk's four 16-row blocks in order. Only [16, BK] tiles are
+# ever live, and only the 10 block pairs on or below the diagonal are computed (a [64, *] tile
+# spends 3/8 of its work above the diagonal). Every factor is <= 1 except on the diagonal:
+#   off-diagonal (I > J):  e^(G_i - G_j) = e^(G_i - P_I) e^(P_I - E_J) e^(E_J - G_j)
+#   diagonal:              e^(G_i - G_j) = e^(G_i - P_I) e^(P_I - G_j)      (<= e^spread)
+# with P_I the cumulative log-decay before block I and E_J the one at block J's last row.
+
+
+@triton.jit
+def _pr_load(q, k, g, beta, tok0, L, h, H, col, BI: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
+    rb = tl.arange(0, BC)
+    rows = BI * BC + rb
+    m = (rows < L)[:, None]
+    off = ((tok0 + rows) * H + h)[:, None] * K + col[None, :]
+    kb = tl.load(k + off, mask=m, other=0.0).to(tl.float32)
+    qb = tl.load(q + off, mask=m, other=0.0).to(tl.float32)
+    gb = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
+    return kb, qb, gb
+
+
+@triton.jit
+def _pr_diag(acc_k, acc_q, kb, qb, a_k, a_q, Gw, SPREAD: tl.constexpr, AKK_PREC: tl.constexpr,
+             AQK_PREC: tl.constexpr, BC: tl.constexpr):
+    """This slice's share of the diagonal block: factored while the block's spread fits fp32 (K3's
+    gate, g > -5, always does), exact pairwise decays one key at a time otherwise."""
+    rb = tl.arange(0, BC)
+    spread = -tl.min(tl.min(Gw, axis=1), axis=0)
+    if spread <= SPREAD:
+        right = tl.trans(kb * tl.exp(-Gw))  # <= e^SPREAD
+        acc_k += tl.dot(a_k, right, input_precision=AKK_PREC)
+        acc_q += tl.dot(a_q, right, input_precision=AQK_PREC)
+    else:
+        for cc in range(BC):
+            k_c = _row_of(kb, cc, BC)
+            G_c = _row_of(Gw, cc, BC)
+            ke = k_c[None, :] * tl.exp(tl.where(rb[:, None] >= cc, Gw - G_c[None, :], float("-inf")))
+            acc_k += tl.where(rb[None, :] == cc, tl.sum(kb * ke, axis=1)[:, None], 0.0)
+            acc_q += tl.where(rb[None, :] == cc, tl.sum(qb * ke, axis=1)[:, None], 0.0)
+    return acc_k, acc_q
+
+
+@triton.jit
+def _pr_pair(acc_k, acc_q, a_k, a_q, scl, c_j, AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr):
+    """Row block I against an earlier column block J: a = x e^(G - P_I), scl = e^(P_I - E_J),
+    c_j = k e^(E_J - G_j), all <= 1."""
+    ct = tl.trans(c_j)
+    acc_k += tl.dot(a_k * scl[None, :], ct, input_precision=AKK_PREC)
+    acc_q += tl.dot(a_q * scl[None, :], ct, input_precision=AQK_PREC)
+    return acc_k, acc_q
+
+
+@triton.jit
+def _pr_rows_out(qg_out, w_out, a_q, a_k, P, bt, scale, out, col, BI: tl.constexpr, K: tl.constexpr,
+                 C: tl.constexpr, BC: tl.constexpr):
+    """Qg = scale q e^G and W's right factor beta k e^G for block I's rows of this slice."""
+    rb = tl.arange(0, BC)
+    eP = tl.exp(P)[None, :]
+    tile = out * C * K + (BI * BC + rb)[:, None] * K + col[None, :]
+    tl.store(qg_out + tile, (a_q * eP * scale).to(qg_out.dtype.element_ty))
+    tl.store(w_out + tile, (a_k * eP * bt[:, None]).to(w_out.dtype.element_ty))
+
+
+@triton.jit
+def _pr_kdt(kdt_out, c_j, fac, out, col, J: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    rb = tl.arange(0, BC)
+    x = tl.trans(c_j * fac[None, :])
+    tl.store(kdt_out + out * K * C + col[:, None] * C + (J * BC + rb)[None, :], x.to(kdt_out.dtype.element_ty))
+
+
+@triton.jit
+def _pr_store_aqk(aqk_base, x, BI: tl.constexpr, BJ: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    rb = tl.arange(0, BC)
+    tl.store(aqk_base + (BI * BC + rb)[:, None] * C + BJ * BC + rb[None, :], x.to(aqk_base.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["H"])
+def _prologue_pairs_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    chunk_tok,
+    chunk_len,
+    w_out,
+    u_out,
+    qg_out,
+    kdt_out,
+    aqk_out,
+    d_out,
+    r_buf,
+    H,
+    scale,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    SPREAD: tl.constexpr,
+    AKK_PREC: tl.constexpr,
+    AQK_PREC: tl.constexpr,
+    INV_PREC: tl.constexpr,
+    OUT_PREC: tl.constexpr,
+    PARTS: tl.constexpr,
+):
+    """One program per (chunk, head), C = 64 = four 16-row blocks. PARTS (bits; 7 = all, anything
+    else only to time the stages): 1 = Akk / Aqk, 2 = the inverse, 4 = W and U."""
+    c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    rc = tl.arange(0, C)
+    rb = tl.arange(0, BC)
+    rs = tl.arange(0, BK)
+    INTER = w_out.dtype.element_ty
+    tok0 = tl.load(chunk_tok + c).to(tl.int64)
+    L = tl.load(chunk_len + c)
+    out = c * H + h
+    r_base = r_buf + out * C * C
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    k00, k10, k11, k20, k21, k22, k30, k31, k32, k33 = z, z, z, z, z, z, z, z, z, z
+    q00, q10, q11, q20, q21, q22, q30, q31, q32, q33 = z, z, z, z, z, z, z, z, z, z
+    b0 = tl.load(beta + (tok0 + 0 * BC + rb) * H + h, mask=0 * BC + rb < L, other=0.0)
+    b1 = tl.load(beta + (tok0 + 1 * BC + rb) * H + h, mask=1 * BC + rb < L, other=0.0)
+    b2 = tl.load(beta + (tok0 + 2 * BC + rb) * H + h, mask=2 * BC + rb < L, other=0.0)
+    b3 = tl.load(beta + (tok0 + 3 * BC + rb) * H + h, mask=3 * BC + rb < L, other=0.0)
+    for s in range(K // BK):
+        col = s * BK + rs
+        # padded rows: g = 0 keeps G at G_last, k = q = 0 and beta = 0 make them no-ops
+        # block 0 (P_0 = 0)
+        kb, qb, gb = _pr_load(q, k, g, beta, tok0, L, h, H, col, 0, K, BC)
+        Gw = tl.cumsum(gb, axis=0)
+        P1 = tl.sum(gb, axis=0)
+        e_in = tl.exp(Gw)
+        a_k = kb * e_in
+        a_q = qb * e_in
+        if PARTS % 2 == 1:
+            k00, q00 = _pr_diag(k00, q00, kb, qb, a_k, a_q, Gw, SPREAD, AKK_PREC, AQK_PREC, BC)
+        _pr_rows_out(qg_out, w_out, a_q, a_k, tl.zeros([BK], tl.float32), b0, scale, out, col, 0, K, C, BC)
+        c0 = kb * tl.exp(P1[None, :] - Gw)
+        # block 1
+        kb, qb, gb = _pr_load(q, k, g, beta, tok0, L, h, H, col, 1, K, BC)
+        Gw = tl.cumsum(gb, axis=0)
+        P2 = P1 + tl.sum(gb, axis=0)
+        e_in = tl.exp(Gw)
+        a_k = kb * e_in
+        a_q = qb * e_in
+        if PARTS % 2 == 1:
+            k11, q11 = _pr_diag(k11, q11, kb, qb, a_k, a_q, Gw, SPREAD, AKK_PREC, AQK_PREC, BC)
+            k10, q10 = _pr_pair(k10, q10, a_k, a_q, tl.full([BK], 1.0, tl.float32), c0, AKK_PREC, AQK_PREC)
+        _pr_rows_out(qg_out, w_out, a_q, a_k, P1, b1, scale, out, col, 1, K, C, BC)
+        c1 = kb * tl.exp((P2 - P1)[None, :] - Gw)
+        # block 2
+        kb, qb, gb = _pr_load(q, k, g, beta, tok0, L, h, H, col, 2, K, BC)
+        Gw = tl.cumsum(gb, axis=0)
+        P3 = P2 + tl.sum(gb, axis=0)
+        e_in = tl.exp(Gw)
+        a_k = kb * e_in
+        a_q = qb * e_in
+        if PARTS % 2 == 1:
+            k22, q22 = _pr_diag(k22, q22, kb, qb, a_k, a_q, Gw, SPREAD, AKK_PREC, AQK_PREC, BC)
+            k20, q20 = _pr_pair(k20, q20, a_k, a_q, tl.exp(P2 - P1), c0, AKK_PREC, AQK_PREC)
+            k21, q21 = _pr_pair(k21, q21, a_k, a_q, tl.full([BK], 1.0, tl.float32), c1, AKK_PREC, AQK_PREC)
+        _pr_rows_out(qg_out, w_out, a_q, a_k, P2, b2, scale, out, col, 2, K, C, BC)
+        c2 = kb * tl.exp((P3 - P2)[None, :] - Gw)
+        # block 3
+        kb, qb, gb = _pr_load(q, k, g, beta, tok0, L, h, H, col, 3, K, BC)
+        Gw = tl.cumsum(gb, axis=0)
+        P4 = P3 + tl.sum(gb, axis=0)
+        e_in = tl.exp(Gw)
+        a_k = kb * e_in
+        a_q = qb * e_in
+        if PARTS % 2 == 1:
+            k33, q33 = _pr_diag(k33, q33, kb, qb, a_k, a_q, Gw, SPREAD, AKK_PREC, AQK_PREC, BC)
+            k30, q30 = _pr_pair(k30, q30, a_k, a_q, tl.exp(P3 - P1), c0, AKK_PREC, AQK_PREC)
+            k31, q31 = _pr_pair(k31, q31, a_k, a_q, tl.exp(P3 - P2), c1, AKK_PREC, AQK_PREC)
+            k32, q32 = _pr_pair(k32, q32, a_k, a_q, tl.full([BK], 1.0, tl.float32), c2, AKK_PREC, AQK_PREC)
+        _pr_rows_out(qg_out, w_out, a_q, a_k, P3, b3, scale, out, col, 3, K, C, BC)
+        c3 = kb * tl.exp((P4 - P3)[None, :] - Gw)
+        # Kd^T = (k e^(G_last - G))^T with G_last = P4; d = e^(G_last)
+        _pr_kdt(kdt_out, c0, tl.exp(P4 - P1), out, col, 0, K, C, BC)
+        _pr_kdt(kdt_out, c1, tl.exp(P4 - P2), out, col, 1, K, C, BC)
+        _pr_kdt(kdt_out, c2, tl.exp(P4 - P3), out, col, 2, K, C, BC)
+        _pr_kdt(kdt_out, c3, tl.full([BK], 1.0, tl.float32), out, col, 3, K, C, BC)
+        tl.store(d_out + out * K + col, tl.exp(P4))
+    # --- masks and scales: Akk strictly lower x beta (rows), Aqk lower x scale
+    low = rb[:, None] > rb[None, :]
+    k00 = tl.where(low, k00 * b0[:, None], 0.0)
+    k11 = tl.where(low, k11 * b1[:, None], 0.0)
+    k22 = tl.where(low, k22 * b2[:, None], 0.0)
+    k33 = tl.where(low, k33 * b3[:, None], 0.0)
+    k10 = k10 * b1[:, None]
+    k20 = k20 * b2[:, None]
+    k21 = k21 * b2[:, None]
+    k30 = k30 * b3[:, None]
+    k31 = k31 * b3[:, None]
+    k32 = k32 * b3[:, None]
+    lowd = rb[:, None] >= rb[None, :]
+    aqk_base = aqk_out + out * C * C
+    _pr_store_aqk(aqk_base, tl.where(lowd, q00 * scale, 0.0), 0, 0, C, BC)
+    _pr_store_aqk(aqk_base, z, 0, 1, C, BC)
+    _pr_store_aqk(aqk_base, z, 0, 2, C, BC)
+    _pr_store_aqk(aqk_base, z, 0, 3, C, BC)
+    _pr_store_aqk(aqk_base, q10 * scale, 1, 0, C, BC)
+    _pr_store_aqk(aqk_base, tl.where(lowd, q11 * scale, 0.0), 1, 1, C, BC)
+    _pr_store_aqk(aqk_base, z, 1, 2, C, BC)
+    _pr_store_aqk(aqk_base, z, 1, 3, C, BC)
+    _pr_store_aqk(aqk_base, q20 * scale, 2, 0, C, BC)
+    _pr_store_aqk(aqk_base, q21 * scale, 2, 1, C, BC)
+    _pr_store_aqk(aqk_base, tl.where(lowd, q22 * scale, 0.0), 2, 2, C, BC)
+    _pr_store_aqk(aqk_base, z, 2, 3, C, BC)
+    _pr_store_aqk(aqk_base, q30 * scale, 3, 0, C, BC)
+    _pr_store_aqk(aqk_base, q31 * scale, 3, 1, C, BC)
+    _pr_store_aqk(aqk_base, q32 * scale, 3, 2, C, BC)
+    _pr_store_aqk(aqk_base, tl.where(lowd, q33 * scale, 0.0), 3, 3, C, BC)
+    if PARTS // 2 % 2 == 1:
+        # --- R = (I + Akk)^-1 in fp32: diagonal blocks by forward substitution (rows read back
+        # from the R buffer), then R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ
+        _blk_store(r_base, 0, 0, k00, C, BC)
+        _blk_store(r_base, 1, 1, k11, C, BC)
+        _blk_store(r_base, 2, 2, k22, C, BC)
+        _blk_store(r_base, 3, 3, k33, C, BC)
+        tl.debug_barrier()
+        x0 = z
+        x1 = z
+        x2 = z
+        x3 = z
+        for i in range(1, BC):
+            x0 = _sl_subst(x0, r_base, i, 0, C, BC)
+            x1 = _sl_subst(x1, r_base, i, 1, C, BC)
+            x2 = _sl_subst(x2, r_base, i, 2, C, BC)
+            x3 = _sl_subst(x3, r_base, i, 3, C, BC)
+        eye = tl.where(rb[:, None] == rb[None, :], 1.0, 0.0)
+        r00 = x0 + eye
+        r11 = x1 + eye
+        r22 = x2 + eye
+        r33 = x3 + eye
+        r10 = -_mm(r11, _mm(k10, r00, INV_PREC), INV_PREC)
+        r21 = -_mm(r22, _mm(k21, r11, INV_PREC), INV_PREC)
+        r32 = -_mm(r33, _mm(k32, r22, INV_PREC), INV_PREC)
+        r20 = -_mm(r22, _mm(k20, r00, INV_PREC) + _mm(k21, r10, INV_PREC), INV_PREC)
+        r31 = -_mm(r33, _mm(k31, r11, INV_PREC) + _mm(k32, r21, INV_PREC), INV_PREC)
+        r30 = -_mm(r33, _mm(k30, r00, INV_PREC) + _mm(k31, r10, INV_PREC) + _mm(k32, r20, INV_PREC), INV_PREC)
+        tl.debug_barrier()  # every row of Akk has been read before R overwrites it
+        _blk_store(r_base, 0, 0, r00, C, BC)
+        _blk_store(r_base, 1, 1, r11, C, BC)
+        _blk_store(r_base, 2, 2, r22, C, BC)
+        _blk_store(r_base, 3, 3, r33, C, BC)
+        _blk_store(r_base, 1, 0, r10, C, BC)
+        _blk_store(r_base, 2, 1, r21, C, BC)
+        _blk_store(r_base, 3, 2, r32, C, BC)
+        _blk_store(r_base, 2, 0, r20, C, BC)
+        _blk_store(r_base, 3, 1, r31, C, BC)
+        _blk_store(r_base, 3, 0, r30, C, BC)
+    tl.debug_barrier()
+    if PARTS // 4 % 2 == 1:
+        # --- W = R (beta K e^G), U = R (beta V): the finished inverse rounded to the input dtype
+        R = tl.load(
+            r_base + rc[:, None] * C + rc[None, :], mask=(rc[:, None] // BC) >= (rc[None, :] // BC), other=0.0
+        ).to(INTER)
+        rmask = rc < L
+        bt = tl.load(beta + (tok0 + rc) * H + h, mask=rmask, other=0.0)
+        for s in tl.static_range(K // BK):
+            col = s * BK + rs
+            tile = out * C * K + rc[:, None] * K + col[None, :]
+            xw = tl.load(w_out + tile)
+            tl.store(w_out + tile, tl.dot(R, xw, input_precision=OUT_PREC).to(INTER))
+        for s in tl.static_range(V // BK):
+            col = s * BK + rs
+            vs = tl.load(v + ((tok0 + rc) * H + h)[:, None] * V + col[None, :], mask=rmask[:, None], other=0.0)
+            vb = (vs.to(tl.float32) * bt[:, None]).to(INTER)
+            tl.store(
+                u_out + out * C * V + rc[:, None] * V + col[None, :],
+                tl.dot(R, vb, input_precision=OUT_PREC).to(INTER),
+            )
+
+
 @triton.jit
 def _pb_v(v, tok0, L, h, H, bb, BI: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
     rb = tl.arange(0, BC)
@@ -848,7 +1351,6 @@ def _summary_kernel(
 def _scan_step(
     S,
     gi,
-    last,
     h,
     sum_n,
     sum_b,
@@ -862,16 +1364,15 @@ def _scan_step(
     BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
+    """Store group gi's starting state, then apply its summary: S <- D S + N S + b."""
     rk = tl.arange(0, K)
     rbv = tl.arange(0, BV)
     tl.store(s_in + ((gi * H + h) * K + rk)[:, None] * V + v0 + rbv[None, :], S)
-    if not last:
-        sb = tl.load(grp_sum + gi).to(tl.int64) * H + h
-        D = tl.load(sum_d + sb * K + rk)
-        N = tl.load(sum_n + (sb * K + rk)[:, None] * K + rk[None, :])
-        b = tl.load(sum_b + (sb * K + rk)[:, None] * V + v0 + rbv[None, :])
-        S = D[:, None] * S + tl.dot(N, S, input_precision=PREC) + b
-    return S
+    sb = tl.load(grp_sum + gi).to(tl.int64) * H + h
+    D = tl.load(sum_d + sb * K + rk)
+    N = tl.load(sum_n + (sb * K + rk)[:, None] * K + rk[None, :])
+    b = tl.load(sum_b + (sb * K + rk)[:, None] * V + v0 + rbv[None, :])
+    return D[:, None] * S + tl.dot(N, S, input_precision=PREC) + b
 
 
 @triton.jit(do_not_specialize=["H"])
@@ -893,7 +1394,8 @@ def _scan_kernel(
     WHILE: tl.constexpr,
 ):
     """One program per (value tile, head, sequence): S <- D S + N S + b over the sequence's groups,
-    storing each group's starting state. The last group needs no summary (replay writes the end)."""
+    storing each group's starting state. The last group needs no summary (replay writes the end);
+    the loop body has no branch, so the compiler may fetch the next summary early (num_stages)."""
     iv = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2).to(tl.int64)
@@ -908,16 +1410,14 @@ def _scan_kernel(
         S = tl.zeros([K, BV], dtype=tl.float32)
     if WHILE:
         j = 0
-        while j < ng:
-            S = _scan_step(
-                S, g0 + j, j == ng - 1, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0, K, V, BV, PREC
-            )
+        while j < ng - 1:
+            S = _scan_step(S, g0 + j, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0, K, V, BV, PREC)
             j += 1
     else:
-        for j in range(ng):
-            S = _scan_step(
-                S, g0 + j, j == ng - 1, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0, K, V, BV, PREC
-            )
+        for j in range(ng - 1):
+            S = _scan_step(S, g0 + j, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0, K, V, BV, PREC)
+    gl = g0 + ng - 1
+    tl.store(s_in + ((gl * H + h) * K + rk)[:, None] * V + v0 + rbv[None, :], S)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1156,6 +1656,12 @@ class _Work:
     d: torch.Tensor
     scratch: torch.Tensor
     slots: int
+    r: torch.Tensor | None = None  # the sliced prologue's per-(chunk, head) Akk -> R buffer, fp32
+
+    def r_buffer(self) -> torch.Tensor:
+        if self.r is None:
+            self.r = torch.empty(*self.w.shape[:2], CHUNK, CHUNK, dtype=torch.float32, device=self.w.device)
+        return self.r
 
 
 def _alloc_work(n_chunks: int, H: int, dtype, device) -> _Work:
@@ -1175,7 +1681,9 @@ def _alloc_work(n_chunks: int, H: int, dtype, device) -> _Work:
     )
 
 
-PROLOGUES = ("blocks", "persistent")
+PROLOGUES = ("blocks", "persistent", "sliced", "pairs")
+PAIRS_K = 32  # key channels per slice in the pairs prologue
+SLICE_K = 32  # key channels per slice in the sliced prologue
 # Both ran on the H200 (profiles/nvidia-h200/kda_scan, the '.part_prologue_*' records at 16K tokens):
 # 'persistent' 1.49 ms, 'blocks' 1.98 ms with 4 warps. The faster one is the default.
 DEFAULT_PROLOGUE = "persistent"
@@ -1192,6 +1700,8 @@ def kda_chunk_prologue(
     work: _Work | None = None,
     num_warps: int | None = None,
     prologue: str | None = None,
+    block_k: int | None = None,
+    parts: int = 7,
 ) -> _Work:
     """Launch 1 of both variants: the per-chunk quantities, written into `work`.
 
@@ -1205,6 +1715,8 @@ def kda_chunk_prologue(
     prologue = prologue or DEFAULT_PROLOGUE
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
+    if block_k is not None and block_k not in (16, 32, 64, 128):
+        raise ValueError(f"block_k must be 16, 32, 64 or 128 (a power-of-two slice of K = 128), got {block_k!r}")
     H = q.shape[2]
     work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)
     n_items = plan.n_chunks * H
@@ -1222,6 +1734,56 @@ def kda_chunk_prologue(
         INV_PREC=p["INV_PREC"],
         OUT_PREC=p["OUT_PREC"],
     )
+    if prologue == "pairs":
+        _prologue_pairs_kernel[(plan.n_chunks, H)](
+            q,
+            k,
+            v,
+            g,
+            beta,
+            plan.chunk_tok,
+            plan.chunk_len,
+            work.w,
+            work.u,
+            work.qg,
+            work.kdt,
+            work.aqk,
+            work.d,
+            work.r_buffer(),
+            H,
+            float(scale),
+            **common,
+            BK=block_k or PAIRS_K,
+            PARTS=parts,
+            num_warps=num_warps or 4,
+            num_stages=1,
+        )
+        return work
+    if prologue == "sliced":
+        _prologue_sliced_kernel[(plan.n_chunks, H)](
+            q,
+            k,
+            v,
+            g,
+            beta,
+            plan.chunk_tok,
+            plan.chunk_len,
+            work.w,
+            work.u,
+            work.qg,
+            work.kdt,
+            work.aqk,
+            work.d,
+            work.r_buffer(),
+            H,
+            float(scale),
+            **common,
+            BK=block_k or SLICE_K,
+            PARTS=parts,
+            num_warps=num_warps or 4,
+            num_stages=1,
+        )
+        return work
     if prologue == "blocks":
         _prologue_blocks_kernel[(plan.n_chunks, H)](
             q,
@@ -1344,6 +1906,7 @@ def kda_chunk_before(
     num_stages: int = 2,
     prologue_warps: int | None = None,
     prologue: str | None = None,
+    prologue_block_k: int | None = None,
 ):
     """Chunked KDA prefill, plain walk (2 launches: prologue, walk). Returns (o, final_state).
 
@@ -1357,7 +1920,7 @@ def kda_chunk_before(
     o, s_final = _outputs(q, plan, H)
     if plan.n_chunks:
         work = kda_chunk_prologue(
-            q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps, prologue=prologue
+            q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps, prologue=prologue, block_k=prologue_block_k
         )
     else:
         work = work or _alloc_work(0, H, q.dtype, q.device)
@@ -1381,10 +1944,12 @@ def kda_chunk_after(
     block_v: int = 64,
     summary_block: int = 64,
     scan_block: int = 32,
+    scan_stages: int = 1,
     num_warps: int = 4,
     num_stages: int = 2,
     prologue_warps: int | None = None,
     prologue: str | None = None,
+    prologue_block_k: int | None = None,
 ):
     """Chunked KDA prefill by the group scan (4 launches: prologue, summaries, scan, replay), or the
     plain walk when `choose_group_size` (or the plan) says the GPU is already full. Same arguments
@@ -1410,14 +1975,15 @@ def kda_chunk_after(
             num_stages=num_stages,
             prologue_warps=prologue_warps,
             prologue=prologue,
+            prologue_block_k=prologue_block_k,
         )
     o, s_final = _outputs(q, plan, H)
     work = kda_chunk_prologue(
-        q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps, prologue=prologue
+        q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps, prologue=prologue, block_k=prologue_block_k
     )
     sums, s_in = _scan_buffers(plan, H, q.device)
     _launch_summaries(work, plan, sums, H, q.dtype, summary_block, num_warps, num_stages)
-    _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block)
+    _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages)
     _walk(work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, block_v, num_warps, num_stages)
     return o, s_final
 
@@ -1459,7 +2025,7 @@ def _launch_summaries(work, plan, sums, H, dtype, summary_block, num_warps, num_
     )
 
 
-def _launch_scan(plan, sums, s_in, initial_state, H, dtype, scan_block):
+def _launch_scan(plan, sums, s_in, initial_state, H, dtype, scan_block, scan_stages=1):
     """Launch 3 of the after: the ordered scan over each sequence's groups."""
     K = HEAD_DIM
     sum_n, sum_b, sum_d = sums
@@ -1480,7 +2046,7 @@ def _launch_scan(plan, sums, s_in, initial_state, H, dtype, scan_block):
         PREC=_precisions(dtype)["SCAN_PREC"],
         WHILE=_WHILE,
         num_warps=4,
-        num_stages=1,
+        num_stages=scan_stages,
     )
 
 
@@ -1499,10 +2065,12 @@ def after_launches(
     block_v: int = 64,
     summary_block: int = 64,
     scan_block: int = 32,
+    scan_stages: int = 1,
     num_warps: int = 4,
     num_stages: int = 2,
     prologue_warps: int | None = None,
     prologue: str | None = None,
+    prologue_block_k: int | None = None,
 ) -> dict:
     """The after's launches as separate callables on fixed buffers (for timing each one and for
     profiling): {'prologue', 'summaries', 'scan', 'replay'} (or {'prologue', 'walk'} for a plan
@@ -1512,7 +2080,7 @@ def after_launches(
     work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)
     out = {
         "prologue": lambda: kda_chunk_prologue(
-            q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps, prologue=prologue
+            q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps, prologue=prologue, block_k=prologue_block_k
         )
     }
     if not plan.uses_scan:
@@ -1524,7 +2092,7 @@ def after_launches(
     out["summaries"] = lambda: _launch_summaries(
         work, plan, sums, H, q.dtype, summary_block, num_warps, num_stages
     )
-    out["scan"] = lambda: _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block)
+    out["scan"] = lambda: _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages)
     out["replay"] = lambda: _walk(
         work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, block_v, num_warps, num_stages
     )

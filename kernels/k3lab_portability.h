@@ -102,6 +102,16 @@ K3_DEVICE void k3_prefetch_l2(const void* p, unsigned bytes) {
 #endif
 }
 
+// Thread-block cluster barrier in two halves (Hopper and later), so a block can arrive, keep
+// working, and wait only where it needs its peers: arrive.relaxed orders nothing (a "started"
+// signal); arrive (release) publishes this thread's earlier writes, including those into a peer's
+// shared memory, to whoever waits (acquire). Every thread of the block calls each one.
+#if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+K3_DEVICE void k3_cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+K3_DEVICE void k3_cluster_arrive_release() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+K3_DEVICE void k3_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+#endif
+
 // Sum over an aligned group of 32 lanes. A group of 32 fits inside a warp or wavefront on every
 // vendor (NVIDIA 32 lanes, AMD 64 or 32), so this needs no device's width as a constant.
 K3_DEVICE float k3_group32_sum(float x) {

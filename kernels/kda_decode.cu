@@ -88,7 +88,7 @@ struct Smem {
   float gate[HV], o[HV];        // sigmoid(gate) * o_norm, and the outputs before the norm
   float ru[(NT / 32) * W], rw[(NT / 32) * W];  // partial S^T k and S^T q per 32-lane group
   float red[3][NT / 32];        // per-group partial sums
-  float o2;                     // this block's sum of o^2 (read by its cluster peers)
+  float o2s[8];                 // cluster mode: every block's sum of o^2, pushed here by each block
   float beta;
   int last;
 };
@@ -124,6 +124,7 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
   static_assert(HV % W == 0 && W % 4 == 0 && W <= 128, "slice width");
   static_assert(NT % 32 == 0 && (32 * W) % NT == 0 && NF4 >= 1, "threads per block");
   static_assert((MODE == WHOLE_HEAD) == (NS == 1), "a whole head per block, or a split mode");
+  static_assert(MODE != SPLIT_CLUSTER || NS <= 8, "a cluster of at most 8 blocks (sm.o2s)");
   // 'kv' mapping: CG threads across the W columns (4 each), RG row groups
   constexpr int CG = W / 4;
   constexpr int RG = NT / CG;
@@ -143,6 +144,11 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
   const int v0 = slice * W;
   const int grp = tid >> 5;
   const bool grp_lead = (tid & 31) == 0;
+#if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  // Phase 1 of the cluster barrier: "this block has started". Waited on just before the first write
+  // into a peer's shared memory, long after every peer has arrived, so it costs no round trip.
+  if (MODE == SPLIT_CLUSTER) k3_cluster_arrive_relaxed();
+#endif
 
   // ---- 1. every per-token input this block needs, loaded before any is used (one round trip);
   // issued first because the conv/norm work waits on them, the state only later
@@ -366,7 +372,55 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
   if (grp_lead) sm.red[0][grp] = o2;  // red[0] was last read before the previous barrier
   __syncthreads();
 
-  // ---- 6. gated RMSNorm of the head's V outputs, straight into the caller's bf16 buffer
+#if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  if (MODE == SPLIT_CLUSTER) {
+    // Push this block's sum of o^2 into every peer's shared memory, then arrive (release) on phase 2.
+    // The round trip of that barrier overlaps the state update and its stores below; nothing reads a
+    // peer's shared memory after phase 2, so no block waits for its peers before exiting.
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    k3_cluster_wait();  // phase 1: every peer has started (its shared memory exists)
+    if (tid < NS) *cluster.map_shared_rank(&sm.o2s[slice], tid) = sum_groups(sm.red[0]);
+    k3_cluster_arrive_release();  // phase 2: my o^2 is in every peer; I have read the conv states
+  }
+#endif
+
+  // ---- 6. S <- S_dec + k delta^T written back and this block's v conv states rolled. Split heads in
+  // cluster mode do it before the output norm, so the stores drain while the cluster barrier's round
+  // trip completes; the other modes after it (for the atomic mode, that order spills no registers).
+  auto update_state = [&]() {
+    if (VK) {
+#pragma unroll
+      for (int j = 0; j < NF4; ++j) {
+        const int kq4 = vk_l + 8 * (j % 4);
+        const float4 k4 = reinterpret_cast<const float4*>(sm.k)[kq4];
+        const float dl = sm.delta[vk_vg + CPP * (j / 4)] * rk;
+        s[j].x += k4.x * dl; s[j].y += k4.y * dl; s[j].z += k4.z * dl; s[j].w += k4.w * dl;
+      }
+    } else {
+      const float4 d4 = reinterpret_cast<const float4*>(sm.delta)[kv_tv];
+#pragma unroll
+      for (int j = 0; j < NF4; ++j) {
+        const float kr = sm.k[kv_tk + RG * j] * rk;
+        s[j].x += kr * d4.x; s[j].y += kr * d4.y; s[j].z += kr * d4.z; s[j].w += kr * d4.w;
+      }
+    }
+    if (a.hints & 2) {
+#pragma unroll
+      for (int j = 0; j < NF4; ++j) k3_store_stream(reinterpret_cast<float4*>(S + s_index(j)), s[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < NF4; ++j) *reinterpret_cast<float4*>(S + s_index(j)) = s[j];
+    }
+#pragma unroll
+    for (int it = 0; it < V_IT; ++it) {
+      const int i = tid + it * NT;
+      if (i < W) roll(cv + i * CONV_T, lv[it]);
+    }
+  };
+  if (MODE == SPLIT_CLUSTER) update_state();
+
+  // ---- 7. gated RMSNorm of the head's V outputs, straight into the caller's bf16 buffer
   k3_bf16* out = a.out + (long long)b * a.out_rs + h * HV;
   if (MODE == WHOLE_HEAD) {
     const float rstd = 1.0f / sqrtf(sum_groups(sm.red[0]) / HV + a.eps);
@@ -374,16 +428,13 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
   }
 #if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   if (MODE == SPLIT_CLUSTER) {
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    if (tid == 0) sm.o2 = sum_groups(sm.red[0]);
-    cluster.sync();  // every block's sum of o^2 is in its shared memory; all have read the conv states
+    k3_cluster_wait();  // phase 2 (acquire): every peer's o^2 is in sm.o2s
     float tot = 0.f;
 #pragma unroll
-    for (int r = 0; r < NS; ++r) tot += *cluster.map_shared_rank(&sm.o2, r);
+    for (int r = 0; r < NS; ++r) tot += sm.o2s[r];
     const float rstd = 1.0f / sqrtf(tot / HV + a.eps);
     if (tid < W) out[v0 + tid] = k3_f32_to_bf16(sm.o[v0 + tid] * rstd * sm.gate[v0 + tid]);
-    if (slice == 0) {
+    if (slice == 0) {  // every sibling has read the q/k conv states (it arrived on phase 2)
 #pragma unroll
       for (int it = 0; it < QK_IT; ++it) {
         const int d = tid + it * NT;
@@ -426,39 +477,7 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
       if (tid == 0) *counter = 0;  // ready for the next launch
     }
   }
-
-  // ---- 7. S <- S_dec + k delta^T written back; this block's v conv states rolled
-  if (VK) {
-#pragma unroll
-    for (int j = 0; j < NF4; ++j) {
-      const int kq4 = vk_l + 8 * (j % 4);
-      const float4 k4 = reinterpret_cast<const float4*>(sm.k)[kq4];
-      const float dl = sm.delta[vk_vg + CPP * (j / 4)] * rk;
-      s[j].x += k4.x * dl; s[j].y += k4.y * dl; s[j].z += k4.z * dl; s[j].w += k4.w * dl;
-    }
-  } else {
-    const float4 d4 = reinterpret_cast<const float4*>(sm.delta)[kv_tv];
-#pragma unroll
-    for (int j = 0; j < NF4; ++j) {
-      const float kr = sm.k[kv_tk + RG * j] * rk;
-      s[j].x += kr * d4.x; s[j].y += kr * d4.y; s[j].z += kr * d4.z; s[j].w += kr * d4.w;
-    }
-  }
-  if (a.hints & 2) {
-#pragma unroll
-    for (int j = 0; j < NF4; ++j) k3_store_stream(reinterpret_cast<float4*>(S + s_index(j)), s[j]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < NF4; ++j) *reinterpret_cast<float4*>(S + s_index(j)) = s[j];
-  }
-#pragma unroll
-  for (int it = 0; it < V_IT; ++it) {
-    const int i = tid + it * NT;
-    if (i < W) roll(cv + i * CONV_T, lv[it]);
-  }
-#if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  if (MODE == SPLIT_CLUSTER) cooperative_groups::this_cluster().sync();  // peers may still read sm.o2
-#endif
+  if (MODE != SPLIT_CLUSTER) update_state();
 }
 
 // The (slice width W, threads) pairs compiled, each for both state layouts and every split mode

@@ -2,6 +2,8 @@
 Triton's interpreter (fp32 inputs: bf16 is not trusted there). V is kept small (K must be 128) so
 each case runs a few dozen programs."""
 
+import functools
+
 import pytest
 import torch
 
@@ -33,11 +35,11 @@ def check(o, states, ref_o, ref_states):
     bench.check_all({"o": (o, ref_o), "states": (states, ref_states)}, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("tile_v", [4, 8, 32])
-def test_every_position_matches_reference(tile_v):
+@pytest.mark.parametrize("tile_v, form", [(4, "chunk"), (8, "chunk"), (8, "step"), (32, None)])
+def test_every_position_matches_reference(tile_v, form):
     x = make(2, 3, 2)
     ref_o, ref_s = kv.reference_verify(**x)
-    o, states = kv.kda_verify(**x, tile_v=tile_v)
+    o, states = kv.kda_verify(**x, tile_v=tile_v, form=form)
     assert states.shape == (2, 3, 2, K, 32)
     check(o, states, ref_o, ref_s)
     for t in range(3):  # each saved state on its own, so a wrong early position cannot hide
@@ -51,11 +53,12 @@ def test_before_kernel_matches_reference():
     check(*kv.kda_verify_before(**x, tile_v=8, num_warps=1), ref_o, ref_s)
 
 
-@pytest.mark.parametrize("T", [1, 8])
-def test_position_count_limits(T):
+@pytest.mark.parametrize("T, form", [(1, "step"), (1, "chunk"), (5, "chunk"), (8, "chunk"), (8, "step")])
+def test_position_count_limits(T, form):
+    # T = 5: the chunk form pads the positions to 8 (a power of two) and must not write the padding
     x = make(1, T, 1, V=16)
     ref_o, ref_s = kv.reference_verify(**x)
-    check(*kv.kda_verify(**x, tile_v=8), ref_o, ref_s)
+    check(*kv.kda_verify(**x, tile_v=8, form=form), ref_o, ref_s)
 
 
 @pytest.mark.parametrize("fn", [kv.kda_verify, kv.kda_verify_before])
@@ -85,7 +88,7 @@ def test_ragged_cu_seqlens(tile_v):
         assert torch.equal(o2, o)
 
 
-@pytest.mark.parametrize("fn", [kv.kda_verify, kv.kda_verify_before])
+@pytest.mark.parametrize("fn", [kv.kda_verify, functools.partial(kv.kda_verify, form="step"), kv.kda_verify_before])
 def test_ragged_lengths_leave_padding_untouched(fn):
     x = make(3, 4, 1, V=16)
     lengths = torch.tensor([4, 1, 2])
@@ -159,6 +162,8 @@ def test_bad_ragged_and_launch_arguments():
         kv.kda_verify(**x, lengths=torch.tensor([1, 3]))
     with pytest.raises(ValueError, match="tile_v"):
         kv.kda_verify(**x, tile_v=6)
+    with pytest.raises(ValueError, match="form"):
+        kv.kda_verify(**x, tile_v=8, form="wy")
     with pytest.raises(ValueError, match="states_out"):
         kv.kda_verify(**x, states_out=torch.empty(2, 2, 1, K, 8))
     flat = make(1, 4, 1, V=16, N=2)
@@ -178,3 +183,14 @@ def test_tile_rule_follows_units_and_backend():
     assert kv.choose_num_warps(4, wave_width=32) == 1 and kv.choose_num_warps(8, wave_width=64) == 1
     assert kv.choose_num_warps(32, wave_width=32) == 2
     assert kv.before_num_warps(32) == 4 and kv.before_num_warps(64) == 2
+    # chunk form: waves grow with the positions (its [T, K, tile] products), 2..8
+    assert [kv.choose_num_warps(8, wave_width=32, form="chunk", positions=t) for t in (2, 4, 8)] == [2, 4, 8]
+
+
+def test_chunk_and_step_forms_agree_on_a_ragged_batch():
+    lens = [2, 4, 1]
+    cu = torch.tensor([0, 2, 6, 7], dtype=torch.int32)
+    x = make(1, sum(lens), 1, V=8, N=len(lens))
+    ref_o, ref_s = kv.reference_verify(**x, cu_seqlens=cu)
+    for form in ("chunk", "step"):
+        check(*kv.kda_verify(**x, cu_seqlens=cu, tile_v=8, form=form), ref_o, ref_s)

@@ -24,6 +24,12 @@ Two kernels compute the same thing:
      round trip instead of T), exp(g), d*k, d*q, q.k and beta*v are computed up front, and the output
      o_t = S^T (d q) + (q.k) delta needs two reductions of the old state that run side by side.
 
+The narrow kernel comes in two forms (`form`): 'step' walks the positions one after another as
+above (T reductions of the state in series); 'chunk' (`_verify_chunk_kernel`, the default for
+T >= 2) treats the T positions as one small chunk of the chunked algorithm: every state-dependent
+reduction happens in one round, the T x T algebra between positions (a unit-triangular inverse)
+is done while the state is still in flight, and the per-position states come out of one scan.
+
 When batch x heads already gives every compute unit enough programs, `choose_tile_v` returns a wide
 tile and `kda_verify` runs the streaming kernel with it: there is no idle hardware for narrow tiles
 to fill, and a wide tile writes whole memory sectors per row with fewer instructions.
@@ -294,10 +300,10 @@ def _small_mm(a, b):
 def _verify_chunk_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
                          T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BV: tl.constexpr, RAGGED: tl.constexpr, ALL_STATES: tl.constexpr):
-    """The T positions as one small chunk (the WY form of chunked prefill, at chunk size T): the only
-    state-dependent reductions, a_t = S0^T (c_t k_t) and b_t = S0^T (c_t q_t) for every t, run
-    together, so the chain from the state load to the outputs holds one reduction over K instead of T
-    in series. With c_t the cumulative decay and E[t, i] = c_t / c_i (i <= t):
+    """The T positions as one small chunk (the WY form of chunked prefill, at chunk size T): the chain
+    from the state load to the outputs holds one round of reductions over K instead of T in series.
+    With c_t the cumulative decay, E[t, i] = c_t / c_i (i <= t), a_t = S0^T (c_t k_t) and
+    b_t = S0^T (c_t q_t):
         delta = P (v - a),  o = b + R (v - a),
     where P = (I + diag(beta) A)^-1 diag(beta), A[t, i] = (E[t, i] k_i) . k_t (i < t), and
     R = B P, B[t, i] = (E[t, i] k_i) . q_t (i <= t), are T x T and state-independent (computed while
@@ -349,12 +355,17 @@ def _verify_chunk_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
     P = minv * bf[None, :]
     R = _small_mm(Bm, P)
     c = tl.exp(gc)
-    # the state-dependent part: one reduction over K for all positions
-    a = tl.sum(S0[None, :, :] * (c * kf)[:, :, None], axis=1)  # [TP, BV]
-    b = tl.sum(S0[None, :, :] * (c * qf)[:, :, None], axis=1)
-    r = vf - a
-    delta = tl.sum(P[:, :, None] * r[None, :, :], axis=1)
-    out = b + tl.sum(R[:, :, None] * r[None, :, :], axis=1)
+    ck = c * kf
+    # delta = P (v - a) and o = b + R (v - a) with a = S0^T (c k), b = S0^T (c q), rearranged so that
+    # the state meets two [T, K] matrices and nothing after: delta = P v - S0^T (P ck),
+    # o = R v + S0^T (c q - R ck). Everything but the two reductions is state-independent.
+    ck_p = tl.sum(P[:, :, None] * ck[None, :, :], axis=1)  # [TP, K]
+    cq_r = c * qf - tl.sum(R[:, :, None] * ck[None, :, :], axis=1)
+    pv = tl.sum(P[:, :, None] * vf[None, :, :], axis=1)  # [TP, BV]
+    rv = tl.sum(R[:, :, None] * vf[None, :, :], axis=1)
+    # the state-dependent part: one round of reductions over K, every position at once
+    delta = pv - tl.sum(S0[None, :, :] * ck_p[:, :, None], axis=1)  # [TP, BV]
+    out = rv + tl.sum(S0[None, :, :] * cq_r[:, :, None], axis=1)
     if RAGGED == 1:  # flattened rows past this sequence belong to the next one
         tl.store(o + rows[:, None] * V + cv[None, :], out.to(o.dtype.element_ty), mask=m_tv)
     else:  # padded positions of a dead sequence tail have q = 0, so their rows are written as 0
@@ -505,7 +516,7 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
                               num_warps or choose_num_warps(bv))
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     grid = (V // bv, N * H)
-    form = form or NARROW_FORM
+    form = form or (NARROW_FORM if steps > 1 else "step")  # one position: nothing to batch
     if form == "chunk":
         _verify_chunk_kernel[grid](q, k, v, g, beta, h0, o, hs, seq_info, scale,
                                    T=steps, TP=triton.next_power_of_2(steps), H=H, K=HEAD_DIM, V=V, BV=bv,

@@ -366,8 +366,10 @@ def reference_records(device: str = "nvidia-h200", root=None) -> list[bench.Reco
     return bench.load_records(NAME, device=device, root=base)
 
 
-def _is_sweep(case: str) -> bool:
-    return re.fullmatch(r"b\d+_t\d+\.(narrow|stream|chunk)\d+_w\d+", case) is not None
+def _is_sweep(case: str, kinds: tuple[str, ...] = ("narrow", "stream")) -> bool:
+    """A tile x waves sweep point of the step-form kernels (narrow, stream), or of `kinds`."""
+    m = re.fullmatch(r"b\d+_t\d+\.(narrow|stream|chunk)\d+_w\d+", case)
+    return m is not None and m[1] in kinds
 
 
 def sweep_table(records) -> "pandas.DataFrame":  # noqa: F821
@@ -382,6 +384,23 @@ def sweep_table(records) -> "pandas.DataFrame":  # noqa: F821
                      "num_warps": r.extra["num_warps"], "workgroups": r.extra["workgroups"],
                      "median_us": r.median_us, "floor_us": r.floor_us})
     return pd.DataFrame(rows).sort_values(["batch", "kernel", "tile_v", "num_warps"]).reset_index(drop=True)
+
+
+def form_table(records) -> "pandas.DataFrame":  # noqa: F821
+    """The chunk form against the step form of the narrow kernel (graph replay, every state written):
+    one row per (batch, positions, form, tile, waves) from the `chunk` and `narrow` sweep points."""
+    import pandas as pd
+
+    rows = []
+    for r in records:
+        if r.mode != "graph" or not _is_sweep(r.case, ("chunk", "narrow")):
+            continue
+        rows.append({"batch": r.shape["B"], "positions": r.shape["T"],
+                     "form": "chunk" if ".chunk" in r.case else "step", "tile_v": r.extra["tile_v"],
+                     "num_warps": r.extra["num_warps"], "median_us": r.median_us, "floor_us": r.floor_us})
+    if not rows:
+        return pd.DataFrame(rows)
+    return pd.DataFrame(rows).sort_values(["batch", "positions", "form", "tile_v", "num_warps"]).reset_index(drop=True)
 
 
 def ablation_table(records, batch: int = 1, positions: int = 4) -> "pandas.DataFrame":  # noqa: F821

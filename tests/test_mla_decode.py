@@ -236,3 +236,28 @@ def test_study_tables_from_committed_h200_records():
     assert (sweep.groupby("case")["splits"].nunique() >= 5).all()
     targets = study.targets(h200)
     assert len(targets) == 10 and set(targets["mode"]) == {"eager", "graph"}
+
+
+def test_after_second_page_group_and_tile_tail():
+    # 1100 positions in pages of 16 are 69 pages: more than the 64 block-table entries one group
+    # holds, so the kernel reloads the table mid-piece; 1100 is not a multiple of the 16-row tile.
+    assert mla._page_groups(1100, 1, 16, 16) == 64 and mla._piece_len(1100, 1, 16) == 1104
+    q, cache, lens, kv, bt = _inputs(1, 1, 4, 1100, torch.float32, lengths=[1100], paged=True, seed=17)
+    ref_o, ref_l = mla.reference(q, cache, lens)
+    o, lse = mla.plan_after(q, kv, lens, block_table=bt, num_splits=1, block_n=16)()
+    _check(o, lse, ref_o, ref_l, torch.float32, "two page groups")
+
+
+def test_merge_in_several_tiles_with_empty_pieces():
+    # 100 pieces of a ragged batch: pieces are cut from the longest request (150 -> 16 positions
+    # each), so the 20-long request fills 2 and the other 98 of its programs are empty; with 128
+    # value columns per merge program the merge walks the pieces in tiles of 64 (not one shot).
+    q, cache, lens, kv, bt = _inputs(2, 1, 4, 150, torch.float32, lengths=[150, 20], paged=True, seed=19)
+    ref_o, ref_l = mla.reference(q, cache, lens)
+    assert mla._piece_len(150, 100, 16) == 16
+    plan = mla.plan_after(q, kv, lens, block_table=bt, num_splits=100, block_n=16, merge_dv=128)
+    assert mla.MERGE_TILE_ELEMS // 128 < 128  # the merge's SPLIT_TILE is below SPLITS_P2 here
+    o, lse = plan()
+    _check(o, lse, ref_o, ref_l, torch.float32, "merge tiles")
+    with pytest.raises(ValueError, match="merge_dv"):
+        mla.plan_after(q, kv, lens, block_table=bt, merge_dv=24)

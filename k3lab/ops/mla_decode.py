@@ -62,6 +62,11 @@ import triton.language as tl
 from k3lab import env
 from k3lab.nn.mla import latent_attention
 
+try:  # grid dependency control (programmatic dependent launch), NVIDIA sm_90+ only
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: the plans never ask for it (see _pdl_wanted)
+    gdc_launch_dependents = gdc_wait = None
+
 LATENT_DIM = 576  # [c 512 | k_pe 64] per position (architecture.md section 3)
 VALUE_DIM = 512  # values are the first 512 latent columns
 ROPE_DIM = LATENT_DIM - VALUE_DIM
@@ -70,6 +75,8 @@ MMA_ROWS = 16  # the fewest rows tl.dot accepts: the padded head count
 MAX_Q_LEN = 8  # verification group: the draft tokens plus one
 TOKENS_PER_PROGRAM = 4  # after: verify tokens sharing one program (4 x 16 = 64 rows of accumulator)
 MAX_SPLITS = 512
+MERGE_DV = 16  # value columns per merge program: 12 heads x 32 programs at B = 1 (H200 sweep: 16 beat 32 and 64)
+MERGE_TILE_ELEMS = 8192  # partial values one merge program loads at once (fp32: 32 KB)
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
 
@@ -246,10 +253,17 @@ def choose_num_splits(batch: int, context_len: int, compute_units: int | None = 
     return best
 
 
+def _piece_len(max_len: int, splits: int, block_n: int) -> int:
+    """Positions per history piece: the longest request cut into `splits`, rounded up to whole tiles.
+    Shorter requests of a ragged batch fill fewer pieces (their last pieces are empty programs that
+    write a zero-weight partial); the kernel's time is the longest piece either way."""
+    return -(-(-(-max_len // splits)) // block_n) * block_n
+
+
 def _page_groups(max_len: int, splits: int, block_n: int, page_size: int) -> int:
     """Block-table entries the split kernel holds in registers at once: enough for one piece of the
     longest request (a piece need not start on a page boundary: one page more), 16 to 64."""
-    piece = -(-(-(-max_len // splits)) // block_n) * block_n
+    piece = _piece_len(max_len, splits, block_n)
     return max(16, min(64, triton.next_power_of_2(-(-piece // page_size) + 1)))
 
 
@@ -433,7 +447,7 @@ def _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_l
 
 @triton.jit
 def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_ptr,
-                  heads, q_len, num_splits, head_groups,
+                  heads, q_len, num_splits, head_groups, chunk, table_pages,
                   stride_qb, stride_qt, stride_qh,
                   stride_kvp, stride_kvr, stride_btb,
                   stride_ob, stride_ot, stride_oh,
@@ -442,14 +456,30 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_GROUPS: tl.constexpr,
                   DV: tl.constexpr, DR: tl.constexpr,
                   HEAD_TILE: tl.constexpr, TOK_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  WRITE_FINAL: tl.constexpr, IEEE: tl.constexpr,
+                  WRITE_FINAL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
                   INTERPRET: tl.constexpr):
     # One program = one piece of one request's history, for TOK_TILE verify tokens x HEAD_TILE heads.
+    # PDL: let the merge kernel launch now; its programs wait (gdc_wait) until this grid is done,
+    # so its launch and set-up overlap this kernel instead of following it.
+    if PDL:
+        gdc_launch_dependents()
+    # Pieces are `chunk` positions (a multiple of BLOCK_N, from the batch's longest request, set at
+    # plan time), so a program knows where its piece starts without reading anything: its first
+    # block-table entries, the request's length and the query are all requested at once, and the
+    # first latent tiles wait for one memory round trip, not a chain of three (length -> block
+    # table -> tile). On the H200 that chain was most of a 32K decode's fixed cost.
     split = tl.program_id(0)
     b = tl.program_id(1)
     grp = tl.program_id(2)
     hg = grp % head_groups
     tg = grp // head_groups
+    start = split * chunk
+    offs_n = tl.arange(0, BLOCK_N)
+    if PAGE_GROUPS > 0:
+        gidx = tl.arange(0, PAGE_GROUPS)
+        pg = start // PAGE_SIZE
+        pages = tl.load(bt_ptr + b * stride_btb + pg + gidx, mask=pg + gidx < table_pages, other=0).to(tl.int64)
+    length = tl.load(len_ptr + b)
     M: tl.constexpr = TOK_TILE * HEAD_TILE
     r = tl.arange(0, M)
     t = tg * TOK_TILE + r // HEAD_TILE
@@ -459,24 +489,17 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
     q_t = tl.load(q_rows[None, :] + offs_v[:, None], mask=row_ok[None, :], other=0.0)  # [DV, M]
     qpe_t = tl.load(q_rows[None, :] + DV + tl.arange(0, DR)[:, None], mask=row_ok[None, :], other=0.0)  # [DR, M]
-    length = tl.load(len_ptr + b)
     qpos = tl.where(row_ok, length - q_len + t, -1)  # last visible position per row (causal)
-    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
     end = tl.minimum(start + chunk, length)
     m_i = tl.full([M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([DV, M], dtype=tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
     if PAGE_GROUPS > 0:
-        # Paged, tiles inside pages: read the block table PAGE_GROUPS entries at a time into
-        # registers, so the inner loop's addresses need no memory read and the pipeliner can
-        # fetch tiles ahead (a block-table load in the loop would make every copy wait).
-        gidx = tl.arange(0, PAGE_GROUPS)
+        # Paged, tiles inside pages: the block table is held PAGE_GROUPS entries at a time in
+        # registers (a group sized to cover a whole piece, so this loop usually runs once), so the
+        # tile loop's addresses need no memory read and the pipeliner can fetch tiles ahead.
         last_page = tl.cdiv(end, PAGE_SIZE)
-        pg = start // PAGE_SIZE
         while pg < last_page:
-            pages = tl.load(bt_ptr + b * stride_btb + pg + gidx, mask=pg + gidx < last_page, other=0).to(tl.int64)
             g_start = tl.maximum(start, pg * PAGE_SIZE)
             g_end = tl.minimum(end, (pg + PAGE_GROUPS) * PAGE_SIZE)
             if INTERPRET:
@@ -494,6 +517,7 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
                     m_i, l_i, acc = _split_tile(kv_ptr, rows, n0 + offs_n, end, qpos, q_t, qpe_t, m_i, l_i, acc,
                                                 scale_log2, DV, DR, IEEE)
             pg += PAGE_GROUPS
+            pages = tl.load(bt_ptr + b * stride_btb + pg + gidx, mask=pg + gidx < table_pages, other=0).to(tl.int64)
     else:
         if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
             n0 = start
@@ -524,191 +548,48 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
 
 
 @triton.jit
-def _chunk_dot(a, b, acc, PREC: tl.constexpr):
-    return tl.dot(a, b, acc, input_precision=PREC)
-
-
-@triton.jit
-def _chunk_tile(kv_ptr, rows, pos, end, qpos, q0, q1, q2, q3, qpe, m_i, l_i, a0, a1, a2, a3, scale_log2,
-                DV: tl.constexpr, DR: tl.constexpr, QK_INDEP: tl.constexpr, PREC: tl.constexpr):
-    """One tile of latent rows for all query rows of the program, the 512 value columns cut into 4
-    chunks of 128 (each its own copy into shared memory).
-
-    Transposed as in _split_tile (positions are the M dimension). The chunks serve both products
-    from the same shared-memory tiles: the scores are sum_j K_j q_j^T (QK_INDEP: 4 independent
-    products summed at the end, so no product waits for the previous one's accumulator; otherwise
-    one chained accumulation) and the value product is 4 independent accumulators acc_j^T += K_j^T p^T."""
-    C: tl.constexpr = DV // 4
-    pmask = pos < end
-    offs_c = tl.arange(0, C)
-    base = kv_ptr + rows[:, None]
-    k0 = tl.load(base + offs_c[None, :], mask=pmask[:, None], other=0.0)
-    k1 = tl.load(base + C + offs_c[None, :], mask=pmask[:, None], other=0.0)
-    k2 = tl.load(base + 2 * C + offs_c[None, :], mask=pmask[:, None], other=0.0)
-    k3 = tl.load(base + 3 * C + offs_c[None, :], mask=pmask[:, None], other=0.0)
-    k_pe = tl.load(base + DV + tl.arange(0, DR)[None, :], mask=pmask[:, None], other=0.0)
-    zero = tl.zeros([k0.shape[0], q0.shape[1]], dtype=tl.float32)
-    if QK_INDEP:
-        s = (_chunk_dot(k0, q0, zero, PREC) + _chunk_dot(k1, q1, zero, PREC)) + \
-            (_chunk_dot(k2, q2, zero, PREC) + _chunk_dot(k3, q3, zero, PREC)) + _chunk_dot(k_pe, qpe, zero, PREC)
-    else:
-        s = _chunk_dot(k0, q0, zero, PREC)
-        s = _chunk_dot(k1, q1, s, PREC)
-        s = _chunk_dot(k2, q2, s, PREC)
-        s = _chunk_dot(k3, q3, s, PREC)
-        s = _chunk_dot(k_pe, qpe, s, PREC)
-    visible = (pos[:, None] <= qpos[None, :]) & pmask[:, None]
-    s = tl.where(visible, s * scale_log2, -float("inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row that sees nothing yet stays at zero
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[None, :])
-    l_i = l_i * alpha + tl.sum(p, axis=0)
-    p = p.to(k0.dtype)
-    a0 = _chunk_dot(tl.trans(k0), p, a0 * alpha[None, :], PREC)
-    a1 = _chunk_dot(tl.trans(k1), p, a1 * alpha[None, :], PREC)
-    a2 = _chunk_dot(tl.trans(k2), p, a2 * alpha[None, :], PREC)
-    a3 = _chunk_dot(tl.trans(k3), p, a3 * alpha[None, :], PREC)
-    return m_new, l_i, a0, a1, a2, a3
-
-
-@triton.jit
-def _chunk_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_ptr,
-                  heads, q_len, num_splits, head_groups,
-                  stride_qb, stride_qt, stride_qh,
-                  stride_kvp, stride_kvr, stride_btb,
-                  stride_ob, stride_ot, stride_oh,
-                  stride_lb, stride_lt,
-                  scale_log2,
-                  PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_GROUPS: tl.constexpr,
-                  DV: tl.constexpr, DR: tl.constexpr,
-                  HEAD_TILE: tl.constexpr, TOK_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  WRITE_FINAL: tl.constexpr, QK_INDEP: tl.constexpr, PREC: tl.constexpr,
-                  INTERPRET: tl.constexpr):
-    # The split kernel with the latent row cut into column chunks (see _chunk_tile); the loop over
-    # the history and the outputs are those of _split_kernel.
-    C: tl.constexpr = DV // 4
-    split = tl.program_id(0)
-    b = tl.program_id(1)
-    grp = tl.program_id(2)
-    hg = grp % head_groups
-    tg = grp // head_groups
-    M: tl.constexpr = TOK_TILE * HEAD_TILE
-    r = tl.arange(0, M)
-    t = tg * TOK_TILE + r // HEAD_TILE
-    h = hg * HEAD_TILE + r % HEAD_TILE
-    row_ok = (t < q_len) & (h < heads)  # rows past the real heads are the padding: zero query, never stored
-    offs_c = tl.arange(0, C)
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
-    q0 = tl.load(q_rows[None, :] + offs_c[:, None], mask=row_ok[None, :], other=0.0)  # [C, M]
-    q1 = tl.load(q_rows[None, :] + C + offs_c[:, None], mask=row_ok[None, :], other=0.0)
-    q2 = tl.load(q_rows[None, :] + 2 * C + offs_c[:, None], mask=row_ok[None, :], other=0.0)
-    q3 = tl.load(q_rows[None, :] + 3 * C + offs_c[:, None], mask=row_ok[None, :], other=0.0)
-    qpe = tl.load(q_rows[None, :] + DV + tl.arange(0, DR)[:, None], mask=row_ok[None, :], other=0.0)  # [DR, M]
-    length = tl.load(len_ptr + b)
-    qpos = tl.where(row_ok, length - q_len + t, -1)  # last visible position per row (causal)
-    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, length)
-    m_i = tl.full([M], -float("inf"), dtype=tl.float32)
-    l_i = tl.zeros([M], dtype=tl.float32)
-    a0 = tl.zeros([C, M], dtype=tl.float32)
-    a1 = tl.zeros([C, M], dtype=tl.float32)
-    a2 = tl.zeros([C, M], dtype=tl.float32)
-    a3 = tl.zeros([C, M], dtype=tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    if PAGE_GROUPS > 0:
-        # Paged, tiles inside pages: the block table is read PAGE_GROUPS entries at a time into
-        # registers (sized so one group usually covers the whole piece), so the tile loop's
-        # addresses need no memory read and the pipeliner can fetch tiles ahead.
-        gidx = tl.arange(0, PAGE_GROUPS)
-        last_page = tl.cdiv(end, PAGE_SIZE)
-        pg = start // PAGE_SIZE
-        while pg < last_page:
-            pages = tl.load(bt_ptr + b * stride_btb + pg + gidx, mask=pg + gidx < last_page, other=0).to(tl.int64)
-            g_start = tl.maximum(start, pg * PAGE_SIZE)
-            g_end = tl.minimum(end, (pg + PAGE_GROUPS) * PAGE_SIZE)
-            if INTERPRET:
-                n0 = g_start
-                while n0 < g_end:
-                    page = tl.sum(tl.where(gidx == n0 // PAGE_SIZE - pg, pages, 0))
-                    rows = page * stride_kvp + ((n0 % PAGE_SIZE) + offs_n).to(tl.int64) * stride_kvr
-                    m_i, l_i, a0, a1, a2, a3 = _chunk_tile(kv_ptr, rows, n0 + offs_n, end, qpos, q0, q1, q2, q3, qpe,
-                                                           m_i, l_i, a0, a1, a2, a3, scale_log2, DV, DR, QK_INDEP,
-                                                           PREC)
-                    n0 += BLOCK_N
-            else:
-                for n0 in range(g_start, g_end, BLOCK_N):
-                    page = tl.sum(tl.where(gidx == n0 // PAGE_SIZE - pg, pages, 0))
-                    rows = page * stride_kvp + ((n0 % PAGE_SIZE) + offs_n).to(tl.int64) * stride_kvr
-                    m_i, l_i, a0, a1, a2, a3 = _chunk_tile(kv_ptr, rows, n0 + offs_n, end, qpos, q0, q1, q2, q3, qpe,
-                                                           m_i, l_i, a0, a1, a2, a3, scale_log2, DV, DR, QK_INDEP,
-                                                           PREC)
-            pg += PAGE_GROUPS
-    else:
-        if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
-            n0 = start
-            while n0 < end:
-                pos = n0 + offs_n
-                rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
-                m_i, l_i, a0, a1, a2, a3 = _chunk_tile(kv_ptr, rows, pos, end, qpos, q0, q1, q2, q3, qpe, m_i, l_i,
-                                                       a0, a1, a2, a3, scale_log2, DV, DR, QK_INDEP, PREC)
-                n0 += BLOCK_N
-        else:
-            for n0 in range(start, end, BLOCK_N):
-                pos = n0 + offs_n
-                rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
-                m_i, l_i, a0, a1, a2, a3 = _chunk_tile(kv_ptr, rows, pos, end, qpos, q0, q1, q2, q3, qpe, m_i, l_i,
-                                                       a0, a1, a2, a3, scale_log2, DV, DR, QK_INDEP, PREC)
-    seen = l_i > 0
-    inv = 1.0 / tl.where(seen, l_i, 1.0)
-    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -float("inf"))
-    if WRITE_FINAL:
-        o_rows = o_ptr + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
-        ty = o_ptr.dtype.element_ty
-        tl.store(o_rows[None, :] + offs_c[:, None], (a0 * inv[None, :]).to(ty), mask=row_ok[None, :])
-        tl.store(o_rows[None, :] + C + offs_c[:, None], (a1 * inv[None, :]).to(ty), mask=row_ok[None, :])
-        tl.store(o_rows[None, :] + 2 * C + offs_c[:, None], (a2 * inv[None, :]).to(ty), mask=row_ok[None, :])
-        tl.store(o_rows[None, :] + 3 * C + offs_c[:, None], (a3 * inv[None, :]).to(ty), mask=row_ok[None, :])
-        tl.store(lse_ptr + b * stride_lb + t * stride_lt + h, lse2 * 0.6931471805599453, mask=row_ok)
-    else:
-        # partials [B, q_len * heads, num_splits, DV] (fp32) and [B, q_len * heads, num_splits] (base 2)
-        prow = (b * q_len * heads + t * heads + h).to(tl.int64) * num_splits + split
-        p_rows = op_ptr + prow[None, :] * DV
-        tl.store(p_rows + offs_c[:, None], a0 * inv[None, :], mask=row_ok[None, :])
-        tl.store(p_rows + C + offs_c[:, None], a1 * inv[None, :], mask=row_ok[None, :])
-        tl.store(p_rows + 2 * C + offs_c[:, None], a2 * inv[None, :], mask=row_ok[None, :])
-        tl.store(p_rows + 3 * C + offs_c[:, None], a3 * inv[None, :], mask=row_ok[None, :])
-        tl.store(lsep_ptr + prow, lse2, mask=row_ok)
-
-
-@triton.jit
 def _merge_kernel(op_ptr, lsep_ptr, o_ptr, lse_ptr,
                   heads, q_len, num_splits,
                   stride_ob, stride_ot, stride_oh,
                   stride_lb, stride_lt,
-                  DV: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_TILE: tl.constexpr):
+                  DV: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_TILE: tl.constexpr,
+                  PDL: tl.constexpr):
     # One program = one (request, row) and BLOCK_DV value columns: lse-weighted sum of the pieces.
-    # Wide [SPLIT_TILE, BLOCK_DV] loads keep many bytes in flight: the merge is latency-bound.
+    # The merge is latency-bound (a few MB over few programs): the partials and their log-sum-exps
+    # are requested together, so it waits for one memory round trip (SPLIT_TILE = SPLITS_P2, the
+    # usual case) rather than one for the weights and another for the partials.
     b = tl.program_id(0)
     row = tl.program_id(1)
     dv0 = tl.program_id(2) * BLOCK_DV
     t = row // heads
     h = row % heads
     base = (b * q_len * heads + row).to(tl.int64) * num_splits
-    offs_s = tl.arange(0, SPLITS_P2)
-    lse_all = tl.load(lsep_ptr + base + offs_s, mask=offs_s < num_splits, other=-float("inf"))
-    m = tl.max(lse_all, axis=0)
-    m_use = tl.where(m == -float("inf"), 0.0, m)
-    denom = tl.sum(tl.exp2(lse_all - m_use), axis=0)
     offs_v = dv0 + tl.arange(0, BLOCK_DV)
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for s0 in range(0, SPLITS_P2, SPLIT_TILE):  # compile-time bounds: the interpreter needs them
-        ss = s0 + tl.arange(0, SPLIT_TILE)
+    if PDL:  # launched early (programmatic dependent launch): wait for the split kernel's partials
+        gdc_wait()
+    if SPLIT_TILE == SPLITS_P2:
+        ss = tl.arange(0, SPLITS_P2)
         smask = ss < num_splits
-        w = tl.exp2(tl.load(lsep_ptr + base + ss, mask=smask, other=-float("inf")) - m_use)
         part = tl.load(op_ptr + (base + ss)[:, None] * DV + offs_v[None, :], mask=smask[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * part, axis=0)
+        lse_all = tl.load(lsep_ptr + base + ss, mask=smask, other=-float("inf"))
+        m = tl.max(lse_all, axis=0)
+        m_use = tl.where(m == -float("inf"), 0.0, m)
+        w = tl.exp2(lse_all - m_use)
+        denom = tl.sum(w, axis=0)
+        acc = tl.sum(w[:, None] * part, axis=0)
+    else:
+        offs_s = tl.arange(0, SPLITS_P2)
+        lse_all = tl.load(lsep_ptr + base + offs_s, mask=offs_s < num_splits, other=-float("inf"))
+        m = tl.max(lse_all, axis=0)
+        m_use = tl.where(m == -float("inf"), 0.0, m)
+        denom = tl.sum(tl.exp2(lse_all - m_use), axis=0)
+        acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+        for s0 in range(0, SPLITS_P2, SPLIT_TILE):  # compile-time bounds: the interpreter needs them
+            ss = s0 + tl.arange(0, SPLIT_TILE)
+            smask = ss < num_splits
+            part = tl.load(op_ptr + (base + ss)[:, None] * DV + offs_v[None, :], mask=smask[:, None], other=0.0)
+            w = tl.exp2(tl.load(lsep_ptr + base + ss, mask=smask, other=-float("inf")) - m_use)
+            acc += tl.sum(w[:, None] * part, axis=0)
     seen = denom > 0
     o = acc / tl.where(seen, denom, 1.0)
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + offs_v,
@@ -778,6 +659,7 @@ class DecodePlan:
     programs_per_unit: int = 1
     tuning: dict | None = None
     fast_launch: bool = False
+    pdl: bool = False  # the merge is launched early (programmatic dependent launch)
     _kernels: list = field(default_factory=list, repr=False)
     _outputs: list = field(default_factory=list, repr=False)  # every buffer the kernels write
 
@@ -793,7 +675,7 @@ class DecodePlan:
         return {"num_splits": self.num_splits, "programs": self.programs, "programs_per_unit": self.programs_per_unit,
                 "launches": self.launches, "block_n": self.config.block_n, "num_warps": self.config.num_warps,
                 "num_stages": self.config.num_stages, "rows_per_program": self.rows_per_program, "pad": self.pad,
-                "fast_launch": self.fast_launch, "tuning": self.tuning}
+                "fast_launch": self.fast_launch, "pdl": self.pdl, "tuning": self.tuning}
 
 
 def _kv_strides(inp: _Inputs) -> tuple[int, int]:
@@ -913,6 +795,20 @@ def _tuning_wanted(tune: bool | None) -> bool:
     return bool(tune)
 
 
+def _pdl_wanted(pdl: bool | None) -> bool:
+    """Programmatic dependent launch of the merge: NVIDIA compute capability 9.0+ (Hopper) with a
+    Triton that has grid dependency control; pdl=None means on where available (K3LAB_MLA_PDL=0
+    turns it off), pdl=True where unavailable is an error, not a silent fallback."""
+    usable = (_on_gpu() and torch.version.cuda is not None and gdc_wait is not None
+              and torch.cuda.get_device_capability()[0] >= 9)
+    if pdl is None:
+        return usable and os.environ.get("K3LAB_MLA_PDL", "1") != "0"
+    if pdl and not usable:
+        raise ValueError("pdl=True needs an NVIDIA GPU of compute capability 9.0+ (Hopper) and a Triton with "
+                         "triton.language.extra.cuda.gdc_wait; pass pdl=None to use it only where available")
+    return bool(pdl)
+
+
 def _fast_launch_wanted(fast_launch: bool | None) -> bool:
     """fast_launch=None: K3LAB_MLA_FAST_LAUNCH=1 turns the checked direct relaunch on; off by default."""
     if fast_launch is None:
@@ -958,7 +854,7 @@ _TUNED: dict[tuple, tuple[LaunchConfig, dict]] = {}
 
 
 def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_splits, compute_units, scale,
-                 fast_launch: bool, kernel: str = "chunked", qk_indep: bool = True, merge_dv: int = 32) -> DecodePlan:
+                 fast_launch: bool, merge_dv: int = MERGE_DV, pdl: bool = False) -> DecodePlan:
     B, Tq, H = inp.batch, inp.q_len, inp.heads
     head_groups = -(-H // MMA_ROWS)
     tok_tile = _token_tile(Tq)
@@ -993,14 +889,11 @@ def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_split
         consts = dict(PAGED=inp.paged, PAGE_SIZE=inp.page_size, PAGE_GROUPS=page_groups, DV=VALUE_DIM, DR=ROPE_DIM,
                       HEAD_TILE=MMA_ROWS, TOK_TILE=tok_tile, BLOCK_N=cfg.block_n, WRITE_FINAL=splits == 1,
                       INTERPRET=env.triton_interpreted(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if kernel == "chunked":
-            kfn = _chunk_kernel
-            consts.update(QK_INDEP=qk_indep, PREC="ieee" if q.dtype == torch.float32 else "tf32")
-        else:
-            kfn = _split_kernel
-            consts.update(IEEE=q.dtype == torch.float32)
-        split = _Launch(kfn, grid, (kq, kv, bt, lens, k_out, k_lse, o_part, l_part, k_heads, Tq, splits,
-                                              head_groups, kq.stride(0), kq.stride(1), kq.stride(2), skvp, skvr,
+        use_pdl = pdl and splits > 1  # only the merge is launched early
+        consts.update(IEEE=q.dtype == torch.float32, PDL=use_pdl)
+        chunk = _piece_len(inp.max_len, splits, cfg.block_n)
+        split = _Launch(_split_kernel, grid, (kq, kv, bt, lens, k_out, k_lse, o_part, l_part, k_heads, Tq, splits,
+                                              head_groups, chunk, bt.shape[1], kq.stride(0), kq.stride(1), kq.stride(2), skvp, skvr,
                                               bt.stride(0), k_out.stride(0), k_out.stride(1), k_out.stride(2),
                                               k_lse.stride(0), k_lse.stride(1), scale_log2), consts)
         kernels = [split]
@@ -1010,7 +903,8 @@ def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_split
                             (o_part, l_part, k_out, k_lse, k_heads, Tq, splits, k_out.stride(0), k_out.stride(1),
                              k_out.stride(2), k_lse.stride(0), k_lse.stride(1)),
                             dict(DV=VALUE_DIM, BLOCK_DV=merge_dv, SPLITS_P2=sp2,
-                                 SPLIT_TILE=min(sp2, max(16, 8192 // merge_dv)), num_warps=4))
+                                 SPLIT_TILE=min(sp2, MERGE_TILE_ELEMS // merge_dv), PDL=use_pdl, num_warps=4,
+                                 **({"launch_pdl": True} if use_pdl else {})))
             kernels.append(merge)
 
         def launch():
@@ -1026,6 +920,7 @@ def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_split
         written = [out, lse] + ([o_part, l_part] if splits > 1 else []) + ([k_out, k_lse] if pad == "copy" else [])
         plan = DecodePlan("after", grid, splits, launches, cfg, H, rows, pad, out, lse, launch, programs_per_unit=ppu,
                           _kernels=kernels, _outputs=written)
+        plan.pdl = use_pdl
         if pad == "copy":
             plan.padded_query, plan.padded_out = kq, k_out  # what the padding holds, for the notebook and tests
         return plan
@@ -1095,7 +990,7 @@ def _tuning_key(inp: _Inputs, q, pad: str) -> tuple:
 def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, fold_heads=False,
                pad="registers", compute_units=None, block_n=None, num_warps=None, num_stages=None,
                pad_fill: float = 0.0, tune: bool | None = None, fast_launch: bool | None = None,
-               kernel: str = "chunked", qk_indep: bool = True, merge_dv: int = 32) -> DecodePlan:
+               merge_dv: int | None = None, pdl: bool | None = None) -> DecodePlan:
     """Validate once and return a launchable plan of the padded split-history decode.
 
     num_splits: None = `choose_num_splits` for this batch, the longest context, the device's compute
@@ -1122,12 +1017,11 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be an integer in 1..{MAX_SPLITS}, got {num_splits!r}")
     rows = _token_tile(inp.q_len) * MMA_ROWS
-    if kernel not in ("chunked", "plain"):
-        raise ValueError(f"kernel must be 'chunked' or 'plain', got {kernel!r}")
+    merge_dv = MERGE_DV if merge_dv is None else merge_dv
     if merge_dv not in (16, 32, 64, 128):
         raise ValueError(f"merge_dv must be 16, 32, 64 or 128 value columns per merge program, got {merge_dv!r}")
     kw = dict(pad=pad, pad_fill=pad_fill, num_splits=num_splits, compute_units=compute_units, scale=scale,
-              fast_launch=_fast_launch_wanted(fast_launch), kernel=kernel, qk_indep=qk_indep, merge_dv=merge_dv)
+              fast_launch=_fast_launch_wanted(fast_launch), merge_dv=merge_dv, pdl=_pdl_wanted(pdl))
     fixed = block_n is not None or num_warps is not None or num_stages is not None
     if fixed or not _tuning_wanted(tune) or not _on_gpu():
         cfg = launch_config("after", q.dtype, rows=rows, block_n=block_n, num_warps=num_warps, num_stages=num_stages)

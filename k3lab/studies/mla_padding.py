@@ -16,8 +16,8 @@ Here both policies run as kernels (`k3lab.ops.mla_decode`) on the machine at han
   project).
 
 Cases on a GPU (bf16 cache, paged, page size 64, B = 1 unless named): 1K, 32K and 128K context; a
-batch sweep B in {1, 8, 64} at 8K; a ragged batch; 4-position verification at 32K; the seed's
-explicit-copy padding ('<case>.padcopy') and a contiguous cache ('<case>.contig'); a split-count
+batch sweep B in {1, 8, 64} at 8K; a ragged batch; 2- and 4-position verification at 32K (read by
+the draft-depth study); the seed's explicit-copy padding ('<case>.padcopy') and a contiguous cache ('<case>.contig'); a split-count
 sweep at 1K, 32K and 128K ('ctx32k.s64', ...); and, when asked (`tune=True`), launch-configuration
 variants ('tune.<case>.<variant>.bn64w4s2'). On a CPU the same code runs on tiny contexts in fp32
 through Triton's interpreter (timings there say nothing about GPUs). Every record carries its error
@@ -71,16 +71,17 @@ def _main_cases() -> list[Case]:
     if _gpu():
         return [Case("ctx1k", 1, 1024), Case("ctx32k", 1, 32768), Case("ctx128k", 1, 131072),
                 Case("b1_8k", 1, 8192), Case("b8_8k", 8, 8192), Case("b64_8k", 64, 8192),
-                Case("ragged8_8k", 8, 8192, ragged=True), Case("verify4_32k", 1, 32768, q_len=4)]
+                Case("ragged8_8k", 8, 8192, ragged=True), Case("verify2_32k", 1, 32768, q_len=2),
+                Case("verify4_32k", 1, 32768, q_len=4)]
     return [Case("ctx96", 1, 96), Case("ctx320", 1, 320), Case("b3_ctx96", 3, 96),
             Case("ragged3_ctx96", 3, 96, ragged=True), Case("verify4_ctx64", 1, 64, q_len=4)]
 
 
 def _sweep_cases() -> list[Case]:
     if _gpu():
-        grid = {"ctx1k": (1024, (1, 2, 4, 8, 16)),
-                "ctx32k": (32768, (1, 8, 16, 32, 64, 96, 128, 132, 192, 256)),
-                "ctx128k": (131072, (16, 32, 64, 128, 132, 256))}
+        grid = {"ctx1k": (1024, (1, 4, 8, 16, 32, 64)),
+                "ctx32k": (32768, (1, 16, 32, 64, 128, 132, 192, 256, 264, 396)),
+                "ctx128k": (131072, (32, 64, 128, 132, 256, 264, 396))}
     else:
         grid = {"ctx320": (320, (1, 2, 5))}
     return [Case(f"{base}.s{s}", 1, n, splits=s, kind="sweep") for base, (n, ss) in grid.items() for s in ss]

@@ -129,16 +129,22 @@ def test_variants_at_64_tokens(variant):
 
 
 @pytest.mark.parametrize("n_blocks,group", [(0, 1), (1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)])
-def test_launch_config_tiles_small_batches_and_walks_large_ones(n_blocks, group):
+def test_launch_config_tiles_small_batches_and_pipelines_large_ones(n_blocks, group):
     units = 132
     for tokens in (1, 64, units):  # one token per unit at most: every block in one tile, one round trip
         cfg = op.launch_config(tokens, n_blocks, compute_units=units)
-        assert cfg["group"] == group and cfg["num_warps"] == 16 and cfg["stages"] == 0
+        assert cfg["group"] == group and cfg["stages"] == 0 and cfg["prefetch"] == 1
     for tokens in (units + 1, 8192):  # many tokens per unit: one block at a time, loads kept in flight
         cfg = op.launch_config(tokens, n_blocks, compute_units=units)
         assert cfg["group"] == 1
-        assert cfg["prefetch"] == 1 or cfg["stages"] > 0
-    assert op.launch_config(1, n_blocks, compute_units=units) != op.launch_config(8192, n_blocks, compute_units=units)
+        if n_blocks >= 3:  # enough blocks to fill a 3-deep software pipeline
+            assert cfg["stages"] == 3 and cfg["prefetch"] == 0
+        else:
+            assert cfg["stages"] == 0 and cfg["prefetch"] == 1
+    # the rule names only configurations the sweep timed
+    assert op.launch_config(1, 8, compute_units=units) == {**VARIANTS["tile8"], "x_last": 0}
+    assert op.launch_config(8192, 8, compute_units=units) == {**VARIANTS["pipe8s3"], "x_last": 0}
+    assert op.launch_config(8192, 1, compute_units=units) == {**VARIANTS["walk4"], "x_last": 0}
 
 
 def test_the_dispatched_launch_is_the_one_launch_config_names(monkeypatch):
@@ -154,7 +160,7 @@ def test_the_dispatched_launch_is_the_one_launch_config_names(monkeypatch):
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("bad", [dict(group=3), dict(prefetch=2), dict(w_reload=5), dict(stages=-1)])
+@pytest.mark.parametrize("bad", [dict(group=3), dict(prefetch=2), dict(w_reload=5), dict(stages=-1), dict(x_last=2)])
 def test_bad_launch_overrides_name_the_argument(bad):
     x = _inputs(2, 64, torch.float32)
     name = next(iter(bad))

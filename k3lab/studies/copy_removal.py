@@ -123,11 +123,14 @@ def _attn_res_case(tokens: int, sources: int, hidden: int, graph: bool) -> list[
 # The fused kernel's launch choices swept on a GPU (see arn.launch_config): name -> configuration.
 # tile*: every stored block in one tile (group 8 is clamped to the blocks in use); walk*: one block at
 # a time with the next prefetched; pipe*: one block at a time in a rolled loop the compiler
-# software-pipelines `stages` deep through shared memory; 'r': the logit weight re-read per block.
+# software-pipelines `stages` deep through shared memory; 'r': the logit weight re-read per block;
+# 'x': the running partial enters the softmax last.
 ATTN_RES_VARIANTS = {
     "tile8": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0),
     "tile16": dict(group=8, num_warps=16, prefetch=1, w_reload=0, stages=0),
     "tile32": dict(group=8, num_warps=32, prefetch=1, w_reload=0, stages=0),
+    "tile8x": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0, x_last=1),
+    "tile16x": dict(group=8, num_warps=16, prefetch=1, w_reload=0, stages=0, x_last=1),
     "pair16": dict(group=2, num_warps=16, prefetch=1, w_reload=0, stages=0),
     "walk4": dict(group=1, num_warps=4, prefetch=1, w_reload=0, stages=0),  # the previous kernel's choice
     "walk8": dict(group=1, num_warps=8, prefetch=1, w_reload=0, stages=0),

@@ -123,17 +123,13 @@ if triton is not None:
                               stride_block, w_step, eps, D: tl.constexpr, N_BLOCKS: tl.constexpr,
                               HAS_DELTA: tl.constexpr, PUSH: tl.constexpr, BLOCK_D: tl.constexpr,
                               GROUP: tl.constexpr, PREFETCH: tl.constexpr, W_RELOAD: tl.constexpr,
-                              STAGES: tl.constexpr, X_LAST: tl.constexpr):
+                              STAGES: tl.constexpr):
         # One program per token. The stored blocks are taken GROUP at a time as one [GROUP, BLOCK_D]
         # tile: the group's loads are all in flight together, its logits come from one reduction, and
         # an online softmax carries the mixture from group to group. GROUP = all blocks (rounded up to
         # a power of two) is a single step: every load of the token in one round trip (small T, where
         # a chain of per-block load -> reduce trips is the whole cost). GROUP = 1 walks the blocks one
         # at a time, the least registers (large T, where occupancy keeps HBM busy).
-        # X_LAST: the running partial enters the softmax after the blocks rather than first (the order
-        # of an online softmax is free). The compiler places the partial's arithmetic right after its
-        # load, and block loads scheduled after that wait for the partial to arrive; with the partial
-        # last, its arithmetic has no reason to come before the blocks' loads.
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         mask = cols < D
@@ -150,16 +146,14 @@ if triton is not None:
         x = tl.load(prefix_ptr + base + cols, mask=mask, other=0.0)
         if HAS_DELTA:
             dx = tl.load(delta_ptr + base + cols, mask=mask, other=0.0)
-        if X_LAST:  # the partial joins the softmax after the blocks (see X_LAST above)
-            h = tl.zeros([BLOCK_D], dtype=tl.float32)
-            m = tl.full([], float("-inf"), tl.float32)
-            s = tl.zeros([], dtype=tl.float32)
-        else:  # online softmax over the sources: the partial first, then the blocks group by group
-            x = _update_partial(x, dx if HAS_DELTA else x, prefix_ptr, blocks_ptr, base, cols, mask,
-                                N_BLOCKS * stride, HAS_DELTA, PUSH)
-            h = x.to(tl.float32)
-            m = tl.sum(h * w, axis=0) * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
-            s = m * 0.0 + 1.0
+        # online softmax over the sources: the partial first, then the blocks group by group. (The
+        # partial last, so that its arithmetic need not wait ahead of the block loads, was measured
+        # and was no faster: records attn_res_t1_s*.tile8x.)
+        x = _update_partial(x, dx if HAS_DELTA else x, prefix_ptr, blocks_ptr, base, cols, mask,
+                            N_BLOCKS * stride, HAS_DELTA, PUSH)
+        h = x.to(tl.float32)
+        m = tl.sum(h * w, axis=0) * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
+        s = m * 0.0 + 1.0
         if STAGES == 0:
             for g in tl.static_range(N_GROUPS):  # at most 8 groups: unrolled, one compile per shape
                 valid = (g * GROUP + g_rows) < N_BLOCKS
@@ -184,16 +178,6 @@ if triton is not None:
                 if W_RELOAD:
                     w = tl.load(w_mix_ptr + g * w_step + cols, mask=mask, other=0.0)
                 h, m, s = _mix_group(cur, valid, w, h, m, s, eps, D)
-        if X_LAST:
-            x = _update_partial(x, dx if HAS_DELTA else x, prefix_ptr, blocks_ptr, base, cols, mask,
-                                N_BLOCKS * stride, HAS_DELTA, PUSH)
-            xf = x.to(tl.float32)
-            logit_x = tl.sum(xf * w, axis=0) * tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-            m_new = tl.maximum(m, logit_x)
-            scale_old = tl.exp(m - m_new)
-            p_x = tl.exp(logit_x - m_new)
-            h = h * scale_old + p_x * xf
-            s = s * scale_old + p_x
         h = h * (1.0 / s)
         y = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
         y = y * tl.load(w_next_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -215,14 +199,14 @@ def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None) 
       one tile in a single step ("tile8": group = all blocks, 8 warps). 1 token, 9 sources: 6.1 us vs
       7.8 us walking the blocks with 8 warps and 9.3 us for the previous kernel; 16 and 32 warps
       were slower (6.6, 9.0 us: more cross-warp reduction, and register spills at 32).
-    - more tokens, 3+ stored blocks: bandwidth-bound. One block at a time in a rolled loop that the
+    - more tokens, 2+ stored blocks: bandwidth-bound. One block at a time in a rolled loop that the
       compiler software-pipelines 3 deep through shared memory ("pipe8s3"): the loads in flight
       cost no registers, 128 registers per thread leave room for two programs of 8 warps per unit.
       8192 tokens, 9 sources: 382 us, 87% of the floor (the previous kernel: 487 us, 68%); 5 sources
-      260 us, 85%. Also best at 512 tokens.
-    - more tokens, 0-2 stored blocks: a pipeline of 1-2 steps does not fill; one block at a time
-      with the next prefetched in registers, 4 warps ("walk4"): 8192 tokens, 2 sources: 160 us, 86%
-      (pipe8s3: 195 us). 2 stored blocks falls here unmeasured.
+      260 us, 85%; 3 sources 202 us, 82% (walk4: 216 us). Also best at 512 tokens.
+    - more tokens, 0-1 stored blocks: a loop of one step has nothing to pipeline; the block is
+      prefetched in registers with 4 warps ("walk4"): 8192 tokens, 2 sources: 160 us, 86% (pipe8s3:
+      195 us).
     compute_units: the device's SM/CU count (read from the device when None).
     """
     if compute_units is None:
@@ -230,10 +214,10 @@ def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None) 
         compute_units = env.detect().compute_units or 1
     all_blocks = 1 << max(n_blocks - 1, 0).bit_length()  # next power of two
     if tokens <= compute_units:
-        return {"group": all_blocks, "num_warps": 8, "prefetch": 1, "w_reload": 0, "stages": 0, "x_last": 0}
-    if n_blocks >= 3:
-        return {"group": 1, "num_warps": 8, "prefetch": 0, "w_reload": 0, "stages": 3, "x_last": 0}
-    return {"group": 1, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0, "x_last": 0}
+        return {"group": all_blocks, "num_warps": 8, "prefetch": 1, "w_reload": 0, "stages": 0}
+    if n_blocks >= 2:
+        return {"group": 1, "num_warps": 8, "prefetch": 0, "w_reload": 0, "stages": 3}
+    return {"group": 1, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0}
 
 
 def fold_mix_weight(res_norm_w, res_proj_w):
@@ -242,11 +226,10 @@ def fold_mix_weight(res_norm_w, res_proj_w):
 
 
 def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False,
-          mix_weight=None, num_warps=None, prefetch=None, group=None, w_reload=None, stages=None,
-          x_last=None):
+          mix_weight=None, num_warps=None, prefetch=None, group=None, w_reload=None, stages=None):
     """One Triton kernel for the whole step. Same arguments, effects and result as `before`;
     pass `mix_weight=fold_mix_weight(...)` (folded at load time) to keep the step at one launch.
-    num_warps / prefetch / group / w_reload / stages / x_last override `launch_config`'s choice (sweeps)."""
+    num_warps / prefetch / group / w_reload / stages override `launch_config`'s choice (for sweeps)."""
     T, D = _check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block)
     if triton is None:
         raise RuntimeError("attn_res_norm.after needs Triton, which is not installed; use before()")
@@ -256,17 +239,16 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     w_mix = fold_mix_weight(res_norm_w, res_proj_w) if mix_weight is None else mix_weight
     if w_mix.shape != (D,) or w_mix.dtype != torch.float32:
         raise ValueError(f"mix_weight must be fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")
-    cfg = launch_config(T, n_blocks) if None in (num_warps, prefetch, group, w_reload, stages, x_last) else {}
+    cfg = launch_config(T, n_blocks) if None in (num_warps, prefetch, group, w_reload, stages) else {}
     warps = int(cfg["num_warps"] if num_warps is None else num_warps)
     pf = int(cfg["prefetch"] if prefetch is None else prefetch)
     g = int(cfg["group"] if group is None else group)
     wr = int(cfg["w_reload"] if w_reload is None else w_reload)
     st = int(cfg["stages"] if stages is None else stages)
-    xl = int(cfg["x_last"] if x_last is None else x_last)
     if g < 1 or g & (g - 1):
         raise ValueError(f"group must be a power of two >= 1, got {group}")
-    if pf not in (0, 1) or wr not in (0, 1) or xl not in (0, 1):
-        raise ValueError(f"prefetch, w_reload and x_last must be 0 or 1, got {prefetch}, {w_reload}, {x_last}")
+    if pf not in (0, 1) or wr not in (0, 1):
+        raise ValueError(f"prefetch and w_reload must be 0 or 1, got {prefetch}, {w_reload}")
     if st < 0:
         raise ValueError(f"stages must be >= 0 (0: unrolled loop), got {stages}")
     g = min(g, 1 << max(n_blocks - 1, 0).bit_length())  # no tile taller than the blocks in use
@@ -276,7 +258,7 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     _attn_res_norm_kernel[(T,)](
         prefix, delta if delta is not None else prefix, blocks, out, w_mix, next_norm_w.contiguous(),
         blocks.stride(0), 0, eps, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None, PUSH=push_block,
-        BLOCK_D=triton.next_power_of_2(D), GROUP=g, PREFETCH=pf, W_RELOAD=wr, STAGES=st, X_LAST=bool(xl), num_warps=warps)
+        BLOCK_D=triton.next_power_of_2(D), GROUP=g, PREFETCH=pf, W_RELOAD=wr, STAGES=st, num_warps=warps)
     return out
 
 

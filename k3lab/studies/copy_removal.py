@@ -109,6 +109,7 @@ def _attn_res_case(tokens: int, sources: int, hidden: int, graph: bool) -> list[
     floor = bench.floor_us(bytes=nbytes) if _gpu() else None
     modes = [False, True] if graph else [False]
     records = []
+    launch = {"after": {"launch": arn.launch_config(tokens, x.n_blocks)}, "before": {}}
     for use_graph in modes:
         case = f"attn_res_t{tokens}_s{sources}" + ("_graph" if use_graph else "")
         for variant, fn in fns.items():
@@ -116,21 +117,19 @@ def _attn_res_case(tokens: int, sources: int, hidden: int, graph: bool) -> list[
             records.append(bench.make_record(NAME, case, variant, t, shape={"tokens": tokens, "sources": sources,
                                                                             "hidden": hidden},
                                              dtype=x.prefix.dtype, floor_us=floor, error=errors[variant],
-                                             bytes=nbytes))
+                                             bytes=nbytes, **launch[variant]))
     return records
 
 
 # The fused kernel's launch choices swept on a GPU (see arn.launch_config): name -> configuration.
 # tile*: every stored block in one tile (group 8 is clamped to the blocks in use); walk*: one block at
 # a time with the next prefetched; pipe*: one block at a time in a rolled loop the compiler
-# software-pipelines `stages` deep through shared memory; 'r': the logit weight re-read per block;
-# 'x': the running partial enters the softmax last.
+# software-pipelines `stages` deep through shared memory; 'r': the logit weight re-read per block.
+# (Records '.tile8x'/'.tile16x': the partial entering the softmax last, an option since removed.)
 ATTN_RES_VARIANTS = {
     "tile8": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0),
     "tile16": dict(group=8, num_warps=16, prefetch=1, w_reload=0, stages=0),
     "tile32": dict(group=8, num_warps=32, prefetch=1, w_reload=0, stages=0),
-    "tile8x": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0, x_last=1),
-    "tile16x": dict(group=8, num_warps=16, prefetch=1, w_reload=0, stages=0, x_last=1),
     "pair16": dict(group=2, num_warps=16, prefetch=1, w_reload=0, stages=0),
     "walk4": dict(group=1, num_warps=4, prefetch=1, w_reload=0, stages=0),  # the previous kernel's choice
     "walk8": dict(group=1, num_warps=8, prefetch=1, w_reload=0, stages=0),

@@ -1113,6 +1113,267 @@ def _prologue_pairs_kernel(
             )
 
 
+# ----------------------------------------------------------------------------------------------
+# prologue, split form: three launches, each with few live tiles (the register pressure of the
+# one-kernel forms capped them at two programs per SM, measured on the H200):
+#   1. A's: one program per (chunk, head[, row block]). Row block I runs its own pass over the key
+#      slices and holds only its own <= 4 Akk and <= 4 Aqk blocks; it rebuilds the earlier blocks'
+#      key factors c_J = k e^(E_J - G_J) (L1/L2-hot re-reads) instead of keeping them. It also
+#      writes Qg, W's right factor, Kd^T and d. Akk (fp32) goes to the R buffer.
+#   2. the inverse, fp32, in place in the R buffer (16 x 16 tiles: few warps suffice).
+#   3. W and U from the finished inverse rounded to the input dtype (matrix units).
+
+
+@triton.jit
+def _sp_cfactor(k, g, tok0, L, h, H, col, P, BJ: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
+    """Block BJ of this key slice: c = k e^(E - G) (<= 1) and E, the cumulative log-decay at the
+    block's last row, given P, the one before its first row."""
+    rb = tl.arange(0, BC)
+    rows = BJ * BC + rb
+    m = (rows < L)[:, None]
+    off = ((tok0 + rows) * H + h)[:, None] * K + col[None, :]
+    kb = tl.load(k + off, mask=m, other=0.0).to(tl.float32)
+    gb = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
+    Gw = tl.cumsum(gb, axis=0)
+    Eb = tl.sum(gb, axis=0)
+    return kb * tl.exp(Eb[None, :] - Gw), P + Eb
+
+
+@triton.jit
+def _sp_rowblock(
+    q,
+    k,
+    g,
+    beta,
+    tok0,
+    L,
+    h,
+    H,
+    out,
+    scale,
+    qg_out,
+    w_out,
+    kdt_out,
+    d_out,
+    aqk_base,
+    r_base,
+    BI: tl.constexpr,
+    K: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    SPREAD: tl.constexpr,
+    AKK_PREC: tl.constexpr,
+    AQK_PREC: tl.constexpr,
+):
+    """Row block BI of Akk and Aqk (blocks J <= BI), and its rows of Qg and W's right factor; the
+    last row block also writes Kd^T and d for the whole chunk."""
+    rb = tl.arange(0, BC)
+    rs = tl.arange(0, BK)
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    akd, aqd, ak0, aq0, ak1, aq1, ak2, aq2 = z, z, z, z, z, z, z, z
+    rows = BI * BC + rb
+    bt = tl.load(beta + (tok0 + rows) * H + h, mask=rows < L, other=0.0)
+    for s in range(K // BK):
+        col = s * BK + rs
+        P = tl.zeros([BK], dtype=tl.float32)
+        c0 = tl.zeros([BC, BK], dtype=tl.float32)
+        c1 = c0
+        c2 = c0
+        E0 = P
+        E1 = P
+        E2 = P
+        if BI >= 1:
+            c0, E0 = _sp_cfactor(k, g, tok0, L, h, H, col, P, 0, K, BC)
+            P = E0
+        if BI >= 2:
+            c1, E1 = _sp_cfactor(k, g, tok0, L, h, H, col, P, 1, K, BC)
+            P = E1
+        if BI >= 3:
+            c2, E2 = _sp_cfactor(k, g, tok0, L, h, H, col, P, 2, K, BC)
+            P = E2
+        kb, qb, gb = _pr_load(q, k, g, beta, tok0, L, h, H, col, BI, K, BC)
+        Gw = tl.cumsum(gb, axis=0)
+        e_in = tl.exp(Gw)
+        a_k = kb * e_in
+        a_q = qb * e_in
+        akd, aqd = _pr_diag(akd, aqd, kb, qb, a_k, a_q, Gw, SPREAD, AKK_PREC, AQK_PREC, BC)
+        if BI >= 1:
+            ak0, aq0 = _pr_pair(ak0, aq0, a_k, a_q, tl.exp(P - E0), c0, AKK_PREC, AQK_PREC)
+        if BI >= 2:
+            ak1, aq1 = _pr_pair(ak1, aq1, a_k, a_q, tl.exp(P - E1), c1, AKK_PREC, AQK_PREC)
+        if BI >= 3:
+            ak2, aq2 = _pr_pair(ak2, aq2, a_k, a_q, tl.exp(P - E2), c2, AKK_PREC, AQK_PREC)
+        _pr_rows_out(qg_out, w_out, a_q, a_k, P, bt, scale, out, col, BI, K, C, BC)
+        if BI == 3:  # Kd^T = (k e^(G_last - G))^T, G_last = E3; d = e^(G_last)
+            Eb = tl.sum(gb, axis=0)
+            E3 = P + Eb
+            _pr_kdt(kdt_out, c0, tl.exp(E3 - E0), out, col, 0, K, C, BC)
+            _pr_kdt(kdt_out, c1, tl.exp(E3 - E1), out, col, 1, K, C, BC)
+            _pr_kdt(kdt_out, c2, tl.exp(E3 - E2), out, col, 2, K, C, BC)
+            _pr_kdt(kdt_out, kb * tl.exp(Eb[None, :] - Gw), tl.full([BK], 1.0, tl.float32), out, col, 3, K, C, BC)
+            tl.store(d_out + out * K + col, tl.exp(E3))
+    # Akk: strictly lower on the diagonal, rows x beta (fp32, for the inverse); Aqk: lower x scale
+    _pr_store_aqk(aqk_base, tl.where(rb[:, None] >= rb[None, :], aqd * scale, 0.0), BI, BI, C, BC)
+    _blk_store(r_base, BI, BI, tl.where(rb[:, None] > rb[None, :], akd * bt[:, None], 0.0), C, BC)
+    if BI >= 1:
+        _pr_store_aqk(aqk_base, aq0 * scale, BI, 0, C, BC)
+        _blk_store(r_base, BI, 0, ak0 * bt[:, None], C, BC)
+    if BI >= 2:
+        _pr_store_aqk(aqk_base, aq1 * scale, BI, 1, C, BC)
+        _blk_store(r_base, BI, 1, ak1 * bt[:, None], C, BC)
+    if BI >= 3:
+        _pr_store_aqk(aqk_base, aq2 * scale, BI, 2, C, BC)
+        _blk_store(r_base, BI, 2, ak2 * bt[:, None], C, BC)
+    if BI <= 2:
+        _pr_store_aqk(aqk_base, z, BI, 3, C, BC)
+    if BI <= 1:
+        _pr_store_aqk(aqk_base, z, BI, 2, C, BC)
+    if BI == 0:
+        _pr_store_aqk(aqk_base, z, BI, 1, C, BC)
+
+
+@triton.jit(do_not_specialize=["H"])
+def _split_a_kernel(
+    q,
+    k,
+    g,
+    beta,
+    chunk_tok,
+    chunk_len,
+    w_out,
+    qg_out,
+    kdt_out,
+    aqk_out,
+    d_out,
+    r_buf,
+    H,
+    scale,
+    K: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    SPREAD: tl.constexpr,
+    AKK_PREC: tl.constexpr,
+    AQK_PREC: tl.constexpr,
+    PER_BLOCK: tl.constexpr,
+):
+    """Launch 1 of the split prologue. PER_BLOCK: grid (chunks, heads, 4), one row block per
+    program; else grid (chunks, heads) and the four row blocks one after another."""
+    c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    tok0 = tl.load(chunk_tok + c).to(tl.int64)
+    L = tl.load(chunk_len + c)
+    out = c * H + h
+    aqk_base = aqk_out + out * C * C
+    r_base = r_buf + out * C * C
+    args = (q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base)
+    if PER_BLOCK:
+        bi = tl.program_id(2)
+        if bi == 0:
+            _sp_rowblock(*args, 0, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
+        elif bi == 1:
+            _sp_rowblock(*args, 1, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
+        elif bi == 2:
+            _sp_rowblock(*args, 2, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
+        else:
+            _sp_rowblock(*args, 3, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
+    else:
+        _sp_rowblock(*args, 0, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
+        _sp_rowblock(*args, 1, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
+        _sp_rowblock(*args, 2, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
+        _sp_rowblock(*args, 3, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
+
+
+@triton.jit
+def _split_inverse_kernel(r_buf, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl.constexpr):
+    """Launch 2: R = (I + Akk)^-1 in fp32, in place, one program per (chunk, head): the diagonal
+    blocks by forward substitution (rows read back), then R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ."""
+    r_base = r_buf + tl.program_id(0).to(tl.int64) * C * C
+    rb = tl.arange(0, BC)
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    x0, x1, x2, x3 = z, z, z, z
+    for i in range(1, BC):
+        x0 = _sl_subst(x0, r_base, i, 0, C, BC)
+        x1 = _sl_subst(x1, r_base, i, 1, C, BC)
+        x2 = _sl_subst(x2, r_base, i, 2, C, BC)
+        x3 = _sl_subst(x3, r_base, i, 3, C, BC)
+    eye = tl.where(rb[:, None] == rb[None, :], 1.0, 0.0)
+    r00 = x0 + eye
+    r11 = x1 + eye
+    r22 = x2 + eye
+    r33 = x3 + eye
+    l10 = _blk(r_base, 1, 0, C, BC)
+    l21 = _blk(r_base, 2, 1, C, BC)
+    l32 = _blk(r_base, 3, 2, C, BC)
+    l20 = _blk(r_base, 2, 0, C, BC)
+    l31 = _blk(r_base, 3, 1, C, BC)
+    l30 = _blk(r_base, 3, 0, C, BC)
+    r10 = -_mm(r11, _mm(l10, r00, INV_PREC), INV_PREC)
+    r21 = -_mm(r22, _mm(l21, r11, INV_PREC), INV_PREC)
+    r32 = -_mm(r33, _mm(l32, r22, INV_PREC), INV_PREC)
+    r20 = -_mm(r22, _mm(l20, r00, INV_PREC) + _mm(l21, r10, INV_PREC), INV_PREC)
+    r31 = -_mm(r33, _mm(l31, r11, INV_PREC) + _mm(l32, r21, INV_PREC), INV_PREC)
+    r30 = -_mm(r33, _mm(l30, r00, INV_PREC) + _mm(l31, r10, INV_PREC) + _mm(l32, r20, INV_PREC), INV_PREC)
+    tl.debug_barrier()  # every thread has read Akk before R overwrites it
+    _blk_store(r_base, 0, 0, r00, C, BC)
+    _blk_store(r_base, 1, 1, r11, C, BC)
+    _blk_store(r_base, 2, 2, r22, C, BC)
+    _blk_store(r_base, 3, 3, r33, C, BC)
+    _blk_store(r_base, 1, 0, r10, C, BC)
+    _blk_store(r_base, 2, 1, r21, C, BC)
+    _blk_store(r_base, 3, 2, r32, C, BC)
+    _blk_store(r_base, 2, 0, r20, C, BC)
+    _blk_store(r_base, 3, 1, r31, C, BC)
+    _blk_store(r_base, 3, 0, r30, C, BC)
+
+
+@triton.jit(do_not_specialize=["H"])
+def _split_wu_kernel(
+    v,
+    beta,
+    chunk_tok,
+    chunk_len,
+    w_out,
+    u_out,
+    r_buf,
+    H,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    OUT_PREC: tl.constexpr,
+):
+    """Launch 3: W = R (beta K e^G) in place over its right factor, U = R (beta V); R is rounded to
+    the input dtype only here, as the seed prescribes."""
+    c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    rc = tl.arange(0, C)
+    rs = tl.arange(0, BK)
+    INTER = w_out.dtype.element_ty
+    tok0 = tl.load(chunk_tok + c).to(tl.int64)
+    L = tl.load(chunk_len + c)
+    out = c * H + h
+    rmask = rc < L
+    R = tl.load(
+        r_buf + out * C * C + rc[:, None] * C + rc[None, :],
+        mask=(rc[:, None] // BC) >= (rc[None, :] // BC),
+        other=0.0,
+    ).to(INTER)
+    bt = tl.load(beta + (tok0 + rc) * H + h, mask=rmask, other=0.0)
+    for s in tl.static_range(K // BK):
+        tile = out * C * K + rc[:, None] * K + s * BK + rs[None, :]
+        tl.store(w_out + tile, tl.dot(R, tl.load(w_out + tile), input_precision=OUT_PREC).to(INTER))
+    for s in tl.static_range(V // BK):
+        col = s * BK + rs
+        vs = tl.load(v + ((tok0 + rc) * H + h)[:, None] * V + col[None, :], mask=rmask[:, None], other=0.0)
+        vb = (vs.to(tl.float32) * bt[:, None]).to(INTER)
+        tl.store(
+            u_out + out * C * V + rc[:, None] * V + col[None, :], tl.dot(R, vb, input_precision=OUT_PREC).to(INTER)
+        )
+
+
 @triton.jit
 def _pb_v(v, tok0, L, h, H, bb, BI: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
     rb = tl.arange(0, BC)
@@ -1681,7 +1942,10 @@ def _alloc_work(n_chunks: int, H: int, dtype, device) -> _Work:
     )
 
 
-PROLOGUES = ("blocks", "persistent", "sliced", "pairs")
+PROLOGUES = ("blocks", "persistent", "sliced", "pairs", "split")
+# the split prologue's launch options: key slice and warps of the A's launch, one row block per
+# program or four per program, warps of the inverse, slice and warps of W / U
+SPLIT_DEFAULTS = {"block_k": 32, "a_warps": 2, "per_block": True, "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4}
 PAIRS_K = 32  # key channels per slice in the pairs prologue
 SLICE_K = 32  # key channels per slice in the sliced prologue
 # Both ran on the H200 (profiles/nvidia-h200/kda_scan, the '.part_prologue_*' records at 16K tokens):
@@ -1702,6 +1966,7 @@ def kda_chunk_prologue(
     prologue: str | None = None,
     block_k: int | None = None,
     parts: int = 7,
+    split: dict | None = None,
 ) -> _Work:
     """Launch 1 of both variants: the per-chunk quantities, written into `work`.
 
@@ -1734,6 +1999,58 @@ def kda_chunk_prologue(
         INV_PREC=p["INV_PREC"],
         OUT_PREC=p["OUT_PREC"],
     )
+    if prologue == "split":
+        opts = {**SPLIT_DEFAULTS, **(split or {})}
+        r_buf = work.r_buffer()
+        grid_a = (plan.n_chunks, H, 4) if opts["per_block"] else (plan.n_chunks, H)
+        _split_a_kernel[grid_a](
+            q,
+            k,
+            g,
+            beta,
+            plan.chunk_tok,
+            plan.chunk_len,
+            work.w,
+            work.qg,
+            work.kdt,
+            work.aqk,
+            work.d,
+            r_buf,
+            H,
+            float(scale),
+            K=HEAD_DIM,
+            C=CHUNK,
+            BC=SUB,
+            BK=block_k or opts["block_k"],
+            SPREAD=SAFE_SPREAD,
+            AKK_PREC=p["AKK_PREC"],
+            AQK_PREC=p["AQK_PREC"],
+            PER_BLOCK=opts["per_block"],
+            num_warps=num_warps or opts["a_warps"],
+            num_stages=1,
+        )
+        _split_inverse_kernel[(n_items,)](
+            r_buf, C=CHUNK, BC=SUB, INV_PREC=p["INV_PREC"], num_warps=opts["inv_warps"], num_stages=1
+        )
+        _split_wu_kernel[(plan.n_chunks, H)](
+            v,
+            beta,
+            plan.chunk_tok,
+            plan.chunk_len,
+            work.w,
+            work.u,
+            r_buf,
+            H,
+            K=HEAD_DIM,
+            V=HEAD_DIM,
+            C=CHUNK,
+            BC=SUB,
+            BK=opts["wu_block_k"],
+            OUT_PREC=p["OUT_PREC"],
+            num_warps=opts["wu_warps"],
+            num_stages=1,
+        )
+        return work
     if prologue == "pairs":
         _prologue_pairs_kernel[(plan.n_chunks, H)](
             q,
@@ -1835,6 +2152,10 @@ def kda_chunk_prologue(
     return work
 
 
+def _prologue_kw(prologue, warps, block_k, split) -> dict:
+    return {"prologue": prologue, "num_warps": warps, "block_k": block_k, "split": split}
+
+
 def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, group_size, variant):
     lengths, H = _validate(q, k, v, g, beta, initial_state, cu_seqlens, scale)
     if plan is None:
@@ -1907,6 +2228,7 @@ def kda_chunk_before(
     prologue_warps: int | None = None,
     prologue: str | None = None,
     prologue_block_k: int | None = None,
+    prologue_split: dict | None = None,
 ):
     """Chunked KDA prefill, plain walk (2 launches: prologue, walk). Returns (o, final_state).
 
@@ -1920,7 +2242,7 @@ def kda_chunk_before(
     o, s_final = _outputs(q, plan, H)
     if plan.n_chunks:
         work = kda_chunk_prologue(
-            q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps, prologue=prologue, block_k=prologue_block_k
+            q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_block_k, prologue_split)
         )
     else:
         work = work or _alloc_work(0, H, q.dtype, q.device)
@@ -1950,6 +2272,7 @@ def kda_chunk_after(
     prologue_warps: int | None = None,
     prologue: str | None = None,
     prologue_block_k: int | None = None,
+    prologue_split: dict | None = None,
 ):
     """Chunked KDA prefill by the group scan (4 launches: prologue, summaries, scan, replay), or the
     plain walk when `choose_group_size` (or the plan) says the GPU is already full. Same arguments
@@ -1976,10 +2299,11 @@ def kda_chunk_after(
             prologue_warps=prologue_warps,
             prologue=prologue,
             prologue_block_k=prologue_block_k,
+            prologue_split=prologue_split,
         )
     o, s_final = _outputs(q, plan, H)
     work = kda_chunk_prologue(
-        q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps, prologue=prologue, block_k=prologue_block_k
+        q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_block_k, prologue_split)
     )
     sums, s_in = _scan_buffers(plan, H, q.device)
     _launch_summaries(work, plan, sums, H, q.dtype, summary_block, num_warps, num_stages)
@@ -2071,6 +2395,7 @@ def after_launches(
     prologue_warps: int | None = None,
     prologue: str | None = None,
     prologue_block_k: int | None = None,
+    prologue_split: dict | None = None,
 ) -> dict:
     """The after's launches as separate callables on fixed buffers (for timing each one and for
     profiling): {'prologue', 'summaries', 'scan', 'replay'} (or {'prologue', 'walk'} for a plan
@@ -2080,7 +2405,7 @@ def after_launches(
     work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)
     out = {
         "prologue": lambda: kda_chunk_prologue(
-            q, k, v, g, beta, plan, scale, work, num_warps=prologue_warps, prologue=prologue, block_k=prologue_block_k
+            q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_block_k, prologue_split)
         )
     }
     if not plan.uses_scan:

@@ -24,11 +24,19 @@ Two kernels compute the same thing:
      round trip instead of T), exp(g), d*k, d*q, q.k and beta*v are computed up front, and the output
      o_t = S^T (d q) + (q.k) delta needs two reductions of the old state that run side by side.
 
-The narrow kernel comes in two forms (`form`): 'step' walks the positions one after another as
-above (T reductions of the state in series); 'chunk' (`_verify_chunk_kernel`, the default for
-T >= 2) treats the T positions as one small chunk of the chunked algorithm: every state-dependent
-reduction happens in one round, the T x T algebra between positions (a unit-triangular inverse)
-is done while the state is still in flight, and the per-position states come out of one scan.
+The narrow kernel comes in two forms (`form`): 'step' (the default) walks the positions one after
+another as above (T reductions of the state in series); 'chunk' (`_verify_chunk_kernel`) treats the
+T positions as one small chunk of the chunked algorithm: every state-dependent reduction happens in
+one round, the T x T algebra between positions (a unit-triangular inverse) is done while the state
+is still in flight, and the per-position states come out of one scan. On the H200 the chunk form
+lost at every depth (B = 1, tile 8, graph replay, its best wave count against the step form's one
+wave): T = 1 3.17 vs 2.77 us, T = 2 4.02 vs 3.50, T = 4 6.04 vs 4.15, T = 8 14.5 vs 7.11
+(profiles/nvidia-h200/kda_verify, the '.chunk*' sweep points). The chain it shortens is only
+~0.1 us per position; what it adds is larger: Triton 3.6 compiles its [T, K], [T, T] and
+[T, K, tile] operands into ~9 register layouts and moves them between each other through shared
+memory (24 layout conversions and ~60 barriers at 4 waves, against 16 and 16 for the step form,
+from ptxas for sm_90a), and its instruction count per program is higher. It is kept as an option
+because the trade may differ where layouts are chosen by hand or on other hardware.
 
 When batch x heads already gives every compute unit enough programs, `choose_tile_v` returns a wide
 tile and `kda_verify` runs the streaming kernel with it: there is no idle hardware for narrow tiles
@@ -59,9 +67,9 @@ BEFORE_TILE_V = 32
 # state-dependent reduction round, `_verify_chunk_kernel`) or 'step' (position after position,
 # `_verify_narrow_kernel`).
 NARROW_FORMS = ("chunk", "step")
-NARROW_FORM = "chunk"
+NARROW_FORM = "step"  # measured faster on the H200 at every depth (module docstring)
 BEFORE_THREADS = 128
-CHUNK_PER_LANE = 32  # values per lane of the chunk form's [T, K, tile] products (registers, no spills)  # the original kernel's workgroup size, in threads
+CHUNK_PER_LANE = 64  # values per lane of the chunk form's [T, K, tile] products (measured, below)  # the original kernel's workgroup size, in threads
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,8 +133,13 @@ def choose_num_warps(tile_v: int, k_dim: int = HEAD_DIM, wave_width: int | None 
     kernel (on the H200 it ran faster with one wave than with four at B = 1, 8 and 32)."""
     wave = wave_width or _wave_width()
     if form == "chunk" and tile_v <= NARROW_MAX:
-        # the chunk form's [T, K, tile] products: CHUNK_PER_LANE values per lane, 2..8 waves
+        # the chunk form's [T, K, tile] products: CHUNK_PER_LANE values per lane, 2..8 waves; one
+        # position is 4 (at 2 it spills: ptxas reports a 168-byte stack). H200, tile 8: T = 1 4 waves
+        # 3.17 us (2: 5.75), T = 2 2 waves 4.02 (4: 4.10), T = 4 2 waves 6.04 (1: 7.19, 4: 6.23,
+        # 8: 8.44), T = 8 4 waves 14.5 (8: 24.3).
         span = triton.next_power_of_2(max(1, positions))
+        if span == 1:
+            return max(1, (4 * 32) // wave)
         return min(8, max(2, (span * k_dim * tile_v) // (wave * CHUNK_PER_LANE)))
     per_lane = 32 if tile_v <= NARROW_MAX else 64
     return max(1, (k_dim * tile_v) // (wave * per_lane))
@@ -516,7 +529,7 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
                               num_warps or choose_num_warps(bv))
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     grid = (V // bv, N * H)
-    form = form or (NARROW_FORM if steps > 1 else "step")  # one position: nothing to batch
+    form = form or NARROW_FORM
     if form == "chunk":
         _verify_chunk_kernel[grid](q, k, v, g, beta, h0, o, hs, seq_info, scale,
                                    T=steps, TP=triton.next_power_of_2(steps), H=H, K=HEAD_DIM, V=V, BV=bv,

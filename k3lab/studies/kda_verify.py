@@ -44,8 +44,7 @@ SWEEP_BATCHES = (1, 8, 32)
 SWEEP = [("narrow", w, n) for w in (4, 8) for n in (1, 2)] + [("stream", w, n) for w in (4, 8, 16, 32) for n in (1, 4)]
 # The chunk form of the narrow kernel (all positions in one reduction round): tile x waves, per batch
 # (T = 4), and at the other depths of the draft-depth profile.
-CHUNK_SWEEP = ([f"b1_t4.chunk8_w{n}" for n in (1, 2, 4, 8)] + ["b1_t4.chunk16_w4", "b1_t4.chunk16_w8"]
-               + ["b8_t4.chunk8_w2", "b8_t4.chunk8_w4", "b8_t4.chunk16_w4", "b32_t4.chunk16_w4", "b32_t4.chunk16_w8"]
+CHUNK_SWEEP = ([f"b1_t4.chunk8_w{n}" for n in (1, 2, 4, 8)] + ["b8_t4.chunk8_w2", "b8_t4.chunk8_w4"]
                + ["b1_t1.narrow8_w1", "b1_t1.chunk8_w2", "b1_t1.chunk8_w4", "b1_t2.narrow8_w1", "b1_t2.chunk8_w2",
                   "b1_t2.chunk8_w4", "b1_t8.narrow8_w1", "b1_t8.chunk8_w4", "b1_t8.chunk8_w8"])
 MIN_GRAPH_CALLS = 10
@@ -213,6 +212,8 @@ def _parse(case: str, H: int) -> dict:
         m = re.fullmatch(r"(narrow|stream|chunk)(\d+)_w(\d+)", tail)
         if m is None:
             raise ValueError(f"unknown case {case!r}")
+        if m[1] == "chunk" and int(m[2]) > kv.NARROW_MAX:
+            raise ValueError(f"case {case!r}: the chunk form runs tiles of at most {kv.NARROW_MAX} columns")
         kind = "before" if m[1] == "stream" else "after"
         form = "chunk" if m[1] == "chunk" else "step"
         spec["variants"] = [("after", dict(kind=kind, tile_v=int(m[2]), num_warps=int(m[3]), form=form))]

@@ -67,8 +67,11 @@ def install_prebuilt() -> str:
 def verify_cases():
     main = ["b1_t4", "b1_t4.final_only", "b1_t1", "b1_t2", "b1_t8"]
     if MODE == "final":
-        return [c for c in kvs.case_names() if "." not in c or c.endswith((".final_only", ".ragged"))
-                or c in ("b1_t4.narrow_only", "b1_t4.narrow_1wave")]
+        names = kvs.case_names()
+        first = ["b1_t4", "b1_t4.final_only", "b1_t1", "b1_t2", "b1_t8"]
+        rest = [c for c in names if ("." not in c or c.endswith((".final_only", ".ragged"))
+                                     or c in ("b1_t4.narrow_only", "b1_t4.narrow_1wave")) and c not in first]
+        return first + rest
     return main + [c for c in kvs.CHUNK_SWEEP if c.startswith("b1_")] + ["b1_t4.narrow8_w1", "b1_t4.ragged"] + [
         c for c in kvs.CHUNK_SWEEP if not c.startswith("b1_")] + ["b8_t4", "b32_t4"]
 

@@ -1267,22 +1267,45 @@ def _split_a_kernel(
     out = c * H + h
     aqk_base = aqk_out + out * C * C
     r_base = r_buf + out * C * C
-    args = (q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base)
     if PER_BLOCK:
         bi = tl.program_id(2)
         if bi == 0:
-            _sp_rowblock(*args, 0, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
+            _sp_rowblock(
+                q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
+                0, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
+            )  # fmt: skip
         elif bi == 1:
-            _sp_rowblock(*args, 1, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
+            _sp_rowblock(
+                q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
+                1, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
+            )  # fmt: skip
         elif bi == 2:
-            _sp_rowblock(*args, 2, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
+            _sp_rowblock(
+                q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
+                2, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
+            )  # fmt: skip
         else:
-            _sp_rowblock(*args, 3, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
+            _sp_rowblock(
+                q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
+                3, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
+            )  # fmt: skip
     else:
-        _sp_rowblock(*args, 0, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
-        _sp_rowblock(*args, 1, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
-        _sp_rowblock(*args, 2, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
-        _sp_rowblock(*args, 3, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC)
+        _sp_rowblock(
+            q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
+            0, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
+        )  # fmt: skip
+        _sp_rowblock(
+            q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
+            1, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
+        )  # fmt: skip
+        _sp_rowblock(
+            q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
+            2, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
+        )  # fmt: skip
+        _sp_rowblock(
+            q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
+            3, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -1950,7 +1973,7 @@ PAIRS_K = 32  # key channels per slice in the pairs prologue
 SLICE_K = 32  # key channels per slice in the sliced prologue
 # Both ran on the H200 (profiles/nvidia-h200/kda_scan, the '.part_prologue_*' records at 16K tokens):
 # 'persistent' 1.49 ms, 'blocks' 1.98 ms with 4 warps. The faster one is the default.
-DEFAULT_PROLOGUE = "persistent"
+DEFAULT_PROLOGUE = "split"
 
 
 def kda_chunk_prologue(
@@ -2000,56 +2023,8 @@ def kda_chunk_prologue(
         OUT_PREC=p["OUT_PREC"],
     )
     if prologue == "split":
-        opts = {**SPLIT_DEFAULTS, **(split or {})}
-        r_buf = work.r_buffer()
-        grid_a = (plan.n_chunks, H, 4) if opts["per_block"] else (plan.n_chunks, H)
-        _split_a_kernel[grid_a](
-            q,
-            k,
-            g,
-            beta,
-            plan.chunk_tok,
-            plan.chunk_len,
-            work.w,
-            work.qg,
-            work.kdt,
-            work.aqk,
-            work.d,
-            r_buf,
-            H,
-            float(scale),
-            K=HEAD_DIM,
-            C=CHUNK,
-            BC=SUB,
-            BK=block_k or opts["block_k"],
-            SPREAD=SAFE_SPREAD,
-            AKK_PREC=p["AKK_PREC"],
-            AQK_PREC=p["AQK_PREC"],
-            PER_BLOCK=opts["per_block"],
-            num_warps=num_warps or opts["a_warps"],
-            num_stages=1,
-        )
-        _split_inverse_kernel[(n_items,)](
-            r_buf, C=CHUNK, BC=SUB, INV_PREC=p["INV_PREC"], num_warps=opts["inv_warps"], num_stages=1
-        )
-        _split_wu_kernel[(plan.n_chunks, H)](
-            v,
-            beta,
-            plan.chunk_tok,
-            plan.chunk_len,
-            work.w,
-            work.u,
-            r_buf,
-            H,
-            K=HEAD_DIM,
-            V=HEAD_DIM,
-            C=CHUNK,
-            BC=SUB,
-            BK=opts["wu_block_k"],
-            OUT_PREC=p["OUT_PREC"],
-            num_warps=opts["wu_warps"],
-            num_stages=1,
-        )
+        for launch in split_prologue_launches(q, k, v, g, beta, plan, scale, work, num_warps, block_k, split).values():
+            launch()
         return work
     if prologue == "pairs":
         _prologue_pairs_kernel[(plan.n_chunks, H)](
@@ -2150,6 +2125,44 @@ def kda_chunk_prologue(
         num_stages=1,
     )
     return work
+
+
+def split_prologue_launches(
+    q, k, v, g, beta, plan: KdaPlan, scale: float, work: _Work, num_warps=None, block_k=None, split=None
+) -> dict:
+    """The split prologue's three launches as callables on fixed buffers, in order: 'a' (Akk, Aqk,
+    Qg, W's right factor, Kd^T, d), 'inverse' (R in place of Akk, fp32), 'wu' (W, U). For timing each
+    launch on its own; `kda_chunk_prologue(prologue='split')` runs all three."""
+    opts = {**SPLIT_DEFAULTS, **(split or {})}
+    unknown = set(opts) - set(SPLIT_DEFAULTS)
+    if unknown:
+        raise ValueError(f"split options must be among {sorted(SPLIT_DEFAULTS)}, got {sorted(unknown)}")
+    H = q.shape[2]
+    n_items = plan.n_chunks * H
+    p = _precisions(q.dtype)
+    r_buf = work.r_buffer()
+    grid_a = (plan.n_chunks, H, 4) if opts["per_block"] else (plan.n_chunks, H)
+
+    def a():
+        _split_a_kernel[grid_a](
+            q, k, g, beta, plan.chunk_tok, plan.chunk_len, work.w, work.qg, work.kdt, work.aqk, work.d, r_buf,
+            H, float(scale), K=HEAD_DIM, C=CHUNK, BC=SUB, BK=block_k or opts["block_k"], SPREAD=SAFE_SPREAD,
+            AKK_PREC=p["AKK_PREC"], AQK_PREC=p["AQK_PREC"], PER_BLOCK=opts["per_block"],
+            num_warps=num_warps or opts["a_warps"], num_stages=1,
+        )  # fmt: skip
+
+    def inverse():
+        _split_inverse_kernel[(n_items,)](
+            r_buf, C=CHUNK, BC=SUB, INV_PREC=p["INV_PREC"], num_warps=opts["inv_warps"], num_stages=1
+        )
+
+    def wu():
+        _split_wu_kernel[(plan.n_chunks, H)](
+            v, beta, plan.chunk_tok, plan.chunk_len, work.w, work.u, r_buf, H, K=HEAD_DIM, V=HEAD_DIM, C=CHUNK,
+            BC=SUB, BK=opts["wu_block_k"], OUT_PREC=p["OUT_PREC"], num_warps=opts["wu_warps"], num_stages=1,
+        )  # fmt: skip
+
+    return {"a": a, "inverse": inverse, "wu": wu}
 
 
 def _prologue_kw(prologue, warps, block_k, split) -> dict:
@@ -2266,7 +2279,7 @@ def kda_chunk_after(
     block_v: int = 64,
     summary_block: int = 64,
     scan_block: int = 32,
-    scan_stages: int = 1,
+    scan_stages: int = 2,
     num_warps: int = 4,
     num_stages: int = 2,
     prologue_warps: int | None = None,
@@ -2389,7 +2402,7 @@ def after_launches(
     block_v: int = 64,
     summary_block: int = 64,
     scan_block: int = 32,
-    scan_stages: int = 1,
+    scan_stages: int = 2,
     num_warps: int = 4,
     num_stages: int = 2,
     prologue_warps: int | None = None,

@@ -442,7 +442,7 @@ def group_size_sweep(
     runner = Runner(case, inp, tune)
     ref = reference(case, inp, *_ref_limits(case))
     n = max(-(-L // kc.CHUNK) for L in case.lengths)
-    sizes = sizes or [s for s in (4, 8, 16, 32, 64) if s < n]
+    sizes = sizes or [s for s in (4, 8, 12, 16, 24, 32, 64) if s < n]
     floor = floor_for(case)
     records = []
     for gs in list(sizes) + [None]:
@@ -475,14 +475,30 @@ def group_size_sweep(
     return records
 
 
+# the split prologue's launches are independent kernels, so each is tuned on its own
+SPLIT_A_OPTIONS = ({"block_k": 32, "a_warps": 2}, {"block_k": 32, "a_warps": 4}, {"block_k": 64, "a_warps": 4})
+SPLIT_INV_OPTIONS = ({"inv_warps": 1}, {"inv_warps": 2})
+SPLIT_WU_OPTIONS = ({"wu_block_k": 64, "wu_warps": 4}, {"wu_block_k": 64, "wu_warps": 8})
+# walk tiles measured on the H200 (run 1, profiles/nvidia-h200/kda_scan '.part_walk_*' and the after's
+# parts): the plain walk is fastest with 32-column tiles, the after's summaries + replay with 64
+WALK_TILES = {"before": (32, 4), "after": (64, 4)}
+
+
+def _label(opts: dict) -> str:
+    return "_".join(f"{k}{int(v) if isinstance(v, bool) else v}" for k, v in sorted(opts.items()))
+
+
 def calibrate(
     name: str = "h12_b1_t16384",
-    prologues=(("blocks", 4), ("blocks", 8), ("persistent", 8)),
-    walks=((64, 4), (32, 4), (64, 8)),
+    walks=(),
+    split_options=(SPLIT_A_OPTIONS, SPLIT_INV_OPTIONS, SPLIT_WU_OPTIONS),
+    compare_prologues=(),
 ):
     """Time each launch on its own (no fla, no reference) to pick launch options on this device:
-    the prologue kind and warps, and (block_v, num_warps) for the plain walk and for the after's
-    summaries + replay. Returns (records named '<case>.part_*', {'tune': ..., 'tune_after': ...})."""
+    the split prologue's three launches (each over its options), then, if `walks` lists any,
+    (block_v, num_warps) for the plain walk and for the after's summaries + replay (else WALK_TILES). `compare_prologues`: other prologue kinds
+    timed whole for comparison. Returns (records named '<case>.part_*', {'tune', 'tune_after',
+    'times_us'})."""
     case = parse_case(name)
     inp = make_inputs(case)
     runner = Runner(case, inp)
@@ -499,46 +515,51 @@ def calibrate(
             )
         )
 
-    for pro, w in prologues:
+    def launches(split):
+        return kc.split_prologue_launches(q, k, v, g, beta, runner.plan_before, scale, runner.work, split=split)
 
-        def fn(pro=pro, w=w):
-            kc.kda_chunk_prologue(
-                q, k, v, g, beta, runner.plan_before, scale, runner.work, num_warps=w, prologue=pro
-            )
+    best: dict = {}
+    for stage, options in zip(("a", "inverse", "wu"), split_options):
+        stage_t = {}
+        for opt in options:
+            split = {**best, **opt}
+            try:
+                fns = launches(split)
+                for f in fns.values():  # valid inputs for the stage timed next (each reruns in place)
+                    f()
+                label = f"split_{stage}_{_label(opt)}"
+                rec(label, "before", bench.time_fn(fns[stage], **kw), prologue="split", split=split)
+                stage_t[label] = (times[label], opt)
+            except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses is skipped
+                print(f"calibrate split {stage} {opt}: {type(exc).__name__}: {str(exc)[:300]}")
+        if stage_t:
+            best.update(min(stage_t.values(), key=lambda t: t[0])[1])
 
+    def whole(**pkw):
+        return lambda: kc.kda_chunk_prologue(q, k, v, g, beta, runner.plan_before, scale, runner.work, **pkw)
+
+    rec("prologue_split", "before", bench.time_fn(whole(prologue="split", split=best), **kw), prologue="split",
+        split=best)  # fmt: skip
+    for pro in compare_prologues:
         try:
-            rec(f"prologue_{pro}_w{w}", "before", bench.time_fn(fn, **kw), prologue=pro, prologue_warps=w)
-        except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses is skipped
-            print(f"calibrate prologue {pro} w{w}: {type(exc).__name__}: {str(exc)[:300]}")
-    pro_key = min((p for p in times if p.startswith("prologue_")), key=times.get)
-    _, pro, w = pro_key.split("_")
-    best = {"prologue": pro, "prologue_warps": int(w[1:])}
-    kc.kda_chunk_prologue(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        runner.plan_before,
-        scale,
-        runner.work,
-        num_warps=best["prologue_warps"],
-        prologue=pro,
-    )
+            rec(f"prologue_{pro}", "before", bench.time_fn(whole(prologue=pro), **kw), prologue=pro)
+        except Exception as exc:  # noqa: BLE001
+            print(f"calibrate prologue {pro}: {type(exc).__name__}: {str(exc)[:300]}")
+    whole(prologue="split", split=best)()
     walk_t, after_t = {}, {}
 
-    def launches(plan, bv, nw):
+    def after_parts(plan, bv, nw):
         return kc.after_launches(q, k, v, g, beta, scale, S0, inp["cu_seqlens"], plan=plan, work=runner.work,
-                                 block_v=bv, num_warps=nw)
+                                 block_v=bv, num_warps=nw, prologue="split", prologue_split=best)  # fmt: skip
 
     for bv, nw in walks:
         tag = f"bv{bv}_w{nw}"
         try:
-            parts = launches(runner.plan_before, bv, nw)
+            parts = after_parts(runner.plan_before, bv, nw)
             rec(f"walk_{tag}", "before", bench.time_fn(parts["walk"], **kw), block_v=bv, num_warps=nw)
             walk_t[(bv, nw)] = times[f"walk_{tag}"]
             if runner.plan_after.uses_scan:
-                parts = launches(runner.plan_after, bv, nw)
+                parts = after_parts(runner.plan_after, bv, nw)
                 total = 0.0
                 for part in ("summaries", "scan", "replay"):
                     rec(
@@ -553,12 +574,10 @@ def calibrate(
                 after_t[(bv, nw)] = total
         except Exception as exc:  # noqa: BLE001
             print(f"calibrate walk {tag}: {type(exc).__name__}: {str(exc)[:300]}")
-    bw = min(walk_t, key=walk_t.get)
-    tune = {**best, "block_v": bw[0], "num_warps": bw[1]}
-    tune_after = {}
-    if after_t:
-        ba = min(after_t, key=after_t.get)
-        tune_after = {"block_v": ba[0], "num_warps": ba[1]}
+    bw = min(walk_t, key=walk_t.get) if walk_t else WALK_TILES["before"]
+    ba = min(after_t, key=after_t.get) if after_t else WALK_TILES["after"]
+    tune = {"prologue": "split", "prologue_split": best, "block_v": bw[0], "num_warps": bw[1]}
+    tune_after = {"block_v": ba[0], "num_warps": ba[1]}
     return records, {"tune": tune, "tune_after": tune_after, "times_us": times}
 
 
@@ -688,8 +707,9 @@ def predict(case_name: str, target: str | None = None, compute_units: int | None
 
 def main(argv=None) -> int:
     """Run the whole study on this machine and write every record to <out>/records.json (one file,
-    so a remote run returns it whole): the cases, graph-replay timings of the headline cases, the
-    group-size sweep, launch-option tuning and the crossover grid, within a time budget."""
+    so a remote run returns it whole): calibration, the crossover grid (fla beside k3lab while the
+    time budget leaves room for fla's compile and autotuning, about 85 s per head count on the H200),
+    the group-size sweep and the ragged case."""
     import argparse
     import json
     import os
@@ -699,11 +719,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m k3lab.studies.kda_scan")
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=240.0)
-    ap.add_argument("--phases", default="calibrate,cases,sweep,crossover")
-    ap.add_argument("--tune", default="[]", help="JSON list of launch-option dicts for the tune phase")
+    ap.add_argument("--phases", default="calibrate,cases,sweep")
     ap.add_argument("--sweep-cases", default="h12_b1_t16384")
     ap.add_argument("--calibrate-case", default="h12_b1_t16384")
-    ap.add_argument("--cases", default=None, help="comma list replacing the cases phase's list")
+    ap.add_argument("--cases", default=None, help="comma list replacing the grid + ragged case")
+    ap.add_argument("--compare-prologues", default="", help="comma list of other prologue kinds to time")
+    ap.add_argument("--fla-first-s", type=float, default=100.0,
+                    help="time fla only while this much budget is left for a head count it has not compiled")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -749,7 +771,8 @@ def main(argv=None) -> int:
 
         def cal():
             nonlocal tune, tune_after
-            recs, choice = calibrate(args.calibrate_case)
+            compare = [x for x in args.compare_prologues.split(",") if x]
+            recs, choice = calibrate(args.calibrate_case, compare_prologues=compare)
             tune, tune_after = choice["tune"], choice["tune_after"]
             print("calibrated:", json.dumps({k: choice[k] for k in ("tune", "tune_after")}), flush=True)
             print(
@@ -760,49 +783,37 @@ def main(argv=None) -> int:
             return recs
 
         step("calibrate", cal, need_s=60.0)
-    done = set()
-    first = ["h12_b1_t16384", "h12_b1_t4096", "h12_b1_t65536", "h12_b8_t4096", "h12_b8_t16384"]
-    later = ["h96_b1_t4096", "h96_b1_t16384", "h12_ragged"]
-    names = args.cases.split(",") if args.cases else first + later
-    if "cases" in phases:
-        for name in [n for n in names if n in first or args.cases]:
-            step(name, lambda n=name: run(cases=[n], strict=False, tune=tune, tune_after=tune_after))
-            done.add(name)
-    if "sweep" in phases:
-        for name in args.sweep_cases.split(","):
-            step(
-                name + " sweep", lambda n=name: group_size_sweep(n, strict=False, tune={**tune, **tune_after})
-            )
-    if "cases" in phases and not args.cases:
-        for name in later:
-            step(
-                name,
-                lambda n=name: run(cases=[n], strict=False, tune=tune, tune_after=tune_after),
-                need_s=45.0,
-            )
-            done.add(name)
-    if "graph" in phases:
-        for name in ("h12_b1_t16384",):
-
-            def g(n=name):
-                recs = run(cases=[n], graph=True, strict=False, tune=tune, tune_after=tune_after)
-                for r in recs:
-                    r.case = f"{n}.graph"
-                return recs
-
-            step(name + " graph", g)
-    if "tune" in phases:
-        opts = json.loads(args.tune)
-        if opts:
-            step("tune", lambda: tune_sweep("h12_b1_t16384", opts), need_s=30.0)
-    if "crossover" in phases:
-        for name in crossover_cases():
-            if name not in done:
-                step(
-                    name,
-                    lambda n=name: run(cases=[n], strict=False, tune=tune, tune_after=tune_after),
-                    need_s=45.0,
-                )
+        if not tune:
+            tune = {"prologue": "pairs"}
+            print("[calibrate gave no choice: the cases use the 'pairs' prologue]", flush=True)
+    grid = crossover_cases()
+    grid = sorted(grid, key=lambda n: (parse_case(n).heads, parse_case(n).batch, n != "h12_b1_t16384"))
+    names = args.cases.split(",") if args.cases else grid + ["h12_ragged"]
+    fla_heads: set = set()
+    swept = False
+    for name in names:
+        if "sweep" in phases and not swept and parse_case(name).heads != 12:
+            swept = True
+            for sw in args.sweep_cases.split(","):
+                step(sw + " sweep", lambda n=sw: group_size_sweep(n, strict=False, tune={**tune, **tune_after}))
+        if "cases" not in phases:
+            continue
+        case = parse_case(name)
+        key = (case.heads, case.ragged)
+        with_fla = fla_available() and (key in fla_heads or left() > args.fla_first_s)
+        if with_fla:
+            fla_heads.add(key)
+        else:
+            print(f"[{name}: fla left out, {left():.0f} s left]", flush=True)
+        variants = None if with_fla else ("before", "after")
+        step(
+            name,
+            lambda n=name, vs=variants: run(cases=[n], variants=vs, strict=False, tune=tune, tune_after=tune_after),
+            need_s=15.0,
+        )
+    if "sweep" in phases and not swept:
+        for sw in args.sweep_cases.split(","):
+            step(sw + " sweep", lambda n=sw: group_size_sweep(n, strict=False, tune={**tune, **tune_after}))
     save()
     print(f"kda_scan done: {len(records)} records, {time.time() - t0:.0f} s", flush=True)
     return 0

@@ -496,8 +496,8 @@ def calibrate(
 ):
     """Time each launch on its own (no fla, no reference) to pick launch options on this device:
     the split prologue's three launches (each over its options), then, if `walks` lists any,
-    (block_v, num_warps) for the plain walk and for the after's summaries + replay (else WALK_TILES). `compare_prologues`: other prologue kinds
-    timed whole for comparison. Returns (records named '<case>.part_*', {'tune', 'tune_after',
+    (block_v, num_warps) for the plain walk and for the after's summaries + replay (else WALK_TILES).
+    `compare_prologues`: other prologue kinds timed whole; the fastest of all goes into the tune. Returns (records named '<case>.part_*', {'tune', 'tune_after',
     'times_us'})."""
     case = parse_case(name)
     inp = make_inputs(case)
@@ -576,7 +576,10 @@ def calibrate(
             print(f"calibrate walk {tag}: {type(exc).__name__}: {str(exc)[:300]}")
     bw = min(walk_t, key=walk_t.get) if walk_t else WALK_TILES["before"]
     ba = min(after_t, key=after_t.get) if after_t else WALK_TILES["after"]
-    tune = {"prologue": "split", "prologue_split": best, "block_v": bw[0], "num_warps": bw[1]}
+    pro = min(("split", *compare_prologues), key=lambda x: times.get(f"prologue_{x}", float("inf")))
+    tune = {"prologue": pro, "block_v": bw[0], "num_warps": bw[1]}
+    if pro == "split":
+        tune["prologue_split"] = best
     tune_after = {"block_v": ba[0], "num_warps": ba[1]}
     return records, {"tune": tune, "tune_after": tune_after, "times_us": times}
 

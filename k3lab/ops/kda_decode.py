@@ -26,8 +26,8 @@ and return out [B, H*V]. State layout 'kv' is [B, H, K, V] (fla's default); 'vk'
 once per layer and calls it with the six per-token inputs (q, k, v, g_raw, beta_raw, gate).
 
 Measured (H200, TP8 slice of 12 heads, CUDA-graph replay, profiles/nvidia-h200/kda_decode/):
-B = 1: before 8.8 us, after 4.1 us, fla-core 16.6 us; B = 128: 74.4 / 53.6 / 87.4 us, the fused
-kernel moving its 201 MB of state at 3.76 TB/s (88% of the 4.25 TB/s device copy).
+B = 1: before 8.58 us, after 3.83 us, fla-core 11.2 us; B = 128: 74.0 / 53.7 / 87.7 us, the fused
+kernel moving its 201 MB of state at 3.75 TB/s (88% of the 4.25 TB/s device copy).
 """
 
 from __future__ import annotations
@@ -494,9 +494,10 @@ def choose_config(batch: int, heads: int, units: int, warp_size: int = 32, clust
     a block; below that, each head is split over a cluster of 4 blocks (32 value columns each) so
     the state moves through more units. Without clusters (the split then needs an atomic exchange
     through memory) whole heads always. Measured on the H200 (132 SMs, 12 heads, graph replay,
-    profiles/nvidia-h200/kda_decode/sweep.json): B = 1: 32-column clusters 4.1 us, 16-column 4.1,
-    64-column 4.35, whole heads 4.5, atomic exchange 4.7-5.3; B = 8 (96 heads): whole heads 5.9 us,
-    any split 6.6-7.7; B = 32 and 128: whole heads, by 14-25%."""
+    profiles/nvidia-h200/kda_decode/: the 'B1_H12.*' records and extra/sweep.json): B = 1, split
+    clusters with the state stored before the norm exchange: 32 columns x 128 threads 3.71 us,
+    16 x 128 3.76, 16 x 64 4.12, 64 x 128 4.19, whole heads 4.54, atomic exchange 4.85; B = 8
+    (96 heads): whole heads 5.9 us, any split 6.6-7.7; B = 32 and 128: whole heads, by 14-25%."""
     whole = (HEAD_DIM, 256)
     if not clusters or batch * heads * 2 >= units:
         tile_v, threads = whole

@@ -316,6 +316,15 @@ def launch_config(variant: str, dtype: torch.dtype = torch.bfloat16, rows: int =
     # 3 stages of 32 rows it keeps two tiles in flight, uses no spill registers, and two programs
     # fit on one H200 SM (~91 KB shared memory each). Read off the compiled IR, not yet timed.
     # 64 rows (a verify group): the 64 x 512 fp32 accumulator needs 8 warps.
+    env_cfg = os.environ.get("K3LAB_MLA_AFTER_CONFIG", "")
+    if env_cfg and rows == MMA_ROWS and block_n is None and num_warps is None and num_stages is None:
+        # a decode (16-row) launch configuration chosen by a measurement, e.g. "64,8,1" (recorded
+        # with every record: block_n, num_warps, num_stages)
+        try:
+            bn, warps, stages = (int(x) for x in env_cfg.split(","))
+        except ValueError:
+            raise ValueError(f"K3LAB_MLA_AFTER_CONFIG must be 'block_n,num_warps,num_stages', got {env_cfg!r}") from None
+        return LaunchConfig(bn, warps, stages)
     bn = block_n or 32
     warps = num_warps or (4 if rows <= 16 else 8)
     if num_stages is None:

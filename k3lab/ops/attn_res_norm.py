@@ -10,9 +10,12 @@ Between two sublayers K3 does, per token:
     at a block boundary: blocks[n] <- prefix; prefix <- 0
 
 `before` is that sequence in plain PyTorch (a dozen kernels, every intermediate through memory).
-`after` is one Triton kernel: one program per token walks the sources once with an online softmax,
-keeps the fp32 mixture in registers through the norm, and writes only the persistent updates and
-the normed output. Both update `prefix` / `blocks` in place and return the normed output.
+`after` is one Triton kernel: one program per token reads every source once, takes the stored
+blocks a group at a time as one tile with an online softmax between groups, keeps the fp32 mixture
+in registers through the norm, and writes only the persistent updates and the normed output. How
+many blocks per group, warps, and how the loads run ahead are chosen by `launch_config` from the
+token count (a single all-blocks tile for small batches, a software-pipelined walk for large ones).
+Both update `prefix` / `blocks` in place and return the normed output.
 """
 
 from __future__ import annotations
@@ -138,8 +141,9 @@ if triton is not None:
         N_GROUPS: tl.constexpr = (N_BLOCKS + GROUP - 1) // GROUP
         g_rows = tl.arange(0, GROUP)
         g_ptrs = blocks_ptr + g_rows[:, None].to(tl.int64) * stride + base + cols[None, :]
-        # every load that does not depend on a reduction is issued before the first one: a reduction
-        # ends in a barrier, and no load after it in program order starts before it
+        # every load that does not depend on a reduction comes before the first one in program order:
+        # a reduction ends in a barrier, and no load after it starts before it (the compiler may still
+        # hold some of these back under register pressure)
         if PREFETCH and STAGES == 0 and N_GROUPS > 0:
             nxt = tl.load(g_ptrs, mask=(g_rows < N_BLOCKS)[:, None] & mask[None, :], other=0.0)
         w = tl.load(w_mix_ptr + cols, mask=mask, other=0.0)
@@ -194,11 +198,13 @@ def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None) 
 
     The rule, from the H200 sweep (profiles/nvidia-h200/copy_removal/attn_res_t*_s*.<variant>, hidden
     7168, graph replay; the variants are copy_removal.ATTN_RES_VARIANTS):
-    - tokens <= compute units: one program per token and at most one per unit, so nothing overlaps
-      one program's load -> reduce trips; the step is latency-bound. Every stored block is loaded as
-      one tile in a single step ("tile8": group = all blocks, 8 warps). 1 token, 9 sources: 6.1 us vs
-      7.8 us walking the blocks with 8 warps and 9.3 us for the previous kernel; 16 and 32 warps
-      were slower (6.6, 9.0 us: more cross-warp reduction, and register spills at 32).
+    - tokens <= compute units: one program per token and at most one per unit, so one SM does all
+      of a token's work with nothing beside it: the step is bound by latency and by that SM's
+      instruction issue. Every stored block is loaded as one tile in a single step ("tile8": group
+      = all blocks, 8 warps). 1 token, 9 sources: 6.1 us vs 7.9 us walking the blocks with 8 warps
+      and 9.3 us for the previous kernel. 16 and 32 warps were slower (6.6, 9.0 us): the work per
+      SM is the same (about 2,750 instructions per thread at 8 warps for 9 sources, in the compiled
+      code), more warps only add cross-warp reduction, and 32 spill registers.
     - more tokens, 2+ stored blocks: bandwidth-bound. One block at a time in a rolled loop that the
       compiler software-pipelines 3 deep through shared memory ("pipe8s3"): the loads in flight
       cost no registers, 128 registers per thread leave room for two programs of 8 warps per unit.
@@ -207,6 +213,9 @@ def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None) 
     - more tokens, 0-1 stored blocks: a loop of one step has nothing to pipeline; the block is
       prefetched in registers with 4 warps ("walk4"): 8192 tokens, 2 sources: 160 us, 86% (pipe8s3:
       195 us).
+    The switch at one token per unit follows from the reasoning above; the sweep brackets it (tile8
+    best at 64 tokens, pipe8s3 at 512) but did not time the tokens in between. On AMD GPUs the same
+    rule applies untuned (not yet run on AMD hardware by this project).
     compute_units: the device's SM/CU count (read from the device when None).
     """
     if compute_units is None:

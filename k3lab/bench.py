@@ -644,8 +644,14 @@ PROFILES = _repo_root() / "profiles"
 
 @functools.lru_cache(maxsize=4)
 def git_commit(path: str | None = None) -> str:
-    """HEAD of the git tree holding k3lab (or `path`), '-dirty' appended when it has changes;
-    K3LAB_COMMIT from the environment outside git (a copied tree), else 'unknown'."""
+    """K3LAB_COMMIT from the environment when it is set and looks like a commit id (a copied tree,
+    such as a device machine's, may carry a stale .git); else HEAD of the git tree holding k3lab
+    (or `path`), '-dirty' appended when it has changes; else 'unknown'."""
+    given = os.environ.get("K3LAB_COMMIT", "").strip()
+    if given:
+        if not re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", given):
+            raise ValueError(f"K3LAB_COMMIT must be a commit id (7-40 hex digits, optional '-dirty'), got {given!r}")
+        return given
     where = path or str(_repo_root())
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,
@@ -656,9 +662,7 @@ def git_commit(path: str | None = None) -> str:
                                capture_output=True, text=True, check=False, timeout=10)
         return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
-        given = os.environ.get("K3LAB_COMMIT", "").strip()
-        # a copied tree without .git: trust K3LAB_COMMIT only if it looks like a commit id
-        return given if re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", given) else "unknown"
+        return "unknown"
 
 
 def device_slug(device: str | None = None, backend: str | None = None) -> str:

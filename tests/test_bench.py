@@ -317,6 +317,7 @@ def test_tracked_file_is_not_overwritten(tmp_path):
 
 
 def test_git_commit_marks_dirty_trees(tmp_path, monkeypatch):
+    monkeypatch.delenv("K3LAB_COMMIT", raising=False)
     _git(tmp_path, "init", "-q")
     (tmp_path / "f.txt").write_text("a")
     _git(tmp_path, "add", ".")
@@ -330,15 +331,24 @@ def test_git_commit_marks_dirty_trees(tmp_path, monkeypatch):
     outside = tmp_path / "nogit"
     outside.mkdir()
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
-    monkeypatch.delenv("K3LAB_COMMIT", raising=False)
     bench.git_commit.cache_clear()
     assert bench.git_commit(str(outside)) == "unknown"
+    bench.git_commit.cache_clear()
+
+
+def test_git_commit_prefers_the_given_commit_over_a_stale_tree(tmp_path, monkeypatch):
+    # a device machine's copy may carry an old .git: the commit named by the caller wins
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "f.txt").write_text("a")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "one")
     monkeypatch.setenv("K3LAB_COMMIT", "abc1234-dirty")
     bench.git_commit.cache_clear()
-    assert bench.git_commit(str(outside)) == "abc1234-dirty"
-    monkeypatch.setenv("K3LAB_COMMIT", "HEAD\nabc1234")  # not a commit id: not trusted
+    assert bench.git_commit(str(tmp_path)) == "abc1234-dirty"
+    monkeypatch.setenv("K3LAB_COMMIT", "HEAD\nabc1234")  # not a commit id: refused, by name
     bench.git_commit.cache_clear()
-    assert bench.git_commit(str(outside)) == "unknown"
+    with pytest.raises(ValueError, match="K3LAB_COMMIT"):
+        bench.git_commit(str(tmp_path))
     bench.git_commit.cache_clear()
 
 

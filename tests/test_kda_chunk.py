@@ -241,6 +241,16 @@ def test_group_size_rule():
     assert kc.choose_group_size([16384] * 8, 12, compute_units=256) is not None
 
 
+def test_walk_tile_rule():
+    # an idle H200 (24 programs at 64 columns): narrower tiles, twice the programs
+    assert kc.choose_block_v(1, 12, compute_units=132) == 32
+    # 192 programs at 64 columns already cover the 132 SMs
+    assert kc.choose_block_v(8, 12, compute_units=132) == 64
+    assert kc.choose_block_v(1, 96, compute_units=132) == 64
+    # on 256 CUs B = 8 x 12 heads is not enough for wide tiles
+    assert kc.choose_block_v(8, 12, compute_units=256) == 32
+
+
 # ---------------------------------------------------------------------------------------------
 # bad input
 
@@ -275,12 +285,20 @@ def test_bad_input_names_the_argument(mutate, match):
             fn(**args)
 
 
-@pytest.mark.parametrize("prologue", kc.PROLOGUES)
-def test_both_prologues_write_the_same_chunk_quantities(prologue):
-    """Either prologue against the PyTorch algebra (fp64) on every field the walks read."""
+@pytest.mark.parametrize(
+    "prologue,split",
+    [
+        ("persistent", None),
+        ("split", None),  # one row block per program
+        ("split", {"per_block": False, "block_k": 64, "a_warps": 4, "inv_warps": 2, "wu_block_k": 32}),
+    ],
+)
+def test_prologues_write_the_chunk_quantities(prologue, split):
+    """Each prologue (and the split one's other launch shape) against the PyTorch algebra (fp64) on
+    every field the walks read; 100 tokens = one full chunk and a 36-token one."""
     q, k, v, g, beta = _inputs(1, 100, 2, seed=8)
     plan = kc.make_plan([100], 2)
-    work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 128**-0.5, prologue=prologue)
+    work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 128**-0.5, prologue=prologue, split=split)
     cq = sm.chunk_quantities(*(t.double() for t in (q, k, v, g, beta)))
     pairs = {
         "W": (work.w, cq.W),
@@ -308,6 +326,8 @@ def test_bad_options():
         kc.make_plan([70], 1, group_size=0)
     with pytest.raises(ValueError, match="prologue"):
         kc.kda_chunk_before(q, k, v, g, beta, prologue="fast")
+    with pytest.raises(ValueError, match="split options"):
+        kc.kda_chunk_before(q, k, v, g, beta, prologue_split={"warps": 2})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,16 +5,18 @@ prefill walks its chunks one after another. With few sequences and heads (B = 1 
 two 64-wide value tiles each = 24 programs) most of the GPU's 132 SMs (256 CUs on MI355X) sit idle
 while 24 programs each walk 256 chunks of a 16K-token prompt.
 
-Both variants start with the same chunk-local prologue (one launch, every chunk in parallel):
-per chunk and head, the in-chunk cumulative log-decay G, Akk and Aqk, the 64 x 64 unit
-lower-triangular inverse R = (I + Akk)^-1 in fp32, and from it W = R diag(beta) (K e^G),
-U = R diag(beta) V, Qg = scale Q e^G, Kd^T = (K e^(G_last - G))^T and d = e^(G_last) (the
-`k3lab.ops.kda_scan_math.ChunkQuantities`, written to memory in the inputs' dtype).
+Both variants start with the same chunk-local prologue (every chunk in parallel): per chunk and
+head, the in-chunk cumulative log-decay G, Akk and Aqk, the 64 x 64 unit lower-triangular inverse
+R = (I + Akk)^-1 in fp32, and from it W = R diag(beta) (K e^G), U = R diag(beta) V,
+Qg = scale Q e^G, Kd^T = (K e^(G_last - G))^T and d = e^(G_last) (the
+`k3lab.ops.kda_scan_math.ChunkQuantities`, written to memory in the inputs' dtype). The default
+'split' prologue takes three launches (A's, inverse, W/U: `split_prologue_launches`); run 1's
+'persistent' prologue does it in one. Below, "launch 1" means the prologue either way.
 
-* before (`kda_chunk_before`, 2 launches): the walk. One program per (sequence, head, value tile)
+* before (`kda_chunk_before`, prologue + 1 launch): the walk. One program per (sequence, head, value tile)
   keeps its state tile S [128 x BV] fp32 on chip and, chunk after chunk, computes
   E = U - W S, O = Qg S + Aqk E, S = diag(d) S + Kd^T E.
-* after (`kda_chunk_after`, 4 launches): the group scan.
+* after (`kda_chunk_after`, prologue + 3 launches): the group scan.
   1. the same prologue;
   2. summaries: every group of `group_size` chunks composes its chunk maps
      S_out = A_c S_in + B_c (A_c = diag(d) - Kd^T W, B_c = Kd^T U) into one map
@@ -42,17 +44,20 @@ technical note). The walks use the input dtype's matrix units with an fp32 state
 accumulation, as fla does. With fp32 inputs every product is an fp32 one ("ieee"): that is what the
 CPU tests check in Triton's interpreter, where bf16 dots are wrong.
 
-The decay factors: within a 16-row block the kernel splits e^(G_i - G_j) = e^(G_i - G_s) e^(G_s - G_j)
-around the block's first row s; the second factor is at most e^(15 max|g|), within fp32 for
-K3's gate (g in (-5, 0), architecture.md). A block whose spread is wider than SAFE_SPREAD takes an
-exact column-by-column path instead (slower, same result), so no input overflows.
+The decay factors: e^(G_i - G_j) is split around the cumulative decay before a 16-row block so
+that every factor is <= 1 except inside a diagonal block, where one factor reaches e^(spread of the
+block), at most e^(16 max|g|): within fp32 for K3's gate (g in (-5, 0), architecture.md). A block
+whose spread is wider than SAFE_SPREAD takes an exact column-by-column path instead (slower, same
+result), so no input overflows.
 
-Measured (H200, 12 heads, bf16, fla-core 0.6.0 in the same run; profiles/nvidia-h200/kda_scan):
-both variants match the fp64 reference as closely as fla does (rel. L2 4.4e-3 on o and state). The
-group scan beats the plain walk by 9% at 16K tokens and 14% at 64K, but both are about 2x slower
-than fla's chunk_kda: the 'persistent' prologue costs ~0.5 us of GPU time per chunk and head (its
-fit over all cases), against ~0.24 us for all of fla's kernels together. The 'blocks' prologue is
-the rewrite aimed at that and has not yet been compiled or timed on a GPU.
+Measured (H200, bf16, fla-core 0.6.0 in the same run; profiles/nvidia-h200/kda_scan, run 2): every
+variant matches the fp64 reference as closely as fla does (rel. L2 4.4e-3 on o, 3.6e-3 on the
+state). At 12 heads x 16K tokens the 'split' prologue takes 766 us against 1495 us for run 1's
+'persistent' one (whose 255 registers per thread and spills left two programs per SM); the after
+takes 1135 us, the before 1237 us, fla's chunk_kda 991 us. Over the whole grid the before fits
+0.29 us per chunk and head plus 1.45 us per chunk step on the critical path, within 9%; fla's
+kernels together cost 0.23 us per chunk and head where the GPU is full. The prologue (0.25 us per
+chunk and head, 0.20 of them in its A launch) is still what keeps k3lab behind fla.
 
 ROCm: the kernels are plain Triton and read unit counts from the device; they have not yet been run
 on AMD hardware by this project.
@@ -334,11 +339,18 @@ def _prologue_item(
 
 
 # ----------------------------------------------------------------------------------------------
-# prologue, block form: one program per (chunk, head), the chunk held as four 16-row blocks in
-# registers (no scratch). Decays are factored so that every exponential is <= 1 except inside a
-# diagonal block, where the factor is <= e^spread (exact pairwise decays beyond SAFE_SPREAD):
-#   e^(G_i - G_j) = e^(G_i - s_I) e^(s_I - e_J) e^(e_J - G_j)   (i in block I > J, j in block J)
-# with s_I the first row of block I and e_J the last row of block J.
+# prologue, split form: three launches, each with few live tiles (the register pressure of the
+# one-kernel forms capped them at two programs per SM, measured on the H200):
+#   1. A's: one program per (chunk, head[, row block]). Row block I runs its own pass over the key
+#      slices and holds only its own <= 4 Akk and <= 4 Aqk blocks; it rebuilds the earlier blocks'
+#      key factors c_J = k e^(E_J - G_J) (L1/L2-hot re-reads) instead of keeping them. It also
+#      writes Qg, W's right factor, Kd^T and d. Akk (fp32) goes to the R buffer.
+#   2. the inverse, fp32, in place in the R buffer (16 x 16 tiles: few warps suffice).
+#   3. W and U from the finished inverse rounded to the input dtype (matrix units).
+# Factoring of the decays (every factor <= 1 except on the diagonal):
+#   off-diagonal (I > J):  e^(G_i - G_j) = e^(G_i - P_I) e^(P_I - E_J) e^(E_J - G_j)
+#   diagonal:              e^(G_i - G_j) = e^(G_i - P_I) e^(P_I - G_j)      (<= e^spread)
+# with P_I the cumulative log-decay before block I's first row and E_J the one at block J's last.
 
 
 @triton.jit
@@ -349,505 +361,15 @@ def _row_of(x, r, BC: tl.constexpr):
 
 
 @triton.jit
-def _pb_block(q, k, g, beta, tok0, L, h, H, carry, BI: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
-    """Load block BI (16 rows) and its decays: G = carry + in-block cumsum; r = e^(G - s) <= 1 and
-    cp = k e^(e - G) <= 1 around the block's first (s) and last (e) rows."""
-    rb = tl.arange(0, BC)
-    rk = tl.arange(0, K)
-    rows = BI * BC + rb
-    m = rows < L
-    off = ((tok0 + rows) * H + h)[:, None] * K + rk[None, :]
-    kb = tl.load(k + off, mask=m[:, None], other=0.0).to(tl.float32)
-    qb = tl.load(q + off, mask=m[:, None], other=0.0).to(tl.float32)
-    gb = tl.load(g + off, mask=m[:, None], other=0.0).to(tl.float32)
-    bb = tl.load(beta + (tok0 + rows) * H + h, mask=m, other=0.0).to(tl.float32)
-    G = carry[None, :] + tl.cumsum(gb, axis=0)
-    s = _row_of(G, 0, BC)
-    e = _row_of(G, BC - 1, BC)
-    r = tl.exp(G - s[None, :])
-    cp = kb * tl.exp(e[None, :] - G)
-    return kb, qb, G, bb, s, e, r, cp
-
-
-@triton.jit
-def _pb_diag(
-    kb,
-    qb,
-    G,
-    s,
-    e,
-    r,
-    cp,
-    bb,
-    scale,
-    SPREAD: tl.constexpr,
-    AKK_PREC: tl.constexpr,
-    AQK_PREC: tl.constexpr,
-    BC: tl.constexpr,
-):
-    """Akk, Aqk inside one block. Factored around s while the block's decay spread fits fp32
-    (K3's gate, g > -5, always does); exact pairwise decays otherwise."""
-    rb = tl.arange(0, BC)
-    spread = tl.max(tl.max(s[None, :] - G, axis=1), axis=0)
-    if spread <= SPREAD:
-        c = cp * tl.exp(s - e)[None, :]  # k e^(s - G_j) <= e^spread
-        akk = tl.dot(kb * r, tl.trans(c), input_precision=AKK_PREC)
-        aqk = tl.dot(qb * r, tl.trans(c), input_precision=AQK_PREC)
-    else:
-        akk = tl.zeros([BC, BC], dtype=tl.float32)
-        aqk = tl.zeros([BC, BC], dtype=tl.float32)
-        for cc in range(BC):
-            k_j = _row_of(kb, cc, BC)
-            G_j = _row_of(G, cc, BC)
-            ke = k_j[None, :] * tl.exp(tl.where(rb[:, None] >= cc, G - G_j[None, :], float("-inf")))
-            akk = tl.where(rb[None, :] == cc, tl.sum(kb * ke, axis=1)[:, None], akk)
-            aqk = tl.where(rb[None, :] == cc, tl.sum(qb * ke, axis=1)[:, None], aqk)
-    akk = tl.where(rb[:, None] > rb[None, :], akk * bb[:, None], 0.0)
-    aqk = tl.where(rb[:, None] >= rb[None, :], aqk * scale, 0.0)
-    return akk, aqk
-
-
-@triton.jit
-def _pb_off(kb_i, qb_i, r_i, s_i, bb_i, cp_j, e_j, scale, AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr):
-    """Akk, Aqk of row block i against an earlier column block j: every factor <= 1."""
-    rr = r_i * tl.exp(s_i - e_j)[None, :]
-    akk = tl.dot(kb_i * rr, tl.trans(cp_j), input_precision=AKK_PREC) * bb_i[:, None]
-    aqk = tl.dot(qb_i * rr, tl.trans(cp_j), input_precision=AQK_PREC) * scale
-    return akk, aqk
-
-
-@triton.jit
-def _pb_store_aqk(aqk_base, x, BI: tl.constexpr, BJ: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
-    rb = tl.arange(0, BC)
-    tl.store(aqk_base + (BI * BC + rb)[:, None] * C + BJ * BC + rb[None, :], x.to(aqk_base.dtype.element_ty))
-
-
-@triton.jit
-def _pb_store_rows(base, x, BI: tl.constexpr, N: tl.constexpr, BC: tl.constexpr):
-    rb = tl.arange(0, BC)
-    rn = tl.arange(0, N)
-    tl.store(base + (BI * BC + rb)[:, None] * N + rn[None, :], x.to(base.dtype.element_ty))
-
-
-@triton.jit
-def _inv16x4(a0, a1, a2, a3, BC: tl.constexpr):
-    """(I + A)^-1 of four strictly lower [BC, BC] blocks by forward substitution, side by side:
-    row i of X = R - I is -A[i] - sum_c A[i, c] X[c]."""
-    rb = tl.arange(0, BC)
-    x0 = tl.zeros([BC, BC], dtype=tl.float32)
-    x1 = tl.zeros([BC, BC], dtype=tl.float32)
-    x2 = tl.zeros([BC, BC], dtype=tl.float32)
-    x3 = tl.zeros([BC, BC], dtype=tl.float32)
-    for i in range(1, BC):
-        sel = rb[:, None] == i
-        n0 = -tl.sum(tl.where(sel, a0, 0.0), axis=0)
-        n1 = -tl.sum(tl.where(sel, a1, 0.0), axis=0)
-        n2 = -tl.sum(tl.where(sel, a2, 0.0), axis=0)
-        n3 = -tl.sum(tl.where(sel, a3, 0.0), axis=0)
-        x0 = tl.where(sel, (n0 + tl.sum(n0[:, None] * x0, axis=0))[None, :], x0)
-        x1 = tl.where(sel, (n1 + tl.sum(n1[:, None] * x1, axis=0))[None, :], x1)
-        x2 = tl.where(sel, (n2 + tl.sum(n2[:, None] * x2, axis=0))[None, :], x2)
-        x3 = tl.where(sel, (n3 + tl.sum(n3[:, None] * x3, axis=0))[None, :], x3)
-    eye = tl.where(rb[:, None] == rb[None, :], 1.0, 0.0)
-    return x0 + eye, x1 + eye, x2 + eye, x3 + eye
-
-
-@triton.jit(do_not_specialize=["H"])
-def _prologue_blocks_kernel(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    chunk_tok,
-    chunk_len,
-    w_out,
-    u_out,
-    qg_out,
-    kdt_out,
-    aqk_out,
-    d_out,
-    H,
-    scale,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    C: tl.constexpr,
-    BC: tl.constexpr,
-    SPREAD: tl.constexpr,
-    AKK_PREC: tl.constexpr,
-    AQK_PREC: tl.constexpr,
-    INV_PREC: tl.constexpr,
-    OUT_PREC: tl.constexpr,
-):
-    """One program per (chunk, head); C = 64 = four 16-row blocks."""
-    c = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    rk = tl.arange(0, K)
-    rb = tl.arange(0, BC)
-    INTER = w_out.dtype.element_ty
-    tok0 = tl.load(chunk_tok + c).to(tl.int64)
-    L = tl.load(chunk_len + c)
-    out = c * H + h
-    aqk_base = aqk_out + out * C * C
-    # --- Akk, Aqk block by block; Qg stored as each block passes, W's input kept (bf16)
-    k0, q0, G0, b0, s0, e0, r0, cp0 = _pb_block(
-        q, k, g, beta, tok0, L, h, H, tl.zeros([K], tl.float32), 0, K, BC
-    )
-    a00, z00 = _pb_diag(k0, q0, G0, s0, e0, r0, cp0, b0, scale, SPREAD, AKK_PREC, AQK_PREC, BC)
-    eg0 = r0 * tl.exp(s0)[None, :]  # e^G
-    _pb_store_rows(qg_out + out * C * K, q0 * eg0 * scale, 0, K, BC)
-    xw0 = (k0 * eg0 * b0[:, None]).to(INTER)
-
-    k1, q1, G1, b1, s1, e1, r1, cp1 = _pb_block(q, k, g, beta, tok0, L, h, H, e0, 1, K, BC)
-    a11, z11 = _pb_diag(k1, q1, G1, s1, e1, r1, cp1, b1, scale, SPREAD, AKK_PREC, AQK_PREC, BC)
-    a10, z10 = _pb_off(k1, q1, r1, s1, b1, cp0, e0, scale, AKK_PREC, AQK_PREC)
-    eg1 = r1 * tl.exp(s1)[None, :]
-    _pb_store_rows(qg_out + out * C * K, q1 * eg1 * scale, 1, K, BC)
-    xw1 = (k1 * eg1 * b1[:, None]).to(INTER)
-
-    k2, q2, G2, b2, s2, e2, r2, cp2 = _pb_block(q, k, g, beta, tok0, L, h, H, e1, 2, K, BC)
-    a22, z22 = _pb_diag(k2, q2, G2, s2, e2, r2, cp2, b2, scale, SPREAD, AKK_PREC, AQK_PREC, BC)
-    a20, z20 = _pb_off(k2, q2, r2, s2, b2, cp0, e0, scale, AKK_PREC, AQK_PREC)
-    a21, z21 = _pb_off(k2, q2, r2, s2, b2, cp1, e1, scale, AKK_PREC, AQK_PREC)
-    eg2 = r2 * tl.exp(s2)[None, :]
-    _pb_store_rows(qg_out + out * C * K, q2 * eg2 * scale, 2, K, BC)
-    xw2 = (k2 * eg2 * b2[:, None]).to(INTER)
-
-    k3, q3, G3, b3, s3, e3, r3, cp3 = _pb_block(q, k, g, beta, tok0, L, h, H, e2, 3, K, BC)
-    a33, z33 = _pb_diag(k3, q3, G3, s3, e3, r3, cp3, b3, scale, SPREAD, AKK_PREC, AQK_PREC, BC)
-    a30, z30 = _pb_off(k3, q3, r3, s3, b3, cp0, e0, scale, AKK_PREC, AQK_PREC)
-    a31, z31 = _pb_off(k3, q3, r3, s3, b3, cp1, e1, scale, AKK_PREC, AQK_PREC)
-    a32, z32 = _pb_off(k3, q3, r3, s3, b3, cp2, e2, scale, AKK_PREC, AQK_PREC)
-    eg3 = r3 * tl.exp(s3)[None, :]
-    _pb_store_rows(qg_out + out * C * K, q3 * eg3 * scale, 3, K, BC)
-    xw3 = (k3 * eg3 * b3[:, None]).to(INTER)
-
-    zero = tl.zeros([BC, BC], dtype=tl.float32)
-    _pb_store_aqk(aqk_base, z00, 0, 0, C, BC)
-    _pb_store_aqk(aqk_base, zero, 0, 1, C, BC)
-    _pb_store_aqk(aqk_base, zero, 0, 2, C, BC)
-    _pb_store_aqk(aqk_base, zero, 0, 3, C, BC)
-    _pb_store_aqk(aqk_base, z10, 1, 0, C, BC)
-    _pb_store_aqk(aqk_base, z11, 1, 1, C, BC)
-    _pb_store_aqk(aqk_base, zero, 1, 2, C, BC)
-    _pb_store_aqk(aqk_base, zero, 1, 3, C, BC)
-    _pb_store_aqk(aqk_base, z20, 2, 0, C, BC)
-    _pb_store_aqk(aqk_base, z21, 2, 1, C, BC)
-    _pb_store_aqk(aqk_base, z22, 2, 2, C, BC)
-    _pb_store_aqk(aqk_base, zero, 2, 3, C, BC)
-    _pb_store_aqk(aqk_base, z30, 3, 0, C, BC)
-    _pb_store_aqk(aqk_base, z31, 3, 1, C, BC)
-    _pb_store_aqk(aqk_base, z32, 3, 2, C, BC)
-    _pb_store_aqk(aqk_base, z33, 3, 3, C, BC)
-    # --- Kd^T = (k e^(G_last - G))^T, G_last = e3; d = e^(G_last)
-    kd_base = kdt_out + out * K * C
-    for_blk = tl.exp(e3 - e0)
-    tl.store(kd_base + rk[:, None] * C + (0 * BC + rb)[None, :], tl.trans(cp0 * for_blk[None, :]).to(INTER))
-    tl.store(
-        kd_base + rk[:, None] * C + (1 * BC + rb)[None, :], tl.trans(cp1 * tl.exp(e3 - e1)[None, :]).to(INTER)
-    )
-    tl.store(
-        kd_base + rk[:, None] * C + (2 * BC + rb)[None, :], tl.trans(cp2 * tl.exp(e3 - e2)[None, :]).to(INTER)
-    )
-    tl.store(kd_base + rk[:, None] * C + (3 * BC + rb)[None, :], tl.trans(cp3).to(INTER))
-    tl.store(d_out + out * K + rk, tl.exp(e3))
-    # --- R = (I + Akk)^-1 in fp32: diagonal blocks, then R_IJ = -R_II sum_M L_IM R_MJ
-    r00, r11, r22, r33 = _inv16x4(a00, a11, a22, a33, BC)
-    r10 = -_mm(r11, _mm(a10, r00, INV_PREC), INV_PREC)
-    r21 = -_mm(r22, _mm(a21, r11, INV_PREC), INV_PREC)
-    r32 = -_mm(r33, _mm(a32, r22, INV_PREC), INV_PREC)
-    r20 = -_mm(r22, _mm(a20, r00, INV_PREC) + _mm(a21, r10, INV_PREC), INV_PREC)
-    r31 = -_mm(r33, _mm(a31, r11, INV_PREC) + _mm(a32, r21, INV_PREC), INV_PREC)
-    r30 = -_mm(r33, _mm(a30, r00, INV_PREC) + _mm(a31, r10, INV_PREC) + _mm(a32, r20, INV_PREC), INV_PREC)
-    # --- W = R diag(beta) (K e^G), U = R diag(beta) V: R rounded to the input dtype only now
-    vb0 = _pb_v(v, tok0, L, h, H, b0, 0, V, BC).to(INTER)
-    vb1 = _pb_v(v, tok0, L, h, H, b1, 1, V, BC).to(INTER)
-    vb2 = _pb_v(v, tok0, L, h, H, b2, 2, V, BC).to(INTER)
-    vb3 = _pb_v(v, tok0, L, h, H, b3, 3, V, BC).to(INTER)
-    wb = w_out + out * C * K
-    ub = u_out + out * C * V
-    _pb_store_rows(wb, _mm(r00.to(INTER), xw0, OUT_PREC), 0, K, BC)
-    _pb_store_rows(ub, _mm(r00.to(INTER), vb0, OUT_PREC), 0, V, BC)
-    _pb_store_rows(wb, _mm(r10.to(INTER), xw0, OUT_PREC) + _mm(r11.to(INTER), xw1, OUT_PREC), 1, K, BC)
-    _pb_store_rows(ub, _mm(r10.to(INTER), vb0, OUT_PREC) + _mm(r11.to(INTER), vb1, OUT_PREC), 1, V, BC)
-    _pb_store_rows(
-        wb,
-        _mm(r20.to(INTER), xw0, OUT_PREC)
-        + _mm(r21.to(INTER), xw1, OUT_PREC)
-        + _mm(r22.to(INTER), xw2, OUT_PREC),
-        2,
-        K,
-        BC,
-    )
-    _pb_store_rows(
-        ub,
-        _mm(r20.to(INTER), vb0, OUT_PREC)
-        + _mm(r21.to(INTER), vb1, OUT_PREC)
-        + _mm(r22.to(INTER), vb2, OUT_PREC),
-        2,
-        V,
-        BC,
-    )
-    _pb_store_rows(
-        wb,
-        _mm(r30.to(INTER), xw0, OUT_PREC)
-        + _mm(r31.to(INTER), xw1, OUT_PREC)
-        + _mm(r32.to(INTER), xw2, OUT_PREC)
-        + _mm(r33.to(INTER), xw3, OUT_PREC),
-        3,
-        K,
-        BC,
-    )
-    _pb_store_rows(
-        ub,
-        _mm(r30.to(INTER), vb0, OUT_PREC)
-        + _mm(r31.to(INTER), vb1, OUT_PREC)
-        + _mm(r32.to(INTER), vb2, OUT_PREC)
-        + _mm(r33.to(INTER), vb3, OUT_PREC),
-        3,
-        V,
-        BC,
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# prologue, sliced form: one program per (chunk, head) that walks the 128 key channels in slices of
-# BK. The in-chunk cumsum runs down each channel on its own, so a slice needs only its own g, k, q:
-# three [64, BK] tiles live at a time instead of whole [64, 128] ones (the register pressure that
-# sank both earlier prologues). Akk and Aqk accumulate over the slices in 4 column blocks of 16;
-# column block J is factored around P_J, the cumulative log-decay before the block's first row:
-#   e^(G_i - G_j) = e^(G_i - P_J) e^(P_J - G_j),  left <= 1 for rows i >= 16 J, right <= e^spread.
-# The inverse then reads Akk back from a per-(chunk, head) fp32 buffer (L2-hot): its diagonal 16 x 16
-# blocks by forward substitution, the rest by block products, all fp32; W and U come from the
-# finished inverse rounded to the input dtype, as the seed prescribes.
-
-
-@triton.jit
-def _sl_colblock(
-    akk,
-    aqk,
-    ks,
-    qs,
-    gs,
-    G,
-    k,
-    g,
-    tok0,
-    L,
-    h,
-    H,
-    col,
-    J: tl.constexpr,
-    K: tl.constexpr,
-    C: tl.constexpr,
-    BC: tl.constexpr,
-    SPREAD: tl.constexpr,
-    AKK_PREC: tl.constexpr,
-    AQK_PREC: tl.constexpr,
-):
-    """Add this key slice's share of Akk[:, block J] and Aqk[:, block J] ([C, BC] each, unscaled)."""
-    rc = tl.arange(0, C)
-    rb = tl.arange(0, BC)
-    P = tl.sum(tl.where(rc[:, None] < J * BC, gs, 0.0), axis=0)  # G before block J, [BK]
-    jj = J * BC + rb
-    off_j = ((tok0 + jj) * H + h)[:, None] * K + col[None, :]
-    k_j = tl.load(k + off_j, mask=(jj < L)[:, None], other=0.0).to(tl.float32)  # L1-hot re-read
-    g_j = tl.load(g + off_j, mask=(jj < L)[:, None], other=0.0).to(tl.float32)
-    Gw = tl.cumsum(g_j, axis=0)  # G_j - P_J <= 0
-    spread = -tl.min(tl.min(Gw, axis=1), axis=0)
-    if spread <= SPREAD:
-        right = k_j * tl.exp(-Gw)  # <= e^SPREAD
-        left = tl.exp(tl.where(rc[:, None] >= J * BC, G - P[None, :], float("-inf")))  # <= 1
-        akk += tl.dot(ks * left, tl.trans(right), input_precision=AKK_PREC)
-        aqk += tl.dot(qs * left, tl.trans(right), input_precision=AQK_PREC)
-    else:  # a block whose decay spreads too wide for fp32: exact pairwise decays, one key at a time
-        for cc in range(BC):
-            k_c = _row_of(k_j, cc, BC)
-            G_c = P + _row_of(Gw, cc, BC)
-            e = tl.exp(tl.where(rc[:, None] >= J * BC + cc, G - G_c[None, :], float("-inf")))
-            ke = k_c[None, :] * e
-            akk += tl.where(rb[None, :] == cc, tl.sum(ks * ke, axis=1)[:, None], 0.0)
-            aqk += tl.where(rb[None, :] == cc, tl.sum(qs * ke, axis=1)[:, None], 0.0)
-    return akk, aqk
-
-
-@triton.jit
-def _sl_store_a(aqk_base, r_base, akk, aqk, bt, scale, J: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
-    """Mask and scale column block J: Aqk (input dtype) to its output, Akk (fp32) to the R buffer."""
-    rc = tl.arange(0, C)
-    jj = J * BC + tl.arange(0, BC)
-    akk = tl.where(rc[:, None] > jj[None, :], akk * bt[:, None], 0.0)
-    aqk = tl.where(rc[:, None] >= jj[None, :], aqk * scale, 0.0)
-    tl.store(aqk_base + rc[:, None] * C + jj[None, :], aqk.to(aqk_base.dtype.element_ty))
-    tl.store(r_base + rc[:, None] * C + jj[None, :], akk)
-
-
-@triton.jit
-def _sl_subst(x, base, i, BI: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+def _fwd_subst_row(x, base, i, BI: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
     """One forward-substitution row of diagonal block BI: X[i] = -A[i] - A[i] X (A's row read back)."""
     rb = tl.arange(0, BC)
     a = -tl.load(base + (BI * BC + i) * C + BI * BC + rb)
     return tl.where(rb[:, None] == i, (a + tl.sum(a[:, None] * x, axis=0))[None, :], x)
 
 
-@triton.jit(do_not_specialize=["H"])
-def _prologue_sliced_kernel(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    chunk_tok,
-    chunk_len,
-    w_out,
-    u_out,
-    qg_out,
-    kdt_out,
-    aqk_out,
-    d_out,
-    r_buf,
-    H,
-    scale,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    C: tl.constexpr,
-    BC: tl.constexpr,
-    BK: tl.constexpr,
-    SPREAD: tl.constexpr,
-    AKK_PREC: tl.constexpr,
-    AQK_PREC: tl.constexpr,
-    INV_PREC: tl.constexpr,
-    OUT_PREC: tl.constexpr,
-    PARTS: tl.constexpr,
-):
-    """One program per (chunk, head). PARTS (bits; 7 = all, anything else only for timing the stages):
-    1 = Akk / Aqk, 2 = the inverse, 4 = W and U."""
-    c = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    rc = tl.arange(0, C)
-    rb = tl.arange(0, BC)
-    rs = tl.arange(0, BK)
-    INTER = w_out.dtype.element_ty
-    tok0 = tl.load(chunk_tok + c).to(tl.int64)
-    L = tl.load(chunk_len + c)
-    rmask = rc < L
-    out = c * H + h
-    row = ((tok0 + rc) * H + h) * K
-    bt = tl.load(beta + (tok0 + rc) * H + h, mask=rmask, other=0.0).to(tl.float32)
-    r_base = r_buf + out * C * C
-    akk0 = tl.zeros([C, BC], dtype=tl.float32)
-    akk1 = tl.zeros([C, BC], dtype=tl.float32)
-    akk2 = tl.zeros([C, BC], dtype=tl.float32)
-    akk3 = tl.zeros([C, BC], dtype=tl.float32)
-    aqk0 = tl.zeros([C, BC], dtype=tl.float32)
-    aqk1 = tl.zeros([C, BC], dtype=tl.float32)
-    aqk2 = tl.zeros([C, BC], dtype=tl.float32)
-    aqk3 = tl.zeros([C, BC], dtype=tl.float32)
-    for s in tl.static_range(K // BK):
-        col = s * BK + rs
-        off = row[:, None] + col[None, :]
-        # padded rows: g = 0 keeps G at G_last, k = q = 0 and beta = 0 make them no-ops
-        gs = tl.load(g + off, mask=rmask[:, None], other=0.0).to(tl.float32)
-        ks = tl.load(k + off, mask=rmask[:, None], other=0.0).to(tl.float32)
-        qs = tl.load(q + off, mask=rmask[:, None], other=0.0).to(tl.float32)
-        G = tl.cumsum(gs, axis=0)
-        G_last = tl.sum(gs, axis=0)
-        eG = tl.exp(G)
-        tile = out * C * K + rc[:, None] * K + col[None, :]
-        tl.store(qg_out + tile, (qs * eG * scale).to(INTER))
-        tl.store(w_out + tile, (ks * eG * bt[:, None]).to(INTER))  # W's right factor, replaced below
-        kd = ks * tl.exp(G_last[None, :] - G)
-        tl.store(kdt_out + out * K * C + col[:, None] * C + rc[None, :], tl.trans(kd).to(INTER))
-        tl.store(d_out + out * K + col, tl.exp(G_last))
-        if PARTS % 2 == 1:
-            akk0, aqk0 = _sl_colblock(
-                akk0, aqk0, ks, qs, gs, G, k, g, tok0, L, h, H, col, 0, K, C, BC, SPREAD, AKK_PREC, AQK_PREC
-            )
-            akk1, aqk1 = _sl_colblock(
-                akk1, aqk1, ks, qs, gs, G, k, g, tok0, L, h, H, col, 1, K, C, BC, SPREAD, AKK_PREC, AQK_PREC
-            )
-            akk2, aqk2 = _sl_colblock(
-                akk2, aqk2, ks, qs, gs, G, k, g, tok0, L, h, H, col, 2, K, C, BC, SPREAD, AKK_PREC, AQK_PREC
-            )
-            akk3, aqk3 = _sl_colblock(
-                akk3, aqk3, ks, qs, gs, G, k, g, tok0, L, h, H, col, 3, K, C, BC, SPREAD, AKK_PREC, AQK_PREC
-            )
-    aqk_base = aqk_out + out * C * C
-    _sl_store_a(aqk_base, r_base, akk0, aqk0, bt, scale, 0, C, BC)
-    _sl_store_a(aqk_base, r_base, akk1, aqk1, bt, scale, 1, C, BC)
-    _sl_store_a(aqk_base, r_base, akk2, aqk2, bt, scale, 2, C, BC)
-    _sl_store_a(aqk_base, r_base, akk3, aqk3, bt, scale, 3, C, BC)
-    tl.debug_barrier()
-    if PARTS // 2 % 2 == 1:
-        # --- R = (I + Akk)^-1, fp32: the diagonal blocks by forward substitution, side by side
-        x0 = tl.zeros([BC, BC], dtype=tl.float32)
-        x1 = tl.zeros([BC, BC], dtype=tl.float32)
-        x2 = tl.zeros([BC, BC], dtype=tl.float32)
-        x3 = tl.zeros([BC, BC], dtype=tl.float32)
-        for i in range(1, BC):
-            x0 = _sl_subst(x0, r_base, i, 0, C, BC)
-            x1 = _sl_subst(x1, r_base, i, 1, C, BC)
-            x2 = _sl_subst(x2, r_base, i, 2, C, BC)
-            x3 = _sl_subst(x3, r_base, i, 3, C, BC)
-        eye = tl.where(rb[:, None] == rb[None, :], 1.0, 0.0)
-        r00 = x0 + eye
-        r11 = x1 + eye
-        r22 = x2 + eye
-        r33 = x3 + eye
-        # --- off-diagonal blocks: R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ
-        l10 = _blk(r_base, 1, 0, C, BC)
-        l21 = _blk(r_base, 2, 1, C, BC)
-        l32 = _blk(r_base, 3, 2, C, BC)
-        l20 = _blk(r_base, 2, 0, C, BC)
-        l31 = _blk(r_base, 3, 1, C, BC)
-        l30 = _blk(r_base, 3, 0, C, BC)
-        r10 = -_mm(r11, _mm(l10, r00, INV_PREC), INV_PREC)
-        r21 = -_mm(r22, _mm(l21, r11, INV_PREC), INV_PREC)
-        r32 = -_mm(r33, _mm(l32, r22, INV_PREC), INV_PREC)
-        r20 = -_mm(r22, _mm(l20, r00, INV_PREC) + _mm(l21, r10, INV_PREC), INV_PREC)
-        r31 = -_mm(r33, _mm(l31, r11, INV_PREC) + _mm(l32, r21, INV_PREC), INV_PREC)
-        r30 = -_mm(r33, _mm(l30, r00, INV_PREC) + _mm(l31, r10, INV_PREC) + _mm(l32, r20, INV_PREC), INV_PREC)
-        tl.debug_barrier()  # every thread has read Akk before R overwrites it
-        _blk_store(r_base, 0, 0, r00, C, BC)
-        _blk_store(r_base, 1, 1, r11, C, BC)
-        _blk_store(r_base, 2, 2, r22, C, BC)
-        _blk_store(r_base, 3, 3, r33, C, BC)
-        _blk_store(r_base, 1, 0, r10, C, BC)
-        _blk_store(r_base, 2, 1, r21, C, BC)
-        _blk_store(r_base, 3, 2, r32, C, BC)
-        _blk_store(r_base, 2, 0, r20, C, BC)
-        _blk_store(r_base, 3, 1, r31, C, BC)
-        _blk_store(r_base, 3, 0, r30, C, BC)
-        tl.debug_barrier()
-    if PARTS // 4 % 2 == 1:
-        # --- W = R (beta K e^G), U = R (beta V): the finished inverse rounded to the input dtype
-        R = tl.load(
-            r_base + rc[:, None] * C + rc[None, :], mask=(rc[:, None] // BC) >= (rc[None, :] // BC), other=0.0
-        ).to(INTER)
-        for s in tl.static_range(K // BK):
-            col = s * BK + rs
-            tile = out * C * K + rc[:, None] * K + col[None, :]
-            xw = tl.load(w_out + tile)
-            tl.store(w_out + tile, tl.dot(R, xw, input_precision=OUT_PREC).to(INTER))
-        for s in tl.static_range(V // BK):
-            col = s * BK + rs
-            vs = tl.load(v + ((tok0 + rc) * H + h)[:, None] * V + col[None, :], mask=rmask[:, None], other=0.0)
-            vb = (vs.to(tl.float32) * bt[:, None]).to(INTER)
-            tl.store(u_out + out * C * V + rc[:, None] * V + col[None, :], tl.dot(R, vb, input_precision=OUT_PREC).to(INTER))
-
-
-# ----------------------------------------------------------------------------------------------
-# prologue, pairs form (the default): one program per (chunk, head) that walks the key channels in
-# slices of BK and, within a slice, the chunk's four 16-row blocks in order. Only [16, BK] tiles are
-# ever live, and only the 10 block pairs on or below the diagonal are computed (a [64, *] tile
-# spends 3/8 of its work above the diagonal). Every factor is <= 1 except on the diagonal:
-#   off-diagonal (I > J):  e^(G_i - G_j) = e^(G_i - P_I) e^(P_I - E_J) e^(E_J - G_j)
-#   diagonal:              e^(G_i - G_j) = e^(G_i - P_I) e^(P_I - G_j)      (<= e^spread)
-# with P_I the cumulative log-decay before block I and E_J the one at block J's last row.
-
-
 @triton.jit
-def _pr_load(q, k, g, beta, tok0, L, h, H, col, BI: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
+def _sp_load(q, k, g, beta, tok0, L, h, H, col, BI: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
     rb = tl.arange(0, BC)
     rows = BI * BC + rb
     m = (rows < L)[:, None]
@@ -859,7 +381,7 @@ def _pr_load(q, k, g, beta, tok0, L, h, H, col, BI: tl.constexpr, K: tl.constexp
 
 
 @triton.jit
-def _pr_diag(acc_k, acc_q, kb, qb, a_k, a_q, Gw, SPREAD: tl.constexpr, AKK_PREC: tl.constexpr,
+def _sp_diag(acc_k, acc_q, kb, qb, a_k, a_q, Gw, SPREAD: tl.constexpr, AKK_PREC: tl.constexpr,
              AQK_PREC: tl.constexpr, BC: tl.constexpr):
     """This slice's share of the diagonal block: factored while the block's spread fits fp32 (K3's
     gate, g > -5, always does), exact pairwise decays one key at a time otherwise."""
@@ -880,7 +402,7 @@ def _pr_diag(acc_k, acc_q, kb, qb, a_k, a_q, Gw, SPREAD: tl.constexpr, AKK_PREC:
 
 
 @triton.jit
-def _pr_pair(acc_k, acc_q, a_k, a_q, scl, c_j, AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr):
+def _sp_pair(acc_k, acc_q, a_k, a_q, scl, c_j, AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr):
     """Row block I against an earlier column block J: a = x e^(G - P_I), scl = e^(P_I - E_J),
     c_j = k e^(E_J - G_j), all <= 1."""
     ct = tl.trans(c_j)
@@ -890,7 +412,7 @@ def _pr_pair(acc_k, acc_q, a_k, a_q, scl, c_j, AKK_PREC: tl.constexpr, AQK_PREC:
 
 
 @triton.jit
-def _pr_rows_out(qg_out, w_out, a_q, a_k, P, bt, scale, out, col, BI: tl.constexpr, K: tl.constexpr,
+def _sp_rows_out(qg_out, w_out, a_q, a_k, P, bt, scale, out, col, BI: tl.constexpr, K: tl.constexpr,
                  C: tl.constexpr, BC: tl.constexpr):
     """Qg = scale q e^G and W's right factor beta k e^G for block I's rows of this slice."""
     rb = tl.arange(0, BC)
@@ -901,227 +423,16 @@ def _pr_rows_out(qg_out, w_out, a_q, a_k, P, bt, scale, out, col, BI: tl.constex
 
 
 @triton.jit
-def _pr_kdt(kdt_out, c_j, fac, out, col, J: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+def _sp_kdt(kdt_out, c_j, fac, out, col, J: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
     rb = tl.arange(0, BC)
     x = tl.trans(c_j * fac[None, :])
     tl.store(kdt_out + out * K * C + col[:, None] * C + (J * BC + rb)[None, :], x.to(kdt_out.dtype.element_ty))
 
 
 @triton.jit
-def _pr_store_aqk(aqk_base, x, BI: tl.constexpr, BJ: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+def _sp_store_aqk(aqk_base, x, BI: tl.constexpr, BJ: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
     rb = tl.arange(0, BC)
     tl.store(aqk_base + (BI * BC + rb)[:, None] * C + BJ * BC + rb[None, :], x.to(aqk_base.dtype.element_ty))
-
-
-@triton.jit(do_not_specialize=["H"])
-def _prologue_pairs_kernel(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    chunk_tok,
-    chunk_len,
-    w_out,
-    u_out,
-    qg_out,
-    kdt_out,
-    aqk_out,
-    d_out,
-    r_buf,
-    H,
-    scale,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    C: tl.constexpr,
-    BC: tl.constexpr,
-    BK: tl.constexpr,
-    SPREAD: tl.constexpr,
-    AKK_PREC: tl.constexpr,
-    AQK_PREC: tl.constexpr,
-    INV_PREC: tl.constexpr,
-    OUT_PREC: tl.constexpr,
-    PARTS: tl.constexpr,
-):
-    """One program per (chunk, head), C = 64 = four 16-row blocks. PARTS (bits; 7 = all, anything
-    else only to time the stages): 1 = Akk / Aqk, 2 = the inverse, 4 = W and U."""
-    c = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    rc = tl.arange(0, C)
-    rb = tl.arange(0, BC)
-    rs = tl.arange(0, BK)
-    INTER = w_out.dtype.element_ty
-    tok0 = tl.load(chunk_tok + c).to(tl.int64)
-    L = tl.load(chunk_len + c)
-    out = c * H + h
-    r_base = r_buf + out * C * C
-    z = tl.zeros([BC, BC], dtype=tl.float32)
-    k00, k10, k11, k20, k21, k22, k30, k31, k32, k33 = z, z, z, z, z, z, z, z, z, z
-    q00, q10, q11, q20, q21, q22, q30, q31, q32, q33 = z, z, z, z, z, z, z, z, z, z
-    b0 = tl.load(beta + (tok0 + 0 * BC + rb) * H + h, mask=0 * BC + rb < L, other=0.0)
-    b1 = tl.load(beta + (tok0 + 1 * BC + rb) * H + h, mask=1 * BC + rb < L, other=0.0)
-    b2 = tl.load(beta + (tok0 + 2 * BC + rb) * H + h, mask=2 * BC + rb < L, other=0.0)
-    b3 = tl.load(beta + (tok0 + 3 * BC + rb) * H + h, mask=3 * BC + rb < L, other=0.0)
-    for s in range(K // BK):
-        col = s * BK + rs
-        # padded rows: g = 0 keeps G at G_last, k = q = 0 and beta = 0 make them no-ops
-        # block 0 (P_0 = 0)
-        kb, qb, gb = _pr_load(q, k, g, beta, tok0, L, h, H, col, 0, K, BC)
-        Gw = tl.cumsum(gb, axis=0)
-        P1 = tl.sum(gb, axis=0)
-        e_in = tl.exp(Gw)
-        a_k = kb * e_in
-        a_q = qb * e_in
-        if PARTS % 2 == 1:
-            k00, q00 = _pr_diag(k00, q00, kb, qb, a_k, a_q, Gw, SPREAD, AKK_PREC, AQK_PREC, BC)
-        _pr_rows_out(qg_out, w_out, a_q, a_k, tl.zeros([BK], tl.float32), b0, scale, out, col, 0, K, C, BC)
-        c0 = kb * tl.exp(P1[None, :] - Gw)
-        # block 1
-        kb, qb, gb = _pr_load(q, k, g, beta, tok0, L, h, H, col, 1, K, BC)
-        Gw = tl.cumsum(gb, axis=0)
-        P2 = P1 + tl.sum(gb, axis=0)
-        e_in = tl.exp(Gw)
-        a_k = kb * e_in
-        a_q = qb * e_in
-        if PARTS % 2 == 1:
-            k11, q11 = _pr_diag(k11, q11, kb, qb, a_k, a_q, Gw, SPREAD, AKK_PREC, AQK_PREC, BC)
-            k10, q10 = _pr_pair(k10, q10, a_k, a_q, tl.full([BK], 1.0, tl.float32), c0, AKK_PREC, AQK_PREC)
-        _pr_rows_out(qg_out, w_out, a_q, a_k, P1, b1, scale, out, col, 1, K, C, BC)
-        c1 = kb * tl.exp((P2 - P1)[None, :] - Gw)
-        # block 2
-        kb, qb, gb = _pr_load(q, k, g, beta, tok0, L, h, H, col, 2, K, BC)
-        Gw = tl.cumsum(gb, axis=0)
-        P3 = P2 + tl.sum(gb, axis=0)
-        e_in = tl.exp(Gw)
-        a_k = kb * e_in
-        a_q = qb * e_in
-        if PARTS % 2 == 1:
-            k22, q22 = _pr_diag(k22, q22, kb, qb, a_k, a_q, Gw, SPREAD, AKK_PREC, AQK_PREC, BC)
-            k20, q20 = _pr_pair(k20, q20, a_k, a_q, tl.exp(P2 - P1), c0, AKK_PREC, AQK_PREC)
-            k21, q21 = _pr_pair(k21, q21, a_k, a_q, tl.full([BK], 1.0, tl.float32), c1, AKK_PREC, AQK_PREC)
-        _pr_rows_out(qg_out, w_out, a_q, a_k, P2, b2, scale, out, col, 2, K, C, BC)
-        c2 = kb * tl.exp((P3 - P2)[None, :] - Gw)
-        # block 3
-        kb, qb, gb = _pr_load(q, k, g, beta, tok0, L, h, H, col, 3, K, BC)
-        Gw = tl.cumsum(gb, axis=0)
-        P4 = P3 + tl.sum(gb, axis=0)
-        e_in = tl.exp(Gw)
-        a_k = kb * e_in
-        a_q = qb * e_in
-        if PARTS % 2 == 1:
-            k33, q33 = _pr_diag(k33, q33, kb, qb, a_k, a_q, Gw, SPREAD, AKK_PREC, AQK_PREC, BC)
-            k30, q30 = _pr_pair(k30, q30, a_k, a_q, tl.exp(P3 - P1), c0, AKK_PREC, AQK_PREC)
-            k31, q31 = _pr_pair(k31, q31, a_k, a_q, tl.exp(P3 - P2), c1, AKK_PREC, AQK_PREC)
-            k32, q32 = _pr_pair(k32, q32, a_k, a_q, tl.full([BK], 1.0, tl.float32), c2, AKK_PREC, AQK_PREC)
-        _pr_rows_out(qg_out, w_out, a_q, a_k, P3, b3, scale, out, col, 3, K, C, BC)
-        c3 = kb * tl.exp((P4 - P3)[None, :] - Gw)
-        # Kd^T = (k e^(G_last - G))^T with G_last = P4; d = e^(G_last)
-        _pr_kdt(kdt_out, c0, tl.exp(P4 - P1), out, col, 0, K, C, BC)
-        _pr_kdt(kdt_out, c1, tl.exp(P4 - P2), out, col, 1, K, C, BC)
-        _pr_kdt(kdt_out, c2, tl.exp(P4 - P3), out, col, 2, K, C, BC)
-        _pr_kdt(kdt_out, c3, tl.full([BK], 1.0, tl.float32), out, col, 3, K, C, BC)
-        tl.store(d_out + out * K + col, tl.exp(P4))
-    # --- masks and scales: Akk strictly lower x beta (rows), Aqk lower x scale
-    low = rb[:, None] > rb[None, :]
-    k00 = tl.where(low, k00 * b0[:, None], 0.0)
-    k11 = tl.where(low, k11 * b1[:, None], 0.0)
-    k22 = tl.where(low, k22 * b2[:, None], 0.0)
-    k33 = tl.where(low, k33 * b3[:, None], 0.0)
-    k10 = k10 * b1[:, None]
-    k20 = k20 * b2[:, None]
-    k21 = k21 * b2[:, None]
-    k30 = k30 * b3[:, None]
-    k31 = k31 * b3[:, None]
-    k32 = k32 * b3[:, None]
-    lowd = rb[:, None] >= rb[None, :]
-    aqk_base = aqk_out + out * C * C
-    _pr_store_aqk(aqk_base, tl.where(lowd, q00 * scale, 0.0), 0, 0, C, BC)
-    _pr_store_aqk(aqk_base, z, 0, 1, C, BC)
-    _pr_store_aqk(aqk_base, z, 0, 2, C, BC)
-    _pr_store_aqk(aqk_base, z, 0, 3, C, BC)
-    _pr_store_aqk(aqk_base, q10 * scale, 1, 0, C, BC)
-    _pr_store_aqk(aqk_base, tl.where(lowd, q11 * scale, 0.0), 1, 1, C, BC)
-    _pr_store_aqk(aqk_base, z, 1, 2, C, BC)
-    _pr_store_aqk(aqk_base, z, 1, 3, C, BC)
-    _pr_store_aqk(aqk_base, q20 * scale, 2, 0, C, BC)
-    _pr_store_aqk(aqk_base, q21 * scale, 2, 1, C, BC)
-    _pr_store_aqk(aqk_base, tl.where(lowd, q22 * scale, 0.0), 2, 2, C, BC)
-    _pr_store_aqk(aqk_base, z, 2, 3, C, BC)
-    _pr_store_aqk(aqk_base, q30 * scale, 3, 0, C, BC)
-    _pr_store_aqk(aqk_base, q31 * scale, 3, 1, C, BC)
-    _pr_store_aqk(aqk_base, q32 * scale, 3, 2, C, BC)
-    _pr_store_aqk(aqk_base, tl.where(lowd, q33 * scale, 0.0), 3, 3, C, BC)
-    if PARTS // 2 % 2 == 1:
-        # --- R = (I + Akk)^-1 in fp32: diagonal blocks by forward substitution (rows read back
-        # from the R buffer), then R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ
-        _blk_store(r_base, 0, 0, k00, C, BC)
-        _blk_store(r_base, 1, 1, k11, C, BC)
-        _blk_store(r_base, 2, 2, k22, C, BC)
-        _blk_store(r_base, 3, 3, k33, C, BC)
-        tl.debug_barrier()
-        x0 = z
-        x1 = z
-        x2 = z
-        x3 = z
-        for i in range(1, BC):
-            x0 = _sl_subst(x0, r_base, i, 0, C, BC)
-            x1 = _sl_subst(x1, r_base, i, 1, C, BC)
-            x2 = _sl_subst(x2, r_base, i, 2, C, BC)
-            x3 = _sl_subst(x3, r_base, i, 3, C, BC)
-        eye = tl.where(rb[:, None] == rb[None, :], 1.0, 0.0)
-        r00 = x0 + eye
-        r11 = x1 + eye
-        r22 = x2 + eye
-        r33 = x3 + eye
-        r10 = -_mm(r11, _mm(k10, r00, INV_PREC), INV_PREC)
-        r21 = -_mm(r22, _mm(k21, r11, INV_PREC), INV_PREC)
-        r32 = -_mm(r33, _mm(k32, r22, INV_PREC), INV_PREC)
-        r20 = -_mm(r22, _mm(k20, r00, INV_PREC) + _mm(k21, r10, INV_PREC), INV_PREC)
-        r31 = -_mm(r33, _mm(k31, r11, INV_PREC) + _mm(k32, r21, INV_PREC), INV_PREC)
-        r30 = -_mm(r33, _mm(k30, r00, INV_PREC) + _mm(k31, r10, INV_PREC) + _mm(k32, r20, INV_PREC), INV_PREC)
-        tl.debug_barrier()  # every row of Akk has been read before R overwrites it
-        _blk_store(r_base, 0, 0, r00, C, BC)
-        _blk_store(r_base, 1, 1, r11, C, BC)
-        _blk_store(r_base, 2, 2, r22, C, BC)
-        _blk_store(r_base, 3, 3, r33, C, BC)
-        _blk_store(r_base, 1, 0, r10, C, BC)
-        _blk_store(r_base, 2, 1, r21, C, BC)
-        _blk_store(r_base, 3, 2, r32, C, BC)
-        _blk_store(r_base, 2, 0, r20, C, BC)
-        _blk_store(r_base, 3, 1, r31, C, BC)
-        _blk_store(r_base, 3, 0, r30, C, BC)
-    tl.debug_barrier()
-    if PARTS // 4 % 2 == 1:
-        # --- W = R (beta K e^G), U = R (beta V): the finished inverse rounded to the input dtype
-        R = tl.load(
-            r_base + rc[:, None] * C + rc[None, :], mask=(rc[:, None] // BC) >= (rc[None, :] // BC), other=0.0
-        ).to(INTER)
-        rmask = rc < L
-        bt = tl.load(beta + (tok0 + rc) * H + h, mask=rmask, other=0.0)
-        for s in tl.static_range(K // BK):
-            col = s * BK + rs
-            tile = out * C * K + rc[:, None] * K + col[None, :]
-            xw = tl.load(w_out + tile)
-            tl.store(w_out + tile, tl.dot(R, xw, input_precision=OUT_PREC).to(INTER))
-        for s in tl.static_range(V // BK):
-            col = s * BK + rs
-            vs = tl.load(v + ((tok0 + rc) * H + h)[:, None] * V + col[None, :], mask=rmask[:, None], other=0.0)
-            vb = (vs.to(tl.float32) * bt[:, None]).to(INTER)
-            tl.store(
-                u_out + out * C * V + rc[:, None] * V + col[None, :],
-                tl.dot(R, vb, input_precision=OUT_PREC).to(INTER),
-            )
-
-
-# ----------------------------------------------------------------------------------------------
-# prologue, split form: three launches, each with few live tiles (the register pressure of the
-# one-kernel forms capped them at two programs per SM, measured on the H200):
-#   1. A's: one program per (chunk, head[, row block]). Row block I runs its own pass over the key
-#      slices and holds only its own <= 4 Akk and <= 4 Aqk blocks; it rebuilds the earlier blocks'
-#      key factors c_J = k e^(E_J - G_J) (L1/L2-hot re-reads) instead of keeping them. It also
-#      writes Qg, W's right factor, Kd^T and d. Akk (fp32) goes to the R buffer.
-#   2. the inverse, fp32, in place in the R buffer (16 x 16 tiles: few warps suffice).
-#   3. W and U from the finished inverse rounded to the input dtype (matrix units).
 
 
 @triton.jit
@@ -1192,45 +503,45 @@ def _sp_rowblock(
         if BI >= 3:
             c2, E2 = _sp_cfactor(k, g, tok0, L, h, H, col, P, 2, K, BC)
             P = E2
-        kb, qb, gb = _pr_load(q, k, g, beta, tok0, L, h, H, col, BI, K, BC)
+        kb, qb, gb = _sp_load(q, k, g, beta, tok0, L, h, H, col, BI, K, BC)
         Gw = tl.cumsum(gb, axis=0)
         e_in = tl.exp(Gw)
         a_k = kb * e_in
         a_q = qb * e_in
-        akd, aqd = _pr_diag(akd, aqd, kb, qb, a_k, a_q, Gw, SPREAD, AKK_PREC, AQK_PREC, BC)
+        akd, aqd = _sp_diag(akd, aqd, kb, qb, a_k, a_q, Gw, SPREAD, AKK_PREC, AQK_PREC, BC)
         if BI >= 1:
-            ak0, aq0 = _pr_pair(ak0, aq0, a_k, a_q, tl.exp(P - E0), c0, AKK_PREC, AQK_PREC)
+            ak0, aq0 = _sp_pair(ak0, aq0, a_k, a_q, tl.exp(P - E0), c0, AKK_PREC, AQK_PREC)
         if BI >= 2:
-            ak1, aq1 = _pr_pair(ak1, aq1, a_k, a_q, tl.exp(P - E1), c1, AKK_PREC, AQK_PREC)
+            ak1, aq1 = _sp_pair(ak1, aq1, a_k, a_q, tl.exp(P - E1), c1, AKK_PREC, AQK_PREC)
         if BI >= 3:
-            ak2, aq2 = _pr_pair(ak2, aq2, a_k, a_q, tl.exp(P - E2), c2, AKK_PREC, AQK_PREC)
-        _pr_rows_out(qg_out, w_out, a_q, a_k, P, bt, scale, out, col, BI, K, C, BC)
+            ak2, aq2 = _sp_pair(ak2, aq2, a_k, a_q, tl.exp(P - E2), c2, AKK_PREC, AQK_PREC)
+        _sp_rows_out(qg_out, w_out, a_q, a_k, P, bt, scale, out, col, BI, K, C, BC)
         if BI == 3:  # Kd^T = (k e^(G_last - G))^T, G_last = E3; d = e^(G_last)
             Eb = tl.sum(gb, axis=0)
             E3 = P + Eb
-            _pr_kdt(kdt_out, c0, tl.exp(E3 - E0), out, col, 0, K, C, BC)
-            _pr_kdt(kdt_out, c1, tl.exp(E3 - E1), out, col, 1, K, C, BC)
-            _pr_kdt(kdt_out, c2, tl.exp(E3 - E2), out, col, 2, K, C, BC)
-            _pr_kdt(kdt_out, kb * tl.exp(Eb[None, :] - Gw), tl.full([BK], 1.0, tl.float32), out, col, 3, K, C, BC)
+            _sp_kdt(kdt_out, c0, tl.exp(E3 - E0), out, col, 0, K, C, BC)
+            _sp_kdt(kdt_out, c1, tl.exp(E3 - E1), out, col, 1, K, C, BC)
+            _sp_kdt(kdt_out, c2, tl.exp(E3 - E2), out, col, 2, K, C, BC)
+            _sp_kdt(kdt_out, kb * tl.exp(Eb[None, :] - Gw), tl.full([BK], 1.0, tl.float32), out, col, 3, K, C, BC)
             tl.store(d_out + out * K + col, tl.exp(E3))
     # Akk: strictly lower on the diagonal, rows x beta (fp32, for the inverse); Aqk: lower x scale
-    _pr_store_aqk(aqk_base, tl.where(rb[:, None] >= rb[None, :], aqd * scale, 0.0), BI, BI, C, BC)
+    _sp_store_aqk(aqk_base, tl.where(rb[:, None] >= rb[None, :], aqd * scale, 0.0), BI, BI, C, BC)
     _blk_store(r_base, BI, BI, tl.where(rb[:, None] > rb[None, :], akd * bt[:, None], 0.0), C, BC)
     if BI >= 1:
-        _pr_store_aqk(aqk_base, aq0 * scale, BI, 0, C, BC)
+        _sp_store_aqk(aqk_base, aq0 * scale, BI, 0, C, BC)
         _blk_store(r_base, BI, 0, ak0 * bt[:, None], C, BC)
     if BI >= 2:
-        _pr_store_aqk(aqk_base, aq1 * scale, BI, 1, C, BC)
+        _sp_store_aqk(aqk_base, aq1 * scale, BI, 1, C, BC)
         _blk_store(r_base, BI, 1, ak1 * bt[:, None], C, BC)
     if BI >= 3:
-        _pr_store_aqk(aqk_base, aq2 * scale, BI, 2, C, BC)
+        _sp_store_aqk(aqk_base, aq2 * scale, BI, 2, C, BC)
         _blk_store(r_base, BI, 2, ak2 * bt[:, None], C, BC)
     if BI <= 2:
-        _pr_store_aqk(aqk_base, z, BI, 3, C, BC)
+        _sp_store_aqk(aqk_base, z, BI, 3, C, BC)
     if BI <= 1:
-        _pr_store_aqk(aqk_base, z, BI, 2, C, BC)
+        _sp_store_aqk(aqk_base, z, BI, 2, C, BC)
     if BI == 0:
-        _pr_store_aqk(aqk_base, z, BI, 1, C, BC)
+        _sp_store_aqk(aqk_base, z, BI, 1, C, BC)
 
 
 @triton.jit(do_not_specialize=["H"])
@@ -1317,10 +628,10 @@ def _split_inverse_kernel(r_buf, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl
     z = tl.zeros([BC, BC], dtype=tl.float32)
     x0, x1, x2, x3 = z, z, z, z
     for i in range(1, BC):
-        x0 = _sl_subst(x0, r_base, i, 0, C, BC)
-        x1 = _sl_subst(x1, r_base, i, 1, C, BC)
-        x2 = _sl_subst(x2, r_base, i, 2, C, BC)
-        x3 = _sl_subst(x3, r_base, i, 3, C, BC)
+        x0 = _fwd_subst_row(x0, r_base, i, 0, C, BC)
+        x1 = _fwd_subst_row(x1, r_base, i, 1, C, BC)
+        x2 = _fwd_subst_row(x2, r_base, i, 2, C, BC)
+        x3 = _fwd_subst_row(x3, r_base, i, 3, C, BC)
     eye = tl.where(rb[:, None] == rb[None, :], 1.0, 0.0)
     r00 = x0 + eye
     r11 = x1 + eye
@@ -1395,15 +706,6 @@ def _split_wu_kernel(
         tl.store(
             u_out + out * C * V + rc[:, None] * V + col[None, :], tl.dot(R, vb, input_precision=OUT_PREC).to(INTER)
         )
-
-
-@triton.jit
-def _pb_v(v, tok0, L, h, H, bb, BI: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
-    rb = tl.arange(0, BC)
-    rv = tl.arange(0, V)
-    rows = BI * BC + rb
-    x = tl.load(v + ((tok0 + rows) * H + h)[:, None] * V + rv[None, :], mask=(rows < L)[:, None], other=0.0)
-    return x.to(tl.float32) * bb[:, None]
 
 
 @triton.jit
@@ -1805,6 +1107,16 @@ def walk_programs(n_seqs: int, heads: int, block_v: int = 64, v_dim: int = HEAD_
     return n_seqs * heads * (v_dim // block_v)
 
 
+def choose_block_v(n_seqs: int, heads: int, compute_units: int | None = None) -> int:
+    """Value-tile width of the plain walk: 64 columns once that gives every compute unit a program,
+    else 32 (twice the programs on an idle GPU). Measured on the H200 (profiles/nvidia-h200/kda_scan):
+    with 24 programs at 64 columns (B = 1, 12 heads) 32-column tiles were 7% faster at 4K tokens
+    (run 2) and the walk 18% faster at 16K (run 1); with >= 192 programs 64-column tiles were 4-8%
+    faster (B = 8 or 96 heads, run 2)."""
+    units = compute_units if compute_units is not None else env.detect().compute_units
+    return 64 if walk_programs(n_seqs, heads, 64) >= units else 32
+
+
 def choose_group_size(
     lengths,
     heads: int,
@@ -1930,7 +1242,7 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens, scale):
 @dataclass
 class _Work:
     """Prologue outputs and scratch, reused between calls of the same shape (allocation is not part
-    of what the study times)."""
+    of what the study times). The scratch each prologue kind needs is allocated on its first use."""
 
     w: torch.Tensor
     u: torch.Tensor
@@ -1938,21 +1250,26 @@ class _Work:
     kdt: torch.Tensor
     aqk: torch.Tensor
     d: torch.Tensor
-    scratch: torch.Tensor
     slots: int
-    r: torch.Tensor | None = None  # the sliced prologue's per-(chunk, head) Akk -> R buffer, fp32
+    scratch: torch.Tensor | None = None  # 'persistent': one [C*K + 2*C*C] fp32 slot per program
+    r: torch.Tensor | None = None  # 'split': Akk, then R in place, fp32 [n, H, C, C]
 
     def r_buffer(self) -> torch.Tensor:
         if self.r is None:
             self.r = torch.empty(*self.w.shape[:2], CHUNK, CHUNK, dtype=torch.float32, device=self.w.device)
         return self.r
 
+    def scratch_slots(self) -> torch.Tensor:
+        if self.scratch is None:
+            per = CHUNK * HEAD_DIM + 2 * CHUNK * CHUNK
+            self.scratch = torch.empty(self.slots * per, dtype=torch.float32, device=self.w.device)
+        return self.scratch
+
 
 def _alloc_work(n_chunks: int, H: int, dtype, device) -> _Work:
     n = max(1, n_chunks)
     C, K = CHUNK, HEAD_DIM
     info = env.detect()
-    slots = max(1, min(n * H, info.compute_units * _SLOTS_PER_UNIT))
     return _Work(
         w=torch.empty(n, H, C, K, dtype=dtype, device=device),
         u=torch.empty(n, H, C, K, dtype=dtype, device=device),
@@ -1960,20 +1277,16 @@ def _alloc_work(n_chunks: int, H: int, dtype, device) -> _Work:
         kdt=torch.empty(n, H, K, C, dtype=dtype, device=device),
         aqk=torch.empty(n, H, C, C, dtype=dtype, device=device),
         d=torch.empty(n, H, K, dtype=torch.float32, device=device),
-        scratch=torch.empty(slots * (C * K + 2 * C * C), dtype=torch.float32, device=device),
-        slots=slots,
+        slots=max(1, min(n * H, info.compute_units * _SLOTS_PER_UNIT)),
     )
 
 
-PROLOGUES = ("blocks", "persistent", "sliced", "pairs", "split")
+PROLOGUES = ("persistent", "split")
+DEFAULT_PROLOGUE = "split"  # 766 us against 'persistent' 1495 us at 12 heads x 16K tokens on the H200
 # the split prologue's launch options: key slice and warps of the A's launch, one row block per
-# program or four per program, warps of the inverse, slice and warps of W / U
+# program (else four per program), warps of the inverse, slice and warps of W / U. Each was the
+# fastest of the options `k3lab.studies.kda_scan.calibrate` timed on the H200 (run 2).
 SPLIT_DEFAULTS = {"block_k": 32, "a_warps": 2, "per_block": True, "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4}
-PAIRS_K = 32  # key channels per slice in the pairs prologue
-SLICE_K = 32  # key channels per slice in the sliced prologue
-# Both ran on the H200 (profiles/nvidia-h200/kda_scan, the '.part_prologue_*' records at 16K tokens):
-# 'persistent' 1.49 ms, 'blocks' 1.98 ms with 4 warps. The faster one is the default.
-DEFAULT_PROLOGUE = "split"
 
 
 def kda_chunk_prologue(
@@ -1987,117 +1300,30 @@ def kda_chunk_prologue(
     work: _Work | None = None,
     num_warps: int | None = None,
     prologue: str | None = None,
-    block_k: int | None = None,
-    parts: int = 7,
     split: dict | None = None,
 ) -> _Work:
-    """Launch 1 of both variants: the per-chunk quantities, written into `work`.
+    """Launch(es) 1 of both variants: the per-chunk quantities, written into `work`.
 
-    prologue='persistent' (the default, measured on the H200): a persistent grid whose programs keep
-    G, Akk and R in an L2-resident scratch slot of their own. On the H200 it costs about 0.5 us of
-    GPU time per chunk and head, most of each variant's time (see profiles/nvidia-h200/kda_scan).
-    prologue='blocks': one program per (chunk, head), the chunk held as four 16-row blocks in
-    registers, no scratch, a third of the exponentials; it writes the same quantities (tests) and
-    ran on the H200 33% slower than 'persistent' at 16K tokens (`k3lab.studies.kda_scan.calibrate`
-    times both)."""
+    prologue='split' (the default): three launches with few live tiles each (`split_prologue_launches`;
+    `split` overrides SPLIT_DEFAULTS, `num_warps` the A launch's warps). On the H200 it costs 0.25 us
+    of GPU time per chunk and head, 0.20 of them in the A launch (profiles/nvidia-h200/kda_scan).
+    prologue='persistent' (run 1's): one launch on a persistent grid whose programs keep G, Akk and
+    R in an L2-resident scratch slot; its whole [64, 128] tiles take 255 registers and spill, so two
+    programs fit on an SM: 0.49 us per chunk and head."""
     prologue = prologue or DEFAULT_PROLOGUE
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
-    if block_k is not None and block_k not in (16, 32, 64, 128):
-        raise ValueError(f"block_k must be 16, 32, 64 or 128 (a power-of-two slice of K = 128), got {block_k!r}")
     H = q.shape[2]
     work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)
     n_items = plan.n_chunks * H
     if n_items == 0:
         return work
-    p = _precisions(q.dtype)
-    common = dict(
-        K=HEAD_DIM,
-        V=HEAD_DIM,
-        C=CHUNK,
-        BC=SUB,
-        SPREAD=SAFE_SPREAD,
-        AKK_PREC=p["AKK_PREC"],
-        AQK_PREC=p["AQK_PREC"],
-        INV_PREC=p["INV_PREC"],
-        OUT_PREC=p["OUT_PREC"],
-    )
     if prologue == "split":
-        for launch in split_prologue_launches(q, k, v, g, beta, plan, scale, work, num_warps, block_k, split).values():
+        for launch in split_prologue_launches(q, k, v, g, beta, plan, scale, work, num_warps, split).values():
             launch()
         return work
-    if prologue == "pairs":
-        _prologue_pairs_kernel[(plan.n_chunks, H)](
-            q,
-            k,
-            v,
-            g,
-            beta,
-            plan.chunk_tok,
-            plan.chunk_len,
-            work.w,
-            work.u,
-            work.qg,
-            work.kdt,
-            work.aqk,
-            work.d,
-            work.r_buffer(),
-            H,
-            float(scale),
-            **common,
-            BK=block_k or PAIRS_K,
-            PARTS=parts,
-            num_warps=num_warps or 4,
-            num_stages=1,
-        )
-        return work
-    if prologue == "sliced":
-        _prologue_sliced_kernel[(plan.n_chunks, H)](
-            q,
-            k,
-            v,
-            g,
-            beta,
-            plan.chunk_tok,
-            plan.chunk_len,
-            work.w,
-            work.u,
-            work.qg,
-            work.kdt,
-            work.aqk,
-            work.d,
-            work.r_buffer(),
-            H,
-            float(scale),
-            **common,
-            BK=block_k or SLICE_K,
-            PARTS=parts,
-            num_warps=num_warps or 4,
-            num_stages=1,
-        )
-        return work
-    if prologue == "blocks":
-        _prologue_blocks_kernel[(plan.n_chunks, H)](
-            q,
-            k,
-            v,
-            g,
-            beta,
-            plan.chunk_tok,
-            plan.chunk_len,
-            work.w,
-            work.u,
-            work.qg,
-            work.kdt,
-            work.aqk,
-            work.d,
-            H,
-            float(scale),
-            **common,
-            num_warps=num_warps or 4,
-            num_stages=1,
-        )
-        return work
+    p = _precisions(q.dtype)
+    scratch = work.scratch_slots()
     nprog = min(n_items, work.slots)
     _prologue_kernel[(nprog,)](
         q,
@@ -2113,13 +1339,21 @@ def kda_chunk_prologue(
         work.kdt,
         work.aqk,
         work.d,
-        work.scratch,
+        scratch,
         n_items,
         nprog,
         triton.cdiv(n_items, nprog),
         H,
         float(scale),
-        **common,
+        K=HEAD_DIM,
+        V=HEAD_DIM,
+        C=CHUNK,
+        BC=SUB,
+        SPREAD=SAFE_SPREAD,
+        AKK_PREC=p["AKK_PREC"],
+        AQK_PREC=p["AQK_PREC"],
+        INV_PREC=p["INV_PREC"],
+        OUT_PREC=p["OUT_PREC"],
         WHILE=_WHILE,
         num_warps=num_warps or 8,
         num_stages=1,
@@ -2128,7 +1362,7 @@ def kda_chunk_prologue(
 
 
 def split_prologue_launches(
-    q, k, v, g, beta, plan: KdaPlan, scale: float, work: _Work, num_warps=None, block_k=None, split=None
+    q, k, v, g, beta, plan: KdaPlan, scale: float, work: _Work, num_warps=None, split=None
 ) -> dict:
     """The split prologue's three launches as callables on fixed buffers, in order: 'a' (Akk, Aqk,
     Qg, W's right factor, Kd^T, d), 'inverse' (R in place of Akk, fp32), 'wu' (W, U). For timing each
@@ -2146,7 +1380,7 @@ def split_prologue_launches(
     def a():
         _split_a_kernel[grid_a](
             q, k, g, beta, plan.chunk_tok, plan.chunk_len, work.w, work.qg, work.kdt, work.aqk, work.d, r_buf,
-            H, float(scale), K=HEAD_DIM, C=CHUNK, BC=SUB, BK=block_k or opts["block_k"], SPREAD=SAFE_SPREAD,
+            H, float(scale), K=HEAD_DIM, C=CHUNK, BC=SUB, BK=opts["block_k"], SPREAD=SAFE_SPREAD,
             AKK_PREC=p["AKK_PREC"], AQK_PREC=p["AQK_PREC"], PER_BLOCK=opts["per_block"],
             num_warps=num_warps or opts["a_warps"], num_stages=1,
         )  # fmt: skip
@@ -2165,8 +1399,8 @@ def split_prologue_launches(
     return {"a": a, "inverse": inverse, "wu": wu}
 
 
-def _prologue_kw(prologue, warps, block_k, split) -> dict:
-    return {"prologue": prologue, "num_warps": warps, "block_k": block_k, "split": split}
+def _prologue_kw(prologue, warps, split) -> dict:
+    return {"prologue": prologue, "num_warps": warps, "split": split}
 
 
 def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, group_size, variant):
@@ -2235,12 +1469,11 @@ def kda_chunk_before(
     *,
     plan: KdaPlan | None = None,
     work: _Work | None = None,
-    block_v: int = 64,
+    block_v: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     prologue_warps: int | None = None,
     prologue: str | None = None,
-    prologue_block_k: int | None = None,
     prologue_split: dict | None = None,
 ):
     """Chunked KDA prefill, plain walk (2 launches: prologue, walk). Returns (o, final_state).
@@ -2251,11 +1484,12 @@ def kda_chunk_before(
     if plan is not None and plan.uses_scan:
         raise ValueError("plan uses groups (a scan plan); kda_chunk_before needs a plan with group_size=None")
     plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, None, "before")
+    block_v = block_v or choose_block_v(plan.n_seqs, H)
     _check_block_v(block_v)
     o, s_final = _outputs(q, plan, H)
     if plan.n_chunks:
         work = kda_chunk_prologue(
-            q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_block_k, prologue_split)
+            q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_split)
         )
     else:
         work = work or _alloc_work(0, H, q.dtype, q.device)
@@ -2276,7 +1510,7 @@ def kda_chunk_after(
     group_size: int | None = None,
     plan: KdaPlan | None = None,
     work: _Work | None = None,
-    block_v: int = 64,
+    block_v: int | None = None,
     summary_block: int = 64,
     scan_block: int = 32,
     scan_stages: int = 2,
@@ -2284,13 +1518,14 @@ def kda_chunk_after(
     num_stages: int = 2,
     prologue_warps: int | None = None,
     prologue: str | None = None,
-    prologue_block_k: int | None = None,
     prologue_split: dict | None = None,
 ):
     """Chunked KDA prefill by the group scan (4 launches: prologue, summaries, scan, replay), or the
     plain walk when `choose_group_size` (or the plan) says the GPU is already full. Same arguments
     and results as `kda_chunk_before`, plus `group_size` (chunks per group; None = chosen here)."""
     plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, group_size, "after")
+    if block_v is None:  # the replay (programs per group) or, without groups, the plain walk's rule
+        block_v = 64 if plan.uses_scan else choose_block_v(plan.n_seqs, H)
     _check_block_v(block_v)
     _check_block_v(summary_block, "summary_block")
     _check_block_v(scan_block, "scan_block")
@@ -2311,12 +1546,11 @@ def kda_chunk_after(
             num_stages=num_stages,
             prologue_warps=prologue_warps,
             prologue=prologue,
-            prologue_block_k=prologue_block_k,
             prologue_split=prologue_split,
         )
     o, s_final = _outputs(q, plan, H)
     work = kda_chunk_prologue(
-        q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_block_k, prologue_split)
+        q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_split)
     )
     sums, s_in = _scan_buffers(plan, H, q.device)
     _launch_summaries(work, plan, sums, H, q.dtype, summary_block, num_warps, num_stages)
@@ -2399,7 +1633,7 @@ def after_launches(
     *,
     plan: KdaPlan,
     work: _Work | None = None,
-    block_v: int = 64,
+    block_v: int | None = None,
     summary_block: int = 64,
     scan_block: int = 32,
     scan_stages: int = 2,
@@ -2407,18 +1641,20 @@ def after_launches(
     num_stages: int = 2,
     prologue_warps: int | None = None,
     prologue: str | None = None,
-    prologue_block_k: int | None = None,
     prologue_split: dict | None = None,
 ) -> dict:
     """The after's launches as separate callables on fixed buffers (for timing each one and for
     profiling): {'prologue', 'summaries', 'scan', 'replay'} (or {'prologue', 'walk'} for a plan
     without groups). Run them in that order; each reads what the previous wrote."""
     plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, None, "after")
+    if block_v is None:
+        block_v = 64 if plan.uses_scan else choose_block_v(plan.n_seqs, H)
+    _check_block_v(block_v)
     o, s_final = _outputs(q, plan, H)
     work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)
     out = {
         "prologue": lambda: kda_chunk_prologue(
-            q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_block_k, prologue_split)
+            q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_split)
         )
     }
     if not plan.uses_scan:

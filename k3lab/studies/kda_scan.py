@@ -476,12 +476,15 @@ def group_size_sweep(
 
 
 # the split prologue's launches are independent kernels, so each is tuned on its own
-SPLIT_A_OPTIONS = ({"block_k": 32, "a_warps": 2}, {"block_k": 32, "a_warps": 4}, {"block_k": 64, "a_warps": 4})
+# run 2 on the H200 timed the first three (2 warps won by 34%); one warp is the next point to try
+SPLIT_A_OPTIONS = (
+    {"block_k": 32, "a_warps": 2},
+    {"block_k": 32, "a_warps": 4},
+    {"block_k": 64, "a_warps": 4},
+    {"block_k": 32, "a_warps": 1},
+)
 SPLIT_INV_OPTIONS = ({"inv_warps": 1}, {"inv_warps": 2})
 SPLIT_WU_OPTIONS = ({"wu_block_k": 64, "wu_warps": 4}, {"wu_block_k": 64, "wu_warps": 8})
-# walk tiles measured on the H200 (run 1, profiles/nvidia-h200/kda_scan '.part_walk_*' and the after's
-# parts): the plain walk is fastest with 32-column tiles, the after's summaries + replay with 64
-WALK_TILES = {"before": (32, 4), "after": (64, 4)}
 
 
 def _label(opts: dict) -> str:
@@ -496,7 +499,8 @@ def calibrate(
 ):
     """Time each launch on its own (no fla, no reference) to pick launch options on this device:
     the split prologue's three launches (each over its options), then, if `walks` lists any,
-    (block_v, num_warps) for the plain walk and for the after's summaries + replay (else WALK_TILES).
+    (block_v, num_warps) for the plain walk and for the after's summaries + replay (else
+    `kda_chunk.choose_block_v` decides).
     `compare_prologues`: other prologue kinds timed whole; the fastest of all goes into the tune. Returns (records named '<case>.part_*', {'tune', 'tune_after',
     'times_us'})."""
     case = parse_case(name)
@@ -574,13 +578,17 @@ def calibrate(
                 after_t[(bv, nw)] = total
         except Exception as exc:  # noqa: BLE001
             print(f"calibrate walk {tag}: {type(exc).__name__}: {str(exc)[:300]}")
-    bw = min(walk_t, key=walk_t.get) if walk_t else WALK_TILES["before"]
-    ba = min(after_t, key=after_t.get) if after_t else WALK_TILES["after"]
     pro = min(("split", *compare_prologues), key=lambda x: times.get(f"prologue_{x}", float("inf")))
-    tune = {"prologue": pro, "block_v": bw[0], "num_warps": bw[1]}
+    tune = {"prologue": pro}
     if pro == "split":
         tune["prologue_split"] = best
-    tune_after = {"block_v": ba[0], "num_warps": ba[1]}
+    tune_after = {}
+    if walk_t:  # else kda_chunk's choose_block_v picks the walk's tiles
+        bw = min(walk_t, key=walk_t.get)
+        tune.update(block_v=bw[0], num_warps=bw[1])
+    if after_t:
+        ba = min(after_t, key=after_t.get)
+        tune_after = {"block_v": ba[0], "num_warps": ba[1]}
     return records, {"tune": tune, "tune_after": tune_after, "times_us": times}
 
 

@@ -1,27 +1,51 @@
 #!/usr/bin/env bash
-# AttnRes + RMSNorm on a GPU, the launch sweep: every kernel variant of copy_removal.ATTN_RES_VARIANTS
-# at its shapes (checked first, graph replay, `before` alongside), the compiled registers/spills of each
-# variant at 9 sources, and a table of speed-up and fraction of the floor per shape with the best marked.
-# Writes $OUT/attn_res_sweep.json after every shape (a timeout still leaves what was measured).
-#   OUT=dir bash scripts/device_attn_res.sh          (the main records: k3lab bench copy_removal --cases ...)
+# AttnRes + RMSNorm on a GPU, in one call:
+#  1. registers/spills of every kernel variant of copy_removal.ATTN_RES_VARIANTS as compiled for 9 sources;
+#  2. the launch sweep (checked first, graph replay, `before` alongside) at the shapes of ATTN_RES_SHAPES
+#     ("T:S,S;T:S" e.g. "1:2,5,9;64:9"; default: the study's whole sweep), variants ATTN_RES_SWEPT
+#     (comma list; default: the study's choice per shape); $OUT/attn_res_sweep.json after every shape;
+#  3. MAIN=1: the small-batch configuration (arn.SMALL_BATCH_CONFIG) set to the variant with the least
+#     total time over the sweep's shapes of <= 64 tokens, then the study's main AttnRes cases
+#     ($OUT/attn_res_main.json; each record names its launch) and fresh before/after traces ($OUT/tr/).
+#   OUT=dir K3LAB_COMMIT=<hash> [ATTN_RES_SHAPES=...] [ATTN_RES_SWEPT=...] [MAIN=1] bash scripts/device_attn_res.sh
 set -uo pipefail
 export PYTHONPATH="${PYTHONPATH:-}:." PYTHONUNBUFFERED=1
 OUT="${OUT:-build/device}"; mkdir -p "$OUT"
 timeout "${SWEEP_TIMEOUT:-180}" python3 - "$OUT" <<'PY'
-import json, sys, time
+import json, os, sys, time
 import torch
 from k3lab.ops import attn_res_norm as arn
 from k3lab.studies import copy_removal as cr
 out = sys.argv[1]
 t0 = time.time()
+swept = [v for v in os.environ.get("ATTN_RES_SWEPT", "").split(",") if v]
+shapes = None
+if os.environ.get("ATTN_RES_SHAPES"):
+    shapes = {}
+    for part in os.environ["ATTN_RES_SHAPES"].split(";"):
+        t, ss = part.split(":")
+        for s in ss.split(","):
+            shapes[(int(t), int(s))] = swept or cr.ATTN_RES_SWEEP.get((int(t), int(s)), list(cr.ATTN_RES_VARIANTS))
+
 # registers and spills of each variant as compiled for 9 sources (one launch returns the kernel)
 x = cr.attn_res_inputs(1, 9, cr.HIDDEN_GPU)
 res = {}
 for name, c in cr.ATTN_RES_VARIANTS.items():
-    k = arn._attn_res_norm_kernel[(1,)](
-        x.prefix, x.delta, x.blocks, torch.empty_like(x.prefix), x.mix_weight, x.next_norm_w, x.blocks.stride(0), 0,
-        1e-5, D=cr.HIDDEN_GPU, N_BLOCKS=8, HAS_DELTA=True, PUSH=False, BLOCK_D=8192, GROUP=c["group"],
-        PREFETCH=c["prefetch"], W_RELOAD=c["w_reload"], STAGES=c["stages"], num_warps=c["num_warps"])
+    if swept and name not in swept:
+        continue
+    common = (x.prefix, x.delta, x.blocks, torch.empty_like(x.prefix), x.mix_weight, x.next_norm_w,
+              x.blocks.stride(0))
+    flags = dict(D=cr.HIDDEN_GPU, N_BLOCKS=8, HAS_DELTA=True, PUSH=False, INT_ROUND=c.get("int_round", 0),
+                 num_warps=c["num_warps"])
+    if c["split"]:
+        w0, w1, w2 = arn.row_pieces(cr.HIDDEN_GPU)
+        k = arn._attn_res_norm_split_kernel[(1,)](*common, 1e-5, NBP=8, W0=w0, W1=w1, W2=w2,
+                                                   WIDEN_ONCE=c["widen_once"], **flags)
+    else:
+        k = arn._attn_res_norm_kernel[(1,)](*common, 0, 1e-5, BLOCK_D=8192, GROUP=c["group"], PREFETCH=c["prefetch"],
+                                            W_RELOAD=c["w_reload"], STAGES=c["stages"], **flags)
+    if k is None:  # Triton's interpreter (a CPU dry run) compiles nothing
+        continue
     res[name] = {"n_regs": k.n_regs, "n_spills": k.n_spills, "shared": k.metadata.shared}
     print(f"{name:14s} regs {k.n_regs:4d} spills {k.n_spills:4d} smem {k.metadata.shared}", flush=True)
 json.dump(res, open(f"{out}/attn_res_regs.json", "w"), indent=1)
@@ -29,11 +53,30 @@ print(f"compiled in {time.time() - t0:.0f} s", flush=True)
 
 def save(records):
     json.dump([r.to_dict() for r in records], open(f"{out}/attn_res_sweep.json", "w"), indent=1)
-    r = records[-1]
-    print(f"{time.time() - t0:5.0f} s  done {r.case.split('.')[0]}", flush=True)
+    print(f"{time.time() - t0:5.0f} s  done {records[-1].case.split('.')[0]}", flush=True)
 
-records = cr.attn_res_sweep(on_shape=save)
+records = cr.attn_res_sweep(shapes=shapes, on_shape=save)
 import pandas as pd
 pd.set_option("display.width", 200)
-print(cr.sweep_table(records).round(3).to_string(index=False))
+table = cr.sweep_table(records)
+print(table.round(3).to_string(index=False))
+if os.environ.get("MAIN") == "1":
+    small = table[table["shape"].str.match(r"attn_res_t(\d|[1-5]\d|6[0-4])_")]
+    totals = small.groupby("variant")["after_us"].sum()
+    totals = totals[[v for v in totals.index if "int_round" not in cr.ATTN_RES_VARIANTS[v]]]
+    best = totals.idxmin()
+    arn.SMALL_BATCH_CONFIG = {k: v for k, v in cr.ATTN_RES_VARIANTS[best].items()}
+    print(f"small-batch config: {best} {arn.SMALL_BATCH_CONFIG} (totals {totals.round(2).to_dict()})", flush=True)
+    main = cr.run(cases=[c for c in cr.case_names() if c.startswith("attn_res")])
+    for r in main:
+        r.extra["small_batch_variant"] = best
+    json.dump([r.to_dict() for r in main], open(f"{out}/attn_res_main.json", "w"), indent=1)
+    # traces of the study's profile targets, in this process so that they use the configuration chosen
+    from k3lab import profile
+    os.makedirs(f"{out}/tr", exist_ok=True)
+    for variant, fn in cr.profile_targets().items():
+        cap = profile.capture(fn, steps=3, warmup=1, trace_dir=f"{out}/tr", name=f"copy_removal-{variant}")
+        print(f"== {variant}: {cap.counts()}", flush=True)
+    print(cr.bench.compare(main)[["case", "mode", "before_us", "after_us", "floor_us", "speedup",
+                                  "floor_fraction"]].round(3).to_string(index=False))
 PY

@@ -166,3 +166,30 @@ def test_bad_launch_overrides_name_the_argument(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
         op.after(x["prefix"], x["delta"], x["blocks"], 2, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"], **bad)
+
+
+@pytest.mark.parametrize("d,pieces", [(7168, (4096, 2048, 1024)), (100, (64, 32, 4)), (130, (128, 2, 0)),
+                                      (64, (64, 0, 0)), (15, (8, 4, 4)), (1, (1, 0, 0))])
+def test_row_pieces_cover_the_row_with_powers_of_two(d, pieces):
+    got = op.row_pieces(d)
+    assert got == pieces
+    assert sum(got[:2]) <= d <= sum(got) and all(p & (p - 1) == 0 for p in got)
+
+
+@pytest.mark.parametrize("d", [100, 15])
+def test_split_kernel_with_a_masked_last_piece(d):
+    """Three pieces, the last one partly masked: output and persistent state still right."""
+    x = _inputs(2, d, torch.float32, seed=d)
+    ref_out, ref_prefix = _reference(x, 6)
+    prefix, blocks = x["prefix"].clone(), x["blocks"].clone()
+    out = op.after(prefix, x["delta"], blocks, 6, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"],
+                   **VARIANTS["split8"])
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    assert torch.equal(prefix, ref_prefix) and torch.equal(blocks, x["blocks"])
+
+
+def test_unknown_launch_option_is_refused_by_name():
+    x = _inputs(1, 64, torch.float32)
+    with pytest.raises(ValueError, match="splitt"):
+        op.after(x["prefix"], x["delta"], x["blocks"], 2, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"],
+                 splitt=1)

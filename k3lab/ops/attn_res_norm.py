@@ -20,6 +20,8 @@ Both update `prefix` / `blocks` in place and return the normed output.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -72,11 +74,12 @@ def before(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w,
 if triton is not None:
 
     @triton.jit
-    def _round_to(x, dtype: tl.constexpr):
+    def _round_to(x, dtype: tl.constexpr, INT_ROUND: tl.constexpr):
         # Round to nearest even as torch does: the persistent residual must match it bit for bit.
-        # bf16 is rounded with integer arithmetic, because Triton's interpreter (the CPU path)
-        # truncates bf16 casts and mis-rounds carries; on a GPU this is a few integer ops.
-        if dtype == tl.bfloat16:
+        # A GPU's conversion instruction already rounds to nearest even. Triton's interpreter (the
+        # CPU path) truncates bf16 casts and mis-rounds carries, so there (INT_ROUND) bf16 is rounded
+        # with integer arithmetic, which costs ~10% more instructions at one token on the H200.
+        if INT_ROUND and dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = bits + 0x7FFF + ((bits >> 16) & 1)
             return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -109,11 +112,11 @@ if triton is not None:
 
     @triton.jit
     def _update_partial(x, dx, prefix_ptr, blocks_ptr, base, cols, mask, push_offset,
-                        HAS_DELTA: tl.constexpr, PUSH: tl.constexpr):
+                        HAS_DELTA: tl.constexpr, PUSH: tl.constexpr, INT_ROUND: tl.constexpr):
         # the partial sum: add the delta and round to the storage dtype, as the persistent residual
         # does; at a block boundary it becomes the next stored block and the partial restarts at 0
         if HAS_DELTA:
-            x = _round_to(x.to(tl.float32) + dx.to(tl.float32), prefix_ptr.dtype.element_ty)
+            x = _round_to(x.to(tl.float32) + dx.to(tl.float32), prefix_ptr.dtype.element_ty, INT_ROUND)
         if PUSH:
             tl.store(blocks_ptr + push_offset + base + cols, x, mask=mask)
             tl.store(prefix_ptr + base + cols, tl.zeros_like(x), mask=mask)
@@ -126,7 +129,7 @@ if triton is not None:
                               stride_block, w_step, eps, D: tl.constexpr, N_BLOCKS: tl.constexpr,
                               HAS_DELTA: tl.constexpr, PUSH: tl.constexpr, BLOCK_D: tl.constexpr,
                               GROUP: tl.constexpr, PREFETCH: tl.constexpr, W_RELOAD: tl.constexpr,
-                              STAGES: tl.constexpr):
+                              STAGES: tl.constexpr, INT_ROUND: tl.constexpr):
         # One program per token. The stored blocks are taken GROUP at a time as one [GROUP, BLOCK_D]
         # tile: the group's loads are all in flight together, its logits come from one reduction, and
         # an online softmax carries the mixture from group to group. GROUP = all blocks (rounded up to
@@ -154,7 +157,7 @@ if triton is not None:
         # partial last, so that its arithmetic need not wait ahead of the block loads, was measured
         # and was no faster: records attn_res_t1_s*.tile8x.)
         x = _update_partial(x, dx if HAS_DELTA else x, prefix_ptr, blocks_ptr, base, cols, mask,
-                            N_BLOCKS * stride, HAS_DELTA, PUSH)
+                            N_BLOCKS * stride, HAS_DELTA, PUSH, INT_ROUND)
         h = x.to(tl.float32)
         m = tl.sum(h * w, axis=0) * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
         s = m * 0.0 + 1.0
@@ -185,7 +188,119 @@ if triton is not None:
         h = h * (1.0 / s)
         y = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
         y = y * tl.load(w_next_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + base + cols, _round_to(y, out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + base + cols, _round_to(y, out_ptr.dtype.element_ty, INT_ROUND), mask=mask)
+
+
+    @triton.jit
+    def _piece_in(prefix_ptr, delta_ptr, blocks_ptr, w_mix_ptr, base, stride, OFF: tl.constexpr,
+                  W: tl.constexpr, D: tl.constexpr, NBP: tl.constexpr, N_BLOCKS: tl.constexpr,
+                  HAS_DELTA: tl.constexpr):
+        # one piece [OFF, OFF + W) of the row: every stored block's columns as one [NBP, W] tile
+        cols = OFF + tl.arange(0, W)
+        mask = cols < D
+        rows = tl.arange(0, NBP)
+        tile = tl.load(blocks_ptr + rows[:, None].to(tl.int64) * stride + base + cols[None, :],
+                       mask=(rows < N_BLOCKS)[:, None] & mask[None, :], other=0.0)
+        w = tl.load(w_mix_ptr + cols, mask=mask, other=0.0)
+        x = tl.load(prefix_ptr + base + cols, mask=mask, other=0.0)
+        dx = x
+        if HAS_DELTA:
+            dx = tl.load(delta_ptr + base + cols, mask=mask, other=0.0)
+        return cols, mask, tile, w, x, dx
+
+    @triton.jit
+    def _piece_stats(tile, x, w):
+        # partial logit sums of one piece: blocks' (w . v, v . v) per row, then the partial's
+        v = tile.to(tl.float32)
+        xf = x.to(tl.float32)
+        return (tl.sum(v * w[None, :], axis=1), tl.sum(v * v, axis=1),
+                tl.sum(xf * w, axis=0), tl.sum(xf * xf, axis=0))
+
+    @triton.jit
+    def _piece_mix(tile, x, pb, px, WIDEN_ONCE: tl.constexpr):
+        # WIDEN_ONCE=0 widens the tile again (see _widen) so no fp32 copy stays live across the softmax
+        v = tile.to(tl.float32) if WIDEN_ONCE else _widen(tile)
+        return px * x.to(tl.float32) + tl.sum(pb[:, None] * v, axis=0)
+
+    @triton.jit
+    def _piece_out(out_ptr, w_next_ptr, base, cols, mask, y, INT_ROUND: tl.constexpr):
+        y = y * tl.load(w_next_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + base + cols, _round_to(y, out_ptr.dtype.element_ty, INT_ROUND), mask=mask)
+
+    @triton.jit
+    def _attn_res_norm_split_kernel(prefix_ptr, delta_ptr, blocks_ptr, out_ptr, w_mix_ptr, w_next_ptr,
+                                    stride_block, eps, D: tl.constexpr, N_BLOCKS: tl.constexpr,
+                                    HAS_DELTA: tl.constexpr, PUSH: tl.constexpr, NBP: tl.constexpr,
+                                    W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
+                                    INT_ROUND: tl.constexpr, WIDEN_ONCE: tl.constexpr):
+        # The small-batch kernel: one program per token, every stored block loaded in one step (as the
+        # GROUP = all-blocks tile of the kernel above), but the row taken as up to three power-of-two
+        # pieces (7168 = 4096 + 2048 + 1024) instead of one 8192-wide tile. At one token a single SM
+        # issues every instruction of the step, and an 8192-wide tile spends 1/8 of them on masked
+        # lanes. The softmax is exact (all logits before any mixing), not online.
+        row = tl.program_id(0)
+        base = row.to(tl.int64) * D
+        stride = stride_block.to(tl.int64)
+        push_off = N_BLOCKS * stride
+        # all loads first: none waits on a reduction
+        c0, m0, t0, w0, x0, d0 = _piece_in(prefix_ptr, delta_ptr, blocks_ptr, w_mix_ptr, base, stride,
+                                           0, W0, D, NBP, N_BLOCKS, HAS_DELTA)
+        if W1 > 0:
+            c1, m1, t1, w1, x1, d1 = _piece_in(prefix_ptr, delta_ptr, blocks_ptr, w_mix_ptr, base, stride,
+                                               W0, W1, D, NBP, N_BLOCKS, HAS_DELTA)
+        if W2 > 0:
+            c2, m2, t2, w2, x2, d2 = _piece_in(prefix_ptr, delta_ptr, blocks_ptr, w_mix_ptr, base, stride,
+                                               W0 + W1, W2, D, NBP, N_BLOCKS, HAS_DELTA)
+        x0 = _update_partial(x0, d0, prefix_ptr, blocks_ptr, base, c0, m0, push_off, HAS_DELTA, PUSH, INT_ROUND)
+        db, sb, dx, sx = _piece_stats(t0, x0, w0)
+        if W1 > 0:
+            x1 = _update_partial(x1, d1, prefix_ptr, blocks_ptr, base, c1, m1, push_off, HAS_DELTA, PUSH,
+                                 INT_ROUND)
+            a, b, c, d = _piece_stats(t1, x1, w1)
+            db, sb, dx, sx = db + a, sb + b, dx + c, sx + d
+        if W2 > 0:
+            x2 = _update_partial(x2, d2, prefix_ptr, blocks_ptr, base, c2, m2, push_off, HAS_DELTA, PUSH,
+                                 INT_ROUND)
+            a, b, c, d = _piece_stats(t2, x2, w2)
+            db, sb, dx, sx = db + a, sb + b, dx + c, sx + d
+        rows = tl.arange(0, NBP)
+        lb = tl.where(rows < N_BLOCKS, db * tl.rsqrt(sb / D + eps), float("-inf"))
+        lx = dx * tl.rsqrt(sx / D + eps)
+        m = tl.maximum(tl.max(lb, axis=0), lx)
+        pb = tl.exp(lb - m)  # 0 on padding rows
+        px = tl.exp(lx - m)
+        inv = 1.0 / (tl.sum(pb, axis=0) + px)
+        pb = pb * inv
+        px = px * inv
+        h0 = _piece_mix(t0, x0, pb, px, WIDEN_ONCE)
+        hh = tl.sum(h0 * h0, axis=0)
+        if W1 > 0:
+            h1 = _piece_mix(t1, x1, pb, px, WIDEN_ONCE)
+            hh += tl.sum(h1 * h1, axis=0)
+        if W2 > 0:
+            h2 = _piece_mix(t2, x2, pb, px, WIDEN_ONCE)
+            hh += tl.sum(h2 * h2, axis=0)
+        r = tl.rsqrt(hh / D + eps)
+        _piece_out(out_ptr, w_next_ptr, base, c0, m0, h0 * r, INT_ROUND)
+        if W1 > 0:
+            _piece_out(out_ptr, w_next_ptr, base, c1, m1, h1 * r, INT_ROUND)
+        if W2 > 0:
+            _piece_out(out_ptr, w_next_ptr, base, c2, m2, h2 * r, INT_ROUND)
+
+
+def row_pieces(d: int) -> tuple[int, int, int]:
+    """The row of width d as up to three power-of-two pieces, largest first, zeros for absent ones;
+    only the last piece can have masked lanes (7168 -> (4096, 2048, 1024); 100 -> (64, 32, 4))."""
+    if d < 1:
+        raise ValueError(f"d must be >= 1, got {d}")
+    pieces, rest = [], d
+    while rest and len(pieces) < 2:
+        p = 1 << (rest.bit_length() - 1)
+        pieces.append(p)
+        rest -= p
+    if rest:
+        pieces.append(1 << (rest - 1).bit_length())
+    return tuple(pieces + [0] * (3 - len(pieces)))
 
 
 # Launch configuration, chosen per call by `launch_config` (the rule and the H200 sweep behind it are
@@ -223,10 +338,16 @@ def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None) 
         compute_units = env.detect().compute_units or 1
     all_blocks = 1 << max(n_blocks - 1, 0).bit_length()  # next power of two
     if tokens <= compute_units:
-        return {"group": all_blocks, "num_warps": 8, "prefetch": 1, "w_reload": 0, "stages": 0}
+        return dict(SMALL_BATCH_CONFIG, group=all_blocks)
     if n_blocks >= 2:
-        return {"group": 1, "num_warps": 8, "prefetch": 0, "w_reload": 0, "stages": 3}
-    return {"group": 1, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0}
+        return {"group": 1, "num_warps": 8, "prefetch": 0, "w_reload": 0, "stages": 3, "split": 0, "widen_once": 0}
+    return {"group": 1, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0, "split": 0, "widen_once": 0}
+
+
+# The small-batch choice (tokens <= compute units): split = 1 runs _attn_res_norm_split_kernel (the row
+# as power-of-two pieces, all blocks in one step), split = 0 the all-blocks tile of the main kernel.
+SMALL_BATCH_CONFIG = {"group": 8, "num_warps": 8, "prefetch": 1, "w_reload": 0, "stages": 0, "split": 0,
+                      "widen_once": 0}
 
 
 def fold_mix_weight(res_norm_w, res_proj_w):
@@ -234,40 +355,62 @@ def fold_mix_weight(res_norm_w, res_proj_w):
     return (res_norm_w.float() * res_proj_w.float()).contiguous()
 
 
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_CONFIG_KEYS = ("num_warps", "prefetch", "group", "w_reload", "stages", "split", "widen_once")
+
+
 def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False,
-          mix_weight=None, num_warps=None, prefetch=None, group=None, w_reload=None, stages=None):
+          mix_weight=None, int_round=None, **config):
     """One Triton kernel for the whole step. Same arguments, effects and result as `before`;
     pass `mix_weight=fold_mix_weight(...)` (folded at load time) to keep the step at one launch.
-    num_warps / prefetch / group / w_reload / stages override `launch_config`'s choice (for sweeps)."""
+    config: num_warps / prefetch / group / w_reload / stages / split / widen_once override
+    `launch_config`'s choice (for sweeps). int_round: round bf16 with integer arithmetic (default:
+    only under Triton's interpreter, whose casts truncate; a GPU's conversion rounds to nearest even)."""
     T, D = _check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block)
     if triton is None:
         raise RuntimeError("attn_res_norm.after needs Triton, which is not installed; use before()")
+    unknown = set(config) - set(_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown launch options {sorted(unknown)}; expected some of {_CONFIG_KEYS}")
     for name, t in (("prefix", prefix), ("blocks", blocks)) + ((("delta", delta),) if delta is not None else ()):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     w_mix = fold_mix_weight(res_norm_w, res_proj_w) if mix_weight is None else mix_weight
     if w_mix.shape != (D,) or w_mix.dtype != torch.float32:
         raise ValueError(f"mix_weight must be fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")
-    cfg = launch_config(T, n_blocks) if None in (num_warps, prefetch, group, w_reload, stages) else {}
-    warps = int(cfg["num_warps"] if num_warps is None else num_warps)
-    pf = int(cfg["prefetch"] if prefetch is None else prefetch)
-    g = int(cfg["group"] if group is None else group)
-    wr = int(cfg["w_reload"] if w_reload is None else w_reload)
-    st = int(cfg["stages"] if stages is None else stages)
+    given = {k: v for k, v in config.items() if v is not None}
+    cfg = {**(launch_config(T, n_blocks) if len(given) < len(_CONFIG_KEYS) else {}), **given}
+    warps, pf, g, wr, st, split, once = (int(cfg[k]) for k in
+                                         ("num_warps", "prefetch", "group", "w_reload", "stages", "split",
+                                          "widen_once"))
     if g < 1 or g & (g - 1):
-        raise ValueError(f"group must be a power of two >= 1, got {group}")
-    if pf not in (0, 1) or wr not in (0, 1):
-        raise ValueError(f"prefetch and w_reload must be 0 or 1, got {prefetch}, {w_reload}")
+        raise ValueError(f"group must be a power of two >= 1, got {g}")
+    for name, v in (("prefetch", pf), ("w_reload", wr), ("split", split), ("widen_once", once)):
+        if v not in (0, 1):
+            raise ValueError(f"{name} must be 0 or 1, got {v}")
     if st < 0:
-        raise ValueError(f"stages must be >= 0 (0: unrolled loop), got {stages}")
-    g = min(g, 1 << max(n_blocks - 1, 0).bit_length())  # no tile taller than the blocks in use
+        raise ValueError(f"stages must be >= 0 (0: unrolled loop), got {st}")
+    exact = int(_interpreted() if int_round is None else bool(int_round))
+    all_blocks = 1 << max(n_blocks - 1, 0).bit_length()
+    g = min(g, all_blocks)  # no tile taller than the blocks in use
     out = torch.empty_like(prefix)
     if T == 0:
         return out
+    common = (prefix, delta if delta is not None else prefix, blocks, out, w_mix, next_norm_w.contiguous())
+    if split:
+        w0, w1, w2 = row_pieces(D)
+        _attn_res_norm_split_kernel[(T,)](
+            *common, blocks.stride(0), eps, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None,
+            PUSH=push_block, NBP=all_blocks, W0=w0, W1=w1, W2=w2, INT_ROUND=exact, WIDEN_ONCE=once,
+            num_warps=warps)
+        return out
     _attn_res_norm_kernel[(T,)](
-        prefix, delta if delta is not None else prefix, blocks, out, w_mix, next_norm_w.contiguous(),
-        blocks.stride(0), 0, eps, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None, PUSH=push_block,
-        BLOCK_D=triton.next_power_of_2(D), GROUP=g, PREFETCH=pf, W_RELOAD=wr, STAGES=st, num_warps=warps)
+        *common, blocks.stride(0), 0, eps, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None, PUSH=push_block,
+        BLOCK_D=triton.next_power_of_2(D), GROUP=g, PREFETCH=pf, W_RELOAD=wr, STAGES=st, INT_ROUND=exact,
+        num_warps=warps)
     return out
 
 

@@ -795,8 +795,8 @@ def main(argv=None) -> int:
 
         step("calibrate", cal, need_s=60.0)
         if not tune:
-            tune = {"prologue": "pairs"}
-            print("[calibrate gave no choice: the cases use the 'pairs' prologue]", flush=True)
+            tune = {"prologue": "persistent"}
+            print("[calibrate gave no choice: the cases use the 'persistent' prologue]", flush=True)
     grid = crossover_cases()
     grid = sorted(grid, key=lambda n: (parse_case(n).heads, parse_case(n).batch, n != "h12_b1_t16384"))
     names = args.cases.split(",") if args.cases else grid + ["h12_ragged"]

@@ -37,13 +37,31 @@ on the host (one device sync), so it is done once per `plan_*` call; a plan then
 checks and no host sync (CUDA-graph capturable). Contents that change after planning are not
 re-checked. A paged cache needs `lengths` (the pool does not say where a request ends).
 
-Status on GPUs. Both versions ran on an H200 and were correct in every case. The first (64-row
-tiles, 2 stages, block table read in the loop; commit eaaa8f9) reached 26% of the copy bandwidth
-at 32K, because Triton's pipeliner made each tile wait for its own copy. The current one (3 stages
-of 32 rows, block table read 16 pages at a time, wider merge, prefetch in the before; commit
-38cd806) reaches 38% at 32K and 67% at 128K (profiles/nvidia-h200/mla_padding). The opt-in launch
-tuning (tune=True, K3LAB_MLA_TUNE=1) and direct relaunch (fast_launch=True,
-K3LAB_MLA_FAST_LAUNCH=1) have NOT YET RUN ON A GPU BY THIS PROJECT. The AITER path is not yet run on AMD hardware by this project.
+Status on GPUs. Both versions ran on an H200 and were correct in every case. The after kernel at
+32K / 128K (B = 1, graph replay, share of the 4.25 TB/s copy bandwidth): 26% / 38% in the first
+version (64-row tiles, 2 stages, block table read in the loop; eaaa8f9); 38% / 67% with 3 stages of
+32 rows and the block table in registers (38cd806); 41% / 68% now (21.9 / 52.5 us against floors of
+8.9 / 35.5 us: pieces sized at plan time so the first tiles wait one memory round trip, a one-shot
+merge over 16-column slices, the merge launched early by programmatic dependent launch; c65c81d).
+
+What bounds it (ncu and the sweeps in profiles/nvidia-h200/mla_padding, cases '.r1.', '.r2.'): the
+split kernel is latency- and issue-bound, not bandwidth-bound. Shared memory allows 2 programs of 4
+warps per SM (12.5% occupancy); each warp runs ~1,000 instructions and 9 block-wide barriers per
+32-row tile (the softmax max and sum across warps, the p tile through shared memory for wgmma, the
+copy waits) at 5.5 cycles per issued instruction, so one program alone takes ~2.3 us per tile
+(ctx1k.s1, ctx32k.s1), and DRAM runs at 42% of peak during a 32K split kernel. Triton lowers the
+score product of a 32-row tile to mma.sync (mma v2: wgmma wants M a multiple of 64) and the value
+product to wgmma (M = 512 value columns); the 16 padded heads are N, so M is never padded to 64.
+Tried and measured: 64-row wgmma tiles (one program per SM) 6% slower at 32K and 16% at 128K; 8
+warps 22-41% slower; 16-row tiles 26% slower; independent 4 x 128-column score products 4% slower
+at 32K and 128K (14% faster at 1K); 132 pieces instead of 256 equal at 32K, 19% slower at 128K.
+
+Not yet run on a GPU by this project: the opt-in launch tuning (tune=True, K3LAB_MLA_TUNE=1), the
+direct relaunch (fast_launch=True, K3LAB_MLA_FAST_LAUNCH=1) and K3LAB_MLA_AFTER_CONFIG. Caution: a
+timing run of the decode configurations (32,8,3), (32,4,2), (16,4,3), (64,4,1), (64,8,1) and
+(128,8,1) at 32K hit an illegal memory access on the H200 (which one is not known; none fails in
+Triton's interpreter): only the default (32, 4, 3) and the verify defaults are checked on a GPU.
+The AITER path is not yet run on AMD hardware by this project.
 """
 
 from __future__ import annotations
@@ -310,11 +328,10 @@ def launch_config(variant: str, dtype: torch.dtype = torch.bfloat16, rows: int =
     if variant == "before":
         bn = block_n or 32
         return LaunchConfig(bn, num_warps or 8, num_stages or 2)
-    # 32-position tiles, 3 stages. Why not one 64-row tile (the wgmma M size) and 2 stages, the
-    # first version measured on the H200: with 2 stages Triton 3.6's pipeliner waits for every copy
-    # at the top of the loop, so loads and math never overlap (26% of copy bandwidth at 32K). With
-    # 3 stages of 32 rows it keeps two tiles in flight, uses no spill registers, and two programs
-    # fit on one H200 SM (~91 KB shared memory each). Read off the compiled IR, not yet timed.
+    # 32-position tiles, 3 stages: two tiles in flight, no spills, two programs per H200 SM (~91 KB
+    # shared memory each). Timed on the H200 against 64-row wgmma tiles with 2 stages (one program
+    # per SM: 6% slower at 32K, 16% at 128K), 8 warps and 16-row tiles (slower still): see the
+    # module docstring.
     # 64 rows (a verify group): the 64 x 512 fp32 accumulator needs 8 warps.
     env_cfg = os.environ.get("K3LAB_MLA_AFTER_CONFIG", "")
     if env_cfg and rows == MMA_ROWS and block_n is None and num_warps is None and num_stages is None:
@@ -1016,7 +1033,12 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     process; the fastest is kept and `plan.tuning` lists every candidate's time. fast_launch=True
     (or K3LAB_MLA_FAST_LAUNCH=1) relaunches the compiled kernels directly after one bit-exact
     comparison with the JIT launch. Tuning and the direct relaunch are NOT YET RUN ON A GPU BY THIS
-    PROJECT (compiled for sm_90 and unit-checked only), hence opt-in."""
+    PROJECT (compiled for sm_90 and unit-checked only), hence opt-in.
+
+    merge_dv: value columns per merge program (default MERGE_DV = 16). pdl: launch the merge with
+    programmatic dependent launch (its programs start while the split kernel runs and wait for it
+    with griddepcontrol.wait); None = on for NVIDIA compute capability 9.0+, K3LAB_MLA_PDL=0 turns it
+    off. On the H200 it saved 0.1-0.4 us per decode (ctx*.r2.bn32w4s3_nopdl records)."""
     if pad not in ("registers", "copy"):
         raise ValueError(f"pad must be 'registers' or 'copy', got {pad!r}")
     inp = _validate(q, cache, lengths, block_table, max_heads=None if fold_heads else MMA_ROWS)

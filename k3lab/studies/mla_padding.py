@@ -419,7 +419,7 @@ def _instruction_rows(dtype: str, arch: int) -> list[dict]:
                                             INTERPRET=False), bcfg),
         "after": (mla._split_kernel, dict(PAGED=True, PAGE_SIZE=PAGE_SIZE, PAGE_GROUPS=16, DV=512, DR=64,
                                           HEAD_TILE=16, TOK_TILE=1, BLOCK_N=acfg.block_n, WRITE_FINAL=False,
-                                          IEEE=False, INTERPRET=False), acfg),
+                                          IEEE=False, PDL=True, INTERPRET=False), acfg),
     }
     ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
     rows = []

@@ -272,3 +272,20 @@ def test_launch_config_from_environment(monkeypatch):
     monkeypatch.setenv("K3LAB_MLA_AFTER_CONFIG", "64x8")
     with pytest.raises(ValueError, match="K3LAB_MLA_AFTER_CONFIG"):
         mla.launch_config("after", rows=16)
+
+
+def test_merge_early_launch_compiles_for_hopper():
+    # programmatic dependent launch: the split kernel lets the merge launch, the merge waits for it;
+    # compiled for sm_90 here (no GPU needed) when this Triton has the NVIDIA backend
+    from k3lab.studies import mla_padding as study
+
+    mix = study.instruction_mix()
+    if "note" in mix:
+        pytest.skip(f"no sm_90 compile here: {mix['note'].iloc[0]}")
+    row = mix.set_index("kernel")
+    assert row.loc["after", "griddepcontrol"] >= 1 and row.loc["merge", "griddepcontrol"] >= 1
+    assert row.loc["before", "griddepcontrol"] == 0
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pdl=True"):
+            mla.plan_after(*_inputs(1, 1, 4, 40, torch.float32)[:3], pdl=True)
+        assert mla.plan_after(*_inputs(1, 1, 4, 40, torch.float32)[:3], num_splits=2).pdl is False

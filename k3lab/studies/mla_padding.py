@@ -370,9 +370,11 @@ def padding_cost(preset=None, contexts=(1024, 32768, 131072), batch: int = 1, dt
 
 
 def instruction_mix(dtype: str = "bf16", arch: int = 90):
-    """Compile both kernels for an NVIDIA sm_90 (H100/H200) here, with no GPU needed (Triton's own
-    compiler and its bundled ptxas), and report which instructions carry the products: wgmma /
-    mma.sync (matrix units) or fma only, with registers, spills and shared memory.
+    """Compile the kernels (before; after's split kernel and its merge) for an NVIDIA sm_90
+    (H100/H200) here, with no GPU needed (Triton's own compiler and its bundled ptxas), and report
+    which instructions carry the products: wgmma / mma.sync (matrix units) or fma only, with
+    registers, spills, shared memory, and the grid-dependency instructions (griddepcontrol) of the
+    early-launched merge.
 
     Where Triton runs as the interpreter (CPU), the compile runs in a child process with
     TRITON_INTERPRET=0, since interpreted kernels cannot be compiled. Returns a DataFrame; a 'note'
@@ -420,6 +422,8 @@ def _instruction_rows(dtype: str, arch: int) -> list[dict]:
         "after": (mla._split_kernel, dict(PAGED=True, PAGE_SIZE=PAGE_SIZE, PAGE_GROUPS=16, DV=512, DR=64,
                                           HEAD_TILE=16, TOK_TILE=1, BLOCK_N=acfg.block_n, WRITE_FINAL=False,
                                           IEEE=False, PDL=True, INTERPRET=False), acfg),
+        "merge": (mla._merge_kernel, dict(DV=512, BLOCK_DV=mla.MERGE_DV, SPLITS_P2=256, SPLIT_TILE=256, PDL=True),
+                  mla.LaunchConfig(mla.MERGE_DV, 4, 1)),
     }
     ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
     rows = []
@@ -435,7 +439,8 @@ def _instruction_rows(dtype: str, arch: int) -> list[dict]:
             return [{"kernel": name, "note": f"could not compile for sm_{arch}: {type(exc).__name__}: {exc}"}]
         ptx = k.asm["ptx"]
         row = {"kernel": name, "target": f"sm_{arch}", "wgmma": ptx.count("wgmma.mma_async"),
-               "mma_sync": ptx.count("mma.sync"), "fma_f32": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+               "mma_sync": ptx.count("mma.sync"),
+               "griddepcontrol": ptx.count("griddepcontrol."), "fma_f32": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
                "shared_kb": k.metadata.shared / 1024, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
                "registers": None, "spill_bytes": None}
         if ptxas:

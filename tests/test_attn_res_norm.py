@@ -193,3 +193,32 @@ def test_unknown_launch_option_is_refused_by_name():
     with pytest.raises(ValueError, match="splitt"):
         op.after(x["prefix"], x["delta"], x["blocks"], 2, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"],
                  splitt=1)
+
+
+def test_spread_rows_leave_the_barrier_words_ready_for_the_next_call():
+    """The spread kernel's per-token barrier: after each call every arrival count is back to 0 and each
+    token's sense has flipped once, so graph replays need no reset."""
+    x = _inputs(3, 64, torch.float32, seed=11)
+    sync = op._sync_words(x["prefix"].device, 3)
+    before_sense = sync[1:6:2].clone()
+    for call in (1, 2):
+        out = op.after(x["prefix"].clone(), x["delta"], x["blocks"].clone(), 4, x["res_norm_w"], x["res_proj_w"],
+                       x["next_norm_w"], **VARIANTS["spread1k4"])
+        ref_out, _ = _reference(x, 4)
+        torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+        assert torch.count_nonzero(sync[0:6:2]) == 0
+        assert torch.equal(sync[1:6:2], before_sense if call == 2 else 1 - before_sense)
+
+
+def test_spread_over_several_programs_is_refused_by_the_interpreter():
+    x = _inputs(1, 64, torch.float32)
+    with pytest.raises(ValueError, match="spread"):
+        op.after(x["prefix"], x["delta"], x["blocks"], 2, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"],
+                 **{**VARIANTS["spread1k4"], "spread": 16})
+
+
+def test_launch_config_spreads_a_few_tokens_when_enabled(monkeypatch):
+    monkeypatch.setattr(op, "SPREAD_MAX_TOKENS", 8)
+    assert op.launch_config(1, 8, compute_units=132) == VARIANTS["spread1k4"]
+    assert op.launch_config(8, 8, compute_units=132) == VARIANTS["spread1k4"]
+    assert op.launch_config(9, 8, compute_units=132) == VARIANTS["tile8"]

@@ -288,6 +288,87 @@ if triton is not None:
             _piece_out(out_ptr, w_next_ptr, base, c2, m2, h2 * r, INT_ROUND)
 
 
+    @triton.jit
+    def _attn_res_norm_spread_kernel(prefix_ptr, delta_ptr, blocks_ptr, out_ptr, w_mix_ptr, w_next_ptr,
+                                     part_ptr, sync_ptr, stride_block, eps, max_polls,
+                                     D: tl.constexpr, N_BLOCKS: tl.constexpr, HAS_DELTA: tl.constexpr,
+                                     PUSH: tl.constexpr, NS: tl.constexpr, CHUNK: tl.constexpr,
+                                     P: tl.constexpr, P_POW2: tl.constexpr, INT_ROUND: tl.constexpr):
+        # A few tokens: each token's row is spread over P programs (P units instead of one), CHUNK
+        # columns each. What a program needs from the other columns is small: every source's w . v
+        # and the Gram matrix G_ij = v_i . v_j of the sources (the partial is source N_BLOCKS). From
+        # G come each source's RMS (its diagonal) and the mixture's norm, |h|^2 = p^T G p, so one
+        # exchange of these partial sums through memory, behind one barrier per token, is all the
+        # step needs; each program then mixes and writes its own columns.
+        row = tl.program_id(0)
+        piece = tl.program_id(1)
+        cols = piece * CHUNK + tl.arange(0, CHUNK)
+        mask = cols < D
+        base = row.to(tl.int64) * D
+        stride = stride_block.to(tl.int64)
+        src = tl.arange(0, NS)
+        tile = tl.load(blocks_ptr + src[:, None].to(tl.int64) * stride + base + cols[None, :],
+                       mask=(src < N_BLOCKS)[:, None] & mask[None, :], other=0.0)
+        w = tl.load(w_mix_ptr + cols, mask=mask, other=0.0)
+        x = tl.load(prefix_ptr + base + cols, mask=mask, other=0.0)
+        dx = x
+        if HAS_DELTA:
+            dx = tl.load(delta_ptr + base + cols, mask=mask, other=0.0)
+        sync = sync_ptr + row * 2  # [arrivals, sense] of this token's barrier
+        sense = tl.atomic_add(sync + 1, 0)  # read before arriving: it cannot flip before we do
+        x = _update_partial(x, dx, prefix_ptr, blocks_ptr, base, cols, mask, N_BLOCKS * stride, HAS_DELTA, PUSH,
+                            INT_ROUND)
+        v = tl.where((src == N_BLOCKS)[:, None], x.to(tl.float32)[None, :], tile.to(tl.float32))
+        gram = tl.dot(v, tl.trans(v), input_precision="ieee")  # [NS, NS], fp32 products and sums
+        wdot = tl.sum(v * w[None, :], axis=1)
+        mine = part_ptr + (row * P + piece).to(tl.int64) * (NS * NS + NS)
+        tl.store(mine + src[:, None] * NS + src[None, :], gram)
+        tl.store(mine + NS * NS + src, wdot)
+        # the barrier: the last program to arrive resets the count and flips the sense; the others
+        # wait for the flip (bounded, so a broken launch fails a check instead of hanging the GPU)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(sync, 1, sem="acq_rel")
+        if arrived == P - 1:
+            tl.atomic_xchg(sync, 0)
+            tl.atomic_xchg(sync + 1, 1 - sense, sem="release")
+        else:
+            flag = tl.atomic_add(sync + 1, 0, sem="acquire")
+            polls = 0
+            while (flag == sense) & (polls < max_polls):
+                flag = tl.atomic_add(sync + 1, 0, sem="acquire")
+                polls += 1
+        everyone = part_ptr + (row * P).to(tl.int64) * (NS * NS + NS)
+        pr = tl.arange(0, P_POW2)
+        pmask = (pr < P)[:, None, None]
+        stride_p = NS * NS + NS
+        g3 = tl.load(everyone + pr[:, None, None] * stride_p + src[None, :, None] * NS + src[None, None, :],
+                     mask=pmask, other=0.0, cache_modifier=".cg")
+        gram = tl.sum(g3, axis=0)
+        wdot = tl.sum(tl.load(everyone + pr[:, None] * stride_p + NS * NS + src[None, :],
+                              mask=(pr < P)[:, None], other=0.0, cache_modifier=".cg"), axis=0)
+        ss = tl.sum(tl.where(src[:, None] == src[None, :], gram, 0.0), axis=1)
+        logits = tl.where(src <= N_BLOCKS, wdot * tl.rsqrt(ss / D + eps), float("-inf"))
+        e = tl.exp(logits - tl.max(logits, axis=0))  # 0 on padding rows
+        p = e / tl.sum(e, axis=0)
+        hh = tl.sum(tl.sum(p[:, None] * gram * p[None, :], axis=1), axis=0)
+        h = tl.sum(p[:, None] * v, axis=0)
+        y = h * tl.rsqrt(hh / D + eps) * tl.load(w_next_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + base + cols, _round_to(y, out_ptr.dtype.element_ty, INT_ROUND), mask=mask)
+
+
+_SYNC: dict = {}  # device -> int32 barrier words [arrivals, sense] per token, left consistent by every launch
+
+
+def _sync_words(device, tokens: int) -> torch.Tensor:
+    """The spread kernel's barrier words for `tokens` tokens on `device`, made once (zeros) and reused:
+    graph replays then need no reset launch. One stream at a time may use the spread kernel per device."""
+    have = _SYNC.get(device)
+    if have is None or have.numel() < 2 * tokens:
+        have = torch.zeros(2 * max(tokens, 256), dtype=torch.int32, device=device)
+        _SYNC[device] = have
+    return have
+
+
 def row_pieces(d: int) -> tuple[int, int, int]:
     """The row of width d as up to three power-of-two pieces, largest first, zeros for absent ones;
     only the last piece can have masked lanes (7168 -> (4096, 2048, 1024); 100 -> (64, 32, 4))."""
@@ -337,17 +418,26 @@ def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None) 
         from k3lab import env
         compute_units = env.detect().compute_units or 1
     all_blocks = 1 << max(n_blocks - 1, 0).bit_length()  # next power of two
+    if tokens <= SPREAD_MAX_TOKENS:
+        return dict(SPREAD_CONFIG)
     if tokens <= compute_units:
         return dict(SMALL_BATCH_CONFIG, group=all_blocks)
     if n_blocks >= 2:
-        return {"group": 1, "num_warps": 8, "prefetch": 0, "w_reload": 0, "stages": 3, "split": 0, "widen_once": 0}
-    return {"group": 1, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0, "split": 0, "widen_once": 0}
+        return {"group": 1, "num_warps": 8, "prefetch": 0, "w_reload": 0, "stages": 3, "split": 0, "widen_once": 0,
+                "spread": 0}
+    return {"group": 1, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0, "split": 0, "widen_once": 0,
+            "spread": 0}
 
 
 # The small-batch choice (tokens <= compute units): split = 1 runs _attn_res_norm_split_kernel (the row
 # as power-of-two pieces, all blocks in one step), split = 0 the all-blocks tile of the main kernel.
 SMALL_BATCH_CONFIG = {"group": 8, "num_warps": 8, "prefetch": 1, "w_reload": 0, "stages": 0, "split": 0,
-                      "widen_once": 0}
+                      "widen_once": 0, "spread": 0}
+# Up to SPREAD_MAX_TOKENS tokens, each token's row is spread over several programs (spread = columns
+# per program; _attn_res_norm_spread_kernel).
+SPREAD_MAX_TOKENS = 0
+SPREAD_CONFIG = {"group": 8, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0, "split": 0,
+                 "widen_once": 0, "spread": 1024}
 
 
 def fold_mix_weight(res_norm_w, res_proj_w):
@@ -359,7 +449,7 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-_CONFIG_KEYS = ("num_warps", "prefetch", "group", "w_reload", "stages", "split", "widen_once")
+_CONFIG_KEYS = ("num_warps", "prefetch", "group", "w_reload", "stages", "split", "widen_once", "spread")
 
 
 def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False,
@@ -386,6 +476,9 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     warps, pf, g, wr, st, split, once = (int(cfg[k]) for k in
                                          ("num_warps", "prefetch", "group", "w_reload", "stages", "split",
                                           "widen_once"))
+    spread = int(cfg.get("spread", 0))
+    if spread and (spread < 16 or spread & (spread - 1)):
+        raise ValueError(f"spread must be 0 or a power of two >= 16 (columns per program), got {spread}")
     if g < 1 or g & (g - 1):
         raise ValueError(f"group must be a power of two >= 1, got {g}")
     for name, v in (("prefetch", pf), ("w_reload", wr), ("split", split), ("widen_once", once)):
@@ -400,6 +493,18 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     if T == 0:
         return out
     common = (prefix, delta if delta is not None else prefix, blocks, out, w_mix, next_norm_w.contiguous())
+    if spread:
+        n_prog = -(-D // spread)
+        if n_prog > 1 and _interpreted():
+            raise ValueError(f"spread={spread} puts {n_prog} programs on each row, and they wait for each other; "
+                             f"Triton's interpreter runs programs one after another: use spread >= D={D} there")
+        ns = max(16, 1 << n_blocks.bit_length())  # the sources (blocks + the partial), padded for tl.dot
+        part = torch.empty(T * n_prog * (ns * ns + ns), dtype=torch.float32, device=prefix.device)
+        _attn_res_norm_spread_kernel[(T, n_prog)](
+            *common, part, _sync_words(prefix.device, T), blocks.stride(0), eps, 1 << 22, D=D, N_BLOCKS=n_blocks,
+            HAS_DELTA=delta is not None, PUSH=push_block, NS=ns, CHUNK=spread, P=n_prog,
+            P_POW2=1 << (n_prog - 1).bit_length(), INT_ROUND=exact, num_warps=warps)
+        return out
     if split:
         w0, w1, w2 = row_pieces(D)
         _attn_res_norm_split_kernel[(T,)](

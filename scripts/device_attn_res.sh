@@ -42,8 +42,8 @@ for name, c in cr.ATTN_RES_VARIANTS.items():
         n_prog = -(-cr.HIDDEN_GPU // c["spread"])
         part = torch.empty(n_prog * 272, device=x.prefix.device)
         k = arn._attn_res_norm_spread_kernel[(1, n_prog)](
-            *common[:6], part, arn._sync_words(x.prefix.device, 1), *common[6:], 1e-5, 1 << 22, NS=16,
-            CHUNK=c["spread"], P=n_prog, P_POW2=1 << (n_prog - 1).bit_length(), **flags)
+            *common[:6], part, arn._epoch_slots(x.prefix.device, 1), *common[6:], 1e-5, 1 << 22, NS=16,
+            CHUNK=c["spread"], P=n_prog, P_POW2=1 << (n_prog - 1).bit_length(), EXACT_DOT=0, **flags)
     elif c["split"]:
         w0, w1, w2 = arn.row_pieces(cr.HIDDEN_GPU)
         k = arn._attn_res_norm_split_kernel[(1,)](*common, 1e-5, NBP=8, W0=w0, W1=w1, W2=w2,

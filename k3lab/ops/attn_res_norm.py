@@ -290,16 +290,17 @@ if triton is not None:
 
     @triton.jit
     def _attn_res_norm_spread_kernel(prefix_ptr, delta_ptr, blocks_ptr, out_ptr, w_mix_ptr, w_next_ptr,
-                                     part_ptr, sync_ptr, stride_block, eps, max_polls,
+                                     part_ptr, epoch_ptr, stride_block, eps, max_polls,
                                      D: tl.constexpr, N_BLOCKS: tl.constexpr, HAS_DELTA: tl.constexpr,
                                      PUSH: tl.constexpr, NS: tl.constexpr, CHUNK: tl.constexpr,
-                                     P: tl.constexpr, P_POW2: tl.constexpr, INT_ROUND: tl.constexpr):
+                                     P: tl.constexpr, P_POW2: tl.constexpr, INT_ROUND: tl.constexpr,
+                                     EXACT_DOT: tl.constexpr):
         # A few tokens: each token's row is spread over P programs (P units instead of one), CHUNK
         # columns each. What a program needs from the other columns is small: every source's w . v
         # and the Gram matrix G_ij = v_i . v_j of the sources (the partial is source N_BLOCKS). From
         # G come each source's RMS (its diagonal) and the mixture's norm, |h|^2 = p^T G p, so one
-        # exchange of these partial sums through memory, behind one barrier per token, is all the
-        # step needs; each program then mixes and writes its own columns.
+        # exchange of these partial sums through memory is all the step needs; each program then
+        # mixes and writes its own columns.
         row = tl.program_id(0)
         piece = tl.program_id(1)
         cols = piece * CHUNK + tl.arange(0, CHUNK)
@@ -314,35 +315,37 @@ if triton is not None:
         dx = x
         if HAS_DELTA:
             dx = tl.load(delta_ptr + base + cols, mask=mask, other=0.0)
-        sync = sync_ptr + row * 2  # [arrivals, sense] of this token's barrier
-        sense = tl.atomic_add(sync + 1, 0)  # read before arriving: it cannot flip before we do
+        # this call's epoch: one more than what every program of the row published last call
+        slots = epoch_ptr + row * P_POW2
+        epoch = tl.atomic_add(slots + piece, 0) + 1
         x = _update_partial(x, dx, prefix_ptr, blocks_ptr, base, cols, mask, N_BLOCKS * stride, HAS_DELTA, PUSH,
                             INT_ROUND)
-        v = tl.where((src == N_BLOCKS)[:, None], x.to(tl.float32)[None, :], tile.to(tl.float32))
-        gram = tl.dot(v, tl.trans(v), input_precision="ieee")  # [NS, NS], fp32 products and sums
+        vs = tl.where((src == N_BLOCKS)[:, None], x[None, :], tile)  # the sources, in the storage dtype
+        if EXACT_DOT:  # fp32 storage, or Triton's interpreter (whose bf16 dot is wrong): plain fp32 FMAs
+            vf = vs.to(tl.float32)
+            gram = tl.dot(vf, tl.trans(vf), input_precision="ieee")
+        else:  # bf16/fp16 products are exact in the fp32 accumulator: the matrix units do it
+            gram = tl.dot(vs, tl.trans(vs))
+        v = vs.to(tl.float32)
         wdot = tl.sum(v * w[None, :], axis=1)
-        mine = part_ptr + (row * P + piece).to(tl.int64) * (NS * NS + NS)
+        stride_p = NS * NS + NS
+        mine = part_ptr + (row * P + piece).to(tl.int64) * stride_p
         tl.store(mine + src[:, None] * NS + src[None, :], gram)
         tl.store(mine + NS * NS + src, wdot)
-        # the barrier: the last program to arrive resets the count and flips the sense; the others
-        # wait for the flip (bounded, so a broken launch fails a check instead of hanging the GPU)
+        # publish (release: the partial sums are visible before the epoch), then wait until every
+        # program of the row has published this epoch (bounded: a broken launch fails a check
+        # instead of hanging the GPU)
         tl.debug_barrier()
-        arrived = tl.atomic_add(sync, 1, sem="acq_rel")
-        if arrived == P - 1:
-            tl.atomic_xchg(sync, 0)
-            tl.atomic_xchg(sync + 1, 1 - sense, sem="release")
-        else:
-            flag = tl.atomic_add(sync + 1, 0, sem="acquire")
-            polls = 0
-            while (flag == sense) & (polls < max_polls):
-                flag = tl.atomic_add(sync + 1, 0, sem="acquire")
-                polls += 1
-        everyone = part_ptr + (row * P).to(tl.int64) * (NS * NS + NS)
+        tl.atomic_xchg(slots + piece, epoch, sem="release")
         pr = tl.arange(0, P_POW2)
-        pmask = (pr < P)[:, None, None]
-        stride_p = NS * NS + NS
+        seen = tl.atomic_add(slots + pr, 0, mask=pr < P, sem="acquire")
+        polls = 0
+        while (tl.sum(((seen != epoch) & (pr < P)).to(tl.int32), axis=0) > 0) & (polls < max_polls):
+            seen = tl.atomic_add(slots + pr, 0, mask=pr < P, sem="acquire")
+            polls += 1
+        everyone = part_ptr + (row * P).to(tl.int64) * stride_p
         g3 = tl.load(everyone + pr[:, None, None] * stride_p + src[None, :, None] * NS + src[None, None, :],
-                     mask=pmask, other=0.0, cache_modifier=".cg")
+                     mask=(pr < P)[:, None, None], other=0.0, cache_modifier=".cg")
         gram = tl.sum(g3, axis=0)
         wdot = tl.sum(tl.load(everyone + pr[:, None] * stride_p + NS * NS + src[None, :],
                               mask=(pr < P)[:, None], other=0.0, cache_modifier=".cg"), axis=0)
@@ -356,16 +359,17 @@ if triton is not None:
         tl.store(out_ptr + base + cols, _round_to(y, out_ptr.dtype.element_ty, INT_ROUND), mask=mask)
 
 
-_SYNC: dict = {}  # device -> int32 barrier words [arrivals, sense] per token, left consistent by every launch
+SPREAD_MAX_PROGRAMS = 16
+_EPOCHS: dict = {}  # device -> int32 epoch slots [token, program] of the spread kernel, kept across calls
 
 
-def _sync_words(device, tokens: int) -> torch.Tensor:
-    """The spread kernel's barrier words for `tokens` tokens on `device`, made once (zeros) and reused:
-    graph replays then need no reset launch. One stream at a time may use the spread kernel per device."""
-    have = _SYNC.get(device)
-    if have is None or have.numel() < 2 * tokens:
-        have = torch.zeros(2 * max(tokens, 256), dtype=torch.int32, device=device)
-        _SYNC[device] = have
+def _epoch_slots(device, tokens: int) -> torch.Tensor:
+    """The spread kernel's epoch slots for `tokens` tokens on `device`, made once (zeros) and reused, so
+    graph replays need no reset launch. One stream at a time may use the spread kernel per device."""
+    have = _EPOCHS.get(device)
+    if have is None or have.numel() < tokens * SPREAD_MAX_PROGRAMS:
+        have = torch.zeros(max(tokens, 256) * SPREAD_MAX_PROGRAMS, dtype=torch.int32, device=device)
+        _EPOCHS[device] = have
     return have
 
 
@@ -498,12 +502,17 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
         if n_prog > 1 and _interpreted():
             raise ValueError(f"spread={spread} puts {n_prog} programs on each row, and they wait for each other; "
                              f"Triton's interpreter runs programs one after another: use spread >= D={D} there")
+        if n_prog > SPREAD_MAX_PROGRAMS:
+            raise ValueError(f"spread={spread} needs {n_prog} programs per row for D={D}; at most "
+                             f"{SPREAD_MAX_PROGRAMS}: use wider pieces")
         ns = max(16, 1 << n_blocks.bit_length())  # the sources (blocks + the partial), padded for tl.dot
         part = torch.empty(T * n_prog * (ns * ns + ns), dtype=torch.float32, device=prefix.device)
+        p_pow2 = 1 << (n_prog - 1).bit_length()
         _attn_res_norm_spread_kernel[(T, n_prog)](
-            *common, part, _sync_words(prefix.device, T), blocks.stride(0), eps, 1 << 22, D=D, N_BLOCKS=n_blocks,
-            HAS_DELTA=delta is not None, PUSH=push_block, NS=ns, CHUNK=spread, P=n_prog,
-            P_POW2=1 << (n_prog - 1).bit_length(), INT_ROUND=exact, num_warps=warps)
+            *common, part, _epoch_slots(prefix.device, T), blocks.stride(0),
+            eps, 1 << 22, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None, PUSH=push_block, NS=ns,
+            CHUNK=spread, P=n_prog, P_POW2=p_pow2, INT_ROUND=exact,
+            EXACT_DOT=int(_interpreted() or prefix.dtype == torch.float32), num_warps=warps)
         return out
     if split:
         w0, w1, w2 = row_pieces(D)

@@ -149,7 +149,7 @@ ATTN_RES_VARIANTS = {
     "spread1k4": dict(group=8, num_warps=4, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=1024),
     "spread1k8": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=1024),
     "spread512w4": dict(group=8, num_warps=4, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=512),
-    "spread2k8": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=2048),
+    "spread512w8": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=512),
     # tile8 with the integer rounding the interpreter needs, to price it on a GPU
     "tile8i": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=0, int_round=1),
 }

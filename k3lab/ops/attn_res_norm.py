@@ -76,9 +76,9 @@ if triton is not None:
     @triton.jit
     def _round_to(x, dtype: tl.constexpr, INT_ROUND: tl.constexpr):
         # Round to nearest even as torch does: the persistent residual must match it bit for bit.
-        # A GPU's conversion instruction already rounds to nearest even. Triton's interpreter (the
-        # CPU path) truncates bf16 casts and mis-rounds carries, so there (INT_ROUND) bf16 is rounded
-        # with integer arithmetic, which costs ~10% more instructions at one token on the H200.
+        # A GPU's conversion instruction already rounds to nearest even (checked bit-exact on the H200).
+        # Triton's interpreter (the CPU path) truncates bf16 casts and mis-rounds carries, so there
+        # (INT_ROUND) bf16 is rounded with integer arithmetic.
         if INT_ROUND and dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = bits + 0x7FFF + ((bits >> 16) & 1)
@@ -191,203 +191,6 @@ if triton is not None:
         tl.store(out_ptr + base + cols, _round_to(y, out_ptr.dtype.element_ty, INT_ROUND), mask=mask)
 
 
-    @triton.jit
-    def _piece_in(prefix_ptr, delta_ptr, blocks_ptr, w_mix_ptr, base, stride, OFF: tl.constexpr,
-                  W: tl.constexpr, D: tl.constexpr, NBP: tl.constexpr, N_BLOCKS: tl.constexpr,
-                  HAS_DELTA: tl.constexpr):
-        # one piece [OFF, OFF + W) of the row: every stored block's columns as one [NBP, W] tile
-        cols = OFF + tl.arange(0, W)
-        mask = cols < D
-        rows = tl.arange(0, NBP)
-        tile = tl.load(blocks_ptr + rows[:, None].to(tl.int64) * stride + base + cols[None, :],
-                       mask=(rows < N_BLOCKS)[:, None] & mask[None, :], other=0.0)
-        w = tl.load(w_mix_ptr + cols, mask=mask, other=0.0)
-        x = tl.load(prefix_ptr + base + cols, mask=mask, other=0.0)
-        dx = x
-        if HAS_DELTA:
-            dx = tl.load(delta_ptr + base + cols, mask=mask, other=0.0)
-        return cols, mask, tile, w, x, dx
-
-    @triton.jit
-    def _piece_stats(tile, x, w):
-        # partial logit sums of one piece: blocks' (w . v, v . v) per row, then the partial's
-        v = tile.to(tl.float32)
-        xf = x.to(tl.float32)
-        return (tl.sum(v * w[None, :], axis=1), tl.sum(v * v, axis=1),
-                tl.sum(xf * w, axis=0), tl.sum(xf * xf, axis=0))
-
-    @triton.jit
-    def _piece_mix(tile, x, pb, px, WIDEN_ONCE: tl.constexpr):
-        # WIDEN_ONCE=0 widens the tile again (see _widen) so no fp32 copy stays live across the softmax
-        v = tile.to(tl.float32) if WIDEN_ONCE else _widen(tile)
-        return px * x.to(tl.float32) + tl.sum(pb[:, None] * v, axis=0)
-
-    @triton.jit
-    def _piece_out(out_ptr, w_next_ptr, base, cols, mask, y, INT_ROUND: tl.constexpr):
-        y = y * tl.load(w_next_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + base + cols, _round_to(y, out_ptr.dtype.element_ty, INT_ROUND), mask=mask)
-
-    @triton.jit
-    def _attn_res_norm_split_kernel(prefix_ptr, delta_ptr, blocks_ptr, out_ptr, w_mix_ptr, w_next_ptr,
-                                    stride_block, eps, D: tl.constexpr, N_BLOCKS: tl.constexpr,
-                                    HAS_DELTA: tl.constexpr, PUSH: tl.constexpr, NBP: tl.constexpr,
-                                    W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
-                                    INT_ROUND: tl.constexpr, WIDEN_ONCE: tl.constexpr):
-        # The small-batch kernel: one program per token, every stored block loaded in one step (as the
-        # GROUP = all-blocks tile of the kernel above), but the row taken as up to three power-of-two
-        # pieces (7168 = 4096 + 2048 + 1024) instead of one 8192-wide tile. At one token a single SM
-        # issues every instruction of the step, and an 8192-wide tile spends 1/8 of them on masked
-        # lanes. The softmax is exact (all logits before any mixing), not online.
-        row = tl.program_id(0)
-        base = row.to(tl.int64) * D
-        stride = stride_block.to(tl.int64)
-        push_off = N_BLOCKS * stride
-        # all loads first: none waits on a reduction
-        c0, m0, t0, w0, x0, d0 = _piece_in(prefix_ptr, delta_ptr, blocks_ptr, w_mix_ptr, base, stride,
-                                           0, W0, D, NBP, N_BLOCKS, HAS_DELTA)
-        if W1 > 0:
-            c1, m1, t1, w1, x1, d1 = _piece_in(prefix_ptr, delta_ptr, blocks_ptr, w_mix_ptr, base, stride,
-                                               W0, W1, D, NBP, N_BLOCKS, HAS_DELTA)
-        if W2 > 0:
-            c2, m2, t2, w2, x2, d2 = _piece_in(prefix_ptr, delta_ptr, blocks_ptr, w_mix_ptr, base, stride,
-                                               W0 + W1, W2, D, NBP, N_BLOCKS, HAS_DELTA)
-        x0 = _update_partial(x0, d0, prefix_ptr, blocks_ptr, base, c0, m0, push_off, HAS_DELTA, PUSH, INT_ROUND)
-        db, sb, dx, sx = _piece_stats(t0, x0, w0)
-        if W1 > 0:
-            x1 = _update_partial(x1, d1, prefix_ptr, blocks_ptr, base, c1, m1, push_off, HAS_DELTA, PUSH,
-                                 INT_ROUND)
-            a, b, c, d = _piece_stats(t1, x1, w1)
-            db, sb, dx, sx = db + a, sb + b, dx + c, sx + d
-        if W2 > 0:
-            x2 = _update_partial(x2, d2, prefix_ptr, blocks_ptr, base, c2, m2, push_off, HAS_DELTA, PUSH,
-                                 INT_ROUND)
-            a, b, c, d = _piece_stats(t2, x2, w2)
-            db, sb, dx, sx = db + a, sb + b, dx + c, sx + d
-        rows = tl.arange(0, NBP)
-        lb = tl.where(rows < N_BLOCKS, db * tl.rsqrt(sb / D + eps), float("-inf"))
-        lx = dx * tl.rsqrt(sx / D + eps)
-        m = tl.maximum(tl.max(lb, axis=0), lx)
-        pb = tl.exp(lb - m)  # 0 on padding rows
-        px = tl.exp(lx - m)
-        inv = 1.0 / (tl.sum(pb, axis=0) + px)
-        pb = pb * inv
-        px = px * inv
-        h0 = _piece_mix(t0, x0, pb, px, WIDEN_ONCE)
-        hh = tl.sum(h0 * h0, axis=0)
-        if W1 > 0:
-            h1 = _piece_mix(t1, x1, pb, px, WIDEN_ONCE)
-            hh += tl.sum(h1 * h1, axis=0)
-        if W2 > 0:
-            h2 = _piece_mix(t2, x2, pb, px, WIDEN_ONCE)
-            hh += tl.sum(h2 * h2, axis=0)
-        r = tl.rsqrt(hh / D + eps)
-        _piece_out(out_ptr, w_next_ptr, base, c0, m0, h0 * r, INT_ROUND)
-        if W1 > 0:
-            _piece_out(out_ptr, w_next_ptr, base, c1, m1, h1 * r, INT_ROUND)
-        if W2 > 0:
-            _piece_out(out_ptr, w_next_ptr, base, c2, m2, h2 * r, INT_ROUND)
-
-
-    @triton.jit
-    def _attn_res_norm_spread_kernel(prefix_ptr, delta_ptr, blocks_ptr, out_ptr, w_mix_ptr, w_next_ptr,
-                                     part_ptr, epoch_ptr, stride_block, eps, max_polls,
-                                     D: tl.constexpr, N_BLOCKS: tl.constexpr, HAS_DELTA: tl.constexpr,
-                                     PUSH: tl.constexpr, NS: tl.constexpr, CHUNK: tl.constexpr,
-                                     P: tl.constexpr, P_POW2: tl.constexpr, INT_ROUND: tl.constexpr,
-                                     EXACT_DOT: tl.constexpr):
-        # A few tokens: each token's row is spread over P programs (P units instead of one), CHUNK
-        # columns each. What a program needs from the other columns is small: every source's w . v
-        # and the Gram matrix G_ij = v_i . v_j of the sources (the partial is source N_BLOCKS). From
-        # G come each source's RMS (its diagonal) and the mixture's norm, |h|^2 = p^T G p, so one
-        # exchange of these partial sums through memory is all the step needs; each program then
-        # mixes and writes its own columns.
-        row = tl.program_id(0)
-        piece = tl.program_id(1)
-        cols = piece * CHUNK + tl.arange(0, CHUNK)
-        mask = cols < D
-        base = row.to(tl.int64) * D
-        stride = stride_block.to(tl.int64)
-        src = tl.arange(0, NS)
-        tile = tl.load(blocks_ptr + src[:, None].to(tl.int64) * stride + base + cols[None, :],
-                       mask=(src < N_BLOCKS)[:, None] & mask[None, :], other=0.0)
-        w = tl.load(w_mix_ptr + cols, mask=mask, other=0.0)
-        x = tl.load(prefix_ptr + base + cols, mask=mask, other=0.0)
-        dx = x
-        if HAS_DELTA:
-            dx = tl.load(delta_ptr + base + cols, mask=mask, other=0.0)
-        # this call's epoch: one more than what every program of the row published last call
-        slots = epoch_ptr + row * P_POW2
-        epoch = tl.atomic_add(slots + piece, 0) + 1
-        x = _update_partial(x, dx, prefix_ptr, blocks_ptr, base, cols, mask, N_BLOCKS * stride, HAS_DELTA, PUSH,
-                            INT_ROUND)
-        vs = tl.where((src == N_BLOCKS)[:, None], x[None, :], tile)  # the sources, in the storage dtype
-        if EXACT_DOT:  # fp32 storage, or Triton's interpreter (whose bf16 dot is wrong): plain fp32 FMAs
-            vf = vs.to(tl.float32)
-            gram = tl.dot(vf, tl.trans(vf), input_precision="ieee")
-        else:  # bf16/fp16 products are exact in the fp32 accumulator: the matrix units do it
-            gram = tl.dot(vs, tl.trans(vs))
-        v = vs.to(tl.float32)
-        wdot = tl.sum(v * w[None, :], axis=1)
-        stride_p = NS * NS + NS
-        mine = part_ptr + (row * P + piece).to(tl.int64) * stride_p
-        tl.store(mine + src[:, None] * NS + src[None, :], gram)
-        tl.store(mine + NS * NS + src, wdot)
-        # publish (release: the partial sums are visible before the epoch), then wait until every
-        # program of the row has published this epoch (bounded: a broken launch fails a check
-        # instead of hanging the GPU)
-        tl.debug_barrier()
-        tl.atomic_xchg(slots + piece, epoch, sem="release")
-        pr = tl.arange(0, P_POW2)
-        seen = tl.atomic_add(slots + pr, 0, mask=pr < P, sem="acquire")
-        polls = 0
-        while (tl.sum(((seen != epoch) & (pr < P)).to(tl.int32), axis=0) > 0) & (polls < max_polls):
-            seen = tl.atomic_add(slots + pr, 0, mask=pr < P, sem="acquire")
-            polls += 1
-        everyone = part_ptr + (row * P).to(tl.int64) * stride_p
-        g3 = tl.load(everyone + pr[:, None, None] * stride_p + src[None, :, None] * NS + src[None, None, :],
-                     mask=(pr < P)[:, None, None], other=0.0, cache_modifier=".cg")
-        gram = tl.sum(g3, axis=0)
-        wdot = tl.sum(tl.load(everyone + pr[:, None] * stride_p + NS * NS + src[None, :],
-                              mask=(pr < P)[:, None], other=0.0, cache_modifier=".cg"), axis=0)
-        ss = tl.sum(tl.where(src[:, None] == src[None, :], gram, 0.0), axis=1)
-        logits = tl.where(src <= N_BLOCKS, wdot * tl.rsqrt(ss / D + eps), float("-inf"))
-        e = tl.exp(logits - tl.max(logits, axis=0))  # 0 on padding rows
-        p = e / tl.sum(e, axis=0)
-        hh = tl.sum(tl.sum(p[:, None] * gram * p[None, :], axis=1), axis=0)
-        h = tl.sum(p[:, None] * v, axis=0)
-        y = h * tl.rsqrt(hh / D + eps) * tl.load(w_next_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + base + cols, _round_to(y, out_ptr.dtype.element_ty, INT_ROUND), mask=mask)
-
-
-SPREAD_MAX_PROGRAMS = 16
-_EPOCHS: dict = {}  # device -> int32 epoch slots [token, program] of the spread kernel, kept across calls
-
-
-def _epoch_slots(device, tokens: int) -> torch.Tensor:
-    """The spread kernel's epoch slots for `tokens` tokens on `device`, made once (zeros) and reused, so
-    graph replays need no reset launch. One stream at a time may use the spread kernel per device."""
-    have = _EPOCHS.get(device)
-    if have is None or have.numel() < tokens * SPREAD_MAX_PROGRAMS:
-        have = torch.zeros(max(tokens, 256) * SPREAD_MAX_PROGRAMS, dtype=torch.int32, device=device)
-        _EPOCHS[device] = have
-    return have
-
-
-def row_pieces(d: int) -> tuple[int, int, int]:
-    """The row of width d as up to three power-of-two pieces, largest first, zeros for absent ones;
-    only the last piece can have masked lanes (7168 -> (4096, 2048, 1024); 100 -> (64, 32, 4))."""
-    if d < 1:
-        raise ValueError(f"d must be >= 1, got {d}")
-    pieces, rest = [], d
-    while rest and len(pieces) < 2:
-        p = 1 << (rest.bit_length() - 1)
-        pieces.append(p)
-        rest -= p
-    if rest:
-        pieces.append(1 << (rest - 1).bit_length())
-    return tuple(pieces + [0] * (3 - len(pieces)))
-
-
 # Launch configuration, chosen per call by `launch_config` (the rule and the H200 sweep behind it are
 # documented there). Fields: group (blocks per tile step), num_warps, prefetch (the next group's loads
 # issued before this group is reduced), w_reload (re-read the logit weight each step instead of
@@ -422,26 +225,11 @@ def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None) 
         from k3lab import env
         compute_units = env.detect().compute_units or 1
     all_blocks = 1 << max(n_blocks - 1, 0).bit_length()  # next power of two
-    if tokens <= SPREAD_MAX_TOKENS:
-        return dict(SPREAD_CONFIG)
     if tokens <= compute_units:
-        return dict(SMALL_BATCH_CONFIG, group=all_blocks)
+        return {"group": all_blocks, "num_warps": 8, "prefetch": 1, "w_reload": 0, "stages": 0}
     if n_blocks >= 2:
-        return {"group": 1, "num_warps": 8, "prefetch": 0, "w_reload": 0, "stages": 3, "split": 0, "widen_once": 0,
-                "spread": 0}
-    return {"group": 1, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0, "split": 0, "widen_once": 0,
-            "spread": 0}
-
-
-# The small-batch choice (tokens <= compute units): split = 1 runs _attn_res_norm_split_kernel (the row
-# as power-of-two pieces, all blocks in one step), split = 0 the all-blocks tile of the main kernel.
-SMALL_BATCH_CONFIG = {"group": 8, "num_warps": 8, "prefetch": 1, "w_reload": 0, "stages": 0, "split": 0,
-                      "widen_once": 0, "spread": 0}
-# Up to SPREAD_MAX_TOKENS tokens, each token's row is spread over several programs (spread = columns
-# per program; _attn_res_norm_spread_kernel).
-SPREAD_MAX_TOKENS = 0
-SPREAD_CONFIG = {"group": 8, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0, "split": 0,
-                 "widen_once": 0, "spread": 1024}
+        return {"group": 1, "num_warps": 8, "prefetch": 0, "w_reload": 0, "stages": 3}
+    return {"group": 1, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0}
 
 
 def fold_mix_weight(res_norm_w, res_proj_w):
@@ -449,81 +237,43 @@ def fold_mix_weight(res_norm_w, res_proj_w):
     return (res_norm_w.float() * res_proj_w.float()).contiguous()
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-_CONFIG_KEYS = ("num_warps", "prefetch", "group", "w_reload", "stages", "split", "widen_once", "spread")
-
-
 def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False,
-          mix_weight=None, int_round=None, **config):
+          mix_weight=None, num_warps=None, prefetch=None, group=None, w_reload=None, stages=None, int_round=None):
     """One Triton kernel for the whole step. Same arguments, effects and result as `before`;
     pass `mix_weight=fold_mix_weight(...)` (folded at load time) to keep the step at one launch.
-    config: num_warps / prefetch / group / w_reload / stages / split / widen_once override
-    `launch_config`'s choice (for sweeps). int_round: round bf16 with integer arithmetic (default:
-    only under Triton's interpreter, whose casts truncate; a GPU's conversion rounds to nearest even)."""
+    num_warps / prefetch / group / w_reload / stages override `launch_config`'s choice (for sweeps).
+    int_round: round bf16 with integer arithmetic (default: only under Triton's interpreter, whose
+    casts truncate; on a GPU the conversion instruction rounds to nearest even by itself)."""
     T, D = _check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block)
     if triton is None:
         raise RuntimeError("attn_res_norm.after needs Triton, which is not installed; use before()")
-    unknown = set(config) - set(_CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"unknown launch options {sorted(unknown)}; expected some of {_CONFIG_KEYS}")
     for name, t in (("prefix", prefix), ("blocks", blocks)) + ((("delta", delta),) if delta is not None else ()):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     w_mix = fold_mix_weight(res_norm_w, res_proj_w) if mix_weight is None else mix_weight
     if w_mix.shape != (D,) or w_mix.dtype != torch.float32:
         raise ValueError(f"mix_weight must be fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")
-    given = {k: v for k, v in config.items() if v is not None}
-    cfg = {**(launch_config(T, n_blocks) if len(given) < len(_CONFIG_KEYS) else {}), **given}
-    warps, pf, g, wr, st, split, once = (int(cfg[k]) for k in
-                                         ("num_warps", "prefetch", "group", "w_reload", "stages", "split",
-                                          "widen_once"))
-    spread = int(cfg.get("spread", 0))
-    if spread and (spread < 16 or spread & (spread - 1)):
-        raise ValueError(f"spread must be 0 or a power of two >= 16 (columns per program), got {spread}")
+    cfg = launch_config(T, n_blocks) if None in (num_warps, prefetch, group, w_reload, stages) else {}
+    warps = int(cfg["num_warps"] if num_warps is None else num_warps)
+    pf = int(cfg["prefetch"] if prefetch is None else prefetch)
+    g = int(cfg["group"] if group is None else group)
+    wr = int(cfg["w_reload"] if w_reload is None else w_reload)
+    st = int(cfg["stages"] if stages is None else stages)
     if g < 1 or g & (g - 1):
-        raise ValueError(f"group must be a power of two >= 1, got {g}")
-    for name, v in (("prefetch", pf), ("w_reload", wr), ("split", split), ("widen_once", once)):
-        if v not in (0, 1):
-            raise ValueError(f"{name} must be 0 or 1, got {v}")
+        raise ValueError(f"group must be a power of two >= 1, got {group}")
+    if pf not in (0, 1) or wr not in (0, 1):
+        raise ValueError(f"prefetch and w_reload must be 0 or 1, got {prefetch}, {w_reload}")
     if st < 0:
-        raise ValueError(f"stages must be >= 0 (0: unrolled loop), got {st}")
-    exact = int(_interpreted() if int_round is None else bool(int_round))
-    all_blocks = 1 << max(n_blocks - 1, 0).bit_length()
-    g = min(g, all_blocks)  # no tile taller than the blocks in use
+        raise ValueError(f"stages must be >= 0 (0: unrolled loop), got {stages}")
+    g = min(g, 1 << max(n_blocks - 1, 0).bit_length())  # no tile taller than the blocks in use
     out = torch.empty_like(prefix)
     if T == 0:
         return out
-    common = (prefix, delta if delta is not None else prefix, blocks, out, w_mix, next_norm_w.contiguous())
-    if spread:
-        n_prog = -(-D // spread)
-        if n_prog > 1 and _interpreted():
-            raise ValueError(f"spread={spread} puts {n_prog} programs on each row, and they wait for each other; "
-                             f"Triton's interpreter runs programs one after another: use spread >= D={D} there")
-        if n_prog > SPREAD_MAX_PROGRAMS:
-            raise ValueError(f"spread={spread} needs {n_prog} programs per row for D={D}; at most "
-                             f"{SPREAD_MAX_PROGRAMS}: use wider pieces")
-        ns = max(16, 1 << n_blocks.bit_length())  # the sources (blocks + the partial), padded for tl.dot
-        part = torch.empty(T * n_prog * (ns * ns + ns), dtype=torch.float32, device=prefix.device)
-        p_pow2 = 1 << (n_prog - 1).bit_length()
-        _attn_res_norm_spread_kernel[(T, n_prog)](
-            *common, part, _epoch_slots(prefix.device, T), blocks.stride(0),
-            eps, 1 << 22, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None, PUSH=push_block, NS=ns,
-            CHUNK=spread, P=n_prog, P_POW2=p_pow2, INT_ROUND=exact,
-            EXACT_DOT=int(_interpreted() or prefix.dtype == torch.float32), num_warps=warps)
-        return out
-    if split:
-        w0, w1, w2 = row_pieces(D)
-        _attn_res_norm_split_kernel[(T,)](
-            *common, blocks.stride(0), eps, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None,
-            PUSH=push_block, NBP=all_blocks, W0=w0, W1=w1, W2=w2, INT_ROUND=exact, WIDEN_ONCE=once,
-            num_warps=warps)
-        return out
     _attn_res_norm_kernel[(T,)](
-        *common, blocks.stride(0), 0, eps, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None, PUSH=push_block,
-        BLOCK_D=triton.next_power_of_2(D), GROUP=g, PREFETCH=pf, W_RELOAD=wr, STAGES=st, INT_ROUND=exact,
+        prefix, delta if delta is not None else prefix, blocks, out, w_mix, next_norm_w.contiguous(),
+        blocks.stride(0), 0, eps, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None, PUSH=push_block,
+        BLOCK_D=triton.next_power_of_2(D), GROUP=g, PREFETCH=pf, W_RELOAD=wr, STAGES=st,
+        INT_ROUND=int(os.environ.get("TRITON_INTERPRET") == "1" if int_round is None else bool(int_round)),
         num_warps=warps)
     return out
 

@@ -125,33 +125,25 @@ def _attn_res_case(tokens: int, sources: int, hidden: int, graph: bool) -> list[
 # tile*: every stored block in one tile (group 8 is clamped to the blocks in use); walk*: one block at
 # a time with the next prefetched; pipe*: one block at a time in a rolled loop the compiler
 # software-pipelines `stages` deep through shared memory; 'r': the logit weight re-read per block.
-# (Records '.tile8x'/'.tile16x': the partial entering the softmax last, an option since removed.)
+# (Records '.tile8x'/'.tile16x': the partial entering the softmax last, an option since removed;
+# '.split*': the row as power-of-two pieces 4096 + 2048 + 1024 in a separate kernel, no masked lanes,
+# 2.5-3x slower at 5 and 9 sources (the compiler moved the pieces through shared memory), removed.)
 ATTN_RES_VARIANTS = {
-    "tile8": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=0),
-    "tile16": dict(group=8, num_warps=16, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=0),
-    "tile32": dict(group=8, num_warps=32, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=0),
-    "pair16": dict(group=2, num_warps=16, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=0),
-    "walk4": dict(group=1, num_warps=4, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=0),  # the previous kernel's choice
-    "walk8": dict(group=1, num_warps=8, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=0),
-    "walk8r": dict(group=1, num_warps=8, prefetch=1, w_reload=1, stages=0, split=0, widen_once=0, spread=0),
-    "pipe4s3r": dict(group=1, num_warps=4, prefetch=0, w_reload=1, stages=3, split=0, widen_once=0, spread=0),
-    "pipe8s3": dict(group=1, num_warps=8, prefetch=0, w_reload=0, stages=3, split=0, widen_once=0, spread=0),
-    "pipe8s4": dict(group=1, num_warps=8, prefetch=0, w_reload=0, stages=4, split=0, widen_once=0, spread=0),
-    "pipe16s3": dict(group=1, num_warps=16, prefetch=0, w_reload=0, stages=3, split=0, widen_once=0, spread=0),
-    "pipe16s4": dict(group=1, num_warps=16, prefetch=0, w_reload=0, stages=4, split=0, widen_once=0, spread=0),
-    "pairpipe16s3": dict(group=2, num_warps=16, prefetch=0, w_reload=0, stages=3, split=0, widen_once=0, spread=0),
-    # the row as power-of-two pieces (no masked lanes at 7168), all blocks in one step
-    "split8": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0, split=1, widen_once=0, spread=0),
-    "split8o": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0, split=1, widen_once=1, spread=0),
-    "split4": dict(group=8, num_warps=4, prefetch=1, w_reload=0, stages=0, split=1, widen_once=0, spread=0),
-    "split16": dict(group=8, num_warps=16, prefetch=1, w_reload=0, stages=0, split=1, widen_once=0, spread=0),
-    # each token's row over several programs, `spread` columns each, one barrier per token
-    "spread1k4": dict(group=8, num_warps=4, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=1024),
-    "spread1k8": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=1024),
-    "spread512w4": dict(group=8, num_warps=4, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=512),
-    "spread512w8": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=512),
-    # tile8 with the integer rounding the interpreter needs, to price it on a GPU
-    "tile8i": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0, split=0, widen_once=0, spread=0, int_round=1),
+    "tile8": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0),
+    "tile16": dict(group=8, num_warps=16, prefetch=1, w_reload=0, stages=0),
+    "tile32": dict(group=8, num_warps=32, prefetch=1, w_reload=0, stages=0),
+    "pair16": dict(group=2, num_warps=16, prefetch=1, w_reload=0, stages=0),
+    "walk4": dict(group=1, num_warps=4, prefetch=1, w_reload=0, stages=0),  # the previous kernel's choice
+    "walk8": dict(group=1, num_warps=8, prefetch=1, w_reload=0, stages=0),
+    "walk8r": dict(group=1, num_warps=8, prefetch=1, w_reload=1, stages=0),
+    "pipe4s3r": dict(group=1, num_warps=4, prefetch=0, w_reload=1, stages=3),
+    "pipe8s3": dict(group=1, num_warps=8, prefetch=0, w_reload=0, stages=3),
+    "pipe8s4": dict(group=1, num_warps=8, prefetch=0, w_reload=0, stages=4),
+    "pipe16s3": dict(group=1, num_warps=16, prefetch=0, w_reload=0, stages=3),
+    "pipe16s4": dict(group=1, num_warps=16, prefetch=0, w_reload=0, stages=4),
+    "pairpipe16s3": dict(group=2, num_warps=16, prefetch=0, w_reload=0, stages=3),
+    # tile8 with the integer rounding Triton's interpreter needs, to price it on a GPU
+    "tile8i": dict(group=8, num_warps=8, prefetch=1, w_reload=0, stages=0, int_round=1),
 }
 _SMALL = ["tile8", "tile16", "tile32", "pair16", "walk8", "pipe16s4"]
 _LARGE = ["tile16", "walk4", "walk8r", "pipe4s3r", "pipe8s3", "pipe8s4", "pipe16s3", "pipe16s4", "pairpipe16s3"]

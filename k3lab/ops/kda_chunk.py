@@ -298,18 +298,7 @@ def _prologue_item(
     r11 = _blk(s_r, 1, 1, C, BC)
     r22 = _blk(s_r, 2, 2, C, BC)
     r33 = _blk(s_r, 3, 3, C, BC)
-    l10 = _blk(s_a, 1, 0, C, BC)
-    l21 = _blk(s_a, 2, 1, C, BC)
-    l32 = _blk(s_a, 3, 2, C, BC)
-    r10 = -_mm(r11, _mm(l10, r00, INV_PREC), INV_PREC)
-    r21 = -_mm(r22, _mm(l21, r11, INV_PREC), INV_PREC)
-    r32 = -_mm(r33, _mm(l32, r22, INV_PREC), INV_PREC)
-    l20 = _blk(s_a, 2, 0, C, BC)
-    l31 = _blk(s_a, 3, 1, C, BC)
-    r20 = -_mm(r22, _mm(l20, r00, INV_PREC) + _mm(l21, r10, INV_PREC), INV_PREC)
-    r31 = -_mm(r33, _mm(l31, r11, INV_PREC) + _mm(l32, r21, INV_PREC), INV_PREC)
-    l30 = _blk(s_a, 3, 0, C, BC)
-    r30 = -_mm(r33, _mm(l30, r00, INV_PREC) + _mm(l31, r10, INV_PREC) + _mm(l32, r20, INV_PREC), INV_PREC)
+    r10, r21, r32, r20, r31, r30 = _inverse_below_diagonal(s_a, r00, r11, r22, r33, C, BC, INV_PREC)
     _blk_store(s_r, 1, 0, r10, C, BC)
     _blk_store(s_r, 2, 1, r21, C, BC)
     _blk_store(s_r, 3, 2, r32, C, BC)
@@ -637,18 +626,7 @@ def _split_inverse_kernel(r_buf, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl
     r11 = x1 + eye
     r22 = x2 + eye
     r33 = x3 + eye
-    l10 = _blk(r_base, 1, 0, C, BC)
-    l21 = _blk(r_base, 2, 1, C, BC)
-    l32 = _blk(r_base, 3, 2, C, BC)
-    l20 = _blk(r_base, 2, 0, C, BC)
-    l31 = _blk(r_base, 3, 1, C, BC)
-    l30 = _blk(r_base, 3, 0, C, BC)
-    r10 = -_mm(r11, _mm(l10, r00, INV_PREC), INV_PREC)
-    r21 = -_mm(r22, _mm(l21, r11, INV_PREC), INV_PREC)
-    r32 = -_mm(r33, _mm(l32, r22, INV_PREC), INV_PREC)
-    r20 = -_mm(r22, _mm(l20, r00, INV_PREC) + _mm(l21, r10, INV_PREC), INV_PREC)
-    r31 = -_mm(r33, _mm(l31, r11, INV_PREC) + _mm(l32, r21, INV_PREC), INV_PREC)
-    r30 = -_mm(r33, _mm(l30, r00, INV_PREC) + _mm(l31, r10, INV_PREC) + _mm(l32, r20, INV_PREC), INV_PREC)
+    r10, r21, r32, r20, r31, r30 = _inverse_below_diagonal(r_base, r00, r11, r22, r33, C, BC, INV_PREC)
     tl.debug_barrier()  # every thread has read Akk before R overwrites it
     _blk_store(r_base, 0, 0, r00, C, BC)
     _blk_store(r_base, 1, 1, r11, C, BC)
@@ -718,6 +696,25 @@ def _blk(base, BI: tl.constexpr, BJ: tl.constexpr, C: tl.constexpr, BC: tl.const
 def _blk_store(base, BI: tl.constexpr, BJ: tl.constexpr, x, C: tl.constexpr, BC: tl.constexpr):
     r = tl.arange(0, BC)
     tl.store(base + (BI * BC + r)[:, None] * C + BJ * BC + r[None, :], x)
+
+
+@triton.jit
+def _inverse_below_diagonal(l_base, r00, r11, r22, r33, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl.constexpr):
+    """The six blocks of R = (I + L)^-1 below its diagonal from the four inverted diagonal blocks:
+    R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ (fp32 products); l_base holds L's off-diagonal blocks."""
+    l10 = _blk(l_base, 1, 0, C, BC)
+    l21 = _blk(l_base, 2, 1, C, BC)
+    l32 = _blk(l_base, 3, 2, C, BC)
+    l20 = _blk(l_base, 2, 0, C, BC)
+    l31 = _blk(l_base, 3, 1, C, BC)
+    l30 = _blk(l_base, 3, 0, C, BC)
+    r10 = -_mm(r11, _mm(l10, r00, INV_PREC), INV_PREC)
+    r21 = -_mm(r22, _mm(l21, r11, INV_PREC), INV_PREC)
+    r32 = -_mm(r33, _mm(l32, r22, INV_PREC), INV_PREC)
+    r20 = -_mm(r22, _mm(l20, r00, INV_PREC) + _mm(l21, r10, INV_PREC), INV_PREC)
+    r31 = -_mm(r33, _mm(l31, r11, INV_PREC) + _mm(l32, r21, INV_PREC), INV_PREC)
+    r30 = -_mm(r33, _mm(l30, r00, INV_PREC) + _mm(l31, r10, INV_PREC) + _mm(l32, r20, INV_PREC), INV_PREC)
+    return r10, r21, r32, r20, r31, r30
 
 
 @triton.jit

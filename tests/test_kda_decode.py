@@ -405,3 +405,17 @@ def test_fused_rejects_non_bf16_and_bad_config():
     with pytest.raises(ValueError, match="tile_v, threads"):
         kd.after(**inputs, cache=cache, weights=w, tile_v=12, threads=64)
     assert math.isfinite(float(kd.after(**inputs, cache=cache, weights=w).float().sum()))
+
+
+def test_cold_state_timing_cycles_through_enough_caches():
+    """Timing with cold state cycles caches whose states together exceed twice the cache, one per call."""
+    from k3lab.studies import kda_decode_bench as kb
+
+    state = kb.step_bytes(1, 12)["state"]
+    assert kb.state_copies(1) == min(64, -(-2 * bench._cache_bytes() // state)) > 1
+    assert kb.state_copies(128) == 1  # 100 MB of state is already past any cache
+    seen = []
+    step = kb._cycling(["a", "b", "c"], seen.append)
+    for _ in range(4):
+        step()
+    assert seen == ["a", "b", "c", "a"]

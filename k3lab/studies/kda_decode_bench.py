@@ -17,6 +17,7 @@ Not a registered study: the copy_removal study (notebook 03) folds these functio
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 from collections.abc import Callable
@@ -142,37 +143,60 @@ def check_case(batch: int, heads: int = HEADS, *, device="cuda", seed: int = 0, 
 # timing
 
 
-def make_callables(batch: int, heads: int = HEADS, *, device="cuda", seed: int = 1,
+def make_callables(batch: int, heads: int = HEADS, *, device="cuda", seed: int = 1, copies: int = 1,
                    **kernel_options) -> tuple[dict[str, Callable[[], None]], dict]:
-    """(variant -> one decode step on its own copy of the cache (state evolves across calls),
-    the fused kernel's launch config)."""
+    """(variant -> one decode step (state evolves across calls), the fused kernel's launch config).
+    copies > 1: each variant cycles through that many caches, one per call, so that their states
+    together exceed the L2 and each step reads its state from memory, as in a model whose other layers
+    run between two steps of this one (`state_copies`)."""
     inputs, cache, w = kd.make_example(batch, heads, device=device, seed=seed)
     args = tuple(inputs[n] for n in kd.TOKEN_INPUTS)
-    # Both bound once, as a serving engine holds a layer: per call only the six per-token inputs are
+    # Bound once, as a serving engine holds a layer: per call only the six per-token inputs are
     # checked, so eager timings compare launches, not argument checking.
-    before = kd.KDADecodeStep(kd.clone_cache(cache), w, impl="before")
-    after = kd.KDADecodeStep(kd.clone_cache(cache), w, impl="after", **kernel_options)
-    fns = {"before": lambda: before(*args), "after": lambda: after(*args)}
+    befores = [kd.KDADecodeStep(kd.clone_cache(cache), w, impl="before") for _ in range(copies)]
+    afters = [kd.KDADecodeStep(kd.clone_cache(cache), w, impl="after", **kernel_options) for _ in range(copies)]
+    fns = {"before": _cycling(befores, lambda step: step(*args)), "after": _cycling(afters, lambda step: step(*args))}
+    after = afters[0]
     config = {"tile_v": after.tile_v, "threads": after.threads, "split": after.split, "hints": after.hints,
-              "prefetch_ahead": after.prefetch_ahead, "host_path": "KDADecodeStep (bound once)"}
+              "prefetch_ahead": after.prefetch_ahead, "host_path": "KDADecodeStep (bound once)",
+              "state_copies": copies}
     if fla_available()[0]:
-        fc = fla_cache(cache)
-        fns["fla"] = lambda: fla_step(inputs, fc, w)
+        fcs = [fla_cache(cache) for _ in range(copies)]
+        fns["fla"] = _cycling(fcs, lambda fc: fla_step(inputs, fc, w))
     return fns, config
+
+
+def _cycling(items: list, call: Callable) -> Callable[[], None]:
+    """A no-argument step that applies `call` to the next item each time (one item: always that one)."""
+    if len(items) == 1:
+        only = items[0]
+        return lambda: call(only)
+    turn = itertools.cycle(items)
+    return lambda: call(next(turn))
+
+
+def state_copies(batch: int, heads: int = HEADS) -> int:
+    """How many caches to cycle so the states exceed twice the L2 (1 when one state already does)."""
+    return bench.rotation_count(step_bytes(batch, heads)["state"])
 
 
 LAUNCHES = {"before": 5, "after": 1, "fla": 5}  # kernels + copies per step
 
 
 def time_case(batch: int, heads: int = HEADS, *, modes=("eager", "graph"), repeats: int = 200,
-              errors: dict | None = None, **kernel_options) -> list[bench.Record]:
-    fns, config = make_callables(batch, heads, **kernel_options)
+              errors: dict | None = None, cold_state: bool = True, **kernel_options) -> list[bench.Record]:
+    """cold_state: cycle `state_copies` caches so no step finds its state in L2 (records before
+    2026-11-30's second session used one cache: B=32's 25 MB state then ran from L2, under its floor)."""
+    copies = state_copies(batch, heads) if cold_state else 1
+    fns, config = make_callables(batch, heads, copies=copies, **kernel_options)
     fl = floor_us(batch, heads)
     sb = step_bytes(batch, heads)
     records = []
     for variant, fn in fns.items():
         for mode in modes:
-            t = bench.time_fn(fn, warmup=20, repeats=repeats, graph=(mode == "graph"))
+            # with several caches, one sample (one graph) holds one call per cache: each is visited
+            t = bench.time_fn(fn, warmup=20, repeats=repeats, graph=(mode == "graph"),
+                              calls_per_sample=copies if copies > 1 else None)
             extra = {"launches": LAUNCHES[variant], "bytes": sb,
                      "state_tbs": sb["state"] / (t.median_us * 1e-6) / 1e12}
             if variant == "after":

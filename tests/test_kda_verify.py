@@ -35,7 +35,7 @@ def check(o, states, ref_o, ref_states):
     bench.check_all({"o": (o, ref_o), "states": (states, ref_states)}, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("tile_v, form", [(4, "chunk"), (8, "chunk"), (8, "step"), (32, None)])
+@pytest.mark.parametrize("tile_v, form", [(4, "chunk"), (8, "chunk"), (8, "step"), (8, "tile"), (4, "tile"), (32, None)])
 def test_every_position_matches_reference(tile_v, form):
     x = make(2, 3, 2)
     ref_o, ref_s = kv.reference_verify(**x)
@@ -53,7 +53,8 @@ def test_before_kernel_matches_reference():
     check(*kv.kda_verify_before(**x, tile_v=8, num_warps=1), ref_o, ref_s)
 
 
-@pytest.mark.parametrize("T, form", [(1, "step"), (1, "chunk"), (5, "chunk"), (8, "chunk"), (8, "step")])
+@pytest.mark.parametrize("T, form", [(1, "step"), (1, "chunk"), (5, "chunk"), (8, "chunk"), (8, "step"),
+                                     (1, "tile"), (5, "tile")])
 def test_position_count_limits(T, form):
     # T = 5: the chunk form pads the positions to 8 (a power of two) and must not write the padding
     x = make(1, T, 1, V=16)
@@ -88,7 +89,8 @@ def test_ragged_cu_seqlens(tile_v):
         assert torch.equal(o2, o)
 
 
-@pytest.mark.parametrize("fn", [kv.kda_verify, functools.partial(kv.kda_verify, form="step"), kv.kda_verify_before])
+@pytest.mark.parametrize("fn", [kv.kda_verify, functools.partial(kv.kda_verify, form="step"),
+                                functools.partial(kv.kda_verify, form="tile"), kv.kda_verify_before])
 def test_ragged_lengths_leave_padding_untouched(fn):
     x = make(3, 4, 1, V=16)
     lengths = torch.tensor([4, 1, 2])
@@ -187,10 +189,27 @@ def test_tile_rule_follows_units_and_backend():
     assert [kv.choose_num_warps(8, wave_width=32, form="chunk", positions=t) for t in (1, 2, 4, 8)] == [4, 2, 2, 4]
 
 
-def test_chunk_and_step_forms_agree_on_a_ragged_batch():
+def test_every_form_agrees_on_a_ragged_batch():
     lens = [2, 4, 1]
     cu = torch.tensor([0, 2, 6, 7], dtype=torch.int32)
     x = make(1, sum(lens), 1, V=8, N=len(lens))
     ref_o, ref_s = kv.reference_verify(**x, cu_seqlens=cu)
-    for form in ("chunk", "step"):
+    for form in kv.NARROW_FORMS:
         check(*kv.kda_verify(**x, cu_seqlens=cu, tile_v=8, form=form), ref_o, ref_s)
+
+
+def test_study_names_each_form_of_the_narrow_kernel():
+    from k3lab import bench
+    from k3lab.studies import kda_verify as study
+
+    assert study._parse("b1_t4.tile8_w1", 12)["variants"] == [
+        ("after", dict(kind="after", tile_v=8, num_warps=1, form="tile"))]
+    assert study._parse("b1_t4.narrow8_w2", 12)["variants"][0][1]["form"] == "step"
+    with pytest.raises(ValueError, match="tile form"):
+        study._parse("b1_t4.tile16_w1", 12)
+    recs = [bench.Record(study=study.NAME, case=f"b1_t4.{tail}", variant="after", device="d", backend="cuda",
+                         versions={}, commit="x", date="", shape={"B": 1, "T": 4, "H": 12}, dtype="bfloat16",
+                         median_us=us, p20_us=us, p80_us=us, mode="graph", extra={"tile_v": 8, "num_warps": 1})
+            for tail, us in (("narrow8_w1", 4.2), ("chunk8_w1", 6.0), ("tile8_w1", 3.5))]
+    table = study.form_table(recs)
+    assert dict(zip(table["form"], table["median_us"])) == {"step": 4.2, "chunk": 6.0, "tile": 3.5}

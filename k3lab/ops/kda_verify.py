@@ -24,7 +24,7 @@ Two kernels compute the same thing:
      round trip instead of T), exp(g), d*k, d*q, q.k and beta*v are computed up front, and the output
      o_t = S^T (d q) + (q.k) delta needs two reductions of the old state that run side by side.
 
-The narrow kernel comes in two forms (`form`): 'step' (the default) walks the positions one after
+The narrow kernel comes in three forms (`form`): 'step' (the default) walks the positions one after
 another as above (T reductions of the state in series); 'chunk' (`_verify_chunk_kernel`) treats the
 T positions as one small chunk of the chunked algorithm: every state-dependent reduction happens in
 one round, the T x T algebra between positions (a unit-triangular inverse) is done while the state
@@ -36,7 +36,13 @@ wave): T = 1 3.17 vs 2.77 us, T = 2 4.02 vs 3.50, T = 4 6.04 vs 4.15, T = 8 14.5
 [T, K, tile] operands into ~9 register layouts and moves them between each other through shared
 memory (24 layout conversions and ~60 barriers at 4 waves, against 16 and 16 for the step form,
 from ptxas for sm_90a), and its instruction count per program is higher. It is kept as an option
-because the trade may differ where layouts are chosen by hand or on other hardware.
+because the trade may differ where layouts are chosen by hand or on other hardware. A third form,
+'tile', is the step form with q, k and g loaded straight into the [K, tile] shape of the state tile
+(every column reading the same addresses) instead of as [K] vectors moved into the tile's layout
+through shared memory: for sm_90a (one wave, tile 8, cuobjdump) it compiles to 2,244 instead of
+3,060 instructions at T = 4 (8 barriers instead of 12) and 4,362 instead of 7,555 at T = 8. It has
+not been timed on a GPU yet (the '.tile*' sweep points of the kda_verify study), so 'step' stays
+the default.
 
 When batch x heads already gives every compute unit enough programs, `choose_tile_v` returns a wide
 tile and `kda_verify` runs the streaming kernel with it: there is no idle hardware for narrow tiles
@@ -64,9 +70,9 @@ TILE_WIDTHS = (32, 16, 8, 4)  # value columns per program, widest first
 NARROW_MAX = 8  # tiles up to this width run the narrow kernel; wider ones the streaming kernel
 BEFORE_TILE_V = 32
 # How the narrow kernel walks the positions: 'chunk' (all positions as one small chunk: one
-# state-dependent reduction round, `_verify_chunk_kernel`) or 'step' (position after position,
-# `_verify_narrow_kernel`).
-NARROW_FORMS = ("chunk", "step")
+# state-dependent reduction round, `_verify_chunk_kernel`), 'step' (position after position,
+# `_verify_narrow_kernel`) or 'tile' (the step form with its inputs loaded in the tile's shape).
+NARROW_FORMS = ("chunk", "step", "tile")
 NARROW_FORM = "step"  # measured faster on the H200 at every depth (module docstring)
 BEFORE_THREADS = 128
 CHUNK_PER_LANE = 64  # values per lane of the chunk form's [T, K, tile] products (measured, below)  # the original kernel's workgroup size, in threads
@@ -208,10 +214,13 @@ def _verify_stream_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale, T_run,
 @triton.jit
 def _verify_narrow_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
                           T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                          BV: tl.constexpr, RAGGED: tl.constexpr, ALL_STATES: tl.constexpr):
+                          BV: tl.constexpr, RAGGED: tl.constexpr, ALL_STATES: tl.constexpr,
+                          TILE_LOADS: tl.constexpr = False):
     """Narrow tiles, one wave. T is a compile-time constant (the uniform length, or the ragged
     batch's longest sequence), so the loops unroll. Three phases: every load, then every
-    state-independent quantity, then the recurrence."""
+    state-independent quantity, then the recurrence. TILE_LOADS (form 'tile'): q, k and g are loaded
+    straight into the [K, BV] tile's shape, every column reading the same address, instead of as [K]
+    vectors that then move into the tile's register layout through shared memory (a barrier each)."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -229,19 +238,23 @@ def _verify_narrow_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
     gs = ()
     vs = ()
     bs = ()
+    if TILE_LOADS:
+        offs_in = offs_k[:, None] + cv * 0  # [K, BV]: column j of the tile reads the same K values
+    else:
+        offs_in = offs_k
     for t in tl.static_range(T):
         row = (bos + t) * H + i_h
         if RAGGED == 0:
-            qs = qs + (tl.load(q + row * K + offs_k),)
-            ks = ks + (tl.load(k + row * K + offs_k),)
-            gs = gs + (tl.load(g + row * K + offs_k),)
+            qs = qs + (tl.load(q + row * K + offs_in),)
+            ks = ks + (tl.load(k + row * K + offs_in),)
+            gs = gs + (tl.load(g + row * K + offs_in),)
             vs = vs + (tl.load(v + row * V + cv),)
             bs = bs + (tl.load(beta + row),)
         else:
             alive = L > t
-            qs = qs + (tl.load(q + row * K + offs_k, mask=(offs_k < K) & alive, other=0.0),)
-            ks = ks + (tl.load(k + row * K + offs_k, mask=(offs_k < K) & alive, other=0.0),)
-            gs = gs + (tl.load(g + row * K + offs_k, mask=(offs_k < K) & alive, other=0.0),)
+            qs = qs + (tl.load(q + row * K + offs_in, mask=(offs_in < K) & alive, other=0.0),)
+            ks = ks + (tl.load(k + row * K + offs_in, mask=(offs_in < K) & alive, other=0.0),)
+            gs = gs + (tl.load(g + row * K + offs_in, mask=(offs_in < K) & alive, other=0.0),)
             vs = vs + (tl.load(v + row * V + cv, mask=(cv < V) & alive, other=0.0),)
             bs = bs + (tl.load(beta + row, mask=alive, other=0.0),)
     # Loads may not move across a barrier: without it the compiler interleaves position t+1's loads
@@ -258,9 +271,14 @@ def _verify_narrow_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
     qks = ()
     bvs = ()
     for t in tl.static_range(T):
-        q_t = tl.broadcast_to(qs[t][:, None], (K, BV)).to(tl.float32) * scale
-        k_t = tl.broadcast_to(ks[t][:, None], (K, BV)).to(tl.float32)
-        d_t = tl.exp(tl.broadcast_to(gs[t][:, None], (K, BV)).to(tl.float32))
+        if TILE_LOADS:  # already [K, BV] in the tile's layout
+            q_t = qs[t].to(tl.float32) * scale
+            k_t = ks[t].to(tl.float32)
+            d_t = tl.exp(gs[t].to(tl.float32))
+        else:
+            q_t = tl.broadcast_to(qs[t][:, None], (K, BV)).to(tl.float32) * scale
+            k_t = tl.broadcast_to(ks[t][:, None], (K, BV)).to(tl.float32)
+            d_t = tl.exp(tl.broadcast_to(gs[t][:, None], (K, BV)).to(tl.float32))
         ds = ds + (d_t,)
         dks = dks + (d_t * k_t,)
         dqs = dqs + (d_t * q_t,)
@@ -538,7 +556,8 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
         return o, hs
     _verify_narrow_kernel[grid](q, k, v, g, beta, h0, o, hs, seq_info, scale,
                                 T=steps, H=H, K=HEAD_DIM, V=V, BV=bv, RAGGED=mode,
-                                ALL_STATES=not final_state_only, num_warps=num_warps or choose_num_warps(bv))
+                                ALL_STATES=not final_state_only, TILE_LOADS=form == "tile",
+                                num_warps=num_warps or choose_num_warps(bv))
     return o, hs
 
 

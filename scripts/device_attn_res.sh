@@ -59,7 +59,7 @@ print(table.round(3).to_string(index=False))
 if os.environ.get("SPREAD") == "1":
     from k3lab import bench
     from k3lab.ops import attn_res_spread as sp
-    recs, configs = [], ((1024, 8), (512, 8), (1024, 16))
+    recs, configs = [], ((1024, 8), (512, 4), (1024, 4), (512, 8))
     for tokens, sources in ((1, 2), (1, 5), (1, 9), (8, 9)):
         xx = cr.attn_res_inputs(tokens, sources, cr.HIDDEN_GPU)
         rest = xx.args()[4:]

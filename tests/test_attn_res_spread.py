@@ -50,16 +50,17 @@ def test_a_wrong_source_count_is_caught():
 
 
 def test_every_call_leaves_the_barrier_words_ready_for_the_next():
-    """After each call every arrival count is back to 0 and each token's sense flipped once, so graph
-    replays need no reset."""
+    """Each call passes two barriers per token: every arrival count is back to 0 after it and the
+    sense has flipped twice, so graph replays need no reset."""
     x = _inputs(3, 64, torch.float32, seed=11)
     words = spread.sync_words(x["prefix"].device, 3)
+    words[1:6:2] = torch.tensor([0, 1, 0], dtype=words.dtype)  # any starting sense works
     start = words[1:6:2].clone()
-    for call in (1, 2):
+    for _ in range(2):
         ya, yb, _, _ = _both(x, 4, False, True, chunk=64)
         torch.testing.assert_close(ya, yb, rtol=1e-5, atol=1e-5)
         assert torch.count_nonzero(words[0:6:2]) == 0
-        assert torch.equal(words[1:6:2], start if call == 2 else 1 - start)
+        assert torch.equal(words[1:6:2], start)
 
 
 @pytest.mark.parametrize("kw,match", [(dict(chunk=48), "chunk"), (dict(chunk=8), "chunk"),
@@ -73,7 +74,7 @@ def test_bad_chunks_are_refused_by_name(kw, match):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="several programs per row wait for each other: "
                     "Triton's interpreter runs programs one after another, so this needs a GPU")
-@pytest.mark.parametrize("chunk,warps", [(1024, 8), (512, 8)])
+@pytest.mark.parametrize("chunk,warps", [(1024, 8), (512, 4)])
 @pytest.mark.parametrize("tokens,n_blocks", [(1, 8), (1, 1), (8, 8), (8, 4)])
 def test_spread_rows_on_the_gpu_match_the_unfused_sequence(chunk, warps, tokens, n_blocks):
     x = _inputs(tokens, 7168, torch.bfloat16, seed=tokens + n_blocks, device="cuda")

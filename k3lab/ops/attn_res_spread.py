@@ -1,18 +1,20 @@
 """AttnRes + RMSNorm for a few tokens, each token's row spread over several programs.
 
-EXPERIMENTAL: not yet run successfully on a GPU by this project. An earlier version of its barrier
-(per-program epoch slots laid out by the program count) did not finish on the H200 on 2026-11-30;
-this version waits on a count-and-sense word pair per token, whose PTX for sm_90a was checked by
-hand (one predicated atomic per program, the wait an acquire load re-read each turn), and it writes
-NaN instead of hanging if a wait ever runs out. `attn_res_norm.after` does not use it. Why it exists:
-at one token the fused kernel (`attn_res_norm`) runs on one SM, whose instruction issue bounds the
-step (6.1 us for 9 sources on the H200, 9x the unfused sequence where 10x was asked); spreading the
-row over P SMs divides that work by P at the cost of one exchange through memory.
-
-What a program needs from the other columns is small: every source's w . v and the Gram matrix
-G_ij = v_i . v_j of the sources (the partial sum is source n_blocks). From G come each source's RMS
-(its diagonal) and the mixture's norm |h|^2 = p^T G p, so one exchange of partial sums behind one
-barrier per token is all the step needs; each program then mixes and writes its own columns.
+EXPERIMENTAL: not yet run successfully on a GPU by this project; `attn_res_norm.after` does not use
+it. Why it exists: at one token the fused kernel (`attn_res_norm`) runs on one SM, whose instruction
+issue bounds the step (6.1 us for 9 sources on the H200, 9x the unfused sequence where 10x was
+asked; ~2,630 instructions per thread at 8 warps for sm_90a). Spread over P programs (P SMs), each
+program handles D / P columns: for 9 sources, 1024 columns x 7 programs at 8 warps compile to ~1,090
+instructions per thread, 512 x 14 at 4 warps to ~1,050 (cuobjdump, sm_90a), at the price of two
+exchanges through memory:
+  1. each source's partial (w . v, v . v) over the program's columns -> every program forms the
+     logits and the softmax weights, and mixes its own columns;
+  2. each program's partial h . h -> every program normalises and writes its columns.
+Each exchange waits on a count-and-sense word pair per token (the last program to arrive resets the
+count and flips the sense; the others wait for the flip). A wait that runs out writes NaN instead of
+hanging the GPU. History: a first version with a Gram-matrix exchange and per-program epoch slots
+laid out by P did not finish on the H200 (slots left unequal by runs with different P); a Gram
+exchange also cost more instructions than it saved (~3,100 per thread) in Triton.
 """
 
 from __future__ import annotations
@@ -52,50 +54,12 @@ def sync_words(device, tokens: int) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _attn_res_norm_spread_kernel(prefix_ptr, delta_ptr, blocks_ptr, out_ptr, w_mix_ptr, w_next_ptr,
-                                     part_ptr, sync_ptr, stride_block, eps, max_polls,
-                                     D: tl.constexpr, N_BLOCKS: tl.constexpr, HAS_DELTA: tl.constexpr,
-                                     PUSH: tl.constexpr, NS: tl.constexpr, CHUNK: tl.constexpr,
-                                     P: tl.constexpr, P_POW2: tl.constexpr, INT_ROUND: tl.constexpr,
-                                     EXACT_DOT: tl.constexpr):
-        # grid (tokens, P): program (row, piece) owns columns [piece * CHUNK, (piece + 1) * CHUNK) of one row
-        row = tl.program_id(0)
-        piece = tl.program_id(1)
-        cols = piece * CHUNK + tl.arange(0, CHUNK)
-        mask = cols < D
-        base = row.to(tl.int64) * D
-        stride = stride_block.to(tl.int64)
-        src = tl.arange(0, NS)
-        tile = tl.load(blocks_ptr + src[:, None].to(tl.int64) * stride + base + cols[None, :],
-                       mask=(src < N_BLOCKS)[:, None] & mask[None, :], other=0.0)
-        w = tl.load(w_mix_ptr + cols, mask=mask, other=0.0)
-        x = tl.load(prefix_ptr + base + cols, mask=mask, other=0.0)
-        dx = x
-        if HAS_DELTA:
-            dx = tl.load(delta_ptr + base + cols, mask=mask, other=0.0)
-        sync = sync_ptr + row * 2  # [arrivals, sense] of this token's barrier, whatever P is
-        sense = tl.atomic_add(sync + 1, 0)  # read before arriving: it cannot flip before we arrive
-        x = _update_partial(x, dx, prefix_ptr, blocks_ptr, base, cols, mask, N_BLOCKS * stride, HAS_DELTA, PUSH,
-                            INT_ROUND)
-        vs = tl.where((src == N_BLOCKS)[:, None], x[None, :], tile)  # the sources, in the storage dtype
-        if EXACT_DOT:  # fp32 storage, or Triton's interpreter (whose bf16 dot is wrong): plain fp32 FMAs
-            vf = vs.to(tl.float32)
-            gram = tl.dot(vf, tl.trans(vf), input_precision="ieee")
-        else:  # bf16/fp16 products are exact in the fp32 accumulator: the matrix units do it
-            gram = tl.dot(vs, tl.trans(vs))
-        v = vs.to(tl.float32)
-        wdot = tl.sum(v * w[None, :], axis=1)
-        stride_p = NS * NS + NS
-        mine = part_ptr + (row * P + piece).to(tl.int64) * stride_p
-        tl.store(mine + src[:, None] * NS + src[None, :], gram)
-        tl.store(mine + NS * NS + src, wdot)
-        # the barrier: the last program to arrive resets the count and flips the sense; the others
-        # wait for the flip. (An earlier version had each program publish an epoch in its own slot,
-        # laid out by P: runs with different P on the same rows left the slots unequal, and the
-        # programs then waited for epochs that never came. The count and sense do not depend on P.)
-        # The wait is bounded: a broken launch writes NaN, which fails every check, instead of
-        # hanging the GPU.
-        tl.debug_barrier()
+    def _row_barrier(sync, sense, ok, max_polls, P: tl.constexpr):
+        # Every program of the row arrives; the last one resets the count and flips the sense, the
+        # others wait for the flip. `sense` is the value before this barrier (it flips once per
+        # barrier, so the caller knows the next one). The wait is bounded: ok turns False instead of
+        # hanging the GPU, and the caller writes NaN.
+        tl.debug_barrier()  # every thread's stores are issued before the arrival below
         arrived = tl.atomic_add(sync, 1, sem="acq_rel")
         polls = 0
         if arrived == P - 1:
@@ -106,21 +70,65 @@ if triton is not None:
             while (flag == sense) & (polls < max_polls):
                 flag = tl.atomic_add(sync + 1, 0, sem="acquire")
                 polls += 1
-        everyone = part_ptr + (row * P).to(tl.int64) * stride_p
+        return ok & (polls < max_polls)
+
+    @triton.jit
+    def _attn_res_norm_spread_kernel(prefix_ptr, delta_ptr, blocks_ptr, out_ptr, w_mix_ptr, w_next_ptr,
+                                     part_ptr, sync_ptr, stride_block, eps, max_polls,
+                                     D: tl.constexpr, N_BLOCKS: tl.constexpr, HAS_DELTA: tl.constexpr,
+                                     PUSH: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr,
+                                     P: tl.constexpr, P_POW2: tl.constexpr, INT_ROUND: tl.constexpr):
+        # grid (tokens, P): program (row, piece) owns columns [piece * CHUNK, (piece + 1) * CHUNK) of a
+        # row. Two exchanges through memory: each source's (w . v, v . v) over its columns, then the
+        # mixture's h . h; partial sums in `part`, [row, piece] -> 2 NB + 3 floats.
+        row = tl.program_id(0)
+        piece = tl.program_id(1)
+        cols = piece * CHUNK + tl.arange(0, CHUNK)
+        mask = cols < D
+        base = row.to(tl.int64) * D
+        stride = stride_block.to(tl.int64)
+        src = tl.arange(0, NB)  # the stored blocks (NB: their count padded to a power of two)
+        tile = tl.load(blocks_ptr + src[:, None].to(tl.int64) * stride + base + cols[None, :],
+                       mask=(src < N_BLOCKS)[:, None] & mask[None, :], other=0.0)
+        w = tl.load(w_mix_ptr + cols, mask=mask, other=0.0)
+        x = tl.load(prefix_ptr + base + cols, mask=mask, other=0.0)
+        dx = x
+        if HAS_DELTA:
+            dx = tl.load(delta_ptr + base + cols, mask=mask, other=0.0)
+        sync = sync_ptr + row * 2  # [arrivals, sense] of this row's barrier, whatever P is
+        sense = tl.atomic_add(sync + 1, 0)  # read before arriving: it cannot flip before we arrive
+        x = _update_partial(x, dx, prefix_ptr, blocks_ptr, base, cols, mask, N_BLOCKS * stride, HAS_DELTA, PUSH,
+                            INT_ROUND)
+        v = tile.to(tl.float32)
+        xf = x.to(tl.float32)
+        WIDTH: tl.constexpr = 2 * NB + 3
+        mine = part_ptr + (row * P + piece).to(tl.int64) * WIDTH
+        tl.store(mine + src, tl.sum(v * w[None, :], axis=1))
+        tl.store(mine + NB + src, tl.sum(v * v, axis=1))
+        tl.store(mine + 2 * NB, tl.sum(xf * w, axis=0))
+        tl.store(mine + 2 * NB + 1, tl.sum(xf * xf, axis=0))
+        ok = _row_barrier(sync, sense, True, max_polls, P)
+        # every program now sums the row's partials (read from L2: .cg skips a stale L1 line)
+        everyone = part_ptr + (row * P).to(tl.int64) * WIDTH
         pr = tl.arange(0, P_POW2)
-        g3 = tl.load(everyone + pr[:, None, None] * stride_p + src[None, :, None] * NS + src[None, None, :],
-                     mask=(pr < P)[:, None, None], other=0.0, cache_modifier=".cg")
-        gram = tl.sum(g3, axis=0)
-        wdot = tl.sum(tl.load(everyone + pr[:, None] * stride_p + NS * NS + src[None, :],
-                              mask=(pr < P)[:, None], other=0.0, cache_modifier=".cg"), axis=0)
-        ss = tl.sum(tl.where(src[:, None] == src[None, :], gram, 0.0), axis=1)
-        logits = tl.where(src <= N_BLOCKS, wdot * tl.rsqrt(ss / D + eps), float("-inf"))
-        e = tl.exp(logits - tl.max(logits, axis=0))  # 0 on padding rows
-        p = e / tl.sum(e, axis=0)
-        hh = tl.sum(tl.sum(p[:, None] * gram * p[None, :], axis=1), axis=0)
-        h = tl.sum(p[:, None] * v, axis=0)
+        pm = pr < P
+        wdot = tl.sum(tl.load(everyone + pr[:, None] * WIDTH + src[None, :], mask=pm[:, None], other=0.0,
+                              cache_modifier=".cg"), axis=0)
+        ss = tl.sum(tl.load(everyone + pr[:, None] * WIDTH + NB + src[None, :], mask=pm[:, None], other=0.0,
+                            cache_modifier=".cg"), axis=0)
+        wdot_x = tl.sum(tl.load(everyone + pr * WIDTH + 2 * NB, mask=pm, other=0.0, cache_modifier=".cg"), axis=0)
+        ss_x = tl.sum(tl.load(everyone + pr * WIDTH + 2 * NB + 1, mask=pm, other=0.0, cache_modifier=".cg"), axis=0)
+        logits = tl.where(src < N_BLOCKS, wdot * tl.rsqrt(ss / D + eps), float("-inf"))
+        logit_x = wdot_x * tl.rsqrt(ss_x / D + eps)
+        m = tl.maximum(tl.max(logits, axis=0), logit_x)
+        e = tl.exp(logits - m)  # 0 on padding rows
+        e_x = tl.exp(logit_x - m)
+        h = (e_x * xf + tl.sum(e[:, None] * v, axis=0)) / (tl.sum(e, axis=0) + e_x)
+        tl.store(mine + 2 * NB + 2, tl.sum(h * h, axis=0))
+        ok = _row_barrier(sync, 1 - sense, ok, max_polls, P)
+        hh = tl.sum(tl.load(everyone + pr * WIDTH + 2 * NB + 2, mask=pm, other=0.0, cache_modifier=".cg"), axis=0)
         y = h * tl.rsqrt(hh / D + eps) * tl.load(w_next_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = tl.where(polls < max_polls, y, float("nan"))
+        y = tl.where(ok, y, float("nan"))
         tl.store(out_ptr + base + cols, _round_to(y, out_ptr.dtype.element_ty, INT_ROUND), mask=mask)
 
 
@@ -146,13 +154,12 @@ def spread_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_n
     out = torch.empty_like(prefix)
     if T == 0:
         return out
-    ns = max(16, 1 << n_blocks.bit_length())  # the sources (blocks + the partial), padded for tl.dot
-    part = torch.empty(T * n_prog * (ns * ns + ns), dtype=torch.float32, device=prefix.device)
+    nb = 1 << max(n_blocks - 1, 0).bit_length()  # the stored blocks, padded to a power of two (>= 1)
+    part = torch.empty(T * n_prog * (2 * nb + 3), dtype=torch.float32, device=prefix.device)
     exact = int(_interpreted() if int_round is None else bool(int_round))
     _attn_res_norm_spread_kernel[(T, n_prog)](
         prefix, delta if delta is not None else prefix, blocks, out, w_mix, next_norm_w.contiguous(), part,
         sync_words(prefix.device, T), blocks.stride(0), eps, 1 << 22, D=D, N_BLOCKS=n_blocks,
-        HAS_DELTA=delta is not None, PUSH=push_block, NS=ns, CHUNK=chunk, P=n_prog,
-        P_POW2=1 << (n_prog - 1).bit_length(), INT_ROUND=exact,
-        EXACT_DOT=int(_interpreted() or prefix.dtype == torch.float32), num_warps=num_warps)
+        HAS_DELTA=delta is not None, PUSH=push_block, NB=nb, CHUNK=chunk, P=n_prog,
+        P_POW2=1 << (n_prog - 1).bit_length(), INT_ROUND=exact, num_warps=num_warps)
     return out

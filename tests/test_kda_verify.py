@@ -213,3 +213,60 @@ def test_study_names_each_form_of_the_narrow_kernel():
             for tail, us in (("narrow8_w1", 4.2), ("chunk8_w1", 6.0), ("tile8_w1", 3.5))]
     table = study.form_table(recs)
     assert dict(zip(table["form"], table["median_us"])) == {"step": 4.2, "chunk": 6.0, "tile": 3.5}
+
+
+def _vk(x):
+    """The same inputs with the initial state stored [V, K]."""
+    return dict(x, initial_state=x["initial_state"].transpose(-1, -2).contiguous())
+
+
+@pytest.mark.parametrize("form", ["step", "tile"])
+@pytest.mark.parametrize("T, final_only", [(1, False), (4, False), (5, True), (8, False)])
+def test_vk_state_layout_matches_the_reference(form, T, final_only):
+    x = make(2, T, 2, V=16, seed=T)
+    ref_o, ref_s = kv.reference_verify(**x)
+    if final_only:
+        ref_s = ref_s[:, -1]
+    o, states = kv.kda_verify(**_vk(x), tile_v=8, form=form, state_layout="vk", final_state_only=final_only)
+    assert states.shape[-2:] == (16, K)
+    check(o, states.transpose(-1, -2), ref_o, ref_s)
+
+
+def test_vk_state_layout_on_ragged_batches():
+    lens = [2, 4, 1]
+    cu = torch.tensor([0, 2, 6, 7], dtype=torch.int32)
+    x = make(1, sum(lens), 1, V=8, N=len(lens))
+    ref_o, ref_s = kv.reference_verify(**x, cu_seqlens=cu)
+    o, states = kv.kda_verify(**_vk(x), cu_seqlens=cu, tile_v=8, state_layout="vk")
+    check(o, states.transpose(-1, -2), ref_o, ref_s)
+    y = make(3, 4, 1, V=16, seed=9)
+    lengths = torch.tensor([4, 1, 2])
+    ref_o, ref_s = kv.reference_verify(**y, lengths=lengths)
+    o, states = kv.kda_verify(**_vk(y), lengths=lengths, tile_v=8, state_layout="vk")
+    for b, n in enumerate(lengths.tolist()):  # the live positions; padded ones are not written
+        check(o[b, :n], states[b, :n].transpose(-1, -2), ref_o[b, :n], ref_s[b, :n])
+
+
+@pytest.mark.parametrize("kw,match", [(dict(state_layout="kvk"), "state_layout"),
+                                      (dict(state_layout="vk", form="chunk", tile_v=8), "step and tile"),
+                                      (dict(state_layout="vk", tile_v=32), "step and tile")])
+def test_vk_state_layout_bad_requests_are_refused(kw, match):
+    x = make(1, 2, 1, V=32)
+    with pytest.raises(ValueError, match=match):
+        kv.kda_verify(**_vk(x), **kw)
+    with pytest.raises(ValueError, match="state_layout 'vk'"):  # a [K, V] state given as 'vk'
+        kv.kda_verify(**make(1, 2, 1, V=16), tile_v=8, state_layout="vk")
+
+
+def test_study_checks_and_times_the_tile_and_vk_sweep_points(monkeypatch):
+    """The GPU sweep points run on CPU too once named: each is checked against fp64 (the vk one on its
+    state stored [V, K]) before it is timed, and says its layout."""
+    from k3lab.studies import kda_verify as study
+
+    extra = ["b1_t4.vk8_w1", "b1_t4.tile8_w1"]
+    names = study.case_names()
+    monkeypatch.setattr(study, "case_names", lambda preset=None: names + extra)
+    recs = {r.case: r for r in study.run(cases=extra)}
+    assert recs["b1_t4.vk8_w1"].extra["state_layout"] == "vk" and recs["b1_t4.tile8_w1"].extra["form"] == "tile"
+    for r in recs.values():
+        assert r.error["states"]["max_rel"] < 1e-5 and r.median_us > 0

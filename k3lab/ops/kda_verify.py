@@ -42,7 +42,11 @@ because the trade may differ where layouts are chosen by hand or on other hardwa
 through shared memory: for sm_90a (one wave, tile 8, cuobjdump) it compiles to 2,244 instead of
 3,060 instructions at T = 4 (8 barriers instead of 12) and 4,362 instead of 7,555 at T = 8. It has
 not been timed on a GPU yet (the '.tile*' sweep points of the kda_verify study), so 'step' stays
-the default.
+the default. Storing the states [V, K] instead (`state_layout='vk'`, the layout `kda_decode` can
+also keep) goes further: a tile's K values are then contiguous, so loads, arithmetic and stores
+share one register layout and no value moves through shared memory; for sm_90a that is 2,077
+instructions at T = 4 (4 barriers) and 4,126 at T = 8 against 3,060 and 7,555 for 'kv'. Not yet
+timed either (the '.vk*' sweep points).
 
 When batch x heads already gives every compute unit enough programs, `choose_tile_v` returns a wide
 tile and `kda_verify` runs the streaming kernel with it: there is no idle hardware for narrow tiles
@@ -74,6 +78,7 @@ BEFORE_TILE_V = 32
 # `_verify_narrow_kernel`) or 'tile' (the step form with its inputs loaded in the tile's shape).
 NARROW_FORMS = ("chunk", "step", "tile")
 NARROW_FORM = "step"  # measured faster on the H200 at every depth (module docstring)
+STATE_LAYOUTS = ("kv", "vk")  # the recurrent state per head: [K, V] (fla's) or [V, K]
 BEFORE_THREADS = 128
 CHUNK_PER_LANE = 64  # values per lane of the chunk form's [T, K, tile] products (measured, below)  # the original kernel's workgroup size, in threads
 
@@ -215,7 +220,7 @@ def _verify_stream_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale, T_run,
 def _verify_narrow_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
                           T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BV: tl.constexpr, RAGGED: tl.constexpr, ALL_STATES: tl.constexpr,
-                          TILE_LOADS: tl.constexpr = False):
+                          TILE_LOADS: tl.constexpr = False, STATE_VK: tl.constexpr = False):
     """Narrow tiles, one wave. T is a compile-time constant (the uniform length, or the ragged
     batch's longest sequence), so the loops unroll. Three phases: every load, then every
     state-independent quantity, then the recurrence. TILE_LOADS (form 'tile'): q, k and g are loaded
@@ -228,7 +233,10 @@ def _verify_narrow_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
     bos, L = _sequence_span(seq_info, i_b, T, RAGGED)
     offs_k = tl.arange(0, K)
     cv = i_v * BV + tl.arange(0, BV)[None, :]  # [1, BV]: a row of the tile
-    tile = offs_k[:, None] * V + cv
+    if STATE_VK:  # states stored [V, K]: a tile's K values are contiguous
+        tile = cv * K + offs_k[:, None]
+    else:
+        tile = offs_k[:, None] * V + cv
     S = tl.load(h0 + (i_b * H + i_h).to(tl.int64) * K * V + tile)
     # Phase 1, hoisted loads: every position's inputs are requested before any is used, so the T
     # loads overlap: one memory round trip, not T. A dead ragged position reads k = g = beta = 0,
@@ -420,8 +428,10 @@ def _verify_chunk_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
 # argument checks (before any kernel runs)
 
 
-def _check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile_v):
+def _check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile_v, state_layout="kv"):
     """Validate shapes and dtypes; return (N sequences, T positions per call, H, ragged mode)."""
+    if state_layout not in STATE_LAYOUTS:
+        raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
@@ -478,9 +488,11 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, til
         if initial_state.dtype != torch.float32:
             raise ValueError(f"initial_state must be float32 (the recurrent state is kept in fp32), "
                              f"got {initial_state.dtype}")
-        if initial_state.shape != (N, H, K, V):
-            raise ValueError(f"initial_state must be [N={N}, H={H}, K={K}, V={V}], got "
-                             f"{tuple(initial_state.shape)}")
+        want = (N, H, K, V) if state_layout == "kv" else (N, H, V, K)
+        if initial_state.shape != want:
+            dims = "K={K}, V={V}" if state_layout == "kv" else "V={V}, K={K}"
+            raise ValueError(f"initial_state must be [N={N}, H={H}, {dims.format(K=K, V=V)}] "
+                             f"(state_layout {state_layout!r}), got {tuple(initial_state.shape)}")
     if tile_v is not None and (tile_v not in TILE_WIDTHS or V % tile_v):
         raise ValueError(f"tile_v must be one of {TILE_WIDTHS} and divide V={V}, got {tile_v}")
     return N, steps, H, V, mode
@@ -500,16 +512,18 @@ def _states_buffer(states_out, shape, device):
 
 
 def _prepare(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out,
-             tile_v, zero_outputs=False):
-    N, steps, H, V, mode = _check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile_v)
+             tile_v, zero_outputs=False, state_layout="kv"):
+    N, steps, H, V, mode = _check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile_v,
+                                  state_layout)
     B, T = q.shape[:2]
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    h0 = (torch.zeros(N, H, HEAD_DIM, V, dtype=torch.float32, device=q.device) if initial_state is None
+    state = (HEAD_DIM, V) if state_layout == "kv" else (V, HEAD_DIM)
+    h0 = (torch.zeros(N, H, *state, dtype=torch.float32, device=q.device) if initial_state is None
           else initial_state.contiguous())
     if final_state_only:
-        shape = (N, H, HEAD_DIM, V)
+        shape = (N, H, *state)
     else:
-        shape = (B, T, H, HEAD_DIM, V)  # ragged: B = 1 and T = total tokens, i.e. one state per token
+        shape = (B, T, H, *state)  # ragged: B = 1 and T = total tokens, i.e. one state per token
     hs = _states_buffer(states_out, shape, q.device)
     # the before kernel skips dead padded positions, so their output rows must start at zero
     o = (torch.zeros_like if zero_outputs and mode == 2 else torch.empty_like)(v, dtype=q.dtype)
@@ -522,7 +536,8 @@ def _prepare(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, f
 
 
 def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, lengths=None, max_seqlen=None,
-               final_state_only=False, states_out=None, tile_v=None, num_warps=None, form=None):
+               final_state_only=False, states_out=None, tile_v=None, num_warps=None, form=None,
+               state_layout="kv"):
     """Verify T = 1..8 draft positions per sequence (after: narrow tiles where parallelism is short).
 
     q, k: [B, T, H, 128] (L2-normalised); v: [B, T, H, V]; g: [B, T, H, 128] log-decay (fp32 advised);
@@ -534,12 +549,19 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
     [1, total, H, 128, V]) holding the state after each position, or [N, H, 128, V] with
     `final_state_only`. `states_out` writes into a caller buffer of that shape.
     `tile_v`, `num_warps`: None chooses from the device (`choose_tile_v`, `choose_num_warps`); tiles
-    up to NARROW_MAX columns run the narrow kernel, wider ones the streaming kernel."""
+    up to NARROW_MAX columns run the narrow kernel, wider ones the streaming kernel.
+    `state_layout`: 'kv' (states [.., K, V], fla's) or 'vk' ([.., V, K], as `kda_decode` can keep
+    them): with 'vk' a tile's K values are contiguous and the narrow kernel computes, loads and stores
+    in one register layout (narrow kernel, step and tile forms only)."""
     if form is not None and form not in NARROW_FORMS:
         raise ValueError(f"form must be one of {NARROW_FORMS}, got {form!r}")
     (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode) = _prepare(
-        q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out, tile_v)
+        q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out, tile_v,
+        state_layout=state_layout)
     bv = tile_v or choose_tile_v(N, H, V)
+    if state_layout == "vk" and (bv > NARROW_MAX or form == "chunk"):
+        raise ValueError(f"state_layout 'vk' runs on the narrow kernel's step and tile forms (tile_v <= "
+                         f"{NARROW_MAX}); got tile_v={bv}, form={form!r}")
     if bv > NARROW_MAX:
         if mode == 2:  # the streaming kernel skips padded positions: their output rows start at zero
             o.zero_()
@@ -557,7 +579,7 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
     _verify_narrow_kernel[grid](q, k, v, g, beta, h0, o, hs, seq_info, scale,
                                 T=steps, H=H, K=HEAD_DIM, V=V, BV=bv, RAGGED=mode,
                                 ALL_STATES=not final_state_only, TILE_LOADS=form == "tile",
-                                num_warps=num_warps or choose_num_warps(bv))
+                                STATE_VK=state_layout == "vk", num_warps=num_warps or choose_num_warps(bv))
     return o, hs
 
 

@@ -605,8 +605,8 @@ def kda_verify_before(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens
 
 
 def select_accepted(states: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
-    """The state to keep after verification: states [B, T, H, K, V], num_accepted [B] in 1..T
-    (accepted drafts + the bonus/recovery token) -> [B, H, K, V]."""
+    """The state to keep after verification: states [B, T, H, K, V] (or [.., V, K]), num_accepted [B]
+    in 1..T (accepted drafts + the bonus/recovery token) -> [B, H, K, V] (or [B, H, V, K])."""
     if states.dim() != 5:
         raise ValueError(f"states must be [B, T, H, K, V], got {tuple(states.shape)}")
     if num_accepted.shape != states.shape[:1]:

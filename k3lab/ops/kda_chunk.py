@@ -567,45 +567,21 @@ def _split_a_kernel(
     out = c * H + h
     aqk_base = aqk_out + out * C * C
     r_base = r_buf + out * C * C
+    # the row block is a compile-time argument of _sp_rowblock: one unrolled call per block
     if PER_BLOCK:
         bi = tl.program_id(2)
-        if bi == 0:
-            _sp_rowblock(
-                q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
-                0, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
-            )  # fmt: skip
-        elif bi == 1:
-            _sp_rowblock(
-                q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
-                1, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
-            )  # fmt: skip
-        elif bi == 2:
-            _sp_rowblock(
-                q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
-                2, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
-            )  # fmt: skip
-        else:
-            _sp_rowblock(
-                q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
-                3, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
-            )  # fmt: skip
+        for b in tl.static_range(C // BC):
+            if bi == b:
+                _sp_rowblock(
+                    q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
+                    b, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
+                )  # fmt: skip
     else:
-        _sp_rowblock(
-            q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
-            0, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
-        )  # fmt: skip
-        _sp_rowblock(
-            q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
-            1, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
-        )  # fmt: skip
-        _sp_rowblock(
-            q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
-            2, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
-        )  # fmt: skip
-        _sp_rowblock(
-            q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
-            3, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
-        )  # fmt: skip
+        for b in tl.static_range(C // BC):
+            _sp_rowblock(
+                q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
+                b, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
+            )  # fmt: skip
 
 
 @triton.jit

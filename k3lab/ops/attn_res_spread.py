@@ -3,18 +3,18 @@
 EXPERIMENTAL: not yet run successfully on a GPU by this project; `attn_res_norm.after` does not use
 it. Why it exists: at one token the fused kernel (`attn_res_norm`) runs on one SM, whose instruction
 issue bounds the step (6.1 us for 9 sources on the H200, 9x the unfused sequence where 10x was
-asked; ~2,630 instructions per thread at 8 warps for sm_90a). Spread over P programs (P SMs), each
-program handles D / P columns: for 9 sources, 1024 columns x 7 programs at 8 warps compile to ~1,090
-instructions per thread, 512 x 14 at 4 warps to ~1,050 (cuobjdump, sm_90a), at the price of two
-exchanges through memory:
+asked; 2,450 instructions per thread at 8 warps for sm_90a, against 760 for 2 sources, 4.15 us).
+Spread over P programs (P SMs), each program handles D / P columns: for 9 sources, 1024 columns x 7
+programs at 8 warps compile to 954 instructions per thread, 512 x 14 at 4 warps to 945 (sm_90a,
+with a launch's 16-byte alignment; ptxas and cuobjdump), at the price of two exchanges through memory:
   1. each source's partial (w . v, v . v) over the program's columns -> every program forms the
      logits and the softmax weights, and mixes its own columns;
   2. each program's partial h . h -> every program normalises and writes its columns.
 Each exchange waits on a count-and-sense word pair per token (the last program to arrive resets the
 count and flips the sense; the others wait for the flip). A wait that runs out writes NaN instead of
 hanging the GPU. History: a first version with a Gram-matrix exchange and per-program epoch slots
-laid out by P did not finish on the H200 (slots left unequal by runs with different P); a Gram
-exchange also cost more instructions than it saved (~3,100 per thread) in Triton.
+laid out by P did not finish on the H200 (slots left unequal by runs with different P); its Gram
+exchange also compiled to more instructions per program than it saved.
 """
 
 from __future__ import annotations

@@ -39,14 +39,14 @@ from ptxas for sm_90a), and its instruction count per program is higher. It is k
 because the trade may differ where layouts are chosen by hand or on other hardware. A third form,
 'tile', is the step form with q, k and g loaded straight into the [K, tile] shape of the state tile
 (every column reading the same addresses) instead of as [K] vectors moved into the tile's layout
-through shared memory: for sm_90a (one wave, tile 8, cuobjdump) it compiles to 2,244 instead of
-3,060 instructions at T = 4 (8 barriers instead of 12) and 4,362 instead of 7,555 at T = 8. It has
-not been timed on a GPU yet (the '.tile*' sweep points of the kda_verify study), so 'step' stays
-the default. Storing the states [V, K] instead (`state_layout='vk'`, the layout `kda_decode` can
-also keep) goes further: a tile's K values are then contiguous, so loads, arithmetic and stores
-share one register layout and no value moves through shared memory; for sm_90a that is 2,077
-instructions at T = 4 (4 barriers) and 4,126 at T = 8 against 3,060 and 7,555 for 'kv'. Not yet
-timed either (the '.vk*' sweep points).
+through shared memory. Storing the states [V, K] (`state_layout='vk'`, the layout `kda_decode` can
+also keep) goes further: a tile's K values are then contiguous, and loads, arithmetic and stores
+share one register layout. Compiled for sm_90a (one wave, tile 8, with the 16-byte alignment a
+launch sees; ptxas and cuobjdump) the trade is visible but not its outcome: at T = 4 'step' is 1,698
+instructions with 16 barriers, 'tile' 1,867 with 8, 'vk' 1,883 with 4 (T = 8: 3,353 / 3,694 / 3,699
+with 32 / 16 / 8). Fewer shared-memory round trips on the recurrence's path, a tenth more
+instructions: only a GPU can say which wins (the '.tile*' and '.vk*' sweep points of the study,
+not yet run), so 'step' with 'kv' stays the default.
 
 When batch x heads already gives every compute unit enough programs, `choose_tile_v` returns a wide
 tile and `kda_verify` runs the streaming kernel with it: there is no idle hardware for narrow tiles

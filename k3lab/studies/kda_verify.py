@@ -47,13 +47,12 @@ SWEEP = [("narrow", w, n) for w in (4, 8) for n in (1, 2)] + [("stream", w, n) f
 CHUNK_SWEEP = ([f"b1_t4.chunk8_w{n}" for n in (1, 2, 4, 8)] + ["b8_t4.chunk8_w2", "b8_t4.chunk8_w4"]
                + ["b1_t1.narrow8_w1", "b1_t1.chunk8_w2", "b1_t1.chunk8_w4", "b1_t2.narrow8_w1", "b1_t2.chunk8_w2",
                   "b1_t2.chunk8_w4", "b1_t8.narrow8_w1", "b1_t8.chunk8_w4", "b1_t8.chunk8_w8"])
-# The tile form of the step kernel (q, k, g loaded straight into the tile's shape): not yet timed on a
-# GPU; for sm_90a it compiles to 27% fewer instructions at T = 4 and 42% fewer at T = 8 (cuobjdump).
+# The tile form of the step kernel (q, k, g loaded straight into the tile's shape) and the step form
+# with the states stored [V, K] (state_layout 'vk': one register layout for loads, arithmetic and
+# stores): fewer shared-memory round trips, a tenth more instructions for sm_90a (k3lab.ops.kda_verify's
+# docstring has the counts). Not yet timed on a GPU.
 TILE_SWEEP = (["b1_t4.tile8_w1", "b1_t4.tile8_w2", "b1_t4.tile4_w1", "b1_t1.tile8_w1", "b1_t2.tile8_w1",
                "b1_t8.tile8_w1", "b8_t4.tile8_w1", "b32_t4.tile8_w1"])
-# The step form with the states stored [V, K] (state_layout 'vk'): one register layout for loads,
-# arithmetic and stores; for sm_90a 2,077 instead of 3,060 instructions at T = 4, 4,126 instead of
-# 7,555 at T = 8, 4 barriers instead of 12 and 24 (cuobjdump). Not yet timed on a GPU.
 VK_SWEEP = (["b1_t4.vk8_w1", "b1_t4.vk8_w2", "b1_t4.vk4_w1", "b1_t1.vk8_w1", "b1_t2.vk8_w1", "b1_t8.vk8_w1",
              "b8_t4.vk8_w1", "b32_t4.vk8_w1"])
 MIN_GRAPH_CALLS = 10

@@ -4,8 +4,9 @@
 #  2. the launch sweep (checked first, graph replay, `before` alongside) at the shapes of ATTN_RES_SHAPES
 #     ("T:S,S;T:S" e.g. "1:2,5,9;64:9"; default: the study's whole sweep), variants ATTN_RES_SWEPT
 #     (comma list; default: the study's choice per shape); $OUT/attn_res_sweep.json after every shape;
-#  3. SPREAD=1: the experimental spread kernel (k3lab/ops/attn_res_spread.py, not yet run successfully)
-#     checked, then timed at 1 and 8 tokens beside `before` and tile8 ($OUT/attn_res_spread.json);
+#  3. SPREAD=1: the experimental few-token kernels (k3lab/ops/attn_res_spread.py, Triton, and
+#     kernels/attn_res_norm.cu, a cluster per row; neither run on a GPU yet) checked, then timed at 1
+#     and 8 tokens beside `before` and tile8 ($OUT/attn_res_spread.json);
 #  4. MAIN=1: the study's main AttnRes cases with launch_config's choices
 #     ($OUT/attn_res_main.json; each record names its launch) and fresh before/after traces ($OUT/tr/).
 #   OUT=dir K3LAB_COMMIT=<hash> [ATTN_RES_SHAPES=...] [ATTN_RES_SWEPT=...] [MAIN=1] bash scripts/device_attn_res.sh
@@ -57,28 +58,37 @@ pd.set_option("display.width", 200)
 table = cr.sweep_table(records)
 print(table.round(3).to_string(index=False))
 if os.environ.get("SPREAD") == "1":
+    # the experimental few-token kernels, each checked from fresh copies before it is timed: the
+    # spread Triton kernel (k3lab/ops/attn_res_spread.py) and the cluster CUDA kernel
+    # (kernels/attn_res_norm.cu via k3lab/ops/attn_res_cuda.py; its first call compiles it)
     from k3lab import bench
+    from k3lab.ops import attn_res_cuda as arc
     from k3lab.ops import attn_res_spread as sp
-    recs, configs = [], ((1024, 8), (512, 4), (1024, 4), (512, 8))
+    candidates = {f"spread{c}w{w}": (lambda *a, c=c, w=w, **k: sp.spread_after(*a, chunk=c, num_warps=w, **k))
+                  for c, w in ((1024, 8), (512, 4), (1024, 4), (512, 8))}
+    candidates.update({f"cuda{m}": (lambda *a, m=m, **k: arc.cuda_after(*a, mode=m, **k)) for m in ("cluster", "block")})
+    recs = []
     for tokens, sources in ((1, 2), (1, 5), (1, 9), (8, 9)):
         xx = cr.attn_res_inputs(tokens, sources, cr.HIDDEN_GPU)
         rest = xx.args()[4:]
         ref = arn.before(xx.prefix.clone(), xx.delta, xx.blocks.clone(), xx.n_blocks, *rest)
+        ref_prefix = (xx.prefix.float() + xx.delta.float()).to(xx.prefix.dtype)
         shape = {"tokens": tokens, "sources": sources, "hidden": cr.HIDDEN_GPU}
         base = f"attn_res_t{tokens}_s{sources}"
         runs = {"before": (lambda: arn.before(*xx.args()), {}),
                 "tile8": (lambda: arn.after(*xx.args(), mix_weight=xx.mix_weight, **cr.ATTN_RES_VARIANTS["tile8"]),
                           {})}
-        for c, w in configs:  # every spread launch checked first, from fresh copies of the inputs
+        for name, f in candidates.items():
             try:
-                got = sp.spread_after(xx.prefix.clone(), xx.delta, xx.blocks.clone(), xx.n_blocks, *rest,
-                                      mix_weight=xx.mix_weight, chunk=c, num_warps=w)
-                err = bench.check(got, ref, dtype=xx.prefix.dtype, name=f"{base} spread{c}w{w}")
-            except Exception as e:  # noqa: BLE001  (an experimental kernel: say what failed, go on)
-                print(f"{base} spread{c}w{w}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+                prefix = xx.prefix.clone()
+                got = f(prefix, xx.delta, xx.blocks.clone(), xx.n_blocks, *rest, mix_weight=xx.mix_weight)
+                err = bench.check(got, ref, dtype=xx.prefix.dtype, name=f"{base} {name}")
+                if not torch.equal(prefix, ref_prefix):
+                    raise bench.CheckFailed(f"{base} {name}: the persistent partial sum is not bit-exact")
+            except Exception as e:  # noqa: BLE001  (experimental kernels: say what failed, go on)
+                print(f"{base} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            runs[f"spread{c}w{w}"] = (lambda c=c, w=w: sp.spread_after(*xx.args(), mix_weight=xx.mix_weight,
-                                                                       chunk=c, num_warps=w), err)
+            runs[name] = (lambda f=f: f(*xx.args(), mix_weight=xx.mix_weight), err)
         for name, (fn, err) in runs.items():  # then the timings (they update xx.prefix in place)
             t = bench.time_fn(fn, graph=torch.cuda.is_available(), warmup=3, repeats=50)
             recs.append(bench.make_record(cr.NAME, f"{base}.{name}", "before" if name == "before" else "after", t,

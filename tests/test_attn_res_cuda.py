@@ -1,0 +1,65 @@
+"""The experimental CUDA/HIP AttnRes kernel (kernels/attn_res_norm.cu): argument checks everywhere,
+results against the unfused sequence on a GPU. Its compilation for sm_90a and gfx90a/gfx940 is
+checked by tests/test_kernels_build.py."""
+
+import pytest
+import torch
+
+from k3lab.ops import _build
+from k3lab.ops import attn_res_cuda as arc
+from k3lab.ops import attn_res_norm as arn
+
+GPU = torch.cuda.is_available()
+
+
+def _inputs(T, D, n_slots=9, seed=0, device="cpu", dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x = dict(prefix=r(T, D).to(dtype), delta=r(T, D).to(dtype), blocks=r(n_slots, T, D).to(dtype),
+             res_norm_w=1 + 0.1 * r(D), res_proj_w=0.05 * r(D), next_norm_w=1 + 0.1 * r(D))
+    return {k: v.to(device) for k, v in x.items()}
+
+
+def _call(x, n_blocks=4, **kw):
+    return arc.cuda_after(x["prefix"], x["delta"], x["blocks"], n_blocks, x["res_norm_w"], x["res_proj_w"],
+                          x["next_norm_w"], **kw)
+
+
+@pytest.mark.parametrize("change,kw,match", [
+    (dict(), dict(mode="warp"), "mode"),
+    (dict(dtype=torch.float32), dict(), "bfloat16"),
+    (dict(D=100), dict(), "multiple of 8"),
+    (dict(D=9 * 1024), dict(mode="cluster"), "at most 8192"),
+    (dict(), dict(n_blocks=9, push_block=False), "n_blocks"),
+])
+def test_bad_arguments_are_refused_by_name(change, kw, match):
+    x = _inputs(2, change.get("D", 64), n_slots=10, dtype=change.get("dtype", torch.bfloat16))
+    with pytest.raises(ValueError, match=match):
+        _call(x, **kw)
+
+
+@pytest.mark.skipif(GPU, reason="checks what a machine without a GPU says")
+@pytest.mark.parametrize("mode", ["cluster", "block"])
+def test_without_a_gpu_it_says_so(mode):
+    with pytest.raises(_build.KernelUnavailable, match="GPU"):
+        _call(_inputs(2, 64), mode=mode)
+
+
+def _modes():
+    return ["block"] + (["cluster"] if GPU and arc.cluster_available()[0] else [])
+
+
+@pytest.mark.skipif(not GPU, reason="the kernel runs on a GPU (not yet run on one by this project)")
+@pytest.mark.parametrize("D", [7168, 1000])
+@pytest.mark.parametrize("T,n_blocks,push,with_delta", [(1, 8, False, True), (1, 0, True, True), (8, 4, True, False),
+                                                        (3, 1, False, False)])
+def test_on_the_gpu_matches_the_unfused_sequence(D, T, n_blocks, push, with_delta):
+    for mode in _modes():
+        x = _inputs(T, D, seed=T + n_blocks, device="cuda")
+        delta = x["delta"] if with_delta else None
+        args = (n_blocks, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"])
+        pa, ba, pb, bb = x["prefix"].clone(), x["blocks"].clone(), x["prefix"].clone(), x["blocks"].clone()
+        ya = arc.cuda_after(pa, delta, ba, *args, push_block=push, mode=mode)
+        yb = arn.before(pb, delta, bb, *args, push_block=push)
+        torch.testing.assert_close(ya.float(), yb.float(), rtol=1e-2, atol=1e-2, msg=f"mode {mode}")
+        assert torch.equal(pa, pb) and torch.equal(ba, bb), f"mode {mode}: persistent state not bit-exact"

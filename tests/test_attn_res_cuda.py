@@ -38,6 +38,13 @@ def test_bad_arguments_are_refused_by_name(change, kw, match):
         _call(x, **kw)
 
 
+def test_a_misaligned_row_start_is_refused():
+    x = _inputs(2, 64)
+    x["prefix"] = torch.zeros(2 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 64)  # starts 2 bytes in
+    with pytest.raises(ValueError, match="16-byte"):
+        _call(x)
+
+
 @pytest.mark.skipif(GPU, reason="checks what a machine without a GPU says")
 @pytest.mark.parametrize("mode", ["cluster", "block"])
 def test_without_a_gpu_it_says_so(mode):

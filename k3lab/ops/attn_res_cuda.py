@@ -79,6 +79,8 @@ def cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_nor
     for name, t in (("prefix", prefix), ("blocks", blocks)) + ((("delta", delta),) if delta is not None else ()):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary (the kernel moves 8 bf16 at a time)")
     w_mix = fold_mix_weight(res_norm_w, res_proj_w) if mix_weight is None else mix_weight
     if w_mix.shape != (D,) or w_mix.dtype != torch.float32 or not w_mix.is_contiguous():
         raise ValueError(f"mix_weight must be contiguous fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")

@@ -209,7 +209,7 @@ def time_case(batch: int, heads: int = HEADS, *, modes=("eager", "graph"), repea
 
 def sweep_options(f=None) -> list[dict]:
     """Every compiled (tile_v, threads) with each split mode the device runs, 'kv' state, with the
-    streaming hints and with the L2 prefetch added."""
+    streaming hints and with the L2 prefetch added; and each with the 'vk' state layout."""
     f = f or kd._load_fused(torch.device("cuda"))
     opts = []
     for (tile_v, threads) in sorted(f.configs, reverse=True):
@@ -220,6 +220,9 @@ def sweep_options(f=None) -> list[dict]:
         for split in splits:
             for hints in (3, 7):
                 opts.append({"tile_v": tile_v, "threads": threads, "split": split, "hints": hints, "layout": "kv"})
+            # the state stored [V, K]: the layout under which the verification kernel keeps one register
+            # layout (kda_verify state_layout='vk'); decode and verify must share one in serving
+            opts.append({"tile_v": tile_v, "threads": threads, "split": split, "hints": 7, "layout": "vk"})
             if split == "whole":  # the prefetch distance, in blocks: one, two, four SM-counts ahead
                 opts += [{"tile_v": tile_v, "threads": threads, "split": split, "hints": 7, "layout": "kv",
                           "prefetch_ahead": n * f.units} for n in (1, 2, 4)]

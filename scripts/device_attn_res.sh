@@ -58,43 +58,17 @@ pd.set_option("display.width", 200)
 table = cr.sweep_table(records)
 print(table.round(3).to_string(index=False))
 if os.environ.get("SPREAD") == "1":
-    # the experimental few-token kernels, each checked from fresh copies before it is timed: the
-    # spread Triton kernel (k3lab/ops/attn_res_spread.py) and the cluster CUDA kernel
-    # (kernels/attn_res_norm.cu via k3lab/ops/attn_res_cuda.py; its first call compiles it)
-    from k3lab import bench
+    # the experimental few-token kernels beside tile8, checked first (a failure is reported and left
+    # out): the spread Triton kernel and the cluster CUDA kernel (its first call compiles it)
     from k3lab.ops import attn_res_cuda as arc
     from k3lab.ops import attn_res_spread as sp
-    candidates = {f"spread{c}w{w}": (lambda *a, c=c, w=w, **k: sp.spread_after(*a, chunk=c, num_warps=w, **k))
-                  for c, w in ((1024, 8), (512, 4), (1024, 4), (512, 8))}
-    candidates.update({f"cuda{m}": (lambda *a, m=m, **k: arc.cuda_after(*a, mode=m, **k)) for m in ("cluster", "block")})
-    recs = []
-    for tokens, sources in ((1, 2), (1, 5), (1, 9), (8, 9)):
-        xx = cr.attn_res_inputs(tokens, sources, cr.HIDDEN_GPU)
-        rest = xx.args()[4:]
-        ref = arn.before(xx.prefix.clone(), xx.delta, xx.blocks.clone(), xx.n_blocks, *rest)
-        ref_prefix = (xx.prefix.float() + xx.delta.float()).to(xx.prefix.dtype)
-        shape = {"tokens": tokens, "sources": sources, "hidden": cr.HIDDEN_GPU}
-        base = f"attn_res_t{tokens}_s{sources}"
-        runs = {"before": (lambda: arn.before(*xx.args()), {}),
-                "tile8": (lambda: arn.after(*xx.args(), mix_weight=xx.mix_weight, **cr.ATTN_RES_VARIANTS["tile8"]),
-                          {})}
-        for name, f in candidates.items():
-            try:
-                prefix = xx.prefix.clone()
-                got = f(prefix, xx.delta, xx.blocks.clone(), xx.n_blocks, *rest, mix_weight=xx.mix_weight)
-                err = bench.check(got, ref, dtype=xx.prefix.dtype, name=f"{base} {name}")
-                if not torch.equal(prefix, ref_prefix):
-                    raise bench.CheckFailed(f"{base} {name}: the persistent partial sum is not bit-exact")
-            except Exception as e:  # noqa: BLE001  (experimental kernels: say what failed, go on)
-                print(f"{base} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                continue
-            runs[name] = (lambda f=f: f(*xx.args(), mix_weight=xx.mix_weight), err)
-        for name, (fn, err) in runs.items():  # then the timings (they update xx.prefix in place)
-            t = bench.time_fn(fn, graph=torch.cuda.is_available(), warmup=3, repeats=50)
-            recs.append(bench.make_record(cr.NAME, f"{base}.{name}", "before" if name == "before" else "after", t,
-                                          shape=shape, dtype=xx.prefix.dtype, error=err or None))
-            print(f"{base:18s} {name:14s} {t.median_us:8.2f} us", flush=True)
-        json.dump([r.to_dict() for r in recs], open(f"{out}/attn_res_spread.json", "w"), indent=1)
+    few = {f"spread{c}w{w}": (lambda *a, c=c, w=w, **k: sp.spread_after(*a, chunk=c, num_warps=w, **k))
+           for c, w in ((1024, 8), (512, 4), (1024, 4), (512, 8))}
+    few.update({f"cuda{m}": (lambda *a, m=m, **k: arc.cuda_after(*a, mode=m, **k)) for m in ("cluster", "block")})
+    recs = cr.attn_res_sweep(shapes={shape: ["tile8", *few] for shape in ((1, 2), (1, 5), (1, 9), (8, 9))},
+                             kernels=few, skip_failures=True)
+    json.dump([r.to_dict() for r in recs], open(f"{out}/attn_res_spread.json", "w"), indent=1)
+    print(cr.sweep_table(recs).round(3).to_string(index=False), flush=True)
 if os.environ.get("MAIN") == "1":
     main = cr.run(cases=[c for c in cr.case_names() if c.startswith("attn_res")])
     json.dump([r.to_dict() for r in main], open(f"{out}/attn_res_main.json", "w"), indent=1)

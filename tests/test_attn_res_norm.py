@@ -166,3 +166,19 @@ def test_bad_launch_overrides_name_the_argument(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
         op.after(x["prefix"], x["delta"], x["blocks"], 2, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"], **bad)
+
+
+def test_the_sweep_checks_every_kernel_and_can_leave_a_failing_experimental_one_out():
+    from k3lab.studies import copy_removal as cr
+
+    def wrong(*args, **kw):  # mixes one block fewer: fails the check
+        prefix, delta, blocks, n_blocks, *rest = args
+        return op.after(prefix, delta, blocks, n_blocks - 1, *rest, **kw)
+
+    shapes = {(2, 3): ["tile16", "spread1k", "wrong"]}
+    kernels = {"wrong": wrong, "spread1k": op.after}
+    recs = cr.attn_res_sweep(shapes=shapes, kernels=kernels, skip_failures=True)
+    assert sorted(r.case for r in recs) == ["attn_res_t2_s3.before", "attn_res_t2_s3.spread1k",
+                                            "attn_res_t2_s3.tile16"]
+    with pytest.raises(AssertionError, match="wrong"):
+        cr.attn_res_sweep(shapes=shapes, kernels=kernels)

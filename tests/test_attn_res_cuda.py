@@ -53,7 +53,7 @@ def test_without_a_gpu_it_says_so(mode):
 
 
 def _modes():
-    return ["block"] + (["cluster"] if GPU and arc.cluster_available()[0] else [])
+    return ["block"] + (["cluster"] if _build.clusters_available()[0] else [])
 
 
 @pytest.mark.skipif(not GPU, reason="the kernel runs on a GPU (not yet run on one by this project)")

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from k3lab.ops import _build
 
@@ -65,3 +66,9 @@ def test_hipcc_compiles_for_gfx90a_and_gfx940_source_and_hipified(tmp_path):
         for variant in ("source", "hipified"):
             assert f"ok   {name} ({variant}) for gfx90a gfx940" in proc.stdout
             assert (tmp_path / f"{name}.{variant}.o").stat().st_size > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU says")
+def test_clusters_are_not_claimed_without_a_gpu():
+    ok, why = _build.clusters_available()
+    assert not ok and "GPU" in why

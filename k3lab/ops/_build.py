@@ -97,6 +97,19 @@ def device_target(device=None) -> tuple[str, str]:
     return "nvcc", f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
 
 
+def clusters_available(device=None) -> tuple[bool, str]:
+    """(True, why) when the visible GPU runs thread-block clusters (a CUDA build, compute capability 9.0
+    or later), else (False, why)."""
+    if not torch.cuda.is_available():
+        return False, "no GPU visible to torch"
+    if getattr(torch.version, "hip", None):
+        return False, "HIP build: no thread-block clusters"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return False, f"compute capability {major}.{minor}: clusters need 9.0 or later"
+    return True, f"CUDA, compute capability {major}.{minor}"
+
+
 def arch_flags(kind: str, target: str) -> list[str]:
     """Code-generation flags for one target ('sm_90a', 'sm_89', 'gfx90a', ...)."""
     if kind == "nvcc":

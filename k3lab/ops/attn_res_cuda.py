@@ -49,18 +49,6 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def cluster_available(device=None) -> tuple[bool, str]:
-    """(True, why) when cluster mode can run here: a CUDA build on sm_90 or later."""
-    if not torch.cuda.is_available():
-        return False, "no GPU visible to torch"
-    if getattr(torch.version, "hip", None):
-        return False, "HIP build: no thread-block clusters (mode 'block' instead)"
-    major, _ = torch.cuda.get_device_capability(device)
-    if major < 9:
-        return False, f"compute capability {major}.x: clusters need 9.0 or later (mode 'block' instead)"
-    return True, "CUDA, sm_90 or later"
-
-
 def cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False,
                mix_weight=None, mode="cluster"):
     """Same arguments, effects and result as `attn_res_norm.before` (bf16 tensors on one GPU, hidden
@@ -86,9 +74,9 @@ def cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_nor
         raise ValueError(f"mix_weight must be contiguous fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")
     w_next = next_norm_w.float().contiguous()  # no copy when it is fp32 already
     if mode == "cluster":
-        ok, why = cluster_available(prefix.device)
+        ok, why = _build.clusters_available(prefix.device)
         if not ok:
-            raise _build.KernelUnavailable(f"mode 'cluster' cannot run here: {why}")
+            raise _build.KernelUnavailable(f"mode 'cluster' cannot run here: {why} (mode 'block' instead)")
     lib = _library()
     out = torch.empty_like(prefix)
     args = _Args(prefix.data_ptr(), delta.data_ptr() if delta is not None else None, blocks.data_ptr(),

@@ -20,9 +20,9 @@ Both update `prefix` / `blocks` in place and return the normed output.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from k3lab import env
 
 try:
     import triton
@@ -222,7 +222,6 @@ def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None) 
     compute_units: the device's SM/CU count (read from the device when None).
     """
     if compute_units is None:
-        from k3lab import env
         compute_units = env.detect().compute_units or 1
     all_blocks = 1 << max(n_blocks - 1, 0).bit_length()  # next power of two
     if tokens <= compute_units:
@@ -273,7 +272,7 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
         prefix, delta if delta is not None else prefix, blocks, out, w_mix, next_norm_w.contiguous(),
         blocks.stride(0), 0, eps, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None, PUSH=push_block,
         BLOCK_D=triton.next_power_of_2(D), GROUP=g, PREFETCH=pf, W_RELOAD=wr, STAGES=st,
-        INT_ROUND=int(os.environ.get("TRITON_INTERPRET") == "1" if int_round is None else bool(int_round)),
+        INT_ROUND=int(env.triton_interpreted() if int_round is None else bool(int_round)),
         num_warps=warps)
     return out
 

@@ -19,10 +19,9 @@ exchange also compiled to more instructions per program than it saved.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from k3lab import env
 from k3lab.ops.attn_res_norm import _check, fold_mix_weight
 
 try:
@@ -35,10 +34,6 @@ except ImportError:
 
 MAX_PROGRAMS = 16  # per row
 _SYNC: dict = {}  # device -> int32 barrier words [arrivals, sense] per token, left consistent by every launch
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def sync_words(device, tokens: int) -> torch.Tensor:
@@ -147,7 +142,7 @@ def spread_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_n
     n_prog = -(-D // chunk)
     if n_prog > MAX_PROGRAMS:
         raise ValueError(f"chunk={chunk} needs {n_prog} programs per row for D={D}; at most {MAX_PROGRAMS}")
-    if n_prog > 1 and _interpreted():
+    if n_prog > 1 and env.triton_interpreted():
         raise ValueError(f"chunk={chunk} puts {n_prog} programs on each row, and they wait for each other; "
                          f"Triton's interpreter runs programs one after another: use chunk >= D={D} there")
     w_mix = fold_mix_weight(res_norm_w, res_proj_w) if mix_weight is None else mix_weight
@@ -156,7 +151,7 @@ def spread_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_n
         return out
     nb = 1 << max(n_blocks - 1, 0).bit_length()  # the stored blocks, padded to a power of two (>= 1)
     part = torch.empty(T * n_prog * (2 * nb + 3), dtype=torch.float32, device=prefix.device)
-    exact = int(_interpreted() if int_round is None else bool(int_round))
+    exact = int(env.triton_interpreted() if int_round is None else bool(int_round))
     _attn_res_norm_spread_kernel[(T, n_prog)](
         prefix, delta if delta is not None else prefix, blocks, out, w_mix, next_norm_w.contiguous(), part,
         sync_words(prefix.device, T), blocks.stride(0), eps, 1 << 22, D=D, N_BLOCKS=n_blocks,

@@ -467,7 +467,7 @@ def _load_fused(device) -> _Fused:
     if warp <= 0:
         raise _build.KernelUnavailable("torch does not report this GPU's warp/wavefront width")
     max_shared = int(getattr(props, "shared_memory_per_block", 0) or 48 * 1024)
-    clusters = not getattr(torch.version, "hip", None) and props.major >= 9
+    clusters = _build.clusters_available(idx)[0]
     l2 = int(getattr(props, "L2_cache_size", 0) or 0)
     f = _Fused(lib, configs, modes, clusters, warp, max_shared, props.multi_processor_count, l2)
     _fused_cache[idx] = f

@@ -5,19 +5,15 @@ checked by tests/test_kernels_build.py."""
 import pytest
 import torch
 
+from attn_res_cases import make_inputs, run_beside_before
 from k3lab.ops import _build
 from k3lab.ops import attn_res_cuda as arc
-from k3lab.ops import attn_res_norm as arn
 
 GPU = torch.cuda.is_available()
 
 
 def _inputs(T, D, n_slots=9, seed=0, device="cpu", dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    x = dict(prefix=r(T, D).to(dtype), delta=r(T, D).to(dtype), blocks=r(n_slots, T, D).to(dtype),
-             res_norm_w=1 + 0.1 * r(D), res_proj_w=0.05 * r(D), next_norm_w=1 + 0.1 * r(D))
-    return {k: v.to(device) for k, v in x.items()}
+    return make_inputs(T, D, dtype, seed=seed, device=device, n_slots=n_slots)
 
 
 def _call(x, n_blocks=4, **kw):
@@ -63,10 +59,6 @@ def _modes():
 def test_on_the_gpu_matches_the_unfused_sequence(D, T, n_blocks, push, with_delta):
     for mode in _modes():
         x = _inputs(T, D, seed=T + n_blocks, device="cuda")
-        delta = x["delta"] if with_delta else None
-        args = (n_blocks, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"])
-        pa, ba, pb, bb = x["prefix"].clone(), x["blocks"].clone(), x["prefix"].clone(), x["blocks"].clone()
-        ya = arc.cuda_after(pa, delta, ba, *args, push_block=push, mode=mode)
-        yb = arn.before(pb, delta, bb, *args, push_block=push)
+        ya, yb, (pa, ba), (pb, bb) = run_beside_before(arc.cuda_after, x, n_blocks, push, with_delta, mode=mode)
         torch.testing.assert_close(ya.float(), yb.float(), rtol=1e-2, atol=1e-2, msg=f"mode {mode}")
         assert torch.equal(pa, pb) and torch.equal(ba, bb), f"mode {mode}: persistent state not bit-exact"

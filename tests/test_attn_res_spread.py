@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 on CPU before triton loads)
+from attn_res_cases import make_inputs, run_beside_before
 from k3lab.ops import attn_res_norm as arn
 from k3lab.ops import attn_res_spread as spread
 
@@ -12,20 +13,11 @@ pytest.importorskip("triton")
 
 
 def _inputs(T, D, dtype, seed=0, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    x = dict(prefix=r(T, D).to(dtype), delta=r(T, D).to(dtype), blocks=r(9, T, D).to(dtype),
-             res_norm_w=1 + 0.1 * r(D), res_proj_w=0.05 * r(D), next_norm_w=1 + 0.1 * r(D))
-    return {k: v.to(device) for k, v in x.items()}
+    return make_inputs(T, D, dtype, seed=seed, device=device)
 
 
 def _both(x, n_blocks, push, with_delta, **kw):
-    delta = x["delta"] if with_delta else None
-    args = (n_blocks, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"])
-    pa, ba, pb, bb = x["prefix"].clone(), x["blocks"].clone(), x["prefix"].clone(), x["blocks"].clone()
-    ya = spread.spread_after(pa, delta, ba, *args, push_block=push, **kw)
-    yb = arn.before(pb, delta, bb, *args, push_block=push)
-    return ya, yb, (pa, ba), (pb, bb)
+    return run_beside_before(spread.spread_after, x, n_blocks, push, with_delta, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,7 +1,8 @@
 // attn_res_norm.cu: AttnRes + RMSNorm for a few tokens, one token's row spread over a cluster.
 //
-// EXPERIMENTAL: compiled here (nvcc for sm_90a, hipcc for gfx90a/gfx940) but not yet run on a GPU by
-// this project; k3lab.ops.attn_res_cuda binds it and k3lab.ops.attn_res_norm does not use it yet.
+// The cluster mode ran on the H200 (bit-exact persistent state, 5.2 us for 1 token x 9 sources);
+// k3lab.ops.attn_res_cuda binds it and attn_res_norm.after uses it for a few tokens and 5+ sources.
+// The HIP build (block mode) is compiled for gfx90a/gfx940, not yet run on AMD hardware by this project.
 //
 // Why: at one token the Triton kernel (k3lab/ops/attn_res_norm.py) runs on one SM, and that SM's
 // instruction issue bounds the step (9 sources, hidden 7168: 2,450 instructions per thread, 6.1 us
@@ -72,17 +73,25 @@ K3_DEVICE uint4 pack(const float* f) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Load a thread's columns [col, col + VEC) of the row: update the partial (and store it, or push it
-// into blocks[n_blocks]), read the stored blocks. Columns past D read as zero and store nothing.
+// Load a thread's columns [col, col + VEC) of the row: read the partial, the delta and the stored
+// blocks, then update the partial (and store it, or push it into blocks[n_blocks]). Every load comes
+// before the first store in the source: the compiler cannot move a load past a store that may alias
+// it, and one DRAM round trip after another is most of a one-token step. Columns past D read as zero
+// and store nothing.
 K3_DEVICE void load_chunk(const Args& a, long long base, int col, bool update, Chunk& c) {
   const bool in = col < a.D;
-  uint4 xq = make_uint4(0, 0, 0, 0);
+  uint4 xq = make_uint4(0, 0, 0, 0), dq = make_uint4(0, 0, 0, 0);
   if (in) xq = *(const uint4*)(a.prefix + base + col);
+  if (update && in && a.delta) dq = *(const uint4*)(a.delta + base + col);
+#pragma unroll
+  for (int b = 0; b < MAXB; ++b)
+    c.b[b] = (in && b < a.n_blocks) ? *(const uint4*)(a.blocks + b * a.stride_block + base + col)
+                                    : make_uint4(0, 0, 0, 0);
   unpack(xq, c.x);
   if (update && in) {
     if (a.delta) {
       float d[VEC];
-      unpack(*(const uint4*)(a.delta + base + col), d);
+      unpack(dq, d);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) c.x[j] = __uint_as_float((uint32_t)k3_f32_to_bf16(c.x[j] + d[j]) << 16);
       xq = pack(c.x);  // exact: every value is already a bf16
@@ -94,10 +103,6 @@ K3_DEVICE void load_chunk(const Args& a, long long base, int col, bool update, C
       *(uint4*)(a.prefix + base + col) = xq;
     }
   }
-#pragma unroll
-  for (int b = 0; b < MAXB; ++b)
-    c.b[b] = (in && b < a.n_blocks) ? *(const uint4*)(a.blocks + b * a.stride_block + base + col)
-                                    : make_uint4(0, 0, 0, 0);
 }
 
 // After an update pass, the partial of this chunk as stored (pushed into blocks[n], or in prefix).
@@ -191,10 +196,9 @@ K3_DEVICE void weights(const float* st, int n_blocks, int D, float eps, float* p
   *px = e[MAXB] * inv;
 }
 
-K3_DEVICE void store_out(const Args& a, long long base, int col, const float* h, float r) {
+K3_DEVICE void store_out(const Args& a, long long base, int col, const float* h, float r, const float* wn) {
   if (col >= a.D) return;
-  float wn[VEC], y[VEC];
-  load_weights(a.w_next, col, a.D, wn);
+  float y[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) y[j] = h[j] * r * wn[j];
   *(uint4*)(a.out + base + col) = pack(y);
@@ -215,10 +219,11 @@ __global__ void __launch_bounds__(NT) arn_cluster_kernel(Args a) {
   const int tid = threadIdx.x;
   const long long base = (long long)blockIdx.y * a.D;
   const int col = rank * PIECE + tid * VEC;
+  float w[VEC], wn[VEC];  // both weights read now, with the row: no memory wait after the barriers
+  load_weights(a.w_mix, col, a.D, w);
+  load_weights(a.w_next, col, a.D, wn);
   Chunk c;
   load_chunk(a, base, col, true, c);
-  float w[VEC];
-  load_weights(a.w_mix, col, a.D, w);
   float st[NSTAT] = {};
   add_stats(c, w, st, a.n_blocks);
   float mine = 0.f;
@@ -256,7 +261,7 @@ __global__ void __launch_bounds__(NT) arn_cluster_kernel(Args a) {
   float total = 0.f;
 #pragma unroll
   for (int q = 0; q < P; ++q) total += peer_hh[q];
-  store_out(a, base, col, h, rsqrtf(total / a.D + a.eps));
+  store_out(a, base, col, h, rsqrtf(total / a.D + a.eps), wn);
 #else
   (void)a;
 #endif
@@ -310,9 +315,10 @@ __global__ void __launch_bounds__(NT) arn_block_kernel(Args a) {
     const int col = k * PIECE + tid * VEC;
     Chunk c;
     reload_chunk(a, base, col, c);
-    float h[VEC];
+    float h[VEC], wn[VEC];
+    load_weights(a.w_next, col, a.D, wn);
     mix(c, p, px, h, a.n_blocks);
-    store_out(a, base, col, h, r);
+    store_out(a, base, col, h, r, wn);
   }
 }
 

@@ -142,9 +142,30 @@ def test_launch_config_tiles_small_batches_and_pipelines_large_ones(n_blocks, gr
         else:
             assert cfg["stages"] == 0 and cfg["prefetch"] == 1
     # the rule names only configurations the sweep timed
-    assert op.launch_config(1, 8, compute_units=units) == VARIANTS["tile8"]
-    assert op.launch_config(8192, 8, compute_units=units) == VARIANTS["pipe8s3"]
-    assert op.launch_config(8192, 1, compute_units=units) == VARIANTS["walk4"]
+    assert op.launch_config(1, 8, compute_units=units) == {"kernel": "triton", **VARIANTS["tile8"]}
+    assert op.launch_config(8192, 8, compute_units=units) == {"kernel": "triton", **VARIANTS["pipe8s3"]}
+    assert op.launch_config(8192, 1, compute_units=units) == {"kernel": "triton", **VARIANTS["walk4"]}
+
+
+@pytest.mark.parametrize("tokens,n_blocks,expect", [(1, 8, "cuda_cluster"), (18, 4, "cuda_cluster"),
+                                                    (19, 8, "triton"), (1, 3, "triton"), (1, 1, "triton")])
+def test_launch_config_takes_the_cluster_kernel_for_few_tokens_and_many_sources(tokens, n_blocks, expect):
+    """7 blocks per row (hidden 7168) on 132 units: up to 18 tokens, each block gets an SM; 5+ sources."""
+    assert op.launch_config(tokens, n_blocks, compute_units=132, cluster_pieces=7)["kernel"] == expect
+    assert op.launch_config(tokens, n_blocks, compute_units=132, cluster_pieces=0)["kernel"] == "triton"
+
+
+def test_without_a_cluster_gpu_after_says_why_and_runs_triton():
+    x = _inputs(1, 64, torch.float32, seed=3)
+    pieces, why = op.kernel_status(x["prefix"])
+    if x["prefix"].device.type == "cpu":
+        assert pieces == 0 and "CUDA GPU" in why
+    ref_out, ref_prefix = _reference(x, 8)
+    prefix, blocks = x["prefix"].clone(), x["blocks"].clone()
+    out = op.after(prefix, x["delta"], blocks, 8, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"])
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        op.after(prefix, x["delta"], blocks, 8, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"], kernel="hip")
 
 
 def test_the_dispatched_launch_is_the_one_launch_config_names(monkeypatch):

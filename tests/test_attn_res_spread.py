@@ -12,7 +12,10 @@ from k3lab.ops import attn_res_spread as spread
 pytest.importorskip("triton")
 
 
-def _inputs(T, D, dtype, seed=0, device="cpu"):
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton launches need GPU tensors on a GPU machine
+
+
+def _inputs(T, D, dtype, seed=0, device=DEVICE):
     return make_inputs(T, D, dtype, seed=seed, device=device)
 
 

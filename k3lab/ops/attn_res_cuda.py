@@ -1,16 +1,17 @@
 """AttnRes + RMSNorm for a few tokens as a CUDA/HIP kernel: one token's row over a thread-block cluster.
 
-EXPERIMENTAL: kernels/attn_res_norm.cu compiles for sm_90a (nvcc) and for gfx90a/gfx940 (hipcc, as
-written and hipified; tests/test_kernels_build.py) but has not yet run on a GPU by this project, and
-`attn_res_norm.after` does not use it. The kernel's header says why it exists and how it works: at
+kernels/attn_res_norm.cu compiles for sm_90a (nvcc) and for gfx90a/gfx940 (hipcc, as written and
+hipified; tests/test_kernels_build.py). Its cluster mode ran on the H200 (checked bit-exact on the
+persistent state against the unfused sequence, then timed: profiles/nvidia-h200/copy_removal/
+attn_res_t*_s*.cudacluster), and `attn_res_norm.after` uses it for a few tokens with 5+ sources
+where it builds (`cluster_pieces`). The kernel's header says why it exists and how it works: at
 one token the Triton kernel is bound by one SM's instruction issue (2,450 instructions per thread
-for 9 sources, 8 warps); here 7 blocks of 4 warps share a row, 1,841 instructions per thread
-(sm_90a, static count), and exchange their partial sums through distributed shared memory behind
-cluster barriers.
+for 9 sources, 8 warps); here 7 blocks of 4 warps share a row and exchange their partial sums
+through distributed shared memory behind cluster barriers.
 
 modes: 'cluster' (CUDA, sm_90 and later, rows of at most 8 x 1024 columns) and 'block' (one block
-per row, three passes over cache: the portable fallback; on AMD not yet run on AMD hardware by this
-project).
+per row, three passes over cache: the portable fallback, 2.5x slower than the Triton kernel on the
+H200; HIP builds are not yet run on AMD hardware by this project).
 """
 
 from __future__ import annotations
@@ -49,10 +50,40 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
+def _cluster_build(device_index: int) -> tuple[bool, str]:
+    ok, why = _build.clusters_available(device_index)
+    if not ok:
+        return False, why
+    ok, why = _build.status(KERNEL)
+    return ok, why
+
+
+def cluster_pieces(*tensors: torch.Tensor | None) -> tuple[int, str]:
+    """(blocks per row, why) for the cluster kernel on rows like tensors[0] (prefix; then delta,
+    blocks): ceil(D / 1024) when it can run on them here, else 0 and the reason (the caller then
+    uses the Triton kernel). The first call per GPU builds kernels/attn_res_norm.cu (then cached)."""
+    prefix = tensors[0]
+    if prefix.device.type != "cuda":
+        return 0, f"tensors on {prefix.device.type}: the cluster kernel runs on a CUDA GPU"
+    if prefix.dtype != torch.bfloat16:
+        return 0, f"dtype {prefix.dtype}: the cluster kernel takes bfloat16"
+    D = prefix.shape[-1]
+    if D % 8 or -(-D // PIECE) > MAX_PIECES:
+        return 0, f"hidden size {D}: the cluster kernel takes multiples of 8 up to {MAX_PIECES * PIECE}"
+    for t in tensors:
+        if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
+            return 0, "a tensor is not contiguous or not 16-byte aligned"
+    ok, why = _cluster_build(prefix.device.index if prefix.device.index is not None else torch.cuda.current_device())
+    if not ok:
+        return 0, f"cluster kernel unavailable: {why}"
+    return -(-D // PIECE), f"cluster kernel: {why}"
+
+
 def cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False,
                mix_weight=None, mode="cluster"):
     """Same arguments, effects and result as `attn_res_norm.before` (bf16 tensors on one GPU, hidden
-    size a multiple of 8). EXPERIMENTAL (see the module docstring)."""
+    size a multiple of 8)."""
     T, D = _check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")

@@ -10,11 +10,14 @@ Between two sublayers K3 does, per token:
     at a block boundary: blocks[n] <- prefix; prefix <- 0
 
 `before` is that sequence in plain PyTorch (a dozen kernels, every intermediate through memory).
-`after` is one Triton kernel: one program per token reads every source once, takes the stored
+`after` is one kernel launch: one Triton program per token reads every source once, takes the stored
 blocks a group at a time as one tile with an online softmax between groups, keeps the fp32 mixture
 in registers through the norm, and writes only the persistent updates and the normed output. How
 many blocks per group, warps, and how the loads run ahead are chosen by `launch_config` from the
 token count (a single all-blocks tile for small batches, a software-pipelined walk for large ones).
+For a few tokens and many sources on a GPU with thread-block clusters (Hopper and later) it runs
+the CUDA kernel of k3lab.ops.attn_res_cuda instead, one token's row over a cluster of 7 blocks,
+when that kernel builds here (`kernel_status` says which kernel runs and why).
 Both update `prefix` / `blocks` in place and return the normed output.
 """
 
@@ -196,8 +199,16 @@ if triton is not None:
 # issued before this group is reduced), w_reload (re-read the logit weight each step instead of
 # keeping it in registers), stages (0: the loop over groups is unrolled; k > 0: a rolled loop that
 # the compiler software-pipelines k deep through shared memory).
-def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None) -> dict:
-    """The kernel configuration for `tokens` tokens and `n_blocks` stored blocks.
+def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None, cluster_pieces: int = 0) -> dict:
+    """The kernel configuration for `tokens` tokens and `n_blocks` stored blocks: {"kernel":
+    "cuda_cluster"} or {"kernel": "triton", and the Triton kernel's options}.
+
+    cluster_pieces: blocks per row of the CUDA cluster kernel (ceil(hidden / 1024)) when it can run
+    here, else 0. It is chosen when every block of every row gets an SM of its own (tokens x pieces
+    <= compute units) and there are at least CLUSTER_MIN_BLOCKS stored blocks. Measured on the H200
+    (hidden 7168, graph replay, records attn_res_t*_s*.cudacluster): 1 token, 9 sources 5.24 us vs
+    6.16 us for tile8; 8 tokens, 9 sources 5.40 vs 6.27; 5 sources 5.04 vs 5.28; but 2 sources
+    4.36 vs 3.48 (the cluster launch and its barriers cost ~0.9 us more than one program's work).
 
     The rule, from the H200 sweep (profiles/nvidia-h200/copy_removal/attn_res_t*_s*.<variant>, hidden
     7168, graph replay; the variants are copy_removal.ATTN_RES_VARIANTS):
@@ -223,12 +234,29 @@ def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None) 
     """
     if compute_units is None:
         compute_units = env.detect().compute_units or 1
+    if cluster_pieces and n_blocks >= CLUSTER_MIN_BLOCKS and tokens * cluster_pieces <= compute_units:
+        return {"kernel": "cuda_cluster"}
     all_blocks = 1 << max(n_blocks - 1, 0).bit_length()  # next power of two
     if tokens <= compute_units:
-        return {"group": all_blocks, "num_warps": 8, "prefetch": 1, "w_reload": 0, "stages": 0}
+        return {"kernel": "triton", "group": all_blocks, "num_warps": 8, "prefetch": 1, "w_reload": 0, "stages": 0}
     if n_blocks >= 2:
-        return {"group": 1, "num_warps": 8, "prefetch": 0, "w_reload": 0, "stages": 3}
-    return {"group": 1, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0}
+        return {"kernel": "triton", "group": 1, "num_warps": 8, "prefetch": 0, "w_reload": 0, "stages": 3}
+    return {"kernel": "triton", "group": 1, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0}
+
+
+CLUSTER_MIN_BLOCKS = 4  # 5+ sources: below that one Triton program is faster than a cluster (above)
+KERNELS = ("triton", "cuda_cluster")
+
+
+def kernel_status(prefix: torch.Tensor, delta: torch.Tensor | None = None, blocks: torch.Tensor | None = None
+                  ) -> tuple[int, str]:
+    """(cluster pieces per row, why): how many blocks per row the CUDA cluster kernel would use for
+    these tensors (0 when it cannot run on them here: then `after` uses the Triton kernel, and `why`
+    says why). The first call on a GPU builds kernels/attn_res_norm.cu (tens of seconds, then
+    cached)."""
+    from k3lab.ops import attn_res_cuda  # imports this module: imported here, not at the top
+
+    return attn_res_cuda.cluster_pieces(prefix, delta, blocks)
 
 
 def fold_mix_weight(res_norm_w, res_proj_w):
@@ -237,10 +265,13 @@ def fold_mix_weight(res_norm_w, res_proj_w):
 
 
 def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False,
-          mix_weight=None, num_warps=None, prefetch=None, group=None, w_reload=None, stages=None, int_round=None):
-    """One Triton kernel for the whole step. Same arguments, effects and result as `before`;
+          mix_weight=None, num_warps=None, prefetch=None, group=None, w_reload=None, stages=None, int_round=None,
+          kernel=None):
+    """One kernel launch for the whole step. Same arguments, effects and result as `before`;
     pass `mix_weight=fold_mix_weight(...)` (folded at load time) to keep the step at one launch.
-    num_warps / prefetch / group / w_reload / stages override `launch_config`'s choice (for sweeps).
+    kernel: 'triton', 'cuda_cluster', or None (`launch_config` chooses; see `kernel_status`).
+    num_warps / prefetch / group / w_reload / stages override `launch_config`'s choice of Triton
+    options (for sweeps; they imply kernel='triton').
     int_round: round bf16 with integer arithmetic (default: only under Triton's interpreter, whose
     casts truncate; on a GPU the conversion instruction rounds to nearest even by itself)."""
     T, D = _check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block)
@@ -252,7 +283,21 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     w_mix = fold_mix_weight(res_norm_w, res_proj_w) if mix_weight is None else mix_weight
     if w_mix.shape != (D,) or w_mix.dtype != torch.float32:
         raise ValueError(f"mix_weight must be fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")
-    cfg = launch_config(T, n_blocks) if None in (num_warps, prefetch, group, w_reload, stages) else {}
+    if kernel not in (None, *KERNELS):
+        raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
+    options = (num_warps, prefetch, group, w_reload, stages)
+    if kernel is None and any(o is not None for o in options):
+        kernel = "triton"
+    cfg = {}
+    if kernel is None or (kernel == "triton" and None in options):
+        pieces = kernel_status(prefix, delta, blocks)[0] if kernel is None and T > 0 else 0
+        cfg = launch_config(T, n_blocks, cluster_pieces=pieces)
+        kernel = cfg["kernel"]
+    if kernel == "cuda_cluster":
+        from k3lab.ops import attn_res_cuda
+
+        return attn_res_cuda.cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w,
+                                        eps=eps, push_block=push_block, mix_weight=w_mix, mode="cluster")
     warps = int(cfg["num_warps"] if num_warps is None else num_warps)
     pf = int(cfg["prefetch"] if prefetch is None else prefetch)
     g = int(cfg["group"] if group is None else group)

@@ -109,7 +109,9 @@ def _attn_res_case(tokens: int, sources: int, hidden: int, graph: bool) -> list[
     floor = bench.floor_us(bytes=nbytes) if _gpu() else None
     modes = [False, True] if graph else [False]
     records = []
-    launch = {"after": {"launch": arn.launch_config(tokens, x.n_blocks)}, "before": {}}
+    pieces, why = arn.kernel_status(x.prefix, x.delta, x.blocks)
+    launch = {"after": {"launch": arn.launch_config(tokens, x.n_blocks, cluster_pieces=pieces), "kernel_note": why},
+              "before": {}}
     for use_graph in modes:
         case = f"attn_res_t{tokens}_s{sources}" + ("_graph" if use_graph else "")
         for variant, fn in fns.items():

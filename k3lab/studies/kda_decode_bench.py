@@ -229,9 +229,13 @@ def sweep_options(f=None) -> list[dict]:
     return opts
 
 
-def sweep_configs(batch: int, *, heads: int = HEADS, options=None, repeats: int = 50) -> list[dict]:
+def sweep_configs(batch: int, *, heads: int = HEADS, options=None, repeats: int = 50,
+                  cold_state: bool = True) -> list[dict]:
     """Graph-replay time of each kernel option (tile_v, threads, split, hints, layout), after checking
-    each against the reference; a failed check is recorded in the row, not raised."""
+    each against the reference; a failed check is recorded in the row, not raised. cold_state: cycle
+    `state_copies` caches as `time_case` does (sweeps before 2026-11-30's third session timed one
+    cache, so small batches ran with their state in L2)."""
+    copies = state_copies(batch, heads) if cold_state else 1
     rows = []
     for o in options or sweep_options():
         opts = {k: v for k, v in o.items() if k != "layout"}
@@ -243,10 +247,12 @@ def sweep_configs(batch: int, *, heads: int = HEADS, options=None, repeats: int 
             rows.append(dict(row, failed=str(exc)[:500]))
             continue
         inputs, cache, w = kd.make_example(batch, heads, device="cuda", state_layout=layout, seed=3)
-        step = kd.KDADecodeStep(cache, w, impl="after", state_layout=layout, **opts)
+        steps = [kd.KDADecodeStep(kd.clone_cache(cache), w, impl="after", state_layout=layout, **opts)
+                 for _ in range(copies)]
         args = tuple(inputs[n] for n in kd.TOKEN_INPUTS)
-        t = bench.time_fn(lambda step=step, args=args: step(*args), warmup=10, repeats=repeats, graph=True)
-        rows.append(dict(row, graph_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us,
+        t = bench.time_fn(_cycling(steps, lambda step, args=args: step(*args)), warmup=10, repeats=repeats,
+                          graph=True, calls_per_sample=copies if copies > 1 else None)
+        rows.append(dict(row, state_copies=copies, graph_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us,
                          state_max_rel=errs["after"]["state"]["max_rel"],
                          out_max_rel=errs["after"]["output"]["max_rel"]))
     return rows

@@ -586,9 +586,147 @@ def _split_a_kernel(
 
 @triton.jit
 def _split_inverse_kernel(r_buf, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl.constexpr):
-    """Launch 2: R = (I + Akk)^-1 in fp32, in place, one program per (chunk, head): the diagonal
-    blocks by forward substitution (rows read back), then R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ."""
-    r_base = r_buf + tl.program_id(0).to(tl.int64) * C * C
+    """Launch 2: R = (I + Akk)^-1 in fp32, in place, one program per (chunk, head)."""
+    _inverse_in_place(r_buf + tl.program_id(0).to(tl.int64) * C * C, C, BC, INV_PREC)
+
+
+@triton.jit(do_not_specialize=["H"])
+def _split_wu_kernel(
+    v,
+    beta,
+    chunk_tok,
+    chunk_len,
+    w_out,
+    u_out,
+    r_buf,
+    H,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    OUT_PREC: tl.constexpr,
+):
+    """Launch 3: W = R (beta K e^G) in place over its right factor, U = R (beta V)."""
+    c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    tok0 = tl.load(chunk_tok + c).to(tl.int64)
+    L = tl.load(chunk_len + c)
+    out = c * H + h
+    _wu_chunk(v, beta, tok0, L, h, H, out, w_out, u_out, r_buf + out * C * C, K, V, C, BC, BK, OUT_PREC)
+
+
+# ----------------------------------------------------------------------------------------------
+# prologue, 'fused' form: one program per (chunk, head) walks the chunk's four 16-row blocks in
+# order and keeps only [16, 128] tiles live, so the A's, the fp32 inverse and W / U fit one launch
+# without the register pressure that sank the 'persistent' kernel (255 registers, spills).
+#   Reference points: row block I is factored around P_I, the cumulative log-decay before its first
+#   row. The left factor x_i e^(G_i - P_I) is <= 1. The earlier blocks' keys are kept in registers
+#   as "history" tiles k_j e^(P_I - G_j) (<= 1), rescaled by e^(block I's decay sum) when the walk
+#   moves on: one [16, 128] multiply per earlier block instead of re-reading and re-exponentiating
+#   them. After the fourth block the history is exactly Kd = k e^(G_last - G), so Kd^T comes free.
+#   Only the diagonal blocks carry a factor > 1 (e^spread, checked against SAFE_SPREAD as before).
+#   Akk goes to the fp32 R buffer (L1/L2-hot: the same program reads it back for the inverse), the
+#   inverse stays fp32, and only the finished R is rounded to the input dtype for W and U.
+
+
+@triton.jit
+def _fz_rows(k, q, g, beta, tok0, L, h, H, BI: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
+    """Block BI's rows of k, q, g (fp32) and beta; rows past the chunk's end are zeros (no-ops)."""
+    rb = tl.arange(0, BC)
+    rk = tl.arange(0, K)
+    rows = BI * BC + rb
+    m = (rows < L)[:, None]
+    off = ((tok0 + rows) * H + h)[:, None] * K + rk[None, :]
+    kb = tl.load(k + off, mask=m, other=0.0).to(tl.float32)
+    qb = tl.load(q + off, mask=m, other=0.0).to(tl.float32)
+    gb = tl.load(g + off, mask=m, other=0.0)
+    bt = tl.load(beta + (tok0 + rows) * H + h, mask=rows < L, other=0.0)
+    return kb, qb, gb, bt
+
+
+@triton.jit
+def _fz_pair(a_k, a_q, hist, aqk_base, r_base, bt, scale, BI: tl.constexpr, BJ: tl.constexpr,
+             C: tl.constexpr, BC: tl.constexpr, AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr):
+    """Block (BI, BJ), BJ < BI, of Akk (x beta, fp32 into the R buffer) and Aqk (x scale)."""
+    ht = tl.trans(hist)
+    akk = tl.dot(a_k, ht, input_precision=AKK_PREC)
+    aqk = tl.dot(a_q, ht, input_precision=AQK_PREC)
+    _sp_store_aqk(aqk_base, aqk * scale, BI, BJ, C, BC)
+    _blk_store(r_base, BI, BJ, akk * bt[:, None], C, BC)
+
+
+@triton.jit
+def _fz_kdt(kdt_out, hist, out, BJ: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    rb = tl.arange(0, BC)
+    rk = tl.arange(0, K)
+    tl.store(kdt_out + out * K * C + rk[:, None] * C + (BJ * BC + rb)[None, :],
+             tl.trans(hist).to(kdt_out.dtype.element_ty))
+
+
+@triton.jit
+def _fz_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
+                K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SPREAD: tl.constexpr,
+                AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr):
+    """Akk (fp32, R buffer), Aqk, Qg, W's right factor (in W's buffer), Kd^T and d of one chunk."""
+    rb = tl.arange(0, BC)
+    rk = tl.arange(0, K)
+    zt = tl.zeros([BC, K], dtype=tl.float32)
+    zb = tl.zeros([BC, BC], dtype=tl.float32)
+    h0, h1, h2, h3 = zt, zt, zt, zt
+    P = tl.zeros([K], dtype=tl.float32)  # cumulative log-decay before the current block
+    for BI in tl.static_range(C // BC):
+        kb, qb, gb, bt = _fz_rows(k, q, g, beta, tok0, L, h, H, BI, K, BC)
+        Gw = tl.cumsum(gb, axis=0)  # G - P_I, <= 0
+        bs = tl.sum(gb, axis=0)  # the block's decay sum
+        eG = tl.exp(Gw)
+        a_k = kb * eG
+        a_q = qb * eG
+        eP = tl.exp(P)[None, :]
+        tile = out * C * K + (BI * BC + rb)[:, None] * K + rk[None, :]
+        tl.store(qg_out + tile, (a_q * eP * scale).to(qg_out.dtype.element_ty))
+        tl.store(w_out + tile, (a_k * eP * bt[:, None]).to(w_out.dtype.element_ty))
+        akd, aqd = _sp_diag(zb, zb, kb, qb, a_k, a_q, Gw, SPREAD, AKK_PREC, AQK_PREC, BC)
+        _sp_store_aqk(aqk_base, tl.where(rb[:, None] >= rb[None, :], aqd * scale, 0.0), BI, BI, C, BC)
+        _blk_store(r_base, BI, BI, tl.where(rb[:, None] > rb[None, :], akd * bt[:, None], 0.0), C, BC)
+        if BI >= 1:
+            _fz_pair(a_k, a_q, h0, aqk_base, r_base, bt, scale, BI, 0, C, BC, AKK_PREC, AQK_PREC)
+        if BI >= 2:
+            _fz_pair(a_k, a_q, h1, aqk_base, r_base, bt, scale, BI, 1, C, BC, AKK_PREC, AQK_PREC)
+        if BI >= 3:
+            _fz_pair(a_k, a_q, h2, aqk_base, r_base, bt, scale, BI, 2, C, BC, AKK_PREC, AQK_PREC)
+        for BJ in tl.static_range(BI + 1, C // BC):
+            _sp_store_aqk(aqk_base, zb, BI, BJ, C, BC)
+        # move the reference past this block: history x e^(bs), this block's keys join it
+        eb = tl.exp(bs)[None, :]
+        c_new = kb * tl.exp(bs[None, :] - Gw)  # <= 1
+        if BI == 0:
+            h0 = c_new
+        if BI == 1:
+            h0 = h0 * eb
+            h1 = c_new
+        if BI == 2:
+            h0 = h0 * eb
+            h1 = h1 * eb
+            h2 = c_new
+        if BI == 3:
+            h0 = h0 * eb
+            h1 = h1 * eb
+            h2 = h2 * eb
+            h3 = c_new
+        P = P + bs
+    # the history now stands at G_last: Kd = k e^(G_last - G)
+    _fz_kdt(kdt_out, h0, out, 0, K, C, BC)
+    _fz_kdt(kdt_out, h1, out, 1, K, C, BC)
+    _fz_kdt(kdt_out, h2, out, 2, K, C, BC)
+    _fz_kdt(kdt_out, h3, out, 3, K, C, BC)
+    tl.store(d_out + out * K + rk, tl.exp(P))
+
+
+@triton.jit
+def _inverse_in_place(r_base, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl.constexpr):
+    """R = (I + Akk)^-1 in fp32, in place: the diagonal blocks by forward substitution (rows read
+    back), then R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ."""
     rb = tl.arange(0, BC)
     z = tl.zeros([BC, BC], dtype=tl.float32)
     x0, x1, x2, x3 = z, z, z, z
@@ -616,38 +754,17 @@ def _split_inverse_kernel(r_buf, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl
     _blk_store(r_base, 3, 0, r30, C, BC)
 
 
-@triton.jit(do_not_specialize=["H"])
-def _split_wu_kernel(
-    v,
-    beta,
-    chunk_tok,
-    chunk_len,
-    w_out,
-    u_out,
-    r_buf,
-    H,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    C: tl.constexpr,
-    BC: tl.constexpr,
-    BK: tl.constexpr,
-    OUT_PREC: tl.constexpr,
-):
-    """Launch 3: W = R (beta K e^G) in place over its right factor, U = R (beta V); R is rounded to
-    the input dtype only here, as the seed prescribes."""
-    c = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+@triton.jit
+def _wu_chunk(v, beta, tok0, L, h, H, out, w_out, u_out, r_base, K: tl.constexpr, V: tl.constexpr,
+              C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, OUT_PREC: tl.constexpr):
+    """W = R (beta K e^G) in place over its right factor, U = R (beta V), R rounded to the input
+    dtype only here (the seed's rule)."""
     rc = tl.arange(0, C)
     rs = tl.arange(0, BK)
     INTER = w_out.dtype.element_ty
-    tok0 = tl.load(chunk_tok + c).to(tl.int64)
-    L = tl.load(chunk_len + c)
-    out = c * H + h
     rmask = rc < L
     R = tl.load(
-        r_buf + out * C * C + rc[:, None] * C + rc[None, :],
-        mask=(rc[:, None] // BC) >= (rc[None, :] // BC),
-        other=0.0,
+        r_base + rc[:, None] * C + rc[None, :], mask=(rc[:, None] // BC) >= (rc[None, :] // BC), other=0.0
     ).to(INTER)
     bt = tl.load(beta + (tok0 + rc) * H + h, mask=rmask, other=0.0)
     for s in tl.static_range(K // BK):
@@ -660,6 +777,53 @@ def _split_wu_kernel(
         tl.store(
             u_out + out * C * V + rc[:, None] * V + col[None, :], tl.dot(R, vb, input_precision=OUT_PREC).to(INTER)
         )
+
+
+@triton.jit(do_not_specialize=["H"])
+def _fused_prologue_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    chunk_tok,
+    chunk_len,
+    w_out,
+    u_out,
+    qg_out,
+    kdt_out,
+    aqk_out,
+    d_out,
+    r_buf,
+    H,
+    scale,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    SPREAD: tl.constexpr,
+    AKK_PREC: tl.constexpr,
+    AQK_PREC: tl.constexpr,
+    INV_PREC: tl.constexpr,
+    OUT_PREC: tl.constexpr,
+    FUSE: tl.constexpr,
+):
+    """The 'fused' prologue, one program per (chunk, head). FUSE=False stops after the A's (the
+    'rows' prologue: the split form's inverse and W / U launches follow)."""
+    c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    tok0 = tl.load(chunk_tok + c).to(tl.int64)
+    L = tl.load(chunk_len + c)
+    out = c * H + h
+    r_base = r_buf + out * C * C
+    _fz_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_out + out * C * C,
+                r_base, K, C, BC, SPREAD, AKK_PREC, AQK_PREC)  # fmt: skip
+    if FUSE:
+        tl.debug_barrier()  # Akk and W's right factor are written by the whole program
+        _inverse_in_place(r_base, C, BC, INV_PREC)
+        tl.debug_barrier()
+        _wu_chunk(v, beta, tok0, L, h, H, out, w_out, u_out, r_base, K, V, C, BC, BK, OUT_PREC)
 
 
 @triton.jit
@@ -1254,12 +1418,22 @@ def _alloc_work(n_chunks: int, H: int, dtype, device) -> _Work:
     )
 
 
-PROLOGUES = ("persistent", "split")
-DEFAULT_PROLOGUE = "split"  # 766 us against 'persistent' 1495 us at 12 heads x 16K tokens on the H200
-# the split prologue's launch options: key slice and warps of the A's launch, one row block per
-# program (else four per program), warps of the inverse, slice and warps of W / U. Each was the
-# fastest of the options `k3lab.studies.kda_scan.calibrate` timed on the H200 (run 2).
-SPLIT_DEFAULTS = {"block_k": 32, "a_warps": 2, "per_block": True, "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4}
+PROLOGUES = ("persistent", "split", "rows", "fused")
+DEFAULT_PROLOGUE = "fused"
+# each prologue kind's launch options (`options=` / `prologue_options=` override them):
+#   split (run 2's default): key slice and warps of the A launch, one row block per program (else four
+#     per program), warps of the inverse, slice and warps of W / U; each the fastest that
+#     `k3lab.studies.kda_scan.calibrate` timed on the H200 in run 2.
+#   rows: the fused kernel's A phase alone, then the split form's inverse and W / U launches.
+#   fused: one launch; warps, Akk's dot precision ('near': tf32x3 on NVIDIA for 16-bit inputs,
+#     'fast': one tf32 pass; fp32 inputs are always exact) and the W / U column slice.
+PROLOGUE_DEFAULTS = {
+    "persistent": {"warps": 8},
+    "split": {"block_k": 32, "a_warps": 2, "per_block": True, "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4},
+    "rows": {"a_warps": 4, "akk_prec": "near", "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4},
+    "fused": {"warps": 4, "akk_prec": "near", "wu_block_k": 64},
+}
+SPLIT_DEFAULTS = PROLOGUE_DEFAULTS["split"]
 
 
 def kda_chunk_prologue(
@@ -1273,29 +1447,97 @@ def kda_chunk_prologue(
     work: _Work | None = None,
     num_warps: int | None = None,
     prologue: str | None = None,
-    split: dict | None = None,
+    options: dict | None = None,
 ) -> _Work:
     """Launch(es) 1 of both variants: the per-chunk quantities, written into `work`.
 
-    prologue='split' (the default): three launches with few live tiles each (`split_prologue_launches`;
-    `split` overrides SPLIT_DEFAULTS, `num_warps` the A launch's warps). On the H200 it costs 0.25 us
-    of GPU time per chunk and head, 0.20 of them in the A launch (profiles/nvidia-h200/kda_scan).
-    prologue='persistent' (run 1's): one launch on a persistent grid whose programs keep G, Akk and
-    R in an L2-resident scratch slot; its whole [64, 128] tiles take 255 registers and spill, so two
-    programs fit on an SM: 0.49 us per chunk and head."""
+    prologue='fused' (the default): one program per (chunk, head) walks the chunk's four 16-row blocks
+    with the earlier blocks' keys kept as rescaled history tiles, then inverts (fp32) and forms W and
+    U in the same launch. 'rows': its A phase, then split's inverse and W / U launches.
+    'split' (run 2's): three launches (`prologue_launches`); on the H200 0.25 us of GPU time per
+    chunk and head, 0.20 of them in its A launch (profiles/nvidia-h200/kda_scan).
+    'persistent' (run 1's): one launch on a persistent grid whose programs keep G, Akk and R in an
+    L2-resident scratch slot; its whole [64, 128] tiles take 255 registers and spill: 0.49 us per
+    chunk and head. `options` overrides PROLOGUE_DEFAULTS[prologue]; `num_warps` the first launch's
+    warps."""
+    H = q.shape[2]
+    work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)
+    launches = prologue_launches(q, k, v, g, beta, plan, scale, work, num_warps, options, prologue)
+    if plan.n_chunks * H:
+        for launch in launches.values():
+            launch()
+    return work
+
+
+def prologue_launches(
+    q, k, v, g, beta, plan: KdaPlan, scale: float, work: _Work, num_warps=None, options=None, prologue=None
+) -> dict:
+    """A prologue's launches as callables on fixed buffers, in order (for timing each on its own):
+    split / rows: 'a' (Akk, Aqk, Qg, W's right factor, Kd^T, d), 'inverse' (R in place of Akk, fp32),
+    'wu' (W, U); fused: 'fused'; persistent: 'persistent'."""
     prologue = prologue or DEFAULT_PROLOGUE
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
+    defaults = PROLOGUE_DEFAULTS[prologue]
+    unknown = set(options or {}) - set(defaults)
+    if unknown:
+        raise ValueError(f"{prologue} prologue options must be among {sorted(defaults)}, got {sorted(unknown)}")
+    opts = {**defaults, **(options or {})}
+    if "akk_prec" in opts and opts["akk_prec"] not in ("near", "fast"):
+        raise ValueError(f"akk_prec must be 'near' or 'fast', got {opts['akk_prec']!r}")
     H = q.shape[2]
-    work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)
     n_items = plan.n_chunks * H
-    if n_items == 0:
-        return work
-    if prologue == "split":
-        for launch in split_prologue_launches(q, k, v, g, beta, plan, scale, work, num_warps, split).values():
-            launch()
-        return work
     p = _precisions(q.dtype)
+    akk_prec = p["AKK_PREC"] if opts.get("akk_prec", "near") == "near" else p["AQK_PREC"]
+    if prologue == "persistent":
+        return {"persistent": lambda: _launch_persistent(q, k, v, g, beta, plan, scale, work, num_warps or opts["warps"])}
+    r_buf = work.r_buffer()
+
+    def blocks(fuse, warps):
+        return lambda: _fused_prologue_kernel[(plan.n_chunks, H)](
+            q, k, v, g, beta, plan.chunk_tok, plan.chunk_len, work.w, work.u, work.qg, work.kdt, work.aqk, work.d,
+            r_buf, H, float(scale), K=HEAD_DIM, V=HEAD_DIM, C=CHUNK, BC=SUB, BK=opts["wu_block_k"],
+            SPREAD=SAFE_SPREAD, AKK_PREC=akk_prec, AQK_PREC=p["AQK_PREC"], INV_PREC=p["INV_PREC"],
+            OUT_PREC=p["OUT_PREC"], FUSE=fuse, num_warps=warps, num_stages=1,
+        )  # fmt: skip
+
+    if prologue == "fused":
+        return {"fused": blocks(True, num_warps or opts["warps"])}
+    if prologue == "rows":
+        a = blocks(False, num_warps or opts["a_warps"])
+    else:
+        grid_a = (plan.n_chunks, H, 4) if opts["per_block"] else (plan.n_chunks, H)
+
+        def a():
+            _split_a_kernel[grid_a](
+                q, k, g, beta, plan.chunk_tok, plan.chunk_len, work.w, work.qg, work.kdt, work.aqk, work.d, r_buf,
+                H, float(scale), K=HEAD_DIM, C=CHUNK, BC=SUB, BK=opts["block_k"], SPREAD=SAFE_SPREAD,
+                AKK_PREC=akk_prec, AQK_PREC=p["AQK_PREC"], PER_BLOCK=opts["per_block"],
+                num_warps=num_warps or opts["a_warps"], num_stages=1,
+            )  # fmt: skip
+
+    def inverse():
+        _split_inverse_kernel[(n_items,)](
+            r_buf, C=CHUNK, BC=SUB, INV_PREC=p["INV_PREC"], num_warps=opts["inv_warps"], num_stages=1
+        )
+
+    def wu():
+        _split_wu_kernel[(plan.n_chunks, H)](
+            v, beta, plan.chunk_tok, plan.chunk_len, work.w, work.u, r_buf, H, K=HEAD_DIM, V=HEAD_DIM, C=CHUNK,
+            BC=SUB, BK=opts["wu_block_k"], OUT_PREC=p["OUT_PREC"], num_warps=opts["wu_warps"], num_stages=1,
+        )  # fmt: skip
+
+    return {"a": a, "inverse": inverse, "wu": wu}
+
+
+def split_prologue_launches(q, k, v, g, beta, plan: KdaPlan, scale: float, work: _Work, num_warps=None, split=None):
+    """The split prologue's three launches ('a', 'inverse', 'wu'): `prologue_launches(prologue='split')`."""
+    return prologue_launches(q, k, v, g, beta, plan, scale, work, num_warps, split, "split")
+
+
+def _launch_persistent(q, k, v, g, beta, plan, scale, work, num_warps):
+    p = _precisions(q.dtype)
+    n_items = plan.n_chunks * q.shape[2]
     scratch = work.scratch_slots()
     nprog = min(n_items, work.slots)
     _prologue_kernel[(nprog,)](
@@ -1316,7 +1558,7 @@ def kda_chunk_prologue(
         n_items,
         nprog,
         triton.cdiv(n_items, nprog),
-        H,
+        q.shape[2],
         float(scale),
         K=HEAD_DIM,
         V=HEAD_DIM,
@@ -1328,52 +1570,13 @@ def kda_chunk_prologue(
         INV_PREC=p["INV_PREC"],
         OUT_PREC=p["OUT_PREC"],
         WHILE=_WHILE,
-        num_warps=num_warps or 8,
+        num_warps=num_warps,
         num_stages=1,
     )
-    return work
 
 
-def split_prologue_launches(
-    q, k, v, g, beta, plan: KdaPlan, scale: float, work: _Work, num_warps=None, split=None
-) -> dict:
-    """The split prologue's three launches as callables on fixed buffers, in order: 'a' (Akk, Aqk,
-    Qg, W's right factor, Kd^T, d), 'inverse' (R in place of Akk, fp32), 'wu' (W, U). For timing each
-    launch on its own; `kda_chunk_prologue(prologue='split')` runs all three."""
-    opts = {**SPLIT_DEFAULTS, **(split or {})}
-    unknown = set(opts) - set(SPLIT_DEFAULTS)
-    if unknown:
-        raise ValueError(f"split options must be among {sorted(SPLIT_DEFAULTS)}, got {sorted(unknown)}")
-    H = q.shape[2]
-    n_items = plan.n_chunks * H
-    p = _precisions(q.dtype)
-    r_buf = work.r_buffer()
-    grid_a = (plan.n_chunks, H, 4) if opts["per_block"] else (plan.n_chunks, H)
-
-    def a():
-        _split_a_kernel[grid_a](
-            q, k, g, beta, plan.chunk_tok, plan.chunk_len, work.w, work.qg, work.kdt, work.aqk, work.d, r_buf,
-            H, float(scale), K=HEAD_DIM, C=CHUNK, BC=SUB, BK=opts["block_k"], SPREAD=SAFE_SPREAD,
-            AKK_PREC=p["AKK_PREC"], AQK_PREC=p["AQK_PREC"], PER_BLOCK=opts["per_block"],
-            num_warps=num_warps or opts["a_warps"], num_stages=1,
-        )  # fmt: skip
-
-    def inverse():
-        _split_inverse_kernel[(n_items,)](
-            r_buf, C=CHUNK, BC=SUB, INV_PREC=p["INV_PREC"], num_warps=opts["inv_warps"], num_stages=1
-        )
-
-    def wu():
-        _split_wu_kernel[(plan.n_chunks, H)](
-            v, beta, plan.chunk_tok, plan.chunk_len, work.w, work.u, r_buf, H, K=HEAD_DIM, V=HEAD_DIM, C=CHUNK,
-            BC=SUB, BK=opts["wu_block_k"], OUT_PREC=p["OUT_PREC"], num_warps=opts["wu_warps"], num_stages=1,
-        )  # fmt: skip
-
-    return {"a": a, "inverse": inverse, "wu": wu}
-
-
-def _prologue_kw(prologue, warps, split) -> dict:
-    return {"prologue": prologue, "num_warps": warps, "split": split}
+def _prologue_kw(prologue, warps, options) -> dict:
+    return {"prologue": prologue, "num_warps": warps, "options": options}
 
 
 def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, group_size, variant):
@@ -1447,7 +1650,7 @@ def kda_chunk_before(
     num_stages: int = 2,
     prologue_warps: int | None = None,
     prologue: str | None = None,
-    prologue_split: dict | None = None,
+    prologue_options: dict | None = None,
 ):
     """Chunked KDA prefill, plain walk (2 launches: prologue, walk). Returns (o, final_state).
 
@@ -1462,7 +1665,7 @@ def kda_chunk_before(
     o, s_final = _outputs(q, plan, H)
     if plan.n_chunks:
         work = kda_chunk_prologue(
-            q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_split)
+            q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_options)
         )
     else:
         work = work or _alloc_work(0, H, q.dtype, q.device)
@@ -1491,7 +1694,7 @@ def kda_chunk_after(
     num_stages: int = 2,
     prologue_warps: int | None = None,
     prologue: str | None = None,
-    prologue_split: dict | None = None,
+    prologue_options: dict | None = None,
 ):
     """Chunked KDA prefill by the group scan (4 launches: prologue, summaries, scan, replay), or the
     plain walk when `choose_group_size` (or the plan) says the GPU is already full. Same arguments
@@ -1519,11 +1722,11 @@ def kda_chunk_after(
             num_stages=num_stages,
             prologue_warps=prologue_warps,
             prologue=prologue,
-            prologue_split=prologue_split,
+            prologue_options=prologue_options,
         )
     o, s_final = _outputs(q, plan, H)
     work = kda_chunk_prologue(
-        q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_split)
+        q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_options)
     )
     sums, s_in = _scan_buffers(plan, H, q.device)
     _launch_summaries(work, plan, sums, H, q.dtype, summary_block, num_warps, num_stages)
@@ -1614,7 +1817,7 @@ def after_launches(
     num_stages: int = 2,
     prologue_warps: int | None = None,
     prologue: str | None = None,
-    prologue_split: dict | None = None,
+    prologue_options: dict | None = None,
 ) -> dict:
     """The after's launches as separate callables on fixed buffers (for timing each one and for
     profiling): {'prologue', 'summaries', 'scan', 'replay'} (or {'prologue', 'walk'} for a plan
@@ -1627,7 +1830,7 @@ def after_launches(
     work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)
     out = {
         "prologue": lambda: kda_chunk_prologue(
-            q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_split)
+            q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_options)
         )
     }
     if not plan.uses_scan:

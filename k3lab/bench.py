@@ -259,7 +259,29 @@ def _auto_calls(call, gpu: bool, warmup: int) -> int:
             call(i)
             lone.append((time.perf_counter() - t0) * 1e6)
     est = _stats(lone[1:] if n > 1 else lone)[0]
-    return int(min(MAX_CALLS_PER_SAMPLE, max(1, math.ceil(AUTO_SAMPLE_US / max(est, 1e-3)))))
+    return _calls_for(est)
+
+
+def _calls_for(per_call_us: float) -> int:
+    return int(min(MAX_CALLS_PER_SAMPLE, max(1, math.ceil(AUTO_SAMPLE_US / max(per_call_us, 1e-3)))))
+
+
+def _graph_calls(call, first_guess: int) -> int:
+    """Calls per graph from a short replay of a graph of `first_guess` calls. The eager warm-up prices a
+    launch-bound call at its launch (tens of us); in a graph it costs a few us, so the eager guess
+    leaves a graph of a handful of calls, and each replay's own launch (a few us) would then add a
+    share that depends on that handful: run-to-run differences of ~30% at a few us per call (seen on
+    the H200 for the one-token AttnRes step, 5 vs 9 calls per graph). Never fewer than the guess."""
+    graph = _capture_graph(call, first_guess, 1)
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(3)]
+    for a, b in pairs:
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    per_call = _stats([a.elapsed_time(b) * 1e3 / first_guess for a, b in pairs])[0]
+    del graph
+    return max(first_guess, _calls_for(per_call))
 
 
 def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool = False,
@@ -281,7 +303,10 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
     same knob) and time its replays; per call = replay time / k. Why a graph of k calls rather than N
     replays of a one-call graph: each replay pays a graph launch of its own (a few us), which would
     swamp the per-kernel cost we want to show. A served decode step is one graph of hundreds of
-    kernels, so the cost of a kernel inside a long graph is the figure that matters.
+    kernels, so the cost of a kernel inside a long graph is the figure that matters. With k=None the
+    graph's size comes from a short replay of a first graph sized by the eager warm-up (records from
+    before 2026-11-30's third session sized it from the eager warm-up alone: a few calls per graph
+    for launch-bound steps, whose per-call figures then carried part of the replay's launch).
 
     rotate: a list of argument tuples; call i runs fn(*rotate[i % len(rotate)]) so inputs that fit in
     cache are not timed hot (see `rotation_sets`). flush_l2: write a 2 x L2 buffer before each sample,
@@ -328,7 +353,7 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
         k = _auto_calls(call, gpu, warmup)
         warmup = 0  # _auto_calls ran the warm-up
         if graph:  # with rotating inputs a replay must visit every set, or later sets are never timed
-            k = max(k, n_sets)
+            k = max(_graph_calls(call, max(k, n_sets)), n_sets)
     if not gpu:
         samples = _time_cpu(call, warmup, repeats, min_time_s, k)
         overhead = _stats(_time_cpu(empty, 3, repeats, None, 1))[0] / k

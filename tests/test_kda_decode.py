@@ -268,7 +268,8 @@ def test_bad_impl_and_layout_names():
 def test_choose_config_and_hints_follow_the_measured_rules():
     # H200: 132 SMs. 12 heads at B = 1 are split over clusters of 4 (48 blocks); from 66 heads on, a head
     # per block; without clusters (the split would need an atomic exchange) always a head per block.
-    assert kd.choose_config(1, 12, 132) == kd.SPLIT_TILE
+    assert kd.choose_config(1, 12, 132) == kd.SPLIT_TILE_FINE  # 96 blocks of 16 columns fit 132 units
+    assert kd.choose_config(2, 12, 132) == kd.SPLIT_TILE  # 192 would not: 4 blocks of 32 per head
     assert kd.choose_config(5, 12, 132) == kd.SPLIT_TILE
     assert kd.choose_config(6, 12, 132) == (128, 256)
     assert kd.choose_config(128, 12, 132) == (128, 256)

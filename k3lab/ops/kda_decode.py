@@ -484,6 +484,7 @@ def fused_status() -> tuple[bool, str]:
 
 
 SPLIT_TILE = (32, 128)  # a split head: 4 blocks of 32 value columns, 128 threads each
+SPLIT_TILE_FINE = (16, 128)  # 8 blocks of 16 columns: where even 8 blocks per head fit on the units
 
 
 def choose_config(batch: int, heads: int, units: int, warp_size: int = 32, clusters: bool = True
@@ -491,16 +492,20 @@ def choose_config(batch: int, heads: int, units: int, warp_size: int = 32, clust
     """(tile_v, threads) for `batch` x `heads` heads on a device with `units` compute units.
 
     One head per block (no exchange for the output norm) once the heads alone give half the units
-    a block; below that, each head is split over a cluster of 4 blocks (32 value columns each) so
-    the state moves through more units. Without clusters (the split then needs an atomic exchange
-    through memory) whole heads always. Measured on the H200 (132 SMs, 12 heads, graph replay,
-    profiles/nvidia-h200/kda_decode/: the 'B1_H12.*' records and extra/sweep.json): B = 1, split
-    clusters with the state stored before the norm exchange: 32 columns x 128 threads 3.71 us,
-    16 x 128 3.76, 16 x 64 4.12, 64 x 128 4.19, whole heads 4.54, atomic exchange 4.85; B = 8
-    (96 heads): whole heads 5.9 us, any split 6.6-7.7; B = 32 and 128: whole heads, by 14-25%."""
+    a block; below that, each head is split over a cluster of blocks so the state moves through
+    more units: 8 blocks of 16 value columns when they all fit on the units at once, else 4 of 32.
+    Without clusters (the split then needs an atomic exchange through memory) whole heads always.
+    Measured on the H200 (132 SMs, 12 heads, graph replay, every step's state read from memory:
+    profiles/nvidia-h200/kda_decode/ and its sweep.json, 2026-11-30 third session): B = 1, split
+    clusters 16 columns x 128 threads 4.10 us, 32 x 128 4.37, 16 x 64 4.45, 64 x 128 4.69, whole
+    heads 5.06, atomic exchange 5.00 at best; B = 8 (96 heads): whole heads 7.47 us, the best split
+    7.57; B = 32 and 128: whole heads. (With the state hot in L2, as an earlier sweep timed it,
+    32 x 128 led at B = 1: 3.71 vs 3.76 us.)"""
     whole = (HEAD_DIM, 256)
     if not clusters or batch * heads * 2 >= units:
         tile_v, threads = whole
+    elif batch * heads * (HEAD_DIM // SPLIT_TILE_FINE[0]) <= units:
+        tile_v, threads = SPLIT_TILE_FINE
     else:
         tile_v, threads = SPLIT_TILE
     if threads % warp_size:

@@ -80,6 +80,11 @@ import triton.language as tl
 from k3lab import env
 from k3lab.nn.mla import latent_attention
 
+try:  # host-side bulk-copy (TMA) descriptors, Triton 3.3+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # an older Triton: the bulk kernel is not offered (see bulk_status)
+    TensorDescriptor = None
+
 try:  # grid dependency control (programmatic dependent launch), NVIDIA sm_90+ only
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # an older Triton: the plans never ask for it (see _pdl_wanted)
@@ -93,6 +98,8 @@ MMA_ROWS = 16  # the fewest rows tl.dot accepts: the padded head count
 MAX_Q_LEN = 8  # verification group: the draft tokens plus one
 TOKENS_PER_PROGRAM = 4  # after: verify tokens sharing one program (4 x 16 = 64 rows of accumulator)
 MAX_SPLITS = 512
+BULK_BLOCK_N = 64  # bulk kernel: latent rows per tile (a page of 64; M = 64 is what wgmma wants)
+TAIL_ROWS = 16  # bulk kernel: rows per masked step over a request's last, partial tile
 MERGE_DV = 16  # value columns per merge program: 12 heads x 32 programs at B = 1 (H200 sweep: 16 beat 32 and 64)
 MERGE_TILE_ELEMS = 8192  # partial values one merge program loads at once (fp32: 32 KB)
 _LN2 = math.log(2.0)
@@ -103,7 +110,7 @@ __all__ = [
     "DecodePlan", "plan_before", "plan_after", "mla_decode_before", "mla_decode_after",
     "choose_num_splits", "split_cost", "launch_config", "after_groups",
     "einsum_decode", "sdpa_decode", "to_paged", "gather_paged", "reference",
-    "aiter_status", "aiter_decode",
+    "aiter_status", "aiter_decode", "bulk_status",
 ]
 
 
@@ -319,7 +326,7 @@ def _shared_memory_bytes() -> int | None:
 
 def launch_config(variant: str, dtype: torch.dtype = torch.bfloat16, rows: int = MMA_ROWS,
                   block_n: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None) -> LaunchConfig:
+                  num_stages: int | None = None, kernel: str = "split") -> LaunchConfig:
     """Tile size, warps and pipeline depth for a variant. The pipeline depth is as many latent tiles
     as fit in the device's shared memory (LDS on AMD) per program, at most 3; warps follow the rows
     held (16 rows: 4 warps, 64 rows: 8)."""
@@ -342,6 +349,12 @@ def launch_config(variant: str, dtype: torch.dtype = torch.bfloat16, rows: int =
         except ValueError:
             raise ValueError(f"K3LAB_MLA_AFTER_CONFIG must be 'block_n,num_warps,num_stages', got {env_cfg!r}") from None
         return LaunchConfig(bn, warps, stages)
+    if kernel == "bulk":
+        # 64-row tiles (both products on wgmma), one copy buffer: ~110 KB of shared memory, so two
+        # programs share an SM and one computes while the other waits for its tile (Triton issues a
+        # pipelined loop's next copy only after the current tile's products, so a second buffer
+        # would overlap nothing and leave room for one program). 64 rows (verify): 8 warps.
+        return LaunchConfig(block_n or BULK_BLOCK_N, num_warps or (4 if rows <= 16 else 8), num_stages or 1)
     bn = block_n or 32
     warps = num_warps or (4 if rows <= 16 else 8)
     if num_stages is None:
@@ -574,6 +587,147 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
 
 
 @triton.jit
+def _page_split_kernel(q_ptr, kc_desc, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_ptr,
+                       heads, q_len, num_splits, head_groups, chunk,
+                       stride_qb, stride_qt, stride_qh,
+                       stride_kvp, stride_kvr, stride_btb,
+                       stride_ob, stride_ot, stride_oh,
+                       stride_lb, stride_lt,
+                       scale_log2,
+                       PAGE_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+                       HEAD_TILE: tl.constexpr, TOK_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       TAIL_N: tl.constexpr, CAUSAL: tl.constexpr,
+                       WRITE_FINAL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    # The split kernel with whole-tile bulk copies (Hopper TMA). The cache is described once, on the
+    # host, as a [rows, 576] tensor (pool pages laid end to end, or requests end to end), so a tile of
+    # BLOCK_N latent rows inside one page is one rectangle at row page x PAGE_SIZE + offset: the copy
+    # engine fetches it into shared memory (no per-thread address arithmetic or copy instructions, no
+    # registers for addresses), and both products read it from there: with BLOCK_N = 64 both run
+    # on wgmma (positions are the M dimension).
+    # Whole tiles of the piece take that path. Only a request's last, partial tile (rows past its
+    # length may hold anything, NaN included) is read with masked loads, TAIL_N rows at a time
+    # (_split_tile), after the loop. The running sum is kept per score element (no cross-warp
+    # reduction for it inside the loop) and reduced once after it.
+    if PDL:
+        gdc_launch_dependents()
+    split = tl.program_id(0)
+    b = tl.program_id(1)
+    grp = tl.program_id(2)
+    hg = grp % head_groups
+    tg = grp // head_groups
+    start = split * chunk
+    length = tl.load(len_ptr + b)
+    M: tl.constexpr = TOK_TILE * HEAD_TILE
+    r = tl.arange(0, M)
+    t = tg * TOK_TILE + r // HEAD_TILE
+    h = hg * HEAD_TILE + r % HEAD_TILE
+    row_ok = (t < q_len) & (h < heads)  # rows past the real heads are the padding: zero query, never stored
+    offs_v = tl.arange(0, DV)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
+    q_t = tl.load(q_rows[None, :] + offs_v[:, None], mask=row_ok[None, :], other=0.0)  # [DV, M]
+    qpe_t = tl.load(q_rows[None, :] + DV + tl.arange(0, DR)[:, None], mask=row_ok[None, :], other=0.0)  # [DR, M]
+    qpos = tl.where(row_ok, length - q_len + t, -1)  # last visible position per row (causal)
+    end = tl.minimum(start + chunk, length)
+    main_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # whole tiles, all rows < length
+    m_i = tl.full([M], -float("inf"), dtype=tl.float32)
+    l_e = tl.zeros([BLOCK_N, M], dtype=tl.float32)
+    acc = tl.zeros([DV, M], dtype=tl.float32)
+    bt_row = bt_ptr + b * stride_btb
+    # Software prefetch across iterations (the loop is not pipelined by Triton: at this tile size
+    # its copy buffers would not leave room for a second program per SM): the block-table entry
+    # two tiles ahead and the 64 rope columns of the next tile are requested one iteration early
+    # and kept in registers, so a tile waits only for its own bulk copy.
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, DR)
+    row_n = tl.load(bt_row + start // PAGE_SIZE, mask=start < main_end, other=0) * PAGE_SIZE + start % PAGE_SIZE
+    page_nn = tl.load(bt_row + (start + BLOCK_N) // PAGE_SIZE, mask=start + BLOCK_N < main_end, other=0)
+    kpe_n = tl.load(kv_ptr + row_n.to(tl.int64) * stride_kvr + DV + offs_n[:, None] * stride_kvr + offs_r[None, :],
+                    mask=(offs_n < main_end - start)[:, None], other=0.0)
+    if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
+        n0 = start
+        while n0 < main_end:
+            m_i, l_e, acc, row_n, page_nn, kpe_n = _bulk_tile(
+                kc_desc, kv_ptr, stride_kvr, bt_row, n0, main_end, row_n, page_nn, kpe_n, qpos, q_t, qpe_t, m_i,
+                l_e, acc, scale_log2, PAGE_SIZE, DV, BLOCK_N, CAUSAL, IEEE)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, main_end, BLOCK_N):
+            m_i, l_e, acc, row_n, page_nn, kpe_n = _bulk_tile(
+                kc_desc, kv_ptr, stride_kvr, bt_row, n0, main_end, row_n, page_nn, kpe_n, qpos, q_t, qpe_t, m_i,
+                l_e, acc, scale_log2, PAGE_SIZE, DV, BLOCK_N, CAUSAL, IEEE)
+    l_i = tl.sum(l_e, axis=0)
+    # the request's last, partial tile: masked loads (nothing past the length is read)
+    offs_t = tl.arange(0, TAIL_N)
+    if INTERPRET:
+        n0 = main_end
+        while n0 < end:
+            pos = n0 + offs_t
+            rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, True, PAGE_SIZE)
+            m_i, l_i, acc = _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2,
+                                        DV, DR, IEEE)
+            n0 += TAIL_N
+    else:
+        for n0 in tl.range(main_end, end, TAIL_N, num_stages=1):
+            pos = n0 + offs_t
+            rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, True, PAGE_SIZE)
+            m_i, l_i, acc = _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2,
+                                        DV, DR, IEEE)
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[None, :]
+    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -float("inf"))
+    if WRITE_FINAL:
+        o_rows = o_ptr + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
+        tl.store(o_rows[None, :] + offs_v[:, None], o.to(o_ptr.dtype.element_ty), mask=row_ok[None, :])
+        tl.store(lse_ptr + b * stride_lb + t * stride_lt + h, lse2 * 0.6931471805599453, mask=row_ok)
+    else:
+        prow = (b * q_len * heads + t * heads + h).to(tl.int64) * num_splits + split
+        tl.store(op_ptr + prow[None, :] * DV + offs_v[:, None], o, mask=row_ok[None, :])
+        tl.store(lsep_ptr + prow, lse2, mask=row_ok)
+
+
+@triton.jit
+def _bulk_tile(kc_desc, kv_ptr, stride_kvr, bt_row, n0, main_end, row, page_nn, k_pe, qpos, q_t, qpe_t, m_i, l_e,
+               acc, scale_log2, PAGE_SIZE: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """One whole tile (every row below the request's length) at pool row `row`, its rope columns
+    k_pe already in registers: the 512 value columns by bulk copy, both products on tl.dot, the
+    running sum kept per element (l_e [BLOCK_N, rows]). Requests the next tile's rope columns and
+    the block-table entry after it. CAUSAL (verify groups): a row sees positions up to its own."""
+    DR: tl.constexpr = k_pe.shape[1]
+    nxt = n0 + BLOCK_N
+    row_n = page_nn * PAGE_SIZE + nxt % PAGE_SIZE
+    page_nn = tl.load(bt_row + (nxt + BLOCK_N) // PAGE_SIZE, mask=nxt + BLOCK_N < main_end, other=0)
+    offs_n = tl.arange(0, BLOCK_N)
+    kpe_n = tl.load(kv_ptr + row_n.to(tl.int64) * stride_kvr + DV + offs_n[:, None] * stride_kvr
+                    + tl.arange(0, DR)[None, :], mask=(offs_n < main_end - nxt)[:, None], other=0.0)
+    k_c = kc_desc.load([row, 0])  # [BLOCK_N, DV]
+    if IEEE:
+        s = tl.dot(k_c, q_t, input_precision="ieee")
+        s = tl.dot(k_pe, qpe_t, s, input_precision="ieee")
+    else:
+        s = tl.dot(k_c, q_t)
+        s = tl.dot(k_pe, qpe_t, s)
+    s = s * scale_log2
+    if CAUSAL:
+        pos = n0 + offs_n
+        s = tl.where(pos[:, None] <= qpos[None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row that sees nothing yet stays at zero
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: every position of the tile is visible
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[None, :])
+    l_e = l_e * alpha[None, :] + p
+    if IEEE:
+        acc = tl.dot(tl.trans(k_c), p.to(k_c.dtype), acc * alpha[None, :], input_precision="ieee")
+    else:
+        acc = tl.dot(tl.trans(k_c), p.to(k_c.dtype), acc * alpha[None, :])
+    return m_new, l_e, acc, row_n, page_nn, kpe_n
+
+
+@triton.jit
 def _merge_kernel(op_ptr, lsep_ptr, o_ptr, lse_ptr,
                   heads, q_len, num_splits,
                   stride_ob, stride_ot, stride_oh,
@@ -686,6 +840,7 @@ class DecodePlan:
     tuning: dict | None = None
     fast_launch: bool = False
     pdl: bool = False  # the merge is launched early (programmatic dependent launch)
+    kernel: str = "split"  # after: 'bulk' (whole tiles by bulk copy, _page_split_kernel) or 'split' (_split_kernel)
     _kernels: list = field(default_factory=list, repr=False)
     _outputs: list = field(default_factory=list, repr=False)  # every buffer the kernels write
 
@@ -701,7 +856,7 @@ class DecodePlan:
         return {"num_splits": self.num_splits, "programs": self.programs, "programs_per_unit": self.programs_per_unit,
                 "launches": self.launches, "block_n": self.config.block_n, "num_warps": self.config.num_warps,
                 "num_stages": self.config.num_stages, "rows_per_program": self.rows_per_program, "pad": self.pad,
-                "fast_launch": self.fast_launch, "pdl": self.pdl, "tuning": self.tuning}
+                "fast_launch": self.fast_launch, "pdl": self.pdl, "tuning": self.tuning, "kernel": self.kernel}
 
 
 def _kv_strides(inp: _Inputs) -> tuple[int, int]:
@@ -878,11 +1033,56 @@ AFTER_CANDIDATES = {
     32: ((32, 8, 3), (32, 4, 3), (64, 8, 2), (16, 8, 4)),
     64: ((32, 8, 3), (32, 8, 2), (16, 8, 4), (64, 8, 2)),
 }
+# The bulk kernel's candidates: one copy buffer (two programs per SM) or two (one), 4 or 8 warps.
+BULK_CANDIDATES = {
+    16: ((64, 4, 1), (64, 4, 2), (64, 8, 1)),
+    32: ((64, 8, 1), (64, 4, 1)),
+    64: ((64, 8, 1), (32, 8, 1)),
+}
 _TUNED: dict[tuple, tuple[LaunchConfig, dict]] = {}
 
 
+def bulk_status(cache: torch.Tensor | None = None, page_size: int | None = None,
+                block_n: int = BULK_BLOCK_N) -> tuple[bool, str]:
+    """(usable, why) for the bulk-copy kernel: a Triton with host-side tensor descriptors; an
+    NVIDIA GPU of compute capability 9.0+ (the Hopper copy engine, TMA) or Triton's interpreter (which
+    emulates the descriptors); and, when given, a cache whose rows lie end to end (a pool
+    [pages, page_size, 576] or a contiguous [B, L, 576], 16-byte aligned) with whole tiles inside a page."""
+    if TensorDescriptor is None:
+        return False, "this Triton has no triton.tools.tensor_descriptor (Triton 3.3+): the per-thread split kernel runs"
+    if not env.triton_interpreted():
+        if not torch.cuda.is_available() or torch.version.cuda is None:
+            return False, "bulk copies (TMA) need an NVIDIA GPU: the per-thread split kernel runs"
+        if torch.cuda.get_device_capability()[0] < 9:
+            return False, "bulk copies (TMA) need compute capability 9.0+ (Hopper): the per-thread split kernel runs"
+    if cache is not None:
+        if cache.stride(2) != 1 or cache.stride(1) != LATENT_DIM or cache.stride(0) != cache.shape[1] * LATENT_DIM:
+            return False, "the cache's rows are not laid end to end ([*, *, 576] contiguous): the split kernel runs"
+        if cache.data_ptr() % 16:
+            return False, "the cache does not start on a 16-byte boundary: the split kernel runs"
+        if page_size is not None and page_size % block_n:
+            return False, f"a {block_n}-row tile would cross a page of {page_size}: the split kernel runs"
+    return True, "bulk-copy kernel (whole tiles by TMA)"
+
+
+def _after_kernel(kernel: str | None, inp: _Inputs, block_n: int | None) -> str:
+    """The after kernel for these inputs: an explicit choice (checked), K3LAB_MLA_KERNEL, or bulk
+    where `bulk_status` allows it."""
+    if kernel is None:
+        kernel = os.environ.get("K3LAB_MLA_KERNEL") or None
+    if kernel not in (None, "bulk", "split"):
+        raise ValueError(f"kernel must be 'bulk', 'split' or None (K3LAB_MLA_KERNEL likewise), got {kernel!r}")
+    if kernel == "split":
+        return kernel
+    bn = block_n or (min(BULK_BLOCK_N, inp.page_size) if inp.paged else BULK_BLOCK_N)
+    ok, why = bulk_status(inp.kv, inp.page_size if inp.paged else None, bn)
+    if kernel == "bulk" and not ok:
+        raise ValueError(f"kernel='bulk' cannot run here: {why}")
+    return "bulk" if ok else "split"
+
+
 def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_splits, compute_units, scale,
-                 fast_launch: bool, merge_dv: int = MERGE_DV, pdl: bool = False) -> DecodePlan:
+                 fast_launch: bool, merge_dv: int = MERGE_DV, pdl: bool = False, kernel: str = "split") -> DecodePlan:
     B, Tq, H = inp.batch, inp.q_len, inp.heads
     head_groups = -(-H // MMA_ROWS)
     tok_tile = _token_tile(Tq)
@@ -920,10 +1120,23 @@ def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_split
         use_pdl = pdl and splits > 1  # only the merge is launched early
         consts.update(IEEE=q.dtype == torch.float32, PDL=use_pdl)
         chunk = _piece_len(inp.max_len, splits, cfg.block_n)
-        split = _Launch(_split_kernel, grid, (kq, kv, bt, lens, k_out, k_lse, o_part, l_part, k_heads, Tq, splits,
-                                              head_groups, chunk, bt.shape[1], kq.stride(0), kq.stride(1), kq.stride(2), skvp, skvr,
-                                              bt.stride(0), k_out.stride(0), k_out.stride(1), k_out.stride(2),
-                                              k_lse.stride(0), k_lse.stride(1), scale_log2), consts)
+        if kernel == "bulk":
+            # the cache as one [rows, 576] tensor (pages, or requests, end to end): one bulk copy per tile
+            consts = {k: v for k, v in consts.items() if k not in ("PAGED", "PAGE_GROUPS")}
+            consts.update(TAIL_N=min(TAIL_ROWS, cfg.block_n), CAUSAL=Tq > 1)
+            rows2d = kv.view(kv.shape[0] * kv.shape[1], LATENT_DIM)
+            desc = TensorDescriptor(rows2d, list(rows2d.shape), [LATENT_DIM, 1], [cfg.block_n, VALUE_DIM])
+            split = _Launch(_page_split_kernel, grid,
+                            (kq, desc, kv, bt, lens, k_out, k_lse, o_part, l_part, k_heads, Tq, splits, head_groups,
+                             chunk, kq.stride(0), kq.stride(1), kq.stride(2), skvp, skvr, bt.stride(0),
+                             k_out.stride(0), k_out.stride(1), k_out.stride(2), k_lse.stride(0), k_lse.stride(1),
+                             scale_log2), consts)
+        else:
+            split = _Launch(_split_kernel, grid, (kq, kv, bt, lens, k_out, k_lse, o_part, l_part, k_heads, Tq, splits,
+                                                  head_groups, chunk, bt.shape[1], kq.stride(0), kq.stride(1),
+                                                  kq.stride(2), skvp, skvr, bt.stride(0), k_out.stride(0),
+                                                  k_out.stride(1), k_out.stride(2), k_lse.stride(0), k_lse.stride(1),
+                                                  scale_log2), consts)
         kernels = [split]
         if splits > 1:
             sp2 = triton.next_power_of_2(splits)
@@ -949,6 +1162,7 @@ def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_split
         plan = DecodePlan("after", grid, splits, launches, cfg, H, rows, pad, out, lse, launch, programs_per_unit=ppu,
                           _kernels=kernels, _outputs=written)
         plan.pdl = use_pdl
+        plan.kernel = kernel
         if pad == "copy":
             plan.padded_query, plan.padded_out = kq, k_out  # what the padding holds, for the notebook and tests
         return plan
@@ -1018,7 +1232,7 @@ def _tuning_key(inp: _Inputs, q, pad: str) -> tuple:
 def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, fold_heads=False,
                pad="registers", compute_units=None, block_n=None, num_warps=None, num_stages=None,
                pad_fill: float = 0.0, tune: bool | None = None, fast_launch: bool | None = None,
-               merge_dv: int | None = None, pdl: bool | None = None) -> DecodePlan:
+               merge_dv: int | None = None, pdl: bool | None = None, kernel: str | None = None) -> DecodePlan:
     """Validate once and return a launchable plan of the padded split-history decode.
 
     num_splits: None = `choose_num_splits` for this batch, the longest context, the device's compute
@@ -1040,7 +1254,11 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     merge_dv: value columns per merge program (default MERGE_DV = 16). pdl: launch the merge with
     programmatic dependent launch (its programs start while the split kernel runs and wait for it
     with griddepcontrol.wait); None = on for NVIDIA compute capability 9.0+, K3LAB_MLA_PDL=0 turns it
-    off. On the H200 it saved 0.1-0.4 us per decode (ctx*.r2.bn32w4s3_nopdl records)."""
+    off. On the H200 it saved 0.1-0.4 us per decode (ctx*.r2.bn32w4s3_nopdl records).
+
+    kernel: 'bulk' (`_page_split_kernel`: whole tiles by bulk copy, Hopper TMA; see `bulk_status`),
+    'split' (`_split_kernel`: per-thread copies) or None = K3LAB_MLA_KERNEL if set, else 'bulk'
+    wherever `bulk_status` allows it, else 'split'. plan.kernel says which one runs."""
     if pad not in ("registers", "copy"):
         raise ValueError(f"pad must be 'registers' or 'copy', got {pad!r}")
     inp = _validate(q, cache, lengths, block_table, max_heads=None if fold_heads else MMA_ROWS)
@@ -1056,11 +1274,19 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     kw = dict(pad=pad, pad_fill=pad_fill, num_splits=num_splits, compute_units=compute_units, scale=scale,
               fast_launch=_fast_launch_wanted(fast_launch), merge_dv=merge_dv, pdl=_pdl_wanted(pdl))
     fixed = block_n is not None or num_warps is not None or num_stages is not None
+    kernel = _after_kernel(kernel, inp, block_n)
+    kw["kernel"] = kernel
+    if kernel == "bulk" and block_n is None and inp.paged:
+        block_n = min(BULK_BLOCK_N, inp.page_size)  # a tile never crosses a page
     if fixed or not _tuning_wanted(tune) or not _on_gpu():
-        cfg = launch_config("after", q.dtype, rows=rows, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+        cfg = launch_config("after", q.dtype, rows=rows, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                            kernel=kernel)
         return _build_after(inp, q, cfg=cfg, **kw)
     elem = q.element_size()
-    cfg, table = _autotune(_tuning_key(inp, q, pad), AFTER_CANDIDATES[rows],
+    candidates = BULK_CANDIDATES[rows] if kernel == "bulk" else AFTER_CANDIDATES[rows]
+    if kernel == "bulk" and inp.paged:
+        candidates = tuple(c for c in candidates if inp.page_size % c[0] == 0) or ((inp.page_size, 4, 1),)
+    cfg, table = _autotune(_tuning_key(inp, q, pad) + (kernel,), candidates,
                            lambda c: _build_after(inp, q, cfg=c, **dict(kw, fast_launch=False)),
                            smem_need=lambda c: (c.num_stages * c.block_n + rows) * LATENT_DIM * elem)
     plan = _build_after(inp, q, cfg=cfg, **kw)

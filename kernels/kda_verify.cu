@@ -1,0 +1,499 @@
+// kda_verify.cu: KDA speculative verification (seed section 5) as one hand-written kernel.
+//
+// For every (sequence b, head h, tile of BV value columns) a block walks the T draft positions:
+//   u = S^T (d k),  p = S^T (d q),  delta = beta (v - u),  S <- d S + k delta^T,
+//   o = S^T q = p + (q . k) delta          (d = exp g per key row, q pre-scaled),
+// and writes the fp32 state after every position (for rollback) or only the last one.
+//
+// Why a CUDA kernel next to the Triton one (k3lab/ops/kda_verify.py): at B = 1 the kernel is a chain
+// of dependent steps run by a few hundred programs, so what counts is the instruction stream of one
+// warp between the state load and the last store. Triton 3.6 gives the narrow kernel one warp with
+// 32 state values per lane and moves its [K] vectors into the tile's register layout through shared
+// memory (16 barriers, ~1,700 SASS instructions at T = 4 for sm_90a). Here the mapping is chosen by
+// hand so no value ever changes layout:
+//   * a block of W warps owns a [128 x BV] state tile; lane = (column c = lane % BV, key group
+//     lane / BV); warp w holds key groups w * (32 / BV) ..; each thread keeps R = 4 BV / W contiguous
+//     key rows of one column, so its q, k, g slices are contiguous (16-byte vector loads) and the
+//     reduction over K is R in-thread products, log2(32 / BV) lane shuffles and, across warps, one
+//     shared-memory exchange (one barrier per reduction round);
+//   * every load (state and every position's q, k, g, v, beta) is issued before any arithmetic, so
+//     the whole block waits for one memory round trip;
+//   * FORM 0 ('step'): one reduction round per position (u, p and q.k together);
+//     FORM 1 ('chunk'): the T positions as one small chunk: every reduction over K happens in one
+//     round, a_t = S0^T (c_t k_t), b_t = S0^T (c_t q_t) with c_t the cumulative decay, and the
+//     state-independent T x T products A[t][i] = k_t . (c_t / c_i) k_i (i < t) and
+//     B[t][i] = q_t . (c_t / c_i) k_i (i <= t); then, per column and with no communication,
+//     delta_t = beta_t (v_t - a_t - sum_{i<t} A[t][i] delta_i), o_t = b_t + sum_{i<=t} B[t][i] delta_i,
+//     and the states by the elementwise recursion S_t = d_t S_{t-1} + k_t delta_t^T. One barrier
+//     instead of T, at the price of ~T^2 more products per key row.
+// T is a run-time value up to the compiled TM (1, 2, 4 or 8); positions at or past a sequence's
+// length (ragged batches) read nothing and are not written (lengths mode: their o rows are zeros).
+//
+// Layouts: q, k [rows, H, 128], v, o [rows, H, V], g [rows, H, 128], beta [rows, H] with rows the
+// token index (B * T uniform and lengths modes, total tokens with cu_seqlens); q, k, v, o bf16 or
+// fp32 (one dtype), g and beta bf16 or fp32 each. States fp32 [.., H, 128, V] (state_vk = 0, fla's)
+// or [.., H, V, 128] (state_vk = 1).
+//
+// Single source for CUDA and HIP through k3lab_portability.h: the lane mapping works inside aligned
+// 32-lane groups, so a 64-wide wavefront holds two of them. The HIP build is not yet run on AMD
+// hardware by this project.
+#include "k3lab_portability.h"
+
+namespace k3kv {
+
+constexpr int HK = 128;  // key head dim (K3's KDA head)
+constexpr int HV = 128;  // value head dim (K3's); other widths run the Triton kernels
+
+struct Args {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* g;
+  const void* beta;
+  const float* h0;        // initial states [N, H, 128, V] (or [N, H, V, 128])
+  void* o;                // outputs, q's dtype
+  float* hs;              // states: [rows, H, ..] (all_states) or [N, H, ..]
+  const void* seq_info;   // cu_seqlens [N + 1] (mode 1) or lengths [N] (mode 2); unused in mode 0
+  long long beta_numel;   // elements in beta (its last word may be half outside)
+  int n_seq, T, H;
+  int mode;               // 0 uniform [N, T]; 1 cu_seqlens (flattened rows); 2 lengths (padded [N, T])
+  int seq64;              // seq_info holds int64 (else int32)
+  int all_states;         // 1: the state after every position; 0: only each sequence's last
+  int in_bf16;            // q, k, v and o are bf16 (else fp32)
+  int g_bf16, beta_bf16;  // g, beta bf16 (else fp32)
+  float scale;
+};
+
+// ---------------------------------------------------------------------------------------------
+// loads of R contiguous elements (bf16 or fp32) as fp32, in 16-byte pieces where they fit. Plain
+// loads on purpose: read-only (__ldg, ld.global.nc) loads may be moved past __syncthreads, and the
+// compiler then sinks later positions' loads to their first use, one memory round trip per position.
+
+K3_DEVICE void unpack2(uint32_t w, float& lo, float& hi) {
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xffff0000u);
+}
+
+template <int R>
+K3_DEVICE void load_row(const void* base, long long off, bool bf16, float (&x)[R]) {
+  if (bf16) {
+    const k3_bf16* p = static_cast<const k3_bf16*>(base) + off;
+    if constexpr (R % 8 == 0) {
+#pragma unroll
+      for (int i = 0; i < R / 8; ++i) {
+        const uint4 u = reinterpret_cast<const uint4*>(p)[i];
+        unpack2(u.x, x[8 * i], x[8 * i + 1]);
+        unpack2(u.y, x[8 * i + 2], x[8 * i + 3]);
+        unpack2(u.z, x[8 * i + 4], x[8 * i + 5]);
+        unpack2(u.w, x[8 * i + 6], x[8 * i + 7]);
+      }
+    } else if constexpr (R == 4) {
+      const uint2 u = *reinterpret_cast<const uint2*>(p);
+      unpack2(u.x, x[0], x[1]);
+      unpack2(u.y, x[2], x[3]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < R; ++i) x[i] = k3_bf16_to_f32(p[i]);
+    }
+  } else {
+    const float* p = static_cast<const float*>(base) + off;
+    if constexpr (R % 4 == 0) {
+#pragma unroll
+      for (int i = 0; i < R / 4; ++i) {
+        const float4 f = reinterpret_cast<const float4*>(p)[i];
+        x[4 * i] = f.x;
+        x[4 * i + 1] = f.y;
+        x[4 * i + 2] = f.z;
+        x[4 * i + 3] = f.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < R; ++i) x[i] = p[i];
+    }
+  }
+}
+
+// exp for the decays: one MUFU.EX2 (flush-to-zero: a decay below 1e-38 is 0)
+K3_DEVICE float fast_exp(float x) {
+#if defined(K3_CUDA) && defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+#else
+  return __expf(x);
+#endif
+}
+
+K3_DEVICE float load_one(const void* base, long long off, bool bf16) {
+  return bf16 ? k3_bf16_to_f32(static_cast<const k3_bf16*>(base)[off]) : static_cast<const float*>(base)[off];
+}
+
+K3_DEVICE void store_out(void* o, long long off, bool bf16, float x) {
+  if (bf16) static_cast<k3_bf16*>(o)[off] = k3_f32_to_bf16(x);
+  else static_cast<float*>(o)[off] = x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Staging the inputs through shared memory with asynchronous copies (CUDA, sm_80 and later).
+// A register load's first consumer stalls the warp, and the compiler is free to place that consumer
+// before the next position's loads are issued (it did: the SASS of a register-load version issued
+// positions 2 and 3 after position 0's arithmetic had waited for memory, a second round trip).
+// cp.async writes shared memory and leaves no register to wait on, so every copy is issued before
+// the one wait. Each thread copies exactly the bytes it later reads (the column lanes of a key group
+// copy the same rows, to the same place), so the thread's own wait is all the ordering needed.
+#if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+#define K3KV_ASYNC 1
+template <int N>
+K3_DEVICE void copy_async(void* dst, const void* src, int src_bytes = N) {
+  static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(N), "r"(src_bytes)
+               : "memory");
+}
+K3_DEVICE void copy_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// `bytes` (8, 16, 32 or 64: R elements of 2 or 4 bytes) from src to dst, both 8-byte aligned.
+K3_DEVICE void copy_span(void* dst, const void* src, int bytes) {
+  if (bytes >= 16) {
+    for (int i = 0; i < bytes / 16; ++i)
+      copy_async<16>(static_cast<char*>(dst) + 16 * i, static_cast<const char*>(src) + 16 * i);
+  } else {
+    copy_async<8>(dst, src);
+  }
+}
+#endif
+
+// Sum NV values over the key groups of one column: shuffles inside the 32-lane group, then (W > 1)
+// one exchange through shared memory `buf` [NV][BV][W]. Every thread of the column ends with the
+// same sums, added in the same order.
+template <int BV, int W, int NV>
+K3_DEVICE void reduce_columns(float (&x)[NV], float* buf, int warp, int lane) {
+#pragma unroll
+  for (int off = BV; off < 32; off <<= 1) {
+#pragma unroll
+    for (int v = 0; v < NV; ++v) x[v] += k3_shfl_xor(x[v], off);
+  }
+  if constexpr (W > 1) {
+    const int c = lane % BV;
+    if (lane < BV) {
+#pragma unroll
+      for (int v = 0; v < NV; ++v) buf[(v * BV + c) * W + warp] = x[v];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      const float* p = buf + (v * BV + c) * W;
+      if constexpr (W == 4) {
+        const float4 f = *reinterpret_cast<const float4*>(p);
+        x[v] = ((f.x + f.y) + f.z) + f.w;
+      } else {
+        float s = p[0];
+#pragma unroll
+        for (int w = 1; w < W; ++w) s += p[w];
+        x[v] = s;
+      }
+    }
+  }
+}
+
+__host__ __device__ constexpr int step_values() { return 3; }
+__host__ __device__ constexpr int chunk_values(int tm) { return 2 * tm + tm * tm; }
+
+template <int BV, int W, int TM, int FORM>
+struct Smem {
+  static constexpr int NV = FORM == 0 ? step_values() : chunk_values(TM);
+  static constexpr int BUFS = FORM == 0 ? 2 : 1;  // step: double-buffered, one barrier per round
+  float red[BUFS][NV * BV * W];
+#if defined(K3KV_ASYNC)
+  // staged inputs, sized for fp32 (bf16 uses the first half of each row)
+  float q[TM][HK], k[TM][HK], g[TM][HK];
+  float v[TM][BV];
+  uint32_t beta[TM];  // the aligned 4-byte word holding beta (bf16: two of them)
+#endif
+};
+
+template <int BV, int W, int TM, int FORM>
+__global__ void __launch_bounds__(W * 32) kda_verify_kernel(const Args a) {
+  constexpr int LG = 32 / BV;         // key groups per warp
+  constexpr int R = HK / (LG * W);    // key rows per thread
+  static_assert(32 % BV == 0 && HK % (LG * W) == 0 && R >= 2, "tile and warps");
+  __shared__ __align__(16) Smem<BV, W, TM, FORM> sm;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int cl = lane % BV;
+  const int k0 = (warp * LG + lane / BV) * R;
+  const int c = blockIdx.x * BV + cl;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int H = a.H;
+  const long long bh = (long long)b * H + h;
+  const bool in16 = a.in_bf16 != 0;
+  const bool writer = lane < BV && warp == 0;  // one thread per column writes o
+  const int tile = k0 * HV + c;                // this thread's first state value in a [128, V] slab
+
+  long long bos;
+  int L;
+  if (a.mode == 1) {
+    const long long s0 = a.seq64 ? static_cast<const long long*>(a.seq_info)[b]
+                                 : static_cast<const int*>(a.seq_info)[b];
+    const long long s1 = a.seq64 ? static_cast<const long long*>(a.seq_info)[b + 1]
+                                 : static_cast<const int*>(a.seq_info)[b + 1];
+    bos = s0;
+    L = (int)(s1 - s0);
+  } else {
+    bos = (long long)b * TM;
+    L = a.mode == 2 ? (int)(a.seq64 ? static_cast<const long long*>(a.seq_info)[b]
+                                    : static_cast<const int*>(a.seq_info)[b])
+                    : TM;
+  }
+  L = L < TM ? L : TM;
+
+  // ---- every load first: the state slice, then each live position's inputs
+  float S[R];
+  {
+    const float* s0 = a.h0 + bh * HK * HV + tile;
+#pragma unroll
+    for (int j = 0; j < R; ++j) S[j] = s0[j * HV];
+  }
+  float q[TM][R], kk[TM][R], g[TM][R], vv[TM], bb[TM];
+  const int esz = in16 ? 2 : 4;
+  const int gsz = a.g_bf16 ? 2 : 4;
+#if defined(K3KV_ASYNC)
+#pragma unroll
+  for (int t = 0; t < TM; ++t) {
+    if (t < L) {
+      const long long row = (bos + t) * H + h;
+      copy_span(reinterpret_cast<char*>(sm.q[t]) + k0 * esz, static_cast<const char*>(a.q) + (row * HK + k0) * esz,
+                R * esz);
+      copy_span(reinterpret_cast<char*>(sm.k[t]) + k0 * esz, static_cast<const char*>(a.k) + (row * HK + k0) * esz,
+                R * esz);
+      copy_span(reinterpret_cast<char*>(sm.g[t]) + k0 * gsz, static_cast<const char*>(a.g) + (row * HK + k0) * gsz,
+                R * gsz);
+      copy_span(sm.v[t], static_cast<const char*>(a.v) + (row * HV + blockIdx.x * BV) * esz, BV * esz);
+      if (a.beta_bf16) {  // the word holding beta[row]; past the tensor's end only its first half is read
+        const long long w0 = row & ~1LL;
+        copy_async<4>(&sm.beta[t], static_cast<const k3_bf16*>(a.beta) + w0, w0 + 1 < a.beta_numel ? 4 : 2);
+      } else {
+        copy_async<4>(&sm.beta[t], static_cast<const float*>(a.beta) + row);
+      }
+    }
+  }
+  copy_wait_all();
+#pragma unroll
+  for (int t = 0; t < TM; ++t) {
+    const long long row = (bos + t) * H + h;
+    if (t < L) {
+      load_row<R>(sm.q[t], k0, in16, q[t]);
+      load_row<R>(sm.k[t], k0, in16, kk[t]);
+      load_row<R>(sm.g[t], k0, a.g_bf16 != 0, g[t]);
+      vv[t] = load_one(sm.v[t], cl, in16);
+      const uint32_t w = sm.beta[t];
+      bb[t] = a.beta_bf16 ? __uint_as_float((row & 1) ? (w & 0xffff0000u) : (w << 16)) : __uint_as_float(w);
+    } else {  // a dead position: k = g = beta = 0 is the identity update, q = 0 gives o = 0
+#pragma unroll
+      for (int j = 0; j < R; ++j) q[t][j] = kk[t][j] = g[t][j] = 0.f;
+      vv[t] = bb[t] = 0.f;
+    }
+  }
+#else  // plain loads (HIP: not yet run on AMD hardware by this project)
+  (void)esz;
+  (void)gsz;
+  (void)cl;
+#pragma unroll
+  for (int t = 0; t < TM; ++t) {
+    const long long row = (bos + t) * H + h;
+    if (t < L) {
+      load_row<R>(a.q, row * HK + k0, in16, q[t]);
+      load_row<R>(a.k, row * HK + k0, in16, kk[t]);
+      load_row<R>(a.g, row * HK + k0, a.g_bf16 != 0, g[t]);
+      vv[t] = load_one(a.v, row * HV + c, in16);
+      bb[t] = load_one(a.beta, row, a.beta_bf16 != 0);
+    } else {
+#pragma unroll
+      for (int j = 0; j < R; ++j) q[t][j] = kk[t][j] = g[t][j] = 0.f;
+      vv[t] = bb[t] = 0.f;
+    }
+  }
+  __syncthreads();  // no load may sink below this (see the staging note above)
+#endif
+  // Where position t's state goes: its own slab (every state), or the sequence's final slab, written
+  // at every position (the last write wins; L2 absorbs the repeats), so no branch splits the chain.
+  // A dead position writes nothing when every state is kept (the row belongs to someone else or is
+  // padding); with the final state only, its identity update rewrites the same values.
+  auto state_dst = [&](int t) -> float* {
+    return a.hs + (a.all_states ? ((bos + t) * H + h) : bh) * HK * HV + tile;
+  };
+  auto o_live = [&](int t) -> bool { return t < L || a.mode == 2; };  // padded rows get o = 0
+
+  // the decays of every position, before the chain (they depend on the inputs only)
+  float d[TM][R];
+#pragma unroll
+  for (int t = 0; t < TM; ++t) {
+#pragma unroll
+    for (int j = 0; j < R; ++j) d[t][j] = fast_exp(g[t][j]);
+  }
+  if constexpr (FORM == 0) {
+    // ---- step form: one reduction round per position. Everything that depends on the inputs only
+    // (d k, d q and the partial q . k) is computed before the chain starts.
+    float dk[TM][R], dq[TM][R], qk[TM];
+#pragma unroll
+    for (int t = 0; t < TM; ++t) {
+      qk[t] = 0.f;
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
+        dk[t][j] = d[t][j] * kk[t][j];
+        dq[t][j] = d[t][j] * q[t][j];
+        qk[t] = fmaf(q[t][j], kk[t][j], qk[t]);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < TM; ++t) {
+      // u = S^T (d k) and p = S^T (d q) over this thread's rows, each as two half-length chains
+      float x[3], y[2];
+      x[0] = S[0] * dk[t][0];
+      x[1] = S[0] * dq[t][0];
+      x[2] = qk[t];
+      y[0] = S[R / 2] * dk[t][R / 2];
+      y[1] = S[R / 2] * dq[t][R / 2];
+#pragma unroll
+      for (int j = 1; j < R / 2; ++j) {
+        x[0] = fmaf(S[j], dk[t][j], x[0]);
+        x[1] = fmaf(S[j], dq[t][j], x[1]);
+        y[0] = fmaf(S[R / 2 + j], dk[t][R / 2 + j], y[0]);
+        y[1] = fmaf(S[R / 2 + j], dq[t][R / 2 + j], y[1]);
+      }
+      x[0] += y[0];
+      x[1] += y[1];
+      reduce_columns<BV, W, 3>(x, sm.red[t & 1], warp, lane);
+      const float delta = bb[t] * (vv[t] - x[0]);
+#pragma unroll
+      for (int j = 0; j < R; ++j) S[j] = fmaf(S[j], d[t][j], kk[t][j] * delta);
+      const float o = a.scale * fmaf(x[2], delta, x[1]);
+      if (writer && o_live(t)) store_out(a.o, ((bos + t) * H + h) * HV + c, in16, o);
+      if (t < L || !a.all_states) {
+        float* dst = state_dst(t);
+#pragma unroll
+        for (int j = 0; j < R; ++j) dst[j * HV] = S[j];
+      }
+    }
+  } else {
+    // ---- chunk form: every reduction over K in one round
+    constexpr int NV = chunk_values(TM);
+    float x[NV];
+#pragma unroll
+    for (int v = 0; v < NV; ++v) x[v] = 0.f;
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      float cum = 1.f;
+      float e[TM];  // e[i] = c_t / c_i for the current t (i < t), products of decays only
+#pragma unroll
+      for (int t = 0; t < TM; ++t) {
+        cum *= d[t][j];
+#pragma unroll
+        for (int i = 0; i < t; ++i) e[i] = (i == t - 1) ? d[t][j] : e[i] * d[t][j];
+        const float sc = S[j] * cum;
+        x[t] = fmaf(sc, kk[t][j], x[t]);            // a_t
+        x[TM + t] = fmaf(sc, q[t][j], x[TM + t]);   // b_t
+        const int base = 2 * TM + t * t;            // t entries of A (i < t), then t + 1 of B
+#pragma unroll
+        for (int i = 0; i < t; ++i) {
+          const float ek = e[i] * kk[i][j];
+          x[base + i] = fmaf(kk[t][j], ek, x[base + i]);
+          x[base + t + i] = fmaf(q[t][j], ek, x[base + t + i]);
+        }
+        x[base + 2 * t] = fmaf(q[t][j], kk[t][j], x[base + 2 * t]);
+      }
+    }
+    reduce_columns<BV, W, NV>(x, sm.red[0], warp, lane);
+    float delta[TM];
+#pragma unroll
+    for (int t = 0; t < TM; ++t) {
+      const int base = 2 * TM + t * t;
+      float u = x[t];
+      float o = x[TM + t];
+#pragma unroll
+      for (int i = 0; i < t; ++i) u = fmaf(x[base + i], delta[i], u);
+      delta[t] = bb[t] * (vv[t] - u);
+#pragma unroll
+      for (int i = 0; i < t; ++i) o = fmaf(x[base + t + i], delta[i], o);
+      o = a.scale * fmaf(x[base + 2 * t], delta[t], o);
+      if (writer && o_live(t)) store_out(a.o, ((bos + t) * H + h) * HV + c, in16, o);
+    }
+#pragma unroll
+    for (int t = 0; t < TM; ++t) {
+#pragma unroll
+      for (int j = 0; j < R; ++j) S[j] = fmaf(S[j], d[t][j], kk[t][j] * delta[t]);
+      if (t < L || !a.all_states) {
+        float* dst = state_dst(t);
+#pragma unroll
+        for (int j = 0; j < R; ++j) dst[j * HV] = S[j];
+      }
+    }
+  }
+}
+
+}  // namespace k3kv
+
+// ---------------------------------------------------------------------------------------------
+// exported launchers
+
+// (BV value columns, W warps, FORM) compiled; each for TM = 1, 2, 4, 8 and both state layouts.
+#define K3_KV_CONFIGS(X) \
+  X(8, 4, 0)             \
+  X(8, 2, 0)             \
+  X(8, 8, 0)             \
+  X(4, 4, 0)             \
+  X(8, 4, 1)             \
+  X(8, 8, 1)
+
+K3_EXPORT int k3_kda_verify_args_size() { return (int)sizeof(k3kv::Args); }
+
+// Writes up to `max_configs` (tile_v, warps, form) triples; returns how many exist.
+K3_EXPORT int k3_kda_verify_configs(int* out, int max_configs) {
+  int n = 0;
+#define K3_LIST(BV_, W_, F_) \
+  if (n < max_configs) {     \
+    out[3 * n] = BV_;        \
+    out[3 * n + 1] = W_;     \
+    out[3 * n + 2] = F_;     \
+  }                          \
+  ++n;
+  K3_KV_CONFIGS(K3_LIST)
+#undef K3_LIST
+  return n;
+}
+
+template <int BV, int W, int F>
+static void k3_launch_tm(const k3kv::Args& a, k3_stream_t stream) {
+  const dim3 grid(k3kv::HV / BV, a.H, a.n_seq);
+  const dim3 block(W * 32);
+  switch (a.T) {
+    case 1: k3kv::kda_verify_kernel<BV, W, 1, F><<<grid, block, 0, stream>>>(a); break;
+    case 2: k3kv::kda_verify_kernel<BV, W, 2, F><<<grid, block, 0, stream>>>(a); break;
+    case 3: k3kv::kda_verify_kernel<BV, W, 3, F><<<grid, block, 0, stream>>>(a); break;
+    case 4: k3kv::kda_verify_kernel<BV, W, 4, F><<<grid, block, 0, stream>>>(a); break;
+    case 5: k3kv::kda_verify_kernel<BV, W, 5, F><<<grid, block, 0, stream>>>(a); break;
+    case 6: k3kv::kda_verify_kernel<BV, W, 6, F><<<grid, block, 0, stream>>>(a); break;
+    case 7: k3kv::kda_verify_kernel<BV, W, 7, F><<<grid, block, 0, stream>>>(a); break;
+    default: k3kv::kda_verify_kernel<BV, W, 8, F><<<grid, block, 0, stream>>>(a); break;
+  }
+}
+
+// Launch one verification step. tile_v: value columns per block; warps: 32-lane groups per block;
+// form: 0 step, 1 chunk. Returns 0, -1 (no such compiled config), -4 (bad sizes) or the runtime's
+// error code.
+K3_EXPORT int k3_kda_verify(const k3kv::Args* args, int tile_v, int warps, int form, void* stream) {
+  const k3kv::Args& a = *args;
+  if (a.T < 1 || a.T > 8 || a.H <= 0 || a.n_seq <= 0 || a.n_seq > 65535 || a.H > 65535) return -4;
+  const k3_stream_t s = static_cast<k3_stream_t>(stream);
+  bool found = false;
+#define K3_GO(BV_, W_, F_)                                           \
+  if (!found && tile_v == BV_ && warps == W_ && form == F_) {         \
+    found = true;                                                     \
+    k3_launch_tm<BV_, W_, F_>(a, s);                                  \
+  }
+  K3_KV_CONFIGS(K3_GO)
+#undef K3_GO
+  if (!found) return -1;
+  const k3_error_t err = k3_get_last_error();
+  return err == K3_SUCCESS ? 0 : (int)err;
+}

@@ -83,6 +83,8 @@ _SLOTS_PER_UNIT = 2  # prologue programs per compute unit (each owns a 64 KB scr
 # Triton's interpreter (CPU) turns a run-time loop bound into a 1-element array that numpy >= 2.3 will not
 # convert to an int; the kernels then loop with `while`, which it handles (compiled code keeps `for`).
 _WHILE = env.triton_interpreted()
+# one-instruction exponentials by inline PTX: compiled for NVIDIA only (the interpreter runs no PTX)
+_FAST_EXP = not env.triton_interpreted() and env.detect().backend == "cuda"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -631,96 +633,142 @@ def _split_wu_kernel(
 
 
 @triton.jit
-def _fz_rows(k, q, g, beta, tok0, L, h, H, BI: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
-    """Block BI's rows of k, q, g (fp32) and beta; rows past the chunk's end are zeros (no-ops)."""
+def _by_block(v0, v1, v2, v3, rc, BC: tl.constexpr):
+    """A [C, N] tile whose rows in 16-row block b all equal the [N] vector vb."""
+    blk = (rc // BC)[:, None]
+    return tl.where(blk == 0, v0[None, :], tl.where(blk == 1, v1[None, :], tl.where(blk == 2, v2[None, :], v3[None, :])))
+
+
+@triton.jit
+def _pick(v0, v1, v2, v3, B: tl.constexpr):
+    """vB (B a compile-time block index)."""
+    if B == 0:
+        r = v0
+    elif B == 1:
+        r = v1
+    elif B == 2:
+        r = v2
+    else:
+        r = v3
+    return r
+
+
+@triton.jit
+def _exp(x, FAST: tl.constexpr):
+    """e^x. FAST (compiled for NVIDIA): one ex2.approx.ftz, without the subnormal fix-up sequence
+    plain tl.exp compiles to (results below 2^-126 flush to 0: a factor that small adds nothing to
+    a sum of factors <= 1). Else tl.exp (the interpreter, other backends)."""
+    if FAST:
+        y = tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * 1.4426950408889634], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _fz_rowblock(acc_k, acc_q, c, k, q, g, tok0, L, h, H, col, x0, x1, x2, x3, bs, BI: tl.constexpr,
+                 K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SPREAD: tl.constexpr, AKK_PREC: tl.constexpr,
+                 AQK_PREC: tl.constexpr, FAST: tl.constexpr):
+    """Row block BI's rows of Akk and Aqk, this key slice's share. Left: x_i e^(G_i - P_I) (<= 1);
+    right: the chunk's c = k e^(E_J - G) times e^(P_I - E_J) per column block J (<= 1 below the
+    diagonal, e^(block spread) on it, 0 above). xb = e^(block b's decay sum), so e^(P_I - E_J) is the
+    product of the x's between the blocks (no exponential of its own); bs = block BI's decay sum."""
     rb = tl.arange(0, BC)
-    rk = tl.arange(0, K)
+    rc = tl.arange(0, C)
     rows = BI * BC + rb
     m = (rows < L)[:, None]
-    off = ((tok0 + rows) * H + h)[:, None] * K + rk[None, :]
+    off = ((tok0 + rows) * H + h)[:, None] * K + col[None, :]
     kb = tl.load(k + off, mask=m, other=0.0).to(tl.float32)
     qb = tl.load(q + off, mask=m, other=0.0).to(tl.float32)
-    gb = tl.load(g + off, mask=m, other=0.0)
-    bt = tl.load(beta + (tok0 + rows) * H + h, mask=rows < L, other=0.0)
-    return kb, qb, gb, bt
+    Gw = tl.cumsum(tl.load(g + off, mask=m, other=0.0), axis=0)  # G - P_I
+    e_in = _exp(Gw, FAST)
+    zv = tl.zeros_like(x0)
+    spread = tl.max(-bs, axis=0)
+    fd = tl.where(spread <= SPREAD, 1.0 / _pick(x0, x1, x2, x3, BI), 0.0)  # e^(P_I - E_I) = e^(-bs)
+    if BI == 0:
+        right = c * _by_block(fd, zv, zv, zv, rc, BC)
+    elif BI == 1:
+        right = c * _by_block(zv + 1.0, fd, zv, zv, rc, BC)
+    elif BI == 2:
+        right = c * _by_block(x1, zv + 1.0, fd, zv, rc, BC)
+    else:
+        right = c * _by_block(x1 * x2, x2, zv + 1.0, fd, rc, BC)
+    rt = tl.trans(right)
+    acc_k += tl.dot(kb * e_in, rt, input_precision=AKK_PREC)
+    acc_q += tl.dot(qb * e_in, rt, input_precision=AQK_PREC)
+    if spread > SPREAD:  # wide decay inside the block: exact pairwise decays, one key at a time
+        for cc in range(BC):
+            k_c = _row_of(kb, cc, BC)
+            G_c = _row_of(Gw, cc, BC)
+            ke = k_c[None, :] * tl.exp(tl.where(rb[:, None] >= cc, Gw - G_c[None, :], float("-inf")))
+            hit = rc[None, :] == BI * BC + cc
+            acc_k = tl.where(hit, acc_k + tl.sum(kb * ke, axis=1)[:, None], acc_k)
+            acc_q = tl.where(hit, acc_q + tl.sum(qb * ke, axis=1)[:, None], acc_q)
+    return acc_k, acc_q
 
 
 @triton.jit
-def _fz_pair(a_k, a_q, hist, aqk_base, r_base, bt, scale, BI: tl.constexpr, BJ: tl.constexpr,
-             C: tl.constexpr, BC: tl.constexpr, AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr):
-    """Block (BI, BJ), BJ < BI, of Akk (x beta, fp32 into the R buffer) and Aqk (x scale)."""
-    ht = tl.trans(hist)
-    akk = tl.dot(a_k, ht, input_precision=AKK_PREC)
-    aqk = tl.dot(a_q, ht, input_precision=AQK_PREC)
-    _sp_store_aqk(aqk_base, aqk * scale, BI, BJ, C, BC)
-    _blk_store(r_base, BI, BJ, akk * bt[:, None], C, BC)
-
-
-@triton.jit
-def _fz_kdt(kdt_out, hist, out, BJ: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+def _fz_store_rows(aqk_base, r_base, acc_k, acc_q, beta, tok0, L, h, H, scale, BI: tl.constexpr, C: tl.constexpr,
+                   BC: tl.constexpr):
+    """Row block BI: Akk strictly lower x beta (fp32, R buffer), Aqk lower x scale (zeros above)."""
     rb = tl.arange(0, BC)
-    rk = tl.arange(0, K)
-    tl.store(kdt_out + out * K * C + rk[:, None] * C + (BJ * BC + rb)[None, :],
-             tl.trans(hist).to(kdt_out.dtype.element_ty))
+    rc = tl.arange(0, C)
+    rows = BI * BC + rb
+    bt = tl.load(beta + (tok0 + rows) * H + h, mask=rows < L, other=0.0)
+    tile = rows[:, None] * C + rc[None, :]
+    tl.store(r_base + tile, tl.where(rc[None, :] < rows[:, None], acc_k * bt[:, None], 0.0))
+    tl.store(aqk_base + tile, tl.where(rc[None, :] <= rows[:, None], acc_q * scale, 0.0).to(aqk_base.dtype.element_ty))
 
 
 @triton.jit
 def _fz_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
-                K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SPREAD: tl.constexpr,
-                AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr):
-    """Akk (fp32, R buffer), Aqk, Qg, W's right factor (in W's buffer), Kd^T and d of one chunk."""
-    rb = tl.arange(0, BC)
-    rk = tl.arange(0, K)
-    zt = tl.zeros([BC, K], dtype=tl.float32)
-    zb = tl.zeros([BC, BC], dtype=tl.float32)
-    h0, h1, h2, h3 = zt, zt, zt, zt
-    P = tl.zeros([K], dtype=tl.float32)  # cumulative log-decay before the current block
-    for BI in tl.static_range(C // BC):
-        kb, qb, gb, bt = _fz_rows(k, q, g, beta, tok0, L, h, H, BI, K, BC)
-        Gw = tl.cumsum(gb, axis=0)  # G - P_I, <= 0
-        bs = tl.sum(gb, axis=0)  # the block's decay sum
-        eG = tl.exp(Gw)
-        a_k = kb * eG
-        a_q = qb * eG
-        eP = tl.exp(P)[None, :]
-        tile = out * C * K + (BI * BC + rb)[:, None] * K + rk[None, :]
-        tl.store(qg_out + tile, (a_q * eP * scale).to(qg_out.dtype.element_ty))
-        tl.store(w_out + tile, (a_k * eP * bt[:, None]).to(w_out.dtype.element_ty))
-        akd, aqd = _sp_diag(zb, zb, kb, qb, a_k, a_q, Gw, SPREAD, AKK_PREC, AQK_PREC, BC)
-        _sp_store_aqk(aqk_base, tl.where(rb[:, None] >= rb[None, :], aqd * scale, 0.0), BI, BI, C, BC)
-        _blk_store(r_base, BI, BI, tl.where(rb[:, None] > rb[None, :], akd * bt[:, None], 0.0), C, BC)
-        if BI >= 1:
-            _fz_pair(a_k, a_q, h0, aqk_base, r_base, bt, scale, BI, 0, C, BC, AKK_PREC, AQK_PREC)
-        if BI >= 2:
-            _fz_pair(a_k, a_q, h1, aqk_base, r_base, bt, scale, BI, 1, C, BC, AKK_PREC, AQK_PREC)
-        if BI >= 3:
-            _fz_pair(a_k, a_q, h2, aqk_base, r_base, bt, scale, BI, 2, C, BC, AKK_PREC, AQK_PREC)
-        for BJ in tl.static_range(BI + 1, C // BC):
-            _sp_store_aqk(aqk_base, zb, BI, BJ, C, BC)
-        # move the reference past this block: history x e^(bs), this block's keys join it
-        eb = tl.exp(bs)[None, :]
-        c_new = kb * tl.exp(bs[None, :] - Gw)  # <= 1
-        if BI == 0:
-            h0 = c_new
-        if BI == 1:
-            h0 = h0 * eb
-            h1 = c_new
-        if BI == 2:
-            h0 = h0 * eb
-            h1 = h1 * eb
-            h2 = c_new
-        if BI == 3:
-            h0 = h0 * eb
-            h1 = h1 * eb
-            h2 = h2 * eb
-            h3 = c_new
-        P = P + bs
-    # the history now stands at G_last: Kd = k e^(G_last - G)
-    _fz_kdt(kdt_out, h0, out, 0, K, C, BC)
-    _fz_kdt(kdt_out, h1, out, 1, K, C, BC)
-    _fz_kdt(kdt_out, h2, out, 2, K, C, BC)
-    _fz_kdt(kdt_out, h3, out, 3, K, C, BC)
-    tl.store(d_out + out * K + rk, tl.exp(P))
+                K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
+                AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, FAST: tl.constexpr):
+    """Akk (fp32, R buffer), Aqk, Qg, W's right factor (in W's buffer), Kd^T and d of one chunk, one
+    slice of BK key channels at a time (the decays are per channel; only the dots sum over them)."""
+    rc = tl.arange(0, C)
+    rs = tl.arange(0, BK)
+    rmask = (rc < L)[:, None]
+    bt = tl.load(beta + (tok0 + rc) * H + h, mask=rc < L, other=0.0)
+    z = tl.zeros([BC, C], dtype=tl.float32)
+    ak0, ak1, ak2, ak3, aq0, aq1, aq2, aq3 = z, z, z, z, z, z, z, z
+    for s in tl.static_range(K // BK):
+        col = s * BK + rs
+        off = ((tok0 + rc) * H + h)[:, None] * K + col[None, :]
+        G = tl.cumsum(tl.load(g + off, mask=rmask, other=0.0), axis=0)
+        ks = tl.load(k + off, mask=rmask, other=0.0).to(tl.float32)
+        # E_J: cumulative log-decay at block J's last row (P_I = E_(I-1): the one before block I)
+        E0 = _row_of(G, BC - 1, C)
+        E1 = _row_of(G, 2 * BC - 1, C)
+        E2 = _row_of(G, 3 * BC - 1, C)
+        E3 = _row_of(G, C - 1, C)
+        c = ks * _exp(_by_block(E0, E1, E2, E3, rc, BC) - G, FAST)  # k e^(E_J - G) <= 1
+        e_g = _exp(G, FAST)
+        tile = out * C * K + rc[:, None] * K + col[None, :]
+        qs = tl.load(q + off, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(qg_out + tile, (qs * e_g * scale).to(qg_out.dtype.element_ty))
+        tl.store(w_out + tile, (ks * e_g * bt[:, None]).to(w_out.dtype.element_ty))
+        kd = ks * _exp(E3[None, :] - G, FAST)  # Kd = k e^(G_last - G)
+        tl.store(kdt_out + out * K * C + col[:, None] * C + rc[None, :], tl.trans(kd).to(kdt_out.dtype.element_ty))
+        tl.store(d_out + out * K + col, _exp(E3, FAST))
+        x0 = _exp(E0, FAST)  # e^(each block's decay sum), <= 1
+        x1 = _exp(E1 - E0, FAST)
+        x2 = _exp(E2 - E1, FAST)
+        x3 = _exp(E3 - E2, FAST)
+        ak0, aq0 = _fz_rowblock(ak0, aq0, c, k, q, g, tok0, L, h, H, col, x0, x1, x2, x3, E0, 0, K, C, BC, SPREAD,
+                                AKK_PREC, AQK_PREC, FAST)  # fmt: skip
+        ak1, aq1 = _fz_rowblock(ak1, aq1, c, k, q, g, tok0, L, h, H, col, x0, x1, x2, x3, E1 - E0, 1, K, C, BC,
+                                SPREAD, AKK_PREC, AQK_PREC, FAST)  # fmt: skip
+        ak2, aq2 = _fz_rowblock(ak2, aq2, c, k, q, g, tok0, L, h, H, col, x0, x1, x2, x3, E2 - E1, 2, K, C, BC,
+                                SPREAD, AKK_PREC, AQK_PREC, FAST)  # fmt: skip
+        ak3, aq3 = _fz_rowblock(ak3, aq3, c, k, q, g, tok0, L, h, H, col, x0, x1, x2, x3, E3 - E2, 3, K, C, BC,
+                                SPREAD, AKK_PREC, AQK_PREC, FAST)  # fmt: skip
+    _fz_store_rows(aqk_base, r_base, ak0, aq0, beta, tok0, L, h, H, scale, 0, C, BC)
+    _fz_store_rows(aqk_base, r_base, ak1, aq1, beta, tok0, L, h, H, scale, 1, C, BC)
+    _fz_store_rows(aqk_base, r_base, ak2, aq2, beta, tok0, L, h, H, scale, 2, C, BC)
+    _fz_store_rows(aqk_base, r_base, ak3, aq3, beta, tok0, L, h, H, scale, 3, C, BC)
 
 
 @triton.jit
@@ -802,12 +850,14 @@ def _fused_prologue_kernel(
     C: tl.constexpr,
     BC: tl.constexpr,
     BK: tl.constexpr,
+    A_BK: tl.constexpr,
     SPREAD: tl.constexpr,
     AKK_PREC: tl.constexpr,
     AQK_PREC: tl.constexpr,
     INV_PREC: tl.constexpr,
     OUT_PREC: tl.constexpr,
     FUSE: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """The 'fused' prologue, one program per (chunk, head). FUSE=False stops after the A's (the
     'rows' prologue: the split form's inverse and W / U launches follow)."""
@@ -818,7 +868,7 @@ def _fused_prologue_kernel(
     out = c * H + h
     r_base = r_buf + out * C * C
     _fz_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_out + out * C * C,
-                r_base, K, C, BC, SPREAD, AKK_PREC, AQK_PREC)  # fmt: skip
+                r_base, K, C, BC, A_BK, SPREAD, AKK_PREC, AQK_PREC, FAST)  # fmt: skip
     if FUSE:
         tl.debug_barrier()  # Akk and W's right factor are written by the whole program
         _inverse_in_place(r_base, C, BC, INV_PREC)
@@ -1430,8 +1480,8 @@ DEFAULT_PROLOGUE = "fused"
 PROLOGUE_DEFAULTS = {
     "persistent": {"warps": 8},
     "split": {"block_k": 32, "a_warps": 2, "per_block": True, "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4},
-    "rows": {"a_warps": 4, "akk_prec": "near", "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4},
-    "fused": {"warps": 4, "akk_prec": "near", "wu_block_k": 64},
+    "rows": {"a_warps": 4, "block_k": 32, "akk_prec": "near", "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4},
+    "fused": {"warps": 4, "block_k": 32, "akk_prec": "near", "wu_block_k": 64},
 }
 SPLIT_DEFAULTS = PROLOGUE_DEFAULTS["split"]
 
@@ -1497,8 +1547,8 @@ def prologue_launches(
         return lambda: _fused_prologue_kernel[(plan.n_chunks, H)](
             q, k, v, g, beta, plan.chunk_tok, plan.chunk_len, work.w, work.u, work.qg, work.kdt, work.aqk, work.d,
             r_buf, H, float(scale), K=HEAD_DIM, V=HEAD_DIM, C=CHUNK, BC=SUB, BK=opts["wu_block_k"],
-            SPREAD=SAFE_SPREAD, AKK_PREC=akk_prec, AQK_PREC=p["AQK_PREC"], INV_PREC=p["INV_PREC"],
-            OUT_PREC=p["OUT_PREC"], FUSE=fuse, num_warps=warps, num_stages=1,
+            A_BK=opts["block_k"], SPREAD=SAFE_SPREAD, AKK_PREC=akk_prec, AQK_PREC=p["AQK_PREC"], INV_PREC=p["INV_PREC"],
+            OUT_PREC=p["OUT_PREC"], FUSE=fuse, FAST=_FAST_EXP, num_warps=warps, num_stages=1,
         )  # fmt: skip
 
     if prologue == "fused":

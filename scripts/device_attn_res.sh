@@ -4,10 +4,10 @@
 #  2. the launch sweep (checked first, graph replay, `before` alongside) at the shapes of ATTN_RES_SHAPES
 #     ("T:S,S;T:S" e.g. "1:2,5,9;64:9"; default: the study's whole sweep), variants ATTN_RES_SWEPT
 #     (comma list; default: the study's choice per shape); $OUT/attn_res_sweep.json after every shape;
-#  3. SPREAD=1: the few-token kernels other than Triton's tile8 (k3lab/ops/attn_res_spread.py, Triton,
-#     chunk x warps from SPREAD_CW, default "1024x4"; kernels/attn_res_norm.cu, a cluster per row, and
-#     its one-block mode) checked, then timed at 1 and 8 tokens beside `before` and tile8
-#     ($OUT/attn_res_spread.json);
+#  3. SPREAD=1: the CUDA kernel kernels/attn_res_norm.cu (a cluster per row, and its one-block mode)
+#     checked, then timed at 1 and 8 tokens beside `before` and Triton's tile8 ($OUT/attn_res_spread.json;
+#     until commit dc23e22 this step also timed k3lab/ops/attn_res_spread.py, a Triton row spread over
+#     programs with a barrier in memory: 7.3-11 us, slower than both, since removed);
 #  4. MAIN=1: the study's main AttnRes cases with launch_config's choices
 #     ($OUT/attn_res_main.json; each record names its launch) and fresh before/after traces ($OUT/tr/).
 #   OUT=dir K3LAB_COMMIT=<hash> [ATTN_RES_SHAPES=...] [ATTN_RES_SWEPT=...] [MAIN=1] bash scripts/device_attn_res.sh
@@ -59,13 +59,10 @@ pd.set_option("display.width", 200)
 table = cr.sweep_table(records)
 print(table.round(3).to_string(index=False))
 if os.environ.get("SPREAD") == "1":
-    # the experimental few-token kernels beside tile8, checked first (a failure is reported and left
-    # out): the spread Triton kernel and the cluster CUDA kernel (its first call compiles it)
+    # the CUDA kernel's two modes beside tile8, checked first (a failure is reported and left out;
+    # its first call compiles it)
     from k3lab.ops import attn_res_cuda as arc
-    from k3lab.ops import attn_res_spread as sp
-    few = {f"spread{c}w{w}": (lambda *a, c=c, w=w, **k: sp.spread_after(*a, chunk=c, num_warps=w, **k))
-           for c, w in [tuple(map(int, cw.split("x"))) for cw in os.environ.get("SPREAD_CW", "1024x4").split(",") if cw]}
-    few.update({f"cuda{m}": (lambda *a, m=m, **k: arc.cuda_after(*a, mode=m, **k)) for m in ("cluster", "block")})
+    few = {f"cuda{m}": (lambda *a, m=m, **k: arc.cuda_after(*a, mode=m, **k)) for m in ("cluster", "block")}
     recs = cr.attn_res_sweep(shapes={shape: ["tile8", *few] for shape in ((1, 2), (1, 5), (1, 9), (8, 9))},
                              kernels=few, skip_failures=True)
     json.dump([r.to_dict() for r in recs], open(f"{out}/attn_res_spread.json", "w"), indent=1)

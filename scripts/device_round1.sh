@@ -3,6 +3,7 @@
 # experiments (SPREAD) and main cases (MAIN), the KDA decode bench with cold state, and the KDA verify
 # tile/vk sweep points. Everything lands in $OUT/all.tgz (the device returns at most 8 files).
 #   OUT=dir K3LAB_COMMIT=<hash> bash scripts/device_round1.sh
+# (Ran at commit 7ebd1a1; tests/test_attn_res_spread.py has since been removed with its kernel.)
 set -uo pipefail
 export PYTHONPATH="${PYTHONPATH:-}:." PYTHONUNBUFFERED=1
 OUT="${OUT:-build/device}"; W=/tmp/k3w; mkdir -p "$OUT" "$W"

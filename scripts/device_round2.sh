@@ -3,6 +3,7 @@
 # (GPU tests, the few-token comparison, the main cases and traces) and the KDA decode sweep with cold
 # state (every option per batch, then records with each batch's best). Results in $OUT/all.tgz.
 #   OUT=dir K3LAB_COMMIT=<hash> bash scripts/device_round2.sh
+# (Ran at commit dc23e22; tests/test_attn_res_spread.py has since been removed with its kernel.)
 set -uo pipefail
 export PYTHONPATH="${PYTHONPATH:-}:." PYTHONUNBUFFERED=1
 OUT="${OUT:-build/device}"; W=/tmp/k3w; mkdir -p "$OUT" "$W"

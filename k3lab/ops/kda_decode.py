@@ -496,7 +496,7 @@ def choose_config(batch: int, heads: int, units: int, warp_size: int = 32, clust
     more units: 8 blocks of 16 value columns when they all fit on the units at once, else 4 of 32.
     Without clusters (the split then needs an atomic exchange through memory) whole heads always.
     Measured on the H200 (132 SMs, 12 heads, graph replay, every step's state read from memory:
-    profiles/nvidia-h200/kda_decode/ and its sweep.json, 2026-11-30 third session): B = 1, split
+    profiles/nvidia-h200/kda_decode/ and its extra/sweep.json, 2026-11-30 third session): B = 1, split
     clusters 16 columns x 128 threads 4.10 us, 32 x 128 4.37, 16 x 64 4.45, 64 x 128 4.69, whole
     heads 5.06, atomic exchange 5.00 at best; B = 8 (96 heads): whole heads 7.47 us, the best split
     7.57; B = 32 and 128: whole heads. (With the state hot in L2, as an earlier sweep timed it,

@@ -12,11 +12,15 @@ from k3lab.studies.copy_removal import ATTN_RES_VARIANTS as VARIANTS
 pytest.importorskip("triton")
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton launches need GPU tensors on a GPU machine
+
+
 def _inputs(T, D, dtype, max_blocks=9, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    return dict(prefix=r(T, D).to(dtype), delta=r(T, D).to(dtype), blocks=r(max_blocks, T, D).to(dtype),
-                res_norm_w=1 + 0.1 * r(D), res_proj_w=0.05 * r(D), next_norm_w=1 + 0.1 * r(D))
+    x = dict(prefix=r(T, D).to(dtype), delta=r(T, D).to(dtype), blocks=r(max_blocks, T, D).to(dtype),
+             res_norm_w=1 + 0.1 * r(D), res_proj_w=0.05 * r(D), next_norm_w=1 + 0.1 * r(D))
+    return {k: v.to(DEVICE) for k, v in x.items()}
 
 
 def _reference(x, n_blocks, eps=1e-5):

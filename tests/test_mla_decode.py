@@ -193,17 +193,18 @@ def test_launch_config_reads_the_device():
     assert math.isclose(mla.DEFAULT_SCALE, 192 ** -0.5)
 
 
+@pytest.mark.parametrize("kernel", ["split", "bulk"])
 @pytest.mark.parametrize("page_size,block_n,splits", [(64, 32, 1), (16, 16, 1), (16, 16, 3), (32, 16, 2)])
-def test_after_paged_page_groups(page_size, block_n, splits):
+def test_after_paged_page_groups(page_size, block_n, splits, kernel):
     # Tiles inside pages: the kernel reads the block table 16 pages at a time; 300 positions in
     # pages of 16 are 19 pages, so the second group and a partial last page are exercised.
     q, cache, lens, kv, bt = _inputs(2, 2, 12, 300, torch.float32, lengths=[300, 131], paged=True,
                                      page_size=page_size, seed=page_size + splits)
     ref_o, ref_l = mla.reference(q, cache, lens)
-    plan = mla.plan_after(q, kv, lens, block_table=bt, num_splits=splits, block_n=block_n)
-    assert plan.config.block_n == block_n
+    plan = mla.plan_after(q, kv, lens, block_table=bt, num_splits=splits, block_n=block_n, kernel=kernel)
+    assert plan.config.block_n == block_n and plan.kernel == kernel
     o, lse = plan()
-    _check(o, lse, ref_o, ref_l, torch.float32, f"page{page_size}/bn{block_n}/s{splits}")
+    _check(o, lse, ref_o, ref_l, torch.float32, f"page{page_size}/bn{block_n}/s{splits}/{kernel}")
 
 
 def test_study_checks_and_records():
@@ -289,3 +290,108 @@ def test_merge_early_launch_compiles_for_hopper():
         with pytest.raises(ValueError, match="pdl=True"):
             mla.plan_after(*_inputs(1, 1, 4, 40, torch.float32)[:3], pdl=True)
         assert mla.plan_after(*_inputs(1, 1, 4, 40, torch.float32)[:3], num_splits=2).pdl is False
+
+
+# ------------------------------------------------------------------------------------------------
+# the bulk-copy after kernel (whole tiles by Hopper TMA; Triton's interpreter emulates the copies)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_split_kernel_still_matches_reference(case):
+    # the per-thread-copy kernel stays selectable (kernel='split') where bulk is the default
+    B, Tq, H, L, lengths, paged = CASES[case]
+    q, cache, lens, kv, bt = _inputs(B, Tq, H, L, torch.float32, lengths=lengths, paged=paged)
+    ref_o, ref_l = mla.reference(q, cache, lens)
+    plan = mla.plan_after(q, kv, lens, block_table=bt, kernel="split")
+    assert plan.kernel == "split"
+    o, lse = plan()
+    _check(o, lse, ref_o, ref_l, torch.float32, f"{case}/split")
+
+
+def _poison_past_lengths(pool, bt, lengths, page_size):
+    """NaN in every pool row past a request's length (its last page's tail) and in unused pages."""
+    pool = pool.clone()
+    used = set()
+    for b, n in enumerate(lengths):
+        pages = -(-n // page_size)
+        used.update(int(p) for p in bt[b, :pages])
+        last = int(bt[b, pages - 1])
+        pool[last, n - (pages - 1) * page_size:] = float("nan")
+        for p in bt[b, pages:]:
+            pool[int(p)] = float("nan")
+    for p in range(pool.shape[0]):
+        if p not in used:
+            pool[p] = float("nan")
+    return pool
+
+
+@pytest.mark.parametrize("kernel", ["bulk", "split"])
+def test_rows_past_the_length_are_never_read(kernel):
+    # Rows past a request's length may hold anything (NaN here): a tile that straddles the length
+    # must take them out of both products (0 x NaN would poison the value sum), and pages past it
+    # must not be touched. 200 = 3 whole tiles of 64 + 8 rows; 75 = 1 tile + 11 rows.
+    lengths = [200, 75]
+    q, cache, lens, pool, bt = _inputs(2, 1, 12, 256, torch.float32, lengths=lengths, paged=True, page_size=64,
+                                       seed=23)
+    pool = _poison_past_lengths(pool, bt, lengths, 64)
+    ref_o, ref_l = mla.reference(q, cache, lens)
+    for splits in (1, 3):
+        plan = mla.plan_after(q, pool, lens, block_table=bt, num_splits=splits, kernel=kernel)
+        o, lse = plan()
+        assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+        _check(o, lse, ref_o, ref_l, torch.float32, f"{kernel}/poisoned/s{splits}")
+
+
+@pytest.mark.parametrize("q_len", [1, 4, 8])
+def test_bulk_verify_groups_cross_tiles(q_len):
+    # A verify group's positions straddle a 64-row tile boundary (length 130: tokens at 122..129 for
+    # q_len 8), so a whole tile in the bulk loop is seen only in part (causal mask there) and the
+    # rest falls in the masked tail; 64-row groups (q_len > 4) run as two token groups.
+    lengths = [130, 67]
+    q, cache, lens, kv, bt = _inputs(2, q_len, 12, 130, torch.float16, lengths=lengths, paged=True, page_size=64,
+                                     seed=29 + q_len)
+    ref_o, ref_l = mla.reference(q.float(), cache.float(), lens)
+    for splits in (1, 2):
+        plan = mla.plan_after(q, kv, lens, block_table=bt, num_splits=splits)
+        assert plan.kernel == "bulk" and plan.config.block_n == 64
+        o, lse = plan()
+        _check(o, lse, ref_o, ref_l, torch.float16, f"bulk/q{q_len}/s{splits}")
+
+
+def test_bulk_contiguous_cache_and_kernel_choice(monkeypatch):
+    q, cache, lens, _, _ = _inputs(2, 2, 12, 150, torch.float32, lengths=[150, 64], seed=31)
+    ref_o, ref_l = mla.reference(q, cache, lens)
+    plan = mla.plan_after(q, cache, lens, num_splits=2)
+    assert plan.kernel == "bulk" and plan.facts()["kernel"] == "bulk"
+    _check(*plan(), ref_o, ref_l, torch.float32, "bulk/contiguous")
+    # a cache whose rows are not laid end to end (every other position of a bigger buffer): the
+    # split kernel runs by default, and asking for bulk is refused by name
+    wide = torch.randn(2, 300, mla.LATENT_DIM)
+    strided = wide[:, ::2]
+    ok, why = mla.bulk_status(strided)
+    assert not ok and "end to end" in why
+    assert mla.plan_after(q, strided, lens).kernel == "split"
+    with pytest.raises(ValueError, match="kernel='bulk'"):
+        mla.plan_after(q, strided, lens, kernel="bulk")
+    with pytest.raises(ValueError, match="kernel must be"):
+        mla.plan_after(q, cache, lens, kernel="tma")
+    pool, bt = mla.to_paged(cache, 16)
+    assert mla.plan_after(q, pool, lens, block_table=bt).config.block_n == 16  # a tile never crosses a page
+    with pytest.raises(ValueError, match="cross a page"):
+        mla.plan_after(q, pool, lens, block_table=bt, block_n=32, kernel="bulk")
+    monkeypatch.setenv("K3LAB_MLA_KERNEL", "split")
+    assert mla.plan_after(q, cache, lens).kernel == "split"
+
+
+def test_bulk_kernel_compiles_for_hopper():
+    # compiled for sm_90 here (no GPU needed): both products of the bulk kernel on wgmma, its tiles
+    # by bulk tensor copies, no spills, and shared memory for two programs per H200 SM (228 KB)
+    from k3lab.studies import mla_padding as study
+
+    mix = study.instruction_mix()
+    if "note" in mix:
+        pytest.skip(f"no sm_90 compile here: {mix['note'].iloc[0]}")
+    row = mix.set_index("kernel").loc["after_bulk"]
+    assert row["wgmma"] >= 68 and row["bulk_copies"] >= 1  # 36 score + 32 value wgmma per 64-row tile
+    assert row["spill_bytes"] in (0, None) and row["registers"] <= 255
+    assert 2 * (row["shared_kb"] + 1) <= 228

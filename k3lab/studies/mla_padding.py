@@ -61,6 +61,8 @@ class Case:
     splits: int | None = None  # force the split count (the sweep)
     kind: str = "main"  # 'main', 'sweep' or 'tune'
     tune: tuple | None = None  # (variant, block_n, num_warps, num_stages)
+    kernel: str | None = None  # after kernel ('bulk' / 'split'; None = plan_after's choice): sweep points
+    config: tuple | None = None  # the after kernel's (block_n, num_warps, num_stages): sweep points
 
 
 def _gpu() -> bool:
@@ -84,7 +86,25 @@ def _sweep_cases() -> list[Case]:
                 "ctx128k": (131072, (32, 64, 128, 132, 256, 264, 396))}
     else:
         grid = {"ctx320": (320, (1, 2, 5))}
-    return [Case(f"{base}.s{s}", 1, n, splits=s, kind="sweep") for base, (n, ss) in grid.items() for s in ss]
+    return ([Case(f"{base}.s{s}", 1, n, splits=s, kind="sweep") for base, (n, ss) in grid.items() for s in ss]
+            + _kernel_cases())
+
+
+def _kernel_cases() -> list[Case]:
+    """The after kernels side by side: '<case>.split' runs the per-thread-copy split kernel where the
+    default is the bulk-copy one (and the reverse), '<case>.bulk_bn64w4s2' a bulk launch configuration."""
+    if not _gpu():
+        return [Case("ctx320.split", 1, 320, kind="sweep", kernel="split"),
+                Case("verify4_ctx64.split", 1, 64, q_len=4, kind="sweep", kernel="split")]
+    base = {c.name: c for c in _main_cases()}
+    out = [Case(f"{n}.split", base[n].batch, base[n].context, q_len=base[n].q_len, ragged=base[n].ragged,
+                kind="sweep", kernel="split")
+           for n in ("ctx1k", "ctx32k", "ctx128k", "b8_8k", "b64_8k", "ragged8_8k", "verify4_32k")]
+    for n, cfgs in (("ctx32k", ((64, 4, 2), (64, 8, 1))), ("ctx128k", ((64, 4, 2), (64, 8, 1))),
+                    ("ctx1k", ((64, 4, 2),))):
+        out += [Case(f"{n}.bulk_bn{b}w{w}s{st}", 1, base[n].context, kind="sweep", kernel="bulk", config=(b, w, st))
+                for b, w, st in cfgs]
+    return out
 
 
 def _tune_cases() -> list[Case]:
@@ -187,7 +207,10 @@ def _plan(key: str, case: Case, s: dict, heads: int):
     if key == "before":
         fn = mla.plan_before(q, pool, lens, block_table=table, **tune)
     elif key == "after":
-        fn = mla.plan_after(q, pool, lens, block_table=table, num_splits=case.splits, fold_heads=fold, **tune)
+        if case.config:
+            tune = dict(zip(("block_n", "num_warps", "num_stages"), case.config))
+        fn = mla.plan_after(q, pool, lens, block_table=table, num_splits=case.splits, fold_heads=fold,
+                            kernel=case.kernel, **tune)
     elif key == "padcopy":
         fn = mla.plan_after(q, pool, lens, block_table=table, pad="copy")
     elif key == "contig":
@@ -425,6 +448,12 @@ def _instruction_rows(dtype: str, arch: int) -> list[dict]:
         "merge": (mla._merge_kernel, dict(DV=512, BLOCK_DV=mla.MERGE_DV, SPLITS_P2=256, SPLIT_TILE=256, PDL=True),
                   mla.LaunchConfig(mla.MERGE_DV, 4, 1)),
     }
+    if mla.TensorDescriptor is not None:  # the bulk-copy kernel (Hopper TMA), the after default there
+        kcfg = mla.launch_config("after", rows=mla.MMA_ROWS, kernel="bulk")
+        ptr["kc_desc"] = f"tensordesc<{dtype}[{kcfg.block_n},512]>"
+        kernels["after_bulk"] = (mla._page_split_kernel, dict(
+            PAGE_SIZE=PAGE_SIZE, DV=512, DR=64, HEAD_TILE=16, TOK_TILE=1, BLOCK_N=kcfg.block_n,
+            TAIL_N=mla.TAIL_ROWS, CAUSAL=False, WRITE_FINAL=False, IEEE=False, PDL=True, INTERPRET=False), kcfg)
     ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
     rows = []
     for name, (fn, consts, cfg) in kernels.items():
@@ -439,7 +468,7 @@ def _instruction_rows(dtype: str, arch: int) -> list[dict]:
             return [{"kernel": name, "note": f"could not compile for sm_{arch}: {type(exc).__name__}: {exc}"}]
         ptx = k.asm["ptx"]
         row = {"kernel": name, "target": f"sm_{arch}", "wgmma": ptx.count("wgmma.mma_async"),
-               "mma_sync": ptx.count("mma.sync"),
+               "mma_sync": ptx.count("mma.sync"), "bulk_copies": ptx.count("cp.async.bulk.tensor"),
                "griddepcontrol": ptx.count("griddepcontrol."), "fma_f32": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
                "shared_kb": k.metadata.shared / 1024, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
                "registers": None, "spill_bytes": None}

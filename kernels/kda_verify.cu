@@ -17,7 +17,7 @@
 //     reduction over K is R in-thread products, log2(32 / BV) lane shuffles and, across warps, one
 //     shared-memory exchange (one barrier per reduction round);
 //   * every load (state and every position's q, k, g, v, beta) is issued before any arithmetic, so
-//     the whole block waits for one memory round trip;
+//     the whole block waits for one memory round trip (inputs staged with cp.async: see below);
 //   * FORM 0 ('step'): one reduction round per position (u, p and q.k together);
 //     FORM 1 ('chunk'): the T positions as one small chunk: every reduction over K happens in one
 //     round, a_t = S0^T (c_t k_t), b_t = S0^T (c_t q_t) with c_t the cumulative decay, and the
@@ -26,13 +26,14 @@
 //     delta_t = beta_t (v_t - a_t - sum_{i<t} A[t][i] delta_i), o_t = b_t + sum_{i<=t} B[t][i] delta_i,
 //     and the states by the elementwise recursion S_t = d_t S_{t-1} + k_t delta_t^T. One barrier
 //     instead of T, at the price of ~T^2 more products per key row.
-// T is a run-time value up to the compiled TM (1, 2, 4 or 8); positions at or past a sequence's
-// length (ragged batches) read nothing and are not written (lengths mode: their o rows are zeros).
+// T (1..8) is a template argument, so every loop unrolls and no branch splits the chain; positions
+// at or past a ragged sequence's length read nothing, run as identity updates and are not written
+// (lengths mode: their o rows are zeros).
 //
-// Layouts: q, k [rows, H, 128], v, o [rows, H, V], g [rows, H, 128], beta [rows, H] with rows the
+// Layouts: q, k [rows, H, 128], v, o [rows, H, 128], g [rows, H, 128], beta [rows, H] with rows the
 // token index (B * T uniform and lengths modes, total tokens with cu_seqlens); q, k, v, o bf16 or
-// fp32 (one dtype), g and beta bf16 or fp32 each. States fp32 [.., H, 128, V] (state_vk = 0, fla's)
-// or [.., H, V, 128] (state_vk = 1).
+// fp32 (one dtype), g and beta bf16 or fp32 each. States fp32 [.., H, 128 (K), 128 (V)] (fla's).
+// Other value widths and the [V, K] state layout run the Triton kernels.
 //
 // Single source for CUDA and HIP through k3lab_portability.h: the lane mapping works inside aligned
 // 32-lane groups, so a 64-wide wavefront holds two of them. The HIP build is not yet run on AMD
@@ -50,7 +51,7 @@ struct Args {
   const void* v;
   const void* g;
   const void* beta;
-  const float* h0;        // initial states [N, H, 128, V] (or [N, H, V, 128])
+  const float* h0;        // initial states [N, H, 128, 128]
   void* o;                // outputs, q's dtype
   float* hs;              // states: [rows, H, ..] (all_states) or [N, H, ..]
   const void* seq_info;   // cu_seqlens [N + 1] (mode 1) or lengths [N] (mode 2); unused in mode 0
@@ -436,7 +437,7 @@ __global__ void __launch_bounds__(W * 32) kda_verify_kernel(const Args a) {
 // ---------------------------------------------------------------------------------------------
 // exported launchers
 
-// (BV value columns, W warps, FORM) compiled; each for TM = 1, 2, 4, 8 and both state layouts.
+// (BV value columns, W 32-lane groups, FORM) compiled; each for T = 1..8 (a template argument).
 #define K3_KV_CONFIGS(X) \
   X(8, 4, 0)             \
   X(8, 2, 0)             \

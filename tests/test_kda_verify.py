@@ -195,6 +195,8 @@ def test_every_form_agrees_on_a_ragged_batch():
     x = make(1, sum(lens), 1, V=8, N=len(lens))
     ref_o, ref_s = kv.reference_verify(**x, cu_seqlens=cu)
     for form in kv.NARROW_FORMS:
+        if form in kv.CUDA_FORMS:  # the CUDA kernel needs V = 128 on a GPU: its own tests below
+            continue
         check(*kv.kda_verify(**x, cu_seqlens=cu, tile_v=8, form=form), ref_o, ref_s)
 
 
@@ -270,3 +272,187 @@ def test_study_checks_and_times_the_tile_and_vk_sweep_points(monkeypatch):
     assert recs["b1_t4.vk8_w1"].extra["state_layout"] == "vk" and recs["b1_t4.tile8_w1"].extra["form"] == "tile"
     for r in recs.values():
         assert r.error["states"]["max_rel"] < 1e-5 and r.median_us > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# the hand-written CUDA kernel (kernels/kda_verify.cu, forms 'cuda' and 'cuda_chunk')
+
+def _cuda_ready():
+    from k3lab.ops import kda_verify_cuda as kc
+
+    return kc.available()
+
+
+needs_cuda_kernel = pytest.mark.skipif(not torch.cuda.is_available() or not _cuda_ready(),
+                                       reason="needs a CUDA GPU and kernels/kda_verify.cu built (nvcc)")
+
+
+def test_cuda_forms_are_refused_by_name_where_they_cannot_run():
+    x = make(1, 2, 1, V=16)  # CPU tensors (and V = 16): never the CUDA kernel
+    for form in kv.CUDA_FORMS:
+        with pytest.raises(ValueError, match=form):
+            kv.kda_verify(**x, tile_v=8, form=form)
+    with pytest.raises(ValueError, match="state_layout"):
+        kv.kda_verify(**_vk(x), tile_v=8, form="cuda", state_layout="vk")
+    assert kv.choose_form(*(x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")), 8, 2) == kv.NARROW_FORM
+
+
+def test_cuda_warps_rule():
+    assert [kv.cuda_warps("cuda", t) for t in (1, 4, 8)] == [4, 4, 4]
+    assert [kv.cuda_warps("cuda_chunk", t) for t in (1, 4, 5, 8)] == [4, 4, 8, 8]
+    assert kv.choose_num_warps(8, form="cuda_chunk", positions=8) == 8
+
+
+@pytest.mark.skipif(__import__("k3lab.ops._build", fromlist=["x"]).find_toolchain("nvcc") is None,
+                    reason="nvcc not installed")
+def test_cuda_library_layout_and_configs():
+    """Compile kernels/kda_verify.cu for sm_90a (no GPU needed), load it, and check that the Python Args
+    matches the C struct and that every config the launch rules can ask for is compiled."""
+    import ctypes
+
+    from k3lab.ops import _build
+    from k3lab.ops import kda_verify_cuda as kc
+
+    lib = kc.bind(ctypes.CDLL(str(_build.compile_kernel("kda_verify", kind="nvcc", target="sm_90a"))))
+    have = kc.configs_of(lib)
+    for form in kv.CUDA_FORMS:
+        for t in range(1, kv.MAX_POSITIONS + 1):
+            assert (8, kv.cuda_warps(form, t), form) in have
+    assert (4, 4, "cuda") in have  # the MI355X-style 4-column tile
+
+
+def test_study_names_the_cuda_sweep_points():
+    from k3lab.studies import kda_verify as study
+
+    assert study._parse("b1_t4.cuda8_w4", 12)["variants"] == [
+        ("after", dict(kind="after", tile_v=8, num_warps=4, form="cuda"))]
+    assert study._parse("b1_t8.cudachunk8_w8", 12)["variants"][0][1]["form"] == "cuda_chunk"
+    assert study.kernel_name("after", 8, "cuda_chunk") == "cuda_chunk"
+    with pytest.raises(ValueError, match="cuda form"):
+        study._parse("b1_t4.cuda16_w4", 12)
+    assert all(study._is_sweep(c, ("cuda", "cudachunk")) for c in study.CUDA_SWEEP)
+
+
+def _gpu_inputs(B, T, H, dtype, seed=0, N=None):
+    x = make(B, T, H, V=K, seed=seed, N=N)
+    out = {n: t.cuda() for n, t in x.items()}
+    for n in ("q", "k", "v", "beta"):
+        out[n] = out[n].to(dtype)
+    return out
+
+
+def _check_gpu(o, states, ref_o, ref_s):
+    bench.check_all({"o": (o, ref_o), "states": (states, ref_s)}, dtype={"o": o.dtype, "states": torch.float32})
+    for t in range(states.shape[1]):  # each saved state on its own
+        bench.check(states[:, t], ref_s[:, t], dtype=torch.float32, name=f"state[{t}]")
+
+
+@needs_cuda_kernel
+@pytest.mark.parametrize("form, tile_v, warps", [("cuda", 8, 4), ("cuda", 8, 2), ("cuda", 8, 8), ("cuda", 4, 4),
+                                                 ("cuda_chunk", 8, 4), ("cuda_chunk", 8, 8)])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8])
+def test_cuda_kernel_every_position_matches_reference(form, tile_v, warps, T):
+    if form == "cuda_chunk" and warps == 4 and T > 4:
+        warps = 8  # the launch rule (cuda_warps): 4 groups would spill at T > 4
+    x = _gpu_inputs(2, T, 3, torch.bfloat16, seed=T)
+    ref_o, ref_s = kv.reference_verify(**x)
+    o, states = kv.kda_verify(**x, tile_v=tile_v, num_warps=warps, form=form)
+    assert o.dtype == torch.bfloat16 and states.shape == (2, T, 3, K, K)
+    _check_gpu(o, states, ref_o, ref_s)
+    o2, final = kv.kda_verify(**x, tile_v=tile_v, num_warps=warps, form=form, final_state_only=True)
+    assert torch.equal(o2, o)
+    bench.check(final, ref_s[:, -1], dtype=torch.float32, name="final")
+
+
+@needs_cuda_kernel
+@pytest.mark.parametrize("form", kv.CUDA_FORMS)
+def test_cuda_kernel_fp32_inputs_and_bf16_gates(form):
+    x = _gpu_inputs(1, 4, 2, torch.float32, seed=3)
+    ref_o, ref_s = kv.reference_verify(**x)
+    _check_gpu(*kv.kda_verify(**x, form=form), ref_o, ref_s)
+    y = dict(x, g=x["g"].bfloat16(), beta=x["beta"].bfloat16())  # bf16 gates: read as their bf16 values
+    ref_o, ref_s = kv.reference_verify(**y)
+    _check_gpu(*kv.kda_verify(**y, form=form), ref_o, ref_s)
+
+
+@needs_cuda_kernel
+@pytest.mark.parametrize("form", kv.CUDA_FORMS)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_cuda_kernel_ragged_batches(form, index_dtype):
+    lens = [3, 1, 0, 4]
+    cu = torch.tensor([0, 3, 4, 4, 8], dtype=index_dtype, device="cuda")
+    x = _gpu_inputs(1, sum(lens), 2, torch.bfloat16, seed=5, N=len(lens))
+    ref_o, ref_s = kv.reference_verify(**x, cu_seqlens=cu)
+    o, states = kv.kda_verify(**x, cu_seqlens=cu, form=form)
+    bench.check_all({"o": (o, ref_o), "states": (states, ref_s)},
+                    dtype={"o": torch.bfloat16, "states": torch.float32})
+    o2, final = kv.kda_verify(**x, cu_seqlens=cu, max_seqlen=4, form=form, final_state_only=True)
+    expect = torch.stack([ref_s[0, 2], ref_s[0, 3], x["initial_state"][2].double(), ref_s[0, 7]])
+    bench.check(final, expect, dtype=torch.float32, name="final per sequence (the empty one keeps h0)")
+    assert torch.equal(o2, o)
+    # padded layout with lengths: positions past a length are not written, their o rows are zeros
+    y = _gpu_inputs(3, 4, 1, torch.bfloat16, seed=6)
+    lengths = torch.tensor([4, 1, 2], dtype=index_dtype, device="cuda")
+    ref_o, ref_s = kv.reference_verify(**y, lengths=lengths)
+    buf = torch.full((3, 4, 1, K, K), float("nan"), device="cuda")
+    o, states = kv.kda_verify(**y, lengths=lengths, states_out=buf, form=form)
+    live = ~ref_s.isnan()
+    assert torch.equal(states.isnan(), ~live), "positions past a length must not be written"
+    bench.check(states[live], ref_s[live], dtype=torch.float32, name="live states")
+    bench.check(o, ref_o, dtype=torch.bfloat16, name="o (padding rows are 0)")
+
+
+@needs_cuda_kernel
+@pytest.mark.parametrize("form", kv.CUDA_FORMS)
+def test_cuda_kernel_uniform_equals_ragged_and_odd_beta(form):
+    x = _gpu_inputs(3, 4, 1, torch.bfloat16, seed=7)  # 12 beta values; then one (an odd count)
+    o_u, s_u = kv.kda_verify(**x, form=form)
+    flat = {n: (t.reshape(1, 12, *t.shape[2:]) if n != "initial_state" else t) for n, t in x.items()}
+    cu = torch.tensor([0, 4, 8, 12], dtype=torch.int32, device="cuda")
+    o_r, s_r = kv.kda_verify(**flat, cu_seqlens=cu, max_seqlen=4, form=form)
+    assert torch.equal(o_u, o_r.view_as(o_u)) and torch.equal(s_u, s_r.view_as(s_u))
+    one = _gpu_inputs(1, 1, 1, torch.bfloat16, seed=8)  # beta has one element: the half-word copy
+    ref_o, ref_s = kv.reference_verify(**one)
+    _check_gpu(*kv.kda_verify(**one, form=form), ref_o, ref_s)
+
+
+@needs_cuda_kernel
+def test_cuda_kernel_is_the_default_and_replays_in_a_graph():
+    x = _gpu_inputs(1, 4, 12, torch.bfloat16, seed=9)
+    assert kv.choose_form(*(x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")), 8, 4) == "cuda"
+    buf = torch.empty(1, 4, 12, K, K, device="cuda")
+    o_eager, _ = kv.kda_verify(**x, tile_v=8, states_out=buf)
+    s_eager = buf.clone()
+    static = {n: t.clone() for n, t in x.items()}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kv.kda_verify(**static, tile_v=8, states_out=buf)  # warm up (build, load) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_graph, _ = kv.kda_verify(**static, tile_v=8, states_out=buf)
+    y = _gpu_inputs(1, 4, 12, torch.bfloat16, seed=10)
+    for n, t in y.items():
+        static[n].copy_(t)
+    graph.replay()
+    ref_o, ref_s = kv.reference_verify(**y)
+    _check_gpu(o_graph, buf, ref_o, ref_s)
+    for n, t in x.items():
+        static[n].copy_(t)
+    graph.replay()
+    assert torch.equal(o_graph, o_eager) and torch.equal(buf, s_eager)
+
+
+@needs_cuda_kernel
+def test_cuda_kernel_misaligned_input_falls_back_or_is_refused():
+    x = _gpu_inputs(1, 2, 1, torch.bfloat16, seed=11)
+    store = torch.empty(x["q"].numel() + 1, dtype=torch.bfloat16, device="cuda")
+    q = store[1:].view_as(x["q"])  # 2-byte offset: not 16-byte aligned
+    q.copy_(x["q"])
+    y = dict(x, q=q)
+    assert kv.choose_form(*(y[n] for n in ("q", "k", "v", "g", "beta", "initial_state")), 8, 2) == kv.NARROW_FORM
+    with pytest.raises(ValueError, match="aligned"):
+        kv.kda_verify(**y, tile_v=8, form="cuda")
+    ref_o, ref_s = kv.reference_verify(**x)
+    _check_gpu(*kv.kda_verify(**y, tile_v=8), ref_o, ref_s)  # the default falls back to the Triton step form

@@ -76,8 +76,12 @@ BEFORE_TILE_V = 32
 # How the narrow kernel walks the positions: 'chunk' (all positions as one small chunk: one
 # state-dependent reduction round, `_verify_chunk_kernel`), 'step' (position after position,
 # `_verify_narrow_kernel`) or 'tile' (the step form with its inputs loaded in the tile's shape).
-NARROW_FORMS = ("chunk", "step", "tile")
-NARROW_FORM = "step"  # measured faster on the H200 at every depth (module docstring)
+NARROW_FORMS = ("chunk", "step", "tile", "cuda", "cuda_chunk")
+NARROW_FORM = "step"  # the Triton form: measured faster than 'chunk' and 'tile' on the H200 (docstring)
+# The hand-written kernel (kernels/kda_verify.cu via k3lab.ops.kda_verify_cuda), step and chunk forms:
+# the default on CUDA devices where it builds and takes the inputs (`choose_form`).
+CUDA_FORMS = ("cuda", "cuda_chunk")
+CUDA_FORM = "cuda"
 STATE_LAYOUTS = ("kv", "vk")  # the recurrent state per head: [K, V] (fla's) or [V, K]
 BEFORE_THREADS = 128
 CHUNK_PER_LANE = 64  # values per lane of the chunk form's [T, K, tile] products (measured, below)  # the original kernel's workgroup size, in threads
@@ -142,6 +146,8 @@ def choose_num_warps(tile_v: int, k_dim: int = HEAD_DIM, wave_width: int | None 
     kernel) or 64 (streaming kernel, which keeps fewer vectors per lane). A 128 x 4 or 128 x 8 fp32
     tile is one wave on NVIDIA's 32 lanes and on AMD's 64; so is a 128 x 16 tile in the streaming
     kernel (on the H200 it ran faster with one wave than with four at B = 1, 8 and 32)."""
+    if form in CUDA_FORMS:
+        return cuda_warps(form, positions)
     wave = wave_width or _wave_width()
     if form == "chunk" and tile_v <= NARROW_MAX:
         # the chunk form's [T, K, tile] products: CHUNK_PER_LANE values per lane, 2..8 waves; one
@@ -154,6 +160,38 @@ def choose_num_warps(tile_v: int, k_dim: int = HEAD_DIM, wave_width: int | None 
         return min(8, max(2, (span * k_dim * tile_v) // (wave * CHUNK_PER_LANE)))
     per_lane = 32 if tile_v <= NARROW_MAX else 64
     return max(1, (k_dim * tile_v) // (wave * per_lane))
+
+
+def cuda_warps(form: str = CUDA_FORM, positions: int = 4) -> int:
+    """32-lane groups per block of the CUDA kernel (its lane mapping is in 32-lane groups whatever the
+    device's warp width): 4, so each thread holds 8 key rows of one column (tile 8); the chunk form
+    at T > 4 takes 8 (its T^2 partial sums per thread would spill at 4: ptxas, sm_90a)."""
+    if form == "cuda_chunk" and positions > 4:
+        return 8
+    return 4
+
+
+def default_form(tile_v: int, backend: str | None = None) -> str:
+    """The narrow kernel's form before looking at the inputs: 'cuda' (kernels/kda_verify.cu) on a
+    CUDA device where it builds, else the Triton step form (CPU interpreter, ROCm: the .cu is not yet
+    run on AMD hardware by this project)."""
+    backend = backend or env.detect().backend
+    if tile_v > NARROW_MAX or backend != "cuda":
+        return NARROW_FORM
+    from k3lab.ops import kda_verify_cuda as kc
+
+    return CUDA_FORM if kc.available() else NARROW_FORM
+
+
+def choose_form(q, k, v, g, beta, initial_state, tile_v: int, positions: int, state_layout: str = "kv") -> str:
+    """The narrow kernel's form for these inputs: the CUDA kernel ('cuda') where it builds and takes
+    them (a CUDA device, V = 128, bf16/fp32, 'kv' states, 16-byte aligned), else the Triton step form."""
+    if state_layout != "kv" or default_form(tile_v) != CUDA_FORM:
+        return NARROW_FORM
+    from k3lab.ops import kda_verify_cuda as kc
+
+    why = kc.supports(q, k, v, g, beta, initial_state, tile_v, cuda_warps(CUDA_FORM, positions), CUDA_FORM)
+    return CUDA_FORM if why is None else NARROW_FORM
 
 
 def before_num_warps(wave_width: int | None = None) -> int:
@@ -559,7 +597,7 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
         q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out, tile_v,
         state_layout=state_layout)
     bv = tile_v or choose_tile_v(N, H, V)
-    if state_layout == "vk" and (bv > NARROW_MAX or form == "chunk"):
+    if state_layout == "vk" and (bv > NARROW_MAX or form in ("chunk", *CUDA_FORMS)):
         raise ValueError(f"state_layout 'vk' runs on the narrow kernel's step and tile forms (tile_v <= "
                          f"{NARROW_MAX}); got tile_v={bv}, form={form!r}")
     if bv > NARROW_MAX:
@@ -569,7 +607,20 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
                               num_warps or choose_num_warps(bv))
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     grid = (V // bv, N * H)
-    form = form or NARROW_FORM
+    form = form or choose_form(q, k, v, g, beta, h0, bv, steps, state_layout)
+    if form in CUDA_FORMS:
+        from k3lab.ops import kda_verify_cuda as kc
+
+        warps = num_warps or cuda_warps(form, steps)
+        if state_layout != "kv":
+            raise ValueError(f"form {form!r} keeps the states [.., K, V] (state_layout 'kv'), got {state_layout!r}")
+        ok, why = kc.status()
+        why = kc.supports(q, k, v, g, beta, h0, bv, warps, form) if ok else why
+        if why is not None:
+            raise ValueError(f"form {form!r} (kernels/kda_verify.cu) cannot run these inputs here: {why}")
+        kc.launch(q, k, v, g, beta, h0, o, hs, seq_info, n_seq=N, positions=steps, heads=H, mode=mode,
+                  all_states=not final_state_only, tile_v=bv, num_warps=warps, form=form, scale=scale)
+        return o, hs
     if form == "chunk":
         _verify_chunk_kernel[grid](q, k, v, g, beta, h0, o, hs, seq_info, scale,
                                    T=steps, TP=triton.next_power_of_2(steps), H=H, K=HEAD_DIM, V=V, BV=bv,

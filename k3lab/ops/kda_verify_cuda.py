@@ -1,0 +1,128 @@
+"""Binding for kernels/kda_verify.cu, the hand-written KDA verification kernel (one job: pack the
+arguments, pick the compiled config, launch on the current stream).
+
+`k3lab.ops.kda_verify.kda_verify` calls `launch` for its 'cuda' and 'cuda_chunk' forms after its own
+argument checks; this module only checks what the kernel itself needs (value head dim 128, dtypes,
+16-byte alignment). The library is built once by k3lab.ops._build (nvcc for the device's own
+architecture) and loaded with ctypes; `status()` says whether it can run here and, if not, why.
+The kernel source also compiles as HIP, but that build is not yet run on AMD hardware by this
+project, so `available()` answers True only on CUDA devices.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from k3lab.ops import _build
+
+NAME = "kda_verify"
+HEAD_DIM = 128  # K and V compiled into the kernel (K3's KDA head)
+FORMS = {"cuda": 0, "cuda_chunk": 1}  # form name in k3lab.ops.kda_verify -> the kernel's FORM
+_ERRORS = {-1: "no compiled kernel for this (tile_v, warps, form)", -4: "bad sizes (T in 1..8, N and H <= 65535)"}
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
+
+
+class Args(ctypes.Structure):
+    """kernels/kda_verify.cu's k3kv::Args, field by field (its size is checked against the library's)."""
+
+    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("g", ctypes.c_void_p),
+                ("beta", ctypes.c_void_p), ("h0", ctypes.c_void_p), ("o", ctypes.c_void_p), ("hs", ctypes.c_void_p),
+                ("seq_info", ctypes.c_void_p), ("beta_numel", ctypes.c_longlong),
+                ("n_seq", ctypes.c_int), ("T", ctypes.c_int), ("H", ctypes.c_int), ("mode", ctypes.c_int),
+                ("seq64", ctypes.c_int), ("all_states", ctypes.c_int), ("in_bf16", ctypes.c_int),
+                ("g_bf16", ctypes.c_int), ("beta_bf16", ctypes.c_int), ("scale", ctypes.c_float)]
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the exported launchers' signatures and check the Args layout; returns lib."""
+    lib.k3_kda_verify.restype = ctypes.c_int
+    lib.k3_kda_verify.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.k3_kda_verify_args_size.restype = ctypes.c_int
+    lib.k3_kda_verify_configs.restype = ctypes.c_int
+    lib.k3_kda_verify_configs.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    size = lib.k3_kda_verify_args_size()
+    if size != ctypes.sizeof(Args):
+        raise _build.KernelUnavailable(f"kda_verify.cu's Args is {size} bytes but the Python Args is "
+                                       f"{ctypes.sizeof(Args)}: the two disagree")
+    return lib
+
+
+def configs_of(lib: ctypes.CDLL) -> set[tuple[int, int, str]]:
+    """(tile_v, warps, form name) triples compiled into the library."""
+    buf = (ctypes.c_int * 96)()
+    n = lib.k3_kda_verify_configs(buf, 32)
+    names = {v: k for k, v in FORMS.items()}
+    return {(buf[3 * i], buf[3 * i + 1], names[buf[3 * i + 2]]) for i in range(min(n, 32))}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    return bind(_build.load(NAME))
+
+
+def status() -> tuple[bool, str]:
+    """(True, what runs) when the kernel can run here; else (False, why). Builds on first call."""
+    if not torch.cuda.is_available():
+        return False, "no GPU visible to torch: the Triton kernels run instead"
+    if getattr(torch.version, "hip", None):
+        return False, f"HIP build: kernels/{NAME}.cu is {_build.NOT_RUN_ON_AMD}; the Triton kernels run instead"
+    ok, why = _build.status(NAME)
+    if not ok:
+        return False, why
+    try:
+        _library()
+    except _build.KernelUnavailable as exc:
+        return False, str(exc)
+    return True, why
+
+
+@functools.cache
+def available() -> bool:
+    return status()[0]
+
+
+def configs() -> set[tuple[int, int, str]]:
+    return configs_of(_library())
+
+
+def supports(q, k, v, g, beta, initial_state, tile_v: int, num_warps: int, form: str) -> str | None:
+    """None when the kernel can take these tensors and launch choices; else why not (a sentence)."""
+    if form not in FORMS:
+        return f"form {form!r} is not one of {tuple(FORMS)}"
+    if not q.is_cuda:
+        return "the tensors are not on a CUDA device"
+    if v.shape[-1] != HEAD_DIM:
+        return f"the kernel is compiled for V = {HEAD_DIM} value columns, got V = {v.shape[-1]}"
+    if q.dtype not in (torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"q, k and v must share one dtype, bf16 or fp32 (got {q.dtype}, {k.dtype}, {v.dtype})"
+    for name, t in (("g", g), ("beta", beta)):
+        if t.dtype not in (torch.bfloat16, torch.float32):
+            return f"{name} must be bf16 or fp32, got {t.dtype}"
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state)):
+        if t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned (its copies are 16-byte asynchronous copies)"
+    if beta.data_ptr() % 4:
+        return "beta is not 4-byte aligned"
+    if (tile_v, num_warps, form) not in configs():
+        return f"(tile_v={tile_v}, num_warps={num_warps}, form={form!r}) is not compiled; have {sorted(configs())}"
+    return None
+
+
+def launch(q, k, v, g, beta, h0, o, hs, seq_info, *, n_seq: int, positions: int, heads: int, mode: int,
+           all_states: bool, tile_v: int, num_warps: int, form: str, scale: float) -> None:
+    """One launch on the current stream (capturable in a CUDA graph). Tensors contiguous, already
+    checked by k3lab.ops.kda_verify; raises RuntimeError with the kernel's reason if it refuses."""
+    lib = _library()
+    a = Args(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), h0.data_ptr(),
+             o.data_ptr(), hs.data_ptr(), seq_info.data_ptr() if mode else 0, beta.numel(),
+             n_seq, positions, heads, mode, int(mode and seq_info.dtype == torch.int64), int(all_states),
+             int(q.dtype == torch.bfloat16), int(g.dtype == torch.bfloat16), int(beta.dtype == torch.bfloat16),
+             float(scale))
+    idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    stream = _raw_stream(idx) if _raw_stream is not None else torch.cuda.current_stream(q.device).cuda_stream
+    rc = lib.k3_kda_verify(ctypes.byref(a), tile_v, num_warps, FORMS[form], ctypes.c_void_p(stream))
+    if rc != 0:
+        raise RuntimeError(f"kda_verify.cu refused the launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")

@@ -286,19 +286,24 @@ def test_bad_input_names_the_argument(mutate, match):
 
 
 @pytest.mark.parametrize(
-    "prologue,split",
+    "prologue,options,T",
     [
-        ("persistent", None),
-        ("split", None),  # one row block per program
-        ("split", {"per_block": False, "block_k": 64, "a_warps": 4, "inv_warps": 2, "wu_block_k": 32}),
+        ("persistent", None, 100),
+        ("split", None, 100),  # one row block per program
+        ("split", {"per_block": False, "block_k": 64, "a_warps": 4, "inv_warps": 2, "wu_block_k": 32}, 100),
+        ("fused", None, 100),
+        ("fused", {"block_k": 64, "warps": 2, "akk_prec": "fast", "wu_block_k": 32}, 100),
+        ("rows", None, 100),
+        ("fused", None, 13),  # one partial chunk, shorter than a 16-row block
+        ("fused", None, 200),  # the last chunk ends inside its first block
     ],
 )
-def test_prologues_write_the_chunk_quantities(prologue, split):
-    """Each prologue (and the split one's other launch shape) against the PyTorch algebra (fp64) on
-    every field the walks read; 100 tokens = one full chunk and a 36-token one."""
-    q, k, v, g, beta = _inputs(1, 100, 2, seed=8)
-    plan = kc.make_plan([100], 2)
-    work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 128**-0.5, prologue=prologue, split=split)
+def test_prologues_write_the_chunk_quantities(prologue, options, T):
+    """Each prologue (and other launch shapes) against the PyTorch algebra (fp64) on every field the
+    walks read and on Akk's inverse; T = 100 is one full chunk and a 36-token one."""
+    q, k, v, g, beta = _inputs(1, T, 2, seed=8)
+    plan = kc.make_plan([T], 2)
+    work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 128**-0.5, prologue=prologue, options=options)
     cq = sm.chunk_quantities(*(t.double() for t in (q, k, v, g, beta)))
     pairs = {
         "W": (work.w, cq.W),
@@ -310,6 +315,21 @@ def test_prologues_write_the_chunk_quantities(prologue, split):
     }
     for name, (got, ref) in pairs.items():  # kernel layout [n, H, ...] vs [B=1, H, n, ...]
         torch.testing.assert_close(got.double(), ref[0].transpose(0, 1), rtol=2e-4, atol=2e-6, msg=name)
+
+
+def test_prologue_launches_one_by_one_equal_the_whole_call():
+    """'rows' runs the fused kernel's A phase, then split's inverse and W / U: launched one by one
+    they write what the one-launch 'fused' prologue writes (same arithmetic, same order)."""
+    q, k, v, g, beta = _inputs(1, 150, 1, seed=10)
+    plan = kc.make_plan([150], 1)
+    fused = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, prologue="fused")
+    work = kc._alloc_work(plan.n_chunks, 1, q.dtype, q.device)
+    launches = kc.prologue_launches(q, k, v, g, beta, plan, 0.1, work, prologue="rows")
+    assert list(launches) == ["a", "inverse", "wu"]
+    for f in launches.values():
+        f()
+    for name in ("w", "u", "qg", "kdt", "aqk", "d"):
+        torch.testing.assert_close(getattr(work, name), getattr(fused, name), rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_bad_options():
@@ -326,8 +346,10 @@ def test_bad_options():
         kc.make_plan([70], 1, group_size=0)
     with pytest.raises(ValueError, match="prologue"):
         kc.kda_chunk_before(q, k, v, g, beta, prologue="fast")
-    with pytest.raises(ValueError, match="split options"):
-        kc.kda_chunk_before(q, k, v, g, beta, prologue_split={"warps": 2})
+    with pytest.raises(ValueError, match="split prologue options"):
+        kc.kda_chunk_before(q, k, v, g, beta, prologue="split", prologue_options={"warps": 2})
+    with pytest.raises(ValueError, match="akk_prec"):
+        kc.kda_chunk_before(q, k, v, g, beta, prologue_options={"akk_prec": "bf16"})
 
 
 # ---------------------------------------------------------------------------------------------

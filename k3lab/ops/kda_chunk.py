@@ -686,7 +686,8 @@ def _fz_rowblock(acc_k, acc_q, c, k, q, g, tok0, L, h, H, col, x0, x1, x2, x3, b
     e_in = _exp(Gw, FAST)
     zv = tl.zeros_like(x0)
     spread = tl.max(-bs, axis=0)
-    fd = tl.where(spread <= SPREAD, 1.0 / _pick(x0, x1, x2, x3, BI), 0.0)  # e^(P_I - E_I) = e^(-bs)
+    # e^(P_I - E_I) = e^(-bs) on the diagonal; a wider block (x below e^-SPREAD) takes the exact path
+    fd = tl.where(spread <= SPREAD, 1.0 / tl.maximum(_pick(x0, x1, x2, x3, BI), 1e-30), 0.0)
     if BI == 0:
         right = c * _by_block(fd, zv, zv, zv, rc, BC)
     elif BI == 1:

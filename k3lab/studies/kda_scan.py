@@ -475,34 +475,27 @@ def group_size_sweep(
     return records
 
 
-# the split prologue's launches are independent kernels, so each is tuned on its own
-# run 2 on the H200 timed the first three (2 warps won by 34%); one warp is the next point to try
-SPLIT_A_OPTIONS = (
-    {"block_k": 32, "a_warps": 2},
-    {"block_k": 32, "a_warps": 4},
-    {"block_k": 64, "a_warps": 4},
-    {"block_k": 32, "a_warps": 1},
+# prologue candidates the calibration times on this device: (kind, options). Run 2 (H200) timed the
+# split form's options (its A launch: 2 warps 607 us, 4 warps 925 us); 'split' below is its best.
+PROLOGUE_CANDIDATES = (
+    ("fused", {}),
+    ("fused", {"block_k": 64}),
+    ("fused", {"block_k": 64, "akk_prec": "fast"}),
+    ("rows", {"block_k": 64}),
+    ("split", {}),
 )
-SPLIT_INV_OPTIONS = ({"inv_warps": 1}, {"inv_warps": 2})
-SPLIT_WU_OPTIONS = ({"wu_block_k": 64, "wu_warps": 4}, {"wu_block_k": 64, "wu_warps": 8})
 
 
 def _label(opts: dict) -> str:
     return "_".join(f"{k}{int(v) if isinstance(v, bool) else v}" for k, v in sorted(opts.items()))
 
 
-def calibrate(
-    name: str = "h12_b1_t16384",
-    walks=(),
-    split_options=(SPLIT_A_OPTIONS, SPLIT_INV_OPTIONS, SPLIT_WU_OPTIONS),
-    compare_prologues=(),
-):
+def calibrate(name: str = "h12_b1_t16384", walks=(), candidates=PROLOGUE_CANDIDATES):
     """Time each launch on its own (no fla, no reference) to pick launch options on this device:
-    the split prologue's three launches (each over its options), then, if `walks` lists any,
-    (block_v, num_warps) for the plain walk and for the after's summaries + replay (else
-    `kda_chunk.choose_block_v` decides).
-    `compare_prologues`: other prologue kinds timed whole; the fastest of all goes into the tune. Returns (records named '<case>.part_*', {'tune', 'tune_after',
-    'times_us'})."""
+    every prologue candidate (kind, options) whole and, when it has several launches, launch by
+    launch; then, if `walks` lists any, (block_v, num_warps) for the plain walk and for the after's
+    summaries + replay (else `kda_chunk.choose_block_v` decides). The fastest prologue goes into
+    the tune. Returns (records named '<case>.part_*', {'tune', 'tune_after', 'times_us'})."""
     case = parse_case(name)
     inp = make_inputs(case)
     runner = Runner(case, inp)
@@ -519,42 +512,35 @@ def calibrate(
             )
         )
 
-    def launches(split):
-        return kc.split_prologue_launches(q, k, v, g, beta, runner.plan_before, scale, runner.work, split=split)
-
-    best: dict = {}
-    for stage, options in zip(("a", "inverse", "wu"), split_options):
-        stage_t = {}
-        for opt in options:
-            split = {**best, **opt}
-            try:
-                fns = launches(split)
-                for f in fns.values():  # valid inputs for the stage timed next (each reruns in place)
-                    f()
-                label = f"split_{stage}_{_label(opt)}"
-                rec(label, "before", bench.time_fn(fns[stage], **kw), prologue="split", split=split)
-                stage_t[label] = (times[label], opt)
-            except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses is skipped
-                print(f"calibrate split {stage} {opt}: {type(exc).__name__}: {str(exc)[:300]}")
-        if stage_t:
-            best.update(min(stage_t.values(), key=lambda t: t[0])[1])
-
-    def whole(**pkw):
-        return lambda: kc.kda_chunk_prologue(q, k, v, g, beta, runner.plan_before, scale, runner.work, **pkw)
-
-    rec("prologue_split", "before", bench.time_fn(whole(prologue="split", split=best), **kw), prologue="split",
-        split=best)  # fmt: skip
-    for pro in compare_prologues:
+    plan = runner.plan_before
+    whole_t = {}
+    for kind, opts in candidates:
+        label = f"{kind}_{_label(opts)}" if opts else kind
         try:
-            rec(f"prologue_{pro}", "before", bench.time_fn(whole(prologue=pro), **kw), prologue=pro)
-        except Exception as exc:  # noqa: BLE001
-            print(f"calibrate prologue {pro}: {type(exc).__name__}: {str(exc)[:300]}")
-    whole(prologue="split", split=best)()
+            fns = kc.prologue_launches(q, k, v, g, beta, plan, scale, runner.work, options=opts, prologue=kind)
+            for f in fns.values():  # compile, and valid inputs for each launch timed alone (each reruns in place)
+                f()
+            if len(fns) > 1:
+                for part, f in fns.items():
+                    rec(f"{label}_{part}", "before", bench.time_fn(f, **kw), prologue=kind, options=opts)
+
+            def whole(fs=tuple(fns.values())):
+                for f in fs:
+                    f()
+
+            rec(f"prologue_{label}", "before", bench.time_fn(whole, **kw), prologue=kind, options=opts)
+            whole_t[(kind, label)] = (times[f"prologue_{label}"], opts)
+        except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses is skipped
+            print(f"calibrate prologue {label}: {type(exc).__name__}: {str(exc)[:300]}")
+    best_kind, best = kc.DEFAULT_PROLOGUE, {}
+    if whole_t:
+        (best_kind, _), (_, best) = min(whole_t.items(), key=lambda kv: kv[1][0])
+    kc.kda_chunk_prologue(q, k, v, g, beta, plan, scale, runner.work, prologue=best_kind, options=best)
     walk_t, after_t = {}, {}
 
     def after_parts(plan, bv, nw):
         return kc.after_launches(q, k, v, g, beta, scale, S0, inp["cu_seqlens"], plan=plan, work=runner.work,
-                                 block_v=bv, num_warps=nw, prologue="split", prologue_split=best)  # fmt: skip
+                                 block_v=bv, num_warps=nw, prologue=best_kind, prologue_options=best)  # fmt: skip
 
     for bv, nw in walks:
         tag = f"bv{bv}_w{nw}"
@@ -578,10 +564,7 @@ def calibrate(
                 after_t[(bv, nw)] = total
         except Exception as exc:  # noqa: BLE001
             print(f"calibrate walk {tag}: {type(exc).__name__}: {str(exc)[:300]}")
-    pro = min(("split", *compare_prologues), key=lambda x: times.get(f"prologue_{x}", float("inf")))
-    tune = {"prologue": pro}
-    if pro == "split":
-        tune["prologue_split"] = best
+    tune = {"prologue": best_kind, "prologue_options": best}
     tune_after = {}
     if walk_t:  # else kda_chunk's choose_block_v picks the walk's tiles
         bw = min(walk_t, key=walk_t.get)
@@ -734,7 +717,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-cases", default="h12_b1_t16384")
     ap.add_argument("--calibrate-case", default="h12_b1_t16384")
     ap.add_argument("--cases", default=None, help="comma list replacing the grid + ragged case")
-    ap.add_argument("--compare-prologues", default="", help="comma list of other prologue kinds to time")
+    ap.add_argument("--prologues", default="", help="comma list of prologue kinds to calibrate (default: all "
+                    "of PROLOGUE_CANDIDATES)")
+    ap.add_argument("--walks", default="", help="walk tiles to calibrate, e.g. '32x4,64x4' (block_v x warps)")
     ap.add_argument("--fla-first-s", type=float, default=100.0,
                     help="time fla only while this much budget is left for a head count it has not compiled")
     args = ap.parse_args(argv)
@@ -782,8 +767,10 @@ def main(argv=None) -> int:
 
         def cal():
             nonlocal tune, tune_after
-            compare = [x for x in args.compare_prologues.split(",") if x]
-            recs, choice = calibrate(args.calibrate_case, compare_prologues=compare)
+            kinds = [x for x in args.prologues.split(",") if x]
+            cands = [c for c in PROLOGUE_CANDIDATES if not kinds or c[0] in kinds]
+            walks = [tuple(int(y) for y in x.split("x")) for x in args.walks.split(",") if x]
+            recs, choice = calibrate(args.calibrate_case, walks=walks, candidates=cands)
             tune, tune_after = choice["tune"], choice["tune_after"]
             print("calibrated:", json.dumps({k: choice[k] for k in ("tune", "tune_after")}), flush=True)
             print(
@@ -795,8 +782,7 @@ def main(argv=None) -> int:
 
         step("calibrate", cal, need_s=60.0)
         if not tune:
-            tune = {"prologue": "persistent"}
-            print("[calibrate gave no choice: the cases use the 'persistent' prologue]", flush=True)
+            print(f"[calibrate gave no choice: the cases use kda_chunk's defaults ({kc.DEFAULT_PROLOGUE})]", flush=True)
     grid = crossover_cases()
     grid = sorted(grid, key=lambda n: (parse_case(n).heads, parse_case(n).batch, n != "h12_b1_t16384"))
     names = args.cases.split(",") if args.cases else grid + ["h12_ragged"]

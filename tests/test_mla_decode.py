@@ -352,7 +352,7 @@ def test_bulk_verify_groups_cross_tiles(q_len):
                                      seed=29 + q_len)
     ref_o, ref_l = mla.reference(q.float(), cache.float(), lens)
     for splits in (1, 2):
-        plan = mla.plan_after(q, kv, lens, block_table=bt, num_splits=splits)
+        plan = mla.plan_after(q, kv, lens, block_table=bt, num_splits=splits, kernel="bulk")
         assert plan.kernel == "bulk" and plan.config.block_n == 64
         o, lse = plan()
         _check(o, lse, ref_o, ref_l, torch.float16, f"bulk/q{q_len}/s{splits}")
@@ -361,8 +361,10 @@ def test_bulk_verify_groups_cross_tiles(q_len):
 def test_bulk_contiguous_cache_and_kernel_choice(monkeypatch):
     q, cache, lens, _, _ = _inputs(2, 2, 12, 150, torch.float32, lengths=[150, 64], seed=31)
     ref_o, ref_l = mla.reference(q, cache, lens)
-    plan = mla.plan_after(q, cache, lens, num_splits=2)
+    plan = mla.plan_after(q, cache, lens, num_splits=2, kernel="bulk")
     assert plan.kernel == "bulk" and plan.facts()["kernel"] == "bulk"
+    assert mla.plan_after(q, cache, lens).kernel == "split"  # verify groups: split by default
+    assert mla.plan_after(q[:, :1], cache, lens).kernel == "bulk"  # one-token decode: bulk
     _check(*plan(), ref_o, ref_l, torch.float32, "bulk/contiguous")
     # a cache whose rows are not laid end to end (every other position of a bigger buffer): the
     # split kernel runs by default, and asking for bulk is refused by name
@@ -376,11 +378,11 @@ def test_bulk_contiguous_cache_and_kernel_choice(monkeypatch):
     with pytest.raises(ValueError, match="kernel must be"):
         mla.plan_after(q, cache, lens, kernel="tma")
     pool, bt = mla.to_paged(cache, 16)
-    assert mla.plan_after(q, pool, lens, block_table=bt).config.block_n == 16  # a tile never crosses a page
+    assert mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk").config.block_n == 16  # inside a page
     with pytest.raises(ValueError, match="cross a page"):
         mla.plan_after(q, pool, lens, block_table=bt, block_n=32, kernel="bulk")
     monkeypatch.setenv("K3LAB_MLA_KERNEL", "split")
-    assert mla.plan_after(q, cache, lens).kernel == "split"
+    assert mla.plan_after(q[:, :1], cache, lens).kernel == "split"
 
 
 def test_bulk_kernel_compiles_for_hopper():

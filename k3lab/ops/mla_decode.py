@@ -588,7 +588,7 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
 
 @triton.jit
 def _page_split_kernel(q_ptr, kc_desc, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_ptr,
-                       heads, q_len, num_splits, head_groups, chunk,
+                       heads, q_len, num_splits, head_groups, chunk, table_pages,
                        stride_qb, stride_qt, stride_qh,
                        stride_kvp, stride_kvr, stride_btb,
                        stride_ob, stride_ot, stride_oh,
@@ -617,6 +617,14 @@ def _page_split_kernel(q_ptr, kc_desc, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, 
     hg = grp % head_groups
     tg = grp // head_groups
     start = split * chunk
+    # The first two block-table entries of the piece are requested before anything else (they do
+    # not wait for the length: entries past the table are masked, past the length unused), then the
+    # length and the query: the first bulk copy waits for the table, the rope prefetch and its own
+    # round trip, not for the query's as well.
+    bt_row = bt_ptr + b * stride_btb
+    page_0 = tl.load(bt_row + start // PAGE_SIZE, mask=start // PAGE_SIZE < table_pages, other=0)
+    page_nn = tl.load(bt_row + (start + BLOCK_N) // PAGE_SIZE, mask=(start + BLOCK_N) // PAGE_SIZE < table_pages,
+                      other=0)
     length = tl.load(len_ptr + b)
     M: tl.constexpr = TOK_TILE * HEAD_TILE
     r = tl.arange(0, M)
@@ -633,15 +641,13 @@ def _page_split_kernel(q_ptr, kc_desc, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, 
     m_i = tl.full([M], -float("inf"), dtype=tl.float32)
     l_e = tl.zeros([BLOCK_N, M], dtype=tl.float32)
     acc = tl.zeros([DV, M], dtype=tl.float32)
-    bt_row = bt_ptr + b * stride_btb
     # Software prefetch across iterations (the loop is not pipelined by Triton: at this tile size
     # its copy buffers would not leave room for a second program per SM): the block-table entry
     # two tiles ahead and the 64 rope columns of the next tile are requested one iteration early
     # and kept in registers, so a tile waits only for its own bulk copy.
     offs_n = tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, DR)
-    row_n = tl.load(bt_row + start // PAGE_SIZE, mask=start < main_end, other=0) * PAGE_SIZE + start % PAGE_SIZE
-    page_nn = tl.load(bt_row + (start + BLOCK_N) // PAGE_SIZE, mask=start + BLOCK_N < main_end, other=0)
+    row_n = page_0 * PAGE_SIZE + start % PAGE_SIZE
     kpe_n = tl.load(kv_ptr + row_n.to(tl.int64) * stride_kvr + DV + offs_n[:, None] * stride_kvr + offs_r[None, :],
                     mask=(offs_n < main_end - start)[:, None], other=0.0)
     if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
@@ -1067,7 +1073,9 @@ def bulk_status(cache: torch.Tensor | None = None, page_size: int | None = None,
 
 def _after_kernel(kernel: str | None, inp: _Inputs, block_n: int | None) -> str:
     """The after kernel for these inputs: an explicit choice (checked), K3LAB_MLA_KERNEL, or bulk
-    where `bulk_status` allows it."""
+    where `bulk_status` allows it for a one-token decode (16 rows per program). Verify groups (32 or
+    64 rows) keep the split kernel by default: with 64 rows the bulk kernel's query tile alone is
+    64 KB of shared memory and it spills for sm_90 (compiled here); kernel='bulk' still runs them."""
     if kernel is None:
         kernel = os.environ.get("K3LAB_MLA_KERNEL") or None
     if kernel not in (None, "bulk", "split"):
@@ -1078,6 +1086,8 @@ def _after_kernel(kernel: str | None, inp: _Inputs, block_n: int | None) -> str:
     ok, why = bulk_status(inp.kv, inp.page_size if inp.paged else None, bn)
     if kernel == "bulk" and not ok:
         raise ValueError(f"kernel='bulk' cannot run here: {why}")
+    if kernel is None and _token_tile(inp.q_len) > 1:
+        return "split"
     return "bulk" if ok else "split"
 
 
@@ -1128,7 +1138,7 @@ def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_split
             desc = TensorDescriptor(rows2d, list(rows2d.shape), [LATENT_DIM, 1], [cfg.block_n, VALUE_DIM])
             split = _Launch(_page_split_kernel, grid,
                             (kq, desc, kv, bt, lens, k_out, k_lse, o_part, l_part, k_heads, Tq, splits, head_groups,
-                             chunk, kq.stride(0), kq.stride(1), kq.stride(2), skvp, skvr, bt.stride(0),
+                             chunk, bt.shape[1], kq.stride(0), kq.stride(1), kq.stride(2), skvp, skvr, bt.stride(0),
                              k_out.stride(0), k_out.stride(1), k_out.stride(2), k_lse.stride(0), k_lse.stride(1),
                              scale_log2), consts)
         else:

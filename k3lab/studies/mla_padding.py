@@ -92,14 +92,16 @@ def _sweep_cases() -> list[Case]:
 
 def _kernel_cases() -> list[Case]:
     """The after kernels side by side: '<case>.split' runs the per-thread-copy split kernel where the
-    default is the bulk-copy one (and the reverse), '<case>.bulk_bn64w4s2' a bulk launch configuration."""
+    default is the bulk-copy one, '<case>.bulk' the reverse (verify groups), '<case>.bulk_bn64w4s2' a
+    bulk launch configuration."""
     if not _gpu():
         return [Case("ctx320.split", 1, 320, kind="sweep", kernel="split"),
-                Case("verify4_ctx64.split", 1, 64, q_len=4, kind="sweep", kernel="split")]
+                Case("verify4_ctx64.bulk", 1, 64, q_len=4, kind="sweep", kernel="bulk")]
     base = {c.name: c for c in _main_cases()}
     out = [Case(f"{n}.split", base[n].batch, base[n].context, q_len=base[n].q_len, ragged=base[n].ragged,
                 kind="sweep", kernel="split")
-           for n in ("ctx1k", "ctx32k", "ctx128k", "b8_8k", "b64_8k", "ragged8_8k", "verify4_32k")]
+           for n in ("ctx1k", "ctx32k", "ctx128k", "b8_8k", "b64_8k", "ragged8_8k")]
+    out.append(Case("verify4_32k.bulk", 1, 32768, q_len=4, kind="sweep", kernel="bulk"))
     for n, cfgs in (("ctx32k", ((64, 4, 2), (64, 8, 1))), ("ctx128k", ((64, 4, 2), (64, 8, 1))),
                     ("ctx1k", ((64, 4, 2),))):
         out += [Case(f"{n}.bulk_bn{b}w{w}s{st}", 1, base[n].context, kind="sweep", kernel="bulk", config=(b, w, st))

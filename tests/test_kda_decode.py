@@ -17,6 +17,8 @@ from k3lab.ops import kda_decode as kd
 GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason="the fused kernel needs a CUDA/ROCm GPU; none is visible")
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the unfused chain's Triton kernels need GPU tensors on a GPU
+
 
 def plain_step(inputs, cache, w, state_layout="kv"):
     """The decode step written from architecture.md section 3 with plain fp64 torch, per head."""
@@ -120,7 +122,7 @@ def test_handoff_rounding_is_what_differs():
 # ------------------------------------------------------------------ before (CPU: Triton interpreter)
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_before_matches_reference_fp32(layout):
-    inputs, cache, w = kd.make_example(2, 2, dtype=torch.float32, state_layout=layout, seed=21)
+    inputs, cache, w = kd.make_example(2, 2, dtype=torch.float32, state_layout=layout, device=DEVICE, seed=21)
     ref_out, ref = kd.reference(**inputs, cache=cache, weights=w, state_layout=layout, compute_dtype=torch.float64)
     out = kd.kda_decode(**inputs, cache=cache, weights=w, impl="before", state_layout=layout)
     bench.check(out, ref_out, dtype="fp32", name="output")
@@ -129,7 +131,7 @@ def test_before_matches_reference_fp32(layout):
 
 
 def test_before_bf16_matches_reference_with_the_same_handoffs():
-    inputs, cache, w = kd.make_example(3, 1, dtype=torch.bfloat16, seed=22)
+    inputs, cache, w = kd.make_example(3, 1, dtype=torch.bfloat16, device=DEVICE, seed=22)
     ref_out, ref = kd.reference(**inputs, cache=cache, weights=w, compute_dtype=torch.float64,
                                 handoff_dtype=torch.bfloat16)
     out = torch.empty(3, 128, dtype=torch.bfloat16)
@@ -142,7 +144,7 @@ def test_before_bf16_matches_reference_with_the_same_handoffs():
 
 def test_before_takes_views_of_one_packed_projection():
     """q, k, v as column slices of one [B, 3*H*K] buffer (row stride 3*H*K), as a fused projection gives."""
-    inputs, cache, w = kd.make_example(2, 1, dtype=torch.float32, seed=23)
+    inputs, cache, w = kd.make_example(2, 1, dtype=torch.float32, device=DEVICE, seed=23)
     packed = torch.cat([inputs["q"], inputs["k"], inputs["v"]], 1)
     views = dict(inputs, q=packed[:, :128], k=packed[:, 128:256], v=packed[:, 256:])
     ref_out, ref = kd.reference(**inputs, cache=cache, weights=w, compute_dtype=torch.float64)
@@ -152,7 +154,7 @@ def test_before_takes_views_of_one_packed_projection():
 
 
 def test_three_steps_carry_state():
-    inputs, cache, w = kd.make_example(1, 1, dtype=torch.float32, seed=24)
+    inputs, cache, w = kd.make_example(1, 1, dtype=torch.float32, device=DEVICE, seed=24)
     ref_cache = KDACache(*(t.double() for t in (cache.conv_q, cache.conv_k, cache.conv_v, cache.state)))
     gen = torch.Generator().manual_seed(0)
     for step in range(3):
@@ -166,7 +168,7 @@ def test_three_steps_carry_state():
 # ------------------------------------------------------------------ the bound step (CPU)
 @pytest.mark.parametrize("impl", ["before", "reference"])
 def test_bound_step_matches_the_functional_form(impl):
-    inputs, cache, w = kd.make_example(2, 2, dtype=torch.float32, seed=25)
+    inputs, cache, w = kd.make_example(2, 2, dtype=torch.float32, device=DEVICE, seed=25)
     c1, c2 = kd.clone_cache(cache), kd.clone_cache(cache)
     step = kd.KDADecodeStep(c1, w, impl=impl)
     for _ in range(2):  # two tokens: the bound cache carries the state

@@ -4,13 +4,7 @@
 # tile/vk sweep points. Everything lands in $OUT/all.tgz (the device returns at most 8 files).
 #   OUT=dir K3LAB_COMMIT=<hash> bash scripts/device_round1.sh
 # (Ran at commit 7ebd1a1; tests/test_attn_res_spread.py has since been removed with its kernel.)
-set -uo pipefail
-export PYTHONPATH="${PYTHONPATH:-}:." PYTHONUNBUFFERED=1
-OUT="${OUT:-build/device}"; W=/tmp/k3w; mkdir -p "$OUT" "$W"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 timeout 150 python3 -m pytest -q -x tests/test_attn_res_spread.py tests/test_attn_res_cuda.py tests/test_kda_decode.py \
   tests/test_kda_verify.py 2>&1 | tail -8

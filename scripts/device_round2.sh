@@ -4,13 +4,7 @@
 # state (every option per batch, then records with each batch's best). Results in $OUT/all.tgz.
 #   OUT=dir K3LAB_COMMIT=<hash> bash scripts/device_round2.sh
 # (Ran at commit dc23e22; tests/test_attn_res_spread.py has since been removed with its kernel.)
-set -uo pipefail
-export PYTHONPATH="${PYTHONPATH:-}:." PYTHONUNBUFFERED=1
-OUT="${OUT:-build/device}"; W=/tmp/k3w; mkdir -p "$OUT" "$W"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
+source "$(dirname "$0")/device_env.sh"
 timeout 150 python3 -m pytest -q tests/test_attn_res_spread.py tests/test_attn_res_cuda.py 2>&1 | tail -4
 OUT=$W SPREAD=1 MAIN=1 SWEEP_TIMEOUT=280 ATTN_RES_SHAPES="1:9" ATTN_RES_SWEPT="tile8" \
   bash scripts/device_attn_res.sh 2>&1 | grep -v "^ *$" | tail -40

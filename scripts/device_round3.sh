@@ -3,13 +3,7 @@
 # the AttnRes main cases and traces with `after`'s choices (the cluster kernel for a few tokens and
 # 5+ sources) timed with graphs sized from a replay, and KDA decode traces with the B=1 split of 16
 # columns. Results in $OUT/all.tgz.   OUT=dir K3LAB_COMMIT=<hash> bash scripts/device_round3.sh
-set -uo pipefail
-export PYTHONPATH="${PYTHONPATH:-}:." PYTHONUNBUFFERED=1
-OUT="${OUT:-build/device}"; W=/tmp/k3w; mkdir -p "$OUT" "$W"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
+source "$(dirname "$0")/device_env.sh"
 timeout 200 python3 -m pytest -q tests/test_kda_decode.py tests/test_attn_res_cuda.py tests/test_attn_res_norm.py \
   tests/test_bench.py tests/test_packed_matmul.py 2>&1 | tail -6
 OUT=$W MAIN=1 SWEEP_TIMEOUT=240 ATTN_RES_SHAPES="1:2" ATTN_RES_SWEPT="tile8" \

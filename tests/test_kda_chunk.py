@@ -292,7 +292,8 @@ def test_bad_input_names_the_argument(mutate, match):
         ("split", None, 100),  # one row block per program
         ("split", {"per_block": False, "block_k": 64, "a_warps": 4, "inv_warps": 2, "wu_block_k": 32}, 100),
         ("fused", None, 100),
-        ("fused", {"block_k": 64, "warps": 2, "akk_prec": "fast", "wu_block_k": 32}, 100),
+        ("fused", {"block_k": 16, "warps": 2, "akk_prec": "near", "wu_block_k": 32, "maxnreg": 168}, 100),
+        ("fused", {"form": "2d", "block_k": 64}, 100),
         ("rows", None, 100),
         ("fused", None, 13),  # one partial chunk, shorter than a 16-row block
         ("fused", None, 200),  # the last chunk ends inside its first block
@@ -350,6 +351,8 @@ def test_bad_options():
         kc.kda_chunk_before(q, k, v, g, beta, prologue="split", prologue_options={"warps": 2})
     with pytest.raises(ValueError, match="akk_prec"):
         kc.kda_chunk_before(q, k, v, g, beta, prologue_options={"akk_prec": "bf16"})
+    with pytest.raises(ValueError, match="form"):
+        kc.kda_chunk_before(q, k, v, g, beta, prologue_options={"form": "4d"})
 
 
 # ---------------------------------------------------------------------------------------------

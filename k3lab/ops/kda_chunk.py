@@ -773,6 +773,91 @@ def _fz_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out
 
 
 @triton.jit
+def _fz3_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
+                 K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
+                 AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, FAST: tl.constexpr):
+    """Akk (fp32, R buffer), Aqk, Qg, W's right factor (in W's buffer), Kd^T and d of one chunk, one
+    slice of BK key channels at a time (decays are per channel; only the dots sum over them), with
+    the chunk held as [4 blocks, 16 rows, BK] so that every per-block factor is a broadcast."""
+    NB: tl.constexpr = C // BC
+    ib = tl.arange(0, NB)
+    rb = tl.arange(0, BC)
+    rs = tl.arange(0, BK)
+    rc = tl.arange(0, C)
+    b3 = ib[:, None, None]
+    r3 = rb[None, :, None]
+    rows3 = b3 * BC + r3  # [NB, BC, 1]
+    m3 = rows3 < L
+    tok3 = ((tok0 + rows3) * H + h) * K
+    bt3 = tl.load(beta + (tok0 + rows3) * H + h, mask=m3, other=0.0)  # [NB, BC, 1]
+    acc_k = tl.zeros([NB, BC, C], dtype=tl.float32)
+    acc_q = tl.zeros([NB, BC, C], dtype=tl.float32)
+    # F[I, J] = e^(P_I - E_J): I row block, J column block (broadcast shapes [NB, NB, 1, BK])
+    I4 = tl.arange(0, NB)[:, None, None, None]
+    J4 = tl.arange(0, NB)[None, :, None, None]
+    for s in tl.static_range(K // BK):
+        col3 = (s * BK + rs)[None, None, :]
+        off = tok3 + col3
+        g3 = tl.load(g + off, mask=m3, other=0.0)
+        k3 = tl.load(k + off, mask=m3, other=0.0).to(tl.float32)
+        q3 = tl.load(q + off, mask=m3, other=0.0).to(tl.float32)
+        Gw = tl.cumsum(g3, axis=1)  # G - P_b within each block, <= 0
+        bs = tl.sum(g3, axis=1)  # [NB, BK] block decay sums
+        E = tl.cumsum(bs, axis=0)  # cumulative log-decay at each block's last row
+        P = E - bs  # ... and before its first row
+        e_in = _exp(Gw, FAST)
+        c3 = k3 * _exp(bs[:, None, :] - Gw, FAST)  # k e^(E_J - G) <= 1
+        e_g = e_in * _exp(P, FAST)[:, None, :]  # e^G
+        tl.store(qg_out + out * C * K + rows3 * K + col3, (q3 * e_g * scale).to(qg_out.dtype.element_ty))
+        tl.store(w_out + out * C * K + rows3 * K + col3, (k3 * e_g * bt3).to(w_out.dtype.element_ty))
+        E_last = tl.sum(bs, axis=0)  # [BK]
+        kd = c3 * _exp(E_last[None, :] - E, FAST)[:, None, :]  # k e^(G_last - G)
+        tl.store(kdt_out + out * K * C + col3 * C + rows3, kd.to(kdt_out.dtype.element_ty))
+        tl.store(d_out + out * K + s * BK + rs, _exp(E_last, FAST))
+        # right operand of row block I: c scaled per column block by F[I, J]; the diagonal factor
+        # e^(-bs_I) is the only one > 1 (a block wider than SPREAD takes the exact path below)
+        spread = tl.max(-bs, axis=1)  # [NB]
+        P4 = P[:, None, None, :]
+        E4 = E[None, :, None, :]
+        bs4 = bs[:, None, None, :]
+        narrow4 = spread[:, None, None, None] <= SPREAD
+        arg = tl.where(J4 < I4, P4 - E4, tl.where((J4 == I4) & narrow4, tl.minimum(-bs4, SPREAD), float("-inf")))
+        F = _exp(arg, FAST)  # [NB, NB, 1, BK]
+        right = tl.reshape(c3[None, :, :, :] * F, [NB, C, BK])
+        rt = tl.permute(right, (0, 2, 1))
+        acc_k = tl.dot(k3 * e_in, rt, acc_k, input_precision=AKK_PREC)
+        acc_q = tl.dot(q3 * e_in, rt, acc_q, input_precision=AQK_PREC)
+        if tl.max(spread, axis=0) > SPREAD:  # wide decay inside a block: exact pairwise decays
+            acc_k, acc_q = _fz3_exact_diag(acc_k, acc_q, k3, q3, Gw, spread, SPREAD, NB, BC, C)
+    rows = b3 * BC + r3
+    col = rc[None, None, :]
+    tile = rows * C + col
+    tl.store(r_base + tile, tl.where(col < rows, acc_k * bt3, 0.0))
+    tl.store(aqk_base + tile, tl.where(col <= rows, acc_q * scale, 0.0).to(aqk_base.dtype.element_ty))
+
+
+@triton.jit
+def _fz3_exact_diag(acc_k, acc_q, k3, q3, Gw, spread, SPREAD: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
+                    C: tl.constexpr):
+    """The diagonal blocks whose decay spreads beyond SPREAD, one key row at a time with exact
+    pairwise decays e^(G_i - G_j) <= 1 (slow; never taken for K3's gate)."""
+    ib = tl.arange(0, NB)
+    rb = tl.arange(0, BC)
+    rc = tl.arange(0, C)
+    wide = (spread > SPREAD)[:, None, None]  # [NB, 1, 1]
+    r3 = rb[None, :, None]
+    for cc in range(BC):
+        sel = r3 == cc
+        k_c = tl.sum(tl.where(sel, k3, 0.0), axis=1)  # [NB, BK]: row cc of every block
+        G_c = tl.sum(tl.where(sel, Gw, 0.0), axis=1)
+        ke = k_c[:, None, :] * tl.exp(tl.where(r3 >= cc, Gw - G_c[:, None, :], float("-inf")))
+        hit = wide & (rc[None, None, :] == ib[:, None, None] * BC + cc)
+        acc_k = tl.where(hit, acc_k + tl.sum(k3 * ke, axis=2)[:, :, None], acc_k)
+        acc_q = tl.where(hit, acc_q + tl.sum(q3 * ke, axis=2)[:, :, None], acc_q)
+    return acc_k, acc_q
+
+
+@triton.jit
 def _inverse_in_place(r_base, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl.constexpr):
     """R = (I + Akk)^-1 in fp32, in place: the diagonal blocks by forward substitution (rows read
     back), then R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ."""
@@ -859,6 +944,7 @@ def _fused_prologue_kernel(
     OUT_PREC: tl.constexpr,
     FUSE: tl.constexpr,
     FAST: tl.constexpr,
+    A3D: tl.constexpr,
 ):
     """The 'fused' prologue, one program per (chunk, head). FUSE=False stops after the A's (the
     'rows' prologue: the split form's inverse and W / U launches follow)."""
@@ -868,8 +954,12 @@ def _fused_prologue_kernel(
     L = tl.load(chunk_len + c)
     out = c * H + h
     r_base = r_buf + out * C * C
-    _fz_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_out + out * C * C,
-                r_base, K, C, BC, A_BK, SPREAD, AKK_PREC, AQK_PREC, FAST)  # fmt: skip
+    if A3D:
+        _fz3_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_out + out * C * C,
+                     r_base, K, C, BC, A_BK, SPREAD, AKK_PREC, AQK_PREC, FAST)  # fmt: skip
+    else:
+        _fz_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_out + out * C * C,
+                    r_base, K, C, BC, A_BK, SPREAD, AKK_PREC, AQK_PREC, FAST)  # fmt: skip
     if FUSE:
         tl.debug_barrier()  # Akk and W's right factor are written by the whole program
         _inverse_in_place(r_base, C, BC, INV_PREC)
@@ -1475,14 +1565,27 @@ DEFAULT_PROLOGUE = "fused"
 #   split (run 2's default): key slice and warps of the A launch, one row block per program (else four
 #     per program), warps of the inverse, slice and warps of W / U; each the fastest that
 #     `k3lab.studies.kda_scan.calibrate` timed on the H200 in run 2.
+#   fused: one launch per (chunk, head): warps; block_k, the key channels per pass of the A phase;
+#     form '3d' (the chunk as [4 blocks, 16 rows, block_k]: per-block factors are broadcasts and the
+#     four row blocks one batched dot; for sm_90a 25% fewer instructions than '2d', which scales one
+#     [64, block_k] right operand per row block by selects); akk_prec, Akk's dot: 'fast' = one tf32
+#     pass (fp32 accumulation; Akk stays fp32 for the fp32 inverse), 'near' = tf32x3 (fp32 inputs are
+#     always exact); maxnreg, an optional register cap (more programs per SM, some spills);
+#     wu_block_k, W / U's column slice.
 #   rows: the fused kernel's A phase alone, then the split form's inverse and W / U launches.
-#   fused: one launch; warps, Akk's dot precision ('near': tf32x3 on NVIDIA for 16-bit inputs,
-#     'fast': one tf32 pass; fp32 inputs are always exact) and the W / U column slice.
+# Why one tf32 pass is enough for Akk: its operands are factors <= 1 (e^spread on the diagonal),
+# rounded to 10 mantissa bits. Emulated in fp64 over 16 chunks (K3-like gates, condition <= 2), it
+# moves o and the state by 5e-5 (rel. L2), and by 1.1e-4 on nearly parallel keys with condition 50;
+# the bf16 pipeline itself is at 4.4e-3 (run 2). Rounding the same operands to bf16 would cost 4e-4
+# to 9e-4: the seed's point (fp32-class inputs for the inverse) holds, tf32 keeps 8x more of it.
 PROLOGUE_DEFAULTS = {
     "persistent": {"warps": 8},
     "split": {"block_k": 32, "a_warps": 2, "per_block": True, "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4},
-    "rows": {"a_warps": 4, "block_k": 32, "akk_prec": "near", "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4},
-    "fused": {"warps": 4, "block_k": 32, "akk_prec": "near", "wu_block_k": 64},
+    "rows": {
+        "a_warps": 4, "block_k": 32, "form": "3d", "akk_prec": "fast", "maxnreg": None, "inv_warps": 1,
+        "wu_block_k": 64, "wu_warps": 4,
+    },  # fmt: skip
+    "fused": {"warps": 4, "block_k": 32, "form": "3d", "akk_prec": "fast", "wu_block_k": 64, "maxnreg": None},
 }
 SPLIT_DEFAULTS = PROLOGUE_DEFAULTS["split"]
 
@@ -1544,12 +1647,17 @@ def prologue_launches(
         return {"persistent": lambda: _launch_persistent(q, k, v, g, beta, plan, scale, work, num_warps or opts["warps"])}
     r_buf = work.r_buffer()
 
+    if opts.get("form", "3d") not in ("3d", "2d"):
+        raise ValueError(f"form must be '3d' or '2d', got {opts['form']!r}")
+    # a register cap (more programs per SM, some spills) only where a compiler takes it
+    cap = {"maxnreg": opts["maxnreg"]} if opts.get("maxnreg") and not env.triton_interpreted() else {}
+
     def blocks(fuse, warps):
         return lambda: _fused_prologue_kernel[(plan.n_chunks, H)](
             q, k, v, g, beta, plan.chunk_tok, plan.chunk_len, work.w, work.u, work.qg, work.kdt, work.aqk, work.d,
             r_buf, H, float(scale), K=HEAD_DIM, V=HEAD_DIM, C=CHUNK, BC=SUB, BK=opts["wu_block_k"],
             A_BK=opts["block_k"], SPREAD=SAFE_SPREAD, AKK_PREC=akk_prec, AQK_PREC=p["AQK_PREC"], INV_PREC=p["INV_PREC"],
-            OUT_PREC=p["OUT_PREC"], FUSE=fuse, FAST=_FAST_EXP, num_warps=warps, num_stages=1,
+            OUT_PREC=p["OUT_PREC"], FUSE=fuse, FAST=_FAST_EXP, A3D=opts["form"] == "3d", num_warps=warps, num_stages=1, **cap,
         )  # fmt: skip
 
     if prologue == "fused":

@@ -99,6 +99,10 @@ MAX_Q_LEN = 8  # verification group: the draft tokens plus one
 TOKENS_PER_PROGRAM = 4  # after: verify tokens sharing one program (4 x 16 = 64 rows of accumulator)
 MAX_SPLITS = 512
 BULK_BLOCK_N = 64  # bulk kernel: latent rows per tile (a page of 64; M = 64 is what wgmma wants)
+# The bulk kernel is opt-in (kernel='bulk' or K3LAB_MLA_KERNEL=bulk) until a GPU run checks it: on the
+# H200 (round 3, commit e7931ef) it computed wrong outputs (bf16, paged) and hit an illegal memory
+# access (contiguous cache), while Triton's interpreter matches the reference on the same shapes.
+BULK_DEFAULT = os.environ.get("K3LAB_MLA_BULK_DEFAULT", "0") == "1"
 TAIL_ROWS = 16  # bulk kernel: rows per masked step over a request's last, partial tile
 MERGE_DV = 16  # value columns per merge program: 12 heads x 32 programs at B = 1 (H200 sweep: 16 beat 32 and 64)
 MERGE_TILE_ELEMS = 8192  # partial values one merge program loads at once (fp32: 32 KB)
@@ -1072,10 +1076,11 @@ def bulk_status(cache: torch.Tensor | None = None, page_size: int | None = None,
 
 
 def _after_kernel(kernel: str | None, inp: _Inputs, block_n: int | None) -> str:
-    """The after kernel for these inputs: an explicit choice (checked), K3LAB_MLA_KERNEL, or bulk
-    where `bulk_status` allows it for a one-token decode (16 rows per program). Verify groups (32 or
-    64 rows) keep the split kernel by default: with 64 rows the bulk kernel's query tile alone is
-    64 KB of shared memory and it spills for sm_90 (compiled here); kernel='bulk' still runs them."""
+    """The after kernel for these inputs: an explicit choice (checked), K3LAB_MLA_KERNEL, else the
+    split kernel; with BULK_DEFAULT (K3LAB_MLA_BULK_DEFAULT=1; off until a GPU run checks the bulk
+    kernel) bulk where `bulk_status` allows it for a one-token decode (16 rows per program). Verify
+    groups (32 or 64 rows) keep the split kernel even then: with 64 rows the bulk kernel's query tile
+    alone is 64 KB of shared memory and it spills for sm_90 (compiled here)."""
     if kernel is None:
         kernel = os.environ.get("K3LAB_MLA_KERNEL") or None
     if kernel not in (None, "bulk", "split"):
@@ -1086,7 +1091,7 @@ def _after_kernel(kernel: str | None, inp: _Inputs, block_n: int | None) -> str:
     ok, why = bulk_status(inp.kv, inp.page_size if inp.paged else None, bn)
     if kernel == "bulk" and not ok:
         raise ValueError(f"kernel='bulk' cannot run here: {why}")
-    if kernel is None and _token_tile(inp.q_len) > 1:
+    if kernel is None and (_token_tile(inp.q_len) > 1 or not BULK_DEFAULT):
         return "split"
     return "bulk" if ok else "split"
 
@@ -1267,8 +1272,9 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     off. On the H200 it saved 0.1-0.4 us per decode (ctx*.r2.bn32w4s3_nopdl records).
 
     kernel: 'bulk' (`_page_split_kernel`: whole tiles by bulk copy, Hopper TMA; see `bulk_status`),
-    'split' (`_split_kernel`: per-thread copies) or None = K3LAB_MLA_KERNEL if set, else 'bulk'
-    wherever `bulk_status` allows it, else 'split'. plan.kernel says which one runs."""
+    'split' (`_split_kernel`: per-thread copies) or None = K3LAB_MLA_KERNEL if set, else 'split'
+    (see `_after_kernel`: the bulk kernel is opt-in, NOT YET CORRECT ON A GPU: wrong outputs on the
+    H200 in its first run, right in Triton's interpreter). plan.kernel says which one runs."""
     if pad not in ("registers", "copy"):
         raise ValueError(f"pad must be 'registers' or 'copy', got {pad!r}")
     inp = _validate(q, cache, lengths, block_table, max_heads=None if fold_heads else MMA_ROWS)

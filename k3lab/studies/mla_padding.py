@@ -91,17 +91,15 @@ def _sweep_cases() -> list[Case]:
 
 
 def _kernel_cases() -> list[Case]:
-    """The after kernels side by side: '<case>.split' runs the per-thread-copy split kernel where the
-    default is the bulk-copy one, '<case>.bulk' the reverse (verify groups), '<case>.bulk_bn64w4s2' a
-    bulk launch configuration."""
+    """The bulk-copy after kernel (opt-in, see mla_decode.bulk_status) beside the default split kernel:
+    '<case>.bulk' at the kernel's default configuration, '<case>.bulk_bn64w4s2' at another one."""
     if not _gpu():
-        return [Case("ctx320.split", 1, 320, kind="sweep", kernel="split"),
+        return [Case("ctx320.bulk", 1, 320, kind="sweep", kernel="bulk"),
                 Case("verify4_ctx64.bulk", 1, 64, q_len=4, kind="sweep", kernel="bulk")]
     base = {c.name: c for c in _main_cases()}
-    out = [Case(f"{n}.split", base[n].batch, base[n].context, q_len=base[n].q_len, ragged=base[n].ragged,
-                kind="sweep", kernel="split")
-           for n in ("ctx1k", "ctx32k", "ctx128k", "b8_8k", "b64_8k", "ragged8_8k")]
-    out.append(Case("verify4_32k.bulk", 1, 32768, q_len=4, kind="sweep", kernel="bulk"))
+    out = [Case(f"{n}.bulk", base[n].batch, base[n].context, q_len=base[n].q_len, ragged=base[n].ragged,
+                kind="sweep", kernel="bulk")
+           for n in ("ctx1k", "ctx32k", "ctx128k", "b8_8k", "b64_8k", "ragged8_8k", "verify4_32k")]
     for n, cfgs in (("ctx32k", ((64, 4, 2), (64, 8, 1))), ("ctx128k", ((64, 4, 2), (64, 8, 1))),
                     ("ctx1k", ((64, 4, 2),))):
         out += [Case(f"{n}.bulk_bn{b}w{w}s{st}", 1, base[n].context, kind="sweep", kernel="bulk", config=(b, w, st))

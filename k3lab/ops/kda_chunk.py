@@ -1847,6 +1847,7 @@ def kda_chunk_after(
     work: _Work | None = None,
     block_v: int | None = None,
     summary_block: int = 64,
+    summary_warps: int | None = None,
     scan_block: int = 32,
     scan_stages: int = 2,
     num_warps: int = 4,
@@ -1888,7 +1889,7 @@ def kda_chunk_after(
         q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_options)
     )
     sums, s_in = _scan_buffers(plan, H, q.device)
-    _launch_summaries(work, plan, sums, H, q.dtype, summary_block, num_warps, num_stages)
+    _launch_summaries(work, plan, sums, H, q.dtype, summary_block, summary_warps or num_warps, num_stages)
     _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages)
     _walk(work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, block_v, num_warps, num_stages)
     return o, s_final
@@ -1970,6 +1971,7 @@ def after_launches(
     work: _Work | None = None,
     block_v: int | None = None,
     summary_block: int = 64,
+    summary_warps: int | None = None,
     scan_block: int = 32,
     scan_stages: int = 2,
     num_warps: int = 4,
@@ -1999,7 +2001,7 @@ def after_launches(
         return out
     sums, s_in = _scan_buffers(plan, H, q.device)
     out["summaries"] = lambda: _launch_summaries(
-        work, plan, sums, H, q.dtype, summary_block, num_warps, num_stages
+        work, plan, sums, H, q.dtype, summary_block, summary_warps or num_warps, num_stages
     )
     out["scan"] = lambda: _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages)
     out["replay"] = lambda: _walk(

@@ -475,13 +475,17 @@ def group_size_sweep(
     return records
 
 
-# prologue candidates the calibration times on this device: (kind, options). Run 2 (H200) timed the
-# split form's options (its A launch: 2 warps 607 us, 4 warps 925 us); 'split' below is its best.
+# prologue candidates the calibration checks and times on this device: (kind, options) over
+# kda_chunk.PROLOGUE_DEFAULTS. Run 2 (H200) timed the split form's options (its A launch: 2 warps
+# 607 us, 4 warps 925 us); 'split' below is its best. For sm_90a the fused kernel compiles to
+# 8.1K instructions per thread at block_k 32 (255 registers, no spills: 2 programs per SM), 9.0K at
+# block_k 16 (246 registers), and with a 168-register cap 3 programs per SM and a few spills.
 PROLOGUE_CANDIDATES = (
     ("fused", {}),
-    ("fused", {"block_k": 64}),
-    ("fused", {"block_k": 64, "akk_prec": "fast"}),
-    ("rows", {"block_k": 64}),
+    ("fused", {"block_k": 16}),
+    ("fused", {"block_k": 16, "maxnreg": 168}),
+    ("fused", {"akk_prec": "near"}),
+    ("rows", {}),
     ("split", {}),
 )
 
@@ -490,12 +494,34 @@ def _label(opts: dict) -> str:
     return "_".join(f"{k}{int(v) if isinstance(v, bool) else v}" for k, v in sorted(opts.items()))
 
 
-def calibrate(name: str = "h12_b1_t16384", walks=(), candidates=PROLOGUE_CANDIDATES):
-    """Time each launch on its own (no fla, no reference) to pick launch options on this device:
-    every prologue candidate (kind, options) whole and, when it has several launches, launch by
-    launch; then, if `walks` lists any, (block_v, num_warps) for the plain walk and for the after's
-    summaries + replay (else `kda_chunk.choose_block_v` decides). The fastest prologue goes into
-    the tune. Returns (records named '<case>.part_*', {'tune', 'tune_after', 'times_us'})."""
+def _prologue_checker(check_case: str):
+    """A function (kind, options) -> error figures of the before with that prologue on `check_case`
+    against fp64 (outputs and final state, the case's dtype): each calibrated prologue is checked
+    end to end before its times can be chosen."""
+    case = parse_case(check_case)
+    inp = make_inputs(case, seed=1)
+    ref = reference(case, inp, *_ref_limits(case))
+    runner = Runner(case, inp)
+
+    def check(kind, opts):
+        runner.tune = {"prologue": kind, "prologue_options": opts}
+        return _run_and_check(case, inp, runner.before, ref, strict=False)
+
+    return check
+
+
+def calibrate(
+    name: str = "h12_b1_t16384", walks=(), candidates=PROLOGUE_CANDIDATES, check_case="h2_b1_t4096", summaries=()
+):
+    """Time each launch on its own to pick launch options on this device: every prologue candidate
+    (kind, options) whole and, when it has several launches, launch by launch, after checking it
+    end to end on `check_case` against fp64 (a candidate that fails is timed, recorded with the
+    failure, and never chosen); then, if `walks` lists any, (block_v, num_warps) for the plain walk
+    and for the after's summaries + replay (else `kda_chunk.choose_block_v` decides), and for each
+    (summary_block, summary_warps) in `summaries` the after's summaries launch. The fastest of each
+    goes into the tune. Returns (records named '<case>.part_*', {'tune', 'tune_after',
+    'times_us'})."""
+    checker = _prologue_checker(check_case)
     case = parse_case(name)
     inp = make_inputs(case)
     runner = Runner(case, inp)
@@ -528,8 +554,13 @@ def calibrate(name: str = "h12_b1_t16384", walks=(), candidates=PROLOGUE_CANDIDA
                 for f in fs:
                     f()
 
-            rec(f"prologue_{label}", "before", bench.time_fn(whole, **kw), prologue=kind, options=opts)
-            whole_t[(kind, label)] = (times[f"prologue_{label}"], opts)
+            err = checker(kind, opts)
+            rec(f"prologue_{label}", "before", bench.time_fn(whole, **kw), prologue=kind, options=opts,
+                check_case=check_case, error=err)  # fmt: skip
+            if "failed" not in err:
+                whole_t[(kind, label)] = (times[f"prologue_{label}"], opts)
+            else:
+                print(f"calibrate prologue {label}: check FAILED {err['failed'][:200]}")
         except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses is skipped
             print(f"calibrate prologue {label}: {type(exc).__name__}: {str(exc)[:300]}")
     best_kind, best = kc.DEFAULT_PROLOGUE, {}
@@ -564,14 +595,32 @@ def calibrate(name: str = "h12_b1_t16384", walks=(), candidates=PROLOGUE_CANDIDA
                 after_t[(bv, nw)] = total
         except Exception as exc:  # noqa: BLE001
             print(f"calibrate walk {tag}: {type(exc).__name__}: {str(exc)[:300]}")
+    sum_t = {}
+    if runner.plan_after.uses_scan:
+        for sb, sw in summaries:
+            tag = f"sb{sb}_w{sw}"
+            try:
+                parts = kc.after_launches(
+                    q, k, v, g, beta, scale, S0, inp["cu_seqlens"], plan=runner.plan_after, work=runner.work,
+                    summary_block=sb, summary_warps=sw, prologue=best_kind, prologue_options=best,
+                )  # fmt: skip
+                parts["prologue"]()
+                rec(f"summaries_{tag}", "after", bench.time_fn(parts["summaries"], **kw), summary_block=sb,
+                    summary_warps=sw, group_size=runner.group_size)  # fmt: skip
+                sum_t[(sb, sw)] = times[f"summaries_{tag}"]
+            except Exception as exc:  # noqa: BLE001
+                print(f"calibrate summaries {tag}: {type(exc).__name__}: {str(exc)[:300]}")
     tune = {"prologue": best_kind, "prologue_options": best}
     tune_after = {}
+    if sum_t:
+        bs_ = min(sum_t, key=sum_t.get)
+        tune_after.update(summary_block=bs_[0], summary_warps=bs_[1])
     if walk_t:  # else kda_chunk's choose_block_v picks the walk's tiles
         bw = min(walk_t, key=walk_t.get)
         tune.update(block_v=bw[0], num_warps=bw[1])
     if after_t:
         ba = min(after_t, key=after_t.get)
-        tune_after = {"block_v": ba[0], "num_warps": ba[1]}
+        tune_after.update(block_v=ba[0], num_warps=ba[1])
     return records, {"tune": tune, "tune_after": tune_after, "times_us": times}
 
 
@@ -720,6 +769,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prologues", default="", help="comma list of prologue kinds to calibrate (default: all "
                     "of PROLOGUE_CANDIDATES)")
     ap.add_argument("--walks", default="", help="walk tiles to calibrate, e.g. '32x4,64x4' (block_v x warps)")
+    ap.add_argument("--summaries", default="", help="summary tiles to calibrate, e.g. '64x4,128x8'")
     ap.add_argument("--fla-first-s", type=float, default=100.0,
                     help="time fla only while this much budget is left for a head count it has not compiled")
     args = ap.parse_args(argv)
@@ -770,7 +820,8 @@ def main(argv=None) -> int:
             kinds = [x for x in args.prologues.split(",") if x]
             cands = [c for c in PROLOGUE_CANDIDATES if not kinds or c[0] in kinds]
             walks = [tuple(int(y) for y in x.split("x")) for x in args.walks.split(",") if x]
-            recs, choice = calibrate(args.calibrate_case, walks=walks, candidates=cands)
+            sums = [tuple(int(y) for y in x.split("x")) for x in args.summaries.split(",") if x]
+            recs, choice = calibrate(args.calibrate_case, walks=walks, candidates=cands, summaries=sums)
             tune, tune_after = choice["tune"], choice["tune_after"]
             print("calibrated:", json.dumps({k: choice[k] for k in ("tune", "tune_after")}), flush=True)
             print(
@@ -813,7 +864,25 @@ def main(argv=None) -> int:
             step(sw + " sweep", lambda n=sw: group_size_sweep(n, strict=False, tune={**tune, **tune_after}))
     save()
     print(f"kda_scan done: {len(records)} records, {time.time() - t0:.0f} s", flush=True)
+    print(summary_text(records), flush=True)
     return 0
+
+
+def summary_text(records) -> str:
+    """A short table for the end of a log: the prologue parts, then before / after / fla per case."""
+    lines = ["prologue parts (us): " + ", ".join(
+        f"{r.case.split('.part_')[1]} {r.median_us:.0f}" + (" FAILED" if "failed" in (r.error or {}) else "")
+        for r in records if ".part_" in r.case)]  # fmt: skip
+    lines.append(f"{'case':16s} {'before':>8s} {'after':>8s} {'fla':>8s} {'floor':>6s}  gs  o/S rel_l2 (after)")
+    for row in crossover_table(records).to_dict("records"):
+        err = next((r.error for r in records if r.case == row["case"] and r.variant == "after"), {}) or {}
+        e = f"{err['o']['rel_l2']:.1e}/{err['state']['rel_l2']:.1e}" if "o" in err else err.get("failed", "")[:40]
+        lines.append(
+            f"{row['case']:16s} {row.get('before_us', float('nan')):8.0f} {row.get('after_us', float('nan')):8.0f} "
+            f"{row.get('fla_us', float('nan')):8.0f} {row.get('floor_us', float('nan')):6.0f}  "
+            f"{row.get('group_size')}  {e}"
+        )
+    return "\n".join(lines)
 
 
 __all__ = [

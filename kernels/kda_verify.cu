@@ -134,6 +134,69 @@ K3_DEVICE void store_out(void* o, long long off, bool bf16, float x) {
   else static_cast<float*>(o)[off] = x;
 }
 
+// Raw loads: R contiguous elements as 32-bit words (bf16: R / 2 words, two elements each; fp32: R
+// words), converted only after the gate below, so no conversion (a consumer) sits among the loads.
+template <int R>
+K3_DEVICE void load_words(const void* base, long long off, bool bf16, uint32_t (&w)[R]) {
+  const uint32_t* p = reinterpret_cast<const uint32_t*>(static_cast<const char*>(base) + off * (bf16 ? 2 : 4));
+  if constexpr (R % 8 == 0) {  // 16-byte pieces: R / 8 of them (bf16) or R / 4 (fp32)
+    if (bf16) {
+#pragma unroll
+      for (int i = 0; i < R / 8; ++i) {
+        const uint4 u = reinterpret_cast<const uint4*>(p)[i];
+        w[4 * i] = u.x;
+        w[4 * i + 1] = u.y;
+        w[4 * i + 2] = u.z;
+        w[4 * i + 3] = u.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < R / 4; ++i) {
+        const uint4 u = reinterpret_cast<const uint4*>(p)[i];
+        w[4 * i] = u.x;
+        w[4 * i + 1] = u.y;
+        w[4 * i + 2] = u.z;
+        w[4 * i + 3] = u.w;
+      }
+    }
+  } else if constexpr (R == 4) {
+    if (bf16) {
+      const uint2 u = *reinterpret_cast<const uint2*>(p);
+      w[0] = u.x;
+      w[1] = u.y;
+    } else {
+      const uint4 u = *reinterpret_cast<const uint4*>(p);
+      w[0] = u.x;
+      w[1] = u.y;
+      w[2] = u.z;
+      w[3] = u.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < R; ++i) w[i] = (!bf16 || i < R / 2) ? p[i] : 0u;
+  }
+}
+
+// Words -> floats, each word first added to `z` (a zero the compiler cannot see: see the gate).
+template <int R>
+K3_DEVICE void words_to_floats(const uint32_t (&w)[R], bool bf16, uint32_t z, float (&x)[R]) {
+  if (bf16) {
+#pragma unroll
+    for (int i = 0; i < R / 2; ++i) unpack2(w[i] + z, x[2 * i], x[2 * i + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < R; ++i) x[i] = __uint_as_float(w[i] + z);
+  }
+}
+
+K3_DEVICE uint32_t load_word(const void* base, long long off, bool bf16) {  // one element, bf16 in the low half
+  return bf16 ? static_cast<uint32_t>(static_cast<const k3_bf16*>(base)[off]) : static_cast<const uint32_t*>(base)[off];
+}
+
+K3_DEVICE float word_to_float(uint32_t w, bool bf16, uint32_t z) {
+  return bf16 ? __uint_as_float((w + z) << 16) : __uint_as_float(w + z);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Staging the inputs through shared memory with asynchronous copies (CUDA, sm_80 and later).
 // A register load's first consumer stalls the warp, and the compiler is free to place that consumer
@@ -205,6 +268,7 @@ struct Smem {
   static constexpr int NV = FORM == 0 ? step_values() : chunk_values(TM);
   static constexpr int BUFS = FORM == 0 ? 2 : 1;  // step: double-buffered, one barrier per round
   float red[BUFS][NV * BV * W];
+  uint32_t zero;  // the gate's zero (plain loads)
 #if defined(K3KV_ASYNC)
   // staged inputs, sized for fp32 (bf16 uses the first half of each row)
   float q[TM][HK], k[TM][HK], g[TM][HK];
@@ -213,7 +277,7 @@ struct Smem {
 #endif
 };
 
-template <int BV, int W, int TM, int FORM>
+template <int BV, int W, int TM, int FORM, int LOADS>
 __global__ void __launch_bounds__(W * 32) kda_verify_kernel(const Args a) {
   constexpr int LG = 32 / BV;         // key groups per warp
   constexpr int R = HK / (LG * W);    // key rows per thread
@@ -250,72 +314,94 @@ __global__ void __launch_bounds__(W * 32) kda_verify_kernel(const Args a) {
 
   // ---- every load first: the state slice, then each live position's inputs
   float S[R];
-  {
-    const float* s0 = a.h0 + bh * HK * HV + tile;
-#pragma unroll
-    for (int j = 0; j < R; ++j) S[j] = s0[j * HV];
-  }
   float q[TM][R], kk[TM][R], g[TM][R], vv[TM], bb[TM];
-  const int esz = in16 ? 2 : 4;
-  const int gsz = a.g_bf16 ? 2 : 4;
-#if defined(K3KV_ASYNC)
+  const bool g16 = a.g_bf16 != 0, b16 = a.beta_bf16 != 0;
+  const float* s0 = a.h0 + bh * HK * HV + tile;
+  if constexpr (LOADS == 0) {
+    // Plain loads, then a gate. The scheduler is free to place a load's first consumer before the
+    // next position's loads are issued, and a consumer stalls the warp until its data arrives (it
+    // did: positions 2 and 3 were issued after position 0's arithmetic had waited, a second round
+    // trip). Here every loaded word is added to `z`, a zero read from shared memory after a barrier
+    // that follows the last load: no consumer can run before every load is in flight, and loads
+    // may not sink below a barrier.
+    if (tid == 0) sm.zero = 0u;
+    uint32_t ws[R], wq[TM][R], wk[TM][R], wg[TM][R], wv[TM], wb[TM];
 #pragma unroll
-  for (int t = 0; t < TM; ++t) {
-    if (t < L) {
+    for (int j = 0; j < R; ++j) ws[j] = __float_as_uint(s0[j * HV]);
+#pragma unroll
+    for (int t = 0; t < TM; ++t) {
       const long long row = (bos + t) * H + h;
-      copy_span(reinterpret_cast<char*>(sm.q[t]) + k0 * esz, static_cast<const char*>(a.q) + (row * HK + k0) * esz,
-                R * esz);
-      copy_span(reinterpret_cast<char*>(sm.k[t]) + k0 * esz, static_cast<const char*>(a.k) + (row * HK + k0) * esz,
-                R * esz);
-      copy_span(reinterpret_cast<char*>(sm.g[t]) + k0 * gsz, static_cast<const char*>(a.g) + (row * HK + k0) * gsz,
-                R * gsz);
-      copy_span(sm.v[t], static_cast<const char*>(a.v) + (row * HV + blockIdx.x * BV) * esz, BV * esz);
-      if (a.beta_bf16) {  // the word holding beta[row]; past the tensor's end only its first half is read
-        const long long w0 = row & ~1LL;
-        copy_async<4>(&sm.beta[t], static_cast<const k3_bf16*>(a.beta) + w0, w0 + 1 < a.beta_numel ? 4 : 2);
-      } else {
-        copy_async<4>(&sm.beta[t], static_cast<const float*>(a.beta) + row);
+      if (t < L) {
+        load_words<R>(a.q, row * HK + k0, in16, wq[t]);
+        load_words<R>(a.k, row * HK + k0, in16, wk[t]);
+        load_words<R>(a.g, row * HK + k0, g16, wg[t]);
+        wv[t] = load_word(a.v, row * HV + c, in16);
+        wb[t] = load_word(a.beta, row, b16);
+      } else {  // a dead position: k = g = beta = 0 is the identity update, q = 0 gives o = 0
+#pragma unroll
+        for (int j = 0; j < R; ++j) wq[t][j] = wk[t][j] = wg[t][j] = 0u;
+        wv[t] = wb[t] = 0u;
       }
     }
-  }
-  copy_wait_all();
+    __syncthreads();
+    const uint32_t z = *reinterpret_cast<volatile uint32_t*>(&sm.zero);
 #pragma unroll
-  for (int t = 0; t < TM; ++t) {
-    const long long row = (bos + t) * H + h;
-    if (t < L) {
-      load_row<R>(sm.q[t], k0, in16, q[t]);
-      load_row<R>(sm.k[t], k0, in16, kk[t]);
-      load_row<R>(sm.g[t], k0, a.g_bf16 != 0, g[t]);
-      vv[t] = load_one(sm.v[t], cl, in16);
-      const uint32_t w = sm.beta[t];
-      bb[t] = a.beta_bf16 ? __uint_as_float((row & 1) ? (w & 0xffff0000u) : (w << 16)) : __uint_as_float(w);
-    } else {  // a dead position: k = g = beta = 0 is the identity update, q = 0 gives o = 0
+    for (int j = 0; j < R; ++j) S[j] = __uint_as_float(ws[j] + z);
 #pragma unroll
-      for (int j = 0; j < R; ++j) q[t][j] = kk[t][j] = g[t][j] = 0.f;
-      vv[t] = bb[t] = 0.f;
+    for (int t = 0; t < TM; ++t) {
+      words_to_floats<R>(wq[t], in16, z, q[t]);
+      words_to_floats<R>(wk[t], in16, z, kk[t]);
+      words_to_floats<R>(wg[t], g16, z, g[t]);
+      vv[t] = word_to_float(wv[t], in16, z);
+      bb[t] = word_to_float(wb[t], b16, z);
     }
-  }
-#else  // plain loads (HIP: not yet run on AMD hardware by this project)
-  (void)esz;
-  (void)gsz;
-  (void)cl;
+  } else {
+#if defined(K3KV_ASYNC)
+    // Inputs staged through shared memory with cp.async (measured slower on the H200: module note)
 #pragma unroll
-  for (int t = 0; t < TM; ++t) {
-    const long long row = (bos + t) * H + h;
-    if (t < L) {
-      load_row<R>(a.q, row * HK + k0, in16, q[t]);
-      load_row<R>(a.k, row * HK + k0, in16, kk[t]);
-      load_row<R>(a.g, row * HK + k0, a.g_bf16 != 0, g[t]);
-      vv[t] = load_one(a.v, row * HV + c, in16);
-      bb[t] = load_one(a.beta, row, a.beta_bf16 != 0);
-    } else {
+    for (int j = 0; j < R; ++j) S[j] = s0[j * HV];
+    const int esz = in16 ? 2 : 4;
+    const int gsz = g16 ? 2 : 4;
 #pragma unroll
-      for (int j = 0; j < R; ++j) q[t][j] = kk[t][j] = g[t][j] = 0.f;
-      vv[t] = bb[t] = 0.f;
+    for (int t = 0; t < TM; ++t) {
+      if (t < L) {
+        const long long row = (bos + t) * H + h;
+        copy_span(reinterpret_cast<char*>(sm.q[t]) + k0 * esz,
+                  static_cast<const char*>(a.q) + (row * HK + k0) * esz, R * esz);
+        copy_span(reinterpret_cast<char*>(sm.k[t]) + k0 * esz,
+                  static_cast<const char*>(a.k) + (row * HK + k0) * esz, R * esz);
+        copy_span(reinterpret_cast<char*>(sm.g[t]) + k0 * gsz,
+                  static_cast<const char*>(a.g) + (row * HK + k0) * gsz, R * gsz);
+        copy_span(sm.v[t], static_cast<const char*>(a.v) + (row * HV + blockIdx.x * BV) * esz, BV * esz);
+        if (b16) {  // the word holding beta[row]; past the tensor's end only its first half is read
+          const long long w0 = row & ~1LL;
+          copy_async<4>(&sm.beta[t], static_cast<const k3_bf16*>(a.beta) + w0, w0 + 1 < a.beta_numel ? 4 : 2);
+        } else {
+          copy_async<4>(&sm.beta[t], static_cast<const float*>(a.beta) + row);
+        }
+      }
     }
-  }
-  __syncthreads();  // no load may sink below this (see the staging note above)
+    copy_wait_all();
+#pragma unroll
+    for (int t = 0; t < TM; ++t) {
+      const long long row = (bos + t) * H + h;
+      if (t < L) {
+        load_row<R>(sm.q[t], k0, in16, q[t]);
+        load_row<R>(sm.k[t], k0, in16, kk[t]);
+        load_row<R>(sm.g[t], k0, g16, g[t]);
+        vv[t] = load_one(sm.v[t], cl, in16);
+        const uint32_t w = sm.beta[t];
+        bb[t] = b16 ? __uint_as_float((row & 1) ? (w & 0xffff0000u) : (w << 16)) : __uint_as_float(w);
+      } else {
+#pragma unroll
+        for (int j = 0; j < R; ++j) q[t][j] = kk[t][j] = g[t][j] = 0.f;
+        vv[t] = bb[t] = 0.f;
+      }
+    }
+#elif defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+    static_assert(LOADS == 0, "cp.async staging needs CUDA sm_80 or later");
 #endif
+  }
   // Where position t's state goes: its own slab (every state), or the sequence's final slab, written
   // at every position (the last write wins; L2 absorbs the repeats), so no branch splits the chain.
   // A dead position writes nothing when every state is kept (the row belongs to someone else or is
@@ -438,13 +524,20 @@ __global__ void __launch_bounds__(W * 32) kda_verify_kernel(const Args a) {
 // exported launchers
 
 // (BV value columns, W 32-lane groups, FORM) compiled; each for T = 1..8 (a template argument).
+// form: 0 step (plain loads + gate), 1 chunk (plain loads + gate), 2 step with cp.async staging (CUDA only).
+#if defined(K3_CUDA)
+#define K3_KV_ASYNC_CONFIGS(X) X(8, 4, 2)
+#else
+#define K3_KV_ASYNC_CONFIGS(X)
+#endif
 #define K3_KV_CONFIGS(X) \
   X(8, 4, 0)             \
   X(8, 2, 0)             \
   X(8, 8, 0)             \
   X(4, 4, 0)             \
   X(8, 4, 1)             \
-  X(8, 8, 1)
+  X(8, 8, 1)             \
+  K3_KV_ASYNC_CONFIGS(X)
 
 K3_EXPORT int k3_kda_verify_args_size() { return (int)sizeof(k3kv::Args); }
 
@@ -468,19 +561,19 @@ static void k3_launch_tm(const k3kv::Args& a, k3_stream_t stream) {
   const dim3 grid(k3kv::HV / BV, a.H, a.n_seq);
   const dim3 block(W * 32);
   switch (a.T) {
-    case 1: k3kv::kda_verify_kernel<BV, W, 1, F><<<grid, block, 0, stream>>>(a); break;
-    case 2: k3kv::kda_verify_kernel<BV, W, 2, F><<<grid, block, 0, stream>>>(a); break;
-    case 3: k3kv::kda_verify_kernel<BV, W, 3, F><<<grid, block, 0, stream>>>(a); break;
-    case 4: k3kv::kda_verify_kernel<BV, W, 4, F><<<grid, block, 0, stream>>>(a); break;
-    case 5: k3kv::kda_verify_kernel<BV, W, 5, F><<<grid, block, 0, stream>>>(a); break;
-    case 6: k3kv::kda_verify_kernel<BV, W, 6, F><<<grid, block, 0, stream>>>(a); break;
-    case 7: k3kv::kda_verify_kernel<BV, W, 7, F><<<grid, block, 0, stream>>>(a); break;
-    default: k3kv::kda_verify_kernel<BV, W, 8, F><<<grid, block, 0, stream>>>(a); break;
+    case 1: k3kv::kda_verify_kernel<BV, W, 1, F == 1, F == 2><<<grid, block, 0, stream>>>(a); break;
+    case 2: k3kv::kda_verify_kernel<BV, W, 2, F == 1, F == 2><<<grid, block, 0, stream>>>(a); break;
+    case 3: k3kv::kda_verify_kernel<BV, W, 3, F == 1, F == 2><<<grid, block, 0, stream>>>(a); break;
+    case 4: k3kv::kda_verify_kernel<BV, W, 4, F == 1, F == 2><<<grid, block, 0, stream>>>(a); break;
+    case 5: k3kv::kda_verify_kernel<BV, W, 5, F == 1, F == 2><<<grid, block, 0, stream>>>(a); break;
+    case 6: k3kv::kda_verify_kernel<BV, W, 6, F == 1, F == 2><<<grid, block, 0, stream>>>(a); break;
+    case 7: k3kv::kda_verify_kernel<BV, W, 7, F == 1, F == 2><<<grid, block, 0, stream>>>(a); break;
+    default: k3kv::kda_verify_kernel<BV, W, 8, F == 1, F == 2><<<grid, block, 0, stream>>>(a); break;
   }
 }
 
 // Launch one verification step. tile_v: value columns per block; warps: 32-lane groups per block;
-// form: 0 step, 1 chunk. Returns 0, -1 (no such compiled config), -4 (bad sizes) or the runtime's
+// form: 0 step, 1 chunk, 2 step with cp.async staging. Returns 0, -1 (no such compiled config), -4 (bad sizes) or the runtime's
 // error code.
 K3_EXPORT int k3_kda_verify(const k3kv::Args* args, int tile_v, int warps, int form, void* stream) {
   const k3kv::Args& a = *args;

@@ -297,6 +297,19 @@ def test_cuda_forms_are_refused_by_name_where_they_cannot_run():
     assert kv.choose_form(*(x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")), 8, 2) == kv.NARROW_FORM
 
 
+def test_default_form_and_its_environment_override(monkeypatch):
+    monkeypatch.delenv(kv.FORM_ENV, raising=False)
+    assert kv.default_form(8, backend="cpu") == kv.NARROW_FORM
+    monkeypatch.setenv(kv.FORM_ENV, "tile")
+    assert kv.default_form(8, backend="cpu") == "tile"
+    monkeypatch.setenv(kv.FORM_ENV, "cuda")  # named, but the .cu runs only on CUDA devices
+    assert kv.default_form(8, backend="cpu") == kv.NARROW_FORM
+    assert kv.default_form(8, backend="rocm") == kv.NARROW_FORM
+    monkeypatch.setenv(kv.FORM_ENV, "fast")
+    with pytest.raises(ValueError, match=kv.FORM_ENV):
+        kv.default_form(8, backend="cpu")
+
+
 def test_cuda_warps_rule():
     assert [kv.cuda_warps("cuda", t) for t in (1, 4, 8)] == [4, 4, 4]
     assert [kv.cuda_warps("cuda_chunk", t) for t in (1, 4, 5, 8)] == [4, 4, 8, 8]
@@ -330,7 +343,8 @@ def test_study_names_the_cuda_sweep_points():
     assert study.kernel_name("after", 8, "cuda_chunk") == "cuda_chunk"
     with pytest.raises(ValueError, match="cuda form"):
         study._parse("b1_t4.cuda16_w4", 12)
-    assert all(study._is_sweep(c, ("cuda", "cudachunk")) for c in study.CUDA_SWEEP)
+    assert all(study._is_sweep(c, ("cuda", "cudachunk", "cudaasync")) for c in study.CUDA_SWEEP)
+    assert study._parse("b1_t4.cudaasync8_w4", 12)["variants"][0][1]["form"] == "cuda_async"
 
 
 def _gpu_inputs(B, T, H, dtype, seed=0, N=None):
@@ -349,7 +363,7 @@ def _check_gpu(o, states, ref_o, ref_s):
 
 @needs_cuda_kernel
 @pytest.mark.parametrize("form, tile_v, warps", [("cuda", 8, 4), ("cuda", 8, 2), ("cuda", 8, 8), ("cuda", 4, 4),
-                                                 ("cuda_chunk", 8, 4), ("cuda_chunk", 8, 8)])
+                                                 ("cuda_chunk", 8, 4), ("cuda_chunk", 8, 8), ("cuda_async", 8, 4)])
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8])
 def test_cuda_kernel_every_position_matches_reference(form, tile_v, warps, T):
     if form == "cuda_chunk" and warps == 4 and T > 4:
@@ -417,7 +431,8 @@ def test_cuda_kernel_uniform_equals_ragged_and_odd_beta(form):
 
 
 @needs_cuda_kernel
-def test_cuda_kernel_is_the_default_and_replays_in_a_graph():
+def test_cuda_kernel_as_the_default_replays_in_a_graph(monkeypatch):
+    monkeypatch.setenv(kv.FORM_ENV, "cuda")
     x = _gpu_inputs(1, 4, 12, torch.bfloat16, seed=9)
     assert kv.choose_form(*(x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")), 8, 4) == "cuda"
     buf = torch.empty(1, 4, 12, K, K, device="cuda")
@@ -445,7 +460,8 @@ def test_cuda_kernel_is_the_default_and_replays_in_a_graph():
 
 
 @needs_cuda_kernel
-def test_cuda_kernel_misaligned_input_falls_back_or_is_refused():
+def test_cuda_kernel_misaligned_input_falls_back_or_is_refused(monkeypatch):
+    monkeypatch.setenv(kv.FORM_ENV, "cuda")
     x = _gpu_inputs(1, 2, 1, torch.bfloat16, seed=11)
     store = torch.empty(x["q"].numel() + 1, dtype=torch.bfloat16, device="cuda")
     q = store[1:].view_as(x["q"])  # 2-byte offset: not 16-byte aligned
@@ -456,3 +472,5 @@ def test_cuda_kernel_misaligned_input_falls_back_or_is_refused():
         kv.kda_verify(**y, tile_v=8, form="cuda")
     ref_o, ref_s = kv.reference_verify(**x)
     _check_gpu(*kv.kda_verify(**y, tile_v=8), ref_o, ref_s)  # the default falls back to the Triton step form
+    monkeypatch.setenv(kv.FORM_ENV, "step")
+    assert kv.choose_form(*(x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")), 8, 2) == "step"

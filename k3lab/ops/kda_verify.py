@@ -76,12 +76,15 @@ BEFORE_TILE_V = 32
 # How the narrow kernel walks the positions: 'chunk' (all positions as one small chunk: one
 # state-dependent reduction round, `_verify_chunk_kernel`), 'step' (position after position,
 # `_verify_narrow_kernel`) or 'tile' (the step form with its inputs loaded in the tile's shape).
-NARROW_FORMS = ("chunk", "step", "tile", "cuda", "cuda_chunk")
+NARROW_FORMS = ("chunk", "step", "tile", "cuda", "cuda_chunk", "cuda_async")
 NARROW_FORM = "step"  # the Triton form: measured faster than 'chunk' and 'tile' on the H200 (docstring)
-# The hand-written kernel (kernels/kda_verify.cu via k3lab.ops.kda_verify_cuda), step and chunk forms:
-# the default on CUDA devices where it builds and takes the inputs (`choose_form`).
-CUDA_FORMS = ("cuda", "cuda_chunk")
+# The hand-written kernel (kernels/kda_verify.cu via k3lab.ops.kda_verify_cuda): step and chunk forms
+# with plain loads behind a gate, and the step form with cp.async-staged inputs. Opt-in until a GPU
+# run shows the plain-load version ahead of the Triton step form (CUDA_DEFAULT; module docstring).
+CUDA_FORMS = ("cuda", "cuda_chunk", "cuda_async")
 CUDA_FORM = "cuda"
+CUDA_DEFAULT = False  # True: `default_form` picks CUDA_FORM on CUDA devices where the .cu builds
+FORM_ENV = "K3LAB_KDA_VERIFY_FORM"  # names the default form for one run (e.g. a device measurement)
 STATE_LAYOUTS = ("kv", "vk")  # the recurrent state per head: [K, V] (fla's) or [V, K]
 BEFORE_THREADS = 128
 CHUNK_PER_LANE = 64  # values per lane of the chunk form's [T, K, tile] products (measured, below)  # the original kernel's workgroup size, in threads
@@ -172,26 +175,39 @@ def cuda_warps(form: str = CUDA_FORM, positions: int = 4) -> int:
 
 
 def default_form(tile_v: int, backend: str | None = None) -> str:
-    """The narrow kernel's form before looking at the inputs: 'cuda' (kernels/kda_verify.cu) on a
-    CUDA device where it builds, else the Triton step form (CPU interpreter, ROCm: the .cu is not yet
-    run on AMD hardware by this project)."""
+    """The narrow kernel's form before looking at the inputs: the Triton step form, or CUDA_FORM
+    (kernels/kda_verify.cu) on a CUDA device where it builds when CUDA_DEFAULT is set. The
+    environment variable K3LAB_KDA_VERIFY_FORM, when set, names the form instead (one of
+    NARROW_FORMS; a CUDA form it names is still used only where the .cu runs). The CPU interpreter and
+    ROCm always get the Triton form (the .cu is not yet run on AMD hardware by this project)."""
+    import os
+
     backend = backend or env.detect().backend
+    wanted = os.environ.get(FORM_ENV) or (CUDA_FORM if CUDA_DEFAULT else NARROW_FORM)
+    if wanted not in NARROW_FORMS:
+        raise ValueError(f"{FORM_ENV} must be one of {NARROW_FORMS}, got {wanted!r}")
+    if wanted not in CUDA_FORMS:
+        return wanted
     if tile_v > NARROW_MAX or backend != "cuda":
         return NARROW_FORM
     from k3lab.ops import kda_verify_cuda as kc
 
-    return CUDA_FORM if kc.available() else NARROW_FORM
+    return wanted if kc.available() else NARROW_FORM
 
 
 def choose_form(q, k, v, g, beta, initial_state, tile_v: int, positions: int, state_layout: str = "kv") -> str:
-    """The narrow kernel's form for these inputs: the CUDA kernel ('cuda') where it builds and takes
-    them (a CUDA device, V = 128, bf16/fp32, 'kv' states, 16-byte aligned), else the Triton step form."""
-    if state_layout != "kv" or default_form(tile_v) != CUDA_FORM:
+    """The narrow kernel's form for these inputs: `default_form`, except that a CUDA form falls back
+    to the Triton step form for inputs the .cu does not take (V != 128, other dtypes, 'vk' states,
+    tensors not 16-byte aligned)."""
+    form = default_form(tile_v)
+    if form not in CUDA_FORMS:
+        return form
+    if state_layout != "kv":
         return NARROW_FORM
     from k3lab.ops import kda_verify_cuda as kc
 
-    why = kc.supports(q, k, v, g, beta, initial_state, tile_v, cuda_warps(CUDA_FORM, positions), CUDA_FORM)
-    return CUDA_FORM if why is None else NARROW_FORM
+    why = kc.supports(q, k, v, g, beta, initial_state, tile_v, cuda_warps(form, positions), form)
+    return form if why is None else NARROW_FORM
 
 
 def before_num_warps(wave_width: int | None = None) -> int:

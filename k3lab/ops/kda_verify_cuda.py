@@ -20,7 +20,10 @@ from k3lab.ops import _build
 
 NAME = "kda_verify"
 HEAD_DIM = 128  # K and V compiled into the kernel (K3's KDA head)
-FORMS = {"cuda": 0, "cuda_chunk": 1}  # form name in k3lab.ops.kda_verify -> the kernel's FORM
+# form name in k3lab.ops.kda_verify -> the launcher's form: step and chunk with plain loads behind a
+# gate, and the step form with its inputs staged by cp.async (kept to show it is slower: module note
+# of k3lab.ops.kda_verify)
+FORMS = {"cuda": 0, "cuda_chunk": 1, "cuda_async": 2}
 _ERRORS = {-1: "no compiled kernel for this (tile_v, warps, form)", -4: "bad sizes (T in 1..8, N and H <= 65535)"}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
 

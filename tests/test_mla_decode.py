@@ -399,3 +399,22 @@ def test_bulk_kernel_compiles_for_hopper():
     assert row["wgmma"] >= 68 and row["bulk_copies"] >= 1  # 36 score + 32 value wgmma per 64-row tile
     assert row["spill_bytes"] in (0, None) and row["registers"] <= 255
     assert 2 * (row["shared_kb"] + 1) <= 228
+
+
+@pytest.mark.parametrize("options", ["kc_bulk=0", "kpe=bulk", "kpe=load", "sum=row", "kc_bulk=0,kpe=load,sum=row"])
+def test_bulk_kernel_forms(options, monkeypatch):
+    # the forms a GPU run uses to find which piece of the bulk kernel goes wrong there: each must
+    # match the reference here (two tiles and a partial one per piece, verify causality, NaN past
+    # the lengths)
+    monkeypatch.setenv("K3LAB_MLA_BULK_OPTIONS", options)
+    lengths = [200, 75]
+    q, cache, lens, pool, bt = _inputs(2, 2, 12, 256, torch.float32, lengths=lengths, paged=True, page_size=64,
+                                       seed=37)
+    pool = _poison_past_lengths(pool, bt, lengths, 64)
+    ref_o, ref_l = mla.reference(q, cache, lens)
+    plan = mla.plan_after(q, pool, lens, block_table=bt, num_splits=2, kernel="bulk")
+    assert plan.facts()["bulk_options"] == mla._bulk_options()
+    _check(*plan(), ref_o, ref_l, torch.float32, f"bulk/{options}")
+    monkeypatch.setenv("K3LAB_MLA_BULK_OPTIONS", "kpe=tma")
+    with pytest.raises(ValueError, match="K3LAB_MLA_BULK_OPTIONS"):
+        mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk")

@@ -591,7 +591,7 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
 
 
 @triton.jit
-def _page_split_kernel(q_ptr, kc_desc, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_ptr,
+def _page_split_kernel(q_ptr, kc_desc, kpe_desc, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_ptr,
                        heads, q_len, num_splits, head_groups, chunk, table_pages,
                        stride_qb, stride_qt, stride_qh,
                        stride_kvp, stride_kvr, stride_btb,
@@ -602,7 +602,8 @@ def _page_split_kernel(q_ptr, kc_desc, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, 
                        HEAD_TILE: tl.constexpr, TOK_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                        TAIL_N: tl.constexpr, CAUSAL: tl.constexpr,
                        WRITE_FINAL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       INTERPRET: tl.constexpr, KC_BULK: tl.constexpr = True, KPE_MODE: tl.constexpr = 0,
+                       ROW_SUM: tl.constexpr = False):
     # The split kernel with whole-tile bulk copies (Hopper TMA). The cache is described once, on the
     # host, as a [rows, 576] tensor (pool pages laid end to end, or requests end to end), so a tile of
     # BLOCK_N latent rows inside one page is one rectangle at row page x PAGE_SIZE + offset: the copy
@@ -613,6 +614,10 @@ def _page_split_kernel(q_ptr, kc_desc, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, 
     # length may hold anything, NaN included) is read with masked loads, TAIL_N rows at a time
     # (_split_tile), after the loop. The running sum is kept per score element (no cross-warp
     # reduction for it inside the loop) and reduced once after it.
+    # Options (BULK_OPTIONS; the default is the fast form, the others isolate one piece each for a
+    # GPU check): KC_BULK=False reads the value columns with plain loads instead of the bulk copy;
+    # KPE_MODE 0 = rope columns prefetched into registers one tile early, 1 = by a second bulk copy,
+    # 2 = plain loads in the tile; ROW_SUM keeps the running sum per row (a reduction per tile).
     if PDL:
         gdc_launch_dependents()
     split = tl.program_id(0)
@@ -644,6 +649,7 @@ def _page_split_kernel(q_ptr, kc_desc, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, 
     main_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # whole tiles, all rows < length
     m_i = tl.full([M], -float("inf"), dtype=tl.float32)
     l_e = tl.zeros([BLOCK_N, M], dtype=tl.float32)
+    l_v = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([DV, M], dtype=tl.float32)
     # Software prefetch across iterations (the loop is not pipelined by Triton: at this tile size
     # its copy buffers would not leave room for a second program per SM): the block-table entry
@@ -653,20 +659,25 @@ def _page_split_kernel(q_ptr, kc_desc, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, 
     offs_r = tl.arange(0, DR)
     row_n = page_0 * PAGE_SIZE + start % PAGE_SIZE
     kpe_n = tl.load(kv_ptr + row_n.to(tl.int64) * stride_kvr + DV + offs_n[:, None] * stride_kvr + offs_r[None, :],
-                    mask=(offs_n < main_end - start)[:, None], other=0.0)
+                    mask=(offs_n < main_end - start)[:, None] & (KPE_MODE == 0), other=0.0)
     if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
         n0 = start
         while n0 < main_end:
-            m_i, l_e, acc, row_n, page_nn, kpe_n = _bulk_tile(
-                kc_desc, kv_ptr, stride_kvr, bt_row, n0, main_end, row_n, page_nn, kpe_n, qpos, q_t, qpe_t, m_i,
-                l_e, acc, scale_log2, PAGE_SIZE, DV, BLOCK_N, CAUSAL, IEEE)
+            m_i, l_e, l_v, acc, row_n, page_nn, kpe_n = _bulk_tile(
+                kc_desc, kpe_desc, kv_ptr, stride_kvr, bt_row, n0, main_end, row_n, page_nn, kpe_n, qpos, q_t,
+                qpe_t, m_i, l_e, l_v, acc, scale_log2, PAGE_SIZE, DV, BLOCK_N, CAUSAL, IEEE, KC_BULK, KPE_MODE,
+                ROW_SUM)
             n0 += BLOCK_N
     else:
         for n0 in range(start, main_end, BLOCK_N):
-            m_i, l_e, acc, row_n, page_nn, kpe_n = _bulk_tile(
-                kc_desc, kv_ptr, stride_kvr, bt_row, n0, main_end, row_n, page_nn, kpe_n, qpos, q_t, qpe_t, m_i,
-                l_e, acc, scale_log2, PAGE_SIZE, DV, BLOCK_N, CAUSAL, IEEE)
-    l_i = tl.sum(l_e, axis=0)
+            m_i, l_e, l_v, acc, row_n, page_nn, kpe_n = _bulk_tile(
+                kc_desc, kpe_desc, kv_ptr, stride_kvr, bt_row, n0, main_end, row_n, page_nn, kpe_n, qpos, q_t,
+                qpe_t, m_i, l_e, l_v, acc, scale_log2, PAGE_SIZE, DV, BLOCK_N, CAUSAL, IEEE, KC_BULK, KPE_MODE,
+                ROW_SUM)
+    if ROW_SUM:
+        l_i = l_v
+    else:
+        l_i = tl.sum(l_e, axis=0)
     # the request's last, partial tile: masked loads (nothing past the length is read)
     offs_t = tl.arange(0, TAIL_N)
     if INTERPRET:
@@ -697,21 +708,35 @@ def _page_split_kernel(q_ptr, kc_desc, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, 
 
 
 @triton.jit
-def _bulk_tile(kc_desc, kv_ptr, stride_kvr, bt_row, n0, main_end, row, page_nn, k_pe, qpos, q_t, qpe_t, m_i, l_e,
-               acc, scale_log2, PAGE_SIZE: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-    """One whole tile (every row below the request's length) at pool row `row`, its rope columns
-    k_pe already in registers: the 512 value columns by bulk copy, both products on tl.dot, the
-    running sum kept per element (l_e [BLOCK_N, rows]). Requests the next tile's rope columns and
-    the block-table entry after it. CAUSAL (verify groups): a row sees positions up to its own."""
+def _bulk_tile(kc_desc, kpe_desc, kv_ptr, stride_kvr, bt_row, n0, main_end, row, page_nn, k_pe, qpos, q_t, qpe_t,
+               m_i, l_e, l_v, acc, scale_log2, PAGE_SIZE: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, IEEE: tl.constexpr, KC_BULK: tl.constexpr, KPE_MODE: tl.constexpr,
+               ROW_SUM: tl.constexpr):
+    """One whole tile (every row below the request's length) at pool row `row`: the 512 value
+    columns by bulk copy, both products on tl.dot, the running sum kept per element (l_e [BLOCK_N,
+    rows]; per row in l_v with ROW_SUM). KPE_MODE 0: the tile's rope columns k_pe came in registers
+    a tile early, and the next tile's are requested here with the block-table entry after it.
+    CAUSAL (verify groups): a row sees positions up to its own."""
     DR: tl.constexpr = k_pe.shape[1]
+    offs_n = tl.arange(0, BLOCK_N)
     nxt = n0 + BLOCK_N
     row_n = page_nn * PAGE_SIZE + nxt % PAGE_SIZE
     page_nn = tl.load(bt_row + (nxt + BLOCK_N) // PAGE_SIZE, mask=nxt + BLOCK_N < main_end, other=0)
-    offs_n = tl.arange(0, BLOCK_N)
-    kpe_n = tl.load(kv_ptr + row_n.to(tl.int64) * stride_kvr + DV + offs_n[:, None] * stride_kvr
-                    + tl.arange(0, DR)[None, :], mask=(offs_n < main_end - nxt)[:, None], other=0.0)
-    k_c = kc_desc.load([row, 0])  # [BLOCK_N, DV]
+    if KPE_MODE == 0:
+        kpe_n = tl.load(kv_ptr + row_n.to(tl.int64) * stride_kvr + DV + offs_n[:, None] * stride_kvr
+                        + tl.arange(0, DR)[None, :], mask=(offs_n < main_end - nxt)[:, None], other=0.0)
+    else:
+        kpe_n = k_pe
+    if KC_BULK:
+        k_c = kc_desc.load([row, 0])  # [BLOCK_N, DV]
+    else:
+        k_c = tl.load(kv_ptr + row.to(tl.int64) * stride_kvr + offs_n[:, None] * stride_kvr
+                      + tl.arange(0, DV)[None, :])
+    if KPE_MODE == 1:
+        k_pe = kpe_desc.load([row, DV])
+    elif KPE_MODE == 2:
+        k_pe = tl.load(kv_ptr + row.to(tl.int64) * stride_kvr + DV + offs_n[:, None] * stride_kvr
+                       + tl.arange(0, DR)[None, :])
     if IEEE:
         s = tl.dot(k_c, q_t, input_precision="ieee")
         s = tl.dot(k_pe, qpe_t, s, input_precision="ieee")
@@ -729,12 +754,15 @@ def _bulk_tile(kc_desc, kv_ptr, stride_kvr, bt_row, n0, main_end, row, page_nn, 
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[None, :])
-    l_e = l_e * alpha[None, :] + p
+    if ROW_SUM:
+        l_v = l_v * alpha + tl.sum(p, axis=0)
+    else:
+        l_e = l_e * alpha[None, :] + p
     if IEEE:
         acc = tl.dot(tl.trans(k_c), p.to(k_c.dtype), acc * alpha[None, :], input_precision="ieee")
     else:
         acc = tl.dot(tl.trans(k_c), p.to(k_c.dtype), acc * alpha[None, :])
-    return m_new, l_e, acc, row_n, page_nn, kpe_n
+    return m_new, l_e, l_v, acc, row_n, page_nn, kpe_n
 
 
 @triton.jit
@@ -851,6 +879,7 @@ class DecodePlan:
     fast_launch: bool = False
     pdl: bool = False  # the merge is launched early (programmatic dependent launch)
     kernel: str = "split"  # after: 'bulk' (whole tiles by bulk copy, _page_split_kernel) or 'split' (_split_kernel)
+    bulk_options: dict | None = None  # the bulk kernel's form (BULK_OPTIONS / K3LAB_MLA_BULK_OPTIONS)
     _kernels: list = field(default_factory=list, repr=False)
     _outputs: list = field(default_factory=list, repr=False)  # every buffer the kernels write
 
@@ -866,7 +895,8 @@ class DecodePlan:
         return {"num_splits": self.num_splits, "programs": self.programs, "programs_per_unit": self.programs_per_unit,
                 "launches": self.launches, "block_n": self.config.block_n, "num_warps": self.config.num_warps,
                 "num_stages": self.config.num_stages, "rows_per_program": self.rows_per_program, "pad": self.pad,
-                "fast_launch": self.fast_launch, "pdl": self.pdl, "tuning": self.tuning, "kernel": self.kernel}
+                "fast_launch": self.fast_launch, "pdl": self.pdl, "tuning": self.tuning, "kernel": self.kernel,
+                "bulk_options": self.bulk_options}
 
 
 def _kv_strides(inp: _Inputs) -> tuple[int, int]:
@@ -1052,6 +1082,29 @@ BULK_CANDIDATES = {
 _TUNED: dict[tuple, tuple[LaunchConfig, dict]] = {}
 
 
+# The bulk kernel's form (see _page_split_kernel): the fast one by default; K3LAB_MLA_BULK_OPTIONS
+# (e.g. "kc_bulk=0,kpe=bulk,sum=row") picks another, one piece changed at a time, to find on a GPU
+# which one goes wrong there (round 3: wrong outputs on the H200, right in the interpreter).
+BULK_OPTIONS = {"kc_bulk": True, "kpe": "prefetch", "sum": "element"}
+_KPE_MODES = {"prefetch": 0, "bulk": 1, "load": 2}
+
+
+def _bulk_options() -> dict:
+    opts = dict(BULK_OPTIONS)
+    for item in filter(None, os.environ.get("K3LAB_MLA_BULK_OPTIONS", "").split(",")):
+        key, _, val = item.partition("=")
+        if key == "kc_bulk" and val in ("0", "1"):
+            opts["kc_bulk"] = val == "1"
+        elif key == "kpe" and val in _KPE_MODES:
+            opts["kpe"] = val
+        elif key == "sum" and val in ("element", "row"):
+            opts["sum"] = val
+        else:
+            raise ValueError(f"K3LAB_MLA_BULK_OPTIONS: unknown item {item!r} (kc_bulk=0|1, kpe=prefetch|bulk|load, "
+                             "sum=element|row)")
+    return {"KC_BULK": opts["kc_bulk"], "KPE_MODE": _KPE_MODES[opts["kpe"]], "ROW_SUM": opts["sum"] == "row"}
+
+
 def bulk_status(cache: torch.Tensor | None = None, page_size: int | None = None,
                 block_n: int = BULK_BLOCK_N) -> tuple[bool, str]:
     """(usable, why) for the bulk-copy kernel: a Triton with host-side tensor descriptors; an
@@ -1139,10 +1192,12 @@ def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_split
             # the cache as one [rows, 576] tensor (pages, or requests, end to end): one bulk copy per tile
             consts = {k: v for k, v in consts.items() if k not in ("PAGED", "PAGE_GROUPS")}
             consts.update(TAIL_N=min(TAIL_ROWS, cfg.block_n), CAUSAL=Tq > 1)
+            consts.update(_bulk_options())
             rows2d = kv.view(kv.shape[0] * kv.shape[1], LATENT_DIM)
             desc = TensorDescriptor(rows2d, list(rows2d.shape), [LATENT_DIM, 1], [cfg.block_n, VALUE_DIM])
+            desc_pe = TensorDescriptor(rows2d, list(rows2d.shape), [LATENT_DIM, 1], [cfg.block_n, ROPE_DIM])
             split = _Launch(_page_split_kernel, grid,
-                            (kq, desc, kv, bt, lens, k_out, k_lse, o_part, l_part, k_heads, Tq, splits, head_groups,
+                            (kq, desc, desc_pe, kv, bt, lens, k_out, k_lse, o_part, l_part, k_heads, Tq, splits, head_groups,
                              chunk, bt.shape[1], kq.stride(0), kq.stride(1), kq.stride(2), skvp, skvr, bt.stride(0),
                              k_out.stride(0), k_out.stride(1), k_out.stride(2), k_lse.stride(0), k_lse.stride(1),
                              scale_log2), consts)
@@ -1178,6 +1233,7 @@ def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_split
                           _kernels=kernels, _outputs=written)
         plan.pdl = use_pdl
         plan.kernel = kernel
+        plan.bulk_options = {k: consts[k] for k in ("KC_BULK", "KPE_MODE", "ROW_SUM")} if kernel == "bulk" else None
         if pad == "copy":
             plan.padded_query, plan.padded_out = kq, k_out  # what the padding holds, for the notebook and tests
         return plan

@@ -45,8 +45,29 @@ share one register layout. Compiled for sm_90a (one wave, tile 8, with the 16-by
 launch sees; ptxas and cuobjdump) the trade is visible but not its outcome: at T = 4 'step' is 1,698
 instructions with 16 barriers, 'tile' 1,867 with 8, 'vk' 1,883 with 4 (T = 8: 3,353 / 3,694 / 3,699
 with 32 / 16 / 8). Fewer shared-memory round trips on the recurrence's path, a tenth more
-instructions: only a GPU can say which wins (the '.tile*' and '.vk*' sweep points of the study,
-not yet run), so 'step' with 'kv' stays the default.
+instructions. The H200 run of those sweep points (commit 7ebd1a1, B = 1, T = 4, graph replay, as
+reported to this project's lead) kept 'step' ahead: step 4.19 us, tile8_w1 5.40, tile8_w2 4.85,
+tile4_w1 6.54, vk8_w1 4.79, vk8_w2 4.35, vk4_w1 4.56; so 'step' with 'kv' stays the default.
+
+A hand-written CUDA kernel (kernels/kda_verify.cu, forms 'cuda', 'cuda_chunk', 'cuda_async'; binding
+in k3lab.ops.kda_verify_cuda) chooses the lane mapping Triton will not: a 128 x 8 tile over 4 warps,
+each thread 8 contiguous key rows of one column, so its q/k/g slices are 16-byte loads and a reduction
+over K is 8 in-thread products, 2 shuffles and one shared-memory exchange (the step form: ~840 SASS
+instructions per thread at T = 4 against Triton's ~1,700 for one warp; sm_90a, ptxas). Its first
+version staged every position's inputs through shared memory with cp.async (now the 'cuda_async'
+form), so that no load's consumer could be scheduled before the later positions' loads were issued.
+On the H200 (commit a33990d, B = 1, T = 4, graph replay, one run) it lost to the Triton step form:
+7.57 us against 4.15 (chunk form 8.10; T = 1 / 2 / 8: 3.88 / 5.17 / 13.66 against Triton's earlier
+2.77 / 3.50 / 7.11), every output and state within the fp32 bounds. Its time grew ~1.3 us per
+position and with the number of cp.async instructions per block (2, 4 and 8 warps: 7.54, 7.57,
+9.98 us), which points at the copies themselves (eight column lanes copy the same 16 bytes to the
+same place). The current 'cuda' and 'cuda_chunk' forms load into registers instead and gate every
+loaded word through a zero read from shared memory after a barrier that follows the last load, so no
+consumer is scheduled among the loads. They are checked against fp64 on a GPU (tests) but not yet
+timed, so the Triton step form stays the default: CUDA_DEFAULT switches to 'cuda' once a run shows it
+ahead, and K3LAB_KDA_VERIFY_FORM names the default form for one run (profiles/nvidia-h200/kda_verify/
+run_cuda_device.sh does both in one device call). Records of the first version: profiles/nvidia-h200/
+kda_verify/extra/cuda_v1_cp_async.json.
 
 When batch x heads already gives every compute unit enough programs, `choose_tile_v` returns a wide
 tile and `kda_verify` runs the streaming kernel with it: there is no idle hardware for narrow tiles

@@ -16,7 +16,9 @@ T=4, one change at a time on top of 'before' (variant 'after' in the records): `
 streaming kernel with the narrowest tiles, still 128 threads), `.narrow_1wave` (+ one wave), then the
 full narrow kernel (= 'after'), and `.ragged` (the narrow kernel through its dynamic cu_seqlens
 path); and a sweep of tile width x waves for both kernels (`b{B}_t4.narrow{W}_w{N}`,
-`b{B}_t4.stream{W}_w{N}`). Graph timings replay one graph of >= 10 calls cycling through enough input
+`b{B}_t4.stream{W}_w{N}`), the other Triton forms (`chunk`, `tile`, `vk`) and, where kernels/kda_verify.cu
+builds, the CUDA kernel's forms (`cuda{W}_w{N}`, `cudachunk{W}_w{N}`, `cudaasync{W}_w{N}`: N is 32-lane
+groups per block). 'after' is `kda_verify`'s default form (`kv.default_form`). Graph timings replay one graph of >= 10 calls cycling through enough input
 sets to exceed twice the L2 (inputs and states are not cache-hot). Floors: state read + state
 writes + inputs and outputs over the copy bandwidth, and one launch (graph or eager launch cost).
 """

@@ -859,33 +859,42 @@ def _fz3_exact_diag(acc_k, acc_q, k3, q3, Gw, spread, SPREAD: tl.constexpr, NB: 
 
 @triton.jit
 def _inverse_in_place(r_base, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl.constexpr):
-    """R = (I + Akk)^-1 in fp32, in place: the diagonal blocks by forward substitution (rows read
-    back), then R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ."""
+    """R = (I + Akk)^-1 in fp32, in place: the four diagonal blocks side by side ([4, 16, 16]) by
+    forward substitution (row i of every block read back, one reduction per row), then
+    R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ."""
+    NB: tl.constexpr = C // BC
     rb = tl.arange(0, BC)
-    z = tl.zeros([BC, BC], dtype=tl.float32)
-    x0, x1, x2, x3 = z, z, z, z
+    b3 = tl.arange(0, NB)[:, None, None]
+    m3 = rb[None, :, None]
+    j3 = rb[None, None, :]
+    X = tl.zeros([NB, BC, BC], dtype=tl.float32)  # R_bb - I, filled row by row
     for i in range(1, BC):
-        x0 = _fwd_subst_row(x0, r_base, i, 0, C, BC)
-        x1 = _fwd_subst_row(x1, r_base, i, 1, C, BC)
-        x2 = _fwd_subst_row(x2, r_base, i, 2, C, BC)
-        x3 = _fwd_subst_row(x3, r_base, i, 3, C, BC)
-    eye = tl.where(rb[:, None] == rb[None, :], 1.0, 0.0)
-    r00 = x0 + eye
-    r11 = x1 + eye
-    r22 = x2 + eye
-    r33 = x3 + eye
+        row = r_base + (b3 * BC + i) * C + b3 * BC
+        a_m = -tl.load(row + m3)  # [NB, BC, 1]: row i of -L_bb, along the summed index
+        a_j = -tl.load(row + j3)  # [NB, 1, BC]: the same row along the output index
+        x = a_j + tl.sum(a_m * X, axis=1, keep_dims=True)
+        X = tl.where(m3 == i, x, X)
+    R3 = X + tl.where(m3 == j3, 1.0, 0.0)
+    diag = (b3 * BC + m3) * C + b3 * BC + j3
+    r00 = _diag_block(R3, 0, NB)
+    r11 = _diag_block(R3, 1, NB)
+    r22 = _diag_block(R3, 2, NB)
+    r33 = _diag_block(R3, 3, NB)
     r10, r21, r32, r20, r31, r30 = _inverse_below_diagonal(r_base, r00, r11, r22, r33, C, BC, INV_PREC)
     tl.debug_barrier()  # every thread has read Akk before R overwrites it
-    _blk_store(r_base, 0, 0, r00, C, BC)
-    _blk_store(r_base, 1, 1, r11, C, BC)
-    _blk_store(r_base, 2, 2, r22, C, BC)
-    _blk_store(r_base, 3, 3, r33, C, BC)
+    tl.store(r_base + diag, R3)
     _blk_store(r_base, 1, 0, r10, C, BC)
     _blk_store(r_base, 2, 1, r21, C, BC)
     _blk_store(r_base, 3, 2, r32, C, BC)
     _blk_store(r_base, 2, 0, r20, C, BC)
     _blk_store(r_base, 3, 1, r31, C, BC)
     _blk_store(r_base, 3, 0, r30, C, BC)
+
+
+@triton.jit
+def _diag_block(R3, b: tl.constexpr, NB: tl.constexpr):
+    """Block b of a [NB, BC, BC] stack as a [BC, BC] tile (exact: one nonzero term per entry)."""
+    return tl.sum(tl.where(tl.arange(0, NB)[:, None, None] == b, R3, 0.0), axis=0)
 
 
 @triton.jit

@@ -535,6 +535,7 @@ __global__ void __launch_bounds__(W * 32) kda_verify_kernel(const Args a) {
   X(8, 2, 0)             \
   X(8, 8, 0)             \
   X(4, 4, 0)             \
+  X(4, 2, 0)             \
   X(8, 4, 1)             \
   X(8, 8, 1)             \
   K3_KV_ASYNC_CONFIGS(X)

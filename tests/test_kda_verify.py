@@ -363,7 +363,8 @@ def _check_gpu(o, states, ref_o, ref_s):
 
 @needs_cuda_kernel
 @pytest.mark.parametrize("form, tile_v, warps", [("cuda", 8, 4), ("cuda", 8, 2), ("cuda", 8, 8), ("cuda", 4, 4),
-                                                 ("cuda_chunk", 8, 4), ("cuda_chunk", 8, 8), ("cuda_async", 8, 4)])
+                                                 ("cuda", 4, 2), ("cuda_chunk", 8, 4), ("cuda_chunk", 8, 8),
+                                                 ("cuda_async", 8, 4)])
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8])
 def test_cuda_kernel_every_position_matches_reference(form, tile_v, warps, T):
     if form == "cuda_chunk" and warps == 4 and T > 4:

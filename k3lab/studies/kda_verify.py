@@ -61,6 +61,7 @@ VK_SWEEP = (["b1_t4.vk8_w1", "b1_t4.vk8_w2", "b1_t4.vk4_w1", "b1_t1.vk8_w1", "b1
 # the step form with cp.async-staged inputs ('cudaasync'), tile x 32-lane groups per block, at the
 # depths of the draft-depth profile and B = 8, 32.
 CUDA_SWEEP = (["b1_t4.cuda8_w4", "b1_t4.cudaasync8_w4", "b1_t4.cuda8_w2", "b1_t4.cuda8_w8", "b1_t4.cuda4_w4",
+               "b1_t4.cuda4_w2",
                "b1_t4.cudachunk8_w4",
                "b1_t4.cudachunk8_w8", "b1_t1.cuda8_w4", "b1_t1.cudachunk8_w4", "b1_t2.cuda8_w4",
                "b1_t2.cudachunk8_w4", "b1_t8.cuda8_w4", "b1_t8.cudachunk8_w8", "b8_t4.cuda8_w4",

@@ -14,7 +14,7 @@ python3 -c "from k3lab.ops import kda_verify_cuda as kc; print(kc.status())" 2>&
 timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_kda_verify.py -k cuda 2>&1 | tail -6
 echo "tests done at $(( $(date +%s) - t0 )) s"
 timeout 60 python3 -m k3lab.cli bench kda_verify --json "$OUT/sweep.json" --cases b1_t4.narrow8_w1 \
-  b1_t4.cuda8_w4 b1_t4.cudaasync8_w4 b1_t4.cudachunk8_w4 b1_t4.cuda8_w2 b1_t4.cuda8_w8 b1_t4.cuda4_w4 \
+  b1_t4.cuda8_w4 b1_t4.cudaasync8_w4 b1_t4.cudachunk8_w4 b1_t4.cuda8_w2 b1_t4.cuda8_w8 b1_t4.cuda4_w4 b1_t4.cuda4_w2 \
   b1_t1.cuda8_w4 b1_t2.cuda8_w4 b1_t8.cuda8_w4 b8_t4.cuda8_w4 2>&1 | tail -1
 echo "sweep done at $(( $(date +%s) - t0 )) s"
 WIN=$(python3 - "$OUT/sweep.json" <<'PY'

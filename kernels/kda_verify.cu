@@ -250,6 +250,10 @@ K3_DEVICE void reduce_columns(float (&x)[NV], float* buf, int warp, int lane) {
       if constexpr (W == 4) {
         const float4 f = *reinterpret_cast<const float4*>(p);
         x[v] = ((f.x + f.y) + f.z) + f.w;
+      } else if constexpr (W == 8) {
+        const float4 f = reinterpret_cast<const float4*>(p)[0];
+        const float4 e = reinterpret_cast<const float4*>(p)[1];
+        x[v] = ((((((f.x + f.y) + f.z) + f.w) + e.x) + e.y) + e.z) + e.w;
       } else {
         float s = p[0];
 #pragma unroll

@@ -93,6 +93,8 @@ FORMS = {  # name: (K3LAB_MLA_BULK_OPTIONS, plan kwargs); in the order to prefer
     "row_sum": ("sum=row", {}),
     "kpe_load": ("kpe=load", {}),
     "w8": ("", {"num_warps": 8}),
+    "s2_pipelined": ("", {"num_stages": 2}),
+    "no_pdl": ("", {"pdl": False}),
     "bn32": ("", {"block_n": 32}),
     "no_bulk_copy": ("kc_bulk=0", {}),
     "no_bulk_copy_all_plain": ("kc_bulk=0,kpe=load,sum=row", {}),

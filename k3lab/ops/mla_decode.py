@@ -62,6 +62,24 @@ timing run of the decode configurations (32,8,3), (32,4,2), (16,4,3), (64,4,1), 
 (128,8,1) at 32K hit an illegal memory access on the H200 (which one is not known; none fails in
 Triton's interpreter): only the default (32, 4, 3) and the verify defaults are checked on a GPU.
 The AITER path is not yet run on AMD hardware by this project.
+
+The bulk-copy kernel (kernel='bulk', `_page_split_kernel`; opt-in, NOT YET CORRECT ON A GPU). Same
+split and merge, but a tile is 64 latent rows inside one page, fetched by the Hopper copy engine (TMA)
+from a host-side descriptor over the pool's rows, so both products run on wgmma and a tile costs
+~570 instructions per warp for sm_90 (compiled here) against ~820 per 32-row tile for the split
+kernel: 2.9x fewer per byte, no spills, 108 KB of shared memory (two programs per SM). The rope
+columns and the block-table entries are prefetched into registers a tile early, the running sum is
+kept per element, and only a request's last partial tile takes masked 16-row steps (rows past a
+length are never read: NaN there cannot leak). Triton's interpreter matches the fp32 reference in
+every form (BULK_OPTIONS). On the H200 (round 3, commit e7931ef, profiles/nvidia-h200/mla_padding/
+round3_result.json) it gave wrong bf16 outputs on a paged cache (rel_l2 3.7 at 1 x 4096) and an
+illegal memory access on a contiguous one; its graph time alone (one kernel, L2 flushed, ~4.6 us of
+graph launch included) was 21.5 us at 32K and 53.1 us at 128K against 23.1 / 55.9 us for the split
+kernel: even once right, ~9% / 5% faster, because with 2 tiles per program at 32K all programs wait
+for their tile, compute, then wait again in step (a program's next copy is issued after its current
+tile's products: Triton does not overlap an unpipelined copy, and two copy buffers leave room for one
+program per SM). profiles/nvidia-h200/mla_padding/round4.py checks each form on the GPU in its own
+process to find the piece that goes wrong there.
 """
 
 from __future__ import annotations

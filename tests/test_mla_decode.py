@@ -26,6 +26,12 @@ def _inputs(B, Tq, H, L, dtype, *, lengths=None, paged=False, page_size=16, seed
     return q, cache, lens, cache, None
 
 
+def _has_nvidia_backend() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton.backends.nvidia.compiler") is not None
+
+
 def _check(o, lse, ref_o, ref_l, dtype, name):
     bench.check(o, ref_o, dtype=dtype, name=f"{name}/o")
     bench.check(lse, ref_l, dtype=dtype, name=f"{name}/lse")
@@ -282,6 +288,8 @@ def test_merge_early_launch_compiles_for_hopper():
 
     mix = study.instruction_mix()
     if "note" in mix:
+        if _has_nvidia_backend():
+            pytest.fail(f"sm_90 compile failed: {mix['note'].iloc[0]}")
         pytest.skip(f"no sm_90 compile here: {mix['note'].iloc[0]}")
     row = mix.set_index("kernel")
     assert row.loc["after", "griddepcontrol"] >= 1 and row.loc["merge", "griddepcontrol"] >= 1
@@ -394,6 +402,8 @@ def test_bulk_kernel_compiles_for_hopper():
 
     mix = study.instruction_mix()
     if "note" in mix:
+        if _has_nvidia_backend():  # the compiler is here: a failed compile is a failure, not a skip
+            pytest.fail(f"sm_90 compile failed: {mix['note'].iloc[0]}")
         pytest.skip(f"no sm_90 compile here: {mix['note'].iloc[0]}")
     row = mix.set_index("kernel").loc["after_bulk"]
     assert row["wgmma"] >= 68 and row["bulk_copies"] >= 1  # 36 score + 32 value wgmma per 64-row tile

@@ -72,7 +72,7 @@ columns and the block-table entries are prefetched into registers a tile early, 
 kept per element, and only a request's last partial tile takes masked 16-row steps (rows past a
 length are never read: NaN there cannot leak). Triton's interpreter matches the fp32 reference in
 every form (BULK_OPTIONS). On the H200 (round 3, commit e7931ef, profiles/nvidia-h200/mla_padding/
-round3_result.json) it gave wrong bf16 outputs on a paged cache (rel_l2 3.7 at 1 x 4096) and an
+traces/round3_result.json) it gave wrong bf16 outputs on a paged cache (rel_l2 3.7 at 1 x 4096) and an
 illegal memory access on a contiguous one; its graph time alone (one kernel, L2 flushed, ~4.6 us of
 graph launch included) was 21.5 us at 32K and 53.1 us at 128K against 23.1 / 55.9 us for the split
 kernel: even once right, ~9% / 5% faster, because with 2 tiles per program at 32K all programs wait

@@ -451,9 +451,11 @@ def _instruction_rows(dtype: str, arch: int) -> list[dict]:
     if mla.TensorDescriptor is not None:  # the bulk-copy kernel (Hopper TMA), the after default there
         kcfg = mla.launch_config("after", rows=mla.MMA_ROWS, kernel="bulk")
         ptr["kc_desc"] = f"tensordesc<{dtype}[{kcfg.block_n},512]>"
+        ptr["kpe_desc"] = f"tensordesc<{dtype}[{kcfg.block_n},64]>"
         kernels["after_bulk"] = (mla._page_split_kernel, dict(
             PAGE_SIZE=PAGE_SIZE, DV=512, DR=64, HEAD_TILE=16, TOK_TILE=1, BLOCK_N=kcfg.block_n,
-            TAIL_N=mla.TAIL_ROWS, CAUSAL=False, WRITE_FINAL=False, IEEE=False, PDL=True, INTERPRET=False), kcfg)
+            TAIL_N=mla.TAIL_ROWS, CAUSAL=False, WRITE_FINAL=False, IEEE=False, PDL=True, INTERPRET=False,
+            **mla._bulk_options()), kcfg)
     ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
     rows = []
     for name, (fn, consts, cfg) in kernels.items():

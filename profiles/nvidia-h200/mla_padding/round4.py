@@ -2,7 +2,7 @@
 bulk-copy after kernel goes wrong on the H200, find the split kernel's launch configuration that
 hit an illegal memory access in round 2, then time the bulk form that is right.
 
-Round 3 (round3.py, commit e7931ef, profiles/nvidia-h200/mla_padding/round3_result.json): the bulk
+Round 3 (round3.py, commit e7931ef, profiles/nvidia-h200/mla_padding/traces/round3_result.json): the bulk
 kernel gave wrong bf16 outputs on a paged cache (rel_l2 3.7 at 1 x 4096) and an illegal memory
 access on a contiguous one, while Triton's interpreter matches the fp32 reference for every form.
 

@@ -87,22 +87,22 @@ else:
     case("contiguous mixed", 2, 1, 700, [700, 129], False, False)
 """
 
-FORMS = {  # name: (K3LAB_MLA_BULK_OPTIONS, plan kwargs); in the order to prefer for timing
-    "default": ("", {}),
-    "kpe_bulk": ("kpe=bulk", {}),
-    "row_sum": ("sum=row", {}),
-    "kpe_load": ("kpe=load", {}),
-    "w8": ("", {"num_warps": 8}),
-    "s2_pipelined": ("", {"num_stages": 2}),
-    "no_pdl": ("", {"pdl": False}),
-    "bn32": ("", {"block_n": 32}),
-    "no_bulk_copy": ("kc_bulk=0", {}),
-    "no_bulk_copy_all_plain": ("kc_bulk=0,kpe=load,sum=row", {}),
+FORMS = {  # name: (K3LAB_MLA_BULK_OPTIONS, plan kwargs, environment for the timed run); preferred first
+    "default": ("", {}, {}),
+    "kpe_bulk": ("kpe=bulk", {}, {}),
+    "row_sum": ("sum=row", {}, {}),
+    "kpe_load": ("kpe=load", {}, {}),
+    "w8": ("", {"num_warps": 8}, {"K3LAB_MLA_AFTER_CONFIG": "64,8,1"}),
+    "s2_pipelined": ("", {"num_stages": 2}, {"K3LAB_MLA_AFTER_CONFIG": "64,4,2"}),
+    "no_pdl": ("", {"pdl": False}, {"K3LAB_MLA_PDL": "0"}),
+    "bn32": ("", {"block_n": 32}, {"K3LAB_MLA_AFTER_CONFIG": "32,4,1"}),
+    "no_bulk_copy": ("kc_bulk=0", {}, {}),
+    "no_bulk_copy_all_plain": ("kc_bulk=0,kpe=load,sum=row", {}, {}),
 }
 SPLIT_CONFIGS = ("32,8,3", "32,4,2", "16,4,3", "64,4,1", "64,8,1", "128,8,1")
 
 procs = {}
-for name, (opts, kw) in FORMS.items():
+for name, (opts, kw, _) in FORMS.items():
     env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", PYTHONPATH=".", K3LAB_MLA_BULK_OPTIONS=opts)
     arg = json.dumps({"plan": dict(kw, kernel="bulk")})
     procs[("form", name)] = subprocess.Popen([sys.executable, "-c", CHECK, arg], stdout=subprocess.PIPE,
@@ -157,14 +157,17 @@ def run_cases(label, names, reserve_s):
 
 
 if chosen is not None:
-    opts, kw = FORMS[chosen]
+    opts, kw, env = FORMS[chosen]
     os.environ["K3LAB_MLA_BULK_OPTIONS"] = opts
+    os.environ.update(env)  # K3LAB_MLA_AFTER_CONFIG applies to one-token (16-row) launches only
     names = ["ctx32k.bulk", "ctx128k.bulk", "ctx1k.bulk", "b8_8k.bulk", "b64_8k.bulk", "ctx32k.bulk_bn64w4s2",
              "ctx128k.bulk_bn64w4s2", "ctx32k.bulk_bn64w8s1", "ragged8_8k.bulk", "verify4_32k.bulk"]
-    if kw:  # a launch configuration other than the default was the one that passed
+    if kw:  # the form that passed is a launch configuration: its own points only
         names = [n for n in names if "_bn" not in n]
-        say("note: the passing form needs", kw, "- the '.bulk' points use the default configuration")
+        say("timing form", chosen, "with", env)
     run_cases("sweep", names, 45)
+    for k in env:
+        os.environ.pop(k, None)  # the main cases run the defaults
 run_cases("main", ["ctx32k", "ctx128k"], 25)
 dump()
 

@@ -428,3 +428,16 @@ def test_bulk_kernel_forms(options, monkeypatch):
     monkeypatch.setenv("K3LAB_MLA_BULK_OPTIONS", "kpe=tma")
     with pytest.raises(ValueError, match="K3LAB_MLA_BULK_OPTIONS"):
         mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk")
+
+
+def test_bulk_launch_configuration_from_environment(monkeypatch):
+    # a measured one-token configuration (K3LAB_MLA_AFTER_CONFIG) reaches the bulk kernel too; a tile
+    # that would cross a page is refused by name
+    q, cache, lens, pool, bt = _inputs(1, 1, 12, 128, torch.float32, lengths=[128], paged=True, page_size=64, seed=41)
+    monkeypatch.setenv("K3LAB_MLA_AFTER_CONFIG", "32,8,1")
+    plan = mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk", num_splits=2)
+    assert plan.config == mla.LaunchConfig(32, 8, 1)
+    _check(*plan(), *mla.reference(q, cache, lens), torch.float32, "bulk/env config")
+    pool16, bt16 = mla.to_paged(cache, 16)
+    with pytest.raises(ValueError, match="cross a page"):
+        mla.plan_after(q, pool16, lens, block_table=bt16, kernel="bulk")

@@ -1366,11 +1366,15 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     fixed = block_n is not None or num_warps is not None or num_stages is not None
     kernel = _after_kernel(kernel, inp, block_n)
     kw["kernel"] = kernel
-    if kernel == "bulk" and block_n is None and inp.paged:
-        block_n = min(BULK_BLOCK_N, inp.page_size)  # a tile never crosses a page
     if fixed or not _tuning_wanted(tune) or not _on_gpu():
         cfg = launch_config("after", q.dtype, rows=rows, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                             kernel=kernel)
+        from_env = bool(os.environ.get("K3LAB_MLA_AFTER_CONFIG")) and rows == MMA_ROWS
+        if kernel == "bulk" and block_n is None and not from_env and inp.paged and cfg.block_n > inp.page_size:
+            cfg = LaunchConfig(inp.page_size, cfg.num_warps, cfg.num_stages)  # a tile never crosses a page
+        if kernel == "bulk" and inp.paged and inp.page_size % cfg.block_n:
+            raise ValueError(f"kernel='bulk' cannot run here: a {cfg.block_n}-row tile would cross a page of "
+                             f"{inp.page_size} (K3LAB_MLA_AFTER_CONFIG or block_n)")
         return _build_after(inp, q, cfg=cfg, **kw)
     elem = q.element_size()
     candidates = BULK_CANDIDATES[rows] if kernel == "bulk" else AFTER_CANDIDATES[rows]

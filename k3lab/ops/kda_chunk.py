@@ -10,8 +10,9 @@ head, the in-chunk cumulative log-decay G, Akk and Aqk, the 64 x 64 unit lower-t
 R = (I + Akk)^-1 in fp32, and from it W = R diag(beta) (K e^G), U = R diag(beta) V,
 Qg = scale Q e^G, Kd^T = (K e^(G_last - G))^T and d = e^(G_last) (the
 `k3lab.ops.kda_scan_math.ChunkQuantities`, written to memory in the inputs' dtype). The default
-'split' prologue takes three launches (A's, inverse, W/U: `split_prologue_launches`); run 1's
-'persistent' prologue does it in one. Below, "launch 1" means the prologue either way.
+'rows' prologue takes three launches (the A's, the inverse, W/U: `prologue_launches`); 'fused' does
+the same work in one, run 2's 'split' and run 1's 'persistent' are kept for comparison. Below,
+"launch 1" means the prologue however many launches it takes.
 
 * before (`kda_chunk_before`, prologue + 1 launch): the walk. One program per (sequence, head, value tile)
   keeps its state tile S [128 x BV] fp32 on chip and, chunk after chunk, computes
@@ -50,14 +51,13 @@ block), at most e^(16 max|g|): within fp32 for K3's gate (g in (-5, 0), architec
 whose spread is wider than SAFE_SPREAD takes an exact column-by-column path instead (slower, same
 result), so no input overflows.
 
-Measured (H200, bf16, fla-core 0.6.0 in the same run; profiles/nvidia-h200/kda_scan, run 2): every
-variant matches the fp64 reference as closely as fla does (rel. L2 4.4e-3 on o, 3.6e-3 on the
-state). At 12 heads x 16K tokens the 'split' prologue takes 766 us against 1495 us for run 1's
-'persistent' one (whose 255 registers per thread and spills left two programs per SM); the after
-takes 1135 us, the before 1237 us, fla's chunk_kda 991 us. Over the whole grid the before fits
-0.29 us per chunk and head plus 1.45 us per chunk step on the critical path, within 9%; fla's
-kernels together cost 0.23 us per chunk and head where the GPU is full. The prologue (0.25 us per
-chunk and head, 0.20 of them in its A launch) is still what keeps k3lab behind fla.
+Measured (H200, bf16, fla-core 0.6.0 in the same run; profiles/nvidia-h200/kda_scan, run 3): every
+variant matches the fp64 reference as closely as fla does (rel. L2 4.4e-3 on o, 3.7e-3 on the
+state). At 12 heads x 16K tokens the 'rows' prologue takes 544 us (its A launch 387), against 778
+for run 2's 'split' (A launch 632), 712 for 'fused' and 1493 for run 1's 'persistent'; the after
+takes 918 us, the before 1030 us, fla's chunk_kda 998 us (1.09x: the 2x target is missed). The
+before fits 0.21 us per chunk and head plus 1.55 us per chunk step on the critical path, within
+5%; where the GPU is full k3lab now beats fla (12 heads x 8 x 16K: 5461 against 5808 us).
 
 ROCm: the kernels are plain Triton and read unit counts from the device; they have not yet been run
 on AMD hardware by this project.
@@ -619,38 +619,17 @@ def _split_wu_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# prologue, 'fused' form: one program per (chunk, head) walks the chunk's four 16-row blocks in
-# order and keeps only [16, 128] tiles live, so the A's, the fp32 inverse and W / U fit one launch
-# without the register pressure that sank the 'persistent' kernel (255 registers, spills).
-#   Reference points: row block I is factored around P_I, the cumulative log-decay before its first
-#   row. The left factor x_i e^(G_i - P_I) is <= 1. The earlier blocks' keys are kept in registers
-#   as "history" tiles k_j e^(P_I - G_j) (<= 1), rescaled by e^(block I's decay sum) when the walk
-#   moves on: one [16, 128] multiply per earlier block instead of re-reading and re-exponentiating
-#   them. After the fourth block the history is exactly Kd = k e^(G_last - G), so Kd^T comes free.
-#   Only the diagonal blocks carry a factor > 1 (e^spread, checked against SAFE_SPREAD as before).
-#   Akk goes to the fp32 R buffer (L1/L2-hot: the same program reads it back for the inverse), the
-#   inverse stays fp32, and only the finished R is rounded to the input dtype for W and U.
-
-
-@triton.jit
-def _by_block(v0, v1, v2, v3, rc, BC: tl.constexpr):
-    """A [C, N] tile whose rows in 16-row block b all equal the [N] vector vb."""
-    blk = (rc // BC)[:, None]
-    return tl.where(blk == 0, v0[None, :], tl.where(blk == 1, v1[None, :], tl.where(blk == 2, v2[None, :], v3[None, :])))
-
-
-@triton.jit
-def _pick(v0, v1, v2, v3, B: tl.constexpr):
-    """vB (B a compile-time block index)."""
-    if B == 0:
-        r = v0
-    elif B == 1:
-        r = v1
-    elif B == 2:
-        r = v2
-    else:
-        r = v3
-    return r
+# prologue, 'rows' / 'fused' forms: one program per (chunk, head) holds a slice of BK key channels
+# of the whole chunk as [4 blocks, 16 rows, BK] (the decays are per channel; only the dots sum over
+# channels, so the slices accumulate). In that shape every per-block quantity is a broadcast:
+#   Gw = within-block cumulative log-decay, bs = block sums, E = cumsum(bs) (G at each block's last
+#   row), P = E - bs (G before its first row). For row block I and column block J:
+#   e^(G_i - G_j) = e^(G_i - P_I) e^(P_I - E_J) e^(E_J - G_j), left factor <= 1, the middle one <= 1
+#   below the diagonal and e^(-bs_I) (<= e^SAFE_SPREAD, else an exact path) on it, c = k e^(E_J - G)
+#   <= 1. The four row blocks are one batched dot against c scaled by the [4, 4] middle factors.
+#   Akk goes to the fp32 R buffer; the inverse stays fp32, and only the finished R is rounded to the
+#   input dtype for W and U. 'rows' stops there and runs split's inverse and W / U launches;
+#   'fused' does them in the same program (slower on the H200: 712 against 544 us, see the README).
 
 
 @triton.jit
@@ -665,111 +644,6 @@ def _exp(x, FAST: tl.constexpr):
     else:
         y = tl.exp(x)
     return y
-
-
-@triton.jit
-def _fz_rowblock(acc_k, acc_q, c, k, q, g, tok0, L, h, H, col, x0, x1, x2, x3, bs, BI: tl.constexpr,
-                 K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SPREAD: tl.constexpr, AKK_PREC: tl.constexpr,
-                 AQK_PREC: tl.constexpr, FAST: tl.constexpr):
-    """Row block BI's rows of Akk and Aqk, this key slice's share. Left: x_i e^(G_i - P_I) (<= 1);
-    right: the chunk's c = k e^(E_J - G) times e^(P_I - E_J) per column block J (<= 1 below the
-    diagonal, e^(block spread) on it, 0 above). xb = e^(block b's decay sum), so e^(P_I - E_J) is the
-    product of the x's between the blocks (no exponential of its own); bs = block BI's decay sum."""
-    rb = tl.arange(0, BC)
-    rc = tl.arange(0, C)
-    rows = BI * BC + rb
-    m = (rows < L)[:, None]
-    off = ((tok0 + rows) * H + h)[:, None] * K + col[None, :]
-    kb = tl.load(k + off, mask=m, other=0.0).to(tl.float32)
-    qb = tl.load(q + off, mask=m, other=0.0).to(tl.float32)
-    Gw = tl.cumsum(tl.load(g + off, mask=m, other=0.0), axis=0)  # G - P_I
-    e_in = _exp(Gw, FAST)
-    zv = tl.zeros_like(x0)
-    spread = tl.max(-bs, axis=0)
-    # e^(P_I - E_I) = e^(-bs) on the diagonal; a wider block (x below e^-SPREAD) takes the exact path
-    fd = tl.where(spread <= SPREAD, 1.0 / tl.maximum(_pick(x0, x1, x2, x3, BI), 1e-30), 0.0)
-    if BI == 0:
-        right = c * _by_block(fd, zv, zv, zv, rc, BC)
-    elif BI == 1:
-        right = c * _by_block(zv + 1.0, fd, zv, zv, rc, BC)
-    elif BI == 2:
-        right = c * _by_block(x1, zv + 1.0, fd, zv, rc, BC)
-    else:
-        right = c * _by_block(x1 * x2, x2, zv + 1.0, fd, rc, BC)
-    rt = tl.trans(right)
-    acc_k += tl.dot(kb * e_in, rt, input_precision=AKK_PREC)
-    acc_q += tl.dot(qb * e_in, rt, input_precision=AQK_PREC)
-    if spread > SPREAD:  # wide decay inside the block: exact pairwise decays, one key at a time
-        for cc in range(BC):
-            k_c = _row_of(kb, cc, BC)
-            G_c = _row_of(Gw, cc, BC)
-            ke = k_c[None, :] * tl.exp(tl.where(rb[:, None] >= cc, Gw - G_c[None, :], float("-inf")))
-            hit = rc[None, :] == BI * BC + cc
-            acc_k = tl.where(hit, acc_k + tl.sum(kb * ke, axis=1)[:, None], acc_k)
-            acc_q = tl.where(hit, acc_q + tl.sum(qb * ke, axis=1)[:, None], acc_q)
-    return acc_k, acc_q
-
-
-@triton.jit
-def _fz_store_rows(aqk_base, r_base, acc_k, acc_q, beta, tok0, L, h, H, scale, BI: tl.constexpr, C: tl.constexpr,
-                   BC: tl.constexpr):
-    """Row block BI: Akk strictly lower x beta (fp32, R buffer), Aqk lower x scale (zeros above)."""
-    rb = tl.arange(0, BC)
-    rc = tl.arange(0, C)
-    rows = BI * BC + rb
-    bt = tl.load(beta + (tok0 + rows) * H + h, mask=rows < L, other=0.0)
-    tile = rows[:, None] * C + rc[None, :]
-    tl.store(r_base + tile, tl.where(rc[None, :] < rows[:, None], acc_k * bt[:, None], 0.0))
-    tl.store(aqk_base + tile, tl.where(rc[None, :] <= rows[:, None], acc_q * scale, 0.0).to(aqk_base.dtype.element_ty))
-
-
-@triton.jit
-def _fz_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
-                K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
-                AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, FAST: tl.constexpr):
-    """Akk (fp32, R buffer), Aqk, Qg, W's right factor (in W's buffer), Kd^T and d of one chunk, one
-    slice of BK key channels at a time (the decays are per channel; only the dots sum over them)."""
-    rc = tl.arange(0, C)
-    rs = tl.arange(0, BK)
-    rmask = (rc < L)[:, None]
-    bt = tl.load(beta + (tok0 + rc) * H + h, mask=rc < L, other=0.0)
-    z = tl.zeros([BC, C], dtype=tl.float32)
-    ak0, ak1, ak2, ak3, aq0, aq1, aq2, aq3 = z, z, z, z, z, z, z, z
-    for s in tl.static_range(K // BK):
-        col = s * BK + rs
-        off = ((tok0 + rc) * H + h)[:, None] * K + col[None, :]
-        G = tl.cumsum(tl.load(g + off, mask=rmask, other=0.0), axis=0)
-        ks = tl.load(k + off, mask=rmask, other=0.0).to(tl.float32)
-        # E_J: cumulative log-decay at block J's last row (P_I = E_(I-1): the one before block I)
-        E0 = _row_of(G, BC - 1, C)
-        E1 = _row_of(G, 2 * BC - 1, C)
-        E2 = _row_of(G, 3 * BC - 1, C)
-        E3 = _row_of(G, C - 1, C)
-        c = ks * _exp(_by_block(E0, E1, E2, E3, rc, BC) - G, FAST)  # k e^(E_J - G) <= 1
-        e_g = _exp(G, FAST)
-        tile = out * C * K + rc[:, None] * K + col[None, :]
-        qs = tl.load(q + off, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(qg_out + tile, (qs * e_g * scale).to(qg_out.dtype.element_ty))
-        tl.store(w_out + tile, (ks * e_g * bt[:, None]).to(w_out.dtype.element_ty))
-        kd = ks * _exp(E3[None, :] - G, FAST)  # Kd = k e^(G_last - G)
-        tl.store(kdt_out + out * K * C + col[:, None] * C + rc[None, :], tl.trans(kd).to(kdt_out.dtype.element_ty))
-        tl.store(d_out + out * K + col, _exp(E3, FAST))
-        x0 = _exp(E0, FAST)  # e^(each block's decay sum), <= 1
-        x1 = _exp(E1 - E0, FAST)
-        x2 = _exp(E2 - E1, FAST)
-        x3 = _exp(E3 - E2, FAST)
-        ak0, aq0 = _fz_rowblock(ak0, aq0, c, k, q, g, tok0, L, h, H, col, x0, x1, x2, x3, E0, 0, K, C, BC, SPREAD,
-                                AKK_PREC, AQK_PREC, FAST)  # fmt: skip
-        ak1, aq1 = _fz_rowblock(ak1, aq1, c, k, q, g, tok0, L, h, H, col, x0, x1, x2, x3, E1 - E0, 1, K, C, BC,
-                                SPREAD, AKK_PREC, AQK_PREC, FAST)  # fmt: skip
-        ak2, aq2 = _fz_rowblock(ak2, aq2, c, k, q, g, tok0, L, h, H, col, x0, x1, x2, x3, E2 - E1, 2, K, C, BC,
-                                SPREAD, AKK_PREC, AQK_PREC, FAST)  # fmt: skip
-        ak3, aq3 = _fz_rowblock(ak3, aq3, c, k, q, g, tok0, L, h, H, col, x0, x1, x2, x3, E3 - E2, 3, K, C, BC,
-                                SPREAD, AKK_PREC, AQK_PREC, FAST)  # fmt: skip
-    _fz_store_rows(aqk_base, r_base, ak0, aq0, beta, tok0, L, h, H, scale, 0, C, BC)
-    _fz_store_rows(aqk_base, r_base, ak1, aq1, beta, tok0, L, h, H, scale, 1, C, BC)
-    _fz_store_rows(aqk_base, r_base, ak2, aq2, beta, tok0, L, h, H, scale, 2, C, BC)
-    _fz_store_rows(aqk_base, r_base, ak3, aq3, beta, tok0, L, h, H, scale, 3, C, BC)
 
 
 @triton.jit
@@ -953,7 +827,6 @@ def _fused_prologue_kernel(
     OUT_PREC: tl.constexpr,
     FUSE: tl.constexpr,
     FAST: tl.constexpr,
-    A3D: tl.constexpr,
 ):
     """The 'fused' prologue, one program per (chunk, head). FUSE=False stops after the A's (the
     'rows' prologue: the split form's inverse and W / U launches follow)."""
@@ -963,12 +836,8 @@ def _fused_prologue_kernel(
     L = tl.load(chunk_len + c)
     out = c * H + h
     r_base = r_buf + out * C * C
-    if A3D:
-        _fz3_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_out + out * C * C,
-                     r_base, K, C, BC, A_BK, SPREAD, AKK_PREC, AQK_PREC, FAST)  # fmt: skip
-    else:
-        _fz_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_out + out * C * C,
-                    r_base, K, C, BC, A_BK, SPREAD, AKK_PREC, AQK_PREC, FAST)  # fmt: skip
+    _fz3_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_out + out * C * C,
+                 r_base, K, C, BC, A_BK, SPREAD, AKK_PREC, AQK_PREC, FAST)  # fmt: skip
     if FUSE:
         tl.debug_barrier()  # Akk and W's right factor are written by the whole program
         _inverse_in_place(r_base, C, BC, INV_PREC)
@@ -1574,27 +1443,28 @@ DEFAULT_PROLOGUE = "rows"  # H200, 12 heads x 16K tokens (run 3): rows 544 us, f
 #   split (run 2's default): key slice and warps of the A launch, one row block per program (else four
 #     per program), warps of the inverse, slice and warps of W / U; each the fastest that
 #     `k3lab.studies.kda_scan.calibrate` timed on the H200 in run 2.
-#   fused: one launch per (chunk, head): warps; block_k, the key channels per pass of the A phase;
-#     form '3d' (the chunk as [4 blocks, 16 rows, block_k]: per-block factors are broadcasts and the
-#     four row blocks one batched dot; for sm_90a 25% fewer instructions than '2d', which scales one
-#     [64, block_k] right operand per row block by selects); akk_prec, Akk's dot: 'fast' = one tf32
-#     pass (fp32 accumulation; Akk stays fp32 for the fp32 inverse), 'near' = tf32x3 (fp32 inputs are
-#     always exact); maxnreg, an optional register cap (more programs per SM, some spills);
-#     wu_block_k, W / U's column slice.
-#   rows: the fused kernel's A phase alone, then the split form's inverse and W / U launches.
+#   fused: one launch per (chunk, head): warps; block_k, the key channels per pass of the A phase
+#     (for sm_90a 6.3K instructions per thread at 32, 255 registers, no spills: 2 programs per SM);
+#     akk_prec, Akk's dot: 'fast' = one tf32 pass (fp32 accumulation; Akk stays fp32 for the fp32
+#     inverse), 'near' = tf32x3 (fp32 inputs are always exact); maxnreg, an optional register cap
+#     (more programs per SM, some spills); wu_block_k, W / U's column slice.
+#   rows: the fused kernel's A phase alone (a_warps), then the split form's inverse and W / U launches.
 # Why one tf32 pass is enough for Akk: its operands are factors <= 1 (e^spread on the diagonal),
-# rounded to 10 mantissa bits. Emulated in fp64 over 16 chunks (K3-like gates, condition <= 2), it
-# moves o and the state by 5e-5 (rel. L2), and by 1.1e-4 on nearly parallel keys with condition 50;
-# the bf16 pipeline itself is at 4.4e-3 (run 2). Rounding the same operands to bf16 would cost 4e-4
-# to 9e-4: the seed's point (fp32-class inputs for the inverse) holds, tf32 keeps 8x more of it.
+# rounded to 10 mantissa bits. Emulated in fp64 (8-16 chunks), it moves o and the state by 5e-5
+# (rel. L2) on K3-like gates (condition <= 2) and by at most 1.7e-4 on nearly parallel keys (condition
+# up to 50); the bf16 pipeline itself is at 4.4e-3 (runs 2 and 3). Rounding the same operands to bf16
+# costs 4e-4 to 1.7e-3: the seed's point (fp32-class inputs for the inverse) holds, tf32 keeps ~8x
+# more of it.
+# (tests/test_kda_chunk.py::test_tf32_akk_operands_cost_little repeats the emulation.) On the H200
+# tf32x3 made the fused prologue 1237 us against 712.
 PROLOGUE_DEFAULTS = {
     "persistent": {"warps": 8},
     "split": {"block_k": 32, "a_warps": 2, "per_block": True, "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4},
     "rows": {
-        "a_warps": 4, "block_k": 32, "form": "3d", "akk_prec": "fast", "maxnreg": None, "inv_warps": 1,
+        "a_warps": 4, "block_k": 32, "akk_prec": "fast", "maxnreg": None, "inv_warps": 1,
         "wu_block_k": 64, "wu_warps": 4,
     },  # fmt: skip
-    "fused": {"warps": 4, "block_k": 32, "form": "3d", "akk_prec": "fast", "wu_block_k": 64, "maxnreg": None},
+    "fused": {"warps": 4, "block_k": 32, "akk_prec": "fast", "wu_block_k": 64, "maxnreg": None},
 }
 SPLIT_DEFAULTS = PROLOGUE_DEFAULTS["split"]
 
@@ -1614,11 +1484,12 @@ def kda_chunk_prologue(
 ) -> _Work:
     """Launch(es) 1 of both variants: the per-chunk quantities, written into `work`.
 
-    prologue='fused' (the default): one program per (chunk, head) walks the chunk's four 16-row blocks
-    with the earlier blocks' keys kept as rescaled history tiles, then inverts (fp32) and forms W and
-    U in the same launch. 'rows': its A phase, then split's inverse and W / U launches.
-    'split' (run 2's): three launches (`prologue_launches`); on the H200 0.25 us of GPU time per
-    chunk and head, 0.20 of them in its A launch (profiles/nvidia-h200/kda_scan).
+    prologue='rows' (the default): one program per (chunk, head) computes the A's from [4 blocks,
+    16 rows, key slice] tiles (one batched dot per slice), then split's fp32 inverse and W / U
+    launches; on the H200 0.18 us of GPU time per chunk and head, 0.13 of them in its A launch
+    (profiles/nvidia-h200/kda_scan, run 3). 'fused': the same three stages in one program (0.23 us:
+    the inverse runs at the A phase's register pressure). 'split' (run 2's): three launches, its A
+    launch one program per 16-row block: 0.25 us.
     'persistent' (run 1's): one launch on a persistent grid whose programs keep G, Akk and R in an
     L2-resident scratch slot; its whole [64, 128] tiles take 255 registers and spill: 0.49 us per
     chunk and head. `options` overrides PROLOGUE_DEFAULTS[prologue]; `num_warps` the first launch's
@@ -1656,8 +1527,6 @@ def prologue_launches(
         return {"persistent": lambda: _launch_persistent(q, k, v, g, beta, plan, scale, work, num_warps or opts["warps"])}
     r_buf = work.r_buffer()
 
-    if opts.get("form", "3d") not in ("3d", "2d"):
-        raise ValueError(f"form must be '3d' or '2d', got {opts['form']!r}")
     # a register cap (more programs per SM, some spills) only where a compiler takes it
     cap = {"maxnreg": opts["maxnreg"]} if opts.get("maxnreg") and not env.triton_interpreted() else {}
 
@@ -1666,7 +1535,7 @@ def prologue_launches(
             q, k, v, g, beta, plan.chunk_tok, plan.chunk_len, work.w, work.u, work.qg, work.kdt, work.aqk, work.d,
             r_buf, H, float(scale), K=HEAD_DIM, V=HEAD_DIM, C=CHUNK, BC=SUB, BK=opts["wu_block_k"],
             A_BK=opts["block_k"], SPREAD=SAFE_SPREAD, AKK_PREC=akk_prec, AQK_PREC=p["AQK_PREC"], INV_PREC=p["INV_PREC"],
-            OUT_PREC=p["OUT_PREC"], FUSE=fuse, FAST=_FAST_EXP, A3D=opts["form"] == "3d", num_warps=warps, num_stages=1, **cap,
+            OUT_PREC=p["OUT_PREC"], FUSE=fuse, FAST=_FAST_EXP, num_warps=warps, num_stages=1, **cap,
         )  # fmt: skip
 
     if prologue == "fused":

@@ -411,7 +411,8 @@ def test_bulk_kernel_compiles_for_hopper():
     assert 2 * (row["shared_kb"] + 1) <= 228
 
 
-@pytest.mark.parametrize("options", ["kc_bulk=0", "kpe=bulk", "kpe=load", "sum=row", "kc_bulk=0,kpe=load,sum=row"])
+@pytest.mark.parametrize("options", ["kc_bulk=0", "kpe=bulk", "kpe=load", "sum=row", "kc_bulk=0,kpe=load,sum=row",
+                                     "tail=64"])
 def test_bulk_kernel_forms(options, monkeypatch):
     # the forms a GPU run uses to find which piece of the bulk kernel goes wrong there: each must
     # match the reference here (two tiles and a partial one per piece, verify causality, NaN past
@@ -428,6 +429,23 @@ def test_bulk_kernel_forms(options, monkeypatch):
     monkeypatch.setenv("K3LAB_MLA_BULK_OPTIONS", "kpe=tma")
     with pytest.raises(ValueError, match="K3LAB_MLA_BULK_OPTIONS"):
         mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk")
+
+
+def test_bulk_options_argument_three_buffers():
+    # plan_after(bulk_options=...) (the study's '.bulk_bn64w4s3t64' points): three 64-row copy
+    # buffers and the 64-row tail step, on two requests whose lengths end inside a tile
+    lengths = [300, 130]
+    q, cache, lens, pool, bt = _inputs(2, 1, 12, 320, torch.float32, lengths=lengths, paged=True, page_size=64,
+                                       seed=43)
+    pool = _poison_past_lengths(pool, bt, lengths, 64)
+    plan = mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk", block_n=64, num_warps=4, num_stages=3,
+                          bulk_options="tail=64", num_splits=2)
+    assert plan.bulk_options["TAIL_N"] == 64 and plan.config.num_stages == 3
+    _check(*plan(), *mla.reference(q, cache, lens), torch.float32, "bulk/s3/tail64")
+    with pytest.raises(ValueError, match="kernel='bulk'"):
+        mla.plan_after(q, pool, lens, block_table=bt, kernel="split", bulk_options="tail=64")
+    with pytest.raises(ValueError, match="bulk options"):
+        mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk", bulk_options="tail=48")
 
 
 def test_bulk_launch_configuration_from_environment(monkeypatch):

@@ -1101,15 +1101,20 @@ _TUNED: dict[tuple, tuple[LaunchConfig, dict]] = {}
 
 
 # The bulk kernel's form (see _page_split_kernel): the fast one by default; K3LAB_MLA_BULK_OPTIONS
-# (e.g. "kc_bulk=0,kpe=bulk,sum=row") picks another, one piece changed at a time, to find on a GPU
-# which one goes wrong there (round 3: wrong outputs on the H200, right in the interpreter).
-BULK_OPTIONS = {"kc_bulk": True, "kpe": "prefetch", "sum": "element"}
+# or plan_after(bulk_options=...) (e.g. "kc_bulk=0,kpe=bulk,sum=row") picks another, one piece
+# changed at a time, to find on a GPU which one goes wrong there (round 3: wrong outputs on the H200,
+# right in the interpreter). tail=64 reads a request's last partial tile in one 64-row masked step
+# (the same operand layouts as the loop: no second copy of the query in shared memory, which is what
+# lets three 64-row copy buffers fit, num_stages=3) instead of 16-row steps.
+BULK_OPTIONS = {"kc_bulk": True, "kpe": "prefetch", "sum": "element", "tail": TAIL_ROWS}
 _KPE_MODES = {"prefetch": 0, "bulk": 1, "load": 2}
 
 
-def _bulk_options() -> dict:
+def _bulk_options(extra: str | None = None) -> dict:
+    """The bulk kernel's form constexprs: BULK_OPTIONS, then K3LAB_MLA_BULK_OPTIONS, then `extra`."""
     opts = dict(BULK_OPTIONS)
-    for item in filter(None, os.environ.get("K3LAB_MLA_BULK_OPTIONS", "").split(",")):
+    items = os.environ.get("K3LAB_MLA_BULK_OPTIONS", "").split(",") + (extra or "").split(",")
+    for item in filter(None, (x.strip() for x in items)):
         key, _, val = item.partition("=")
         if key == "kc_bulk" and val in ("0", "1"):
             opts["kc_bulk"] = val == "1"
@@ -1117,10 +1122,13 @@ def _bulk_options() -> dict:
             opts["kpe"] = val
         elif key == "sum" and val in ("element", "row"):
             opts["sum"] = val
+        elif key == "tail" and val in ("16", "32", "64"):
+            opts["tail"] = int(val)
         else:
-            raise ValueError(f"K3LAB_MLA_BULK_OPTIONS: unknown item {item!r} (kc_bulk=0|1, kpe=prefetch|bulk|load, "
-                             "sum=element|row)")
-    return {"KC_BULK": opts["kc_bulk"], "KPE_MODE": _KPE_MODES[opts["kpe"]], "ROW_SUM": opts["sum"] == "row"}
+            raise ValueError(f"bulk options (K3LAB_MLA_BULK_OPTIONS / bulk_options): unknown item {item!r} "
+                             "(kc_bulk=0|1, kpe=prefetch|bulk|load, sum=element|row, tail=16|32|64)")
+    return {"KC_BULK": opts["kc_bulk"], "KPE_MODE": _KPE_MODES[opts["kpe"]], "ROW_SUM": opts["sum"] == "row",
+            "TAIL_N": opts["tail"]}
 
 
 def bulk_status(cache: torch.Tensor | None = None, page_size: int | None = None,
@@ -1168,7 +1176,8 @@ def _after_kernel(kernel: str | None, inp: _Inputs, block_n: int | None) -> str:
 
 
 def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_splits, compute_units, scale,
-                 fast_launch: bool, merge_dv: int = MERGE_DV, pdl: bool = False, kernel: str = "split") -> DecodePlan:
+                 fast_launch: bool, merge_dv: int = MERGE_DV, pdl: bool = False, kernel: str = "split",
+                 bulk_options: str | None = None) -> DecodePlan:
     B, Tq, H = inp.batch, inp.q_len, inp.heads
     head_groups = -(-H // MMA_ROWS)
     tok_tile = _token_tile(Tq)
@@ -1209,8 +1218,8 @@ def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_split
         if kernel == "bulk":
             # the cache as one [rows, 576] tensor (pages, or requests, end to end): one bulk copy per tile
             consts = {k: v for k, v in consts.items() if k not in ("PAGED", "PAGE_GROUPS")}
-            consts.update(TAIL_N=min(TAIL_ROWS, cfg.block_n), CAUSAL=Tq > 1)
-            consts.update(_bulk_options())
+            consts.update(_bulk_options(bulk_options), CAUSAL=Tq > 1)
+            consts["TAIL_N"] = min(consts["TAIL_N"], cfg.block_n)
             rows2d = kv.view(kv.shape[0] * kv.shape[1], LATENT_DIM)
             desc = TensorDescriptor(rows2d, list(rows2d.shape), [LATENT_DIM, 1], [cfg.block_n, VALUE_DIM])
             desc_pe = TensorDescriptor(rows2d, list(rows2d.shape), [LATENT_DIM, 1], [cfg.block_n, ROPE_DIM])
@@ -1251,7 +1260,8 @@ def _build_after(inp: _Inputs, q, *, pad, pad_fill, cfg: LaunchConfig, num_split
                           _kernels=kernels, _outputs=written)
         plan.pdl = use_pdl
         plan.kernel = kernel
-        plan.bulk_options = {k: consts[k] for k in ("KC_BULK", "KPE_MODE", "ROW_SUM")} if kernel == "bulk" else None
+        plan.bulk_options = ({k: consts[k] for k in ("KC_BULK", "KPE_MODE", "ROW_SUM", "TAIL_N")}
+                             if kernel == "bulk" else None)
         if pad == "copy":
             plan.padded_query, plan.padded_out = kq, k_out  # what the padding holds, for the notebook and tests
         return plan
@@ -1321,7 +1331,8 @@ def _tuning_key(inp: _Inputs, q, pad: str) -> tuple:
 def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, fold_heads=False,
                pad="registers", compute_units=None, block_n=None, num_warps=None, num_stages=None,
                pad_fill: float = 0.0, tune: bool | None = None, fast_launch: bool | None = None,
-               merge_dv: int | None = None, pdl: bool | None = None, kernel: str | None = None) -> DecodePlan:
+               merge_dv: int | None = None, pdl: bool | None = None, kernel: str | None = None,
+               bulk_options: str | None = None) -> DecodePlan:
     """Validate once and return a launchable plan of the padded split-history decode.
 
     num_splits: None = `choose_num_splits` for this batch, the longest context, the device's compute
@@ -1348,7 +1359,8 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     kernel: 'bulk' (`_page_split_kernel`: whole tiles by bulk copy, Hopper TMA; see `bulk_status`),
     'split' (`_split_kernel`: per-thread copies) or None = K3LAB_MLA_KERNEL if set, else 'split'
     (see `_after_kernel`: the bulk kernel is opt-in, NOT YET CORRECT ON A GPU: wrong outputs on the
-    H200 in its first run, right in Triton's interpreter). plan.kernel says which one runs."""
+    H200 in its first run, right in Triton's interpreter). plan.kernel says which one runs.
+    bulk_options: the bulk kernel's form, e.g. "tail=64" (see BULK_OPTIONS)."""
     if pad not in ("registers", "copy"):
         raise ValueError(f"pad must be 'registers' or 'copy', got {pad!r}")
     inp = _validate(q, cache, lengths, block_table, max_heads=None if fold_heads else MMA_ROWS)
@@ -1366,6 +1378,11 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     fixed = block_n is not None or num_warps is not None or num_stages is not None
     kernel = _after_kernel(kernel, inp, block_n)
     kw["kernel"] = kernel
+    if bulk_options is not None:
+        if kernel != "bulk":
+            raise ValueError(f"bulk_options applies to kernel='bulk', not {kernel!r}")
+        _bulk_options(bulk_options)  # bad items are refused here, before any kernel runs
+        kw["bulk_options"] = bulk_options
     if fixed or not _tuning_wanted(tune) or not _on_gpu():
         cfg = launch_config("after", q.dtype, rows=rows, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                             kernel=kernel)

@@ -63,6 +63,7 @@ class Case:
     tune: tuple | None = None  # (variant, block_n, num_warps, num_stages)
     kernel: str | None = None  # after kernel ('bulk' / 'split'; None = plan_after's choice): sweep points
     config: tuple | None = None  # the after kernel's (block_n, num_warps, num_stages): sweep points
+    options: str | None = None  # the bulk kernel's form (mla_decode.BULK_OPTIONS), e.g. "tail=64"
 
 
 def _gpu() -> bool:
@@ -95,6 +96,8 @@ def _kernel_cases() -> list[Case]:
     '<case>.bulk' at the kernel's default configuration, '<case>.bulk_bn64w4s2' at another one."""
     if not _gpu():
         return [Case("ctx320.bulk", 1, 320, kind="sweep", kernel="bulk"),
+                Case("ctx320.bulk_bn64w4s3t64", 1, 320, kind="sweep", kernel="bulk", config=(64, 4, 3),
+                     options="tail=64"),
                 Case("verify4_ctx64.bulk", 1, 64, q_len=4, kind="sweep", kernel="bulk")]
     base = {c.name: c for c in _main_cases()}
     out = [Case(f"{n}.bulk", base[n].batch, base[n].context, q_len=base[n].q_len, ragged=base[n].ragged,
@@ -104,6 +107,12 @@ def _kernel_cases() -> list[Case]:
                     ("ctx1k", ((64, 4, 2),))):
         out += [Case(f"{n}.bulk_bn{b}w{w}s{st}", 1, base[n].context, kind="sweep", kernel="bulk", config=(b, w, st))
                 for b, w, st in cfgs]
+    # three copy buffers of 64 rows (the next tile is in flight while one is computed), one program
+    # per SM: fits only with the 64-row tail step (no second query copy in shared memory)
+    out += [Case(f"{n}.bulk_bn64w4s3t64", 1, base[n].context, kind="sweep", kernel="bulk", config=(64, 4, 3),
+                 options="tail=64") for n in ("ctx1k", "ctx32k", "ctx128k")]
+    out += [Case(f"{n}.bulk_s3t64", base[n].batch, base[n].context, ragged=base[n].ragged, kind="sweep",
+                 kernel="bulk", config=(64, 4, 3), options="tail=64") for n in ("b8_8k", "b64_8k", "ragged8_8k")]
     return out
 
 
@@ -210,7 +219,7 @@ def _plan(key: str, case: Case, s: dict, heads: int):
         if case.config:
             tune = dict(zip(("block_n", "num_warps", "num_stages"), case.config))
         fn = mla.plan_after(q, pool, lens, block_table=table, num_splits=case.splits, fold_heads=fold,
-                            kernel=case.kernel, **tune)
+                            kernel=case.kernel, bulk_options=case.options, **tune)
     elif key == "padcopy":
         fn = mla.plan_after(q, pool, lens, block_table=table, pad="copy")
     elif key == "contig":
@@ -452,10 +461,10 @@ def _instruction_rows(dtype: str, arch: int) -> list[dict]:
         kcfg = mla.launch_config("after", rows=mla.MMA_ROWS, kernel="bulk")
         ptr["kc_desc"] = f"tensordesc<{dtype}[{kcfg.block_n},512]>"
         ptr["kpe_desc"] = f"tensordesc<{dtype}[{kcfg.block_n},64]>"
-        kernels["after_bulk"] = (mla._page_split_kernel, dict(
-            PAGE_SIZE=PAGE_SIZE, DV=512, DR=64, HEAD_TILE=16, TOK_TILE=1, BLOCK_N=kcfg.block_n,
-            TAIL_N=mla.TAIL_ROWS, CAUSAL=False, WRITE_FINAL=False, IEEE=False, PDL=True, INTERPRET=False,
-            **mla._bulk_options()), kcfg)
+        for label, cfg_b, opts in (("after_bulk", kcfg, None), ("after_bulk_s3", mla.LaunchConfig(64, 4, 3), "tail=64")):
+            kernels[label] = (mla._page_split_kernel, dict(
+                PAGE_SIZE=PAGE_SIZE, DV=512, DR=64, HEAD_TILE=16, TOK_TILE=1, BLOCK_N=cfg_b.block_n, CAUSAL=False,
+                WRITE_FINAL=False, IEEE=False, PDL=True, INTERPRET=False, **mla._bulk_options(opts)), cfg_b)
     ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
     rows = []
     for name, (fn, consts, cfg) in kernels.items():

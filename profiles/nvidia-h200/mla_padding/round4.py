@@ -48,7 +48,7 @@ from k3lab import bench
 from k3lab.ops import mla_decode as mla
 cfg = json.loads(sys.argv[1])
 
-def case(label, B, Tq, L, lengths, paged, poison):
+def case(label, B, Tq, L, lengths, paged, poison, launch_kw=True):
     g = torch.Generator().manual_seed(L + Tq)
     q = torch.randn(B, Tq, 12, 576, generator=g).to("cuda", torch.bfloat16)
     cache = torch.randn(B, L, 576, generator=g).to("cuda", torch.bfloat16)
@@ -64,7 +64,8 @@ def case(label, B, Tq, L, lengths, paged, poison):
                 kv[int(bt[b, pages - 1]), n - (pages - 1) * 64:] = float("nan")
     ref_o, ref_l = mla.reference(q.float(), cache.float(), lens)
     try:
-        plan = mla.plan_after(q, kv, lens, block_table=bt, **cfg["plan"])
+        kw = cfg["plan"] if launch_kw else {k: v for k, v in cfg["plan"].items() if k == "kernel"}
+        plan = mla.plan_after(q, kv, lens, block_table=bt, **kw)
         for i, k in enumerate(plan._kernels):
             k()
             torch.cuda.synchronize()
@@ -83,7 +84,7 @@ if cfg.get("hunt"):
 else:
     case("paged 1x4096", 1, 1, 4096, [4096], True, False)
     case("paged mixed NaN past lengths", 3, 1, 1000, [1000, 77, 640], True, True)
-    case("paged q4 verify", 2, 4, 530, [530, 131], True, True)
+    case("paged q4 verify", 2, 4, 530, [530, 131], True, True, launch_kw=False)  # 64 rows: its own launch
     case("contiguous mixed", 2, 1, 700, [700, 129], False, False)
 """
 
@@ -95,6 +96,7 @@ FORMS = {  # name: (K3LAB_MLA_BULK_OPTIONS, plan kwargs, environment for the tim
     "w8": ("", {"num_warps": 8}, {"K3LAB_MLA_AFTER_CONFIG": "64,8,1"}),
     "s2_pipelined": ("", {"num_stages": 2}, {"K3LAB_MLA_AFTER_CONFIG": "64,4,2"}),
     "no_pdl": ("", {"pdl": False}, {"K3LAB_MLA_PDL": "0"}),
+    "s3_tail64": ("tail=64", {"num_stages": 3}, {"K3LAB_MLA_AFTER_CONFIG": "64,4,3"}),
     "bn32": ("", {"block_n": 32}, {"K3LAB_MLA_AFTER_CONFIG": "32,4,1"}),
     "no_bulk_copy": ("kc_bulk=0", {}, {}),
     "no_bulk_copy_all_plain": ("kc_bulk=0,kpe=load,sum=row", {}, {}),
@@ -160,11 +162,15 @@ if chosen is not None:
     opts, kw, env = FORMS[chosen]
     os.environ["K3LAB_MLA_BULK_OPTIONS"] = opts
     os.environ.update(env)  # K3LAB_MLA_AFTER_CONFIG applies to one-token (16-row) launches only
-    names = ["ctx32k.bulk", "ctx128k.bulk", "ctx1k.bulk", "b8_8k.bulk", "b64_8k.bulk", "ctx32k.bulk_bn64w4s2",
-             "ctx128k.bulk_bn64w4s2", "ctx32k.bulk_bn64w8s1", "ragged8_8k.bulk", "verify4_32k.bulk"]
-    if kw:  # the form that passed is a launch configuration: its own points only
-        names = [n for n in names if "_bn" not in n]
-        say("timing form", chosen, "with", env)
+    names = ["ctx32k.bulk", "ctx128k.bulk"]
+    if "s3_tail64" in passing:  # three copy buffers, one program per SM: its own sweep points
+        names += ["ctx32k.bulk_bn64w4s3t64", "ctx128k.bulk_bn64w4s3t64"]
+    names += ["ctx1k.bulk", "b8_8k.bulk", "b64_8k.bulk", "ragged8_8k.bulk", "verify4_32k.bulk"]
+    if "s3_tail64" in passing:
+        names += ["ctx1k.bulk_bn64w4s3t64", "b8_8k.bulk_s3t64", "b64_8k.bulk_s3t64", "ragged8_8k.bulk_s3t64"]
+    if not kw:
+        names += ["ctx32k.bulk_bn64w4s2", "ctx128k.bulk_bn64w4s2", "ctx32k.bulk_bn64w8s1"]
+    say("timing form", chosen, "with", opts or "default options", env or "default launch")
     run_cases("sweep", names, 45)
     for k in env:
         os.environ.pop(k, None)  # the main cases run the defaults

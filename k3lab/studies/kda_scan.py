@@ -476,16 +476,16 @@ def group_size_sweep(
 
 
 # prologue candidates the calibration checks and times on this device: (kind, options) over
-# kda_chunk.PROLOGUE_DEFAULTS. Run 2 (H200) timed the split form's options (its A launch: 2 warps
-# 607 us, 4 warps 925 us); 'split' below is its best. For sm_90a the fused kernel compiles to
-# 8.1K instructions per thread at block_k 32 (255 registers, no spills: 2 programs per SM), 9.0K at
-# block_k 16 (246 registers), and with a 168-register cap 3 programs per SM and a few spills.
+# kda_chunk.PROLOGUE_DEFAULTS. Run 3 (H200, 12 heads x 16K) timed rows 544 us (A launch 387),
+# fused 712 (block_k 16: 963, with a 168-register cap 793; tf32x3 Akk: 1237) and split 778 (A launch
+# 632). The capped 'rows' points are queued for the next run: for sm_90a the A phase at block_k 32
+# needs 255 registers (2 programs per SM); a 168-register cap gives 3, with spills (472 bytes of
+# stack at block_k 32, 128 at block_k 16), and the cap bought 18% in the fused kernel at block_k 16.
 PROLOGUE_CANDIDATES = (
-    ("fused", {}),
-    ("fused", {"block_k": 16}),
-    ("fused", {"block_k": 16, "maxnreg": 168}),
-    ("fused", {"akk_prec": "near"}),
     ("rows", {}),
+    ("rows", {"maxnreg": 168}),
+    ("rows", {"block_k": 16, "maxnreg": 168}),
+    ("fused", {}),
     ("split", {}),
 )
 

@@ -1522,7 +1522,10 @@ def prologue_launches(
     H = q.shape[2]
     n_items = plan.n_chunks * H
     p = _precisions(q.dtype)
-    akk_prec = p["AKK_PREC"] if opts.get("akk_prec", "near") == "near" else p["AQK_PREC"]
+    # 'fast' (one tf32 pass) is an NVIDIA choice; elsewhere Akk keeps exact fp32 products, as the
+    # seed's MI355X kernel does with its fp32 matrix instructions (not yet run on AMD hardware here)
+    fast_akk = opts.get("akk_prec", "near") == "fast" and env.detect().backend == "cuda"
+    akk_prec = p["AQK_PREC"] if fast_akk else p["AKK_PREC"]
     if prologue == "persistent":
         return {"persistent": lambda: _launch_persistent(q, k, v, g, beta, plan, scale, work, num_warps or opts["warps"])}
     r_buf = work.r_buffer()

@@ -163,7 +163,8 @@ def test_after_launches_one_by_one_equal_the_whole_call():
     torch.testing.assert_close(S, S2, rtol=0, atol=0)
 
 
-def test_ragged_batch_with_cu_seqlens():
+@pytest.mark.parametrize("prologue", ["rows", "fused"])
+def test_ragged_batch_with_cu_seqlens(prologue):
     lengths = [70, 0, 5, 64]
     H = 1
     q, k, v, g, beta = _inputs(1, sum(lengths), H, seed=5)
@@ -171,7 +172,9 @@ def test_ragged_batch_with_cu_seqlens():
     cu = torch.tensor([0, 70, 70, 75, 139], dtype=torch.int32, device=DEV)
     for variant in ("before", "after"):
         kw = {"group_size": 1} if variant == "after" else {}
-        o, S = kc.kda_chunk(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu, variant=variant, **kw)
+        o, S = kc.kda_chunk(
+            q, k, v, g, beta, initial_state=S0, cu_seqlens=cu, variant=variant, prologue=prologue, **kw
+        )
         bos = 0
         for n, L in enumerate(lengths):
             if L == 0:  # an empty sequence hands its initial state back unchanged

@@ -162,18 +162,25 @@ if chosen is not None:
     opts, kw, env = FORMS[chosen]
     os.environ["K3LAB_MLA_BULK_OPTIONS"] = opts
     os.environ.update(env)  # K3LAB_MLA_AFTER_CONFIG applies to one-token (16-row) launches only
-    names = ["ctx32k.bulk", "ctx128k.bulk"]
-    if "s3_tail64" in passing:  # three copy buffers, one program per SM: its own sweep points
-        names += ["ctx32k.bulk_bn64w4s3t64", "ctx128k.bulk_bn64w4s3t64"]
-    names += ["ctx1k.bulk", "b8_8k.bulk", "b64_8k.bulk", "ragged8_8k.bulk", "verify4_32k.bulk"]
-    if "s3_tail64" in passing:
-        names += ["ctx1k.bulk_bn64w4s3t64", "b8_8k.bulk_s3t64", "b64_8k.bulk_s3t64", "ragged8_8k.bulk_s3t64"]
-    if not kw:
-        names += ["ctx32k.bulk_bn64w4s2", "ctx128k.bulk_bn64w4s2", "ctx32k.bulk_bn64w8s1"]
     say("timing form", chosen, "with", opts or "default options", env or "default launch")
-    run_cases("sweep", names, 45)
+    run_cases("sweep", ["ctx32k.bulk", "ctx128k.bulk"], 45)
     for k in env:
-        os.environ.pop(k, None)  # the main cases run the defaults
+        os.environ.pop(k, None)
+    os.environ.pop("K3LAB_MLA_BULK_OPTIONS", None)
+if "s3_tail64" in passing:  # three copy buffers, one program per SM (the points carry their own form)
+    run_cases("sweep", ["ctx32k.bulk_bn64w4s3t64", "ctx128k.bulk_bn64w4s3t64"], 45)
+if chosen is not None:
+    os.environ["K3LAB_MLA_BULK_OPTIONS"] = opts
+    os.environ.update(env)
+    run_cases("sweep", ["ctx1k.bulk", "b8_8k.bulk", "b64_8k.bulk", "ragged8_8k.bulk", "verify4_32k.bulk"], 45)
+    for k in env:
+        os.environ.pop(k, None)
+    os.environ.pop("K3LAB_MLA_BULK_OPTIONS", None)
+if "s3_tail64" in passing:
+    run_cases("sweep", ["ctx1k.bulk_bn64w4s3t64", "b8_8k.bulk_s3t64", "b64_8k.bulk_s3t64", "ragged8_8k.bulk_s3t64"],
+              45)
+if "default" in passing:
+    run_cases("sweep", ["ctx32k.bulk_bn64w4s2", "ctx128k.bulk_bn64w4s2", "ctx32k.bulk_bn64w8s1"], 45)
 run_cases("main", ["ctx32k", "ctx128k"], 25)
 dump()
 

@@ -134,7 +134,7 @@ def test_before_bf16_matches_reference_with_the_same_handoffs():
     inputs, cache, w = kd.make_example(3, 1, dtype=torch.bfloat16, device=DEVICE, seed=22)
     ref_out, ref = kd.reference(**inputs, cache=cache, weights=w, compute_dtype=torch.float64,
                                 handoff_dtype=torch.bfloat16)
-    out = torch.empty(3, 128, dtype=torch.bfloat16)
+    out = torch.empty(3, 128, dtype=torch.bfloat16, device=DEVICE)
     got = kd.before(**inputs, cache=cache, weights=w, out=out)
     assert got is out
     bench.check_all({"output": (out, ref_out), "state": (cache.state, ref.state)}, {"output": "bf16", "state": "bf16"})
@@ -158,7 +158,7 @@ def test_three_steps_carry_state():
     ref_cache = KDACache(*(t.double() for t in (cache.conv_q, cache.conv_k, cache.conv_v, cache.state)))
     gen = torch.Generator().manual_seed(0)
     for step in range(3):
-        step_in = {n: torch.randn(t.shape, generator=gen, dtype=torch.float64) for n, t in inputs.items()}
+        step_in = {n: torch.randn(t.shape, generator=gen, dtype=torch.float64).to(DEVICE) for n, t in inputs.items()}
         ref_out, ref_cache = kd.reference(**step_in, cache=ref_cache, weights=w, compute_dtype=torch.float64)
         out = kd.before(**{n: t.float() for n, t in step_in.items()}, cache=cache, weights=w)
         bench.check(out, ref_out, dtype="fp32", name=f"output step {step}")

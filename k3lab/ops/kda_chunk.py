@@ -1444,7 +1444,8 @@ DEFAULT_PROLOGUE = "rows"  # H200, 12 heads x 16K tokens (run 3): rows 544 us, f
 #     per program), warps of the inverse, slice and warps of W / U; each the fastest that
 #     `k3lab.studies.kda_scan.calibrate` timed on the H200 in run 2.
 #   fused: one launch per (chunk, head): warps; block_k, the key channels per pass of the A phase
-#     (for sm_90a 6.3K instructions per thread at 32, 255 registers, no spills: 2 programs per SM);
+#     (for sm_90a 6.3K instructions per thread at 32 on the path K3's gates take, not counting the
+#     compiled-in exact path for wide decays; 255 registers, no spills: 2 programs per SM);
 #     akk_prec, Akk's dot: 'fast' = one tf32 pass (fp32 accumulation; Akk stays fp32 for the fp32
 #     inverse), 'near' = tf32x3 (fp32 inputs are always exact); maxnreg, an optional register cap
 #     (more programs per SM, some spills); wu_block_k, W / U's column slice.

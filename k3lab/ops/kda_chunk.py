@@ -1467,7 +1467,6 @@ PROLOGUE_DEFAULTS = {
     },  # fmt: skip
     "fused": {"warps": 4, "block_k": 32, "akk_prec": "fast", "wu_block_k": 64, "maxnreg": None},
 }
-SPLIT_DEFAULTS = PROLOGUE_DEFAULTS["split"]
 
 
 def kda_chunk_prologue(
@@ -1569,11 +1568,6 @@ def prologue_launches(
         )  # fmt: skip
 
     return {"a": a, "inverse": inverse, "wu": wu}
-
-
-def split_prologue_launches(q, k, v, g, beta, plan: KdaPlan, scale: float, work: _Work, num_warps=None, split=None):
-    """The split prologue's three launches ('a', 'inverse', 'wu'): `prologue_launches(prologue='split')`."""
-    return prologue_launches(q, k, v, g, beta, plan, scale, work, num_warps, split, "split")
 
 
 def _launch_persistent(q, k, v, g, beta, plan, scale, work, num_warps):

@@ -57,10 +57,13 @@ warps 22-41% slower; 16-row tiles 26% slower; independent 4 x 128-column score p
 at 32K and 128K (14% faster at 1K); 132 pieces instead of 256 equal at 32K, 19% slower at 128K.
 
 Not yet run on a GPU by this project: the opt-in launch tuning (tune=True, K3LAB_MLA_TUNE=1), the
-direct relaunch (fast_launch=True, K3LAB_MLA_FAST_LAUNCH=1) and K3LAB_MLA_AFTER_CONFIG. Caution: a
-timing run of the decode configurations (32,8,3), (32,4,2), (16,4,3), (64,4,1), (64,8,1) and
-(128,8,1) at 32K hit an illegal memory access on the H200 (which one is not known; none fails in
-Triton's interpreter): only the default (32, 4, 3) and the verify defaults are checked on a GPU.
+direct relaunch (fast_launch=True, K3LAB_MLA_FAST_LAUNCH=1) and K3LAB_MLA_AFTER_CONFIG. Caution:
+64-row tiles fault on the H200. Round 4 (profiles/nvidia-h200/mla_padding/traces/round4_result.json,
+each configuration in its own process at 32K) found the configurations (64,4,1) and (64,8,1) hit an
+illegal memory access, while (32,8,3), (32,4,2), (16,4,3) and (128,8,1) are right; every 64-row
+form of the bulk kernel below faults too and its 32-row form is right. None fails in Triton's
+interpreter. The common factor is a 64-row score product, the shape Triton lowers to wgmma here;
+not yet traced further. The default (32, 4, 3) and the verify defaults are checked on a GPU.
 The AITER path is not yet run on AMD hardware by this project.
 
 The bulk-copy kernel (kernel='bulk', `_page_split_kernel`; opt-in, NOT YET CORRECT ON A GPU). Same
@@ -78,8 +81,9 @@ graph launch included) was 21.5 us at 32K and 53.1 us at 128K against 23.1 / 55.
 kernel: even once right, ~9% / 5% faster, because with 2 tiles per program at 32K all programs wait
 for their tile, compute, then wait again in step (a program's next copy is issued after its current
 tile's products: Triton does not overlap an unpipelined copy, and two copy buffers leave room for one
-program per SM). profiles/nvidia-h200/mla_padding/round4.py checks each form on the GPU in its own
-process to find the piece that goes wrong there.
+program per SM). Round 4 (round4.py, each form in its own process) then showed every 64-row form
+faulting and the 32-row form ('bn32') right but slower than the split kernel: 24.4 vs 21.9 us at
+32K, 60.6 vs 52.1 us at 128K (records '<case>.bulk').
 """
 
 from __future__ import annotations

@@ -49,13 +49,13 @@ instructions. The H200 run of those sweep points (commit 7ebd1a1, B = 1, T = 4, 
 reported to this project's lead) kept 'step' ahead: step 4.19 us, tile8_w1 5.40, tile8_w2 4.85,
 tile4_w1 6.54, vk8_w1 4.79, vk8_w2 4.35, vk4_w1 4.56; so 'step' with 'kv' stays the default.
 
-A hand-written CUDA kernel (kernels/kda_verify.cu, forms 'cuda', 'cuda_chunk', 'cuda_async'; binding
+A hand-written CUDA kernel (kernels/kda_verify.cu, forms 'cuda' and 'cuda_chunk'; binding
 in k3lab.ops.kda_verify_cuda) chooses the lane mapping Triton will not: a 128 x 8 tile over 4 warps,
 each thread 8 contiguous key rows of one column, so its q/k/g slices are 16-byte loads and a reduction
 over K is 8 in-thread products, 2 shuffles and one shared-memory exchange (the step form: ~840 SASS
 instructions per thread at T = 4 against Triton's ~1,700 for one warp; sm_90a, ptxas). Its first
-version staged every position's inputs through shared memory with cp.async (now the 'cuda_async'
-form), so that no load's consumer could be scheduled before the later positions' loads were issued.
+version staged every position's inputs through shared memory with cp.async, so that no load's
+consumer could be scheduled before the later positions' loads were issued.
 On the H200 (commit a33990d, B = 1, T = 4, graph replay, one run) it lost to the Triton step form:
 7.57 us against 4.15 (chunk form 8.10; T = 1 / 2 / 8: 3.88 / 5.17 / 13.66 against Triton's earlier
 2.77 / 3.50 / 7.11), every output and state within the fp32 bounds. Its time grew ~1.3 us per
@@ -63,11 +63,13 @@ position and with the number of cp.async instructions per block (2, 4 and 8 warp
 9.98 us), which points at the copies themselves (eight column lanes copy the same 16 bytes to the
 same place). The current 'cuda' and 'cuda_chunk' forms load into registers instead and gate every
 loaded word through a zero read from shared memory after a barrier that follows the last load, so no
-consumer is scheduled among the loads. They are checked against fp64 on a GPU (tests) but not yet
-timed, so the Triton step form stays the default: CUDA_DEFAULT switches to 'cuda' once a run shows it
-ahead, and K3LAB_KDA_VERIFY_FORM names the default form for one run (profiles/nvidia-h200/kda_verify/
-run_cuda_device.sh does both in one device call). Records of the first version: profiles/nvidia-h200/
-kda_verify/extra/cuda_v1_cp_async.json.
+consumer is scheduled among the loads. On the H200 (third session of 2026-11-30, graph replay, one
+run; GPU tests of both forms passed): 'cuda' 8 columns x 4 warps 4.09 us against 4.16 us for the
+Triton step form (2 warps 4.76, 4-column tiles 5.91 / 6.15, 'cuda_chunk' on 4 warps 5.15; T = 1 / 8: 2.78 /
+6.65 us). 2% is within run-to-run noise and the CUDA form needs nvcc at run time, so the Triton step
+form stays the default (CUDA_DEFAULT; K3LAB_KDA_VERIFY_FORM names the default form for one run).
+The cp.async version faulted on the H200 in that session's tests and was removed. Records of it:
+profiles/nvidia-h200/kda_verify/extra/cuda_v1_cp_async.json.
 
 When batch x heads already gives every compute unit enough programs, `choose_tile_v` returns a wide
 tile and `kda_verify` runs the streaming kernel with it: there is no idle hardware for narrow tiles
@@ -97,12 +99,12 @@ BEFORE_TILE_V = 32
 # How the narrow kernel walks the positions: 'chunk' (all positions as one small chunk: one
 # state-dependent reduction round, `_verify_chunk_kernel`), 'step' (position after position,
 # `_verify_narrow_kernel`) or 'tile' (the step form with its inputs loaded in the tile's shape).
-NARROW_FORMS = ("chunk", "step", "tile", "cuda", "cuda_chunk", "cuda_async")
+NARROW_FORMS = ("chunk", "step", "tile", "cuda", "cuda_chunk")
 NARROW_FORM = "step"  # the Triton form: measured faster than 'chunk' and 'tile' on the H200 (docstring)
 # The hand-written kernel (kernels/kda_verify.cu via k3lab.ops.kda_verify_cuda): step and chunk forms
-# with plain loads behind a gate, and the step form with cp.async-staged inputs. Opt-in until a GPU
-# run shows the plain-load version ahead of the Triton step form (CUDA_DEFAULT; module docstring).
-CUDA_FORMS = ("cuda", "cuda_chunk", "cuda_async")
+# with plain loads behind a gate. Opt-in: on the H200 the step form was within 2% of the Triton step
+# form (module docstring).
+CUDA_FORMS = ("cuda", "cuda_chunk")
 CUDA_FORM = "cuda"
 CUDA_DEFAULT = False  # True: `default_form` picks CUDA_FORM on CUDA devices where the .cu builds
 FORM_ENV = "K3LAB_KDA_VERIFY_FORM"  # names the default form for one run (e.g. a device measurement)
@@ -189,10 +191,10 @@ def choose_num_warps(tile_v: int, k_dim: int = HEAD_DIM, wave_width: int | None 
 def cuda_warps(form: str = CUDA_FORM, positions: int = 4) -> int:
     """32-lane groups per block of the CUDA kernel (its lane mapping is in 32-lane groups whatever the
     device's warp width): 4, so each thread holds 8 key rows of one column (tile 8); the chunk form
-    at T > 4 takes 8 (its T^2 partial sums per thread would spill at 4: ptxas, sm_90a)."""
-    if form == "cuda_chunk" and positions > 4:
-        return 8
-    return 4
+    takes 8 (its T^2 partial sums per thread spill at 4 groups at T = 8: ptxas, sm_90a).
+    `positions` is kept for callers that size by depth."""
+    del positions
+    return 8 if form == "cuda_chunk" else 4
 
 
 def default_form(tile_v: int, backend: str | None = None) -> str:

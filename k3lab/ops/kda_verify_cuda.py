@@ -20,10 +20,8 @@ from k3lab.ops import _build
 
 NAME = "kda_verify"
 HEAD_DIM = 128  # K and V compiled into the kernel (K3's KDA head)
-# form name in k3lab.ops.kda_verify -> the launcher's form: step and chunk with plain loads behind a
-# gate, and the step form with its inputs staged by cp.async (kept to show it is slower: module note
-# of k3lab.ops.kda_verify)
-FORMS = {"cuda": 0, "cuda_chunk": 1, "cuda_async": 2}
+# form name in k3lab.ops.kda_verify -> the launcher's form: step and chunk, plain loads behind a gate
+FORMS = {"cuda": 0, "cuda_chunk": 1}
 _ERRORS = {-1: "no compiled kernel for this (tile_v, warps, form)", -4: "bad sizes (T in 1..8, N and H <= 65535)"}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
 
@@ -106,7 +104,7 @@ def supports(q, k, v, g, beta, initial_state, tile_v: int, num_warps: int, form:
             return f"{name} must be bf16 or fp32, got {t.dtype}"
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state)):
         if t.data_ptr() % 16:
-            return f"{name} is not 16-byte aligned (its copies are 16-byte asynchronous copies)"
+            return f"{name} is not 16-byte aligned (the kernel reads 16 bytes at a time)"
     if beta.data_ptr() % 4:
         return "beta is not 4-byte aligned"
     if (tile_v, num_warps, form) not in configs():

@@ -17,7 +17,7 @@ streaming kernel with the narrowest tiles, still 128 threads), `.narrow_1wave` (
 full narrow kernel (= 'after'), and `.ragged` (the narrow kernel through its dynamic cu_seqlens
 path); and a sweep of tile width x waves for both kernels (`b{B}_t4.narrow{W}_w{N}`,
 `b{B}_t4.stream{W}_w{N}`), the other Triton forms (`chunk`, `tile`, `vk`) and, where kernels/kda_verify.cu
-builds, the CUDA kernel's forms (`cuda{W}_w{N}`, `cudachunk{W}_w{N}`, `cudaasync{W}_w{N}`: N is 32-lane
+builds, the CUDA kernel's forms (`cuda{W}_w{N}`, `cudachunk{W}_w{N}`: N is 32-lane
 groups per block). 'after' is `kda_verify`'s default form (`kv.default_form`). Graph timings replay one graph of >= 10 calls cycling through enough input
 sets to exceed twice the L2 (inputs and states are not cache-hot). Floors: state read + state
 writes + inputs and outputs over the copy bandwidth, and one launch (graph or eager launch cost).
@@ -57,15 +57,11 @@ TILE_SWEEP = (["b1_t4.tile8_w1", "b1_t4.tile8_w2", "b1_t4.tile4_w1", "b1_t1.tile
                "b1_t8.tile8_w1", "b8_t4.tile8_w1", "b32_t4.tile8_w1"])
 VK_SWEEP = (["b1_t4.vk8_w1", "b1_t4.vk8_w2", "b1_t4.vk4_w1", "b1_t1.vk8_w1", "b1_t2.vk8_w1", "b1_t8.vk8_w1",
              "b8_t4.vk8_w1", "b32_t4.vk8_w1"])
-# The hand-written CUDA kernel (kernels/kda_verify.cu): step form ('cuda'), chunk form ('cudachunk') and
-# the step form with cp.async-staged inputs ('cudaasync'), tile x 32-lane groups per block, at the
-# depths of the draft-depth profile and B = 8, 32.
-CUDA_SWEEP = (["b1_t4.cuda8_w4", "b1_t4.cudaasync8_w4", "b1_t4.cuda8_w2", "b1_t4.cuda8_w8", "b1_t4.cuda4_w4",
-               "b1_t4.cuda4_w2",
-               "b1_t4.cudachunk8_w4",
-               "b1_t4.cudachunk8_w8", "b1_t1.cuda8_w4", "b1_t1.cudachunk8_w4", "b1_t2.cuda8_w4",
-               "b1_t2.cudachunk8_w4", "b1_t8.cuda8_w4", "b1_t8.cudachunk8_w8", "b8_t4.cuda8_w4",
-               "b8_t4.cudachunk8_w4", "b32_t4.cuda8_w4"])
+# The hand-written CUDA kernel (kernels/kda_verify.cu): step form ('cuda') and chunk form ('cudachunk'),
+# tile x 32-lane groups per block, at the depths of the draft-depth profile and B = 8, 32.
+CUDA_SWEEP = (["b1_t4.cuda8_w4", "b1_t4.cuda8_w8", "b1_t4.cuda4_w2", "b1_t4.cudachunk8_w8", "b1_t1.cuda8_w4",
+               "b1_t1.cudachunk8_w8", "b1_t2.cuda8_w4", "b1_t2.cudachunk8_w8", "b1_t8.cuda8_w4", "b1_t8.cudachunk8_w8",
+               "b8_t4.cuda8_w4", "b8_t4.cudachunk8_w8", "b32_t4.cuda8_w4"])
 MIN_GRAPH_CALLS = 10
 GATE_LOWER_BOUND = K3Config.full().kda_gate_lower_bound  # -5: g = -5 sigmoid(.)
 
@@ -234,14 +230,13 @@ def _parse(case: str, H: int) -> dict:
     elif tail == "ragged":  # the after kernel through its dynamic (cu_seqlens) path
         spec["variants"] = [("after", dict(after, ragged=True))]
     elif tail.startswith(("narrow", "stream", "chunk", "tile", "vk", "cuda")):
-        m = re.fullmatch(r"(narrow|stream|chunk|tile|vk|cudachunk|cudaasync|cuda)(\d+)_w(\d+)", tail)
+        m = re.fullmatch(r"(narrow|stream|chunk|tile|vk|cudachunk|cuda)(\d+)_w(\d+)", tail)
         if m is None:
             raise ValueError(f"unknown case {case!r}")
-        if m[1] in ("chunk", "tile", "vk", "cuda", "cudachunk", "cudaasync") and int(m[2]) > kv.NARROW_MAX:
+        if m[1] in ("chunk", "tile", "vk", "cuda", "cudachunk") and int(m[2]) > kv.NARROW_MAX:
             raise ValueError(f"case {case!r}: the {m[1]} form runs tiles of at most {kv.NARROW_MAX} columns")
         kind = "before" if m[1] == "stream" else "after"
-        form = {"chunk": "chunk", "tile": "tile", "cuda": "cuda", "cudachunk": "cuda_chunk",
-                "cudaasync": "cuda_async"}.get(m[1], "step")
+        form = {"chunk": "chunk", "tile": "tile", "cuda": "cuda", "cudachunk": "cuda_chunk"}.get(m[1], "step")
         v = dict(kind=kind, tile_v=int(m[2]), num_warps=int(m[3]), form=form)
         if m[1] == "vk":
             v["state_layout"] = "vk"
@@ -410,7 +405,7 @@ def reference_records(device: str = "nvidia-h200", root=None) -> list[bench.Reco
 
 def _is_sweep(case: str, kinds: tuple[str, ...] = ("narrow", "stream")) -> bool:
     """A tile x waves sweep point of the step-form kernels (narrow, stream), or of `kinds`."""
-    m = re.fullmatch(r"b\d+_t\d+\.(narrow|stream|chunk|tile|vk|cudachunk|cudaasync|cuda)\d+_w\d+", case)
+    m = re.fullmatch(r"b\d+_t\d+\.(narrow|stream|chunk|tile|vk|cudachunk|cuda)\d+_w\d+", case)
     return m is not None and m[1] in kinds
 
 
@@ -435,12 +430,11 @@ def form_table(records) -> "pandas.DataFrame":  # noqa: F821
 
     rows = []
     for r in records:
-        if r.mode != "graph" or not _is_sweep(r.case, ("chunk", "narrow", "tile", "vk", "cuda", "cudachunk",
-                                                        "cudaasync")):
+        if r.mode != "graph" or not _is_sweep(r.case, ("chunk", "narrow", "tile", "vk", "cuda", "cudachunk")):
             continue
         form = re.match(r"[a-z]+", r.case.split(".", 1)[1])[0]
         rows.append({"batch": r.shape["B"], "positions": r.shape["T"],
-                     "form": {"narrow": "step", "cudachunk": "cuda_chunk", "cudaasync": "cuda_async"}.get(form, form),
+                     "form": {"narrow": "step", "cudachunk": "cuda_chunk"}.get(form, form),
                      "tile_v": r.extra["tile_v"],
                      "num_warps": r.extra["num_warps"], "median_us": r.median_us, "floor_us": r.floor_us})
     if not rows:

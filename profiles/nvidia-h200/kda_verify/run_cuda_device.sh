@@ -14,7 +14,7 @@ python3 -c "from k3lab.ops import kda_verify_cuda as kc; print(kc.status())" 2>&
 timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_kda_verify.py -k cuda 2>&1 | tail -6
 echo "tests done at $(( $(date +%s) - t0 )) s"
 timeout 60 python3 -m k3lab.cli bench kda_verify --json "$OUT/sweep.json" --cases b1_t4.narrow8_w1 \
-  b1_t4.cuda8_w4 b1_t4.cudaasync8_w4 b1_t4.cudachunk8_w4 b1_t4.cuda8_w2 b1_t4.cuda8_w8 b1_t4.cuda4_w4 b1_t4.cuda4_w2 \
+  b1_t4.cuda8_w4 b1_t4.cudachunk8_w8 b1_t4.cuda8_w8 b1_t4.cuda4_w2 \
   b1_t1.cuda8_w4 b1_t2.cuda8_w4 b1_t8.cuda8_w4 b8_t4.cuda8_w4 2>&1 | tail -1
 echo "sweep done at $(( $(date +%s) - t0 )) s"
 WIN=$(python3 - "$OUT/sweep.json" <<'PY'
@@ -44,7 +44,7 @@ for r in rows:
         print(f"{r['case']:22s} {r['variant']:6s} {r['median_us']:6.2f} us {e.get('kernel', '')} w{e.get('num_warps')}"
               f" S {r['error']['states']['max_rel']:.0e}")
 PY
-for f in cuda cuda_async; do
+for f in cuda cuda_chunk; do
   timeout 30 ncu -k regex:kda_verify_kernel --launch-skip 1 --launch-count 1 --csv --print-units base \
     --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
     python3 profiles/nvidia-h200/kda_verify/ncu_target.py $f > "$OUT/ncu_$f.csv" 2>&1

@@ -374,6 +374,9 @@ def launch_config(variant: str, dtype: torch.dtype = torch.bfloat16, rows: int =
             bn, warps, stages = (int(x) for x in env_cfg.split(","))
         except ValueError:
             raise ValueError(f"K3LAB_MLA_AFTER_CONFIG must be 'block_n,num_warps,num_stages', got {env_cfg!r}") from None
+        if (bn, stages) == (64, 1) and kernel == "split" and not env.triton_interpreted() and torch.cuda.is_available():
+            raise ValueError(f"K3LAB_MLA_AFTER_CONFIG={env_cfg!r}: 64-row tiles in one stage hit an illegal memory "
+                             "access on the H200 (round 4, profiles/nvidia-h200/mla_padding/traces/round4_result.json)")
         return LaunchConfig(bn, warps, stages)
     if kernel == "bulk":
         # 64-row tiles (both products on wgmma), one copy buffer: ~110 KB of shared memory, so two
@@ -1089,8 +1092,8 @@ def _autotune(key: tuple, candidates, build, smem_need) -> tuple[LaunchConfig, d
 # Launch configurations the after kernel is timed with on a GPU, per rows held (16 = one decode
 # token, 32 = two verify tokens, 64 = four to eight): (block_n, num_warps, num_stages).
 AFTER_CANDIDATES = {
-    # 16 rows: only configurations that ran correctly on the H200 (see the module docstring: one of
-    # (32,4,2), (16,4,3), (32,8,3), (64,4,1), (64,8,1), (128,8,1) hit an illegal memory access there)
+    # 16 rows: only configurations that ran correctly on the H200 ((64,4,1) and (64,8,1) hit an
+    # illegal memory access there: module docstring)
     16: ((32, 4, 3), (64, 4, 2)),
     32: ((32, 8, 3), (32, 4, 3), (64, 8, 2), (16, 8, 4)),
     64: ((32, 8, 3), (32, 8, 2), (16, 8, 4), (64, 8, 2)),
@@ -1155,6 +1158,9 @@ def bulk_status(cache: torch.Tensor | None = None, page_size: int | None = None,
             return False, "the cache does not start on a 16-byte boundary: the split kernel runs"
         if page_size is not None and page_size % block_n:
             return False, f"a {block_n}-row tile would cross a page of {page_size}: the split kernel runs"
+    if block_n >= 64 and not env.triton_interpreted():
+        return False, ("64-row bulk tiles hit an illegal memory access on the H200 in every form tried (round 4, "
+                       "profiles/nvidia-h200/mla_padding/traces/round4_result.json); block_n=32 runs correctly")
     return True, "bulk-copy kernel (whole tiles by TMA)"
 
 

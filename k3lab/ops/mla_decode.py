@@ -514,6 +514,26 @@ def _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_l
 
 
 @triton.jit
+def _store_piece(m_i, l_i, acc, o_ptr, lse_ptr, op_ptr, lsep_ptr, b, t, h, row_ok, split, heads, q_len, num_splits,
+                 stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV: tl.constexpr, WRITE_FINAL: tl.constexpr):
+    """A piece's normalised output and log-sum-exp: the result itself when the history is one piece
+    (natural log), else a partial for the merge ([B, q_len * heads, num_splits, DV] fp32 and
+    [B, q_len * heads, num_splits], base 2)."""
+    offs_v = tl.arange(0, DV)
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[None, :]
+    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -float("inf"))
+    if WRITE_FINAL:
+        o_rows = o_ptr + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
+        tl.store(o_rows[None, :] + offs_v[:, None], o.to(o_ptr.dtype.element_ty), mask=row_ok[None, :])
+        tl.store(lse_ptr + b * stride_lb + t * stride_lt + h, lse2 * 0.6931471805599453, mask=row_ok)
+    else:
+        prow = (b * q_len * heads + t * heads + h).to(tl.int64) * num_splits + split
+        tl.store(op_ptr + prow[None, :] * DV + offs_v[:, None], o, mask=row_ok[None, :])
+        tl.store(lsep_ptr + prow, lse2, mask=row_ok)
+
+
+@triton.jit
 def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_ptr,
                   heads, q_len, num_splits, head_groups, chunk, table_pages,
                   stride_qb, stride_qt, stride_qh,
@@ -601,18 +621,8 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
                 rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
                 m_i, l_i, acc = _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2,
                                             DV, DR, IEEE)
-    seen = l_i > 0
-    o = acc / tl.where(seen, l_i, 1.0)[None, :]
-    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -float("inf"))
-    if WRITE_FINAL:
-        o_rows = o_ptr + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
-        tl.store(o_rows[None, :] + offs_v[:, None], o.to(o_ptr.dtype.element_ty), mask=row_ok[None, :])
-        tl.store(lse_ptr + b * stride_lb + t * stride_lt + h, lse2 * 0.6931471805599453, mask=row_ok)
-    else:
-        # partials [B, q_len * heads, num_splits, DV] (fp32) and [B, q_len * heads, num_splits] (base 2)
-        prow = (b * q_len * heads + t * heads + h).to(tl.int64) * num_splits + split
-        tl.store(op_ptr + prow[None, :] * DV + offs_v[:, None], o, mask=row_ok[None, :])
-        tl.store(lsep_ptr + prow, lse2, mask=row_ok)
+    _store_piece(m_i, l_i, acc, o_ptr, lse_ptr, op_ptr, lsep_ptr, b, t, h, row_ok, split, heads, q_len, num_splits,
+                 stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV, WRITE_FINAL)
 
 
 @triton.jit
@@ -719,17 +729,8 @@ def _page_split_kernel(q_ptr, kc_desc, kpe_desc, kv_ptr, bt_ptr, len_ptr, o_ptr,
             rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, True, PAGE_SIZE)
             m_i, l_i, acc = _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2,
                                         DV, DR, IEEE)
-    seen = l_i > 0
-    o = acc / tl.where(seen, l_i, 1.0)[None, :]
-    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -float("inf"))
-    if WRITE_FINAL:
-        o_rows = o_ptr + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
-        tl.store(o_rows[None, :] + offs_v[:, None], o.to(o_ptr.dtype.element_ty), mask=row_ok[None, :])
-        tl.store(lse_ptr + b * stride_lb + t * stride_lt + h, lse2 * 0.6931471805599453, mask=row_ok)
-    else:
-        prow = (b * q_len * heads + t * heads + h).to(tl.int64) * num_splits + split
-        tl.store(op_ptr + prow[None, :] * DV + offs_v[:, None], o, mask=row_ok[None, :])
-        tl.store(lsep_ptr + prow, lse2, mask=row_ok)
+    _store_piece(m_i, l_i, acc, o_ptr, lse_ptr, op_ptr, lsep_ptr, b, t, h, row_ok, split, heads, q_len, num_splits,
+                 stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV, WRITE_FINAL)
 
 
 @triton.jit

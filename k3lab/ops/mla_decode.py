@@ -514,6 +514,22 @@ def _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_l
 
 
 @triton.jit
+def _load_query(q_ptr, b, tg, hg, heads, q_len, length, stride_qb, stride_qt, stride_qh,
+                DV: tl.constexpr, DR: tl.constexpr, TOK_TILE: tl.constexpr, HEAD_TILE: tl.constexpr):
+    """A program's TOK_TILE x HEAD_TILE query rows, transposed ([DV, M] and [DR, M]), with each row's
+    token, head, whether it is real, and its last visible position (causal inside a verify group)."""
+    r = tl.arange(0, TOK_TILE * HEAD_TILE)
+    t = tg * TOK_TILE + r // HEAD_TILE
+    h = hg * HEAD_TILE + r % HEAD_TILE
+    row_ok = (t < q_len) & (h < heads)  # rows past the real heads are the padding: zero query, never stored
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
+    q_t = tl.load(q_rows[None, :] + tl.arange(0, DV)[:, None], mask=row_ok[None, :], other=0.0)
+    qpe_t = tl.load(q_rows[None, :] + DV + tl.arange(0, DR)[:, None], mask=row_ok[None, :], other=0.0)
+    qpos = tl.where(row_ok, length - q_len + t, -1)
+    return t, h, row_ok, q_t, qpe_t, qpos
+
+
+@triton.jit
 def _store_piece(m_i, l_i, acc, o_ptr, lse_ptr, op_ptr, lsep_ptr, b, t, h, row_ok, split, heads, q_len, num_splits,
                  stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV: tl.constexpr, WRITE_FINAL: tl.constexpr):
     """A piece's normalised output and log-sum-exp: the result itself when the history is one piece
@@ -569,15 +585,8 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
         pages = tl.load(bt_ptr + b * stride_btb + pg + gidx, mask=pg + gidx < table_pages, other=0).to(tl.int64)
     length = tl.load(len_ptr + b)
     M: tl.constexpr = TOK_TILE * HEAD_TILE
-    r = tl.arange(0, M)
-    t = tg * TOK_TILE + r // HEAD_TILE
-    h = hg * HEAD_TILE + r % HEAD_TILE
-    row_ok = (t < q_len) & (h < heads)  # rows past the real heads are the padding: zero query, never stored
-    offs_v = tl.arange(0, DV)
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
-    q_t = tl.load(q_rows[None, :] + offs_v[:, None], mask=row_ok[None, :], other=0.0)  # [DV, M]
-    qpe_t = tl.load(q_rows[None, :] + DV + tl.arange(0, DR)[:, None], mask=row_ok[None, :], other=0.0)  # [DR, M]
-    qpos = tl.where(row_ok, length - q_len + t, -1)  # last visible position per row (causal)
+    t, h, row_ok, q_t, qpe_t, qpos = _load_query(q_ptr, b, tg, hg, heads, q_len, length, stride_qb, stride_qt,
+                                                 stride_qh, DV, DR, TOK_TILE, HEAD_TILE)
     end = tl.minimum(start + chunk, length)
     m_i = tl.full([M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([M], dtype=tl.float32)
@@ -671,15 +680,8 @@ def _page_split_kernel(q_ptr, kc_desc, kpe_desc, kv_ptr, bt_ptr, len_ptr, o_ptr,
                       other=0)
     length = tl.load(len_ptr + b)
     M: tl.constexpr = TOK_TILE * HEAD_TILE
-    r = tl.arange(0, M)
-    t = tg * TOK_TILE + r // HEAD_TILE
-    h = hg * HEAD_TILE + r % HEAD_TILE
-    row_ok = (t < q_len) & (h < heads)  # rows past the real heads are the padding: zero query, never stored
-    offs_v = tl.arange(0, DV)
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
-    q_t = tl.load(q_rows[None, :] + offs_v[:, None], mask=row_ok[None, :], other=0.0)  # [DV, M]
-    qpe_t = tl.load(q_rows[None, :] + DV + tl.arange(0, DR)[:, None], mask=row_ok[None, :], other=0.0)  # [DR, M]
-    qpos = tl.where(row_ok, length - q_len + t, -1)  # last visible position per row (causal)
+    t, h, row_ok, q_t, qpe_t, qpos = _load_query(q_ptr, b, tg, hg, heads, q_len, length, stride_qb, stride_qt,
+                                                 stride_qh, DV, DR, TOK_TILE, HEAD_TILE)
     end = tl.minimum(start + chunk, length)
     main_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # whole tiles, all rows < length
     m_i = tl.full([M], -float("inf"), dtype=tl.float32)

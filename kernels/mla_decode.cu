@@ -1,0 +1,564 @@
+// mla_decode.cu: absorbed MLA decode, split history, hand-written for Hopper (seed section 4).
+//
+// EXPERIMENTAL: compiled for sm_90a here, NOT YET RUN ON A GPU by this project; the Triton kernels
+// in k3lab/ops/mla_decode.py stay the checked path (k3lab/ops/mla_decode_cuda.py binds this one).
+//
+// What it computes (q_len = 1 only: one decode token; verify groups use the Triton path). For each
+// request b and history piece p (positions [p*chunk, min((p+1)*chunk, length_b))):
+//   s[h, n] = scale * q[b, h, :576] . kv[n, :576]      (keys: the whole latent row)
+//   o[h, :] = sum_n softmax(s)[h, n] kv[n, :512]         (values: its first 512 columns)
+// and writes, per piece, the normalised fp32 o [16 rows -> the real heads, 512] and the base-2
+// log-sum-exp, in the layout of mla_decode.py's `_store_piece` ([B, heads, splits, 512] and
+// [B, heads, splits]), so the Triton `_merge_kernel` could merge them too; `k3_mla_merge` here does
+// it in CUDA. With one piece the split kernel writes the result (bf16) and the natural-log lse itself.
+//
+// Why it is built this way (the Triton kernel reached 41% of copy bandwidth at 32K, ncu:
+// issue-bound, ~1,000 instructions and 9 block-wide barriers per warp per 32-row tile):
+//   * The 12 heads padded to 16 are exactly one mma.sync m16n8k16 tile of rows (M); positions are N
+//     in the score product and K in the value product, so no operand is padded beyond 16 rows.
+//   * A tile is 32 latent rows (37 KB). Each row of a tile is contiguous in memory (paged: a 32-row
+//     tile never crosses a page), so one lane of warp 0 moves one row with a bulk copy
+//     (cp.async.bulk, the Hopper copy engine, no tensor map needed): 32 instructions per tile for the
+//     whole block, instead of 18 cp.async per thread. Rows land with a 1168-byte pitch (1152 + 16),
+//     so the 8 rows an ldmatrix reads fall in 8 different bank groups (no conflicts, no swizzle).
+//   * STAGES tiles ring in shared memory (5 x 37 KB + 16 KB exchange = 199 KB, one block per SM)
+//     with one mbarrier each; after a tile's products STAGES - 1 tiles are in flight: ~150 KB per
+//     SM, several times the ~30 KB that the H200's bandwidth x latency asks for.
+//   * Score product split over warps by the 576 columns (warp w: columns 144w..144w+143, 9 k-steps
+//     x 4 n-tiles = 36 mma), with its query slice in registers for the whole piece (36 registers).
+//     The four partial [16 x 32] score tiles meet through shared memory (double buffered), and
+//     every warp then holds the full score tile in the mma accumulator layout, which is already the
+//     A-operand layout of the value product (p never goes through shared memory).
+//   * Value product split by value columns (warp w: 128 columns, 16 n-tiles, 2 k-steps = 32 mma;
+//     V fragments by ldmatrix.trans from the same tile).
+//   * One __syncthreads per tile: it publishes the score partials of tile j and frees the stage of
+//     tile j - 1 for the next copy; the copies' arrival is waited on per stage (mbarrier).
+//   Per warp per tile: 68 mma, 34 ldmatrix, ~16 shared stores/loads for the exchange, 16 exp2, a
+//   few dozen fp32 ops for the online softmax and 64 multiplies to rescale the accumulator.
+// Rows past a request's length are never read: the bulk copies stop at the length and the rest of
+// the last tile is zero-filled (scores there are masked to -inf), so NaN in unused cache rows
+// cannot reach the output.
+//
+// Build: nvcc for sm_90a (cp.async.bulk, mbarrier tx counts and griddepcontrol need sm_90). Other
+// CUDA architectures and HIP build a stub whose launchers return K3_MLA_UNSUPPORTED, so
+// kernels/*.cu keeps compiling for every target (scripts/compile_hip.sh); the HIP build is not yet
+// run on AMD hardware by this project (and has no fast path: AMD MFMA would need its own kernel).
+#include "k3lab_portability.h"
+
+#define K3_MLA_UNSUPPORTED (-5)
+
+namespace k3mla {
+
+constexpr int D = 576;      // latent row: 512 value columns + 64 rope
+constexpr int DV = 512;     // value columns
+constexpr int BN = 32;      // positions per tile
+constexpr int WARPS = 4;
+constexpr int THREADS = WARPS * 32;
+constexpr int ROWS = 16;    // padded heads = one mma tile of rows
+constexpr int PITCH = D * 2 + 16;           // shared row pitch in bytes (1168: conflict-free ldmatrix)
+constexpr int ROW_BYTES = D * 2;            // 1152 bytes copied per latent row
+constexpr int STAGE_BYTES = BN * PITCH;     // 37,376
+constexpr int XCH_BYTES = WARPS * 4 * 32 * 16;  // one score-partial exchange buffer: 8 KB
+constexpr int KSTEPS = D / 16 / WARPS;      // 9 k-steps of the score product per warp
+constexpr int MERGE_COLS = 32;              // value columns per merge block
+constexpr int MERGE_THREADS = 128;
+
+constexpr int smem_bytes(int stages) { return stages * STAGE_BYTES + 2 * XCH_BYTES + stages * 8; }
+
+struct Args {
+  const k3_bf16* q;     // [B, 1, H, 576]
+  const k3_bf16* kv;    // paged pool [pages, page_size, 576] or contiguous [B, L, 576] (rows of 576)
+  const int* block_table;  // [B, max_pages] int32, or null (contiguous)
+  const int* lengths;   // [B] int32
+  float* part_o;        // [B, H, splits, 512] fp32 (splits > 1)
+  float* part_lse;      // [B, H, splits] fp32, base 2
+  k3_bf16* out;         // [B, 1, H, 512] (written by the merge, or by the split kernel if splits == 1)
+  float* lse;           // [B, 1, H] natural log
+  long long q_sb, q_sh;           // q strides (elements): batch, head
+  long long kv_sp;                // elements between pages (paged) or requests (contiguous)
+  long long bt_sb;                // block table row stride
+  long long o_sb, o_sh, l_sb;     // out strides: batch, head; lse batch stride
+  int B, heads, page_shift, splits, chunk;  // chunk: positions per piece, a multiple of BN
+  float scale_log2;               // softmax scale x log2(e)
+};
+
+}  // namespace k3mla
+
+#if defined(K3_CUDA)
+
+namespace k3mla {
+
+// ---------------------------------------------------------------------------------------------
+// Hopper primitives (sm_90): shared-memory addresses, mbarriers, bulk copies, ldmatrix, mma.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define K3_MLA_SM90 1
+#endif
+
+K3_DEVICE uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+K3_DEVICE void mbar_init(uint32_t bar, int count) {
+#if defined(K3_MLA_SM90)
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+
+K3_DEVICE void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+#if defined(K3_MLA_SM90)
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+
+K3_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
+#if defined(K3_MLA_SM90)
+  asm volatile(
+      "{\n\t.reg .pred P1;\n"
+      "K3_MLA_WAIT:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n\t"
+      "@!P1 bra K3_MLA_WAIT;\n}" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+// One latent row (ROW_BYTES) from global into shared memory by the copy engine; completes on `bar`.
+K3_DEVICE void bulk_row(uint32_t dst, const void* src, uint32_t bar) {
+#if defined(K3_MLA_SM90)
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "n"(ROW_BYTES), "r"(bar)
+               : "memory");
+#endif
+}
+
+K3_DEVICE void launch_dependents() {
+#if defined(K3_MLA_SM90)
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+K3_DEVICE void wait_prerequisites() {
+#if defined(K3_MLA_SM90)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+K3_DEVICE void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+K3_DEVICE void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+// d (16x8 fp32) += a (16x16 bf16, row) * b (16x8 bf16, col)
+K3_DEVICE void mma(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// two fp32 -> packed bf16x2 (round to nearest even); `lo` goes to the lower half (the lower k index)
+K3_DEVICE uint32_t pack_bf16(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+K3_DEVICE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// the split kernel
+
+struct Tile {
+  long long row0;  // element offset of the tile's first latent row
+  int rows;        // rows inside the request's length (1..BN)
+};
+
+K3_DEVICE Tile tile_at(const Args& a, int b, int pos, int end) {
+  Tile t;
+  t.rows = min(BN, end - pos);
+  if (a.block_table != nullptr) {
+    const int page = __ldg(a.block_table + (long long)b * a.bt_sb + (pos >> a.page_shift));
+    t.row0 = (long long)page * a.kv_sp + (long long)(pos & ((1 << a.page_shift) - 1)) * D;
+  } else {
+    t.row0 = (long long)b * a.kv_sp + (long long)pos * D;
+  }
+  return t;
+}
+
+// Warp 0 only: fetch one tile into `stage` (bulk copies of its rows; rows past the length zeroed).
+K3_DEVICE void issue_tile(const Args& a, const Tile& t, uint32_t stage, uint32_t bar, int lane) {
+  if (t.rows < BN) {
+    // the request's last tile: zero the rows past its length (generic stores; made visible to the
+    // other warps by the barrier that precedes this tile's use, and to the waiters by the syncwarp
+    // before the arrive below)
+    for (int r = t.rows + (lane >> 3); r < BN; r += 4) {
+      const uint32_t base = stage + r * PITCH;
+      for (int c = (lane & 7); c < ROW_BYTES / 16; c += 8)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(base + c * 16), "r"(0) : "memory");
+    }
+  }
+  __syncwarp();
+  if (lane == 0) mbar_expect_tx(bar, (uint32_t)(t.rows * ROW_BYTES));
+  __syncwarp();
+  if (lane < t.rows) bulk_row(stage + lane * PITCH, a.kv + t.row0 + (long long)lane * D, bar);
+}
+
+// Score partial of this warp's 144 columns for one tile: 4 n-tiles of 8 positions, fp32 [16 x 32].
+K3_DEVICE void score_tile(float (&s)[4][4], const uint32_t (&qf)[KSTEPS][4], uint32_t b_lane) {
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      uint32_t b0, b1, b2, b3;
+      ldsm_x4(b_lane + np * 16 * PITCH + kk * 32, b0, b1, b2, b3);
+      mma(s[2 * np], qf[kk], b0, b1);
+      mma(s[2 * np + 1], qf[kk], b2, b3);
+    }
+  }
+}
+
+K3_DEVICE void publish_scores(const float (&s)[4][4], float4* xch, int warp, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) xch[(warp * 4 + nt) * 32 + lane] = make_float4(s[nt][0], s[nt][1], s[nt][2], s[nt][3]);
+}
+
+template <int STAGES>
+__global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+#if defined(K3_MLA_SM90)
+  const int split = blockIdx.x, b = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;  // mma fragment row group, thread in quad
+  launch_dependents();  // the merge may launch now; it waits (griddepcontrol.wait) for this grid
+
+  const uint32_t stages = smem_u32(smem);
+  float4* xch = reinterpret_cast<float4*>(smem + STAGES * STAGE_BYTES);  // [2][WARPS][4][32]
+  const uint32_t bars = smem_u32(smem + STAGES * STAGE_BYTES + 2 * XCH_BYTES);
+  const int length = __ldg(a.lengths + b);
+  const int start = split * a.chunk;
+  const int end = min(length, start + a.chunk);
+  const int ntiles = end > start ? (end - start + BN - 1) / BN : 0;
+
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == 0) {  // the first STAGES - 1 tiles: their copies start before anything else
+    for (int i = 0; i < STAGES - 1 && i < ntiles; ++i)
+      issue_tile(a, tile_at(a, b, start + i * BN, end), stages + i * STAGE_BYTES, bars + 8 * i, lane);
+  }
+
+  // This warp's query slice (columns 144w..144w+143) as mma A fragments, kept for the whole piece.
+  // Rows past the real heads are zero (the padding: computed, never stored).
+  uint32_t qf[KSTEPS][4];
+  {
+    const int h0 = g, h1 = g + 8;
+    const uint32_t* q0 = reinterpret_cast<const uint32_t*>(a.q + (long long)b * a.q_sb + (long long)h0 * a.q_sh);
+    const uint32_t* q1 = reinterpret_cast<const uint32_t*>(a.q + (long long)b * a.q_sb + (long long)h1 * a.q_sh);
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+      const int c = (warp * KSTEPS + kk) * 16 + 2 * t4;  // element column of a0/a1
+      qf[kk][0] = h0 < a.heads ? __ldg(q0 + c / 2) : 0u;
+      qf[kk][1] = h1 < a.heads ? __ldg(q1 + c / 2) : 0u;
+      qf[kk][2] = h0 < a.heads ? __ldg(q0 + c / 2 + 4) : 0u;
+      qf[kk][3] = h1 < a.heads ? __ldg(q1 + c / 2 + 4) : 0u;
+    }
+  }
+
+  // ldmatrix lane addresses (stage-relative). Scores (K as B, not transposed): lanes 8i..8i+7 give
+  // the rows of matrix i = (n-tile 2np + i/2, k half i%2); values (V as B, transposed): matrix i =
+  // (k half i%2, n-tile 2np + i/2).
+  const int mi = lane >> 3, r8 = lane & 7;
+  const uint32_t k_lane = (uint32_t)(((mi >> 1) * 8 + r8) * PITCH + (warp * 2 * KSTEPS + (mi & 1)) * 16);
+  const uint32_t v_lane = (uint32_t)(((mi & 1) * 8 + r8) * PITCH + (warp * 16 + (mi >> 1)) * 16);
+
+  float acc[16][4];  // o for rows g, g+8 and this warp's 128 value columns (16 n-tiles)
+#pragma unroll
+  for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // running max / sum (this thread's share)
+
+  Tile next{};
+  if (warp == 0 && STAGES - 1 < ntiles) next = tile_at(a, b, start + (STAGES - 1) * BN, end);
+  __syncthreads();  // the zero-filled rows of a short first tile are visible to every warp
+
+  float s[4][4];
+  if (ntiles > 0) {
+    mbar_wait(bars, 0);
+    score_tile(s, qf, stages + k_lane);
+    publish_scores(s, xch, warp, lane);
+  }
+
+  for (int j = 0; j < ntiles; ++j) {
+    __syncthreads();  // scores of tile j published; every warp is done with tile j - 1's stage
+    const int nxt = j + STAGES - 1;
+    if (warp == 0 && nxt < ntiles) {
+      const int st = nxt % STAGES;
+      issue_tile(a, next, stages + st * STAGE_BYTES, bars + 8 * st, lane);
+      if (nxt + 1 < ntiles) next = tile_at(a, b, start + (nxt + 1) * BN, end);  // used next iteration
+    }
+    const bool more = j + 1 < ntiles;
+    if (more) mbar_wait(bars + 8 * ((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
+
+    // full scores of tile j: this warp's partial plus the other three
+    const float4* xj = xch + (j & 1) * (WARPS * 4 * 32);
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) {
+      const int ww = (warp + w) & (WARPS - 1);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const float4 v = xj[(ww * 4 + nt) * 32 + lane];
+        s[nt][0] += v.x;
+        s[nt][1] += v.y;
+        s[nt][2] += v.z;
+        s[nt][3] += v.w;
+      }
+    }
+    // online softmax in base 2, rows g (s[.][0..1]) and g + 8 (s[.][2..3])
+    const int pos0 = start + j * BN + 2 * t4;
+    const bool partial = start + (j + 1) * BN > end;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[nt][e] * a.scale_log2;
+        if (partial && pos0 + nt * 8 + (e & 1) >= end) v = -INFINITY;
+        s[nt][e] = v;
+      }
+      mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+    }
+    mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 1));
+    mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 2));
+    mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 1));
+    mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 2));
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
+    const float al0 = fast_exp2(m0 - u0), al1 = fast_exp2(m1 - u1);
+    m0 = n0;
+    m1 = n1;
+    uint32_t pf[2][4];  // p as the value product's A fragments (k-steps of 16 positions)
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const float p0 = fast_exp2(s[nt][0] - u0), p1 = fast_exp2(s[nt][1] - u0);
+      const float p2 = fast_exp2(s[nt][2] - u1), p3 = fast_exp2(s[nt][3] - u1);
+      ps0 += p0 + p1;
+      ps1 += p2 + p3;
+      pf[nt >> 1][(nt & 1) * 2 + 0] = pack_bf16(p0, p1);
+      pf[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
+    }
+    l0 = l0 * al0 + ps0;
+    l1 = l1 * al1 + ps1;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      acc[i][0] *= al0;
+      acc[i][1] *= al0;
+      acc[i][2] *= al1;
+      acc[i][3] *= al1;
+    }
+    // o += p V over this warp's 128 columns
+    const uint32_t vs = stages + (j % STAGES) * STAGE_BYTES + v_lane;
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+#pragma unroll
+      for (int np = 0; np < 8; ++np) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(vs + ks * 16 * PITCH + np * 32, b0, b1, b2, b3);
+        mma(acc[2 * np], pf[ks], b0, b1);
+        mma(acc[2 * np + 1], pf[ks], b2, b3);
+      }
+    }
+    // scores of tile j + 1 (its stage waited on above)
+    if (more) {
+      score_tile(s, qf, stages + ((j + 1) % STAGES) * STAGE_BYTES + k_lane);
+      publish_scores(s, xch + ((j + 1) & 1) * (WARPS * 4 * 32), warp, lane);
+    }
+  }
+
+  // epilogue: row sums across the quad, normalise, store this piece
+  l0 += k3_shfl_xor(l0, 1);
+  l0 += k3_shfl_xor(l0, 2);
+  l1 += k3_shfl_xor(l1, 1);
+  l1 += k3_shfl_xor(l1, 2);
+  const float r0 = l0 > 0.f ? 1.f / l0 : 0.f, r1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  const float lse0 = l0 > 0.f ? m0 + __log2f(l0) : -INFINITY;
+  const float lse1 = l1 > 0.f ? m1 + __log2f(l1) : -INFINITY;
+  const int col0 = warp * 128 + 2 * t4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int h = g + 8 * half;
+    if (h >= a.heads) continue;
+    const float rr = half ? r1 : r0, ls = half ? lse1 : lse0;
+    if (a.splits == 1) {
+      k3_bf16* o = a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + col0;
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+        const uint32_t v = pack_bf16(acc[nt][2 * half] * rr, acc[nt][2 * half + 1] * rr);
+        *reinterpret_cast<uint32_t*>(o + nt * 8) = v;
+      }
+      if (warp == 0 && t4 == 0) a.lse[(long long)b * a.l_sb + h] = ls * 0.6931471805599453f;
+    } else {
+      const long long prow = ((long long)b * a.heads + h) * a.splits + split;
+      float* o = a.part_o + prow * DV + col0;
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt)
+        *reinterpret_cast<float2*>(o + nt * 8) = make_float2(acc[nt][2 * half] * rr, acc[nt][2 * half + 1] * rr);
+      if (warp == 0 && t4 == 0) a.part_lse[prow] = ls;
+    }
+  }
+#endif  // K3_MLA_SM90
+}
+
+// ---------------------------------------------------------------------------------------------
+// the merge: one block per (request, head) and MERGE_COLS value columns; lse-weighted sum of pieces.
+// 128 threads = 16 split groups x 8 float4 column groups.
+__global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
+#if defined(K3_MLA_SM90)
+  wait_prerequisites();  // launched early (programmatic dependent launch): the partials are complete now
+#endif
+  __shared__ float red_m[MERGE_THREADS / 32];
+  __shared__ float4 red_o[MERGE_THREADS];
+  __shared__ float red_d[MERGE_THREADS / 8];
+  const int row = blockIdx.x;  // b * heads + h
+  const int b = row / a.heads, h = row % a.heads;
+  const int tid = threadIdx.x, sg = tid >> 3, cq = tid & 7;
+  const float* lse = a.part_lse + (long long)row * a.splits;
+  float m = -INFINITY;
+  for (int s = tid; s < a.splits; s += MERGE_THREADS) m = fmaxf(m, lse[s]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, k3_shfl_xor(m, off));
+  if ((tid & 31) == 0) red_m[tid >> 5] = m;
+  __syncthreads();
+  m = fmaxf(fmaxf(red_m[0], red_m[1]), fmaxf(red_m[2], red_m[3]));
+  const float mu = m == -INFINITY ? 0.f : m;
+  const int col = blockIdx.y * MERGE_COLS + cq * 4;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  float den = 0.f;
+  const float* part = a.part_o + (long long)row * a.splits * DV + col;
+  for (int s = sg; s < a.splits; s += MERGE_THREADS / 8) {
+    const float w = exp2f(lse[s] - mu);
+    const float4 v = *reinterpret_cast<const float4*>(part + (long long)s * DV);
+    den += w;
+    o.x += w * v.x;
+    o.y += w * v.y;
+    o.z += w * v.z;
+    o.w += w * v.w;
+  }
+  red_o[tid] = o;
+  if (cq == 0) red_d[sg] = den;
+  __syncthreads();
+  if (tid < 8) {
+    float4 t = red_o[tid];
+    float d = red_d[0];
+    for (int i = 1; i < MERGE_THREADS / 8; ++i) {
+      const float4 v = red_o[i * 8 + tid];
+      t.x += v.x;
+      t.y += v.y;
+      t.z += v.z;
+      t.w += v.w;
+      d += red_d[i];
+    }
+    const float r = d > 0.f ? 1.f / d : 0.f;
+    k3_bf16* out = a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + blockIdx.y * MERGE_COLS + tid * 4;
+    const uint32_t lo = (uint32_t)k3_f32_to_bf16(t.x * r) | ((uint32_t)k3_f32_to_bf16(t.y * r) << 16);
+    const uint32_t hi = (uint32_t)k3_f32_to_bf16(t.z * r) | ((uint32_t)k3_f32_to_bf16(t.w * r) << 16);
+    *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
+    if (blockIdx.y == 0 && tid == 0)
+      a.lse[(long long)b * a.l_sb + h] = d > 0.f ? (mu + __log2f(d)) * 0.6931471805599453f : -INFINITY;
+  }
+}
+
+template <int STAGES>
+int launch_split(const Args& a, int max_shared, cudaStream_t st) {
+  const int bytes = smem_bytes(STAGES);
+  if (bytes > max_shared) return -3;
+  static bool configured = false;  // the opt-in above 48 KB, once per process and template
+  if (!configured) {
+    const cudaError_t e = cudaFuncSetAttribute(split_kernel<STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return (int)e;
+    configured = true;
+  }
+  split_kernel<STAGES><<<dim3(a.splits, a.B), THREADS, bytes, st>>>(a);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace k3mla
+
+// Whether this build has the kernel: 1 for a CUDA build that includes sm_90 code (checked at launch
+// against the device: cudaFuncGetAttributes fails for an architecture that was not compiled).
+K3_EXPORT int k3_mla_decode_supported() { return 1; }
+
+K3_EXPORT int k3_mla_decode_args_size() { return (int)sizeof(k3mla::Args); }
+
+K3_EXPORT int k3_mla_decode_smem(int stages) {
+  return stages >= 3 && stages <= 5 ? k3mla::smem_bytes(stages) : -1;
+}
+
+// Register count of the split kernel for `stages` as compiled for the current device (<0: error).
+K3_EXPORT int k3_mla_decode_regs(int stages) {
+  cudaFuncAttributes attr;
+  cudaError_t e = cudaErrorInvalidValue;
+  if (stages == 3) e = cudaFuncGetAttributes(&attr, k3mla::split_kernel<3>);
+  if (stages == 4) e = cudaFuncGetAttributes(&attr, k3mla::split_kernel<4>);
+  if (stages == 5) e = cudaFuncGetAttributes(&attr, k3mla::split_kernel<5>);
+  return e == cudaSuccess ? attr.numRegs : -(int)e;
+}
+
+// One decode step: the split kernel (grid splits x B), then, for splits > 1, the merge (grid
+// B*heads x 512/32), launched with programmatic dependent launch when pdl != 0.
+// Returns 0, -1 (no such stage count), -3 (more shared memory than max_shared), -4 (bad sizes),
+// or the CUDA runtime's error code.
+K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int pdl, int max_shared, void* stream) {
+  const k3mla::Args& a = *args;
+  if (a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 1 || a.splits > 65535 ||
+      a.chunk < k3mla::BN || a.chunk % k3mla::BN != 0 || a.page_shift < 5 || a.page_shift > 30)
+    return -4;
+  cudaStream_t st = (cudaStream_t)stream;
+  int rc = -1;
+  if (stages == 3) rc = k3mla::launch_split<3>(a, max_shared, st);
+  if (stages == 4) rc = k3mla::launch_split<4>(a, max_shared, st);
+  if (stages == 5) rc = k3mla::launch_split<5>(a, max_shared, st);
+  if (rc != 0 || a.splits == 1) return rc;
+  dim3 grid(a.B * a.heads, k3mla::DV / k3mla::MERGE_COLS);
+  if (pdl) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(k3mla::MERGE_THREADS);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return (int)cudaLaunchKernelEx(&cfg, k3mla::merge_kernel, a);
+  }
+  k3mla::merge_kernel<<<grid, k3mla::MERGE_THREADS, 0, st>>>(a);
+  return (int)cudaGetLastError();
+}
+
+#else  // HIP (or anything but CUDA): no mma.sync / bulk-copy path; the launchers say so
+
+K3_EXPORT int k3_mla_decode_supported() { return 0; }
+K3_EXPORT int k3_mla_decode_args_size() { return (int)sizeof(k3mla::Args); }
+K3_EXPORT int k3_mla_decode_smem(int stages) { return stages >= 3 && stages <= 5 ? k3mla::smem_bytes(stages) : -1; }
+K3_EXPORT int k3_mla_decode_regs(int) { return K3_MLA_UNSUPPORTED; }
+K3_EXPORT int k3_mla_decode(const k3mla::Args*, int, int, int, void*) { return K3_MLA_UNSUPPORTED; }
+
+#endif

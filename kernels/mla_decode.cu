@@ -55,9 +55,9 @@ constexpr int BN = 32;      // positions per tile
 constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
 constexpr int ROWS = 16;    // padded heads = one mma tile of rows
-constexpr int PITCH = D * 2 + 16;           // shared row pitch in bytes (1168: conflict-free ldmatrix)
-constexpr int ROW_BYTES = D * 2;            // 1152 bytes copied per latent row
-constexpr int STAGE_BYTES = BN * PITCH;     // 37,376
+constexpr int ROW_BYTES = D * 2;            // 1152 bytes per latent row
+constexpr int BPITCH = 4 * ROW_BYTES + 16;  // a block of 4 rows + 16 bytes: 8 blocks start in 8 bank groups
+constexpr int STAGE_BYTES = 8 * BPITCH;     // a tile = 8 blocks of 4 rows: 36,992 bytes
 constexpr int XCH_BYTES = WARPS * 4 * 32 * 16;  // one score-partial exchange buffer: 8 KB
 constexpr int KSTEPS = D / 16 / WARPS;      // 9 k-steps of the score product per warp
 constexpr int MERGE_COLS = 32;              // value columns per merge block
@@ -120,11 +120,11 @@ K3_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
 #endif
 }
 
-// One latent row (ROW_BYTES) from global into shared memory by the copy engine; completes on `bar`.
-K3_DEVICE void bulk_row(uint32_t dst, const void* src, uint32_t bar) {
+// `bytes` (a multiple of 16) from global into shared memory by the copy engine; completes on `bar`.
+K3_DEVICE void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
 #if defined(K3_MLA_SM90)
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "n"(ROW_BYTES), "r"(bar)
+               "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 #endif
 }
@@ -183,9 +183,11 @@ struct Tile {
   int rows;        // rows inside the request's length (1..BN)
 };
 
+K3_DEVICE int tile_rows(int pos, int end) { return min(BN, end - pos); }
+
 K3_DEVICE Tile tile_at(const Args& a, int b, int pos, int end) {
   Tile t;
-  t.rows = min(BN, end - pos);
+  t.rows = tile_rows(pos, end);
   if (a.block_table != nullptr) {
     const int page = __ldg(a.block_table + (long long)b * a.bt_sb + (pos >> a.page_shift));
     t.row0 = (long long)page * a.kv_sp + (long long)(pos & ((1 << a.page_shift) - 1)) * D;
@@ -195,22 +197,28 @@ K3_DEVICE Tile tile_at(const Args& a, int b, int pos, int end) {
   return t;
 }
 
-// Warp 0 only: fetch one tile into `stage` (bulk copies of its rows; rows past the length zeroed).
-K3_DEVICE void issue_tile(const Args& a, const Tile& t, uint32_t stage, uint32_t bar, int lane) {
+// Every warp: fetch its two blocks of 4 latent rows (2w, 2w + 1) of one tile into `stage`, one bulk
+// copy each (lanes 0 and 1); rows past the request's length are zero-filled instead. The stage's
+// mbarrier was told the tile's byte count beforehand (thread 0, before a barrier this follows).
+K3_DEVICE void issue_tile(const Args& a, const Tile& t, uint32_t stage, uint32_t bar, int warp, int lane) {
   if (t.rows < BN) {
-    // the request's last tile: zero the rows past its length (generic stores; made visible to the
-    // other warps by the barrier that precedes this tile's use, and to the waiters by the syncwarp
-    // before the arrive below)
-    for (int r = t.rows + (lane >> 3); r < BN; r += 4) {
-      const uint32_t base = stage + r * PITCH;
-      for (int c = (lane & 7); c < ROW_BYTES / 16; c += 8)
+    // the request's last tile: zero what the copies leave out (generic stores, made visible to the
+    // other warps by the barrier that precedes this tile's use)
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int blk = 2 * warp + k;
+      const int keep = min(4, max(0, t.rows - 4 * blk));
+      const uint32_t base = stage + blk * BPITCH;
+      for (int c = keep * (ROW_BYTES / 16) + lane; c < 4 * (ROW_BYTES / 16); c += 32)
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(base + c * 16), "r"(0) : "memory");
     }
   }
-  __syncwarp();
-  if (lane == 0) mbar_expect_tx(bar, (uint32_t)(t.rows * ROW_BYTES));
-  __syncwarp();
-  if (lane < t.rows) bulk_row(stage + lane * PITCH, a.kv + t.row0 + (long long)lane * D, bar);
+  if (lane < 2) {
+    const int blk = 2 * warp + lane;
+    const int keep = min(4, max(0, t.rows - 4 * blk));
+    if (keep > 0)
+      bulk_copy(stage + blk * BPITCH, a.kv + t.row0 + (long long)blk * 4 * D, (uint32_t)(keep * ROW_BYTES), bar);
+  }
 }
 
 // Score partial of this warp's 144 columns for one tile: 4 n-tiles of 8 positions, fp32 [16 x 32].
@@ -224,7 +232,7 @@ K3_DEVICE void score_tile(float (&s)[4][4], const uint32_t (&qf)[KSTEPS][4], uin
 #pragma unroll
     for (int np = 0; np < 2; ++np) {
       uint32_t b0, b1, b2, b3;
-      ldsm_x4(b_lane + np * 16 * PITCH + kk * 32, b0, b1, b2, b3);
+      ldsm_x4(b_lane + np * 2 * ROW_BYTES + kk * 32, b0, b1, b2, b3);
       mma(s[2 * np], qf[kk], b0, b1);
       mma(s[2 * np + 1], qf[kk], b2, b3);
     }
@@ -256,12 +264,15 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    // each stage's first tile: its byte count, announced before any copy is issued (a tile's
+    // count depends only on positions, so no memory read is waited for here)
+    for (int i = 0; i < STAGES && i < ntiles; ++i)
+      mbar_expect_tx(bars + 8 * i, (uint32_t)(tile_rows(start + i * BN, end) * ROW_BYTES));
   }
   __syncthreads();
-  if (warp == 0) {  // the first STAGES - 1 tiles: their copies start before anything else
-    for (int i = 0; i < STAGES - 1 && i < ntiles; ++i)
-      issue_tile(a, tile_at(a, b, start + i * BN, end), stages + i * STAGE_BYTES, bars + 8 * i, lane);
-  }
+  // the first STAGES - 1 tiles: their copies start before anything else
+  for (int i = 0; i < STAGES - 1 && i < ntiles; ++i)
+    issue_tile(a, tile_at(a, b, start + i * BN, end), stages + i * STAGE_BYTES, bars + 8 * i, warp, lane);
 
   // This warp's query slice (columns 144w..144w+143) as mma A fragments, kept for the whole piece.
   // Rows past the real heads are zero (the padding: computed, never stored).
@@ -280,12 +291,16 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
     }
   }
 
-  // ldmatrix lane addresses (stage-relative). Scores (K as B, not transposed): lanes 8i..8i+7 give
-  // the rows of matrix i = (n-tile 2np + i/2, k half i%2); values (V as B, transposed): matrix i =
-  // (k half i%2, n-tile 2np + i/2).
+  // Position order inside a tile: score n-tile nt (0..3), row i (0..7) is position 4i + nt (row nt of
+  // block i), so the 8 rows of every ldmatrix lie in 8 different blocks, hence bank groups. The
+  // value product's k index is the same n (the accumulator layout is the A-operand layout), so
+  // both products see one consistent order and the sum over positions is unchanged.
+  // ldmatrix lane addresses (stage-relative): lanes 8m..8m+7 give the rows (i = lane & 7) of
+  // matrix m. Scores (K as B, not transposed): m = (n-tile 2np + m/2, k half m%2); values (V as B,
+  // transposed): m = (k half m%2 = n-tile 2ks + m%2, value n-tile 2np + m/2).
   const int mi = lane >> 3, r8 = lane & 7;
-  const uint32_t k_lane = (uint32_t)(((mi >> 1) * 8 + r8) * PITCH + (warp * 2 * KSTEPS + (mi & 1)) * 16);
-  const uint32_t v_lane = (uint32_t)(((mi & 1) * 8 + r8) * PITCH + (warp * 16 + (mi >> 1)) * 16);
+  const uint32_t k_lane = (uint32_t)(r8 * BPITCH + (mi >> 1) * ROW_BYTES + (warp * 2 * KSTEPS + (mi & 1)) * 16);
+  const uint32_t v_lane = (uint32_t)(r8 * BPITCH + (mi & 1) * ROW_BYTES + (warp * 16 + (mi >> 1)) * 16);
 
   float acc[16][4];  // o for rows g, g+8 and this warp's 128 value columns (16 n-tiles)
 #pragma unroll
@@ -293,7 +308,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // running max / sum (this thread's share)
 
   Tile next{};
-  if (warp == 0 && STAGES - 1 < ntiles) next = tile_at(a, b, start + (STAGES - 1) * BN, end);
+  if (STAGES - 1 < ntiles) next = tile_at(a, b, start + (STAGES - 1) * BN, end);
   __syncthreads();  // the zero-filled rows of a short first tile are visible to every warp
 
   float s[4][4];
@@ -306,9 +321,9 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
   for (int j = 0; j < ntiles; ++j) {
     __syncthreads();  // scores of tile j published; every warp is done with tile j - 1's stage
     const int nxt = j + STAGES - 1;
-    if (warp == 0 && nxt < ntiles) {
+    if (nxt < ntiles) {  // the stage of tile j - 1 is free: refill it (its byte count was announced)
       const int st = nxt % STAGES;
-      issue_tile(a, next, stages + st * STAGE_BYTES, bars + 8 * st, lane);
+      issue_tile(a, next, stages + st * STAGE_BYTES, bars + 8 * st, warp, lane);
       if (nxt + 1 < ntiles) next = tile_at(a, b, start + (nxt + 1) * BN, end);  // used next iteration
     }
     const bool more = j + 1 < ntiles;
@@ -329,7 +344,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
       }
     }
     // online softmax in base 2, rows g (s[.][0..1]) and g + 8 (s[.][2..3])
-    const int pos0 = start + j * BN + 2 * t4;
+    const int pos0 = start + j * BN + 8 * t4;  // element (nt, e): position pos0 + 4 (e & 1) + nt
     const bool partial = start + (j + 1) * BN > end;
     float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
@@ -337,7 +352,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float v = s[nt][e] * a.scale_log2;
-        if (partial && pos0 + nt * 8 + (e & 1) >= end) v = -INFINITY;
+        if (partial && pos0 + 4 * (e & 1) + nt >= end) v = -INFINITY;
         s[nt][e] = v;
       }
       mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
@@ -365,12 +380,14 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
     }
     l0 = l0 * al0 + ps0;
     l1 = l1 * al1 + ps1;
+    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the max moved: rescale (warp-uniform skip)
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      acc[i][0] *= al0;
-      acc[i][1] *= al0;
-      acc[i][2] *= al1;
-      acc[i][3] *= al1;
+      for (int i = 0; i < 16; ++i) {
+        acc[i][0] *= al0;
+        acc[i][1] *= al0;
+        acc[i][2] *= al1;
+        acc[i][3] *= al1;
+      }
     }
     // o += p V over this warp's 128 columns
     const uint32_t vs = stages + (j % STAGES) * STAGE_BYTES + v_lane;
@@ -379,7 +396,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
 #pragma unroll
       for (int np = 0; np < 8; ++np) {
         uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(vs + ks * 16 * PITCH + np * 32, b0, b1, b2, b3);
+        ldsm_x4_t(vs + ks * 2 * ROW_BYTES + np * 32, b0, b1, b2, b3);
         mma(acc[2 * np], pf[ks], b0, b1);
         mma(acc[2 * np + 1], pf[ks], b2, b3);
       }
@@ -389,6 +406,11 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
       score_tile(s, qf, stages + ((j + 1) % STAGES) * STAGE_BYTES + k_lane);
       publish_scores(s, xch + ((j + 1) & 1) * (WARPS * 4 * 32), warp, lane);
     }
+    // announce tile nxt + 1's bytes on its stage's mbarrier (tile j's phase there completed, and
+    // every thread waited for it before this iteration's barrier; its copies are issued only after
+    // the next barrier, so the count always comes first)
+    if (tid == 0 && nxt + 1 < ntiles)
+      mbar_expect_tx(bars + 8 * ((nxt + 1) % STAGES), (uint32_t)(tile_rows(start + (nxt + 1) * BN, end) * ROW_BYTES));
   }
 
   // epilogue: row sums across the quad, normalise, store this piece

@@ -1,0 +1,310 @@
+"""Binding for kernels/mla_decode.cu, the hand-written split-history MLA decode (one job: check the
+arguments, size the pieces, pack the arguments, launch on the current stream).
+
+EXPERIMENTAL: compiled for sm_90a by this project, NOT YET RUN ON A GPU. Nothing else calls it:
+`mla_decode.mla_decode_after` (the checked path) still runs the Triton kernels.
+
+Same semantics as `mla_decode.reference` for one decode token: q [B, 1, H <= 16, 576] bf16, a bf16
+latent cache that is contiguous [B, L, 576] or paged (pool [pages, page_size >= 32, 576] with an
+integer block table and per-request lengths), softmax scale (default 192^-0.5). Returns
+(o [B, 1, H, 512] bf16, lse [B, 1, H] fp32, natural log). Verification groups (q_len > 1, causal)
+are not handled here: the Triton kernels do those.
+
+How the kernel is built and why is in its header: the 16 padded heads are one mma.sync tile of
+rows; tiles of 32 latent rows arrive by bulk copies (Hopper's copy engine) into a 5-deep ring in
+shared memory; one block per SM and one block-wide barrier per tile. The history of each request
+is cut into `num_splits` pieces (one block each, `choose_splits` fills the SMs once); the pieces'
+fp32 partials [B, H, splits, 512] and base-2 log-sum-exps [B, H, splits] (the layout of
+mla_decode.py's `_store_piece`) are merged by a second kernel, launched early (programmatic
+dependent launch); with one piece the first kernel writes the result itself.
+
+`status()` says whether it can run here and, if not, why (no GPU, a HIP build, a GPU older than
+compute capability 9.0, no nvcc, or a failed build). The HIP build of the source is a stub whose
+launcher returns an error (no mma.sync / bulk-copy path on AMD; not yet run on AMD hardware by this
+project).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from k3lab.ops import _build
+from k3lab.ops import mla_decode as mla
+
+NAME = "mla_decode"
+LATENT_DIM = mla.LATENT_DIM  # 576
+VALUE_DIM = mla.VALUE_DIM  # 512
+MAX_HEADS = 16  # one mma tile of rows
+BLOCK_N = 32  # latent rows per tile (kernels/mla_decode.cu, BN)
+STAGES = (3, 4, 5)  # compiled ring depths
+DEFAULT_STAGES = 5  # 5 x 37 KB in shared memory: one block per SM, ~150 KB of copies in flight
+MAX_SPLITS = 65535
+_STAGE_BYTES = 8 * (4 * LATENT_DIM * 2 + 16)  # 8 blocks of 4 rows, 16 bytes of padding each
+_XCH_BYTES = 4 * 4 * 32 * 16  # one score-partial exchange buffer
+_ERRORS = {-1: "no compiled kernel for this stage count", -3: "more shared memory than the device allows per block",
+           -4: "bad sizes", -5: "this build has no MLA decode kernel (HIP, or not sm_90)"}
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
+
+
+def smem_bytes(stages: int = DEFAULT_STAGES) -> int:
+    """Dynamic shared memory of the split kernel with `stages` tiles in its ring (kernels/mla_decode.cu,
+    smem_bytes)."""
+    if stages not in STAGES:
+        raise ValueError(f"stages must be one of {STAGES}, got {stages!r}")
+    return stages * _STAGE_BYTES + 2 * _XCH_BYTES + stages * 8
+
+
+class Args(ctypes.Structure):
+    """kernels/mla_decode.cu's k3mla::Args, field by field (its size is checked against the library's)."""
+
+    _fields_ = [("q", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("block_table", ctypes.c_void_p),
+                ("lengths", ctypes.c_void_p), ("part_o", ctypes.c_void_p), ("part_lse", ctypes.c_void_p),
+                ("out", ctypes.c_void_p), ("lse", ctypes.c_void_p),
+                ("q_sb", ctypes.c_longlong), ("q_sh", ctypes.c_longlong), ("kv_sp", ctypes.c_longlong),
+                ("bt_sb", ctypes.c_longlong), ("o_sb", ctypes.c_longlong), ("o_sh", ctypes.c_longlong),
+                ("l_sb", ctypes.c_longlong),
+                ("B", ctypes.c_int), ("heads", ctypes.c_int), ("page_shift", ctypes.c_int), ("splits", ctypes.c_int),
+                ("chunk", ctypes.c_int), ("scale_log2", ctypes.c_float)]
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the exported launchers' signatures and check the Args layout and the shared-memory
+    formula against the library's; returns lib."""
+    lib.k3_mla_decode.restype = ctypes.c_int
+    lib.k3_mla_decode.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    for fn in ("k3_mla_decode_args_size", "k3_mla_decode_supported"):
+        getattr(lib, fn).restype = ctypes.c_int
+    for fn in ("k3_mla_decode_smem", "k3_mla_decode_regs"):
+        getattr(lib, fn).restype = ctypes.c_int
+        getattr(lib, fn).argtypes = [ctypes.c_int]
+    size = lib.k3_mla_decode_args_size()
+    if size != ctypes.sizeof(Args):
+        raise _build.KernelUnavailable(f"{NAME}.cu's Args is {size} bytes but the Python Args is "
+                                       f"{ctypes.sizeof(Args)}: the two disagree")
+    for s in STAGES:
+        if lib.k3_mla_decode_smem(s) != smem_bytes(s):
+            raise _build.KernelUnavailable(f"{NAME}.cu needs {lib.k3_mla_decode_smem(s)} bytes of shared memory "
+                                           f"for {s} stages but the Python formula says {smem_bytes(s)}")
+    return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    return bind(_build.load(NAME))
+
+
+def status() -> tuple[bool, str]:
+    """(True, what runs) when the kernel can run here; else (False, why). Builds on first call."""
+    if not torch.cuda.is_available():
+        return False, "no GPU visible to torch: the Triton kernels of k3lab.ops.mla_decode run instead"
+    if getattr(torch.version, "hip", None):
+        return False, (f"HIP build: kernels/{NAME}.cu has no AMD path (mma.sync and Hopper bulk copies; the HIP "
+                       f"build is a stub, {_build.NOT_RUN_ON_AMD}); the Triton kernels run instead")
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        return False, f"compute capability {major}.{minor}: the kernel needs 9.0 or later (bulk copies, mbarrier)"
+    ok, why = _build.status(NAME)
+    if not ok:
+        return False, why
+    try:
+        lib = _library()
+    except _build.KernelUnavailable as exc:
+        return False, str(exc)
+    if not lib.k3_mla_decode_supported():
+        return False, f"kernels/{NAME}.cu was built without its CUDA path"
+    return True, f"{why} (EXPERIMENTAL: not yet checked on a GPU by this project)"
+
+
+@functools.cache
+def available() -> bool:
+    return status()[0]
+
+
+def registers(stages: int = DEFAULT_STAGES) -> int:
+    """Registers per thread of the split kernel as compiled for this GPU (GPU only)."""
+    smem_bytes(stages)  # checks stages
+    n = _library().k3_mla_decode_regs(stages)
+    if n < 0:
+        raise RuntimeError(f"{NAME}.cu could not report its registers (error {-n})")
+    return n
+
+
+# ----------------------------------------------------------------------------------------------
+# pieces
+
+
+def choose_splits(batch: int, max_len: int, compute_units: int, *, blocks_per_unit: int = 1,
+                  num_splits: int | None = None) -> tuple[int, int]:
+    """(pieces per request, positions per piece). By default one wave: the batch's blocks cover the
+    compute units once (blocks_per_unit each; the 5-stage kernel fits one per H200 SM), each piece a
+    whole number of 32-row tiles. The piece length comes from the longest request; the returned
+    count is how many pieces that longest request fills (shorter requests leave their last pieces
+    empty: zero-weight partials). num_splits forces the count (rounded the same way)."""
+    for label, v in (("batch", batch), ("max_len", max_len), ("compute_units", compute_units),
+                     ("blocks_per_unit", blocks_per_unit)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{label} must be a positive integer, got {v!r}")
+    tiles = -(-max_len // BLOCK_N)
+    if num_splits is None:
+        want = max(1, -(-(compute_units * blocks_per_unit) // batch))
+    else:
+        if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be an integer in 1..{MAX_SPLITS}, got {num_splits!r}")
+        want = num_splits
+    want = min(want, tiles)
+    chunk_tiles = -(-tiles // want)
+    return -(-tiles // chunk_tiles), chunk_tiles * BLOCK_N
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks
+
+
+@dataclass(frozen=True)
+class _Checked:
+    inp: object  # mla_decode._Inputs
+    scale: float
+    stages: int
+
+
+def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES) -> _Checked:
+    """Every refusal, by name, before anything runs on a device (ValueError). Reads `lengths` and
+    the block table on the host once (see mla_decode's plans)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a tensor [B, 1, H, {LATENT_DIM}], got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if q.shape[1] != 1:
+        raise ValueError(f"q_len (q.shape[1]) must be 1: this kernel decodes one token (verification groups, "
+                         f"q_len > 1, run on mla_decode's Triton kernels), got {q.shape[1]}")
+    if q.shape[3] != LATENT_DIM:
+        raise ValueError(f"q's last dim must be the latent width {LATENT_DIM} (512 absorbed nope + 64 rope), "
+                         f"got {q.shape[3]}")
+    if not 1 <= q.shape[2] <= MAX_HEADS:
+        raise ValueError(f"heads (q.shape[2]) must be 1..{MAX_HEADS} (one 16-row mma tile), got {q.shape[2]}")
+    if q.dtype != torch.bfloat16:
+        raise ValueError(f"q.dtype must be bfloat16 (the kernel multiplies bf16 on the matrix units), got {q.dtype}")
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 3 or cache.shape[2] != LATENT_DIM:
+        raise ValueError(f"cache must be [B, L, {LATENT_DIM}] or [num_pages, page_size, {LATENT_DIM}], got "
+                         f"{tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__}")
+    if cache.dtype != torch.bfloat16:
+        raise ValueError(f"cache.dtype must be bfloat16 like q, got {cache.dtype}")
+    if cache.stride(2) != 1 or cache.stride(1) != LATENT_DIM:
+        raise ValueError(f"cache rows must be contiguous {LATENT_DIM}-element rows (cache.stride(1) == "
+                         f"{LATENT_DIM}, cache.stride(2) == 1; a tile of 32 rows is copied in blocks of 4 rows), "
+                         f"got strides {tuple(cache.stride())}")
+    if stages not in STAGES:
+        raise ValueError(f"stages must be one of {STAGES}, got {stages!r}")
+    if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
+                                   or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be an integer in 1..{MAX_SPLITS}, got {num_splits!r}")
+    s = mla.DEFAULT_SCALE if scale is None else scale
+    if not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s) or s <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    if block_table is not None and cache.shape[1] < BLOCK_N:
+        raise ValueError(f"page size (cache.shape[1]) must be a power of two >= {BLOCK_N} (a {BLOCK_N}-row tile "
+                         f"must not cross a page), got {cache.shape[1]}")
+    if cache.data_ptr() % 16 or cache.stride(0) % 8:
+        raise ValueError("cache must start on a 16-byte boundary and its pages (or requests) too: bulk copies move "
+                         "16-byte units (cache.data_ptr() % 16 == 0, cache.stride(0) % 8 == 0)")
+    if q.data_ptr() % 4 or q.stride(0) % 2 or q.stride(2) % 2:
+        raise ValueError("q must start on a 4-byte boundary with even batch and head strides (the kernel reads "
+                         "pairs of bf16)")
+    inp = mla._validate(q, cache, lengths, block_table, max_heads=MAX_HEADS)  # lengths, block table, devices
+    return _Checked(inp, float(s), stages)
+
+
+# ----------------------------------------------------------------------------------------------
+# plans
+
+
+@dataclass
+class CudaDecodePlan:
+    """A checked decode, ready to launch: `plan()` runs it and returns (o, lse), the plan's own
+    buffers, overwritten by each call (capturable in a CUDA graph: no host sync, no allocation)."""
+
+    num_splits: int
+    chunk: int
+    stages: int
+    pdl: bool
+    out: torch.Tensor
+    lse: torch.Tensor
+    _args: Args = field(repr=False)
+    _keep: tuple = field(repr=False)  # tensors the raw pointers in _args point into
+    _max_shared: int = field(repr=False, default=0)
+    _device: int = field(repr=False, default=0)
+
+    @property
+    def programs(self) -> int:
+        return self.num_splits * self._args.B
+
+    @property
+    def launches(self) -> int:
+        return 1 if self.num_splits == 1 else 2
+
+    def facts(self) -> dict:
+        return {"kernel": "cuda", "num_splits": self.num_splits, "chunk": self.chunk, "block_n": BLOCK_N,
+                "num_stages": self.stages, "num_warps": 4, "smem_bytes": smem_bytes(self.stages),
+                "programs": self.programs, "launches": self.launches, "pdl": self.pdl, "rows_per_program": 16}
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        lib = _library()
+        stream = _raw_stream(self._device) if _raw_stream is not None else torch.cuda.current_stream().cuda_stream
+        rc = lib.k3_mla_decode(ctypes.byref(self._args), self.stages, int(self.pdl), self._max_shared,
+                               ctypes.c_void_p(stream))
+        if rc != 0:
+            raise RuntimeError(f"{NAME}.cu refused the launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
+        return self.out, self.lse
+
+
+def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
+         pdl: bool = True, compute_units: int | None = None) -> CudaDecodePlan:
+    """Check once (ValueError by name), then build a launchable plan on the GPU (KernelUnavailable,
+    with the reason, where the kernel cannot run). num_splits: None = `choose_splits` for the
+    device's SM count; pdl: launch the merge early (programmatic dependent launch)."""
+    c = check(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages)
+    ok, why = status()
+    if not ok:
+        raise _build.KernelUnavailable(f"{NAME}.cu cannot run here: {why}")
+    if q.device.type != "cuda":
+        raise ValueError(f"q must be on a CUDA device, got {q.device}")
+    inp = c.inp
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    max_shared = int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
+    if smem_bytes(stages) > max_shared:
+        raise _build.KernelUnavailable(f"{stages} stages need {smem_bytes(stages)} bytes of shared memory per block; "
+                                       f"this GPU allows {max_shared}")
+    per_unit = int(getattr(props, "shared_memory_per_multiprocessor", 0) or max_shared)
+    blocks_per_unit = max(1, per_unit // (smem_bytes(stages) + 1024))  # the driver keeps 1 KB per block
+    units = compute_units or props.multi_processor_count
+    splits, chunk = choose_splits(inp.batch, inp.max_len, units, blocks_per_unit=blocks_per_unit,
+                                  num_splits=num_splits)
+    B, H = inp.batch, inp.heads
+    out = torch.empty(B, 1, H, VALUE_DIM, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, 1, H, dtype=torch.float32, device=q.device)
+    part_o = torch.empty(B, H, splits, VALUE_DIM, dtype=torch.float32, device=q.device) if splits > 1 else None
+    part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device) if splits > 1 else None
+    bt = inp.block_table if inp.paged else None
+    page_shift = int(math.log2(inp.page_size)) if inp.paged else 30
+    args = Args(q.data_ptr(), cache.data_ptr(), bt.data_ptr() if bt is not None else None, inp.lengths.data_ptr(),
+                part_o.data_ptr() if part_o is not None else None,
+                part_lse.data_ptr() if part_lse is not None else None, out.data_ptr(), lse.data_ptr(),
+                q.stride(0), q.stride(2), cache.stride(0), bt.stride(0) if bt is not None else 0,
+                out.stride(0), out.stride(2), lse.stride(0),
+                B, H, page_shift, splits, chunk, c.scale * mla._LOG2E)
+    keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse)
+    return CudaDecodePlan(splits, chunk, stages, bool(pdl) and splits > 1, out, lse, args, keep, max_shared, dev)
+
+
+def mla_decode_cuda(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None,
+                    stages=DEFAULT_STAGES, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step on the CUDA kernel: (o [B, 1, H, 512] in q's dtype, lse [B, 1, H] natural log),
+    as `mla_decode.reference` computes them. EXPERIMENTAL: not yet run on a GPU by this project."""
+    o, lse = plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
+                  pdl=pdl)()
+    return o.clone(), lse.clone()

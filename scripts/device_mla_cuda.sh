@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# The hand-written CUDA MLA decode (kernels/mla_decode.cu, k3lab/ops/mla_decode_cuda.py; EXPERIMENTAL)
+# on an H200, in one device call:
+#  1. build it for the device (nvcc, sm_90a): registers and spills from ptxas, shared memory;
+#  2. its GPU tests (tests/test_mla_decode_cuda.py: paged and contiguous, mixed lengths, lengths that
+#     are not multiples of the 32-row tile, NaN past the lengths, one piece, graph replay), in their
+#     own process so that a fault there does not stop the timing step from reporting;
+#  3. check (fp32 reference) then time, graph replay with rotated input sets, the CUDA kernel beside
+#     the Triton `after` plan at ctx1k, ctx32k, ctx128k and b8_8k (B = 1 unless named, 12 heads, bf16,
+#     paged, page 64: the mla_padding study's inputs), plus a few piece counts and ring depths at
+#     32K and 128K. Records (study mla_padding): '<case>.cuda' (default plan), '<case>.cuda.sp<N>' and
+#     '<case>.cuda.st<S>' (sweep points) and '<case>.r5.split' (the Triton after in the same process);
+#     a kernel whose check fails is timed anyway but written to mla_cuda_unchecked.json only.
+#  4. NCU=1: one ncu report of the split kernel at 32K (speed of light, occupancy, warp states) in
+#     $OUT/ncu_mla_cuda.txt.
+# Prints a table last. Files in $OUT: mla_cuda.json, mla_cuda_unchecked.json (if any), build.txt,
+# tests.txt, ncu_mla_cuda.txt (NCU=1).
+#   OUT=dir K3LAB_COMMIT=<hash> [NCU=1] [CASES=ctx32k,ctx128k] bash scripts/device_mla_cuda.sh
+set -uo pipefail
+export PYTHONPATH="${PYTHONPATH:-}:." PYTHONUNBUFFERED=1
+OUT="${OUT:-build/device}"; mkdir -p "$OUT"
+
+echo "== 1. build"
+timeout 240 python3 - <<'PY' 2>&1 | tee "$OUT/build.txt"
+import re
+from pathlib import Path
+from k3lab.ops import _build
+from k3lab.ops import mla_decode_cuda as mc
+ok, why = mc.status()
+print("status:", ok, why)
+kind, target = _build.device_target()
+lib = _build.compile_kernel(mc.NAME, kind=kind, target=target, output="shared")
+report = Path(str(lib) + ".log").read_text()
+for name, regs in zip(re.findall(r"Compiling entry function '(\w+)'", report), re.findall(r"Used (\d+) registers", report)):
+    print(f"{name:48s} {regs} registers")
+print("spill stores:", re.findall(r"(\d+) bytes spill stores", report))
+if ok:
+    print({s: {"regs": mc.registers(s), "smem": mc.smem_bytes(s)} for s in mc.STAGES})
+PY
+
+echo "== 2. tests"
+timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_mla_decode_cuda.py 2>&1 | tail -40 | tee "$OUT/tests.txt"
+
+echo "== 3. timing"
+timeout "${TIMING_TIMEOUT:-300}" python3 - "$OUT" <<'PY'
+import json, os, sys, time, traceback
+import torch
+from k3lab import bench, env
+from k3lab.ops import mla_decode as mla
+from k3lab.ops import mla_decode_cuda as mc
+from k3lab.studies import mla_padding as st
+out = sys.argv[1]
+t0 = time.time()
+info = env.detect()
+HEADS = 12
+want = [c for c in os.environ.get("CASES", "ctx1k,ctx32k,ctx128k,b8_8k").split(",") if c]
+cases = {c.name: c for c in (st.Case("ctx1k", 1, 1024), st.Case("ctx32k", 1, 32768), st.Case("ctx128k", 1, 131072),
+                                st.Case("b8_8k", 8, 8192), st.Case("tiny", 1, 100))}  # tiny: a CPU dry run
+SWEEP = {"ctx32k": [("sp64", dict(num_splits=64)), ("sp132", dict(num_splits=132)), ("sp264", dict(num_splits=264)),
+                    ("st4", dict(stages=4)), ("st3", dict(stages=3)), ("nopdl", dict(pdl=False))],
+         "ctx128k": [("sp132", dict(num_splits=132)), ("sp264", dict(num_splits=264)), ("st4", dict(stages=4))]}
+checked, unchecked, rows = [], [], []
+
+def record(rcase, variant, fn_of_set, sets, nbytes, floor, shape, errors, facts, ok):
+    rot = [(s,) for s in sets]
+    timing = bench.time_fn(fn_of_set, rotate=rot, graph=torch.cuda.is_available(), warmup=10, repeats=100)
+    tbs = nbytes / (timing.median_us * 1e-6) / 1e12
+    rec = bench.make_record("mla_padding", rcase, variant, timing, shape=shape, dtype=torch.bfloat16, floor_us=floor,
+                            error=errors, cache_bytes=nbytes, achieved_tbs=tbs, copy_bw_fraction=tbs / info.peak.bandwidth_tbs,
+                            compute_units=info.compute_units, layout="paged", peer=None, **facts)
+    (checked if ok else unchecked).append(rec)
+    rows.append((rcase, variant, timing.median_us, floor, floor / timing.median_us, "ok" if ok else "UNCHECKED"))
+    print(f"{time.time() - t0:5.0f} s  {rcase:22s} {variant:6s} {timing.median_us:9.2f} us  floor {floor:7.2f}  "
+          f"{floor / timing.median_us:6.1%}  {'ok' if ok else 'UNCHECKED'}", flush=True)
+
+for name in want:
+    case = cases[name]
+    first = st._make_set(case, HEADS, torch.bfloat16, seed=11)
+    nbytes = st.cache_bytes(case, torch.bfloat16, first["lengths_host"])
+    sets = [first] + [st._make_set(case, HEADS, torch.bfloat16, seed=1000 + i)
+                      for i in range(bench.rotation_count(nbytes, max_sets=16) - 1)]
+    floor = bench.floor_us(bytes=nbytes)
+    shape = {"batch": case.batch, "context": case.context, "q_len": 1, "heads": HEADS, "padded_heads": 16,
+             "latent": 576, "value": 512, "page_size": st.PAGE_SIZE, "ragged": False,
+             "lengths_sum": sum(first["lengths_host"])}
+    ro, rl = mla.reference(first["q"].float(), first["pool"].float(), first["lengths"], block_table=first["table"])
+    variants = [("cuda", f"{name}.cuda", {})] + [("cuda", f"{name}.cuda.{tag}", kw) for tag, kw in SWEEP.get(name, [])]
+    variants.append(("triton", f"{name}.r5.split", {}))
+    for kind, rcase, kw in variants:
+        try:
+            if kind == "cuda":
+                plans = [mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], **kw) for s in sets]
+            else:
+                plans = [mla.plan_after(s["q"], s["pool"], s["lengths"], block_table=s["table"]) for s in sets]
+            o, lse = plans[0]()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            try:
+                errors = bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
+                ok = True
+            except AssertionError as exc:
+                errors, ok = {"failed": str(exc)[:500]}, False
+                print(f"CHECK FAILED {rcase}: {str(exc)[:300]}", flush=True)
+            idx = {id(s): i for i, s in enumerate(sets)}
+            record(rcase, "after", lambda s, p=plans: p[idx[id(s)]](), sets, nbytes, floor, shape, errors,
+                   plans[0].facts(), ok)
+        except Exception:
+            traceback.print_exc()
+            print(f"FAILED {rcase}", flush=True)
+        json.dump([r.to_dict() for r in checked], open(f"{out}/mla_cuda.json", "w"), indent=1)
+        if unchecked:
+            json.dump([r.to_dict() for r in unchecked], open(f"{out}/mla_cuda_unchecked.json", "w"), indent=1)
+    del sets, first
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+print(f"\n{'case':24s} {'us':>9s} {'floor':>8s} {'of floor':>9s}")
+for rcase, variant, us, floor, frac, flag in rows:
+    print(f"{rcase:24s} {us:9.2f} {floor:8.2f} {frac:9.1%}  {flag}")
+PY
+
+if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null 2>&1; then
+  echo "== 4. ncu"
+  cat > /tmp/mla_ncu.py <<'PY'
+import torch
+from k3lab.ops import mla_decode_cuda as mc
+from k3lab.studies import mla_padding as st
+s = st._make_set(st.Case("ctx32k", 1, 32768), 12, torch.bfloat16, seed=3)
+p = mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"])
+for _ in range(3):
+    p()
+torch.cuda.synchronize()
+PY
+  timeout 200 ncu --kernel-name regex:split_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+    --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis python3 /tmp/mla_ncu.py \
+    > "$OUT/ncu_mla_cuda.txt" 2>&1
+  grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers|Stall|Warp Cycles" "$OUT/ncu_mla_cuda.txt" | head -30
+fi

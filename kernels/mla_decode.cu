@@ -329,14 +329,22 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
     const bool more = j + 1 < ntiles;
     if (more) mbar_wait(bars + 8 * ((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
 
-    // full scores of tile j: this warp's partial plus the other three
+    // full scores of tile j: the four partials summed in one fixed order (from shared memory, this
+    // warp's own too), so every warp holds bit-identical scores, hence the same max, p and sum
     const float4* xj = xch + (j & 1) * (WARPS * 4 * 32);
 #pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const float4 v0 = xj[nt * 32 + lane];
+      s[nt][0] = v0.x;
+      s[nt][1] = v0.y;
+      s[nt][2] = v0.z;
+      s[nt][3] = v0.w;
+    }
+#pragma unroll
     for (int w = 1; w < WARPS; ++w) {
-      const int ww = (warp + w) & (WARPS - 1);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
-        const float4 v = xj[(ww * 4 + nt) * 32 + lane];
+        const float4 v = xj[(w * 4 + nt) * 32 + lane];
         s[nt][0] += v.x;
         s[nt][1] += v.y;
         s[nt][2] += v.z;

@@ -155,7 +155,7 @@ K3_DEVICE void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2
 
 // d (16x8 fp32) += a (16x16 bf16, row) * b (16x8 bf16, col)
 K3_DEVICE void mma(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -222,21 +222,29 @@ K3_DEVICE void issue_tile(const Args& a, const Tile& t, uint32_t stage, uint32_t
 }
 
 // Score partial of this warp's 144 columns for one tile: 4 n-tiles of 8 positions, fp32 [16 x 32].
+// Two accumulators per n-tile (even and odd k-steps) halve the chain of dependent mma.
 K3_DEVICE void score_tile(float (&s)[4][4], const uint32_t (&qf)[KSTEPS][4], uint32_t b_lane) {
+  float t[2][4][4];
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
+  for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) t[h][nt][e] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk) {
 #pragma unroll
     for (int np = 0; np < 2; ++np) {
       uint32_t b0, b1, b2, b3;
       ldsm_x4(b_lane + np * 2 * ROW_BYTES + kk * 32, b0, b1, b2, b3);
-      mma(s[2 * np], qf[kk], b0, b1);
-      mma(s[2 * np + 1], qf[kk], b2, b3);
+      mma(t[kk & 1][2 * np], qf[kk], b0, b1);
+      mma(t[kk & 1][2 * np + 1], qf[kk], b2, b3);
     }
   }
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] = t[0][nt][e] + t[1][nt][e];
 }
 
 K3_DEVICE void publish_scores(const float (&s)[4][4], float4* xch, int warp, int lane) {
@@ -318,17 +326,8 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
     publish_scores(s, xch, warp, lane);
   }
 
-  for (int j = 0; j < ntiles; ++j) {
-    __syncthreads();  // scores of tile j published; every warp is done with tile j - 1's stage
-    const int nxt = j + STAGES - 1;
-    if (nxt < ntiles) {  // the stage of tile j - 1 is free: refill it (its byte count was announced)
-      const int st = nxt % STAGES;
-      issue_tile(a, next, stages + st * STAGE_BYTES, bars + 8 * st, warp, lane);
-      if (nxt + 1 < ntiles) next = tile_at(a, b, start + (nxt + 1) * BN, end);  // used next iteration
-    }
-    const bool more = j + 1 < ntiles;
-    if (more) mbar_wait(bars + 8 * ((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
-
+  // Softmax and value product of tile j (its scores published, its stage landed).
+  auto softmax_value = [&](const int j) {
     // full scores of tile j: the four partials summed in one fixed order (from shared memory, this
     // warp's own too), so every warp holds bit-identical scores, hence the same max, p and sum
     const float4* xj = xch + (j & 1) * (WARPS * 4 * 32);
@@ -409,16 +408,32 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
         mma(acc[2 * np + 1], pf[ks], b2, b3);
       }
     }
-    // scores of tile j + 1 (its stage waited on above)
-    if (more) {
-      score_tile(s, qf, stages + ((j + 1) % STAGES) * STAGE_BYTES + k_lane);
-      publish_scores(s, xch + ((j + 1) & 1) * (WARPS * 4 * 32), warp, lane);
+  };
+
+  // Every tile but the last: one barrier, refill the freed stage, then tile j's softmax and value
+  // product and tile j + 1's scores in one straight run (no branch between them, so the compiler
+  // can interleave the two products' mma and ldmatrix).
+  for (int j = 0; j + 1 < ntiles; ++j) {
+    __syncthreads();  // scores of tile j published; every warp is done with tile j - 1's stage
+    const int nxt = j + STAGES - 1;
+    if (nxt < ntiles) {  // the stage of tile j - 1 is free: refill it (its byte count was announced)
+      const int st = nxt % STAGES;
+      issue_tile(a, next, stages + st * STAGE_BYTES, bars + 8 * st, warp, lane);
+      if (nxt + 1 < ntiles) next = tile_at(a, b, start + (nxt + 1) * BN, end);  // used next iteration
     }
+    mbar_wait(bars + 8 * ((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
+    softmax_value(j);
+    score_tile(s, qf, stages + ((j + 1) % STAGES) * STAGE_BYTES + k_lane);
+    publish_scores(s, xch + ((j + 1) & 1) * (WARPS * 4 * 32), warp, lane);
     // announce tile nxt + 1's bytes on its stage's mbarrier (tile j's phase there completed, and
     // every thread waited for it before this iteration's barrier; its copies are issued only after
     // the next barrier, so the count always comes first)
     if (tid == 0 && nxt + 1 < ntiles)
       mbar_expect_tx(bars + 8 * ((nxt + 1) % STAGES), (uint32_t)(tile_rows(start + (nxt + 1) * BN, end) * ROW_BYTES));
+  }
+  if (ntiles > 0) {  // the last tile: nothing left to fetch or score
+    __syncthreads();
+    softmax_value(ntiles - 1);
   }
 
   // epilogue: row sums across the quad, normalise, store this piece

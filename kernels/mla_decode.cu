@@ -79,6 +79,7 @@ struct Args {
   long long bt_sb;                // block table row stride
   long long o_sb, o_sh, l_sb;     // out strides: batch, head; lse batch stride
   int B, heads, page_shift, splits, chunk;  // chunk: positions per piece, a multiple of BN
+  int max_pages;                  // block table columns (paged)
   float scale_log2;               // softmax scale x log2(e)
 };
 
@@ -185,15 +186,21 @@ struct Tile {
 
 K3_DEVICE int tile_rows(int pos, int end) { return min(BN, end - pos); }
 
+// Element offset of the latent row at position `pos` of request b (paged: one block-table read; a
+// position past the table reads nothing and gives 0, never used).
+K3_DEVICE long long row_at(const Args& a, int b, int pos) {
+  if (a.block_table != nullptr) {
+    const int col = pos >> a.page_shift;
+    const int page = col < a.max_pages ? __ldg(a.block_table + (long long)b * a.bt_sb + col) : 0;
+    return (long long)page * a.kv_sp + (long long)(pos & ((1 << a.page_shift) - 1)) * D;
+  }
+  return (long long)b * a.kv_sp + (long long)pos * D;
+}
+
 K3_DEVICE Tile tile_at(const Args& a, int b, int pos, int end) {
   Tile t;
   t.rows = tile_rows(pos, end);
-  if (a.block_table != nullptr) {
-    const int page = __ldg(a.block_table + (long long)b * a.bt_sb + (pos >> a.page_shift));
-    t.row0 = (long long)page * a.kv_sp + (long long)(pos & ((1 << a.page_shift) - 1)) * D;
-  } else {
-    t.row0 = (long long)b * a.kv_sp + (long long)pos * D;
-  }
+  t.row0 = row_at(a, b, pos);
   return t;
 }
 
@@ -260,6 +267,11 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;  // mma fragment row group, thread in quad
   launch_dependents();  // the merge may launch now; it waits (griddepcontrol.wait) for this grid
+  // The first tiles' rows, read before the request's length is known: the block-table reads and the
+  // length read are in flight together (one memory round trip before the first copies, not two).
+  long long first_rows[STAGES];
+#pragma unroll
+  for (int i = 0; i < STAGES; ++i) first_rows[i] = row_at(a, blockIdx.y, blockIdx.x * a.chunk + i * BN);
 
   const uint32_t stages = smem_u32(smem);
   float4* xch = reinterpret_cast<float4*>(smem + STAGES * STAGE_BYTES);  // [2][WARPS][4][32]
@@ -279,8 +291,10 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
   }
   __syncthreads();
   // the first STAGES - 1 tiles: their copies start before anything else
-  for (int i = 0; i < STAGES - 1 && i < ntiles; ++i)
-    issue_tile(a, tile_at(a, b, start + i * BN, end), stages + i * STAGE_BYTES, bars + 8 * i, warp, lane);
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i)
+    if (i < ntiles) issue_tile(a, Tile{first_rows[i], tile_rows(start + i * BN, end)}, stages + i * STAGE_BYTES,
+                               bars + 8 * i, warp, lane);
 
   // This warp's query slice (columns 144w..144w+143) as mma A fragments, kept for the whole piece.
   // Rows past the real heads are zero (the padding: computed, never stored).
@@ -316,7 +330,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // running max / sum (this thread's share)
 
   Tile next{};
-  if (STAGES - 1 < ntiles) next = tile_at(a, b, start + (STAGES - 1) * BN, end);
+  if (STAGES - 1 < ntiles) next = Tile{first_rows[STAGES - 1], tile_rows(start + (STAGES - 1) * BN, end)};
   __syncthreads();  // the zero-filled rows of a short first tile are visible to every warp
 
   float s[4][4];
@@ -572,7 +586,8 @@ K3_EXPORT int k3_mla_decode_regs(int stages) {
 K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int pdl, int max_shared, void* stream) {
   const k3mla::Args& a = *args;
   if (a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 1 || a.splits > 65535 ||
-      a.chunk < k3mla::BN || a.chunk % k3mla::BN != 0 || a.page_shift < 5 || a.page_shift > 30)
+      a.chunk < k3mla::BN || a.chunk % k3mla::BN != 0 || a.page_shift < 5 || a.page_shift > 30 ||
+      (a.block_table != nullptr && a.max_pages < 1))
     return -4;
   cudaStream_t st = (cudaStream_t)stream;
   int rc = -1;

@@ -69,7 +69,7 @@ class Args(ctypes.Structure):
                 ("bt_sb", ctypes.c_longlong), ("o_sb", ctypes.c_longlong), ("o_sh", ctypes.c_longlong),
                 ("l_sb", ctypes.c_longlong),
                 ("B", ctypes.c_int), ("heads", ctypes.c_int), ("page_shift", ctypes.c_int), ("splits", ctypes.c_int),
-                ("chunk", ctypes.c_int), ("scale_log2", ctypes.c_float)]
+                ("chunk", ctypes.c_int), ("max_pages", ctypes.c_int), ("scale_log2", ctypes.c_float)]
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -296,7 +296,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                 part_lse.data_ptr() if part_lse is not None else None, out.data_ptr(), lse.data_ptr(),
                 q.stride(0), q.stride(2), cache.stride(0), bt.stride(0) if bt is not None else 0,
                 out.stride(0), out.stride(2), lse.stride(0),
-                B, H, page_shift, splits, chunk, c.scale * mla._LOG2E)
+                B, H, page_shift, splits, chunk, bt.shape[1] if bt is not None else 0, c.scale * mla._LOG2E)
     keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse)
     return CudaDecodePlan(splits, chunk, stages, bool(pdl) and splits > 1, out, lse, args, keep, max_shared, dev)
 

@@ -24,7 +24,7 @@
 //   * STAGES tiles ring in shared memory (5 x 37 KB + 16 KB exchange = 199 KB, one block per SM)
 //     with one mbarrier each; after a tile's products STAGES - 1 tiles are in flight: ~150 KB per
 //     SM, several times the ~30 KB that the H200's bandwidth x latency asks for.
-//   * Score product split over warps by the 576 columns (warp w: columns 144w..144w+143, 9 k-steps
+//   * Score product split over 4 warps by the 576 columns (warp w: columns 144w..144w+143, 9 k-steps
 //     x 4 n-tiles = 36 mma), with its query slice in registers for the whole piece (36 registers).
 //     The four partial [16 x 32] score tiles meet through shared memory (double buffered), and
 //     every warp then holds the full score tile in the mma accumulator layout, which is already the
@@ -33,8 +33,12 @@
 //     V fragments by ldmatrix.trans from the same tile).
 //   * One __syncthreads per tile: it publishes the score partials of tile j and frees the stage of
 //     tile j - 1 for the next copy; the copies' arrival is waited on per stage (mbarrier).
-//   Per warp per tile: 68 mma, 34 ldmatrix, ~16 shared stores/loads for the exchange, 16 exp2, a
-//   few dozen fp32 ops for the online softmax and 64 multiplies to rescale the accumulator.
+//   Per warp per tile: 68 mma, 34 ldmatrix, ~20 shared loads/stores for the exchange, 16 exp2, a
+//   few dozen fp32 ops for the online softmax and (only when a row's max moved) 64 multiplies to
+//   rescale the accumulator: ~370 SASS instructions in the loop's straight run for sm_90a.
+//   An 8-warp form (template NW = 8: two warps per SM sub-partition, so one issues while the other
+//   waits) splits the score product also by position halves (18 mma) and the value columns in 8
+//   (16 mma); its softmax work per warp is the same.
 // Rows past a request's length are never read: the bulk copies stop at the length and the rest of
 // the last tile is zero-filled (scores there are masked to -inf), so NaN in unused cache rows
 // cannot reach the output.
@@ -52,14 +56,13 @@ namespace k3mla {
 constexpr int D = 576;      // latent row: 512 value columns + 64 rope
 constexpr int DV = 512;     // value columns
 constexpr int BN = 32;      // positions per tile
-constexpr int WARPS = 4;
-constexpr int THREADS = WARPS * 32;
+constexpr int KGROUPS = 4;  // the score product's 576 columns in 4 groups of 144 (9 k-steps)
 constexpr int ROWS = 16;    // padded heads = one mma tile of rows
 constexpr int ROW_BYTES = D * 2;            // 1152 bytes per latent row
 constexpr int BPITCH = 4 * ROW_BYTES + 16;  // a block of 4 rows + 16 bytes: 8 blocks start in 8 bank groups
 constexpr int STAGE_BYTES = 8 * BPITCH;     // a tile = 8 blocks of 4 rows: 36,992 bytes
-constexpr int XCH_BYTES = WARPS * 4 * 32 * 16;  // one score-partial exchange buffer: 8 KB
-constexpr int KSTEPS = D / 16 / WARPS;      // 9 k-steps of the score product per warp
+constexpr int XCH_BYTES = KGROUPS * 4 * 32 * 16;  // one score-partial exchange buffer: 8 KB
+constexpr int KSTEPS = D / 16 / KGROUPS;    // 9 k-steps of the score product per warp
 constexpr int MERGE_COLS = 32;              // value columns per merge block
 constexpr int MERGE_THREADS = 128;
 
@@ -204,24 +207,25 @@ K3_DEVICE Tile tile_at(const Args& a, int b, int pos, int end) {
   return t;
 }
 
-// Every warp: fetch its two blocks of 4 latent rows (2w, 2w + 1) of one tile into `stage`, one bulk
-// copy each (lanes 0 and 1); rows past the request's length are zero-filled instead. The stage's
+// Every warp: fetch its BPW blocks of 4 latent rows (BPW w ...) of one tile into `stage`, one bulk
+// copy each (lanes 0..BPW-1); rows past the request's length are zero-filled instead. The stage's
 // mbarrier was told the tile's byte count beforehand (thread 0, before a barrier this follows).
+template <int BPW>  // 4-row blocks per warp: 2 (4 warps) or 1 (8 warps)
 K3_DEVICE void issue_tile(const Args& a, const Tile& t, uint32_t stage, uint32_t bar, int warp, int lane) {
   if (t.rows < BN) {
     // the request's last tile: zero what the copies leave out (generic stores, made visible to the
     // other warps by the barrier that precedes this tile's use)
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int blk = 2 * warp + k;
+    for (int k = 0; k < BPW; ++k) {
+      const int blk = BPW * warp + k;
       const int keep = min(4, max(0, t.rows - 4 * blk));
       const uint32_t base = stage + blk * BPITCH;
       for (int c = keep * (ROW_BYTES / 16) + lane; c < 4 * (ROW_BYTES / 16); c += 32)
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(base + c * 16), "r"(0) : "memory");
     }
   }
-  if (lane < 2) {
-    const int blk = 2 * warp + lane;
+  if (lane < BPW) {
+    const int blk = BPW * warp + lane;
     const int keep = min(4, max(0, t.rows - 4 * blk));
     if (keep > 0)
       bulk_copy(stage + blk * BPITCH, a.kv + t.row0 + (long long)blk * 4 * D, (uint32_t)(keep * ROW_BYTES), bar);
@@ -229,19 +233,21 @@ K3_DEVICE void issue_tile(const Args& a, const Tile& t, uint32_t stage, uint32_t
 }
 
 // Score partial of this warp's 144 columns for one tile: 4 n-tiles of 8 positions, fp32 [16 x 32].
-// Two accumulators per n-tile (even and odd k-steps) halve the chain of dependent mma.
+// Two accumulators per n-tile (even and odd k-steps) halve the chain of dependent mma. SNT: score
+// n-tiles of this warp (4: all 32 positions; 2: one half, with 8 warps).
+template <int SNT>
 K3_DEVICE void score_tile(float (&s)[4][4], const uint32_t (&qf)[KSTEPS][4], uint32_t b_lane) {
-  float t[2][4][4];
+  float t[2][SNT][4];
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < SNT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) t[h][nt][e] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk) {
 #pragma unroll
-    for (int np = 0; np < 2; ++np) {
+    for (int np = 0; np < SNT / 2; ++np) {
       uint32_t b0, b1, b2, b3;
       ldsm_x4(b_lane + np * 2 * ROW_BYTES + kk * 32, b0, b1, b2, b3);
       mma(t[kk & 1][2 * np], qf[kk], b0, b1);
@@ -249,23 +255,33 @@ K3_DEVICE void score_tile(float (&s)[4][4], const uint32_t (&qf)[KSTEPS][4], uin
     }
   }
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
+  for (int nt = 0; nt < SNT; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[nt][e] = t[0][nt][e] + t[1][nt][e];
 }
 
-K3_DEVICE void publish_scores(const float (&s)[4][4], float4* xch, int warp, int lane) {
+// Exchange layout [k-group][n-tile][lane] float4: warp (kg, ph) writes n-tiles ph*SNT .. ph*SNT+SNT-1.
+template <int SNT>
+K3_DEVICE void publish_scores(const float (&s)[4][4], float4* xch, int kg, int ph, int lane) {
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) xch[(warp * 4 + nt) * 32 + lane] = make_float4(s[nt][0], s[nt][1], s[nt][2], s[nt][3]);
+  for (int nt = 0; nt < SNT; ++nt)
+    xch[(kg * 4 + ph * SNT + nt) * 32 + lane] = make_float4(s[nt][0], s[nt][1], s[nt][2], s[nt][3]);
 }
 
-template <int STAGES>
-__global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
+// NW warps: 4 (one per SM sub-partition) or 8 (two, so one can issue while the other waits).
+// Score product: warp w takes column group kg = w % 4 and, with 8 warps, half ph = w / 4 of the 32
+// positions; value product: warp w takes 512 / NW value columns.
+template <int STAGES, int NW>
+__global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
+  constexpr int SNT = NW == 8 ? 2 : 4;  // score n-tiles per warp
+  constexpr int VNT = DV / 8 / NW;      // value n-tiles per warp (16 or 8)
+  constexpr int BPW = 8 / NW;           // 4-row blocks copied per warp
   extern __shared__ __align__(128) unsigned char smem[];
 #if defined(K3_MLA_SM90)
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;  // mma fragment row group, thread in quad
+  const int kg = warp & (KGROUPS - 1), ph = warp / KGROUPS;
   launch_dependents();  // the merge may launch now; it waits (griddepcontrol.wait) for this grid
   // The first tiles' rows, read before the request's length is known: the block-table reads and the
   // length read are in flight together (one memory round trip before the first copies, not two).
@@ -274,7 +290,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
   for (int i = 0; i < STAGES; ++i) first_rows[i] = row_at(a, blockIdx.y, blockIdx.x * a.chunk + i * BN);
 
   const uint32_t stages = smem_u32(smem);
-  float4* xch = reinterpret_cast<float4*>(smem + STAGES * STAGE_BYTES);  // [2][WARPS][4][32]
+  float4* xch = reinterpret_cast<float4*>(smem + STAGES * STAGE_BYTES);  // [2][KGROUPS][4][32]
   const uint32_t bars = smem_u32(smem + STAGES * STAGE_BYTES + 2 * XCH_BYTES);
   const int length = __ldg(a.lengths + b);
   const int start = split * a.chunk;
@@ -293,7 +309,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
   // the first STAGES - 1 tiles: their copies start before anything else
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i)
-    if (i < ntiles) issue_tile(a, Tile{first_rows[i], tile_rows(start + i * BN, end)}, stages + i * STAGE_BYTES,
+    if (i < ntiles) issue_tile<BPW>(a, Tile{first_rows[i], tile_rows(start + i * BN, end)}, stages + i * STAGE_BYTES,
                                bars + 8 * i, warp, lane);
 
   // This warp's query slice (columns 144w..144w+143) as mma A fragments, kept for the whole piece.
@@ -305,7 +321,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
     const uint32_t* q1 = reinterpret_cast<const uint32_t*>(a.q + (long long)b * a.q_sb + (long long)h1 * a.q_sh);
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
-      const int c = (warp * KSTEPS + kk) * 16 + 2 * t4;  // element column of a0/a1
+      const int c = (kg * KSTEPS + kk) * 16 + 2 * t4;  // element column of a0/a1
       qf[kk][0] = h0 < a.heads ? __ldg(q0 + c / 2) : 0u;
       qf[kk][1] = h1 < a.heads ? __ldg(q1 + c / 2) : 0u;
       qf[kk][2] = h0 < a.heads ? __ldg(q0 + c / 2 + 4) : 0u;
@@ -321,12 +337,13 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
   // matrix m. Scores (K as B, not transposed): m = (n-tile 2np + m/2, k half m%2); values (V as B,
   // transposed): m = (k half m%2 = n-tile 2ks + m%2, value n-tile 2np + m/2).
   const int mi = lane >> 3, r8 = lane & 7;
-  const uint32_t k_lane = (uint32_t)(r8 * BPITCH + (mi >> 1) * ROW_BYTES + (warp * 2 * KSTEPS + (mi & 1)) * 16);
-  const uint32_t v_lane = (uint32_t)(r8 * BPITCH + (mi & 1) * ROW_BYTES + (warp * 16 + (mi >> 1)) * 16);
+  const uint32_t k_lane =
+      (uint32_t)(r8 * BPITCH + (ph * SNT + (mi >> 1)) * ROW_BYTES + (kg * 2 * KSTEPS + (mi & 1)) * 16);
+  const uint32_t v_lane = (uint32_t)(r8 * BPITCH + (mi & 1) * ROW_BYTES + (warp * VNT + (mi >> 1)) * 16);
 
-  float acc[16][4];  // o for rows g, g+8 and this warp's 128 value columns (16 n-tiles)
+  float acc[VNT][4];  // o for rows g, g+8 and this warp's 512 / NW value columns
 #pragma unroll
-  for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  for (int i = 0; i < VNT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // running max / sum (this thread's share)
 
   Tile next{};
@@ -336,15 +353,15 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
   float s[4][4];
   if (ntiles > 0) {
     mbar_wait(bars, 0);
-    score_tile(s, qf, stages + k_lane);
-    publish_scores(s, xch, warp, lane);
+    score_tile<SNT>(s, qf, stages + k_lane);
+    publish_scores<SNT>(s, xch, kg, ph, lane);
   }
 
   // Softmax and value product of tile j (its scores published, its stage landed).
   auto softmax_value = [&](const int j) {
     // full scores of tile j: the four partials summed in one fixed order (from shared memory, this
     // warp's own too), so every warp holds bit-identical scores, hence the same max, p and sum
-    const float4* xj = xch + (j & 1) * (WARPS * 4 * 32);
+    const float4* xj = xch + (j & 1) * (KGROUPS * 4 * 32);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const float4 v0 = xj[nt * 32 + lane];
@@ -354,7 +371,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
       s[nt][3] = v0.w;
     }
 #pragma unroll
-    for (int w = 1; w < WARPS; ++w) {
+    for (int w = 1; w < KGROUPS; ++w) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const float4 v = xj[(w * 4 + nt) * 32 + lane];
@@ -403,7 +420,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
     l1 = l1 * al1 + ps1;
     if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the max moved: rescale (warp-uniform skip)
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
+      for (int i = 0; i < VNT; ++i) {
         acc[i][0] *= al0;
         acc[i][1] *= al0;
         acc[i][2] *= al1;
@@ -415,7 +432,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks) {
 #pragma unroll
-      for (int np = 0; np < 8; ++np) {
+      for (int np = 0; np < VNT / 2; ++np) {
         uint32_t b0, b1, b2, b3;
         ldsm_x4_t(vs + ks * 2 * ROW_BYTES + np * 32, b0, b1, b2, b3);
         mma(acc[2 * np], pf[ks], b0, b1);
@@ -432,13 +449,13 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
     const int nxt = j + STAGES - 1;
     if (nxt < ntiles) {  // the stage of tile j - 1 is free: refill it (its byte count was announced)
       const int st = nxt % STAGES;
-      issue_tile(a, next, stages + st * STAGE_BYTES, bars + 8 * st, warp, lane);
+      issue_tile<BPW>(a, next, stages + st * STAGE_BYTES, bars + 8 * st, warp, lane);
       if (nxt + 1 < ntiles) next = tile_at(a, b, start + (nxt + 1) * BN, end);  // used next iteration
     }
     mbar_wait(bars + 8 * ((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
     softmax_value(j);
-    score_tile(s, qf, stages + ((j + 1) % STAGES) * STAGE_BYTES + k_lane);
-    publish_scores(s, xch + ((j + 1) & 1) * (WARPS * 4 * 32), warp, lane);
+    score_tile<SNT>(s, qf, stages + ((j + 1) % STAGES) * STAGE_BYTES + k_lane);
+    publish_scores<SNT>(s, xch + ((j + 1) & 1) * (KGROUPS * 4 * 32), kg, ph, lane);
     // announce tile nxt + 1's bytes on its stage's mbarrier (tile j's phase there completed, and
     // every thread waited for it before this iteration's barrier; its copies are issued only after
     // the next barrier, so the count always comes first)
@@ -458,7 +475,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
   const float r0 = l0 > 0.f ? 1.f / l0 : 0.f, r1 = l1 > 0.f ? 1.f / l1 : 0.f;
   const float lse0 = l0 > 0.f ? m0 + __log2f(l0) : -INFINITY;
   const float lse1 = l1 > 0.f ? m1 + __log2f(l1) : -INFINITY;
-  const int col0 = warp * 128 + 2 * t4;
+  const int col0 = warp * VNT * 8 + 2 * t4;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int h = g + 8 * half;
@@ -467,7 +484,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
     if (a.splits == 1) {
       k3_bf16* o = a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + col0;
 #pragma unroll
-      for (int nt = 0; nt < 16; ++nt) {
+      for (int nt = 0; nt < VNT; ++nt) {
         const uint32_t v = pack_bf16(acc[nt][2 * half] * rr, acc[nt][2 * half + 1] * rr);
         *reinterpret_cast<uint32_t*>(o + nt * 8) = v;
       }
@@ -476,7 +493,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const Args a) {
       const long long prow = ((long long)b * a.heads + h) * a.splits + split;
       float* o = a.part_o + prow * DV + col0;
 #pragma unroll
-      for (int nt = 0; nt < 16; ++nt)
+      for (int nt = 0; nt < VNT; ++nt)
         *reinterpret_cast<float2*>(o + nt * 8) = make_float2(acc[nt][2 * half] * rr, acc[nt][2 * half + 1] * rr);
       if (warp == 0 && t4 == 0) a.part_lse[prow] = ls;
     }
@@ -543,17 +560,18 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
   }
 }
 
-template <int STAGES>
+template <int STAGES, int NW>
 int launch_split(const Args& a, int max_shared, cudaStream_t st) {
   const int bytes = smem_bytes(STAGES);
   if (bytes > max_shared) return -3;
   static bool configured = false;  // the opt-in above 48 KB, once per process and template
   if (!configured) {
-    const cudaError_t e = cudaFuncSetAttribute(split_kernel<STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    const cudaError_t e =
+        cudaFuncSetAttribute(split_kernel<STAGES, NW>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
-  split_kernel<STAGES><<<dim3(a.splits, a.B), THREADS, bytes, st>>>(a);
+  split_kernel<STAGES, NW><<<dim3(a.splits, a.B), NW * 32, bytes, st>>>(a);
   return (int)cudaGetLastError();
 }
 
@@ -570,20 +588,24 @@ K3_EXPORT int k3_mla_decode_smem(int stages) {
 }
 
 // Register count of the split kernel for `stages` as compiled for the current device (<0: error).
-K3_EXPORT int k3_mla_decode_regs(int stages) {
+// The compiled (stages, warps) pairs.
+#define K3_MLA_CONFIGS(X) X(3, 4) X(4, 4) X(5, 4) X(3, 8) X(4, 8) X(5, 8)
+
+K3_EXPORT int k3_mla_decode_regs(int stages, int warps) {
   cudaFuncAttributes attr;
   cudaError_t e = cudaErrorInvalidValue;
-  if (stages == 3) e = cudaFuncGetAttributes(&attr, k3mla::split_kernel<3>);
-  if (stages == 4) e = cudaFuncGetAttributes(&attr, k3mla::split_kernel<4>);
-  if (stages == 5) e = cudaFuncGetAttributes(&attr, k3mla::split_kernel<5>);
+#define K3_REGS(S_, W_) \
+  if (stages == S_ && warps == W_) e = cudaFuncGetAttributes(&attr, k3mla::split_kernel<S_, W_>);
+  K3_MLA_CONFIGS(K3_REGS)
+#undef K3_REGS
   return e == cudaSuccess ? attr.numRegs : -(int)e;
 }
 
 // One decode step: the split kernel (grid splits x B), then, for splits > 1, the merge (grid
 // B*heads x 512/32), launched with programmatic dependent launch when pdl != 0.
-// Returns 0, -1 (no such stage count), -3 (more shared memory than max_shared), -4 (bad sizes),
+// Returns 0, -1 (no such (stages, warps) pair), -3 (more shared memory than max_shared), -4 (bad sizes),
 // or the CUDA runtime's error code.
-K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int pdl, int max_shared, void* stream) {
+K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int warps, int pdl, int max_shared, void* stream) {
   const k3mla::Args& a = *args;
   if (a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 1 || a.splits > 65535 ||
       a.chunk < k3mla::BN || a.chunk % k3mla::BN != 0 || a.page_shift < 5 || a.page_shift > 30 ||
@@ -591,9 +613,10 @@ K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int pdl, int ma
     return -4;
   cudaStream_t st = (cudaStream_t)stream;
   int rc = -1;
-  if (stages == 3) rc = k3mla::launch_split<3>(a, max_shared, st);
-  if (stages == 4) rc = k3mla::launch_split<4>(a, max_shared, st);
-  if (stages == 5) rc = k3mla::launch_split<5>(a, max_shared, st);
+#define K3_LAUNCH(S_, W_) \
+  if (stages == S_ && warps == W_) rc = k3mla::launch_split<S_, W_>(a, max_shared, st);
+  K3_MLA_CONFIGS(K3_LAUNCH)
+#undef K3_LAUNCH
   if (rc != 0 || a.splits == 1) return rc;
   dim3 grid(a.B * a.heads, k3mla::DV / k3mla::MERGE_COLS);
   if (pdl) {
@@ -618,7 +641,7 @@ K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int pdl, int ma
 K3_EXPORT int k3_mla_decode_supported() { return 0; }
 K3_EXPORT int k3_mla_decode_args_size() { return (int)sizeof(k3mla::Args); }
 K3_EXPORT int k3_mla_decode_smem(int stages) { return stages >= 3 && stages <= 5 ? k3mla::smem_bytes(stages) : -1; }
-K3_EXPORT int k3_mla_decode_regs(int) { return K3_MLA_UNSUPPORTED; }
-K3_EXPORT int k3_mla_decode(const k3mla::Args*, int, int, int, void*) { return K3_MLA_UNSUPPORTED; }
+K3_EXPORT int k3_mla_decode_regs(int, int) { return K3_MLA_UNSUPPORTED; }
+K3_EXPORT int k3_mla_decode(const k3mla::Args*, int, int, int, int, void*) { return K3_MLA_UNSUPPORTED; }
 
 #endif

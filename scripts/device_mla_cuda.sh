@@ -7,9 +7,9 @@
 #     own process so that a fault there does not stop the timing step from reporting;
 #  3. check (fp32 reference) then time, graph replay with rotated input sets, the CUDA kernel beside
 #     the Triton `after` plan at ctx1k, ctx32k, ctx128k and b8_8k (B = 1 unless named, 12 heads, bf16,
-#     paged, page 64: the mla_padding study's inputs), plus a few piece counts and ring depths at
-#     32K and 128K. Records (study mla_padding): '<case>.cuda' (default plan), '<case>.cuda.sp<N>' and
-#     '<case>.cuda.st<S>' (sweep points) and '<case>.r5.split' (the Triton after in the same process);
+#     paged, page 64: the mla_padding study's inputs), plus 8 warps per block, a few piece counts and
+#     ring depths. Records (study mla_padding): '<case>.cuda' (default plan: 5 stages, 4 warps),
+#     '<case>.cuda.w8', '<case>.cuda.sp<N>', '<case>.cuda.st<S>', '<case>.cuda.nopdl' (sweep points) and '<case>.r5.split' (the Triton after in the same process);
 #     a kernel whose check fails is timed anyway but written to mla_cuda_unchecked.json only.
 #  4. NCU=1: one ncu report of the split kernel at 32K (speed of light, occupancy, warp states) in
 #     $OUT/ncu_mla_cuda.txt.
@@ -35,7 +35,7 @@ for name, regs in zip(re.findall(r"Compiling entry function '(\w+)'", report), r
     print(f"{name:48s} {regs} registers")
 print("spill stores:", re.findall(r"(\d+) bytes spill stores", report))
 if ok:
-    print({s: {"regs": mc.registers(s), "smem": mc.smem_bytes(s)} for s in mc.STAGES})
+    print({(s, w): {"regs": mc.registers(s, w), "smem": mc.smem_bytes(s)} for s in mc.STAGES for w in mc.WARPS})
 PY
 
 echo "== 2. tests"
@@ -56,9 +56,12 @@ HEADS = 12
 want = [c for c in os.environ.get("CASES", "ctx1k,ctx32k,ctx128k,b8_8k").split(",") if c]
 cases = {c.name: c for c in (st.Case("ctx1k", 1, 1024), st.Case("ctx32k", 1, 32768), st.Case("ctx128k", 1, 131072),
                                 st.Case("b8_8k", 8, 8192), st.Case("tiny", 1, 100))}  # tiny: a CPU dry run
-SWEEP = {"ctx32k": [("sp64", dict(num_splits=64)), ("sp132", dict(num_splits=132)), ("sp264", dict(num_splits=264)),
-                    ("st4", dict(stages=4)), ("st3", dict(stages=3)), ("nopdl", dict(pdl=False))],
-         "ctx128k": [("sp132", dict(num_splits=132)), ("sp264", dict(num_splits=264)), ("st4", dict(stages=4))]}
+SWEEP = {"ctx1k": [("w8", dict(warps=8))], "b8_8k": [("w8", dict(warps=8))],
+         "ctx32k": [("w8", dict(warps=8)), ("w8st4", dict(warps=8, stages=4)), ("sp64", dict(num_splits=64)),
+                    ("sp132", dict(num_splits=132)), ("sp264", dict(num_splits=264)), ("st4", dict(stages=4)),
+                    ("st3", dict(stages=3)), ("nopdl", dict(pdl=False))],
+         "ctx128k": [("w8", dict(warps=8)), ("sp132", dict(num_splits=132)), ("sp264", dict(num_splits=264)),
+                     ("st4", dict(stages=4))]}
 checked, unchecked, rows = [], [], []
 
 def record(rcase, variant, fn_of_set, sets, nbytes, floor, shape, errors, facts, ok):

@@ -53,6 +53,7 @@ def _paged(page=64, L=96, lengths=(96,)):
     ("q_misaligned", "4-byte"),
     ("splits0", "num_splits"),
     ("stages6", "stages"),
+    ("warps16", "warps"),
     ("scale_negative", "scale"),
     ("too_long", "longer"),
     ("page_out_of_pool", "outside the pool"),
@@ -85,6 +86,8 @@ def test_bad_arguments_are_refused_by_name(case, match):
         kw["num_splits"] = 0
     elif case == "stages6":
         kw["stages"] = 6
+    elif case == "warps16":
+        kw["warps"] = 16
     elif case == "scale_negative":
         kw["scale"] = -0.1
     elif case == "too_long":
@@ -143,7 +146,8 @@ def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
                                      dest=tmp_path / "mla_decode.so")
     report = Path(str(lib_path) + ".log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-    assert sum("split_kernel" in k for k in kernels) == len(mc.STAGES) and any("merge_kernel" in k for k in kernels)
+    assert sum("split_kernel" in k for k in kernels) == len(mc.STAGES) * len(mc.WARPS)
+    assert any("merge_kernel" in k for k in kernels)
     spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", report)]
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert spills and all(s == 0 for s in spills), report[-2000:]
@@ -197,6 +201,7 @@ def _check(o, lse, q, ref_cache, lens, H):
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU (the kernel is not yet run on one by this project)")
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("warps", mc.WARPS)
 @pytest.mark.parametrize("lengths,H,splits,stages", [
     ((1,), 12, None, 5),
     ((31,), 12, None, 5),
@@ -207,12 +212,12 @@ def _check(o, lse, q, ref_cache, lens, H):
     ((5000, 33, 1, 64, 2049), 12, None, 5),  # mixed lengths: empty pieces for the short requests
     ((32768,), 12, None, 5),
 ])
-def test_on_the_gpu_matches_the_reference(paged, lengths, H, splits, stages):
+def test_on_the_gpu_matches_the_reference(paged, lengths, H, splits, stages, warps):
     if not _runs():
         pytest.skip(f"kernel unavailable: {mc.status()[1]}")
     L = max(lengths) + 40
     q, kern, ref, lens, bt = _ragged(len(lengths), L, lengths, H, paged, seed=len(lengths) + H, nan_tail=True)
-    p = mc.plan(q, kern, lens, block_table=bt, num_splits=splits, stages=stages)
+    p = mc.plan(q, kern, lens, block_table=bt, num_splits=splits, stages=stages, warps=warps)
     o, lse = p()
     torch.cuda.synchronize()
     assert torch.isfinite(o.float()).all(), "NaN past a length leaked into the output"

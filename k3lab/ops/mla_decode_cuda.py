@@ -43,10 +43,12 @@ MAX_HEADS = 16  # one mma tile of rows
 BLOCK_N = 32  # latent rows per tile (kernels/mla_decode.cu, BN)
 STAGES = (3, 4, 5)  # compiled ring depths
 DEFAULT_STAGES = 5  # 5 x 37 KB in shared memory: one block per SM, ~150 KB of copies in flight
+WARPS = (4, 8)  # compiled block sizes: 4 warps (one per SM sub-partition) or 8 (two each)
+DEFAULT_WARPS = 4
 MAX_SPLITS = 65535
 _STAGE_BYTES = 8 * (4 * LATENT_DIM * 2 + 16)  # 8 blocks of 4 rows, 16 bytes of padding each
 _XCH_BYTES = 4 * 4 * 32 * 16  # one score-partial exchange buffer
-_ERRORS = {-1: "no compiled kernel for this stage count", -3: "more shared memory than the device allows per block",
+_ERRORS = {-1: "no compiled kernel for this (stages, warps) pair", -3: "more shared memory than the device allows per block",
            -4: "bad sizes", -5: "this build has no MLA decode kernel (HIP, or not sm_90)"}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
 
@@ -76,12 +78,14 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the exported launchers' signatures and check the Args layout and the shared-memory
     formula against the library's; returns lib."""
     lib.k3_mla_decode.restype = ctypes.c_int
-    lib.k3_mla_decode.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.k3_mla_decode.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_void_p]
     for fn in ("k3_mla_decode_args_size", "k3_mla_decode_supported"):
         getattr(lib, fn).restype = ctypes.c_int
-    for fn in ("k3_mla_decode_smem", "k3_mla_decode_regs"):
-        getattr(lib, fn).restype = ctypes.c_int
-        getattr(lib, fn).argtypes = [ctypes.c_int]
+    lib.k3_mla_decode_smem.restype = ctypes.c_int
+    lib.k3_mla_decode_smem.argtypes = [ctypes.c_int]
+    lib.k3_mla_decode_regs.restype = ctypes.c_int
+    lib.k3_mla_decode_regs.argtypes = [ctypes.c_int, ctypes.c_int]
     size = lib.k3_mla_decode_args_size()
     if size != ctypes.sizeof(Args):
         raise _build.KernelUnavailable(f"{NAME}.cu's Args is {size} bytes but the Python Args is "
@@ -125,10 +129,12 @@ def available() -> bool:
     return status()[0]
 
 
-def registers(stages: int = DEFAULT_STAGES) -> int:
+def registers(stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS) -> int:
     """Registers per thread of the split kernel as compiled for this GPU (GPU only)."""
     smem_bytes(stages)  # checks stages
-    n = _library().k3_mla_decode_regs(stages)
+    if warps not in WARPS:
+        raise ValueError(f"warps must be one of {WARPS}, got {warps!r}")
+    n = _library().k3_mla_decode_regs(stages, warps)
     if n < 0:
         raise RuntimeError(f"{NAME}.cu could not report its registers (error {-n})")
     return n
@@ -170,9 +176,11 @@ class _Checked:
     inp: object  # mla_decode._Inputs
     scale: float
     stages: int
+    warps: int
 
 
-def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES) -> _Checked:
+def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
+          warps=DEFAULT_WARPS) -> _Checked:
     """Every refusal, by name, before anything runs on a device (ValueError). Reads `lengths` and
     the block table on the host once (see mla_decode's plans)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -199,6 +207,8 @@ def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=No
                          f"got strides {tuple(cache.stride())}")
     if stages not in STAGES:
         raise ValueError(f"stages must be one of {STAGES}, got {stages!r}")
+    if warps not in WARPS:
+        raise ValueError(f"warps must be one of {WARPS}, got {warps!r}")
     if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
                                    or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be an integer in 1..{MAX_SPLITS}, got {num_splits!r}")
@@ -215,7 +225,7 @@ def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=No
         raise ValueError("q must start on a 4-byte boundary with even batch and head strides (the kernel reads "
                          "pairs of bf16)")
     inp = mla._validate(q, cache, lengths, block_table, max_heads=MAX_HEADS)  # lengths, block table, devices
-    return _Checked(inp, float(s), stages)
+    return _Checked(inp, float(s), stages, warps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,6 +240,7 @@ class CudaDecodePlan:
     num_splits: int
     chunk: int
     stages: int
+    warps: int
     pdl: bool
     out: torch.Tensor
     lse: torch.Tensor
@@ -248,13 +259,13 @@ class CudaDecodePlan:
 
     def facts(self) -> dict:
         return {"kernel": "cuda", "num_splits": self.num_splits, "chunk": self.chunk, "block_n": BLOCK_N,
-                "num_stages": self.stages, "num_warps": 4, "smem_bytes": smem_bytes(self.stages),
+                "num_stages": self.stages, "num_warps": self.warps, "smem_bytes": smem_bytes(self.stages),
                 "programs": self.programs, "launches": self.launches, "pdl": self.pdl, "rows_per_program": 16}
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         lib = _library()
         stream = _raw_stream(self._device) if _raw_stream is not None else torch.cuda.current_stream().cuda_stream
-        rc = lib.k3_mla_decode(ctypes.byref(self._args), self.stages, int(self.pdl), self._max_shared,
+        rc = lib.k3_mla_decode(ctypes.byref(self._args), self.stages, self.warps, int(self.pdl), self._max_shared,
                                ctypes.c_void_p(stream))
         if rc != 0:
             raise RuntimeError(f"{NAME}.cu refused the launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
@@ -262,11 +273,13 @@ class CudaDecodePlan:
 
 
 def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
-         pdl: bool = True, compute_units: int | None = None) -> CudaDecodePlan:
+         warps=DEFAULT_WARPS, pdl: bool = True, compute_units: int | None = None) -> CudaDecodePlan:
     """Check once (ValueError by name), then build a launchable plan on the GPU (KernelUnavailable,
     with the reason, where the kernel cannot run). num_splits: None = `choose_splits` for the
-    device's SM count; pdl: launch the merge early (programmatic dependent launch)."""
-    c = check(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages)
+    device's SM count; stages / warps: the compiled ring depth and block size (5 and 4 by default);
+    pdl: launch the merge early (programmatic dependent launch)."""
+    c = check(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
+              warps=warps)
     ok, why = status()
     if not ok:
         raise _build.KernelUnavailable(f"{NAME}.cu cannot run here: {why}")
@@ -298,13 +311,14 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                 out.stride(0), out.stride(2), lse.stride(0),
                 B, H, page_shift, splits, chunk, bt.shape[1] if bt is not None else 0, c.scale * mla._LOG2E)
     keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse)
-    return CudaDecodePlan(splits, chunk, stages, bool(pdl) and splits > 1, out, lse, args, keep, max_shared, dev)
+    return CudaDecodePlan(splits, chunk, stages, warps, bool(pdl) and splits > 1, out, lse, args, keep, max_shared,
+                          dev)
 
 
 def mla_decode_cuda(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None,
-                    stages=DEFAULT_STAGES, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    stages=DEFAULT_STAGES, warps=DEFAULT_WARPS, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step on the CUDA kernel: (o [B, 1, H, 512] in q's dtype, lse [B, 1, H] natural log),
     as `mla_decode.reference` computes them. EXPERIMENTAL: not yet run on a GPU by this project."""
     o, lse = plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
-                  pdl=pdl)()
+                  warps=warps, pdl=pdl)()
     return o.clone(), lse.clone()

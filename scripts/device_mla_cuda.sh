@@ -2,6 +2,7 @@
 # The hand-written CUDA MLA decode (kernels/mla_decode.cu, k3lab/ops/mla_decode_cuda.py; EXPERIMENTAL)
 # on an H200, in one device call:
 #  1. build it for the device (nvcc, sm_90a): registers and spills from ptxas, shared memory;
+#  1b. a smoke run (60 s limit) of each form on a small case; a failure or a hang stops the script;
 #  2. its GPU tests (tests/test_mla_decode_cuda.py: paged and contiguous, mixed lengths, lengths that
 #     are not multiples of the 32-row tile, NaN past the lengths, one piece, graph replay), in their
 #     own process so that a fault there does not stop the timing step from reporting;
@@ -37,6 +38,27 @@ print("spill stores:", re.findall(r"(\d+) bytes spill stores", report))
 if ok:
     print({(s, w): {"regs": mc.registers(s, w), "smem": mc.smem_bytes(s)} for s in mc.STAGES for w in mc.WARPS})
 PY
+
+echo "== 1b. smoke (one small decode per form, 60 s limit: a hang here must not eat the call)"
+if ! timeout 60 python3 - <<'PY'
+import torch
+from k3lab.ops import mla_decode as mla
+from k3lab.ops import mla_decode_cuda as mc
+q = torch.randn(2, 1, 12, 576, device="cuda").bfloat16()
+cache = torch.randn(2, 4097, 576, device="cuda").bfloat16()
+lens = torch.tensor([4097, 100], device="cuda", dtype=torch.int32)
+pool, bt = mla.to_paged(cache, 64)
+ro, rl = mla.reference(q.float(), cache.float(), lens)
+for warps in mc.WARPS:
+    for paged in (True, False):
+        o, lse = mc.mla_decode_cuda(q, pool if paged else cache, lens, block_table=bt if paged else None, warps=warps)
+        torch.cuda.synchronize()
+        err = ((o.float() - ro).norm() / ro.norm()).item()
+        print(f"warps {warps} paged {paged}: rel_l2 {err:.2e}  lse max abs {(lse - rl).abs().max().item():.2e}", flush=True)
+PY
+then
+  echo "SMOKE FAILED OR HUNG: skipping the tests and the timing (see above)"; exit 3
+fi
 
 echo "== 2. tests"
 timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_mla_decode_cuda.py 2>&1 | tail -40 | tee "$OUT/tests.txt"

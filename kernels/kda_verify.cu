@@ -72,52 +72,13 @@ struct Args {
 };
 
 // ---------------------------------------------------------------------------------------------
-// loads of R contiguous elements (bf16 or fp32) as fp32, in 16-byte pieces where they fit. Plain
-// loads on purpose: read-only (__ldg, ld.global.nc) loads may be moved past __syncthreads, and the
-// compiler then sinks later positions' loads to their first use, one memory round trip per position.
+// Loads. Plain loads on purpose: read-only (__ldg, ld.global.nc) loads may be moved past
+// __syncthreads, and the compiler then sinks later positions' loads to their first use, one memory
+// round trip per position.
 
 K3_DEVICE void unpack2(uint32_t w, float& lo, float& hi) {
   lo = __uint_as_float(w << 16);
   hi = __uint_as_float(w & 0xffff0000u);
-}
-
-template <int R>
-K3_DEVICE void load_row(const void* base, long long off, bool bf16, float (&x)[R]) {
-  if (bf16) {
-    const k3_bf16* p = static_cast<const k3_bf16*>(base) + off;
-    if constexpr (R % 8 == 0) {
-#pragma unroll
-      for (int i = 0; i < R / 8; ++i) {
-        const uint4 u = reinterpret_cast<const uint4*>(p)[i];
-        unpack2(u.x, x[8 * i], x[8 * i + 1]);
-        unpack2(u.y, x[8 * i + 2], x[8 * i + 3]);
-        unpack2(u.z, x[8 * i + 4], x[8 * i + 5]);
-        unpack2(u.w, x[8 * i + 6], x[8 * i + 7]);
-      }
-    } else if constexpr (R == 4) {
-      const uint2 u = *reinterpret_cast<const uint2*>(p);
-      unpack2(u.x, x[0], x[1]);
-      unpack2(u.y, x[2], x[3]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < R; ++i) x[i] = k3_bf16_to_f32(p[i]);
-    }
-  } else {
-    const float* p = static_cast<const float*>(base) + off;
-    if constexpr (R % 4 == 0) {
-#pragma unroll
-      for (int i = 0; i < R / 4; ++i) {
-        const float4 f = reinterpret_cast<const float4*>(p)[i];
-        x[4 * i] = f.x;
-        x[4 * i + 1] = f.y;
-        x[4 * i + 2] = f.z;
-        x[4 * i + 3] = f.w;
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < R; ++i) x[i] = p[i];
-    }
-  }
 }
 
 // exp for the decays: one MUFU.EX2 (flush-to-zero: a decay below 1e-38 is 0)
@@ -129,10 +90,6 @@ K3_DEVICE float fast_exp(float x) {
 #else
   return __expf(x);
 #endif
-}
-
-K3_DEVICE float load_one(const void* base, long long off, bool bf16) {
-  return bf16 ? k3_bf16_to_f32(static_cast<const k3_bf16*>(base)[off]) : static_cast<const float*>(base)[off];
 }
 
 K3_DEVICE void store_out(void* o, long long off, bool bf16, float x) {

@@ -45,7 +45,7 @@ share one register layout. Compiled for sm_90a (one wave, tile 8, with the 16-by
 launch sees; ptxas and cuobjdump) the trade is visible but not its outcome: at T = 4 'step' is 1,698
 instructions with 16 barriers, 'tile' 1,867 with 8, 'vk' 1,883 with 4 (T = 8: 3,353 / 3,694 / 3,699
 with 32 / 16 / 8). Fewer shared-memory round trips on the recurrence's path, a tenth more
-instructions. The H200 run of those sweep points (commit 7ebd1a1, B = 1, T = 4, graph replay, as
+instructions. The H200 run of those sweep points (commit 7ebd1a1, B = 1, T = 4, graph replay,
 records b1_t4.tile*/vk*) kept 'step' ahead: step 4.19 us, tile8_w1 5.40, tile8_w2 4.85,
 tile4_w1 6.54, vk8_w1 4.79, vk8_w2 4.35, vk4_w1 4.56; so 'step' with 'kv' stays the default.
 

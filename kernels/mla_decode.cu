@@ -84,6 +84,12 @@ struct Args {
   int B, heads, page_shift, splits, chunk;  // chunk: positions per piece, a multiple of BN
   int max_pages;                  // block table columns (paged)
   float scale_log2;               // softmax scale x log2(e)
+  // Timeline probe (diagnostics only; null in normal use): the split kernel instantiated with PROBE
+  // writes, per block, 8 u64 at probe[(b * splits + split) * 8]: global-timer ns at start, after the
+  // first tile landed, after the tile loop, at the end; the SM id; the tile count; the SM clock cycles
+  // thread 0 spent waiting for tiles (mbarrier) and at the per-tile barrier. The merge writes 2 u64 per
+  // block after those: start (after its grid dependency resolved) and end.
+  unsigned long long* probe;
 };
 
 }  // namespace k3mla
@@ -131,6 +137,12 @@ K3_DEVICE void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 #endif
+}
+
+K3_DEVICE unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 
 K3_DEVICE void launch_dependents() {
@@ -271,7 +283,7 @@ K3_DEVICE void publish_scores(const float (&s)[4][4], float4* xch, int kg, int p
 // NW warps: 4 (one per SM sub-partition) or 8 (two, so one can issue while the other waits).
 // Score product: warp w takes column group kg = w % 4 and, with 8 warps, half ph = w / 4 of the 32
 // positions; value product: warp w takes 512 / NW value columns.
-template <int STAGES, int NW>
+template <int STAGES, int NW, bool PROBE = false>
 __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
   constexpr int SNT = NW == 8 ? 2 : 4;  // score n-tiles per warp
   constexpr int VNT = DV / 8 / NW;      // value n-tiles per warp (16 or 8)
@@ -282,6 +294,8 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;  // mma fragment row group, thread in quad
   const int kg = warp & (KGROUPS - 1), ph = warp / KGROUPS;
+  const unsigned long long t_start = PROBE ? now_ns() : 0ull;
+  long long wait_cycles = 0, sync_cycles = 0;  // PROBE: thread 0's time in tile waits and barriers
   launch_dependents();  // the merge may launch now; it waits (griddepcontrol.wait) for this grid
   // The first tiles' rows, read before the request's length is known: the block-table reads and the
   // length read are in flight together (one memory round trip before the first copies, not two).
@@ -351,8 +365,10 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
   __syncthreads();  // the zero-filled rows of a short first tile are visible to every warp
 
   float s[4][4];
+  unsigned long long t_first = 0;
   if (ntiles > 0) {
     mbar_wait(bars, 0);
+    if (PROBE) t_first = now_ns();
     score_tile<SNT>(s, qf, stages + k_lane);
     publish_scores<SNT>(s, xch, kg, ph, lane);
   }
@@ -445,14 +461,18 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
   // product and tile j + 1's scores in one straight run (no branch between them, so the compiler
   // can interleave the two products' mma and ldmatrix).
   for (int j = 0; j + 1 < ntiles; ++j) {
+    long long c0 = PROBE ? clock64() : 0;
     __syncthreads();  // scores of tile j published; every warp is done with tile j - 1's stage
+    if (PROBE) sync_cycles += clock64() - c0;
     const int nxt = j + STAGES - 1;
     if (nxt < ntiles) {  // the stage of tile j - 1 is free: refill it (its byte count was announced)
       const int st = nxt % STAGES;
       issue_tile<BPW>(a, next, stages + st * STAGE_BYTES, bars + 8 * st, warp, lane);
       if (nxt + 1 < ntiles) next = tile_at(a, b, start + (nxt + 1) * BN, end);  // used next iteration
     }
+    if (PROBE) c0 = clock64();
     mbar_wait(bars + 8 * ((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
+    if (PROBE) wait_cycles += clock64() - c0;
     softmax_value(j);
     score_tile<SNT>(s, qf, stages + ((j + 1) % STAGES) * STAGE_BYTES + k_lane);
     publish_scores<SNT>(s, xch + ((j + 1) & 1) * (KGROUPS * 4 * 32), kg, ph, lane);
@@ -467,6 +487,7 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
     softmax_value(ntiles - 1);
   }
 
+  const unsigned long long t_loop = PROBE ? now_ns() : 0ull;
   // epilogue: row sums across the quad, normalise, store this piece
   l0 += k3_shfl_xor(l0, 1);
   l0 += k3_shfl_xor(l0, 2);
@@ -498,6 +519,19 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
       if (warp == 0 && t4 == 0) a.part_lse[prow] = ls;
     }
   }
+  if (PROBE && tid == 0) {
+    unsigned int sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    unsigned long long* p = a.probe + ((long long)b * a.splits + split) * 8;
+    p[0] = t_start;
+    p[1] = t_first;
+    p[2] = t_loop;
+    p[3] = now_ns();
+    p[4] = sm;
+    p[5] = (unsigned long long)ntiles;
+    p[6] = (unsigned long long)wait_cycles;
+    p[7] = (unsigned long long)sync_cycles;
+  }
 #endif  // K3_MLA_SM90
 }
 
@@ -508,6 +542,7 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
 #if defined(K3_MLA_SM90)
   wait_prerequisites();  // launched early (programmatic dependent launch): the partials are complete now
 #endif
+  const unsigned long long t_begin = a.probe != nullptr ? now_ns() : 0ull;
   __shared__ float red_m[MERGE_THREADS / 32];
   __shared__ float4 red_o[MERGE_THREADS];
   __shared__ float red_d[MERGE_THREADS / 8];
@@ -557,21 +592,26 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
     *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
     if (blockIdx.y == 0 && tid == 0)
       a.lse[(long long)b * a.l_sb + h] = d > 0.f ? (mu + __log2f(d)) * 0.6931471805599453f : -INFINITY;
+    if (a.probe != nullptr && tid == 0) {
+      unsigned long long* p = a.probe + (long long)a.B * a.splits * 8 + ((long long)row * gridDim.y + blockIdx.y) * 2;
+      p[0] = t_begin;
+      p[1] = now_ns();
+    }
   }
 }
 
-template <int STAGES, int NW>
+template <int STAGES, int NW, bool PROBE = false>
 int launch_split(const Args& a, int max_shared, cudaStream_t st) {
   const int bytes = smem_bytes(STAGES);
   if (bytes > max_shared) return -3;
   static bool configured = false;  // the opt-in above 48 KB, once per process and template
   if (!configured) {
     const cudaError_t e =
-        cudaFuncSetAttribute(split_kernel<STAGES, NW>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+        cudaFuncSetAttribute(split_kernel<STAGES, NW, PROBE>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
-  split_kernel<STAGES, NW><<<dim3(a.splits, a.B), NW * 32, bytes, st>>>(a);
+  split_kernel<STAGES, NW, PROBE><<<dim3(a.splits, a.B), NW * 32, bytes, st>>>(a);
   return (int)cudaGetLastError();
 }
 
@@ -613,10 +653,14 @@ K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int warps, int 
     return -4;
   cudaStream_t st = (cudaStream_t)stream;
   int rc = -1;
+  if (a.probe != nullptr) {  // the timeline probe: the default plan only
+    rc = stages == 5 && warps == 4 ? k3mla::launch_split<5, 4, true>(a, max_shared, st) : -1;
+  } else {
 #define K3_LAUNCH(S_, W_) \
   if (stages == S_ && warps == W_) rc = k3mla::launch_split<S_, W_>(a, max_shared, st);
-  K3_MLA_CONFIGS(K3_LAUNCH)
+    K3_MLA_CONFIGS(K3_LAUNCH)
 #undef K3_LAUNCH
+  }
   if (rc != 0 || a.splits == 1) return rc;
   dim3 grid(a.B * a.heads, k3mla::DV / k3mla::MERGE_COLS);
   if (pdl) {

@@ -71,7 +71,8 @@ class Args(ctypes.Structure):
                 ("bt_sb", ctypes.c_longlong), ("o_sb", ctypes.c_longlong), ("o_sh", ctypes.c_longlong),
                 ("l_sb", ctypes.c_longlong),
                 ("B", ctypes.c_int), ("heads", ctypes.c_int), ("page_shift", ctypes.c_int), ("splits", ctypes.c_int),
-                ("chunk", ctypes.c_int), ("max_pages", ctypes.c_int), ("scale_log2", ctypes.c_float)]
+                ("chunk", ctypes.c_int), ("max_pages", ctypes.c_int), ("scale_log2", ctypes.c_float),
+                ("probe", ctypes.c_void_p)]
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -273,11 +274,14 @@ class CudaDecodePlan:
 
 
 def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
-         warps=DEFAULT_WARPS, pdl: bool = True, compute_units: int | None = None) -> CudaDecodePlan:
+         warps=DEFAULT_WARPS, pdl: bool = True, compute_units: int | None = None,
+         probe: torch.Tensor | None = None) -> CudaDecodePlan:
     """Check once (ValueError by name), then build a launchable plan on the GPU (KernelUnavailable,
     with the reason, where the kernel cannot run). num_splits: None = `choose_splits` for the
     device's SM count; stages / warps: the compiled ring depth and block size (5 and 4 by default);
-    pdl: launch the merge early (programmatic dependent launch)."""
+    pdl: launch the merge early (programmatic dependent launch). probe: diagnostics only, an int64
+    tensor on the GPU of at least `probe_size(plan)` entries that each launch fills with the
+    timeline of kernels/mla_decode.cu's Args.probe (default plan only; `timeline` reads it)."""
     c = check(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
               warps=warps)
     ok, why = status()
@@ -309,10 +313,42 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                 part_lse.data_ptr() if part_lse is not None else None, out.data_ptr(), lse.data_ptr(),
                 q.stride(0), q.stride(2), cache.stride(0), bt.stride(0) if bt is not None else 0,
                 out.stride(0), out.stride(2), lse.stride(0),
-                B, H, page_shift, splits, chunk, bt.shape[1] if bt is not None else 0, c.scale * mla._LOG2E)
-    keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse)
+                B, H, page_shift, splits, chunk, bt.shape[1] if bt is not None else 0, c.scale * mla._LOG2E, None)
+    if probe is not None:
+        need = probe_size(B, H, splits)
+        if stages != DEFAULT_STAGES or warps != DEFAULT_WARPS:
+            raise ValueError(f"probe is compiled for the default plan only ({DEFAULT_STAGES} stages, "
+                             f"{DEFAULT_WARPS} warps), got {stages} stages, {warps} warps")
+        if probe.dtype != torch.int64 or probe.device != q.device or probe.numel() < need or not probe.is_contiguous():
+            raise ValueError(f"probe must be a contiguous int64 tensor on {q.device} of >= {need} entries, got "
+                             f"{probe.dtype} on {probe.device} with {probe.numel()}")
+        args.probe = probe.data_ptr()
+    keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse, probe)
     return CudaDecodePlan(splits, chunk, stages, warps, bool(pdl) and splits > 1, out, lse, args, keep, max_shared,
                           dev)
+
+
+def probe_size(batch: int, heads: int, splits: int) -> int:
+    """Entries of the timeline probe: 8 per split block, 2 per merge block."""
+    return batch * splits * 8 + (batch * heads * (VALUE_DIM // 32) * 2 if splits > 1 else 0)
+
+
+def timeline(probe: torch.Tensor, batch: int, heads: int, splits: int) -> dict:
+    """The probe's stamps as numbers (us from the first block's start): per split block its start,
+    first tile landed, loop end and end, SM id, tile count, and the SM cycles thread 0 waited for
+    tiles and at barriers; per merge block its start and end."""
+    p = probe.detach().cpu().tolist()
+    n = batch * splits
+    t0 = min(p[8 * i] for i in range(n))
+    us = lambda t: (t - t0) / 1000.0  # noqa: E731
+    blocks = [{"start": us(p[8 * i]), "first": us(p[8 * i + 1]) if p[8 * i + 5] else None, "loop_end": us(p[8 * i + 2]),
+               "end": us(p[8 * i + 3]), "sm": p[8 * i + 4], "tiles": p[8 * i + 5], "wait_cycles": p[8 * i + 6],
+               "sync_cycles": p[8 * i + 7]} for i in range(n)]
+    merge = []
+    if splits > 1:
+        m = batch * heads * (VALUE_DIM // 32)
+        merge = [{"start": us(p[8 * n + 2 * i]), "end": us(p[8 * n + 2 * i + 1])} for i in range(m)]
+    return {"blocks": blocks, "merge": merge}
 
 
 def mla_decode_cuda(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None,

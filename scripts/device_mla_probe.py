@@ -1,0 +1,56 @@
+"""One device call: where the CUDA MLA decode's time goes (kernels/mla_decode.cu, timeline probe).
+
+Prints, for the default plan at ctx32k and ctx128k (B = 1, 12 heads, paged bf16, the mla_padding
+study's inputs): the graph-replay time; the per-block timeline (start skew, first tile landed, loop,
+end) and thread 0's cycles in tile waits and barriers, from the probe; the merge's window; and, for
+scale, a plain read of the same cache bytes by torch (sum over a bf16 view). Writes
+$OUT/mla_probe.json.   OUT=dir python3 scripts/device_mla_probe.py
+"""
+import json
+import os
+import statistics as stt
+
+import torch
+
+from k3lab import bench
+from k3lab.ops import mla_decode_cuda as mc
+from k3lab.studies import mla_padding as st
+
+out = os.environ.get("OUT", "build/device")
+os.makedirs(out, exist_ok=True)
+res = {}
+for name, ctx in (("ctx32k", 32768), ("ctx128k", 131072)):
+    case = st.Case(name, 1, ctx)
+    s = st._make_set(case, 12, torch.bfloat16, seed=5)
+    p0 = mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"])
+    probe = torch.zeros(mc.probe_size(1, 12, p0.num_splits), dtype=torch.int64, device="cuda")
+    pp = mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], probe=probe)
+    t_plain = bench.time_fn(p0, graph=True, warmup=10, repeats=100).median_us
+    t_probe = bench.time_fn(pp, graph=True, warmup=10, repeats=100).median_us
+    runs = []
+    for _ in range(5):
+        pp()
+        torch.cuda.synchronize()
+        runs.append(mc.timeline(probe, 1, 12, p0.num_splits))
+    # a plain read of the same bytes (the pool pages this request uses)
+    nbytes = st.cache_bytes(case, torch.bfloat16, s["lengths_host"])
+    flat = s["pool"].view(-1)[: nbytes // 2]
+    t_read = bench.time_fn(lambda: flat.sum(dtype=torch.float32), graph=True, warmup=10, repeats=100).median_us
+    summ = []
+    for tl in runs:
+        bl = tl["blocks"]
+        med = lambda k: stt.median(b[k] - b["start"] for b in bl)  # noqa: E731
+        summ.append({"start_spread": max(b["start"] for b in bl), "first_med": med("first"),
+                     "first_max": max(b["first"] - b["start"] for b in bl), "loop_med": stt.median(b["loop_end"] - b["first"] for b in bl),
+                     "end_max": max(b["end"] for b in bl), "end_med": stt.median(b["end"] for b in bl),
+                     "wait_cyc_med": stt.median(b["wait_cycles"] for b in bl), "sync_cyc_med": stt.median(b["sync_cycles"] for b in bl),
+                     "tiles": bl[0]["tiles"], "sms": len({b["sm"] for b in bl}),
+                     "merge_start": min(m["start"] for m in tl["merge"]) if tl["merge"] else None,
+                     "merge_end": max(m["end"] for m in tl["merge"]) if tl["merge"] else None})
+    res[name] = {"graph_us": t_plain, "graph_probe_us": t_probe, "torch_sum_read_us": t_read, "bytes": nbytes,
+                 "splits": p0.num_splits, "chunk": p0.chunk, "summaries": summ, "last_timeline": runs[-1]}
+    print(f"{name}: graph {t_plain:.2f} us (probe {t_probe:.2f}), torch sum read {t_read:.2f} us "
+          f"({nbytes / t_read / 1e6:.2f} TB/s), splits {p0.num_splits}")
+    for x in summ[-3:]:
+        print("  " + "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in x.items()))
+json.dump(res, open(f"{out}/mla_probe.json", "w"), indent=1)

@@ -146,7 +146,9 @@ def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
                                      dest=tmp_path / "mla_decode.so")
     report = Path(str(lib_path) + ".log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-    assert sum("split_kernel" in k for k in kernels) == len(mc.STAGES) * len(mc.WARPS)
+    # every (stages, warps) pair, plus the default plan's timeline-probe instance (template flag b1)
+    assert sum("split_kernel" in k and "Lb0E" in k for k in kernels) == len(mc.STAGES) * len(mc.WARPS)
+    assert sum("split_kernel" in k and "Lb1E" in k for k in kernels) == 1
     assert any("merge_kernel" in k for k in kernels)
     spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", report)]
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]

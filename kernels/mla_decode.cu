@@ -50,6 +50,7 @@
 #include "k3lab_portability.h"
 
 #define K3_MLA_UNSUPPORTED (-5)
+#define K3_MLA_TEAM 9  // the launchers' `warps` value that selects the team kernel (2 teams of 4 warps)
 
 namespace k3mla {
 
@@ -280,6 +281,43 @@ K3_DEVICE void publish_scores(const float (&s)[4][4], float4* xch, int kg, int p
     xch[(kg * 4 + ph * SNT + nt) * 32 + lane] = make_float4(s[nt][0], s[nt][1], s[nt][2], s[nt][3]);
 }
 
+// The end of a piece: row sums across the quad, normalise, store (o and base-2 lse as partials, or,
+// with one piece, the bf16 output and the natural-log lse). `warp` picks the VNT x 8 value columns.
+template <int VNT>
+K3_DEVICE void store_piece(const Args& a, const float (&acc)[VNT][4], float m0, float m1, float l0, float l1, int b,
+                           int split, int warp, int g, int t4) {
+  l0 += k3_shfl_xor(l0, 1);
+  l0 += k3_shfl_xor(l0, 2);
+  l1 += k3_shfl_xor(l1, 1);
+  l1 += k3_shfl_xor(l1, 2);
+  const float r0 = l0 > 0.f ? 1.f / l0 : 0.f, r1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  const float lse0 = l0 > 0.f ? m0 + __log2f(l0) : -INFINITY;
+  const float lse1 = l1 > 0.f ? m1 + __log2f(l1) : -INFINITY;
+  const int col0 = warp * VNT * 8 + 2 * t4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int h = g + 8 * half;
+    if (h >= a.heads) continue;
+    const float rr = half ? r1 : r0, ls = half ? lse1 : lse0;
+    if (a.splits == 1) {
+      k3_bf16* o = a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + col0;
+#pragma unroll
+      for (int nt = 0; nt < VNT; ++nt) {
+        const uint32_t v = pack_bf16(acc[nt][2 * half] * rr, acc[nt][2 * half + 1] * rr);
+        *reinterpret_cast<uint32_t*>(o + nt * 8) = v;
+      }
+      if (warp == 0 && t4 == 0) a.lse[(long long)b * a.l_sb + h] = ls * 0.6931471805599453f;
+    } else {
+      const long long prow = ((long long)b * a.heads + h) * a.splits + split;
+      float* o = a.part_o + prow * DV + col0;
+#pragma unroll
+      for (int nt = 0; nt < VNT; ++nt)
+        *reinterpret_cast<float2*>(o + nt * 8) = make_float2(acc[nt][2 * half] * rr, acc[nt][2 * half + 1] * rr);
+      if (warp == 0 && t4 == 0) a.part_lse[prow] = ls;
+    }
+  }
+}
+
 // NW warps: 4 (one per SM sub-partition) or 8 (two, so one can issue while the other waits).
 // Score product: warp w takes column group kg = w % 4 and, with 8 warps, half ph = w / 4 of the 32
 // positions; value product: warp w takes 512 / NW value columns.
@@ -488,37 +526,279 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
   }
 
   const unsigned long long t_loop = PROBE ? now_ns() : 0ull;
-  // epilogue: row sums across the quad, normalise, store this piece
-  l0 += k3_shfl_xor(l0, 1);
-  l0 += k3_shfl_xor(l0, 2);
-  l1 += k3_shfl_xor(l1, 1);
-  l1 += k3_shfl_xor(l1, 2);
-  const float r0 = l0 > 0.f ? 1.f / l0 : 0.f, r1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  const float lse0 = l0 > 0.f ? m0 + __log2f(l0) : -INFINITY;
-  const float lse1 = l1 > 0.f ? m1 + __log2f(l1) : -INFINITY;
-  const int col0 = warp * VNT * 8 + 2 * t4;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int h = g + 8 * half;
-    if (h >= a.heads) continue;
-    const float rr = half ? r1 : r0, ls = half ? lse1 : lse0;
-    if (a.splits == 1) {
-      k3_bf16* o = a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + col0;
-#pragma unroll
-      for (int nt = 0; nt < VNT; ++nt) {
-        const uint32_t v = pack_bf16(acc[nt][2 * half] * rr, acc[nt][2 * half + 1] * rr);
-        *reinterpret_cast<uint32_t*>(o + nt * 8) = v;
-      }
-      if (warp == 0 && t4 == 0) a.lse[(long long)b * a.l_sb + h] = ls * 0.6931471805599453f;
-    } else {
-      const long long prow = ((long long)b * a.heads + h) * a.splits + split;
-      float* o = a.part_o + prow * DV + col0;
-#pragma unroll
-      for (int nt = 0; nt < VNT; ++nt)
-        *reinterpret_cast<float2*>(o + nt * 8) = make_float2(acc[nt][2 * half] * rr, acc[nt][2 * half + 1] * rr);
-      if (warp == 0 && t4 == 0) a.part_lse[prow] = ls;
+  store_piece<VNT>(a, acc, m0, m1, l0, l1, b, split, warp, g, t4);
+  if (PROBE && tid == 0) {
+    unsigned int sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    unsigned long long* p = a.probe + ((long long)b * a.splits + split) * 8;
+    p[0] = t_start;
+    p[1] = t_first;
+    p[2] = t_loop;
+    p[3] = now_ns();
+    p[4] = sm;
+    p[5] = (unsigned long long)ntiles;
+    p[6] = (unsigned long long)wait_cycles;
+    p[7] = (unsigned long long)sync_cycles;
+  }
+#endif  // K3_MLA_SM90
+}
+
+// ---------------------------------------------------------------------------------------------
+// the team kernel: two teams of 4 warps share one ring of tiles.
+//
+// Why: the H200 timeline probe of the 4-warp split kernel (profiles/nvidia-h200/mla_padding/extra/)
+// showed its tile loop compute-bound, not memory-bound: ~1.3 us per 32-row tile against ~1.1 us of
+// DRAM share per SM, thread 0 waiting for tiles only ~470 cycles in 8 tiles, and Nsight Compute's
+// stalls per issue led by 'wait' and the scoreboards: with one warp per SM sub-partition every
+// dependent instruction's latency is exposed. Here team t (warps 4t..4t+3) takes tiles t, t+2, ...,
+// each with the 4-warp split kernel's product split, its own score exchange, named barrier and
+// online softmax, so every sub-partition has two independent warps: one issues while the other
+// waits. A team holds one tile at a time (score, barrier, softmax and value product), so of the 5
+// stages 3 are in flight. The last warp to finish reading a stage refills it with the tile 5 ahead
+// (a shared-memory counter per stage picks it), so no copy waits for a whole team. At the end team 1
+// hands its (max, sum, accumulator) to team 0 through shared memory, which combines them: the
+// piece's output and log-sum-exp are those of the split kernel, and the merge is unchanged.
+constexpr int TEAMS = 2;
+constexpr int TEAM_WARPS = KGROUPS;                  // the 4-warp product split
+constexpr int TSTAGES = 5;                           // ring depth
+constexpr int TEAM_THREADS = TEAMS * TEAM_WARPS * 32;
+constexpr int TVNT = DV / 8 / TEAM_WARPS;            // value n-tiles per warp (16)
+
+constexpr int team_smem_bytes() { return TSTAGES * STAGE_BYTES + TEAMS * 2 * XCH_BYTES + TSTAGES * 8 + TSTAGES * 4; }
+
+// a barrier of `threads` threads on hardware barrier `id` (1..15; 0 is __syncthreads)
+K3_DEVICE void named_sync(int id, int threads) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory"); }
+
+// Where tile `i` of a piece starts (element offset) and its row count. Paged caches: lane l of the
+// calling warp holds the page of the l-th page of a 32-page window (`base`, `page_l`), re-read only
+// when a tile leaves the window (a tile never crosses a page).
+K3_DEVICE long long team_tile_row(const Args& a, int b, int pos, int& base, int& page_l, int lane) {
+  if (a.block_table == nullptr) return (long long)b * a.kv_sp + (long long)pos * D;
+  const int col = pos >> a.page_shift;
+  if (base < 0 || col >= base + 32) {
+    base = col;
+    const int c = base + lane;
+    page_l = c < a.max_pages ? __ldg(a.block_table + (long long)b * a.bt_sb + c) : 0;
+  }
+  const int page = __shfl_sync(0xffffffffu, page_l, col - base);
+  return (long long)page * a.kv_sp + (long long)(pos & ((1 << a.page_shift) - 1)) * D;
+}
+
+// One warp fetches tile `i` into its stage: a short last tile's missing rows zero-filled by the
+// whole warp, lane 0 announces the byte count (its arrive also publishes the zero fill), lanes 0..7
+// copy one block of 4 rows each.
+K3_DEVICE void team_fetch(const Args& a, int b, int start, int end, int i, uint32_t stages, uint32_t full, int& base,
+                          int& page_l, int lane) {
+  const int st = i % TSTAGES;
+  const int pos = start + i * BN;
+  const int rows = tile_rows(pos, end);
+  const long long row0 = team_tile_row(a, b, pos, base, page_l, lane);
+  const uint32_t stage = stages + st * STAGE_BYTES;
+  if (rows < BN) {
+    for (int blk = 0; blk < 8; ++blk) {
+      const int keep = min(4, max(0, rows - 4 * blk));
+      for (int c = keep * (ROW_BYTES / 16) + lane; c < 4 * (ROW_BYTES / 16); c += 32)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(stage + blk * BPITCH + c * 16), "r"(0) : "memory");
     }
   }
+  __syncwarp();
+  if (lane == 0) mbar_expect_tx(full + 8 * st, (uint32_t)(rows * ROW_BYTES));
+  __syncwarp();
+  if (lane < 8) {
+    const int keep = min(4, max(0, rows - 4 * lane));
+    if (keep > 0)
+      bulk_copy(stage + lane * BPITCH, a.kv + row0 + (long long)lane * 4 * D, (uint32_t)(keep * ROW_BYTES), full + 8 * st);
+  }
+}
+
+template <bool PROBE = false>
+__global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+#if defined(K3_MLA_SM90)
+  const int split = blockIdx.x, b = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int team = warp / TEAM_WARPS, kg = warp % TEAM_WARPS;
+  const int g = lane >> 2, t4 = lane & 3;
+  const unsigned long long t_start = PROBE ? now_ns() : 0ull;
+  long long wait_cycles = 0, sync_cycles = 0;
+  launch_dependents();
+  const uint32_t stages = smem_u32(smem);
+  float4* xch = reinterpret_cast<float4*>(smem + TSTAGES * STAGE_BYTES) + team * 2 * (KGROUPS * 4 * 32);
+  const uint32_t full = smem_u32(smem + TSTAGES * STAGE_BYTES + TEAMS * 2 * XCH_BYTES);
+  int* readers = reinterpret_cast<int*>(smem + TSTAGES * STAGE_BYTES + TEAMS * 2 * XCH_BYTES + TSTAGES * 8);
+  const int length = __ldg(a.lengths + b);
+  const int start = split * a.chunk;
+  const int end = min(length, start + a.chunk);
+  const int ntiles = end > start ? (end - start + BN - 1) / BN : 0;
+  int base = -1, page_l = 0;  // this warp's page window
+  if (tid < TSTAGES) {
+    mbar_init(full + 8 * tid, 1);
+    readers[tid] = 0;
+  }
+  if (tid == 0) asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncthreads();
+  if (warp < TSTAGES && warp < ntiles) team_fetch(a, b, start, end, warp, stages, full, base, page_l, lane);
+
+  uint32_t qf[KSTEPS][4];
+  {
+    const int h0 = g, h1 = g + 8;
+    const uint32_t* q0 = reinterpret_cast<const uint32_t*>(a.q + (long long)b * a.q_sb + (long long)h0 * a.q_sh);
+    const uint32_t* q1 = reinterpret_cast<const uint32_t*>(a.q + (long long)b * a.q_sb + (long long)h1 * a.q_sh);
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+      const int c = (kg * KSTEPS + kk) * 16 + 2 * t4;
+      qf[kk][0] = h0 < a.heads ? __ldg(q0 + c / 2) : 0u;
+      qf[kk][1] = h1 < a.heads ? __ldg(q1 + c / 2) : 0u;
+      qf[kk][2] = h0 < a.heads ? __ldg(q0 + c / 2 + 4) : 0u;
+      qf[kk][3] = h1 < a.heads ? __ldg(q1 + c / 2 + 4) : 0u;
+    }
+  }
+  const int mi = lane >> 3, r8 = lane & 7;
+  const uint32_t k_lane = (uint32_t)(r8 * BPITCH + (mi >> 1) * ROW_BYTES + (kg * 2 * KSTEPS + (mi & 1)) * 16);
+  const uint32_t v_lane = (uint32_t)(r8 * BPITCH + (mi & 1) * ROW_BYTES + (kg * TVNT + (mi >> 1)) * 16);
+  float acc[TVNT][4];
+#pragma unroll
+  for (int i = 0; i < TVNT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  float s[4][4];
+  unsigned long long t_first = 0;
+
+  for (int j = team, it = 0; j < ntiles; j += TEAMS, ++it) {
+    const int st = j % TSTAGES;
+    long long c0 = PROBE ? clock64() : 0;
+    mbar_wait(full + 8 * st, (j / TSTAGES) & 1);
+    if (PROBE) {
+      wait_cycles += clock64() - c0;
+      if (it == 0) t_first = now_ns();
+    }
+    const uint32_t stage = stages + st * STAGE_BYTES;
+    score_tile<4>(s, qf, stage + k_lane);
+    const float4* xj = xch + (it & 1) * (KGROUPS * 4 * 32);
+    publish_scores<4>(s, const_cast<float4*>(xj), kg, 0, lane);
+    if (PROBE) c0 = clock64();
+    named_sync(1 + team, TEAM_WARPS * 32);  // the team's four score partials of tile j are published
+    if (PROBE) sync_cycles += clock64() - c0;
+    // full scores: the four partials summed in one fixed order, so the team's warps agree bit for bit
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const float4 v0 = xj[nt * 32 + lane];
+      s[nt][0] = v0.x;
+      s[nt][1] = v0.y;
+      s[nt][2] = v0.z;
+      s[nt][3] = v0.w;
+    }
+#pragma unroll
+    for (int w = 1; w < KGROUPS; ++w) {
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const float4 v = xj[(w * 4 + nt) * 32 + lane];
+        s[nt][0] += v.x;
+        s[nt][1] += v.y;
+        s[nt][2] += v.z;
+        s[nt][3] += v.w;
+      }
+    }
+    const int pos0 = start + j * BN + 8 * t4;
+    const bool partial = start + (j + 1) * BN > end;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[nt][e] * a.scale_log2;
+        if (partial && pos0 + 4 * (e & 1) + nt >= end) v = -INFINITY;
+        s[nt][e] = v;
+      }
+      mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+    }
+    mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 1));
+    mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 2));
+    mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 1));
+    mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 2));
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
+    const float al0 = fast_exp2(m0 - u0), al1 = fast_exp2(m1 - u1);
+    m0 = n0;
+    m1 = n1;
+    uint32_t pf[2][4];
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const float p0 = fast_exp2(s[nt][0] - u0), p1 = fast_exp2(s[nt][1] - u0);
+      const float p2 = fast_exp2(s[nt][2] - u1), p3 = fast_exp2(s[nt][3] - u1);
+      ps0 += p0 + p1;
+      ps1 += p2 + p3;
+      pf[nt >> 1][(nt & 1) * 2 + 0] = pack_bf16(p0, p1);
+      pf[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
+    }
+    l0 = l0 * al0 + ps0;
+    l1 = l1 * al1 + ps1;
+    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {
+#pragma unroll
+      for (int i = 0; i < TVNT; ++i) {
+        acc[i][0] *= al0;
+        acc[i][1] *= al0;
+        acc[i][2] *= al1;
+        acc[i][3] *= al1;
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+#pragma unroll
+      for (int np = 0; np < TVNT / 2; ++np) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(stage + v_lane + ks * 2 * ROW_BYTES + np * 32, b0, b1, b2, b3);
+        mma(acc[2 * np], pf[ks], b0, b1);
+        mma(acc[2 * np + 1], pf[ks], b2, b3);
+      }
+    }
+    // done with the stage: the team's last warp to get here refills it with the tile TSTAGES ahead
+    if (j + TSTAGES < ntiles) {
+      __syncwarp();
+      __threadfence_block();  // this warp's reads of the stage come before its count (and the refill)
+      int last = 0;
+      if (lane == 0) last = atomicAdd(readers + st, 1) == TEAM_WARPS - 1;
+      last = __shfl_sync(0xffffffffu, last, 0);
+      if (last) {
+        if (lane == 0) readers[st] = 0;
+        team_fetch(a, b, start, end, j + TSTAGES, stages, full, base, page_l, lane);
+      }
+    }
+  }
+  const unsigned long long t_loop = PROBE ? now_ns() : 0ull;
+
+  // team 1 hands its partial softmax state to team 0 through the ring's memory (every tile has
+  // been read by then: the first barrier), team 0 combines the two
+  named_sync(3, TEAM_THREADS);
+  float4* hand = reinterpret_cast<float4*>(smem) + (kg * 32 + lane) * (TVNT + 1);
+  if (team == 1) {
+#pragma unroll
+    for (int i = 0; i < TVNT; ++i) hand[i] = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+    hand[TVNT] = make_float4(m0, m1, l0, l1);
+  }
+  named_sync(3, TEAM_THREADS);
+  if (team == 1) return;
+  {
+    const float4 o = hand[TVNT];
+    const float n0 = fmaxf(m0, o.x), n1 = fmaxf(m1, o.y);
+    const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
+    const float a0 = fast_exp2(m0 - u0), a1 = fast_exp2(m1 - u1);
+    const float c0 = fast_exp2(o.x - u0), c1 = fast_exp2(o.y - u1);
+#pragma unroll
+    for (int i = 0; i < TVNT; ++i) {
+      const float4 v = hand[i];
+      acc[i][0] = acc[i][0] * a0 + v.x * c0;
+      acc[i][1] = acc[i][1] * a0 + v.y * c0;
+      acc[i][2] = acc[i][2] * a1 + v.z * c1;
+      acc[i][3] = acc[i][3] * a1 + v.w * c1;
+    }
+    l0 = l0 * a0 + o.z * c0;
+    l1 = l1 * a1 + o.w * c1;
+    m0 = n0;
+    m1 = n1;
+  }
+  store_piece<TVNT>(a, acc, m0, m1, l0, l1, b, split, kg, g, t4);
   if (PROBE && tid == 0) {
     unsigned int sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
@@ -615,6 +895,20 @@ int launch_split(const Args& a, int max_shared, cudaStream_t st) {
   return (int)cudaGetLastError();
 }
 
+template <bool PROBE>
+int launch_team(const Args& a, int max_shared, cudaStream_t st) {
+  const int bytes = team_smem_bytes();
+  if (bytes > max_shared) return -3;
+  static bool configured = false;
+  if (!configured) {
+    const cudaError_t e = cudaFuncSetAttribute(team_kernel<PROBE>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return (int)e;
+    configured = true;
+  }
+  team_kernel<PROBE><<<dim3(a.splits, a.B), TEAM_THREADS, bytes, st>>>(a);
+  return (int)cudaGetLastError();
+}
+
 }  // namespace k3mla
 
 // Whether this build has the kernel: 1 for a CUDA build that includes sm_90 code (checked at launch
@@ -631,9 +925,12 @@ K3_EXPORT int k3_mla_decode_smem(int stages) {
 // The compiled (stages, warps) pairs.
 #define K3_MLA_CONFIGS(X) X(3, 4) X(4, 4) X(5, 4) X(3, 8) X(4, 8) X(5, 8)
 
+K3_EXPORT int k3_mla_decode_team_smem() { return k3mla::team_smem_bytes(); }
+
 K3_EXPORT int k3_mla_decode_regs(int stages, int warps) {
   cudaFuncAttributes attr;
   cudaError_t e = cudaErrorInvalidValue;
+  if (stages == k3mla::TSTAGES && warps == K3_MLA_TEAM) e = cudaFuncGetAttributes(&attr, k3mla::team_kernel<false>);
 #define K3_REGS(S_, W_) \
   if (stages == S_ && warps == W_) e = cudaFuncGetAttributes(&attr, k3mla::split_kernel<S_, W_>);
   K3_MLA_CONFIGS(K3_REGS)
@@ -653,7 +950,10 @@ K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int warps, int 
     return -4;
   cudaStream_t st = (cudaStream_t)stream;
   int rc = -1;
-  if (a.probe != nullptr) {  // the timeline probe: the default plan only
+  if (warps == K3_MLA_TEAM) {
+    if (stages == k3mla::TSTAGES)
+      rc = a.probe != nullptr ? k3mla::launch_team<true>(a, max_shared, st) : k3mla::launch_team<false>(a, max_shared, st);
+  } else if (a.probe != nullptr) {  // the timeline probe: the 4-warp, 5-stage split kernel and the team kernel
     rc = stages == 5 && warps == 4 ? k3mla::launch_split<5, 4, true>(a, max_shared, st) : -1;
   } else {
 #define K3_LAUNCH(S_, W_) \
@@ -685,6 +985,7 @@ K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int warps, int 
 K3_EXPORT int k3_mla_decode_supported() { return 0; }
 K3_EXPORT int k3_mla_decode_args_size() { return (int)sizeof(k3mla::Args); }
 K3_EXPORT int k3_mla_decode_smem(int stages) { return stages >= 3 && stages <= 5 ? k3mla::smem_bytes(stages) : -1; }
+K3_EXPORT int k3_mla_decode_team_smem() { return -1; }
 K3_EXPORT int k3_mla_decode_regs(int, int) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_decode(const k3mla::Args*, int, int, int, int, void*) { return K3_MLA_UNSUPPORTED; }
 

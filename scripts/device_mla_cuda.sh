@@ -9,8 +9,9 @@
 #  3. check (fp32 reference) then time, graph replay with rotated input sets, the CUDA kernel beside
 #     the Triton `after` plan at ctx1k, ctx32k, ctx128k and b8_8k (B = 1 unless named, 12 heads, bf16,
 #     paged, page 64: the mla_padding study's inputs), plus 8 warps per block, a few piece counts and
-#     ring depths. Records (study mla_padding): '<case>.cuda' (default plan: 5 stages, 4 warps),
-#     '<case>.cuda.w8', '<case>.cuda.sp<N>', '<case>.cuda.st<S>', '<case>.cuda.nopdl' (sweep points) and '<case>.r5.split' (the Triton after in the same process);
+#     ring depths. Records (study mla_padding): '<case>.cuda' (the split kernel: 5 stages, 4 warps),
+#     '<case>.cuda.team' (the team kernel), '<case>.cuda.team.sp<N>', '<case>.cuda.team.nopdl' (sweep
+#     points) and '<case>.r5.split' (the Triton after in the same process);
 #     a kernel whose check fails is timed anyway but written to mla_cuda_unchecked.json only.
 #  4. NCU=1: one ncu report of the split kernel at 32K (speed of light, occupancy, warp states) in
 #     $OUT/ncu_mla_cuda.txt.
@@ -49,12 +50,14 @@ cache = torch.randn(2, 4097, 576, device="cuda").bfloat16()
 lens = torch.tensor([4097, 100], device="cuda", dtype=torch.int32)
 pool, bt = mla.to_paged(cache, 64)
 ro, rl = mla.reference(q.float(), cache.float(), lens)
-for warps in mc.WARPS:
+for form, warps in (("team", 4), ("split", 4), ("split", 8)):
     for paged in (True, False):
-        o, lse = mc.mla_decode_cuda(q, pool if paged else cache, lens, block_table=bt if paged else None, warps=warps)
+        o, lse = mc.mla_decode_cuda(q, pool if paged else cache, lens, block_table=bt if paged else None, warps=warps,
+                                    form=form)
         torch.cuda.synchronize()
         err = ((o.float() - ro).norm() / ro.norm()).item()
-        print(f"warps {warps} paged {paged}: rel_l2 {err:.2e}  lse max abs {(lse - rl).abs().max().item():.2e}", flush=True)
+        print(f"{form} warps {warps} paged {paged}: rel_l2 {err:.2e}  lse max abs {(lse - rl).abs().max().item():.2e}",
+              flush=True)
 PY
 then
   echo "SMOKE FAILED OR HUNG: skipping the tests and the timing (see above)"; exit 3
@@ -78,12 +81,10 @@ HEADS = 12
 want = [c for c in os.environ.get("CASES", "ctx1k,ctx32k,ctx128k,b8_8k").split(",") if c]
 cases = {c.name: c for c in (st.Case("ctx1k", 1, 1024), st.Case("ctx32k", 1, 32768), st.Case("ctx128k", 1, 131072),
                                 st.Case("b8_8k", 8, 8192), st.Case("tiny", 1, 100))}  # tiny: a CPU dry run
-SWEEP = {"ctx1k": [("w8", dict(warps=8))], "b8_8k": [("w8", dict(warps=8))],
-         "ctx32k": [("w8", dict(warps=8)), ("w8st4", dict(warps=8, stages=4)), ("sp64", dict(num_splits=64)),
-                    ("sp132", dict(num_splits=132)), ("sp264", dict(num_splits=264)), ("st4", dict(stages=4)),
-                    ("st3", dict(stages=3)), ("nopdl", dict(pdl=False))],
-         "ctx128k": [("w8", dict(warps=8)), ("sp132", dict(num_splits=132)), ("sp264", dict(num_splits=264)),
-                     ("st4", dict(stages=4))]}
+SWEEP = {"ctx1k": [("team", dict(form="team"))], "b8_8k": [("team", dict(form="team"))],
+         "ctx32k": [("team", dict(form="team")), ("team.sp64", dict(form="team", num_splits=64)),
+                    ("team.sp96", dict(form="team", num_splits=96)), ("team.nopdl", dict(form="team", pdl=False))],
+         "ctx128k": [("team", dict(form="team")), ("team.sp96", dict(form="team", num_splits=96))]}
 checked, unchecked, rows = [], [], []
 
 def record(rcase, variant, fn_of_set, sets, nbytes, floor, shape, errors, facts, ok):
@@ -144,6 +145,9 @@ for rcase, variant, us, floor, frac, flag in rows:
     print(f"{rcase:24s} {us:9.2f} {floor:8.2f} {frac:9.1%}  {flag}")
 PY
 
+echo "== 3b. timeline probe"
+FORMS=team,split timeout 120 python3 scripts/device_mla_probe.py 2>&1 | tail -20
+
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null 2>&1; then
   echo "== 4. ncu"
   cat > /tmp/mla_ncu.py <<'PY'
@@ -151,12 +155,12 @@ import torch
 from k3lab.ops import mla_decode_cuda as mc
 from k3lab.studies import mla_padding as st
 s = st._make_set(st.Case("ctx32k", 1, 32768), 12, torch.bfloat16, seed=3)
-p = mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"])
+p = mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], form="team")
 for _ in range(3):
     p()
 torch.cuda.synchronize()
 PY
-  timeout 200 ncu --kernel-name regex:split_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+  timeout 200 ncu --kernel-name regex:team_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
     --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis python3 /tmp/mla_ncu.py \
     > "$OUT/ncu_mla_cuda.txt" 2>&1
   grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers|Stall|Warp Cycles" "$OUT/ncu_mla_cuda.txt" | head -30

@@ -1,10 +1,10 @@
 """One device call: where the CUDA MLA decode's time goes (kernels/mla_decode.cu, timeline probe).
 
-Prints, for the default plan at ctx32k and ctx128k (B = 1, 12 heads, paged bf16, the mla_padding
+Prints, for each form in $FORMS (default: split) at ctx32k and ctx128k (B = 1, 12 heads, paged bf16, the mla_padding
 study's inputs): the graph-replay time; the per-block timeline (start skew, first tile landed, loop,
 end) and thread 0's cycles in tile waits and barriers, from the probe; the merge's window; and, for
 scale, a plain read of the same cache bytes by torch (sum over a bf16 view). Writes
-$OUT/mla_probe.json.   OUT=dir python3 scripts/device_mla_probe.py
+$OUT/mla_probe.json.   OUT=dir [FORMS=team,split] python3 scripts/device_mla_probe.py
 """
 import json
 import os
@@ -19,12 +19,13 @@ from k3lab.studies import mla_padding as st
 out = os.environ.get("OUT", "build/device")
 os.makedirs(out, exist_ok=True)
 res = {}
-for name, ctx in (("ctx32k", 32768), ("ctx128k", 131072)):
+for form, name, ctx in [(f, n, c) for f in os.environ.get("FORMS", "split").split(",")
+                        for n, c in (("ctx32k", 32768), ("ctx128k", 131072))]:
     case = st.Case(name, 1, ctx)
     s = st._make_set(case, 12, torch.bfloat16, seed=5)
-    p0 = mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"])
+    p0 = mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], form=form)
     probe = torch.zeros(mc.probe_size(1, 12, p0.num_splits), dtype=torch.int64, device="cuda")
-    pp = mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], probe=probe)
+    pp = mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], probe=probe, form=form)
     t_plain = bench.time_fn(p0, graph=True, warmup=10, repeats=100).median_us
     t_probe = bench.time_fn(pp, graph=True, warmup=10, repeats=100).median_us
     runs = []
@@ -47,9 +48,9 @@ for name, ctx in (("ctx32k", 32768), ("ctx128k", 131072)):
                      "tiles": bl[0]["tiles"], "sms": len({b["sm"] for b in bl}),
                      "merge_start": min(m["start"] for m in tl["merge"]) if tl["merge"] else None,
                      "merge_end": max(m["end"] for m in tl["merge"]) if tl["merge"] else None})
-    res[name] = {"graph_us": t_plain, "graph_probe_us": t_probe, "torch_sum_read_us": t_read, "bytes": nbytes,
+    res[f"{form}.{name}"] = {"graph_us": t_plain, "graph_probe_us": t_probe, "torch_sum_read_us": t_read, "bytes": nbytes,
                  "splits": p0.num_splits, "chunk": p0.chunk, "summaries": summ, "last_timeline": runs[-1]}
-    print(f"{name}: graph {t_plain:.2f} us (probe {t_probe:.2f}), torch sum read {t_read:.2f} us "
+    print(f"{form} {name}: graph {t_plain:.2f} us (probe {t_probe:.2f}), torch sum read {t_read:.2f} us "
           f"({nbytes / t_read / 1e6:.2f} TB/s), splits {p0.num_splits}")
     for x in summ[-3:]:
         print("  " + "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in x.items()))

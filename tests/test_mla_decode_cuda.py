@@ -54,6 +54,7 @@ def _paged(page=64, L=96, lengths=(96,)):
     ("splits0", "num_splits"),
     ("stages6", "stages"),
     ("warps16", "warps"),
+    ("form_bad", "form"),
     ("scale_negative", "scale"),
     ("too_long", "longer"),
     ("page_out_of_pool", "outside the pool"),
@@ -88,6 +89,8 @@ def test_bad_arguments_are_refused_by_name(case, match):
         kw["stages"] = 6
     elif case == "warps16":
         kw["warps"] = 16
+    elif case == "form_bad":
+        kw["form"] = "wgmma"
     elif case == "scale_negative":
         kw["scale"] = -0.1
     elif case == "too_long":
@@ -149,6 +152,7 @@ def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
     # every (stages, warps) pair, plus the default plan's timeline-probe instance (template flag b1)
     assert sum("split_kernel" in k and "Lb0E" in k for k in kernels) == len(mc.STAGES) * len(mc.WARPS)
     assert sum("split_kernel" in k and "Lb1E" in k for k in kernels) == 1
+    assert sum("team_kernel" in k for k in kernels) == 2  # and the team kernel, with and without the probe
     assert any("merge_kernel" in k for k in kernels)
     spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", report)]
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
@@ -203,7 +207,7 @@ def _check(o, lse, q, ref_cache, lens, H):
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU (the kernel is not yet run on one by this project)")
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
-@pytest.mark.parametrize("warps", mc.WARPS)
+@pytest.mark.parametrize("form,warps", [("team", 4), ("split", 4), ("split", 8)])
 @pytest.mark.parametrize("lengths,H,splits,stages", [
     ((1,), 12, None, 5),
     ((31,), 12, None, 5),
@@ -214,12 +218,12 @@ def _check(o, lse, q, ref_cache, lens, H):
     ((5000, 33, 1, 64, 2049), 12, None, 5),  # mixed lengths: empty pieces for the short requests
     ((32768,), 12, None, 5),
 ])
-def test_on_the_gpu_matches_the_reference(paged, lengths, H, splits, stages, warps):
+def test_on_the_gpu_matches_the_reference(paged, lengths, H, splits, stages, form, warps):
     if not _runs():
         pytest.skip(f"kernel unavailable: {mc.status()[1]}")
     L = max(lengths) + 40
     q, kern, ref, lens, bt = _ragged(len(lengths), L, lengths, H, paged, seed=len(lengths) + H, nan_tail=True)
-    p = mc.plan(q, kern, lens, block_table=bt, num_splits=splits, stages=stages, warps=warps)
+    p = mc.plan(q, kern, lens, block_table=bt, num_splits=splits, stages=stages, warps=warps, form=form)
     o, lse = p()
     torch.cuda.synchronize()
     assert torch.isfinite(o.float()).all(), "NaN past a length leaked into the output"
@@ -246,3 +250,21 @@ def test_on_the_gpu_scale_and_pdl_off_and_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     _check(p.out, p.lse, q, ref, lens, 12)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU (the kernel is not yet run on one by this project)")
+@pytest.mark.parametrize("form", mc.FORMS)
+def test_on_the_gpu_the_timeline_probe_is_ordered_and_changes_nothing(form):
+    if not _runs():
+        pytest.skip(f"kernel unavailable: {mc.status()[1]}")
+    q, kern, ref, lens, bt = _ragged(1, 9000, (9000,), 12, True, seed=9, nan_tail=False)
+    p0 = mc.plan(q, kern, lens, block_table=bt, form=form)
+    probe = torch.zeros(mc.probe_size(1, 12, p0.num_splits), dtype=torch.int64, device="cuda")
+    o, lse = mc.plan(q, kern, lens, block_table=bt, form=form, probe=probe)()
+    torch.cuda.synchronize()
+    _check(o, lse, q, ref, lens, 12)
+    tl = mc.timeline(probe, 1, 12, p0.num_splits)
+    assert len(tl["blocks"]) == p0.num_splits and sum(bl["tiles"] for bl in tl["blocks"]) == -(-9000 // 32)
+    for bl in tl["blocks"]:
+        assert 0 <= bl["start"] <= bl["first"] <= bl["loop_end"] <= bl["end"]
+    assert min(m["start"] for m in tl["merge"]) >= max(bl["end"] for bl in tl["blocks"]) - 0.1  # timer grain

@@ -46,11 +46,21 @@ DEFAULT_STAGES = 5  # 5 x 37 KB in shared memory: one block per SM, ~150 KB of c
 WARPS = (4, 8)  # compiled block sizes: 4 warps (one per SM sub-partition) or 8 (two each)
 DEFAULT_WARPS = 4
 MAX_SPLITS = 65535
+FORMS = ("team", "split")  # the team kernel (2 teams of 4 warps on one ring) or the 4/8-warp split kernel
+DEFAULT_FORM = "split"
+TEAM_STAGES = 5  # the team kernel's ring depth (fixed)
+_TEAM_WARPS_CODE = 9  # the launchers' `warps` value that selects the team kernel (K3_MLA_TEAM)
 _STAGE_BYTES = 8 * (4 * LATENT_DIM * 2 + 16)  # 8 blocks of 4 rows, 16 bytes of padding each
 _XCH_BYTES = 4 * 4 * 32 * 16  # one score-partial exchange buffer
 _ERRORS = {-1: "no compiled kernel for this (stages, warps) pair", -3: "more shared memory than the device allows per block",
            -4: "bad sizes", -5: "this build has no MLA decode kernel (HIP, or not sm_90)"}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
+
+
+def team_smem_bytes() -> int:
+    """Dynamic shared memory of the team kernel: its 5-stage ring, two teams' double-buffered score
+    exchanges, an mbarrier and a reader count per stage."""
+    return TEAM_STAGES * _STAGE_BYTES + 2 * 2 * _XCH_BYTES + TEAM_STAGES * (8 + 4)
 
 
 def smem_bytes(stages: int = DEFAULT_STAGES) -> int:
@@ -85,12 +95,16 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, fn).restype = ctypes.c_int
     lib.k3_mla_decode_smem.restype = ctypes.c_int
     lib.k3_mla_decode_smem.argtypes = [ctypes.c_int]
+    lib.k3_mla_decode_team_smem.restype = ctypes.c_int
     lib.k3_mla_decode_regs.restype = ctypes.c_int
     lib.k3_mla_decode_regs.argtypes = [ctypes.c_int, ctypes.c_int]
     size = lib.k3_mla_decode_args_size()
     if size != ctypes.sizeof(Args):
         raise _build.KernelUnavailable(f"{NAME}.cu's Args is {size} bytes but the Python Args is "
                                        f"{ctypes.sizeof(Args)}: the two disagree")
+    if lib.k3_mla_decode_supported() and lib.k3_mla_decode_team_smem() != team_smem_bytes():
+        raise _build.KernelUnavailable(f"{NAME}.cu's team kernel needs {lib.k3_mla_decode_team_smem()} bytes of "
+                                       f"shared memory but the Python formula says {team_smem_bytes()}")
     for s in STAGES:
         if lib.k3_mla_decode_smem(s) != smem_bytes(s):
             raise _build.KernelUnavailable(f"{NAME}.cu needs {lib.k3_mla_decode_smem(s)} bytes of shared memory "
@@ -130,12 +144,16 @@ def available() -> bool:
     return status()[0]
 
 
-def registers(stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS) -> int:
-    """Registers per thread of the split kernel as compiled for this GPU (GPU only)."""
+def registers(stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS, form: str = "split") -> int:
+    """Registers per thread of the split kernel (or, form='team', the team kernel) as compiled for
+    this GPU (GPU only)."""
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     smem_bytes(stages)  # checks stages
     if warps not in WARPS:
         raise ValueError(f"warps must be one of {WARPS}, got {warps!r}")
-    n = _library().k3_mla_decode_regs(stages, warps)
+    n = (_library().k3_mla_decode_regs(TEAM_STAGES, _TEAM_WARPS_CODE) if form == "team"
+         else _library().k3_mla_decode_regs(stages, warps))
     if n < 0:
         raise RuntimeError(f"{NAME}.cu could not report its registers (error {-n})")
     return n
@@ -178,10 +196,11 @@ class _Checked:
     scale: float
     stages: int
     warps: int
+    form: str
 
 
 def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
-          warps=DEFAULT_WARPS) -> _Checked:
+          warps=DEFAULT_WARPS, form=DEFAULT_FORM) -> _Checked:
     """Every refusal, by name, before anything runs on a device (ValueError). Reads `lengths` and
     the block table on the host once (see mla_decode's plans)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -206,6 +225,8 @@ def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=No
         raise ValueError(f"cache rows must be contiguous {LATENT_DIM}-element rows (cache.stride(1) == "
                          f"{LATENT_DIM}, cache.stride(2) == 1; a tile of 32 rows is copied in blocks of 4 rows), "
                          f"got strides {tuple(cache.stride())}")
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     if stages not in STAGES:
         raise ValueError(f"stages must be one of {STAGES}, got {stages!r}")
     if warps not in WARPS:
@@ -226,7 +247,7 @@ def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=No
         raise ValueError("q must start on a 4-byte boundary with even batch and head strides (the kernel reads "
                          "pairs of bf16)")
     inp = mla._validate(q, cache, lengths, block_table, max_heads=MAX_HEADS)  # lengths, block table, devices
-    return _Checked(inp, float(s), stages, warps)
+    return _Checked(inp, float(s), stages, warps, form)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,6 +264,7 @@ class CudaDecodePlan:
     stages: int
     warps: int
     pdl: bool
+    form: str
     out: torch.Tensor
     lse: torch.Tensor
     _args: Args = field(repr=False)
@@ -259,14 +281,19 @@ class CudaDecodePlan:
         return 1 if self.num_splits == 1 else 2
 
     def facts(self) -> dict:
-        return {"kernel": "cuda", "num_splits": self.num_splits, "chunk": self.chunk, "block_n": BLOCK_N,
-                "num_stages": self.stages, "num_warps": self.warps, "smem_bytes": smem_bytes(self.stages),
+        team = self.form == "team"
+        return {"kernel": "cuda", "form": self.form, "num_splits": self.num_splits, "chunk": self.chunk,
+                "block_n": BLOCK_N, "num_stages": TEAM_STAGES if team else self.stages,
+                "num_warps": 8 if team else self.warps,
+                "smem_bytes": team_smem_bytes() if team else smem_bytes(self.stages),
                 "programs": self.programs, "launches": self.launches, "pdl": self.pdl, "rows_per_program": 16}
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         lib = _library()
         stream = _raw_stream(self._device) if _raw_stream is not None else torch.cuda.current_stream().cuda_stream
-        rc = lib.k3_mla_decode(ctypes.byref(self._args), self.stages, self.warps, int(self.pdl), self._max_shared,
+        team = self.form == "team"
+        rc = lib.k3_mla_decode(ctypes.byref(self._args), TEAM_STAGES if team else self.stages,
+                               _TEAM_WARPS_CODE if team else self.warps, int(self.pdl), self._max_shared,
                                ctypes.c_void_p(stream))
         if rc != 0:
             raise RuntimeError(f"{NAME}.cu refused the launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
@@ -275,7 +302,7 @@ class CudaDecodePlan:
 
 def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
          warps=DEFAULT_WARPS, pdl: bool = True, compute_units: int | None = None,
-         probe: torch.Tensor | None = None) -> CudaDecodePlan:
+         probe: torch.Tensor | None = None, form: str = DEFAULT_FORM) -> CudaDecodePlan:
     """Check once (ValueError by name), then build a launchable plan on the GPU (KernelUnavailable,
     with the reason, where the kernel cannot run). num_splits: None = `choose_splits` for the
     device's SM count; stages / warps: the compiled ring depth and block size (5 and 4 by default);
@@ -283,7 +310,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     tensor on the GPU of at least `probe_size(plan)` entries that each launch fills with the
     timeline of kernels/mla_decode.cu's Args.probe (default plan only; `timeline` reads it)."""
     c = check(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
-              warps=warps)
+              warps=warps, form=form)
     ok, why = status()
     if not ok:
         raise _build.KernelUnavailable(f"{NAME}.cu cannot run here: {why}")
@@ -293,11 +320,12 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
     max_shared = int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
-    if smem_bytes(stages) > max_shared:
-        raise _build.KernelUnavailable(f"{stages} stages need {smem_bytes(stages)} bytes of shared memory per block; "
+    need = team_smem_bytes() if form == "team" else smem_bytes(stages)
+    if need > max_shared:
+        raise _build.KernelUnavailable(f"the {form} kernel needs {need} bytes of shared memory per block; "
                                        f"this GPU allows {max_shared}")
     per_unit = int(getattr(props, "shared_memory_per_multiprocessor", 0) or max_shared)
-    blocks_per_unit = max(1, per_unit // (smem_bytes(stages) + 1024))  # the driver keeps 1 KB per block
+    blocks_per_unit = max(1, per_unit // (need + 1024))  # the driver keeps 1 KB per block
     units = compute_units or props.multi_processor_count
     splits, chunk = choose_splits(inp.batch, inp.max_len, units, blocks_per_unit=blocks_per_unit,
                                   num_splits=num_splits)
@@ -316,16 +344,16 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                 B, H, page_shift, splits, chunk, bt.shape[1] if bt is not None else 0, c.scale * mla._LOG2E, None)
     if probe is not None:
         need = probe_size(B, H, splits)
-        if stages != DEFAULT_STAGES or warps != DEFAULT_WARPS:
-            raise ValueError(f"probe is compiled for the default plan only ({DEFAULT_STAGES} stages, "
-                             f"{DEFAULT_WARPS} warps), got {stages} stages, {warps} warps")
+        if form == "split" and (stages != 5 or warps != 4):
+            raise ValueError(f"probe is compiled for the team kernel and the 5-stage 4-warp split kernel only, "
+                             f"got {stages} stages, {warps} warps")
         if probe.dtype != torch.int64 or probe.device != q.device or probe.numel() < need or not probe.is_contiguous():
             raise ValueError(f"probe must be a contiguous int64 tensor on {q.device} of >= {need} entries, got "
                              f"{probe.dtype} on {probe.device} with {probe.numel()}")
         args.probe = probe.data_ptr()
     keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse, probe)
-    return CudaDecodePlan(splits, chunk, stages, warps, bool(pdl) and splits > 1, out, lse, args, keep, max_shared,
-                          dev)
+    return CudaDecodePlan(splits, chunk, stages, warps, bool(pdl) and splits > 1, form, out, lse, args, keep,
+                          max_shared, dev)
 
 
 def probe_size(batch: int, heads: int, splits: int) -> int:
@@ -352,9 +380,10 @@ def timeline(probe: torch.Tensor, batch: int, heads: int, splits: int) -> dict:
 
 
 def mla_decode_cuda(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None,
-                    stages=DEFAULT_STAGES, warps=DEFAULT_WARPS, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    stages=DEFAULT_STAGES, warps=DEFAULT_WARPS, pdl: bool = True,
+                    form: str = DEFAULT_FORM) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step on the CUDA kernel: (o [B, 1, H, 512] in q's dtype, lse [B, 1, H] natural log),
     as `mla_decode.reference` computes them. EXPERIMENTAL: not yet run on a GPU by this project."""
     o, lse = plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
-                  warps=warps, pdl=pdl)()
+                  warps=warps, pdl=pdl, form=form)()
     return o.clone(), lse.clone()

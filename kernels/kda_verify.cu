@@ -69,6 +69,7 @@ struct Args {
   int in_bf16;            // q, k, v and o are bf16 (else fp32)
   int g_bf16, beta_bf16;  // g, beta bf16 (else fp32)
   float scale;
+  int pdl;                // launched as a programmatic dependent (warp form only): wait for the prior grid
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -402,20 +403,245 @@ __global__ void __launch_bounds__(W * 32) kda_verify_kernel(const Args a) {
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// FORM 2 ('warp'): each warp owns 8 whole value columns (all 128 key rows), so a reduction over K
+// never leaves the warp: no shared memory and no barrier on the chain, and the blocks are single
+// warps (B = 1, 12 heads: 192 of them, at most one per SM sub-partition on 132 SMs).
+//   lane = 2 rg + half: key group rg = 0..15 holds rows 8 rg .. 8 rg + 7, half picks columns
+//   4 half .. 4 half + 3 of the warp's 8. Each thread keeps an 8 x 4 block of the state: its state
+//   rows load and store as 16-byte vectors (a lane pair writes one whole 32-byte sector per row),
+//   and its q, k, g rows are one 16-byte (bf16) or 32-byte (fp32) load shared by the pair, so the
+//   per-row work (decays, d k, d q) is done by two lanes, not by every column's lane.
+// Per position the 8 partial sums (u and p for 4 columns) are reduced over the 16 key groups by
+// recursive halving: at each of 4 lane-exchange levels a lane keeps half of its values and sends
+// the other half, so 8 shuffles (not 32) leave every lane with one finished sum: u or p of one
+// column (lane bit 4: u / p, bits 3..2: the column). The u lanes form delta = beta (v - u), four
+// shuffles hand every lane the deltas of its 4 columns, and the p lanes write o.
+// Every word loaded passes the same gate as above before its first use; the conversions fold the
+// gate's zero in (bf16 halves: one LEA / LOP3 each; fp32 gates: the exp's multiply becomes an FMA).
+template <bool IN16>
+K3_DEVICE void rows8_to_floats(const uint32_t (&w)[8], uint32_t z, float (&x)[8]) {
+  if constexpr (IN16) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[2 * i] = __uint_as_float((w[i] << 16) + z);
+      x[2 * i + 1] = __uint_as_float((w[i] & 0xffff0000u) | z);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = __uint_as_float(w[i] + z);
+  }
+}
+
+K3_DEVICE float fast_exp2(float x) {
+#if defined(K3_CUDA) && defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
+}
+
+K3_DEVICE float k3_shfl_idx(float v, int src) {
+#if defined(K3_HIP)
+  return __shfl(v, src, 32);  // aligned 32-lane groups (not yet run on AMD hardware by this project)
+#else
+  return __shfl_sync(0xffffffffu, v, src);
+#endif
+}
+
+template <int WB, int TM, bool IN16, bool G16>
+__global__ void __launch_bounds__(WB * 32) kda_verify_warp_kernel(const Args a) {
+  constexpr float LOG2E = 1.4426950408889634f;
+  __shared__ uint32_t zero_word;
+  const int lane = threadIdx.x & 31;
+  const int half = lane & 1;
+  const int r0 = (lane >> 1) * 8;                           // first of this thread's 8 key rows
+  const int wc = (blockIdx.x * WB + (threadIdx.x >> 5)) * 8;  // the warp's first column
+  const int c0 = wc + 4 * half;                             // this thread's 4 columns
+  const int cr = c0 + ((lane >> 2) & 3);                    // the column whose sums this lane ends with
+  const bool p_lane = (lane & 16) != 0;                     // ends with p (else u) of column cr
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int H = a.H;
+  const long long bh = (long long)b * H + h;
+  const bool b16 = a.beta_bf16 != 0;
+#if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  // Programmatic dependent launch (a.pdl): this grid may be started while the previous kernel in
+  // the stream is finishing; it waits here, before its first memory access, until that kernel has
+  // completed and its writes are visible, and at once lets the next kernel start the same way.
+  // Without the launch attribute both instructions return at once.
+  if (a.pdl) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
+#endif
+
+  long long bos;
+  int L;
+  if (a.mode == 1) {
+    const long long s0 = a.seq64 ? static_cast<const long long*>(a.seq_info)[b]
+                                 : static_cast<const int*>(a.seq_info)[b];
+    const long long s1 = a.seq64 ? static_cast<const long long*>(a.seq_info)[b + 1]
+                                 : static_cast<const int*>(a.seq_info)[b + 1];
+    bos = s0;
+    L = (int)(s1 - s0);
+  } else {
+    bos = (long long)b * TM;
+    L = a.mode == 2 ? (int)(a.seq64 ? static_cast<const long long*>(a.seq_info)[b]
+                                    : static_cast<const int*>(a.seq_info)[b])
+                    : TM;
+  }
+  L = L < TM ? L : TM;
+
+  // ---- every load first: the 8 x 4 state block, then each live position's rows
+  if (threadIdx.x == 0) zero_word = 0u;
+  const long long slab = (long long)HK * HV;
+  const float* s0 = a.h0 + bh * slab + r0 * HV + c0;
+  uint4 ws[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) ws[j] = *reinterpret_cast<const uint4*>(s0 + j * HV);
+  uint32_t wq[TM][8], wk[TM][8], wg[TM][8], wv[TM], wb[TM];
+#pragma unroll
+  for (int t = 0; t < TM; ++t) {
+    const long long row = (bos + t) * H + h;
+    if (t < L) {
+      load_words<8>(a.q, row * HK + r0, IN16, wq[t]);
+      load_words<8>(a.k, row * HK + r0, IN16, wk[t]);
+      load_words<8>(a.g, row * HK + r0, G16, wg[t]);
+      wv[t] = load_word(a.v, row * HV + cr, IN16);
+      wb[t] = load_word(a.beta, row, b16);
+    } else {  // a dead position: k = g = beta = 0 is the identity update, q = 0 gives o = 0
+#pragma unroll
+      for (int j = 0; j < 8; ++j) wq[t][j] = wk[t][j] = wg[t][j] = 0u;
+      wv[t] = wb[t] = 0u;
+    }
+  }
+  __syncthreads();
+  const uint32_t z = *reinterpret_cast<volatile uint32_t*>(&zero_word);
+  const float zf = __uint_as_float(z);
+
+  // The state needs no gate: every instruction that reads it also reads a gated value.
+  float S[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    S[j][0] = __uint_as_float(ws[j].x);
+    S[j][1] = __uint_as_float(ws[j].y);
+    S[j][2] = __uint_as_float(ws[j].z);
+    S[j][3] = __uint_as_float(ws[j].w);
+  }
+
+#pragma unroll
+  for (int t = 0; t < TM; ++t) {
+    // inputs of position t (no state in them: the scheduler may run them ahead)
+    float q[8], k[8], d[8], dk[8], dq[8];
+    rows8_to_floats<IN16>(wq[t], z, q);
+    rows8_to_floats<IN16>(wk[t], z, k);
+    if constexpr (G16) {
+      float g[8];
+      rows8_to_floats<true>(wg[t], z, g);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) d[j] = fast_exp2(g[j] * LOG2E);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) d[j] = fast_exp2(fmaf(__uint_as_float(wg[t][j]), LOG2E, zf));
+    }
+    float qk = q[0] * k[0];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      dk[j] = d[j] * k[j];
+      dq[j] = d[j] * q[j];
+      if (j) qk = fmaf(q[j], k[j], qk);
+    }
+#pragma unroll
+    for (int off = 2; off < 32; off <<= 1) qk += k3_shfl_xor(qk, off);
+    const float vt = __uint_as_float((IN16 ? (wv[t] << 16) : wv[t]) + z);
+    const float bt = __uint_as_float((b16 ? (wb[t] << 16) : wb[t]) + z);
+
+    // u = S^T (d k) and p = S^T (d q) over this thread's 8 rows, 4 columns (two half chains each)
+    float x[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float u0 = S[0][i] * dk[0], u1 = S[4][i] * dk[4], p0 = S[0][i] * dq[0], p1 = S[4][i] * dq[4];
+#pragma unroll
+      for (int j = 1; j < 4; ++j) {
+        u0 = fmaf(S[j][i], dk[j], u0);
+        u1 = fmaf(S[4 + j][i], dk[4 + j], u1);
+        p0 = fmaf(S[j][i], dq[j], p0);
+        p1 = fmaf(S[4 + j][i], dq[4 + j], p1);
+      }
+      x[i] = u0 + u1;
+      x[4 + i] = p0 + p1;
+    }
+    // recursive halving over the key groups (lane bits 4, 3, 2, 1)
+    float y[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float send = p_lane ? x[i] : x[4 + i];
+      const float keep = p_lane ? x[4 + i] : x[i];
+      y[i] = keep + k3_shfl_xor(send, 16);
+    }
+    const bool hi3 = (lane & 8) != 0, hi2 = (lane & 4) != 0;
+    float y2[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float send = hi3 ? y[i] : y[2 + i];
+      const float keep = hi3 ? y[2 + i] : y[i];
+      y2[i] = keep + k3_shfl_xor(send, 8);
+    }
+    float s;
+    {
+      const float send = hi2 ? y2[0] : y2[1];
+      const float keep = hi2 ? y2[1] : y2[0];
+      s = keep + k3_shfl_xor(send, 4);
+    }
+    s += k3_shfl_xor(s, 2);  // u (p_lane false) or p of column cr, summed over all 128 rows
+
+    const float dl = bt * (vt - s);  // delta of column cr (meaningful in the u lanes)
+    float D[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) D[i] = k3_shfl_idx(dl, ((i >> 1) << 3) | ((i & 1) << 2) | half);
+    const float dp = k3_shfl_xor(dl, 16);  // in a p lane: delta of its column
+    const long long row = (bos + t) * H + h;
+    if (p_lane && !(lane & 2) && (t < L || a.mode == 2))
+      store_out(a.o, row * HV + cr, IN16, a.scale * fmaf(qk, dp, s));
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) S[j][i] = fmaf(k[j], D[i], S[j][i] * d[j]);
+    }
+    if (a.all_states && t < L) {
+      float* dst = a.hs + row * slab + r0 * HV + c0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        *reinterpret_cast<float4*>(dst + j * HV) = make_float4(S[j][0], S[j][1], S[j][2], S[j][3]);
+    }
+  }
+  if (!a.all_states) {  // the sequence's last live state (dead positions were identity updates)
+    float* dst = a.hs + bh * slab + r0 * HV + c0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      *reinterpret_cast<float4*>(dst + j * HV) = make_float4(S[j][0], S[j][1], S[j][2], S[j][3]);
+  }
+}
+
 }  // namespace k3kv
 
 // ---------------------------------------------------------------------------------------------
 // exported launchers
 
 // (BV value columns, W 32-lane groups, FORM) compiled; each for T = 1..8 (a template argument).
-// form: 0 step, 1 chunk (both: plain loads behind a gate).
+// form: 0 step, 1 chunk (both: plain loads behind a gate), 2 warp (8 whole columns per warp, W
+// independent warps per block).
 // Only configurations that compile without register spills at every T (ptxas, sm_90a): 8 x 2 spilled
 // at T >= 5, 4 x 4 at T = 4 and the chunk form on 4 groups at T = 8, so they are not built.
 #define K3_KV_CONFIGS(X) \
   X(8, 4, 0)             \
   X(8, 8, 0)             \
   X(4, 2, 0)             \
-  X(8, 8, 1)
+  X(8, 8, 1)             \
+  X(8, 1, 2)
 
 K3_EXPORT int k3_kda_verify_args_size() { return (int)sizeof(k3kv::Args); }
 
@@ -434,28 +660,78 @@ K3_EXPORT int k3_kda_verify_configs(int* out, int max_configs) {
   return n;
 }
 
-template <int BV, int W, int F>
-static void k3_launch_tm(const k3kv::Args& a, k3_stream_t stream) {
-  const dim3 grid(k3kv::HV / BV, a.H, a.n_seq);
-  const dim3 block(W * 32);
-  switch (a.T) {
-    case 1: k3kv::kda_verify_kernel<BV, W, 1, F == 1><<<grid, block, 0, stream>>>(a); break;
-    case 2: k3kv::kda_verify_kernel<BV, W, 2, F == 1><<<grid, block, 0, stream>>>(a); break;
-    case 3: k3kv::kda_verify_kernel<BV, W, 3, F == 1><<<grid, block, 0, stream>>>(a); break;
-    case 4: k3kv::kda_verify_kernel<BV, W, 4, F == 1><<<grid, block, 0, stream>>>(a); break;
-    case 5: k3kv::kda_verify_kernel<BV, W, 5, F == 1><<<grid, block, 0, stream>>>(a); break;
-    case 6: k3kv::kda_verify_kernel<BV, W, 6, F == 1><<<grid, block, 0, stream>>>(a); break;
-    case 7: k3kv::kda_verify_kernel<BV, W, 7, F == 1><<<grid, block, 0, stream>>>(a); break;
-    default: k3kv::kda_verify_kernel<BV, W, 8, F == 1><<<grid, block, 0, stream>>>(a); break;
+// One launch of `kernel`; with a.pdl (CUDA) as a programmatic dependent of the stream's previous
+// kernel (cudaLaunchAttributeProgrammaticStreamSerialization; kept by CUDA-graph capture).
+static void k3_launch_args(void (*kernel)(k3kv::Args), const dim3 grid, const dim3 block, k3_stream_t stream,
+                           const k3kv::Args& a) {
+#if defined(K3_CUDA)
+  if (a.pdl) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    cudaLaunchKernelEx(&cfg, kernel, a);
+    return;
+  }
+#endif
+  kernel<<<grid, block, 0, stream>>>(a);
+}
+
+template <int WB, int TM>
+static void k3_launch_warp_tm(const k3kv::Args& a, const dim3 grid, const dim3 block, k3_stream_t stream) {
+  if (a.in_bf16) {
+    if (a.g_bf16) k3_launch_args(k3kv::kda_verify_warp_kernel<WB, TM, true, true>, grid, block, stream, a);
+    else k3_launch_args(k3kv::kda_verify_warp_kernel<WB, TM, true, false>, grid, block, stream, a);
+  } else {
+    if (a.g_bf16) k3_launch_args(k3kv::kda_verify_warp_kernel<WB, TM, false, true>, grid, block, stream, a);
+    else k3_launch_args(k3kv::kda_verify_warp_kernel<WB, TM, false, false>, grid, block, stream, a);
   }
 }
 
-// Launch one verification step. tile_v: value columns per block; warps: 32-lane groups per block;
-// form: 0 step, 1 chunk. Returns 0, -1 (no such compiled config), -4 (bad sizes) or the runtime's
-// error code.
+template <int BV, int W, int F>
+static void k3_launch_tm(const k3kv::Args& a, k3_stream_t stream) {
+  const dim3 grid(k3kv::HV / (F == 2 ? BV * W : BV), a.H, a.n_seq);
+  const dim3 block(W * 32);
+  if constexpr (F == 2) {  // warp form: W independent 8-column warps per block
+    static_assert(BV == 8, "the warp form holds 8 columns per warp");
+    switch (a.T) {
+      case 1: k3_launch_warp_tm<W, 1>(a, grid, block, stream); break;
+      case 2: k3_launch_warp_tm<W, 2>(a, grid, block, stream); break;
+      case 3: k3_launch_warp_tm<W, 3>(a, grid, block, stream); break;
+      case 4: k3_launch_warp_tm<W, 4>(a, grid, block, stream); break;
+      case 5: k3_launch_warp_tm<W, 5>(a, grid, block, stream); break;
+      case 6: k3_launch_warp_tm<W, 6>(a, grid, block, stream); break;
+      case 7: k3_launch_warp_tm<W, 7>(a, grid, block, stream); break;
+      default: k3_launch_warp_tm<W, 8>(a, grid, block, stream); break;
+    }
+    return;
+  } else {
+    switch (a.T) {
+      case 1: k3kv::kda_verify_kernel<BV, W, 1, F == 1><<<grid, block, 0, stream>>>(a); break;
+      case 2: k3kv::kda_verify_kernel<BV, W, 2, F == 1><<<grid, block, 0, stream>>>(a); break;
+      case 3: k3kv::kda_verify_kernel<BV, W, 3, F == 1><<<grid, block, 0, stream>>>(a); break;
+      case 4: k3kv::kda_verify_kernel<BV, W, 4, F == 1><<<grid, block, 0, stream>>>(a); break;
+      case 5: k3kv::kda_verify_kernel<BV, W, 5, F == 1><<<grid, block, 0, stream>>>(a); break;
+      case 6: k3kv::kda_verify_kernel<BV, W, 6, F == 1><<<grid, block, 0, stream>>>(a); break;
+      case 7: k3kv::kda_verify_kernel<BV, W, 7, F == 1><<<grid, block, 0, stream>>>(a); break;
+      default: k3kv::kda_verify_kernel<BV, W, 8, F == 1><<<grid, block, 0, stream>>>(a); break;
+    }
+  }
+}
+
+// Launch one verification step. tile_v: value columns per block (the warp form: per warp); warps:
+// 32-lane groups per block; form: 0 step, 1 chunk, 2 warp. Returns 0, -1 (no such compiled config),
+// -4 (bad sizes), -5 (pdl asked of a form other than 2) or the runtime's error code.
 K3_EXPORT int k3_kda_verify(const k3kv::Args* args, int tile_v, int warps, int form, void* stream) {
   const k3kv::Args& a = *args;
   if (a.T < 1 || a.T > 8 || a.H <= 0 || a.n_seq <= 0 || a.n_seq > 65535 || a.H > 65535) return -4;
+  if (a.pdl && form != 2) return -5;  // only the warp form waits for the previous grid
   const k3_stream_t s = static_cast<k3_stream_t>(stream);
   bool found = false;
 #define K3_GO(BV_, W_, F_)                                           \

@@ -313,6 +313,7 @@ def test_default_form_and_its_environment_override(monkeypatch):
 def test_cuda_warps_rule():
     assert [kv.cuda_warps("cuda", t) for t in (1, 4, 8)] == [4, 4, 4]
     assert [kv.cuda_warps("cuda_chunk", t) for t in (1, 4, 5, 8)] == [8, 8, 8, 8]
+    assert [kv.cuda_warps("cuda_warp", t) for t in (1, 4, 8)] == [1, 1, 1]  # a block is one warp
     assert kv.choose_num_warps(8, form="cuda_chunk", positions=8) == 8
 
 
@@ -332,6 +333,12 @@ def test_cuda_library_layout_and_configs():
         for t in range(1, kv.MAX_POSITIONS + 1):
             assert (8, kv.cuda_warps(form, t), form) in have
     assert (4, 2, "cuda") in have  # the MI355X-style 4-column tile (4 x 4 spilled at T = 4)
+    # the launch rules assume no register spills in the warp form (255 registers at most, one warp)
+    log = _build.compile_kernel("kda_verify", kind="nvcc", target="sm_90a").with_suffix(".so.log").read_text()
+    entries = log.split("Compiling entry function")[1:]
+    warp = [e for e in entries if "kda_verify_warp_kernel" in e.split("\n")[0]]
+    assert len(warp) == 4 * kv.MAX_POSITIONS, "one warp kernel per (T, q/k/v dtype, g dtype)"
+    assert all("0 bytes spill stores" in e.split("Compiling entry function")[0] for e in warp)
 
 
 def test_study_names_the_cuda_sweep_points():
@@ -343,7 +350,13 @@ def test_study_names_the_cuda_sweep_points():
     assert study.kernel_name("after", 8, "cuda_chunk") == "cuda_chunk"
     with pytest.raises(ValueError, match="cuda form"):
         study._parse("b1_t4.cuda16_w4", 12)
-    assert all(study._is_sweep(c, ("cuda", "cudachunk")) for c in study.CUDA_SWEEP)
+    assert all(study._is_sweep(c, ("cuda", "cudachunk", "cudawarp")) for c in study.CUDA_SWEEP)
+    warp = study._parse("b1_t4.cudawarp8_w1_pdl", 12)["variants"][0][1]
+    assert (warp["form"], warp["num_warps"], warp["pdl"]) == ("cuda_warp", 1, True)
+    assert "pdl" not in study._parse("b1_t4.cudawarp8_w1", 12)["variants"][0][1]
+    assert study._pdl_used(warp) and not study._pdl_used(dict(warp, form="step"))
+    with pytest.raises(ValueError, match="_pdl"):
+        study._parse("b1_t4.cuda8_w4_pdl", 12)
 
 
 def _gpu_inputs(B, T, H, dtype, seed=0, N=None):
@@ -361,7 +374,8 @@ def _check_gpu(o, states, ref_o, ref_s):
 
 
 @needs_cuda_kernel
-@pytest.mark.parametrize("form, tile_v, warps", [("cuda", 8, 4), ("cuda", 8, 8), ("cuda", 4, 2), ("cuda_chunk", 8, 8)])
+@pytest.mark.parametrize("form, tile_v, warps", [("cuda", 8, 4), ("cuda", 8, 8), ("cuda", 4, 2), ("cuda_chunk", 8, 8),
+                                                 ("cuda_warp", 8, 1)])
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8])
 def test_cuda_kernel_every_position_matches_reference(form, tile_v, warps, T):
     if form == "cuda_chunk" and warps == 4 and T > 4:
@@ -472,3 +486,40 @@ def test_cuda_kernel_misaligned_input_falls_back_or_is_refused(monkeypatch):
     _check_gpu(*kv.kda_verify(**y, tile_v=8), ref_o, ref_s)  # the default falls back to the Triton step form
     monkeypatch.setenv(kv.FORM_ENV, "step")
     assert kv.choose_form(*(x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")), 8, 2) == "step"
+
+
+@needs_cuda_kernel
+def test_cuda_warp_form_as_a_programmatic_dependent_launch():
+    """pdl=True changes only how the launch waits for the previous kernel: the same bits, eager and
+    replayed in a graph right after a kernel that writes the warp form's inputs."""
+    x = _gpu_inputs(1, 4, 12, torch.bfloat16, seed=12)
+    ref_o, ref_s = kv.reference_verify(**x)
+    o_plain, s_plain = kv.kda_verify(**x, form="cuda_warp", pdl=False)
+    _check_gpu(o_plain, s_plain, ref_o, ref_s)
+    o_pdl, s_pdl = kv.kda_verify(**x, form="cuda_warp", pdl=True)
+    assert torch.equal(o_pdl, o_plain) and torch.equal(s_pdl, s_plain)
+    static = {n: t.clone() for n, t in x.items()}
+    fresh = _gpu_inputs(1, 4, 12, torch.bfloat16, seed=13)
+    buf = torch.empty_like(s_plain)
+    kv.kda_verify(**static, form="cuda_warp", pdl=True, states_out=buf)  # loaded outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for n in ("v", "initial_state"):  # the kernels before it write what it reads
+            torch.mul(fresh[n], 1, out=static[n])
+        o_graph, _ = kv.kda_verify(**static, form="cuda_warp", pdl=True, states_out=buf)
+    graph.replay()
+    ref_o, ref_s = kv.reference_verify(**dict(x, v=fresh["v"], initial_state=fresh["initial_state"]))
+    _check_gpu(o_graph, buf, ref_o, ref_s)
+
+
+@needs_cuda_kernel
+def test_cuda_warp_form_refuses_or_falls_back_on_a_misaligned_states_buffer(monkeypatch):
+    monkeypatch.setenv(kv.FORM_ENV, "cuda_warp")
+    x = _gpu_inputs(1, 2, 1, torch.bfloat16, seed=14)
+    store = torch.empty(2 * K * K + 1, device="cuda")
+    buf = store[1:].view(1, 2, 1, K, K)  # 4-byte offset: the warp form stores 16 bytes at a time
+    with pytest.raises(ValueError, match="states is not 16-byte aligned"):
+        kv.kda_verify(**x, form="cuda_warp", states_out=buf)
+    ref_o, ref_s = kv.reference_verify(**x)
+    _check_gpu(*kv.kda_verify(**x, tile_v=8, states_out=buf), ref_o, ref_s)  # the default: the Triton step form

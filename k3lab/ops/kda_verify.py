@@ -99,12 +99,12 @@ BEFORE_TILE_V = 32
 # How the narrow kernel walks the positions: 'chunk' (all positions as one small chunk: one
 # state-dependent reduction round, `_verify_chunk_kernel`), 'step' (position after position,
 # `_verify_narrow_kernel`) or 'tile' (the step form with its inputs loaded in the tile's shape).
-NARROW_FORMS = ("chunk", "step", "tile", "cuda", "cuda_chunk")
+NARROW_FORMS = ("chunk", "step", "tile", "cuda", "cuda_chunk", "cuda_warp")
 NARROW_FORM = "step"  # the Triton form: measured faster than 'chunk' and 'tile' on the H200 (docstring)
 # The hand-written kernel (kernels/kda_verify.cu via k3lab.ops.kda_verify_cuda): step and chunk forms
 # with plain loads behind a gate. Opt-in: on the H200 the step form was within 2% of the Triton step
 # form (module docstring).
-CUDA_FORMS = ("cuda", "cuda_chunk")
+CUDA_FORMS = ("cuda", "cuda_chunk", "cuda_warp")
 CUDA_FORM = "cuda"
 CUDA_DEFAULT = False  # True: `default_form` picks CUDA_FORM on CUDA devices where the .cu builds
 FORM_ENV = "K3LAB_KDA_VERIFY_FORM"  # names the default form for one run (e.g. a device measurement)
@@ -190,11 +190,12 @@ def choose_num_warps(tile_v: int, k_dim: int = HEAD_DIM, wave_width: int | None 
 
 def cuda_warps(form: str = CUDA_FORM, positions: int = 4) -> int:
     """32-lane groups per block of the CUDA kernel (its lane mapping is in 32-lane groups whatever the
-    device's warp width): 4, so each thread holds 8 key rows of one column (tile 8); the chunk form
-    takes 8 (its T^2 partial sums per thread spill at 4 groups at T = 8: ptxas, sm_90a).
-    `positions` is kept for callers that size by depth."""
+    device's warp width): 'cuda' 4, so each thread holds 8 key rows of one column (tile 8); the chunk
+    form 8 (its T^2 partial sums per thread spill at 4 groups at T = 8: ptxas, sm_90a); the warp form
+    1 (each warp owns its 8 columns whole, so a block is one warp). `positions` is kept for callers
+    that size by depth."""
     del positions
-    return 8 if form == "cuda_chunk" else 4
+    return {"cuda_chunk": 8, "cuda_warp": 1}.get(form, 4)
 
 
 def default_form(tile_v: int, backend: str | None = None) -> str:
@@ -614,7 +615,7 @@ def _prepare(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, f
 
 def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, lengths=None, max_seqlen=None,
                final_state_only=False, states_out=None, tile_v=None, num_warps=None, form=None,
-               state_layout="kv"):
+               state_layout="kv", pdl=None):
     """Verify T = 1..8 draft positions per sequence (after: narrow tiles where parallelism is short).
 
     q, k: [B, T, H, 128] (L2-normalised); v: [B, T, H, V]; g: [B, T, H, 128] log-decay (fp32 advised);
@@ -629,7 +630,10 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
     up to NARROW_MAX columns run the narrow kernel, wider ones the streaming kernel.
     `state_layout`: 'kv' (states [.., K, V], fla's) or 'vk' ([.., V, K], as `kda_decode` can keep
     them): with 'vk' a tile's K values are contiguous and the narrow kernel computes, loads and stores
-    in one register layout (narrow kernel, step and tile forms only)."""
+    in one register layout (narrow kernel, step and tile forms only).
+    `pdl`: launch the CUDA warp form as a programmatic dependent of the stream's previous kernel (it
+    waits for that kernel before touching memory, but its launch overlaps that kernel's end); None
+    reads K3LAB_KDA_VERIFY_PDL (default off); ignored by the Triton forms."""
     if form is not None and form not in NARROW_FORMS:
         raise ValueError(f"form must be one of {NARROW_FORMS}, got {form!r}")
     (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode) = _prepare(
@@ -646,6 +650,7 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
                               num_warps or choose_num_warps(bv))
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     grid = (V // bv, N * H)
+    explicit = form is not None
     form = form or choose_form(q, k, v, g, beta, h0, bv, steps, state_layout)
     if form in CUDA_FORMS:
         from k3lab.ops import kda_verify_cuda as kc
@@ -654,12 +659,15 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
         if state_layout != "kv":
             raise ValueError(f"form {form!r} keeps the states [.., K, V] (state_layout 'kv'), got {state_layout!r}")
         ok, why = kc.status()
-        why = kc.supports(q, k, v, g, beta, h0, bv, warps, form) if ok else why
-        if why is not None:
+        why = kc.supports(q, k, v, g, beta, h0, bv, warps, form, states=hs) if ok else why
+        if why is None:
+            kc.launch(q, k, v, g, beta, h0, o, hs, seq_info, n_seq=N, positions=steps, heads=H, mode=mode,
+                      all_states=not final_state_only, tile_v=bv, num_warps=warps, form=form, scale=scale,
+                      pdl=pdl)
+            return o, hs
+        if explicit:
             raise ValueError(f"form {form!r} (kernels/kda_verify.cu) cannot run these inputs here: {why}")
-        kc.launch(q, k, v, g, beta, h0, o, hs, seq_info, n_seq=N, positions=steps, heads=H, mode=mode,
-                  all_states=not final_state_only, tile_v=bv, num_warps=warps, form=form, scale=scale)
-        return o, hs
+        form, num_warps = NARROW_FORM, None  # the default form, refused by these buffers: the Triton step form
     if form == "chunk":
         _verify_chunk_kernel[grid](q, k, v, g, beta, h0, o, hs, seq_info, scale,
                                    T=steps, TP=triton.next_power_of_2(steps), H=H, K=HEAD_DIM, V=V, BV=bv,

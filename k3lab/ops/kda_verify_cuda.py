@@ -20,9 +20,15 @@ from k3lab.ops import _build
 
 NAME = "kda_verify"
 HEAD_DIM = 128  # K and V compiled into the kernel (K3's KDA head)
-# form name in k3lab.ops.kda_verify -> the launcher's form: step and chunk, plain loads behind a gate
-FORMS = {"cuda": 0, "cuda_chunk": 1}
-_ERRORS = {-1: "no compiled kernel for this (tile_v, warps, form)", -4: "bad sizes (T in 1..8, N and H <= 65535)"}
+# form name in k3lab.ops.kda_verify -> the launcher's form: step and chunk (a block of 4 or 8 warps
+# shares a tile's key rows), warp (each warp owns 8 whole columns; kernels/kda_verify.cu FORM 2)
+FORMS = {"cuda": 0, "cuda_chunk": 1, "cuda_warp": 2}
+PDL_FORMS = ("cuda_warp",)  # forms that can be launched as programmatic dependents (`launch(pdl=True)`)
+# K3LAB_KDA_VERIFY_PDL=1 launches the PDL_FORMS as programmatic dependents of the stream's previous
+# kernel (they wait for it before their first memory access); unset or 0: plain launches.
+PDL_ENV = "K3LAB_KDA_VERIFY_PDL"
+_ERRORS = {-1: "no compiled kernel for this (tile_v, warps, form)", -4: "bad sizes (T in 1..8, N and H <= 65535)",
+           -5: "programmatic dependent launch is only built for the warp form"}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
 
 
@@ -34,7 +40,8 @@ class Args(ctypes.Structure):
                 ("seq_info", ctypes.c_void_p), ("beta_numel", ctypes.c_longlong),
                 ("n_seq", ctypes.c_int), ("T", ctypes.c_int), ("H", ctypes.c_int), ("mode", ctypes.c_int),
                 ("seq64", ctypes.c_int), ("all_states", ctypes.c_int), ("in_bf16", ctypes.c_int),
-                ("g_bf16", ctypes.c_int), ("beta_bf16", ctypes.c_int), ("scale", ctypes.c_float)]
+                ("g_bf16", ctypes.c_int), ("beta_bf16", ctypes.c_int), ("scale", ctypes.c_float),
+                ("pdl", ctypes.c_int)]
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -89,8 +96,19 @@ def configs() -> set[tuple[int, int, str]]:
     return configs_of(_library())
 
 
-def supports(q, k, v, g, beta, initial_state, tile_v: int, num_warps: int, form: str) -> str | None:
-    """None when the kernel can take these tensors and launch choices; else why not (a sentence)."""
+def pdl_default() -> bool:
+    """Whether K3LAB_KDA_VERIFY_PDL asks for programmatic dependent launches ('1'; unset or '0': no)."""
+    import os
+
+    value = os.environ.get(PDL_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def supports(q, k, v, g, beta, initial_state, tile_v: int, num_warps: int, form: str, states=None) -> str | None:
+    """None when the kernel can take these tensors (and the `states` buffer, when given) and launch
+    choices; else why not (a sentence)."""
     if form not in FORMS:
         return f"form {form!r} is not one of {tuple(FORMS)}"
     if not q.is_cuda:
@@ -102,8 +120,8 @@ def supports(q, k, v, g, beta, initial_state, tile_v: int, num_warps: int, form:
     for name, t in (("g", g), ("beta", beta)):
         if t.dtype not in (torch.bfloat16, torch.float32):
             return f"{name} must be bf16 or fp32, got {t.dtype}"
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state)):
-        if t.data_ptr() % 16:
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state), ("states", states)):
+        if t is not None and t.data_ptr() % 16:
             return f"{name} is not 16-byte aligned (the kernel reads 16 bytes at a time)"
     if beta.data_ptr() % 4:
         return "beta is not 4-byte aligned"
@@ -113,15 +131,20 @@ def supports(q, k, v, g, beta, initial_state, tile_v: int, num_warps: int, form:
 
 
 def launch(q, k, v, g, beta, h0, o, hs, seq_info, *, n_seq: int, positions: int, heads: int, mode: int,
-           all_states: bool, tile_v: int, num_warps: int, form: str, scale: float) -> None:
+           all_states: bool, tile_v: int, num_warps: int, form: str, scale: float, pdl: bool | None = None) -> None:
     """One launch on the current stream (capturable in a CUDA graph). Tensors contiguous, already
-    checked by k3lab.ops.kda_verify; raises RuntimeError with the kernel's reason if it refuses."""
+    checked by k3lab.ops.kda_verify; raises RuntimeError with the kernel's reason if it refuses.
+    `pdl`: launch as a programmatic dependent of the stream's previous kernel (PDL_FORMS only;
+    None reads K3LAB_KDA_VERIFY_PDL)."""
     lib = _library()
+    pdl = pdl_default() if pdl is None else bool(pdl)
+    if pdl and form not in PDL_FORMS:
+        pdl = False  # the other forms are plain launches (the environment asks for what can take it)
     a = Args(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), h0.data_ptr(),
              o.data_ptr(), hs.data_ptr(), seq_info.data_ptr() if mode else 0, beta.numel(),
              n_seq, positions, heads, mode, int(mode and seq_info.dtype == torch.int64), int(all_states),
              int(q.dtype == torch.bfloat16), int(g.dtype == torch.bfloat16), int(beta.dtype == torch.bfloat16),
-             float(scale))
+             float(scale), int(pdl))
     idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
     stream = _raw_stream(idx) if _raw_stream is not None else torch.cuda.current_stream(q.device).cuda_stream
     rc = lib.k3_kda_verify(ctypes.byref(a), tile_v, num_warps, FORMS[form], ctypes.c_void_p(stream))

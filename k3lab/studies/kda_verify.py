@@ -61,7 +61,11 @@ VK_SWEEP = (["b1_t4.vk8_w1", "b1_t4.vk8_w2", "b1_t4.vk4_w1", "b1_t1.vk8_w1", "b1
 # tile x 32-lane groups per block, at the depths of the draft-depth profile and B = 8, 32.
 CUDA_SWEEP = (["b1_t4.cuda8_w4", "b1_t4.cuda8_w8", "b1_t4.cuda4_w2", "b1_t4.cudachunk8_w8", "b1_t1.cuda8_w4",
                "b1_t1.cudachunk8_w8", "b1_t2.cuda8_w4", "b1_t2.cudachunk8_w8", "b1_t8.cuda8_w4", "b1_t8.cudachunk8_w8",
-               "b8_t4.cuda8_w4", "b8_t4.cudachunk8_w8", "b32_t4.cuda8_w4"])
+               "b8_t4.cuda8_w4", "b8_t4.cudachunk8_w8", "b32_t4.cuda8_w4"]
+              # the warp form (each warp owns 8 whole columns, blocks of one warp), plain and as a
+              # programmatic dependent launch ('_pdl': waits for the previous kernel in the stream)
+              + [f"b{b}_t{t}.cudawarp8_w1{p}" for b, t in ((1, 1), (1, 2), (1, 4), (1, 8), (8, 4), (32, 4))
+                 for p in ("", "_pdl")])
 MIN_GRAPH_CALLS = 10
 GATE_LOWER_BOUND = K3Config.full().kda_gate_lower_bound  # -5: g = -5 sigmoid(.)
 
@@ -174,7 +178,8 @@ def check_result(o, states, ref_o, ref_states, *, final_only: bool) -> dict:
 
 
 def _variant_fn(kind: str, *, final_only: bool, tile_v: int | None = None, num_warps: int | None = None,
-                ragged: bool = False, form: str | None = None, state_layout: str = "kv") -> Callable:
+                ragged: bool = False, form: str | None = None, state_layout: str = "kv",
+                pdl: bool | None = None) -> Callable:
     """fn(q, k, v, g, beta, h0, states_buf) -> (o, states) for one variant."""
     if kind == "fla":
         from fla.ops.kda import fused_recurrent_kda
@@ -192,6 +197,8 @@ def _variant_fn(kind: str, *, final_only: bool, tile_v: int | None = None, num_w
         kw["form"] = form
     if state_layout != "kv":
         kw["state_layout"] = state_layout
+    if pdl is not None and kind == "after":
+        kw["pdl"] = pdl
 
     if ragged:  # the same work through the dynamic path: flattened tokens + cu_seqlens
         def run_ragged(q, k, v, g, beta, h0, buf, cu, T):
@@ -230,20 +237,35 @@ def _parse(case: str, H: int) -> dict:
     elif tail == "ragged":  # the after kernel through its dynamic (cu_seqlens) path
         spec["variants"] = [("after", dict(after, ragged=True))]
     elif tail.startswith(("narrow", "stream", "chunk", "tile", "vk", "cuda")):
-        m = re.fullmatch(r"(narrow|stream|chunk|tile|vk|cudachunk|cuda)(\d+)_w(\d+)", tail)
+        m = re.fullmatch(r"(narrow|stream|chunk|tile|vk|cudachunk|cudawarp|cuda)(\d+)_w(\d+)(_pdl)?", tail)
         if m is None:
             raise ValueError(f"unknown case {case!r}")
-        if m[1] in ("chunk", "tile", "vk", "cuda", "cudachunk") and int(m[2]) > kv.NARROW_MAX:
+        if m[4] and m[1] != "cudawarp":
+            raise ValueError(f"case {case!r}: only the warp form (cudawarp) takes '_pdl'")
+        if m[1] in ("chunk", "tile", "vk", "cuda", "cudachunk", "cudawarp") and int(m[2]) > kv.NARROW_MAX:
             raise ValueError(f"case {case!r}: the {m[1]} form runs tiles of at most {kv.NARROW_MAX} columns")
         kind = "before" if m[1] == "stream" else "after"
-        form = {"chunk": "chunk", "tile": "tile", "cuda": "cuda", "cudachunk": "cuda_chunk"}.get(m[1], "step")
+        form = {"chunk": "chunk", "tile": "tile", "cuda": "cuda", "cudachunk": "cuda_chunk",
+                "cudawarp": "cuda_warp"}.get(m[1], "step")
         v = dict(kind=kind, tile_v=int(m[2]), num_warps=int(m[3]), form=form)
+        if m[4]:
+            v["pdl"] = True
         if m[1] == "vk":
             v["state_layout"] = "vk"
         spec["variants"] = [("after", v)]
     else:
         raise ValueError(f"unknown case {case!r}")
     return spec
+
+
+def _pdl_used(vs: dict) -> bool:
+    """Whether a variant's launches are programmatic dependents (the CUDA warp form, asked by the case
+    or, for the default-form 'after', by K3LAB_KDA_VERIFY_PDL)."""
+    from k3lab.ops import kda_verify_cuda as kc
+
+    if vs.get("kind") != "after" or vs.get("form") not in kc.PDL_FORMS:
+        return False
+    return bool(vs["pdl"]) if vs.get("pdl") is not None else kc.pdl_default()
 
 
 def kernel_name(kind: str, tile_v: int, form: str | None = None) -> str:
@@ -300,7 +322,8 @@ def run(preset=None, cases=None, *, modes=None) -> list[bench.Record]:
         for label, vs in spec["variants"]:
             layout = vs.get("state_layout", "kv")
             fn = _variant_fn(vs["kind"], final_only=final_only, tile_v=vs["tile_v"], num_warps=vs["num_warps"],
-                             ragged=vs.get("ragged", False), form=vs.get("form"), state_layout=layout)
+                             ragged=vs.get("ragged", False), form=vs.get("form"), state_layout=layout,
+                             pdl=vs.get("pdl"))
             if vs.get("ragged"):
                 cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=dev)
                 inner = fn
@@ -318,6 +341,7 @@ def run(preset=None, cases=None, *, modes=None) -> list[bench.Record]:
                 fl = floor_parts(B, T, H, in_bytes, final_only=final_only or vs["kind"] == "fla", mode=t.mode)
                 # (timed on the rotation sets as they are: with K = V the same buffers serve either layout)
                 extra = {"kernel": kernel_name(vs["kind"], vs["tile_v"], vs.get("form")), "form": vs.get("form"),
+                         "pdl": _pdl_used(vs),
                          "state_layout": layout,
                          "tile_v": vs["tile_v"], "num_warps": vs["num_warps"],
                          "workgroups": kv.workgroups(B, H, vs["tile_v"]),
@@ -405,7 +429,7 @@ def reference_records(device: str = "nvidia-h200", root=None) -> list[bench.Reco
 
 def _is_sweep(case: str, kinds: tuple[str, ...] = ("narrow", "stream")) -> bool:
     """A tile x waves sweep point of the step-form kernels (narrow, stream), or of `kinds`."""
-    m = re.fullmatch(r"b\d+_t\d+\.(narrow|stream|chunk|tile|vk|cudachunk|cuda)\d+_w\d+", case)
+    m = re.fullmatch(r"b\d+_t\d+\.(narrow|stream|chunk|tile|vk|cudachunk|cudawarp|cuda)\d+_w\d+(_pdl)?", case)
     return m is not None and m[1] in kinds
 
 
@@ -430,11 +454,13 @@ def form_table(records) -> "pandas.DataFrame":  # noqa: F821
 
     rows = []
     for r in records:
-        if r.mode != "graph" or not _is_sweep(r.case, ("chunk", "narrow", "tile", "vk", "cuda", "cudachunk")):
+        if r.mode != "graph" or not _is_sweep(r.case, ("chunk", "narrow", "tile", "vk", "cuda", "cudachunk",
+                                                        "cudawarp")):
             continue
         form = re.match(r"[a-z]+", r.case.split(".", 1)[1])[0]
         rows.append({"batch": r.shape["B"], "positions": r.shape["T"],
-                     "form": {"narrow": "step", "cudachunk": "cuda_chunk"}.get(form, form),
+                     "form": {"narrow": "step", "cudachunk": "cuda_chunk", "cudawarp": "cuda_warp"}.get(form, form)
+                     + ("+pdl" if r.case.endswith("_pdl") else ""),
                      "tile_v": r.extra["tile_v"],
                      "num_warps": r.extra["num_warps"], "median_us": r.median_us, "floor_us": r.floor_us})
     if not rows:

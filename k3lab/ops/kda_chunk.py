@@ -845,6 +845,187 @@ def _fused_prologue_kernel(
         _wu_chunk(v, beta, tok0, L, h, H, out, w_out, u_out, r_base, K, V, C, BC, BK, OUT_PREC)
 
 
+# ----------------------------------------------------------------------------------------------
+# prologue, 'flat' form: the A launch on 2-D [64 rows, BK channels] matrix products.
+# Same factoring as 'rows' (every per-block quantity a broadcast of the [4 blocks, 16 rows, BK]
+# view), but the four row blocks are not a batched 16-row product: row block I is one [64 x BK] @
+# [BK x 64] product whose left operand keeps only block I's rows (the others are zero) and whose right
+# operand is c scaled by F[I, J]. Four products of 64 rows do 4x the useful multiply-adds, but 64-row
+# products are what Hopper's warpgroup instructions (wgmma) take: asynchronous, operands staged once
+# in shared memory, no per-block layout shuffles. Aqk's operands may be bf16 (fp32 accumulation, as
+# fla does: aqk='bf16'); Akk's stay tf32-or-better, because the fp32 inverse needs fp32-class inputs.
+# The next slice's loads are issued before the current slice is computed (registers double-buffered).
+
+
+@triton.jit
+def _flat_load(q, k, g, tok3, m3, col3, PART: tl.constexpr):
+    off = tok3 + col3
+    g3 = tl.load(g + off, mask=m3, other=0.0)
+    k3 = tl.load(k + off, mask=m3, other=0.0)
+    if PART != 1:
+        q3 = tl.load(q + off, mask=m3, other=0.0)
+    else:
+        q3 = k3
+    return g3, k3, q3
+
+
+@triton.jit(do_not_specialize=["H"])
+def _flat_a_kernel(
+    q,
+    k,
+    g,
+    beta,
+    chunk_tok,
+    chunk_len,
+    w_out,
+    qg_out,
+    kdt_out,
+    aqk_out,
+    d_out,
+    r_buf,
+    H,
+    scale,
+    K: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    SPREAD: tl.constexpr,
+    AKK_PREC: tl.constexpr,
+    AQK_PREC: tl.constexpr,
+    AQK_BF16: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    DOT3: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    """Akk (fp32, into the R buffer), Aqk, Qg, W's right factor, Kd^T and d of one (chunk, head).
+    SPLIT: two programs per item (grid axis 2), one for Akk, W's right factor, Kd^T and d, one for
+    Aqk and Qg, each with a single accumulator (fewer registers, more programs per SM)."""
+    args = (q, k, g, beta, chunk_tok, chunk_len, w_out, qg_out, kdt_out, aqk_out, d_out, r_buf, H, scale)
+    if SPLIT:
+        if tl.program_id(2) == 0:
+            _flat_a_item(*args, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC, AQK_BF16, PREFETCH, DOT3, 1, FAST)
+        else:
+            _flat_a_item(*args, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC, AQK_BF16, PREFETCH, DOT3, 2, FAST)
+    else:
+        _flat_a_item(*args, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC, AQK_BF16, PREFETCH, DOT3, 0, FAST)
+
+
+@triton.jit
+def _flat_dot(acc, left3, c3, F, b3, I4, AQK_BF16: tl.constexpr, PREC: tl.constexpr, DOT3: tl.constexpr,
+              NB: tl.constexpr, BC: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    """acc += left (row block I) . (c scaled by F[I, J])^T for every row block I."""
+    if DOT3:
+        rt = tl.permute(tl.reshape(c3[None, :, :, :] * F, [NB, C, BK]), (0, 2, 1))
+        if AQK_BF16:
+            acc = tl.dot(left3.to(tl.bfloat16), rt.to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(left3, rt, acc, input_precision=PREC)
+    else:
+        for bi in tl.static_range(NB):
+            fI = tl.sum(tl.where(I4 == bi, F, 0.0), axis=0)  # [NB (J), 1, BK]
+            rt = tl.trans(tl.reshape(c3 * fI, [C, BK]))  # [BK, C]
+            lft = tl.reshape(tl.where(b3 == bi, left3, 0.0), [C, BK])
+            if AQK_BF16:
+                acc = tl.dot(lft.to(tl.bfloat16), rt.to(tl.bfloat16), acc)
+            else:
+                acc = tl.dot(lft, rt, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _flat_a_item(q, k, g, beta, chunk_tok, chunk_len, w_out, qg_out, kdt_out, aqk_out, d_out, r_buf, H, scale,
+                 K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
+                 AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, AQK_BF16: tl.constexpr, PREFETCH: tl.constexpr,
+                 DOT3: tl.constexpr, PART: tl.constexpr, FAST: tl.constexpr):
+    """PART 0: every output; 1: Akk, W's right factor, Kd^T, d; 2: Aqk, Qg."""
+    NB: tl.constexpr = C // BC
+    NS: tl.constexpr = K // BK
+    c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    tok0 = tl.load(chunk_tok + c).to(tl.int64)
+    L = tl.load(chunk_len + c)
+    out = c * H + h
+    ib = tl.arange(0, NB)
+    rb = tl.arange(0, BC)
+    rs = tl.arange(0, BK)
+    rc = tl.arange(0, C)
+    b3 = ib[:, None, None]
+    r3 = rb[None, :, None]
+    rows3 = b3 * BC + r3  # [NB, BC, 1]
+    m3 = rows3 < L
+    tok3 = ((tok0 + rows3) * H + h) * K
+    bt3 = tl.load(beta + (tok0 + rows3) * H + h, mask=m3, other=0.0)
+    I4 = tl.arange(0, NB)[:, None, None, None]
+    J4 = tl.arange(0, NB)[None, :, None, None]
+    if DOT3:
+        acc_k = tl.zeros([NB, BC, C], dtype=tl.float32)
+    else:
+        acc_k = tl.zeros([C, C], dtype=tl.float32)
+    acc_q = acc_k
+    g3, k3, q3 = _flat_load(q, k, g, tok3, m3, rs[None, None, :], PART)
+    for s in tl.static_range(NS):
+        col3 = (s * BK + rs)[None, None, :]
+        if PREFETCH:  # the next slice's loads go out before this slice's arithmetic
+            g3n, k3n, q3n = _flat_load(q, k, g, tok3, m3, (min(s + 1, NS - 1) * BK + rs)[None, None, :], PART)
+        kf = k3.to(tl.float32)
+        Gw = tl.cumsum(g3, axis=1)  # G - P_b within each block, <= 0
+        bs = tl.sum(g3, axis=1)  # [NB, BK]
+        E = tl.cumsum(bs, axis=0)  # G at each block's last row
+        P = E - bs  # ... and before its first row
+        e_in = _exp(Gw, FAST)
+        c3 = kf * _exp(bs[:, None, :] - Gw, FAST)  # k e^(E_J - G) <= 1
+        if PART != 1:
+            qf = q3.to(tl.float32)
+            e_g = e_in * _exp(P, FAST)[:, None, :]
+            tl.store(qg_out + out * C * K + rows3 * K + col3, (qf * e_g * scale).to(qg_out.dtype.element_ty))
+        else:
+            qf = kf
+        if PART != 2:
+            e_g = e_in * _exp(P, FAST)[:, None, :]
+            tl.store(w_out + out * C * K + rows3 * K + col3, (kf * e_g * bt3).to(w_out.dtype.element_ty))
+            E_last = tl.sum(bs, axis=0)
+            kd = c3 * _exp(E_last[None, :] - E, FAST)[:, None, :]
+            tl.store(kdt_out + out * K * C + col3 * C + rows3, kd.to(kdt_out.dtype.element_ty))
+            tl.store(d_out + out * K + s * BK + rs, _exp(E_last, FAST))
+        spread = tl.max(-bs, axis=1)  # [NB]
+        narrow4 = spread[:, None, None, None] <= SPREAD
+        arg = tl.where(
+            J4 < I4,
+            P[:, None, None, :] - E[None, :, None, :],
+            tl.where((J4 == I4) & narrow4, tl.minimum(-bs[:, None, None, :], SPREAD), float("-inf")),
+        )
+        F = _exp(arg, FAST)  # [NB (I), NB (J), 1, BK]
+        if PART != 2:
+            acc_k = _flat_dot(acc_k, kf * e_in, c3, F, b3, I4, False, AKK_PREC, DOT3, NB, BC, C, BK)
+        if PART != 1:
+            acc_q = _flat_dot(acc_q, qf * e_in, c3, F, b3, I4, AQK_BF16, AQK_PREC, DOT3, NB, BC, C, BK)
+        if tl.max(spread, axis=0) > SPREAD:  # wide decay inside a block: exact pairwise decays
+            if DOT3:
+                acc_k, acc_q = _fz3_exact_diag(acc_k, acc_q, kf, qf, Gw, spread, SPREAD, NB, BC, C)
+            else:
+                ak3, aq3 = _fz3_exact_diag(tl.reshape(acc_k, [NB, BC, C]), tl.reshape(acc_q, [NB, BC, C]), kf, qf,
+                                           Gw, spread, SPREAD, NB, BC, C)  # fmt: skip
+                acc_k = tl.reshape(ak3, [C, C])
+                acc_q = tl.reshape(aq3, [C, C])
+        if PREFETCH:
+            g3, k3, q3 = g3n, k3n, q3n
+        else:
+            g3, k3, q3 = _flat_load(q, k, g, tok3, m3, (min(s + 1, NS - 1) * BK + rs)[None, None, :], PART)
+    if DOT3:
+        row = rows3
+        col = rc[None, None, :]
+        bt = bt3
+    else:
+        row = rc[:, None]
+        col = rc[None, :]
+        bt = tl.load(beta + (tok0 + rc) * H + h, mask=rc < L, other=0.0)[:, None]
+    tile = out * C * C + row * C + col
+    if PART != 2:
+        tl.store(r_buf + tile, tl.where(col < row, acc_k * bt, 0.0))
+    if PART != 1:
+        tl.store(aqk_out + tile, tl.where(col <= row, acc_q * scale, 0.0).to(aqk_out.dtype.element_ty))
+
 @triton.jit
 def _blk(base, BI: tl.constexpr, BJ: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
     r = tl.arange(0, BC)
@@ -1437,7 +1618,7 @@ def _alloc_work(n_chunks: int, H: int, dtype, device) -> _Work:
     )
 
 
-PROLOGUES = ("persistent", "split", "rows", "fused")
+PROLOGUES = ("persistent", "split", "rows", "fused", "flat")
 DEFAULT_PROLOGUE = "rows"  # H200, 12 heads x 16K tokens (run 3): rows 544 us, fused 712, split 778
 # each prologue kind's launch options (`options=` / `prologue_options=` override them):
 #   split (run 2's default): key slice and warps of the A launch, one row block per program (else four
@@ -1462,10 +1643,14 @@ PROLOGUE_DEFAULTS = {
     "persistent": {"warps": 8},
     "split": {"block_k": 32, "a_warps": 2, "per_block": True, "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4},
     "rows": {
-        "a_warps": 4, "block_k": 32, "akk_prec": "fast", "maxnreg": None, "inv_warps": 1,
+        "a_warps": 4, "block_k": 32, "akk_prec": "fast", "maxnreg": None, "inv_warps": 1, "inv_prec": "ieee",
         "wu_block_k": 64, "wu_warps": 4,
     },  # fmt: skip
     "fused": {"warps": 4, "block_k": 32, "akk_prec": "fast", "wu_block_k": 64, "maxnreg": None},
+    "flat": {
+        "a_warps": 4, "block_k": 32, "akk_prec": "fast", "aqk": "bf16", "dot3": False, "split": False,
+        "prefetch": True, "maxnreg": None, "inv_warps": 1, "inv_prec": "ieee", "wu_block_k": 64, "wu_warps": 4,
+    },  # fmt: skip
 }
 
 
@@ -1519,6 +1704,10 @@ def prologue_launches(
     opts = {**defaults, **(options or {})}
     if "akk_prec" in opts and opts["akk_prec"] not in ("near", "fast"):
         raise ValueError(f"akk_prec must be 'near' or 'fast', got {opts['akk_prec']!r}")
+    if "aqk" in opts and opts["aqk"] not in ("bf16", "tf32"):
+        raise ValueError(f"aqk must be 'bf16' or 'tf32', got {opts['aqk']!r}")
+    if "inv_prec" in opts and opts["inv_prec"] not in ("ieee", "tf32x3"):
+        raise ValueError(f"inv_prec must be 'ieee' or 'tf32x3', got {opts['inv_prec']!r}")
     H = q.shape[2]
     n_items = plan.n_chunks * H
     p = _precisions(q.dtype)
@@ -1541,10 +1730,26 @@ def prologue_launches(
             OUT_PREC=p["OUT_PREC"], FUSE=fuse, FAST=_FAST_EXP, num_warps=warps, num_stages=1, **cap,
         )  # fmt: skip
 
+    # the inverse's products: exact fp32 FMAs, or 'tf32x3' (three tf32 passes, fp32-class; NVIDIA only)
+    tf32x3_inv = opts.get("inv_prec") == "tf32x3" and q.dtype != torch.float32 and env.detect().backend == "cuda"
+    inv_prec = "tf32x3" if tf32x3_inv else p["INV_PREC"]
     if prologue == "fused":
         return {"fused": blocks(True, num_warps or opts["warps"])}
     if prologue == "rows":
         a = blocks(False, num_warps or opts["a_warps"])
+    elif prologue == "flat":
+        # bf16 operands for Aqk only with 16-bit inputs on NVIDIA (the interpreter's bf16 dots are wrong)
+        aqk_bf16 = opts["aqk"] == "bf16" and q.dtype != torch.float32 and env.detect().backend == "cuda"
+        grid_f = (plan.n_chunks, H, 2 if opts["split"] else 1)
+
+        def a():
+            _flat_a_kernel[grid_f](
+                q, k, g, beta, plan.chunk_tok, plan.chunk_len, work.w, work.qg, work.kdt, work.aqk, work.d, r_buf,
+                H, float(scale), K=HEAD_DIM, C=CHUNK, BC=SUB, BK=opts["block_k"], SPREAD=SAFE_SPREAD,
+                AKK_PREC=akk_prec, AQK_PREC=p["AQK_PREC"], AQK_BF16=aqk_bf16, PREFETCH=bool(opts["prefetch"]),
+                DOT3=bool(opts["dot3"]), SPLIT=bool(opts["split"]), FAST=_FAST_EXP,
+                num_warps=num_warps or opts["a_warps"], num_stages=1, **cap,
+            )  # fmt: skip
     else:
         grid_a = (plan.n_chunks, H, 4) if opts["per_block"] else (plan.n_chunks, H)
 
@@ -1558,7 +1763,7 @@ def prologue_launches(
 
     def inverse():
         _split_inverse_kernel[(n_items,)](
-            r_buf, C=CHUNK, BC=SUB, INV_PREC=p["INV_PREC"], num_warps=opts["inv_warps"], num_stages=1
+            r_buf, C=CHUNK, BC=SUB, INV_PREC=inv_prec, num_warps=opts["inv_warps"], num_stages=1
         )
 
     def wu():
@@ -1726,6 +1931,7 @@ def kda_chunk_after(
     summary_warps: int | None = None,
     scan_block: int = 32,
     scan_stages: int = 2,
+    scan_warps: int = 4,
     num_warps: int = 4,
     num_stages: int = 2,
     prologue_warps: int | None = None,
@@ -1766,7 +1972,7 @@ def kda_chunk_after(
     )
     sums, s_in = _scan_buffers(plan, H, q.device)
     _launch_summaries(work, plan, sums, H, q.dtype, summary_block, summary_warps or num_warps, num_stages)
-    _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages)
+    _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages, scan_warps)
     _walk(work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, block_v, num_warps, num_stages)
     return o, s_final
 
@@ -1808,7 +2014,7 @@ def _launch_summaries(work, plan, sums, H, dtype, summary_block, num_warps, num_
     )
 
 
-def _launch_scan(plan, sums, s_in, initial_state, H, dtype, scan_block, scan_stages=1):
+def _launch_scan(plan, sums, s_in, initial_state, H, dtype, scan_block, scan_stages=1, scan_warps=4):
     """Launch 3 of the after: the ordered scan over each sequence's groups."""
     K = HEAD_DIM
     sum_n, sum_b, sum_d = sums
@@ -1828,7 +2034,7 @@ def _launch_scan(plan, sums, s_in, initial_state, H, dtype, scan_block, scan_sta
         HAS_INIT=initial_state is not None,
         PREC=_precisions(dtype)["SCAN_PREC"],
         WHILE=_WHILE,
-        num_warps=4,
+        num_warps=scan_warps,
         num_stages=scan_stages,
     )
 
@@ -1850,6 +2056,7 @@ def after_launches(
     summary_warps: int | None = None,
     scan_block: int = 32,
     scan_stages: int = 2,
+    scan_warps: int = 4,
     num_warps: int = 4,
     num_stages: int = 2,
     prologue_warps: int | None = None,
@@ -1879,7 +2086,9 @@ def after_launches(
     out["summaries"] = lambda: _launch_summaries(
         work, plan, sums, H, q.dtype, summary_block, summary_warps or num_warps, num_stages
     )
-    out["scan"] = lambda: _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages)
+    out["scan"] = lambda: _launch_scan(
+        plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages, scan_warps
+    )
     out["replay"] = lambda: _walk(
         work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, block_v, num_warps, num_stages
     )

@@ -420,6 +420,23 @@ __global__ void __launch_bounds__(W * 32) kda_verify_kernel(const Args a) {
 // shuffles hand every lane the deltas of its 4 columns, and the p lanes write o.
 // Every word loaded passes the same gate as above before its first use; the conversions fold the
 // gate's zero in (bf16 halves: one LEA / LOP3 each; fp32 gates: the exp's multiply becomes an FMA).
+// 8 contiguous elements as raw words: one 16-byte load (bf16: 4 words, two elements each) or two (fp32).
+template <bool IS16>
+K3_DEVICE void load_row8(const char* p, uint32_t (&w)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  w[0] = u.x;
+  w[1] = u.y;
+  w[2] = u.z;
+  w[3] = u.w;
+  if constexpr (!IS16) {
+    const uint4 e = *reinterpret_cast<const uint4*>(p + 16);
+    w[4] = e.x;
+    w[5] = e.y;
+    w[6] = e.z;
+    w[7] = e.w;
+  }
+}
+
 template <bool IN16>
 K3_DEVICE void rows8_to_floats(const uint32_t (&w)[8], uint32_t z, float (&x)[8]) {
   if constexpr (IN16) {
@@ -495,23 +512,34 @@ __global__ void __launch_bounds__(WB * 32) kda_verify_warp_kernel(const Args a) 
   }
   L = L < TM ? L : TM;
 
-  // ---- every load first: the 8 x 4 state block, then each live position's rows
+  // ---- every load first: the 8 x 4 state block, then each live position's rows. Addresses are one
+  // 64-bit base per tensor plus a per-position step, so the loads wait on little integer work.
   if (threadIdx.x == 0) zero_word = 0u;
+  constexpr int IN_B = IN16 ? 2 : 4, G_B = G16 ? 2 : 4;  // bytes per element
   const long long slab = (long long)HK * HV;
+  const long long row0 = bos * H + h;  // token-head row of position 0
   const float* s0 = a.h0 + bh * slab + r0 * HV + c0;
   uint4 ws[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) ws[j] = *reinterpret_cast<const uint4*>(s0 + j * HV);
+  const char* qp = static_cast<const char*>(a.q) + (row0 * HK + r0) * IN_B;
+  const char* kp = static_cast<const char*>(a.k) + (row0 * HK + r0) * IN_B;
+  const char* gp = static_cast<const char*>(a.g) + (row0 * HK + r0) * G_B;
+  const char* vp = static_cast<const char*>(a.v) + (row0 * HV + cr) * IN_B;
+  const char* bp = static_cast<const char*>(a.beta) + row0 * (b16 ? 2 : 4);
+  const long long in_step = (long long)H * HK * IN_B, g_step = (long long)H * HK * G_B;  // bytes per position
+  const int b_step = H * (b16 ? 2 : 4);
   uint32_t wq[TM][8], wk[TM][8], wg[TM][8], wv[TM], wb[TM];
 #pragma unroll
   for (int t = 0; t < TM; ++t) {
-    const long long row = (bos + t) * H + h;
     if (t < L) {
-      load_words<8>(a.q, row * HK + r0, IN16, wq[t]);
-      load_words<8>(a.k, row * HK + r0, IN16, wk[t]);
-      load_words<8>(a.g, row * HK + r0, G16, wg[t]);
-      wv[t] = load_word(a.v, row * HV + cr, IN16);
-      wb[t] = load_word(a.beta, row, b16);
+      load_row8<IN16>(qp + t * in_step, wq[t]);
+      load_row8<IN16>(kp + t * in_step, wk[t]);
+      load_row8<G16>(gp + t * g_step, wg[t]);
+      wv[t] = IN16 ? (uint32_t)(*reinterpret_cast<const uint16_t*>(vp + t * in_step))
+                   : *reinterpret_cast<const uint32_t*>(vp + t * in_step);
+      wb[t] = b16 ? (uint32_t)(*reinterpret_cast<const uint16_t*>(bp + t * b_step))
+                  : *reinterpret_cast<const uint32_t*>(bp + t * b_step);
     } else {  // a dead position: k = g = beta = 0 is the identity update, q = 0 gives o = 0
 #pragma unroll
       for (int j = 0; j < 8; ++j) wq[t][j] = wk[t][j] = wg[t][j] = 0u;
@@ -603,16 +631,19 @@ __global__ void __launch_bounds__(WB * 32) kda_verify_warp_kernel(const Args a) 
 #pragma unroll
     for (int i = 0; i < 4; ++i) D[i] = k3_shfl_idx(dl, ((i >> 1) << 3) | ((i & 1) << 2) | half);
     const float dp = k3_shfl_xor(dl, 16);  // in a p lane: delta of its column
-    const long long row = (bos + t) * H + h;
-    if (p_lane && !(lane & 2) && (t < L || a.mode == 2))
-      store_out(a.o, row * HV + cr, IN16, a.scale * fmaf(qk, dp, s));
+    if (p_lane && !(lane & 2) && (t < L || a.mode == 2)) {
+      const float o = a.scale * fmaf(qk, dp, s);
+      char* op = static_cast<char*>(a.o) + (row0 * HV + cr) * IN_B + t * in_step;
+      if constexpr (IN16) *reinterpret_cast<k3_bf16*>(op) = k3_f32_to_bf16(o);
+      else *reinterpret_cast<float*>(op) = o;
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) S[j][i] = fmaf(k[j], D[i], S[j][i] * d[j]);
     }
     if (a.all_states && t < L) {
-      float* dst = a.hs + row * slab + r0 * HV + c0;
+      float* dst = a.hs + (row0 + (long long)t * H) * slab + r0 * HV + c0;
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         *reinterpret_cast<float4*>(dst + j * HV) = make_float4(S[j][0], S[j][1], S[j][2], S[j][3]);

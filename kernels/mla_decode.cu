@@ -631,13 +631,19 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
   const int end = min(length, start + a.chunk);
   const int ntiles = end > start ? (end - start + BN - 1) / BN : 0;
   int base = -1, page_l = 0;  // this warp's page window
-  if (tid < TSTAGES) {
-    mbar_init(full + 8 * tid, 1);
-    readers[tid] = 0;
+  if (tid == 0) {  // one thread: its fence makes every initialised barrier visible to the copy engine
+    for (int s = 0; s < TSTAGES; ++s) {
+      mbar_init(full + 8 * s, 1);
+      readers[s] = 0;
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (tid == 0) asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   __syncthreads();
-  if (warp < TSTAGES && warp < ntiles) team_fetch(a, b, start, end, warp, stages, full, base, page_l, lane);
+  // warp 0 fills the ring in tile order: the memory system serves roughly in arrival order, so the
+  // first tile lands first and the teams start while the rest streams in (five warps each asking
+  // for one tile made every first tile wait for about all five: H200 probe, first tile at ~6 us)
+  if (warp == 0)
+    for (int i = 0; i < TSTAGES && i < ntiles; ++i) team_fetch(a, b, start, end, i, stages, full, base, page_l, lane);
 
   uint32_t qf[KSTEPS][4];
   {
@@ -842,6 +848,7 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
   float den = 0.f;
   const float* part = a.part_o + (long long)row * a.splits * DV + col;
+#pragma unroll 8  // independent loads in flight together: one L2 round trip for 8 pieces, not 8
   for (int s = sg; s < a.splits; s += MERGE_THREADS / 8) {
     const float w = exp2f(lse[s] - mu);
     const float4 v = *reinterpret_cast<const float4*>(part + (long long)s * DV);

@@ -146,7 +146,7 @@ for rcase, variant, us, floor, frac, flag in rows:
 PY
 
 echo "== 3b. timeline probe"
-FORMS=team,split timeout 120 python3 scripts/device_mla_probe.py 2>&1 | tail -20
+FORMS=split,team timeout 120 python3 scripts/device_mla_probe.py 2>&1 | tail -20
 
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null 2>&1; then
   echo "== 4. ncu"

@@ -6,7 +6,23 @@
 #   OUT=dir K3LAB_COMMIT=<hash> bash scripts/device_prefill_issue6.sh
 source "$(dirname "$0")/device_env.sh"
 if [ -f .cache/tcache.tgz ]; then mkdir -p /tmp/tc && tar xzf .cache/tcache.tgz -C /tmp/tc && export TRITON_CACHE_DIR=/tmp/tc/triton; fi
-timeout "${I6_TIMEOUT:-270}" python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/i6_log.txt"
+R="smsp__average_warps_issue_stalled_"; S="_per_issue_active.ratio"
+M="gpu__time_duration.sum,launch__registers_per_thread,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.avg.per_cycle_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed"
+for r in barrier long_scoreboard short_scoreboard math_pipe_throttle mio_throttle wait no_instruction lg_throttle not_selected dispatch_stall branch_resolving; do M="$M,$R$r$S"; done
+timeout "${NCU_TIMEOUT:-75}" ncu --csv --page raw --metrics "$M" python3 scripts/kda_prefill_ncu_target.py > "$OUT/ncu.csv" 2> "$OUT/ncu_err.txt"
+echo "ncu rc $?"; python3 - "$OUT/ncu.csv" <<'PY2' || true
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if rows:
+    h = rows[0]
+    for r in rows[2:]:
+        d = dict(zip(h, r))
+        name = d.get("Kernel Name", "?")[:22]
+        stalls = {k.split("stalled_")[1].split("_per")[0]: d[k] for k in h if "stalled_" in k}
+        top = sorted(((float(v or 0), k) for k, v in stalls.items()), reverse=True)[:5]
+        print(name, {k.split("__")[-1][:28]: d[k] for k in h if k.startswith(("gpu__", "launch__", "sm__", "smsp__inst", "dram", "lts"))}, [(k, round(v, 2)) for v, k in top])
+PY2
+timeout "${I6_TIMEOUT:-210}" python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/i6_log.txt"
 import json, os, sys, time, traceback
 import torch
 from k3lab import bench
@@ -26,10 +42,10 @@ def rec(part, variant, timing, **extra):
     recs.append(bench.make_record(ks.NAME, f"{name}.part_{part}", variant, timing, shape=case.shape(), dtype=case.dtype, **extra))
     print(f"  {part:48s} {timing.median_us:8.1f} us  {extra.get('error', '')}", flush=True)
     return timing.median_us
-CANDS = [("rows", {}), ("rows", {"maxnreg": 168}), ("rows", {"maxnreg": 128}), ("rows", {"inv_warps": 4}),
-         ("rows", {"inv_prec": "tf32x3"}), ("flat", {}), ("flat", {"dot3": True}), ("flat", {"split": True}),
-         ("flat", {"dot3": True, "split": True}), ("flat", {"aqk": "tf32"}), ("flat", {"block_k": 16, "maxnreg": 128}),
-         ("flat", {"dot3": True, "maxnreg": 168})]
+CANDS = [("rows", {}), ("rows", {"inv_prec": "tf32x3"}), ("rows", {"inv_wu": True}),
+         ("rows", {"inv_wu": True, "inv_prec": "tf32x3"}), ("flat", {}), ("flat", {"dot3": True}),
+         ("rows", {"maxnreg": 168}), ("flat", {"split": True}), ("flat", {"dot3": True, "maxnreg": 168}),
+         ("rows", {"inv_warps": 4}), ("flat", {"dot3": True, "split": True})]
 whole = {}
 plan = runner.plan_before
 for kind, opts in CANDS:

@@ -163,7 +163,7 @@ def test_after_launches_one_by_one_equal_the_whole_call():
     torch.testing.assert_close(S, S2, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("prologue", ["rows", "fused"])
+@pytest.mark.parametrize("prologue", ["rows", "fused", "flat"])
 def test_ragged_batch_with_cu_seqlens(prologue):
     lengths = [70, 0, 5, 64]
     H = 1
@@ -348,6 +348,10 @@ def test_bad_input_names_the_argument(mutate, match):
         ("fused", {"block_k": 16, "warps": 2, "akk_prec": "near", "wu_block_k": 32, "maxnreg": 168}, 100),
         ("rows", {"block_k": 64, "a_warps": 2}, 100),
         ("rows", None, 100),
+        ("rows", {"inv_wu": True}, 100),  # the inverse and W / U in one launch
+        ("flat", None, 100),  # 64-row products, four per slice
+        ("flat", {"dot3": True, "split": True, "prefetch": False, "block_k": 64}, 100),  # two programs per item
+        ("flat", {"inv_wu": True, "block_k": 16}, 13),
         ("fused", None, 13),  # one partial chunk, shorter than a 16-row block
         ("fused", None, 200),  # the last chunk ends inside its first block
     ],
@@ -404,6 +408,10 @@ def test_bad_options():
         kc.kda_chunk_before(q, k, v, g, beta, prologue="split", prologue_options={"warps": 2})
     with pytest.raises(ValueError, match="akk_prec"):
         kc.kda_chunk_before(q, k, v, g, beta, prologue_options={"akk_prec": "bf16"})
+    with pytest.raises(ValueError, match="aqk"):
+        kc.kda_chunk_before(q, k, v, g, beta, prologue="flat", prologue_options={"aqk": "fp8"})
+    with pytest.raises(ValueError, match="inv_prec"):
+        kc.kda_chunk_before(q, k, v, g, beta, prologue_options={"inv_prec": "bf16"})
     with pytest.raises(ValueError, match="rows prologue options"):
         kc.kda_chunk_before(q, k, v, g, beta, prologue_options={"form": "3d"})
 

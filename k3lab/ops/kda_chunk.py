@@ -593,6 +593,37 @@ def _split_inverse_kernel(r_buf, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl
 
 
 @triton.jit(do_not_specialize=["H"])
+def _inv_wu_kernel(
+    v,
+    beta,
+    chunk_tok,
+    chunk_len,
+    w_out,
+    u_out,
+    r_buf,
+    H,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    INV_PREC: tl.constexpr,
+    OUT_PREC: tl.constexpr,
+):
+    """Launches 2 and 3 in one (option inv_wu): the fp32 inverse in place, then W and U from it in the
+    same program, so R is read back from L1 / L2 instead of a second launch's reads."""
+    c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    tok0 = tl.load(chunk_tok + c).to(tl.int64)
+    L = tl.load(chunk_len + c)
+    out = c * H + h
+    r_base = r_buf + out * C * C
+    _inverse_in_place(r_base, C, BC, INV_PREC)
+    tl.debug_barrier()  # R is written by the whole program before W / U read it
+    _wu_chunk(v, beta, tok0, L, h, H, out, w_out, u_out, r_base, K, V, C, BC, BK, OUT_PREC)
+
+
+@triton.jit(do_not_specialize=["H"])
 def _split_wu_kernel(
     v,
     beta,
@@ -1644,12 +1675,13 @@ PROLOGUE_DEFAULTS = {
     "split": {"block_k": 32, "a_warps": 2, "per_block": True, "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4},
     "rows": {
         "a_warps": 4, "block_k": 32, "akk_prec": "fast", "maxnreg": None, "inv_warps": 1, "inv_prec": "ieee",
-        "wu_block_k": 64, "wu_warps": 4,
+        "inv_wu": False, "wu_block_k": 64, "wu_warps": 4,
     },  # fmt: skip
     "fused": {"warps": 4, "block_k": 32, "akk_prec": "fast", "wu_block_k": 64, "maxnreg": None},
     "flat": {
         "a_warps": 4, "block_k": 32, "akk_prec": "fast", "aqk": "bf16", "dot3": False, "split": False,
-        "prefetch": True, "maxnreg": None, "inv_warps": 1, "inv_prec": "ieee", "wu_block_k": 64, "wu_warps": 4,
+        "prefetch": True, "maxnreg": None, "inv_warps": 1, "inv_prec": "ieee", "inv_wu": False, "wu_block_k": 64,
+        "wu_warps": 4,
     },  # fmt: skip
 }
 
@@ -1765,6 +1797,17 @@ def prologue_launches(
         _split_inverse_kernel[(n_items,)](
             r_buf, C=CHUNK, BC=SUB, INV_PREC=inv_prec, num_warps=opts["inv_warps"], num_stages=1
         )
+
+    if opts.get("inv_wu"):
+
+        def inv_wu():
+            _inv_wu_kernel[(plan.n_chunks, H)](
+                v, beta, plan.chunk_tok, plan.chunk_len, work.w, work.u, r_buf, H, K=HEAD_DIM, V=HEAD_DIM, C=CHUNK,
+                BC=SUB, BK=opts["wu_block_k"], INV_PREC=inv_prec, OUT_PREC=p["OUT_PREC"], num_warps=opts["wu_warps"],
+                num_stages=1,
+            )  # fmt: skip
+
+        return {"a": a, "inv_wu": inv_wu}
 
     def wu():
         _split_wu_kernel[(plan.n_chunks, H)](

@@ -6,23 +6,7 @@
 #   OUT=dir K3LAB_COMMIT=<hash> bash scripts/device_prefill_issue6.sh
 source "$(dirname "$0")/device_env.sh"
 if [ -f .cache/tcache.tgz ]; then mkdir -p /tmp/tc && tar xzf .cache/tcache.tgz -C /tmp/tc && export TRITON_CACHE_DIR=/tmp/tc/triton; fi
-R="smsp__average_warps_issue_stalled_"; S="_per_issue_active.ratio"
-M="gpu__time_duration.sum,launch__registers_per_thread,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.avg.per_cycle_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed"
-for r in barrier long_scoreboard short_scoreboard math_pipe_throttle mio_throttle wait no_instruction lg_throttle not_selected dispatch_stall branch_resolving; do M="$M,$R$r$S"; done
-timeout "${NCU_TIMEOUT:-75}" ncu --csv --page raw --metrics "$M" python3 scripts/kda_prefill_ncu_target.py > "$OUT/ncu.csv" 2> "$OUT/ncu_err.txt"
-echo "ncu rc $?"; python3 - "$OUT/ncu.csv" <<'PY2' || true
-import csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-if rows:
-    h = rows[0]
-    for r in rows[2:]:
-        d = dict(zip(h, r))
-        name = d.get("Kernel Name", "?")[:22]
-        stalls = {k.split("stalled_")[1].split("_per")[0]: d[k] for k in h if "stalled_" in k}
-        top = sorted(((float(v or 0), k) for k, v in stalls.items()), reverse=True)[:5]
-        print(name, {k.split("__")[-1][:28]: d[k] for k in h if k.startswith(("gpu__", "launch__", "sm__", "smsp__inst", "dram", "lts"))}, [(k, round(v, 2)) for v, k in top])
-PY2
-timeout "${I6_TIMEOUT:-210}" python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/i6_log.txt"
+timeout "${I6_TIMEOUT:-190}" python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/i6_log.txt"
 import json, os, sys, time, traceback
 import torch
 from k3lab import bench
@@ -49,7 +33,7 @@ CANDS = [("rows", {}), ("rows", {"inv_prec": "tf32x3"}), ("rows", {"inv_wu": Tru
 whole = {}
 plan = runner.plan_before
 for kind, opts in CANDS:
-    if time.time() - t0 > 150: print("[prologue candidates: out of time]"); break
+    if time.time() - t0 > 105: print("[prologue candidates: out of time]"); break
     label = f"{kind}_{ks._label(opts)}" if opts else kind
     try:
         fns = kc.prologue_launches(q, k, v, g, beta, plan, scale, runner.work, options=opts, prologue=kind)
@@ -94,7 +78,7 @@ print("tune_after:", ta, f"{time.time()-t0:.0f} s", flush=True)
 tb = {"prologue": best_kind, "prologue_options": best}
 ref = ks.reference(case, inp, 2, 2)
 for gs in (None, 16, 32):
-    if time.time() - t0 > 225: break
+    if time.time() - t0 > 165: break
     try:
         rr = ks.Runner(case, inp, tb, ta) if gs is None else None
         if gs is None:
@@ -115,4 +99,20 @@ for gs in (None, 16, 32):
     save()
 print(f"done {time.time()-t0:.0f} s", flush=True)
 PY
+R="smsp__average_warps_issue_stalled_"; S="_per_issue_active.ratio"
+M="gpu__time_duration.sum,launch__registers_per_thread,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.avg.per_cycle_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed"
+for r in barrier long_scoreboard short_scoreboard math_pipe_throttle mio_throttle wait no_instruction lg_throttle not_selected dispatch_stall branch_resolving; do M="$M,$R$r$S"; done
+timeout "${NCU_TIMEOUT:-55}" ncu --csv --page raw --metrics "$M" python3 scripts/kda_prefill_ncu_target.py > "$OUT/ncu.csv" 2> "$OUT/ncu_err.txt"
+echo "ncu rc $?"; python3 - "$OUT/ncu.csv" <<'PY2' || true
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if rows:
+    h = rows[0]
+    for r in rows[2:]:
+        d = dict(zip(h, r))
+        name = d.get("Kernel Name", "?")[:22]
+        stalls = {k.split("stalled_")[1].split("_per")[0]: d[k] for k in h if "stalled_" in k}
+        top = sorted(((float(v or 0), k) for k, v in stalls.items()), reverse=True)[:5]
+        print(name, {k.split("__")[-1][:28]: d[k] for k in h if k.startswith(("gpu__", "launch__", "sm__", "smsp__inst", "dram", "lts"))}, [(k, round(v, 2)) for v, k in top])
+PY2
 ls "$OUT"

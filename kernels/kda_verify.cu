@@ -69,7 +69,7 @@ struct Args {
   int in_bf16;            // q, k, v and o are bf16 (else fp32)
   int g_bf16, beta_bf16;  // g, beta bf16 (else fp32)
   float scale;
-  int pdl;                // launched as a programmatic dependent (warp form only): wait for the prior grid
+  int pdl;                // launched as a programmatic dependent: wait for the stream's previous grid
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -227,6 +227,12 @@ __global__ void __launch_bounds__(W * 32) kda_verify_kernel(const Args a) {
   const bool in16 = a.in_bf16 != 0;
   const bool writer = lane < BV && warp == 0;  // one thread per column writes o
   const int tile = k0 * HV + c;                // this thread's first state value in a [128, V] slab
+#if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  if (a.pdl) {  // a programmatic dependent launch: as in the warp form below
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
+#endif
 
   long long bos;
   int L;
@@ -420,34 +426,40 @@ __global__ void __launch_bounds__(W * 32) kda_verify_kernel(const Args a) {
 // shuffles hand every lane the deltas of its 4 columns, and the p lanes write o.
 // Every word loaded passes the same gate as above before its first use; the conversions fold the
 // gate's zero in (bf16 halves: one LEA / LOP3 each; fp32 gates: the exp's multiply becomes an FMA).
-// 8 contiguous elements as raw words: one 16-byte load (bf16: 4 words, two elements each) or two (fp32).
-template <bool IS16>
-K3_DEVICE void load_row8(const char* p, uint32_t (&w)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  w[0] = u.x;
-  w[1] = u.y;
-  w[2] = u.z;
-  w[3] = u.w;
-  if constexpr (!IS16) {
-    const uint4 e = *reinterpret_cast<const uint4*>(p + 16);
-    w[4] = e.x;
-    w[5] = e.y;
-    w[6] = e.z;
-    w[7] = e.w;
+// RR contiguous elements of 2 (IS16) or 4 bytes as raw 32-bit words: one or two vector loads.
+template <int RR, bool IS16>
+K3_DEVICE void load_rows(const char* p, uint32_t (&w)[8]) {
+  constexpr int NB = RR * (IS16 ? 2 : 4);  // bytes: 4, 8, 16 or 32
+  if constexpr (NB >= 16) {
+#pragma unroll
+    for (int i = 0; i < NB / 16; ++i) {
+      const uint4 u = reinterpret_cast<const uint4*>(p)[i];
+      w[4 * i] = u.x;
+      w[4 * i + 1] = u.y;
+      w[4 * i + 2] = u.z;
+      w[4 * i + 3] = u.w;
+    }
+  } else if constexpr (NB == 8) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    w[0] = u.x;
+    w[1] = u.y;
+  } else {
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
   }
 }
 
-template <bool IN16>
-K3_DEVICE void rows8_to_floats(const uint32_t (&w)[8], uint32_t z, float (&x)[8]) {
-  if constexpr (IN16) {
+// Words -> RR floats with the gate's zero folded into each conversion (bf16 halves: one LEA or LOP3).
+template <int RR, bool IS16>
+K3_DEVICE void rows_to_floats(const uint32_t (&w)[8], uint32_t z, float (&x)[8]) {
+  if constexpr (IS16) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < RR / 2; ++i) {
       x[2 * i] = __uint_as_float((w[i] << 16) + z);
       x[2 * i + 1] = __uint_as_float((w[i] & 0xffff0000u) | z);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = __uint_as_float(w[i] + z);
+    for (int i = 0; i < RR; ++i) x[i] = __uint_as_float(w[i] + z);
   }
 }
 
@@ -469,17 +481,24 @@ K3_DEVICE float k3_shfl_idx(float v, int src) {
 #endif
 }
 
-template <int WB, int TM, bool IN16, bool G16>
-__global__ void __launch_bounds__(WB * 32) kda_verify_warp_kernel(const Args a) {
+// KW warps share one 8-column tile: warp w holds key rows w * 128 / KW .. (w + 1) * 128 / KW - 1,
+// RR = 8 / KW of them per thread (KW = 1: no exchange at all; KW = 2, 4: after the in-warp halving,
+// one shared-memory exchange and one barrier per position, with RR / 8 of the per-thread work).
+template <int KW, int TM, bool IN16, bool G16>
+__global__ void __launch_bounds__(KW * 32) kda_verify_warp_kernel(const Args a) {
   constexpr float LOG2E = 1.4426950408889634f;
+  constexpr int RR = 8 / KW;  // key rows per thread
+  static_assert(KW == 1 || KW == 2 || KW == 4, "1, 2 or 4 warps per tile");
   __shared__ uint32_t zero_word;
-  const int lane = threadIdx.x & 31;
+  __shared__ float red[KW > 1 ? 2 : 1][KW][32];  // per-position partial sums, double-buffered
+  __shared__ float qk_red[KW][TM];                // each warp's part of q_t . k_t
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int half = lane & 1;
-  const int r0 = (lane >> 1) * 8;                           // first of this thread's 8 key rows
-  const int wc = (blockIdx.x * WB + (threadIdx.x >> 5)) * 8;  // the warp's first column
-  const int c0 = wc + 4 * half;                             // this thread's 4 columns
-  const int cr = c0 + ((lane >> 2) & 3);                    // the column whose sums this lane ends with
-  const bool p_lane = (lane & 16) != 0;                     // ends with p (else u) of column cr
+  const int r0 = warp * (HK / KW) + (lane >> 1) * RR;      // first of this thread's key rows
+  const int wc = blockIdx.x * 8;                           // the tile's first column
+  const int c0 = wc + 4 * half;                            // this thread's 4 columns
+  const int cr = c0 + ((lane >> 2) & 3);                   // the column whose sums this lane ends with
+  const bool p_lane = (lane & 16) != 0;                    // ends with p (else u) of column cr
   const int h = blockIdx.y, b = blockIdx.z;
   const int H = a.H;
   const long long bh = (long long)b * H + h;
@@ -512,16 +531,16 @@ __global__ void __launch_bounds__(WB * 32) kda_verify_warp_kernel(const Args a) 
   }
   L = L < TM ? L : TM;
 
-  // ---- every load first: the 8 x 4 state block, then each live position's rows. Addresses are one
+  // ---- every load first: the RR x 4 state block, then each live position's rows. Addresses are one
   // 64-bit base per tensor plus a per-position step, so the loads wait on little integer work.
   if (threadIdx.x == 0) zero_word = 0u;
   constexpr int IN_B = IN16 ? 2 : 4, G_B = G16 ? 2 : 4;  // bytes per element
   const long long slab = (long long)HK * HV;
   const long long row0 = bos * H + h;  // token-head row of position 0
   const float* s0 = a.h0 + bh * slab + r0 * HV + c0;
-  uint4 ws[8];
+  uint4 ws[RR];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) ws[j] = *reinterpret_cast<const uint4*>(s0 + j * HV);
+  for (int j = 0; j < RR; ++j) ws[j] = *reinterpret_cast<const uint4*>(s0 + j * HV);
   const char* qp = static_cast<const char*>(a.q) + (row0 * HK + r0) * IN_B;
   const char* kp = static_cast<const char*>(a.k) + (row0 * HK + r0) * IN_B;
   const char* gp = static_cast<const char*>(a.g) + (row0 * HK + r0) * G_B;
@@ -533,9 +552,9 @@ __global__ void __launch_bounds__(WB * 32) kda_verify_warp_kernel(const Args a) 
 #pragma unroll
   for (int t = 0; t < TM; ++t) {
     if (t < L) {
-      load_row8<IN16>(qp + t * in_step, wq[t]);
-      load_row8<IN16>(kp + t * in_step, wk[t]);
-      load_row8<G16>(gp + t * g_step, wg[t]);
+      load_rows<RR, IN16>(qp + t * in_step, wq[t]);
+      load_rows<RR, IN16>(kp + t * in_step, wk[t]);
+      load_rows<RR, G16>(gp + t * g_step, wg[t]);
       wv[t] = IN16 ? (uint32_t)(*reinterpret_cast<const uint16_t*>(vp + t * in_step))
                    : *reinterpret_cast<const uint32_t*>(vp + t * in_step);
       wb[t] = b16 ? (uint32_t)(*reinterpret_cast<const uint16_t*>(bp + t * b_step))
@@ -551,56 +570,91 @@ __global__ void __launch_bounds__(WB * 32) kda_verify_warp_kernel(const Args a) 
   const float zf = __uint_as_float(z);
 
   // The state needs no gate: every instruction that reads it also reads a gated value.
-  float S[8][4];
+  float S[RR][4];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < RR; ++j) {
     S[j][0] = __uint_as_float(ws[j].x);
     S[j][1] = __uint_as_float(ws[j].y);
     S[j][2] = __uint_as_float(ws[j].z);
     S[j][3] = __uint_as_float(ws[j].w);
+  }
+  // q_t . k_t of every position (state-independent): over this warp's rows, then (KW > 1) across
+  // the warps through shared memory, summed in one fixed order so every warp holds the same value.
+  float qk[TM];
+#pragma unroll
+  for (int t = 0; t < TM; ++t) {
+    float q[8], k[8];
+    rows_to_floats<RR, IN16>(wq[t], z, q);
+    rows_to_floats<RR, IN16>(wk[t], z, k);
+    qk[t] = q[0] * k[0];
+#pragma unroll
+    for (int j = 1; j < RR; ++j) qk[t] = fmaf(q[j], k[j], qk[t]);
+#pragma unroll
+    for (int off = 2; off < 32; off <<= 1) qk[t] += k3_shfl_xor(qk[t], off);
+  }
+  if constexpr (KW > 1) {
+    if (lane == 0) {
+#pragma unroll
+      for (int t = 0; t < TM; ++t) qk_red[warp][t] = qk[t];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int t = 0; t < TM; ++t) {
+      float x = qk_red[0][t];
+#pragma unroll
+      for (int w = 1; w < KW; ++w) x += qk_red[w][t];
+      qk[t] = x;
+    }
   }
 
 #pragma unroll
   for (int t = 0; t < TM; ++t) {
     // inputs of position t (no state in them: the scheduler may run them ahead)
     float q[8], k[8], d[8], dk[8], dq[8];
-    rows8_to_floats<IN16>(wq[t], z, q);
-    rows8_to_floats<IN16>(wk[t], z, k);
+    rows_to_floats<RR, IN16>(wq[t], z, q);
+    rows_to_floats<RR, IN16>(wk[t], z, k);
     if constexpr (G16) {
       float g[8];
-      rows8_to_floats<true>(wg[t], z, g);
+      rows_to_floats<RR, true>(wg[t], z, g);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) d[j] = fast_exp2(g[j] * LOG2E);
+      for (int j = 0; j < RR; ++j) d[j] = fast_exp2(g[j] * LOG2E);
     } else {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) d[j] = fast_exp2(fmaf(__uint_as_float(wg[t][j]), LOG2E, zf));
+      for (int j = 0; j < RR; ++j) d[j] = fast_exp2(fmaf(__uint_as_float(wg[t][j]), LOG2E, zf));
     }
-    float qk = q[0] * k[0];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < RR; ++j) {
       dk[j] = d[j] * k[j];
       dq[j] = d[j] * q[j];
-      if (j) qk = fmaf(q[j], k[j], qk);
     }
-#pragma unroll
-    for (int off = 2; off < 32; off <<= 1) qk += k3_shfl_xor(qk, off);
     const float vt = __uint_as_float((IN16 ? (wv[t] << 16) : wv[t]) + z);
     const float bt = __uint_as_float((b16 ? (wb[t] << 16) : wb[t]) + z);
 
-    // u = S^T (d k) and p = S^T (d q) over this thread's 8 rows, 4 columns (two half chains each)
+    // u = S^T (d k) and p = S^T (d q) over this thread's rows, 4 columns (8 rows: two half chains)
     float x[8];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float u0 = S[0][i] * dk[0], u1 = S[4][i] * dk[4], p0 = S[0][i] * dq[0], p1 = S[4][i] * dq[4];
+      if constexpr (RR == 8) {
+        float u0 = S[0][i] * dk[0], u1 = S[4][i] * dk[4], p0 = S[0][i] * dq[0], p1 = S[4][i] * dq[4];
 #pragma unroll
-      for (int j = 1; j < 4; ++j) {
-        u0 = fmaf(S[j][i], dk[j], u0);
-        u1 = fmaf(S[4 + j][i], dk[4 + j], u1);
-        p0 = fmaf(S[j][i], dq[j], p0);
-        p1 = fmaf(S[4 + j][i], dq[4 + j], p1);
+        for (int j = 1; j < 4; ++j) {
+          u0 = fmaf(S[j][i], dk[j], u0);
+          u1 = fmaf(S[4 + j][i], dk[4 + j], u1);
+          p0 = fmaf(S[j][i], dq[j], p0);
+          p1 = fmaf(S[4 + j][i], dq[4 + j], p1);
+        }
+        x[i] = u0 + u1;
+        x[4 + i] = p0 + p1;
+      } else {
+        float u0 = S[0][i] * dk[0], p0 = S[0][i] * dq[0];
+#pragma unroll
+        for (int j = 1; j < RR; ++j) {
+          u0 = fmaf(S[j][i], dk[j], u0);
+          p0 = fmaf(S[j][i], dq[j], p0);
+        }
+        x[i] = u0;
+        x[4 + i] = p0;
       }
-      x[i] = u0 + u1;
-      x[4 + i] = p0 + p1;
     }
     // recursive halving over the key groups (lane bits 4, 3, 2, 1)
     float y[4];
@@ -624,35 +678,42 @@ __global__ void __launch_bounds__(WB * 32) kda_verify_warp_kernel(const Args a) 
       const float keep = hi2 ? y2[1] : y2[0];
       s = keep + k3_shfl_xor(send, 4);
     }
-    s += k3_shfl_xor(s, 2);  // u (p_lane false) or p of column cr, summed over all 128 rows
+    s += k3_shfl_xor(s, 2);  // u (p_lane false) or p of column cr, summed over this warp's rows
+    if constexpr (KW > 1) {  // and over the other warps' rows, in one fixed order
+      red[t & 1][warp][lane] = s;
+      __syncthreads();
+      s = red[t & 1][0][lane];
+#pragma unroll
+      for (int w = 1; w < KW; ++w) s += red[t & 1][w][lane];
+    }
 
     const float dl = bt * (vt - s);  // delta of column cr (meaningful in the u lanes)
     float D[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) D[i] = k3_shfl_idx(dl, ((i >> 1) << 3) | ((i & 1) << 2) | half);
     const float dp = k3_shfl_xor(dl, 16);  // in a p lane: delta of its column
-    if (p_lane && !(lane & 2) && (t < L || a.mode == 2)) {
-      const float o = a.scale * fmaf(qk, dp, s);
+    if (warp == 0 && p_lane && !(lane & 2) && (t < L || a.mode == 2)) {
+      const float o = a.scale * fmaf(qk[t], dp, s);
       char* op = static_cast<char*>(a.o) + (row0 * HV + cr) * IN_B + t * in_step;
       if constexpr (IN16) *reinterpret_cast<k3_bf16*>(op) = k3_f32_to_bf16(o);
       else *reinterpret_cast<float*>(op) = o;
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < RR; ++j) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) S[j][i] = fmaf(k[j], D[i], S[j][i] * d[j]);
     }
     if (a.all_states && t < L) {
       float* dst = a.hs + (row0 + (long long)t * H) * slab + r0 * HV + c0;
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < RR; ++j)
         *reinterpret_cast<float4*>(dst + j * HV) = make_float4(S[j][0], S[j][1], S[j][2], S[j][3]);
     }
   }
   if (!a.all_states) {  // the sequence's last live state (dead positions were identity updates)
     float* dst = a.hs + bh * slab + r0 * HV + c0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < RR; ++j)
       *reinterpret_cast<float4*>(dst + j * HV) = make_float4(S[j][0], S[j][1], S[j][2], S[j][3]);
   }
 }
@@ -663,8 +724,8 @@ __global__ void __launch_bounds__(WB * 32) kda_verify_warp_kernel(const Args a) 
 // exported launchers
 
 // (BV value columns, W 32-lane groups, FORM) compiled; each for T = 1..8 (a template argument).
-// form: 0 step, 1 chunk (both: plain loads behind a gate), 2 warp (8 whole columns per warp, W
-// independent warps per block).
+// form: 0 step, 1 chunk (both: plain loads behind a gate), 2 warp (lane pairs hold 4 columns of
+// 8 / W key rows each; W warps share the tile's key rows).
 // Only configurations that compile without register spills at every T (ptxas, sm_90a): 8 x 2 spilled
 // at T >= 5, 4 x 4 at T = 4 and the chunk form on 4 groups at T = 8, so they are not built.
 #define K3_KV_CONFIGS(X) \
@@ -672,7 +733,9 @@ __global__ void __launch_bounds__(WB * 32) kda_verify_warp_kernel(const Args a) 
   X(8, 8, 0)             \
   X(4, 2, 0)             \
   X(8, 8, 1)             \
-  X(8, 1, 2)
+  X(8, 1, 2)             \
+  X(8, 2, 2)             \
+  X(8, 4, 2)
 
 K3_EXPORT int k3_kda_verify_args_size() { return (int)sizeof(k3kv::Args); }
 
@@ -714,22 +777,22 @@ static void k3_launch_args(void (*kernel)(k3kv::Args), const dim3 grid, const di
   kernel<<<grid, block, 0, stream>>>(a);
 }
 
-template <int WB, int TM>
+template <int KW, int TM>
 static void k3_launch_warp_tm(const k3kv::Args& a, const dim3 grid, const dim3 block, k3_stream_t stream) {
   if (a.in_bf16) {
-    if (a.g_bf16) k3_launch_args(k3kv::kda_verify_warp_kernel<WB, TM, true, true>, grid, block, stream, a);
-    else k3_launch_args(k3kv::kda_verify_warp_kernel<WB, TM, true, false>, grid, block, stream, a);
+    if (a.g_bf16) k3_launch_args(k3kv::kda_verify_warp_kernel<KW, TM, true, true>, grid, block, stream, a);
+    else k3_launch_args(k3kv::kda_verify_warp_kernel<KW, TM, true, false>, grid, block, stream, a);
   } else {
-    if (a.g_bf16) k3_launch_args(k3kv::kda_verify_warp_kernel<WB, TM, false, true>, grid, block, stream, a);
-    else k3_launch_args(k3kv::kda_verify_warp_kernel<WB, TM, false, false>, grid, block, stream, a);
+    if (a.g_bf16) k3_launch_args(k3kv::kda_verify_warp_kernel<KW, TM, false, true>, grid, block, stream, a);
+    else k3_launch_args(k3kv::kda_verify_warp_kernel<KW, TM, false, false>, grid, block, stream, a);
   }
 }
 
 template <int BV, int W, int F>
 static void k3_launch_tm(const k3kv::Args& a, k3_stream_t stream) {
-  const dim3 grid(k3kv::HV / (F == 2 ? BV * W : BV), a.H, a.n_seq);
+  const dim3 grid(k3kv::HV / BV, a.H, a.n_seq);
   const dim3 block(W * 32);
-  if constexpr (F == 2) {  // warp form: W independent 8-column warps per block
+  if constexpr (F == 2) {  // warp form: W warps share an 8-column tile's key rows
     static_assert(BV == 8, "the warp form holds 8 columns per warp");
     switch (a.T) {
       case 1: k3_launch_warp_tm<W, 1>(a, grid, block, stream); break;
@@ -744,25 +807,24 @@ static void k3_launch_tm(const k3kv::Args& a, k3_stream_t stream) {
     return;
   } else {
     switch (a.T) {
-      case 1: k3kv::kda_verify_kernel<BV, W, 1, F == 1><<<grid, block, 0, stream>>>(a); break;
-      case 2: k3kv::kda_verify_kernel<BV, W, 2, F == 1><<<grid, block, 0, stream>>>(a); break;
-      case 3: k3kv::kda_verify_kernel<BV, W, 3, F == 1><<<grid, block, 0, stream>>>(a); break;
-      case 4: k3kv::kda_verify_kernel<BV, W, 4, F == 1><<<grid, block, 0, stream>>>(a); break;
-      case 5: k3kv::kda_verify_kernel<BV, W, 5, F == 1><<<grid, block, 0, stream>>>(a); break;
-      case 6: k3kv::kda_verify_kernel<BV, W, 6, F == 1><<<grid, block, 0, stream>>>(a); break;
-      case 7: k3kv::kda_verify_kernel<BV, W, 7, F == 1><<<grid, block, 0, stream>>>(a); break;
-      default: k3kv::kda_verify_kernel<BV, W, 8, F == 1><<<grid, block, 0, stream>>>(a); break;
+      case 1: k3_launch_args(k3kv::kda_verify_kernel<BV, W, 1, F == 1>, grid, block, stream, a); break;
+      case 2: k3_launch_args(k3kv::kda_verify_kernel<BV, W, 2, F == 1>, grid, block, stream, a); break;
+      case 3: k3_launch_args(k3kv::kda_verify_kernel<BV, W, 3, F == 1>, grid, block, stream, a); break;
+      case 4: k3_launch_args(k3kv::kda_verify_kernel<BV, W, 4, F == 1>, grid, block, stream, a); break;
+      case 5: k3_launch_args(k3kv::kda_verify_kernel<BV, W, 5, F == 1>, grid, block, stream, a); break;
+      case 6: k3_launch_args(k3kv::kda_verify_kernel<BV, W, 6, F == 1>, grid, block, stream, a); break;
+      case 7: k3_launch_args(k3kv::kda_verify_kernel<BV, W, 7, F == 1>, grid, block, stream, a); break;
+      default: k3_launch_args(k3kv::kda_verify_kernel<BV, W, 8, F == 1>, grid, block, stream, a); break;
     }
   }
 }
 
-// Launch one verification step. tile_v: value columns per block (the warp form: per warp); warps:
-// 32-lane groups per block; form: 0 step, 1 chunk, 2 warp. Returns 0, -1 (no such compiled config),
-// -4 (bad sizes), -5 (pdl asked of a form other than 2) or the runtime's error code.
+// Launch one verification step. tile_v: value columns per block; warps: 32-lane groups per block;
+// form: 0 step, 1 chunk, 2 warp. Returns 0, -1 (no such compiled config), -4 (bad sizes) or the
+// runtime's error code.
 K3_EXPORT int k3_kda_verify(const k3kv::Args* args, int tile_v, int warps, int form, void* stream) {
   const k3kv::Args& a = *args;
   if (a.T < 1 || a.T > 8 || a.H <= 0 || a.n_seq <= 0 || a.n_seq > 65535 || a.H > 65535) return -4;
-  if (a.pdl && form != 2) return -5;  // only the warp form waits for the previous grid
   const k3_stream_t s = static_cast<k3_stream_t>(stream);
   bool found = false;
 #define K3_GO(BV_, W_, F_)                                           \

@@ -310,11 +310,17 @@ def test_default_form_and_its_environment_override(monkeypatch):
         kv.default_form(8, backend="cpu")
 
 
-def test_cuda_warps_rule():
+def test_cuda_warps_rule(monkeypatch):
+    monkeypatch.delenv(kv.WARPS_ENV, raising=False)
     assert [kv.cuda_warps("cuda", t) for t in (1, 4, 8)] == [4, 4, 4]
     assert [kv.cuda_warps("cuda_chunk", t) for t in (1, 4, 5, 8)] == [8, 8, 8, 8]
-    assert [kv.cuda_warps("cuda_warp", t) for t in (1, 4, 8)] == [1, 1, 1]  # a block is one warp
+    assert [kv.cuda_warps("cuda_warp", t) for t in (1, 4, 8)] == [kv.CUDA_WARP_WARPS] * 3
     assert kv.choose_num_warps(8, form="cuda_chunk", positions=8) == 8
+    monkeypatch.setenv(kv.WARPS_ENV, "2")
+    assert kv.cuda_warps("cuda_warp") == 2
+    monkeypatch.setenv(kv.WARPS_ENV, "3")
+    with pytest.raises(ValueError, match=kv.WARPS_ENV):
+        kv.cuda_warps("cuda_warp")
 
 
 @pytest.mark.skipif(__import__("k3lab.ops._build", fromlist=["x"]).find_toolchain("nvcc") is None,
@@ -337,7 +343,7 @@ def test_cuda_library_layout_and_configs():
     log = _build.compile_kernel("kda_verify", kind="nvcc", target="sm_90a").with_suffix(".so.log").read_text()
     entries = log.split("Compiling entry function")[1:]
     warp = [e for e in entries if "kda_verify_warp_kernel" in e.split("\n")[0]]
-    assert len(warp) == 4 * kv.MAX_POSITIONS, "one warp kernel per (T, q/k/v dtype, g dtype)"
+    assert len(warp) == 3 * 4 * kv.MAX_POSITIONS, "one warp kernel per (warps, T, q/k/v dtype, g dtype)"
     assert all("0 bytes spill stores" in e.split("Compiling entry function")[0] for e in warp)
 
 
@@ -355,8 +361,10 @@ def test_study_names_the_cuda_sweep_points():
     assert (warp["form"], warp["num_warps"], warp["pdl"]) == ("cuda_warp", 1, True)
     assert "pdl" not in study._parse("b1_t4.cudawarp8_w1", 12)["variants"][0][1]
     assert study._pdl_used(warp) and not study._pdl_used(dict(warp, form="step"))
+    assert study._parse("b1_t4.cudawarp8_w4", 12)["variants"][0][1]["num_warps"] == 4
+    assert study._parse("b1_t4.cuda8_w4_pdl", 12)["variants"][0][1]["pdl"]
     with pytest.raises(ValueError, match="_pdl"):
-        study._parse("b1_t4.cuda8_w4_pdl", 12)
+        study._parse("b1_t4.narrow8_w1_pdl", 12)
 
 
 def _gpu_inputs(B, T, H, dtype, seed=0, N=None):
@@ -375,7 +383,7 @@ def _check_gpu(o, states, ref_o, ref_s):
 
 @needs_cuda_kernel
 @pytest.mark.parametrize("form, tile_v, warps", [("cuda", 8, 4), ("cuda", 8, 8), ("cuda", 4, 2), ("cuda_chunk", 8, 8),
-                                                 ("cuda_warp", 8, 1)])
+                                                 ("cuda_warp", 8, 1), ("cuda_warp", 8, 2), ("cuda_warp", 8, 4)])
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8])
 def test_cuda_kernel_every_position_matches_reference(form, tile_v, warps, T):
     if form == "cuda_chunk" and warps == 4 and T > 4:
@@ -489,25 +497,27 @@ def test_cuda_kernel_misaligned_input_falls_back_or_is_refused(monkeypatch):
 
 
 @needs_cuda_kernel
-def test_cuda_warp_form_as_a_programmatic_dependent_launch():
+@pytest.mark.parametrize("form, warps", [("cuda", 4), ("cuda_warp", 1), ("cuda_warp", 2), ("cuda_warp", 4)])
+def test_cuda_kernel_as_a_programmatic_dependent_launch(form, warps):
     """pdl=True changes only how the launch waits for the previous kernel: the same bits, eager and
-    replayed in a graph right after a kernel that writes the warp form's inputs."""
+    replayed in a graph right after kernels that write its inputs."""
     x = _gpu_inputs(1, 4, 12, torch.bfloat16, seed=12)
+    kw = dict(form=form, num_warps=warps, tile_v=8)
     ref_o, ref_s = kv.reference_verify(**x)
-    o_plain, s_plain = kv.kda_verify(**x, form="cuda_warp", pdl=False)
+    o_plain, s_plain = kv.kda_verify(**x, **kw, pdl=False)
     _check_gpu(o_plain, s_plain, ref_o, ref_s)
-    o_pdl, s_pdl = kv.kda_verify(**x, form="cuda_warp", pdl=True)
+    o_pdl, s_pdl = kv.kda_verify(**x, **kw, pdl=True)
     assert torch.equal(o_pdl, o_plain) and torch.equal(s_pdl, s_plain)
     static = {n: t.clone() for n, t in x.items()}
     fresh = _gpu_inputs(1, 4, 12, torch.bfloat16, seed=13)
     buf = torch.empty_like(s_plain)
-    kv.kda_verify(**static, form="cuda_warp", pdl=True, states_out=buf)  # loaded outside the capture
+    kv.kda_verify(**static, **kw, pdl=True, states_out=buf)  # loaded outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for n in ("v", "initial_state"):  # the kernels before it write what it reads
             torch.mul(fresh[n], 1, out=static[n])
-        o_graph, _ = kv.kda_verify(**static, form="cuda_warp", pdl=True, states_out=buf)
+        o_graph, _ = kv.kda_verify(**static, **kw, pdl=True, states_out=buf)
     graph.replay()
     ref_o, ref_s = kv.reference_verify(**dict(x, v=fresh["v"], initial_state=fresh["initial_state"]))
     _check_gpu(o_graph, buf, ref_o, ref_s)

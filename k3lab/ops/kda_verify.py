@@ -108,6 +108,8 @@ CUDA_FORMS = ("cuda", "cuda_chunk", "cuda_warp")
 CUDA_FORM = "cuda"
 CUDA_DEFAULT = False  # True: `default_form` picks CUDA_FORM on CUDA devices where the .cu builds
 FORM_ENV = "K3LAB_KDA_VERIFY_FORM"  # names the default form for one run (e.g. a device measurement)
+WARPS_ENV = "K3LAB_KDA_VERIFY_WARPS"  # names the CUDA forms' 32-lane groups per block for one run
+CUDA_WARP_WARPS = 1  # the warp form's warps per 8-column tile (1, 2 or 4 share its key rows)
 STATE_LAYOUTS = ("kv", "vk")  # the recurrent state per head: [K, V] (fla's) or [V, K]
 BEFORE_THREADS = 128
 CHUNK_PER_LANE = 64  # values per lane of the chunk form's [T, K, tile] products (measured, below)  # the original kernel's workgroup size, in threads
@@ -195,7 +197,14 @@ def cuda_warps(form: str = CUDA_FORM, positions: int = 4) -> int:
     1 (each warp owns its 8 columns whole, so a block is one warp). `positions` is kept for callers
     that size by depth."""
     del positions
-    return {"cuda_chunk": 8, "cuda_warp": 1}.get(form, 4)
+    import os
+
+    named = os.environ.get(WARPS_ENV)
+    if named:
+        if named not in ("1", "2", "4", "8"):
+            raise ValueError(f"{WARPS_ENV} must be 1, 2, 4 or 8, got {named!r}")
+        return int(named)
+    return {"cuda_chunk": 8, "cuda_warp": CUDA_WARP_WARPS}.get(form, 4)
 
 
 def default_form(tile_v: int, backend: str | None = None) -> str:

@@ -23,12 +23,10 @@ HEAD_DIM = 128  # K and V compiled into the kernel (K3's KDA head)
 # form name in k3lab.ops.kda_verify -> the launcher's form: step and chunk (a block of 4 or 8 warps
 # shares a tile's key rows), warp (each warp owns 8 whole columns; kernels/kda_verify.cu FORM 2)
 FORMS = {"cuda": 0, "cuda_chunk": 1, "cuda_warp": 2}
-PDL_FORMS = ("cuda_warp",)  # forms that can be launched as programmatic dependents (`launch(pdl=True)`)
-# K3LAB_KDA_VERIFY_PDL=1 launches the PDL_FORMS as programmatic dependents of the stream's previous
-# kernel (they wait for it before their first memory access); unset or 0: plain launches.
+# K3LAB_KDA_VERIFY_PDL=1 launches the kernel as a programmatic dependent of the stream's previous
+# kernel (it waits for that kernel before its first memory access); unset or 0: plain launches.
 PDL_ENV = "K3LAB_KDA_VERIFY_PDL"
-_ERRORS = {-1: "no compiled kernel for this (tile_v, warps, form)", -4: "bad sizes (T in 1..8, N and H <= 65535)",
-           -5: "programmatic dependent launch is only built for the warp form"}
+_ERRORS = {-1: "no compiled kernel for this (tile_v, warps, form)", -4: "bad sizes (T in 1..8, N and H <= 65535)"}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
 
 
@@ -134,12 +132,10 @@ def launch(q, k, v, g, beta, h0, o, hs, seq_info, *, n_seq: int, positions: int,
            all_states: bool, tile_v: int, num_warps: int, form: str, scale: float, pdl: bool | None = None) -> None:
     """One launch on the current stream (capturable in a CUDA graph). Tensors contiguous, already
     checked by k3lab.ops.kda_verify; raises RuntimeError with the kernel's reason if it refuses.
-    `pdl`: launch as a programmatic dependent of the stream's previous kernel (PDL_FORMS only;
-    None reads K3LAB_KDA_VERIFY_PDL)."""
+    `pdl`: launch as a programmatic dependent of the stream's previous kernel (None reads
+    K3LAB_KDA_VERIFY_PDL)."""
     lib = _library()
     pdl = pdl_default() if pdl is None else bool(pdl)
-    if pdl and form not in PDL_FORMS:
-        pdl = False  # the other forms are plain launches (the environment asks for what can take it)
     a = Args(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), h0.data_ptr(),
              o.data_ptr(), hs.data_ptr(), seq_info.data_ptr() if mode else 0, beta.numel(),
              n_seq, positions, heads, mode, int(mode and seq_info.dtype == torch.int64), int(all_states),

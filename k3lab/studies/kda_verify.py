@@ -62,10 +62,12 @@ VK_SWEEP = (["b1_t4.vk8_w1", "b1_t4.vk8_w2", "b1_t4.vk4_w1", "b1_t1.vk8_w1", "b1
 CUDA_SWEEP = (["b1_t4.cuda8_w4", "b1_t4.cuda8_w8", "b1_t4.cuda4_w2", "b1_t4.cudachunk8_w8", "b1_t1.cuda8_w4",
                "b1_t1.cudachunk8_w8", "b1_t2.cuda8_w4", "b1_t2.cudachunk8_w8", "b1_t8.cuda8_w4", "b1_t8.cudachunk8_w8",
                "b8_t4.cuda8_w4", "b8_t4.cudachunk8_w8", "b32_t4.cuda8_w4"]
-              # the warp form (each warp owns 8 whole columns, blocks of one warp), plain and as a
-              # programmatic dependent launch ('_pdl': waits for the previous kernel in the stream)
-              + [f"b{b}_t{t}.cudawarp8_w1{p}" for b, t in ((1, 1), (1, 2), (1, 4), (1, 8), (8, 4), (32, 4))
-                 for p in ("", "_pdl")])
+              # the warp form (lane pairs own 4 columns of 8 / W key rows; W = 1, 2, 4 warps per
+              # 8-column tile), plain and as a programmatic dependent launch ('_pdl': it waits for the
+              # stream's previous kernel before touching memory, its launch overlapping that kernel's end)
+              + [f"b{b}_t{t}.cudawarp8_w{w}{p}" for b, t in ((1, 4), (1, 1), (1, 2), (1, 8), (8, 4), (32, 4))
+                 for w in (1, 2, 4) for p in ("", "_pdl")]
+              + ["b1_t4.cuda8_w4_pdl"])
 MIN_GRAPH_CALLS = 10
 GATE_LOWER_BOUND = K3Config.full().kda_gate_lower_bound  # -5: g = -5 sigmoid(.)
 
@@ -240,8 +242,8 @@ def _parse(case: str, H: int) -> dict:
         m = re.fullmatch(r"(narrow|stream|chunk|tile|vk|cudachunk|cudawarp|cuda)(\d+)_w(\d+)(_pdl)?", tail)
         if m is None:
             raise ValueError(f"unknown case {case!r}")
-        if m[4] and m[1] != "cudawarp":
-            raise ValueError(f"case {case!r}: only the warp form (cudawarp) takes '_pdl'")
+        if m[4] and not m[1].startswith("cuda"):
+            raise ValueError(f"case {case!r}: only the CUDA forms take '_pdl' (a launch attribute)")
         if m[1] in ("chunk", "tile", "vk", "cuda", "cudachunk", "cudawarp") and int(m[2]) > kv.NARROW_MAX:
             raise ValueError(f"case {case!r}: the {m[1]} form runs tiles of at most {kv.NARROW_MAX} columns")
         kind = "before" if m[1] == "stream" else "after"
@@ -259,11 +261,11 @@ def _parse(case: str, H: int) -> dict:
 
 
 def _pdl_used(vs: dict) -> bool:
-    """Whether a variant's launches are programmatic dependents (the CUDA warp form, asked by the case
+    """Whether a variant's launches are programmatic dependents (a CUDA form, asked by the case ('_pdl')
     or, for the default-form 'after', by K3LAB_KDA_VERIFY_PDL)."""
     from k3lab.ops import kda_verify_cuda as kc
 
-    if vs.get("kind") != "after" or vs.get("form") not in kc.PDL_FORMS:
+    if vs.get("kind") != "after" or vs.get("form") not in kv.CUDA_FORMS:
         return False
     return bool(vs["pdl"]) if vs.get("pdl") is not None else kc.pdl_default()
 

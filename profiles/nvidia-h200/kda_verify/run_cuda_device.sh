@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call for the hand-written verify kernel (kernels/kda_verify.cu): its GPU tests, then in
-# one process the forms side by side (the main case b1_t4 with before / Triton step 'after' / fla,
-# the 4-warp 'cuda' form, the warp form plain and as a programmatic dependent launch, at T = 1, 2, 4,
-# 8), then the main cases again with the fastest b1_t4 form as 'after' (K3LAB_KDA_VERIFY_FORM and
-# K3LAB_KDA_VERIFY_PDL). Every case is checked against fp64 before it is timed; a failing case is
+# one process the forms side by side at B = 1, T = 4 (the main case with before / Triton step 'after'
+# / fla, the 4-warp 'cuda' form and the warp form on 1, 2 and 4 warps, each plain and as a
+# programmatic dependent launch), then the main cases (T = 1, 2, 4, 8, final_only, B = 8) again with
+# the fastest of them as 'after' (K3LAB_KDA_VERIFY_FORM, _WARPS and _PDL) and its depth profile
+# without PDL. Every case is checked against fp64 before it is timed; a failing case is
 # reported and skipped, and the JSON is rewritten after each case, so a late failure loses nothing.
 #   K3LAB_COMMIT=<hash> bash profiles/nvidia-h200/kda_verify/run_cuda_device.sh $OUT [ncu]   (fla wheel in .whl)
 set -u
@@ -20,8 +21,8 @@ import json, os, sys, time
 from k3lab.studies import kda_verify as study
 
 path, tests_rc = sys.argv[1], int(sys.argv[2])
-warp = [f"b1_t{t}.cudawarp8_w1{p}" for t in (4, 1, 2, 8) for p in ("", "_pdl")]
-sweep = ["b1_t4", "b1_t4.cuda8_w4"] + (warp if tests_rc == 0 else [])
+warp = [f"b1_t4.cudawarp8_w{w}{p}" for w in (1, 2, 4) for p in ("", "_pdl")]
+sweep = ["b1_t4", "b1_t4.cuda8_w4", "b1_t4.cuda8_w4_pdl"] + (warp if tests_rc == 0 else [])
 recs, t0 = [], time.time()
 
 
@@ -37,16 +38,23 @@ def run(cases, tag=""):
 
 
 run(sweep)
-graph = {r["case"]: r["median_us"] for r in recs if r["mode"] == "graph" and r["variant"] == "after"}
-forms = {"step": graph.get("b1_t4"), "cuda": graph.get("b1_t4.cuda8_w4"),
-         "cuda_warp": graph.get("b1_t4.cudawarp8_w1"), "cuda_warp+pdl": graph.get("b1_t4.cudawarp8_w1_pdl")}
-best = min((v, k) for k, v in forms.items() if v is not None)[1]
-print("b1_t4 'after' forms (graph us):", forms, "-> main cases with", best)
-if best != "step":  # the main cases again, with that form as 'after' (their step-form records are replaced)
-    os.environ["K3LAB_KDA_VERIFY_FORM"] = best.split("+")[0]
-    os.environ["K3LAB_KDA_VERIFY_PDL"] = "1" if best.endswith("+pdl") else "0"
+# the fastest 'after' at b1_t4 (graph replay): (median, form, warps, pdl)
+after = [(r["median_us"], r["extra"]["form"] or "step", r["extra"]["num_warps"], bool(r["extra"].get("pdl")))
+         for r in recs if r["mode"] == "graph" and r["variant"] == "after" and r["case"].startswith("b1_t4")]
+for a in sorted(after):
+    print("b1_t4 after", a)
+best = min(after)
+print("main cases with", best)
+if best[1] in ("cuda", "cuda_warp"):  # the main cases again with that form as 'after' (the step-form ones are replaced)
+    os.environ.update(K3LAB_KDA_VERIFY_FORM=best[1], K3LAB_KDA_VERIFY_WARPS=str(best[2]),
+                      K3LAB_KDA_VERIFY_PDL="1" if best[3] else "0")
     recs = [r for r in recs if r["case"] != "b1_t4"]
-    run(["b1_t4", "b1_t1", "b1_t2", "b1_t8", "b1_t4.final_only"], tag=f" ({best})")
+    run(["b1_t4", "b1_t1", "b1_t2", "b1_t8", "b1_t4.final_only", "b8_t4"], tag=" (best form)")
+    w = best[2]
+    if best[1] == "cuda_warp":  # its depth and batch profile with and without PDL, as sweep points
+        run([f"b{b}_t{t}.cudawarp8_w{w}{p}" for b, t in ((1, 1), (1, 2), (1, 8), (8, 4)) for p in ("", "_pdl")])
+        with open("/tmp/kv_best_warps", "w") as f:
+            f.write(str(w))
 for r in recs:
     if r["mode"] == "graph":
         e = r["extra"]
@@ -56,9 +64,9 @@ for r in recs:
 PY
 echo "bench done at $(( $(date +%s) - t0 )) s"
 if [ "${2:-}" = ncu ]; then
-  timeout 40 ncu -k regex:kda_verify_warp_kernel --launch-skip 1 --launch-count 1 --csv --print-units base \
+  timeout 40 ncu -k regex:kda_verify --launch-skip 1 --launch-count 1 --csv --print-units base \
     --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-    python3 profiles/nvidia-h200/kda_verify/ncu_target.py cuda_warp > "$OUT/ncu_cuda_warp.csv" 2>&1
+    python3 profiles/nvidia-h200/kda_verify/ncu_target.py cuda_warp "$(cat /tmp/kv_best_warps 2>/dev/null || echo 1)" > "$OUT/ncu_cuda_warp.csv" 2>&1
   python3 - "$OUT/ncu_cuda_warp.csv" <<'PY'
 import csv, sys
 vals = {}

@@ -564,7 +564,15 @@ constexpr int TSTAGES = 5;                           // ring depth
 constexpr int TEAM_THREADS = TEAMS * TEAM_WARPS * 32;
 constexpr int TVNT = DV / 8 / TEAM_WARPS;            // value n-tiles per warp (16)
 
-constexpr int team_smem_bytes() { return TSTAGES * STAGE_BYTES + TEAMS * 2 * XCH_BYTES + TSTAGES * 8 + TSTAGES * 4; }
+constexpr int team_smem_bytes() { return TSTAGES * STAGE_BYTES + TEAMS * 2 * XCH_BYTES + TEAMS * TSTAGES * 8 + TSTAGES * 4; }
+
+// Tile i lands on stage i % TSTAGES and signals the barrier of the team that reads it: one barrier per
+// (team, stage). With one barrier per stage, a team running ahead would wait for its next tile on a
+// stage whose pending phase still belongs to the other team's tile; the parity test cannot tell two
+// phases apart, so it would pass early and read the wrong tile (this happened: an H200 fault under
+// graph replay at 128K). Per team, each barrier's phases are that team's tiles in order.
+K3_DEVICE uint32_t team_bar(uint32_t full, int i) { return full + 8 * ((i & 1) * TSTAGES + i % TSTAGES); }
+K3_DEVICE uint32_t team_parity(int i) { return (uint32_t)((i / (2 * TSTAGES)) & 1); }
 
 // a barrier of `threads` threads on hardware barrier `id` (1..15; 0 is __syncthreads)
 K3_DEVICE void named_sync(int id, int threads) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory"); }
@@ -602,12 +610,13 @@ K3_DEVICE void team_fetch(const Args& a, int b, int start, int end, int i, uint3
     }
   }
   __syncwarp();
-  if (lane == 0) mbar_expect_tx(full + 8 * st, (uint32_t)(rows * ROW_BYTES));
+  if (lane == 0) mbar_expect_tx(team_bar(full, i), (uint32_t)(rows * ROW_BYTES));
   __syncwarp();
   if (lane < 8) {
     const int keep = min(4, max(0, rows - 4 * lane));
     if (keep > 0)
-      bulk_copy(stage + lane * BPITCH, a.kv + row0 + (long long)lane * 4 * D, (uint32_t)(keep * ROW_BYTES), full + 8 * st);
+      bulk_copy(stage + lane * BPITCH, a.kv + row0 + (long long)lane * 4 * D, (uint32_t)(keep * ROW_BYTES),
+                team_bar(full, i));
   }
 }
 
@@ -625,17 +634,15 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
   const uint32_t stages = smem_u32(smem);
   float4* xch = reinterpret_cast<float4*>(smem + TSTAGES * STAGE_BYTES) + team * 2 * (KGROUPS * 4 * 32);
   const uint32_t full = smem_u32(smem + TSTAGES * STAGE_BYTES + TEAMS * 2 * XCH_BYTES);
-  int* readers = reinterpret_cast<int*>(smem + TSTAGES * STAGE_BYTES + TEAMS * 2 * XCH_BYTES + TSTAGES * 8);
+  int* readers = reinterpret_cast<int*>(smem + TSTAGES * STAGE_BYTES + TEAMS * 2 * XCH_BYTES + TEAMS * TSTAGES * 8);
   const int length = __ldg(a.lengths + b);
   const int start = split * a.chunk;
   const int end = min(length, start + a.chunk);
   const int ntiles = end > start ? (end - start + BN - 1) / BN : 0;
   int base = -1, page_l = 0;  // this warp's page window
   if (tid == 0) {  // one thread: its fence makes every initialised barrier visible to the copy engine
-    for (int s = 0; s < TSTAGES; ++s) {
-      mbar_init(full + 8 * s, 1);
-      readers[s] = 0;
-    }
+    for (int s = 0; s < TEAMS * TSTAGES; ++s) mbar_init(full + 8 * s, 1);
+    for (int s = 0; s < TSTAGES; ++s) readers[s] = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -672,7 +679,7 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
   for (int j = team, it = 0; j < ntiles; j += TEAMS, ++it) {
     const int st = j % TSTAGES;
     long long c0 = PROBE ? clock64() : 0;
-    mbar_wait(full + 8 * st, (j / TSTAGES) & 1);
+    mbar_wait(team_bar(full, j), team_parity(j));
     if (PROBE) {
       wait_cycles += clock64() - c0;
       if (it == 0) t_first = now_ns();

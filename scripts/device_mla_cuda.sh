@@ -17,11 +17,12 @@
 #     $OUT/ncu_mla_cuda.txt.
 # Prints a table last. Files in $OUT: mla_cuda.json, mla_cuda_unchecked.json (if any), build.txt,
 # tests.txt, ncu_mla_cuda.txt (NCU=1).
-#   OUT=dir K3LAB_COMMIT=<hash> [NCU=1] [CASES=ctx32k,ctx128k] bash scripts/device_mla_cuda.sh
+#   OUT=dir K3LAB_COMMIT=<hash> [NCU=1] [CASES=ctx32k,ctx128k] [TIMING_ONLY=1] bash scripts/device_mla_cuda.sh
 set -uo pipefail
 export PYTHONPATH="${PYTHONPATH:-}:." PYTHONUNBUFFERED=1
 OUT="${OUT:-build/device}"; mkdir -p "$OUT"
 
+if [ "${TIMING_ONLY:-0}" != 1 ]; then  # TIMING_ONLY=1: steps 3 and 3b only
 echo "== 1. build"
 timeout 240 python3 - <<'PY' 2>&1 | tee "$OUT/build.txt"
 import re
@@ -65,6 +66,8 @@ fi
 
 echo "== 2. tests"
 timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_mla_decode_cuda.py 2>&1 | tail -40 | tee "$OUT/tests.txt"
+
+fi
 
 echo "== 3. timing"
 timeout "${TIMING_TIMEOUT:-300}" python3 - "$OUT" <<'PY'
@@ -145,8 +148,10 @@ for rcase, variant, us, floor, frac, flag in rows:
     print(f"{rcase:24s} {us:9.2f} {floor:8.2f} {frac:9.1%}  {flag}")
 PY
 
+if [ "${TIMING_ONLY:-0}" != 1 ]; then
 echo "== 3b. timeline probe"
 FORMS=split,team timeout 120 python3 scripts/device_mla_probe.py 2>&1 | tail -20
+fi
 
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null 2>&1; then
   echo "== 4. ncu"

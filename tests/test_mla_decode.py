@@ -459,3 +459,17 @@ def test_bulk_launch_configuration_from_environment(monkeypatch):
     pool16, bt16 = mla.to_paged(cache, 16)
     with pytest.raises(ValueError, match="cross a page"):
         mla.plan_after(q, pool16, lens, block_table=bt16, kernel="bulk")
+
+
+def test_after_says_which_kernel_runs_and_runs_triton_without_the_cuda_kernel():
+    ok, why = mla.cuda_after_status()
+    if not torch.cuda.is_available():
+        assert not ok and "GPU" in why  # on a CPU the Triton kernels run (interpreter), and it says so
+        q = torch.randn(1, 1, 12, mla.LATENT_DIM)
+        cache = torch.randn(1, 96, mla.LATENT_DIM)
+        plan = mla.plan_after(q, cache, torch.tensor([96]))
+        assert isinstance(plan, mla.DecodePlan) and plan.kernel == "split"
+        with pytest.raises(RuntimeError, match="cannot run here"):
+            mla.plan_after(q.bfloat16(), cache.bfloat16(), torch.tensor([96]), kernel="cuda")
+    with pytest.raises(ValueError, match="kernel"):
+        mla.plan_after(torch.randn(1, 1, 12, mla.LATENT_DIM), torch.randn(1, 96, mla.LATENT_DIM), kernel="wgmma")

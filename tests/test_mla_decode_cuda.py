@@ -269,3 +269,22 @@ def test_on_the_gpu_the_timeline_probe_is_ordered_and_changes_nothing(form):
     for bl in tl["blocks"]:
         assert 0 <= bl["start"] <= bl["first"] <= bl["loop_end"] <= bl["end"]
     assert min(m["start"] for m in tl["merge"]) >= max(bl["end"] for bl in tl["blocks"]) - 0.1  # timer grain
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU (the kernel is not yet run on one by this project)")
+@pytest.mark.parametrize("form", mc.FORMS)
+def test_on_the_gpu_many_graph_replays_of_a_long_history_stay_right(form):
+    # 32 tiles a piece, 50 back-to-back replays: the team kernel's first form read a tile early here
+    # (one barrier per stage, two teams: its parity test passed on the other team's phase)
+    if not _runs():
+        pytest.skip(f"kernel unavailable: {mc.status()[1]}")
+    q, kern, ref, lens, bt = _ragged(1, 131072, (131072,), 12, True, seed=13, nan_tail=False)
+    p = mc.plan(q, kern, lens, block_table=bt, form=form)
+    p()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        p()
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    _check(p.out, p.lse, q, ref, lens, 12)

@@ -1167,6 +1167,27 @@ def bulk_status(cache: torch.Tensor | None = None, page_size: int | None = None,
     return True, "bulk-copy kernel (whole tiles by TMA)"
 
 
+def cuda_after_status(q=None, cache=None, lengths=None, block_table=None) -> tuple[bool, str]:
+    """Whether `plan_after` runs the hand-written CUDA kernel (k3lab.ops.mla_decode_cuda) by default
+    here and, if not, why (with inputs: for these inputs). It does for one-token decodes (q_len 1,
+    <= 16 heads, bf16) on NVIDIA compute capability 9.0+ with nvcc; everywhere else the Triton
+    split kernel runs (ROCm included: the CUDA kernel has no AMD path)."""
+    from k3lab.ops import mla_decode_cuda as mc  # here: mla_decode_cuda imports this module
+
+    if os.environ.get("K3LAB_MLA_KERNEL") not in (None, "", "cuda"):
+        return False, f"K3LAB_MLA_KERNEL={os.environ['K3LAB_MLA_KERNEL']} asks for the Triton kernel"
+    ok, why = mc.status()
+    if not ok:
+        return False, why
+    if q is None:
+        return True, why
+    try:
+        mc.check(q, cache, lengths, block_table=block_table)
+    except ValueError as exc:
+        return False, f"the CUDA kernel does not take these inputs ({exc}); the Triton split kernel runs"
+    return True, why
+
+
 def _after_kernel(kernel: str | None, inp: _Inputs, block_n: int | None) -> str:
     """The after kernel for these inputs: an explicit choice (checked), K3LAB_MLA_KERNEL, else the
     split kernel; with BULK_DEFAULT (K3LAB_MLA_BULK_DEFAULT=1; off until a GPU run checks the bulk
@@ -1175,9 +1196,9 @@ def _after_kernel(kernel: str | None, inp: _Inputs, block_n: int | None) -> str:
     alone is 64 KB of shared memory and it spills for sm_90 (compiled here)."""
     if kernel is None:
         kernel = os.environ.get("K3LAB_MLA_KERNEL") or None
-    if kernel not in (None, "bulk", "split"):
-        raise ValueError(f"kernel must be 'bulk', 'split' or None (K3LAB_MLA_KERNEL likewise), got {kernel!r}")
-    if kernel == "split":
+    if kernel not in (None, "bulk", "split", "cuda"):
+        raise ValueError(f"kernel must be 'cuda', 'bulk', 'split' or None (K3LAB_MLA_KERNEL likewise), got {kernel!r}")
+    if kernel in ("split", "cuda"):
         return kernel
     bn = block_n or (min(BULK_BLOCK_N, inp.page_size) if inp.paged else BULK_BLOCK_N)
     ok, why = bulk_status(inp.kv, inp.page_size if inp.paged else None, bn)
@@ -1389,6 +1410,16 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     kw = dict(pad=pad, pad_fill=pad_fill, num_splits=num_splits, compute_units=compute_units, scale=scale,
               fast_launch=_fast_launch_wanted(fast_launch), merge_dv=merge_dv, pdl=_pdl_wanted(pdl))
     fixed = block_n is not None or num_warps is not None or num_stages is not None
+    by_default = (kernel is None and not os.environ.get("K3LAB_MLA_KERNEL") and not fixed and pad == "registers"
+                  and bulk_options is None and merge_dv == MERGE_DV and inp.q_len == 1 and H <= MMA_ROWS
+                  and _on_gpu() and cuda_after_status(q, cache, lengths, block_table)[0])
+    if by_default or kernel == "cuda" or (kernel is None and os.environ.get("K3LAB_MLA_KERNEL") == "cuda"):
+        from k3lab.ops import mla_decode_cuda as mc  # the default where it runs (cuda_after_status)
+
+        if fixed or pad != "registers" or bulk_options is not None:
+            raise ValueError("kernel='cuda' takes no block_n / num_warps / num_stages / pad='copy' / bulk_options")
+        return mc.plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits,
+                       compute_units=compute_units, pdl=True if pdl is None else pdl)
     kernel = _after_kernel(kernel, inp, block_n)
     kw["kernel"] = kernel
     if bulk_options is not None:

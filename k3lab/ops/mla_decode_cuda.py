@@ -59,8 +59,8 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Trito
 
 def team_smem_bytes() -> int:
     """Dynamic shared memory of the team kernel: its 5-stage ring, two teams' double-buffered score
-    exchanges, an mbarrier and a reader count per stage."""
-    return TEAM_STAGES * _STAGE_BYTES + 2 * 2 * _XCH_BYTES + TEAM_STAGES * (8 + 4)
+    exchanges, an mbarrier per (team, stage) and a reader count per stage."""
+    return TEAM_STAGES * _STAGE_BYTES + 2 * 2 * _XCH_BYTES + TEAM_STAGES * (2 * 8 + 4)
 
 
 def smem_bytes(stages: int = DEFAULT_STAGES) -> int:
@@ -272,9 +272,29 @@ class CudaDecodePlan:
     _max_shared: int = field(repr=False, default=0)
     _device: int = field(repr=False, default=0)
 
+    # the names a Triton `mla_decode.DecodePlan` answers to, so callers need not care which runs
+    variant = "after"
+    kernel = "cuda"
+    pad = "registers"
+    rows_per_program = MAX_HEADS
+    programs_per_unit = 1
+
     @property
     def programs(self) -> int:
         return self.num_splits * self._args.B
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.num_splits, self._args.B, 1)
+
+    @property
+    def heads(self) -> int:
+        return self._args.heads
+
+    @property
+    def config(self) -> mla.LaunchConfig:
+        team = self.form == "team"
+        return mla.LaunchConfig(BLOCK_N, 8 if team else self.warps, TEAM_STAGES if team else self.stages)
 
     @property
     def launches(self) -> int:

@@ -61,7 +61,7 @@ class Case:
     splits: int | None = None  # force the split count (the sweep)
     kind: str = "main"  # 'main', 'sweep' or 'tune'
     tune: tuple | None = None  # (variant, block_n, num_warps, num_stages)
-    kernel: str | None = None  # after kernel ('bulk' / 'split'; None = plan_after's choice): sweep points
+    kernel: str | None = None  # after kernel ('cuda' / 'bulk' / 'split'; None = plan_after's choice): sweep points
     config: tuple | None = None  # the after kernel's (block_n, num_warps, num_stages): sweep points
     options: str | None = None  # the bulk kernel's form (mla_decode.BULK_OPTIONS), e.g. "tail=64"
 
@@ -92,15 +92,19 @@ def _sweep_cases() -> list[Case]:
 
 
 def _kernel_cases() -> list[Case]:
-    """The bulk-copy after kernel (opt-in, see mla_decode.bulk_status) beside the default split kernel:
-    '<case>.bulk' at the kernel's default configuration, '<case>.bulk_bn64w4s2' at another one."""
+    """Other after kernels beside the default: '<case>.triton' (the Triton split kernel, where the
+    default is the CUDA kernel), the bulk-copy kernel (opt-in, see mla_decode.bulk_status) as
+    '<case>.bulk' at its default configuration and '<case>.bulk_bn64w4s2' at another one."""
     if not _gpu():
         return [Case("ctx320.bulk", 1, 320, kind="sweep", kernel="bulk"),
                 Case("ctx320.bulk_bn64w4s3t64", 1, 320, kind="sweep", kernel="bulk", config=(64, 4, 3),
                      options="tail=64"),
                 Case("verify4_ctx64.bulk", 1, 64, q_len=4, kind="sweep", kernel="bulk")]
     base = {c.name: c for c in _main_cases()}
-    out = [Case(f"{n}.bulk", base[n].batch, base[n].context, q_len=base[n].q_len, ragged=base[n].ragged,
+    # the Triton split kernel beside the default after (the CUDA kernel where it runs), same run
+    out = [Case(f"{n}.triton", base[n].batch, base[n].context, ragged=base[n].ragged, kind="sweep", kernel="split")
+           for n in ("ctx1k", "ctx32k", "ctx128k", "b1_8k", "b8_8k", "b64_8k", "ragged8_8k")]
+    out += [Case(f"{n}.bulk", base[n].batch, base[n].context, q_len=base[n].q_len, ragged=base[n].ragged,
                 kind="sweep", kernel="bulk")
            for n in ("ctx1k", "ctx32k", "ctx128k", "b8_8k", "b64_8k", "ragged8_8k", "verify4_32k")]
     for n, cfgs in (("ctx32k", ((64, 4, 2), (64, 8, 1))), ("ctx128k", ((64, 4, 2), (64, 8, 1))),
@@ -237,7 +241,7 @@ def _plan(key: str, case: Case, s: dict, heads: int):
 
 
 def _plan_facts(fn) -> dict:
-    return fn.facts() if isinstance(fn, mla.DecodePlan) else {}
+    return fn.facts() if callable(getattr(fn, "facts", None)) else {}  # Triton or CUDA plan; {} for the peers
 
 
 # ----------------------------------------------------------------------------------------------

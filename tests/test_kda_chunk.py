@@ -193,8 +193,8 @@ def test_plain_batch_without_initial_state():
     _check(o, S, o_ref, S_ref)
 
 
-@pytest.mark.parametrize("prologue", kc.PROLOGUES)
-def test_wide_decay_block_takes_the_exact_path(prologue):
+@pytest.mark.parametrize("prologue,options", [(p, None) for p in kc.PROLOGUES] + [("rows", {"exact": "fixup"})])
+def test_wide_decay_block_takes_the_exact_path(prologue, options):
     """A 16-token block whose decay spreads beyond SAFE_SPREAD (e^64) cannot use the factored
     e^(G_i - G_s) e^(G_s - G_j) form in fp32; the kernel switches to exact pairwise decays."""
     q, k, v, g, beta = _inputs(1, 64, 1, seed=7)
@@ -203,7 +203,7 @@ def test_wide_decay_block_takes_the_exact_path(prologue):
     assert spread > kc.SAFE_SPREAD
     S0 = torch.randn(1, 1, 128, 128, device=DEV)
     o_ref, S_ref = _ref(q, k, v, g, beta, S0)
-    o, S = kc.kda_chunk_before(q, k, v, g, beta, initial_state=S0, prologue=prologue)
+    o, S = kc.kda_chunk_before(q, k, v, g, beta, initial_state=S0, prologue=prologue, prologue_options=options)
     _check(o, S, o_ref, S_ref)
 
 
@@ -349,6 +349,7 @@ def test_bad_input_names_the_argument(mutate, match):
         ("rows", {"block_k": 64, "a_warps": 2}, 100),
         ("rows", None, 100),
         ("rows", {"inv_wu": True}, 100),  # the inverse and W / U in one launch
+        ("rows", {"exact": "fixup"}, 100),  # the exact path in a fix-up launch (none needed here)
         ("flat", None, 100),  # 64-row products, four per slice
         ("flat", {"dot3": True, "split": True, "prefetch": False, "block_k": 64}, 100),  # two programs per item
         ("flat", {"inv_wu": True, "block_k": 16}, 13),
@@ -410,6 +411,8 @@ def test_bad_options():
         kc.kda_chunk_before(q, k, v, g, beta, prologue_options={"akk_prec": "bf16"})
     with pytest.raises(ValueError, match="aqk"):
         kc.kda_chunk_before(q, k, v, g, beta, prologue="flat", prologue_options={"aqk": "fp8"})
+    with pytest.raises(ValueError, match="exact"):
+        kc.kda_chunk_before(q, k, v, g, beta, prologue_options={"exact": "never"})
     with pytest.raises(ValueError, match="inv_prec"):
         kc.kda_chunk_before(q, k, v, g, beta, prologue_options={"inv_prec": "bf16"})
     with pytest.raises(ValueError, match="rows prologue options"):

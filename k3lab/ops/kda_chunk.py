@@ -680,10 +680,12 @@ def _exp(x, FAST: tl.constexpr):
 @triton.jit
 def _fz3_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
                  K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
-                 AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, FAST: tl.constexpr):
+                 AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr = True):
     """Akk (fp32, R buffer), Aqk, Qg, W's right factor (in W's buffer), Kd^T and d of one chunk, one
     slice of BK key channels at a time (decays are per channel; only the dots sum over them), with
-    the chunk held as [4 blocks, 16 rows, BK] so that every per-block factor is a broadcast."""
+    the chunk held as [4 blocks, 16 rows, BK] so that every per-block factor is a broadcast.
+    Returns 1 if a block's decay spread exceeds SPREAD (else 0). EXACT: such blocks take the exact
+    path here; without it their diagonal blocks are left out and the caller must redo the chunk."""
     NB: tl.constexpr = C // BC
     ib = tl.arange(0, NB)
     rb = tl.arange(0, BC)
@@ -700,6 +702,7 @@ def _fz3_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_ou
     # F[I, J] = e^(P_I - E_J): I row block, J column block (broadcast shapes [NB, NB, 1, BK])
     I4 = tl.arange(0, NB)[:, None, None, None]
     J4 = tl.arange(0, NB)[None, :, None, None]
+    wide = 0
     for s in tl.static_range(K // BK):
         col3 = (s * BK + rs)[None, None, :]
         off = tok3 + col3
@@ -732,13 +735,17 @@ def _fz3_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_ou
         rt = tl.permute(right, (0, 2, 1))
         acc_k = tl.dot(k3 * e_in, rt, acc_k, input_precision=AKK_PREC)
         acc_q = tl.dot(q3 * e_in, rt, acc_q, input_precision=AQK_PREC)
-        if tl.max(spread, axis=0) > SPREAD:  # wide decay inside a block: exact pairwise decays
-            acc_k, acc_q = _fz3_exact_diag(acc_k, acc_q, k3, q3, Gw, spread, SPREAD, NB, BC, C)
+        if EXACT:
+            if tl.max(spread, axis=0) > SPREAD:  # wide decay inside a block: exact pairwise decays
+                acc_k, acc_q = _fz3_exact_diag(acc_k, acc_q, k3, q3, Gw, spread, SPREAD, NB, BC, C)
+        else:
+            wide = tl.maximum(wide, (tl.max(spread, axis=0) > SPREAD).to(tl.int32))
     rows = b3 * BC + r3
     col = rc[None, None, :]
     tile = rows * C + col
     tl.store(r_base + tile, tl.where(col < rows, acc_k * bt3, 0.0))
     tl.store(aqk_base + tile, tl.where(col <= rows, acc_q * scale, 0.0).to(aqk_base.dtype.element_ty))
+    return wide
 
 
 @triton.jit
@@ -843,6 +850,7 @@ def _fused_prologue_kernel(
     aqk_out,
     d_out,
     r_buf,
+    flags,
     H,
     scale,
     K: tl.constexpr,
@@ -858,22 +866,33 @@ def _fused_prologue_kernel(
     OUT_PREC: tl.constexpr,
     FUSE: tl.constexpr,
     FAST: tl.constexpr,
+    EXACT_MODE: tl.constexpr = 0,
 ):
     """The 'fused' prologue, one program per (chunk, head). FUSE=False stops after the A's (the
-    'rows' prologue: the split form's inverse and W / U launches follow)."""
+    'rows' prologue: the split form's inverse and W / U launches follow).
+    EXACT_MODE (rows): 0 = the exact path for wide decays compiled in; 1 = left out (a smaller kernel),
+    each item's 'needs the exact path' flag written to `flags`; 2 = the fix-up launch after it: only
+    flagged items run, with the exact path (the others read one flag and stop)."""
     c = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    tok0 = tl.load(chunk_tok + c).to(tl.int64)
-    L = tl.load(chunk_len + c)
     out = c * H + h
-    r_base = r_buf + out * C * C
-    _fz3_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_out + out * C * C,
-                 r_base, K, C, BC, A_BK, SPREAD, AKK_PREC, AQK_PREC, FAST)  # fmt: skip
-    if FUSE:
-        tl.debug_barrier()  # Akk and W's right factor are written by the whole program
-        _inverse_in_place(r_base, C, BC, INV_PREC)
-        tl.debug_barrier()
-        _wu_chunk(v, beta, tok0, L, h, H, out, w_out, u_out, r_base, K, V, C, BC, BK, OUT_PREC)
+    run = True
+    if EXACT_MODE == 2:
+        run = tl.load(flags + out) != 0
+    if run:
+        tok0 = tl.load(chunk_tok + c).to(tl.int64)
+        L = tl.load(chunk_len + c)
+        r_base = r_buf + out * C * C
+        wide = _fz3_a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out,
+                            aqk_out + out * C * C, r_base, K, C, BC, A_BK, SPREAD, AKK_PREC, AQK_PREC, FAST,
+                            EXACT_MODE != 1)  # fmt: skip
+        if EXACT_MODE == 1:
+            tl.store(flags + out, wide)
+        if FUSE:
+            tl.debug_barrier()  # Akk and W's right factor are written by the whole program
+            _inverse_in_place(r_base, C, BC, INV_PREC)
+            tl.debug_barrier()
+            _wu_chunk(v, beta, tok0, L, h, H, out, w_out, u_out, r_base, K, V, C, BC, BK, OUT_PREC)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1621,11 +1640,17 @@ class _Work:
     slots: int
     scratch: torch.Tensor | None = None  # 'persistent': one [C*K + 2*C*C] fp32 slot per program
     r: torch.Tensor | None = None  # 'split': Akk, then R in place, fp32 [n, H, C, C]
+    flags: torch.Tensor | None = None  # rows with exact='fixup': int32 [n, H], 1 = redo with the exact path
 
     def r_buffer(self) -> torch.Tensor:
         if self.r is None:
             self.r = torch.empty(*self.w.shape[:2], CHUNK, CHUNK, dtype=torch.float32, device=self.w.device)
         return self.r
+
+    def flag_buffer(self) -> torch.Tensor:
+        if self.flags is None:
+            self.flags = torch.zeros(*self.w.shape[:2], dtype=torch.int32, device=self.w.device)
+        return self.flags
 
     def scratch_slots(self) -> torch.Tensor:
         if self.scratch is None:
@@ -1674,8 +1699,8 @@ PROLOGUE_DEFAULTS = {
     "persistent": {"warps": 8},
     "split": {"block_k": 32, "a_warps": 2, "per_block": True, "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4},
     "rows": {
-        "a_warps": 4, "block_k": 32, "akk_prec": "fast", "maxnreg": None, "inv_warps": 1, "inv_prec": "ieee",
-        "inv_wu": False, "wu_block_k": 64, "wu_warps": 4,
+        "a_warps": 4, "block_k": 32, "akk_prec": "fast", "maxnreg": None, "exact": "inline", "inv_warps": 1,
+        "inv_prec": "tf32x3", "inv_wu": False, "wu_block_k": 64, "wu_warps": 4,
     },  # fmt: skip
     "fused": {"warps": 4, "block_k": 32, "akk_prec": "fast", "wu_block_k": 64, "maxnreg": None},
     "flat": {
@@ -1738,6 +1763,8 @@ def prologue_launches(
         raise ValueError(f"akk_prec must be 'near' or 'fast', got {opts['akk_prec']!r}")
     if "aqk" in opts and opts["aqk"] not in ("bf16", "tf32"):
         raise ValueError(f"aqk must be 'bf16' or 'tf32', got {opts['aqk']!r}")
+    if "exact" in opts and opts["exact"] not in ("inline", "fixup"):
+        raise ValueError(f"exact must be 'inline' or 'fixup', got {opts['exact']!r}")
     if "inv_prec" in opts and opts["inv_prec"] not in ("ieee", "tf32x3"):
         raise ValueError(f"inv_prec must be 'ieee' or 'tf32x3', got {opts['inv_prec']!r}")
     H = q.shape[2]
@@ -1754,21 +1781,31 @@ def prologue_launches(
     # a register cap (more programs per SM, some spills) only where a compiler takes it
     cap = {"maxnreg": opts["maxnreg"]} if opts.get("maxnreg") and not env.triton_interpreted() else {}
 
-    def blocks(fuse, warps):
+    def blocks(fuse, warps, mode=0, **launch):
         return lambda: _fused_prologue_kernel[(plan.n_chunks, H)](
             q, k, v, g, beta, plan.chunk_tok, plan.chunk_len, work.w, work.u, work.qg, work.kdt, work.aqk, work.d,
-            r_buf, H, float(scale), K=HEAD_DIM, V=HEAD_DIM, C=CHUNK, BC=SUB, BK=opts["wu_block_k"],
-            A_BK=opts["block_k"], SPREAD=SAFE_SPREAD, AKK_PREC=akk_prec, AQK_PREC=p["AQK_PREC"], INV_PREC=p["INV_PREC"],
-            OUT_PREC=p["OUT_PREC"], FUSE=fuse, FAST=_FAST_EXP, num_warps=warps, num_stages=1, **cap,
+            r_buf, work.flag_buffer() if mode else r_buf, H, float(scale), K=HEAD_DIM, V=HEAD_DIM, C=CHUNK, BC=SUB,
+            BK=opts["wu_block_k"], A_BK=opts["block_k"], SPREAD=SAFE_SPREAD, AKK_PREC=akk_prec, AQK_PREC=p["AQK_PREC"],
+            INV_PREC=p["INV_PREC"], OUT_PREC=p["OUT_PREC"], FUSE=fuse, FAST=_FAST_EXP, EXACT_MODE=mode,
+            num_warps=warps, num_stages=1, **launch,
         )  # fmt: skip
 
     # the inverse's products: exact fp32 FMAs, or 'tf32x3' (three tf32 passes, fp32-class; NVIDIA only)
     tf32x3_inv = opts.get("inv_prec") == "tf32x3" and q.dtype != torch.float32 and env.detect().backend == "cuda"
     inv_prec = "tf32x3" if tf32x3_inv else p["INV_PREC"]
     if prologue == "fused":
-        return {"fused": blocks(True, num_warps or opts["warps"])}
-    if prologue == "rows":
-        a = blocks(False, num_warps or opts["a_warps"])
+        return {"fused": blocks(True, num_warps or opts["warps"], **cap)}
+    fixup = None
+    if prologue == "rows" and opts["exact"] == "fixup":
+        main = blocks(False, num_warps or opts["a_warps"], 1, **cap)
+        fixup = blocks(False, num_warps or opts["a_warps"], 2)
+
+        def a():
+            main()
+            fixup()
+
+    elif prologue == "rows":
+        a = blocks(False, num_warps or opts["a_warps"], **cap)
     elif prologue == "flat":
         # bf16 operands for Aqk only with 16-bit inputs on NVIDIA (the interpreter's bf16 dots are wrong)
         aqk_bf16 = opts["aqk"] == "bf16" and q.dtype != torch.float32 and env.detect().backend == "cuda"
@@ -1972,9 +2009,10 @@ def kda_chunk_after(
     block_v: int | None = None,
     summary_block: int = 64,
     summary_warps: int | None = None,
-    scan_block: int = 32,
+    summary_stages: int | None = None,
+    scan_block: int = 16,
     scan_stages: int = 2,
-    scan_warps: int = 4,
+    scan_warps: int = 8,
     num_warps: int = 4,
     num_stages: int = 2,
     prologue_warps: int | None = None,
@@ -1983,7 +2021,12 @@ def kda_chunk_after(
 ):
     """Chunked KDA prefill by the group scan (4 launches: prologue, summaries, scan, replay), or the
     plain walk when `choose_group_size` (or the plan) says the GPU is already full. Same arguments
-    and results as `kda_chunk_before`, plus `group_size` (chunks per group; None = chosen here)."""
+    and results as `kda_chunk_before`, plus `group_size` (chunks per group; None = chosen here).
+
+    Launch options: summary_block / summary_warps / summary_stages (the summaries; warps and stages
+    default to num_warps / num_stages), scan_block / scan_warps / scan_stages (the scan), block_v /
+    num_warps / num_stages (the replay). The scan's defaults (16 columns, 8 warps) are issue 6's H200
+    measurement: 36 us against 80 for 32 columns on 4 warps, which needed 255 registers and spilled."""
     plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, group_size, "after")
     if block_v is None:  # the replay (programs per group) or, without groups, the plain walk's rule
         block_v = 64 if plan.uses_scan else choose_block_v(plan.n_seqs, H)
@@ -2014,7 +2057,9 @@ def kda_chunk_after(
         q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_options)
     )
     sums, s_in = _scan_buffers(plan, H, q.device)
-    _launch_summaries(work, plan, sums, H, q.dtype, summary_block, summary_warps or num_warps, num_stages)
+    _launch_summaries(
+        work, plan, sums, H, q.dtype, summary_block, summary_warps or num_warps, summary_stages or num_stages
+    )
     _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages, scan_warps)
     _walk(work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, block_v, num_warps, num_stages)
     return o, s_final
@@ -2097,9 +2142,10 @@ def after_launches(
     block_v: int | None = None,
     summary_block: int = 64,
     summary_warps: int | None = None,
-    scan_block: int = 32,
+    summary_stages: int | None = None,
+    scan_block: int = 16,
     scan_stages: int = 2,
-    scan_warps: int = 4,
+    scan_warps: int = 8,
     num_warps: int = 4,
     num_stages: int = 2,
     prologue_warps: int | None = None,
@@ -2127,7 +2173,7 @@ def after_launches(
         return out
     sums, s_in = _scan_buffers(plan, H, q.device)
     out["summaries"] = lambda: _launch_summaries(
-        work, plan, sums, H, q.dtype, summary_block, summary_warps or num_warps, num_stages
+        work, plan, sums, H, q.dtype, summary_block, summary_warps or num_warps, summary_stages or num_stages
     )
     out["scan"] = lambda: _launch_scan(
         plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages, scan_warps

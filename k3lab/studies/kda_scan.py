@@ -488,6 +488,40 @@ PROLOGUE_CANDIDATES = (
     ("fused", {}),
     ("split", {}),
 )
+# Issue 6 (run 5): the first call timed rows 540 us (A 386, inverse 68, W/U 73), rows with the inverse's
+# products in tf32x3 529 (inverse 49: no spills on 1 warp; now rows' default), the inverse and W / U in
+# one launch 630, 'flat' 650 (A 497), 'flat' two programs per item 639, batched 3-D 'flat' 1048. The
+# second call's candidates: with the exact path for wide decays in a fix-up launch the A kernel is
+# 6.3K instructions per thread without spills (8.5K and 80 bytes of stack with it compiled in).
+PROLOGUE_CANDIDATES_I6 = (
+    ("rows", {}),
+    ("rows", {"exact": "fixup"}),
+    ("rows", {"exact": "fixup", "block_k": 16, "maxnreg": 168}),
+    ("rows", {"exact": "fixup", "maxnreg": 168}),
+)
+# the after's walk-side launch options (kda_chunk_after keywords): calibrate times each one's summaries,
+# scan and replay and takes, launch by launch, the fastest one's options. Shared memory and registers
+# decide how many programs share an SM (sm_90a, offline): the replay at 64 columns on 2 stages needs
+# 147 KB, 1 per SM (its 264 programs at 12 heads x 16K then run in 2 waves); on 1 stage 74 KB and 246
+# registers, 2 per SM (one wave); 32 columns on 1 stage 158 registers, 3 per SM. Summaries at 64
+# columns: 250 registers, 2 per SM (480 programs, 2 waves); 32 columns on 1 stage: 140 registers and
+# 41 KB, 3 per SM.
+AFTER_CANDIDATES = (
+    {"summary_block": 64, "summary_stages": 2, "num_stages": 2, "block_v": 64},
+    {"summary_block": 32, "summary_stages": 1, "num_stages": 1, "block_v": 64},
+    {"summary_block": 64, "summary_stages": 1, "num_stages": 1, "block_v": 32},
+)
+_SUMMARY_KEYS = ("summary_block", "summary_warps", "summary_stages")
+_REPLAY_KEYS = ("block_v", "num_warps", "num_stages")
+_SCAN_KEYS = ("scan_block", "scan_warps", "scan_stages")
+
+
+def _after_label(opts: dict) -> str:
+    """'sb64s2_bv64s2': summaries' columns and stages, replay's columns and stages (+ any other keys)."""
+    short = {"summary_block": "sb", "summary_stages": "s", "block_v": "_bv", "num_stages": "s"}
+    head = "".join(f"{short[k]}{opts[k]}" for k in short if k in opts)
+    rest = {k: v for k, v in opts.items() if k not in short}
+    return head + ("_" + _label(rest) if rest else "")
 
 
 def _label(opts: dict) -> str:
@@ -511,16 +545,22 @@ def _prologue_checker(check_case: str):
 
 
 def calibrate(
-    name: str = "h12_b1_t16384", walks=(), candidates=PROLOGUE_CANDIDATES, check_case="h2_b1_t4096", summaries=()
+    name: str = "h12_b1_t16384",
+    walks=(),
+    candidates=PROLOGUE_CANDIDATES,
+    check_case="h2_b1_t4096",
+    summaries=(),
+    after_options=(),
 ):
     """Time each launch on its own to pick launch options on this device: every prologue candidate
     (kind, options) whole and, when it has several launches, launch by launch, after checking it
     end to end on `check_case` against fp64 (a candidate that fails is timed, recorded with the
     failure, and never chosen); then, if `walks` lists any, (block_v, num_warps) for the plain walk
     and for the after's summaries + replay (else `kda_chunk.choose_block_v` decides), and for each
-    (summary_block, summary_warps) in `summaries` the after's summaries launch. The fastest of each
-    goes into the tune. Returns (records named '<case>.part_*', {'tune', 'tune_after',
-    'times_us'})."""
+    (summary_block, summary_warps) in `summaries` the after's summaries launch; for each dict of
+    kda_chunk_after options in `after_options`, the summaries, scan and replay launches (the fastest
+    summaries, scan and replay each give their own options). The fastest of each goes into the tune.
+    Returns (records named '<case>.part_*', {'tune', 'tune_after', 'times_us'})."""
     checker = _prologue_checker(check_case)
     case = parse_case(name)
     inp = make_inputs(case)
@@ -610,8 +650,30 @@ def calibrate(
                 sum_t[(sb, sw)] = times[f"summaries_{tag}"]
             except Exception as exc:  # noqa: BLE001
                 print(f"calibrate summaries {tag}: {type(exc).__name__}: {str(exc)[:300]}")
+    part_t = {}  # (part, option index) -> us
+    if runner.plan_after.uses_scan:
+        for i, ao in enumerate(after_options):
+            tag = _after_label(ao)
+            try:
+                parts = kc.after_launches(
+                    q, k, v, g, beta, scale, S0, inp["cu_seqlens"], plan=runner.plan_after, work=runner.work,
+                    prologue=best_kind, prologue_options=best, **ao,
+                )  # fmt: skip
+                for part in ("prologue", "summaries", "scan", "replay"):
+                    parts[part]()
+                for part in ("summaries", "scan", "replay"):
+                    t = bench.time_fn(parts[part], **kw)
+                    rec(f"{part}_{tag}", "after", t, group_size=runner.group_size, options=ao)
+                    part_t[(part, i)] = t.median_us
+            except Exception as exc:  # noqa: BLE001
+                print(f"calibrate after options {tag}: {type(exc).__name__}: {str(exc)[:300]}")
     tune = {"prologue": best_kind, "prologue_options": best}
     tune_after = {}
+    for part, keys in (("summaries", _SUMMARY_KEYS), ("scan", _SCAN_KEYS), ("replay", _REPLAY_KEYS)):
+        got = {i: t for (p, i), t in part_t.items() if p == part}
+        if got:
+            ib = min(got, key=got.get)
+            tune_after.update({key: val for key, val in after_options[ib].items() if key in keys})
     if sum_t:
         bs_ = min(sum_t, key=sum_t.get)
         tune_after.update(summary_block=bs_[0], summary_warps=bs_[1])
@@ -770,6 +832,8 @@ def main(argv=None) -> int:
                     "of PROLOGUE_CANDIDATES)")
     ap.add_argument("--walks", default="", help="walk tiles to calibrate, e.g. '32x4,64x4' (block_v x warps)")
     ap.add_argument("--summaries", default="", help="summary tiles to calibrate, e.g. '64x4,128x8'")
+    ap.add_argument("--issue6", action="store_true", help="calibrate PROLOGUE_CANDIDATES_I6 and AFTER_CANDIDATES "
+                    "(issue 6's candidates) instead of PROLOGUE_CANDIDATES")
     ap.add_argument("--fla-first-s", type=float, default=100.0,
                     help="time fla only while this much budget is left for a head count it has not compiled")
     args = ap.parse_args(argv)
@@ -818,10 +882,12 @@ def main(argv=None) -> int:
         def cal():
             nonlocal tune, tune_after
             kinds = [x for x in args.prologues.split(",") if x]
-            cands = [c for c in PROLOGUE_CANDIDATES if not kinds or c[0] in kinds]
+            pool = PROLOGUE_CANDIDATES_I6 if args.issue6 else PROLOGUE_CANDIDATES
+            cands = [c for c in pool if not kinds or c[0] in kinds]
             walks = [tuple(int(y) for y in x.split("x")) for x in args.walks.split(",") if x]
             sums = [tuple(int(y) for y in x.split("x")) for x in args.summaries.split(",") if x]
-            recs, choice = calibrate(args.calibrate_case, walks=walks, candidates=cands, summaries=sums)
+            recs, choice = calibrate(args.calibrate_case, walks=walks, candidates=cands, summaries=sums,
+                                     after_options=AFTER_CANDIDATES if args.issue6 else ())  # fmt: skip
             tune, tune_after = choice["tune"], choice["tune_after"]
             print("calibrated:", json.dumps({k: choice[k] for k in ("tune", "tune_after")}), flush=True)
             print(

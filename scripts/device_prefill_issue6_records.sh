@@ -7,8 +7,8 @@
 #   OUT=dir K3LAB_COMMIT=<hash> bash scripts/device_prefill_issue6_records.sh
 source "$(dirname "$0")/device_env.sh"
 if [ -f .cache/tcache.tgz ]; then mkdir -p /tmp/tc && tar xzf .cache/tcache.tgz -C /tmp/tc && export TRITON_CACHE_DIR=/tmp/tc/triton; fi
-timeout "${RUN_TIMEOUT:-265}" python3 -m k3lab.studies.kda_scan --out "$OUT" --issue6 --budget-s "${BUDGET_S:-245}" \
+timeout "${RUN_TIMEOUT:-215}" python3 -m k3lab.studies.kda_scan --out "$OUT" --issue6 --budget-s "${BUDGET_S:-195}" \
   --fla-first-s 35 --phases calibrate,cases,sweep --sweep-cases h12_b1_t16384 \
-  --cases "${CASES:-h12_b1_t16384,h12_b1_t65536,h12_b8_t65536,h12_b1_t4096,h12_b8_t16384,h12_b8_t4096,h12_ragged}" \
+  --cases "${CASES:-h12_b1_t16384,h12_b1_t65536,h12_b8_t65536,h12_b8_t16384}" \
   2>&1 | tee "$OUT/run5_log.txt" | grep -v "^ *$" | tail -60
 ls "$OUT"

@@ -496,7 +496,6 @@ PROLOGUE_CANDIDATES = (
 PROLOGUE_CANDIDATES_I6 = (
     ("rows", {}),
     ("rows", {"exact": "fixup"}),
-    ("rows", {"exact": "fixup", "block_k": 16, "maxnreg": 168}),
     ("rows", {"exact": "fixup", "maxnreg": 168}),
 )
 # the after's walk-side launch options (kda_chunk_after keywords): calibrate times each one's summaries,

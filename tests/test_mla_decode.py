@@ -272,8 +272,8 @@ def test_merge_in_several_tiles_with_empty_pieces():
 
 def test_launch_config_from_environment(monkeypatch):
     # a measured decode configuration (K3LAB_MLA_AFTER_CONFIG) applies to 16-row programs only
-    monkeypatch.setenv("K3LAB_MLA_AFTER_CONFIG", "64,8,1")
-    assert mla.launch_config("after", rows=16) == mla.LaunchConfig(64, 8, 1)
+    monkeypatch.setenv("K3LAB_MLA_AFTER_CONFIG", "64,8,2")  # (64, *, 1) is refused on a GPU (round 4 fault)
+    assert mla.launch_config("after", rows=16) == mla.LaunchConfig(64, 8, 2)
     assert mla.launch_config("after", rows=64).num_warps == 8 and mla.launch_config("after", rows=64).block_n == 32
     assert mla.launch_config("after", rows=16, block_n=16).block_n == 16  # explicit arguments win
     monkeypatch.setenv("K3LAB_MLA_AFTER_CONFIG", "64x8")

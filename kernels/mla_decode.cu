@@ -1,7 +1,15 @@
 // mla_decode.cu: absorbed MLA decode, split history, hand-written for Hopper (seed section 4).
 //
-// EXPERIMENTAL: compiled for sm_90a here, NOT YET RUN ON A GPU by this project; the Triton kernels
-// in k3lab/ops/mla_decode.py stay the checked path (k3lab/ops/mla_decode_cuda.py binds this one).
+// The default `after` for one-token bf16 decodes on NVIDIA sm_90 (k3lab/ops/mla_decode_cuda.py binds
+// it; mla_decode.plan_after picks it where `cuda_after_status` allows, the Triton kernels elsewhere).
+// Checked on an H200 (tests/test_mla_decode_cuda.py on the GPU: paged and contiguous, mixed lengths,
+// NaN past the lengths, one piece, 128K with 50 graph replays). Graph replay, B = 1, 12 heads, paged
+// bf16 (profiles/nvidia-h200/mla_padding, commit 1a77c32): 7.3 us at 1K, 20.0 us at 32K (44% of
+// the copy bandwidth; Triton 21.9), 47.6 us at 128K (75%; Triton 52.3), 216 us at B = 64 x 8K (66%).
+// The timeline probe (Args.probe) found the 32K time: the first tile lands ~2.5 us after the start,
+// 8 tiles take ~10.5 us (compute-bound, ~1.3 us a tile against ~1.1 us of DRAM share), and the
+// merge ends ~3.5 us after the last piece. The team kernel below makes the tile loop memory-bound
+// (it waits for data, not instructions) but is not faster end to end: the DRAM stream is the bound.
 //
 // What it computes (q_len = 1 only: one decode token; verify groups use the Triton path). For each
 // request b and history piece p (positions [p*chunk, min((p+1)*chunk, length_b))):
@@ -544,9 +552,14 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// the team kernel: two teams of 4 warps share one ring of tiles.
+// the team kernel (form='team', opt-in): two teams of 4 warps share one ring of tiles.
 //
-// Why: the H200 timeline probe of the 4-warp split kernel (profiles/nvidia-h200/mla_padding/extra/)
+// Measured on the H200 (1a77c32): correct, and 20.9 us at 32K / 48.5 at 128K against the split
+// kernel's 19.8 / 47.5; its probe shows the tile loop waiting for data (13-15K cycles of tile waits
+// per block at 128K) where the split kernel's waited ~2K: the compute bound is gone and the stream
+// of bytes is what is left. Kept for that lesson (notebook 04), not the default.
+//
+// Why it was built: the H200 timeline probe of the 4-warp split kernel (profiles/nvidia-h200/mla_padding/extra/)
 // showed its tile loop compute-bound, not memory-bound: ~1.3 us per 32-row tile against ~1.1 us of
 // DRAM share per SM, thread 0 waiting for tiles only ~470 cycles in 8 tiles, and Nsight Compute's
 // stalls per issue led by 'wait' and the scoreboards: with one warp per SM sub-partition every

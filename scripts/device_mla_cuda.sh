@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The hand-written CUDA MLA decode (kernels/mla_decode.cu, k3lab/ops/mla_decode_cuda.py; EXPERIMENTAL)
+# The hand-written CUDA MLA decode (kernels/mla_decode.cu, k3lab/ops/mla_decode_cuda.py)
 # on an H200, in one device call:
 #  1. build it for the device (nvcc, sm_90a): registers and spills from ptxas, shared memory;
 #  1b. a smoke run (60 s limit) of each form on a small case; a failure or a hang stops the script;

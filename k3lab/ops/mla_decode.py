@@ -37,7 +37,15 @@ on the host (one device sync), so it is done once per `plan_*` call; a plan then
 checks and no host sync (CUDA-graph capturable). Contents that change after planning are not
 re-checked. A paged cache needs `lengths` (the pool does not say where a request ends).
 
-Status on GPUs. Both versions ran on an H200 and were correct in every case. The after kernel at
+Which kernel runs the after. For one-token bf16 decodes on NVIDIA sm_90 with nvcc, `plan_after`
+returns a plan of the hand-written CUDA kernel (k3lab/ops/mla_decode_cuda.py, kernels/mla_decode.cu:
+mma.sync on the 16 padded heads, bulk copies into a 5-deep ring): on the H200 20.0 / 47.6 us at
+32K / 128K against this module's Triton kernel's 21.9 / 52.3 in the same run (44% / 75% of the copy
+bandwidth, commit 1a77c32). `cuda_after_status` says whether it runs here and why not; everywhere
+else (CPU interpreter, ROCm, verification groups, fp32/fp16, pages under 32 rows) the Triton
+kernels below run. kernel='split' asks for the Triton kernel by name.
+
+Status on GPUs (the Triton kernels). Both versions ran on an H200 and were correct in every case. The after kernel at
 32K / 128K (B = 1, graph replay, share of the 4.25 TB/s copy bandwidth): 26% / 38% in the first
 version (64-row tiles, 2 stages, block table read in the loop; eaaa8f9); 38% / 67% with 3 stages of
 32 rows and the block table in registers (38cd806); 41% / 68% now (21.9 / 52.5 us against floors of
@@ -1390,9 +1398,11 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     with griddepcontrol.wait); None = on for NVIDIA compute capability 9.0+, K3LAB_MLA_PDL=0 turns it
     off. On the H200 it saved 0.1-0.4 us per decode (ctx*.r2.bn32w4s3_nopdl records).
 
-    kernel: 'bulk' (`_page_split_kernel`: whole tiles by bulk copy, Hopper TMA; see `bulk_status`),
-    'split' (`_split_kernel`: per-thread copies) or None = K3LAB_MLA_KERNEL if set, else 'split'
-    (see `_after_kernel`: the bulk kernel is opt-in, NOT YET CORRECT ON A GPU: wrong outputs on the
+    kernel: 'cuda' (k3lab.ops.mla_decode_cuda: the hand-written kernel, one-token bf16 decodes on
+    sm_90; the default there, see `cuda_after_status`; it returns that module's plan, which answers
+    to the same attribute names), 'bulk' (`_page_split_kernel`: whole tiles by bulk copy, Hopper TMA;
+    see `bulk_status`), 'split' (`_split_kernel`: per-thread copies) or None = K3LAB_MLA_KERNEL if
+    set, else 'cuda' where it runs and 'split' elsewhere (see `_after_kernel`: the bulk kernel is opt-in, NOT YET CORRECT ON A GPU: wrong outputs on the
     H200 in its first run, right in Triton's interpreter). plan.kernel says which one runs.
     bulk_options: the bulk kernel's form, e.g. "tail=64" (see BULK_OPTIONS)."""
     if pad not in ("registers", "copy"):

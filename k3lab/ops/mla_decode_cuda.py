@@ -1,8 +1,10 @@
 """Binding for kernels/mla_decode.cu, the hand-written split-history MLA decode (one job: check the
 arguments, size the pieces, pack the arguments, launch on the current stream).
 
-EXPERIMENTAL: compiled for sm_90a by this project, NOT YET RUN ON A GPU. Nothing else calls it:
-`mla_decode.mla_decode_after` (the checked path) still runs the Triton kernels.
+The default after for one-token bf16 decodes on NVIDIA sm_90 with nvcc: `mla_decode.plan_after`
+returns this module's plan there (`mla_decode.cuda_after_status` says whether it does, and why not);
+the Triton kernels run everywhere else, and for verification groups. Checked on an H200; figures
+and the probe's findings are in kernels/mla_decode.cu's header and profiles/nvidia-h200/mla_padding.
 
 Same semantics as `mla_decode.reference` for one decode token: q [B, 1, H <= 16, 576] bf16, a bf16
 latent cache that is contiguous [B, L, 576] or paged (pool [pages, page_size >= 32, 576] with an
@@ -136,7 +138,7 @@ def status() -> tuple[bool, str]:
         return False, str(exc)
     if not lib.k3_mla_decode_supported():
         return False, f"kernels/{NAME}.cu was built without its CUDA path"
-    return True, f"{why} (EXPERIMENTAL: not yet checked on a GPU by this project)"
+    return True, why
 
 
 @functools.cache
@@ -403,7 +405,7 @@ def mla_decode_cuda(q, cache, lengths=None, *, block_table=None, scale=None, num
                     stages=DEFAULT_STAGES, warps=DEFAULT_WARPS, pdl: bool = True,
                     form: str = DEFAULT_FORM) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step on the CUDA kernel: (o [B, 1, H, 512] in q's dtype, lse [B, 1, H] natural log),
-    as `mla_decode.reference` computes them. EXPERIMENTAL: not yet run on a GPU by this project."""
+    as `mla_decode.reference` computes them."""
     o, lse = plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
                   warps=warps, pdl=pdl, form=form)()
     return o.clone(), lse.clone()

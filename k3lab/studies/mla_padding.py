@@ -27,11 +27,13 @@ the measured copy bandwidth.
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 from dataclasses import dataclass
 from typing import Callable
 
+import pandas as pd
 import torch
 
 from k3lab import bench
@@ -613,3 +615,35 @@ def targets(records, device: str = "NVIDIA H200"):
             rows.append({"mode": mode, "target": name, "wanted": target, "measured": value,
                          "met": bool(ok(value)) if not math.isnan(value) else None})
     return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# the CUDA kernel's timeline probe (committed H200 runs of scripts/device_mla_probe.py)
+
+PROBE_PHASES = ("first tile", "tile loop", "write piece", "merge")
+
+
+def probe_runs(device: str = "nvidia-h200") -> dict[str, dict]:
+    """The committed timeline-probe runs (profiles/<device>/mla_padding/extra/probe_*.json), by file
+    stem; each maps '<form>.<case>' to that case's graph time, splits and last timeline."""
+    base = bench.PROFILES / device / NAME / "extra"
+    return {p.stem: json.loads(p.read_text()) for p in sorted(base.glob("probe_*.json"))}
+
+
+def probe_frames(run: dict) -> dict[str, pd.DataFrame]:
+    """One probe run as kernel-like frames for `plots.timeline`: per '<form>.<case>' one row whose
+    bars are every block's phases (waiting for its first tile, the tile loop, writing its piece)
+    and the merge blocks' spans, in us from the first block's start."""
+    out = {}
+    for key, rec in run.items():
+        tl = rec["last_timeline"]
+        rows = []
+        for b in tl["blocks"]:
+            first = b["start"] if b["first"] is None else b["first"]
+            rows += [(PROBE_PHASES[0], b["start"], first - b["start"]), (PROBE_PHASES[1], first, b["loop_end"] - first),
+                     (PROBE_PHASES[2], b["loop_end"], b["end"] - b["loop_end"])]
+        rows += [(PROBE_PHASES[3], m["start"], m["end"] - m["start"]) for m in tl["merge"]]
+        label = key if "." in key else f"split.{key}"  # the first run's keys had no form
+        out[f"{label} ({rec['graph_us']:.1f} us)"] = pd.DataFrame(
+            [{"name": n, "category": n, "start_us": t, "dur_us": d} for n, t, d in rows])
+    return out

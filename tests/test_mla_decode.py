@@ -473,3 +473,19 @@ def test_after_says_which_kernel_runs_and_runs_triton_without_the_cuda_kernel():
             mla.plan_after(q.bfloat16(), cache.bfloat16(), torch.tensor([96]), kernel="cuda")
     with pytest.raises(ValueError, match="kernel"):
         mla.plan_after(torch.randn(1, 1, 12, mla.LATENT_DIM), torch.randn(1, 96, mla.LATENT_DIM), kernel="wgmma")
+
+
+def test_committed_probe_runs_read_as_timelines():
+    # the H200 timeline-probe runs the notebook draws: every block's phases in order, the merge after
+    from k3lab.studies import mla_padding as study
+
+    runs = study.probe_runs()
+    assert {"probe_split_3d0e2f8", "probe_team_1a77c32"} <= set(runs)
+    for run in runs.values():
+        frames = study.probe_frames(run)
+        assert frames
+        for label, df in frames.items():
+            assert set(df["category"]) == set(study.PROBE_PHASES), label
+            assert (df["dur_us"] >= -0.05).all(), label  # the global timer's grain
+            loop_end = df.loc[df["category"] == "write piece", "start_us"].max()
+            assert df.loc[df["category"] == "merge", "start_us"].min() >= loop_end - 0.05, label

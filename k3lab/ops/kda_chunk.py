@@ -11,7 +11,8 @@ R = (I + Akk)^-1 in fp32, and from it W = R diag(beta) (K e^G), U = R diag(beta)
 Qg = scale Q e^G, Kd^T = (K e^(G_last - G))^T and d = e^(G_last) (the
 `k3lab.ops.kda_scan_math.ChunkQuantities`, written to memory in the inputs' dtype). The default
 'rows' prologue takes three launches (the A's, the inverse, W/U: `prologue_launches`); 'fused' does
-the same work in one, run 2's 'split' and run 1's 'persistent' are kept for comparison. Below,
+the same work in one, 'flat' computes the A's by 64-row products, run 2's 'split' and run 1's
+'persistent' are kept for comparison. Below,
 "launch 1" means the prologue however many launches it takes.
 
 * before (`kda_chunk_before`, prologue + 1 launch): the walk. One program per (sequence, head, value tile)
@@ -51,13 +52,16 @@ block), at most e^(16 max|g|): within fp32 for K3's gate (g in (-5, 0), architec
 whose spread is wider than SAFE_SPREAD takes an exact column-by-column path instead (slower, same
 result), so no input overflows.
 
-Measured (H200, bf16, fla-core 0.6.0 in the same run; profiles/nvidia-h200/kda_scan, run 3): every
+Measured (H200, bf16, fla-core 0.6.0 in the same run; profiles/nvidia-h200/kda_scan): every
 variant matches the fp64 reference as closely as fla does (rel. L2 4.4e-3 on o, 3.7e-3 on the
-state). At 12 heads x 16K tokens the 'rows' prologue takes 544 us (its A launch 387), against 778
-for run 2's 'split' (A launch 632), 712 for 'fused' and 1493 for run 1's 'persistent'; the after
-takes 918 us, the before 1030 us, fla's chunk_kda 998 us (1.09x: the 2x target is missed). The
-before fits 0.21 us per chunk and head plus 1.55 us per chunk step on the critical path, within
-5%; where the GPU is full k3lab now beats fla (12 heads x 8 x 16K: 5461 against 5808 us).
+state). Run 3: at 12 heads x 16K tokens the 'rows' prologue took 544 us (its A launch 387), against
+778 for run 2's 'split' (A launch 632), 712 for 'fused' and 1493 for run 1's 'persistent'. Run 5
+(issue 6): with the inverse's products in tf32x3 (49 us instead of 68: no register spills) and the
+scan on 16 columns x 8 warps (36 us instead of 80) the after takes 844 us, the before 1001, fla's
+chunk_kda 1055 in the same run: 1.25x, short of issue 6's 2x. 'flat' (64-row products) and 'inv_wu'
+(inverse and W / U in one launch) measured slower (prologue 650 and 630 us against 529). The before
+fits 0.21 us per chunk and head plus 1.55 us per chunk step on the critical path (run 3), within
+5%; where the GPU is full k3lab beats fla (12 heads x 8 x 16K: 5461 against 5808 us, run 3).
 
 ROCm: the kernels are plain Triton and read unit counts from the device; they have not yet been run
 on AMD hardware by this project.
@@ -1686,7 +1690,17 @@ DEFAULT_PROLOGUE = "rows"  # H200, 12 heads x 16K tokens (run 3): rows 544 us, f
 #     akk_prec, Akk's dot: 'fast' = one tf32 pass (fp32 accumulation; Akk stays fp32 for the fp32
 #     inverse), 'near' = tf32x3 (fp32 inputs are always exact); maxnreg, an optional register cap
 #     (more programs per SM, some spills); wu_block_k, W / U's column slice.
-#   rows: the fused kernel's A phase alone (a_warps), then the split form's inverse and W / U launches.
+#   rows: the fused kernel's A phase alone (a_warps), then the split form's inverse and W / U launches;
+#     exact: 'inline' (the exact path for wide decays compiled into the A kernel) or 'fixup' (left
+#     out of it: 6.3K instructions per thread and no spills instead of 8.5K and 80 bytes, and a second
+#     launch redoes the flagged items with it; not yet run on the H200); inv_prec: the inverse's
+#     off-diagonal products, 'tf32x3' (three tf32 passes, fp32-class; on 1 warp without spills: 49 us
+#     against 68 for 'ieee', same errors, issue 6 run 5) or 'ieee'; inv_wu: the inverse and W / U in
+#     one launch (630 us whole against 540: the inverse then runs at W / U's 4 warps).
+#   flat: the A's as four [64 x BK] @ [BK x 64] products per key slice (row block I's left operand
+#     keeps only its rows; wgmma-shaped), aqk='bf16' operands for Aqk (fp32 accumulation), the next
+#     slice's loads issued first (prefetch), dot3 = batched 16-row products instead, split = two
+#     programs per item (Akk / Aqk); measured slower than rows on the H200 (A 472-1007 us against 386).
 # Why one tf32 pass is enough for Akk: its operands are factors <= 1 (e^spread on the diagonal),
 # rounded to 10 mantissa bits. Emulated in fp64 (8-16 chunks), it moves o and the state by 5e-5
 # (rel. L2) on K3-like gates (condition <= 2) and by at most 1.7e-4 on nearly parallel keys (condition

@@ -1745,7 +1745,8 @@ def kda_chunk_prologue(
     launches; on the H200 0.18 us of GPU time per chunk and head, 0.13 of them in its A launch
     (profiles/nvidia-h200/kda_scan, run 3). 'fused': the same three stages in one program (0.23 us:
     the inverse runs at the A phase's register pressure). 'split' (run 2's): three launches, its A
-    launch one program per 16-row block: 0.25 us.
+    launch one program per 16-row block: 0.25 us. 'flat': the A's as 64-row products (0.21 us,
+    issue 6 run 5).
     'persistent' (run 1's): one launch on a persistent grid whose programs keep G, Akk and R in an
     L2-resident scratch slot; its whole [64, 128] tiles take 255 registers and spill: 0.49 us per
     chunk and head. `options` overrides PROLOGUE_DEFAULTS[prologue]; `num_warps` the first launch's

@@ -5,8 +5,10 @@
 //   o = S^T q = p + (q . k) delta          (d = exp g per key row, q pre-scaled),
 // and writes the fp32 state after every position (for rollback) or only the last one.
 //
-// Measured on the H200 (B = 1, T = 4, 12 heads, graph replay): 4.09 us for FORM 0 with 8 columns x
-// 4 warps against 4.16 us for the Triton step form in the same run; so it is opt-in, not the default.
+// Measured on the H200 (B = 1, T = 4, 12 heads, graph replay, one run, commit c53e93d): FORM 2 on
+// 4 warps launched as a programmatic dependent 3.19 us (without PDL 3.96), FORM 0 4.20 (3.38 with
+// PDL), the Triton step form 4.20, the original 32-column kernel 10.39, fla's fused_recurrent_kda
+// 6.69. FORM 2 with PDL is k3lab.ops.kda_verify's default 'after' on CUDA devices.
 //
 // Why a CUDA kernel next to the Triton one (k3lab/ops/kda_verify.py): at B = 1 the kernel is a chain
 // of dependent steps run by a few hundred programs, so what counts is the instruction stream of one
@@ -24,6 +26,7 @@
 //     from shared memory after a barrier, so no arithmetic can be scheduled before the last load
 //     (a first version staged the inputs through shared memory with cp.async instead: 7.57 us at
 //     B = 1, T = 4 on the H200, against 4.09 us for this form; removed after it faulted there);
+//   * FORM 2 ('warp', further below): lane pairs own 4 columns of 8 / W key rows; see its comment;
 //   * FORM 0 ('step'): one reduction round per position (u, p and q.k together);
 //     FORM 1 ('chunk'): the T positions as one small chunk: every reduction over K happens in one
 //     round, a_t = S0^T (c_t k_t), b_t = S0^T (c_t q_t) with c_t the cumulative decay, and the
@@ -488,7 +491,7 @@ template <int KW, int TM, bool IN16, bool G16>
 __global__ void __launch_bounds__(KW * 32) kda_verify_warp_kernel(const Args a) {
   constexpr float LOG2E = 1.4426950408889634f;
   constexpr int RR = 8 / KW;  // key rows per thread
-  static_assert(KW == 1 || KW == 2 || KW == 4, "1, 2 or 4 warps per tile");
+  static_assert(KW == 1 || KW == 2 || KW == 4, "1, 2 or 4 warps per tile (K3_KV_CONFIGS builds 1 and 4)");
   __shared__ uint32_t zero_word;
   __shared__ float red[KW > 1 ? 2 : 1][KW][32];  // per-position partial sums, double-buffered
   __shared__ float qk_red[KW][TM];                // each warp's part of q_t . k_t
@@ -728,13 +731,15 @@ __global__ void __launch_bounds__(KW * 32) kda_verify_warp_kernel(const Args a) 
 // 8 / W key rows each; W warps share the tile's key rows).
 // Only configurations that compile without register spills at every T (ptxas, sm_90a): 8 x 2 spilled
 // at T >= 5, 4 x 4 at T = 4 and the chunk form on 4 groups at T = 8, so they are not built.
+// The warp form is built on 1 warp per tile (one wave, no exchange) and 4 (the default); 2 compiled
+// without spills too but measured between them (H200, B = 1, T = 4, PDL: 3.87 / 3.76 / 3.19 us for
+// 1 / 2 / 4 warps), so it is no longer built.
 #define K3_KV_CONFIGS(X) \
   X(8, 4, 0)             \
   X(8, 8, 0)             \
   X(4, 2, 0)             \
   X(8, 8, 1)             \
   X(8, 1, 2)             \
-  X(8, 2, 2)             \
   X(8, 4, 2)
 
 K3_EXPORT int k3_kda_verify_args_size() { return (int)sizeof(k3kv::Args); }

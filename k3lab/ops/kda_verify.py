@@ -17,14 +17,17 @@ Two kernels compute the same thing:
      at B = 1 on 12 heads instead of 48;
   2. single-wave workgroups: a 128 x 4 fp32 tile is 16 values per lane of one wave, so the reduction
      over K is lane shuffles only, no shared memory and no barrier (`choose_num_warps` reads the wave
-     width from the device);
+     width from the device). The Triton forms keep this; the CUDA default on the H200 ('cuda_warp',
+     below) measured faster with 4 warps sharing a tile's key rows and one shared-memory exchange per
+     position (3.19 us) than with one warp per tile (3.87), both launched with PDL;
   3. uniform-length specialisation: T is a compile-time constant and the loops unroll; ragged
      batches (cu_seqlens or per-sequence lengths) keep a dynamic path (masked positions);
   4. hoisted token-invariant work: every position's inputs are loaded before the recurrence (one
      round trip instead of T), exp(g), d*k, d*q, q.k and beta*v are computed up front, and the output
      o_t = S^T (d q) + (q.k) delta needs two reductions of the old state that run side by side.
 
-The narrow kernel comes in three forms (`form`): 'step' (the default) walks the positions one after
+The narrow kernel comes in three Triton forms (`form`): 'step' (the Triton default, used on CPU and
+ROCm and wherever the CUDA kernel below cannot run) walks the positions one after
 another as above (T reductions of the state in series); 'chunk' (`_verify_chunk_kernel`) treats the
 T positions as one small chunk of the chunked algorithm: every state-dependent reduction happens in
 one round, the T x T algebra between positions (a unit-triangular inverse) is done while the state
@@ -47,7 +50,7 @@ instructions with 16 barriers, 'tile' 1,867 with 8, 'vk' 1,883 with 4 (T = 8: 3,
 with 32 / 16 / 8). Fewer shared-memory round trips on the recurrence's path, a tenth more
 instructions. The H200 run of those sweep points (commit 7ebd1a1, B = 1, T = 4, graph replay,
 records b1_t4.tile*/vk*) kept 'step' ahead: step 4.19 us, tile8_w1 5.40, tile8_w2 4.85,
-tile4_w1 6.54, vk8_w1 4.79, vk8_w2 4.35, vk4_w1 4.56; so 'step' with 'kv' stays the default.
+tile4_w1 6.54, vk8_w1 4.79, vk8_w2 4.35, vk4_w1 4.56; so 'step' with 'kv' stays the Triton default.
 
 A hand-written CUDA kernel (kernels/kda_verify.cu, forms 'cuda' and 'cuda_chunk'; binding
 in k3lab.ops.kda_verify_cuda) chooses the lane mapping Triton will not: a 128 x 8 tile over 4 warps,
@@ -66,10 +69,32 @@ loaded word through a zero read from shared memory after a barrier that follows 
 consumer is scheduled among the loads. On the H200 (third session of 2026-11-30, graph replay, one
 run; GPU tests of both forms passed): 'cuda' 8 columns x 4 warps 4.09 us against 4.16 us for the
 Triton step form (2 warps 4.76, 4-column tiles 5.91 / 6.15, 'cuda_chunk' on 4 warps 5.15; T = 1 / 8: 2.78 /
-6.65 us). 2% is within run-to-run noise and the CUDA form needs nvcc at run time, so the Triton step
-form stays the default (CUDA_DEFAULT; K3LAB_KDA_VERIFY_FORM names the default form for one run).
-The cp.async version faulted on the H200 in that session's tests and was removed. Records of it:
-profiles/nvidia-h200/kda_verify/extra/cuda_v1_cp_async.json.
+6.65 us); 2% is within run-to-run noise. The cp.async version faulted on the H200 in that session's
+tests and was removed. Records of it: profiles/nvidia-h200/kda_verify/extra/cuda_v1_cp_async.json.
+
+The third CUDA form, 'cuda_warp' (kernels/kda_verify.cu FORM 2), is the default 'after' on CUDA
+devices where the .cu builds (CUDA_DEFAULT, CUDA_FORM). A lane pair owns 4 columns of RR = 8 / W key
+rows each (W = 1, 2 or 4 warps share an 8-column tile's key rows), so a thread's state rows load and
+store as 16-byte vectors (the pair fills a 32-byte sector), its q/k/g rows are one vector load, and
+the per-row work (decay, d k, d q) is done by 2 lanes instead of 8. Per position the 8 partial sums
+(u and p of 4 columns) are reduced by recursive halving (8 shuffles instead of 32), and with W > 1 one
+shared-memory exchange joins the warps. And it is launched as a programmatic dependent of the
+stream's previous kernel (PDL, k3lab.ops.kda_verify_cuda): its blocks are placed while that kernel
+finishes and wait (griddepcontrol.wait) for its completion before their first memory access, so the
+results are the same and the launch latency is hidden. On the H200 (fourth session of 2026-11-30,
+commit c53e93d, B = 1, T = 4, 12 heads, graph replay, one run; its 65 GPU tests passed): W = 4 with
+PDL 3.19 us against 10.39 before (3.26x) and 6.69 for fla (2.10x); without PDL 3.96 (W = 1 / 2:
+4.45 / 4.50, with PDL 3.87 / 3.76); the 4-warp 'cuda' form 4.20 (3.38 with PDL) and the Triton step
+form 4.20 in the same run. PDL is worth ~0.7-0.8 us per call whatever the form; W = 4 (768 warps at
+B = 1, two per SM sub-partition on the busiest SMs) beats 1 and 2 even though its per-thread work is
+the smallest share of it: ~620 SASS instructions per thread after the loads at T = 4 against ~800 (W = 2)
+and ~1,190 (W = 1). Depths (after = W 4 + PDL): T = 1 / 2 / 8: 2.44 / 2.73 / 5.31 us (before 3.60 /
+5.80 / 17.77, fla 3.94 / 4.75 / 10.76); at B = 8 it is 13.95 us against fla's 9.81 (the Triton step
+form measured 13.39 in an earlier run), so beyond B = 1 the narrow kernels are not yet the answer.
+K3LAB_KDA_VERIFY_FORM, K3LAB_KDA_VERIFY_WARPS and K3LAB_KDA_VERIFY_PDL name the form, its warps and
+PDL for one run. Where the .cu cannot run (CPU: Triton's interpreter; ROCm: not yet run on AMD
+hardware by this project; no nvcc; inputs it does not take, e.g. V != 128 or misaligned buffers) the
+Triton step form runs instead, and `kda_verify_cuda.status()` says why.
 
 When batch x heads already gives every compute unit enough programs, `choose_tile_v` returns a wide
 tile and `kda_verify` runs the streaming kernel with it: there is no idle hardware for narrow tiles
@@ -100,16 +125,16 @@ BEFORE_TILE_V = 32
 # state-dependent reduction round, `_verify_chunk_kernel`), 'step' (position after position,
 # `_verify_narrow_kernel`) or 'tile' (the step form with its inputs loaded in the tile's shape).
 NARROW_FORMS = ("chunk", "step", "tile", "cuda", "cuda_chunk", "cuda_warp")
-NARROW_FORM = "step"  # the Triton form: measured faster than 'chunk' and 'tile' on the H200 (docstring)
-# The hand-written kernel (kernels/kda_verify.cu via k3lab.ops.kda_verify_cuda): step and chunk forms
-# with plain loads behind a gate. Opt-in: on the H200 the step form was within 2% of the Triton step
-# form (module docstring).
+NARROW_FORM = "step"  # the Triton form (CPU, ROCm, fallback): faster than 'chunk' and 'tile' on the H200
+# The hand-written kernel (kernels/kda_verify.cu via k3lab.ops.kda_verify_cuda): step ('cuda'), chunk
+# and warp forms. The warp form (launched as a programmatic dependent) is the default on CUDA devices
+# where the .cu builds: 3.19 us against 4.20 for the Triton step form on the H200 (module docstring).
 CUDA_FORMS = ("cuda", "cuda_chunk", "cuda_warp")
-CUDA_FORM = "cuda"
-CUDA_DEFAULT = False  # True: `default_form` picks CUDA_FORM on CUDA devices where the .cu builds
+CUDA_FORM = "cuda_warp"
+CUDA_DEFAULT = True  # True: `default_form` picks CUDA_FORM on CUDA devices where the .cu builds
 FORM_ENV = "K3LAB_KDA_VERIFY_FORM"  # names the default form for one run (e.g. a device measurement)
 WARPS_ENV = "K3LAB_KDA_VERIFY_WARPS"  # names the CUDA forms' 32-lane groups per block for one run
-CUDA_WARP_WARPS = 1  # the warp form's warps per 8-column tile (1, 2 or 4 share its key rows)
+CUDA_WARP_WARPS = 4  # the warp form's warps per 8-column tile (1 or 4 are built; module docstring)
 STATE_LAYOUTS = ("kv", "vk")  # the recurrent state per head: [K, V] (fla's) or [V, K]
 BEFORE_THREADS = 128
 CHUNK_PER_LANE = 64  # values per lane of the chunk form's [T, K, tile] products (measured, below)  # the original kernel's workgroup size, in threads

@@ -17,8 +17,11 @@ streaming kernel with the narrowest tiles, still 128 threads), `.narrow_1wave` (
 full narrow kernel (= 'after'), and `.ragged` (the narrow kernel through its dynamic cu_seqlens
 path); and a sweep of tile width x waves for both kernels (`b{B}_t4.narrow{W}_w{N}`,
 `b{B}_t4.stream{W}_w{N}`), the other Triton forms (`chunk`, `tile`, `vk`) and, where kernels/kda_verify.cu
-builds, the CUDA kernel's forms (`cuda{W}_w{N}`, `cudachunk{W}_w{N}`: N is 32-lane
-groups per block). 'after' is `kda_verify`'s default form (`kv.default_form`). Graph timings replay one graph of >= 10 calls cycling through enough input
+builds, the CUDA kernel's forms (`cuda{W}_w{N}`, `cudachunk{W}_w{N}`, `cudawarp{W}_w{N}`: N is 32-lane
+groups per block; a `_pdl` suffix launches it as a programmatic dependent, none as a plain launch).
+'after' is `kda_verify`'s default form (`kv.default_form`: on a CUDA GPU where kernels/kda_verify.cu
+builds, 'cuda_warp' on 4 warps with PDL; elsewhere the Triton step form), recorded in extra
+(form, num_warps, pdl). Graph timings replay one graph of >= 10 calls cycling through enough input
 sets to exceed twice the L2 (inputs and states are not cache-hot). Floors: state read + state
 writes + inputs and outputs over the copy bandwidth, and one launch (graph or eager launch cost).
 """
@@ -62,11 +65,11 @@ VK_SWEEP = (["b1_t4.vk8_w1", "b1_t4.vk8_w2", "b1_t4.vk4_w1", "b1_t1.vk8_w1", "b1
 CUDA_SWEEP = (["b1_t4.cuda8_w4", "b1_t4.cuda8_w8", "b1_t4.cuda4_w2", "b1_t4.cudachunk8_w8", "b1_t1.cuda8_w4",
                "b1_t1.cudachunk8_w8", "b1_t2.cuda8_w4", "b1_t2.cudachunk8_w8", "b1_t8.cuda8_w4", "b1_t8.cudachunk8_w8",
                "b8_t4.cuda8_w4", "b8_t4.cudachunk8_w8", "b32_t4.cuda8_w4"]
-              # the warp form (lane pairs own 4 columns of 8 / W key rows; W = 1, 2, 4 warps per
+              # the warp form (lane pairs own 4 columns of 8 / W key rows; W = 1 or 4 warps per
               # 8-column tile), plain and as a programmatic dependent launch ('_pdl': it waits for the
               # stream's previous kernel before touching memory, its launch overlapping that kernel's end)
               + [f"b{b}_t{t}.cudawarp8_w{w}{p}" for b, t in ((1, 4), (1, 1), (1, 2), (1, 8), (8, 4), (32, 4))
-                 for w in (1, 2, 4) for p in ("", "_pdl")]
+                 for w in (1, 4) for p in ("", "_pdl")]
               + ["b1_t4.cuda8_w4_pdl"])
 MIN_GRAPH_CALLS = 10
 GATE_LOWER_BOUND = K3Config.full().kda_gate_lower_bound  # -5: g = -5 sigmoid(.)
@@ -250,8 +253,8 @@ def _parse(case: str, H: int) -> dict:
         form = {"chunk": "chunk", "tile": "tile", "cuda": "cuda", "cudachunk": "cuda_chunk",
                 "cudawarp": "cuda_warp"}.get(m[1], "step")
         v = dict(kind=kind, tile_v=int(m[2]), num_warps=int(m[3]), form=form)
-        if m[4]:
-            v["pdl"] = True
+        if m[1].startswith("cuda"):  # named: with '_pdl' a programmatic dependent launch, else a plain one
+            v["pdl"] = bool(m[4])
         if m[1] == "vk":
             v["state_layout"] = "vk"
         spec["variants"] = [("after", v)]

@@ -474,23 +474,28 @@ def form_table(records) -> "pandas.DataFrame":  # noqa: F821
 
 
 def ablation_table(records, batch: int = 1, positions: int = 4) -> "pandas.DataFrame":  # noqa: F821
-    """before -> narrow tiles -> + one wave -> + uniform length and hoisting (after), graph replay,
-    and the ragged (dynamic) path of the after kernel, with fla beside."""
+    """before -> narrow tiles -> + one wave -> + uniform length and hoisting (the Triton step form) ->
+    the hand-written warp form -> + programmatic dependent launch (the recorded 'after'), graph replay,
+    then the ragged (dynamic) path and fla. Each row names the kernel it timed and whether its launch
+    was a programmatic dependent; rows whose record is missing are left out."""
     import pandas as pd
 
     base = f"b{batch}_t{positions}"
     steps = [("before (32 columns, 128 threads, per-token loads)", base, "before"),
              ("narrow tiles", f"{base}.narrow_only", "after"),
              ("+ one wave per program", f"{base}.narrow_1wave", "after"),
-             ("+ compile-time length, hoisted loads and work (after)", base, "after"),
-             ("after, ragged (cu_seqlens) path", f"{base}.ragged", "after"),
+             ("+ compile-time length, hoisted loads and work (Triton step form)", f"{base}.narrow8_w1", "after"),
+             ("hand-written CUDA warp form (lane pairs, 4 warps per tile)", f"{base}.cudawarp8_w4", "after"),
+             ("after: kda_verify's default (+ programmatic dependent launch on the H200)", base, "after"),
+             ("ragged (cu_seqlens) path", f"{base}.ragged", "after"),
              ("fla fused_recurrent_kda (final state only)", base, "fla")]
     got = {(r.case, r.variant): r for r in records if r.mode == "graph"}
     rows = []
     for label, case, variant in steps:
         r = got.get((case, variant))
         if r is not None:
-            rows.append({"step": label, "median_us": r.median_us, "tile_v": r.extra.get("tile_v"),
+            rows.append({"step": label, "median_us": r.median_us, "kernel": r.extra.get("kernel"),
+                         "pdl": bool(r.extra.get("pdl")), "tile_v": r.extra.get("tile_v"),
                          "num_warps": r.extra.get("num_warps"), "workgroups": r.extra.get("workgroups")})
     df = pd.DataFrame(rows)
     if not df.empty:

@@ -414,19 +414,25 @@ __global__ void __launch_bounds__(W * 32) kda_verify_kernel(const Args a) {
 
 
 // ---------------------------------------------------------------------------------------------
-// FORM 2 ('warp'): each warp owns 8 whole value columns (all 128 key rows), so a reduction over K
-// never leaves the warp: no shared memory and no barrier on the chain, and the blocks are single
-// warps (B = 1, 12 heads: 192 of them, at most one per SM sub-partition on 132 SMs).
-//   lane = 2 rg + half: key group rg = 0..15 holds rows 8 rg .. 8 rg + 7, half picks columns
-//   4 half .. 4 half + 3 of the warp's 8. Each thread keeps an 8 x 4 block of the state: its state
-//   rows load and store as 16-byte vectors (a lane pair writes one whole 32-byte sector per row),
-//   and its q, k, g rows are one 16-byte (bf16) or 32-byte (fp32) load shared by the pair, so the
-//   per-row work (decays, d k, d q) is done by two lanes, not by every column's lane.
+// FORM 2 ('warp'): a block of W warps (W = 1 or 4 built) owns one 8-column tile; warp w holds key
+// rows w 128 / W .. (w + 1) 128 / W - 1, so with W = 1 a reduction over K never leaves the warp (no
+// shared memory, no barrier on the chain) and with W = 4 it takes one shared-memory exchange per
+// position after the in-warp part.
+//   lane = 2 rg + half: key group rg = 0..15 holds RR = 8 / W consecutive rows of the warp's share,
+//   half picks columns 4 half .. 4 half + 3 of the tile's 8. Each thread keeps an RR x 4 block of the
+//   state: its state rows load and store as 16-byte vectors (a lane pair writes one whole 32-byte
+//   sector per row), and its q, k, g rows are one vector load shared by the pair, so the per-row work
+//   (decays, d k, d q) is done by two lanes, not by every column's lane.
 // Per position the 8 partial sums (u and p for 4 columns) are reduced over the 16 key groups by
 // recursive halving: at each of 4 lane-exchange levels a lane keeps half of its values and sends
-// the other half, so 8 shuffles (not 32) leave every lane with one finished sum: u or p of one
-// column (lane bit 4: u / p, bits 3..2: the column). The u lanes form delta = beta (v - u), four
-// shuffles hand every lane the deltas of its 4 columns, and the p lanes write o.
+// the other half, so 8 shuffles (not 32) leave every lane with one sum: u or p of one column (lane
+// bit 4: u / p, bits 3..2: the column); with W > 1 the warps' sums are then added in one fixed order
+// through shared memory (double-buffered: one barrier per position), so every warp holds the same
+// value. The u lanes form delta = beta (v - u), four shuffles hand every lane the deltas of its 4
+// columns, and warp 0's p lanes write o = scale (p + (q . k) delta), q . k reduced before the chain.
+// On the H200 (B = 1, T = 4, graph replay, with PDL): W = 4 3.19 us, W = 2 3.76, W = 1 3.87. W = 4 has
+// the least per-thread work (~620 SASS instructions after the loads at T = 4, ~1,190 at W = 1) and
+// 768 warps for 528 SM sub-partitions.
 // Every word loaded passes the same gate as above before its first use; the conversions fold the
 // gate's zero in (bf16 halves: one LEA / LOP3 each; fp32 gates: the exp's multiply becomes an FMA).
 // RR contiguous elements of 2 (IS16) or 4 bytes as raw 32-bit words: one or two vector loads.

@@ -85,10 +85,10 @@ results are the same and the launch latency is hidden. On the H200 (fourth sessi
 commit c53e93d, B = 1, T = 4, 12 heads, graph replay, one run; its 65 GPU tests passed): W = 4 with
 PDL 3.19 us against 10.39 before (3.26x) and 6.69 for fla (2.10x); without PDL 3.96 (W = 1 / 2:
 4.45 / 4.50, with PDL 3.87 / 3.76); the 4-warp 'cuda' form 4.20 (3.38 with PDL) and the Triton step
-form 4.20 in the same run. PDL is worth ~0.7-0.8 us per call whatever the form; W = 4 (768 warps at
-B = 1, two per SM sub-partition on the busiest SMs) beats 1 and 2 even though its per-thread work is
-the smallest share of it: ~620 SASS instructions per thread after the loads at T = 4 against ~800 (W = 2)
-and ~1,190 (W = 1). Depths (after = W 4 + PDL): T = 1 / 2 / 8: 2.44 / 2.73 / 5.31 us (before 3.60 /
+form 4.20 in the same run. PDL was worth 0.58-0.82 us per call in every form and depth. W = 4 (768
+warps at B = 1, up to two per SM sub-partition) beats 1 and 2: the least work per thread (~620 SASS
+instructions after the loads at T = 4, against ~800 for W = 2 and ~1,190 for W = 1) outweighs its
+shared-memory exchange per position. Depths (after = W 4 + PDL): T = 1 / 2 / 8: 2.44 / 2.73 / 5.31 us (before 3.60 /
 5.80 / 17.77, fla 3.94 / 4.75 / 10.76); at B = 8 it is 13.95 us against fla's 9.81 (the Triton step
 form measured 13.39 in an earlier run), so beyond B = 1 the narrow kernels are not yet the answer.
 K3LAB_KDA_VERIFY_FORM, K3LAB_KDA_VERIFY_WARPS and K3LAB_KDA_VERIFY_PDL name the form, its warps and

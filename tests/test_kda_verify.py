@@ -549,3 +549,15 @@ def test_cuda_warp_form_refuses_or_falls_back_on_a_misaligned_states_buffer(monk
         kv.kda_verify(**x, form="cuda_warp", states_out=buf)
     ref_o, ref_s = kv.reference_verify(**x)
     _check_gpu(*kv.kda_verify(**x, tile_v=8, states_out=buf), ref_o, ref_s)  # the default: the Triton step form
+
+
+@needs_cuda_kernel
+def test_cuda_warp_form_is_the_default_where_it_builds(monkeypatch):
+    for name in (kv.FORM_ENV, kv.WARPS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    x = _gpu_inputs(1, 4, 12, torch.bfloat16, seed=15)
+    assert kv.default_form(8) == kv.CUDA_FORM == "cuda_warp"
+    assert kv.choose_form(*(x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")), 8, 4) == "cuda_warp"
+    assert kv.cuda_warps("cuda_warp") == kv.CUDA_WARP_WARPS
+    ref_o, ref_s = kv.reference_verify(**x)
+    _check_gpu(*kv.kda_verify(**x), ref_o, ref_s)

@@ -1997,6 +1997,7 @@ def kda_chunk_before(
     plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, None, "before")
     block_v = block_v or choose_block_v(plan.n_seqs, H)
     _check_block_v(block_v)
+    _check_walk_stages(q, num_stages, None)
     o, s_final = _outputs(q, plan, H)
     if plan.n_chunks:
         work = kda_chunk_prologue(
@@ -2006,6 +2007,18 @@ def kda_chunk_before(
         work = work or _alloc_work(0, H, q.dtype, q.device)
     _walk(work, plan, o, s_final, initial_state, plan.seq_index, H, q.dtype, block_v, num_warps, num_stages)
     return o, s_final
+
+
+def _check_walk_stages(q, num_stages, summary_stages):
+    """One-stage summaries or replay (num_stages / summary_stages = 1) hit an illegal memory access
+    on the H200 (issue 6's second call, calibration candidates sb32s1_bv64s1 and sb64s1_bv32s1,
+    profiles/nvidia-h200/kda_scan/run5_call2_log.txt): refused by name on CUDA devices until that is
+    understood. The interpreter and other backends run them (the CPU tests check them there)."""
+    if q.is_cuda and not _WHILE and not getattr(torch.version, "hip", None):
+        for name, st in (("num_stages", num_stages), ("summary_stages", summary_stages)):
+            if st == 1:
+                raise ValueError(f"{name}=1 is refused on NVIDIA GPUs: the one-stage walk kernels faulted on the "
+                                 "H200 (illegal memory access, issue 6 run 5); use 2")
 
 
 def kda_chunk_after(
@@ -2048,6 +2061,7 @@ def kda_chunk_after(
     _check_block_v(block_v)
     _check_block_v(summary_block, "summary_block")
     _check_block_v(scan_block, "scan_block")
+    _check_walk_stages(q, num_stages, summary_stages)
     if not plan.uses_scan:
         return kda_chunk_before(
             q,

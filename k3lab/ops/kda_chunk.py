@@ -1709,11 +1709,14 @@ DEFAULT_PROLOGUE = "rows"  # H200, 12 heads x 16K tokens (run 3): rows 544 us, f
 # more of it.
 # (tests/test_kda_chunk.py::test_tf32_akk_operands_cost_little repeats the emulation.) On the H200
 # tf32x3 made the fused prologue 1237 us against 712.
+# rows' exact path for wide decays in a fix-up launch ('fixup') is the default since issue 6's third
+# H200 call: prologue 406 us against 524 with it inline (A 277 against 381), errors unchanged
+# (profiles/nvidia-h200/kda_scan/run5_call3_log.txt).
 PROLOGUE_DEFAULTS = {
     "persistent": {"warps": 8},
     "split": {"block_k": 32, "a_warps": 2, "per_block": True, "inv_warps": 1, "wu_block_k": 64, "wu_warps": 4},
     "rows": {
-        "a_warps": 4, "block_k": 32, "akk_prec": "fast", "maxnreg": None, "exact": "inline", "inv_warps": 1,
+        "a_warps": 4, "block_k": 32, "akk_prec": "fast", "maxnreg": None, "exact": "fixup", "inv_warps": 1,
         "inv_prec": "tf32x3", "inv_wu": False, "wu_block_k": 64, "wu_warps": 4,
     },  # fmt: skip
     "fused": {"warps": 4, "block_k": 32, "akk_prec": "fast", "wu_block_k": 64, "maxnreg": None},

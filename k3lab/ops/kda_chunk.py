@@ -59,9 +59,12 @@ state). Run 3: at 12 heads x 16K tokens the 'rows' prologue took 544 us (its A l
 (issue 6): with the inverse's products in tf32x3 (49 us instead of 68: no register spills) and the
 scan on 16 columns x 8 warps (36 us instead of 80) the after takes 844 us, the before 1001, fla's
 chunk_kda 1055 in the same run: 1.25x, short of issue 6's 2x. 'flat' (64-row products) and 'inv_wu'
-(inverse and W / U in one launch) measured slower (prologue 650 and 630 us against 529). The before
-fits 0.21 us per chunk and head plus 1.55 us per chunk step on the critical path (run 3), within
-5%; where the GPU is full k3lab beats fla (12 heads x 8 x 16K: 5461 against 5808 us, run 3).
+(inverse and W / U in one launch) measured slower (prologue 650 and 630 us against 529). With the
+rows prologue's exact path for wide decays moved to a fix-up launch (now the default: A 277 us
+against 381, the prologue 406 against 524) the after takes 723 us, the before 884 and fla 992 in
+one run (1.37x; 64K: 2611 / 3419 / 3847, 1.47x). With 8 sequences the GPU is full: the after walks
+plainly, level with the before, and both beat fla by 1.36x (16K) and 1.37x (64K). The before
+fits 0.21 us per chunk and head plus 1.55 us per chunk step on the critical path (run 3), within 5%.
 
 ROCm: the kernels are plain Triton and read unit counts from the device; they have not yet been run
 on AMD hardware by this project.

@@ -102,6 +102,37 @@ K3_DEVICE void k3_prefetch_l2(const void* p, unsigned bytes) {
 #endif
 }
 
+// Programmatic dependent launch (Hopper and later). A kernel launched by k3_launch_pdl may start
+// while the previous kernel in the stream is finishing; k3_pdl_enter, before its first memory
+// access, waits until that kernel has completed and its writes are visible, then lets the next
+// kernel start the same way. Without the launch attribute both instructions return at once.
+K3_DEVICE void k3_pdl_enter() {
+#if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+#if defined(K3_CUDA)
+// `kernel(args)` on `stream` with the programmatic-stream-serialization attribute (CUDA-graph
+// capture keeps it); returns the launch's error code.
+template <typename A>
+static cudaError_t k3_launch_pdl(void (*kernel)(A), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                 const A& args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, args);
+}
+#endif
+
 // Thread-block cluster barrier in two halves (Hopper and later), so a block can arrive, keep
 // working, and wait only where it needs its peers: arrive.relaxed orders nothing (a "started"
 // signal); arrive (release) publishes this thread's earlier writes, including those into a peer's

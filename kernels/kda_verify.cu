@@ -205,6 +205,26 @@ K3_DEVICE void reduce_columns(float (&x)[NV], float* buf, int warp, int lane) {
 __host__ __device__ constexpr int step_values() { return 3; }
 __host__ __device__ constexpr int chunk_values(int tm) { return 2 * tm + tm * tm; }
 
+// Request b's first token and its live positions (<= TM): packed sequences (mode 1: cu_seqlens),
+// per-request lengths (mode 2) or a uniform batch (mode 0), with 32- or 64-bit integers.
+template <int TM>
+K3_DEVICE void seq_span(const Args& a, int b, long long& bos, int& L) {
+  if (a.mode == 1) {
+    const long long s0 = a.seq64 ? static_cast<const long long*>(a.seq_info)[b]
+                                 : static_cast<const int*>(a.seq_info)[b];
+    const long long s1 = a.seq64 ? static_cast<const long long*>(a.seq_info)[b + 1]
+                                 : static_cast<const int*>(a.seq_info)[b + 1];
+    bos = s0;
+    L = (int)(s1 - s0);
+  } else {
+    bos = (long long)b * TM;
+    L = a.mode == 2 ? (int)(a.seq64 ? static_cast<const long long*>(a.seq_info)[b]
+                                    : static_cast<const int*>(a.seq_info)[b])
+                    : TM;
+  }
+  L = L < TM ? L : TM;
+}
+
 template <int BV, int W, int TM, int FORM>
 struct Smem {
   static constexpr int NV = FORM == 0 ? step_values() : chunk_values(TM);
@@ -230,29 +250,11 @@ __global__ void __launch_bounds__(W * 32) kda_verify_kernel(const Args a) {
   const bool in16 = a.in_bf16 != 0;
   const bool writer = lane < BV && warp == 0;  // one thread per column writes o
   const int tile = k0 * HV + c;                // this thread's first state value in a [128, V] slab
-#if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  if (a.pdl) {  // a programmatic dependent launch: as in the warp form below
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  }
-#endif
+  if (a.pdl) k3_pdl_enter();
 
   long long bos;
   int L;
-  if (a.mode == 1) {
-    const long long s0 = a.seq64 ? static_cast<const long long*>(a.seq_info)[b]
-                                 : static_cast<const int*>(a.seq_info)[b];
-    const long long s1 = a.seq64 ? static_cast<const long long*>(a.seq_info)[b + 1]
-                                 : static_cast<const int*>(a.seq_info)[b + 1];
-    bos = s0;
-    L = (int)(s1 - s0);
-  } else {
-    bos = (long long)b * TM;
-    L = a.mode == 2 ? (int)(a.seq64 ? static_cast<const long long*>(a.seq_info)[b]
-                                    : static_cast<const int*>(a.seq_info)[b])
-                    : TM;
-  }
-  L = L < TM ? L : TM;
+  seq_span<TM>(a, b, bos, L);
 
   // ---- every load first: the state slice, then each live position's inputs
   float S[R];
@@ -512,33 +514,11 @@ __global__ void __launch_bounds__(KW * 32) kda_verify_warp_kernel(const Args a) 
   const int H = a.H;
   const long long bh = (long long)b * H + h;
   const bool b16 = a.beta_bf16 != 0;
-#if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  // Programmatic dependent launch (a.pdl): this grid may be started while the previous kernel in
-  // the stream is finishing; it waits here, before its first memory access, until that kernel has
-  // completed and its writes are visible, and at once lets the next kernel start the same way.
-  // Without the launch attribute both instructions return at once.
-  if (a.pdl) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  }
-#endif
+  if (a.pdl) k3_pdl_enter();
 
   long long bos;
   int L;
-  if (a.mode == 1) {
-    const long long s0 = a.seq64 ? static_cast<const long long*>(a.seq_info)[b]
-                                 : static_cast<const int*>(a.seq_info)[b];
-    const long long s1 = a.seq64 ? static_cast<const long long*>(a.seq_info)[b + 1]
-                                 : static_cast<const int*>(a.seq_info)[b + 1];
-    bos = s0;
-    L = (int)(s1 - s0);
-  } else {
-    bos = (long long)b * TM;
-    L = a.mode == 2 ? (int)(a.seq64 ? static_cast<const long long*>(a.seq_info)[b]
-                                    : static_cast<const int*>(a.seq_info)[b])
-                    : TM;
-  }
-  L = L < TM ? L : TM;
+  seq_span<TM>(a, b, bos, L);
 
   // ---- every load first: the RR x 4 state block, then each live position's rows. Addresses are one
   // 64-bit base per tensor plus a per-position step, so the loads wait on little integer work.
@@ -771,17 +751,7 @@ static void k3_launch_args(void (*kernel)(k3kv::Args), const dim3 grid, const di
                            const k3kv::Args& a) {
 #if defined(K3_CUDA)
   if (a.pdl) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    cudaLaunchKernelEx(&cfg, kernel, a);
+    k3_launch_pdl(kernel, grid, block, 0, stream, a);
     return;
   }
 #endif

@@ -326,6 +326,125 @@ K3_DEVICE void store_piece(const Args& a, const float (&acc)[VNT][4], float m0, 
   }
 }
 
+// Softmax and value product of one tile whose four score partials are in `xj` and whose rows start
+// at position `tile_pos` (the request's rows end at `end`); `vs`: this lane's ldmatrix address in the
+// tile's stage for the value product. Updates the running max (m0, m1: rows g, g + 8), this thread's
+// share of the sums (l0, l1) and the accumulator of this warp's VNT x 8 value columns.
+template <int VNT>
+K3_DEVICE void softmax_value(const Args& a, const float4* xj, int tile_pos, int end, uint32_t vs, float (&s)[4][4],
+                             float (&acc)[VNT][4], float& m0, float& m1, float& l0, float& l1, int lane, int t4) {
+  // full scores: the four partials summed in one fixed order (from shared memory, this warp's own
+  // too), so every warp holds bit-identical scores, hence the same max, p and sum
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const float4 v0 = xj[nt * 32 + lane];
+    s[nt][0] = v0.x;
+    s[nt][1] = v0.y;
+    s[nt][2] = v0.z;
+    s[nt][3] = v0.w;
+  }
+#pragma unroll
+  for (int w = 1; w < KGROUPS; ++w) {
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const float4 v = xj[(w * 4 + nt) * 32 + lane];
+      s[nt][0] += v.x;
+      s[nt][1] += v.y;
+      s[nt][2] += v.z;
+      s[nt][3] += v.w;
+    }
+  }
+  // online softmax in base 2, rows g (s[.][0..1]) and g + 8 (s[.][2..3])
+  const int pos0 = tile_pos + 8 * t4;  // element (nt, e): position pos0 + 4 (e & 1) + nt
+  const bool partial = tile_pos + BN > end;
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float v = s[nt][e] * a.scale_log2;
+      if (partial && pos0 + 4 * (e & 1) + nt >= end) v = -INFINITY;
+      s[nt][e] = v;
+    }
+    mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+    mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+  }
+  mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 1));
+  mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 2));
+  mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 1));
+  mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 2));
+  const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+  const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
+  const float al0 = fast_exp2(m0 - u0), al1 = fast_exp2(m1 - u1);
+  m0 = n0;
+  m1 = n1;
+  uint32_t pf[2][4];  // p as the value product's A fragments (k-steps of 16 positions)
+  float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const float p0 = fast_exp2(s[nt][0] - u0), p1 = fast_exp2(s[nt][1] - u0);
+    const float p2 = fast_exp2(s[nt][2] - u1), p3 = fast_exp2(s[nt][3] - u1);
+    ps0 += p0 + p1;
+    ps1 += p2 + p3;
+    pf[nt >> 1][(nt & 1) * 2 + 0] = pack_bf16(p0, p1);
+    pf[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
+  }
+  l0 = l0 * al0 + ps0;
+  l1 = l1 * al1 + ps1;
+  if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the max moved: rescale (warp-uniform skip)
+#pragma unroll
+    for (int i = 0; i < VNT; ++i) {
+      acc[i][0] *= al0;
+      acc[i][1] *= al0;
+      acc[i][2] *= al1;
+      acc[i][3] *= al1;
+    }
+  }
+  // o += p V over this warp's 128 columns
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+#pragma unroll
+    for (int np = 0; np < VNT / 2; ++np) {
+      uint32_t b0, b1, b2, b3;
+      ldsm_x4_t(vs + ks * 2 * ROW_BYTES + np * 32, b0, b1, b2, b3);
+      mma(acc[2 * np], pf[ks], b0, b1);
+      mma(acc[2 * np + 1], pf[ks], b2, b3);
+    }
+  }
+}
+
+// This warp's query slice (columns 144 kg .. 144 kg + 143) as mma A fragments, kept for the whole
+// piece. Rows past the real heads are zero (the padding: computed, never stored).
+K3_DEVICE void load_query(const Args& a, int b, int kg, int g, int t4, uint32_t (&qf)[KSTEPS][4]) {
+  const int h0 = g, h1 = g + 8;
+  const uint32_t* q0 = reinterpret_cast<const uint32_t*>(a.q + (long long)b * a.q_sb + (long long)h0 * a.q_sh);
+  const uint32_t* q1 = reinterpret_cast<const uint32_t*>(a.q + (long long)b * a.q_sb + (long long)h1 * a.q_sh);
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    const int c = (kg * KSTEPS + kk) * 16 + 2 * t4;  // element column of a0/a1
+    qf[kk][0] = h0 < a.heads ? __ldg(q0 + c / 2) : 0u;
+    qf[kk][1] = h1 < a.heads ? __ldg(q1 + c / 2) : 0u;
+    qf[kk][2] = h0 < a.heads ? __ldg(q0 + c / 2 + 4) : 0u;
+    qf[kk][3] = h1 < a.heads ? __ldg(q1 + c / 2 + 4) : 0u;
+  }
+}
+
+// The timeline probe's 8 words for block (b, split) (Args.probe), by thread 0.
+K3_DEVICE void write_probe(const Args& a, int b, int split, unsigned long long t_start, unsigned long long t_first,
+                           unsigned long long t_loop, int ntiles, long long wait_cycles, long long sync_cycles) {
+  unsigned int sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  unsigned long long* p = a.probe + ((long long)b * a.splits + split) * 8;
+  p[0] = t_start;
+  p[1] = t_first;
+  p[2] = t_loop;
+  p[3] = now_ns();
+  p[4] = sm;
+  p[5] = (unsigned long long)ntiles;
+  p[6] = (unsigned long long)wait_cycles;
+  p[7] = (unsigned long long)sync_cycles;
+}
+
 // NW warps: 4 (one per SM sub-partition) or 8 (two, so one can issue while the other waits).
 // Score product: warp w takes column group kg = w % 4 and, with 8 warps, half ph = w / 4 of the 32
 // positions; value product: warp w takes 512 / NW value columns.
@@ -372,22 +491,8 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
     if (i < ntiles) issue_tile<BPW>(a, Tile{first_rows[i], tile_rows(start + i * BN, end)}, stages + i * STAGE_BYTES,
                                bars + 8 * i, warp, lane);
 
-  // This warp's query slice (columns 144w..144w+143) as mma A fragments, kept for the whole piece.
-  // Rows past the real heads are zero (the padding: computed, never stored).
   uint32_t qf[KSTEPS][4];
-  {
-    const int h0 = g, h1 = g + 8;
-    const uint32_t* q0 = reinterpret_cast<const uint32_t*>(a.q + (long long)b * a.q_sb + (long long)h0 * a.q_sh);
-    const uint32_t* q1 = reinterpret_cast<const uint32_t*>(a.q + (long long)b * a.q_sb + (long long)h1 * a.q_sh);
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) {
-      const int c = (kg * KSTEPS + kk) * 16 + 2 * t4;  // element column of a0/a1
-      qf[kk][0] = h0 < a.heads ? __ldg(q0 + c / 2) : 0u;
-      qf[kk][1] = h1 < a.heads ? __ldg(q1 + c / 2) : 0u;
-      qf[kk][2] = h0 < a.heads ? __ldg(q0 + c / 2 + 4) : 0u;
-      qf[kk][3] = h1 < a.heads ? __ldg(q1 + c / 2 + 4) : 0u;
-    }
-  }
+  load_query(a, b, kg, g, t4, qf);
 
   // Position order inside a tile: score n-tile nt (0..3), row i (0..7) is position 4i + nt (row nt of
   // block i), so the 8 rows of every ldmatrix lie in 8 different blocks, hence bank groups. The
@@ -420,88 +525,6 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
   }
 
   // Softmax and value product of tile j (its scores published, its stage landed).
-  auto softmax_value = [&](const int j) {
-    // full scores of tile j: the four partials summed in one fixed order (from shared memory, this
-    // warp's own too), so every warp holds bit-identical scores, hence the same max, p and sum
-    const float4* xj = xch + (j & 1) * (KGROUPS * 4 * 32);
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const float4 v0 = xj[nt * 32 + lane];
-      s[nt][0] = v0.x;
-      s[nt][1] = v0.y;
-      s[nt][2] = v0.z;
-      s[nt][3] = v0.w;
-    }
-#pragma unroll
-    for (int w = 1; w < KGROUPS; ++w) {
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const float4 v = xj[(w * 4 + nt) * 32 + lane];
-        s[nt][0] += v.x;
-        s[nt][1] += v.y;
-        s[nt][2] += v.z;
-        s[nt][3] += v.w;
-      }
-    }
-    // online softmax in base 2, rows g (s[.][0..1]) and g + 8 (s[.][2..3])
-    const int pos0 = start + j * BN + 8 * t4;  // element (nt, e): position pos0 + 4 (e & 1) + nt
-    const bool partial = start + (j + 1) * BN > end;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[nt][e] * a.scale_log2;
-        if (partial && pos0 + 4 * (e & 1) + nt >= end) v = -INFINITY;
-        s[nt][e] = v;
-      }
-      mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
-    }
-    mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 1));
-    mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 2));
-    mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 1));
-    mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 2));
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
-    const float al0 = fast_exp2(m0 - u0), al1 = fast_exp2(m1 - u1);
-    m0 = n0;
-    m1 = n1;
-    uint32_t pf[2][4];  // p as the value product's A fragments (k-steps of 16 positions)
-    float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const float p0 = fast_exp2(s[nt][0] - u0), p1 = fast_exp2(s[nt][1] - u0);
-      const float p2 = fast_exp2(s[nt][2] - u1), p3 = fast_exp2(s[nt][3] - u1);
-      ps0 += p0 + p1;
-      ps1 += p2 + p3;
-      pf[nt >> 1][(nt & 1) * 2 + 0] = pack_bf16(p0, p1);
-      pf[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
-    }
-    l0 = l0 * al0 + ps0;
-    l1 = l1 * al1 + ps1;
-    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the max moved: rescale (warp-uniform skip)
-#pragma unroll
-      for (int i = 0; i < VNT; ++i) {
-        acc[i][0] *= al0;
-        acc[i][1] *= al0;
-        acc[i][2] *= al1;
-        acc[i][3] *= al1;
-      }
-    }
-    // o += p V over this warp's 128 columns
-    const uint32_t vs = stages + (j % STAGES) * STAGE_BYTES + v_lane;
-#pragma unroll
-    for (int ks = 0; ks < 2; ++ks) {
-#pragma unroll
-      for (int np = 0; np < VNT / 2; ++np) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(vs + ks * 2 * ROW_BYTES + np * 32, b0, b1, b2, b3);
-        mma(acc[2 * np], pf[ks], b0, b1);
-        mma(acc[2 * np + 1], pf[ks], b2, b3);
-      }
-    }
-  };
 
   // Every tile but the last: one barrier, refill the freed stage, then tile j's softmax and value
   // product and tile j + 1's scores in one straight run (no branch between them, so the compiler
@@ -519,7 +542,8 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
     if (PROBE) c0 = clock64();
     mbar_wait(bars + 8 * ((j + 1) % STAGES), ((j + 1) / STAGES) & 1);
     if (PROBE) wait_cycles += clock64() - c0;
-    softmax_value(j);
+    softmax_value<VNT>(a, xch + (j & 1) * (KGROUPS * 4 * 32), start + j * BN, end,
+                       stages + (j % STAGES) * STAGE_BYTES + v_lane, s, acc, m0, m1, l0, l1, lane, t4);
     score_tile<SNT>(s, qf, stages + ((j + 1) % STAGES) * STAGE_BYTES + k_lane);
     publish_scores<SNT>(s, xch + ((j + 1) & 1) * (KGROUPS * 4 * 32), kg, ph, lane);
     // announce tile nxt + 1's bytes on its stage's mbarrier (tile j's phase there completed, and
@@ -530,24 +554,14 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
   }
   if (ntiles > 0) {  // the last tile: nothing left to fetch or score
     __syncthreads();
-    softmax_value(ntiles - 1);
+    const int j = ntiles - 1;
+    softmax_value<VNT>(a, xch + (j & 1) * (KGROUPS * 4 * 32), start + j * BN, end,
+                       stages + (j % STAGES) * STAGE_BYTES + v_lane, s, acc, m0, m1, l0, l1, lane, t4);
   }
 
   const unsigned long long t_loop = PROBE ? now_ns() : 0ull;
   store_piece<VNT>(a, acc, m0, m1, l0, l1, b, split, warp, g, t4);
-  if (PROBE && tid == 0) {
-    unsigned int sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    unsigned long long* p = a.probe + ((long long)b * a.splits + split) * 8;
-    p[0] = t_start;
-    p[1] = t_first;
-    p[2] = t_loop;
-    p[3] = now_ns();
-    p[4] = sm;
-    p[5] = (unsigned long long)ntiles;
-    p[6] = (unsigned long long)wait_cycles;
-    p[7] = (unsigned long long)sync_cycles;
-  }
+  if (PROBE && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, sync_cycles);
 #endif  // K3_MLA_SM90
 }
 
@@ -666,19 +680,7 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
     for (int i = 0; i < TSTAGES && i < ntiles; ++i) team_fetch(a, b, start, end, i, stages, full, base, page_l, lane);
 
   uint32_t qf[KSTEPS][4];
-  {
-    const int h0 = g, h1 = g + 8;
-    const uint32_t* q0 = reinterpret_cast<const uint32_t*>(a.q + (long long)b * a.q_sb + (long long)h0 * a.q_sh);
-    const uint32_t* q1 = reinterpret_cast<const uint32_t*>(a.q + (long long)b * a.q_sb + (long long)h1 * a.q_sh);
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) {
-      const int c = (kg * KSTEPS + kk) * 16 + 2 * t4;
-      qf[kk][0] = h0 < a.heads ? __ldg(q0 + c / 2) : 0u;
-      qf[kk][1] = h1 < a.heads ? __ldg(q1 + c / 2) : 0u;
-      qf[kk][2] = h0 < a.heads ? __ldg(q0 + c / 2 + 4) : 0u;
-      qf[kk][3] = h1 < a.heads ? __ldg(q1 + c / 2 + 4) : 0u;
-    }
-  }
+  load_query(a, b, kg, g, t4, qf);
   const int mi = lane >> 3, r8 = lane & 7;
   const uint32_t k_lane = (uint32_t)(r8 * BPITCH + (mi >> 1) * ROW_BYTES + (kg * 2 * KSTEPS + (mi & 1)) * 16);
   const uint32_t v_lane = (uint32_t)(r8 * BPITCH + (mi & 1) * ROW_BYTES + (kg * TVNT + (mi >> 1)) * 16);
@@ -699,86 +701,12 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
     }
     const uint32_t stage = stages + st * STAGE_BYTES;
     score_tile<4>(s, qf, stage + k_lane);
-    const float4* xj = xch + (it & 1) * (KGROUPS * 4 * 32);
-    publish_scores<4>(s, const_cast<float4*>(xj), kg, 0, lane);
+    float4* xj = xch + (it & 1) * (KGROUPS * 4 * 32);
+    publish_scores<4>(s, xj, kg, 0, lane);
     if (PROBE) c0 = clock64();
     named_sync(1 + team, TEAM_WARPS * 32);  // the team's four score partials of tile j are published
     if (PROBE) sync_cycles += clock64() - c0;
-    // full scores: the four partials summed in one fixed order, so the team's warps agree bit for bit
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const float4 v0 = xj[nt * 32 + lane];
-      s[nt][0] = v0.x;
-      s[nt][1] = v0.y;
-      s[nt][2] = v0.z;
-      s[nt][3] = v0.w;
-    }
-#pragma unroll
-    for (int w = 1; w < KGROUPS; ++w) {
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const float4 v = xj[(w * 4 + nt) * 32 + lane];
-        s[nt][0] += v.x;
-        s[nt][1] += v.y;
-        s[nt][2] += v.z;
-        s[nt][3] += v.w;
-      }
-    }
-    const int pos0 = start + j * BN + 8 * t4;
-    const bool partial = start + (j + 1) * BN > end;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[nt][e] * a.scale_log2;
-        if (partial && pos0 + 4 * (e & 1) + nt >= end) v = -INFINITY;
-        s[nt][e] = v;
-      }
-      mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
-    }
-    mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 1));
-    mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 2));
-    mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 1));
-    mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 2));
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
-    const float al0 = fast_exp2(m0 - u0), al1 = fast_exp2(m1 - u1);
-    m0 = n0;
-    m1 = n1;
-    uint32_t pf[2][4];
-    float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const float p0 = fast_exp2(s[nt][0] - u0), p1 = fast_exp2(s[nt][1] - u0);
-      const float p2 = fast_exp2(s[nt][2] - u1), p3 = fast_exp2(s[nt][3] - u1);
-      ps0 += p0 + p1;
-      ps1 += p2 + p3;
-      pf[nt >> 1][(nt & 1) * 2 + 0] = pack_bf16(p0, p1);
-      pf[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
-    }
-    l0 = l0 * al0 + ps0;
-    l1 = l1 * al1 + ps1;
-    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {
-#pragma unroll
-      for (int i = 0; i < TVNT; ++i) {
-        acc[i][0] *= al0;
-        acc[i][1] *= al0;
-        acc[i][2] *= al1;
-        acc[i][3] *= al1;
-      }
-    }
-#pragma unroll
-    for (int ks = 0; ks < 2; ++ks) {
-#pragma unroll
-      for (int np = 0; np < TVNT / 2; ++np) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(stage + v_lane + ks * 2 * ROW_BYTES + np * 32, b0, b1, b2, b3);
-        mma(acc[2 * np], pf[ks], b0, b1);
-        mma(acc[2 * np + 1], pf[ks], b2, b3);
-      }
-    }
+    softmax_value<TVNT>(a, xj, start + j * BN, end, stage + v_lane, s, acc, m0, m1, l0, l1, lane, t4);
     // done with the stage: the team's last warp to get here refills it with the tile TSTAGES ahead
     if (j + TSTAGES < ntiles) {
       __syncwarp();
@@ -825,19 +753,7 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
     m1 = n1;
   }
   store_piece<TVNT>(a, acc, m0, m1, l0, l1, b, split, kg, g, t4);
-  if (PROBE && tid == 0) {
-    unsigned int sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    unsigned long long* p = a.probe + ((long long)b * a.splits + split) * 8;
-    p[0] = t_start;
-    p[1] = t_first;
-    p[2] = t_loop;
-    p[3] = now_ns();
-    p[4] = sm;
-    p[5] = (unsigned long long)ntiles;
-    p[6] = (unsigned long long)wait_cycles;
-    p[7] = (unsigned long long)sync_cycles;
-  }
+  if (PROBE && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, sync_cycles);
 #endif  // K3_MLA_SM90
 }
 
@@ -990,19 +906,7 @@ K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int warps, int 
   }
   if (rc != 0 || a.splits == 1) return rc;
   dim3 grid(a.B * a.heads, k3mla::DV / k3mla::MERGE_COLS);
-  if (pdl) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(k3mla::MERGE_THREADS);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return (int)cudaLaunchKernelEx(&cfg, k3mla::merge_kernel, a);
-  }
+  if (pdl) return (int)k3_launch_pdl(k3mla::merge_kernel, grid, dim3(k3mla::MERGE_THREADS), 0, st, a);
   k3mla::merge_kernel<<<grid, k3mla::MERGE_THREADS, 0, st>>>(a);
   return (int)cudaGetLastError();
 }

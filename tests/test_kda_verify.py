@@ -12,6 +12,7 @@ from k3lab import bench
 from k3lab.ops import kda_verify as kv
 
 K = kv.HEAD_DIM
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the tests' tensors live where the kernels run
 
 
 def make(B, T, H, V=32, seed=0, N=None):
@@ -28,7 +29,7 @@ def make(B, T, H, V=32, seed=0, N=None):
         "beta": torch.sigmoid(rn(B, T, H)),
         "initial_state": 0.5 * rn(N or B, H, K, V),
     }
-    return x
+    return {name: t.to(DEV) for name, t in x.items()}
 
 
 def check(o, states, ref_o, ref_states):
@@ -76,7 +77,7 @@ def test_final_state_only_is_the_last_position(fn):
 @pytest.mark.parametrize("tile_v", [4, 32])
 def test_ragged_cu_seqlens(tile_v):
     lens = [3, 1, 0, 4]
-    cu = torch.tensor([0, 3, 4, 4, 8], dtype=torch.int32)
+    cu = torch.tensor([0, 3, 4, 4, 8], dtype=torch.int32, device=DEV)
     x = make(1, sum(lens), 2, V=16 if tile_v < 16 else 32, N=len(lens))
     ref_o, ref_s = kv.reference_verify(**x, cu_seqlens=cu)
     for fn in (kv.kda_verify, kv.kda_verify_before):
@@ -93,9 +94,9 @@ def test_ragged_cu_seqlens(tile_v):
                                 functools.partial(kv.kda_verify, form="tile"), kv.kda_verify_before])
 def test_ragged_lengths_leave_padding_untouched(fn):
     x = make(3, 4, 1, V=16)
-    lengths = torch.tensor([4, 1, 2])
+    lengths = torch.tensor([4, 1, 2], device=DEV)
     ref_o, ref_s = kv.reference_verify(**x, lengths=lengths)
-    buf = torch.full((3, 4, 1, K, 16), float("nan"))
+    buf = torch.full((3, 4, 1, K, 16), float("nan"), device=DEV)
     o, states = fn(**x, lengths=lengths, states_out=buf, tile_v=8)
     assert states.data_ptr() == buf.data_ptr()
     live = ~ref_s.isnan()
@@ -109,24 +110,24 @@ def test_uniform_path_equals_ragged_path(tile_v):
     x = make(3, 4, 2, V=16)
     o_u, s_u = kv.kda_verify(**x, tile_v=tile_v)
     flat = {n: (t.reshape(1, 12, *t.shape[2:]) if n != "initial_state" else t) for n, t in x.items()}
-    cu = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    cu = torch.tensor([0, 4, 8, 12], dtype=torch.int32, device=DEV)
     o_r, s_r = kv.kda_verify(**flat, cu_seqlens=cu, max_seqlen=4, tile_v=tile_v)
     assert torch.equal(o_u, o_r.view_as(o_u))
     assert torch.equal(s_u, s_r.view_as(s_u))
-    o_l, s_l = kv.kda_verify(**x, lengths=torch.tensor([4, 4, 4]), tile_v=tile_v)
+    o_l, s_l = kv.kda_verify(**x, lengths=torch.tensor([4, 4, 4], device=DEV), tile_v=tile_v)
     assert torch.equal(o_u, o_l) and torch.equal(s_u, s_l)
 
 
 def test_select_accepted_rolls_back():
     x = make(3, 4, 1, V=16)
     _, states = kv.kda_verify(**x, tile_v=8)
-    kept = kv.select_accepted(states, torch.tensor([1, 4, 2]))
+    kept = kv.select_accepted(states, torch.tensor([1, 4, 2], device=DEV))
     assert torch.equal(kept, torch.stack([states[0, 0], states[1, 3], states[2, 1]]))
 
 
 def test_caller_buffer_is_written():
     x = make(1, 2, 1, V=16)
-    buf = torch.zeros(1, 2, 1, K, 16)
+    buf = torch.zeros(1, 2, 1, K, 16, device=DEV)
     _, states = kv.kda_verify(**x, states_out=buf, tile_v=8)
     assert states is buf and buf.abs().sum() > 0
 
@@ -159,18 +160,18 @@ def test_positions_outside_1_to_8(T):
 def test_bad_ragged_and_launch_arguments():
     x = make(2, 2, 1, V=16)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        kv.kda_verify(**x, cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32))  # needs B = 1
+        kv.kda_verify(**x, cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32, device=DEV))  # needs B = 1
     with pytest.raises(ValueError, match="lengths"):
-        kv.kda_verify(**x, lengths=torch.tensor([1, 3]))
+        kv.kda_verify(**x, lengths=torch.tensor([1, 3], device=DEV))
     with pytest.raises(ValueError, match="tile_v"):
         kv.kda_verify(**x, tile_v=6)
     with pytest.raises(ValueError, match="form"):
         kv.kda_verify(**x, tile_v=8, form="wy")
     with pytest.raises(ValueError, match="states_out"):
-        kv.kda_verify(**x, states_out=torch.empty(2, 2, 1, K, 8))
+        kv.kda_verify(**x, states_out=torch.empty(2, 2, 1, K, 8, device=DEV))
     flat = make(1, 4, 1, V=16, N=2)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        kv.kda_verify(**flat, cu_seqlens=torch.tensor([0, 1, 3], dtype=torch.int32))  # does not end at 4
+        kv.kda_verify(**flat, cu_seqlens=torch.tensor([0, 1, 3], dtype=torch.int32, device=DEV))  # does not end at 4
 
 
 def test_tile_rule_follows_units_and_backend():
@@ -191,7 +192,7 @@ def test_tile_rule_follows_units_and_backend():
 
 def test_every_form_agrees_on_a_ragged_batch():
     lens = [2, 4, 1]
-    cu = torch.tensor([0, 2, 6, 7], dtype=torch.int32)
+    cu = torch.tensor([0, 2, 6, 7], dtype=torch.int32, device=DEV)
     x = make(1, sum(lens), 1, V=8, N=len(lens))
     ref_o, ref_s = kv.reference_verify(**x, cu_seqlens=cu)
     for form in kv.NARROW_FORMS:
@@ -236,13 +237,13 @@ def test_vk_state_layout_matches_the_reference(form, T, final_only):
 
 def test_vk_state_layout_on_ragged_batches():
     lens = [2, 4, 1]
-    cu = torch.tensor([0, 2, 6, 7], dtype=torch.int32)
+    cu = torch.tensor([0, 2, 6, 7], dtype=torch.int32, device=DEV)
     x = make(1, sum(lens), 1, V=8, N=len(lens))
     ref_o, ref_s = kv.reference_verify(**x, cu_seqlens=cu)
     o, states = kv.kda_verify(**_vk(x), cu_seqlens=cu, tile_v=8, state_layout="vk")
     check(o, states.transpose(-1, -2), ref_o, ref_s)
     y = make(3, 4, 1, V=16, seed=9)
-    lengths = torch.tensor([4, 1, 2])
+    lengths = torch.tensor([4, 1, 2], device=DEV)
     ref_o, ref_s = kv.reference_verify(**y, lengths=lengths)
     o, states = kv.kda_verify(**_vk(y), lengths=lengths, tile_v=8, state_layout="vk")
     for b, n in enumerate(lengths.tolist()):  # the live positions; padded ones are not written

@@ -30,3 +30,15 @@ def test_starts_with_a_title_and_prints_the_setup(path):
     assert "describe()" in code, f"{path.name} never prints the machine line (k3lab.env.describe())"
     tagged = [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
     assert tagged, f"{path.name} has no cell tagged 'parameters'"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_cell_has_a_unique_id(path):
+    # nbformat 4.5 cells carry ids; a cell added by hand without one is a validation warning today
+    # and, nbformat says, a hard error in a future version
+    nb = json.loads(path.read_text())
+    if (nb["nbformat"], nb["nbformat_minor"]) < (4, 5):
+        pytest.skip(f"{path.name} is nbformat {nb['nbformat']}.{nb['nbformat_minor']} (no cell ids)")
+    ids = [c.get("id") for c in nb["cells"]]
+    assert all(ids), f"{path.name}: cells {[i for i, x in enumerate(ids) if not x]} have no id"
+    assert len(set(ids)) == len(ids), f"{path.name}: repeated cell ids"

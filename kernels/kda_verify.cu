@@ -101,31 +101,30 @@ K3_DEVICE void store_out(void* o, long long off, bool bf16, float x) {
   else static_cast<float*>(o)[off] = x;
 }
 
+// N 16-byte vector loads from p into w[0 .. 4N).
+template <int N, int W>
+K3_DEVICE void load_vec16(const void* p, uint32_t (&w)[W]) {
+  static_assert(4 * N <= W, "load_vec16: more words than the destination holds");
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const uint4 u = reinterpret_cast<const uint4*>(p)[i];
+    w[4 * i] = u.x;
+    w[4 * i + 1] = u.y;
+    w[4 * i + 2] = u.z;
+    w[4 * i + 3] = u.w;
+  }
+}
+
 // Raw loads: R contiguous elements as 32-bit words (bf16: R / 2 words, two elements each; fp32: R
 // words), converted only after the gate below, so no conversion (a consumer) sits among the loads.
 template <int R>
 K3_DEVICE void load_words(const void* base, long long off, bool bf16, uint32_t (&w)[R]) {
   const uint32_t* p = reinterpret_cast<const uint32_t*>(static_cast<const char*>(base) + off * (bf16 ? 2 : 4));
   if constexpr (R % 8 == 0) {  // 16-byte pieces: R / 8 of them (bf16) or R / 4 (fp32)
-    if (bf16) {
-#pragma unroll
-      for (int i = 0; i < R / 8; ++i) {
-        const uint4 u = reinterpret_cast<const uint4*>(p)[i];
-        w[4 * i] = u.x;
-        w[4 * i + 1] = u.y;
-        w[4 * i + 2] = u.z;
-        w[4 * i + 3] = u.w;
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < R / 4; ++i) {
-        const uint4 u = reinterpret_cast<const uint4*>(p)[i];
-        w[4 * i] = u.x;
-        w[4 * i + 1] = u.y;
-        w[4 * i + 2] = u.z;
-        w[4 * i + 3] = u.w;
-      }
-    }
+    if (bf16)
+      load_vec16<R / 8>(p, w);
+    else
+      load_vec16<R / 4>(p, w);
   } else if constexpr (R == 4) {
     if (bf16) {
       const uint2 u = *reinterpret_cast<const uint2*>(p);
@@ -442,14 +441,7 @@ template <int RR, bool IS16>
 K3_DEVICE void load_rows(const char* p, uint32_t (&w)[8]) {
   constexpr int NB = RR * (IS16 ? 2 : 4);  // bytes: 4, 8, 16 or 32
   if constexpr (NB >= 16) {
-#pragma unroll
-    for (int i = 0; i < NB / 16; ++i) {
-      const uint4 u = reinterpret_cast<const uint4*>(p)[i];
-      w[4 * i] = u.x;
-      w[4 * i + 1] = u.y;
-      w[4 * i + 2] = u.z;
-      w[4 * i + 3] = u.w;
-    }
+    load_vec16<NB / 16>(p, w);
   } else if constexpr (NB == 8) {
     const uint2 u = *reinterpret_cast<const uint2*>(p);
     w[0] = u.x;

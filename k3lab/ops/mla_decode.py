@@ -1420,16 +1420,23 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     kw = dict(pad=pad, pad_fill=pad_fill, num_splits=num_splits, compute_units=compute_units, scale=scale,
               fast_launch=_fast_launch_wanted(fast_launch), merge_dv=merge_dv, pdl=_pdl_wanted(pdl))
     fixed = block_n is not None or num_warps is not None or num_stages is not None
+    asked = kernel == "cuda" or (kernel is None and os.environ.get("K3LAB_MLA_KERNEL") == "cuda")
     by_default = (kernel is None and not os.environ.get("K3LAB_MLA_KERNEL") and not fixed and pad == "registers"
                   and bulk_options is None and merge_dv == MERGE_DV and inp.q_len == 1 and H <= MMA_ROWS
-                  and _on_gpu() and cuda_after_status(q, cache, lengths, block_table)[0])
-    if by_default or kernel == "cuda" or (kernel is None and os.environ.get("K3LAB_MLA_KERNEL") == "cuda"):
+                  and _on_gpu() and cuda_after_status()[0])
+    if asked or by_default:
         from k3lab.ops import mla_decode_cuda as mc  # the default where it runs (cuda_after_status)
 
         if fixed or pad != "registers" or bulk_options is not None:
             raise ValueError("kernel='cuda' takes no block_n / num_warps / num_stages / pad='copy' / bulk_options")
-        return mc.plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits,
-                       compute_units=compute_units, pdl=True if pdl is None else pdl)
+        cuda_pdl = os.environ.get("K3LAB_MLA_PDL", "1") != "0" if pdl is None else bool(pdl)
+        try:
+            return mc.plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits,
+                           compute_units=compute_units, pdl=cuda_pdl)
+        except ValueError:
+            if asked:
+                raise
+            # inputs outside the CUDA kernel (cuda_after_status(q, cache, ...) names why): Triton runs
     kernel = _after_kernel(kernel, inp, block_n)
     kw["kernel"] = kernel
     if bulk_options is not None:

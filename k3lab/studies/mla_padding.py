@@ -350,7 +350,6 @@ def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
 def programs_table(preset=None, contexts=(1024, 32768), batch: int = 1, q_len: int = 1,
                    compute_units: int | None = None):
     """Programs each policy launches against the compute units, per context length (no GPU needed)."""
-    import pandas as pd
 
     heads = _heads(preset)
     units = compute_units or _env.detect().compute_units
@@ -390,7 +389,6 @@ def programs_figure(table, title: str | None = None):
 def padding_cost(preset=None, contexts=(1024, 32768, 131072), batch: int = 1, dtype=torch.bfloat16):
     """What padding 12 -> 16 heads costs: the cache read (the bulk of the bytes) is the same; only
     the query, the matrix rows and the dropped outputs grow."""
-    import pandas as pd
 
     heads = _heads(preset)
     padded = -(-heads // mla.MMA_ROWS) * mla.MMA_ROWS
@@ -422,7 +420,6 @@ def instruction_mix(dtype: str = "bf16", arch: int = 90):
     import subprocess
     import sys
 
-    import pandas as pd
 
     if _env.triton_interpreted():
         code = (f"import json; from k3lab.studies import mla_padding as st; "
@@ -511,7 +508,6 @@ def _main_name(case: str) -> str:
 def summary(records):
     """One row per (device, main case, mode): before, after, the peers and AITER, the floor, and
     the ratios (speedup = before / after; bw_fraction = floor / after = share of the copy bandwidth)."""
-    import pandas as pd
 
     keyed: dict[tuple, dict] = {}
     for r in records:
@@ -547,7 +543,6 @@ def summary(records):
 
 def sweep_table(records, compute_units: int | None = None):
     """The split-count sweep: context, splits, time (graph replay), and the split count the rule picks."""
-    import pandas as pd
 
     rows = []
     for r in records:
@@ -592,7 +587,6 @@ def sweep_figure(table, title: str | None = None):
 def targets(records, device: str = "NVIDIA H200"):
     """The study's H200 targets against the records: name, target, measured, met (graph replay and
     eager both shown where the target depends on the timing mode)."""
-    import pandas as pd
 
     df = summary([r for r in records if r.device == device])
     rows = []

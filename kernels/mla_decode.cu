@@ -99,6 +99,11 @@ struct Args {
   // thread 0 spent waiting for tiles (mbarrier) and at the per-tile barrier. The merge writes 2 u64 per
   // block after those: start (after its grid dependency resolved) and end.
   unsigned long long* probe;
+  // The fused form (split_kernel<..., FUSED = true>, launched cooperatively): 2 u64 of the plan's
+  // own, zero at plan time: [0] the grid barrier's arrival counter (never reset: it grows by the
+  // grid's block count per launch), [1] how many blocks gave up waiting at the barrier (bounded spin;
+  // 0 unless something is badly wrong; the host reads it). Null for the two-kernel form.
+  unsigned long long* barrier;
 };
 
 }  // namespace k3mla
@@ -445,10 +450,153 @@ K3_DEVICE void write_probe(const Args& a, int b, int split, unsigned long long t
   p[7] = (unsigned long long)sync_cycles;
 }
 
+// ---------------------------------------------------------------------------------------------
+// the fused form: the split kernel merges the pieces itself, after a grid-wide barrier.
+//
+// Why: at 32K on the H200 the separate merge kernel ended ~3.5 us after the last piece was written
+// (timeline probe): its launch, its wait for the whole split grid, then two dependent L2 round trips.
+// Here every block, once its piece is stored, arrives at one barrier for the whole grid and then
+// merges a slice of the (request, head, column group) units from the partials, which are in L2.
+//
+// Co-residency is guaranteed, never assumed: the kernel is launched with the cooperative attribute
+// (cudaLaunchAttributeCooperative), which the runtime refuses (cudaErrorCooperativeLaunchTooLarge)
+// unless every block of the grid can be resident at once, and the host picks this form only when
+// B * splits <= blocks per SM (occupancy API) x SMs (`k3_mla_fused_max_blocks`); otherwise the
+// two-kernel form runs.
+//
+// The barrier: a 64-bit counter per plan that only grows. A block adds 1; the launch it belongs to
+// is old / nblocks (every launch of a plan has the same grid), so it waits until the counter reaches
+// (old / nblocks + 1) * nblocks: reusable across launches and graph replays without a reset.
+// Memory order: __syncthreads (the block's stores of its piece precede thread 0's next step),
+// __threadfence + atomicAdd (release at GPU scope), an acquire load in the spin, __threadfence and
+// __syncthreads (every thread's later reads of other blocks' pieces come after), and those reads
+// use ld.global.cg (L2), never a stale L1 line.
+// Why launches never mix on one counter, with programmatic dependent launch (PDL) around it: this
+// kernel is launched WITHOUT the programmatic-serialization attribute, so it starts only after the
+// previous kernel in the stream has completed, including a previous launch of itself: every arrival
+// of launch n precedes every arrival of launch n + 1, hence old / nblocks numbers the launch. It
+// does call griddepcontrol.launch_dependents at its start, so a following kernel launched with PDL
+// may start early; it can do so only once every block of this grid has issued the instruction (all
+// are resident then), it only takes resources left over (it cannot evict a block here, so the
+// barrier cannot wait on it), and its griddepcontrol.wait returns only when this whole grid,
+// merge included, has completed and its writes are visible. A following launch of this fused
+// kernel is not a PDL launch, so it waits for completion like any other.
+// The spin is bounded (2^26 polls, seconds): a block that gives up counts itself in barrier[1] and
+// goes on (wrong results, flagged, instead of a hung GPU); the host checks the count.
+constexpr long long BARRIER_SPIN_LIMIT = 1ll << 26;
+
+K3_DEVICE void grid_barrier(unsigned long long* ctr, unsigned nblocks, int tid) {
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    const unsigned long long old = atomicAdd(ctr, 1ull);
+    const unsigned long long target = (old / nblocks + 1) * nblocks;
+    long long polls = 0;
+    for (;;) {
+      unsigned long long v;
+      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(ctr) : "memory");
+      if (v >= target) break;
+      if (++polls > BARRIER_SPIN_LIMIT) {
+        atomicAdd(ctr + 1, 1ull);
+        break;
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// This block's share of the merge: units (row = b * heads + h, group of value columns), unit u to
+// block u % nblocks. The column group is the narrowest (32 .. 512 columns) whose unit count still
+// fits the grid in one round, so each thread reads about `heads` pieces whatever the shape. THREADS =
+// column float4s (CQ) x split groups (SG); thread (sg, cq) runs an online log-sum-exp over pieces sg,
+// sg + SG, ... in batches of 8 independent loads (lse and partial together: one L2 round trip per
+// batch, no separate pass for the maximum), then the SG partial states meet in shared memory.
+template <int THREADS>
+K3_DEVICE void merge_share(const Args& a, unsigned char* smem, int block, int nblocks, int tid) {
+  float4* red_o = reinterpret_cast<float4*>(smem);  // the ring is free: every tile has been read
+  float2* red_md = reinterpret_cast<float2*>(smem + THREADS * sizeof(float4));
+  const int rows = a.B * a.heads;
+  int cq_log = 3;  // log2(CQ): 8 float4 = 32 columns .. 128 float4 = all 512
+  while (cq_log < 7 && rows * ((DV / 4) >> cq_log) > nblocks) ++cq_log;
+  const int groups = (DV / 4) >> cq_log;  // units per row
+  const int units = rows * groups;
+  const int cq = tid & ((1 << cq_log) - 1), sg = tid >> cq_log, nsg = THREADS >> cq_log;
+  for (int u = block; u < units; u += nblocks) {
+    const int row = u / groups, grp = u % groups;
+    const int col = ((grp << cq_log) + cq) * 4;
+    const float* lse = a.part_lse + (long long)row * a.splits;
+    const float* part = a.part_o + (long long)row * a.splits * DV + col;
+    float m = -INFINITY, den = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = sg; s0 < a.splits; s0 += 8 * nsg) {
+      float l[8];
+      float4 v[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const int s = s0 + k * nsg;
+        l[k] = s < a.splits ? __ldcg(lse + s) : -INFINITY;
+        v[k] = s < a.splits ? __ldcg(reinterpret_cast<const float4*>(part + (long long)s * DV))
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      float nm = m;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) nm = fmaxf(nm, l[k]);
+      if (nm == -INFINITY) continue;  // only empty pieces so far
+      const float sc = exp2f(m - nm);  // 0 while m is -inf
+      o.x *= sc;
+      o.y *= sc;
+      o.z *= sc;
+      o.w *= sc;
+      den *= sc;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float w = exp2f(l[k] - nm);  // an empty piece: lse -inf, weight 0
+        o.x += w * v[k].x;
+        o.y += w * v[k].y;
+        o.z += w * v[k].z;
+        o.w += w * v[k].w;
+        den += w;
+      }
+      m = nm;
+    }
+    red_o[tid] = o;
+    red_md[tid] = make_float2(m, den);
+    __syncthreads();
+    if (tid < (1 << cq_log)) {
+      float mx = -INFINITY;
+      for (int i = 0; i < nsg; ++i) mx = fmaxf(mx, red_md[(i << cq_log) + tid].x);
+      float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+      float d = 0.f;
+      if (mx != -INFINITY) {
+        for (int i = 0; i < nsg; ++i) {
+          const float2 md = red_md[(i << cq_log) + tid];
+          const float4 x = red_o[(i << cq_log) + tid];
+          const float w = exp2f(md.x - mx);
+          t.x += w * x.x;
+          t.y += w * x.y;
+          t.z += w * x.z;
+          t.w += w * x.w;
+          d += w * md.y;
+        }
+      }
+      const float r = d > 0.f ? 1.f / d : 0.f;
+      const int b = row / a.heads, h = row % a.heads;
+      k3_bf16* out = a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + col;
+      const uint32_t lo = (uint32_t)k3_f32_to_bf16(t.x * r) | ((uint32_t)k3_f32_to_bf16(t.y * r) << 16);
+      const uint32_t hi = (uint32_t)k3_f32_to_bf16(t.z * r) | ((uint32_t)k3_f32_to_bf16(t.w * r) << 16);
+      *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
+      if (grp == 0 && tid == 0)
+        a.lse[(long long)b * a.l_sb + h] = d > 0.f ? (mx + __log2f(d)) * 0.6931471805599453f : -INFINITY;
+    }
+    __syncthreads();  // the shared buffers are reused by the next unit
+  }
+}
+
 // NW warps: 4 (one per SM sub-partition) or 8 (two, so one can issue while the other waits).
 // Score product: warp w takes column group kg = w % 4 and, with 8 warps, half ph = w / 4 of the 32
 // positions; value product: warp w takes 512 / NW value columns.
-template <int STAGES, int NW, bool PROBE = false>
+template <int STAGES, int NW, bool PROBE = false, bool FUSED = false>
 __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
   constexpr int SNT = NW == 8 ? 2 : 4;  // score n-tiles per warp
   constexpr int VNT = DV / 8 / NW;      // value n-tiles per warp (16 or 8)
@@ -562,6 +710,11 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
   const unsigned long long t_loop = PROBE ? now_ns() : 0ull;
   store_piece<VNT>(a, acc, m0, m1, l0, l1, b, split, warp, g, t4);
   if (PROBE && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, sync_cycles);
+  if constexpr (FUSED) {  // every piece of the grid written: the blocks share the merge (splits > 1)
+    const int nblocks = gridDim.x * gridDim.y;
+    grid_barrier(a.barrier, (unsigned)nblocks, tid);
+    merge_share<NW * 32>(a, smem, blockIdx.y * gridDim.x + blockIdx.x, nblocks, tid);
+  }
 #endif  // K3_MLA_SM90
 }
 
@@ -838,6 +991,40 @@ int launch_split(const Args& a, int max_shared, cudaStream_t st) {
   return (int)cudaGetLastError();
 }
 
+// The fused form's kernel (5 stages, 4 warps: the default split kernel plus the merge) and its
+// opt-in above 48 KB of dynamic shared memory, once per process.
+constexpr int FUSED_STAGES = 5, FUSED_WARPS = 4;
+inline void (*fused_kernel())(const Args) { return split_kernel<FUSED_STAGES, FUSED_WARPS, false, true>; }
+
+inline int configure_fused(int max_shared) {
+  const int bytes = smem_bytes(FUSED_STAGES);
+  if (bytes > max_shared) return -3;
+  static bool configured = false;
+  if (!configured) {
+    const cudaError_t e = cudaFuncSetAttribute(fused_kernel(), cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return (int)e;
+    configured = true;
+  }
+  return 0;
+}
+
+// One cooperative launch of the fused kernel: the runtime refuses it (cudaErrorCooperativeLaunchTooLarge)
+// unless the whole grid can be resident at once. No programmatic-serialization attribute: see
+// grid_barrier's comment for why the barrier needs the previous kernel complete.
+inline cudaError_t launch_fused_raw(const Args& a, cudaStream_t st) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(a.splits, a.B);
+  cfg.blockDim = dim3(FUSED_WARPS * 32);
+  cfg.dynamicSmemBytes = smem_bytes(FUSED_STAGES);
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, fused_kernel(), a);
+}
+
 template <bool PROBE>
 int launch_team(const Args& a, int max_shared, cudaStream_t st) {
   const int bytes = team_smem_bytes();
@@ -911,6 +1098,85 @@ K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int warps, int 
   return (int)cudaGetLastError();
 }
 
+// The fused form's capacity: blocks of the fused kernel that can be resident at once on the current
+// device (occupancy API x SMs); a grid of B * splits blocks runs fused only up to this. <0: error.
+K3_EXPORT int k3_mla_fused_max_blocks(int max_shared) {
+  const int rc = k3mla::configure_fused(max_shared);
+  if (rc != 0) return rc < 0 ? rc : -rc;
+  int per_sm = 0, dev = 0, sms = 0;
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k3mla::fused_kernel(),
+                                                               k3mla::FUSED_WARPS * 32,
+                                                               k3mla::smem_bytes(k3mla::FUSED_STAGES));
+  if (e == cudaSuccess) e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  int coop = 0;
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev);
+  if (e != cudaSuccess) return -(int)e;
+  return coop ? per_sm * sms : 0;
+}
+
+// Whether a cooperative launch of the fused kernel survives CUDA-graph stream capture here: captures
+// one launch (dummy arguments, never run) on a private stream in thread-local mode, checks that the
+// captured node still carries the cooperative attribute, instantiates the graph and throws it all
+// away. 1: yes; 0: captured without the attribute (not safe: the barrier would rely on luck);
+// <0: the CUDA error that refused it (-(code)).
+K3_EXPORT int k3_mla_fused_capturable(int max_shared) {
+  const int rc = k3mla::configure_fused(max_shared);
+  if (rc != 0) return rc < 0 ? rc : -rc;
+  cudaStream_t st = nullptr;
+  cudaError_t e = cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+  if (e != cudaSuccess) return -(int)e;
+  int result = 1;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  e = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
+  if (e == cudaSuccess) {
+    k3mla::Args dummy = {};
+    dummy.B = 1;
+    dummy.splits = 2;
+    const cudaError_t le = k3mla::launch_fused_raw(dummy, st);
+    e = cudaStreamEndCapture(st, &graph);
+    if (le != cudaSuccess) e = le;
+  }
+  if (e == cudaSuccess) {
+    size_t n = 0;
+    e = cudaGraphGetNodes(graph, nullptr, &n);
+    cudaGraphNode_t node = nullptr;
+    if (e == cudaSuccess && n == 1) e = cudaGraphGetNodes(graph, &node, &n);
+    cudaLaunchAttributeValue v = {};
+    if (e == cudaSuccess && node != nullptr) e = cudaGraphKernelNodeGetAttribute(node, cudaLaunchAttributeCooperative, &v);
+    if (e == cudaSuccess && (node == nullptr || !v.cooperative)) result = 0;
+  }
+  if (e == cudaSuccess && result == 1) e = cudaGraphInstantiate(&exec, graph, 0);
+  if (e != cudaSuccess) result = -(int)e;
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+  cudaGetLastError();  // a refused capture leaves a (non-sticky) error behind: clear it
+  return result;
+}
+
+// One decode step in the fused form (splits > 1, barrier set): one cooperative launch.
+// Returns 0, -3 (shared memory), -4 (bad sizes) or the CUDA runtime's error code
+// (cudaErrorCooperativeLaunchTooLarge = 720 when the grid cannot be co-resident).
+K3_EXPORT int k3_mla_decode_fused(const k3mla::Args* args, int max_shared, void* stream) {
+  const k3mla::Args& a = *args;
+  if (a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 2 || a.splits > 65535 ||
+      a.chunk < k3mla::BN || a.chunk % k3mla::BN != 0 || a.page_shift < 5 || a.page_shift > 30 ||
+      (a.block_table != nullptr && a.max_pages < 1) || a.barrier == nullptr || a.probe != nullptr)
+    return -4;
+  const int rc = k3mla::configure_fused(max_shared);
+  if (rc != 0) return rc;
+  return (int)k3mla::launch_fused_raw(a, (cudaStream_t)stream);
+}
+
+// Registers per thread of the fused kernel (<0: error).
+K3_EXPORT int k3_mla_fused_regs() {
+  cudaFuncAttributes attr;
+  const cudaError_t e = cudaFuncGetAttributes(&attr, k3mla::fused_kernel());
+  return e == cudaSuccess ? attr.numRegs : -(int)e;
+}
+
 #else  // HIP (or anything but CUDA): no mma.sync / bulk-copy path; the launchers say so
 
 K3_EXPORT int k3_mla_decode_supported() { return 0; }
@@ -919,5 +1185,9 @@ K3_EXPORT int k3_mla_decode_smem(int stages) { return stages >= 3 && stages <= 5
 K3_EXPORT int k3_mla_decode_team_smem() { return -1; }
 K3_EXPORT int k3_mla_decode_regs(int, int) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_decode(const k3mla::Args*, int, int, int, int, void*) { return K3_MLA_UNSUPPORTED; }
+K3_EXPORT int k3_mla_fused_max_blocks(int) { return K3_MLA_UNSUPPORTED; }
+K3_EXPORT int k3_mla_fused_capturable(int) { return K3_MLA_UNSUPPORTED; }
+K3_EXPORT int k3_mla_decode_fused(const k3mla::Args*, int, void*) { return K3_MLA_UNSUPPORTED; }
+K3_EXPORT int k3_mla_fused_regs() { return K3_MLA_UNSUPPORTED; }
 
 #endif

@@ -1,8 +1,9 @@
-"""The hand-written CUDA MLA decode (kernels/mla_decode.cu via k3lab.ops.mla_decode_cuda; EXPERIMENTAL,
-not yet run on a GPU by this project): refusals by name and the piece rule everywhere; the sm_90a
-build (no spills, the ctypes Args layout and shared-memory formula checked against the compiled
-library, which loads without a GPU) where nvcc is present; results against mla_decode.reference in
-fp32 on a GPU. Its HIP compile (a stub) is covered by tests/test_kernels_build.py with every kernel."""
+"""The hand-written CUDA MLA decode (kernels/mla_decode.cu via k3lab.ops.mla_decode_cuda): refusals by
+name, the piece rule and the merge-path rule (`choose_merge`) everywhere; the sm_90a build (no spills,
+the ctypes Args layout and shared-memory formula checked against the compiled library, which loads
+without a GPU) where nvcc is present; results against mla_decode.reference in fp32 on a GPU, for the
+two-kernel form and the fused form (merge after a grid barrier, one cooperative launch). Its HIP
+compile (a stub) is covered by tests/test_kernels_build.py with every kernel."""
 
 import ctypes
 import re
@@ -55,6 +56,7 @@ def _paged(page=64, L=96, lengths=(96,)):
     ("stages6", "stages"),
     ("warps16", "warps"),
     ("form_bad", "form"),
+    ("merge_bad", "merge"),
     ("scale_negative", "scale"),
     ("too_long", "longer"),
     ("page_out_of_pool", "outside the pool"),
@@ -91,6 +93,8 @@ def test_bad_arguments_are_refused_by_name(case, match):
         kw["warps"] = 16
     elif case == "form_bad":
         kw["form"] = "wgmma"
+    elif case == "merge_bad":
+        kw["merge"] = "atomic"
     elif case == "scale_negative":
         kw["scale"] = -0.1
     elif case == "too_long":
@@ -137,6 +141,45 @@ def test_pieces_fill_the_units_once_in_whole_tiles():
         mc.choose_splits(1, 1024, 0)
 
 
+def test_merge_path_rule():
+    # one piece: nothing to merge, whatever was asked
+    for m in mc.MERGES:
+        assert mc.choose_merge(m, splits=1, batch=1, max_blocks=132)[0] == "none"
+    assert mc.choose_merge("kernel", splits=128, batch=1, max_blocks=132)[0] == "kernel"
+    path, why = mc.choose_merge("auto", splits=128, batch=1, max_blocks=132)
+    assert path == "fused" and "128" in why
+    assert mc.choose_merge("fused", splits=16, batch=8, max_blocks=132)[0] == "fused"
+    # too large a grid: 'auto' falls back and says why, 'fused' refuses by name
+    path, why = mc.choose_merge("auto", splits=3, batch=64, max_blocks=132)
+    assert path == "kernel" and "192" in why and "resident" in why
+    with pytest.raises(ValueError, match="resident"):
+        mc.choose_merge("fused", splits=3, batch=64, max_blocks=132)
+    # no cooperative launch at all (max_blocks 0), other compiled forms, the probe, no graph capture
+    assert mc.choose_merge("auto", splits=2, batch=1, max_blocks=0)[0] == "kernel"
+    for kw, match in ((dict(form="team"), "team"), (dict(stages=3), "3 stages"), (dict(warps=8), "8 warps"),
+                      (dict(probe=True), "probe"), (dict(capturable=(False, "capture drops it")), "capture drops")):
+        path, why = mc.choose_merge("auto", splits=128, batch=1, max_blocks=132, **kw)
+        assert path == "kernel" and match in why, (kw, why)
+        with pytest.raises(ValueError, match=match):
+            mc.choose_merge("fused", splits=128, batch=1, max_blocks=132, **kw)
+    with pytest.raises(ValueError, match="merge"):
+        mc.choose_merge("atomics", splits=2, batch=1, max_blocks=132)
+
+
+def test_merge_choice_from_argument_environment_and_default(monkeypatch):
+    monkeypatch.delenv("K3LAB_MLA_MERGE", raising=False)
+    assert mc.merge_wanted(None) == mc.DEFAULT_MERGE
+    assert mc.merge_wanted("fused") == "fused"
+    monkeypatch.setenv("K3LAB_MLA_MERGE", "kernel")
+    assert mc.merge_wanted(None) == "kernel" and mc.merge_wanted("auto") == "auto"  # the argument wins
+    monkeypatch.setenv("K3LAB_MLA_MERGE", "sometimes")
+    with pytest.raises(ValueError, match="K3LAB_MLA_MERGE"):
+        mc.merge_wanted(None)
+    q, cache = _inputs()
+    with pytest.raises(ValueError, match="K3LAB_MLA_MERGE"):  # refused in the checks, before any kernel
+        mc.check(q, cache)
+
+
 def test_shared_memory_fits_one_block_per_h200_sm():
     assert mc.smem_bytes(5) <= 232448 < 2 * mc.smem_bytes(3)  # the H200's opt-in limit per block
     with pytest.raises(ValueError, match="stages"):
@@ -149,9 +192,12 @@ def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
                                      dest=tmp_path / "mla_decode.so")
     report = Path(str(lib_path) + ".log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-    # every (stages, warps) pair, plus the default plan's timeline-probe instance (template flag b1)
-    assert sum("split_kernel" in k and "Lb0E" in k for k in kernels) == len(mc.STAGES) * len(mc.WARPS)
-    assert sum("split_kernel" in k and "Lb1E" in k for k in kernels) == 1
+    # split_kernel<stages, warps, probe, fused>: every (stages, warps) pair plain, the default plan's
+    # timeline-probe instance and the fused form (5 stages, 4 warps)
+    inst = [tuple(int(x) for x in m.groups()) for k in kernels
+            if (m := re.search(r"split_kernelILi(\d)ELi(\d)ELb(\d)ELb(\d)E", k))]
+    assert sorted(i[:2] for i in inst if i[2:] == (0, 0)) == sorted((s, w) for s in mc.STAGES for w in mc.WARPS)
+    assert sorted(i for i in inst if i[2:] != (0, 0)) == [(mc.FUSED_STAGES, mc.FUSED_WARPS, 0, 1), (5, 4, 1, 0)]
     assert sum("team_kernel" in k for k in kernels) == 2  # and the team kernel, with and without the probe
     assert any("merge_kernel" in k for k in kernels)
     spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", report)]
@@ -163,6 +209,10 @@ def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
     lib = mc.bind(ctypes.CDLL(str(lib_path)))
     assert lib.k3_mla_decode_supported() == 1
     assert lib.k3_mla_decode_args_size() == ctypes.sizeof(mc.Args)
+    # the fused form's launcher refuses bad sizes before touching the GPU (no barrier: -4)
+    args = mc.Args()
+    args.B, args.heads, args.splits, args.chunk, args.page_shift = 1, 12, 4, 32, 6
+    assert lib.k3_mla_decode_fused(ctypes.byref(args), 1 << 18, None) == -4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,3 +338,118 @@ def test_on_the_gpu_many_graph_replays_of_a_long_history_stay_right(form):
         graph.replay()
     torch.cuda.synchronize()
     _check(p.out, p.lse, q, ref, lens, 12)
+
+
+# ----------------------------------------------------------------------------------------------
+# the fused form on a GPU (merge inside the split kernel after a grid barrier)
+
+
+def _fused_plan(q, kern, lens, bt, **kw):
+    p = mc.plan(q, kern, lens, block_table=bt, merge="fused", **kw)
+    assert p.merge == "fused" and p.launches == 1 and not p.pdl, p.merge_why
+    return p
+
+
+def _barrier(p):
+    torch.cuda.synchronize()
+    counter, timeouts = p._barrier.tolist()
+    return counter, timeouts
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU (the fused form runs only there)")
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("lengths", [
+    (1000,),  # ctx 1K, not a multiple of 32
+    (1024,),
+    (32771,),  # ctx 32K + 3
+    (131072,),
+    (131069,),
+    (5000, 33, 1, 64, 2049),  # B > 1, mixed lengths: empty pieces for the short requests
+    (8192,) * 8,  # b8_8k: 8 x 16 blocks
+], ids=lambda ls: "-".join(map(str, ls)) if len(set(ls)) > 1 else f"{len(ls)}x{ls[0]}")
+def test_on_the_gpu_fused_matches_the_reference(paged, lengths):
+    if not _runs():
+        pytest.skip(f"kernel unavailable: {mc.status()[1]}")
+    L = max(lengths) + 40
+    q, kern, ref, lens, bt = _ragged(len(lengths), L, lengths, 12, paged, seed=len(lengths) + 77, nan_tail=True)
+    p = _fused_plan(q, kern, lens, bt)
+    o, lse = p()
+    o2, lse2 = p()  # a second launch on the same counter, no reset
+    counter, timeouts = _barrier(p)
+    assert timeouts == 0 and counter == 2 * p.programs
+    assert torch.isfinite(o.float()).all(), "NaN past a length leaked into the output"
+    _check(o, lse, q, ref, lens, 12)
+    # the same pieces as the two-kernel form: only the merge's order of sums differs
+    ko, kl = mc.plan(q, kern, lens, block_table=bt, merge="kernel")()
+    torch.cuda.synchronize()
+    assert (o.float() - ko.float()).abs().max().item() <= 2e-2 * ko.float().abs().max().item()
+    assert (lse - kl).abs().max().item() <= 1e-4 * max(1.0, kl.abs().max().item())
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU (the fused form runs only there)")
+def test_on_the_gpu_fused_survives_many_graph_replays_at_128k():
+    if not _runs():
+        pytest.skip(f"kernel unavailable: {mc.status()[1]}")
+    q, kern, ref, lens, bt = _ragged(1, 131072, (131072,), 12, True, seed=31, nan_tail=True)
+    p = _fused_plan(q, kern, lens, bt)
+    p()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the cooperative launch is captured (plan checked it keeps its attribute)
+        p()
+    p.out.fill_(float("nan"))
+    for _ in range(50):
+        graph.replay()
+    counter, timeouts = _barrier(p)
+    assert timeouts == 0 and counter == 51 * p.programs  # one arrival per block per launch, never reset
+    _check(p.out, p.lse, q, ref, lens, 12)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU (the fused form runs only there)")
+def test_on_the_gpu_fused_between_pdl_launches_in_one_graph():
+    # a two-kernel plan (its merge launched by PDL) before and after the fused plan in one stream and
+    # one graph, replayed back to back: every output right, the barrier never gives up
+    if not _runs():
+        pytest.skip(f"kernel unavailable: {mc.status()[1]}")
+    q, kern, ref, lens, bt = _ragged(2, 9000, (9000, 4001), 12, True, seed=41, nan_tail=True)
+    two = mc.plan(q, kern, lens, block_table=bt, merge="kernel")
+    fused = _fused_plan(q, kern, lens, bt)
+    after = mc.plan(q, kern, lens, block_table=bt, merge="kernel", num_splits=5)
+    assert two.pdl and after.pdl
+    for p in (two, fused, after):
+        p()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):
+            two()
+            fused()
+            after()
+    for p in (two, fused, after):
+        p.out.fill_(float("nan"))
+    for _ in range(10):
+        graph.replay()
+    counter, timeouts = _barrier(fused)
+    assert timeouts == 0 and counter == 31 * fused.programs
+    for p in (two, fused, after):
+        _check(p.out, p.lse, q, ref, lens, 12)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU (the fused form runs only there)")
+def test_on_the_gpu_too_large_a_grid_falls_back_to_the_merge_kernel():
+    if not _runs():
+        pytest.skip(f"kernel unavailable: {mc.status()[1]}")
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    cap = mc.fused_max_blocks(dev, int(props.shared_memory_per_block_optin))
+    assert cap >= props.multi_processor_count  # one 199 KB block per SM at least
+    n = 32 * (cap + 1) - 5  # cap + 1 tiles: one piece each when asked for cap + 1 pieces
+    q, kern, ref, lens, bt = _ragged(1, n + 40, (n,), 12, True, seed=51, nan_tail=True)
+    splits = cap + 1
+    p = mc.plan(q, kern, lens, block_table=bt, num_splits=splits, merge="auto")
+    assert p.num_splits > cap and p.merge == "kernel" and p.launches == 2 and "resident" in p.merge_why
+    o, lse = p()
+    torch.cuda.synchronize()
+    _check(o, lse, q, ref, lens, 12)
+    with pytest.raises(ValueError, match="resident"):
+        mc.plan(q, kern, lens, block_table=bt, num_splits=splits, merge="fused")
+    # and the default piece count fits: 'auto' fuses it
+    assert mc.plan(q, kern, lens, block_table=bt, merge="auto").merge == "fused"

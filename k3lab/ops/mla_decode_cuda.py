@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -52,10 +53,19 @@ FORMS = ("team", "split")  # the team kernel (2 teams of 4 warps on one ring) or
 DEFAULT_FORM = "split"
 TEAM_STAGES = 5  # the team kernel's ring depth (fixed)
 _TEAM_WARPS_CODE = 9  # the launchers' `warps` value that selects the team kernel (K3_MLA_TEAM)
+# How the pieces are merged (splits > 1): 'kernel' = a second kernel (k3_mla_merge, launched early by
+# PDL); 'fused' = inside the split kernel after a grid-wide barrier (one cooperative launch; only
+# where the whole grid is co-resident, 5 stages, 4 warps); 'auto' = fused where it applies, else the
+# kernel. K3LAB_MLA_MERGE sets the default; `choose_merge` decides.
+MERGES = ("auto", "fused", "kernel")
+DEFAULT_MERGE = "kernel"
+FUSED_STAGES, FUSED_WARPS = 5, 4  # the compiled fused form (kernels/mla_decode.cu, FUSED_STAGES / FUSED_WARPS)
+_COOPERATIVE_TOO_LARGE = 720  # cudaErrorCooperativeLaunchTooLarge
 _STAGE_BYTES = 8 * (4 * LATENT_DIM * 2 + 16)  # 8 blocks of 4 rows, 16 bytes of padding each
 _XCH_BYTES = 4 * 4 * 32 * 16  # one score-partial exchange buffer
 _ERRORS = {-1: "no compiled kernel for this (stages, warps) pair", -3: "more shared memory than the device allows per block",
-           -4: "bad sizes", -5: "this build has no MLA decode kernel (HIP, or not sm_90)"}
+           -4: "bad sizes", -5: "this build has no MLA decode kernel (HIP, or not sm_90)",
+           _COOPERATIVE_TOO_LARGE: "cooperative launch too large: the grid cannot be co-resident"}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
 
 
@@ -84,7 +94,7 @@ class Args(ctypes.Structure):
                 ("l_sb", ctypes.c_longlong),
                 ("B", ctypes.c_int), ("heads", ctypes.c_int), ("page_shift", ctypes.c_int), ("splits", ctypes.c_int),
                 ("chunk", ctypes.c_int), ("max_pages", ctypes.c_int), ("scale_log2", ctypes.c_float),
-                ("probe", ctypes.c_void_p)]
+                ("probe", ctypes.c_void_p), ("barrier", ctypes.c_void_p)]
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -100,6 +110,12 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k3_mla_decode_team_smem.restype = ctypes.c_int
     lib.k3_mla_decode_regs.restype = ctypes.c_int
     lib.k3_mla_decode_regs.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.k3_mla_decode_fused.restype = ctypes.c_int
+    lib.k3_mla_decode_fused.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_void_p]
+    for fn in ("k3_mla_fused_max_blocks", "k3_mla_fused_capturable"):
+        getattr(lib, fn).restype = ctypes.c_int
+        getattr(lib, fn).argtypes = [ctypes.c_int]
+    lib.k3_mla_fused_regs.restype = ctypes.c_int
     size = lib.k3_mla_decode_args_size()
     if size != ctypes.sizeof(Args):
         raise _build.KernelUnavailable(f"{NAME}.cu's Args is {size} bytes but the Python Args is "
@@ -161,6 +177,92 @@ def registers(stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS, form: st
     return n
 
 
+def fused_registers() -> int:
+    """Registers per thread of the fused form's kernel as compiled for this GPU (GPU only)."""
+    n = _library().k3_mla_fused_regs()
+    if n < 0:
+        raise RuntimeError(f"{NAME}.cu could not report the fused kernel's registers (error {-n})")
+    return n
+
+
+@functools.cache
+def fused_max_blocks(device: int, max_shared: int) -> int:
+    """Blocks of the fused kernel that can be resident at once on GPU `device` (the occupancy API's
+    blocks per SM x SMs; 0 where the device has no cooperative launch). GPU only."""
+    with torch.cuda.device(device):
+        n = _library().k3_mla_fused_max_blocks(max_shared)
+    if n < 0:
+        raise RuntimeError(f"{NAME}.cu could not size the fused grid ({_ERRORS.get(n, f'CUDA error {-n}')})")
+    return n
+
+
+@functools.cache
+def _fused_capture(device: int, max_shared: int) -> tuple[bool, str]:
+    with torch.cuda.device(device):
+        rc = _library().k3_mla_fused_capturable(max_shared)
+    if rc == 1:
+        return True, "a cooperative launch keeps its attribute under CUDA-graph capture here"
+    if rc == 0:
+        return False, ("CUDA-graph capture drops the cooperative attribute here (the grid barrier would rely on "
+                       "luck)")
+    return False, f"CUDA-graph capture of a cooperative launch is refused here ({_ERRORS.get(rc, f'CUDA error {-rc}')})"
+
+
+def fused_capturable(device: int, max_shared: int) -> tuple[bool, str]:
+    """(True, why) when a cooperative launch of the fused kernel can be captured in a CUDA graph with
+    its cooperative attribute kept (tested once per process and device: one launch captured on a
+    private stream, never run); else (False, why). Not tested while the current stream is capturing
+    (the answer is then False, saying so, and nothing is cached)."""
+    if torch.cuda.is_current_stream_capturing():
+        return False, "planned while the stream is being captured: the capture test of the fused form did not run"
+    return _fused_capture(device, max_shared)
+
+
+def merge_wanted(merge: str | None) -> str:
+    """The merge choice: `merge` if given, else K3LAB_MLA_MERGE, else DEFAULT_MERGE (checked)."""
+    if merge is None:
+        env = os.environ.get("K3LAB_MLA_MERGE", "")
+        if env and env not in MERGES:
+            raise ValueError(f"K3LAB_MLA_MERGE must be one of {MERGES}, got {env!r}")
+        return env or DEFAULT_MERGE
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES} or None, got {merge!r}")
+    return merge
+
+
+def choose_merge(merge: str, *, splits: int, batch: int, max_blocks: int, form: str = DEFAULT_FORM,
+                 stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS, probe: bool = False,
+                 capturable: tuple[bool, str] = (True, "")) -> tuple[str, str]:
+    """(path, why) for one plan: path 'none' (one piece: the split kernel writes the result), 'fused'
+    (one cooperative launch merging after a grid barrier) or 'kernel' (the merge kernel). merge='auto'
+    takes 'fused' where it applies and says why not otherwise; merge='fused' raises ValueError where it
+    cannot apply; max_blocks: co-resident blocks of the fused kernel (`fused_max_blocks`)."""
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+    if splits == 1:
+        return "none", "one piece: the split kernel writes the result, nothing to merge"
+    if merge == "kernel":
+        return "kernel", "merge='kernel' (K3LAB_MLA_MERGE or the default): the merge kernel, launched by PDL"
+    blocks = batch * splits
+    why_not = None
+    if form != "split" or stages != FUSED_STAGES or warps != FUSED_WARPS:
+        why_not = (f"the fused form is compiled for the split kernel with {FUSED_STAGES} stages and {FUSED_WARPS} "
+                   f"warps, not form={form!r}, {stages} stages, {warps} warps")
+    elif probe:
+        why_not = "the timeline probe is compiled for the two-kernel form only"
+    elif blocks > max_blocks:
+        why_not = (f"the grid of {batch} x {splits} = {blocks} blocks cannot all be resident at once (at most "
+                   f"{max_blocks} here): a grid barrier needs every block resident")
+    elif not capturable[0]:
+        why_not = capturable[1]
+    if why_not is None:
+        return "fused", (f"{blocks} blocks <= {max_blocks} co-resident: one cooperative launch, merged after a grid "
+                         f"barrier")
+    if merge == "fused":
+        raise ValueError(f"merge='fused' cannot run here: {why_not}")
+    return "kernel", f"merge='auto' took the merge kernel: {why_not}"
+
+
 # ----------------------------------------------------------------------------------------------
 # pieces
 
@@ -199,10 +301,11 @@ class _Checked:
     stages: int
     warps: int
     form: str
+    merge: str
 
 
 def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
-          warps=DEFAULT_WARPS, form=DEFAULT_FORM) -> _Checked:
+          warps=DEFAULT_WARPS, form=DEFAULT_FORM, merge=None) -> _Checked:
     """Every refusal, by name, before anything runs on a device (ValueError). Reads `lengths` and
     the block table on the host once (see mla_decode's plans)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -229,6 +332,7 @@ def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=No
                          f"got strides {tuple(cache.stride())}")
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    merge = merge_wanted(merge)
     if stages not in STAGES:
         raise ValueError(f"stages must be one of {STAGES}, got {stages!r}")
     if warps not in WARPS:
@@ -249,7 +353,7 @@ def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=No
         raise ValueError("q must start on a 4-byte boundary with even batch and head strides (the kernel reads "
                          "pairs of bf16)")
     inp = mla._validate(q, cache, lengths, block_table, max_heads=MAX_HEADS)  # lengths, block table, devices
-    return _Checked(inp, float(s), stages, warps, form)
+    return _Checked(inp, float(s), stages, warps, form, merge)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,6 +377,9 @@ class CudaDecodePlan:
     _keep: tuple = field(repr=False)  # tensors the raw pointers in _args point into
     _max_shared: int = field(repr=False, default=0)
     _device: int = field(repr=False, default=0)
+    merge: str = "kernel"  # 'none' (one piece), 'fused' (one cooperative launch) or 'kernel' (two launches)
+    merge_why: str = ""  # why that path (choose_merge)
+    _barrier: torch.Tensor | None = field(repr=False, default=None)  # fused: [counter, give-ups] (int64)
 
     # the names a Triton `mla_decode.DecodePlan` answers to, so callers need not care which runs
     variant = "after"
@@ -300,7 +407,12 @@ class CudaDecodePlan:
 
     @property
     def launches(self) -> int:
-        return 1 if self.num_splits == 1 else 2
+        return 1 if self.num_splits == 1 or self.merge == "fused" else 2
+
+    def barrier_timeouts(self) -> int:
+        """Blocks of the fused form that gave up waiting at the grid barrier since the plan was made
+        (bounded spin: 0 unless the barrier is broken; reads the GPU, so it syncs). 0 for other paths."""
+        return 0 if self._barrier is None else int(self._barrier[1].item())
 
     def facts(self) -> dict:
         team = self.form == "team"
@@ -308,11 +420,17 @@ class CudaDecodePlan:
                 "block_n": BLOCK_N, "num_stages": TEAM_STAGES if team else self.stages,
                 "num_warps": 8 if team else self.warps,
                 "smem_bytes": team_smem_bytes() if team else smem_bytes(self.stages),
-                "programs": self.programs, "launches": self.launches, "pdl": self.pdl, "rows_per_program": 16}
+                "programs": self.programs, "launches": self.launches, "pdl": self.pdl, "rows_per_program": 16,
+                "merge": self.merge}
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         lib = _library()
         stream = _raw_stream(self._device) if _raw_stream is not None else torch.cuda.current_stream().cuda_stream
+        if self.merge == "fused":
+            rc = lib.k3_mla_decode_fused(ctypes.byref(self._args), self._max_shared, ctypes.c_void_p(stream))
+            if rc != 0:
+                raise RuntimeError(f"{NAME}.cu refused the fused launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
+            return self.out, self.lse
         team = self.form == "team"
         rc = lib.k3_mla_decode(ctypes.byref(self._args), TEAM_STAGES if team else self.stages,
                                _TEAM_WARPS_CODE if team else self.warps, int(self.pdl), self._max_shared,
@@ -324,15 +442,17 @@ class CudaDecodePlan:
 
 def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
          warps=DEFAULT_WARPS, pdl: bool = True, compute_units: int | None = None,
-         probe: torch.Tensor | None = None, form: str = DEFAULT_FORM) -> CudaDecodePlan:
+         probe: torch.Tensor | None = None, form: str = DEFAULT_FORM, merge: str | None = None) -> CudaDecodePlan:
     """Check once (ValueError by name), then build a launchable plan on the GPU (KernelUnavailable,
     with the reason, where the kernel cannot run). num_splits: None = `choose_splits` for the
     device's SM count; stages / warps: the compiled ring depth and block size (5 and 4 by default);
     pdl: launch the merge early (programmatic dependent launch). probe: diagnostics only, an int64
     tensor on the GPU of at least `probe_size(plan)` entries that each launch fills with the
-    timeline of kernels/mla_decode.cu's Args.probe (default plan only; `timeline` reads it)."""
+    timeline of kernels/mla_decode.cu's Args.probe (default plan only; `timeline` reads it).
+    merge: 'kernel', 'fused', 'auto' or None (= K3LAB_MLA_MERGE, else DEFAULT_MERGE): how the pieces
+    are merged, see `choose_merge`; `plan.merge` says which path runs and `plan.merge_why` why."""
     c = check(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
-              warps=warps, form=form)
+              warps=warps, form=form, merge=merge)
     ok, why = status()
     if not ok:
         raise _build.KernelUnavailable(f"{NAME}.cu cannot run here: {why}")
@@ -373,9 +493,19 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
             raise ValueError(f"probe must be a contiguous int64 tensor on {q.device} of >= {need} entries, got "
                              f"{probe.dtype} on {probe.device} with {probe.numel()}")
         args.probe = probe.data_ptr()
-    keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse, probe)
-    return CudaDecodePlan(splits, chunk, stages, warps, bool(pdl) and splits > 1, form, out, lse, args, keep,
-                          max_shared, dev)
+    if c.merge == "kernel" or splits == 1:
+        path, why = choose_merge(c.merge, splits=splits, batch=B, max_blocks=0)
+    else:
+        path, why = choose_merge(c.merge, splits=splits, batch=B, max_blocks=fused_max_blocks(dev, max_shared),
+                                 form=form, stages=stages, warps=warps, probe=probe is not None,
+                                 capturable=fused_capturable(dev, max_shared))
+    barrier = None
+    if path == "fused":
+        barrier = torch.zeros(2, dtype=torch.int64, device=q.device)
+        args.barrier = barrier.data_ptr()
+    keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse, probe, barrier)
+    return CudaDecodePlan(splits, chunk, stages, warps, bool(pdl) and path == "kernel", form, out, lse, args, keep,
+                          max_shared, dev, path, why, barrier)
 
 
 def probe_size(batch: int, heads: int, splits: int) -> int:
@@ -403,9 +533,9 @@ def timeline(probe: torch.Tensor, batch: int, heads: int, splits: int) -> dict:
 
 def mla_decode_cuda(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None,
                     stages=DEFAULT_STAGES, warps=DEFAULT_WARPS, pdl: bool = True,
-                    form: str = DEFAULT_FORM) -> tuple[torch.Tensor, torch.Tensor]:
+                    form: str = DEFAULT_FORM, merge: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step on the CUDA kernel: (o [B, 1, H, 512] in q's dtype, lse [B, 1, H] natural log),
     as `mla_decode.reference` computes them."""
     o, lse = plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
-                  warps=warps, pdl=pdl, form=form)()
+                  warps=warps, pdl=pdl, form=form, merge=merge)()
     return o.clone(), lse.clone()

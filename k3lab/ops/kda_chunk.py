@@ -1681,8 +1681,11 @@ def _alloc_work(n_chunks: int, H: int, dtype, device) -> _Work:
     )
 
 
-PROLOGUES = ("persistent", "split", "rows", "fused", "flat")
-DEFAULT_PROLOGUE = "rows"  # H200, 12 heads x 16K tokens (run 3): rows 544 us, fused 712, split 778
+PROLOGUES = ("persistent", "split", "rows", "fused", "flat", "cuda")
+DEFAULT_PROLOGUE = "rows"  # the Triton default; H200, 12 heads x 16K tokens (run 3): rows 544 us, fused 712, split 778
+# 'cuda': kernels/kda_prologue.cu (k3lab.ops.kda_prologue_cuda), the whole prologue in one hand-written
+# launch (tf32 mma for the A's, an exact fp32 inverse, bf16 mma for W and U). `choose_prologue` makes it
+# the default where `prologue_status` allows (bf16 on an NVIDIA GPU), 'rows' elsewhere.
 # each prologue kind's launch options (`options=` / `prologue_options=` override them):
 #   split (run 2's default): key slice and warps of the A launch, one row block per program (else four
 #     per program), warps of the inverse, slice and warps of W / U; each the fastest that
@@ -1723,6 +1726,7 @@ PROLOGUE_DEFAULTS = {
         "inv_prec": "tf32x3", "inv_wu": False, "wu_block_k": 64, "wu_warps": 4,
     },  # fmt: skip
     "fused": {"warps": 4, "block_k": 32, "akk_prec": "fast", "wu_block_k": 64, "maxnreg": None},
+    "cuda": {},
     "flat": {
         "a_warps": 4, "block_k": 32, "akk_prec": "fast", "aqk": "bf16", "dot3": False, "split": False,
         "prefetch": True, "maxnreg": None, "inv_warps": 1, "inv_prec": "ieee", "inv_wu": False, "wu_block_k": 64,
@@ -1772,9 +1776,11 @@ def prologue_launches(
     """A prologue's launches as callables on fixed buffers, in order (for timing each on its own):
     split / rows: 'a' (Akk, Aqk, Qg, W's right factor, Kd^T, d), 'inverse' (R in place of Akk, fp32),
     'wu' (W, U); fused: 'fused'; persistent: 'persistent'."""
-    prologue = prologue or DEFAULT_PROLOGUE
+    prologue = prologue or choose_prologue(q, k, v, g, beta)
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
+    if prologue == "cuda":
+        return {"cuda": _cuda_prologue(q, k, v, g, beta, plan, scale, work, num_warps, options)}
     defaults = PROLOGUE_DEFAULTS[prologue]
     unknown = set(options or {}) - set(defaults)
     if unknown:
@@ -1874,6 +1880,49 @@ def prologue_launches(
         )  # fmt: skip
 
     return {"a": a, "inverse": inverse, "wu": wu}
+
+
+def prologue_status(q, k, v, g, beta) -> tuple[bool, str]:
+    """Whether the CUDA prologue (kernels/kda_prologue.cu) runs for these tensors: (True, what is
+    built) or (False, why not; the Triton 'rows' prologue runs instead)."""
+    from k3lab.ops import kda_prologue_cuda
+
+    if _WHILE:
+        return False, "Triton's interpreter (no GPU): the Triton 'rows' prologue runs"
+    ok, why = kda_prologue_cuda.status()
+    if not ok:
+        return False, why
+    reason = kda_prologue_cuda.supports(q, k, v, g, beta)
+    return (False, reason) if reason else (True, why)
+
+
+def choose_prologue(q, k, v, g, beta) -> str:
+    """'cuda' where `prologue_status` allows, else DEFAULT_PROLOGUE ('rows'). K3LAB_KDA_PROLOGUE names
+    one kind for every call instead (to compare them end to end)."""
+    import os
+
+    forced = os.environ.get("K3LAB_KDA_PROLOGUE", "")
+    if forced:
+        if forced not in PROLOGUES:
+            raise ValueError(f"K3LAB_KDA_PROLOGUE must be one of {PROLOGUES}, got {forced!r}")
+        return forced
+    return "cuda" if prologue_status(q, k, v, g, beta)[0] else DEFAULT_PROLOGUE
+
+
+def _cuda_prologue(q, k, v, g, beta, plan, scale, work, num_warps, options):
+    from k3lab.ops import kda_prologue_cuda
+
+    if num_warps not in (None, 4) or options:
+        raise ValueError(f"the cuda prologue takes no options (4 warps, fixed); got num_warps={num_warps}, "
+                         f"options={options}")
+    ok, why = prologue_status(q, k, v, g, beta)
+    if not ok:
+        raise ValueError(f"prologue='cuda' cannot run here: {why}")
+    H = q.shape[2]
+    return lambda: kda_prologue_cuda.launch(
+        q, k, v, g, beta, plan.chunk_tok, plan.chunk_len, work, n_chunks=plan.n_chunks, heads=H, scale=scale,
+        spread=SAFE_SPREAD,
+    )
 
 
 def _launch_persistent(q, k, v, g, beta, plan, scale, work, num_warps):

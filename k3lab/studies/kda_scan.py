@@ -406,7 +406,7 @@ def _tune_record(runner: Runner, variant: str) -> dict:
     if variant == "fla":
         return {}
     t = dict(runner.tune_after if variant == "after" else runner.tune)
-    t.setdefault("prologue", kc.DEFAULT_PROLOGUE)
+    t.setdefault("prologue", kc.choose_prologue(*runner._args()))
     return t
 
 
@@ -494,6 +494,7 @@ PROLOGUE_CANDIDATES = (
 # second call's candidates: with the exact path for wide decays in a fix-up launch the A kernel is
 # 6.3K instructions per thread without spills (8.5K and 80 bytes of stack with it compiled in).
 PROLOGUE_CANDIDATES_I6 = (
+    ("cuda", {}),
     ("rows", {}),
     ("rows", {"exact": "fixup"}),
     ("rows", {"exact": "fixup", "maxnreg": 168}),
@@ -603,7 +604,7 @@ def calibrate(
                 print(f"calibrate prologue {label}: check FAILED {err['failed'][:200]}")
         except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses is skipped
             print(f"calibrate prologue {label}: {type(exc).__name__}: {str(exc)[:300]}")
-    best_kind, best = kc.DEFAULT_PROLOGUE, {}
+    best_kind, best = kc.choose_prologue(q, k, v, g, beta), {}
     if whole_t:
         (best_kind, _), (_, best) = min(whole_t.items(), key=lambda kv: kv[1][0])
     kc.kda_chunk_prologue(q, k, v, g, beta, plan, scale, runner.work, prologue=best_kind, options=best)

@@ -1,0 +1,155 @@
+"""kernels/kda_prologue.cu (the 'cuda' prologue of k3lab.ops.kda_chunk) against the PyTorch algebra in
+fp64 and against the Triton 'rows' prologue, end to end through both walks, and its refusals.
+GPU-only tests skip with the reason the kernel cannot run here."""
+
+import pytest
+import torch
+
+import k3lab  # noqa: F401
+from k3lab import bench
+from k3lab.nn.kda import kda_chunked
+from k3lab.ops import kda_chunk as kc
+from k3lab.ops import kda_prologue_cuda as kp
+from k3lab.ops import kda_scan_math as sm
+
+HAVE_GPU = torch.cuda.is_available()
+_STATUS = kp.status() if HAVE_GPU else (False, "no GPU: the CUDA prologue needs an NVIDIA GPU")
+needs_kernel = pytest.mark.skipif(not _STATUS[0], reason=_STATUS[1])
+
+
+def _inputs(B, T, H, seed=0, gate_low=-5.0, device="cuda"):
+    """bf16 q, k (normalised), v; fp32 gates with per-channel rates down to `gate_low` per token; beta."""
+    gen = torch.Generator().manual_seed(seed)
+    K = 128
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, K, generator=gen)
+    bias = torch.linspace(-9, 0, K)[torch.randperm(K, generator=gen)]
+    g = gate_low * torch.sigmoid(torch.randn(B, T, H, K, generator=gen) + bias)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    bf = torch.bfloat16
+    return (q.to(device, bf), k.to(device, bf), v.to(device, bf), g.to(device), beta.to(device))
+
+
+def _rel(got, ref):
+    got, ref = got.double(), ref.double()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _fields(work):
+    return {"W": work.w, "U": work.u, "Qg": work.qg, "Aqk": work.aqk, "KdT": work.kdt, "d": work.d}
+
+
+def _reference_fields(q, k, v, g, beta, scale):
+    cq = sm.chunk_quantities(*(t.double() for t in (q, k, v, g, beta)), scale=scale)
+    ref = {"W": cq.W, "U": cq.U, "Qg": cq.Qg, "Aqk": cq.Aqk, "KdT": cq.Kd.transpose(-1, -2), "d": cq.d}
+    return {name: t[0].transpose(0, 1) for name, t in ref.items()}  # [B=1, H, n, ...] -> [n, H, ...]
+
+
+def test_status_says_why_not_without_a_kernel():
+    ok, why = kp.status() if HAVE_GPU else _STATUS
+    assert isinstance(ok, bool) and why
+    if not HAVE_GPU:
+        q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
+        ok, why = kc.prologue_status(q, q, q, q.float(), torch.zeros(1, 64, 1))
+        assert not ok and "rows" in why
+        assert kc.choose_prologue(q, q, q, q.float(), torch.zeros(1, 64, 1)) == "rows"
+
+
+@needs_kernel
+@pytest.mark.parametrize("T", [64, 100, 13, 1000])
+def test_cuda_prologue_writes_the_chunk_quantities(T):
+    """Every field the walks read against the fp64 algebra (bf16 outputs: rel. L2 within 1e-2) and
+    against the Triton 'rows' prologue on the same inputs (the two differ by rounding only)."""
+    q, k, v, g, beta = _inputs(1, T, 3, seed=T)
+    plan = kc.make_plan([T], 3, device="cuda")
+    scale = 128**-0.5
+    cuda = kc.kda_chunk_prologue(q, k, v, g, beta, plan, scale, prologue="cuda")
+    rows = kc.kda_chunk_prologue(q, k, v, g, beta, plan, scale, prologue="rows")
+    ref = _reference_fields(q, k, v, g, beta, scale)
+    torch.cuda.synchronize()
+    for name, got in _fields(cuda).items():
+        assert torch.isfinite(got).all(), name
+        err = _rel(got, ref[name])
+        assert err < 1e-2, f"{name}: rel. L2 {err:.2e} against fp64"
+        assert _rel(got, _fields(rows)[name]) < 1e-2, name
+    # Aqk's upper blocks and W's padded rows are exact zeros (the walks multiply whole tiles)
+    upper = torch.ones(64, 64, dtype=torch.bool, device="cuda").triu(1)
+    assert (cuda.aqk[:, :, upper] == 0).all()
+    if T % 64:
+        pad = T % 64
+        assert (cuda.w[-1, :, pad:] == 0).all() and (cuda.qg[-1, :, pad:] == 0).all()
+
+
+@needs_kernel
+def test_wide_decays_take_the_exact_path():
+    """Gates down to -12 per token put block spreads far past SAFE_SPREAD (64): those blocks are summed
+    pair by pair; no overflow, same fields as the fp64 algebra."""
+    q, k, v, g, beta = _inputs(1, 192, 2, seed=3, gate_low=-12.0)
+    block_sums = g.reshape(3, 4, 16, 2, 128).sum(2)
+    assert (-block_sums).max().item() > kc.SAFE_SPREAD  # the exact path is really taken
+    plan = kc.make_plan([192], 2, device="cuda")
+    work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, prologue="cuda")
+    ref = _reference_fields(q, k, v, g, beta, 0.1)
+    for name, got in _fields(work).items():
+        assert torch.isfinite(got).all(), name
+        assert _rel(got, ref[name]) < 1e-2, name
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", ["before", "after"])
+def test_walks_with_the_cuda_prologue_match_fp64(variant):
+    """End to end on a ragged batch (cu_seqlens, lengths not multiples of 64) with an initial state:
+    output and every final state against kda_chunked in fp64; and the default prologue is 'cuda'."""
+    lengths = [700, 64, 1500, 37]
+    T = sum(lengths)
+    q, k, v, g, beta = _inputs(1, T, 3, seed=5)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    S0 = torch.randn(len(lengths), 3, 128, 128, device="cuda") * 0.1
+    assert kc.choose_prologue(q, k, v, g, beta) == "cuda"
+    o, S = kc.kda_chunk(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu, variant=variant,
+                        **({"group_size": 4} if variant == "after" else {}))
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        ro, rS = kda_chunked(*(t[:, a:b].double() for t in (q, k, v, g, beta)), initial_state=S0[n : n + 1].double())
+        assert _rel(o[:, a:b], ro) < 1e-2, f"o of sequence {n}"
+        assert _rel(S[n], rS[0]) < 1e-2, f"state of sequence {n}"
+
+
+@needs_kernel
+def test_cuda_prologue_replays_in_a_graph():
+    q, k, v, g, beta = _inputs(1, 4096, 2, seed=9)
+    plan = kc.make_plan([4096], 2, device="cuda")
+    work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, prologue="cuda")
+    first = {name: t.clone() for name, t in _fields(work).items()}
+    launch = kc.prologue_launches(q, k, v, g, beta, plan, 0.1, work, prologue="cuda")["cuda"]
+    graph = bench.capture_graph(launch, copies=3)
+    for t in _fields(work).values():
+        t.fill_(float("nan")) if t.is_floating_point() else t.zero_()
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    for name, t in _fields(work).items():
+        assert torch.equal(t, first[name]), name  # the same bits every time
+
+
+@needs_kernel
+def test_cuda_prologue_refuses_what_it_cannot_take():
+    q, k, v, g, beta = _inputs(1, 64, 1)
+    plan = kc.make_plan([64], 1, device="cuda")
+    with pytest.raises(ValueError, match="bf16"):
+        kc.kda_chunk_prologue(q.float(), k.float(), v.float(), g, beta, plan, 0.1, prologue="cuda")
+    with pytest.raises(ValueError, match="no options"):
+        kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, prologue="cuda", options={"block_k": 16})
+    with pytest.raises(ValueError, match="contiguous"):
+        kc.kda_chunk_prologue(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, g, beta, plan, 0.1,
+                              prologue="cuda")
+    assert kc.choose_prologue(q.float(), k.float(), v.float(), g, beta) == "rows"
+
+
+def test_forced_prologue_env_is_checked(monkeypatch):
+    q = torch.zeros(1, 64, 1, 128)
+    monkeypatch.setenv("K3LAB_KDA_PROLOGUE", "fast")
+    with pytest.raises(ValueError, match="K3LAB_KDA_PROLOGUE"):
+        kc.choose_prologue(q, q, q, q, torch.zeros(1, 64, 1))
+    monkeypatch.setenv("K3LAB_KDA_PROLOGUE", "flat")
+    assert kc.choose_prologue(q, q, q, q, torch.zeros(1, 64, 1)) == "flat"

@@ -464,17 +464,22 @@ K3_DEVICE void write_probe(const Args& a, int b, int split, unsigned long long t
 // B * splits <= blocks per SM (occupancy API) x SMs (`k3_mla_fused_max_blocks`); otherwise the
 // two-kernel form runs.
 //
-// The barrier: a 64-bit counter per plan that only grows. A block adds 1; the launch it belongs to
-// is old / nblocks (every launch of a plan has the same grid), so it waits until the counter reaches
-// (old / nblocks + 1) * nblocks: reusable across launches and graph replays without a reset.
-// Memory order: __syncthreads (the block's stores of its piece precede thread 0's next step),
-// __threadfence + atomicAdd (release at GPU scope), an acquire load in the spin, __threadfence and
-// __syncthreads (every thread's later reads of other blocks' pieces come after), and those reads
-// use ld.global.cg (L2), never a stale L1 line.
+// The barrier: a 64-bit counter per plan that only grows, by one per block per launch (every launch
+// of a plan has the same grid of nblocks). Thread 0 reads it when its block starts (the read's
+// latency hides behind the tile loop): launch n's blocks see a value in [n * nblocks, n * nblocks +
+// nblocks - 1] (launch n - 1 is complete, and this block has not arrived, so fewer than nblocks of
+// launch n have), so value / nblocks = n, and the block waits at the end until the counter reaches
+// (n + 1) * nblocks: reusable across launches and graph replays without a reset, and the arrival is
+// a fire-and-forget reduction (no round trip for an old value).
+// Memory order (the pattern of CUTLASS's generic barrier): __syncthreads (the block's stores of its
+// piece precede thread 0's next step), fence.acq_rel.gpu + red.relaxed.gpu (release: cumulative over
+// the writes thread 0 observed through the barrier), ld.acquire.gpu in the spin, __syncthreads (every
+// thread's later reads come after thread 0's acquire), and those reads use ld.global.cg (L2), never
+// a stale L1 line.
 // Why launches never mix on one counter, with programmatic dependent launch (PDL) around it: this
 // kernel is launched WITHOUT the programmatic-serialization attribute, so it starts only after the
 // previous kernel in the stream has completed, including a previous launch of itself: every arrival
-// of launch n precedes every arrival of launch n + 1, hence old / nblocks numbers the launch. It
+// of launch n precedes every block start of launch n + 1, hence value / nblocks numbers the launch. It
 // does call griddepcontrol.launch_dependents at its start, so a following kernel launched with PDL
 // may start early; it can do so only once every block of this grid has issued the instruction (all
 // are resident then), it only takes resources left over (it cannot evict a block here, so the
@@ -484,13 +489,21 @@ K3_DEVICE void write_probe(const Args& a, int b, int split, unsigned long long t
 // The spin is bounded (2^26 polls, seconds): a block that gives up counts itself in barrier[1] and
 // goes on (wrong results, flagged, instead of a hung GPU); the host checks the count.
 constexpr long long BARRIER_SPIN_LIMIT = 1ll << 26;
+constexpr int MERGE_BATCH = 16;  // pieces whose loads a merge thread keeps in flight together
 
-K3_DEVICE void grid_barrier(unsigned long long* ctr, unsigned nblocks, int tid) {
+K3_DEVICE unsigned long long barrier_read(const unsigned long long* ctr) {  // thread 0, at block start
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(ctr) : "memory");
+  return v;
+}
+
+// Every block arrives once; returns when all `nblocks` of this launch have (`seen`: thread 0's
+// barrier_read at block start; other threads pass anything).
+K3_DEVICE void grid_barrier(unsigned long long* ctr, unsigned long long seen, unsigned nblocks, int tid) {
   __syncthreads();
   if (tid == 0) {
-    __threadfence();
-    const unsigned long long old = atomicAdd(ctr, 1ull);
-    const unsigned long long target = (old / nblocks + 1) * nblocks;
+    const unsigned long long target = (seen / nblocks + 1) * nblocks;
+    asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
     long long polls = 0;
     for (;;) {
       unsigned long long v;
@@ -501,7 +514,6 @@ K3_DEVICE void grid_barrier(unsigned long long* ctr, unsigned nblocks, int tid) 
         break;
       }
     }
-    __threadfence();
   }
   __syncthreads();
 }
@@ -510,8 +522,9 @@ K3_DEVICE void grid_barrier(unsigned long long* ctr, unsigned nblocks, int tid) 
 // block u % nblocks. The column group is the narrowest (32 .. 512 columns) whose unit count still
 // fits the grid in one round, so each thread reads about `heads` pieces whatever the shape. THREADS =
 // column float4s (CQ) x split groups (SG); thread (sg, cq) runs an online log-sum-exp over pieces sg,
-// sg + SG, ... in batches of 8 independent loads (lse and partial together: one L2 round trip per
-// batch, no separate pass for the maximum), then the SG partial states meet in shared memory.
+// sg + SG, ... in batches of MERGE_BATCH independent loads (lse and partial together: one L2 round
+// trip per batch, no separate pass for the maximum; 16 covers the H200's shapes in one batch), then
+// the SG partial states meet in shared memory.
 template <int THREADS>
 K3_DEVICE void merge_share(const Args& a, unsigned char* smem, int block, int nblocks, int tid) {
   float4* red_o = reinterpret_cast<float4*>(smem);  // the ring is free: every tile has been read
@@ -529,11 +542,11 @@ K3_DEVICE void merge_share(const Args& a, unsigned char* smem, int block, int nb
     const float* part = a.part_o + (long long)row * a.splits * DV + col;
     float m = -INFINITY, den = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = sg; s0 < a.splits; s0 += 8 * nsg) {
-      float l[8];
-      float4 v[8];
+    for (int s0 = sg; s0 < a.splits; s0 += MERGE_BATCH * nsg) {
+      float l[MERGE_BATCH];
+      float4 v[MERGE_BATCH];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
+      for (int k = 0; k < MERGE_BATCH; ++k) {
         const int s = s0 + k * nsg;
         l[k] = s < a.splits ? __ldcg(lse + s) : -INFINITY;
         v[k] = s < a.splits ? __ldcg(reinterpret_cast<const float4*>(part + (long long)s * DV))
@@ -541,7 +554,7 @@ K3_DEVICE void merge_share(const Args& a, unsigned char* smem, int block, int nb
       }
       float nm = m;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) nm = fmaxf(nm, l[k]);
+      for (int k = 0; k < MERGE_BATCH; ++k) nm = fmaxf(nm, l[k]);
       if (nm == -INFINITY) continue;  // only empty pieces so far
       const float sc = exp2f(m - nm);  // 0 while m is -inf
       o.x *= sc;
@@ -550,7 +563,7 @@ K3_DEVICE void merge_share(const Args& a, unsigned char* smem, int block, int nb
       o.w *= sc;
       den *= sc;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
+      for (int k = 0; k < MERGE_BATCH; ++k) {
         const float w = exp2f(l[k] - nm);  // an empty piece: lse -inf, weight 0
         o.x += w * v[k].x;
         o.y += w * v[k].y;
@@ -610,6 +623,8 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
   const unsigned long long t_start = PROBE ? now_ns() : 0ull;
   long long wait_cycles = 0, sync_cycles = 0;  // PROBE: thread 0's time in tile waits and barriers
   launch_dependents();  // the merge may launch now; it waits (griddepcontrol.wait) for this grid
+  unsigned long long barrier_seen = 0;  // FUSED: the grid barrier's counter at block start (thread 0)
+  if (FUSED && tid == 0) barrier_seen = barrier_read(a.barrier);
   // The first tiles' rows, read before the request's length is known: the block-table reads and the
   // length read are in flight together (one memory round trip before the first copies, not two).
   long long first_rows[STAGES];
@@ -712,7 +727,7 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
   if (PROBE && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, sync_cycles);
   if constexpr (FUSED) {  // every piece of the grid written: the blocks share the merge (splits > 1)
     const int nblocks = gridDim.x * gridDim.y;
-    grid_barrier(a.barrier, (unsigned)nblocks, tid);
+    grid_barrier(a.barrier, barrier_seen, (unsigned)nblocks, tid);
     merge_share<NW * 32>(a, smem, blockIdx.y * gridDim.x + blockIdx.x, nblocks, tid);
   }
 #endif  // K3_MLA_SM90
@@ -1011,7 +1026,7 @@ inline int configure_fused(int max_shared) {
 // One cooperative launch of the fused kernel: the runtime refuses it (cudaErrorCooperativeLaunchTooLarge)
 // unless the whole grid can be resident at once. No programmatic-serialization attribute: see
 // grid_barrier's comment for why the barrier needs the previous kernel complete.
-inline cudaError_t launch_fused_raw(const Args& a, cudaStream_t st) {
+inline cudaError_t launch_fused_raw(const Args& a, cudaStream_t st, bool cooperative = true) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(a.splits, a.B);
   cfg.blockDim = dim3(FUSED_WARPS * 32);
@@ -1021,7 +1036,7 @@ inline cudaError_t launch_fused_raw(const Args& a, cudaStream_t st) {
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = cooperative ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, fused_kernel(), a);
 }
 
@@ -1158,8 +1173,10 @@ K3_EXPORT int k3_mla_fused_capturable(int max_shared) {
 
 // One decode step in the fused form (splits > 1, barrier set): one cooperative launch.
 // Returns 0, -3 (shared memory), -4 (bad sizes) or the CUDA runtime's error code
-// (cudaErrorCooperativeLaunchTooLarge = 720 when the grid cannot be co-resident).
-K3_EXPORT int k3_mla_decode_fused(const k3mla::Args* args, int max_shared, void* stream) {
+// (cudaErrorCooperativeLaunchTooLarge = 720 when the grid cannot be co-resident). diag_plain = 1:
+// DIAGNOSTICS ONLY, the same launch without the cooperative attribute (to time what the attribute
+// costs; co-residency is then luck, and the bounded spin is all that stands between it and a hang).
+K3_EXPORT int k3_mla_decode_fused(const k3mla::Args* args, int max_shared, void* stream, int diag_plain) {
   const k3mla::Args& a = *args;
   if (a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 2 || a.splits > 65535 ||
       a.chunk < k3mla::BN || a.chunk % k3mla::BN != 0 || a.page_shift < 5 || a.page_shift > 30 ||
@@ -1167,7 +1184,7 @@ K3_EXPORT int k3_mla_decode_fused(const k3mla::Args* args, int max_shared, void*
     return -4;
   const int rc = k3mla::configure_fused(max_shared);
   if (rc != 0) return rc;
-  return (int)k3mla::launch_fused_raw(a, (cudaStream_t)stream);
+  return (int)k3mla::launch_fused_raw(a, (cudaStream_t)stream, diag_plain == 0);
 }
 
 // Registers per thread of the fused kernel (<0: error).
@@ -1187,7 +1204,7 @@ K3_EXPORT int k3_mla_decode_regs(int, int) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_decode(const k3mla::Args*, int, int, int, int, void*) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_fused_max_blocks(int) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_fused_capturable(int) { return K3_MLA_UNSUPPORTED; }
-K3_EXPORT int k3_mla_decode_fused(const k3mla::Args*, int, void*) { return K3_MLA_UNSUPPORTED; }
+K3_EXPORT int k3_mla_decode_fused(const k3mla::Args*, int, void*, int) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_fused_regs() { return K3_MLA_UNSUPPORTED; }
 
 #endif

@@ -111,7 +111,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k3_mla_decode_regs.restype = ctypes.c_int
     lib.k3_mla_decode_regs.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.k3_mla_decode_fused.restype = ctypes.c_int
-    lib.k3_mla_decode_fused.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_void_p]
+    lib.k3_mla_decode_fused.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     for fn in ("k3_mla_fused_max_blocks", "k3_mla_fused_capturable"):
         getattr(lib, fn).restype = ctypes.c_int
         getattr(lib, fn).argtypes = [ctypes.c_int]
@@ -380,6 +380,7 @@ class CudaDecodePlan:
     merge: str = "kernel"  # 'none' (one piece), 'fused' (one cooperative launch) or 'kernel' (two launches)
     merge_why: str = ""  # why that path (choose_merge)
     _barrier: torch.Tensor | None = field(repr=False, default=None)  # fused: [counter, give-ups] (int64)
+    _diag_plain_launch: bool = field(repr=False, default=False)  # diagnostics only: fused without the attribute
 
     # the names a Triton `mla_decode.DecodePlan` answers to, so callers need not care which runs
     variant = "after"
@@ -427,7 +428,8 @@ class CudaDecodePlan:
         lib = _library()
         stream = _raw_stream(self._device) if _raw_stream is not None else torch.cuda.current_stream().cuda_stream
         if self.merge == "fused":
-            rc = lib.k3_mla_decode_fused(ctypes.byref(self._args), self._max_shared, ctypes.c_void_p(stream))
+            rc = lib.k3_mla_decode_fused(ctypes.byref(self._args), self._max_shared, ctypes.c_void_p(stream),
+                                         int(self._diag_plain_launch))
             if rc != 0:
                 raise RuntimeError(f"{NAME}.cu refused the fused launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
             return self.out, self.lse

@@ -66,7 +66,13 @@ struct Args {
   int n_chunks, H;
   float scale;
   float spread;  // largest block decay spread (natural log) the factored diagonal accepts
+  // Timeline probe (diagnostics only; null in normal use): the kernel instantiated with PROBE writes,
+  // per block, PROBE_WORDS u64 at probe[(chunk * H + h) * PROBE_WORDS]: the global timer (ns) at its
+  // start and after each stage's barrier (loads of g, all loads, the A's, W/U's factors, the diagonal
+  // inverse, the off-diagonal inverse, W and U), at its end, and its SM id.
+  unsigned long long* probe;
 };
+constexpr int PROBE_WORDS = 10;
 
 }  // namespace k3kp
 
@@ -304,8 +310,21 @@ K3_DEVICE void tile_out(const k3_bf16* X, k3_bf16* dst, int tid) {
   }
 }
 
+K3_DEVICE unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+template <bool PROBE>
 __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned long long stamp[PROBE_WORDS - 1];
+  int n_stamp = 0;
+  auto mark = [&]() {
+    if (PROBE) stamp[n_stamp++] = now_ns();
+  };
+  mark();
   const Smem s = carve(smem_raw);
   const int chunk = blockIdx.x, h = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -338,6 +357,7 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
   if (tid == 0) *s.wide = 0;
   cp_wait<1>();
   __syncthreads();
+  mark();
 
   // 2. column scan: thread c turns column c of g into G, records P_b and the block spreads
   {
@@ -360,6 +380,7 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
   }
   cp_wait<0>();
   __syncthreads();
+  mark();
   const int wide = *s.wide;
 
   // 3. Qg rows (16 bytes per thread and step), then Kd^T row c and d[c] by thread c
@@ -415,6 +436,7 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
       if ((wide >> b) & 1) ex[b] = exact_diag(s, b, tid);
   }
   __syncthreads();  // q and k are no longer read as such
+  mark();
   if (warp == 0) a_store<4>(s, akk, aqk, a.scale, 3, 0, false, ak4, aq4, g, t);
   if (warp == 1) a_store<4>(s, akk, aqk, a.scale, 3, 32, (wide >> 3) & 1, ak4, aq4, g, t);
   if (warp == 2) a_store<6>(s, akk, aqk, a.scale, 2, 0, (wide >> 2) & 1, ak6, aq6, g, t);
@@ -461,6 +483,7 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
     *reinterpret_cast<uint4*>(s.v + row * XP + c8) = make_uint4(ov[0], ov[1], ov[2], ov[3]);
   }
   __syncthreads();  // Akk complete; G no longer needed: R and the scratch take its place
+  mark();
 
   // 5. R = (I + Akk)^-1 in fp32. Diagonal blocks: thread (b, j) solves column j of block b.
   float* R = s.G;
@@ -480,6 +503,7 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
     for (int i = 0; i < 16; ++i) R[(16 * b + i) * AP + 16 * b + j] = x[i];
   }
   __syncthreads();
+  mark();
   // off-diagonal blocks by distance dd from the diagonal: T = sum_{J <= M < I} L_IM R_MJ, then
   // R_IJ = -R_II T (blocks (I, I - dd) for I = dd .. 3; every block's 256 entries over 128 threads)
 #pragma unroll 1
@@ -508,13 +532,26 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
     }
     __syncthreads();
   }
+  mark();
 
   // 6. W = R (beta k e^G), U = R (beta v), each warp its 32 columns, then 16-byte rows out
   r_times(R, s.k, warp, lane);
   r_times(R, s.v, warp, lane);
   __syncthreads();
+  mark();
   tile_out(s.k, a.w + item * C * K, tid);
   tile_out(s.v, a.u + item * C * K, tid);
+  if (PROBE) {
+    __syncthreads();
+    mark();
+    if (tid == 0) {
+      unsigned int sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      unsigned long long* p = a.probe + item * PROBE_WORDS;
+      for (int i = 0; i < PROBE_WORDS - 1; ++i) p[i] = stamp[i];
+      p[PROBE_WORDS - 1] = sm;
+    }
+  }
 }
 
 }  // namespace k3kp
@@ -522,10 +559,11 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
 K3_EXPORT int k3_kda_prologue_supported() { return 1; }
 K3_EXPORT int k3_kda_prologue_args_size() { return (int)sizeof(k3kp::Args); }
 K3_EXPORT int k3_kda_prologue_smem() { return k3kp::SMEM_BYTES; }
+K3_EXPORT int k3_kda_prologue_probe_words() { return k3kp::PROBE_WORDS; }
 
 K3_EXPORT int k3_kda_prologue_regs() {
   cudaFuncAttributes attr;
-  const cudaError_t e = cudaFuncGetAttributes(&attr, k3kp::prologue_kernel);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, k3kp::prologue_kernel<false>);
   return e == cudaSuccess ? attr.numRegs : -(int)e;
 }
 
@@ -537,12 +575,17 @@ K3_EXPORT int k3_kda_prologue(const k3kp::Args* args, int max_shared, void* stre
   if (k3kp::SMEM_BYTES > max_shared) return -3;
   static bool configured = false;  // the opt-in above 48 KB, once per process
   if (!configured) {
-    const cudaError_t e = cudaFuncSetAttribute(k3kp::prologue_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               k3kp::SMEM_BYTES);
-    if (e != cudaSuccess) return (int)e;
+    for (auto kernel : {k3kp::prologue_kernel<false>, k3kp::prologue_kernel<true>}) {
+      const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, k3kp::SMEM_BYTES);
+      if (e != cudaSuccess) return (int)e;
+    }
     configured = true;
   }
-  k3kp::prologue_kernel<<<dim3(a.n_chunks, a.H), k3kp::THREADS, k3kp::SMEM_BYTES, (cudaStream_t)stream>>>(a);
+  const dim3 grid(a.n_chunks, a.H);
+  if (a.probe != nullptr)
+    k3kp::prologue_kernel<true><<<grid, k3kp::THREADS, k3kp::SMEM_BYTES, (cudaStream_t)stream>>>(a);
+  else
+    k3kp::prologue_kernel<false><<<grid, k3kp::THREADS, k3kp::SMEM_BYTES, (cudaStream_t)stream>>>(a);
   return (int)cudaGetLastError();
 }
 
@@ -551,6 +594,7 @@ K3_EXPORT int k3_kda_prologue(const k3kp::Args* args, int max_shared, void* stre
 K3_EXPORT int k3_kda_prologue_supported() { return 0; }
 K3_EXPORT int k3_kda_prologue_args_size() { return (int)sizeof(k3kp::Args); }
 K3_EXPORT int k3_kda_prologue_smem() { return -1; }
+K3_EXPORT int k3_kda_prologue_probe_words() { return k3kp::PROBE_WORDS; }
 K3_EXPORT int k3_kda_prologue_regs() { return K3_KP_UNSUPPORTED; }
 K3_EXPORT int k3_kda_prologue(const k3kp::Args*, int, void*) { return K3_KP_UNSUPPORTED; }
 

@@ -134,8 +134,8 @@ def test_cuda_prologue_replays_in_a_graph():
 
 @needs_kernel
 def test_cuda_prologue_refuses_what_it_cannot_take():
-    q, k, v, g, beta = _inputs(1, 64, 1)
-    plan = kc.make_plan([64], 1, device="cuda")
+    q, k, v, g, beta = _inputs(1, 64, 2)
+    plan = kc.make_plan([64], 2, device="cuda")
     with pytest.raises(ValueError, match="bf16"):
         kc.kda_chunk_prologue(q.float(), k.float(), v.float(), g, beta, plan, 0.1, prologue="cuda")
     with pytest.raises(ValueError, match="no options"):
@@ -144,6 +144,27 @@ def test_cuda_prologue_refuses_what_it_cannot_take():
         kc.kda_chunk_prologue(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, g, beta, plan, 0.1,
                               prologue="cuda")
     assert kc.choose_prologue(q.float(), k.float(), v.float(), g, beta) == "rows"
+    work = kc._alloc_work(1, 2, q.dtype, q.device)
+    with pytest.raises(ValueError, match="probe"):
+        kp.launch(q, k, v, g, beta, plan.chunk_tok, plan.chunk_len, work, n_chunks=1, heads=2, scale=0.1,
+                  spread=kc.SAFE_SPREAD, probe=torch.zeros(2, 3, dtype=torch.int64, device="cuda"))
+
+
+@needs_kernel
+def test_timeline_probe_leaves_the_results_alone():
+    """The probe build writes the same fields bit for bit, and one stamp row per block in time order."""
+    q, k, v, g, beta = _inputs(1, 1000, 2, seed=4)
+    plan = kc.make_plan([1000], 2, device="cuda")
+    plain = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, prologue="cuda")
+    work = kc._alloc_work(plan.n_chunks, 2, q.dtype, q.device)
+    probe = torch.zeros(plan.n_chunks * 2, kp.probe_words(), dtype=torch.int64, device="cuda")
+    kp.launch(q, k, v, g, beta, plan.chunk_tok, plan.chunk_len, work, n_chunks=plan.n_chunks, heads=2, scale=0.1,
+              spread=kc.SAFE_SPREAD, probe=probe)
+    for name, t in _fields(work).items():
+        assert torch.equal(t, _fields(plain)[name]), name
+    frame = kp.timeline(probe)
+    assert len(frame) == plan.n_chunks * 2
+    assert (frame[list(kp.PROBE_STAGES)] >= 0).all().all() and (frame["total_us"] > 0).all()
 
 
 def test_forced_prologue_env_is_checked(monkeypatch):

@@ -31,13 +31,18 @@ class Args(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("q", "k", "v", "g", "beta", "chunk_tok", "chunk_len", "w", "u", "qg", "kdt", "aqk", "d")] + [
-        ("n_chunks", ctypes.c_int), ("H", ctypes.c_int), ("scale", ctypes.c_float), ("spread", ctypes.c_float)]
+        ("n_chunks", ctypes.c_int), ("H", ctypes.c_int), ("scale", ctypes.c_float), ("spread", ctypes.c_float),
+        ("probe", ctypes.c_void_p)]
+# the timeline probe's stages, in the order of its stamps (kernels/kda_prologue.cu, Args.probe)
+PROBE_STAGES = ("load g", "load q k v + G scan", "Qg Kd + A's", "W/U factors", "inverse diag", "inverse rest",
+                "W U products", "stores")
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k3_kda_prologue.restype = ctypes.c_int
     lib.k3_kda_prologue.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_void_p]
-    for fn in ("k3_kda_prologue_args_size", "k3_kda_prologue_smem", "k3_kda_prologue_regs", "k3_kda_prologue_supported"):
+    for fn in ("k3_kda_prologue_args_size", "k3_kda_prologue_smem", "k3_kda_prologue_regs", "k3_kda_prologue_supported",
+               "k3_kda_prologue_probe_words"):
         getattr(lib, fn).restype = ctypes.c_int
     size = lib.k3_kda_prologue_args_size()
     if size != ctypes.sizeof(Args):
@@ -105,19 +110,42 @@ def supports(q, k, v, g, beta) -> str | None:
 
 
 def launch(q, k, v, g, beta, chunk_tok, chunk_len, work, *, n_chunks: int, heads: int, scale: float,
-           spread: float) -> None:
+           spread: float, probe: torch.Tensor | None = None) -> None:
     """One launch on the current stream (capturable in a CUDA graph) writing work.w, u, qg, kdt, aqk, d
-    (kda_chunk's _Work). Raises RuntimeError with the kernel's reason if it refuses."""
+    (kda_chunk's _Work). `probe` (diagnostics): an int64 [n_chunks * heads, probe_words()] tensor the
+    timeline-probe build fills (see `timeline`). Raises RuntimeError with the kernel's reason if it
+    refuses."""
     lib = _library()
     idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
     ptr = [t.data_ptr() for t in (q, k, v, g, beta, chunk_tok, chunk_len, work.w, work.u, work.qg, work.kdt,
                                   work.aqk, work.d)]
-    a = Args(*ptr, int(n_chunks), int(heads), float(scale), float(spread))
+    if probe is not None and (probe.dtype != torch.int64 or probe.shape != (n_chunks * heads, probe_words())):
+        raise ValueError(f"probe must be int64 [{n_chunks * heads}, {probe_words()}], got {probe.dtype} "
+                         f"{tuple(probe.shape)}")
+    a = Args(*ptr, int(n_chunks), int(heads), float(scale), float(spread), probe.data_ptr() if probe is not None else 0)
     max_shared = _max_shared(idx)
     stream = _raw_stream(idx) if _raw_stream is not None else torch.cuda.current_stream(q.device).cuda_stream
     rc = lib.k3_kda_prologue(ctypes.byref(a), max_shared, ctypes.c_void_p(stream))
     if rc != 0:
         raise RuntimeError(f"kda_prologue.cu refused the launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
+
+
+def probe_words() -> int:
+    return _library().k3_kda_prologue_probe_words()
+
+
+def timeline(probe: torch.Tensor):
+    """Per-block stage durations from a filled probe: a pandas DataFrame, one row per block, columns
+    'sm', 'start_us' (from the first block's start), PROBE_STAGES (us each) and 'total_us'."""
+    import pandas as pd
+
+    p = probe.cpu().numpy()
+    t = p[:, :-1].astype("float64") / 1e3
+    frame = pd.DataFrame({"sm": p[:, -1], "start_us": t[:, 0] - t[:, 0].min()})
+    for i, name in enumerate(PROBE_STAGES):
+        frame[name] = t[:, i + 1] - t[:, i]
+    frame["total_us"] = t[:, -1] - t[:, 0]
+    return frame
 
 
 @functools.cache

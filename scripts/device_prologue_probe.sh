@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Issue 6: the CUDA prologue's timeline probe and ncu counters of one launch (prebuilt kernels in
+# .cache/kbuild; carry .cache). OUT=dir bash scripts/device_prologue_probe.sh
+source "$(dirname "$0")/device_env.sh"
+export K3LAB_KERNEL_CACHE="${K3LAB_KERNEL_CACHE:-.cache/kbuild}"
+if [ -f .cache/tcache.tgz ]; then mkdir -p /tmp/tc && tar xzf .cache/tcache.tgz -C /tmp/tc && export TRITON_CACHE_DIR=/tmp/tc/triton; fi
+timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kda_prologue_cuda.py 2>&1 | tail -4
+timeout 120 python3 scripts/device_prologue_probe.py ${CASES:-h12_b1_t16384} 2>&1 | tee "$OUT/probe_log.txt"
+if command -v ncu >/dev/null; then
+  timeout 150 ncu --kernel-name regex:prologue_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --csv --page details python3 scripts/device_prologue_probe.py h12_b1_t16384 > "$OUT/ncu.csv" 2> "$OUT/ncu_err.txt"
+  python3 - "$OUT/ncu.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if rows:
+    head = rows[0]
+    i_n, i_v, i_s = head.index("Metric Name"), head.index("Metric Value"), head.index("Section Name")
+    for r in rows[1:]:
+        print(f"{r[i_s][:24]:24s} {r[i_n][:52]:52s} {r[i_v]}")
+PY
+fi

@@ -10,6 +10,18 @@
 // 8 tiles take ~10.5 us (compute-bound, ~1.3 us a tile against ~1.1 us of DRAM share), and the
 // merge ends ~3.5 us after the last piece. The team kernel below makes the tile loop memory-bound
 // (it waits for data, not instructions) but is not faster end to end: the DRAM stream is the bound.
+// The fused form (split_kernel<5, 4, false, true>, opt-in: merge='fused' / 'auto' or
+// K3LAB_MLA_MERGE in the binding) merges inside the split kernel after a grid-wide barrier, one
+// cooperative launch instead of two. Right on the H200 (tests, 50 graph replays at 128K, PDL
+// neighbours in one graph) but NOT faster, so the two-kernel form stays the default. Same run,
+// commit a13fe58, graph replay, fused / two-kernel / Triton: 1K 7.72 / 6.71 / 7.83 us, 32K 19.97 /
+// 19.80 / 21.83, 128K 47.95 / 47.76 / 52.17, B = 8 x 8K 28.80 / 28.61 / 33.02. The cooperative
+// attribute is not the cost (the same kernel launched without it: 7.81, 20.15, 47.92, 28.81), and
+// an earlier barrier (atomicAdd between two fence.sc, 8 merge loads in flight; 3c744c5) was no
+// better (7.86, 19.98, 48.30, 29.03 against 6.87, 19.98, 47.53, 28.58). Likely why: the fused merge
+// runs only on the split grid's SMs (at 1K, 32 blocks merge what the merge kernel spreads over 192
+// blocks on the idle SMs), and the barrier's release fence, arrival and polling cost about what the
+// merge kernel's early (PDL) launch already hid.
 //
 // What it computes (q_len = 1 only: one decode token; verify groups use the Triton path). For each
 // request b and history piece p (positions [p*chunk, min((p+1)*chunk, length_b))):
@@ -1026,7 +1038,7 @@ inline int configure_fused(int max_shared) {
 // One cooperative launch of the fused kernel: the runtime refuses it (cudaErrorCooperativeLaunchTooLarge)
 // unless the whole grid can be resident at once. No programmatic-serialization attribute: see
 // grid_barrier's comment for why the barrier needs the previous kernel complete.
-inline cudaError_t launch_fused_raw(const Args& a, cudaStream_t st, bool cooperative = true) {
+inline cudaError_t launch_fused_raw(const Args& a, cudaStream_t st) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(a.splits, a.B);
   cfg.blockDim = dim3(FUSED_WARPS * 32);
@@ -1036,7 +1048,7 @@ inline cudaError_t launch_fused_raw(const Args& a, cudaStream_t st, bool coopera
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = cooperative ? 1 : 0;
+  cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, fused_kernel(), a);
 }
 
@@ -1173,10 +1185,8 @@ K3_EXPORT int k3_mla_fused_capturable(int max_shared) {
 
 // One decode step in the fused form (splits > 1, barrier set): one cooperative launch.
 // Returns 0, -3 (shared memory), -4 (bad sizes) or the CUDA runtime's error code
-// (cudaErrorCooperativeLaunchTooLarge = 720 when the grid cannot be co-resident). diag_plain = 1:
-// DIAGNOSTICS ONLY, the same launch without the cooperative attribute (to time what the attribute
-// costs; co-residency is then luck, and the bounded spin is all that stands between it and a hang).
-K3_EXPORT int k3_mla_decode_fused(const k3mla::Args* args, int max_shared, void* stream, int diag_plain) {
+// (cudaErrorCooperativeLaunchTooLarge = 720 when the grid cannot be co-resident).
+K3_EXPORT int k3_mla_decode_fused(const k3mla::Args* args, int max_shared, void* stream) {
   const k3mla::Args& a = *args;
   if (a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 2 || a.splits > 65535 ||
       a.chunk < k3mla::BN || a.chunk % k3mla::BN != 0 || a.page_shift < 5 || a.page_shift > 30 ||
@@ -1184,7 +1194,7 @@ K3_EXPORT int k3_mla_decode_fused(const k3mla::Args* args, int max_shared, void*
     return -4;
   const int rc = k3mla::configure_fused(max_shared);
   if (rc != 0) return rc;
-  return (int)k3mla::launch_fused_raw(a, (cudaStream_t)stream, diag_plain == 0);
+  return (int)k3mla::launch_fused_raw(a, (cudaStream_t)stream);
 }
 
 // Registers per thread of the fused kernel (<0: error).
@@ -1204,7 +1214,7 @@ K3_EXPORT int k3_mla_decode_regs(int, int) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_decode(const k3mla::Args*, int, int, int, int, void*) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_fused_max_blocks(int) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_fused_capturable(int) { return K3_MLA_UNSUPPORTED; }
-K3_EXPORT int k3_mla_decode_fused(const k3mla::Args*, int, void*, int) { return K3_MLA_UNSUPPORTED; }
+K3_EXPORT int k3_mla_decode_fused(const k3mla::Args*, int, void*) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_fused_regs() { return K3_MLA_UNSUPPORTED; }
 
 #endif

@@ -8,9 +8,10 @@
 #  2. the fused GPU tests (tests/test_mla_decode_cuda.py -k fused/too_large), in their own process;
 #  3. check then time (graph replay, rotated input sets, the mla_padding study's inputs: 12 heads,
 #     paged bf16, page 64) at ctx1k, ctx32k, ctx128k, b8_8k: records '<case>.fused' (fused form),
-#     '<case>.r6.cuda' (two-kernel form) and '<case>.r6.triton' (the Triton after), all variant 'after';
-#     DIAG=1 adds '<case>.fused.plain': the fused kernel launched WITHOUT the cooperative attribute
-#     (diagnostics only: what the attribute costs; co-residency is then luck, the bounded spin guards).
+#     '<case>.r6.cuda' (two-kernel form) and '<case>.r6.triton' (the Triton after), all variant 'after'.
+#     (Commit a13fe58 also timed '<case>.fused.plain', the fused kernel launched without the
+#     cooperative attribute, DIAG=1, to see what the attribute costs: nothing measurable; that
+#     diagnostic launch is gone from the library since.)
 # Tests run with K3LAB_MLA_MERGE=$TEST_MERGE (default auto: the fused form wherever it applies).
 # Files in $OUT: mla_fused.json (checked records), mla_fused_unchecked.json (if any), smoke.txt, tests.txt.
 #   OUT=dir K3LAB_COMMIT=<hash> K3LAB_KERNEL_CACHE=.cache/kbuild [STEPS=123] [CASES=...] bash scripts/device_mla_fused.sh
@@ -84,11 +85,6 @@ cases = {c.name: c for c in (st.Case("ctx1k", 1, 1024), st.Case("ctx32k", 1, 327
 checked, unchecked, rows = [], [], []
 
 
-def _plain(p):  # diagnostics only: the fused kernel without the cooperative attribute
-    p._diag_plain_launch = True
-    return p
-
-
 for name in want:
     case = cases[name]
     first = st._make_set(case, HEADS, torch.bfloat16, seed=11)
@@ -101,8 +97,6 @@ for name in want:
              "lengths_sum": sum(first["lengths_host"])}
     ro, rl = mla.reference(first["q"].float(), first["pool"].float(), first["lengths"], block_table=first["table"])
     for tag, mk in (("fused", lambda s: mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], merge="fused")),
-                    *([("fused.plain", lambda s: _plain(mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"],
-                                                                merge="fused")))] if os.environ.get("DIAG") == "1" else []),
                     ("r6.cuda", lambda s: mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], merge="kernel")),
                     ("r6.triton", lambda s: mla.plan_after(s["q"], s["pool"], s["lengths"], block_table=s["table"],
                                                            kernel="split"))):
@@ -121,7 +115,7 @@ for name in want:
             timing = bench.time_fn(lambda s: plans[idx[id(s)]](), rotate=[(s,) for s in sets], graph=True,
                                    warmup=10, repeats=100)
             facts = plans[0].facts()
-            if tag.startswith("fused"):
+            if tag == "fused":
                 timeouts = sum(p.barrier_timeouts() for p in plans)
                 facts["barrier_timeouts"] = timeouts
                 facts["merge_why"] = plans[0].merge_why

@@ -212,7 +212,7 @@ def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
     # the fused form's launcher refuses bad sizes before touching the GPU (no barrier: -4)
     args = mc.Args()
     args.B, args.heads, args.splits, args.chunk, args.page_shift = 1, 12, 4, 32, 6
-    assert lib.k3_mla_decode_fused(ctypes.byref(args), 1 << 18, None, 0) == -4
+    assert lib.k3_mla_decode_fused(ctypes.byref(args), 1 << 18, None) == -4
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,7 +43,10 @@ mma.sync on the 16 padded heads, bulk copies into a 5-deep ring): on the H200 20
 32K / 128K against this module's Triton kernel's 21.9 / 52.3 in the same run (44% / 75% of the copy
 bandwidth, commit 1a77c32). `cuda_after_status` says whether it runs here and why not; everywhere
 else (CPU interpreter, ROCm, verification groups, fp32/fp16, pages under 32 rows) the Triton
-kernels below run. kernel='split' asks for the Triton kernel by name.
+kernels below run. kernel='split' asks for the Triton kernel by name. The CUDA plan merges its
+pieces with a second kernel; its fused form (one cooperative launch merging after a grid barrier)
+is opt-in through K3LAB_MLA_MERGE=auto (mla_decode_cuda.choose_merge): right on the H200 but not
+faster there (19.97 against 19.80 us at 32K, commit a13fe58).
 
 Status on GPUs (the Triton kernels). Both versions ran on an H200 and were correct in every case. The after kernel at
 32K / 128K (B = 1, graph replay, share of the 4.25 TB/s copy bandwidth): 26% / 38% in the first

@@ -20,6 +20,17 @@ fp32 partials [B, H, splits, 512] and base-2 log-sum-exps [B, H, splits] (the la
 mla_decode.py's `_store_piece`) are merged by a second kernel, launched early (programmatic
 dependent launch); with one piece the first kernel writes the result itself.
 
+The fused form (merge='fused' or 'auto', or K3LAB_MLA_MERGE=fused / auto; opt-in): the split
+kernel merges the pieces itself after a grid-wide barrier, one cooperative launch
+(cudaLaunchAttributeCooperative: the runtime refuses a grid that cannot be all resident, so the
+barrier never relies on luck). It applies where B x splits blocks fit the co-resident capacity (the
+occupancy API x SMs: 132 on the H200) and the launch survives CUDA-graph capture with its attribute
+(checked once per process); 'auto' takes the merge kernel elsewhere and `plan.merge_why` says why,
+'fused' refuses. On the H200 it is right (GPU tests, 50 graph replays at 128K, PDL launches around
+it) but not faster: 7.72 / 19.97 / 47.95 us at 1K / 32K / 128K and 28.80 us at B = 8 x 8K against
+the two-kernel form's 6.71 / 19.80 / 47.76 / 28.61 in the same run (commit a13fe58; kernels/
+mla_decode.cu's header says why), so DEFAULT_MERGE stays 'kernel'.
+
 `status()` says whether it can run here and, if not, why (no GPU, a HIP build, a GPU older than
 compute capability 9.0, no nvcc, or a failed build). The HIP build of the source is a stub whose
 launcher returns an error (no mma.sync / bulk-copy path on AMD; not yet run on AMD hardware by this
@@ -111,7 +122,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k3_mla_decode_regs.restype = ctypes.c_int
     lib.k3_mla_decode_regs.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.k3_mla_decode_fused.restype = ctypes.c_int
-    lib.k3_mla_decode_fused.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.k3_mla_decode_fused.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_void_p]
     for fn in ("k3_mla_fused_max_blocks", "k3_mla_fused_capturable"):
         getattr(lib, fn).restype = ctypes.c_int
         getattr(lib, fn).argtypes = [ctypes.c_int]
@@ -380,7 +391,6 @@ class CudaDecodePlan:
     merge: str = "kernel"  # 'none' (one piece), 'fused' (one cooperative launch) or 'kernel' (two launches)
     merge_why: str = ""  # why that path (choose_merge)
     _barrier: torch.Tensor | None = field(repr=False, default=None)  # fused: [counter, give-ups] (int64)
-    _diag_plain_launch: bool = field(repr=False, default=False)  # diagnostics only: fused without the attribute
 
     # the names a Triton `mla_decode.DecodePlan` answers to, so callers need not care which runs
     variant = "after"
@@ -428,8 +438,7 @@ class CudaDecodePlan:
         lib = _library()
         stream = _raw_stream(self._device) if _raw_stream is not None else torch.cuda.current_stream().cuda_stream
         if self.merge == "fused":
-            rc = lib.k3_mla_decode_fused(ctypes.byref(self._args), self._max_shared, ctypes.c_void_p(stream),
-                                         int(self._diag_plain_launch))
+            rc = lib.k3_mla_decode_fused(ctypes.byref(self._args), self._max_shared, ctypes.c_void_p(stream))
             if rc != 0:
                 raise RuntimeError(f"{NAME}.cu refused the fused launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
             return self.out, self.lse

@@ -41,7 +41,7 @@ namespace k3kp {
 constexpr int C = 64;         // chunk
 constexpr int K = 128;        // key and value head dim (K3's KDA head)
 constexpr int NB = 4;         // 16-row blocks per chunk
-constexpr int THREADS = 128;  // 4 warps
+constexpr int THREADS = 256;  // 8 warps
 constexpr int XP = 136;       // bf16 per shared row of q, k, v (272 bytes)
 constexpr int GP = 132;       // fp32 per shared row of G (528 bytes)
 constexpr int AP = 68;        // fp32 per shared row of Akk and R (64 x 68 x 4 = the q tile's bytes)
@@ -221,14 +221,15 @@ K3_DEVICE void a_store(const Smem& s, float* akk, k3_bf16* aqk, float scale, int
 // step 4b (only for a chunk with a wide diagonal block): that block's entries summed exactly, one
 // (i, j) pair per thread and pass, e^(G_i - G_j) <= 1 for j <= i. Results stay in registers until
 // q and k may be overwritten.
+constexpr int EXACT_PASSES = 256 / THREADS;  // pairs of a 16 x 16 block per thread
 struct Exact {
-  float kk[2], qk[2];
+  float kk[EXACT_PASSES], qk[EXACT_PASSES];
 };
 
 K3_DEVICE Exact exact_diag(const Smem& s, int b, int tid) {
   Exact r;
 #pragma unroll
-  for (int p = 0; p < 2; ++p) {
+  for (int p = 0; p < EXACT_PASSES; ++p) {
     const int idx = tid + p * THREADS;  // 256 pairs of the 16 x 16 block
     const int i = 16 * b + (idx >> 4), j = 16 * b + (idx & 15);
     float kk = 0.f, qk = 0.f;
@@ -248,11 +249,78 @@ K3_DEVICE Exact exact_diag(const Smem& s, int b, int tid) {
 
 K3_DEVICE void exact_store(const Smem& s, float* akk, k3_bf16* aqk, float scale, int b, const Exact& r, int tid) {
 #pragma unroll
-  for (int p = 0; p < 2; ++p) {
+  for (int p = 0; p < EXACT_PASSES; ++p) {
     const int idx = tid + p * THREADS;
     const int i = 16 * b + (idx >> 4), j = 16 * b + (idx & 15);
     akk[i * AP + j] = j < i ? r.kk[p] * s.beta[i] : 0.f;
     aqk[i * C + j] = k3_f32_to_bf16(j <= i ? r.qk[p] * scale : 0.f);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// step 5, off the diagonal: R_IJ = -R_II (sum_{J <= M < I} L_IM R_MJ) for one 16 x 16 block, by one
+// warp. Each product in three tf32 passes (hi*lo + lo*hi + hi*hi, x = hi + lo): fp32-class, as the
+// seed asks of the inverse. T, the inner sum, goes through `scratch` (16 x TP, this warp's) to become
+// the second product's B operand.
+constexpr int TP = 24;  // scratch row pitch: the B-fragment reads (row t, column g) hit 32 banks
+
+K3_DEVICE void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = tf32(x);
+  lo = tf32(x - __uint_as_float(hi));
+}
+
+K3_DEVICE void mma_3xtf32(float* d, const float (&a)[4], float b0, float b1) {
+  uint32_t ah[4], al[4], bh0, bl0, bh1, bl1;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) split_tf32(a[e], ah[e], al[e]);
+  split_tf32(b0, bh0, bl0);
+  split_tf32(b1, bh1, bl1);
+  mma_tf32(d, al, bh0, bh1);
+  mma_tf32(d, ah, bl0, bl1);
+  mma_tf32(d, ah, bh0, bh1);
+}
+
+K3_DEVICE void inverse_block(const float* L, float* R, float* scratch, int I, int J, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  float acc[2][4] = {};
+  for (int M = J; M < I; ++M) {
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+      const float* l = L + (16 * I + g) * AP + 16 * M + 8 * ks + t;
+      const float a[4] = {l[0], l[8 * AP], l[4], l[8 * AP + 4]};
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const float* r = R + (16 * M + 8 * ks + t) * AP + 16 * J + 8 * n + g;
+        mma_3xtf32(acc[n], a, r[0], r[4 * AP]);
+      }
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    scratch[g * TP + 8 * n + 2 * t] = acc[n][0];
+    scratch[g * TP + 8 * n + 2 * t + 1] = acc[n][1];
+    scratch[(g + 8) * TP + 8 * n + 2 * t] = acc[n][2];
+    scratch[(g + 8) * TP + 8 * n + 2 * t + 1] = acc[n][3];
+  }
+  __syncwarp();
+  float out[2][4] = {};
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    const float* r = R + (16 * I + g) * AP + 16 * I + 8 * ks + t;
+    const float a[4] = {r[0], r[8 * AP], r[4], r[8 * AP + 4]};
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const float* x = scratch + (8 * ks + t) * TP + 8 * n + g;
+      mma_3xtf32(out[n], a, x[0], x[4 * TP]);
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    float* o = R + (16 * I + g) * AP + 16 * J + 8 * n + 2 * t;
+    o[0] = -out[n][0];
+    o[1] = -out[n][1];
+    o[8 * AP] = -out[n][2];
+    o[8 * AP + 1] = -out[n][3];
   }
 }
 
@@ -360,7 +428,7 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
   mark();
 
   // 2. column scan: thread c turns column c of g into G, records P_b and the block spreads
-  {
+  if (tid < K) {
     const int c = tid;
     float G = 0.f;
     int wide = 0;
@@ -383,12 +451,12 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
   mark();
   const int wide = *s.wide;
 
-  // 3. Qg rows (16 bytes per thread and step), then Kd^T row c and d[c] by thread c
-  {
+  // 3. warps 4-7: Qg rows (16 bytes per thread and step); warps 0-3: Kd^T row c and d[c] by thread c
+  if (tid >= K) {
     k3_bf16* qg = a.qg + item * C * K;
 #pragma unroll 2
-    for (int p = 0; p < C * K / 8 / THREADS; ++p) {
-      const int idx = tid + p * THREADS, row = idx >> 4, c8 = (idx & 15) * 8;
+    for (int p = 0; p < C * K / 8 / K; ++p) {
+      const int idx = tid - K + p * K, row = idx >> 4, c8 = (idx & 15) * 8;
       const float4 g0 = *reinterpret_cast<const float4*>(s.G + row * GP + c8);
       const float4 g1 = *reinterpret_cast<const float4*>(s.G + row * GP + c8 + 4);
       const uint4 qv = *reinterpret_cast<const uint4*>(s.q + row * XP + c8);
@@ -400,6 +468,7 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
         o[m] = pack_bf16(a.scale * bf(qe[2 * m]) * exp_fast(e[2 * m]), a.scale * bf(qe[2 * m + 1]) * exp_fast(e[2 * m + 1]));
       *reinterpret_cast<uint4*>(qg + row * K + c8) = make_uint4(o[0], o[1], o[2], o[3]);
     }
+  } else {
     const int c = tid;
     const float last = s.P[NB * K + c];
     a.d[item * K + c] = exp_fast(last);
@@ -417,18 +486,17 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
     }
   }
 
-  // 4. the A's: warp 0 row block 3 x column blocks 0-1, warp 1 block 3 x 2-3, warp 2 block 2 x 0-2,
-  // warp 3 block 1 x 0-1 and block 0 x 0 (4, 4, 6 and 6 n-tiles of 8 columns)
+  // 4. the A's, (row block I, column block J) pairs: warps 0-3 (3, 0..3), warps 4-5 (2, 0..1),
+  // warp 6 (2, 2) and (0, 0), warp 7 (1, 0..1): 2, 2, 2, 2, 2, 2, 2 + 2 and 4 n-tiles of 8 columns
   float* akk = reinterpret_cast<float*>(s.q);  // written only after everyone's A's are done
   k3_bf16* aqk = a.aqk + item * C * C;
-  float ak4[4][4], aq4[4][4], ak6[6][4], aq6[6][4], ak2[2][4], aq2[2][4];
-  if (warp == 0) a_block<4>(s, 3, 0, false, ak4, aq4, g, t);
-  if (warp == 1) a_block<4>(s, 3, 32, (wide >> 3) & 1, ak4, aq4, g, t);
-  if (warp == 2) a_block<6>(s, 2, 0, (wide >> 2) & 1, ak6, aq6, g, t);
-  if (warp == 3) {
-    a_block<4>(s, 1, 0, (wide >> 1) & 1, ak4, aq4, g, t);
-    a_block<2>(s, 0, 0, wide & 1, ak2, aq2, g, t);
-  }
+  const int bI = warp < 4 ? 3 : (warp < 7 ? 2 : 1), bJ = warp < 4 ? warp : (warp < 7 ? warp - 4 : 0);
+  const bool skip = (wide >> bI) & 1 && bJ == bI;
+  float ak4[4][4], aq4[4][4], ak2[2][4], aq2[2][4];
+  if (warp < 7) a_block<2>(s, bI, 16 * bJ, skip, ak2, aq2, g, t);
+  if (warp == 6) a_block<2>(s, 0, 0, wide & 1, reinterpret_cast<float(&)[2][4]>(ak4[0]),
+                            reinterpret_cast<float(&)[2][4]>(aq4[0]), g, t);
+  if (warp == 7) a_block<4>(s, 1, 0, (wide >> 1) & 1, ak4, aq4, g, t);
   Exact ex[NB];
   if (wide) {
 #pragma unroll
@@ -437,13 +505,10 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
   }
   __syncthreads();  // q and k are no longer read as such
   mark();
-  if (warp == 0) a_store<4>(s, akk, aqk, a.scale, 3, 0, false, ak4, aq4, g, t);
-  if (warp == 1) a_store<4>(s, akk, aqk, a.scale, 3, 32, (wide >> 3) & 1, ak4, aq4, g, t);
-  if (warp == 2) a_store<6>(s, akk, aqk, a.scale, 2, 0, (wide >> 2) & 1, ak6, aq6, g, t);
-  if (warp == 3) {
-    a_store<4>(s, akk, aqk, a.scale, 1, 0, (wide >> 1) & 1, ak4, aq4, g, t);
-    a_store<2>(s, akk, aqk, a.scale, 0, 0, wide & 1, ak2, aq2, g, t);
-  }
+  if (warp < 7) a_store<2>(s, akk, aqk, a.scale, bI, 16 * bJ, skip, ak2, aq2, g, t);
+  if (warp == 6) a_store<2>(s, akk, aqk, a.scale, 0, 0, wide & 1, reinterpret_cast<float(&)[2][4]>(ak4[0]),
+                            reinterpret_cast<float(&)[2][4]>(aq4[0]), g, t);
+  if (warp == 7) a_store<4>(s, akk, aqk, a.scale, 1, 0, (wide >> 1) & 1, ak4, aq4, g, t);
   if (wide) {
 #pragma unroll
     for (int b = 0; b < NB; ++b)
@@ -451,7 +516,7 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
   }
   // Aqk above the diagonal blocks: zeros (the walks multiply the whole 64 x 64)
 #pragma unroll
-  for (int p = 0; p < 2; ++p) {
+  for (int p = 0; p < (192 + THREADS - 1) / THREADS; ++p) {
     const int idx = tid + p * THREADS;  // 6 blocks x 16 rows x 2 halves = 192 16-byte pieces
     if (idx < 192) {
       const int blk = idx >> 5, rem = idx & 31, row16 = rem >> 1, half = rem & 1;
@@ -487,7 +552,7 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
 
   // 5. R = (I + Akk)^-1 in fp32. Diagonal blocks: thread (b, j) solves column j of block b.
   float* R = s.G;
-  float* T = s.G + C * AP;  // [3][16][16] scratch for the off-diagonal products
+  float* T = s.G + C * AP;  // [3][16][TP] scratch for the off-diagonal products
   if (tid < C) {
     const int b = tid >> 4, j = tid & 15;
     const float* Lb = akk + 16 * b * AP + 16 * b;
@@ -504,39 +569,17 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
   }
   __syncthreads();
   mark();
-  // off-diagonal blocks by distance dd from the diagonal: T = sum_{J <= M < I} L_IM R_MJ, then
-  // R_IJ = -R_II T (blocks (I, I - dd) for I = dd .. 3; every block's 256 entries over 128 threads)
+  // off-diagonal blocks by distance dd from the diagonal, one warp per block (I, I - dd), in three
+  // tf32 passes (fp32-class products on the tensor cores)
 #pragma unroll 1
   for (int dd = 1; dd < NB; ++dd) {
-    const int nblk = NB - dd;
-    for (int idx = tid; idx < nblk * 256; idx += THREADS) {
-      const int I = dd + (idx >> 8), J = I - dd, i = (idx >> 4) & 15, j = idx & 15;
-      float acc = 0.f;
-      for (int M = J; M < I; ++M) {
-        const float* l = akk + (16 * I + i) * AP + 16 * M;
-        const float* r = R + 16 * M * AP + 16 * J + j;
-#pragma unroll
-        for (int m = 0; m < 16; ++m) acc += l[m] * r[m * AP];
-      }
-      T[(idx >> 8) * 256 + i * 16 + j] = acc;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < nblk * 256; idx += THREADS) {
-      const int I = dd + (idx >> 8), J = I - dd, i = (idx >> 4) & 15, j = idx & 15;
-      const float* rii = R + (16 * I + i) * AP + 16 * I;
-      const float* tb = T + (idx >> 8) * 256 + j;
-      float acc = 0.f;
-#pragma unroll
-      for (int m = 0; m < 16; ++m) acc += rii[m] * tb[m * 16];
-      R[(16 * I + i) * AP + 16 * J + j] = -acc;
-    }
+    if (warp < NB - dd) inverse_block(akk, R, T + warp * 16 * TP, dd + warp, warp, lane);
     __syncthreads();
   }
   mark();
 
   // 6. W = R (beta k e^G), U = R (beta v), each warp its 32 columns, then 16-byte rows out
-  r_times(R, s.k, warp, lane);
-  r_times(R, s.v, warp, lane);
+  r_times(R, warp < 4 ? s.k : s.v, warp & 3, lane);
   __syncthreads();
   mark();
   tile_out(s.k, a.w + item * C * K, tid);

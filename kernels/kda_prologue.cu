@@ -14,7 +14,8 @@
 // blocks per SM) and every stage reads it from there:
 //   1. cp.async brings g (first, so the column scan can start) then q, k, v; rows past a sequence's
 //      end are zero-filled (k = 0, g = 0, beta = 0: no-op tokens);
-//   2. thread c scans column c: G in place of g, P_b = G before 16-row block b, the block spreads;
+//   2. thread c scans column c: G in place of g (in base-2 units), P_b = G before 16-row block b, the
+//      block spreads;
 //   3. Qg (16-byte rows) and Kd^T (thread c writes row c) straight to memory;
 //   4. the A's on tensor cores in tf32 (m16n8k8, fp32 accumulation) over 16-row blocks: for row block
 //      I and column block J <= I, e^(G_i - G_j) = e^(G_i - P_I) e^(P_I - G_j); the left factor is
@@ -68,11 +69,12 @@ struct Args {
   float spread;  // largest block decay spread (natural log) the factored diagonal accepts
   // Timeline probe (diagnostics only; null in normal use): the kernel instantiated with PROBE writes,
   // per block, PROBE_WORDS u64 at probe[(chunk * H + h) * PROBE_WORDS]: the global timer (ns) at its
-  // start and after each stage's barrier (loads of g, all loads, the A's, W/U's factors, the diagonal
-  // inverse, the off-diagonal inverse, W and U), at its end, and its SM id.
+  // start and after each stage's barrier (loads of g, all loads, Qg and Kd^T (a barrier only the probe
+  // build has), the A's, W/U's factors, the diagonal inverse, the off-diagonal inverse, W and U), at
+  // its end, and its SM id.
   unsigned long long* probe;
 };
-constexpr int PROBE_WORDS = 10;
+constexpr int PROBE_WORDS = 11;
 
 }  // namespace k3kp
 
@@ -91,17 +93,20 @@ K3_DEVICE void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory")
 template <int N>
 K3_DEVICE void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-K3_DEVICE float exp_fast(float x) {  // e^x by one ex2.approx (results below 2^-126 flush to 0)
+constexpr float LOG2E = 1.4426950408889634f;
+
+// 2^x by one ex2.approx (results below 2^-126 flush to 0). G lives in shared memory in base-2 units
+// (G log2 e), so every e^(G_i - G_j) of the kernel is one subtraction and this.
+K3_DEVICE float exp2_fast(float x) {
   float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
-K3_DEVICE uint32_t tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
+// x as a tf32 mma operand, rounded to nearest (ties away, as cvt.rna): the mma reads the upper 19
+// bits only, so adding half a tf32 unit is the whole rounding (cvt.rna.tf32 compiles to four
+// instructions on sm_90, with an infinity check these finite values do not need).
+K3_DEVICE uint32_t tf32(float x) { return __float_as_uint(x) + 0x1000u; }
 
 K3_DEVICE float bf(k3_bf16 x) { return k3_bf16_to_f32(x); }
 
@@ -167,13 +172,13 @@ K3_DEVICE void a_block(const Smem& s, int I, int j0, bool skip_diag, float (&ak)
 #pragma unroll
     for (int e = 0; e < 4; ++e) ak[n][e] = aq[n][e] = 0.f;
   const int r0 = 16 * I + g, r1 = r0 + 8;
-#pragma unroll 2
+#pragma unroll 4
   for (int ks = 0; ks < K / 8; ++ks) {
     const int c0 = ks * 8 + t, c1 = c0 + 4;
     const float p0 = s.P[I * K + c0], p1 = s.P[I * K + c1];
     // left operands: x_i e^(G_i - P_I) <= |x_i|, a-fragment order (r0,c0) (r1,c0) (r0,c1) (r1,c1)
-    const float f00 = exp_fast(s.G[r0 * GP + c0] - p0), f10 = exp_fast(s.G[r1 * GP + c0] - p0);
-    const float f01 = exp_fast(s.G[r0 * GP + c1] - p1), f11 = exp_fast(s.G[r1 * GP + c1] - p1);
+    const float f00 = exp2_fast(s.G[r0 * GP + c0] - p0), f10 = exp2_fast(s.G[r1 * GP + c0] - p0);
+    const float f01 = exp2_fast(s.G[r0 * GP + c1] - p1), f11 = exp2_fast(s.G[r1 * GP + c1] - p1);
     uint32_t lk[4], lq[4];
     lk[0] = tf32(bf(s.k[r0 * XP + c0]) * f00);
     lk[1] = tf32(bf(s.k[r1 * XP + c0]) * f10);
@@ -188,8 +193,8 @@ K3_DEVICE void a_block(const Smem& s, int I, int j0, bool skip_diag, float (&ak)
       const int j = j0 + 8 * n + g;  // this lane's key row (the fragment's column n = g)
       const bool zero = skip_diag && (j >> 4) == I;
       // right operand: k_j e^(P_I - G_j), b-fragment rows (channels) t and t + 4
-      const float e0 = zero ? 0.f : exp_fast(p0 - s.G[j * GP + c0]);
-      const float e1 = zero ? 0.f : exp_fast(p1 - s.G[j * GP + c1]);
+      const float e0 = zero ? 0.f : exp2_fast(p0 - s.G[j * GP + c0]);
+      const float e1 = zero ? 0.f : exp2_fast(p1 - s.G[j * GP + c1]);
       const uint32_t b0 = tf32(bf(s.k[j * XP + c0]) * e0), b1 = tf32(bf(s.k[j * XP + c1]) * e1);
       mma_tf32(ak[n], lk, b0, b1);
       mma_tf32(aq[n], lq, b0, b1);
@@ -235,7 +240,7 @@ K3_DEVICE Exact exact_diag(const Smem& s, int b, int tid) {
     float kk = 0.f, qk = 0.f;
     if (j <= i) {
       for (int c = 0; c < K; ++c) {
-        const float e = expf(s.G[i * GP + c] - s.G[j * GP + c]);
+        const float e = exp2f(s.G[i * GP + c] - s.G[j * GP + c]);
         const float kj = bf(s.k[j * XP + c]) * e;
         kk += bf(s.k[i * XP + c]) * kj;
         qk += bf(s.q[i * XP + c]) * kj;
@@ -265,7 +270,7 @@ K3_DEVICE void exact_store(const Smem& s, float* akk, k3_bf16* aqk, float scale,
 constexpr int TP = 24;  // scratch row pitch: the B-fragment reads (row t, column g) hit 32 banks
 
 K3_DEVICE void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  hi = tf32(x);
+  hi = tf32(x) & 0xffffe000u;  // the value the mma will read, exactly
   lo = tf32(x - __uint_as_float(hi));
 }
 
@@ -434,16 +439,16 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
     int wide = 0;
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
-      s.P[b * K + c] = G;
+      s.P[b * K + c] = G * LOG2E;
       const float before = G;
 #pragma unroll
       for (int r = 0; r < 16; ++r) {
         G += s.G[(16 * b + r) * GP + c];
-        s.G[(16 * b + r) * GP + c] = G;
+        s.G[(16 * b + r) * GP + c] = G * LOG2E;
       }
       if (before - G > a.spread) wide |= 1 << b;
     }
-    s.P[NB * K + c] = G;
+    s.P[NB * K + c] = G * LOG2E;
     if (wide) atomicOr(s.wide, wide);
   }
   cp_wait<0>();
@@ -465,13 +470,13 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
       uint32_t o[4];
 #pragma unroll
       for (int m = 0; m < 4; ++m)
-        o[m] = pack_bf16(a.scale * bf(qe[2 * m]) * exp_fast(e[2 * m]), a.scale * bf(qe[2 * m + 1]) * exp_fast(e[2 * m + 1]));
+        o[m] = pack_bf16(a.scale * bf(qe[2 * m]) * exp2_fast(e[2 * m]), a.scale * bf(qe[2 * m + 1]) * exp2_fast(e[2 * m + 1]));
       *reinterpret_cast<uint4*>(qg + row * K + c8) = make_uint4(o[0], o[1], o[2], o[3]);
     }
   } else {
     const int c = tid;
     const float last = s.P[NB * K + c];
-    a.d[item * K + c] = exp_fast(last);
+    a.d[item * K + c] = exp2_fast(last);
     k3_bf16* kd = a.kdt + item * K * C + (long long)c * C;
 #pragma unroll
     for (int r8 = 0; r8 < C / 8; ++r8) {
@@ -479,11 +484,16 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         const int i = 8 * r8 + 2 * m;
-        o[m] = pack_bf16(bf(s.k[i * XP + c]) * exp_fast(last - s.G[i * GP + c]),
-                         bf(s.k[(i + 1) * XP + c]) * exp_fast(last - s.G[(i + 1) * GP + c]));
+        o[m] = pack_bf16(bf(s.k[i * XP + c]) * exp2_fast(last - s.G[i * GP + c]),
+                         bf(s.k[(i + 1) * XP + c]) * exp2_fast(last - s.G[(i + 1) * GP + c]));
       }
       *reinterpret_cast<uint4*>(kd + 8 * r8) = make_uint4(o[0], o[1], o[2], o[3]);
     }
+  }
+
+  if (PROBE) {
+    __syncthreads();
+    mark();
   }
 
   // 4. the A's, (row block I, column block J) pairs: warps 0-3 (3, 0..3), warps 4-5 (2, 0..1),
@@ -541,7 +551,7 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
     uint32_t ok[4], ov[4];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-      ok[m] = pack_bf16(bt * bf(ke[2 * m]) * exp_fast(e[2 * m]), bt * bf(ke[2 * m + 1]) * exp_fast(e[2 * m + 1]));
+      ok[m] = pack_bf16(bt * bf(ke[2 * m]) * exp2_fast(e[2 * m]), bt * bf(ke[2 * m + 1]) * exp2_fast(e[2 * m + 1]));
       ov[m] = pack_bf16(bt * bf(ve[2 * m]), bt * bf(ve[2 * m + 1]));
     }
     *reinterpret_cast<uint4*>(s.k + row * XP + c8) = make_uint4(ok[0], ok[1], ok[2], ok[3]);

@@ -34,7 +34,7 @@ class Args(ctypes.Structure):
         ("n_chunks", ctypes.c_int), ("H", ctypes.c_int), ("scale", ctypes.c_float), ("spread", ctypes.c_float),
         ("probe", ctypes.c_void_p)]
 # the timeline probe's stages, in the order of its stamps (kernels/kda_prologue.cu, Args.probe)
-PROBE_STAGES = ("load g", "load q k v + G scan", "Qg Kd + A's", "W/U factors", "inverse diag", "inverse rest",
+PROBE_STAGES = ("load g", "load q k v + G scan", "Qg Kd", "A's", "W/U factors", "inverse diag", "inverse rest",
                 "W U products", "stores")
 
 

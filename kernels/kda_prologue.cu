@@ -48,7 +48,8 @@ constexpr int GP = 132;       // fp32 per shared row of G (528 bytes)
 constexpr int AP = 68;        // fp32 per shared row of Akk and R (64 x 68 x 4 = the q tile's bytes)
 constexpr int X_BYTES = C * XP * 2;
 constexpr int G_BYTES = C * GP * 4;
-constexpr int SMEM_BYTES = 3 * X_BYTES + G_BYTES + (NB + 1) * K * 4 + C * 4 + 16;
+constexpr int PART_FLOATS = 32 * 32;  // one warp's partial A's (4 n-tiles x 4 x 2 per lane), lane-major
+constexpr int SMEM_BYTES = 3 * X_BYTES + G_BYTES + (NB + 1) * K * 4 + C * 4 + 16 + PART_FLOATS * 4;
 
 struct Args {
   const k3_bf16* q;  // [tokens, H, 128]
@@ -146,6 +147,7 @@ struct Smem {
   float* P;    // [NB + 1][128]: G before block b's first row (P[NB] = G_last)
   float* beta; // [64]
   int* wide;   // bit b: block b's spread exceeds Args.spread
+  float* part; // [32][32]: warp 6's half of row block 1's A's, for warp 7 to add
 };
 
 K3_DEVICE Smem carve(unsigned char* base) {
@@ -157,6 +159,7 @@ K3_DEVICE Smem carve(unsigned char* base) {
   s.P = reinterpret_cast<float*>(base + 3 * X_BYTES + G_BYTES);
   s.beta = s.P + (NB + 1) * K;
   s.wide = reinterpret_cast<int*>(s.beta + C);
+  s.part = reinterpret_cast<float*>(base + 3 * X_BYTES + G_BYTES + (NB + 1) * K * 4 + C * 4 + 16);
   return s;
 }
 
@@ -166,14 +169,14 @@ K3_DEVICE Smem carve(unsigned char* base) {
 // diagonal's right factors are zeroed here and step 4b sums that block exactly.
 template <int NT>
 K3_DEVICE void a_block(const Smem& s, int I, int j0, bool skip_diag, float (&ak)[NT][4], float (&aq)[NT][4], int g,
-                       int t) {
+                       int t, int ks_begin = 0, int ks_end = K / 8) {
 #pragma unroll
   for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) ak[n][e] = aq[n][e] = 0.f;
   const int r0 = 16 * I + g, r1 = r0 + 8;
 #pragma unroll 4
-  for (int ks = 0; ks < K / 8; ++ks) {
+  for (int ks = ks_begin; ks < ks_end; ++ks) {
     const int c0 = ks * 8 + t, c1 = c0 + 4;
     const float p0 = s.P[I * K + c0], p1 = s.P[I * K + c1];
     // left operands: x_i e^(G_i - P_I) <= |x_i|, a-fragment order (r0,c0) (r1,c0) (r0,c1) (r1,c1)
@@ -456,12 +459,13 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
   mark();
   const int wide = *s.wide;
 
-  // 3. warps 4-7: Qg rows (16 bytes per thread and step); warps 0-3: Kd^T row c and d[c] by thread c
-  if (tid >= K) {
+  // 3. warps 4-5: Qg rows (16 bytes per thread and step); warps 0-3: Kd^T row c and d[c] by thread
+  // c; warps 6-7 go on to their larger share of the A's
+  if (warp == 4 || warp == 5) {
     k3_bf16* qg = a.qg + item * C * K;
 #pragma unroll 2
-    for (int p = 0; p < C * K / 8 / K; ++p) {
-      const int idx = tid - K + p * K, row = idx >> 4, c8 = (idx & 15) * 8;
+    for (int p = 0; p < C * K / 8 / 64; ++p) {
+      const int idx = tid - K + p * 64, row = idx >> 4, c8 = (idx & 15) * 8;
       const float4 g0 = *reinterpret_cast<const float4*>(s.G + row * GP + c8);
       const float4 g1 = *reinterpret_cast<const float4*>(s.G + row * GP + c8 + 4);
       const uint4 qv = *reinterpret_cast<const uint4*>(s.q + row * XP + c8);
@@ -473,7 +477,7 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
         o[m] = pack_bf16(a.scale * bf(qe[2 * m]) * exp2_fast(e[2 * m]), a.scale * bf(qe[2 * m + 1]) * exp2_fast(e[2 * m + 1]));
       *reinterpret_cast<uint4*>(qg + row * K + c8) = make_uint4(o[0], o[1], o[2], o[3]);
     }
-  } else {
+  } else if (tid < K) {
     const int c = tid;
     const float last = s.P[NB * K + c];
     a.d[item * K + c] = exp2_fast(last);
@@ -496,17 +500,27 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
     mark();
   }
 
-  // 4. the A's, (row block I, column block J) pairs: warps 0-3 (3, 0..3), warps 4-5 (2, 0..1),
-  // warp 6 (2, 2) and (0, 0), warp 7 (1, 0..1): 2, 2, 2, 2, 2, 2, 2 + 2 and 4 n-tiles of 8 columns
+  // 4. the A's, (row block I, column block J) pairs: warps 0-3 (3, 0..3), warps 4-6 (2, 0..2), warp 6
+  // also (1, 0..1) over the first 64 channels and warp 7 over the last 64, then (0, 0). Each (I, J)
+  // costs the same right-operand work; each distinct I a warp takes costs its left operand again,
+  // so the split keeps every warp near one pair's left and right work plus the Kd / Qg share.
   float* akk = reinterpret_cast<float*>(s.q);  // written only after everyone's A's are done
   k3_bf16* aqk = a.aqk + item * C * C;
-  const int bI = warp < 4 ? 3 : (warp < 7 ? 2 : 1), bJ = warp < 4 ? warp : (warp < 7 ? warp - 4 : 0);
+  const int bI = warp < 4 ? 3 : 2, bJ = warp < 4 ? warp : warp - 4;
   const bool skip = (wide >> bI) & 1 && bJ == bI;
   float ak4[4][4], aq4[4][4], ak2[2][4], aq2[2][4];
   if (warp < 7) a_block<2>(s, bI, 16 * bJ, skip, ak2, aq2, g, t);
-  if (warp == 6) a_block<2>(s, 0, 0, wide & 1, reinterpret_cast<float(&)[2][4]>(ak4[0]),
-                            reinterpret_cast<float(&)[2][4]>(aq4[0]), g, t);
-  if (warp == 7) a_block<4>(s, 1, 0, (wide >> 1) & 1, ak4, aq4, g, t);
+  if (warp >= 6) a_block<4>(s, 1, 0, (wide >> 1) & 1, ak4, aq4, g, t, warp == 6 ? 0 : K / 16, warp == 6 ? K / 16 : K / 8);
+  if (warp == 7) a_block<2>(s, 0, 0, wide & 1, ak2, aq2, g, t);
+  if (warp == 6) {  // hand the first half of row block 1 to warp 7 (read after the barrier below)
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s.part[(8 * n + e) * 32 + lane] = ak4[n][e];
+        s.part[(8 * n + 4 + e) * 32 + lane] = aq4[n][e];
+      }
+  }
   Exact ex[NB];
   if (wide) {
 #pragma unroll
@@ -516,9 +530,17 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
   __syncthreads();  // q and k are no longer read as such
   mark();
   if (warp < 7) a_store<2>(s, akk, aqk, a.scale, bI, 16 * bJ, skip, ak2, aq2, g, t);
-  if (warp == 6) a_store<2>(s, akk, aqk, a.scale, 0, 0, wide & 1, reinterpret_cast<float(&)[2][4]>(ak4[0]),
-                            reinterpret_cast<float(&)[2][4]>(aq4[0]), g, t);
-  if (warp == 7) a_store<4>(s, akk, aqk, a.scale, 1, 0, (wide >> 1) & 1, ak4, aq4, g, t);
+  if (warp == 7) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        ak4[n][e] += s.part[(8 * n + e) * 32 + lane];
+        aq4[n][e] += s.part[(8 * n + 4 + e) * 32 + lane];
+      }
+    a_store<4>(s, akk, aqk, a.scale, 1, 0, (wide >> 1) & 1, ak4, aq4, g, t);
+    a_store<2>(s, akk, aqk, a.scale, 0, 0, wide & 1, ak2, aq2, g, t);
+  }
   if (wide) {
 #pragma unroll
     for (int b = 0; b < NB; ++b)

@@ -17,14 +17,11 @@
 //   2. thread c scans column c: G in place of g (in base-2 units), P_b = G before 16-row block b, the
 //      block spreads;
 //   3. Qg (16-byte rows) and Kd^T (thread c writes row c) straight to memory;
-//   3b. the A's left operands x e^(G - P) (x = q, k; <= |x|) in fp16, once per element;
-//   4. the A's on tensor cores over 16-row blocks: for row block I and column block J <= I,
-//      e^(G_i - G_j) = e^(G_i - P_I) e^(P_I - G_j); the left factor is <= 1, the right one <= 1 below
-//      the diagonal block (fp16 operands, m16n8k16) and <= e^(spread of block I) on it (fp32 rounded
-//      to tf32, m16n8k8); fp32 accumulation. fp16 and tf32 carry the same 11-bit significand, the
-//      precision the seed's note asks of Akk (bf16 has 8). A chunk whose block spread exceeds SPREAD
-//      (for K3's gate, g > -5, up to 80 over 16 rows, so it happens) has those diagonal blocks summed
-//      exactly, pair by pair, instead;
+//   4. the A's on tensor cores in tf32 (m16n8k8, fp32 accumulation) over 16-row blocks: for row block
+//      I and column block J <= I, e^(G_i - G_j) = e^(G_i - P_I) e^(P_I - G_j); the left factor is
+//      <= 1, the right one <= 1 below the diagonal block and <= e^(spread of block I) on it. A
+//      chunk whose block spread exceeds SPREAD (never for K3's gate, g > -5, unless SPREAD < 80) has
+//      its diagonal blocks summed exactly, pair by pair, instead;
 //   5. the inverse in plain fp32 FMAs: the four 16 x 16 diagonal blocks by forward substitution (one
 //      thread per column), then R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ by distance from the diagonal;
 //   6. W and U on tensor cores in bf16 (m16n8k16; B operands by ldmatrix.trans), staged in shared
@@ -51,7 +48,8 @@ constexpr int GP = 132;       // fp32 per shared row of G (528 bytes)
 constexpr int AP = 68;        // fp32 per shared row of Akk and R (64 x 68 x 4 = the q tile's bytes)
 constexpr int X_BYTES = C * XP * 2;
 constexpr int G_BYTES = C * GP * 4;
-constexpr int SMEM_BYTES = 4 * X_BYTES + G_BYTES + (NB + 1) * K * 4 + C * 4 + 16;  // 110 KB: 2 blocks per SM
+constexpr int PART_FLOATS = 32 * 32;  // one warp's partial A's (4 n-tiles x 4 x 2 per lane), lane-major
+constexpr int SMEM_BYTES = 3 * X_BYTES + G_BYTES + (NB + 1) * K * 4 + C * 4 + 16 + PART_FLOATS * 4;
 
 struct Args {
   const k3_bf16* q;  // [tokens, H, 128]
@@ -135,32 +133,6 @@ K3_DEVICE void mma_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-K3_DEVICE uint32_t pack_f16(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-K3_DEVICE float f16(uint16_t h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-
-// d (16x8 fp32) += a (16x16 fp16, row) * b (16x8 fp16, col)
-K3_DEVICE void mma_f16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-K3_DEVICE void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-
 K3_DEVICE void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
@@ -168,15 +140,14 @@ K3_DEVICE void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2
 }
 
 struct Smem {
-  k3_bf16* q;  // [64][XP]; from step 3: the A's left operand q e^(G - P) in fp16; after the A's: Akk
-               // (fp32 [64][AP]) in its bytes
+  k3_bf16* q;  // [64][XP]; after the A's: Akk (fp32 [64][AP]) in its bytes
   k3_bf16* k;  // [64][XP]; after the A's: beta k e^G (W's right factor), then W
   k3_bf16* v;  // [64][XP]; after the A's: beta v (U's right factor), then U
   float* G;    // [64][GP]; after step 3b: R (fp32 [64][AP]) and the inverse's scratch
   float* P;    // [NB + 1][128]: G before block b's first row (P[NB] = G_last)
   float* beta; // [64]
   int* wide;   // bit b: block b's spread exceeds Args.spread
-  uint16_t* kl;  // [64][XP] fp16: the A's left operand k e^(G - P) (step 3)
+  float* part; // [32][32]: warp 6's half of row block 1's A's, for warp 7 to add
 };
 
 K3_DEVICE Smem carve(unsigned char* base) {
@@ -188,71 +159,45 @@ K3_DEVICE Smem carve(unsigned char* base) {
   s.P = reinterpret_cast<float*>(base + 3 * X_BYTES + G_BYTES);
   s.beta = s.P + (NB + 1) * K;
   s.wide = reinterpret_cast<int*>(s.beta + C);
-  s.kl = reinterpret_cast<uint16_t*>(base + 3 * X_BYTES + G_BYTES + (NB + 1) * K * 4 + C * 4 + 16);
+  s.part = reinterpret_cast<float*>(base + 3 * X_BYTES + G_BYTES + (NB + 1) * K * 4 + C * 4 + 16);
   return s;
 }
 
 // ---------------------------------------------------------------------------------------------
-// step 4: the A's, one (row block I, column block J <= I) pair of 16 x 16 blocks at a time, over all
-// 128 channels. The left operands x_i e^(G_i - P_I) (<= |x_i|) were written in fp16 by step 3 (an
-// 11-bit significand, as tf32); the right operand k_j e^(P_I - G_j) is made here from k and G.
-// Below the diagonal (J < I) it is <= |k_j| too: fp16, m16n8k16 products, both operands by plain
-// shared loads. On the diagonal it reaches e^(spread of block I), beyond fp16's range: fp32, rounded
-// to tf32, m16n8k8 products (the fp16 left operand is exact in tf32). A wide diagonal block (spread
-// > Args.spread) gets zero right operands here and is summed exactly by step 4b.
-K3_DEVICE void a_offdiag(const Smem& s, int I, int J, float (&ak)[2][4], float (&aq)[2][4], int lane) {
-  const int g = lane >> 2, t = lane & 3;
+// step 4: the A's of row block I against columns [j0, j0 + 8 NT) (whole 16-column blocks J <= I).
+// Fragment rows g and g + 8 of block I; mma k-steps of 8 channels. With a wide diagonal block the
+// diagonal's right factors are zeroed here and step 4b sums that block exactly.
+template <int NT>
+K3_DEVICE void a_block(const Smem& s, int I, int j0, bool skip_diag, float (&ak)[NT][4], float (&aq)[NT][4], int g,
+                       int t, int ks_begin = 0, int ks_end = K / 8) {
 #pragma unroll
-  for (int n = 0; n < 2; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) ak[n][e] = aq[n][e] = 0.f;
-  const uint32_t a_off = (uint32_t)(((16 * I + (lane & 15)) * XP + (lane >> 4) * 8) * 2);
-  const uint32_t ql = smem_u32(s.q) + a_off, kl = smem_u32(s.kl) + a_off;
-#pragma unroll 2
-  for (int ks = 0; ks < K / 16; ++ks) {
-    const int c = 16 * ks + 2 * t;  // this lane's channel pairs: c, c + 1 and c + 8, c + 9
-    uint32_t aq4[4], ak4[4];
-    ldsm_x4(ql + 32 * ks, aq4[0], aq4[1], aq4[2], aq4[3]);
-    ldsm_x4(kl + 32 * ks, ak4[0], ak4[1], ak4[2], ak4[3]);
-    const float2 p0 = *reinterpret_cast<const float2*>(s.P + I * K + c);
-    const float2 p1 = *reinterpret_cast<const float2*>(s.P + I * K + c + 8);
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int j = 16 * J + 8 * n + g;
-      const float2 g0 = *reinterpret_cast<const float2*>(s.G + j * GP + c);
-      const float2 g1 = *reinterpret_cast<const float2*>(s.G + j * GP + c + 8);
-      const uint32_t k0 = *reinterpret_cast<const uint32_t*>(s.k + j * XP + c);
-      const uint32_t k1 = *reinterpret_cast<const uint32_t*>(s.k + j * XP + c + 8);
-      const uint32_t b0 = pack_f16(__uint_as_float(k0 << 16) * exp2_fast(p0.x - g0.x),
-                                   __uint_as_float(k0 & 0xffff0000u) * exp2_fast(p0.y - g0.y));
-      const uint32_t b1 = pack_f16(__uint_as_float(k1 << 16) * exp2_fast(p1.x - g1.x),
-                                   __uint_as_float(k1 & 0xffff0000u) * exp2_fast(p1.y - g1.y));
-      mma_f16(ak[n], ak4, b0, b1);
-      mma_f16(aq[n], aq4, b0, b1);
-    }
-  }
-}
-
-K3_DEVICE void a_diag(const Smem& s, int I, bool skip, float (&ak)[2][4], float (&aq)[2][4], int g, int t) {
-#pragma unroll
-  for (int n = 0; n < 2; ++n)
+  for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) ak[n][e] = aq[n][e] = 0.f;
   const int r0 = 16 * I + g, r1 = r0 + 8;
-  const uint16_t* q16 = reinterpret_cast<const uint16_t*>(s.q);
 #pragma unroll 4
-  for (int ks = 0; ks < K / 8; ++ks) {
+  for (int ks = ks_begin; ks < ks_end; ++ks) {
     const int c0 = ks * 8 + t, c1 = c0 + 4;
     const float p0 = s.P[I * K + c0], p1 = s.P[I * K + c1];
-    const uint32_t lk[4] = {__float_as_uint(f16(s.kl[r0 * XP + c0])), __float_as_uint(f16(s.kl[r1 * XP + c0])),
-                            __float_as_uint(f16(s.kl[r0 * XP + c1])), __float_as_uint(f16(s.kl[r1 * XP + c1]))};
-    const uint32_t lq[4] = {__float_as_uint(f16(q16[r0 * XP + c0])), __float_as_uint(f16(q16[r1 * XP + c0])),
-                            __float_as_uint(f16(q16[r0 * XP + c1])), __float_as_uint(f16(q16[r1 * XP + c1]))};
+    // left operands: x_i e^(G_i - P_I) <= |x_i|, a-fragment order (r0,c0) (r1,c0) (r0,c1) (r1,c1)
+    const float f00 = exp2_fast(s.G[r0 * GP + c0] - p0), f10 = exp2_fast(s.G[r1 * GP + c0] - p0);
+    const float f01 = exp2_fast(s.G[r0 * GP + c1] - p1), f11 = exp2_fast(s.G[r1 * GP + c1] - p1);
+    uint32_t lk[4], lq[4];
+    lk[0] = tf32(bf(s.k[r0 * XP + c0]) * f00);
+    lk[1] = tf32(bf(s.k[r1 * XP + c0]) * f10);
+    lk[2] = tf32(bf(s.k[r0 * XP + c1]) * f01);
+    lk[3] = tf32(bf(s.k[r1 * XP + c1]) * f11);
+    lq[0] = tf32(bf(s.q[r0 * XP + c0]) * f00);
+    lq[1] = tf32(bf(s.q[r1 * XP + c0]) * f10);
+    lq[2] = tf32(bf(s.q[r0 * XP + c1]) * f01);
+    lq[3] = tf32(bf(s.q[r1 * XP + c1]) * f11);
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int j = 16 * I + 8 * n + g;
-      const float e0 = skip ? 0.f : exp2_fast(p0 - s.G[j * GP + c0]);
-      const float e1 = skip ? 0.f : exp2_fast(p1 - s.G[j * GP + c1]);
+    for (int n = 0; n < NT; ++n) {
+      const int j = j0 + 8 * n + g;  // this lane's key row (the fragment's column n = g)
+      const bool zero = skip_diag && (j >> 4) == I;
+      // right operand: k_j e^(P_I - G_j), b-fragment rows (channels) t and t + 4
+      const float e0 = zero ? 0.f : exp2_fast(p0 - s.G[j * GP + c0]);
+      const float e1 = zero ? 0.f : exp2_fast(p1 - s.G[j * GP + c1]);
       const uint32_t b0 = tf32(bf(s.k[j * XP + c0]) * e0), b1 = tf32(bf(s.k[j * XP + c1]) * e1);
       mma_tf32(ak[n], lk, b0, b1);
       mma_tf32(aq[n], lq, b0, b1);
@@ -261,7 +206,7 @@ K3_DEVICE void a_diag(const Smem& s, int I, bool skip, float (&ak)[2][4], float 
 }
 
 // Akk (x beta_i, strictly below the diagonal) into shared memory, Aqk (x scale, on and below it) to
-// memory, from the accumulators of a_diag / a_offdiag. The diagonal block is left alone when it is wide.
+// memory, from the accumulators of a_block. The diagonal block is left alone when it is wide.
 template <int NT>
 K3_DEVICE void a_store(const Smem& s, float* akk, k3_bf16* aqk, float scale, int I, int j0, bool skip_diag,
                        const float (&ak)[NT][4], const float (&aq)[NT][4], int g, int t) {
@@ -289,7 +234,7 @@ struct Exact {
   float kk[EXACT_PASSES], qk[EXACT_PASSES];
 };
 
-K3_DEVICE Exact exact_diag(const Smem& s, const k3_bf16* q, long long row_stride, int L, int b, int tid) {
+K3_DEVICE Exact exact_diag(const Smem& s, int b, int tid) {
   Exact r;
 #pragma unroll
   for (int p = 0; p < EXACT_PASSES; ++p) {
@@ -297,12 +242,11 @@ K3_DEVICE Exact exact_diag(const Smem& s, const k3_bf16* q, long long row_stride
     const int i = 16 * b + (idx >> 4), j = 16 * b + (idx & 15);
     float kk = 0.f, qk = 0.f;
     if (j <= i) {
-      const bool real = i < L;  // rows past the sequence's end: q is not read (zeros)
       for (int c = 0; c < K; ++c) {
         const float e = exp2f(s.G[i * GP + c] - s.G[j * GP + c]);
         const float kj = bf(s.k[j * XP + c]) * e;
         kk += bf(s.k[i * XP + c]) * kj;
-        qk += (real ? bf(__ldg(q + i * row_stride + c)) : 0.f) * kj;  // q's tile holds the left operand now
+        qk += bf(s.q[i * XP + c]) * kj;
       }
     }
     r.kk[p] = kk;
@@ -515,38 +459,25 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
   mark();
   const int wide = *s.wide;
 
-  // 3. warps 4-7: Qg rows to memory and the A's left operands x e^(G - P) in fp16 (q's in place,
-  // k's beside it), 16 bytes per thread and step; warps 0-3: Kd^T row c and d[c] by thread c
-  if (tid >= K) {
+  // 3. warps 4-5: Qg rows (16 bytes per thread and step); warps 0-3: Kd^T row c and d[c] by thread
+  // c; warps 6-7 go on to their larger share of the A's
+  if (warp == 4 || warp == 5) {
     k3_bf16* qg = a.qg + item * C * K;
 #pragma unroll 2
-    for (int p = 0; p < C * K / 8 / K; ++p) {
-      const int idx = tid - K + p * K, row = idx >> 4, c8 = (idx & 15) * 8;
-      const float* Pb = s.P + (row >> 4) * K + c8;
+    for (int p = 0; p < C * K / 8 / 64; ++p) {
+      const int idx = tid - K + p * 64, row = idx >> 4, c8 = (idx & 15) * 8;
       const float4 g0 = *reinterpret_cast<const float4*>(s.G + row * GP + c8);
       const float4 g1 = *reinterpret_cast<const float4*>(s.G + row * GP + c8 + 4);
-      const float4 p0 = *reinterpret_cast<const float4*>(Pb);
-      const float4 p1 = *reinterpret_cast<const float4*>(Pb + 4);
       const uint4 qv = *reinterpret_cast<const uint4*>(s.q + row * XP + c8);
-      const uint4 kv = *reinterpret_cast<const uint4*>(s.k + row * XP + c8);
       const k3_bf16* qe = reinterpret_cast<const k3_bf16*>(&qv);
-      const k3_bf16* ke = reinterpret_cast<const k3_bf16*>(&kv);
       const float e[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-      const float pb[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
-      uint32_t o[4], lq[4], lk[4];
+      uint32_t o[4];
 #pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const float q0 = bf(qe[2 * m]), q1 = bf(qe[2 * m + 1]), k0 = bf(ke[2 * m]), k1 = bf(ke[2 * m + 1]);
-        const float u0 = exp2_fast(e[2 * m] - pb[2 * m]), u1 = exp2_fast(e[2 * m + 1] - pb[2 * m + 1]);
-        o[m] = pack_bf16(a.scale * q0 * exp2_fast(e[2 * m]), a.scale * q1 * exp2_fast(e[2 * m + 1]));
-        lq[m] = pack_f16(q0 * u0, q1 * u1);
-        lk[m] = pack_f16(k0 * u0, k1 * u1);
-      }
+      for (int m = 0; m < 4; ++m)
+        o[m] = pack_bf16(a.scale * bf(qe[2 * m]) * exp2_fast(e[2 * m]), a.scale * bf(qe[2 * m + 1]) * exp2_fast(e[2 * m + 1]));
       *reinterpret_cast<uint4*>(qg + row * K + c8) = make_uint4(o[0], o[1], o[2], o[3]);
-      *reinterpret_cast<uint4*>(s.q + row * XP + c8) = make_uint4(lq[0], lq[1], lq[2], lq[3]);
-      *reinterpret_cast<uint4*>(s.kl + row * XP + c8) = make_uint4(lk[0], lk[1], lk[2], lk[3]);
     }
-  } else {
+  } else if (tid < K) {
     const int c = tid;
     const float last = s.P[NB * K + c];
     a.d[item * K + c] = exp2_fast(last);
@@ -563,30 +494,53 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
       *reinterpret_cast<uint4*>(kd + 8 * r8) = make_uint4(o[0], o[1], o[2], o[3]);
     }
   }
-  __syncthreads();  // the left operands are complete
-  mark();
 
-  // 4. the A's: warp I < 4 the diagonal pair (I, I) in tf32; warps 4-7 the six pairs below it in fp16,
-  // (3, 0) and (1, 0), (3, 1) and (2, 0), (3, 2), (2, 1): about the same work per warp
+  if (PROBE) {
+    __syncthreads();
+    mark();
+  }
+
+  // 4. the A's, (row block I, column block J) pairs: warps 0-3 (3, 0..3), warps 4-6 (2, 0..2), warp 6
+  // also (1, 0..1) over the first 64 channels and warp 7 over the last 64, then (0, 0). Each (I, J)
+  // costs the same right-operand work; each distinct I a warp takes costs its left operand again,
+  // so the split keeps every warp near one pair's left and right work plus the Kd / Qg share.
   float* akk = reinterpret_cast<float*>(s.q);  // written only after everyone's A's are done
   k3_bf16* aqk = a.aqk + item * C * C;
-  const int uI = warp < 4 ? warp : (warp < 7 ? 3 : 2), uJ = warp < 4 ? warp : (warp < 7 ? warp - 4 : 1);
-  const bool skip = warp < 4 && ((wide >> warp) & 1);
-  const int vI = warp == 4 ? 1 : 2, vJ = 0;  // warps 4 and 5: a second pair
-  float ak[2][4], aq[2][4], ak_v[2][4], aq_v[2][4];
-  if (warp < 4) a_diag(s, uI, skip, ak, aq, g, t);
-  else a_offdiag(s, uI, uJ, ak, aq, lane);
-  if (warp == 4 || warp == 5) a_offdiag(s, vI, vJ, ak_v, aq_v, lane);
+  const int bI = warp < 4 ? 3 : 2, bJ = warp < 4 ? warp : warp - 4;
+  const bool skip = (wide >> bI) & 1 && bJ == bI;
+  float ak4[4][4], aq4[4][4], ak2[2][4], aq2[2][4];
+  if (warp < 7) a_block<2>(s, bI, 16 * bJ, skip, ak2, aq2, g, t);
+  if (warp >= 6) a_block<4>(s, 1, 0, (wide >> 1) & 1, ak4, aq4, g, t, warp == 6 ? 0 : K / 16, warp == 6 ? K / 16 : K / 8);
+  if (warp == 7) a_block<2>(s, 0, 0, wide & 1, ak2, aq2, g, t);
+  if (warp == 6) {  // hand the first half of row block 1 to warp 7 (read after the barrier below)
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s.part[(8 * n + e) * 32 + lane] = ak4[n][e];
+        s.part[(8 * n + 4 + e) * 32 + lane] = aq4[n][e];
+      }
+  }
   Exact ex[NB];
   if (wide) {
 #pragma unroll
     for (int b = 0; b < NB; ++b)
-      if ((wide >> b) & 1) ex[b] = exact_diag(s, a.q + base, row_stride, L, b, tid);
+      if ((wide >> b) & 1) ex[b] = exact_diag(s, b, tid);
   }
   __syncthreads();  // q and k are no longer read as such
   mark();
-  a_store<2>(s, akk, aqk, a.scale, uI, 16 * uJ, skip, ak, aq, g, t);
-  if (warp == 4 || warp == 5) a_store<2>(s, akk, aqk, a.scale, vI, 16 * vJ, false, ak_v, aq_v, g, t);
+  if (warp < 7) a_store<2>(s, akk, aqk, a.scale, bI, 16 * bJ, skip, ak2, aq2, g, t);
+  if (warp == 7) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        ak4[n][e] += s.part[(8 * n + e) * 32 + lane];
+        aq4[n][e] += s.part[(8 * n + 4 + e) * 32 + lane];
+      }
+    a_store<4>(s, akk, aqk, a.scale, 1, 0, (wide >> 1) & 1, ak4, aq4, g, t);
+    a_store<2>(s, akk, aqk, a.scale, 0, 0, wide & 1, ak2, aq2, g, t);
+  }
   if (wide) {
 #pragma unroll
     for (int b = 0; b < NB; ++b)

@@ -193,7 +193,7 @@ def test_plain_batch_without_initial_state():
     _check(o, S, o_ref, S_ref)
 
 
-@pytest.mark.parametrize("prologue,options", [(p, None) for p in kc.PROLOGUES] + [("rows", {"exact": "fixup"})])
+@pytest.mark.parametrize("prologue,options", [(p, None) for p in kc.PROLOGUES if p != "cuda"] + [("rows", {"exact": "fixup"})])
 def test_wide_decay_block_takes_the_exact_path(prologue, options):
     """A 16-token block whose decay spreads beyond SAFE_SPREAD (e^64) cannot use the factored
     e^(G_i - G_s) e^(G_s - G_j) form in fp32; the kernel switches to exact pairwise decays."""

@@ -1912,8 +1912,8 @@ def choose_prologue(q, k, v, g, beta) -> str:
 def _cuda_prologue(q, k, v, g, beta, plan, scale, work, num_warps, options):
     from k3lab.ops import kda_prologue_cuda
 
-    if num_warps not in (None, 4) or options:
-        raise ValueError(f"the cuda prologue takes no options (4 warps, fixed); got num_warps={num_warps}, "
+    if num_warps not in (None, 8) or options:
+        raise ValueError(f"the cuda prologue takes no options (8 warps, fixed); got num_warps={num_warps}, "
                          f"options={options}")
     ok, why = prologue_status(q, k, v, g, beta)
     if not ok:

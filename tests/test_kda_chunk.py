@@ -361,7 +361,7 @@ def test_prologues_write_the_chunk_quantities(prologue, options, T):
     """Each prologue (and other launch shapes) against the PyTorch algebra (fp64) on every field the
     walks read and on Akk's inverse; T = 100 is one full chunk and a 36-token one."""
     q, k, v, g, beta = _inputs(1, T, 2, seed=8)
-    plan = kc.make_plan([T], 2)
+    plan = kc.make_plan([T], 2, device=DEV)
     work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 128**-0.5, prologue=prologue, options=options)
     cq = sm.chunk_quantities(*(t.double() for t in (q, k, v, g, beta)))
     pairs = {
@@ -380,7 +380,7 @@ def test_prologue_launches_one_by_one_equal_the_whole_call():
     """'rows' runs the fused kernel's A phase, then split's inverse and W / U: launched one by one
     they write what the one-launch 'fused' prologue writes (same arithmetic, same order)."""
     q, k, v, g, beta = _inputs(1, 150, 1, seed=10)
-    plan = kc.make_plan([150], 1)
+    plan = kc.make_plan([150], 1, device=DEV)
     fused = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, prologue="fused")
     work = kc._alloc_work(plan.n_chunks, 1, q.dtype, q.device)
     launches = kc.prologue_launches(q, k, v, g, beta, plan, 0.1, work, prologue="rows")

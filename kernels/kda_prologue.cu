@@ -10,24 +10,35 @@
 //   (the seed's precision note: the inverse's inputs and intermediates stay fp32).
 // The Triton 'rows' prologue (k3lab/ops/kda_chunk.py) does the same in three launches; its A launch
 // alone ran at 2 programs per SM with 255 registers and took 277 of the prologue's 406 us at 12 heads
-// x 16K tokens on the H200. Here one block of 4 warps holds a whole chunk in shared memory (87 KB: two
-// blocks per SM) and every stage reads it from there:
+// x 16K tokens on the H200. Here one block of 8 warps holds a whole chunk in shared memory (93 KB,
+// 120 registers: two blocks per SM) and every stage reads it from there:
 //   1. cp.async brings g (first, so the column scan can start) then q, k, v; rows past a sequence's
 //      end are zero-filled (k = 0, g = 0, beta = 0: no-op tokens);
-//   2. thread c scans column c: G in place of g (in base-2 units), P_b = G before 16-row block b, the
-//      block spreads;
-//   3. Qg (16-byte rows) and Kd^T (thread c writes row c) straight to memory;
+//   2. thread c scans column c: G in place of g (in base-2 units, so every decay is one ex2),
+//      P_b = G before 16-row block b, the block spreads;
+//   3. Qg (16-byte rows, warps 4-5) and Kd^T (thread c writes row c, warps 0-3) straight to memory;
 //   4. the A's on tensor cores in tf32 (m16n8k8, fp32 accumulation) over 16-row blocks: for row block
 //      I and column block J <= I, e^(G_i - G_j) = e^(G_i - P_I) e^(P_I - G_j); the left factor is
-//      <= 1, the right one <= 1 below the diagonal block and <= e^(spread of block I) on it. A
-//      chunk whose block spread exceeds SPREAD (never for K3's gate, g > -5, unless SPREAD < 80) has
-//      its diagonal blocks summed exactly, pair by pair, instead;
-//   5. the inverse in plain fp32 FMAs: the four 16 x 16 diagonal blocks by forward substitution (one
-//      thread per column), then R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ by distance from the diagonal;
-//   6. W and U on tensor cores in bf16 (m16n8k16; B operands by ldmatrix.trans), staged in shared
-//      memory and written as 16-byte rows.
+//      <= 1, the right one <= 1 below the diagonal block and <= e^(spread of block I) on it. Ten
+//      (I, J) pairs over 8 warps (row block 1's split by channel halves between warps 6 and 7). A
+//      chunk whose block spread exceeds SPREAD (K3's gate, g > -5, allows up to 80 over 16 rows) has
+//      those diagonal blocks summed exactly, pair by pair, instead;
+//   5. the inverse in fp32: the four 16 x 16 diagonal blocks by forward substitution (one thread per
+//      column), then R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ by distance from the diagonal, one warp
+//      per block, each product in three tf32 passes (fp32-class);
+//   6. W and U on tensor cores in bf16 (m16n8k16; B operands by ldmatrix.trans; W on warps 0-3, U on
+//      4-7), staged in shared memory and written as 16-byte rows.
 // Shared memory rows are padded (q, k, v: 272 bytes; G: 528) so that the mma fragment reads and the
 // ldmatrix rows fall in distinct banks.
+//
+// Measured on the H200 (12 heads x 16K tokens, bf16, eager device events; profiles/nvidia-h200/
+// kda_scan, run 6 at ec8884d): 242 us against 410 for the Triton 'rows' prologue in the same run, the
+// after 561 us (before 728, fla's chunk_kda 999). The timeline probe (Args.probe) of one launch: per
+// block about 20 us, of which the A's 8.5, loads 3.3, the off-diagonal inverse 2.8, W/U's factors 2.0,
+// Qg / Kd^T 1.5, W and U 1.0; ncu: 25% occupancy (16 warps per SM, bound by registers and shared
+// memory alike), L1/shared pipe 69% busy, DRAM 31%: the launch is latency-bound, 2.2x over its
+// memory floor (about 110 us for the 467 MB it moves). Tried and dropped: fp16 left operands made
+// once per element with fp16 m16n8k16 below the diagonal (7f8dc66: 249 us, and its GPU checks failed).
 //
 // Build: nvcc for sm_80 and later (cp.async, tf32 mma); k3lab builds it for the device's own
 // architecture. Elsewhere (HIP) a stub whose launcher returns K3_KP_UNSUPPORTED, so kernels/*.cu

@@ -65,9 +65,14 @@ against 381, the prologue 406 against 524) the after takes 723 us, the before 88
 one run (1.37x; 64K: 2611 / 3419 / 3847, 1.47x). With 8 sequences the GPU is full: the after walks
 plainly, level with the before, and both beat fla by 1.36x (16K) and 1.37x (64K). The before
 fits 0.21 us per chunk and head plus 1.55 us per chunk step on the critical path (run 3), within 5%.
+Run 6 (this file's 'cuda' prologue, kernels/kda_prologue.cu, the default for bf16 on NVIDIA GPUs): the
+prologue in one hand-written launch, 242 us against 410 for 'rows' in the same run; the after 561 us,
+the before 728, fla 999 at 12 heads x 16K (1.78x, short of issue 6's 2x); 64K: 1988 / 2818 / 3866
+(1.94x); every other crossover point 1.8-2.0x faster than fla, the 96-head ones included.
 
-ROCm: the kernels are plain Triton and read unit counts from the device; they have not yet been run
-on AMD hardware by this project.
+ROCm: the Triton kernels are plain Triton and read unit counts from the device; they have not yet been
+run on AMD hardware by this project. The 'cuda' prologue has no AMD kernel (its HIP build is a stub):
+on ROCm 'rows' runs, also not yet run on AMD hardware.
 """
 
 from __future__ import annotations

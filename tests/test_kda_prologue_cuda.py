@@ -174,3 +174,19 @@ def test_forced_prologue_env_is_checked(monkeypatch):
         kc.choose_prologue(q, q, q, q, torch.zeros(1, 64, 1))
     monkeypatch.setenv("K3LAB_KDA_PROLOGUE", "flat")
     assert kc.choose_prologue(q, q, q, q, torch.zeros(1, 64, 1)) == "flat"
+
+
+def test_committed_prologue_probe_reads_back(tmp_path):
+    """The committed H200 probe of the CUDA prologue: every stage present, times positive, the shares of
+    a block's lifetime below 1 in sum, the A's the largest stage; a file that is not a probe is refused."""
+    from k3lab.studies import kda_scan as ks
+
+    st = ks.prologue_stages()
+    assert list(st["stage"]) == list(kp.PROBE_STAGES)
+    assert (st["median_us"] >= 0).all() and (st["p90_us"] >= st["median_us"]).all()
+    assert 0.8 < st["share_of_block"].sum() < 1.2
+    assert st.set_index("stage")["median_us"].idxmax() == "A's"
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="probe"):
+        ks.prologue_stages(bad)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -782,6 +783,34 @@ def sweep_table(records):
 def reference_records(device: str = "nvidia-h200", root="profiles"):
     """The committed GPU records of this study (for a CPU reader)."""
     return bench.load_records(NAME, device=device, root=root)
+
+
+PROLOGUE_PROBE = "extra/prologue_probe_80064e7.csv.gz"  # one launch of the CUDA prologue, 12 heads x 16K
+
+
+def prologue_stages(path=None, device: str = "nvidia-h200", root=None):
+    """Where the CUDA prologue's time goes, from a committed timeline probe (kernels/kda_prologue.cu,
+    Args.probe; written by scripts/device_prologue_probe.py): one row per stage with the median and
+    p90 over the launch's blocks (us per block) and its share of a block's median lifetime."""
+    import pandas as pd
+
+    from k3lab.ops import kda_prologue_cuda
+
+    if path is None:
+        path = Path(bench.PROFILES if root is None else root) / device / NAME / PROLOGUE_PROBE
+    frame = pd.read_csv(path)
+    stages = [c for c in kda_prologue_cuda.PROBE_STAGES if c in frame.columns]
+    if not stages or "total_us" not in frame.columns:
+        raise ValueError(f"{path} is not a prologue probe (expected the columns {kda_prologue_cuda.PROBE_STAGES})")
+    total = float(frame["total_us"].median())
+    return pd.DataFrame(
+        {
+            "stage": stages,
+            "median_us": [float(frame[c].median()) for c in stages],
+            "p90_us": [float(frame[c].quantile(0.9)) for c in stages],
+            "share_of_block": [float(frame[c].median()) / total for c in stages],
+        }
+    )
 
 
 def predict(case_name: str, target: str | None = None, compute_units: int | None = None) -> dict:

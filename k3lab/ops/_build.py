@@ -212,3 +212,30 @@ def status(name: str) -> tuple[bool, str]:
         return False, str(exc)
     note = f" ({NOT_RUN_ON_AMD})" if kind == "hipcc" else ""
     return True, f"kernels/{name}.cu built with {kind} for {target}{note}"
+
+
+def cuda_status(name: str, load_library, *, instead: str, min_capability: tuple[int, int] | None = None,
+                needs: str = "", hip_note: str = "") -> tuple[bool, str]:
+    """(True, what runs) when kernels/<name>.cu can run on this machine's GPU: a CUDA (not HIP) device of
+    at least `min_capability`, the library built and loaded by `load_library` (which raises
+    KernelUnavailable when it cannot); else (False, why, ending with what runs `instead`). `needs`
+    says what the capability is for; `hip_note` why a HIP build does not run it."""
+    if not torch.cuda.is_available():
+        return False, f"no GPU visible to torch: {instead}"
+    if getattr(torch.version, "hip", None):
+        note = hip_note or f"is {NOT_RUN_ON_AMD}"
+        return False, f"HIP build: kernels/{name}.cu {note}; {instead}"
+    if min_capability is not None:
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < tuple(min_capability):
+            need = ".".join(map(str, min_capability))
+            return False, f"compute capability {major}.{minor}: kernels/{name}.cu needs {need} or later{needs}; {instead}"
+    ok, why = status(name)
+    if not ok:
+        return False, why
+    try:
+        load_library()
+    except KernelUnavailable as exc:
+        return False, str(exc)
+    return True, why
+

@@ -60,21 +60,9 @@ def _library() -> ctypes.CDLL:
 
 def status() -> tuple[bool, str]:
     """(True, what runs) when the kernel can run here; else (False, why). Builds on first call."""
-    if not torch.cuda.is_available():
-        return False, "no GPU visible to torch: the Triton prologue runs instead"
-    if getattr(torch.version, "hip", None):
-        return False, f"HIP build: kernels/{NAME}.cu has no AMD kernel; the Triton prologue runs instead"
-    cap = torch.cuda.get_device_capability()
-    if cap < MIN_CAPABILITY:
-        return False, f"compute capability {cap} < {MIN_CAPABILITY}: the Triton prologue runs instead"
-    ok, why = _build.status(NAME)
-    if not ok:
-        return False, why
-    try:
-        _library()
-    except _build.KernelUnavailable as exc:
-        return False, str(exc)
-    return True, why
+    return _build.cuda_status(NAME, _library, instead="the Triton prologue runs instead",
+                              min_capability=MIN_CAPABILITY, needs=" (cp.async, tf32 mma)",
+                              hip_note=f"has no AMD kernel (a stub, {_build.NOT_RUN_ON_AMD})")
 
 
 @functools.cache

@@ -78,18 +78,7 @@ def _library() -> ctypes.CDLL:
 
 def status() -> tuple[bool, str]:
     """(True, what runs) when the kernel can run here; else (False, why). Builds on first call."""
-    if not torch.cuda.is_available():
-        return False, "no GPU visible to torch: the Triton kernels run instead"
-    if getattr(torch.version, "hip", None):
-        return False, f"HIP build: kernels/{NAME}.cu is {_build.NOT_RUN_ON_AMD}; the Triton kernels run instead"
-    ok, why = _build.status(NAME)
-    if not ok:
-        return False, why
-    try:
-        _library()
-    except _build.KernelUnavailable as exc:
-        return False, str(exc)
-    return True, why
+    return _build.cuda_status(NAME, _library, instead="the Triton kernels run instead")
 
 
 @functools.cache

@@ -148,24 +148,13 @@ def _library() -> ctypes.CDLL:
 
 def status() -> tuple[bool, str]:
     """(True, what runs) when the kernel can run here; else (False, why). Builds on first call."""
-    if not torch.cuda.is_available():
-        return False, "no GPU visible to torch: the Triton kernels of k3lab.ops.mla_decode run instead"
-    if getattr(torch.version, "hip", None):
-        return False, (f"HIP build: kernels/{NAME}.cu has no AMD path (mma.sync and Hopper bulk copies; the HIP "
-                       f"build is a stub, {_build.NOT_RUN_ON_AMD}); the Triton kernels run instead")
-    major, minor = torch.cuda.get_device_capability()
-    if major < 9:
-        return False, f"compute capability {major}.{minor}: the kernel needs 9.0 or later (bulk copies, mbarrier)"
-    ok, why = _build.status(NAME)
-    if not ok:
-        return False, why
-    try:
-        lib = _library()
-    except _build.KernelUnavailable as exc:
-        return False, str(exc)
-    if not lib.k3_mla_decode_supported():
+    ok, why = _build.cuda_status(
+        NAME, _library, instead="the Triton kernels of k3lab.ops.mla_decode run instead", min_capability=(9, 0),
+        needs=" (bulk copies, mbarrier)",
+        hip_note=f"has no AMD path (mma.sync and Hopper bulk copies; the HIP build is a stub, {_build.NOT_RUN_ON_AMD})")
+    if ok and not _library().k3_mla_decode_supported():
         return False, f"kernels/{NAME}.cu was built without its CUDA path"
-    return True, why
+    return ok, why
 
 
 @functools.cache

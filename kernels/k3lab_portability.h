@@ -114,22 +114,29 @@ K3_DEVICE void k3_pdl_enter() {
 }
 
 #if defined(K3_CUDA)
-// `kernel(args)` on `stream` with the programmatic-stream-serialization attribute (CUDA-graph
-// capture keeps it); returns the launch's error code.
+// `kernel(args)` on `stream` with one launch attribute (CUDA-graph capture keeps it); returns the
+// launch's error code.
 template <typename A>
-static cudaError_t k3_launch_pdl(void (*kernel)(A), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                                 const A& args) {
+static cudaError_t k3_launch_with(void (*kernel)(A), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                  const A& args, cudaLaunchAttribute attr) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
+  cfg.attrs = &attr;
   cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, kernel, args);
+}
+
+// ... with the programmatic-stream-serialization attribute (see k3_pdl_enter).
+template <typename A>
+static cudaError_t k3_launch_pdl(void (*kernel)(A), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                 const A& args) {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  return k3_launch_with(kernel, grid, block, smem, stream, args, attr);
 }
 #endif
 

@@ -1039,17 +1039,11 @@ inline int configure_fused(int max_shared) {
 // unless the whole grid can be resident at once. No programmatic-serialization attribute: see
 // grid_barrier's comment for why the barrier needs the previous kernel complete.
 inline cudaError_t launch_fused_raw(const Args& a, cudaStream_t st) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(a.splits, a.B);
-  cfg.blockDim = dim3(FUSED_WARPS * 32);
-  cfg.dynamicSmemBytes = smem_bytes(FUSED_STAGES);
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, fused_kernel(), a);
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  return k3_launch_with(fused_kernel(), dim3(a.splits, a.B), dim3(FUSED_WARPS * 32), smem_bytes(FUSED_STAGES), st, a,
+                        attr);
 }
 
 template <bool PROBE>

@@ -255,7 +255,7 @@ def _check(o, lse, q, ref_cache, lens, H):
     bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
 
 
-@pytest.mark.skipif(not GPU, reason="needs a GPU (the kernel is not yet run on one by this project)")
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
 @pytest.mark.parametrize("form,warps", [("team", 4), ("split", 4), ("split", 8)])
 @pytest.mark.parametrize("lengths,H,splits,stages", [
@@ -283,7 +283,7 @@ def test_on_the_gpu_matches_the_reference(paged, lengths, H, splits, stages, for
         assert p.num_splits == 1 and p.launches == 1
 
 
-@pytest.mark.skipif(not GPU, reason="needs a GPU (the kernel is not yet run on one by this project)")
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
 def test_on_the_gpu_scale_and_pdl_off_and_graph_replay():
     if not _runs():
         pytest.skip(f"kernel unavailable: {mc.status()[1]}")
@@ -303,7 +303,7 @@ def test_on_the_gpu_scale_and_pdl_off_and_graph_replay():
     _check(p.out, p.lse, q, ref, lens, 12)
 
 
-@pytest.mark.skipif(not GPU, reason="needs a GPU (the kernel is not yet run on one by this project)")
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("form", mc.FORMS)
 def test_on_the_gpu_the_timeline_probe_is_ordered_and_changes_nothing(form):
     if not _runs():
@@ -321,7 +321,7 @@ def test_on_the_gpu_the_timeline_probe_is_ordered_and_changes_nothing(form):
     assert min(m["start"] for m in tl["merge"]) >= max(bl["end"] for bl in tl["blocks"]) - 0.1  # timer grain
 
 
-@pytest.mark.skipif(not GPU, reason="needs a GPU (the kernel is not yet run on one by this project)")
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("form", mc.FORMS)
 def test_on_the_gpu_many_graph_replays_of_a_long_history_stay_right(form):
     # 32 tiles a piece, 50 back-to-back replays: the team kernel's first form read a tile early here

@@ -1894,11 +1894,10 @@ def prologue_status(q, k, v, g, beta) -> tuple[bool, str]:
 
     if _WHILE:
         return False, "Triton's interpreter (no GPU): the Triton 'rows' prologue runs"
-    ok, why = kda_prologue_cuda.status()
-    if not ok:
-        return False, why
+    if not kda_prologue_cuda.available():  # cached: this runs on every call of the prefill
+        return False, kda_prologue_cuda.status()[1]
     reason = kda_prologue_cuda.supports(q, k, v, g, beta)
-    return (False, reason) if reason else (True, why)
+    return (False, reason) if reason else (True, f"kernels/{kda_prologue_cuda.NAME}.cu")
 
 
 def choose_prologue(q, k, v, g, beta) -> str:

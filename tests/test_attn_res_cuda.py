@@ -52,7 +52,7 @@ def _modes():
     return ["block"] + (["cluster"] if _build.clusters_available()[0] else [])
 
 
-@pytest.mark.skipif(not GPU, reason="the kernel runs on a GPU (not yet run on one by this project)")
+@pytest.mark.skipif(not GPU, reason="the kernel runs on a GPU")
 @pytest.mark.parametrize("D", [7168, 1000])
 @pytest.mark.parametrize("T,n_blocks,push,with_delta", [(1, 8, False, True), (1, 0, True, True), (8, 4, True, False),
                                                         (3, 1, False, False)])

@@ -44,7 +44,7 @@
 // architecture. Elsewhere (HIP) a stub whose launcher returns K3_KP_UNSUPPORTED, so kernels/*.cu
 // keeps compiling for every target; AMD would need its own MFMA kernel (not yet run on AMD hardware
 // by this project).
-#include "k3lab_portability.h"
+#include "k3lab_mma.h"
 
 #define K3_KP_UNSUPPORTED (-5)
 
@@ -94,16 +94,7 @@ constexpr int PROBE_WORDS = 11;
 
 namespace k3kp {
 
-K3_DEVICE uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// 16 bytes global -> shared by the async copy unit; `valid` false zero-fills instead of reading.
-K3_DEVICE void cp16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-K3_DEVICE void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-K3_DEVICE void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+using namespace k3mma;
 
 constexpr float LOG2E = 1.4426950408889634f;
 
@@ -122,32 +113,12 @@ K3_DEVICE uint32_t tf32(float x) { return __float_as_uint(x) + 0x1000u; }
 
 K3_DEVICE float bf(k3_bf16 x) { return k3_bf16_to_f32(x); }
 
-K3_DEVICE uint32_t pack_bf16(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
 // d (16x8 fp32) += a (16x8 tf32, row) * b (8x8 tf32, col)
 K3_DEVICE void mma_tf32(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// d (16x8 fp32) += a (16x16 bf16, row) * b (16x8 bf16, col)
-K3_DEVICE void mma_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-K3_DEVICE void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
 }
 
 struct Smem {

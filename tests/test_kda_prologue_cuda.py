@@ -11,29 +11,11 @@ from k3lab.nn.kda import kda_chunked
 from k3lab.ops import kda_chunk as kc
 from k3lab.ops import kda_prologue_cuda as kp
 from k3lab.ops import kda_scan_math as sm
+from kda_cases import _inputs, _rel
 
 HAVE_GPU = torch.cuda.is_available()
 _STATUS = kp.status() if HAVE_GPU else (False, "no GPU: the CUDA prologue needs an NVIDIA GPU")
 needs_kernel = pytest.mark.skipif(not _STATUS[0], reason=_STATUS[1])
-
-
-def _inputs(B, T, H, seed=0, gate_low=-5.0, device="cuda"):
-    """bf16 q, k (normalised), v; fp32 gates with per-channel rates down to `gate_low` per token; beta."""
-    gen = torch.Generator().manual_seed(seed)
-    K = 128
-    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    v = torch.randn(B, T, H, K, generator=gen)
-    bias = torch.linspace(-9, 0, K)[torch.randperm(K, generator=gen)]
-    g = gate_low * torch.sigmoid(torch.randn(B, T, H, K, generator=gen) + bias)
-    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
-    bf = torch.bfloat16
-    return (q.to(device, bf), k.to(device, bf), v.to(device, bf), g.to(device), beta.to(device))
-
-
-def _rel(got, ref):
-    got, ref = got.double(), ref.double()
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _fields(work):

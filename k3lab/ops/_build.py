@@ -214,6 +214,22 @@ def status(name: str) -> tuple[bool, str]:
     return True, f"kernels/{name}.cu built with {kind} for {target}{note}"
 
 
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
+
+
+def stream_handle(index: int) -> int:
+    """The current CUDA stream of device `index` as a raw handle for a ctypes launcher (capturable)."""
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+@functools.cache
+def max_shared_optin(index: int) -> int:
+    """Shared memory one block may opt in to on device `index` (bytes)."""
+    return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
+
 def cuda_status(name: str, load_library, *, instead: str, min_capability: tuple[int, int] | None = None,
                 needs: str = "", hip_note: str = "") -> tuple[bool, str]:
     """(True, what runs) when kernels/<name>.cu can run on this machine's GPU: a CUDA (not HIP) device of

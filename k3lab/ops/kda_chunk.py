@@ -1994,9 +1994,93 @@ def _outputs(q, plan, H):
     return o, s_final
 
 
-def _walk(work, plan, o, s_final, s_in, sin_index, H, dtype, block_v, num_warps, num_stages):
+WALKS = ("cuda", "triton")
+# 'cuda': kernels/kda_walk.cu (k3lab.ops.kda_walk_cuda), the summaries and the replay / plain walk with
+# the next chunk's operands copied in while the current one is computed (bf16, 64-column tiles);
+# 'triton': _summary_kernel and _walk_kernel, whose tiles, warps and stages are launch options.
+TRITON_WALK_OPTIONS = ("num_warps", "num_stages", "summary_warps", "summary_stages")
+
+
+@dataclass
+class WalkOptions:
+    """How the walking launches run: the kind, and the Triton kernels' launch options."""
+
+    kind: str
+    block_v: int
+    num_warps: int = 4
+    num_stages: int = 2
+    summary_block: int = 64
+    summary_warps: int | None = None
+    summary_stages: int | None = None
+
+
+def walk_status(q, items: int = 1) -> tuple[bool, str]:
+    """Whether the CUDA walks (kernels/kda_walk.cu) run for inputs like q and `items` groups: (True,
+    what is built) or (False, why not; the Triton walks run instead)."""
+    from k3lab.ops import kda_walk_cuda
+
+    if _WHILE:
+        return False, "Triton's interpreter (no GPU): the Triton walks run"
+    if not kda_walk_cuda.available():
+        return False, kda_walk_cuda.status()[1]
+    reason = kda_walk_cuda.supports(q, items)
+    return (False, reason) if reason else (True, f"kernels/{kda_walk_cuda.NAME}.cu")
+
+
+def choose_walk(q, items: int = 1) -> str:
+    """'cuda' where `walk_status` allows, else 'triton'. K3LAB_KDA_WALK names one kind for every call
+    instead (to compare them end to end)."""
+    import os
+
+    forced = os.environ.get("K3LAB_KDA_WALK", "")
+    if forced:
+        if forced not in WALKS:
+            raise ValueError(f"K3LAB_KDA_WALK must be one of {WALKS}, got {forced!r}")
+        return forced
+    return "cuda" if walk_status(q, items)[0] else "triton"
+
+
+def _walk_options(q, plan, walk, block_v=None, summary_block=None, **triton) -> WalkOptions:
+    """Resolve the walk kind and its options. walk=None: the Triton walks when any Triton-only option
+    (TRITON_WALK_OPTIONS, or tiles other than 64 columns) is given, else `choose_walk`. walk='cuda'
+    refuses Triton-only options by name (its tiles are fixed at 64 columns)."""
+    given = {k: v for k, v in triton.items() if v is not None}
+    unknown = set(given) - set(TRITON_WALK_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown walk options {sorted(unknown)}; expected {TRITON_WALK_OPTIONS}")
+    for name, b in (("block_v", block_v), ("summary_block", summary_block)):
+        if b is not None:
+            _check_block_v(b, name)
+    wants_triton = bool(given) or block_v not in (None, 64) or summary_block not in (None, 64)
+    items = max(plan.n_groups, plan.n_summaries)
+    if walk is None:
+        walk = "triton" if wants_triton else choose_walk(q, items)
+    if walk not in WALKS:
+        raise ValueError(f"walk must be one of {WALKS} or None, got {walk!r}")
+    if walk == "cuda":
+        if wants_triton:
+            extra = {**given, **{k: v for k, v in (("block_v", block_v), ("summary_block", summary_block))
+                                 if v not in (None, 64)}}
+            raise ValueError(f"walk='cuda' has fixed 64-column tiles and no Triton launch options; got {extra}")
+        ok, why = walk_status(q, items)
+        if not ok:
+            raise ValueError(f"walk='cuda' cannot run here: {why}")
+        return WalkOptions("cuda", 64)
+    if block_v is None:  # the replay (programs per group) or, without groups, the plain walk's rule
+        block_v = 64 if plan.uses_scan else choose_block_v(plan.n_seqs, plan.heads)
+    _check_walk_stages(q, given.get("num_stages"), given.get("summary_stages"))
+    return WalkOptions("triton", block_v, given.get("num_warps", 4), given.get("num_stages", 2),
+                       summary_block or 64, given.get("summary_warps"), given.get("summary_stages"))
+
+
+def _walk(work, plan, o, s_final, s_in, sin_index, H, dtype, wo: WalkOptions):
+    if wo.kind == "cuda":
+        from k3lab.ops import kda_walk_cuda
+
+        kda_walk_cuda.replay(work, plan, o, s_final, s_in, sin_index, H)
+        return
     p = _precisions(dtype)
-    grid = (HEAD_DIM // block_v, H, plan.n_groups)
+    grid = (HEAD_DIM // wo.block_v, H, plan.n_groups)
     _walk_kernel[grid](
         work.w,
         work.u,
@@ -2018,12 +2102,12 @@ def _walk(work, plan, o, s_final, s_in, sin_index, H, dtype, block_v, num_warps,
         K=HEAD_DIM,
         V=HEAD_DIM,
         C=CHUNK,
-        BV=block_v,
+        BV=wo.block_v,
         HAS_SIN=s_in is not None,
         PREC=p["WALK_PREC"],
         WHILE=_WHILE,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=wo.num_warps,
+        num_stages=wo.num_stages,
     )
 
 
@@ -2039,9 +2123,10 @@ def kda_chunk_before(
     *,
     plan: KdaPlan | None = None,
     work: _Work | None = None,
+    walk: str | None = None,
     block_v: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     prologue_warps: int | None = None,
     prologue: str | None = None,
     prologue_options: dict | None = None,
@@ -2050,13 +2135,14 @@ def kda_chunk_before(
 
     q, k [B, T, H, 128]; v [B, T, H, 128] (one 16/32-bit float dtype); g [B, T, H, 128] fp32
     log-decay; beta [B, T, H] fp32; initial_state [N, H, 128, 128] fp32 or None (zeros);
-    cu_seqlens [N + 1] for packed variable-length batches (B = 1), else N = B."""
+    cu_seqlens [N + 1] for packed variable-length batches (B = 1), else N = B.
+    walk: 'cuda' / 'triton' / None (`_walk_options`: CUDA where it runs unless Triton options are
+    given); block_v / num_warps / num_stages: the Triton walk's tiles (default `choose_block_v`),
+    warps (4) and stages (2)."""
     if plan is not None and plan.uses_scan:
         raise ValueError("plan uses groups (a scan plan); kda_chunk_before needs a plan with group_size=None")
     plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, None, "before")
-    block_v = block_v or choose_block_v(plan.n_seqs, H)
-    _check_block_v(block_v)
-    _check_walk_stages(q, num_stages, None)
+    wo = _walk_options(q, plan, walk, block_v, num_warps=num_warps, num_stages=num_stages)
     o, s_final = _outputs(q, plan, H)
     if plan.n_chunks:
         work = kda_chunk_prologue(
@@ -2064,7 +2150,7 @@ def kda_chunk_before(
         )
     else:
         work = work or _alloc_work(0, H, q.dtype, q.device)
-    _walk(work, plan, o, s_final, initial_state, plan.seq_index, H, q.dtype, block_v, num_warps, num_stages)
+    _walk(work, plan, o, s_final, initial_state, plan.seq_index, H, q.dtype, wo)
     return o, s_final
 
 
@@ -2093,15 +2179,16 @@ def kda_chunk_after(
     group_size: int | None = None,
     plan: KdaPlan | None = None,
     work: _Work | None = None,
+    walk: str | None = None,
     block_v: int | None = None,
-    summary_block: int = 64,
+    summary_block: int | None = None,
     summary_warps: int | None = None,
     summary_stages: int | None = None,
     scan_block: int = 16,
     scan_stages: int = 2,
     scan_warps: int = 8,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     prologue_warps: int | None = None,
     prologue: str | None = None,
     prologue_options: dict | None = None,
@@ -2110,46 +2197,31 @@ def kda_chunk_after(
     plain walk when `choose_group_size` (or the plan) says the GPU is already full. Same arguments
     and results as `kda_chunk_before`, plus `group_size` (chunks per group; None = chosen here).
 
-    Launch options: summary_block / summary_warps / summary_stages (the summaries; warps and stages
-    default to num_warps / num_stages), scan_block / scan_warps / scan_stages (the scan), block_v /
-    num_warps / num_stages (the replay). The scan's defaults (16 columns, 8 warps) are issue 6's H200
-    measurement: 36 us against 80 for 32 columns on 4 warps, which needed 255 registers and spilled."""
+    walk: the summaries' and replay's kernels, as in `kda_chunk_before`. Triton launch options:
+    summary_block / summary_warps / summary_stages (the summaries; 64 columns, warps and stages
+    default to num_warps / num_stages), block_v / num_warps / num_stages (the replay). The scan
+    (Triton for both walks): scan_block / scan_warps / scan_stages; its defaults (16 columns, 8 warps)
+    are issue 6's H200 measurement: 36 us against 80 for 32 columns on 4 warps, which needed 255
+    registers and spilled."""
     plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, group_size, "after")
-    if block_v is None:  # the replay (programs per group) or, without groups, the plain walk's rule
-        block_v = 64 if plan.uses_scan else choose_block_v(plan.n_seqs, H)
-    _check_block_v(block_v)
-    _check_block_v(summary_block, "summary_block")
+    triton_opts = {"num_warps": num_warps, "num_stages": num_stages, "summary_warps": summary_warps,
+                   "summary_stages": summary_stages}
+    wo = _walk_options(q, plan, walk, block_v, summary_block, **triton_opts)
     _check_block_v(scan_block, "scan_block")
-    _check_walk_stages(q, num_stages, summary_stages)
     if not plan.uses_scan:
         return kda_chunk_before(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            scale,
-            initial_state,
-            cu_seqlens,
-            plan=plan,
-            work=work,
-            block_v=block_v,
-            num_warps=num_warps,
-            num_stages=num_stages,
-            prologue_warps=prologue_warps,
-            prologue=prologue,
-            prologue_options=prologue_options,
-        )
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, plan=plan, work=work, walk=wo.kind,
+            block_v=block_v, num_warps=num_warps, num_stages=num_stages, prologue_warps=prologue_warps,
+            prologue=prologue, prologue_options=prologue_options,
+        )  # fmt: skip
     o, s_final = _outputs(q, plan, H)
     work = kda_chunk_prologue(
         q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_options)
     )
     sums, s_in = _scan_buffers(plan, H, q.device)
-    _launch_summaries(
-        work, plan, sums, H, q.dtype, summary_block, summary_warps or num_warps, summary_stages or num_stages
-    )
+    _launch_summaries(work, plan, sums, H, q.dtype, wo)
     _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages, scan_warps)
-    _walk(work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, block_v, num_warps, num_stages)
+    _walk(work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, wo)
     return o, s_final
 
 
@@ -2163,11 +2235,16 @@ def _scan_buffers(plan: KdaPlan, H: int, device):
     return sums, torch.empty(plan.n_groups, H, K, K, dtype=torch.float32, device=device)
 
 
-def _launch_summaries(work, plan, sums, H, dtype, summary_block, num_warps, num_stages):
+def _launch_summaries(work, plan, sums, H, dtype, wo: WalkOptions):
     """Launch 2 of the after: every non-last group's (D, N, b)."""
+    if wo.kind == "cuda":
+        from k3lab.ops import kda_walk_cuda
+
+        kda_walk_cuda.summaries(work, plan, sums, H)
+        return
     K = HEAD_DIM
     sum_n, sum_b, sum_d = sums
-    _summary_kernel[(2 * K // summary_block, H, plan.n_summaries)](
+    _summary_kernel[(2 * K // wo.summary_block, H, plan.n_summaries)](
         work.w,
         work.u,
         work.kdt,
@@ -2182,11 +2259,11 @@ def _launch_summaries(work, plan, sums, H, dtype, summary_block, num_warps, num_
         K=K,
         V=K,
         C=CHUNK,
-        BV=summary_block,
+        BV=wo.summary_block,
         PREC=_precisions(dtype)["WALK_PREC"],
         WHILE=_WHILE,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=wo.summary_warps or wo.num_warps,
+        num_stages=wo.summary_stages or wo.num_stages,
     )
 
 
@@ -2227,26 +2304,29 @@ def after_launches(
     *,
     plan: KdaPlan,
     work: _Work | None = None,
+    walk: str | None = None,
     block_v: int | None = None,
-    summary_block: int = 64,
+    summary_block: int | None = None,
     summary_warps: int | None = None,
     summary_stages: int | None = None,
     scan_block: int = 16,
     scan_stages: int = 2,
     scan_warps: int = 8,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     prologue_warps: int | None = None,
     prologue: str | None = None,
     prologue_options: dict | None = None,
 ) -> dict:
     """The after's launches as separate callables on fixed buffers (for timing each one and for
     profiling): {'prologue', 'summaries', 'scan', 'replay'} (or {'prologue', 'walk'} for a plan
-    without groups). Run them in that order; each reads what the previous wrote."""
+    without groups), and 'result' (o, final state). Run them in that order; each reads what the
+    previous wrote. Options as in `kda_chunk_after`."""
     plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, None, "after")
-    if block_v is None:
-        block_v = 64 if plan.uses_scan else choose_block_v(plan.n_seqs, H)
-    _check_block_v(block_v)
+    triton_opts = {"num_warps": num_warps, "num_stages": num_stages, "summary_warps": summary_warps,
+                   "summary_stages": summary_stages}
+    wo = _walk_options(q, plan, walk, block_v, summary_block, **triton_opts)
+    _check_block_v(scan_block, "scan_block")
     o, s_final = _outputs(q, plan, H)
     work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)
     out = {
@@ -2255,20 +2335,13 @@ def after_launches(
         )
     }
     if not plan.uses_scan:
-        out["walk"] = lambda: _walk(
-            work, plan, o, s_final, initial_state, plan.seq_index, H, q.dtype, block_v, num_warps, num_stages
-        )
-        return out
-    sums, s_in = _scan_buffers(plan, H, q.device)
-    out["summaries"] = lambda: _launch_summaries(
-        work, plan, sums, H, q.dtype, summary_block, summary_warps or num_warps, summary_stages or num_stages
-    )
-    out["scan"] = lambda: _launch_scan(
-        plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages, scan_warps
-    )
-    out["replay"] = lambda: _walk(
-        work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, block_v, num_warps, num_stages
-    )
+        out["walk"] = lambda: _walk(work, plan, o, s_final, initial_state, plan.seq_index, H, q.dtype, wo)
+    else:
+        sums, s_in = _scan_buffers(plan, H, q.device)
+        out["summaries"] = lambda: _launch_summaries(work, plan, sums, H, q.dtype, wo)
+        out["scan"] = lambda: _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages,
+                                           scan_warps)
+        out["replay"] = lambda: _walk(work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, wo)
     out["result"] = lambda: (o, s_final)
     return out
 

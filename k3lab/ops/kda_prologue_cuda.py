@@ -23,7 +23,6 @@ HEAD_DIM = 128
 MIN_CAPABILITY = (8, 0)  # cp.async and tf32 mma.sync
 _ERRORS = {-3: "needs more shared memory per block than the device allows", -4: "bad sizes (n_chunks >= 1, H <= 65535)",
            -5: "this build has no kernel (HIP or an unsupported target)"}
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class Args(ctypes.Structure):
@@ -111,8 +110,8 @@ def launch(q, k, v, g, beta, chunk_tok, chunk_len, work, *, n_chunks: int, heads
         raise ValueError(f"probe must be int64 [{n_chunks * heads}, {probe_words()}], got {probe.dtype} "
                          f"{tuple(probe.shape)}")
     a = Args(*ptr, int(n_chunks), int(heads), float(scale), float(spread), probe.data_ptr() if probe is not None else 0)
-    max_shared = _max_shared(idx)
-    stream = _raw_stream(idx) if _raw_stream is not None else torch.cuda.current_stream(q.device).cuda_stream
+    max_shared = _build.max_shared_optin(idx)
+    stream = _build.stream_handle(idx)
     rc = lib.k3_kda_prologue(ctypes.byref(a), max_shared, ctypes.c_void_p(stream))
     if rc != 0:
         raise RuntimeError(f"kda_prologue.cu refused the launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
@@ -134,8 +133,3 @@ def timeline(probe: torch.Tensor):
         frame[name] = t[:, i + 1] - t[:, i]
     frame["total_us"] = t[:, -1] - t[:, 0]
     return frame
-
-
-@functools.cache
-def _max_shared(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)

@@ -34,7 +34,6 @@ PDL_ENV = "K3LAB_KDA_VERIFY_PDL"
 PDL_DEFAULT = True
 PDL_MIN_CAPABILITY = (9, 0)
 _ERRORS = {-1: "no compiled kernel for this (tile_v, warps, form)", -4: "bad sizes (T in 1..8, N and H <= 65535)"}
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
 
 
 class Args(ctypes.Structure):
@@ -157,7 +156,7 @@ def launch(q, k, v, g, beta, h0, o, hs, seq_info, *, n_seq: int, positions: int,
              n_seq, positions, heads, mode, int(mode and seq_info.dtype == torch.int64), int(all_states),
              int(q.dtype == torch.bfloat16), int(g.dtype == torch.bfloat16), int(beta.dtype == torch.bfloat16),
              float(scale), int(pdl))
-    stream = _raw_stream(idx) if _raw_stream is not None else torch.cuda.current_stream(q.device).cuda_stream
+    stream = _build.stream_handle(idx)
     rc = lib.k3_kda_verify(ctypes.byref(a), tile_v, num_warps, FORMS[form], ctypes.c_void_p(stream))
     if rc != 0:
         raise RuntimeError(f"kda_verify.cu refused the launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")

@@ -1,0 +1,311 @@
+// kda_walk.cu: the chunk walks of chunked KDA prefill (seed section 5), hand-written for the
+// group scan's two walking launches: the summaries and the replay (k3lab/ops/kda_chunk.py).
+//
+// Both walk a group's chunks in order, carrying a 128 x 64 fp32 tile X of a state-like matrix on chip:
+//   replay:    E = U - W S;  O = Qg S + Aqk E (written);  S <- diag(d) S + Kd^T E
+//              (tile = 64 value columns of the state; starts from the scan's S_in or the initial state)
+//   summaries: E = R - W X;  X <- diag(d) X + Kd^T E, from X = 0
+//              (tile = 64 columns of N (R = -W diag(D so far), D tracked exactly) or of b (R = U))
+// The Triton walks (_walk_kernel, _summary_kernel) do the same; on the H200 at 12 heads x 16K tokens
+// they took 128 and 156 us (issue 6 run 6), far over the ~52 and ~33 us their reads allow: each
+// program's next chunk was not in flight while it computed the current one. Here one block of
+// 8 warps per (tile, head, group):
+//   * cp.async double buffering: chunk t + 1's W, Kd^T, d (and U, Qg, Aqk) are copied into shared
+//     memory while chunk t is computed, into tiles with an XOR swizzle of their 16-byte pieces so the
+//     ldmatrix reads below fall in distinct banks;
+//   * bf16 m16n8k16 mma.sync for every product, operands by ldmatrix (B operands transposed), fp32
+//     accumulation; X lives in registers in the accumulator layout (warp w: rows 16w .. 16w + 15) and
+//     is rounded to bf16 in shared memory once per chunk as the next chunk's B operand, as the Triton
+//     walks round it (the same numbers, up to summation order);
+//   * two barriers per chunk: after the copy wait (the chunk's tiles and X are visible, the other
+//     buffer is free) and after E (its bf16 copy complete).
+// Shared memory: replay 2 x 64.5 KB stages + 24 KB (one block per SM), summaries 2 x 40.5 KB + 24 KB
+// (two per SM).
+//
+// Build: nvcc for sm_80 and later (cp.async, bf16 mma.sync); k3lab builds it for the device's own
+// architecture. Elsewhere (HIP) a stub whose launcher returns K3_KW_UNSUPPORTED (not yet run on AMD
+// hardware by this project; AMD would need its own MFMA kernel).
+#include "k3lab_mma.h"
+
+#define K3_KW_UNSUPPORTED (-5)
+
+namespace k3kw {
+
+constexpr int C = 64;         // chunk
+constexpr int K = 128;        // key and value head dim
+constexpr int BV = 64;        // columns per block
+constexpr int THREADS = 256;  // 8 warps
+constexpr int W_BYTES = C * K * 2;    // W, Qg: [64][128] bf16
+constexpr int KDT_BYTES = K * C * 2;  // Kd^T: [128][64] bf16
+constexpr int T64_BYTES = C * BV * 2; // U's 64 columns, Aqk, E: [64][64] bf16
+constexpr int D_BYTES = K * 4;
+// a stage: W | Kd^T | U | d, then (replay) Qg | Aqk
+constexpr int OFF_KDT = W_BYTES, OFF_U = OFF_KDT + KDT_BYTES, OFF_D = OFF_U + T64_BYTES;
+constexpr int OFF_QG = OFF_D + D_BYTES, OFF_A = OFF_QG + W_BYTES;
+constexpr int STAGE_SUMMARY = OFF_QG, STAGE_REPLAY = OFF_A + T64_BYTES;
+constexpr int XB_BYTES = K * BV * 2;  // X rounded to bf16: [128][64]
+constexpr int smem_bytes(bool replay) { return 2 * (replay ? STAGE_REPLAY : STAGE_SUMMARY) + XB_BYTES + T64_BYTES; }
+
+struct Args {
+  // prologue outputs (kda_chunk's _Work), bf16 except d
+  const k3_bf16* w;    // [n_chunks, H, 64, 128]
+  const k3_bf16* u;    // [n_chunks, H, 64, 128]
+  const k3_bf16* qg;   // [n_chunks, H, 64, 128]
+  const k3_bf16* kdt;  // [n_chunks, H, 128, 64]
+  const k3_bf16* aqk;  // [n_chunks, H, 64, 64]
+  const float* d;      // [n_chunks, H, 128]
+  // the plan (int32)
+  const int* chunk_tok;
+  const int* chunk_len;
+  const int* grp_chunk0;
+  const int* grp_nchunks;
+  const int* grp_seq;
+  const int* grp_sin;   // replay: row of s_in that starts group g
+  const int* grp_last;
+  const int* sum_grp;   // summaries: group of each summary slot
+  const float* s_in;    // replay: [*, H, 128, 128] fp32, or null (zeros)
+  k3_bf16* o;           // replay: [tokens, H, 128]
+  float* s_final;       // replay: [N, H, 128, 128]
+  float* sum_n;         // summaries: [n_summaries, H, 128, 128]
+  float* sum_b;         // summaries: [n_summaries, H, 128, 128]
+  float* sum_d;         // summaries: [n_summaries, H, 128]
+  int n_items;          // groups (replay) or summary slots
+  int H;
+};
+
+}  // namespace k3kw
+
+#if defined(K3_CUDA)
+
+namespace k3kw {
+
+using namespace k3mma;
+
+// byte offset of 16-byte piece `chunk` of row `row` in a tile of `nc` pieces per row: the piece index
+// is XORed with row % 8, so 8 consecutive rows' same piece land in 8 different bank groups
+K3_DEVICE int swz(int row, int chunk, int nc) { return (row * nc + (chunk ^ (row & 7))) * 16; }
+K3_DEVICE int swz_el(int row, int col, int nc) { return swz(row, col >> 3, nc) + (col & 7) * 2; }
+
+K3_DEVICE float2 bf2(const unsigned char* p) {
+  const uint32_t x = *reinterpret_cast<const uint32_t*>(p);
+  return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+}
+
+// rows x (8 nc) bf16 from global (row stride `ld` elements) into a swizzled tile
+template <int ROWS, int NC>
+K3_DEVICE void copy_tile(unsigned char* dst, const k3_bf16* src, int ld, int tid) {
+#pragma unroll
+  for (int i = tid; i < ROWS * NC; i += THREADS) {
+    const int r = i / NC, c = i % NC;
+    cp16(dst + swz(r, c, NC), src + (long long)r * ld + c * 8, true);
+  }
+}
+
+template <bool REPLAY>
+K3_DEVICE void load_stage(unsigned char* st, const Args& a, long long item, int ucol0, bool load_u, int tid) {
+  copy_tile<C, K / 8>(st, a.w + item * C * K, K, tid);
+  copy_tile<K, C / 8>(st + OFF_KDT, a.kdt + item * K * C, C, tid);
+  if (load_u) copy_tile<C, BV / 8>(st + OFF_U, a.u + item * C * K + ucol0, K, tid);
+  if (tid < D_BYTES / 16) cp16(st + OFF_D + tid * 16, a.d + item * K + tid * 4, true);
+  if (REPLAY) {
+    copy_tile<C, K / 8>(st + OFF_QG, a.qg + item * C * K, K, tid);
+    copy_tile<C, C / 8>(st + OFF_A, a.aqk + item * C * C, C, tid);
+  }
+}
+
+// this warp's X (rows 16 warp + g and + 8, columns 8 n + 2t and + 1) to the bf16 tile
+K3_DEVICE void store_xb(unsigned char* xb, const float (&X)[8][4], int warp, int g, int t) {
+  const int r0 = 16 * warp + g;
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    *reinterpret_cast<uint32_t*>(xb + swz_el(r0, 8 * n + 2 * t, BV / 8)) = pack_bf16(X[n][0], X[n][1]);
+    *reinterpret_cast<uint32_t*>(xb + swz_el(r0 + 8, 8 * n + 2 * t, BV / 8)) = pack_bf16(X[n][2], X[n][3]);
+  }
+}
+
+// acc[n] += A[16 rows from a0, k] B[k, 4 n-tiles from column piece p0] over `ksteps` 16-deep steps;
+// A: row-major swizzled tile of nca pieces per row; B: [k][64] swizzled tile (8 pieces per row)
+template <int NT, int KSTEPS>
+K3_DEVICE void mma_rows(float (&acc)[NT][4], uint32_t a_tile, int nca, int a0, uint32_t b_tile, int p0, int lane) {
+#pragma unroll
+  for (int ks = 0; ks < KSTEPS; ++ks) {
+    uint32_t af[4];
+    ldsm_x4(a_tile + swz(a0 + (lane & 15), 2 * ks + (lane >> 4), nca), af[0], af[1], af[2], af[3]);
+    const int brow = 16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b0, b1, b2, b3;
+      ldsm_x4_t(b_tile + swz(brow, p0 + 2 * np + (lane >> 4), BV / 8), b0, b1, b2, b3);
+      mma_bf16(acc[2 * np], af, b0, b1);
+      mma_bf16(acc[2 * np + 1], af, b2, b3);
+    }
+  }
+}
+
+template <bool REPLAY>
+__global__ void __launch_bounds__(THREADS, REPLAY ? 1 : 2) walk_kernel(const Args a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int STAGE = REPLAY ? STAGE_REPLAY : STAGE_SUMMARY;
+  unsigned char* xb = smem + 2 * STAGE;  // X in bf16 [128][64]
+  unsigned char* eb = xb + XB_BYTES;     // E in bf16 [64][64]
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int tile = blockIdx.x, h = blockIdx.y, item = blockIdx.z, H = a.H;
+  const int mi = warp & 3, nh = warp >> 2;  // E and O: rows 16 mi, columns 32 nh
+  const int gi = REPLAY ? item : a.sum_grp[item];
+  const long long c0 = a.grp_chunk0[gi];
+  const int nch = a.grp_nchunks[gi];
+  const bool is_n = !REPLAY && tile < K / BV;  // summaries: a tile of N (else of b)
+  const int col0 = (tile % (K / BV)) * BV;     // N: columns of M; b and replay: value columns
+  const bool load_u = REPLAY || !is_n;
+
+  float X[8][4];
+  if (REPLAY && a.s_in != nullptr) {
+    const float* src = a.s_in + ((long long)a.grp_sin[gi] * H + h) * K * K + col0;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      const float2 lo = *reinterpret_cast<const float2*>(src + (16 * warp + g) * K + 8 * n + 2 * t);
+      const float2 hi = *reinterpret_cast<const float2*>(src + (16 * warp + g + 8) * K + 8 * n + 2 * t);
+      X[n][0] = lo.x, X[n][1] = lo.y, X[n][2] = hi.x, X[n][3] = hi.y;
+    }
+  } else {
+#pragma unroll
+    for (int n = 0; n < 8; ++n) X[n][0] = X[n][1] = X[n][2] = X[n][3] = 0.f;
+  }
+  float Dc[4][2];  // N tiles: D so far for E's columns 32 nh + 8 n + 2t (+1)
+#pragma unroll
+  for (int n = 0; n < 4; ++n) Dc[n][0] = Dc[n][1] = 1.f;
+
+  if (nch > 0) load_stage<REPLAY>(smem, a, c0 * H + h, col0, load_u, tid);
+  cp_commit();
+  store_xb(xb, X, warp, g, t);
+  const uint32_t xb_s = smem_u32(xb), eb_s = smem_u32(eb);
+
+#pragma unroll 1
+  for (int step = 0; step < nch; ++step) {
+    unsigned char* st = smem + (step & 1) * STAGE;
+    const uint32_t st_s = smem_u32(st);
+    const long long cidx = c0 + step;
+    cp_wait<0>();
+    __syncthreads();  // this chunk's tiles and X visible; the other stage's readers are done
+    if (step + 1 < nch) load_stage<REPLAY>(smem + ((step + 1) & 1) * STAGE, a, (cidx + 1) * H + h, col0, load_u, tid);
+    cp_commit();
+
+    // E = R - W X (and O = Qg X), rows 16 mi, columns 32 nh
+    float E[4][4] = {}, O[4][4] = {};
+    mma_rows<4, K / 16>(E, st_s, K / 8, 16 * mi, xb_s, 4 * nh, lane);
+    if (REPLAY) mma_rows<4, K / 16>(O, st_s + OFF_QG, K / 8, 16 * mi, xb_s, 4 * nh, lane);
+    const float* dvec = reinterpret_cast<const float*>(st + OFF_D);
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const int col = 32 * nh + 8 * n + 2 * t;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 16 * mi + g + 8 * half;
+        float2 rhs;
+        if (load_u) {
+          rhs = bf2(st + OFF_U + swz_el(r, col, BV / 8));
+        } else {
+          const float2 wc = bf2(st + swz_el(r, col0 + col, K / 8));
+          rhs = make_float2(-wc.x * Dc[n][0], -wc.y * Dc[n][1]);
+        }
+        E[n][2 * half] = rhs.x - E[n][2 * half];
+        E[n][2 * half + 1] = rhs.y - E[n][2 * half + 1];
+        *reinterpret_cast<uint32_t*>(eb + swz_el(r, col, BV / 8)) = pack_bf16(E[n][2 * half], E[n][2 * half + 1]);
+      }
+      if (is_n) {
+        Dc[n][0] *= dvec[col0 + col];
+        Dc[n][1] *= dvec[col0 + col + 1];
+      }
+    }
+    __syncthreads();  // E complete in shared memory; every read of X's bf16 copy done
+
+    if (REPLAY) {  // O += Aqk E, then out (rows past the sequence's end are not written)
+      mma_rows<4, C / 16>(O, st_s + OFF_A, C / 8, 16 * mi, eb_s, 4 * nh, lane);
+      const long long tok0 = a.chunk_tok[cidx];
+      const int len = a.chunk_len[cidx];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 16 * mi + g + 8 * half;
+        if (r < len) {
+          k3_bf16* dst = a.o + ((tok0 + r) * H + h) * K + col0 + 32 * nh + 2 * t;
+#pragma unroll
+          for (int n = 0; n < 4; ++n)
+            *reinterpret_cast<uint32_t*>(dst + 8 * n) = pack_bf16(O[n][2 * half], O[n][2 * half + 1]);
+        }
+      }
+    }
+    // X <- diag(d) X + Kd^T E, rows 16 warp
+    const float d0 = dvec[16 * warp + g], d1 = dvec[16 * warp + g + 8];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) X[n][0] *= d0, X[n][1] *= d0, X[n][2] *= d1, X[n][3] *= d1;
+    mma_rows<8, C / 16>(X, st_s + OFF_KDT, C / 8, 16 * warp, eb_s, 0, lane);
+    store_xb(xb, X, warp, g, t);
+  }
+
+  // results: rows 16 warp + g (+ 8), columns col0 + 8 n + 2t (+ 1)
+  float* dst = nullptr;
+  if (REPLAY) {
+    if (a.grp_last[gi]) dst = a.s_final + ((long long)a.grp_seq[gi] * H + h) * K * K + col0;
+  } else {
+    const long long sb = (long long)item * H + h;
+    dst = (is_n ? a.sum_n : a.sum_b) + sb * K * K + col0;
+    if (is_n && mi == 0 && g == 0) {
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+        *reinterpret_cast<float2*>(a.sum_d + sb * K + col0 + 32 * nh + 8 * n + 2 * t) = make_float2(Dc[n][0], Dc[n][1]);
+    }
+  }
+  if (dst != nullptr) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      *reinterpret_cast<float2*>(dst + (16 * warp + g) * K + 8 * n + 2 * t) = make_float2(X[n][0], X[n][1]);
+      *reinterpret_cast<float2*>(dst + (16 * warp + g + 8) * K + 8 * n + 2 * t) = make_float2(X[n][2], X[n][3]);
+    }
+  }
+}
+
+template <bool REPLAY>
+int launch(const Args& a, int max_shared, cudaStream_t stream) {
+  constexpr int bytes = smem_bytes(REPLAY);
+  if (bytes > max_shared) return -3;
+  static bool configured = false;  // the opt-in above 48 KB, once per process and kind
+  if (!configured) {
+    const cudaError_t e = cudaFuncSetAttribute(walk_kernel<REPLAY>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return (int)e;
+    configured = true;
+  }
+  const dim3 grid(REPLAY ? K / BV : 2 * K / BV, a.H, a.n_items);
+  walk_kernel<REPLAY><<<grid, THREADS, bytes, stream>>>(a);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace k3kw
+
+K3_EXPORT int k3_kda_walk_supported() { return 1; }
+K3_EXPORT int k3_kda_walk_args_size() { return (int)sizeof(k3kw::Args); }
+K3_EXPORT int k3_kda_walk_smem(int replay) { return k3kw::smem_bytes(replay != 0); }
+
+K3_EXPORT int k3_kda_walk_regs(int replay) {
+  cudaFuncAttributes attr;
+  const cudaError_t e = cudaFuncGetAttributes(&attr, replay ? k3kw::walk_kernel<true> : k3kw::walk_kernel<false>);
+  return e == cudaSuccess ? attr.numRegs : -(int)e;
+}
+
+// One launch: replay (grid 2 x H x groups) or summaries (grid 4 x H x summary slots). Returns 0,
+// -3 (more shared memory than max_shared), -4 (bad sizes) or the CUDA runtime's error code.
+K3_EXPORT int k3_kda_walk(const k3kw::Args* args, int replay, int max_shared, void* stream) {
+  const k3kw::Args& a = *args;
+  if (a.n_items < 1 || a.H < 1 || a.H > 65535 || a.n_items > 65535) return -4;
+  return replay ? k3kw::launch<true>(a, max_shared, (cudaStream_t)stream)
+                : k3kw::launch<false>(a, max_shared, (cudaStream_t)stream);
+}
+
+#else  // HIP: no cp.async / mma.sync path; the launchers say so
+
+K3_EXPORT int k3_kda_walk_supported() { return 0; }
+K3_EXPORT int k3_kda_walk_args_size() { return (int)sizeof(k3kw::Args); }
+K3_EXPORT int k3_kda_walk_smem(int) { return -1; }
+K3_EXPORT int k3_kda_walk_regs(int) { return K3_KW_UNSUPPORTED; }
+K3_EXPORT int k3_kda_walk(const k3kw::Args*, int, int, void*) { return K3_KW_UNSUPPORTED; }
+
+#endif

@@ -1,0 +1,43 @@
+"""Issue 6: the walking launches of the KDA prefill by kind (kernels/kda_walk.cu against the Triton
+walks) at given cases, each launch timed on its own (eager device events) on the same prologue
+outputs, then the whole before and after with each walk. Prints a table; writes $OUT/walk_<case>.json.
+   PYTHONPATH=. python3 scripts/device_walk_bench.py [case ...]"""
+
+import json
+import os
+import sys
+
+from k3lab import bench
+from k3lab.ops import kda_chunk as kc
+from k3lab.studies import kda_scan as ks
+
+out = os.environ.get("OUT", "build/device")
+os.makedirs(out, exist_ok=True)
+kw = {"warmup": 3, "repeats": 30}
+for name in sys.argv[1:] or ["h12_b1_t16384"]:
+    case = ks.parse_case(name)
+    inp = ks.make_inputs(case)
+    args = tuple(inp[x] for x in ("q", "k", "v", "g", "beta"))
+    runner = ks.Runner(case, inp)
+    rows = {}
+    for walk in ("triton", "cuda"):
+        for label, plan in (("scan", runner.plan_after), ("plain", runner.plan_before)):
+            parts = kc.after_launches(*args, None, inp["initial_state"], inp["cu_seqlens"], plan=plan,
+                                      work=runner.work, walk=walk)
+            for part in ("prologue", "summaries", "scan", "replay", "walk"):
+                if part in parts:
+                    parts[part]()
+            for part in ("summaries", "scan", "replay", "walk"):
+                if part in parts:
+                    rows[f"{walk}.{label}.{part}"] = bench.time_fn(parts[part], **kw).median_us
+        for variant in ("before", "after"):
+            fn = getattr(runner, variant)
+            runner.tune = runner.tune_after = {"walk": walk}
+            rows[f"{walk}.{variant}"] = bench.time_fn(fn, **kw).median_us
+    rows["group_size"] = runner.group_size
+    with open(os.path.join(out, f"walk_{name}.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    print(f"{name} (gs {runner.group_size}):")
+    for key, val in rows.items():
+        if key != "group_size":
+            print(f"  {key:28s} {val:8.1f} us")

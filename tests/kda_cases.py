@@ -1,0 +1,22 @@
+"""Inputs and an error measure shared by the tests of the hand-written KDA prefill kernels."""
+
+import torch
+
+
+def _inputs(B, T, H, seed=0, gate_low=-5.0, device="cuda"):
+    """bf16 q, k (normalised), v; fp32 gates with per-channel rates down to `gate_low` per token; beta."""
+    gen = torch.Generator().manual_seed(seed)
+    K = 128
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, K, generator=gen)
+    bias = torch.linspace(-9, 0, K)[torch.randperm(K, generator=gen)]
+    g = gate_low * torch.sigmoid(torch.randn(B, T, H, K, generator=gen) + bias)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    bf = torch.bfloat16
+    return (q.to(device, bf), k.to(device, bf), v.to(device, bf), g.to(device), beta.to(device))
+
+
+def _rel(got, ref):
+    got, ref = got.double(), ref.double()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()

@@ -44,7 +44,9 @@ constexpr int OFF_KDT = W_BYTES, OFF_U = OFF_KDT + KDT_BYTES, OFF_D = OFF_U + T6
 constexpr int OFF_QG = OFF_D + D_BYTES, OFF_A = OFF_QG + W_BYTES;
 constexpr int STAGE_SUMMARY = OFF_QG, STAGE_REPLAY = OFF_A + T64_BYTES;
 constexpr int XB_BYTES = K * BV * 2;  // X rounded to bf16: [128][64]
-constexpr int smem_bytes(bool replay) { return 2 * (replay ? STAGE_REPLAY : STAGE_SUMMARY) + XB_BYTES + T64_BYTES; }
+constexpr int smem_bytes(bool replay, int stages) {
+  return stages * (replay ? STAGE_REPLAY : STAGE_SUMMARY) + XB_BYTES + T64_BYTES;
+}
 
 struct Args {
   // prologue outputs (kda_chunk's _Work), bf16 except d
@@ -142,11 +144,11 @@ K3_DEVICE void mma_rows(float (&acc)[NT][4], uint32_t a_tile, int nca, int a0, u
   }
 }
 
-template <bool REPLAY>
-__global__ void __launch_bounds__(THREADS, REPLAY ? 1 : 2) walk_kernel(const Args a) {
+template <bool REPLAY, int STAGES>
+__global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2) ? 1 : 2) walk_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int STAGE = REPLAY ? STAGE_REPLAY : STAGE_SUMMARY;
-  unsigned char* xb = smem + 2 * STAGE;  // X in bf16 [128][64]
+  unsigned char* xb = smem + STAGES * STAGE;  // X in bf16 [128][64]
   unsigned char* eb = xb + XB_BYTES;     // E in bf16 [64][64]
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x, h = blockIdx.y, item = blockIdx.z, H = a.H;
@@ -175,19 +177,26 @@ __global__ void __launch_bounds__(THREADS, REPLAY ? 1 : 2) walk_kernel(const Arg
 #pragma unroll
   for (int n = 0; n < 4; ++n) Dc[n][0] = Dc[n][1] = 1.f;
 
-  if (nch > 0) load_stage<REPLAY>(smem, a, c0 * H + h, col0, load_u, tid);
-  cp_commit();
+#pragma unroll
+  for (int sidx = 0; sidx < STAGES - 1; ++sidx) {  // chunks 0 .. STAGES - 2 in flight, one group each
+    if (sidx < nch) load_stage<REPLAY>(smem + sidx * STAGE, a, (c0 + sidx) * H + h, col0, load_u, tid);
+    cp_commit();
+  }
   store_xb(xb, X, warp, g, t);
   const uint32_t xb_s = smem_u32(xb), eb_s = smem_u32(eb);
 
 #pragma unroll 1
   for (int step = 0; step < nch; ++step) {
-    unsigned char* st = smem + (step & 1) * STAGE;
+    unsigned char* st = smem + (step % STAGES) * STAGE;
     const uint32_t st_s = smem_u32(st);
     const long long cidx = c0 + step;
-    cp_wait<0>();
-    __syncthreads();  // this chunk's tiles and X visible; the other stage's readers are done
-    if (step + 1 < nch) load_stage<REPLAY>(smem + ((step + 1) & 1) * STAGE, a, (cidx + 1) * H + h, col0, load_u, tid);
+    long long tok0 = 0;
+    int len = 0;
+    if (REPLAY) tok0 = a.chunk_tok[cidx], len = a.chunk_len[cidx];  // early: off the chain to the stores
+    cp_wait<STAGES - 2>();
+    __syncthreads();  // this chunk's tiles and X visible; the stage read in the last step is free
+    const int ahead = step + STAGES - 1;
+    if (ahead < nch) load_stage<REPLAY>(smem + (ahead % STAGES) * STAGE, a, (c0 + ahead) * H + h, col0, load_u, tid);
     cp_commit();
 
     // E = R - W X (and O = Qg X), rows 16 mi, columns 32 nh
@@ -221,8 +230,6 @@ __global__ void __launch_bounds__(THREADS, REPLAY ? 1 : 2) walk_kernel(const Arg
 
     if (REPLAY) {  // O += Aqk E, then out (rows past the sequence's end are not written)
       mma_rows<4, C / 16>(O, st_s + OFF_A, C / 8, 16 * mi, eb_s, 4 * nh, lane);
-      const long long tok0 = a.chunk_tok[cidx];
-      const int len = a.chunk_len[cidx];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = 16 * mi + g + 8 * half;
@@ -264,48 +271,63 @@ __global__ void __launch_bounds__(THREADS, REPLAY ? 1 : 2) walk_kernel(const Arg
   }
 }
 
-template <bool REPLAY>
+template <bool REPLAY, int STAGES>
 int launch(const Args& a, int max_shared, cudaStream_t stream) {
-  constexpr int bytes = smem_bytes(REPLAY);
+  constexpr int bytes = smem_bytes(REPLAY, STAGES);
   if (bytes > max_shared) return -3;
   static bool configured = false;  // the opt-in above 48 KB, once per process and kind
   if (!configured) {
-    const cudaError_t e = cudaFuncSetAttribute(walk_kernel<REPLAY>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    const cudaError_t e =
+        cudaFuncSetAttribute(walk_kernel<REPLAY, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
   const dim3 grid(REPLAY ? K / BV : 2 * K / BV, a.H, a.n_items);
-  walk_kernel<REPLAY><<<grid, THREADS, bytes, stream>>>(a);
+  walk_kernel<REPLAY, STAGES><<<grid, THREADS, bytes, stream>>>(a);
   return (int)cudaGetLastError();
+}
+
+template <bool REPLAY>
+int launch_stages(const Args& a, int stages, int max_shared, cudaStream_t stream) {
+  switch (stages) {
+    case 2: return launch<REPLAY, 2>(a, max_shared, stream);
+    case 3: return launch<REPLAY, 3>(a, max_shared, stream);
+    default:
+      if constexpr (!REPLAY)
+        if (stages == 4) return launch<REPLAY, 4>(a, max_shared, stream);
+      return -6;
+  }
 }
 
 }  // namespace k3kw
 
 K3_EXPORT int k3_kda_walk_supported() { return 1; }
 K3_EXPORT int k3_kda_walk_args_size() { return (int)sizeof(k3kw::Args); }
-K3_EXPORT int k3_kda_walk_smem(int replay) { return k3kw::smem_bytes(replay != 0); }
+K3_EXPORT int k3_kda_walk_smem(int replay, int stages) { return k3kw::smem_bytes(replay != 0, stages); }
 
-K3_EXPORT int k3_kda_walk_regs(int replay) {
+K3_EXPORT int k3_kda_walk_regs(int replay) {  // the 2-stage forms
   cudaFuncAttributes attr;
-  const cudaError_t e = cudaFuncGetAttributes(&attr, replay ? k3kw::walk_kernel<true> : k3kw::walk_kernel<false>);
+  const cudaError_t e =
+      cudaFuncGetAttributes(&attr, replay ? k3kw::walk_kernel<true, 2> : k3kw::walk_kernel<false, 2>);
   return e == cudaSuccess ? attr.numRegs : -(int)e;
 }
 
-// One launch: replay (grid 2 x H x groups) or summaries (grid 4 x H x summary slots). Returns 0,
-// -3 (more shared memory than max_shared), -4 (bad sizes) or the CUDA runtime's error code.
-K3_EXPORT int k3_kda_walk(const k3kw::Args* args, int replay, int max_shared, void* stream) {
+// One launch: replay (grid 2 x H x groups) or summaries (grid 4 x H x summary slots), with `stages`
+// chunks' operands in shared memory at once (replay 2 or 3, summaries 2 to 4). Returns 0, -3 (more
+// shared memory than max_shared), -4 (bad sizes), -6 (bad stages) or the CUDA runtime's error code.
+K3_EXPORT int k3_kda_walk(const k3kw::Args* args, int replay, int stages, int max_shared, void* stream) {
   const k3kw::Args& a = *args;
   if (a.n_items < 1 || a.H < 1 || a.H > 65535 || a.n_items > 65535) return -4;
-  return replay ? k3kw::launch<true>(a, max_shared, (cudaStream_t)stream)
-                : k3kw::launch<false>(a, max_shared, (cudaStream_t)stream);
+  return replay ? k3kw::launch_stages<true>(a, stages, max_shared, (cudaStream_t)stream)
+                : k3kw::launch_stages<false>(a, stages, max_shared, (cudaStream_t)stream);
 }
 
 #else  // HIP: no cp.async / mma.sync path; the launchers say so
 
 K3_EXPORT int k3_kda_walk_supported() { return 0; }
 K3_EXPORT int k3_kda_walk_args_size() { return (int)sizeof(k3kw::Args); }
-K3_EXPORT int k3_kda_walk_smem(int) { return -1; }
+K3_EXPORT int k3_kda_walk_smem(int, int) { return -1; }
 K3_EXPORT int k3_kda_walk_regs(int) { return K3_KW_UNSUPPORTED; }
-K3_EXPORT int k3_kda_walk(const k3kw::Args*, int, int, void*) { return K3_KW_UNSUPPORTED; }
+K3_EXPORT int k3_kda_walk(const k3kw::Args*, int, int, int, void*) { return K3_KW_UNSUPPORTED; }
 
 #endif

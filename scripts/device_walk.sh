@@ -8,3 +8,18 @@ if [ -f .cache/tcache.tgz ]; then mkdir -p /tmp/tc && tar xzf .cache/tcache.tgz 
 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -x tests/test_kda_walk_cuda.py \
   tests/test_kda_prologue_cuda.py 2>&1 | tee "$OUT/tests_log.txt" | tail -15
 timeout "${BENCH_TIMEOUT:-200}" python3 scripts/device_walk_bench.py ${CASES:-h12_b1_t16384} 2>&1 | tee "$OUT/bench_log.txt"
+if [ -n "${NCU-1}" ] && command -v ncu >/dev/null; then  # NCU= (empty) skips the counters
+  timeout 150 ncu --kernel-name-base mangled --kernel-name "regex:${NCU_KERNEL:-walk_kernelILb1}" --launch-skip 2 \
+    --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis --print-details all --csv --page details python3 scripts/kda_walk_ncu_target.py \
+    > "$OUT/ncu.csv" 2> "$OUT/ncu_err.txt"
+  python3 - "$OUT/ncu.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if rows:
+    head = rows[0]
+    i_n, i_v, i_s = head.index("Metric Name"), head.index("Metric Value"), head.index("Section Name")
+    for r in rows[1:]:
+        print(f"{r[i_s][:24]:24s} {r[i_n][:52]:52s} {r[i_v]}")
+PY
+fi

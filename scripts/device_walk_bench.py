@@ -9,6 +9,7 @@ import sys
 
 from k3lab import bench
 from k3lab.ops import kda_chunk as kc
+from k3lab.ops import kda_walk_cuda as kwc
 from k3lab.studies import kda_scan as ks
 
 out = os.environ.get("OUT", "build/device")
@@ -30,6 +31,14 @@ for name in sys.argv[1:] or ["h12_b1_t16384"]:
             for part in ("summaries", "scan", "replay", "walk"):
                 if part in parts:
                     rows[f"{walk}.{label}.{part}"] = bench.time_fn(parts[part], **kw).median_us
+            if walk == "cuda":  # the other stage counts of kernels/kda_walk.cu
+                default = dict(kwc.STAGES)
+                for part, replay, stages in (("summaries", False, 3), ("summaries", False, 4), ("replay", True, 3),
+                                             ("walk", True, 3)):
+                    if part in parts:
+                        kwc.STAGES[replay] = stages
+                        rows[f"cuda.{label}.{part}.s{stages}"] = bench.time_fn(parts[part], **kw).median_us
+                        kwc.STAGES.update(default)
         for variant in ("before", "after"):
             fn = getattr(runner, variant)
             runner.tune = runner.tune_after = {"walk": walk}

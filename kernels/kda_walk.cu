@@ -83,63 +83,106 @@ namespace k3kw {
 
 using namespace k3mma;
 
-// byte offset of 16-byte piece `chunk` of row `row` in a tile of `nc` pieces per row: the piece index
-// is XORed with row % 8, so 8 consecutive rows' same piece land in 8 different bank groups
-K3_DEVICE int swz(int row, int chunk, int nc) { return (row * nc + (chunk ^ (row & 7))) * 16; }
-K3_DEVICE int swz_el(int row, int col, int nc) { return swz(row, col >> 3, nc) + (col & 7) * 2; }
+// Every shared tile is swizzled: 16-byte piece c of row r sits at piece c ^ (r % 8), so the 8 rows an
+// ldmatrix reads (or 8 lanes' fragment accesses) fall in 8 different bank groups. For a fixed lane,
+// the pieces a loop visits differ from one base by an XOR with a constant; the bases are computed once
+// (Offsets) and each access costs one logic op at most (the first version recomputed the swizzle per
+// access: about 1250 integer instructions against 112 mma per warp and chunk, issue-bound at 0.34
+// instructions per cycle and scheduler, ncu on the H200).
+struct Offsets {
+  uint32_t a16[4];  // A operand rows 16 mi + (lane & 15) of a 128-column tile, k-step j (j + 4: + 128 B)
+  uint32_t a8e[4];  // A operand rows 16 mi + (lane & 15) of a 64-column tile (Aqk), k-step j
+  uint32_t a8x[4];  // A operand rows 16 warp + (lane & 15) of a 64-column tile (Kd^T), k-step j
+  uint32_t b_nh;    // B operand (transposed) of a [k][64] tile, columns from 32 nh: ^ (np << 5), + 2048 ks
+  uint32_t b_0;     // the same from column 0
+  uint32_t e;       // E's element (16 mi + g, 32 nh + 2t) of a 64-column tile: ^ (n << 4), + 1024 half
+  uint32_t w;       // W's element (16 mi + g, col0 + 32 nh + 2t): ^ (n << 4), + 2048 half
+  uint32_t x;       // X's element (16 warp + g, 2t) of the [128][64] tile: ^ (n << 4), + 1024 half
+  uint32_t cp16;    // this thread's piece of a 128-column tile (+ 4096 B per 16 rows)
+  uint32_t cp8;     // its piece of a 64-column tile (+ 4096 B per 32 rows)
+};
+
+K3_DEVICE Offsets offsets(int tid, int col0) {
+  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3, mi = warp & 3, nh = warp >> 2;
+  const int l15 = lane & 15, hr = (lane >> 4) ^ (lane & 7);
+  Offsets o;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    o.a16[j] = (16 * mi + l15) * 256 + ((hr ^ (2 * j)) << 4);
+    o.a8e[j] = (16 * mi + l15) * 128 + ((hr ^ (2 * j)) << 4);
+    o.a8x[j] = (16 * warp + l15) * 128 + ((hr ^ (2 * j)) << 4);
+  }
+  o.b_0 = ((lane & 7) + 8 * ((lane >> 3) & 1)) * 128 + (hr << 4);
+  o.b_nh = o.b_0 ^ (nh << 6);
+  o.e = (16 * mi + g) * 128 + (((4 * nh) ^ g) << 4) + 4 * t;
+  o.w = (16 * mi + g) * 256 + 2 * col0 + (((4 * nh) ^ g) << 4) + 4 * t;
+  o.x = (16 * warp + g) * 128 + (g << 4) + 4 * t;
+  o.cp16 = (tid >> 4) * 256 + (((tid & 15) ^ ((tid >> 4) & 7)) << 4);
+  o.cp8 = (tid >> 3) * 128 + (((tid & 7) ^ ((tid >> 3) & 7)) << 4);
+  return o;
+}
 
 K3_DEVICE float2 bf2(const unsigned char* p) {
   const uint32_t x = *reinterpret_cast<const uint32_t*>(p);
   return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
 }
 
-// rows x (8 nc) bf16 from global (row stride `ld` elements) into a swizzled tile
+// a contiguous [ROWS][8 NC] bf16 tile from global into its swizzled shared copy: thread tid copies
+// pieces tid, tid + 256, ... (256 / NC rows apart)
 template <int ROWS, int NC>
-K3_DEVICE void copy_tile(unsigned char* dst, const k3_bf16* src, int ld, int tid) {
+K3_DEVICE void copy_tile(unsigned char* dst, uint32_t off, const k3_bf16* src, int tid) {
 #pragma unroll
-  for (int i = tid; i < ROWS * NC; i += THREADS) {
-    const int r = i / NC, c = i % NC;
-    cp16(dst + swz(r, c, NC), src + (long long)r * ld + c * 8, true);
-  }
+  for (int p = 0; p < ROWS * NC / THREADS; ++p) cp16(dst + off + p * 4096, src + tid * 8 + p * 2048, true);
 }
 
 template <bool REPLAY>
-K3_DEVICE void load_stage(unsigned char* st, const Args& a, long long item, int ucol0, bool load_u, int tid) {
-  copy_tile<C, K / 8>(st, a.w + item * C * K, K, tid);
-  copy_tile<K, C / 8>(st + OFF_KDT, a.kdt + item * K * C, C, tid);
-  if (load_u) copy_tile<C, BV / 8>(st + OFF_U, a.u + item * C * K + ucol0, K, tid);
+K3_DEVICE void load_stage(unsigned char* st, const Args& a, const Offsets& o, long long item, int ucol0, bool load_u,
+                          int tid) {
+  copy_tile<C, K / 8>(st, o.cp16, a.w + item * C * K, tid);
+  copy_tile<K, C / 8>(st + OFF_KDT, o.cp8, a.kdt + item * K * C, tid);
+  if (load_u) {  // 64 of U's 128 columns: rows 256 bytes apart in global memory
+    const k3_bf16* u = a.u + item * C * K + ucol0 + (tid >> 3) * K + (tid & 7) * 8;
+#pragma unroll
+    for (int p = 0; p < C * BV / 8 / THREADS; ++p) cp16(st + OFF_U + o.cp8 + p * 4096, u + p * 32 * K, true);
+  }
   if (tid < D_BYTES / 16) cp16(st + OFF_D + tid * 16, a.d + item * K + tid * 4, true);
   if (REPLAY) {
-    copy_tile<C, K / 8>(st + OFF_QG, a.qg + item * C * K, K, tid);
-    copy_tile<C, C / 8>(st + OFF_A, a.aqk + item * C * C, C, tid);
+    copy_tile<C, K / 8>(st + OFF_QG, o.cp16, a.qg + item * C * K, tid);
+    copy_tile<C, C / 8>(st + OFF_A, o.cp8, a.aqk + item * C * C, tid);
   }
 }
 
 // this warp's X (rows 16 warp + g and + 8, columns 8 n + 2t and + 1) to the bf16 tile
-K3_DEVICE void store_xb(unsigned char* xb, const float (&X)[8][4], int warp, int g, int t) {
-  const int r0 = 16 * warp + g;
+K3_DEVICE void store_xb(unsigned char* xb, const float (&X)[8][4], uint32_t x) {
 #pragma unroll
   for (int n = 0; n < 8; ++n) {
-    *reinterpret_cast<uint32_t*>(xb + swz_el(r0, 8 * n + 2 * t, BV / 8)) = pack_bf16(X[n][0], X[n][1]);
-    *reinterpret_cast<uint32_t*>(xb + swz_el(r0 + 8, 8 * n + 2 * t, BV / 8)) = pack_bf16(X[n][2], X[n][3]);
+    *reinterpret_cast<uint32_t*>(xb + (x ^ (n << 4))) = pack_bf16(X[n][0], X[n][1]);
+    *reinterpret_cast<uint32_t*>(xb + (x ^ (n << 4)) + 1024) = pack_bf16(X[n][2], X[n][3]);
   }
 }
 
-// acc[n] += A[16 rows from a0, k] B[k, 4 n-tiles from column piece p0] over `ksteps` 16-deep steps;
-// A: row-major swizzled tile of nca pieces per row; B: [k][64] swizzled tile (8 pieces per row)
-template <int NT, int KSTEPS>
-K3_DEVICE void mma_rows(float (&acc)[NT][4], uint32_t a_tile, int nca, int a0, uint32_t b_tile, int p0, int lane) {
+// acc[n] += A[16 rows, k] B[k, NT n-tiles] over KSTEPS 16-deep steps (and, with TWO, acc2 += A2 B
+// on the same B fragments). A: a_tile + aoff[ks % 4] (+128 B per 4 k-steps: a 128-column tile);
+// B: a [k][64] tile at b_tile + (boff ^ (np << 5)) + 2048 ks.
+template <int NT, int KSTEPS, bool TWO>
+K3_DEVICE void mma_rows(float (&acc)[NT][4], float (&acc2)[NT][4], uint32_t a_tile, uint32_t a2_tile,
+                        const uint32_t (&aoff)[4], uint32_t b_tile, uint32_t boff) {
 #pragma unroll
   for (int ks = 0; ks < KSTEPS; ++ks) {
-    uint32_t af[4];
-    ldsm_x4(a_tile + swz(a0 + (lane & 15), 2 * ks + (lane >> 4), nca), af[0], af[1], af[2], af[3]);
-    const int brow = 16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8;
+    const uint32_t ao = aoff[ks & 3] + (ks >> 2) * 128;
+    uint32_t af[4], af2[4];
+    ldsm_x4(a_tile + ao, af[0], af[1], af[2], af[3]);
+    if (TWO) ldsm_x4(a2_tile + ao, af2[0], af2[1], af2[2], af2[3]);
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
       uint32_t b0, b1, b2, b3;
-      ldsm_x4_t(b_tile + swz(brow, p0 + 2 * np + (lane >> 4), BV / 8), b0, b1, b2, b3);
+      ldsm_x4_t(b_tile + (boff ^ (np << 5)) + 2048 * ks, b0, b1, b2, b3);
       mma_bf16(acc[2 * np], af, b0, b1);
       mma_bf16(acc[2 * np + 1], af, b2, b3);
+      if (TWO) {
+        mma_bf16(acc2[2 * np], af2, b0, b1);
+        mma_bf16(acc2[2 * np + 1], af2, b2, b3);
+      }
     }
   }
 }
@@ -159,6 +202,7 @@ __global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2) ? 1 : 2) walk_
   const bool is_n = !REPLAY && tile < K / BV;  // summaries: a tile of N (else of b)
   const int col0 = (tile % (K / BV)) * BV;     // N: columns of M; b and replay: value columns
   const bool load_u = REPLAY || !is_n;
+  const Offsets off = offsets(tid, col0);
 
   float X[8][4];
   if (REPLAY && a.s_in != nullptr) {
@@ -179,10 +223,10 @@ __global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2) ? 1 : 2) walk_
 
 #pragma unroll
   for (int sidx = 0; sidx < STAGES - 1; ++sidx) {  // chunks 0 .. STAGES - 2 in flight, one group each
-    if (sidx < nch) load_stage<REPLAY>(smem + sidx * STAGE, a, (c0 + sidx) * H + h, col0, load_u, tid);
+    if (sidx < nch) load_stage<REPLAY>(smem + sidx * STAGE, a, off, (c0 + sidx) * H + h, col0, load_u, tid);
     cp_commit();
   }
-  store_xb(xb, X, warp, g, t);
+  store_xb(xb, X, off.x);
   const uint32_t xb_s = smem_u32(xb), eb_s = smem_u32(eb);
 
 #pragma unroll 1
@@ -196,30 +240,30 @@ __global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2) ? 1 : 2) walk_
     cp_wait<STAGES - 2>();
     __syncthreads();  // this chunk's tiles and X visible; the stage read in the last step is free
     const int ahead = step + STAGES - 1;
-    if (ahead < nch) load_stage<REPLAY>(smem + (ahead % STAGES) * STAGE, a, (c0 + ahead) * H + h, col0, load_u, tid);
+    if (ahead < nch)
+      load_stage<REPLAY>(smem + (ahead % STAGES) * STAGE, a, off, (c0 + ahead) * H + h, col0, load_u, tid);
     cp_commit();
 
     // E = R - W X (and O = Qg X), rows 16 mi, columns 32 nh
     float E[4][4] = {}, O[4][4] = {};
-    mma_rows<4, K / 16>(E, st_s, K / 8, 16 * mi, xb_s, 4 * nh, lane);
-    if (REPLAY) mma_rows<4, K / 16>(O, st_s + OFF_QG, K / 8, 16 * mi, xb_s, 4 * nh, lane);
+    mma_rows<4, K / 16, REPLAY>(E, O, st_s, st_s + OFF_QG, off.a16, xb_s, off.b_nh);
     const float* dvec = reinterpret_cast<const float*>(st + OFF_D);
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const int col = 32 * nh + 8 * n + 2 * t;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int r = 16 * mi + g + 8 * half;
+        const uint32_t eo = (off.e ^ (n << 4)) + 1024 * half;
         float2 rhs;
         if (load_u) {
-          rhs = bf2(st + OFF_U + swz_el(r, col, BV / 8));
+          rhs = bf2(st + OFF_U + eo);
         } else {
-          const float2 wc = bf2(st + swz_el(r, col0 + col, K / 8));
+          const float2 wc = bf2(st + (off.w ^ (n << 4)) + 2048 * half);
           rhs = make_float2(-wc.x * Dc[n][0], -wc.y * Dc[n][1]);
         }
         E[n][2 * half] = rhs.x - E[n][2 * half];
         E[n][2 * half + 1] = rhs.y - E[n][2 * half + 1];
-        *reinterpret_cast<uint32_t*>(eb + swz_el(r, col, BV / 8)) = pack_bf16(E[n][2 * half], E[n][2 * half + 1]);
+        *reinterpret_cast<uint32_t*>(eb + eo) = pack_bf16(E[n][2 * half], E[n][2 * half + 1]);
       }
       if (is_n) {
         Dc[n][0] *= dvec[col0 + col];
@@ -229,7 +273,7 @@ __global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2) ? 1 : 2) walk_
     __syncthreads();  // E complete in shared memory; every read of X's bf16 copy done
 
     if (REPLAY) {  // O += Aqk E, then out (rows past the sequence's end are not written)
-      mma_rows<4, C / 16>(O, st_s + OFF_A, C / 8, 16 * mi, eb_s, 4 * nh, lane);
+      mma_rows<4, C / 16, false>(O, O, st_s + OFF_A, 0, off.a8e, eb_s, off.b_nh);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = 16 * mi + g + 8 * half;
@@ -245,8 +289,8 @@ __global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2) ? 1 : 2) walk_
     const float d0 = dvec[16 * warp + g], d1 = dvec[16 * warp + g + 8];
 #pragma unroll
     for (int n = 0; n < 8; ++n) X[n][0] *= d0, X[n][1] *= d0, X[n][2] *= d1, X[n][3] *= d1;
-    mma_rows<8, C / 16>(X, st_s + OFF_KDT, C / 8, 16 * warp, eb_s, 0, lane);
-    store_xb(xb, X, warp, g, t);
+    mma_rows<8, C / 16, false>(X, X, st_s + OFF_KDT, 0, off.a8x, eb_s, off.b_0);
+    store_xb(xb, X, off.x);
   }
 
   // results: rows 16 warp + g (+ 8), columns col0 + 8 n + 2t (+ 1)

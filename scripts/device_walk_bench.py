@@ -32,13 +32,14 @@ for name in sys.argv[1:] or ["h12_b1_t16384"]:
                 if part in parts:
                     rows[f"{walk}.{label}.{part}"] = bench.time_fn(parts[part], **kw).median_us
             if walk == "cuda":  # the other stage counts of kernels/kda_walk.cu
-                default = dict(kwc.STAGES)
-                for part, replay, stages in (("summaries", False, 3), ("summaries", False, 4), ("replay", True, 3),
-                                             ("walk", True, 3)):
+                stages, tiles = dict(kwc.STAGES), dict(kwc.TILES)
+                for part, replay, st, ti in (("summaries", False, 3, 1), ("replay", True, 2, 1), ("replay", True, 3, 1),
+                                             ("walk", True, 2, 1)):
                     if part in parts:
-                        kwc.STAGES[replay] = stages
-                        rows[f"cuda.{label}.{part}.s{stages}"] = bench.time_fn(parts[part], **kw).median_us
-                        kwc.STAGES.update(default)
+                        kwc.STAGES[replay], kwc.TILES[replay] = st, ti
+                        rows[f"cuda.{label}.{part}.s{st}t{ti}"] = bench.time_fn(parts[part], **kw).median_us
+                        kwc.STAGES.update(stages)
+                        kwc.TILES.update(tiles)
         for variant in ("before", "after"):
             fn = getattr(runner, variant)
             runner.tune = runner.tune_after = {"walk": walk}

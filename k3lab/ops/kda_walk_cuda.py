@@ -24,9 +24,11 @@ HEAD_DIM = 128
 COLUMNS = 64  # state columns per block (fixed in the kernel)
 MIN_CAPABILITY = (8, 0)  # cp.async and bf16 mma.sync
 MAX_ITEMS = 65535  # groups or summary slots: the grid's third dimension
-# chunks in shared memory at once, {replay: stages} (replay 2 or 3, summaries 2 to 4)
+# the launch forms, {replay: value}: chunks in shared memory at once (replay 2, or 3 with one tile;
+# summaries 2 to 4) and 64-column state tiles per block (replay 1 or 2; summaries 1)
 STAGES = {True: 2, False: 2}
-_ERRORS = {-3: "needs more shared memory per block than the device allows", -6: "bad stages",
+TILES = {True: 2, False: 1}
+_ERRORS = {-3: "needs more shared memory per block than the device allows", -6: "no such form (stages, tiles) built",
            -4: f"bad sizes (1 <= items <= {MAX_ITEMS}, 1 <= H <= 65535)",
            -5: "this build has no kernel (HIP or an unsupported target)"}
 _POINTERS = ("w", "u", "qg", "kdt", "aqk", "d", "chunk_tok", "chunk_len", "grp_chunk0", "grp_nchunks", "grp_seq",
@@ -41,8 +43,8 @@ class Args(ctypes.Structure):
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k3_kda_walk.restype = ctypes.c_int
-    lib.k3_kda_walk.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    lib.k3_kda_walk_smem.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.k3_kda_walk.argtypes = [ctypes.POINTER(Args)] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+    lib.k3_kda_walk_smem.argtypes = [ctypes.c_int] * 3
     for fn in ("k3_kda_walk_args_size", "k3_kda_walk_smem", "k3_kda_walk_regs", "k3_kda_walk_supported"):
         getattr(lib, fn).restype = ctypes.c_int
     size = lib.k3_kda_walk_args_size()
@@ -76,8 +78,8 @@ def registers(replay: bool) -> int:
     return _library().k3_kda_walk_regs(int(replay))
 
 
-def shared_bytes(replay: bool, stages: int | None = None) -> int:
-    return _library().k3_kda_walk_smem(int(replay), stages or STAGES[bool(replay)])
+def shared_bytes(replay: bool) -> int:
+    return _library().k3_kda_walk_smem(int(replay), STAGES[bool(replay)], TILES[bool(replay)])
 
 
 def supports(q, items: int) -> str | None:
@@ -98,7 +100,8 @@ def _launch(ptrs: dict, items: int, heads: int, replay: bool, device: torch.devi
     lib = _library()
     idx = device.index if device.index is not None else torch.cuda.current_device()
     a = Args(*(ptrs.get(name, 0) for name in _POINTERS), int(items), int(heads))
-    rc = lib.k3_kda_walk(ctypes.byref(a), int(replay), STAGES[bool(replay)], _build.max_shared_optin(idx),
+    rc = lib.k3_kda_walk(ctypes.byref(a), int(replay), STAGES[bool(replay)], TILES[bool(replay)],
+                         _build.max_shared_optin(idx),
                          ctypes.c_void_p(_build.stream_handle(idx)))
     if rc != 0:
         raise RuntimeError(f"kda_walk.cu refused the launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")

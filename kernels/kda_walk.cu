@@ -144,7 +144,7 @@ K3_DEVICE void load_stage(unsigned char* st, const Args& a, const Offsets& o, lo
   copy_tile<C, K / 8>(st, o.cp16, a.w + item * C * K, tid);
   copy_tile<K, C / 8>(st + OFF_KDT, o.cp8, a.kdt + item * K * C, tid);
   if (TILES == 2) {  // all of U
-    copy_tile<C, K / 8>(st + OFF_U, o.cp16, a.u + item * C * K, tid);
+    if (load_u) copy_tile<C, K / 8>(st + OFF_U, o.cp16, a.u + item * C * K, tid);
   } else if (load_u) {  // 64 of U's 128 columns: rows 256 bytes apart in global memory
     const k3_bf16* u = a.u + item * C * K + ucol0 + (tid >> 3) * K + (tid & 7) * 8;
 #pragma unroll
@@ -203,7 +203,7 @@ K3_DEVICE void mma_rows(float (&acc)[TILES][NT][4], float (&acc2)[TILES][NT][4],
 // A operands W, Qg, Aqk, Kd^T are read from shared memory once for both, and each warp has twice the
 // independent mma work between barriers).
 template <bool REPLAY, int STAGES, int TILES>
-__global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2) ? 1 : 2) walk_kernel(const Args a) {
+__global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2 || TILES > 1) ? 1 : 2) walk_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int STAGE = stage_bytes(REPLAY, TILES), OFF_D = off_d(TILES), OFF_QG = off_qg(TILES);
   constexpr int OFF_A = off_a(TILES);
@@ -215,9 +215,9 @@ __global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2) ? 1 : 2) walk_
   const int gi = REPLAY ? item : a.sum_grp[item];
   const long long c0 = a.grp_chunk0[gi];
   const int nch = a.grp_nchunks[gi];
-  const bool is_n = !REPLAY && tile < K / BV;  // summaries: a tile of N (else of b)
+  const bool is_n = !REPLAY && tile < K / BV / TILES;  // summaries: tiles of N (else of b)
   // first column of tile tt: N: columns of M; b and replay: value columns
-  const int col0 = TILES == 2 ? 0 : (tile % (K / BV)) * BV;
+  const int col0 = TILES == 2 ? 0 : (tile % (K / BV)) * BV;  // + 64 tt for tile tt
   const bool load_u = REPLAY || !is_n;
   const Offsets off = offsets(tid);
 
@@ -237,9 +237,11 @@ __global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2) ? 1 : 2) walk_
       X[tt][n][0] = lo.x, X[tt][n][1] = lo.y, X[tt][n][2] = hi.x, X[tt][n][3] = hi.y;
     }
   }
-  float Dc[4][2];  // N tiles: D so far for E's columns 32 nh + 8 n + 2t (+1)
+  float Dc[TILES][4][2];  // N tiles: D so far for E's columns col0 + 64 tt + 32 nh + 8 n + 2t (+1)
 #pragma unroll
-  for (int n = 0; n < 4; ++n) Dc[n][0] = Dc[n][1] = 1.f;
+  for (int tt = 0; tt < TILES; ++tt)
+#pragma unroll
+    for (int n = 0; n < 4; ++n) Dc[tt][n][0] = Dc[tt][n][1] = 1.f;
 
 #pragma unroll
   for (int sidx = 0; sidx < STAGES - 1; ++sidx) {  // chunks 0 .. STAGES - 2 in flight, one group each
@@ -278,22 +280,22 @@ __global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2) ? 1 : 2) walk_
           const uint32_t eo = (off.e ^ (n << 4)) + 1024 * half;
           const uint32_t wo = (off.w ^ (n << 4)) + 2048 * half;
           float2 rhs;
-          if (TILES == 2) {
+          if (!load_u) {
+            const float2 wc = bf2(st + wo + 2 * (col0 + BV * tt));
+            rhs = make_float2(-wc.x * Dc[tt][n][0], -wc.y * Dc[tt][n][1]);
+          } else if (TILES == 2) {
             rhs = bf2(st + OFF_U + wo + 128 * tt);
-          } else if (load_u) {
-            rhs = bf2(st + OFF_U + eo);
           } else {
-            const float2 wc = bf2(st + wo + 2 * col0);
-            rhs = make_float2(-wc.x * Dc[n][0], -wc.y * Dc[n][1]);
+            rhs = bf2(st + OFF_U + eo);
           }
           E[tt][n][2 * half] = rhs.x - E[tt][n][2 * half];
           E[tt][n][2 * half + 1] = rhs.y - E[tt][n][2 * half + 1];
           *reinterpret_cast<uint32_t*>(eb + tt * T64_BYTES + eo) = pack_bf16(E[tt][n][2 * half], E[tt][n][2 * half + 1]);
         }
         if (is_n) {
-          const int col = col0 + 32 * nh + 8 * n + 2 * t;
-          Dc[n][0] *= dvec[col];
-          Dc[n][1] *= dvec[col + 1];
+          const int col = col0 + BV * tt + 32 * nh + 8 * n + 2 * t;
+          Dc[tt][n][0] *= dvec[col];
+          Dc[tt][n][1] *= dvec[col + 1];
         }
       }
     __syncthreads();  // E complete in shared memory; every read of X's bf16 copy done
@@ -332,8 +334,11 @@ __global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2) ? 1 : 2) walk_
     dst = (is_n ? a.sum_n : a.sum_b) + sb * K * K + col0;
     if (is_n && mi == 0 && g == 0) {
 #pragma unroll
-      for (int n = 0; n < 4; ++n)
-        *reinterpret_cast<float2*>(a.sum_d + sb * K + col0 + 32 * nh + 8 * n + 2 * t) = make_float2(Dc[n][0], Dc[n][1]);
+      for (int tt = 0; tt < TILES; ++tt)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+          *reinterpret_cast<float2*>(a.sum_d + sb * K + col0 + BV * tt + 32 * nh + 8 * n + 2 * t) =
+              make_float2(Dc[tt][n][0], Dc[tt][n][1]);
     }
   }
   if (dst != nullptr) {
@@ -359,7 +364,7 @@ int launch(const Args& a, int max_shared, cudaStream_t stream) {
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
-  const dim3 grid(REPLAY ? K / BV / TILES : 2 * K / BV, a.H, a.n_items);
+  const dim3 grid((REPLAY ? K : 2 * K) / BV / TILES, a.H, a.n_items);
   walk_kernel<REPLAY, STAGES, TILES><<<grid, THREADS, bytes, stream>>>(a);
   return (int)cudaGetLastError();
 }
@@ -380,7 +385,7 @@ K3_EXPORT int k3_kda_walk_regs(int replay) {  // the default forms
 }
 
 // One launch: the replay (`tiles` = 1: grid 2 x H x groups, one 64-column half of the state per block;
-// 2: grid 1 x H x groups, both halves) or the summaries (grid 4 x H x summary slots, tiles = 1), with
+// 2: grid 1 x H x groups, both halves) or the summaries (grid 4 / tiles x H x summary slots), with
 // `stages` chunks' operands in shared memory at once (2 or 3; summaries also 4). Returns 0, -3 (more
 // shared memory than max_shared), -4 (bad sizes), -6 (a form not built) or the CUDA runtime's error.
 K3_EXPORT int k3_kda_walk(const k3kw::Args* args, int replay, int stages, int tiles, int max_shared, void* stream) {
@@ -394,6 +399,7 @@ K3_EXPORT int k3_kda_walk(const k3kw::Args* args, int replay, int stages, int ti
     if (tiles == 1 && stages == 3) return launch<true, 3, 1>(a, max_shared, st);
     return -6;
   }
+  if (tiles == 2) return stages == 2 ? launch<false, 2, 2>(a, max_shared, st) : -6;
   if (tiles != 1) return -6;
   if (stages == 2) return launch<false, 2, 1>(a, max_shared, st);
   if (stages == 3) return launch<false, 3, 1>(a, max_shared, st);

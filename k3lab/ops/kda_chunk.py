@@ -2027,8 +2027,11 @@ def walk_status(q, items: int = 1) -> tuple[bool, str]:
     return (False, reason) if reason else (True, f"kernels/{kda_walk_cuda.NAME}.cu")
 
 
-def choose_walk(q, items: int = 1) -> str:
-    """'cuda' where `walk_status` allows, else 'triton'. K3LAB_KDA_WALK names one kind for every call
+def choose_walk(q, items: int = 1, plan: KdaPlan | None = None) -> str:
+    """'cuda' where `walk_status` allows, else 'triton'; for a plan without groups (the plain walk)
+    'triton': its few long walks ran slower in the CUDA kernel's 64-column blocks than in the Triton
+    walk's 32-column programs (H200, 12 heads x 16K tokens, 24 or 12 blocks: 686 us against 480,
+    profiles/nvidia-h200/kda_scan/extra/walk_bench_*). K3LAB_KDA_WALK names one kind for every call
     instead (to compare them end to end)."""
     import os
 
@@ -2037,6 +2040,8 @@ def choose_walk(q, items: int = 1) -> str:
         if forced not in WALKS:
             raise ValueError(f"K3LAB_KDA_WALK must be one of {WALKS}, got {forced!r}")
         return forced
+    if plan is not None and not plan.uses_scan:
+        return "triton"
     return "cuda" if walk_status(q, items)[0] else "triton"
 
 
@@ -2054,7 +2059,7 @@ def _walk_options(q, plan, walk, block_v=None, summary_block=None, **triton) -> 
     wants_triton = bool(given) or block_v not in (None, 64) or summary_block not in (None, 64)
     items = max(plan.n_groups, plan.n_summaries)
     if walk is None:
-        walk = "triton" if wants_triton else choose_walk(q, items)
+        walk = "triton" if wants_triton else choose_walk(q, items, plan)
     if walk not in WALKS:
         raise ValueError(f"walk must be one of {WALKS} or None, got {walk!r}")
     if walk == "cuda":

@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from k3lab import env
 from k3lab.ops import _build
 
 NAME = "kda_walk"
@@ -24,10 +25,19 @@ HEAD_DIM = 128
 COLUMNS = 64  # state columns per block (fixed in the kernel)
 MIN_CAPABILITY = (8, 0)  # cp.async and bf16 mma.sync
 MAX_ITEMS = 65535  # groups or summary slots: the grid's third dimension
-# the launch forms, {replay: value}: chunks in shared memory at once (replay 2, or 3 with one tile;
-# summaries 2 to 4) and 64-column state tiles per block (replay 1 or 2; summaries 1)
+# the launch forms, {replay: value}: chunks in shared memory at once (2; 3 with one tile; summaries with
+# one tile also 4) and 64-column state tiles per block (1 or 2; None: `replay_tiles` / 2 for the
+# summaries). H200, 12 heads x 16K tokens, group scan of 24-chunk groups: replay 115 us with two tiles
+# against 138 with one, summaries ... ; more stages did not help (extra/walk_bench_*).
 STAGES = {True: 2, False: 2}
-TILES = {True: 2, False: 1}
+TILES = {True: None, False: 2}
+
+
+def replay_tiles(blocks_with_two: int) -> int:
+    """State tiles per replay block: two (the A operands read once for both halves, twice the work
+    between barriers) once that still gives every compute unit a block, else one (twice the blocks:
+    the plain walk of 12 heads, 12 blocks, took 1139 us with two tiles against 686 with one)."""
+    return 2 if blocks_with_two >= env.detect().compute_units else 1
 _ERRORS = {-3: "needs more shared memory per block than the device allows", -6: "no such form (stages, tiles) built",
            -4: f"bad sizes (1 <= items <= {MAX_ITEMS}, 1 <= H <= 65535)",
            -5: "this build has no kernel (HIP or an unsupported target)"}
@@ -78,8 +88,8 @@ def registers(replay: bool) -> int:
     return _library().k3_kda_walk_regs(int(replay))
 
 
-def shared_bytes(replay: bool) -> int:
-    return _library().k3_kda_walk_smem(int(replay), STAGES[bool(replay)], TILES[bool(replay)])
+def shared_bytes(replay: bool, tiles: int = 2) -> int:
+    return _library().k3_kda_walk_smem(int(replay), STAGES[bool(replay)], TILES[bool(replay)] or tiles)
 
 
 def supports(q, items: int) -> str | None:
@@ -98,9 +108,10 @@ def supports(q, items: int) -> str | None:
 
 def _launch(ptrs: dict, items: int, heads: int, replay: bool, device: torch.device) -> None:
     lib = _library()
+    tiles = TILES[replay] or replay_tiles(items * heads)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     a = Args(*(ptrs.get(name, 0) for name in _POINTERS), int(items), int(heads))
-    rc = lib.k3_kda_walk(ctypes.byref(a), int(replay), STAGES[bool(replay)], TILES[bool(replay)],
+    rc = lib.k3_kda_walk(ctypes.byref(a), int(replay), STAGES[replay], tiles,
                          _build.max_shared_optin(idx),
                          ctypes.c_void_p(_build.stream_handle(idx)))
     if rc != 0:

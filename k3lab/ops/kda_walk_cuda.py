@@ -26,11 +26,12 @@ COLUMNS = 64  # state columns per block (fixed in the kernel)
 MIN_CAPABILITY = (8, 0)  # cp.async and bf16 mma.sync
 MAX_ITEMS = 65535  # groups or summary slots: the grid's third dimension
 # the launch forms, {replay: value}: chunks in shared memory at once (2; 3 with one tile; summaries with
-# one tile also 4) and 64-column state tiles per block (1 or 2; None: `replay_tiles` / 2 for the
-# summaries). H200, 12 heads x 16K tokens, group scan of 24-chunk groups: replay 115 us with two tiles
-# against 138 with one, summaries ... ; more stages did not help (extra/walk_bench_*).
+# one tile also 4) and 64-column state tiles per block (1 or 2; None: `replay_tiles`). H200, 12 heads x
+# 16K tokens, group scan of 24-chunk groups (profiles/nvidia-h200/kda_scan/extra/walk_bench_*): replay
+# 115 us with two tiles against 137 with one; summaries 124 with one against 126 with two; a third
+# stage did not help either (147 and 137).
 STAGES = {True: 2, False: 2}
-TILES = {True: None, False: 2}
+TILES = {True: None, False: 1}
 
 
 def replay_tiles(blocks_with_two: int) -> int:

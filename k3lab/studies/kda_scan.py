@@ -416,6 +416,8 @@ def _tune_record(runner: Runner, variant: str) -> dict:
         return {}
     t = dict(runner.tune_after if variant == "after" else runner.tune)
     t.setdefault("prologue", kc.choose_prologue(*runner._args()))
+    plan = runner.plan_after if variant == "after" else runner.plan_before
+    t.setdefault("walk", kc.choose_walk(runner._args()[0], plan=plan))
     return t
 
 

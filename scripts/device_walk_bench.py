@@ -33,7 +33,8 @@ for name in sys.argv[1:] or ["h12_b1_t16384"]:
                     rows[f"{walk}.{label}.{part}"] = bench.time_fn(parts[part], **kw).median_us
             if walk == "cuda":  # the other stage counts of kernels/kda_walk.cu
                 stages, tiles = dict(kwc.STAGES), dict(kwc.TILES)
-                for part, replay, st, ti in (("summaries", False, 2, 1), ("replay", True, 2, 1), ("walk", True, 2, 2)):
+                for part, replay, st, ti in (("summaries", False, 2, 2), ("replay", True, 2, 1), ("replay", True, 2, -2),
+                                             ("walk", True, 2, -2)):
                     if part in parts:
                         kwc.STAGES[replay], kwc.TILES[replay] = st, ti
                         rows[f"cuda.{label}.{part}.s{st}t{ti}"] = bench.time_fn(parts[part], **kw).median_us
@@ -43,7 +44,7 @@ for name in sys.argv[1:] or ["h12_b1_t16384"]:
             fn = getattr(runner, variant)
             runner.tune = runner.tune_after = {"walk": walk}
             rows[f"{walk}.{variant}"] = bench.time_fn(fn, **kw).median_us
-    for gs in (16, 20, 28, 32, 40):  # the after's group size with the CUDA walks
+    for gs in (int(x) for x in os.environ.get("GROUP_SIZES", "16,32").split(",") if x):  # the after's, CUDA walks
         plan = kc.make_plan(case.lengths, case.heads, gs, device=args[0].device)
         rows[f"cuda.after.gs{gs}"] = bench.time_fn(
             lambda p=plan: runner.after(plan=p), **kw).median_us

@@ -67,18 +67,13 @@ struct Args {
   const int* grp_sin;   // replay: row of s_in that starts group g
   const int* grp_last;
   const int* sum_grp;   // summaries: group of each summary slot
-  const int* grp_sum;   // scan: summary slot of each group (-1: a sequence's last)
-  const int* seq_grp0;  // scan: first group of each sequence
-  const int* seq_ngrp;  // scan: its groups
-  const float* s_init;  // scan: [N, H, 128, 128] fp32 initial states, or null (zeros)
-  float* s_out;         // scan: [groups, H, 128, 128] each group's starting state (the replay's s_in)
   const float* s_in;    // replay: [*, H, 128, 128] fp32, or null (zeros)
   k3_bf16* o;           // replay: [tokens, H, 128]
   float* s_final;       // replay: [N, H, 128, 128]
   float* sum_n;         // summaries: [n_summaries, H, 128, 128]
   float* sum_b;         // summaries: [n_summaries, H, 128, 128]
   float* sum_d;         // summaries: [n_summaries, H, 128]
-  int n_items;          // groups (replay), summary slots or sequences (scan)
+  int n_items;          // groups (replay) or summary slots
   int H;
 };
 
@@ -380,100 +375,6 @@ int launch(const Args& a, int max_shared, cudaStream_t stream) {
   return (int)cudaGetLastError();
 }
 
-// ---------------------------------------------------------------------------------------------
-// The scan between them: for each sequence and head, S <- D S + N S + b over its groups in order,
-// storing every group's starting state (s_in) -- the Triton _scan_kernel's job. One block per
-// (SC state columns, head, sequence); thread (r, half) owns row r, SC / 2 columns. The chain is short
-// (one step per group) but each step reads a whole N (64 KB fp32): the next group's N is copied into
-// shared memory while this one is applied (rows padded to 528 bytes so the 4 rows a quarter-warp
-// reads fall in different banks), and the product runs in fp32 FMA (exact, not tf32).
-constexpr int NP = 132;  // fp32 per shared row of N
-
-template <int SC>
-__global__ void __launch_bounds__(THREADS, 1) scan_kernel(const Args a) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int HALF = SC / 2;
-  float* nbuf = reinterpret_cast<float*>(smem);             // 2 x [128][NP]
-  float* S = reinterpret_cast<float*>(smem + 2 * K * NP * 4);  // [128][SC]
-  const int tid = threadIdx.x, r = tid >> 1, c0 = (tid & 1) * HALF;
-  const int v0 = blockIdx.x * SC, h = blockIdx.y, H = a.H;
-  const long long n = blockIdx.z, g0 = a.seq_grp0[n];
-  const int ng = a.seq_ngrp[n];
-  float s[HALF];
-#pragma unroll
-  for (int c = 0; c < HALF; c += 4) {
-    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (a.s_init != nullptr) x = *reinterpret_cast<const float4*>(a.s_init + ((n * H + h) * K + r) * K + v0 + c0 + c);
-    s[c] = x.x, s[c + 1] = x.y, s[c + 2] = x.z, s[c + 3] = x.w;
-  }
-  auto load_n = [&](int j) {
-    const float* src = a.sum_n + ((long long)a.grp_sum[g0 + j] * H + h) * K * K;
-    float* dst = nbuf + (j & 1) * K * NP;
-#pragma unroll 4
-    for (int i = tid; i < K * K / 4; i += THREADS) cp16(dst + (i >> 5) * NP + (i & 31) * 4, src + i * 4, true);
-  };
-  if (ng > 1) load_n(0);
-  cp_commit();
-  auto store_state = [&](long long grp) {
-    float* dst = a.s_out + ((grp * H + h) * K + r) * K + v0 + c0;
-#pragma unroll
-    for (int c = 0; c < HALF; c += 4) *reinterpret_cast<float4*>(dst + c) = make_float4(s[c], s[c + 1], s[c + 2], s[c + 3]);
-  };
-#pragma unroll 1
-  for (int j = 0; j < ng - 1; ++j) {
-    store_state(g0 + j);
-#pragma unroll
-    for (int c = 0; c < HALF; c += 4)
-      *reinterpret_cast<float4*>(S + r * SC + c0 + c) = make_float4(s[c], s[c + 1], s[c + 2], s[c + 3]);
-    if (j + 1 < ng - 1) load_n(j + 1);
-    cp_commit();
-    const long long sb = (long long)a.grp_sum[g0 + j] * H + h;
-    const float dr = a.sum_d[sb * K + r];
-    float acc[HALF];
-#pragma unroll
-    for (int c = 0; c < HALF; c += 4) {
-      const float4 b = *reinterpret_cast<const float4*>(a.sum_b + (sb * K + r) * K + v0 + c0 + c);
-      acc[c] = dr * s[c] + b.x, acc[c + 1] = dr * s[c + 1] + b.y;
-      acc[c + 2] = dr * s[c + 2] + b.z, acc[c + 3] = dr * s[c + 3] + b.w;
-    }
-    cp_wait<1>();
-    __syncthreads();  // N_j landed; S complete
-    const float* nr = nbuf + (j & 1) * K * NP + r * NP;
-#pragma unroll 4
-    for (int k = 0; k < K; k += 4) {
-      const float4 nk = *reinterpret_cast<const float4*>(nr + k);
-      const float w[4] = {nk.x, nk.y, nk.z, nk.w};
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const float* srow = S + (k + kk) * SC + c0;
-#pragma unroll
-        for (int c = 0; c < HALF; c += 4) {
-          const float4 x = *reinterpret_cast<const float4*>(srow + c);
-          acc[c] += w[kk] * x.x, acc[c + 1] += w[kk] * x.y, acc[c + 2] += w[kk] * x.z, acc[c + 3] += w[kk] * x.w;
-        }
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < HALF; ++c) s[c] = acc[c];
-    __syncthreads();  // every read of S and of this N done
-  }
-  store_state(g0 + ng - 1);
-}
-
-template <int SC>
-int launch_scan(const Args& a, int max_shared, cudaStream_t stream) {
-  constexpr int bytes = 2 * K * NP * 4 + K * SC * 4;
-  if (bytes > max_shared) return -3;
-  static bool configured = false;
-  if (!configured) {
-    const cudaError_t e = cudaFuncSetAttribute(scan_kernel<SC>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess) return (int)e;
-    configured = true;
-  }
-  scan_kernel<SC><<<dim3(K / SC, a.H, a.n_items), THREADS, bytes, stream>>>(a);
-  return (int)cudaGetLastError();
-}
-
 }  // namespace k3kw
 
 K3_EXPORT int k3_kda_walk_supported() { return 1; }
@@ -513,15 +414,6 @@ K3_EXPORT int k3_kda_walk(const k3kw::Args* args, int replay, int stages, int ti
   return -6;
 }
 
-// The scan: grid (128 / cols, H, sequences), cols = 16 or 32 state columns per block.
-K3_EXPORT int k3_kda_walk_scan(const k3kw::Args* args, int cols, int max_shared, void* stream) {
-  const k3kw::Args& a = *args;
-  if (a.n_items < 1 || a.H < 1 || a.H > 65535 || a.n_items > 65535) return -4;
-  if (cols == 16) return k3kw::launch_scan<16>(a, max_shared, (cudaStream_t)stream);
-  if (cols == 32) return k3kw::launch_scan<32>(a, max_shared, (cudaStream_t)stream);
-  return -6;
-}
-
 #else  // HIP: no cp.async / mma.sync path; the launchers say so
 
 K3_EXPORT int k3_kda_walk_supported() { return 0; }
@@ -529,6 +421,5 @@ K3_EXPORT int k3_kda_walk_args_size() { return (int)sizeof(k3kw::Args); }
 K3_EXPORT int k3_kda_walk_smem(int, int, int) { return -1; }
 K3_EXPORT int k3_kda_walk_regs(int) { return K3_KW_UNSUPPORTED; }
 K3_EXPORT int k3_kda_walk(const k3kw::Args*, int, int, int, int, void*) { return K3_KW_UNSUPPORTED; }
-K3_EXPORT int k3_kda_walk_scan(const k3kw::Args*, int, int, void*) { return K3_KW_UNSUPPORTED; }
 
 #endif

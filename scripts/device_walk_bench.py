@@ -33,16 +33,13 @@ for name in sys.argv[1:] or ["h12_b1_t16384"]:
                     rows[f"{walk}.{label}.{part}"] = bench.time_fn(parts[part], **kw).median_us
             if walk == "cuda":  # the other stage counts of kernels/kda_walk.cu
                 stages, tiles = dict(kwc.STAGES), dict(kwc.TILES)
-                for part, replay, st, ti in (("summaries", False, 2, 2), ("replay", True, 2, 1), ("replay", True, 2, -2)):
+                for part, replay, st, ti in (("summaries", False, 2, 2), ("replay", True, 2, 1), ("replay", True, 2, -2),
+                                             ("walk", True, 2, -2)):
                     if part in parts:
                         kwc.STAGES[replay], kwc.TILES[replay] = st, ti
                         rows[f"cuda.{label}.{part}.s{st}t{ti}"] = bench.time_fn(parts[part], **kw).median_us
                         kwc.STAGES.update(stages)
                         kwc.TILES.update(tiles)
-                if "scan" in parts:  # the scan's other column count
-                    kwc.SCAN_COLUMNS = 32
-                    rows[f"cuda.{label}.scan.c32"] = bench.time_fn(parts["scan"], **kw).median_us
-                    kwc.SCAN_COLUMNS = 16
         for variant in ("before", "after"):
             fn = getattr(runner, variant)
             runner.tune = runner.tune_after = {"walk": walk}

@@ -1998,8 +1998,7 @@ WALKS = ("cuda", "triton")
 # 'cuda': kernels/kda_walk.cu (k3lab.ops.kda_walk_cuda), the summaries and the replay / plain walk with
 # the next chunk's operands copied in while the current one is computed (bf16, 64-column tiles);
 # 'triton': _summary_kernel and _walk_kernel, whose tiles, warps and stages are launch options.
-TRITON_WALK_OPTIONS = ("num_warps", "num_stages", "summary_warps", "summary_stages", "scan_block", "scan_warps",
-                       "scan_stages")
+TRITON_WALK_OPTIONS = ("num_warps", "num_stages", "summary_warps", "summary_stages")
 
 
 @dataclass
@@ -2013,11 +2012,6 @@ class WalkOptions:
     summary_block: int = 64
     summary_warps: int | None = None
     summary_stages: int | None = None
-    # the Triton scan's defaults (16 columns, 8 warps) are issue 6's H200 measurement: 36 us against 80
-    # for 32 columns on 4 warps, which needed 255 registers and spilled
-    scan_block: int = 16
-    scan_warps: int = 8
-    scan_stages: int = 2
 
 
 def walk_status(q, items: int = 1) -> tuple[bool, str]:
@@ -2080,11 +2074,8 @@ def _walk_options(q, plan, walk, block_v=None, summary_block=None, **triton) -> 
     if block_v is None:  # the replay (programs per group) or, without groups, the plain walk's rule
         block_v = 64 if plan.uses_scan else choose_block_v(plan.n_seqs, plan.heads)
     _check_walk_stages(q, given.get("num_stages"), given.get("summary_stages"))
-    if "scan_block" in given:
-        _check_block_v(given["scan_block"], "scan_block")
     return WalkOptions("triton", block_v, given.get("num_warps", 4), given.get("num_stages", 2),
-                       summary_block or 64, given.get("summary_warps"), given.get("summary_stages"),
-                       given.get("scan_block", 16), given.get("scan_warps", 8), given.get("scan_stages", 2))
+                       summary_block or 64, given.get("summary_warps"), given.get("summary_stages"))
 
 
 def _walk(work, plan, o, s_final, s_in, sin_index, H, dtype, wo: WalkOptions):
@@ -2198,9 +2189,9 @@ def kda_chunk_after(
     summary_block: int | None = None,
     summary_warps: int | None = None,
     summary_stages: int | None = None,
-    scan_block: int | None = None,
-    scan_stages: int | None = None,
-    scan_warps: int | None = None,
+    scan_block: int = 16,
+    scan_stages: int = 2,
+    scan_warps: int = 8,
     num_warps: int | None = None,
     num_stages: int | None = None,
     prologue_warps: int | None = None,
@@ -2211,15 +2202,17 @@ def kda_chunk_after(
     plain walk when `choose_group_size` (or the plan) says the GPU is already full. Same arguments
     and results as `kda_chunk_before`, plus `group_size` (chunks per group; None = chosen here).
 
-    walk: the summaries', scan's and replay's kernels, as in `kda_chunk_before`. Triton launch
-    options: summary_block / summary_warps / summary_stages (the summaries; 64 columns, warps and
-    stages default to num_warps / num_stages), scan_block / scan_warps / scan_stages (the scan;
-    `WalkOptions`' defaults), block_v / num_warps / num_stages (the replay)."""
+    walk: the summaries' and replay's kernels, as in `kda_chunk_before`. Triton launch options:
+    summary_block / summary_warps / summary_stages (the summaries; 64 columns, warps and stages
+    default to num_warps / num_stages), block_v / num_warps / num_stages (the replay). The scan
+    (Triton for both walks): scan_block / scan_warps / scan_stages; its defaults (16 columns, 8 warps)
+    are issue 6's H200 measurement: 36 us against 80 for 32 columns on 4 warps, which needed 255
+    registers and spilled."""
     plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, group_size, "after")
     triton_opts = {"num_warps": num_warps, "num_stages": num_stages, "summary_warps": summary_warps,
-                   "summary_stages": summary_stages, "scan_block": scan_block, "scan_warps": scan_warps,
-                   "scan_stages": scan_stages}
+                   "summary_stages": summary_stages}
     wo = _walk_options(q, plan, walk, block_v, summary_block, **triton_opts)
+    _check_block_v(scan_block, "scan_block")
     if not plan.uses_scan:
         return kda_chunk_before(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, plan=plan, work=work, walk=wo.kind,
@@ -2232,7 +2225,7 @@ def kda_chunk_after(
     )
     sums, s_in = _scan_buffers(plan, H, q.device)
     _launch_summaries(work, plan, sums, H, q.dtype, wo)
-    _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, wo)
+    _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages, scan_warps)
     _walk(work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, wo)
     return o, s_final
 
@@ -2279,16 +2272,11 @@ def _launch_summaries(work, plan, sums, H, dtype, wo: WalkOptions):
     )
 
 
-def _launch_scan(plan, sums, s_in, initial_state, H, dtype, wo: WalkOptions):
+def _launch_scan(plan, sums, s_in, initial_state, H, dtype, scan_block, scan_stages=1, scan_warps=4):
     """Launch 3 of the after: the ordered scan over each sequence's groups."""
-    if wo.kind == "cuda":
-        from k3lab.ops import kda_walk_cuda
-
-        kda_walk_cuda.scan(plan, sums, s_in, initial_state, H)
-        return
     K = HEAD_DIM
     sum_n, sum_b, sum_d = sums
-    _scan_kernel[(K // wo.scan_block, H, plan.n_seqs)](
+    _scan_kernel[(K // scan_block, H, plan.n_seqs)](
         sum_n,
         sum_b,
         sum_d,
@@ -2300,12 +2288,12 @@ def _launch_scan(plan, sums, s_in, initial_state, H, dtype, wo: WalkOptions):
         H,
         K=K,
         V=K,
-        BV=wo.scan_block,
+        BV=scan_block,
         HAS_INIT=initial_state is not None,
         PREC=_precisions(dtype)["SCAN_PREC"],
         WHILE=_WHILE,
-        num_warps=wo.scan_warps,
-        num_stages=wo.scan_stages,
+        num_warps=scan_warps,
+        num_stages=scan_stages,
     )
 
 
@@ -2326,9 +2314,9 @@ def after_launches(
     summary_block: int | None = None,
     summary_warps: int | None = None,
     summary_stages: int | None = None,
-    scan_block: int | None = None,
-    scan_stages: int | None = None,
-    scan_warps: int | None = None,
+    scan_block: int = 16,
+    scan_stages: int = 2,
+    scan_warps: int = 8,
     num_warps: int | None = None,
     num_stages: int | None = None,
     prologue_warps: int | None = None,
@@ -2341,9 +2329,9 @@ def after_launches(
     previous wrote. Options as in `kda_chunk_after`."""
     plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, None, "after")
     triton_opts = {"num_warps": num_warps, "num_stages": num_stages, "summary_warps": summary_warps,
-                   "summary_stages": summary_stages, "scan_block": scan_block, "scan_warps": scan_warps,
-                   "scan_stages": scan_stages}
+                   "summary_stages": summary_stages}
     wo = _walk_options(q, plan, walk, block_v, summary_block, **triton_opts)
+    _check_block_v(scan_block, "scan_block")
     o, s_final = _outputs(q, plan, H)
     work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)
     out = {
@@ -2356,7 +2344,8 @@ def after_launches(
     else:
         sums, s_in = _scan_buffers(plan, H, q.device)
         out["summaries"] = lambda: _launch_summaries(work, plan, sums, H, q.dtype, wo)
-        out["scan"] = lambda: _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, wo)
+        out["scan"] = lambda: _launch_scan(plan, sums, s_in, initial_state, H, q.dtype, scan_block, scan_stages,
+                                           scan_warps)
         out["replay"] = lambda: _walk(work, plan, o, s_final, s_in, _arange_groups(plan), H, q.dtype, wo)
     out["result"] = lambda: (o, s_final)
     return out

@@ -31,7 +31,6 @@ MAX_ITEMS = 65535  # groups or summary slots: the grid's third dimension
 # 115 us with two tiles against 137 with one; summaries 124 with one against 126 with two; a third
 # stage did not help either (147 and 137).
 STAGES = {True: 2, False: 2}
-SCAN_COLUMNS = 16  # the scan's state columns per block (16 or 32)
 TILES = {True: None, False: 1}
 
 
@@ -44,8 +43,7 @@ _ERRORS = {-3: "needs more shared memory per block than the device allows", -6: 
            -4: f"bad sizes (1 <= items <= {MAX_ITEMS}, 1 <= H <= 65535)",
            -5: "this build has no kernel (HIP or an unsupported target)"}
 _POINTERS = ("w", "u", "qg", "kdt", "aqk", "d", "chunk_tok", "chunk_len", "grp_chunk0", "grp_nchunks", "grp_seq",
-             "grp_sin", "grp_last", "sum_grp", "grp_sum", "seq_grp0", "seq_ngrp", "s_init", "s_out", "s_in", "o",
-             "s_final", "sum_n", "sum_b", "sum_d")
+             "grp_sin", "grp_last", "sum_grp", "s_in", "o", "s_final", "sum_n", "sum_b", "sum_d")
 
 
 class Args(ctypes.Structure):
@@ -58,8 +56,6 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k3_kda_walk.restype = ctypes.c_int
     lib.k3_kda_walk.argtypes = [ctypes.POINTER(Args)] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
     lib.k3_kda_walk_smem.argtypes = [ctypes.c_int] * 3
-    lib.k3_kda_walk_scan.restype = ctypes.c_int
-    lib.k3_kda_walk_scan.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     for fn in ("k3_kda_walk_args_size", "k3_kda_walk_smem", "k3_kda_walk_regs", "k3_kda_walk_supported"):
         getattr(lib, fn).restype = ctypes.c_int
     size = lib.k3_kda_walk_args_size()
@@ -111,17 +107,14 @@ def supports(q, items: int) -> str | None:
     return None
 
 
-def _launch(ptrs: dict, items: int, heads: int, replay: bool | None, device: torch.device) -> None:
-    """replay True / False: the replay / the summaries; None: the scan."""
+def _launch(ptrs: dict, items: int, heads: int, replay: bool, device: torch.device) -> None:
     lib = _library()
+    tiles = TILES[replay] or replay_tiles(items * heads)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     a = Args(*(ptrs.get(name, 0) for name in _POINTERS), int(items), int(heads))
-    stream, max_shared = ctypes.c_void_p(_build.stream_handle(idx)), _build.max_shared_optin(idx)
-    if replay is None:
-        rc = lib.k3_kda_walk_scan(ctypes.byref(a), SCAN_COLUMNS, max_shared, stream)
-    else:
-        tiles = TILES[replay] or replay_tiles(items * heads)
-        rc = lib.k3_kda_walk(ctypes.byref(a), int(replay), STAGES[replay], tiles, max_shared, stream)
+    rc = lib.k3_kda_walk(ctypes.byref(a), int(replay), STAGES[replay], tiles,
+                         _build.max_shared_optin(idx),
+                         ctypes.c_void_p(_build.stream_handle(idx)))
     if rc != 0:
         raise RuntimeError(f"kda_walk.cu refused the launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
 
@@ -154,15 +147,3 @@ def summaries(work, plan, sums, heads: int) -> None:
                     ("sum_n", sum_n), ("sum_b", sum_b), ("sum_d", sum_d)):
         ptrs[name] = t.data_ptr()
     _launch(ptrs, plan.n_summaries, heads, False, sum_n.device)
-
-
-def scan(plan, sums, s_in, initial_state, heads: int) -> None:
-    """Each sequence's groups in order: s_in[group] = its starting state, S <- D S + N S + b (fp32).
-    One launch; sums = (N, b, D) from `summaries`."""
-    sum_n, sum_b, sum_d = sums
-    ptrs = {"sum_n": sum_n.data_ptr(), "sum_b": sum_b.data_ptr(), "sum_d": sum_d.data_ptr(),
-            "grp_sum": plan.grp_sum.data_ptr(), "seq_grp0": plan.seq_grp0.data_ptr(),
-            "seq_ngrp": plan.seq_ngrp.data_ptr(), "s_out": s_in.data_ptr()}
-    if initial_state is not None:
-        ptrs["s_init"] = initial_state.data_ptr()
-    _launch(ptrs, plan.n_seqs, heads, None, s_in.device)

@@ -6,21 +6,31 @@
 //              (tile = 64 value columns of the state; starts from the scan's S_in or the initial state)
 //   summaries: E = R - W X;  X <- diag(d) X + Kd^T E, from X = 0
 //              (tile = 64 columns of N (R = -W diag(D so far), D tracked exactly) or of b (R = U))
-// The Triton walks (_walk_kernel, _summary_kernel) do the same; on the H200 at 12 heads x 16K tokens
-// they took 128 and 156 us (issue 6 run 6), far over the ~52 and ~33 us their reads allow: each
-// program's next chunk was not in flight while it computed the current one. Here one block of
-// 8 warps per (tile, head, group):
+// The Triton walks (_walk_kernel, _summary_kernel) do the same. Here one block of 8 warps per
+// (tiles, head, group):
 //   * cp.async double buffering: chunk t + 1's W, Kd^T, d (and U, Qg, Aqk) are copied into shared
 //     memory while chunk t is computed, into tiles with an XOR swizzle of their 16-byte pieces so the
-//     ldmatrix reads below fall in distinct banks;
+//     ldmatrix reads below fall in distinct banks; each thread's swizzled offsets are computed once;
 //   * bf16 m16n8k16 mma.sync for every product, operands by ldmatrix (B operands transposed), fp32
 //     accumulation; X lives in registers in the accumulator layout (warp w: rows 16w .. 16w + 15) and
 //     is rounded to bf16 in shared memory once per chunk as the next chunk's B operand, as the Triton
 //     walks round it (the same numbers, up to summation order);
 //   * two barriers per chunk: after the copy wait (the chunk's tiles and X are visible, the other
-//     buffer is free) and after E (its bf16 copy complete).
-// Shared memory: replay 2 x 64.5 KB stages + 24 KB (one block per SM), summaries 2 x 40.5 KB + 24 KB
+//     buffer is free) and after E (its bf16 copy complete);
+//   * the replay takes both 64-column halves of the state in one block when that still gives every
+//     SM a block (TILES = 2: W, Qg, Aqk and Kd^T fragments read once for both halves).
+// Shared memory: replay 2 x 72.5 KB stages + 48 KB (one block per SM), summaries 2 x 40.5 KB + 24 KB
 // (two per SM).
+//
+// Measured on the H200 (12 heads x 16K tokens, group size 24, each launch alone on the same prologue
+// outputs, eager device events; profiles/nvidia-h200/kda_scan/extra/walk_bench_*): summaries 124 us
+// (Triton 156), replay 114 (Triton 127; one state half per block 137); the after 512-514 us against
+// 557-562 with the Triton walks. ncu of the replay: the tensor pipe 31% busy (a third of the H200's
+// dense bf16 rate, about half of what mma.sync reaches), 2 warps per scheduler, stalls on shared
+// memory and fixed-latency dependencies; 16 warps per block (two groups of one half each, the form
+// tiles = -2) measured the same 114 us. The plain walk (few blocks) stays Triton: 677-686 us here
+// against 476-481 for its 32-column programs. Tried and dropped: more stages (no faster), a CUDA
+// fp32 scan (48 us against the Triton tf32x3 scan's 38; ec2209d, reverted).
 //
 // Build: nvcc for sm_80 and later (cp.async, bf16 mma.sync); k3lab builds it for the device's own
 // architecture. Elsewhere (HIP) a stub whose launcher returns K3_KW_UNSUPPORTED (not yet run on AMD

@@ -165,3 +165,18 @@ def test_supports_names_what_it_does_not_take():
         assert "bf16" in kw.supports(qc.float(), 1)
         assert "1 to 65535" in kw.supports(qc, 70000)
         assert kw.supports(qc, 10) is None
+
+
+def test_committed_walk_bench_reads_back(tmp_path):
+    """The committed H200 walk bench: every launch with both kinds, the CUDA walks faster on the
+    summaries and the replay and the whole after faster with them; a file that is not one is refused."""
+    from k3lab.studies import kda_scan as ks
+
+    wb = ks.walk_launches().set_index("launch")
+    assert list(wb.index) == ["summaries", "scan", "replay", "after"]
+    assert (wb[["triton", "cuda"]] > 0).all().all()
+    assert wb.loc["summaries", "speedup"] > 1 and wb.loc["replay", "speedup"] > 1 and wb.loc["after", "speedup"] > 1
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"triton.after": 1.0}')
+    with pytest.raises(ValueError, match="walk bench"):
+        ks.walk_launches(bad)

@@ -815,6 +815,31 @@ def prologue_stages(path=None, device: str = "nvidia-h200", root=None):
     )
 
 
+WALK_BENCH = "extra/walk_bench_8464a89.json"  # scripts/device_walk_bench.py at 12 heads x 16K, run 7's call
+
+
+def walk_launches(path=None, device: str = "nvidia-h200", root=None):
+    """The after's walking launches by kind, from a committed walk bench (each launch timed alone on the
+    same prologue outputs, eager device events): one row per launch ('summaries', 'scan', 'replay',
+    and 'after' for the whole call) with its 'triton' and 'cuda' times (us) and triton / cuda."""
+    import json
+
+    import pandas as pd
+
+    if path is None:
+        path = Path(bench.PROFILES if root is None else root) / device / NAME / WALK_BENCH
+    rows = json.loads(Path(path).read_text())
+    keys = {"summaries": "{}.scan.summaries", "scan": "{}.scan.scan", "replay": "{}.scan.replay", "after": "{}.after"}
+    missing = [k.format(kind) for k in keys.values() for kind in ("triton", "cuda") if k.format(kind) not in rows]
+    if missing:
+        raise ValueError(f"{path} is not a walk bench (missing {missing[:4]})")
+    frame = pd.DataFrame({"launch": list(keys),
+                          "triton": [rows[k.format("triton")] for k in keys.values()],
+                          "cuda": [rows[k.format("cuda")] for k in keys.values()]})
+    frame["speedup"] = frame["triton"] / frame["cuda"]
+    return frame
+
+
 def predict(case_name: str, target: str | None = None, compute_units: int | None = None) -> dict:
     """Before measuring: floors, programs and critical-path chunk steps of both variants.
 

@@ -67,7 +67,7 @@
 // CUDA architectures and HIP build a stub whose launchers return K3_MLA_UNSUPPORTED, so
 // kernels/*.cu keeps compiling for every target (scripts/compile_hip.sh); the HIP build is not yet
 // run on AMD hardware by this project (and has no fast path: AMD MFMA would need its own kernel).
-#include "k3lab_portability.h"
+#include "k3lab_mma.h"  // smem_u32, ldmatrix, bf16 mma.sync, pack_bf16 (k3mma)
 
 #define K3_MLA_UNSUPPORTED (-5)
 #define K3_MLA_TEAM 9  // the launchers' `warps` value that selects the team kernel (2 teams of 4 warps)
@@ -125,7 +125,8 @@ struct Args {
 namespace k3mla {
 
 // ---------------------------------------------------------------------------------------------
-// Hopper primitives (sm_90): shared-memory addresses, mbarriers, bulk copies, ldmatrix, mma.
+// Hopper primitives (sm_90): mbarriers, bulk copies, PDL (ldmatrix and mma.sync: k3lab_mma.h).
+using namespace k3mma;
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
 #define K3_MLA_SM90 1
 #endif
@@ -181,34 +182,6 @@ K3_DEVICE void wait_prerequisites() {
 #if defined(K3_MLA_SM90)
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-}
-
-K3_DEVICE void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-
-K3_DEVICE void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-
-// d (16x8 fp32) += a (16x16 bf16, row) * b (16x8 bf16, col)
-K3_DEVICE void mma(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// two fp32 -> packed bf16x2 (round to nearest even); `lo` goes to the lower half (the lower k index)
-K3_DEVICE uint32_t pack_bf16(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
 }
 
 K3_DEVICE float fast_exp2(float x) {
@@ -288,8 +261,8 @@ K3_DEVICE void score_tile(float (&s)[4][4], const uint32_t (&qf)[KSTEPS][4], uin
     for (int np = 0; np < SNT / 2; ++np) {
       uint32_t b0, b1, b2, b3;
       ldsm_x4(b_lane + np * 2 * ROW_BYTES + kk * 32, b0, b1, b2, b3);
-      mma(t[kk & 1][2 * np], qf[kk], b0, b1);
-      mma(t[kk & 1][2 * np + 1], qf[kk], b2, b3);
+      mma_bf16(t[kk & 1][2 * np], qf[kk], b0, b1);
+      mma_bf16(t[kk & 1][2 * np + 1], qf[kk], b2, b3);
     }
   }
 #pragma unroll
@@ -424,8 +397,8 @@ K3_DEVICE void softmax_value(const Args& a, const float4* xj, int tile_pos, int 
     for (int np = 0; np < VNT / 2; ++np) {
       uint32_t b0, b1, b2, b3;
       ldsm_x4_t(vs + ks * 2 * ROW_BYTES + np * 32, b0, b1, b2, b3);
-      mma(acc[2 * np], pf[ks], b0, b1);
-      mma(acc[2 * np + 1], pf[ks], b2, b3);
+      mma_bf16(acc[2 * np], pf[ks], b0, b1);
+      mma_bf16(acc[2 * np + 1], pf[ks], b2, b3);
     }
   }
 }

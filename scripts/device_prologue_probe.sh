@@ -10,13 +10,5 @@ if [ -n "${NCU-1}" ] && command -v ncu >/dev/null; then  # NCU= (empty) skips th
   timeout 150 ncu --kernel-name-base mangled --kernel-name regex:k3kp --launch-skip 3 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
     --section InstructionStats --print-details all --csv --page details python3 scripts/device_prologue_probe.py h12_b1_t16384 > "$OUT/ncu.csv" 2> "$OUT/ncu_err.txt"
-  python3 - "$OUT/ncu.csv" <<'PY'
-import csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-if rows:
-    head = rows[0]
-    i_n, i_v, i_s = head.index("Metric Name"), head.index("Metric Value"), head.index("Section Name")
-    for r in rows[1:]:
-        print(f"{r[i_s][:24]:24s} {r[i_n][:52]:52s} {r[i_v]}")
-PY
+  python3 "$(dirname "$0")/ncu_table.py" "$OUT/ncu.csv"
 fi

@@ -10,7 +10,7 @@ import k3lab  # noqa: F401
 from k3lab.nn.kda import kda_chunked
 from k3lab.ops import kda_chunk as kc
 from k3lab.ops import kda_walk_cuda as kw
-from kda_cases import _inputs, _rel
+from kda_cases import _inputs, _rel, check_ragged_against_fp64
 
 HAVE_GPU = torch.cuda.is_available()
 _STATUS = kw.status() if HAVE_GPU else (False, "no GPU: the CUDA walks need an NVIDIA GPU")
@@ -65,10 +65,7 @@ def test_cuda_walks_match_fp64_on_a_ragged_batch(variant):
     assert kc.choose_walk(q) == "cuda"
     o, S = kc.kda_chunk(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu, variant=variant, walk="cuda",
                         **({"group_size": 5} if variant == "after" else {}))
-    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
-        ro, rS = kda_chunked(*(t[:, a:b].double() for t in (q, k, v, g, beta)), initial_state=S0[n : n + 1].double())
-        assert _rel(o[:, a:b], ro) < 1e-2, f"o of sequence {n}"
-        assert _rel(S[n], rS[0]) < 1e-2, f"state of sequence {n}"
+    check_ragged_against_fp64(o, S, (q, k, v, g, beta), cu, S0)
 
 
 @needs_kernel

@@ -72,3 +72,30 @@ def test_hipcc_compiles_for_gfx90a_and_gfx940_source_and_hipified(tmp_path):
 def test_clusters_are_not_claimed_without_a_gpu():
     ok, why = _build.clusters_available()
     assert not ok and "GPU" in why
+
+
+def test_check_library_names_each_mismatch():
+    """_build.check_library: a library whose Args size differs, or whose build is a stub, is refused by
+    name; a matching one is returned."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from k3lab.ops import _build
+
+    class Args(ctypes.Structure):
+        _fields_ = [("a", ctypes.c_int), ("b", ctypes.c_int)]
+
+    def lib(size, supported):
+        def ret(v):
+            f = lambda: v  # noqa: E731
+            return f
+        return SimpleNamespace(k3_x_args_size=ret(size), k3_x_supported=ret(supported), k3_x_regs=ret(0))
+
+    good = lib(8, 1)
+    assert _build.check_library(good, "x", Args, ("k3_x_regs",)) is good
+    assert good.k3_x_regs.restype is ctypes.c_int
+    with pytest.raises(_build.KernelUnavailable, match="12 bytes but the Python Args is 8"):
+        _build.check_library(lib(12, 1), "x", Args)
+    with pytest.raises(_build.KernelUnavailable, match="no kernel in this build"):
+        _build.check_library(lib(8, 0), "x", Args)
+    assert _build.check_library(lib(8, 0), "x", Args, supported=False)

@@ -215,6 +215,24 @@ def status(name: str) -> tuple[bool, str]:
 
 
 
+def check_library(lib: ctypes.CDLL, name: str, args_type, int_functions=(), supported: bool = True) -> ctypes.CDLL:
+    """The checks every ctypes binding of a kernels/<name>.cu library makes: `int_functions` (and
+    k3_<name>_args_size) return int; the library's Args is as large as the Python `args_type`; with
+    `supported`, k3_<name>_supported() says the build has a kernel (not a HIP or old-target stub).
+    Raises KernelUnavailable naming the mismatch; returns lib."""
+    for fn in (f"k3_{name}_args_size", *int_functions):
+        getattr(lib, fn).restype = ctypes.c_int
+    size = getattr(lib, f"k3_{name}_args_size")()
+    if size != ctypes.sizeof(args_type):
+        raise KernelUnavailable(f"{name}.cu's Args is {size} bytes but the Python Args is "
+                                f"{ctypes.sizeof(args_type)}: the two disagree")
+    if supported:
+        getattr(lib, f"k3_{name}_supported").restype = ctypes.c_int
+        if not getattr(lib, f"k3_{name}_supported")():
+            raise KernelUnavailable(f"kernels/{name}.cu has no kernel in this build (HIP or an old target)")
+    return lib
+
+
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
 
 

@@ -40,15 +40,7 @@ PROBE_STAGES = ("load g", "load q k v + G scan", "Qg Kd", "A's", "W/U factors", 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k3_kda_prologue.restype = ctypes.c_int
     lib.k3_kda_prologue.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_void_p]
-    for fn in ("k3_kda_prologue_args_size", "k3_kda_prologue_smem", "k3_kda_prologue_regs", "k3_kda_prologue_supported",
-               "k3_kda_prologue_probe_words"):
-        getattr(lib, fn).restype = ctypes.c_int
-    size = lib.k3_kda_prologue_args_size()
-    if size != ctypes.sizeof(Args):
-        raise _build.KernelUnavailable(f"kda_prologue.cu's Args is {size} bytes but the Python Args is "
-                                       f"{ctypes.sizeof(Args)}: the two disagree")
-    if not lib.k3_kda_prologue_supported():
-        raise _build.KernelUnavailable(f"kernels/{NAME}.cu has no kernel in this build (HIP or an old target)")
+    _build.check_library(lib, NAME, Args, ("k3_kda_prologue_smem", "k3_kda_prologue_regs", "k3_kda_prologue_probe_words"))
     return lib
 
 

@@ -52,14 +52,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the exported launchers' signatures and check the Args layout; returns lib."""
     lib.k3_kda_verify.restype = ctypes.c_int
     lib.k3_kda_verify.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    lib.k3_kda_verify_args_size.restype = ctypes.c_int
-    lib.k3_kda_verify_configs.restype = ctypes.c_int
     lib.k3_kda_verify_configs.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
-    size = lib.k3_kda_verify_args_size()
-    if size != ctypes.sizeof(Args):
-        raise _build.KernelUnavailable(f"kda_verify.cu's Args is {size} bytes but the Python Args is "
-                                       f"{ctypes.sizeof(Args)}: the two disagree")
-    return lib
+    return _build.check_library(lib, NAME, Args, ("k3_kda_verify_configs",), supported=False)
 
 
 def configs_of(lib: ctypes.CDLL) -> set[tuple[int, int, str]]:

@@ -56,14 +56,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k3_kda_walk.restype = ctypes.c_int
     lib.k3_kda_walk.argtypes = [ctypes.POINTER(Args)] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
     lib.k3_kda_walk_smem.argtypes = [ctypes.c_int] * 3
-    for fn in ("k3_kda_walk_args_size", "k3_kda_walk_smem", "k3_kda_walk_regs", "k3_kda_walk_supported"):
-        getattr(lib, fn).restype = ctypes.c_int
-    size = lib.k3_kda_walk_args_size()
-    if size != ctypes.sizeof(Args):
-        raise _build.KernelUnavailable(f"kda_walk.cu's Args is {size} bytes but the Python Args is "
-                                       f"{ctypes.sizeof(Args)}: the two disagree")
-    if not lib.k3_kda_walk_supported():
-        raise _build.KernelUnavailable(f"kernels/{NAME}.cu has no kernel in this build (HIP or an old target)")
+    _build.check_library(lib, NAME, Args, ("k3_kda_walk_smem", "k3_kda_walk_regs"))
     return lib
 
 

@@ -2148,11 +2148,17 @@ def kda_chunk_before(
         raise ValueError("plan uses groups (a scan plan); kda_chunk_before needs a plan with group_size=None")
     plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, None, "before")
     wo = _walk_options(q, plan, walk, block_v, num_warps=num_warps, num_stages=num_stages)
+    return _plain_walk(q, k, v, g, beta, scale, initial_state, plan, work, wo,
+                       _prologue_kw(prologue, prologue_warps, prologue_options))
+
+
+def _plain_walk(q, k, v, g, beta, scale, initial_state, plan, work, wo, prologue_kw):
+    """The before's two launches on validated inputs (the after without groups calls this too, so
+    that validation, whose cu_seqlens read waits for the GPU, runs once per call)."""
+    H = q.shape[2]
     o, s_final = _outputs(q, plan, H)
     if plan.n_chunks:
-        work = kda_chunk_prologue(
-            q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_options)
-        )
+        work = kda_chunk_prologue(q, k, v, g, beta, plan, scale, work, **prologue_kw)
     else:
         work = work or _alloc_work(0, H, q.dtype, q.device)
     _walk(work, plan, o, s_final, initial_state, plan.seq_index, H, q.dtype, wo)
@@ -2213,12 +2219,10 @@ def kda_chunk_after(
                    "summary_stages": summary_stages}
     wo = _walk_options(q, plan, walk, block_v, summary_block, **triton_opts)
     _check_block_v(scan_block, "scan_block")
-    if not plan.uses_scan:
-        return kda_chunk_before(
-            q, k, v, g, beta, scale, initial_state, cu_seqlens, plan=plan, work=work, walk=wo.kind,
-            block_v=block_v, num_warps=num_warps, num_stages=num_stages, prologue_warps=prologue_warps,
-            prologue=prologue, prologue_options=prologue_options,
-        )  # fmt: skip
+    if not plan.uses_scan:  # the plain walk (validated once: run 9 timed 643 us against 607 when the
+        # ragged case's cu_seqlens were read twice)
+        return _plain_walk(q, k, v, g, beta, scale, initial_state, plan, work, wo,
+                           _prologue_kw(prologue, prologue_warps, prologue_options))
     o, s_final = _outputs(q, plan, H)
     work = kda_chunk_prologue(
         q, k, v, g, beta, plan, scale, work, **_prologue_kw(prologue, prologue_warps, prologue_options)

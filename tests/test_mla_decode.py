@@ -475,6 +475,22 @@ def test_after_says_which_kernel_runs_and_runs_triton_without_the_cuda_kernel():
         mla.plan_after(torch.randn(1, 1, 12, mla.LATENT_DIM), torch.randn(1, 96, mla.LATENT_DIM), kernel="wgmma")
 
 
+def test_committed_read_floors_beside_the_decode(tmp_path):
+    """The H200 copy / sum of each case's bytes: shares in (0, 1], a copy above a sum-only read at the
+    large sizes, the decode's graph share joined from the records; a file that is not one is refused."""
+    from k3lab.studies import mla_padding as study
+
+    rf = study.read_floors(bench.load_records(study.NAME, device="nvidia-h200")).set_index("case")
+    assert {"ctx1k", "ctx32k", "ctx128k", "b8_8k"} <= set(rf.index)
+    assert ((rf[["copy_share", "sum_share"]] > 0) & (rf[["copy_share", "sum_share"]] <= 1.05)).all().all()
+    assert (rf.loc[["ctx32k", "ctx128k"], "copy_share"] > rf.loc[["ctx32k", "ctx128k"], "sum_share"]).all()
+    assert rf["decode_share"].notna().all()
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": {"ctx1k": {"copy_us": 1.0}}}')
+    with pytest.raises(ValueError, match="read-floor"):
+        study.read_floors(path=bad)
+
+
 def test_committed_probe_runs_read_as_timelines():
     # the H200 timeline-probe runs the notebook draws: every block's phases in order, the merge after
     from k3lab.studies import mla_padding as study

@@ -31,6 +31,7 @@ import json
 import math
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import pandas as pd
@@ -641,3 +642,25 @@ def probe_frames(run: dict) -> dict[str, pd.DataFrame]:
         out[f"{label} ({rec['graph_us']:.1f} us)"] = pd.DataFrame(
             [{"name": n, "category": n, "start_us": t, "dur_us": d} for n, t, d in rows])
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# how fast a plain read of the same bytes goes (committed H200 run of scripts/device_copy_floor.py)
+
+READ_FLOORS = "extra/copy_floor_d498419.json"
+
+
+def read_floors(records=None, device: str = "nvidia-h200", path=None) -> pd.DataFrame:
+    """A device copy and a PyTorch sum of each case's cache bytes, timed like the decode (graph replay),
+    as shares of the measured copy bandwidth: one row per case with 'copy_share' and 'sum_share', and,
+    given this study's records, 'decode_share' (the after's bw_fraction in graph mode)."""
+    path = Path(path) if path is not None else bench.PROFILES / device / NAME / READ_FLOORS
+    rows = json.loads(Path(path).read_text()).get("rows")
+    if not isinstance(rows, dict) or not rows or any("sum_share" not in r for r in rows.values()):
+        raise ValueError(f"{path} is not a read-floor run of scripts/device_copy_floor.py")
+    df = pd.DataFrame([{"case": case, **vals} for case, vals in rows.items()])
+    if records:
+        s = summary(records)
+        share = s[s["mode"] == "graph"].set_index("case")["bw_fraction"]
+        df["decode_share"] = df["case"].map(share)
+    return df

@@ -27,8 +27,8 @@
 // (Triton 156), replay 114 (Triton 127; one state half per block 137); the after 512-514 us against
 // 557-562 with the Triton walks. ncu of the replay: the tensor pipe 31% busy (a third of the H200's
 // dense bf16 rate, about half of what mma.sync reaches), 2 warps per scheduler, stalls on shared
-// memory and fixed-latency dependencies; 16 warps per block (two groups of one half each, the form
-// tiles = -2) measured the same 114 us. The plain walk (few blocks) stays Triton: 677-686 us here
+// memory and fixed-latency dependencies; 16 warps per block (two groups of one half each) measured
+// the same 114 us (3dc33ae; removed). The plain walk (few blocks) stays Triton: 677-686 us here
 // against 476-481 for its 32-column programs. Tried and dropped: more stages (no faster), a CUDA
 // fp32 scan (48 us against the Triton tf32x3 scan's 38; ec2209d, reverted).
 //
@@ -44,7 +44,7 @@ namespace k3kw {
 constexpr int C = 64;         // chunk
 constexpr int K = 128;        // key and value head dim
 constexpr int BV = 64;        // columns per tile
-constexpr int THREADS = 256;  // 8 warps: one warp group (GROUPS of them per block)
+constexpr int THREADS = 256;  // 8 warps
 constexpr int W_BYTES = C * K * 2;    // W, Qg, U: [64][128] bf16
 constexpr int KDT_BYTES = K * C * 2;  // Kd^T: [128][64] bf16
 constexpr int T64_BYTES = C * BV * 2; // 64 of U's columns, Aqk, E: [64][64] bf16
@@ -142,20 +142,19 @@ K3_DEVICE float2 bf2(const unsigned char* p) {
 
 // a contiguous [ROWS][8 NC] bf16 tile from global into its swizzled shared copy: thread tid copies
 // pieces tid, tid + 256, ... (256 / NC rows apart)
-template <int ROWS, int NC, int NTHREADS>
+template <int ROWS, int NC>
 K3_DEVICE void copy_tile(unsigned char* dst, uint32_t off, const k3_bf16* src, int tid) {
 #pragma unroll
-  for (int p = 0; p < ROWS * NC / NTHREADS; ++p)
-    cp16(dst + off + p * NTHREADS * 16, src + tid * 8 + p * NTHREADS * 8, true);
+  for (int p = 0; p < ROWS * NC / THREADS; ++p) cp16(dst + off + p * THREADS * 16, src + tid * 8 + p * THREADS * 8, true);
 }
 
-template <bool REPLAY, int TILES, int NTHREADS>
+template <bool REPLAY, int TILES>
 K3_DEVICE void load_stage(unsigned char* st, const Args& a, const Offsets& o, long long item, int ucol0, bool load_u,
                           int tid) {
-  copy_tile<C, K / 8, NTHREADS>(st, o.cp16, a.w + item * C * K, tid);
-  copy_tile<K, C / 8, NTHREADS>(st + OFF_KDT, o.cp8, a.kdt + item * K * C, tid);
+  copy_tile<C, K / 8>(st, o.cp16, a.w + item * C * K, tid);
+  copy_tile<K, C / 8>(st + OFF_KDT, o.cp8, a.kdt + item * K * C, tid);
   if (TILES == 2) {  // all of U (TILES: the block's tiles)
-    if (load_u) copy_tile<C, K / 8, NTHREADS>(st + OFF_U, o.cp16, a.u + item * C * K, tid);
+    if (load_u) copy_tile<C, K / 8>(st + OFF_U, o.cp16, a.u + item * C * K, tid);
   } else if (load_u) {  // 64 of U's 128 columns: rows 256 bytes apart in global memory
     const k3_bf16* u = a.u + item * C * K + ucol0 + (tid >> 3) * K + (tid & 7) * 8;
 #pragma unroll
@@ -163,8 +162,8 @@ K3_DEVICE void load_stage(unsigned char* st, const Args& a, const Offsets& o, lo
   }
   if (tid < D_BYTES / 16) cp16(st + off_d(TILES) + tid * 16, a.d + item * K + tid * 4, true);
   if (REPLAY) {
-    copy_tile<C, K / 8, NTHREADS>(st + off_qg(TILES), o.cp16, a.qg + item * C * K, tid);
-    copy_tile<C, C / 8, NTHREADS>(st + off_a(TILES), o.cp8, a.aqk + item * C * C, tid);
+    copy_tile<C, K / 8>(st + off_qg(TILES), o.cp16, a.qg + item * C * K, tid);
+    copy_tile<C, C / 8>(st + off_a(TILES), o.cp8, a.aqk + item * C * C, tid);
   }
 }
 
@@ -213,18 +212,13 @@ K3_DEVICE void mma_rows(float (&acc)[TILES][NT][4], float (&acc2)[TILES][NT][4],
 // TILES: 64-column tiles of X per block (the replay takes both halves of the state at once: the
 // A operands W, Qg, Aqk, Kd^T are read from shared memory once for both, and each warp has twice the
 // independent mma work between barriers).
-// GROUPS: warp groups per block, each with its own TILES tiles (the block's UT = GROUPS x TILES tiles
-// share one copy of the chunk's operands; two groups of one tile give a replay block 16 warps).
-template <bool REPLAY, int STAGES, int TILES, int GROUPS>
-__global__ void __launch_bounds__(THREADS * GROUPS, (REPLAY || STAGES > 2 || TILES * GROUPS > 1) ? 1 : 2)
-    walk_kernel(const Args a) {
+template <bool REPLAY, int STAGES, int TILES>
+__global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2 || TILES > 1) ? 1 : 2) walk_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int UT = TILES * GROUPS, NTHREADS = THREADS * GROUPS;
-  constexpr int STAGE = stage_bytes(REPLAY, UT), OFF_D = off_d(UT), OFF_QG = off_qg(UT);
-  constexpr int OFF_A = off_a(UT);
-  const int wg = GROUPS > 1 ? threadIdx.x / THREADS : 0;  // this thread's warp group: tiles wg TILES + tt
-  unsigned char* xb = smem + STAGES * STAGE + wg * TILES * XB_BYTES;  // X in bf16, TILES x [128][64]
-  unsigned char* eb = smem + STAGES * STAGE + UT * XB_BYTES + wg * TILES * T64_BYTES;  // E in bf16 [64][64]
+  constexpr int STAGE = stage_bytes(REPLAY, TILES), OFF_D = off_d(TILES), OFF_QG = off_qg(TILES);
+  constexpr int OFF_A = off_a(TILES);
+  unsigned char* xb = smem + STAGES * STAGE;  // X in bf16, TILES x [128][64]
+  unsigned char* eb = xb + TILES * XB_BYTES;  // E in bf16, TILES x [64][64]
   const int tid = threadIdx.x, warp = (tid >> 5) & 7, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x, h = blockIdx.y, item = blockIdx.z, H = a.H;
   const int mi = warp & 3, nh = warp >> 2;  // E and O: rows 16 mi, columns 32 nh
@@ -233,7 +227,7 @@ __global__ void __launch_bounds__(THREADS * GROUPS, (REPLAY || STAGES > 2 || TIL
   const int nch = a.grp_nchunks[gi];
   const bool is_n = !REPLAY && tile < K / BV / TILES;  // summaries: tiles of N (else of b)
   // first column of tile tt: N: columns of M; b and replay: value columns
-  const int col0 = UT == 2 ? BV * TILES * wg : (tile % (K / BV)) * BV;  // + 64 tt for tile tt
+  const int col0 = TILES == 2 ? 0 : (tile % (K / BV)) * BV;  // + 64 tt for tile tt
   const bool load_u = REPLAY || !is_n;
   const Offsets off = offsets(tid);
 
@@ -262,7 +256,7 @@ __global__ void __launch_bounds__(THREADS * GROUPS, (REPLAY || STAGES > 2 || TIL
 #pragma unroll
   for (int sidx = 0; sidx < STAGES - 1; ++sidx) {  // chunks 0 .. STAGES - 2 in flight, one group each
     if (sidx < nch)
-      load_stage<REPLAY, UT, NTHREADS>(smem + sidx * STAGE, a, off, (c0 + sidx) * H + h, col0, load_u, tid);
+      load_stage<REPLAY, TILES>(smem + sidx * STAGE, a, off, (c0 + sidx) * H + h, col0, load_u, tid);
     cp_commit();
   }
   store_xb<TILES>(xb, X, off.x);
@@ -280,7 +274,7 @@ __global__ void __launch_bounds__(THREADS * GROUPS, (REPLAY || STAGES > 2 || TIL
     __syncthreads();  // this chunk's tiles and X visible; the stage read in the last step is free
     const int ahead = step + STAGES - 1;
     if (ahead < nch)
-      load_stage<REPLAY, UT, NTHREADS>(smem + (ahead % STAGES) * STAGE, a, off, (c0 + ahead) * H + h, col0, load_u, tid);
+      load_stage<REPLAY, TILES>(smem + (ahead % STAGES) * STAGE, a, off, (c0 + ahead) * H + h, col0, load_u, tid);
     cp_commit();
 
     // E = R - W X (and O = Qg X), rows 16 mi, columns 32 nh of each tile
@@ -299,7 +293,7 @@ __global__ void __launch_bounds__(THREADS * GROUPS, (REPLAY || STAGES > 2 || TIL
           if (!load_u) {
             const float2 wc = bf2(st + wo + 2 * (col0 + BV * tt));
             rhs = make_float2(-wc.x * Dc[tt][n][0], -wc.y * Dc[tt][n][1]);
-          } else if (UT == 2) {
+          } else if (TILES == 2) {
             rhs = bf2(st + OFF_U + wo + 2 * (col0 + BV * tt));
           } else {
             rhs = bf2(st + OFF_U + eo);
@@ -369,19 +363,19 @@ __global__ void __launch_bounds__(THREADS * GROUPS, (REPLAY || STAGES > 2 || TIL
   }
 }
 
-template <bool REPLAY, int STAGES, int TILES, int GROUPS = 1>
+template <bool REPLAY, int STAGES, int TILES>
 int launch(const Args& a, int max_shared, cudaStream_t stream) {
-  constexpr int bytes = smem_bytes(REPLAY, STAGES, TILES * GROUPS);
+  constexpr int bytes = smem_bytes(REPLAY, STAGES, TILES);
   if (bytes > max_shared) return -3;
   static bool configured = false;  // the opt-in above 48 KB, once per process and form
   if (!configured) {
-    const cudaError_t e = cudaFuncSetAttribute(walk_kernel<REPLAY, STAGES, TILES, GROUPS>,
+    const cudaError_t e = cudaFuncSetAttribute(walk_kernel<REPLAY, STAGES, TILES>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
-  const dim3 grid((REPLAY ? K : 2 * K) / BV / (TILES * GROUPS), a.H, a.n_items);
-  walk_kernel<REPLAY, STAGES, TILES, GROUPS><<<grid, THREADS * GROUPS, bytes, stream>>>(a);
+  const dim3 grid((REPLAY ? K : 2 * K) / BV / TILES, a.H, a.n_items);
+  walk_kernel<REPLAY, STAGES, TILES><<<grid, THREADS, bytes, stream>>>(a);
   return (int)cudaGetLastError();
 }
 
@@ -396,12 +390,12 @@ K3_EXPORT int k3_kda_walk_smem(int replay, int stages, int tiles) {
 K3_EXPORT int k3_kda_walk_regs(int replay) {  // the default forms
   cudaFuncAttributes attr;
   const cudaError_t e =
-      cudaFuncGetAttributes(&attr, replay ? k3kw::walk_kernel<true, 2, 2, 1> : k3kw::walk_kernel<false, 2, 1, 1>);
+      cudaFuncGetAttributes(&attr, replay ? k3kw::walk_kernel<true, 2, 2> : k3kw::walk_kernel<false, 2, 1>);
   return e == cudaSuccess ? attr.numRegs : -(int)e;
 }
 
 // One launch: the replay (`tiles` = 1: grid 2 x H x groups, one 64-column half of the state per block;
-// 2: grid 1 x H x groups, both halves on 8 warps; -2: both halves on 16 warps, one each) or the summaries (grid 4 / tiles x H x summary slots), with
+// 2: grid 1 x H x groups, both halves) or the summaries (grid 4 / tiles x H x summary slots), with
 // `stages` chunks' operands in shared memory at once (2 or 3; summaries also 4). Returns 0, -3 (more
 // shared memory than max_shared), -4 (bad sizes), -6 (a form not built) or the CUDA runtime's error.
 K3_EXPORT int k3_kda_walk(const k3kw::Args* args, int replay, int stages, int tiles, int max_shared, void* stream) {
@@ -411,7 +405,6 @@ K3_EXPORT int k3_kda_walk(const k3kw::Args* args, int replay, int stages, int ti
   using namespace k3kw;
   if (replay) {
     if (tiles == 2 && stages == 2) return launch<true, 2, 2>(a, max_shared, st);
-    if (tiles == -2 && stages == 2) return launch<true, 2, 1, 2>(a, max_shared, st);  // 2 groups of 1 tile
     if (tiles == 1 && stages == 2) return launch<true, 2, 1>(a, max_shared, st);
     if (tiles == 1 && stages == 3) return launch<true, 3, 1>(a, max_shared, st);
     return -6;

@@ -33,8 +33,7 @@ for name in sys.argv[1:] or ["h12_b1_t16384"]:
                     rows[f"{walk}.{label}.{part}"] = bench.time_fn(parts[part], **kw).median_us
             if walk == "cuda":  # the other stage counts of kernels/kda_walk.cu
                 stages, tiles = dict(kwc.STAGES), dict(kwc.TILES)
-                for part, replay, st, ti in (("summaries", False, 2, 2), ("replay", True, 2, 1), ("replay", True, 2, -2),
-                                             ("walk", True, 2, -2)):
+                for part, replay, st, ti in (("summaries", False, 2, 2), ("replay", True, 2, 1), ("walk", True, 2, 2)):
                     if part in parts:
                         kwc.STAGES[replay], kwc.TILES[replay] = st, ti
                         rows[f"cuda.{label}.{part}.s{st}t{ti}"] = bench.time_fn(parts[part], **kw).median_us

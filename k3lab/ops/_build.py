@@ -214,7 +214,6 @@ def status(name: str) -> tuple[bool, str]:
     return True, f"kernels/{name}.cu built with {kind} for {target}{note}"
 
 
-
 def check_library(lib: ctypes.CDLL, name: str, args_type, int_functions=(), supported: bool = True) -> ctypes.CDLL:
     """The checks every ctypes binding of a kernels/<name>.cu library makes: `int_functions` (and
     k3_<name>_args_size) return int; the library's Args is as large as the Python `args_type`; with
@@ -247,6 +246,7 @@ def stream_handle(index: int) -> int:
 def max_shared_optin(index: int) -> int:
     """Shared memory one block may opt in to on device `index` (bytes)."""
     return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
+
 
 def cuda_status(name: str, load_library, *, instead: str, min_capability: tuple[int, int] | None = None,
                 needs: str = "", hip_note: str = "") -> tuple[bool, str]:

@@ -2056,20 +2056,20 @@ def _walk_options(q, plan, walk, block_v=None, summary_block=None, **triton) -> 
     for name, b in (("block_v", block_v), ("summary_block", summary_block)):
         if b is not None:
             _check_block_v(b, name)
-    wants_triton = bool(given) or block_v not in (None, 64) or summary_block not in (None, 64)
+            if b != 64:
+                given[name] = b  # tiles the CUDA walks do not have
     items = max(plan.n_groups, plan.n_summaries)
     if walk is None:
-        walk = "triton" if wants_triton else choose_walk(q, items, plan)
-    if walk not in WALKS:
-        raise ValueError(f"walk must be one of {WALKS} or None, got {walk!r}")
-    if walk == "cuda":
-        if wants_triton:
-            extra = {**given, **{k: v for k, v in (("block_v", block_v), ("summary_block", summary_block))
-                                 if v not in (None, 64)}}
-            raise ValueError(f"walk='cuda' has fixed 64-column tiles and no Triton launch options; got {extra}")
+        walk = "triton" if given else choose_walk(q, items, plan)
+    elif walk == "cuda":
+        if given:
+            raise ValueError(f"walk='cuda' has fixed 64-column tiles and no Triton launch options; got {given}")
         ok, why = walk_status(q, items)
         if not ok:
             raise ValueError(f"walk='cuda' cannot run here: {why}")
+    elif walk != "triton":
+        raise ValueError(f"walk must be one of {WALKS} or None, got {walk!r}")
+    if walk == "cuda":
         return WalkOptions("cuda", 64)
     if block_v is None:  # the replay (programs per group) or, without groups, the plain walk's rule
         block_v = 64 if plan.uses_scan else choose_block_v(plan.n_seqs, plan.heads)
@@ -2215,9 +2215,8 @@ def kda_chunk_after(
     are issue 6's H200 measurement: 36 us against 80 for 32 columns on 4 warps, which needed 255
     registers and spilled."""
     plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, group_size, "after")
-    triton_opts = {"num_warps": num_warps, "num_stages": num_stages, "summary_warps": summary_warps,
-                   "summary_stages": summary_stages}
-    wo = _walk_options(q, plan, walk, block_v, summary_block, **triton_opts)
+    wo = _walk_options(q, plan, walk, block_v, summary_block, num_warps=num_warps, num_stages=num_stages,
+                       summary_warps=summary_warps, summary_stages=summary_stages)
     _check_block_v(scan_block, "scan_block")
     if not plan.uses_scan:  # the plain walk (validated once: run 9 timed 643 us against 607 when the
         # ragged case's cu_seqlens were read twice)
@@ -2332,9 +2331,8 @@ def after_launches(
     without groups), and 'result' (o, final state). Run them in that order; each reads what the
     previous wrote. Options as in `kda_chunk_after`."""
     plan, H, scale = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan, None, "after")
-    triton_opts = {"num_warps": num_warps, "num_stages": num_stages, "summary_warps": summary_warps,
-                   "summary_stages": summary_stages}
-    wo = _walk_options(q, plan, walk, block_v, summary_block, **triton_opts)
+    wo = _walk_options(q, plan, walk, block_v, summary_block, num_warps=num_warps, num_stages=num_stages,
+                       summary_warps=summary_warps, summary_stages=summary_stages)
     _check_block_v(scan_block, "scan_block")
     o, s_final = _outputs(q, plan, H)
     work = work or _alloc_work(plan.n_chunks, H, q.dtype, q.device)

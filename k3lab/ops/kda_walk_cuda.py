@@ -22,7 +22,6 @@ from k3lab.ops import _build
 
 NAME = "kda_walk"
 HEAD_DIM = 128
-COLUMNS = 64  # state columns per block (fixed in the kernel)
 MIN_CAPABILITY = (8, 0)  # cp.async and bf16 mma.sync
 MAX_ITEMS = 65535  # groups or summary slots: the grid's third dimension
 # the launch forms, {replay: value}: chunks in shared memory at once (2; 3 with one tile; summaries with
@@ -33,12 +32,6 @@ MAX_ITEMS = 65535  # groups or summary slots: the grid's third dimension
 STAGES = {True: 2, False: 2}
 TILES = {True: None, False: 1}
 
-
-def replay_tiles(blocks_with_two: int) -> int:
-    """State tiles per replay block: two (the A operands read once for both halves, twice the work
-    between barriers) once that still gives every compute unit a block, else one (twice the blocks:
-    the plain walk of 12 heads, 12 blocks, took 1139 us with two tiles against 686 with one)."""
-    return 2 if blocks_with_two >= env.detect().compute_units else 1
 _ERRORS = {-3: "needs more shared memory per block than the device allows", -6: "no such form (stages, tiles) built",
            -4: f"bad sizes (1 <= items <= {MAX_ITEMS}, 1 <= H <= 65535)",
            -5: "this build has no kernel (HIP or an unsupported target)"}
@@ -98,6 +91,13 @@ def supports(q, items: int) -> str | None:
     if not 1 <= items <= MAX_ITEMS:
         return f"{items} groups or summaries: the kernel takes 1 to {MAX_ITEMS}"
     return None
+
+
+def replay_tiles(blocks_with_two: int) -> int:
+    """State tiles per replay block: two (the A operands read once for both halves, twice the work
+    between barriers) once that still gives every compute unit a block, else one (twice the blocks:
+    the plain walk of 12 heads, 12 blocks, took 1139 us with two tiles against 686 with one)."""
+    return 2 if blocks_with_two >= env.detect().compute_units else 1
 
 
 def _launch(ptrs: dict, items: int, heads: int, replay: bool, device: torch.device) -> None:

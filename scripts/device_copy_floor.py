@@ -30,5 +30,5 @@ for name, tokens in (("ctx1k", 1024), ("ctx32k", 32768), ("ctx128k", 131072), ("
     print(f"{name:8s} copy {t.median_us:7.2f} us, floor {copy_floor_us:7.2f} us: {100 * copy_floor_us / t.median_us:5.1f}% "
           f"of the measured copy bandwidth; a sum reading the same bytes {r.median_us:7.2f} us: "
           f"{100 * read_only_us / r.median_us:5.1f}% (floor {read_only_us:.2f} us)", flush=True)
-json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "commit": os.environ.get("K3LAB_COMMIT", ""), "rows": rows}, open(os.path.join(out, "copy_floor.json"), "w"), indent=1)
+json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "versions": dict(env.versions()),
+           "commit": bench.git_commit(), "rows": rows}, open(os.path.join(out, "copy_floor.json"), "w"), indent=1)

@@ -7,7 +7,9 @@ import json
 import os
 import sys
 
-from k3lab import bench
+import torch
+
+from k3lab import bench, env
 from k3lab.ops import kda_chunk as kc
 from k3lab.ops import kda_walk_cuda as kwc
 from k3lab.studies import kda_scan as ks
@@ -48,8 +50,11 @@ for name in sys.argv[1:] or ["h12_b1_t16384"]:
         rows[f"cuda.after.gs{gs}"] = bench.time_fn(
             lambda p=plan: runner.after(plan=p), **kw).median_us
     rows["group_size"] = runner.group_size
+    meta = {"device": torch.cuda.get_device_name(), "versions": dict(env.versions()),
+            "commit": bench.git_commit(), "case": name, "mode": "eager device events, each launch alone",
+            "source": "scripts/device_walk_bench.py", "rows_us": rows}
     with open(os.path.join(out, f"walk_{name}.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
+        json.dump(meta, fh, indent=1)
     print(f"{name} (gs {runner.group_size}):")
     for key, val in rows.items():
         if key != "group_size":

@@ -828,7 +828,7 @@ def walk_launches(path=None, device: str = "nvidia-h200", root=None):
 
     if path is None:
         path = Path(bench.PROFILES if root is None else root) / device / NAME / WALK_BENCH
-    rows = json.loads(Path(path).read_text())
+    rows = json.loads(Path(path).read_text()).get("rows_us", {})
     keys = {"summaries": "{}.scan.summaries", "scan": "{}.scan.scan", "replay": "{}.scan.replay", "after": "{}.after"}
     missing = [k.format(kind) for k in keys.values() for kind in ("triton", "cuda") if k.format(kind) not in rows]
     if missing:

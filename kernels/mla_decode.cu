@@ -1035,6 +1035,9 @@ int launch_team(const Args& a, int max_shared, cudaStream_t st) {
 
 }  // namespace k3mla
 
+#include <cudaTypedefs.h>  // CUtensorMap and the driver's tensor-map encoder (form 'wgmma', host side)
+#include "mla_wgmma.h"     // the split kernel on warpgroup MMA (form 'wgmma')
+
 // Whether this build has the kernel: 1 for a CUDA build that includes sm_90 code (checked at launch
 // against the device: cudaFuncGetAttributes fails for an architecture that was not compiled).
 K3_EXPORT int k3_mla_decode_supported() { return 1; }
@@ -1085,6 +1088,41 @@ K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int warps, int 
     K3_MLA_CONFIGS(K3_LAUNCH)
 #undef K3_LAUNCH
   }
+  if (rc != 0 || a.splits == 1) return rc;
+  dim3 grid(a.B * a.heads, k3mla::DV / k3mla::MERGE_COLS);
+  if (pdl) return (int)k3_launch_pdl(k3mla::merge_kernel, grid, dim3(k3mla::MERGE_THREADS), 0, st, a);
+  k3mla::merge_kernel<<<grid, k3mla::MERGE_THREADS, 0, st>>>(a);
+  return (int)cudaGetLastError();
+}
+
+// Form 'wgmma' (kernels/mla_wgmma.h): its shared memory, its tensor map of a cache's rows (written
+// into the caller's 128-byte buffer, once per plan), and one decode step with it (the merge as in
+// k3_mla_decode). Same return codes, and -6: the driver's tensor-map encoder is unavailable,
+// <= -1000: the encoder refused the map.
+K3_EXPORT int k3_mla_wg_smem() { return k3mla::wg_smem_bytes(); }
+
+K3_EXPORT int k3_mla_wg_map(void* map, const void* base, long long rows) {
+  if (map == nullptr || base == nullptr || rows < 1) return -4;
+  return k3mla::wg_make_map(reinterpret_cast<CUtensorMap*>(map), base, rows);
+}
+
+K3_EXPORT int k3_mla_wg_regs() {
+  cudaFuncAttributes attr;
+  const cudaError_t e = cudaFuncGetAttributes(&attr, k3mla::wg_kernel);
+  return e == cudaSuccess ? attr.numRegs : -(int)e;
+}
+
+K3_EXPORT int k3_mla_decode_wg(const k3mla::Args* args, const void* map, int pdl, int max_shared, void* stream) {
+  const k3mla::Args& a = *args;
+  if (map == nullptr || a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 1 ||
+      a.splits > 65535 || a.chunk < k3mla::WG_BN || a.chunk % k3mla::WG_BN != 0 ||
+      (a.block_table != nullptr && (a.max_pages < 1 || a.page_shift < 6 || a.page_shift > 30)) ||
+      a.kv_sp % k3mla::D != 0)
+    return -4;
+  CUtensorMap m;
+  memcpy(&m, map, sizeof(m));
+  cudaStream_t st = (cudaStream_t)stream;
+  const int rc = k3mla::launch_wg(a, m, max_shared, st);
   if (rc != 0 || a.splits == 1) return rc;
   dim3 grid(a.B * a.heads, k3mla::DV / k3mla::MERGE_COLS);
   if (pdl) return (int)k3_launch_pdl(k3mla::merge_kernel, grid, dim3(k3mla::MERGE_THREADS), 0, st, a);
@@ -1183,5 +1221,9 @@ K3_EXPORT int k3_mla_fused_max_blocks(int) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_fused_capturable(int) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_decode_fused(const k3mla::Args*, int, void*) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_fused_regs() { return K3_MLA_UNSUPPORTED; }
+K3_EXPORT int k3_mla_wg_smem() { return -1; }
+K3_EXPORT int k3_mla_wg_map(void*, const void*, long long) { return K3_MLA_UNSUPPORTED; }
+K3_EXPORT int k3_mla_wg_regs() { return K3_MLA_UNSUPPORTED; }
+K3_EXPORT int k3_mla_decode_wg(const k3mla::Args*, const void*, int, int, int, void*) { return K3_MLA_UNSUPPORTED; }
 
 #endif

@@ -60,7 +60,9 @@ DEFAULT_STAGES = 5  # 5 x 37 KB in shared memory: one block per SM, ~150 KB of c
 WARPS = (4, 8)  # compiled block sizes: 4 warps (one per SM sub-partition) or 8 (two each)
 DEFAULT_WARPS = 4
 MAX_SPLITS = 65535
-FORMS = ("team", "split")  # the team kernel (2 teams of 4 warps on one ring) or the 4/8-warp split kernel
+# the team kernel (2 teams of 4 warps on one ring), the 4/8-warp mma.sync split kernel, or the split kernel on
+# warpgroup MMA with TMA tiles of 64 rows (kernels/mla_wgmma.h)
+FORMS = ("team", "split", "wgmma")
 DEFAULT_FORM = "split"
 TEAM_STAGES = 5  # the team kernel's ring depth (fixed)
 _TEAM_WARPS_CODE = 9  # the launchers' `warps` value that selects the team kernel (K3_MLA_TEAM)
@@ -74,8 +76,11 @@ FUSED_STAGES, FUSED_WARPS = 5, 4  # the compiled fused form (kernels/mla_decode.
 _COOPERATIVE_TOO_LARGE = 720  # cudaErrorCooperativeLaunchTooLarge
 _STAGE_BYTES = 8 * (4 * LATENT_DIM * 2 + 16)  # 8 blocks of 4 rows, 16 bytes of padding each
 _XCH_BYTES = 4 * 4 * 32 * 16  # one score-partial exchange buffer
+WG_BLOCK_N = 64  # form 'wgmma': latent rows per tile (one TMA box height, the M of its score product)
+WG_STAGES = 2  # form 'wgmma': tiles of 72 KB in its ring
 _ERRORS = {-1: "no compiled kernel for this (stages, warps) pair", -3: "more shared memory than the device allows per block",
            -4: "bad sizes", -5: "this build has no MLA decode kernel (HIP, or not sm_90)",
+           -6: "the driver's tensor-map encoder (cuTensorMapEncodeTiled) is unavailable",
            _COOPERATIVE_TOO_LARGE: "cooperative launch too large: the grid cannot be co-resident"}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher uses
 
@@ -84,6 +89,12 @@ def team_smem_bytes() -> int:
     """Dynamic shared memory of the team kernel: its 5-stage ring, two teams' double-buffered score
     exchanges, an mbarrier per (team, stage) and a reader count per stage."""
     return TEAM_STAGES * _STAGE_BYTES + 2 * 2 * _XCH_BYTES + TEAM_STAGES * (2 * 8 + 4)
+
+
+def wg_smem_bytes() -> int:
+    """Dynamic shared memory of form 'wgmma' (kernels/mla_wgmma.h): 1 KB of alignment slack, two
+    72 KB tiles, Q^T (18 KB), P (2 KB), the max and sum exchanges and two mbarriers."""
+    return 1024 + WG_STAGES * 9 * 64 * 128 + 9 * 16 * 128 + 16 * 128 + 3 * 4 * 16 * 4 + WG_STAGES * 8
 
 
 def smem_bytes(stages: int = DEFAULT_STAGES) -> int:
@@ -127,6 +138,13 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, fn).restype = ctypes.c_int
         getattr(lib, fn).argtypes = [ctypes.c_int]
     lib.k3_mla_fused_regs.restype = ctypes.c_int
+    lib.k3_mla_wg_smem.restype = ctypes.c_int
+    lib.k3_mla_wg_regs.restype = ctypes.c_int
+    lib.k3_mla_wg_map.restype = ctypes.c_int
+    lib.k3_mla_wg_map.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong]
+    lib.k3_mla_decode_wg.restype = ctypes.c_int
+    lib.k3_mla_decode_wg.argtypes = [ctypes.POINTER(Args), ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                     ctypes.c_void_p]
     size = lib.k3_mla_decode_args_size()
     if size != ctypes.sizeof(Args):
         raise _build.KernelUnavailable(f"{NAME}.cu's Args is {size} bytes but the Python Args is "
@@ -134,6 +152,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     if lib.k3_mla_decode_supported() and lib.k3_mla_decode_team_smem() != team_smem_bytes():
         raise _build.KernelUnavailable(f"{NAME}.cu's team kernel needs {lib.k3_mla_decode_team_smem()} bytes of "
                                        f"shared memory but the Python formula says {team_smem_bytes()}")
+    if lib.k3_mla_decode_supported() and lib.k3_mla_wg_smem() != wg_smem_bytes():
+        raise _build.KernelUnavailable(f"{NAME}.cu's wgmma form needs {lib.k3_mla_wg_smem()} bytes of shared "
+                                       f"memory but the Python formula says {wg_smem_bytes()}")
     for s in STAGES:
         if lib.k3_mla_decode_smem(s) != smem_bytes(s):
             raise _build.KernelUnavailable(f"{NAME}.cu needs {lib.k3_mla_decode_smem(s)} bytes of shared memory "
@@ -163,10 +184,15 @@ def available() -> bool:
 
 
 def registers(stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS, form: str = "split") -> int:
-    """Registers per thread of the split kernel (or, form='team', the team kernel) as compiled for
-    this GPU (GPU only)."""
+    """Registers per thread of the split kernel (or, form='team' / 'wgmma', that kernel) as compiled
+    for this GPU (GPU only)."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    if form == "wgmma":
+        n = _library().k3_mla_wg_regs()
+        if n < 0:
+            raise RuntimeError(f"{NAME}.cu could not report the wgmma kernel's registers (error {-n})")
+        return n
     smem_bytes(stages)  # checks stages
     if warps not in WARPS:
         raise ValueError(f"warps must be one of {WARPS}, got {warps!r}")
@@ -268,17 +294,18 @@ def choose_merge(merge: str, *, splits: int, batch: int, max_blocks: int, form: 
 
 
 def choose_splits(batch: int, max_len: int, compute_units: int, *, blocks_per_unit: int = 1,
-                  num_splits: int | None = None) -> tuple[int, int]:
+                  num_splits: int | None = None, block_n: int = BLOCK_N) -> tuple[int, int]:
     """(pieces per request, positions per piece). By default one wave: the batch's blocks cover the
     compute units once (blocks_per_unit each; the 5-stage kernel fits one per H200 SM), each piece a
     whole number of 32-row tiles. The piece length comes from the longest request; the returned
     count is how many pieces that longest request fills (shorter requests leave their last pieces
-    empty: zero-weight partials). num_splits forces the count (rounded the same way)."""
+    empty: zero-weight partials). num_splits forces the count (rounded the same way). block_n: the
+    kernel's tile (32 rows; 64 for form 'wgmma')."""
     for label, v in (("batch", batch), ("max_len", max_len), ("compute_units", compute_units),
-                     ("blocks_per_unit", blocks_per_unit)):
+                     ("blocks_per_unit", blocks_per_unit), ("block_n", block_n)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{label} must be a positive integer, got {v!r}")
-    tiles = -(-max_len // BLOCK_N)
+    tiles = -(-max_len // block_n)
     if num_splits is None:
         want = max(1, -(-(compute_units * blocks_per_unit) // batch))
     else:
@@ -287,7 +314,7 @@ def choose_splits(batch: int, max_len: int, compute_units: int, *, blocks_per_un
         want = num_splits
     want = min(want, tiles)
     chunk_tiles = -(-tiles // want)
-    return -(-tiles // chunk_tiles), chunk_tiles * BLOCK_N
+    return -(-tiles // chunk_tiles), chunk_tiles * block_n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,6 +379,17 @@ def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=No
     if q.data_ptr() % 4 or q.stride(0) % 2 or q.stride(2) % 2:
         raise ValueError("q must start on a 4-byte boundary with even batch and head strides (the kernel reads "
                          "pairs of bf16)")
+    if form == "wgmma":
+        if block_table is not None and cache.shape[1] < WG_BLOCK_N:
+            raise ValueError(f"form='wgmma' needs pages (cache.shape[1]) of >= {WG_BLOCK_N} rows (its {WG_BLOCK_N}-row "
+                             f"tile is one TMA box inside a page), got {cache.shape[1]}; form='split' takes pages of 32")
+        if cache.stride(0) != cache.shape[1] * LATENT_DIM:
+            raise ValueError(f"form='wgmma' reads the cache through one tensor map of rows, so pages (or requests) "
+                             f"must follow each other: cache.stride(0) must be {cache.shape[1] * LATENT_DIM}, got "
+                             f"{cache.stride(0)}")
+        if q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(2) % 8:
+            raise ValueError("form='wgmma' reads q in 16-byte units: q must start on a 16-byte boundary with batch and "
+                             f"head strides that are multiples of 8, got strides {tuple(q.stride())}")
     inp = mla._validate(q, cache, lengths, block_table, max_heads=MAX_HEADS)  # lengths, block table, devices
     return _Checked(inp, float(s), stages, warps, form, merge)
 
@@ -380,6 +418,7 @@ class CudaDecodePlan:
     merge: str = "kernel"  # 'none' (one piece), 'fused' (one cooperative launch) or 'kernel' (two launches)
     merge_why: str = ""  # why that path (choose_merge)
     _barrier: torch.Tensor | None = field(repr=False, default=None)  # fused: [counter, give-ups] (int64)
+    _tensor_map: object = field(repr=False, default=None)  # form 'wgmma': the cache's 128-byte CUtensorMap
 
     # the names a Triton `mla_decode.DecodePlan` answers to, so callers need not care which runs
     variant = "after"
@@ -402,6 +441,8 @@ class CudaDecodePlan:
 
     @property
     def config(self) -> mla.LaunchConfig:
+        if self.form == "wgmma":
+            return mla.LaunchConfig(WG_BLOCK_N, 4, WG_STAGES)
         team = self.form == "team"
         return mla.LaunchConfig(BLOCK_N, 8 if team else self.warps, TEAM_STAGES if team else self.stages)
 
@@ -415,11 +456,10 @@ class CudaDecodePlan:
         return 0 if self._barrier is None else int(self._barrier[1].item())
 
     def facts(self) -> dict:
-        team = self.form == "team"
+        cfg = self.config
+        smem = {"team": team_smem_bytes(), "wgmma": wg_smem_bytes()}.get(self.form) or smem_bytes(self.stages)
         return {"kernel": "cuda", "form": self.form, "num_splits": self.num_splits, "chunk": self.chunk,
-                "block_n": BLOCK_N, "num_stages": TEAM_STAGES if team else self.stages,
-                "num_warps": 8 if team else self.warps,
-                "smem_bytes": team_smem_bytes() if team else smem_bytes(self.stages),
+                "block_n": cfg.block_n, "num_stages": cfg.num_stages, "num_warps": cfg.num_warps, "smem_bytes": smem,
                 "programs": self.programs, "launches": self.launches, "pdl": self.pdl, "rows_per_program": 16,
                 "merge": self.merge}
 
@@ -430,6 +470,12 @@ class CudaDecodePlan:
             rc = lib.k3_mla_decode_fused(ctypes.byref(self._args), self._max_shared, ctypes.c_void_p(stream))
             if rc != 0:
                 raise RuntimeError(f"{NAME}.cu refused the fused launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
+            return self.out, self.lse
+        if self.form == "wgmma":
+            rc = lib.k3_mla_decode_wg(ctypes.byref(self._args), ctypes.addressof(self._tensor_map), int(self.pdl),
+                                      self._max_shared, ctypes.c_void_p(stream))
+            if rc != 0:
+                raise RuntimeError(f"{NAME}.cu refused the wgmma launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
             return self.out, self.lse
         team = self.form == "team"
         rc = lib.k3_mla_decode(ctypes.byref(self._args), TEAM_STAGES if team else self.stages,
@@ -462,7 +508,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
     max_shared = int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
-    need = team_smem_bytes() if form == "team" else smem_bytes(stages)
+    need = {"team": team_smem_bytes(), "wgmma": wg_smem_bytes()}.get(form) or smem_bytes(stages)
     if need > max_shared:
         raise _build.KernelUnavailable(f"the {form} kernel needs {need} bytes of shared memory per block; "
                                        f"this GPU allows {max_shared}")
@@ -470,7 +516,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     blocks_per_unit = max(1, per_unit // (need + 1024))  # the driver keeps 1 KB per block
     units = compute_units or props.multi_processor_count
     splits, chunk = choose_splits(inp.batch, inp.max_len, units, blocks_per_unit=blocks_per_unit,
-                                  num_splits=num_splits)
+                                  num_splits=num_splits, block_n=WG_BLOCK_N if form == "wgmma" else BLOCK_N)
     B, H = inp.batch, inp.heads
     out = torch.empty(B, 1, H, VALUE_DIM, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, 1, H, dtype=torch.float32, device=q.device)
@@ -484,7 +530,17 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                 q.stride(0), q.stride(2), cache.stride(0), bt.stride(0) if bt is not None else 0,
                 out.stride(0), out.stride(2), lse.stride(0),
                 B, H, page_shift, splits, chunk, bt.shape[1] if bt is not None else 0, c.scale * mla._LOG2E, None)
+    tensor_map = None
+    if form == "wgmma":  # the cache's rows as one tensor map (TMA boxes of 64 rows x 64 columns, 128 B swizzle)
+        tensor_map = (ctypes.c_ubyte * 128)()
+        rc = _library().k3_mla_wg_map(ctypes.addressof(tensor_map), cache.data_ptr(), cache.shape[0] * cache.shape[1])
+        if rc != 0:
+            raise _build.KernelUnavailable(f"{NAME}.cu could not encode the cache's tensor map ({rc}: "
+                                           f"{_ERRORS.get(rc, 'driver refused')})")
     if probe is not None:
+        if form == "wgmma":
+            raise ValueError("probe is compiled for the team kernel and the 5-stage 4-warp split kernel only, not "
+                             "form='wgmma'")
         need = probe_size(B, H, splits)
         if form == "split" and (stages != 5 or warps != 4):
             raise ValueError(f"probe is compiled for the team kernel and the 5-stage 4-warp split kernel only, "
@@ -505,7 +561,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
         args.barrier = barrier.data_ptr()
     keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse, probe, barrier)
     return CudaDecodePlan(splits, chunk, stages, warps, bool(pdl) and path == "kernel", form, out, lse, args, keep,
-                          max_shared, dev, path, why, barrier)
+                          max_shared, dev, path, why, barrier, tensor_map)
 
 
 def probe_size(batch: int, heads: int, splits: int) -> int:

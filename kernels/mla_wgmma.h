@@ -1,0 +1,315 @@
+// mla_wgmma.h: the MLA decode's split kernel on Hopper's warpgroup matrix units (form 'wgmma'),
+// included by mla_decode.cu in its CUDA build only (it uses that file's Args, mbarrier helpers and
+// partial layout; the merge kernel there merges its pieces unchanged).
+//
+// Why another split kernel. The mma.sync kernel (split_kernel) is compute-bound: ~1.3 us per 32-row
+// tile on the H200 against ~1.15 us of DRAM share per SM, because with one warp per SM
+// sub-partition every dependent mma, ldmatrix, shuffle and barrier is exposed, and each of its
+// four warps redoes the whole tile's softmax. The same data path with the arithmetic removed reads
+// the 32K cache in 11.1 us and the 128K one in 37.0 us (scripts/mla_read_probe.cu) where the
+// decode takes 19.6 and 47.5. Here the products go to wgmma, which reads its operands from shared
+// memory itself (no ldmatrix) and runs asynchronously:
+//   * positions on M: S^T [64 positions x 16 heads] = K_tile [64 x 576] . Q^T (36 m64n16k16 steps),
+//     so a tile is 64 latent rows and no row of the product is padding; the 16 heads (12 real) are
+//     N = 16;
+//   * O^T [512 value columns x 16 heads] += V_tile^T [512 x 64] . P^T [64 x 16] (8 x 4 steps with
+//     the tile read M-major: the same shared bytes serve both products);
+//   * each warp owns 16 positions of the tile: the softmax's max over the tile's positions is one
+//     shuffle tree and one 64-float exchange; the sums stay per thread until the end;
+//   * a tile arrives as 9 TMA boxes of 64 rows x 64 columns with the 128-byte swizzle (the layout
+//     wgmma expects), 72 KB; two stages: a tile is refilled as soon as its value product is done,
+//     so two tiles (144 KB) stream while the SM waits.
+// Rows past a request's length inside its last tile are loaded by the box and then zeroed in shared
+// memory before use (their scores are masked; zeros keep NaN in unused cache rows out of p V).
+// Needs tiles of 64 rows inside one page: contiguous caches, or pages of >= 64 rows.
+// Not yet part of any record unless profiles/ says so; checked by tests/test_mla_decode_cuda.py on
+// the GPU (form='wgmma').
+
+namespace k3mla {
+
+constexpr int WG_BN = 64;                         // positions per tile
+constexpr int WG_BOX = 64 * 128;                  // one TMA box: 64 rows x 64 bf16 columns = 8 KB
+constexpr int WG_BOXES = D / 64;                  // 9 boxes per tile
+constexpr int WG_STAGE = WG_BOXES * WG_BOX;       // 73,728 bytes
+constexpr int WG_STAGES = 2;
+constexpr int WG_QBOX = ROWS * 128;               // Q^T box: 16 heads x 64 columns = 2 KB
+constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes
+constexpr int WG_P = ROWS * 128;                  // P: 16 heads x 64 positions (bf16), one swizzled 128 B row each
+constexpr int WG_RED = 3 * 4 * ROWS * 4;          // two max exchanges and one sum exchange: [4 warps][16 heads] fp32
+constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + WG_STAGES * 8; }
+
+#if defined(K3_MLA_SM90)
+// A shared-memory matrix descriptor with the 128-byte swizzle (PTX ISA, wgmma "matrix descriptor"):
+// start address, leading and stride byte offsets, all >> 4; layout type 1 (128B swizzle) in bits 62-63.
+K3_DEVICE uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
+         ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+K3_DEVICE void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+K3_DEVICE void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+K3_DEVICE void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// generic-proxy writes to shared memory (zero fill, P, Q) made visible to the async proxy (wgmma, TMA)
+K3_DEVICE void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// d (+)= A . B, m64n16k16, bf16 in, fp32 accumulate; A from shared memory, K-major (TRANS_A = 0) or
+// M-major (1); B from shared memory, K-major. accumulate = 0 ignores d's old value.
+template <int TRANS_A>
+K3_DEVICE void wg_mma(float (&d)[8], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %10, 0;\n\t"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %11, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TRANS_A)
+      : "memory");
+}
+
+K3_DEVICE void tma_box(uint32_t dst, const void* map, int col, int row, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(map), "r"(col), "r"(row), "r"(bar)
+      : "memory");
+}
+
+// The first cache row (of the tensor map's rows) of position `pos` of request b.
+K3_DEVICE int wg_row(const Args& a, int b, int pos) {
+  const long long rows_per = a.kv_sp / D;  // rows between pages (paged) or requests (contiguous)
+  if (a.block_table != nullptr) {
+    const int col = pos >> a.page_shift;
+    const int page = col < a.max_pages ? __ldg(a.block_table + (long long)b * a.bt_sb + col) : 0;
+    return (int)((long long)page * rows_per + (pos & ((1 << a.page_shift) - 1)));
+  }
+  return (int)((long long)b * rows_per + pos);
+}
+
+// Thread 0: tile at row `row` into `stage` (9 boxes), completing on `bar`.
+K3_DEVICE void wg_issue(const void* map, int row, uint32_t stage, uint32_t bar) {
+  mbar_expect_tx(bar, (uint32_t)WG_STAGE);
+#pragma unroll
+  for (int i = 0; i < WG_BOXES; ++i) tma_box(stage + i * WG_BOX, map, 64 * i, row, bar);
+}
+
+// The thread's heads in the accumulator layout (columns of S^T and O^T): 8 jn + 2 t4 + e, index 2 jn + e.
+K3_DEVICE int wg_head(int c, int t4) { return 8 * (c >> 1) + 2 * t4 + (c & 1); }
+#endif
+
+__global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_constant__ CUtensorMap map) {
+  extern __shared__ unsigned char wg_raw[];
+#if defined(K3_MLA_SM90)
+  // 1024-byte aligned base: the 128-byte swizzle pattern is a function of the address bits
+  const uint32_t raw = smem_u32(wg_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* gbase = wg_raw + (base - raw);
+  const uint32_t stages = base, qs = base + WG_STAGES * WG_STAGE, ps = qs + WG_Q;
+  float* red = reinterpret_cast<float*>(gbase + WG_STAGES * WG_STAGE + WG_Q + WG_P);  // [3][4][16]
+  const uint32_t bars = ps + WG_P + WG_RED;
+  const int split = blockIdx.x, b = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  launch_dependents();  // the merge may launch now; it waits for this grid
+
+  const int length = __ldg(a.lengths + b);
+  const int start = split * a.chunk;
+  const int end = min(length, start + a.chunk);
+  const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
+  if (tid == 0) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(&map) : "memory");
+    for (int s = 0; s < WG_STAGES; ++s) mbar_init(bars + 8 * s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
+      wg_issue(&map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
+  }
+  // Q^T into shared memory as 9 swizzled boxes of [16 heads x 128 B]; heads past a.heads are zero
+  {
+    const k3_bf16* qb = a.q + (long long)b * a.q_sb;
+    for (int i = tid; i < ROWS * (D / 8); i += 128) {
+      const int h = i / (D / 8), cu = i % (D / 8);  // head, 16-byte unit of its row
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (h < a.heads) v = __ldg(reinterpret_cast<const uint4*>(qb + (long long)h * a.q_sh + cu * 8));
+      const uint32_t dst = qs + (cu >> 3) * WG_QBOX + h * 128 + (((cu & 7) ^ (h & 7)) << 4);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                   : "memory");
+    }
+  }
+  fence_async_smem();
+  __syncthreads();
+
+  float o[8][8];  // O^T: value columns 64 mb + 16 warp + g (+8) x this thread's 4 heads
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[mb][e] = 0.f;
+  float m_run[4], l_run[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) m_run[c] = -INFINITY, l_run[c] = 0.f;
+
+  for (int j = 0; j < ntiles; ++j) {
+    const int st = j % WG_STAGES;
+    const uint32_t stage = stages + st * WG_STAGE;
+    mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
+    const int pos0 = start + j * WG_BN;
+    const int valid = min(WG_BN, end - pos0);
+    if (valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
+      const int units = WG_BOXES * (WG_BN - valid) * 8;
+      for (int u = tid; u < units; u += 128) {
+        const int box = u / ((WG_BN - valid) * 8), r = valid + (u / 8) % (WG_BN - valid), c = u & 7;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(stage + box * WG_BOX + r * 128 + c * 16), "r"(0)
+                     : "memory");
+      }
+      fence_async_smem();
+      __syncthreads();
+    }
+    // scores S^T = K Q^T: 36 k-steps of 16 columns (4 per 64-column box, +32 bytes each)
+    float s[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s[e] = 0.f;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wg_mma<0>(s, wg_desc(stage + (kk >> 2) * WG_BOX + (kk & 3) * 32, 16, 1024),
+                wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024), kk > 0);
+    wg_commit();
+    wg_wait_all();
+    // this thread's rows: positions q0 = 16 warp + g and q0 + 8 of the tile; s[4 jn + e]: row q0, s[4 jn + 2 + e]: row q0 + 8
+    const int q0 = 16 * warp + g;
+    const bool in0 = q0 < valid, in1 = q0 + 8 < valid;
+    float mx[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int i = 4 * (c >> 1) + (c & 1);
+      s[i] = in0 ? s[i] * a.scale_log2 : -INFINITY;
+      s[i + 2] = in1 ? s[i + 2] * a.scale_log2 : -INFINITY;
+      mx[c] = fmaxf(s[i], s[i + 2]);
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) mx[c] = fmaxf(mx[c], k3_shfl_xor(mx[c], off));
+    }
+    float* rb = red + (j & 1) * (4 * ROWS);
+    if (g == 0) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) rb[warp * ROWS + wg_head(c, t4)] = mx[c];
+    }
+    __syncthreads();  // the four warps' maxima
+    float alpha[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int h = wg_head(c, t4);
+      const float tmax = fmaxf(fmaxf(rb[h], rb[ROWS + h]), fmaxf(rb[2 * ROWS + h], rb[3 * ROWS + h]));
+      const float mnew = fmaxf(m_run[c], tmax);
+      const float u = mnew == -INFINITY ? 0.f : mnew;
+      alpha[c] = fast_exp2(m_run[c] - u);  // 0 while m_run is -inf
+      m_run[c] = mnew;
+      const int i = 4 * (c >> 1) + (c & 1);
+      const float p0 = fast_exp2(s[i] - u), p1 = fast_exp2(s[i + 2] - u);
+      l_run[c] = l_run[c] * alpha[c] + p0 + p1;
+      // P (head h, position q): row h of 128 B, 16-byte unit q / 8 swizzled by h % 8
+      const k3_bf16 b0 = k3_f32_to_bf16(p0), b1 = k3_f32_to_bf16(p1);
+      const uint32_t row = ps + h * 128, sw = h & 7;
+      asm volatile("st.shared.b16 [%0], %1;" ::"r"(row + ((((uint32_t)q0 >> 3) ^ sw) << 4) + (q0 & 7) * 2),
+                   "h"(b0)
+                   : "memory");
+      asm volatile("st.shared.b16 [%0], %1;" ::"r"(row + ((((uint32_t)(q0 + 8) >> 3) ^ sw) << 4) + (q0 & 7) * 2),
+                   "h"(b1)
+                   : "memory");
+    }
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int i = 4 * (c >> 1) + (c & 1);
+        o[mb][i] *= alpha[c];
+        o[mb][i + 2] *= alpha[c];
+      }
+    fence_async_smem();
+    __syncthreads();  // P complete
+    // O^T += V^T P^T: value columns in 8 boxes of 64 (M-major A), positions in 4 k-steps of 16 rows
+    wg_fence();
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        wg_mma<1>(o[mb], wg_desc(stage + mb * WG_BOX + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);
+    wg_commit();
+    wg_wait_all();
+    __syncthreads();  // every warp is done with this stage and with P: refill the stage
+    if (tid == 0 && j + WG_STAGES < ntiles)
+      wg_issue(&map, wg_row(a, b, start + (j + WG_STAGES) * WG_BN), stage, bars + 8 * st);
+  }
+
+  // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps
+  float* rs = red + 2 * (4 * ROWS);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) l_run[c] += k3_shfl_xor(l_run[c], off);
+  }
+  if (g == 0) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) rs[warp * ROWS + wg_head(c, t4)] = l_run[c];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int h = wg_head(c, t4);
+    if (h >= a.heads) continue;
+    const float l = rs[h] + rs[ROWS + h] + rs[2 * ROWS + h] + rs[3 * ROWS + h];
+    const float r = l > 0.f ? 1.f / l : 0.f;
+    const float ls = l > 0.f ? m_run[c] + __log2f(l) : -INFINITY;
+    const int i = 4 * (c >> 1) + (c & 1);
+    if (a.splits == 1) {
+      k3_bf16* out = a.out + (long long)b * a.o_sb + (long long)h * a.o_sh;
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb) {
+        const int col = 64 * mb + 16 * warp + g;
+        out[col] = k3_f32_to_bf16(o[mb][i] * r);
+        out[col + 8] = k3_f32_to_bf16(o[mb][i + 2] * r);
+      }
+      if (warp == 0 && g == 0) a.lse[(long long)b * a.l_sb + h] = ls * 0.6931471805599453f;
+    } else {
+      const long long prow = ((long long)b * a.heads + h) * a.splits + split;
+      float* po = a.part_o + prow * DV;
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb) {
+        const int col = 64 * mb + 16 * warp + g;
+        po[col] = o[mb][i] * r;
+        po[col + 8] = o[mb][i + 2] * r;
+      }
+      if (warp == 0 && g == 0) a.part_lse[prow] = ls;
+    }
+  }
+#endif  // K3_MLA_SM90
+}
+
+// The tensor map of a cache's rows ([rows, 576] bf16, 1152-byte rows): boxes of 64 rows x 64
+// columns with the 128-byte swizzle; rows past the end read as zeros. 0 or an error code.
+inline int wg_make_map(CUtensorMap* map, const void* base, long long rows) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || fn == nullptr) return -6;
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  const cuuint64_t dims[2] = {(cuuint64_t)D, (cuuint64_t)rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)ROW_BYTES};
+  const cuuint32_t box[2] = {64, (cuuint32_t)WG_BN};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? 0 : -1000 - (int)r;
+}
+
+inline int launch_wg(const Args& a, const CUtensorMap& map, int max_shared, cudaStream_t st) {
+  const int bytes = wg_smem_bytes();
+  if (bytes > max_shared) return -3;
+  static bool configured = false;
+  if (!configured) {
+    const cudaError_t e = cudaFuncSetAttribute(wg_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return (int)e;
+    configured = true;
+  }
+  wg_kernel<<<dim3(a.splits, a.B), 128, bytes, st>>>(a, map);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace k3mla

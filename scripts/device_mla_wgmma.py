@@ -1,0 +1,87 @@
+"""Issue 5, one device call: form 'wgmma' of the CUDA MLA decode (kernels/mla_wgmma.h) checked against
+the fp32 reference on odd shapes, then timed beside the default mma.sync split kernel the way the
+mla_padding study times (its inputs and rotation, graph replay), with the read floor of the same
+bytes (scripts/mla_read_probe.cu's ring reader, when built). Prints a table; writes $OUT/wgmma.json.
+    OUT=dir PYTHONPATH=. python3 scripts/device_mla_wgmma.py
+"""
+import json
+import math
+import os
+import zlib
+
+import torch
+
+from k3lab import bench, env
+from k3lab.ops import mla_decode as mla
+from k3lab.ops import mla_decode_cuda as mc
+from k3lab.studies import mla_padding as st
+
+out = os.environ.get("OUT", "build/device")
+os.makedirs(out, exist_ok=True)
+dev = "cuda"
+gen = torch.Generator(device=dev).manual_seed(7)
+checks = []
+
+
+def check_case(label, lengths, heads=12, page=64, paged=True, nan_tail=True, splits=None):
+    B, L = len(lengths), max(lengths)
+    q = torch.randn(B, 1, heads, 576, device=dev, generator=gen).to(torch.bfloat16)
+    cache = torch.randn(B, L, 576, device=dev, generator=gen).to(torch.bfloat16)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
+    if paged:
+        pool, table = mla.to_paged(cache, page, seed=3)
+        if nan_tail:  # rows past each length inside its last page: NaN must not reach the output
+            for b, n in enumerate(lengths):
+                last = n // page
+                if last < table.shape[1] and n % page:
+                    pool[table[b, last].long(), n % page:] = float("nan")
+        p = mc.plan(q, pool, lens, block_table=table, form="wgmma", num_splits=splits)
+    else:
+        p = mc.plan(q, cache, lens, form="wgmma", num_splits=splits)
+    o, lse = p()
+    ro, rl = mla.reference(q.float(), cache.float(), lengths=lens)
+    err = bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
+    checks.append({"case": label, "splits": p.num_splits, "chunk": p.chunk, **{k: v["max_rel"] for k, v in err.items()}})
+    print(f"check {label:34s} splits {p.num_splits:4d}  o max_rel {err['o']['max_rel']:.2e}  lse {err['lse']['max_rel']:.2e}",
+          flush=True)
+
+
+print("registers: wgmma", mc.registers(form="wgmma"), " split", mc.registers(), flush=True)
+check_case("1 x 100, one piece", [100], splits=1)
+check_case("1 x 1000", [1000])
+check_case("1 x 4133, 16 heads", [4133], heads=16)
+check_case("1 x 4133, 5 heads, 3 pieces", [4133], heads=5, splits=3)
+check_case("3 ragged (5000, 77, 2048)", [5000, 77, 2048])
+check_case("2 contiguous (3000, 1234)", [3000, 1234], paged=False)
+check_case("1 x 32768", [32768])
+check_case("1 x 8200, pages of 128", [8200], page=128)
+
+bw = env.PEAKS["H200"].bandwidth_tbs * 1e12
+rows = {}
+for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1, 131072), ("b8_8k", 8, 8192),
+                         ("b64_8k", 64, 8192)):
+    case = st.Case(name, batch, ctx)
+    first = st._make_set(case, 12, torch.bfloat16, seed=zlib.crc32(case.name.encode()) % 10_000)
+    nbytes = st.cache_bytes(case, torch.bfloat16, first["lengths_host"])
+    sets = [first] + [st._make_set(case, 12, torch.bfloat16, seed=1000 + i)
+                      for i in range(bench.rotation_count(nbytes, max_sets=64) - 1)]
+    res = {}
+    for form in ("split", "wgmma"):
+        plans = [mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], form=form) for s in sets]
+        o, lse = plans[0]()
+        ro, rl = mla.reference(first["q"].float(), first["cache"].float(), lengths=first["lengths"])
+        bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
+        t = bench.time_fn(lambda p: p(), rotate=[(p,) for p in plans], graph=True, warmup=10, repeats=60)
+        res[form] = {"us": t.median_us, "p20": t.p20_us, "p80": t.p80_us, "splits": plans[0].num_splits,
+                     "share": nbytes / bw / (t.median_us * 1e-6)}
+        print(f"{name:8s} {form:6s} {t.median_us:8.2f} us  {100 * res[form]['share']:5.1f}% of copy bw  "
+              f"splits {plans[0].num_splits}", flush=True)
+    rows[name] = {"bytes": nbytes, "sets": len(sets), "floor_us": nbytes / bw * 1e6, "forms": res}
+    del sets, first
+    torch.cuda.empty_cache()
+json.dump({"device": torch.cuda.get_device_name(), "versions": dict(env.versions()),
+           "commit": os.environ.get("K3LAB_COMMIT") or bench.git_commit(), "copy_bandwidth_tbs": bw / 1e12,
+           "checks": checks, "rows": rows}, open(os.path.join(out, "wgmma.json"), "w"), indent=1)
+print("ratio split/wgmma: " + ", ".join(f"{k} {v['forms']['split']['us'] / v['forms']['wgmma']['us']:.2f}x"
+                                          for k, v in rows.items()))
+assert math.isfinite(sum(v["forms"]["wgmma"]["us"] for v in rows.values()))

@@ -25,6 +25,12 @@
 // Not yet part of any record unless profiles/ says so; checked by tests/test_mla_decode_cuda.py on
 // the GPU (form='wgmma').
 
+// Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
+// its tiles exactly as below but skips the arithmetic (its outputs are then meaningless).
+#ifndef K3_MLA_WG_DATA_ONLY
+#define K3_MLA_WG_DATA_ONLY 0
+#endif
+
 namespace k3mla {
 
 constexpr int WG_BN = 64;                         // positions per tile
@@ -145,6 +151,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   for (int j = 0; j < ntiles; ++j) {
     const int st = j % WG_STAGES;
     const uint32_t stage = stages + st * WG_STAGE;
+    // the row of the tile that will refill this stage, read now: its latency hides behind this tile
+    const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
     mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
     const int pos0 = start + j * WG_BN;
     const int valid = min(WG_BN, end - pos0);
@@ -158,17 +166,28 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       fence_async_smem();
       __syncthreads();
     }
-    // scores S^T = K Q^T: 36 k-steps of 16 columns (4 per 64-column box, +32 bytes each)
-    float s[8];
+    if (K3_MLA_WG_DATA_ONLY) {
+      __syncthreads();
+      if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
+      continue;
+    }
+    // scores S^T = K Q^T: 36 k-steps of 16 columns (4 per 64-column box, +32 bytes each), into four
+    // accumulators in turn so that consecutive wgmma do not wait for each other
+    float s4[4][8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) s[e] = 0.f;
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s4[c][e] = 0.f;
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wg_mma<0>(s, wg_desc(stage + (kk >> 2) * WG_BOX + (kk & 3) * 32, 16, 1024),
-                wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024), kk > 0);
+      wg_mma<0>(s4[kk & 3], wg_desc(stage + (kk >> 2) * WG_BOX + (kk & 3) * 32, 16, 1024),
+                wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024), kk >= 4);
     wg_commit();
     wg_wait_all();
+    float s[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s[e] = (s4[0][e] + s4[1][e]) + (s4[2][e] + s4[3][e]);
     // this thread's rows: positions q0 = 16 warp + g and q0 + 8 of the tile; s[4 jn + e]: row q0, s[4 jn + 2 + e]: row q0 + 8
     const int q0 = 16 * warp + g;
     const bool in0 = q0 < valid, in1 = q0 + 8 < valid;
@@ -223,15 +242,14 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     // O^T += V^T P^T: value columns in 8 boxes of 64 (M-major A), positions in 4 k-steps of 16 rows
     wg_fence();
 #pragma unroll
-    for (int mb = 0; mb < 8; ++mb)
+    for (int ks = 0; ks < 4; ++ks)  // k-steps outside: consecutive wgmma update different accumulators
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
+      for (int mb = 0; mb < 8; ++mb)
         wg_mma<1>(o[mb], wg_desc(stage + mb * WG_BOX + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);
     wg_commit();
     wg_wait_all();
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
-    if (tid == 0 && j + WG_STAGES < ntiles)
-      wg_issue(&map, wg_row(a, b, start + (j + WG_STAGES) * WG_BN), stage, bars + 8 * st);
+    if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
   }
 
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps

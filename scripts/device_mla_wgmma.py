@@ -4,6 +4,7 @@ mla_padding study times (its inputs and rotation, graph replay), with the read f
 bytes (scripts/mla_read_probe.cu's ring reader, when built). Prints a table; writes $OUT/wgmma.json.
     OUT=dir PYTHONPATH=. python3 scripts/device_mla_wgmma.py
 """
+import ctypes
 import json
 import math
 import os
@@ -56,6 +57,10 @@ check_case("2 contiguous (3000, 1234)", [3000, 1234], paged=False)
 check_case("1 x 32768", [32768])
 check_case("1 x 8200, pages of 128", [8200], page=128)
 
+# the diagnostic build (K3_MLA_WG_DATA_ONLY: the same tile stream, no arithmetic), when built at this path
+diag_so = os.environ.get("WG_DIAG_SO", "/tmp/mla_diag.so")
+diag = mc.bind(ctypes.CDLL(diag_so)) if os.path.exists(diag_so) else None
+real_library = mc._library
 bw = env.PEAKS["H200"].bandwidth_tbs * 1e12
 rows = {}
 for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1, 131072), ("b8_8k", 8, 8192),
@@ -66,15 +71,19 @@ for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1
     sets = [first] + [st._make_set(case, 12, torch.bfloat16, seed=1000 + i)
                       for i in range(bench.rotation_count(nbytes, max_sets=64) - 1)]
     res = {}
-    for form in ("split", "wgmma"):
-        plans = [mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], form=form) for s in sets]
+    for form in ("split", "wgmma") + (("wgmma-data-only",) if diag is not None else ()):
+        if form == "wgmma-data-only":
+            mc._library = lambda: diag
+        plans = [mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], form=form.split("-")[0]) for s in sets]
         o, lse = plans[0]()
-        ro, rl = mla.reference(first["q"].float(), first["cache"].float(), lengths=first["lengths"])
-        bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
+        if form != "wgmma-data-only":
+            ro, rl = mla.reference(first["q"].float(), first["cache"].float(), lengths=first["lengths"])
+            bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
         t = bench.time_fn(lambda p: p(), rotate=[(p,) for p in plans], graph=True, warmup=10, repeats=60)
         res[form] = {"us": t.median_us, "p20": t.p20_us, "p80": t.p80_us, "splits": plans[0].num_splits,
                      "share": nbytes / bw / (t.median_us * 1e-6)}
-        print(f"{name:8s} {form:6s} {t.median_us:8.2f} us  {100 * res[form]['share']:5.1f}% of copy bw  "
+        mc._library = real_library
+        print(f"{name:8s} {form:15s} {t.median_us:8.2f} us  {100 * res[form]['share']:5.1f}% of copy bw  "
               f"splits {plans[0].num_splits}", flush=True)
     rows[name] = {"bytes": nbytes, "sets": len(sets), "floor_us": nbytes / bw * 1e6, "forms": res}
     del sets, first

@@ -41,6 +41,18 @@ for name, batch, ctx in (("ctx32k", 1, 32768), ("ctx128k", 1, 131072)):
                       for i in range(bench.rotation_count(nbytes, max_sets=64) - 1)]
     variants = {f: [(lambda p=mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], form=f): p())
                     for s in sets] for f in forms}
+    diag_so = os.environ.get("WG_DIAG_SO", "/tmp/mla_diag.so")  # K3_MLA_WG_DATA_ONLY build (device_mla_wgmma.py)
+    if os.path.exists(diag_so):
+        real, diag = mc._library, mc.bind(ctypes.CDLL(diag_so))
+        mc._library = lambda: diag  # plans made and called with the diagnostic build while this is set
+        dplans = [mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], form="wgmma") for s in sets]
+        mc._library = real
+
+        def with_diag(p):
+            mc._library = lambda: diag
+            p()
+            mc._library = real
+        variants["wgmma-data"] = [(lambda p=p: with_diag(p)) for p in dplans]
     if ring is not None:
         variants["ring"] = [(lambda s=s: ring(s)) for s in sets]
         variants["ring+tail"] = [(lambda s=s: ring(s, 192)) for s in sets]

@@ -17,9 +17,8 @@
 //   * each warp owns 16 positions of the tile: the softmax's max over the tile's positions is one
 //     shuffle tree and one 64-float exchange; the sums stay per thread until the end;
 //   * a tile arrives as 9 TMA boxes of 64 rows x 64 columns with the 128-byte swizzle (the layout
-//     wgmma expects), 72 KB, into a ring of 25 box slots (200 KB): a box can land in any slot, since
-//     each wgmma reads one box, so while a tile is computed 16 slots (1.8 tiles) stream, and a
-//     tile's slots are refilled as soon as its value product is done.
+//     wgmma expects), 72 KB; two stages: a tile is refilled as soon as its value product is done,
+//     so two tiles (144 KB) stream while the SM waits.
 // Rows past a request's length inside its last tile are loaded by the box and then zeroed in shared
 // memory before use (their scores are masked; zeros keep NaN in unused cache rows out of p V).
 // Needs tiles of 64 rows inside one page: contiguous caches, or pages of >= 64 rows.
@@ -31,20 +30,24 @@
 #ifndef K3_MLA_WG_DATA_ONLY
 #define K3_MLA_WG_DATA_ONLY 0
 #endif
+// Experiment: -DK3_MLA_WG_CPASYNC=1 fills the stages with 16-byte cp.async (every thread, rows in
+// order, swizzled destinations) instead of TMA boxes.
+#ifndef K3_MLA_WG_CPASYNC
+#define K3_MLA_WG_CPASYNC 0
+#endif
 
 namespace k3mla {
 
 constexpr int WG_BN = 64;                         // positions per tile
 constexpr int WG_BOX = 64 * 128;                  // one TMA box: 64 rows x 64 bf16 columns = 8 KB
 constexpr int WG_BOXES = D / 64;                  // 9 boxes per tile
-constexpr int WG_STAGE = WG_BOXES * WG_BOX;       // 73,728 bytes: one tile
-constexpr int WG_SLOTS = 25;                      // the ring: 25 box slots (2.8 tiles, 200 KB)
-constexpr int WG_TBARS = 3;                       // tiles pending at once (one computing, two arriving)
+constexpr int WG_STAGE = WG_BOXES * WG_BOX;       // 73,728 bytes
+constexpr int WG_STAGES = 2;
 constexpr int WG_QBOX = ROWS * 128;               // Q^T box: 16 heads x 64 columns = 2 KB
 constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes
 constexpr int WG_P = ROWS * 128;                  // P: 16 heads x 64 positions (bf16), one swizzled 128 B row each
 constexpr int WG_RED = 3 * 4 * ROWS * 4;          // two max exchanges and one sum exchange: [4 warps][16 heads] fp32
-constexpr int wg_smem_bytes() { return 1024 + WG_SLOTS * WG_BOX + WG_Q + WG_P + WG_RED + WG_TBARS * 8 + 4 * 4; }
+constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + WG_STAGES * 8; }
 
 #if defined(K3_MLA_SM90)
 // A shared-memory matrix descriptor with the 128-byte swizzle (PTX ISA, wgmma "matrix descriptor"):
@@ -90,19 +93,27 @@ K3_DEVICE int wg_row(const Args& a, int b, int pos) {
   return (int)((long long)b * rows_per + pos);
 }
 
-// Box n of the block's sequence (tile n / 9, columns 64 (n % 9) ..) lives in ring slot n % 25.
-K3_DEVICE uint32_t wg_slot(uint32_t ring, int n) { return ring + (uint32_t)(n % WG_SLOTS) * WG_BOX; }
+// Thread 0: tile at row `row` into `stage` (9 boxes), completing on `bar`.
+K3_DEVICE void wg_issue(const void* map, int row, uint32_t stage, uint32_t bar) {
+  mbar_expect_tx(bar, (uint32_t)WG_STAGE);
+#pragma unroll
+  for (int i = 0; i < WG_BOXES; ++i) tma_box(stage + i * WG_BOX, map, 64 * i, row, bar);
+}
 
-// Thread 0: issue boxes [issued, limit) (a box's slot is free once the tile that used it 25 boxes
-// earlier is done); a tile's first box announces the whole tile's bytes on its barrier, so the phase
-// cannot complete before its last box lands. rows[t % 4]: the first cache row of tile t.
-K3_DEVICE void wg_fill(const void* map, uint32_t ring, uint32_t bars, const int* rows, int& issued, int limit) {
-  for (; issued < limit; ++issued) {
-    const int t = issued / WG_BOXES, i = issued % WG_BOXES;
-    const uint32_t bar = bars + 8 * (t % WG_TBARS);
-    if (i == 0) mbar_expect_tx(bar, (uint32_t)WG_STAGE);
-    tma_box(wg_slot(ring, issued), map, 64 * i, rows[t & 3], bar);
+// Every thread: its 36 16-byte pieces of the tile whose first row is at element `row0` into `stage`
+// (row by row in memory order, each piece to its swizzled place), rows at or past `valid` zero-filled
+// (source size 0); one cp.async group.
+K3_DEVICE void wg_copy_tile(const Args& a, long long row0, int valid, uint32_t stage, int tid) {
+  const k3_bf16* src = a.kv + row0;
+#pragma unroll 4
+  for (int it = 0; it < WG_BN * (D / 8) / 128; ++it) {
+    const int v = it * 128 + tid, r = v / (D / 8), u = v % (D / 8);
+    const uint32_t dst = stage + (u >> 3) * WG_BOX + r * 128 + (((u & 7) ^ (r & 7)) << 4);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src + (long long)r * D + u * 8),
+                 "r"(r < valid ? 16 : 0)
+                 : "memory");
   }
+  asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 // The thread's heads in the accumulator layout (columns of S^T and O^T): 8 jn + 2 t4 + e, index 2 jn + e.
@@ -116,28 +127,31 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   const uint32_t raw = smem_u32(wg_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* gbase = wg_raw + (base - raw);
-  const uint32_t ring = base, qs = base + WG_SLOTS * WG_BOX, ps = qs + WG_Q;
-  float* red = reinterpret_cast<float*>(gbase + WG_SLOTS * WG_BOX + WG_Q + WG_P);  // [3][4][16]
+  const uint32_t stages = base, qs = base + WG_STAGES * WG_STAGE, ps = qs + WG_Q;
+  float* red = reinterpret_cast<float*>(gbase + WG_STAGES * WG_STAGE + WG_Q + WG_P);  // [3][4][16]
   const uint32_t bars = ps + WG_P + WG_RED;
-  int* rows = reinterpret_cast<int*>(gbase + WG_SLOTS * WG_BOX + WG_Q + WG_P + WG_RED + WG_TBARS * 8);  // thread 0's
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   launch_dependents();  // the merge may launch now; it waits for this grid
 
-  const int start = split * a.chunk;
-  int issued = 0;  // thread 0: boxes issued so far
-  if (tid == 0) {
-    asm volatile("prefetch.tensormap [%0];" ::"l"(&map) : "memory");
-    // the first three tiles' rows and the request's length in flight together (one round trip)
-    const int r0 = wg_row(a, b, start), r1 = wg_row(a, b, start + WG_BN), r2 = wg_row(a, b, start + 2 * WG_BN);
-    for (int s = 0; s < WG_TBARS; ++s) mbar_init(bars + 8 * s, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    rows[0] = r0, rows[1] = r1, rows[2] = r2;
-  }
   const int length = __ldg(a.lengths + b);
+  const int start = split * a.chunk;
   const int end = min(length, start + a.chunk);
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
-  if (tid == 0) wg_fill(&map, ring, bars, rows, issued, min(WG_BOXES * ntiles, WG_SLOTS));
+  if (tid == 0) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(&map) : "memory");
+    for (int s = 0; s < WG_STAGES; ++s) mbar_init(bars + 8 * s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    if (!K3_MLA_WG_CPASYNC)
+      for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
+        wg_issue(&map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
+  }
+  if (K3_MLA_WG_CPASYNC)  // one group per stage, empty past the piece's tiles (uniform group counting)
+    for (int i = 0; i < WG_STAGES; ++i) {
+      if (i < ntiles) wg_copy_tile(a, row_at(a, b, start + i * WG_BN), min(WG_BN, end - start - i * WG_BN),
+                                   stages + i * WG_STAGE, tid);
+      else asm volatile("cp.async.commit_group;" ::: "memory");
+    }
   // Q^T into shared memory as 9 swizzled boxes of [16 heads x 128 B]; heads past a.heads are zero
   {
     const k3_bf16* qb = a.q + (long long)b * a.q_sb;
@@ -163,27 +177,38 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   for (int c = 0; c < 4; ++c) m_run[c] = -INFINITY, l_run[c] = 0.f;
 
   for (int j = 0; j < ntiles; ++j) {
-    // tile j + 3's first row, read now (its latency hides behind this tile); the fill after this
-    // tile issues boxes of tiles up to j + 3
-    const int row3 = (tid == 0 && j + 3 < ntiles) ? wg_row(a, b, start + (j + 3) * WG_BN) : 0;
-    mbar_wait(bars + 8 * (j % WG_TBARS), (uint32_t)((j / WG_TBARS) & 1));
-    const int n0 = WG_BOXES * j;  // this tile's first box
+    const int st = j % WG_STAGES;
+    const uint32_t stage = stages + st * WG_STAGE;
+    // the row of the tile that will refill this stage, read now: its latency hides behind this tile
+    const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
+    const long long refill_elem = (K3_MLA_WG_CPASYNC && j + WG_STAGES < ntiles) ? row_at(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
+    if (K3_MLA_WG_CPASYNC) {  // this tile's group done (the next one may still be in flight), then visible to wgmma
+      asm volatile("cp.async.wait_group 1;" ::: "memory");
+      fence_async_smem();
+      __syncthreads();
+    } else {
+      mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
+    }
     const int pos0 = start + j * WG_BN;
     const int valid = min(WG_BN, end - pos0);
-    if (valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
+    if (!K3_MLA_WG_CPASYNC && valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
       const int units = WG_BOXES * (WG_BN - valid) * 8;
       for (int u = tid; u < units; u += 128) {
         const int box = u / ((WG_BN - valid) * 8), r = valid + (u / 8) % (WG_BN - valid), c = u & 7;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(wg_slot(ring, n0 + box) + r * 128 + c * 16), "r"(0)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(stage + box * WG_BOX + r * 128 + c * 16), "r"(0)
                      : "memory");
       }
       fence_async_smem();
       __syncthreads();
     }
-    if (tid == 0) rows[(j + 3) & 3] = row3;
     if (K3_MLA_WG_DATA_ONLY) {
       __syncthreads();
-      if (tid == 0) wg_fill(&map, ring, bars, rows, issued, min(WG_BOXES * ntiles, n0 + WG_BOXES + WG_SLOTS));
+      if (K3_MLA_WG_CPASYNC) {
+      if (j + WG_STAGES < ntiles) wg_copy_tile(a, refill_elem, min(WG_BN, end - pos0 - WG_STAGES * WG_BN), stage, tid);
+      else asm volatile("cp.async.commit_group;" ::: "memory");
+    } else if (tid == 0 && j + WG_STAGES < ntiles) {
+      wg_issue(&map, refill_row, stage, bars + 8 * st);
+    }
       continue;
     }
     // scores S^T = K Q^T: 36 k-steps of 16 columns (4 per 64-column box, +32 bytes each), into four
@@ -196,7 +221,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wg_mma<0>(s4[kk & 3], wg_desc(wg_slot(ring, n0 + (kk >> 2)) + (kk & 3) * 32, 16, 1024),
+      wg_mma<0>(s4[kk & 3], wg_desc(stage + (kk >> 2) * WG_BOX + (kk & 3) * 32, 16, 1024),
                 wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024), kk >= 4);
     wg_commit();
     wg_wait_all();
@@ -260,11 +285,16 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     for (int ks = 0; ks < 4; ++ks)  // k-steps outside: consecutive wgmma update different accumulators
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb)
-        wg_mma<1>(o[mb], wg_desc(wg_slot(ring, n0 + mb) + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);
+        wg_mma<1>(o[mb], wg_desc(stage + mb * WG_BOX + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);
     wg_commit();
     wg_wait_all();
-    __syncthreads();  // every warp is done with this tile's slots and with P: refill the slots
-    if (tid == 0) wg_fill(&map, ring, bars, rows, issued, min(WG_BOXES * ntiles, n0 + WG_BOXES + WG_SLOTS));
+    __syncthreads();  // every warp is done with this stage and with P: refill the stage
+    if (K3_MLA_WG_CPASYNC) {
+      if (j + WG_STAGES < ntiles) wg_copy_tile(a, refill_elem, min(WG_BN, end - pos0 - WG_STAGES * WG_BN), stage, tid);
+      else asm volatile("cp.async.commit_group;" ::: "memory");
+    } else if (tid == 0 && j + WG_STAGES < ntiles) {
+      wg_issue(&map, refill_row, stage, bars + 8 * st);
+    }
   }
 
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps

@@ -57,10 +57,23 @@ check_case("2 contiguous (3000, 1234)", [3000, 1234], paged=False)
 check_case("1 x 32768", [32768])
 check_case("1 x 8200, pages of 128", [8200], page=128)
 
-# the diagnostic build (K3_MLA_WG_DATA_ONLY: the same tile stream, no arithmetic), when built at this path
-diag_so = os.environ.get("WG_DIAG_SO", "/tmp/mla_diag.so")
-diag = mc.bind(ctypes.CDLL(diag_so)) if os.path.exists(diag_so) else None
+# other builds of kernels/mla_decode.cu (each with its own -Dk3mla=... namespace), as label:path in
+# WG_VARIANTS, e.g. data-only:/tmp/mla_diag.so (K3_MLA_WG_DATA_ONLY: the same tile stream, no
+# arithmetic; outputs not checked) or cp:/tmp/mla_cp.so (K3_MLA_WG_CPASYNC; checked like the default)
+builds = {}
+for item in filter(None, os.environ.get("WG_VARIANTS", "").split(",")):
+    label, path = item.split(":", 1)
+    if os.path.exists(path):
+        builds[label] = mc.bind(ctypes.CDLL(path))
 real_library = mc._library
+for label, lib in builds.items():
+    if label != "data-only":
+        mc._library = lambda lib=lib: lib
+        print(f"build {label}:", flush=True)
+        check_case(f"{label}: 3 ragged (5000, 77, 2048)", [5000, 77, 2048])
+        check_case(f"{label}: 1 x 4133, 16 heads", [4133], heads=16)
+        check_case(f"{label}: 2 contiguous (3000, 1234)", [3000, 1234], paged=False)
+        mc._library = real_library
 bw = env.PEAKS["H200"].bandwidth_tbs * 1e12
 rows = {}
 for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1, 131072), ("b8_8k", 8, 8192),
@@ -71,10 +84,11 @@ for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1
     sets = [first] + [st._make_set(case, 12, torch.bfloat16, seed=1000 + i)
                       for i in range(bench.rotation_count(nbytes, max_sets=64) - 1)]
     res = {}
-    for form in ("split", "wgmma") + (("wgmma-data-only",) if diag is not None else ()):
-        if form == "wgmma-data-only":
-            mc._library = lambda: diag
-        plans = [mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], form=form.split("-")[0]) for s in sets]
+    for form in ("split", "wgmma") + tuple(f"wgmma-{k}" for k in builds):
+        if form.startswith("wgmma-"):
+            mc._library = lambda lib=builds[form[6:]]: lib
+        plans = [mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], form="wgmma" if "wgmma" in form else form)
+                 for s in sets]
         o, lse = plans[0]()
         if form != "wgmma-data-only":
             ro, rl = mla.reference(first["q"].float(), first["cache"].float(), lengths=first["lengths"])

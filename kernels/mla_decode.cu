@@ -911,68 +911,21 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// the merge: one block per (request, head) and MERGE_COLS value columns; lse-weighted sum of pieces.
-// 128 threads = 16 split groups x 8 float4 column groups.
+// the merge kernel: grid (B * heads, 512 / MERGE_COLS); its blocks share the (request, head, column
+// group) units as the fused form's blocks do (merge_share: each thread keeps MERGE_BATCH pieces' lse
+// and partial loads in flight together, one L2 round trip where the first merge kernel took two: a
+// pass for the maximum, then one for the weighted sum).
 __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
 #if defined(K3_MLA_SM90)
   wait_prerequisites();  // launched early (programmatic dependent launch): the partials are complete now
 #endif
   const unsigned long long t_begin = a.probe != nullptr ? now_ns() : 0ull;
-  __shared__ float red_m[MERGE_THREADS / 32];
-  __shared__ float4 red_o[MERGE_THREADS];
-  __shared__ float red_d[MERGE_THREADS / 8];
-  const int row = blockIdx.x;  // b * heads + h
-  const int b = row / a.heads, h = row % a.heads;
-  const int tid = threadIdx.x, sg = tid >> 3, cq = tid & 7;
-  const float* lse = a.part_lse + (long long)row * a.splits;
-  float m = -INFINITY;
-  for (int s = tid; s < a.splits; s += MERGE_THREADS) m = fmaxf(m, lse[s]);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, k3_shfl_xor(m, off));
-  if ((tid & 31) == 0) red_m[tid >> 5] = m;
-  __syncthreads();
-  m = fmaxf(fmaxf(red_m[0], red_m[1]), fmaxf(red_m[2], red_m[3]));
-  const float mu = m == -INFINITY ? 0.f : m;
-  const int col = blockIdx.y * MERGE_COLS + cq * 4;
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-  float den = 0.f;
-  const float* part = a.part_o + (long long)row * a.splits * DV + col;
-#pragma unroll 8  // independent loads in flight together: one L2 round trip for 8 pieces, not 8
-  for (int s = sg; s < a.splits; s += MERGE_THREADS / 8) {
-    const float w = exp2f(lse[s] - mu);
-    const float4 v = *reinterpret_cast<const float4*>(part + (long long)s * DV);
-    den += w;
-    o.x += w * v.x;
-    o.y += w * v.y;
-    o.z += w * v.z;
-    o.w += w * v.w;
-  }
-  red_o[tid] = o;
-  if (cq == 0) red_d[sg] = den;
-  __syncthreads();
-  if (tid < 8) {
-    float4 t = red_o[tid];
-    float d = red_d[0];
-    for (int i = 1; i < MERGE_THREADS / 8; ++i) {
-      const float4 v = red_o[i * 8 + tid];
-      t.x += v.x;
-      t.y += v.y;
-      t.z += v.z;
-      t.w += v.w;
-      d += red_d[i];
-    }
-    const float r = d > 0.f ? 1.f / d : 0.f;
-    k3_bf16* out = a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + blockIdx.y * MERGE_COLS + tid * 4;
-    const uint32_t lo = (uint32_t)k3_f32_to_bf16(t.x * r) | ((uint32_t)k3_f32_to_bf16(t.y * r) << 16);
-    const uint32_t hi = (uint32_t)k3_f32_to_bf16(t.z * r) | ((uint32_t)k3_f32_to_bf16(t.w * r) << 16);
-    *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
-    if (blockIdx.y == 0 && tid == 0)
-      a.lse[(long long)b * a.l_sb + h] = d > 0.f ? (mu + __log2f(d)) * 0.6931471805599453f : -INFINITY;
-    if (a.probe != nullptr && tid == 0) {
-      unsigned long long* p = a.probe + (long long)a.B * a.splits * 8 + ((long long)row * gridDim.y + blockIdx.y) * 2;
-      p[0] = t_begin;
-      p[1] = now_ns();
-    }
+  __shared__ __align__(16) unsigned char red[MERGE_THREADS * (sizeof(float4) + sizeof(float2))];
+  merge_share<MERGE_THREADS>(a, red, blockIdx.y * gridDim.x + blockIdx.x, gridDim.x * gridDim.y, threadIdx.x);
+  if (a.probe != nullptr && threadIdx.x == 0) {
+    unsigned long long* p = a.probe + (long long)a.B * a.splits * 8 + ((long long)blockIdx.x * gridDim.y + blockIdx.y) * 2;
+    p[0] = t_begin;
+    p[1] = now_ns();
   }
 }
 

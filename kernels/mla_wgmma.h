@@ -30,11 +30,18 @@
 #ifndef K3_MLA_WG_DATA_ONLY
 #define K3_MLA_WG_DATA_ONLY 0
 #endif
-// Experiment: -DK3_MLA_WG_CPASYNC=1 fills the stages with 16-byte cp.async (every thread, rows in
-// order, swizzled destinations) instead of TMA boxes.
-#ifndef K3_MLA_WG_CPASYNC
-#define K3_MLA_WG_CPASYNC 0
+// More diagnostic switches (each 0 in the library): skip loading Q (NO_Q), skip storing the piece
+// (NO_STORE), let the merge launch only at the end (LATE_PDL).
+#ifndef K3_MLA_WG_NO_Q
+#define K3_MLA_WG_NO_Q 0
 #endif
+#ifndef K3_MLA_WG_NO_STORE
+#define K3_MLA_WG_NO_STORE 0
+#endif
+#ifndef K3_MLA_WG_LATE_PDL
+#define K3_MLA_WG_LATE_PDL 0
+#endif
+
 
 namespace k3mla {
 
@@ -100,22 +107,6 @@ K3_DEVICE void wg_issue(const void* map, int row, uint32_t stage, uint32_t bar) 
   for (int i = 0; i < WG_BOXES; ++i) tma_box(stage + i * WG_BOX, map, 64 * i, row, bar);
 }
 
-// Every thread: its 36 16-byte pieces of the tile whose first row is at element `row0` into `stage`
-// (row by row in memory order, each piece to its swizzled place), rows at or past `valid` zero-filled
-// (source size 0); one cp.async group.
-K3_DEVICE void wg_copy_tile(const Args& a, long long row0, int valid, uint32_t stage, int tid) {
-  const k3_bf16* src = a.kv + row0;
-#pragma unroll 4
-  for (int it = 0; it < WG_BN * (D / 8) / 128; ++it) {
-    const int v = it * 128 + tid, r = v / (D / 8), u = v % (D / 8);
-    const uint32_t dst = stage + (u >> 3) * WG_BOX + r * 128 + (((u & 7) ^ (r & 7)) << 4);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src + (long long)r * D + u * 8),
-                 "r"(r < valid ? 16 : 0)
-                 : "memory");
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
 // The thread's heads in the accumulator layout (columns of S^T and O^T): 8 jn + 2 t4 + e, index 2 jn + e.
 K3_DEVICE int wg_head(int c, int t4) { return 8 * (c >> 1) + 2 * t4 + (c & 1); }
 #endif
@@ -132,7 +123,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   const uint32_t bars = ps + WG_P + WG_RED;
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  launch_dependents();  // the merge may launch now; it waits for this grid
+  if (!K3_MLA_WG_LATE_PDL) launch_dependents();  // the merge may launch now; it waits for this grid
 
   const int length = __ldg(a.lengths + b);
   const int start = split * a.chunk;
@@ -142,18 +133,11 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     asm volatile("prefetch.tensormap [%0];" ::"l"(&map) : "memory");
     for (int s = 0; s < WG_STAGES; ++s) mbar_init(bars + 8 * s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    if (!K3_MLA_WG_CPASYNC)
-      for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
-        wg_issue(&map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
+    for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
+      wg_issue(&map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
-  if (K3_MLA_WG_CPASYNC)  // one group per stage, empty past the piece's tiles (uniform group counting)
-    for (int i = 0; i < WG_STAGES; ++i) {
-      if (i < ntiles) wg_copy_tile(a, row_at(a, b, start + i * WG_BN), min(WG_BN, end - start - i * WG_BN),
-                                   stages + i * WG_STAGE, tid);
-      else asm volatile("cp.async.commit_group;" ::: "memory");
-    }
   // Q^T into shared memory as 9 swizzled boxes of [16 heads x 128 B]; heads past a.heads are zero
-  {
+  if (!K3_MLA_WG_NO_Q) {
     const k3_bf16* qb = a.q + (long long)b * a.q_sb;
     for (int i = tid; i < ROWS * (D / 8); i += 128) {
       const int h = i / (D / 8), cu = i % (D / 8);  // head, 16-byte unit of its row
@@ -181,17 +165,10 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     const uint32_t stage = stages + st * WG_STAGE;
     // the row of the tile that will refill this stage, read now: its latency hides behind this tile
     const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
-    const long long refill_elem = (K3_MLA_WG_CPASYNC && j + WG_STAGES < ntiles) ? row_at(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
-    if (K3_MLA_WG_CPASYNC) {  // this tile's group done (the next one may still be in flight), then visible to wgmma
-      asm volatile("cp.async.wait_group 1;" ::: "memory");
-      fence_async_smem();
-      __syncthreads();
-    } else {
-      mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
-    }
+    mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
     const int pos0 = start + j * WG_BN;
     const int valid = min(WG_BN, end - pos0);
-    if (!K3_MLA_WG_CPASYNC && valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
+    if (valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
       const int units = WG_BOXES * (WG_BN - valid) * 8;
       for (int u = tid; u < units; u += 128) {
         const int box = u / ((WG_BN - valid) * 8), r = valid + (u / 8) % (WG_BN - valid), c = u & 7;
@@ -203,12 +180,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     }
     if (K3_MLA_WG_DATA_ONLY) {
       __syncthreads();
-      if (K3_MLA_WG_CPASYNC) {
-      if (j + WG_STAGES < ntiles) wg_copy_tile(a, refill_elem, min(WG_BN, end - pos0 - WG_STAGES * WG_BN), stage, tid);
-      else asm volatile("cp.async.commit_group;" ::: "memory");
-    } else if (tid == 0 && j + WG_STAGES < ntiles) {
-      wg_issue(&map, refill_row, stage, bars + 8 * st);
-    }
+      if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
       continue;
     }
     // scores S^T = K Q^T: 36 k-steps of 16 columns (4 per 64-column box, +32 bytes each), into four
@@ -289,14 +261,11 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_commit();
     wg_wait_all();
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
-    if (K3_MLA_WG_CPASYNC) {
-      if (j + WG_STAGES < ntiles) wg_copy_tile(a, refill_elem, min(WG_BN, end - pos0 - WG_STAGES * WG_BN), stage, tid);
-      else asm volatile("cp.async.commit_group;" ::: "memory");
-    } else if (tid == 0 && j + WG_STAGES < ntiles) {
-      wg_issue(&map, refill_row, stage, bars + 8 * st);
-    }
+    if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
   }
 
+  if (K3_MLA_WG_LATE_PDL) launch_dependents();
+  if (K3_MLA_WG_NO_STORE) return;
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps
   float* rs = red + 2 * (4 * ROWS);
 #pragma unroll

@@ -56,6 +56,9 @@ def _paged(page=64, L=96, lengths=(96,)):
     ("stages6", "stages"),
     ("warps16", "warps"),
     ("form_bad", "form"),
+    ("wgmma_page32", "pages .* of >= 64"),
+    ("wgmma_pool_gaps", "tensor map of rows"),
+    ("wgmma_q_misaligned", "16-byte"),
     ("merge_bad", "merge"),
     ("scale_negative", "scale"),
     ("too_long", "longer"),
@@ -92,6 +95,16 @@ def test_bad_arguments_are_refused_by_name(case, match):
     elif case == "warps16":
         kw["warps"] = 16
     elif case == "form_bad":
+        kw["form"] = "wgmma2"
+    elif case == "wgmma_page32":
+        q, cache, kw["block_table"], lengths = _paged(page=32)
+        kw["form"] = "wgmma"
+    elif case == "wgmma_pool_gaps":  # pages that do not follow each other in memory
+        q, pool, kw["block_table"], lengths = _paged()
+        cache = torch.zeros(pool.shape[0], 2 * 64, 576, dtype=torch.bfloat16)[:, :64]
+        kw["form"] = "wgmma"
+    elif case == "wgmma_q_misaligned":
+        q = torch.zeros(1, 1, 12, 580, dtype=torch.bfloat16)[..., :576]  # head stride 580: pairs, not 16 bytes
         kw["form"] = "wgmma"
     elif case == "merge_bad":
         kw["merge"] = "atomic"
@@ -139,6 +152,12 @@ def test_pieces_fill_the_units_once_in_whole_tiles():
         mc.choose_splits(1, 1024, 132, num_splits=0)
     with pytest.raises(ValueError, match="compute_units"):
         mc.choose_splits(1, 1024, 0)
+    # form 'wgmma': tiles of 64 rows
+    assert mc.choose_splits(1, 32768, 132, block_n=mc.WG_BLOCK_N) == (128, 256)  # 4 tiles of 64 rows
+    assert mc.choose_splits(1, 1024, 132, block_n=mc.WG_BLOCK_N) == (16, 64)
+    assert mc.choose_splits(1, 100, 132, block_n=mc.WG_BLOCK_N) == (2, 64)
+    with pytest.raises(ValueError, match="block_n"):
+        mc.choose_splits(1, 1024, 132, block_n=0)
 
 
 def test_merge_path_rule():
@@ -182,6 +201,8 @@ def test_merge_choice_from_argument_environment_and_default(monkeypatch):
 
 def test_shared_memory_fits_one_block_per_h200_sm():
     assert mc.smem_bytes(5) <= 232448 < 2 * mc.smem_bytes(3)  # the H200's opt-in limit per block
+    # form 'wgmma': two 72 KB tiles, Q^T 18 KB, P 2 KB, exchanges, barriers and 1 KB of alignment slack
+    assert mc.wg_smem_bytes() == 1024 + 2 * 73728 + 18432 + 2048 + 768 + 16 <= 232448
     with pytest.raises(ValueError, match="stages"):
         mc.smem_bytes(2)
 
@@ -200,6 +221,7 @@ def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
     assert sorted(i for i in inst if i[2:] != (0, 0)) == [(mc.FUSED_STAGES, mc.FUSED_WARPS, 0, 1), (5, 4, 1, 0)]
     assert sum("team_kernel" in k for k in kernels) == 2  # and the team kernel, with and without the probe
     assert any("merge_kernel" in k for k in kernels)
+    assert sum("wg_kernel" in k for k in kernels) == 1  # form 'wgmma'
     spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", report)]
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert spills and all(s == 0 for s in spills), report[-2000:]
@@ -213,6 +235,10 @@ def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
     args = mc.Args()
     args.B, args.heads, args.splits, args.chunk, args.page_shift = 1, 12, 4, 32, 6
     assert lib.k3_mla_decode_fused(ctypes.byref(args), 1 << 18, None) == -4
+    # form 'wgmma' refuses pieces that are not whole 64-row tiles, and pages under 64 rows (-4)
+    assert lib.k3_mla_wg_smem() == mc.wg_smem_bytes()
+    map128 = (ctypes.c_ubyte * 128)()
+    assert lib.k3_mla_decode_wg(ctypes.byref(args), ctypes.addressof(map128), 1, 1 << 18, None) == -4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,7 +283,7 @@ def _check(o, lse, q, ref_cache, lens, H):
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
-@pytest.mark.parametrize("form,warps", [("team", 4), ("split", 4), ("split", 8)])
+@pytest.mark.parametrize("form,warps", [("team", 4), ("split", 4), ("split", 8), ("wgmma", 4)])
 @pytest.mark.parametrize("lengths,H,splits,stages", [
     ((1,), 12, None, 5),
     ((31,), 12, None, 5),
@@ -311,6 +337,10 @@ def test_on_the_gpu_the_timeline_probe_is_ordered_and_changes_nothing(form):
     q, kern, ref, lens, bt = _ragged(1, 9000, (9000,), 12, True, seed=9, nan_tail=False)
     p0 = mc.plan(q, kern, lens, block_table=bt, form=form)
     probe = torch.zeros(mc.probe_size(1, 12, p0.num_splits), dtype=torch.int64, device="cuda")
+    if form == "wgmma":  # compiled for the team and 5-stage split kernels only
+        with pytest.raises(ValueError, match="probe"):
+            mc.plan(q, kern, lens, block_table=bt, form=form, probe=probe)
+        return
     o, lse = mc.plan(q, kern, lens, block_table=bt, form=form, probe=probe)()
     torch.cuda.synchronize()
     _check(o, lse, q, ref, lens, 12)

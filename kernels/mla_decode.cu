@@ -911,21 +911,68 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// the merge kernel: grid (B * heads, 512 / MERGE_COLS); its blocks share the (request, head, column
-// group) units as the fused form's blocks do (merge_share: each thread keeps MERGE_BATCH pieces' lse
-// and partial loads in flight together, one L2 round trip where the first merge kernel took two: a
-// pass for the maximum, then one for the weighted sum).
+// the merge: one block per (request, head) and MERGE_COLS value columns; lse-weighted sum of pieces.
+// 128 threads = 16 split groups x 8 float4 column groups.
 __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
 #if defined(K3_MLA_SM90)
   wait_prerequisites();  // launched early (programmatic dependent launch): the partials are complete now
 #endif
   const unsigned long long t_begin = a.probe != nullptr ? now_ns() : 0ull;
-  __shared__ __align__(16) unsigned char red[MERGE_THREADS * (sizeof(float4) + sizeof(float2))];
-  merge_share<MERGE_THREADS>(a, red, blockIdx.y * gridDim.x + blockIdx.x, gridDim.x * gridDim.y, threadIdx.x);
-  if (a.probe != nullptr && threadIdx.x == 0) {
-    unsigned long long* p = a.probe + (long long)a.B * a.splits * 8 + ((long long)blockIdx.x * gridDim.y + blockIdx.y) * 2;
-    p[0] = t_begin;
-    p[1] = now_ns();
+  __shared__ float red_m[MERGE_THREADS / 32];
+  __shared__ float4 red_o[MERGE_THREADS];
+  __shared__ float red_d[MERGE_THREADS / 8];
+  const int row = blockIdx.x;  // b * heads + h
+  const int b = row / a.heads, h = row % a.heads;
+  const int tid = threadIdx.x, sg = tid >> 3, cq = tid & 7;
+  const float* lse = a.part_lse + (long long)row * a.splits;
+  float m = -INFINITY;
+  for (int s = tid; s < a.splits; s += MERGE_THREADS) m = fmaxf(m, lse[s]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, k3_shfl_xor(m, off));
+  if ((tid & 31) == 0) red_m[tid >> 5] = m;
+  __syncthreads();
+  m = fmaxf(fmaxf(red_m[0], red_m[1]), fmaxf(red_m[2], red_m[3]));
+  const float mu = m == -INFINITY ? 0.f : m;
+  const int col = blockIdx.y * MERGE_COLS + cq * 4;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  float den = 0.f;
+  const float* part = a.part_o + (long long)row * a.splits * DV + col;
+#pragma unroll 8  // independent loads in flight together: one L2 round trip for 8 pieces, not 8
+  for (int s = sg; s < a.splits; s += MERGE_THREADS / 8) {
+    const float w = exp2f(lse[s] - mu);
+    const float4 v = *reinterpret_cast<const float4*>(part + (long long)s * DV);
+    den += w;
+    o.x += w * v.x;
+    o.y += w * v.y;
+    o.z += w * v.z;
+    o.w += w * v.w;
+  }
+  red_o[tid] = o;
+  if (cq == 0) red_d[sg] = den;
+  __syncthreads();
+  if (tid < 8) {
+    float4 t = red_o[tid];
+    float d = red_d[0];
+    for (int i = 1; i < MERGE_THREADS / 8; ++i) {
+      const float4 v = red_o[i * 8 + tid];
+      t.x += v.x;
+      t.y += v.y;
+      t.z += v.z;
+      t.w += v.w;
+      d += red_d[i];
+    }
+    const float r = d > 0.f ? 1.f / d : 0.f;
+    k3_bf16* out = a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + blockIdx.y * MERGE_COLS + tid * 4;
+    const uint32_t lo = (uint32_t)k3_f32_to_bf16(t.x * r) | ((uint32_t)k3_f32_to_bf16(t.y * r) << 16);
+    const uint32_t hi = (uint32_t)k3_f32_to_bf16(t.z * r) | ((uint32_t)k3_f32_to_bf16(t.w * r) << 16);
+    *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
+    if (blockIdx.y == 0 && tid == 0)
+      a.lse[(long long)b * a.l_sb + h] = d > 0.f ? (mu + __log2f(d)) * 0.6931471805599453f : -INFINITY;
+    if (a.probe != nullptr && tid == 0) {
+      unsigned long long* p = a.probe + (long long)a.B * a.splits * 8 + ((long long)row * gridDim.y + blockIdx.y) * 2;
+      p[0] = t_begin;
+      p[1] = now_ns();
+    }
   }
 }
 
@@ -1048,8 +1095,8 @@ K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int warps, int 
   return (int)cudaGetLastError();
 }
 
-// Form 'wgmma' (kernels/mla_wgmma.h): its shared memory, its tensor map of a cache's rows (written
-// into the caller's 128-byte buffer, once per plan), and one decode step with it (the merge as in
+// Form 'wgmma' (kernels/mla_wgmma.h): its shared memory, its tensor maps of a cache's rows and of the
+// queries (each written into the caller's 128-byte buffer, once per plan), and one decode step with it (the merge as in
 // k3_mla_decode). Same return codes, and -6: the driver's tensor-map encoder is unavailable,
 // <= -1000: the encoder refused the map.
 K3_EXPORT int k3_mla_wg_smem() { return k3mla::wg_smem_bytes(); }
@@ -1059,23 +1106,30 @@ K3_EXPORT int k3_mla_wg_map(void* map, const void* base, long long rows) {
   return k3mla::wg_make_map(reinterpret_cast<CUtensorMap*>(map), base, rows);
 }
 
+K3_EXPORT int k3_mla_wg_qmap(void* map, const void* q, int heads, int batch, long long q_sh, long long q_sb) {
+  if (map == nullptr || q == nullptr || heads < 1 || heads > k3mla::ROWS || batch < 1 || q_sh % 8 || q_sb % 8) return -4;
+  return k3mla::wg_make_qmap(reinterpret_cast<CUtensorMap*>(map), q, heads, batch, q_sh, q_sb);
+}
+
 K3_EXPORT int k3_mla_wg_regs() {
   cudaFuncAttributes attr;
   const cudaError_t e = cudaFuncGetAttributes(&attr, k3mla::wg_kernel);
   return e == cudaSuccess ? attr.numRegs : -(int)e;
 }
 
-K3_EXPORT int k3_mla_decode_wg(const k3mla::Args* args, const void* map, int pdl, int max_shared, void* stream) {
+K3_EXPORT int k3_mla_decode_wg(const k3mla::Args* args, const void* map, const void* qmap, int pdl, int max_shared,
+                               void* stream) {
   const k3mla::Args& a = *args;
-  if (map == nullptr || a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 1 ||
+  if (map == nullptr || qmap == nullptr || a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 1 ||
       a.splits > 65535 || a.chunk < k3mla::WG_BN || a.chunk % k3mla::WG_BN != 0 ||
       (a.block_table != nullptr && (a.max_pages < 1 || a.page_shift < 6 || a.page_shift > 30)) ||
       a.kv_sp % k3mla::D != 0)
     return -4;
-  CUtensorMap m;
+  CUtensorMap m, qm;
   memcpy(&m, map, sizeof(m));
+  memcpy(&qm, qmap, sizeof(qm));
   cudaStream_t st = (cudaStream_t)stream;
-  const int rc = k3mla::launch_wg(a, m, max_shared, st);
+  const int rc = k3mla::launch_wg(a, m, qm, max_shared, st);
   if (rc != 0 || a.splits == 1) return rc;
   dim3 grid(a.B * a.heads, k3mla::DV / k3mla::MERGE_COLS);
   if (pdl) return (int)k3_launch_pdl(k3mla::merge_kernel, grid, dim3(k3mla::MERGE_THREADS), 0, st, a);
@@ -1177,6 +1231,9 @@ K3_EXPORT int k3_mla_fused_regs() { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_wg_smem() { return -1; }
 K3_EXPORT int k3_mla_wg_map(void*, const void*, long long) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_wg_regs() { return K3_MLA_UNSUPPORTED; }
-K3_EXPORT int k3_mla_decode_wg(const k3mla::Args*, const void*, int, int, int, void*) { return K3_MLA_UNSUPPORTED; }
+K3_EXPORT int k3_mla_wg_qmap(void*, const void*, int, int, long long, long long) { return K3_MLA_UNSUPPORTED; }
+K3_EXPORT int k3_mla_decode_wg(const k3mla::Args*, const void*, const void*, int, int, int, void*) {
+  return K3_MLA_UNSUPPORTED;
+}
 
 #endif

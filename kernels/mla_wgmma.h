@@ -30,11 +30,8 @@
 #ifndef K3_MLA_WG_DATA_ONLY
 #define K3_MLA_WG_DATA_ONLY 0
 #endif
-// More diagnostic switches (each 0 in the library): skip loading Q (NO_Q), skip storing the piece
-// (NO_STORE), let the merge launch only at the end (LATE_PDL).
-#ifndef K3_MLA_WG_NO_Q
-#define K3_MLA_WG_NO_Q 0
-#endif
+// More diagnostic switches (each 0 in the library): skip storing the piece (NO_STORE), let the merge
+// launch only at the end (LATE_PDL).
 #ifndef K3_MLA_WG_NO_STORE
 #define K3_MLA_WG_NO_STORE 0
 #endif
@@ -54,7 +51,9 @@ constexpr int WG_QBOX = ROWS * 128;               // Q^T box: 16 heads x 64 colu
 constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes
 constexpr int WG_P = ROWS * 128;                  // P: 16 heads x 64 positions (bf16), one swizzled 128 B row each
 constexpr int WG_RED = 3 * 4 * ROWS * 4;          // two max exchanges and one sum exchange: [4 warps][16 heads] fp32
-constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + WG_STAGES * 8; }
+constexpr int WG_OPITCH = DV + 4;               // the finished piece staged in shared memory: [16 heads][516] fp32
+constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + (WG_STAGES + 1) * 8; }
+static_assert(ROWS * WG_OPITCH * 4 <= WG_STAGES * WG_STAGE, "the piece is staged in the free ring");
 
 #if defined(K3_MLA_SM90)
 // A shared-memory matrix descriptor with the 128-byte swizzle (PTX ISA, wgmma "matrix descriptor"):
@@ -111,7 +110,8 @@ K3_DEVICE void wg_issue(const void* map, int row, uint32_t stage, uint32_t bar) 
 K3_DEVICE int wg_head(int c, int t4) { return 8 * (c >> 1) + 2 * t4 + (c & 1); }
 #endif
 
-__global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_constant__ CUtensorMap map) {
+__global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_constant__ CUtensorMap map,
+                                                   const __grid_constant__ CUtensorMap qmap) {
   extern __shared__ unsigned char wg_raw[];
 #if defined(K3_MLA_SM90)
   // 1024-byte aligned base: the 128-byte swizzle pattern is a function of the address bits
@@ -129,27 +129,26 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   const int start = split * a.chunk;
   const int end = min(length, start + a.chunk);
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
+  const uint32_t qbar = bars + 8 * WG_STAGES;
   if (tid == 0) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(&map) : "memory");
-    for (int s = 0; s < WG_STAGES; ++s) mbar_init(bars + 8 * s, 1);
+    for (int s = 0; s <= WG_STAGES; ++s) mbar_init(bars + 8 * s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    // Q^T by the copy engine too: 9 boxes of [16 heads x 64 columns], swizzled; heads past a.heads lie
+    // outside the map and arrive as zeros (the padding). Every block reads the same 18 KB: 16-byte
+    // loads from 128 threads of every SM cost ~1.2 us here (H200, data-only build), the boxes do not.
+    mbar_expect_tx(qbar, (uint32_t)WG_Q);
+#pragma unroll
+    for (int i = 0; i < WG_BOXES; ++i)
+      asm volatile(
+          "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(
+              qs + i * WG_QBOX),
+          "l"(&qmap), "r"(64 * i), "r"(0), "r"(b), "r"(qbar)
+          : "memory");
     for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
       wg_issue(&map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
-  // Q^T into shared memory as 9 swizzled boxes of [16 heads x 128 B]; heads past a.heads are zero
-  if (!K3_MLA_WG_NO_Q) {
-    const k3_bf16* qb = a.q + (long long)b * a.q_sb;
-    for (int i = tid; i < ROWS * (D / 8); i += 128) {
-      const int h = i / (D / 8), cu = i % (D / 8);  // head, 16-byte unit of its row
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (h < a.heads) v = __ldg(reinterpret_cast<const uint4*>(qb + (long long)h * a.q_sh + cu * 8));
-      const uint32_t dst = qs + (cu >> 3) * WG_QBOX + h * 128 + (((cu & 7) ^ (h & 7)) << 4);
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                   : "memory");
-    }
-  }
-  fence_async_smem();
-  __syncthreads();
+  mbar_wait(qbar, 0);
 
   float o[8][8];  // O^T: value columns 64 mb + 16 warp + g (+8) x this thread's 4 heads
 #pragma unroll
@@ -266,6 +265,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
 
   if (K3_MLA_WG_LATE_PDL) launch_dependents();
   if (K3_MLA_WG_NO_STORE) return;
+  __syncthreads();  // every warp is done with the ring before it holds the finished piece
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps
   float* rs = red + 2 * (4 * ROWS);
 #pragma unroll
@@ -278,33 +278,37 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     for (int c = 0; c < 4; ++c) rs[warp * ROWS + wg_head(c, t4)] = l_run[c];
   }
   __syncthreads();
+  // the normalised piece through shared memory (the ring is free now: every tile was consumed), so
+  // that the global stores are whole 16-byte pieces of each head's 2 KB row
+  float* ob = reinterpret_cast<float*>(gbase);  // [16 heads][WG_OPITCH]: t4's heads fall in 4 bank groups
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const int h = wg_head(c, t4);
-    if (h >= a.heads) continue;
     const float l = rs[h] + rs[ROWS + h] + rs[2 * ROWS + h] + rs[3 * ROWS + h];
     const float r = l > 0.f ? 1.f / l : 0.f;
-    const float ls = l > 0.f ? m_run[c] + __log2f(l) : -INFINITY;
     const int i = 4 * (c >> 1) + (c & 1);
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb) {
+      const int col = 64 * mb + 16 * warp + g;
+      ob[h * WG_OPITCH + col] = o[mb][i] * r;
+      ob[h * WG_OPITCH + col + 8] = o[mb][i + 2] * r;
+    }
+    if (warp == 0 && g == 0 && h < a.heads) {
+      const float ls = l > 0.f ? m_run[c] + __log2f(l) : -INFINITY;
+      if (a.splits == 1) a.lse[(long long)b * a.l_sb + h] = ls * 0.6931471805599453f;
+      else a.part_lse[((long long)b * a.heads + h) * a.splits + split] = ls;
+    }
+  }
+  __syncthreads();
+  for (int v = tid; v < a.heads * (DV / 4); v += 128) {
+    const int h = v / (DV / 4), k = v % (DV / 4);
+    const float4 x = *reinterpret_cast<const float4*>(ob + h * WG_OPITCH + 4 * k);
     if (a.splits == 1) {
-      k3_bf16* out = a.out + (long long)b * a.o_sb + (long long)h * a.o_sh;
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb) {
-        const int col = 64 * mb + 16 * warp + g;
-        out[col] = k3_f32_to_bf16(o[mb][i] * r);
-        out[col + 8] = k3_f32_to_bf16(o[mb][i + 2] * r);
-      }
-      if (warp == 0 && g == 0) a.lse[(long long)b * a.l_sb + h] = ls * 0.6931471805599453f;
+      const uint32_t lo = (uint32_t)k3_f32_to_bf16(x.x) | ((uint32_t)k3_f32_to_bf16(x.y) << 16);
+      const uint32_t hi = (uint32_t)k3_f32_to_bf16(x.z) | ((uint32_t)k3_f32_to_bf16(x.w) << 16);
+      *reinterpret_cast<uint2*>(a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + 4 * k) = make_uint2(lo, hi);
     } else {
-      const long long prow = ((long long)b * a.heads + h) * a.splits + split;
-      float* po = a.part_o + prow * DV;
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb) {
-        const int col = 64 * mb + 16 * warp + g;
-        po[col] = o[mb][i] * r;
-        po[col + 8] = o[mb][i + 2] * r;
-      }
-      if (warp == 0 && g == 0) a.part_lse[prow] = ls;
+      *reinterpret_cast<float4*>(a.part_o + (((long long)b * a.heads + h) * a.splits + split) * DV + 4 * k) = x;
     }
   }
 #endif  // K3_MLA_SM90
@@ -312,15 +316,21 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
 
 // The tensor map of a cache's rows ([rows, 576] bf16, 1152-byte rows): boxes of 64 rows x 64
 // columns with the 128-byte swizzle; rows past the end read as zeros. 0 or an error code.
-inline int wg_make_map(CUtensorMap* map, const void* base, long long rows) {
+// The driver's tensor-map encoder, looked up once (null where the driver lacks it).
+inline PFN_cuTensorMapEncodeTiled_v12000 wg_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (encode == nullptr) {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult q;
     const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
-    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || fn == nullptr) return -6;
-    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    if (e == cudaSuccess && q == cudaDriverEntryPointSuccess) encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }
+  return encode;
+}
+
+inline int wg_make_map(CUtensorMap* map, const void* base, long long rows) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = wg_encoder();
+  if (encode == nullptr) return -6;
   const cuuint64_t dims[2] = {(cuuint64_t)D, (cuuint64_t)rows};
   const cuuint64_t strides[1] = {(cuuint64_t)ROW_BYTES};
   const cuuint32_t box[2] = {64, (cuuint32_t)WG_BN};
@@ -331,7 +341,22 @@ inline int wg_make_map(CUtensorMap* map, const void* base, long long rows) {
   return r == CUDA_SUCCESS ? 0 : -1000 - (int)r;
 }
 
-inline int launch_wg(const Args& a, const CUtensorMap& map, int max_shared, cudaStream_t st) {
+// The tensor map of the queries ([B, H, 576] bf16 with element strides q_sh, q_sb): boxes of 16 heads
+// x 64 columns of one request with the 128-byte swizzle; heads past H read as zeros.
+inline int wg_make_qmap(CUtensorMap* map, const void* q, int heads, int batch, long long q_sh, long long q_sb) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = wg_encoder();
+  if (encode == nullptr) return -6;
+  const cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)heads, (cuuint64_t)batch};
+  const cuuint64_t strides[2] = {(cuuint64_t)q_sh * 2, (cuuint64_t)q_sb * 2};
+  const cuuint32_t box[3] = {64, (cuuint32_t)ROWS, 1};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(q), dims, strides, box, elem,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? 0 : -1000 - (int)r;
+}
+
+inline int launch_wg(const Args& a, const CUtensorMap& map, const CUtensorMap& qmap, int max_shared, cudaStream_t st) {
   const int bytes = wg_smem_bytes();
   if (bytes > max_shared) return -3;
   static bool configured = false;
@@ -340,7 +365,7 @@ inline int launch_wg(const Args& a, const CUtensorMap& map, int max_shared, cuda
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
-  wg_kernel<<<dim3(a.splits, a.B), 128, bytes, st>>>(a, map);
+  wg_kernel<<<dim3(a.splits, a.B), 128, bytes, st>>>(a, map, qmap);
   return (int)cudaGetLastError();
 }
 

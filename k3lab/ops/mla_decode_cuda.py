@@ -93,8 +93,8 @@ def team_smem_bytes() -> int:
 
 def wg_smem_bytes() -> int:
     """Dynamic shared memory of form 'wgmma' (kernels/mla_wgmma.h): 1 KB of alignment slack, two
-    72 KB tiles, Q^T (18 KB), P (2 KB), the max and sum exchanges and two mbarriers."""
-    return 1024 + WG_STAGES * 9 * 64 * 128 + 9 * 16 * 128 + 16 * 128 + 3 * 4 * 16 * 4 + WG_STAGES * 8
+    72 KB tiles, Q^T (18 KB), P (2 KB), the max and sum exchanges and three mbarriers (the tiles', Q's)."""
+    return 1024 + WG_STAGES * 9 * 64 * 128 + 9 * 16 * 128 + 16 * 128 + 3 * 4 * 16 * 4 + (WG_STAGES + 1) * 8
 
 
 def smem_bytes(stages: int = DEFAULT_STAGES) -> int:
@@ -143,7 +143,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k3_mla_wg_map.restype = ctypes.c_int
     lib.k3_mla_wg_map.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong]
     lib.k3_mla_decode_wg.restype = ctypes.c_int
-    lib.k3_mla_decode_wg.argtypes = [ctypes.POINTER(Args), ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+    lib.k3_mla_wg_qmap.restype = ctypes.c_int
+    lib.k3_mla_wg_qmap.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
+                                   ctypes.c_longlong]
+    lib.k3_mla_decode_wg.argtypes = [ctypes.POINTER(Args), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                      ctypes.c_void_p]
     size = lib.k3_mla_decode_args_size()
     if size != ctypes.sizeof(Args):
@@ -418,7 +421,7 @@ class CudaDecodePlan:
     merge: str = "kernel"  # 'none' (one piece), 'fused' (one cooperative launch) or 'kernel' (two launches)
     merge_why: str = ""  # why that path (choose_merge)
     _barrier: torch.Tensor | None = field(repr=False, default=None)  # fused: [counter, give-ups] (int64)
-    _tensor_map: object = field(repr=False, default=None)  # form 'wgmma': the cache's 128-byte CUtensorMap
+    _tensor_map: object = field(repr=False, default=None)  # form 'wgmma': the cache's and q's 128-byte CUtensorMaps
 
     # the names a Triton `mla_decode.DecodePlan` answers to, so callers need not care which runs
     variant = "after"
@@ -472,8 +475,9 @@ class CudaDecodePlan:
                 raise RuntimeError(f"{NAME}.cu refused the fused launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
             return self.out, self.lse
         if self.form == "wgmma":
-            rc = lib.k3_mla_decode_wg(ctypes.byref(self._args), ctypes.addressof(self._tensor_map), int(self.pdl),
-                                      self._max_shared, ctypes.c_void_p(stream))
+            rc = lib.k3_mla_decode_wg(ctypes.byref(self._args), ctypes.addressof(self._tensor_map[0]),
+                                      ctypes.addressof(self._tensor_map[1]), int(self.pdl), self._max_shared,
+                                      ctypes.c_void_p(stream))
             if rc != 0:
                 raise RuntimeError(f"{NAME}.cu refused the wgmma launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
             return self.out, self.lse
@@ -531,12 +535,16 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                 out.stride(0), out.stride(2), lse.stride(0),
                 B, H, page_shift, splits, chunk, bt.shape[1] if bt is not None else 0, c.scale * mla._LOG2E, None)
     tensor_map = None
-    if form == "wgmma":  # the cache's rows as one tensor map (TMA boxes of 64 rows x 64 columns, 128 B swizzle)
-        tensor_map = (ctypes.c_ubyte * 128)()
-        rc = _library().k3_mla_wg_map(ctypes.addressof(tensor_map), cache.data_ptr(), cache.shape[0] * cache.shape[1])
-        if rc != 0:
-            raise _build.KernelUnavailable(f"{NAME}.cu could not encode the cache's tensor map ({rc}: "
-                                           f"{_ERRORS.get(rc, 'driver refused')})")
+    if form == "wgmma":  # the cache's rows and the queries as tensor maps (TMA boxes, 128 B swizzle)
+        tensor_map = ((ctypes.c_ubyte * 128)(), (ctypes.c_ubyte * 128)())
+        lib = _library()
+        for what, rc in (("cache's", lib.k3_mla_wg_map(ctypes.addressof(tensor_map[0]), cache.data_ptr(),
+                                                         cache.shape[0] * cache.shape[1])),
+                         ("queries'", lib.k3_mla_wg_qmap(ctypes.addressof(tensor_map[1]), q.data_ptr(), H, B,
+                                                           q.stride(2), q.stride(0)))):
+            if rc != 0:
+                raise _build.KernelUnavailable(f"{NAME}.cu could not encode the {what} tensor map ({rc}: "
+                                               f"{_ERRORS.get(rc, 'driver refused')})")
     if probe is not None:
         if form == "wgmma":
             raise ValueError("probe is compiled for the team kernel and the 5-stage 4-warp split kernel only, not "

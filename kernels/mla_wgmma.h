@@ -148,6 +148,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
       wg_issue(&map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
+  __syncthreads();  // the barriers are initialised before anyone waits on them
   mbar_wait(qbar, 0);
 
   float o[8][8];  // O^T: value columns 64 mb + 16 warp + g (+8) x this thread's 4 heads

@@ -17,9 +17,8 @@
 //   * each warp owns 16 positions of the tile: the softmax's max over the tile's positions is one
 //     shuffle tree and one 64-float exchange; the sums stay per thread until the end;
 //   * a tile arrives as 9 TMA boxes of 64 rows x 64 columns with the 128-byte swizzle (the layout
-//     wgmma expects), 72 KB, into a ring of 25 box slots (200 KB): each wgmma reads one box, so a box
-//     may sit in any slot, and while a tile is computed 16 slots (1.8 tiles) stream; a tile's slots
-//     are refilled as soon as its value product is done.
+//     wgmma expects), 72 KB; two stages: a tile is refilled as soon as its value product is done,
+//     so two tiles (144 KB) stream while the SM waits.
 // Rows past a request's length inside its last tile are loaded by the box and then zeroed in shared
 // memory before use (their scores are masked; zeros keep NaN in unused cache rows out of p V).
 // Needs tiles of 64 rows inside one page: contiguous caches, or pages of >= 64 rows.
@@ -46,17 +45,15 @@ namespace k3mla {
 constexpr int WG_BN = 64;                         // positions per tile
 constexpr int WG_BOX = 64 * 128;                  // one TMA box: 64 rows x 64 bf16 columns = 8 KB
 constexpr int WG_BOXES = D / 64;                  // 9 boxes per tile
-constexpr int WG_STAGE = WG_BOXES * WG_BOX;       // 73,728 bytes: one tile
-constexpr int WG_SLOTS = 25;                      // the ring: 25 box slots of 8 KB (2.8 tiles, 200 KB)
-constexpr int WG_TBARS = 3;                       // tiles pending at once (one computed, two arriving)
+constexpr int WG_STAGE = WG_BOXES * WG_BOX;       // 73,728 bytes
+constexpr int WG_STAGES = 2;
 constexpr int WG_QBOX = ROWS * 128;               // Q^T box: 16 heads x 64 columns = 2 KB
 constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes
 constexpr int WG_P = ROWS * 128;                  // P: 16 heads x 64 positions (bf16), one swizzled 128 B row each
 constexpr int WG_RED = 3 * 4 * ROWS * 4;          // two max exchanges and one sum exchange: [4 warps][16 heads] fp32
 constexpr int WG_OPITCH = DV + 4;               // the finished piece staged in shared memory: [16 heads][516] fp32
-constexpr int WG_RING = WG_SLOTS * WG_BOX;
-constexpr int wg_smem_bytes() { return 1024 + WG_RING + WG_Q + WG_P + WG_RED + (WG_TBARS + 1) * 8 + 4 * 4; }
-static_assert(ROWS * WG_OPITCH * 4 <= WG_RING, "the piece is staged in the free ring");
+constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + (WG_STAGES + 1) * 8; }
+static_assert(ROWS * WG_OPITCH * 4 <= WG_STAGES * WG_STAGE, "the piece is staged in the free ring");
 
 #if defined(K3_MLA_SM90)
 // A shared-memory matrix descriptor with the 128-byte swizzle (PTX ISA, wgmma "matrix descriptor"):
@@ -102,30 +99,11 @@ K3_DEVICE int wg_row(const Args& a, int b, int pos) {
   return (int)((long long)b * rows_per + pos);
 }
 
-// Thread 0's place in the block's sequence of boxes: box n is tile n / 9's columns 64 (n % 9) ..,
-// in ring slot n % 25 (each wgmma reads one box, so a box may sit in any slot).
-struct WgFill {
-  int n = 0, t = 0, i = 0, slot = 0;  // n, n / 9, n % 9, n % 25
-};
-
-// Thread 0: issue boxes up to `limit` (exclusive). A slot is free once the tile that used it 25
-// boxes earlier is done. A tile's first box announces all its bytes on the tile's barrier, so the
-// phase cannot complete before the tile's last box lands. rows[t % 4]: the first cache row of tile t.
-K3_DEVICE void wg_fill(const void* map, uint32_t ring, uint32_t bars, const int* rows, WgFill& f, int limit) {
-  for (; f.n < limit; ++f.n) {
-    const uint32_t bar = bars + 8 * (f.t % WG_TBARS);
-    if (f.i == 0) mbar_expect_tx(bar, (uint32_t)WG_STAGE);
-    tma_box(ring + f.slot * WG_BOX, map, 64 * f.i, rows[f.t & 3], bar);
-    if (++f.slot == WG_SLOTS) f.slot = 0;
-    if (++f.i == WG_BOXES) f.i = 0, ++f.t;
-  }
-}
-
-// The slot address of box i of tile j.
-K3_DEVICE uint32_t wg_box(uint32_t ring, int j, int i) {
-  int sl = (WG_BOXES * j) % WG_SLOTS + i;
-  if (sl >= WG_SLOTS) sl -= WG_SLOTS;
-  return ring + (uint32_t)sl * WG_BOX;
+// Thread 0: tile at row `row` into `stage` (9 boxes), completing on `bar`.
+K3_DEVICE void wg_issue(const void* map, int row, uint32_t stage, uint32_t bar) {
+  mbar_expect_tx(bar, (uint32_t)WG_STAGE);
+#pragma unroll
+  for (int i = 0; i < WG_BOXES; ++i) tma_box(stage + i * WG_BOX, map, 64 * i, row, bar);
 }
 
 // The thread's heads in the accumulator layout (columns of S^T and O^T): 8 jn + 2 t4 + e, index 2 jn + e.
@@ -140,26 +118,21 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   const uint32_t raw = smem_u32(wg_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* gbase = wg_raw + (base - raw);
-  const uint32_t ring = base, qs = base + WG_RING, ps = qs + WG_Q;
-  float* red = reinterpret_cast<float*>(gbase + WG_RING + WG_Q + WG_P);  // [3][4][16]
-  const uint32_t bars = ps + WG_P + WG_RED;  // the tiles' barriers, then Q's
-  int* rows = reinterpret_cast<int*>(gbase + WG_RING + WG_Q + WG_P + WG_RED + (WG_TBARS + 1) * 8);  // thread 0's
+  const uint32_t stages = base, qs = base + WG_STAGES * WG_STAGE, ps = qs + WG_Q;
+  float* red = reinterpret_cast<float*>(gbase + WG_STAGES * WG_STAGE + WG_Q + WG_P);  // [3][4][16]
+  const uint32_t bars = ps + WG_P + WG_RED;
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   if (!K3_MLA_WG_LATE_PDL) launch_dependents();  // the merge may launch now; it waits for this grid
 
-  const int start = split * a.chunk;
-  // thread 0: the first three tiles' rows, in flight together with the length (one round trip)
-  int r0 = 0, r1 = 0, r2 = 0;
-  if (tid == 0) r0 = wg_row(a, b, start), r1 = wg_row(a, b, start + WG_BN), r2 = wg_row(a, b, start + 2 * WG_BN);
   const int length = __ldg(a.lengths + b);
+  const int start = split * a.chunk;
   const int end = min(length, start + a.chunk);
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
-  const uint32_t qbar = bars + 8 * WG_TBARS;
-  WgFill fill;
+  const uint32_t qbar = bars + 8 * WG_STAGES;
   if (tid == 0) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(&map) : "memory");
-    for (int s = 0; s <= WG_TBARS; ++s) mbar_init(bars + 8 * s, 1);
+    for (int s = 0; s <= WG_STAGES; ++s) mbar_init(bars + 8 * s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     // Q^T by the copy engine too: 9 boxes of [16 heads x 64 columns], swizzled; heads past a.heads lie
     // outside the map and arrive as zeros (the padding). Every block reads the same 18 KB: 16-byte
@@ -172,8 +145,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
               qs + i * WG_QBOX),
           "l"(&qmap), "r"(64 * i), "r"(0), "r"(b), "r"(qbar)
           : "memory");
-    rows[0] = r0, rows[1] = r1, rows[2] = r2;
-    wg_fill(&map, ring, bars, rows, fill, min(WG_BOXES * ntiles, WG_SLOTS));
+    for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
+      wg_issue(&map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
   __syncthreads();  // the barriers are initialised before anyone waits on them
   mbar_wait(qbar, 0);
@@ -188,32 +161,28 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   for (int c = 0; c < 4; ++c) m_run[c] = -INFINITY, l_run[c] = 0.f;
 
   for (int j = 0; j < ntiles; ++j) {
-    // tile j + 3's first row, read now (its latency hides behind this tile): the fill after this tile
-    // issues boxes up to tile j + 3
-    const int row3 = (tid == 0 && j + 3 < ntiles) ? wg_row(a, b, start + (j + 3) * WG_BN) : 0;
-    const int fill_limit = min(WG_BOXES * ntiles, WG_BOXES * (j + 1) + WG_SLOTS);
-    mbar_wait(bars + 8 * (j % WG_TBARS), (uint32_t)((j / WG_TBARS) & 1));
+    const int st = j % WG_STAGES;
+    const uint32_t stage = stages + st * WG_STAGE;
+    // the row of the tile that will refill this stage, read now: its latency hides behind this tile
+    const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
+    mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
     const int pos0 = start + j * WG_BN;
     const int valid = min(WG_BN, end - pos0);
     if (valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
       const int units = WG_BOXES * (WG_BN - valid) * 8;
       for (int u = tid; u < units; u += 128) {
         const int box = u / ((WG_BN - valid) * 8), r = valid + (u / 8) % (WG_BN - valid), c = u & 7;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(wg_box(ring, j, box) + r * 128 + c * 16), "r"(0)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(stage + box * WG_BOX + r * 128 + c * 16), "r"(0)
                      : "memory");
       }
       fence_async_smem();
       __syncthreads();
     }
-    if (tid == 0 && j + 3 < ntiles) rows[(j + 3) & 3] = row3;
     if (K3_MLA_WG_DATA_ONLY) {
       __syncthreads();
-      if (tid == 0) wg_fill(&map, ring, bars, rows, fill, fill_limit);
+      if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
       continue;
     }
-    uint32_t bx[WG_BOXES];  // this tile's box addresses
-#pragma unroll
-    for (int i = 0; i < WG_BOXES; ++i) bx[i] = wg_box(ring, j, i);
     // scores S^T = K Q^T: 36 k-steps of 16 columns (4 per 64-column box, +32 bytes each), into four
     // accumulators in turn so that consecutive wgmma do not wait for each other
     float s4[4][8];
@@ -224,7 +193,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wg_mma<0>(s4[kk & 3], wg_desc(bx[kk >> 2] + (kk & 3) * 32, 16, 1024),
+      wg_mma<0>(s4[kk & 3], wg_desc(stage + (kk >> 2) * WG_BOX + (kk & 3) * 32, 16, 1024),
                 wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024), kk >= 4);
     wg_commit();
     wg_wait_all();
@@ -288,11 +257,11 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     for (int ks = 0; ks < 4; ++ks)  // k-steps outside: consecutive wgmma update different accumulators
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb)
-        wg_mma<1>(o[mb], wg_desc(bx[mb] + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);
+        wg_mma<1>(o[mb], wg_desc(stage + mb * WG_BOX + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);
     wg_commit();
     wg_wait_all();
-    __syncthreads();  // every warp is done with this tile's slots and with P: refill the slots
-    if (tid == 0) wg_fill(&map, ring, bars, rows, fill, fill_limit);
+    __syncthreads();  // every warp is done with this stage and with P: refill the stage
+    if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
   }
 
   if (K3_MLA_WG_LATE_PDL) launch_dependents();

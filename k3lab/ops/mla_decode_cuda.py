@@ -77,8 +77,7 @@ _COOPERATIVE_TOO_LARGE = 720  # cudaErrorCooperativeLaunchTooLarge
 _STAGE_BYTES = 8 * (4 * LATENT_DIM * 2 + 16)  # 8 blocks of 4 rows, 16 bytes of padding each
 _XCH_BYTES = 4 * 4 * 32 * 16  # one score-partial exchange buffer
 WG_BLOCK_N = 64  # form 'wgmma': latent rows per tile (one TMA box height, the M of its score product)
-WG_SLOTS = 25  # form 'wgmma': its ring of 8 KB box slots (a tile of 64 rows is 9 boxes)
-WG_PENDING = 3  # form 'wgmma': tiles pending at once (one computed, two arriving)
+WG_STAGES = 2  # form 'wgmma': tiles of 72 KB in its ring
 _ERRORS = {-1: "no compiled kernel for this (stages, warps) pair", -3: "more shared memory than the device allows per block",
            -4: "bad sizes", -5: "this build has no MLA decode kernel (HIP, or not sm_90)",
            -6: "the driver's tensor-map encoder (cuTensorMapEncodeTiled) is unavailable",
@@ -93,10 +92,9 @@ def team_smem_bytes() -> int:
 
 
 def wg_smem_bytes() -> int:
-    """Dynamic shared memory of form 'wgmma' (kernels/mla_wgmma.h): 1 KB of alignment slack, the ring
-    of 25 box slots of 8 KB, Q^T (18 KB), P (2 KB), the max and sum exchanges, four mbarriers (three
-    tiles', Q's) and four tile rows."""
-    return 1024 + WG_SLOTS * 64 * 128 + 9 * 16 * 128 + 16 * 128 + 3 * 4 * 16 * 4 + (WG_PENDING + 1) * 8 + 4 * 4
+    """Dynamic shared memory of form 'wgmma' (kernels/mla_wgmma.h): 1 KB of alignment slack, two
+    72 KB tiles, Q^T (18 KB), P (2 KB), the max and sum exchanges and three mbarriers (the tiles', Q's)."""
+    return 1024 + WG_STAGES * 9 * 64 * 128 + 9 * 16 * 128 + 16 * 128 + 3 * 4 * 16 * 4 + (WG_STAGES + 1) * 8
 
 
 def smem_bytes(stages: int = DEFAULT_STAGES) -> int:
@@ -447,7 +445,7 @@ class CudaDecodePlan:
     @property
     def config(self) -> mla.LaunchConfig:
         if self.form == "wgmma":
-            return mla.LaunchConfig(WG_BLOCK_N, 4, WG_PENDING)
+            return mla.LaunchConfig(WG_BLOCK_N, 4, WG_STAGES)
         team = self.form == "team"
         return mla.LaunchConfig(BLOCK_N, 8 if team else self.warps, TEAM_STAGES if team else self.stages)
 

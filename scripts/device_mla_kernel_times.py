@@ -20,7 +20,7 @@ from k3lab.studies import mla_padding as st
 out = os.environ.get("OUT", "build/device")
 os.makedirs(out, exist_ok=True)
 forms = os.environ.get("FORMS", "split,wgmma").split(",")
-so = "/tmp/mla_read_probe.so"
+so = "/tmp/mla_read_probe.so"  # built by device_mla_read_probe.py
 ring = None
 if os.path.exists(so):
     lib = ctypes.CDLL(so)

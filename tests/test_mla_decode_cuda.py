@@ -160,6 +160,36 @@ def test_pieces_fill_the_units_once_in_whole_tiles():
         mc.choose_splits(1, 1024, 132, block_n=0)
 
 
+def test_form_rule_takes_wgmma_for_pieces_of_four_tiles_or_more():
+    # H200: 132 SMs; pieces of 64-row tiles
+    assert mc.choose_form(1, 32768, 132)[0] == "wgmma"  # 128 pieces of 4 tiles
+    assert mc.choose_form(8, 8192, 132)[0] == "wgmma"  # 16 pieces of 8 tiles per request
+    assert mc.choose_form(1, 131072, 132)[0] == "wgmma"
+    form, why = mc.choose_form(1, 1024, 132)  # 16 pieces of one tile
+    assert form == "split" and "1 tile" in why
+    assert mc.choose_form(1, 16384, 132)[0] == "split"  # 128 pieces of 2 tiles
+    assert mc.choose_form(1, 16384, 132, num_splits=32)[0] == "wgmma"  # 32 pieces of 8 tiles
+    assert mc.choose_form(1, 32768, 132, refusal="pages of 32") == ("split", "pages of 32")
+    for kw in (dict(stages=3), dict(warps=8), dict(probe=True), dict(merge="fused")):
+        form, why = mc.choose_form(1, 32768, 132, **kw)
+        assert form == "split" and "split kernel" in why
+
+
+def test_form_from_argument_environment_and_default(monkeypatch):
+    monkeypatch.delenv("K3LAB_MLA_FORM", raising=False)
+    assert mc.form_wanted(None) == mc.DEFAULT_FORM == "auto"
+    monkeypatch.setenv("K3LAB_MLA_FORM", "split")
+    assert mc.form_wanted(None) == "split" and mc.form_wanted("wgmma") == "wgmma"
+    monkeypatch.setenv("K3LAB_MLA_FORM", "tma")
+    with pytest.raises(ValueError, match="K3LAB_MLA_FORM"):
+        mc.form_wanted(None)
+    # what form='auto' would refuse for wgmma is a reason, not an error
+    q, pool, bt, lengths = _paged(page=32)
+    assert "pages" in mc.wgmma_refusal(q, pool, bt)
+    q, pool, bt, lengths = _paged(page=64)
+    assert mc.wgmma_refusal(q, pool, bt) is None
+
+
 def test_merge_path_rule():
     # one piece: nothing to merge, whatever was asked
     for m in mc.MERGES:
@@ -308,6 +338,19 @@ def test_on_the_gpu_matches_the_reference(paged, lengths, H, splits, stages, for
     _check(o, lse, q, ref, lens, H)
     if splits == 1:
         assert p.num_splits == 1 and p.launches == 1
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+def test_on_the_gpu_auto_takes_wgmma_for_long_histories_and_split_for_short():
+    if not _runs():
+        pytest.skip(f"kernel unavailable: {mc.status()[1]}")
+    for L, form in ((32768, "wgmma"), (1024, "split")):
+        q, kern, ref, lens, bt = _ragged(1, L, (L,), 12, True, seed=L % 97, nan_tail=False)
+        p = mc.plan(q, kern, lens, block_table=bt, form="auto", compute_units=132)
+        assert p.form == form, p.form_why
+        o, lse = p()
+        torch.cuda.synchronize()
+        _check(o, lse, q, ref, lens, 12)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU")

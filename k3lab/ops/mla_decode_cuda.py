@@ -63,7 +63,12 @@ MAX_SPLITS = 65535
 # the team kernel (2 teams of 4 warps on one ring), the 4/8-warp mma.sync split kernel, or the split kernel on
 # warpgroup MMA with TMA tiles of 64 rows (kernels/mla_wgmma.h)
 FORMS = ("team", "split", "wgmma")
-DEFAULT_FORM = "split"
+# 'auto' (the default; K3LAB_MLA_FORM overrides it): 'wgmma' where it applies and each piece holds at least
+# WG_MIN_TILES of its 64-row tiles, else 'split' (`choose_form`; measured on the H200 in
+# profiles/nvidia-h200/mla_padding/extra/wgmma_*.json: wgmma faster from 8K up, slower at 1K, where a piece is one tile)
+FORM_CHOICES = FORMS + ("auto",)
+DEFAULT_FORM = "auto"
+WG_MIN_TILES = 4
 TEAM_STAGES = 5  # the team kernel's ring depth (fixed)
 _TEAM_WARPS_CODE = 9  # the launchers' `warps` value that selects the team kernel (K3_MLA_TEAM)
 # How the pieces are merged (splits > 1): 'kernel' = a second kernel (k3_mla_merge, launched early by
@@ -259,7 +264,7 @@ def merge_wanted(merge: str | None) -> str:
     return merge
 
 
-def choose_merge(merge: str, *, splits: int, batch: int, max_blocks: int, form: str = DEFAULT_FORM,
+def choose_merge(merge: str, *, splits: int, batch: int, max_blocks: int, form: str = "split",
                  stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS, probe: bool = False,
                  capturable: tuple[bool, str] = (True, "")) -> tuple[str, str]:
     """(path, why) for one plan: path 'none' (one piece: the split kernel writes the result), 'fused'
@@ -335,7 +340,7 @@ class _Checked:
 
 
 def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
-          warps=DEFAULT_WARPS, form=DEFAULT_FORM, merge=None) -> _Checked:
+          warps=DEFAULT_WARPS, form=None, merge=None) -> _Checked:
     """Every refusal, by name, before anything runs on a device (ValueError). Reads `lengths` and
     the block table on the host once (see mla_decode's plans)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -360,8 +365,9 @@ def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=No
         raise ValueError(f"cache rows must be contiguous {LATENT_DIM}-element rows (cache.stride(1) == "
                          f"{LATENT_DIM}, cache.stride(2) == 1; a tile of 32 rows is copied in blocks of 4 rows), "
                          f"got strides {tuple(cache.stride())}")
-    if form not in FORMS:
-        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    form = form_wanted(form)
+    if form not in FORM_CHOICES:
+        raise ValueError(f"form must be one of {FORM_CHOICES}, got {form!r}")
     merge = merge_wanted(merge)
     if stages not in STAGES:
         raise ValueError(f"stages must be one of {STAGES}, got {stages!r}")
@@ -382,19 +388,53 @@ def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=No
     if q.data_ptr() % 4 or q.stride(0) % 2 or q.stride(2) % 2:
         raise ValueError("q must start on a 4-byte boundary with even batch and head strides (the kernel reads "
                          "pairs of bf16)")
-    if form == "wgmma":
-        if block_table is not None and cache.shape[1] < WG_BLOCK_N:
-            raise ValueError(f"form='wgmma' needs pages (cache.shape[1]) of >= {WG_BLOCK_N} rows (its {WG_BLOCK_N}-row "
-                             f"tile is one TMA box inside a page), got {cache.shape[1]}; form='split' takes pages of 32")
-        if cache.stride(0) != cache.shape[1] * LATENT_DIM:
-            raise ValueError(f"form='wgmma' reads the cache through one tensor map of rows, so pages (or requests) "
-                             f"must follow each other: cache.stride(0) must be {cache.shape[1] * LATENT_DIM}, got "
-                             f"{cache.stride(0)}")
-        if q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(2) % 8:
-            raise ValueError("form='wgmma' reads q in 16-byte units: q must start on a 16-byte boundary with batch and "
-                             f"head strides that are multiples of 8, got strides {tuple(q.stride())}")
+    if form == "wgmma" and (why := wgmma_refusal(q, cache, block_table)):
+        raise ValueError(why)
     inp = mla._validate(q, cache, lengths, block_table, max_heads=MAX_HEADS)  # lengths, block table, devices
     return _Checked(inp, float(s), stages, warps, form, merge)
+
+
+def wgmma_refusal(q, cache, block_table) -> str | None:
+    """Why form 'wgmma' cannot take these (checked) inputs, or None."""
+    if block_table is not None and cache.shape[1] < WG_BLOCK_N:
+        return (f"form='wgmma' needs pages (cache.shape[1]) of >= {WG_BLOCK_N} rows (its {WG_BLOCK_N}-row tile is one "
+                f"TMA box inside a page), got {cache.shape[1]}; form='split' takes pages of 32")
+    if cache.stride(0) != cache.shape[1] * LATENT_DIM:
+        return (f"form='wgmma' reads the cache through one tensor map of rows, so pages (or requests) must follow "
+                f"each other: cache.stride(0) must be {cache.shape[1] * LATENT_DIM}, got {cache.stride(0)}")
+    if q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(2) % 8:
+        return ("form='wgmma' reads q in 16-byte units: q must start on a 16-byte boundary with batch and head "
+                f"strides that are multiples of 8, got strides {tuple(q.stride())}")
+    return None
+
+
+def form_wanted(form: str | None) -> str:
+    """The form asked for: `form` if given, else K3LAB_MLA_FORM, else DEFAULT_FORM (checked)."""
+    if form is None:
+        env = os.environ.get("K3LAB_MLA_FORM", "")
+        if env and env not in FORM_CHOICES:
+            raise ValueError(f"K3LAB_MLA_FORM must be one of {FORM_CHOICES}, got {env!r}")
+        return env or DEFAULT_FORM
+    return form
+
+
+def choose_form(batch: int, max_len: int, compute_units: int, *, refusal: str | None = None,
+                num_splits: int | None = None, stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS,
+                probe: bool = False, merge: str = DEFAULT_MERGE) -> tuple[str, str]:
+    """(form, why) for form='auto': 'wgmma' where it applies (`refusal` None: its inputs' rules) and
+    each piece holds at least WG_MIN_TILES of its 64-row tiles; 'split' elsewhere. Where a piece is
+    one or two tiles the whole decode is a few microseconds of start-up, and the mma.sync kernel's
+    32-row tiles start sooner (H200: 8.5 against 7.0 us at 1K)."""
+    if refusal is not None:
+        return "split", refusal
+    if (stages, warps) != (DEFAULT_STAGES, DEFAULT_WARPS) or probe or merge == "fused":
+        return "split", ("stages, warps, the probe and the fused merge belong to the split kernel: "
+                         f"stages={stages}, warps={warps}, probe={probe}, merge={merge!r}")
+    splits, chunk = choose_splits(batch, max_len, compute_units, num_splits=num_splits, block_n=WG_BLOCK_N)
+    tiles = chunk // WG_BLOCK_N
+    if tiles < WG_MIN_TILES:
+        return "split", f"pieces of {tiles} tile(s) of {WG_BLOCK_N} rows (< {WG_MIN_TILES}): the split kernel starts sooner"
+    return "wgmma", f"{splits} piece(s) of {tiles} tiles of {WG_BLOCK_N} rows each: warpgroup MMA on TMA tiles"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -422,6 +462,7 @@ class CudaDecodePlan:
     merge_why: str = ""  # why that path (choose_merge)
     _barrier: torch.Tensor | None = field(repr=False, default=None)  # fused: [counter, give-ups] (int64)
     _tensor_map: object = field(repr=False, default=None)  # form 'wgmma': the cache's and q's 128-byte CUtensorMaps
+    form_why: str = ""  # why this form (choose_form, or 'asked')
 
     # the names a Triton `mla_decode.DecodePlan` answers to, so callers need not care which runs
     variant = "after"
@@ -464,7 +505,7 @@ class CudaDecodePlan:
         return {"kernel": "cuda", "form": self.form, "num_splits": self.num_splits, "chunk": self.chunk,
                 "block_n": cfg.block_n, "num_stages": cfg.num_stages, "num_warps": cfg.num_warps, "smem_bytes": smem,
                 "programs": self.programs, "launches": self.launches, "pdl": self.pdl, "rows_per_program": 16,
-                "merge": self.merge}
+                "merge": self.merge, "form_why": self.form_why}
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         lib = _library()
@@ -492,7 +533,7 @@ class CudaDecodePlan:
 
 def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
          warps=DEFAULT_WARPS, pdl: bool = True, compute_units: int | None = None,
-         probe: torch.Tensor | None = None, form: str = DEFAULT_FORM, merge: str | None = None) -> CudaDecodePlan:
+         probe: torch.Tensor | None = None, form: str | None = None, merge: str | None = None) -> CudaDecodePlan:
     """Check once (ValueError by name), then build a launchable plan on the GPU (KernelUnavailable,
     with the reason, where the kernel cannot run). num_splits: None = `choose_splits` for the
     device's SM count; stages / warps: the compiled ring depth and block size (5 and 4 by default);
@@ -500,7 +541,10 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     tensor on the GPU of at least `probe_size(plan)` entries that each launch fills with the
     timeline of kernels/mla_decode.cu's Args.probe (default plan only; `timeline` reads it).
     merge: 'kernel', 'fused', 'auto' or None (= K3LAB_MLA_MERGE, else DEFAULT_MERGE): how the pieces
-    are merged, see `choose_merge`; `plan.merge` says which path runs and `plan.merge_why` why."""
+    are merged, see `choose_merge`; `plan.merge` says which path runs and `plan.merge_why` why.
+    form: 'split', 'wgmma', 'team', 'auto' or None (= K3LAB_MLA_FORM, else 'auto'): which split kernel,
+    see `choose_form`; `plan.form` says which runs and `plan.form_why` why."""
+    form = form_wanted(form)
     c = check(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
               warps=warps, form=form, merge=merge)
     ok, why = status()
@@ -511,6 +555,11 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     inp = c.inp
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
+    form_why = f"form={form!r} asked"
+    if form == "auto":
+        form, form_why = choose_form(inp.batch, inp.max_len, compute_units or props.multi_processor_count,
+                                     refusal=wgmma_refusal(q, cache, block_table), num_splits=num_splits,
+                                     stages=stages, warps=warps, probe=probe is not None, merge=c.merge)
     max_shared = int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
     need = {"team": team_smem_bytes(), "wgmma": wg_smem_bytes()}.get(form) or smem_bytes(stages)
     if need > max_shared:
@@ -569,7 +618,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
         args.barrier = barrier.data_ptr()
     keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse, probe, barrier)
     return CudaDecodePlan(splits, chunk, stages, warps, bool(pdl) and path == "kernel", form, out, lse, args, keep,
-                          max_shared, dev, path, why, barrier, tensor_map)
+                          max_shared, dev, path, why, barrier, tensor_map, form_why)
 
 
 def probe_size(batch: int, heads: int, splits: int) -> int:
@@ -597,7 +646,7 @@ def timeline(probe: torch.Tensor, batch: int, heads: int, splits: int) -> dict:
 
 def mla_decode_cuda(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None,
                     stages=DEFAULT_STAGES, warps=DEFAULT_WARPS, pdl: bool = True,
-                    form: str = DEFAULT_FORM, merge: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    form: str | None = None, merge: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step on the CUDA kernel: (o [B, 1, H, 512] in q's dtype, lse [B, 1, H] natural log),
     as `mla_decode.reference` computes them."""
     o, lse = plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,

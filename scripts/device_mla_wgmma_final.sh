@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call (issue 5, form 'wgmma'): the CUDA MLA decode's GPU tests, the mla_padding study's
+# one-token cases (the after now picks its form: choose_form), and the breakdown of where the time goes
+# (read floor, data-only build, per-kernel durations). Needs the data-only build at .cache/variants/d.so
+# (nvcc -DK3_MLA_WG_DATA_ONLY=1 -Dk3mla=k3v_d kernels/mla_decode.cu). Results under $OUT.
+#   OUT=dir K3LAB_COMMIT=<hash> bash scripts/device_mla_wgmma_final.sh
+set -uo pipefail
+source scripts/device_env.sh
+export K3LAB_KERNEL_CACHE="${K3LAB_KERNEL_CACHE:-$PWD/.cache/kbuild}"
+echo "== tests"
+timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_mla_decode_cuda.py 2>&1 | tail -6 | tee "$OUT/tests.txt"
+echo "== study"
+timeout 200 python3 -m k3lab.cli bench mla_padding --cases ctx1k ctx32k ctx128k b1_8k b8_8k b64_8k ragged8_8k \
+  --json "$OUT/main.json" 2>&1 | grep -v Warn | tail -30
+echo "== breakdown"
+timeout 60 python3 scripts/device_mla_read_probe.py 2>&1 | tail -22
+WG_VARIANTS=data-only:.cache/variants/d.so timeout 80 python3 scripts/device_mla_wgmma.py 2>&1 | grep -v "^check" | tail -16
+WG_DIAG_SO=.cache/variants/d.so timeout 60 python3 scripts/device_mla_kernel_times.py 2>&1 | grep -v -i warn | tail -8

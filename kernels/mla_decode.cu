@@ -2,6 +2,10 @@
 //
 // The default `after` for one-token bf16 decodes on NVIDIA sm_90 (k3lab/ops/mla_decode_cuda.py binds
 // it; mla_decode.plan_after picks it where `cuda_after_status` allows, the Triton kernels elsewhere).
+// Since commit e3fdbef the binding's form='auto' runs this file's mma.sync split kernel only where a
+// piece of history is under four 64-row tiles (1K, 8K at B = 1); longer pieces take the warpgroup-MMA
+// split kernel of mla_wgmma.h (included below), which is 4-10% faster there. The figures just below
+// are the mma.sync kernel's.
 // Checked on an H200 (tests/test_mla_decode_cuda.py on the GPU: paged and contiguous, mixed lengths,
 // NaN past the lengths, one piece, 128K with 50 graph replays). Graph replay, B = 1, 12 heads, paged
 // bf16 (profiles/nvidia-h200/mla_padding, commit 1a77c32): 7.3 us at 1K, 20.0 us at 32K (44% of

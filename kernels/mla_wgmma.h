@@ -21,9 +21,21 @@
 //     so two tiles (144 KB) stream while the SM waits.
 // Rows past a request's length inside its last tile are loaded by the box and then zeroed in shared
 // memory before use (their scores are masked; zeros keep NaN in unused cache rows out of p V).
+// Q^T arrives by TMA too (a 3D map over [B, H, 576]; heads past H lie outside it and arrive as zeros).
 // Needs tiles of 64 rows inside one page: contiguous caches, or pages of >= 64 rows.
-// Not yet part of any record unless profiles/ says so; checked by tests/test_mla_decode_cuda.py on
-// the GPU (form='wgmma').
+//
+// Measured on an H200 (profiles/nvidia-h200/mla_padding, commit e3fdbef, graph replay, B = 1, paged):
+// 18.1 us at 32K (the split kernel 19.9 in the same run), 45.8 us at 128K (47.4), 27.4 at 8 x 8K
+// (28.6), 199 at 64 x 8K (216), but 8.6 at 1K (7.0: one tile per piece, start-up dominates), so
+// mla_decode_cuda.choose_form takes this form only for pieces of >= 4 tiles. Built with
+// K3_MLA_WG_DATA_ONLY (no arithmetic) it takes 16.1 / 42.7 us: the two 72 KB stages stream slower than
+// the five 37 KB stages of scripts/mla_read_probe.cu's ring (11.1 / 37.0 us with an empty second
+// kernel 11.8 / 37.9), and the arithmetic the two stages cannot hide adds 2-3 us.
+// Tried and measured slower (same H200): a ring of 25 box slots of 8 KB (a box may land in any slot,
+// so ~1.8 tiles stream while one is computed): 21.9 / 49.5 us, data-only 17.5 / 45.0 (each tile's
+// boxes then go out in two batches); filling the stages with 16-byte cp.async (rows in memory order):
+// 21.4 / 51.9 us. Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us
+// (every SM reads the same 18 KB), hence the TMA boxes.
 
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
 // its tiles exactly as below but skips the arithmetic (its outputs are then meaningless).

@@ -491,6 +491,29 @@ def test_committed_read_floors_beside_the_decode(tmp_path):
         study.read_floors(path=bad)
 
 
+def test_committed_breakdown_orders_readers_and_decodes(tmp_path):
+    """The H200 read probe and wgmma run: every step of both cases present with its commit; a plain
+    read is faster than the tile ring, an empty second kernel costs something, and the full decodes
+    are the slowest steps; a file without the expected rows is refused."""
+    from k3lab.studies import mla_padding as study
+
+    df = study.read_breakdown()
+    assert set(df["case"]) == {"ctx32k", "ctx128k"} and len(df) == 2 * len(study.BREAKDOWN_STEPS)
+    assert (df["commit"] != "").all() and ((df["share"] > 0) & (df["share"] < 1.2)).all()
+    for case, g in df.groupby("case"):
+        us = dict(zip(g["step"], g["us"]))
+        labels = [s[2] for s in study.BREAKDOWN_STEPS]
+        assert us[labels[0]] < us[labels[1]] < us[labels[2]]  # loads < ring < ring + second kernel
+        assert max(us[labels[4]], us[labels[5]]) == max(us.values())  # a full decode is the slowest step
+        assert us[labels[3]] < us[labels[4]]  # the arithmetic costs time on top of the data path
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": {"ctx32k": {"us": 1.0}}}')
+    with pytest.raises(ValueError, match="no rows"):
+        study.read_breakdown(probe_path=bad)
+    fig = study.breakdown_figure(df)
+    assert len(fig.data) == len(study.BREAKDOWN_STEPS)
+
+
 def test_committed_probe_runs_read_as_timelines():
     # the H200 timeline-probe runs the notebook draws: every block's phases in order, the merge after
     from k3lab.studies import mla_padding as study

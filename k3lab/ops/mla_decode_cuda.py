@@ -20,6 +20,14 @@ fp32 partials [B, H, splits, 512] and base-2 log-sum-exps [B, H, splits] (the la
 mla_decode.py's `_store_piece`) are merged by a second kernel, launched early (programmatic
 dependent launch); with one piece the first kernel writes the result itself.
 
+Form 'wgmma' (kernels/mla_wgmma.h): the same split-and-merge decode with both products on Hopper's
+warpgroup MMA, positions on M (64-row tiles, so no row of the product is padding) and tiles and
+queries fetched as TMA boxes with the 128-byte swizzle, in two 72 KB stages. It needs pages of >= 64
+rows (or a contiguous cache) that follow each other in memory, and 16-byte aligned queries
+(`wgmma_refusal`). form='auto' (the default, `choose_form`) takes it where each piece holds >= 4 of its
+tiles: on the H200 (e3fdbef, same run) 18.1 against 19.9 us at 32K, 45.8 against 47.4 at 128K, 199
+against 216 at 64 x 8K, but 8.6 against 7.0 at 1K, where a piece is one tile.
+
 The fused form (merge='fused' or 'auto', or K3LAB_MLA_MERGE=fused / auto; opt-in): the split
 kernel merges the pieces itself after a grid-wide barrier, one cooperative launch
 (cudaLaunchAttributeCooperative: the runtime refuses a grid that cannot be all resident, so the

@@ -664,3 +664,52 @@ def read_floors(records=None, device: str = "nvidia-h200", path=None) -> pd.Data
         share = s[s["mode"] == "graph"].set_index("case")["bw_fraction"]
         df["decode_share"] = df["case"].map(share)
     return df
+
+
+# ----------------------------------------------------------------------------------------------
+# where the decode's time goes: readers of the same bytes and the wgmma form with its arithmetic
+# removed (committed H200 runs of scripts/device_mla_read_probe.py and scripts/device_mla_wgmma.py)
+
+READ_PROBE = "extra/read_probe_e3fdbef.json"
+WGMMA_RUN = "extra/wgmma_e3fdbef.json"
+# (file, key in it) -> label, in the order of the figure: from the plainest read to the full decode
+BREAKDOWN_STEPS = (
+    ("probe", "ldg 528 blocks", "plain 16-byte loads"),
+    ("probe", "ring split 128 (decode path)", "the decode's tile ring, no arithmetic"),
+    ("probe", "ring split 128 +tail", "... + an empty second kernel"),
+    ("wgmma", "wgmma-data-only", "wgmma form, no arithmetic, + merge"),
+    ("wgmma", "wgmma", "wgmma form (the after from 8K up)"),
+    ("wgmma", "split", "mma.sync split kernel"),
+)
+
+
+def read_breakdown(device: str = "nvidia-h200", probe_path=None, wgmma_path=None) -> pd.DataFrame:
+    """One row per (case, step) of BREAKDOWN_STEPS: its graph-replay time and share of the measured
+    copy bandwidth, from the committed read-probe and wgmma runs (cases present in both)."""
+    base = bench.PROFILES / device / NAME
+    probe = json.loads(Path(probe_path or base / READ_PROBE).read_text())
+    wg = json.loads(Path(wgmma_path or base / WGMMA_RUN).read_text())
+    for name, run, key in (("read probe", probe, "variants"), ("wgmma run", wg, "forms")):
+        if not isinstance(run.get("rows"), dict) or any(key not in r for r in run["rows"].values()):
+            raise ValueError(f"the {name} file has no rows of {key!r}")
+    rows = []
+    for case in [c for c in probe["rows"] if c in wg["rows"]]:
+        for src, key, label in BREAKDOWN_STEPS:
+            vals = probe["rows"][case]["variants"] if src == "probe" else wg["rows"][case]["forms"]
+            if key not in vals:
+                raise ValueError(f"{case}: no {key!r} in the committed {src} run")
+            rows.append({"case": case, "step": label, "us": vals[key]["us"], "share": vals[key]["share"],
+                         "commit": (probe if src == "probe" else wg)["commit"]})
+    return pd.DataFrame(rows)
+
+
+def breakdown_figure(df: pd.DataFrame, title: str | None = None):
+    """Grouped bars of read_breakdown's shares of the copy bandwidth, with the issue's targets."""
+    import plotly.express as px
+
+    fig = px.bar(df, x="case", y="share", color="step", barmode="group", text_auto=".0%",
+                 title=title or "Where the MLA decode's time goes (H200, graph replay)",
+                 labels={"share": "share of copy bandwidth"})
+    for level, label in ((0.7, "target 32K"), (0.8, "target 128K")):
+        fig.add_hline(y=level, line_dash="dot", annotation_text=label)
+    return fig

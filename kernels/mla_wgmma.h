@@ -34,7 +34,9 @@
 // Tried and measured slower (same H200): a ring of 25 box slots of 8 KB (a box may land in any slot,
 // so ~1.8 tiles stream while one is computed): 21.9 / 49.5 us, data-only 17.5 / 45.0 (each tile's
 // boxes then go out in two batches); filling the stages with 16-byte cp.async (rows in memory order):
-// 21.4 / 51.9 us. Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us
+// 21.4 / 51.9 us; issuing tile j+1's scores behind tile j's value product (two wgmma groups):
+// 19.05 / 46.35 against 18.24 / 45.70 (commit 9e3c240), since the stage of tile j is then freed
+// only after tile j+1 has landed. Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us
 // (every SM reads the same 18 KB), hence the TMA boxes.
 
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
@@ -78,7 +80,6 @@ K3_DEVICE uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
 K3_DEVICE void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 K3_DEVICE void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 K3_DEVICE void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-K3_DEVICE void wg_wait_pending1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 // generic-proxy writes to shared memory (zero fill, P, Q) made visible to the async proxy (wgmma, TMA)
 K3_DEVICE void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
@@ -173,13 +174,14 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
 #pragma unroll
   for (int c = 0; c < 4; ++c) m_run[c] = -INFINITY, l_run[c] = 0.f;
 
-  // Tile j: wait for it (and zero its rows past the length), then its scores; the loop below runs
-  // tile j's softmax and value product with tile j + 1's scores issued behind them, so the matrix
-  // units work on both while the value product's completion frees tile j's stage.
-  auto land = [&](int j) {  // tile j landed in its stage and is safe to read
-    const uint32_t stage = stages + (j % WG_STAGES) * WG_STAGE;
-    mbar_wait(bars + 8 * (j % WG_STAGES), (uint32_t)((j / WG_STAGES) & 1));
-    const int valid = min(WG_BN, end - (start + j * WG_BN));
+  for (int j = 0; j < ntiles; ++j) {
+    const int st = j % WG_STAGES;
+    const uint32_t stage = stages + st * WG_STAGE;
+    // the row of the tile that will refill this stage, read now: its latency hides behind this tile
+    const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
+    mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
+    const int pos0 = start + j * WG_BN;
+    const int valid = min(WG_BN, end - pos0);
     if (valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
       const int units = WG_BOXES * (WG_BN - valid) * 8;
       for (int u = tid; u < units; u += 128) {
@@ -190,36 +192,25 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       fence_async_smem();
       __syncthreads();
     }
-    return stage;
-  };
-  // scores S^T = K Q^T of the tile in `stage`: 36 k-steps of 16 columns (4 per 64-column box, +32
-  // bytes each), into four accumulators in turn so that consecutive wgmma do not wait for each other
-  float s4[4][8] = {};
-  auto issue_scores = [&](uint32_t stage) {  // the first four k-steps ignore s4's old values
+    if (K3_MLA_WG_DATA_ONLY) {
+      __syncthreads();
+      if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
+      continue;
+    }
+    // scores S^T = K Q^T: 36 k-steps of 16 columns (4 per 64-column box, +32 bytes each), into four
+    // accumulators in turn so that consecutive wgmma do not wait for each other
+    float s4[4][8];
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s4[c][e] = 0.f;
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
       wg_mma<0>(s4[kk & 3], wg_desc(stage + (kk >> 2) * WG_BOX + (kk & 3) * 32, 16, 1024),
                 wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024), kk >= 4);
     wg_commit();
-  };
-
-  if (K3_MLA_WG_DATA_ONLY) {  // the same stream of tiles, no arithmetic
-    for (int j = 0; j < ntiles; ++j) {
-      const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
-      const uint32_t stage = land(j);
-      __syncthreads();
-      if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * (j % WG_STAGES));
-    }
-  } else if (ntiles > 0) {
-    issue_scores(land(0));
     wg_wait_all();
-  }
-  for (int j = 0; !K3_MLA_WG_DATA_ONLY && j < ntiles; ++j) {
-    const uint32_t stage = stages + (j % WG_STAGES) * WG_STAGE;
-    // the row of the tile that will refill this stage, read now: its latency hides behind this tile
-    const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
-    const int valid = min(WG_BN, end - (start + j * WG_BN));
     float s[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) s[e] = (s4[0][e] + s4[1][e]) + (s4[2][e] + s4[3][e]);
@@ -257,7 +248,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       // P (head h, position q): row h of 128 B, 16-byte unit q / 8 swizzled by h % 8
       const k3_bf16 b0 = k3_f32_to_bf16(p0), b1 = k3_f32_to_bf16(p1);
       const uint32_t row = ps + h * 128, sw = h & 7;
-      asm volatile("st.shared.b16 [%0], %1;" ::"r"(row + ((((uint32_t)q0 >> 3) ^ sw) << 4) + (q0 & 7) * 2), "h"(b0)
+      asm volatile("st.shared.b16 [%0], %1;" ::"r"(row + ((((uint32_t)q0 >> 3) ^ sw) << 4) + (q0 & 7) * 2),
+                   "h"(b0)
                    : "memory");
       asm volatile("st.shared.b16 [%0], %1;" ::"r"(row + ((((uint32_t)(q0 + 8) >> 3) ^ sw) << 4) + (q0 & 7) * 2),
                    "h"(b1)
@@ -281,14 +273,9 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       for (int mb = 0; mb < 8; ++mb)
         wg_mma<1>(o[mb], wg_desc(stage + mb * WG_BOX + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);
     wg_commit();
-    // tile j + 1's scores behind the value product (they read the other stage and Q only); past the
-    // last tile an empty group, so that one wait below means "the value product is done" either way
-    if (j + 1 < ntiles) issue_scores(land(j + 1));
-    else wg_commit();
-    wg_wait_pending1();  // the value product of tile j is done (groups complete in order)
-    __syncthreads();     // every warp is done with this stage and with P: refill the stage
-    if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * (j % WG_STAGES));
-    wg_wait_all();  // tile j + 1's scores
+    wg_wait_all();
+    __syncthreads();  // every warp is done with this stage and with P: refill the stage
+    if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
   }
 
   if (K3_MLA_WG_LATE_PDL) launch_dependents();

@@ -260,16 +260,21 @@ def fused_capturable(device: int, max_shared: int) -> tuple[bool, str]:
     return _fused_capture(device, max_shared)
 
 
+def _wanted(value: str | None, label: str, env_name: str, choices: tuple, default: str) -> str:
+    """`value` if given, else the environment variable `env_name`, else `default`; checked against choices."""
+    if value is None:
+        env = os.environ.get(env_name, "")
+        if env and env not in choices:
+            raise ValueError(f"{env_name} must be one of {choices}, got {env!r}")
+        return env or default
+    if value not in choices:
+        raise ValueError(f"{label} must be one of {choices} or None, got {value!r}")
+    return value
+
+
 def merge_wanted(merge: str | None) -> str:
     """The merge choice: `merge` if given, else K3LAB_MLA_MERGE, else DEFAULT_MERGE (checked)."""
-    if merge is None:
-        env = os.environ.get("K3LAB_MLA_MERGE", "")
-        if env and env not in MERGES:
-            raise ValueError(f"K3LAB_MLA_MERGE must be one of {MERGES}, got {env!r}")
-        return env or DEFAULT_MERGE
-    if merge not in MERGES:
-        raise ValueError(f"merge must be one of {MERGES} or None, got {merge!r}")
-    return merge
+    return _wanted(merge, "merge", "K3LAB_MLA_MERGE", MERGES, DEFAULT_MERGE)
 
 
 def choose_merge(merge: str, *, splits: int, batch: int, max_blocks: int, form: str = "split",
@@ -374,8 +379,6 @@ def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=No
                          f"{LATENT_DIM}, cache.stride(2) == 1; a tile of 32 rows is copied in blocks of 4 rows), "
                          f"got strides {tuple(cache.stride())}")
     form = form_wanted(form)
-    if form not in FORM_CHOICES:
-        raise ValueError(f"form must be one of {FORM_CHOICES}, got {form!r}")
     merge = merge_wanted(merge)
     if stages not in STAGES:
         raise ValueError(f"stages must be one of {STAGES}, got {stages!r}")
@@ -418,12 +421,7 @@ def wgmma_refusal(q, cache, block_table) -> str | None:
 
 def form_wanted(form: str | None) -> str:
     """The form asked for: `form` if given, else K3LAB_MLA_FORM, else DEFAULT_FORM (checked)."""
-    if form is None:
-        env = os.environ.get("K3LAB_MLA_FORM", "")
-        if env and env not in FORM_CHOICES:
-            raise ValueError(f"K3LAB_MLA_FORM must be one of {FORM_CHOICES}, got {env!r}")
-        return env or DEFAULT_FORM
-    return form
+    return _wanted(form, "form", "K3LAB_MLA_FORM", FORM_CHOICES, DEFAULT_FORM)
 
 
 def choose_form(batch: int, max_len: int, compute_units: int, *, refusal: str | None = None,

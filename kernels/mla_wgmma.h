@@ -56,11 +56,12 @@
 
 namespace k3mla {
 
-constexpr int WG_BN = 64;                         // positions per tile
-constexpr int WG_BOX = 64 * 128;                  // one TMA box: 64 rows x 64 bf16 columns = 8 KB
+constexpr int WG_BN = 32;                         // positions per tile (the score product's M is 64: see below)
+constexpr int WG_BOX = WG_BN * 128;               // one TMA box: 32 rows x 64 bf16 columns = 4 KB
 constexpr int WG_BOXES = D / 64;                  // 9 boxes per tile
-constexpr int WG_STAGE = WG_BOXES * WG_BOX;       // 73,728 bytes
-constexpr int WG_STAGES = 2;
+constexpr int WG_TILE = WG_BOXES * WG_BOX;        // 36,864 bytes land per tile
+constexpr int WG_STAGE = WG_TILE + WG_BOX;        // + 4 KB of zeros: the last box's rows 32..63 (masked) read them
+constexpr int WG_STAGES = 5;
 constexpr int WG_QBOX = ROWS * 128;               // Q^T box: 16 heads x 64 columns = 2 KB
 constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes
 constexpr int WG_P = ROWS * 128;                  // P: 16 heads x 64 positions (bf16), one swizzled 128 B row each
@@ -115,7 +116,7 @@ K3_DEVICE int wg_row(const Args& a, int b, int pos) {
 
 // Thread 0: tile at row `row` into `stage` (9 boxes), completing on `bar`.
 K3_DEVICE void wg_issue(const void* map, int row, uint32_t stage, uint32_t bar) {
-  mbar_expect_tx(bar, (uint32_t)WG_STAGE);
+  mbar_expect_tx(bar, (uint32_t)WG_TILE);
 #pragma unroll
   for (int i = 0; i < WG_BOXES; ++i) tma_box(stage + i * WG_BOX, map, 64 * i, row, bar);
 }
@@ -162,7 +163,13 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
       wg_issue(&map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
-  __syncthreads();  // the barriers are initialised before anyone waits on them
+  for (int i = tid; i < WG_STAGES * (WG_BOX / 16); i += 128)  // the stages' zero pads (never written by a copy)
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(stages + (i / (WG_BOX / 16)) * WG_STAGE + WG_TILE +
+                                                                    (i % (WG_BOX / 16)) * 16),
+                 "r"(0)
+                 : "memory");
+  fence_async_smem();
+  __syncthreads();  // the barriers are initialised before anyone waits on them, the pads are zero
   mbar_wait(qbar, 0);
 
   float o[8][8];  // O^T: value columns 64 mb + 16 warp + g (+8) x this thread's 4 heads
@@ -268,7 +275,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     // O^T += V^T P^T: value columns in 8 boxes of 64 (M-major A), positions in 4 k-steps of 16 rows
     wg_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks)  // k-steps outside: consecutive wgmma update different accumulators
+    for (int ks = 0; ks < WG_BN / 16; ++ks)  // k-steps outside: consecutive wgmma update different accumulators
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb)
         wg_mma<1>(o[mb], wg_desc(stage + mb * WG_BOX + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);

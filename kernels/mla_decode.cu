@@ -1126,7 +1126,7 @@ K3_EXPORT int k3_mla_decode_wg(const k3mla::Args* args, const void* map, const v
   const k3mla::Args& a = *args;
   if (map == nullptr || qmap == nullptr || a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 1 ||
       a.splits > 65535 || a.chunk < k3mla::WG_BN || a.chunk % k3mla::WG_BN != 0 ||
-      (a.block_table != nullptr && (a.max_pages < 1 || a.page_shift < 5 || a.page_shift > 30)) ||
+      (a.block_table != nullptr && (a.max_pages < 1 || a.page_shift < 6 || a.page_shift > 30)) ||
       a.kv_sp % k3mla::D != 0)
     return -4;
   CUtensorMap m, qm;

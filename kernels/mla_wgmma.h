@@ -36,7 +36,11 @@
 // boxes then go out in two batches); filling the stages with 16-byte cp.async (rows in memory order):
 // 21.4 / 51.9 us; issuing tile j+1's scores behind tile j's value product (two wgmma groups):
 // 19.05 / 46.35 against 18.24 / 45.70 (commit 9e3c240), since the stage of tile j is then freed
-// only after tile j+1 has landed. Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us
+// only after tile j+1 has landed; tiles of 32 rows in five stages (the M of 64 reading the next box
+// or a zero pad as masked rows; commit 090ffa0): 22.7 / 62.4 us, data-only 17.4 / 44.5, so neither
+// the arithmetic (the score product costs the same per tile, now per 32 rows) nor the stream gains;
+// the TMA boxes' 128-byte pieces stream slower than the probe ring's 4.6 KB bulk copies whatever
+// the depth. Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us
 // (every SM reads the same 18 KB), hence the TMA boxes.
 
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
@@ -56,12 +60,11 @@
 
 namespace k3mla {
 
-constexpr int WG_BN = 32;                         // positions per tile (the score product's M is 64: see below)
-constexpr int WG_BOX = WG_BN * 128;               // one TMA box: 32 rows x 64 bf16 columns = 4 KB
+constexpr int WG_BN = 64;                         // positions per tile
+constexpr int WG_BOX = 64 * 128;                  // one TMA box: 64 rows x 64 bf16 columns = 8 KB
 constexpr int WG_BOXES = D / 64;                  // 9 boxes per tile
-constexpr int WG_TILE = WG_BOXES * WG_BOX;        // 36,864 bytes land per tile
-constexpr int WG_STAGE = WG_TILE + WG_BOX;        // + 4 KB of zeros: the last box's rows 32..63 (masked) read them
-constexpr int WG_STAGES = 5;
+constexpr int WG_STAGE = WG_BOXES * WG_BOX;       // 73,728 bytes
+constexpr int WG_STAGES = 2;
 constexpr int WG_QBOX = ROWS * 128;               // Q^T box: 16 heads x 64 columns = 2 KB
 constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes
 constexpr int WG_P = ROWS * 128;                  // P: 16 heads x 64 positions (bf16), one swizzled 128 B row each
@@ -116,7 +119,7 @@ K3_DEVICE int wg_row(const Args& a, int b, int pos) {
 
 // Thread 0: tile at row `row` into `stage` (9 boxes), completing on `bar`.
 K3_DEVICE void wg_issue(const void* map, int row, uint32_t stage, uint32_t bar) {
-  mbar_expect_tx(bar, (uint32_t)WG_TILE);
+  mbar_expect_tx(bar, (uint32_t)WG_STAGE);
 #pragma unroll
   for (int i = 0; i < WG_BOXES; ++i) tma_box(stage + i * WG_BOX, map, 64 * i, row, bar);
 }
@@ -163,13 +166,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
       wg_issue(&map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
-  for (int i = tid; i < WG_STAGES * (WG_BOX / 16); i += 128)  // the stages' zero pads (never written by a copy)
-    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(stages + (i / (WG_BOX / 16)) * WG_STAGE + WG_TILE +
-                                                                    (i % (WG_BOX / 16)) * 16),
-                 "r"(0)
-                 : "memory");
-  fence_async_smem();
-  __syncthreads();  // the barriers are initialised before anyone waits on them, the pads are zero
+  __syncthreads();  // the barriers are initialised before anyone waits on them
   mbar_wait(qbar, 0);
 
   float o[8][8];  // O^T: value columns 64 mb + 16 warp + g (+8) x this thread's 4 heads
@@ -275,7 +272,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     // O^T += V^T P^T: value columns in 8 boxes of 64 (M-major A), positions in 4 k-steps of 16 rows
     wg_fence();
 #pragma unroll
-    for (int ks = 0; ks < WG_BN / 16; ++ks)  // k-steps outside: consecutive wgmma update different accumulators
+    for (int ks = 0; ks < 4; ++ks)  // k-steps outside: consecutive wgmma update different accumulators
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb)
         wg_mma<1>(o[mb], wg_desc(stage + mb * WG_BOX + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);

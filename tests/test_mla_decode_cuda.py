@@ -56,6 +56,7 @@ def _paged(page=64, L=96, lengths=(96,)):
     ("stages6", "stages"),
     ("warps16", "warps"),
     ("form_bad", "form"),
+    ("wgmma_page32", "pages .* of >= 64"),
     ("wgmma_pool_gaps", "tensor map of rows"),
     ("wgmma_q_misaligned", "16-byte"),
     ("merge_bad", "merge"),
@@ -95,6 +96,9 @@ def test_bad_arguments_are_refused_by_name(case, match):
         kw["warps"] = 16
     elif case == "form_bad":
         kw["form"] = "wgmma2"
+    elif case == "wgmma_page32":
+        q, cache, kw["block_table"], lengths = _paged(page=32)
+        kw["form"] = "wgmma"
     elif case == "wgmma_pool_gaps":  # pages that do not follow each other in memory
         q, pool, kw["block_table"], lengths = _paged()
         cache = torch.zeros(pool.shape[0], 2 * 64, 576, dtype=torch.bfloat16)[:, :64]
@@ -148,23 +152,23 @@ def test_pieces_fill_the_units_once_in_whole_tiles():
         mc.choose_splits(1, 1024, 132, num_splits=0)
     with pytest.raises(ValueError, match="compute_units"):
         mc.choose_splits(1, 1024, 0)
-    # form 'wgmma': tiles of 32 rows, as the split kernel's
-    assert mc.choose_splits(1, 32768, 132, block_n=mc.WG_BLOCK_N) == (128, 256)  # 8 tiles of 32 rows
-    assert mc.choose_splits(1, 1024, 132, block_n=64) == (16, 64)
-    assert mc.choose_splits(1, 100, 132, block_n=64) == (2, 64)
+    # form 'wgmma': tiles of 64 rows
+    assert mc.choose_splits(1, 32768, 132, block_n=mc.WG_BLOCK_N) == (128, 256)  # 4 tiles of 64 rows
+    assert mc.choose_splits(1, 1024, 132, block_n=mc.WG_BLOCK_N) == (16, 64)
+    assert mc.choose_splits(1, 100, 132, block_n=mc.WG_BLOCK_N) == (2, 64)
     with pytest.raises(ValueError, match="block_n"):
         mc.choose_splits(1, 1024, 132, block_n=0)
 
 
-def test_form_rule_takes_wgmma_for_pieces_of_eight_tiles_or_more():
-    # H200: 132 SMs; pieces of 32-row tiles
-    assert mc.choose_form(1, 32768, 132)[0] == "wgmma"  # 128 pieces of 8 tiles
-    assert mc.choose_form(8, 8192, 132)[0] == "wgmma"  # 16 pieces of 16 tiles per request
+def test_form_rule_takes_wgmma_for_pieces_of_four_tiles_or_more():
+    # H200: 132 SMs; pieces of 64-row tiles
+    assert mc.choose_form(1, 32768, 132)[0] == "wgmma"  # 128 pieces of 4 tiles
+    assert mc.choose_form(8, 8192, 132)[0] == "wgmma"  # 16 pieces of 8 tiles per request
     assert mc.choose_form(1, 131072, 132)[0] == "wgmma"
-    form, why = mc.choose_form(1, 1024, 132)  # 32 pieces of one tile
+    form, why = mc.choose_form(1, 1024, 132)  # 16 pieces of one tile
     assert form == "split" and "1 tile" in why
-    assert mc.choose_form(1, 16384, 132)[0] == "split"  # 128 pieces of 4 tiles
-    assert mc.choose_form(1, 16384, 132, num_splits=32)[0] == "wgmma"  # 32 pieces of 16 tiles
+    assert mc.choose_form(1, 16384, 132)[0] == "split"  # 128 pieces of 2 tiles
+    assert mc.choose_form(1, 16384, 132, num_splits=32)[0] == "wgmma"  # 32 pieces of 8 tiles
     assert mc.choose_form(1, 32768, 132, refusal="pages of 32") == ("split", "pages of 32")
     for kw in (dict(stages=3), dict(warps=8), dict(probe=True), dict(merge="fused")):
         form, why = mc.choose_form(1, 32768, 132, **kw)
@@ -181,8 +185,9 @@ def test_form_from_argument_environment_and_default(monkeypatch):
         mc.form_wanted(None)
     # what form='auto' would refuse for wgmma is a reason, not an error
     q, pool, bt, lengths = _paged(page=32)
+    assert "pages" in mc.wgmma_refusal(q, pool, bt)
+    q, pool, bt, lengths = _paged(page=64)
     assert mc.wgmma_refusal(q, pool, bt) is None
-    assert "16-byte" in mc.wgmma_refusal(torch.zeros(1, 1, 12, 580, dtype=torch.bfloat16)[..., :576], pool, bt)
 
 
 def test_merge_path_rule():
@@ -226,8 +231,8 @@ def test_merge_choice_from_argument_environment_and_default(monkeypatch):
 
 def test_shared_memory_fits_one_block_per_h200_sm():
     assert mc.smem_bytes(5) <= 232448 < 2 * mc.smem_bytes(3)  # the H200's opt-in limit per block
-    # form 'wgmma': five 36 KB tiles + 4 KB pads, Q^T 18 KB, P 2 KB, exchanges, barriers, 1 KB of alignment slack
-    assert mc.wg_smem_bytes() == 1024 + 5 * 40960 + 18432 + 2048 + 768 + 48 <= 232448
+    # form 'wgmma': two 72 KB tiles, Q^T 18 KB, P 2 KB, exchanges, barriers and 1 KB of alignment slack
+    assert mc.wg_smem_bytes() == 1024 + 2 * 73728 + 18432 + 2048 + 768 + 24 <= 232448
     with pytest.raises(ValueError, match="stages"):
         mc.smem_bytes(2)
 
@@ -260,8 +265,7 @@ def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
     args = mc.Args()
     args.B, args.heads, args.splits, args.chunk, args.page_shift = 1, 12, 4, 32, 6
     assert lib.k3_mla_decode_fused(ctypes.byref(args), 1 << 18, None) == -4
-    # form 'wgmma' refuses pieces that are not whole 32-row tiles (-4)
-    args.chunk = 48
+    # form 'wgmma' refuses pieces that are not whole 64-row tiles, and pages under 64 rows (-4)
     assert lib.k3_mla_wg_smem() == mc.wg_smem_bytes()
     map128 = (ctypes.c_ubyte * 128)()
     assert lib.k3_mla_decode_wg(ctypes.byref(args), ctypes.addressof(map128), ctypes.addressof(map128), 1, 1 << 18,

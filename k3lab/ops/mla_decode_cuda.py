@@ -76,7 +76,7 @@ FORMS = ("team", "split", "wgmma")
 # profiles/nvidia-h200/mla_padding/extra/wgmma_*.json: wgmma faster from 8K up, slower at 1K, where a piece is one tile)
 FORM_CHOICES = FORMS + ("auto",)
 DEFAULT_FORM = "auto"
-WG_MIN_TILES = 8
+WG_MIN_TILES = 4
 TEAM_STAGES = 5  # the team kernel's ring depth (fixed)
 _TEAM_WARPS_CODE = 9  # the launchers' `warps` value that selects the team kernel (K3_MLA_TEAM)
 # How the pieces are merged (splits > 1): 'kernel' = a second kernel (k3_mla_merge, launched early by
@@ -89,8 +89,8 @@ FUSED_STAGES, FUSED_WARPS = 5, 4  # the compiled fused form (kernels/mla_decode.
 _COOPERATIVE_TOO_LARGE = 720  # cudaErrorCooperativeLaunchTooLarge
 _STAGE_BYTES = 8 * (4 * LATENT_DIM * 2 + 16)  # 8 blocks of 4 rows, 16 bytes of padding each
 _XCH_BYTES = 4 * 4 * 32 * 16  # one score-partial exchange buffer
-WG_BLOCK_N = 32  # form 'wgmma': latent rows per tile (one TMA box height; its score product's M is 64)
-WG_STAGES = 5  # form 'wgmma': tiles of 36 KB (+ a 4 KB zero pad each) in its ring
+WG_BLOCK_N = 64  # form 'wgmma': latent rows per tile (one TMA box height, the M of its score product)
+WG_STAGES = 2  # form 'wgmma': tiles of 72 KB in its ring
 _ERRORS = {-1: "no compiled kernel for this (stages, warps) pair", -3: "more shared memory than the device allows per block",
            -4: "bad sizes", -5: "this build has no MLA decode kernel (HIP, or not sm_90)",
            -6: "the driver's tensor-map encoder (cuTensorMapEncodeTiled) is unavailable",
@@ -105,10 +105,9 @@ def team_smem_bytes() -> int:
 
 
 def wg_smem_bytes() -> int:
-    """Dynamic shared memory of form 'wgmma' (kernels/mla_wgmma.h): 1 KB of alignment slack, five
-    36 KB tiles with a 4 KB zero pad each, Q^T (18 KB), P (2 KB), the max and sum exchanges and six
-    mbarriers (the stages', Q's)."""
-    return 1024 + WG_STAGES * 10 * 32 * 128 + 9 * 16 * 128 + 16 * 128 + 3 * 4 * 16 * 4 + (WG_STAGES + 1) * 8
+    """Dynamic shared memory of form 'wgmma' (kernels/mla_wgmma.h): 1 KB of alignment slack, two
+    72 KB tiles, Q^T (18 KB), P (2 KB), the max and sum exchanges and three mbarriers (the tiles', Q's)."""
+    return 1024 + WG_STAGES * 9 * 64 * 128 + 9 * 16 * 128 + 16 * 128 + 3 * 4 * 16 * 4 + (WG_STAGES + 1) * 8
 
 
 def smem_bytes(stages: int = DEFAULT_STAGES) -> int:
@@ -408,6 +407,9 @@ def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=No
 
 def wgmma_refusal(q, cache, block_table) -> str | None:
     """Why form 'wgmma' cannot take these (checked) inputs, or None."""
+    if block_table is not None and cache.shape[1] < WG_BLOCK_N:
+        return (f"form='wgmma' needs pages (cache.shape[1]) of >= {WG_BLOCK_N} rows (its {WG_BLOCK_N}-row tile is one "
+                f"TMA box inside a page), got {cache.shape[1]}; form='split' takes pages of 32")
     if cache.stride(0) != cache.shape[1] * LATENT_DIM:
         return (f"form='wgmma' reads the cache through one tensor map of rows, so pages (or requests) must follow "
                 f"each other: cache.stride(0) must be {cache.shape[1] * LATENT_DIM}, got {cache.stride(0)}")

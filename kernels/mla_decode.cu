@@ -75,6 +75,7 @@
 
 #define K3_MLA_UNSUPPORTED (-5)
 #define K3_MLA_TEAM 9  // the launchers' `warps` value that selects the team kernel (2 teams of 4 warps)
+#define K3_MLA_HALVES 10  // ... and the halves kernel (mla_halves.h)
 
 namespace k3mla {
 
@@ -407,15 +408,17 @@ K3_DEVICE void softmax_value(const Args& a, const float4* xj, int tile_pos, int 
   }
 }
 
-// This warp's query slice (columns 144 kg .. 144 kg + 143) as mma A fragments, kept for the whole
-// piece. Rows past the real heads are zero (the padding: computed, never stored).
-K3_DEVICE void load_query(const Args& a, int b, int kg, int g, int t4, uint32_t (&qf)[KSTEPS][4]) {
+// This warp's query slice (KS k-steps of 16 columns from k-step k0: columns 16 k0 .. 16 (k0 + KS) - 1) as
+// mma A fragments, kept for the whole piece. Rows past the real heads are zero (the padding: computed,
+// never stored).
+template <int KS>
+K3_DEVICE void load_query(const Args& a, int b, int k0, int g, int t4, uint32_t (&qf)[KS][4]) {
   const int h0 = g, h1 = g + 8;
   const uint32_t* q0 = reinterpret_cast<const uint32_t*>(a.q + (long long)b * a.q_sb + (long long)h0 * a.q_sh);
   const uint32_t* q1 = reinterpret_cast<const uint32_t*>(a.q + (long long)b * a.q_sb + (long long)h1 * a.q_sh);
 #pragma unroll
-  for (int kk = 0; kk < KSTEPS; ++kk) {
-    const int c = (kg * KSTEPS + kk) * 16 + 2 * t4;  // element column of a0/a1
+  for (int kk = 0; kk < KS; ++kk) {
+    const int c = (k0 + kk) * 16 + 2 * t4;  // element column of a0/a1
     qf[kk][0] = h0 < a.heads ? __ldg(q0 + c / 2) : 0u;
     qf[kk][1] = h1 < a.heads ? __ldg(q1 + c / 2) : 0u;
     qf[kk][2] = h0 < a.heads ? __ldg(q0 + c / 2 + 4) : 0u;
@@ -644,7 +647,7 @@ __global__ void __launch_bounds__(NW * 32, 1) split_kernel(const Args a) {
                                bars + 8 * i, warp, lane);
 
   uint32_t qf[KSTEPS][4];
-  load_query(a, b, kg, g, t4, qf);
+  load_query<KSTEPS>(a, b, kg * KSTEPS, g, t4, qf);
 
   // Position order inside a tile: score n-tile nt (0..3), row i (0..7) is position 4i + nt (row nt of
   // block i), so the 8 rows of every ldmatrix lie in 8 different blocks, hence bank groups. The
@@ -776,16 +779,13 @@ K3_DEVICE long long team_tile_row(const Args& a, int b, int pos, int& base, int&
   return (long long)page * a.kv_sp + (long long)(pos & ((1 << a.page_shift) - 1)) * D;
 }
 
-// One warp fetches tile `i` into its stage: a short last tile's missing rows zero-filled by the
-// whole warp, lane 0 announces the byte count (its arrive also publishes the zero fill), lanes 0..7
-// copy one block of 4 rows each.
-K3_DEVICE void team_fetch(const Args& a, int b, int start, int end, int i, uint32_t stages, uint32_t full, int& base,
-                          int& page_l, int lane) {
-  const int st = i % TSTAGES;
-  const int pos = start + i * BN;
+// One warp fetches the tile at position `pos` into `stage`, completing on `bar`: a short last
+// tile's missing rows zero-filled by the whole warp, lane 0 announces the byte count (its arrive also
+// publishes the zero fill), lanes 0..7 copy one block of 4 rows each.
+K3_DEVICE void warp_fetch(const Args& a, int b, int pos, int end, uint32_t stage, uint32_t bar, int& base, int& page_l,
+                          int lane) {
   const int rows = tile_rows(pos, end);
   const long long row0 = team_tile_row(a, b, pos, base, page_l, lane);
-  const uint32_t stage = stages + st * STAGE_BYTES;
   if (rows < BN) {
     for (int blk = 0; blk < 8; ++blk) {
       const int keep = min(4, max(0, rows - 4 * blk));
@@ -794,14 +794,19 @@ K3_DEVICE void team_fetch(const Args& a, int b, int start, int end, int i, uint3
     }
   }
   __syncwarp();
-  if (lane == 0) mbar_expect_tx(team_bar(full, i), (uint32_t)(rows * ROW_BYTES));
+  if (lane == 0) mbar_expect_tx(bar, (uint32_t)(rows * ROW_BYTES));
   __syncwarp();
   if (lane < 8) {
     const int keep = min(4, max(0, rows - 4 * lane));
     if (keep > 0)
-      bulk_copy(stage + lane * BPITCH, a.kv + row0 + (long long)lane * 4 * D, (uint32_t)(keep * ROW_BYTES),
-                team_bar(full, i));
+      bulk_copy(stage + lane * BPITCH, a.kv + row0 + (long long)lane * 4 * D, (uint32_t)(keep * ROW_BYTES), bar);
   }
+}
+
+// The team kernel's fetch of its tile `i` (stage i % TSTAGES, the barrier of the team that reads it).
+K3_DEVICE void team_fetch(const Args& a, int b, int start, int end, int i, uint32_t stages, uint32_t full, int& base,
+                          int& page_l, int lane) {
+  warp_fetch(a, b, start + i * BN, end, stages + (i % TSTAGES) * STAGE_BYTES, team_bar(full, i), base, page_l, lane);
 }
 
 template <bool PROBE = false>
@@ -837,7 +842,7 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
     for (int i = 0; i < TSTAGES && i < ntiles; ++i) team_fetch(a, b, start, end, i, stages, full, base, page_l, lane);
 
   uint32_t qf[KSTEPS][4];
-  load_query(a, b, kg, g, t4, qf);
+  load_query<KSTEPS>(a, b, kg * KSTEPS, g, t4, qf);
   const int mi = lane >> 3, r8 = lane & 7;
   const uint32_t k_lane = (uint32_t)(r8 * BPITCH + (mi >> 1) * ROW_BYTES + (kg * 2 * KSTEPS + (mi & 1)) * 16);
   const uint32_t v_lane = (uint32_t)(r8 * BPITCH + (mi & 1) * ROW_BYTES + (kg * TVNT + (mi >> 1)) * 16);
@@ -1041,6 +1046,7 @@ int launch_team(const Args& a, int max_shared, cudaStream_t st) {
 
 #include <cudaTypedefs.h>  // CUtensorMap and the driver's tensor-map encoder (form 'wgmma', host side)
 #include "mla_wgmma.h"     // the split kernel on warpgroup MMA (form 'wgmma')
+#include "mla_halves.h"    // two teams of warps on half positions x half columns (form 'halves')
 
 // Whether this build has the kernel: 1 for a CUDA build that includes sm_90 code (checked at launch
 // against the device: cudaFuncGetAttributes fails for an architecture that was not compiled).
@@ -1057,11 +1063,13 @@ K3_EXPORT int k3_mla_decode_smem(int stages) {
 #define K3_MLA_CONFIGS(X) X(3, 4) X(4, 4) X(5, 4) X(3, 8) X(4, 8) X(5, 8)
 
 K3_EXPORT int k3_mla_decode_team_smem() { return k3mla::team_smem_bytes(); }
+K3_EXPORT int k3_mla_halves_smem() { return k3mla::halves_smem_bytes(); }
 
 K3_EXPORT int k3_mla_decode_regs(int stages, int warps) {
   cudaFuncAttributes attr;
   cudaError_t e = cudaErrorInvalidValue;
   if (stages == k3mla::TSTAGES && warps == K3_MLA_TEAM) e = cudaFuncGetAttributes(&attr, k3mla::team_kernel<false>);
+  if (stages == k3mla::HSTAGES && warps == K3_MLA_HALVES) e = cudaFuncGetAttributes(&attr, k3mla::halves_kernel);
 #define K3_REGS(S_, W_) \
   if (stages == S_ && warps == W_) e = cudaFuncGetAttributes(&attr, k3mla::split_kernel<S_, W_>);
   K3_MLA_CONFIGS(K3_REGS)
@@ -1081,7 +1089,9 @@ K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int warps, int 
     return -4;
   cudaStream_t st = (cudaStream_t)stream;
   int rc = -1;
-  if (warps == K3_MLA_TEAM) {
+  if (warps == K3_MLA_HALVES) {
+    if (stages == k3mla::HSTAGES && a.probe == nullptr) rc = k3mla::launch_halves(a, max_shared, st);
+  } else if (warps == K3_MLA_TEAM) {
     if (stages == k3mla::TSTAGES)
       rc = a.probe != nullptr ? k3mla::launch_team<true>(a, max_shared, st) : k3mla::launch_team<false>(a, max_shared, st);
   } else if (a.probe != nullptr) {  // the timeline probe: the 4-warp, 5-stage split kernel and the team kernel
@@ -1226,6 +1236,7 @@ K3_EXPORT int k3_mla_decode_supported() { return 0; }
 K3_EXPORT int k3_mla_decode_args_size() { return (int)sizeof(k3mla::Args); }
 K3_EXPORT int k3_mla_decode_smem(int stages) { return stages >= 3 && stages <= 5 ? k3mla::smem_bytes(stages) : -1; }
 K3_EXPORT int k3_mla_decode_team_smem() { return -1; }
+K3_EXPORT int k3_mla_halves_smem() { return -1; }
 K3_EXPORT int k3_mla_decode_regs(int, int) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_decode(const k3mla::Args*, int, int, int, int, void*) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_fused_max_blocks(int) { return K3_MLA_UNSUPPORTED; }

@@ -24,7 +24,16 @@ gen = torch.Generator(device=dev).manual_seed(7)
 checks = []
 
 
+CHECK_FORMS = os.environ.get("CHECK_FORMS", "wgmma").split(",")
+TIME_FORMS = tuple(os.environ.get("TIME_FORMS", "split,wgmma").split(","))
+
+
 def check_case(label, lengths, heads=12, page=64, paged=True, nan_tail=True, splits=None):
+    for form in CHECK_FORMS:
+        check_form(f"{form}: {label}", lengths, form, heads, page, paged, nan_tail, splits)
+
+
+def check_form(label, lengths, form, heads, page, paged, nan_tail, splits):
     B, L = len(lengths), max(lengths)
     q = torch.randn(B, 1, heads, 576, device=dev, generator=gen).to(torch.bfloat16)
     cache = torch.randn(B, L, 576, device=dev, generator=gen).to(torch.bfloat16)
@@ -36,9 +45,9 @@ def check_case(label, lengths, heads=12, page=64, paged=True, nan_tail=True, spl
                 last = n // page
                 if last < table.shape[1] and n % page:
                     pool[table[b, last].long(), n % page:] = float("nan")
-        p = mc.plan(q, pool, lens, block_table=table, form="wgmma", num_splits=splits)
+        p = mc.plan(q, pool, lens, block_table=table, form=form, num_splits=splits)
     else:
-        p = mc.plan(q, cache, lens, form="wgmma", num_splits=splits)
+        p = mc.plan(q, cache, lens, form=form, num_splits=splits)
     o, lse = p()
     ro, rl = mla.reference(q.float(), cache.float(), lengths=lens)
     err = bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
@@ -88,7 +97,7 @@ for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1
     sets = [first] + [st._make_set(case, 12, torch.bfloat16, seed=1000 + i)
                       for i in range(bench.rotation_count(nbytes, max_sets=64) - 1)]
     res = {}
-    for form in ("split", "wgmma") + tuple(f"wgmma-{k}" for k in builds):
+    for form in TIME_FORMS + tuple(f"wgmma-{k}" for k in builds):
         if form.startswith("wgmma-"):
             mc._library = lambda lib=builds[form[6:]]: lib
         plans = [mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], form="wgmma" if "wgmma" in form else form)
@@ -109,6 +118,7 @@ for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1
 json.dump({"device": torch.cuda.get_device_name(), "versions": dict(env.versions()),
            "commit": os.environ.get("K3LAB_COMMIT") or bench.git_commit(), "copy_bandwidth_tbs": bw / 1e12,
            "checks": checks, "rows": rows}, open(os.path.join(out, "wgmma.json"), "w"), indent=1)
-print("ratio split/wgmma: " + ", ".join(f"{k} {v['forms']['split']['us'] / v['forms']['wgmma']['us']:.2f}x"
-                                          for k, v in rows.items()))
-assert math.isfinite(sum(v["forms"]["wgmma"]["us"] for v in rows.values()))
+for f in TIME_FORMS[1:]:
+    print(f"ratio {TIME_FORMS[0]}/{f}: " + ", ".join(f"{k} {v['forms'][TIME_FORMS[0]]['us'] / v['forms'][f]['us']:.2f}x"
+                                                  for k, v in rows.items()))
+assert all(math.isfinite(v["forms"][f]["us"]) for v in rows.values() for f in TIME_FORMS)

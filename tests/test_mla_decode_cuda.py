@@ -314,7 +314,7 @@ def _check(o, lse, q, ref_cache, lens, H):
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
-@pytest.mark.parametrize("form,warps", [("team", 4), ("split", 4), ("split", 8), ("wgmma", 4)])
+@pytest.mark.parametrize("form,warps", [("team", 4), ("split", 4), ("split", 8), ("wgmma", 4), ("halves", 4)])
 @pytest.mark.parametrize("lengths,H,splits,stages", [
     ((1,), 12, None, 5),
     ((31,), 12, None, 5),
@@ -381,7 +381,7 @@ def test_on_the_gpu_the_timeline_probe_is_ordered_and_changes_nothing(form):
     q, kern, ref, lens, bt = _ragged(1, 9000, (9000,), 12, True, seed=9, nan_tail=False)
     p0 = mc.plan(q, kern, lens, block_table=bt, form=form)
     probe = torch.zeros(mc.probe_size(1, 12, p0.num_splits), dtype=torch.int64, device="cuda")
-    if form == "wgmma":  # compiled for the team and 5-stage split kernels only
+    if form in ("wgmma", "halves"):  # compiled for the team and 5-stage split kernels only
         with pytest.raises(ValueError, match="probe"):
             mc.plan(q, kern, lens, block_table=bt, form=form, probe=probe)
         return

@@ -70,7 +70,7 @@ DEFAULT_WARPS = 4
 MAX_SPLITS = 65535
 # the team kernel (2 teams of 4 warps on one ring), the 4/8-warp mma.sync split kernel, or the split kernel on
 # warpgroup MMA with TMA tiles of 64 rows (kernels/mla_wgmma.h)
-FORMS = ("team", "split", "wgmma")
+FORMS = ("team", "split", "wgmma", "halves")
 # 'auto' (the default; K3LAB_MLA_FORM overrides it): 'wgmma' where it applies and each piece holds at least
 # WG_MIN_TILES of its 64-row tiles, else 'split' (`choose_form`; measured on the H200 in
 # profiles/nvidia-h200/mla_padding/extra/wgmma_*.json: wgmma faster from 8K up, slower at 1K, where a piece is one tile)
@@ -79,6 +79,8 @@ DEFAULT_FORM = "auto"
 WG_MIN_TILES = 4
 TEAM_STAGES = 5  # the team kernel's ring depth (fixed)
 _TEAM_WARPS_CODE = 9  # the launchers' `warps` value that selects the team kernel (K3_MLA_TEAM)
+HALVES_STAGES = 6  # form 'halves' (kernels/mla_halves.h): its ring depth (fixed)
+_HALVES_WARPS_CODE = 10  # ... and its `warps` value (K3_MLA_HALVES)
 # How the pieces are merged (splits > 1): 'kernel' = a second kernel (k3_mla_merge, launched early by
 # PDL); 'fused' = inside the split kernel after a grid-wide barrier (one cooperative launch; only
 # where the whole grid is co-resident, 5 stages, 4 warps); 'auto' = fused where it applies, else the
@@ -108,6 +110,12 @@ def wg_smem_bytes() -> int:
     """Dynamic shared memory of form 'wgmma' (kernels/mla_wgmma.h): 1 KB of alignment slack, two
     72 KB tiles, Q^T (18 KB), P (2 KB), the max and sum exchanges and three mbarriers (the tiles', Q's)."""
     return 1024 + WG_STAGES * 9 * 64 * 128 + 9 * 16 * 128 + 16 * 128 + 3 * 4 * 16 * 4 + (WG_STAGES + 1) * 8
+
+
+def halves_smem_bytes() -> int:
+    """Dynamic shared memory of form 'halves' (kernels/mla_halves.h): six 32-row stages, 1 KB of
+    partial scores per warp, an mbarrier per stage."""
+    return HALVES_STAGES * _STAGE_BYTES + 8 * 2 * 32 * 16 + HALVES_STAGES * 8
 
 
 def smem_bytes(stages: int = DEFAULT_STAGES) -> int:
@@ -143,6 +151,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k3_mla_decode_smem.restype = ctypes.c_int
     lib.k3_mla_decode_smem.argtypes = [ctypes.c_int]
     lib.k3_mla_decode_team_smem.restype = ctypes.c_int
+    lib.k3_mla_halves_smem.restype = ctypes.c_int
     lib.k3_mla_decode_regs.restype = ctypes.c_int
     lib.k3_mla_decode_regs.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.k3_mla_decode_fused.restype = ctypes.c_int
@@ -168,6 +177,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     if lib.k3_mla_decode_supported() and lib.k3_mla_decode_team_smem() != team_smem_bytes():
         raise _build.KernelUnavailable(f"{NAME}.cu's team kernel needs {lib.k3_mla_decode_team_smem()} bytes of "
                                        f"shared memory but the Python formula says {team_smem_bytes()}")
+    if lib.k3_mla_decode_supported() and lib.k3_mla_halves_smem() != halves_smem_bytes():
+        raise _build.KernelUnavailable(f"{NAME}.cu's halves form needs {lib.k3_mla_halves_smem()} bytes of shared "
+                                       f"memory but the Python formula says {halves_smem_bytes()}")
     if lib.k3_mla_decode_supported() and lib.k3_mla_wg_smem() != wg_smem_bytes():
         raise _build.KernelUnavailable(f"{NAME}.cu's wgmma form needs {lib.k3_mla_wg_smem()} bytes of shared "
                                        f"memory but the Python formula says {wg_smem_bytes()}")
@@ -204,6 +216,11 @@ def registers(stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS, form: st
     for this GPU (GPU only)."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    if form == "halves":
+        n = _library().k3_mla_decode_regs(HALVES_STAGES, _HALVES_WARPS_CODE)
+        if n < 0:
+            raise RuntimeError(f"{NAME}.cu could not report the halves kernel's registers (error {-n})")
+        return n
     if form == "wgmma":
         n = _library().k3_mla_wg_regs()
         if n < 0:
@@ -493,6 +510,8 @@ class CudaDecodePlan:
     def config(self) -> mla.LaunchConfig:
         if self.form == "wgmma":
             return mla.LaunchConfig(WG_BLOCK_N, 4, WG_STAGES)
+        if self.form == "halves":
+            return mla.LaunchConfig(BLOCK_N, 8, HALVES_STAGES)
         team = self.form == "team"
         return mla.LaunchConfig(BLOCK_N, 8 if team else self.warps, TEAM_STAGES if team else self.stages)
 
@@ -507,7 +526,8 @@ class CudaDecodePlan:
 
     def facts(self) -> dict:
         cfg = self.config
-        smem = {"team": team_smem_bytes(), "wgmma": wg_smem_bytes()}.get(self.form) or smem_bytes(self.stages)
+        smem = ({"team": team_smem_bytes(), "wgmma": wg_smem_bytes(), "halves": halves_smem_bytes()}.get(self.form)
+                or smem_bytes(self.stages))
         return {"kernel": "cuda", "form": self.form, "num_splits": self.num_splits, "chunk": self.chunk,
                 "block_n": cfg.block_n, "num_stages": cfg.num_stages, "num_warps": cfg.num_warps, "smem_bytes": smem,
                 "programs": self.programs, "launches": self.launches, "pdl": self.pdl, "rows_per_program": 16,
@@ -528,9 +548,9 @@ class CudaDecodePlan:
             if rc != 0:
                 raise RuntimeError(f"{NAME}.cu refused the wgmma launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
             return self.out, self.lse
-        team = self.form == "team"
-        rc = lib.k3_mla_decode(ctypes.byref(self._args), TEAM_STAGES if team else self.stages,
-                               _TEAM_WARPS_CODE if team else self.warps, int(self.pdl), self._max_shared,
+        stages, warps = {"team": (TEAM_STAGES, _TEAM_WARPS_CODE),
+                         "halves": (HALVES_STAGES, _HALVES_WARPS_CODE)}.get(self.form, (self.stages, self.warps))
+        rc = lib.k3_mla_decode(ctypes.byref(self._args), stages, warps, int(self.pdl), self._max_shared,
                                ctypes.c_void_p(stream))
         if rc != 0:
             raise RuntimeError(f"{NAME}.cu refused the launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
@@ -567,7 +587,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                                      refusal=wgmma_refusal(q, cache, block_table), num_splits=num_splits,
                                      stages=stages, warps=warps, probe=probe is not None, merge=c.merge)
     max_shared = int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
-    need = {"team": team_smem_bytes(), "wgmma": wg_smem_bytes()}.get(form) or smem_bytes(stages)
+    need = {"team": team_smem_bytes(), "wgmma": wg_smem_bytes(), "halves": halves_smem_bytes()}.get(form) or smem_bytes(stages)
     if need > max_shared:
         raise _build.KernelUnavailable(f"the {form} kernel needs {need} bytes of shared memory per block; "
                                        f"this GPU allows {max_shared}")
@@ -601,9 +621,9 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                 raise _build.KernelUnavailable(f"{NAME}.cu could not encode the {what} tensor map ({rc}: "
                                                f"{_ERRORS.get(rc, 'driver refused')})")
     if probe is not None:
-        if form == "wgmma":
-            raise ValueError("probe is compiled for the team kernel and the 5-stage 4-warp split kernel only, not "
-                             "form='wgmma'")
+        if form in ("wgmma", "halves"):
+            raise ValueError(f"probe is compiled for the team kernel and the 5-stage 4-warp split kernel only, not "
+                             f"form={form!r}")
         need = probe_size(B, H, splits)
         if form == "split" and (stages != 5 or warps != 4):
             raise ValueError(f"probe is compiled for the team kernel and the 5-stage 4-warp split kernel only, "

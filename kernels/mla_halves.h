@@ -16,6 +16,14 @@
 //   * with 1 KB of exchange per warp the ring holds six 37 KB stages: while each team computes a tile,
 //     four stream (the probe ring's depth).
 // Rows past a request's length are never read (the copies stop there, the rest is zero-filled).
+//
+// Measured on an H200 (commit fe78661, graph replay, paged, same run as the other forms;
+// profiles/nvidia-h200/mla_padding/extra/halves_fe78661.json): right on every GPU test (146 passed,
+// 50 graph replays at 128K included), and the fastest form at 64 x 8K (184.1 us, 77% of the copy
+// bandwidth; split kernel 217.5, wgmma 199.6), but slower at B = 1 (1K 9.1, 32K 22.3, 128K 49.7 us
+// against the split kernel's 7.0 / 19.9 / 47.4), where each block streams only 8 to 32 tiles and
+// the end-of-piece combine of four states (~100 KB through shared memory) and the last tile's
+// single-team compute are not amortised. Opt-in (form='halves'); form='auto' does not pick it.
 
 namespace k3mla {
 

@@ -321,6 +321,51 @@ K3_DEVICE void store_piece(const Args& a, const float (&acc)[VNT][4], float m0, 
   }
 }
 
+// One online-softmax step over NT score n-tiles of 8 positions, already scaled to base 2 and masked:
+// rows g (s[.][0..1]) and g + 8 (s[.][2..3]). Moves the running max (m0, m1), updates this thread's
+// sums (l0, l1), rescales the accumulator of VNT value n-tiles when the max moved, and writes p as
+// the value product's A fragments (k-step nt / 2).
+template <int NT, int VNT>
+K3_DEVICE void online_softmax(const float (&s)[NT][4], float& m0, float& m1, float& l0, float& l1,
+                              uint32_t (&pf)[NT / 2][4], float (&acc)[VNT][4]) {
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+    mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+  }
+  mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 1));
+  mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 2));
+  mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 1));
+  mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 2));
+  const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+  const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
+  const float al0 = fast_exp2(m0 - u0), al1 = fast_exp2(m1 - u1);
+  m0 = n0;
+  m1 = n1;
+  float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const float p0 = fast_exp2(s[nt][0] - u0), p1 = fast_exp2(s[nt][1] - u0);
+    const float p2 = fast_exp2(s[nt][2] - u1), p3 = fast_exp2(s[nt][3] - u1);
+    ps0 += p0 + p1;
+    ps1 += p2 + p3;
+    pf[nt >> 1][(nt & 1) * 2 + 0] = pack_bf16(p0, p1);
+    pf[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
+  }
+  l0 = l0 * al0 + ps0;
+  l1 = l1 * al1 + ps1;
+  if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the max moved: rescale (warp-uniform skip)
+#pragma unroll
+    for (int i = 0; i < VNT; ++i) {
+      acc[i][0] *= al0;
+      acc[i][1] *= al0;
+      acc[i][2] *= al1;
+      acc[i][3] *= al1;
+    }
+  }
+}
+
 // Softmax and value product of one tile whose four score partials are in `xj` and whose rows start
 // at position `tile_pos` (the request's rows end at `end`); `vs`: this lane's ldmatrix address in the
 // tile's stage for the value product. Updates the running max (m0, m1: rows g, g + 8), this thread's
@@ -352,49 +397,16 @@ K3_DEVICE void softmax_value(const Args& a, const float4* xj, int tile_pos, int 
   // online softmax in base 2, rows g (s[.][0..1]) and g + 8 (s[.][2..3])
   const int pos0 = tile_pos + 8 * t4;  // element (nt, e): position pos0 + 4 (e & 1) + nt
   const bool partial = tile_pos + BN > end;
-  float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
+  for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float v = s[nt][e] * a.scale_log2;
       if (partial && pos0 + 4 * (e & 1) + nt >= end) v = -INFINITY;
       s[nt][e] = v;
     }
-    mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
-    mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
-  }
-  mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 1));
-  mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 2));
-  mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 1));
-  mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 2));
-  const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-  const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
-  const float al0 = fast_exp2(m0 - u0), al1 = fast_exp2(m1 - u1);
-  m0 = n0;
-  m1 = n1;
   uint32_t pf[2][4];  // p as the value product's A fragments (k-steps of 16 positions)
-  float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
-    const float p0 = fast_exp2(s[nt][0] - u0), p1 = fast_exp2(s[nt][1] - u0);
-    const float p2 = fast_exp2(s[nt][2] - u1), p3 = fast_exp2(s[nt][3] - u1);
-    ps0 += p0 + p1;
-    ps1 += p2 + p3;
-    pf[nt >> 1][(nt & 1) * 2 + 0] = pack_bf16(p0, p1);
-    pf[nt >> 1][(nt & 1) * 2 + 1] = pack_bf16(p2, p3);
-  }
-  l0 = l0 * al0 + ps0;
-  l1 = l1 * al1 + ps1;
-  if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the max moved: rescale (warp-uniform skip)
-#pragma unroll
-    for (int i = 0; i < VNT; ++i) {
-      acc[i][0] *= al0;
-      acc[i][1] *= al0;
-      acc[i][2] *= al1;
-      acc[i][3] *= al1;
-    }
-  }
+  online_softmax<4, VNT>(s, m0, m1, l0, l1, pf, acc);
   // o += p V over this warp's 128 columns
 #pragma unroll
   for (int ks = 0; ks < 2; ++ks) {

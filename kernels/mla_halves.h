@@ -97,7 +97,6 @@ __global__ void __launch_bounds__(HTHREADS, 1) halves_kernel(const Args a) {
     }
     named_sync(1 + team, 128);  // the team's partials are published
     const int tile_pos = start + j * BN;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const float4 o = xch[((warp ^ 1) * 2 + nt) * 32 + lane];
@@ -109,46 +108,15 @@ __global__ void __launch_bounds__(HTHREADS, 1) halves_kernel(const Args a) {
         if (tile_pos + 8 * t4 + 4 * (e & 1) + 2 * ph + nt >= end) v = -INFINITY;
         s[nt][e] = v;
       }
-      mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
     }
-    mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 1));
-    mx0 = fmaxf(mx0, k3_shfl_xor(mx0, 2));
-    mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 1));
-    mx1 = fmaxf(mx1, k3_shfl_xor(mx1, 2));
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
-    const float al0 = fast_exp2(m0 - u0), al1 = fast_exp2(m1 - u1);
-    m0 = n0;
-    m1 = n1;
-    uint32_t pf[4];  // p as the value product's A fragment: this warp's 16 positions are one k-step
-    float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const float p0 = fast_exp2(s[nt][0] - u0), p1 = fast_exp2(s[nt][1] - u0);
-      const float p2 = fast_exp2(s[nt][2] - u1), p3 = fast_exp2(s[nt][3] - u1);
-      ps0 += p0 + p1;
-      ps1 += p2 + p3;
-      pf[nt * 2 + 0] = pack_bf16(p0, p1);
-      pf[nt * 2 + 1] = pack_bf16(p2, p3);
-    }
-    l0 = l0 * al0 + ps0;
-    l1 = l1 * al1 + ps1;
-    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the max moved: rescale (warp-uniform skip)
-#pragma unroll
-      for (int i = 0; i < HVNT; ++i) {
-        acc[i][0] *= al0;
-        acc[i][1] *= al0;
-        acc[i][2] *= al1;
-        acc[i][3] *= al1;
-      }
-    }
+    uint32_t pf[1][4];  // p as the value product's A fragment: this warp's 16 positions are one k-step
+    online_softmax<2, HVNT>(s, m0, m1, l0, l1, pf, acc);
 #pragma unroll
     for (int np = 0; np < HVNT / 2; ++np) {
       uint32_t b0, b1, b2, b3;
       ldsm_x4_t(stage + v_lane + np * 32, b0, b1, b2, b3);
-      mma_bf16(acc[2 * np], pf, b0, b1);
-      mma_bf16(acc[2 * np + 1], pf, b2, b3);
+      mma_bf16(acc[2 * np], pf[0], b0, b1);
+      mma_bf16(acc[2 * np + 1], pf[0], b2, b3);
     }
     named_sync(1 + team, 128);  // the team is done with this stage and its partials: refill the stage
     if ((warp & 3) == 0 && j + HSTAGES < ntiles)

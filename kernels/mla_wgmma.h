@@ -48,14 +48,6 @@
 #ifndef K3_MLA_WG_DATA_ONLY
 #define K3_MLA_WG_DATA_ONLY 0
 #endif
-// More diagnostic switches (each 0 in the library): skip storing the piece (NO_STORE), let the merge
-// launch only at the end (LATE_PDL).
-#ifndef K3_MLA_WG_NO_STORE
-#define K3_MLA_WG_NO_STORE 0
-#endif
-#ifndef K3_MLA_WG_LATE_PDL
-#define K3_MLA_WG_LATE_PDL 0
-#endif
 
 
 namespace k3mla {
@@ -106,16 +98,9 @@ K3_DEVICE void tma_box(uint32_t dst, const void* map, int col, int row, uint32_t
       : "memory");
 }
 
-// The first cache row (of the tensor map's rows) of position `pos` of request b.
-K3_DEVICE int wg_row(const Args& a, int b, int pos) {
-  const long long rows_per = a.kv_sp / D;  // rows between pages (paged) or requests (contiguous)
-  if (a.block_table != nullptr) {
-    const int col = pos >> a.page_shift;
-    const int page = col < a.max_pages ? __ldg(a.block_table + (long long)b * a.bt_sb + col) : 0;
-    return (int)((long long)page * rows_per + (pos & ((1 << a.page_shift) - 1)));
-  }
-  return (int)((long long)b * rows_per + pos);
-}
+// The first cache row (of the tensor map's rows) of position `pos` of request b: row_at's element
+// offset in rows (the launcher checks that pages, or requests, are whole rows apart).
+K3_DEVICE int wg_row(const Args& a, int b, int pos) { return (int)(row_at(a, b, pos) / D); }
 
 // Thread 0: tile at row `row` into `stage` (9 boxes), completing on `bar`.
 K3_DEVICE void wg_issue(const void* map, int row, uint32_t stage, uint32_t bar) {
@@ -141,7 +126,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   const uint32_t bars = ps + WG_P + WG_RED;
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  if (!K3_MLA_WG_LATE_PDL) launch_dependents();  // the merge may launch now; it waits for this grid
+  launch_dependents();  // the merge may launch now; it waits for this grid
 
   const int length = __ldg(a.lengths + b);
   const int start = split * a.chunk;
@@ -282,8 +267,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
   }
 
-  if (K3_MLA_WG_LATE_PDL) launch_dependents();
-  if (K3_MLA_WG_NO_STORE) return;
   __syncthreads();  // every warp is done with the ring before it holds the finished piece
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps
   float* rs = red + 2 * (4 * ROWS);

@@ -86,5 +86,5 @@ for name, batch, ctx in (("ctx32k", 1, 32768), ("ctx128k", 1, 131072)):
         print(f"{name:8s} {label:10s} per call {per_call:7.2f} us  | " +
               "  ".join(f"{n[:28]} {v['mean_us']:.2f} us x{v['count'] // reps}" for n, v in kern.items()), flush=True)
 json.dump({"device": torch.cuda.get_device_name(), "versions": dict(env.versions()),
-           "commit": os.environ.get("K3LAB_COMMIT") or bench.git_commit(), "rows": res},
+           "commit": bench.git_commit(), "rows": res},
           open(os.path.join(out, "kernel_times.json"), "w"), indent=1)

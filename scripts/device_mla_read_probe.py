@@ -86,5 +86,5 @@ for name, ctx in (("ctx32k", 32768), ("ctx128k", 131072)):
     del sets, first
     torch.cuda.empty_cache()
 json.dump({"device": torch.cuda.get_device_name(), "versions": dict(env.versions()),
-           "commit": os.environ.get("K3LAB_COMMIT") or bench.git_commit(), "copy_bandwidth_tbs": bw / 1e12, "rows": rows},
+           "commit": bench.git_commit(), "copy_bandwidth_tbs": bw / 1e12, "rows": rows},
           open(os.path.join(out, "read_probe.json"), "w"), indent=1)

@@ -116,7 +116,7 @@ for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1
     del sets, first
     torch.cuda.empty_cache()
 json.dump({"device": torch.cuda.get_device_name(), "versions": dict(env.versions()),
-           "commit": os.environ.get("K3LAB_COMMIT") or bench.git_commit(), "copy_bandwidth_tbs": bw / 1e12,
+           "commit": bench.git_commit(), "copy_bandwidth_tbs": bw / 1e12,
            "checks": checks, "rows": rows}, open(os.path.join(out, "wgmma.json"), "w"), indent=1)
 for f in TIME_FORMS[1:]:
     print(f"ratio {TIME_FORMS[0]}/{f}: " + ", ".join(f"{k} {v['forms'][TIME_FORMS[0]]['us'] / v['forms'][f]['us']:.2f}x"

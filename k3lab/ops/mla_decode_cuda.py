@@ -74,8 +74,9 @@ DEFAULT_STAGES = 5  # 5 x 37 KB in shared memory: one block per SM, ~150 KB of c
 WARPS = (4, 8)  # compiled block sizes: 4 warps (one per SM sub-partition) or 8 (two each)
 DEFAULT_WARPS = 4
 MAX_SPLITS = 65535
-# the team kernel (2 teams of 4 warps on one ring), the 4/8-warp mma.sync split kernel, or the split kernel on
-# warpgroup MMA with TMA tiles of 64 rows (kernels/mla_wgmma.h)
+# the team kernel (2 teams of 4 warps on one ring), the 4/8-warp mma.sync split kernel, the split kernel on
+# warpgroup MMA with TMA tiles of 64 rows (kernels/mla_wgmma.h), or two teams of warps each owning half the
+# positions x half the columns (kernels/mla_halves.h)
 FORMS = ("team", "split", "wgmma", "halves")
 # 'auto' (the default; K3LAB_MLA_FORM overrides it): 'wgmma' where it applies and each piece holds at least
 # WG_MIN_TILES of its 64-row tiles, else 'split' (`choose_form`; measured on the H200 in
@@ -122,6 +123,12 @@ def halves_smem_bytes() -> int:
     """Dynamic shared memory of form 'halves' (kernels/mla_halves.h): six 32-row stages, 1 KB of
     partial scores per warp, an mbarrier per stage."""
     return HALVES_STAGES * _STAGE_BYTES + 8 * 2 * 32 * 16 + HALVES_STAGES * 8
+
+
+def form_smem_bytes(form: str, stages: int = DEFAULT_STAGES) -> int:
+    """Dynamic shared memory of one block of `form` ('split' with `stages` tiles in its ring)."""
+    fixed = {"team": team_smem_bytes, "wgmma": wg_smem_bytes, "halves": halves_smem_bytes}.get(form)
+    return fixed() if fixed is not None else smem_bytes(stages)
 
 
 def smem_bytes(stages: int = DEFAULT_STAGES) -> int:
@@ -218,8 +225,8 @@ def available() -> bool:
 
 
 def registers(stages: int = DEFAULT_STAGES, warps: int = DEFAULT_WARPS, form: str = "split") -> int:
-    """Registers per thread of the split kernel (or, form='team' / 'wgmma', that kernel) as compiled
-    for this GPU (GPU only)."""
+    """Registers per thread of the split kernel (or, form='team' / 'wgmma' / 'halves', that kernel) as
+    compiled for this GPU (GPU only)."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     if form == "halves":
@@ -532,8 +539,7 @@ class CudaDecodePlan:
 
     def facts(self) -> dict:
         cfg = self.config
-        smem = ({"team": team_smem_bytes(), "wgmma": wg_smem_bytes(), "halves": halves_smem_bytes()}.get(self.form)
-                or smem_bytes(self.stages))
+        smem = form_smem_bytes(self.form, self.stages)
         return {"kernel": "cuda", "form": self.form, "num_splits": self.num_splits, "chunk": self.chunk,
                 "block_n": cfg.block_n, "num_stages": cfg.num_stages, "num_warps": cfg.num_warps, "smem_bytes": smem,
                 "programs": self.programs, "launches": self.launches, "pdl": self.pdl, "rows_per_program": 16,
@@ -574,7 +580,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     timeline of kernels/mla_decode.cu's Args.probe (default plan only; `timeline` reads it).
     merge: 'kernel', 'fused', 'auto' or None (= K3LAB_MLA_MERGE, else DEFAULT_MERGE): how the pieces
     are merged, see `choose_merge`; `plan.merge` says which path runs and `plan.merge_why` why.
-    form: 'split', 'wgmma', 'team', 'auto' or None (= K3LAB_MLA_FORM, else 'auto'): which split kernel,
+    form: 'split', 'wgmma', 'halves', 'team', 'auto' or None (= K3LAB_MLA_FORM, else 'auto'): which split kernel,
     see `choose_form`; `plan.form` says which runs and `plan.form_why` why."""
     form = form_wanted(form)
     c = check(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
@@ -593,7 +599,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                                      refusal=wgmma_refusal(q, cache, block_table), num_splits=num_splits,
                                      stages=stages, warps=warps, probe=probe is not None, merge=c.merge)
     max_shared = int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
-    need = {"team": team_smem_bytes(), "wgmma": wg_smem_bytes(), "halves": halves_smem_bytes()}.get(form) or smem_bytes(stages)
+    need = form_smem_bytes(form, stages)
     if need > max_shared:
         raise _build.KernelUnavailable(f"the {form} kernel needs {need} bytes of shared memory per block; "
                                        f"this GPU allows {max_shared}")

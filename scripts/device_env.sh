@@ -4,7 +4,7 @@
 set -uo pipefail
 # The device's copy of the tree carries a stale .git: records must name the commit from this side
 # (K3LAB_COMMIT=$(git rev-parse --short HEAD) in the command, evaluated before the call is sent).
-: "${K3LAB_COMMIT:?set K3LAB_COMMIT to the local commit (the device copy's git HEAD is stale)}"
+: "${K3LAB_COMMIT:?set K3LAB_COMMIT to the local commit (the device copy has a stale git HEAD)}"
 export PYTHONPATH="${PYTHONPATH:-}:." PYTHONUNBUFFERED=1
 OUT="${OUT:-build/device}"; W=/tmp/k3w; mkdir -p "$OUT" "$W"
 if ls .whl/*.whl >/dev/null 2>&1; then

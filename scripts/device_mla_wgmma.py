@@ -28,6 +28,17 @@ CHECK_FORMS = os.environ.get("CHECK_FORMS", "wgmma").split(",")
 TIME_FORMS = tuple(os.environ.get("TIME_FORMS", "split,wgmma").split(","))
 
 
+def plan_kwargs(spec):
+    """A form spec as plan() arguments: 'wgmma' (the default merge), 'wgmma/k' (the merge kernel),
+    'wgmma/c8' (merge 'cluster', clusters of 8)."""
+    form, _, merge = spec.partition("/")
+    if not merge:
+        return {"form": form}
+    if merge == "k":
+        return {"form": form, "merge": "kernel"}
+    return {"form": form, "merge": "cluster", "cluster": int(merge[1:])}
+
+
 def check_case(label, lengths, heads=12, page=64, paged=True, nan_tail=True, splits=None):
     for form in CHECK_FORMS:
         check_form(f"{form}: {label}", lengths, form, heads, page, paged, nan_tail, splits)
@@ -45,9 +56,9 @@ def check_form(label, lengths, form, heads, page, paged, nan_tail, splits):
                 last = n // page
                 if last < table.shape[1] and n % page:
                     pool[table[b, last].long(), n % page:] = float("nan")
-        p = mc.plan(q, pool, lens, block_table=table, form=form, num_splits=splits)
+        p = mc.plan(q, pool, lens, block_table=table, num_splits=splits, **plan_kwargs(form))
     else:
-        p = mc.plan(q, cache, lens, form=form, num_splits=splits)
+        p = mc.plan(q, cache, lens, num_splits=splits, **plan_kwargs(form))
     o, lse = p()
     ro, rl = mla.reference(q.float(), cache.float(), lengths=lens)
     err = bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
@@ -57,6 +68,10 @@ def check_form(label, lengths, form, heads, page, paged, nan_tail, splits):
 
 
 print("registers: wgmma", mc.registers(form="wgmma"), " split", mc.registers(), flush=True)
+_props = torch.cuda.get_device_properties(0)
+_max_shared = int(getattr(_props, "shared_memory_per_block_optin", 0) or _props.shared_memory_per_block)
+max_clusters = {c: mc.max_clusters(0, _max_shared, c) for c in mc.CLUSTERS}
+print("clusters of the wgmma kernel that fit at once:", max_clusters, flush=True)
 check_case("1 x 100, one piece", [100], splits=1)
 check_case("1 x 1000", [1000])
 check_case("1 x 4133, 16 heads", [4133], heads=16)
@@ -100,13 +115,16 @@ for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1
     for form in TIME_FORMS + tuple(f"wgmma-{k}" for k in builds):
         if form.startswith("wgmma-"):
             mc._library = lambda lib=builds[form[6:]]: lib
-        plans = [mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], form="wgmma" if "wgmma" in form else form)
-                 for s in sets]
+        kw = plan_kwargs(form) if not form.startswith("wgmma-") else {"form": "wgmma"}
+        plans = [mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], **kw) for s in sets]
         o, lse = plans[0]()
         if not form.endswith("data-only"):
             ro, rl = mla.reference(first["q"].float(), first["cache"].float(), lengths=first["lengths"])
             bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
         t = bench.time_fn(lambda p: p(), rotate=[(p,) for p in plans], graph=True, warmup=10, repeats=60)
+        if not form.endswith("data-only"):  # again after the replays (merge 'cluster' resets its counters)
+            o, lse = plans[0]()
+            bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
         res[form] = {"us": t.median_us, "p20": t.p20_us, "p80": t.p80_us, "splits": plans[0].num_splits,
                      "share": nbytes / bw / (t.median_us * 1e-6)}
         mc._library = real_library
@@ -116,7 +134,7 @@ for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1
     del sets, first
     torch.cuda.empty_cache()
 json.dump({"device": torch.cuda.get_device_name(), "versions": dict(env.versions()),
-           "commit": bench.git_commit(), "copy_bandwidth_tbs": bw / 1e12,
+           "commit": bench.git_commit(), "copy_bandwidth_tbs": bw / 1e12, "max_clusters": max_clusters,
            "checks": checks, "rows": rows}, open(os.path.join(out, "wgmma.json"), "w"), indent=1)
 for f in TIME_FORMS[1:]:
     print(f"ratio {TIME_FORMS[0]}/{f}: " + ", ".join(f"{k} {v['forms'][TIME_FORMS[0]]['us'] / v['forms'][f]['us']:.2f}x"

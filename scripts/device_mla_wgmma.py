@@ -30,13 +30,17 @@ TIME_FORMS = tuple(os.environ.get("TIME_FORMS", "split,wgmma").split(","))
 
 def plan_kwargs(spec):
     """A form spec as plan() arguments: 'wgmma' (the default merge), 'wgmma/k' (the merge kernel),
-    'wgmma/c8' (merge 'cluster', clusters of 8)."""
-    form, _, merge = spec.partition("/")
-    if not merge:
-        return {"form": form}
-    if merge == "k":
-        return {"form": form, "merge": "kernel"}
-    return {"form": form, "merge": "cluster", "cluster": int(merge[1:])}
+    'wgmma/c8' (merge 'cluster', clusters of 8), 'wgmma/c8/s120' (and 120 pieces)."""
+    form, *opts = spec.split("/")
+    kw = {"form": form}
+    for o in opts:  # k: the merge kernel; c<n>: merge 'cluster' in clusters of n; s<n>: n pieces
+        if o == "k":
+            kw["merge"] = "kernel"
+        elif o[0] == "c":
+            kw.update(merge="cluster", cluster=int(o[1:]))
+        elif o[0] == "s":
+            kw["num_splits"] = int(o[1:])
+    return kw
 
 
 def check_case(label, lengths, heads=12, page=64, paged=True, nan_tail=True, splits=None):
@@ -56,9 +60,9 @@ def check_form(label, lengths, form, heads, page, paged, nan_tail, splits):
                 last = n // page
                 if last < table.shape[1] and n % page:
                     pool[table[b, last].long(), n % page:] = float("nan")
-        p = mc.plan(q, pool, lens, block_table=table, num_splits=splits, **plan_kwargs(form))
+        p = mc.plan(q, pool, lens, block_table=table, **{"num_splits": splits, **plan_kwargs(form)})
     else:
-        p = mc.plan(q, cache, lens, num_splits=splits, **plan_kwargs(form))
+        p = mc.plan(q, cache, lens, **{"num_splits": splits, **plan_kwargs(form)})
     o, lse = p()
     ro, rl = mla.reference(q.float(), cache.float(), lengths=lens)
     err = bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)

@@ -121,11 +121,10 @@ struct Args {
   // grid's block count per launch), [1] how many blocks gave up waiting at the barrier (bounded spin;
   // 0 unless something is badly wrong; the host reads it). Null for the two-kernel form.
   unsigned long long* barrier;
-  // Merge 'cluster' (form 'wgmma' only, kernels/mla_cluster.h): cluster > 1 launches the pieces in
-  // clusters of that many blocks that merge through distributed shared memory; counters: [B, cluster]
-  // u32, zero at plan time and left at zero by each launch. cluster 0 or 1: the merge kernel.
-  unsigned int* counters;
-  int cluster;
+  // Balanced pieces (form 'wgmma' only): tiles > 0 shares that many tiles of the kernel's rows among
+  // the pieces as evenly as possible (piece p: tiles [p * tiles / splits, (p + 1) * tiles / splits));
+  // 0: every piece is `chunk` positions. `piece_range` reads it.
+  int tiles;
 };
 
 }  // namespace k3mla
@@ -180,6 +179,17 @@ K3_DEVICE unsigned long long now_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+
+// Positions [start, end) of piece `split` of a request of `length` positions, for a kernel of bn-row tiles.
+K3_DEVICE void piece_range(const Args& a, int split, int length, int bn, int& start, int& end) {
+  if (a.tiles > 0) {
+    start = (int)((long long)split * a.tiles / a.splits) * bn;
+    end = min(length, (int)((long long)(split + 1) * a.tiles / a.splits) * bn);
+  } else {
+    start = split * a.chunk;
+    end = min(length, start + a.chunk);
+  }
 }
 
 K3_DEVICE void launch_dependents() {
@@ -1062,7 +1072,6 @@ int launch_team(const Args& a, int max_shared, cudaStream_t st) {
 }  // namespace k3mla
 
 #include <cudaTypedefs.h>  // CUtensorMap and the driver's tensor-map encoder (form 'wgmma', host side)
-#include "mla_cluster.h"
 #include "mla_wgmma.h"     // the split kernel on warpgroup MMA (form 'wgmma')
 #include "mla_halves.h"    // two teams of warps on half positions x half columns (form 'halves')
 
@@ -1143,12 +1152,6 @@ K3_EXPORT int k3_mla_wg_qmap(void* map, const void* q, int heads, int batch, lon
   return k3mla::wg_make_qmap(reinterpret_cast<CUtensorMap*>(map), q, heads, batch, q_sh, q_sb);
 }
 
-// Clusters of `cluster` blocks of the wgmma kernel that fit at once on the current device (<0: error).
-K3_EXPORT int k3_mla_wg_max_clusters(int cluster, int max_shared) {
-  if (cluster < 2 || cluster > 16) return -4;
-  return k3mla::wg_max_clusters(cluster, max_shared);
-}
-
 K3_EXPORT int k3_mla_wg_regs() {
   cudaFuncAttributes attr;
   const cudaError_t e = cudaFuncGetAttributes(&attr, k3mla::wg_kernel);
@@ -1161,14 +1164,14 @@ K3_EXPORT int k3_mla_decode_wg(const k3mla::Args* args, const void* map, const v
   if (map == nullptr || qmap == nullptr || a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 1 ||
       a.splits > 65535 || a.chunk < k3mla::WG_BN || a.chunk % k3mla::WG_BN != 0 ||
       (a.block_table != nullptr && (a.max_pages < 1 || a.page_shift < 6 || a.page_shift > 30)) ||
-      a.kv_sp % k3mla::D != 0 || !k3mla::wg_cluster_ok(a))
+      a.kv_sp % k3mla::D != 0 || a.tiles < 0 || (a.tiles > 0 && a.tiles < a.splits))
     return -4;
   CUtensorMap m, qm;
   memcpy(&m, map, sizeof(m));
   memcpy(&qm, qmap, sizeof(qm));
   cudaStream_t st = (cudaStream_t)stream;
   const int rc = k3mla::launch_wg(a, m, qm, max_shared, st);
-  if (rc != 0 || a.splits == 1 || a.cluster > 1) return rc;
+  if (rc != 0 || a.splits == 1) return rc;
   dim3 grid(a.B * a.heads, k3mla::DV / k3mla::MERGE_COLS);
   if (pdl) return (int)k3_launch_pdl(k3mla::merge_kernel, grid, dim3(k3mla::MERGE_THREADS), 0, st, a);
   k3mla::merge_kernel<<<grid, k3mla::MERGE_THREADS, 0, st>>>(a);
@@ -1270,7 +1273,6 @@ K3_EXPORT int k3_mla_fused_regs() { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_wg_smem() { return -1; }
 K3_EXPORT int k3_mla_wg_map(void*, const void*, long long) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_wg_regs() { return K3_MLA_UNSUPPORTED; }
-K3_EXPORT int k3_mla_wg_max_clusters(int, int) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_wg_qmap(void*, const void*, int, int, long long, long long) { return K3_MLA_UNSUPPORTED; }
 K3_EXPORT int k3_mla_decode_wg(const k3mla::Args*, const void*, const void*, int, int, int, void*) {
   return K3_MLA_UNSUPPORTED;

@@ -129,8 +129,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   launch_dependents();  // the merge may launch now; it waits for this grid
 
   const int length = __ldg(a.lengths + b);
-  const int start = split * a.chunk;
-  const int end = min(length, start + a.chunk);
+  int start, end;
+  piece_range(a, split, length, WG_BN, start, end);
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
   const uint32_t qbar = bars + 8 * WG_STAGES;
   if (tid == 0) {
@@ -283,7 +283,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   // the normalised piece through shared memory (the ring is free now: every tile was consumed), so
   // that the global stores are whole 16-byte pieces of each head's 2 KB row
   float* ob = reinterpret_cast<float*>(gbase);  // [16 heads][WG_OPITCH]: t4's heads fall in 4 bank groups
-  float* plse = red;  // [16] the piece's base-2 log-sum-exps (the max exchange is free after the loop)
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const int h = wg_head(c, t4);
@@ -296,18 +295,11 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       ob[h * WG_OPITCH + col] = o[mb][i] * r;
       ob[h * WG_OPITCH + col + 8] = o[mb][i + 2] * r;
     }
-    if (warp == 0 && g == 0) {
+    if (warp == 0 && g == 0 && h < a.heads) {
       const float ls = l > 0.f ? m_run[c] + __log2f(l) : -INFINITY;
-      plse[h] = ls;
-      if (a.cluster <= 1 && h < a.heads) {
-        if (a.splits == 1) a.lse[(long long)b * a.l_sb + h] = ls * 0.6931471805599453f;
-        else a.part_lse[((long long)b * a.heads + h) * a.splits + split] = ls;
-      }
+      if (a.splits == 1) a.lse[(long long)b * a.l_sb + h] = ls * 0.6931471805599453f;
+      else a.part_lse[((long long)b * a.heads + h) * a.splits + split] = ls;
     }
-  }
-  if (a.cluster > 1) {  // merge 'cluster' (mla_cluster.h): the cluster's blocks combine their pieces themselves
-    wg_cluster_finish(a, base, WG_OPITCH, smem_u32(plse), ob + ROWS * WG_OPITCH, b, split, tid);
-    return;
   }
   __syncthreads();
   for (int v = tid; v < a.heads * (DV / 4); v += 128) {
@@ -371,52 +363,12 @@ inline int launch_wg(const Args& a, const CUtensorMap& map, const CUtensorMap& q
   if (bytes > max_shared) return -3;
   static bool configured = false;
   if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(wg_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(wg_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    const cudaError_t e = cudaFuncSetAttribute(wg_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
-  if (a.cluster <= 1) {
-    wg_kernel<<<dim3(a.splits, a.B), 128, bytes, st>>>(a, map, qmap);
-    return (int)cudaGetLastError();
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(a.splits, a.B);
-  cfg.blockDim = dim3(128);
-  cfg.dynamicSmemBytes = bytes;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = a.cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return (int)cudaLaunchKernelEx(&cfg, wg_kernel, a, map, qmap);
-}
-
-// Clusters of `cluster` wgmma blocks that can run at once on the current device (the occupancy API), or
-// a negative CUDA error.
-inline int wg_max_clusters(int cluster, int max_shared) {
-  const int bytes = wg_smem_bytes();
-  if (bytes > max_shared) return -3;
-  cudaError_t e = cudaFuncSetAttribute(wg_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (e == cudaSuccess) e = cudaFuncSetAttribute(wg_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-  if (e != cudaSuccess) return -(int)e;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(cluster, 1);
-  cfg.blockDim = dim3(128);
-  cfg.dynamicSmemBytes = bytes;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  e = cudaOccupancyMaxActiveClusters(&n, wg_kernel, &cfg);
-  return e == cudaSuccess ? n : -(int)e;
+  wg_kernel<<<dim3(a.splits, a.B), 128, bytes, st>>>(a, map, qmap);
+  return (int)cudaGetLastError();
 }
 
 }  // namespace k3mla

@@ -30,14 +30,14 @@ TIME_FORMS = tuple(os.environ.get("TIME_FORMS", "split,wgmma").split(","))
 
 def plan_kwargs(spec):
     """A form spec as plan() arguments: 'wgmma' (the default merge), 'wgmma/k' (the merge kernel),
-    'wgmma/c8' (merge 'cluster', clusters of 8), 'wgmma/c8/s120' (and 120 pieces)."""
+    'wgmma/s120' (120 pieces), 'wgmma/b' (balanced pieces)."""
     form, *opts = spec.split("/")
     kw = {"form": form}
-    for o in opts:  # k: the merge kernel; c<n>: merge 'cluster' in clusters of n; s<n>: n pieces
+    for o in opts:  # k: the merge kernel; s<n>: n pieces
         if o == "k":
             kw["merge"] = "kernel"
-        elif o[0] == "c":
-            kw.update(merge="cluster", cluster=int(o[1:]))
+        elif o == "b":
+            kw["balanced"] = True
         elif o[0] == "s":
             kw["num_splits"] = int(o[1:])
     return kw
@@ -72,10 +72,7 @@ def check_form(label, lengths, form, heads, page, paged, nan_tail, splits):
 
 
 print("registers: wgmma", mc.registers(form="wgmma"), " split", mc.registers(), flush=True)
-_props = torch.cuda.get_device_properties(0)
-_max_shared = int(getattr(_props, "shared_memory_per_block_optin", 0) or _props.shared_memory_per_block)
-max_clusters = {c: mc.max_clusters(0, _max_shared, c) for c in mc.CLUSTERS}
-print("clusters of the wgmma kernel that fit at once:", max_clusters, flush=True)
+
 check_case("1 x 100, one piece", [100], splits=1)
 check_case("1 x 1000", [1000])
 check_case("1 x 4133, 16 heads", [4133], heads=16)
@@ -129,7 +126,7 @@ for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1
             ro, rl = mla.reference(first["q"].float(), first["cache"].float(), lengths=first["lengths"])
             bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
         t = bench.time_fn(lambda p: p(), rotate=[(p,) for p in plans], graph=True, warmup=10, repeats=60)
-        if not form.endswith("data-only"):  # again after the replays (merge 'cluster' resets its counters)
+        if not form.endswith("data-only"):  # again after the replays 
             o, lse = plans[0]()
             bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
         res[form] = {"us": t.median_us, "p20": t.p20_us, "p80": t.p80_us, "splits": plans[0].num_splits,
@@ -141,7 +138,7 @@ for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1
     del sets, first
     torch.cuda.empty_cache()
 json.dump({"device": torch.cuda.get_device_name(), "versions": dict(env.versions()),
-           "commit": bench.git_commit(), "copy_bandwidth_tbs": bw / 1e12, "max_clusters": max_clusters,
+           "commit": bench.git_commit(), "copy_bandwidth_tbs": bw / 1e12,
            "checks": checks, "rows": rows}, open(os.path.join(out, "wgmma.json"), "w"), indent=1)
 for f in TIME_FORMS[1:]:
     print(f"ratio {TIME_FORMS[0]}/{f}: " + ", ".join(f"{k} {v['forms'][TIME_FORMS[0]]['us'] / v['forms'][f]['us']:.2f}x"

@@ -92,12 +92,7 @@ _HALVES_WARPS_CODE = 10  # ... and its `warps` value (K3_MLA_HALVES)
 # PDL); 'fused' = inside the split kernel after a grid-wide barrier (one cooperative launch; only
 # where the whole grid is co-resident, 5 stages, 4 warps); 'auto' = fused where it applies, else the
 # kernel. K3LAB_MLA_MERGE sets the default; `choose_merge` decides.
-# 'cluster' (form 'wgmma' only, kernels/mla_cluster.h): the pieces run in clusters of `cluster` blocks that
-# combine through distributed shared memory, and the last block of each column slice merges the clusters
-MERGES = ("auto", "fused", "kernel", "cluster")
-CLUSTERS = (2, 4, 8, 16)  # blocks per cluster that merge 'cluster' accepts (each takes 512 / cluster columns)
-DEFAULT_CLUSTER = 8
-MAX_CLUSTER_PIECES = 1024  # clusters per request (kernels/mla_cluster.h)
+MERGES = ("auto", "fused", "kernel")
 DEFAULT_MERGE = "kernel"
 FUSED_STAGES, FUSED_WARPS = 5, 4  # the compiled fused form (kernels/mla_decode.cu, FUSED_STAGES / FUSED_WARPS)
 _COOPERATIVE_TOO_LARGE = 720  # cudaErrorCooperativeLaunchTooLarge
@@ -155,8 +150,7 @@ class Args(ctypes.Structure):
                 ("l_sb", ctypes.c_longlong),
                 ("B", ctypes.c_int), ("heads", ctypes.c_int), ("page_shift", ctypes.c_int), ("splits", ctypes.c_int),
                 ("chunk", ctypes.c_int), ("max_pages", ctypes.c_int), ("scale_log2", ctypes.c_float),
-                ("probe", ctypes.c_void_p), ("barrier", ctypes.c_void_p), ("counters", ctypes.c_void_p),
-                ("cluster", ctypes.c_int)]
+                ("probe", ctypes.c_void_p), ("barrier", ctypes.c_void_p), ("tiles", ctypes.c_int)]
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -181,8 +175,6 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k3_mla_fused_regs.restype = ctypes.c_int
     lib.k3_mla_wg_smem.restype = ctypes.c_int
     lib.k3_mla_wg_regs.restype = ctypes.c_int
-    lib.k3_mla_wg_max_clusters.restype = ctypes.c_int
-    lib.k3_mla_wg_max_clusters.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.k3_mla_wg_map.restype = ctypes.c_int
     lib.k3_mla_wg_map.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong]
     lib.k3_mla_decode_wg.restype = ctypes.c_int
@@ -277,19 +269,6 @@ def fused_max_blocks(device: int, max_shared: int) -> int:
 
 
 @functools.cache
-def max_clusters(device: int, max_shared: int, cluster: int = DEFAULT_CLUSTER) -> int:
-    """Clusters of `cluster` blocks of form 'wgmma' that can run at once on GPU `device` (the occupancy
-    API; the H200's SMs sit in GPCs, so clusters of 8 or 16 may leave some SMs idle). GPU only."""
-    if cluster not in CLUSTERS:
-        raise ValueError(f"cluster must be one of {CLUSTERS}, got {cluster!r}")
-    with torch.cuda.device(device):
-        n = _library().k3_mla_wg_max_clusters(cluster, max_shared)
-    if n < 0:
-        raise RuntimeError(f"{NAME}.cu could not size the clusters ({_ERRORS.get(n, f'CUDA error {-n}')})")
-    return n
-
-
-@functools.cache
 def _fused_capture(device: int, max_shared: int) -> tuple[bool, str]:
     with torch.cuda.device(device):
         rc = _library().k3_mla_fused_capturable(max_shared)
@@ -339,12 +318,6 @@ def choose_merge(merge: str, *, splits: int, batch: int, max_blocks: int, form: 
         raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     if splits == 1:
         return "none", "one piece: the split kernel writes the result, nothing to merge"
-    if merge == "cluster" and form != "wgmma":
-        raise ValueError(f"merge='cluster' is built into form 'wgmma' only, not form={form!r}")
-    if form == "wgmma" and merge in ("cluster", "auto"):
-        return "cluster", (f"merge={merge!r} with form 'wgmma': clusters of blocks combine their pieces through "
-                           "distributed shared memory and the last block of each column slice merges the clusters "
-                           "(one launch)")
     if merge == "kernel":
         return "kernel", "merge='kernel' (K3LAB_MLA_MERGE or the default): the merge kernel, launched by PDL"
     blocks = batch * splits
@@ -372,16 +345,18 @@ def choose_merge(merge: str, *, splits: int, batch: int, max_blocks: int, form: 
 
 
 def choose_splits(batch: int, max_len: int, compute_units: int, *, blocks_per_unit: int = 1,
-                  num_splits: int | None = None, block_n: int = BLOCK_N, multiple_of: int = 1) -> tuple[int, int]:
+                  num_splits: int | None = None, block_n: int = BLOCK_N, balanced: bool = False) -> tuple[int, int]:
     """(pieces per request, positions per piece). By default one wave: the batch's blocks cover the
     compute units once (blocks_per_unit each; the 5-stage kernel fits one per H200 SM), each piece a
     whole number of 32-row tiles. The piece length comes from the longest request; the returned
     count is how many pieces that longest request fills (shorter requests leave their last pieces
     empty: zero-weight partials). num_splits forces the count (rounded the same way). block_n: the
-    kernel's tile (32 rows; 64 for form 'wgmma'). multiple_of: the count is rounded up to a multiple of
-    it (merge 'cluster': whole clusters; the pieces past the history are empty, weight zero)."""
+    kernel's tile (32 rows; 64 for form 'wgmma'). balanced: the pieces may differ by one tile (the
+    kernel shares the tiles out evenly, Args.tiles), so the count is the most blocks that fit one wave
+    (compute_units x blocks_per_unit // batch) instead of what a uniform piece length allows; the
+    returned length is then the longest piece's."""
     for label, v in (("batch", batch), ("max_len", max_len), ("compute_units", compute_units),
-                     ("blocks_per_unit", blocks_per_unit), ("block_n", block_n), ("multiple_of", multiple_of)):
+                     ("blocks_per_unit", blocks_per_unit), ("block_n", block_n)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{label} must be a positive integer, got {v!r}")
     tiles = -(-max_len // block_n)
@@ -391,10 +366,13 @@ def choose_splits(batch: int, max_len: int, compute_units: int, *, blocks_per_un
         if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be an integer in 1..{MAX_SPLITS}, got {num_splits!r}")
         want = num_splits
+    if balanced and num_splits is None and batch <= compute_units * blocks_per_unit:
+        want = compute_units * blocks_per_unit // batch
     want = min(want, tiles)
     chunk_tiles = -(-tiles // want)
-    splits = -(-tiles // chunk_tiles)
-    return -(-splits // multiple_of) * multiple_of, chunk_tiles * block_n
+    if balanced:
+        return want, chunk_tiles * block_n
+    return -(-tiles // chunk_tiles), chunk_tiles * block_n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -528,8 +506,6 @@ class CudaDecodePlan:
     _barrier: torch.Tensor | None = field(repr=False, default=None)  # fused: [counter, give-ups] (int64)
     _tensor_map: object = field(repr=False, default=None)  # form 'wgmma': the cache's and q's 128-byte CUtensorMaps
     form_why: str = ""  # why this form (choose_form, or 'asked')
-    cluster: int = 0  # merge 'cluster': blocks per cluster (0 otherwise)
-    _counters: torch.Tensor | None = field(repr=False, default=None)  # merge 'cluster': [B, cluster] int32, self-resetting
 
     # the names a Triton `mla_decode.DecodePlan` answers to, so callers need not care which runs
     variant = "after"
@@ -561,7 +537,7 @@ class CudaDecodePlan:
 
     @property
     def launches(self) -> int:
-        return 1 if self.num_splits == 1 or self.merge in ("fused", "cluster") else 2
+        return 1 if self.num_splits == 1 or self.merge == "fused" else 2
 
     def barrier_timeouts(self) -> int:
         """Blocks of the fused form that gave up waiting at the grid barrier since the plan was made
@@ -574,7 +550,7 @@ class CudaDecodePlan:
         return {"kernel": "cuda", "form": self.form, "num_splits": self.num_splits, "chunk": self.chunk,
                 "block_n": cfg.block_n, "num_stages": cfg.num_stages, "num_warps": cfg.num_warps, "smem_bytes": smem,
                 "programs": self.programs, "launches": self.launches, "pdl": self.pdl, "rows_per_program": 16,
-                "merge": self.merge, "cluster": self.cluster, "form_why": self.form_why}
+                "merge": self.merge, "form_why": self.form_why}
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         lib = _library()
@@ -603,7 +579,7 @@ class CudaDecodePlan:
 def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
          warps=DEFAULT_WARPS, pdl: bool = True, compute_units: int | None = None,
          probe: torch.Tensor | None = None, form: str | None = None, merge: str | None = None,
-         cluster: int | None = None) -> CudaDecodePlan:
+         balanced: bool = False) -> CudaDecodePlan:
     """Check once (ValueError by name), then build a launchable plan on the GPU (KernelUnavailable,
     with the reason, where the kernel cannot run). num_splits: None = `choose_splits` for the
     device's SM count; stages / warps: the compiled ring depth and block size (5 and 4 by default);
@@ -613,8 +589,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     merge: 'kernel', 'fused', 'auto' or None (= K3LAB_MLA_MERGE, else DEFAULT_MERGE): how the pieces
     are merged, see `choose_merge`; `plan.merge` says which path runs and `plan.merge_why` why.
     form: 'split', 'wgmma', 'halves', 'team', 'auto' or None (= K3LAB_MLA_FORM, else 'auto'): which split kernel,
-    see `choose_form`; `plan.form` says which runs and `plan.form_why` why. cluster: blocks per cluster
-    of merge 'cluster' (one of CLUSTERS; None = DEFAULT_CLUSTER); only with that merge."""
+    see `choose_form`; `plan.form` says which runs and `plan.form_why` why."""
     form = form_wanted(form)
     c = check(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
               warps=warps, form=form, merge=merge)
@@ -639,17 +614,11 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     per_unit = int(getattr(props, "shared_memory_per_multiprocessor", 0) or max_shared)
     blocks_per_unit = max(1, per_unit // (need + 1024))  # the driver keeps 1 KB per block
     units = compute_units or props.multi_processor_count
-    clustered = form == "wgmma" and c.merge in ("cluster", "auto")
-    if cluster is not None and (not clustered or cluster not in CLUSTERS):
-        raise ValueError(f"cluster must be one of {CLUSTERS} and only with merge 'cluster' (form 'wgmma'), got "
-                         f"cluster={cluster!r} with form={form!r}, merge={c.merge!r}")
-    cluster = (cluster or DEFAULT_CLUSTER) if clustered else 0
+    if balanced and form != "wgmma":
+        raise ValueError(f"balanced pieces are built into form 'wgmma' only, not form={form!r}")
+    block_n = WG_BLOCK_N if form == "wgmma" else BLOCK_N
     splits, chunk = choose_splits(inp.batch, inp.max_len, units, blocks_per_unit=blocks_per_unit,
-                                  num_splits=num_splits, block_n=WG_BLOCK_N if form == "wgmma" else BLOCK_N,
-                                  multiple_of=max(cluster, 1))
-    if cluster and splits // cluster > MAX_CLUSTER_PIECES:
-        raise ValueError(f"merge 'cluster' takes at most {MAX_CLUSTER_PIECES} clusters per request, got {splits} pieces "
-                         f"in clusters of {cluster}")
+                                  num_splits=num_splits, block_n=block_n, balanced=balanced)
     B, H = inp.batch, inp.heads
     out = torch.empty(B, 1, H, VALUE_DIM, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, 1, H, dtype=torch.float32, device=q.device)
@@ -662,7 +631,8 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                 part_lse.data_ptr() if part_lse is not None else None, out.data_ptr(), lse.data_ptr(),
                 q.stride(0), q.stride(2), cache.stride(0), bt.stride(0) if bt is not None else 0,
                 out.stride(0), out.stride(2), lse.stride(0),
-                B, H, page_shift, splits, chunk, bt.shape[1] if bt is not None else 0, c.scale * mla._LOG2E, None)
+                B, H, page_shift, splits, chunk, bt.shape[1] if bt is not None else 0, c.scale * mla._LOG2E, None,
+                None, -(-inp.max_len // block_n) if balanced else 0)
     tensor_map = None
     if form == "wgmma":  # the cache's rows and the queries as tensor maps (TMA boxes, 128 B swizzle)
         tensor_map = ((ctypes.c_ubyte * 128)(), (ctypes.c_ubyte * 128)())
@@ -686,25 +656,19 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
             raise ValueError(f"probe must be a contiguous int64 tensor on {q.device} of >= {need} entries, got "
                              f"{probe.dtype} on {probe.device} with {probe.numel()}")
         args.probe = probe.data_ptr()
-    if c.merge == "kernel" or splits == 1 or clustered:
-        path, why = choose_merge(c.merge, splits=splits, batch=B, max_blocks=0, form=form)
+    if c.merge == "kernel" or splits == 1:
+        path, why = choose_merge(c.merge, splits=splits, batch=B, max_blocks=0)
     else:
         path, why = choose_merge(c.merge, splits=splits, batch=B, max_blocks=fused_max_blocks(dev, max_shared),
                                  form=form, stages=stages, warps=warps, probe=probe is not None,
                                  capturable=fused_capturable(dev, max_shared))
-    counters = None
-    if path == "cluster":
-        counters = torch.zeros(B * cluster, dtype=torch.int32, device=q.device)
-        args.counters, args.cluster = counters.data_ptr(), cluster
-    else:
-        cluster = 0
     barrier = None
     if path == "fused":
         barrier = torch.zeros(2, dtype=torch.int64, device=q.device)
         args.barrier = barrier.data_ptr()
-    keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse, probe, barrier, counters)
+    keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse, probe, barrier)
     return CudaDecodePlan(splits, chunk, stages, warps, bool(pdl) and path == "kernel", form, out, lse, args, keep,
-                          max_shared, dev, path, why, barrier, tensor_map, form_why, cluster, counters)
+                          max_shared, dev, path, why, barrier, tensor_map, form_why)
 
 
 def probe_size(batch: int, heads: int, splits: int) -> int:

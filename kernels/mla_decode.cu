@@ -121,10 +121,6 @@ struct Args {
   // grid's block count per launch), [1] how many blocks gave up waiting at the barrier (bounded spin;
   // 0 unless something is badly wrong; the host reads it). Null for the two-kernel form.
   unsigned long long* barrier;
-  // Balanced pieces (form 'wgmma' only): tiles > 0 shares that many tiles of the kernel's rows among
-  // the pieces as evenly as possible (piece p: tiles [p * tiles / splits, (p + 1) * tiles / splits));
-  // 0: every piece is `chunk` positions. `piece_range` reads it.
-  int tiles;
 };
 
 }  // namespace k3mla
@@ -179,17 +175,6 @@ K3_DEVICE unsigned long long now_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
-}
-
-// Positions [start, end) of piece `split` of a request of `length` positions, for a kernel of bn-row tiles.
-K3_DEVICE void piece_range(const Args& a, int split, int length, int bn, int& start, int& end) {
-  if (a.tiles > 0) {
-    start = (int)((long long)split * a.tiles / a.splits) * bn;
-    end = min(length, (int)((long long)(split + 1) * a.tiles / a.splits) * bn);
-  } else {
-    start = split * a.chunk;
-    end = min(length, start + a.chunk);
-  }
 }
 
 K3_DEVICE void launch_dependents() {
@@ -1164,7 +1149,7 @@ K3_EXPORT int k3_mla_decode_wg(const k3mla::Args* args, const void* map, const v
   if (map == nullptr || qmap == nullptr || a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 1 ||
       a.splits > 65535 || a.chunk < k3mla::WG_BN || a.chunk % k3mla::WG_BN != 0 ||
       (a.block_table != nullptr && (a.max_pages < 1 || a.page_shift < 6 || a.page_shift > 30)) ||
-      a.kv_sp % k3mla::D != 0 || a.tiles < 0 || (a.tiles > 0 && a.tiles < a.splits))
+      a.kv_sp % k3mla::D != 0)
     return -4;
   CUtensorMap m, qm;
   memcpy(&m, map, sizeof(m));

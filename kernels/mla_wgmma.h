@@ -129,8 +129,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   launch_dependents();  // the merge may launch now; it waits for this grid
 
   const int length = __ldg(a.lengths + b);
-  int start, end;
-  piece_range(a, split, length, WG_BN, start, end);
+  const int start = split * a.chunk;
+  const int end = min(length, start + a.chunk);
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
   const uint32_t qbar = bars + 8 * WG_STAGES;
   if (tid == 0) {

@@ -30,14 +30,12 @@ TIME_FORMS = tuple(os.environ.get("TIME_FORMS", "split,wgmma").split(","))
 
 def plan_kwargs(spec):
     """A form spec as plan() arguments: 'wgmma' (the default merge), 'wgmma/k' (the merge kernel),
-    'wgmma/s120' (120 pieces), 'wgmma/b' (balanced pieces)."""
+    'wgmma/s120' (120 pieces)."""
     form, *opts = spec.split("/")
     kw = {"form": form}
     for o in opts:  # k: the merge kernel; s<n>: n pieces
         if o == "k":
             kw["merge"] = "kernel"
-        elif o == "b":
-            kw["balanced"] = True
         elif o[0] == "s":
             kw["num_splits"] = int(o[1:])
     return kw

@@ -143,7 +143,11 @@ def test_pieces_fill_the_units_once_in_whole_tiles():
     assert mc.choose_splits(8, 8192, 132) == (16, 512)  # 8 x 16 = 128 blocks
     assert mc.choose_splits(1, 1024, 132) == (32, 32)  # never more pieces than tiles
     assert mc.choose_splits(1, 100, 132) == (4, 32)
-    assert mc.choose_splits(64, 8192, 132) == (3, 2752)
+    assert mc.choose_splits(64, 8192, 132) == (2, 4096)  # 128 blocks: 3 pieces would spill into a second wave
+    assert mc.choose_splits(200, 8192, 132) == (1, 8192)  # more requests than units: one piece each
+    for B in range(1, 133):  # never a second wave while the batch alone does not need one
+        splits, _ = mc.choose_splits(B, 131072, 132)
+        assert B * splits <= 132 < 2 * B * splits, (B, splits)  # one wave, at least half full
     for B, L, units in ((1, 32768, 132), (3, 5000, 80), (2, 33, 7), (1, 1, 132)):
         splits, chunk = mc.choose_splits(B, L, units)
         assert chunk % mc.BLOCK_N == 0 and (splits - 1) * chunk < L <= splits * chunk  # no empty piece at max_len

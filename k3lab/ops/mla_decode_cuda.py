@@ -150,7 +150,7 @@ class Args(ctypes.Structure):
                 ("l_sb", ctypes.c_longlong),
                 ("B", ctypes.c_int), ("heads", ctypes.c_int), ("page_shift", ctypes.c_int), ("splits", ctypes.c_int),
                 ("chunk", ctypes.c_int), ("max_pages", ctypes.c_int), ("scale_log2", ctypes.c_float),
-                ("probe", ctypes.c_void_p), ("barrier", ctypes.c_void_p), ("tiles", ctypes.c_int)]
+                ("probe", ctypes.c_void_p), ("barrier", ctypes.c_void_p)]
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -345,33 +345,30 @@ def choose_merge(merge: str, *, splits: int, batch: int, max_blocks: int, form: 
 
 
 def choose_splits(batch: int, max_len: int, compute_units: int, *, blocks_per_unit: int = 1,
-                  num_splits: int | None = None, block_n: int = BLOCK_N, balanced: bool = False) -> tuple[int, int]:
-    """(pieces per request, positions per piece). By default one wave: the batch's blocks cover the
-    compute units once (blocks_per_unit each; the 5-stage kernel fits one per H200 SM), each piece a
-    whole number of 32-row tiles. The piece length comes from the longest request; the returned
+                  num_splits: int | None = None, block_n: int = BLOCK_N) -> tuple[int, int]:
+    """(pieces per request, positions per piece). By default at most one wave: the batch's blocks cover
+    the compute units once and never spill into a second wave (blocks_per_unit each; the 5-stage kernel
+    fits one per H200 SM), each piece a whole number of 32-row tiles. Why never spill: at 64 x 8K on
+    the H200, 3 pieces a request (192 blocks: a full wave and a 45% one, each block 43 tiles) took
+    202.7 us where 2 pieces (128 blocks, 64 tiles each) took 165.8 (form 'wgmma', same run;
+    profiles/nvidia-h200/mla_padding/extra/balanced_988492b.json): the second wave's blocks start only
+    when the first's end, so the time is two pieces long either way, and the fuller wave streams faster. The piece length comes from the longest request; the returned
     count is how many pieces that longest request fills (shorter requests leave their last pieces
     empty: zero-weight partials). num_splits forces the count (rounded the same way). block_n: the
-    kernel's tile (32 rows; 64 for form 'wgmma'). balanced: the pieces may differ by one tile (the
-    kernel shares the tiles out evenly, Args.tiles), so the count is the most blocks that fit one wave
-    (compute_units x blocks_per_unit // batch) instead of what a uniform piece length allows; the
-    returned length is then the longest piece's."""
+    kernel's tile (32 rows; 64 for form 'wgmma')."""
     for label, v in (("batch", batch), ("max_len", max_len), ("compute_units", compute_units),
                      ("blocks_per_unit", blocks_per_unit), ("block_n", block_n)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{label} must be a positive integer, got {v!r}")
     tiles = -(-max_len // block_n)
     if num_splits is None:
-        want = max(1, -(-(compute_units * blocks_per_unit) // batch))
+        want = max(1, compute_units * blocks_per_unit // batch)
     else:
         if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be an integer in 1..{MAX_SPLITS}, got {num_splits!r}")
         want = num_splits
-    if balanced and num_splits is None and batch <= compute_units * blocks_per_unit:
-        want = compute_units * blocks_per_unit // batch
     want = min(want, tiles)
     chunk_tiles = -(-tiles // want)
-    if balanced:
-        return want, chunk_tiles * block_n
     return -(-tiles // chunk_tiles), chunk_tiles * block_n
 
 
@@ -578,8 +575,7 @@ class CudaDecodePlan:
 
 def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
          warps=DEFAULT_WARPS, pdl: bool = True, compute_units: int | None = None,
-         probe: torch.Tensor | None = None, form: str | None = None, merge: str | None = None,
-         balanced: bool = False) -> CudaDecodePlan:
+         probe: torch.Tensor | None = None, form: str | None = None, merge: str | None = None) -> CudaDecodePlan:
     """Check once (ValueError by name), then build a launchable plan on the GPU (KernelUnavailable,
     with the reason, where the kernel cannot run). num_splits: None = `choose_splits` for the
     device's SM count; stages / warps: the compiled ring depth and block size (5 and 4 by default);
@@ -614,11 +610,8 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     per_unit = int(getattr(props, "shared_memory_per_multiprocessor", 0) or max_shared)
     blocks_per_unit = max(1, per_unit // (need + 1024))  # the driver keeps 1 KB per block
     units = compute_units or props.multi_processor_count
-    if balanced and form != "wgmma":
-        raise ValueError(f"balanced pieces are built into form 'wgmma' only, not form={form!r}")
-    block_n = WG_BLOCK_N if form == "wgmma" else BLOCK_N
     splits, chunk = choose_splits(inp.batch, inp.max_len, units, blocks_per_unit=blocks_per_unit,
-                                  num_splits=num_splits, block_n=block_n, balanced=balanced)
+                                  num_splits=num_splits, block_n=WG_BLOCK_N if form == "wgmma" else BLOCK_N)
     B, H = inp.batch, inp.heads
     out = torch.empty(B, 1, H, VALUE_DIM, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, 1, H, dtype=torch.float32, device=q.device)
@@ -631,8 +624,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                 part_lse.data_ptr() if part_lse is not None else None, out.data_ptr(), lse.data_ptr(),
                 q.stride(0), q.stride(2), cache.stride(0), bt.stride(0) if bt is not None else 0,
                 out.stride(0), out.stride(2), lse.stride(0),
-                B, H, page_shift, splits, chunk, bt.shape[1] if bt is not None else 0, c.scale * mla._LOG2E, None,
-                None, -(-inp.max_len // block_n) if balanced else 0)
+                B, H, page_shift, splits, chunk, bt.shape[1] if bt is not None else 0, c.scale * mla._LOG2E, None)
     tensor_map = None
     if form == "wgmma":  # the cache's rows and the queries as tensor maps (TMA boxes, 128 B swizzle)
         tensor_map = ((ctypes.c_ubyte * 128)(), (ctypes.c_ubyte * 128)())

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One device call (issue 5): the CUDA MLA decode's GPU tests, the mla_padding study's cases (records),
+# and the three split-kernel forms timed side by side (scripts/device_mla_wgmma.py). Results under $OUT.
+#   OUT=dir K3LAB_COMMIT=<hash> bash scripts/device_mla_records.sh
+set -uo pipefail
+source scripts/device_env.sh
+export K3LAB_KERNEL_CACHE="${K3LAB_KERNEL_CACHE:-$PWD/.cache/kbuild}"
+echo "== tests"
+timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_mla_decode_cuda.py 2>&1 | tail -4 | tee "$OUT/tests.txt"
+echo "== study"
+timeout 220 python3 -m k3lab.cli bench mla_padding --cases ctx1k ctx32k ctx128k b1_8k b8_8k b64_8k ragged8_8k \
+  --json "$OUT/main.json" 2>&1 | grep -v Warn | tail -30
+echo "== forms"
+CHECK_FORMS=halves TIME_FORMS=split,wgmma,halves timeout 150 python3 scripts/device_mla_wgmma.py 2>&1 | grep -v "^check" | tail -12
+mv "$OUT/wgmma.json" "$OUT/forms.json" 2>/dev/null

@@ -9,7 +9,8 @@
 // Checked on an H200 (tests/test_mla_decode_cuda.py on the GPU: paged and contiguous, mixed lengths,
 // NaN past the lengths, one piece, 128K with 50 graph replays). Graph replay, B = 1, 12 heads, paged
 // bf16 (profiles/nvidia-h200/mla_padding, commit 1a77c32): 7.3 us at 1K, 20.0 us at 32K (44% of
-// the copy bandwidth; Triton 21.9), 47.6 us at 128K (75%; Triton 52.3), 216 us at B = 64 x 8K (66%).
+// the copy bandwidth; Triton 21.9), 47.6 us at 128K (75%; Triton 52.3), 216 us at B = 64 x 8K (66%; 165 us, 86%, at
+// 083abc8 once mla_decode_cuda.choose_splits stopped spilling pieces into a second wave).
 // The timeline probe (Args.probe) found the 32K time: the first tile lands ~2.5 us after the start,
 // 8 tiles take ~10.5 us (compute-bound, ~1.3 us a tile against ~1.1 us of DRAM share), and the
 // merge ends ~3.5 us after the last piece. The team kernel below makes the tile loop memory-bound

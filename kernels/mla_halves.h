@@ -19,8 +19,9 @@
 //
 // Measured on an H200 (commit fe78661, graph replay, paged, same run as the other forms;
 // profiles/nvidia-h200/mla_padding/extra/halves_fe78661.json): right on every GPU test (146 passed,
-// 50 graph replays at 128K included), and the fastest form at 64 x 8K (184.1 us, 77% of the copy
-// bandwidth; split kernel 217.5, wgmma 199.6), but slower at B = 1 (1K 9.1, 32K 22.3, 128K 49.7 us
+// 50 graph replays at 128K included), and the fastest form at 64 x 8K with 3 pieces a request, 1.45
+// waves (184.1 us, 77% of the copy bandwidth; split kernel 217.5, wgmma 199.6; in one wave of pieces,
+// commit 083abc8, the three are level: 164.4 / 164.8 / 167.6 us), but slower at B = 1 (1K 9.1, 32K 22.3, 128K 49.7 us
 // against the split kernel's 7.0 / 19.9 / 47.4), where each block streams only 8 to 32 tiles and
 // the end-of-piece combine of four states (~100 KB through shared memory) and the last tile's
 // single-team compute are not amortised. Opt-in (form='halves'); form='auto' does not pick it.

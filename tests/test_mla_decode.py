@@ -514,6 +514,24 @@ def test_committed_breakdown_orders_readers_and_decodes(tmp_path):
     assert len(fig.data) == len(study.BREAKDOWN_STEPS)
 
 
+def test_committed_wave_runs_show_the_second_wave(tmp_path):
+    # the H200 runs notebook 04 draws: 64 x 8K with 3 pieces a request (192 blocks, 1.45 waves) and 2 (one wave)
+    from k3lab.studies import mla_padding as study
+
+    df = study.wave_table()
+    assert set(df["pieces"]) == {2, 3} and set(df["form"]) == {"split", "wgmma", "halves"}
+    assert (df["blocks"] == 64 * df["pieces"]).all() and (df["commit"] != "").all()
+    for form, g in df.groupby("form"):
+        us = dict(zip(g["pieces"], g["us"]))
+        assert us[2] < us[3], form  # one wave beats a wave and a half, for every form
+    assert (df.loc[df["pieces"] == 2, "waves"] <= 1).all() and (df.loc[df["pieces"] == 3, "waves"] > 1).all()
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": {"ctx32k": {}}}')
+    with pytest.raises(ValueError, match="b64_8k"):
+        study.wave_table(paths=[bad])
+    assert len(study.wave_figure(df).data) == 2
+
+
 def test_committed_probe_runs_read_as_timelines():
     # the H200 timeline-probe runs the notebook draws: every block's phases in order, the merge after
     from k3lab.studies import mla_padding as study

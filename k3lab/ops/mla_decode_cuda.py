@@ -26,13 +26,14 @@ queries fetched as TMA boxes with the 128-byte swizzle, in two 72 KB stages. It 
 rows (or a contiguous cache) that follow each other in memory, and 16-byte aligned queries
 (`wgmma_refusal`). form='auto' (the default, `choose_form`) takes it where each piece holds >= 4 of its
 tiles: on the H200 (e3fdbef, same run) 18.1 against 19.9 us at 32K, 45.8 against 47.4 at 128K, 199
-against 216 at 64 x 8K, but 8.6 against 7.0 at 1K, where a piece is one tile.
+against 216 at 64 x 8K (168 against 165 since the pieces fill one wave, 083abc8), but 8.6 against 7.0 at
+1K, where a piece is one tile.
 
 Form 'halves' (kernels/mla_halves.h, opt-in): two teams of four warps on alternate 32-row tiles,
 each warp half of its team's positions times half of the columns, with its own online softmax, so
 only 1 KB of partial scores per warp is exchanged and six bulk-copy stages fit. Right on the H200
-and the fastest form at 64 x 8K (184 against 217 us for the split kernel and 200 for wgmma, fe78661),
-slower at B = 1 (22.3 us at 32K, 49.7 at 128K), so 'auto' does not pick it.
+and the fastest form at 64 x 8K while that case ran in 1.45 waves (184 against 217 us for the split
+kernel and 200 for wgmma, fe78661; level with them in one wave: 164 / 165 / 168 us, 083abc8), slower at B = 1 (22.3 us at 32K, 49.7 at 128K), so 'auto' does not pick it.
 
 The fused form (merge='fused' or 'auto', or K3LAB_MLA_MERGE=fused / auto; opt-in): the split
 kernel merges the pieces itself after a grid-wide barrier, one cooperative launch

@@ -713,3 +713,39 @@ def breakdown_figure(df: pd.DataFrame, title: str | None = None):
     for level, label in ((0.7, "target 32K"), (0.8, "target 128K")):
         fig.add_hline(y=level, line_dash="dot", annotation_text=label)
     return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# waves: the same 64 x 8K decode with 3 pieces per request (192 blocks on 132 SMs: a full wave and a
+# 45% one) and with 2 (128 blocks, one wave), each form timed in one run of scripts/device_mla_wgmma.py
+
+WAVE_RUNS = ("extra/forms_b2e4c25.json", "extra/forms_083abc8.json")
+H200_SMS = 132
+
+
+def wave_table(device: str = "nvidia-h200", paths=None, case: str = "b64_8k", sms: int = H200_SMS) -> pd.DataFrame:
+    """One row per (run, form) of `case`: pieces per request, blocks, waves (blocks / sms), graph-replay
+    time and share of the copy bandwidth, from the committed form runs."""
+    base = bench.PROFILES / device / NAME
+    rows = []
+    for path in paths or [base / p for p in WAVE_RUNS]:
+        run = json.loads(Path(path).read_text())
+        row = run.get("rows", {}).get(case)
+        if not isinstance(row, dict) or "forms" not in row:
+            raise ValueError(f"{path} has no {case!r} row of forms")
+        batch = int(case.split("_")[0][1:]) if case.startswith("b") else 1
+        for form, v in row["forms"].items():
+            blocks = batch * v["splits"]
+            rows.append({"commit": run["commit"], "form": form, "pieces": v["splits"], "blocks": blocks,
+                         "waves": blocks / sms, "us": v["us"], "share": v["share"]})
+    return pd.DataFrame(rows)
+
+
+def wave_figure(df: pd.DataFrame, title: str | None = None):
+    """Bars of wave_table: each form's time with the grid spilling into a second wave and without."""
+    import plotly.express as px
+
+    df = df.assign(grid=[f"{p} pieces: {b} blocks ({w:.2f} waves)" for p, b, w in zip(df["pieces"], df["blocks"], df["waves"])])
+    return px.bar(df, x="form", y="us", color="grid", barmode="group", text_auto=".0f",
+                  title=title or "64 requests x 8K on the H200: a second, partial wave costs a whole piece",
+                  labels={"us": "us per decode (graph replay)"})

@@ -40,7 +40,10 @@
 // or a zero pad as masked rows; commit 090ffa0): 22.7 / 62.4 us, data-only 17.4 / 44.5, so neither
 // the arithmetic (the score product costs the same per tile, now per 32 rows) nor the stream gains;
 // the TMA boxes' 128-byte pieces stream slower than the probe ring's 4.6 KB bulk copies whatever
-// the depth. Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us
+// the depth. Merging without the second kernel (commit 656605d: clusters of 2-16 blocks combining
+// through distributed shared memory, the last block per column slice merging from L2) was right but
+// slower: only 15 clusters of 8 fit at once, and with pieces that fit, 24.6 against 20.0 us at 32K
+// (profiles/nvidia-h200/mla_padding/extra/cluster_merge_*.json). Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us
 // (every SM reads the same 18 KB), hence the TMA boxes.
 
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams

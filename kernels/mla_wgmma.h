@@ -51,6 +51,11 @@
 #ifndef K3_MLA_WG_DATA_ONLY
 #define K3_MLA_WG_DATA_ONLY 0
 #endif
+// Rows per TMA box (8, 16, 32 or 64): a tile's 64 rows x 576 columns go out as 64 / rows groups of 9
+// boxes, group by group, so each group of requests walks rows * 1152 contiguous bytes.
+#ifndef K3_MLA_WG_BOX_ROWS
+#define K3_MLA_WG_BOX_ROWS 64
+#endif
 
 
 namespace k3mla {
@@ -67,6 +72,7 @@ constexpr int WG_RED = 3 * 4 * ROWS * 4;          // two max exchanges and one s
 constexpr int WG_OPITCH = DV + 4;               // the finished piece staged in shared memory: [16 heads][516] fp32
 constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + (WG_STAGES + 1) * 8; }
 static_assert(ROWS * WG_OPITCH * 4 <= WG_STAGES * WG_STAGE, "the piece is staged in the free ring");
+static_assert(K3_MLA_WG_BOX_ROWS % 8 == 0 && WG_BN % K3_MLA_WG_BOX_ROWS == 0, "boxes of whole 8-row swizzle atoms");
 
 #if defined(K3_MLA_SM90)
 // A shared-memory matrix descriptor with the 128-byte swizzle (PTX ISA, wgmma "matrix descriptor"):
@@ -105,11 +111,15 @@ K3_DEVICE void tma_box(uint32_t dst, const void* map, int col, int row, uint32_t
 // offset in rows (the launcher checks that pages, or requests, are whole rows apart).
 K3_DEVICE int wg_row(const Args& a, int b, int pos) { return (int)(row_at(a, b, pos) / D); }
 
-// Thread 0: tile at row `row` into `stage` (9 boxes), completing on `bar`.
+// Thread 0: tile at row `row` into `stage` (9 column boxes per group of K3_MLA_WG_BOX_ROWS rows), completing
+// on `bar`. A box of r rows lands where those rows sit in the 64-row box (r x 128 bytes further per group):
+// the 128-byte swizzle repeats every 8 rows (1 KB), so the bytes are the same either way.
 K3_DEVICE void wg_issue(const void* map, int row, uint32_t stage, uint32_t bar) {
   mbar_expect_tx(bar, (uint32_t)WG_STAGE);
 #pragma unroll
-  for (int i = 0; i < WG_BOXES; ++i) tma_box(stage + i * WG_BOX, map, 64 * i, row, bar);
+  for (int r = 0; r < WG_BN; r += K3_MLA_WG_BOX_ROWS)
+#pragma unroll
+    for (int i = 0; i < WG_BOXES; ++i) tma_box(stage + i * WG_BOX + r * 128, map, 64 * i, row + r, bar);
 }
 
 // The thread's heads in the accumulator layout (columns of S^T and O^T): 8 jn + 2 t4 + e, index 2 jn + e.
@@ -338,7 +348,7 @@ inline int wg_make_map(CUtensorMap* map, const void* base, long long rows) {
   if (encode == nullptr) return -6;
   const cuuint64_t dims[2] = {(cuuint64_t)D, (cuuint64_t)rows};
   const cuuint64_t strides[1] = {(cuuint64_t)ROW_BYTES};
-  const cuuint32_t box[2] = {64, (cuuint32_t)WG_BN};
+  const cuuint32_t box[2] = {64, (cuuint32_t)K3_MLA_WG_BOX_ROWS};
   const cuuint32_t elem[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

@@ -56,6 +56,11 @@
 #ifndef K3_MLA_WG_BOX_ROWS
 #define K3_MLA_WG_BOX_ROWS 64
 #endif
+// One TMA copy per tile: a 3D map over (64 columns, rows, 9 column chunks), so one box of 64 x 64 x 9
+// lands chunk by chunk, exactly the 9 boxes' layout.
+#ifndef K3_MLA_WG_ONE_COPY
+#define K3_MLA_WG_ONE_COPY 0
+#endif
 
 
 namespace k3mla {
@@ -116,6 +121,14 @@ K3_DEVICE int wg_row(const Args& a, int b, int pos) { return (int)(row_at(a, b, 
 // the 128-byte swizzle repeats every 8 rows (1 KB), so the bytes are the same either way.
 K3_DEVICE void wg_issue(const void* map, int row, uint32_t stage, uint32_t bar) {
   mbar_expect_tx(bar, (uint32_t)WG_STAGE);
+  if (K3_MLA_WG_ONE_COPY) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(
+            stage),
+        "l"(map), "r"(0), "r"(row), "r"(0), "r"(bar)
+        : "memory");
+    return;
+  }
 #pragma unroll
   for (int r = 0; r < WG_BN; r += K3_MLA_WG_BOX_ROWS)
 #pragma unroll
@@ -346,11 +359,13 @@ inline PFN_cuTensorMapEncodeTiled_v12000 wg_encoder() {
 inline int wg_make_map(CUtensorMap* map, const void* base, long long rows) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = wg_encoder();
   if (encode == nullptr) return -6;
-  const cuuint64_t dims[2] = {(cuuint64_t)D, (cuuint64_t)rows};
-  const cuuint64_t strides[1] = {(cuuint64_t)ROW_BYTES};
-  const cuuint32_t box[2] = {64, (cuuint32_t)K3_MLA_WG_BOX_ROWS};
-  const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
+  const bool one = K3_MLA_WG_ONE_COPY;
+  // one copy: (64 columns, rows, 9 chunks of 64 columns), strides 1152 and 128 bytes
+  const cuuint64_t dims[3] = {(cuuint64_t)(one ? 64 : D), (cuuint64_t)rows, (cuuint64_t)WG_BOXES};
+  const cuuint64_t strides[2] = {(cuuint64_t)ROW_BYTES, 128};
+  const cuuint32_t box[3] = {64, (cuuint32_t)(one ? WG_BN : K3_MLA_WG_BOX_ROWS), (cuuint32_t)WG_BOXES};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, one ? 3 : 2, const_cast<void*>(base), dims, strides, box, elem,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? 0 : -1000 - (int)r;

@@ -43,23 +43,17 @@
 // the depth. Merging without the second kernel (commit 656605d: clusters of 2-16 blocks combining
 // through distributed shared memory, the last block per column slice merging from L2) was right but
 // slower: only 15 clusters of 8 fit at once, and with pieces that fit, 24.6 against 20.0 us at 32K
-// (profiles/nvidia-h200/mla_padding/extra/cluster_merge_*.json). Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us
+// (profiles/nvidia-h200/mla_padding/extra/cluster_merge_*.json). The box shape is not the limit either
+// (commits 5b157f3, 0985f1b; extra/box_rows_5b157f3.json, extra/one_copy_0985f1b.json): boxes of 8, 16
+// or 32 rows issued row group by row group are slower (128K: 73.9, 57.3, 46.7 against 45.7 us), and the
+// whole tile as one 3D TMA copy (a map over 64 columns x rows x 9 column chunks) streams exactly as fast
+// as the 9 boxes (data-only 42.77 against 42.81 us at 128K). Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us
 // (every SM reads the same 18 KB), hence the TMA boxes.
 
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
 // its tiles exactly as below but skips the arithmetic (its outputs are then meaningless).
 #ifndef K3_MLA_WG_DATA_ONLY
 #define K3_MLA_WG_DATA_ONLY 0
-#endif
-// Rows per TMA box (8, 16, 32 or 64): a tile's 64 rows x 576 columns go out as 64 / rows groups of 9
-// boxes, group by group, so each group of requests walks rows * 1152 contiguous bytes.
-#ifndef K3_MLA_WG_BOX_ROWS
-#define K3_MLA_WG_BOX_ROWS 64
-#endif
-// One TMA copy per tile: a 3D map over (64 columns, rows, 9 column chunks), so one box of 64 x 64 x 9
-// lands chunk by chunk, exactly the 9 boxes' layout.
-#ifndef K3_MLA_WG_ONE_COPY
-#define K3_MLA_WG_ONE_COPY 0
 #endif
 
 
@@ -75,9 +69,9 @@ constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes
 constexpr int WG_P = ROWS * 128;                  // P: 16 heads x 64 positions (bf16), one swizzled 128 B row each
 constexpr int WG_RED = 3 * 4 * ROWS * 4;          // two max exchanges and one sum exchange: [4 warps][16 heads] fp32
 constexpr int WG_OPITCH = DV + 4;               // the finished piece staged in shared memory: [16 heads][516] fp32
-constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + (WG_STAGES + 1) * 8; }
+// + the tile each stage holds (int32 per stage, 8 bytes kept)
+constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + (WG_STAGES + 1) * 8 + 8; }
 static_assert(ROWS * WG_OPITCH * 4 <= WG_STAGES * WG_STAGE, "the piece is staged in the free ring");
-static_assert(K3_MLA_WG_BOX_ROWS % 8 == 0 && WG_BN % K3_MLA_WG_BOX_ROWS == 0, "boxes of whole 8-row swizzle atoms");
 
 #if defined(K3_MLA_SM90)
 // A shared-memory matrix descriptor with the 128-byte swizzle (PTX ISA, wgmma "matrix descriptor"):
@@ -116,23 +110,11 @@ K3_DEVICE void tma_box(uint32_t dst, const void* map, int col, int row, uint32_t
 // offset in rows (the launcher checks that pages, or requests, are whole rows apart).
 K3_DEVICE int wg_row(const Args& a, int b, int pos) { return (int)(row_at(a, b, pos) / D); }
 
-// Thread 0: tile at row `row` into `stage` (9 column boxes per group of K3_MLA_WG_BOX_ROWS rows), completing
-// on `bar`. A box of r rows lands where those rows sit in the 64-row box (r x 128 bytes further per group):
-// the 128-byte swizzle repeats every 8 rows (1 KB), so the bytes are the same either way.
+// Thread 0: tile at row `row` into `stage` (9 boxes), completing on `bar`.
 K3_DEVICE void wg_issue(const void* map, int row, uint32_t stage, uint32_t bar) {
   mbar_expect_tx(bar, (uint32_t)WG_STAGE);
-  if (K3_MLA_WG_ONE_COPY) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(
-            stage),
-        "l"(map), "r"(0), "r"(row), "r"(0), "r"(bar)
-        : "memory");
-    return;
-  }
 #pragma unroll
-  for (int r = 0; r < WG_BN; r += K3_MLA_WG_BOX_ROWS)
-#pragma unroll
-    for (int i = 0; i < WG_BOXES; ++i) tma_box(stage + i * WG_BOX + r * 128, map, 64 * i, row + r, bar);
+  for (int i = 0; i < WG_BOXES; ++i) tma_box(stage + i * WG_BOX, map, 64 * i, row, bar);
 }
 
 // The thread's heads in the accumulator layout (columns of S^T and O^T): 8 jn + 2 t4 + e, index 2 jn + e.
@@ -155,10 +137,31 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   launch_dependents();  // the merge may launch now; it waits for this grid
 
   const int length = __ldg(a.lengths + b);
-  const int start = split * a.chunk;
-  const int end = min(length, start + a.chunk);
+  // fixed pieces: this block's positions; tiles handed out at run time: the whole request
+  const bool handed_out = a.tile_counter != nullptr;
+  const int start = handed_out ? 0 : split * a.chunk;
+  const int end = handed_out ? length : min(length, start + a.chunk);
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
   const uint32_t qbar = bars + 8 * WG_STAGES;
+  volatile int* tile_of = reinterpret_cast<volatile int*>(gbase + (bars + 8 * (WG_STAGES + 1) - base));  // [stage]
+  // thread 0: stage st gets `tile`, or, once the tiles are gone, an arrival with no bytes and the end
+  // marker -1 (the consumers stop there)
+  auto fill = [&](int st, int tile, int row) {
+    if (tile < ntiles) {
+      tile_of[st] = tile;
+      wg_issue(&map, row, stages + st * WG_STAGE, bars + 8 * st);
+    } else {
+      tile_of[st] = -1;
+      mbar_arrive(bars + 8 * st);
+    }
+  };
+  // thread 0: the tile for the next free stage (fixed pieces: the next one; handed out: the counter's
+  // answer, asked one refill ahead so that the atomic's round trip hides behind a tile; none once a
+  // request's tiles are gone)
+  int pending = 0;
+  auto next_after = [&](int tile) {
+    return tile >= ntiles ? ntiles : handed_out ? atomicAdd(a.tile_counter + b, 1) : tile + 1;
+  };
   if (tid == 0) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(&map) : "memory");
     for (int s = 0; s <= WG_STAGES; ++s) mbar_init(bars + 8 * s, 1);
@@ -174,8 +177,10 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
               qs + i * WG_QBOX),
           "l"(&qmap), "r"(64 * i), "r"(0), "r"(b), "r"(qbar)
           : "memory");
-    for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
-      wg_issue(&map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
+    const int first = handed_out ? atomicAdd(a.tile_counter + b, WG_STAGES) : 0;  // the first stages' tiles at once
+    for (int i = 0; i < WG_STAGES; ++i)
+      fill(i, first + i, first + i < ntiles ? wg_row(a, b, start + (first + i) * WG_BN) : 0);
+    pending = next_after(first + WG_STAGES - 1);
   }
   __syncthreads();  // the barriers are initialised before anyone waits on them
   mbar_wait(qbar, 0);
@@ -189,13 +194,15 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
 #pragma unroll
   for (int c = 0; c < 4; ++c) m_run[c] = -INFINITY, l_run[c] = 0.f;
 
-  for (int j = 0; j < ntiles; ++j) {
+  for (int j = 0;; ++j) {
     const int st = j % WG_STAGES;
     const uint32_t stage = stages + st * WG_STAGE;
     // the row of the tile that will refill this stage, read now: its latency hides behind this tile
-    const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
+    const int refill_row = (tid == 0 && pending < ntiles) ? wg_row(a, b, start + pending * WG_BN) : 0;
     mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
-    const int pos0 = start + j * WG_BN;
+    const int tile = tile_of[st];
+    if (tile < 0) break;  // this block's tiles are done
+    const int pos0 = start + tile * WG_BN;
     const int valid = min(WG_BN, end - pos0);
     if (valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
       const int units = WG_BOXES * (WG_BN - valid) * 8;
@@ -209,7 +216,10 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     }
     if (K3_MLA_WG_DATA_ONLY) {
       __syncthreads();
-      if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
+      if (tid == 0) {
+        fill(st, pending, refill_row);
+        pending = next_after(pending);
+      }
       continue;
     }
     // scores S^T = K Q^T: 36 k-steps of 16 columns (4 per 64-column box, +32 bytes each), into four
@@ -290,7 +300,10 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_commit();
     wg_wait_all();
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
-    if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
+    if (tid == 0) {
+      fill(st, pending, refill_row);
+      pending = next_after(pending);
+    }
   }
 
   __syncthreads();  // every warp is done with the ring before it holds the finished piece
@@ -359,13 +372,11 @@ inline PFN_cuTensorMapEncodeTiled_v12000 wg_encoder() {
 inline int wg_make_map(CUtensorMap* map, const void* base, long long rows) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = wg_encoder();
   if (encode == nullptr) return -6;
-  const bool one = K3_MLA_WG_ONE_COPY;
-  // one copy: (64 columns, rows, 9 chunks of 64 columns), strides 1152 and 128 bytes
-  const cuuint64_t dims[3] = {(cuuint64_t)(one ? 64 : D), (cuuint64_t)rows, (cuuint64_t)WG_BOXES};
-  const cuuint64_t strides[2] = {(cuuint64_t)ROW_BYTES, 128};
-  const cuuint32_t box[3] = {64, (cuuint32_t)(one ? WG_BN : K3_MLA_WG_BOX_ROWS), (cuuint32_t)WG_BOXES};
-  const cuuint32_t elem[3] = {1, 1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, one ? 3 : 2, const_cast<void*>(base), dims, strides, box, elem,
+  const cuuint64_t dims[2] = {(cuuint64_t)D, (cuuint64_t)rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)ROW_BYTES};
+  const cuuint32_t box[2] = {64, (cuuint32_t)WG_BN};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? 0 : -1000 - (int)r;

@@ -122,11 +122,6 @@ struct Args {
   // grid's block count per launch), [1] how many blocks gave up waiting at the barrier (bounded spin;
   // 0 unless something is badly wrong; the host reads it). Null for the two-kernel form.
   unsigned long long* barrier;
-  // Tiles handed out at run time (form 'wgmma' only; null: each block takes its fixed piece): [B] int32,
-  // zero at plan time. The blocks of request b take its 64-row tiles one by one from tile_counter[b]
-  // (atomicAdd), so a block on an SM that streams faster takes more; the merge kernel sets the counters
-  // back to zero once every block is done.
-  int* tile_counter;
 };
 
 }  // namespace k3mla
@@ -153,12 +148,6 @@ K3_DEVICE void mbar_init(uint32_t bar, int count) {
 K3_DEVICE void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
 #if defined(K3_MLA_SM90)
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-#endif
-}
-
-K3_DEVICE void mbar_arrive(uint32_t bar) {
-#if defined(K3_MLA_SM90)
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 #endif
 }
 
@@ -950,8 +939,6 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
 #if defined(K3_MLA_SM90)
   wait_prerequisites();  // launched early (programmatic dependent launch): the partials are complete now
 #endif
-  if (a.tile_counter != nullptr && blockIdx.x == 0 && blockIdx.y == 0)  // every split block is done: reset
-    for (int i = threadIdx.x; i < a.B; i += MERGE_THREADS) a.tile_counter[i] = 0;
   const unsigned long long t_begin = a.probe != nullptr ? now_ns() : 0ull;
   __shared__ float red_m[MERGE_THREADS / 32];
   __shared__ float4 red_o[MERGE_THREADS];

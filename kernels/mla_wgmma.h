@@ -26,7 +26,8 @@
 //
 // Measured on an H200 (profiles/nvidia-h200/mla_padding, commit e3fdbef, graph replay, B = 1, paged):
 // 18.1 us at 32K (the split kernel 19.9 in the same run), 45.8 us at 128K (47.4), 27.4 at 8 x 8K
-// (28.6), 199 at 64 x 8K (216; 168 against 165 in one wave of pieces, 083abc8), but 8.6 at 1K (7.0: one tile per piece, start-up dominates), so
+// (28.6), 199 at 64 x 8K (216; 168 against 165 in one wave of pieces, 083abc8), but 8.6 at 1K (7.0:
+// one tile per piece, start-up dominates), so
 // mla_decode_cuda.choose_form takes this form only for pieces of >= 4 tiles. Built with
 // K3_MLA_WG_DATA_ONLY (no arithmetic) it takes 16.1 / 42.7 us: the two 72 KB stages stream slower than
 // the five 37 KB stages of scripts/mla_read_probe.cu's ring (11.1 / 37.0 us with an empty second
@@ -47,7 +48,10 @@
 // (commits 5b157f3, 0985f1b; extra/box_rows_5b157f3.json, extra/one_copy_0985f1b.json): boxes of 8, 16
 // or 32 rows issued row group by row group are slower (128K: 73.9, 57.3, 46.7 against 45.7 us), and the
 // whole tile as one 3D TMA copy (a map over 64 columns x rows x 9 column chunks) streams exactly as fast
-// as the 9 boxes (data-only 42.77 against 42.81 us at 128K). Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us
+// as the 9 boxes (data-only 42.77 against 42.81 us at 128K). Tiles handed out one by one from a
+// per-request counter (atomicAdd, asked a tile ahead, so that faster SMs take more; commit 7533f65,
+// extra/dynamic_tiles_7533f65.json) were right but slower everywhere (128K 60.4 against 45.8 us, 32K 22.7
+// against 18.5): whatever the slowest pieces cost, a counter round trip per tile costs more. Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us
 // (every SM reads the same 18 KB), hence the TMA boxes.
 
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
@@ -69,8 +73,7 @@ constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes
 constexpr int WG_P = ROWS * 128;                  // P: 16 heads x 64 positions (bf16), one swizzled 128 B row each
 constexpr int WG_RED = 3 * 4 * ROWS * 4;          // two max exchanges and one sum exchange: [4 warps][16 heads] fp32
 constexpr int WG_OPITCH = DV + 4;               // the finished piece staged in shared memory: [16 heads][516] fp32
-// + the tile each stage holds (int32 per stage, 8 bytes kept)
-constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + (WG_STAGES + 1) * 8 + 8; }
+constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + (WG_STAGES + 1) * 8; }
 static_assert(ROWS * WG_OPITCH * 4 <= WG_STAGES * WG_STAGE, "the piece is staged in the free ring");
 
 #if defined(K3_MLA_SM90)
@@ -137,31 +140,10 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   launch_dependents();  // the merge may launch now; it waits for this grid
 
   const int length = __ldg(a.lengths + b);
-  // fixed pieces: this block's positions; tiles handed out at run time: the whole request
-  const bool handed_out = a.tile_counter != nullptr;
-  const int start = handed_out ? 0 : split * a.chunk;
-  const int end = handed_out ? length : min(length, start + a.chunk);
+  const int start = split * a.chunk;
+  const int end = min(length, start + a.chunk);
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
   const uint32_t qbar = bars + 8 * WG_STAGES;
-  volatile int* tile_of = reinterpret_cast<volatile int*>(gbase + (bars + 8 * (WG_STAGES + 1) - base));  // [stage]
-  // thread 0: stage st gets `tile`, or, once the tiles are gone, an arrival with no bytes and the end
-  // marker -1 (the consumers stop there)
-  auto fill = [&](int st, int tile, int row) {
-    if (tile < ntiles) {
-      tile_of[st] = tile;
-      wg_issue(&map, row, stages + st * WG_STAGE, bars + 8 * st);
-    } else {
-      tile_of[st] = -1;
-      mbar_arrive(bars + 8 * st);
-    }
-  };
-  // thread 0: the tile for the next free stage (fixed pieces: the next one; handed out: the counter's
-  // answer, asked one refill ahead so that the atomic's round trip hides behind a tile; none once a
-  // request's tiles are gone)
-  int pending = 0;
-  auto next_after = [&](int tile) {
-    return tile >= ntiles ? ntiles : handed_out ? atomicAdd(a.tile_counter + b, 1) : tile + 1;
-  };
   if (tid == 0) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(&map) : "memory");
     for (int s = 0; s <= WG_STAGES; ++s) mbar_init(bars + 8 * s, 1);
@@ -177,10 +159,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
               qs + i * WG_QBOX),
           "l"(&qmap), "r"(64 * i), "r"(0), "r"(b), "r"(qbar)
           : "memory");
-    const int first = handed_out ? atomicAdd(a.tile_counter + b, WG_STAGES) : 0;  // the first stages' tiles at once
-    for (int i = 0; i < WG_STAGES; ++i)
-      fill(i, first + i, first + i < ntiles ? wg_row(a, b, start + (first + i) * WG_BN) : 0);
-    pending = next_after(first + WG_STAGES - 1);
+    for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
+      wg_issue(&map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
   __syncthreads();  // the barriers are initialised before anyone waits on them
   mbar_wait(qbar, 0);
@@ -194,15 +174,13 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
 #pragma unroll
   for (int c = 0; c < 4; ++c) m_run[c] = -INFINITY, l_run[c] = 0.f;
 
-  for (int j = 0;; ++j) {
+  for (int j = 0; j < ntiles; ++j) {
     const int st = j % WG_STAGES;
     const uint32_t stage = stages + st * WG_STAGE;
     // the row of the tile that will refill this stage, read now: its latency hides behind this tile
-    const int refill_row = (tid == 0 && pending < ntiles) ? wg_row(a, b, start + pending * WG_BN) : 0;
+    const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
     mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
-    const int tile = tile_of[st];
-    if (tile < 0) break;  // this block's tiles are done
-    const int pos0 = start + tile * WG_BN;
+    const int pos0 = start + j * WG_BN;
     const int valid = min(WG_BN, end - pos0);
     if (valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
       const int units = WG_BOXES * (WG_BN - valid) * 8;
@@ -216,10 +194,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     }
     if (K3_MLA_WG_DATA_ONLY) {
       __syncthreads();
-      if (tid == 0) {
-        fill(st, pending, refill_row);
-        pending = next_after(pending);
-      }
+      if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
       continue;
     }
     // scores S^T = K Q^T: 36 k-steps of 16 columns (4 per 64-column box, +32 bytes each), into four
@@ -300,10 +275,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_commit();
     wg_wait_all();
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
-    if (tid == 0) {
-      fill(st, pending, refill_row);
-      pending = next_after(pending);
-    }
+    if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
   }
 
   __syncthreads();  // every warp is done with the ring before it holds the finished piece

@@ -36,8 +36,6 @@ def plan_kwargs(spec):
     for o in opts:  # k: the merge kernel; s<n>: n pieces
         if o == "k":
             kw["merge"] = "kernel"
-        elif o == "d":
-            kw["dynamic_tiles"] = True
         elif o[0] == "s":
             kw["num_splits"] = int(o[1:])
     return kw

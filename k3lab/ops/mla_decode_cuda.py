@@ -116,9 +116,8 @@ def team_smem_bytes() -> int:
 
 def wg_smem_bytes() -> int:
     """Dynamic shared memory of form 'wgmma' (kernels/mla_wgmma.h): 1 KB of alignment slack, two
-    72 KB tiles, Q^T (18 KB), P (2 KB), the max and sum exchanges, three mbarriers (the tiles', Q's)
-    and the tile each stage holds."""
-    return 1024 + WG_STAGES * 9 * 64 * 128 + 9 * 16 * 128 + 16 * 128 + 3 * 4 * 16 * 4 + (WG_STAGES + 1) * 8 + 8
+    72 KB tiles, Q^T (18 KB), P (2 KB), the max and sum exchanges and three mbarriers (the tiles', Q's)."""
+    return 1024 + WG_STAGES * 9 * 64 * 128 + 9 * 16 * 128 + 16 * 128 + 3 * 4 * 16 * 4 + (WG_STAGES + 1) * 8
 
 
 def halves_smem_bytes() -> int:
@@ -152,7 +151,7 @@ class Args(ctypes.Structure):
                 ("l_sb", ctypes.c_longlong),
                 ("B", ctypes.c_int), ("heads", ctypes.c_int), ("page_shift", ctypes.c_int), ("splits", ctypes.c_int),
                 ("chunk", ctypes.c_int), ("max_pages", ctypes.c_int), ("scale_log2", ctypes.c_float),
-                ("probe", ctypes.c_void_p), ("barrier", ctypes.c_void_p), ("tile_counter", ctypes.c_void_p)]
+                ("probe", ctypes.c_void_p), ("barrier", ctypes.c_void_p)]
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -577,8 +576,7 @@ class CudaDecodePlan:
 
 def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
          warps=DEFAULT_WARPS, pdl: bool = True, compute_units: int | None = None,
-         probe: torch.Tensor | None = None, form: str | None = None, merge: str | None = None,
-         dynamic_tiles: bool = False) -> CudaDecodePlan:
+         probe: torch.Tensor | None = None, form: str | None = None, merge: str | None = None) -> CudaDecodePlan:
     """Check once (ValueError by name), then build a launchable plan on the GPU (KernelUnavailable,
     with the reason, where the kernel cannot run). num_splits: None = `choose_splits` for the
     device's SM count; stages / warps: the compiled ring depth and block size (5 and 4 by default);
@@ -657,18 +655,11 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
         path, why = choose_merge(c.merge, splits=splits, batch=B, max_blocks=fused_max_blocks(dev, max_shared),
                                  form=form, stages=stages, warps=warps, probe=probe is not None,
                                  capturable=fused_capturable(dev, max_shared))
-    tile_counter = None
-    if dynamic_tiles and path != "none":  # one piece: its block takes every tile either way
-        if form != "wgmma" or path != "kernel":
-            raise ValueError(f"dynamic_tiles is built into form 'wgmma' with the merge kernel (its pieces are then "
-                             f"whatever tiles each block takes), not form={form!r} with merge path {path!r}")
-        tile_counter = torch.zeros(B, dtype=torch.int32, device=q.device)
-        args.tile_counter = tile_counter.data_ptr()
     barrier = None
     if path == "fused":
         barrier = torch.zeros(2, dtype=torch.int64, device=q.device)
         args.barrier = barrier.data_ptr()
-    keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse, probe, barrier, tile_counter)
+    keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse, probe, barrier)
     return CudaDecodePlan(splits, chunk, stages, warps, bool(pdl) and path == "kernel", form, out, lse, args, keep,
                           max_shared, dev, path, why, barrier, tensor_map, form_why)
 

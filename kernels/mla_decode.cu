@@ -939,6 +939,9 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
 #if defined(K3_MLA_SM90)
   wait_prerequisites();  // launched early (programmatic dependent launch): the partials are complete now
 #endif
+#if defined(K3_MLA_MERGE_EMPTY)  // diagnostics only (scripts/device_mla_wgmma.py variants): the merge's launch, no work
+  return;
+#endif
   const unsigned long long t_begin = a.probe != nullptr ? now_ns() : 0ull;
   __shared__ float red_m[MERGE_THREADS / 32];
   __shared__ float4 red_o[MERGE_THREADS];

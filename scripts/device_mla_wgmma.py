@@ -36,6 +36,8 @@ def plan_kwargs(spec):
     for o in opts:  # k: the merge kernel; s<n>: n pieces
         if o == "k":
             kw["merge"] = "kernel"
+        elif o == "np":
+            kw["pdl"] = False
         elif o[0] == "s":
             kw["num_splits"] = int(o[1:])
     return kw
@@ -80,6 +82,11 @@ check_case("2 contiguous (3000, 1234)", [3000, 1234], paged=False)
 check_case("1 x 32768", [32768])
 check_case("1 x 8200, pages of 128", [8200], page=128)
 
+def unchecked(label):
+    """Diagnostic builds whose outputs are meaningless: no arithmetic (data-only), or no merge (no-merge)."""
+    return label.endswith("data-only") or label.endswith("no-merge")
+
+
 # other builds of kernels/mla_decode.cu (each with its own -Dk3mla=... namespace), as label:path in
 # WG_VARIANTS, e.g. data-only:/tmp/mla_diag.so (K3_MLA_WG_DATA_ONLY: the same tile stream, no
 # arithmetic; outputs not checked) or cp:/tmp/mla_cp.so (K3_MLA_WG_CPASYNC; checked like the default)
@@ -94,7 +101,7 @@ for item in filter(None, os.environ.get("WG_VARIANTS", "").split(",")):
         mc.wg_smem_bytes = formula
 real_library = mc._library
 for label, lib in builds.items():
-    if not label.endswith("data-only"):
+    if not unchecked(label):
         mc._library = lambda lib=lib: lib
         print(f"build {label}:", flush=True)
         check_case(f"{label}: 3 ragged (5000, 77, 2048)", [5000, 77, 2048])
@@ -120,11 +127,11 @@ for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1
         kw = plan_kwargs(form) if not form.startswith("wgmma-") else {"form": "wgmma"}
         plans = [mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], **kw) for s in sets]
         o, lse = plans[0]()
-        if not form.endswith("data-only"):
+        if not unchecked(form):
             ro, rl = mla.reference(first["q"].float(), first["cache"].float(), lengths=first["lengths"])
             bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
         t = bench.time_fn(lambda p: p(), rotate=[(p,) for p in plans], graph=True, warmup=10, repeats=60)
-        if not form.endswith("data-only"):  # again after the replays 
+        if not unchecked(form):  # again after the replays 
             o, lse = plans[0]()
             bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
         res[form] = {"us": t.median_us, "p20": t.p20_us, "p80": t.p80_us, "splits": plans[0].num_splits,

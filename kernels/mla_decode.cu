@@ -933,79 +933,15 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
 }
 
 // ---------------------------------------------------------------------------------------------
-#if !defined(K3_MLA_MERGE_TWO_TRIPS)
-// the merge: one block per (request, head) and MERGE_COLS value columns; lse-weighted sum of pieces.
-// 128 threads = 16 split groups x 8 float4 column groups. Each thread loads its pieces' log-sum-exps and
-// partial columns together (one L2 round trip, not one for the maximum and one for the sums) and keeps
-// a running (max, sum, columns) state; the 16 groups' states then meet by shuffles inside each warp
-// and through shared memory across the 4 warps. Why: at 32K the merge's work was 2.2 us of the
-// decode's 18.1 (commit 6aa92d8: the same decode with an empty merge kernel took 15.9).
-
-// Merge state (m: base-2 max, d: sum of weights, o: weighted columns) of one set of pieces with another's.
-K3_DEVICE void merge_state(float& m, float& d, float4& o, float m2, float d2, const float4 o2) {
-  const float mn = fmaxf(m, m2);
-  const float mu = mn == -INFINITY ? 0.f : mn;  // both empty: weights 0, not NaN
-  const float s1 = exp2f(m - mu), s2 = exp2f(m2 - mu);
-  d = d * s1 + d2 * s2;
-  o.x = o.x * s1 + o2.x * s2;
-  o.y = o.y * s1 + o2.y * s2;
-  o.z = o.z * s1 + o2.z * s2;
-  o.w = o.w * s1 + o2.w * s2;
-  m = mn;
-}
-
-__global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
-#if defined(K3_MLA_SM90)
-  wait_prerequisites();  // launched early (programmatic dependent launch): the partials are complete now
-#endif
-#if defined(K3_MLA_MERGE_EMPTY)  // diagnostics only (scripts/device_mla_wgmma.py variants): the merge's launch, no work
-  return;
-#endif
-  const unsigned long long t_begin = a.probe != nullptr ? now_ns() : 0ull;
-  constexpr int WARPS = MERGE_THREADS / 32, GROUPS = MERGE_THREADS / 8;
-  __shared__ float red_m[WARPS][8], red_d[WARPS][8];
-  __shared__ float4 red_o[WARPS][8];
-  const int row = blockIdx.x;  // b * heads + h
-  const int b = row / a.heads, h = row % a.heads;
-  const int tid = threadIdx.x, sg = tid >> 3, cq = tid & 7, warp = tid >> 5, lane = tid & 31;
-  const float* lse = a.part_lse + (long long)row * a.splits;
-  const int col = blockIdx.y * MERGE_COLS + cq * 4;
-  const float* part = a.part_o + (long long)row * a.splits * DV + col;
-  float m = -INFINITY, d = 0.f;
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8  // the loads do not depend on the running state: 8 pieces' loads in flight together
-  for (int s = sg; s < a.splits; s += GROUPS)
-    merge_state(m, d, o, lse[s], 1.f, *reinterpret_cast<const float4*>(part + (long long)s * DV));
-#pragma unroll
-  for (int off = 8; off < 32; off <<= 1)  // the warp's 4 split groups (lanes 8 apart hold the same columns)
-    merge_state(m, d, o, k3_shfl_xor(m, off), k3_shfl_xor(d, off),
-                make_float4(k3_shfl_xor(o.x, off), k3_shfl_xor(o.y, off), k3_shfl_xor(o.z, off), k3_shfl_xor(o.w, off)));
-  if (lane < 8) {
-    red_m[warp][lane] = m;
-    red_d[warp][lane] = d;
-    red_o[warp][lane] = o;
-  }
-  __syncthreads();
-  if (tid < 8) {
-    for (int w = 1; w < WARPS; ++w) merge_state(m, d, o, red_m[w][tid], red_d[w][tid], red_o[w][tid]);
-    const float r = d > 0.f ? 1.f / d : 0.f;
-    k3_bf16* out = a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + blockIdx.y * MERGE_COLS + tid * 4;
-    const uint32_t lo = (uint32_t)k3_f32_to_bf16(o.x * r) | ((uint32_t)k3_f32_to_bf16(o.y * r) << 16);
-    const uint32_t hi = (uint32_t)k3_f32_to_bf16(o.z * r) | ((uint32_t)k3_f32_to_bf16(o.w * r) << 16);
-    *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
-    if (blockIdx.y == 0 && tid == 0)
-      a.lse[(long long)b * a.l_sb + h] = d > 0.f ? (m + __log2f(d)) * 0.6931471805599453f : -INFINITY;
-    if (a.probe != nullptr && tid == 0) {
-      unsigned long long* p = a.probe + (long long)a.B * a.splits * 8 + ((long long)row * gridDim.y + blockIdx.y) * 2;
-      p[0] = t_begin;
-      p[1] = now_ns();
-    }
-  }
-}
-
-#else  // the previous merge (diagnostics: scripts/device_mla_wgmma.py variants)
 // the merge: one block per (request, head) and MERGE_COLS value columns; lse-weighted sum of pieces.
 // 128 threads = 16 split groups x 8 float4 column groups.
+// Its work costs ~2.2 us of a 32K decode on the H200 (the same decode with this kernel emptied by
+// -DK3_MLA_MERGE_EMPTY: 15.9 against 18.1 us, 43.1 against 45.4 at 128K; commit 6aa92d8,
+// profiles/nvidia-h200/mla_padding/extra/merge_cost_6aa92d8.json). A merge in one L2 round trip (each
+// thread loading its pieces' log-sum-exps and columns together into a running max/sum state, the split
+// groups combined by shuffles) was right but not faster: 18.76 against 18.27 us at 32K, 45.95 against
+// 45.59 at 128K (commit 4ee46c3, extra/merge_one_trip_4ee46c3.json), so the round trips are not what
+// the 2.2 us is made of.
 __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
 #if defined(K3_MLA_SM90)
   wait_prerequisites();  // launched early (programmatic dependent launch): the partials are complete now
@@ -1071,8 +1007,6 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
     }
   }
 }
-
-#endif
 
 template <int STAGES, int NW, bool PROBE = false>
 int launch_split(const Args& a, int max_shared, cudaStream_t st) {

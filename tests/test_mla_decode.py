@@ -500,16 +500,22 @@ def test_committed_breakdown_orders_readers_and_decodes(tmp_path):
     df = study.read_breakdown()
     assert set(df["case"]) == {"ctx32k", "ctx128k"} and len(df) == 2 * len(study.BREAKDOWN_STEPS)
     assert (df["commit"] != "").all() and ((df["share"] > 0) & (df["share"] < 1.2)).all()
+    label = {key: text for _, key, text in study.BREAKDOWN_STEPS}
     for case, g in df.groupby("case"):
-        us = dict(zip(g["step"], g["us"]))
-        labels = [s[2] for s in study.BREAKDOWN_STEPS]
-        assert us[labels[0]] < us[labels[1]] < us[labels[2]]  # loads < ring < ring + second kernel
-        assert max(us[labels[4]], us[labels[5]]) == max(us.values())  # a full decode is the slowest step
-        assert us[labels[3]] < us[labels[4]]  # the arithmetic costs time on top of the data path
+        us = {step: t for step, t in zip(g["step"], g["us"])}
+        at = lambda key: us[label[key]]  # noqa: E731
+        # loads < ring < ring + a second kernel
+        assert at("ldg 528 blocks") < at("ring split 128 (decode path)") < at("ring split 128 +tail")
+        assert max(at("wgmma"), at("split")) == max(us.values())  # a full decode is the slowest step
+        assert at("wgmma-data-only") < at("wgmma")  # the arithmetic costs time on top of the data path
+        # the merge kernel's work costs time too, with or without the arithmetic (the same run)
+        assert at("wgmma-dme-data-only") < at("wgmma-me-no-merge") < at("wgmma")
     bad = tmp_path / "bad.json"
     bad.write_text('{"rows": {"ctx32k": {"us": 1.0}}}')
     with pytest.raises(ValueError, match="no rows"):
         study.read_breakdown(probe_path=bad)
+    with pytest.raises(ValueError, match="merge run"):
+        study.read_breakdown(merge_path=bad)
     fig = study.breakdown_figure(df)
     assert len(fig.data) == len(study.BREAKDOWN_STEPS)
 

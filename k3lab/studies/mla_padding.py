@@ -672,34 +672,39 @@ def read_floors(records=None, device: str = "nvidia-h200", path=None) -> pd.Data
 
 READ_PROBE = "extra/read_probe_e3fdbef.json"
 WGMMA_RUN = "extra/wgmma_e3fdbef.json"
+MERGE_RUN = "extra/merge_cost_6aa92d8.json"  # the same kernels with the merge kernel emptied (K3_MLA_MERGE_EMPTY)
 # (file, key in it) -> label, in the order of the figure: from the plainest read to the full decode
 BREAKDOWN_STEPS = (
     ("probe", "ldg 528 blocks", "plain 16-byte loads"),
     ("probe", "ring split 128 (decode path)", "the decode's tile ring, no arithmetic"),
     ("probe", "ring split 128 +tail", "... + an empty second kernel"),
+    ("merge", "wgmma-dme-data-only", "wgmma form, no arithmetic, empty merge"),
     ("wgmma", "wgmma-data-only", "wgmma form, no arithmetic, + merge"),
+    ("merge", "wgmma-me-no-merge", "wgmma form, empty merge"),
     ("wgmma", "wgmma", "wgmma form (the after from 8K up)"),
     ("wgmma", "split", "mma.sync split kernel"),
 )
 
 
-def read_breakdown(device: str = "nvidia-h200", probe_path=None, wgmma_path=None) -> pd.DataFrame:
+def read_breakdown(device: str = "nvidia-h200", probe_path=None, wgmma_path=None, merge_path=None) -> pd.DataFrame:
     """One row per (case, step) of BREAKDOWN_STEPS: its graph-replay time and share of the measured
-    copy bandwidth, from the committed read-probe and wgmma runs (cases present in both)."""
+    copy bandwidth, from the committed read-probe, wgmma and merge-cost runs (cases present in all)."""
     base = bench.PROFILES / device / NAME
-    probe = json.loads(Path(probe_path or base / READ_PROBE).read_text())
-    wg = json.loads(Path(wgmma_path or base / WGMMA_RUN).read_text())
-    for name, run, key in (("read probe", probe, "variants"), ("wgmma run", wg, "forms")):
-        if not isinstance(run.get("rows"), dict) or any(key not in r for r in run["rows"].values()):
-            raise ValueError(f"the {name} file has no rows of {key!r}")
+    runs = {"probe": json.loads(Path(probe_path or base / READ_PROBE).read_text()),
+            "wgmma": json.loads(Path(wgmma_path or base / WGMMA_RUN).read_text()),
+            "merge": json.loads(Path(merge_path or base / MERGE_RUN).read_text())}
+    keys = {"probe": "variants", "wgmma": "forms", "merge": "forms"}
+    for src, run in runs.items():
+        if not isinstance(run.get("rows"), dict) or any(keys[src] not in r for r in run["rows"].values()):
+            raise ValueError(f"the {src} run's file has no rows of {keys[src]!r}")
     rows = []
-    for case in [c for c in probe["rows"] if c in wg["rows"]]:
+    for case in [c for c in runs["probe"]["rows"] if all(c in r["rows"] for r in runs.values())]:
         for src, key, label in BREAKDOWN_STEPS:
-            vals = probe["rows"][case]["variants"] if src == "probe" else wg["rows"][case]["forms"]
+            vals = runs[src]["rows"][case][keys[src]]
             if key not in vals:
                 raise ValueError(f"{case}: no {key!r} in the committed {src} run")
             rows.append({"case": case, "step": label, "us": vals[key]["us"], "share": vals[key]["share"],
-                         "commit": (probe if src == "probe" else wg)["commit"]})
+                         "commit": runs[src]["commit"]})
     return pd.DataFrame(rows)
 
 

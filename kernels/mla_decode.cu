@@ -933,6 +933,122 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
 }
 
 // ---------------------------------------------------------------------------------------------
+#if !defined(K3_MLA_MERGE_TWO_TRIPS)
+// the merge: one block per (request, head) and MERGE_COLS value columns; lse-weighted sum of pieces.
+// 128 threads = 16 split groups x 8 float4 column groups. The latency chain is kept short: each thread
+// issues its pieces' column loads before anything else (they do not depend on the weights), the
+// block's maximum log-sum-exp comes from one load per thread and a shuffle tree, each piece's weight is
+// computed once (by the thread that loaded its lse) into shared memory, and the 16 split groups' sums
+// meet by shuffles inside each warp and in shared memory across the 4 warps.
+// Why: the merge's work was 2.2 us of a 32K decode on the H200 (commit 6aa92d8: 15.9 us with the merge
+// kernel emptied by -DK3_MLA_MERGE_EMPTY, 18.1 with it; profiles/nvidia-h200/mla_padding/extra/
+// merge_cost_6aa92d8.json); the timeline probe had each merge block taking ~2 us. A merge in one round trip
+// with a running (max, sum) state per thread (commit 4ee46c3) was not faster: its chain of rescalings is
+// as long as the round trip it saves.
+constexpr int MERGE_MAX_SPLITS = 8 * (MERGE_THREADS / 8);  // pieces whose loads are issued up front
+
+__global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
+#if defined(K3_MLA_SM90)
+  wait_prerequisites();  // launched early (programmatic dependent launch): the partials are complete now
+#endif
+#if defined(K3_MLA_MERGE_EMPTY)  // diagnostics only (scripts/device_mla_wgmma.py variants): the merge's launch, no work
+  return;
+#endif
+  const unsigned long long t_begin = a.probe != nullptr ? now_ns() : 0ull;
+  constexpr int WARPS = MERGE_THREADS / 32, GROUPS = MERGE_THREADS / 8;
+  __shared__ float red_m[WARPS];
+  __shared__ float wts[MERGE_MAX_SPLITS];
+  __shared__ float4 red_o[WARPS][8];
+  __shared__ float red_d[WARPS];
+  const int row = blockIdx.x;  // b * heads + h
+  const int b = row / a.heads, h = row % a.heads;
+  const int tid = threadIdx.x, sg = tid >> 3, cq = tid & 7, warp = tid >> 5, lane = tid & 31;
+  const float* lse = a.part_lse + (long long)row * a.splits;
+  const int col = blockIdx.y * MERGE_COLS + cq * 4;
+  const float* part = a.part_o + (long long)row * a.splits * DV + col;
+  const bool ahead = a.splits <= MERGE_MAX_SPLITS;  // up to 8 pieces per thread: all loads up front
+  float4 v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int s = sg + i * GROUPS;
+    v[i] = ahead && s < a.splits ? *reinterpret_cast<const float4*>(part + (long long)s * DV) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  float m = -INFINITY;
+  for (int s = tid; s < a.splits; s += MERGE_THREADS) m = fmaxf(m, lse[s]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, k3_shfl_xor(m, off));
+  if (lane == 0) red_m[warp] = m;
+  __syncthreads();
+  m = red_m[0];
+#pragma unroll
+  for (int w = 1; w < WARPS; ++w) m = fmaxf(m, red_m[w]);
+  const float mu = m == -INFINITY ? 0.f : m;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  float den = 0.f;
+  if (ahead) {
+    if (tid < a.splits) wts[tid] = exp2f(lse[tid] - mu);  // the lse load above is still in L1
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int s = sg + i * GROUPS;
+      if (s < a.splits) {
+        const float w = wts[s];
+        den += w;
+        o.x += w * v[i].x;
+        o.y += w * v[i].y;
+        o.z += w * v[i].z;
+        o.w += w * v[i].w;
+      }
+    }
+  } else {  // more pieces than 8 per thread: loads in batches of 8 after the maximum
+#pragma unroll 8
+    for (int s = sg; s < a.splits; s += GROUPS) {
+      const float w = exp2f(lse[s] - mu);
+      const float4 x = *reinterpret_cast<const float4*>(part + (long long)s * DV);
+      den += w;
+      o.x += w * x.x;
+      o.y += w * x.y;
+      o.z += w * x.z;
+      o.w += w * x.w;
+    }
+  }
+#pragma unroll
+  for (int off = 8; off < 32; off <<= 1) {  // the warp's 4 split groups (lanes 8 apart hold the same columns)
+    o.x += k3_shfl_xor(o.x, off);
+    o.y += k3_shfl_xor(o.y, off);
+    o.z += k3_shfl_xor(o.z, off);
+    o.w += k3_shfl_xor(o.w, off);
+    den += k3_shfl_xor(den, off);
+  }
+  if (lane < 8) red_o[warp][lane] = o;
+  if (lane == 0) red_d[warp] = den;
+  __syncthreads();
+  if (tid < 8) {
+    float d = red_d[0];
+    for (int w = 1; w < WARPS; ++w) {
+      const float4 x = red_o[w][tid];
+      o.x += x.x;
+      o.y += x.y;
+      o.z += x.z;
+      o.w += x.w;
+      d += red_d[w];
+    }
+    const float r = d > 0.f ? 1.f / d : 0.f;
+    k3_bf16* out = a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + blockIdx.y * MERGE_COLS + tid * 4;
+    const uint32_t lo = (uint32_t)k3_f32_to_bf16(o.x * r) | ((uint32_t)k3_f32_to_bf16(o.y * r) << 16);
+    const uint32_t hi = (uint32_t)k3_f32_to_bf16(o.z * r) | ((uint32_t)k3_f32_to_bf16(o.w * r) << 16);
+    *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
+    if (blockIdx.y == 0 && tid == 0)
+      a.lse[(long long)b * a.l_sb + h] = d > 0.f ? (mu + __log2f(d)) * 0.6931471805599453f : -INFINITY;
+    if (a.probe != nullptr && tid == 0) {
+      unsigned long long* p = a.probe + (long long)a.B * a.splits * 8 + ((long long)row * gridDim.y + blockIdx.y) * 2;
+      p[0] = t_begin;
+      p[1] = now_ns();
+    }
+  }
+}
+
+#else  // the previous merge (diagnostics: scripts/device_mla_wgmma.py variants)
 // the merge: one block per (request, head) and MERGE_COLS value columns; lse-weighted sum of pieces.
 // 128 threads = 16 split groups x 8 float4 column groups.
 // Its work costs ~2.2 us of a 32K decode on the H200 (the same decode with this kernel emptied by
@@ -1007,6 +1123,8 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
     }
   }
 }
+
+#endif
 
 template <int STAGES, int NW, bool PROBE = false>
 int launch_split(const Args& a, int max_shared, cudaStream_t st) {

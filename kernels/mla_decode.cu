@@ -945,8 +945,10 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
 // merge_cost_6aa92d8.json); the timeline probe had each merge block taking ~2 us. A merge in one round trip
 // with a running (max, sum) state per thread (commit 4ee46c3) was not faster: its chain of rescalings is
 // as long as the round trip it saves.
-constexpr int MERGE_MAX_SPLITS = 8 * (MERGE_THREADS / 8);  // pieces whose loads are issued up front
-
+// AHEAD: pieces per thread whose loads are issued up front (1 where splits <= 16, 8 up to 128; beyond,
+// batches of 8 after the maximum). Two builds because the 8-deep one's registers cost occupancy where
+// the merge grid is large (B = 64 x 8K: 12,288 blocks of 2 pieces each).
+template <int AHEAD>
 __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
 #if defined(K3_MLA_SM90)
   wait_prerequisites();  // launched early (programmatic dependent launch): the partials are complete now
@@ -957,7 +959,7 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
   const unsigned long long t_begin = a.probe != nullptr ? now_ns() : 0ull;
   constexpr int WARPS = MERGE_THREADS / 32, GROUPS = MERGE_THREADS / 8;
   __shared__ float red_m[WARPS];
-  __shared__ float wts[MERGE_MAX_SPLITS];
+  __shared__ float wts[AHEAD * GROUPS];
   __shared__ float4 red_o[WARPS][8];
   __shared__ float red_d[WARPS];
   const int row = blockIdx.x;  // b * heads + h
@@ -966,10 +968,10 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
   const float* lse = a.part_lse + (long long)row * a.splits;
   const int col = blockIdx.y * MERGE_COLS + cq * 4;
   const float* part = a.part_o + (long long)row * a.splits * DV + col;
-  const bool ahead = a.splits <= MERGE_MAX_SPLITS;  // up to 8 pieces per thread: all loads up front
-  float4 v[8];
+  const bool ahead = a.splits <= AHEAD * GROUPS;  // up to AHEAD pieces per thread: all loads up front
+  float4 v[AHEAD];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < AHEAD; ++i) {
     const int s = sg + i * GROUPS;
     v[i] = ahead && s < a.splits ? *reinterpret_cast<const float4*>(part + (long long)s * DV) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
@@ -986,10 +988,10 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
   float den = 0.f;
   if (ahead) {
-    if (tid < a.splits) wts[tid] = exp2f(lse[tid] - mu);  // the lse load above is still in L1
+    if (tid < a.splits) wts[tid] = exp2f(lse[tid] - mu);  // the lse load above is still in L1 (splits <= 128)
     __syncthreads();
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < AHEAD; ++i) {
       const int s = sg + i * GROUPS;
       if (s < a.splits) {
         const float w = wts[s];
@@ -1126,6 +1128,20 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
 
 #endif
 
+// The merge kernel for splits > 1 (grid B*heads x 512/32), launched early by programmatic dependent launch
+// when pdl != 0. 0 or the CUDA runtime's error code.
+inline int launch_merge(const Args& a, int pdl, cudaStream_t st) {
+  const dim3 grid(a.B * a.heads, DV / MERGE_COLS);
+#if !defined(K3_MLA_MERGE_TWO_TRIPS)
+  void (*kernel)(Args) = a.splits <= MERGE_THREADS / 8 ? merge_kernel<1> : merge_kernel<8>;
+#else
+  void (*kernel)(Args) = merge_kernel;
+#endif
+  if (pdl) return (int)k3_launch_pdl(kernel, grid, dim3(MERGE_THREADS), 0, st, a);
+  kernel<<<grid, MERGE_THREADS, 0, st>>>(a);
+  return (int)cudaGetLastError();
+}
+
 template <int STAGES, int NW, bool PROBE = false>
 int launch_split(const Args& a, int max_shared, cudaStream_t st) {
   const int bytes = smem_bytes(STAGES);
@@ -1244,10 +1260,7 @@ K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int stages, int warps, int 
 #undef K3_LAUNCH
   }
   if (rc != 0 || a.splits == 1) return rc;
-  dim3 grid(a.B * a.heads, k3mla::DV / k3mla::MERGE_COLS);
-  if (pdl) return (int)k3_launch_pdl(k3mla::merge_kernel, grid, dim3(k3mla::MERGE_THREADS), 0, st, a);
-  k3mla::merge_kernel<<<grid, k3mla::MERGE_THREADS, 0, st>>>(a);
-  return (int)cudaGetLastError();
+  return k3mla::launch_merge(a, pdl, st);
 }
 
 // Form 'wgmma' (kernels/mla_wgmma.h): its shared memory, its tensor maps of a cache's rows and of the
@@ -1286,10 +1299,7 @@ K3_EXPORT int k3_mla_decode_wg(const k3mla::Args* args, const void* map, const v
   cudaStream_t st = (cudaStream_t)stream;
   const int rc = k3mla::launch_wg(a, m, qm, max_shared, st);
   if (rc != 0 || a.splits == 1) return rc;
-  dim3 grid(a.B * a.heads, k3mla::DV / k3mla::MERGE_COLS);
-  if (pdl) return (int)k3_launch_pdl(k3mla::merge_kernel, grid, dim3(k3mla::MERGE_THREADS), 0, st, a);
-  k3mla::merge_kernel<<<grid, k3mla::MERGE_THREADS, 0, st>>>(a);
-  return (int)cudaGetLastError();
+  return k3mla::launch_merge(a, pdl, st);
 }
 
 // The fused form's capacity: blocks of the fused kernel that can be resident at once on the current

@@ -937,9 +937,9 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
 // the merge: one block per (request, head) and MERGE_COLS value columns; lse-weighted sum of pieces.
 // 128 threads = 16 split groups x 8 float4 column groups. The latency chain is kept short: each thread
 // issues its pieces' column loads before anything else (they do not depend on the weights), the
-// block's maximum log-sum-exp comes from one load per thread and a shuffle tree, each piece's weight is
-// computed once (by the thread that loaded its lse) into shared memory, and the 16 split groups' sums
-// meet by shuffles inside each warp and in shared memory across the 4 warps.
+// block's maximum log-sum-exp comes from one load per thread and a shuffle tree, each thread weighs its
+// own pieces (their log-sum-exps loaded with the columns), and the 16 split groups' sums meet by
+// shuffles inside each warp and in shared memory across the 4 warps.
 // Why: the merge's work was 2.2 us of a 32K decode on the H200 (commit 6aa92d8: 15.9 us with the merge
 // kernel emptied by -DK3_MLA_MERGE_EMPTY, 18.1 with it; profiles/nvidia-h200/mla_padding/extra/
 // merge_cost_6aa92d8.json); the timeline probe had each merge block taking ~2 us. A merge in one round trip
@@ -959,7 +959,6 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
   const unsigned long long t_begin = a.probe != nullptr ? now_ns() : 0ull;
   constexpr int WARPS = MERGE_THREADS / 32, GROUPS = MERGE_THREADS / 8;
   __shared__ float red_m[WARPS];
-  __shared__ float wts[AHEAD * GROUPS];
   __shared__ float4 red_o[WARPS][8];
   __shared__ float red_d[WARPS];
   const int row = blockIdx.x;  // b * heads + h
@@ -970,10 +969,13 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
   const float* part = a.part_o + (long long)row * a.splits * DV + col;
   const bool ahead = a.splits <= AHEAD * GROUPS;  // up to AHEAD pieces per thread: all loads up front
   float4 v[AHEAD];
+  float ls[AHEAD];  // the thread's own pieces' log-sum-exps, loaded with their columns
 #pragma unroll
   for (int i = 0; i < AHEAD; ++i) {
     const int s = sg + i * GROUPS;
-    v[i] = ahead && s < a.splits ? *reinterpret_cast<const float4*>(part + (long long)s * DV) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const bool in = ahead && s < a.splits;
+    v[i] = in ? *reinterpret_cast<const float4*>(part + (long long)s * DV) : make_float4(0.f, 0.f, 0.f, 0.f);
+    ls[i] = in ? lse[s] : -INFINITY;
   }
   float m = -INFINITY;
   for (int s = tid; s < a.splits; s += MERGE_THREADS) m = fmaxf(m, lse[s]);
@@ -988,13 +990,10 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
   float den = 0.f;
   if (ahead) {
-    if (tid < a.splits) wts[tid] = exp2f(lse[tid] - mu);  // the lse load above is still in L1 (splits <= 128)
-    __syncthreads();
 #pragma unroll
     for (int i = 0; i < AHEAD; ++i) {
-      const int s = sg + i * GROUPS;
-      if (s < a.splits) {
-        const float w = wts[s];
+      if (sg + i * GROUPS < a.splits) {
+        const float w = exp2f(ls[i] - mu);
         den += w;
         o.x += w * v[i].x;
         o.y += w * v[i].y;

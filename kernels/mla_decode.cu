@@ -933,18 +933,21 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
 }
 
 // ---------------------------------------------------------------------------------------------
-#if !defined(K3_MLA_MERGE_TWO_TRIPS)
 // the merge: one block per (request, head) and MERGE_COLS value columns; lse-weighted sum of pieces.
 // 128 threads = 16 split groups x 8 float4 column groups. The latency chain is kept short: each thread
 // issues its pieces' column loads before anything else (they do not depend on the weights), the
-// block's maximum log-sum-exp comes from one load per thread and a shuffle tree, each thread weighs its
-// own pieces (their log-sum-exps loaded with the columns), and the 16 split groups' sums meet by
-// shuffles inside each warp and in shared memory across the 4 warps.
+// block's maximum log-sum-exp comes from one load per thread and a shuffle tree, each piece's weight is
+// computed once (by the thread that loaded its lse) into shared memory, and the 16 split groups' sums
+// meet by shuffles inside each warp and in shared memory across the 4 warps.
 // Why: the merge's work was 2.2 us of a 32K decode on the H200 (commit 6aa92d8: 15.9 us with the merge
 // kernel emptied by -DK3_MLA_MERGE_EMPTY, 18.1 with it; profiles/nvidia-h200/mla_padding/extra/
-// merge_cost_6aa92d8.json); the timeline probe had each merge block taking ~2 us. A merge in one round trip
-// with a running (max, sum) state per thread (commit 4ee46c3) was not faster: its chain of rescalings is
-// as long as the round trip it saves.
+// merge_cost_6aa92d8.json); the timeline probe had each merge block taking ~2 us. The previous merge
+// (maximum first, then the column loads, and 8 threads summing 16 groups one by one; commit 6aa92d8)
+// against this one, same run (commit f0ca511, extra/merge_short_chain_f0ca511.json), wgmma form, us:
+// 32K 18.25 / 17.44, 128K 45.44 / 44.73, 1K 8.58 / 7.93, 8 x 8K 27.32 / 27.01, 64 x 8K 167.4 / 167.7.
+// Tried and not faster: one round trip with a running (max, sum) state per thread (commit 4ee46c3: its
+// chain of rescalings is as long as the round trip it saves), and each thread weighing its own pieces
+// instead of one shared weight table (commit d986384: 17.70 against 17.50 us at 32K).
 // AHEAD: pieces per thread whose loads are issued up front (1 where splits <= 16, 8 up to 128; beyond,
 // batches of 8 after the maximum). Two builds because the 8-deep one's registers cost occupancy where
 // the merge grid is large (B = 64 x 8K: 12,288 blocks of 2 pieces each).
@@ -959,6 +962,7 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
   const unsigned long long t_begin = a.probe != nullptr ? now_ns() : 0ull;
   constexpr int WARPS = MERGE_THREADS / 32, GROUPS = MERGE_THREADS / 8;
   __shared__ float red_m[WARPS];
+  __shared__ float wts[AHEAD * GROUPS];
   __shared__ float4 red_o[WARPS][8];
   __shared__ float red_d[WARPS];
   const int row = blockIdx.x;  // b * heads + h
@@ -969,13 +973,10 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
   const float* part = a.part_o + (long long)row * a.splits * DV + col;
   const bool ahead = a.splits <= AHEAD * GROUPS;  // up to AHEAD pieces per thread: all loads up front
   float4 v[AHEAD];
-  float ls[AHEAD];  // the thread's own pieces' log-sum-exps, loaded with their columns
 #pragma unroll
   for (int i = 0; i < AHEAD; ++i) {
     const int s = sg + i * GROUPS;
-    const bool in = ahead && s < a.splits;
-    v[i] = in ? *reinterpret_cast<const float4*>(part + (long long)s * DV) : make_float4(0.f, 0.f, 0.f, 0.f);
-    ls[i] = in ? lse[s] : -INFINITY;
+    v[i] = ahead && s < a.splits ? *reinterpret_cast<const float4*>(part + (long long)s * DV) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   float m = -INFINITY;
   for (int s = tid; s < a.splits; s += MERGE_THREADS) m = fmaxf(m, lse[s]);
@@ -990,10 +991,13 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
   float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
   float den = 0.f;
   if (ahead) {
+    if (tid < a.splits) wts[tid] = exp2f(lse[tid] - mu);  // the lse load above is still in L1 (splits <= 128)
+    __syncthreads();
 #pragma unroll
     for (int i = 0; i < AHEAD; ++i) {
-      if (sg + i * GROUPS < a.splits) {
-        const float w = exp2f(ls[i] - mu);
+      const int s = sg + i * GROUPS;
+      if (s < a.splits) {
+        const float w = wts[s];
         den += w;
         o.x += w * v[i].x;
         o.y += w * v[i].y;
@@ -1049,93 +1053,11 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
   }
 }
 
-#else  // the previous merge (diagnostics: scripts/device_mla_wgmma.py variants)
-// the merge: one block per (request, head) and MERGE_COLS value columns; lse-weighted sum of pieces.
-// 128 threads = 16 split groups x 8 float4 column groups.
-// Its work costs ~2.2 us of a 32K decode on the H200 (the same decode with this kernel emptied by
-// -DK3_MLA_MERGE_EMPTY: 15.9 against 18.1 us, 43.1 against 45.4 at 128K; commit 6aa92d8,
-// profiles/nvidia-h200/mla_padding/extra/merge_cost_6aa92d8.json). A merge in one L2 round trip (each
-// thread loading its pieces' log-sum-exps and columns together into a running max/sum state, the split
-// groups combined by shuffles) was right but not faster: 18.76 against 18.27 us at 32K, 45.95 against
-// 45.59 at 128K (commit 4ee46c3, extra/merge_one_trip_4ee46c3.json), so the round trips are not what
-// the 2.2 us is made of.
-__global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
-#if defined(K3_MLA_SM90)
-  wait_prerequisites();  // launched early (programmatic dependent launch): the partials are complete now
-#endif
-#if defined(K3_MLA_MERGE_EMPTY)  // diagnostics only (scripts/device_mla_wgmma.py variants): the merge's launch, no work
-  return;
-#endif
-  const unsigned long long t_begin = a.probe != nullptr ? now_ns() : 0ull;
-  __shared__ float red_m[MERGE_THREADS / 32];
-  __shared__ float4 red_o[MERGE_THREADS];
-  __shared__ float red_d[MERGE_THREADS / 8];
-  const int row = blockIdx.x;  // b * heads + h
-  const int b = row / a.heads, h = row % a.heads;
-  const int tid = threadIdx.x, sg = tid >> 3, cq = tid & 7;
-  const float* lse = a.part_lse + (long long)row * a.splits;
-  float m = -INFINITY;
-  for (int s = tid; s < a.splits; s += MERGE_THREADS) m = fmaxf(m, lse[s]);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, k3_shfl_xor(m, off));
-  if ((tid & 31) == 0) red_m[tid >> 5] = m;
-  __syncthreads();
-  m = fmaxf(fmaxf(red_m[0], red_m[1]), fmaxf(red_m[2], red_m[3]));
-  const float mu = m == -INFINITY ? 0.f : m;
-  const int col = blockIdx.y * MERGE_COLS + cq * 4;
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-  float den = 0.f;
-  const float* part = a.part_o + (long long)row * a.splits * DV + col;
-#pragma unroll 8  // independent loads in flight together: one L2 round trip for 8 pieces, not 8
-  for (int s = sg; s < a.splits; s += MERGE_THREADS / 8) {
-    const float w = exp2f(lse[s] - mu);
-    const float4 v = *reinterpret_cast<const float4*>(part + (long long)s * DV);
-    den += w;
-    o.x += w * v.x;
-    o.y += w * v.y;
-    o.z += w * v.z;
-    o.w += w * v.w;
-  }
-  red_o[tid] = o;
-  if (cq == 0) red_d[sg] = den;
-  __syncthreads();
-  if (tid < 8) {
-    float4 t = red_o[tid];
-    float d = red_d[0];
-    for (int i = 1; i < MERGE_THREADS / 8; ++i) {
-      const float4 v = red_o[i * 8 + tid];
-      t.x += v.x;
-      t.y += v.y;
-      t.z += v.z;
-      t.w += v.w;
-      d += red_d[i];
-    }
-    const float r = d > 0.f ? 1.f / d : 0.f;
-    k3_bf16* out = a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + blockIdx.y * MERGE_COLS + tid * 4;
-    const uint32_t lo = (uint32_t)k3_f32_to_bf16(t.x * r) | ((uint32_t)k3_f32_to_bf16(t.y * r) << 16);
-    const uint32_t hi = (uint32_t)k3_f32_to_bf16(t.z * r) | ((uint32_t)k3_f32_to_bf16(t.w * r) << 16);
-    *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
-    if (blockIdx.y == 0 && tid == 0)
-      a.lse[(long long)b * a.l_sb + h] = d > 0.f ? (mu + __log2f(d)) * 0.6931471805599453f : -INFINITY;
-    if (a.probe != nullptr && tid == 0) {
-      unsigned long long* p = a.probe + (long long)a.B * a.splits * 8 + ((long long)row * gridDim.y + blockIdx.y) * 2;
-      p[0] = t_begin;
-      p[1] = now_ns();
-    }
-  }
-}
-
-#endif
-
 // The merge kernel for splits > 1 (grid B*heads x 512/32), launched early by programmatic dependent launch
 // when pdl != 0. 0 or the CUDA runtime's error code.
 inline int launch_merge(const Args& a, int pdl, cudaStream_t st) {
   const dim3 grid(a.B * a.heads, DV / MERGE_COLS);
-#if !defined(K3_MLA_MERGE_TWO_TRIPS)
   void (*kernel)(Args) = a.splits <= MERGE_THREADS / 8 ? merge_kernel<1> : merge_kernel<8>;
-#else
-  void (*kernel)(Args) = merge_kernel;
-#endif
   if (pdl) return (int)k3_launch_pdl(kernel, grid, dim3(MERGE_THREADS), 0, st, a);
   kernel<<<grid, MERGE_THREADS, 0, st>>>(a);
   return (int)cudaGetLastError();

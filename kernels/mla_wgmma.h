@@ -51,7 +51,11 @@
 // as the 9 boxes (data-only 42.77 against 42.81 us at 128K). Tiles handed out one by one from a
 // per-request counter (atomicAdd, asked a tile ahead, so that faster SMs take more; commit 7533f65,
 // extra/dynamic_tiles_7533f65.json) were right but slower everywhere (128K 60.4 against 45.8 us, 32K 22.7
-// against 18.5): whatever the slowest pieces cost, a counter round trip per tile costs more. Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us
+// against 18.5): whatever the slowest pieces cost, a counter round trip per tile costs more. Taking
+// the accumulator's rescale off the path from the softmax to the value product (each tile's values into
+// their own accumulator, folded into o while the next tile's scores run; commit 0f564b9,
+// extra/fold_0f564b9.json: 220 registers, and a copy of the accumulator so that ptxas adds no wgmma
+// wait) was slower too: 17.95 against 17.40 us at 32K, 45.21 against 44.83 at 128K. Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us
 // (every SM reads the same 18 KB), hence the TMA boxes.
 
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
@@ -173,28 +177,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   float m_run[4], l_run[4];
 #pragma unroll
   for (int c = 0; c < 4; ++c) m_run[c] = -INFINITY, l_run[c] = 0.f;
-  // The value product of a tile goes into its own accumulator t, and o = alpha o + t is folded in while
-  // the next tile's score product runs: the 64 multiplies of the rescale leave the path between the
-  // softmax and the value product (each warp issues them alone, one per cycle).
-  float t[8][8], tv[8][8];  // t: the value product's accumulator; tv: its copy that is folded in
-  float fold[4];  // the alpha of the tile in tv (1 and zeros before the first: no branch in the loop, which
-                  // would make ptxas wait for the scores before the fold)
-#pragma unroll
-  for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) tv[mb][e] = 0.f;
-#pragma unroll
-  for (int c = 0; c < 4; ++c) fold[c] = 1.f;
-  auto fold_in = [&]() {
-#pragma unroll
-    for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int i = 4 * (c >> 1) + (c & 1);
-        o[mb][i] = o[mb][i] * fold[c] + tv[mb][i];
-        o[mb][i + 2] = o[mb][i + 2] * fold[c] + tv[mb][i + 2];
-      }
-  };
 
   for (int j = 0; j < ntiles; ++j) {
     const int st = j % WG_STAGES;
@@ -232,7 +214,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       wg_mma<0>(s4[kk & 3], wg_desc(stage + (kk >> 2) * WG_BOX + (kk & 3) * 32, 16, 1024),
                 wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024), kk >= 4);
     wg_commit();
-    fold_in();  // the previous tile's values, while these scores run
     wg_wait_all();
     float s[8];
 #pragma unroll
@@ -278,31 +259,29 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
                    "h"(b1)
                    : "memory");
     }
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int i = 4 * (c >> 1) + (c & 1);
+        o[mb][i] *= alpha[c];
+        o[mb][i + 2] *= alpha[c];
+      }
     fence_async_smem();
     __syncthreads();  // P complete
-    // t = V^T P^T: value columns in 8 boxes of 64 (M-major A), positions in 4 k-steps of 16 rows
+    // O^T += V^T P^T: value columns in 8 boxes of 64 (M-major A), positions in 4 k-steps of 16 rows
     wg_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)  // k-steps outside: consecutive wgmma update different accumulators
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb)
-        wg_mma<1>(t[mb], wg_desc(stage + mb * WG_BOX + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024),
-                  ks > 0);
+        wg_mma<1>(o[mb], wg_desc(stage + mb * WG_BOX + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);
     wg_commit();
     wg_wait_all();
-    // t is complete: copied out by plain moves so that ptxas does not insert a wgmma wait before the
-    // fold (it cannot see through the loop that this wait already covered t)
-#pragma unroll
-    for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) asm volatile("mov.b32 %0, %1;" : "=f"(tv[mb][e]) : "f"(t[mb][e]));
-#pragma unroll
-    for (int c = 0; c < 4; ++c) fold[c] = alpha[c];
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
     if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
   }
 
-  fold_in();  // the last tile's values
   __syncthreads();  // every warp is done with the ring before it holds the finished piece
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps
   float* rs = red + 2 * (4 * ROWS);

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device call (issue 5): the CUDA MLA decode's GPU tests, the mla_padding study's cases (records),
-# and the three split-kernel forms timed side by side (scripts/device_mla_wgmma.py). Results under $OUT.
-#   OUT=dir K3LAB_COMMIT=<hash> bash scripts/device_mla_records.sh
+# and the three split-kernel forms timed side by side (scripts/device_mla_wgmma.py). With BREAKDOWN=1,
+# also where the time goes (read floor, the data-only build, per-kernel durations); that needs the
+# data-only build at .cache/variants/d.so (nvcc -DK3_MLA_WG_DATA_ONLY=1 -Dk3mla=k3v_d kernels/mla_decode.cu).
+# Results under $OUT.
+#   OUT=dir K3LAB_COMMIT=<hash> [BREAKDOWN=1] bash scripts/device_mla_records.sh
 set -uo pipefail
 source scripts/device_env.sh
 export K3LAB_KERNEL_CACHE="${K3LAB_KERNEL_CACHE:-$PWD/.cache/kbuild}"
@@ -13,3 +16,9 @@ timeout 220 python3 -m k3lab.cli bench mla_padding --cases ctx1k ctx32k ctx128k 
 echo "== forms"
 CHECK_FORMS=halves TIME_FORMS=split,wgmma,halves timeout 150 python3 scripts/device_mla_wgmma.py 2>&1 | grep -v "^check" | tail -12
 mv "$OUT/wgmma.json" "$OUT/forms.json" 2>/dev/null
+if [ "${BREAKDOWN:-0}" = 1 ]; then
+  echo "== breakdown"
+  timeout 60 python3 scripts/device_mla_read_probe.py 2>&1 | tail -22
+  WG_VARIANTS=data-only:.cache/variants/d.so timeout 80 python3 scripts/device_mla_wgmma.py 2>&1 | grep -v "^check" | tail -16
+  WG_DIAG_SO=.cache/variants/d.so timeout 60 python3 scripts/device_mla_kernel_times.py 2>&1 | grep -v -i warn | tail -8
+fi

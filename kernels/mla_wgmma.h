@@ -128,6 +128,31 @@ K3_DEVICE void wg_issue(const void* map, int row, uint32_t stage, uint32_t bar) 
 
 // The thread's heads in the accumulator layout (columns of S^T and O^T): 8 jn + 2 t4 + e, index 2 jn + e.
 K3_DEVICE int wg_head(int c, int t4) { return 8 * (c >> 1) + 2 * t4 + (c & 1); }
+
+// Lazy references: P = 2^(s - m) with m a head's reference, moved only when a score passes it by more
+// than WG_LAZY (so P <= 2^8: exact in fp32 sums, no precision lost in bf16), which after the first tiles
+// is rare; most tiles then skip the exchange of maxima, a block-wide barrier and the accumulator's
+// rescale. The final log-sum-exp is m + log2(sum P) either way.
+constexpr float WG_LAZY = 8.f;
+
+// p = 2^(s - m) for this thread's 2 positions x 4 heads, stored as bf16 into P (head h, position q: row h
+// of 128 B, 16-byte unit q / 8 swizzled by h % 8). m: the references (-inf: no reference yet, 0 used).
+K3_DEVICE void wg_store_p(float (&p)[8], const float (&s)[8], const float (&m)[4], uint32_t ps, int q0, int t4) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int h = wg_head(c, t4), i = 4 * (c >> 1) + (c & 1);
+    const float u = m[c] == -INFINITY ? 0.f : m[c];
+    p[i] = fast_exp2(s[i] - u);
+    p[i + 2] = fast_exp2(s[i + 2] - u);
+    const uint32_t row = ps + h * 128, sw = h & 7;
+    asm volatile("st.shared.b16 [%0], %1;" ::"r"(row + ((((uint32_t)q0 >> 3) ^ sw) << 4) + (q0 & 7) * 2),
+                 "h"(k3_f32_to_bf16(p[i]))
+                 : "memory");
+    asm volatile("st.shared.b16 [%0], %1;" ::"r"(row + ((((uint32_t)(q0 + 8) >> 3) ^ sw) << 4) + (q0 & 7) * 2),
+                 "h"(k3_f32_to_bf16(p[i + 2]))
+                 : "memory");
+  }
+}
 #endif
 
 __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_constant__ CUtensorMap map,
@@ -223,54 +248,61 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     // this thread's rows: positions q0 = 16 warp + g and q0 + 8 of the tile; s[4 jn + e]: row q0, s[4 jn + 2 + e]: row q0 + 8
     const int q0 = 16 * warp + g;
     const bool in0 = q0 < valid, in1 = q0 + 8 < valid;
-    float mx[4];
+    bool raise = false;  // a score more than WG_LAZY above its head's reference: the references must move
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int i = 4 * (c >> 1) + (c & 1);
       s[i] = in0 ? s[i] * a.scale_log2 : -INFINITY;
       s[i + 2] = in1 ? s[i + 2] * a.scale_log2 : -INFINITY;
-      mx[c] = fmaxf(s[i], s[i + 2]);
-#pragma unroll
-      for (int off = 4; off < 32; off <<= 1) mx[c] = fmaxf(mx[c], k3_shfl_xor(mx[c], off));
+      raise |= fmaxf(s[i], s[i + 2]) > m_run[c] + WG_LAZY;
     }
-    float* rb = red + (j & 1) * (4 * ROWS);
-    if (g == 0) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) rb[warp * ROWS + wg_head(c, t4)] = mx[c];
-    }
-    __syncthreads();  // the four warps' maxima
-    float alpha[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int h = wg_head(c, t4);
-      const float tmax = fmaxf(fmaxf(rb[h], rb[ROWS + h]), fmaxf(rb[2 * ROWS + h], rb[3 * ROWS + h]));
-      const float mnew = fmaxf(m_run[c], tmax);
-      const float u = mnew == -INFINITY ? 0.f : mnew;
-      alpha[c] = fast_exp2(m_run[c] - u);  // 0 while m_run is -inf
-      m_run[c] = mnew;
-      const int i = 4 * (c >> 1) + (c & 1);
-      const float p0 = fast_exp2(s[i] - u), p1 = fast_exp2(s[i + 2] - u);
-      l_run[c] = l_run[c] * alpha[c] + p0 + p1;
-      // P (head h, position q): row h of 128 B, 16-byte unit q / 8 swizzled by h % 8
-      const k3_bf16 b0 = k3_f32_to_bf16(p0), b1 = k3_f32_to_bf16(p1);
-      const uint32_t row = ps + h * 128, sw = h & 7;
-      asm volatile("st.shared.b16 [%0], %1;" ::"r"(row + ((((uint32_t)q0 >> 3) ^ sw) << 4) + (q0 & 7) * 2),
-                   "h"(b0)
-                   : "memory");
-      asm volatile("st.shared.b16 [%0], %1;" ::"r"(row + ((((uint32_t)(q0 + 8) >> 3) ^ sw) << 4) + (q0 & 7) * 2),
-                   "h"(b1)
-                   : "memory");
-    }
-#pragma unroll
-    for (int mb = 0; mb < 8; ++mb)
+    // P against the current references m_run (one per head, the same in every thread): no exchange of
+    // maxima unless some score is far above its reference
+    float p[8];
+    wg_store_p(p, s, m_run, ps, q0, t4);
+    fence_async_smem();
+    if (__syncthreads_or(raise)) {  // P complete, unless the references move (always at the first tile)
+      float mx[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int i = 4 * (c >> 1) + (c & 1);
-        o[mb][i] *= alpha[c];
-        o[mb][i + 2] *= alpha[c];
+        mx[c] = fmaxf(s[i], s[i + 2]);
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) mx[c] = fmaxf(mx[c], k3_shfl_xor(mx[c], off));
       }
-    fence_async_smem();
-    __syncthreads();  // P complete
+      float* rb = red + (j & 1) * (4 * ROWS);
+      if (g == 0) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) rb[warp * ROWS + wg_head(c, t4)] = mx[c];
+      }
+      __syncthreads();  // the four warps' maxima
+      float alpha[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int h = wg_head(c, t4);
+        const float tmax = fmaxf(fmaxf(rb[h], rb[ROWS + h]), fmaxf(rb[2 * ROWS + h], rb[3 * ROWS + h]));
+        const float mnew = fmaxf(m_run[c], tmax);
+        alpha[c] = fast_exp2(m_run[c] - (mnew == -INFINITY ? 0.f : mnew));  // 0 while m_run is -inf
+        m_run[c] = mnew;
+        l_run[c] *= alpha[c];
+      }
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int i = 4 * (c >> 1) + (c & 1);
+          o[mb][i] *= alpha[c];
+          o[mb][i + 2] *= alpha[c];
+        }
+      wg_store_p(p, s, m_run, ps, q0, t4);
+      fence_async_smem();
+      __syncthreads();  // P complete
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int i = 4 * (c >> 1) + (c & 1);
+      l_run[c] += p[i] + p[i + 2];
+    }
     // O^T += V^T P^T: value columns in 8 boxes of 64 (M-major A), positions in 4 k-steps of 16 rows
     wg_fence();
 #pragma unroll

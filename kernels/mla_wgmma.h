@@ -29,8 +29,11 @@
 // (28.6), 199 at 64 x 8K (216; 168 against 165 in one wave of pieces, 083abc8), but 8.6 at 1K (7.0:
 // one tile per piece, start-up dominates), so
 // mla_decode_cuda.choose_form takes this form only for pieces of >= 4 tiles. With the short-chain merge
-// kernel (commit 74f98a3, the main records): 17.4 us at 32K (51% of the copy bandwidth), 45.0 at 128K
-// (79%), 27.3 at 8 x 8K, 167 at 64 x 8K; the split kernel 19.4, 47.1, 28.2, 166. Built with
+// kernel (commit 74f98a3): 17.4 us at 32K (51% of the copy bandwidth), 45.0 at 128K (79%), 27.3 at
+// 8 x 8K, 167 at 64 x 8K; the split kernel 19.4, 47.1, 28.2, 166. With lazy softmax references
+// (WG_LAZY below; commit 01aba0b, the main records): 17.1 us at 32K (52%), 44.9 at 128K (79%), 27.0 at
+// 8 x 8K, 169 at 64 x 8K (the previous build in the same run: 17.48, 44.78, 27.31, 167.3;
+// extra/lazy_01aba0b.json). Built with
 // K3_MLA_WG_DATA_ONLY (no arithmetic) it takes 16.1 / 42.7 us: the two 72 KB stages stream slower than
 // the five 37 KB stages of scripts/mla_read_probe.cu's ring (11.1 / 37.0 us with an empty second
 // kernel 11.8 / 37.9), and the arithmetic the two stages cannot hide adds 2-3 us.

@@ -28,7 +28,8 @@ rows (or a contiguous cache) that follow each other in memory, and 16-byte align
 tiles: on the H200 (e3fdbef, same run) 18.1 against 19.9 us at 32K, 45.8 against 47.4 at 128K, 199
 against 216 at 64 x 8K (168 against 165 since the pieces fill one wave, 083abc8), but 8.6 against 7.0 at
 1K, where a piece is one tile. With the merge kernel's shorter latency chain (74f98a3, the main records):
-17.4 against 19.4 us at 32K (51% of the copy bandwidth), 45.0 against 47.1 at 128K (79%).
+17.4 against 19.4 us at 32K (51% of the copy bandwidth), 45.0 against 47.1 at 128K (79%); with lazy
+softmax references in the wgmma form (01aba0b, the main records) 17.1 (52%) and 44.9 (79%).
 
 Form 'halves' (kernels/mla_halves.h, opt-in): two teams of four warps on alternate 32-row tiles,
 each warp half of its team's positions times half of the columns, with its own online softmax, so

@@ -27,14 +27,14 @@
 // Measured on an H200 (profiles/nvidia-h200/mla_padding, commit e3fdbef, graph replay, B = 1, paged):
 // 18.1 us at 32K (the split kernel 19.9 in the same run), 45.8 us at 128K (47.4), 27.4 at 8 x 8K
 // (28.6), 199 at 64 x 8K (216; 168 against 165 in one wave of pieces, 083abc8), but 8.6 at 1K (7.0:
-// one tile per piece, start-up dominates), so
-// mla_decode_cuda.choose_form takes this form only for pieces of >= 4 tiles. With the short-chain merge
+// one tile per piece, start-up dominates), so mla_decode_cuda.choose_form takes this form only for
+// pieces of >= 4 tiles. With the short-chain merge
 // kernel (commit 74f98a3): 17.4 us at 32K (51% of the copy bandwidth), 45.0 at 128K (79%), 27.3 at
 // 8 x 8K, 167 at 64 x 8K; the split kernel 19.4, 47.1, 28.2, 166. With lazy softmax references
 // (WG_LAZY below; commit 01aba0b, the main records): 17.1 us at 32K (52%), 44.9 at 128K (79%), 27.0 at
 // 8 x 8K, 169 at 64 x 8K (the previous build in the same run: 17.48, 44.78, 27.31, 167.3;
-// extra/lazy_01aba0b.json). Built with
-// K3_MLA_WG_DATA_ONLY (no arithmetic) it takes 16.1 / 42.7 us: the two 72 KB stages stream slower than
+// extra/lazy_01aba0b.json).
+// Built with K3_MLA_WG_DATA_ONLY (no arithmetic) it takes 16.1 / 42.7 us: the two 72 KB stages stream slower than
 // the five 37 KB stages of scripts/mla_read_probe.cu's ring (11.1 / 37.0 us with an empty second
 // kernel 11.8 / 37.9), and the arithmetic the two stages cannot hide adds 2-3 us.
 // Tried and measured slower (same H200): a ring of 25 box slots of 8 KB (a box may land in any slot,
@@ -60,8 +60,9 @@
 // the accumulator's rescale off the path from the softmax to the value product (each tile's values into
 // their own accumulator, folded into o while the next tile's scores run; commit 0f564b9,
 // extra/fold_0f564b9.json: 220 registers, and a copy of the accumulator so that ptxas adds no wgmma
-// wait) was slower too: 17.95 against 17.40 us at 32K, 45.21 against 44.83 at 128K. Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us
-// (every SM reads the same 18 KB), hence the TMA boxes.
+// wait) was slower too: 17.95 against 17.40 us at 32K, 45.21 against 44.83 at 128K.
+// Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us (every SM reads the
+// same 18 KB), hence the TMA boxes.
 
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
 // its tiles exactly as below but skips the arithmetic (its outputs are then meaningless).
@@ -133,8 +134,8 @@ K3_DEVICE void wg_issue(const void* map, int row, uint32_t stage, uint32_t bar) 
 K3_DEVICE int wg_head(int c, int t4) { return 8 * (c >> 1) + 2 * t4 + (c & 1); }
 
 // Lazy references: P = 2^(s - m) with m a head's reference, moved only when a score passes it by more
-// than WG_LAZY (so P <= 2^8: exact in fp32 sums, no precision lost in bf16), which after the first tiles
-// is rare; most tiles then skip the exchange of maxima, a block-wide barrier and the accumulator's
+// than WG_LAZY (so P <= 2^8: far from fp32's and bf16's range limits, and bf16 keeps the same relative
+// precision at any scale), which after the first tiles is rare; most tiles then skip the exchange of maxima, a block-wide barrier and the accumulator's
 // rescale. The final log-sum-exp is m + log2(sum P) either way.
 constexpr float WG_LAZY = 8.f;
 

@@ -728,9 +728,10 @@ WAVE_RUNS = ("extra/forms_b2e4c25.json", "extra/forms_083abc8.json")
 H200_SMS = 132
 
 
-def wave_table(device: str = "nvidia-h200", paths=None, case: str = "b64_8k", sms: int = H200_SMS) -> pd.DataFrame:
-    """One row per (run, form) of `case`: pieces per request, blocks, waves (blocks / sms), graph-replay
-    time and share of the copy bandwidth, from the committed form runs."""
+def wave_table(device: str = "nvidia-h200", paths=None, case: str = "b64_8k", batch: int = 64,
+               sms: int = H200_SMS) -> pd.DataFrame:
+    """One row per (run, form) of `case` (`batch` requests): pieces per request, blocks, waves (blocks /
+    sms), graph-replay time and share of the copy bandwidth, from the committed form runs."""
     base = bench.PROFILES / device / NAME
     rows = []
     for path in paths or [base / p for p in WAVE_RUNS]:
@@ -738,7 +739,6 @@ def wave_table(device: str = "nvidia-h200", paths=None, case: str = "b64_8k", sm
         row = run.get("rows", {}).get(case)
         if not isinstance(row, dict) or "forms" not in row:
             raise ValueError(f"{path} has no {case!r} row of forms")
-        batch = int(case.split("_")[0][1:]) if case.startswith("b") else 1
         for form, v in row["forms"].items():
             blocks = batch * v["splits"]
             rows.append({"commit": run["commit"], "form": form, "pieces": v["splits"], "blocks": blocks,

@@ -30,10 +30,10 @@ TIME_FORMS = tuple(os.environ.get("TIME_FORMS", "split,wgmma").split(","))
 
 def plan_kwargs(spec):
     """A form spec as plan() arguments: 'wgmma' (the default merge), 'wgmma/k' (the merge kernel),
-    'wgmma/s120' (120 pieces)."""
+    'wgmma/np' (no programmatic dependent launch), 'wgmma/s120' (120 pieces)."""
     form, *opts = spec.split("/")
     kw = {"form": form}
-    for o in opts:  # k: the merge kernel; s<n>: n pieces
+    for o in opts:
         if o == "k":
             kw["merge"] = "kernel"
         elif o == "np":
@@ -131,7 +131,7 @@ for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1
             ro, rl = mla.reference(first["q"].float(), first["cache"].float(), lengths=first["lengths"])
             bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
         t = bench.time_fn(lambda p: p(), rotate=[(p,) for p in plans], graph=True, warmup=10, repeats=60)
-        if not unchecked(form):  # again after the replays 
+        if not unchecked(form):  # again after the replays
             o, lse = plans[0]()
             bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
         res[form] = {"us": t.median_us, "p20": t.p20_us, "p80": t.p80_us, "splits": plans[0].num_splits,

@@ -35,7 +35,8 @@ Form 'halves' (kernels/mla_halves.h, opt-in): two teams of four warps on alterna
 each warp half of its team's positions times half of the columns, with its own online softmax, so
 only 1 KB of partial scores per warp is exchanged and six bulk-copy stages fit. Right on the H200
 and the fastest form at 64 x 8K while that case ran in 1.45 waves (184 against 217 us for the split
-kernel and 200 for wgmma, fe78661; level with them in one wave: 164 / 165 / 168 us, 083abc8), slower at B = 1 (22.3 us at 32K, 49.7 at 128K), so 'auto' does not pick it.
+kernel and 200 for wgmma, fe78661; level with them in one wave: 164 / 165 / 168 us, 083abc8), slower
+at B = 1 (22.3 us at 32K, 49.7 at 128K), so 'auto' does not pick it.
 
 The fused form (merge='fused' or 'auto', or K3LAB_MLA_MERGE=fused / auto; opt-in): the split
 kernel merges the pieces itself after a grid-wide barrier, one cooperative launch
@@ -355,7 +356,8 @@ def choose_splits(batch: int, max_len: int, compute_units: int, *, blocks_per_un
     the H200, 3 pieces a request (192 blocks: a full wave and a 45% one, each block 43 tiles) took
     202.7 us where 2 pieces (128 blocks, 64 tiles each) took 165.8 (form 'wgmma', same run;
     profiles/nvidia-h200/mla_padding/extra/balanced_988492b.json): the second wave's blocks start only
-    when the first's end, so the time is two pieces long either way, and the fuller wave streams faster. The piece length comes from the longest request; the returned
+    when the first's end, so the time is two pieces long either way, and the fuller wave streams faster.
+    The piece length comes from the longest request; the returned
     count is how many pieces that longest request fills (shorter requests leave their last pieces
     empty: zero-weight partials). num_splits forces the count (rounded the same way). block_n: the
     kernel's tile (32 rows; 64 for form 'wgmma')."""

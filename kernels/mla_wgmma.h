@@ -123,11 +123,22 @@ K3_DEVICE void tma_box(uint32_t dst, const void* map, int col, int row, uint32_t
 // offset in rows (the launcher checks that pages, or requests, are whole rows apart).
 K3_DEVICE int wg_row(const Args& a, int b, int pos) { return (int)(row_at(a, b, pos) / D); }
 
+// Diagnostics only: built with -DK3_MLA_WG_BULK_TILE=1, a tile arrives as ONE bulk copy of its 64
+// contiguous rows (73,728 bytes, no tensor map): the stream of the row layout, in the wrong shared
+// layout for wgmma (outputs meaningless; timing only: is the 9-box TMA stream the cost?).
+#ifndef K3_MLA_WG_BULK_TILE
+#define K3_MLA_WG_BULK_TILE 0
+#endif
+
 // Thread 0: tile at row `row` into `stage` (9 boxes), completing on `bar`.
-K3_DEVICE void wg_issue(const void* map, int row, uint32_t stage, uint32_t bar) {
+K3_DEVICE void wg_issue(const Args& a, const void* map, int row, uint32_t stage, uint32_t bar) {
   mbar_expect_tx(bar, (uint32_t)WG_STAGE);
+#if K3_MLA_WG_BULK_TILE
+  bulk_copy(stage, a.kv + (long long)row * D, (uint32_t)WG_STAGE, bar);
+#else
 #pragma unroll
   for (int i = 0; i < WG_BOXES; ++i) tma_box(stage + i * WG_BOX, map, 64 * i, row, bar);
+#endif
 }
 
 // The thread's heads in the accumulator layout (columns of S^T and O^T): 8 jn + 2 t4 + e, index 2 jn + e.
@@ -195,7 +206,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
           "l"(&qmap), "r"(64 * i), "r"(0), "r"(b), "r"(qbar)
           : "memory");
     for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
-      wg_issue(&map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
+      wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
   __syncthreads();  // the barriers are initialised before anyone waits on them
   mbar_wait(qbar, 0);
@@ -229,7 +240,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     }
     if (K3_MLA_WG_DATA_ONLY) {
       __syncthreads();
-      if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
+      if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(a, &map, refill_row, stage, bars + 8 * st);
       continue;
     }
     // scores S^T = K Q^T: 36 k-steps of 16 columns (4 per 64-column box, +32 bytes each), into four
@@ -317,7 +328,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_commit();
     wg_wait_all();
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
-    if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(&map, refill_row, stage, bars + 8 * st);
+    if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(a, &map, refill_row, stage, bars + 8 * st);
   }
 
   __syncthreads();  // every warp is done with the ring before it holds the finished piece
@@ -383,6 +394,9 @@ inline PFN_cuTensorMapEncodeTiled_v12000 wg_encoder() {
   return encode;
 }
 
+#ifndef K3_MLA_WG_PROMOTION  // diagnostics: -DK3_MLA_WG_PROMOTION=CU_TENSOR_MAP_L2_PROMOTION_NONE etc.
+#define K3_MLA_WG_PROMOTION CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+#endif
 inline int wg_make_map(CUtensorMap* map, const void* base, long long rows) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = wg_encoder();
   if (encode == nullptr) return -6;
@@ -391,7 +405,7 @@ inline int wg_make_map(CUtensorMap* map, const void* base, long long rows) {
   const cuuint32_t box[2] = {64, (cuuint32_t)WG_BN};
   const cuuint32_t elem[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, K3_MLA_WG_PROMOTION,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? 0 : -1000 - (int)r;
 }

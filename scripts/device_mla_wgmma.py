@@ -83,8 +83,9 @@ check_case("1 x 32768", [32768])
 check_case("1 x 8200, pages of 128", [8200], page=128)
 
 def unchecked(label):
-    """Diagnostic builds whose outputs are meaningless: no arithmetic (data-only), or no merge (no-merge)."""
-    return label.endswith("data-only") or label.endswith("no-merge")
+    """Diagnostic builds whose outputs are meaningless: no arithmetic (data-only), no merge (no-merge), or
+    anything else a label says is unchecked (e.g. a tile stream in the wrong layout)."""
+    return label.endswith(("data-only", "no-merge", "unchecked"))
 
 
 # other builds of kernels/mla_decode.cu (each with its own -Dk3mla=... namespace), as label:path in

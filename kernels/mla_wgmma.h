@@ -69,6 +69,14 @@
 #ifndef K3_MLA_WG_DATA_ONLY
 #define K3_MLA_WG_DATA_ONLY 0
 #endif
+// Experiments (0 or 1): the first tiles' block-table reads issued beside the length's (EARLY_ROWS);
+// a piece's partial o stored from the accumulators, not staged in shared memory (DIRECT_STORE).
+#ifndef K3_MLA_WG_EARLY_ROWS
+#define K3_MLA_WG_EARLY_ROWS 0
+#endif
+#ifndef K3_MLA_WG_DIRECT_STORE
+#define K3_MLA_WG_DIRECT_STORE 0
+#endif
 
 
 namespace k3mla {
@@ -184,9 +192,18 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   launch_dependents();  // the merge may launch now; it waits for this grid
+  const unsigned long long t_start = a.probe != nullptr ? now_ns() : 0ull;
+  unsigned long long t_first = 0ull;
 
-  const int length = __ldg(a.lengths + b);
   const int start = split * a.chunk;
+#if K3_MLA_WG_EARLY_ROWS
+  // the first tiles' rows (block-table reads) loaded beside the length, not after it
+  int first_rows[WG_STAGES];
+  if (tid == 0)
+#pragma unroll
+    for (int i = 0; i < WG_STAGES; ++i) first_rows[i] = wg_row(a, b, start + i * WG_BN);
+#endif
+  const int length = __ldg(a.lengths + b);
   const int end = min(length, start + a.chunk);
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
   const uint32_t qbar = bars + 8 * WG_STAGES;
@@ -205,8 +222,14 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
               qs + i * WG_QBOX),
           "l"(&qmap), "r"(64 * i), "r"(0), "r"(b), "r"(qbar)
           : "memory");
+#if K3_MLA_WG_EARLY_ROWS
+#pragma unroll
+    for (int i = 0; i < WG_STAGES; ++i)
+      if (i < ntiles) wg_issue(a, &map, first_rows[i], stages + i * WG_STAGE, bars + 8 * i);
+#else
     for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
       wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
+#endif
   }
   __syncthreads();  // the barriers are initialised before anyone waits on them
   mbar_wait(qbar, 0);
@@ -226,6 +249,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     // the row of the tile that will refill this stage, read now: its latency hides behind this tile
     const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
     mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
+    if (j == 0 && a.probe != nullptr) t_first = now_ns();
     const int pos0 = start + j * WG_BN;
     const int valid = min(WG_BN, end - pos0);
     if (valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
@@ -331,6 +355,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(a, &map, refill_row, stage, bars + 8 * st);
   }
 
+  const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;
   __syncthreads();  // every warp is done with the ring before it holds the finished piece
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps
   float* rs = red + 2 * (4 * ROWS);
@@ -344,6 +369,28 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     for (int c = 0; c < 4; ++c) rs[warp * ROWS + wg_head(c, t4)] = l_run[c];
   }
   __syncthreads();
+#if K3_MLA_WG_DIRECT_STORE
+  if (a.splits > 1) {  // each thread's 4 heads x 16 columns straight from the accumulators (32-byte runs)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int h = wg_head(c, t4);
+      const float l = rs[h] + rs[ROWS + h] + rs[2 * ROWS + h] + rs[3 * ROWS + h];
+      const float r = l > 0.f ? 1.f / l : 0.f;
+      const int i = 4 * (c >> 1) + (c & 1);
+      if (h < a.heads) {
+        float* po = a.part_o + (((long long)b * a.heads + h) * a.splits + split) * DV + 16 * warp + g;
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb) {
+          po[64 * mb] = o[mb][i] * r;
+          po[64 * mb + 8] = o[mb][i + 2] * r;
+        }
+        if (warp == 0 && g == 0) a.part_lse[((long long)b * a.heads + h) * a.splits + split] = l > 0.f ? m_run[c] + __log2f(l) : -INFINITY;
+      }
+    }
+    if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, 0, 0);
+    return;
+  }
+#endif
   // the normalised piece through shared memory (the ring is free now: every tile was consumed), so
   // that the global stores are whole 16-byte pieces of each head's 2 KB row
   float* ob = reinterpret_cast<float*>(gbase);  // [16 heads][WG_OPITCH]: t4's heads fall in 4 bank groups
@@ -377,6 +424,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       *reinterpret_cast<float4*>(a.part_o + (((long long)b * a.heads + h) * a.splits + split) * DV + 4 * k) = x;
     }
   }
+  if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, 0, 0);
 #endif  // K3_MLA_SM90
 }
 
@@ -395,7 +443,7 @@ inline PFN_cuTensorMapEncodeTiled_v12000 wg_encoder() {
 }
 
 #ifndef K3_MLA_WG_PROMOTION  // diagnostics: -DK3_MLA_WG_PROMOTION=CU_TENSOR_MAP_L2_PROMOTION_NONE etc.
-#define K3_MLA_WG_PROMOTION CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+#define K3_MLA_WG_PROMOTION CU_TENSOR_MAP_L2_PROMOTION_L2_128B
 #endif
 inline int wg_make_map(CUtensorMap* map, const void* base, long long rows) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = wg_encoder();

@@ -388,7 +388,7 @@ def test_on_the_gpu_the_timeline_probe_is_ordered_and_changes_nothing(form):
     q, kern, ref, lens, bt = _ragged(1, 9000, (9000,), 12, True, seed=9, nan_tail=False)
     p0 = mc.plan(q, kern, lens, block_table=bt, form=form)
     probe = torch.zeros(mc.probe_size(1, 12, p0.num_splits), dtype=torch.int64, device="cuda")
-    if form in ("wgmma", "halves"):  # compiled for the team and 5-stage split kernels only
+    if form == "halves":  # compiled for the team kernel, the 5-stage split kernel and form 'wgmma' only
         with pytest.raises(ValueError, match="probe"):
             mc.plan(q, kern, lens, block_table=bt, form=form, probe=probe)
         return
@@ -396,7 +396,8 @@ def test_on_the_gpu_the_timeline_probe_is_ordered_and_changes_nothing(form):
     torch.cuda.synchronize()
     _check(o, lse, q, ref, lens, 12)
     tl = mc.timeline(probe, 1, 12, p0.num_splits)
-    assert len(tl["blocks"]) == p0.num_splits and sum(bl["tiles"] for bl in tl["blocks"]) == -(-9000 // 32)
+    rows = mc.WG_BLOCK_N if form == "wgmma" else mc.BLOCK_N
+    assert len(tl["blocks"]) == p0.num_splits and sum(bl["tiles"] for bl in tl["blocks"]) == -(-9000 // rows)
     for bl in tl["blocks"]:
         assert 0 <= bl["start"] <= bl["first"] <= bl["loop_end"] <= bl["end"]
     assert min(m["start"] for m in tl["merge"]) >= max(bl["end"] for bl in tl["blocks"]) - 0.1  # timer grain

@@ -642,13 +642,13 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                 raise _build.KernelUnavailable(f"{NAME}.cu could not encode the {what} tensor map ({rc}: "
                                                f"{_ERRORS.get(rc, 'driver refused')})")
     if probe is not None:
-        if form in ("wgmma", "halves"):
-            raise ValueError(f"probe is compiled for the team kernel and the 5-stage 4-warp split kernel only, not "
-                             f"form={form!r}")
+        if form == "halves":
+            raise ValueError(f"probe is compiled for the team kernel, the 5-stage 4-warp split kernel and form "
+                             f"'wgmma' only, not form={form!r}")
         need = probe_size(B, H, splits)
         if form == "split" and (stages != 5 or warps != 4):
-            raise ValueError(f"probe is compiled for the team kernel and the 5-stage 4-warp split kernel only, "
-                             f"got {stages} stages, {warps} warps")
+            raise ValueError(f"probe is compiled for the team kernel, the 5-stage 4-warp split kernel and form "
+                             f"'wgmma' only, got {stages} stages, {warps} warps")
         if probe.dtype != torch.int64 or probe.device != q.device or probe.numel() < need or not probe.is_contiguous():
             raise ValueError(f"probe must be a contiguous int64 tensor on {q.device} of >= {need} entries, got "
                              f"{probe.dtype} on {probe.device} with {probe.numel()}")

@@ -63,20 +63,25 @@
 // wait) was slower too: 17.95 against 17.40 us at 32K, 45.21 against 44.83 at 128K.
 // Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us (every SM reads the
 // same 18 KB), hence the TMA boxes.
+// Ninth session (H200, same-run comparisons, us): the tile map's L2 promotion of 256 bytes cost time;
+// 128 bytes (the box row) or none: 128K 42.9 against 44.8-45.0, 64 x 8K 153.1 against 169.5, 32K and
+// 8 x 8K level (commits 6ec79aa, dd95d29; extra/tile_stream_6ec79aa.json, extra/direct_store_dd95d29.json;
+// why 256 costs is not measured). The same runs: each tile read as ONE bulk copy of its 64 contiguous
+// rows (the wrong layout for wgmma, timing only; -DK3_MLA_WG_BULK_TILE=1) is level at 32K (17.26
+// against 17.21), so the 9 boxes are not what holds 32K back; partials stored straight from the
+// accumulators instead of staged in shared memory: 32K 16.65 against 17.22, 128K 42.30 against 42.91,
+// 8 x 8K 25.97 against 26.62 (kept); the first tiles' block-table entries read beside the length
+// instead of after it: slower everywhere (32K 18.01, 128K 43.92; not kept). The timeline probe at 32K
+// (extra/probe_wgmma_dd95d29.json, after an L2 flush): the median block's first tile lands 5.4-5.7 us
+// after its start (the slowest block's 7.6-9.1), its 4 tiles take 8.3-8.8 us more, the slowest block
+// ends ~2 us after the median one, and the merge ends ~2.3 us after the slowest block.
 
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
 // its tiles exactly as below but skips the arithmetic (its outputs are then meaningless).
 #ifndef K3_MLA_WG_DATA_ONLY
 #define K3_MLA_WG_DATA_ONLY 0
 #endif
-// Experiments (0 or 1): the first tiles' block-table reads issued beside the length's (EARLY_ROWS);
-// a piece's partial o stored from the accumulators, not staged in shared memory (DIRECT_STORE).
-#ifndef K3_MLA_WG_EARLY_ROWS
-#define K3_MLA_WG_EARLY_ROWS 0
-#endif
-#ifndef K3_MLA_WG_DIRECT_STORE
-#define K3_MLA_WG_DIRECT_STORE 0
-#endif
+
 
 
 namespace k3mla {
@@ -196,13 +201,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   unsigned long long t_first = 0ull;
 
   const int start = split * a.chunk;
-#if K3_MLA_WG_EARLY_ROWS
-  // the first tiles' rows (block-table reads) loaded beside the length, not after it
-  int first_rows[WG_STAGES];
-  if (tid == 0)
-#pragma unroll
-    for (int i = 0; i < WG_STAGES; ++i) first_rows[i] = wg_row(a, b, start + i * WG_BN);
-#endif
   const int length = __ldg(a.lengths + b);
   const int end = min(length, start + a.chunk);
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
@@ -222,14 +220,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
               qs + i * WG_QBOX),
           "l"(&qmap), "r"(64 * i), "r"(0), "r"(b), "r"(qbar)
           : "memory");
-#if K3_MLA_WG_EARLY_ROWS
-#pragma unroll
-    for (int i = 0; i < WG_STAGES; ++i)
-      if (i < ntiles) wg_issue(a, &map, first_rows[i], stages + i * WG_STAGE, bars + 8 * i);
-#else
     for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
       wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
-#endif
   }
   __syncthreads();  // the barriers are initialised before anyone waits on them
   mbar_wait(qbar, 0);
@@ -356,7 +348,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   }
 
   const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;
-  __syncthreads();  // every warp is done with the ring before it holds the finished piece
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps
   float* rs = red + 2 * (4 * ROWS);
 #pragma unroll
@@ -369,8 +360,10 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     for (int c = 0; c < 4; ++c) rs[warp * ROWS + wg_head(c, t4)] = l_run[c];
   }
   __syncthreads();
-#if K3_MLA_WG_DIRECT_STORE
-  if (a.splits > 1) {  // each thread's 4 heads x 16 columns straight from the accumulators (32-byte runs)
+  if (a.splits > 1) {
+    // the normalised piece straight from the accumulators: each store instruction writes 4 heads x
+    // 8 consecutive columns, whole 32-byte sectors (staged through shared memory it took longer:
+    // commit dd95d29, 0.1-0.6 us; profiles/nvidia-h200/mla_padding/extra/direct_store_dd95d29.json)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int h = wg_head(c, t4);
@@ -390,9 +383,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, 0, 0);
     return;
   }
-#endif
-  // the normalised piece through shared memory (the ring is free now: every tile was consumed), so
-  // that the global stores are whole 16-byte pieces of each head's 2 KB row
+  // one piece: the bf16 result through shared memory (the ring is free now: every tile was consumed),
+  // so that the global stores are whole 8-byte pieces of each head's 1 KB row
   float* ob = reinterpret_cast<float*>(gbase);  // [16 heads][WG_OPITCH]: t4's heads fall in 4 bank groups
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
@@ -406,23 +398,16 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       ob[h * WG_OPITCH + col] = o[mb][i] * r;
       ob[h * WG_OPITCH + col + 8] = o[mb][i + 2] * r;
     }
-    if (warp == 0 && g == 0 && h < a.heads) {
-      const float ls = l > 0.f ? m_run[c] + __log2f(l) : -INFINITY;
-      if (a.splits == 1) a.lse[(long long)b * a.l_sb + h] = ls * 0.6931471805599453f;
-      else a.part_lse[((long long)b * a.heads + h) * a.splits + split] = ls;
-    }
+    if (warp == 0 && g == 0 && h < a.heads)  // natural log
+      a.lse[(long long)b * a.l_sb + h] = l > 0.f ? (m_run[c] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
   }
   __syncthreads();
   for (int v = tid; v < a.heads * (DV / 4); v += 128) {
     const int h = v / (DV / 4), k = v % (DV / 4);
     const float4 x = *reinterpret_cast<const float4*>(ob + h * WG_OPITCH + 4 * k);
-    if (a.splits == 1) {
-      const uint32_t lo = (uint32_t)k3_f32_to_bf16(x.x) | ((uint32_t)k3_f32_to_bf16(x.y) << 16);
-      const uint32_t hi = (uint32_t)k3_f32_to_bf16(x.z) | ((uint32_t)k3_f32_to_bf16(x.w) << 16);
-      *reinterpret_cast<uint2*>(a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + 4 * k) = make_uint2(lo, hi);
-    } else {
-      *reinterpret_cast<float4*>(a.part_o + (((long long)b * a.heads + h) * a.splits + split) * DV + 4 * k) = x;
-    }
+    const uint32_t lo = (uint32_t)k3_f32_to_bf16(x.x) | ((uint32_t)k3_f32_to_bf16(x.y) << 16);
+    const uint32_t hi = (uint32_t)k3_f32_to_bf16(x.z) | ((uint32_t)k3_f32_to_bf16(x.w) << 16);
+    *reinterpret_cast<uint2*>(a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + 4 * k) = make_uint2(lo, hi);
   }
   if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, 0, 0);
 #endif  // K3_MLA_SM90

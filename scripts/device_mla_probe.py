@@ -12,7 +12,7 @@ import statistics as stt
 
 import torch
 
-from k3lab import bench
+from k3lab import bench, env
 from k3lab.ops import mla_decode_cuda as mc
 from k3lab.studies import mla_padding as st
 
@@ -59,4 +59,5 @@ for form, name, ctx in [(f, n, c) for f in os.environ.get("FORMS", "split").spli
           f"({nbytes / t_read / 1e6:.2f} TB/s), splits {p0.num_splits}")
     for x in summ[-3:]:
         print("  " + "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in x.items()))
-json.dump(res, open(f"{out}/mla_probe.json", "w"), indent=1)
+json.dump({"device": torch.cuda.get_device_name(), "versions": dict(env.versions()), "commit": bench.git_commit(),
+           "rows": res}, open(f"{out}/mla_probe.json", "w"), indent=1)

@@ -620,9 +620,11 @@ PROBE_PHASES = ("first tile", "tile loop", "write piece", "merge")
 
 def probe_runs(device: str = "nvidia-h200") -> dict[str, dict]:
     """The committed timeline-probe runs (profiles/<device>/mla_padding/extra/probe_*.json), by file
-    stem; each maps '<form>.<case>' to that case's graph time, splits and last timeline."""
+    stem; each maps '<form>.<case>' to that case's graph time, splits and last timeline (under 'rows'
+    in runs that also name their device, versions and commit)."""
     base = bench.PROFILES / device / NAME / "extra"
-    return {p.stem: json.loads(p.read_text()) for p in sorted(base.glob("probe_*.json"))}
+    runs = {p.stem: json.loads(p.read_text()) for p in sorted(base.glob("probe_*.json"))}
+    return {k: r["rows"] if "rows" in r else r for k, r in runs.items()}
 
 
 def probe_frames(run: dict) -> dict[str, pd.DataFrame]:

@@ -81,6 +81,11 @@
 #ifndef K3_MLA_WG_DATA_ONLY
 #define K3_MLA_WG_DATA_ONLY 0
 #endif
+// Diagnostics only: built with -DK3_MLA_WG_COMPUTE_ONLY=1, only the first tile is loaded and every tile's
+// arithmetic runs on it (outputs meaningless): the arithmetic's own time per tile.
+#ifndef K3_MLA_WG_COMPUTE_ONLY
+#define K3_MLA_WG_COMPUTE_ONLY 0
+#endif
 
 
 
@@ -199,6 +204,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   launch_dependents();  // the merge may launch now; it waits for this grid
   const unsigned long long t_start = a.probe != nullptr ? now_ns() : 0ull;
   unsigned long long t_first = 0ull;
+  long long wait_cycles = 0;
 
   const int start = split * a.chunk;
   const int length = __ldg(a.lengths + b);
@@ -220,7 +226,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
               qs + i * WG_QBOX),
           "l"(&qmap), "r"(64 * i), "r"(0), "r"(b), "r"(qbar)
           : "memory");
-    for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
+    for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i)
       wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
   __syncthreads();  // the barriers are initialised before anyone waits on them
@@ -236,12 +242,16 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   for (int c = 0; c < 4; ++c) m_run[c] = -INFINITY, l_run[c] = 0.f;
 
   for (int j = 0; j < ntiles; ++j) {
-    const int st = j % WG_STAGES;
+    const int st = K3_MLA_WG_COMPUTE_ONLY ? 0 : j % WG_STAGES;
     const uint32_t stage = stages + st * WG_STAGE;
     // the row of the tile that will refill this stage, read now: its latency hides behind this tile
     const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
-    mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
-    if (j == 0 && a.probe != nullptr) t_first = now_ns();
+    const long long c0 = a.probe != nullptr ? clock64() : 0;
+    if (!K3_MLA_WG_COMPUTE_ONLY || j == 0) mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
+    if (a.probe != nullptr) {  // thread 0's clock cycles waiting for tiles after the first
+      if (j == 0) t_first = now_ns();
+      else wait_cycles += clock64() - c0;
+    }
     const int pos0 = start + j * WG_BN;
     const int valid = min(WG_BN, end - pos0);
     if (valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
@@ -344,7 +354,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_commit();
     wg_wait_all();
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
-    if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(a, &map, refill_row, stage, bars + 8 * st);
+    if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY) wg_issue(a, &map, refill_row, stage, bars + 8 * st);
   }
 
   const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;
@@ -380,7 +390,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
         if (warp == 0 && g == 0) a.part_lse[((long long)b * a.heads + h) * a.splits + split] = l > 0.f ? m_run[c] + __log2f(l) : -INFINITY;
       }
     }
-    if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, 0, 0);
+    if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, 0);
     return;
   }
   // one piece: the bf16 result through shared memory (the ring is free now: every tile was consumed),
@@ -409,7 +419,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     const uint32_t hi = (uint32_t)k3_f32_to_bf16(x.z) | ((uint32_t)k3_f32_to_bf16(x.w) << 16);
     *reinterpret_cast<uint2*>(a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + 4 * k) = make_uint2(lo, hi);
   }
-  if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, 0, 0);
+  if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, 0);
 #endif  // K3_MLA_SM90
 }
 

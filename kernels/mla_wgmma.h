@@ -86,6 +86,11 @@
 #ifndef K3_MLA_WG_COMPUTE_ONLY
 #define K3_MLA_WG_COMPUTE_ONLY 0
 #endif
+// Experiment: the second tile issued after the queries landed (1) or after the first tile landed (2)
+// instead of beside the first (0), so that the first tile is not served interleaved with the second.
+#ifndef K3_MLA_WG_STAGGER
+#define K3_MLA_WG_STAGGER 0
+#endif
 
 
 
@@ -226,11 +231,14 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
               qs + i * WG_QBOX),
           "l"(&qmap), "r"(64 * i), "r"(0), "r"(b), "r"(qbar)
           : "memory");
-    for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i)
+    for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY || K3_MLA_WG_STAGGER ? 1 : WG_STAGES) && i < ntiles; ++i)
       wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
   __syncthreads();  // the barriers are initialised before anyone waits on them
   mbar_wait(qbar, 0);
+#if K3_MLA_WG_STAGGER == 1
+  if (tid == 0 && ntiles > 1) wg_issue(a, &map, wg_row(a, b, start + WG_BN), stages + WG_STAGE, bars + 8);
+#endif
 
   float o[8][8];  // O^T: value columns 64 mb + 16 warp + g (+8) x this thread's 4 heads
 #pragma unroll
@@ -248,6 +256,9 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
     const long long c0 = a.probe != nullptr ? clock64() : 0;
     if (!K3_MLA_WG_COMPUTE_ONLY || j == 0) mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
+#if K3_MLA_WG_STAGGER == 2
+    if (j == 0 && tid == 0 && ntiles > 1) wg_issue(a, &map, wg_row(a, b, start + WG_BN), stages + WG_STAGE, bars + 8);
+#endif
     if (a.probe != nullptr) {  // thread 0's clock cycles waiting for tiles after the first
       if (j == 0) t_first = now_ns();
       else wait_cycles += clock64() - c0;

@@ -111,10 +111,12 @@ struct Args {
   int B, heads, page_shift, splits, chunk;  // chunk: positions per piece, a multiple of BN
   int max_pages;                  // block table columns (paged)
   float scale_log2;               // softmax scale x log2(e)
-  // Timeline probe (diagnostics only; null in normal use): the split kernel instantiated with PROBE
+  // Timeline probe (diagnostics only; null in normal use): the split kernel instantiated with PROBE (and form
+  // 'wgmma', which checks the pointer)
   // writes, per block, 8 u64 at probe[(b * splits + split) * 8]: global-timer ns at start, after the
   // first tile landed, after the tile loop, at the end; the SM id; the tile count; the SM clock cycles
-  // thread 0 spent waiting for tiles (mbarrier) and at the per-tile barrier. The merge writes 2 u64 per
+  // thread 0 spent waiting for tiles (mbarrier) and at the per-tile barrier (form 'wgmma': waiting for the
+  // tiles after the first, and from its start until its first tiles were requested). The merge writes 2 u64 per
   // block after those: start (after its grid dependency resolved) and end.
   unsigned long long* probe;
   // The fused form (split_kernel<..., FUSED = true>, launched cooperatively): 2 u64 of the plan's

@@ -74,7 +74,13 @@
 // instead of after it: slower everywhere (32K 18.01, 128K 43.92; not kept). The timeline probe at 32K
 // (extra/probe_wgmma_dd95d29.json, after an L2 flush): the median block's first tile lands 5.4-5.7 us
 // after its start (the slowest block's 7.6-9.1), its 4 tiles take 8.3-8.8 us more, the slowest block
-// ends ~2 us after the median one, and the merge ends ~2.3 us after the slowest block.
+// ends ~2 us after the median one, and the merge ends ~2.3 us after the slowest block. The arithmetic
+// alone (-DK3_MLA_WG_COMPUTE_ONLY=1: one tile loaded, every tile's products run on it; commit 7d8f848,
+// extra/merge_cost_7d8f848.json): 13.6 us at 32K and 25.8 at 128K, so ~1.0 us per 64-row tile against
+// the tile's ~2.2 us share of DRAM time; with two stages only one tile streams while one is computed.
+// Issuing the second tile after the queries landed, or after the first tile landed, so that the first
+// is not served interleaved with it: level, or slower (32K 16.51 / 16.93 against 16.41 us, 128K 42.18 /
+// 42.84 against 42.27; commit dd2e0a2, extra/stagger_dd2e0a2.json; not kept).
 
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
 // its tiles exactly as below but skips the arithmetic (its outputs are then meaningless).
@@ -86,10 +92,10 @@
 #ifndef K3_MLA_WG_COMPUTE_ONLY
 #define K3_MLA_WG_COMPUTE_ONLY 0
 #endif
-// Experiment: the second tile issued after the queries landed (1) or after the first tile landed (2)
-// instead of beside the first (0), so that the first tile is not served interleaved with the second.
-#ifndef K3_MLA_WG_STAGGER
-#define K3_MLA_WG_STAGGER 0
+// Experiment, the prologue: 0 the length, then the block-table entries, then the tiles; 1 the entries
+// read beside the length; 2 the first tiles issued before the length is known (speculative).
+#ifndef K3_MLA_WG_PROLOGUE
+#define K3_MLA_WG_PROLOGUE 0
 #endif
 
 
@@ -140,6 +146,26 @@ K3_DEVICE void tma_box(uint32_t dst, const void* map, int col, int row, uint32_t
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
       "l"(map), "r"(col), "r"(row), "r"(bar)
       : "memory");
+}
+
+// Thread 0, at the start: the tile maps prefetched, the barriers (WG_STAGES tiles + the queries at
+// bars + 8 WG_STAGES) initialised, and Q^T requested by the copy engine: 9 boxes of [16 heads x 64
+// columns], swizzled; heads past a.heads lie outside the map and arrive as zeros (the padding). Every
+// block reads the same 18 KB: 16-byte loads from 128 threads of every SM cost ~1.2 us here (H200,
+// data-only build), the boxes do not.
+K3_DEVICE void wg_start(const void* map, const void* qmap, uint32_t bars, uint32_t qs, int b) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
+  for (int s = 0; s <= WG_STAGES; ++s) mbar_init(bars + 8 * s, 1);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const uint32_t qbar = bars + 8 * WG_STAGES;
+  mbar_expect_tx(qbar, (uint32_t)WG_Q);
+#pragma unroll
+  for (int i = 0; i < WG_BOXES; ++i)
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(
+            qs + i * WG_QBOX),
+        "l"(qmap), "r"(64 * i), "r"(0), "r"(b), "r"(qbar)
+        : "memory");
 }
 
 // The first cache row (of the tensor map's rows) of position `pos` of request b: row_at's element
@@ -210,35 +236,35 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   const unsigned long long t_start = a.probe != nullptr ? now_ns() : 0ull;
   unsigned long long t_first = 0ull;
   long long wait_cycles = 0;
+  const long long c_start = a.probe != nullptr ? clock64() : 0;
 
   const int start = split * a.chunk;
+  const uint32_t qbar = bars + 8 * WG_STAGES;
+#if K3_MLA_WG_PROLOGUE
+  if (tid == 0) {  // the barriers and the queries before the length is read
+    wg_start(&map, &qmap, bars, qs, b);
+#if K3_MLA_WG_PROLOGUE == 2
+#pragma unroll
+    for (int i = 0; i < WG_STAGES; ++i)
+      wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
+#endif
+  }
+#endif
   const int length = __ldg(a.lengths + b);
   const int end = min(length, start + a.chunk);
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
-  const uint32_t qbar = bars + 8 * WG_STAGES;
   if (tid == 0) {
-    asm volatile("prefetch.tensormap [%0];" ::"l"(&map) : "memory");
-    for (int s = 0; s <= WG_STAGES; ++s) mbar_init(bars + 8 * s, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    // Q^T by the copy engine too: 9 boxes of [16 heads x 64 columns], swizzled; heads past a.heads lie
-    // outside the map and arrive as zeros (the padding). Every block reads the same 18 KB: 16-byte
-    // loads from 128 threads of every SM cost ~1.2 us here (H200, data-only build), the boxes do not.
-    mbar_expect_tx(qbar, (uint32_t)WG_Q);
-#pragma unroll
-    for (int i = 0; i < WG_BOXES; ++i)
-      asm volatile(
-          "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(
-              qs + i * WG_QBOX),
-          "l"(&qmap), "r"(64 * i), "r"(0), "r"(b), "r"(qbar)
-          : "memory");
-    for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY || K3_MLA_WG_STAGGER ? 1 : WG_STAGES) && i < ntiles; ++i)
+#if !K3_MLA_WG_PROLOGUE
+    wg_start(&map, &qmap, bars, qs, b);
+#endif
+#if K3_MLA_WG_PROLOGUE != 2
+    for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i)
       wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
+#endif
   }
+  const long long issue_cycles = a.probe != nullptr ? clock64() - c_start : 0;  // thread 0: until the first tiles went out
   __syncthreads();  // the barriers are initialised before anyone waits on them
   mbar_wait(qbar, 0);
-#if K3_MLA_WG_STAGGER == 1
-  if (tid == 0 && ntiles > 1) wg_issue(a, &map, wg_row(a, b, start + WG_BN), stages + WG_STAGE, bars + 8);
-#endif
 
   float o[8][8];  // O^T: value columns 64 mb + 16 warp + g (+8) x this thread's 4 heads
 #pragma unroll
@@ -256,9 +282,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
     const long long c0 = a.probe != nullptr ? clock64() : 0;
     if (!K3_MLA_WG_COMPUTE_ONLY || j == 0) mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
-#if K3_MLA_WG_STAGGER == 2
-    if (j == 0 && tid == 0 && ntiles > 1) wg_issue(a, &map, wg_row(a, b, start + WG_BN), stages + WG_STAGE, bars + 8);
-#endif
     if (a.probe != nullptr) {  // thread 0's clock cycles waiting for tiles after the first
       if (j == 0) t_first = now_ns();
       else wait_cycles += clock64() - c0;
@@ -369,6 +392,11 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   }
 
   const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;
+#if K3_MLA_WG_PROLOGUE == 2
+  if (tid == 0)  // speculative tiles past the piece: landed before the block leaves (or reuses the ring)
+    for (int i = ntiles; i < WG_STAGES; ++i) mbar_wait(bars + 8 * i, 0);
+  __syncthreads();
+#endif
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps
   float* rs = red + 2 * (4 * ROWS);
 #pragma unroll
@@ -401,7 +429,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
         if (warp == 0 && g == 0) a.part_lse[((long long)b * a.heads + h) * a.splits + split] = l > 0.f ? m_run[c] + __log2f(l) : -INFINITY;
       }
     }
-    if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, 0);
+    if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, issue_cycles);
     return;
   }
   // one piece: the bf16 result through shared memory (the ring is free now: every tile was consumed),
@@ -430,7 +458,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     const uint32_t hi = (uint32_t)k3_f32_to_bf16(x.z) | ((uint32_t)k3_f32_to_bf16(x.w) << 16);
     *reinterpret_cast<uint2*>(a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + 4 * k) = make_uint2(lo, hi);
   }
-  if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, 0);
+  if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, issue_cycles);
 #endif  // K3_MLA_SM90
 }
 

@@ -673,8 +673,8 @@ def read_floors(records=None, device: str = "nvidia-h200", path=None) -> pd.Data
 # removed (committed H200 runs of scripts/device_mla_read_probe.py and scripts/device_mla_wgmma.py)
 
 READ_PROBE = "extra/read_probe_4ee49d5.json"
-WGMMA_RUN = "extra/wgmma_4ee49d5.json"
-MERGE_RUN = "extra/merge_cost_6aa92d8.json"  # the same kernels with the merge kernel emptied (K3_MLA_MERGE_EMPTY)
+WGMMA_RUN = "extra/merge_cost_7d8f848.json"
+MERGE_RUN = WGMMA_RUN  # the same run holds the builds with the merge kernel emptied (K3_MLA_MERGE_EMPTY)
 # (file, key in it) -> label, in the order of the figure: from the plainest read to the full decode
 BREAKDOWN_STEPS = (
     ("probe", "ldg 528 blocks", "plain 16-byte loads"),

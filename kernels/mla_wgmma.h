@@ -72,7 +72,7 @@
 // accumulators instead of staged in shared memory: 32K 16.65 against 17.22, 128K 42.30 against 42.91,
 // 8 x 8K 25.97 against 26.62 (kept); the first tiles' block-table entries read beside the length
 // instead of after it: slower everywhere (32K 18.01, 128K 43.92; not kept). The timeline probe at 32K
-// (extra/probe_wgmma_dd95d29.json, after an L2 flush): the median block's first tile lands 5.4-5.7 us
+// (commit dd95d29, after an L2 flush; again at 9ecacad: extra/probe_wgmma_9ecacad.json): the median block's first tile lands 5.4-5.7 us
 // after its start (the slowest block's 7.6-9.1), its 4 tiles take 8.3-8.8 us more, the slowest block
 // ends ~2 us after the median one, and the merge ends ~2.3 us after the slowest block. The arithmetic
 // alone (-DK3_MLA_WG_COMPUTE_ONLY=1: one tile loaded, every tile's products run on it; commit 7d8f848,
@@ -80,7 +80,12 @@
 // the tile's ~2.2 us share of DRAM time; with two stages only one tile streams while one is computed.
 // Issuing the second tile after the queries landed, or after the first tile landed, so that the first
 // is not served interleaved with it: level, or slower (32K 16.51 / 16.93 against 16.41 us, 128K 42.18 /
-// 42.84 against 42.27; commit dd2e0a2, extra/stagger_dd2e0a2.json; not kept).
+// 42.84 against 42.27; commit dd2e0a2, extra/stagger_dd2e0a2.json; not kept). The prologue: thread 0
+// needs ~2 us from its start until the first tiles are requested (probe after an L2 flush: the
+// length, then the block-table entry, each from DRAM; extra/probe_wgmma_9ecacad.json), but requesting
+// the queries before the length is read is level, and the first tiles before the length is known
+// (speculative, waited for before leaving) slower (32K 16.65 / 17.10 against 16.65, 128K 42.84 /
+// 43.33 against 43.08; commit 9ecacad, extra/prologue_9ecacad.json; not kept).
 
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
 // its tiles exactly as below but skips the arithmetic (its outputs are then meaningless).
@@ -91,11 +96,6 @@
 // arithmetic runs on it (outputs meaningless): the arithmetic's own time per tile.
 #ifndef K3_MLA_WG_COMPUTE_ONLY
 #define K3_MLA_WG_COMPUTE_ONLY 0
-#endif
-// Experiment, the prologue: 0 the length, then the block-table entries, then the tiles; 1 the entries
-// read beside the length; 2 the first tiles issued before the length is known (speculative).
-#ifndef K3_MLA_WG_PROLOGUE
-#define K3_MLA_WG_PROLOGUE 0
 #endif
 
 
@@ -240,27 +240,13 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
 
   const int start = split * a.chunk;
   const uint32_t qbar = bars + 8 * WG_STAGES;
-#if K3_MLA_WG_PROLOGUE
-  if (tid == 0) {  // the barriers and the queries before the length is read
-    wg_start(&map, &qmap, bars, qs, b);
-#if K3_MLA_WG_PROLOGUE == 2
-#pragma unroll
-    for (int i = 0; i < WG_STAGES; ++i)
-      wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
-#endif
-  }
-#endif
   const int length = __ldg(a.lengths + b);
   const int end = min(length, start + a.chunk);
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
   if (tid == 0) {
-#if !K3_MLA_WG_PROLOGUE
     wg_start(&map, &qmap, bars, qs, b);
-#endif
-#if K3_MLA_WG_PROLOGUE != 2
     for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i)
       wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
-#endif
   }
   const long long issue_cycles = a.probe != nullptr ? clock64() - c_start : 0;  // thread 0: until the first tiles went out
   __syncthreads();  // the barriers are initialised before anyone waits on them
@@ -392,11 +378,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   }
 
   const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;
-#if K3_MLA_WG_PROLOGUE == 2
-  if (tid == 0)  // speculative tiles past the piece: landed before the block leaves (or reuses the ring)
-    for (int i = ntiles; i < WG_STAGES; ++i) mbar_wait(bars + 8 * i, 0);
-  __syncthreads();
-#endif
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps
   float* rs = red + 2 * (4 * ROWS);
 #pragma unroll

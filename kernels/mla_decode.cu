@@ -953,8 +953,8 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
 // AHEAD: pieces per thread whose loads are issued up front (1 where splits <= 16, 8 up to 128; beyond,
 // batches of 8 after the maximum). Two builds because the 8-deep one's registers cost occupancy where
 // the merge grid is large (B = 64 x 8K: 12,288 blocks of 2 pieces each).
-template <int AHEAD>
-__global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
+template <int AHEAD, int THREADS = MERGE_THREADS>
+__global__ void __launch_bounds__(THREADS) merge_kernel(const Args a) {
 #if defined(K3_MLA_SM90)
   wait_prerequisites();  // launched early (programmatic dependent launch): the partials are complete now
 #endif
@@ -962,7 +962,7 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
   return;
 #endif
   const unsigned long long t_begin = a.probe != nullptr ? now_ns() : 0ull;
-  constexpr int WARPS = MERGE_THREADS / 32, GROUPS = MERGE_THREADS / 8;
+  constexpr int WARPS = THREADS / 32, GROUPS = THREADS / 8;
   __shared__ float red_m[WARPS];
   __shared__ float wts[AHEAD * GROUPS];
   __shared__ float4 red_o[WARPS][8];
@@ -981,7 +981,7 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
     v[i] = ahead && s < a.splits ? *reinterpret_cast<const float4*>(part + (long long)s * DV) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   float m = -INFINITY;
-  for (int s = tid; s < a.splits; s += MERGE_THREADS) m = fmaxf(m, lse[s]);
+  for (int s = tid; s < a.splits; s += THREADS) m = fmaxf(m, lse[s]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, k3_shfl_xor(m, off));
   if (lane == 0) red_m[warp] = m;
@@ -1060,9 +1060,15 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
 // when pdl != 0. 0 or the CUDA runtime's error code.
 inline int launch_merge(const Args& a, int pdl, cudaStream_t st) {
   const dim3 grid(a.B * a.heads, DV / MERGE_COLS);
+#if K3_MLA_MERGE_WIDE  // experiment: 256 threads, 4 pieces each, beyond 16 pieces
+  void (*kernel)(Args) = a.splits <= MERGE_THREADS / 8 ? merge_kernel<1> : merge_kernel<4, 256>;
+  const int threads = a.splits <= MERGE_THREADS / 8 ? MERGE_THREADS : 256;
+#else
   void (*kernel)(Args) = a.splits <= MERGE_THREADS / 8 ? merge_kernel<1> : merge_kernel<8>;
-  if (pdl) return (int)k3_launch_pdl(kernel, grid, dim3(MERGE_THREADS), 0, st, a);
-  kernel<<<grid, MERGE_THREADS, 0, st>>>(a);
+  const int threads = MERGE_THREADS;
+#endif
+  if (pdl) return (int)k3_launch_pdl(kernel, grid, dim3(threads), 0, st, a);
+  kernel<<<grid, threads, 0, st>>>(a);
   return (int)cudaGetLastError();
 }
 

@@ -949,12 +949,14 @@ __global__ void __launch_bounds__(TEAM_THREADS, 1) team_kernel(const Args a) {
 // 32K 18.25 / 17.44, 128K 45.44 / 44.73, 1K 8.58 / 7.93, 8 x 8K 27.32 / 27.01, 64 x 8K 167.4 / 167.7.
 // Tried and not faster: one round trip with a running (max, sum) state per thread (commit 4ee46c3: its
 // chain of rescalings is as long as the round trip it saves), and each thread weighing its own pieces
-// instead of one shared weight table (commit d986384: 17.70 against 17.50 us at 32K).
+// instead of one shared weight table (commit d986384: 17.70 against 17.50 us at 32K), and 256 threads of
+// 4 pieces each instead of 128 of 8 (commit 71bcec7, extra/merge_wide_71bcec7.json: 16.65 against 16.65
+// us at 32K, 42.58 against 42.56 at 128K).
 // AHEAD: pieces per thread whose loads are issued up front (1 where splits <= 16, 8 up to 128; beyond,
 // batches of 8 after the maximum). Two builds because the 8-deep one's registers cost occupancy where
 // the merge grid is large (B = 64 x 8K: 12,288 blocks of 2 pieces each).
-template <int AHEAD, int THREADS = MERGE_THREADS>
-__global__ void __launch_bounds__(THREADS) merge_kernel(const Args a) {
+template <int AHEAD>
+__global__ void __launch_bounds__(MERGE_THREADS) merge_kernel(const Args a) {
 #if defined(K3_MLA_SM90)
   wait_prerequisites();  // launched early (programmatic dependent launch): the partials are complete now
 #endif
@@ -962,7 +964,7 @@ __global__ void __launch_bounds__(THREADS) merge_kernel(const Args a) {
   return;
 #endif
   const unsigned long long t_begin = a.probe != nullptr ? now_ns() : 0ull;
-  constexpr int WARPS = THREADS / 32, GROUPS = THREADS / 8;
+  constexpr int WARPS = MERGE_THREADS / 32, GROUPS = MERGE_THREADS / 8;
   __shared__ float red_m[WARPS];
   __shared__ float wts[AHEAD * GROUPS];
   __shared__ float4 red_o[WARPS][8];
@@ -981,7 +983,7 @@ __global__ void __launch_bounds__(THREADS) merge_kernel(const Args a) {
     v[i] = ahead && s < a.splits ? *reinterpret_cast<const float4*>(part + (long long)s * DV) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   float m = -INFINITY;
-  for (int s = tid; s < a.splits; s += THREADS) m = fmaxf(m, lse[s]);
+  for (int s = tid; s < a.splits; s += MERGE_THREADS) m = fmaxf(m, lse[s]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, k3_shfl_xor(m, off));
   if (lane == 0) red_m[warp] = m;
@@ -1060,15 +1062,9 @@ __global__ void __launch_bounds__(THREADS) merge_kernel(const Args a) {
 // when pdl != 0. 0 or the CUDA runtime's error code.
 inline int launch_merge(const Args& a, int pdl, cudaStream_t st) {
   const dim3 grid(a.B * a.heads, DV / MERGE_COLS);
-#if K3_MLA_MERGE_WIDE  // experiment: 256 threads, 4 pieces each, beyond 16 pieces
-  void (*kernel)(Args) = a.splits <= MERGE_THREADS / 8 ? merge_kernel<1> : merge_kernel<4, 256>;
-  const int threads = a.splits <= MERGE_THREADS / 8 ? MERGE_THREADS : 256;
-#else
   void (*kernel)(Args) = a.splits <= MERGE_THREADS / 8 ? merge_kernel<1> : merge_kernel<8>;
-  const int threads = MERGE_THREADS;
-#endif
-  if (pdl) return (int)k3_launch_pdl(kernel, grid, dim3(threads), 0, st, a);
-  kernel<<<grid, threads, 0, st>>>(a);
+  if (pdl) return (int)k3_launch_pdl(kernel, grid, dim3(MERGE_THREADS), 0, st, a);
+  kernel<<<grid, MERGE_THREADS, 0, st>>>(a);
   return (int)cudaGetLastError();
 }
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call (issue 5): the CUDA MLA decode's GPU tests, the mla_padding study's cases (records),
 # and the three split-kernel forms timed side by side (scripts/device_mla_wgmma.py). With BREAKDOWN=1,
-# also where the time goes (read floor, the data-only build, per-kernel durations); that needs the
-# data-only build at .cache/variants/d.so (nvcc -DK3_MLA_WG_DATA_ONLY=1 -Dk3mla=k3v_d kernels/mla_decode.cu).
-# Results under $OUT.
+# also where the time goes, as notebook 04 draws it: the readers of the same bytes (read_probe.json),
+# the diagnostic builds beside the decode (merge_cost.json: no arithmetic, empty merge, both, arithmetic
+# only; built here first by scripts/build_mla_variants.sh into .cache/variants/), per-kernel durations
+# (kernel_times.json) and the timeline probe (mla_probe.json). Results under $OUT.
 #   OUT=dir K3LAB_COMMIT=<hash> [BREAKDOWN=1] bash scripts/device_mla_records.sh
 set -uo pipefail
 source scripts/device_env.sh
@@ -18,7 +19,12 @@ CHECK_FORMS=halves TIME_FORMS=split,wgmma,halves timeout 150 python3 scripts/dev
 mv "$OUT/wgmma.json" "$OUT/forms.json" 2>/dev/null
 if [ "${BREAKDOWN:-0}" = 1 ]; then
   echo "== breakdown"
+  V=.cache/variants
   timeout 60 python3 scripts/device_mla_read_probe.py 2>&1 | tail -22
-  WG_VARIANTS=data-only:.cache/variants/d.so timeout 80 python3 scripts/device_mla_wgmma.py 2>&1 | grep -v "^check" | tail -16
-  WG_DIAG_SO=.cache/variants/d.so timeout 60 python3 scripts/device_mla_kernel_times.py 2>&1 | grep -v -i warn | tail -8
+  CASES=ctx32k,ctx128k,b8_8k TIME_FORMS=wgmma,wgmma/np,split \
+    WG_VARIANTS=data-only:$V/d.so,dme-data-only:$V/dme.so,me-no-merge:$V/me.so,co-unchecked:$V/co.so \
+    timeout 120 python3 scripts/device_mla_wgmma.py 2>&1 | grep -v "^check" | tail -22
+  mv "$OUT/wgmma.json" "$OUT/merge_cost.json" 2>/dev/null
+  WG_DIAG_SO=$V/d.so timeout 60 python3 scripts/device_mla_kernel_times.py 2>&1 | grep -v -i warn | tail -8
+  FORMS=wgmma,split timeout 80 python3 scripts/device_mla_probe.py 2>&1 | tail -10
 fi

@@ -31,9 +31,10 @@
 // pieces of >= 4 tiles. With the short-chain merge
 // kernel (commit 74f98a3): 17.4 us at 32K (51% of the copy bandwidth), 45.0 at 128K (79%), 27.3 at
 // 8 x 8K, 167 at 64 x 8K; the split kernel 19.4, 47.1, 28.2, 166. With lazy softmax references
-// (WG_LAZY below; commit 01aba0b, the main records): 17.1 us at 32K (52%), 44.9 at 128K (79%), 27.0 at
-// 8 x 8K, 169 at 64 x 8K (the previous build in the same run: 17.48, 44.78, 27.31, 167.3;
-// extra/lazy_01aba0b.json).
+// (WG_LAZY below; commit 01aba0b): 17.1 us at 32K (52%), 44.9 at 128K (79%), 27.0 at 8 x 8K, 169 at
+// 64 x 8K (the previous build in the same run: 17.48, 44.78, 27.31, 167.3; extra/lazy_01aba0b.json).
+// With the ninth session's two changes below (commit 20255de, the main records): 16.9 us at 32K (53%),
+// 43.3 at 128K (82%), 26.4 at 8 x 8K, 156 at 64 x 8K (91%).
 // Built with K3_MLA_WG_DATA_ONLY (no arithmetic) it takes 16.1 / 42.7 us: the two 72 KB stages stream slower than
 // the five 37 KB stages of scripts/mla_read_probe.cu's ring (11.1 / 37.0 us with an empty second
 // kernel 11.8 / 37.9), and the arithmetic the two stages cannot hide adds 2-3 us.
@@ -72,7 +73,7 @@
 // accumulators instead of staged in shared memory: 32K 16.65 against 17.22, 128K 42.30 against 42.91,
 // 8 x 8K 25.97 against 26.62 (kept); the first tiles' block-table entries read beside the length
 // instead of after it: slower everywhere (32K 18.01, 128K 43.92; not kept). The timeline probe at 32K
-// (commit dd95d29, after an L2 flush; again at 9ecacad: extra/probe_wgmma_9ecacad.json): the median block's first tile lands 5.4-5.7 us
+// (commit dd95d29, after an L2 flush; again at 20255de: extra/probe_wgmma_20255de.json): the median block's first tile lands 5.4-5.7 us
 // after its start (the slowest block's 7.6-9.1), its 4 tiles take 8.3-8.8 us more, the slowest block
 // ends ~2 us after the median one, and the merge ends ~2.3 us after the slowest block. The arithmetic
 // alone (-DK3_MLA_WG_COMPUTE_ONLY=1: one tile loaded, every tile's products run on it; commit 7d8f848,
@@ -82,7 +83,7 @@
 // is not served interleaved with it: level, or slower (32K 16.51 / 16.93 against 16.41 us, 128K 42.18 /
 // 42.84 against 42.27; commit dd2e0a2, extra/stagger_dd2e0a2.json; not kept). The prologue: thread 0
 // needs ~2 us from its start until the first tiles are requested (probe after an L2 flush: the
-// length, then the block-table entry, each from DRAM; extra/probe_wgmma_9ecacad.json), but requesting
+// length, then the block-table entry, each from DRAM; extra/probe_wgmma_20255de.json), but requesting
 // the queries before the length is read is level, and the first tiles before the length is known
 // (speculative, waited for before leaving) slower (32K 16.65 / 17.10 against 16.65, 128K 42.84 /
 // 43.33 against 43.08; commit 9ecacad, extra/prologue_9ecacad.json; not kept).

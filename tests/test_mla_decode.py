@@ -543,7 +543,7 @@ def test_committed_probe_runs_read_as_timelines():
     from k3lab.studies import mla_padding as study
 
     runs = study.probe_runs()
-    assert {"probe_split_3d0e2f8", "probe_team_1a77c32", "probe_wgmma_9ecacad"} <= set(runs)
+    assert {"probe_split_3d0e2f8", "probe_team_1a77c32", "probe_wgmma_20255de"} <= set(runs)
     for run in runs.values():
         frames = study.probe_frames(run)
         assert frames

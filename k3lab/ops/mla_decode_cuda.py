@@ -29,7 +29,9 @@ tiles: on the H200 (e3fdbef, same run) 18.1 against 19.9 us at 32K, 45.8 against
 against 216 at 64 x 8K (168 against 165 since the pieces fill one wave, 083abc8), but 8.6 against 7.0 at
 1K, where a piece is one tile. With the merge kernel's shorter latency chain (74f98a3, the main records):
 17.4 against 19.4 us at 32K (51% of the copy bandwidth), 45.0 against 47.1 at 128K (79%); with lazy
-softmax references in the wgmma form (01aba0b, the main records) 17.1 (52%) and 44.9 (79%).
+softmax references in the wgmma form (01aba0b) 17.1 (52%) and 44.9 (79%); with the tile map's L2
+promotion at 128 bytes and partials stored from the accumulators (20255de, the main records) 16.9 (53%),
+43.3 (82%) and 156 us at 64 x 8K (91%; the split kernel 166 in the same call).
 
 Form 'halves' (kernels/mla_halves.h, opt-in): two teams of four warps on alternate 32-row tiles,
 each warp half of its team's positions times half of the columns, with its own online softmax, so

@@ -672,8 +672,8 @@ def read_floors(records=None, device: str = "nvidia-h200", path=None) -> pd.Data
 # where the decode's time goes: readers of the same bytes and the wgmma form with its arithmetic
 # removed (committed H200 runs of scripts/device_mla_read_probe.py and scripts/device_mla_wgmma.py)
 
-READ_PROBE = "extra/read_probe_4ee49d5.json"
-WGMMA_RUN = "extra/merge_cost_7d8f848.json"
+READ_PROBE = "extra/read_probe_20255de.json"
+WGMMA_RUN = "extra/merge_cost_20255de.json"
 MERGE_RUN = WGMMA_RUN  # the same run holds the builds with the merge kernel emptied (K3_MLA_MERGE_EMPTY)
 # (file, key in it) -> label, in the order of the figure: from the plainest read to the full decode
 BREAKDOWN_STEPS = (

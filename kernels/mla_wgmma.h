@@ -391,24 +391,29 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     for (int c = 0; c < 4; ++c) rs[warp * ROWS + wg_head(c, t4)] = l_run[c];
   }
   __syncthreads();
+  float rcp[4], lse2[4];  // this thread's 4 heads: 1 / their sums, and their base-2 log-sum-exp
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int h = wg_head(c, t4);
+    const float l = rs[h] + rs[ROWS + h] + rs[2 * ROWS + h] + rs[3 * ROWS + h];
+    rcp[c] = l > 0.f ? 1.f / l : 0.f;
+    lse2[c] = l > 0.f ? m_run[c] + __log2f(l) : -INFINITY;
+  }
   if (a.splits > 1) {
     // the normalised piece straight from the accumulators: each store instruction writes 4 heads x
     // 8 consecutive columns, whole 32-byte sectors (staged through shared memory it took longer:
     // commit dd95d29, 0.1-0.6 us; profiles/nvidia-h200/mla_padding/extra/direct_store_dd95d29.json)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const int h = wg_head(c, t4);
-      const float l = rs[h] + rs[ROWS + h] + rs[2 * ROWS + h] + rs[3 * ROWS + h];
-      const float r = l > 0.f ? 1.f / l : 0.f;
-      const int i = 4 * (c >> 1) + (c & 1);
+      const int h = wg_head(c, t4), i = 4 * (c >> 1) + (c & 1);
       if (h < a.heads) {
         float* po = a.part_o + (((long long)b * a.heads + h) * a.splits + split) * DV + 16 * warp + g;
 #pragma unroll
         for (int mb = 0; mb < 8; ++mb) {
-          po[64 * mb] = o[mb][i] * r;
-          po[64 * mb + 8] = o[mb][i + 2] * r;
+          po[64 * mb] = o[mb][i] * rcp[c];
+          po[64 * mb + 8] = o[mb][i + 2] * rcp[c];
         }
-        if (warp == 0 && g == 0) a.part_lse[((long long)b * a.heads + h) * a.splits + split] = l > 0.f ? m_run[c] + __log2f(l) : -INFINITY;
+        if (warp == 0 && g == 0) a.part_lse[((long long)b * a.heads + h) * a.splits + split] = lse2[c];
       }
     }
     if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, issue_cycles);
@@ -419,18 +424,14 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   float* ob = reinterpret_cast<float*>(gbase);  // [16 heads][WG_OPITCH]: t4's heads fall in 4 bank groups
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    const int h = wg_head(c, t4);
-    const float l = rs[h] + rs[ROWS + h] + rs[2 * ROWS + h] + rs[3 * ROWS + h];
-    const float r = l > 0.f ? 1.f / l : 0.f;
-    const int i = 4 * (c >> 1) + (c & 1);
+    const int h = wg_head(c, t4), i = 4 * (c >> 1) + (c & 1);
 #pragma unroll
     for (int mb = 0; mb < 8; ++mb) {
       const int col = 64 * mb + 16 * warp + g;
-      ob[h * WG_OPITCH + col] = o[mb][i] * r;
-      ob[h * WG_OPITCH + col + 8] = o[mb][i + 2] * r;
+      ob[h * WG_OPITCH + col] = o[mb][i] * rcp[c];
+      ob[h * WG_OPITCH + col + 8] = o[mb][i + 2] * rcp[c];
     }
-    if (warp == 0 && g == 0 && h < a.heads)  // natural log
-      a.lse[(long long)b * a.l_sb + h] = l > 0.f ? (m_run[c] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+    if (warp == 0 && g == 0 && h < a.heads) a.lse[(long long)b * a.l_sb + h] = lse2[c] * 0.6931471805599453f;  // natural log
   }
   __syncthreads();
   for (int v = tid; v < a.heads * (DV / 4); v += 128) {

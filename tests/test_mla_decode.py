@@ -13,6 +13,13 @@ from k3lab import bench
 from k3lab.ops import mla_decode as mla
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# 64-row bulk tiles run in Triton's interpreter only: on a GPU mla.bulk_status refuses them (an illegal
+# memory access on the H200 in every form tried); 32-row tiles run there.
+BULK_64 = mla.env.triton_interpreted()
+BULK_ROWS = 64 if BULK_64 else 32
+interpreter_bulk_64 = pytest.mark.skipif(
+    not BULK_64, reason="64-row bulk tiles are refused on a GPU (mla.bulk_status; "
+                        "test_bulk_64_row_tiles_are_refused_on_a_gpu checks the refusal); this runs in Triton's interpreter")
 
 
 def _inputs(B, Tq, H, L, dtype, *, lengths=None, paged=False, page_size=16, seed=0):
@@ -343,13 +350,15 @@ def test_rows_past_the_length_are_never_read(kernel):
                                        seed=23)
     pool = _poison_past_lengths(pool, bt, lengths, 64)
     ref_o, ref_l = mla.reference(q, cache, lens)
+    rows = {"block_n": BULK_ROWS} if kernel == "bulk" else {}
     for splits in (1, 3):
-        plan = mla.plan_after(q, pool, lens, block_table=bt, num_splits=splits, kernel=kernel)
+        plan = mla.plan_after(q, pool, lens, block_table=bt, num_splits=splits, kernel=kernel, **rows)
         o, lse = plan()
         assert torch.isfinite(o).all() and torch.isfinite(lse).all()
         _check(o, lse, ref_o, ref_l, torch.float32, f"{kernel}/poisoned/s{splits}")
 
 
+@interpreter_bulk_64
 @pytest.mark.parametrize("q_len", [1, 4, 8])
 def test_bulk_verify_groups_cross_tiles(q_len):
     # A verify group's positions straddle a 64-row tile boundary (length 130: tokens at 122..129 for
@@ -366,6 +375,8 @@ def test_bulk_verify_groups_cross_tiles(q_len):
         _check(o, lse, ref_o, ref_l, torch.float16, f"bulk/q{q_len}/s{splits}")
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="on a GPU plan_after's default after is the CUDA or 32-row kernels "
+                    "(mla_decode_cuda, bulk_status); this checks the choice in Triton's interpreter")
 def test_bulk_contiguous_cache_and_kernel_choice(monkeypatch):
     assert mla.plan_after(*_inputs(1, 1, 12, 64, torch.float32)[:3]).kernel == "split"  # bulk is opt-in for now
     monkeypatch.setattr(mla, "BULK_DEFAULT", True)
@@ -411,6 +422,7 @@ def test_bulk_kernel_compiles_for_hopper():
     assert 2 * (row["shared_kb"] + 1) <= 228
 
 
+@interpreter_bulk_64
 @pytest.mark.parametrize("options", ["kc_bulk=0", "kpe=bulk", "kpe=load", "sum=row", "kc_bulk=0,kpe=load,sum=row",
                                      "tail=64"])
 def test_bulk_kernel_forms(options, monkeypatch):
@@ -431,6 +443,7 @@ def test_bulk_kernel_forms(options, monkeypatch):
         mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk")
 
 
+@interpreter_bulk_64
 def test_bulk_options_argument_three_buffers():
     # plan_after(bulk_options=...) (the study's '.bulk_bn64w4s3t64' points): three 64-row copy
     # buffers and the 64-row tail step, on two requests whose lengths end inside a tile
@@ -552,3 +565,16 @@ def test_committed_probe_runs_read_as_timelines():
             assert (df["dur_us"] >= -0.05).all(), label  # the global timer's grain
             loop_end = df.loc[df["category"] == "write piece", "start_us"].max()
             assert df.loc[df["category"] == "merge", "start_us"].min() >= loop_end - 0.05, label
+
+
+@pytest.mark.skipif(BULK_64, reason="in Triton's interpreter 64-row bulk tiles run (the tests above)")
+def test_bulk_64_row_tiles_are_refused_on_a_gpu():
+    # on a GPU the 64-row bulk kernel is refused by name, and the 32-row one runs right
+    lengths = [200, 75]
+    q, cache, lens, pool, bt = _inputs(2, 1, 12, 256, torch.float32, lengths=lengths, paged=True, page_size=64,
+                                       seed=41)
+    with pytest.raises(ValueError, match="illegal memory access"):
+        mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk", block_n=64)
+    plan = mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk", block_n=32, num_splits=2)
+    assert plan.kernel == "bulk" and plan.config.block_n == 32
+    _check(*plan(), *mla.reference(q, cache, lens), torch.float32, "bulk/bn32")

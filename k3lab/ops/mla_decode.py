@@ -1440,7 +1440,13 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
             if asked:
                 raise
             # inputs outside the CUDA kernel (cuda_after_status(q, cache, ...) names why): Triton runs
-    kernel = _after_kernel(kernel, inp, block_n)
+    # the tile rows the launch will use, for the bulk kernel's check: block_n, or a measured one-token
+    # configuration (K3LAB_MLA_AFTER_CONFIG), else the kernel's default
+    status_bn = block_n
+    if status_bn is None and os.environ.get("K3LAB_MLA_AFTER_CONFIG") and rows == MMA_ROWS and num_warps is None \
+            and num_stages is None:
+        status_bn = launch_config("after", q.dtype, rows=rows, kernel="bulk").block_n
+    kernel = _after_kernel(kernel, inp, status_bn)
     kw["kernel"] = kernel
     if bulk_options is not None:
         if kernel != "bulk":

@@ -504,6 +504,22 @@ def test_committed_read_floors_beside_the_decode(tmp_path):
         study.read_floors(path=bad)
 
 
+def test_committed_arithmetic_per_tile(tmp_path):
+    # the compute-only build's committed H200 times: the arithmetic of a 64-row tile takes time, but
+    # less than the tile's share of DRAM time (else no pipeline could hide it); bad files are refused
+    from k3lab.studies import mla_padding as study
+
+    df = study.arithmetic_per_tile()
+    row = df.iloc[0]
+    assert len(df) == 1 and row["commit"] and row["pieces"] >= 100
+    assert 0.2 < row["arithmetic_us_per_tile"] < row["dram_us_per_tile"]
+    assert math.isclose(row["dram_us_per_tile"], 64 * 576 * 2 * row["pieces"] / 4.25e12 * 1e6, rel_tol=0.01)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": {"ctx32k": {"forms": {}}}}')
+    with pytest.raises(ValueError, match="wgmma-co-unchecked"):
+        study.arithmetic_per_tile(path=bad)
+
+
 def test_committed_breakdown_orders_readers_and_decodes(tmp_path):
     """The H200 read probe and wgmma run: every step of both cases present with its commit; a plain
     read is faster than the tile ring, an empty second kernel costs something, and the full decodes

@@ -710,6 +710,32 @@ def read_breakdown(device: str = "nvidia-h200", probe_path=None, wgmma_path=None
     return pd.DataFrame(rows)
 
 
+def arithmetic_per_tile(device: str = "nvidia-h200", path=None, key: str = "wgmma-co-unchecked",
+                        short: str = "ctx32k", long: str = "ctx128k") -> pd.DataFrame:
+    """The warpgroup-MMA form's arithmetic per 64-row tile beside the tile's share of DRAM time, from
+    the committed run with the compute-only build (`key`: one tile loaded, every tile's products run
+    on it): the difference between the `long` and `short` cases over their difference in tiles per
+    piece, against 72 KB at the copy bandwidth shared by the pieces that stream at once."""
+    path = Path(path) if path is not None else bench.PROFILES / device / NAME / WGMMA_RUN
+    run = json.loads(Path(path).read_text())
+    rows = run.get("rows", {})
+    try:
+        a, b = rows[short]["forms"][key], rows[long]["forms"][key]
+    except (KeyError, TypeError):
+        raise ValueError(f"{path} has no {key!r} times for {short!r} and {long!r}") from None
+    if a["splits"] != b["splits"]:
+        raise ValueError(f"{path}: {short} and {long} ran with different piece counts ({a['splits']}, {b['splits']})")
+    ctx = {"ctx32k": 32768, "ctx128k": 131072}
+    if short not in ctx or long not in ctx:
+        raise ValueError(f"short and long must be among {sorted(ctx)}, got {short!r}, {long!r}")
+    tile_rows, tile_bytes = 64, 64 * mla.LATENT_DIM * 2  # bf16
+    tiles = {c: ctx[c] // a["splits"] // tile_rows for c in (short, long)}
+    arith = (b["us"] - a["us"]) / (tiles[long] - tiles[short])
+    dram = tile_bytes * a["splits"] / (run["copy_bandwidth_tbs"] * 1e12) * 1e6
+    return pd.DataFrame([{"commit": run["commit"], "pieces": a["splits"], "arithmetic_us_per_tile": arith,
+                          "dram_us_per_tile": dram, "arithmetic_share_of_dram_time": arith / dram}])
+
+
 def breakdown_figure(df: pd.DataFrame, title: str | None = None):
     """Grouped bars of read_breakdown's shares of the copy bandwidth, with the issue's targets."""
     import plotly.express as px

@@ -73,9 +73,10 @@
 // accumulators instead of staged in shared memory: 32K 16.65 against 17.22, 128K 42.30 against 42.91,
 // 8 x 8K 25.97 against 26.62 (kept); the first tiles' block-table entries read beside the length
 // instead of after it: slower everywhere (32K 18.01, 128K 43.92; not kept). The timeline probe at 32K
-// (commit dd95d29, after an L2 flush; again at 20255de: extra/probe_wgmma_20255de.json): the median block's first tile lands 5.4-5.7 us
-// after its start (the slowest block's 7.6-9.1), its 4 tiles take 8.3-8.8 us more, the slowest block
-// ends ~2 us after the median one, and the merge ends ~2.3 us after the slowest block. The arithmetic
+// (commit dd95d29, after an L2 flush; again at 20255de: extra/probe_wgmma_20255de.json): the median
+// block's first tile lands 5.4-5.7 us after its start (the slowest block's 7.6-9.1), its 4 tiles take
+// 8.3-8.8 us more, the slowest block ends ~2 us after the median one, and the merge ends ~2.3 us
+// after the slowest block. The arithmetic
 // alone (-DK3_MLA_WG_COMPUTE_ONLY=1: one tile loaded, every tile's products run on it; commit 7d8f848,
 // extra/merge_cost_7d8f848.json): 13.6 us at 32K and 25.8 at 128K, so ~1.0 us per 64-row tile against
 // the tile's ~2.2 us share of DRAM time; with two stages only one tile streams while one is computed.
@@ -249,7 +250,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i)
       wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
-  const long long issue_cycles = a.probe != nullptr ? clock64() - c_start : 0;  // thread 0: until the first tiles went out
+  // thread 0 (probe): cycles from its start until the first tiles were requested
+  const long long issue_cycles = a.probe != nullptr ? clock64() - c_start : 0;
   __syncthreads();  // the barriers are initialised before anyone waits on them
   mbar_wait(qbar, 0);
 
@@ -375,7 +377,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_commit();
     wg_wait_all();
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
-    if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY) wg_issue(a, &map, refill_row, stage, bars + 8 * st);
+    if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY)
+      wg_issue(a, &map, refill_row, stage, bars + 8 * st);
   }
 
   const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;
@@ -416,7 +419,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
         if (warp == 0 && g == 0) a.part_lse[((long long)b * a.heads + h) * a.splits + split] = lse2[c];
       }
     }
-    if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, issue_cycles);
+    if (a.probe != nullptr && tid == 0)
+      write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, issue_cycles);
     return;
   }
   // one piece: the bf16 result through shared memory (the ring is free now: every tile was consumed),
@@ -431,7 +435,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       ob[h * WG_OPITCH + col] = o[mb][i] * rcp[c];
       ob[h * WG_OPITCH + col + 8] = o[mb][i + 2] * rcp[c];
     }
-    if (warp == 0 && g == 0 && h < a.heads) a.lse[(long long)b * a.l_sb + h] = lse2[c] * 0.6931471805599453f;  // natural log
+    if (warp == 0 && g == 0 && h < a.heads)
+      a.lse[(long long)b * a.l_sb + h] = lse2[c] * 0.6931471805599453f;  // natural log
   }
   __syncthreads();
   for (int v = tid; v < a.heads * (DV / 4); v += 128) {
@@ -441,7 +446,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     const uint32_t hi = (uint32_t)k3_f32_to_bf16(x.z) | ((uint32_t)k3_f32_to_bf16(x.w) << 16);
     *reinterpret_cast<uint2*>(a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + 4 * k) = make_uint2(lo, hi);
   }
-  if (a.probe != nullptr && tid == 0) write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, issue_cycles);
+  if (a.probe != nullptr && tid == 0)
+    write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, issue_cycles);
 #endif  // K3_MLA_SM90
 }
 

@@ -18,8 +18,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BULK_64 = mla.env.triton_interpreted()
 BULK_ROWS = 64 if BULK_64 else 32
 interpreter_bulk_64 = pytest.mark.skipif(
-    not BULK_64, reason="64-row bulk tiles are refused on a GPU (mla.bulk_status; "
-                        "test_bulk_64_row_tiles_are_refused_on_a_gpu checks the refusal); this runs in Triton's interpreter")
+    not BULK_64, reason="64-row bulk tiles are refused on a GPU (mla.bulk_status; test_bulk_64_row_tiles_are_"
+                        "refused_on_a_gpu checks the refusal); this runs in Triton's interpreter")
 
 
 def _inputs(B, Tq, H, L, dtype, *, lengths=None, paged=False, page_size=16, seed=0):

@@ -80,6 +80,9 @@
 // alone (-DK3_MLA_WG_COMPUTE_ONLY=1: one tile loaded, every tile's products run on it; commit 7d8f848,
 // extra/merge_cost_7d8f848.json): 13.6 us at 32K and 25.8 at 128K, so ~1.0 us per 64-row tile against
 // the tile's ~2.2 us share of DRAM time; with two stages only one tile streams while one is computed.
+// Nsight Compute on that build at 128K (commit 754be47, extra/ncu_wgmma_compute_only_754be47.txt): L1 /
+// shared-memory throughput 55% of peak, issue slots 32% busy: the arithmetic is a latency chain (score
+// products, wait, softmax, barrier, value products, wait), not a bandwidth limit.
 // Issuing the second tile after the queries landed, or after the first tile landed, so that the first
 // is not served interleaved with it: level, or slower (32K 16.51 / 16.93 against 16.41 us, 128K 42.18 /
 // 42.84 against 42.27; commit dd2e0a2, extra/stagger_dd2e0a2.json; not kept). The prologue: thread 0

@@ -108,6 +108,7 @@ for label, lib in builds.items():
         check_case(f"{label}: 3 ragged (5000, 77, 2048)", [5000, 77, 2048])
         check_case(f"{label}: 1 x 4133, 16 heads", [4133], heads=16)
         check_case(f"{label}: 2 contiguous (3000, 1234)", [3000, 1234], paged=False)
+        check_case(f"{label}: 1 x 1000, one piece", [1000], splits=1)
         mc._library = real_library
 bw = env.PEAKS["H200"].bandwidth_tbs * 1e12
 rows = {}

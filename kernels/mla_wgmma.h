@@ -82,7 +82,11 @@
 // the tile's ~2.2 us share of DRAM time; with two stages only one tile streams while one is computed.
 // Nsight Compute on that build at 128K (commit 754be47, extra/ncu_wgmma_compute_only_754be47.txt): L1 /
 // shared-memory throughput 55% of peak, issue slots 32% busy: the arithmetic is a latency chain (score
-// products, wait, softmax, barrier, value products, wait), not a bandwidth limit.
+// products, wait, softmax, barrier, value products, wait), not a bandwidth limit. Two warpgroups in
+// ping-pong, one per stage, each with its own softmax state combined at the end, so that two tiles'
+// chains overlap (commit 9ebdfe4, extra/pingpong_9ebdfe4.json): right, but slower (32K 17.86 against
+// 16.65 us, 128K 44.96 against 43.26, 64 x 8K level), since both stages are then computed at once
+// and neither streams; not kept.
 // Issuing the second tile after the queries landed, or after the first tile landed, so that the first
 // is not served interleaved with it: level, or slower (32K 16.51 / 16.93 against 16.41 us, 128K 42.18 /
 // 42.84 against 42.27; commit dd2e0a2, extra/stagger_dd2e0a2.json; not kept). The prologue: thread 0
@@ -116,20 +120,8 @@ constexpr int WG_QBOX = ROWS * 128;               // Q^T box: 16 heads x 64 colu
 constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes
 constexpr int WG_P = ROWS * 128;                  // P: 16 heads x 64 positions (bf16), one swizzled 128 B row each
 constexpr int WG_RED = 3 * 4 * ROWS * 4;          // two max exchanges and one sum exchange: [4 warps][16 heads] fp32
-// Experiment (-DK3_MLA_WG_PINGPONG=1): two warpgroups, one per stage, each with its own softmax state
-// (warpgroup g takes tiles g, g + 2, ...), combined at the end, so that two tiles' chains of dependent
-// steps overlap. Each warpgroup has its own P and exchange buffers.
-#ifndef K3_MLA_WG_PINGPONG
-#define K3_MLA_WG_PINGPONG 0
-#endif
-constexpr int WG_GROUPS = K3_MLA_WG_PINGPONG ? 2 : 1;  // warpgroups per block
-constexpr int WG_THREADS = 128 * WG_GROUPS;
-static_assert(!K3_MLA_WG_PINGPONG || (WG_STAGES == 2 && !K3_MLA_WG_COMPUTE_ONLY && !K3_MLA_WG_DATA_ONLY),
-              "the ping-pong experiment is built for two stages and the full arithmetic");
 constexpr int WG_OPITCH = DV + 4;               // the finished piece staged in shared memory: [16 heads][516] fp32
-constexpr int wg_smem_bytes() {
-  return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_GROUPS * (WG_P + WG_RED) + (WG_STAGES + 1) * 8;
-}
+constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + (WG_STAGES + 1) * 8; }
 static_assert(ROWS * WG_OPITCH * 4 <= WG_STAGES * WG_STAGE, "the piece is staged in the free ring");
 
 #if defined(K3_MLA_SM90)
@@ -143,31 +135,6 @@ K3_DEVICE uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
 K3_DEVICE void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 K3_DEVICE void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 K3_DEVICE void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// A barrier of this thread's warpgroup (the whole block where it is one warpgroup), and the same with an
-// "or" of `v` over it.
-K3_DEVICE void wg_bar(int wgi) {
-#if K3_MLA_WG_PINGPONG
-  asm volatile("bar.sync %0, 128;" ::"r"(1 + wgi) : "memory");
-#else
-  (void)wgi;
-  __syncthreads();
-#endif
-}
-K3_DEVICE bool wg_bar_or(int wgi, bool v) {
-#if K3_MLA_WG_PINGPONG
-  uint32_t r;
-  asm volatile(
-      "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, %1, 0;\n\tbar.red.or.pred q, %2, 128, p;\n\tselp.u32 %0, 1, 0, q;\n}"
-      : "=r"(r)
-      : "r"((uint32_t)v), "r"(1 + wgi)
-      : "memory");
-  return r != 0;
-#else
-  (void)wgi;
-  return __syncthreads_or(v);
-#endif
-}
-
 // generic-proxy writes to shared memory (zero fill, P, Q) made visible to the async proxy (wgmma, TMA)
 K3_DEVICE void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
@@ -261,7 +228,7 @@ K3_DEVICE void wg_store_p(float (&p)[8], const float (&s)[8], const float (&m)[4
 }
 #endif
 
-__global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const __grid_constant__ CUtensorMap map,
+__global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_constant__ CUtensorMap map,
                                                    const __grid_constant__ CUtensorMap qmap) {
   extern __shared__ unsigned char wg_raw[];
 #if defined(K3_MLA_SM90)
@@ -269,14 +236,11 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
   const uint32_t raw = smem_u32(wg_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* gbase = wg_raw + (base - raw);
+  const uint32_t stages = base, qs = base + WG_STAGES * WG_STAGE, ps = qs + WG_Q;
+  float* red = reinterpret_cast<float*>(gbase + WG_STAGES * WG_STAGE + WG_Q + WG_P);  // [3][4][16]
+  const uint32_t bars = ps + WG_P + WG_RED;
   const int split = blockIdx.x, b = blockIdx.y;
-  // wgi: this thread's warpgroup (0 unless K3_MLA_WG_PINGPONG); ltid, warp: its place in it
-  const int tid = threadIdx.x, wgi = tid >> 7, ltid = tid & 127, warp = ltid >> 5, lane = tid & 31, g = lane >> 2,
-            t4 = lane & 3;
-  const uint32_t stages = base, qs = base + WG_STAGES * WG_STAGE, ps = qs + WG_Q + wgi * WG_P;
-  float* red = reinterpret_cast<float*>(gbase + WG_STAGES * WG_STAGE + WG_Q + WG_GROUPS * WG_P) +
-               wgi * (WG_RED / 4);  // [3][4][16] of this warpgroup
-  const uint32_t bars = qs + WG_Q + WG_GROUPS * (WG_P + WG_RED);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   launch_dependents();  // the merge may launch now; it waits for this grid
   const unsigned long long t_start = a.probe != nullptr ? now_ns() : 0ull;
   unsigned long long t_first = 0ull;
@@ -307,11 +271,11 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
 #pragma unroll
   for (int c = 0; c < 4; ++c) m_run[c] = -INFINITY, l_run[c] = 0.f;
 
-  for (int j = wgi; j < ntiles; j += WG_GROUPS) {  // ping-pong: warpgroup g takes tiles g, g + 2, ... (stage g)
+  for (int j = 0; j < ntiles; ++j) {
     const int st = K3_MLA_WG_COMPUTE_ONLY ? 0 : j % WG_STAGES;
     const uint32_t stage = stages + st * WG_STAGE;
     // the row of the tile that will refill this stage, read now: its latency hides behind this tile
-    const int refill_row = (ltid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
+    const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
     const long long c0 = a.probe != nullptr ? clock64() : 0;
     if (!K3_MLA_WG_COMPUTE_ONLY || j == 0) mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
     if (a.probe != nullptr) {  // thread 0's clock cycles waiting for tiles after the first
@@ -322,17 +286,17 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
     const int valid = min(WG_BN, end - pos0);
     if (valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
       const int units = WG_BOXES * (WG_BN - valid) * 8;
-      for (int u = ltid; u < units; u += 128) {
+      for (int u = tid; u < units; u += 128) {
         const int box = u / ((WG_BN - valid) * 8), r = valid + (u / 8) % (WG_BN - valid), c = u & 7;
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(stage + box * WG_BOX + r * 128 + c * 16), "r"(0)
                      : "memory");
       }
       fence_async_smem();
-      wg_bar(wgi);
+      __syncthreads();
     }
     if (K3_MLA_WG_DATA_ONLY) {
-      wg_bar(wgi);
-      if (ltid == 0 && j + WG_STAGES < ntiles) wg_issue(a, &map, refill_row, stage, bars + 8 * st);
+      __syncthreads();
+      if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(a, &map, refill_row, stage, bars + 8 * st);
       continue;
     }
     // scores S^T = K Q^T: 36 k-steps of 16 columns (4 per 64-column box, +32 bytes each), into four
@@ -368,7 +332,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
     float p[8];
     wg_store_p(p, s, m_run, ps, q0, t4);
     fence_async_smem();
-    if (wg_bar_or(wgi, raise)) {  // P complete, unless the references move (always at the first tile)
+    if (__syncthreads_or(raise)) {  // P complete, unless the references move (always at the first tile)
       float mx[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
@@ -377,12 +341,12 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) mx[c] = fmaxf(mx[c], k3_shfl_xor(mx[c], off));
       }
-      float* rb = red + ((j / WG_GROUPS) & 1) * (4 * ROWS);
+      float* rb = red + (j & 1) * (4 * ROWS);
       if (g == 0) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) rb[warp * ROWS + wg_head(c, t4)] = mx[c];
       }
-      wg_bar(wgi);  // the four warps' maxima
+      __syncthreads();  // the four warps' maxima
       float alpha[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
@@ -403,7 +367,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
         }
       wg_store_p(p, s, m_run, ps, q0, t4);
       fence_async_smem();
-      wg_bar(wgi);  // P complete
+      __syncthreads();  // P complete
     }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -419,8 +383,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
         wg_mma<1>(o[mb], wg_desc(stage + mb * WG_BOX + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);
     wg_commit();
     wg_wait_all();
-    wg_bar(wgi);  // every warp is done with this stage and with P: refill the stage
-    if (ltid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY)
+    __syncthreads();  // every warp is done with this stage and with P: refill the stage
+    if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY)
       wg_issue(a, &map, refill_row, stage, bars + 8 * st);
   }
 
@@ -437,53 +401,13 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
     for (int c = 0; c < 4; ++c) rs[warp * ROWS + wg_head(c, t4)] = l_run[c];
   }
   __syncthreads();
-  float l_tot[4];  // this thread's 4 heads: their sums over the piece (over this warpgroup's tiles)
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const int h = wg_head(c, t4);
-    l_tot[c] = rs[h] + rs[ROWS + h] + rs[2 * ROWS + h] + rs[3 * ROWS + h];
-  }
-#if K3_MLA_WG_PINGPONG
-  // the two warpgroups' states combined: warpgroup 1 leaves its accumulators and its (max, sum) per head
-  // in the free ring (stage 1's bytes: every tile was consumed), warpgroup 0 rescales both to the larger max
-  float* o1 = reinterpret_cast<float*>(gbase + WG_STAGE);  // [64 accumulator values][128 threads]
-  float* ml1 = o1 + 64 * 128;                              // [16 heads] maxima, then [16 heads] sums
-  static_assert((64 * 128 + 2 * ROWS) * 4 <= WG_STAGE, "warpgroup 1's state fits in a stage");
-  if (wgi == 1) {
-#pragma unroll
-    for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) o1[(mb * 8 + e) * 128 + ltid] = o[mb][e];
-    if (warp == 0 && g == 0) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        ml1[wg_head(c, t4)] = m_run[c];
-        ml1[ROWS + wg_head(c, t4)] = l_tot[c];
-      }
-    }
-  }
-  __syncthreads();
-  if (wgi == 1) return;
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const int h = wg_head(c, t4), i = 4 * (c >> 1) + (c & 1);
-    const float m1 = ml1[h], mn = fmaxf(m_run[c], m1);
-    const float a0 = m_run[c] == -INFINITY ? 0.f : fast_exp2(m_run[c] - mn);
-    const float a1 = m1 == -INFINITY ? 0.f : fast_exp2(m1 - mn);
-    l_tot[c] = l_tot[c] * a0 + ml1[ROWS + h] * a1;
-    m_run[c] = mn;
-#pragma unroll
-    for (int mb = 0; mb < 8; ++mb) {
-      o[mb][i] = o[mb][i] * a0 + o1[(mb * 8 + i) * 128 + ltid] * a1;
-      o[mb][i + 2] = o[mb][i + 2] * a0 + o1[(mb * 8 + i + 2) * 128 + ltid] * a1;
-    }
-  }
-#endif
   float rcp[4], lse2[4];  // this thread's 4 heads: 1 / their sums, and their base-2 log-sum-exp
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
-    rcp[c] = l_tot[c] > 0.f ? 1.f / l_tot[c] : 0.f;
-    lse2[c] = l_tot[c] > 0.f ? m_run[c] + __log2f(l_tot[c]) : -INFINITY;
+    const int h = wg_head(c, t4);
+    const float l = rs[h] + rs[ROWS + h] + rs[2 * ROWS + h] + rs[3 * ROWS + h];
+    rcp[c] = l > 0.f ? 1.f / l : 0.f;
+    lse2[c] = l > 0.f ? m_run[c] + __log2f(l) : -INFINITY;
   }
   if (a.splits > 1) {
     // the normalised piece straight from the accumulators: each store instruction writes 4 heads x
@@ -521,7 +445,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
     if (warp == 0 && g == 0 && h < a.heads)
       a.lse[(long long)b * a.l_sb + h] = lse2[c] * 0.6931471805599453f;  // natural log
   }
-  wg_bar(0);  // warpgroup 0 (the block, unless ping-pong: warpgroup 1 has left)
+  __syncthreads();
   for (int v = tid; v < a.heads * (DV / 4); v += 128) {
     const int h = v / (DV / 4), k = v % (DV / 4);
     const float4 x = *reinterpret_cast<const float4*>(ob + h * WG_OPITCH + 4 * k);
@@ -588,7 +512,7 @@ inline int launch_wg(const Args& a, const CUtensorMap& map, const CUtensorMap& q
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
-  wg_kernel<<<dim3(a.splits, a.B), WG_THREADS, bytes, st>>>(a, map, qmap);
+  wg_kernel<<<dim3(a.splits, a.B), 128, bytes, st>>>(a, map, qmap);
   return (int)cudaGetLastError();
 }
 

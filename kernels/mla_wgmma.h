@@ -106,6 +106,11 @@
 #ifndef K3_MLA_WG_COMPUTE_ONLY
 #define K3_MLA_WG_COMPUTE_ONLY 0
 #endif
+// Experiment (-DK3_MLA_WG_EARLY_REFILL=1): a stage refilled box by box as it frees up: the rope box once
+// the scores are done, the first four value boxes once their half of the value product is done.
+#ifndef K3_MLA_WG_EARLY_REFILL
+#define K3_MLA_WG_EARLY_REFILL 0
+#endif
 
 
 
@@ -135,6 +140,7 @@ K3_DEVICE uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
 K3_DEVICE void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 K3_DEVICE void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 K3_DEVICE void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+K3_DEVICE void wg_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }  // all but the last group
 // generic-proxy writes to shared memory (zero fill, P, Q) made visible to the async proxy (wgmma, TMA)
 K3_DEVICE void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
@@ -376,6 +382,32 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     }
     // O^T += V^T P^T: value columns in 8 boxes of 64 (M-major A), positions in 4 k-steps of 16 rows
     wg_fence();
+#if K3_MLA_WG_EARLY_REFILL
+    const bool refill = tid == 0 && j + WG_STAGES < ntiles;
+    if (refill) {  // every warp passed the score product's wait and a block barrier: the rope box is free
+      mbar_expect_tx(bars + 8 * st, (uint32_t)WG_STAGE);
+      tma_box(stage + 8 * WG_BOX, &map, 64 * 8, refill_row, bars + 8 * st);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // two groups: value boxes 0-3, then 4-7
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int mb = 4 * half; mb < 4 * half + 4; ++mb)
+          wg_mma<1>(o[mb], wg_desc(stage + mb * WG_BOX + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);
+      wg_commit();
+    }
+    wg_wait_one();
+    __syncthreads();  // every warp is done with value boxes 0-3
+    if (refill)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) tma_box(stage + i * WG_BOX, &map, 64 * i, refill_row, bars + 8 * st);
+    wg_wait_all();
+    __syncthreads();  // ... and with boxes 4-7 and P
+    if (refill)
+#pragma unroll
+      for (int i = 4; i < 8; ++i) tma_box(stage + i * WG_BOX, &map, 64 * i, refill_row, bars + 8 * st);
+#else
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)  // k-steps outside: consecutive wgmma update different accumulators
 #pragma unroll
@@ -386,6 +418,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
     if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY)
       wg_issue(a, &map, refill_row, stage, bars + 8 * st);
+#endif
   }
 
   const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;

@@ -107,7 +107,11 @@
 #define K3_MLA_WG_COMPUTE_ONLY 0
 #endif
 // Experiment (-DK3_MLA_WG_EARLY_REFILL=1): a stage refilled box by box as it frees up: the rope box once
-// the scores are done, the first four value boxes once their half of the value product is done.
+// the scores are done, the first four value boxes once their half of the value product is done. Built
+// (155 registers, no spills) but NOT YET RUN ON A GPU: the ninth session's device time ran out. Its test
+// is one call: build it as .cache/variants/er.so (nvcc line in scripts/build_mla_variants.sh, with this
+// flag) and run WG_VARIANTS=early-refill:.cache/variants/er.so python3 scripts/device_mla_wgmma.py (the
+// variant is checked on four shapes before it is timed).
 #ifndef K3_MLA_WG_EARLY_REFILL
 #define K3_MLA_WG_EARLY_REFILL 0
 #endif

@@ -2,9 +2,10 @@
 
 Prints, for each form in $FORMS (default: split) at ctx32k and ctx128k (B = 1, 12 heads, paged bf16, the mla_padding
 study's inputs): the graph-replay time; the per-block timeline (start skew, first tile landed, loop,
-end) and thread 0's cycles in tile waits and barriers, from the probe; the merge's window; and, for
+end) and thread 0's cycles in tile waits and barriers (form 'wgmma': sync_cyc is the cycles until its
+first tiles were requested), from the probe; the merge's window; and, for
 scale, a plain read of the same cache bytes by torch (sum over a bf16 view). Writes
-$OUT/mla_probe.json.   OUT=dir [FORMS=team,split] python3 scripts/device_mla_probe.py
+$OUT/mla_probe.json.   OUT=dir [FORMS=team,split,wgmma] python3 scripts/device_mla_probe.py
 """
 import json
 import os

@@ -678,7 +678,8 @@ def probe_size(batch: int, heads: int, splits: int) -> int:
 def timeline(probe: torch.Tensor, batch: int, heads: int, splits: int) -> dict:
     """The probe's stamps as numbers (us from the first block's start): per split block its start,
     first tile landed, loop end and end, SM id, tile count, and the SM cycles thread 0 waited for
-    tiles and at barriers; per merge block its start and end."""
+    tiles and at barriers (form 'wgmma': for the tiles after the first, and, as 'sync_cycles', from
+    its start until its first tiles were requested); per merge block its start and end."""
     p = probe.detach().cpu().tolist()
     n = batch * splits
     t0 = min(p[8 * i] for i in range(n))

@@ -361,6 +361,19 @@ def _shared_memory_bytes() -> int | None:
     return None
 
 
+def _measured_after_config(rows: int, block_n, num_warps, num_stages) -> LaunchConfig | None:
+    """The one-token (16-row) after launch configuration chosen by a measurement, from
+    K3LAB_MLA_AFTER_CONFIG ('block_n,num_warps,num_stages', e.g. "64,8,1"; recorded with every record),
+    where nothing was asked explicitly; None otherwise."""
+    env_cfg = os.environ.get("K3LAB_MLA_AFTER_CONFIG", "")
+    if not env_cfg or rows != MMA_ROWS or block_n is not None or num_warps is not None or num_stages is not None:
+        return None
+    try:
+        return LaunchConfig(*(int(x) for x in env_cfg.split(",")))
+    except (TypeError, ValueError):
+        raise ValueError(f"K3LAB_MLA_AFTER_CONFIG must be 'block_n,num_warps,num_stages', got {env_cfg!r}") from None
+
+
 def launch_config(variant: str, dtype: torch.dtype = torch.bfloat16, rows: int = MMA_ROWS,
                   block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, kernel: str = "split") -> LaunchConfig:
@@ -377,18 +390,14 @@ def launch_config(variant: str, dtype: torch.dtype = torch.bfloat16, rows: int =
     # per SM: 6% slower at 32K, 16% at 128K), 8 warps and 16-row tiles (slower still): see the
     # module docstring.
     # 64 rows (a verify group): the 64 x 512 fp32 accumulator needs 8 warps.
-    env_cfg = os.environ.get("K3LAB_MLA_AFTER_CONFIG", "")
-    if env_cfg and rows == MMA_ROWS and block_n is None and num_warps is None and num_stages is None:
-        # a decode (16-row) launch configuration chosen by a measurement, e.g. "64,8,1" (recorded
-        # with every record: block_n, num_warps, num_stages)
-        try:
-            bn, warps, stages = (int(x) for x in env_cfg.split(","))
-        except ValueError:
-            raise ValueError(f"K3LAB_MLA_AFTER_CONFIG must be 'block_n,num_warps,num_stages', got {env_cfg!r}") from None
-        if (bn, stages) == (64, 1) and kernel == "split" and not env.triton_interpreted() and torch.cuda.is_available():
-            raise ValueError(f"K3LAB_MLA_AFTER_CONFIG={env_cfg!r}: 64-row tiles in one stage hit an illegal memory "
-                             "access on the H200 (round 4, profiles/nvidia-h200/mla_padding/traces/round4_result.json)")
-        return LaunchConfig(bn, warps, stages)
+    measured = _measured_after_config(rows, block_n, num_warps, num_stages)
+    if measured is not None:
+        if (measured.block_n, measured.num_stages) == (64, 1) and kernel == "split" and not env.triton_interpreted() \
+                and torch.cuda.is_available():
+            raise ValueError(f"K3LAB_MLA_AFTER_CONFIG={os.environ['K3LAB_MLA_AFTER_CONFIG']!r}: 64-row tiles in one "
+                             "stage hit an illegal memory access on the H200 (round 4, "
+                             "profiles/nvidia-h200/mla_padding/traces/round4_result.json)")
+        return measured
     if kernel == "bulk":
         # 64-row tiles (both products on wgmma), one copy buffer: ~110 KB of shared memory, so two
         # programs share an SM and one computes while the other waits for its tile (Triton issues a
@@ -1440,13 +1449,10 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
             if asked:
                 raise
             # inputs outside the CUDA kernel (cuda_after_status(q, cache, ...) names why): Triton runs
-    # the tile rows the launch will use, for the bulk kernel's check: block_n, or a measured one-token
-    # configuration (K3LAB_MLA_AFTER_CONFIG), else the kernel's default
-    status_bn = block_n
-    if status_bn is None and os.environ.get("K3LAB_MLA_AFTER_CONFIG") and rows == MMA_ROWS and num_warps is None \
-            and num_stages is None:
-        status_bn = launch_config("after", q.dtype, rows=rows, kernel="bulk").block_n
-    kernel = _after_kernel(kernel, inp, status_bn)
+    # the bulk kernel is checked against the tile rows the launch will use: block_n, or a measured
+    # one-token configuration (K3LAB_MLA_AFTER_CONFIG), else the kernel's default
+    measured = _measured_after_config(rows, block_n, num_warps, num_stages)
+    kernel = _after_kernel(kernel, inp, block_n or (measured.block_n if measured else None))
     kw["kernel"] = kernel
     if bulk_options is not None:
         if kernel != "bulk":

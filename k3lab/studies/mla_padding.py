@@ -721,15 +721,13 @@ def arithmetic_per_tile(device: str = "nvidia-h200", path=None, key: str = "wgmm
     rows = run.get("rows", {})
     try:
         a, b = rows[short]["forms"][key], rows[long]["forms"][key]
+        nbytes = {short: rows[short]["bytes"], long: rows[long]["bytes"]}
     except (KeyError, TypeError):
-        raise ValueError(f"{path} has no {key!r} times for {short!r} and {long!r}") from None
+        raise ValueError(f"{path} has no {key!r} times and bytes for {short!r} and {long!r}") from None
     if a["splits"] != b["splits"]:
         raise ValueError(f"{path}: {short} and {long} ran with different piece counts ({a['splits']}, {b['splits']})")
-    ctx = {"ctx32k": 32768, "ctx128k": 131072}
-    if short not in ctx or long not in ctx:
-        raise ValueError(f"short and long must be among {sorted(ctx)}, got {short!r}, {long!r}")
-    tile_rows, tile_bytes = 64, 64 * mla.LATENT_DIM * 2  # bf16
-    tiles = {c: ctx[c] // a["splits"] // tile_rows for c in (short, long)}
+    tile_bytes = 64 * mla.LATENT_DIM * 2  # 64 rows of bf16
+    tiles = {c: n / a["splits"] / tile_bytes for c, n in nbytes.items()}  # per piece
     arith = (b["us"] - a["us"]) / (tiles[long] - tiles[short])
     dram = tile_bytes * a["splits"] / (run["copy_bandwidth_tbs"] * 1e12) * 1e6
     return pd.DataFrame([{"commit": run["commit"], "pieces": a["splits"], "arithmetic_us_per_tile": arith,

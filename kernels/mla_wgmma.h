@@ -106,14 +106,13 @@
 #ifndef K3_MLA_WG_COMPUTE_ONLY
 #define K3_MLA_WG_COMPUTE_ONLY 0
 #endif
-// Experiment (-DK3_MLA_WG_EARLY_REFILL=1): a stage refilled box by box as it frees up: the rope box once
-// the scores are done, the first four value boxes once their half of the value product is done. Built
-// (155 registers, no spills) but NOT YET RUN ON A GPU: the ninth session's device time ran out. Its test
-// is one call: build it as .cache/variants/er.so (nvcc line in scripts/build_mla_variants.sh, with this
-// flag) and run WG_VARIANTS=early-refill:.cache/variants/er.so python3 scripts/device_mla_wgmma.py (the
-// variant is checked on four shapes before it is timed).
-#ifndef K3_MLA_WG_EARLY_REFILL
-#define K3_MLA_WG_EARLY_REFILL 0
+// Experiment (-DK3_MLA_WG_ROPE_REGS=1): the 64 rope columns of each tile do not go through shared memory.
+// Each thread loads its two rows' rope (2 x 32 bytes) straight into registers two tiles ahead, and their
+// scores are one m16n8k16 mma.sync per k-step beside the latent wgmma. A tile in shared memory is then 64 KB,
+// not 72 KB, and three stages fit (192 KB + 16 KB of Q^T) where two did: during a tile's arithmetic two
+// tiles stream instead of one. NOT YET RUN ON A GPU.
+#ifndef K3_MLA_WG_ROPE_REGS
+#define K3_MLA_WG_ROPE_REGS 0
 #endif
 
 
@@ -122,11 +121,11 @@ namespace k3mla {
 
 constexpr int WG_BN = 64;                         // positions per tile
 constexpr int WG_BOX = 64 * 128;                  // one TMA box: 64 rows x 64 bf16 columns = 8 KB
-constexpr int WG_BOXES = D / 64;                  // 9 boxes per tile
-constexpr int WG_STAGE = WG_BOXES * WG_BOX;       // 73,728 bytes
-constexpr int WG_STAGES = 2;
+constexpr int WG_BOXES = (K3_MLA_WG_ROPE_REGS ? DV : D) / 64;  // boxes per tile through shared memory: 9 (8)
+constexpr int WG_STAGE = WG_BOXES * WG_BOX;       // 73,728 bytes (65,536)
+constexpr int WG_STAGES = K3_MLA_WG_ROPE_REGS ? 3 : 2;
 constexpr int WG_QBOX = ROWS * 128;               // Q^T box: 16 heads x 64 columns = 2 KB
-constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes
+constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes (16,384)
 constexpr int WG_P = ROWS * 128;                  // P: 16 heads x 64 positions (bf16), one swizzled 128 B row each
 constexpr int WG_RED = 3 * 4 * ROWS * 4;          // two max exchanges and one sum exchange: [4 warps][16 heads] fp32
 constexpr int WG_OPITCH = DV + 4;               // the finished piece staged in shared memory: [16 heads][516] fp32
@@ -236,6 +235,58 @@ K3_DEVICE void wg_store_p(float (&p)[8], const float (&s)[8], const float (&m)[4
                  : "memory");
   }
 }
+#if K3_MLA_WG_ROPE_REGS
+// A thread's share of one tile's rope (K3_MLA_WG_ROPE_REGS): rows q0 = 16 warp + g (w0) and q0 + 8 (w1)
+// of the tile, columns 512 + 8 t4 .. +8 (words 0-3) and 544 + 8 t4 .. +8 (words 4-7), so that each
+// 16-byte load of a warp covers whole 32-byte sectors. A dot product does not care which k-slot of the
+// mma holds which column as long as the query's fragment (wg_rope_q) uses the same assignment: k-step ks
+// takes words 2 ks (k-slots 2 t4, 2 t4 + 1) and 2 ks + 1 (k-slots 2 t4 + 8, 2 t4 + 9).
+struct WgRope {
+  uint32_t w0[8], w1[8];
+};
+
+K3_DEVICE void wg_ld16(uint32_t* w, const k3_bf16* p, bool valid) {
+  if (valid)
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "l"(p));
+  else
+    w[0] = w[1] = w[2] = w[3] = 0u;
+}
+
+// The rope of the tile at position pos0, whose first row (of the tensor map's rows) is `row`: positions
+// at or past `end` read as zeros (never from memory: a contiguous cache may end there).
+K3_DEVICE void wg_rope_load(WgRope& k, const Args& a, int row, int pos0, int end, int q0, int t4) {
+  const k3_bf16* p = a.kv + (long long)(row + q0) * D + DV + 8 * t4;
+  const bool in0 = pos0 + q0 < end, in1 = pos0 + q0 + 8 < end;
+  wg_ld16(k.w0, p, in0);
+  wg_ld16(k.w0 + 4, p + 32, in0);
+  wg_ld16(k.w1, p + 8 * D, in1);
+  wg_ld16(k.w1 + 4, p + 8 * D + 32, in1);
+}
+
+// The queries' rope in the same assignment, as the mma's B fragments: head 8 nb + g (zeros past a.heads).
+K3_DEVICE void wg_rope_q(uint32_t (&qr)[2][8], const Args& a, int b, int g, int t4) {
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb) {
+    const int h = 8 * nb + g;
+    const k3_bf16* p = a.q + (long long)b * a.q_sb + (long long)min(h, a.heads - 1) * a.q_sh + DV + 8 * t4;
+    wg_ld16(qr[nb], p, h < a.heads);
+    wg_ld16(qr[nb] + 4, p + 32, h < a.heads);
+  }
+}
+
+// The rope's scores r[nb][e]: rows q0 (e = 0, 1) and q0 + 8 (e = 2, 3) x heads 8 nb + 2 t4 + (e & 1),
+// which is where the wgmma accumulator holds the same scores (s[4 nb + e]).
+K3_DEVICE void wg_rope_scores(float (&r)[2][4], const WgRope& k, const uint32_t (&qr)[2][8]) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    const uint32_t f[4] = {k.w0[2 * ks], k.w1[2 * ks], k.w0[2 * ks + 1], k.w1[2 * ks + 1]};
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) k3mma::mma_bf16(r[nb], f, qr[nb][2 * ks], qr[nb][2 * ks + 1]);
+  }
+}
+#endif
 #endif
 
 __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_constant__ CUtensorMap map,
@@ -267,6 +318,15 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i)
       wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
+#if K3_MLA_WG_ROPE_REGS
+  // the rope of tiles 0 and 1 into registers (kA holds even tiles, kB odd ones; each is reloaded two
+  // tiles ahead as soon as its scores are issued)
+  uint32_t qr[2][8];
+  wg_rope_q(qr, a, b, g, t4);
+  WgRope kA = {}, kB = {};
+  if (ntiles > 0) wg_rope_load(kA, a, wg_row(a, b, start), start, end, 16 * warp + g, t4);
+  if (ntiles > 1) wg_rope_load(kB, a, wg_row(a, b, start + WG_BN), start + WG_BN, end, 16 * warp + g, t4);
+#endif
   // thread 0 (probe): cycles from its start until the first tiles were requested
   const long long issue_cycles = a.probe != nullptr ? clock64() - c_start : 0;
   __syncthreads();  // the barriers are initialised before anyone waits on them
@@ -286,6 +346,10 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     const uint32_t stage = stages + st * WG_STAGE;
     // the row of the tile that will refill this stage, read now: its latency hides behind this tile
     const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
+#if K3_MLA_WG_ROPE_REGS
+    const int rope_pos = K3_MLA_WG_COMPUTE_ONLY ? start : start + (j + 2) * WG_BN;  // tile j + 2's rope
+    const int rope_row = j + 2 < ntiles ? wg_row(a, b, rope_pos) : 0;
+#endif
     const long long c0 = a.probe != nullptr ? clock64() : 0;
     if (!K3_MLA_WG_COMPUTE_ONLY || j == 0) mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
     if (a.probe != nullptr) {  // thread 0's clock cycles waiting for tiles after the first
@@ -305,6 +369,12 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       __syncthreads();
     }
     if (K3_MLA_WG_DATA_ONLY) {
+#if K3_MLA_WG_ROPE_REGS
+      if (j + 2 < ntiles) {
+        if (j & 1) wg_rope_load(kB, a, rope_row, rope_pos, end, 16 * warp + g, t4);
+        else wg_rope_load(kA, a, rope_row, rope_pos, end, 16 * warp + g, t4);
+      }
+#endif
       __syncthreads();
       if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(a, &map, refill_row, stage, bars + 8 * st);
       continue;
@@ -318,14 +388,29 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       for (int e = 0; e < 8; ++e) s4[c][e] = 0.f;
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
+    for (int kk = 0; kk < 4 * WG_BOXES; ++kk)
       wg_mma<0>(s4[kk & 3], wg_desc(stage + (kk >> 2) * WG_BOX + (kk & 3) * 32, 16, 1024),
                 wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024), kk >= 4);
     wg_commit();
+#if K3_MLA_WG_ROPE_REGS
+    // the rope's scores on the mma.sync path while the wgmma run; then this buffer takes tile j + 2's
+    // rope (a branch, not a select, so that only this buffer's loads are waited for)
+    float r[2][4] = {};
+    if (j & 1) wg_rope_scores(r, kB, qr);
+    else wg_rope_scores(r, kA, qr);
+    if (j + 2 < ntiles) {
+      if (j & 1) wg_rope_load(kB, a, rope_row, rope_pos, end, 16 * warp + g, t4);
+      else wg_rope_load(kA, a, rope_row, rope_pos, end, 16 * warp + g, t4);
+    }
+#endif
     wg_wait_all();
     float s[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) s[e] = (s4[0][e] + s4[1][e]) + (s4[2][e] + s4[3][e]);
+#if K3_MLA_WG_ROPE_REGS
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s[e] += r[e >> 2][e & 3];
+#endif
     // this thread's rows: positions q0 = 16 warp + g and q0 + 8 of the tile; s[4 jn + e]: row q0, s[4 jn + 2 + e]: row q0 + 8
     const int q0 = 16 * warp + g;
     const bool in0 = q0 < valid, in1 = q0 + 8 < valid;
@@ -386,32 +471,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     }
     // O^T += V^T P^T: value columns in 8 boxes of 64 (M-major A), positions in 4 k-steps of 16 rows
     wg_fence();
-#if K3_MLA_WG_EARLY_REFILL
-    const bool refill = tid == 0 && j + WG_STAGES < ntiles;
-    if (refill) {  // every warp passed the score product's wait and a block barrier: the rope box is free
-      mbar_expect_tx(bars + 8 * st, (uint32_t)WG_STAGE);
-      tma_box(stage + 8 * WG_BOX, &map, 64 * 8, refill_row, bars + 8 * st);
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // two groups: value boxes 0-3, then 4-7
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-        for (int mb = 4 * half; mb < 4 * half + 4; ++mb)
-          wg_mma<1>(o[mb], wg_desc(stage + mb * WG_BOX + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);
-      wg_commit();
-    }
-    wg_wait_one();
-    __syncthreads();  // every warp is done with value boxes 0-3
-    if (refill)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) tma_box(stage + i * WG_BOX, &map, 64 * i, refill_row, bars + 8 * st);
-    wg_wait_all();
-    __syncthreads();  // ... and with boxes 4-7 and P
-    if (refill)
-#pragma unroll
-      for (int i = 4; i < 8; ++i) tma_box(stage + i * WG_BOX, &map, 64 * i, refill_row, bars + 8 * st);
-#else
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)  // k-steps outside: consecutive wgmma update different accumulators
 #pragma unroll
@@ -422,7 +481,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
     if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY)
       wg_issue(a, &map, refill_row, stage, bars + 8 * st);
-#endif
   }
 
   const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;

@@ -114,6 +114,14 @@
 #ifndef K3_MLA_WG_ROPE_REGS
 #define K3_MLA_WG_ROPE_REGS 0
 #endif
+// ... how many tiles ahead each thread loads its rope (2 or 3 register buffers), and whether thread 0
+// also asks L2 for the rope box of the tile that refills a stage (cp.async.bulk.prefetch, no shared memory).
+#ifndef K3_MLA_WG_ROPE_LEAD
+#define K3_MLA_WG_ROPE_LEAD 2
+#endif
+#ifndef K3_MLA_WG_ROPE_PREFETCH
+#define K3_MLA_WG_ROPE_PREFETCH 0
+#endif
 
 
 
@@ -254,6 +262,11 @@ K3_DEVICE void wg_ld16(uint32_t* w, const k3_bf16* p, bool valid) {
     w[0] = w[1] = w[2] = w[3] = 0u;
 }
 
+// Thread 0: the box at (col, row) of `map` into L2 only (no shared memory, nothing to wait for).
+K3_DEVICE void tma_prefetch_box(const void* map, int col, int row) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(map), "r"(col), "r"(row) : "memory");
+}
+
 // The rope of the tile at position pos0, whose first row (of the tensor map's rows) is `row`: positions
 // at or past `end` read as zeros (never from memory: a contiguous cache may end there).
 K3_DEVICE void wg_rope_load(WgRope& k, const Args& a, int row, int pos0, int end, int q0, int t4) {
@@ -319,13 +332,26 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
 #if K3_MLA_WG_ROPE_REGS
-  // the rope of tiles 0 and 1 into registers (kA holds even tiles, kB odd ones; each is reloaded two
+  // the rope of the first K3_MLA_WG_ROPE_LEAD tiles into registers (buffer j % LEAD holds tile j's; each
+  // is reloaded LEAD tiles ahead as soon as its scores are issued)
   // tiles ahead as soon as its scores are issued)
   uint32_t qr[2][8];
   wg_rope_q(qr, a, b, g, t4);
-  WgRope kA = {}, kB = {};
-  if (ntiles > 0) wg_rope_load(kA, a, wg_row(a, b, start), start, end, 16 * warp + g, t4);
-  if (ntiles > 1) wg_rope_load(kB, a, wg_row(a, b, start + WG_BN), start + WG_BN, end, 16 * warp + g, t4);
+  constexpr int LEAD = K3_MLA_WG_ROPE_LEAD;
+  static_assert(LEAD == 2 || LEAD == 3, "K3_MLA_WG_ROPE_LEAD is 2 or 3");
+  WgRope k0 = {}, k1 = {}, k2 = {};
+  // f on buffer i, by branches (not a select, so that only that buffer's loads are waited for)
+  auto rope_buf = [&](int i, auto&& f) {
+    if (i == 0) f(k0);
+    else if (LEAD == 2 || i == 1) f(k1);
+    else f(k2);
+  };
+  for (int i = 0; i < LEAD && i < ntiles; ++i)
+    rope_buf(i, [&](WgRope& k) { wg_rope_load(k, a, wg_row(a, b, start + i * WG_BN), start + i * WG_BN, end, 16 * warp + g, t4); });
+#if K3_MLA_WG_ROPE_PREFETCH
+  if (tid == 0)
+    for (int i = LEAD; i < WG_STAGES && i < ntiles; ++i) tma_prefetch_box(&map, DV, wg_row(a, b, start + i * WG_BN));
+#endif
 #endif
   // thread 0 (probe): cycles from its start until the first tiles were requested
   const long long issue_cycles = a.probe != nullptr ? clock64() - c_start : 0;
@@ -347,8 +373,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     // the row of the tile that will refill this stage, read now: its latency hides behind this tile
     const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
 #if K3_MLA_WG_ROPE_REGS
-    const int rope_pos = K3_MLA_WG_COMPUTE_ONLY ? start : start + (j + 2) * WG_BN;  // tile j + 2's rope
-    const int rope_row = j + 2 < ntiles ? wg_row(a, b, rope_pos) : 0;
+    const int rope_pos = K3_MLA_WG_COMPUTE_ONLY ? start : start + (j + LEAD) * WG_BN;  // tile j + LEAD's rope
+    const int rope_row = j + LEAD < ntiles ? wg_row(a, b, rope_pos) : 0;
 #endif
     const long long c0 = a.probe != nullptr ? clock64() : 0;
     if (!K3_MLA_WG_COMPUTE_ONLY || j == 0) mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
@@ -370,10 +396,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     }
     if (K3_MLA_WG_DATA_ONLY) {
 #if K3_MLA_WG_ROPE_REGS
-      if (j + 2 < ntiles) {
-        if (j & 1) wg_rope_load(kB, a, rope_row, rope_pos, end, 16 * warp + g, t4);
-        else wg_rope_load(kA, a, rope_row, rope_pos, end, 16 * warp + g, t4);
-      }
+      if (j + LEAD < ntiles) rope_buf(j % LEAD, [&](WgRope& k) { wg_rope_load(k, a, rope_row, rope_pos, end, 16 * warp + g, t4); });
 #endif
       __syncthreads();
       if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(a, &map, refill_row, stage, bars + 8 * st);
@@ -393,15 +416,12 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
                 wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024), kk >= 4);
     wg_commit();
 #if K3_MLA_WG_ROPE_REGS
-    // the rope's scores on the mma.sync path while the wgmma run; then this buffer takes tile j + 2's
-    // rope (a branch, not a select, so that only this buffer's loads are waited for)
+    // the rope's scores on the mma.sync path while the wgmma run; then this buffer takes tile j + LEAD's
     float r[2][4] = {};
-    if (j & 1) wg_rope_scores(r, kB, qr);
-    else wg_rope_scores(r, kA, qr);
-    if (j + 2 < ntiles) {
-      if (j & 1) wg_rope_load(kB, a, rope_row, rope_pos, end, 16 * warp + g, t4);
-      else wg_rope_load(kA, a, rope_row, rope_pos, end, 16 * warp + g, t4);
-    }
+    rope_buf(j % LEAD, [&](WgRope& k) {
+      wg_rope_scores(r, k, qr);
+      if (j + LEAD < ntiles) wg_rope_load(k, a, rope_row, rope_pos, end, 16 * warp + g, t4);
+    });
 #endif
     wg_wait_all();
     float s[8];
@@ -479,8 +499,12 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_commit();
     wg_wait_all();
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
-    if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY)
+    if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY) {
       wg_issue(a, &map, refill_row, stage, bars + 8 * st);
+#if K3_MLA_WG_ROPE_REGS && K3_MLA_WG_ROPE_PREFETCH
+      if (LEAD < WG_STAGES) tma_prefetch_box(&map, DV, refill_row);  // that tile's rope, into L2 only
+#endif
+    }
   }
 
   const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;

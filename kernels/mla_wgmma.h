@@ -122,6 +122,10 @@
 #ifndef K3_MLA_WG_ROPE_PREFETCH
 #define K3_MLA_WG_ROPE_PREFETCH 0
 #endif
+// Diagnostics only: 1 = no rope loads (zeros), 2 = every tile loads the first tile's rope (cache hits).
+#ifndef K3_MLA_WG_ROPE_DIAG
+#define K3_MLA_WG_ROPE_DIAG 0
+#endif
 
 
 
@@ -270,6 +274,7 @@ K3_DEVICE void tma_prefetch_box(const void* map, int col, int row) {
 // The rope of the tile at position pos0, whose first row (of the tensor map's rows) is `row`: positions
 // at or past `end` read as zeros (never from memory: a contiguous cache may end there).
 K3_DEVICE void wg_rope_load(WgRope& k, const Args& a, int row, int pos0, int end, int q0, int t4) {
+  if (K3_MLA_WG_ROPE_DIAG == 1) return;
   const k3_bf16* p = a.kv + (long long)(row + q0) * D + DV + 8 * t4;
   const bool in0 = pos0 + q0 < end, in1 = pos0 + q0 + 8 < end;
   wg_ld16(k.w0, p, in0);
@@ -373,7 +378,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     // the row of the tile that will refill this stage, read now: its latency hides behind this tile
     const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
 #if K3_MLA_WG_ROPE_REGS
-    const int rope_pos = K3_MLA_WG_COMPUTE_ONLY ? start : start + (j + LEAD) * WG_BN;  // tile j + LEAD's rope
+    const int rope_pos = K3_MLA_WG_COMPUTE_ONLY || K3_MLA_WG_ROPE_DIAG == 2 ? start : start + (j + LEAD) * WG_BN;  // tile j + LEAD's rope
     const int rope_row = j + LEAD < ntiles ? wg_row(a, b, rope_pos) : 0;
 #endif
     const long long c0 = a.probe != nullptr ? clock64() : 0;

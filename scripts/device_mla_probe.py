@@ -6,7 +6,11 @@ end) and thread 0's cycles in tile waits and barriers (form 'wgmma': sync_cyc is
 first tiles were requested), from the probe; the merge's window; and, for
 scale, a plain read of the same cache bytes by torch (sum over a bf16 view). Writes
 $OUT/mla_probe.json.   OUT=dir [FORMS=team,split,wgmma] python3 scripts/device_mla_probe.py
+Other builds of kernels/mla_decode.cu (each with its own -Dk3mla=... namespace) are probed as form
+'wgmma-<label>' when given as WG_VARIANTS=label:path,... (as in scripts/device_mla_wgmma.py); CASES picks
+among ctx32k, ctx128k.
 """
+import ctypes
 import json
 import os
 import statistics as stt
@@ -19,9 +23,20 @@ from k3lab.studies import mla_padding as st
 
 out = os.environ.get("OUT", "build/device")
 os.makedirs(out, exist_ok=True)
+builds = {}
+for item in filter(None, os.environ.get("WG_VARIANTS", "").split(",")):
+    label, path = item.split(":", 1)
+    formula, lib = mc.wg_smem_bytes, ctypes.CDLL(path)
+    mc.wg_smem_bytes = lambda lib=lib: lib.k3_mla_wg_smem()  # a variant may size its shared memory differently
+    builds[f"wgmma-{label}"] = mc.bind(lib)
+    mc.wg_smem_bytes = formula
+real_library = mc._library
+cases = os.environ.get("CASES", "ctx32k,ctx128k").split(",")
 res = {}
-for form, name, ctx in [(f, n, c) for f in os.environ.get("FORMS", "split").split(",")
-                        for n, c in (("ctx32k", 32768), ("ctx128k", 131072))]:
+for spec, name, ctx in [(f, n, c) for f in os.environ.get("FORMS", "split").split(",") + list(builds)
+                        for n, c in (("ctx32k", 32768), ("ctx128k", 131072)) if n in cases]:
+    mc._library = (lambda lib=builds[spec]: lib) if spec in builds else real_library
+    form = "wgmma" if spec in builds else spec
     case = st.Case(name, 1, ctx)
     # as the study times it: input sets in rotation (cold cache bytes), and the probed runs after an L2 flush
     sets = [st._make_set(case, 12, torch.bfloat16, seed=5 + i) for i in range(bench.rotation_count(st.cache_bytes(case, torch.bfloat16)))]
@@ -54,9 +69,9 @@ for form, name, ctx in [(f, n, c) for f in os.environ.get("FORMS", "split").spli
                      "tiles": bl[0]["tiles"], "sms": len({b["sm"] for b in bl}),
                      "merge_start": min(m["start"] for m in tl["merge"]) if tl["merge"] else None,
                      "merge_end": max(m["end"] for m in tl["merge"]) if tl["merge"] else None})
-    res[f"{form}.{name}"] = {"graph_us": t_plain, "graph_probe_us": t_probe, "torch_sum_read_us": t_read, "bytes": nbytes,
+    res[f"{spec}.{name}"] = {"graph_us": t_plain, "graph_probe_us": t_probe, "torch_sum_read_us": t_read, "bytes": nbytes,
                  "splits": p0.num_splits, "chunk": p0.chunk, "summaries": summ, "last_timeline": runs[-1]}
-    print(f"{form} {name}: graph {t_plain:.2f} us rotated (probe {t_probe:.2f} warm), torch sum read {t_read:.2f} us "
+    print(f"{spec} {name}: graph {t_plain:.2f} us rotated (probe {t_probe:.2f} warm), torch sum read {t_read:.2f} us "
           f"({nbytes / t_read / 1e6:.2f} TB/s), splits {p0.num_splits}")
     for x in summ[-3:]:
         print("  " + "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in x.items()))

@@ -106,25 +106,13 @@
 #ifndef K3_MLA_WG_COMPUTE_ONLY
 #define K3_MLA_WG_COMPUTE_ONLY 0
 #endif
-// Experiment (-DK3_MLA_WG_ROPE_REGS=1): the 64 rope columns of each tile do not go through shared memory.
-// Each thread loads its two rows' rope (2 x 32 bytes) straight into registers two tiles ahead, and their
-// scores are one m16n8k16 mma.sync per k-step beside the latent wgmma. A tile in shared memory is then 64 KB,
-// not 72 KB, and three stages fit (192 KB + 16 KB of Q^T) where two did: during a tile's arithmetic two
-// tiles stream instead of one. NOT YET RUN ON A GPU.
-#ifndef K3_MLA_WG_ROPE_REGS
-#define K3_MLA_WG_ROPE_REGS 0
-#endif
-// ... how many tiles ahead each thread loads its rope (2 or 3 register buffers), and whether thread 0
-// also asks L2 for the rope box of the tile that refills a stage (cp.async.bulk.prefetch, no shared memory).
-#ifndef K3_MLA_WG_ROPE_LEAD
-#define K3_MLA_WG_ROPE_LEAD 2
-#endif
-#ifndef K3_MLA_WG_ROPE_PREFETCH
-#define K3_MLA_WG_ROPE_PREFETCH 0
-#endif
-// Diagnostics only: 1 = no rope loads (zeros), 2 = every tile loads the first tile's rope (cache hits).
-#ifndef K3_MLA_WG_ROPE_DIAG
-#define K3_MLA_WG_ROPE_DIAG 0
+// Experiment (-DK3_MLA_WG_RING3=1): three stages of a tile's 8 value boxes (64 KB each) and a separate ring
+// of two rope boxes (8 KB each), where two 72 KB stages were: during a tile's arithmetic two tiles stream
+// instead of one. It fits in 227 KB only because P and the max exchange live in the current tile's rope
+// slot once its scores are done, and because the dynamic shared memory starts 1024-byte aligned (checked:
+// the kernel traps if it does not). NOT YET RUN ON A GPU.
+#ifndef K3_MLA_WG_RING3
+#define K3_MLA_WG_RING3 0
 #endif
 
 
@@ -133,15 +121,23 @@ namespace k3mla {
 
 constexpr int WG_BN = 64;                         // positions per tile
 constexpr int WG_BOX = 64 * 128;                  // one TMA box: 64 rows x 64 bf16 columns = 8 KB
-constexpr int WG_BOXES = (K3_MLA_WG_ROPE_REGS ? DV : D) / 64;  // boxes per tile through shared memory: 9 (8)
-constexpr int WG_STAGE = WG_BOXES * WG_BOX;       // 73,728 bytes (65,536)
-constexpr int WG_STAGES = K3_MLA_WG_ROPE_REGS ? 3 : 2;
+constexpr int WG_BOXES = D / 64;                  // 9 boxes per tile
+constexpr int WG_SBOXES = K3_MLA_WG_RING3 ? 8 : 9;  // boxes per stage (RING3: the rope box has its own ring)
+constexpr int WG_STAGE = WG_SBOXES * WG_BOX;      // 73,728 bytes (RING3: 65,536)
+constexpr int WG_STAGES = K3_MLA_WG_RING3 ? 3 : 2;
+constexpr int WG_ROPES = K3_MLA_WG_RING3 ? 2 : 0;  // rope slots (RING3)
 constexpr int WG_QBOX = ROWS * 128;               // Q^T box: 16 heads x 64 columns = 2 KB
-constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes (16,384)
+constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes
 constexpr int WG_P = ROWS * 128;                  // P: 16 heads x 64 positions (bf16), one swizzled 128 B row each
 constexpr int WG_RED = 3 * 4 * ROWS * 4;          // two max exchanges and one sum exchange: [4 warps][16 heads] fp32
 constexpr int WG_OPITCH = DV + 4;               // the finished piece staged in shared memory: [16 heads][516] fp32
-constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + (WG_STAGES + 1) * 8; }
+constexpr int WG_BARS = WG_STAGES + WG_ROPES + 1;  // an mbarrier per stage, per rope slot, and Q's
+constexpr int wg_smem_bytes() {
+  return K3_MLA_WG_RING3 ? WG_STAGES * WG_STAGE + WG_ROPES * WG_BOX + WG_Q + WG_BARS * 8
+                         : 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + WG_BARS * 8;
+}
+static_assert(wg_smem_bytes() <= 232448, "more shared memory than an H100 / H200 block may have");
+static_assert(!K3_MLA_WG_RING3 || WG_P + 2 * 4 * ROWS * 4 <= WG_BOX, "P and the exchanges fit in a rope slot");
 static_assert(ROWS * WG_OPITCH * 4 <= WG_STAGES * WG_STAGE, "the piece is staged in the free ring");
 
 #if defined(K3_MLA_SM90)
@@ -185,9 +181,9 @@ K3_DEVICE void tma_box(uint32_t dst, const void* map, int col, int row, uint32_t
 // data-only build), the boxes do not.
 K3_DEVICE void wg_start(const void* map, const void* qmap, uint32_t bars, uint32_t qs, int b) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
-  for (int s = 0; s <= WG_STAGES; ++s) mbar_init(bars + 8 * s, 1);
+  for (int s = 0; s < WG_BARS; ++s) mbar_init(bars + 8 * s, 1);
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  const uint32_t qbar = bars + 8 * WG_STAGES;
+  const uint32_t qbar = bars + 8 * (WG_STAGES + WG_ROPES);
   mbar_expect_tx(qbar, (uint32_t)WG_Q);
 #pragma unroll
   for (int i = 0; i < WG_BOXES; ++i)
@@ -216,8 +212,14 @@ K3_DEVICE void wg_issue(const Args& a, const void* map, int row, uint32_t stage,
   bulk_copy(stage, a.kv + (long long)row * D, (uint32_t)WG_STAGE, bar);
 #else
 #pragma unroll
-  for (int i = 0; i < WG_BOXES; ++i) tma_box(stage + i * WG_BOX, map, 64 * i, row, bar);
+  for (int i = 0; i < WG_SBOXES; ++i) tma_box(stage + i * WG_BOX, map, 64 * i, row, bar);
 #endif
+}
+
+// Thread 0 (RING3): the rope box of the tile at row `row` into a rope slot, completing on `bar`.
+K3_DEVICE void wg_issue_rope(const void* map, int row, uint32_t slot, uint32_t bar) {
+  mbar_expect_tx(bar, (uint32_t)WG_BOX);
+  tma_box(slot, map, DV, row, bar);
 }
 
 // The thread's heads in the accumulator layout (columns of S^T and O^T): 8 jn + 2 t4 + e, index 2 jn + e.
@@ -247,77 +249,25 @@ K3_DEVICE void wg_store_p(float (&p)[8], const float (&s)[8], const float (&m)[4
                  : "memory");
   }
 }
-#if K3_MLA_WG_ROPE_REGS
-// A thread's share of one tile's rope (K3_MLA_WG_ROPE_REGS): rows q0 = 16 warp + g (w0) and q0 + 8 (w1)
-// of the tile, columns 512 + 8 t4 .. +8 (words 0-3) and 544 + 8 t4 .. +8 (words 4-7), so that each
-// 16-byte load of a warp covers whole 32-byte sectors. A dot product does not care which k-slot of the
-// mma holds which column as long as the query's fragment (wg_rope_q) uses the same assignment: k-step ks
-// takes words 2 ks (k-slots 2 t4, 2 t4 + 1) and 2 ks + 1 (k-slots 2 t4 + 8, 2 t4 + 9).
-struct WgRope {
-  uint32_t w0[8], w1[8];
-};
-
-K3_DEVICE void wg_ld16(uint32_t* w, const k3_bf16* p, bool valid) {
-  if (valid)
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                 : "l"(p));
-  else
-    w[0] = w[1] = w[2] = w[3] = 0u;
-}
-
-// Thread 0: the box at (col, row) of `map` into L2 only (no shared memory, nothing to wait for).
-K3_DEVICE void tma_prefetch_box(const void* map, int col, int row) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(map), "r"(col), "r"(row) : "memory");
-}
-
-// The rope of the tile at position pos0, whose first row (of the tensor map's rows) is `row`: positions
-// at or past `end` read as zeros (never from memory: a contiguous cache may end there).
-K3_DEVICE void wg_rope_load(WgRope& k, const Args& a, int row, int pos0, int end, int q0, int t4) {
-  if (K3_MLA_WG_ROPE_DIAG == 1) return;
-  const k3_bf16* p = a.kv + (long long)(row + q0) * D + DV + 8 * t4;
-  const bool in0 = pos0 + q0 < end, in1 = pos0 + q0 + 8 < end;
-  wg_ld16(k.w0, p, in0);
-  wg_ld16(k.w0 + 4, p + 32, in0);
-  wg_ld16(k.w1, p + 8 * D, in1);
-  wg_ld16(k.w1 + 4, p + 8 * D + 32, in1);
-}
-
-// The queries' rope in the same assignment, as the mma's B fragments: head 8 nb + g (zeros past a.heads).
-K3_DEVICE void wg_rope_q(uint32_t (&qr)[2][8], const Args& a, int b, int g, int t4) {
-#pragma unroll
-  for (int nb = 0; nb < 2; ++nb) {
-    const int h = 8 * nb + g;
-    const k3_bf16* p = a.q + (long long)b * a.q_sb + (long long)min(h, a.heads - 1) * a.q_sh + DV + 8 * t4;
-    wg_ld16(qr[nb], p, h < a.heads);
-    wg_ld16(qr[nb] + 4, p + 32, h < a.heads);
-  }
-}
-
-// The rope's scores r[nb][e]: rows q0 (e = 0, 1) and q0 + 8 (e = 2, 3) x heads 8 nb + 2 t4 + (e & 1),
-// which is where the wgmma accumulator holds the same scores (s[4 nb + e]).
-K3_DEVICE void wg_rope_scores(float (&r)[2][4], const WgRope& k, const uint32_t (&qr)[2][8]) {
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-    const uint32_t f[4] = {k.w0[2 * ks], k.w1[2 * ks], k.w0[2 * ks + 1], k.w1[2 * ks + 1]};
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb) k3mma::mma_bf16(r[nb], f, qr[nb][2 * ks], qr[nb][2 * ks + 1]);
-  }
-}
-#endif
 #endif
 
 __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_constant__ CUtensorMap map,
                                                    const __grid_constant__ CUtensorMap qmap) {
-  extern __shared__ unsigned char wg_raw[];
+  extern __shared__ __align__(1024) unsigned char wg_raw[];
 #if defined(K3_MLA_SM90)
   // 1024-byte aligned base: the 128-byte swizzle pattern is a function of the address bits
   const uint32_t raw = smem_u32(wg_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* gbase = wg_raw + (base - raw);
-  const uint32_t stages = base, qs = base + WG_STAGES * WG_STAGE, ps = qs + WG_Q;
-  float* red = reinterpret_cast<float*>(gbase + WG_STAGES * WG_STAGE + WG_Q + WG_P);  // [3][4][16]
-  const uint32_t bars = ps + WG_P + WG_RED;
+#if K3_MLA_WG_RING3
+  if (raw != base) __trap();  // no room for alignment slack (see K3_MLA_WG_RING3)
+  const uint32_t stages = base, ropes = base + WG_STAGES * WG_STAGE, qs = ropes + WG_ROPES * WG_BOX;
+  const uint32_t bars = qs + WG_Q;
+#else
+  const uint32_t stages = base, qs = base + WG_STAGES * WG_STAGE, ps0 = qs + WG_Q;
+  float* red0 = reinterpret_cast<float*>(gbase + WG_STAGES * WG_STAGE + WG_Q + WG_P);  // [3][4][16]
+  const uint32_t bars = ps0 + WG_P + WG_RED;
+#endif
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   launch_dependents();  // the merge may launch now; it waits for this grid
@@ -327,37 +277,20 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   const long long c_start = a.probe != nullptr ? clock64() : 0;
 
   const int start = split * a.chunk;
-  const uint32_t qbar = bars + 8 * WG_STAGES;
+  const uint32_t qbar = bars + 8 * (WG_STAGES + WG_ROPES);
   const int length = __ldg(a.lengths + b);
   const int end = min(length, start + a.chunk);
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
   if (tid == 0) {
     wg_start(&map, &qmap, bars, qs, b);
-    for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i)
-      wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
+    for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i) {
+      const int row = wg_row(a, b, start + i * WG_BN);
+      wg_issue(a, &map, row, stages + i * WG_STAGE, bars + 8 * i);
+#if K3_MLA_WG_RING3
+      if (i < WG_ROPES) wg_issue_rope(&map, row, ropes + i * WG_BOX, bars + 8 * (WG_STAGES + i));
+#endif
+    }
   }
-#if K3_MLA_WG_ROPE_REGS
-  // the rope of the first K3_MLA_WG_ROPE_LEAD tiles into registers (buffer j % LEAD holds tile j's; each
-  // is reloaded LEAD tiles ahead as soon as its scores are issued)
-  // tiles ahead as soon as its scores are issued)
-  uint32_t qr[2][8];
-  wg_rope_q(qr, a, b, g, t4);
-  constexpr int LEAD = K3_MLA_WG_ROPE_LEAD;
-  static_assert(LEAD == 2 || LEAD == 3, "K3_MLA_WG_ROPE_LEAD is 2 or 3");
-  WgRope k0 = {}, k1 = {}, k2 = {};
-  // f on buffer i, by branches (not a select, so that only that buffer's loads are waited for)
-  auto rope_buf = [&](int i, auto&& f) {
-    if (i == 0) f(k0);
-    else if (LEAD == 2 || i == 1) f(k1);
-    else f(k2);
-  };
-  for (int i = 0; i < LEAD && i < ntiles; ++i)
-    rope_buf(i, [&](WgRope& k) { wg_rope_load(k, a, wg_row(a, b, start + i * WG_BN), start + i * WG_BN, end, 16 * warp + g, t4); });
-#if K3_MLA_WG_ROPE_PREFETCH
-  if (tid == 0)
-    for (int i = LEAD; i < WG_STAGES && i < ntiles; ++i) tma_prefetch_box(&map, DV, wg_row(a, b, start + i * WG_BN));
-#endif
-#endif
   // thread 0 (probe): cycles from its start until the first tiles were requested
   const long long issue_cycles = a.probe != nullptr ? clock64() - c_start : 0;
   __syncthreads();  // the barriers are initialised before anyone waits on them
@@ -377,12 +310,24 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     const uint32_t stage = stages + st * WG_STAGE;
     // the row of the tile that will refill this stage, read now: its latency hides behind this tile
     const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
-#if K3_MLA_WG_ROPE_REGS
-    const int rope_pos = K3_MLA_WG_COMPUTE_ONLY || K3_MLA_WG_ROPE_DIAG == 2 ? start : start + (j + LEAD) * WG_BN;  // tile j + LEAD's rope
-    const int rope_row = j + LEAD < ntiles ? wg_row(a, b, rope_pos) : 0;
+#if K3_MLA_WG_RING3
+    // this tile's rope slot, which after the scores also holds P and the max exchange; and the row of the
+    // tile whose rope refills it
+    const int rs_i = K3_MLA_WG_COMPUTE_ONLY ? 0 : j % WG_ROPES;
+    const uint32_t rope = ropes + rs_i * WG_BOX, rbar = bars + 8 * (WG_STAGES + rs_i), ps = rope;
+    float* red = reinterpret_cast<float*>(gbase + (rope - base) + WG_P);  // [2][4][16]: one max exchange, the sums
+    const int rope_row = (tid == 0 && j + WG_ROPES < ntiles) ? wg_row(a, b, start + (j + WG_ROPES) * WG_BN) : 0;
+#else
+    const uint32_t ps = ps0, rope = 0;  // no rope ring: the rope box is the stage's ninth
+    float* red = red0;
 #endif
     const long long c0 = a.probe != nullptr ? clock64() : 0;
-    if (!K3_MLA_WG_COMPUTE_ONLY || j == 0) mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
+    if (!K3_MLA_WG_COMPUTE_ONLY || j == 0) {
+      mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
+#if K3_MLA_WG_RING3
+      mbar_wait(rbar, (uint32_t)((j / WG_ROPES) & 1));
+#endif
+    }
     if (a.probe != nullptr) {  // thread 0's clock cycles waiting for tiles after the first
       if (j == 0) t_first = now_ns();
       else wait_cycles += clock64() - c0;
@@ -393,17 +338,17 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       const int units = WG_BOXES * (WG_BN - valid) * 8;
       for (int u = tid; u < units; u += 128) {
         const int box = u / ((WG_BN - valid) * 8), r = valid + (u / 8) % (WG_BN - valid), c = u & 7;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(stage + box * WG_BOX + r * 128 + c * 16), "r"(0)
-                     : "memory");
+        const uint32_t at = K3_MLA_WG_RING3 && box == WG_SBOXES ? rope : stage + box * WG_BOX;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(at + r * 128 + c * 16), "r"(0) : "memory");
       }
       fence_async_smem();
       __syncthreads();
     }
     if (K3_MLA_WG_DATA_ONLY) {
-#if K3_MLA_WG_ROPE_REGS
-      if (j + LEAD < ntiles) rope_buf(j % LEAD, [&](WgRope& k) { wg_rope_load(k, a, rope_row, rope_pos, end, 16 * warp + g, t4); });
-#endif
       __syncthreads();
+#if K3_MLA_WG_RING3
+      if (tid == 0 && j + WG_ROPES < ntiles) wg_issue_rope(&map, rope_row, rope, rbar);
+#endif
       if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(a, &map, refill_row, stage, bars + 8 * st);
       continue;
     }
@@ -416,26 +361,16 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       for (int e = 0; e < 8; ++e) s4[c][e] = 0.f;
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4 * WG_BOXES; ++kk)
-      wg_mma<0>(s4[kk & 3], wg_desc(stage + (kk >> 2) * WG_BOX + (kk & 3) * 32, 16, 1024),
-                wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024), kk >= 4);
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t box = K3_MLA_WG_RING3 && kk >= 4 * WG_SBOXES ? rope : stage + (kk >> 2) * WG_BOX;
+      wg_mma<0>(s4[kk & 3], wg_desc(box + (kk & 3) * 32, 16, 1024), wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024),
+                kk >= 4);
+    }
     wg_commit();
-#if K3_MLA_WG_ROPE_REGS
-    // the rope's scores on the mma.sync path while the wgmma run; then this buffer takes tile j + LEAD's
-    float r[2][4] = {};
-    rope_buf(j % LEAD, [&](WgRope& k) {
-      wg_rope_scores(r, k, qr);
-      if (j + LEAD < ntiles) wg_rope_load(k, a, rope_row, rope_pos, end, 16 * warp + g, t4);
-    });
-#endif
     wg_wait_all();
     float s[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) s[e] = (s4[0][e] + s4[1][e]) + (s4[2][e] + s4[3][e]);
-#if K3_MLA_WG_ROPE_REGS
-#pragma unroll
-    for (int e = 0; e < 8; ++e) s[e] += r[e >> 2][e & 3];
-#endif
     // this thread's rows: positions q0 = 16 warp + g and q0 + 8 of the tile; s[4 jn + e]: row q0, s[4 jn + 2 + e]: row q0 + 8
     const int q0 = 16 * warp + g;
     const bool in0 = q0 < valid, in1 = q0 + 8 < valid;
@@ -450,6 +385,9 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     // P against the current references m_run (one per head, the same in every thread): no exchange of
     // maxima unless some score is far above its reference
     float p[8];
+#if K3_MLA_WG_RING3
+    __syncthreads();  // P goes over the rope box: every warp's share of the score product has read it
+#endif
     wg_store_p(p, s, m_run, ps, q0, t4);
     fence_async_smem();
     if (__syncthreads_or(raise)) {  // P complete, unless the references move (always at the first tile)
@@ -461,7 +399,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) mx[c] = fmaxf(mx[c], k3_shfl_xor(mx[c], off));
       }
-      float* rb = red + (j & 1) * (4 * ROWS);
+      float* rb = red + (K3_MLA_WG_RING3 ? 0 : (j & 1) * (4 * ROWS));
       if (g == 0) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) rb[warp * ROWS + wg_head(c, t4)] = mx[c];
@@ -504,17 +442,23 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_commit();
     wg_wait_all();
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
-    if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY) {
-      wg_issue(a, &map, refill_row, stage, bars + 8 * st);
-#if K3_MLA_WG_ROPE_REGS && K3_MLA_WG_ROPE_PREFETCH
-      if (LEAD < WG_STAGES) tma_prefetch_box(&map, DV, refill_row);  // that tile's rope, into L2 only
-#endif
+#if K3_MLA_WG_RING3
+    if (tid == 0 && j + WG_ROPES < ntiles && !K3_MLA_WG_COMPUTE_ONLY) {  // first the rope slot (P, exchanges)
+      fence_async_smem();
+      wg_issue_rope(&map, rope_row, rope, rbar);
     }
+#endif
+    if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY)
+      wg_issue(a, &map, refill_row, stage, bars + 8 * st);
   }
 
   const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps
-  float* rs = red + 2 * (4 * ROWS);
+#if K3_MLA_WG_RING3
+  float* rs = reinterpret_cast<float*>(gbase + (ropes - base) + WG_P + 4 * ROWS * 4);  // the rope ring is idle now
+#else
+  float* rs = red0 + 2 * (4 * ROWS);
+#endif
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
 #pragma unroll

@@ -114,6 +114,11 @@
 #ifndef K3_MLA_WG_RING3
 #define K3_MLA_WG_RING3 0
 #endif
+// Diagnostics only (-DK3_MLA_WG_PROBE_CLOCK=1): the probe's tile-wait word holds instead thread 0's clock
+// cycles from its first tile landing to the loop's end, so that cycles / (loop_end - first) is the SM clock.
+#ifndef K3_MLA_WG_PROBE_CLOCK
+#define K3_MLA_WG_PROBE_CLOCK 0
+#endif
 
 
 
@@ -330,7 +335,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     }
     if (a.probe != nullptr) {  // thread 0's clock cycles waiting for tiles after the first
       if (j == 0) t_first = now_ns();
-      else wait_cycles += clock64() - c0;
+      else if (!K3_MLA_WG_PROBE_CLOCK) wait_cycles += clock64() - c0;
+      if (K3_MLA_WG_PROBE_CLOCK && j == 0) wait_cycles = -clock64();
     }
     const int pos0 = start + j * WG_BN;
     const int valid = min(WG_BN, end - pos0);
@@ -453,6 +459,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   }
 
   const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;
+  if (K3_MLA_WG_PROBE_CLOCK && a.probe != nullptr) wait_cycles += clock64();
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps
 #if K3_MLA_WG_RING3
   float* rs = reinterpret_cast<float*>(gbase + (ropes - base) + WG_P + 4 * ROWS * 4);  // the rope ring is idle now

@@ -33,7 +33,7 @@ for item in filter(None, os.environ.get("WG_VARIANTS", "").split(",")):
 real_library = mc._library
 cases = os.environ.get("CASES", "ctx32k,ctx128k").split(",")
 res = {}
-for spec, name, ctx in [(f, n, c) for f in os.environ.get("FORMS", "split").split(",") + list(builds)
+for spec, name, ctx in [(f, n, c) for f in [x for x in os.environ.get("FORMS", "split").split(",") if x] + list(builds)
                         for n, c in (("ctx32k", 32768), ("ctx128k", 131072)) if n in cases]:
     mc._library = (lambda lib=builds[spec]: lib) if spec in builds else real_library
     form = "wgmma" if spec in builds else spec

@@ -96,6 +96,29 @@
 // (speculative, waited for before leaving) slower (32K 16.65 / 17.10 against 16.65, 128K 42.84 /
 // 43.33 against 43.08; commit 9ecacad, extra/prologue_9ecacad.json; not kept).
 
+// Tenth session (H200, same-run comparisons, us; JSON in profiles/nvidia-h200/mla_padding/extra/):
+// * A stage refilled box by box as it frees up (the rope box after the scores, value boxes 0-3 and 4-7
+//   after their halves of the value product; commit 2b80e34, early_refill_6bba63d.json): level or
+//   slower (32K 16.88 against 16.60, 128K 43.31 against 43.17); not kept.
+// * Three 64 KB stages of value boxes, with the rope kept out of shared memory (commits 07e1932 to
+//   7691e31). The stream alone gains: data-only 13.88 / 36.32 us at 32K / 128K against 15.10 / 41.29
+//   (97.8% of the copy bandwidth at 128K), 134.9 against 154.1 at 64 x 8K (rope_lead_7baa66e.json). But
+//   the rope must then reach the arithmetic some other way, and neither way found is faster:
+//   - each thread loads its two rows' rope into registers 2 or 3 tiles ahead, scored by mma.sync beside
+//     the wgmma: 32K 20.35-20.66, 128K 46.9-48.0 against 16.54 / 42.54. ptxas puts every such load on one
+//     scoreboard and waits for all of them, so a tile waits for the loads issued one tile earlier. Loads
+//     of the first tile's rope again (cache hits) are as slow (20.51 / 50.31). With no rope loads at all
+//     (wrong scores, timing only) it is 17.84 / 40.30 / 138.5 (rope_diag_bc7d619.json). The probe
+//     (probe_rope_161620f.json) shows the first tile landing 11 us after the block starts, not 6.
+//   - a ring of two rope boxes, with P and the max exchange in the current tile's slot once its scores
+//     are done. This is the only layout found that fits: 231,472 bytes, with no alignment slack. 32K 18.97,
+//     128K 45.36 against 16.68 / 43.05; data-only 16.35 / 42.12 against 14.91 / 40.41 (ring3_7691e31.json).
+//     Two rope slots are a lead of two tiles where the values have three; a third slot does not fit.
+// * The SM clock over the tile loop (-DK3_MLA_WG_PROBE_CLOCK=1, probe_clock_5ab23b0.json): 1.74-1.78 GHz
+//   while the decode or its compute-only build runs, 1.98 GHz for the data-only build. Per 64-row tile the
+//   loop takes 2.3 / 2.4 us at 32K / 128K; the compute-only build 1.3 / 1.2, the data-only one 1.7 / 2.25.
+//   At 32K the first tile lands ~6 us after the block starts (~2 us of dependent reads before the requests).
+
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
 // its tiles exactly as below but skips the arithmetic (its outputs are then meaningless).
 #ifndef K3_MLA_WG_DATA_ONLY
@@ -105,14 +128,6 @@
 // arithmetic runs on it (outputs meaningless): the arithmetic's own time per tile.
 #ifndef K3_MLA_WG_COMPUTE_ONLY
 #define K3_MLA_WG_COMPUTE_ONLY 0
-#endif
-// Experiment (-DK3_MLA_WG_RING3=1): three stages of a tile's 8 value boxes (64 KB each) and a separate ring
-// of two rope boxes (8 KB each), where two 72 KB stages were: during a tile's arithmetic two tiles stream
-// instead of one. It fits in 227 KB only because P and the max exchange live in the current tile's rope
-// slot once its scores are done, and because the dynamic shared memory starts 1024-byte aligned (checked:
-// the kernel traps if it does not). NOT YET RUN ON A GPU.
-#ifndef K3_MLA_WG_RING3
-#define K3_MLA_WG_RING3 0
 #endif
 // Diagnostics only (-DK3_MLA_WG_PROBE_CLOCK=1): the probe's tile-wait word holds instead thread 0's clock
 // cycles from its first tile landing to the loop's end, so that cycles / (loop_end - first) is the SM clock.
@@ -127,22 +142,14 @@ namespace k3mla {
 constexpr int WG_BN = 64;                         // positions per tile
 constexpr int WG_BOX = 64 * 128;                  // one TMA box: 64 rows x 64 bf16 columns = 8 KB
 constexpr int WG_BOXES = D / 64;                  // 9 boxes per tile
-constexpr int WG_SBOXES = K3_MLA_WG_RING3 ? 8 : 9;  // boxes per stage (RING3: the rope box has its own ring)
-constexpr int WG_STAGE = WG_SBOXES * WG_BOX;      // 73,728 bytes (RING3: 65,536)
-constexpr int WG_STAGES = K3_MLA_WG_RING3 ? 3 : 2;
-constexpr int WG_ROPES = K3_MLA_WG_RING3 ? 2 : 0;  // rope slots (RING3)
+constexpr int WG_STAGE = WG_BOXES * WG_BOX;       // 73,728 bytes
+constexpr int WG_STAGES = 2;
 constexpr int WG_QBOX = ROWS * 128;               // Q^T box: 16 heads x 64 columns = 2 KB
 constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes
 constexpr int WG_P = ROWS * 128;                  // P: 16 heads x 64 positions (bf16), one swizzled 128 B row each
 constexpr int WG_RED = 3 * 4 * ROWS * 4;          // two max exchanges and one sum exchange: [4 warps][16 heads] fp32
 constexpr int WG_OPITCH = DV + 4;               // the finished piece staged in shared memory: [16 heads][516] fp32
-constexpr int WG_BARS = WG_STAGES + WG_ROPES + 1;  // an mbarrier per stage, per rope slot, and Q's
-constexpr int wg_smem_bytes() {
-  return K3_MLA_WG_RING3 ? WG_STAGES * WG_STAGE + WG_ROPES * WG_BOX + WG_Q + WG_BARS * 8
-                         : 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + WG_BARS * 8;
-}
-static_assert(wg_smem_bytes() <= 232448, "more shared memory than an H100 / H200 block may have");
-static_assert(!K3_MLA_WG_RING3 || WG_P + 2 * 4 * ROWS * 4 <= WG_BOX, "P and the exchanges fit in a rope slot");
+constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + (WG_STAGES + 1) * 8; }
 static_assert(ROWS * WG_OPITCH * 4 <= WG_STAGES * WG_STAGE, "the piece is staged in the free ring");
 
 #if defined(K3_MLA_SM90)
@@ -186,9 +193,9 @@ K3_DEVICE void tma_box(uint32_t dst, const void* map, int col, int row, uint32_t
 // data-only build), the boxes do not.
 K3_DEVICE void wg_start(const void* map, const void* qmap, uint32_t bars, uint32_t qs, int b) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
-  for (int s = 0; s < WG_BARS; ++s) mbar_init(bars + 8 * s, 1);
+  for (int s = 0; s <= WG_STAGES; ++s) mbar_init(bars + 8 * s, 1);
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  const uint32_t qbar = bars + 8 * (WG_STAGES + WG_ROPES);
+  const uint32_t qbar = bars + 8 * WG_STAGES;
   mbar_expect_tx(qbar, (uint32_t)WG_Q);
 #pragma unroll
   for (int i = 0; i < WG_BOXES; ++i)
@@ -217,14 +224,8 @@ K3_DEVICE void wg_issue(const Args& a, const void* map, int row, uint32_t stage,
   bulk_copy(stage, a.kv + (long long)row * D, (uint32_t)WG_STAGE, bar);
 #else
 #pragma unroll
-  for (int i = 0; i < WG_SBOXES; ++i) tma_box(stage + i * WG_BOX, map, 64 * i, row, bar);
+  for (int i = 0; i < WG_BOXES; ++i) tma_box(stage + i * WG_BOX, map, 64 * i, row, bar);
 #endif
-}
-
-// Thread 0 (RING3): the rope box of the tile at row `row` into a rope slot, completing on `bar`.
-K3_DEVICE void wg_issue_rope(const void* map, int row, uint32_t slot, uint32_t bar) {
-  mbar_expect_tx(bar, (uint32_t)WG_BOX);
-  tma_box(slot, map, DV, row, bar);
 }
 
 // The thread's heads in the accumulator layout (columns of S^T and O^T): 8 jn + 2 t4 + e, index 2 jn + e.
@@ -258,21 +259,15 @@ K3_DEVICE void wg_store_p(float (&p)[8], const float (&s)[8], const float (&m)[4
 
 __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_constant__ CUtensorMap map,
                                                    const __grid_constant__ CUtensorMap qmap) {
-  extern __shared__ __align__(1024) unsigned char wg_raw[];
+  extern __shared__ unsigned char wg_raw[];
 #if defined(K3_MLA_SM90)
   // 1024-byte aligned base: the 128-byte swizzle pattern is a function of the address bits
   const uint32_t raw = smem_u32(wg_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* gbase = wg_raw + (base - raw);
-#if K3_MLA_WG_RING3
-  if (raw != base) __trap();  // no room for alignment slack (see K3_MLA_WG_RING3)
-  const uint32_t stages = base, ropes = base + WG_STAGES * WG_STAGE, qs = ropes + WG_ROPES * WG_BOX;
-  const uint32_t bars = qs + WG_Q;
-#else
-  const uint32_t stages = base, qs = base + WG_STAGES * WG_STAGE, ps0 = qs + WG_Q;
-  float* red0 = reinterpret_cast<float*>(gbase + WG_STAGES * WG_STAGE + WG_Q + WG_P);  // [3][4][16]
-  const uint32_t bars = ps0 + WG_P + WG_RED;
-#endif
+  const uint32_t stages = base, qs = base + WG_STAGES * WG_STAGE, ps = qs + WG_Q;
+  float* red = reinterpret_cast<float*>(gbase + WG_STAGES * WG_STAGE + WG_Q + WG_P);  // [3][4][16]
+  const uint32_t bars = ps + WG_P + WG_RED;
   const int split = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   launch_dependents();  // the merge may launch now; it waits for this grid
@@ -282,19 +277,14 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   const long long c_start = a.probe != nullptr ? clock64() : 0;
 
   const int start = split * a.chunk;
-  const uint32_t qbar = bars + 8 * (WG_STAGES + WG_ROPES);
+  const uint32_t qbar = bars + 8 * WG_STAGES;
   const int length = __ldg(a.lengths + b);
   const int end = min(length, start + a.chunk);
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
   if (tid == 0) {
     wg_start(&map, &qmap, bars, qs, b);
-    for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i) {
-      const int row = wg_row(a, b, start + i * WG_BN);
-      wg_issue(a, &map, row, stages + i * WG_STAGE, bars + 8 * i);
-#if K3_MLA_WG_RING3
-      if (i < WG_ROPES) wg_issue_rope(&map, row, ropes + i * WG_BOX, bars + 8 * (WG_STAGES + i));
-#endif
-    }
+    for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i)
+      wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
   // thread 0 (probe): cycles from its start until the first tiles were requested
   const long long issue_cycles = a.probe != nullptr ? clock64() - c_start : 0;
@@ -315,24 +305,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     const uint32_t stage = stages + st * WG_STAGE;
     // the row of the tile that will refill this stage, read now: its latency hides behind this tile
     const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
-#if K3_MLA_WG_RING3
-    // this tile's rope slot, which after the scores also holds P and the max exchange; and the row of the
-    // tile whose rope refills it
-    const int rs_i = K3_MLA_WG_COMPUTE_ONLY ? 0 : j % WG_ROPES;
-    const uint32_t rope = ropes + rs_i * WG_BOX, rbar = bars + 8 * (WG_STAGES + rs_i), ps = rope;
-    float* red = reinterpret_cast<float*>(gbase + (rope - base) + WG_P);  // [2][4][16]: one max exchange, the sums
-    const int rope_row = (tid == 0 && j + WG_ROPES < ntiles) ? wg_row(a, b, start + (j + WG_ROPES) * WG_BN) : 0;
-#else
-    const uint32_t ps = ps0, rope = 0;  // no rope ring: the rope box is the stage's ninth
-    float* red = red0;
-#endif
     const long long c0 = a.probe != nullptr ? clock64() : 0;
-    if (!K3_MLA_WG_COMPUTE_ONLY || j == 0) {
-      mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
-#if K3_MLA_WG_RING3
-      mbar_wait(rbar, (uint32_t)((j / WG_ROPES) & 1));
-#endif
-    }
+    if (!K3_MLA_WG_COMPUTE_ONLY || j == 0) mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
     if (a.probe != nullptr) {  // thread 0's clock cycles waiting for tiles after the first
       if (j == 0) t_first = now_ns();
       else if (!K3_MLA_WG_PROBE_CLOCK) wait_cycles += clock64() - c0;
@@ -344,17 +318,14 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       const int units = WG_BOXES * (WG_BN - valid) * 8;
       for (int u = tid; u < units; u += 128) {
         const int box = u / ((WG_BN - valid) * 8), r = valid + (u / 8) % (WG_BN - valid), c = u & 7;
-        const uint32_t at = K3_MLA_WG_RING3 && box == WG_SBOXES ? rope : stage + box * WG_BOX;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(at + r * 128 + c * 16), "r"(0) : "memory");
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(stage + box * WG_BOX + r * 128 + c * 16), "r"(0)
+                     : "memory");
       }
       fence_async_smem();
       __syncthreads();
     }
     if (K3_MLA_WG_DATA_ONLY) {
       __syncthreads();
-#if K3_MLA_WG_RING3
-      if (tid == 0 && j + WG_ROPES < ntiles) wg_issue_rope(&map, rope_row, rope, rbar);
-#endif
       if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(a, &map, refill_row, stage, bars + 8 * st);
       continue;
     }
@@ -367,11 +338,9 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       for (int e = 0; e < 8; ++e) s4[c][e] = 0.f;
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t box = K3_MLA_WG_RING3 && kk >= 4 * WG_SBOXES ? rope : stage + (kk >> 2) * WG_BOX;
-      wg_mma<0>(s4[kk & 3], wg_desc(box + (kk & 3) * 32, 16, 1024), wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024),
-                kk >= 4);
-    }
+    for (int kk = 0; kk < D / 16; ++kk)
+      wg_mma<0>(s4[kk & 3], wg_desc(stage + (kk >> 2) * WG_BOX + (kk & 3) * 32, 16, 1024),
+                wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024), kk >= 4);
     wg_commit();
     wg_wait_all();
     float s[8];
@@ -391,9 +360,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     // P against the current references m_run (one per head, the same in every thread): no exchange of
     // maxima unless some score is far above its reference
     float p[8];
-#if K3_MLA_WG_RING3
-    __syncthreads();  // P goes over the rope box: every warp's share of the score product has read it
-#endif
     wg_store_p(p, s, m_run, ps, q0, t4);
     fence_async_smem();
     if (__syncthreads_or(raise)) {  // P complete, unless the references move (always at the first tile)
@@ -405,7 +371,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) mx[c] = fmaxf(mx[c], k3_shfl_xor(mx[c], off));
       }
-      float* rb = red + (K3_MLA_WG_RING3 ? 0 : (j & 1) * (4 * ROWS));
+      float* rb = red + (j & 1) * (4 * ROWS);
       if (g == 0) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) rb[warp * ROWS + wg_head(c, t4)] = mx[c];
@@ -448,12 +414,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_commit();
     wg_wait_all();
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
-#if K3_MLA_WG_RING3
-    if (tid == 0 && j + WG_ROPES < ntiles && !K3_MLA_WG_COMPUTE_ONLY) {  // first the rope slot (P, exchanges)
-      fence_async_smem();
-      wg_issue_rope(&map, rope_row, rope, rbar);
-    }
-#endif
     if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY)
       wg_issue(a, &map, refill_row, stage, bars + 8 * st);
   }
@@ -461,11 +421,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;
   if (K3_MLA_WG_PROBE_CLOCK && a.probe != nullptr) wait_cycles += clock64();
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps
-#if K3_MLA_WG_RING3
-  float* rs = reinterpret_cast<float*>(gbase + (ropes - base) + WG_P + 4 * ROWS * 4);  // the rope ring is idle now
-#else
-  float* rs = red0 + 2 * (4 * ROWS);
-#endif
+  float* rs = red + 2 * (4 * ROWS);
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
 #pragma unroll

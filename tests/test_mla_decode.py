@@ -549,6 +549,30 @@ def test_committed_breakdown_orders_readers_and_decodes(tmp_path):
     assert len(fig.data) == len(study.BREAKDOWN_STEPS)
 
 
+def test_committed_stage_runs(tmp_path):
+    """The tenth session's three-stage runs, as notebook 04 states them: without arithmetic three 64 KB
+    stages stream faster than two 72 KB ones at 128K and 64 x 8K (the rope read by registers), yet no
+    three-stage decode beats the two-stage after at 32K or 128K; a run without a build is refused."""
+    from k3lab.studies import mla_padding as study
+
+    df = study.stage_table()
+    assert set(df["run"]) == {label for label, _, _ in study.STAGE_RUNS} and (df["commit"] != "").all()
+    us = {(r, c, b): t for r, c, b, t in zip(df["run"], df["case"], df["build"], df["us"])}
+    two_d, three_d, two, three = (b for _, b in study.STAGE_BUILDS)
+    regs = study.STAGE_RUNS[0][0]
+    for case in ("ctx128k", "b64_8k"):
+        assert us[regs, case, three_d] < 0.95 * us[regs, case, two_d]
+    for run in set(df["run"]):
+        for case in ("ctx32k", "ctx128k"):
+            assert us[run, case, three] > us[run, case, two]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"commit": "x", "rows": {"ctx32k": {"forms": {"wgmma": {"us": 1, "share": 0.5}}}}}')
+    with pytest.raises(ValueError, match="wgmma-data-only"):
+        study.stage_table(runs=(("bad", str(bad), "k"),))
+    fig = study.stage_figure(df)
+    assert len(fig.data) >= len(study.STAGE_BUILDS)
+
+
 def test_committed_wave_runs_show_the_second_wave(tmp_path):
     # the H200 runs notebook 04 draws: 64 x 8K with 3 pieces a request (192 blocks, 1.45 waves) and 2 (one wave)
     from k3lab.studies import mla_padding as study

@@ -747,6 +747,47 @@ def breakdown_figure(df: pd.DataFrame, title: str | None = None):
 
 
 # ----------------------------------------------------------------------------------------------
+# a third stage: without its rope box a tile is 64 KB and three fit beside the query; the rope must
+# then reach the arithmetic another way (committed H200 runs of scripts/device_mla_wgmma.py, each
+# timing the two-stage default and one three-stage build, with and without arithmetic)
+
+STAGE_RUNS = (("rope loaded into registers", "extra/rope_regs_07e1932.json", "wgmma-rope-regs"),
+              ("rope in a ring of two boxes", "extra/ring3_7691e31.json", "wgmma-r3"))
+STAGE_BUILDS = (("wgmma-data-only", "two 72 KB stages, no arithmetic"), ("{key}-data-only", "three 64 KB stages, no arithmetic"),
+                ("wgmma", "two 72 KB stages (the after)"), ("{key}", "three 64 KB stages"))
+
+
+def stage_table(device: str = "nvidia-h200", runs=STAGE_RUNS) -> pd.DataFrame:
+    """One row per (run, case, build) of the committed three-stage runs: graph-replay time and share
+    of the copy bandwidth of the two-stage default and of the three-stage build, each with and without
+    its arithmetic, all timed in that run. `runs`: (label, path under the study's profiles, key)."""
+    base = bench.PROFILES / device / NAME
+    rows = []
+    for label, path, key in runs:
+        path = Path(path) if Path(path).is_absolute() else base / path
+        run = json.loads(path.read_text())
+        if not isinstance(run.get("rows"), dict) or not run["rows"]:
+            raise ValueError(f"{path} has no rows of forms")
+        for case, row in run["rows"].items():
+            for form, build in STAGE_BUILDS:
+                v = row.get("forms", {}).get(form.format(key=key))
+                if v is None:
+                    raise ValueError(f"{path}: {case} has no {form.format(key=key)!r} time")
+                rows.append({"run": label, "commit": run["commit"], "case": case, "build": build,
+                             "us": v["us"], "share": v["share"]})
+    return pd.DataFrame(rows)
+
+
+def stage_figure(df: pd.DataFrame, title: str | None = None):
+    """Grouped bars of stage_table's shares of the copy bandwidth, one panel per run."""
+    import plotly.express as px
+
+    return px.bar(df, x="case", y="share", color="build", facet_col="run", barmode="group", text_auto=".0%",
+                  title=title or "A third stage (H200, graph replay): the stream gains, the decode does not",
+                  labels={"share": "share of copy bandwidth"})
+
+
+# ----------------------------------------------------------------------------------------------
 # waves: the same 64 x 8K decode with 3 pieces per request (192 blocks on 132 SMs: a full wave and a
 # 45% one) and with 2 (128 blocks, one wave), each form timed in one run of scripts/device_mla_wgmma.py
 

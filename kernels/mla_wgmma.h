@@ -118,6 +118,14 @@
 //   while the decode or its compute-only build runs, 1.98 GHz for the data-only build. Per 64-row tile the
 //   loop takes 2.3 / 2.4 us at 32K / 128K; the compute-only build 1.3 / 1.2, the data-only one 1.7 / 2.25.
 //   At 32K the first tile lands ~6 us after the block starts (~2 us of dependent reads before the requests).
+// * Two warpgroups sharing each tile (256 threads; warpgroup w runs half of the score k-steps, the halves
+//   of S swapped through shared memory and added in the same order by both, and the value product of
+//   columns 256 w .. 256 w + 255; commit 1d337b1, split2_1d337b1.json): right on the four variant checks,
+//   but slower or level: 1K 8.30 against 7.14, 32K 18.11 against 16.65, 128K 43.89 against 42.51, 8 x 8K
+//   26.91 against 25.95, 64 x 8K 152.89 against 152.80. Its compute-only build is slower than the
+//   one-warpgroup compute-only build (32K 15.34 against 13.55, 128K 30.79 against 25.89), so the
+//   arithmetic is not a latency chain that a second warpgroup overlaps: with the same matrix work and
+//   shared-memory operand reads, the swap and its extra barrier only add. Not kept.
 
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
 // its tiles exactly as below but skips the arithmetic (its outputs are then meaningless).
@@ -134,14 +142,6 @@
 #ifndef K3_MLA_WG_PROBE_CLOCK
 #define K3_MLA_WG_PROBE_CLOCK 0
 #endif
-// Experiment (-DK3_MLA_WG_SPLIT2=1): two warpgroups share each tile. Warpgroup w runs half of the score
-// product's k-steps (the two halves of S are swapped through shared memory and added, in the same order
-// in both, so both hold the same scores and take the same softmax decisions) and the value product of
-// value columns 256 w .. 256 w + 255. Each tile's chain of dependent steps is then about half as long,
-// and the stage is freed sooner. NOT YET RUN ON A GPU.
-#ifndef K3_MLA_WG_SPLIT2
-#define K3_MLA_WG_SPLIT2 0
-#endif
 
 
 
@@ -157,12 +157,7 @@ constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes
 constexpr int WG_P = ROWS * 128;                  // P: 16 heads x 64 positions (bf16), one swizzled 128 B row each
 constexpr int WG_RED = 3 * 4 * ROWS * 4;          // two max exchanges and one sum exchange: [4 warps][16 heads] fp32
 constexpr int WG_OPITCH = DV + 4;               // the finished piece staged in shared memory: [16 heads][516] fp32
-constexpr int WG_GROUPS = K3_MLA_WG_SPLIT2 ? 2 : 1;  // warpgroups per block
-constexpr int WG_THREADS = 128 * WG_GROUPS;
-constexpr int WG_MB = 8 / WG_GROUPS;               // value boxes (64 columns each) per warpgroup
-constexpr int WG_KK = 36 / WG_GROUPS;              // score k-steps per warpgroup
-constexpr int WG_X = WG_GROUPS > 1 ? WG_GROUPS * 128 * 8 * 4 : 0;  // the swap of score halves: 8 fp32 per thread
-constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + WG_X + (WG_STAGES + 1) * 8; }
+constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + (WG_STAGES + 1) * 8; }
 static_assert(ROWS * WG_OPITCH * 4 <= WG_STAGES * WG_STAGE, "the piece is staged in the free ring");
 
 #if defined(K3_MLA_SM90)
@@ -252,8 +247,7 @@ constexpr float WG_LAZY = 8.f;
 
 // p = 2^(s - m) for this thread's 2 positions x 4 heads, stored as bf16 into P (head h, position q: row h
 // of 128 B, 16-byte unit q / 8 swizzled by h % 8). m: the references (-inf: no reference yet, 0 used).
-K3_DEVICE void wg_store_p(float (&p)[8], const float (&s)[8], const float (&m)[4], uint32_t ps, int q0, int t4,
-                           bool store = true) {
+K3_DEVICE void wg_store_p(float (&p)[8], const float (&s)[8], const float (&m)[4], uint32_t ps, int q0, int t4) {
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const int h = wg_head(c, t4), i = 4 * (c >> 1) + (c & 1);
@@ -261,7 +255,6 @@ K3_DEVICE void wg_store_p(float (&p)[8], const float (&s)[8], const float (&m)[4
     p[i] = fast_exp2(s[i] - u);
     p[i + 2] = fast_exp2(s[i + 2] - u);
     const uint32_t row = ps + h * 128, sw = h & 7;
-    if (!store) continue;
     asm volatile("st.shared.b16 [%0], %1;" ::"r"(row + ((((uint32_t)q0 >> 3) ^ sw) << 4) + (q0 & 7) * 2),
                  "h"(k3_f32_to_bf16(p[i]))
                  : "memory");
@@ -272,7 +265,7 @@ K3_DEVICE void wg_store_p(float (&p)[8], const float (&s)[8], const float (&m)[4
 }
 #endif
 
-__global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const __grid_constant__ CUtensorMap map,
+__global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_constant__ CUtensorMap map,
                                                    const __grid_constant__ CUtensorMap qmap) {
   extern __shared__ unsigned char wg_raw[];
 #if defined(K3_MLA_SM90)
@@ -282,11 +275,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
   unsigned char* gbase = wg_raw + (base - raw);
   const uint32_t stages = base, qs = base + WG_STAGES * WG_STAGE, ps = qs + WG_Q;
   float* red = reinterpret_cast<float*>(gbase + WG_STAGES * WG_STAGE + WG_Q + WG_P);  // [3][4][16]
-  float* xs = red + WG_RED / 4;  // [WG_GROUPS][128][8]: each thread's half of the scores (SPLIT2)
-  const uint32_t bars = ps + WG_P + WG_RED + WG_X;
+  const uint32_t bars = ps + WG_P + WG_RED;
   const int split = blockIdx.x, b = blockIdx.y;
-  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const int wg = WG_GROUPS > 1 ? tid >> 7 : 0, wt = WG_GROUPS > 1 ? tid & 127 : tid, warp = wt >> 5;  // warpgroup; thread, warp in it
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   launch_dependents();  // the merge may launch now; it waits for this grid
   const unsigned long long t_start = a.probe != nullptr ? now_ns() : 0ull;
   unsigned long long t_first = 0ull;
@@ -308,9 +299,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
   __syncthreads();  // the barriers are initialised before anyone waits on them
   mbar_wait(qbar, 0);
 
-  float o[WG_MB][8];  // O^T: value columns 64 (WG_MB wg + mb) + 16 warp + g (+8) x this thread's 4 heads
+  float o[8][8];  // O^T: value columns 64 mb + 16 warp + g (+8) x this thread's 4 heads
 #pragma unroll
-  for (int mb = 0; mb < WG_MB; ++mb)
+  for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[mb][e] = 0.f;
   float m_run[4], l_run[4];
@@ -333,7 +324,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
     const int valid = min(WG_BN, end - pos0);
     if (valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
       const int units = WG_BOXES * (WG_BN - valid) * 8;
-      for (int u = tid; u < units; u += WG_THREADS) {
+      for (int u = tid; u < units; u += 128) {
         const int box = u / ((WG_BN - valid) * 8), r = valid + (u / 8) % (WG_BN - valid), c = u & 7;
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(stage + box * WG_BOX + r * 128 + c * 16), "r"(0)
                      : "memory");
@@ -355,26 +346,14 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
       for (int e = 0; e < 8; ++e) s4[c][e] = 0.f;
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < WG_KK; ++kk) {
-      const int k = WG_KK * wg + kk;  // this warpgroup's share of the k-steps
-      wg_mma<0>(s4[kk & 3], wg_desc(stage + (k >> 2) * WG_BOX + (k & 3) * 32, 16, 1024),
-                wg_desc(qs + (k >> 2) * WG_QBOX + (k & 3) * 32, 16, 1024), kk >= 4);
-    }
+    for (int kk = 0; kk < D / 16; ++kk)
+      wg_mma<0>(s4[kk & 3], wg_desc(stage + (kk >> 2) * WG_BOX + (kk & 3) * 32, 16, 1024),
+                wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024), kk >= 4);
     wg_commit();
     wg_wait_all();
     float s[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) s[e] = (s4[0][e] + s4[1][e]) + (s4[2][e] + s4[3][e]);
-    if constexpr (WG_GROUPS > 1) {  // swap halves; a + b == b + a, so both warpgroups hold the same scores
-      float4* mine = reinterpret_cast<float4*>(xs + (wg * 128 + wt) * 8);
-      mine[0] = make_float4(s[0], s[1], s[2], s[3]);
-      mine[1] = make_float4(s[4], s[5], s[6], s[7]);
-      __syncthreads();
-      const float4* other = reinterpret_cast<const float4*>(xs + ((1 - wg) * 128 + wt) * 8);
-      const float4 x0 = other[0], x1 = other[1];
-      s[0] += x0.x, s[1] += x0.y, s[2] += x0.z, s[3] += x0.w;
-      s[4] += x1.x, s[5] += x1.y, s[6] += x1.z, s[7] += x1.w;
-    }
     // this thread's rows: positions q0 = 16 warp + g and q0 + 8 of the tile; s[4 jn + e]: row q0, s[4 jn + 2 + e]: row q0 + 8
     const int q0 = 16 * warp + g;
     const bool in0 = q0 < valid, in1 = q0 + 8 < valid;
@@ -389,7 +368,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
     // P against the current references m_run (one per head, the same in every thread): no exchange of
     // maxima unless some score is far above its reference
     float p[8];
-    wg_store_p(p, s, m_run, ps, q0, t4, wg == 0);
+    wg_store_p(p, s, m_run, ps, q0, t4);
     fence_async_smem();
     if (__syncthreads_or(raise)) {  // P complete, unless the references move (always at the first tile)
       float mx[4];
@@ -401,7 +380,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
         for (int off = 4; off < 32; off <<= 1) mx[c] = fmaxf(mx[c], k3_shfl_xor(mx[c], off));
       }
       float* rb = red + (j & 1) * (4 * ROWS);
-      if (g == 0 && wg == 0) {
+      if (g == 0) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) rb[warp * ROWS + wg_head(c, t4)] = mx[c];
       }
@@ -417,14 +396,14 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
         l_run[c] *= alpha[c];
       }
 #pragma unroll
-      for (int mb = 0; mb < WG_MB; ++mb)
+      for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int i = 4 * (c >> 1) + (c & 1);
           o[mb][i] *= alpha[c];
           o[mb][i + 2] *= alpha[c];
         }
-      wg_store_p(p, s, m_run, ps, q0, t4, wg == 0);
+      wg_store_p(p, s, m_run, ps, q0, t4);
       fence_async_smem();
       __syncthreads();  // P complete
     }
@@ -438,8 +417,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)  // k-steps outside: consecutive wgmma update different accumulators
 #pragma unroll
-      for (int mb = 0; mb < WG_MB; ++mb)
-        wg_mma<1>(o[mb], wg_desc(stage + (WG_MB * wg + mb) * WG_BOX + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);
+      for (int mb = 0; mb < 8; ++mb)
+        wg_mma<1>(o[mb], wg_desc(stage + mb * WG_BOX + ks * 16 * 128, WG_BOX, 1024), wg_desc(ps + ks * 32, 16, 1024), 1);
     wg_commit();
     wg_wait_all();
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
@@ -456,7 +435,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) l_run[c] += k3_shfl_xor(l_run[c], off);
   }
-  if (g == 0 && wg == 0) {  // (every warpgroup holds the same sums)
+  if (g == 0) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) rs[warp * ROWS + wg_head(c, t4)] = l_run[c];
   }
@@ -477,13 +456,13 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
     for (int c = 0; c < 4; ++c) {
       const int h = wg_head(c, t4), i = 4 * (c >> 1) + (c & 1);
       if (h < a.heads) {
-        float* po = a.part_o + (((long long)b * a.heads + h) * a.splits + split) * DV + 64 * WG_MB * wg + 16 * warp + g;
+        float* po = a.part_o + (((long long)b * a.heads + h) * a.splits + split) * DV + 16 * warp + g;
 #pragma unroll
-        for (int mb = 0; mb < WG_MB; ++mb) {
+        for (int mb = 0; mb < 8; ++mb) {
           po[64 * mb] = o[mb][i] * rcp[c];
           po[64 * mb + 8] = o[mb][i + 2] * rcp[c];
         }
-        if (wg == 0 && warp == 0 && g == 0) a.part_lse[((long long)b * a.heads + h) * a.splits + split] = lse2[c];
+        if (warp == 0 && g == 0) a.part_lse[((long long)b * a.heads + h) * a.splits + split] = lse2[c];
       }
     }
     if (a.probe != nullptr && tid == 0)
@@ -497,16 +476,16 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wg_kernel(const Args a, const _
   for (int c = 0; c < 4; ++c) {
     const int h = wg_head(c, t4), i = 4 * (c >> 1) + (c & 1);
 #pragma unroll
-    for (int mb = 0; mb < WG_MB; ++mb) {
-      const int col = 64 * (WG_MB * wg + mb) + 16 * warp + g;
+    for (int mb = 0; mb < 8; ++mb) {
+      const int col = 64 * mb + 16 * warp + g;
       ob[h * WG_OPITCH + col] = o[mb][i] * rcp[c];
       ob[h * WG_OPITCH + col + 8] = o[mb][i + 2] * rcp[c];
     }
-    if (wg == 0 && warp == 0 && g == 0 && h < a.heads)
+    if (warp == 0 && g == 0 && h < a.heads)
       a.lse[(long long)b * a.l_sb + h] = lse2[c] * 0.6931471805599453f;  // natural log
   }
   __syncthreads();
-  for (int v = tid; v < a.heads * (DV / 4); v += WG_THREADS) {
+  for (int v = tid; v < a.heads * (DV / 4); v += 128) {
     const int h = v / (DV / 4), k = v % (DV / 4);
     const float4 x = *reinterpret_cast<const float4*>(ob + h * WG_OPITCH + 4 * k);
     const uint32_t lo = (uint32_t)k3_f32_to_bf16(x.x) | ((uint32_t)k3_f32_to_bf16(x.y) << 16);
@@ -572,7 +551,7 @@ inline int launch_wg(const Args& a, const CUtensorMap& map, const CUtensorMap& q
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
-  wg_kernel<<<dim3(a.splits, a.B), WG_THREADS, bytes, st>>>(a, map, qmap);
+  wg_kernel<<<dim3(a.splits, a.B), 128, bytes, st>>>(a, map, qmap);
   return (int)cudaGetLastError();
 }
 

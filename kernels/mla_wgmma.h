@@ -81,8 +81,9 @@
 // extra/merge_cost_7d8f848.json): 13.6 us at 32K and 25.8 at 128K, so ~1.0 us per 64-row tile against
 // the tile's ~2.2 us share of DRAM time; with two stages only one tile streams while one is computed.
 // Nsight Compute on that build at 128K (commit 754be47, extra/ncu_wgmma_compute_only_754be47.txt): L1 /
-// shared-memory throughput 55% of peak, issue slots 32% busy: the arithmetic is a latency chain (score
-// products, wait, softmax, barrier, value products, wait), not a bandwidth limit. Two warpgroups in
+// shared-memory throughput 55% of peak, issue slots 32% busy, which read as a latency chain (score
+// products, wait, softmax, barrier, value products, wait); the tenth session's two-warpgroup build (below)
+// says otherwise: halving each chain made the arithmetic slower. Two warpgroups in
 // ping-pong, one per stage, each with its own softmax state combined at the end, so that two tiles'
 // chains overlap (commit 9ebdfe4, extra/pingpong_9ebdfe4.json): right, but slower (32K 17.86 against
 // 16.65 us, 128K 44.96 against 43.26, 64 x 8K level), since both stages are then computed at once

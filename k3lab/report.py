@@ -9,10 +9,11 @@ their JSON with a local copy of plotly.js, so the report opens without a network
 from __future__ import annotations
 
 import html
+import multiprocessing
 import sys
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +74,17 @@ def execute_notebook(path: Path, out_dir: Path, timeout_s: int) -> tuple[Path, f
     return out_dir / path.name, time.perf_counter() - start
 
 
+def _execute_in_worker(path: Path, out_dir: Path, timeout_s: int) -> tuple[Path, float]:
+    """execute_notebook in a worker process. A failure comes back as a RuntimeError (nbclient's
+    CellExecutionError cannot be rebuilt from its pickle in the parent) whose first line names the
+    cell's error, e.g. "ValueError: bad shape", for the report's one-line status."""
+    try:
+        return execute_notebook(path, out_dir, timeout_s)
+    except Exception as exc:
+        first = f"{exc.ename}: {exc.evalue}" if getattr(exc, "ename", None) else type(exc).__name__
+        raise RuntimeError(f"{first}\n{exc}") from None
+
+
 def _write_plotly_js(out: Path) -> None:
     from plotly.offline import get_plotlyjs
 
@@ -128,7 +140,8 @@ def _reference_section() -> str:
 
 
 def build_report(out: Path = Path("build"), preset: str | None = None, run_studies: bool = True,
-                 run_notebooks: bool = True, timeout_s: int = 1200, workers: int = 2) -> Path:
+                 run_notebooks: bool = True, timeout_s: int = 1200, workers: int = 2,
+                 notebooks: Path | None = None) -> Path:
     from tqdm import tqdm
 
     from k3lab import env
@@ -152,10 +165,13 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
 
     nb_rows = []
     if run_notebooks:
-        paths = notebook_paths()
-        with ThreadPoolExecutor(max_workers=workers) as pool, tqdm(total=len(paths), desc="notebooks",
-                                                                   file=sys.stderr) as bar:
-            futures = {p: pool.submit(execute_notebook, p, out / "notebooks", timeout_s) for p in paths}
+        paths = notebook_paths(notebooks) if notebooks is not None else notebook_paths()
+        # one process per notebook, not threads of this one: with two notebooks run by nbclient in
+        # threads, `make run` once hung for good after a notebook's last cell (both the client and the
+        # idle kernel waiting; 2026-11-30). Kernel clients in separate processes share nothing.
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+        with pool, tqdm(total=len(paths), desc="notebooks", file=sys.stderr) as bar:
+            futures = {p: pool.submit(_execute_in_worker, p, out / "notebooks", timeout_s) for p in paths}
             for p, fut in futures.items():
                 try:
                     _, seconds = fut.result()

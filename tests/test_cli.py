@@ -1,6 +1,7 @@
 """The `k3lab` command and the report builder, on CPU."""
 
 import json
+import os
 
 import nbformat
 import pytest
@@ -62,6 +63,26 @@ def test_failing_notebook_raises(tmp_path):
     nbformat.write(nb, src)
     with pytest.raises(Exception, match="boom"):
         report.execute_notebook(src, tmp_path / "out", timeout_s=60)
+
+
+def test_report_runs_notebooks_in_worker_processes(tmp_path):
+    # build_report executes each notebook in a spawned worker process: one that runs is linked with its
+    # time, one that fails is named with its error message in the page, and the call then exits non-zero
+    src = tmp_path / "nbs"
+    src.mkdir()
+    good = nbformat.v4.new_notebook()
+    good.cells = [nbformat.v4.new_code_cell("import os\nprint('pid', os.getpid())")]
+    nbformat.write(good, src / "01_good.ipynb")
+    bad = nbformat.v4.new_notebook()
+    bad.cells = [nbformat.v4.new_code_cell("raise ValueError('boom in a worker')")]
+    nbformat.write(bad, src / "02_bad.ipynb")
+    with pytest.raises(SystemExit, match="notebook 02_bad.ipynb"):
+        report.build_report(out=tmp_path / "out", run_studies=False, notebooks=src, timeout_s=120)
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "01_good</a>" in page and "ran in" in page
+    assert "FAILED: ValueError: boom in a worker" in page
+    ran = nbformat.read(tmp_path / "out" / "notebooks" / "01_good.ipynb", as_version=4)
+    assert int(ran.cells[0].outputs[0]["text"].split()[1]) != os.getpid()  # a kernel, not this process
 
 
 def test_bench_json_then_import_round_trip(tmp_path):

@@ -3,6 +3,8 @@ the fp32 reference on odd shapes, then timed beside the default mma.sync split k
 mla_padding study times (its inputs and rotation, graph replay), with the read floor of the same
 bytes (scripts/mla_read_probe.cu's ring reader, when built). Prints a table; writes $OUT/wgmma.json.
     OUT=dir PYTHONPATH=. python3 scripts/device_mla_wgmma.py
+HOT_SMALL=1 also times the first form with the query, lengths and block table shared by every input set
+(only the caches rotate), as in a model whose MLA layers read the same small tensors every step.
 """
 import ctypes
 import json
@@ -141,6 +143,16 @@ for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1
         mc._library = real_library
         print(f"{name:8s} {form:15s} {t.median_us:8.2f} us  {100 * res[form]['share']:5.1f}% of copy bw  "
               f"splits {plans[0].num_splits}", flush=True)
+    if os.environ.get("HOT_SMALL"):  # the same default decode with q, lengths and block table shared by
+        # every input set (only the caches rotate): as in a model, where every MLA layer of a step reads
+        # the same lengths and table and q was just written, so those small tensors are in L2
+        f0 = TIME_FORMS[0]
+        hot = [mc.plan(first["q"], s["pool"], first["lengths"], block_table=first["table"], **plan_kwargs(f0)) for s in sets]
+        t = bench.time_fn(lambda p: p(), rotate=[(p,) for p in hot], graph=True, warmup=10, repeats=60)
+        res[f"{f0}-hot-small"] = {"us": t.median_us, "p20": t.p20_us, "p80": t.p80_us, "splits": hot[0].num_splits,
+                                  "share": nbytes / bw / (t.median_us * 1e-6)}
+        print(f"{name:8s} {f0 + '-hot-small':15s} {t.median_us:8.2f} us  {100 * res[f0 + '-hot-small']['share']:5.1f}% of copy bw",
+              flush=True)
     rows[name] = {"bytes": nbytes, "sets": len(sets), "floor_us": nbytes / bw * 1e6, "forms": res}
     del sets, first
     torch.cuda.empty_cache()

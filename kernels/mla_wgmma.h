@@ -119,6 +119,9 @@
 //   while the decode or its compute-only build runs, 1.98 GHz for the data-only build. Per 64-row tile the
 //   loop takes 2.3 / 2.4 us at 32K / 128K; the compute-only build 1.3 / 1.2, the data-only one 1.7 / 2.25.
 //   At 32K the first tile lands ~6 us after the block starts (~2 us of dependent reads before the requests).
+// * With q, lengths and block table shared by every rotated input set (only the caches rotate, as in a
+//   model whose layers all read the same small tensors): level (32K 16.67 against 16.72, 128K 43.07
+//   against 43.17; hot_small_5a79830.json).
 // * Two warpgroups sharing each tile (256 threads; warpgroup w runs half of the score k-steps, the halves
 //   of S swapped through shared memory and added in the same order by both, and the value product of
 //   columns 256 w .. 256 w + 255; commit 1d337b1, split2_1d337b1.json): right on the four variant checks,

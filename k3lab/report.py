@@ -27,8 +27,8 @@ class ReportParts:
     failures: list[str] = field(default_factory=list)
 
 
-def notebook_paths(root: Path = REPO / "notebooks") -> list[Path]:
-    return sorted(p for p in root.glob("[0-9][0-9]_*.ipynb"))
+def notebook_paths(root: Path | None = None) -> list[Path]:
+    return sorted(p for p in (root or REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
 def add_html_for_plotly(nb) -> int:
@@ -165,7 +165,7 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
 
     nb_rows = []
     if run_notebooks:
-        paths = notebook_paths(notebooks) if notebooks is not None else notebook_paths()
+        paths = notebook_paths(notebooks)
         # one process per notebook, not threads of this one: with two notebooks run by nbclient in
         # threads, `make run` once hung for good after a notebook's last cell (both the client and the
         # idle kernel waiting; 2026-11-30). Kernel clients in separate processes share nothing.

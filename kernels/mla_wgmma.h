@@ -320,9 +320,12 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     const long long c0 = a.probe != nullptr ? clock64() : 0;
     if (!K3_MLA_WG_COMPUTE_ONLY || j == 0) mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
     if (a.probe != nullptr) {  // thread 0's clock cycles waiting for tiles after the first
-      if (j == 0) t_first = now_ns();
-      else if (!K3_MLA_WG_PROBE_CLOCK) wait_cycles += clock64() - c0;
-      if (K3_MLA_WG_PROBE_CLOCK && j == 0) wait_cycles = -clock64();
+      if (j == 0) {
+        t_first = now_ns();
+        if (K3_MLA_WG_PROBE_CLOCK) wait_cycles = -clock64();  // the loop's cycles from here (see the flag)
+      } else if (!K3_MLA_WG_PROBE_CLOCK) {
+        wait_cycles += clock64() - c0;
+      }
     }
     const int pos0 = start + j * WG_BN;
     const int valid = min(WG_BN, end - pos0);

@@ -10,7 +10,6 @@ Other builds of kernels/mla_decode.cu (each with its own -Dk3mla=... namespace) 
 'wgmma-<label>' when given as WG_VARIANTS=label:path,... (as in scripts/device_mla_wgmma.py); CASES picks
 among ctx32k, ctx128k.
 """
-import ctypes
 import json
 import os
 import statistics as stt
@@ -23,13 +22,7 @@ from k3lab.studies import mla_padding as st
 
 out = os.environ.get("OUT", "build/device")
 os.makedirs(out, exist_ok=True)
-builds = {}
-for item in filter(None, os.environ.get("WG_VARIANTS", "").split(",")):
-    label, path = item.split(":", 1)
-    formula, lib = mc.wg_smem_bytes, ctypes.CDLL(path)
-    mc.wg_smem_bytes = lambda lib=lib: lib.k3_mla_wg_smem()  # a variant may size its shared memory differently
-    builds[f"wgmma-{label}"] = mc.bind(lib)
-    mc.wg_smem_bytes = formula
+builds = {f"wgmma-{label}": lib for label, lib in mc.load_variants(os.environ.get("WG_VARIANTS", "")).items()}
 real_library = mc._library
 cases = os.environ.get("CASES", "ctx32k,ctx128k").split(",")
 res = {}

@@ -6,7 +6,6 @@ bytes (scripts/mla_read_probe.cu's ring reader, when built). Prints a table; wri
 HOT_SMALL=1 also times the first form with the query, lengths and block table shared by every input set
 (only the caches rotate), as in a model whose MLA layers read the same small tensors every step.
 """
-import ctypes
 import json
 import math
 import os
@@ -93,15 +92,7 @@ def unchecked(label):
 # other builds of kernels/mla_decode.cu (each with its own -Dk3mla=... namespace), as label:path in
 # WG_VARIANTS, e.g. data-only:/tmp/mla_diag.so (K3_MLA_WG_DATA_ONLY: the same tile stream, no
 # arithmetic; outputs not checked) or cp:/tmp/mla_cp.so (K3_MLA_WG_CPASYNC; checked like the default)
-builds = {}
-for item in filter(None, os.environ.get("WG_VARIANTS", "").split(",")):
-    label, path = item.split(":", 1)
-    if os.path.exists(path):
-        lib = ctypes.CDLL(path)
-        formula = mc.wg_smem_bytes  # an earlier build may size its shared memory differently
-        mc.wg_smem_bytes = lambda lib=lib: lib.k3_mla_wg_smem()
-        builds[label] = mc.bind(lib)
-        mc.wg_smem_bytes = formula
+builds = mc.load_variants(os.environ.get("WG_VARIANTS", ""))
 real_library = mc._library
 for label, lib in builds.items():
     if not unchecked(label):
@@ -113,6 +104,15 @@ for label, lib in builds.items():
         check_case(f"{label}: 1 x 1000, one piece", [1000], splits=1)
         mc._library = real_library
 bw = env.PEAKS["H200"].bandwidth_tbs * 1e12
+
+
+def timing_row(case, form, t, splits, nbytes):
+    """One timed form as the JSON keeps it (and a printed line): median and spread, pieces, share of
+    the copy bandwidth."""
+    row = {"us": t.median_us, "p20": t.p20_us, "p80": t.p80_us, "splits": splits, "share": nbytes / bw / (t.median_us * 1e-6)}
+    print(f"{case:8s} {form:15s} {t.median_us:8.2f} us  {100 * row['share']:5.1f}% of copy bw  splits {splits}", flush=True)
+    return row
+
 rows = {}
 CASES = os.environ.get("CASES", "ctx1k,ctx32k,ctx128k,b8_8k,b64_8k").split(",")
 for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1, 131072), ("b8_8k", 8, 8192),
@@ -138,21 +138,15 @@ for name, batch, ctx in (("ctx1k", 1, 1024), ("ctx32k", 1, 32768), ("ctx128k", 1
         if not unchecked(form):  # again after the replays
             o, lse = plans[0]()
             bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
-        res[form] = {"us": t.median_us, "p20": t.p20_us, "p80": t.p80_us, "splits": plans[0].num_splits,
-                     "share": nbytes / bw / (t.median_us * 1e-6)}
+        res[form] = timing_row(name, form, t, plans[0].num_splits, nbytes)
         mc._library = real_library
-        print(f"{name:8s} {form:15s} {t.median_us:8.2f} us  {100 * res[form]['share']:5.1f}% of copy bw  "
-              f"splits {plans[0].num_splits}", flush=True)
     if os.environ.get("HOT_SMALL"):  # the same default decode with q, lengths and block table shared by
         # every input set (only the caches rotate): as in a model, where every MLA layer of a step reads
         # the same lengths and table and q was just written, so those small tensors are in L2
         f0 = TIME_FORMS[0]
         hot = [mc.plan(first["q"], s["pool"], first["lengths"], block_table=first["table"], **plan_kwargs(f0)) for s in sets]
         t = bench.time_fn(lambda p: p(), rotate=[(p,) for p in hot], graph=True, warmup=10, repeats=60)
-        res[f"{f0}-hot-small"] = {"us": t.median_us, "p20": t.p20_us, "p80": t.p80_us, "splits": hot[0].num_splits,
-                                  "share": nbytes / bw / (t.median_us * 1e-6)}
-        print(f"{name:8s} {f0 + '-hot-small':15s} {t.median_us:8.2f} us  {100 * res[f0 + '-hot-small']['share']:5.1f}% of copy bw",
-              flush=True)
+        res[f"{f0}-hot-small"] = timing_row(name, f"{f0}-hot-small", t, hot[0].num_splits, nbytes)
     rows[name] = {"bytes": nbytes, "sets": len(sets), "floor_us": nbytes / bw * 1e6, "forms": res}
     del sets, first
     torch.cuda.empty_cache()

@@ -241,6 +241,14 @@ def test_shared_memory_fits_one_block_per_h200_sm():
         mc.smem_bytes(2)
 
 
+def test_variant_specs_are_checked_before_loading(tmp_path):
+    assert mc.load_variants("") == {}
+    with pytest.raises(ValueError, match="label:path"):
+        mc.load_variants("no-colon")
+    with pytest.raises(FileNotFoundError, match="variant 'x': no library at"):
+        mc.load_variants(f"x:{tmp_path / 'missing.so'}")
+
+
 @pytest.mark.skipif(not NVCC, reason="nvcc not on PATH (or CUDA_HOME)")
 def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
     lib_path = _build.compile_kernel(mc.NAME, kind="nvcc", target="sm_90a", output="shared",
@@ -264,6 +272,11 @@ def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
     # shared-memory formula must equal the Python side's
     lib = mc.bind(ctypes.CDLL(str(lib_path)))
     assert lib.k3_mla_decode_supported() == 1
+    # the device scripts load other builds the same way (load_variants), the formula restored after
+    formula = mc.wg_smem_bytes
+    variants = mc.load_variants(f"same:{lib_path}")
+    assert list(variants) == ["same"] and variants["same"].k3_mla_wg_smem() == mc.wg_smem_bytes()
+    assert mc.wg_smem_bytes is formula
     assert lib.k3_mla_decode_args_size() == ctypes.sizeof(mc.Args)
     # the fused form's launcher refuses bad sizes before touching the GPU (no barrier: -4)
     args = mc.Args()

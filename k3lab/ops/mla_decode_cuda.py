@@ -209,6 +209,28 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def load_variants(spec: str) -> dict[str, ctypes.CDLL]:
+    """Other builds of kernels/mla_decode.cu (diagnostic or experimental flags, each compiled with its
+    own -Dk3mla=... namespace so that several load at once), bound as `bind` binds the default: spec is
+    'label:path,label:path'. A variant's wgmma form may size its shared memory differently from this
+    module's formula, so that one check takes the variant's own figure. A missing file is an error."""
+    global wg_smem_bytes
+    out = {}
+    for item in filter(None, spec.split(",")):
+        label, sep, path = item.partition(":")
+        if not sep or not label or not path:
+            raise ValueError(f"variants must be 'label:path' items separated by commas, got {item!r}")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"variant {label!r}: no library at {path}")
+        lib, formula = ctypes.CDLL(path), wg_smem_bytes
+        wg_smem_bytes = lib.k3_mla_wg_smem
+        try:
+            out[label] = bind(lib)
+        finally:
+            wg_smem_bytes = formula
+    return out
+
+
 @functools.cache
 def _library() -> ctypes.CDLL:
     return bind(_build.load(NAME))

@@ -11,7 +11,9 @@ Here both policies run as kernels (`k3lab.ops.mla_decode`) on the machine at han
 - before: 12 heads, one program per query row walking the whole history, no matrix units;
 - after: padded to 16 rows for tl.dot, the history split by `choose_num_splits`, merged by LSE;
 - peers in the same run: plain PyTorch (einsum + softmax: variant 'torch') and torch SDPA
-  (recorded as case '<case>.sdpa', variant 'torch', since both are plain PyTorch), and AITER's
+  (recorded as case '<case>.sdpa', variant 'torch', since both are plain PyTorch), FlashMLA's dense
+  decode where it runs (variant 'flashmla': an NVIDIA sm_90a GPU and its prebuilt library, see
+  k3lab.ops.flashmla_peer; `flashmla_status()` says why not elsewhere), and AITER's
   padded decode on ROCm when it is installed (variant 'aiter', not yet run on AMD hardware by this
   project).
 
@@ -40,6 +42,7 @@ import torch
 from k3lab import bench
 from k3lab import env as _env
 from k3lab.config import K3Config
+from k3lab.ops import flashmla_peer
 from k3lab.ops import mla_decode as mla
 
 NAME = "mla_padding"
@@ -196,7 +199,7 @@ def cache_bytes(case: Case, dtype, lengths: list[int] | None = None) -> int:
 # variants
 
 
-def _variants(case: Case, heads: int) -> dict[str, tuple[str, str]]:
+def _variants(case: Case, heads: int, dtype: torch.dtype | None = None) -> dict[str, tuple[str, str]]:
     """(record case, record variant) for each runnable variant key of a case."""
     if case.kind == "sweep":
         return {"after": (case.name, "after")}
@@ -209,7 +212,16 @@ def _variants(case: Case, heads: int) -> dict[str, tuple[str, str]]:
         out.pop("padcopy")
     if mla.aiter_status()[0] and heads <= mla.MMA_ROWS:
         out["aiter"] = (case.name, "aiter")
+    if dtype in (torch.bfloat16, torch.float16) and flashmla_status()[0]:
+        out["flashmla"] = (case.name, "flashmla")
     return out
+
+
+def flashmla_status() -> tuple[bool, str]:
+    """Whether FlashMLA's decode joins the cases as a peer (k3lab.ops.flashmla_peer), and why not."""
+    if PAGE_SIZE != flashmla_peer.PAGE_SIZE:
+        return False, f"the study's pages are {PAGE_SIZE} rows, FlashMLA's {flashmla_peer.PAGE_SIZE}"
+    return flashmla_peer.status()
 
 
 def _plan(key: str, case: Case, s: dict, heads: int):
@@ -235,6 +247,8 @@ def _plan(key: str, case: Case, s: dict, heads: int):
         fn = (lambda: mla.einsum_decode(q, cache, lens)) if ragged else (lambda: mla.einsum_decode(q, cache))
     elif key == "sdpa":
         fn = (lambda: mla.sdpa_decode(q, cache, lens)) if ragged else (lambda: mla.sdpa_decode(q, cache))
+    elif key == "flashmla":
+        fn = flashmla_peer.plan(q, pool, lens, block_table=table)
     elif key == "aiter":  # not yet run on AMD hardware by this project
         fn = lambda: mla.aiter_decode(q, pool, lens, block_table=table)  # noqa: E731
     else:
@@ -290,7 +304,7 @@ def _run_case(case: Case, heads: int, dt, gpu: bool, info, modes, repeats, log) 
     sets = [first] + [_make_set(case, heads, dt, seed=1000 + i)
                       for i in range(bench.rotation_count(nbytes, max_sets=64 if gpu else 2) - 1)]
     ref_o, ref_l = mla.latent_attention(first["q"].float(), first["cache"].float(), lengths=first["lengths"])
-    variants = _variants(case, heads)
+    variants = _variants(case, heads, dt)
     errors: dict[str, dict] = {}
     for key, (rcase, _) in variants.items():  # every check before any timing
         out = _plan(key, case, first, heads)()
@@ -320,7 +334,7 @@ def _run_case(case: Case, heads: int, dt, gpu: bool, info, modes, repeats, log) 
             extra = dict(facts, cache_bytes=nbytes, achieved_tbs=achieved,
                          copy_bw_fraction=achieved / info.peak.bandwidth_tbs, compute_units=info.compute_units,
                          layout="contiguous" if key in ("einsum", "sdpa", "contig") else "paged",
-                         peer=("einsum+softmax" if key == "einsum" else "sdpa" if key == "sdpa" else None))
+                         peer={"einsum": "einsum+softmax", "sdpa": "sdpa", "flashmla": "flashmla"}.get(key))
             rec = bench.make_record(NAME, rcase, variant, timing, shape=shape, dtype=dt, floor_us=floor,
                                     error=errors[key], **extra)
             records.append(rec)
@@ -518,7 +532,8 @@ def summary(records):
         suffix = r.case[len(base) + 1:] if r.case != base else ""
         col = {("", "before"): "before_us", ("", "after"): "after_us", ("", "torch"): "einsum_us",
                ("sdpa", "torch"): "sdpa_us", ("padcopy", "after"): "after_padcopy_us",
-               ("contig", "after"): "after_contig_us", ("", "aiter"): "aiter_us"}.get((suffix, r.variant))
+               ("contig", "after"): "after_contig_us", ("", "aiter"): "aiter_us",
+               ("", "flashmla"): "flashmla_us"}.get((suffix, r.variant))
         if col is None:
             continue
         row = keyed.setdefault((r.device, base, r.mode), {"device": r.device, "case": base, "mode": r.mode,
@@ -532,13 +547,15 @@ def summary(records):
     df = pd.DataFrame(list(keyed.values()))
     if df.empty:
         return df
-    for c in ("before_us", "after_us", "einsum_us", "sdpa_us", "after_padcopy_us", "after_contig_us", "aiter_us"):
+    for c in ("before_us", "after_us", "einsum_us", "sdpa_us", "after_padcopy_us", "after_contig_us", "aiter_us",
+              "flashmla_us"):
         if c not in df:
             df[c] = math.nan
     df["speedup"] = df["before_us"] / df["after_us"]
     df["bw_fraction"] = df["floor_us"] / df["after_us"]
     df["vs_einsum"] = df["einsum_us"] / df["after_us"]
     df["vs_sdpa"] = df["sdpa_us"] / df["after_us"]
+    df["vs_flashmla"] = df["flashmla_us"] / df["after_us"]
     return df
 
 

@@ -1,0 +1,96 @@
+"""FlashMLA as a peer of the MLA decode (k3lab.ops.flashmla_peer): its absence is explained, its limits
+are clear errors, a wrong library file is refused; on an sm_90a GPU with the library, its output and
+log-sum-exp match the fp32 reference on paged caches (one token, a ragged batch, a 4-token
+verification group)."""
+
+import math
+import zipfile
+
+import pytest
+import torch
+
+from k3lab import bench
+from k3lab.ops import flashmla_peer as fm
+from k3lab.ops import mla_decode as mla
+from k3lab.studies import mla_padding as study
+
+USABLE, WHY = fm.status()
+
+
+def test_status_names_what_is_missing_and_what_is_used_instead():
+    ok, why = fm.status()
+    if not torch.cuda.is_available():
+        assert not ok and "NVIDIA GPU" in why
+    if not ok:
+        assert "without the FlashMLA peer" in why
+
+
+def test_library_path_prefers_the_environment(monkeypatch, tmp_path):
+    lib = tmp_path / "lib.so"
+    monkeypatch.setenv(fm.LIB_ENV, str(lib))
+    assert fm.library_path() == (lib, f"${fm.LIB_ENV}")
+
+
+@pytest.mark.parametrize("case,match", [
+    ("page32", "paged pool"),
+    ("contiguous", "paged pool"),
+    ("no_table", "block_table"),
+    ("fp32", "bf16 or fp16"),
+])
+def test_limits_are_clear_errors(case, match):
+    q = torch.randn(1, 1, 12, mla.LATENT_DIM, dtype=torch.bfloat16)
+    pool = torch.randn(4, 32 if case == "page32" else 64, mla.LATENT_DIM, dtype=torch.bfloat16)
+    table = torch.arange(4, dtype=torch.int32)[None]
+    lengths = torch.tensor([100])
+    if case == "contiguous":
+        pool = pool.reshape(1, -1)
+    if case == "no_table":
+        table = None
+    if case == "fp32":
+        q = q.float()
+    with pytest.raises(ValueError, match=match):
+        fm.check_inputs(q, pool, lengths, table)
+
+
+def test_a_wrong_library_file_is_refused_and_removed(monkeypatch, tmp_path):
+    def fake_download(cmd, check):  # writes a wheel whose library is not the expected file
+        dest = cmd[cmd.index("--dest") + 1]
+        with zipfile.ZipFile(f"{dest}/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl", "w") as zf:
+            zf.writestr(fm.MEMBER, b"not the library")
+
+    monkeypatch.setattr(fm.subprocess, "run", fake_download)
+    target = tmp_path / "peers" / "lib.so"
+    with pytest.raises(RuntimeError, match="unexpected sha256"):
+        fm.fetch(target)
+    assert not target.exists()
+
+
+def test_the_study_leaves_the_peer_out_where_it_cannot_run():
+    case = study.Case("x", 1, 96)
+    with_fp32 = study._variants(case, 12, torch.float32)
+    assert "flashmla" not in with_fp32  # FlashMLA has no fp32 kernel
+    with_bf16 = study._variants(case, 12, torch.bfloat16)
+    assert ("flashmla" in with_bf16) == USABLE
+
+
+def test_summary_reports_flashmla_over_after():
+    def rec(variant, us):
+        t = bench.Timing(median_us=us, p20_us=us, p80_us=us, repeats=3, mode="graph", overhead_us=0.0)
+        return bench.make_record(study.NAME, "ctx32k", variant, t, shape={"batch": 1, "context": 32768, "q_len": 1},
+                                 dtype=torch.bfloat16, floor_us=8.0)
+    df = study.summary([rec("after", 16.0), rec("flashmla", 24.0)])
+    assert math.isclose(float(df["vs_flashmla"].iloc[0]), 1.5)
+
+
+@pytest.mark.skipif(not USABLE, reason=WHY)
+@pytest.mark.parametrize("lengths,q_len", [((1000,), 1), ((32768,), 1), ((4096, 777, 64, 3000), 1), ((5000,), 4)])
+def test_matches_the_reference_on_a_gpu(lengths, q_len):
+    g = torch.Generator().manual_seed(sum(lengths) + q_len)
+    B, L = len(lengths), max(lengths)
+    q = torch.randn(B, q_len, 12, mla.LATENT_DIM, generator=g).cuda().bfloat16()
+    cache = torch.randn(B, L, mla.LATENT_DIM, generator=g).cuda().bfloat16()
+    pool, table = mla.to_paged(cache, fm.PAGE_SIZE)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    o, lse = fm.plan(q, pool, lens, block_table=table)()
+    ref_o, ref_l = mla.reference(q.float(), pool.float(), lens, block_table=table)
+    bench.check_all({"o": (o, ref_o), "lse": (lse, ref_l)}, dtype=torch.bfloat16)

@@ -2,7 +2,8 @@
 CUDA graph of 8 back-to-back decodes over the mla_padding study's rotated inputs (as bench.time_fn
 does), replays it under torch.profiler and prints, per kernel name, its mean device duration, and
 the mean per call of the whole replay (kernels plus the gaps between them). Forms from $FORMS
-(default split,wgmma); with scripts/mla_read_probe.cu built at /tmp/mla_read_probe.so (by
+(default split,wgmma; 'flashmla' is FlashMLA's decode, k3lab.ops.flashmla_peer) over $CASES
+(default ctx32k,ctx128k; ctx1k too); with scripts/mla_read_probe.cu built at /tmp/mla_read_probe.so (by
 device_mla_read_probe.py), the bare ring reader of the same bytes too. Writes $OUT/kernel_times.json.
 """
 import collections
@@ -14,6 +15,7 @@ import zlib
 import torch
 
 from k3lab import bench, env
+from k3lab.ops import flashmla_peer
 from k3lab.ops import mla_decode_cuda as mc
 from k3lab.studies import mla_padding as st
 
@@ -32,15 +34,20 @@ if os.path.exists(so):
         lib.probe_ring(s["pool"].data_ptr(), s["table"].data_ptr(), s["lengths_host"][0] // 32, 128, 5, 0, 8,
                        sink.data_ptr(), tail, torch.cuda.current_stream().cuda_stream)
 
+CONTEXTS = {"ctx1k": 1024, "ctx32k": 32768, "ctx128k": 131072}
 res = {}
-for name, batch, ctx in (("ctx32k", 1, 32768), ("ctx128k", 1, 131072)):
-    case = st.Case(name, batch, ctx)
+for name in os.environ.get("CASES", "ctx32k,ctx128k").split(","):
+    case = st.Case(name, 1, CONTEXTS[name])
     first = st._make_set(case, 12, torch.bfloat16, seed=zlib.crc32(case.name.encode()) % 10_000)
     nbytes = st.cache_bytes(case, torch.bfloat16, first["lengths_host"])
     sets = [first] + [st._make_set(case, 12, torch.bfloat16, seed=1000 + i)
                       for i in range(bench.rotation_count(nbytes, max_sets=64) - 1)]
-    variants = {f: [(lambda p=mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], form=f): p())
-                    for s in sets] for f in forms}
+
+    def plan(s, f):
+        if f == "flashmla":
+            return flashmla_peer.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"])
+        return mc.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], form=f)
+    variants = {f: [(lambda p=plan(s, f): p()) for s in sets] for f in forms}
     diag_so = os.environ.get("WG_DIAG_SO", "/tmp/mla_diag.so")  # K3_MLA_WG_DATA_ONLY build (device_mla_wgmma.py)
     if os.path.exists(diag_so):
         real, diag = mc._library, mc.bind(ctypes.CDLL(diag_so))

@@ -838,3 +838,58 @@ def wave_figure(df: pd.DataFrame, title: str | None = None):
     return px.bar(df, x="form", y="us", color="grid", barmode="group", text_auto=".0f",
                   title=title or "64 requests x 8K on the H200: a second, partial wave costs a whole piece",
                   labels={"us": "us per decode (graph replay)"})
+
+
+# ----------------------------------------------------------------------------------------------
+# a public Hopper kernel in the same run: FlashMLA's dense decode (variant 'flashmla'), and its two
+# kernels beside ours (committed H200 run of scripts/device_mla_kernel_times.py, FORMS=wgmma,flashmla)
+
+PEER_KERNELS = "extra/flashmla_kernels_c52a2ce.json"
+
+
+def peer_table(records, peer: str = "flashmla", mode: str = "graph") -> pd.DataFrame:
+    """Per case that has the peer: the after, the peer, the floor, both shares of the copy bandwidth
+    and peer / after (above 1: the after is faster), from one run's records."""
+    df = summary(records)
+    col = f"{peer}_us"
+    if df.empty or col not in df or df[col].isna().all():
+        raise ValueError(f"no {peer!r} records among these {len(records)} records")
+    df = df[(df["mode"] == mode) & df[col].notna()].copy()
+    df["after_share"] = df["floor_us"] / df["after_us"]
+    df[f"{peer}_share"] = df["floor_us"] / df[col]
+    df[f"{peer}_over_after"] = df[col] / df["after_us"]
+    keep = ["case", "batch", "context", "q_len", "after_us", col, "floor_us", "after_share", f"{peer}_share",
+            f"{peer}_over_after"]
+    return df[keep].sort_values(["q_len", "batch", "context"]).reset_index(drop=True)
+
+
+def peer_figure(df: pd.DataFrame, peer: str = "flashmla", title: str | None = None):
+    """Grouped bars of peer_table: the after, the peer and the floor per case (log scale)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for col, name in (("after_us", "after (k3lab)"), (f"{peer}_us", peer), ("floor_us", "floor (bytes / copy bw)")):
+        fig.add_trace(go.Bar(x=df["case"], y=df[col], name=name, text=[f"{v:.1f}" for v in df[col]]))
+    fig.update_layout(template="plotly_white", barmode="group", yaxis_type="log",
+                      yaxis_title="us per decode step (graph replay)",
+                      title=title or f"H200: k3lab's after against {peer} in the same run")
+    return fig
+
+
+def peer_kernels(device: str = "nvidia-h200", path=None) -> pd.DataFrame:
+    """Per case and form of the committed kernel-times run: the time per call of a graph replay and
+    each kernel's mean device duration (split kernel, merge kernel)."""
+    path = Path(path) if path is not None else bench.PROFILES / device / NAME / PEER_KERNELS
+    rows = json.loads(Path(path).read_text()).get("rows")
+    if not isinstance(rows, dict) or not rows:
+        raise ValueError(f"{path} is not a run of scripts/device_mla_kernel_times.py")
+    out = []
+    for key, v in rows.items():
+        case, form = key.split(".", 1)
+        kernels = list(v["kernels"].items())
+        if len(kernels) != 2:
+            raise ValueError(f"{path}: {key} has {len(kernels)} kernels, expected a split and a merge kernel")
+        (split_name, split), (merge_name, merge) = kernels
+        out.append({"case": case, "form": form, "per_call_us": v["per_call_us"], "split_kernel": split_name,
+                    "split_us": split["mean_us"], "merge_kernel": merge_name, "merge_us": merge["mean_us"]})
+    return pd.DataFrame(out)

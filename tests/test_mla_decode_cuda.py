@@ -549,3 +549,42 @@ def test_on_the_gpu_too_large_a_grid_falls_back_to_the_merge_kernel():
         mc.plan(q, kern, lens, block_table=bt, num_splits=splits, merge="fused")
     # and the default piece count fits: 'auto' fuses it
     assert mc.plan(q, kern, lens, block_table=bt, merge="auto").merge == "fused"
+
+
+@pytest.mark.parametrize("case,match", [("contiguous", "block_table"), ("no_lengths", "lengths"),
+                                        ("heads17", "heads"), ("short", "shorter than q_len")])
+def test_verify_as_requests_refusals_by_name(case, match):
+    q, pool, bt, lens = _paged(page=64, L=128, lengths=(100,))
+    q = q.expand(1, 4, 12, mla.LATENT_DIM).contiguous()
+    kw = dict(block_table=bt)
+    if case == "contiguous":
+        pool, kw = _inputs(L=128)[1], dict(block_table=None)
+    if case == "no_lengths":
+        lens = None
+    if case == "heads17":
+        q = torch.randn(1, 4, 17, mla.LATENT_DIM, dtype=torch.bfloat16)
+    if case == "short":
+        lens = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        mc.plan_verify(q, pool, lens, **kw)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+@pytest.mark.parametrize("lengths,q_len", [((4097,), 2), ((32768,), 4), ((5000, 33, 64, 2049), 4), ((700,), 8)])
+def test_on_the_gpu_verify_as_requests_matches_the_reference(lengths, q_len):
+    """Each token of a verification group as its own request: causal inside the group, outputs and
+    lse against the fp32 reference, through plan_after(kernel='cuda') as the study calls it."""
+    if not _runs():
+        pytest.skip(f"kernel unavailable: {mc.status()[1]}")
+    g = torch.Generator().manual_seed(q_len * 7 + len(lengths))
+    B, L = len(lengths), max(lengths) + 40
+    q = torch.randn(B, q_len, 12, mla.LATENT_DIM, generator=g).cuda().bfloat16()
+    cache = torch.randn(B, L, mla.LATENT_DIM, generator=g).cuda().bfloat16()
+    pool, bt = mla.to_paged(cache, 64)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    p = mla.plan_after(q, pool, lens, block_table=bt, kernel="cuda")
+    assert p.facts()["verify"] == "tokens as requests" and p.programs >= B * q_len
+    o, lse = p()
+    ro, rl = mla.reference(q.float(), pool.float(), lens, block_table=bt)
+    assert o.shape == (B, q_len, 12, mla.VALUE_DIM) and lse.shape == (B, q_len, 12)
+    bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)

@@ -1443,6 +1443,9 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
             raise ValueError("kernel='cuda' takes no block_n / num_warps / num_stages / pad='copy' / bulk_options")
         cuda_pdl = os.environ.get("K3LAB_MLA_PDL", "1") != "0" if pdl is None else bool(pdl)
         try:
+            if inp.q_len > 1:  # a verification group: each token a one-token request over the same pages
+                return mc.plan_verify(q, cache, lengths, block_table=block_table, scale=scale,
+                                      num_splits=num_splits, compute_units=compute_units, pdl=cuda_pdl)
             return mc.plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits,
                            compute_units=compute_units, pdl=cuda_pdl)
         except ValueError:

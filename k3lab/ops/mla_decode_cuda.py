@@ -724,3 +724,50 @@ def mla_decode_cuda(q, cache, lengths=None, *, block_table=None, scale=None, num
     o, lse = plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
                   warps=warps, pdl=pdl, form=form, merge=merge)()
     return o.clone(), lse.clone()
+
+
+# ----------------------------------------------------------------------------------------------
+# verification groups as one-token requests
+
+class VerifyAsRequestsPlan:
+    """A verification group of q_len tokens run by the one-token kernel: token t of request b becomes
+    request b * q_len + t, reading the same pages with length lengths[b] - q_len + 1 + t (so each
+    token sees its own prefix: causal inside the group). The q_len requests of one group read the same
+    tiles at about the same time, so DRAM serves each tile once and L2 the rest. Calling it returns
+    (o [B, q_len, H, 512], lse [B, q_len, H]) as views of the inner plan's buffers."""
+
+    def __init__(self, inner: CudaDecodePlan, batch: int, q_len: int, keep: tuple):
+        self.inner, self.batch, self.q_len, self._keep = inner, batch, q_len, keep
+
+    def __getattr__(self, name):  # the inner plan's attributes (form, num_splits, programs, ...)
+        return getattr(self.inner, name)
+
+    def facts(self) -> dict:
+        return dict(self.inner.facts(), verify="tokens as requests", q_len=self.q_len)
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = self.inner()
+        H = o.shape[2]
+        return o.view(self.batch, self.q_len, H, VALUE_DIM), lse.view(self.batch, self.q_len, H)
+
+
+def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, pdl: bool = True,
+                compute_units: int | None = None, form: str | None = None) -> VerifyAsRequestsPlan:
+    """Plan a verification group (q [B, q_len >= 1, H, 576], a paged cache) on this module's kernel,
+    each token as its own one-token request over the same pages (VerifyAsRequestsPlan). Refusals by
+    name as in `check`, plus: a paged cache (block_table=) and lengths are required."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a tensor [B, q_len, H, {LATENT_DIM}], got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if block_table is None or lengths is None:
+        raise ValueError("plan_verify needs a paged cache: block_table= and lengths= (each token becomes a request "
+                         "over the same pages)")
+    inp = mla._validate(q, cache, lengths, block_table)  # q_len, lengths >= q_len, pages in the pool
+    B, Tq = inp.batch, inp.q_len
+    steps = torch.arange(Tq, dtype=torch.int32, device=q.device)
+    token_lengths = (inp.lengths[:, None] - Tq + 1 + steps[None, :]).reshape(-1).contiguous()
+    token_table = inp.block_table.repeat_interleave(Tq, dim=0).contiguous()
+    token_q = q.contiguous().view(B * Tq, 1, q.shape[2], q.shape[3])
+    inner = plan(token_q, cache, token_lengths, block_table=token_table, scale=scale, num_splits=num_splits,
+                 pdl=pdl, compute_units=compute_units, form=form)
+    return VerifyAsRequestsPlan(inner, B, Tq, (token_q, token_lengths, token_table))

@@ -588,3 +588,18 @@ def test_on_the_gpu_verify_as_requests_matches_the_reference(lengths, q_len):
     ro, rl = mla.reference(q.float(), pool.float(), lens, block_table=bt)
     assert o.shape == (B, q_len, 12, mla.VALUE_DIM) and lse.shape == (B, q_len, 12)
     bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+def test_on_the_gpu_the_default_takes_pairs_to_cuda_and_longer_groups_to_triton():
+    if not _runs():
+        pytest.skip(f"kernel unavailable: {mc.status()[1]}")
+    cache = torch.randn(1, 4096, mla.LATENT_DIM, device="cuda").bfloat16()
+    pool, bt = mla.to_paged(cache, 64)
+    lens = torch.tensor([4000], dtype=torch.int32, device="cuda")
+    for q_len in (1, 2, 3, 4):
+        q = torch.randn(1, q_len, 12, mla.LATENT_DIM, device="cuda").bfloat16()
+        p = mla.plan_after(q, pool, lens, block_table=bt)
+        assert p.kernel == ("cuda" if q_len in mla.CUDA_VERIFY_Q_LENS else "split"), (q_len, p.kernel)
+    q = torch.randn(1, 2, 12, mla.LATENT_DIM, device="cuda").bfloat16()
+    assert mla.plan_after(q, cache, lens).kernel == "split"  # a contiguous cache: no pages to share

@@ -41,8 +41,10 @@ Which kernel runs the after. For one-token bf16 decodes on NVIDIA sm_90 with nvc
 returns a plan of the hand-written CUDA kernel (k3lab/ops/mla_decode_cuda.py, kernels/mla_decode.cu:
 mma.sync on the 16 padded heads, bulk copies into a 5-deep ring): on the H200 20.0 / 47.6 us at
 32K / 128K against this module's Triton kernel's 21.9 / 52.3 in the same run (44% / 75% of the copy
-bandwidth, commit 1a77c32). `cuda_after_status` says whether it runs here and why not; everywhere
-else (CPU interpreter, ROCm, verification groups, fp32/fp16, pages under 32 rows) the Triton
+bandwidth, commit 1a77c32). `cuda_after_status` says whether it runs here and why not. It also
+takes verification pairs (q_len 2 on a paged cache: each token a one-token request over the same
+pages, `mla_decode_cuda.plan_verify`; CUDA_VERIFY_Q_LENS says why not longer groups); everywhere
+else (CPU interpreter, ROCm, longer verification groups, fp32/fp16, pages under 32 rows) the Triton
 kernels below run. kernel='split' asks for the Triton kernel by name. The CUDA plan merges its
 pieces with a second kernel; its fused form (one cooperative launch merging after a grid barrier)
 is opt-in through K3LAB_MLA_MERGE=auto (mla_decode_cuda.choose_merge): right on the H200 but not
@@ -131,6 +133,11 @@ MMA_ROWS = 16  # the fewest rows tl.dot accepts: the padded head count
 MAX_Q_LEN = 8  # verification group: the draft tokens plus one
 TOKENS_PER_PROGRAM = 4  # after: verify tokens sharing one program (4 x 16 = 64 rows of accumulator)
 MAX_SPLITS = 512
+# q_len the CUDA kernel takes by default (plan_after): 1, and verification pairs as two one-token
+# requests over the same pages (mla_decode_cuda.plan_verify). Each token re-reads the tiles from L2, so
+# the gain shrinks with q_len: on the H200 at 32K (15c8ca5) 21.3 against the Triton kernel's 39.4 us for
+# 2 positions, 35.3 against 37.2 for 4 (L2-bound: 4 x 37.7 MB), and level at 8 x 8K with 4.
+CUDA_VERIFY_Q_LENS = (1, 2)
 BULK_BLOCK_N = 64  # bulk kernel: latent rows per tile (a page of 64; M = 64 is what wgmma wants)
 # The bulk kernel is opt-in (kernel='bulk' or K3LAB_MLA_KERNEL=bulk) until a GPU run checks it: on the
 # H200 (round 3, commit e7931ef) it computed wrong outputs (bf16, paged) and hit an illegal memory
@@ -1190,7 +1197,8 @@ def bulk_status(cache: torch.Tensor | None = None, page_size: int | None = None,
 def cuda_after_status(q=None, cache=None, lengths=None, block_table=None) -> tuple[bool, str]:
     """Whether `plan_after` runs the hand-written CUDA kernel (k3lab.ops.mla_decode_cuda) by default
     here and, if not, why (with inputs: for these inputs). It does for one-token decodes (q_len 1,
-    <= 16 heads, bf16) on NVIDIA compute capability 9.0+ with nvcc; everywhere else the Triton
+    <= 16 heads, bf16) on NVIDIA compute capability 9.0+ with nvcc, and for verification pairs
+    (q_len 2, paged) as two one-token requests (CUDA_VERIFY_Q_LENS); everywhere else the Triton
     split kernel runs (ROCm included: the CUDA kernel has no AMD path)."""
     from k3lab.ops import mla_decode_cuda as mc  # here: mla_decode_cuda imports this module
 
@@ -1434,7 +1442,8 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     fixed = block_n is not None or num_warps is not None or num_stages is not None
     asked = kernel == "cuda" or (kernel is None and os.environ.get("K3LAB_MLA_KERNEL") == "cuda")
     by_default = (kernel is None and not os.environ.get("K3LAB_MLA_KERNEL") and not fixed and pad == "registers"
-                  and bulk_options is None and merge_dv == MERGE_DV and inp.q_len == 1 and H <= MMA_ROWS
+                  and bulk_options is None and merge_dv == MERGE_DV and inp.q_len in CUDA_VERIFY_Q_LENS
+                  and H <= MMA_ROWS
                   and _on_gpu() and cuda_after_status()[0])
     if asked or by_default:
         from k3lab.ops import mla_decode_cuda as mc  # the default where it runs (cuda_after_status)

@@ -4,6 +4,8 @@ e.g. .cache/variants/co.so: one tile loaded, every tile's arithmetic run on it),
 one kernel on its own (scripts/device_env.sh first):
     ncu -k regex:merge_kernel -c 1 --set full python3 scripts/mla_ncu_target.py
     WG_SO=.cache/variants/co.so CTX=131072 ncu -k regex:wg_kernel -c 1 --section SpeedOfLight python3 scripts/mla_ncu_target.py
+Q_LEN=2 or 4: a verification group instead, each token a one-token request (mla_decode_cuda.plan_verify):
+    Q_LEN=4 ncu -k regex:wg_kernel -c 1 --metrics dram__bytes_read.sum,lts__t_bytes.sum python3 scripts/mla_ncu_target.py
 """
 import ctypes
 import os
@@ -19,11 +21,15 @@ if os.environ.get("WG_SO"):  # a diagnostic build, bound as scripts/device_mla_w
     mc._library = lambda: bound
 torch.manual_seed(0)
 L = int(os.environ.get("CTX", "32768"))
-q = torch.randn(1, 1, 12, 576, device="cuda").to(torch.bfloat16)
+T = int(os.environ.get("Q_LEN", "1"))
+q = torch.randn(1, T, 12, 576, device="cuda").to(torch.bfloat16)
 cache = torch.randn(1, L, 576, device="cuda").to(torch.bfloat16)
 pool, table = mla.to_paged(cache, 64, seed=3)
 lens = torch.tensor([L], dtype=torch.int32, device="cuda")
-plan = mc.plan(q, pool, lens, block_table=table, form="wgmma")
+if T == 1:
+    plan = mc.plan(q, pool, lens, block_table=table, form="wgmma")
+else:
+    plan = mc.plan_verify(q, pool, lens, block_table=table, form="wgmma")
 for _ in range(3):
     plan()
 torch.cuda.synchronize()

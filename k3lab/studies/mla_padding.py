@@ -116,6 +116,8 @@ def _kernel_cases() -> list[Case]:
             Case("verify4_32k.cuda", 1, 32768, q_len=4, kind="sweep", kernel="cuda")]
     out += [Case(f"verify{tq}_b8_8k.{label}", 8, 8192, q_len=tq, kind="sweep", kernel=kernel)
             for tq in (2, 4) for label, kernel in (("triton", "split"), ("cuda", "cuda"))]
+    out += [Case(f"verify3_32k.{label}", 1, 32768, q_len=3, kind="sweep", kernel=kernel)
+            for label, kernel in (("triton", "split"), ("cuda", "cuda"))]
     out += [Case(f"{n}.bulk", base[n].batch, base[n].context, q_len=base[n].q_len, ragged=base[n].ragged,
                 kind="sweep", kernel="bulk")
            for n in ("ctx1k", "ctx32k", "ctx128k", "b8_8k", "b64_8k", "ragged8_8k", "verify4_32k")]

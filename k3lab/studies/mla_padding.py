@@ -115,7 +115,7 @@ def _kernel_cases() -> list[Case]:
     out += [Case("verify2_32k.triton", 1, 32768, q_len=2, kind="sweep", kernel="split"),
             Case("verify4_32k.cuda", 1, 32768, q_len=4, kind="sweep", kernel="cuda")]
     out += [Case(f"verify{tq}_b8_8k.{label}", 8, 8192, q_len=tq, kind="sweep", kernel=kernel)
-            for tq in (2, 4) for label, kernel in (("triton", "split"), ("cuda", "cuda"))]
+            for tq in (2, 3, 4) for label, kernel in (("triton", "split"), ("cuda", "cuda"))]
     out += [Case(f"verify3_32k.{label}", 1, 32768, q_len=3, kind="sweep", kernel=kernel)
             for label, kernel in (("triton", "split"), ("cuda", "cuda"))]
     out += [Case(f"{n}.bulk", base[n].batch, base[n].context, q_len=base[n].q_len, ragged=base[n].ragged,

@@ -213,8 +213,12 @@ K3_DEVICE uint32_t cluster_rank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return r;
 }
-K3_DEVICE void cluster_sync() {
+K3_DEVICE void cluster_sync() {  // full ordering: at the start, after the barriers' initialisation
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// per tile: execution order only (every CTA's products have read the stage: wgmma waited for); no fence
+K3_DEVICE void cluster_step() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 }
 K3_DEVICE void tma_box_multicast(uint32_t dst, const void* map, int col, int row, uint32_t bar, uint16_t ctas) {
   asm volatile(
@@ -464,7 +468,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_commit();
     wg_wait_all();
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
-    if (ncta > 1 && j + WG_STAGES < ntiles) cluster_sync();  // ... and every CTA of the cluster is too
+    if (ncta > 1 && j + WG_STAGES < ntiles) cluster_step();  // ... and every CTA of the cluster is too
     if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY)
       wg_issue(a, &map, refill_row, stage, bars + 8 * st, ncta, rank);
   }

@@ -1211,12 +1211,9 @@ K3_EXPORT int k3_mla_wg_regs() {
   return e == cudaSuccess ? attr.numRegs : -(int)e;
 }
 
-// The wgmma form's launch and merge; cluster > 1: a verification group as clusters (kernels/mla_wgmma.h,
-// a.B = requests x cluster pseudo-requests, each tile multicast to the cluster). 0 or an error code.
-static int decode_wg(const k3mla::Args* args, const void* map, const void* qmap, int pdl, int max_shared, int cluster,
-                     void* stream) {
+K3_EXPORT int k3_mla_decode_wg(const k3mla::Args* args, const void* map, const void* qmap, int pdl, int max_shared,
+                               void* stream) {
   const k3mla::Args& a = *args;
-  if (cluster < 1 || cluster > 8 || a.B % cluster != 0) return -4;
   if (map == nullptr || qmap == nullptr || a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 1 ||
       a.splits > 65535 || a.chunk < k3mla::WG_BN || a.chunk % k3mla::WG_BN != 0 ||
       (a.block_table != nullptr && (a.max_pages < 1 || a.page_shift < 6 || a.page_shift > 30)) ||
@@ -1226,24 +1223,9 @@ static int decode_wg(const k3mla::Args* args, const void* map, const void* qmap,
   memcpy(&m, map, sizeof(m));
   memcpy(&qm, qmap, sizeof(qm));
   cudaStream_t st = (cudaStream_t)stream;
-  const int rc = k3mla::launch_wg(a, m, qm, max_shared, st, cluster);
+  const int rc = k3mla::launch_wg(a, m, qm, max_shared, st);
   if (rc != 0 || a.splits == 1) return rc;
   return k3mla::launch_merge(a, pdl, st);
-}
-
-K3_EXPORT int k3_mla_decode_wg(const k3mla::Args* args, const void* map, const void* qmap, int pdl, int max_shared,
-                               void* stream) {
-  return decode_wg(args, map, qmap, pdl, max_shared, 1, stream);
-}
-
-K3_EXPORT int k3_mla_decode_wg_cluster(const k3mla::Args* args, const void* map, const void* qmap, int pdl,
-                                       int max_shared, int cluster, void* stream) {
-  return cluster < 2 ? -4 : decode_wg(args, map, qmap, pdl, max_shared, cluster, stream);
-}
-
-K3_EXPORT int k3_mla_wg_max_clusters(int cluster, int max_shared) {
-  if (cluster < 1 || cluster > 8) return -4;
-  return k3mla::wg_max_clusters(cluster, max_shared);
 }
 
 // The fused form's capacity: blocks of the fused kernel that can be resident at once on the current
@@ -1345,9 +1327,5 @@ K3_EXPORT int k3_mla_wg_qmap(void*, const void*, int, int, long long, long long)
 K3_EXPORT int k3_mla_decode_wg(const k3mla::Args*, const void*, const void*, int, int, int, void*) {
   return K3_MLA_UNSUPPORTED;
 }
-K3_EXPORT int k3_mla_decode_wg_cluster(const k3mla::Args*, const void*, const void*, int, int, int, int, void*) {
-  return K3_MLA_UNSUPPORTED;
-}
-K3_EXPORT int k3_mla_wg_max_clusters(int, int) { return K3_MLA_UNSUPPORTED; }
 
 #endif

@@ -131,6 +131,16 @@
 //   arithmetic is not a latency chain that a second warpgroup overlaps: with the same matrix work and
 //   shared-memory operand reads, the swap and its extra barrier only add. Not kept.
 
+// Eleventh session (H200): verification groups run this kernel with each token a one-token request over
+// the same pages (mla_decode_cuda.plan_verify); DRAM serves each tile once and L2 once per further token
+// (ncu at 32K: 37.8 MB from DRAM for 1, 2 and 4 tokens; extra/ncu_verify_4656917.txt). Tried and removed
+// (commits 9a73b86, 947b7b6; extra/verify_share_*.json): the group's blocks as one cluster, each tile's
+// boxes requested once and multicast to every block, a cluster barrier per tile before a stage is
+// refilled. Right (every GPU test), but slower than sharing through L2: 2 positions at 32K 23.97 against
+// 21.68 us, 4 positions 42.88 against 35.92, 2 at 8 x 8K 41.74 against 38.01 (with a release barrier
+// per tile: 26.72, 49.55, 47.33). The blocks then move in step and each waits for DRAM with two stages;
+// independent blocks let the leading one fetch a tile into L2 for the others.
+
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
 // its tiles exactly as below but skips the arithmetic (its outputs are then meaningless).
 #ifndef K3_MLA_WG_DATA_ONLY
@@ -198,36 +208,6 @@ K3_DEVICE void tma_box(uint32_t dst, const void* map, int col, int row, uint32_t
       : "memory");
 }
 
-// Verification groups as clusters (launch_wg with cluster > 1): the cluster's CTAs are the tokens of one
-// request's group over the same piece of its history (blockIdx.y = request x tokens + token). Each tile
-// is fetched once for the whole cluster: CTA r requests the boxes i with i % cluster == r, multicast to
-// every CTA of the cluster, so DRAM and L2 each serve a tile once however many tokens read it. A stage is
-// refilled only after every CTA of the cluster is done with it (a cluster barrier per tile).
-K3_DEVICE uint32_t cluster_ctas() {
-  uint32_t n;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-  return n;
-}
-K3_DEVICE uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-K3_DEVICE void cluster_sync() {  // full ordering: at the start, after the barriers' initialisation
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// per tile: execution order only (every CTA's products have read the stage: wgmma waited for); no fence
-K3_DEVICE void cluster_step() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
-}
-K3_DEVICE void tma_box_multicast(uint32_t dst, const void* map, int col, int row, uint32_t bar, uint16_t ctas) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], "
-      "[%4], %5;" ::"r"(dst),
-      "l"(map), "r"(col), "r"(row), "r"(bar), "h"(ctas)
-      : "memory");
-}
-
 // Thread 0, at the start: the tile maps prefetched, the barriers (WG_STAGES tiles + the queries at
 // bars + 8 WG_STAGES) initialised, and Q^T requested by the copy engine: 9 boxes of [16 heads x 64
 // columns], swizzled; heads past a.heads lie outside the map and arrive as zeros (the padding). Every
@@ -259,14 +239,9 @@ K3_DEVICE int wg_row(const Args& a, int b, int pos) { return (int)(row_at(a, b, 
 #define K3_MLA_WG_BULK_TILE 0
 #endif
 
-// Thread 0: tile at row `row` into `stage` (9 boxes), completing on `bar`. In a cluster of n CTAs (rank
-// r), this CTA requests boxes r, r + n, ... for all of them; its barrier expects the whole tile either way.
-K3_DEVICE void wg_issue(const Args& a, const void* map, int row, uint32_t stage, uint32_t bar, int n = 1, int r = 0) {
+// Thread 0: tile at row `row` into `stage` (9 boxes), completing on `bar`.
+K3_DEVICE void wg_issue(const Args& a, const void* map, int row, uint32_t stage, uint32_t bar) {
   mbar_expect_tx(bar, (uint32_t)WG_STAGE);
-  if (n > 1) {
-    for (int i = r; i < WG_BOXES; i += n) tma_box_multicast(stage + i * WG_BOX, map, 64 * i, row, bar, (uint16_t)((1u << n) - 1));
-    return;
-  }
 #if K3_MLA_WG_BULK_TILE
   bulk_copy(stage, a.kv + (long long)row * D, (uint32_t)WG_STAGE, bar);
 #else
@@ -327,15 +302,11 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   const uint32_t qbar = bars + 8 * WG_STAGES;
   const int length = __ldg(a.lengths + b);
   const int end = min(length, start + a.chunk);
-  // a cluster (verification group) loads the tiles of its longest token; each CTA masks past its own end
-  const int ncta = (int)cluster_ctas(), rank = ncta > 1 ? (int)cluster_rank() : 0;
-  const int load_end = ncta > 1 ? min(__ldg(a.lengths + b - rank + ncta - 1), start + a.chunk) : end;
-  const int ntiles = load_end > start ? (load_end - start + WG_BN - 1) / WG_BN : 0;
-  if (tid == 0) wg_start(&map, &qmap, bars, qs, b);
-  if (ncta > 1) cluster_sync();  // every CTA's barriers are initialised before any multicast lands
+  const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
   if (tid == 0) {
+    wg_start(&map, &qmap, bars, qs, b);
     for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i)
-      wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i, ncta, rank);
+      wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
   // thread 0 (probe): cycles from its start until the first tiles were requested
   const long long issue_cycles = a.probe != nullptr ? clock64() - c_start : 0;
@@ -367,7 +338,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       }
     }
     const int pos0 = start + j * WG_BN;
-    const int valid = max(0, min(WG_BN, end - pos0));  // 0: past this token's end (a cluster's longer tile run)
+    const int valid = min(WG_BN, end - pos0);
     if (valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
       const int units = WG_BOXES * (WG_BN - valid) * 8;
       for (int u = tid; u < units; u += 128) {
@@ -468,9 +439,8 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_commit();
     wg_wait_all();
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
-    if (ncta > 1 && j + WG_STAGES < ntiles) cluster_step();  // ... and every CTA of the cluster is too
     if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY)
-      wg_issue(a, &map, refill_row, stage, bars + 8 * st, ncta, rank);
+      wg_issue(a, &map, refill_row, stage, bars + 8 * st);
   }
 
   const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;
@@ -589,7 +559,7 @@ inline int wg_make_qmap(CUtensorMap* map, const void* q, int heads, int batch, l
   return r == CUDA_SUCCESS ? 0 : -1000 - (int)r;
 }
 
-inline int configure_wg(int max_shared) {
+inline int launch_wg(const Args& a, const CUtensorMap& map, const CUtensorMap& qmap, int max_shared, cudaStream_t st) {
   const int bytes = wg_smem_bytes();
   if (bytes > max_shared) return -3;
   static bool configured = false;
@@ -598,51 +568,8 @@ inline int configure_wg(int max_shared) {
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
-  return 0;
-}
-
-// cluster > 1: clusters of `cluster` CTAs along y (a verification group's tokens; a.B is a multiple).
-inline int launch_wg(const Args& a, const CUtensorMap& map, const CUtensorMap& qmap, int max_shared, cudaStream_t st,
-                     int cluster = 1) {
-  const int rc = configure_wg(max_shared);
-  if (rc != 0) return rc;
-  if (cluster <= 1) {
-    wg_kernel<<<dim3(a.splits, a.B), 128, wg_smem_bytes(), st>>>(a, map, qmap);
-    return (int)cudaGetLastError();
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(a.splits, a.B);
-  cfg.blockDim = dim3(128);
-  cfg.dynamicSmemBytes = wg_smem_bytes();
-  cfg.stream = st;
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 1;
-  attr.val.clusterDim.y = cluster;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return (int)cudaLaunchKernelEx(&cfg, wg_kernel, a, map, qmap);
-}
-
-// How many clusters of `cluster` CTAs can be resident at once on the current device. <0: error.
-inline int wg_max_clusters(int cluster, int max_shared) {
-  const int rc = configure_wg(max_shared);
-  if (rc != 0) return rc < 0 ? rc : -rc;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(1, cluster);
-  cfg.blockDim = dim3(128);
-  cfg.dynamicSmemBytes = wg_smem_bytes();
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 1;
-  attr.val.clusterDim.y = cluster;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, wg_kernel, &cfg);
-  return e == cudaSuccess ? n : -(int)e;
+  wg_kernel<<<dim3(a.splits, a.B), 128, bytes, st>>>(a, map, qmap);
+  return (int)cudaGetLastError();
 }
 
 }  // namespace k3mla

@@ -1,6 +1,6 @@
 """Issue 5, verification groups: the Triton split kernel against the CUDA kernel with each token a
-one-token request (mla_decode_cuda.plan_verify), the tokens sharing each tile through L2 ('l2') or by
-multicast within a cluster of blocks ('multicast'). Every form is checked against the fp32 reference
+one-token request (mla_decode_cuda.plan_verify: the tokens share each tile through L2). Every form is
+checked against the fp32 reference
 on the study's first input set, then timed by graph replay over the study's rotated sets. Cases from
 $CASES (default below: 'B x context x q_len'). Writes $OUT/verify_share.json and prints a table.
 """
@@ -20,8 +20,7 @@ os.makedirs(out, exist_ok=True)
 spec = os.environ.get("CASES", "1x32768x2,1x32768x3,1x32768x4,1x32768x8,8x8192x2,8x8192x4,1x131072x4")
 FORMS = {
     "triton": lambda s: mla.plan_after(s["q"], s["pool"], s["lengths"], block_table=s["table"], kernel="split"),
-    "l2": lambda s: mc.plan_verify(s["q"], s["pool"], s["lengths"], block_table=s["table"], share="l2"),
-    "multicast": lambda s: mc.plan_verify(s["q"], s["pool"], s["lengths"], block_table=s["table"], share="multicast"),
+    "l2": lambda s: mc.plan_verify(s["q"], s["pool"], s["lengths"], block_table=s["table"]),
 }
 rows = {}
 for item in spec.split(","):
@@ -40,8 +39,7 @@ for item in spec.split(","):
         err = bench.check_all({"o": (o, ref_o), "lse": (lse, ref_l)}, dtype=torch.bfloat16)
         t = bench.time_fn(lambda p: p(), rotate=[(p,) for p in plans], graph=True, warmup=10, repeats=100)
         facts = plans[0].facts() if hasattr(plans[0], "facts") else {}
-        row["forms"][name] = {"us": t.median_us, "rel_l2": err["o"]["rel_l2"], "splits": facts.get("num_splits"),
-                              "cluster": facts.get("cluster")}
+        row["forms"][name] = {"us": t.median_us, "rel_l2": err["o"]["rel_l2"], "splits": facts.get("num_splits")}
         print(f"{case.name:18s} {name:10s} {t.median_us:8.2f} us  rel_l2 {err['o']['rel_l2']:.1e}  "
               f"splits {facts.get('num_splits')}", flush=True)
     rows[case.name] = row
@@ -49,7 +47,7 @@ for item in spec.split(","):
     torch.cuda.empty_cache()
 json.dump({"device": torch.cuda.get_device_name(), "versions": dict(env.versions()), "commit": bench.git_commit(),
            "rows": rows}, open(os.path.join(out, "verify_share.json"), "w"), indent=1)
-print("case                triton      l2   multicast  (us, graph replay)")
+print("case                triton      l2  (us, graph replay)")
 for name, r in rows.items():
     f = r["forms"]
-    print(f"{name:18s} {f['triton']['us']:8.2f} {f['l2']['us']:8.2f} {f['multicast']['us']:8.2f}")
+    print(f"{name:18s} {f['triton']['us']:8.2f} {f['l2']['us']:8.2f}")

@@ -190,11 +190,6 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                    ctypes.c_longlong]
     lib.k3_mla_decode_wg.argtypes = [ctypes.POINTER(Args), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                      ctypes.c_void_p]
-    lib.k3_mla_decode_wg_cluster.restype = ctypes.c_int
-    lib.k3_mla_decode_wg_cluster.argtypes = [ctypes.POINTER(Args), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                             ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    lib.k3_mla_wg_max_clusters.restype = ctypes.c_int
-    lib.k3_mla_wg_max_clusters.argtypes = [ctypes.c_int, ctypes.c_int]
     size = lib.k3_mla_decode_args_size()
     if size != ctypes.sizeof(Args):
         raise _build.KernelUnavailable(f"{NAME}.cu's Args is {size} bytes but the Python Args is "
@@ -538,7 +533,6 @@ class CudaDecodePlan:
     _barrier: torch.Tensor | None = field(repr=False, default=None)  # fused: [counter, give-ups] (int64)
     _tensor_map: object = field(repr=False, default=None)  # form 'wgmma': the cache's and q's 128-byte CUtensorMaps
     form_why: str = ""  # why this form (choose_form, or 'asked')
-    cluster: int = 1  # > 1: a verification group's tokens as clusters of CTAs sharing each tile (plan_verify)
 
     # the names a Triton `mla_decode.DecodePlan` answers to, so callers need not care which runs
     variant = "after"
@@ -580,8 +574,7 @@ class CudaDecodePlan:
     def facts(self) -> dict:
         cfg = self.config
         smem = form_smem_bytes(self.form, self.stages)
-        return {"kernel": "cuda", "form": self.form, "cluster": self.cluster, "num_splits": self.num_splits,
-                "chunk": self.chunk,
+        return {"kernel": "cuda", "form": self.form, "num_splits": self.num_splits, "chunk": self.chunk,
                 "block_n": cfg.block_n, "num_stages": cfg.num_stages, "num_warps": cfg.num_warps, "smem_bytes": smem,
                 "programs": self.programs, "launches": self.launches, "pdl": self.pdl, "rows_per_program": 16,
                 "merge": self.merge, "form_why": self.form_why}
@@ -593,14 +586,6 @@ class CudaDecodePlan:
             rc = lib.k3_mla_decode_fused(ctypes.byref(self._args), self._max_shared, ctypes.c_void_p(stream))
             if rc != 0:
                 raise RuntimeError(f"{NAME}.cu refused the fused launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
-            return self.out, self.lse
-        if self.form == "wgmma" and self.cluster > 1:
-            rc = lib.k3_mla_decode_wg_cluster(ctypes.byref(self._args), ctypes.addressof(self._tensor_map[0]),
-                                              ctypes.addressof(self._tensor_map[1]), int(self.pdl), self._max_shared,
-                                              self.cluster, ctypes.c_void_p(stream))
-            if rc != 0:
-                raise RuntimeError(f"{NAME}.cu refused the clustered wgmma launch ({rc}: "
-                                   f"{_ERRORS.get(rc, 'CUDA runtime error')})")
             return self.out, self.lse
         if self.form == "wgmma":
             rc = lib.k3_mla_decode_wg(ctypes.byref(self._args), ctypes.addressof(self._tensor_map[0]),
@@ -620,8 +605,7 @@ class CudaDecodePlan:
 
 def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
          warps=DEFAULT_WARPS, pdl: bool = True, compute_units: int | None = None,
-         probe: torch.Tensor | None = None, form: str | None = None, merge: str | None = None,
-         cluster: int = 1) -> CudaDecodePlan:
+         probe: torch.Tensor | None = None, form: str | None = None, merge: str | None = None) -> CudaDecodePlan:
     """Check once (ValueError by name), then build a launchable plan on the GPU (KernelUnavailable,
     with the reason, where the kernel cannot run). num_splits: None = `choose_splits` for the
     device's SM count; stages / warps: the compiled ring depth and block size (5 and 4 by default);
@@ -631,19 +615,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     merge: 'kernel', 'fused', 'auto' or None (= K3LAB_MLA_MERGE, else DEFAULT_MERGE): how the pieces
     are merged, see `choose_merge`; `plan.merge` says which path runs and `plan.merge_why` why.
     form: 'split', 'wgmma', 'halves', 'team', 'auto' or None (= K3LAB_MLA_FORM, else 'auto'): which split kernel,
-    see `choose_form`; `plan.form` says which runs and `plan.form_why` why.
-    cluster > 1 (plan_verify): the batch is requests x `cluster` tokens, each group of `cluster`
-    consecutive requests one cluster of CTAs that shares every tile (form 'wgmma', merge kernel, no probe)."""
-    if not isinstance(cluster, int) or isinstance(cluster, bool) or not 1 <= cluster <= MAX_CLUSTER:
-        raise ValueError(f"cluster must be an integer in 1..{MAX_CLUSTER}, got {cluster!r}")
-    if cluster > 1:
-        if form not in (None, "auto", "wgmma"):
-            raise ValueError(f"cluster > 1 runs form 'wgmma' only, got form={form!r}")
-        if probe is not None or merge == "fused":
-            raise ValueError("cluster > 1 takes no probe and no fused merge")
-        if q.dim() == 4 and q.shape[0] % cluster:
-            raise ValueError(f"the batch (q.shape[0] = {q.shape[0]}) must be a multiple of cluster = {cluster}")
-        form, merge = "wgmma", "kernel"
+    see `choose_form`; `plan.form` says which runs and `plan.form_why` why."""
     form = form_wanted(form)
     c = check(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
               warps=warps, form=form, merge=merge)
@@ -655,7 +627,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     inp = c.inp
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
-    form_why = f"form={form!r} asked" if cluster == 1 else f"clusters of {cluster} (a verification group) need 'wgmma'"
+    form_why = f"form={form!r} asked"
     if form == "auto":
         form, form_why = choose_form(inp.batch, inp.max_len, compute_units or props.multi_processor_count,
                                      refusal=wgmma_refusal(q, cache, block_table), num_splits=num_splits,
@@ -668,15 +640,8 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     per_unit = int(getattr(props, "shared_memory_per_multiprocessor", 0) or max_shared)
     blocks_per_unit = max(1, per_unit // (need + 1024))  # the driver keeps 1 KB per block
     units = compute_units or props.multi_processor_count
-    if cluster > 1:  # each cluster is one unit: at most as many clusters as can be resident at once
-        fits = _library().k3_mla_wg_max_clusters(cluster, max_shared)
-        if fits < 1:
-            raise _build.KernelUnavailable(f"no cluster of {cluster} wgmma blocks fits on this GPU ({fits})")
-        splits, chunk = choose_splits(inp.batch // cluster, inp.max_len, min(fits, units // cluster),
-                                      num_splits=num_splits, block_n=WG_BLOCK_N)
-    else:
-        splits, chunk = choose_splits(inp.batch, inp.max_len, units, blocks_per_unit=blocks_per_unit,
-                                      num_splits=num_splits, block_n=WG_BLOCK_N if form == "wgmma" else BLOCK_N)
+    splits, chunk = choose_splits(inp.batch, inp.max_len, units, blocks_per_unit=blocks_per_unit,
+                                  num_splits=num_splits, block_n=WG_BLOCK_N if form == "wgmma" else BLOCK_N)
     B, H = inp.batch, inp.heads
     out = torch.empty(B, 1, H, VALUE_DIM, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, 1, H, dtype=torch.float32, device=q.device)
@@ -725,7 +690,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
         args.barrier = barrier.data_ptr()
     keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse, probe, barrier)
     return CudaDecodePlan(splits, chunk, stages, warps, bool(pdl) and path == "kernel", form, out, lse, args, keep,
-                          max_shared, dev, path, why, barrier, tensor_map, form_why, cluster)
+                          max_shared, dev, path, why, barrier, tensor_map, form_why)
 
 
 def probe_size(batch: int, heads: int, splits: int) -> int:
@@ -765,16 +730,11 @@ def mla_decode_cuda(q, cache, lengths=None, *, block_table=None, scale=None, num
 # ----------------------------------------------------------------------------------------------
 # verification groups as one-token requests
 
-MAX_CLUSTER = 8  # the portable cluster size: verification groups of up to 8 tokens (mla_decode.MAX_Q_LEN)
-
-
 class VerifyAsRequestsPlan:
     """A verification group of q_len tokens run by the one-token kernel: token t of request b becomes
     request b * q_len + t, reading the same pages with length lengths[b] - q_len + 1 + t (so each
     token sees its own prefix: causal inside the group). The q_len requests of one group read the same
-    tiles: as one cluster of blocks, each tile fetched once and multicast to all (share='multicast'),
-    or as independent blocks at about the same time, DRAM serving each tile once and L2 the rest
-    (share='l2'). Calling it returns
+    tiles at about the same time, so DRAM serves each tile once and L2 the rest. Calling it returns
     (o [B, q_len, H, 512], lse [B, q_len, H]) as views of the inner plan's buffers."""
 
     def __init__(self, inner: CudaDecodePlan, batch: int, q_len: int, keep: tuple):
@@ -784,8 +744,7 @@ class VerifyAsRequestsPlan:
         return getattr(self.inner, name)
 
     def facts(self) -> dict:
-        share = "multicast" if self.inner.cluster > 1 else "l2"
-        return dict(self.inner.facts(), verify="tokens as requests", share=share, q_len=self.q_len)
+        return dict(self.inner.facts(), verify="tokens as requests", q_len=self.q_len)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         o, lse = self.inner()
@@ -794,16 +753,10 @@ class VerifyAsRequestsPlan:
 
 
 def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, pdl: bool = True,
-                compute_units: int | None = None, form: str | None = None,
-                share: str = "multicast") -> VerifyAsRequestsPlan:
+                compute_units: int | None = None, form: str | None = None) -> VerifyAsRequestsPlan:
     """Plan a verification group (q [B, q_len >= 1, H, 576], a paged cache) on this module's kernel,
-    each token as its own one-token request over the same pages (VerifyAsRequestsPlan). share: how the
-    tokens share a tile: 'multicast' (a group's blocks form one cluster and each tile is fetched once
-    and multicast to all of them; form 'wgmma') or 'l2' (independent blocks: DRAM serves a tile once and
-    L2 once per further token). Refusals by name as in `check`, plus: a paged cache (block_table=) and
-    lengths are required."""
-    if share not in ("multicast", "l2"):
-        raise ValueError(f"share must be 'multicast' or 'l2', got {share!r}")
+    each token as its own one-token request over the same pages (VerifyAsRequestsPlan). Refusals by
+    name as in `check`, plus: a paged cache (block_table=) and lengths are required."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a tensor [B, q_len, H, {LATENT_DIM}], got "
                          f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
@@ -816,7 +769,6 @@ def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, 
     token_lengths = (inp.lengths[:, None] - Tq + 1 + steps[None, :]).reshape(-1).contiguous()
     token_table = inp.block_table.repeat_interleave(Tq, dim=0).contiguous()
     token_q = q.contiguous().view(B * Tq, 1, q.shape[2], q.shape[3])
-    cluster = Tq if share == "multicast" and Tq > 1 else 1
     inner = plan(token_q, cache, token_lengths, block_table=token_table, scale=scale, num_splits=num_splits,
-                 pdl=pdl, compute_units=compute_units, form=form, cluster=cluster)
+                 pdl=pdl, compute_units=compute_units, form=form)
     return VerifyAsRequestsPlan(inner, B, Tq, (token_q, token_lengths, token_table))

@@ -570,7 +570,8 @@ def test_verify_as_requests_refusals_by_name(case, match):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
-@pytest.mark.parametrize("lengths,q_len", [((4097,), 2), ((32768,), 4), ((5000, 33, 64, 2049), 4), ((700,), 8)])
+@pytest.mark.parametrize("lengths,q_len", [((4097,), 2), ((32768,), 4), ((5000, 33, 64, 2049), 4), ((700,), 8),
+                                           ((130, 64, 65), 3)])  # tokens ending on and just past a tile edge
 def test_on_the_gpu_verify_as_requests_matches_the_reference(lengths, q_len):
     """Each token of a verification group as its own request: causal inside the group, outputs and
     lse against the fp32 reference, through plan_after(kernel='cuda') as the study calls it."""

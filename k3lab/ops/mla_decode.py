@@ -1037,17 +1037,31 @@ BEFORE_CANDIDATES = ((32, 8, 2), (16, 4, 2), (16, 8, 2), (64, 8, 2))
 
 
 def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, block_n=None, num_warps=None,
-                num_stages=None, tune: bool | None = None, fast_launch: bool | None = None) -> DecodePlan:
+                num_stages=None, tune: bool | None = None, fast_launch: bool | None = None,
+                kernel: str | None = None) -> DecodePlan:
     """Validate once and return a launchable plan of the conservative kernel (see module docstring).
 
-    Launch configuration: block_n / num_warps / num_stages fix it; otherwise, on a GPU, the
+    kernel: 'cuda' (k3lab.ops.mla_before_cuda: the same policy as a CUDA-core kernel, bf16 on NVIDIA
+    GPUs; the default there), 'triton' (`_before_kernel`) or None = 'cuda' where it runs with no
+    launch configuration asked for, else 'triton'. plan.kernel says which runs.
+
+    Launch configuration (Triton): block_n / num_warps / num_stages fix it; otherwise, on a GPU, the
     candidates of BEFORE_CANDIDATES are timed once per shape class when tuning is on (tune=True or
     K3LAB_MLA_TUNE=1), as `plan_after` does, so the conservative kernel gets the same tuning as the
     fast one. fast_launch (or K3LAB_MLA_FAST_LAUNCH=1): relaunch the compiled kernel directly after
     one bit-exact comparison with the JIT launch. Both are not yet run on a GPU by this project."""
+    if kernel not in (None, "cuda", "triton"):
+        raise ValueError(f"kernel must be 'cuda', 'triton' or None, got {kernel!r}")
     inp = _validate(q, cache, lengths, block_table)
     fast_launch = _fast_launch_wanted(fast_launch)
     fixed = block_n is not None or num_warps is not None or num_stages is not None
+    if kernel == "cuda" or (kernel is None and not fixed and not tune and q.dtype == torch.bfloat16 and _on_gpu()):
+        from k3lab.ops import mla_before_cuda as mb
+
+        if kernel == "cuda" or mb.status()[0]:
+            if fixed:
+                raise ValueError("kernel='cuda' takes no block_n / num_warps / num_stages")
+            return mb.plan(q, cache, lengths, block_table=block_table, scale=scale)
     if fixed or not _tuning_wanted(tune) or not _on_gpu():
         cfg = launch_config("before", q.dtype, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
         return _build_before(inp, q, cfg, scale, fast_launch)

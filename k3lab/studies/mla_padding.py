@@ -146,6 +146,8 @@ def _tune_cases() -> list[Case]:
                 for b, w, s in cfgs]
     out += [Case(f"tune.ctx32k.before.bn{b}w{w}s{s}", 1, 32768, kind="tune", tune=("before", b, w, s))
             for b, w, s in ((16, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 2), (32, 8, 3))]
+    # the Triton before at its default configuration, where the default before is the CUDA kernel
+    out += [Case("tune.ctx1k.before.bn32w8s2", 1, 1024, kind="tune", tune=("before", 32, 8, 2))]
     return out
 
 

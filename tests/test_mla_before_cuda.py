@@ -1,0 +1,91 @@
+"""The conservative MLA decode on CUDA cores (kernels/mla_before.cu via k3lab.ops.mla_before_cuda):
+refusals by name everywhere; the sm_90a build (no spills, the ctypes Args layout checked against the
+compiled library, which loads without a GPU) where nvcc is present; on a GPU, outputs and lse against
+the fp32 reference for contiguous and paged caches, ragged lengths with NaN past them, and
+verification groups, through plan_before as the study calls it."""
+
+import ctypes
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3lab import bench
+from k3lab.ops import _build
+from k3lab.ops import mla_before_cuda as mb
+from k3lab.ops import mla_decode as mla
+
+GPU = torch.cuda.is_available()
+NVCC = _build.find_toolchain("nvcc") is not None
+
+
+@pytest.mark.parametrize("case,match", [("fp32", "bfloat16"), ("odd_row", "4-byte"), ("width", "576")])
+def test_refusals_by_name(case, match):
+    q = torch.randn(1, 1, 12, mla.LATENT_DIM).bfloat16()
+    cache = torch.randn(1, 64, mla.LATENT_DIM).bfloat16()
+    if case == "fp32":
+        q, cache = q.float(), cache.float()
+    if case == "odd_row":
+        cache = torch.zeros(1, 64 * mla.LATENT_DIM + 1).bfloat16()[:, 1:].view(1, 64, mla.LATENT_DIM)
+    if case == "width":
+        cache = torch.randn(1, 64, 512).bfloat16()
+    with pytest.raises(ValueError, match=match):
+        mb.check(q, cache)
+
+
+def test_plan_before_kernel_choice_by_name():
+    q = torch.randn(1, 1, 12, mla.LATENT_DIM)
+    cache = torch.randn(1, 64, mla.LATENT_DIM)
+    with pytest.raises(ValueError, match="kernel must be"):
+        mla.plan_before(q, cache, kernel="asm")
+    if not GPU:  # asked for by name where it cannot run: the reason, not a silent fallback
+        with pytest.raises((_build.KernelUnavailable, ValueError)):
+            mla.plan_before(q.bfloat16(), cache.bfloat16(), kernel="cuda")
+        assert mla.plan_before(q, cache).kernel != "cuda"  # the Triton kernel runs, as status() says
+
+
+@pytest.mark.skipif(not NVCC, reason="nvcc not on PATH (or CUDA_HOME)")
+def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
+    lib_path = _build.compile_kernel(mb.NAME, kind="nvcc", target="sm_90a", output="shared", dest=tmp_path / "b.so")
+    report = Path(str(lib_path) + ".log").read_text()
+    spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and all(s == 0 for s in spills), report[-2000:]
+    lib = mb.bind(ctypes.CDLL(str(lib_path)))
+    assert lib.k3_mla_before_args_size() == ctypes.sizeof(mb.Args)
+
+
+def _runs() -> bool:
+    return GPU and mb.status()[0]
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("lengths,q_len,H", [((1,), 1, 12), ((33,), 1, 12), ((1000,), 1, 16), ((32768,), 1, 12),
+                                             ((5000, 7, 64, 2049), 1, 12), ((300, 130), 4, 12), ((700,), 8, 3)])
+def test_on_the_gpu_matches_the_reference(paged, lengths, q_len, H):
+    if not _runs():
+        pytest.skip(f"kernel unavailable: {mb.status()[1]}")
+    g = torch.Generator().manual_seed(sum(lengths) + q_len + H)
+    B, L = len(lengths), max(lengths) + 40
+    q = torch.randn(B, q_len, H, mla.LATENT_DIM, generator=g).cuda().bfloat16()
+    cache = torch.randn(B, L, mla.LATENT_DIM, generator=g).cuda().bfloat16()
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    past = torch.arange(L, device="cuda")[None, :] >= lens[:, None]
+    cache[past] = 0  # the reference's view: nothing past a length
+    if paged:
+        pool, bt = mla.to_paged(cache, 64, spare_pages=2)
+        kern = pool.clone()
+        rows = (bt.long()[:, :, None] * 64 + torch.arange(64, device="cuda")).view(B, -1)[:, :L]
+        used = torch.zeros(pool.shape[0] * 64, dtype=torch.bool, device="cuda")
+        used[rows[~past]] = True
+        kern.view(-1, mla.LATENT_DIM)[~used] = float("nan")  # NaN past every length must not leak
+        p = mla.plan_before(q, kern, lens, block_table=bt)
+    else:
+        kern = cache.clone()
+        kern[past] = float("nan")
+        p = mla.plan_before(q, kern, lens)
+    assert p.kernel == "cuda" and p.programs == B * q_len * H
+    o, lse = p()
+    ro, rl = mla.reference(q.float(), cache.float(), lens)
+    bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)

@@ -8,7 +8,9 @@ input, 22.9 -> 22.8 at 1K (8x MI355X, TP8, concurrency 1, whole-model time per t
 
 Here both policies run as kernels (`k3lab.ops.mla_decode`) on the machine at hand:
 
-- before: 12 heads, one program per query row walking the whole history, no matrix units;
+- before: 12 heads, one program per query row walking the whole history, no matrix units (on NVIDIA
+  GPUs a CUDA-core kernel, k3lab.ops.mla_before_cuda; the Triton kernel elsewhere and in the
+  'tune.*.before.*' cases);
 - after: padded to 16 rows for tl.dot, the history split by `choose_num_splits`, merged by LSE;
 - peers in the same run: plain PyTorch (einsum + softmax: variant 'torch') and torch SDPA
   (recorded as case '<case>.sdpa', variant 'torch', since both are plain PyTorch), FlashMLA's dense
@@ -854,7 +856,7 @@ def wave_figure(df: pd.DataFrame, title: str | None = None):
 # a public Hopper kernel in the same run: FlashMLA's dense decode (variant 'flashmla'), and its two
 # kernels beside ours (committed H200 run of scripts/device_mla_kernel_times.py, FORMS=wgmma,flashmla)
 
-PEER_KERNELS = "extra/flashmla_kernels_fedd7b3.json"
+PEER_KERNELS = "extra/flashmla_kernels_274aaeb.json"
 
 
 def peer_table(records, peer: str = "flashmla", mode: str = "graph") -> pd.DataFrame:

@@ -141,6 +141,12 @@
 // per tile: 26.72, 49.55, 47.33). The blocks then move in step and each waits for DRAM with two stages;
 // independent blocks let the leading one fetch a tile into L2 for the others.
 
+// Tried and removed (commit 13b25de, extra/l2_ahead_13b25de.json): tiles requested into L2 ahead of the
+// two stages by TMA prefetch (cp.async.bulk.prefetch.tensor), 1, 2 or 4 tiles beyond the refill, so that a
+// refill finds its tile in L2. Right, but slower everywhere and more so the further ahead: 32K 17.64 /
+// 18.08 / 18.13 against 16.82 us, 128K 46.35 / 49.08 / 58.42 against 43.09, 64 x 8K 174.1 / 177.8 / 229.8
+// against 155.8. An L2 lead is not a third stage here.
+
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
 // its tiles exactly as below but skips the arithmetic (its outputs are then meaningless).
 #ifndef K3_MLA_WG_DATA_ONLY
@@ -150,12 +156,6 @@
 // arithmetic runs on it (outputs meaningless): the arithmetic's own time per tile.
 #ifndef K3_MLA_WG_COMPUTE_ONLY
 #define K3_MLA_WG_COMPUTE_ONLY 0
-#endif
-// Tiles requested into L2 ahead of the two shared-memory stages (TMA prefetch, no shared memory): the
-// stream then runs K3_MLA_WG_L2_AHEAD tiles further ahead of the arithmetic, and a stage's refill finds
-// its tile in L2. 0 = none.
-#ifndef K3_MLA_WG_L2_AHEAD
-#define K3_MLA_WG_L2_AHEAD 0
 #endif
 // Diagnostics only (-DK3_MLA_WG_PROBE_CLOCK=1): the probe's tile-wait word holds instead thread 0's clock
 // cycles from its first tile landing to the loop's end, so that cycles / (loop_end - first) is the SM clock.
@@ -245,14 +245,6 @@ K3_DEVICE int wg_row(const Args& a, int b, int pos) { return (int)(row_at(a, b, 
 #define K3_MLA_WG_BULK_TILE 0
 #endif
 
-// Thread 0: the 9 boxes of the tile at row `row` requested into L2 only.
-K3_DEVICE void wg_prefetch(const void* map, int row) {
-#pragma unroll
-  for (int i = 0; i < WG_BOXES; ++i)
-    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(map), "r"(64 * i), "r"(row)
-                 : "memory");
-}
-
 // Thread 0: tile at row `row` into `stage` (9 boxes), completing on `bar`.
 K3_DEVICE void wg_issue(const Args& a, const void* map, int row, uint32_t stage, uint32_t bar) {
   mbar_expect_tx(bar, (uint32_t)WG_STAGE);
@@ -321,8 +313,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_start(&map, &qmap, bars, qs, b);
     for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i)
       wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
-    for (int i = WG_STAGES; i < WG_STAGES + K3_MLA_WG_L2_AHEAD && i < ntiles; ++i)
-      wg_prefetch(&map, wg_row(a, b, start + i * WG_BN));
   }
   // thread 0 (probe): cycles from its start until the first tiles were requested
   const long long issue_cycles = a.probe != nullptr ? clock64() - c_start : 0;
@@ -343,8 +333,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     const uint32_t stage = stages + st * WG_STAGE;
     // the row of the tile that will refill this stage, read now: its latency hides behind this tile
     const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
-    const int ahead = j + WG_STAGES + K3_MLA_WG_L2_AHEAD;  // the tile to request into L2 with this refill
-    const int ahead_row = (K3_MLA_WG_L2_AHEAD > 0 && tid == 0 && ahead < ntiles) ? wg_row(a, b, start + ahead * WG_BN) : 0;
     const long long c0 = a.probe != nullptr ? clock64() : 0;
     if (!K3_MLA_WG_COMPUTE_ONLY || j == 0) mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
     if (a.probe != nullptr) {  // thread 0's clock cycles waiting for tiles after the first
@@ -459,7 +447,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
     if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY)
       wg_issue(a, &map, refill_row, stage, bars + 8 * st);
-    if (K3_MLA_WG_L2_AHEAD > 0 && tid == 0 && ahead < ntiles) wg_prefetch(&map, ahead_row);
   }
 
   const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;

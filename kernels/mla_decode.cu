@@ -1207,13 +1207,16 @@ K3_EXPORT int k3_mla_wg_qmap(void* map, const void* q, int heads, int batch, lon
 
 K3_EXPORT int k3_mla_wg_regs() {
   cudaFuncAttributes attr;
-  const cudaError_t e = cudaFuncGetAttributes(&attr, k3mla::wg_kernel);
+  const cudaError_t e = cudaFuncGetAttributes(&attr, k3mla::wg_kernel<1>);
   return e == cudaSuccess ? attr.numRegs : -(int)e;
 }
 
-K3_EXPORT int k3_mla_decode_wg(const k3mla::Args* args, const void* map, const void* qmap, int pdl, int max_shared,
-                               void* stream) {
+// The wgmma form's launch and merge; tokens = 2: blocks of two consecutive requests that are two tokens of
+// one verification group (kernels/mla_wgmma.h, NT = 2; a.B even). 0 or an error code.
+static int decode_wg(const k3mla::Args* args, const void* map, const void* qmap, int pdl, int max_shared, int tokens,
+                     void* stream) {
   const k3mla::Args& a = *args;
+  if ((tokens != 1 && tokens != 2) || a.B % tokens != 0) return -4;
   if (map == nullptr || qmap == nullptr || a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 1 ||
       a.splits > 65535 || a.chunk < k3mla::WG_BN || a.chunk % k3mla::WG_BN != 0 ||
       (a.block_table != nullptr && (a.max_pages < 1 || a.page_shift < 6 || a.page_shift > 30)) ||
@@ -1223,9 +1226,23 @@ K3_EXPORT int k3_mla_decode_wg(const k3mla::Args* args, const void* map, const v
   memcpy(&m, map, sizeof(m));
   memcpy(&qm, qmap, sizeof(qm));
   cudaStream_t st = (cudaStream_t)stream;
-  const int rc = k3mla::launch_wg(a, m, qm, max_shared, st);
+  const int rc = tokens == 2 ? k3mla::launch_wg<2>(a, m, qm, max_shared, st) : k3mla::launch_wg<1>(a, m, qm, max_shared, st);
   if (rc != 0 || a.splits == 1) return rc;
   return k3mla::launch_merge(a, pdl, st);
+}
+
+K3_EXPORT int k3_mla_decode_wg(const k3mla::Args* args, const void* map, const void* qmap, int pdl, int max_shared,
+                               void* stream) {
+  return decode_wg(args, map, qmap, pdl, max_shared, 1, stream);
+}
+
+K3_EXPORT int k3_mla_decode_wg_tokens(const k3mla::Args* args, const void* map, const void* qmap, int pdl, int max_shared,
+                                      int tokens, void* stream) {
+  return decode_wg(args, map, qmap, pdl, max_shared, tokens, stream);
+}
+
+K3_EXPORT int k3_mla_wg_tokens_smem(int tokens) {
+  return tokens == 1 ? k3mla::wg_smem_bytes_t<1>() : tokens == 2 ? k3mla::wg_smem_bytes_t<2>() : -4;
 }
 
 // The fused form's capacity: blocks of the fused kernel that can be resident at once on the current
@@ -1327,5 +1344,9 @@ K3_EXPORT int k3_mla_wg_qmap(void*, const void*, int, int, long long, long long)
 K3_EXPORT int k3_mla_decode_wg(const k3mla::Args*, const void*, const void*, int, int, int, void*) {
   return K3_MLA_UNSUPPORTED;
 }
+K3_EXPORT int k3_mla_decode_wg_tokens(const k3mla::Args*, const void*, const void*, int, int, int, void*) {
+  return K3_MLA_UNSUPPORTED;
+}
+K3_EXPORT int k3_mla_wg_tokens_smem(int) { return -1; }
 
 #endif

@@ -177,8 +177,16 @@ constexpr int WG_Q = WG_BOXES * WG_QBOX;          // 18,432 bytes
 constexpr int WG_P = ROWS * 128;                  // P: 16 heads x 64 positions (bf16), one swizzled 128 B row each
 constexpr int WG_RED = 3 * 4 * ROWS * 4;          // two max exchanges and one sum exchange: [4 warps][16 heads] fp32
 constexpr int WG_OPITCH = DV + 4;               // the finished piece staged in shared memory: [16 heads][516] fp32
-constexpr int wg_smem_bytes() { return 1024 + WG_STAGES * WG_STAGE + WG_Q + WG_P + WG_RED + (WG_STAGES + 1) * 8; }
-static_assert(ROWS * WG_OPITCH * 4 <= WG_STAGES * WG_STAGE, "the piece is staged in the free ring");
+// NT tokens per block (a verification group's tokens as one product, NT = 2): N = 16 NT columns of S^T and
+// O^T, token-major (column 16 t + head). The sizes above are NT = 1's; these are any NT's.
+template <int NT> __host__ __device__ constexpr int wg_qbox() { return NT * WG_QBOX; }
+template <int NT> __host__ __device__ constexpr int wg_q() { return WG_BOXES * wg_qbox<NT>(); }
+template <int NT> __host__ __device__ constexpr int wg_p() { return NT * WG_P; }
+template <int NT> __host__ __device__ constexpr int wg_red() { return NT * WG_RED; }
+template <int NT>
+__host__ __device__ constexpr int wg_smem_bytes_t() { return 1024 + WG_STAGES * WG_STAGE + wg_q<NT>() + wg_p<NT>() + wg_red<NT>() + (WG_STAGES + 1) * 8; }
+constexpr int wg_smem_bytes() { return wg_smem_bytes_t<1>(); }
+static_assert(2 * ROWS * WG_OPITCH * 4 <= WG_STAGES * WG_STAGE, "the piece is staged in the free ring");
 
 #if defined(K3_MLA_SM90)
 // A shared-memory matrix descriptor with the 128-byte swizzle (PTX ISA, wgmma "matrix descriptor"):
@@ -206,6 +214,18 @@ K3_DEVICE void wg_mma(float (&d)[8], uint64_t da, uint64_t db, int accumulate) {
       : "l"(da), "l"(db), "r"(accumulate), "n"(TRANS_A)
       : "memory");
 }
+// the same, m64n32k16 (two tokens' 16 heads as N)
+template <int TRANS_A>
+K3_DEVICE void wg_mma(float (&d)[16], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %18, 0;\n\t"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15}, %16, %17, p, 1, 1, %19, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TRANS_A)
+      : "memory");
+}
 
 K3_DEVICE void tma_box(uint32_t dst, const void* map, int col, int row, uint32_t bar) {
   asm volatile(
@@ -219,19 +239,23 @@ K3_DEVICE void tma_box(uint32_t dst, const void* map, int col, int row, uint32_t
 // columns], swizzled; heads past a.heads lie outside the map and arrive as zeros (the padding). Every
 // block reads the same 18 KB: 16-byte loads from 128 threads of every SM cost ~1.2 us here (H200,
 // data-only build), the boxes do not.
+// With NT tokens (requests b .. b + NT - 1 of the map), token t's 16 rows follow token t - 1's in each box.
+template <int NT>
 K3_DEVICE void wg_start(const void* map, const void* qmap, uint32_t bars, uint32_t qs, int b) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
   for (int s = 0; s <= WG_STAGES; ++s) mbar_init(bars + 8 * s, 1);
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   const uint32_t qbar = bars + 8 * WG_STAGES;
-  mbar_expect_tx(qbar, (uint32_t)WG_Q);
+  mbar_expect_tx(qbar, (uint32_t)wg_q<NT>());
 #pragma unroll
   for (int i = 0; i < WG_BOXES; ++i)
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(
-            qs + i * WG_QBOX),
-        "l"(qmap), "r"(64 * i), "r"(0), "r"(b), "r"(qbar)
-        : "memory");
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      asm volatile(
+          "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(
+              qs + i * wg_qbox<NT>() + t * WG_QBOX),
+          "l"(qmap), "r"(64 * i), "r"(0), "r"(b + t), "r"(qbar)
+          : "memory");
 }
 
 // The first cache row (of the tensor map's rows) of position `pos` of request b: row_at's element
@@ -267,9 +291,10 @@ constexpr float WG_LAZY = 8.f;
 
 // p = 2^(s - m) for this thread's 2 positions x 4 heads, stored as bf16 into P (head h, position q: row h
 // of 128 B, 16-byte unit q / 8 swizzled by h % 8). m: the references (-inf: no reference yet, 0 used).
-K3_DEVICE void wg_store_p(float (&p)[8], const float (&s)[8], const float (&m)[4], uint32_t ps, int q0, int t4) {
+template <int NC>
+K3_DEVICE void wg_store_p(float (&p)[2 * NC], const float (&s)[2 * NC], const float (&m)[NC], uint32_t ps, int q0, int t4) {
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < NC; ++c) {
     const int h = wg_head(c, t4), i = 4 * (c >> 1) + (c & 1);
     const float u = m[c] == -INFINITY ? 0.f : m[c];
     p[i] = fast_exp2(s[i] - u);
@@ -285,18 +310,24 @@ K3_DEVICE void wg_store_p(float (&p)[8], const float (&s)[8], const float (&m)[4
 }
 #endif
 
+// NT = 1: one token (request) per block, the decode. NT = 2: a block per pair of consecutive requests that
+// are two tokens of one verification group (same pages): both tokens' scores and values in one product
+// each (N = 32), so the pair reads each tile once. Requests b0 = NT blockIdx.y + t.
+template <int NT>
 __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_constant__ CUtensorMap map,
                                                    const __grid_constant__ CUtensorMap qmap) {
+  constexpr int N = NT * ROWS, NC = N / 4;  // columns of S^T / O^T; columns per thread
+  constexpr int SACC = NT == 1 ? 4 : 2;     // score accumulators used in turn
   extern __shared__ unsigned char wg_raw[];
 #if defined(K3_MLA_SM90)
   // 1024-byte aligned base: the 128-byte swizzle pattern is a function of the address bits
   const uint32_t raw = smem_u32(wg_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* gbase = wg_raw + (base - raw);
-  const uint32_t stages = base, qs = base + WG_STAGES * WG_STAGE, ps = qs + WG_Q;
-  float* red = reinterpret_cast<float*>(gbase + WG_STAGES * WG_STAGE + WG_Q + WG_P);  // [3][4][16]
-  const uint32_t bars = ps + WG_P + WG_RED;
-  const int split = blockIdx.x, b = blockIdx.y;
+  const uint32_t stages = base, qs = base + WG_STAGES * WG_STAGE, ps = qs + wg_q<NT>();
+  float* red = reinterpret_cast<float*>(gbase + WG_STAGES * WG_STAGE + wg_q<NT>() + wg_p<NT>());  // [3][4][N]
+  const uint32_t bars = ps + wg_p<NT>() + wg_red<NT>();
+  const int split = blockIdx.x, b = NT * blockIdx.y;  // b: the block's first request (token)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   launch_dependents();  // the merge may launch now; it waits for this grid
   const unsigned long long t_start = a.probe != nullptr ? now_ns() : 0ull;
@@ -306,11 +337,15 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
 
   const int start = split * a.chunk;
   const uint32_t qbar = bars + 8 * WG_STAGES;
-  const int length = __ldg(a.lengths + b);
-  const int end = min(length, start + a.chunk);
+  int end_t[NT], end = start;  // each token's end in this piece, and the latest
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    end_t[t] = min(__ldg(a.lengths + b + t), start + a.chunk);
+    end = max(end, end_t[t]);
+  }
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
   if (tid == 0) {
-    wg_start(&map, &qmap, bars, qs, b);
+    wg_start<NT>(&map, &qmap, bars, qs, b);
     for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i)
       wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
@@ -319,14 +354,14 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   __syncthreads();  // the barriers are initialised before anyone waits on them
   mbar_wait(qbar, 0);
 
-  float o[8][8];  // O^T: value columns 64 mb + 16 warp + g (+8) x this thread's 4 heads
+  float o[8][2 * NC];  // O^T: value columns 64 mb + 16 warp + g (+8) x this thread's NC columns
 #pragma unroll
   for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
-    for (int e = 0; e < 8; ++e) o[mb][e] = 0.f;
-  float m_run[4], l_run[4];
+    for (int e = 0; e < 2 * NC; ++e) o[mb][e] = 0.f;
+  float m_run[NC], l_run[NC];
 #pragma unroll
-  for (int c = 0; c < 4; ++c) m_run[c] = -INFINITY, l_run[c] = 0.f;
+  for (int c = 0; c < NC; ++c) m_run[c] = -INFINITY, l_run[c] = 0.f;
 
   for (int j = 0; j < ntiles; ++j) {
     const int st = K3_MLA_WG_COMPUTE_ONLY ? 0 : j % WG_STAGES;
@@ -344,7 +379,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       }
     }
     const int pos0 = start + j * WG_BN;
-    const int valid = min(WG_BN, end - pos0);
+    const int valid = min(WG_BN, end - pos0);  // rows of the latest token; each token masks its own below
     if (valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
       const int units = WG_BOXES * (WG_BN - valid) * 8;
       for (int u = tid; u < units; u += 128) {
@@ -362,57 +397,61 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     }
     // scores S^T = K Q^T: 36 k-steps of 16 columns (4 per 64-column box, +32 bytes each), into four
     // accumulators in turn so that consecutive wgmma do not wait for each other
-    float s4[4][8];
+    float s4[SACC][2 * NC];
 #pragma unroll
-    for (int c = 0; c < 4; ++c)
+    for (int c = 0; c < SACC; ++c)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) s4[c][e] = 0.f;
+      for (int e = 0; e < 2 * NC; ++e) s4[c][e] = 0.f;
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wg_mma<0>(s4[kk & 3], wg_desc(stage + (kk >> 2) * WG_BOX + (kk & 3) * 32, 16, 1024),
-                wg_desc(qs + (kk >> 2) * WG_QBOX + (kk & 3) * 32, 16, 1024), kk >= 4);
+      wg_mma<0>(s4[kk % SACC], wg_desc(stage + (kk >> 2) * WG_BOX + (kk & 3) * 32, 16, 1024),
+                wg_desc(qs + (kk >> 2) * wg_qbox<NT>() + (kk & 3) * 32, 16, 1024), kk >= SACC);
     wg_commit();
     wg_wait_all();
-    float s[8];
+    float s[2 * NC];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) s[e] = (s4[0][e] + s4[1][e]) + (s4[2][e] + s4[3][e]);
+    for (int e = 0; e < 2 * NC; ++e) {
+      if constexpr (SACC == 4) s[e] = (s4[0][e] + s4[1][e]) + (s4[2][e] + s4[3][e]);
+      else s[e] = s4[0][e] + s4[1][e];
+    }
     // this thread's rows: positions q0 = 16 warp + g and q0 + 8 of the tile; s[4 jn + e]: row q0, s[4 jn + 2 + e]: row q0 + 8
     const int q0 = 16 * warp + g;
-    const bool in0 = q0 < valid, in1 = q0 + 8 < valid;
     bool raise = false;  // a score more than WG_LAZY above its head's reference: the references must move
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < NC; ++c) {
       const int i = 4 * (c >> 1) + (c & 1);
+      const int vt = NT == 1 ? valid : min(WG_BN, end_t[wg_head(c, t4) / ROWS] - pos0);  // this column's token
+      const bool in0 = q0 < vt, in1 = q0 + 8 < vt;
       s[i] = in0 ? s[i] * a.scale_log2 : -INFINITY;
       s[i + 2] = in1 ? s[i + 2] * a.scale_log2 : -INFINITY;
       raise |= fmaxf(s[i], s[i + 2]) > m_run[c] + WG_LAZY;
     }
     // P against the current references m_run (one per head, the same in every thread): no exchange of
     // maxima unless some score is far above its reference
-    float p[8];
-    wg_store_p(p, s, m_run, ps, q0, t4);
+    float p[2 * NC];
+    wg_store_p<NC>(p, s, m_run, ps, q0, t4);
     fence_async_smem();
     if (__syncthreads_or(raise)) {  // P complete, unless the references move (always at the first tile)
-      float mx[4];
+      float mx[NC];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
+      for (int c = 0; c < NC; ++c) {
         const int i = 4 * (c >> 1) + (c & 1);
         mx[c] = fmaxf(s[i], s[i + 2]);
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) mx[c] = fmaxf(mx[c], k3_shfl_xor(mx[c], off));
       }
-      float* rb = red + (j & 1) * (4 * ROWS);
+      float* rb = red + (j & 1) * (4 * N);
       if (g == 0) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) rb[warp * ROWS + wg_head(c, t4)] = mx[c];
+        for (int c = 0; c < NC; ++c) rb[warp * N + wg_head(c, t4)] = mx[c];
       }
       __syncthreads();  // the four warps' maxima
-      float alpha[4];
+      float alpha[NC];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
+      for (int c = 0; c < NC; ++c) {
         const int h = wg_head(c, t4);
-        const float tmax = fmaxf(fmaxf(rb[h], rb[ROWS + h]), fmaxf(rb[2 * ROWS + h], rb[3 * ROWS + h]));
+        const float tmax = fmaxf(fmaxf(rb[h], rb[N + h]), fmaxf(rb[2 * N + h], rb[3 * N + h]));
         const float mnew = fmaxf(m_run[c], tmax);
         alpha[c] = fast_exp2(m_run[c] - (mnew == -INFINITY ? 0.f : mnew));  // 0 while m_run is -inf
         m_run[c] = mnew;
@@ -421,17 +460,17 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
+        for (int c = 0; c < NC; ++c) {
           const int i = 4 * (c >> 1) + (c & 1);
           o[mb][i] *= alpha[c];
           o[mb][i + 2] *= alpha[c];
         }
-      wg_store_p(p, s, m_run, ps, q0, t4);
+      wg_store_p<NC>(p, s, m_run, ps, q0, t4);
       fence_async_smem();
       __syncthreads();  // P complete
     }
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < NC; ++c) {
       const int i = 4 * (c >> 1) + (c & 1);
       l_run[c] += p[i] + p[i + 2];
     }
@@ -452,22 +491,22 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;
   if (K3_MLA_WG_PROBE_CLOCK && a.probe != nullptr) wait_cycles += clock64();
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps
-  float* rs = red + 2 * (4 * ROWS);
+  float* rs = red + 2 * (4 * N);
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < NC; ++c) {
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) l_run[c] += k3_shfl_xor(l_run[c], off);
   }
   if (g == 0) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) rs[warp * ROWS + wg_head(c, t4)] = l_run[c];
+    for (int c = 0; c < NC; ++c) rs[warp * N + wg_head(c, t4)] = l_run[c];
   }
   __syncthreads();
-  float rcp[4], lse2[4];  // this thread's 4 heads: 1 / their sums, and their base-2 log-sum-exp
+  float rcp[NC], lse2[NC];  // this thread's NC columns: 1 / their sums, and their base-2 log-sum-exp
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < NC; ++c) {
     const int h = wg_head(c, t4);
-    const float l = rs[h] + rs[ROWS + h] + rs[2 * ROWS + h] + rs[3 * ROWS + h];
+    const float l = rs[h] + rs[N + h] + rs[2 * N + h] + rs[3 * N + h];
     rcp[c] = l > 0.f ? 1.f / l : 0.f;
     lse2[c] = l > 0.f ? m_run[c] + __log2f(l) : -INFINITY;
   }
@@ -476,27 +515,27 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     // 8 consecutive columns, whole 32-byte sectors (staged through shared memory it took longer:
     // commit dd95d29, 0.1-0.6 us; profiles/nvidia-h200/mla_padding/extra/direct_store_dd95d29.json)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int h = wg_head(c, t4), i = 4 * (c >> 1) + (c & 1);
+    for (int c = 0; c < NC; ++c) {
+      const int col = wg_head(c, t4), h = col % ROWS, bt = b + col / ROWS, i = 4 * (c >> 1) + (c & 1);
       if (h < a.heads) {
-        float* po = a.part_o + (((long long)b * a.heads + h) * a.splits + split) * DV + 16 * warp + g;
+        float* po = a.part_o + (((long long)bt * a.heads + h) * a.splits + split) * DV + 16 * warp + g;
 #pragma unroll
         for (int mb = 0; mb < 8; ++mb) {
           po[64 * mb] = o[mb][i] * rcp[c];
           po[64 * mb + 8] = o[mb][i + 2] * rcp[c];
         }
-        if (warp == 0 && g == 0) a.part_lse[((long long)b * a.heads + h) * a.splits + split] = lse2[c];
+        if (warp == 0 && g == 0) a.part_lse[((long long)bt * a.heads + h) * a.splits + split] = lse2[c];
       }
     }
-    if (a.probe != nullptr && tid == 0)
+    if (NT == 1 && a.probe != nullptr && tid == 0)
       write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, issue_cycles);
     return;
   }
   // one piece: the bf16 result through shared memory (the ring is free now: every tile was consumed),
   // so that the global stores are whole 8-byte pieces of each head's 1 KB row
-  float* ob = reinterpret_cast<float*>(gbase);  // [16 heads][WG_OPITCH]: t4's heads fall in 4 bank groups
+  float* ob = reinterpret_cast<float*>(gbase);  // [N columns][WG_OPITCH]: t4's columns fall in 4 bank groups
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < NC; ++c) {
     const int h = wg_head(c, t4), i = 4 * (c >> 1) + (c & 1);
 #pragma unroll
     for (int mb = 0; mb < 8; ++mb) {
@@ -504,18 +543,18 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       ob[h * WG_OPITCH + col] = o[mb][i] * rcp[c];
       ob[h * WG_OPITCH + col + 8] = o[mb][i + 2] * rcp[c];
     }
-    if (warp == 0 && g == 0 && h < a.heads)
-      a.lse[(long long)b * a.l_sb + h] = lse2[c] * 0.6931471805599453f;  // natural log
+    if (warp == 0 && g == 0 && h % ROWS < a.heads)  // natural log
+      a.lse[(long long)(b + h / ROWS) * a.l_sb + h % ROWS] = lse2[c] * 0.6931471805599453f;
   }
   __syncthreads();
-  for (int v = tid; v < a.heads * (DV / 4); v += 128) {
-    const int h = v / (DV / 4), k = v % (DV / 4);
-    const float4 x = *reinterpret_cast<const float4*>(ob + h * WG_OPITCH + 4 * k);
+  for (int v = tid; v < NT * a.heads * (DV / 4); v += 128) {
+    const int t = v / (a.heads * (DV / 4)), h = v / (DV / 4) % a.heads, k = v % (DV / 4);
+    const float4 x = *reinterpret_cast<const float4*>(ob + (t * ROWS + h) * WG_OPITCH + 4 * k);
     const uint32_t lo = (uint32_t)k3_f32_to_bf16(x.x) | ((uint32_t)k3_f32_to_bf16(x.y) << 16);
     const uint32_t hi = (uint32_t)k3_f32_to_bf16(x.z) | ((uint32_t)k3_f32_to_bf16(x.w) << 16);
-    *reinterpret_cast<uint2*>(a.out + (long long)b * a.o_sb + (long long)h * a.o_sh + 4 * k) = make_uint2(lo, hi);
+    *reinterpret_cast<uint2*>(a.out + (long long)(b + t) * a.o_sb + (long long)h * a.o_sh + 4 * k) = make_uint2(lo, hi);
   }
-  if (a.probe != nullptr && tid == 0)
+  if (NT == 1 && a.probe != nullptr && tid == 0)
     write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, issue_cycles);
 #endif  // K3_MLA_SM90
 }
@@ -565,16 +604,18 @@ inline int wg_make_qmap(CUtensorMap* map, const void* q, int heads, int batch, l
   return r == CUDA_SUCCESS ? 0 : -1000 - (int)r;
 }
 
+// NT tokens per block: a.B requests in blocks of NT (a.B a multiple of NT).
+template <int NT>
 inline int launch_wg(const Args& a, const CUtensorMap& map, const CUtensorMap& qmap, int max_shared, cudaStream_t st) {
-  const int bytes = wg_smem_bytes();
+  const int bytes = wg_smem_bytes_t<NT>();
   if (bytes > max_shared) return -3;
   static bool configured = false;
   if (!configured) {
-    const cudaError_t e = cudaFuncSetAttribute(wg_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    const cudaError_t e = cudaFuncSetAttribute(wg_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
-  wg_kernel<<<dim3(a.splits, a.B), 128, bytes, st>>>(a, map, qmap);
+  wg_kernel<NT><<<dim3(a.splits, a.B / NT), 128, bytes, st>>>(a, map, qmap);
   return (int)cudaGetLastError();
 }
 

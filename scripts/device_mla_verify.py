@@ -1,5 +1,6 @@
 """Issue 5, verification groups: the Triton split kernel against the CUDA kernel with each token a
-one-token request (mla_decode_cuda.plan_verify: the tokens share each tile through L2). Every form is
+one-token request (mla_decode_cuda.plan_verify), a block per token sharing tiles through L2 ('l2') or
+two tokens per block in one product ('pairs', even q_len). Every form is
 checked against the fp32 reference
 on the study's first input set, then timed by graph replay over the study's rotated sets. Cases from
 $CASES (default below: 'B x context x q_len'). Writes $OUT/verify_share.json and prints a table.
@@ -20,7 +21,8 @@ os.makedirs(out, exist_ok=True)
 spec = os.environ.get("CASES", "1x32768x2,1x32768x3,1x32768x4,1x32768x8,8x8192x2,8x8192x4,1x131072x4")
 FORMS = {
     "triton": lambda s: mla.plan_after(s["q"], s["pool"], s["lengths"], block_table=s["table"], kernel="split"),
-    "l2": lambda s: mc.plan_verify(s["q"], s["pool"], s["lengths"], block_table=s["table"]),
+    "l2": lambda s: mc.plan_verify(s["q"], s["pool"], s["lengths"], block_table=s["table"], share="l2"),
+    "pairs": lambda s: mc.plan_verify(s["q"], s["pool"], s["lengths"], block_table=s["table"], share="pairs"),
 }
 rows = {}
 for item in spec.split(","):
@@ -34,6 +36,8 @@ for item in spec.split(","):
     floor = bench.floor_us(bytes=nbytes)
     row = {"batch": B, "context": ctx, "q_len": tq, "floor_us": floor, "forms": {}}
     for name, make in FORMS.items():
+        if name == "pairs" and tq % 2:
+            continue
         plans = [make(s) for s in sets]
         o, lse = plans[0]()
         err = bench.check_all({"o": (o, ref_o), "lse": (lse, ref_l)}, dtype=torch.bfloat16)
@@ -47,7 +51,8 @@ for item in spec.split(","):
     torch.cuda.empty_cache()
 json.dump({"device": torch.cuda.get_device_name(), "versions": dict(env.versions()), "commit": bench.git_commit(),
            "rows": rows}, open(os.path.join(out, "verify_share.json"), "w"), indent=1)
-print("case                triton      l2  (us, graph replay)")
+print("case                triton      l2   pairs  (us, graph replay)")
 for name, r in rows.items():
     f = r["forms"]
-    print(f"{name:18s} {f['triton']['us']:8.2f} {f['l2']['us']:8.2f}")
+    pairs = f"{f['pairs']['us']:8.2f}" if "pairs" in f else "       -"
+    print(f"{name:18s} {f['triton']['us']:8.2f} {f['l2']['us']:8.2f} {pairs}")

@@ -552,7 +552,8 @@ def test_on_the_gpu_too_large_a_grid_falls_back_to_the_merge_kernel():
 
 
 @pytest.mark.parametrize("case,match", [("contiguous", "block_table"), ("no_lengths", "lengths"),
-                                        ("heads17", "heads"), ("short", "shorter than q_len")])
+                                        ("heads17", "heads"), ("short", "shorter than q_len"),
+                                        ("share", "share must be"), ("odd_pairs", "even q_len")])
 def test_verify_as_requests_refusals_by_name(case, match):
     q, pool, bt, lens = _paged(page=64, L=128, lengths=(100,))
     q = q.expand(1, 4, 12, mla.LATENT_DIM).contiguous()
@@ -565,18 +566,41 @@ def test_verify_as_requests_refusals_by_name(case, match):
         q = torch.randn(1, 4, 17, mla.LATENT_DIM, dtype=torch.bfloat16)
     if case == "short":
         lens = torch.tensor([3], dtype=torch.int32)
+    if case == "share":
+        kw["share"] = "dram"
+    if case == "odd_pairs":
+        q, kw["share"] = q[:, :3].contiguous(), "pairs"
     with pytest.raises(ValueError, match=match):
         mc.plan_verify(q, pool, lens, **kw)
 
 
+@pytest.mark.parametrize("kw,match", [(dict(tokens_per_block=3), "tokens_per_block must be"),
+                                      (dict(tokens_per_block=2, form="split"), "form 'wgmma' only"),
+                                      (dict(tokens_per_block=2, merge="fused"), "fused merge"),
+                                      (dict(tokens_per_block=2, odd=True), "even batch")])
+def test_two_tokens_per_block_refusals_by_name(kw, match):
+    q, pool, bt, lens = _paged(page=64, L=128, lengths=(100, 90))
+    if kw.pop("odd", False):
+        q, bt, lens = q[:1], bt[:1], lens[:1]
+    with pytest.raises(ValueError, match=match):
+        mc.plan(q, pool, lens, block_table=bt, **kw)
+
+
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
+@pytest.mark.parametrize("share", ["pairs", "l2"])
 @pytest.mark.parametrize("lengths,q_len", [((4097,), 2), ((32768,), 4), ((5000, 33, 64, 2049), 4), ((700,), 8),
-                                           ((130, 64, 65), 3)])  # tokens ending on and just past a tile edge
-def test_on_the_gpu_verify_as_requests_matches_the_reference(lengths, q_len):
-    """Each token of a verification group as its own request: causal inside the group, outputs and
-    lse against the fp32 reference, through plan_after(kernel='cuda') as the study calls it."""
+                                           ((130, 64, 65), 2), ((130, 64, 65), 3), ((63, 2), 2)])
+def test_on_the_gpu_verify_as_requests_matches_the_reference(lengths, q_len, share, monkeypatch):
+    """Each token of a verification group as its own request, two per block in one product ('pairs',
+    even q_len) or one per block sharing tiles through L2: causal inside the group (lengths ending on and
+    just past a tile edge, so a pair's tokens disagree on their last tile; one-tile pieces), outputs
+    and lse against the fp32 reference, through plan_after(kernel='cuda') as the study calls it."""
     if not _runs():
         pytest.skip(f"kernel unavailable: {mc.status()[1]}")
+    if share == "pairs" and q_len % 2:
+        pytest.skip("pairs need an even q_len")
+    real = mc.plan_verify
+    monkeypatch.setattr(mc, "plan_verify", lambda *a, **k: real(*a, share=share, **k))
     g = torch.Generator().manual_seed(q_len * 7 + len(lengths))
     B, L = len(lengths), max(lengths) + 40
     q = torch.randn(B, q_len, 12, mla.LATENT_DIM, generator=g).cuda().bfloat16()
@@ -584,7 +608,8 @@ def test_on_the_gpu_verify_as_requests_matches_the_reference(lengths, q_len):
     pool, bt = mla.to_paged(cache, 64)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     p = mla.plan_after(q, pool, lens, block_table=bt, kernel="cuda")
-    assert p.facts()["verify"] == "tokens as requests" and p.programs >= B * q_len
+    assert p.facts()["verify"] == "tokens as requests" and p.facts()["share"] == share
+    assert p.programs >= B * q_len // (2 if share == "pairs" else 1)
     o, lse = p()
     ro, rl = mla.reference(q.float(), pool.float(), lens, block_table=bt)
     assert o.shape == (B, q_len, 12, mla.VALUE_DIM) and lse.shape == (B, q_len, 12)

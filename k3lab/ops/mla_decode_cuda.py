@@ -190,6 +190,11 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                    ctypes.c_longlong]
     lib.k3_mla_decode_wg.argtypes = [ctypes.POINTER(Args), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                      ctypes.c_void_p]
+    lib.k3_mla_decode_wg_tokens.restype = ctypes.c_int
+    lib.k3_mla_decode_wg_tokens.argtypes = [ctypes.POINTER(Args), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                            ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.k3_mla_wg_tokens_smem.restype = ctypes.c_int
+    lib.k3_mla_wg_tokens_smem.argtypes = [ctypes.c_int]
     size = lib.k3_mla_decode_args_size()
     if size != ctypes.sizeof(Args):
         raise _build.KernelUnavailable(f"{NAME}.cu's Args is {size} bytes but the Python Args is "
@@ -533,6 +538,7 @@ class CudaDecodePlan:
     _barrier: torch.Tensor | None = field(repr=False, default=None)  # fused: [counter, give-ups] (int64)
     _tensor_map: object = field(repr=False, default=None)  # form 'wgmma': the cache's and q's 128-byte CUtensorMaps
     form_why: str = ""  # why this form (choose_form, or 'asked')
+    tokens: int = 1  # 2: each block two consecutive requests that are two tokens of one verification group
 
     # the names a Triton `mla_decode.DecodePlan` answers to, so callers need not care which runs
     variant = "after"
@@ -543,11 +549,11 @@ class CudaDecodePlan:
 
     @property
     def programs(self) -> int:
-        return self.num_splits * self._args.B
+        return self.num_splits * self._args.B // self.tokens
 
     @property
     def grid(self) -> tuple[int, int, int]:
-        return (self.num_splits, self._args.B, 1)
+        return (self.num_splits, self._args.B // self.tokens, 1)
 
     @property
     def heads(self) -> int:
@@ -574,7 +580,8 @@ class CudaDecodePlan:
     def facts(self) -> dict:
         cfg = self.config
         smem = form_smem_bytes(self.form, self.stages)
-        return {"kernel": "cuda", "form": self.form, "num_splits": self.num_splits, "chunk": self.chunk,
+        return {"kernel": "cuda", "form": self.form, "tokens_per_block": self.tokens, "num_splits": self.num_splits,
+                "chunk": self.chunk,
                 "block_n": cfg.block_n, "num_stages": cfg.num_stages, "num_warps": cfg.num_warps, "smem_bytes": smem,
                 "programs": self.programs, "launches": self.launches, "pdl": self.pdl, "rows_per_program": 16,
                 "merge": self.merge, "form_why": self.form_why}
@@ -588,9 +595,9 @@ class CudaDecodePlan:
                 raise RuntimeError(f"{NAME}.cu refused the fused launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
             return self.out, self.lse
         if self.form == "wgmma":
-            rc = lib.k3_mla_decode_wg(ctypes.byref(self._args), ctypes.addressof(self._tensor_map[0]),
-                                      ctypes.addressof(self._tensor_map[1]), int(self.pdl), self._max_shared,
-                                      ctypes.c_void_p(stream))
+            rc = lib.k3_mla_decode_wg_tokens(ctypes.byref(self._args), ctypes.addressof(self._tensor_map[0]),
+                                             ctypes.addressof(self._tensor_map[1]), int(self.pdl), self._max_shared,
+                                             self.tokens, ctypes.c_void_p(stream))
             if rc != 0:
                 raise RuntimeError(f"{NAME}.cu refused the wgmma launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
             return self.out, self.lse
@@ -605,7 +612,8 @@ class CudaDecodePlan:
 
 def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
          warps=DEFAULT_WARPS, pdl: bool = True, compute_units: int | None = None,
-         probe: torch.Tensor | None = None, form: str | None = None, merge: str | None = None) -> CudaDecodePlan:
+         probe: torch.Tensor | None = None, form: str | None = None, merge: str | None = None,
+         tokens_per_block: int = 1) -> CudaDecodePlan:
     """Check once (ValueError by name), then build a launchable plan on the GPU (KernelUnavailable,
     with the reason, where the kernel cannot run). num_splits: None = `choose_splits` for the
     device's SM count; stages / warps: the compiled ring depth and block size (5 and 4 by default);
@@ -615,7 +623,20 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     merge: 'kernel', 'fused', 'auto' or None (= K3LAB_MLA_MERGE, else DEFAULT_MERGE): how the pieces
     are merged, see `choose_merge`; `plan.merge` says which path runs and `plan.merge_why` why.
     form: 'split', 'wgmma', 'halves', 'team', 'auto' or None (= K3LAB_MLA_FORM, else 'auto'): which split kernel,
-    see `choose_form`; `plan.form` says which runs and `plan.form_why` why."""
+    see `choose_form`; `plan.form` says which runs and `plan.form_why` why.
+    tokens_per_block = 2 (plan_verify): consecutive requests in pairs, each pair two tokens of one
+    verification group over the same pages, scored and summed in one product (form 'wgmma', merge
+    kernel, no probe)."""
+    if tokens_per_block not in (1, 2):
+        raise ValueError(f"tokens_per_block must be 1 or 2, got {tokens_per_block!r}")
+    if tokens_per_block == 2:
+        if form not in (None, "auto", "wgmma"):
+            raise ValueError(f"tokens_per_block=2 runs form 'wgmma' only, got form={form!r}")
+        if probe is not None or merge == "fused":
+            raise ValueError("tokens_per_block=2 takes no probe and no fused merge")
+        if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] % 2:
+            raise ValueError(f"tokens_per_block=2 needs an even batch of token requests, got q.shape[0] = {q.shape[0]}")
+        form, merge = "wgmma", "kernel"
     form = form_wanted(form)
     c = check(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, stages=stages,
               warps=warps, form=form, merge=merge)
@@ -627,20 +648,20 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     inp = c.inp
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
-    form_why = f"form={form!r} asked"
+    form_why = f"form={form!r} asked" if tokens_per_block == 1 else "two tokens per block need 'wgmma'"
     if form == "auto":
         form, form_why = choose_form(inp.batch, inp.max_len, compute_units or props.multi_processor_count,
                                      refusal=wgmma_refusal(q, cache, block_table), num_splits=num_splits,
                                      stages=stages, warps=warps, probe=probe is not None, merge=c.merge)
     max_shared = int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
-    need = form_smem_bytes(form, stages)
+    need = form_smem_bytes(form, stages) if tokens_per_block == 1 else _library().k3_mla_wg_tokens_smem(2)
     if need > max_shared:
         raise _build.KernelUnavailable(f"the {form} kernel needs {need} bytes of shared memory per block; "
                                        f"this GPU allows {max_shared}")
     per_unit = int(getattr(props, "shared_memory_per_multiprocessor", 0) or max_shared)
     blocks_per_unit = max(1, per_unit // (need + 1024))  # the driver keeps 1 KB per block
     units = compute_units or props.multi_processor_count
-    splits, chunk = choose_splits(inp.batch, inp.max_len, units, blocks_per_unit=blocks_per_unit,
+    splits, chunk = choose_splits(inp.batch // tokens_per_block, inp.max_len, units, blocks_per_unit=blocks_per_unit,
                                   num_splits=num_splits, block_n=WG_BLOCK_N if form == "wgmma" else BLOCK_N)
     B, H = inp.batch, inp.heads
     out = torch.empty(B, 1, H, VALUE_DIM, dtype=q.dtype, device=q.device)
@@ -690,7 +711,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
         args.barrier = barrier.data_ptr()
     keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse, probe, barrier)
     return CudaDecodePlan(splits, chunk, stages, warps, bool(pdl) and path == "kernel", form, out, lse, args, keep,
-                          max_shared, dev, path, why, barrier, tensor_map, form_why)
+                          max_shared, dev, path, why, barrier, tensor_map, form_why, tokens_per_block)
 
 
 def probe_size(batch: int, heads: int, splits: int) -> int:
@@ -744,7 +765,8 @@ class VerifyAsRequestsPlan:
         return getattr(self.inner, name)
 
     def facts(self) -> dict:
-        return dict(self.inner.facts(), verify="tokens as requests", q_len=self.q_len)
+        share = "pairs" if self.inner.tokens == 2 else "l2"
+        return dict(self.inner.facts(), verify="tokens as requests", share=share, q_len=self.q_len)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         o, lse = self.inner()
@@ -753,10 +775,16 @@ class VerifyAsRequestsPlan:
 
 
 def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, pdl: bool = True,
-                compute_units: int | None = None, form: str | None = None) -> VerifyAsRequestsPlan:
+                compute_units: int | None = None, form: str | None = None,
+                share: str | None = None) -> VerifyAsRequestsPlan:
     """Plan a verification group (q [B, q_len >= 1, H, 576], a paged cache) on this module's kernel,
-    each token as its own one-token request over the same pages (VerifyAsRequestsPlan). Refusals by
-    name as in `check`, plus: a paged cache (block_table=) and lengths are required."""
+    each token as its own one-token request over the same pages (VerifyAsRequestsPlan). share: how
+    the tokens share a tile: 'pairs' (two tokens per block in one product, N = 32: a tile read once per
+    pair; even q_len), 'l2' (a block per token: DRAM serves a tile once and L2 once per further token),
+    or None = 'pairs' for an even q_len, else 'l2'. Refusals by name as in `check`, plus: a paged cache
+    (block_table=) and lengths are required."""
+    if share not in (None, "pairs", "l2"):
+        raise ValueError(f"share must be 'pairs', 'l2' or None, got {share!r}")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a tensor [B, q_len, H, {LATENT_DIM}], got "
                          f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
@@ -769,6 +797,9 @@ def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, 
     token_lengths = (inp.lengths[:, None] - Tq + 1 + steps[None, :]).reshape(-1).contiguous()
     token_table = inp.block_table.repeat_interleave(Tq, dim=0).contiguous()
     token_q = q.contiguous().view(B * Tq, 1, q.shape[2], q.shape[3])
+    if share == "pairs" and Tq % 2:
+        raise ValueError(f"share='pairs' needs an even q_len, got {Tq}")
+    pairs = share == "pairs" or (share is None and Tq % 2 == 0)
     inner = plan(token_q, cache, token_lengths, block_table=token_table, scale=scale, num_splits=num_splits,
-                 pdl=pdl, compute_units=compute_units, form=form)
+                 pdl=pdl, compute_units=compute_units, form=form, tokens_per_block=2 if pairs else 1)
     return VerifyAsRequestsPlan(inner, B, Tq, (token_q, token_lengths, token_table))

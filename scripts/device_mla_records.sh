@@ -14,7 +14,7 @@ echo "== tests"
 timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_mla_decode_cuda.py tests/test_flashmla_peer.py tests/test_mla_before_cuda.py 2>&1 | tail -4 | tee "$OUT/tests.txt"
 echo "== study"
 timeout 300 python3 -m k3lab.cli bench mla_padding --cases ctx1k ctx32k ctx128k b1_8k b8_8k b64_8k ragged8_8k verify2_32k verify4_32k \
-  verify2_32k.triton verify4_32k.cuda verify2_b8_8k.triton verify2_b8_8k.cuda verify4_b8_8k.triton verify4_b8_8k.cuda \
+  verify2_32k.triton verify4_32k.triton verify2_b8_8k.triton verify2_b8_8k.cuda verify4_b8_8k.triton verify4_b8_8k.cuda \
   verify3_32k.triton verify3_32k.cuda verify3_b8_8k.triton verify3_b8_8k.cuda tune.ctx1k.before.bn32w8s2 \
   tune.ctx32k.before.bn32w8s2 tune.ctx32k.before.bn64w8s2 \
   --json "$OUT/main.json" 2>&1 | grep -v Warn | tail -30

@@ -112,14 +112,12 @@ def _kernel_cases() -> list[Case]:
     # the Triton split kernel beside the default after (the CUDA kernel where it runs), same run
     out = [Case(f"{n}.triton", base[n].batch, base[n].context, ragged=base[n].ragged, kind="sweep", kernel="split")
            for n in ("ctx1k", "ctx32k", "ctx128k", "b1_8k", "b8_8k", "b64_8k", "ragged8_8k")]
-    # verification groups on the kernel the default does not take for them (mla_decode.CUDA_VERIFY_Q_LENS):
-    # the Triton split kernel, or the CUDA kernel with each token a one-token request (plan_verify)
-    out += [Case("verify2_32k.triton", 1, 32768, q_len=2, kind="sweep", kernel="split"),
-            Case("verify4_32k.cuda", 1, 32768, q_len=4, kind="sweep", kernel="cuda")]
+    # verification groups on the Triton split kernel beside the default (the CUDA kernel, tokens as
+    # requests: mla_decode.CUDA_VERIFY_Q_LENS), and 3 positions on both; 8 x 8K on both
+    out += [Case(f"verify{tq}_32k.triton", 1, 32768, q_len=tq, kind="sweep", kernel="split") for tq in (2, 3, 4)]
+    out += [Case("verify3_32k.cuda", 1, 32768, q_len=3, kind="sweep", kernel="cuda")]
     out += [Case(f"verify{tq}_b8_8k.{label}", 8, 8192, q_len=tq, kind="sweep", kernel=kernel)
             for tq in (2, 3, 4) for label, kernel in (("triton", "split"), ("cuda", "cuda"))]
-    out += [Case(f"verify3_32k.{label}", 1, 32768, q_len=3, kind="sweep", kernel=kernel)
-            for label, kernel in (("triton", "split"), ("cuda", "cuda"))]
     out += [Case(f"{n}.bulk", base[n].batch, base[n].context, q_len=base[n].q_len, ragged=base[n].ragged,
                 kind="sweep", kernel="bulk")
            for n in ("ctx1k", "ctx32k", "ctx128k", "b8_8k", "b64_8k", "ragged8_8k", "verify4_32k")]

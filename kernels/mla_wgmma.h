@@ -132,7 +132,10 @@
 //   shared-memory operand reads, the swap and its extra barrier only add. Not kept.
 
 // Eleventh session (H200): verification groups run this kernel with each token a one-token request over
-// the same pages (mla_decode_cuda.plan_verify); DRAM serves each tile once and L2 once per further token
+// the same pages (mla_decode_cuda.plan_verify), an even group two tokens per block (wg_kernel<2>: N = 32,
+// a tile read once per pair; 32K 19.5 / 25.2 / 40.7 us for 2 / 4 / 8 positions against the Triton kernel's
+// 39.4 / 37.1 / 59.9, commits 09a1819 and 21566bb; extra/verify_pairs_21566bb.json). With a block per token
+// DRAM serves each tile once and L2 once per further token
 // (ncu at 32K: 37.8 MB from DRAM for 1, 2 and 4 tokens; extra/ncu_verify_4656917.txt). Tried and removed
 // (commits 9a73b86, 947b7b6; extra/verify_share_*.json): the group's blocks as one cluster, each tile's
 // boxes requested once and multicast to every block, a cluster barrier per tile before a stage is

@@ -92,7 +92,7 @@ def test_on_the_gpu_matches_the_reference(paged, lengths, q_len, H):
 
 
 def test_committed_h200_before_records():
-    """What notebook 04 says of the committed H200 records (274aaeb): the CUDA before is the before of
+    """What notebook 04 says of the committed H200 records (09a1819): the CUDA before is the before of
     the main cases and at least 5x faster than the Triton before of the same call at 1K and 32K, and the
     after still beats it by the issue's 1.8x at 32K."""
     from k3lab.studies import mla_padding as study

@@ -3,15 +3,16 @@ arguments, size the pieces, pack the arguments, launch on the current stream).
 
 The default after for one-token bf16 decodes on NVIDIA sm_90 with nvcc: `mla_decode.plan_after`
 returns this module's plan there (`mla_decode.cuda_after_status` says whether it does, and why not);
-the Triton kernels run everywhere else, and for verification groups of more than three tokens. Checked on an H200; figures
+the Triton kernels run everywhere else, and for verification groups of 5 to 7 tokens. Checked on an H200; figures
 and the probe's findings are in kernels/mla_decode.cu's header and profiles/nvidia-h200/mla_padding.
 
 Same semantics as `mla_decode.reference` for one decode token: q [B, 1, H <= 16, 576] bf16, a bf16
 latent cache that is contiguous [B, L, 576] or paged (pool [pages, page_size >= 32, 576] with an
 integer block table and per-request lengths), softmax scale (default 192^-0.5). Returns
 (o [B, 1, H, 512] bf16, lse [B, 1, H] fp32, natural log). A verification group (q_len > 1, causal)
-runs here only through `plan_verify`, each token as a one-token request over the same pages; the
-kernel itself decodes one token.
+runs here only through `plan_verify`, each token as a one-token request over the same pages; the wgmma
+form can take two such requests per block (`tokens_per_block=2`: both tokens' 16 heads as the 32 columns
+of one product, so the pair reads each tile once).
 
 How the kernel is built and why is in its header: the 16 padded heads are one mma.sync tile of
 rows; tiles of 32 latent rows arrive by bulk copies (Hopper's copy engine) into a 5-deep ring in

@@ -1056,16 +1056,17 @@ def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, block_n
     one bit-exact comparison with the JIT launch. Both are not yet run on a GPU by this project."""
     if kernel not in (None, "cuda", "triton"):
         raise ValueError(f"kernel must be 'cuda', 'triton' or None, got {kernel!r}")
-    inp = _validate(q, cache, lengths, block_table)
-    fast_launch = _fast_launch_wanted(fast_launch)
     fixed = block_n is not None or num_warps is not None or num_stages is not None
-    if kernel == "cuda" or (kernel is None and not fixed and not tune and q.dtype == torch.bfloat16 and _on_gpu()):
+    if kernel == "cuda" or (kernel is None and not fixed and not tune and getattr(q, "dtype", None) == torch.bfloat16
+                            and _on_gpu()):
         from k3lab.ops import mla_before_cuda as mb
 
         if kernel == "cuda" or mb.status()[0]:
             if fixed:
                 raise ValueError("kernel='cuda' takes no block_n / num_warps / num_stages")
-            return mb.plan(q, cache, lengths, block_table=block_table, scale=scale)
+            return mb.plan(q, cache, lengths, block_table=block_table, scale=scale)  # validates the inputs itself
+    inp = _validate(q, cache, lengths, block_table)
+    fast_launch = _fast_launch_wanted(fast_launch)
     if fixed or not _tuning_wanted(tune) or not _on_gpu():
         cfg = launch_config("before", q.dtype, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
         return _build_before(inp, q, cfg, scale, fast_launch)

@@ -755,8 +755,9 @@ def mla_decode_cuda(q, cache, lengths=None, *, block_table=None, scale=None, num
 class VerifyAsRequestsPlan:
     """A verification group of q_len tokens run by the one-token kernel: token t of request b becomes
     request b * q_len + t, reading the same pages with length lengths[b] - q_len + 1 + t (so each
-    token sees its own prefix: causal inside the group). The q_len requests of one group read the same
-    tiles at about the same time, so DRAM serves each tile once and L2 the rest. Calling it returns
+    token sees its own prefix: causal inside the group). Two tokens per block share each tile in one
+    product (inner.tokens == 2); with a block per token the group's blocks read the same tiles at about
+    the same time, so DRAM serves each tile once and L2 the rest. Calling it returns
     (o [B, q_len, H, 512], lse [B, q_len, H]) as views of the inner plan's buffers."""
 
     def __init__(self, inner: CudaDecodePlan, batch: int, q_len: int, keep: tuple):
@@ -794,12 +795,12 @@ def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, 
                          "over the same pages)")
     inp = mla._validate(q, cache, lengths, block_table)  # q_len, lengths >= q_len, pages in the pool
     B, Tq = inp.batch, inp.q_len
+    if share == "pairs" and Tq % 2:
+        raise ValueError(f"share='pairs' needs an even q_len, got {Tq}")
     steps = torch.arange(Tq, dtype=torch.int32, device=q.device)
     token_lengths = (inp.lengths[:, None] - Tq + 1 + steps[None, :]).reshape(-1).contiguous()
     token_table = inp.block_table.repeat_interleave(Tq, dim=0).contiguous()
     token_q = q.contiguous().view(B * Tq, 1, q.shape[2], q.shape[3])
-    if share == "pairs" and Tq % 2:
-        raise ValueError(f"share='pairs' needs an even q_len, got {Tq}")
     pairs = share == "pairs" or (share is None and Tq % 2 == 0)
     inner = plan(token_q, cache, token_lengths, block_table=token_table, scale=scale, num_splits=num_splits,
                  pdl=pdl, compute_units=compute_units, form=form, tokens_per_block=2 if pairs else 1)

@@ -865,7 +865,7 @@ def peer_table(records, peer: str = "flashmla", mode: str = "graph") -> pd.DataF
     if df.empty or col not in df or df[col].isna().all():
         raise ValueError(f"no {peer!r} records among these {len(records)} records")
     df = df[(df["mode"] == mode) & df[col].notna()].copy()
-    df["after_share"] = df["floor_us"] / df["after_us"]
+    df["after_share"] = df["bw_fraction"]
     df[f"{peer}_share"] = df["floor_us"] / df[col]
     df[f"{peer}_over_after"] = df[col] / df["after_us"]
     keep = ["case", "batch", "context", "q_len", "after_us", col, "floor_us", "after_share", f"{peer}_share",

@@ -9,6 +9,9 @@
 //                per 4-row block as the decode does, or one per tile), over the paged cache through
 //                its block table; tiles given to blocks in contiguous pieces (the decode's split) or
 //                round-robin;
+//   ldg_each / ring with interleave = 2 - every block reads the whole buffer or history by itself: the
+//                data path of the before policy (one block walking a request's whole history), so one
+//                block's time is what a single SM can stream;
 //   tail_kernel - an empty second kernel launched with programmatic dependent launch (PDL) after a
 //                reader, as the decode's merge is: what the kernel boundary alone costs.
 // Each reader folds what it read into one word that is stored only if it matches a value no input
@@ -48,11 +51,12 @@ __device__ __forceinline__ void bulk(uint32_t dst, const void* src, uint32_t byt
                : "memory");
 }
 
-__global__ void __launch_bounds__(512) ldg_read(const uint4* __restrict__ p, long long n16, unsigned* sink) {
+// each_block: every block reads all n16 words (the before policy's path), else the grid shares them
+__global__ void __launch_bounds__(512) ldg_read(const uint4* __restrict__ p, long long n16, unsigned* sink, int each_block) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   unsigned acc = 0;
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long stride = each_block ? (long long)blockDim.x : (long long)gridDim.x * blockDim.x;
+  long long i = each_block ? (long long)threadIdx.x : (long long)blockIdx.x * blockDim.x + threadIdx.x;
   for (; i + 7 * stride < n16; i += 8 * stride) {
     uint4 v[8];
 #pragma unroll
@@ -76,8 +80,11 @@ __global__ void __launch_bounds__(128, 1) ring_read(const unsigned char* __restr
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int nb = gridDim.x, blk = blockIdx.x, tid = threadIdx.x;
   const int per = (ntiles + nb - 1) / nb;
-  const int mine = interleave ? (ntiles - blk + nb - 1) / nb : max(0, min(per, ntiles - blk * per));
-  auto tile_of = [&](int j) { return interleave ? blk + j * nb : blk * per + j; };
+  // interleave: 0 contiguous pieces, 1 round-robin, 2 every block reads every tile
+  const int mine = interleave == 2 ? ntiles
+                   : interleave  ? (ntiles - blk + nb - 1) / nb
+                                 : max(0, min(per, ntiles - blk * per));
+  auto tile_of = [&](int j) { return interleave == 2 ? j : interleave ? blk + j * nb : blk * per + j; };
   auto issue = [&](int j) {
     const int t = tile_of(j), st = j % STAGES;
     const unsigned char* src = pool + ((long long)__ldg(table + t / 2) * 64 + (t % 2) * TILE_ROWS) * ROW_BYTES;
@@ -131,8 +138,14 @@ extern "C" {
 // tail_blocks > 0: an empty PDL kernel of that many blocks follows the reader
 int probe_ldg(const void* p, long long bytes, int blocks, unsigned* sink, int tail_blocks, void* stream) {
   auto st = (cudaStream_t)stream;
-  ldg_read<<<blocks, 512, 0, st>>>((const uint4*)p, bytes / 16, sink);
+  ldg_read<<<blocks, 512, 0, st>>>((const uint4*)p, bytes / 16, sink, 0);
   if (tail_blocks > 0) return launch_tail(tail_blocks, st, sink);
+  return (int)cudaGetLastError();
+}
+
+// every one of `blocks` blocks reads all `bytes` by itself
+int probe_ldg_each(const void* p, long long bytes, int blocks, unsigned* sink, void* stream) {
+  ldg_read<<<blocks, 512, 0, (cudaStream_t)stream>>>((const uint4*)p, bytes / 16, sink, 1);
   return (int)cudaGetLastError();
 }
 

@@ -1,5 +1,5 @@
 """Issue 5, one device call: what bounds the before policy at 1K and the decode at 32K, measured beside
-the decode and the before the way the mla_padding study times them (its inputs and rotation, graph
+the decode, the before and the einsum peer the way the mla_padding study times them (its inputs and rotation, graph
 replay, many calls per graph).
 
 The before policy (one block walks a request's whole history; ours runs one block per query row) can be
@@ -19,6 +19,7 @@ import zlib
 import torch
 
 from k3lab import bench, env
+from k3lab.ops import mla_before_cuda as mb
 from k3lab.studies import mla_padding as st
 
 out = os.environ.get("OUT", "build/device")
@@ -50,6 +51,12 @@ def ldg_each(blocks):
                                               stream()), "ldg_each")
 
 
+def before_direct(s):
+    if "before_direct" not in s:
+        s["before_direct"] = mb.plan(s["q"], s["pool"], s["lengths"], block_table=s["table"], ring=False)
+    return s["before_direct"]()
+
+
 def ring(blocks, inter=0, cpt=8, tail=0):
     def f(s):
         ntiles = s["lengths_host"][0] // 32
@@ -68,6 +75,8 @@ for name, ctx in (("ctx1k", 1024), ("ctx32k", 32768)):
     variants = {
         "after (default)": lambda s: st._plan("after", case, s, 12)(),
         "before (default)": lambda s: st._plan("before", case, s, 12)(),
+        "before, direct loads": before_direct,
+        "einsum (PyTorch)": lambda s: st._plan("einsum", case, s, 12)(),
         "each: ring, 1 block": ring(1, inter=2),
         "each: ring, 1 block, 1 copy/tile": ring(1, inter=2, cpt=1),
         "each: ring, 12 blocks": ring(12, inter=2),
@@ -77,7 +86,7 @@ for name, ctx in (("ctx1k", 1024), ("ctx32k", 32768)):
     }
     for s in sets:
         st._plan("after", case, s, 12)
-        st._plan("before", case, s, 12)
+        assert st._plan("before", case, s, 12).rows_via == "ring"
     res = {}
     for label, fn in variants.items():
         t = bench.time_fn(fn, rotate=[(s,) for s in sets], graph=True, warmup=5, repeats=40)

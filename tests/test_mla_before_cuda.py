@@ -60,10 +60,11 @@ def _runs() -> bool:
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
+@pytest.mark.parametrize("ring", [None, False], ids=["default", "direct"])
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
 @pytest.mark.parametrize("lengths,q_len,H", [((1,), 1, 12), ((33,), 1, 12), ((1000,), 1, 16), ((32768,), 1, 12),
                                              ((5000, 7, 64, 2049), 1, 12), ((300, 130), 4, 12), ((700,), 8, 3)])
-def test_on_the_gpu_matches_the_reference(paged, lengths, q_len, H):
+def test_on_the_gpu_matches_the_reference(ring, paged, lengths, q_len, H):
     if not _runs():
         pytest.skip(f"kernel unavailable: {mb.status()[1]}")
     g = torch.Generator().manual_seed(sum(lengths) + q_len + H)
@@ -80,15 +81,43 @@ def test_on_the_gpu_matches_the_reference(paged, lengths, q_len, H):
         used = torch.zeros(pool.shape[0] * 64, dtype=torch.bool, device="cuda")
         used[rows[~past]] = True
         kern.view(-1, mla.LATENT_DIM)[~used] = float("nan")  # NaN past every length must not leak
-        p = mla.plan_before(q, kern, lens, block_table=bt)
+        p = mla.plan_before(q, kern, lens, block_table=bt) if ring is None else \
+            mb.plan(q, kern, lens, block_table=bt, ring=ring)
     else:
         kern = cache.clone()
         kern[past] = float("nan")
-        p = mla.plan_before(q, kern, lens)
+        p = mla.plan_before(q, kern, lens) if ring is None else mb.plan(q, kern, lens, ring=ring)
     assert p.kernel == "cuda" and p.programs == B * q_len * H
+    assert p.rows_via == ("ring" if ring is None else "direct")  # dense, aligned rows take the ring by default
     o, lse = p()
     ro, rl = mla.reference(q.float(), cache.float(), lens)
     bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+def test_on_the_gpu_ring_with_small_pages_and_a_refusal():
+    """Pages of 16 rows: a 64-row tile is four copies; a cache whose rows are not dense is refused by
+    name when the ring is asked for, and loaded directly by default."""
+    if not _runs():
+        pytest.skip(f"kernel unavailable: {mb.status()[1]}")
+    g = torch.Generator().manual_seed(7)
+    lens = torch.tensor([1000, 77], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 2, 12, mla.LATENT_DIM, generator=g).cuda().bfloat16()
+    cache = torch.randn(2, 1040, mla.LATENT_DIM, generator=g).cuda().bfloat16()
+    cache[torch.arange(1040, device="cuda")[None, :] >= lens[:, None]] = 0
+    pool, bt = mla.to_paged(cache, 16, spare_pages=3)
+    p = mb.plan(q, pool, lens, block_table=bt, ring=True)
+    o, lse = p()
+    ro, rl = mla.reference(q.float(), cache.float(), lens)
+    bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
+    wide = torch.zeros(2, 1040, mla.LATENT_DIM + 8, device="cuda").bfloat16()
+    wide[..., :mla.LATENT_DIM] = cache
+    strided = wide[..., :mla.LATENT_DIM]
+    with pytest.raises(ValueError, match="ring=True needs"):
+        mb.plan(q, strided, lens, ring=True)
+    assert mb.plan(q, strided, lens).rows_via == "direct"
+    o2, lse2 = mb.plan(q, strided, lens)()
+    bench.check_all({"o": (o2, ro), "lse": (lse2, rl)}, dtype=torch.bfloat16)
 
 
 def test_committed_h200_before_records():

@@ -903,3 +903,67 @@ def peer_kernels(device: str = "nvidia-h200", path=None) -> pd.DataFrame:
         out.append({"case": case, "form": form, "per_call_us": v["per_call_us"], "split_kernel": split_name,
                     "split_us": split["mean_us"], "merge_kernel": merge_name, "merge_us": merge["mean_us"]})
     return pd.DataFrame(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# what bounds the three missed targets: the data path of each policy alone, timed beside the after,
+# the before and the einsum peer (committed H200 run of scripts/device_mla_bounds.py)
+
+BOUNDS = "extra/bounds_c72bac9.json"
+# target, the kernel it judges, (case, what that kernel's time must be at most, from the run's times),
+# (case, the reader whose time bounds that kernel), what the reader is
+BOUND_ROWS = (
+    ("after share of copy bandwidth, 32K >= 70%", "after",
+     ("ctx32k", lambda v, floor: floor / TARGETS["bw_32k"]),
+     ("ctx32k", "ring split 128 +tail"), "the after's data path: the tile ring and an empty second kernel"),
+    ("einsum / after, 32K >= 5x (graph replay)", "after",
+     ("ctx32k", lambda v, floor: v["einsum (PyTorch)"] / TARGETS["vs_einsum_32k"]),
+     ("ctx32k", "ring split 128 +tail"), "the after's data path: the tile ring and an empty second kernel"),
+    ("before / after, 1K within 15%", "before",
+     ("ctx1k", lambda v, floor: (1 + TARGETS["ratio_1k_band"]) * v["after (default)"]),
+     ("ctx1k", "each: ring, 1 block, 1 copy/tile"), "the before policy's data path: one block reading the whole history"),
+)
+_KERNEL_KEY = {"after": "after (default)", "before": "before (default)"}
+
+
+def target_bounds(device: str = "nvidia-h200", path=None) -> pd.DataFrame:
+    """One row per missed target: the kernel it judges and its time, the time that kernel would need
+    (`needed_us`), the time of the data path alone that bounds it (`bound_us`: a reader that moves the
+    same bytes the same way and computes nothing), and `reachable` = bound_us <= needed_us, with the
+    margin left for everything else. All times from one graph-replay run of
+    scripts/device_mla_bounds.py."""
+    path = Path(path) if path is not None else bench.PROFILES / device / NAME / BOUNDS
+    run = json.loads(Path(path).read_text())
+    rows = run.get("rows")
+    if not isinstance(rows, dict) or any("variants" not in r or "floor_us" not in r for r in rows.values()):
+        raise ValueError(f"{path} is not a run of scripts/device_mla_bounds.py")
+    out = []
+    for target, kernel, (case, need), (bcase, reader), what in BOUND_ROWS:
+        if case not in rows or bcase not in rows:
+            raise ValueError(f"{path} has no {case!r} row")
+        us = {k: v["us"] for k, v in rows[case]["variants"].items()}
+        missing = {_KERNEL_KEY[kernel], "after (default)", "einsum (PyTorch)"} - set(us)
+        if missing or reader not in rows[bcase]["variants"]:
+            raise ValueError(f"{path}: {case} lacks {sorted(missing) or [reader]}")
+        needed = need(us, rows[case]["floor_us"])
+        bound = rows[bcase]["variants"][reader]["us"]
+        out.append({"target": target, "kernel": kernel, "kernel_us": us[_KERNEL_KEY[kernel]], "needed_us": needed,
+                    "bound": what, "bound_us": bound, "margin_us": needed - bound, "reachable": bound <= needed,
+                    "commit": run["commit"]})
+    return pd.DataFrame(out)
+
+
+def bounds_figure(df: pd.DataFrame, title: str | None = None):
+    """Horizontal bars per target of target_bounds: the kernel now, the time the target needs, and the
+    data path alone."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for col, name in (("kernel_us", "the kernel now"), ("needed_us", "what the target needs"),
+                      ("bound_us", "its data path alone (no arithmetic)")):
+        fig.add_trace(go.Bar(y=df["target"], x=df[col], name=name, orientation="h",
+                             text=[f"{v:.2f}" for v in df[col]], textposition="outside"))
+    fig.update_layout(template="plotly_white", barmode="group", xaxis_type="log", xaxis_title="us (graph replay)",
+                      title=title or "H200: the missed targets against the data path that bounds them",
+                      legend={"orientation": "h", "y": -0.2}, height=420)
+    return fig

@@ -14,10 +14,12 @@
 //   * ring_kernel (rows dense and 16-byte aligned, the usual case): the history streams through a ring
 //     of three 64-row tiles in shared memory, filled by the copy engine (cp.async.bulk, one copy per
 //     page piece) from one thread, so the SM keeps ~144 KB in flight while its warps compute. One SM
-//     cannot stream faster than ~185 GB/s on the H200 (scripts/device_mla_bounds.py), and per head
-//     the arithmetic is ~9 us of issue slots at 1K, so this is the policy near its own bound;
+//     cannot stream faster than ~181 GB/s on the H200 (scripts/device_mla_bounds.py). On the H200
+//     (profiles/nvidia-h200/mla_padding/extra/bounds_c72bac9.json) it takes 26.3 us at 1K and 730 at
+//     32K against 29.7 and 820 for direct loads: the arithmetic on CUDA cores bounds it (per position
+//     1,088 multiply-adds and 576 bf16 conversions: >= 6.7 us of issue slots per block at 1K);
 //   * direct_kernel (any row layout): each lane loads its pairs from global memory, 36 loads in flight
-//     per warp (measured ~40 GB/s per SM: latency-bound).
+//     per warp.
 //
 // The HIP build compiles (scripts/compile_hip.sh) but is not yet run on AMD hardware by this project
 // (the ring is CUDA sm_90 only; HIP always takes the direct kernel).

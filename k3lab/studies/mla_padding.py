@@ -854,7 +854,7 @@ def wave_figure(df: pd.DataFrame, title: str | None = None):
 # a public Hopper kernel in the same run: FlashMLA's dense decode (variant 'flashmla'), and its two
 # kernels beside ours (committed H200 run of scripts/device_mla_kernel_times.py, FORMS=wgmma,flashmla)
 
-PEER_KERNELS = "extra/flashmla_kernels_09a1819.json"
+PEER_KERNELS = "extra/flashmla_kernels_0cce03b.json"
 
 
 def peer_table(records, peer: str = "flashmla", mode: str = "graph") -> pd.DataFrame:

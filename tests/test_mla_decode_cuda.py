@@ -553,7 +553,7 @@ def test_on_the_gpu_too_large_a_grid_falls_back_to_the_merge_kernel():
 
 @pytest.mark.parametrize("case,match", [("contiguous", "block_table"), ("no_lengths", "lengths"),
                                         ("heads17", "heads"), ("short", "shorter than q_len"),
-                                        ("share", "share must be"), ("odd_pairs", "even q_len")])
+                                        ("share", "share must be")])
 def test_verify_as_requests_refusals_by_name(case, match):
     q, pool, bt, lens = _paged(page=64, L=128, lengths=(100,))
     q = q.expand(1, 4, 12, mla.LATENT_DIM).contiguous()
@@ -568,8 +568,6 @@ def test_verify_as_requests_refusals_by_name(case, match):
         lens = torch.tensor([3], dtype=torch.int32)
     if case == "share":
         kw["share"] = "dram"
-    if case == "odd_pairs":
-        q, kw["share"] = q[:, :3].contiguous(), "pairs"
     with pytest.raises(ValueError, match=match):
         mc.plan_verify(q, pool, lens, **kw)
 
@@ -589,16 +587,16 @@ def test_two_tokens_per_block_refusals_by_name(kw, match):
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("share", ["pairs", "l2"])
 @pytest.mark.parametrize("lengths,q_len", [((4097,), 2), ((32768,), 4), ((5000, 33, 64, 2049), 4), ((700,), 8),
-                                           ((130, 64, 65), 2), ((130, 64, 65), 3), ((63, 2), 2)])
+                                           ((130, 64, 65), 2), ((130, 64, 65), 3), ((63, 2), 2), ((4133, 70), 5),
+                                           ((9000,), 7), ((66, 129), 6)])
 def test_on_the_gpu_verify_as_requests_matches_the_reference(lengths, q_len, share, monkeypatch):
     """Each token of a verification group as its own request, two per block in one product ('pairs',
-    even q_len) or one per block sharing tiles through L2: causal inside the group (lengths ending on and
-    just past a tile edge, so a pair's tokens disagree on their last tile; one-tile pieces), outputs
-    and lse against the fp32 reference, through plan_after(kernel='cuda') as the study calls it."""
+    an odd group padded with a repeat of its last token) or one per block sharing tiles through L2:
+    causal inside the group (lengths ending on and just past a tile edge, so a pair's tokens disagree on
+    their last tile; one-tile pieces), outputs and lse against the fp32 reference, through
+    plan_after(kernel='cuda') as the study calls it; a padded plan reads q afresh at every call."""
     if not _runs():
         pytest.skip(f"kernel unavailable: {mc.status()[1]}")
-    if share == "pairs" and q_len % 2:
-        pytest.skip("pairs need an even q_len")
     real = mc.plan_verify
     monkeypatch.setattr(mc, "plan_verify", lambda *a, **k: real(*a, share=share, **k))
     g = torch.Generator().manual_seed(q_len * 7 + len(lengths))
@@ -610,22 +608,28 @@ def test_on_the_gpu_verify_as_requests_matches_the_reference(lengths, q_len, sha
     p = mla.plan_after(q, pool, lens, block_table=bt, kernel="cuda")
     assert p.facts()["verify"] == "tokens as requests" and p.facts()["share"] == share
     assert p.programs >= B * q_len // (2 if share == "pairs" else 1)
+    assert p.facts()["padded_q_len"] == q_len + (share == "pairs" and q_len % 2)
     o, lse = p()
     ro, rl = mla.reference(q.float(), pool.float(), lens, block_table=bt)
     assert o.shape == (B, q_len, 12, mla.VALUE_DIM) and lse.shape == (B, q_len, 12)
     bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
+    q.copy_(torch.randn(q.shape, generator=g).bfloat16())  # new queries in the same buffer: the plan sees them
+    o, lse = p()
+    ro, rl = mla.reference(q.float(), pool.float(), lens, block_table=bt)
+    bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
-def test_on_the_gpu_the_default_takes_pairs_to_cuda_and_longer_groups_to_triton():
+def test_on_the_gpu_the_default_takes_every_group_to_cuda_in_pairs():
     if not _runs():
         pytest.skip(f"kernel unavailable: {mc.status()[1]}")
     cache = torch.randn(1, 4096, mla.LATENT_DIM, device="cuda").bfloat16()
     pool, bt = mla.to_paged(cache, 64)
     lens = torch.tensor([4000], dtype=torch.int32, device="cuda")
-    for q_len in (1, 2, 3, 4):
+    for q_len in range(1, mla.MAX_Q_LEN + 1):
         q = torch.randn(1, q_len, 12, mla.LATENT_DIM, device="cuda").bfloat16()
         p = mla.plan_after(q, pool, lens, block_table=bt)
         assert p.kernel == ("cuda" if q_len in mla.CUDA_VERIFY_Q_LENS else "split"), (q_len, p.kernel)
+        assert q_len == 1 or p.facts()["share"] == "pairs"
     q = torch.randn(1, 2, 12, mla.LATENT_DIM, device="cuda").bfloat16()
     assert mla.plan_after(q, cache, lens).kernel == "split"  # a contiguous cache: no pages to share

@@ -44,7 +44,7 @@ returns a plan of the hand-written CUDA kernel (k3lab/ops/mla_decode_cuda.py, ke
 mma.sync on the 16 padded heads, bulk copies into a 5-deep ring): on the H200 20.0 / 47.6 us at
 32K / 128K against this module's Triton kernel's 21.9 / 52.3 in the same run (44% / 75% of the copy
 bandwidth, commit 1a77c32). `cuda_after_status` says whether it runs here and why not. It also
-takes verification groups of 2, 3, 4 and 8 tokens (on a paged cache: each token a one-token request
+takes verification groups of 2 to 8 tokens (on a paged cache: each token a one-token request
 over the same pages, `mla_decode_cuda.plan_verify`; CUDA_VERIFY_Q_LENS says which and why); everywhere
 else (CPU interpreter, ROCm, longer verification groups, fp32/fp16, pages under 32 rows) the Triton
 kernels below run. kernel='split' asks for the Triton kernel by name. The CUDA plan merges its
@@ -135,14 +135,15 @@ MMA_ROWS = 16  # the fewest rows tl.dot accepts: the padded head count
 MAX_Q_LEN = 8  # verification group: the draft tokens plus one
 TOKENS_PER_PROGRAM = 4  # after: verify tokens sharing one program (4 x 16 = 64 rows of accumulator)
 MAX_SPLITS = 512
-# q_len the CUDA kernel takes by default (plan_after): 1, and verification groups as one-token requests
-# over the same pages (mla_decode_cuda.plan_verify): an even group two tokens per block in one product
-# (a tile read once per pair), an odd one a block per token sharing tiles through L2. On the H200 against
-# the Triton kernel in the same call (21566bb, extra/verify_pairs_21566bb.json), us: 32K 19.5 / 38.9 for
-# 2 positions, 25.2 / 37.1 for 4, 40.7 / 59.9 for 8; 8 x 8K 30.4 / 68.5 for 2, 44.4 / 65.8 for 4; 128K
-# 72.4 / 104.1 for 4; 3 positions by L2 28.4 / 36.3 at 32K (274aaeb). Groups of 5, 6 and 7 are not
-# measured and stay on Triton.
-CUDA_VERIFY_Q_LENS = (1, 2, 3, 4, 8)
+# q_len the CUDA kernel takes by default (plan_after): 1, and verification groups of 2 to 8 as one-token
+# requests over the same pages (mla_decode_cuda.plan_verify), two tokens per block in one product (a tile
+# read once per pair; an odd group padded with a repeat of its last token, as 12 heads are padded to 16).
+# On the H200 against the Triton kernel in the same call, us: 32K 19.5 / 38.9 for 2 positions, 25.2 /
+# 37.1 for 4, 40.7 / 59.9 for 8; 8 x 8K 30.4 / 68.5 for 2, 44.4 / 65.8 for 4; 128K 72.4 / 104.1 for 4
+# (21566bb, extra/verify_pairs_21566bb.json); 32K 33.1 / 58.4 for 6, 8 x 8K 65.4 / 111.2, 128K 101.0 /
+# 195.3 (7754fd5, extra/verify_odd_7754fd5.json, which also has a block per token for 5 and 7 positions:
+# 42.2 and 58.4 us at 32K against Triton's 57.3 and 58.9).
+CUDA_VERIFY_Q_LENS = (1, 2, 3, 4, 5, 6, 7, 8)
 BULK_BLOCK_N = 64  # bulk kernel: latent rows per tile (a page of 64; M = 64 is what wgmma wants)
 # The bulk kernel is opt-in (kernel='bulk' or K3LAB_MLA_KERNEL=bulk) until a GPU run checks it: on the
 # H200 (round 3, commit e7931ef) it computed wrong outputs (bf16, paged) and hit an illegal memory
@@ -1218,7 +1219,7 @@ def cuda_after_status(q=None, cache=None, lengths=None, block_table=None) -> tup
     """Whether `plan_after` runs the hand-written CUDA kernel (k3lab.ops.mla_decode_cuda) by default
     here and, if not, why (with inputs: for these inputs). It does for one-token decodes (q_len 1,
     <= 16 heads, bf16) on NVIDIA compute capability 9.0+ with nvcc, and for verification groups of
-    2, 3, 4 or 8 (paged) as one-token requests (CUDA_VERIFY_Q_LENS); everywhere else the Triton
+    2 to 8 (paged) as one-token requests (CUDA_VERIFY_Q_LENS); everywhere else the Triton
     split kernel runs (ROCm included: the CUDA kernel has no AMD path)."""
     from k3lab.ops import mla_decode_cuda as mc  # here: mla_decode_cuda imports this module
 

@@ -756,24 +756,31 @@ class VerifyAsRequestsPlan:
     """A verification group of q_len tokens run by the one-token kernel: token t of request b becomes
     request b * q_len + t, reading the same pages with length lengths[b] - q_len + 1 + t (so each
     token sees its own prefix: causal inside the group). Two tokens per block share each tile in one
-    product (inner.tokens == 2); with a block per token the group's blocks read the same tiles at about
-    the same time, so DRAM serves each tile once and L2 the rest. Calling it returns
-    (o [B, q_len, H, 512], lse [B, q_len, H]) as views of the inner plan's buffers."""
+    product (inner.tokens == 2); an odd group is then padded to an even one by repeating its last token
+    (its second output is dropped, as the padded heads are), which `gather` copies from q before each
+    call. With a block per token the group's blocks read the same tiles at about the same time, so DRAM
+    serves each tile once and L2 the rest. Calling it returns (o [B, q_len, H, 512], lse [B, q_len, H])
+    as views of the inner plan's buffers (strided when the group was padded)."""
 
-    def __init__(self, inner: CudaDecodePlan, batch: int, q_len: int, keep: tuple):
-        self.inner, self.batch, self.q_len, self._keep = inner, batch, q_len, keep
+    def __init__(self, inner: CudaDecodePlan, batch: int, q_len: int, keep: tuple, gather=None):
+        self.inner, self.batch, self.q_len, self._keep, self._gather = inner, batch, q_len, keep, gather
+        self.padded_len = q_len + (gather is not None)
 
     def __getattr__(self, name):  # the inner plan's attributes (form, num_splits, programs, ...)
         return getattr(self.inner, name)
 
     def facts(self) -> dict:
         share = "pairs" if self.inner.tokens == 2 else "l2"
-        return dict(self.inner.facts(), verify="tokens as requests", share=share, q_len=self.q_len)
+        return dict(self.inner.facts(), verify="tokens as requests", share=share, q_len=self.q_len,
+                    padded_q_len=self.padded_len)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._gather is not None:
+            self._gather()
         o, lse = self.inner()
-        H = o.shape[2]
-        return o.view(self.batch, self.q_len, H, VALUE_DIM), lse.view(self.batch, self.q_len, H)
+        H, T = o.shape[2], self.padded_len
+        o, lse = o.view(self.batch, T, H, VALUE_DIM), lse.view(self.batch, T, H)
+        return (o, lse) if T == self.q_len else (o[:, :self.q_len], lse[:, :self.q_len])
 
 
 def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, pdl: bool = True,
@@ -782,9 +789,9 @@ def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, 
     """Plan a verification group (q [B, q_len >= 1, H, 576], a paged cache) on this module's kernel,
     each token as its own one-token request over the same pages (VerifyAsRequestsPlan). share: how
     the tokens share a tile: 'pairs' (two tokens per block in one product, N = 32: a tile read once per
-    pair; even q_len), 'l2' (a block per token: DRAM serves a tile once and L2 once per further token),
-    or None = 'pairs' for an even q_len, else 'l2'. Refusals by name as in `check`, plus: a paged cache
-    (block_table=) and lengths are required."""
+    pair; an odd q_len is padded with a repeat of its last token), 'l2' (a block per token: DRAM serves a
+    tile once and L2 once per further token), or None = 'pairs' from q_len 2 up, 'l2' for one token.
+    Refusals by name as in `check`, plus: a paged cache (block_table=) and lengths are required."""
     if share not in (None, "pairs", "l2"):
         raise ValueError(f"share must be 'pairs', 'l2' or None, got {share!r}")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -795,13 +802,20 @@ def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, 
                          "over the same pages)")
     inp = mla._validate(q, cache, lengths, block_table)  # q_len, lengths >= q_len, pages in the pool
     B, Tq = inp.batch, inp.q_len
-    if share == "pairs" and Tq % 2:
-        raise ValueError(f"share='pairs' needs an even q_len, got {Tq}")
-    steps = torch.arange(Tq, dtype=torch.int32, device=q.device)
+    pairs = share == "pairs" or (share is None and Tq >= 2)
+    Tp = Tq + (pairs and Tq % 2)  # tokens per group as run: an odd group of pairs repeats its last token
+    steps = torch.arange(Tp, dtype=torch.int32, device=q.device).clamp(max=Tq - 1)
     token_lengths = (inp.lengths[:, None] - Tq + 1 + steps[None, :]).reshape(-1).contiguous()
-    token_table = inp.block_table.repeat_interleave(Tq, dim=0).contiguous()
-    token_q = q.contiguous().view(B * Tq, 1, q.shape[2], q.shape[3])
-    pairs = share == "pairs" or (share is None and Tq % 2 == 0)
+    token_table = inp.block_table.repeat_interleave(Tp, dim=0).contiguous()
+    gather = None
+    if Tp == Tq:
+        token_q = q.contiguous().view(B * Tq, 1, q.shape[2], q.shape[3])
+    else:
+        padded = torch.empty(B, Tp, q.shape[2], q.shape[3], dtype=q.dtype, device=q.device)
+        index = steps.long()
+        gather = lambda: torch.index_select(q, 1, index, out=padded)  # noqa: E731 - one kernel, graph-safe
+        gather()
+        token_q = padded.view(B * Tp, 1, q.shape[2], q.shape[3])
     inner = plan(token_q, cache, token_lengths, block_table=token_table, scale=scale, num_splits=num_splits,
                  pdl=pdl, compute_units=compute_units, form=form, tokens_per_block=2 if pairs else 1)
-    return VerifyAsRequestsPlan(inner, B, Tq, (token_q, token_lengths, token_table))
+    return VerifyAsRequestsPlan(inner, B, Tq, (q, token_q, token_lengths, token_table), gather)

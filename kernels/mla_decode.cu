@@ -124,6 +124,10 @@ struct Args {
   // grid's block count per launch), [1] how many blocks gave up waiting at the barrier (bounded spin;
   // 0 unless something is badly wrong; the host reads it). Null for the two-kernel form.
   unsigned long long* barrier;
+  // Form 'wgmma': request r's query is token r % q_run of group r / q_run in the queries' tensor map
+  // ([groups, q_tq, H, 576]); a token index >= q_tq (a verification group padded to an even count of
+  // tokens) lies outside the map and reads as zeros (its output is dropped). 1, 1 for plain decodes.
+  int q_run, q_tq;
 };
 
 }  // namespace k3mla
@@ -1200,9 +1204,12 @@ K3_EXPORT int k3_mla_wg_map(void* map, const void* base, long long rows) {
   return k3mla::wg_make_map(reinterpret_cast<CUtensorMap*>(map), base, rows);
 }
 
-K3_EXPORT int k3_mla_wg_qmap(void* map, const void* q, int heads, int batch, long long q_sh, long long q_sb) {
-  if (map == nullptr || q == nullptr || heads < 1 || heads > k3mla::ROWS || batch < 1 || q_sh % 8 || q_sb % 8) return -4;
-  return k3mla::wg_make_qmap(reinterpret_cast<CUtensorMap*>(map), q, heads, batch, q_sh, q_sb);
+K3_EXPORT int k3_mla_wg_qmap(void* map, const void* q, int heads, int tq, int groups, long long q_sh, long long q_st,
+                             long long q_sg) {
+  if (map == nullptr || q == nullptr || heads < 1 || heads > k3mla::ROWS || tq < 1 || groups < 1 || q_sh % 8 ||
+      q_st % 8 || q_sg % 8)
+    return -4;
+  return k3mla::wg_make_qmap(reinterpret_cast<CUtensorMap*>(map), q, heads, tq, groups, q_sh, q_st, q_sg);
 }
 
 K3_EXPORT int k3_mla_wg_regs() {
@@ -1216,7 +1223,7 @@ K3_EXPORT int k3_mla_wg_regs() {
 static int decode_wg(const k3mla::Args* args, const void* map, const void* qmap, int pdl, int max_shared, int tokens,
                      void* stream) {
   const k3mla::Args& a = *args;
-  if ((tokens != 1 && tokens != 2) || a.B % tokens != 0) return -4;
+  if ((tokens != 1 && tokens != 2) || a.B % tokens != 0 || a.q_run < 1 || a.q_tq < 1 || a.q_tq > a.q_run) return -4;
   if (map == nullptr || qmap == nullptr || a.B < 1 || a.B > 65535 || a.heads < 1 || a.heads > k3mla::ROWS || a.splits < 1 ||
       a.splits > 65535 || a.chunk < k3mla::WG_BN || a.chunk % k3mla::WG_BN != 0 ||
       (a.block_table != nullptr && (a.max_pages < 1 || a.page_shift < 6 || a.page_shift > 30)) ||

@@ -242,9 +242,10 @@ K3_DEVICE void tma_box(uint32_t dst, const void* map, int col, int row, uint32_t
 // columns], swizzled; heads past a.heads lie outside the map and arrive as zeros (the padding). Every
 // block reads the same 18 KB: 16-byte loads from 128 threads of every SM cost ~1.2 us here (H200,
 // data-only build), the boxes do not.
-// With NT tokens (requests b .. b + NT - 1 of the map), token t's 16 rows follow token t - 1's in each box.
+// With NT tokens (requests b .. b + NT - 1), token t's 16 rows follow token t - 1's in each box; request r's
+// query is token r % q_run of group r / q_run in the map (Args::q_run).
 template <int NT>
-K3_DEVICE void wg_start(const void* map, const void* qmap, uint32_t bars, uint32_t qs, int b) {
+K3_DEVICE void wg_start(const Args& a, const void* map, const void* qmap, uint32_t bars, uint32_t qs, int b) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
   for (int s = 0; s <= WG_STAGES; ++s) mbar_init(bars + 8 * s, 1);
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -255,9 +256,9 @@ K3_DEVICE void wg_start(const void* map, const void* qmap, uint32_t bars, uint32
 #pragma unroll
     for (int t = 0; t < NT; ++t)
       asm volatile(
-          "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(
+          "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(
               qs + i * wg_qbox<NT>() + t * WG_QBOX),
-          "l"(qmap), "r"(64 * i), "r"(0), "r"(b + t), "r"(qbar)
+          "l"(qmap), "r"(64 * i), "r"(0), "r"((b + t) % a.q_run), "r"((b + t) / a.q_run), "r"(qbar)
           : "memory");
 }
 
@@ -348,7 +349,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   }
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
   if (tid == 0) {
-    wg_start<NT>(&map, &qmap, bars, qs, b);
+    wg_start<NT>(a, &map, &qmap, bars, qs, b);
     for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i)
       wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
@@ -592,16 +593,18 @@ inline int wg_make_map(CUtensorMap* map, const void* base, long long rows) {
   return r == CUDA_SUCCESS ? 0 : -1000 - (int)r;
 }
 
-// The tensor map of the queries ([B, H, 576] bf16 with element strides q_sh, q_sb): boxes of 16 heads
-// x 64 columns of one request with the 128-byte swizzle; heads past H read as zeros.
-inline int wg_make_qmap(CUtensorMap* map, const void* q, int heads, int batch, long long q_sh, long long q_sb) {
+// The tensor map of the queries ([groups, tq, H, 576] bf16 with element strides q_sg, q_st, q_sh): boxes of
+// 16 heads x 64 columns of one token with the 128-byte swizzle; heads past H, and tokens past tq (a padded
+// verification group's repeat), read as zeros.
+inline int wg_make_qmap(CUtensorMap* map, const void* q, int heads, int tq, int groups, long long q_sh, long long q_st,
+                        long long q_sg) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = wg_encoder();
   if (encode == nullptr) return -6;
-  const cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)heads, (cuuint64_t)batch};
-  const cuuint64_t strides[2] = {(cuuint64_t)q_sh * 2, (cuuint64_t)q_sb * 2};
-  const cuuint32_t box[3] = {64, (cuuint32_t)ROWS, 1};
-  const cuuint32_t elem[3] = {1, 1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(q), dims, strides, box, elem,
+  const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)heads, (cuuint64_t)tq, (cuuint64_t)groups};
+  const cuuint64_t strides[3] = {(cuuint64_t)q_sh * 2, (cuuint64_t)q_st * 2, (cuuint64_t)q_sg * 2};
+  const cuuint32_t box[4] = {64, (cuuint32_t)ROWS, 1, 1};
+  const cuuint32_t elem[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(q), dims, strides, box, elem,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? 0 : -1000 - (int)r;

@@ -575,11 +575,19 @@ def test_verify_as_requests_refusals_by_name(case, match):
 @pytest.mark.parametrize("kw,match", [(dict(tokens_per_block=3), "tokens_per_block must be"),
                                       (dict(tokens_per_block=2, form="split"), "form 'wgmma' only"),
                                       (dict(tokens_per_block=2, merge="fused"), "fused merge"),
-                                      (dict(tokens_per_block=2, odd=True), "even batch")])
+                                      (dict(tokens_per_block=2, odd=True), "even batch"),
+                                      (dict(q_group="q3"), "needs tokens_per_block=2"),
+                                      (dict(tokens_per_block=2, q_group="q3"), "do not give"),
+                                      (dict(tokens_per_block=2, q_group="run1"), "do not give")])
 def test_two_tokens_per_block_refusals_by_name(kw, match):
     q, pool, bt, lens = _paged(page=64, L=128, lengths=(100, 90))
     if kw.pop("odd", False):
         q, bt, lens = q[:1], bt[:1], lens[:1]
+    group = kw.get("q_group")
+    if group == "q3":  # 3 groups of one token run as 2: 6 requests, not q's 2
+        kw["q_group"] = (q[:1].expand(3, 1, 12, mla.LATENT_DIM).contiguous(), 2)
+    if group == "run1":  # 2 tokens per group, run as 1 token: fewer run than real
+        kw["q_group"] = (q.view(1, 2, 12, mla.LATENT_DIM), 1)
     with pytest.raises(ValueError, match=match):
         mc.plan(q, pool, lens, block_table=bt, **kw)
 

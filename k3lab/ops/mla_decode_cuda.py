@@ -158,7 +158,7 @@ class Args(ctypes.Structure):
                 ("l_sb", ctypes.c_longlong),
                 ("B", ctypes.c_int), ("heads", ctypes.c_int), ("page_shift", ctypes.c_int), ("splits", ctypes.c_int),
                 ("chunk", ctypes.c_int), ("max_pages", ctypes.c_int), ("scale_log2", ctypes.c_float),
-                ("probe", ctypes.c_void_p), ("barrier", ctypes.c_void_p)]
+                ("probe", ctypes.c_void_p), ("barrier", ctypes.c_void_p), ("q_run", ctypes.c_int), ("q_tq", ctypes.c_int)]
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -187,8 +187,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k3_mla_wg_map.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong]
     lib.k3_mla_decode_wg.restype = ctypes.c_int
     lib.k3_mla_wg_qmap.restype = ctypes.c_int
-    lib.k3_mla_wg_qmap.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
-                                   ctypes.c_longlong]
+    lib.k3_mla_wg_qmap.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_longlong, ctypes.c_longlong, ctypes.c_longlong]
     lib.k3_mla_decode_wg.argtypes = [ctypes.POINTER(Args), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                      ctypes.c_void_p]
     lib.k3_mla_decode_wg_tokens.restype = ctypes.c_int
@@ -614,7 +614,7 @@ class CudaDecodePlan:
 def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, stages=DEFAULT_STAGES,
          warps=DEFAULT_WARPS, pdl: bool = True, compute_units: int | None = None,
          probe: torch.Tensor | None = None, form: str | None = None, merge: str | None = None,
-         tokens_per_block: int = 1) -> CudaDecodePlan:
+         tokens_per_block: int = 1, q_group: tuple | None = None) -> CudaDecodePlan:
     """Check once (ValueError by name), then build a launchable plan on the GPU (KernelUnavailable,
     with the reason, where the kernel cannot run). num_splits: None = `choose_splits` for the
     device's SM count; stages / warps: the compiled ring depth and block size (5 and 4 by default);
@@ -627,9 +627,19 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     see `choose_form`; `plan.form` says which runs and `plan.form_why` why.
     tokens_per_block = 2 (plan_verify): consecutive requests in pairs, each pair two tokens of one
     verification group over the same pages, scored and summed in one product (form 'wgmma', merge
-    kernel, no probe)."""
+    kernel, no probe). q_group = (queries [G, Tq, H, 576], run) with two tokens per block: request r's
+    query is token r % run of group r / run, and a token index >= Tq (a group padded to run tokens)
+    reads zeros; q then only gives the requests' shape (its data is not read)."""
     if tokens_per_block not in (1, 2):
         raise ValueError(f"tokens_per_block must be 1 or 2, got {tokens_per_block!r}")
+    if q_group is not None:
+        src, run = q_group
+        if tokens_per_block != 2 or not isinstance(src, torch.Tensor) or src.dim() != 4 or not isinstance(run, int):
+            raise ValueError("q_group must be (a tensor [G, Tq, H, 576], run) and needs tokens_per_block=2")
+        if (src.shape[0] * run != q.shape[0] or not 1 <= src.shape[1] <= run or src.shape[2:] != q.shape[2:]
+                or src.dtype != q.dtype or src.device != q.device or src.stride(3) != 1):
+            raise ValueError(f"q_group's queries {tuple(src.shape)} with run {run} do not give q's {q.shape[0]} "
+                             f"requests of {tuple(q.shape[2:])} ({q.dtype} on {q.device}, last dim contiguous)")
     if tokens_per_block == 2:
         if form not in (None, "auto", "wgmma"):
             raise ValueError(f"tokens_per_block=2 runs form 'wgmma' only, got form={form!r}")
@@ -676,15 +686,21 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                 part_lse.data_ptr() if part_lse is not None else None, out.data_ptr(), lse.data_ptr(),
                 q.stride(0), q.stride(2), cache.stride(0), bt.stride(0) if bt is not None else 0,
                 out.stride(0), out.stride(2), lse.stride(0),
-                B, H, page_shift, splits, chunk, bt.shape[1] if bt is not None else 0, c.scale * mla._LOG2E, None)
+                B, H, page_shift, splits, chunk, bt.shape[1] if bt is not None else 0, c.scale * mla._LOG2E, None, None,
+                1, 1)
+    # the queries' map: one token per request, or (q_group) tokens of verification groups, padded ones included
+    qsrc, tq, groups = (q[:, 0], 1, B) if q_group is None else (q_group[0], q_group[0].shape[1], q_group[0].shape[0])
+    if q_group is not None:
+        args.q, args.q_run, args.q_tq = q_group[0].data_ptr(), q_group[1], tq
     tensor_map = None
     if form == "wgmma":  # the cache's rows and the queries as tensor maps (TMA boxes, 128 B swizzle)
         tensor_map = ((ctypes.c_ubyte * 128)(), (ctypes.c_ubyte * 128)())
         lib = _library()
         for what, rc in (("cache's", lib.k3_mla_wg_map(ctypes.addressof(tensor_map[0]), cache.data_ptr(),
                                                          cache.shape[0] * cache.shape[1])),
-                         ("queries'", lib.k3_mla_wg_qmap(ctypes.addressof(tensor_map[1]), q.data_ptr(), H, B,
-                                                           q.stride(2), q.stride(0)))):
+                         ("queries'", lib.k3_mla_wg_qmap(ctypes.addressof(tensor_map[1]), qsrc.data_ptr(), H, tq,
+                                                           groups, qsrc.stride(-2), qsrc.stride(-3) if tq > 1 else qsrc.stride(0),
+                                                           qsrc.stride(0)))):
             if rc != 0:
                 raise _build.KernelUnavailable(f"{NAME}.cu could not encode the {what} tensor map ({rc}: "
                                                f"{_ERRORS.get(rc, 'driver refused')})")
@@ -710,7 +726,7 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     if path == "fused":
         barrier = torch.zeros(2, dtype=torch.int64, device=q.device)
         args.barrier = barrier.data_ptr()
-    keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse, probe, barrier)
+    keep = (q, cache, bt, inp.lengths, part_o, part_lse, out, lse, probe, barrier, q_group)
     return CudaDecodePlan(splits, chunk, stages, warps, bool(pdl) and path == "kernel", form, out, lse, args, keep,
                           max_shared, dev, path, why, barrier, tensor_map, form_why, tokens_per_block)
 
@@ -756,15 +772,14 @@ class VerifyAsRequestsPlan:
     """A verification group of q_len tokens run by the one-token kernel: token t of request b becomes
     request b * q_len + t, reading the same pages with length lengths[b] - q_len + 1 + t (so each
     token sees its own prefix: causal inside the group). Two tokens per block share each tile in one
-    product (inner.tokens == 2); an odd group is then padded to an even one by repeating its last token
-    (its second output is dropped, as the padded heads are), which `gather` copies from q before each
-    call. With a block per token the group's blocks read the same tiles at about the same time, so DRAM
-    serves each tile once and L2 the rest. Calling it returns (o [B, q_len, H, 512], lse [B, q_len, H])
-    as views of the inner plan's buffers (strided when the group was padded)."""
+    product (inner.tokens == 2); an odd group is then padded to an even one (padded_len) by a token whose
+    query reads as zeros and whose output is dropped, as the padded heads' are. With a block per token the
+    group's blocks read the same tiles at about the same time, so DRAM serves each tile once and L2 the
+    rest. Calling it returns (o [B, q_len, H, 512], lse [B, q_len, H]) as views of the inner plan's
+    buffers (strided when the group was padded)."""
 
-    def __init__(self, inner: CudaDecodePlan, batch: int, q_len: int, keep: tuple, gather=None):
-        self.inner, self.batch, self.q_len, self._keep, self._gather = inner, batch, q_len, keep, gather
-        self.padded_len = q_len + (gather is not None)
+    def __init__(self, inner: CudaDecodePlan, batch: int, q_len: int, padded_len: int, keep: tuple):
+        self.inner, self.batch, self.q_len, self.padded_len, self._keep = inner, batch, q_len, padded_len, keep
 
     def __getattr__(self, name):  # the inner plan's attributes (form, num_splits, programs, ...)
         return getattr(self.inner, name)
@@ -775,8 +790,6 @@ class VerifyAsRequestsPlan:
                     padded_q_len=self.padded_len)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._gather is not None:
-            self._gather()
         o, lse = self.inner()
         H, T = o.shape[2], self.padded_len
         o, lse = o.view(self.batch, T, H, VALUE_DIM), lse.view(self.batch, T, H)
@@ -807,15 +820,11 @@ def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, 
     steps = torch.arange(Tp, dtype=torch.int32, device=q.device).clamp(max=Tq - 1)
     token_lengths = (inp.lengths[:, None] - Tq + 1 + steps[None, :]).reshape(-1).contiguous()
     token_table = inp.block_table.repeat_interleave(Tp, dim=0).contiguous()
-    gather = None
     if Tp == Tq:
-        token_q = q.contiguous().view(B * Tq, 1, q.shape[2], q.shape[3])
-    else:
-        padded = torch.empty(B, Tp, q.shape[2], q.shape[3], dtype=q.dtype, device=q.device)
-        index = steps.long()
-        gather = lambda: torch.index_select(q, 1, index, out=padded)  # noqa: E731 - one kernel, graph-safe
-        gather()
-        token_q = padded.view(B * Tp, 1, q.shape[2], q.shape[3])
+        token_q, q_group = q.contiguous().view(B * Tq, 1, q.shape[2], q.shape[3]), None
+    else:  # the kernel reads each token's query from q itself (the repeat reads zeros): this only has the shape
+        token_q, q_group = torch.as_strided(q, (B * Tp, 1, q.shape[2], q.shape[3]), (0, 0, q.stride(2), 1)), (q, Tp)
     inner = plan(token_q, cache, token_lengths, block_table=token_table, scale=scale, num_splits=num_splits,
-                 pdl=pdl, compute_units=compute_units, form=form, tokens_per_block=2 if pairs else 1)
-    return VerifyAsRequestsPlan(inner, B, Tq, (q, token_q, token_lengths, token_table), gather)
+                 pdl=pdl, compute_units=compute_units, form=form, tokens_per_block=2 if pairs else 1,
+                 q_group=q_group)
+    return VerifyAsRequestsPlan(inner, B, Tq, Tp, (q, token_q, token_lengths, token_table))

@@ -150,6 +150,11 @@
 // 18.08 / 18.13 against 16.82 us, 128K 46.35 / 49.08 / 58.42 against 43.09, 64 x 8K 174.1 / 177.8 / 229.8
 // against 155.8. An L2 lead is not a third stage here.
 
+// Twelfth session (H200, commit 5519d66, extra/verify_padded_5519d66.json): odd verification groups run in
+// pairs too, padded by one token whose index lies outside the 4D query map ([groups, tokens, heads, 576]),
+// so TMA fills its query with zeros and its output is dropped: 3 / 5 / 7 positions at 32K take 25.2 / 33.3 /
+// 40.6 us, what 4 / 6 / 8 take (a copy of q into a padded buffer before each call had cost ~4 us more).
+
 // Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
 // its tiles exactly as below but skips the arithmetic (its outputs are then meaningless).
 #ifndef K3_MLA_WG_DATA_ONLY

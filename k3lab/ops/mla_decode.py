@@ -140,11 +140,10 @@ MAX_SPLITS = 512
 # read once per pair; an odd group padded with a repeat of its last token, as 12 heads are padded to 16).
 # On the H200 against the Triton kernel in the same call, us: 32K 19.5 / 38.9 for 2 positions, 25.2 /
 # 37.1 for 4, 40.7 / 59.9 for 8; 8 x 8K 30.4 / 68.5 for 2, 44.4 / 65.8 for 4; 128K 72.4 / 104.1 for 4
-# (21566bb, extra/verify_pairs_21566bb.json); 32K 33.3 / 58.3 for 6; padded, 29.2 / 35.8 for 3, 38.6 / 57.4
-# for 5, 47.4 / 59.1 for 7; 8 x 8K 49.5 / 62.5 for 3, 72.4 / 109.6 for 5, 65.7 / 112.0 for 6, 88.0 / 114.2
-# for 7; 128K 138.2 / 197.6 for 7 (9d21e9e, extra/verify_padded_9d21e9e.json). A padded group pays ~4 us
-# for copying q into its padded buffer (3 positions at 32K: 29.2 against 25.2 for 4); a block per token
-# takes 28.4 there, the one case where it is faster.
+# (21566bb, extra/verify_pairs_21566bb.json); 32K 33.3 / 58.3 for 6 (9d21e9e); padded, 25.2 / 35.9 for 3,
+# 33.3 / 57.4 for 5, 40.6 / 59.1 for 7; 8 x 8K 44.4 / 62.1 for 3, 65.6 / 108.8 for 5, 79.9 / 113.7 for 7;
+# 128K 131.3 / 196.1 for 7 (5519d66, extra/verify_padded_5519d66.json): a padded group costs what the even
+# group one longer does (the padded token's query lies outside the kernel's query map and reads zeros).
 CUDA_VERIFY_Q_LENS = (1, 2, 3, 4, 5, 6, 7, 8)
 BULK_BLOCK_N = 64  # bulk kernel: latent rows per tile (a page of 64; M = 64 is what wgmma wants)
 # The bulk kernel is opt-in (kernel='bulk' or K3LAB_MLA_KERNEL=bulk) until a GPU run checks it: on the

@@ -357,14 +357,34 @@ def _run_case(case: Case, heads: int, dt, gpu: bool, info, modes, repeats, log) 
 
 
 def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
-    """One decode step per variant at 32K (GPU) or 320 positions (CPU), for traces."""
+    """One decode step per variant at 32K (GPU) or 320 positions (CPU), for traces: before, after, the
+    einsum peer ('torch') and, where it runs, FlashMLA."""
     heads = _heads(preset)
     case = Case("ctx32k", 1, 32768) if _gpu() else Case("ctx320", 1, 320)
-    s = _make_set(case, heads, _dtype(), seed=7)
+    dtype = _dtype()
+    s = _make_set(case, heads, dtype, seed=7)
+    variants = [("before", "before"), ("after", "after"), ("einsum", "torch")]
+    if dtype in (torch.bfloat16, torch.float16) and heads <= mla.MMA_ROWS and flashmla_status()[0]:
+        variants.append(("flashmla", "flashmla"))
     out = {}
-    for key, label in (("before", "before"), ("after", "after"), ("einsum", "torch")):
+    for key, label in variants:
         fn = _plan(key, case, s, heads)
         out[label] = (lambda f=fn: f())
+    return out
+
+
+TRACES = "traces"  # the committed H200 traces of profile_targets (k3lab profile mla_padding), by variant
+
+
+def committed_traces(device: str = "nvidia-h200") -> dict[str, Path]:
+    """The newest committed trace file of each profile_targets variant
+    (profiles/<device>/mla_padding/traces/mla_padding-<variant>-*.trace.json.gz), by variant."""
+    base = bench.PROFILES / device / NAME / TRACES
+    out = {}
+    for variant in ("before", "after", "torch", "flashmla"):
+        found = sorted(base.glob(f"{NAME}-{variant}-*.trace.json.gz"))
+        if found:
+            out[variant] = found[-1]
     return out
 
 

@@ -97,7 +97,7 @@ def test_matches_the_reference_on_a_gpu(lengths, q_len):
 
 
 def test_committed_h200_records_against_flashmla(tmp_path):
-    """The H200 run notebook 04 shows (records at 0cce03b): FlashMLA checked against the reference in
+    """The H200 run notebook 04 shows (records at ae5fec0): FlashMLA checked against the reference in
     every main case, the after at least 1.5x faster at B = 1 and level (within 10%) at 64 x 8K; in the
     kernel times FlashMLA's merge adds over 20 us after its split kernel at 32K, ours under 5 us."""
     h200 = bench.load_records(study.NAME, device="nvidia-h200")

@@ -121,7 +121,7 @@ def test_on_the_gpu_ring_with_small_pages_and_a_refusal():
 
 
 def test_committed_h200_before_records():
-    """What notebook 04 says of the committed H200 records (0cce03b): the CUDA before is the before of
+    """What notebook 04 says of the committed H200 records (ae5fec0): the CUDA before is the before of
     the main cases and at least 5x faster than the Triton before of the same call at 1K and 32K, and the
     after still beats it by the issue's 1.8x at 32K."""
     from k3lab.studies import mla_padding as study

@@ -646,3 +646,23 @@ def test_committed_target_bounds(tmp_path):
     with pytest.raises(ValueError, match="device_mla_bounds"):
         study.target_bounds(path=bad)
     assert len(study.bounds_figure(df.reset_index()).data) == 3
+
+
+def test_committed_h200_traces():
+    """The traces notebook 04 reads on a CPU (k3lab profile mla_padding on the H200, 3 steps each): one
+    kernel launch per step for the before, a split and a merge kernel for the after and for FlashMLA,
+    and the before's kernel the longest by far."""
+    from k3lab import profile
+    from k3lab.studies import mla_padding as study
+
+    files = study.committed_traces()
+    assert set(files) == {"before", "after", "torch", "flashmla"}
+    per_step = {}
+    for name, path in files.items():
+        df = profile.read_trace(path)
+        kernels = df[df["kind"] == "kernel"]
+        per_step[name] = kernels["dur_us"].sum() / 3
+        launches = profile.counts(df, steps=3)["launches"]
+        assert launches == {"before": 1, "after": 2, "flashmla": 2}.get(name, launches), (name, launches)
+    assert per_step["before"] > 10 * max(v for k, v in per_step.items() if k != "before")
+    assert per_step["after"] < per_step["flashmla"] and per_step["after"] < per_step["torch"]

@@ -874,7 +874,7 @@ def wave_figure(df: pd.DataFrame, title: str | None = None):
 # a public Hopper kernel in the same run: FlashMLA's dense decode (variant 'flashmla'), and its two
 # kernels beside ours (committed H200 run of scripts/device_mla_kernel_times.py, FORMS=wgmma,flashmla)
 
-PEER_KERNELS = "extra/flashmla_kernels_0cce03b.json"
+PEER_KERNELS = "extra/flashmla_kernels_ae5fec0.json"
 
 
 def peer_table(records, peer: str = "flashmla", mode: str = "graph") -> pd.DataFrame:

@@ -82,8 +82,8 @@ class BeforePlan:
     variant = "before"
     kernel = "cuda"
 
-    def __init__(self, args: Args, out, lse, keep: tuple, device: int):
-        self._args, self.out, self.lse, self._keep, self._device = args, out, lse, keep, device
+    def __init__(self, args: Args, out, lse, keep: tuple, device: int, lib: ctypes.CDLL):
+        self._args, self.out, self.lse, self._keep, self._device, self._lib = args, out, lse, keep, device, lib
 
     @property
     def programs(self) -> int:
@@ -99,7 +99,7 @@ class BeforePlan:
                 "rows_via": self.rows_via}
 
     def __call__(self):
-        rc = _library().k3_mla_before(ctypes.byref(self._args), ctypes.c_void_p(_build.stream_handle(self._device)))
+        rc = self._lib.k3_mla_before(ctypes.byref(self._args), ctypes.c_void_p(_build.stream_handle(self._device)))
         if rc != 0:
             raise RuntimeError(f"{NAME}.cu refused the launch ({rc})")
         return self.out, self.lse
@@ -130,4 +130,4 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, ring: bool | N
                 lse.stride(0), lse.stride(1), B, T, H, int(math.log2(inp.page_size)) if inp.paged else 0,
                 s * mla._LOG2E, int(use_ring))
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return BeforePlan(args, out, lse, (q, cache, bt, inp.lengths, out, lse), dev)
+    return BeforePlan(args, out, lse, (q, cache, bt, inp.lengths, out, lse), dev, _library())

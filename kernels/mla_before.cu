@@ -30,15 +30,15 @@ namespace k3mb {
 constexpr int D = 576, DV = 512;
 constexpr int PAIRS = D / 2 / 32;  // 9 bf16 pairs per lane per row (8 value pairs + 1 rope pair)
 constexpr int WARPS = 16;
-// Build knobs for measured variants (scripts/device_mla_before_variants.py); the defaults are the library's.
+// Build knobs for measured variants (scripts/device_mla_before_variants.py); the defaults are the library's and
+// the fastest measured (H200, extra/before_variants_5458ee2.json, us at 1K / 32K: default 26.0 / 722; 2
+// positions per warp step in six 32-row stages 29.3 / 818; each score as two partial sums, a knob since
+// removed, 27.6 / 760).
 #ifndef K3_MB_UNROLL
 #define K3_MB_UNROLL 4
 #endif
 #ifndef K3_MB_STAGES
 #define K3_MB_STAGES 3
-#endif
-#ifndef K3_MB_SPLIT_DOT  // 1: each score summed as two interleaved partial sums (shorter dependent chains)
-#define K3_MB_SPLIT_DOT 0
 #endif
 constexpr int UNROLL = K3_MB_UNROLL;  // positions per warp step (9 UNROLL loads in flight per warp)
 constexpr int TILE = WARPS * UNROLL;  // ring_kernel: rows per tile (one warp step of every warp)
@@ -108,17 +108,10 @@ K3_DEVICE void warp_step(WarpState& st, const float (&q2)[PAIRS][2], const uint3
   float s[UNROLL];
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
-    float d = 0.f, e = 0.f;
+    float d = 0.f;
 #pragma unroll
-    for (int i = 0; i < PAIRS; ++i) {
-      if (K3_MB_SPLIT_DOT) {
-        d = fmaf(q2[i][0], lo_f(k[u][i]), d);
-        e = fmaf(q2[i][1], hi_f(k[u][i]), e);
-      } else {
-        d += q2[i][0] * lo_f(k[u][i]) + q2[i][1] * hi_f(k[u][i]);
-      }
-    }
-    s[u] = u < valid ? warp_sum(d + e) : -INFINITY;
+    for (int i = 0; i < PAIRS; ++i) d += q2[i][0] * lo_f(k[u][i]) + q2[i][1] * hi_f(k[u][i]);
+    s[u] = u < valid ? warp_sum(d) : -INFINITY;
   }
   float mnew = st.m;
 #pragma unroll

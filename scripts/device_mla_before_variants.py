@@ -1,5 +1,5 @@
-"""Issue 5, one device call: builds of kernels/mla_before.cu with other knobs (K3_MB_UNROLL, K3_MB_STAGES,
-K3_MB_SPLIT_DOT; each compiled with its own -Dk3mb=... namespace) beside the library's before, each checked
+"""Issue 5, one device call: builds of kernels/mla_before.cu with other knobs (K3_MB_UNROLL, K3_MB_STAGES;
+each compiled with its own -Dk3mb=... namespace) beside the library's before, each checked
 against the fp32 reference on the study's first input set and timed like the study (rotated sets, graph
 replay) at 1K and 32K. BEFORE_VARIANTS='label:path,...'. Prints a table; writes $OUT/before_variants.json.
     OUT=dir BEFORE_VARIANTS=u2:.cache/variants/mb_u2.so PYTHONPATH=. python3 scripts/device_mla_before_variants.py

@@ -3,7 +3,7 @@ arguments, size the pieces, pack the arguments, launch on the current stream).
 
 The default after for one-token bf16 decodes on NVIDIA sm_90 with nvcc: `mla_decode.plan_after`
 returns this module's plan there (`mla_decode.cuda_after_status` says whether it does, and why not);
-the Triton kernels run everywhere else, and for verification groups of 5 to 7 tokens. Checked on an H200; figures
+the Triton kernels run everywhere else. Verification groups of 2 to 8 tokens run here too (`plan_verify`). Checked on an H200; figures
 and the probe's findings are in kernels/mla_decode.cu's header and profiles/nvidia-h200/mla_padding.
 
 Same semantics as `mla_decode.reference` for one decode token: q [B, 1, H <= 16, 576] bf16, a bf16

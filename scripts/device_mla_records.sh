@@ -16,7 +16,7 @@ echo "== study"
 timeout 300 python3 -m k3lab.cli bench mla_padding --cases ctx1k ctx32k ctx128k b1_8k b8_8k b64_8k ragged8_8k verify2_32k verify4_32k \
   verify2_32k.triton verify4_32k.triton verify2_b8_8k.triton verify2_b8_8k.cuda verify4_b8_8k.triton verify4_b8_8k.cuda \
   verify3_32k.triton verify3_32k.cuda verify3_b8_8k.triton verify3_b8_8k.cuda tune.ctx1k.before.bn32w8s2 \
-  tune.ctx32k.before.bn32w8s2 tune.ctx32k.before.bn64w8s2 \
+  tune.ctx32k.before.bn32w8s2 tune.ctx32k.before.bn64w8s2 verify3_32k verify5_32k verify6_32k verify7_32k verify8_32k \
   --json "$OUT/main.json" 2>&1 | grep -v Warn | tail -30
 echo "== kernels, ours and FlashMLA's"
 FORMS=wgmma,flashmla CASES=ctx1k,ctx32k,ctx128k timeout 90 python3 scripts/device_mla_kernel_times.py 2>&1 | grep -v -i warn | tail -8

@@ -118,6 +118,9 @@ def _kernel_cases() -> list[Case]:
     out += [Case("verify3_32k.cuda", 1, 32768, q_len=3, kind="sweep", kernel="cuda")]
     out += [Case(f"verify{tq}_b8_8k.{label}", 8, 8192, q_len=tq, kind="sweep", kernel=kernel)
             for tq in (2, 3, 4) for label, kernel in (("triton", "split"), ("cuda", "cuda"))]
+    # every other verification group at 32K, the after only: with the main cases' 1, 2 and 4 positions the
+    # draft-depth study's record-based cost profile (k3lab.spec.costs_from_records) then reaches depth 7
+    out += [Case(f"verify{tq}_32k", 1, 32768, q_len=tq, kind="sweep") for tq in (3, 5, 6, 7, 8)]
     out += [Case(f"{n}.bulk", base[n].batch, base[n].context, q_len=base[n].q_len, ragged=base[n].ragged,
                 kind="sweep", kernel="bulk")
            for n in ("ctx1k", "ctx32k", "ctx128k", "b8_8k", "b64_8k", "ragged8_8k", "verify4_32k")]

@@ -351,12 +351,14 @@ def test_costs_from_records_never_mixes_context_lengths(tmp_path):
 
 
 def test_the_committed_h200_records_give_a_measured_verify_profile():
-    """The committed H200 records cover 1 to 4 positions in both studies (MLA at one context length):
-    the cycle costs are built from them, layer for layer."""
+    """The committed H200 records cover 1 to 8 positions in both studies (KDA at 1, 2, 4 and 8; MLA at
+    every count, at one context length), so the measured profile reaches depth 7: the cycle costs are
+    built from them, layer for layer."""
     where = {"mla": {"context": 32768}}
     entry = spec.verify_records_summary(device="nvidia-h200", where=where)["nvidia-h200"]
     costs = spec.costs_from_records(draft_step_us=1000, device="nvidia-h200", where=where)
-    assert "NVIDIA H200" in costs.source and costs.max_depth == min(max(entry["kda"]), max(entry["mla"])) - 1
+    assert "NVIDIA H200" in costs.source and costs.max_depth == min(max(entry["kda"]), max(entry["mla"])) - 1 == 7
+    assert sorted(entry["mla"]) == list(range(1, 9))
     layers = K3Config.full()
     assert costs.verify(1) == pytest.approx(layers.num_kda_layers * entry["kda"][1]
                                             + layers.num_mla_layers * entry["mla"][1])

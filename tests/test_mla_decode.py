@@ -666,3 +666,22 @@ def test_committed_h200_traces():
         assert launches == {"before": 1, "after": 2, "flashmla": 2}.get(name, launches), (name, launches)
     assert per_step["before"] > 10 * max(v for k, v in per_step.items() if k != "before")
     assert per_step["after"] < per_step["flashmla"] and per_step["after"] < per_step["torch"]
+
+
+def test_committed_verify_table_steps_in_pairs():
+    """The H200 records notebooks 04 and 06 read: the after at 32K for every group of 1 to 8 positions;
+    a pair costs under 1.3x one token; an odd group within 3% of the next even one (padded pairs); each
+    step of two a real rise; the Triton kernel slower wherever it was recorded."""
+    from k3lab.studies import mla_padding as study
+
+    vt = study.verify_table(bench.load_records(study.NAME, device="nvidia-h200")).set_index("q_len")
+    assert list(vt.index) == list(range(1, 9)) and vt.loc[1, "per_token_ratio"] == 1.0
+    t = vt["after_us"]
+    assert t[2] < 1.3 * t[1]
+    for odd in (3, 5, 7):
+        assert abs(t[odd] - t[odd + 1]) < 0.03 * t[odd + 1]
+        assert t[odd] > 1.1 * t[odd - 1]
+    triton = vt["triton_us"].dropna()
+    assert len(triton) >= 3 and (triton > t[triton.index]).all()
+    with pytest.raises(ValueError, match="one-token after"):
+        study.verify_table([])

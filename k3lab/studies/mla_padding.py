@@ -990,3 +990,47 @@ def bounds_figure(df: pd.DataFrame, title: str | None = None):
                       title=title or "H200: the missed targets against the data path that bounds them",
                       legend={"orientation": "h", "y": -0.2}, height=420)
     return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# the cost of a verification group by its length (the after at 32K, B = 1, graph replay): what the
+# draft-depth study's measured cost profile reads (k3lab.spec.costs_from_records)
+
+
+def verify_table(records, context: int = 32768, mode: str = "graph") -> pd.DataFrame:
+    """Per verification length q_len (1 = a plain decode): the after's time at `context` (B = 1, the
+    case as the library runs it, no '.' variants), its ratio to one token, the Triton kernel's time
+    where a '<case>.triton' record exists, and the commit of each record."""
+    after, triton = {}, {}
+    for r in records:
+        if (r.study != NAME or r.mode != mode or r.variant != "after" or r.shape.get("context") != context
+                or r.shape.get("batch") != 1 or r.shape.get("ragged")):
+            continue
+        q = int(r.shape.get("q_len", 1))
+        if "." not in r.case:
+            after[q] = r
+        elif r.case.endswith(".triton"):
+            triton[q] = r
+    if 1 not in after:
+        raise ValueError(f"no one-token after record at context {context} ({mode}) among {len(records)} records")
+    one = after[1].median_us
+    rows = [{"q_len": q, "after_us": r.median_us, "per_token_ratio": r.median_us / one, "commit": r.commit,
+             "triton_us": triton[q].median_us if q in triton else math.nan,
+             "triton_commit": triton[q].commit if q in triton else None}
+            for q, r in sorted(after.items())]
+    return pd.DataFrame(rows)
+
+
+def verify_figure(df: pd.DataFrame, title: str | None = None):
+    """Bars of verify_table: the after's time per group length, the Triton kernel's where recorded."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=df["q_len"], y=df["after_us"], name="after (CUDA, two tokens per block)",
+                         text=[f"{v:.1f}" for v in df["after_us"]]))
+    t = df[df["triton_us"].notna()]
+    fig.add_trace(go.Bar(x=t["q_len"], y=t["triton_us"], name="Triton kernel", text=[f"{v:.1f}" for v in t["triton_us"]]))
+    fig.update_layout(template="plotly_white", barmode="group", xaxis_title="positions verified (q_len)",
+                      yaxis_title="us per MLA layer (graph replay)",
+                      title=title or "H200, 1 x 32K: an odd group costs what the next even one does")
+    return fig

@@ -1,6 +1,6 @@
 """Issue 5, verification groups: the Triton split kernel against the CUDA kernel with each token a
 one-token request (mla_decode_cuda.plan_verify), a block per token sharing tiles through L2 ('l2') or
-two tokens per block in one product ('pairs'; an odd group padded with a repeat of its last token). Every form is
+two tokens per block in one product ('pairs'; an odd group padded by one zero-query token). Every form is
 checked against the fp32 reference
 on the study's first input set, then timed by graph replay over the study's rotated sets. Cases from
 $CASES (default below: 'B x context x q_len'). Writes $OUT/verify_share.json and prints a table.

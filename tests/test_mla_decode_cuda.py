@@ -599,7 +599,7 @@ def test_two_tokens_per_block_refusals_by_name(kw, match):
                                            ((9000,), 7), ((66, 129), 6)])
 def test_on_the_gpu_verify_as_requests_matches_the_reference(lengths, q_len, share, monkeypatch):
     """Each token of a verification group as its own request, two per block in one product ('pairs',
-    an odd group padded with a repeat of its last token) or one per block sharing tiles through L2:
+    an odd group padded by one token whose query reads zeros) or one per block sharing tiles through L2:
     causal inside the group (lengths ending on and just past a tile edge, so a pair's tokens disagree on
     their last tile; one-tile pieces), outputs and lse against the fp32 reference, through
     plan_after(kernel='cuda') as the study calls it; a padded plan reads q afresh at every call."""

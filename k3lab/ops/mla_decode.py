@@ -137,7 +137,7 @@ TOKENS_PER_PROGRAM = 4  # after: verify tokens sharing one program (4 x 16 = 64 
 MAX_SPLITS = 512
 # q_len the CUDA kernel takes by default (plan_after): 1, and verification groups of 2 to 8 as one-token
 # requests over the same pages (mla_decode_cuda.plan_verify), two tokens per block in one product (a tile
-# read once per pair; an odd group padded with a repeat of its last token, as 12 heads are padded to 16).
+# read once per pair; an odd group padded by one token whose query reads as zeros, as 12 heads are padded to 16).
 # On the H200 against the Triton kernel in the same call, us: 32K 19.5 / 38.9 for 2 positions, 25.2 /
 # 37.1 for 4, 40.7 / 59.9 for 8; 8 x 8K 30.4 / 68.5 for 2, 44.4 / 65.8 for 4; 128K 72.4 / 104.1 for 4
 # (21566bb, extra/verify_pairs_21566bb.json); 32K 33.3 / 58.3 for 6 (9d21e9e); padded, 25.2 / 35.9 for 3,

@@ -802,7 +802,7 @@ def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, 
     """Plan a verification group (q [B, q_len >= 1, H, 576], a paged cache) on this module's kernel,
     each token as its own one-token request over the same pages (VerifyAsRequestsPlan). share: how
     the tokens share a tile: 'pairs' (two tokens per block in one product, N = 32: a tile read once per
-    pair; an odd q_len is padded with a repeat of its last token), 'l2' (a block per token: DRAM serves a
+    pair; an odd q_len is padded by one token whose query reads zeros), 'l2' (a block per token: DRAM serves a
     tile once and L2 once per further token), or None = 'pairs' from q_len 2 up, 'l2' for one token.
     Refusals by name as in `check`, plus: a paged cache (block_table=) and lengths are required."""
     if share not in (None, "pairs", "l2"):
@@ -816,7 +816,7 @@ def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, 
     inp = mla._validate(q, cache, lengths, block_table)  # q_len, lengths >= q_len, pages in the pool
     B, Tq = inp.batch, inp.q_len
     pairs = share == "pairs" or (share is None and Tq >= 2)
-    Tp = Tq + (pairs and Tq % 2)  # tokens per group as run: an odd group of pairs repeats its last token
+    Tp = Tq + (pairs and Tq % 2)  # tokens per group as run: an odd group of pairs gets one more (zero query, last length)
     steps = torch.arange(Tp, dtype=torch.int32, device=q.device).clamp(max=Tq - 1)
     token_lengths = (inp.lengths[:, None] - Tq + 1 + steps[None, :]).reshape(-1).contiguous()
     token_table = inp.block_table.repeat_interleave(Tp, dim=0).contiguous()

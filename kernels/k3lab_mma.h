@@ -1,6 +1,7 @@
-// k3lab_mma.h: the NVIDIA tensor-core and async-copy building blocks shared by the hand-written KDA
-// kernels (kda_prologue.cu, kda_walk.cu): 16-byte cp.async, ldmatrix, bf16 packing and the bf16
-// m16n8k16 mma.sync. CUDA only (sm_80 and later); HIP builds of those kernels are stubs.
+// k3lab_mma.h: the NVIDIA tensor-core and async-copy building blocks shared by the hand-written
+// kernels (kda_prologue.cu, kda_walk.cu, mla_decode.cu, mla_before.cu): 16-byte cp.async, ldmatrix,
+// bf16 packing, the bf16 m16n8k16 mma.sync, and Hopper's mbarriers and bulk copies. CUDA only (sm_80
+// and later; the bulk copies sm_90); HIP builds of those kernels do not use it.
 #pragma once
 
 #include "k3lab_portability.h"
@@ -45,6 +46,43 @@ K3_DEVICE void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
+}
+
+
+// Hopper's mbarriers and bulk copies (sm_90; the bodies are empty for older targets, whose kernels
+// never call them): a barrier expecting `bytes` of copies, waiting on its phase, and `bytes` (a
+// multiple of 16, both addresses 16-byte aligned) copied global -> shared by the copy engine,
+// completing on `bar`. Used by mla_decode.cu (and the forms it includes) and mla_before.cu.
+K3_DEVICE void mbar_init(uint32_t bar, int count) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+
+K3_DEVICE void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+
+K3_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile(
+      "{\n\t.reg .pred P1;\n"
+      "K3_MBAR_WAIT:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n\t"
+      "@!P1 bra K3_MBAR_WAIT;\n}" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+K3_DEVICE void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+#endif
 }
 
 }  // namespace k3mma

@@ -24,6 +24,7 @@
 // The HIP build compiles (scripts/compile_hip.sh) but is not yet run on AMD hardware by this project
 // (the ring is CUDA sm_90 only; HIP always takes the direct kernel).
 #include "k3lab_portability.h"
+#include "k3lab_mma.h"  // CUDA builds: mbarriers and bulk copies (k3mma), for the ring kernel
 
 namespace k3mb {
 
@@ -195,25 +196,7 @@ __global__ void __launch_bounds__(WARPS * 32) direct_kernel(const Args a) {
 
 #if defined(K3_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
 #define K3_MB_RING 1
-K3_DEVICE uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-K3_DEVICE void mbar_init(uint32_t bar) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory"); }
-K3_DEVICE void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-K3_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n\t.reg .pred P1;\n"
-      "K3_MB_WAIT:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n\t"
-      "@!P1 bra K3_MB_WAIT;\n}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-K3_DEVICE void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
+using namespace k3mma;
 #endif
 
 // Rows through a ring of STAGES tiles of TILE rows in shared memory, each filled by the copy engine
@@ -238,7 +221,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) ring_kernel(const Args a) {
     }
   };
   if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) mbar_init(smem_u32(&bars[s]));
+    for (int s = 0; s < STAGES; ++s) mbar_init(smem_u32(&bars[s]), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     for (int j = 0; j < STAGES && j < ntiles; ++j) issue(j);
   }

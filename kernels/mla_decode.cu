@@ -72,7 +72,7 @@
 // CUDA architectures and HIP build a stub whose launchers return K3_MLA_UNSUPPORTED, so
 // kernels/*.cu keeps compiling for every target (scripts/compile_hip.sh); the HIP build is not yet
 // run on AMD hardware by this project (and has no fast path: AMD MFMA would need its own kernel).
-#include "k3lab_mma.h"  // smem_u32, ldmatrix, bf16 mma.sync, pack_bf16 (k3mma)
+#include "k3lab_mma.h"  // smem_u32, mbarriers, bulk copies, ldmatrix, bf16 mma.sync, pack_bf16 (k3mma)
 
 #define K3_MLA_UNSUPPORTED (-5)
 #define K3_MLA_TEAM 9  // the launchers' `warps` value that selects the team kernel (2 teams of 4 warps)
@@ -137,46 +137,13 @@ struct Args {
 namespace k3mla {
 
 // ---------------------------------------------------------------------------------------------
-// Hopper primitives (sm_90): mbarriers, bulk copies, PDL (ldmatrix and mma.sync: k3lab_mma.h).
+// Hopper primitives (sm_90): PDL and timers here; mbarriers, bulk copies, ldmatrix and mma.sync: k3lab_mma.h.
 using namespace k3mma;
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
 #define K3_MLA_SM90 1
 #endif
 
-K3_DEVICE uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-K3_DEVICE void mbar_init(uint32_t bar, int count) {
-#if defined(K3_MLA_SM90)
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-#endif
-}
-
-K3_DEVICE void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-#if defined(K3_MLA_SM90)
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-#endif
-}
-
-K3_DEVICE void mbar_wait(uint32_t bar, uint32_t parity) {
-#if defined(K3_MLA_SM90)
-  asm volatile(
-      "{\n\t.reg .pred P1;\n"
-      "K3_MLA_WAIT:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n\t"
-      "@!P1 bra K3_MLA_WAIT;\n}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-#endif
-}
-
-// `bytes` (a multiple of 16) from global into shared memory by the copy engine; completes on `bar`.
-K3_DEVICE void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-#if defined(K3_MLA_SM90)
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-#endif
-}
+// smem_u32, mbar_init, mbar_expect_tx, mbar_wait and bulk_copy come from k3lab_mma.h (k3mma).
 
 K3_DEVICE unsigned long long now_ns() {
   unsigned long long t;

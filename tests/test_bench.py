@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from k3lab import bench
+from k3lab.bench import timing
 from k3lab.env import Peak
 
 # ----------------------------------------------------------------------------------------------- timer
@@ -50,14 +51,14 @@ def test_busy_loop_scales_with_work():
     # box the longer loop is preempted more often.
     t = bench.time_fn(work, rotate=[(20_000,), (80_000,)], warmup=2, repeats=40, device="cpu",
                       calls_per_sample=1)
-    short = bench._stats(t.samples_us[0::2])[1]
-    long = bench._stats(t.samples_us[1::2])[1]
+    short = timing._stats(t.samples_us[0::2])[1]
+    long = timing._stats(t.samples_us[1::2])[1]
     assert 2.0 < long / short < 8.0
 
 
 def test_percentile_helper_on_known_list():
     vals = [float(v) for v in range(1, 11)]
-    assert bench._stats(vals) == pytest.approx((5.5, 2.8, 8.2))
+    assert timing._stats(vals) == pytest.approx((5.5, 2.8, 8.2))
 
 
 def test_min_time_extends_repeats():

@@ -1,0 +1,313 @@
+"""Result records: one measured (study, case, variant) as a `Record`, kept as JSON under
+profiles/<device>/<study>/ (`save_records`, `load_records`); `compare` lines before, after, peer
+and floor up."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import functools
+import json
+import math
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from k3lab import env as _env
+from k3lab.bench.timing import Timing
+
+VARIANTS = ("before", "after", "reference")
+# Public packages a k3lab kernel is compared with in the same run ('torch' = plain PyTorch ops).
+PEERS = {"fla", "torch", "triton", "aiter", "flashmla", "flashinfer", "flash_attn", "vllm", "sglang", "cublas"}
+
+
+def validate_variant(variant: str) -> str:
+    if variant in VARIANTS or variant in PEERS:
+        return variant
+    raise ValueError(f"variant must be one of {list(VARIANTS)} or a peer package name {sorted(PEERS)}, "
+                     f"got {variant!r}")
+
+
+@dataclass
+class Record:
+    study: str
+    case: str
+    variant: str
+    device: str
+    backend: str
+    versions: dict
+    commit: str
+    date: str
+    shape: dict
+    dtype: str
+    median_us: float
+    p20_us: float
+    p80_us: float
+    floor_us: float | None = None
+    error: dict = field(default_factory=dict)
+    mode: str = "eager"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        validate_variant(self.variant)
+        for label in ("study", "case"):
+            v = getattr(self, label)
+            if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", v):
+                raise ValueError(f"{label} must be a non-empty name of letters, digits, '_', '.', '-' "
+                                 f"(it becomes a file name), got {v!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Record:
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = {f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING} - set(d)
+        if missing:
+            raise ValueError(f"record is missing fields {sorted(missing)}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+# The committed results: found from any working directory (a notebook runs in notebooks/).
+PROFILES = _repo_root() / "profiles"
+
+
+@functools.lru_cache(maxsize=4)
+def git_commit(path: str | None = None) -> str:
+    """K3LAB_COMMIT from the environment when it is set and looks like a commit id (a copied tree,
+    such as a device machine's, may carry a stale .git); else HEAD of the git tree holding k3lab
+    (or `path`), '-dirty' appended when it has changes; else 'unknown'."""
+    given = os.environ.get("K3LAB_COMMIT", "").strip()
+    if given:
+        if not re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", given):
+            raise ValueError(f"K3LAB_COMMIT must be a commit id (7-40 hex digits, optional '-dirty'), got {given!r}")
+        return given
+    where = path or str(_repo_root())
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,
+                              check=False, timeout=10)
+        if head.returncode != 0:
+            raise OSError(head.stderr)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                               capture_output=True, text=True, check=False, timeout=10)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_slug(device: str | None = None, backend: str | None = None) -> str:
+    """Folder name for a device: 'cpu' on CPU, else the lower-cased name with non-alphanumerics
+    as '-' ('NVIDIA H200' -> 'nvidia-h200')."""
+    if device is None or backend is None:
+        info = _env.detect()
+        device = device if device is not None else info.name
+        backend = backend if backend is not None else info.backend
+    if backend == "cpu":
+        return "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    return slug or "unknown-device"
+
+
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).replace("torch.", "")
+    return str(dtype)
+
+
+def make_record(study: str, case: str, variant: str, timing: Timing, *, shape: dict, dtype,
+                floor_us: float | None = None, error: dict | None = None, **extra) -> Record:
+    """A Record for this machine now: device, backend, versions, commit and date filled in; the
+    timing's repeats, overhead and graph copies kept in `extra`."""
+    if not isinstance(timing, Timing):
+        raise ValueError(f"timing must be a bench.Timing, got {type(timing).__name__}")  # noqa: TRY004 - bad input is a ValueError here
+    if not isinstance(shape, dict):
+        raise ValueError(f"shape must be a dict of named sizes, got {type(shape).__name__}")  # noqa: TRY004 - bad input is a ValueError here
+    info = _env.detect()
+    ext = {"repeats": timing.repeats, "overhead_us": timing.overhead_us,
+           "calls_per_sample": timing.calls_per_sample, "graph_copies": timing.graph_copies,
+           "rotate_sets": timing.rotate_sets, "flush_l2": timing.flush_l2}
+    ext.update(extra)
+    return Record(study=study, case=case, variant=variant, device=info.name, backend=info.backend,
+                  versions=dict(_env.versions()), commit=git_commit(),
+                  date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                  shape=dict(shape), dtype=_dtype_name(dtype), median_us=timing.median_us,
+                  p20_us=timing.p20_us, p80_us=timing.p80_us, floor_us=floor_us,
+                  error=dict(error or {}), mode=timing.mode, extra=_jsonable(ext))
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, torch.dtype):
+        return _dtype_name(obj)
+    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+        return obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    return str(obj)
+
+
+def _git_tracked(path: Path) -> bool:
+    try:
+        out = subprocess.run(["git", "ls-files", "--error-unmatch", path.name], cwd=path.parent,
+                             capture_output=True, text=True, check=False, timeout=10)
+        return out.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_records(records: Iterable[Record], root=None, overwrite: bool = False) -> list[Path]:
+    """Write records as JSON: <root>/<device-slug>/<study>/<case>__<variant>.json, one file per
+    (device, study, case, variant) holding a list (eager and graph timings of one variant share it).
+    Atomic (temp file + os.replace). A file git tracks is a committed reference: it is not replaced
+    unless overwrite=True. Returns the paths written."""
+    root = PROFILES if root is None else root
+    records = list(records)
+    if not records:
+        raise ValueError("records is empty: nothing to save")
+    groups: dict[Path, list[Record]] = {}
+    for r in records:
+        if not isinstance(r, Record):
+            raise ValueError(f"records must hold bench.Record, got {type(r).__name__}")  # noqa: TRY004 - bad input is a ValueError here
+        path = Path(root) / device_slug(r.device, r.backend) / r.study / f"{r.case}__{r.variant}.json"
+        groups.setdefault(path, []).append(r)
+    for path in groups:  # refuse before writing anything
+        if path.exists() and not overwrite and _git_tracked(path):
+            raise FileExistsError(f"{path} is a committed reference (tracked by git); pass overwrite=True "
+                                  "to replace it, or save under another root= for a scratch run")
+    for path, recs in groups.items():
+        _write_atomic(path, json.dumps([r.to_dict() for r in recs], indent=1, sort_keys=True) + "\n")
+    return list(groups)
+
+
+def load_records(study: str | None = None, device: str | None = None, root=None) -> list[Record]:
+    """Read records back from <root>/<device-slug>/<study>/*.json. `device` is a slug ('nvidia-h200',
+    'cpu') or a device name; None reads every device. Missing folders give an empty list."""
+    base = Path(PROFILES if root is None else root)
+    if not base.is_dir():
+        return []
+    dev_dirs = sorted(p for p in base.iterdir() if p.is_dir())
+    if device is not None:
+        slug = device if device == "cpu" else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+        dev_dirs = [p for p in dev_dirs if p.name == slug]
+    out: list[Record] = []
+    for d in dev_dirs:
+        study_dirs = [d / study] if study else sorted(p for p in d.iterdir() if p.is_dir())
+        for sd in study_dirs:
+            for f in sorted(sd.glob("*.json")) if sd.is_dir() else []:
+                data = json.loads(f.read_text())
+                for item in data if isinstance(data, list) else [data]:
+                    out.append(Record.from_dict(item))
+    return out
+
+
+def records_frame(records: Iterable[Record]):
+    """One row per record with the main fields (shape and error flattened to strings)."""
+    import pandas as pd
+
+    rows = []
+    for r in records:
+        rows.append({"device": r.device, "study": r.study, "case": r.case, "variant": r.variant, "mode": r.mode,
+                     "dtype": r.dtype, "median_us": r.median_us, "p20_us": r.p20_us, "p80_us": r.p80_us,
+                     "floor_us": r.floor_us, "shape": json.dumps(r.shape, sort_keys=True),
+                     "max_rel": r.error.get("max_rel"), "commit": r.commit, "date": r.date})
+    return pd.DataFrame(rows)
+
+
+def _variant_order(v: str) -> tuple:
+    return (VARIANTS.index(v) if v in VARIANTS else len(VARIANTS), v)
+
+
+def _mode_label(recs: list[Record]) -> str:
+    """One mode when all records share it, else 'before:eager after:graph' (variant:mode pairs)."""
+    modes = {r.mode for r in recs}
+    if len(modes) == 1:
+        return modes.pop()
+    pairs = {r.variant: r.mode for r in recs}
+    return " ".join(f"{v}:{pairs[v]}" for v in sorted(pairs, key=_variant_order))
+
+
+def compare(records: Iterable[Record]):
+    """One row per (device, study, case): before_us, after_us, reference_us, <peer>_us per peer,
+    peer (the fastest peer) and peer_us, floor_us (the largest floor given), and the ratios
+    speedup = before / after, after_vs_peer = peer / after (> 1: after beats the peer),
+    floor_fraction = floor / after (1 = at the floor).
+
+    `mode` names the timing mode, or 'before:eager after:graph' when the variants were timed
+    differently (graph replay as the 'after' of a launch-bound case). When one variant of a case was
+    timed in several modes, the case gets one row per mode instead."""
+    import pandas as pd
+
+    by_case: dict[tuple, list[Record]] = {}
+    for r in records:
+        by_case.setdefault((r.device, r.study, r.case), []).append(r)
+    groups: list[list[Record]] = []
+    for recs in by_case.values():
+        modes_per_variant: dict[str, set] = {}
+        for r in recs:
+            modes_per_variant.setdefault(r.variant, set()).add(r.mode)
+        if any(len(m) > 1 for m in modes_per_variant.values()):
+            split: dict[str, list[Record]] = {}
+            for r in recs:
+                split.setdefault(r.mode, []).append(r)
+            groups += list(split.values())
+        else:
+            groups.append(recs)
+    rows = []
+    peer_names = sorted({r.variant for recs in groups for r in recs if r.variant not in VARIANTS})
+    for recs in groups:
+        first = recs[0]
+        g = {"device": first.device, "study": first.study, "case": first.case, "mode": _mode_label(recs),
+             "before_us": math.nan, "after_us": math.nan, "reference_us": math.nan, "floor_us": math.nan}
+        peers: dict[str, float] = {}
+        for r in recs:
+            if r.variant in VARIANTS:
+                g[f"{r.variant}_us"] = r.median_us
+            else:
+                peers[r.variant] = r.median_us
+            if r.floor_us is not None and not (g["floor_us"] >= r.floor_us):
+                g["floor_us"] = float(r.floor_us)
+        for p in peer_names:
+            g[f"{p}_us"] = peers.get(p, math.nan)
+        if peers:
+            best = min(peers, key=peers.get)
+            g["peer"], g["peer_us"] = best, peers[best]
+        else:
+            g["peer"], g["peer_us"] = None, math.nan
+        after = g["after_us"]
+        g["speedup"] = g["before_us"] / after if after > 0 else math.nan
+        g["after_vs_peer"] = g["peer_us"] / after if after > 0 else math.nan
+        g["floor_fraction"] = g["floor_us"] / after if after > 0 else math.nan
+        rows.append(g)
+    cols = ["device", "study", "case", "mode", "before_us", "after_us", "reference_us",
+            *[f"{p}_us" for p in peer_names], "peer", "peer_us", "floor_us", "speedup", "after_vs_peer",
+            "floor_fraction"]
+    return pd.DataFrame(rows, columns=cols)

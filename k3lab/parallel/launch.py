@@ -1,0 +1,266 @@
+"""Start ranks with an initialized torch.distributed default group, on one host or under torchrun.
+
+`spawn(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in `world_size` child processes
+and returns rank 0's result. The same function runs unchanged under `torchrun` through
+`init_from_env()`. Backends: gloo on CPU; NCCL on CUDA, which is also the name of RCCL on ROCm
+(one GPU per rank, `torch.cuda.set_device(local_rank)`).
+
+Failure contract, so that no distributed code can hang a test or a notebook:
+- an exception on any rank is sent to the parent, which ends every other rank at once and raises
+  `RankError` naming the rank, with the rank's traceback in the message and the original
+  exception as `__cause__` when it can be pickled;
+- a rank that dies without reporting (signal, os._exit) is named with its exit code;
+- the process group is created with `timeout_s`, and the parent's watchdog kills every rank still
+  running `timeout_s` after the start and raises `TimeoutError` naming them.
+
+Processes are forked on CPU (fast, and `fn` may be any callable); with CUDA they are spawned
+(CUDA cannot be used across a fork), so `fn` and `args` must then be picklable and `fn`
+importable by name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import pickle
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+_KILL_GRACE_S = 2.0
+
+
+class RankError(RuntimeError):
+    """An exception raised on one rank, re-raised on the caller of `spawn`.
+
+    Attributes: rank, world_size, exc_type (the name of the rank's exception class), remote_traceback.
+    """
+
+    def __init__(self, rank: int, world_size: int, exc_type: str, message: str, remote_traceback: str):
+        super().__init__(
+            f"rank {rank} of {world_size} raised {exc_type}: {message}\n"
+            f"--- traceback on rank {rank} ---\n{remote_traceback}"
+        )
+        self.rank = rank
+        self.world_size = world_size
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+
+
+def default_backend(world_size: int) -> str:
+    """NCCL (RCCL on ROCm) when there is one GPU for every rank, else gloo on CPU tensors."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def rank_device() -> torch.device:
+    """The device this rank's tensors live on: its GPU under NCCL, the CPU under gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_args(world_size, backend, timeout_s) -> str:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if backend is None:
+        return default_backend(world_size)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "nccl":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < world_size:
+            raise ValueError(
+                f"backend='nccl' needs one GPU per rank: world_size={world_size}, GPUs visible: {gpus}"
+            )
+    return backend
+
+
+def _to_cpu(obj):
+    """Tensors in a result move to the CPU before they are pickled back to the parent."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = [_to_cpu(v) for v in obj]
+        return type(obj)(out) if not hasattr(obj, "_fields") else type(obj)(*out)
+    return obj
+
+
+def _init_group(backend: str, rank: int, world_size: int, timeout_s: float, store=None, local_rank=None):
+    timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs = {}
+    if backend == "nccl":
+        local = rank if local_rank is None else local_rank
+        torch.cuda.set_device(local)
+        kwargs["device_id"] = torch.device("cuda", local)
+    if store is None:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    else:
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs
+        )
+
+
+def _child(rank, world_size, backend, host, port, timeout_s, conn, fn, args):
+    try:
+        if backend == "gloo":
+            # an equal share of the host's cores per rank: ranks are processes on one machine
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        store = dist.TCPStore(
+            host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        _init_group(backend, rank, world_size, timeout_s, store=store)
+        result = fn(rank, world_size, *args)
+        payload = ("ok", rank, _to_cpu(result) if rank == 0 else None)
+        try:
+            conn.send(payload)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise TypeError(f"rank 0's result could not be pickled back to the caller: {exc}") from exc
+    except BaseException as exc:  # noqa: BLE001 - everything a rank raises goes to the parent
+        tb = traceback.format_exc()
+        try:
+            conn.send(("error", rank, type(exc).__name__, str(exc), tb, exc))
+        except Exception:  # the exception itself would not pickle: send its text only
+            conn.send(("error", rank, type(exc).__name__, str(exc), tb, None))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        conn.close()
+
+
+def _start_method(backend: str) -> str:
+    if backend == "gloo" and "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
+
+
+def _stop_all(procs):
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + _KILL_GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
+def _is_secondary(err) -> bool:
+    """A rank that failed only because a peer went away (its peer's error is the cause)."""
+    return err[2] in ("DistBackendError", "DistNetworkError") or "Connection closed" in err[3]
+
+
+def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: float = 120):
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; return rank 0's result.
+
+    backend: None picks NCCL when there is a GPU per rank, else gloo. Rank 0's result comes back
+    pickled, with tensors on the CPU. Raises ValueError for a bad world_size / backend / timeout,
+    RankError when a rank raises or dies, TimeoutError when ranks are still running after timeout_s.
+    """
+    backend = _check_args(world_size, backend, timeout_s)
+    ctx = mp.get_context(_start_method(backend))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    procs, conns = [], {}
+    start = time.monotonic()
+    try:
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_child, name=f"k3lab-rank{rank}",
+                args=(rank, world_size, backend, "127.0.0.1", store.port, timeout_s, child_end, fn, args),
+                daemon=True,
+            )
+            p.start()
+            child_end.close()
+            procs.append(p)
+            conns[parent_end] = rank
+        return _collect(procs, conns, world_size, start + timeout_s, timeout_s)
+    finally:
+        _stop_all(procs)
+        for c in conns:
+            c.close()
+        del store
+
+
+def _collect(procs, conns, world_size, deadline, timeout_s):
+    """Wait for every rank's report; the first error (or death, or the deadline) ends them all."""
+    state = {"result": None, "done": set(), "errors": []}
+    waiting = dict(conns)  # pipe -> rank, until the rank's one message arrived
+    sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+    while len(state["done"]) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            late = [r for r in range(world_size) if r not in state["done"]]
+            raise TimeoutError(
+                f"ranks {late} of {world_size} were still running after timeout_s={timeout_s} s; killed"
+            )
+        for obj in mp_connection.wait(list(waiting) + list(sentinels), timeout=remaining):
+            if obj in waiting:
+                _receive(obj, waiting.pop(obj), state)
+            elif obj in sentinels:
+                rank = sentinels.pop(obj)
+                pipe = next((c for c, r in waiting.items() if r == rank), None)
+                if pipe is not None and pipe.poll():  # its report arrived with its exit
+                    _receive(pipe, waiting.pop(pipe), state)
+                reported = rank in state["done"] or any(e[1] == rank for e in state["errors"])
+                if not reported:
+                    procs[rank].join(0.1)
+                    state["errors"].append(("error", rank, "ProcessExit",
+                                            f"exited with code {procs[rank].exitcode} without a report",
+                                            "", None))
+        if state["errors"]:
+            primary = sorted(state["errors"], key=_is_secondary)[0]
+            _, rank, exc_type, message, tb, exc = primary
+            raise RankError(rank, world_size, exc_type, message, tb) from exc
+    return state["result"]
+
+
+def _receive(pipe, rank, state):
+    try:
+        msg = pipe.recv()
+    except EOFError:
+        return  # the rank died without a report: its sentinel says how
+    if msg[0] == "ok":
+        state["done"].add(rank)
+        if rank == 0:
+            state["result"] = msg[2]
+    else:
+        state["errors"].append(msg)
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 120) -> tuple[int, int]:
+    """Initialize the default group from torchrun's environment; return (rank, world_size).
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; under NCCL each process takes
+    GPU LOCAL_RANK. Already initialized: returns the current group's rank and size.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"init_from_env needs torchrun's environment; missing {missing}")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > local_rank else "gloo"
+    elif backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    _init_group(backend, rank, world_size, timeout_s, local_rank=local_rank)
+    return rank, world_size

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from k3lab import spec
+from k3lab.spec import simulate
 from k3lab.config import K3Config
 
 # --------------------------------------------------------------------------------------------
@@ -156,7 +157,7 @@ def test_draft_tokens_alone_do_not_follow_the_target():
     q = np.exp(draft) / np.exp(draft).sum(axis=1, keepdims=True)
     rng = np.random.default_rng(0)
     counts = np.stack([rng.multinomial(20_000, row) for row in q])
-    assert spec.chi_square(counts, spec._softmax_rows("target", target))[2] < 1e-6
+    assert spec.chi_square(counts, simulate._softmax_rows("target", target))[2] < 1e-6
 
 
 def test_context_free_acceptance_is_one_minus_total_variation():
@@ -176,8 +177,8 @@ def test_context_free_acceptance_is_one_minus_total_variation():
 def test_markov_acceptance_curve_by_enumeration():
     # P(first j drafts accepted) summed over every draft sequence, with min(1, p/q) written out.
     target, draft = _markov_logits(vocab=3, spread=1.5, seed=9)
-    p = spec._softmax_rows("target", target)
-    q = spec._softmax_rows("draft", draft)
+    p = simulate._softmax_rows("target", target)
+    q = simulate._softmax_rows("draft", draft)
     context = np.array([0.2, 0.5, 0.3])
     survival = [1.0]
     for j in range(1, 4):

@@ -10,7 +10,7 @@ import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 on a machine without a GPU)
 from k3lab import bench
 from k3lab.nn.kda import kda_chunked, kda_recurrent
 from k3lab.ops import kda_chunk as kc
-from k3lab.ops import kda_scan_math as sm
+from k3lab.ops.kda_chunk import scan_math as sm
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -8,8 +8,8 @@ import torch
 import k3lab  # noqa: F401
 from k3lab import bench
 from k3lab.ops import kda_chunk as kc
-from k3lab.ops import kda_prologue_cuda as kp
-from k3lab.ops import kda_scan_math as sm
+from k3lab.ops.kda_chunk import cuda as kp
+from k3lab.ops.kda_chunk import scan_math as sm
 from kda_cases import _inputs, _rel, check_ragged_against_fp64
 
 HAVE_GPU = torch.cuda.is_available()

@@ -9,7 +9,7 @@ import torch
 import k3lab  # noqa: F401
 from k3lab.nn.kda import kda_chunked
 from k3lab.ops import kda_chunk as kc
-from k3lab.ops import kda_walk_cuda as kw
+from k3lab.ops.kda_chunk import cuda_walk as kw
 from kda_cases import _inputs, _rel, check_ragged_against_fp64
 
 HAVE_GPU = torch.cuda.is_available()

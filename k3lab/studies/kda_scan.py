@@ -437,7 +437,7 @@ def _depth(case: Case, variant: str, plan) -> int | None:
     """Chunk steps on the critical path of the longest sequence."""
     if variant == "fla":
         return None
-    from k3lab.ops.kda_scan_math import sequential_depth
+    from k3lab.ops.kda_chunk.scan_math import sequential_depth
 
     n = max(-(-L // kc.CHUNK) for L in case.lengths)
     return sequential_depth(n, plan.group_size if variant == "after" and plan.uses_scan else None)
@@ -796,7 +796,7 @@ def prologue_stages(path=None, device: str = "nvidia-h200", root=None):
     p90 over the launch's blocks (us per block) and its share of a block's median lifetime."""
     import pandas as pd
 
-    from k3lab.ops import kda_prologue_cuda
+    from k3lab.ops.kda_chunk import cuda as kda_prologue_cuda
 
     if path is None:
         path = Path(bench.PROFILES if root is None else root) / device / NAME / PROLOGUE_PROBE
@@ -855,7 +855,7 @@ def predict(case_name: str, target: str | None = None, compute_units: int | None
     units = compute_units or (peak.compute_units if peak is not None else None) or _env.detect().compute_units
     gs = kc.choose_group_size(case.lengths, case.heads, compute_units=units)
     n = max(-(-L // kc.CHUNK) for L in case.lengths)
-    from k3lab.ops.kda_scan_math import sequential_depth
+    from k3lab.ops.kda_chunk.scan_math import sequential_depth
 
     chunks = [-(-L // kc.CHUNK) for L in case.lengths]
     n_groups = sum(max(1, -(-c // gs)) if gs else 1 for c in chunks)

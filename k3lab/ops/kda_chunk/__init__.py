@@ -1890,7 +1890,7 @@ def prologue_launches(
 def prologue_status(q, k, v, g, beta) -> tuple[bool, str]:
     """Whether the CUDA prologue (kernels/kda_prologue.cu) runs for these tensors: (True, what is
     built) or (False, why not; the Triton 'rows' prologue runs instead)."""
-    from k3lab.ops import kda_prologue_cuda
+    from k3lab.ops.kda_chunk import cuda as kda_prologue_cuda
 
     if _WHILE:
         return False, "Triton's interpreter (no GPU): the Triton 'rows' prologue runs"
@@ -1914,7 +1914,7 @@ def choose_prologue(q, k, v, g, beta) -> str:
 
 
 def _cuda_prologue(q, k, v, g, beta, plan, scale, work, num_warps, options):
-    from k3lab.ops import kda_prologue_cuda
+    from k3lab.ops.kda_chunk import cuda as kda_prologue_cuda
 
     if num_warps not in (None, 8) or options:
         raise ValueError(f"the cuda prologue takes no options (8 warps, fixed); got num_warps={num_warps}, "
@@ -2017,7 +2017,7 @@ class WalkOptions:
 def walk_status(q, items: int = 1) -> tuple[bool, str]:
     """Whether the CUDA walks (kernels/kda_walk.cu) run for inputs like q and `items` groups: (True,
     what is built) or (False, why not; the Triton walks run instead)."""
-    from k3lab.ops import kda_walk_cuda
+    from k3lab.ops.kda_chunk import cuda_walk as kda_walk_cuda
 
     if _WHILE:
         return False, "Triton's interpreter (no GPU): the Triton walks run"
@@ -2080,7 +2080,7 @@ def _walk_options(q, plan, walk, block_v=None, summary_block=None, **triton) -> 
 
 def _walk(work, plan, o, s_final, s_in, sin_index, H, dtype, wo: WalkOptions):
     if wo.kind == "cuda":
-        from k3lab.ops import kda_walk_cuda
+        from k3lab.ops.kda_chunk import cuda_walk as kda_walk_cuda
 
         kda_walk_cuda.replay(work, plan, o, s_final, s_in, sin_index, H)
         return
@@ -2246,7 +2246,7 @@ def _scan_buffers(plan: KdaPlan, H: int, device):
 def _launch_summaries(work, plan, sums, H, dtype, wo: WalkOptions):
     """Launch 2 of the after: every non-last group's (D, N, b)."""
     if wo.kind == "cuda":
-        from k3lab.ops import kda_walk_cuda
+        from k3lab.ops.kda_chunk import cuda_walk as kda_walk_cuda
 
         kda_walk_cuda.summaries(work, plan, sums, H)
         return

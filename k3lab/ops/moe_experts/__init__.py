@@ -1,0 +1,105 @@
+"""K3's routed experts at one rank's shapes: sorted by expert, two grouped launches (Triton).
+
+    y[n] = sum_j weights[n, j] * w2[e] @ SiTU-GLU(w1[e] @ z[n], w3[e] @ z[n]),   e = idx[n, j]
+
+z [N, L] is the latent (routed_expert_down_proj(x)); w1, w3 [E, F, L] and w2 [E, L, F] hold every
+expert's slice of the intermediate (F = 384 of 3072 at TP8, so y is this rank's partial sum, the
+"latent" that the TP layer all-reduces). y is fp32. Shapes and errors: inputs.py.
+
+Backends (`routed_experts(..., backend=)` or K3LAB_MOE_EXPERTS_BACKEND forces one):
+  triton  the grouped kernels (triton.py): launch 1 = w1/w3 + SiTU-GLU, launch 2 = w2 with the
+          routing weights; tiles of 16/32/64 rows of one expert. Needs a GPU, or Triton's
+          interpreter (TRITON_INTERPRET=1, small sizes: tests) on a CPU.
+  torch   the per-expert loop (loop.py): the "before"; runs anywhere.
+With none forced, the triton backend runs on a GPU and the torch loop on a CPU (the interpreter
+is too slow for more than tests). `padding.py` measures the tile padding at decode batches.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import loop as _loop
+from . import triton as _triton
+from .inputs import TILE_HEIGHTS, ExpertSort, check_block_m, check_inputs, default_block_m, max_tiles, \
+    sort_by_expert, stack_experts
+from .padding import decode_padding, padding_of, random_router_idx
+
+ENV_VAR = "K3LAB_MOE_EXPERTS_BACKEND"
+
+
+def _triton_available() -> tuple[bool, str]:
+    if _triton.triton is None:
+        return False, "triton is not installed"
+    if torch.cuda.is_available():
+        return True, "GPU"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True, "Triton's interpreter on the CPU (slow: small sizes only)"
+    return False, "no GPU and TRITON_INTERPRET is not 1"
+
+
+# name -> (available() -> (ok, why), priority on a GPU, priority on a CPU); lower runs first
+BACKENDS = {
+    "triton": (_triton_available, 0, 1),
+    "torch": (lambda: (True, "plain PyTorch"), 1, 0),
+}
+
+
+def available(name: str) -> tuple[bool, str]:
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {name!r}")
+    return BACKENDS[name][0]()
+
+
+def pick_backend(backend: str | None = None) -> str:
+    """The backend that runs: `backend`, else K3LAB_MOE_EXPERTS_BACKEND, else the first available
+    by priority (triton on a GPU, the torch loop on a CPU). A forced one that cannot run is an error."""
+    forced = backend or os.environ.get(ENV_VAR) or None
+    if forced is not None:
+        ok, why = available(forced)
+        if not ok:
+            raise ValueError(f"backend {forced!r} cannot run here: {why}")
+        return forced
+    col = 1 if torch.cuda.is_available() else 2
+    for name in sorted(BACKENDS, key=lambda n: BACKENDS[n][col]):
+        if BACKENDS[name][0]()[0]:
+            return name
+    raise RuntimeError("no routed-expert backend can run")  # torch always can
+
+
+def routed_experts(z, weights, idx, w1, w3, w2, *, backend: str | None = None, block_m: int | None = None,
+                   check_values: bool = True) -> torch.Tensor:
+    """y [N, L] fp32 (see the module docstring). block_m: tile height of the triton backend (16, 32
+    or 64; default from the batch: default_block_m). Raises ValueError on bad input before any kernel."""
+    shapes = check_inputs(z, weights, idx, w1, w3, w2, check_values=check_values)
+    name = pick_backend(backend)
+    if block_m is not None:
+        check_block_m(block_m)
+    if shapes.n_tokens == 0:
+        return torch.zeros(0, shapes.latent, dtype=torch.float32, device=z.device)
+    if name == "torch":
+        return _loop.expert_loop(z, weights, idx, w1, w3, w2, shapes)
+    if z.dtype == torch.float64:
+        raise ValueError("z: the triton backend takes fp32, fp16 or bf16 (fp64 runs on backend='torch')")
+    m = block_m or default_block_m(shapes.n_tokens, shapes.top_k, shapes.num_experts)
+    sort = sort_by_expert(idx, shapes.num_experts, m)
+    return _triton.grouped_experts(z, weights, idx, w1, w3, w2, shapes, sort)
+
+
+def grouped_experts(z, weights, idx, w1, w3, w2, *, block_m: int | None = None) -> torch.Tensor:
+    """The grouped Triton kernels (the "after")."""
+    return routed_experts(z, weights, idx, w1, w3, w2, backend="triton", block_m=block_m)
+
+
+def expert_loop(z, weights, idx, w1, w3, w2) -> torch.Tensor:
+    """The per-expert torch loop (the "before")."""
+    return routed_experts(z, weights, idx, w1, w3, w2, backend="torch")
+
+
+__all__ = [
+    "BACKENDS", "ENV_VAR", "TILE_HEIGHTS", "ExpertSort", "available", "check_inputs", "decode_padding",
+    "default_block_m", "expert_loop", "grouped_experts", "max_tiles", "padding_of", "pick_backend",
+    "random_router_idx", "routed_experts", "sort_by_expert", "stack_experts",
+]

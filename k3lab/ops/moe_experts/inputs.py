@@ -1,0 +1,162 @@
+"""Validation and the expert sort shared by every routed-expert backend.
+
+Shapes at one rank (K3 at TP8: L = 3584 latent, F = 384 of the 3072 expert intermediate, E = 896):
+
+    z        [N, L]     the latent input (routed_expert_down_proj(x)), fp32 / fp16 / bf16 (fp64: loop)
+    weights  [N, k]     routing weights (fp32 from the router; any float dtype accepted)
+    idx      [N, k]     chosen experts, integers in [0, E)
+    w1, w3   [E, F, L]  gate and up projections of every expert (nn.Linear layout [out, in])
+    w2       [E, L, F]  down projection of every expert
+
+The grouped kernels work on (token, slot) pairs sorted by expert and padded per expert to a multiple of
+the tile height: a tile of `block_m` rows belongs to one expert, so one weight tile serves every row.
+`sort_by_expert` builds that order with device-side torch ops only (no read-back), so the whole grouped
+call can be captured in a CUDA graph; the grid is sized by `max_tiles`, a bound that needs no read-back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TILE_HEIGHTS = (16, 32, 64)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # fp64: the torch loop only
+
+
+@dataclass(frozen=True)
+class Shapes:
+    n_tokens: int
+    top_k: int
+    latent: int
+    intermediate: int
+    num_experts: int
+
+
+def _tensor(name: str, t, dims: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
+
+
+def check_inputs(z, weights, idx, w1, w3, w2, *, check_values: bool = True) -> Shapes:
+    """Validate the routed-expert inputs (see the module docstring); returns their sizes.
+
+    check_values reads idx back to check its range; it is skipped while a CUDA graph is being
+    captured (a read-back cannot be captured), so a captured call trusts the router."""
+    for name, t, dims in (("z", z, 2), ("weights", weights, 2), ("idx", idx, 2),
+                          ("w1", w1, 3), ("w3", w3, 3), ("w2", w2, 3)):
+        _tensor(name, t, dims)
+    N, L = z.shape
+    E, F, L1 = w1.shape
+    if z.dtype not in DTYPES:
+        raise ValueError(f"z must be fp32, fp16, bf16 (or fp64 for the torch loop), got {z.dtype}")
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if w.dtype != z.dtype:
+            raise ValueError(f"{name} must have z's dtype {z.dtype}, got {w.dtype}")
+    if L1 != L:
+        raise ValueError(f"w1 must be [E, F, L={L}] (z's width), got {tuple(w1.shape)}")
+    if w3.shape != w1.shape:
+        raise ValueError(f"w3 must have w1's shape {tuple(w1.shape)}, got {tuple(w3.shape)}")
+    if w2.shape != (E, L, F):
+        raise ValueError(f"w2 must be [E={E}, L={L}, F={F}], got {tuple(w2.shape)}")
+    if idx.shape[0] != N or weights.shape != idx.shape:
+        raise ValueError(f"idx and weights must both be [N={N}, k], got {tuple(idx.shape)} and "
+                         f"{tuple(weights.shape)}")
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"idx must be int32 or int64, got {idx.dtype}")
+    if not weights.is_floating_point():
+        raise ValueError(f"weights must be a floating-point tensor, got {weights.dtype}")
+    k = idx.shape[1]
+    if k < 1:
+        raise ValueError("idx must choose at least one expert per token (k >= 1)")
+    devices = {t.device for t in (z, weights, idx, w1, w3, w2)}
+    if len(devices) != 1:
+        raise ValueError(f"z, weights, idx, w1, w3 and w2 must be on one device, got {sorted(map(str, devices))}")
+    capturing = z.is_cuda and torch.cuda.is_current_stream_capturing()
+    if check_values and not capturing and idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= E:
+            raise ValueError(f"idx values must be expert numbers in [0, E={E}), got the range [{lo}, {hi}]")
+    return Shapes(N, k, L, F, E)
+
+
+def check_block_m(block_m) -> int:
+    if block_m not in TILE_HEIGHTS:
+        raise ValueError(f"block_m must be one of {TILE_HEIGHTS} (rows per expert tile), got {block_m!r}")
+    return block_m
+
+
+def default_block_m(n_tokens: int, top_k: int, num_experts: int) -> int:
+    """The smallest tile height that holds the expected rows per chosen expert under uniform routing
+    (decode batches on K3's 896 experts expect fewer than 16: the 16-row tile)."""
+    pairs = n_tokens * top_k
+    chosen = num_experts * (1.0 - (1.0 - top_k / num_experts) ** n_tokens) if n_tokens else 1.0
+    rows = pairs / max(chosen, 1.0)
+    return next((h for h in TILE_HEIGHTS if rows <= h), TILE_HEIGHTS[-1])
+
+
+def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
+    """Most tiles `pairs` (token, slot) rows can need: each chosen expert rounds its rows up to a tile,
+    sum_e ceil(c_e / m) <= (pairs + (m - 1) * min(E, pairs)) / m."""
+    return (pairs + (block_m - 1) * min(num_experts, pairs)) // block_m
+
+
+@dataclass(frozen=True)
+class ExpertSort:
+    """(token, slot) pairs sorted by expert, padded per expert to whole tiles of `block_m` rows.
+
+    pair_of_row [max_tiles * block_m] int32: the flat pair n * k + j each padded row holds, or
+        `pairs` (one past the last) on padding rows;
+    tile_expert [max_tiles] int32: the expert of each tile (tiles past `n_tiles` are unused);
+    n_tiles     [1] int32: tiles in use, on the device (the kernels read it; no read-back);
+    counts      [E] int64: rows (pairs) per expert."""
+
+    pair_of_row: torch.Tensor
+    tile_expert: torch.Tensor
+    n_tiles: torch.Tensor
+    counts: torch.Tensor
+    block_m: int
+    max_tiles: int
+    pairs: int
+
+
+def sort_by_expert(idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
+    """Sort the pairs of idx [N, k] by expert (stable: token order within an expert) and pad each
+    expert's run to whole tiles. Device-side ops only, so it can be captured in a CUDA graph."""
+    check_block_m(block_m)
+    flat = idx.reshape(-1).long()
+    P, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount reads back its max on a GPU
+    tiles_per = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles_per, 0)
+    padded_start = (tile_end - tiles_per) * block_m
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    dest = padded_start[expert_of] + torch.arange(P, device=dev) - start[expert_of]
+    T = max_tiles(P, num_experts, block_m)
+    pair_of_row = torch.full((T * block_m,), P, dtype=torch.int32, device=dev)
+    pair_of_row[dest] = order.to(torch.int32)
+    tiles = torch.arange(T, device=dev)
+    tile_expert = torch.searchsorted(tile_end, tiles, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    n_tiles = tile_end[-1:].to(torch.int32)
+    return ExpertSort(pair_of_row, tile_expert, n_tiles, counts, block_m, T, P)
+
+
+def stack_experts(experts, lo: int = 0, hi: int | None = None):
+    """(w1, w3, w2) of an nn.ModuleList of RoutedExpert, stacked to [E, F', L], [E, F', L], [E, L, F'],
+    keeping the intermediate rows [lo, hi) (one rank's slice under TP; the whole width by default)."""
+    if len(experts) == 0:
+        raise ValueError("experts must hold at least one RoutedExpert")
+    F = experts[0].w1.weight.shape[0]
+    hi = F if hi is None else hi
+    if not 0 <= lo < hi <= F:
+        raise ValueError(f"the intermediate slice [lo, hi) must lie in [0, {F}], got [{lo}, {hi})")
+    with torch.no_grad():
+        w1 = torch.stack([e.w1.weight[lo:hi] for e in experts])
+        w3 = torch.stack([e.w3.weight[lo:hi] for e in experts])
+        w2 = torch.stack([e.w2.weight[:, lo:hi] for e in experts])
+    return w1.contiguous(), w3.contiguous(), w2.contiguous()

@@ -1,0 +1,135 @@
+"""The routed experts as two grouped Triton launches over tiles of expert-sorted rows.
+
+    launch 1 (_up_kernel):   h = SiTU-GLU(z_rows @ w1[e]^T, z_rows @ w3[e]^T)   per tile, [m, F]
+    launch 2 (_down_kernel): y_pair = weight_pair * (h @ w2[e]^T)              per tile, [m, L]
+    then y = sum over each token's k pairs (one reduction in slot order)
+
+A program owns one tile (block_m rows, all of one expert) and one column block of the output, so it
+streams that expert's weight columns once for all its rows: at decode the cost is reading the chosen
+experts' weights. The rows of a tile are gathered from z through the sort (no permuted copy of z).
+Tiles past the ones in use (the grid is sized by a bound) return at once. Padding rows load zeros,
+write h = 0 and skip the second store. Each pair's result gets its own row of y_pair, so the final sum
+runs in a fixed order: the output is the same from run to run (atomic adds into y would not be).
+Accumulation is fp32 (fp32 inputs multiply in full fp32: no TF32); h is rounded to the inputs' dtype, as the
+reference's expert does between its two projections.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .inputs import ExpertSort, Shapes
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch loop still runs; the backend table says why this one does not
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(x):
+        # tanh from exp (portable, also in the interpreter); a short series near 0, where
+        # (1 - e) / (1 + e) would cancel, keeps fp32 accuracy
+        a = tl.abs(x)
+        e = tl.exp(-2.0 * a)
+        far = (1.0 - e) / (1.0 + e)
+        x2 = a * a
+        near = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+        t = tl.where(a < 0.125, near, far)
+        return tl.where(x < 0, -t, t)
+
+    @triton.jit
+    def _situ_glu(g, u):
+        return 4.0 * _tanh(g * 0.25) * tl.sigmoid(g) * (25.0 * _tanh(u * 0.04))
+
+    @triton.jit
+    def _up_kernel(z_ptr, w1_ptr, w3_ptr, h_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr,
+                   pairs, L: tl.constexpr, F: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        tile = tl.program_id(0)
+        if tile >= tl.load(n_tiles_ptr):
+            return
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_ptr + rows)
+        valid = pair < pairs
+        token = (pair // TOP_K).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < F
+        ks = tl.arange(0, BLOCK_K)
+        w_base = expert * F * L + cols[None, :].to(tl.int64) * L  # w[e, col, k] read as [k, col]
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, L, BLOCK_K):
+            k_ok = (k0 + ks) < L
+            zt = tl.load(z_ptr + token[:, None] * L + k0 + ks[None, :], mask=valid[:, None] & k_ok[None, :],
+                         other=0.0)
+            w_off = w_base + k0 + ks[:, None]
+            w_ok = k_ok[:, None] & col_ok[None, :]
+            acc_g = tl.dot(zt, tl.load(w1_ptr + w_off, mask=w_ok, other=0.0), acc_g, input_precision="ieee")
+            acc_u = tl.dot(zt, tl.load(w3_ptr + w_off, mask=w_ok, other=0.0), acc_u, input_precision="ieee")
+        h = _situ_glu(acc_g, acc_u)
+        out = h_ptr + rows[:, None].to(tl.int64) * F + cols[None, :]
+        tl.store(out, h.to(h_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(h_ptr, w2_ptr, weight_ptr, y_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr,
+                     pairs, L: tl.constexpr, F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        tile = tl.program_id(0)
+        if tile >= tl.load(n_tiles_ptr):
+            return
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_ptr + rows)
+        valid = pair < pairs
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < L
+        ks = tl.arange(0, BLOCK_K)
+        w_base = expert * L * F + cols[None, :].to(tl.int64) * F  # w2[e, col, k] read as [k, col]
+        h_base = rows[:, None].to(tl.int64) * F
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, F, BLOCK_K):
+            k_ok = (k0 + ks) < F
+            ht = tl.load(h_ptr + h_base + k0 + ks[None, :], mask=k_ok[None, :], other=0.0)
+            wt = tl.load(w2_ptr + w_base + k0 + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(ht, wt, acc, input_precision="ieee")
+        rw = tl.load(weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        out = y_ptr + pair[:, None].to(tl.int64) * L + cols[None, :]
+        tl.store(out, acc * rw[:, None], mask=valid[:, None] & col_ok[None, :])
+
+
+def launch_config(shapes: Shapes, sort: ExpertSort) -> dict:
+    """Column and reduction blocks and warps of both launches. Narrow column blocks when there are few
+    tiles, so that even one token's 16 tiles spread over many programs (decode reads weights: the
+    more programs streaming them at once, the closer to the bandwidth)."""
+    few = sort.max_tiles * triton.cdiv(shapes.intermediate, 64) < 256
+    m = sort.block_m
+    return {
+        "up": {"BLOCK_N": 32 if few else 64, "BLOCK_K": 64, "num_warps": 4 if m < 64 else 8},
+        "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4 if m < 64 else 8},
+    }
+
+
+def grouped_experts(z, weights, idx, w1, w3, w2, shapes: Shapes, sort: ExpertSort) -> torch.Tensor:
+    """Inputs already checked (inputs.check_inputs) and sorted (inputs.sort_by_expert); returns
+    y [N, L] fp32, the weighted sum of each token's chosen experts."""
+    N, k, L, F = shapes.n_tokens, shapes.top_k, shapes.latent, shapes.intermediate
+    z, w1, w3, w2 = (t.contiguous() for t in (z, w1, w3, w2))
+    flat_w = weights.reshape(-1).contiguous()
+    cfg = launch_config(shapes, sort)
+    h = torch.empty(sort.max_tiles * sort.block_m, F, dtype=z.dtype, device=z.device)
+    y_pair = torch.empty(N * k, L, dtype=torch.float32, device=z.device)
+    up, down = cfg["up"], cfg["down"]
+    _up_kernel[(sort.max_tiles, triton.cdiv(F, up["BLOCK_N"]))](
+        z, w1, w3, h, sort.pair_of_row, sort.tile_expert, sort.n_tiles, sort.pairs, L, F,
+        TOP_K=k, BLOCK_M=sort.block_m, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
+        num_warps=up["num_warps"])
+    _down_kernel[(sort.max_tiles, triton.cdiv(L, down["BLOCK_N"]))](
+        h, w2, flat_w, y_pair, sort.pair_of_row, sort.tile_expert, sort.n_tiles, sort.pairs, L, F,
+        BLOCK_M=sort.block_m, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"],
+        num_warps=down["num_warps"])
+    return y_pair.view(N, k, L).sum(1)

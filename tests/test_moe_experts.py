@@ -1,0 +1,178 @@
+"""The grouped routed-expert kernels (Triton's interpreter on a CPU) and the per-expert loop against
+the nn reference; the expert sort; the padding report; bad input."""
+
+import pytest
+import torch
+
+import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
+from k3lab.bench import check
+from k3lab.config import K3Config
+from k3lab.model import init_weights
+from k3lab.nn.moe import LatentMoE
+from k3lab.ops import moe_experts as me
+
+E, K = 8, 2
+
+
+@pytest.fixture(scope="module")
+def layer():
+    return init_weights(LatentMoE(K3Config.tiny()), seed=3)
+
+
+def reference(layer, z, weights, idx):
+    """Each pair through the nn RoutedExpert module, weighted and summed in fp64."""
+    y = torch.zeros(z.shape, dtype=torch.float64)
+    for n in range(z.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[n, j])
+            y[n] += float(weights[n, j]) * layer.experts[e](z[n:n + 1])[0].double()
+    return y
+
+
+def crafted(n=6, seed=0, lat=128):
+    """Routing that leaves experts 2 and 5 unchosen and sends tokens to the last expert (7)."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, lat, generator=gen)
+    idx = torch.tensor([[7, 0], [1, 7], [3, 4], [7, 6], [0, 1], [6, 3]])[:n]
+    w = torch.rand(n, K, generator=gen) + 0.1
+    return z, w / w.sum(-1, keepdim=True), idx
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_grouped_matches_nn_experts_with_unchosen_and_last_expert(layer, block_m):
+    z, w, idx = crafted()
+    with torch.no_grad():
+        ref = reference(layer, z, w, idx)
+        got = me.grouped_experts(z, w, idx, *me.stack_experts(layer.experts), block_m=block_m)
+    assert got.dtype == torch.float32
+    check(got, ref, dtype=torch.float32, max_rel=1e-5)
+
+
+def test_grouped_and_loop_match_the_layers_routed_latent(layer):
+    """Through the real router: a bias steers every token to the last expert and away from 2 and 5."""
+    x = torch.randn(9, layer.hidden_size, generator=torch.Generator().manual_seed(1))
+    bias = torch.zeros(E)
+    bias[7], bias[2], bias[5] = 100.0, -100.0, -100.0
+    with torch.no_grad():
+        layer.gate.e_score_correction_bias.copy_(bias)
+        try:
+            w, idx, _ = layer.gate(x)
+            ref = layer.routed_latent(x)
+            z = layer.routed_expert_down_proj(x)
+            stacked = me.stack_experts(layer.experts)
+            grouped = me.grouped_experts(z, w, idx, *stacked, block_m=16)
+            looped = me.expert_loop(z, w, idx, *stacked)
+        finally:
+            layer.gate.e_score_correction_bias.zero_()
+    assert (idx == 7).any(-1).all() and not torch.isin(idx, torch.tensor([2, 5])).any()
+    check(grouped, ref, dtype=torch.float32, max_rel=1e-5)
+    check(looped, ref, dtype=torch.float32, max_rel=1e-5)
+
+
+def test_grouped_on_an_intermediate_slice_and_fp16(layer):
+    """One rank's slice of the intermediate (16 of 64 columns, not a multiple of the column block)
+    and fp16 storage, against the loop on the same slice."""
+    z, w, idx = crafted(seed=2)
+    w1, w3, w2 = me.stack_experts(layer.experts, 20, 44)
+    with torch.no_grad():
+        ref = me.expert_loop(z.double(), w, idx, w1.double(), w3.double(), w2.double())
+        got32 = me.grouped_experts(z, w, idx, w1, w3, w2)
+        got16 = me.grouped_experts(z.half(), w, idx, w1.half(), w3.half(), w2.half())
+    check(got32, ref, dtype=torch.float32, max_rel=1e-5)
+    check(got16, ref, dtype=torch.float16)
+
+
+def test_sort_by_expert_places_every_pair_once_in_its_experts_tiles():
+    idx = torch.tensor([[7, 0], [1, 7], [3, 4], [7, 6], [0, 1], [6, 3], [7, 1]])
+    for m in (16, 32):
+        s = me.sort_by_expert(idx, E, m)
+        P = idx.numel()
+        rows = s.pair_of_row.long()
+        real = rows[rows < P]
+        assert sorted(real.tolist()) == list(range(P))
+        n_tiles = int(s.n_tiles)
+        assert n_tiles == int(((s.counts + m - 1) // m).sum()) <= s.max_tiles
+        assert (rows[n_tiles * m:] == P).all()
+        tile_of_row = torch.arange(rows.numel()) // m
+        experts_of_rows = s.tile_expert.long()[tile_of_row[rows < P]]
+        assert torch.equal(experts_of_rows, idx.reshape(-1)[real])
+        assert s.counts.tolist() == torch.bincount(idx.reshape(-1), minlength=E).tolist()
+
+
+def test_max_tiles_bound_is_reached():
+    # 16 distinct experts of one token: 16 tiles of one row each, the bound exactly
+    assert me.max_tiles(16, 896, 16) == 16
+    assert me.max_tiles(32, 4, 16) == (32 + 15 * 4) // 16
+
+
+def test_no_tokens_gives_an_empty_result(layer):
+    z, w, idx = crafted()
+    y = me.routed_experts(z[:0], w[:0], idx[:0], *me.stack_experts(layer.experts), backend="triton")
+    assert y.shape == (0, 128)
+
+
+def test_padding_of_hand_example():
+    idx = torch.tensor([[0, 1], [0, 2], [0, 3]])  # expert 0: 3 rows, experts 1-3: 1 row each
+    r = me.padding_of(idx, 4, 16)
+    assert (r["rows"], r["experts_chosen"], r["tiles"], r["padded_rows"]) == (6, 4, 4, 64)
+    assert r["padding_share"] == pytest.approx(1 - 6 / 64)
+    assert r["rows_per_expert_max"] == 3
+
+
+def test_decode_padding_on_k3_router_shape():
+    rows = me.decode_padding(batches=[1, 64, 256], heights=(16, 64))
+    by = {(r["batch"], r["block_m"]): r for r in rows}
+    assert by[1, 16]["padding_share"] == pytest.approx(15 / 16)  # 16 experts of one row each
+    assert by[1, 64]["padding_share"] == pytest.approx(63 / 64)
+    assert by[256, 16]["rows"] == 256 * 16
+    assert 2 < by[256, 16]["rows_per_expert_mean"] < 16  # a big batch still leaves few rows per expert
+    assert by[256, 16]["padding_share"] < by[256, 64]["padding_share"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.update(z=a["z"][:, :100]), "w1 must be"),
+    (lambda a: a.update(w2=a["w2"].transpose(1, 2)), "w2 must be"),
+    (lambda a: a.update(w3=a["w3"].half()), "w3 must have z's dtype"),
+    (lambda a: a.update(idx=a["idx"].float()), "idx must be int32 or int64"),
+    (lambda a: a.update(idx=a["idx"] + 1), r"idx values must be expert numbers in \[0, E=8\)"),
+    (lambda a: a.update(weights=a["weights"][:, :1]), "idx and weights must both be"),
+    (lambda a: a.update(z=a["z"].long()), "z must be fp32"),
+])
+def test_bad_input_is_refused_by_name(layer, change, message):
+    z, w, idx = crafted()
+    w1, w3, w2 = me.stack_experts(layer.experts)
+    args = {"z": z, "weights": w, "idx": idx, "w1": w1, "w3": w3, "w2": w2}
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        me.routed_experts(**args, backend="triton")
+
+
+def test_bad_tile_height_and_backend(layer, monkeypatch):
+    z, w, idx = crafted()
+    stacked = me.stack_experts(layer.experts)
+    with pytest.raises(ValueError, match="block_m must be one of"):
+        me.grouped_experts(z, w, idx, *stacked, block_m=24)
+    monkeypatch.setenv(me.ENV_VAR, "cutlass")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        me.routed_experts(z, w, idx, *stacked)
+    monkeypatch.setenv(me.ENV_VAR, "torch")
+    assert me.pick_backend() == "torch"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the CPU runs the interpreter tests above)")
+def test_grouped_bf16_at_tp8_shapes_on_gpu():
+    """K3's rank shapes (896 experts, 3584 x 384) at a decode batch, bf16, against the loop in fp32."""
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    Ex, L, F, N = 896, 3584, 384, 64
+    w1, w3 = (torch.randn(Ex, F, L, device=dev, generator=gen) / L**0.5 for _ in range(2))
+    w2 = torch.randn(Ex, L, F, device=dev, generator=gen) / F**0.5
+    z = torch.randn(N, L, device=dev, generator=gen)
+    idx = me.random_router_idx(N).to(dev)
+    w = torch.rand(N, 16, device=dev, generator=gen)
+    ref = me.expert_loop(z, w, idx, w1, w3, w2)
+    bf = [t.bfloat16() for t in (z, w1, w3, w2)]
+    for m in (16, 32, 64):
+        got = me.grouped_experts(bf[0], w, idx, *bf[1:], block_m=m)
+        check(got, ref, dtype=torch.bfloat16)

@@ -13,17 +13,15 @@ Variants (all checked, outputs and every per-position state, against an fp64 ref
 
 Cases: `b{B}_t{T}` (per-position states), `b{B}_t{T}.final_only`; on a GPU also the ablation at B=1,
 T=4, one change at a time on top of 'before' (variant 'after' in the records): `.narrow_only` (the
-streaming kernel with the narrowest tiles, still 128 threads), `.narrow_1wave` (+ one wave), then the
-full narrow kernel (= 'after'), and `.ragged` (the narrow kernel through its dynamic cu_seqlens
-path); and a sweep of tile width x waves for both kernels (`b{B}_t4.narrow{W}_w{N}`,
-`b{B}_t4.stream{W}_w{N}`), the other Triton forms (`chunk`, `tile`, `vk`) and, where kernels/kda_verify.cu
-builds, the CUDA kernel's forms (`cuda{W}_w{N}`, `cudachunk{W}_w{N}`, `cudawarp{W}_w{N}`: N is 32-lane
-groups per block; a `_pdl` suffix launches it as a programmatic dependent, none as a plain launch).
-'after' is `kda_verify`'s default form (`kv.default_form`: on a CUDA GPU where kernels/kda_verify.cu
-builds, 'cuda_warp' on 4 warps with PDL; elsewhere the Triton step form), recorded in extra
-(form, num_warps, pdl). Graph timings replay one graph of >= 10 calls cycling through enough input
-sets to exceed twice the L2 (inputs and states are not cache-hot). Floors: state read + state
-writes + inputs and outputs over the copy bandwidth, and one launch (graph or eager launch cost).
+streaming kernel with the narrowest tiles, still 128 threads), `.narrow_1wave` (+ one wave),
+`.narrow8_w1` (the Triton narrow kernel), `.cudawarp8_w4` (the CUDA kernel, plain launch), then the
+default (= 'after': on the H200 the CUDA kernel as a programmatic dependent launch), and `.ragged`
+(the narrow path through its dynamic cu_seqlens path); and a sweep of tile width x waves for both
+Triton kernels (`b{B}_t4.narrow{W}_w{N}`, `b{B}_t4.stream{W}_w{N}`). Records name the kernel that ran
+in extra (kernel, backend, num_warps, pdl). Graph timings replay one graph of >= 10 calls cycling
+through enough input sets to exceed twice the L2 (inputs and states are not cache-hot). Floors: state
+read + state writes + inputs and outputs over the copy bandwidth, and one launch (graph or eager
+launch cost).
 """
 
 from __future__ import annotations
@@ -47,30 +45,7 @@ CPU_SHAPES = [(1, 4)]
 ABLATIONS = ("narrow_only", "narrow_1wave", "ragged")
 SWEEP_BATCHES = (1, 8, 32)
 SWEEP = [("narrow", w, n) for w in (4, 8) for n in (1, 2)] + [("stream", w, n) for w in (4, 8, 16, 32) for n in (1, 4)]
-# The chunk form of the narrow kernel (all positions in one reduction round): tile x waves, per batch
-# (T = 4), and at the other depths of the draft-depth profile.
-CHUNK_SWEEP = ([f"b1_t4.chunk8_w{n}" for n in (1, 2, 4, 8)] + ["b8_t4.chunk8_w2", "b8_t4.chunk8_w4"]
-               + ["b1_t1.narrow8_w1", "b1_t1.chunk8_w2", "b1_t1.chunk8_w4", "b1_t2.narrow8_w1", "b1_t2.chunk8_w2",
-                  "b1_t2.chunk8_w4", "b1_t8.narrow8_w1", "b1_t8.chunk8_w4", "b1_t8.chunk8_w8"])
-# The tile form of the step kernel (q, k, g loaded straight into the tile's shape) and the step form
-# with the states stored [V, K] (state_layout 'vk': one register layout for loads, arithmetic and
-# stores): fewer shared-memory round trips, a tenth more instructions for sm_90a (k3lab.ops.kda_verify's
-# docstring has the counts). Not yet timed on a GPU.
-TILE_SWEEP = (["b1_t4.tile8_w1", "b1_t4.tile8_w2", "b1_t4.tile4_w1", "b1_t1.tile8_w1", "b1_t2.tile8_w1",
-               "b1_t8.tile8_w1", "b8_t4.tile8_w1", "b32_t4.tile8_w1"])
-VK_SWEEP = (["b1_t4.vk8_w1", "b1_t4.vk8_w2", "b1_t4.vk4_w1", "b1_t1.vk8_w1", "b1_t2.vk8_w1", "b1_t8.vk8_w1",
-             "b8_t4.vk8_w1", "b32_t4.vk8_w1"])
-# The hand-written CUDA kernel (kernels/kda_verify.cu): step form ('cuda') and chunk form ('cudachunk'),
-# tile x 32-lane groups per block, at the depths of the draft-depth profile and B = 8, 32.
-CUDA_SWEEP = (["b1_t4.cuda8_w4", "b1_t4.cuda8_w8", "b1_t4.cuda4_w2", "b1_t4.cudachunk8_w8", "b1_t1.cuda8_w4",
-               "b1_t1.cudachunk8_w8", "b1_t2.cuda8_w4", "b1_t2.cudachunk8_w8", "b1_t8.cuda8_w4", "b1_t8.cudachunk8_w8",
-               "b8_t4.cuda8_w4", "b8_t4.cudachunk8_w8", "b32_t4.cuda8_w4"]
-              # the warp form (lane pairs own 4 columns of 8 / W key rows; W = 1 or 4 warps per
-              # 8-column tile), plain and as a programmatic dependent launch ('_pdl': it waits for the
-              # stream's previous kernel before touching memory, its launch overlapping that kernel's end)
-              + [f"b{b}_t{t}.cudawarp8_w{w}{p}" for b, t in ((1, 4), (1, 1), (1, 2), (1, 8), (8, 4), (32, 4))
-                 for w in (1, 4) for p in ("", "_pdl")]
-              + ["b1_t4.cuda8_w4_pdl"])
+CUDA_ABLATION = "b1_t4.cudawarp8_w4"  # the CUDA kernel launched plainly (the default adds PDL)
 MIN_GRAPH_CALLS = 10
 GATE_LOWER_BOUND = K3Config.full().kda_gate_lower_bound  # -5: g = -5 sigmoid(.)
 
@@ -103,11 +78,8 @@ def case_names(preset=None) -> list[str]:
     if _gpu():
         names += [f"b1_t4.{a}" for a in ABLATIONS]
         names += [f"b{B}_t4.{kind}{w}_w{n}" for B in SWEEP_BATCHES for kind, w, n in SWEEP]
-        names += CHUNK_SWEEP + TILE_SWEEP + VK_SWEEP
-        from k3lab.ops import kda_verify_cuda as kc
-
-        if kc.available():  # the .cu built here
-            names += CUDA_SWEEP
+        if kv.backend_status()["cuda"][0]:  # the .cu built here
+            names.append(CUDA_ABLATION)
     else:
         names.append("b1_t4.ragged")
     return names
@@ -183,8 +155,7 @@ def check_result(o, states, ref_o, ref_states, *, final_only: bool) -> dict:
 
 
 def _variant_fn(kind: str, *, final_only: bool, tile_v: int | None = None, num_warps: int | None = None,
-                ragged: bool = False, form: str | None = None, state_layout: str = "kv",
-                pdl: bool | None = None) -> Callable:
+                ragged: bool = False, backend: str | None = None, pdl: bool | None = None) -> Callable:
     """fn(q, k, v, g, beta, h0, states_buf) -> (o, states) for one variant."""
     if kind == "fla":
         from fla.ops.kda import fused_recurrent_kda
@@ -196,14 +167,10 @@ def _variant_fn(kind: str, *, final_only: bool, tile_v: int | None = None, num_w
     kw = {"final_state_only": final_only}
     if tile_v is not None:
         kw["tile_v"] = tile_v
-    if num_warps is not None:
+    if num_warps is not None and backend != "cuda":
         kw["num_warps"] = num_warps
-    if form is not None and kind == "after":
-        kw["form"] = form
-    if state_layout != "kv":
-        kw["state_layout"] = state_layout
-    if pdl is not None and kind == "after":
-        kw["pdl"] = pdl
+    if kind == "after":
+        kw.update(backend=backend, pdl=pdl)
 
     if ragged:  # the same work through the dynamic path: flattened tokens + cu_seqlens
         def run_ragged(q, k, v, g, beta, h0, buf, cu, T):
@@ -221,13 +188,12 @@ def _variant_fn(kind: str, *, final_only: bool, tile_v: int | None = None, num_w
 
 def _parse(case: str, H: int) -> dict:
     """Case name -> what to run: shape, final_only and the list of (variant label, spec); a spec's
-    kind is 'after' (kda_verify), 'before' (the streaming kernel via kda_verify_before) or 'fla'."""
+    kind is 'after' (kda_verify), 'before' (the streaming kernel via kda_verify_before) or 'fla'.
+    An 'after' spec without a backend runs kda_verify's default (resolved on the inputs by `run`)."""
     base, _, tail = case.partition(".")
     B, T = (int(x[1:]) for x in base.split("_"))
     after_w = kv.choose_tile_v(B, H)
-    after_form = kv.default_form(after_w) if after_w <= kv.NARROW_MAX else "step"
-    after = dict(kind="after", tile_v=after_w, num_warps=kv.choose_num_warps(after_w, positions=T, form=after_form),
-                 form=after_form)
+    after = dict(kind="after", tile_v=after_w, num_warps=None, backend=None)
     before = dict(kind="before", tile_v=kv.BEFORE_TILE_V, num_warps=kv.before_num_warps())
     narrow_w = kv.min_tile_v()
     spec = {"B": B, "T": T, "final_only": tail == "final_only", "variants": []}
@@ -241,48 +207,47 @@ def _parse(case: str, H: int) -> dict:
         spec["variants"] = [("after", dict(kind="before", tile_v=narrow_w, num_warps=1))]
     elif tail == "ragged":  # the after kernel through its dynamic (cu_seqlens) path
         spec["variants"] = [("after", dict(after, ragged=True))]
-    elif tail.startswith(("narrow", "stream", "chunk", "tile", "vk", "cuda")):
-        m = re.fullmatch(r"(narrow|stream|chunk|tile|vk|cudachunk|cudawarp|cuda)(\d+)_w(\d+)(_pdl)?", tail)
-        if m is None:
-            raise ValueError(f"unknown case {case!r}")
-        if m[4] and not m[1].startswith("cuda"):
-            raise ValueError(f"case {case!r}: only the CUDA forms take '_pdl' (a launch attribute)")
-        if m[1] in ("chunk", "tile", "vk", "cuda", "cudachunk", "cudawarp") and int(m[2]) > kv.NARROW_MAX:
-            raise ValueError(f"case {case!r}: the {m[1]} form runs tiles of at most {kv.NARROW_MAX} columns")
-        kind = "before" if m[1] == "stream" else "after"
-        form = {"chunk": "chunk", "tile": "tile", "cuda": "cuda", "cudachunk": "cuda_chunk",
-                "cudawarp": "cuda_warp"}.get(m[1], "step")
-        v = dict(kind=kind, tile_v=int(m[2]), num_warps=int(m[3]), form=form)
-        if m[1].startswith("cuda"):  # named: with '_pdl' a programmatic dependent launch, else a plain one
-            v["pdl"] = bool(m[4])
-        if m[1] == "vk":
-            v["state_layout"] = "vk"
-        spec["variants"] = [("after", v)]
+    elif case == CUDA_ABLATION:  # the CUDA kernel, plain launch
+        spec["variants"] = [("after", dict(kind="after", tile_v=8, num_warps=kv.cuda.NUM_WARPS, backend="cuda",
+                                           pdl=False))]
     else:
-        raise ValueError(f"unknown case {case!r}")
+        m = re.fullmatch(r"(narrow|stream)(\d+)_w(\d+)", tail)
+        if m is None or (m[1] == "narrow" and int(m[2]) > kv.NARROW_MAX):
+            raise ValueError(f"unknown case {case!r}")
+        v = dict(kind="before" if m[1] == "stream" else "after", tile_v=int(m[2]), num_warps=int(m[3]))
+        if m[1] == "narrow":
+            v["backend"] = "triton"
+        spec["variants"] = [("after", v)]
     return spec
 
 
+def _resolved(vs: dict, x: tuple) -> dict:
+    """An 'after' spec with the backend and waves kda_verify picks for inputs `x`, so the record names
+    what ran."""
+    if vs["kind"] != "after" or vs["tile_v"] > kv.NARROW_MAX:
+        if vs["num_warps"] is None:
+            return dict(vs, num_warps=kv.choose_num_warps(vs["tile_v"]))
+        return vs
+    backend = vs.get("backend") or kv.choose_backend(*x[:6], vs["tile_v"], states=x[6])
+    warps = kv.cuda.NUM_WARPS if backend == "cuda" else (vs["num_warps"] or kv.choose_num_warps(vs["tile_v"]))
+    return dict(vs, backend=backend, num_warps=warps)
+
+
 def _pdl_used(vs: dict) -> bool:
-    """Whether a variant's launches are programmatic dependents (a CUDA form, asked by the case ('_pdl')
-    or, for the default-form 'after', by K3LAB_KDA_VERIFY_PDL)."""
-    from k3lab.ops import kda_verify_cuda as kc
-
-    if vs.get("kind") != "after" or vs.get("form") not in kv.CUDA_FORMS:
+    """Whether a variant's launches are programmatic dependents (the CUDA backend, asked by the case or,
+    for the default 'after', as kda_verify decides)."""
+    if vs.get("kind") != "after" or vs.get("backend") != "cuda":
         return False
-    return bool(vs["pdl"]) if vs.get("pdl") is not None else kc.pdl_default()
+    return bool(vs["pdl"]) if vs.get("pdl") is not None else kv.cuda.pdl_default()
 
 
-def kernel_name(kind: str, tile_v: int, form: str | None = None) -> str:
-    """Which kernel a variant runs: 'chunk' or 'narrow' (kda_verify at <= NARROW_MAX columns, in its
-    Triton chunk or step form), 'cuda' or 'cuda_chunk' (kernels/kda_verify.cu), 'stream' or 'fla'."""
+def kernel_name(kind: str, tile_v: int, backend: str | None = None) -> str:
+    """Which kernel a variant runs: 'narrow' (Triton) or 'cuda_warp' (kernels/kda_verify.cu) for
+    kda_verify at <= NARROW_MAX columns, 'stream' (the streaming kernel) or 'fla'."""
     if kind == "fla":
         return "fla"
     if kind == "after" and tile_v <= kv.NARROW_MAX:
-        form = form or kv.NARROW_FORM
-        if form in kv.CUDA_FORMS:
-            return form
-        return "chunk" if form == "chunk" else "narrow"
+        return "cuda_warp" if backend == "cuda" else "narrow"
     return "stream"
 
 
@@ -325,29 +290,21 @@ def run(preset=None, cases=None, *, modes=None) -> list[bench.Record]:
         first = dict(zip(("q", "k", "v", "g", "beta", "initial_state"), sets[0][:6]))
         ref_o, ref_states = reference(first)
         for label, vs in spec["variants"]:
-            layout = vs.get("state_layout", "kv")
+            vs = _resolved(vs, sets[0])
             fn = _variant_fn(vs["kind"], final_only=final_only, tile_v=vs["tile_v"], num_warps=vs["num_warps"],
-                             ragged=vs.get("ragged", False), form=vs.get("form"), state_layout=layout,
-                             pdl=vs.get("pdl"))
+                             ragged=vs.get("ragged", False), backend=vs.get("backend"), pdl=vs.get("pdl"))
             if vs.get("ragged"):
                 cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=dev)
                 inner = fn
                 fn = lambda *a, _f=inner, _cu=cu: _f(*a, _cu, T)  # noqa: E731
-            if layout == "vk":  # checked on the same state stored [V, K], its states read back as [K, V]
-                a = sets[0]
-                o, states = fn(*a[:5], a[5].transpose(-1, -2).contiguous(), torch.empty_like(a[6]))
-                states = states.transpose(-1, -2)
-            else:
-                o, states = fn(*sets[0])
+            o, states = fn(*sets[0])
             err = check_result(o, states, ref_o.to(o.device), ref_states.to(o.device),
                                final_only=final_only or vs["kind"] == "fla")
             for mode in case_modes:
                 t = bench.time_fn(fn, rotate=sets, **_timing_args(mode == "graph", len(sets)))
                 fl = floor_parts(B, T, H, in_bytes, final_only=final_only or vs["kind"] == "fla", mode=t.mode)
-                # (timed on the rotation sets as they are: with K = V the same buffers serve either layout)
-                extra = {"kernel": kernel_name(vs["kind"], vs["tile_v"], vs.get("form")), "form": vs.get("form"),
-                         "pdl": _pdl_used(vs),
-                         "state_layout": layout,
+                extra = {"kernel": kernel_name(vs["kind"], vs["tile_v"], vs.get("backend")),
+                         "backend": vs.get("backend"), "pdl": _pdl_used(vs),
                          "tile_v": vs["tile_v"], "num_warps": vs["num_warps"],
                          "workgroups": kv.workgroups(B, H, vs["tile_v"]),
                          "compute_units": _env.detect().compute_units, "wave_width": _env.detect().wave_width,
@@ -371,8 +328,9 @@ def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
     spec = _parse("b1_t4", H)
     out = {}
     for label, vs in spec["variants"]:
+        vs = _resolved(vs, args[:6] + (None,))
         fn = _variant_fn(vs["kind"], final_only=False, tile_v=vs["tile_v"], num_warps=vs["num_warps"],
-                         form=vs.get("form"))
+                         backend=vs.get("backend"))
         out[label] = lambda _f=fn: _f(*args)
     return out
 
@@ -432,10 +390,9 @@ def reference_records(device: str = "nvidia-h200", root=None) -> list[bench.Reco
     return bench.load_records(NAME, device=device, root=base)
 
 
-def _is_sweep(case: str, kinds: tuple[str, ...] = ("narrow", "stream")) -> bool:
-    """A tile x waves sweep point of the step-form kernels (narrow, stream), or of `kinds`."""
-    m = re.fullmatch(r"b\d+_t\d+\.(narrow|stream|chunk|tile|vk|cudachunk|cudawarp|cuda)\d+_w\d+(_pdl)?", case)
-    return m is not None and m[1] in kinds
+def _is_sweep(case: str) -> bool:
+    """A tile x waves sweep point of the Triton kernels (narrow, stream)."""
+    return re.fullmatch(r"b\d+_t\d+\.(narrow|stream)\d+_w\d+", case) is not None
 
 
 def sweep_table(records) -> "pandas.DataFrame":  # noqa: F821
@@ -452,30 +409,9 @@ def sweep_table(records) -> "pandas.DataFrame":  # noqa: F821
     return pd.DataFrame(rows).sort_values(["batch", "kernel", "tile_v", "num_warps"]).reset_index(drop=True)
 
 
-def form_table(records) -> "pandas.DataFrame":  # noqa: F821
-    """The forms of the narrow kernel against each other (graph replay, every state written): one row
-    per (batch, positions, form, tile, waves) from the `chunk`, `tile` and `narrow` (step) sweep points."""
-    import pandas as pd
-
-    rows = []
-    for r in records:
-        if r.mode != "graph" or not _is_sweep(r.case, ("chunk", "narrow", "tile", "vk", "cuda", "cudachunk",
-                                                        "cudawarp")):
-            continue
-        form = re.match(r"[a-z]+", r.case.split(".", 1)[1])[0]
-        rows.append({"batch": r.shape["B"], "positions": r.shape["T"],
-                     "form": {"narrow": "step", "cudachunk": "cuda_chunk", "cudawarp": "cuda_warp"}.get(form, form)
-                     + ("+pdl" if r.case.endswith("_pdl") else ""),
-                     "tile_v": r.extra["tile_v"],
-                     "num_warps": r.extra["num_warps"], "median_us": r.median_us, "floor_us": r.floor_us})
-    if not rows:
-        return pd.DataFrame(rows)
-    return pd.DataFrame(rows).sort_values(["batch", "positions", "form", "tile_v", "num_warps"]).reset_index(drop=True)
-
-
 def ablation_table(records, batch: int = 1, positions: int = 4) -> "pandas.DataFrame":  # noqa: F821
-    """before -> narrow tiles -> + one wave -> + uniform length and hoisting (the Triton step form) ->
-    the hand-written warp form -> + programmatic dependent launch (the recorded 'after'), graph replay,
+    """before -> narrow tiles -> + one wave -> + uniform length and hoisting (the Triton narrow kernel) ->
+    the hand-written CUDA kernel -> + programmatic dependent launch (the recorded 'after'), graph replay,
     then the ragged (dynamic) path and fla. Each row names the kernel it timed and whether its launch
     was a programmatic dependent; rows whose record is missing are left out."""
     import pandas as pd
@@ -484,8 +420,8 @@ def ablation_table(records, batch: int = 1, positions: int = 4) -> "pandas.DataF
     steps = [("before (32 columns, 128 threads, per-token loads)", base, "before"),
              ("narrow tiles", f"{base}.narrow_only", "after"),
              ("+ one wave per program", f"{base}.narrow_1wave", "after"),
-             ("+ compile-time length, hoisted loads and work (Triton step form)", f"{base}.narrow8_w1", "after"),
-             ("hand-written CUDA warp form (lane pairs, 4 warps per tile)", f"{base}.cudawarp8_w4", "after"),
+             ("+ compile-time length, hoisted loads and work (Triton narrow kernel)", f"{base}.narrow8_w1", "after"),
+             ("hand-written CUDA kernel (lane pairs, 4 warps per tile)", f"{base}.cudawarp8_w4", "after"),
              ("after: kda_verify's default (+ programmatic dependent launch on the H200)", base, "after"),
              ("ragged (cu_seqlens) path", f"{base}.ragged", "after"),
              ("fla fused_recurrent_kda (final state only)", base, "fla")]

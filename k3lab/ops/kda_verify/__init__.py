@@ -1,0 +1,170 @@
+"""KDA speculative verification: T = 1..8 draft positions per sequence, in one launch (seed section 5).
+
+A verification step runs the KDA recurrence (k3lab.nn.kda.kda_recurrent) over a few draft tokens
+and keeps the state after *every* position, so that when the sampler accepts only the first j drafts
+the server rolls back to state j without recomputing (`select_accepted`).
+
+* `kda_verify_before`: the shape of the original kernel (Triton streaming kernel): one program per
+  (sequence, head, 32 value columns), 128-thread workgroups, the token loop's length read at run
+  time and each token's inputs loaded inside it, so every position waits for its own memory round
+  trip. At TP8 (12 heads) one sequence makes 48 programs for 132 SMs (H200) or 256 CUs (MI355X).
+* `kda_verify` (after): the seed's four changes. Narrow tiles (8 value columns on NVIDIA, whose L2
+  works in 32-byte sectors; 4 on AMD, the seed's), chosen from batch x heads against the device's
+  compute units (`choose_tile_v`); few waves per program; the length a compile-time constant
+  (ragged batches keep a masked path); every position's inputs loaded, and exp(g), d k, d q, q.k and
+  beta v computed, before the recurrence. When batch x heads already fills the device,
+  `choose_tile_v` returns a wide tile and the streaming kernel runs it.
+
+Backends of the narrow path (`BACKENDS`, first available by priority; `backend=` or
+K3LAB_KDA_VERIFY_BACKEND=cuda|triton forces one, and a forced backend that cannot run the inputs is
+an error):
+
+* 'cuda' (`k3lab.ops.kda_verify.cuda`, kernels/kda_verify.cu): a lane mapping Triton will not choose
+  (lane pairs own 4 columns of 2 key rows, 4 warps per 8-column tile, 16-byte state loads and stores),
+  launched as a programmatic dependent of the previous kernel on compute capability 9.0+ (`pdl=`,
+  K3LAB_KDA_VERIFY_PDL). CUDA devices only; inputs it does not take (V != 128, other dtypes,
+  misaligned buffers, tiles other than 8) run the Triton kernel instead unless 'cuda' was forced.
+* 'triton' (`k3lab.ops.kda_verify.triton`): the narrow kernel; everywhere (CPU through Triton's
+  interpreter; ROCm: not yet run on AMD hardware by this project).
+
+Shapes: q, k [B, T, H, 128] (L2-normalised), v [B, T, H, V], g [B, T, H, 128] log-decay (fp32
+advised), beta [B, T, H], initial_state fp32 [N, H, 128, V]. States come back fp32 [B, T, H, 128, V]
+(ragged: [1, total_tokens, H, 128, V]) or, with `final_state_only`, [N, H, 128, V]. Figures (H200)
+and the forms that lost: docs/kda_verify.md; records: profiles/nvidia-h200/kda_verify/.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from k3lab import env
+from k3lab.ops.kda_verify import cuda, triton
+from k3lab.ops.kda_verify.inputs import (
+    BEFORE_THREADS,
+    BEFORE_TILE_V,
+    HEAD_DIM,
+    MAX_POSITIONS,
+    MIN_ROW_BYTES,
+    NARROW_MAX,
+    PROGRAMS_PER_UNIT,
+    TILE_WIDTHS,
+    before_num_warps,
+    choose_num_warps,
+    choose_tile_v,
+    min_tile_v,
+    prepare,
+    workgroups,
+)
+from k3lab.ops.kda_verify.reference import reference_verify, select_accepted
+
+__all__ = [
+    "BACKENDS", "BACKEND_ENV", "BEFORE_THREADS", "BEFORE_TILE_V", "HEAD_DIM", "MAX_POSITIONS", "MIN_ROW_BYTES",
+    "NARROW_MAX", "PROGRAMS_PER_UNIT", "TILE_WIDTHS", "Backend", "backend_status", "before_num_warps",
+    "choose_backend", "choose_num_warps", "choose_tile_v", "kda_verify", "kda_verify_before", "min_tile_v",
+    "reference_verify", "select_accepted", "workgroups",
+]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of the narrow path: `available()` -> (ok, why); lower priority runs first."""
+
+    name: str
+    priority: int
+    available: Callable[[], tuple[bool, str]]
+
+
+def _cuda_available() -> tuple[bool, str]:
+    if env.detect().backend != "cuda":
+        return False, f"not a CUDA device ({env.detect().backend}): the Triton kernel runs instead"
+    return cuda.available()
+
+
+BACKENDS = (Backend("cuda", 0, _cuda_available), Backend("triton", 1, triton.status))
+BACKEND_ENV = "K3LAB_KDA_VERIFY_BACKEND"
+_NAMES = tuple(b.name for b in BACKENDS)
+
+
+def backend_status() -> dict[str, tuple[bool, str]]:
+    """{backend name: (available here, why)}, in priority order."""
+    return {b.name: b.available() for b in sorted(BACKENDS, key=lambda b: b.priority)}
+
+
+def _forced(backend: str | None) -> str | None:
+    name = backend if backend is not None else (os.environ.get(BACKEND_ENV) or None)
+    if name is not None and name not in _NAMES:
+        where = "backend" if backend is not None else BACKEND_ENV
+        raise ValueError(f"{where} must be one of {_NAMES}, got {name!r}")
+    return name
+
+
+def choose_backend(q, k, v, g, beta, initial_state, tile_v: int, *, backend: str | None = None,
+                   states=None) -> str:
+    """The narrow path's backend for these inputs: the forced one (`backend`, else
+    K3LAB_KDA_VERIFY_BACKEND; ValueError saying why when it cannot run them), else the first by
+    priority that is available and takes the inputs."""
+    forced = _forced(backend)
+    for b in sorted(BACKENDS, key=lambda b: b.priority):
+        if forced is not None and b.name != forced:
+            continue
+        ok, why = b.available()
+        if ok and b.name == "cuda":
+            why = cuda.supports(q, k, v, g, beta, initial_state, tile_v, states=states)
+            ok = why is None
+        if ok:
+            return b.name
+        if forced is not None:
+            raise ValueError(f"backend {forced!r} cannot run these inputs here: {why}")
+    raise ValueError(f"no KDA verification backend can run these inputs: {backend_status()}")
+
+
+def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, lengths=None, max_seqlen=None,
+               final_state_only=False, states_out=None, tile_v=None, num_warps=None, backend=None, pdl=None):
+    """Verify T = 1..8 draft positions per sequence (after: narrow tiles where parallelism is short).
+
+    Ragged batches: either `cu_seqlens` [N + 1] with tensors flattened to [1, total, ...] (fla's
+    convention; pass `max_seqlen` to skip a host read, and under graph capture), or `lengths` [B] with
+    padded [B, T, ...] tensors (positions at or past a length: o = 0, state not written).
+    Returns (o in q's dtype, shaped like v; states), see the module docstring; `states_out` writes the
+    states into a caller buffer of that shape.
+    `tile_v`: None chooses from the device (`choose_tile_v`); tiles up to NARROW_MAX columns run the
+    narrow path, wider ones the streaming kernel. `num_warps`: waves per program of the Triton kernels
+    (None: `choose_num_warps`); the CUDA kernel always runs 4 warps per tile. `backend`: force 'cuda'
+    or 'triton' for the narrow path. `pdl`: the CUDA kernel as a programmatic dependent launch (None:
+    on where supported, or as K3LAB_KDA_VERIFY_PDL says)."""
+    (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode) = prepare(
+        q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out, tile_v)
+    bv = tile_v or choose_tile_v(N, H, V)
+    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    common = {"scale": scale, "n_seq": N, "heads": H, "mode": mode, "all_states": not final_state_only}
+    if bv > NARROW_MAX:
+        if mode == 2:  # the streaming kernel skips padded positions: their output rows start at zero
+            o.zero_()
+        triton.launch_stream(q, k, v, g, beta, h0, o, hs, seq_info, v_dim=V, tile_v=bv,
+                             num_warps=num_warps or choose_num_warps(bv), **common)
+        return o, hs
+    name = choose_backend(q, k, v, g, beta, h0, bv, backend=backend, states=hs)
+    if name == "cuda":
+        if num_warps not in (None, cuda.NUM_WARPS):
+            raise ValueError(f"num_warps: the CUDA kernel runs {cuda.NUM_WARPS} warps per tile, got {num_warps}")
+        cuda.launch(q, k, v, g, beta, h0, o, hs, seq_info, positions=steps, pdl=pdl, **common)
+        return o, hs
+    triton.launch_narrow(q, k, v, g, beta, h0, o, hs, seq_info, positions=steps, v_dim=V, tile_v=bv,
+                         num_warps=num_warps or choose_num_warps(bv), **common)
+    return o, hs
+
+
+def kda_verify_before(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, lengths=None,
+                      max_seqlen=None, final_state_only=False, states_out=None, tile_v=BEFORE_TILE_V,
+                      num_warps=None):
+    """The original verification kernel: 32-column tiles, 128-thread workgroups, run-time length,
+    per-token loads (the streaming kernel). Same arguments and results as `kda_verify`."""
+    (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode) = prepare(
+        q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out, tile_v,
+        zero_outputs=True)
+    triton.launch_stream(q, k, v, g, beta, h0, o, hs, seq_info, scale=HEAD_DIM ** -0.5 if scale is None
+                         else float(scale), n_seq=N, heads=H, v_dim=V, mode=mode, all_states=not final_state_only,
+                         tile_v=tile_v, num_warps=num_warps or before_num_warps())
+    return o, hs

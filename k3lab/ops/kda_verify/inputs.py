@@ -1,0 +1,190 @@
+"""Inputs and launch choices shared by every KDA verification backend: argument checks, buffers,
+and the tile width and waves chosen from the device."""
+
+from __future__ import annotations
+
+import torch
+
+from k3lab import env
+
+HEAD_DIM = 128  # K3's KDA head dim; the kernels hold one full K = 128 column of the state per lane group
+MAX_POSITIONS = 8  # drafts + 1 verified by one call; beyond this, use the chunked prefill path
+TILE_WIDTHS = (32, 16, 8, 4)  # value columns per program, widest first
+NARROW_MAX = 8  # tiles up to this width run the narrow kernel; wider ones the streaming kernel
+BEFORE_TILE_V = 32  # the original kernel's tile
+BEFORE_THREADS = 128  # the original kernel's workgroup size, in threads
+
+
+# ----------------------------------------------------------------------------------------------
+# launch choices, from the device
+
+
+def workgroups(batch: int, heads: int, tile_v: int, v_dim: int = HEAD_DIM) -> int:
+    """Programs (workgroups, CTAs) one launch creates: one per (sequence, head, tile of V)."""
+    return batch * heads * (v_dim // tile_v)
+
+
+# The narrowest row segment a tile should write per state row, by backend. NVIDIA's L2 works in
+# 32-byte sectors: a 4-column fp32 row (16 B) leaves every sector half written, and on the H200
+# 8-column tiles ran B = 1, T = 4 in 4.21 us against 6.03 us for 4 columns (profiles/nvidia-h200/
+# kda_verify, sweep). On AMD the seed's 4-column tiles (16 B) are kept (not yet run on AMD hardware
+# by this project); the CPU interpreter has no sectors.
+MIN_ROW_BYTES = {"cuda": 32, "rocm": 16, "cpu": 16}
+# Programs per compute unit above which a wider tile pays (fewer q/k/g re-reads, fewer instructions).
+# Measured on the H200 (12 heads, T = 4, all states): at B = 8, 1,536 programs of 8 columns (13.5 us)
+# beat 768 of 16 (14.2 us) and 384 of 32 (16.0 us); at B = 32, 3,072 programs of 16 columns
+# (40.5 us) beat 6,144 of 8 (47.5 us) and 1,536 of 32 (47.0 us).
+PROGRAMS_PER_UNIT = 12
+
+
+def min_tile_v(backend: str | None = None, state_bytes: int = 4) -> int:
+    """Narrowest tile width for this backend: MIN_ROW_BYTES / bytes per state value."""
+    backend = backend or env.detect().backend
+    return max(TILE_WIDTHS[-1], MIN_ROW_BYTES.get(backend, 16) // state_bytes)
+
+
+def choose_tile_v(batch: int, heads: int, v_dim: int = HEAD_DIM, compute_units: int | None = None,
+                  programs_per_unit: int = PROGRAMS_PER_UNIT, backend: str | None = None) -> int:
+    """The widest tile that still gives every compute unit `programs_per_unit` programs, else the
+    narrowest the backend allows (`min_tile_v`).
+
+    Narrow tiles make more programs for a short batch (12 heads x 128 columns / 32 = 48 programs
+    for one sequence, against 132 SMs or 256 CUs); wide tiles re-read each position's q, k, g for
+    fewer programs and run fewer instructions per state value, which wins once the GPU is full.
+    12 heads, H200 (132 SMs): B = 1 -> 8 (192 programs), B = 8 -> 8 (1,536), B = 32 -> 16 (3,072);
+    MI355X (256 CUs): B = 1 -> 4 (384 programs, the seed's choice)."""
+    units = compute_units if compute_units is not None else env.detect().compute_units
+    narrowest = min_tile_v(backend)
+    for width in TILE_WIDTHS:
+        if width < narrowest:
+            break
+        if v_dim % width == 0 and workgroups(batch, heads, width, v_dim) >= programs_per_unit * units:
+            return width
+    return narrowest
+
+
+def _wave_width() -> int:
+    # The interpreter (CPU) has no waves; 32 only sizes the (ignored) num_warps there.
+    return env.detect().wave_width or 32
+
+
+def choose_num_warps(tile_v: int, k_dim: int = HEAD_DIM, wave_width: int | None = None) -> int:
+    """Waves per program of the Triton kernels: one wave until a lane would hold more than 32 state
+    values (narrow kernel) or 64 (streaming kernel, which keeps fewer vectors per lane). A 128 x 4 or
+    128 x 8 fp32 tile is one wave on NVIDIA's 32 lanes and on AMD's 64; so is a 128 x 16 tile in the
+    streaming kernel (on the H200 it ran faster with one wave than with four at B = 1, 8 and 32)."""
+    wave = wave_width or _wave_width()
+    per_lane = 32 if tile_v <= NARROW_MAX else 64
+    return max(1, (k_dim * tile_v) // (wave * per_lane))
+
+
+def before_num_warps(wave_width: int | None = None) -> int:
+    """The original kernel's 128-thread workgroup, in waves of this device (4 on NVIDIA, 2 on AMD)."""
+    return max(1, BEFORE_THREADS // (wave_width or _wave_width()))
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks (before any kernel runs)
+
+
+def check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile_v):
+    """Validate shapes and dtypes; return (N sequences, T positions per call, H, V, ragged mode)."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if K != HEAD_DIM:
+        raise ValueError(f"q/k head dim K must be {HEAD_DIM} (K3's KDA head), got K={K}")
+    for name, t in (("k", k), ("g", g)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B={B}, T={T}, H={H}, V], got {tuple(v.shape)}")
+    V = v.shape[-1]
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B={B}, T={T}, H={H}] (one scalar per head), got {tuple(beta.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if cu_seqlens is not None and lengths is not None:
+        raise ValueError("give cu_seqlens or lengths, not both")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens, q must be [1, total_tokens, H, K] (flattened), got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [N + 1], got "
+                             f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        N = cu_seqlens.numel() - 1
+        mode = 1
+        if max_seqlen is None:
+            # One host read, which also checks the offsets; pass max_seqlen to skip it (needed under
+            # graph capture): the caller then promises no sequence is longer and cu_seqlens[-1] == T.
+            if capturing():
+                raise ValueError("under graph capture, pass max_seqlen with cu_seqlens (it cannot be read)")
+            seq_lens = cu_seqlens[1:] - cu_seqlens[:-1]
+            if int(cu_seqlens[0]) != 0 or int(seq_lens.min()) < 0 or int(cu_seqlens[-1]) != T:
+                raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the token count {T}, "
+                                 f"got {cu_seqlens.tolist()}")
+            max_seqlen = int(seq_lens.max())
+        steps = max_seqlen
+    elif lengths is not None:
+        if lengths.dim() != 1 or lengths.numel() != B or lengths.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"lengths must be a 1-D int32/int64 tensor [B={B}], got "
+                             f"{lengths.dtype} {tuple(lengths.shape)}")
+        N, mode, steps = B, 2, T
+        if max_seqlen is not None and max_seqlen != T:
+            raise ValueError(f"with lengths, max_seqlen must be the padded length T={T}, got {max_seqlen}")
+        if not capturing() and not (0 <= int(lengths.min()) and int(lengths.max()) <= T):
+            raise ValueError(f"lengths must lie in 0..T={T} (the padded length), got {lengths.tolist()}")
+    else:
+        N, mode, steps = B, 0, T
+    if not 1 <= steps <= MAX_POSITIONS:
+        raise ValueError(f"T (positions per sequence) must be in 1..{MAX_POSITIONS}, got {steps}")
+    if initial_state is not None:
+        if initial_state.dtype != torch.float32:
+            raise ValueError(f"initial_state must be float32 (the recurrent state is kept in fp32), "
+                             f"got {initial_state.dtype}")
+        if initial_state.shape != (N, H, K, V):
+            raise ValueError(f"initial_state must be [N={N}, H={H}, K={K}, V={V}], got {tuple(initial_state.shape)}")
+    if tile_v is not None and (tile_v not in TILE_WIDTHS or V % tile_v):
+        raise ValueError(f"tile_v must be one of {TILE_WIDTHS} and divide V={V}, got {tile_v}")
+    return N, steps, H, V, mode
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_streamcapturing()
+
+
+def states_buffer(states_out, shape, device):
+    if states_out is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    if states_out.shape != shape or states_out.dtype != torch.float32 or not states_out.is_contiguous():
+        raise ValueError(f"states_out must be a contiguous float32 tensor of shape {shape}, got "
+                         f"{states_out.dtype} {tuple(states_out.shape)}")
+    return states_out
+
+
+def prepare(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out,
+            tile_v, zero_outputs=False):
+    """Checked, contiguous inputs and the output buffers every kernel takes: (q, k, v, g, beta, h0, o,
+    states, seq_info, N, steps, H, V, mode)."""
+    N, steps, H, V, mode = check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile_v)
+    B, T = q.shape[:2]
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    state = (HEAD_DIM, V)
+    h0 = (torch.zeros(N, H, *state, dtype=torch.float32, device=q.device) if initial_state is None
+          else initial_state.contiguous())
+    if final_state_only:
+        shape = (N, H, *state)
+    else:
+        shape = (B, T, H, *state)  # ragged: B = 1 and T = total tokens, i.e. one state per token
+    hs = states_buffer(states_out, shape, q.device)
+    # the before kernel skips dead padded positions, so their output rows must start at zero
+    o = (torch.zeros_like if zero_outputs and mode == 2 else torch.empty_like)(v, dtype=q.dtype)
+    seq_info = cu_seqlens if mode == 1 else lengths if mode == 2 else h0  # h0: an unused placeholder
+    return q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode
+
+
+# ----------------------------------------------------------------------------------------------
+# entry points

@@ -13,6 +13,9 @@ Backends (`routed_experts(..., backend=)` or K3LAB_MOE_EXPERTS_BACKEND forces on
   torch   the per-expert loop (loop.py): the "before"; runs anywhere.
 With none forced, the triton backend runs on a GPU and the torch loop on a CPU (the interpreter
 is too slow for more than tests). `padding.py` measures the tile padding at decode batches.
+
+The layer's tail, `latent_tail` (tail.py: RMSNorm of the latent, rows of up_proj, added into an
+output in place), has the same two backends: one fused Triton launch, or three torch kernels.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from . import triton as _triton
 from .inputs import TILE_HEIGHTS, ExpertSort, check_block_m, check_inputs, default_block_m, max_tiles, \
     sort_by_expert, stack_experts
 from .padding import decode_padding, padding_of, random_router_idx
+from .tail import check_tail, tail_torch, tail_triton
 
 ENV_VAR = "K3LAB_MOE_EXPERTS_BACKEND"
 
@@ -98,8 +102,16 @@ def expert_loop(z, weights, idx, w1, w3, w2) -> torch.Tensor:
     return routed_experts(z, weights, idx, w1, w3, w2, backend="torch")
 
 
+def latent_tail(y_lat, norm_w, eps, up_rows, out, col0: int = 0, *, backend: str | None = None):
+    """out[:, col0 : col0 + R] += rms_norm(y_lat) @ up_rows^T in place (tail.py); returns out."""
+    check_tail(y_lat, norm_w, up_rows, out, col0)
+    fn = tail_triton if pick_backend(backend) == "triton" else tail_torch
+    return fn(y_lat, norm_w, eps, up_rows, out, col0)
+
+
 __all__ = [
     "BACKENDS", "ENV_VAR", "TILE_HEIGHTS", "ExpertSort", "available", "check_inputs", "decode_padding",
     "default_block_m", "expert_loop", "grouped_experts", "max_tiles", "padding_of", "pick_backend",
-    "random_router_idx", "routed_experts", "sort_by_expert", "stack_experts",
+    "latent_tail", "random_router_idx", "routed_experts", "sort_by_expert", "stack_experts", "tail_torch",
+    "tail_triton",
 ]

@@ -1,8 +1,7 @@
 // kda_decode.cu: Kimi K3's single-token KDA step in one launch (seed section 3).
 //
-// The unfused path ran a short-conv kernel, then a kernel fusing the q/k L2 norm, the decay and
-// beta gates and the recurrent update, then the gated output RMSNorm, with copies in between.
-// Here one launch does, for every (sequence b, head h):
+// Replaces the unfused chain (conv kernel, norm/gates/recurrence kernel, output-norm kernel and two
+// copies). One launch does, for every (sequence b, head h):
 //   1. short conv (kernel 4) + SiLU of the projected q, k, v, reading and rolling the conv states;
 //   2. q, k <- x / sqrt(sum x^2 + 1e-6); q *= scale (K^-0.5);
 //   3. g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias)); beta = sigmoid(b_raw);
@@ -20,9 +19,7 @@
 //   * cluster mode (CUDA, Hopper and later): the head's blocks form a thread-block cluster; each
 //     pushes its partial sum into every peer's shared memory (distributed shared memory) and arrives
 //     on a split cluster barrier, stores its slice of S while the barrier completes, then waits and
-//     normalises. No memory round trip, and no barrier at exit (nothing reads a peer after it).
-//     H200, B = 1, graph replay: 3.83 us (the previous version, a full cluster.sync before the S
-//     stores and another before exit, recorded 4.12 us in an earlier run);
+//     normalises. No memory round trip, and no barrier at exit (nothing reads a peer after it);
 //   * atomic mode (portable, e.g. HIP): each block publishes its o slice to a workspace; the last
 //     block of the head to arrive (an atomic counter) normalises all V and resets the counter.
 // Either way the q/k conv states are rolled by one block once every sibling has read them.
@@ -32,6 +29,8 @@
 // three inputs contiguous, oldest first; the k3lab.nn.KDACache layout). State fp32 [B, H, K, V]
 // (state_vk = 0, fla's default) or [B, H, V, K] (state_vk = 1), batch stride given.
 //
+// Configurations (K3_KDA_CONFIGS): whole heads (128 columns, 256 threads) and split heads of 32 or 16
+// columns (128 threads); k3lab.ops.kda_decode.cuda picks one from the device. Figures: docs/kda_decode.md.
 // Single source for CUDA and HIP through k3lab_portability.h; warp width, shared-memory limit and
 // unit counts come from the caller. The HIP build is not yet run on AMD hardware by this project.
 #include "k3lab_portability.h"
@@ -488,9 +487,7 @@ __global__ void __launch_bounds__(NT) kda_decode_kernel(const Args a) {
 // that applies (cluster mode: CUDA builds, at most 8 blocks per head, the portable cluster size).
 #define K3_KDA_CONFIGS(X) \
   X(128, 256)             \
-  X(64, 128)              \
   X(32, 128)              \
-  X(16, 64)               \
   X(16, 128)
 
 template <int W, int NT, bool VK, int MODE>

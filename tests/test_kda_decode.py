@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from k3lab import bench
+from k3lab.bench import timing
 from k3lab.config import K3Config
 from k3lab.model import init_weights
 from k3lab.nn import KDACache
@@ -283,6 +284,17 @@ def test_choose_config_and_hints_follow_the_measured_rules():
     assert kd.default_hints(1, 12, l2) == kd.HINT_PREFETCH_L2  # 0.75 MiB of state: stays in L2
     assert kd.default_hints(32, 12, l2) == kd.HINT_PREFETCH_L2  # 24 MiB
     assert kd.default_hints(128, 12, l2) == kd.HINT_PREFETCH_L2 | kd.HINT_STREAM_LOADS | kd.HINT_STREAM_STORES
+    assert kd.CONFIGS == ((128, 256), kd.SPLIT_TILE, kd.SPLIT_TILE_FINE)  # only what choose_config picks
+
+
+def test_study_cases_name_the_batches():
+    from k3lab.studies import kda_decode_bench as kb
+
+    assert kb.case_names() == ["B1_H12", "B8_H12", "B32_H12", "B128_H12"] and kb.NAME == "kda_decode"
+    with pytest.raises(ValueError, match="cases"):
+        kb.run(cases=["B3_H8"])
+    with pytest.raises(ValueError, match="not both"):
+        kb.run(cases=["B1_H12"], batches=(1,))
 
 
 def test_step_bytes_floor_inputs():
@@ -305,7 +317,7 @@ def _fused_ready():
 def test_fused_every_config_matches_reference(layout):
     _fused_ready()
     from k3lab.studies import kda_decode_bench as kb
-    f = kd._load_fused(torch.device("cuda"))
+    f = kd.cuda.load_fused(torch.device("cuda"))
     n = 0
     for (tile_v, threads) in sorted(f.configs):
         splits = ["whole"] if tile_v == 128 else [m for m in ("atomic", "cluster") if m in f.split_modes]
@@ -314,7 +326,7 @@ def test_fused_every_config_matches_reference(layout):
                 continue
             for B, hints in ((1, 0), (3, 7)):
                 res = kb.check_case(B, 5, state_layout=layout, variants=("after",), seed=B * 100 + tile_v,
-                                    tile_v=tile_v, threads=threads, hints=hints, split=split)
+                                    tile_v=tile_v, hints=hints, split=split)
                 assert res["after"]["state"]["max_rel"] < 2e-4
                 n += 1
     assert n >= len(f.configs) * 2
@@ -353,7 +365,7 @@ def test_fused_strided_inputs_and_output_buffer():
 @pytest.mark.parametrize("split", ["atomic", "cluster"])
 def test_fused_under_cuda_graph_replay(split):
     _fused_ready()
-    if split == "cluster" and not kd._load_fused(torch.device("cuda")).clusters:
+    if split == "cluster" and not kd.cuda.load_fused(torch.device("cuda")).clusters:
         pytest.skip("thread-block clusters need compute capability >= 9.0")
     inputs, cache, w = kd.make_example(2, 12, device="cuda", seed=51)
     ref_cache = kd.clone_cache(cache)
@@ -405,8 +417,8 @@ def test_fused_rejects_non_bf16_and_bad_config():
     with pytest.raises(ValueError, match="bf16"):
         kd.after(**inputs, cache=cache, weights=w)
     inputs, cache, w = kd.make_example(1, 2, device="cuda", seed=52)
-    with pytest.raises(ValueError, match="tile_v, threads"):
-        kd.after(**inputs, cache=cache, weights=w, tile_v=12, threads=64)
+    with pytest.raises(ValueError, match="tile_v must be one of"):
+        kd.after(**inputs, cache=cache, weights=w, tile_v=12)
     assert math.isfinite(float(kd.after(**inputs, cache=cache, weights=w).float().sum()))
 
 
@@ -415,7 +427,7 @@ def test_cold_state_timing_cycles_through_enough_caches():
     from k3lab.studies import kda_decode_bench as kb
 
     state = kb.step_bytes(1, 12)["state"]
-    assert kb.state_copies(1) == min(64, -(-2 * bench._cache_bytes() // state)) > 1
+    assert kb.state_copies(1) == min(64, -(-2 * timing._cache_bytes() // state)) > 1
     assert kb.state_copies(128) == 1  # 100 MB of state is already past any cache
     seen = []
     step = kb._cycling(["a", "b", "c"], seen.append)

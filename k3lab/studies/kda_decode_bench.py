@@ -10,8 +10,9 @@ The peer is what an fla-core user runs for the same step: three `causal_conv1d_u
 per ShortConvolution), `fused_recurrent_kda` with its in-kernel gate, L2 norm and beta sigmoid, and
 `rms_norm_gated` with a sigmoid gate.
 
-Not a registered study: the copy_removal study (notebook 03) folds these functions in. Run
-`python -m k3lab.studies.kda_decode_bench --out DIR` on a GPU to write records and a table.
+Study `kda_decode` (`k3lab bench kda_decode --cases B1_H12 B128_H12 --json F`); the copy_removal
+study (notebook 03) folds these functions in. `python -m k3lab.studies.kda_decode_bench --out DIR
+--trace` also writes profiler traces.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import itertools
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -156,7 +158,7 @@ def make_callables(batch: int, heads: int = HEADS, *, device="cuda", seed: int =
     befores = [kd.KDADecodeStep(kd.clone_cache(cache), w, impl="before") for _ in range(copies)]
     afters = [kd.KDADecodeStep(kd.clone_cache(cache), w, impl="after", **kernel_options) for _ in range(copies)]
     fns = {"before": _cycling(befores, lambda step: step(*args)), "after": _cycling(afters, lambda step: step(*args))}
-    after = afters[0]
+    after = afters[0].fused
     config = {"tile_v": after.tile_v, "threads": after.threads, "split": after.split, "hints": after.hints,
               "prefetch_ahead": after.prefetch_ahead, "host_path": "KDADecodeStep (bound once)",
               "state_copies": copies}
@@ -185,8 +187,8 @@ LAUNCHES = {"before": 5, "after": 1, "fla": 5}  # kernels + copies per step
 
 def time_case(batch: int, heads: int = HEADS, *, modes=("eager", "graph"), repeats: int = 200,
               errors: dict | None = None, cold_state: bool = True, **kernel_options) -> list[bench.Record]:
-    """cold_state: cycle `state_copies` caches so no step finds its state in L2 (records before
-    2026-11-30's second session used one cache: B=32's 25 MB state then ran from L2, under its floor)."""
+    """Time every variant at one batch. cold_state: cycle `state_copies` caches so no step finds its
+    state in L2 (as in a model whose other layers run between two steps of this one)."""
     copies = state_copies(batch, heads) if cold_state else 1
     fns, config = make_callables(batch, heads, copies=copies, **kernel_options)
     fl = floor_us(batch, heads)
@@ -207,72 +209,44 @@ def time_case(batch: int, heads: int = HEADS, *, modes=("eager", "graph"), repea
     return records
 
 
-def sweep_options(f=None) -> list[dict]:
-    """Every compiled (tile_v, threads) with each split mode the device runs, 'kv' state, with the
-    streaming hints and with the L2 prefetch added; and each with the 'vk' state layout."""
-    f = f or kd._load_fused(torch.device("cuda"))
-    opts = []
-    for (tile_v, threads) in sorted(f.configs, reverse=True):
-        if tile_v == kd.HEAD_DIM:
-            splits = ["whole"]
-        else:
-            splits = [m for m in ("cluster", "atomic") if m in f.split_modes and (m != "cluster" or f.clusters)]
-        for split in splits:
-            for hints in (3, 7):
-                opts.append({"tile_v": tile_v, "threads": threads, "split": split, "hints": hints, "layout": "kv"})
-            # the state stored [V, K]: the layout under which the verification kernel keeps one register
-            # layout (kda_verify state_layout='vk'); decode and verify must share one in serving
-            opts.append({"tile_v": tile_v, "threads": threads, "split": split, "hints": 7, "layout": "vk"})
-            if split == "whole":  # the prefetch distance, in blocks: one, two, four SM-counts ahead
-                opts += [{"tile_v": tile_v, "threads": threads, "split": split, "hints": 7, "layout": "kv",
-                          "prefetch_ahead": n * f.units} for n in (1, 2, 4)]
-    return opts
+NAME = STUDY
 
 
-def sweep_configs(batch: int, *, heads: int = HEADS, options=None, repeats: int = 50,
-                  cold_state: bool = True) -> list[dict]:
-    """Graph-replay time of each kernel option (tile_v, threads, split, hints, layout), after checking
-    each against the reference; a failed check is recorded in the row, not raised. cold_state: cycle
-    `state_copies` caches as `time_case` does (sweeps before 2026-11-30's third session timed one
-    cache, so small batches ran with their state in L2)."""
-    copies = state_copies(batch, heads) if cold_state else 1
-    rows = []
-    for o in options or sweep_options():
-        opts = {k: v for k, v in o.items() if k != "layout"}
-        layout = o.get("layout", "kv")
-        row = dict(o, B=batch)
-        try:
-            errs = check_case(batch, heads, state_layout=layout, variants=("after",), seed=batch + 7, **opts)
-        except bench.CheckFailed as exc:  # keep sweeping; the row says what failed
-            rows.append(dict(row, failed=str(exc)[:500]))
-            continue
-        inputs, cache, w = kd.make_example(batch, heads, device="cuda", state_layout=layout, seed=3)
-        steps = [kd.KDADecodeStep(kd.clone_cache(cache), w, impl="after", state_layout=layout, **opts)
-                 for _ in range(copies)]
-        args = tuple(inputs[n] for n in kd.TOKEN_INPUTS)
-        t = bench.time_fn(_cycling(steps, lambda step, args=args: step(*args)), warmup=10, repeats=repeats,
-                          graph=True, calls_per_sample=copies if copies > 1 else None)
-        rows.append(dict(row, state_copies=copies, graph_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us,
-                         state_max_rel=errs["after"]["state"]["max_rel"],
-                         out_max_rel=errs["after"]["output"]["max_rel"]))
-    return rows
+def case_names(preset=None) -> list[str]:
+    """B{batch}_H12 for the batches timed (the TP8 slice's 12 heads)."""
+    return [f"B{b}_H{HEADS}" for b in BATCHES]
 
 
-def run(batches=BATCHES, heads: int = HEADS, modes=("eager", "graph"), options: dict | None = None,
-        repeats: int = 200, **kernel_options) -> list[bench.Record]:
-    """Check every variant at each batch (raising on failure), then time them; returns records.
-    options: batch -> kernel options for `after` (say, the best of a sweep); default: the library's
-    choice from the device (or **kernel_options for every batch)."""
+def _batch_of(case: str) -> int:
+    m = re.fullmatch(rf"B(\d+)_H{HEADS}", case)
+    if m is None:
+        raise ValueError(f"cases must be among {case_names()}, got {case!r}")
+    return int(m[1])
+
+
+def run(preset=None, cases=None, *, batches=None, heads: int = HEADS, modes=("eager", "graph"),
+        repeats: int = 200) -> list[bench.Record]:
+    """Check every variant at each batch (raising on failure; both state layouts for the fused kernel),
+    then time them; returns records. `cases` (B{b}_H12 names) or `batches` pick the batches (default
+    all); the fused kernel runs the configuration the library chooses from the device. Needs a GPU:
+    the fused kernel and fla run only there (notebook 03 says what a CPU runs instead)."""
+    if cases is not None and batches is not None:
+        raise ValueError("give cases or batches, not both")
+    chosen = tuple(_batch_of(c) for c in cases) if cases is not None else tuple(batches or BATCHES)
     records = []
-    for B in batches:
-        opts = dict((options or {}).get(B, kernel_options))
+    for B in chosen:
         errs = {}
         for layout in ("kv", "vk"):
-            res = check_case(B, heads, state_layout=layout, seed=B, **opts)
+            res = check_case(B, heads, state_layout=layout, seed=B)
             if layout == "kv":
                 errs = {k: v for k, v in res.items() if k in ("before", "after", "fla")}
-        records += time_case(B, heads, modes=modes, errors=errs, repeats=repeats, **opts)
+        records += time_case(B, heads, modes=modes, errors=errs, repeats=repeats)
     return records
+
+
+def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
+    """One B = 1 decode step per variant (GPU)."""
+    return make_callables(1, HEADS)[0]
 
 
 def table(records: list[bench.Record]) -> str:
@@ -291,25 +265,10 @@ def table(records: list[bench.Record]) -> str:
     return "\n".join(lines)
 
 
-OPTION_KEYS = ("tile_v", "threads", "split", "hints", "prefetch_ahead")
-
-
-def best_options(rows: list[dict]) -> dict[int, dict]:
-    """batch -> the kernel options of the fastest checked sweep row (state layout 'kv')."""
-    best: dict[int, dict] = {}
-    for r in rows:
-        if "graph_us" in r and r.get("layout", "kv") == "kv" and (
-                r["B"] not in best or r["graph_us"] < best[r["B"]]["graph_us"]):
-            best[r["B"]] = r
-    return {B: {k: r[k] for k in OPTION_KEYS if k in r} for B, r in best.items()}
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="folder for records.json and sweep.json")
+    ap.add_argument("--out", default=None, help="folder for records.json (and traces)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    ap.add_argument("--sweep", action="store_true", help="time every kernel option first")
-    ap.add_argument("--tuned", action="store_true", help="time `after` with each batch's best sweep option")
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--trace", action="store_true", help="profiler traces of one B=1 step per variant")
     args = ap.parse_args(argv)
@@ -318,35 +277,20 @@ def main(argv=None) -> None:
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
-    if args.sweep or args.tuned:
-        for B in batches:
-            got = sweep_configs(B)
-            best = best_options(got)[B]
-            more = [dict(best, layout="vk"), dict(best, hints=best.get("hints", 3) & ~3)]
-            got += sweep_configs(B, options=more)
-            rows += got
-            for r in got:
-                print("sweep", json.dumps(r), flush=True)
-            if out:
-                (out / "sweep.json").write_text(json.dumps(rows, indent=1))
-    options = best_options(rows) if args.tuned else None
-    if options:
-        print("tuned options:", json.dumps(options), flush=True)
-    records = run(batches, options=options, repeats=args.repeats)
-    if out:  # one file: the device copy brings back few files (profiles/ is written from it later)
+    records = run(batches=batches, repeats=args.repeats)
+    if out:
         (out / "records.json").write_text(json.dumps([r.to_dict() for r in records], indent=1))
     print(table(records), flush=True)
     if args.trace:
-        trace(out or Path("."), options=options)
+        trace(out or Path("."))
 
 
-def trace(folder: Path, batch: int = 1, heads: int = HEADS, options: dict | None = None) -> dict:
+def trace(folder: Path, batch: int = 1, heads: int = HEADS) -> dict:
     """torch.profiler traces of one step per variant (k3lab.profile.capture); prints and returns
     the launches and copies per step that each one ran."""
     from k3lab import profile
 
-    fns, _ = make_callables(batch, heads, **dict((options or {}).get(batch, {})))
+    fns, _ = make_callables(batch, heads)
     counts = {}
     for variant, fn in fns.items():
         try:

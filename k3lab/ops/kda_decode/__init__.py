@@ -1,0 +1,207 @@
+"""KDA decode, one token per sequence: the unfused chain and the fused kernel (seed section 3).
+
+Per sequence and head, a KDA decode step (architecture.md section 3) is
+
+    q, k, v = SiLU(causal conv4(projections))        the conv states keep the last 3 inputs
+    q, k    = x / sqrt(sum x^2 + 1e-6); q *= K^-0.5
+    g       = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias));  beta = sigmoid(b_raw)
+    S <- diag(exp g) S;  u = S^T k;  S <- S + k (beta (v - u))^T;  o = S^T q      (S fp32, K x V)
+    out     = RMSNorm_V(o) * o_norm * sigmoid(gate)
+
+Three implementations, one entry point `kda_decode(..., impl=...)`:
+
+* `reference`: k3lab.nn pieces (short_conv, l2_normalize, kda_gate, kda_beta, kda_recurrent,
+  gated_rms_norm) in fp32 or fp64. `handoff_dtype=torch.bfloat16` rounds the conv outputs and o
+  where the unfused chain stores them in memory, which is what that chain computes exactly.
+* `before`: the chain the seed describes, in k3lab's own Triton kernels: a conv kernel, a kernel that
+  fuses the q/k norm, both gates and the recurrent update, the output norm, and the two copies
+  between them: 3 compute launches + 2 copies, every handoff through device memory in bf16.
+* `after`: kernels/kda_decode.cu (`k3lab.ops.kda_decode.cuda`), one launch, intermediates kept on chip in fp32, the output written
+  straight into the caller's buffer; only the conv states and S go back to memory.
+
+All three update `cache` (a k3lab.nn.KDACache: conv_q, conv_k, conv_v [B, H*K, 3], state) in place
+and return out [B, H*V]. State layout 'kv' is [B, H, K, V] (fla's default); 'vk' is [B, H, V, K].
+`impl='auto'` runs `after` where the fused kernel can be built here, else `reference`;
+`fused_status()` says which and why. A serving loop binds `KDADecodeStep(cache, weights, impl=...)`
+once per layer and calls it with the six per-token inputs (q, k, v, g_raw, beta_raw, gate).
+
+Modules: `inputs` (weights, examples, checks), `reference`, `triton` (before), `cuda` (after: the
+binding, the launch configuration chosen from the device). Figures (H200, TP8 slice, graph replay):
+profiles/nvidia-h200/kda_decode/README.md; the configurations that lost: docs/kda_decode.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3lab.nn import KDACache
+from k3lab.ops import _build
+from k3lab.ops.kda_decode import cuda, triton
+from k3lab.ops.kda_decode.cuda import (
+    CONFIGS,
+    HINT_PREFETCH_L2,
+    HINT_STREAM_LOADS,
+    HINT_STREAM_STORES,
+    SPLIT_MODES,
+    SPLIT_TILE,
+    SPLIT_TILE_FINE,
+    choose_config,
+    choose_split,
+    default_hints,
+)
+from k3lab.ops.kda_decode.inputs import (
+    CONV_SIZE,
+    HEAD_DIM,
+    L2_EPS,
+    STATE_LAYOUTS,
+    TOKEN_INPUTS,
+    KDADecodeWeights,
+    check_kernel_static,
+    check_static,
+    clone_cache,
+    make_example,
+    tensor_arg,
+    validate,
+)
+from k3lab.ops.kda_decode.reference import reference, write_back
+
+__all__ = [
+    "CONFIGS", "CONV_SIZE", "HEAD_DIM", "HINT_PREFETCH_L2", "HINT_STREAM_LOADS", "HINT_STREAM_STORES", "IMPLS",
+    "L2_EPS", "SPLIT_MODES", "SPLIT_TILE", "SPLIT_TILE_FINE", "STATE_LAYOUTS", "TOKEN_INPUTS", "KDADecodeStep",
+    "KDADecodeWeights", "after", "before", "choose_config", "choose_split", "clone_cache", "default_hints",
+    "fused_status", "kda_decode", "make_example", "reference", "validate",
+]
+
+IMPLS = ("auto", "after", "before", "reference")
+
+
+def fused_status() -> tuple[bool, str]:
+    """(True, what runs) when the fused kernel can run here; else (False, why, and what impl='auto'
+    uses instead)."""
+    ok, why = cuda.status()
+    if not ok:
+        return False, f"fused KDA decode unavailable ({why}); impl='auto' uses the PyTorch reference"
+    return True, why
+
+
+class KDADecodeStep:
+    """One KDA layer's decode step bound to its cache, weights and output buffer, as a serving engine
+    holds it: everything that does not change from token to token is checked (and, for the fused
+    kernel, packed into its argument block) once here; a call checks only the six per-token inputs.
+
+        step = KDADecodeStep(cache, weights, impl="after")   # or "before", "reference"
+        out = step(q, k, v, g_raw, beta_raw, gate)           # updates cache in place, fills step.out
+    """
+
+    def __init__(self, cache, weights, *, out=None, impl="after", state_layout="kv", tile_v=None, hints=None,
+                 split=None):
+        """tile_v/hints/split (impl='after' only) override what `cuda.choose_config`,
+        `cuda.default_hints` and `cuda.choose_split` pick from the device."""
+        if impl not in ("after", "before", "reference"):
+            raise ValueError(f"impl must be 'after', 'before' or 'reference', got {impl!r}")
+        if not isinstance(cache, KDACache):
+            raise ValueError(f"cache must be a k3lab.nn.KDACache, got {type(cache).__name__}")  # noqa: TRY004
+        S = tensor_arg("cache.state", cache.state)
+        if S.dim() != 4:
+            raise ValueError(f"cache.state must be [B, H, {HEAD_DIM}, {HEAD_DIM}], got {tuple(S.shape)}")
+        B, H = S.shape[0], S.shape[1]
+        act = tensor_arg("cache.conv_q", cache.conv_q).dtype
+        check_static(cache, weights, out, B, H, act, S.device, state_layout, source="cache.conv_q")
+        if impl != "reference":
+            check_kernel_static(cache, weights, out, impl)
+        if impl == "before" and not triton.status()[0]:
+            raise _build.KernelUnavailable("impl='before' needs Triton, which is not installed")
+        if any(x is not None for x in (tile_v, hints, split)) and impl != "after":
+            raise ValueError("tile_v, hints and split apply to impl='after' only")
+        self.cache, self.weights, self.impl, self.state_layout = cache, weights, impl, state_layout
+        self.batch, self.heads, self.dtype, self.device = B, H, act, S.device
+        self.out = out if out is not None else torch.empty(B, H * HEAD_DIM, device=S.device, dtype=act)
+        hk = torch.Size((B, H * HEAD_DIM))
+        self._shapes = (hk, hk, hk, hk, torch.Size((B, H)), hk)
+        self.fused = (cuda.FusedStep(cache, weights, self.out, state_layout=state_layout, tile_v=tile_v,
+                                     hints=hints, split=split) if impl == "after" else None)
+
+    def _bad_token(self, name, t, shape):
+        tensor_arg(name, t)
+        if t.shape != shape:
+            raise ValueError(f"{name} must be {list(shape)} (B={self.batch}, H={self.heads}, head_dim "
+                             f"{HEAD_DIM}), got {tuple(t.shape)}")
+        if t.dtype != self.dtype:
+            raise ValueError(f"{name} must have the cache's dtype {self.dtype}, got {t.dtype}")
+        if t.device != self.device:
+            raise ValueError(f"{name} is on {t.device} but the cache is on {self.device}")
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
+
+    def __call__(self, q, k, v, g_raw, beta_raw, gate) -> torch.Tensor:
+        toks = (q, k, v, g_raw, beta_raw, gate)
+        dtype, device = self.dtype, self.device
+        for name, t, shape in zip(TOKEN_INPUTS, toks, self._shapes):
+            try:
+                ok = t.shape == shape and t.dtype is dtype and t.device == device and t.stride(-1) == 1
+            except AttributeError:
+                ok = False
+            if not ok:
+                self._bad_token(name, t, shape)
+        if self.fused is not None:
+            self.fused(q, k, v, g_raw, beta_raw, gate)
+            return self.out
+        if self.impl == "before":
+            return triton.launch(q, k, v, g_raw, beta_raw, gate, self.cache, self.weights, self.out,
+                                  self.state_layout, self.batch, self.heads)
+        fp64 = self.cache.state.dtype == torch.float64
+        res, new = reference(q, k, v, g_raw, beta_raw, gate, self.cache, self.weights, state_layout=self.state_layout,
+                             compute_dtype=torch.float64 if fp64 else torch.float32)
+        write_back(self.cache, new)
+        self.out.copy_(res)
+        return self.out
+
+
+def before(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_layout="kv") -> torch.Tensor:
+    """The unfused chain: conv kernel -> norm/gates/recurrence kernel -> copy -> output-norm kernel ->
+    copy into `out`. Intermediates go through memory in the activation dtype."""
+    validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout)
+    return KDADecodeStep(cache, weights, out=out, impl="before", state_layout=state_layout)(
+        q, k, v, g_raw, beta_raw, gate)
+
+
+def after(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_layout="kv", tile_v=None,
+          hints=None, split=None) -> torch.Tensor:
+    """The fused kernel: one launch per step. tile_v overrides the width chosen from the device
+    (`cuda.choose_config`); split: 'atomic' or 'cluster' for split heads (`cuda.choose_split`); hints:
+    a mix of HINT_STREAM_LOADS, HINT_STREAM_STORES, HINT_PREFETCH_L2 (`cuda.default_hints`).
+    Checks everything on every call; a serving loop binds a `KDADecodeStep` once instead."""
+    validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout)
+    return KDADecodeStep(cache, weights, out=out, impl="after", state_layout=state_layout, tile_v=tile_v,
+                         hints=hints, split=split)(
+        q, k, v, g_raw, beta_raw, gate)
+
+
+# ----------------------------------------------------------------------------------------------
+# the entry point
+
+
+def kda_decode(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, impl="auto", state_layout="kv",
+               **kernel_options) -> torch.Tensor:
+    """One KDA decode step. Updates `cache` in place and returns out [B, H*V] (written into `out`
+    when given). impl: 'after' (fused kernel), 'before' (the unfused chain), 'reference' (k3lab.nn
+    pieces in fp32, results cast back) or 'auto' ('after' where `fused_status()` says it can run,
+    else 'reference')."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = "after" if q.device.type == "cuda" and q.dtype == torch.bfloat16 and fused_status()[0] else "reference"
+    if impl == "after":
+        return after(q, k, v, g_raw, beta_raw, gate, cache, weights, out=out, state_layout=state_layout,
+                     **kernel_options)
+    if kernel_options:
+        raise ValueError(f"{sorted(kernel_options)} apply to impl='after' only")
+    if impl == "before":
+        return before(q, k, v, g_raw, beta_raw, gate, cache, weights, out=out, state_layout=state_layout)
+    fp64 = isinstance(cache, KDACache) and isinstance(cache.state, torch.Tensor) and cache.state.dtype == torch.float64
+    res, new = reference(q, k, v, g_raw, beta_raw, gate, cache, weights, state_layout=state_layout,
+                         compute_dtype=torch.float64 if fp64 else torch.float32)
+    write_back(cache, new)
+    if out is None:
+        return res.to(q.dtype)
+    out.copy_(res)
+    return out

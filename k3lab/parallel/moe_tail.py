@@ -38,7 +38,7 @@ TAILS = ("replicated", "sharded")
 _DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}
 
 
-def check_world_size(world_size, *, hidden: int, intermediate: int, shared: int = 0) -> int:
+def check_world_size(world_size, *, hidden: int, intermediate: int = 0, shared: int = 0) -> int:
     """world_size must divide the hidden size (the sharded tail's output rows), the expert
     intermediate and the shared expert's width. Raises ValueError naming the one that does not."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -266,7 +266,7 @@ def dtype_bytes(dtype) -> int:
 def tail_rows(config, tp: int, tail: str) -> int:
     """Rows of up_proj one rank holds and computes: all of them, or hidden / tp."""
     _check_tail(tail)
-    check_world_size(tp, hidden=config.hidden_size, intermediate=1)
+    check_world_size(tp, hidden=config.hidden_size)
     return config.hidden_size if tail == "replicated" else config.hidden_size // tp
 
 

@@ -1,28 +1,27 @@
-// mla_before.cu: the conservative MLA decode ("before", seed section 4) written as a competent CUDA-core
-// kernel: one block per query row (request x verify token x head) walking the row's whole history, no
-// matrix units, no padding. The policy is the one k3lab.ops.mla_decode's Triton `_before_kernel` runs;
-// this form of it exists so that the before/after ratios measure the policy, not a slow kernel.
+// mla_before.cu: the conservative MLA decode ("before", seed section 4) as a CUDA-core kernel, the CUDA
+// backend's before (k3lab/ops/mla_decode/cuda.py binds it): one block per query row (request x
+// verify token x head) walking the row's whole history, no matrix units, no padding. The policy is
+// the Triton backend's `_before_kernel`; this form of it exists so that the before / after ratios
+// measure the policy, not a slow kernel.
 //
-// Shape: 576-wide latent rows [c 512 | k_pe 64] in bf16, scores over the whole row, values its first 512
-// columns, natural-log lse out. A block of 16 warps; each warp owns positions warp, warp + 16, ... and
-// keeps its own online softmax (max, sum, 512-column accumulator: 16 per lane); the warps are combined
-// once at the end through shared memory. Per position a lane reads 9 bf16 pairs (pairs lane + 32 i), so
-// a row is read by the warp in 128-byte pieces; the dot product is reduced by xor shuffles. Four
-// positions per warp step.
+// Layout: 576-wide latent rows [c 512 | k_pe 64] in bf16, scores over the whole row, values its first
+// 512 columns, natural-log lse out. A block of 16 warps; each warp owns positions warp, warp + 16, ...
+// and keeps its own online softmax (max, sum, 512-column accumulator: 16 per lane); the warps are
+// combined once at the end through shared memory. Per position a lane reads 9 bf16 pairs (pairs
+// lane + 32 i), so a row is read by the warp in 128-byte pieces; the dot product is reduced by xor
+// shuffles. Four positions per warp step (UNROLL).
 //
 // Two ways to bring the rows in:
 //   * ring_kernel (rows dense and 16-byte aligned, the usual case): the history streams through a ring
 //     of three 64-row tiles in shared memory, filled by the copy engine (cp.async.bulk, one copy per
-//     page piece) from one thread, so the SM keeps ~144 KB in flight while its warps compute. One SM
-//     cannot stream faster than ~181 GB/s on the H200 (scripts/device_mla_bounds.py). On the H200
-//     (profiles/nvidia-h200/mla_padding/extra/bounds_c72bac9.json) it takes 26.3 us at 1K and 730 at
-//     32K against 29.7 and 820 for direct loads: the arithmetic on CUDA cores bounds it (per position
-//     1,088 multiply-adds and 576 bf16 conversions: >= 6.7 us of issue slots per block at 1K);
+//     page piece) from one thread, so the SM keeps ~144 KB in flight while its warps compute;
 //   * direct_kernel (any row layout): each lane loads its pairs from global memory, 36 loads in flight
 //     per warp.
-//
-// The HIP build compiles (scripts/compile_hip.sh) but is not yet run on AMD hardware by this project
-// (the ring is CUDA sm_90 only; HIP always takes the direct kernel).
+// Why this shape: per position the block does 1,088 multiply-adds and 576 bf16 conversions on CUDA
+// cores, so the arithmetic bounds it, not the stream; the ring beats direct loads on the H200, and
+// other unrolls and ring depths were slower (figures: docs/mla_padding.md).
+// Limits: bf16, rows 4-byte aligned. The HIP build compiles but is not yet run on AMD hardware by this
+// project (the ring is CUDA sm_90 only; HIP always takes the direct kernel).
 #include "k3lab_portability.h"
 #include "k3lab_mma.h"  // CUDA builds: mbarriers and bulk copies (k3mma), for the ring kernel
 
@@ -31,21 +30,11 @@ namespace k3mb {
 constexpr int D = 576, DV = 512;
 constexpr int PAIRS = D / 2 / 32;  // 9 bf16 pairs per lane per row (8 value pairs + 1 rope pair)
 constexpr int WARPS = 16;
-// Build knobs for measured variants (scripts/device_mla_before_variants.py); the defaults are the library's and
-// the fastest measured (H200, extra/before_variants_5458ee2.json, us at 1K / 32K: default 26.0 / 722; 2
-// positions per warp step in six 32-row stages 29.3 / 818; each score as two partial sums, a knob since
-// removed, 27.6 / 760).
-#ifndef K3_MB_UNROLL
-#define K3_MB_UNROLL 4
-#endif
-#ifndef K3_MB_STAGES
-#define K3_MB_STAGES 3
-#endif
-constexpr int UNROLL = K3_MB_UNROLL;  // positions per warp step (9 UNROLL loads in flight per warp)
+constexpr int UNROLL = 4;             // positions per warp step (9 UNROLL loads in flight per warp)
 constexpr int TILE = WARPS * UNROLL;  // ring_kernel: rows per tile (one warp step of every warp)
-constexpr int STAGES = K3_MB_STAGES;
+constexpr int STAGES = 3;             // ring_kernel: tiles in flight
 constexpr int ROW_BYTES = D * 2;
-constexpr int RING_BYTES = STAGES * TILE * ROW_BYTES;  // 221,184 bytes by default
+constexpr int RING_BYTES = STAGES * TILE * ROW_BYTES;  // 221,184 bytes
 static_assert(RING_BYTES <= 227 * 1024 && RING_BYTES >= WARPS * DV * 4 + 2 * WARPS * 4, "the ring must fit and hold the combine");
 
 struct Args {

@@ -1,177 +1,27 @@
-// mla_wgmma.h: the MLA decode's split kernel on Hopper's warpgroup matrix units (form 'wgmma'),
-// included by mla_decode.cu in its CUDA build only (it uses that file's Args, mbarrier helpers and
+// mla_wgmma.h: form 'wgmma' of the MLA decode's split kernel, on Hopper's warpgroup matrix units.
+// Included by mla_decode.cu in its CUDA build only (it uses that file's Args, mbarrier helpers and
 // partial layout; the merge kernel there merges its pieces unchanged).
 //
-// Why another split kernel. The mma.sync kernel (split_kernel) is compute-bound: ~1.3 us per 32-row
-// tile on the H200 against ~1.15 us of DRAM share per SM, because with one warp per SM
-// sub-partition every dependent mma, ldmatrix, shuffle and barrier is exposed, and each of its
-// four warps redoes the whole tile's softmax. The same data path with the arithmetic removed reads
-// the 32K cache in 11.1 us and the 128K one in 37.0 us (scripts/mla_read_probe.cu) where the
-// decode takes 19.6 and 47.5. Here the products go to wgmma, which reads its operands from shared
-// memory itself (no ldmatrix) and runs asynchronously:
-//   * positions on M: S^T [64 positions x 16 heads] = K_tile [64 x 576] . Q^T (36 m64n16k16 steps),
-//     so a tile is 64 latent rows and no row of the product is padding; the 16 heads (12 real) are
-//     N = 16;
-//   * O^T [512 value columns x 16 heads] += V_tile^T [512 x 64] . P^T [64 x 16] (8 x 4 steps with
+// What: the same pieces as form 'mma', for one token per block (NT = 1) or two tokens of one
+// verification group per block (NT = 2, N = 32: the pair reads each tile once).
+// Layout:
+//   * positions on M: S^T [64 positions x 16 NT heads] = K_tile [64 x 576] . Q^T (36 k-steps of
+//     m64nNk16), so a tile is 64 latent rows and no row of the product is padding;
+//   * O^T [512 value columns x 16 NT] += V_tile^T [512 x 64] . P^T [64 x 16 NT] (8 x 4 steps with
 //     the tile read M-major: the same shared bytes serve both products);
-//   * each warp owns 16 positions of the tile: the softmax's max over the tile's positions is one
-//     shuffle tree and one 64-float exchange; the sums stay per thread until the end;
+//   * each warp owns 16 positions of the tile: the softmax's max over the tile is one shuffle tree
+//     and one exchange, and only when a score passes its head's reference by more than WG_LAZY
+//     (lazy references: most tiles skip the exchange, a barrier and the accumulator's rescale);
 //   * a tile arrives as 9 TMA boxes of 64 rows x 64 columns with the 128-byte swizzle (the layout
-//     wgmma expects), 72 KB; two stages: a tile is refilled as soon as its value product is done,
-//     so two tiles (144 KB) stream while the SM waits.
-// Rows past a request's length inside its last tile are loaded by the box and then zeroed in shared
-// memory before use (their scores are masked; zeros keep NaN in unused cache rows out of p V).
-// Q^T arrives by TMA too (a 3D map over [B, H, 576]; heads past H lie outside it and arrive as zeros).
-// Needs tiles of 64 rows inside one page: contiguous caches, or pages of >= 64 rows.
-//
-// Measured on an H200 (profiles/nvidia-h200/mla_padding, commit e3fdbef, graph replay, B = 1, paged):
-// 18.1 us at 32K (the split kernel 19.9 in the same run), 45.8 us at 128K (47.4), 27.4 at 8 x 8K
-// (28.6), 199 at 64 x 8K (216; 168 against 165 in one wave of pieces, 083abc8), but 8.6 at 1K (7.0:
-// one tile per piece, start-up dominates), so mla_decode_cuda.choose_form takes this form only for
-// pieces of >= 4 tiles. With the short-chain merge
-// kernel (commit 74f98a3): 17.4 us at 32K (51% of the copy bandwidth), 45.0 at 128K (79%), 27.3 at
-// 8 x 8K, 167 at 64 x 8K; the split kernel 19.4, 47.1, 28.2, 166. With lazy softmax references
-// (WG_LAZY below; commit 01aba0b): 17.1 us at 32K (52%), 44.9 at 128K (79%), 27.0 at 8 x 8K, 169 at
-// 64 x 8K (the previous build in the same run: 17.48, 44.78, 27.31, 167.3; extra/lazy_01aba0b.json).
-// With the ninth session's two changes below (commit 20255de, the main records): 16.9 us at 32K (53%),
-// 43.3 at 128K (82%), 26.4 at 8 x 8K, 156 at 64 x 8K (91%).
-// Built with K3_MLA_WG_DATA_ONLY (no arithmetic) it takes 16.1 / 42.7 us: the two 72 KB stages stream slower than
-// the five 37 KB stages of scripts/mla_read_probe.cu's ring (11.1 / 37.0 us with an empty second
-// kernel 11.8 / 37.9), and the arithmetic the two stages cannot hide adds 2-3 us.
-// Tried and measured slower (same H200): a ring of 25 box slots of 8 KB (a box may land in any slot,
-// so ~1.8 tiles stream while one is computed): 21.9 / 49.5 us, data-only 17.5 / 45.0 (each tile's
-// boxes then go out in two batches); filling the stages with 16-byte cp.async (rows in memory order):
-// 21.4 / 51.9 us; issuing tile j+1's scores behind tile j's value product (two wgmma groups):
-// 19.05 / 46.35 against 18.24 / 45.70 (commit 9e3c240), since the stage of tile j is then freed
-// only after tile j+1 has landed; tiles of 32 rows in five stages (the M of 64 reading the next box
-// or a zero pad as masked rows; commit 090ffa0): 22.7 / 62.4 us, data-only 17.4 / 44.5, so neither
-// the arithmetic (the score product costs the same per tile, now per 32 rows) nor the stream gains;
-// the TMA boxes' 128-byte pieces stream slower than the probe ring's 4.6 KB bulk copies whatever
-// the depth. Merging without the second kernel (commit 656605d: clusters of 2-16 blocks combining
-// through distributed shared memory, the last block per column slice merging from L2) was right but
-// slower: only 15 clusters of 8 fit at once, and with pieces that fit, 24.6 against 20.0 us at 32K
-// (profiles/nvidia-h200/mla_padding/extra/cluster_merge_*.json). The box shape is not the limit either
-// (commits 5b157f3, 0985f1b; extra/box_rows_5b157f3.json, extra/one_copy_0985f1b.json): boxes of 8, 16
-// or 32 rows issued row group by row group are slower (128K: 73.9, 57.3, 46.7 against 45.7 us), and the
-// whole tile as one 3D TMA copy (a map over 64 columns x rows x 9 column chunks) streams exactly as fast
-// as the 9 boxes (data-only 42.77 against 42.81 us at 128K). Tiles handed out one by one from a
-// per-request counter (atomicAdd, asked a tile ahead, so that faster SMs take more; commit 7533f65,
-// extra/dynamic_tiles_7533f65.json) were right but slower everywhere (128K 60.4 against 45.8 us, 32K 22.7
-// against 18.5): whatever the slowest pieces cost, a counter round trip per tile costs more. Taking
-// the accumulator's rescale off the path from the softmax to the value product (each tile's values into
-// their own accumulator, folded into o while the next tile's scores run; commit 0f564b9,
-// extra/fold_0f564b9.json: 220 registers, and a copy of the accumulator so that ptxas adds no wgmma
-// wait) was slower too: 17.95 against 17.40 us at 32K, 45.21 against 44.83 at 128K.
-// Loading Q^T with 16-byte loads from all 128 threads of every block cost ~1.2 us (every SM reads the
-// same 18 KB), hence the TMA boxes.
-// Ninth session (H200, same-run comparisons, us): the tile map's L2 promotion of 256 bytes cost time;
-// 128 bytes (the box row) or none: 128K 42.9 against 44.8-45.0, 64 x 8K 153.1 against 169.5, 32K and
-// 8 x 8K level (commits 6ec79aa, dd95d29; extra/tile_stream_6ec79aa.json, extra/direct_store_dd95d29.json;
-// why 256 costs is not measured). The same runs: each tile read as ONE bulk copy of its 64 contiguous
-// rows (the wrong layout for wgmma, timing only; -DK3_MLA_WG_BULK_TILE=1) is level at 32K (17.26
-// against 17.21), so the 9 boxes are not what holds 32K back; partials stored straight from the
-// accumulators instead of staged in shared memory: 32K 16.65 against 17.22, 128K 42.30 against 42.91,
-// 8 x 8K 25.97 against 26.62 (kept); the first tiles' block-table entries read beside the length
-// instead of after it: slower everywhere (32K 18.01, 128K 43.92; not kept). The timeline probe at 32K
-// (commit dd95d29, after an L2 flush; again at 20255de: extra/probe_wgmma_20255de.json): the median
-// block's first tile lands 5.4-5.7 us after its start (the slowest block's 7.6-9.1), its 4 tiles take
-// 8.3-8.8 us more, the slowest block ends ~2 us after the median one, and the merge ends ~2.3 us
-// after the slowest block. The arithmetic
-// alone (-DK3_MLA_WG_COMPUTE_ONLY=1: one tile loaded, every tile's products run on it; commit 7d8f848,
-// extra/merge_cost_7d8f848.json): 13.6 us at 32K and 25.8 at 128K, so ~1.0 us per 64-row tile against
-// the tile's ~2.2 us share of DRAM time; with two stages only one tile streams while one is computed.
-// Nsight Compute on that build at 128K (commit 754be47, extra/ncu_wgmma_compute_only_754be47.txt): L1 /
-// shared-memory throughput 55% of peak, issue slots 32% busy, which read as a latency chain (score
-// products, wait, softmax, barrier, value products, wait); the tenth session's two-warpgroup build (below)
-// says otherwise: halving each chain made the arithmetic slower. Two warpgroups in
-// ping-pong, one per stage, each with its own softmax state combined at the end, so that two tiles'
-// chains overlap (commit 9ebdfe4, extra/pingpong_9ebdfe4.json): right, but slower (32K 17.86 against
-// 16.65 us, 128K 44.96 against 43.26, 64 x 8K level), since both stages are then computed at once
-// and neither streams; not kept.
-// Issuing the second tile after the queries landed, or after the first tile landed, so that the first
-// is not served interleaved with it: level, or slower (32K 16.51 / 16.93 against 16.41 us, 128K 42.18 /
-// 42.84 against 42.27; commit dd2e0a2, extra/stagger_dd2e0a2.json; not kept). The prologue: thread 0
-// needs ~2 us from its start until the first tiles are requested (probe after an L2 flush: the
-// length, then the block-table entry, each from DRAM; extra/probe_wgmma_20255de.json), but requesting
-// the queries before the length is read is level, and the first tiles before the length is known
-// (speculative, waited for before leaving) slower (32K 16.65 / 17.10 against 16.65, 128K 42.84 /
-// 43.33 against 43.08; commit 9ecacad, extra/prologue_9ecacad.json; not kept).
-
-// Tenth session (H200, same-run comparisons, us; JSON in profiles/nvidia-h200/mla_padding/extra/):
-// * A stage refilled box by box as it frees up (the rope box after the scores, value boxes 0-3 and 4-7
-//   after their halves of the value product; commit 2b80e34, early_refill_6bba63d.json): level or
-//   slower (32K 16.88 against 16.60, 128K 43.31 against 43.17); not kept.
-// * Three 64 KB stages of value boxes, with the rope kept out of shared memory (commits 07e1932 to
-//   7691e31). The stream alone gains: data-only 13.88 / 36.32 us at 32K / 128K against 15.10 / 41.29
-//   (97.8% of the copy bandwidth at 128K), 134.9 against 154.1 at 64 x 8K (rope_lead_7baa66e.json). But
-//   the rope must then reach the arithmetic some other way, and neither way found is faster:
-//   - each thread loads its two rows' rope into registers 2 or 3 tiles ahead, scored by mma.sync beside
-//     the wgmma: 32K 20.35-20.66, 128K 46.9-48.0 against 16.54 / 42.54. ptxas puts every such load on one
-//     scoreboard and waits for all of them, so a tile waits for the loads issued one tile earlier. Loads
-//     of the first tile's rope again (cache hits) are as slow (20.51 / 50.31). With no rope loads at all
-//     (wrong scores, timing only) it is 17.84 / 40.30 / 138.5 (rope_diag_bc7d619.json). The probe
-//     (probe_rope_161620f.json) shows the first tile landing 11 us after the block starts, not 6.
-//   - a ring of two rope boxes, with P and the max exchange in the current tile's slot once its scores
-//     are done. This is the only layout found that fits: 231,472 bytes, with no alignment slack. 32K 18.97,
-//     128K 45.36 against 16.68 / 43.05; data-only 16.35 / 42.12 against 14.91 / 40.41 (ring3_7691e31.json).
-//     Two rope slots are a lead of two tiles where the values have three; a third slot does not fit.
-// * The SM clock over the tile loop (-DK3_MLA_WG_PROBE_CLOCK=1, probe_clock_5ab23b0.json): 1.74-1.78 GHz
-//   while the decode or its compute-only build runs, 1.98 GHz for the data-only build. Per 64-row tile the
-//   loop takes 2.3 / 2.4 us at 32K / 128K; the compute-only build 1.3 / 1.2, the data-only one 1.7 / 2.25.
-//   At 32K the first tile lands ~6 us after the block starts (~2 us of dependent reads before the requests).
-// * With q, lengths and block table shared by every rotated input set (only the caches rotate, as in a
-//   model whose layers all read the same small tensors): level (32K 16.67 against 16.72, 128K 43.07
-//   against 43.17; hot_small_5a79830.json).
-// * Two warpgroups sharing each tile (256 threads; warpgroup w runs half of the score k-steps, the halves
-//   of S swapped through shared memory and added in the same order by both, and the value product of
-//   columns 256 w .. 256 w + 255; commit 1d337b1, split2_1d337b1.json): right on the four variant checks,
-//   but slower or level: 1K 8.30 against 7.14, 32K 18.11 against 16.65, 128K 43.89 against 42.51, 8 x 8K
-//   26.91 against 25.95, 64 x 8K 152.89 against 152.80. Its compute-only build is slower than the
-//   one-warpgroup compute-only build (32K 15.34 against 13.55, 128K 30.79 against 25.89), so the
-//   arithmetic is not a latency chain that a second warpgroup overlaps: with the same matrix work and
-//   shared-memory operand reads, the swap and its extra barrier only add. Not kept.
-
-// Eleventh session (H200): verification groups run this kernel with each token a one-token request over
-// the same pages (mla_decode_cuda.plan_verify), an even group two tokens per block (wg_kernel<2>: N = 32,
-// a tile read once per pair; 32K 19.5 / 25.2 / 40.7 us for 2 / 4 / 8 positions against the Triton kernel's
-// 39.4 / 37.1 / 59.9, commits 09a1819 and 21566bb; extra/verify_pairs_21566bb.json). With a block per token
-// DRAM serves each tile once and L2 once per further token
-// (ncu at 32K: 37.8 MB from DRAM for 1, 2 and 4 tokens; extra/ncu_verify_4656917.txt). Tried and removed
-// (commits 9a73b86, 947b7b6; extra/verify_share_*.json): the group's blocks as one cluster, each tile's
-// boxes requested once and multicast to every block, a cluster barrier per tile before a stage is
-// refilled. Right (every GPU test), but slower than sharing through L2: 2 positions at 32K 23.97 against
-// 21.68 us, 4 positions 42.88 against 35.92, 2 at 8 x 8K 41.74 against 38.01 (with a release barrier
-// per tile: 26.72, 49.55, 47.33). The blocks then move in step and each waits for DRAM with two stages;
-// independent blocks let the leading one fetch a tile into L2 for the others.
-
-// Tried and removed (commit 13b25de, extra/l2_ahead_13b25de.json): tiles requested into L2 ahead of the
-// two stages by TMA prefetch (cp.async.bulk.prefetch.tensor), 1, 2 or 4 tiles beyond the refill, so that a
-// refill finds its tile in L2. Right, but slower everywhere and more so the further ahead: 32K 17.64 /
-// 18.08 / 18.13 against 16.82 us, 128K 46.35 / 49.08 / 58.42 against 43.09, 64 x 8K 174.1 / 177.8 / 229.8
-// against 155.8. An L2 lead is not a third stage here.
-
-// Twelfth session (H200, commit 5519d66, extra/verify_padded_5519d66.json): odd verification groups run in
-// pairs too, padded by one token whose index lies outside the 4D query map ([groups, tokens, heads, 576]),
-// so TMA fills its query with zeros and its output is dropped: 3 / 5 / 7 positions at 32K take 25.2 / 33.3 /
-// 40.6 us, what 4 / 6 / 8 take (a copy of q into a padded buffer before each call had cost ~4 us more).
-
-// Diagnostics only: built with -DK3_MLA_WG_DATA_ONLY=1 (scripts/device_mla_wgmma.py), the kernel streams
-// its tiles exactly as below but skips the arithmetic (its outputs are then meaningless).
-#ifndef K3_MLA_WG_DATA_ONLY
-#define K3_MLA_WG_DATA_ONLY 0
-#endif
-// Diagnostics only: built with -DK3_MLA_WG_COMPUTE_ONLY=1, only the first tile is loaded and every tile's
-// arithmetic runs on it (outputs meaningless): the arithmetic's own time per tile.
-#ifndef K3_MLA_WG_COMPUTE_ONLY
-#define K3_MLA_WG_COMPUTE_ONLY 0
-#endif
-// Diagnostics only (-DK3_MLA_WG_PROBE_CLOCK=1): the probe's tile-wait word holds instead thread 0's clock
-// cycles from its first tile landing to the loop's end, so that cycles / (loop_end - first) is the SM clock.
-#ifndef K3_MLA_WG_PROBE_CLOCK
-#define K3_MLA_WG_PROBE_CLOCK 0
-#endif
-
-
+//     wgmma reads), 72 KB; two stages, a stage refilled as soon as its value product is done.
+//     Q^T arrives by TMA too (heads past H, and a padded group's extra token, read as zeros).
+// Why this shape: the mma.sync form is bound by its dependent instruction chains; wgmma reads its
+// operands from shared memory itself and runs asynchronously, 4-10% faster from pieces of 4 tiles up
+// on the H200. Other stage counts, box shapes, ring layouts, prefetches and warpgroup splits were
+// measured and were slower (docs/mla_padding.md, "Design choices").
+// Limits: tiles of 64 rows inside one page (contiguous caches or pages of >= 64 rows laid end to end,
+// one tensor map of rows), 16-byte aligned queries. Rows past a request's length inside its last
+// tile are zeroed in shared memory before use (NaN in unused cache rows cannot reach p V).
 
 namespace k3mla {
 
@@ -207,7 +57,6 @@ K3_DEVICE uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
 K3_DEVICE void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 K3_DEVICE void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 K3_DEVICE void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-K3_DEVICE void wg_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }  // all but the last group
 // generic-proxy writes to shared memory (zero fill, P, Q) made visible to the async proxy (wgmma, TMA)
 K3_DEVICE void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
@@ -245,8 +94,8 @@ K3_DEVICE void tma_box(uint32_t dst, const void* map, int col, int row, uint32_t
 // Thread 0, at the start: the tile maps prefetched, the barriers (WG_STAGES tiles + the queries at
 // bars + 8 WG_STAGES) initialised, and Q^T requested by the copy engine: 9 boxes of [16 heads x 64
 // columns], swizzled; heads past a.heads lie outside the map and arrive as zeros (the padding). Every
-// block reads the same 18 KB: 16-byte loads from 128 threads of every SM cost ~1.2 us here (H200,
-// data-only build), the boxes do not.
+// block reads the same 18 KB: 16-byte loads from 128 threads of every SM cost ~1.2 us on the H200,
+// the boxes do not.
 // With NT tokens (requests b .. b + NT - 1), token t's 16 rows follow token t - 1's in each box; request r's
 // query is token r % q_run of group r / q_run in the map (Args::q_run).
 template <int NT>
@@ -271,22 +120,11 @@ K3_DEVICE void wg_start(const Args& a, const void* map, const void* qmap, uint32
 // offset in rows (the launcher checks that pages, or requests, are whole rows apart).
 K3_DEVICE int wg_row(const Args& a, int b, int pos) { return (int)(row_at(a, b, pos) / D); }
 
-// Diagnostics only: built with -DK3_MLA_WG_BULK_TILE=1, a tile arrives as ONE bulk copy of its 64
-// contiguous rows (73,728 bytes, no tensor map): the stream of the row layout, in the wrong shared
-// layout for wgmma (outputs meaningless; timing only: is the 9-box TMA stream the cost?).
-#ifndef K3_MLA_WG_BULK_TILE
-#define K3_MLA_WG_BULK_TILE 0
-#endif
-
 // Thread 0: tile at row `row` into `stage` (9 boxes), completing on `bar`.
 K3_DEVICE void wg_issue(const Args& a, const void* map, int row, uint32_t stage, uint32_t bar) {
   mbar_expect_tx(bar, (uint32_t)WG_STAGE);
-#if K3_MLA_WG_BULK_TILE
-  bulk_copy(stage, a.kv + (long long)row * D, (uint32_t)WG_STAGE, bar);
-#else
 #pragma unroll
   for (int i = 0; i < WG_BOXES; ++i) tma_box(stage + i * WG_BOX, map, 64 * i, row, bar);
-#endif
 }
 
 // The thread's heads in the accumulator layout (columns of S^T and O^T): 8 jn + 2 t4 + e, index 2 jn + e.
@@ -339,10 +177,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   const int split = blockIdx.x, b = NT * blockIdx.y;  // b: the block's first request (token)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   launch_dependents();  // the merge may launch now; it waits for this grid
-  const unsigned long long t_start = a.probe != nullptr ? now_ns() : 0ull;
-  unsigned long long t_first = 0ull;
-  long long wait_cycles = 0;
-  const long long c_start = a.probe != nullptr ? clock64() : 0;
 
   const int start = split * a.chunk;
   const uint32_t qbar = bars + 8 * WG_STAGES;
@@ -355,11 +189,9 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   const int ntiles = end > start ? (end - start + WG_BN - 1) / WG_BN : 0;
   if (tid == 0) {
     wg_start<NT>(a, &map, &qmap, bars, qs, b);
-    for (int i = 0; i < (K3_MLA_WG_COMPUTE_ONLY ? 1 : WG_STAGES) && i < ntiles; ++i)
+    for (int i = 0; i < WG_STAGES && i < ntiles; ++i)
       wg_issue(a, &map, wg_row(a, b, start + i * WG_BN), stages + i * WG_STAGE, bars + 8 * i);
   }
-  // thread 0 (probe): cycles from its start until the first tiles were requested
-  const long long issue_cycles = a.probe != nullptr ? clock64() - c_start : 0;
   __syncthreads();  // the barriers are initialised before anyone waits on them
   mbar_wait(qbar, 0);
 
@@ -373,20 +205,11 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   for (int c = 0; c < NC; ++c) m_run[c] = -INFINITY, l_run[c] = 0.f;
 
   for (int j = 0; j < ntiles; ++j) {
-    const int st = K3_MLA_WG_COMPUTE_ONLY ? 0 : j % WG_STAGES;
+    const int st = j % WG_STAGES;
     const uint32_t stage = stages + st * WG_STAGE;
     // the row of the tile that will refill this stage, read now: its latency hides behind this tile
     const int refill_row = (tid == 0 && j + WG_STAGES < ntiles) ? wg_row(a, b, start + (j + WG_STAGES) * WG_BN) : 0;
-    const long long c0 = a.probe != nullptr ? clock64() : 0;
-    if (!K3_MLA_WG_COMPUTE_ONLY || j == 0) mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
-    if (a.probe != nullptr) {  // thread 0's clock cycles waiting for tiles after the first
-      if (j == 0) {
-        t_first = now_ns();
-        if (K3_MLA_WG_PROBE_CLOCK) wait_cycles = -clock64();  // the loop's cycles from here (see the flag)
-      } else if (!K3_MLA_WG_PROBE_CLOCK) {
-        wait_cycles += clock64() - c0;
-      }
-    }
+    mbar_wait(bars + 8 * st, (uint32_t)((j / WG_STAGES) & 1));
     const int pos0 = start + j * WG_BN;
     const int valid = min(WG_BN, end - pos0);  // rows of the latest token; each token masks its own below
     if (valid < WG_BN) {  // the request's last tile: zero the rows past its length (whole 128 B rows)
@@ -398,11 +221,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
       }
       fence_async_smem();
       __syncthreads();
-    }
-    if (K3_MLA_WG_DATA_ONLY) {
-      __syncthreads();
-      if (tid == 0 && j + WG_STAGES < ntiles) wg_issue(a, &map, refill_row, stage, bars + 8 * st);
-      continue;
     }
     // scores S^T = K Q^T: 36 k-steps of 16 columns (4 per 64-column box, +32 bytes each), into four
     // accumulators in turn so that consecutive wgmma do not wait for each other
@@ -493,12 +311,10 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     wg_commit();
     wg_wait_all();
     __syncthreads();  // every warp is done with this stage and with P: refill the stage
-    if (tid == 0 && j + WG_STAGES < ntiles && !K3_MLA_WG_COMPUTE_ONLY)
+    if (tid == 0 && j + WG_STAGES < ntiles)
       wg_issue(a, &map, refill_row, stage, bars + 8 * st);
   }
 
-  const unsigned long long t_loop = a.probe != nullptr ? now_ns() : 0ull;
-  if (K3_MLA_WG_PROBE_CLOCK && a.probe != nullptr) wait_cycles += clock64();
   // totals per head: the sums over this warp's rows (lanes of one t4), then over the four warps
   float* rs = red + 2 * (4 * N);
 #pragma unroll
@@ -521,8 +337,7 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
   }
   if (a.splits > 1) {
     // the normalised piece straight from the accumulators: each store instruction writes 4 heads x
-    // 8 consecutive columns, whole 32-byte sectors (staged through shared memory it took longer:
-    // commit dd95d29, 0.1-0.6 us; profiles/nvidia-h200/mla_padding/extra/direct_store_dd95d29.json)
+    // 8 consecutive columns, whole 32-byte sectors (faster than staging them in shared memory)
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
       const int col = wg_head(c, t4), h = col % ROWS, bt = b + col / ROWS, i = 4 * (c >> 1) + (c & 1);
@@ -536,8 +351,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
         if (warp == 0 && g == 0) a.part_lse[((long long)bt * a.heads + h) * a.splits + split] = lse2[c];
       }
     }
-    if (NT == 1 && a.probe != nullptr && tid == 0)
-      write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, issue_cycles);
     return;
   }
   // one piece: the bf16 result through shared memory (the ring is free now: every tile was consumed),
@@ -563,8 +376,6 @@ __global__ void __launch_bounds__(128, 1) wg_kernel(const Args a, const __grid_c
     const uint32_t hi = (uint32_t)k3_f32_to_bf16(x.z) | ((uint32_t)k3_f32_to_bf16(x.w) << 16);
     *reinterpret_cast<uint2*>(a.out + (long long)(b + t) * a.o_sb + (long long)h * a.o_sh + 4 * k) = make_uint2(lo, hi);
   }
-  if (NT == 1 && a.probe != nullptr && tid == 0)
-    write_probe(a, b, split, t_start, t_first, t_loop, ntiles, wait_cycles, issue_cycles);
 #endif  // K3_MLA_SM90
 }
 
@@ -582,9 +393,6 @@ inline PFN_cuTensorMapEncodeTiled_v12000 wg_encoder() {
   return encode;
 }
 
-#ifndef K3_MLA_WG_PROMOTION  // diagnostics: -DK3_MLA_WG_PROMOTION=CU_TENSOR_MAP_L2_PROMOTION_NONE etc.
-#define K3_MLA_WG_PROMOTION CU_TENSOR_MAP_L2_PROMOTION_L2_128B
-#endif
 inline int wg_make_map(CUtensorMap* map, const void* base, long long rows) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = wg_encoder();
   if (encode == nullptr) return -6;
@@ -593,7 +401,7 @@ inline int wg_make_map(CUtensorMap* map, const void* base, long long rows) {
   const cuuint32_t box[2] = {64, (cuuint32_t)WG_BN};
   const cuuint32_t elem[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, K3_MLA_WG_PROMOTION,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? 0 : -1000 - (int)r;
 }

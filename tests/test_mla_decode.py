@@ -1,5 +1,6 @@
-"""k3lab.ops.mla_decode: both kernels against the fp32 reference (outputs and LSE), the split-count
-rule, the padding, and bad input. On CPU the kernels run in Triton's interpreter (fp32 / fp16)."""
+"""k3lab.ops.mla_decode: the Triton kernels against the fp32 reference (outputs and LSE), the
+split-count rule, the padding, the backend table, and bad input; the study's tables from committed
+records. On CPU the kernels run in Triton's interpreter (fp32 / fp16)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,11 @@ import pytest
 import torch
 
 import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
-from k3lab import bench
+from k3lab import bench, env
 from k3lab.ops import mla_decode as mla
+from k3lab.ops.mla_decode import inputs, triton as mt
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-# 64-row bulk tiles run in Triton's interpreter only: on a GPU mla.bulk_status refuses them (an illegal
-# memory access on the H200 in every form tried); 32-row tiles run there.
-BULK_64 = mla.env.triton_interpreted()
-BULK_ROWS = 64 if BULK_64 else 32
-interpreter_bulk_64 = pytest.mark.skipif(
-    not BULK_64, reason="64-row bulk tiles are refused on a GPU (mla.bulk_status; test_bulk_64_row_tiles_are_"
-                        "refused_on_a_gpu checks the refusal); this runs in Triton's interpreter")
 
 
 def _inputs(B, Tq, H, L, dtype, *, lengths=None, paged=False, page_size=16, seed=0):
@@ -61,10 +56,10 @@ def test_before_and_after_match_reference(case, dtype):
     B, Tq, H, L, lengths, paged = CASES[case]
     q, cache, lens, kv, bt = _inputs(B, Tq, H, L, dtype, lengths=lengths, paged=paged)
     ref_o, ref_l = mla.reference(q.float(), cache.float(), lens)
-    o, lse = mla.mla_decode_before(q, kv, lens, block_table=bt)
+    o, lse = mla.mla_decode_before(q, kv, lens, block_table=bt, backend="triton")
     assert o.shape == (B, Tq, H, mla.VALUE_DIM) and o.dtype == dtype and lse.shape == (B, Tq, H)
     _check(o, lse, ref_o, ref_l, dtype, f"{case}/before")
-    o, lse = mla.mla_decode_after(q, kv, lens, block_table=bt)  # split count from the rule
+    o, lse = mla.mla_decode_after(q, kv, lens, block_table=bt, backend="triton")  # split count from the rule
     assert o.shape == (B, Tq, H, mla.VALUE_DIM) and o.dtype == dtype
     _check(o, lse, ref_o, ref_l, dtype, f"{case}/after")
 
@@ -76,7 +71,7 @@ def test_after_any_split_count(splits):
     q, cache, lens, kv, bt = _inputs(2, 2, 12, 150, torch.float32, lengths=[150, 37], paged=True, seed=splits)
     ref_o, ref_l = mla.reference(q.float(), cache.float(), lens)
     plan = mla.plan_after(q, kv, lens, block_table=bt, num_splits=splits)
-    assert plan.num_splits == splits and plan.programs == splits * 2 * 1
+    assert plan.backend == "triton" and plan.num_splits == splits and plan.programs == splits * 2 * 1
     assert plan.launches == (1 if splits == 1 else 2)
     o, lse = plan()
     _check(o, lse, ref_o, ref_l, torch.float32, f"splits{splits}")
@@ -152,7 +147,7 @@ def test_split_rule_choices():
 
 def test_plan_reuse_is_stable():
     q, cache, lens, kv, bt = _inputs(1, 1, 12, 70, torch.float32, seed=13)
-    plan = mla.plan_after(q, kv, num_splits=3)
+    plan = mla.plan_after(q, kv, num_splits=3, backend="triton")
     o1 = plan()[0].clone()
     o2 = plan()[0]
     assert torch.equal(o1, o2)
@@ -194,31 +189,33 @@ def test_bad_input():
 
 def test_aiter_absence_is_not_an_error():
     ok, why = mla.aiter_status()
-    if mla.env.detect().backend != "rocm":
+    if env.detect().backend != "rocm":
         assert not ok and "ROCm" in why
     assert isinstance(why, str) and why
 
 
 def test_launch_config_reads_the_device():
-    cfg = mla.launch_config("after", torch.bfloat16, rows=16)
-    assert cfg.block_n == 32 and cfg.num_stages >= 1
-    cfg64 = mla.launch_config("after", torch.bfloat16, rows=64)
+    cfg = mt.launch_config("after", torch.bfloat16, rows=16)
+    assert cfg.block_n == 32 and cfg.num_warps == 4 and 1 <= cfg.num_stages <= 3
+    assert mt.launch_config("after", rows=16, block_n=16).block_n == 16  # explicit arguments win
+    with pytest.raises(ValueError, match="variant"):
+        mt.launch_config("middle")
+    cfg64 = mt.launch_config("after", torch.bfloat16, rows=64)
     assert cfg64.num_warps == 8 and cfg64.block_n * mla.LATENT_DIM * 2 * cfg64.num_stages < 232448
     assert math.isclose(mla.DEFAULT_SCALE, 192 ** -0.5)
 
 
-@pytest.mark.parametrize("kernel", ["split", "bulk"])
 @pytest.mark.parametrize("page_size,block_n,splits", [(64, 32, 1), (16, 16, 1), (16, 16, 3), (32, 16, 2)])
-def test_after_paged_page_groups(page_size, block_n, splits, kernel):
+def test_after_paged_page_groups(page_size, block_n, splits):
     # Tiles inside pages: the kernel reads the block table 16 pages at a time; 300 positions in
     # pages of 16 are 19 pages, so the second group and a partial last page are exercised.
     q, cache, lens, kv, bt = _inputs(2, 2, 12, 300, torch.float32, lengths=[300, 131], paged=True,
                                      page_size=page_size, seed=page_size + splits)
     ref_o, ref_l = mla.reference(q, cache, lens)
-    plan = mla.plan_after(q, kv, lens, block_table=bt, num_splits=splits, block_n=block_n, kernel=kernel)
-    assert plan.config.block_n == block_n and plan.kernel == kernel
+    plan = mt.plan_after(q, kv, lens, block_table=bt, num_splits=splits, block_n=block_n)
+    assert plan.config.block_n == block_n and plan.backend == "triton"
     o, lse = plan()
-    _check(o, lse, ref_o, ref_l, torch.float32, f"page{page_size}/bn{block_n}/s{splits}/{kernel}")
+    _check(o, lse, ref_o, ref_l, torch.float32, f"page{page_size}/bn{block_n}/s{splits}")
 
 
 def test_study_checks_and_records():
@@ -256,37 +253,23 @@ def test_study_tables_from_committed_h200_records():
 def test_after_second_page_group_and_tile_tail():
     # 1100 positions in pages of 16 are 69 pages: more than the 64 block-table entries one group
     # holds, so the kernel reloads the table mid-piece; 1100 is not a multiple of the 16-row tile.
-    assert mla._page_groups(1100, 1, 16, 16) == 64 and mla._piece_len(1100, 1, 16) == 1104
+    assert mt.page_groups(1100, 1, 16, 16) == 64 and inputs.piece_len(1100, 1, 16) == 1104
     q, cache, lens, kv, bt = _inputs(1, 1, 4, 1100, torch.float32, lengths=[1100], paged=True, seed=17)
     ref_o, ref_l = mla.reference(q, cache, lens)
-    o, lse = mla.plan_after(q, kv, lens, block_table=bt, num_splits=1, block_n=16)()
+    o, lse = mt.plan_after(q, kv, lens, block_table=bt, num_splits=1, block_n=16)()
     _check(o, lse, ref_o, ref_l, torch.float32, "two page groups")
 
 
-def test_merge_in_several_tiles_with_empty_pieces():
+def test_merge_with_many_empty_pieces():
     # 100 pieces of a ragged batch: pieces are cut from the longest request (150 -> 16 positions
-    # each), so the 20-long request fills 2 and the other 98 of its programs are empty; with 128
-    # value columns per merge program the merge walks the pieces in tiles of 64 (not one shot).
+    # each), so the 20-long request fills 2 and the other 98 of its programs are empty (zero weight)
     q, cache, lens, kv, bt = _inputs(2, 1, 4, 150, torch.float32, lengths=[150, 20], paged=True, seed=19)
     ref_o, ref_l = mla.reference(q, cache, lens)
-    assert mla._piece_len(150, 100, 16) == 16
-    plan = mla.plan_after(q, kv, lens, block_table=bt, num_splits=100, block_n=16, merge_dv=128)
-    assert mla.MERGE_TILE_ELEMS // 128 < 128  # the merge's SPLIT_TILE is below SPLITS_P2 here
+    assert inputs.piece_len(150, 100, 16) == 16
+    plan = mt.plan_after(q, kv, lens, block_table=bt, num_splits=100, block_n=16)
+    assert plan.num_splits == 100 and plan.launches == 2
     o, lse = plan()
-    _check(o, lse, ref_o, ref_l, torch.float32, "merge tiles")
-    with pytest.raises(ValueError, match="merge_dv"):
-        mla.plan_after(q, kv, lens, block_table=bt, merge_dv=24)
-
-
-def test_launch_config_from_environment(monkeypatch):
-    # a measured decode configuration (K3LAB_MLA_AFTER_CONFIG) applies to 16-row programs only
-    monkeypatch.setenv("K3LAB_MLA_AFTER_CONFIG", "64,8,2")  # (64, *, 1) is refused on a GPU (round 4 fault)
-    assert mla.launch_config("after", rows=16) == mla.LaunchConfig(64, 8, 2)
-    assert mla.launch_config("after", rows=64).num_warps == 8 and mla.launch_config("after", rows=64).block_n == 32
-    assert mla.launch_config("after", rows=16, block_n=16).block_n == 16  # explicit arguments win
-    monkeypatch.setenv("K3LAB_MLA_AFTER_CONFIG", "64x8")
-    with pytest.raises(ValueError, match="K3LAB_MLA_AFTER_CONFIG"):
-        mla.launch_config("after", rows=16)
+    _check(o, lse, ref_o, ref_l, torch.float32, "many empty pieces")
 
 
 def test_merge_early_launch_compiles_for_hopper():
@@ -302,26 +285,9 @@ def test_merge_early_launch_compiles_for_hopper():
     row = mix.set_index("kernel")
     assert row.loc["after", "griddepcontrol"] >= 1 and row.loc["merge", "griddepcontrol"] >= 1
     assert row.loc["before", "griddepcontrol"] == 0
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="pdl=True"):
-            mla.plan_after(*_inputs(1, 1, 4, 40, torch.float32)[:3], pdl=True)
+    if not torch.cuda.is_available():  # no GPU: the merge launches after the split kernel, and says so
+        assert not mt.pdl_usable()
         assert mla.plan_after(*_inputs(1, 1, 4, 40, torch.float32)[:3], num_splits=2).pdl is False
-
-
-# ------------------------------------------------------------------------------------------------
-# the bulk-copy after kernel (whole tiles by Hopper TMA; Triton's interpreter emulates the copies)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_split_kernel_still_matches_reference(case):
-    # the per-thread-copy kernel, explicitly (the default while the bulk kernel is opt-in)
-    B, Tq, H, L, lengths, paged = CASES[case]
-    q, cache, lens, kv, bt = _inputs(B, Tq, H, L, torch.float32, lengths=lengths, paged=paged)
-    ref_o, ref_l = mla.reference(q, cache, lens)
-    plan = mla.plan_after(q, kv, lens, block_table=bt, kernel="split")
-    assert plan.kernel == "split"
-    o, lse = plan()
-    _check(o, lse, ref_o, ref_l, torch.float32, f"{case}/split")
 
 
 def _poison_past_lengths(pool, bt, lengths, page_size):
@@ -341,152 +307,62 @@ def _poison_past_lengths(pool, bt, lengths, page_size):
     return pool
 
 
-@pytest.mark.parametrize("kernel", ["bulk", "split"])
-def test_rows_past_the_length_are_never_read(kernel):
+def test_rows_past_the_length_are_never_read():
     # Rows past a request's length may hold anything (NaN here): a tile that straddles the length
     # must take them out of both products (0 x NaN would poison the value sum), and pages past it
-    # must not be touched. 200 = 3 whole tiles of 64 + 8 rows; 75 = 1 tile + 11 rows.
+    # must not be touched. 200 = 6 whole tiles of 32 + 8 rows; 75 = 2 tiles + 11 rows.
     lengths = [200, 75]
     q, cache, lens, pool, bt = _inputs(2, 1, 12, 256, torch.float32, lengths=lengths, paged=True, page_size=64,
                                        seed=23)
     pool = _poison_past_lengths(pool, bt, lengths, 64)
     ref_o, ref_l = mla.reference(q, cache, lens)
-    rows = {"block_n": BULK_ROWS} if kernel == "bulk" else {}
     for splits in (1, 3):
-        plan = mla.plan_after(q, pool, lens, block_table=bt, num_splits=splits, kernel=kernel, **rows)
-        o, lse = plan()
+        o, lse = mla.plan_after(q, pool, lens, block_table=bt, num_splits=splits, backend="triton")()
         assert torch.isfinite(o).all() and torch.isfinite(lse).all()
-        _check(o, lse, ref_o, ref_l, torch.float32, f"{kernel}/poisoned/s{splits}")
+        _check(o, lse, ref_o, ref_l, torch.float32, f"poisoned/s{splits}")
 
 
-@interpreter_bulk_64
-@pytest.mark.parametrize("q_len", [1, 4, 8])
-def test_bulk_verify_groups_cross_tiles(q_len):
-    # A verify group's positions straddle a 64-row tile boundary (length 130: tokens at 122..129 for
-    # q_len 8), so a whole tile in the bulk loop is seen only in part (causal mask there) and the
-    # rest falls in the masked tail; 64-row groups (q_len > 4) run as two token groups.
-    lengths = [130, 67]
-    q, cache, lens, kv, bt = _inputs(2, q_len, 12, 130, torch.float16, lengths=lengths, paged=True, page_size=64,
-                                     seed=29 + q_len)
-    ref_o, ref_l = mla.reference(q.float(), cache.float(), lens)
-    for splits in (1, 2):
-        plan = mla.plan_after(q, kv, lens, block_table=bt, num_splits=splits, kernel="bulk")
-        assert plan.kernel == "bulk" and plan.config.block_n == 64
-        o, lse = plan()
-        _check(o, lse, ref_o, ref_l, torch.float16, f"bulk/q{q_len}/s{splits}")
+def test_backend_table_and_forcing_by_name(monkeypatch):
+    """The dispatcher takes the first available backend that takes the inputs; backend= or
+    K3LAB_MLA_BACKEND forces one by name; an unknown name or an unavailable backend is a clear error."""
+    assert [b.name for b in sorted(mla.BACKENDS.values(), key=lambda b: b.priority)] == ["cuda", "triton", "aiter"]
+    for b in mla.BACKENDS.values():
+        ok, why = b.available()
+        assert isinstance(ok, bool) and isinstance(why, str) and why
+    q, cache, lens, _, _ = _inputs(1, 1, 12, 96, torch.float32, lengths=[96])
+    name, why = mla.choose_backend("after", q, cache, lens)
+    assert name == "triton"  # fp32: the CUDA kernels take bf16 only
+    if not mla.BACKENDS["cuda"].available()[0]:
+        assert "cuda" in why
+    assert mla.choose_backend("after", q, cache, lens, pad="copy")[0] == "triton"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        mla.plan_after(q, cache, lens, backend="tma")
+    monkeypatch.setenv(mla.BACKEND_ENV, "nope")
+    with pytest.raises(ValueError, match=mla.BACKEND_ENV):
+        mla.plan_after(q, cache, lens)
+    monkeypatch.setenv(mla.BACKEND_ENV, "triton")
+    assert mla.plan_after(q, cache, lens).backend == "triton"
+    assert mla.plan_before(q, cache, lens).backend == "triton"
+    monkeypatch.delenv(mla.BACKEND_ENV)
+    if not mla.BACKENDS["aiter"].available()[0]:
+        with pytest.raises(mla.BackendUnavailable, match="'aiter' cannot run here"):
+            mla.plan_after(q, cache, lens, backend="aiter")
+    with pytest.raises(ValueError, match="form"):
+        mla.plan_after(q, cache, lens, backend="triton", form="wgmma")
 
 
-@pytest.mark.skipif(DEV != "cpu", reason="on a GPU plan_after's default after is the CUDA or 32-row kernels "
-                    "(mla_decode_cuda, bulk_status); this checks the choice in Triton's interpreter")
-def test_bulk_contiguous_cache_and_kernel_choice(monkeypatch):
-    assert mla.plan_after(*_inputs(1, 1, 12, 64, torch.float32)[:3]).kernel == "split"  # bulk is opt-in for now
-    monkeypatch.setattr(mla, "BULK_DEFAULT", True)
-    q, cache, lens, _, _ = _inputs(2, 2, 12, 150, torch.float32, lengths=[150, 64], seed=31)
-    ref_o, ref_l = mla.reference(q, cache, lens)
-    plan = mla.plan_after(q, cache, lens, num_splits=2, kernel="bulk")
-    assert plan.kernel == "bulk" and plan.facts()["kernel"] == "bulk"
-    assert mla.plan_after(q, cache, lens).kernel == "split"  # verify groups: split by default
-    assert mla.plan_after(q[:, :1], cache, lens).kernel == "bulk"  # one-token decode: bulk
-    _check(*plan(), ref_o, ref_l, torch.float32, "bulk/contiguous")
-    # a cache whose rows are not laid end to end (every other position of a bigger buffer): the
-    # split kernel runs by default, and asking for bulk is refused by name
-    wide = torch.randn(2, 300, mla.LATENT_DIM)
-    strided = wide[:, ::2]
-    ok, why = mla.bulk_status(strided)
-    assert not ok and "end to end" in why
-    assert mla.plan_after(q, strided, lens).kernel == "split"
-    with pytest.raises(ValueError, match="kernel='bulk'"):
-        mla.plan_after(q, strided, lens, kernel="bulk")
-    with pytest.raises(ValueError, match="kernel must be"):
-        mla.plan_after(q, cache, lens, kernel="tma")
-    pool, bt = mla.to_paged(cache, 16)
-    assert mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk").config.block_n == 16  # inside a page
-    with pytest.raises(ValueError, match="cross a page"):
-        mla.plan_after(q, pool, lens, block_table=bt, block_n=32, kernel="bulk")
-    monkeypatch.setenv("K3LAB_MLA_KERNEL", "split")
-    assert mla.plan_after(q[:, :1], cache, lens).kernel == "split"
-
-
-def test_bulk_kernel_compiles_for_hopper():
-    # compiled for sm_90 here (no GPU needed): both products of the bulk kernel on wgmma, its tiles
-    # by bulk tensor copies, no spills, and shared memory for two programs per H200 SM (228 KB)
-    from k3lab.studies import mla_padding as study
-
-    mix = study.instruction_mix()
-    if "note" in mix:
-        if _has_nvidia_backend():  # the compiler is here: a failed compile is a failure, not a skip
-            pytest.fail(f"sm_90 compile failed: {mix['note'].iloc[0]}")
-        pytest.skip(f"no sm_90 compile here: {mix['note'].iloc[0]}")
-    row = mix.set_index("kernel").loc["after_bulk"]
-    assert row["wgmma"] >= 68 and row["bulk_copies"] >= 1  # 36 score + 32 value wgmma per 64-row tile
-    assert row["spill_bytes"] in (0, None) and row["registers"] <= 255
-    assert 2 * (row["shared_kb"] + 1) <= 228
-
-
-@interpreter_bulk_64
-@pytest.mark.parametrize("options", ["kc_bulk=0", "kpe=bulk", "kpe=load", "sum=row", "kc_bulk=0,kpe=load,sum=row",
-                                     "tail=64"])
-def test_bulk_kernel_forms(options, monkeypatch):
-    # the forms a GPU run uses to find which piece of the bulk kernel goes wrong there: each must
-    # match the reference here (two tiles and a partial one per piece, verify causality, NaN past
-    # the lengths)
-    monkeypatch.setenv("K3LAB_MLA_BULK_OPTIONS", options)
-    lengths = [200, 75]
-    q, cache, lens, pool, bt = _inputs(2, 2, 12, 256, torch.float32, lengths=lengths, paged=True, page_size=64,
-                                       seed=37)
-    pool = _poison_past_lengths(pool, bt, lengths, 64)
-    ref_o, ref_l = mla.reference(q, cache, lens)
-    plan = mla.plan_after(q, pool, lens, block_table=bt, num_splits=2, kernel="bulk")
-    assert plan.facts()["bulk_options"] == mla._bulk_options()
-    _check(*plan(), ref_o, ref_l, torch.float32, f"bulk/{options}")
-    monkeypatch.setenv("K3LAB_MLA_BULK_OPTIONS", "kpe=tma")
-    with pytest.raises(ValueError, match="K3LAB_MLA_BULK_OPTIONS"):
-        mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk")
-
-
-@interpreter_bulk_64
-def test_bulk_options_argument_three_buffers():
-    # plan_after(bulk_options=...) (the study's '.bulk_bn64w4s3t64' points): three 64-row copy
-    # buffers and the 64-row tail step, on two requests whose lengths end inside a tile
-    lengths = [300, 130]
-    q, cache, lens, pool, bt = _inputs(2, 1, 12, 320, torch.float32, lengths=lengths, paged=True, page_size=64,
-                                       seed=43)
-    pool = _poison_past_lengths(pool, bt, lengths, 64)
-    plan = mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk", block_n=64, num_warps=4, num_stages=3,
-                          bulk_options="tail=64", num_splits=2)
-    assert plan.bulk_options["TAIL_N"] == 64 and plan.config.num_stages == 3
-    _check(*plan(), *mla.reference(q, cache, lens), torch.float32, "bulk/s3/tail64")
-    with pytest.raises(ValueError, match="kernel='bulk'"):
-        mla.plan_after(q, pool, lens, block_table=bt, kernel="split", bulk_options="tail=64")
-    with pytest.raises(ValueError, match="bulk options"):
-        mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk", bulk_options="tail=48")
-
-
-def test_bulk_launch_configuration_from_environment(monkeypatch):
-    # a measured one-token configuration (K3LAB_MLA_AFTER_CONFIG) reaches the bulk kernel too; a tile
-    # that would cross a page is refused by name
-    q, cache, lens, pool, bt = _inputs(1, 1, 12, 128, torch.float32, lengths=[128], paged=True, page_size=64, seed=41)
-    monkeypatch.setenv("K3LAB_MLA_AFTER_CONFIG", "32,8,1")
-    plan = mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk", num_splits=2)
-    assert plan.config == mla.LaunchConfig(32, 8, 1)
-    _check(*plan(), *mla.reference(q, cache, lens), torch.float32, "bulk/env config")
-    pool16, bt16 = mla.to_paged(cache, 16)
-    with pytest.raises(ValueError, match="cross a page"):
-        mla.plan_after(q, pool16, lens, block_table=bt16, kernel="bulk")
-
-
-def test_after_says_which_kernel_runs_and_runs_triton_without_the_cuda_kernel():
+def test_after_says_which_backend_runs_and_runs_triton_without_the_cuda_kernel():
     ok, why = mla.cuda_after_status()
     if not torch.cuda.is_available():
         assert not ok and "GPU" in why  # on a CPU the Triton kernels run (interpreter), and it says so
         q = torch.randn(1, 1, 12, mla.LATENT_DIM)
         cache = torch.randn(1, 96, mla.LATENT_DIM)
         plan = mla.plan_after(q, cache, torch.tensor([96]))
-        assert isinstance(plan, mla.DecodePlan) and plan.kernel == "split"
+        assert isinstance(plan, mla.DecodePlan) and plan.backend == "triton" and plan.facts()["backend"] == "triton"
         with pytest.raises(RuntimeError, match="cannot run here"):
-            mla.plan_after(q.bfloat16(), cache.bfloat16(), torch.tensor([96]), kernel="cuda")
-    with pytest.raises(ValueError, match="kernel"):
-        mla.plan_after(torch.randn(1, 1, 12, mla.LATENT_DIM), torch.randn(1, 96, mla.LATENT_DIM), kernel="wgmma")
+            mla.plan_after(q.bfloat16(), cache.bfloat16(), torch.tensor([96]), backend="cuda")
+        with pytest.raises(RuntimeError, match="cannot run here"):  # a CUDA form asks for the CUDA backend
+            mla.plan_after(q.bfloat16(), cache.bfloat16(), torch.tensor([96]), form="wgmma")
 
 
 def test_committed_read_floors_beside_the_decode(tmp_path):
@@ -606,19 +482,6 @@ def test_committed_probe_runs_read_as_timelines():
             assert (df["dur_us"] >= -0.05).all(), label  # the global timer's grain
             loop_end = df.loc[df["category"] == "write piece", "start_us"].max()
             assert df.loc[df["category"] == "merge", "start_us"].min() >= loop_end - 0.05, label
-
-
-@pytest.mark.skipif(BULK_64, reason="in Triton's interpreter 64-row bulk tiles run (the tests above)")
-def test_bulk_64_row_tiles_are_refused_on_a_gpu():
-    # on a GPU the 64-row bulk kernel is refused by name, and the 32-row one runs right
-    lengths = [200, 75]
-    q, cache, lens, pool, bt = _inputs(2, 1, 12, 256, torch.float32, lengths=lengths, paged=True, page_size=64,
-                                       seed=41)
-    with pytest.raises(ValueError, match="illegal memory access"):
-        mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk", block_n=64)
-    plan = mla.plan_after(q, pool, lens, block_table=bt, kernel="bulk", block_n=32, num_splits=2)
-    assert plan.kernel == "bulk" and plan.config.block_n == 32
-    _check(*plan(), *mla.reference(q, cache, lens), torch.float32, "bulk/bn32")
 
 
 def test_committed_target_bounds(tmp_path):

@@ -1,49 +1,26 @@
-// kda_prologue.cu: the chunk-local prologue of chunked KDA (seed section 5), one launch, hand-written.
+// kda_prologue.cu: the chunk prologue of KDA prefill (seed section 5) in one launch, for NVIDIA GPUs.
 //
-// Every (chunk of 64 tokens, head) is independent: from q, k, v (bf16), g (fp32 log-decay) and beta
-// it writes what the walks need (k3lab.ops.kda_scan_math.ChunkQuantities, in kda_chunk's layout):
-//   Qg  = scale q e^G                 [64 x 128] bf16     (G: cumulative log-decay inside the chunk)
-//   Kd^T = (k e^(G_last - G))^T       [128 x 64] bf16,    d = e^G_last [128] fp32
-//   Aqk[i, j] = scale sum_c q_ic k_jc e^(G_ic - G_jc), j <= i          [64 x 64] bf16
-//   Akk[i, j] = beta_i sum_c k_ic k_jc e^(G_ic - G_jc), j < i          (fp32, stays on chip)
-//   R = (I + Akk)^-1 in fp32; W = R (beta k e^G), U = R (beta v), R rounded to bf16 only here
-//   (the seed's precision note: the inverse's inputs and intermediates stay fp32).
-// The Triton 'rows' prologue (k3lab/ops/kda_chunk.py) does the same in three launches; its A launch
-// alone ran at 2 programs per SM with 255 registers and took 277 of the prologue's 406 us at 12 heads
-// x 16K tokens on the H200. Here one block of 8 warps holds a whole chunk in shared memory (93 KB,
-// 120 registers: two blocks per SM) and every stage reads it from there:
-//   1. cp.async brings g (first, so the column scan can start) then q, k, v; rows past a sequence's
-//      end are zero-filled (k = 0, g = 0, beta = 0: no-op tokens);
-//   2. thread c scans column c: G in place of g (in base-2 units, so every decay is one ex2),
-//      P_b = G before 16-row block b, the block spreads;
-//   3. Qg (16-byte rows, warps 4-5) and Kd^T (thread c writes row c, warps 0-3) straight to memory;
-//   4. the A's on tensor cores in tf32 (m16n8k8, fp32 accumulation) over 16-row blocks: for row block
-//      I and column block J <= I, e^(G_i - G_j) = e^(G_i - P_I) e^(P_I - G_j); the left factor is
-//      <= 1, the right one <= 1 below the diagonal block and <= e^(spread of block I) on it. Ten
-//      (I, J) pairs over 8 warps (row block 1's split by channel halves between warps 6 and 7). A
-//      chunk whose block spread exceeds SPREAD (K3's gate, g > -5, allows up to 80 over 16 rows) has
-//      those diagonal blocks summed exactly, pair by pair, instead;
-//   5. the inverse in fp32: the four 16 x 16 diagonal blocks by forward substitution (one thread per
-//      column), then R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ by distance from the diagonal, one warp
-//      per block, each product in three tf32 passes (fp32-class);
-//   6. W and U on tensor cores in bf16 (m16n8k16; B operands by ldmatrix.trans; W on warps 0-3, U on
-//      4-7), staged in shared memory and written as 16-byte rows.
-// Shared memory rows are padded (q, k, v: 272 bytes; G: 528) so that the mma fragment reads and the
-// ldmatrix rows fall in distinct banks.
-//
-// Measured on the H200 (12 heads x 16K tokens, bf16, eager device events; profiles/nvidia-h200/
-// kda_scan, run 6 at ec8884d): 242 us against 410 for the Triton 'rows' prologue in the same run, the
-// after 561 us (before 728, fla's chunk_kda 999). The timeline probe (Args.probe) of one launch: per
-// block about 20 us, of which the A's 8.5, loads 3.3, the off-diagonal inverse 2.8, W/U's factors 2.0,
-// Qg / Kd^T 1.5, W and U 1.0; ncu: 25% occupancy (16 warps per SM, bound by registers and shared
-// memory alike), L1/shared pipe 69% busy, DRAM 31%: the launch is latency-bound, 2.2x over its
-// memory floor (about 110 us for the 467 MB it moves). Tried and dropped: fp16 left operands made
-// once per element with fp16 m16n8k16 below the diagonal (7f8dc66: 249 us, and its GPU checks failed).
-//
-// Build: nvcc for sm_80 and later (cp.async, tf32 mma); k3lab builds it for the device's own
-// architecture. Elsewhere (HIP) a stub whose launcher returns K3_KP_UNSUPPORTED, so kernels/*.cu
-// keeps compiling for every target; AMD would need its own MFMA kernel (not yet run on AMD hardware
-// by this project).
+// What: per (chunk of 64 tokens, head), from q, k, v (bf16), g (fp32 log-decay) and beta, what the walks
+// read (k3lab.ops.kda_chunk.scan_math.ChunkQuantities, in kda_chunk.Work's layout): Qg = scale q e^G,
+// Kd^T = (k e^(G_last - G))^T, d = e^G_last (fp32), Aqk (bf16, zeros above the diagonal), and from
+// Akk (fp32, on chip) R = (I + Akk)^-1 in fp32, W = R (beta k e^G), U = R (beta v), R rounded to bf16
+// only there (the seed's precision note). G: the cumulative log-decay inside the chunk.
+// Layout: one block of 8 warps per (chunk, head), the chunk held in shared memory (93 KB, 120
+// registers: two blocks per SM); every stage reads it from there:
+//   1. cp.async brings g, then q, k, v; rows past a sequence's end are zero-filled (no-op tokens);
+//   2. thread c scans column c: G in base-2 units (every decay one ex2), P_b = G before 16-row block b;
+//   3. Qg (warps 4-5) and Kd^T (warps 0-3) straight to memory;
+//   4. the A's on tensor cores in tf32 (m16n8k8) over 16-row blocks, e^(G_i - G_j) = e^(G_i - P_I)
+//      e^(P_I - G_j): both factors <= 1 off the diagonal, the right one <= e^(block spread) on it; ten
+//      (I, J) pairs over 8 warps. A diagonal block whose spread exceeds Args.spread is summed exactly;
+//   5. the inverse in fp32: diagonal 16 x 16 blocks by forward substitution (a thread per column), the
+//      rest by distance from the diagonal, a warp per block, products in three tf32 passes;
+//   6. W and U in bf16 m16n8k16 (ldmatrix.trans B operands), written as 16-byte rows.
+// Shared rows are padded (q, k, v: 272 bytes; G: 528) so fragment reads fall in distinct banks.
+// Why: the Triton prologue needs three launches and its A launch runs at 2 programs per SM; here every
+// stage reuses the chunk from shared memory in one launch. Limits: K = V = 128, bf16, sm_80 or later;
+// the HIP build is a stub returning K3_KP_UNSUPPORTED (AMD needs its own MFMA kernel; not yet run on
+// AMD hardware by this project). Figures (H200, against the Triton prologue): docs/kda_scan.md.
 #include "k3lab_mma.h"
 
 #define K3_KP_UNSUPPORTED (-5)
@@ -79,14 +56,7 @@ struct Args {
   int n_chunks, H;
   float scale;
   float spread;  // largest block decay spread (natural log) the factored diagonal accepts
-  // Timeline probe (diagnostics only; null in normal use): the kernel instantiated with PROBE writes,
-  // per block, PROBE_WORDS u64 at probe[(chunk * H + h) * PROBE_WORDS]: the global timer (ns) at its
-  // start and after each stage's barrier (loads of g, all loads, Qg and Kd^T (a barrier only the probe
-  // build has), the A's, W/U's factors, the diagonal inverse, the off-diagonal inverse, W and U), at
-  // its end, and its SM id.
-  unsigned long long* probe;
 };
-constexpr int PROBE_WORDS = 11;
 
 }  // namespace k3kp
 
@@ -368,21 +338,8 @@ K3_DEVICE void tile_out(const k3_bf16* X, k3_bf16* dst, int tid) {
   }
 }
 
-K3_DEVICE unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-template <bool PROBE>
 __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  unsigned long long stamp[PROBE_WORDS - 1];
-  int n_stamp = 0;
-  auto mark = [&]() {
-    if (PROBE) stamp[n_stamp++] = now_ns();
-  };
-  mark();
   const Smem s = carve(smem_raw);
   const int chunk = blockIdx.x, h = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -415,7 +372,6 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
   if (tid == 0) *s.wide = 0;
   cp_wait<1>();
   __syncthreads();
-  mark();
 
   // 2. column scan: thread c turns column c of g into G, records P_b and the block spreads
   if (tid < K) {
@@ -438,7 +394,6 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
   }
   cp_wait<0>();
   __syncthreads();
-  mark();
   const int wide = *s.wide;
 
   // 3. warps 4-5: Qg rows (16 bytes per thread and step); warps 0-3: Kd^T row c and d[c] by thread
@@ -477,11 +432,6 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
     }
   }
 
-  if (PROBE) {
-    __syncthreads();
-    mark();
-  }
-
   // 4. the A's, (row block I, column block J) pairs: warps 0-3 (3, 0..3), warps 4-6 (2, 0..2), warp 6
   // also (1, 0..1) over the first 64 channels and warp 7 over the last 64, then (0, 0). Each (I, J)
   // costs the same right-operand work; each distinct I a warp takes costs its left operand again,
@@ -510,7 +460,6 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
       if ((wide >> b) & 1) ex[b] = exact_diag(s, b, tid);
   }
   __syncthreads();  // q and k are no longer read as such
-  mark();
   if (warp < 7) a_store<2>(s, akk, aqk, a.scale, bI, 16 * bJ, skip, ak2, aq2, g, t);
   if (warp == 7) {
 #pragma unroll
@@ -562,7 +511,6 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
     *reinterpret_cast<uint4*>(s.v + row * XP + c8) = make_uint4(ov[0], ov[1], ov[2], ov[3]);
   }
   __syncthreads();  // Akk complete; G no longer needed: R and the scratch take its place
-  mark();
 
   // 5. R = (I + Akk)^-1 in fp32. Diagonal blocks: thread (b, j) solves column j of block b.
   float* R = s.G;
@@ -582,7 +530,6 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
     for (int i = 0; i < 16; ++i) R[(16 * b + i) * AP + 16 * b + j] = x[i];
   }
   __syncthreads();
-  mark();
   // off-diagonal blocks by distance dd from the diagonal, one warp per block (I, I - dd), in three
   // tf32 passes (fp32-class products on the tensor cores)
 #pragma unroll 1
@@ -590,39 +537,18 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
     if (warp < NB - dd) inverse_block(akk, R, T + warp * 16 * TP, dd + warp, warp, lane);
     __syncthreads();
   }
-  mark();
 
   // 6. W = R (beta k e^G), U = R (beta v), each warp its 32 columns, then 16-byte rows out
   r_times(R, warp < 4 ? s.k : s.v, warp & 3, lane);
   __syncthreads();
-  mark();
   tile_out(s.k, a.w + item * C * K, tid);
   tile_out(s.v, a.u + item * C * K, tid);
-  if (PROBE) {
-    __syncthreads();
-    mark();
-    if (tid == 0) {
-      unsigned int sm;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      unsigned long long* p = a.probe + item * PROBE_WORDS;
-      for (int i = 0; i < PROBE_WORDS - 1; ++i) p[i] = stamp[i];
-      p[PROBE_WORDS - 1] = sm;
-    }
-  }
 }
 
 }  // namespace k3kp
 
 K3_EXPORT int k3_kda_prologue_supported() { return 1; }
 K3_EXPORT int k3_kda_prologue_args_size() { return (int)sizeof(k3kp::Args); }
-K3_EXPORT int k3_kda_prologue_smem() { return k3kp::SMEM_BYTES; }
-K3_EXPORT int k3_kda_prologue_probe_words() { return k3kp::PROBE_WORDS; }
-
-K3_EXPORT int k3_kda_prologue_regs() {
-  cudaFuncAttributes attr;
-  const cudaError_t e = cudaFuncGetAttributes(&attr, k3kp::prologue_kernel<false>);
-  return e == cudaSuccess ? attr.numRegs : -(int)e;
-}
 
 // One launch, grid (n_chunks, H). Returns 0, -3 (more shared memory than max_shared), -4 (bad sizes)
 // or the CUDA runtime's error code.
@@ -632,27 +558,19 @@ K3_EXPORT int k3_kda_prologue(const k3kp::Args* args, int max_shared, void* stre
   if (k3kp::SMEM_BYTES > max_shared) return -3;
   static bool configured = false;  // the opt-in above 48 KB, once per process
   if (!configured) {
-    for (auto kernel : {k3kp::prologue_kernel<false>, k3kp::prologue_kernel<true>}) {
-      const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, k3kp::SMEM_BYTES);
-      if (e != cudaSuccess) return (int)e;
-    }
+    const cudaError_t e = cudaFuncSetAttribute(k3kp::prologue_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               k3kp::SMEM_BYTES);
+    if (e != cudaSuccess) return (int)e;
     configured = true;
   }
-  const dim3 grid(a.n_chunks, a.H);
-  if (a.probe != nullptr)
-    k3kp::prologue_kernel<true><<<grid, k3kp::THREADS, k3kp::SMEM_BYTES, (cudaStream_t)stream>>>(a);
-  else
-    k3kp::prologue_kernel<false><<<grid, k3kp::THREADS, k3kp::SMEM_BYTES, (cudaStream_t)stream>>>(a);
+  k3kp::prologue_kernel<<<dim3(a.n_chunks, a.H), k3kp::THREADS, k3kp::SMEM_BYTES, (cudaStream_t)stream>>>(a);
   return (int)cudaGetLastError();
 }
 
-#else  // HIP: no cp.async / tf32 mma path; the launchers say so
+#else  // HIP: no cp.async / tf32 mma path; the launcher says so
 
 K3_EXPORT int k3_kda_prologue_supported() { return 0; }
 K3_EXPORT int k3_kda_prologue_args_size() { return (int)sizeof(k3kp::Args); }
-K3_EXPORT int k3_kda_prologue_smem() { return -1; }
-K3_EXPORT int k3_kda_prologue_probe_words() { return k3kp::PROBE_WORDS; }
-K3_EXPORT int k3_kda_prologue_regs() { return K3_KP_UNSUPPORTED; }
 K3_EXPORT int k3_kda_prologue(const k3kp::Args*, int, void*) { return K3_KP_UNSUPPORTED; }
 
 #endif

@@ -1,40 +1,25 @@
-// kda_walk.cu: the chunk walks of chunked KDA prefill (seed section 5), hand-written for the
-// group scan's two walking launches: the summaries and the replay (k3lab/ops/kda_chunk.py).
+// kda_walk.cu: the walking launches of KDA prefill's group scan (seed section 5), for NVIDIA GPUs:
+// the summaries and the replay (k3lab.ops.kda_chunk.cuda; the scan between them stays Triton).
 //
-// Both walk a group's chunks in order, carrying a 128 x 64 fp32 tile X of a state-like matrix on chip:
+// What: both walk a group's chunks in order, carrying a 128 x 64 fp32 tile X of a state-like matrix:
 //   replay:    E = U - W S;  O = Qg S + Aqk E (written);  S <- diag(d) S + Kd^T E
-//              (tile = 64 value columns of the state; starts from the scan's S_in or the initial state)
+//              (tile = 64 value columns of the state, from the scan's starting state)
 //   summaries: E = R - W X;  X <- diag(d) X + Kd^T E, from X = 0
 //              (tile = 64 columns of N (R = -W diag(D so far), D tracked exactly) or of b (R = U))
-// The Triton walks (_walk_kernel, _summary_kernel) do the same. Here one block of 8 warps per
-// (tiles, head, group):
-//   * cp.async double buffering: chunk t + 1's W, Kd^T, d (and U, Qg, Aqk) are copied into shared
-//     memory while chunk t is computed, into tiles with an XOR swizzle of their 16-byte pieces so the
-//     ldmatrix reads below fall in distinct banks; each thread's swizzled offsets are computed once;
-//   * bf16 m16n8k16 mma.sync for every product, operands by ldmatrix (B operands transposed), fp32
-//     accumulation; X lives in registers in the accumulator layout (warp w: rows 16w .. 16w + 15) and
-//     is rounded to bf16 in shared memory once per chunk as the next chunk's B operand, as the Triton
-//     walks round it (the same numbers, up to summation order);
-//   * two barriers per chunk: after the copy wait (the chunk's tiles and X are visible, the other
-//     buffer is free) and after E (its bf16 copy complete);
-//   * the replay takes both 64-column halves of the state in one block when that still gives every
-//     SM a block (TILES = 2: W, Qg, Aqk and Kd^T fragments read once for both halves).
-// Shared memory: replay 2 x 72.5 KB stages + 48 KB (one block per SM), summaries 2 x 40.5 KB + 24 KB
+// Layout: one block of 8 warps per (tiles, head, group). Chunk t + 1's W, Kd^T, d (and U, Qg, Aqk) are
+// copied into shared memory by cp.async while chunk t is computed (two stages), into tiles whose
+// 16-byte pieces are XOR-swizzled so ldmatrix reads fall in distinct banks (each thread's offsets
+// computed once). Every product is bf16 m16n8k16 mma.sync with fp32 accumulation; X lives in registers
+// in the accumulator layout (warp w: rows 16w .. 16w + 15) and is rounded to bf16 in shared memory once
+// per chunk as the next B operand, as the Triton walks round it. Two barriers per chunk: after the copy
+// wait and after E. The replay takes both 64-column halves of the state in one block when that still
+// gives every SM a block (W, Qg, Aqk and Kd^T fragments read once for both halves).
+// Shared memory: replay 2 x 72.5 KB stages + 48 KB (one block per SM); summaries 2 x 40.5 KB + 24 KB
 // (two per SM).
-//
-// Measured on the H200 (12 heads x 16K tokens, group size 24, each launch alone on the same prologue
-// outputs, eager device events; profiles/nvidia-h200/kda_scan/extra/walk_bench_*): summaries 124 us
-// (Triton 156), replay 114 (Triton 127; one state half per block 137); the after 512-514 us against
-// 557-562 with the Triton walks. ncu of the replay: the tensor pipe 31% busy (a third of the H200's
-// dense bf16 rate, about half of what mma.sync reaches), 2 warps per scheduler, stalls on shared
-// memory and fixed-latency dependencies; 16 warps per block (two groups of one half each) measured
-// the same 114 us (3dc33ae; removed). The plain walk (few blocks) stays Triton: 677-686 us here
-// against 476-481 for its 32-column programs. Tried and dropped: more stages (no faster), a CUDA
-// fp32 scan (48 us against the Triton tf32x3 scan's 38; ec2209d, reverted).
-//
-// Build: nvcc for sm_80 and later (cp.async, bf16 mma.sync); k3lab builds it for the device's own
-// architecture. Elsewhere (HIP) a stub whose launcher returns K3_KW_UNSUPPORTED (not yet run on AMD
-// hardware by this project; AMD would need its own MFMA kernel).
+// Why: the Triton walks leave the copies to the compiler; here the next chunk's operands arrive while
+// the current one computes. The plain walk (few long walks) stays Triton: its narrower programs won.
+// Limits: K = V = 128, bf16, sm_80 or later, at most 65535 groups; the HIP build is a stub returning
+// K3_KW_UNSUPPORTED (not yet run on AMD hardware by this project). Figures: docs/kda_scan.md.
 #include "k3lab_mma.h"
 
 #define K3_KW_UNSUPPORTED (-5)
@@ -45,6 +30,7 @@ constexpr int C = 64;         // chunk
 constexpr int K = 128;        // key and value head dim
 constexpr int BV = 64;        // columns per tile
 constexpr int THREADS = 256;  // 8 warps
+constexpr int STAGES = 2;     // chunks whose operands are in shared memory at once
 constexpr int W_BYTES = C * K * 2;    // W, Qg, U: [64][128] bf16
 constexpr int KDT_BYTES = K * C * 2;  // Kd^T: [128][64] bf16
 constexpr int T64_BYTES = C * BV * 2; // 64 of U's columns, Aqk, E: [64][64] bf16
@@ -56,12 +42,12 @@ __host__ __device__ constexpr int off_d(int tiles) { return OFF_U + tiles * T64_
 __host__ __device__ constexpr int off_qg(int tiles) { return off_d(tiles) + D_BYTES; }
 __host__ __device__ constexpr int off_a(int tiles) { return off_qg(tiles) + W_BYTES; }
 __host__ __device__ constexpr int stage_bytes(bool replay, int tiles) { return replay ? off_a(tiles) + T64_BYTES : off_qg(tiles); }
-__host__ __device__ constexpr int smem_bytes(bool replay, int stages, int tiles) {
-  return stages * stage_bytes(replay, tiles) + tiles * (XB_BYTES + T64_BYTES);
+__host__ __device__ constexpr int smem_bytes(bool replay, int tiles) {
+  return STAGES * stage_bytes(replay, tiles) + tiles * (XB_BYTES + T64_BYTES);
 }
 
 struct Args {
-  // prologue outputs (kda_chunk's _Work), bf16 except d
+  // prologue outputs (kda_chunk.Work), bf16 except d
   const k3_bf16* w;    // [n_chunks, H, 64, 128]
   const k3_bf16* u;    // [n_chunks, H, 64, 128]
   const k3_bf16* qg;   // [n_chunks, H, 64, 128]
@@ -98,9 +84,7 @@ using namespace k3mma;
 // Every shared tile is swizzled: 16-byte piece c of row r sits at piece c ^ (r % 8), so the 8 rows an
 // ldmatrix reads (or 8 lanes' fragment accesses) fall in 8 different bank groups. For a fixed lane,
 // the pieces a loop visits differ from one base by an XOR with a constant; the bases are computed once
-// (Offsets) and each access costs one logic op at most (the first version recomputed the swizzle per
-// access: about 1250 integer instructions against 112 mma per warp and chunk, issue-bound at 0.34
-// instructions per cycle and scheduler, ncu on the H200).
+// (Offsets) and each access costs one logic op at most.
 struct Offsets {
   uint32_t a16[4];  // A operand rows 16 mi + (lane & 15) of a 128-column tile, k-step j (j + 4: + 128 B)
   uint32_t a8e[4];  // A operand rows 16 mi + (lane & 15) of a 64-column tile (Aqk), k-step j
@@ -212,8 +196,8 @@ K3_DEVICE void mma_rows(float (&acc)[TILES][NT][4], float (&acc2)[TILES][NT][4],
 // TILES: 64-column tiles of X per block (the replay takes both halves of the state at once: the
 // A operands W, Qg, Aqk, Kd^T are read from shared memory once for both, and each warp has twice the
 // independent mma work between barriers).
-template <bool REPLAY, int STAGES, int TILES>
-__global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2 || TILES > 1) ? 1 : 2) walk_kernel(const Args a) {
+template <bool REPLAY, int TILES>
+__global__ void __launch_bounds__(THREADS, (REPLAY || TILES > 1) ? 1 : 2) walk_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int STAGE = stage_bytes(REPLAY, TILES), OFF_D = off_d(TILES), OFF_QG = off_qg(TILES);
   constexpr int OFF_A = off_a(TILES);
@@ -363,19 +347,19 @@ __global__ void __launch_bounds__(THREADS, (REPLAY || STAGES > 2 || TILES > 1) ?
   }
 }
 
-template <bool REPLAY, int STAGES, int TILES>
+template <bool REPLAY, int TILES>
 int launch(const Args& a, int max_shared, cudaStream_t stream) {
-  constexpr int bytes = smem_bytes(REPLAY, STAGES, TILES);
+  constexpr int bytes = smem_bytes(REPLAY, TILES);
   if (bytes > max_shared) return -3;
   static bool configured = false;  // the opt-in above 48 KB, once per process and form
   if (!configured) {
-    const cudaError_t e = cudaFuncSetAttribute(walk_kernel<REPLAY, STAGES, TILES>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    const cudaError_t e =
+        cudaFuncSetAttribute(walk_kernel<REPLAY, TILES>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return (int)e;
     configured = true;
   }
   const dim3 grid((REPLAY ? K : 2 * K) / BV / TILES, a.H, a.n_items);
-  walk_kernel<REPLAY, STAGES, TILES><<<grid, THREADS, bytes, stream>>>(a);
+  walk_kernel<REPLAY, TILES><<<grid, THREADS, bytes, stream>>>(a);
   return (int)cudaGetLastError();
 }
 
@@ -383,46 +367,28 @@ int launch(const Args& a, int max_shared, cudaStream_t stream) {
 
 K3_EXPORT int k3_kda_walk_supported() { return 1; }
 K3_EXPORT int k3_kda_walk_args_size() { return (int)sizeof(k3kw::Args); }
-K3_EXPORT int k3_kda_walk_smem(int replay, int stages, int tiles) {
-  return k3kw::smem_bytes(replay != 0, stages, tiles);
-}
-
-K3_EXPORT int k3_kda_walk_regs(int replay) {  // the default forms
-  cudaFuncAttributes attr;
-  const cudaError_t e =
-      cudaFuncGetAttributes(&attr, replay ? k3kw::walk_kernel<true, 2, 2> : k3kw::walk_kernel<false, 2, 1>);
-  return e == cudaSuccess ? attr.numRegs : -(int)e;
-}
 
 // One launch: the replay (`tiles` = 1: grid 2 x H x groups, one 64-column half of the state per block;
-// 2: grid 1 x H x groups, both halves) or the summaries (grid 4 / tiles x H x summary slots), with
-// `stages` chunks' operands in shared memory at once (2 or 3; summaries also 4). Returns 0, -3 (more
-// shared memory than max_shared), -4 (bad sizes), -6 (a form not built) or the CUDA runtime's error.
-K3_EXPORT int k3_kda_walk(const k3kw::Args* args, int replay, int stages, int tiles, int max_shared, void* stream) {
+// 2: grid 1 x H x groups, both halves) or the summaries (tiles = 1: grid 4 x H x summary slots).
+// Returns 0, -3 (more shared memory than max_shared), -4 (bad sizes), -6 (a form not built) or the
+// CUDA runtime's error.
+K3_EXPORT int k3_kda_walk(const k3kw::Args* args, int replay, int tiles, int max_shared, void* stream) {
   const k3kw::Args& a = *args;
   if (a.n_items < 1 || a.H < 1 || a.H > 65535 || a.n_items > 65535) return -4;
   const cudaStream_t st = (cudaStream_t)stream;
   using namespace k3kw;
   if (replay) {
-    if (tiles == 2 && stages == 2) return launch<true, 2, 2>(a, max_shared, st);
-    if (tiles == 1 && stages == 2) return launch<true, 2, 1>(a, max_shared, st);
-    if (tiles == 1 && stages == 3) return launch<true, 3, 1>(a, max_shared, st);
+    if (tiles == 2) return launch<true, 2>(a, max_shared, st);
+    if (tiles == 1) return launch<true, 1>(a, max_shared, st);
     return -6;
   }
-  if (tiles == 2) return stages == 2 ? launch<false, 2, 2>(a, max_shared, st) : -6;
-  if (tiles != 1) return -6;
-  if (stages == 2) return launch<false, 2, 1>(a, max_shared, st);
-  if (stages == 3) return launch<false, 3, 1>(a, max_shared, st);
-  if (stages == 4) return launch<false, 4, 1>(a, max_shared, st);
-  return -6;
+  return tiles == 1 ? launch<false, 1>(a, max_shared, st) : -6;
 }
 
-#else  // HIP: no cp.async / mma.sync path; the launchers say so
+#else  // HIP: no cp.async / mma.sync path; the launcher says so
 
 K3_EXPORT int k3_kda_walk_supported() { return 0; }
 K3_EXPORT int k3_kda_walk_args_size() { return (int)sizeof(k3kw::Args); }
-K3_EXPORT int k3_kda_walk_smem(int, int, int) { return -1; }
-K3_EXPORT int k3_kda_walk_regs(int) { return K3_KW_UNSUPPORTED; }
-K3_EXPORT int k3_kda_walk(const k3kw::Args*, int, int, int, int, void*) { return K3_KW_UNSUPPORTED; }
+K3_EXPORT int k3_kda_walk(const k3kw::Args*, int, int, int, void*) { return K3_KW_UNSUPPORTED; }
 
 #endif

@@ -163,8 +163,7 @@ def test_after_launches_one_by_one_equal_the_whole_call():
     torch.testing.assert_close(S, S2, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("prologue", ["rows", "fused", "flat"])
-def test_ragged_batch_with_cu_seqlens(prologue):
+def test_ragged_batch_with_cu_seqlens():
     lengths = [70, 0, 5, 64]
     H = 1
     q, k, v, g, beta = _inputs(1, sum(lengths), H, seed=5)
@@ -172,9 +171,7 @@ def test_ragged_batch_with_cu_seqlens(prologue):
     cu = torch.tensor([0, 70, 70, 75, 139], dtype=torch.int32, device=DEV)
     for variant in ("before", "after"):
         kw = {"group_size": 1} if variant == "after" else {}
-        o, S = kc.kda_chunk(
-            q, k, v, g, beta, initial_state=S0, cu_seqlens=cu, variant=variant, prologue=prologue, **kw
-        )
+        o, S = kc.kda_chunk(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu, variant=variant, **kw)
         bos = 0
         for n, L in enumerate(lengths):
             if L == 0:  # an empty sequence hands its initial state back unchanged
@@ -193,17 +190,20 @@ def test_plain_batch_without_initial_state():
     _check(o, S, o_ref, S_ref)
 
 
-@pytest.mark.parametrize("prologue,options", [(p, None) for p in kc.PROLOGUES if p != "cuda"] + [("rows", {"exact": "fixup"})])
-def test_wide_decay_block_takes_the_exact_path(prologue, options):
+def test_wide_decay_block_takes_the_exact_path():
     """A 16-token block whose decay spreads beyond SAFE_SPREAD (e^64) cannot use the factored
-    e^(G_i - G_s) e^(G_s - G_j) form in fp32; the kernel switches to exact pairwise decays."""
-    q, k, v, g, beta = _inputs(1, 64, 1, seed=7)
-    g[:, 2:12] = -8.0  # 80 nats inside the first 16-token block
+    e^(G_i - P) e^(P - G_j) form in fp32: the main pass flags its chunk (and only it) and the fix-up pass
+    redoes it with exact pairwise decays."""
+    q, k, v, g, beta = _inputs(1, 128, 1, seed=7)
+    g[:, 2:12] = -8.0  # 80 nats inside the first 16-token block of the first chunk
     spread = (g[0, :16, 0].sum(0) - g[0, 0, 0]).abs().max()
     assert spread > kc.SAFE_SPREAD
     S0 = torch.randn(1, 1, 128, 128, device=DEV)
     o_ref, S_ref = _ref(q, k, v, g, beta, S0)
-    o, S = kc.kda_chunk_before(q, k, v, g, beta, initial_state=S0, prologue=prologue, prologue_options=options)
+    plan = kc.make_plan([128], 1, device=DEV)
+    work = kc.alloc_work(plan.n_chunks, 1, q.dtype, q.device)
+    o, S = kc.kda_chunk_before(q, k, v, g, beta, initial_state=S0, plan=plan, work=work)
+    assert work.flags[:, 0].tolist() == [1, 0]
     _check(o, S, o_ref, S_ref)
 
 
@@ -320,6 +320,11 @@ def test_walk_tile_rule():
         (lambda a: a.update(cu_seqlens=torch.tensor([0, 10, 50], device=DEV)), "cu_seqlens"),
         (lambda a: a.update(cu_seqlens=torch.tensor([0, 30, 20, 70], device=DEV)), "cu_seqlens"),
         (lambda a: a.update(q=a["q"][0]), "q must be"),
+        (lambda a: a.update(q=a["q"][:0], k=a["k"][:0], v=a["v"][:0], g=a["g"][:0], beta=a["beta"][:0]), "B >= 1"),
+        (lambda a: a.update(v=a["v"].repeat(1, 1, 1, 2)[..., ::2]), "v must be contiguous"),
+        (lambda a: a.update(initial_state=a["initial_state"].transpose(2, 3)), "initial_state must be contiguous"),
+        (lambda a: a.update(scale=True), "scale"),
+        (lambda a: a.update(scale=float("nan")), "scale"),
     ],
 )
 def test_bad_input_names_the_argument(mutate, match):
@@ -338,31 +343,13 @@ def test_bad_input_names_the_argument(mutate, match):
             fn(**args)
 
 
-@pytest.mark.parametrize(
-    "prologue,options,T",
-    [
-        ("persistent", None, 100),
-        ("split", None, 100),  # one row block per program
-        ("split", {"per_block": False, "block_k": 64, "a_warps": 4, "inv_warps": 2, "wu_block_k": 32}, 100),
-        ("fused", None, 100),
-        ("fused", {"block_k": 16, "warps": 2, "akk_prec": "near", "wu_block_k": 32, "maxnreg": 168}, 100),
-        ("rows", {"block_k": 64, "a_warps": 2}, 100),
-        ("rows", None, 100),
-        ("rows", {"inv_wu": True}, 100),  # the inverse and W / U in one launch
-        ("rows", {"exact": "fixup"}, 100),  # the exact path in a fix-up launch (none needed here)
-        ("flat", None, 100),  # 64-row products, four per slice
-        ("flat", {"dot3": True, "split": True, "prefetch": False, "block_k": 64}, 100),  # two programs per item
-        ("flat", {"inv_wu": True, "block_k": 16}, 13),
-        ("fused", None, 13),  # one partial chunk, shorter than a 16-row block
-        ("fused", None, 200),  # the last chunk ends inside its first block
-    ],
-)
-def test_prologues_write_the_chunk_quantities(prologue, options, T):
-    """Each prologue (and other launch shapes) against the PyTorch algebra (fp64) on every field the
-    walks read and on Akk's inverse; T = 100 is one full chunk and a 36-token one."""
+@pytest.mark.parametrize("T", [100, 13, 200])
+def test_prologue_writes_the_chunk_quantities(T):
+    """The prologue against the PyTorch algebra (fp64) on every field the walks read: T = 100 is one full
+    chunk and a 36-token one, 13 one chunk shorter than a 16-row block, 200 ends inside a block."""
     q, k, v, g, beta = _inputs(1, T, 2, seed=8)
     plan = kc.make_plan([T], 2, device=DEV)
-    work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 128**-0.5, prologue=prologue, options=options)
+    work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 128**-0.5)
     cq = sm.chunk_quantities(*(t.double() for t in (q, k, v, g, beta)))
     pairs = {
         "W": (work.w, cq.W),
@@ -376,47 +363,77 @@ def test_prologues_write_the_chunk_quantities(prologue, options, T):
         torch.testing.assert_close(got.double(), ref[0].transpose(0, 1), rtol=2e-4, atol=2e-6, msg=name)
 
 
-def test_prologue_launches_one_by_one_equal_the_whole_call():
-    """'rows' runs the fused kernel's A phase, then split's inverse and W / U: launched one by one
-    they write what the one-launch 'fused' prologue writes (same arithmetic, same order)."""
-    q, k, v, g, beta = _inputs(1, 150, 1, seed=10)
-    plan = kc.make_plan([150], 1, device=DEV)
-    fused = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, prologue="fused")
-    work = kc._alloc_work(plan.n_chunks, 1, q.dtype, q.device)
-    launches = kc.prologue_launches(q, k, v, g, beta, plan, 0.1, work, prologue="rows")
-    assert list(launches) == ["a", "inverse", "wu"]
-    for f in launches.values():
-        f()
-    for name in ("w", "u", "qg", "kdt", "aqk", "d"):
-        torch.testing.assert_close(getattr(work, name), getattr(fused, name), rtol=1e-6, atol=1e-7, msg=name)
-
-
 def test_bad_options():
     q, k, v, g, beta = _inputs(2, 70, 1)
     with pytest.raises(ValueError, match="B = 1"):
         kc.kda_chunk_after(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 70, 140]))
     with pytest.raises(ValueError, match="plan"):
         kc.kda_chunk_after(q, k, v, g, beta, plan=kc.make_plan([70], 1))
-    with pytest.raises(ValueError, match="block_v"):
-        kc.kda_chunk_before(q, k, v, g, beta, block_v=48)
     with pytest.raises(ValueError, match="variant"):
         kc.kda_chunk(q, k, v, g, beta, variant="fast")
     with pytest.raises(ValueError, match="group_size"):
-        kc.make_plan([70], 1, group_size=0)
-    with pytest.raises(ValueError, match="prologue"):
-        kc.kda_chunk_before(q, k, v, g, beta, prologue="fast")
-    with pytest.raises(ValueError, match="split prologue options"):
-        kc.kda_chunk_before(q, k, v, g, beta, prologue="split", prologue_options={"warps": 2})
-    with pytest.raises(ValueError, match="akk_prec"):
-        kc.kda_chunk_before(q, k, v, g, beta, prologue_options={"akk_prec": "bf16"})
-    with pytest.raises(ValueError, match="aqk"):
-        kc.kda_chunk_before(q, k, v, g, beta, prologue="flat", prologue_options={"aqk": "fp8"})
-    with pytest.raises(ValueError, match="exact"):
-        kc.kda_chunk_before(q, k, v, g, beta, prologue_options={"exact": "never"})
-    with pytest.raises(ValueError, match="inv_prec"):
-        kc.kda_chunk_before(q, k, v, g, beta, prologue_options={"inv_prec": "bf16"})
-    with pytest.raises(ValueError, match="rows prologue options"):
-        kc.kda_chunk_before(q, k, v, g, beta, prologue_options={"form": "3d"})
+        kc.kda_chunk(q, k, v, g, beta, variant="before", group_size=2)
+    plan = kc.make_plan([70, 70], 1, group_size=1, device=DEV)
+    with pytest.raises(ValueError, match="group_size or plan"):
+        kc.kda_chunk_after(q, k, v, g, beta, plan=plan, group_size=2)
+    with pytest.raises(ValueError, match="kda_chunk_before needs a plan with group_size=None"):
+        kc.kda_chunk_before(q, k, v, g, beta, plan=plan)
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match="plan's tables are on"):
+            kc.kda_chunk_after(q, k, v, g, beta, plan=kc.make_plan([70, 70], 1, device="meta"))
+    with pytest.raises(ValueError, match="work holds"):
+        kc.kda_chunk_after(q, k, v, g, beta, work=kc.alloc_work(2, 2, q.dtype, q.device))
+    with pytest.raises(ValueError, match="work must be"):
+        kc.kda_chunk_after(q, k, v, g, beta, work={})
+    with pytest.raises(ValueError, match="prologue needs a plan"):
+        kc.kda_chunk_prologue(q, k, v, g, beta, None)
+    with pytest.raises(TypeError, match="chunk_size"):
+        kc.kda_chunk(q, k, v, g, beta, chunk_size=32)  # the kernels are built for 64-token chunks
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="group_size"):
+            kc.make_plan([70], 1, group_size=bad)
+    for lengths in ([], [70, -1], [True], "70", [7.0]):
+        with pytest.raises(ValueError, match="lengths"):
+            kc.make_plan(lengths, 1)
+    with pytest.raises(ValueError, match="heads"):
+        kc.make_plan([70], 0)
+    with pytest.raises(ValueError, match="at most 65535"):
+        kc.make_plan([64] * 70000, 1)
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match="chunk_size"):
+            sm.chunk_quantities(*(t[:1].double() for t in (q, k, v, g, beta)), chunk_size=bad)
+        with pytest.raises(ValueError, match="group_size"):
+            sm.group_bounds(4, bad)
+    with pytest.raises(ValueError, match="group_size"):
+        sm.sequential_depth(4, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# backends
+
+
+def test_backend_table_and_dispatch(monkeypatch):
+    q, k, v, g, beta = _inputs(1, 70, 1)
+    plan = kc.make_plan([70], 1, device=DEV)
+    status = kc.backend_status()
+    assert list(status) == ["cuda", "triton"] and all(why for _, why in status.values())
+    assert [b.name for b in sorted(kc.BACKENDS, key=lambda b: b.priority)] == ["cuda", "triton"]
+    # fp32 inputs: the CUDA kernels take bf16 only, so the dispatcher picks Triton (here and on a GPU)
+    assert kc.choose_backend(q, k, v, g, beta, plan).name == "triton"
+    with pytest.raises(ValueError, match="backend='cuda' cannot run here"):
+        kc.kda_chunk_before(q, k, v, g, beta, backend="cuda")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kc.kda_chunk_before(q, k, v, g, beta, backend="vulkan")
+    monkeypatch.setenv(kc.BACKEND_ENV, "vulkan")
+    with pytest.raises(ValueError, match="K3LAB_KDA_CHUNK_BACKEND must be one of"):
+        kc.kda_chunk_after(q, k, v, g, beta)
+    monkeypatch.setenv(kc.BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match="K3LAB_KDA_CHUNK_BACKEND='cuda' cannot run here"):
+        kc.choose_backend(q, k, v, g, beta, plan)
+    monkeypatch.setenv(kc.BACKEND_ENV, "triton")
+    assert kc.choose_backend(q, k, v, g, beta, plan).name == "triton"
+    # the argument wins over the variable
+    assert kc.choose_backend(q, k, v, g, beta, plan, backend="triton").name == "triton"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,19 +470,11 @@ def test_study_helpers():
     assert df.loc[0, "after/before"] == pytest.approx(0.5) and df.loc[0, "after/fla"] == pytest.approx(0.2)
 
 
-def test_study_after_without_groups_takes_the_walk_options():
-    """A case whose plan has no groups runs the plain walk as its after: the replay's tuned tile must
-    not replace the walk's (run 6 measured 219 us against 196 at 12 heads x 4K for that reason)."""
-    from k3lab.studies import kda_scan as ks
+def test_after_without_groups_walks_like_the_before():
+    """A plan without groups makes the after the plain walk: the same tiles as the before's
+    (`choose_block_v`), not the replay's 64 columns."""
+    from k3lab.ops.kda_chunk import walk
 
-    case = ks.Case("h2_b1_t100", 2, [100], dtype=torch.float32, group_size=None)
-    inp = ks.make_inputs(case, device=DEV)
-    runner = ks.Runner(case, inp, tune={"block_v": 32}, tune_after={"block_v": 64, "summary_block": 32})
-    assert not runner.plan_after.uses_scan
-    assert runner.tune_after["block_v"] == 32 and runner.tune_after["summary_block"] == 32
-    runner = ks.Runner(case, inp, tune={}, tune_after={"block_v": 64})
-    assert "block_v" not in runner.tune_after
-    scan_case = ks.Case("h2_b1_t640", 2, [640], dtype=torch.float32, group_size=2)
-    runner = ks.Runner(scan_case, ks.make_inputs(scan_case, device=DEV), tune={"block_v": 32},
-                       tune_after={"block_v": 64})
-    assert runner.plan_after.uses_scan and runner.tune_after["block_v"] == 64
+    before, after = kc.make_plan([100], 2), kc.make_plan([100], 2, group_size=None)
+    assert walk.block_v(after) == walk.block_v(before) == kc.choose_block_v(1, 2)
+    assert walk.block_v(kc.make_plan([640], 2, group_size=2)) == walk.REPLAY_BLOCK_V

@@ -1,6 +1,6 @@
-"""kernels/kda_prologue.cu (the 'cuda' prologue of k3lab.ops.kda_chunk) against the PyTorch algebra in
-fp64 and against the Triton 'rows' prologue, end to end through both walks, and its refusals.
-GPU-only tests skip with the reason the kernel cannot run here."""
+"""kernels/kda_prologue.cu (the 'cuda' backend's prologue of k3lab.ops.kda_chunk) against the PyTorch
+algebra in fp64 and against the Triton prologue, end to end through both variants, and its refusals.
+GPU-only tests skip with the reason the kernels cannot run here."""
 
 import pytest
 import torch
@@ -8,12 +8,12 @@ import torch
 import k3lab  # noqa: F401
 from k3lab import bench
 from k3lab.ops import kda_chunk as kc
-from k3lab.ops.kda_chunk import cuda as kp
+from k3lab.ops.kda_chunk import cuda as kcu
 from k3lab.ops.kda_chunk import scan_math as sm
 from kda_cases import _inputs, _rel, check_ragged_against_fp64
 
 HAVE_GPU = torch.cuda.is_available()
-_STATUS = kp.status() if HAVE_GPU else (False, "no GPU: the CUDA prologue needs an NVIDIA GPU")
+_STATUS = kcu.available() if HAVE_GPU else (False, "no GPU: the CUDA backend needs an NVIDIA GPU")
 needs_kernel = pytest.mark.skipif(not _STATUS[0], reason=_STATUS[1])
 
 
@@ -28,13 +28,18 @@ def _reference_fields(q, k, v, g, beta, scale):
 
 
 def test_status_says_why_not_without_a_kernel():
-    ok, why = kp.status() if HAVE_GPU else _STATUS
+    ok, why = _STATUS
     assert isinstance(ok, bool) and why
+    assert kc.backend_status()["cuda"] == (kcu.available() if HAVE_GPU else kc.backend_status()["cuda"])
     if not HAVE_GPU:
         q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
-        ok, why = kc.prologue_status(q, q, q, q.float(), torch.zeros(1, 64, 1))
-        assert not ok and "rows" in why
-        assert kc.choose_prologue(q, q, q, q.float(), torch.zeros(1, 64, 1)) == "rows"
+        args = (q, q, q, q.float(), torch.zeros(1, 64, 1))
+        plan = kc.make_plan([64], 1)
+        ok, why = kc.backend_status()["cuda"]
+        assert not ok and "Triton" in why
+        assert kc.choose_backend(*args, plan).name == "triton"
+        with pytest.raises(ValueError, match="cannot run here"):
+            kc.choose_backend(*args, plan, backend="cuda")
 
 
 @needs_kernel
@@ -45,8 +50,8 @@ def test_cuda_prologue_writes_the_chunk_quantities(T):
     q, k, v, g, beta = _inputs(1, T, 3, seed=T)
     plan = kc.make_plan([T], 3, device="cuda")
     scale = 128**-0.5
-    cuda = kc.kda_chunk_prologue(q, k, v, g, beta, plan, scale, prologue="cuda")
-    rows = kc.kda_chunk_prologue(q, k, v, g, beta, plan, scale, prologue="rows")
+    cuda = kc.kda_chunk_prologue(q, k, v, g, beta, plan, scale, backend="cuda")
+    rows = kc.kda_chunk_prologue(q, k, v, g, beta, plan, scale, backend="triton")
     ref = _reference_fields(q, k, v, g, beta, scale)
     torch.cuda.synchronize()
     for name, got in _fields(cuda).items():
@@ -70,7 +75,7 @@ def test_wide_decays_take_the_exact_path():
     block_sums = g.reshape(3, 4, 16, 2, 128).sum(2)
     assert (-block_sums).max().item() > kc.SAFE_SPREAD  # the exact path is really taken
     plan = kc.make_plan([192], 2, device="cuda")
-    work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, prologue="cuda")
+    work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, backend="cuda")
     ref = _reference_fields(q, k, v, g, beta, 0.1)
     for name, got in _fields(work).items():
         assert torch.isfinite(got).all(), name
@@ -81,13 +86,13 @@ def test_wide_decays_take_the_exact_path():
 @pytest.mark.parametrize("variant", ["before", "after"])
 def test_walks_with_the_cuda_prologue_match_fp64(variant):
     """End to end on a ragged batch (cu_seqlens, lengths not multiples of 64) with an initial state:
-    output and every final state against kda_chunked in fp64; and the default prologue is 'cuda'."""
+    output and every final state against kda_chunked in fp64; and the default backend is 'cuda'."""
     lengths = [700, 64, 1500, 37]
     T = sum(lengths)
     q, k, v, g, beta = _inputs(1, T, 3, seed=5)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     S0 = torch.randn(len(lengths), 3, 128, 128, device="cuda") * 0.1
-    assert kc.choose_prologue(q, k, v, g, beta) == "cuda"
+    assert kc.choose_backend(q, k, v, g, beta, kc.make_plan(lengths, 3, device="cuda")).name == "cuda"
     o, S = kc.kda_chunk(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu, variant=variant,
                         **({"group_size": 4} if variant == "after" else {}))
     check_ragged_against_fp64(o, S, (q, k, v, g, beta), cu, S0)
@@ -97,10 +102,10 @@ def test_walks_with_the_cuda_prologue_match_fp64(variant):
 def test_cuda_prologue_replays_in_a_graph():
     q, k, v, g, beta = _inputs(1, 4096, 2, seed=9)
     plan = kc.make_plan([4096], 2, device="cuda")
-    work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, prologue="cuda")
+    work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, backend="cuda")
     first = {name: t.clone() for name, t in _fields(work).items()}
-    launch = kc.prologue_launches(q, k, v, g, beta, plan, 0.1, work, prologue="cuda")["cuda"]
-    graph = bench.capture_graph(launch, copies=3)
+    graph = bench.capture_graph(lambda: kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, work, backend="cuda"),
+                                copies=3)
     for t in _fields(work).values():
         t.fill_(float("nan")) if t.is_floating_point() else t.zero_()
     for _ in range(10):
@@ -111,47 +116,15 @@ def test_cuda_prologue_replays_in_a_graph():
 
 
 @needs_kernel
-def test_cuda_prologue_refuses_what_it_cannot_take():
+def test_cuda_backend_refuses_what_it_cannot_take():
     q, k, v, g, beta = _inputs(1, 64, 2)
     plan = kc.make_plan([64], 2, device="cuda")
     with pytest.raises(ValueError, match="bf16"):
-        kc.kda_chunk_prologue(q.float(), k.float(), v.float(), g, beta, plan, 0.1, prologue="cuda")
-    with pytest.raises(ValueError, match="no options"):
-        kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, prologue="cuda", options={"block_k": 16})
-    with pytest.raises(ValueError, match="contiguous"):
-        kc.kda_chunk_prologue(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, g, beta, plan, 0.1,
-                              prologue="cuda")
-    assert kc.choose_prologue(q.float(), k.float(), v.float(), g, beta) == "rows"
-    work = kc._alloc_work(1, 2, q.dtype, q.device)
-    with pytest.raises(ValueError, match="probe"):
-        kp.launch(q, k, v, g, beta, plan.chunk_tok, plan.chunk_len, work, n_chunks=1, heads=2, scale=0.1,
-                  spread=kc.SAFE_SPREAD, probe=torch.zeros(2, 3, dtype=torch.int64, device="cuda"))
-
-
-@needs_kernel
-def test_timeline_probe_leaves_the_results_alone():
-    """The probe build writes the same fields bit for bit, and one stamp row per block in time order."""
-    q, k, v, g, beta = _inputs(1, 1000, 2, seed=4)
-    plan = kc.make_plan([1000], 2, device="cuda")
-    plain = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, prologue="cuda")
-    work = kc._alloc_work(plan.n_chunks, 2, q.dtype, q.device)
-    probe = torch.zeros(plan.n_chunks * 2, kp.probe_words(), dtype=torch.int64, device="cuda")
-    kp.launch(q, k, v, g, beta, plan.chunk_tok, plan.chunk_len, work, n_chunks=plan.n_chunks, heads=2, scale=0.1,
-              spread=kc.SAFE_SPREAD, probe=probe)
-    for name, t in _fields(work).items():
-        assert torch.equal(t, _fields(plain)[name]), name
-    frame = kp.timeline(probe)
-    assert len(frame) == plan.n_chunks * 2
-    assert (frame[list(kp.PROBE_STAGES)] >= 0).all().all() and (frame["total_us"] > 0).all()
-
-
-def test_forced_prologue_env_is_checked(monkeypatch):
-    q = torch.zeros(1, 64, 1, 128)
-    monkeypatch.setenv("K3LAB_KDA_PROLOGUE", "fast")
-    with pytest.raises(ValueError, match="K3LAB_KDA_PROLOGUE"):
-        kc.choose_prologue(q, q, q, q, torch.zeros(1, 64, 1))
-    monkeypatch.setenv("K3LAB_KDA_PROLOGUE", "flat")
-    assert kc.choose_prologue(q, q, q, q, torch.zeros(1, 64, 1)) == "flat"
+        kc.kda_chunk_prologue(q.float(), k.float(), v.float(), g, beta, plan, 0.1, backend="cuda")
+    assert kc.choose_backend(q.float(), k.float(), v.float(), g, beta, plan).name == "triton"
+    unaligned = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape).copy_(q)
+    assert "16-byte aligned" in kcu.supports(unaligned, k, v, g, beta, plan)
+    assert kc.choose_backend(unaligned, k, v, g, beta, plan).name == "triton"
 
 
 def test_committed_prologue_probe_reads_back(tmp_path):
@@ -160,7 +133,7 @@ def test_committed_prologue_probe_reads_back(tmp_path):
     from k3lab.studies import kda_scan as ks
 
     st = ks.prologue_stages()
-    assert list(st["stage"]) == list(kp.PROBE_STAGES)
+    assert list(st["stage"]) == list(ks.PROLOGUE_PROBE_STAGES)
     assert (st["median_us"] >= 0).all() and (st["p90_us"] >= st["median_us"]).all()
     assert 0.8 < st["share_of_block"].sum() < 1.2
     assert st.set_index("stage")["median_us"].idxmax() == "A's"

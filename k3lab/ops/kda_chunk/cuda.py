@@ -1,12 +1,16 @@
-"""Binding for kernels/kda_prologue.cu, the hand-written chunk prologue of chunked KDA (one job: pack
-the arguments, launch on the current stream).
+"""Bindings for the hand-written NVIDIA kernels of KDA prefill (each call packs the arguments and launches
+on the current stream, so it can be captured in a CUDA graph):
 
-`k3lab.ops.kda_chunk` runs it as its 'cuda' prologue: the same per-chunk quantities as the Triton
-'rows' prologue (Qg, Kd^T, d, Aqk, W, U), in one launch instead of three. `status()` says whether it
-can run here and, if not, why; `supports()` whether it takes given tensors (bf16 q, k, v with
-K = V = 128, fp32 g and beta, contiguous, on an NVIDIA GPU of compute capability 8.0 or later).
-The source also compiles as HIP, where it is a stub (AMD would need its own MFMA kernel): not yet
-run on AMD hardware by this project.
+* kernels/kda_prologue.cu: the whole chunk prologue in one launch (`prologue`), the same quantities as the
+  Triton 'rows' prologue's three launches;
+* kernels/kda_walk.cu: the group scan's two walking launches, the summaries (`summaries`) and the replay
+  (`replay`), the same work as the Triton walks with the next chunk's operands copied in while the
+  current one is computed.
+
+They take bf16 q, k, v with K = V = 128, fp32 g and beta, contiguous and 16-byte aligned, on an NVIDIA
+GPU of compute capability 8.0 or later (cp.async, tf32 and bf16 mma.sync). `available()` says whether
+both kernels build and load here, `supports()` whether they take a call's tensors. Their HIP builds are
+stubs (AMD would need its own MFMA kernels): not yet run on AMD hardware by this project.
 """
 
 from __future__ import annotations
@@ -16,112 +20,134 @@ import functools
 
 import torch
 
+from k3lab import env
 from k3lab.ops import _build
 
-NAME = "kda_prologue"
-HEAD_DIM = 128
-MIN_CAPABILITY = (8, 0)  # cp.async and tf32 mma.sync
-_ERRORS = {-3: "needs more shared memory per block than the device allows", -4: "bad sizes (n_chunks >= 1, H <= 65535)",
-           -5: "this build has no kernel (HIP or an unsupported target)"}
+from .inputs import MAX_GRID, SAFE_SPREAD, WHILE
+from .plan import KdaPlan, Work
+
+PROLOGUE, WALK = "kda_prologue", "kda_walk"
+MIN_CAPABILITY = (8, 0)
+_ERRORS = {-3: "needs more shared memory per block than the device allows", -4: "bad sizes",
+           -5: "this build has no kernel (HIP or an unsupported target)", -6: "no such form built"}
+_WORK = ("w", "u", "qg", "kdt", "aqk", "d")
+_WALK_POINTERS = (*_WORK, "chunk_tok", "chunk_len", "grp_chunk0", "grp_nchunks", "grp_seq", "grp_sin", "grp_last",
+                  "sum_grp", "s_in", "o", "s_final", "sum_n", "sum_b", "sum_d")
 
 
-class Args(ctypes.Structure):
+class PrologueArgs(ctypes.Structure):
     """kernels/kda_prologue.cu's k3kp::Args, field by field (its size is checked against the library's)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in
-                ("q", "k", "v", "g", "beta", "chunk_tok", "chunk_len", "w", "u", "qg", "kdt", "aqk", "d")] + [
-        ("n_chunks", ctypes.c_int), ("H", ctypes.c_int), ("scale", ctypes.c_float), ("spread", ctypes.c_float),
-        ("probe", ctypes.c_void_p)]
-# the timeline probe's stages, in the order of its stamps (kernels/kda_prologue.cu, Args.probe)
-PROBE_STAGES = ("load g", "load q k v + G scan", "Qg Kd", "A's", "W/U factors", "inverse diag", "inverse rest",
-                "W U products", "stores")
+                ("q", "k", "v", "g", "beta", "chunk_tok", "chunk_len", *_WORK)] + [
+        ("n_chunks", ctypes.c_int), ("H", ctypes.c_int), ("scale", ctypes.c_float), ("spread", ctypes.c_float)]
 
 
-def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+class WalkArgs(ctypes.Structure):
+    """kernels/kda_walk.cu's k3kw::Args, field by field (its size is checked against the library's)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in _WALK_POINTERS] + [("n_items", ctypes.c_int), ("H", ctypes.c_int)]
+
+
+@functools.cache
+def _prologue_library() -> ctypes.CDLL:
+    lib = _build.load(PROLOGUE)
     lib.k3_kda_prologue.restype = ctypes.c_int
-    lib.k3_kda_prologue.argtypes = [ctypes.POINTER(Args), ctypes.c_int, ctypes.c_void_p]
-    _build.check_library(lib, NAME, Args, ("k3_kda_prologue_smem", "k3_kda_prologue_regs", "k3_kda_prologue_probe_words"))
-    return lib
+    lib.k3_kda_prologue.argtypes = [ctypes.POINTER(PrologueArgs), ctypes.c_int, ctypes.c_void_p]
+    return _build.check_library(lib, PROLOGUE, PrologueArgs)
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
-    return bind(_build.load(NAME))
-
-
-def status() -> tuple[bool, str]:
-    """(True, what runs) when the kernel can run here; else (False, why). Builds on first call."""
-    return _build.cuda_status(NAME, _library, instead="the Triton prologue runs instead",
-                              min_capability=MIN_CAPABILITY, needs=" (cp.async, tf32 mma)",
-                              hip_note=f"has no AMD kernel (a stub, {_build.NOT_RUN_ON_AMD})")
+def _walk_library() -> ctypes.CDLL:
+    lib = _build.load(WALK)
+    lib.k3_kda_walk.restype = ctypes.c_int
+    lib.k3_kda_walk.argtypes = [ctypes.POINTER(WalkArgs), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    return _build.check_library(lib, WALK, WalkArgs)
 
 
 @functools.cache
-def available() -> bool:
-    return status()[0]
+def available() -> tuple[bool, str]:
+    """(True, what runs) when both kernels build and load for this machine's GPU; else (False, why).
+    Builds on first call (tens of seconds), then reads the cache."""
+    instead = "the Triton prologue and walks run instead"
+    if WHILE:
+        return False, f"Triton's interpreter (no GPU): {instead}"
+    note = f"has no AMD kernel (a stub, {_build.NOT_RUN_ON_AMD})"
+    why = []
+    for name, lib in ((PROLOGUE, _prologue_library), (WALK, _walk_library)):
+        ok, msg = _build.cuda_status(name, lib, instead=instead, min_capability=MIN_CAPABILITY,
+                                     needs=" (cp.async, tf32 and bf16 mma)", hip_note=note)
+        if not ok:
+            return False, msg
+        why.append(msg)
+    return True, "; ".join(why)
 
 
-def registers() -> int:
-    """Registers per thread of the compiled kernel (for the notebook's occupancy sums)."""
-    return _library().k3_kda_prologue_regs()
-
-
-def shared_bytes() -> int:
-    return _library().k3_kda_prologue_smem()
-
-
-def supports(q, k, v, g, beta) -> str | None:
-    """None when the kernel takes these tensors; else why not (a sentence)."""
+def supports(q, k, v, g, beta, plan: KdaPlan) -> str | None:
+    """None when the kernels take these (validated) tensors and plan; else why not (a sentence)."""
     if not q.is_cuda:
         return "the tensors are not on a CUDA device"
-    if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"q, k and v must be bf16 (got {q.dtype}, {k.dtype}, {v.dtype})"
-    if q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
-        return f"the kernel is compiled for K = V = {HEAD_DIM}"
-    if g.dtype != torch.float32 or beta.dtype != torch.float32:
-        return f"g and beta must be fp32 (got {g.dtype}, {beta.dtype})"
+    if q.dtype != torch.bfloat16:
+        return f"the kernels take bf16 q, k, v (got {q.dtype}: the Triton backend takes it)"
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not t.is_contiguous():
-            return f"{name} is not contiguous"
         if t.data_ptr() % 16:
-            return f"{name} is not 16-byte aligned (the kernel copies 16 bytes at a time)"
+            return f"{name} is not 16-byte aligned (the kernels copy 16 bytes at a time)"
+    if max(plan.n_groups, plan.n_summaries) > MAX_GRID:
+        return f"{max(plan.n_groups, plan.n_summaries)} groups: the walk kernel takes at most {MAX_GRID}"
     return None
 
 
-def launch(q, k, v, g, beta, chunk_tok, chunk_len, work, *, n_chunks: int, heads: int, scale: float,
-           spread: float, probe: torch.Tensor | None = None) -> None:
-    """One launch on the current stream (capturable in a CUDA graph) writing work.w, u, qg, kdt, aqk, d
-    (kda_chunk's _Work). `probe` (diagnostics): an int64 [n_chunks * heads, probe_words()] tensor the
-    timeline-probe build fills (see `timeline`). Raises RuntimeError with the kernel's reason if it
-    refuses."""
-    lib = _library()
-    idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    ptr = [t.data_ptr() for t in (q, k, v, g, beta, chunk_tok, chunk_len, work.w, work.u, work.qg, work.kdt,
-                                  work.aqk, work.d)]
-    if probe is not None and (probe.dtype != torch.int64 or probe.shape != (n_chunks * heads, probe_words())):
-        raise ValueError(f"probe must be int64 [{n_chunks * heads}, {probe_words()}], got {probe.dtype} "
-                         f"{tuple(probe.shape)}")
-    a = Args(*ptr, int(n_chunks), int(heads), float(scale), float(spread), probe.data_ptr() if probe is not None else 0)
-    max_shared = _build.max_shared_optin(idx)
-    stream = _build.stream_handle(idx)
-    rc = lib.k3_kda_prologue(ctypes.byref(a), max_shared, ctypes.c_void_p(stream))
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def _check(rc: int, name: str) -> None:
     if rc != 0:
-        raise RuntimeError(f"kda_prologue.cu refused the launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
+        raise RuntimeError(f"{name}.cu refused the launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
 
 
-def probe_words() -> int:
-    return _library().k3_kda_prologue_probe_words()
+def prologue(q, k, v, g, beta, plan: KdaPlan, scale: float, work: Work) -> None:
+    """The chunk prologue into work (w, u, qg, kdt, aqk, d), one launch, grid (n_chunks, H)."""
+    ptr = [t.data_ptr() for t in (q, k, v, g, beta, plan.chunk_tok, plan.chunk_len)]
+    ptr += [getattr(work, name).data_ptr() for name in _WORK]
+    a = PrologueArgs(*ptr, int(plan.n_chunks), int(plan.heads), float(scale), float(SAFE_SPREAD))
+    idx = _device_index(q)
+    rc = _prologue_library().k3_kda_prologue(ctypes.byref(a), _build.max_shared_optin(idx),
+                                             ctypes.c_void_p(_build.stream_handle(idx)))
+    _check(rc, PROLOGUE)
 
 
-def timeline(probe: torch.Tensor):
-    """Per-block stage durations from a filled probe: a pandas DataFrame, one row per block, columns
-    'sm', 'start_us' (from the first block's start), PROBE_STAGES (us each) and 'total_us'."""
-    import pandas as pd
+def replay_tiles(blocks_with_two: int) -> int:
+    """State tiles per replay block: two (W, Qg, Aqk and Kd^T read once for both 64-column halves, twice
+    the work between barriers) once that still gives every compute unit a block, else one (twice the
+    blocks). H200 figures: docs/kda_scan.md."""
+    return 2 if blocks_with_two >= env.detect().compute_units else 1
 
-    p = probe.cpu().numpy()
-    t = p[:, :-1].astype("float64") / 1e3
-    frame = pd.DataFrame({"sm": p[:, -1], "start_us": t[:, 0] - t[:, 0].min()})
-    for i, name in enumerate(PROBE_STAGES):
-        frame[name] = t[:, i + 1] - t[:, i]
-    frame["total_us"] = t[:, -1] - t[:, 0]
-    return frame
+
+def _walk(ptrs: dict, items: int, heads: int, replay: bool, device: torch.device) -> None:
+    tiles = replay_tiles(items * heads) if replay else 1
+    a = WalkArgs(*(ptrs.get(name, 0) for name in _WALK_POINTERS), int(items), int(heads))
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    rc = _walk_library().k3_kda_walk(ctypes.byref(a), int(replay), tiles, _build.max_shared_optin(idx),
+                                     ctypes.c_void_p(_build.stream_handle(idx)))
+    _check(rc, WALK)
+
+
+def replay(work: Work, plan: KdaPlan, o: torch.Tensor, s_final: torch.Tensor, s_in: torch.Tensor) -> None:
+    """Walk every group of `plan` from its starting state s_in[group] (the scan's output), writing o
+    [tokens, H, 128] bf16 and, from each sequence's last group, s_final. One launch."""
+    ptrs = {name: getattr(work, name).data_ptr() for name in _WORK}
+    for name, t in (("chunk_tok", plan.chunk_tok), ("chunk_len", plan.chunk_len), ("grp_chunk0", plan.grp_chunk0),
+                    ("grp_nchunks", plan.grp_nchunks), ("grp_seq", plan.grp_seq), ("grp_sin", plan.grp_index),
+                    ("grp_last", plan.grp_last), ("o", o), ("s_final", s_final), ("s_in", s_in)):
+        ptrs[name] = t.data_ptr()
+    _walk(ptrs, plan.n_groups, plan.heads, True, o.device)
+
+
+def summaries(work: Work, plan: KdaPlan, sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """Every non-last group's summary into sums = (N, b, D) (`scan.buffers`' layout). One launch."""
+    ptrs = {name: getattr(work, name).data_ptr() for name in _WORK}
+    for name, t in (("grp_chunk0", plan.grp_chunk0), ("grp_nchunks", plan.grp_nchunks), ("sum_grp", plan.sum_grp),
+                    ("sum_n", sums[0]), ("sum_b", sums[1]), ("sum_d", sums[2])):
+        ptrs[name] = t.data_ptr()
+    _walk(ptrs, plan.n_summaries, plan.heads, False, sums[0].device)

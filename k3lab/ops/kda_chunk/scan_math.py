@@ -18,8 +18,9 @@ so a test or a notebook can check that composing equals applying one chunk after
 that the whole path equals `k3lab.nn.kda.kda_chunked` / `kda_recurrent`.
 
 Tensors here are [B, H, n_chunks, ...] (one B x H batch of independent recurrences), computed in the
-inputs' precision promoted to at least fp32. It is the readable version: the Triton kernels in
-`k3lab.ops.kda_chunk` compute the same quantities.
+inputs' precision promoted to at least fp32 (fp64 when any input is fp64). It is the readable version:
+the kernels of `k3lab.ops.kda_chunk` compute the same quantities for 64-token chunks; the algebra holds
+for any chunk size. Public path: also `k3lab.ops.kda_scan_math`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,36 @@ from dataclasses import dataclass
 
 import torch
 
-from k3lab.nn.kda import _check_kda_inputs, _compute_dtype, chunk_inverse
+from k3lab.nn.kda import chunk_inverse
+
+from .inputs import check_positive_int
+
+
+def _check_inputs(q, k, v, g, beta, initial_state):
+    """(B, T, H, K, V) of KDA's inputs (kda_chunked's shapes); ValueError naming a wrong one."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    for name, t in (("k", k), ("g", g)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B={B}, T={T}, H={H}, V], got {tuple(v.shape)}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B={B}, T={T}, H={H}], got {tuple(beta.shape)}")
+    V = v.shape[-1]
+    if initial_state is not None and (initial_state.shape != (B, H, K, V)
+                                      or initial_state.dtype not in (torch.float32, torch.float64)):
+        raise ValueError(f"initial_state must be fp32 or fp64 [B={B}, H={H}, K={K}, V={V}], got "
+                         f"{initial_state.dtype} {tuple(initial_state.shape)}")
+    return B, T, H, K, V
+
+
+def _compute_dtype(*tensors) -> torch.dtype:
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 @dataclass
@@ -51,9 +81,8 @@ class ChunkQuantities:
 def chunk_quantities(q, k, v, g, beta, scale=None, chunk_size: int = 64) -> ChunkQuantities:
     """The prologue of every chunk (no state needed). Same inputs as `kda_chunked`; the last chunk is
     padded with no-op tokens (k = 0, g = 0, beta = 0)."""
-    B, T, H, K, _ = _check_kda_inputs(q, k, v, g, beta, None)
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    B, T, H, K, _ = _check_inputs(q, k, v, g, beta, None)
+    check_positive_int("chunk_size", chunk_size)
     scale = K**-0.5 if scale is None else scale
     dt = _compute_dtype(q, k, v, g, beta)
     C = chunk_size
@@ -120,8 +149,7 @@ def apply(affine, S: torch.Tensor) -> torch.Tensor:
 
 def group_bounds(n_chunks: int, group_size: int) -> list[tuple[int, int]]:
     """[start, end) chunk ranges of consecutive groups of `group_size` chunks (the last may be shorter)."""
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+    check_positive_int("group_size", group_size)
     return [(s, min(s + group_size, n_chunks)) for s in range(0, n_chunks, group_size)] or [(0, 0)]
 
 
@@ -181,7 +209,7 @@ def kda_group_scan(
     """KDA by the group scan: prologue, per-chunk maps, group summaries, scan, parallel replay.
     Same arguments and results as `k3lab.nn.kda.kda_chunked` (o in q's dtype, state in the compute
     dtype), plus `group_size` (chunks per group)."""
-    B, _, H, K, V = _check_kda_inputs(q, k, v, g, beta, initial_state)
+    B, _, H, K, V = _check_inputs(q, k, v, g, beta, initial_state)
     dt = _compute_dtype(q, k, v, g, beta, initial_state)
     cq = chunk_quantities(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)
     S0 = torch.zeros(B, H, K, V, dtype=dt, device=q.device) if initial_state is None else initial_state.to(dt)
@@ -194,7 +222,7 @@ def kda_group_scan(
 
 def kda_chunk_walk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size: int = 64):
     """The plain sequential walk over the same chunk quantities (the 'before' algebra)."""
-    B, T, H, K, V = _check_kda_inputs(q, k, v, g, beta, initial_state)
+    B, T, H, K, V = _check_inputs(q, k, v, g, beta, initial_state)
     dt = _compute_dtype(q, k, v, g, beta, initial_state)
     cq = chunk_quantities(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)
     S = torch.zeros(B, H, K, V, dtype=dt, device=q.device) if initial_state is None else initial_state.to(dt)
@@ -209,6 +237,7 @@ def kda_chunk_walk(q, k, v, g, beta, scale=None, initial_state=None, chunk_size:
 def sequential_depth(n_chunks: int, group_size: int | None) -> int:
     """Dependent chunk steps on the critical path: n_chunks for the plain walk; for the group scan,
     group_size (summaries) + n_groups - 1 (scan) + group_size (replay)."""
+    check_positive_int("group_size", group_size, allow_none=True)
     if group_size is None or group_size >= n_chunks:
         return n_chunks
     n_groups = -(-n_chunks // group_size)

@@ -1,0 +1,125 @@
+"""What every backend of chunked KDA prefill shares: the sizes the kernels are built for, the check of
+a call's arguments (before any kernel runs) and the matrix-product precisions per input dtype."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from k3lab import env
+
+HEAD_DIM = 128  # K = V = 128 for K3's KDA; the kernels hold whole 128-row state tiles
+CHUNK = 64  # tokens per chunk: the 64 x 64 in-chunk inverse the seed prescribes
+SUB = 16  # the inverse and the decay factoring work on 16 x 16 blocks
+SAFE_SPREAD = 64.0  # largest decay spread (natural log) inside a 16-row block the factored form accepts
+MAX_GRID = 65535  # groups, summaries or sequences: a launch grid's second and third dimensions
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Triton's interpreter (CPU) turns a run-time loop bound into a 1-element array that numpy >= 2.3 will not
+# convert to an int; the kernels then loop with `while`, which it handles (compiled code keeps `for`).
+WHILE = env.triton_interpreted()
+# one-instruction exponentials by inline PTX: compiled for NVIDIA only (the interpreter runs no PTX)
+FAST_EXP = not env.triton_interpreted() and env.detect().backend == "cuda"
+
+
+def check_positive_int(name: str, value, *, allow_none: bool = False) -> None:
+    """ValueError unless `value` is an int >= 1 (bool refused), or None when allowed."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        want = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+
+
+def _shape(t) -> str:
+    return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_tensors(q, k, v, g, beta) -> None:
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a [B, T, H, K] tensor, got {_shape(q)}")
+    B, T, H, K = q.shape
+    if K != HEAD_DIM:
+        raise ValueError(f"q's head dim K must be {HEAD_DIM} (the kernels hold 128-row state tiles), got {K}")
+    if B < 1 or H < 1:
+        raise ValueError(f"q must have B >= 1 and H >= 1, got {tuple(q.shape)}")
+    if H > MAX_GRID:
+        raise ValueError(f"q has {H} heads; the launch grids take at most {MAX_GRID}")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {getattr(t, 'dtype', type(t).__name__)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape != (B, T, H, HEAD_DIM):
+        raise ValueError(f"v must be [B={B}, T={T}, H={H}, V={HEAD_DIM}], got {tuple(v.shape)}")
+    if not isinstance(g, torch.Tensor) or g.shape != q.shape or g.dtype != torch.float32:
+        raise ValueError(f"g must be a float32 log-decay tensor of q's shape {tuple(q.shape)}, got "
+                         f"{getattr(g, 'dtype', None)} {_shape(g)}")
+    if not isinstance(beta, torch.Tensor) or beta.shape != (B, T, H) or beta.dtype != torch.float32:
+        raise ValueError(f"beta must be a float32 tensor [B={B}, T={T}, H={H}], got "
+                         f"{getattr(beta, 'dtype', None)} {_shape(beta)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        if not t.is_contiguous():  # the kernels address [B, T, H, .] by fixed strides
+            raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def _lengths(cu_seqlens, B: int, T: int) -> list[int]:
+    if cu_seqlens is None:
+        return [T] * B
+    if B != 1:
+        raise ValueError(f"with cu_seqlens, q must be packed as B = 1, got B = {B}")
+    if isinstance(cu_seqlens, torch.Tensor) and (cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point()):
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in itertools.pairwise(cu)):
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T = {T}, got "
+                         f"{cu[:4]}...{cu[-2:]} ({len(cu)} entries)")
+    return [b - a for a, b in itertools.pairwise(cu)]
+
+
+def validate(q, k, v, g, beta, initial_state=None, cu_seqlens=None, scale=None) -> tuple[list[int], int, float]:
+    """Check one prefill call's arguments; returns (sequence lengths, heads H, scale).
+
+    q, k [B, T, H, 128] and v [B, T, H, 128] of one dtype (bf16, fp16 or fp32), contiguous; g [B, T, H, 128]
+    fp32 log-decay; beta [B, T, H] fp32; initial_state [N, H, 128, 128] fp32 or None; cu_seqlens [N + 1]
+    (packed variable-length batch, B = 1) or None (N = B). Raises ValueError naming the argument.
+    Reading cu_seqlens waits for the GPU: callers validate once per call."""
+    _check_tensors(q, k, v, g, beta)
+    B, T, H, _ = q.shape
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    lengths = _lengths(cu_seqlens, B, T)
+    N = len(lengths)
+    if N > MAX_GRID:
+        raise ValueError(f"{N} sequences: the launch grids take at most {MAX_GRID}; split the batch")
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or initial_state.dtype != torch.float32:
+            raise ValueError(f"initial_state must be a float32 tensor, got {getattr(initial_state, 'dtype', None)}")
+        if initial_state.shape != (N, H, HEAD_DIM, HEAD_DIM):
+            raise ValueError(f"initial_state must be [N={N}, H={H}, {HEAD_DIM}, {HEAD_DIM}], got "
+                             f"{tuple(initial_state.shape)}")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
+        if not initial_state.is_contiguous():
+            raise ValueError("initial_state must be contiguous (call .contiguous() first)")
+    return lengths, H, HEAD_DIM**-0.5 if scale is None else float(scale)
+
+
+def dot_precisions(dtype: torch.dtype) -> dict[str, str]:
+    """Triton dot precisions per product. fp32 inputs: exact fp32 ('ieee') everywhere (what the CPU tests
+    check). 16-bit inputs: one tf32 pass for Aqk, W / U and the walks; for Akk on NVIDIA too (its operands
+    are decay factors <= 1: docs/kda_scan.md has the error it costs), exact fp32 elsewhere; the inverse's
+    products and the scan in three tf32 passes ('tf32x3', fp32-class) on NVIDIA, exact fp32 elsewhere (the
+    seed's rule: the inverse and the composed state maps keep fp32 precision)."""
+    if dtype == torch.float32:
+        return dict.fromkeys(("akk", "aqk", "inv", "out", "scan", "walk"), "ieee")
+    near = "tf32x3" if env.detect().backend == "cuda" else "ieee"
+    akk = "tf32" if env.detect().backend == "cuda" else "ieee"
+    return {"akk": akk, "aqk": "tf32", "inv": near, "out": "tf32", "scan": near, "walk": "tf32"}

@@ -1,27 +1,24 @@
 // attn_res_norm.cu: AttnRes + RMSNorm for a few tokens, one token's row spread over a cluster.
 //
-// The cluster mode ran on the H200 (bit-exact persistent state, 5.2 us for 1 token x 9 sources);
-// k3lab.ops.attn_res_cuda binds it and attn_res_norm.after uses it for a few tokens and 5+ sources.
-// The HIP build (block mode) is compiled for gfx90a/gfx940, not yet run on AMD hardware by this project.
+// Per token: prefix <- bf16(prefix + delta) (round to nearest even, as torch); sources = the stored
+// blocks then the partial; logit_i = (w . v_i) / rms(v_i), w = the folded AttnRes weight (fp32);
+// h = sum_i softmax(logit)_i v_i in fp32; out = bf16(h / rms(h) * w_next); at a block boundary
+// (push) blocks[n] <- the partial and prefix <- 0.
 //
-// Why: at one token the Triton kernel (k3lab/ops/attn_res_norm.py) runs on one SM, and that SM's
-// instruction issue bounds the step (9 sources, hidden 7168: 2,450 instructions per thread, 6.1 us
-// on the H200, where 10x the unfused sequence asks for 5.4 us). Here a token's row is cut into
-// 1024-column pieces, one block each (7 blocks for 7168), and the blocks of a row form a
-// thread-block cluster (Hopper and later). What a block needs from the others is small:
+// Why this shape: at one token a single program (the Triton kernel, k3lab/ops/attn_res_norm/) runs on
+// one SM, and that SM's instruction issue bounds the step (9 sources, hidden 7168: ~2,450
+// instructions per thread). Here a token's row is cut into 1024-column pieces, one block of 128
+// threads each (7 blocks for 7168), and the blocks of a row form a thread-block cluster. What a
+// block needs from the others is small:
 //   1. each source's (w . v, v . v) over its columns: 18 floats, pushed into every peer's shared
 //      memory, then every block forms the logits and the softmax weights and mixes its columns;
 //   2. its partial h . h: one float, pushed the same way, then every block normalises and stores.
 // Each exchange is a cluster barrier (arrive with release, wait with acquire), no memory round trip.
 //
-// The same step without clusters (HIP, GPUs before Hopper, rows wider than 8 pieces) runs one block
-// per row over the pieces in three passes (statistics, |h|^2, output), re-reading its data from
-// cache: a fallback, not a fast path.
-//
-// Per token: prefix <- bf16(prefix + delta) (round to nearest even, as torch); sources = the stored
-// blocks then the partial; logit_i = (w . v_i) / rms(v_i), w = the folded AttnRes weight (fp32);
-// h = sum_i softmax(logit)_i v_i in fp32; out = bf16(h / rms(h) * w_next); at a block boundary
-// (push) blocks[n] <- the partial and prefix <- 0.
+// Layouts: prefix, delta, out [T, D] bf16; blocks [max_blocks, T, D] bf16 (block stride given);
+// w_mix, w_next [D] fp32; rows 16-byte aligned, D a multiple of 8.
+// Limits: CUDA, compute capability 9.0+, D <= 8 x 1024, at most 8 stored blocks. HIP builds compile
+// but have no kernel (k3_attn_res_has_cluster() == 0). Figures: docs/copy_removal.md.
 #include "k3lab_portability.h"
 
 #if defined(K3_CUDA)
@@ -103,12 +100,6 @@ K3_DEVICE void load_chunk(const Args& a, long long base, int col, bool update, C
       *(uint4*)(a.prefix + base + col) = xq;
     }
   }
-}
-
-// After an update pass, the partial of this chunk as stored (pushed into blocks[n], or in prefix).
-K3_DEVICE void reload_chunk(const Args& a, long long base, int col, Chunk& c) {
-  load_chunk(a, base, col, false, c);
-  if (a.push && col < a.D) unpack(*(const uint4*)(a.blocks + a.n_blocks * a.stride_block + base + col), c.x);
 }
 
 K3_DEVICE void add_stats(const Chunk& c, const float* w, float* st, int n_blocks) {
@@ -268,60 +259,6 @@ __global__ void __launch_bounds__(NT) arn_cluster_kernel(Args a) {
 }
 #endif
 
-// One block per row, every piece in turn, three passes (statistics; |h|^2; output), re-reading from
-// cache. The portable fallback (HIP: not yet run on AMD hardware by this project).
-__global__ void __launch_bounds__(NT) arn_block_kernel(Args a) {
-  __shared__ float red[GROUPS][NSTAT];
-  __shared__ float all_s[NSTAT];
-  __shared__ float hh_s;
-  const int tid = threadIdx.x;
-  const long long base = (long long)blockIdx.y * a.D;
-  const int pieces = (a.D + PIECE - 1) / PIECE;
-  float st[NSTAT] = {};
-  for (int k = 0; k < pieces; ++k) {
-    const int col = k * PIECE + tid * VEC;
-    Chunk c;
-    load_chunk(a, base, col, true, c);
-    float w[VEC];
-    load_weights(a.w_mix, col, a.D, w);
-    add_stats(c, w, st, a.n_blocks);
-  }
-  float mine = 0.f;
-  block_sums<NSTAT>(st, red, &mine);
-  if (tid < NSTAT) all_s[tid] = mine;
-  __syncthreads();
-  float all[NSTAT];
-#pragma unroll
-  for (int i = 0; i < NSTAT; ++i) all[i] = all_s[i];
-  float p[MAXB], px;
-  weights(all, a.n_blocks, a.D, a.eps, p, &px);
-  float hh[1] = {0.f};
-  for (int k = 0; k < pieces; ++k) {
-    const int col = k * PIECE + tid * VEC;
-    Chunk c;
-    reload_chunk(a, base, col, c);  // this thread wrote these columns of the partial in pass 1
-    float h[VEC];
-    mix(c, p, px, h, a.n_blocks);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) hh[0] = fmaf(h[j], h[j], hh[0]);
-  }
-  __syncthreads();  // red is reused
-  float mine_hh = 0.f;
-  block_sums<1>(hh, (float(*)[1])red, &mine_hh);
-  if (tid == 0) hh_s = mine_hh;
-  __syncthreads();
-  const float r = rsqrtf(hh_s / a.D + a.eps);
-  for (int k = 0; k < pieces; ++k) {
-    const int col = k * PIECE + tid * VEC;
-    Chunk c;
-    reload_chunk(a, base, col, c);
-    float h[VEC], wn[VEC];
-    load_weights(a.w_next, col, a.D, wn);
-    mix(c, p, px, h, a.n_blocks);
-    store_out(a, base, col, h, r, wn);
-  }
-}
-
 #if defined(K3_CUDA)
 template <int P>
 static int launch_cluster(const Args& a, k3_stream_t st) {
@@ -357,32 +294,26 @@ K3_EXPORT int k3_attn_res_has_cluster() {
 #endif
 }
 
-// mode 0: one block per row (portable); mode 1: a cluster of ceil(D / 1024) <= 8 blocks per row
-// (CUDA, sm_90 and later). Returns 0, a runtime error code, -2 for bad arguments, -5 for a mode this
-// build or row width does not have.
-K3_EXPORT int k3_attn_res_norm(const k3arn::Args* a, int mode, void* stream) {
+// A cluster of ceil(D / 1024) <= 8 blocks per row (CUDA, sm_90 and later). Returns 0, a runtime
+// error code, -2 for bad arguments, -5 where this build or row width has no kernel.
+K3_EXPORT int k3_attn_res_norm(const k3arn::Args* a, void* stream) {
   if (a->D % k3arn::VEC != 0 || a->n_blocks < 0 || a->n_blocks > k3arn::MAXB || a->T < 0) return -2;
   if (a->T == 0) return 0;
-  k3_stream_t st = (k3_stream_t)stream;
-  if (mode == 0) {
-    const dim3 grid(1, a->T, 1);
-    k3arn::arn_block_kernel<<<grid, k3arn::NT, 0, st>>>(*a);
-    return (int)k3_get_last_error();
-  }
 #if defined(K3_CUDA)
-  if (mode == 1) {
-    switch ((a->D + k3arn::PIECE - 1) / k3arn::PIECE) {
-      case 1: return k3arn::launch_cluster<1>(*a, st);
-      case 2: return k3arn::launch_cluster<2>(*a, st);
-      case 3: return k3arn::launch_cluster<3>(*a, st);
-      case 4: return k3arn::launch_cluster<4>(*a, st);
-      case 5: return k3arn::launch_cluster<5>(*a, st);
-      case 6: return k3arn::launch_cluster<6>(*a, st);
-      case 7: return k3arn::launch_cluster<7>(*a, st);
-      case 8: return k3arn::launch_cluster<8>(*a, st);
-      default: return -5;
-    }
+  k3_stream_t st = (k3_stream_t)stream;
+  switch ((a->D + k3arn::PIECE - 1) / k3arn::PIECE) {
+    case 1: return k3arn::launch_cluster<1>(*a, st);
+    case 2: return k3arn::launch_cluster<2>(*a, st);
+    case 3: return k3arn::launch_cluster<3>(*a, st);
+    case 4: return k3arn::launch_cluster<4>(*a, st);
+    case 5: return k3arn::launch_cluster<5>(*a, st);
+    case 6: return k3arn::launch_cluster<6>(*a, st);
+    case 7: return k3arn::launch_cluster<7>(*a, st);
+    case 8: return k3arn::launch_cluster<8>(*a, st);
+    default: return -5;
   }
-#endif
+#else
+  (void)stream;
   return -5;
+#endif
 }

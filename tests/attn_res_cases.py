@@ -1,4 +1,4 @@
-"""Inputs and a side-by-side run shared by the tests of the experimental few-token AttnRes kernels."""
+"""Inputs and a side-by-side run shared by the tests of the few-token AttnRes kernels."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""The experimental CUDA/HIP AttnRes kernel (kernels/attn_res_norm.cu): argument checks everywhere,
+"""The CUDA AttnRes cluster kernel (kernels/attn_res_norm.cu, k3lab.ops.attn_res_norm.cuda): argument checks everywhere,
 results against the unfused sequence on a GPU. Its compilation for sm_90a and gfx90a/gfx940 is
 checked by tests/test_kernels_build.py."""
 
@@ -7,7 +7,7 @@ import torch
 
 from attn_res_cases import make_inputs, run_beside_before
 from k3lab.ops import _build
-from k3lab.ops import attn_res_cuda as arc
+from k3lab.ops.attn_res_norm import cuda as arc
 
 GPU = torch.cuda.is_available()
 
@@ -22,10 +22,9 @@ def _call(x, n_blocks=4, **kw):
 
 
 @pytest.mark.parametrize("change,kw,match", [
-    (dict(), dict(mode="warp"), "mode"),
     (dict(dtype=torch.float32), dict(), "bfloat16"),
     (dict(D=100), dict(), "multiple of 8"),
-    (dict(D=9 * 1024), dict(mode="cluster"), "at most 8192"),
+    (dict(D=9 * 1024), dict(), "at most 8192"),
     (dict(), dict(n_blocks=9, push_block=False), "n_blocks"),
 ])
 def test_bad_arguments_are_refused_by_name(change, kw, match):
@@ -42,23 +41,18 @@ def test_a_misaligned_row_start_is_refused():
 
 
 @pytest.mark.skipif(GPU, reason="checks what a machine without a GPU says")
-@pytest.mark.parametrize("mode", ["cluster", "block"])
-def test_without_a_gpu_it_says_so(mode):
+def test_without_a_gpu_it_says_so():
     with pytest.raises(_build.KernelUnavailable, match="GPU"):
-        _call(_inputs(2, 64), mode=mode)
+        _call(_inputs(2, 64))
 
 
-def _modes():
-    return ["block"] + (["cluster"] if _build.clusters_available()[0] else [])
-
-
-@pytest.mark.skipif(not GPU, reason="the kernel runs on a GPU")
+@pytest.mark.skipif(not GPU or not _build.clusters_available()[0],
+                    reason="the cluster kernel runs on a CUDA GPU of compute capability 9.0+")
 @pytest.mark.parametrize("D", [7168, 1000])
 @pytest.mark.parametrize("T,n_blocks,push,with_delta", [(1, 8, False, True), (1, 0, True, True), (8, 4, True, False),
                                                         (3, 1, False, False)])
 def test_on_the_gpu_matches_the_unfused_sequence(D, T, n_blocks, push, with_delta):
-    for mode in _modes():
-        x = _inputs(T, D, seed=T + n_blocks, device="cuda")
-        ya, yb, (pa, ba), (pb, bb) = run_beside_before(arc.cuda_after, x, n_blocks, push, with_delta, mode=mode)
-        torch.testing.assert_close(ya.float(), yb.float(), rtol=1e-2, atol=1e-2, msg=f"mode {mode}")
-        assert torch.equal(pa, pb) and torch.equal(ba, bb), f"mode {mode}: persistent state not bit-exact"
+    x = _inputs(T, D, seed=T + n_blocks, device="cuda")
+    ya, yb, (pa, ba), (pb, bb) = run_beside_before(arc.cuda_after, x, n_blocks, push, with_delta)
+    torch.testing.assert_close(ya.float(), yb.float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(pa, pb) and torch.equal(ba, bb), "persistent state not bit-exact"

@@ -1,18 +1,9 @@
-"""AttnRes + RMSNorm for a few tokens as a CUDA/HIP kernel: one token's row over a thread-block cluster.
+"""The CUDA backend of AttnRes + RMSNorm: binding for kernels/attn_res_norm.cu, one token's row over a
+thread-block cluster of ceil(hidden / 1024) <= 8 blocks (CUDA, compute capability 9.0+), the blocks
+exchanging their partial sums through distributed shared memory. Chosen by `launch_config` for a few
+tokens and 5+ sources, where it builds (`cluster_pieces`). The source compiles as HIP too (no cluster
+kernel there; not yet run on AMD hardware by this project)."""
 
-kernels/attn_res_norm.cu compiles for sm_90a (nvcc) and for gfx90a/gfx940 (hipcc, as written and
-hipified; tests/test_kernels_build.py). Its cluster mode ran on the H200 (checked bit-exact on the
-persistent state against the unfused sequence, then timed: profiles/nvidia-h200/copy_removal/
-attn_res_t*_s*.cudacluster), and `attn_res_norm.after` uses it for a few tokens with 5+ sources
-where it builds (`cluster_pieces`). The kernel's header says why it exists and how it works: at
-one token the Triton kernel is bound by one SM's instruction issue (2,450 instructions per thread
-for 9 sources, 8 warps); here 7 blocks of 4 warps share a row and exchange their partial sums
-through distributed shared memory behind cluster barriers.
-
-modes: 'cluster' (CUDA, sm_90 and later, rows of at most 8 x 1024 columns) and 'block' (one block
-per row, three passes over cache: the portable fallback, 2.5x slower than the Triton kernel on the
-H200; HIP builds are not yet run on AMD hardware by this project).
-"""
 
 from __future__ import annotations
 
@@ -22,16 +13,15 @@ import functools
 import torch
 
 from k3lab.ops import _build
-from k3lab.ops.attn_res_norm import _check, fold_mix_weight
+from k3lab.ops.attn_res_norm.inputs import check, fold_mix_weight
 
 KERNEL = "attn_res_norm"
-MODES = {"block": 0, "cluster": 1}
 PIECE = 1024  # columns per block in cluster mode
 MAX_BLOCKS = 8  # stored blocks (9 sources)
 MAX_PIECES = 8  # a portable cluster
 
 
-class _Args(ctypes.Structure):  # kernels/attn_res_norm.cu, k3arn::Args
+class Args(ctypes.Structure):  # kernels/attn_res_norm.cu, k3arn::Args
     _fields_ = [("prefix", ctypes.c_void_p), ("delta", ctypes.c_void_p), ("blocks", ctypes.c_void_p),
                 ("out", ctypes.c_void_p), ("w_mix", ctypes.c_void_p), ("w_next", ctypes.c_void_p),
                 ("stride_block", ctypes.c_longlong), ("T", ctypes.c_int), ("D", ctypes.c_int),
@@ -42,16 +32,16 @@ class _Args(ctypes.Structure):  # kernels/attn_res_norm.cu, k3arn::Args
 def _library() -> ctypes.CDLL:
     lib = _build.load(KERNEL)
     lib.k3_attn_res_norm.restype = ctypes.c_int
-    lib.k3_attn_res_norm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.k3_attn_res_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     size = lib.k3_attn_res_args_size()
-    if size != ctypes.sizeof(_Args):
+    if size != ctypes.sizeof(Args):
         raise _build.KernelUnavailable(f"{KERNEL}.cu's Args is {size} bytes but the Python packing is "
-                                       f"{ctypes.sizeof(_Args)}")
+                                       f"{ctypes.sizeof(Args)}")
     return lib
 
 
 @functools.cache
-def _cluster_build(device_index: int) -> tuple[bool, str]:
+def cluster_build(device_index: int) -> tuple[bool, str]:
     ok, why = _build.clusters_available(device_index)
     if not ok:
         return False, why
@@ -74,27 +64,25 @@ def cluster_pieces(*tensors: torch.Tensor | None) -> tuple[int, str]:
     for t in tensors:
         if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
             return 0, "a tensor is not contiguous or not 16-byte aligned"
-    ok, why = _cluster_build(prefix.device.index if prefix.device.index is not None else torch.cuda.current_device())
+    ok, why = cluster_build(prefix.device.index if prefix.device.index is not None else torch.cuda.current_device())
     if not ok:
         return 0, f"cluster kernel unavailable: {why}"
     return -(-D // PIECE), f"cluster kernel: {why}"
 
 
 def cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False,
-               mix_weight=None, mode="cluster"):
+               mix_weight=None):
     """Same arguments, effects and result as `attn_res_norm.before` (bf16 tensors on one GPU, hidden
     size a multiple of 8)."""
-    T, D = _check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block)
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    T, D = check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block)
     if prefix.dtype != torch.bfloat16:
         raise ValueError(f"prefix must be bfloat16 (the kernel stores bf16), got {prefix.dtype}")
     if D % 8:
         raise ValueError(f"the hidden size D must be a multiple of 8 (16-byte rows), got {D}")
     if n_blocks > MAX_BLOCKS:
         raise ValueError(f"n_blocks must be at most {MAX_BLOCKS}, got {n_blocks}")
-    if mode == "cluster" and -(-D // PIECE) > MAX_PIECES:
-        raise ValueError(f"mode 'cluster' takes rows of at most {MAX_PIECES * PIECE} columns, got D={D}")
+    if -(-D // PIECE) > MAX_PIECES:
+        raise ValueError(f"the cluster kernel takes rows of at most {MAX_PIECES * PIECE} columns, got D={D}")
     for name, t in (("prefix", prefix), ("blocks", blocks)) + ((("delta", delta),) if delta is not None else ()):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
@@ -104,17 +92,16 @@ def cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_nor
     if w_mix.shape != (D,) or w_mix.dtype != torch.float32 or not w_mix.is_contiguous():
         raise ValueError(f"mix_weight must be contiguous fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")
     w_next = next_norm_w.float().contiguous()  # no copy when it is fp32 already
-    if mode == "cluster":
-        ok, why = _build.clusters_available(prefix.device)
-        if not ok:
-            raise _build.KernelUnavailable(f"mode 'cluster' cannot run here: {why} (mode 'block' instead)")
+    ok, why = _build.clusters_available(prefix.device)
+    if not ok:
+        raise _build.KernelUnavailable(f"the cluster kernel cannot run here: {why}")
     lib = _library()
     out = torch.empty_like(prefix)
-    args = _Args(prefix.data_ptr(), delta.data_ptr() if delta is not None else None, blocks.data_ptr(),
+    args = Args(prefix.data_ptr(), delta.data_ptr() if delta is not None else None, blocks.data_ptr(),
                  out.data_ptr(), w_mix.data_ptr(), w_next.data_ptr(), blocks.stride(0), T, D, n_blocks,
                  int(push_block), float(eps))
-    stream = torch.cuda.current_stream(prefix.device).cuda_stream
-    rc = lib.k3_attn_res_norm(ctypes.byref(args), MODES[mode], ctypes.c_void_p(stream))
+    stream = _build.stream_handle(prefix.device.index if prefix.device.index is not None else torch.cuda.current_device())
+    rc = lib.k3_attn_res_norm(ctypes.byref(args), ctypes.c_void_p(stream))
     if rc != 0:
-        raise RuntimeError(f"{KERNEL}.cu returned {rc} (mode {mode!r}, T={T}, D={D}, n_blocks={n_blocks})")
+        raise RuntimeError(f"{KERNEL}.cu returned {rc} (T={T}, D={D}, n_blocks={n_blocks})")
     return out

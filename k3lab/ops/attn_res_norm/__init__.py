@@ -1,0 +1,135 @@
+"""AttnRes + RMSNorm in one pass (seed section 3, "AttnRes mixes earlier layer-block outputs...").
+
+Between two sublayers K3 does, per token:
+
+    prefix <- bf16(prefix + delta)                      the running partial sum keeps its bf16 rounding
+    sources = [block_0, ..., block_{n-1}, prefix]       completed block sums, then the partial
+    logit_i = sum_d RMSNorm(V_i)[d] * res_norm_w[d] * res_proj_w[d]
+    h = sum_i softmax(logit)_i V_i                      fp32
+    out = RMSNorm(h) * next_norm_w                      the next sublayer's input norm
+    at a block boundary: blocks[n] <- prefix; prefix <- 0
+
+`before` is that sequence in plain PyTorch (a dozen kernels, every intermediate through memory).
+`after` is one kernel launch. Backends (`BACKENDS`; `kernel=` or K3LAB_ATTN_RES_NORM_BACKEND forces one):
+
+* 'triton' (`k3lab.ops.attn_res_norm.triton`): one program per token reads every source once, takes
+  the stored blocks a group at a time as one tile with an online softmax between groups, keeps the
+  fp32 mixture in registers through the norm and writes only the persistent updates and the output;
+  its group size, warps and pipelining come from `launch_config` (token count against compute units);
+* 'cuda_cluster' (`k3lab.ops.attn_res_norm.cuda`, kernels/attn_res_norm.cu): for a few tokens and 5+
+  sources on a GPU with thread-block clusters (compute capability 9.0+), one token's row over a
+  cluster of 7 blocks, where it builds (`kernel_status` says which kernel runs and why).
+
+Both update `prefix` / `blocks` in place and return the normed output. Figures and the launch
+configurations that lost: docs/copy_removal.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from k3lab.ops.attn_res_norm import cuda, triton
+from k3lab.ops.attn_res_norm.inputs import CLUSTER_MIN_BLOCKS, check, fold_mix_weight, launch_config, rms
+
+__all__ = ["BACKENDS", "BACKEND_ENV", "CLUSTER_MIN_BLOCKS", "KERNELS", "Backend", "after", "attn_res_norm",
+           "before", "fold_mix_weight", "kernel_status", "launch_config"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of `after`: `available()` -> (ok, why); lower priority is tried first
+    (`launch_config` then decides by shape whether the cluster kernel pays)."""
+
+    name: str
+    priority: int
+    available: Callable[[], tuple[bool, str]]
+
+
+def _cluster_available() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "no GPU visible to torch: the cluster kernel runs on a CUDA GPU"
+    return cuda.cluster_build(torch.cuda.current_device())
+
+
+BACKENDS = (Backend("cuda_cluster", 0, _cluster_available), Backend("triton", 1, triton.status))
+KERNELS = tuple(b.name for b in sorted(BACKENDS, key=lambda b: b.priority, reverse=True))  # ('triton', 'cuda_cluster')
+BACKEND_ENV = "K3LAB_ATTN_RES_NORM_BACKEND"
+
+
+def before(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False):
+    """The unfused sequence in plain PyTorch (the seed's "before"). Updates prefix/blocks in place."""
+    check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block)
+    if delta is not None:
+        prefix.copy_((prefix.float() + delta.float()).to(prefix.dtype))
+    sources = torch.cat([blocks[:n_blocks], prefix.unsqueeze(0)]).float()  # [S, T, D]
+    w = res_norm_w.float() * res_proj_w.float()
+    logits = (rms(sources, eps) * w).sum(-1)  # [S, T]
+    p = torch.softmax(logits, dim=0)
+    h = (p.unsqueeze(-1) * sources).sum(0)
+    out = (rms(h, eps) * next_norm_w.float()).to(prefix.dtype)
+    if push_block:
+        blocks[n_blocks].copy_(prefix)
+        prefix.zero_()
+    return out
+
+
+def kernel_status(prefix: torch.Tensor, delta: torch.Tensor | None = None, blocks: torch.Tensor | None = None
+                  ) -> tuple[int, str]:
+    """(cluster pieces per row, why): how many blocks per row the CUDA cluster kernel would use for
+    these tensors (0 when it cannot run on them here: then `after` uses the Triton kernel, and `why`
+    says why). The first call on a GPU builds kernels/attn_res_norm.cu (tens of seconds, then cached)."""
+    return cuda.cluster_pieces(prefix, delta, blocks)
+
+
+def _forced(kernel: str | None) -> str | None:
+    name = kernel if kernel is not None else (os.environ.get(BACKEND_ENV) or None)
+    if name is not None and name not in KERNELS:
+        where = "kernel" if kernel is not None else BACKEND_ENV
+        raise ValueError(f"{where} must be one of {KERNELS} or None, got {name!r}")
+    return name
+
+
+def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False,
+          mix_weight=None, kernel=None, config=None, int_round=None):
+    """One kernel launch for the whole step. Same arguments, effects and result as `before`;
+    pass `mix_weight=fold_mix_weight(...)` (folded at load time) to keep the step at one launch.
+    kernel: 'triton', 'cuda_cluster', or None (K3LAB_ATTN_RES_NORM_BACKEND, else `launch_config`
+    chooses; see `kernel_status`). config: a Triton `launch_config(...)` result to run instead of the
+    one chosen for this device's unit count (implies kernel='triton').
+    int_round: round bf16 with integer arithmetic (default: only under Triton's interpreter)."""
+    T, D = check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block)
+    for name, t in (("prefix", prefix), ("blocks", blocks)) + ((("delta", delta),) if delta is not None else ()):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    w_mix = fold_mix_weight(res_norm_w, res_proj_w) if mix_weight is None else mix_weight
+    if w_mix.shape != (D,) or w_mix.dtype != torch.float32:
+        raise ValueError(f"mix_weight must be fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")
+    kernel = _forced(kernel)
+    if config is not None:
+        if config.get("kernel") != "triton" or kernel == "cuda_cluster":
+            raise ValueError(f"config must be a Triton launch_config result, got {config}")
+        kernel = "triton"
+    if kernel != "cuda_cluster" and config is None:
+        pieces = kernel_status(prefix, delta, blocks)[0] if kernel is None and T > 0 else 0
+        config = launch_config(T, n_blocks, cluster_pieces=pieces)
+        kernel = config["kernel"]
+    if kernel == "cuda_cluster":
+        return cuda.cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w,
+                               eps=eps, push_block=push_block, mix_weight=w_mix)
+    if not triton.status()[0]:
+        raise RuntimeError("attn_res_norm.after needs Triton, which is not installed; use before()")
+    return triton.launch(prefix, delta, blocks, n_blocks, w_mix, next_norm_w, eps, push_block, config,
+                         int_round=int_round)
+
+
+def attn_res_norm(*args, impl: str = "after", **kwargs):
+    """Entry point: impl 'after' (one fused kernel) or 'before' (plain PyTorch sequence)."""
+    if impl == "after":
+        return after(*args, **kwargs)
+    if impl == "before":
+        return before(*args, **kwargs)
+    raise ValueError(f"impl must be 'after' or 'before', got {impl!r}")

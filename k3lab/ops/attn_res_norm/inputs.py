@@ -1,0 +1,87 @@
+"""Inputs and launch policy shared by the AttnRes + RMSNorm backends: argument checks, the folded mix
+weight, and `launch_config` (which kernel, and the Triton kernel's options, for a shape)."""
+
+from __future__ import annotations
+
+import torch
+
+from k3lab import env
+
+CLUSTER_MIN_BLOCKS = 4  # 5+ sources: below that one Triton program is faster than a cluster
+
+
+def check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block):
+    if prefix.dim() != 2:
+        raise ValueError(f"prefix must be [T, D], got shape {tuple(prefix.shape)}")
+    T, D = prefix.shape
+    if delta is not None and delta.shape != prefix.shape:
+        raise ValueError(f"delta must match prefix [T={T}, D={D}], got {tuple(delta.shape)}")
+    if blocks.dim() != 3 or blocks.shape[1:] != (T, D):
+        raise ValueError(f"blocks must be [max_blocks, T={T}, D={D}], got {tuple(blocks.shape)}")
+    if blocks.dtype != prefix.dtype:
+        raise ValueError(f"blocks must have prefix's dtype {prefix.dtype}, got {blocks.dtype}")
+    if not 0 <= n_blocks <= blocks.shape[0] - (1 if push_block else 0):
+        raise ValueError(f"n_blocks must be in [0, {blocks.shape[0] - (1 if push_block else 0)}] for "
+                         f"{blocks.shape[0]} block slots (push_block={push_block}), got {n_blocks}")
+    for name, w in (("res_norm_w", res_norm_w), ("res_proj_w", res_proj_w), ("next_norm_w", next_norm_w)):
+        if w.shape != (D,):
+            raise ValueError(f"{name} must be [D={D}], got {tuple(w.shape)}")
+    return T, D
+
+
+def rms(x, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+
+def fold_mix_weight(res_norm_w, res_proj_w):
+    """The AttnRes logit weight norm_w * proj_w as one fp32 vector: folded once when weights load."""
+    return (res_norm_w.float() * res_proj_w.float()).contiguous()
+
+
+# Launch configuration, chosen per call by `launch_config` (the rule and the H200 sweep behind it are
+# documented there). Fields: group (blocks per tile step), num_warps, prefetch (the next group's loads
+# issued before this group is reduced), w_reload (re-read the logit weight each step instead of
+# keeping it in registers), stages (0: the loop over groups is unrolled; k > 0: a rolled loop that
+# the compiler software-pipelines k deep through shared memory).
+def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None, cluster_pieces: int = 0) -> dict:
+    """The kernel configuration for `tokens` tokens and `n_blocks` stored blocks: {"kernel":
+    "cuda_cluster"} or {"kernel": "triton", and the Triton kernel's options}.
+
+    cluster_pieces: blocks per row of the CUDA cluster kernel (ceil(hidden / 1024)) when it can run
+    here, else 0. It is chosen when every block of every row gets an SM of its own (tokens x pieces
+    <= compute units) and there are at least CLUSTER_MIN_BLOCKS stored blocks. Measured on the H200
+    (hidden 7168, graph replay): 1 token, 9 sources 5.24 us vs
+    6.16 us for tile8; 8 tokens, 9 sources 5.40 vs 6.27; 5 sources 5.04 vs 5.28; but 2 sources
+    4.36 vs 3.48 (the cluster launch and its barriers cost ~0.9 us more than one program's work).
+
+    The rule, from the H200 sweep (hidden 7168, graph replay; docs/copy_removal.md has the table):
+    - tokens <= compute units: one program per token and at most one per unit, so one SM does all
+      of a token's work with nothing beside it: the step is bound by latency and by that SM's
+      instruction issue. Every stored block is loaded as one tile in a single step ("tile8": group
+      = all blocks, 8 warps). 1 token, 9 sources: 6.1 us vs 7.9 us walking the blocks with 8 warps. 16 and 32 warps were slower (6.6, 9.0 us): the work per
+      SM is the same (about 2,750 instructions per thread at 8 warps for 9 sources, in the compiled
+      code), more warps only add cross-warp reduction, and 32 spill registers.
+    - more tokens, 2+ stored blocks: bandwidth-bound. One block at a time in a rolled loop that the
+      compiler software-pipelines 3 deep through shared memory ("pipe8s3"): the loads in flight
+      cost no registers, 128 registers per thread leave room for two programs of 8 warps per unit.
+      8192 tokens, 9 sources: 382 us, 87% of the floor (walking 4 warps: 487 us, 68%); 5 sources
+      260 us, 85%; 3 sources 202 us, 82% (walk4: 216 us). Also best at 512 tokens.
+    - more tokens, 0-1 stored blocks: a loop of one step has nothing to pipeline; the block is
+      prefetched in registers with 4 warps ("walk4"): 8192 tokens, 2 sources: 160 us, 86% (pipe8s3:
+      195 us).
+    The switch at one token per unit follows from the reasoning above; the sweep brackets it (tile8
+    best at 64 tokens, pipe8s3 at 512) but did not time the tokens in between. On AMD GPUs the same
+    rule applies untuned (not yet run on AMD hardware by this project).
+    compute_units: the device's SM/CU count (read from the device when None).
+    """
+    if compute_units is None:
+        compute_units = env.detect().compute_units or 1
+    if cluster_pieces and n_blocks >= CLUSTER_MIN_BLOCKS and tokens * cluster_pieces <= compute_units:
+        return {"kernel": "cuda_cluster"}
+    all_blocks = 1 << max(n_blocks - 1, 0).bit_length()  # next power of two
+    if tokens <= compute_units:
+        return {"kernel": "triton", "group": all_blocks, "num_warps": 8, "prefetch": 1, "w_reload": 0, "stages": 0}
+    if n_blocks >= 2:
+        return {"kernel": "triton", "group": 1, "num_warps": 8, "prefetch": 0, "w_reload": 0, "stages": 3}
+    return {"kernel": "triton", "group": 1, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0}

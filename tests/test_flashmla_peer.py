@@ -1,4 +1,4 @@
-"""FlashMLA as a peer of the MLA decode (k3lab.ops.flashmla_peer): its absence is explained, its limits
+"""FlashMLA as a peer of the MLA decode (k3lab.ops.mla_decode.peers): its absence is explained, its limits
 are clear errors, a wrong library file is refused; on an sm_90a GPU with the library, its output and
 log-sum-exp match the fp32 reference on paged caches (one token, a ragged batch, a 4-token
 verification group)."""
@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from k3lab import bench
-from k3lab.ops import flashmla_peer as fm
 from k3lab.ops import mla_decode as mla
+from k3lab.ops.mla_decode import peers as fm
 from k3lab.studies import mla_padding as study
 
-USABLE, WHY = fm.status()
+USABLE, WHY = fm.flashmla_status()
 
 
 def test_status_names_what_is_missing_and_what_is_used_instead():
-    ok, why = fm.status()
+    ok, why = fm.flashmla_status()
     if not torch.cuda.is_available():
         assert not ok and "NVIDIA GPU" in why
     if not ok:
@@ -49,7 +49,7 @@ def test_limits_are_clear_errors(case, match):
     if case == "fp32":
         q = q.float()
     with pytest.raises(ValueError, match=match):
-        fm.check_inputs(q, pool, lengths, table)
+        fm.flashmla_check(q, pool, lengths, table)
 
 
 def test_a_wrong_library_file_is_refused_and_removed(monkeypatch, tmp_path):
@@ -89,15 +89,15 @@ def test_matches_the_reference_on_a_gpu(lengths, q_len):
     B, L = len(lengths), max(lengths)
     q = torch.randn(B, q_len, 12, mla.LATENT_DIM, generator=g).cuda().bfloat16()
     cache = torch.randn(B, L, mla.LATENT_DIM, generator=g).cuda().bfloat16()
-    pool, table = mla.to_paged(cache, fm.PAGE_SIZE)
+    pool, table = mla.to_paged(cache, fm.FLASHMLA_PAGE_SIZE)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    o, lse = fm.plan(q, pool, lens, block_table=table)()
+    o, lse = fm.flashmla_plan(q, pool, lens, block_table=table)()
     ref_o, ref_l = mla.reference(q.float(), pool.float(), lens, block_table=table)
     bench.check_all({"o": (o, ref_o), "lse": (lse, ref_l)}, dtype=torch.bfloat16)
 
 
 def test_committed_h200_records_against_flashmla(tmp_path):
-    """The H200 run notebook 04 shows (records at ae5fec0): FlashMLA checked against the reference in
+    """The H200 run notebook 04 shows: FlashMLA checked against the reference in
     every main case, the after at least 1.5x faster at B = 1 and level (within 10%) at 64 x 8K; in the
     kernel times FlashMLA's merge adds over 20 us after its split kernel at 32K, ours under 5 us."""
     h200 = bench.load_records(study.NAME, device="nvidia-h200")
@@ -119,3 +119,8 @@ def test_committed_h200_records_against_flashmla(tmp_path):
         study.peer_kernels(path=bad)
     pytest.importorskip("plotly")  # the bare GPU machine has none; make test installs it
     assert len(study.peer_figure(study.peer_table(h200)).data) == 3
+
+
+def test_the_peers_module_runs_as_a_command(capsys):
+    assert fm.main(["status"]) == 0 and "FlashMLA" in capsys.readouterr().out
+    assert fm.main(["bogus"]) == 2 and "usage" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The conservative MLA decode on CUDA cores (kernels/mla_before.cu via k3lab.ops.mla_before_cuda):
+"""The CUDA backend's before on CUDA cores (kernels/mla_before.cu via k3lab.ops.mla_decode.cuda):
 refusals by name everywhere; the sm_90a build (no spills, the ctypes Args layout checked against the
 compiled library, which loads without a GPU) where nvcc is present; on a GPU, outputs and lse against
 the fp32 reference for contiguous and paged caches, ragged lengths with NaN past them, and
@@ -13,8 +13,8 @@ import torch
 
 from k3lab import bench
 from k3lab.ops import _build
-from k3lab.ops import mla_before_cuda as mb
 from k3lab.ops import mla_decode as mla
+from k3lab.ops.mla_decode import cuda as mc
 
 GPU = torch.cuda.is_available()
 NVCC = _build.find_toolchain("nvcc") is not None
@@ -31,32 +31,34 @@ def test_refusals_by_name(case, match):
     if case == "width":
         cache = torch.randn(1, 64, 512).bfloat16()
     with pytest.raises(ValueError, match=match):
-        mb.check(q, cache)
+        mc.check_before(q, cache)
 
 
-def test_plan_before_kernel_choice_by_name():
+def test_plan_before_backend_choice_by_name():
     q = torch.randn(1, 1, 12, mla.LATENT_DIM)
     cache = torch.randn(1, 64, mla.LATENT_DIM)
-    with pytest.raises(ValueError, match="kernel must be"):
-        mla.plan_before(q, cache, kernel="asm")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        mla.plan_before(q, cache, backend="asm")
+    with pytest.raises(mla.BackendUnavailable, match="no before"):
+        mla.plan_before(q, cache, backend="aiter")
     if not GPU:  # asked for by name where it cannot run: the reason, not a silent fallback
-        with pytest.raises((_build.KernelUnavailable, ValueError)):
-            mla.plan_before(q.bfloat16(), cache.bfloat16(), kernel="cuda")
-        assert mla.plan_before(q, cache).kernel != "cuda"  # the Triton kernel runs, as status() says
+        with pytest.raises(mla.BackendUnavailable, match="'cuda' cannot run here"):
+            mla.plan_before(q.bfloat16(), cache.bfloat16(), backend="cuda")
+        assert mla.plan_before(q, cache).backend == "triton"  # the Triton kernel runs, as before_status() says
 
 
 @pytest.mark.skipif(not NVCC, reason="nvcc not on PATH (or CUDA_HOME)")
 def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
-    lib_path = _build.compile_kernel(mb.NAME, kind="nvcc", target="sm_90a", output="shared", dest=tmp_path / "b.so")
+    lib_path = _build.compile_kernel(mc.BEFORE_NAME, kind="nvcc", target="sm_90a", output="shared", dest=tmp_path / "b.so")
     report = Path(str(lib_path) + ".log").read_text()
     spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", report)]
     assert spills and all(s == 0 for s in spills), report[-2000:]
-    lib = mb.bind(ctypes.CDLL(str(lib_path)))
-    assert lib.k3_mla_before_args_size() == ctypes.sizeof(mb.Args)
+    lib = mc.bind_before(ctypes.CDLL(str(lib_path)))
+    assert lib.k3_mla_before_args_size() == ctypes.sizeof(mc.BeforeArgs) and lib.k3_mla_before_has_ring() == 1
 
 
 def _runs() -> bool:
-    return GPU and mb.status()[0]
+    return GPU and mc.before_status()[0]
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
@@ -66,7 +68,7 @@ def _runs() -> bool:
                                              ((5000, 7, 64, 2049), 1, 12), ((300, 130), 4, 12), ((700,), 8, 3)])
 def test_on_the_gpu_matches_the_reference(ring, paged, lengths, q_len, H):
     if not _runs():
-        pytest.skip(f"kernel unavailable: {mb.status()[1]}")
+        pytest.skip(f"kernel unavailable: {mc.before_status()[1]}")
     g = torch.Generator().manual_seed(sum(lengths) + q_len + H)
     B, L = len(lengths), max(lengths) + 40
     q = torch.randn(B, q_len, H, mla.LATENT_DIM, generator=g).cuda().bfloat16()
@@ -82,12 +84,12 @@ def test_on_the_gpu_matches_the_reference(ring, paged, lengths, q_len, H):
         used[rows[~past]] = True
         kern.view(-1, mla.LATENT_DIM)[~used] = float("nan")  # NaN past every length must not leak
         p = mla.plan_before(q, kern, lens, block_table=bt) if ring is None else \
-            mb.plan(q, kern, lens, block_table=bt, ring=ring)
+            mc.plan_before(q, kern, lens, block_table=bt, ring=ring)
     else:
         kern = cache.clone()
         kern[past] = float("nan")
-        p = mla.plan_before(q, kern, lens) if ring is None else mb.plan(q, kern, lens, ring=ring)
-    assert p.kernel == "cuda" and p.programs == B * q_len * H
+        p = mla.plan_before(q, kern, lens) if ring is None else mc.plan_before(q, kern, lens, ring=ring)
+    assert p.backend == "cuda" and p.programs == B * q_len * H and p.grid == (H, q_len, B)
     assert p.rows_via == ("ring" if ring is None else "direct")  # dense, aligned rows take the ring by default
     o, lse = p()
     ro, rl = mla.reference(q.float(), cache.float(), lens)
@@ -99,14 +101,14 @@ def test_on_the_gpu_ring_with_small_pages_and_a_refusal():
     """Pages of 16 rows: a 64-row tile is four copies; a cache whose rows are not dense is refused by
     name when the ring is asked for, and loaded directly by default."""
     if not _runs():
-        pytest.skip(f"kernel unavailable: {mb.status()[1]}")
+        pytest.skip(f"kernel unavailable: {mc.before_status()[1]}")
     g = torch.Generator().manual_seed(7)
     lens = torch.tensor([1000, 77], dtype=torch.int32, device="cuda")
     q = torch.randn(2, 2, 12, mla.LATENT_DIM, generator=g).cuda().bfloat16()
     cache = torch.randn(2, 1040, mla.LATENT_DIM, generator=g).cuda().bfloat16()
     cache[torch.arange(1040, device="cuda")[None, :] >= lens[:, None]] = 0
     pool, bt = mla.to_paged(cache, 16, spare_pages=3)
-    p = mb.plan(q, pool, lens, block_table=bt, ring=True)
+    p = mc.plan_before(q, pool, lens, block_table=bt, ring=True)
     o, lse = p()
     ro, rl = mla.reference(q.float(), cache.float(), lens)
     bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
@@ -114,23 +116,24 @@ def test_on_the_gpu_ring_with_small_pages_and_a_refusal():
     wide[..., :mla.LATENT_DIM] = cache
     strided = wide[..., :mla.LATENT_DIM]
     with pytest.raises(ValueError, match="ring=True needs"):
-        mb.plan(q, strided, lens, ring=True)
-    assert mb.plan(q, strided, lens).rows_via == "direct"
-    o2, lse2 = mb.plan(q, strided, lens)()
+        mc.plan_before(q, strided, lens, ring=True)
+    assert mc.plan_before(q, strided, lens).rows_via == "direct"
+    o2, lse2 = mc.plan_before(q, strided, lens)()
     bench.check_all({"o": (o2, ro), "lse": (lse2, rl)}, dtype=torch.bfloat16)
 
 
 def test_committed_h200_before_records():
-    """What notebook 04 says of the committed H200 records (ae5fec0): the CUDA before is the before of
-    the main cases and at least 5x faster than the Triton before of the same call at 1K and 32K, and the
-    after still beats it by the issue's 1.8x at 32K."""
+    """What notebook 04 says of the committed H200 records: the CUDA before is the before of the main
+    cases and at least 5x faster than the Triton before of the same call at 1K and 32K, and the after
+    still beats it by the issue's 1.8x at 32K."""
     from k3lab.studies import mla_padding as study
 
     h200 = bench.load_records(study.NAME, device="nvidia-h200")
     graph = {(r.case, r.variant): r for r in h200 if r.mode == "graph"}
     for case, triton in (("ctx1k", "tune.ctx1k.before.bn32w8s2"), ("ctx32k", "tune.ctx32k.before.bn32w8s2")):
         cuda = graph[case, "before"]
-        assert cuda.extra.get("kernel") == "cuda" and cuda.error and cuda.error["o"]["rel_l2"] < 0.02
+        assert cuda.extra.get("backend", cuda.extra.get("kernel")) == "cuda"
+        assert cuda.error and cuda.error["o"]["rel_l2"] < 0.02
         assert cuda.commit == graph[triton, "before"].commit  # one call
         assert cuda.median_us * 5 <= graph[triton, "before"].median_us
     assert graph["ctx32k", "before"].median_us >= 1.8 * graph["ctx32k", "after"].median_us

@@ -1,9 +1,8 @@
-"""The hand-written CUDA MLA decode (kernels/mla_decode.cu via k3lab.ops.mla_decode_cuda): refusals by
-name, the piece rule and the merge-path rule (`choose_merge`) everywhere; the sm_90a build (no spills,
-the ctypes Args layout and shared-memory formula checked against the compiled library, which loads
-without a GPU) where nvcc is present; results against mla_decode.reference in fp32 on a GPU, for the
-two-kernel form and the fused form (merge after a grid barrier, one cooperative launch). Its HIP
-compile (a stub) is covered by tests/test_kernels_build.py with every kernel."""
+"""The CUDA backend's after (kernels/mla_decode.cu via k3lab.ops.mla_decode.cuda): refusals by name,
+the piece rule and the form rule everywhere; the sm_90a build (no spills, the ctypes Args layout and
+shared-memory formulas checked against the compiled library, which loads without a GPU) where nvcc
+is present; results against the fp32 reference on a GPU for both forms ('mma', 'wgmma') and for
+verification groups. Its HIP compile (a stub) is covered by tests/test_kernels_build.py."""
 
 import ctypes
 import re
@@ -15,7 +14,8 @@ import torch
 from k3lab import bench
 from k3lab.ops import _build
 from k3lab.ops import mla_decode as mla
-from k3lab.ops import mla_decode_cuda as mc
+from k3lab.ops.mla_decode import cuda as mc
+from k3lab.ops.mla_decode.inputs import choose_splits
 
 GPU = torch.cuda.is_available()
 NVCC = _build.find_toolchain("nvcc") is not None
@@ -53,13 +53,10 @@ def _paged(page=64, L=96, lengths=(96,)):
     ("cache_misaligned", "16-byte"),
     ("q_misaligned", "4-byte"),
     ("splits0", "num_splits"),
-    ("stages6", "stages"),
-    ("warps16", "warps"),
     ("form_bad", "form"),
     ("wgmma_page32", "pages .* of >= 64"),
     ("wgmma_pool_gaps", "tensor map of rows"),
     ("wgmma_q_misaligned", "16-byte"),
-    ("merge_bad", "merge"),
     ("scale_negative", "scale"),
     ("too_long", "longer"),
     ("page_out_of_pool", "outside the pool"),
@@ -90,10 +87,6 @@ def test_bad_arguments_are_refused_by_name(case, match):
         q = _misaligned((1, 1, 12, 576))
     elif case == "splits0":
         kw["num_splits"] = 0
-    elif case == "stages6":
-        kw["stages"] = 6
-    elif case == "warps16":
-        kw["warps"] = 16
     elif case == "form_bad":
         kw["form"] = "wgmma2"
     elif case == "wgmma_page32":
@@ -106,8 +99,6 @@ def test_bad_arguments_are_refused_by_name(case, match):
     elif case == "wgmma_q_misaligned":
         q = torch.zeros(1, 1, 12, 580, dtype=torch.bfloat16)[..., :576]  # head stride 580: pairs, not 16 bytes
         kw["form"] = "wgmma"
-    elif case == "merge_bad":
-        kw["merge"] = "atomic"
     elif case == "scale_negative":
         kw["scale"] = -0.1
     elif case == "too_long":
@@ -116,15 +107,15 @@ def test_bad_arguments_are_refused_by_name(case, match):
         q, cache, bt, lengths = _paged()
         kw["block_table"] = bt + cache.shape[0]
     with pytest.raises(ValueError, match=match):
-        mc.mla_decode_cuda(q, cache, lengths, **kw)
+        mc.plan(q, cache, lengths, **kw)
 
 
 def test_good_arguments_pass_the_checks():
     q, cache = _inputs(B=2)
     c = mc.check(q, cache, torch.tensor([96, 40]))
-    assert (c.inp.batch, c.inp.heads, c.inp.paged, c.stages) == (2, 12, False, mc.DEFAULT_STAGES)
+    assert (c.batch, c.heads, c.paged, c.lengths_host) == (2, 12, False, (96, 40))
     q, pool, bt, lengths = _paged(lengths=(96,))
-    assert mc.check(q, pool, lengths, block_table=bt).inp.paged
+    assert mc.check(q, pool, lengths, block_table=bt).paged
 
 
 @pytest.mark.skipif(GPU, reason="checks what a machine without a GPU says")
@@ -133,35 +124,35 @@ def test_without_a_gpu_it_says_so_after_the_checks():
     assert not ok and "GPU" in why
     q, cache = _inputs()
     with pytest.raises(_build.KernelUnavailable, match="GPU"):
-        mc.mla_decode_cuda(q, cache)
+        mc.plan(q, cache)
 
 
 def test_pieces_fill_the_units_once_in_whole_tiles():
     # H200: 132 SMs, one 5-stage block each
-    assert mc.choose_splits(1, 32768, 132) == (128, 256)  # 8 tiles of 32 rows per piece
-    assert mc.choose_splits(1, 131072, 132) == (128, 1024)
-    assert mc.choose_splits(8, 8192, 132) == (16, 512)  # 8 x 16 = 128 blocks
-    assert mc.choose_splits(1, 1024, 132) == (32, 32)  # never more pieces than tiles
-    assert mc.choose_splits(1, 100, 132) == (4, 32)
-    assert mc.choose_splits(64, 8192, 132) == (2, 4096)  # 128 blocks: 3 pieces would spill into a second wave
-    assert mc.choose_splits(200, 8192, 132) == (1, 8192)  # more requests than units: one piece each
+    assert choose_splits(1, 32768, 132) == (128, 256)  # 8 tiles of 32 rows per piece
+    assert choose_splits(1, 131072, 132) == (128, 1024)
+    assert choose_splits(8, 8192, 132) == (16, 512)  # 8 x 16 = 128 blocks
+    assert choose_splits(1, 1024, 132) == (32, 32)  # never more pieces than tiles
+    assert choose_splits(1, 100, 132) == (4, 32)
+    assert choose_splits(64, 8192, 132) == (2, 4096)  # 128 blocks: 3 pieces would spill into a second wave
+    assert choose_splits(200, 8192, 132) == (1, 8192)  # more requests than units: one piece each
     for B in range(1, 133):  # never a second wave while the batch alone does not need one
-        splits, _ = mc.choose_splits(B, 131072, 132)
+        splits, _ = choose_splits(B, 131072, 132)
         assert B * splits <= 132 < 2 * B * splits, (B, splits)  # one wave, at least half full
     for B, L, units in ((1, 32768, 132), (3, 5000, 80), (2, 33, 7), (1, 1, 132)):
-        splits, chunk = mc.choose_splits(B, L, units)
+        splits, chunk = choose_splits(B, L, units)
         assert chunk % mc.BLOCK_N == 0 and (splits - 1) * chunk < L <= splits * chunk  # no empty piece at max_len
-    assert mc.choose_splits(1, 32768, 132, num_splits=7) == (7, 4704)
+    assert choose_splits(1, 32768, 132, num_splits=7) == (7, 4704)
     with pytest.raises(ValueError, match="num_splits"):
-        mc.choose_splits(1, 1024, 132, num_splits=0)
+        choose_splits(1, 1024, 132, num_splits=0)
     with pytest.raises(ValueError, match="compute_units"):
-        mc.choose_splits(1, 1024, 0)
+        choose_splits(1, 1024, 0)
     # form 'wgmma': tiles of 64 rows
-    assert mc.choose_splits(1, 32768, 132, block_n=mc.WG_BLOCK_N) == (128, 256)  # 4 tiles of 64 rows
-    assert mc.choose_splits(1, 1024, 132, block_n=mc.WG_BLOCK_N) == (16, 64)
-    assert mc.choose_splits(1, 100, 132, block_n=mc.WG_BLOCK_N) == (2, 64)
+    assert choose_splits(1, 32768, 132, block_n=mc.WG_BLOCK_N) == (128, 256)  # 4 tiles of 64 rows
+    assert choose_splits(1, 1024, 132, block_n=mc.WG_BLOCK_N) == (16, 64)
+    assert choose_splits(1, 100, 132, block_n=mc.WG_BLOCK_N) == (2, 64)
     with pytest.raises(ValueError, match="block_n"):
-        mc.choose_splits(1, 1024, 132, block_n=0)
+        choose_splits(1, 1024, 132, block_n=0)
 
 
 def test_form_rule_takes_wgmma_for_pieces_of_four_tiles_or_more():
@@ -170,23 +161,13 @@ def test_form_rule_takes_wgmma_for_pieces_of_four_tiles_or_more():
     assert mc.choose_form(8, 8192, 132)[0] == "wgmma"  # 16 pieces of 8 tiles per request
     assert mc.choose_form(1, 131072, 132)[0] == "wgmma"
     form, why = mc.choose_form(1, 1024, 132)  # 16 pieces of one tile
-    assert form == "split" and "1 tile" in why
-    assert mc.choose_form(1, 16384, 132)[0] == "split"  # 128 pieces of 2 tiles
+    assert form == "mma" and "1 tile" in why
+    assert mc.choose_form(1, 16384, 132)[0] == "mma"  # 128 pieces of 2 tiles
     assert mc.choose_form(1, 16384, 132, num_splits=32)[0] == "wgmma"  # 32 pieces of 8 tiles
-    assert mc.choose_form(1, 32768, 132, refusal="pages of 32") == ("split", "pages of 32")
-    for kw in (dict(stages=3), dict(warps=8), dict(probe=True), dict(merge="fused")):
-        form, why = mc.choose_form(1, 32768, 132, **kw)
-        assert form == "split" and "split kernel" in why
+    assert mc.choose_form(1, 32768, 132, refusal="pages of 32") == ("mma", "pages of 32")
 
 
-def test_form_from_argument_environment_and_default(monkeypatch):
-    monkeypatch.delenv("K3LAB_MLA_FORM", raising=False)
-    assert mc.form_wanted(None) == mc.DEFAULT_FORM == "auto"
-    monkeypatch.setenv("K3LAB_MLA_FORM", "split")
-    assert mc.form_wanted(None) == "split" and mc.form_wanted("wgmma") == "wgmma"
-    monkeypatch.setenv("K3LAB_MLA_FORM", "tma")
-    with pytest.raises(ValueError, match="K3LAB_MLA_FORM"):
-        mc.form_wanted(None)
+def test_what_wgmma_cannot_take_is_a_reason_for_auto():
     # what form='auto' would refuse for wgmma is a reason, not an error
     q, pool, bt, lengths = _paged(page=32)
     assert "pages" in mc.wgmma_refusal(q, pool, bt)
@@ -194,59 +175,11 @@ def test_form_from_argument_environment_and_default(monkeypatch):
     assert mc.wgmma_refusal(q, pool, bt) is None
 
 
-def test_merge_path_rule():
-    # one piece: nothing to merge, whatever was asked
-    for m in mc.MERGES:
-        assert mc.choose_merge(m, splits=1, batch=1, max_blocks=132)[0] == "none"
-    assert mc.choose_merge("kernel", splits=128, batch=1, max_blocks=132)[0] == "kernel"
-    path, why = mc.choose_merge("auto", splits=128, batch=1, max_blocks=132)
-    assert path == "fused" and "128" in why
-    assert mc.choose_merge("fused", splits=16, batch=8, max_blocks=132)[0] == "fused"
-    # too large a grid: 'auto' falls back and says why, 'fused' refuses by name
-    path, why = mc.choose_merge("auto", splits=3, batch=64, max_blocks=132)
-    assert path == "kernel" and "192" in why and "resident" in why
-    with pytest.raises(ValueError, match="resident"):
-        mc.choose_merge("fused", splits=3, batch=64, max_blocks=132)
-    # no cooperative launch at all (max_blocks 0), other compiled forms, the probe, no graph capture
-    assert mc.choose_merge("auto", splits=2, batch=1, max_blocks=0)[0] == "kernel"
-    for kw, match in ((dict(form="team"), "team"), (dict(stages=3), "3 stages"), (dict(warps=8), "8 warps"),
-                      (dict(probe=True), "probe"), (dict(capturable=(False, "capture drops it")), "capture drops")):
-        path, why = mc.choose_merge("auto", splits=128, batch=1, max_blocks=132, **kw)
-        assert path == "kernel" and match in why, (kw, why)
-        with pytest.raises(ValueError, match=match):
-            mc.choose_merge("fused", splits=128, batch=1, max_blocks=132, **kw)
-    with pytest.raises(ValueError, match="merge"):
-        mc.choose_merge("atomics", splits=2, batch=1, max_blocks=132)
-
-
-def test_merge_choice_from_argument_environment_and_default(monkeypatch):
-    monkeypatch.delenv("K3LAB_MLA_MERGE", raising=False)
-    assert mc.merge_wanted(None) == mc.DEFAULT_MERGE
-    assert mc.merge_wanted("fused") == "fused"
-    monkeypatch.setenv("K3LAB_MLA_MERGE", "kernel")
-    assert mc.merge_wanted(None) == "kernel" and mc.merge_wanted("auto") == "auto"  # the argument wins
-    monkeypatch.setenv("K3LAB_MLA_MERGE", "sometimes")
-    with pytest.raises(ValueError, match="K3LAB_MLA_MERGE"):
-        mc.merge_wanted(None)
-    q, cache = _inputs()
-    with pytest.raises(ValueError, match="K3LAB_MLA_MERGE"):  # refused in the checks, before any kernel
-        mc.check(q, cache)
-
-
 def test_shared_memory_fits_one_block_per_h200_sm():
-    assert mc.smem_bytes(5) <= 232448 < 2 * mc.smem_bytes(3)  # the H200's opt-in limit per block
+    assert mc.smem_bytes() <= 232448 < 2 * mc.smem_bytes()  # the H200's opt-in limit per block
     # form 'wgmma': two 72 KB tiles, Q^T 18 KB, P 2 KB, exchanges, barriers and 1 KB of alignment slack
     assert mc.wg_smem_bytes() == 1024 + 2 * 73728 + 18432 + 2048 + 768 + 24 <= 232448
-    with pytest.raises(ValueError, match="stages"):
-        mc.smem_bytes(2)
-
-
-def test_variant_specs_are_checked_before_loading(tmp_path):
-    assert mc.load_variants("") == {}
-    with pytest.raises(ValueError, match="label:path"):
-        mc.load_variants("no-colon")
-    with pytest.raises(FileNotFoundError, match="variant 'x': no library at"):
-        mc.load_variants(f"x:{tmp_path / 'missing.so'}")
+    assert mc.wg_smem_bytes(2) == mc.wg_smem_bytes() + 18432 + 2048 + 768 <= 232448  # two tokens per block
 
 
 @pytest.mark.skipif(not NVCC, reason="nvcc not on PATH (or CUDA_HOME)")
@@ -255,38 +188,26 @@ def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
                                      dest=tmp_path / "mla_decode.so")
     report = Path(str(lib_path) + ".log").read_text()
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-    # split_kernel<stages, warps, probe, fused>: every (stages, warps) pair plain, the default plan's
-    # timeline-probe instance and the fused form (5 stages, 4 warps)
-    inst = [tuple(int(x) for x in m.groups()) for k in kernels
-            if (m := re.search(r"split_kernelILi(\d)ELi(\d)ELb(\d)ELb(\d)E", k))]
-    assert sorted(i[:2] for i in inst if i[2:] == (0, 0)) == sorted((s, w) for s in mc.STAGES for w in mc.WARPS)
-    assert sorted(i for i in inst if i[2:] != (0, 0)) == [(mc.FUSED_STAGES, mc.FUSED_WARPS, 0, 1), (5, 4, 1, 0)]
-    assert sum("team_kernel" in k for k in kernels) == 2  # and the team kernel, with and without the probe
-    assert any("merge_kernel" in k for k in kernels)
-    assert sum("wg_kernel" in k for k in kernels) == 2  # form 'wgmma': one token per block, and two (verification pairs)
+    # form 'mma' (one split kernel), form 'wgmma' (one and two tokens per block), two merge builds
+    assert sum("split_kernel" in k for k in kernels) == 1 and sum("wg_kernel" in k for k in kernels) == 2
+    assert sum("merge_kernel" in k for k in kernels) == 2 and len(kernels) == 5
     spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", report)]
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert spills and all(s == 0 for s in spills), report[-2000:]
     assert regs and max(regs) <= 255
     # the library loads without a GPU (the CUDA runtime is linked statically): its Args size and
-    # shared-memory formula must equal the Python side's
+    # shared-memory formulas must equal the Python side's (bind checks them)
     lib = mc.bind(ctypes.CDLL(str(lib_path)))
     assert lib.k3_mla_decode_supported() == 1
-    # the device scripts load other builds the same way (load_variants), the formula restored after
-    formula = mc.wg_smem_bytes
-    variants = mc.load_variants(f"same:{lib_path}")
-    assert list(variants) == ["same"] and variants["same"].k3_mla_wg_smem() == mc.wg_smem_bytes()
-    assert mc.wg_smem_bytes is formula
     assert lib.k3_mla_decode_args_size() == ctypes.sizeof(mc.Args)
-    # the fused form's launcher refuses bad sizes before touching the GPU (no barrier: -4)
+    assert lib.k3_mla_wg_smem(1) == mc.wg_smem_bytes(1) and lib.k3_mla_wg_smem(3) == -4
+    # the launchers refuse bad sizes before touching the GPU (-4): pieces that are not whole tiles
     args = mc.Args()
-    args.B, args.heads, args.splits, args.chunk, args.page_shift = 1, 12, 4, 32, 6
-    assert lib.k3_mla_decode_fused(ctypes.byref(args), 1 << 18, None) == -4
-    # form 'wgmma' refuses pieces that are not whole 64-row tiles, and pages under 64 rows (-4)
-    assert lib.k3_mla_wg_smem() == mc.wg_smem_bytes()
+    args.B, args.heads, args.splits, args.chunk, args.page_shift, args.q_run, args.q_tq = 1, 12, 4, 40, 6, 1, 1
+    assert lib.k3_mla_decode(ctypes.byref(args), 1, 1 << 18, None) == -4
     map128 = (ctypes.c_ubyte * 128)()
     assert lib.k3_mla_decode_wg(ctypes.byref(args), ctypes.addressof(map128), ctypes.addressof(map128), 1, 1 << 18,
-                                None) == -4
+                                1, None) == -4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,27 +252,25 @@ def _check(o, lse, q, ref_cache, lens, H):
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
-@pytest.mark.parametrize("form,warps", [("team", 4), ("split", 4), ("split", 8), ("wgmma", 4), ("halves", 4)])
-@pytest.mark.parametrize("lengths,H,splits,stages", [
-    ((1,), 12, None, 5),
-    ((31,), 12, None, 5),
-    ((33,), 16, None, 4),
-    ((4097,), 12, None, 5),
-    ((4097,), 12, 1, 5),  # one piece: the split kernel writes the result itself
-    ((2049,), 1, 7, 3),
-    ((5000, 33, 1, 64, 2049), 12, None, 5),  # mixed lengths: empty pieces for the short requests
-    ((32768,), 12, None, 5),
-    ((131072,), 12, None, 5),  # 32 tiles a piece: every stage refilled six times
-    # more than 128 pieces: the merge loads them in batches after the maximum (first run on the H200
-    # at commit 6ec79aa: passed)
-    ((20000,), 12, 300, 5),
+@pytest.mark.parametrize("form", mc.FORMS)
+@pytest.mark.parametrize("lengths,H,splits", [
+    ((1,), 12, None),
+    ((31,), 12, None),
+    ((33,), 16, None),
+    ((4097,), 12, None),
+    ((4097,), 12, 1),  # one piece: the split kernel writes the result itself
+    ((2049,), 1, 7),
+    ((5000, 33, 1, 64, 2049), 12, None),  # mixed lengths: empty pieces for the short requests
+    ((32768,), 12, None),
+    ((131072,), 12, None),  # 32 tiles a piece: every stage refilled many times
+    ((20000,), 12, 300),  # more than 128 pieces: the merge loads them in batches after the maximum
 ])
-def test_on_the_gpu_matches_the_reference(paged, lengths, H, splits, stages, form, warps):
+def test_on_the_gpu_matches_the_reference(paged, lengths, H, splits, form):
     if not _runs():
         pytest.skip(f"kernel unavailable: {mc.status()[1]}")
     L = max(lengths) + 40
     q, kern, ref, lens, bt = _ragged(len(lengths), L, lengths, H, paged, seed=len(lengths) + H, nan_tail=True)
-    p = mc.plan(q, kern, lens, block_table=bt, num_splits=splits, stages=stages, warps=warps, form=form)
+    p = mc.plan(q, kern, lens, block_table=bt, num_splits=splits, form=form)
     o, lse = p()
     torch.cuda.synchronize()
     assert torch.isfinite(o.float()).all(), "NaN past a length leaked into the output"
@@ -364,7 +283,7 @@ def test_on_the_gpu_matches_the_reference(paged, lengths, H, splits, stages, for
 def test_on_the_gpu_auto_takes_wgmma_for_long_histories_and_split_for_short():
     if not _runs():
         pytest.skip(f"kernel unavailable: {mc.status()[1]}")
-    for L, form in ((32768, "wgmma"), (1024, "split")):
+    for L, form in ((32768, "wgmma"), (1024, "mma")):
         q, kern, ref, lens, bt = _ragged(1, L, (L,), 12, True, seed=L % 97, nan_tail=False)
         p = mc.plan(q, kern, lens, block_table=bt, form="auto", compute_units=132)
         assert p.form == form, p.form_why
@@ -374,11 +293,11 @@ def test_on_the_gpu_auto_takes_wgmma_for_long_histories_and_split_for_short():
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
-def test_on_the_gpu_scale_and_pdl_off_and_graph_replay():
+def test_on_the_gpu_scale_and_graph_replay():
     if not _runs():
         pytest.skip(f"kernel unavailable: {mc.status()[1]}")
     q, kern, ref, lens, bt = _ragged(2, 3000, (3000, 1500), 12, True, seed=5, nan_tail=False)
-    o, lse = mc.mla_decode_cuda(q, kern, lens, block_table=bt, scale=0.05, pdl=False)
+    o, lse = mc.plan(q, kern, lens, block_table=bt, scale=0.05)()
     ro, rl = mla.reference(q.float(), ref.float(), lens, scale=0.05)
     bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
     p = mc.plan(q, kern, lens, block_table=bt)
@@ -395,32 +314,8 @@ def test_on_the_gpu_scale_and_pdl_off_and_graph_replay():
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("form", mc.FORMS)
-def test_on_the_gpu_the_timeline_probe_is_ordered_and_changes_nothing(form):
-    if not _runs():
-        pytest.skip(f"kernel unavailable: {mc.status()[1]}")
-    q, kern, ref, lens, bt = _ragged(1, 9000, (9000,), 12, True, seed=9, nan_tail=False)
-    p0 = mc.plan(q, kern, lens, block_table=bt, form=form)
-    probe = torch.zeros(mc.probe_size(1, 12, p0.num_splits), dtype=torch.int64, device="cuda")
-    if form == "halves":  # compiled for the team kernel, the 5-stage split kernel and form 'wgmma' only
-        with pytest.raises(ValueError, match="probe"):
-            mc.plan(q, kern, lens, block_table=bt, form=form, probe=probe)
-        return
-    o, lse = mc.plan(q, kern, lens, block_table=bt, form=form, probe=probe)()
-    torch.cuda.synchronize()
-    _check(o, lse, q, ref, lens, 12)
-    tl = mc.timeline(probe, 1, 12, p0.num_splits)
-    rows = mc.WG_BLOCK_N if form == "wgmma" else mc.BLOCK_N
-    assert len(tl["blocks"]) == p0.num_splits and sum(bl["tiles"] for bl in tl["blocks"]) == -(-9000 // rows)
-    for bl in tl["blocks"]:
-        assert 0 <= bl["start"] <= bl["first"] <= bl["loop_end"] <= bl["end"]
-    assert min(m["start"] for m in tl["merge"]) >= max(bl["end"] for bl in tl["blocks"]) - 0.1  # timer grain
-
-
-@pytest.mark.skipif(not GPU, reason="needs a GPU")
-@pytest.mark.parametrize("form", mc.FORMS)
 def test_on_the_gpu_many_graph_replays_of_a_long_history_stay_right(form):
-    # 32 tiles a piece, 50 back-to-back replays: the team kernel's first form read a tile early here
-    # (one barrier per stage, two teams: its parity test passed on the other team's phase)
+    # 32 tiles a piece, 50 back-to-back replays: every stage's mbarrier phase reused many times
     if not _runs():
         pytest.skip(f"kernel unavailable: {mc.status()[1]}")
     q, kern, ref, lens, bt = _ragged(1, 131072, (131072,), 12, True, seed=13, nan_tail=False)
@@ -433,122 +328,6 @@ def test_on_the_gpu_many_graph_replays_of_a_long_history_stay_right(form):
         graph.replay()
     torch.cuda.synchronize()
     _check(p.out, p.lse, q, ref, lens, 12)
-
-
-# ----------------------------------------------------------------------------------------------
-# the fused form on a GPU (merge inside the split kernel after a grid barrier)
-
-
-def _fused_plan(q, kern, lens, bt, **kw):
-    p = mc.plan(q, kern, lens, block_table=bt, merge="fused", **kw)
-    assert p.merge == "fused" and p.launches == 1 and not p.pdl, p.merge_why
-    return p
-
-
-def _barrier(p):
-    torch.cuda.synchronize()
-    counter, timeouts = p._barrier.tolist()
-    return counter, timeouts
-
-
-@pytest.mark.skipif(not GPU, reason="needs a GPU (the fused form runs only there)")
-@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
-@pytest.mark.parametrize("lengths", [
-    (1000,),  # ctx 1K, not a multiple of 32
-    (1024,),
-    (32771,),  # ctx 32K + 3
-    (131072,),
-    (131069,),
-    (5000, 33, 1, 64, 2049),  # B > 1, mixed lengths: empty pieces for the short requests (26 pieces each)
-    (8192,) * 8,  # b8_8k: 8 x 16 blocks
-], ids=lambda ls: "-".join(map(str, ls)) if len(set(ls)) > 1 else f"{len(ls)}x{ls[0]}")
-def test_on_the_gpu_fused_matches_the_reference(paged, lengths):
-    if not _runs():
-        pytest.skip(f"kernel unavailable: {mc.status()[1]}")
-    L = max(lengths) + 40
-    q, kern, ref, lens, bt = _ragged(len(lengths), L, lengths, 12, paged, seed=len(lengths) + 77, nan_tail=True)
-    # B x splits blocks must fit the 132 H200 SMs (5 x 27 by default would not: see the fallback test)
-    p = _fused_plan(q, kern, lens, bt, num_splits=26 if len(lengths) == 5 else None)
-    o, lse = p()
-    o2, lse2 = p()  # a second launch on the same counter, no reset
-    counter, timeouts = _barrier(p)
-    assert timeouts == 0 and counter == 2 * p.programs
-    assert torch.isfinite(o.float()).all(), "NaN past a length leaked into the output"
-    _check(o, lse, q, ref, lens, 12)
-    # the same pieces as the two-kernel form: only the merge's order of sums differs
-    ko, kl = mc.plan(q, kern, lens, block_table=bt, merge="kernel")()
-    torch.cuda.synchronize()
-    assert (o.float() - ko.float()).abs().max().item() <= 2e-2 * ko.float().abs().max().item()
-    assert (lse - kl).abs().max().item() <= 1e-4 * max(1.0, kl.abs().max().item())
-
-
-@pytest.mark.skipif(not GPU, reason="needs a GPU (the fused form runs only there)")
-def test_on_the_gpu_fused_survives_many_graph_replays_at_128k():
-    if not _runs():
-        pytest.skip(f"kernel unavailable: {mc.status()[1]}")
-    q, kern, ref, lens, bt = _ragged(1, 131072, (131072,), 12, True, seed=31, nan_tail=True)
-    p = _fused_plan(q, kern, lens, bt)
-    p()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # the cooperative launch is captured (plan checked it keeps its attribute)
-        p()
-    p.out.fill_(float("nan"))
-    for _ in range(50):
-        graph.replay()
-    counter, timeouts = _barrier(p)
-    assert timeouts == 0 and counter == 51 * p.programs  # one arrival per block per launch, never reset
-    _check(p.out, p.lse, q, ref, lens, 12)
-
-
-@pytest.mark.skipif(not GPU, reason="needs a GPU (the fused form runs only there)")
-def test_on_the_gpu_fused_between_pdl_launches_in_one_graph():
-    # a two-kernel plan (its merge launched by PDL) before and after the fused plan in one stream and
-    # one graph, replayed back to back: every output right, the barrier never gives up
-    if not _runs():
-        pytest.skip(f"kernel unavailable: {mc.status()[1]}")
-    q, kern, ref, lens, bt = _ragged(2, 9000, (9000, 4001), 12, True, seed=41, nan_tail=True)
-    two = mc.plan(q, kern, lens, block_table=bt, merge="kernel")
-    fused = _fused_plan(q, kern, lens, bt)
-    after = mc.plan(q, kern, lens, block_table=bt, merge="kernel", num_splits=5)
-    assert two.pdl and after.pdl
-    for p in (two, fused, after):
-        p()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(3):
-            two()
-            fused()
-            after()
-    for p in (two, fused, after):
-        p.out.fill_(float("nan"))
-    for _ in range(10):
-        graph.replay()
-    counter, timeouts = _barrier(fused)
-    assert timeouts == 0 and counter == 31 * fused.programs
-    for p in (two, fused, after):
-        _check(p.out, p.lse, q, ref, lens, 12)
-
-
-@pytest.mark.skipif(not GPU, reason="needs a GPU (the fused form runs only there)")
-def test_on_the_gpu_too_large_a_grid_falls_back_to_the_merge_kernel():
-    if not _runs():
-        pytest.skip(f"kernel unavailable: {mc.status()[1]}")
-    dev = torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(dev)
-    cap = mc.fused_max_blocks(dev, int(props.shared_memory_per_block_optin))
-    assert cap >= props.multi_processor_count  # one 199 KB block per SM at least
-    n = 32 * (cap + 1) - 5  # cap + 1 tiles: one piece each when asked for cap + 1 pieces
-    q, kern, ref, lens, bt = _ragged(1, n + 40, (n,), 12, True, seed=51, nan_tail=True)
-    splits = cap + 1
-    p = mc.plan(q, kern, lens, block_table=bt, num_splits=splits, merge="auto")
-    assert p.num_splits > cap and p.merge == "kernel" and p.launches == 2 and "resident" in p.merge_why
-    o, lse = p()
-    torch.cuda.synchronize()
-    _check(o, lse, q, ref, lens, 12)
-    with pytest.raises(ValueError, match="resident"):
-        mc.plan(q, kern, lens, block_table=bt, num_splits=splits, merge="fused")
-    # and the default piece count fits: 'auto' fuses it
-    assert mc.plan(q, kern, lens, block_table=bt, merge="auto").merge == "fused"
 
 
 @pytest.mark.parametrize("case,match", [("contiguous", "block_table"), ("no_lengths", "lengths"),
@@ -574,7 +353,6 @@ def test_verify_as_requests_refusals_by_name(case, match):
 
 @pytest.mark.parametrize("kw,match", [(dict(tokens_per_block=3), "tokens_per_block must be"),
                                       (dict(tokens_per_block=2, form="split"), "form 'wgmma' only"),
-                                      (dict(tokens_per_block=2, merge="fused"), "fused merge"),
                                       (dict(tokens_per_block=2, odd=True), "even batch"),
                                       (dict(q_group="q3"), "needs tokens_per_block=2"),
                                       (dict(tokens_per_block=2, q_group="q3"), "do not give"),
@@ -602,7 +380,7 @@ def test_on_the_gpu_verify_as_requests_matches_the_reference(lengths, q_len, sha
     an odd group padded by one token whose query reads zeros) or one per block sharing tiles through L2:
     causal inside the group (lengths ending on and just past a tile edge, so a pair's tokens disagree on
     their last tile; one-tile pieces), outputs and lse against the fp32 reference, through
-    plan_after(kernel='cuda') as the study calls it; a padded plan reads q afresh at every call."""
+    plan_after(backend='cuda'); a padded plan reads q afresh at every call."""
     if not _runs():
         pytest.skip(f"kernel unavailable: {mc.status()[1]}")
     real = mc.plan_verify
@@ -613,7 +391,7 @@ def test_on_the_gpu_verify_as_requests_matches_the_reference(lengths, q_len, sha
     cache = torch.randn(B, L, mla.LATENT_DIM, generator=g).cuda().bfloat16()
     pool, bt = mla.to_paged(cache, 64)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    p = mla.plan_after(q, pool, lens, block_table=bt, kernel="cuda")
+    p = mla.plan_after(q, pool, lens, block_table=bt, backend="cuda")
     assert p.facts()["verify"] == "tokens as requests" and p.facts()["share"] == share
     assert p.programs >= B * q_len // (2 if share == "pairs" else 1)
     assert p.facts()["padded_q_len"] == q_len + (share == "pairs" and q_len % 2)
@@ -637,7 +415,7 @@ def test_on_the_gpu_the_default_takes_every_group_to_cuda_in_pairs():
     for q_len in range(1, mla.MAX_Q_LEN + 1):
         q = torch.randn(1, q_len, 12, mla.LATENT_DIM, device="cuda").bfloat16()
         p = mla.plan_after(q, pool, lens, block_table=bt)
-        assert p.kernel == ("cuda" if q_len in mla.CUDA_VERIFY_Q_LENS else "split"), (q_len, p.kernel)
+        assert p.backend == ("cuda" if q_len in mla.CUDA_VERIFY_Q_LENS else "triton"), (q_len, p.backend)
         assert q_len == 1 or p.facts()["share"] == "pairs"
     q = torch.randn(1, 2, 12, mla.LATENT_DIM, device="cuda").bfloat16()
-    assert mla.plan_after(q, cache, lens).kernel == "split"  # a contiguous cache: no pages to share
+    assert mla.plan_after(q, cache, lens).backend == "triton"  # a contiguous cache: no pages to share

@@ -21,10 +21,13 @@ importable by name.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
+import signal
+import socket
 import time
 import traceback
 
@@ -111,27 +114,35 @@ def _init_group(backend: str, rank: int, world_size: int, timeout_s: float, stor
         )
 
 
-def _child(rank, world_size, backend, host, port, timeout_s, conn, fn, args):
+def _child(rank, world_size, backend, host, port, listen_fd, timeout_s, conn, fn, args):
+    # Reports go as plain pickles (send_bytes): tensors travel by value, not as shared-memory handles
+    # that would need this process alive after it exits. SIGUSR1 dumps this rank's Python stacks
+    # (the parent sends it to ranks it is about to kill for running past the timeout).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         if backend == "gloo":
             # an equal share of the host's cores per rank: ranks are processes on one machine
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        store = dist.TCPStore(
-            host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if rank == 0 and listen_fd is not None:  # forked: rank 0 serves the store on the parent's socket
+            store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listen_fd,
+                                  use_libuv=False)
+        else:
+            store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         _init_group(backend, rank, world_size, timeout_s, store=store)
         result = fn(rank, world_size, *args)
-        payload = ("ok", rank, _to_cpu(result) if rank == 0 else None)
         try:
-            conn.send(payload)
+            payload = pickle.dumps(("ok", rank, _to_cpu(result) if rank == 0 else None))
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             raise TypeError(f"rank 0's result could not be pickled back to the caller: {exc}") from exc
+        conn.send_bytes(payload)
     except BaseException as exc:  # noqa: BLE001 - everything a rank raises goes to the parent
         tb = traceback.format_exc()
         try:
-            conn.send(("error", rank, type(exc).__name__, str(exc), tb, exc))
+            payload = pickle.dumps(("error", rank, type(exc).__name__, str(exc), tb, exc))
         except Exception:  # the exception itself would not pickle: send its text only
-            conn.send(("error", rank, type(exc).__name__, str(exc), tb, None))
+            payload = pickle.dumps(("error", rank, type(exc).__name__, str(exc), tb, None))
+        conn.send_bytes(payload)
     finally:
         if dist.is_initialized():
             try:
@@ -159,6 +170,17 @@ def _stop_all(procs):
             p.join(1.0)
 
 
+def _dump_stacks(procs, ranks):
+    """Ask ranks that ran past the timeout for their Python stacks (on their stderr) before the kill."""
+    for r in ranks:
+        if procs[r].is_alive() and procs[r].pid:
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    time.sleep(0.5)
+
+
 def _is_secondary(err) -> bool:
     """A rank that failed only because a peer went away (its peer's error is the cause)."""
     return err[2] in ("DistBackendError", "DistNetworkError") or "Connection closed" in err[3]
@@ -172,11 +194,20 @@ def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: flo
     RankError when a rank raises or dies, TimeoutError when ranks are still running after timeout_s.
     """
     backend = _check_args(world_size, backend, timeout_s)
-    ctx = mp.get_context(_start_method(backend))
-    store = dist.TCPStore(
-        "127.0.0.1", 0, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    method = _start_method(backend)
+    ctx = mp.get_context(method)
+    # The rendezvous store. Forked ranks inherit a listening socket and rank 0 serves the store on it,
+    # so the parent runs no store thread while it forks; spawned ranks connect to a store the parent
+    # serves (a spawned process starts fresh, threads do not matter).
+    if method == "fork":
+        store = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        store.bind(("127.0.0.1", 0))
+        store.listen(max(16, world_size))
+        port, listen_fd = store.getsockname()[1], store.fileno()
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        port, listen_fd = store.port, None
     procs, conns = [], {}
     start = time.monotonic()
     try:
@@ -184,7 +215,7 @@ def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: flo
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child, name=f"k3lab-rank{rank}",
-                args=(rank, world_size, backend, "127.0.0.1", store.port, timeout_s, child_end, fn, args),
+                args=(rank, world_size, backend, "127.0.0.1", port, listen_fd, timeout_s, child_end, fn, args),
                 daemon=True,
             )
             p.start()
@@ -196,6 +227,8 @@ def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: flo
         _stop_all(procs)
         for c in conns:
             c.close()
+        if method == "fork":
+            store.close()
         del store
 
 
@@ -208,6 +241,7 @@ def _collect(procs, conns, world_size, deadline, timeout_s):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             late = [r for r in range(world_size) if r not in state["done"]]
+            _dump_stacks(procs, late)
             raise TimeoutError(
                 f"ranks {late} of {world_size} were still running after timeout_s={timeout_s} s; killed"
             )
@@ -234,8 +268,8 @@ def _collect(procs, conns, world_size, deadline, timeout_s):
 
 def _receive(pipe, rank, state):
     try:
-        msg = pipe.recv()
-    except EOFError:
+        msg = pickle.loads(pipe.recv_bytes())
+    except (EOFError, OSError):
         return  # the rank died without a report: its sentinel says how
     if msg[0] == "ok":
         state["done"].add(rank)

@@ -1,0 +1,139 @@
+"""Merge attention computed over disjoint pieces of a history into attention over all of it.
+
+Each piece n contributes a partial output o_n (softmax-weighted over its own positions) and its
+natural-log log-sum-exp lse_n. Over the union:
+
+    lse = log sum_n exp(lse_n)            o = sum_n exp(lse_n - lse) o_n
+
+computed stably with m = max_n lse_n. A piece that holds no position of a query carries lse_n = -inf
+and o_n = 0 and gets weight 0 (its o_n is not read, so NaN there cannot leak); when every piece is
+empty the result is o = 0, lse = -inf, never NaN. The pieces are split-history programs of one
+decode or the ranks of decode context parallelism (k3lab.parallel.dcp), where N is the world size.
+
+`merge_partials(o_parts, lse_parts, impl="torch" | "triton")`: o_parts [N, ..., D], lse_parts
+[N, ...]. Returns o in o_parts' dtype and lse in float32 (float64 for float64 inputs); the math runs
+in float32 (float64 for float64 inputs). "torch" is a handful of elementwise and reduction kernels;
+"triton" is one launch (one program per output row and 128-column block), and runs in Triton's
+interpreter on a CPU at small sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+IMPLS = ("torch", "triton")
+BLOCK_D = 128  # value columns per merge program
+
+
+def _check(o_parts, lse_parts, impl):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if not isinstance(o_parts, torch.Tensor) or o_parts.dim() < 2:
+        raise ValueError("o_parts must be a tensor [N, ..., D] with N >= 1 pieces, got "
+                         f"{tuple(o_parts.shape) if isinstance(o_parts, torch.Tensor) else type(o_parts).__name__}")
+    if not isinstance(lse_parts, torch.Tensor) or tuple(lse_parts.shape) != tuple(o_parts.shape[:-1]):
+        raise ValueError(f"lse_parts must be [N, ...] = {tuple(o_parts.shape[:-1])} (o_parts without its last "
+                         f"dim), got {tuple(lse_parts.shape) if isinstance(lse_parts, torch.Tensor) else lse_parts!r}")
+    if o_parts.shape[0] < 1:
+        raise ValueError("o_parts must hold at least one piece (N = o_parts.shape[0] >= 1)")
+    for name, t in (("o_parts", o_parts), ("lse_parts", lse_parts)):
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{name}.dtype must be floating point, got {t.dtype}")
+    if lse_parts.device != o_parts.device:
+        raise ValueError(f"lse_parts is on {lse_parts.device} but o_parts is on {o_parts.device}")
+
+
+def _math_dtype(o_parts, lse_parts) -> torch.dtype:
+    wide = torch.float64 in (o_parts.dtype, lse_parts.dtype)
+    return torch.float64 if wide else torch.float32
+
+
+def _merge_torch(o_parts, lse_parts):
+    acc = _math_dtype(o_parts, lse_parts)
+    lse = lse_parts.to(acc)
+    m = lse.amax(dim=0)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all pieces empty: -inf - 0 stays -inf
+    w = torch.exp(lse - m)  # empty piece: exp(-inf) = 0
+    s = w.sum(dim=0)
+    s_safe = torch.where(s > 0, s, torch.ones_like(s))
+    total = torch.where(s > 0, m + torch.log(s_safe), torch.full_like(s, float("-inf")))
+    frac = w / s_safe
+    o = torch.where(frac[..., None] > 0, o_parts.to(acc), torch.zeros((), dtype=acc, device=o_parts.device))
+    o = (o * frac[..., None]).sum(dim=0)
+    return o.to(o_parts.dtype), total
+
+
+@triton.jit
+def _merge_kernel(o_ptr, lse_ptr, out_ptr, out_lse_ptr, N, D, rows_per_b,
+                  s_on, s_ob, s_or, s_ln, s_lb, s_lr,
+                  N_PAD: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = row // rows_per_b
+    r = row % rows_per_b
+    n = tl.arange(0, N_PAD)
+    nmask = n < N
+    lse = tl.load(lse_ptr + n * s_ln + b * s_lb + r * s_lr, mask=nmask, other=float("-inf"))
+    lse = lse.to(tl.float64) if WIDE else lse.to(tl.float32)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    s = tl.sum(w, 0)
+    s_safe = tl.where(s > 0, s, 1.0)  # both branches of a where are evaluated: no 0 / 0, no log(0)
+    frac = w / s_safe
+    d = blk * BLOCK + tl.arange(0, BLOCK)
+    dmask = d < D
+    o = tl.load(o_ptr + n[:, None] * s_on + b * s_ob + r * s_or + d[None, :],
+                mask=nmask[:, None] & dmask[None, :], other=0.0)
+    o = o.to(tl.float64) if WIDE else o.to(tl.float32)
+    o = tl.where(frac[:, None] > 0, o, 0.0)
+    acc = tl.sum(o * frac[:, None], 0)
+    tl.store(out_ptr + row * D + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
+    if blk == 0:
+        tl.store(out_lse_ptr + row, tl.where(s > 0, m + tl.log(s_safe), float("-inf")))
+
+
+def _rows_view(t: torch.Tensor, keep_last: bool):
+    """[N, ..., (D)] as [N, B, R, (D)] by strides, copying only when the middle dims do not collapse."""
+    mid = t.shape[1:-1] if keep_last else t.shape[1:]
+    if len(mid) == 0:
+        return t.unsqueeze(1).unsqueeze(1)
+    lead = mid[0]
+    tail = 1
+    for x in mid[1:]:
+        tail *= x
+    shape = (t.shape[0], lead, tail) + ((t.shape[-1],) if keep_last else ())
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return t.reshape(shape)
+
+
+def _merge_triton(o_parts, lse_parts):
+    N, D = o_parts.shape[0], o_parts.shape[-1]
+    out_shape = o_parts.shape[1:]
+    o3 = _rows_view(o_parts, True)
+    if o3.stride(-1) != 1:
+        o3 = o3.contiguous()
+    l3 = _rows_view(lse_parts, False)
+    _, B, R, _ = o3.shape
+    acc = _math_dtype(o_parts, lse_parts)
+    out = torch.empty(out_shape, dtype=o_parts.dtype, device=o_parts.device)
+    out_lse = torch.empty(out_shape[:-1], dtype=acc, device=o_parts.device)
+    if out.numel() == 0:
+        return out, out_lse
+    grid = (B * R, triton.cdiv(D, BLOCK_D))
+    _merge_kernel[grid](o3, l3, out, out_lse, N, D, R,
+                        o3.stride(0), o3.stride(1), o3.stride(2), l3.stride(0), l3.stride(1), l3.stride(2),
+                        N_PAD=max(2, triton.next_power_of_2(N)), BLOCK=BLOCK_D, WIDE=acc == torch.float64)
+    return out, out_lse
+
+
+def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, impl: str = "torch"):
+    """Merge N partial attentions (see the module docstring). Returns (o [..., D], lse [...])."""
+    _check(o_parts, lse_parts, impl)
+    if impl == "triton":
+        return _merge_triton(o_parts, lse_parts)
+    return _merge_torch(o_parts, lse_parts)

@@ -427,7 +427,7 @@ def test_committed_breakdown_orders_readers_and_decodes(tmp_path):
 
 
 def test_committed_stage_runs(tmp_path):
-    """The tenth session's three-stage runs, as notebook 04 states them: without arithmetic three 64 KB
+    """The committed three-stage runs, as notebook 04 states them: without arithmetic three 64 KB
     stages stream faster than two 72 KB ones at 128K and 64 x 8K (the rope read by registers), yet no
     three-stage decode beats the two-stage after at 32K or 128K; a run without a build is refused."""
     from k3lab.studies import mla_padding as study

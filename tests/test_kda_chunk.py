@@ -478,3 +478,16 @@ def test_after_without_groups_walks_like_the_before():
     before, after = kc.make_plan([100], 2), kc.make_plan([100], 2, group_size=None)
     assert walk.block_v(after) == walk.block_v(before) == kc.choose_block_v(1, 2)
     assert walk.block_v(kc.make_plan([640], 2, group_size=2)) == walk.REPLAY_BLOCK_V
+
+
+def test_study_prologue_parts_are_named_like_the_committed_ones():
+    """'<case>.parts' times each backend's prologue whole and the Triton one launch by launch, after an
+    end-to-end check; the names are those of the committed H200 part records."""
+    from k3lab.studies import kda_scan as ks
+
+    recs = ks.run(cases=["h1_b1_t70.parts"])
+    names = {r.case for r in recs}
+    assert {f"h1_b1_t70.part_{p}" for p in ("prologue_rows_exactfixup", "rows_exactfixup_a",
+                                            "rows_exactfixup_inverse", "rows_exactfixup_wu")} <= names
+    whole = next(r for r in recs if r.case.endswith("part_prologue_rows_exactfixup"))
+    assert whole.error["o"]["rel_l2"] < 1e-5 and whole.extra["backend"] == "triton"

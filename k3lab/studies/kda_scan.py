@@ -364,13 +364,16 @@ def run(
 ) -> list[bench.Record]:
     """Check every variant against the fp64 reference (raising on failure), then time it. Returns
     records (not saved). `cases`: names from case_names() or crossover_cases() or any
-    h{H}_b{B}_t{T}; `variants`: a subset of before / after / fla; `backend`: a name of
+    h{H}_b{B}_t{T} ('<case>.parts': `prologue_parts` of that case); `variants`: a subset of before / after / fla; `backend`: a name of
     `kda_chunk.BACKENDS` for both k3lab variants (None: the dispatcher's choice, what the committed records
     ran). strict=False records a failed check in the record's error (error['failed']) and still times it
     (for exploring, never for committed references)."""
     names = case_names(preset) if cases is None else list(cases)
     records = []
     for name in names:
+        if name.endswith(PARTS_SUFFIX):
+            records += prologue_parts(name[: -len(PARTS_SUFFIX)])
+            continue
         case = parse_case(name)
         inp = make_inputs(case)
         runner = Runner(case, inp, backend)
@@ -467,6 +470,57 @@ def group_size_sweep(name: str, sizes=None, strict: bool = True, backend: str | 
                 chosen_group_size=runner.group_size,
             )
         )
+    return records
+
+
+PARTS_SUFFIX = ".parts"  # run(cases=["h12_b1_t16384.parts"]): the prologue launches of each backend
+
+
+def prologue_parts(name: str = "h12_b1_t16384", check_case: str | None = None) -> list[bench.Record]:
+    """Each backend's chunk prologue timed on its own on case `name` (same inputs, same plan): the whole
+    prologue ('<case>.part_prologue_cuda', '.part_prologue_rows_exactfixup') and the Triton prologue's
+    launches one by one ('.part_rows_exactfixup_{a,inverse,wu}'). Each backend is first checked end to end
+    (the before on `check_case` against fp64, outputs and final state; default h2_b1_t4096 on a GPU, a
+    70-token case in Triton's interpreter); a backend that cannot run here is left out."""
+    from k3lab.ops.kda_chunk import cuda as kda_cuda
+    from k3lab.ops.kda_chunk import prologue as kda_prologue
+
+    check_case = check_case or ("h2_b1_t4096" if _gpu() else "h1_b1_t70")
+    check = parse_case(check_case)
+    check_inp = make_inputs(check, seed=1)
+    check_ref = reference(check, check_inp, *_ref_limits(check))
+    case = parse_case(name)
+    inp = make_inputs(case)
+    runner = Runner(case, inp)
+    args, plan, scale = runner._args(), runner.plan_before, HEAD_DIM**-0.5
+    kw = {"warmup": 3, "repeats": 20} if _gpu() else {"warmup": 0, "repeats": 1}
+    forms = {"cuda": ("cuda", lambda: {"prologue": lambda: kda_cuda.prologue(*args, plan, scale, runner.work)}),
+             "triton": ("rows_exactfixup", lambda: kda_prologue.launches(*args, plan, scale, runner.work))}
+    records = []
+    for backend, (label, make) in forms.items():
+        try:
+            kc.choose_backend(*args, plan, backend)
+        except ValueError as exc:  # not on this machine or not for these inputs: said, then left out
+            print(f"prologue_parts: {exc}")
+            continue
+        err = _run_and_check(check, check_inp, Runner(check, check_inp, backend).before, check_ref, strict=False)
+        launches = make()
+        for f in launches.values():  # compile, and valid inputs for each launch timed alone
+            f()
+
+        def whole(fs=tuple(launches.values())):
+            for f in fs:
+                f()
+
+        parts = {f"prologue_{label}": (whole, err)}
+        if len(launches) > 1:
+            parts.update({f"{label}_{part}": (f, None) for part, f in launches.items()})
+        for part, (fn, e) in parts.items():
+            extra = {"backend": backend, "prologue": label.split("_")[0]}
+            if e is not None:
+                extra["check_case"] = check_case
+            records.append(bench.make_record(NAME, f"{name}.part_{part}", "before", bench.time_fn(fn, **kw),
+                                             shape=case.shape(), dtype=case.dtype, error=e, **extra))
     return records
 
 
@@ -600,6 +654,7 @@ __all__ = [
     "parse_case",
     "predict",
     "profile_targets",
+    "prologue_parts",
     "prologue_stages",
     "reference_records",
     "run",

@@ -247,9 +247,9 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
     replays of a one-call graph: each replay pays a graph launch of its own (a few us), which would
     swamp the per-kernel cost we want to show. A served decode step is one graph of hundreds of
     kernels, so the cost of a kernel inside a long graph is the figure that matters. With k=None the
-    graph's size comes from a short replay of a first graph sized by the eager warm-up (records from
-    before 2026-11-30's third session sized it from the eager warm-up alone: a few calls per graph
-    for launch-bound steps, whose per-call figures then carried part of the replay's launch).
+    graph's size comes from a short replay of a first graph sized by the eager warm-up (the eager
+    warm-up alone would give launch-bound steps a few calls per graph, whose per-call figures would
+    then carry part of the replay's launch).
 
     rotate: a list of argument tuples; call i runs fn(*rotate[i % len(rotate)]) so inputs that fit in
     cache are not timed hot (see `rotation_sets`). flush_l2: write a 2 x L2 buffer before each sample,

@@ -16,9 +16,7 @@ Variants: 'before' = the op launched eagerly, 100 calls back to back between one
 graph replay is the fix for launch-bound chains of tiny kernels. Each 'before' record also keeps the
 latency of a lone call with its own event pair (extra['lone_call_us'], timer overhead included).
 
-The records committed under profiles/nvidia-h200/launch_overhead/ (commit 0aa607e) predate the
-back-to-back eager timing: their 'before' figures are lone calls, each bracketed by its own event
-pair (extra['graph_copies'] = 1, no 'calls_per_sample'), about 10 us of which is the event timer. On CPU there is no graph: only 'before', timed with
+On CPU there is no graph: only 'before', timed with
 perf_counter (launch cost is not modelled on CPU; the figure is PyTorch's host overhead). The model
 preset does not change this study (it is accepted so every study has the same signature).
 """

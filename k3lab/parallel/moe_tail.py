@@ -304,6 +304,8 @@ def tail_cost(config, tp: int, tail: str, n_tokens: int, dtype="bf16") -> dict[s
 # The distributed check: python -m k3lab.parallel.check moe --world-size N
 # ------------------------------------------------------------------------------------------------
 
+_CHECK_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter",
                "reduce_scatter_tensor", "all_to_all_single", "all_to_all", "reduce", "send", "recv")
 
@@ -336,7 +338,7 @@ def check_rank(rank: int, world_size: int, opts: dict) -> list[dict]:
     from k3lab.model import init_weights
     from k3lab.parallel.launch import rank_device
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[opts["dtype"]]
+    dtype = _CHECK_DTYPES[opts["dtype"]]
     cfg = K3Config.preset(opts["preset"])
     layer = init_weights(LatentMoE(cfg), seed=opts["seed"]).to(dtype)
     x = torch.randn(opts["tokens"], cfg.hidden_size, generator=torch.Generator().manual_seed(opts["seed"] + 1))
@@ -369,7 +371,8 @@ def run_check(world_size: int, backend: str | None = None, **opts) -> int:
     """Run both tails on `world_size` ranks against the single-rank layer; print the error figures
     and all-reduce count per rank and tail; return 0 when every rank matches with two all-reduces.
 
-    opts: preset ('tiny'), tokens (7), dtype ('fp32' | 'bf16' | 'fp16'), seed (0), experts_backend,
+    opts: preset ('tiny'), tokens (7), dtype ('fp32' | 'bf16' | 'fp16' or the torch names), seed (0),
+    experts_backend,
     tail_backend (None: the defaults), timeout_s (120)."""
     from k3lab.config import K3Config
     from k3lab.parallel.launch import spawn
@@ -380,8 +383,8 @@ def run_check(world_size: int, backend: str | None = None, **opts) -> int:
     if unknown:
         raise ValueError(f"unknown option(s) {sorted(unknown)}; known: {sorted(o)}")
     o.update({k: v for k, v in opts.items() if v is not None})
-    if o["dtype"] not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"dtype must be 'fp32', 'bf16' or 'fp16', got {o['dtype']!r}")
+    if o["dtype"] not in _CHECK_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_CHECK_DTYPES)}, got {o['dtype']!r}")
     cfg = K3Config.preset(o["preset"])
     check_world_size(world_size, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
                      shared=cfg.shared_intermediate_size)

@@ -1,0 +1,211 @@
+"""One-GPU benchmark of the latent MoE at one TP8 rank's shapes: the tail, the routed experts, and
+the memory of up_proj under each tail.
+
+    python -m k3lab.parallel.bench_moe --json OUT.json [--records-root DIR]
+
+- tail (norm + up_proj + add into the output) for N = 1, 8, 64, 256 tokens, graph replay:
+  before = the replicated tail in torch (all 7168 rows of up_proj on every rank), after = the
+  sharded tail in one Triton launch (this rank's 896 rows), torch = the sharded tail in torch ops;
+  each beside its bytes / bandwidth floor (tail_cost), inputs rotated so that they are read from HBM.
+- experts for N = 1 and 64 (896 experts, 384 of the 3072 intermediate, bf16, the router's top-16 at
+  K3's shape with random weights): before = the per-expert torch loop (eager: it reads back counts,
+  so it cannot be captured), after = the grouped kernels (graph replay and eager); floor = the
+  chosen experts' weight bytes over the bandwidth.
+- memory: torch.cuda.memory_allocated() around shard_moe of one layer (K3's shapes, 16 experts
+  instead of 896 so that the source layer fits) for each tail; the up_proj difference is the freed
+  memory of one layer.
+
+Every variant is checked against an fp32 computation on the same inputs before it is timed.
+Prints a table; --json writes the records, memory figures and checks; --records-root writes the
+records as profiles/<device>/moe_sharding/*.json under that folder. Needs a CUDA/ROCm GPU.
+Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import torch
+
+from k3lab import bench, env
+from k3lab.config import K3Config
+from k3lab.ops import moe_experts as me
+from k3lab.parallel import moe_tail as mt
+
+STUDY = "moe_sharding"
+TAIL_TOKENS = (1, 8, 64, 256)
+EXPERT_TOKENS = (1, 64)
+
+
+def _randn(*shape, gen, scale=1.0, dtype=torch.bfloat16):
+    return (torch.randn(*shape, device=gen.device, generator=gen) * scale).to(dtype)
+
+
+def _tail_case(cfg, tp: int, n: int, gen, dt, timing: dict) -> list:
+    """Records of the tail at n tokens: before (replicated, torch), after (sharded, Triton), torch
+    (sharded, torch ops)."""
+    H, LAT, eps = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.rms_norm_eps
+    rows = H // tp
+    lo = 0  # rank 0's rows; every rank's tail costs the same
+    norm_w = (1 + 0.1 * _randn(LAT, gen=gen, dtype=torch.float32)).to(dt)
+    graph = gen.device.type == "cuda"
+    variants = {"before": ("replicated", me.tail_torch), "after": ("sharded", me.tail_triton),
+                "torch": ("sharded", me.tail_torch)}
+    records = []
+    for variant, (tail, fn) in variants.items():
+        R = H if tail == "replicated" else rows
+
+        def make(R=R):
+            return (_randn(n, LAT, dtype=torch.float32, gen=gen), _randn(R, LAT, scale=LAT**-0.5, gen=gen, dtype=dt),
+                    _randn(n, H, gen=gen, dtype=dt))
+        cost = mt.tail_cost(cfg, tp, tail, n, dt)
+        sets = bench.rotation_sets(make, cost["bytes"])
+        lat, up, out = sets[0]
+        col0 = 0 if tail == "replicated" else lo
+        ref = out.double()
+        normed = (lat.double() * torch.rsqrt(lat.double().pow(2).mean(-1, keepdim=True) + eps) * norm_w.double())
+        ref[:, col0:col0 + R] += normed.to(dt).double() @ up.double().t()
+        err = bench.check(fn(lat, norm_w, eps, up, out.clone(), col0), ref, dtype=dt,
+                          name=f"tail {variant} N={n}")
+        t = bench.time_fn(lambda a, b, c: fn(a, norm_w, eps, b, c, col0), graph=graph, rotate=sets, **timing)
+        floor = bench.floor_us(bytes=cost["bytes"], flops=cost["flops"])
+        records.append(bench.make_record(
+            STUDY, f"tail_N{n}", variant, t, shape={"tokens": n, "rows": R, "latent": LAT, "hidden": H, "tp": tp},
+            dtype=dt, floor_us=floor, error=err, tail=tail, bytes=cost["bytes"], flops=cost["flops"]))
+    return records
+
+
+def _expert_weights(cfg, tp: int, gen, dt):
+    E, LAT, F = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size // tp
+    return (_randn(E, F, LAT, scale=LAT**-0.5, gen=gen, dtype=dt), _randn(E, F, LAT, scale=LAT**-0.5, gen=gen, dtype=dt),
+            _randn(E, LAT, F, scale=F**-0.5, gen=gen, dtype=dt))
+
+
+def _routing(cfg, n: int, seed: int, gen, dt):
+    idx = me.random_router_idx(n, hidden=cfg.hidden_size, num_experts=cfg.num_experts,
+                               top_k=cfg.num_experts_per_token, seed=seed).to(gen.device)
+    w = torch.rand(n, cfg.num_experts_per_token, device=gen.device, generator=gen) + 0.1
+    return _randn(n, cfg.routed_expert_hidden_size, gen=gen, dtype=dt), w / w.sum(-1, keepdim=True), idx
+
+
+def _experts_reference(z, w, idx, w1, w3, w2):
+    """fp32 loop over the chosen experts only (their weights widened one expert at a time)."""
+    chosen = idx.unique()  # sorted
+    remap = torch.searchsorted(chosen, idx)
+    return me.expert_loop(z.float(), w, remap, w1[chosen].float(), w3[chosen].float(), w2[chosen].float())
+
+
+def _experts_case(cfg, tp: int, n: int, weights, gen, timing: dict) -> list:
+    w1, w3, w2 = weights
+    dt = w1.dtype
+    sets = [_routing(cfg, n, seed, gen, dt) for seed in range(4)]  # different experts per set: cold weights
+    z, w, idx = sets[0]
+    ref = _experts_reference(z, w, idx, w1, w3, w2)
+    F, LAT = w1.shape[1], w1.shape[2]
+    chosen = int(idx.unique().numel())
+    e = w1.element_size()
+    weight_bytes = chosen * 3 * F * LAT * e
+    act_bytes = n * LAT * e + n * cfg.num_experts_per_token * (F * e * 2 + LAT * 4 * 2)
+    flops = 2 * n * cfg.num_experts_per_token * 3 * F * LAT
+    floor = bench.floor_us(bytes=weight_bytes + act_bytes, flops=flops)
+    shape = {"tokens": n, "experts": cfg.num_experts, "top_k": cfg.num_experts_per_token, "intermediate": F,
+             "latent": LAT, "tp": tp, "experts_chosen": chosen}
+    m = me.default_block_m(n, cfg.num_experts_per_token, cfg.num_experts)
+    pad = me.padding_of(idx.cpu(), cfg.num_experts, m)
+    records = []
+    runs = (("before", me.expert_loop, False), ("after", lambda *a: me.grouped_experts(*a, block_m=m), True),
+            ("after", lambda *a: me.grouped_experts(*a, block_m=m), False))
+    for variant, fn, graph in runs:
+        graph = graph and z.is_cuda
+        err = bench.check(fn(z, w, idx, w1, w3, w2), ref, dtype=dt, name=f"experts {variant} N={n}")
+        t = bench.time_fn(lambda a, b, c: fn(a, b, c, w1, w3, w2), graph=graph, rotate=sets, **timing)
+        records.append(bench.make_record(
+            STUDY, f"experts_N{n}", variant, t, shape=shape, dtype=dt, floor_us=floor, error=err,
+            weight_bytes=weight_bytes, block_m=m if variant == "after" else None, padding=pad))
+    return records
+
+
+def _memory(cfg, tp: int) -> dict:
+    """memory_allocated() around shard_moe of one layer for each tail (rank 0), and up_proj's storage."""
+    from k3lab.model import init_weights
+    from k3lab.nn.moe import LatentMoE
+
+    small = dataclasses.replace(cfg, num_experts=16, num_experts_per_token=4, name="full-16-experts")
+    layer = init_weights(LatentMoE(small, device="cuda", dtype=torch.bfloat16), on_device=True)
+    out = {}
+    for tail in mt.TAILS:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        w = mt.shard_moe(layer, tp, 0, tail)
+        torch.cuda.synchronize()
+        out[tail] = {"rank_weights_bytes": torch.cuda.memory_allocated() - before,
+                     "up_proj_bytes": w.up_proj.untyped_storage().nbytes(),
+                     "formula_up_proj_bytes": mt.tail_bytes(cfg, tp, tail, "bf16") // cfg.num_moe_layers}
+        del w
+    out["freed_per_layer_measured"] = (out["replicated"]["rank_weights_bytes"]
+                                       - out["sharded"]["rank_weights_bytes"])
+    out["freed_per_layer_formula"] = mt.freed_bytes(cfg, tp, "bf16") // cfg.num_moe_layers
+    out["freed_all_layers_formula_gib"] = mt.freed_bytes(cfg, tp, "bf16") / 2**30
+    return out
+
+
+def run(tail_tokens=TAIL_TOKENS, expert_tokens=EXPERT_TOKENS, tp: int = 8, seed: int = 0, config=None,
+        repeats: int = 100, warmup: int = 10) -> dict:
+    """All cases on this GPU; returns {'records': [Record...], 'memory': {...}}. config: K3's full
+    shapes by default; a smaller config (with a CPU) only exercises the code (eager CPU timings,
+    Triton's interpreter, no memory figures). repeats / warmup: bench.time_fn's."""
+    timing = {"repeats": repeats, "warmup": warmup}
+    cfg = config or K3Config.full()
+    gpu = torch.cuda.is_available()
+    if not gpu and config is None:
+        raise RuntimeError("bench_moe times GPU kernels under graph replay and needs a CUDA/ROCm GPU; "
+                           "on a CPU, notebook 02 shows the committed records instead")
+    gen = torch.Generator(device="cuda" if gpu else "cpu").manual_seed(seed)
+    dt = torch.bfloat16 if gpu else torch.float16  # bf16 dots are wrong in Triton's interpreter
+    records = []
+    with torch.no_grad():
+        for n in tail_tokens:
+            records += _tail_case(cfg, tp, n, gen, dt, timing)
+        weights = _expert_weights(cfg, tp, gen, dt)
+        for n in expert_tokens:
+            records += _experts_case(cfg, tp, n, weights, gen, timing)
+        del weights
+        memory = {}
+        if gpu:
+            torch.cuda.empty_cache()
+            memory = _memory(cfg, tp)
+    return {"records": records, "memory": memory}
+
+
+def table(records) -> str:
+    lines = [f"{'case':<14} {'variant':<7} {'mode':<6} {'median us':>10} {'floor us':>9} {'floor/median':>12}"]
+    for r in records:
+        frac = r.floor_us / r.median_us if r.floor_us else float("nan")
+        lines.append(f"{r.case:<14} {r.variant:<7} {r.mode:<6} {r.median_us:>10.2f} {r.floor_us or 0:>9.2f} "
+                     f"{frac:>12.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m k3lab.parallel.bench_moe", description=__doc__.split("\n")[0])
+    p.add_argument("--json", help="write records, memory and checks to this file")
+    p.add_argument("--records-root", help="also save the records under DIR/<device>/moe_sharding/")
+    p.add_argument("--tp", type=int, default=8)
+    a = p.parse_args(argv)
+    print(env.describe())
+    res = run(tp=a.tp)
+    print(table(res["records"]))
+    print("memory (one layer, rank 0):", json.dumps(res["memory"], indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"records": [r.to_dict() for r in res["records"]], "memory": res["memory"]}, f, indent=1)
+    if a.records_root:
+        bench.save_records(res["records"], root=a.records_root)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

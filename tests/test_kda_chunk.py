@@ -240,7 +240,7 @@ def _walk_with_akk_operands(q, k, v, g, beta, rnd):
 
 @pytest.mark.parametrize("adversarial", [False, True])
 def test_tf32_akk_operands_cost_little(adversarial):
-    """Why one tf32 pass suffices for Akk (akk_prec='fast'): its operands are factors <= 1 (e^spread on
+    """Why one tf32 pass suffices for Akk (the NVIDIA default): its operands are factors <= 1 (e^spread on
     the diagonal); rounded to tf32 they move o and the state by ~1e-4 (rel. L2) even on nearly
     parallel keys (I + A ill-conditioned), far below the bf16 pipeline's 4.4e-3, while rounding the
     same operands to bf16 (the seed's warning) costs several times more."""

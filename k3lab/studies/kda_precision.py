@@ -32,6 +32,7 @@ import torch
 
 from k3lab import bench
 from k3lab.nn.kda import chunk_inverse, kda_chunked
+from k3lab.ops.kda_chunk.scan_math import chunk_products
 
 NAME = "kda_precision"
 
@@ -196,17 +197,7 @@ def prepare_chunks(q, k, v, g, beta, *, dtype=torch.float32, scale=None) -> Chun
     Q, Kc, Vc, Gc = split(q), split(k), split(v), split(g)
     bt = split(beta.unsqueeze(-1))
     G = Gc.cumsum(-2)
-    strict = torch.ones(CHUNK, CHUNK, dtype=torch.bool).tril(-1)
-    incl = torch.ones(CHUNK, CHUNK, dtype=torch.bool).tril(0)
-    A = torch.empty(B, H, n, CHUNK, CHUNK, dtype=dtype)
-    Aqk = torch.empty_like(A)
-    for c in range(n):  # the pairwise decay is [B, H, C, C, K]: one chunk at a time
-        Gi = G[:, :, c]
-        diff = Gi.unsqueeze(-2) - Gi.unsqueeze(-3)
-        decay = torch.where(incl[..., None], diff, torch.full_like(diff, float("-inf"))).exp()
-        kk = torch.einsum("bhik,bhjk,bhijk->bhij", Kc[:, :, c], Kc[:, :, c], decay)
-        A[:, :, c] = (bt[:, :, c] * kk).masked_fill(~strict, 0.0)
-        Aqk[:, :, c] = scale * torch.einsum("bhik,bhjk,bhijk->bhij", Q[:, :, c], Kc[:, :, c], decay)
+    A, Aqk = chunk_products(Q, Kc, G, bt, scale)
     G_last = G[..., -1:, :]
     return Chunks(A=A, Aqk=Aqk, Qg=scale * Q * G.exp(), bV=bt * Vc, bKg=bt * Kc * G.exp(),
                   Kd=Kc * (G_last - G).exp(), d=G_last.squeeze(-2).exp())

@@ -363,11 +363,11 @@ def run(
     backend: str | None = None,
 ) -> list[bench.Record]:
     """Check every variant against the fp64 reference (raising on failure), then time it. Returns
-    records (not saved). `cases`: names from case_names() or crossover_cases() or any
-    h{H}_b{B}_t{T} ('<case>.parts': `prologue_parts` of that case); `variants`: a subset of before / after / fla; `backend`: a name of
-    `kda_chunk.BACKENDS` for both k3lab variants (None: the dispatcher's choice, what the committed records
-    ran). strict=False records a failed check in the record's error (error['failed']) and still times it
-    (for exploring, never for committed references)."""
+    records (not saved). `cases`: names from case_names() or crossover_cases() or any h{H}_b{B}_t{T}
+    ('<case>.parts': `prologue_parts` of that case); `variants`: a subset of before / after / fla;
+    `backend`: a name of `kda_chunk.BACKENDS` for both k3lab variants (None: the dispatcher's choice,
+    what the committed records ran). strict=False records a failed check in the record's error
+    (error['failed']) and still times it (for exploring, never for committed references)."""
     names = case_names(preset) if cases is None else list(cases)
     records = []
     for name in names:

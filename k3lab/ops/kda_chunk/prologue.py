@@ -37,6 +37,7 @@ INV_WARPS = 1  # 16 x 16 tiles: one warp, no spills
 WU_BLOCK_K = 64
 WU_WARPS = 4
 
+
 @triton.jit
 def _exp(x, FAST: tl.constexpr):
     """e^x. FAST (compiled for NVIDIA): one ex2.approx.ftz, without the subnormal fix-up sequence
@@ -49,6 +50,7 @@ def _exp(x, FAST: tl.constexpr):
     else:
         y = tl.exp(x)
     return y
+
 
 @triton.jit
 def _a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
@@ -120,6 +122,7 @@ def _a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d
     tl.store(aqk_base + tile, tl.where(col <= rows, acc_q * scale, 0.0).to(aqk_base.dtype.element_ty))
     return wide
 
+
 @triton.jit
 def _exact_diag(acc_k, acc_q, k3, q3, Gw, spread, SPREAD: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
                     C: tl.constexpr):
@@ -139,6 +142,7 @@ def _exact_diag(acc_k, acc_q, k3, q3, Gw, spread, SPREAD: tl.constexpr, NB: tl.c
         acc_k = tl.where(hit, acc_k + tl.sum(k3 * ke, axis=2)[:, :, None], acc_k)
         acc_q = tl.where(hit, acc_q + tl.sum(q3 * ke, axis=2)[:, :, None], acc_q)
     return acc_k, acc_q
+
 
 @triton.jit(do_not_specialize=["H"])
 def _a_kernel(q, k, g, beta, chunk_tok, chunk_len, w_out, qg_out, kdt_out, aqk_out, d_out, r_buf, flags, H, scale,
@@ -162,19 +166,23 @@ def _a_kernel(q, k, g, beta, chunk_tok, chunk_len, w_out, qg_out, kdt_out, aqk_o
         if not FIXUP:
             tl.store(flags + out, wide)
 
+
 @triton.jit
 def _blk(base, BI: tl.constexpr, BJ: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
     r = tl.arange(0, BC)
     return tl.load(base + (BI * BC + r)[:, None] * C + BJ * BC + r[None, :])
+
 
 @triton.jit
 def _blk_store(base, BI: tl.constexpr, BJ: tl.constexpr, x, C: tl.constexpr, BC: tl.constexpr):
     r = tl.arange(0, BC)
     tl.store(base + (BI * BC + r)[:, None] * C + BJ * BC + r[None, :], x)
 
+
 @triton.jit
 def _mm(a, b, PREC: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
+
 
 @triton.jit
 def _inverse_below_diagonal(l_base, r00, r11, r22, r33, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl.constexpr):
@@ -194,10 +202,12 @@ def _inverse_below_diagonal(l_base, r00, r11, r22, r33, C: tl.constexpr, BC: tl.
     r30 = -_mm(r33, _mm(l30, r00, INV_PREC) + _mm(l31, r10, INV_PREC) + _mm(l32, r20, INV_PREC), INV_PREC)
     return r10, r21, r32, r20, r31, r30
 
+
 @triton.jit
 def _diag_block(R3, b: tl.constexpr, NB: tl.constexpr):
     """Block b of a [NB, BC, BC] stack as a [BC, BC] tile (exact: one nonzero term per entry)."""
     return tl.sum(tl.where(tl.arange(0, NB)[:, None, None] == b, R3, 0.0), axis=0)
+
 
 @triton.jit
 def _inverse_in_place(r_base, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl.constexpr):
@@ -232,10 +242,12 @@ def _inverse_in_place(r_base, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl.co
     _blk_store(r_base, 3, 1, r31, C, BC)
     _blk_store(r_base, 3, 0, r30, C, BC)
 
+
 @triton.jit
 def _inverse_kernel(r_buf, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl.constexpr):
     """Launch 'inverse': R = (I + Akk)^-1 in fp32, in place, one program per (chunk, head)."""
     _inverse_in_place(r_buf + tl.program_id(0).to(tl.int64) * C * C, C, BC, INV_PREC)
+
 
 @triton.jit
 def _wu_chunk(v, beta, tok0, L, h, H, out, w_out, u_out, r_base, K: tl.constexpr, V: tl.constexpr,
@@ -260,6 +272,7 @@ def _wu_chunk(v, beta, tok0, L, h, H, out, w_out, u_out, r_base, K: tl.constexpr
         tl.store(
             u_out + out * C * V + rc[:, None] * V + col[None, :], tl.dot(R, vb, input_precision=OUT_PREC).to(INTER)
         )
+
 
 @triton.jit(do_not_specialize=["H"])
 def _wu_kernel(

@@ -45,6 +45,7 @@ def _scan_step(
     b = tl.load(sum_b + (sb * K + rk)[:, None] * V + v0 + rbv[None, :])
     return D[:, None] * S + tl.dot(N, S, input_precision=PREC) + b
 
+
 @triton.jit(do_not_specialize=["H"])
 def _scan_kernel(
     sum_n,

@@ -78,6 +78,26 @@ class ChunkQuantities:
         return self.W.shape[2]
 
 
+def chunk_products(Q: torch.Tensor, Kc: torch.Tensor, G: torch.Tensor, bt: torch.Tensor, scale: float):
+    """The in-chunk products of chunked tensors [B, H, n, C, K] (G the in-chunk cumulative log-decay,
+    bt = beta [B, H, n, C, 1]): Akk[i, j] = beta_i sum_c k_ic k_jc e^(G_ic - G_jc) for j < i (zero
+    elsewhere) and Aqk[i, j] = scale sum_c q_ic k_jc e^(G_ic - G_jc) for j <= i, each [B, H, n, C, C].
+    The pairwise decay is formed as e^(G_i - G_j) (never e^(-G), which overflows), one chunk at a time."""
+    B, H, n, C, _ = Q.shape
+    strict = torch.ones(C, C, dtype=torch.bool, device=Q.device).tril(-1)
+    incl = torch.ones(C, C, dtype=torch.bool, device=Q.device).tril(0)
+    Akk = torch.empty(B, H, n, C, C, dtype=Q.dtype, device=Q.device)
+    Aqk = torch.empty_like(Akk)
+    for c in range(n):  # the pairwise decay is [B, H, C, C, K]
+        Gi = G[:, :, c]
+        diff = Gi.unsqueeze(-2) - Gi.unsqueeze(-3)
+        decay = torch.where(incl[..., None], diff, torch.full_like(diff, float("-inf"))).exp()
+        kk = torch.einsum("bhik,bhjk,bhijk->bhij", Kc[:, :, c], Kc[:, :, c], decay)
+        Akk[:, :, c] = (bt[:, :, c] * kk).masked_fill(~strict, 0.0)
+        Aqk[:, :, c] = scale * torch.einsum("bhik,bhjk,bhijk->bhij", Q[:, :, c], Kc[:, :, c], decay)
+    return Akk, Aqk
+
+
 def chunk_quantities(q, k, v, g, beta, scale=None, chunk_size: int = 64) -> ChunkQuantities:
     """The prologue of every chunk (no state needed). Same inputs as `kda_chunked`; the last chunk is
     padded with no-op tokens (k = 0, g = 0, beta = 0)."""
@@ -99,17 +119,7 @@ def chunk_quantities(q, k, v, g, beta, scale=None, chunk_size: int = 64) -> Chun
     bt = prep(beta.unsqueeze(-1))  # [B, H, n, C, 1]
     G = Gc.cumsum(-2)
     G_last = G[..., -1:, :]
-    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
-    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(0)
-    Akk = torch.empty(B, H, n, C, C, dtype=dt, device=q.device)
-    Aqk = torch.empty(B, H, n, C, C, dtype=dt, device=q.device)
-    for c in range(n):  # one chunk at a time: the pairwise decay is [B, H, C, C, K]
-        Gi = G[:, :, c]
-        diff = Gi.unsqueeze(-2) - Gi.unsqueeze(-3)
-        decay = torch.where(incl[..., None], diff, torch.full_like(diff, float("-inf"))).exp()
-        kk = torch.einsum("bhik,bhjk,bhijk->bhij", Kc[:, :, c], Kc[:, :, c], decay)
-        Akk[:, :, c] = (bt[:, :, c] * kk).masked_fill(~strict, 0.0)
-        Aqk[:, :, c] = scale * torch.einsum("bhik,bhjk,bhijk->bhij", Q[:, :, c], Kc[:, :, c], decay)
+    Akk, Aqk = chunk_products(Q, Kc, G, bt, scale)
     R = chunk_inverse(Akk)
     U = R @ (bt * Vc)
     W = R @ (bt * Kc * G.exp())
@@ -244,5 +254,5 @@ def sequential_depth(n_chunks: int, group_size: int | None) -> int:
     return 2 * group_size + n_groups - 1
 
 
-__all__ = ["ChunkQuantities", "apply", "chunk_affine", "chunk_quantities", "chunk_step", "compose", "group_bounds",
+__all__ = ["ChunkQuantities", "apply", "chunk_affine", "chunk_products", "chunk_quantities", "chunk_step", "compose", "group_bounds",
            "group_summaries", "kda_chunk_walk", "kda_group_scan", "replay", "scan_starts", "sequential_depth"]

@@ -27,6 +27,16 @@ SUMMARY_BLOCK = 64
 
 
 @triton.jit
+def _chunk_maps(w, kdt, dd, base, K: tl.constexpr, C: tl.constexpr):
+    """W [C, K], Kd^T [K, C] and d [K] of chunk-head item `base`: what every walk step reads."""
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, K)
+    W = tl.load(w + base * C * K + rc[:, None] * K + rk[None, :])
+    KdT = tl.load(kdt + base * K * C + rk[:, None] * C + rc[None, :])
+    return W, KdT, tl.load(dd + base * K + rk)
+
+
+@triton.jit
 def _walk_step(
     S,
     cidx,
@@ -54,12 +64,10 @@ def _walk_step(
     rbv = tl.arange(0, BV)
     INTER = w.dtype.element_ty
     base = cidx * H + h
-    W = tl.load(w + base * C * K + rc[:, None] * K + rk[None, :])
+    W, KdT, d = _chunk_maps(w, kdt, dd, base, K, C)
     U = tl.load(u + base * C * V + rc[:, None] * V + v0 + rbv[None, :]).to(tl.float32)
     Qg = tl.load(qg + base * C * K + rc[:, None] * K + rk[None, :])
-    KdT = tl.load(kdt + base * K * C + rk[:, None] * C + rc[None, :])
     A = tl.load(aqk + base * C * C + rc[:, None] * C + rc[None, :])
-    d = tl.load(dd + base * K + rk)
     Sb = S.to(INTER)
     E = U - tl.dot(W, Sb, input_precision=PREC)
     Eb = E.to(INTER)
@@ -72,6 +80,7 @@ def _walk_step(
         mask=(rc < L)[:, None],
     )
     return d[:, None] * S + tl.dot(KdT, Eb, input_precision=PREC)
+
 
 @triton.jit(do_not_specialize=["H"])
 def _walk_kernel(
@@ -131,6 +140,7 @@ def _walk_kernel(
         n = tl.load(grp_seq + gi).to(tl.int64)
         tl.store(s_final + ((n * H + h) * K + rk)[:, None] * V + v0 + rbv[None, :], S)
 
+
 @triton.jit
 def _summary_step(
     X,
@@ -154,13 +164,10 @@ def _summary_step(
 ):
     """One chunk of a summary walk: X <- diag(d) X + Kd^T (rhs - W X); Dc, the product of d so far."""
     rc = tl.arange(0, C)
-    rk = tl.arange(0, K)
     rbv = tl.arange(0, BV)
     INTER = w.dtype.element_ty
     base = cidx * H + h
-    W = tl.load(w + base * C * K + rc[:, None] * K + rk[None, :])
-    KdT = tl.load(kdt + base * K * C + rk[:, None] * C + rc[None, :])
-    d = tl.load(dd + base * K + rk)
+    W, KdT, d = _chunk_maps(w, kdt, dd, base, K, C)
     # program-uniform masks instead of a branch: the loop stays one straight body the compiler can
     # software-pipeline; a masked-off load costs no memory traffic
     Wc = tl.load(w + base * C * K + rc[:, None] * K + col0 + rbv[None, :], mask=is_n, other=0.0).to(
@@ -174,6 +181,7 @@ def _summary_step(
     E = rhs - tl.dot(W, X.to(INTER), input_precision=PREC)
     X = d[:, None] * X + tl.dot(KdT, E.to(INTER), input_precision=PREC)
     return X, Dc
+
 
 @triton.jit(do_not_specialize=["H"])
 def _summary_kernel(

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import io
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
 import signal
 import socket
+import sys
 import time
 import traceback
 
@@ -118,8 +120,11 @@ def _child(rank, world_size, backend, host, port, listen_fd, timeout_s, conn, fn
     # Reports go as plain pickles (send_bytes): tensors travel by value, not as shared-memory handles
     # that would need this process alive after it exits. SIGUSR1 dumps this rank's Python stacks
     # (the parent sends it to ranks it is about to kill for running past the timeout).
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
+        try:
+            faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+        except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+            pass  # no usable stderr (an embedding host): the timeout then kills without stacks
         if backend == "gloo":
             # an equal share of the host's cores per rank: ranks are processes on one machine
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

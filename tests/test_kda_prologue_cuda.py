@@ -30,7 +30,8 @@ def _reference_fields(q, k, v, g, beta, scale):
 def test_status_says_why_not_without_a_kernel():
     ok, why = _STATUS
     assert isinstance(ok, bool) and why
-    assert kc.backend_status()["cuda"] == (kcu.available() if HAVE_GPU else kc.backend_status()["cuda"])
+    if HAVE_GPU:
+        assert kc.backend_status()["cuda"] == _STATUS
     if not HAVE_GPU:
         q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
         args = (q, q, q, q.float(), torch.zeros(1, 64, 1))

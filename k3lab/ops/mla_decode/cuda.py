@@ -26,6 +26,10 @@ aligned (`ring_ok`), else direct loads.
 `status()` / `before_status()` say whether each runs here and, if not, why (no GPU, a HIP build,
 a GPU older than compute capability 9.0, no nvcc, a failed build). The HIP builds are stubs (no
 mma.sync / bulk-copy path on AMD; not yet run on AMD hardware by this project). Figures: docs/mla_padding.md.
+
+Not yet run on a GPU: these bindings and the launchers' current signatures (compiled for sm_90a and
+checked against the library's Args and shared-memory figures here; the GPU tests in
+tests/test_mla_decode_cuda.py and tests/test_mla_before_cuda.py run them).
 """
 
 from __future__ import annotations
@@ -522,7 +526,7 @@ class BeforePlan:
     launches = 1
     pad = "none"
     rows_per_program = 1
-    config = LaunchConfig(1, BEFORE_WARPS, 1)  # one position per warp step of each of 16 warps
+    config = LaunchConfig(64, BEFORE_WARPS, 3)  # the ring kernel: 64-row tiles (4 per warp step), 3 in flight
 
     def __init__(self, args: BeforeArgs, out, lse, keep: tuple, device: int):
         self._args, self.out, self.lse, self._keep, self._device = args, out, lse, keep, device

@@ -21,6 +21,8 @@
 // stage reuses the chunk from shared memory in one launch. Limits: K = V = 128, bf16, sm_80 or later;
 // the HIP build is a stub returning K3_KP_UNSUPPORTED (AMD needs its own MFMA kernel; not yet run on
 // AMD hardware by this project). Figures (H200, against the Triton prologue): docs/kda_scan.md.
+// Without the timeline probe this build compiles (sm_90a: 120 registers, no spills) but is not yet run
+// on a GPU.
 #include "k3lab_mma.h"
 
 #define K3_KP_UNSUPPORTED (-5)

@@ -20,6 +20,7 @@
 // the current one computes. The plain walk (few long walks) stays Triton: its narrower programs won.
 // Limits: K = V = 128, bf16, sm_80 or later, at most 65535 groups; the HIP build is a stub returning
 // K3_KW_UNSUPPORTED (not yet run on AMD hardware by this project). Figures: docs/kda_scan.md.
+// With two stages fixed this build compiles (sm_90a, no spills) but is not yet run on a GPU.
 #include "k3lab_mma.h"
 
 #define K3_KW_UNSUPPORTED (-5)

@@ -11,6 +11,8 @@ They take bf16 q, k, v with K = V = 128, fp32 g and beta, contiguous and 16-byte
 GPU of compute capability 8.0 or later (cp.async, tf32 and bf16 mma.sync). `available()` says whether
 both kernels build and load here, `supports()` whether they take a call's tensors. Their HIP builds are
 stubs (AMD would need its own MFMA kernels): not yet run on AMD hardware by this project.
+These bindings, with the kernels' reduced launch arguments (no probe, no stage choice), are not yet run
+on a GPU; the kernels' arithmetic is the one the H200 records measured.
 """
 
 from __future__ import annotations

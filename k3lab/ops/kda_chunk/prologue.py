@@ -18,7 +18,8 @@ overflows. A diagonal block whose decay spread exceeds SAFE_SPREAD (never for K3
 exact pairwise decays instead: the main 'a' pass leaves it out and flags the chunk, a fix-up pass redoes
 only flagged chunks with the exact path (keeping that path out of the main kernel keeps it free of
 register spills). The inverse and W / U run in their own launches at the few warps their small tiles
-need. docs/kda_scan.md has the forms measured against this one.
+need. docs/kda_scan.md has the forms measured against this one. In this module's form (the fix-up
+pass selected by one constexpr) it has run in Triton's interpreter only: not yet run on a GPU.
 """
 
 from __future__ import annotations

@@ -1,0 +1,170 @@
+"""One-GPU benchmark of what DCP8 changes on each GPU: the local attention's shape, the merge, the memory.
+
+    python -m k3lab.parallel.bench_dcp --json OUT.json [--records-root DIR] [--smoke]
+
+- local attention (the MLA op's after, bf16, one decode token, graph replay, inputs rotated so
+  they are read from HBM): TP8's shape (12 heads over the whole history) against DCP8's (96 heads
+  over 1/8 of it) at 32K and 128K positions, B = 1 and 8, plus B = 64 at 32K for the merge's share;
+  each beside its cache-read floor. Target: DCP8 within 1.1x of TP8.
+- merge at N = 8 partials of 12 heads (the a2a merge a rank runs), B = 1 and 64, graph replay:
+  `merge_partials` impl='torch' (before) against impl='triton' (after, one launch); each also as
+  a share of the DCP8 local attention at 32K and 128K of the same batch. Target: Triton 3x faster.
+- memory: `dcp.measure_shard_bytes` for the 142,000-token conversation (K3's 24 MLA layers) under
+  TP8 and DCP8 in FP8 and BF16: torch.cuda.memory_allocated around the shards against the formula.
+
+Every timed output is checked against the fp32 reference first. Prints a table; --json writes the
+records, ratios and memory; --records-root writes the records as profiles/<device>/dcp/*.json.
+--smoke runs tiny sizes (on a CPU in fp32 through Triton's interpreter) to check the script itself.
+Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from k3lab import bench
+from k3lab.config import K3Config
+from k3lab.ops import mla_decode
+from k3lab.ops.mla_decode.merge import merge_partials
+from k3lab.parallel import dcp
+
+STUDY = "dcp"
+TP_HEADS, WORLD = 12, 8
+LOCAL_CASES = ((32768, 1), (32768, 8), (131072, 1), (131072, 8), (32768, 64))
+MERGE_BATCHES = (1, 64)
+CONVERSATION = 142_000
+
+
+def _local_case(L: int, B: int, shape: str, gen, timing: dict, graph: bool, dt):
+    """One record of the op's after at TP8's or DCP8's per-GPU shape."""
+    heads, rows = (TP_HEADS, L) if shape == "tp8" else (TP_HEADS * WORLD, -(-L // WORLD))
+    dev = gen.device
+    bytes_per_set = B * rows * 576 * dt.itemsize
+
+    def make():
+        q = torch.randn(B, 1, heads, 576, device=dev, generator=gen).to(dt)
+        cache = torch.randn(B, rows, 576, device=dev, generator=gen).to(dt)
+        return q, cache
+
+    sets = bench.rotation_sets(make, bytes_per_set)
+    plans = [mla_decode.plan_after(q, c, fold_heads=heads > 16) for q, c in sets]
+    o, lse = plans[0]()
+    ref_o, ref_lse = mla_decode.reference(*sets[0])
+    err = bench.check(o, ref_o, dtype=dt, name=f"{shape} after L={L} B={B}")
+    bench.check(lse, ref_lse, dtype=torch.float32, name=f"{shape} lse L={L} B={B}", max_rel=1e-2)
+    t = bench.time_fn(lambda p: p(), graph=graph, rotate=[(p,) for p in plans], **timing)
+    floor = bench.floor_us(bytes=bytes_per_set)
+    return bench.make_record(STUDY, f"local_{shape}_B{B}_L{L}", "after", t,
+                             shape={"batch": B, "context": L, "rows": rows, "heads": heads},
+                             dtype=dt, floor_us=floor, error=err, backend_used=plans[0].backend,
+                             layout=shape)
+
+
+def _merge_case(B: int, gen, timing: dict, graph: bool, dt):
+    """Records of the a2a merge of N = 8 partials of 12 heads: torch (before) and Triton (after)."""
+    dev = gen.device
+
+    def make():
+        o = torch.randn(WORLD, B, 1, TP_HEADS, 512, device=dev, generator=gen).to(dt)
+        lse = torch.randn(WORLD, B, 1, TP_HEADS, device=dev, generator=gen) * 3
+        return o, lse
+
+    nbytes = WORLD * B * TP_HEADS * (512 * dt.itemsize + 4)
+    sets = bench.rotation_sets(make, nbytes)
+    o, lse = sets[0]
+    w = torch.softmax(lse.double(), dim=0)
+    ref = (w[..., None] * o.double()).sum(0)
+    out = []
+    for variant, impl in (("before", "torch"), ("after", "triton")):
+        got, got_lse = merge_partials(o, lse, impl)
+        err = bench.check(got, ref, dtype=dt, name=f"merge {impl} B={B}")
+        bench.check(got_lse, torch.logsumexp(lse.double(), 0), dtype=torch.float32, name=f"merge lse {impl}")
+        t = bench.time_fn(lambda a, b, impl=impl: merge_partials(a, b, impl), graph=graph, rotate=sets, **timing)
+        out.append(bench.make_record(STUDY, f"merge_N{WORLD}_B{B}", variant, t,
+                                     shape={"pieces": WORLD, "batch": B, "heads": TP_HEADS, "value_dim": 512},
+                                     dtype=dt, floor_us=bench.floor_us(bytes=nbytes), error=err,
+                                     impl=impl))
+    return out
+
+
+def _memory(device) -> list[dict]:
+    full = K3Config.full()
+    rows = []
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        for world in (1, WORLD):
+            m = dcp.measure_shard_bytes(full, CONVERSATION, world, dtype=dtype, device=device)
+            m["layout"] = "tp8" if world == 1 else "dcp8"
+            m["within_1pct"] = abs(m["measured"] - m["formula"]) <= 0.01 * m["formula"]
+            rows.append(m)
+    return rows
+
+
+def run(smoke: bool = False) -> dict:
+    gpu = torch.cuda.is_available()
+    if not gpu and not smoke:
+        raise SystemExit("bench_dcp needs a CUDA or ROCm GPU (use --smoke to check the script on a CPU)")
+    dev = torch.device("cuda" if gpu else "cpu")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    timing = dict(warmup=1, repeats=2, calls_per_sample=1) if smoke else dict(warmup=10, repeats=50)
+    graph = gpu
+    dt = torch.bfloat16 if gpu else torch.float32  # bf16 products are wrong in Triton's interpreter
+    cases = ((128, 2),) if smoke else LOCAL_CASES
+    records, ratios = [], []
+    for L, B in cases:
+        tp = _local_case(L, B, "tp8", gen, timing, graph, dt)
+        dc = _local_case(L, B, "dcp8", gen, timing, graph, dt)
+        records += [tp, dc]
+        ratios.append({"context": L, "batch": B, "tp8_us": tp.median_us, "dcp8_us": dc.median_us,
+                       "ratio": dc.median_us / tp.median_us, "target": 1.1})
+    merges = []
+    for B in ((2,) if smoke else MERGE_BATCHES):
+        before, after = _merge_case(B, gen, timing, graph, dt)
+        records += [before, after]
+        local = {r.shape["context"]: r.median_us for r in records
+                 if r.extra.get("layout") == "dcp8" and r.shape["batch"] == B}
+        merges.append({"batch": B, "torch_us": before.median_us, "triton_us": after.median_us,
+                       "speedup": before.median_us / after.median_us, "target": 3.0,
+                       "share_of_local_attention": {str(L): {"torch": before.median_us / (t + before.median_us),
+                                                             "triton": after.median_us / (t + after.median_us)}
+                                                    for L, t in local.items()}})
+    memory = _memory(dev) if gpu else []
+    return {"records": records, "local_ratio": ratios, "merge": merges, "memory": memory}
+
+
+def _print(result: dict) -> None:
+    print(f"{'context':>8} {'B':>3} {'TP8 us':>9} {'DCP8 us':>9} {'DCP8/TP8':>9}  (target <= 1.1)")
+    for r in result["local_ratio"]:
+        print(f"{r['context']:>8} {r['batch']:>3} {r['tp8_us']:>9.2f} {r['dcp8_us']:>9.2f} {r['ratio']:>9.2f}")
+    print(f"{'merge B':>8} {'torch us':>9} {'triton us':>9} {'speedup':>8}  (target >= 3)  share of decode")
+    for m in result["merge"]:
+        shares = "; ".join(f"L={L}: torch {s['torch']:.0%}, triton {s['triton']:.0%}"
+                           for L, s in m["share_of_local_attention"].items())
+        print(f"{m['batch']:>8} {m['torch_us']:>9.2f} {m['triton_us']:>9.2f} {m['speedup']:>8.2f}  {shares}")
+    for m in result["memory"]:
+        print(f"memory {m['layout']:<5} {m['dtype']:<14} formula {m['formula'] / 1e6:9.1f} MB  measured "
+              f"{m['measured'] / 1e6:9.1f} MB  ({m['how']}){'' if m['within_1pct'] else '  OFF BY > 1%'}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m k3lab.parallel.bench_dcp", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", default=None, help="write records, ratios and memory here")
+    p.add_argument("--records-root", default=None, help="save records under DIR/<device>/dcp/")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script (CPU too)")
+    args = p.parse_args(argv)
+    result = run(smoke=args.smoke)
+    _print(result)
+    if args.json:
+        out = dict(result, records=[r.to_dict() for r in result["records"]])
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    if args.records_root:
+        bench.save_records(result["records"], root=args.records_root)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,27 +26,14 @@ configurations that lost: docs/copy_removal.md.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
+from k3lab.ops import Backend, forced_backend, triton_status
 from k3lab.ops.attn_res_norm import cuda, triton
 from k3lab.ops.attn_res_norm.inputs import CLUSTER_MIN_BLOCKS, check, fold_mix_weight, launch_config, rms
 
 __all__ = ["BACKENDS", "BACKEND_ENV", "CLUSTER_MIN_BLOCKS", "KERNELS", "Backend", "after", "attn_res_norm",
            "before", "fold_mix_weight", "kernel_status", "launch_config"]
-
-
-@dataclass(frozen=True)
-class Backend:
-    """One implementation of `after`: `available()` -> (ok, why); lower priority is tried first
-    (`launch_config` then decides by shape whether the cluster kernel pays)."""
-
-    name: str
-    priority: int
-    available: Callable[[], tuple[bool, str]]
 
 
 def _cluster_available() -> tuple[bool, str]:
@@ -55,7 +42,7 @@ def _cluster_available() -> tuple[bool, str]:
     return cuda.cluster_build(torch.cuda.current_device())
 
 
-BACKENDS = (Backend("cuda_cluster", 0, _cluster_available), Backend("triton", 1, triton.status))
+BACKENDS = (Backend("cuda_cluster", 0, _cluster_available), Backend("triton", 1, triton_status))
 KERNELS = tuple(b.name for b in sorted(BACKENDS, key=lambda b: b.priority, reverse=True))  # ('triton', 'cuda_cluster')
 BACKEND_ENV = "K3LAB_ATTN_RES_NORM_BACKEND"
 
@@ -85,14 +72,6 @@ def kernel_status(prefix: torch.Tensor, delta: torch.Tensor | None = None, block
     return cuda.cluster_pieces(prefix, delta, blocks)
 
 
-def _forced(kernel: str | None) -> str | None:
-    name = kernel if kernel is not None else (os.environ.get(BACKEND_ENV) or None)
-    if name is not None and name not in KERNELS:
-        where = "kernel" if kernel is not None else BACKEND_ENV
-        raise ValueError(f"{where} must be one of {KERNELS} or None, got {name!r}")
-    return name
-
-
 def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False,
           mix_weight=None, kernel=None, config=None, int_round=None):
     """One kernel launch for the whole step. Same arguments, effects and result as `before`;
@@ -108,7 +87,7 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     w_mix = fold_mix_weight(res_norm_w, res_proj_w) if mix_weight is None else mix_weight
     if w_mix.shape != (D,) or w_mix.dtype != torch.float32:
         raise ValueError(f"mix_weight must be fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")
-    kernel = _forced(kernel)
+    kernel = forced_backend(kernel, BACKEND_ENV, KERNELS, arg="kernel")
     if config is not None:
         if config.get("kernel") != "triton" or kernel == "cuda_cluster":
             raise ValueError(f"config must be a Triton launch_config result, got {config}")
@@ -120,7 +99,7 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     if kernel == "cuda_cluster":
         return cuda.cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w,
                                eps=eps, push_block=push_block, mix_weight=w_mix)
-    if not triton.status()[0]:
+    if not triton_status()[0]:
         raise RuntimeError("attn_res_norm.after needs Triton, which is not installed; use before()")
     return triton.launch(prefix, delta, blocks, n_blocks, w_mix, next_norm_w, eps, push_block, config,
                          int_round=int_round)

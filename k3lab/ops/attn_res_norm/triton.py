@@ -11,14 +11,9 @@ from k3lab import env
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the plain PyTorch path still works; `status` says what is missing
+except ImportError:  # the plain PyTorch path still works; k3lab.ops.triton_status says what is missing
     triton = None
 
-
-def status() -> tuple[bool, str]:
-    if triton is None:
-        return False, "Triton is not installed"
-    return True, f"Triton {triton.__version__} kernel"
 
 
 if triton is not None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from k3lab.nn import KDACache
-from k3lab.ops import _build
+from k3lab.ops import _build, triton_status
 from k3lab.ops.kda_decode import cuda, triton
 from k3lab.ops.kda_decode.cuda import (
     CONFIGS,
@@ -109,7 +109,7 @@ class KDADecodeStep:
         check_static(cache, weights, out, B, H, act, S.device, state_layout, source="cache.conv_q")
         if impl != "reference":
             check_kernel_static(cache, weights, out, impl)
-        if impl == "before" and not triton.status()[0]:
+        if impl == "before" and not triton_status()[0]:
             raise _build.KernelUnavailable("impl='before' needs Triton, which is not installed")
         if any(x is not None for x in (tile_v, hints, split)) and impl != "after":
             raise ValueError("tile_v, hints and split apply to impl='after' only")

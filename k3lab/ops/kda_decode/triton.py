@@ -15,11 +15,6 @@ except ImportError:  # `before` needs Triton; the reference and the fused kernel
     triton = None
 
 
-def status() -> tuple[bool, str]:
-    if triton is None:
-        return False, "Triton is not installed"
-    return True, f"Triton {triton.__version__} kernels"
-
 
 if triton is not None:
 

@@ -35,11 +35,8 @@ and the forms that lost: docs/kda_verify.md; records: profiles/nvidia-h200/kda_v
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Callable
-
 from k3lab import env
+from k3lab.ops import Backend, forced_backend, triton_status
 from k3lab.ops.kda_verify import cuda, triton
 from k3lab.ops.kda_verify.inputs import (
     BEFORE_THREADS,
@@ -67,22 +64,13 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Backend:
-    """One implementation of the narrow path: `available()` -> (ok, why); lower priority runs first."""
-
-    name: str
-    priority: int
-    available: Callable[[], tuple[bool, str]]
-
-
 def _cuda_available() -> tuple[bool, str]:
     if env.detect().backend != "cuda":
         return False, f"not a CUDA device ({env.detect().backend}): the Triton kernel runs instead"
     return cuda.available()
 
 
-BACKENDS = (Backend("cuda", 0, _cuda_available), Backend("triton", 1, triton.status))
+BACKENDS = (Backend("cuda", 0, _cuda_available), Backend("triton", 1, triton_status))
 BACKEND_ENV = "K3LAB_KDA_VERIFY_BACKEND"
 _NAMES = tuple(b.name for b in BACKENDS)
 
@@ -92,20 +80,12 @@ def backend_status() -> dict[str, tuple[bool, str]]:
     return {b.name: b.available() for b in sorted(BACKENDS, key=lambda b: b.priority)}
 
 
-def _forced(backend: str | None) -> str | None:
-    name = backend if backend is not None else (os.environ.get(BACKEND_ENV) or None)
-    if name is not None and name not in _NAMES:
-        where = "backend" if backend is not None else BACKEND_ENV
-        raise ValueError(f"{where} must be one of {_NAMES}, got {name!r}")
-    return name
-
-
 def choose_backend(q, k, v, g, beta, initial_state, tile_v: int, *, backend: str | None = None,
                    states=None) -> str:
     """The narrow path's backend for these inputs: the forced one (`backend`, else
     K3LAB_KDA_VERIFY_BACKEND; ValueError saying why when it cannot run them), else the first by
     priority that is available and takes the inputs."""
-    forced = _forced(backend)
+    forced = forced_backend(backend, BACKEND_ENV, _NAMES)
     for b in sorted(BACKENDS, key=lambda b: b.priority):
         if forced is not None and b.name != forced:
             continue

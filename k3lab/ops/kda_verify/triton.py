@@ -12,11 +12,6 @@ import triton.language as tl
 from k3lab.ops.kda_verify.inputs import HEAD_DIM
 
 
-def status() -> tuple[bool, str]:
-    """Triton runs wherever this module imports (GPU, or Triton's interpreter on CPU)."""
-    return True, f"Triton {triton.__version__} kernels"
-
-
 @triton.jit
 def sequence_span(seq_info, i_b, T, RAGGED: tl.constexpr):
     """(first token row, length) of sequence i_b: RAGGED 1 reads cu_seqlens [N + 1] (flattened

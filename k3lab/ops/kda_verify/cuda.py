@@ -9,6 +9,7 @@ Programmatic dependent launch (PDL): on compute capability 9.0+ the kernel is la
 programmatic stream serialization attribute, so its blocks are placed while the stream's previous
 kernel finishes and wait (griddepcontrol.wait) for it before their first memory access: the results
 are the same, the launch latency is hidden. K3LAB_KDA_VERIFY_PDL=0 turns it off for a run, =1 insists.
+Not yet run on a GPU in this package form (the launcher's arguments were trimmed with the kernel).
 """
 
 from __future__ import annotations

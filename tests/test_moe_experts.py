@@ -176,3 +176,27 @@ def test_grouped_bf16_at_tp8_shapes_on_gpu():
     for m in (16, 32, 64):
         got = me.grouped_experts(bf[0], w, idx, *bf[1:], block_m=m)
         check(got, ref, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("n", [1, 5, 70])
+def test_fused_tail_adds_the_normed_projection_into_its_columns_only(n):
+    gen = torch.Generator().manual_seed(n)
+    y = torch.randn(n, 128, generator=gen)
+    nw = torch.rand(128, generator=gen) + 0.5
+    up = torch.randn(40, 128, generator=gen)
+    out0 = torch.randn(n, 100, generator=gen)
+    yd = y.double()
+    ref = out0.double()
+    ref[:, 30:70] += (yd * torch.rsqrt(yd.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.double()) @ up.double().t()
+    for fn in (me.tail_triton, me.tail_torch):
+        got = fn(y, nw, 1e-5, up, out0.clone(), 30)
+        check(got, ref, dtype=torch.float32, max_rel=1e-5, name=fn.__name__)
+        assert torch.equal(got[:, :30], out0[:, :30]) and torch.equal(got[:, 70:], out0[:, 70:])
+
+
+def test_fused_tail_refuses_columns_outside_out():
+    y, nw, up, out = torch.randn(2, 16), torch.ones(16), torch.randn(8, 16), torch.zeros(2, 20)
+    with pytest.raises(ValueError, match=r"columns \[col0, col0 \+ R=8\) inside it"):
+        me.latent_tail(y, nw, 1e-5, up, out, 13)
+    with pytest.raises(ValueError, match="up_rows must be"):
+        me.latent_tail(y, nw, 1e-5, up[:, :8], out, 0)

@@ -46,16 +46,21 @@ if triton is not None:
         return 4.0 * _tanh(g * 0.25) * tl.sigmoid(g) * (25.0 * _tanh(u * 0.04))
 
     @triton.jit
+    def _tile_rows(pair_ptr, tile_expert_ptr, tile, pairs, BLOCK_M: tl.constexpr):
+        # the tile's expert, its padded rows, the pair each row holds and which rows are real
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_ptr + rows)
+        return expert, rows, pair, pair < pairs
+
+    @triton.jit
     def _up_kernel(z_ptr, w1_ptr, w3_ptr, h_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr,
                    pairs, L: tl.constexpr, F: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         tile = tl.program_id(0)
         if tile >= tl.load(n_tiles_ptr):
             return
-        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pair_ptr + rows)
-        valid = pair < pairs
+        expert, rows, pair, valid = _tile_rows(pair_ptr, tile_expert_ptr, tile, pairs, BLOCK_M)
         token = (pair // TOP_K).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < F
@@ -82,10 +87,7 @@ if triton is not None:
         tile = tl.program_id(0)
         if tile >= tl.load(n_tiles_ptr):
             return
-        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pair_ptr + rows)
-        valid = pair < pairs
+        expert, rows, pair, valid = _tile_rows(pair_ptr, tile_expert_ptr, tile, pairs, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < L
         ks = tl.arange(0, BLOCK_K)

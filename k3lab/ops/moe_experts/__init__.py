@@ -14,6 +14,8 @@ Backends (`routed_experts(..., backend=)` or K3LAB_MOE_EXPERTS_BACKEND forces on
 With none forced, the triton backend runs on a GPU and the torch loop on a CPU (the interpreter
 is too slow for more than tests). `padding.py` measures the tile padding at decode batches.
 
+The Triton kernels are checked in the interpreter only: not yet run on a GPU.
+
 The layer's tail, `latent_tail` (tail.py: RMSNorm of the latent, rows of up_proj, added into an
 output in place), has the same two backends: one fused Triton launch, or three torch kernels.
 """

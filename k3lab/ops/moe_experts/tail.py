@@ -11,7 +11,8 @@ The normed latent is rounded to up_rows' dtype before the product, as the nn lay
 Backends: `tail_torch` (norm, matmul, add: three kernels, the normed latent through memory) and
 `tail_triton` (one launch: each program takes a block of rows and output columns, finds the rows'
 norms from the fp32 latent, applies them while loading the latent tiles of the product, and adds
-the result into out in place, one rounding).
+the result into out in place, one rounding). The Triton kernel is checked in the interpreter; not
+yet run on a GPU.
 """
 
 from __future__ import annotations

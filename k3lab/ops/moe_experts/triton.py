@@ -11,7 +11,8 @@ Tiles past the ones in use (the grid is sized by a bound) return at once. Paddin
 write h = 0 and skip the second store. Each pair's result gets its own row of y_pair, so the final sum
 runs in a fixed order: the output is the same from run to run (atomic adds into y would not be).
 Accumulation is fp32 (fp32 inputs multiply in full fp32: no TF32); h is rounded to the inputs' dtype, as the
-reference's expert does between its two projections.
+reference's expert does between its two projections. Checked in Triton's interpreter; not yet run
+on a GPU (launch_config's blocks are a first choice, not measured).
 """
 
 from __future__ import annotations

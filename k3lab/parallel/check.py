@@ -23,7 +23,7 @@ import torch
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}  # max |o - ref| / max |ref|
 
 
-def _dcp_rank(rank: int, world_size: int, opts: dict) -> list[dict]:
+def dcp_rank_check(rank: int, world_size: int, opts: dict) -> list[dict]:
     """One rank's side of the DCP check: its errors for each merge, gathered to every rank."""
     import torch.distributed as dist
 
@@ -86,12 +86,12 @@ def run_dcp(world_size: int | None, opts: dict, backend: str | None = None, time
         rank, n = init_from_env(backend=backend, timeout_s=timeout_s)
         if world_size is not None and world_size != n:
             raise ValueError(f"--world-size {world_size} differs from torchrun's WORLD_SIZE {n}")
-        rows = _dcp_rank(rank, n, opts)
+        rows = dcp_rank_check(rank, n, opts)
         code = _report(rows, opts, n) if rank == 0 else (1 if any(r["nan"] for r in rows) else 0)
         return code
     if world_size is None:
         raise ValueError("--world-size is required when not started by torchrun")
-    rows = spawn(_dcp_rank, world_size, opts, backend=backend, timeout_s=timeout_s)
+    rows = spawn(dcp_rank_check, world_size, opts, backend=backend, timeout_s=timeout_s)
     return _report(rows, opts, world_size)
 
 

@@ -5,6 +5,8 @@
     k3lab import FILE... [--overwrite]  records from a remote run into profiles/<device>/<study>/
     k3lab profile STUDY [--preset P]   traces and kernel tables of each variant
     k3lab report [--skip-notebooks] [--skip-studies]   everything this machine can run -> build/report.html
+
+An unknown study name is one line on stderr naming the known ones, and exit status 2.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+from k3lab.report.execute import CELL_TIMEOUT_S
 
 
 def _cmd_info(args) -> int:
@@ -32,14 +36,32 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _studies_help() -> str:
+    from k3lab.studies import ABOUT, ALIASES, STUDIES
+
+    width = max(map(len, STUDIES))
+    lines = [f"  {name:<{width}}  {ABOUT.get(name, '')}" for name in STUDIES]
+    aliases = ", ".join(f"{a} = {n}" for a, n in ALIASES.items())
+    return "studies:\n" + "\n".join(lines) + (f"\n  (also: {aliases})" if aliases else "")
+
+
 def _cmd_bench(args) -> int:
     from k3lab import bench
-    from k3lab.studies import load_study
+    from k3lab.report.tables import compact
+    from k3lab import env
+    from k3lab.studies import GPU_ONLY, load_study
 
+    if args.study in GPU_ONLY and env.detect().backend == "cpu":
+        print(f"{args.study}: needs a GPU (its kernels and peer run only there); nothing timed on this CPU. "
+              "Its notebook checks the references here and shows the committed GPU records.")
+        return 0
     study = load_study(args.study)
     records = study.run(preset=args.preset, cases=args.cases)
-    table = bench.compare(records)
-    print(table.to_string(index=False))
+    if not records:
+        print(f"{args.study}: no records (nothing to time here)")
+        return 0
+    with _pandas_wide():
+        print(compact(records).to_string(index=False, na_rep="", float_format=lambda x: f"{x:.3g}"))
     if args.json:  # one file holding every record: what a remote run brings back
         import json
 
@@ -50,6 +72,12 @@ def _cmd_bench(args) -> int:
     paths = bench.save_records(records, root=root, overwrite=args.overwrite)
     print(f"saved {len(paths)} records under {root or bench.PROFILES}/")
     return 0
+
+
+def _pandas_wide():
+    import pandas as pd
+
+    return pd.option_context("display.width", 200, "display.max_columns", 20)
 
 
 def _cmd_import(args) -> int:
@@ -91,11 +119,15 @@ def _cmd_report(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="k3lab", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    studies = _studies_help()
+    raw = argparse.RawTextHelpFormatter
+    p = argparse.ArgumentParser(prog="k3lab", description=__doc__, epilog=studies, formatter_class=raw)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="backend, device, versions, preset, optional backends")
-    b = sub.add_parser("bench", help="run a study's cases: checks, timings, floors, records")
-    b.add_argument("study")
+    b = sub.add_parser("bench", help="run a study's cases: checks, timings, floors, records", epilog=studies,
+                       formatter_class=raw, description="Check every variant of a study against its reference, "
+                       "then time it; prints case, before, after, peer, floor, after/before, after/peer.")
+    b.add_argument("study", help="a study name (below)")
     b.add_argument("--preset", default=None, help="full, tiny or tpN (default: tp8 on a GPU, tiny on CPU)")
     b.add_argument("--cases", nargs="*", default=None)
     b.add_argument("--out", default="build")
@@ -106,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("files", nargs="+")
     im.add_argument("--root", default=None, help="default: the repository's profiles/")
     im.add_argument("--overwrite", action="store_true", help="replace committed records")
-    pr = sub.add_parser("profile", help="trace each variant of a study and print its kernel table")
-    pr.add_argument("study")
+    pr = sub.add_parser("profile", help="trace each variant of a study and print its kernel table",
+                        epilog=studies, formatter_class=raw)
+    pr.add_argument("study", help="a study name (below)")
     pr.add_argument("--preset", default=None)
     pr.add_argument("--steps", type=int, default=3)
     pr.add_argument("--top", type=int, default=15)
@@ -117,12 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--preset", default=None)
     r.add_argument("--skip-studies", action="store_true")
     r.add_argument("--skip-notebooks", action="store_true")
-    r.add_argument("--timeout", type=int, default=1200, help="seconds per notebook cell")
+    r.add_argument("--timeout", type=int, default=CELL_TIMEOUT_S,
+                   help=f"seconds per notebook cell; a cell that reaches it fails the report (default {CELL_TIMEOUT_S})")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from k3lab.studies import canonical
+
     args = build_parser().parse_args(argv)
+    if getattr(args, "study", None) is not None:
+        try:
+            args.study = canonical(args.study)
+        except ValueError as exc:
+            print(f"k3lab: {exc}", file=sys.stderr)
+            return 2
     handler = {"info": _cmd_info, "bench": _cmd_bench, "profile": _cmd_profile, "report": _cmd_report,
                "import": _cmd_import}
     return handler[args.command](args)

@@ -2,8 +2,10 @@
 
 Each study module exposes NAME, case_names(preset=None), run(preset=None, cases=None) -> list[Record]
 (checks every variant against the reference first, then times) and profile_targets(preset=None).
-`STUDIES` lists them in notebook order; `load_study(name)` imports one only when asked, so that a study
-that is slow to import (Triton kernels, fla) costs nothing to the others.
+`STUDIES` maps each name to its module, in notebook order; `ABOUT` says in one line what each measures;
+`load_study(name)` imports one only when asked, so a study that is slow to import (Triton kernels, fla)
+costs nothing to the others. `GPU_ONLY` studies need a GPU to run at all; `HOST_SIDE` studies time host
+code, so their CPU timings mean what they say.
 """
 
 from __future__ import annotations
@@ -15,12 +17,27 @@ from types import ModuleType
 STUDIES: dict[str, str] = {
     "launch_overhead": "k3lab.studies.launch_overhead",
     "copy_removal": "k3lab.studies.copy_removal",
+    "kda_decode": "k3lab.studies.kda_decode_bench",
     "mla_padding": "k3lab.studies.mla_padding",
     "kda_scan": "k3lab.studies.kda_scan",
     "kda_verify": "k3lab.studies.kda_verify",
     "kda_precision": "k3lab.studies.kda_precision",
     "draft_depth": "k3lab.studies.draft_depth",
 }
+ALIASES: dict[str, str] = {"kda_decode_bench": "kda_decode"}
+
+ABOUT: dict[str, str] = {
+    "launch_overhead": "what a launch costs: tiny copies and empty kernels, eager against graph replay",
+    "copy_removal": "AttnRes + RMSNorm fused, and packing only where the kernel reads it (notebook 03)",
+    "kda_decode": "the KDA decode step in one launch against the five-launch chain and fla (notebook 03)",
+    "mla_padding": "MLA decode: 12 heads padded to 16, history split across the GPU (notebook 04)",
+    "kda_scan": "KDA chunked prefill: chunk summaries scanned, then replayed in parallel (notebook 05)",
+    "kda_verify": "KDA verification of a few positions with narrow value tiles (notebook 05)",
+    "kda_precision": "the chunk inverse's error with fp32 against bf16 inputs (notebook 05)",
+    "draft_depth": "speculative decoding: committed tokens per cycle, simulated and by formula (notebook 06)",
+}
+GPU_ONLY = frozenset({"kda_decode"})
+HOST_SIDE = frozenset({"draft_depth"})
 
 _REQUIRED = ("NAME", "case_names", "run", "profile_targets")
 
@@ -29,14 +46,21 @@ class StudyNotAvailable(ImportError):
     """A registered study whose module is not in this tree (not written yet)."""
 
 
+def canonical(name: str) -> str:
+    """The registered name for `name` (an alias such as kda_decode_bench gives kda_decode).
+    ValueError naming the known studies for anything else."""
+    name = ALIASES.get(name, name)
+    if name not in STUDIES:
+        raise ValueError(f"unknown study {name!r}; known studies: {', '.join(STUDIES)}")
+    return name
+
+
 def load_study(name: str) -> ModuleType:
-    """Import and return the study module `name` (a key of STUDIES).
+    """Import and return the study module `name` (a key of STUDIES or an alias).
 
     ValueError for a name not in STUDIES; StudyNotAvailable (an ImportError) when the module does not
     exist yet; ImportError from the module itself is left as is (a real bug, not an absence)."""
-    if name not in STUDIES:
-        raise ValueError(f"unknown study {name!r}; known studies: {', '.join(STUDIES)}")
-    path = STUDIES[name]
+    path = STUDIES[canonical(name)]
     if importlib.util.find_spec(path) is None:
         raise StudyNotAvailable(f"study {name!r} is registered but its module {path} does not exist yet")
     module = importlib.import_module(path)

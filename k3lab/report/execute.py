@@ -1,0 +1,152 @@
+"""Execute notebooks headless for the report: one kernel per notebook, a per-cell timeout that fails.
+
+`execute_notebook(path, out_dir, timeout_s)` runs every cell, writes the executed .ipynb and an .html
+twin, and returns (path written, seconds, slowest cell's seconds). A cell that errors raises
+`NotebookFailed` naming its error; a cell that reaches the per-cell timeout raises `CellTimedOut`
+(a timeout is always a failure, never a slow success).
+
+Why a client of our own: nbclient mimics an ipywidgets `Output` for headless runs, and its mimic
+echoes every captured output back to the kernel on the shell socket, from the task that reads iopub,
+while another task of the same event loop waits on that shell socket for the cell's reply. Now and
+then the reply's wake-up is lost in that overlap (the zmq socket's edge-triggered readiness), and the
+client sits until its poll times out, then finds the reply and carries on as if nothing happened: an
+explorer cell (interactive_output drawing into an Output) cost the full per-cell timeout about one run
+in four. A headless run has no view to keep in sync with the kernel, so `_HeadlessOutput` keeps the
+mimic (the outputs still land in the saved widget state) and drops the echo; nothing else sends on the
+shell socket while a reply is awaited.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+# The slowest cells of the suite take ~20-40 s on two busy CPU cores (a study's check-and-time cell);
+# 240 s leaves a wide margin there and still ends a stall well inside `make run`'s budget.
+CELL_TIMEOUT_S = 240
+IOPUB_TIMEOUT_S = 30  # after a cell's reply, the rest of its output must arrive within this
+
+
+class NotebookFailed(RuntimeError):
+    """A notebook did not run to the end; the message's first line says why, in one line."""
+
+
+class CellTimedOut(NotebookFailed):
+    """A cell reached the per-cell timeout."""
+
+
+def _client_class():
+    from jupyter_client.manager import AsyncKernelManager
+    from nbclient import NotebookClient
+    from nbclient.output_widget import OutputWidget
+
+    class _HeadlessOutput(OutputWidget):
+        """nbclient's Output mimic without the echo to the kernel (see the module docstring)."""
+
+        def send(self, data=None, metadata=None, buffers=None) -> None:
+            return None
+
+    class _Client(NotebookClient):
+        def __init__(self, nb, *, socket_path: str, **kw):
+            super().__init__(nb, **kw)
+            self.socket_path = socket_path
+            self.widget_registry = {"@jupyter-widgets/output": {"OutputModel": _HeadlessOutput}}
+            self.cell_seconds: dict[int, float] = {}
+            self._started: dict[int, float] = {}
+            self.on_cell_execute = self._cell_began
+            self.on_cell_executed = self._cell_ended
+
+        def create_kernel_manager(self):
+            # local sockets, not TCP: nothing listens on the network, and the kernel has no reason to warn
+            self.km = AsyncKernelManager(kernel_name=self.kernel_name or "python3", transport="ipc",
+                                         ip=self.socket_path)
+            return self.km
+
+        def _cell_began(self, cell, cell_index):
+            self._started[cell_index] = time.perf_counter()
+
+        def _cell_ended(self, cell, cell_index, execute_reply):
+            seconds = time.perf_counter() - self._started.pop(cell_index, time.perf_counter())
+            self.cell_seconds[cell_index] = seconds
+            # nbclient's poll returns a reply it finds when its timeout fires as if it were on time
+            if self.timeout and seconds >= self.timeout:
+                raise CellTimedOut(f"cell {cell_index} reached the per-cell timeout of {self.timeout} s")
+
+    return _Client
+
+
+def add_html_for_plotly(nb) -> int:
+    """Give every plotly output a text/html twin so nbconvert's HTML shows it; returns the count."""
+    import plotly.io as pio
+
+    count = 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if PLOTLY_MIME in data and "text/html" not in data:
+                value = data[PLOTLY_MIME]
+                fig = pio.from_json(value if isinstance(value, str) else json.dumps(value), skip_invalid=True)
+                data["text/html"] = pio.to_html(fig, include_plotlyjs=False, full_html=False)
+                count += 1
+    return count
+
+
+def _write_outputs(nb, path: Path, out_dir: Path) -> None:
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    add_html_for_plotly(nb)
+    nbformat.write(nb, out_dir / path.name)
+    body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
+    body = body.replace("<head>", '<head>\n<script src="../plotly.min.js"></script>', 1)
+    (out_dir / path.with_suffix(".html").name).write_text(body, encoding="utf-8")
+
+
+def execute_notebook(path: Path, out_dir: Path, timeout_s: int = CELL_TIMEOUT_S) -> tuple[Path, float, float]:
+    """Execute one notebook into out_dir (.ipynb and .html, written even when a cell fails).
+
+    Returns (executed .ipynb, seconds, slowest cell's seconds). Raises CellTimedOut when a cell
+    reaches timeout_s, NotebookFailed when a cell errors or the kernel dies."""
+    import nbformat
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="k3lab-kernel-") as sockets:
+        client = _client_class()(nb, socket_path=str(Path(sockets) / "k"), kernel_name="python3", timeout=timeout_s, iopub_timeout=IOPUB_TIMEOUT_S,
+                                 raise_on_iopub_timeout=True, shutdown_kernel="immediate",
+                                 resources={"metadata": {"path": str(path.parent)}})
+        try:
+            client.execute()
+        except CellTimedOut:
+            raise
+        except CellTimeoutError as exc:
+            raise CellTimedOut(f"a cell reached the timeout of {timeout_s} s\n{exc}") from None
+        except CellExecutionError as exc:
+            raise NotebookFailed(f"{exc.ename}: {exc.evalue}\n{exc}") from None
+        except DeadKernelError as exc:
+            raise NotebookFailed(f"the kernel died: {exc}") from None
+        finally:
+            _write_outputs(nb, path, Path(out_dir))
+    slowest = max(client.cell_seconds.values(), default=0.0)
+    return Path(out_dir) / path.name, time.perf_counter() - start, slowest
+
+
+def run_in_worker(path: Path, out_dir: Path, timeout_s: int, t0: float) -> tuple[Path, float, float]:
+    """execute_notebook in a worker process, with a progress line as it starts. Failures come back as
+    NotebookFailed / CellTimedOut (plain exceptions that survive the pickle back to the parent)."""
+    print(f"[{time.time() - t0:6.0f} s] notebook {Path(path).stem}: started", file=sys.stderr, flush=True)
+    try:
+        return execute_notebook(path, out_dir, timeout_s)
+    except NotebookFailed:
+        raise
+    except Exception as exc:  # anything else (a broken notebook file, nbconvert) is one line too
+        raise NotebookFailed(f"{type(exc).__name__}: {exc}") from None

@@ -1,0 +1,161 @@
+"""The report's first screen: one row per optimization of the seed article.
+
+Each `Optimization` names what it does, the notebook that teaches it, the studies whose live run
+checks it, and its headline cases: committed H200 records (profiles/nvidia-h200/<study>/) read at
+report time. An optimization whose notebook is not in the tree is shown as "not built yet", so the
+table follows the tree without edits when a notebook lands.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HEADLINE_DEVICE = "nvidia-h200"
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One committed record set: `study`'s `case` timed in `mode`, shown as `label`."""
+
+    study: str
+    case: str
+    mode: str
+    label: str
+
+
+@dataclass(frozen=True)
+class Optimization:
+    title: str
+    does: str
+    notebook: str  # glob under notebooks/, e.g. "03_*.ipynb"
+    studies: tuple[str, ...] = ()
+    headlines: tuple[Headline, ...] = ()
+    note: str = ""  # what the H200 columns say where there is no timing to show
+
+
+OPTIMIZATIONS: tuple[Optimization, ...] = (
+    Optimization(
+        "Decode context parallelism (DCP)",
+        "Each GPU keeps one eighth of a request's MLA history; partial attention results are merged "
+        "by their log-sum-exp.", "01_*.ipynb"),
+    Optimization(
+        "MoE output sharding",
+        "Each GPU computes only its slice of the routed experts' output projection and the existing "
+        "all-reduce assembles it: no duplicated work, no new collective.", "02_*.ipynb"),
+    Optimization(
+        "Copy removal and fusion",
+        "The KDA decode step in one launch instead of five; AttnRes mixing fused with the next RMSNorm; "
+        "inputs packed only where a kernel reads them.", "03_*.ipynb", ("copy_removal", "kda_decode"),
+        (Headline("kda_decode", "B1_H12", "graph", "KDA decode, B = 1"),
+         Headline("copy_removal", "attn_res_t1_s9_graph", "graph", "AttnRes + RMSNorm, 1 token"),
+         Headline("copy_removal", "attn_res_t8192_s9_graph", "graph", "AttnRes + RMSNorm, 8192 tokens"))),
+    Optimization(
+        "MLA head padding",
+        "The 12 query heads of a GPU padded to 16, so a decode that splits the history across the GPU "
+        "and merges the pieces applies.", "04_*.ipynb", ("mla_padding",),
+        (Headline("mla_padding", "ctx32k", "graph", "B = 1, 32K context"),
+         Headline("mla_padding", "b64_8k", "graph", "B = 64, 8K context"))),
+    Optimization(
+        "KDA chunk scan and verification tiles",
+        "Prefill: chunk summaries scanned, then chunks replayed in parallel. Verification: narrow value "
+        "tiles for enough parallel work.", "05_*.ipynb", ("kda_scan", "kda_verify"),
+        (Headline("kda_scan", "h12_b1_t16384", "eager", "prefill, 12 heads x 16K"),
+         Headline("kda_verify", "b1_t4", "graph", "verification, B = 1, 4 positions"))),
+    Optimization(
+        "Draft depth",
+        "Choose how many tokens to draft from committed tokens per cycle over the whole cycle's cost.",
+        "06_*.ipynb", ("draft_depth",),
+        note="host-side arithmetic, no kernel: 3.00 tokens per cycle at 3 drafts, 3.36 at 4"),
+    Optimization(
+        "Cache offload across agent turns",
+        "Keep MLA history and KDA checkpoints in host memory between turns, with resume points that agree.",
+        "07_*.ipynb"),
+)
+
+
+@dataclass
+class Checks:
+    """What this machine's run found: per study and per notebook stem, 'passed' or a reason."""
+
+    studies: dict[str, str] = field(default_factory=dict)
+    notebooks: dict[str, str] = field(default_factory=dict)
+
+
+def notebook_for(opt: Optimization, root: Path) -> Path | None:
+    found = sorted((root / "notebooks").glob(opt.notebook))
+    return found[0] if found else None
+
+
+def headline_rows(opt: Optimization, records) -> list[dict]:
+    """One dict per headline found in `records` (bench.Record list): label, before, after, peer
+    (name and time), floor in microseconds, after/before and after/peer. Missing headlines are left out."""
+    from k3lab import bench
+
+    rows = []
+    for h in opt.headlines:
+        recs = [r for r in records if r.study == h.study and r.case == h.case and r.mode == h.mode]
+        if not recs:
+            continue
+        row = bench.compare(recs).iloc[0]
+        after = row["after_us"]
+        rows.append({"label": h.label, "before": row["before_us"], "after": after, "peer": row["peer"],
+                     "peer_us": row["peer_us"], "floor": row["floor_us"], "mode": h.mode,
+                     "after/before": after / row["before_us"] if row["before_us"] > 0 else math.nan,
+                     "after/peer": after / row["peer_us"] if row["peer_us"] > 0 else math.nan})
+    return rows
+
+
+def _us(value: float) -> str:
+    if value is None or not math.isfinite(value):
+        return ""
+    if value >= 1e4:
+        return f"{value / 1e3:.3g} ms"
+    return f"{value:.0f} us" if value >= 100 else f"{value:.3g} us"
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.2f}" if value is not None and math.isfinite(value) else ""
+
+
+def _status(opt: Optimization, nb: Path | None, checks: Checks) -> list[str]:
+    """One line per check: each study's live run, then the notebook's."""
+    lines = [f"{s}: {checks.studies[s]}" for s in opt.studies if s in checks.studies]
+    if nb is not None:
+        lines.append(f"notebook: {checks.notebooks.get(nb.stem, 'skipped (notebooks not run)')}")
+    return lines or ["skipped (nothing run)"]
+
+
+def front_table(root: Path, checks: Checks) -> str:
+    """The first screen's table as HTML."""
+    from k3lab import bench
+
+    records = bench.load_records(device=HEADLINE_DEVICE, root=root / "profiles")
+    head = ("<tr><th>optimization</th><th>what it does</th><th>H200 case</th><th>before</th><th>after</th>"
+            "<th>peer</th><th>floor</th><th>after/before</th><th>after/peer</th>"
+            "<th>checked on this machine</th><th>notebook</th></tr>")
+    body = []
+    for opt in OPTIMIZATIONS:
+        nb = notebook_for(opt, root)
+        if nb is None:
+            body.append(f"<tr class='planned'><td><b>{html.escape(opt.title)}</b></td><td>{html.escape(opt.does)}"
+                        "</td><td colspan='8'><i>not built yet</i></td><td></td></tr>")
+            continue
+        rows = headline_rows(opt, records)
+        cells = {k: "<br>".join(v) for k, v in {
+            "case": [html.escape(f"{r['label']} ({r['mode']})") for r in rows],
+            "before": [_us(r["before"]) for r in rows], "after": [_us(r["after"]) for r in rows],
+            "peer": [html.escape(f"{_us(r['peer_us'])} {r['peer']}") if r["peer"] else "" for r in rows],
+            "floor": [_us(r["floor"]) for r in rows],
+            "ab": [_ratio(r["after/before"]) for r in rows], "ap": [_ratio(r["after/peer"]) for r in rows],
+        }.items()}
+        if rows:
+            timing = "".join(f"<td>{cells[k]}</td>" for k in ("case", "before", "after", "peer", "floor", "ab", "ap"))
+        else:
+            timing = f"<td colspan='7'><i>{html.escape(opt.note or 'no H200 record yet')}</i></td>"
+        link = f"<a href='notebooks/{nb.stem}.html'>{html.escape(nb.stem)}</a>"
+        body.append(f"<tr><td><b>{html.escape(opt.title)}</b></td><td>{html.escape(opt.does)}</td>{timing}"
+                    f"<td>{'<br>'.join(map(html.escape, _status(opt, nb, checks)))}</td><td>{link}</td></tr>")
+    return "<table class='front'>" + head + "".join(body) + "</table>"

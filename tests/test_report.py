@@ -1,0 +1,154 @@
+"""The report builder on CPU: the notebook step (no stalls, timeouts fail), the first screen, sections."""
+
+import os
+import time
+
+import nbformat
+import pytest
+
+from k3lab import report
+from k3lab.report import front, tables
+
+WIDGET_CELL = '''
+import ipywidgets as w
+from IPython.display import display
+out = w.Output()
+n = w.IntSlider(value=3, min=1, max=9)
+def redraw(n):
+    out.clear_output(wait=True)
+    with out:
+        for i in range(4 * n):
+            print("line", i)
+            display({"text/plain": f"item {i}"}, raw=True)
+w.interactive_output(redraw, {"n": n})
+w.VBox([n, out])
+'''
+
+
+def _notebook(path, *sources):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_widget_explorer_cells_never_stall(tmp_path):
+    # An Output widget filled by interactive_output (notebook 06's explorer, in small): with nbclient's
+    # own Output mimic this waited for the whole per-cell timeout in most runs of five such cells.
+    src = _notebook(tmp_path / "01_widgets.ipynb", "x = 1", *[WIDGET_CELL, "print(x)"] * 5)
+    for _ in range(4):
+        start = time.perf_counter()
+        out, seconds, slowest = report.execute_notebook(src, tmp_path / "out", timeout_s=20)
+        assert slowest < 5, f"a cell took {slowest:.1f} s: the client waited on a reply it had"
+        assert time.perf_counter() - start < 60
+    ran = nbformat.read(out, as_version=4)
+    state = ran.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    filled = [m["state"]["outputs"] for m in state.values() if m["model_name"] == "OutputModel" and
+              m["state"]["outputs"]]
+    assert len(filled) == 5 and all(len(o) == 24 for o in filled)  # 12 prints + 12 displays each, kept
+
+
+def test_execute_notebook_writes_ipynb_and_html(tmp_path):
+    src = _notebook(tmp_path / "01_t.ipynb", "x = 6 * 7\nprint(x)")
+    out, seconds, slowest = report.execute_notebook(src, tmp_path / "out", timeout_s=120)
+    ran = nbformat.read(out, as_version=4)
+    assert "42" in ran.cells[0].outputs[0]["text"] and 0 <= slowest <= seconds
+    assert (tmp_path / "out" / "01_t.html").read_text().count("42") >= 1
+
+
+def test_a_cell_that_reaches_the_timeout_fails(tmp_path):
+    src = _notebook(tmp_path / "01_slow.ipynb", "import time\ntime.sleep(30)")
+    with pytest.raises(report.CellTimedOut, match="timeout of 2 s"):
+        report.execute_notebook(src, tmp_path / "out", timeout_s=2)
+    with pytest.raises(ValueError, match="timeout_s"):
+        report.execute_notebook(src, tmp_path / "out", timeout_s=0)
+
+
+def test_failing_cell_names_its_error(tmp_path):
+    src = _notebook(tmp_path / "02_bad.ipynb", "raise RuntimeError('boom')")
+    with pytest.raises(report.NotebookFailed, match="RuntimeError: boom"):
+        report.execute_notebook(src, tmp_path / "out", timeout_s=60)
+
+
+def test_report_marks_failures_and_timeouts_and_exits_non_zero(tmp_path, capfd):
+    src = tmp_path / "nbs"
+    src.mkdir()
+    _notebook(src / "01_good.ipynb", "import os\nprint('pid', os.getpid())")
+    _notebook(src / "02_bad.ipynb", "raise ValueError('boom in a worker')")
+    _notebook(src / "03_slow.ipynb", "import time\ntime.sleep(30)")
+    with pytest.raises(SystemExit, match=r"notebook 02_bad.ipynb, notebook 03_slow.ipynb \(timeout\)"):
+        report.build_report(out=tmp_path / "out", run_studies=False, notebooks=src, timeout_s=3)
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "01_good</a>" in page and "passed in" in page
+    assert "FAILED: ValueError: boom in a worker" in page and "FAILED, timed out" in page
+    ran = nbformat.read(tmp_path / "out" / "notebooks" / "01_good.ipynb", as_version=4)
+    assert int(ran.cells[0].outputs[0]["text"].split()[1]) != os.getpid()  # a kernel, not this process
+    err = capfd.readouterr().err  # the workers' lines: another process, the same stderr
+    for stem in ("01_good", "02_bad", "03_slow"):  # one line as each starts and as each ends
+        assert f"notebook {stem}: started" in err and (f"notebook {stem}: passed" in err or
+                                                       f"notebook {stem}: FAILED" in err)
+
+
+def test_plotly_outputs_get_an_html_twin():
+    import plotly.graph_objects as go
+
+    fig = go.Figure(go.Bar(x=["before", "after"], y=[3, 1]))
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("fig")
+    cell.outputs = [nbformat.v4.new_output("display_data", data={report.PLOTLY_MIME: fig.to_plotly_json()})]
+    nb.cells.append(cell)
+    assert report.add_html_for_plotly(nb) == 1
+    html = nb.cells[0].outputs[0]["data"]["text/html"]
+    assert "Plotly.newPlot" in html and "before" in html
+    assert report.add_html_for_plotly(nb) == 0  # idempotent
+
+
+def test_front_table_has_a_row_per_optimization_and_follows_the_tree(tmp_path):
+    page = front.front_table(report.REPO, front.Checks(studies={"mla_padding": "passed"}))
+    assert page.count("<tr") == len(front.OPTIMIZATIONS) + 1
+    for opt in front.OPTIMIZATIONS:
+        assert opt.title in page
+        built = front.notebook_for(opt, report.REPO) is not None
+        row = page.split(opt.title, 1)[1].split("</tr>", 1)[0]
+        assert ("not built yet" in row) != built, opt.title
+    assert "mla_padding: passed" in page and "16.7 us" in page  # the committed 32K after on the H200
+    # an empty tree: every row is "not built yet"
+    empty = front.front_table(tmp_path, front.Checks())
+    assert empty.count("not built yet") == len(front.OPTIMIZATIONS)
+
+
+def test_headline_rows_carry_the_ratios():
+    from k3lab import bench
+
+    opt = next(o for o in front.OPTIMIZATIONS if o.title == "MLA head padding")
+    rows = front.headline_rows(opt, bench.load_records(device="nvidia-h200"))
+    assert [r["label"] for r in rows] == [h.label for h in opt.headlines]
+    for r in rows:
+        assert r["after/before"] == pytest.approx(r["after"] / r["before"]) and r["after/before"] < 1
+        assert r["after/peer"] == pytest.approx(r["after"] / r["peer_us"]) and r["peer"] == "flashmla"
+
+
+def test_shown_cases_leave_out_variants_and_keep_graph_timings():
+    from k3lab import bench
+
+    for study in ("copy_removal", "mla_padding", "kda_verify", "kda_scan", "kda_decode", "launch_overhead"):
+        recs = bench.load_records(study=study, device="nvidia-h200")
+        shown = tables.shown_cases(recs)
+        cases = {r.case for r in shown}
+        assert shown and len(cases) <= tables.MAX_CASES, study
+        assert not any("." in c for c in cases), study
+        graph_cases = {r.case for r in recs if r.mode == "graph" and r.variant == "after"}
+        assert all(r.mode == "graph" for r in shown if r.case in graph_cases), study
+        t = tables.compact(shown)
+        assert not t.isna().all().any(), study  # no empty column
+
+
+def test_cpu_section_shows_no_interpreter_timings():
+    from k3lab import bench
+    from k3lab.report.sections import INTERPRETER_NOTE, LiveRun, study_section
+
+    recs = [r for r in bench.load_records(study="kda_verify", device="nvidia-h200") if r.case == "b1_t4"]
+    page = study_section(LiveRun("kda_verify", recs, "passed", 1.0), report.REPO, gpu=False)
+    mine = page.split("On this machine", 1)[1]
+    assert INTERPRETER_NOTE in mine and "<table" not in mine
+    assert "On the H200" in page and page.count("<table") == 1

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from k3lab.ops.mla_decode.merge import merge_partials  # noqa: F401 - re-exported
+from k3lab.ops.mla_decode.merge import lse_weights, merge_partials  # merge_partials is re-exported
 
 LATENT_DIM = 576
 VALUE_DIM = 512
@@ -397,12 +397,8 @@ def _merge_ag_rs(o_loc, lse_loc, N, rank, H, group):
     B, Tq = o_loc.shape[:2]
     every = torch.empty((N,) + tuple(lse_loc.shape), dtype=lse_loc.dtype, device=lse_loc.device)
     _all_gather(every, lse_loc.contiguous(), group)
-    m = every.amax(dim=0)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    s = torch.exp(every - m).sum(dim=0)
-    s_safe = torch.where(s > 0, s, torch.ones_like(s))
-    total = torch.where(s > 0, m + torch.log(s_safe), torch.full_like(s, float("-inf")))
-    factor = torch.exp(lse_loc - m) / s_safe  # exp(lse_local - lse_global); 0 for an empty shard
+    weights, total = lse_weights(every)
+    factor = weights[rank]  # exp(lse_local - lse_global); 0 for an empty shard
     scaled = (o_loc.to(factor.dtype) * factor[..., None]).to(o_loc.dtype)
     send = scaled.view(B, Tq, N, H, VALUE_DIM).permute(2, 0, 1, 3, 4).contiguous()
     out = torch.empty((B, Tq, H, VALUE_DIM), dtype=o_loc.dtype, device=o_loc.device)

@@ -14,7 +14,8 @@ decode or the ranks of decode context parallelism (k3lab.parallel.dcp), where N 
 [N, ...]. Returns o in o_parts' dtype and lse in float32 (float64 for float64 inputs); the math runs
 in float32 (float64 for float64 inputs). "torch" is a handful of elementwise and reduction kernels;
 "triton" is one launch (one program per output row and 128-column block), and runs in Triton's
-interpreter on a CPU at small sizes.
+interpreter on a CPU at small sizes. `lse_weights(lse_parts)` gives the weights exp(lse_n - lse) and
+the total alone (DCP's ag_rs merge rescales each rank's partial with them before its reduce-scatter).
 """
 
 from __future__ import annotations
@@ -50,16 +51,25 @@ def _math_dtype(o_parts, lse_parts) -> torch.dtype:
     return torch.float64 if wide else torch.float32
 
 
-def _merge_torch(o_parts, lse_parts):
-    acc = _math_dtype(o_parts, lse_parts)
-    lse = lse_parts.to(acc)
+def lse_weights(lse_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w [N, ...], lse [...]): each piece's share exp(lse_n - lse) of the total and the total lse.
+
+    Empty pieces (-inf) get weight 0; when all are empty every weight is 0 and lse = -inf. Computed
+    in float32 (float64 for float64 input).
+    """
+    lse = lse_parts.to(torch.float64 if lse_parts.dtype == torch.float64 else torch.float32)
     m = lse.amax(dim=0)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all pieces empty: -inf - 0 stays -inf
     w = torch.exp(lse - m)  # empty piece: exp(-inf) = 0
     s = w.sum(dim=0)
-    s_safe = torch.where(s > 0, s, torch.ones_like(s))
+    s_safe = torch.where(s > 0, s, torch.ones_like(s))  # both branches of a where are computed
     total = torch.where(s > 0, m + torch.log(s_safe), torch.full_like(s, float("-inf")))
-    frac = w / s_safe
+    return w / s_safe, total
+
+
+def _merge_torch(o_parts, lse_parts):
+    acc = _math_dtype(o_parts, lse_parts)
+    frac, total = lse_weights(lse_parts.to(acc))
     o = torch.where(frac[..., None] > 0, o_parts.to(acc), torch.zeros((), dtype=acc, device=o_parts.device))
     o = (o * frac[..., None]).sum(dim=0)
     return o.to(o_parts.dtype), total

@@ -1,6 +1,6 @@
 # k3lab: two commands on a fresh machine.
 #   make run   - the whole suite on this machine, report in build/report.html
-#   make test  - the whole test suite (notebooks included)
+#   make test  - the whole test suite (notebooks included); skipped tests are summed up by reason
 # Both make a virtual environment (.venv) unless one is already active, install
 # what is missing, and never replace a torch that is already installed (a ROCm or
 # CUDA build): the venv sees the system's packages, and torch is installed only

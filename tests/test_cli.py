@@ -87,3 +87,15 @@ def test_bench_json_then_import_round_trip(tmp_path):
     back = bench.load_records(study="launch_overhead", root=str(tmp_path / "profiles"))
     assert sorted((r.case, r.variant, r.median_us) for r in back) == \
         sorted((r["case"], r["variant"], r["median_us"]) for r in rows)
+
+
+def test_make_test_groups_skips_by_reason():
+    from types import SimpleNamespace
+
+    from conftest import skip_groups
+
+    reports = [SimpleNamespace(nodeid=f"tests/test_{f}.py::t{i}", longrepr=("x.py", 1, f"Skipped: {why}"))
+               for i, (f, why) in enumerate([("a", "needs a GPU"), ("b", "needs a GPU"), ("a", "needs a GPU"),
+                                             ("c", "fla missing")])]
+    assert skip_groups(reports) == [("needs a GPU", 3, ["tests/test_a.py", "tests/test_b.py"]),
+                                    ("fla missing", 1, ["tests/test_c.py"])]

@@ -105,7 +105,7 @@ def test_plotly_outputs_get_an_html_twin():
 
 def test_front_table_has_a_row_per_optimization_and_follows_the_tree(tmp_path):
     page = front.front_table(report.REPO, front.Checks(studies={"mla_padding": "passed"}))
-    assert page.count("<tr") == len(front.OPTIMIZATIONS) + 1
+    assert page.count("<b>") == len(front.OPTIMIZATIONS)  # each optimization's title cell, once
     for opt in front.OPTIMIZATIONS:
         assert opt.title in page
         built = front.notebook_for(opt, report.REPO) is not None
@@ -137,8 +137,10 @@ def test_shown_cases_leave_out_variants_and_keep_graph_timings():
         cases = {r.case for r in shown}
         assert shown and len(cases) <= tables.MAX_CASES, study
         assert not any("." in c for c in cases), study
-        graph_cases = {r.case for r in recs if r.mode == "graph" and r.variant == "after"}
-        assert all(r.mode == "graph" for r in shown if r.case in graph_cases), study
+        graph = {(r.case, r.variant) for r in recs if r.mode == "graph"}
+        graph_cases = {c for c, v in graph if v == "after"}
+        # graph timings where a case has them; an eager one only for a variant never replayed
+        assert all(r.mode == "graph" or (r.case, r.variant) not in graph for r in shown if r.case in graph_cases)
         t = tables.compact(shown)
         assert not t.isna().all().any(), study  # no empty column
 

@@ -43,7 +43,7 @@ INTRO = (
     "whether this machine's run checked it.")
 STYLE = ("body{font-family:sans-serif;max-width:1280px;margin:auto;padding:0 12px}table{border-collapse:collapse}"
          "td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;vertical-align:top}th{background:#f3f3f3}"
-         "tr.planned td{color:#777}.fail{color:#b00}section{margin-top:28px}")
+         "td.num{white-space:nowrap;text-align:right}tr.planned td{color:#777}.fail{color:#b00}section{margin-top:28px}")
 
 
 def notebook_paths(root: Path | None = None) -> list[Path]:

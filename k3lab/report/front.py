@@ -129,7 +129,8 @@ def _status(opt: Optimization, nb: Path | None, checks: Checks) -> list[str]:
 
 
 def front_table(root: Path, checks: Checks) -> str:
-    """The first screen's table as HTML."""
+    """The first screen's table as HTML: one row per optimization, split into one line per headline
+    case (the optimization's own cells span them)."""
     from k3lab import bench
 
     records = bench.load_records(device=HEADLINE_DEVICE, root=root / "profiles")
@@ -139,23 +140,24 @@ def front_table(root: Path, checks: Checks) -> str:
     body = []
     for opt in OPTIMIZATIONS:
         nb = notebook_for(opt, root)
+        title = f"<td><b>{html.escape(opt.title)}</b></td><td>{html.escape(opt.does)}</td>"
         if nb is None:
-            body.append(f"<tr class='planned'><td><b>{html.escape(opt.title)}</b></td><td>{html.escape(opt.does)}"
-                        "</td><td colspan='8'><i>not built yet</i></td><td></td></tr>")
+            body.append(f"<tr class='planned'>{title}<td colspan='9'><i>not built yet</i></td></tr>")
             continue
         rows = headline_rows(opt, records)
-        cells = {k: "<br>".join(v) for k, v in {
-            "case": [html.escape(f"{r['label']} ({r['mode']})") for r in rows],
-            "before": [_us(r["before"]) for r in rows], "after": [_us(r["after"]) for r in rows],
-            "peer": [html.escape(f"{_us(r['peer_us'])} {r['peer']}") if r["peer"] else "" for r in rows],
-            "floor": [_us(r["floor"]) for r in rows],
-            "ab": [_ratio(r["after/before"]) for r in rows], "ap": [_ratio(r["after/peer"]) for r in rows],
-        }.items()}
-        if rows:
-            timing = "".join(f"<td>{cells[k]}</td>" for k in ("case", "before", "after", "peer", "floor", "ab", "ap"))
-        else:
-            timing = f"<td colspan='7'><i>{html.escape(opt.note or 'no H200 record yet')}</i></td>"
-        link = f"<a href='notebooks/{nb.stem}.html'>{html.escape(nb.stem)}</a>"
-        body.append(f"<tr><td><b>{html.escape(opt.title)}</b></td><td>{html.escape(opt.does)}</td>{timing}"
-                    f"<td>{'<br>'.join(map(html.escape, _status(opt, nb, checks)))}</td><td>{link}</td></tr>")
+        span = f" rowspan='{len(rows)}'" if len(rows) > 1 else ""
+        title = title.replace("<td>", f"<td{span}>")
+        status = "<br>".join(map(html.escape, _status(opt, nb, checks)))
+        tail = f"<td{span}>{status}</td><td{span}><a href='notebooks/{nb.stem}.html'>{html.escape(nb.stem)}</a></td>"
+        if not rows:
+            body.append(f"<tr>{title}<td colspan='7'><i>{html.escape(opt.note or 'no H200 record yet')}</i></td>"
+                        f"{tail}</tr>")
+            continue
+        for i, r in enumerate(rows):
+            peer = html.escape(f"{_us(r['peer_us'])} {r['peer']}") if r["peer"] else ""
+            nums = "".join(f"<td class='num'>{v}</td>" for v in (
+                _us(r["before"]), _us(r["after"]), peer, _us(r["floor"]), _ratio(r["after/before"]),
+                _ratio(r["after/peer"])))
+            case = f"<td>{html.escape(r['label'])} ({r['mode']})</td>"
+            body.append(f"<tr>{title if i == 0 else ''}{case}{nums}{tail if i == 0 else ''}</tr>")
     return "<table class='front'>" + head + "".join(body) + "</table>"

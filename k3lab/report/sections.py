@@ -39,14 +39,14 @@ def progress(t0: float, message: str) -> None:
 def run_study(name: str, preset: str | None, out: Path, gpu: bool, t0: float) -> LiveRun:
     """Run one study's checks and timings here; GPU-only studies are skipped on a CPU, by name."""
     from k3lab import bench
-    from k3lab.studies import GPU_ONLY, StudyNotAvailable, load_study
+    from k3lab.studies import CPU_CASES, GPU_ONLY, StudyNotAvailable, load_study
 
     if name in GPU_ONLY and not gpu:
         return LiveRun(name, status="skipped (needs a GPU)")
     progress(t0, f"study {name}: started")
     start = time.perf_counter()
     try:
-        records = load_study(name).run(preset=preset)
+        records = load_study(name).run(preset=preset, cases=None if gpu else CPU_CASES.get(name))
         if records:
             bench.save_records(records, root=str(out / "records"), overwrite=True)
         run = LiveRun(name, records, "passed", time.perf_counter() - start)

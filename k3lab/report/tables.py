@@ -4,7 +4,8 @@
 floor, after/before and after/peer, in microseconds, with columns that hold nothing dropped.
 `shown_cases(records)` picks the cases a chart or table shows: the library's own cases (sweep points
 and measured variants are named with a dot and left out), the graph-replay timing where a case has one,
-at most `limit` of them.
+at most `limit` of them (a variant timed only eagerly, such as a before that
+cannot be captured in a graph, stays beside the graph timings).
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ def shown_cases(records, limit: int = MAX_CASES) -> list:
     """The records of the cases to show (see the module docstring), in the records' order."""
     names = [r.case for r in records if "." not in r.case]
     cases = list(dict.fromkeys(n for n in names if f"{n}_graph" not in names))[:limit]
-    graph = {r.case for r in records if r.mode == "graph" and r.variant == "after"}
-    return [r for r in records if r.case in cases and (r.case not in graph or r.mode == "graph")]
+    graph = {(r.case, r.variant) for r in records if r.mode == "graph"}
+    graph_cases = {c for c, v in graph if v == "after"}
+    return [r for r in records if r.case in cases and
+            (r.case not in graph_cases or r.mode == "graph" or (r.case, r.variant) not in graph)]
 
 
 def to_html(table: pd.DataFrame) -> str:

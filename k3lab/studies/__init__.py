@@ -5,7 +5,7 @@ Each study module exposes NAME, case_names(preset=None), run(preset=None, cases=
 `STUDIES` maps each name to its module, in notebook order; `ABOUT` says in one line what each measures;
 `load_study(name)` imports one only when asked, so a study that is slow to import (Triton kernels, fla)
 costs nothing to the others. `GPU_ONLY` studies need a GPU to run at all; `HOST_SIDE` studies time host
-code, so their CPU timings mean what they say.
+code, so their CPU timings mean what they say; `CPU_CASES` is what the report checks on a CPU.
 """
 
 from __future__ import annotations
@@ -37,6 +37,17 @@ ABOUT: dict[str, str] = {
     "draft_depth": "speculative decoding: committed tokens per cycle, simulated and by formula (notebook 06)",
 }
 GPU_ONLY = frozenset({"kda_decode"})
+# What `k3lab report` checks on a CPU, where Triton runs in its interpreter: the smallest cases that
+# still run every kernel of the study (the notebooks check the rest); None runs every case.
+CPU_CASES: dict[str, list[str] | None] = {
+    "launch_overhead": None,
+    "copy_removal": ["attn_res_t1_s2"],
+    "mla_padding": ["ctx96", "b3_ctx96"],
+    "kda_scan": ["h1_ragged"],
+    "kda_verify": ["b1_t4"],
+    "kda_precision": ["k3_gate"],
+    "draft_depth": ["cycles_depth4", "tokens_v8_depth4"],
+}
 HOST_SIDE = frozenset({"draft_depth"})
 
 _REQUIRED = ("NAME", "case_names", "run", "profile_targets")

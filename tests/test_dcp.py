@@ -4,6 +4,8 @@ Every spawned run loops over many cases inside the ranks (one process start per 
 parent compares each rank-0 result with the fp64 single-rank reference on the same inputs.
 """
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -63,6 +65,9 @@ def test_equals_single_rank_fp32(world_size, tqs):
     _check_against_reference(world_size, cases, results, rel=1e-5)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="gloo ranks hold CPU tensors; the op's Triton kernels run on them only in the interpreter "
+                           "(TRITON_INTERPRET=1, set by k3lab when there is no GPU)")
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_local_attention_is_the_ops_after(world_size):
     """The same checks with the MLA op's own after kernel (Triton's interpreter here) on every shard."""

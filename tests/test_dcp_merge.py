@@ -6,6 +6,9 @@ import torch
 from k3lab.ops.mla_decode.merge import merge_partials
 from k3lab.parallel import dcp
 
+# Triton runs on the GPU when there is one, on CPU tensors in its interpreter otherwise
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _attention(q, rows):
     """Softmax attention of q [M, D] over rows [L, D] (values: the rows), fp64: (o, lse)."""
@@ -20,12 +23,13 @@ def test_two_shards_by_hand_equal_attention_over_both(impl):
     q, rows = torch.randn(6, 64, generator=g, dtype=torch.float64), torch.randn(23, 64, generator=g, dtype=torch.float64)
     whole = _attention(q, rows)
     a, b = _attention(q, rows[::2]), _attention(q, rows[1::2])  # the interleave-1 split over two ranks
-    o, lse = merge_partials(torch.stack([a[0], b[0]]).float(), torch.stack([a[1], b[1]]).float(), impl)
-    assert torch.allclose(o.double(), whole[0], rtol=1e-5, atol=1e-6)
-    assert torch.allclose(lse.double(), whole[1], rtol=1e-6, atol=1e-5)
-    o64, lse64 = merge_partials(torch.stack([a[0], b[0]]), torch.stack([a[1], b[1]]), impl)
+    o_parts, lse_parts = torch.stack([a[0], b[0]]).to(DEV), torch.stack([a[1], b[1]]).to(DEV)
+    o, lse = merge_partials(o_parts.float(), lse_parts.float(), impl)
+    assert torch.allclose(o.double().cpu(), whole[0], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(lse.double().cpu(), whole[1], rtol=1e-6, atol=1e-5)
+    o64, lse64 = merge_partials(o_parts, lse_parts, impl)
     assert o64.dtype == lse64.dtype == torch.float64
-    assert torch.allclose(o64, whole[0], rtol=1e-12, atol=1e-12)
+    assert torch.allclose(o64.cpu(), whole[0], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -38,7 +42,8 @@ def test_empty_shards(impl):
     o[:, 0, 0] = float("nan")
     lse[[0, 1, 3], 1, 2] = float("-inf")
     o[[0, 1, 3], 1, 2] = float("nan")
-    out, out_lse = merge_partials(o, lse, impl)
+    out, out_lse = merge_partials(o.to(DEV), lse.to(DEV), impl)
+    out, out_lse = out.cpu(), out_lse.cpu()
     assert not torch.isnan(out).any() and not torch.isnan(out_lse).any()
     assert (out[0, 0] == 0).all() and out_lse[0, 0] == float("-inf")
     assert torch.allclose(out[1, 2], o[2, 1, 2], atol=1e-6) and torch.allclose(out_lse[1, 2], lse[2, 1, 2])
@@ -49,16 +54,17 @@ def test_empty_shards(impl):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_one_piece_and_all_empty(impl):
-    o, lse = torch.randn(1, 5, 512), torch.randn(1, 5)
+    o, lse = torch.randn(1, 5, 512, device=DEV), torch.randn(1, 5, device=DEV)
     out, out_lse = merge_partials(o, lse, impl)
     assert torch.allclose(out, o[0], atol=1e-6) and torch.allclose(out_lse, lse[0])
-    out, out_lse = merge_partials(torch.zeros(3, 5, 512), torch.full((3, 5), float("-inf")), impl)
+    out, out_lse = merge_partials(torch.zeros(3, 5, 512, device=DEV), torch.full((3, 5), float("-inf"), device=DEV),
+                                  impl)
     assert (out == 0).all() and torch.isneginf(out_lse).all()
 
 
 def test_triton_equals_torch_on_strided_pieces_and_bf16():
     g = torch.Generator().manual_seed(1)
-    packed = torch.randn(8, 2, 3, 4, 514, generator=g)  # the a2a layout: 512 values + lse columns
+    packed = torch.randn(8, 2, 3, 4, 514, generator=g).to(DEV)  # the a2a layout: 512 values + lse columns
     o, lse = packed[..., :512], packed[..., 512]
     a, b = merge_partials(o, lse, "torch"), merge_partials(o, lse, "triton")
     assert torch.allclose(a[0], b[0], atol=1e-6) and torch.allclose(a[1], b[1], atol=1e-6)

@@ -55,7 +55,8 @@ def _local_case(L: int, B: int, shape: str, gen, timing: dict, graph: bool, dt):
     o, lse = plans[0]()
     ref_o, ref_lse = mla_decode.reference(*sets[0])
     err = bench.check(o, ref_o, dtype=dt, name=f"{shape} after L={L} B={B}")
-    bench.check(lse, ref_lse, dtype=torch.float32, name=f"{shape} lse L={L} B={B}", max_rel=1e-2)
+    bench.check(lse, ref_lse, dtype=torch.float32, name=f"{shape} lse L={L} B={B}", max_rel=1e-2,
+                rel_l2=1e-3)  # lse of bf16 inputs, both sides in fp32
     t = bench.time_fn(lambda p: p(), graph=graph, rotate=[(p,) for p in plans], **timing)
     floor = bench.floor_us(bytes=bytes_per_set)
     return bench.make_record(STUDY, f"local_{shape}_B{B}_L{L}", "after", t,

@@ -23,6 +23,14 @@ import torch
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}  # max |o - ref| / max |ref|
 
 
+def default_attention(device) -> str:
+    """The op's after, unless the ranks hold CPU tensors where Triton cannot run (no interpreter):
+    then the reference decode (the gloo ranks of a GPU machine)."""
+    if torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return "after"
+    return "reference"
+
+
 def dcp_rank_check(rank: int, world_size: int, opts: dict) -> list[dict]:
     """One rank's side of the DCP check: its errors for each merge, gathered to every rank."""
     import torch.distributed as dist
@@ -32,6 +40,7 @@ def dcp_rank_check(rank: int, world_size: int, opts: dict) -> list[dict]:
     from k3lab.parallel.launch import rank_device
 
     dev, dtype = rank_device(), getattr(torch, opts["dtype"])
+    local = opts["local"] or default_attention(dev)
     B, Tq, H, L = opts["batch"], opts["tq"], opts["heads"], opts["length"]
     g = torch.Generator().manual_seed(opts["seed"])
     q = torch.randn(B, Tq, world_size * H, 576, generator=g, dtype=torch.float64)
@@ -39,18 +48,18 @@ def dcp_rank_check(rank: int, world_size: int, opts: dict) -> list[dict]:
     # requests of different lengths; the last one only Tq long, so most ranks hold none of it
     lengths = torch.tensor([max(Tq, L - 37 * b) for b in range(B - 1)] + [Tq])
     ref_o, ref_lse = latent_attention(q[:, :, rank * H:(rank + 1) * H], cache, lengths)
-    local, held = dcp.shard_cache(cache.to(dtype).to(dev), lengths, world_size, rank, opts["interleave"])
+    shard, held = dcp.shard_cache(cache.to(dtype).to(dev), lengths, world_size, rank, opts["interleave"])
     mine = q[:, :, rank * H:(rank + 1) * H].to(dtype).to(dev).contiguous()
     rows = []
     for merge in opts["merges"]:
-        o, lse = dcp.dcp_decode(mine, local, held, lengths, interleave=opts["interleave"], merge=merge,
-                                local=opts["local"])
+        o, lse = dcp.dcp_decode(mine, shard, held, lengths, interleave=opts["interleave"], merge=merge,
+                                local=local)
         o, lse = o.double().cpu(), lse.double().cpu()
         rows.append({"merge": merge, "rank": rank, "nan": bool(torch.isnan(o).any() or torch.isnan(lse).any()),
                      "max_abs": (o - ref_o).abs().max().item(),
                      "rel": ((o - ref_o).abs().max() / ref_o.abs().max()).item(),
                      "lse_abs": (lse - ref_lse).abs().max().item(),
-                     "held": [int(x) for x in held.tolist()]})
+                     "held": [int(x) for x in held.tolist()], "local": local})
     every = [None] * world_size
     dist.all_gather_object(every, rows)
     return [r for rank_rows in every for r in rank_rows]
@@ -61,7 +70,7 @@ def _report(rows: list[dict], opts: dict, world_size: int) -> int:
 
     tol = TOLERANCE[opts["dtype"]]
     print(f"dcp check: {world_size} ranks, B={opts['batch']} Tq={opts['tq']} heads/rank={opts['heads']} "
-          f"L={opts['length']} interleave={opts['interleave']} {opts['dtype']} local={opts['local']}")
+          f"L={opts['length']} interleave={opts['interleave']} {opts['dtype']} local={rows[0]['local']}")
     print(f"{'merge':<6} {'rank':>4} {'max_abs':>10} {'max_rel':>10} {'lse_abs':>10}  positions held")
     bad = 0
     for r in rows:
@@ -107,8 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--heads", type=int, default=2, help="query heads per rank (12 at TP8)")
     d.add_argument("--length", type=int, default=200, help="the longest request's context")
     d.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32")
-    d.add_argument("--attention", choices=("after", "before", "reference"), default="after",
-                   help="the decode each rank runs on its shard (the MLA op's after, before, or the reference)")
+    d.add_argument("--attention", choices=("after", "before", "reference"), default=None,
+                   help="the decode each rank runs on its shard (default: the MLA op's after; the reference on "
+                        "CPU tensors where Triton has no interpreter)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--backend", choices=("gloo", "nccl"), default=None)
     d.add_argument("--timeout-s", type=float, default=120)

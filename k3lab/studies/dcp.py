@@ -108,15 +108,27 @@ def two_shard_example(positions: int = 7, dim: int = 4, seed: int = 0) -> dict:
 
 
 # -------------------------------------------------------------------------------------- live run
+def live_attention() -> tuple[str, str]:
+    """(decode, why) for the gloo ranks' shards, which are CPU tensors (`check.default_attention`)."""
+    from k3lab.parallel.check import default_attention
+
+    if default_attention("cpu") == "after":
+        return "after", "the MLA op's after, in Triton's interpreter (CPU tensors)"
+    return "reference", ("the reference decode: gloo ranks hold CPU tensors, and Triton runs on CPU tensors only "
+                         "in its interpreter (TRITON_INTERPRET=1, which k3lab sets only when there is no GPU)")
+
+
 def live_run(world_size: int = 4, *, tqs=(1, 4), interleaves=(1, 16), batch: int = 3, heads: int = 2,
-             length: int = 96, attention: str = "after", timeout_s: float = 120) -> pd.DataFrame:
+             length: int = 96, attention: str | None = None, timeout_s: float = 120) -> pd.DataFrame:
     """DCP on `world_size` gloo ranks (processes on this machine) against single-rank fp64 attention.
 
     One spawned run per (Tq, interleave); both merges in each. Returns one row per merge, rank and case.
+    attention: the decode on each shard (None: `live_attention`).
     """
     from k3lab.parallel import spawn
     from k3lab.parallel.check import dcp_rank_check
 
+    attention = attention or live_attention()[0]
     frames = []
     for tq in tqs:
         for inter in interleaves:

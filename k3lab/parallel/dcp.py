@@ -31,6 +31,8 @@ Inputs are checked before the first collective that depends on them: every rank 
 arguments, then one all-gather of a small vector (the shapes, the layout, a hash of `lengths` and,
 on a refusal, its message) makes every rank raise the same ValueError naming the rank and the
 argument, instead of some ranks waiting in a collective that never completes.
+
+Checked on gloo (CPU ranks) only; the NCCL / RCCL paths are not yet run on a GPU.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ Failure contract, so that no distributed code can hang a test or a notebook:
 Processes are forked on CPU (fast, and `fn` may be any callable); with CUDA they are spawned
 (CUDA cannot be used across a fork), so `fn` and `args` must then be picklable and `fn`
 importable by name.
+
+The gloo path is tested on CPUs; the NCCL / RCCL path (spawned, one GPU per rank) is not yet run on a GPU.
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ GiB = 1024**3
 MiB = 1024**2
 
 
+# The chunk sizes KDA's chunked form takes: powers of two (the kernels tile a chunk by them) up to 256
+# (the reference forms a [C, C, K] pairwise-decay tensor per chunk, which grows with C squared).
+KDA_CHUNK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
 @dataclass(frozen=True)
 class K3Config:
     # model body
@@ -84,6 +89,9 @@ class K3Config:
             raise ValueError(
                 f"K3Config.first_k_dense_replace must be in [0, num_hidden_layers={self.num_hidden_layers}], "
                 f"got {self.first_k_dense_replace}")
+        if self.kda_chunk_size not in KDA_CHUNK_SIZES:
+            raise ValueError(f"K3Config.kda_chunk_size must be one of {KDA_CHUNK_SIZES} (a power of two up to "
+                             f"256; K3 uses 64), got {self.kda_chunk_size!r}")
         if not self.kda_gate_lower_bound < 0:
             raise ValueError(f"K3Config.kda_gate_lower_bound must be negative, got {self.kda_gate_lower_bound}")
         if not self.rms_norm_eps > 0:

@@ -68,6 +68,8 @@ def test_softmax_scale_and_widths():
     ("kda_gate_lower_bound", 1.0, "kda_gate_lower_bound"),
     ("first_k_dense_replace", 200, "first_k_dense_replace"),
     ("rms_norm_eps", 0.0, "rms_norm_eps"),
+    ("kda_chunk_size", 7, "kda_chunk_size must be one of"),
+    ("kda_chunk_size", 512, "kda_chunk_size must be one of"),
 ])
 def test_impossible_configs_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):

@@ -14,6 +14,7 @@ from k3lab.model import init_weights
 from k3lab.nn.kda import (
     KDACache,
     KimiDeltaAttention,
+    chunk_inverse,
     kda_beta,
     kda_chunked,
     kda_gate,
@@ -318,3 +319,21 @@ def test_empty_sequence_passes_the_state_through():
     for fn in (kda_chunked, kda_recurrent):
         o, s = fn(q, q, v, q, beta, initial_state=s0)
         assert o.shape == (1, 0, 2, 4) and torch.equal(s, s0)
+
+
+def test_bad_chunk_sizes_scales_and_inverse_inputs_are_refused_by_name():
+    from k3lab.config import KDA_CHUNK_SIZES
+
+    q, k, v, g, beta, _ = kda_inputs(1, 9, 1, 8, 8, seed=0)
+    for bad in (7, 0, -64, 3, 512, 64.0, True, "64", None):
+        with pytest.raises(ValueError, match="chunk_size must be one of"):
+            kda_chunked(q, k, v, g, beta, chunk_size=bad)
+    for good in KDA_CHUNK_SIZES[:4]:
+        kda_chunked(q, k, v, g, beta, chunk_size=good)
+    for fn in (kda_chunked, kda_recurrent):
+        for bad in (0.0, -0.3, float("nan"), float("inf"), "x", True):
+            with pytest.raises(ValueError, match="scale must be a positive finite number"):
+                fn(q, k, v, g, beta, scale=bad)
+    for bad in (torch.zeros(3, 4), torch.zeros(3), torch.zeros(2, 2, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="A_strict_lower must be"):
+            chunk_inverse(bad)

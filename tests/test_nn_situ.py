@@ -46,3 +46,7 @@ def test_situ_bad_inputs():
         situ_glu(torch.randn(3), torch.randn(4))
     with pytest.raises(ValueError, match="g"):
         situ_glu(torch.arange(3), torch.randn(3))
+    with pytest.raises(ValueError, match="g must be a floating-point tensor"):
+        situ_gate(torch.arange(3))
+    with pytest.raises(ValueError, match="u must be a floating-point tensor"):
+        situ_up([1.0, 2.0])

@@ -17,10 +17,13 @@ fp32 recurrent state.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from k3lab.config import KDA_CHUNK_SIZES
 
 from .norms import RMSNorm, check_hidden_states, compute_dtype, gated_rms_norm, l2_normalize
 
@@ -50,6 +53,15 @@ def _check_kda_inputs(q, k, v, g, beta, initial_state):
     return B, T, H, K, V
 
 
+def _check_scale(scale, K: int) -> float:
+    """The query scale: K^-0.5 when None, else a positive finite number (ValueError otherwise)."""
+    if scale is None:
+        return K ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number (or None for K^-0.5), got {scale!r}")
+    return float(scale)
+
+
 def _compute_dtype(*tensors) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
@@ -59,7 +71,7 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None):
     initial_state: [B, H, K, V] fp32/fp64 or None (zeros). q and k are expected L2-normalised;
     scale defaults to K^-0.5. Returns (o [B, T, H, V] in q's dtype, final_state [B, H, K, V])."""
     B, T, H, K, V = _check_kda_inputs(q, k, v, g, beta, initial_state)
-    scale = K ** -0.5 if scale is None else scale
+    scale = _check_scale(scale, K)
     dt = _compute_dtype(q, k, v, g, beta, initial_state)
     q, k, v, g, beta = (t.to(dt) for t in (q, k, v, g, beta))
     S = (torch.zeros(B, H, K, V, dtype=dt, device=q.device) if initial_state is None
@@ -78,6 +90,10 @@ def chunk_inverse(A_strict_lower: torch.Tensor) -> torch.Tensor:
 
     Its intermediates grow and cancel, so give it fp32 (or fp64) inputs: rounding them to bf16
     first loses what the result needs (the seed's 256.5 - 256 example)."""
+    shape = tuple(getattr(A_strict_lower, "shape", ()))
+    if len(shape) < 2 or shape[-1] != shape[-2] or not A_strict_lower.is_floating_point():
+        raise ValueError(f"A_strict_lower must be a floating-point [..., C, C] tensor, got "
+                         f"{getattr(A_strict_lower, 'dtype', type(A_strict_lower).__name__)} {shape}")
     C = A_strict_lower.shape[-1]
     eye = torch.eye(C, dtype=A_strict_lower.dtype, device=A_strict_lower.device)
     return torch.linalg.solve_triangular(A_strict_lower + eye, eye.expand_as(A_strict_lower), upper=False,
@@ -91,11 +107,12 @@ def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64)
       Akk[i,j] = beta_i sum_d k_i k_j exp(G_i - G_j) (j < i);  Aqk[i,j] = scale sum_d q_i k_j exp(G_i - G_j) (j <= i)
       R = (I + Akk)^-1;  U = R diag(beta) V;  W = R diag(beta) (K * exp(G));  E = U - W S
       O = scale (Q * exp(G)) S + Aqk E;  S <- diag(exp(G_last)) S + (K * exp(G_last - G))^T E
-    Same arguments and results as `kda_recurrent`."""
+    Same arguments and results as `kda_recurrent`; chunk_size must be one of
+    `k3lab.config.KDA_CHUNK_SIZES` (powers of two up to 256; K3 uses 64)."""
     B, T, H, K, V = _check_kda_inputs(q, k, v, g, beta, initial_state)
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    scale = K ** -0.5 if scale is None else scale
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in KDA_CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {KDA_CHUNK_SIZES} (K3 uses 64), got {chunk_size!r}")
+    scale = _check_scale(scale, K)
     dt = _compute_dtype(q, k, v, g, beta, initial_state)
     C = chunk_size
     if T == 0:  # nothing to process: the state passes through

@@ -156,8 +156,6 @@ def verify_narrow_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
         tl.store(hs + (i_b * H + i_h).to(tl.int64) * K * V + tile, S)
 
 
-@triton.jit
-
 def launch_stream(q, k, v, g, beta, h0, o, hs, seq_info, *, scale: float, n_seq: int, heads: int, v_dim: int,
                   mode: int, all_states: bool, tile_v: int, num_warps: int) -> None:
     """The streaming kernel over (V / tile_v, n_seq x heads) programs; the token loop runs q.shape[1]

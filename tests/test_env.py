@@ -32,3 +32,16 @@ def test_describe_and_optional_backends_say_what_is_used():
     assert set(found) >= {"triton", "fla", "aiter", "rocprofv3"}
     for name, status in found.items():
         assert status.startswith("found") or "missing:" in status, (name, status)
+
+
+def test_quiet_silences_only_the_known_harmless_warnings():
+    import warnings
+
+    import numpy as np
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        env.quiet()
+        np.nanmax(np.array([np.nan, np.nan]))
+        warnings.warn("something else", RuntimeWarning)
+    assert [str(w.message) for w in seen] == ["something else"]

@@ -619,3 +619,17 @@ def test_key_averages_field_names_old_and_new():
     assert P.sort_key([new], "cuda") == "self_device_time_total"
     assert P.sort_key([old], "rocm") == "self_cuda_time_total"
     assert P.sort_key([old], "cpu") == "self_cpu_time_total"
+
+
+def test_capture_drops_kineto_chatter_and_keeps_other_native_stderr(tmp_path, capfd):
+    def region():
+        torch.ones(3) + 1
+        os.write(2, b"a native message that must still show\n")
+
+    P.capture(region, steps=1, warmup=0, device="cpu", trace_dir=tmp_path)
+    err = capfd.readouterr().err
+    assert "a native message that must still show" in err
+    assert "USDT:" not in err and "profiler_start" not in err and "STAGE:" not in err
+    chatter = "USDT:2026-12-01 20:10:54 23098:23098 SyncActivityProfilerHandler.cpp:52] profiler_start"
+    assert capture_module._KINETO_CHATTER.match(chatter)
+    assert not capture_module._KINETO_CHATTER.match("USDT is a tracing mechanism")

@@ -9,12 +9,14 @@ same trace file, so `capture` and `read_trace` agree by construction.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import itertools
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,6 +29,10 @@ from k3lab.profiling.frame import NoKernelsRecorded, category_table, counts, ker
 from k3lab.profiling.torch_trace import kernels_from_trace
 
 BACKENDS = ("auto", "torch", "rocprofv3")
+# Kineto's progress lines ("USDT:... profiler_start", "STAGE:... Completed Stage"), written straight to
+# the process's stderr on every profiler start and stop whatever KINETO_LOG_LEVEL says: noise in a
+# notebook's output. Other native stderr output passes through.
+_KINETO_CHATTER = re.compile(r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \w+\.cpp:\d+\] ")
 _counter = itertools.count()
 _said: set[str] = set()
 
@@ -187,6 +193,27 @@ def _note_for(backend: str, device: str) -> str:
             f"this in-process capture uses torch.profiler ({tracer})")
 
 
+@contextlib.contextmanager
+def _without_kineto_chatter():
+    """Run the block with file descriptor 2 sent to a temporary file, then copy every line that is not
+    Kineto's progress chatter back to stderr (so a real native error message still shows)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _KINETO_CHATTER.match(ln)]
+            if kept:
+                os.write(2, "".join(kept).encode())
+
+
 def capture(fn: Callable[[], object], *, steps: int = 1, warmup: int = 1, trace_dir=None, name: str | None = None,
             backend: str = "auto", device: str | None = None, trace_path=None, overwrite: bool = False,
             record_shapes: bool = True) -> Capture:
@@ -233,7 +260,7 @@ def capture(fn: Callable[[], object], *, steps: int = 1, warmup: int = 1, trace_
     if gpu:
         torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    with profile(activities=activities, record_shapes=record_shapes) as prof:
+    with _without_kineto_chatter(), profile(activities=activities, record_shapes=record_shapes) as prof:
         for i in range(steps):
             with record_function(f"k3lab.step.{i}"):
                 fn()

@@ -1,0 +1,363 @@
+"""`DecodeStep`: one decode (or verification) step of one tensor-parallel rank through every layer of K3.
+
+    step = DecodeStep(K3Config.tp_slice(8), batch=1, context_len=32768, optimizations="all")
+    logits = step(ids)              # ids [B, q_len] -> logits [B, q_len, vocab] (fp32), caches updated
+    step.capture(); step.replay()   # the whole step as one CUDA graph (GPU)
+
+    step = DecodeStep.from_model(model, batch, context_len)   # a K3Model's weights, for checking
+    step.load_cache(cache)                                    # the model's K3Cache after `context_len`
+
+The step holds one rank's caches (per KDA layer the conv histories and the fp32 state, per MLA layer a
+latent buffer of context_len + q_len rows, written at positions [context_len, context_len + q_len)) and
+runs, per layer: the AttnRes mix + the input RMSNorm, attention, the collective, the mix + the
+post-attention norm, the MLP or MoE and its collectives; then the output mix, the final norm and the
+rank's slice of lm_head. Each optimization is a switch (`switches.SWITCHES`); `step.resolved` says what
+runs for each.
+
+Collectives: the rank program yields each one it would run ('all_reduce' of a partial sum, 'all_gather'
+of the logits). `collectives='stand_in'` answers each on this one device with a copy of the same bytes
+(an all-gather: the rank's slice written world_size times), so the step's memory traffic and launches
+are a rank's, but not its communication time: the bench shows them apart, labelled. `run_group` drives
+several ranks' steps in lockstep with real sums (the TP check on one device). At tp 1 nothing is yielded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3lab.config import K3Config
+from k3lab.nn import KDACache
+from k3lab.ops import attn_res_norm, kda_decode, mla_decode
+
+from . import layers
+from .switches import resolve
+from .weights import KDAWeights, RankWeights
+
+COLLECTIVES = ("stand_in", "skip")
+MAX_Q_LEN = 8
+STATE_SCALE = 0.1  # random KDA states: of the size a decayed recurrence holds
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
+        span = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be an integer {span}, got {value!r}")
+    return value
+
+
+def _check_config(config: K3Config) -> None:
+    if not isinstance(config, K3Config):
+        raise ValueError(f"config must be a K3Config, got {type(config).__name__}")  # noqa: TRY004
+    if config.kda_head_dim != kda_decode.HEAD_DIM:
+        raise ValueError(f"config.kda_head_dim must be {kda_decode.HEAD_DIM} (the KDA kernels' head dim), "
+                         f"got {config.kda_head_dim}")
+    if config.mla_latent_dim != mla_decode.LATENT_DIM or config.kv_lora_rank != mla_decode.VALUE_DIM:
+        raise ValueError(f"config's MLA latent must be {mla_decode.VALUE_DIM} + "
+                         f"{mla_decode.LATENT_DIM - mla_decode.VALUE_DIM} (the MLA kernels' width), got "
+                         f"{config.kv_lora_rank} + {config.qk_rope_head_dim}")
+
+
+class DecodeStep:
+    """One rank's decode step (see the module docstring).
+
+    config: the rank's slice (K3Config.tp_slice(8) for TP8), or a whole config with `tp=` (sliced here;
+    ValueError naming the size that does not divide). batch, context_len: sequences and positions already
+    cached; q_len: tokens per sequence (1 = decode, 2..8 = verification of q_len - 1 drafts).
+    optimizations: 'all', 'none', a set of switch names that are on, or {name: bool} (see
+    `switches.parse`). weights: 'random' (fresh weights at the rank's shapes, `distinct_layers` sets per
+    layer kind rotated through the layers) or a `RankWeights`. strict: ValueError for a switch that
+    cannot run as named here, instead of running its replacement (`self.resolved.notes` says which).
+    device / dtype: where the random weights and caches live (default: the GPU with bf16 if there is
+    one, else the CPU with fp32).
+    """
+
+    def __init__(self, config: K3Config, batch: int, context_len: int, *, optimizations="all", weights="random",
+                 distinct_layers: int = 4, q_len: int = 1, tp: int | None = None, device=None, dtype=None,
+                 strict: bool = False, collectives: str = "stand_in", seed: int = 0):
+        if tp is not None:
+            _check_config(config)
+            config = config.sliced(_check_int("tp", tp, 1)) if tp > 1 else config
+        _check_config(config)
+        self.batch = _check_int("batch", batch, 1)
+        self.context_len = _check_int("context_len", context_len, 0)
+        self.q_len = _check_int("q_len", q_len, 1, MAX_Q_LEN)
+        if collectives not in COLLECTIVES:
+            raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
+        if isinstance(weights, RankWeights):
+            if weights.config != config:
+                raise ValueError(f"weights are for {weights.config.name}, not for config {config.name}")
+        elif weights == "random":
+            dev = torch.device(device) if device is not None else (
+                torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+            dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+            weights = RankWeights.random(config, distinct_layers=_check_int("distinct_layers", distinct_layers, 1),
+                                         device=dev, dtype=dt, seed=seed)
+        else:
+            raise ValueError(f"weights must be 'random' or a RankWeights (RankWeights.from_model), got {weights!r}")
+        self.config, self.weights, self.collectives = config, weights, collectives
+        self.world_size, self.rank = weights.world_size, weights.rank
+        self.device, self.dtype = weights.device, weights.dtype
+        self.resolved = resolve(optimizations, self.device, self.dtype, self.q_len, strict=strict)
+        self.impl = self.resolved.impl
+        self.tokens = self.batch * self.q_len
+        self.block_starts = frozenset(config.attn_res_block_starts())
+        self._alloc(seed)
+        self._bind()
+        self.graph = None
+        self.logits = None
+        self.last_collectives: list[tuple[str, int]] = []
+
+    @classmethod
+    def from_model(cls, model, batch: int, context_len: int, *, tp: int = 1, rank: int = 0, **kw) -> DecodeStep:
+        """The step with `model`'s weights (a K3Model), rank `rank` of `tp`; keyword arguments as for
+        DecodeStep (optimizations, q_len, strict, collectives)."""
+        w = RankWeights.from_model(model, _check_int("tp", tp, 1), rank)
+        return cls(w.config, batch, context_len, weights=w, **kw)
+
+    # ------------------------------------------------------------ buffers and caches
+    def _alloc(self, seed: int) -> None:
+        c, B, T, dev, dt = self.config, self.batch, self.q_len, self.device, self.dtype
+        gen = torch.Generator(device=dev).manual_seed(seed + 1)
+        f = {"device": dev, "dtype": dt}
+        self.kda_caches: dict[int, KDACache] = {}
+        self.latent: dict[int, torch.Tensor] = {}
+        C, H = c.kda_width, c.kda_num_heads
+        for i, kind in enumerate(c.layer_types):
+            if kind == "kda":
+                conv = [torch.randn(B, C, c.kda_conv_size - 1, generator=gen, **f) for _ in range(3)]
+                state = torch.randn(B, H, c.kda_head_dim, c.kda_head_dim, generator=gen, device=dev).mul_(STATE_SCALE)
+                self.kda_caches[i] = KDACache(*conv, state)
+            else:
+                self.latent[i] = torch.randn(B, self.context_len + T, c.mla_latent_dim, generator=gen, **f)
+        self.lengths = torch.full((B,), self.context_len + T, dtype=torch.int32, device=dev)
+        self.ids = torch.zeros(B, T, dtype=torch.long, device=dev)
+        self.prefix = torch.zeros(self.tokens, c.hidden_size, **f)
+        self.blocks = torch.zeros(len(self.block_starts), self.tokens, c.hidden_size, **f)
+        self.states = (torch.empty(B, T, H, c.kda_head_dim, c.kda_head_dim, device=dev, dtype=torch.float32)
+                       if T > 1 else None)
+
+    def _bind(self) -> None:
+        """Per layer, what a server binds once: the KDA decode steps and the MLA plans (validated here,
+        launched without checks in every step)."""
+        B, T, c = self.batch, self.q_len, self.config
+        self.kda_steps, self.mla_plans, self.q_bufs = {}, {}, {}
+        kda_impl = {"fused": "after", "chain": "before", "reference": "reference"}.get(self.impl["kda_fused"])
+        for i, cache in self.kda_caches.items():
+            w: KDAWeights = self.weights.layers[i].attn
+            if kda_impl is not None:
+                self.kda_steps[i] = kda_decode.KDADecodeStep(cache, w.decode, impl=kda_impl)
+        H = c.num_attention_heads
+        for i, latent in self.latent.items():
+            q = torch.zeros(B, T, H, c.mla_latent_dim, device=self.device, dtype=self.dtype)
+            scale = c.mla_softmax_scale
+            if self.impl["mla_padded"] == "after":
+                plan = mla_decode.plan_after(q, latent, self.lengths, scale=scale, fold_heads=H > mla_decode.MMA_ROWS)
+            else:
+                plan = mla_decode.plan_before(q, latent, self.lengths, scale=scale)
+            self.q_bufs[i], self.mla_plans[i] = q, plan
+
+    def load_cache(self, cache) -> None:
+        """Copy a K3Cache of `context_len` positions (K3Model.prefill / decode) into this rank's caches:
+        the MLA histories whole (replicated under TP), the KDA conv histories and states of this rank's heads."""
+        if getattr(cache, "length", None) != self.context_len:
+            raise ValueError(f"cache must hold context_len = {self.context_len} positions, got "
+                             f"{getattr(cache, 'length', type(cache).__name__)}")
+        W, r = self.world_size, self.rank
+        for i, layer in enumerate(cache.layers):
+            if i in self.latent:
+                if tuple(layer.latent.shape) != (self.batch, self.context_len, self.config.mla_latent_dim):
+                    raise ValueError(f"cache.layers[{i}].latent must be [B={self.batch}, {self.context_len}, "
+                                     f"{self.config.mla_latent_dim}], got {tuple(layer.latent.shape)}")
+                self.latent[i][:, :self.context_len].copy_(layer.latent)
+                continue
+            mine = self.kda_caches[i]
+            for name in ("conv_q", "conv_k", "conv_v", "state"):
+                src = getattr(layer, name)
+                n = src.shape[1] // W
+                getattr(mine, name).copy_(src[:, r * n:(r + 1) * n])
+
+    def cache_entries(self) -> dict[str, torch.Tensor]:
+        """This rank's caches under K3Cache.entries()' names: 'layers.{i}.latent' [B, context_len + q_len,
+        576], 'layers.{i}.conv_q' / conv_k / conv_v / state, 'attn_res.blocks' [S, B, hidden] and
+        'attn_res.partial' [B, hidden] (the last position's depth state at the model output)."""
+        out = {}
+        for i in range(self.config.num_hidden_layers):
+            if i in self.latent:
+                out[f"layers.{i}.latent"] = self.latent[i]
+            else:
+                for name, t in self.kda_caches[i].entries().items():
+                    out[f"layers.{i}.{name}"] = t
+        B, T, D = self.batch, self.q_len, self.config.hidden_size
+        out["attn_res.blocks"] = self.blocks.view(-1, B, T, D)[:, :, -1]
+        out["attn_res.partial"] = self.prefix.view(B, T, D)[:, -1]
+        return out
+
+    # ------------------------------------------------------------ the rank program
+    def _collective(self, kind: str, t: torch.Tensor):
+        if self.world_size == 1:
+            return t
+        return (yield kind, t)
+
+    def _mix(self, delta, n_blocks: int, mix, next_norm, push: bool) -> torch.Tensor:
+        fn = attn_res_norm.after if self.impl["attn_res_fused"] == "after" else attn_res_norm.before
+        kw = {"mix_weight": mix.folded} if fn is attn_res_norm.after else {}
+        return fn(self.prefix, delta, self.blocks, n_blocks, mix.res_norm, mix.res_proj, next_norm,
+                  self.config.rms_norm_eps, push_block=push, **kw)
+
+    def _attention(self, i: int, w, x: torch.Tensor):
+        pack = self.impl["pack_where_used"]
+        if i in self.latent:
+            part = layers.mla_partial(w, x, self.latent[i], self.context_len, self.q_bufs[i], self.mla_plans[i])
+        elif self.q_len == 1:
+            part = layers.kda_decode_partial(w, x, self.kda_steps[i], pack)
+        else:
+            part = layers.kda_verify_partial(w, x, self.kda_caches[i], self.batch, self.q_len, pack,
+                                             self.impl["kda_verify_tiles"], self.states)
+        return (yield from self._collective("all_reduce", part))
+
+    def _mlp(self, w, x: torch.Tensor):
+        if not hasattr(w, "gate"):  # the dense layer
+            return (yield from self._collective("all_reduce", layers.dense_partial(w, x)))
+        backend = self.impl["grouped_experts"]
+        lat = yield from self._collective("all_reduce", layers.moe_latent_partial(w, x, backend))
+        shared = layers.moe_shared_partial(w, x)
+        if self.impl["moe_tail_sharded"] == "sharded":
+            layers.moe_tail(w, lat, shared, True, backend)
+            return (yield from self._collective("all_reduce", shared))
+        shared = yield from self._collective("all_reduce", shared)
+        return layers.moe_tail(w, lat, shared, False, backend)
+
+    def _embed(self):
+        w = self.weights.embed
+        flat = self.ids.reshape(-1)
+        if self.world_size == 1:
+            e = torch.nn.functional.embedding(flat, w)
+        else:
+            local = flat - self.rank * w.shape[0]
+            inside = ((local >= 0) & (local < w.shape[0])).unsqueeze(-1)
+            e = torch.nn.functional.embedding(local.clamp(0, w.shape[0] - 1), w) * inside
+        e = yield from self._collective("all_reduce", e)
+        self.prefix.copy_(e)
+
+    def program(self):
+        """The rank's step as a generator: yields (kind, tensor) at each collective, receives its result,
+        returns logits [B, q_len, vocab] (fp32)."""
+        rw = self.weights
+        yield from self._embed()
+        n_blocks, m = 0, None
+        for i, lw in enumerate(rw.layers):
+            starts = i in self.block_starts
+            x = self._mix(m, n_blocks, lw.norms.attn_mix, lw.norms.input_norm, starts)
+            n_blocks += starts
+            a = yield from self._attention(i, lw.attn, x)
+            x = self._mix(a, n_blocks, lw.norms.mlp_mix, lw.norms.post_norm, False)
+            m = yield from self._mlp(lw.mlp, x)
+        h = self._mix(m, n_blocks, rw.out_mix, rw.final_norm, False)
+        logits = (h @ rw.lm_head.t()).float()
+        logits = yield from self._collective("all_gather", logits)
+        return logits.view(self.batch, self.q_len, -1)
+
+    def _answer(self, kind: str, t: torch.Tensor) -> torch.Tensor:
+        self.last_collectives.append((kind, t.numel() * t.element_size()))
+        if self.collectives == "skip":
+            return t if kind == "all_reduce" else t.repeat(1, self.world_size)
+        if kind == "all_reduce":
+            return torch.empty_like(t).copy_(t)
+        return torch.cat([t] * self.world_size, dim=-1)
+
+    def run(self) -> torch.Tensor:
+        """One step on the tokens in `self.ids`, collectives answered by `self.collectives`."""
+        self.last_collectives = []
+        gen = self.program()
+        try:
+            req = next(gen)
+            while True:
+                req = gen.send(self._answer(*req))
+        except StopIteration as done:
+            self.logits = done.value
+        return self.logits
+
+    def set_tokens(self, ids) -> None:
+        ids = torch.as_tensor(ids, device=self.device)
+        if ids.shape != (self.batch, self.q_len) or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"ids must be integer token ids [B={self.batch}, q_len={self.q_len}], got "
+                             f"{tuple(ids.shape)} {ids.dtype}")
+        lo, hi = int(ids.min()), int(ids.max())
+        vocab = self.config.vocab_size * self.world_size
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"ids must lie in [0, vocab_size={vocab}), got [{lo}, {hi}]")
+        self.ids.copy_(ids)
+
+    def __call__(self, ids=None) -> torch.Tensor:
+        """Set the tokens (ids [B, q_len]; None keeps the last ones) and run one step eagerly."""
+        if ids is not None:
+            self.set_tokens(ids)
+        return self.run()
+
+    # ------------------------------------------------------------ CUDA graph
+    def capturable(self) -> tuple[bool, str]:
+        """(True, '') when the whole step can be captured in one CUDA graph here, else (False, why)."""
+        if self.device.type != "cuda":
+            return False, "CUDA graphs need a CUDA device; this step is on the CPU"
+        if self.impl["grouped_experts"] == "torch":
+            return False, "the per-expert loop reads the expert counts back to the host (grouped_experts off)"
+        return True, ""
+
+    def capture(self, warmup: int = 2) -> None:
+        """Capture one whole step (the tokens in `self.ids`) as a CUDA graph; `replay()` runs it and
+        refreshes `self.logits` in place. ValueError saying why where it cannot be captured."""
+        ok, why = self.capturable()
+        if not ok:
+            raise ValueError(f"capture: {why}")
+        from k3lab import bench
+
+        self.graph = bench.capture_graph(self.run, warmup=warmup)
+
+    def replay(self) -> torch.Tensor:
+        if self.graph is None:
+            raise ValueError("replay: call capture() first")
+        self.graph.replay()
+        return self.logits
+
+    def describe(self) -> dict:
+        """What this step is, for records: shapes, dtype, weights, switches and what runs for each."""
+        rw = self.weights
+        return {"config": self.config.name, "tp": self.world_size, "batch": self.batch,
+                "context_len": self.context_len, "q_len": self.q_len, "dtype": str(self.dtype).replace("torch.", ""),
+                "weights": rw.source, "distinct_layers": rw.distinct_layers, "layers": self.config.num_hidden_layers,
+                "switches": dict(self.resolved.on), "impl": dict(self.impl), "notes": dict(self.resolved.notes),
+                "label": self.resolved.label(), "collectives": self.collectives,
+                "mla_backend": {str(i): getattr(p, "backend", "?") for i, p in list(self.mla_plans.items())[:1]}}
+
+
+def run_group(steps: list[DecodeStep], ids) -> list[torch.Tensor]:
+    """Run the steps of ranks 0..W-1 of one TP group in lockstep on this process, answering every
+    collective with the real result (all_reduce: the sum of the ranks' partials, all_gather: their
+    slices in rank order). Returns each rank's logits."""
+    W = len(steps)
+    if W < 1 or [s.rank for s in steps] != list(range(W)) or any(s.world_size != W for s in steps):
+        raise ValueError(f"steps must be ranks 0..{W - 1} of a TP group of {W}, got ranks "
+                         f"{[(s.rank, s.world_size) for s in steps]}")
+    for s in steps:
+        s.set_tokens(ids)
+    gens = [s.program() for s in steps]
+    reqs = [next(g) for g in gens]
+    out = [None] * W
+    while True:
+        kinds = {r[0] for r in reqs}
+        if len(kinds) != 1:
+            raise RuntimeError(f"ranks disagree on the next collective: {[r[0] for r in reqs]}")
+        parts = [r[1] for r in reqs]
+        result = torch.stack(parts).sum(0) if kinds == {"all_reduce"} else torch.cat(parts, dim=-1)
+        nxt = []
+        for r, g in enumerate(gens):
+            try:
+                nxt.append(g.send(result.clone()))
+            except StopIteration as done:
+                out[r] = done.value
+                steps[r].logits = done.value
+        if all(o is not None for o in out):
+            return out
+        if len(nxt) != W:
+            raise RuntimeError("ranks finished at different collectives")
+        reqs = nxt

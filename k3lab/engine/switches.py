@@ -1,0 +1,147 @@
+"""The decode step's optimizations, one named switch each, and what each switch runs on this machine.
+
+    name              on (the seed's "after")                     off ("before")
+    kda_fused         fused KDA decode, one launch                 the unfused chain: 3 kernels + 2 copies
+    mla_padded        MLA padded to 16 heads, history split        one program per query row, whole history
+    attn_res_fused    AttnRes + RMSNorm in one kernel              the PyTorch sequence (about a dozen kernels)
+    pack_where_used   the KDA gate input packed only where read    packed before the dispatcher chooses
+    grouped_experts   two grouped expert launches + fused tail     per-expert loop + three-kernel tail
+    moe_tail_sharded  up_proj rows of this rank, inside the        the whole up_proj on every rank, after
+                      shared expert's all-reduce                   the shared expert's all-reduce
+    kda_verify_tiles  narrow value tiles (q_len > 1)               the streaming kernel, 32-column tiles
+
+`resolve(optimizations, device, dtype, q_len)` turns the caller's choice into `Resolved`: per switch
+whether it is on, the implementation that runs and, where that is not what the switch names (a GPU
+kernel on a CPU, a verification switch at q_len = 1), a note saying what runs instead. strict=True
+turns those notes into a ValueError for switches that were asked for by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SWITCHES: dict[str, str] = {
+    "kda_fused": "fused KDA decode (conv, norms, gates, recurrence, output norm in one launch)",
+    "mla_padded": "MLA decode padded to 16 heads with the history split across the GPU",
+    "attn_res_fused": "AttnRes mix + RMSNorm in one kernel",
+    "pack_where_used": "pack the KDA gate input only in the branch whose kernel reads it",
+    "grouped_experts": "routed experts as two grouped launches, the MoE tail as one fused launch",
+    "moe_tail_sharded": "MoE tail sharded: this rank's up_proj rows, stitched by the existing all-reduce",
+    "kda_verify_tiles": "KDA verification with narrow value tiles (q_len > 1)",
+}
+DECODE_ONLY = frozenset({"kda_fused"})
+VERIFY_ONLY = frozenset({"kda_verify_tiles"})
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """on: switch -> bool (what was asked for); impl: switch -> the implementation that runs;
+    notes: switch -> why the implementation differs from what the switch names (empty when it does not)."""
+
+    on: dict
+    impl: dict
+    notes: dict
+
+    def describe(self) -> list[str]:
+        """One line per switch: name, on/off, what runs, and the note when there is one."""
+        return [f"{n}: {'on ' if self.on[n] else 'off'} -> {self.impl[n]}" + (f" ({self.notes[n]})" if n in self.notes
+                                                                                else "") for n in SWITCHES]
+
+    def label(self) -> str:
+        """'all on', 'all off', 'all on but X', or the list of switches that are on."""
+        applied = [n for n in SWITCHES if self.impl[n] != "n/a"]
+        off = [n for n in applied if not self.on[n]]
+        if not off:
+            return "all on"
+        if len(off) == len(applied):
+            return "all off"
+        if len(off) == 1:
+            return f"all on but {off[0]}"
+        return "on: " + ", ".join(n for n in applied if self.on[n])
+
+
+def parse(optimizations) -> dict[str, bool]:
+    """'all' / True, 'none' / False / None, an iterable of names that are on, or a dict name -> bool
+    (names left out of the dict are on). ValueError naming an unknown switch."""
+    if optimizations in ("all", True):
+        return dict.fromkeys(SWITCHES, True)
+    if optimizations in ("none", False, None):
+        return dict.fromkeys(SWITCHES, False)
+    if isinstance(optimizations, str):
+        raise ValueError(f"optimizations must be 'all', 'none', a set of switch names or a dict, got {optimizations!r}")
+    if isinstance(optimizations, dict):
+        chosen = dict.fromkeys(SWITCHES, True)
+        items = optimizations.items()
+    else:
+        chosen = dict.fromkeys(SWITCHES, False)
+        items = ((name, True) for name in optimizations)
+    for name, value in items:
+        if name not in SWITCHES:
+            raise ValueError(f"optimizations: unknown switch {name!r}; switches: {', '.join(SWITCHES)}")
+        if not isinstance(value, bool):
+            raise ValueError(f"optimizations[{name!r}] must be True or False, got {value!r}")
+        chosen[name] = value
+    return chosen
+
+
+def all_but(name: str) -> dict[str, bool]:
+    """Every switch on except `name` (one bar of the waterfall)."""
+    if name not in SWITCHES:
+        raise ValueError(f"unknown switch {name!r}; switches: {', '.join(SWITCHES)}")
+    return {n: n != name for n in SWITCHES}
+
+
+def _kda_fused_impl(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    from k3lab.ops import kda_decode
+
+    if device.type != "cuda":
+        return "reference", ("the fused KDA decode is a CUDA kernel and this step is on the CPU: the PyTorch "
+                             "reference of the same step runs instead")
+    if dtype != torch.bfloat16:
+        return "reference", f"the fused KDA decode takes bf16, the step is {dtype}: the PyTorch reference runs instead"
+    ok, why = kda_decode.fused_status()
+    if not ok:
+        return "reference", why
+    return "fused", ""
+
+
+def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False) -> Resolved:
+    """What runs for each switch here (see the module docstring). strict: raise ValueError instead of
+    running a replacement for a switch that is on and cannot run as named on this device."""
+    on = parse(optimizations)
+    device = torch.device(device)
+    impl, notes = {}, {}
+    for name in SWITCHES:
+        if name in DECODE_ONLY and q_len > 1:
+            impl[name], notes[name] = "n/a", f"applies to q_len = 1; verification (q_len = {q_len}) runs kda_verify_tiles"
+            continue
+        if name in VERIFY_ONLY and q_len == 1:
+            impl[name], notes[name] = "n/a", "applies to verification steps (q_len > 1)"
+            continue
+        if name == "kda_fused":
+            if on[name]:
+                impl[name], note = _kda_fused_impl(device, dtype)
+                if note:
+                    notes[name] = note
+                    if strict:
+                        raise ValueError(f"optimizations: kda_fused cannot run here ({note}); pass strict=False "
+                                         "to run the replacement, or turn kda_fused off")
+            else:
+                impl[name] = "chain"
+            continue
+        impl[name] = {
+            "mla_padded": ("after", "before"), "attn_res_fused": ("after", "before"),
+            "pack_where_used": ("after", "before"), "grouped_experts": ("triton", "torch"),
+            "moe_tail_sharded": ("sharded", "replicated"), "kda_verify_tiles": ("after", "before"),
+        }[name][0 if on[name] else 1]
+    if impl["grouped_experts"] == "triton":
+        from k3lab.ops import moe_experts
+
+        ok, why = moe_experts.available("triton")
+        if not ok:
+            impl["grouped_experts"], notes["grouped_experts"] = "torch", f"grouped kernels unavailable ({why}): the loop runs"
+            if strict:
+                raise ValueError(f"optimizations: grouped_experts cannot run here ({why})")
+    return Resolved(on, impl, notes)

@@ -42,3 +42,21 @@ def test_every_cell_has_a_unique_id(path):
     ids = [c.get("id") for c in nb["cells"]]
     assert all(ids), f"{path.name}: cells {[i for i, x in enumerate(ids) if not x]} have no id"
     assert len(set(ids)) == len(ids), f"{path.name}: repeated cell ids"
+
+
+# a workshop segment: narrative of at most ~2,000 words, no development history, nothing outside the repo
+HISTORY = r"\b[Ii]ssue \d+|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b"
+OUTSIDE = r"architecture\.md|anchors\.md|shared/seed|shared/k3"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_reads_as_a_workshop_segment(path):
+    import re
+
+    nb = json.loads(path.read_text())
+    markdown = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"]
+    words = sum(len(m.split()) for m in markdown)
+    assert words <= 2100, f"{path.name}: {words} words of narrative (a segment holds ~2,000; move depth to a 0Nb notebook)"
+    text = "\n".join(markdown)
+    assert not re.search(HISTORY, text), f"{path.name} names an issue or a commit: {re.search(HISTORY, text)[0]}"
+    assert not re.search(OUTSIDE, text), f"{path.name} points outside the repository: {re.search(OUTSIDE, text)[0]}"

@@ -1,0 +1,227 @@
+"""The compile entries of the ISA report: each op's own launch code called at K3's TP8 shapes.
+
+A case calls an op's Triton launch path (the function the op's dispatch calls once it has chosen the
+Triton backend) on CPU tensors of the shapes a TP8 rank sees; `capture.capture` records the launches
+instead of running them, so every kernel is compiled with the arguments, constexprs, warps and stages
+the op itself picks, on the device the target names (`as_device`: the launch policies read the compute
+units, wave width and shared memory from there). Tensors are `torch.empty` (nothing is computed; only
+shapes, dtypes and alignment reach the compiler) except where a policy reads values (lengths, routes).
+
+TP8 (`K3Config.tp_slice(8)`): 12 MLA heads over the 576-wide latent, 12 KDA heads of 128, hidden 7168
+with 9 AttnRes sources, MoE latent 3584 with 384 of each expert's 3072 intermediate, 896 experts, top 16.
+The shapes are the ones the notebooks and the headline records show.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3lab.config import K3Config
+
+BF16 = torch.bfloat16
+CFG = K3Config.tp_slice(8)
+MLA_PAGE = 64
+
+
+def as_device(target) -> None:
+    """Make k3lab's launch policies see `target` (a targets.Target) as the device: env.detect() and the
+    few direct device queries of the ops. Call before importing any op module (some read the device at
+    import: the KDA prologue's fast exp is NVIDIA inline assembly)."""
+    from k3lab import env
+
+    peak = env.PEAKS.get({"gfx950": "MI355X", "sm90": "H200"}.get(target.name, ""), env.PEAKS["CPU"])
+    info = env.DeviceInfo("rocm" if target.is_amd else "cuda", target.device, target.compute_units, None,
+                          target.warp_size, target.name if target.is_amd else "sm_90", peak)
+    env.detect = lambda: info
+
+    from k3lab.ops.mla_decode import triton as mla_triton
+
+    mla_triton._shared_memory_bytes = lambda: target.shared_per_block
+    # the H200 launches the merge early (programmatic dependent launch); AMD has no such launch
+    mla_triton.pdl_usable = lambda: not target.is_amd
+
+
+# ------------------------------------------------------------------------------------------ MLA decode
+
+
+def _mla_inputs(batch: int, q_len: int, length: int, heads: int = CFG.num_attention_heads):
+    from k3lab.ops.mla_decode.inputs import LATENT_DIM
+
+    pages = -(-length // MLA_PAGE)
+    q = torch.empty(batch, q_len, heads, LATENT_DIM, dtype=BF16)
+    kv = torch.empty(batch * pages, MLA_PAGE, LATENT_DIM, dtype=BF16)
+    bt = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+    lengths = torch.full((batch,), length, dtype=torch.int32)
+    return q, kv, lengths, bt
+
+
+def mla_before(batch=1, q_len=1, length=32768):
+    from k3lab.ops.mla_decode import triton as mt
+
+    q, kv, lengths, bt = _mla_inputs(batch, q_len, length)
+    mt.plan_before(q, kv, lengths, block_table=bt)()
+
+
+def mla_after(batch=1, q_len=1, length=32768):
+    from k3lab.ops.mla_decode import triton as mt
+
+    q, kv, lengths, bt = _mla_inputs(batch, q_len, length)
+    mt.plan_after(q, kv, lengths, block_table=bt)()
+
+
+def dcp_merge(world=8, batch=1, q_len=1):
+    from k3lab.ops.mla_decode.merge import merge_partials
+
+    o = torch.empty(world, batch, q_len, CFG.num_attention_heads, 512, dtype=BF16)
+    lse = torch.empty(world, batch, q_len, CFG.num_attention_heads, dtype=torch.float32)
+    merge_partials(o, lse, impl="triton")
+
+
+# ------------------------------------------------------------------------------------------ KDA prefill
+
+
+def _kda_prefill(tokens: int, group: bool):
+    from k3lab.ops.kda_chunk import alloc_work, choose_group_size, make_plan, prologue, scan, walk
+
+    H, K = CFG.kda_num_heads, CFG.kda_head_dim
+    q, k, v = (torch.empty(1, tokens, H, K, dtype=BF16) for _ in range(3))
+    g = torch.empty(1, tokens, H, K, dtype=torch.float32)
+    beta = torch.empty(1, tokens, H, dtype=torch.float32)
+    gs = choose_group_size([tokens], H) if group else None
+    plan = make_plan([tokens], H, gs)
+    work = alloc_work(plan.n_chunks, H, BF16, q.device)
+    for launch in prologue.launches(q, k, v, g, beta, plan, K ** -0.5, work).values():
+        launch()
+    o = torch.empty(1, tokens, H, K, dtype=BF16)
+    s_final = torch.empty(1, H, K, K, dtype=torch.float32)
+    if not plan.uses_scan:
+        walk.walk(work, plan, o, s_final, None, plan.seq_index)
+        return
+    sums, s_in = scan.buffers(plan, q.device)
+    walk.summaries(work, plan, sums)
+    scan.scan(plan, sums, s_in, None, BF16)
+    walk.walk(work, plan, o, s_final, s_in, plan.grp_index)
+
+
+def kda_prefill_before(tokens=16384):
+    _kda_prefill(tokens, group=False)
+
+
+def kda_prefill_after(tokens=16384):
+    _kda_prefill(tokens, group=True)
+
+
+# ------------------------------------------------------------------------------------------ KDA decode / verify
+
+
+def kda_decode_before(batch=1):
+    from k3lab.ops.kda_decode import KDADecodeStep, make_example
+
+    inputs, cache, weights = make_example(batch, CFG.kda_num_heads, dtype=BF16)
+    KDADecodeStep(cache, weights, impl="before")(**inputs)
+
+
+def _verify_inputs(batch: int, positions: int):
+    H, K = CFG.kda_num_heads, CFG.kda_head_dim
+    q, k, v = (torch.empty(batch, positions, H, K, dtype=BF16) for _ in range(3))
+    g = torch.empty(batch, positions, H, K, dtype=torch.float32)
+    beta = torch.empty(batch, positions, H, dtype=torch.float32)
+    h0 = torch.empty(batch, H, K, K, dtype=torch.float32)
+    return q, k, v, g, beta, h0
+
+
+def kda_verify_after(batch=1, positions=4):
+    from k3lab.ops.kda_verify import kda_verify
+
+    kda_verify(*_verify_inputs(batch, positions), backend="triton")
+
+
+def kda_verify_before(batch=1, positions=4):
+    from k3lab.ops.kda_verify import kda_verify_before as before
+
+    before(*_verify_inputs(batch, positions))
+
+
+# ------------------------------------------------------------------------------------------ AttnRes, MoE, study
+
+
+def attn_res_after(tokens=1):
+    from k3lab.ops.attn_res_norm import after
+
+    D, n = CFG.hidden_size, CFG.attn_res_max_sources - 1  # 8 stored blocks + the partial
+    prefix, delta = torch.empty(tokens, D, dtype=BF16), torch.empty(tokens, D, dtype=BF16)
+    blocks = torch.empty(n + 1, tokens, D, dtype=BF16)
+    w = torch.empty(D, dtype=torch.float32)
+    after(prefix, delta, blocks, n, w, w, w, mix_weight=w, kernel="triton")
+
+
+def moe_experts(tokens=1):
+    from k3lab.ops.moe_experts import default_block_m, random_router_idx, sort_by_expert
+    from k3lab.ops.moe_experts import triton as moe_triton
+    from k3lab.ops.moe_experts.inputs import Shapes
+
+    E, k, L, F = CFG.num_experts, CFG.num_experts_per_token, CFG.routed_expert_hidden_size, CFG.moe_intermediate_size
+    idx = random_router_idx(tokens, num_experts=E, top_k=k)
+    z = torch.empty(tokens, L, dtype=BF16)
+    weights = torch.empty(tokens, k, dtype=torch.float32)
+    w1, w3 = torch.empty(E, F, L, dtype=BF16), torch.empty(E, F, L, dtype=BF16)
+    w2 = torch.empty(E, L, F, dtype=BF16)
+    sort = sort_by_expert(idx, E, default_block_m(tokens, k, E))
+    moe_triton.grouped_experts(z, weights, idx, w1, w3, w2, Shapes(tokens, k, L, F, E), sort)
+
+
+def moe_tail(tokens=1):
+    from k3lab.ops.moe_experts import tail_triton
+
+    L, R = CFG.routed_expert_hidden_size, CFG.hidden_size // 8  # this rank's 896 of the 7168 output columns
+    y = torch.empty(tokens, L, dtype=torch.float32)
+    tail_triton(y, torch.empty(L, dtype=torch.float32), 1e-5, torch.empty(R, L, dtype=BF16),
+                torch.empty(tokens, CFG.hidden_size, dtype=BF16), 0)
+
+
+def launch_overhead_empty():
+    from k3lab.studies.launch_overhead import _triton_kernel
+
+    _triton_kernel()[(1,)](torch.zeros(1))
+
+
+# name -> (function, keyword arguments, what it is). Names: op.case
+CASES: dict[str, tuple] = {
+    "mla_decode.before": (mla_before, {}, "12 heads, one token, 32K paged cache"),
+    "mla_decode.after_1k": (mla_after, {"length": 1024}, "padded to 16 heads, one token, 1K"),
+    "mla_decode.after_32k": (mla_after, {}, "padded to 16 heads, one token, 32K (split + merge)"),
+    "mla_decode.after_128k": (mla_after, {"length": 131072}, "one token, 128K"),
+    "mla_decode.after_64x8k": (mla_after, {"batch": 64, "length": 8192}, "64 requests x 8K"),
+    "mla_decode.verify_2": (mla_after, {"q_len": 2}, "verification group of 2 at 32K"),
+    "mla_decode.verify_4": (mla_after, {"q_len": 4}, "verification group of 4 at 32K"),
+    "mla_decode.dcp_merge": (dcp_merge, {}, "DCP8 merge of 8 partials"),
+    "kda_chunk.before_16k": (kda_prefill_before, {}, "12 heads x 16K: prologue + plain walk"),
+    "kda_chunk.after_16k": (kda_prefill_after, {}, "12 heads x 16K: prologue + group scan"),
+    "kda_decode.before_b1": (kda_decode_before, {}, "B = 1, the unfused chain"),
+    "kda_decode.before_b128": (kda_decode_before, {"batch": 128}, "B = 128, the unfused chain"),
+    "kda_verify.after_b1_t4": (kda_verify_after, {}, "B = 1, T = 4: narrow tiles"),
+    "kda_verify.before_b1_t4": (kda_verify_before, {}, "B = 1, T = 4: the streaming kernel"),
+    "attn_res_norm.t1": (attn_res_after, {}, "1 token, 9 sources"),
+    "attn_res_norm.t64": (attn_res_after, {"tokens": 64}, "64 tokens"),
+    "attn_res_norm.t8192": (attn_res_after, {"tokens": 8192}, "8192 tokens (prefill)"),
+    "moe_experts.grouped_t1": (moe_experts, {}, "one token's 16 experts"),
+    "moe_experts.grouped_t64": (moe_experts, {"tokens": 64}, "64 tokens"),
+    "moe_experts.tail_t1": (moe_tail, {}, "latent tail, one token"),
+    "moe_experts.tail_t256": (moe_tail, {"tokens": 256}, "latent tail, 256 tokens"),
+    "launch_overhead.empty_triton": (launch_overhead_empty, {}, "the one-store kernel"),
+}
+
+
+def run_case(name: str) -> list:
+    """The launches (capture.Launch) case `name` makes; ValueError for an unknown name."""
+    from k3lab.isa.capture import capture
+
+    if name not in CASES:
+        raise ValueError(f"case must be one of {sorted(CASES)}, got {name!r}")
+    fn, kwargs, note = CASES[name]
+    launches: list = []
+    with torch.no_grad(), capture(launches):
+        fn(**kwargs)
+    for launch in launches:
+        launch.note = note
+    return launches

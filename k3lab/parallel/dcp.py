@@ -517,10 +517,13 @@ def cache_bytes_per_rank(config, tokens: int, world_size: int = 1, *, dtype_byte
 
 def measure_shard_bytes(config, tokens: int, world_size: int = 1, *, dtype=torch.bfloat16, device=None,
                         rank: int = 0, interleave: int = 1) -> dict:
-    """Allocate one rank's shards (`empty_shard`, one per MLA layer) and measure their bytes.
+    """Allocate one rank's cache for all MLA layers and measure its bytes.
 
-    On a GPU: the change of torch.cuda.memory_allocated (what the allocator handed out); on a CPU:
-    the tensors' storage bytes. Returns {"formula", "measured", "how"}; the shards are freed again.
+    The layers' shards are views of one pool [layers, 1, rows, 576], as a server allocates its cache:
+    torch's CUDA allocator hands out large blocks in 2 MiB pages, so 24 separate ~10 MB shards would
+    each carry up to a page of rounding (1.3% at the DCP8 142K case on an H200), one pool at most one
+    page. On a GPU: the change of torch.cuda.memory_allocated (what the allocator handed out); on a
+    CPU: the pool's storage bytes. Returns {"formula", "measured", "how"}; the pool is freed again.
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
     e = torch.empty((), dtype=dtype).element_size()
@@ -529,14 +532,15 @@ def measure_shard_bytes(config, tokens: int, world_size: int = 1, *, dtype=torch
     if cuda:
         torch.cuda.synchronize(device)
         start = torch.cuda.memory_allocated(device)
-    shards = [empty_shard(1, tokens, world_size, rank, interleave, dtype=dtype, device=device)
-              for _ in range(config.num_mla_layers)]
+    _check_layout(world_size, interleave, rank)
+    rows = owned_count(tokens, world_size, rank, interleave)
+    pool = torch.zeros(config.num_mla_layers, 1, rows, LATENT_DIM, dtype=dtype, device=device)
     if cuda:
         torch.cuda.synchronize(device)
         measured, how = torch.cuda.memory_allocated(device) - start, "torch.cuda.memory_allocated"
     else:
-        measured, how = sum(s.untyped_storage().nbytes() for s in shards), "storage bytes"
-    del shards
+        measured, how = pool.untyped_storage().nbytes(), "storage bytes"
+    del pool
     return {"formula": formula, "measured": measured, "how": how, "dtype": str(dtype).replace("torch.", ""),
             "tokens": tokens, "world_size": world_size}
 

@@ -39,8 +39,9 @@ MERGE_BATCHES = (1, 64)
 CONVERSATION = 142_000
 
 
-def _local_case(L: int, B: int, shape: str, gen, timing: dict, graph: bool, dt):
-    """One record of the op's after at TP8's or DCP8's per-GPU shape."""
+def _local_case(L: int, B: int, shape: str, gen, timing: dict, graph: bool, dt, backend: str | None = None):
+    """One record of the op's after at TP8's or DCP8's per-GPU shape (backend: the op's choice, or
+    forced, e.g. 'triton' to compare the two shapes on one kernel)."""
     heads, rows = (TP_HEADS, L) if shape == "tp8" else (TP_HEADS * WORLD, -(-L // WORLD))
     dev = gen.device
     bytes_per_set = B * rows * 576 * dt.itemsize
@@ -51,7 +52,7 @@ def _local_case(L: int, B: int, shape: str, gen, timing: dict, graph: bool, dt):
         return q, cache
 
     sets = bench.rotation_sets(make, bytes_per_set)
-    plans = [mla_decode.plan_after(q, c, fold_heads=heads > 16) for q, c in sets]
+    plans = [mla_decode.plan_after(q, c, fold_heads=heads > 16, backend=backend) for q, c in sets]
     o, lse = plans[0]()
     ref_o, ref_lse = mla_decode.reference(*sets[0])
     err = bench.check(o, ref_o, dtype=dt, name=f"{shape} after L={L} B={B}")
@@ -59,7 +60,7 @@ def _local_case(L: int, B: int, shape: str, gen, timing: dict, graph: bool, dt):
                 rel_l2=1e-3)  # lse of bf16 inputs, both sides in fp32
     t = bench.time_fn(lambda p: p(), graph=graph, rotate=[(p,) for p in plans], **timing)
     floor = bench.floor_us(bytes=bytes_per_set)
-    return bench.make_record(STUDY, f"local_{shape}_B{B}_L{L}", "after", t,
+    return bench.make_record(STUDY, f"local_{shape}_B{B}_L{L}{'.' + backend if backend else ''}", "after", t,
                              shape={"batch": B, "context": L, "rows": rows, "heads": heads},
                              dtype=dt, floor_us=floor, error=err, backend_used=plans[0].backend,
                              layout=shape)
@@ -119,8 +120,14 @@ def run(smoke: bool = False) -> dict:
         tp = _local_case(L, B, "tp8", gen, timing, graph, dt)
         dc = _local_case(L, B, "dcp8", gen, timing, graph, dt)
         records += [tp, dc]
-        ratios.append({"context": L, "batch": B, "tp8_us": tp.median_us, "dcp8_us": dc.median_us,
-                       "ratio": dc.median_us / tp.median_us, "target": 1.1})
+        row = {"context": L, "batch": B, "tp8_us": tp.median_us, "dcp8_us": dc.median_us,
+               "ratio": dc.median_us / tp.median_us, "target": 1.1, "tp8_backend": tp.extra.get("backend_used"),
+               "dcp8_backend": dc.extra.get("backend_used")}
+        if row["tp8_backend"] != row["dcp8_backend"]:  # the same shapes on one kernel: the seed's claim
+            same = _local_case(L, B, "tp8", gen, timing, graph, dt, backend=row["dcp8_backend"])
+            records.append(same)
+            row.update(tp8_same_backend_us=same.median_us, ratio_same_backend=dc.median_us / same.median_us)
+        ratios.append(row)
     merges = []
     for B in ((2,) if smoke else MERGE_BATCHES):
         before, after = _merge_case(B, gen, timing, graph, dt)
@@ -137,9 +144,13 @@ def run(smoke: bool = False) -> dict:
 
 
 def _print(result: dict) -> None:
-    print(f"{'context':>8} {'B':>3} {'TP8 us':>9} {'DCP8 us':>9} {'DCP8/TP8':>9}  (target <= 1.1)")
+    print(f"{'context':>8} {'B':>3} {'TP8 us':>9} {'DCP8 us':>9} {'DCP8/TP8':>9}  (target <= 1.1)  backends; "
+          "same backend")
     for r in result["local_ratio"]:
-        print(f"{r['context']:>8} {r['batch']:>3} {r['tp8_us']:>9.2f} {r['dcp8_us']:>9.2f} {r['ratio']:>9.2f}")
+        same = (f"  TP8 on {r['dcp8_backend']}: {r['tp8_same_backend_us']:.2f} us, ratio {r['ratio_same_backend']:.2f}"
+                if "ratio_same_backend" in r else "")
+        print(f"{r['context']:>8} {r['batch']:>3} {r['tp8_us']:>9.2f} {r['dcp8_us']:>9.2f} {r['ratio']:>9.2f}  "
+              f"{r['tp8_backend']} / {r['dcp8_backend']}{same}")
     print(f"{'merge B':>8} {'torch us':>9} {'triton us':>9} {'speedup':>8}  (target >= 3)  share of decode")
     for m in result["merge"]:
         shares = "; ".join(f"L={L}: torch {s['torch']:.0%}, triton {s['triton']:.0%}"

@@ -20,17 +20,24 @@ them, so the result does not depend on the order in which equal-time events are 
 Eviction policies:
 - "lru": by last use; among the blocks of one request (all used at once), the deepest first, since a
   block is useful only while every block before it is present (vLLM frees a request's blocks in that
-  order too).
-- "resume_aware": the same order, and blocks after a request's last checkpoint are not kept at all. A
-  later request can only resume at a checkpoint, and every checkpoint past that point will be made by
-  a request that recomputes (and so re-creates) those rows: such blocks can never serve a resume, yet
-  under LRU they take budget from blocks that can.
+  order too). Every checkpoint stays as long as its block does.
+- "resume_aware": the same order, but only state that can serve a resume is kept. (1) Blocks after a
+  request's last checkpoint are not kept: a later request can only resume at a checkpoint, and every
+  checkpoint past that point will be made by a request that recomputes (and so re-creates) those
+  rows. (2) When a turn extends its session's previous prompt, the previous prompt's end checkpoint is
+  dropped (a grid checkpoint in that block is kept): the next turn of the session resumes at the new,
+  later end, and a checkpoint is KDA state of every layer (about 56 MB per GPU at TP8, four times the
+  MLA rows of a 2,048-token interval), so superseded ones would take most of the budget. What (2)
+  gives up: a request that returns to an earlier end of its session (a retried turn) resumes at the
+  grid checkpoint before it. Session order within one stamp follows processing order; a session has
+  one request per stamp in any sensible trace.
 Costs: restoring from host moves bytes at `h2d_bytes_per_s`; recomputing costs tokens at
 `prefill_tokens_per_s` (measured figures, or given and labelled by the caller).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -41,7 +48,6 @@ from .traces import Workload
 POLICIES = ("lru", "resume_aware")
 _ABSENT, _HBM, _HOST = 0, 1, 2
 _DEPTH_BITS = 24  # depth < 2^24 blocks (over 10^9 tokens): the eviction key is stamp << 24 | rank
-_RANKS = (1 << _DEPTH_BITS) - 1 - np.arange(1 << 20, dtype=np.int64)  # the deepest block gets the smallest key
 
 
 @dataclass(frozen=True)
@@ -118,122 +124,214 @@ class SimResult:
         return {**asdict(self), "token_hit_rate": self.token_hit_rate, "mla_hit_rate": self.mla_hit_rate}
 
 
-class _Log:
-    """Blocks in the order they were stored (eviction order), with the key each had then; an entry
-    whose block was used again since (its key changed) or left the tier is stale and skipped.
-    Compacted when it grows past twice what it must hold."""
+class _Segment:
+    """Blocks stored in HBM at one stamp, in eviction order (deepest first), or blocks moved to the host
+    in one eviction. `keys` (stamp << 24 | rank, ascending) is None when they follow from the order: a
+    single request's blocks, whose key rises by one per entry. `pos`: entries already consumed."""
 
-    def __init__(self):
-        self.ids = np.empty(1 << 16, np.int64)
-        self.keys = np.empty(1 << 16, np.int64)
-        self.head = self.end = 0
+    __slots__ = ("ids", "keys", "stamp", "pos", "dead")
 
-    def append(self, ids: np.ndarray, keys: np.ndarray, valid):
-        n = len(ids)
-        if self.end + n > len(self.ids):
-            live = valid(self.ids[self.head:self.end], self.keys[self.head:self.end])
-            ids_live, keys_live = self.ids[self.head:self.end][live], self.keys[self.head:self.end][live]
-            size = max(len(self.ids), 2 * (len(ids_live) + n))
-            self.ids, self.keys = np.empty(size, np.int64), np.empty(size, np.int64)
-            self.head, self.end = 0, len(ids_live)
-            self.ids[: self.end], self.keys[: self.end] = ids_live, keys_live
-        self.ids[self.end:self.end + n], self.keys[self.end:self.end + n] = ids, keys
-        self.end += n
+    def __init__(self, ids: np.ndarray, keys: np.ndarray | None, stamp: int):
+        self.ids, self.keys, self.stamp, self.pos, self.dead = ids, keys, stamp, 0, False
+
+    def chunk(self, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = self.ids[self.pos:stop]
+        if self.keys is not None:
+            return ids, self.keys[self.pos:stop]
+        base = (np.int64(self.stamp) << _DEPTH_BITS) | np.int64((1 << _DEPTH_BITS) - len(self.ids))
+        return ids, base + np.arange(self.pos, stop, dtype=np.int64)
 
 
 class _Cache:
+    """Per block: its tier, the stamp it was last stored at, and the position of the KDA checkpoint it
+    holds (-1: none). Per tier: bytes used and the eviction log (segments in stamp order). An entry of
+    the log is live while its block is in that tier and was not stored again since (`last` equals the
+    entry's stamp); stale entries are skipped, and a segment wholly replaced by a later store of the
+    same chain is dropped at once (`dead`)."""
+
     def __init__(self, n_blocks: int, cc: CacheConfig):
         self.cc = cc
         self.tier = np.zeros(n_blocks, np.int8)
-        self.key = np.zeros(n_blocks, np.int64)
+        self.last = np.zeros(n_blocks, np.int64)
         self.ckpt = np.full(n_blocks, -1, np.int64)
         self.used = {_HBM: 0.0, _HOST: 0.0}
-        self.logs = {_HBM: _Log(), _HOST: _Log()}
+        self.logs = {_HBM: deque(), _HOST: deque()}
+        self.chain_seg: dict[int, _Segment] = {}
         self.evictions = 0
 
     def bytes_of(self, ids: np.ndarray) -> float:
         return float(len(ids) * self.cc.mla_bytes_per_block + (self.ckpt[ids] >= 0).sum() * self.cc.kda_checkpoint_bytes)
 
-    def lookup(self, ids: np.ndarray, n_in: int) -> tuple[int, int, int]:
-        """(blocks found, resume position, index of the block holding the checkpoint or -1)."""
-        present = self.tier[ids] != _ABSENT
-        h = len(ids) if present.all() else int(np.argmin(present))
+    def lookup(self, ids: np.ndarray, n_in: int) -> tuple[int, int, int, np.ndarray]:
+        """(blocks found, resume position, index of the block holding the checkpoint or -1, the tiers
+        of `ids`)."""
+        t = self.tier[ids]
+        absent = t == _ABSENT
+        k = int(absent.argmax()) if len(ids) else 0
+        h = k if len(ids) and absent[k] else len(ids)
         if h == 0:
-            return 0, 0, -1
+            return 0, 0, -1, t
         ck = self.ckpt[ids[:h]]
-        ck = np.where(ck <= n_in - 1, ck, -1)
-        j = int(np.argmax(ck))
-        return (h, int(ck[j]), j) if ck[j] > 0 else (h, 0, -1)
+        if ck.max() > n_in - 1:
+            ck = np.where(ck <= n_in - 1, ck, -1)
+        j = int(ck.argmax())
+        return (h, int(ck[j]), j, t) if ck[j] > 0 else (h, 0, -1, t)
 
-    def _valid(self, tier: int):
-        return lambda ids, keys: (self.tier[ids] == tier) & (self.key[ids] == keys)
-
-    def store(self, ids: np.ndarray, stamp: int, ck_blocks: np.ndarray, ck_pos: np.ndarray, keep: int):
-        """Blocks `ids[:keep]` of a request were used at `stamp` and are now in HBM, with the KDA
-        checkpoints it saved (block indices `ck_blocks`, positions `ck_pos`); blocks past `keep` are
-        left as they are."""
+    def store(self, ids: np.ndarray, ck_blocks: np.ndarray, ck_pos: np.ndarray, keep: int,
+              t: np.ndarray | None = None):
+        """Blocks `ids[:keep]` of a request are now in HBM, with the KDA checkpoints it saved (block
+        indices `ck_blocks`, ascending, positions `ck_pos`); blocks past `keep` are left as they are.
+        t: the tiers of `ids` when nothing changed them since they were read. Bytes are updated for the
+        blocks that change tier or gain a checkpoint only; stamps and the log are the caller's."""
         kept = ids[:keep]
-        if not len(kept):
-            return
         cc = self.cc
-        sizes = cc.mla_bytes_per_block + (self.ckpt[kept] >= 0) * cc.kda_checkpoint_bytes
-        by_tier = np.bincount(self.tier[kept], weights=sizes, minlength=3)
-        self.used[_HBM] -= by_tier[_HBM]
-        self.used[_HOST] -= by_tier[_HOST]
-        sel = ck_blocks < keep
-        if sel.any():
-            tgt = kept[ck_blocks[sel]]
-            self.ckpt[tgt] = np.maximum(self.ckpt[tgt], ck_pos[sel])
-        self.tier[kept] = _HBM
-        self.used[_HBM] += len(kept) * cc.mla_bytes_per_block + int((self.ckpt[kept] >= 0).sum()) * cc.kda_checkpoint_bytes
-        keys = (np.int64(stamp) << _DEPTH_BITS) | _RANKS[: len(kept)]
-        self.key[kept] = keys
-        self.logs[_HBM].append(kept[::-1], keys[::-1], self._valid(_HBM))  # deepest first
+        t = self.tier[kept] if t is None else t[:keep]
+        moved = kept[t != _HBM]
+        if len(moved):
+            from_host = moved[self.tier[moved] == _HOST]
+            if len(from_host):
+                n_ck = int((self.ckpt[from_host] >= 0).sum())
+                self.used[_HOST] -= len(from_host) * cc.mla_bytes_per_block + n_ck * cc.kda_checkpoint_bytes
+                self.used[_HBM] += n_ck * cc.kda_checkpoint_bytes
+            self.used[_HBM] += len(moved) * cc.mla_bytes_per_block
+            self.tier[moved] = _HBM
+        n = int(np.searchsorted(ck_blocks, keep))
+        if n:
+            tgt = kept[ck_blocks[:n]]
+            new = np.unique(tgt[self.ckpt[tgt] < 0])
+            self.used[_HBM] += len(new) * cc.kda_checkpoint_bytes
+            self.ckpt[tgt] = np.maximum(self.ckpt[tgt], ck_pos[:n])
 
-    def _take(self, tier: int, need: float) -> np.ndarray:
-        """Pop the least recently used blocks of `tier` until they hold at least `need` bytes."""
-        log, valid, out, got = self.logs[tier], self._valid(tier), [], 0.0
-        while got < need and log.head < log.end:
-            stop = min(log.end, log.head + 4096)
-            ids, keys = log.ids[log.head:stop], log.keys[log.head:stop]
-            ok = valid(ids, keys)
-            cand = ids[ok]
-            sizes = self.cc.mla_bytes_per_block + (self.ckpt[cand] >= 0) * self.cc.kda_checkpoint_bytes
-            csum = np.cumsum(sizes)
+    def drop_checkpoint(self, block: int, grid_pos: int):
+        """Replace the checkpoint of `block` by its grid checkpoint `grid_pos` (-1: none), freeing
+        its bytes where none is left."""
+        if self.ckpt[block] < 0:
+            return
+        self.ckpt[block] = grid_pos
+        if grid_pos < 0 and self.tier[block] != _ABSENT:
+            self.used[int(self.tier[block])] -= self.cc.kda_checkpoint_bytes
+
+    def log_one(self, chain: int, kept: np.ndarray, stamp: int):
+        """Log the blocks one request stored at `stamp` (the only request of that stamp)."""
+        self.last[kept] = stamp
+        prev = self.chain_seg.get(chain)
+        if prev is not None and len(prev.ids) <= len(kept):
+            prev.dead = True  # a prefix of the same chain: every entry of it was stored again now
+        seg = _Segment(kept[::-1], None, stamp)
+        self.chain_seg[chain] = seg
+        self.logs[_HBM].append(seg)
+
+    def log_group(self, kept_list: list[np.ndarray], stamp: int):
+        """Log the blocks several equal-time requests stored: each block once, at its shallowest depth
+        among them; blocks of equal depth share a key and are evicted together, so the result does not
+        depend on the order the requests were processed in."""
+        kept_list = [k for k in kept_list if len(k)]
+        if not kept_list:
+            return
+        ids = np.concatenate(kept_list)
+        depth = np.concatenate([np.arange(len(k), dtype=np.int64) for k in kept_list])
+        order = np.lexsort((depth, ids))  # by id, shallowest first
+        ids, depth = ids[order], depth[order]
+        first = np.r_[True, ids[1:] != ids[:-1]]
+        ids, depth = ids[first], depth[first]
+        order = np.lexsort((ids, -depth))  # deepest first, ties by id
+        ids, depth = ids[order], depth[order]
+        self.last[ids] = stamp
+        keys = (np.int64(stamp) << _DEPTH_BITS) | ((1 << _DEPTH_BITS) - 1 - depth)
+        self.logs[_HBM].append(_Segment(ids, keys, stamp))
+
+    def _take(self, tier: int, need: float) -> tuple[np.ndarray, np.ndarray]:
+        """Pop the least recently stored blocks of `tier` until they hold at least `need` bytes, and
+        every block of the same key as the last one taken. Returns (ids, keys) in eviction order."""
+        log, out, out_keys, got = self.logs[tier], [], [], 0.0
+        cc = self.cc
+        while got < need and log:
+            seg = log[0]
+            if seg.dead or seg.pos >= len(seg.ids):
+                log.popleft()
+                continue
+            stop = len(seg.ids) if seg.keys is not None else min(len(seg.ids), seg.pos + 4096)
+            ids, keys = seg.chunk(stop)
+            ok = (self.tier[ids] == tier) & (self.last[ids] == (keys >> _DEPTH_BITS))
+            cand, ckeys = ids[ok], keys[ok]
+            has_ck = self.ckpt[cand] >= 0
+            total = len(cand) * cc.mla_bytes_per_block + int(has_ck.sum()) * cc.kda_checkpoint_bytes
+            if got + total < need:  # the whole chunk goes
+                out.append(cand)
+                out_keys.append(ckeys)
+                got += total
+                seg.pos = stop
+                continue
+            csum = np.cumsum(cc.mla_bytes_per_block + has_ck * cc.kda_checkpoint_bytes)
             n = min(len(cand), int(np.searchsorted(csum, need - got, side="left")) + 1)
+            if 0 < n < len(cand):
+                n = int(np.searchsorted(ckeys, ckeys[n - 1], side="right"))  # the rest of its key
             if n < len(cand):  # stop inside this chunk: advance past the n-th valid entry only
-                stop = log.head + int(np.flatnonzero(ok)[n - 1]) + 1
+                stop = seg.pos + int(np.flatnonzero(ok)[n - 1]) + 1
             out.append(cand[:n])
+            out_keys.append(ckeys[:n])
             got += float(csum[n - 1]) if n else 0.0
-            log.head = stop
-        return np.concatenate(out) if out else np.empty(0, np.int64)
+            seg.pos = stop
+        if not out:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        return np.concatenate(out), np.concatenate(out_keys)
 
     def evict(self):
         for tier, budget, down in ((_HBM, self.cc.hbm_bytes, _HOST if self.cc.host_bytes > 0 else _ABSENT),
                                    (_HOST, self.cc.host_bytes, _ABSENT)):
             if self.used[tier] <= budget + 1e-6:
                 continue
-            out = self._take(tier, self.used[tier] - self.cc.low_water * budget)
+            out, keys = self._take(tier, self.used[tier] - self.cc.low_water * budget)
             self.evictions += len(out)
-            self.used[tier] -= self.bytes_of(out)
+            moved = self.bytes_of(out)
+            self.used[tier] -= moved
             if down == _ABSENT:
                 self.ckpt[out] = -1
             else:
-                self.used[down] += self.bytes_of(out)
-                self.logs[down].append(out, self.key[out], self._valid(down))
+                self.used[down] += moved
+                self.logs[down].append(_Segment(out, keys, 0))
             self.tier[out] = down
 
 
+class _Grid:
+    """The KDA checkpoints a prompt saves (k3lab.cache.resume): every `checkpoint_interval` positions
+    and, when it is block-aligned or the tail is saved with it, at the prompt's end."""
+
+    def __init__(self, cc: CacheConfig, max_blocks: int):
+        self.b, self.tail = cc.block_size, cc.tail_aligned
+        self.step = cc.checkpoint_interval // cc.block_size
+        js = np.arange(self.step - 1, max_blocks, self.step, dtype=np.int64) if self.step else np.empty(0, np.int64)
+        self.js, self.pos = js, (js + 1) * self.b
+
+    def __call__(self, n_in: int, n_full: int) -> tuple[np.ndarray, np.ndarray]:
+        """(block indices ascending, positions), one checkpoint per block at most (the later wins)."""
+        count = n_full // self.step if self.step else 0
+        js, pos = self.js[:count], self.pos[:count]
+        if n_full and (n_in % self.b == 0 or self.tail):
+            if count and js[-1] == n_full - 1:
+                pos = pos.copy()
+                pos[-1] = n_in
+            else:
+                js, pos = np.append(js, n_full - 1), np.append(pos, n_in)
+        return js, pos
+
+
 def _checkpoints(n_in: int, n_full: int, cc: CacheConfig) -> tuple[np.ndarray, np.ndarray]:
-    """(block indices, positions) of the KDA checkpoints a prompt of n_in tokens saves: the grid, and
-    its end when that is block-aligned or the tail is saved with it."""
-    b = cc.block_size
-    step = cc.checkpoint_interval // b
-    js = np.arange(step - 1, n_full, step, dtype=np.int64) if step else np.empty(0, np.int64)
-    pos = (js + 1) * b
-    if n_full and (n_in % b == 0 or cc.tail_aligned):
-        js, pos = np.append(js, n_full - 1), np.append(pos, n_in)
-    return js, pos
+    """(block indices, positions) of the KDA checkpoints a prompt of n_in tokens saves."""
+    return _Grid(cc, n_full)(n_in, n_full)
+
+
+def _supersede(cache: _Cache, ends: dict, session: int, ids: np.ndarray, js: np.ndarray, pos: np.ndarray,
+               n_in: int, grid: _Grid):
+    """resume_aware (2): drop the session's previous end checkpoint once this prompt extends past it."""
+    prev = ends.get(session)
+    end = len(js) and pos[-1] == n_in
+    if prev is not None and end and prev[1] < int(js[-1]) and prev[1] < len(ids) and ids[prev[1]] == prev[0]:
+        d = prev[1]
+        on_grid = grid.step and (d + 1) % grid.step == 0
+        cache.drop_checkpoint(prev[0], (d + 1) * grid.b if on_grid else -1)
+    if end:
+        ends[session] = (int(ids[js[-1]]), int(js[-1]))
 
 
 def simulate(w: Workload, cc: CacheConfig) -> SimResult:
@@ -243,35 +341,91 @@ def simulate(w: Workload, cc: CacheConfig) -> SimResult:
     if w.block_size != cc.block_size:
         raise ValueError(f"the workload's block_size {w.block_size} differs from the cache's {cc.block_size}")
     cache = _Cache(w.n_blocks, cc)
+    grid = _Grid(cc, int(w.n_full.max()) if len(w) else 0)
     order = np.argsort(w.t, kind="stable")
     starts = np.flatnonzero(np.r_[True, np.diff(w.t[order]) != 0]).tolist() + [len(order)]
     order = order.tolist()
-    chain, n_full, n_in_all = w.chain.tolist(), w.n_full.tolist(), w.in_tokens.tolist()
+    chain, n_full, n_in_all, session = w.chain.tolist(), w.n_full.tolist(), w.in_tokens.tolist(), w.session.tolist()
+    ends: dict[int, tuple[int, int]] = {}  # session -> (block, depth) of its last end checkpoint
     hit = mla = host_hit = 0
     host_bytes = 0.0
-    b = cc.block_size
+    b, lru, has_host = cc.block_size, cc.policy == "lru", cc.host_bytes > 0
     for stamp in range(1, len(starts)):
+        group = order[starts[stamp - 1]:starts[stamp]]
         looked = []
-        for i in order[starts[stamp - 1]:starts[stamp]]:
+        for i in group:
             ids = w.chains[chain[i]][: n_full[i]]
             n_in = n_in_all[i]
-            h, resume, j = cache.lookup(ids, n_in)
+            h, resume, j, t = cache.lookup(ids, n_in)
             mla += min(h * b, n_in)
             hit += resume
-            if resume:
-                used = ids[: -(-resume // b)]
-                n_host = int((cache.tier[used] == _HOST).sum())
-                host_bytes += n_host * cc.mla_bytes_per_block + (cc.kda_checkpoint_bytes if cache.tier[ids[j]] == _HOST else 0.0)
+            if resume and has_host:
+                n_host = int((t[: -(-resume // b)] == _HOST).sum())
+                host_bytes += n_host * cc.mla_bytes_per_block + (cc.kda_checkpoint_bytes if t[j] == _HOST else 0.0)
                 host_hit += min(resume, n_host * b)
-            looked.append((ids, n_in))
-        for ids, n_in in looked:
-            js, pos = _checkpoints(n_in, len(ids), cc)
-            keep = len(ids) if cc.policy == "lru" else (int(js.max()) + 1 if len(js) else 0)
-            cache.store(ids, stamp, js, pos, keep)
+            js, pos = grid(n_in, len(ids))
+            keep = len(ids) if lru else (int(js[-1]) + 1 if len(js) else 0)
+            looked.append((i, ids, js, pos, keep, t))
+        for i, ids, js, pos, keep, t in looked:
+            if not lru:
+                _supersede(cache, ends, session[i], ids, js, pos, n_in_all[i], grid)
+            cache.store(ids, js, pos, keep, t if len(looked) == 1 else None)  # t: nothing changed tiers since
+        if len(looked) == 1:
+            i, ids, _, _, keep, _ = looked[0]
+            if keep:
+                cache.log_one(chain[i], ids[:keep], stamp)
+        else:
+            cache.log_group([ids[:keep] for _, ids, _, _, keep, _ in looked], stamp)
         cache.evict()
-    tot = {"hit": hit, "mla": mla, "host_hit": host_hit, "host_bytes": host_bytes}
     prompt = int(w.in_tokens.sum())
-    rec = prompt - tot["hit"]
-    return SimResult(len(w), prompt, tot["hit"], tot["mla"], rec, tot["host_hit"], tot["host_bytes"],
-                     tot["host_bytes"] / cc.h2d_bytes_per_s, rec / cc.prefill_tokens_per_s,
-                     tot["host_hit"] / cc.prefill_tokens_per_s, cache.evictions)
+    rec = prompt - hit
+    return SimResult(len(w), prompt, hit, mla, rec, host_hit, host_bytes, host_bytes / cc.h2d_bytes_per_s,
+                     rec / cc.prefill_tokens_per_s, host_hit / cc.prefill_tokens_per_s, cache.evictions)
+
+
+def bench(sessions: int = 2600, seed: int = 1, configs: dict | None = None) -> list[dict]:
+    """Replay a one-hour AgentX-like workload (`generate(sessions, seed=seed)`: 2,600 sessions give
+    about 1.3e5 requests and 1e7 distinct blocks) under each CacheConfig of `configs` (name -> config;
+    default: an unbounded HBM, and 100 GB of HBM with the AMD recipe's 224.875 GB host tier). One row
+    per config: requests, distinct blocks, block references, wall and process CPU seconds, hit rate."""
+    import time
+
+    from .generate import generate
+
+    w = generate(sessions, seed=seed)
+    configs = configs or {"unbounded": CacheConfig.for_k3(1e9),
+                          "hbm100_host224.875": CacheConfig.for_k3(100, host_gb=224.875)}
+    rows = []
+    for name, cc in configs.items():
+        c0, t0 = time.process_time(), time.perf_counter()
+        r = simulate(w, cc)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        rows.append({"config": name, "requests": len(w), "blocks": w.n_blocks, "block_refs": int(w.n_full.sum()),
+                     "seconds": wall, "cpu_seconds": cpu, "token_hit_rate": r.token_hit_rate,
+                     "evictions": r.evictions})
+    return rows
+
+
+def main(argv=None) -> int:
+    import argparse
+    import os
+
+    ap = argparse.ArgumentParser(prog="python -m k3lab.cache.sim", description=__doc__.splitlines()[0])
+    ap.add_argument("--bench", action="store_true", help="time the replay of a one-hour AgentX-like trace")
+    ap.add_argument("--sessions", type=int, default=2600)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+    if not args.bench:
+        ap.print_help()
+        return 0
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"one core, numpy; load average {load:.2f} over the last minute on {os.cpu_count()} cores")
+    print(f"{'config':<20} {'requests':>9} {'blocks':>11} {'block refs':>12} {'seconds':>8} {'cpu s':>7} {'hit rate':>8}")
+    for row in bench(args.sessions, args.seed):
+        print(f"{row['config']:<20} {row['requests']:>9,} {row['blocks']:>11,} {row['block_refs']:>12,} "
+              f"{row['seconds']:>8.1f} {row['cpu_seconds']:>7.1f} {row['token_hit_rate']:>8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

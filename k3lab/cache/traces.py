@@ -175,9 +175,19 @@ class Workload:
         return hit / max(1, int(self.in_tokens.sum()))
 
 
+def _prefix_ids(dense: dict, hash_ids):
+    """Dense ids of a request's blocks keyed by (previous block, hash id): a block is its content and
+    everything before it, as in a prefix cache (equal hash ids after different prefixes, or repeated
+    within one prompt, are different blocks)."""
+    parent = -1
+    for h in hash_ids:
+        parent = dense.setdefault((parent, h), len(dense))
+        yield parent
+
+
 def to_workload(traces: list[Trace], offsets=None) -> Workload:
-    """The simulator's form of loaded traces: each request its own chain, ids mapped to dense ints.
-    offsets: each trace's start time in the replay (default 0 for all)."""
+    """The simulator's form of loaded traces: each request its own chain, ids mapped to dense ints by
+    prefix (`_prefix_ids`). offsets: each trace's start time in the replay (default 0 for all)."""
     if not traces:
         raise TraceError("traces must hold at least one trace")
     offsets = np.zeros(len(traces)) if offsets is None else np.asarray(offsets, dtype=float)
@@ -192,8 +202,7 @@ def to_workload(traces: list[Trace], offsets=None) -> Workload:
     chains = []
     for s, tr in enumerate(traces):
         for r in tr.requests:
-            ids = np.fromiter((dense.setdefault(h, len(dense)) for h in r.hash_ids), dtype=np.int64,
-                              count=len(r.hash_ids))
+            ids = np.fromiter(_prefix_ids(dense, r.hash_ids), dtype=np.int64, count=len(r.hash_ids))
             partial = r.in_tokens % block != 0
             chains.append(ids[:-1] if partial else ids)
             for k, v in (("t", r.t + offsets[s]), ("session", s), ("kind", _TYPE_CODE[r.type]), ("in", r.in_tokens),

@@ -21,7 +21,7 @@ import time
 
 from k3lab.isa.targets import DEFAULT_TARGETS, TARGETS, Target, parse_targets
 
-__all__ = ["DEFAULT_TARGETS", "TARGETS", "Target", "case_names", "parse_targets", "report", "table"]
+__all__ = ["DEFAULT_TARGETS", "TARGETS", "Target", "case_names", "parse_targets", "problems", "report", "table"]
 
 
 def case_names() -> list[str]:
@@ -65,6 +65,35 @@ def report(targets=None, cases=None, *, workers: int = 2, timeout_s: float = 240
         "uncovered": coverage.uncovered(launched) if cases is None else [],
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def problems(rep: dict) -> list[dict]:
+    """What CI holds against the report: a jit function no entry reaches; on every target a kernel that
+    does not compile; on AMD targets also spills, scratch and LDS over budget. One dict per problem:
+    case, kernel (function name), target, kind ('coverage', 'compile', 'spill', 'scratch', 'lds'), text,
+    and known (its k3lab/isa/known.py entry, or None)."""
+    from k3lab.isa.known import explain
+
+    out = [{"case": None, "kernel": name, "target": None, "kind": "coverage", "known": None,
+            "text": f"{name}: a @triton.jit function no compile entry reaches (add a case to k3lab/isa/cases.py)"}
+           for name in rep.get("uncovered", [])]
+    for r in rep["rows"]:
+        kernel = (r.get("kernel") or "?").rsplit(".", 1)[-1]
+        where = f"{r['case']} {kernel} on {r['target']}"
+        found = []
+        if not r.get("ok"):
+            found.append(("compile", f"{where}: {r.get('error')}"))
+        elif TARGETS[r["target"]].is_amd:
+            if r.get("spills"):
+                found.append(("spill", f"{where}: {r['spills']} registers spilled"))
+            if r.get("scratch_bytes"):
+                found.append(("scratch", f"{where}: {r['scratch_bytes']} bytes of scratch"))
+            if not r.get("shared_ok"):
+                found.append(("lds", f"{where}: LDS {r['shared_bytes']} B over the {r['shared_budget']} B budget"))
+        for kind, text in found:
+            out.append({"case": r["case"], "kernel": kernel, "target": r["target"], "kind": kind, "text": text,
+                        "known": explain(r["case"], kernel, r["target"], kind)})
+    return out
 
 
 def _kinds(d: dict | None) -> str:

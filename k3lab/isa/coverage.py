@@ -21,8 +21,8 @@ def _is_jit(dec: ast.expr) -> bool:
         and node.value.id == "triton"
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT.parent).with_suffix("")
+def _module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
@@ -50,7 +50,7 @@ def jit_functions(root: Path = ROOT) -> dict[str, set[str]]:
     """{qualified name: qualified names of the jit functions its body refers to} for all of k3lab."""
     found: dict[str, tuple[str, ast.FunctionDef, dict]] = {}
     for path in sorted(root.rglob("*.py")):
-        module = _module_name(path)
+        module = _module_name(path, root)
         tree = ast.parse(path.read_text(), filename=str(path))
         imports = _imports(tree, module)
 

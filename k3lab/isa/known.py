@@ -1,0 +1,51 @@
+"""The problems the ISA report finds on AMD targets today, each with what causes it and the change it needs.
+
+CI (tests/test_isa.py) holds the report to exactly this list: a new problem fails the test, and so does
+a listed one that no longer occurs (remove its entry when the owning op is fixed).
+`k3lab.isa.problems` attaches each entry's text to the problem it explains. docs/mi355x.md explains each.
+"""
+
+from __future__ import annotations
+
+# (case prefix, kernel function, target, kind) -> cause and fix
+KNOWN: dict[tuple[str, str, str, str], str] = {}
+
+_TF32 = ("CDNA4 (gfx950) has no xf32 matrix instructions and Triton refuses input_precision='tf32' there; "
+         "kda_chunk.inputs.dot_precisions gives 'tf32' for 16-bit inputs on every backend. Fix: 'ieee' (native "
+         "fp32 MFMA 16x16x4, as the inverse already uses) or 'bf16x3' on gfx950")
+for _k in ("_a_kernel", "_wu_kernel", "_walk_kernel"):
+    KNOWN[("kda_chunk.", _k, "gfx950", "compile")] = _TF32
+KNOWN[("kda_chunk.after_16k", "_summary_kernel", "gfx950", "compile")] = _TF32
+
+_PTR = ("Triton 3.6's AMD pointer canonicalisation aborts (PassManager::run failed) on a pointer chosen per "
+        "program among different tensors once buffer ops mark them < 2 GB (tt.pointer_range 32). Compiles "
+        "with AMDGCN_USE_BUFFER_OPS=0; in the kernel: one launch per input, or one stacked input tensor")
+for _t in ("gfx950", "gfx942"):
+    KNOWN[("kda_decode.", "_conv_silu_kernel", _t, "compile")] = _PTR
+    for _c in ("mla_decode.verify_2", "mla_decode.verify_4"):
+        for _kind in ("spill", "scratch"):
+            KNOWN[(_c, "_split_kernel", _t, _kind)] = (
+                "a verification group's 32- or 64-row fp32 accumulator on 8 waves of 64 lanes: a wave may hold "
+                "256 VGPRs when two share a SIMD, and the tile needs more (4 waves still spill at 64 rows). "
+                "Fix: fewer verify tokens per program on AMD (mla_decode.triton.token_tile)")
+    for _c in ("attn_res_norm.t1", "attn_res_norm.t64"):
+        for _kind in ("spill", "scratch"):
+            KNOWN[(_c, "_attn_res_norm_kernel", _t, _kind)] = (
+                "the one-step 'tile8' config (all 8 blocks as one tile, 8 warps) holds the group tile of a "
+                "7168-wide row in 8 waves of 64 lanes; 16 waves compile with 105 VGPRs and no spills")
+KNOWN[("kda_chunk.", "_a_kernel", "gfx942", "spill")] = (
+    "the prologue's fix-up pass (FIXUP=True, exact pairwise decays) spills 6 VGPRs on gfx942; the main pass "
+    "does not")
+for _k in ("_scan_kernel", "_walk_kernel"):
+    KNOWN[("kda_chunk.after_16k", _k, "gfx942", "lds")] = (
+        "two pipeline stages of fp32 [128 x 64] tiles ask for 72 KiB of LDS, over MI300X's 64 KiB (a launch "
+        "would fail); one stage fits (64 KiB and 16 KiB). Fix: stages from the device's LDS, as the MLA "
+        "after already chooses them")
+
+
+def explain(case: str, kernel: str, target: str, kind: str) -> str | None:
+    """The KNOWN entry for one problem (kernel: the function's name), or None when it is not listed."""
+    for (prefix, k, t, kd), why in KNOWN.items():
+        if case.startswith(prefix) and kernel == k and target == t and kind == kd:
+            return why
+    return None

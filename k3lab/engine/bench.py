@@ -1,0 +1,251 @@
+"""The whole-step benchmark: one TP8 rank's decode step with every optimization on, all off, and each
+switched off alone (the waterfall), eager and as one CUDA graph, with its bytes floor, its launches per
+step from the profiler and the collective stand-ins timed apart.
+
+    python -m k3lab.engine bench --json F [--cases b1_1k b64_8k] [--distinct-layers 3] [--repeats 5]
+
+Cases on a GPU (K3Config.tp_slice(8), bf16, random weights: `distinct_layers` sets per layer kind rotated
+through the 93 layers): b1_1k, b1_32k, b1_128k (B = 1) and b64_8k (B = 64). On a CPU one case at a
+4-layer tiny config runs the same code with Triton in its interpreter (its times are not speeds).
+
+Before timing, every variant's logits after one step from the same caches are compared with the all-off
+variant's (`error['logits_vs_all_off']`; bf16 over 93 layers, and a near-tie in the router may pick
+another expert, so the figures are recorded, not asserted). The GPU path is not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import tempfile
+import time
+
+import torch
+
+from k3lab import bench, env
+from k3lab.config import K3Config
+
+from .step import DecodeStep
+from .switches import DECODE_ONLY, SWITCHES, VERIFY_ONLY, all_but
+from .weights import RankWeights
+
+STUDY = "decode_step"
+GPU_CASES = {"b1_1k": (1, 1024), "b1_32k": (1, 32768), "b1_128k": (1, 131072), "b64_8k": (64, 8192)}
+CPU_CASES = {"tiny_b1_ctx8": (1, 8)}
+CPU_CONFIG = dataclasses.replace(K3Config.tiny(), num_hidden_layers=4, name="tiny4")
+PROFILED = ("all_on", "all_off")
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def cases() -> dict[str, tuple[int, int]]:
+    """Case name -> (batch, context_len) on this machine."""
+    return GPU_CASES if on_gpu() else CPU_CASES
+
+
+def bench_config() -> K3Config:
+    return K3Config.tp_slice(8) if on_gpu() else CPU_CONFIG
+
+
+def variants(q_len: int = 1) -> dict[str, dict]:
+    """all_off first (the others are compared with it), all_on, then no_<switch> for each switch that
+    applies at this q_len."""
+    names = [n for n in SWITCHES if not (n in VERIFY_ONLY and q_len == 1) and not (n in DECODE_ONLY and q_len > 1)]
+    out = {"all_off": dict.fromkeys(SWITCHES, False), "all_on": dict.fromkeys(SWITCHES, True)}
+    out.update({f"no_{n}": all_but(n) for n in names})
+    return out
+
+
+def step_bytes(config: K3Config, batch: int, context_len: int, q_len: int = 1, *, tail: str = "sharded",
+               act_bytes: int = 2, cache_bytes: int = 2) -> dict[str, float]:
+    """Bytes one rank's step must move at least: every weight it reads once (the routed experts: the
+    expected number of distinct experts `batch * q_len` tokens choose under uniform routing), the MLA
+    history read and the new rows written, the KDA states read and written, the conv histories.
+    Keys: weights_dense, weights_experts, mla_cache, kda_state, kda_conv, total."""
+    c, N = config, batch * q_len
+    h, C, H = c.hidden_size, c.kda_width, c.kda_num_heads
+    kda = (4 * C + H + c.kda_gate_rank) * h + C * c.kda_gate_rank + h * C
+    mla = ((c.q_lora_rank + c.mla_latent_dim + c.num_attention_heads * c.v_head_dim) * h
+           + c.num_attention_heads * c.qk_head_dim * c.q_lora_rank
+           + 2 * c.num_attention_heads * c.qk_nope_head_dim * c.kv_lora_rank + h * c.num_attention_heads * c.v_head_dim)
+    up_rows = h // c.tp_size if tail == "sharded" else h
+    L = c.routed_expert_hidden_size
+    moe = c.num_experts * h + L * h + up_rows * L + 3 * c.shared_intermediate_size * h
+    dense = 3 * c.intermediate_size * h
+    ends = c.vocab_size * h + N * h  # lm_head slice, embedding rows
+    E, k = c.num_experts, c.num_experts_per_token
+    chosen = E * (1.0 - (1.0 - k / E) ** N)
+    experts = c.num_moe_layers * chosen * 3 * c.moe_intermediate_size * L * act_bytes
+    dense_bytes = (c.num_kda_layers * kda + c.num_mla_layers * mla + c.num_moe_layers * moe
+                   + c.first_k_dense_replace * dense + ends) * act_bytes
+    mla_cache = c.num_mla_layers * batch * (context_len + 2 * q_len) * c.mla_latent_dim * cache_bytes
+    kda_state = c.num_kda_layers * batch * 2 * c.kda_state_bytes_per_sequence()
+    kda_conv = c.num_kda_layers * batch * 2 * c.kda_conv_state_values_per_sequence() * act_bytes
+    parts = {"weights_dense": float(dense_bytes), "weights_experts": float(experts), "mla_cache": float(mla_cache),
+             "kda_state": float(kda_state), "kda_conv": float(kda_conv)}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def measured_bandwidth_tbs() -> tuple[float, str]:
+    """(TB/s, how): a 1 GiB device copy (read + write) timed here on a GPU; the env peak on a CPU."""
+    if not on_gpu():
+        pk = env.detect().peak
+        return pk.bandwidth_tbs, f"{pk.name} peak ({pk.bandwidth_source})"
+    n = 1 << 30
+    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    t = bench.time_fn(lambda: dst.copy_(src), warmup=3, repeats=10, calls_per_sample=1)
+    del src, dst
+    return 2 * n / (t.median_us * 1e-6) / 1e12, "1 GiB device copy, read + write, measured in this run"
+
+
+def _standin_us(collectives: list[tuple[str, int]], world: int) -> float:
+    """The collective stand-ins alone: the same copies, timed as one graph on a GPU."""
+    dev = "cuda" if on_gpu() else "cpu"
+    pairs = [(torch.empty(b * (world if k == "all_gather" else 1), dtype=torch.uint8, device=dev),) * 2
+             for k, b in collectives]
+    bufs = [(s, torch.empty_like(s)) for s, _ in pairs]
+    if not bufs:
+        return 0.0
+
+    def copies():
+        for s, d in bufs:
+            d.copy_(s)
+
+    return bench.time_fn(copies, warmup=2, repeats=10, graph=on_gpu(), calls_per_sample=1).median_us
+
+
+def _profile(fn, name: str, trace_dir: str) -> dict:
+    from k3lab import profile
+
+    cap = profile.capture(fn, steps=1, warmup=0, name=name, trace_dir=trace_dir)
+    counts = cap.counts()
+    cats = cap.categories.head(8)
+    return {"launches": counts["launches"], "copies": counts["copies"], "api_launches": counts["api_launches"],
+            "kernel_sum_us": cap.total_us(),
+            "categories": [{"category": r.category, "calls": int(r.calls), "total_us": float(r.total_us)}
+                           for r in cats.itertuples()]}
+
+
+def _errors(logits: torch.Tensor, ref: torch.Tensor | None) -> dict:
+    if ref is None:
+        return {"logits_vs_all_off": "this is the all-off variant (the comparison's reference)"}
+    d = (logits.double() - ref.double())
+    return {"logits_vs_all_off": {"rel_l2": float(d.norm() / ref.double().norm().clamp_min(1e-30)),
+                                  "max_abs": float(d.abs().max()), "finite": bool(torch.isfinite(logits).all())}}
+
+
+SLOW_STEP_S = 0.5  # a step slower than this (the per-expert loop at B = 64) is timed over at most 3 samples
+
+
+def _time(step: DecodeStep, repeats: int, graph: bool, first_s: float) -> bench.Timing:
+    if first_s > SLOW_STEP_S and not graph:
+        repeats = min(repeats, 3)
+    return bench.time_fn(step.run, warmup=1, repeats=repeats, graph=graph, calls_per_sample=1)
+
+
+def run_variant(case: str, name: str, opts: dict, weights: RankWeights, shape: tuple[int, int], *, ref, repeats: int,
+                floor: dict, trace_dir: str, profile: bool) -> tuple[list[bench.Record], torch.Tensor]:
+    """Build one variant's step, check it, time it eager (and as one graph where it can be captured),
+    profile it if asked; returns (records, its first-step logits)."""
+    B, ctx = shape
+    step = DecodeStep(weights.config, B, ctx, optimizations=opts, weights=weights)
+    ids = torch.randint(0, weights.config.vocab_size, (B, 1), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        step.set_tokens(ids)
+        t_first = time.perf_counter()
+        logits = step.run().clone()
+        t_first = time.perf_counter() - t_first
+        err = _errors(logits, ref)
+        extra = {"step": step.describe(), "bytes": floor["bytes"], "bandwidth_tbs": floor["bandwidth_tbs"],
+                 "bandwidth_how": floor["how"], "collectives": {"count": len(step.last_collectives),
+                                                               "bytes": sum(b for _, b in step.last_collectives),
+                                                               "what": "stand-ins: one device copy of the same bytes"}}
+        extra["collectives"]["standin_us"] = _standin_us(step.last_collectives, step.world_size)
+        if profile:
+            extra["profile_eager"] = _profile(step.run, f"{case}_{name}_eager", trace_dir)
+        label = "before" if name == "all_off" else "after"
+        sh = {"batch": B, "context_len": ctx, "q_len": 1, "tp": step.world_size, "layers": step.config.num_hidden_layers}
+        recs = [bench.make_record(STUDY, f"{case}.{name}", label, _time(step, repeats, False, t_first), shape=sh,
+                                  dtype=step.dtype, floor_us=floor["floor_us"], error=err, **extra)]
+        ok, why = step.capturable()
+        if ok:
+            t = _time(step, repeats, True, t_first)
+            gextra = dict(extra)
+            if profile:
+                step.capture()
+                gextra["profile_graph"] = _profile(step.replay, f"{case}_{name}_graph", trace_dir)
+            recs.append(bench.make_record(STUDY, f"{case}.{name}.graph", label, t, shape=sh, dtype=step.dtype,
+                                          floor_us=floor["floor_us"], error=err, **gextra))
+        else:
+            recs[0].extra["graph"] = f"not captured: {why}"
+    del step
+    gc.collect()
+    if on_gpu():
+        torch.cuda.empty_cache()
+    return recs, logits
+
+
+def run_cases(names: list[str] | None = None, *, distinct_layers: int = 3, repeats: int = 5, profile: bool = True,
+              log=print) -> list[bench.Record]:
+    """Every variant of every case in `names` (default: all cases here); see the module docstring."""
+    here = cases()
+    names = list(here) if names is None else list(names)
+    unknown = [n for n in names if n not in here]
+    if unknown:
+        raise ValueError(f"cases must be among {list(here)} on this machine, got {unknown}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    t0 = time.perf_counter()
+    dev = torch.device("cuda" if on_gpu() else "cpu")
+    dt = torch.bfloat16 if on_gpu() else torch.float32
+    weights = RankWeights.random(bench_config(), distinct_layers=distinct_layers, device=dev, dtype=dt)
+    log(f"decode_step: weights drawn ({weights.nbytes()['total'] / 2**30:.1f} GiB, {distinct_layers} sets per kind) "
+        f"in {time.perf_counter() - t0:.0f} s")
+    bw, how = measured_bandwidth_tbs()
+    records = []
+    with tempfile.TemporaryDirectory() as trace_dir:
+        for case in names:
+            B, ctx = here[case]
+            parts = step_bytes(weights.config, B, ctx, act_bytes=weights.embed.element_size(),
+                               cache_bytes=weights.embed.element_size())
+            floor = {"bytes": parts, "bandwidth_tbs": bw, "how": how, "floor_us": parts["total"] / (bw * 1e6)}
+            ref = None
+            for name, opts in variants().items():
+                recs, logits = run_variant(case, name, opts, weights, (B, ctx), ref=ref, repeats=repeats, floor=floor,
+                                           trace_dir=trace_dir, profile=profile and name in PROFILED)
+                ref = logits if ref is None else ref
+                records += recs
+                log(f"  {case} {name}: " + ", ".join(f"{r.mode} {r.median_us / 1e3:.2f} ms" for r in recs)
+                    + f"  [{time.perf_counter() - t0:.0f} s]")
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m k3lab.engine", description="the whole-step benchmark of one TP8 rank")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("bench", help="time the decode step: all on, all off, each switch off alone")
+    b.add_argument("--cases", nargs="+", default=None, help=f"cases (GPU: {list(GPU_CASES)}; CPU: {list(CPU_CASES)})")
+    b.add_argument("--distinct-layers", type=int, default=3, help="weight sets per layer kind rotated through the layers")
+    b.add_argument("--repeats", type=int, default=5, help="timed samples per variant and mode")
+    b.add_argument("--no-profile", action="store_true", help="skip the profiler runs (launches per step)")
+    b.add_argument("--json", default=None, help="write every record to this JSON file")
+    b.add_argument("--save-profiles", action="store_true", help="save the records under profiles/<device>/decode_step/")
+    args = p.parse_args(argv)
+    print(env.describe())
+    records = run_cases(args.cases, distinct_layers=args.distinct_layers, repeats=args.repeats,
+                        profile=not args.no_profile)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps([r.to_dict() for r in records], indent=1) + "\n")
+        print(f"wrote {len(records)} records to {args.json}")
+    if args.save_profiles:
+        paths = bench.save_records(records)
+        print(f"saved {len(paths)} records under {bench.PROFILES}/")
+    return 0

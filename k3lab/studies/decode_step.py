@@ -1,0 +1,219 @@
+"""Study: one TP8 rank's whole decode step, every optimization a switch (notebook 08, the report's first page).
+
+The run itself is k3lab.engine.bench (`python -m k3lab.engine bench`); this module gives it the study
+interface (NAME, case_names, run, profile_targets) and reads its records back into the tables the
+notebook and the report show: the waterfall (all on, each switched off alone, all off), the MLA padding's
+whole-step effect beside the seed's per-token figures, the AttnRes fusion's and the MoE tail's shares
+beside the seed's throughput gains, launches per step, and what the per-op records predict (Amdahl).
+Seed figures are labelled as the seed's (MI355X, their serving stack); nothing here is mixed with them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3lab import bench
+from k3lab.engine import bench as step_bench
+
+NAME = "decode_step"
+DEVICE = "nvidia-h200"
+SEED = {
+    "mla_1k_ms": (22.9, 22.8), "mla_32k_ms": (43.8, 23.6),  # ms per output token, before -> after
+    "attn_res_gain": 0.142,  # +14.2% output throughput at 100K input
+    "moe_tail_gain": (0.0305, 0.0491),  # +3.05-4.91% output throughput
+}
+# Per-op records (graph replay, B = 1, TP8 shapes) and how often the op runs in one step.
+PER_OP = {
+    "kda_decode": ("kda_decode", "B1_H12", 69, "fused KDA decode (69 KDA layers)"),
+    "attn_res": ("copy_removal", "attn_res_t1_s5_graph", 187, "AttnRes + RMSNorm, 5 sources (187 per step)"),
+    "pack": ("copy_removal", "pack_copy_graph", 69, "the needless pack copy (69 per step)"),
+}
+MLA_CASE = {"b1_1k": "ctx1k", "b1_32k": "ctx32k", "b1_128k": "ctx128k", "b64_8k": "b64_8k"}
+
+
+def case_names(preset=None) -> list[str]:
+    """The whole-step cases on this machine (GPU: b1_1k, b1_32k, b1_128k, b64_8k; CPU: one tiny case)."""
+    return list(step_bench.cases())
+
+
+def run(preset=None, cases=None, *, repeats: int = 5, distinct_layers: int = 3, profile: bool = True) -> list:
+    """Every variant of `cases` (see k3lab.engine.bench.run_cases); records of study 'decode_step'."""
+    return step_bench.run_cases(cases, distinct_layers=distinct_layers, repeats=repeats, profile=profile)
+
+
+def profile_targets(preset=None) -> dict:
+    """One step with every optimization off ('before') and on ('after'), at the first case's shape."""
+    from k3lab.engine import DecodeStep
+    from k3lab.engine.weights import RankWeights
+
+    B, ctx = next(iter(step_bench.cases().values()))
+    gpu = step_bench.on_gpu()
+    w = RankWeights.random(step_bench.bench_config(), distinct_layers=2, device="cuda" if gpu else "cpu",
+                           dtype=torch.bfloat16 if gpu else torch.float32)
+    steps = {v: DecodeStep(w.config, B, ctx, optimizations=o, weights=w) for v, o in (("before", "none"), ("after", "all"))}
+    return {v: s.run for v, s in steps.items()}
+
+
+# ------------------------------------------------------------------ reading the records
+def load(records=None, device: str = DEVICE) -> list:
+    """The whole-step records: `records` if given (a live run), else the committed ones for `device`."""
+    return list(records) if records is not None else bench.load_records(NAME, device=device)
+
+
+def _index(records) -> dict[tuple[str, str, str], bench.Record]:
+    """(shape case, variant name, mode) -> record; mode 'graph' or 'eager' (cpu runs count as eager)."""
+    out = {}
+    for r in records:
+        parts = r.case.split(".")
+        mode = "graph" if parts[-1] == "graph" else "eager"
+        out[(parts[0], parts[1], mode)] = r
+    return out
+
+
+def best_us(idx, case: str, variant: str) -> tuple[float | None, str]:
+    """(median us, mode) of a variant: the graph replay where it was captured, else eager."""
+    for mode in ("graph", "eager"):
+        r = idx.get((case, variant, mode))
+        if r is not None:
+            return r.median_us, r.mode
+    return None, ""
+
+
+def waterfall(records, case: str):
+    """One row per variant of `case`: variant, label, eager_ms, graph_ms, step_ms (graph where captured),
+    vs_all_on (step time / all-on step time - 1: what switching that one off costs), floor_ms."""
+    import pandas as pd
+
+    idx = _index(records)
+    rows = []
+    for name in step_bench.variants():
+        eager, graph = idx.get((case, name, "eager")), idx.get((case, name, "graph"))
+        if eager is None:
+            continue
+        t, mode = best_us(idx, case, name)
+        rows.append({"variant": name, "label": eager.extra.get("step", {}).get("label", name),
+                     "eager_ms": eager.median_us / 1e3, "graph_ms": graph.median_us / 1e3 if graph else None,
+                     "step_ms": t / 1e3, "step_mode": mode, "floor_ms": (eager.floor_us or 0) / 1e3})
+    df = pd.DataFrame(rows)
+    if len(df) and "all_on" in set(df["variant"]):
+        on = float(df.loc[df["variant"] == "all_on", "step_ms"].iloc[0])
+        df["vs_all_on"] = df["step_ms"] / on - 1.0
+    return df
+
+
+def waterfall_figure(df, title: str):
+    """Horizontal bars of the step time per variant (graph replay where captured, hatched where eager)."""
+    import plotly.graph_objects as go
+
+    d = df.iloc[::-1]
+    fig = go.Figure(go.Bar(x=d["step_ms"], y=d["variant"], orientation="h",
+                           marker_pattern_shape=["" if m == "graph" else "/" for m in d["step_mode"]],
+                           text=[f"{v:.2f} ms ({m})" for v, m in zip(d["step_ms"], d["step_mode"])],
+                           textposition="outside"))
+    if len(df) and df["floor_ms"].max() > 0:
+        fig.add_vline(x=float(df["floor_ms"].iloc[0]), line_dash="dot", annotation_text="bytes floor")
+    fig.update_layout(title=title, xaxis_title="ms per step", height=80 + 32 * len(df), margin={"l": 170})
+    return fig
+
+
+def mla_rows(records) -> list[dict]:
+    """The MLA padding's whole-step effect per B = 1 case: before (no_mla_padded) and after (all_on),
+    beside the seed's per-token figures where the seed gives them (1K and 32K)."""
+    idx = _index(records)
+    rows = []
+    for case, seed_key in (("b1_1k", "mla_1k_ms"), ("b1_32k", "mla_32k_ms"), ("b1_128k", None)):
+        before, _ = best_us(idx, case, "no_mla_padded")
+        after, mode = best_us(idx, case, "all_on")
+        s = SEED.get(seed_key) if seed_key else None
+        rows.append({"case": case, "before_ms": before and before / 1e3, "after_ms": after and after / 1e3,
+                     "ratio": before / after if before and after else None, "mode": mode,
+                     "seed_before_ms": s[0] if s else None, "seed_after_ms": s[1] if s else None,
+                     "seed_ratio": s[0] / s[1] if s else None})
+    return rows
+
+
+def gain(records, case: str, switch: str) -> float | None:
+    """Throughput gain of turning `switch` on with the rest on: t(no_switch) / t(all_on) - 1."""
+    idx = _index(records)
+    off, _ = best_us(idx, case, f"no_{switch}")
+    on, _ = best_us(idx, case, "all_on")
+    return off / on - 1.0 if off and on else None
+
+
+def launches(records, case: str) -> list[dict]:
+    """Launches per step from the profiler: all off and all on, eager (kernels and API launches) and,
+    where captured, in the graph (the kernels it holds, one API launch)."""
+    idx = _index(records)
+    rows = []
+    for name in ("all_off", "all_on"):
+        for mode in ("eager", "graph"):
+            r = idx.get((case, name, mode))
+            prof = r and r.extra.get(f"profile_{mode}")
+            if prof:
+                rows.append({"variant": name, "mode": mode, "kernels": prof["launches"],
+                             "api_launches": prof["api_launches"], "kernel_sum_ms": prof["kernel_sum_us"] / 1e3,
+                             "step_ms": r.median_us / 1e3})
+    return rows
+
+
+def amdahl(context: str = "ctx32k", device: str = DEVICE) -> list[dict]:
+    """What the per-op records predict for one B = 1 step at `context` (ctx1k, ctx32k, ctx128k): per op,
+    its per-call graph time before and after, times calls per step, and the time saved per step."""
+    rows = []
+    ops = dict(PER_OP, mla=("mla_padding", context, 24, f"MLA decode at {context} (24 MLA layers)"))
+    for key, (study, case, calls, what) in ops.items():
+        recs = {r.variant: r for r in bench.load_records(study, device=device) if r.case == case and r.mode == "graph"}
+        before, after = recs.get("before"), recs.get("after")
+        if before is None:
+            continue
+        b = before.median_us * calls / 1e3
+        a = after.median_us * calls / 1e3 if after is not None else 0.0
+        rows.append({"op": key, "what": what, "calls": calls, "before_ms": b, "after_ms": a, "saved_ms": b - a,
+                     "record": f"profiles/{device}/{study}/{case}__before.json"})
+    return rows
+
+
+def seed_headline() -> dict:
+    """The seed's headline arithmetic (tokens per dollar, MI355X against HGX B300): the seed's figures."""
+    from k3lab import agentx
+
+    return agentx.compare(agentx.SEED["mi355x"], agentx.SEED["b300"])
+
+
+def _fmt_pair(a, b, unit="ms") -> str:
+    return f"{a:.2f} -> {b:.2f} {unit}" if a is not None and b is not None else "not yet run on a GPU"
+
+
+def front_page_rows(records=None, device: str = DEVICE) -> list[dict]:
+    """Rows for the report's first page, one per whole-step result: what, k3lab (this device's
+    whole-step records, or 'not yet run on a GPU'), seed (the seed's figure, labelled), record."""
+    recs = load(records, device)
+    where = f"profiles/{device}/{NAME}/"
+    mla = {r["case"]: r for r in mla_rows(recs)}
+    rows = []
+    for case in ("b1_1k", "b1_32k"):
+        m = mla[case]
+        rows.append({"what": f"MLA padded to 16 heads, whole step, B = 1, {case[3:]} context",
+                     "k3lab": _fmt_pair(m["before_ms"], m["after_ms"]) + (f" ({m['ratio']:.2f}x)" if m["ratio"] else ""),
+                     "seed": f"{m['seed_before_ms']} -> {m['seed_after_ms']} ms per token (seed, MI355X)",
+                     "record": where})
+    for switch, case, seed in (("attn_res_fused", "b1_128k", "+14.2% output throughput at 100K input (seed)"),
+                               ("moe_tail_sharded", "b64_8k", "+3.05-4.91% output throughput (seed)"),
+                               ("kda_fused", "b1_1k", "3 kernels + 2 copies -> 1 launch (seed)")):
+        g = gain(recs, case, switch)
+        rows.append({"what": f"{switch}: step time with it off / on - 1, {case}",
+                     "k3lab": f"{100 * g:+.1f}%" if g is not None else "not yet run on a GPU", "seed": seed,
+                     "record": where})
+    lrows = {(r["variant"], r["mode"]): r for r in launches(recs, "b1_1k")}
+    off, on = lrows.get(("all_off", "eager")), lrows.get(("all_on", "eager"))
+    rows.append({"what": "kernels per step, all off -> all on (B = 1, 1K)",
+                 "k3lab": f"{off['kernels']} -> {on['kernels']}" if off and on else "not yet run on a GPU",
+                 "seed": "69 needless copies per step removed (seed)", "record": where})
+    idx = _index(recs)
+    t, mode = best_us(idx, "b1_1k", "all_on")
+    r = idx.get(("b1_1k", "all_on", "eager"))
+    rows.append({"what": "all on, B = 1, 1K: step time against its bytes floor",
+                 "k3lab": f"{t / 1e3:.2f} ms ({mode}), floor {r.floor_us / 1e3:.2f} ms ({r.floor_us / t:.0%})"
+                 if t and r and r.floor_us else "not yet run on a GPU",
+                 "seed": "22.8 ms per token at 1K (seed, whole serving stack)", "record": where})
+    return rows

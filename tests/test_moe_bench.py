@@ -19,6 +19,9 @@ def test_bench_runs_every_variant_checked_at_tiny_sizes():
         assert r.floor_us > 0 and r.error["max_rel"] <= r.error["bound_max_rel"]
     tail = {r.variant: r for r in res["records"] if r.case == "tail_N3"}
     assert tail["before"].shape["rows"] == 256 and tail["after"].shape["rows"] == 128
+    # before and after differ only in the rows (the same form), torch is the reference ops
+    assert [tail[v].extra["form"] for v in ("before", "after", "torch")] == ["tail_triton", "tail_triton",
+                                                                            "tail_torch"]
     assert "case" in bench_moe.table(res["records"])
 
 

@@ -178,25 +178,78 @@ def test_grouped_bf16_at_tp8_shapes_on_gpu():
         check(got, ref, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("n", [1, 5, 70])
-def test_fused_tail_adds_the_normed_projection_into_its_columns_only(n):
-    gen = torch.Generator().manual_seed(n)
-    y = torch.randn(n, 128, generator=gen)
-    nw = torch.rand(128, generator=gen) + 0.5
-    up = torch.randn(40, 128, generator=gen)
-    out0 = torch.randn(n, 100, generator=gen)
+def _tail_inputs(n, lat=128, rows=40, hidden=100, seed=0):
+    gen = torch.Generator().manual_seed(seed + n)
+    return (torch.randn(n, lat, generator=gen) * 3, torch.rand(lat, generator=gen) + 0.5,
+            torch.randn(rows, lat, generator=gen), torch.randn(n, hidden, generator=gen))
+
+
+def _normed64(y, nw, eps=1e-5):
     yd = y.double()
+    return yd * torch.rsqrt(yd.pow(2).mean(-1, keepdim=True) + eps) * nw.double()
+
+
+@pytest.mark.parametrize("n, lat, block", [(0, 128, 4096), (1, 128, 4096), (65, 128, 4096), (3, 160, 64)])
+def test_norm_rows_equals_the_fp64_norm(n, lat, block, monkeypatch):
+    """One program per row; (3, 160, 64) walks the row in three blocks, the last one partial."""
+    from k3lab.ops.moe_experts import tail as tail_mod
+
+    monkeypatch.setattr(tail_mod, "NORM_BLOCK", block)
+    y, nw, _, _ = _tail_inputs(n, lat)
+    got = me.norm_rows(y, nw, 1e-5, torch.float32)
+    assert got.shape == (n, lat) and got.dtype == torch.float32
+    check(got, _normed64(y, nw), dtype=torch.float32, max_rel=1e-5)
+    half = me.norm_rows(y, nw, 1e-5, torch.float16)
+    assert half.dtype == torch.float16
+    check(half, _normed64(y, nw).half().double(), dtype=torch.float16, max_rel=1e-3)
+
+
+@pytest.mark.parametrize("n", [0, 1, 65])
+def test_tail_adds_the_normed_projection_into_its_columns_in_place(n):
+    y, nw, up, out0 = _tail_inputs(n)
     ref = out0.double()
-    ref[:, 30:70] += (yd * torch.rsqrt(yd.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.double()) @ up.double().t()
+    ref[:, 30:70] += _normed64(y, nw) @ up.double().t()
     for fn in (me.tail_triton, me.tail_torch):
-        got = fn(y, nw, 1e-5, up, out0.clone(), 30)
+        out = out0.clone()
+        ptr = out.data_ptr()
+        got = fn(y, nw, 1e-5, up, out, 30)
+        assert got is out and out.data_ptr() == ptr
         check(got, ref, dtype=torch.float32, max_rel=1e-5, name=fn.__name__)
         assert torch.equal(got[:, :30], out0[:, :30]) and torch.equal(got[:, 70:], out0[:, 70:])
 
 
-def test_fused_tail_refuses_columns_outside_out():
+def test_tail_adds_into_the_strided_column_view_without_a_copy(monkeypatch):
+    """The product goes into out[:, 30:70] (row stride 100) through addmm_ with no copy of out: the
+    profiler sees no copy op in the tail (the norm's result is computed beforehand: its launch in
+    Triton's interpreter copies the arguments)."""
+    from torch.profiler import profile
+
+    from k3lab.nn.norms import rms_norm
+    from k3lab.ops.moe_experts import tail as tail_mod
+
+    y, nw, up, out = _tail_inputs(5)
+    ref = out.double()
+    ref[:, 30:70] += _normed64(y, nw) @ up.double().t()
+    normed = rms_norm(y, nw, 1e-5)
+    monkeypatch.setattr(tail_mod, "norm_rows", lambda *args: normed)
+    with profile() as prof:
+        me.tail_triton(y, nw, 1e-5, up, out, 30)
+    names = [e.name for e in prof.events()]
+    assert "aten::addmm_" in names and not any("copy" in name for name in names), names
+    check(out, ref, dtype=torch.float32, max_rel=1e-5)
+
+
+def test_tail_refuses_bad_input_by_name():
     y, nw, up, out = torch.randn(2, 16), torch.ones(16), torch.randn(8, 16), torch.zeros(2, 20)
     with pytest.raises(ValueError, match=r"columns \[col0, col0 \+ R=8\) inside it"):
         me.latent_tail(y, nw, 1e-5, up, out, 13)
     with pytest.raises(ValueError, match="up_rows must be"):
         me.latent_tail(y, nw, 1e-5, up[:, :8], out, 0)
+    with pytest.raises(ValueError, match="out must have up_rows' dtype"):
+        me.latent_tail(y, nw, 1e-5, up, out.double(), 0)
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        me.latent_tail(y, nw, 1e-5, up, torch.zeros(20, 2).t(), 0)
+    with pytest.raises(ValueError, match="norm_w must be"):
+        me.norm_rows(y, nw[:8], 1e-5, torch.float32)
+    with pytest.raises(ValueError, match="eps must be positive"):
+        me.norm_rows(y, nw, 0.0, torch.float32)

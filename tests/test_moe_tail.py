@@ -66,7 +66,7 @@ def test_both_tails_equal_the_single_rank_layer_with_two_all_reduces(world_size)
 
 
 def test_tails_with_the_triton_kernels_and_in_bf16():
-    """Two ranks: the grouped expert kernels and the fused tail (Triton's interpreter) in fp32, and
+    """Two ranks: the grouped expert kernels and the Triton-norm tail (Triton's interpreter) in fp32, and
     the torch path in bf16 against the bf16 single-rank layer."""
     with torch.no_grad():
         ref32 = _layer()(_x().unsqueeze(0))[0]

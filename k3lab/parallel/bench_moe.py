@@ -4,9 +4,12 @@ the memory of up_proj under each tail.
     python -m k3lab.parallel.bench_moe --json OUT.json [--records-root DIR]
 
 - tail (norm + up_proj + add into the output) for N = 1, 8, 64, 256 tokens, graph replay:
-  before = the replicated tail in torch (all 7168 rows of up_proj on every rank), after = the
-  sharded tail in one Triton launch (this rank's 896 rows), torch = the sharded tail in torch ops;
-  each beside its bytes / bandwidth floor (tail_cost), inputs rotated so that they are read from HBM.
+  before = the replicated tail (all 7168 rows of up_proj on every rank) and after = the sharded tail
+  (this rank's 896 rows), both in the same form (tail_triton: one Triton norm launch, one in-place
+  addmm_), so that their ratio is the policy's; torch = the sharded tail in the plain reference ops
+  (tail_torch). Each beside its bytes / bandwidth floor (tail_cost), inputs rotated so that they are
+  read from HBM; on a GPU each record also lists the kernels one call launches (a copy of the output
+  would show there).
 - experts for N = 1 and 64 (896 experts, 384 of the 3072 intermediate, bf16, the router's top-16 at
   K3's shape with random weights): before = the per-expert torch loop (eager: it reads back counts,
   so it cannot be captured), after = the grouped kernels (graph replay and eager); floor = the
@@ -18,7 +21,7 @@ the memory of up_proj under each tail.
 Every variant is checked against an fp32 computation on the same inputs before it is timed.
 Prints a table; --json writes the records, memory figures and checks; --records-root writes the
 records as profiles/<device>/moe_sharding/*.json under that folder. Needs a CUDA/ROCm GPU.
-Not yet run on a GPU.
+The tail's Triton-norm + addmm form is not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -44,15 +47,25 @@ def _randn(*shape, gen, scale=1.0, dtype=torch.bfloat16):
     return (torch.randn(*shape, device=gen.device, generator=gen) * scale).to(dtype)
 
 
+def _launched(fn) -> dict:
+    """Kernels one call of fn() launches on the GPU (names, launches, copies); {} on a CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    from k3lab import profile
+
+    cap = profile.capture(fn, steps=1, warmup=1, name="moe_tail")
+    return {"kernels": sorted(cap.table["name"]), **{k: cap.counts()[k] for k in ("launches", "copies")}}
+
+
 def _tail_case(cfg, tp: int, n: int, gen, dt, timing: dict) -> list:
-    """Records of the tail at n tokens: before (replicated, torch), after (sharded, Triton), torch
-    (sharded, torch ops)."""
+    """Records of the tail at n tokens: before (replicated) and after (sharded) in tail_triton's form,
+    torch (sharded, the reference ops)."""
     H, LAT, eps = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.rms_norm_eps
     rows = H // tp
     lo = 0  # rank 0's rows; every rank's tail costs the same
     norm_w = (1 + 0.1 * _randn(LAT, gen=gen, dtype=torch.float32)).to(dt)
     graph = gen.device.type == "cuda"
-    variants = {"before": ("replicated", me.tail_torch), "after": ("sharded", me.tail_triton),
+    variants = {"before": ("replicated", me.tail_triton), "after": ("sharded", me.tail_triton),
                 "torch": ("sharded", me.tail_torch)}
     records = []
     for variant, (tail, fn) in variants.items():
@@ -70,11 +83,14 @@ def _tail_case(cfg, tp: int, n: int, gen, dt, timing: dict) -> list:
         ref[:, col0:col0 + R] += normed.to(dt).double() @ up.double().t()
         err = bench.check(fn(lat, norm_w, eps, up, out.clone(), col0), ref, dtype=dt,
                           name=f"tail {variant} N={n}")
+        scratch = out.clone()  # made outside the profiled call, whose copies are counted
+        launched = _launched(lambda: fn(lat, norm_w, eps, up, scratch, col0))
         t = bench.time_fn(lambda a, b, c: fn(a, norm_w, eps, b, c, col0), graph=graph, rotate=sets, **timing)
         floor = bench.floor_us(bytes=cost["bytes"], flops=cost["flops"])
         records.append(bench.make_record(
             STUDY, f"tail_N{n}", variant, t, shape={"tokens": n, "rows": R, "latent": LAT, "hidden": H, "tp": tp},
-            dtype=dt, floor_us=floor, error=err, tail=tail, bytes=cost["bytes"], flops=cost["flops"]))
+            dtype=dt, floor_us=floor, error=err, tail=tail, form=fn.__name__, bytes=cost["bytes"],
+            flops=cost["flops"], **launched))
     return records
 
 
@@ -181,11 +197,14 @@ def run(tail_tokens=TAIL_TOKENS, expert_tokens=EXPERT_TOKENS, tp: int = 8, seed:
 
 
 def table(records) -> str:
-    lines = [f"{'case':<14} {'variant':<7} {'mode':<6} {'median us':>10} {'floor us':>9} {'floor/median':>12}"]
+    """One line per record; 'launches' / 'copies' are one call's GPU operations (tail records on a GPU)."""
+    lines = [f"{'case':<14} {'variant':<7} {'mode':<6} {'median us':>10} {'floor us':>9} {'floor/median':>12} "
+             f"{'launches':>8} {'copies':>6}"]
     for r in records:
         frac = r.floor_us / r.median_us if r.floor_us else float("nan")
+        launches, copies = (r.extra.get(k, "") for k in ("launches", "copies"))
         lines.append(f"{r.case:<14} {r.variant:<7} {r.mode:<6} {r.median_us:>10.2f} {r.floor_us or 0:>9.2f} "
-                     f"{frac:>12.2f}")
+                     f"{frac:>12.2f} {launches:>8} {copies:>6}")
     return "\n".join(lines)
 
 

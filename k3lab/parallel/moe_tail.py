@@ -178,7 +178,7 @@ class TPLatentMoE:
     x [N, H] (or [..., H]) must be the same on every rank of `group` (the default group when None;
     no group at all when world_size is 1 and torch.distributed is not initialized). Returns the full
     output, x's shape, on every rank. experts_backend / tail_backend: see k3lab.ops.moe_experts (the
-    grouped Triton kernels and the fused tail on a GPU, plain torch on a CPU, by default).
+    grouped Triton kernels and the Triton-norm + addmm tail on a GPU, plain torch on a CPU, by default).
     verify=False skips the agreement gather (then only the two all-reduces run)."""
 
     def __init__(self, weights: RankMoEWeights, *, experts_backend: str | None = None,

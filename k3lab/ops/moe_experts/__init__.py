@@ -14,10 +14,12 @@ Backends (`routed_experts(..., backend=)` or K3LAB_MOE_EXPERTS_BACKEND forces on
 With none forced, the triton backend runs on a GPU and the torch loop on a CPU (the interpreter
 is too slow for more than tests). `padding.py` measures the tile padding at decode batches.
 
-The Triton kernels are checked in the interpreter only: not yet run on a GPU.
+The grouped kernels are checked in the interpreter and have run on the H200 (parallel.bench_moe);
+the tail's norm kernel is checked in the interpreter, not yet run on a GPU.
 
 The layer's tail, `latent_tail` (tail.py: RMSNorm of the latent, rows of up_proj, added into an
-output in place), has the same two backends: one fused Triton launch, or three torch kernels.
+output in place), has the same two backends: triton = one Triton norm launch and one in-place addmm_
+into the output's columns; torch = the plain reference ops.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from . import triton as _triton
 from .inputs import TILE_HEIGHTS, ExpertSort, check_block_m, check_inputs, default_block_m, max_tiles, \
     sort_by_expert, stack_experts
 from .padding import decode_padding, padding_of, random_router_idx
-from .tail import check_tail, tail_torch, tail_triton
+from .tail import check_tail, norm_rows, tail_torch, tail_triton
 
 ENV_VAR = "K3LAB_MOE_EXPERTS_BACKEND"
 
@@ -113,7 +115,7 @@ def latent_tail(y_lat, norm_w, eps, up_rows, out, col0: int = 0, *, backend: str
 
 __all__ = [
     "BACKENDS", "ENV_VAR", "TILE_HEIGHTS", "ExpertSort", "available", "check_inputs", "decode_padding",
-    "default_block_m", "expert_loop", "grouped_experts", "max_tiles", "padding_of", "pick_backend",
-    "latent_tail", "random_router_idx", "routed_experts", "sort_by_expert", "stack_experts", "tail_torch",
-    "tail_triton",
+    "default_block_m", "expert_loop", "grouped_experts", "latent_tail", "max_tiles", "norm_rows",
+    "padding_of", "pick_backend", "random_router_idx", "routed_experts", "sort_by_expert", "stack_experts",
+    "tail_torch", "tail_triton",
 ]

@@ -4,15 +4,19 @@
 
 y_lat [N, LAT] is the all-reduced latent (fp32); up_rows [R, LAT] are the rows of
 routed_expert_up_proj this rank computes (all 7168 in the replicated tail, its 896 under TP8 in the
-sharded one); out [N, H] is the tensor they are added into (the shared expert's output after its
-all-reduce for the replicated tail, this rank's not-yet-reduced shared partial for the sharded one).
-The normed latent is rounded to up_rows' dtype before the product, as the nn layer rounds it.
+sharded one); out [N, H] (contiguous, up_rows' dtype) is the tensor they are added into (the shared
+expert's output after its all-reduce for the replicated tail, this rank's not-yet-reduced shared
+partial for the sharded one). The normed latent is rounded to up_rows' dtype before the product, as
+the nn layer rounds it.
 
-Backends: `tail_torch` (norm, matmul, add: three kernels, the normed latent through memory) and
-`tail_triton` (one launch: each program takes a block of rows and output columns, finds the rows'
-norms from the fp32 latent, applies them while loading the latent tiles of the product, and adds
-the result into out in place, one rounding). The Triton kernel is checked in the interpreter; not
-yet run on a GPU.
+Two forms, the same for either tail, so that the replicated-vs-sharded ratio measures the rows:
+  tail_triton  one Triton launch for the norm (`norm_rows`: a program per row, the normed latent
+               written in up_rows' dtype), then one addmm_ (cuBLAS / hipBLASLt on a GPU) that adds
+               the product into out's column slice in place: the slice is a strided view with unit
+               column stride, which the BLAS call takes as its output with a leading dimension of H,
+               so no copy of out is made and the add is one rounding.
+  tail_torch   the plain reference: nn.norms.rms_norm (several small kernels), matmul, add.
+The norm kernel is checked in Triton's interpreter; not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ try:
     import triton.language as tl
 except ImportError:
     triton = None
+
+NORM_BLOCK = 4096  # latent values a norm program loads at once (K3's 3584 in one block)
 
 
 def check_tail(y_lat, norm_w, up_rows, out, col0: int) -> tuple[int, int, int]:
@@ -43,13 +49,16 @@ def check_tail(y_lat, norm_w, up_rows, out, col0: int) -> tuple[int, int, int]:
                          f"{tuple(out.shape)} and col0={col0!r}")
     if not out.is_contiguous():
         raise ValueError("out must be contiguous (the tail adds into it in place)")
+    if out.dtype != up_rows.dtype:
+        raise ValueError(f"out must have up_rows' dtype {up_rows.dtype} (the product is added in place), "
+                         f"got {out.dtype}")
     if len({t.device for t in (y_lat, norm_w, up_rows, out)}) != 1:
         raise ValueError("y_lat, norm_w, up_rows and out must be on one device")
     return N, LAT, R
 
 
 def tail_torch(y_lat, norm_w, eps, up_rows, out, col0: int = 0) -> torch.Tensor:
-    """Plain PyTorch; adds into out in place and returns it."""
+    """Plain PyTorch (the reference); adds into out in place and returns it."""
     check_tail(y_lat, norm_w, up_rows, out, col0)
     normed = rms_norm(y_lat, norm_w, eps, out_dtype=up_rows.dtype)
     out[:, col0:col0 + up_rows.shape[0]] += normed @ up_rows.t()
@@ -59,52 +68,49 @@ def tail_torch(y_lat, norm_w, eps, up_rows, out, col0: int = 0) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _tail_kernel(y_ptr, nw_ptr, w_ptr, out_ptr, N, eps, out_stride, col0, LAT: tl.constexpr,
-                     R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < N
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < R
-        ks = tl.arange(0, BLOCK_K)
-        y_base = y_ptr + rows[:, None].to(tl.int64) * LAT
-        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, LAT, BLOCK_K):
-            y = tl.load(y_base + k0 + ks[None, :], mask=row_ok[:, None] & ((k0 + ks) < LAT)[None, :], other=0.0)
-            ss += tl.sum(y * y, axis=1)
-        inv = 1.0 / tl.sqrt(ss / LAT + eps)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        w_base = w_ptr + cols[None, :].to(tl.int64) * LAT  # up_rows[col, k] read as [k, col]
-        for k0 in range(0, LAT, BLOCK_K):
-            k_ok = (k0 + ks) < LAT
-            y = tl.load(y_base + k0 + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            nw = tl.load(nw_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            a = (y * inv[:, None] * nw[None, :]).to(w_ptr.dtype.element_ty)
-            b = tl.load(w_base + k0 + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        o_ptrs = out_ptr + rows[:, None].to(tl.int64) * out_stride + col0 + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(o_ptrs, (o + acc).to(out_ptr.dtype.element_ty), mask=mask)
+    def _norm_kernel(y_ptr, nw_ptr, o_ptr, eps, LAT: tl.constexpr, BLOCK: tl.constexpr):
+        # one row: sum of squares in fp32, then y * rsqrt(mean + eps) * w rounded to o's dtype
+        row = tl.program_id(0).to(tl.int64)
+        ks = tl.arange(0, BLOCK)
+        ss = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, LAT, BLOCK):
+            y = tl.load(y_ptr + row * LAT + k0 + ks, mask=(k0 + ks) < LAT, other=0.0).to(tl.float32)
+            ss += y * y
+        inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / LAT + eps)
+        for k0 in range(0, LAT, BLOCK):
+            ok = (k0 + ks) < LAT
+            y = tl.load(y_ptr + row * LAT + k0 + ks, mask=ok, other=0.0).to(tl.float32)
+            w = tl.load(nw_ptr + k0 + ks, mask=ok, other=0.0).to(tl.float32)
+            tl.store(o_ptr + row * LAT + k0 + ks, (y * inv * w).to(o_ptr.dtype.element_ty), mask=ok)
 
 
-def tail_blocks(n_tokens: int) -> dict:
-    """Row and column blocks: 16-row tiles up to 64 tokens (more programs streaming up_proj, which
-    is what decode pays for), 64-row tiles beyond; 16 output columns per program."""
-    return {"BLOCK_M": 16 if n_tokens <= 64 else 64, "BLOCK_N": 16 if n_tokens <= 64 else 64, "BLOCK_K": 128,
-            "num_warps": 4}
+def norm_rows(y_lat: torch.Tensor, norm_w: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """rms_norm(y_lat, norm_w, eps) in fp32, written as out_dtype [N, LAT]: one Triton launch (none
+    for N = 0). Raises ValueError on bad shapes or a non-positive eps."""
+    for name, t, dims in (("y_lat", y_lat, 2), ("norm_w", norm_w, 1)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims or not t.is_floating_point():
+            raise ValueError(f"{name} must be a {dims}-D floating-point tensor, got {getattr(t, 'shape', t)}")
+    N, LAT = y_lat.shape
+    if norm_w.shape != (LAT,) or norm_w.device != y_lat.device:
+        raise ValueError(f"norm_w must be [LAT={LAT}] on {y_lat.device}, got {tuple(norm_w.shape)} on "
+                         f"{norm_w.device}")
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    if triton is None:
+        raise ValueError("norm_rows needs triton (not installed); use tail_torch")
+    normed = torch.empty(N, LAT, dtype=out_dtype, device=y_lat.device)
+    if N:
+        block = min(NORM_BLOCK, triton.next_power_of_2(LAT))
+        _norm_kernel[(N,)](y_lat.contiguous(), norm_w.contiguous(), normed, float(eps), LAT=LAT, BLOCK=block,
+                           num_warps=4)
+    return normed
 
 
 def tail_triton(y_lat, norm_w, eps, up_rows, out, col0: int = 0) -> torch.Tensor:
-    """One Triton launch; adds into out in place and returns it. y_lat is read as fp32."""
+    """The Triton norm, then the product added into out's columns by one in-place addmm_; returns out."""
     N, LAT, R = check_tail(y_lat, norm_w, up_rows, out, col0)
-    if triton is None:
-        raise ValueError("the triton tail needs triton (not installed); use tail_torch")
     if N == 0:
         return out
-    y = y_lat.float().contiguous()
-    cfg = tail_blocks(N)
-    grid = (triton.cdiv(N, cfg["BLOCK_M"]), triton.cdiv(R, cfg["BLOCK_N"]))
-    _tail_kernel[grid](y, norm_w.contiguous(), up_rows.contiguous(), out, N, float(eps), out.stride(0), col0,
-                       LAT=LAT, R=R, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                       num_warps=cfg["num_warps"])
+    normed = norm_rows(y_lat, norm_w, eps, up_rows.dtype)
+    out[:, col0:col0 + R].addmm_(normed, up_rows.t())
     return out

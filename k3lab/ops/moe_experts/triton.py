@@ -11,8 +11,8 @@ Tiles past the ones in use (the grid is sized by a bound) return at once. Paddin
 write h = 0 and skip the second store. Each pair's result gets its own row of y_pair, so the final sum
 runs in a fixed order: the output is the same from run to run (atomic adds into y would not be).
 Accumulation is fp32 (fp32 inputs multiply in full fp32: no TF32); h is rounded to the inputs' dtype, as the
-reference's expert does between its two projections. Checked in Triton's interpreter; not yet run
-on a GPU (launch_config's blocks are a first choice, not measured).
+reference's expert does between its two projections. Checked in Triton's interpreter and run on the
+H200 at K3's shapes (launch_config's blocks are the best of a sweep there).
 """
 
 from __future__ import annotations
@@ -106,14 +106,16 @@ if triton is not None:
 
 
 def launch_config(shapes: Shapes, sort: ExpertSort) -> dict:
-    """Column and reduction blocks and warps of both launches. Narrow column blocks when there are few
-    tiles, so that even one token's 16 tiles spread over many programs (decode reads weights: the
-    more programs streaming them at once, the closer to the bandwidth)."""
+    """Column and reduction blocks and warps of both launches. With few tiles (one decode token's 16)
+    the up launch takes long K steps (256) over 32-column blocks and the down launch short ones (64);
+    with many, 128 for both. Measured on the H200, see docs/moe_sharding.md: the best of a sweep at
+    16-row tiles and 4 warps, N = 1 (up 32/256, down 64/64: 96 us) and N = 64 (up 32/128, down 64/128:
+    1288 us). 8 warps for 64-row tiles is a first choice, not measured."""
     few = sort.max_tiles * triton.cdiv(shapes.intermediate, 64) < 256
-    m = sort.block_m
+    warps = 4 if sort.block_m < 64 else 8
     return {
-        "up": {"BLOCK_N": 32 if few else 64, "BLOCK_K": 64, "num_warps": 4 if m < 64 else 8},
-        "down": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4 if m < 64 else 8},
+        "up": {"BLOCK_N": 32, "BLOCK_K": 256 if few else 128, "num_warps": warps},
+        "down": {"BLOCK_N": 64, "BLOCK_K": 64 if few else 128, "num_warps": warps},
     }
 
 

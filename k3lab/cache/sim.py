@@ -26,8 +26,8 @@ Eviction policies:
   checkpoint past that point will be made by a request that recomputes (and so re-creates) those
   rows. (2) When a turn extends its session's previous prompt, the previous prompt's end checkpoint is
   dropped (a grid checkpoint in that block is kept): the next turn of the session resumes at the new,
-  later end, and a checkpoint is KDA state of every layer (about 56 MB per GPU at TP8, four times the
-  MLA rows of a 2,048-token interval), so superseded ones would take most of the budget. What (2)
+  later end, and a checkpoint is KDA state of every layer (about 56 MB per GPU at TP8, twice the MLA
+  rows of a 2,048-token interval in FP8), so superseded ones would take most of the budget. What (2)
   gives up: a request that returns to an earlier end of its session (a retried turn) resumes at the
   grid checkpoint before it. Session order within one stamp follows processing order; a session has
   one request per stamp in any sensible trace.

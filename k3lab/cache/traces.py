@@ -161,18 +161,33 @@ class Workload:
         ids = self.chains[self.chain[i]][: self.n_full[i]]
         return ids if self.tail[i] < 0 else np.append(ids, self.tail[i])
 
-    def theoretical_reuse(self) -> float:
-        """Share of prompt tokens whose block was seen earlier as part of the same prefix (an unbounded
-        cache's token hit rate, at block granularity, before resume-point rules)."""
+    def reuse_per_request(self) -> np.ndarray:
+        """Per request (in workload order), the tokens of its prompt whose block was seen earlier as part
+        of the same prefix: what an unbounded cache would find, at block granularity, before
+        resume-point rules."""
         seen = np.zeros(self.n_blocks, dtype=bool)
-        hit = 0
+        out = np.zeros(len(self), dtype=np.int64)
         for i in np.argsort(self.t, kind="stable"):
             ids = self.block_ids(i)
             s = seen[ids]
             h = len(ids) if s.all() else int(np.argmin(s))
-            hit += min(h * self.block_size, int(self.in_tokens[i]))
+            out[i] = min(h * self.block_size, int(self.in_tokens[i]))
             seen[ids] = True
-        return hit / max(1, int(self.in_tokens.sum()))
+        return out
+
+    def theoretical_reuse(self) -> float:
+        """Share of all prompt tokens an unbounded cache would find (`reuse_per_request`)."""
+        return int(self.reuse_per_request().sum()) / max(1, int(self.in_tokens.sum()))
+
+    def active_sessions(self, at, decode_tokens_per_s: float = 50.0) -> np.ndarray:
+        """Sessions active at each time of `at`: from a session's first request to the end of its last
+        one's output (at `decode_tokens_per_s`)."""
+        n = int(self.session.max()) + 1 if len(self) else 0
+        start, end = np.full(n, np.inf), np.full(n, -np.inf)
+        np.minimum.at(start, self.session, self.t)
+        np.maximum.at(end, self.session, self.t + self.out_tokens / decode_tokens_per_s)
+        at = np.asarray(at, dtype=float)
+        return (np.searchsorted(np.sort(start), at, side="right") - np.searchsorted(np.sort(end), at, side="left"))
 
 
 def _prefix_ids(dense: dict, hash_ids):

@@ -97,16 +97,14 @@ def measured_bandwidth_tbs() -> tuple[float, str]:
     n = 1 << 30
     src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
     t = bench.time_fn(lambda: dst.copy_(src), warmup=3, repeats=10, calls_per_sample=1)
-    del src, dst
     return 2 * n / (t.median_us * 1e-6) / 1e12, "1 GiB device copy, read + write, measured in this run"
 
 
 def _standin_us(collectives: list[tuple[str, int]], world: int) -> float:
     """The collective stand-ins alone: the same copies, timed as one graph on a GPU."""
     dev = "cuda" if on_gpu() else "cpu"
-    pairs = [(torch.empty(b * (world if k == "all_gather" else 1), dtype=torch.uint8, device=dev),) * 2
-             for k, b in collectives]
-    bufs = [(s, torch.empty_like(s)) for s, _ in pairs]
+    srcs = [torch.empty(b * (world if k == "all_gather" else 1), dtype=torch.uint8, device=dev) for k, b in collectives]
+    bufs = [(s, torch.empty_like(s)) for s in srcs]
     if not bufs:
         return 0.0
 

@@ -239,6 +239,25 @@ def test_tail_adds_into_the_strided_column_view_without_a_copy(monkeypatch):
     check(out, ref, dtype=torch.float32, max_rel=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the CPU runs the interpreter tests above)")
+@pytest.mark.parametrize("n", [1, 65])
+def test_tail_on_the_gpu_at_k3_shapes(n):
+    """K3's latent (3584) into rank 3's 896 columns of a 7168-wide output, fp32 and bf16."""
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    y = torch.randn(n, 3584, device="cuda", generator=gen)
+    nw = torch.rand(3584, device="cuda", generator=gen) + 0.5
+    up = torch.randn(896, 3584, device="cuda", generator=gen) / 3584**0.5
+    out0 = torch.randn(n, 7168, device="cuda", generator=gen)
+    lo, hi = 3 * 896, 4 * 896
+    for dt in (torch.float32, torch.bfloat16):
+        out = out0.to(dt)
+        ref = out.double()
+        ref[:, lo:hi] += _normed64(y, nw).to(dt).double() @ up.to(dt).double().t()
+        got = me.tail_triton(y, nw, 1e-5, up.to(dt), out, lo)
+        check(got, ref, dtype=dt, **({"max_rel": 1e-5} if dt == torch.float32 else {}))  # fp32: no TF32
+        assert torch.equal(got[:, :lo], out0[:, :lo].to(dt)) and torch.equal(got[:, hi:], out0[:, hi:].to(dt))
+
+
 def test_tail_refuses_bad_input_by_name():
     y, nw, up, out = torch.randn(2, 16), torch.ones(16), torch.randn(8, 16), torch.zeros(2, 20)
     with pytest.raises(ValueError, match=r"columns \[col0, col0 \+ R=8\) inside it"):

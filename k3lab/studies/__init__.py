@@ -23,6 +23,7 @@ STUDIES: dict[str, str] = {
     "kda_verify": "k3lab.studies.kda_verify",
     "kda_precision": "k3lab.studies.kda_precision",
     "draft_depth": "k3lab.studies.draft_depth",
+    "decode_step": "k3lab.studies.decode_step",
 }
 ALIASES: dict[str, str] = {"kda_decode_bench": "kda_decode"}
 
@@ -35,6 +36,7 @@ ABOUT: dict[str, str] = {
     "kda_verify": "KDA verification of a few positions with narrow value tiles (notebook 05)",
     "kda_precision": "the chunk inverse's error with fp32 against bf16 inputs (notebook 05)",
     "draft_depth": "speculative decoding: committed tokens per cycle, simulated and by formula (notebook 06)",
+    "decode_step": "one TP8 rank's whole decode step, each optimization switched off alone (notebook 08)",
 }
 GPU_ONLY = frozenset({"kda_decode"})
 # What `k3lab report` checks on a CPU, where Triton runs in its interpreter: the smallest cases that
@@ -47,6 +49,7 @@ CPU_CASES: dict[str, list[str] | None] = {
     "kda_verify": ["b1_t4"],
     "kda_precision": ["k3_gate"],
     "draft_depth": ["cycles_depth4", "tokens_v8_depth4"],
+    "decode_step": ["tiny_b1_ctx8"],
 }
 HOST_SIDE = frozenset({"draft_depth"})
 

@@ -35,7 +35,7 @@ def _reference(w: traces.Workload, cc: sim.CacheConfig) -> dict:
     def evict(t, budget, down):
         if used(t) <= budget + 1e-6:
             return
-        need, got = used(t) - cc.low_water * budget, 0.0
+        need, got, last_key = used(t) - cc.low_water * budget, 0.0, None
         for x in sorted((x for x, v in tier.items() if v == t), key=lambda x: key[x]):
             if got >= need and key[x] != last_key:
                 break

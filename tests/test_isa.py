@@ -8,6 +8,10 @@ and every listed one must still occur."""
 
 from __future__ import annotations
 
+import ast
+import json
+from pathlib import Path
+
 import pytest
 
 from k3lab.isa import asm, coverage, problems, report, targets
@@ -124,3 +128,63 @@ def test_bad_targets_and_cases_are_refused_by_name():
         targets.parse_targets("gfx90a")
     with pytest.raises(ValueError, match="cases must name"):
         report("gfx950", "no_such_op")
+
+
+# ---------------------------------------------------------------------------------------------- AITER
+
+PROFILES = Path(__file__).resolve().parents[1] / "profiles" / "isa"
+EXPECTED_POSITIONAL = ["q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens",
+                       "max_seqlen_q"]
+
+
+def _aiter_call():
+    """k3lab's call of mla_decode_fwd in peers.aiter_decode, read with ast: (positional count, keyword
+    names always passed, keyword names passed only when `"name" in params`)."""
+    src = (Path(__file__).resolve().parents[1] / "k3lab" / "ops" / "mla_decode" / "peers.py").read_text()
+    fn = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name == "aiter_decode")
+    (call,) = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+               and n.func.attr == "mla_decode_fwd"]
+    always = {k.arg for k in call.keywords if k.arg}
+    for node in ast.walk(fn):  # kwargs = dict(sm_scale=...), splatted into the call
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "kwargs":
+            always |= {k.arg for k in node.value.keywords}
+    gated = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and isinstance(node.test.left, ast.Constant):
+            gated.add(node.test.left.value)
+    return len(call.args), always, gated
+
+
+def test_aiter_inventory_has_no_twelve_head_decode():
+    """Why 12 heads missed AITER's assembly decode and 16 reach it: its dispatcher takes 16 or 128 query
+    heads per cache head, and every gfx950 decode code object is built for one of those."""
+    inv = json.loads((PROFILES / "aiter_mla_inventory.json").read_text())
+    prov = inv["provenance"]
+    assert prov["version"] == "0.1.7.post2.dev18" and len(prov["sha256"]) == 64
+    assert inv["dispatch_query_heads_per_kv_head"] == [16, 128]
+    dec = [k for k in inv["kernels"] if k["arch"] == "gfx950" and k["family"] == "decode"]
+    assert dec and {k["query_heads"] for k in dec} == {16, 128}
+    (one,) = [k for k in dec if k["file"] == "mla_dec_stage1_bf16_a16w16_subQ16_mqa16.co"]
+    assert (one["lds_bytes"], one["vgprs"], one["wave"], one["workgroup_threads"]) == (65536, 512, 64, 256)
+    assert all(k["lds_bytes"] <= 160 * 1024 and k["scratch_bytes"] == 0 for k in dec)
+
+
+def test_k3lab_aiter_call_matches_the_wheel_signature():
+    sig = json.loads((PROFILES / "aiter_mla_signature.json").read_text())
+    names = [p["name"] for p in sig["params"]]
+    npos, always, gated = _aiter_call()
+    assert npos == len(EXPECTED_POSITIONAL) and names[:npos] == EXPECTED_POSITIONAL
+    assert all(p["default"] is None for p in sig["params"][:npos])  # required, in this order
+    assert always <= set(names), always - set(names)
+    assert {"return_lse", "page_size"} <= gated  # passed only where the installed version has them
+    assert not {"return_lse", "page_size"} & set(names)  # this version has neither
+
+
+def test_aiter_lse_fact_for_the_non_persistent_decode():
+    """In this version mla_decode_fwd returns (logits, final_lse) and only mla_reduce_v1 (the persistent
+    path, taken when work_meta_data is given) writes final_lse; k3lab's call passes no work list, so
+    the second value it reads back is not the decode's log-sum-exp (docs/mi355x.md)."""
+    sig = json.loads((PROFILES / "aiter_mla_signature.json").read_text())
+    assert "(logits, final_lse)" in sig["returns"]
+    assert sig["final_lse_passed_to"] == ["aiter.mla_reduce_v1"]
+    assert "work_meta_data" not in _aiter_call()[1]

@@ -116,18 +116,21 @@ def compile_cu(src: Path, out: Path, *, emit: str = "object", include: Path = KE
 
 def parse_metadata(text: str) -> dict[str, dict]:
     """{kernel symbol: resources} from amdhsa.kernels metadata (llvm-readelf --notes, or a .s file's
-    .amdgpu_metadata block)."""
+    .amdgpu_metadata block): one list item per kernel; nested lists (.args) are skipped."""
+    items = [len(m.group(1)) for m in re.finditer(r"^( *)- \.", text, flags=re.M)]
+    if not items:
+        return {}
+    indent = min(items)
     out = {}
-    for block in re.split(r"\n\s*- \.", text)[1:]:
-        block = "." + block
-        name = re.search(r"\.name:\s+(\S+)", block)
-        if not name or "amdhsa.target" in name.group(1):
+    for chunk in re.split(rf"^ {{{indent}}}- (?=\.)", text, flags=re.M)[1:]:
+        chunk = " " * (indent + 2) + chunk  # the item's first field sat after its '- '
+        def field(name, chunk=chunk):
+            m = re.search(rf"^ {{{indent + 2}}}{re.escape(name)}:\s+(\S+)", chunk, flags=re.M)
+            return m.group(1) if m else None
+        name = field(".name")
+        if name is None:
             continue
-        row = {}
-        for key, field in _FIELDS.items():
-            m = re.search(re.escape(field) + r":\s+(\d+)", block)
-            row[key] = int(m.group(1)) if m else 0
-        out[name.group(1)] = row
+        out[name] = {key: int(field(f) or 0) for key, f in _FIELDS.items()}
     return out
 
 

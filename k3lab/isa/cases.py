@@ -111,6 +111,25 @@ def kda_prefill_after(tokens=16384):
     _kda_prefill(tokens, group=True)
 
 
+def kda_prologue_fp32_products(tokens=16384):
+    """Not the op's launch: the prologue with its 'tf32' products as 'ieee' (exact fp32 on the fp32
+    MFMA), the change gfx950 needs (CDNA4 has no xf32), to show what it would compile to there."""
+    from k3lab.ops.kda_chunk import alloc_work, make_plan, prologue
+
+    exact = prologue.dot_precisions
+    prologue.dot_precisions = lambda dtype: {k: "ieee" if v == "tf32" else v for k, v in exact(dtype).items()}
+    try:
+        H, K = CFG.kda_num_heads, CFG.kda_head_dim
+        q, k, v = (torch.empty(1, tokens, H, K, dtype=BF16) for _ in range(3))
+        g, beta = torch.empty(1, tokens, H, K), torch.empty(1, tokens, H)
+        plan = make_plan([tokens], H)
+        for launch in prologue.launches(q, k, v, g, beta, plan, K ** -0.5, alloc_work(plan.n_chunks, H, BF16,
+                                                                                       q.device)).values():
+            launch()
+    finally:
+        prologue.dot_precisions = exact
+
+
 # ------------------------------------------------------------------------------------------ KDA decode / verify
 
 
@@ -197,6 +216,8 @@ CASES: dict[str, tuple] = {
     "mla_decode.dcp_merge": (dcp_merge, {}, "DCP8 merge of 8 partials"),
     "kda_chunk.before_16k": (kda_prefill_before, {}, "12 heads x 16K: prologue + plain walk"),
     "kda_chunk.after_16k": (kda_prefill_after, {}, "12 heads x 16K: prologue + group scan"),
+    "kda_chunk.prologue_fp32_products": (kda_prologue_fp32_products, {},
+                                         "what-if, not the op's launch: tf32 products as ieee (gfx950's fix)"),
     "kda_decode.before_b1": (kda_decode_before, {}, "B = 1, the unfused chain"),
     "kda_decode.before_b128": (kda_decode_before, {"batch": 128}, "B = 128, the unfused chain"),
     "kda_verify.after_b1_t4": (kda_verify_after, {}, "B = 1, T = 4: narrow tiles"),

@@ -36,6 +36,8 @@ for _t in ("gfx950", "gfx942"):
 KNOWN[("kda_chunk.", "_a_kernel", "gfx942", "spill")] = (
     "the prologue's fix-up pass (FIXUP=True, exact pairwise decays) spills 6 VGPRs on gfx942; the main pass "
     "does not")
+KNOWN[("kda_chunk.prologue_fp32_products", "_a_kernel", "gfx950", "spill")] = (
+    "the fix-up pass of the what-if prologue (exact fp32 products) spills 4 VGPRs on gfx950, as on gfx942")
 for _k in ("_scan_kernel", "_walk_kernel"):
     KNOWN[("kda_chunk.after_16k", _k, "gfx942", "lds")] = (
         "two pipeline stages of fp32 [128 x 64] tiles ask for 72 KiB of LDS, over MI300X's 64 KiB (a launch "

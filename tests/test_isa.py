@@ -100,8 +100,8 @@ def test_twelve_head_before_stays_on_the_vector_units(rep):
 def test_kda_inverse_keeps_fp32_inputs_on_fp32_mfma(rep):
     """The seed: the prologue's 64 x 64 inverse uses the native 16x16x4 fp32 MFMA (fp32 inputs kept)."""
     for target in AMD:
-        (r, _) = rows(rep, "kda_chunk.", "_inverse_kernel", target)
-        assert r["ok"] and set(r["matrix"]) == {"v_mfma_f32_16x16x4_f32"}, r["matrix"]
+        for r in rows(rep, "kda_chunk.", "_inverse_kernel", target):
+            assert r["ok"] and set(r["matrix"]) == {"v_mfma_f32_16x16x4_f32"}, r["matrix"]
 
 
 def test_figures_are_read_from_gcn_text():

@@ -67,7 +67,7 @@ class _Proc:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.kill()
-                    raise WorkerDied(f"no answer within {timeout_s:.0f} s (killed)")
+                    raise WorkerDied(f"no answer within {timeout_s:g} s (killed)")
                 if sel.select(timeout=min(left, 1.0)):
                     chunk = os.read(self.p.stdout.fileno(), 1 << 16)
                     if not chunk:
@@ -81,6 +81,14 @@ class _Proc:
         if self.p.poll() is None:
             self.p.kill()
             self.p.wait()
+        self._close_pipes()
+
+    def _close_pipes(self):
+        for pipe in (self.p.stdin, self.p.stdout):
+            try:
+                pipe.close()
+            except OSError:  # a pipe of a killed worker may already be broken
+                pass
 
     def close(self):
         try:
@@ -88,6 +96,7 @@ class _Proc:
             self.p.wait(timeout=10)
         except Exception:
             self.kill()
+        self._close_pipes()
         self.err.close()
 
 
@@ -108,6 +117,12 @@ def _run_target(target: str, cases: list[str], timeout_s: float, use_cache: bool
             proc = _Proc(target)
         return proc
 
+    def drop():
+        nonlocal proc
+        if proc is not None:
+            proc.close()
+        proc = None
+
     def emit(row: dict):
         with lock:
             rows.append(row)
@@ -119,7 +134,7 @@ def _run_target(target: str, cases: list[str], timeout_s: float, use_cache: bool
                 listing = worker().ask({"cmd": "list", "case": case}, timeout_s)
             except WorkerDied as exc:
                 emit(base | {"kernel": None, "ok": False, "error": f"listing the launches: {exc}"})
-                proc = None
+                drop()
                 continue
             if "error" in listing:
                 emit(base | {"kernel": None, "ok": False, "error": f"listing the launches: {listing['error']}"})
@@ -136,7 +151,7 @@ def _run_target(target: str, cases: list[str], timeout_s: float, use_cache: bool
                     ans = worker().ask({"cmd": "compile", "case": case, "index": item["index"]}, timeout_s)
                 except WorkerDied as exc:
                     emit(row | {"ok": False, "error": str(exc)})
-                    proc = None
+                    drop()
                     continue
                 result = {"ok": "error" not in ans, **(ans.get("row") or {})}
                 if "error" in ans:

@@ -184,10 +184,13 @@ def test_mismatch_across_ranks_is_one_clear_error(what, message):
     assert info.value.exc_type == "ValueError"
 
 
+def _decode_with_a_narrow_query(rank, world_size):  # module level: spawned ranks (CUDA machines) pickle it
+    dcp.dcp_decode(torch.randn(1, 1, 2, 64), torch.randn(1, 4, 576), [4], [4])
+
+
 def test_bad_input_on_a_single_rank_raises_before_any_collective():
     with pytest.raises(RankError, match=r"q must be a tensor \[B, Tq, H, 576\]"):
-        spawn(lambda r, n: dcp.dcp_decode(torch.randn(1, 1, 2, 64), torch.randn(1, 4, 576), [4], [4]), 1,
-              backend="gloo", timeout_s=30)
+        spawn(_decode_with_a_narrow_query, 1, backend="gloo", timeout_s=30)
     with pytest.raises(RuntimeError, match="needs an initialized process group"):
         dcp.dcp_decode(torch.randn(1, 1, 2, 576), torch.randn(1, 4, 576), [4], [4])
 

@@ -14,6 +14,12 @@ from k3lab.ops import moe_experts as me
 E, K = 8, 2
 
 
+# Triton's interpreter on CPU tensors: where a GPU is present the kernels run compiled instead, in the
+# *_on_gpu / *_on_the_gpu tests below
+INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
+                                      reason="interpreter form; on a GPU the compiled tests below run")
+
+
 @pytest.fixture(scope="module")
 def layer():
     return init_weights(LatentMoE(K3Config.tiny()), seed=3)
@@ -38,6 +44,7 @@ def crafted(n=6, seed=0, lat=128):
     return z, w / w.sum(-1, keepdim=True), idx
 
 
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 def test_grouped_matches_nn_experts_with_unchosen_and_last_expert(layer, block_m):
     z, w, idx = crafted()
@@ -48,6 +55,7 @@ def test_grouped_matches_nn_experts_with_unchosen_and_last_expert(layer, block_m
     check(got, ref, dtype=torch.float32, max_rel=1e-5)
 
 
+@INTERPRETER_ONLY
 def test_grouped_and_loop_match_the_layers_routed_latent(layer):
     """Through the real router: a bias steers every token to the last expert and away from 2 and 5."""
     x = torch.randn(9, layer.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -69,6 +77,7 @@ def test_grouped_and_loop_match_the_layers_routed_latent(layer):
     check(looped, ref, dtype=torch.float32, max_rel=1e-5)
 
 
+@INTERPRETER_ONLY
 def test_grouped_on_an_intermediate_slice_and_fp16(layer):
     """One rank's slice of the intermediate (16 of 64 columns, not a multiple of the column block)
     and fp16 storage, against the loop on the same slice."""
@@ -189,6 +198,7 @@ def _normed64(y, nw, eps=1e-5):
     return yd * torch.rsqrt(yd.pow(2).mean(-1, keepdim=True) + eps) * nw.double()
 
 
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("n, lat, block", [(0, 128, 4096), (1, 128, 4096), (65, 128, 4096), (3, 160, 64)])
 def test_norm_rows_equals_the_fp64_norm(n, lat, block, monkeypatch):
     """One program per row; (3, 160, 64) walks the row in three blocks, the last one partial."""
@@ -204,6 +214,7 @@ def test_norm_rows_equals_the_fp64_norm(n, lat, block, monkeypatch):
     check(half, _normed64(y, nw).half().double(), dtype=torch.float16, max_rel=1e-3)
 
 
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("n", [0, 1, 65])
 def test_tail_adds_the_normed_projection_into_its_columns_in_place(n):
     y, nw, up, out0 = _tail_inputs(n)

@@ -186,8 +186,9 @@ class TPLatentMoE:
         if not isinstance(weights, RankMoEWeights):
             raise ValueError(f"weights must come from shard_moe, got {type(weights).__name__}")
         self.weights = weights
-        self.experts_backend = moe_experts.pick_backend(experts_backend)
-        self.tail_backend = moe_experts.pick_backend(tail_backend)
+        device = weights.down_proj.device
+        self.experts_backend = moe_experts.pick_backend(experts_backend, device)
+        self.tail_backend = moe_experts.pick_backend(tail_backend, device)
         self.verify = verify
 
     def _group_checked(self, group) -> bool:

@@ -153,7 +153,7 @@ def check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile
 
 
 def capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_streamcapturing()
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def states_buffer(states_out, shape, device):

@@ -38,14 +38,17 @@ from .tail import check_tail, norm_rows, tail_torch, tail_triton
 ENV_VAR = "K3LAB_MOE_EXPERTS_BACKEND"
 
 
-def _triton_available() -> tuple[bool, str]:
+def _triton_available(device=None) -> tuple[bool, str]:
+    """Whether the Triton kernels can run on tensors of `device` (default: the GPU if there is one):
+    compiled on a GPU, or in Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors."""
     if _triton.triton is None:
         return False, "triton is not installed"
-    if torch.cuda.is_available():
-        return True, "GPU"
+    on_cpu = torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available()
+    if not on_cpu:
+        return (True, "GPU") if torch.cuda.is_available() else (False, "no GPU")
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True, "Triton's interpreter on the CPU (slow: small sizes only)"
-    return False, "no GPU and TRITON_INTERPRET is not 1"
+    return False, "CPU tensors and TRITON_INTERPRET is not 1 (the kernels run compiled on GPU tensors)"
 
 
 # name -> (available() -> (ok, why), priority on a GPU, priority on a CPU); lower runs first
@@ -55,24 +58,27 @@ BACKENDS = {
 }
 
 
-def available(name: str) -> tuple[bool, str]:
+def available(name: str, device=None) -> tuple[bool, str]:
+    """(ok, why) for backend `name` on tensors of `device` (default: the GPU if there is one)."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {name!r}")
-    return BACKENDS[name][0]()
+    return BACKENDS[name][0](device) if name == "triton" else BACKENDS[name][0]()
 
 
-def pick_backend(backend: str | None = None) -> str:
-    """The backend that runs: `backend`, else K3LAB_MOE_EXPERTS_BACKEND, else the first available
-    by priority (triton on a GPU, the torch loop on a CPU). A forced one that cannot run is an error."""
+def pick_backend(backend: str | None = None, device=None) -> str:
+    """The backend that runs on tensors of `device`: `backend`, else K3LAB_MOE_EXPERTS_BACKEND, else
+    the first available by priority (triton on GPU tensors, the torch loop on CPU tensors). A forced
+    one that cannot run is an error."""
     forced = backend or os.environ.get(ENV_VAR) or None
     if forced is not None:
-        ok, why = available(forced)
+        ok, why = available(forced, device)
         if not ok:
             raise ValueError(f"backend {forced!r} cannot run here: {why}")
         return forced
-    col = 1 if torch.cuda.is_available() else 2
+    gpu = torch.device(device).type != "cpu" if device is not None else torch.cuda.is_available()
+    col = 1 if gpu else 2
     for name in sorted(BACKENDS, key=lambda n: BACKENDS[n][col]):
-        if BACKENDS[name][0]()[0]:
+        if available(name, device)[0]:
             return name
     raise RuntimeError("no routed-expert backend can run")  # torch always can
 
@@ -82,7 +88,7 @@ def routed_experts(z, weights, idx, w1, w3, w2, *, backend: str | None = None, b
     """y [N, L] fp32 (see the module docstring). block_m: tile height of the triton backend (16, 32
     or 64; default from the batch: default_block_m). Raises ValueError on bad input before any kernel."""
     shapes = check_inputs(z, weights, idx, w1, w3, w2, check_values=check_values)
-    name = pick_backend(backend)
+    name = pick_backend(backend, z.device)
     if block_m is not None:
         check_block_m(block_m)
     if shapes.n_tokens == 0:
@@ -109,7 +115,7 @@ def expert_loop(z, weights, idx, w1, w3, w2) -> torch.Tensor:
 def latent_tail(y_lat, norm_w, eps, up_rows, out, col0: int = 0, *, backend: str | None = None):
     """out[:, col0 : col0 + R] += rms_norm(y_lat) @ up_rows^T in place (tail.py); returns out."""
     check_tail(y_lat, norm_w, up_rows, out, col0)
-    fn = tail_triton if pick_backend(backend) == "triton" else tail_torch
+    fn = tail_triton if pick_backend(backend, y_lat.device) == "triton" else tail_torch
     return fn(y_lat, norm_w, eps, up_rows, out, col0)
 
 

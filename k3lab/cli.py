@@ -5,6 +5,7 @@
     k3lab import FILE... [--overwrite]  records from a remote run into profiles/<device>/<study>/
     k3lab profile STUDY [--preset P]   traces and kernel tables of each variant
     k3lab report [--skip-notebooks] [--skip-studies]   everything this machine can run -> build/report.html
+    k3lab isa [--target gfx950,gfx942,sm90] [--json F]  compile every Triton kernel, report ISA facts
 
 An unknown study name is one line on stderr naming the known ones, and exit status 2.
 """
@@ -145,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--steps", type=int, default=3)
     pr.add_argument("--top", type=int, default=15)
     pr.add_argument("--out", default="build")
+    sub.add_parser("isa", help="compile every Triton kernel for gfx950 / gfx942 / sm90 and report ISA facts "
+                         "(python -m k3lab.isa --help)", add_help=False)
     r = sub.add_parser("report", help="run what this machine can, execute the notebooks, write build/report.html")
     r.add_argument("--out", default="build")
     r.add_argument("--preset", default=None)
@@ -158,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from k3lab.studies import canonical
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["isa"]:  # its options are k3lab.isa's own: hand them over untouched
+        from k3lab.isa.__main__ import main as isa_main
+        return isa_main(argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "study", None) is not None:
         try:

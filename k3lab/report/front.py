@@ -40,11 +40,14 @@ OPTIMIZATIONS: tuple[Optimization, ...] = (
     Optimization(
         "Decode context parallelism (DCP)",
         "Each GPU keeps one eighth of a request's MLA history; partial attention results are merged "
-        "by their log-sum-exp.", "01_*.ipynb"),
+        "by their log-sum-exp.", "01_*.ipynb", (),
+        (Headline("dcp", "merge_N8_B1", "graph", "merge of 8 partial results, B = 1 (torch / Triton)"),)),
     Optimization(
         "MoE output sharding",
         "Each GPU computes only its slice of the routed experts' output projection and the existing "
-        "all-reduce assembles it: no duplicated work, no new collective.", "02_*.ipynb"),
+        "all-reduce assembles it: no duplicated work, no new collective.", "02_*.ipynb", (),
+        (Headline("moe_sharding", "tail_N8", "graph", "latent MoE tail, 8 tokens (7168 / 896 rows)"),
+         Headline("moe_sharding", "experts_N64", "graph", "routed experts, 64 tokens (grouped kernels)"))),
     Optimization(
         "Copy removal and fusion",
         "The KDA decode step in one launch instead of five; AttnRes mixing fused with the next RMSNorm; "
@@ -72,7 +75,15 @@ OPTIMIZATIONS: tuple[Optimization, ...] = (
     Optimization(
         "Cache offload across agent turns",
         "Keep MLA history and KDA checkpoints in host memory between turns, with resume points that agree.",
-        "07_*.ipynb"),
+        "07_*.ipynb", ("agent_cache",),
+        (Headline("agent_cache", "h2d_2MiB", "eager", "host -> device copy of 2 MiB (pageable / pinned)"),
+         Headline("agent_cache", "state_restore_ctx32768", "eager",
+                  "restore a request's state, 5 layers at 32K (pageable / pinned)"))),
+    Optimization(
+        "All together: one decode step",
+        "One TP8 rank's whole decode step through all 93 layers, each optimization a switch.",
+        "08_*.ipynb", ("decode_step",),
+        note="whole-step times per switch: notebook 08's waterfall"),
 )
 
 

@@ -24,6 +24,7 @@ STUDIES: dict[str, str] = {
     "kda_precision": "k3lab.studies.kda_precision",
     "draft_depth": "k3lab.studies.draft_depth",
     "decode_step": "k3lab.studies.decode_step",
+    "agent_cache": "k3lab.studies.agent_cache",
 }
 ALIASES: dict[str, str] = {"kda_decode_bench": "kda_decode"}
 
@@ -37,6 +38,8 @@ ABOUT: dict[str, str] = {
     "kda_precision": "the chunk inverse's error with fp32 against bf16 inputs (notebook 05)",
     "draft_depth": "speculative decoding: committed tokens per cycle, simulated and by formula (notebook 06)",
     "decode_step": "one TP8 rank's whole decode step, each optimization switched off alone (notebook 08)",
+    "agent_cache": "cache reuse across agent turns: a prefix-cache simulator over AgentX-like traces, host<->device "
+                   "copies (notebook 07)",
 }
 GPU_ONLY = frozenset({"kda_decode"})
 # What `k3lab report` checks on a CPU, where Triton runs in its interpreter: the smallest cases that
@@ -50,8 +53,9 @@ CPU_CASES: dict[str, list[str] | None] = {
     "kda_precision": ["k3_gate"],
     "draft_depth": ["cycles_depth4", "tokens_v8_depth4"],
     "decode_step": ["tiny_b1_ctx8"],
+    "agent_cache": ["sim_small"],
 }
-HOST_SIDE = frozenset({"draft_depth"})
+HOST_SIDE = frozenset({"draft_depth", "agent_cache"})
 
 _REQUIRED = ("NAME", "case_names", "run", "profile_targets")
 

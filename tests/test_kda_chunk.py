@@ -491,3 +491,30 @@ def test_study_prologue_parts_are_named_like_the_committed_ones():
                                             "rows_exactfixup_inverse", "rows_exactfixup_wu")} <= names
     whole = next(r for r in recs if r.case.endswith("part_prologue_rows_exactfixup"))
     assert "o" in whole.error and "failed" not in whole.error and whole.extra["backend"] == "triton"
+
+
+# ---------------------------------------------------------------------------------------------
+# launch choices by device (the device facts are what env.detect() reports; nothing runs)
+
+
+def _as_device(monkeypatch, backend: str, arch: str | None):
+    from k3lab import env
+
+    info = env.DeviceInfo(backend, arch or "cpu", 256, None, 64 if backend == "rocm" else 32, arch,
+                          env.PEAKS["CPU"])
+    monkeypatch.setattr(env, "detect", lambda: info)
+
+
+@pytest.mark.parametrize("backend, arch, one, near, akk", [
+    ("cuda", "sm_90", "tf32", "tf32x3", "tf32"),  # the H200's compiled configuration, unchanged
+    ("rocm", "gfx942:sramecc+:xnack-", "tf32", "ieee", "ieee"),  # CDNA3: xf32 MFMA
+    ("rocm", "gfx950", "ieee", "ieee", "ieee"),  # CDNA4: no xf32; Triton refuses 'tf32'
+    ("cpu", None, "tf32", "ieee", "ieee"),  # the interpreter ignores the precision
+])
+def test_dot_precisions_by_device(monkeypatch, backend, arch, one, near, akk):
+    from k3lab.ops.kda_chunk.inputs import dot_precisions
+
+    _as_device(monkeypatch, backend, arch)
+    assert dot_precisions(torch.bfloat16) == {"akk": akk, "aqk": one, "inv": near, "out": one, "scan": near,
+                                              "walk": one}
+    assert set(dot_precisions(torch.float32).values()) == {"ieee"}

@@ -10,13 +10,6 @@ from __future__ import annotations
 # (case prefix, kernel function, target, kind) -> cause and fix
 KNOWN: dict[tuple[str, str, str, str], str] = {}
 
-_TF32 = ("CDNA4 (gfx950) has no xf32 matrix instructions and Triton refuses input_precision='tf32' there; "
-         "kda_chunk.inputs.dot_precisions gives 'tf32' for 16-bit inputs on every backend. Fix: 'ieee' (native "
-         "fp32 MFMA 16x16x4, as the inverse already uses) or 'bf16x3' on gfx950")
-for _k in ("_a_kernel", "_wu_kernel", "_walk_kernel"):
-    KNOWN[("kda_chunk.", _k, "gfx950", "compile")] = _TF32
-KNOWN[("kda_chunk.after_16k", "_summary_kernel", "gfx950", "compile")] = _TF32
-
 _PTR = ("Triton 3.6's AMD pointer canonicalisation aborts (PassManager::run failed) on a pointer chosen per "
         "program among different tensors once buffer ops mark them < 2 GB (tt.pointer_range 32). Compiles "
         "with AMDGCN_USE_BUFFER_OPS=0; in the kernel: one launch per input, or one stacked input tensor")
@@ -33,11 +26,11 @@ for _t in ("gfx950", "gfx942"):
             KNOWN[(_c, "_attn_res_norm_kernel", _t, _kind)] = (
                 "the one-step 'tile8' config (all 8 blocks as one tile, 8 warps) holds the group tile of a "
                 "7168-wide row in 8 waves of 64 lanes; 16 waves compile with 105 VGPRs and no spills")
-KNOWN[("kda_chunk.", "_a_kernel", "gfx942", "spill")] = (
-    "the prologue's fix-up pass (FIXUP=True, exact pairwise decays) spills 6 VGPRs on gfx942; the main pass "
-    "does not")
-KNOWN[("kda_chunk.prologue_fp32_products", "_a_kernel", "gfx950", "spill")] = (
-    "the fix-up pass of the what-if prologue (exact fp32 products) spills 4 VGPRs on gfx950, as on gfx942")
+for _t, _n in (("gfx942", 6), ("gfx950", 4)):
+    KNOWN[("kda_chunk.", "_a_kernel", _t, "spill")] = (
+        f"the prologue's fix-up pass (FIXUP=True, exact pairwise decays, 4 waves) spills {_n} VGPRs on {_t} "
+        "(4 with exact fp32 products on either target); the main pass does not. It runs only on chunks whose "
+        "decay spread the factored form refuses")
 for _k in ("_scan_kernel", "_walk_kernel"):
     KNOWN[("kda_chunk.after_16k", _k, "gfx942", "lds")] = (
         "two pipeline stages of fp32 [128 x 64] tiles ask for 72 KiB of LDS, over MI300X's 64 KiB (a launch "

@@ -112,14 +112,25 @@ def validate(q, k, v, g, beta, initial_state=None, cu_seqlens=None, scale=None) 
     return lengths, H, HEAD_DIM**-0.5 if scale is None else float(scale)
 
 
+def has_tf32() -> bool:
+    """Whether the device multiplies fp32 operands in one tf32 (xf32) matrix pass: NVIDIA's tensor cores
+    and CDNA3 (gfx94x). CDNA4 (gfx950) and other AMD chips have no xf32 instruction and Triton refuses
+    input_precision='tf32' there. On CPU (the interpreter ignores the precision) 'tf32' is kept."""
+    info = env.detect()
+    if info.backend != "rocm":
+        return True
+    return (info.arch or "").split(":")[0] in ("gfx940", "gfx941", "gfx942")
+
+
 def dot_precisions(dtype: torch.dtype) -> dict[str, str]:
     """Triton dot precisions per product. fp32 inputs: exact fp32 ('ieee') everywhere (what the CPU tests
-    check). 16-bit inputs: one tf32 pass for Aqk, W / U and the walks; for Akk on NVIDIA too (its operands
-    are decay factors <= 1: docs/kda_scan.md has the error it costs), exact fp32 elsewhere; the inverse's
-    products and the scan in three tf32 passes ('tf32x3', fp32-class) on NVIDIA, exact fp32 elsewhere (the
-    seed's rule: the inverse and the composed state maps keep fp32 precision)."""
+    check). 16-bit inputs: one tf32 pass for Aqk, W / U and the walks where the device has one
+    (`has_tf32`), else exact fp32 (gfx950: the native 16x16x4 fp32 MFMA); for Akk on NVIDIA too (its
+    operands are decay factors <= 1: docs/kda_scan.md has the error it costs), exact fp32 elsewhere; the
+    inverse's products and the scan in three tf32 passes ('tf32x3', fp32-class) on NVIDIA, exact fp32
+    elsewhere (the seed's rule: the inverse and the composed state maps keep fp32 precision)."""
     if dtype == torch.float32:
         return dict.fromkeys(("akk", "aqk", "inv", "out", "scan", "walk"), "ieee")
-    near = "tf32x3" if env.detect().backend == "cuda" else "ieee"
-    akk = "tf32" if env.detect().backend == "cuda" else "ieee"
-    return {"akk": akk, "aqk": "tf32", "inv": near, "out": "tf32", "scan": near, "walk": "tf32"}
+    one = "tf32" if has_tf32() else "ieee"
+    near, akk = ("tf32x3", "tf32") if env.detect().backend == "cuda" else ("ieee", "ieee")
+    return {"akk": akk, "aqk": one, "inv": near, "out": one, "scan": near, "walk": one}

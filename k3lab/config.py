@@ -1,7 +1,7 @@
 """Kimi K3's numbers, the presets k3lab runs at, and the sizes derived from them.
 
 Field names follow the Hugging Face config where one exists. Every default is the released
-K3 value (shared/k3/architecture.md section 1). `K3Config.full()` is the whole model,
+K3 value (docs/k3.md). `K3Config.full()` is the whole model,
 `K3Config.tp_slice(8)` is one GPU's share in the seed's TP8 layout, and `K3Config.tiny()` is a
 few-layer model for CPUs that keeps the per-head sizes K3's kernels assume (KDA K = V = 128,
 MLA latent 512 + 64), so that the same kernels run on it unchanged.

@@ -33,7 +33,7 @@ class Peak:
     note: str = ""
 
 
-# From shared/anchors.md. The H200 figures are what one lent H200 measured here on 2026-11-30
+# From docs/k3.md ("Public figures the notebooks cite"). The H200 figures are what the lent H200 measured
 # (device-to-device copy, bf16 8192^3 matmul on random data); the others are datasheet values.
 PEAKS: dict[str, Peak] = {
     "MI355X": Peak("AMD Instinct MI355X", 8.0, "datasheet (7.2 measured in public work)", 2500.0,

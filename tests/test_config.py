@@ -1,4 +1,4 @@
-"""K3Config: the true K3 numbers and the sizes derived from them (architecture.md sections 1, 4, 5)."""
+"""K3Config: the true K3 numbers and the sizes derived from them (docs/k3.md)."""
 
 import dataclasses
 import math
@@ -20,7 +20,7 @@ def test_layer_map_matches_k3():
 
 def test_param_counts_near_published():
     total, active = K3Config.full().param_counts()
-    # architecture.md: about 2.78T total, 105B active (published 2.8T, 104B)
+    # docs/k3.md: about 2.78T total, 105B active (published 2.8T, 104B)
     assert 2.77e12 < total < 2.79e12
     assert 104e9 < active < 106.5e9
 

@@ -22,7 +22,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the unfused chain's T
 
 
 def plain_step(inputs, cache, w, state_layout="kv"):
-    """The decode step written from architecture.md section 3 with plain fp64 torch, per head."""
+    """The decode step written from docs/k3.md with plain fp64 torch, per head."""
     d = torch.float64
     q, k, v = (inputs[n].to(d) for n in ("q", "k", "v"))
     B, C = q.shape

@@ -11,7 +11,7 @@ from k3lab.nn.decoder import DecoderLayer
 
 FULL = K3Config.full()
 
-# architecture.md section 2, TP = 1, [out, in]
+# docs/k3.md, TP = 1, [out, in]
 KDA_SHAPES = {
     "q_proj.weight": (12288, 7168), "k_proj.weight": (12288, 7168), "v_proj.weight": (12288, 7168),
     "q_conv.weight": (12288, 1, 4), "k_conv.weight": (12288, 1, 4), "v_conv.weight": (12288, 1, 4),
@@ -121,7 +121,7 @@ def test_attn_res_protocol_through_the_tiny_stack():
 
 @torch.no_grad()
 def test_attn_res_sources_follow_the_protocol():
-    """Replay architecture.md's protocol by hand from the captured layer outputs and check the input
+    """Replay docs/k3.md's protocol by hand from the captured layer outputs and check the input
     each attention and MLP received (AttnRes mix over the right sources, then the pre-norm)."""
     cfg = K3Config.tiny()
     model = init_weights(K3Model(cfg, dtype=torch.float64), 2)

@@ -4,10 +4,12 @@ records made here, without running the benchmark."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from k3lab import bench
 from k3lab.config import K3Config
-from k3lab.engine import SWITCHES
+from k3lab.engine import SWITCHES, DecodeStep
+from k3lab.engine.weights import RankWeights
 from k3lab.engine import bench as sb
 from k3lab.studies import decode_step as ds
 
@@ -78,3 +80,57 @@ def test_study_interface_and_bad_cases():
         sb.run_cases(["b1_2k"])
     with pytest.raises(ValueError, match="repeats must be a positive integer"):
         sb.run_cases(None, repeats=0)
+
+
+TP2 = sb.CPU_CONFIG  # a TP2 slice: the collectives are stand-ins, as in the GPU's TP8 slice
+
+
+@pytest.fixture(scope="module")
+def tp2_weights():
+    return RankWeights.random(TP2, distinct_layers=2, device="cpu", dtype=torch.float32)
+
+
+def _first(weights, opts, ids):
+    step = DecodeStep(TP2, 1, 8, optimizations=opts, weights=weights)
+    with torch.no_grad():
+        return sb.first_step(step, ids)[0]
+
+
+def test_stand_in_tails_differ_so_each_variant_has_a_tail_matched_reference(tp2_weights):
+    """Under stand-in collectives the sharded and the replicated MoE tail compute different sums (real
+    sums make them equal: test_step's TP2 lockstep test), so neither can be the other's reference."""
+    ids = sb._ids(TP2, 1)
+    on, tail_off = _first(tp2_weights, "all", ids), _first(tp2_weights, sb.all_but("moe_tail_sharded"), ids)
+    assert float((on - tail_off).norm() / on.norm()) > 0.1
+    assert sb.reference_of(sb.all_but("mla_padded"), 2) == "all_off_but_moe_tail_sharded"
+    assert sb.reference_of(sb.all_but("moe_tail_sharded"), 2) == "all_off"
+    assert sb.reference_of(dict.fromkeys(SWITCHES, True), 1) == "all_off"
+    ref = sb.reference_logits("all_off_but_moe_tail_sharded", tp2_weights, (1, 8))
+    torch.testing.assert_close(on, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_restore_state_reruns_the_checked_step(tp2_weights):
+    """A step advanced by timing loops, put back by restore_state, gives the checked call's logits again;
+    without the restore it does not (the caches moved on)."""
+    step = DecodeStep(TP2, 1, 8, optimizations="all", weights=tp2_weights)
+    with torch.no_grad():
+        first, saved, _ = sb.first_step(step, sb._ids(TP2, 1))
+        for _ in range(3):
+            step.run()
+        moved = step.run().clone()
+        step.restore_state(saved)
+        again = step.run()
+    assert float((moved - first).norm() / first.norm()) > 1e-3
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case; a GPU runs the bench's true shapes")
+def test_bench_checks_every_variant_from_the_same_state():
+    recs = sb.run_cases(repeats=1, profile=False, log=lambda *_: None)
+    assert len({r.error["state"] for r in recs}) == 1
+    checked = {r.case.split(".")[1]: r.error["logits_vs_reference"] for r in recs}
+    assert isinstance(checked.pop("all_off"), str)
+    assert checked["no_moe_tail_sharded"]["reference"] == "all_off"
+    assert checked["all_on"]["reference"] == "all_off_but_moe_tail_sharded"
+    for name, e in checked.items():
+        assert e["finite"] and e["rel_l2"] < 1e-5, (name, e)

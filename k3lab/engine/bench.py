@@ -6,11 +6,19 @@ step from the profiler and the collective stand-ins timed apart.
 
 Cases on a GPU (K3Config.tp_slice(8), bf16, random weights: `distinct_layers` sets per layer kind rotated
 through the 93 layers): b1_1k, b1_32k, b1_128k (B = 1) and b64_8k (B = 64). On a CPU one case at a
-4-layer tiny config runs the same code with Triton in its interpreter (its times are not speeds).
+TP2 slice of a 4-layer tiny config (stand-in collectives as on the GPU) runs the same code with Triton
+in its interpreter (its times are not speeds).
 
-Before timing, every variant's logits after one step from the same caches are compared with the all-off
-variant's (`error['logits_vs_all_off']`; bf16 over 93 layers, and a near-tie in the router may pick
-another expert, so the figures are recorded, not asserted). The GPU path is not yet run on a GPU.
+The check, before any timing: every variant's step starts from the same caches (drawn from one seed;
+`error['state']` is their checksum) and its first step's logits are compared with its reference's
+(`error['logits_vs_reference']`). The reference is all off, except that at TP > 1 a variant with the
+sharded MoE tail is compared with all off but that tail (`reference_of`): the collective stand-ins copy
+this rank's partial instead of summing the ranks', and the two tails add the routed output in different
+places (sharded: this rank's columns, before the all-reduce; replicated: every column, after it), so
+under stand-ins they compute different sums, equal only with real collectives (`run_group`). A graph
+record also holds `error['graph_vs_eager']`: one replay from the saved state against the eager check.
+bf16 over 93 layers, and a near-tie in the router may pick another expert, so the figures are recorded,
+not asserted. The GPU path with these checks is not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from .weights import RankWeights
 STUDY = "decode_step"
 GPU_CASES = {"b1_1k": (1, 1024), "b1_32k": (1, 32768), "b1_128k": (1, 131072), "b64_8k": (64, 8192)}
 CPU_CASES = {"tiny_b1_ctx8": (1, 8)}
-CPU_CONFIG = dataclasses.replace(K3Config.tiny(), num_hidden_layers=4, name="tiny4")
+CPU_CONFIG = dataclasses.replace(K3Config.tiny(), num_hidden_layers=4, name="tiny4").sliced(2)
 PROFILED = ("all_on", "all_off")  # profiled at B = 1 only: the loop at B = 64 runs ~450K kernels a step
 
 
@@ -127,12 +135,64 @@ def _profile(fn, name: str, trace_dir: str) -> dict:
                            for r in cats.itertuples()]}
 
 
-def _errors(logits: torch.Tensor, ref: torch.Tensor | None) -> dict:
+REFERENCES = {"all_off": dict.fromkeys(SWITCHES, False),
+              "all_off_but_moe_tail_sharded": {n: n == "moe_tail_sharded" for n in SWITCHES}}
+
+
+def reference_of(opts: dict, world_size: int) -> str:
+    """The variant a variant's logits are checked against (see the module docstring): 'all_off', or at
+    world_size > 1 with the sharded MoE tail on, 'all_off_but_moe_tail_sharded'."""
+    return "all_off_but_moe_tail_sharded" if world_size > 1 and opts["moe_tail_sharded"] else "all_off"
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> dict:
+    d = x.double() - ref.double()
+    return {"rel_l2": float(d.norm() / ref.double().norm().clamp_min(1e-30)), "max_abs": float(d.abs().max()),
+            "finite": bool(torch.isfinite(x).all())}
+
+
+def _checksum(saved: dict[str, torch.Tensor]) -> float:
+    """Sum of |x| over a step's saved state: equal across variants when they start from the same caches."""
+    return float(sum(t.double().abs().sum() for t in saved.values()))
+
+
+def _errors(logits: torch.Tensor, ref: torch.Tensor | None, ref_name: str, saved: dict) -> dict:
+    out = {"state": _checksum(saved)}
     if ref is None:
-        return {"logits_vs_all_off": "this is the all-off variant (the comparison's reference)"}
-    d = (logits.double() - ref.double())
-    return {"logits_vs_all_off": {"rel_l2": float(d.norm() / ref.double().norm().clamp_min(1e-30)),
-                                  "max_abs": float(d.abs().max()), "finite": bool(torch.isfinite(logits).all())}}
+        out["logits_vs_reference"] = "this variant is the reference"
+    else:
+        out["logits_vs_reference"] = {"reference": ref_name, **_rel(logits, ref)}
+    return out
+
+
+def first_step(step: DecodeStep, ids: torch.Tensor) -> tuple[torch.Tensor, dict, float]:
+    """The checked call: (logits of one step on `ids` from the step's caches as built, the state saved
+    before it, seconds it took). The caches are left advanced by one step."""
+    saved = step.save_state()
+    step.set_tokens(ids)
+    t = time.perf_counter()
+    logits = step.run().clone()
+    return logits, saved, time.perf_counter() - t
+
+
+def _ids(config: K3Config, batch: int) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(11))
+
+
+def reference_logits(name: str, weights: RankWeights, shape: tuple[int, int]) -> torch.Tensor:
+    """One check reference's first-step logits (REFERENCES[name]), its step freed after."""
+    step = DecodeStep(weights.config, *shape, optimizations=REFERENCES[name], weights=weights)
+    with torch.no_grad():
+        logits = first_step(step, _ids(weights.config, shape[0]))[0]
+    del step
+    _free()
+    return logits
+
+
+def _free() -> None:
+    gc.collect()
+    if on_gpu():
+        torch.cuda.empty_cache()
 
 
 SLOW_STEP_S = 0.5  # a step slower than this (the per-expert loop at B = 64) is timed over at most 3 samples
@@ -144,19 +204,18 @@ def _time(step: DecodeStep, repeats: int, graph: bool, first_s: float) -> bench.
     return bench.time_fn(step.run, warmup=1, repeats=repeats, graph=graph, calls_per_sample=1)
 
 
-def run_variant(case: str, name: str, opts: dict, weights: RankWeights, shape: tuple[int, int], *, ref, repeats: int,
-                floor: dict, trace_dir: str, profile: bool) -> tuple[list[bench.Record], torch.Tensor]:
-    """Build one variant's step, check it, time it eager (and as one graph where it can be captured),
-    profile it if asked; returns (records, its first-step logits)."""
+def run_variant(case: str, name: str, opts: dict, weights: RankWeights, shape: tuple[int, int], *, ref,
+                ref_name: str, repeats: int, floor: dict, trace_dir: str, profile: bool,
+                ) -> tuple[list[bench.Record], torch.Tensor]:
+    """Build one variant's step, check it (`first_step` against `ref`, the logits of `ref_name`; None
+    for the reference itself), time it eager (and as one graph where it can be captured, then replay
+    once from the saved state against the eager check), profile it if asked; returns (records, its
+    first-step logits)."""
     B, ctx = shape
     step = DecodeStep(weights.config, B, ctx, optimizations=opts, weights=weights)
-    ids = torch.randint(0, weights.config.vocab_size, (B, 1), generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
-        step.set_tokens(ids)
-        t_first = time.perf_counter()
-        logits = step.run().clone()
-        t_first = time.perf_counter() - t_first
-        err = _errors(logits, ref)
+        logits, saved, t_first = first_step(step, _ids(weights.config, B))
+        err = _errors(logits, ref, ref_name, saved)
         extra = {"step": step.describe(), "bytes": floor["bytes"], "bandwidth_tbs": floor["bandwidth_tbs"],
                  "bandwidth_how": floor["how"], "collectives": {"count": len(step.last_collectives),
                                                                "bytes": sum(b for _, b in step.last_collectives),
@@ -172,17 +231,17 @@ def run_variant(case: str, name: str, opts: dict, weights: RankWeights, shape: t
         if ok:
             t = _time(step, repeats, True, t_first)
             gextra = dict(extra)
+            step.capture()
             if profile:
-                step.capture()
                 gextra["profile_graph"] = _profile(step.replay, f"{case}_{name}_graph", trace_dir)
+            step.restore_state(saved)
+            gerr = dict(err, graph_vs_eager=_rel(step.replay().clone(), logits))
             recs.append(bench.make_record(STUDY, f"{case}.{name}.graph", label, t, shape=sh, dtype=step.dtype,
-                                          floor_us=floor["floor_us"], error=err, **gextra))
+                                          floor_us=floor["floor_us"], error=gerr, **gextra))
         else:
             recs[0].extra["graph"] = f"not captured: {why}"
-    del step
-    gc.collect()
-    if on_gpu():
-        torch.cuda.empty_cache()
+    del step, saved
+    _free()
     return recs, logits
 
 
@@ -210,11 +269,16 @@ def run_cases(names: list[str] | None = None, *, distinct_layers: int = 3, repea
             parts = step_bytes(weights.config, B, ctx, act_bytes=weights.embed.element_size(),
                                cache_bytes=weights.embed.element_size())
             floor = {"bytes": parts, "bandwidth_tbs": bw, "how": how, "floor_us": parts["total"] / (bw * 1e6)}
-            ref = None
+            refs = {}
             for name, opts in variants().items():
-                recs, logits = run_variant(case, name, opts, weights, (B, ctx), ref=ref, repeats=repeats, floor=floor,
-                                           trace_dir=trace_dir, profile=profile and name in PROFILED and B == 1)
-                ref = logits if ref is None else ref
+                rname = reference_of(opts, weights.world_size)
+                if rname != name and rname not in refs:
+                    refs[rname] = reference_logits(rname, weights, (B, ctx))
+                recs, logits = run_variant(case, name, opts, weights, (B, ctx), ref=refs.get(rname), ref_name=rname,
+                                           repeats=repeats, floor=floor, trace_dir=trace_dir,
+                                           profile=profile and name in PROFILED and B == 1)
+                if name in REFERENCES:
+                    refs.setdefault(name, logits)
                 records += recs
                 log(f"  {case} {name}: " + ", ".join(f"{r.mode} {r.median_us / 1e3:.2f} ms" for r in recs)
                     + f"  [{time.perf_counter() - t0:.0f} s]")

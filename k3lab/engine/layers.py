@@ -1,6 +1,6 @@
 """One rank's share of each sublayer of a decode (or verification) step, up to the point where the
 tensor-parallel layer needs a collective: every function returns this rank's partial result, which the
-caller all-reduces (architecture.md section 4). Inputs x are [N, hidden] (N = batch x q_len tokens, the
+caller all-reduces (docs/k3.md). Inputs x are [N, hidden] (N = batch x q_len tokens, the
 pre-normed hidden state); caches are updated in place.
 """
 

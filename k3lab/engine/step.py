@@ -192,6 +192,22 @@ class DecodeStep:
         out["attn_res.partial"] = self.prefix.view(B, T, D)[:, -1]
         return out
 
+    def save_state(self) -> dict[str, torch.Tensor]:
+        """Clones of what a step writes and the next one reads: per KDA layer the conv histories and the
+        state, per MLA layer its rows [context_len, context_len + q_len) (the rows before are never
+        written). `restore_state` puts them back, so a step re-run from there sees the same inputs."""
+        out = {f"layers.{i}.{n}": t.clone() for i, c in self.kda_caches.items() for n, t in c.entries().items()}
+        out.update({f"layers.{i}.latent": t[:, self.context_len:].clone() for i, t in self.latent.items()})
+        return out
+
+    def restore_state(self, saved: dict[str, torch.Tensor]) -> None:
+        """Copy a `save_state()` of this step back in place (the buffers a captured graph reads stay)."""
+        for i, c in self.kda_caches.items():
+            for n, t in c.entries().items():
+                t.copy_(saved[f"layers.{i}.{n}"])
+        for i, t in self.latent.items():
+            t[:, self.context_len:].copy_(saved[f"layers.{i}.latent"])
+
     # ------------------------------------------------------------ the rank program
     def _collective(self, kind: str, t: torch.Tensor):
         if self.world_size == 1:

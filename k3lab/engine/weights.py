@@ -1,6 +1,6 @@
 """One tensor-parallel rank's weights for the decode step, in the form the step's kernels read.
 
-`RankWeights.from_model(model, world_size, rank)` slices a k3lab.nn K3Model (architecture.md section 4:
+`RankWeights.from_model(model, world_size, rank)` slices a k3lab.nn K3Model (docs/k3.md:
 attention heads, the dense MLP's and the experts' intermediate, the shared expert's width and the
 vocabulary divided; the MLA low-rank projections, the router, the latent MoE projections and every norm
 replicated). `RankWeights.random(config, distinct_layers=R)` draws fresh weights at a rank's shapes (a

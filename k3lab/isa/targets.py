@@ -3,7 +3,7 @@
 A target is what `triton.compile` is told to build for (`GPUTarget(backend, arch, warp_size)`) plus
 the device facts an op's launch policy reads (`env.detect()`: compute units, wave width) and the
 limits of one compute unit (LDS / shared memory, registers, resident waves). Nothing here needs the
-device: the figures are the vendors' published ones (shared/anchors.md, the ISA guides).
+device: the figures are the vendors' published ones (docs/k3.md, the ISA guides).
 """
 
 from __future__ import annotations

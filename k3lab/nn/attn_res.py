@@ -3,7 +3,7 @@
 Instead of adding every layer's output into one running sum, K3 keeps a few *block* sums (the
 embedding, then one per 12 decoder layers) and the running partial sum of the current block. Before
 each attention and each MLP, and at the model output, it mixes those sources with a learned,
-input-dependent softmax over depth (architecture.md section 3):
+input-dependent softmax over depth (docs/k3.md):
 
     keys_i = RMSNorm(V_i) (no weight);  logit_i = sum_d keys_i[d] * norm_weight[d] * proj_weight[d]
     p = softmax_i(logit_i);             h = sum_i p_i V_i          (fp32)

@@ -1,6 +1,6 @@
 """One K3 decoder layer: AttnRes mix -> RMSNorm -> KDA or MLA -> AttnRes mix -> RMSNorm -> MLP or MoE.
 
-The AttnRes protocol (architecture.md section 3), for layer l with incoming state (blocks, prefix):
+The AttnRes protocol (docs/k3.md), for layer l with incoming state (blocks, prefix):
 
     h = AttnRes(blocks + [prefix])            (self-attention pair; just `prefix` while no block exists)
     if l starts a block (0, 12, 24, ...):     blocks += [prefix]; prefix = 0

@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA) references in plain PyTorch.
 
-The recurrence per head, state S in R^{K x V} (architecture.md section 3, step 5):
+The recurrence per head, state S in R^{K x V} (docs/k3.md):
 
     S <- diag(exp(g_t)) S;  u = S^T k_t;  S <- S + k_t (beta_t (v_t - u))^T;  o_t = S^T (scale q_t)
 
@@ -8,7 +8,7 @@ The recurrence per head, state S in R^{K x V} (architecture.md section 3, step 5
 with the within-chunk 64x64 unit lower-triangular inverse. Both compute in fp32 (fp64 when given
 fp64) whatever the input dtype, return the output in q's dtype and the state in the compute dtype.
 
-Around the recurrence, the layer (`KimiDeltaAttention`, steps 1-6 of architecture.md section 3):
+Around the recurrence, the layer (`KimiDeltaAttention`, steps 1-6 in docs/k3.md):
 `short_conv` (causal depthwise conv + SiLU, with the decode conv state), `l2_normalize` on q and k,
 `kda_gate` (the lower-bounded per-channel log decay), `kda_beta`, and the gated output RMSNorm.
 `KDACache` holds what a sequence carries from one step to the next: three conv histories and the
@@ -241,7 +241,7 @@ class KDACache:
 
 
 class KimiDeltaAttention(nn.Module):
-    """One KDA layer (architecture.md section 3), weights [out, in] under K3's names.
+    """One KDA layer (docs/k3.md), weights [out, in] under K3's names.
 
     forward(x [B, T, hidden], cache=None) -> (out [B, T, hidden], new_cache). x is the pre-normed
     hidden state. Prefill (T > 1) runs `kda_chunked`, decode (T = 1) `kda_recurrent`; both continue

@@ -4,7 +4,7 @@
 all query heads attend to one shared 576-wide latent row per position (MQA over the latent),
 keys are the whole row, values its first `value_dim` (512) columns.
 
-`MultiHeadLatentAttention` is the whole layer (architecture.md section 3) in its two forms:
+`MultiHeadLatentAttention` is the whole layer (docs/k3.md) in its two forms:
 - naive (prefill): expand the cached latents through kv_b_proj into per-head keys
   [k_nope 128 | k_pe 64, shared by all heads] and values (128), then causal softmax attention;
 - absorbed (decode): fold kv_b_proj's key half into the query (q_lat = q_nope @ W_UK, 512 wide),

@@ -1,6 +1,6 @@
 """K3's MLPs: the dense SiTU-GLU MLP of layer 0 and the latent mixture of experts of layers 1-92.
 
-Latent MoE (architecture.md section 3), for a token x [7168]:
+Latent MoE (docs/k3.md), for a token x [7168]:
 
     s = sigmoid(x_fp32 @ gate^T)                    896 scores
     idx = topk(s + e_score_correction_bias, 16)     the bias steers *which* experts, never how much

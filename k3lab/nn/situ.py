@@ -1,4 +1,4 @@
-"""SiTU-GLU, K3's gated activation (architecture.md section 1).
+"""SiTU-GLU, K3's gated activation (docs/k3.md).
 
     a = 4 tanh(g / 4) sigmoid(g)   (a SiLU whose positive side saturates at 4)
     u' = 25 tanh(u / 25)           (the linear branch, soft-clamped to (-25, 25))

@@ -18,7 +18,7 @@ from k3lab.parallel import moe_tail as mt
 # The seed's own figures (vLLM PR 59591's AgentX experiment on eight MI355X): not measured here.
 SEED_CACHE_RUN = {"concurrency": 70, "hit_rate_before": 0.748, "hit_rate_after": 0.801,
                   "throughput_gain": 0.289, "gain_at_32_and_48": "< 1%"}
-CONVERSATION_TOKENS = 142_000  # the AgentX median input (anchors.md)
+CONVERSATION_TOKENS = 142_000  # the AgentX median input (docs/k3.md)
 
 
 def ownership_figure(world_size: int = 8, hidden: int = 7168) -> go.Figure:

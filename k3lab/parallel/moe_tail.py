@@ -1,6 +1,6 @@
 """K3's latent MoE under tensor parallelism, with the routed output projection replicated or sharded.
 
-One rank's layer (TP = W ranks, architecture.md section 4):
+One rank's layer (TP = W ranks, docs/k3.md):
 
     route(x)                       router replicated: every rank picks the same 16 experts per token
     z = down_proj(x)               replicated (7168 -> 3584)

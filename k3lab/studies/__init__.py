@@ -25,6 +25,8 @@ STUDIES: dict[str, str] = {
     "draft_depth": "k3lab.studies.draft_depth",
     "decode_step": "k3lab.studies.decode_step",
     "agent_cache": "k3lab.studies.agent_cache",
+    "dcp": "k3lab.studies.dcp",
+    "moe_sharding": "k3lab.studies.moe_sharding",
 }
 ALIASES: dict[str, str] = {"kda_decode_bench": "kda_decode"}
 
@@ -40,8 +42,10 @@ ABOUT: dict[str, str] = {
     "decode_step": "one TP8 rank's whole decode step, each optimization switched off alone (notebook 08)",
     "agent_cache": "cache reuse across agent turns: a prefix-cache simulator over AgentX-like traces, host<->device "
                    "copies (notebook 07)",
+    "dcp": "decode context parallelism on one GPU: local attention at TP8 / DCP8 shapes, the merge (notebook 01)",
+    "moe_sharding": "the MoE tail replicated vs sharded, the routed experts' grouped kernels (notebook 02)",
 }
-GPU_ONLY = frozenset({"kda_decode"})
+GPU_ONLY = frozenset({"kda_decode", "dcp", "moe_sharding"})
 # What `k3lab report` checks on a CPU, where Triton runs in its interpreter: the smallest cases that
 # still run every kernel of the study (the notebooks check the rest); None runs every case.
 CPU_CASES: dict[str, list[str] | None] = {

@@ -22,7 +22,7 @@ WORLD = 8
 CONVERSATION = 142_000
 # Public figures for the cost model (labelled in every table and figure that uses them).
 PUBLIC = {
-    "collective_latency_us": (7.0, 25.0),  # small-message NCCL collective on one node, per call (anchors.md)
+    "collective_latency_us": (7.0, 25.0),  # small-message NCCL collective on one node, per call (docs/k3.md)
     "link_GBps": 450.0,  # H200 NVLink 4: 900 GB/s per GPU both ways, half of it each way (datasheet)
 }
 _RANK_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
@@ -230,3 +230,28 @@ def capacity_table(contexts=(4_000, 32_000, 128_000, CONVERSATION), *, cache_bud
 def h200_records() -> list:
     """The committed one-GPU DCP records (profiles/nvidia-h200/dcp), empty until the benchmark ran there."""
     return bench.load_records("dcp", "nvidia-h200")
+
+
+# ---------------------------------------------------------------------------------------- study contract
+# `k3lab bench dcp` on a GPU: the one-GPU benchmark (k3lab.parallel.bench_dcp) as one case.
+NAME = "dcp"
+
+
+def case_names(preset=None) -> list[str]:
+    return ["one_gpu"]
+
+
+def run(preset=None, cases=None) -> list:
+    """Local attention at TP8's and DCP8's shapes, the merge, the 142K cache (needs a GPU)."""
+    from k3lab.parallel import bench_dcp
+
+    if cases and list(cases) != ["one_gpu"]:
+        raise ValueError(f"cases must be ['one_gpu'], got {list(cases)}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("the dcp study times kernels on a GPU; on a CPU notebook 01 and tests/test_dcp*.py "
+                           "check DCP on gloo ranks")
+    return bench_dcp.run()["records"]
+
+
+def profile_targets(preset=None) -> dict:
+    return {}

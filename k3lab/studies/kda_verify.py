@@ -343,7 +343,7 @@ def summary(records: list[bench.Record]):
 # ----------------------------------------------------------------------------------------------
 # tables for the notebook (plain data; the notebook draws them)
 
-UNITS = {"MI355X": 256, "H200": 132}  # CUs / SMs (seed; anchors.md)
+UNITS = {"MI355X": 256, "H200": 132}  # CUs / SMs (seed; docs/k3.md)
 UNIT_BACKEND = {"MI355X": "rocm", "H200": "cuda"}
 
 

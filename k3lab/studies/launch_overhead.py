@@ -34,7 +34,7 @@ NAME = "launch_overhead"
 
 SEED_COPY_BYTES = 1792  # one KDA layer's needless copy (seed, section 3)
 SEED_COPIES_PER_STEP = 69  # one per KDA layer
-GRAPH_COPIES = 100  # calls per captured graph (anchors.md: "100 of them replayed in one CUDA graph")
+GRAPH_COPIES = 100  # calls per captured graph (docs/k3.md: "100 of them replayed in one CUDA graph")
 _GPU_SIZES = [SEED_COPY_BYTES] + [4 ** k * 1024 for k in range(1, 9)]  # 1,792 B, 4 KiB .. 64 MiB
 _CPU_SIZES = [SEED_COPY_BYTES] + [4 ** k * 1024 for k in range(1, 6)]  # 1,792 B, 4 KiB .. 1 MiB
 

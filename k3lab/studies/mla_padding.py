@@ -59,7 +59,7 @@ DEFAULT_PRESET = "tp8"  # the seed's case: 12 heads per GPU (the preset picks th
 
 # Seed section 4: mean time per output token, ms (8x MI355X, TP8, concurrency 1, whole model).
 SEED_MS_PER_TOKEN = {"1K": (22.9, 22.8), "32K": (43.8, 23.6)}
-# shared/anchors.md, one H200, plain PyTorch, B = 1, 12 heads unless noted: (einsum+softmax us, SDPA us)
+# docs/k3.md, one H200, plain PyTorch, B = 1, 12 heads unless noted: (einsum+softmax us, SDPA us)
 ANCHORS_H200_US = {1024: (71.0, 106.0), 32768: (71.0, 548.0), 131072: (140.0, 1999.0)}
 
 

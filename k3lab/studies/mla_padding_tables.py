@@ -162,7 +162,7 @@ def probe_frames(run: dict) -> dict[str, pd.DataFrame]:
             rows += [(PROBE_PHASES[0], b["start"], first - b["start"]), (PROBE_PHASES[1], first, b["loop_end"] - first),
                      (PROBE_PHASES[2], b["loop_end"], b["end"] - b["loop_end"])]
         rows += [(PROBE_PHASES[3], m["start"], m["end"] - m["start"]) for m in tl["merge"]]
-        label = key if "." in key else f"split.{key}"  # the first run's keys had no form
+        label = key if "." in key else f"split.{key}"  # records without a form name are the split kernel
         out[f"{label} ({rec['graph_us']:.1f} us)"] = pd.DataFrame(
             [{"name": n, "category": n, "start_us": t, "dur_us": d} for n, t, d in rows])
     return out

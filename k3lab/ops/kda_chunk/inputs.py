@@ -122,6 +122,23 @@ def has_tf32() -> bool:
     return (info.arch or "").split(":")[0] in ("gfx940", "gfx941", "gfx942")
 
 
+def amd_lds_bytes() -> int | None:
+    """LDS per compute unit of an AMD device in bytes: 160 KiB on CDNA4 (gfx950), 64 KiB on CDNA3 and
+    older. None on NVIDIA and CPU, where no launch of this op nears the shared-memory limit."""
+    info = env.detect()
+    if info.backend != "rocm":
+        return None
+    return (160 if (info.arch or "").startswith("gfx950") else 64) * 1024
+
+
+def pipeline_stages(two_stage_lds: int) -> int:
+    """Software-pipeline depth of a walk or scan launch: 2 (the next chunk's operands fetched early),
+    or 1 on an AMD device whose LDS cannot hold `two_stage_lds`, the bytes two stages ask for as
+    Triton compiles the launch (k3lab.isa reports them). A request over the LDS fails at launch."""
+    lds = amd_lds_bytes()
+    return 2 if lds is None or two_stage_lds <= lds else 1
+
+
 def dot_precisions(dtype: torch.dtype) -> dict[str, str]:
     """Triton dot precisions per product. fp32 inputs: exact fp32 ('ieee') everywhere (what the CPU tests
     check). 16-bit inputs: one tf32 pass for Aqk, W / U and the walks where the device has one

@@ -10,12 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .inputs import HEAD_DIM, WHILE, dot_precisions
+from .inputs import HEAD_DIM, WHILE, dot_precisions, pipeline_stages
 from .plan import KdaPlan
 
 BLOCK = 16  # 16 columns on 8 warps: no spills (32 columns on 4 warps needed 255 registers)
 WARPS = 8
 STAGES = 2
+TWO_STAGE_LDS = 72 * 1024  # what two stages ask for (Triton 3.6, gfx942): over CDNA3's 64 KiB
 
 
 @triton.jit
@@ -111,5 +112,5 @@ def scan(plan: KdaPlan, sums, s_in: torch.Tensor, initial_state: torch.Tensor | 
         sum_n, sum_b, sum_d, plan.grp_sum, plan.seq_grp0, plan.seq_ngrp,
         initial_state if initial_state is not None else s_in, s_in, H, K=K, V=K, BV=BLOCK,
         HAS_INIT=initial_state is not None, PREC=dot_precisions(dtype)["scan"], WHILE=WHILE, num_warps=WARPS,
-        num_stages=STAGES,
+        num_stages=min(STAGES, pipeline_stages(TWO_STAGE_LDS)),
     )  # fmt: skip

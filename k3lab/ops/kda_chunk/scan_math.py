@@ -1,6 +1,6 @@
 """The algebra behind KDA's group scan, in plain PyTorch (fp32, or fp64 when given fp64).
 
-Chunked KDA (architecture.md, "Chunked KDA") turns each chunk of 64 tokens into a few matrices that
+Chunked KDA (docs/k3.md) turns each chunk of 64 tokens into a few matrices that
 do not depend on the state: W, U, Qg = scale Q e^G, Kd = K e^(G_last - G), Aqk and d = e^(G_last).
 Only the state then walks from chunk to chunk:
 

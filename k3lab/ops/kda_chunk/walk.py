@@ -17,11 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .inputs import CHUNK, HEAD_DIM, WHILE, dot_precisions
+from .inputs import CHUNK, HEAD_DIM, WHILE, dot_precisions, pipeline_stages
 from .plan import KdaPlan, Work, choose_block_v
 
 WARPS = 4
 STAGES = 2  # the loop bodies have no branch: the compiler fetches the next chunk's operands early
+# LDS two stages of the walk ask for, by value-tile width (Triton 3.6, gfx942): 64 columns pass 64 KiB
+WALK_TWO_STAGE_LDS = {32: 64 * 1024, 64: 72 * 1024}
 REPLAY_BLOCK_V = 64  # the replay has many programs already: whole 64-column tiles
 SUMMARY_BLOCK = 64
 
@@ -254,7 +256,8 @@ def walk(work: Work, plan: KdaPlan, o: torch.Tensor, s_final: torch.Tensor, s_in
         work.w, work.u, work.qg, work.kdt, work.aqk, work.d, plan.chunk_tok, plan.chunk_len, plan.grp_chunk0,
         plan.grp_nchunks, plan.grp_seq, sin_index, plan.grp_last, s_in if s_in is not None else s_final, o, s_final,
         H, K=HEAD_DIM, V=HEAD_DIM, C=CHUNK, BV=bv, HAS_SIN=s_in is not None,
-        PREC=dot_precisions(work.w.dtype)["walk"], WHILE=WHILE, num_warps=WARPS, num_stages=STAGES,
+        PREC=dot_precisions(work.w.dtype)["walk"], WHILE=WHILE, num_warps=WARPS,
+        num_stages=min(STAGES, pipeline_stages(WALK_TWO_STAGE_LDS[bv])),
     )  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """KDA decode, one token per sequence: the unfused chain and the fused kernel (seed section 3).
 
-Per sequence and head, a KDA decode step (architecture.md section 3) is
+Per sequence and head, a KDA decode step (docs/k3.md) is
 
     q, k, v = SiLU(causal conv4(projections))        the conv states keep the last 3 inputs
     q, k    = x / sqrt(sum x^2 + 1e-6); q *= K^-0.5

@@ -19,7 +19,7 @@ import torch
 
 from k3lab import env
 
-LATENT_DIM = 576  # [c 512 | k_pe 64] per position (architecture.md section 3)
+LATENT_DIM = 576  # [c 512 | k_pe 64] per position (docs/k3.md)
 VALUE_DIM = 512  # values are the first 512 latent columns
 ROPE_DIM = LATENT_DIM - VALUE_DIM
 DEFAULT_SCALE = 192 ** -0.5  # K3's qk head dim (128 nope + 64 rope); absorption does not change it

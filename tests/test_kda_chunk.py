@@ -518,3 +518,18 @@ def test_dot_precisions_by_device(monkeypatch, backend, arch, one, near, akk):
     assert dot_precisions(torch.bfloat16) == {"akk": akk, "aqk": one, "inv": near, "out": one, "scan": near,
                                               "walk": one}
     assert set(dot_precisions(torch.float32).values()) == {"ieee"}
+
+
+@pytest.mark.parametrize("backend, arch, scan_stages, replay_stages", [
+    ("cuda", "sm_90", 2, 2), ("rocm", "gfx950", 2, 2), ("rocm", "gfx942", 1, 1), ("cpu", None, 2, 2)])
+def test_scan_and_replay_stages_fit_the_device_lds(monkeypatch, backend, arch, scan_stages, replay_stages):
+    """Two stages of the scan and the 64-column replay ask for 72 KiB: one stage on a 64 KiB device;
+    the 32-column plain walk's 64 KiB fits everywhere. (tests/test_isa.py checks the compiled LDS.)"""
+    from k3lab.ops.kda_chunk import inputs, scan, walk
+
+    _as_device(monkeypatch, backend, arch)
+    plan = kc.make_plan([64 * 20], 2, group_size=4, device="cpu")
+    assert plan.uses_scan and walk.block_v(plan) == 64
+    assert inputs.pipeline_stages(scan.TWO_STAGE_LDS) == scan_stages
+    assert inputs.pipeline_stages(walk.WALK_TWO_STAGE_LDS[walk.block_v(plan)]) == replay_stages
+    assert inputs.pipeline_stages(walk.WALK_TWO_STAGE_LDS[32]) == 2

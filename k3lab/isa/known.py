@@ -31,11 +31,6 @@ for _t, _n in (("gfx942", 6), ("gfx950", 4)):
         f"the prologue's fix-up pass (FIXUP=True, exact pairwise decays, 4 waves) spills {_n} VGPRs on {_t} "
         "(4 with exact fp32 products on either target); the main pass does not. It runs only on chunks whose "
         "decay spread the factored form refuses")
-for _k in ("_scan_kernel", "_walk_kernel"):
-    KNOWN[("kda_chunk.after_16k", _k, "gfx942", "lds")] = (
-        "two pipeline stages of fp32 [128 x 64] tiles ask for 72 KiB of LDS, over MI300X's 64 KiB (a launch "
-        "would fail); one stage fits (64 KiB and 16 KiB). Fix: stages from the device's LDS, as the MLA "
-        "after already chooses them")
 
 
 def explain(case: str, kernel: str, target: str, kind: str) -> str | None:

@@ -182,21 +182,24 @@ TP8_SLICE = dataclasses.replace(K3Config.full(), num_hidden_layers=4, num_expert
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (K3's true widths, 8 ranks in lockstep)")
-def test_gpu_tp8_slice_equals_model():
+@pytest.mark.parametrize("opt", ("all", "none"))
+def test_gpu_tp8_slice_equals_model(opt):
     """Not yet run on a GPU. Four layers at K3's widths (KDA x3, MLA; 16 experts so that 8 ranks' weights
-    fit one GPU) in bf16: the 8 ranks' steps, every switch on, run in lockstep with real sums, against
-    K3Model in bf16 (both round differently: a bf16 bound on logits and caches)."""
+    fit one GPU) in bf16: the 8 ranks' steps, every switch on (or off), run in lockstep with real sums,
+    against K3Model in bf16 (both round differently: a bf16 bound on logits and caches). The whole-step
+    bench cannot bound its 93-layer bf16 logits this way: a router near-tie flips an expert and the
+    flips compound with depth."""
     torch.manual_seed(0)
     model = init_weights(K3Model(TP8_SLICE, device="cuda", dtype=torch.bfloat16), 7, on_device=True).eval()
     ids = torch.randint(0, TP8_SLICE.vocab_size, (1, 65), device="cuda")
     with torch.no_grad():
         _, cache = model.prefill(ids[:, :64])
         ref, ref_cache = model.decode(ids[:, 64:], cache)
-        steps = [DecodeStep.from_model(model, 1, 64, tp=8, rank=r, optimizations="all") for r in range(8)]
+        steps = [DecodeStep.from_model(model, 1, 64, tp=8, rank=r, optimizations=opt) for r in range(8)]
         for s in steps:
             s.load_cache(cache)
         outs = run_group(steps, ids[:, 64:])
-    assert steps[0].impl["kda_fused"] == "fused", steps[0].resolved.notes
+    assert steps[0].impl["kda_fused"] == ("fused" if opt == "all" else "chain"), steps[0].resolved.notes
     for r, (s, logits) in enumerate(zip(steps, outs)):
         bench.check(logits, ref, dtype="bf16", name=f"rank {r} logits")
         entries = s.cache_entries()

@@ -101,6 +101,33 @@ def waterfall(records, case: str):
     return df
 
 
+UNCHECKED = ("not a check: compared with all off, whose MoE tail differs under the stand-in collectives; "
+             "re-measure")
+
+
+def checks(records) -> list[dict]:
+    """Per record, its logits check (k3lab.engine.bench): case, variant, mode, reference, rel_l2, max_abs,
+    graph_vs_eager (rel_l2 of one graph replay against the eager check, graph records), state (the
+    checksum of the caches it started from) and note. Records made before the check compared like with
+    like (error['logits_vs_all_off']) keep their figure and say that it is not a check (UNCHECKED)."""
+    rows = []
+    for r in records:
+        case, variant = r.case.split(".")[:2]
+        e = r.error or {}
+        row = {"case": case, "variant": variant, "mode": r.mode, "reference": None, "rel_l2": None,
+               "max_abs": None, "graph_vs_eager": (e.get("graph_vs_eager") or {}).get("rel_l2"),
+               "state": e.get("state"), "note": ""}
+        chk = e.get("logits_vs_reference", e.get("logits_vs_all_off"))
+        if isinstance(chk, dict):
+            row.update(reference=chk.get("reference", "all_off"), rel_l2=chk["rel_l2"], max_abs=chk["max_abs"])
+            if "logits_vs_all_off" in e:
+                row["note"] = UNCHECKED
+        else:
+            row["note"] = "the reference" if chk else "no check recorded"
+        rows.append(row)
+    return rows
+
+
 def waterfall_figure(df, title: str):
     """Horizontal bars of the step time per variant (graph replay where captured, hatched where eager)."""
     import plotly.graph_objects as go

@@ -154,6 +154,25 @@ def test_before_takes_views_of_one_packed_projection():
     bench.check(cache.state, ref.state, dtype="fp32", name="state")
 
 
+def test_before_conv_branch_per_input_is_bit_identical(monkeypatch):
+    """On AMD the conv kernel runs each input's code in its own branch (Triton's AMD pointer pass cannot
+    take a pointer chosen among tensors); outputs and every cache tensor equal the one-body form's."""
+    from k3lab import env
+
+    inputs, cache, w = kd.make_example(3, 2, dtype=torch.bfloat16, device=DEVICE, seed=25)
+    runs = {}
+    for name, info in (("one body", env.detect()),
+                       ("branch", env.DeviceInfo("rocm", "MI355X", 256, None, 64, "gfx950", env.PEAKS["CPU"]))):
+        monkeypatch.setattr(env, "detect", lambda info=info: info)
+        c = KDACache(*(t.clone() for t in (cache.conv_q, cache.conv_k, cache.conv_v, cache.state)))
+        runs[name] = (kd.before(**inputs, cache=c, weights=w), c)
+    (o1, c1), (o2, c2) = runs["one body"], runs["branch"]
+    assert torch.equal(o1, o2)
+    for n in ("conv_q", "conv_k", "conv_v", "state"):
+        assert torch.equal(getattr(c1, n), getattr(c2, n)), n
+        assert not torch.equal(getattr(c1, n), getattr(cache, n)), n  # the step moved it
+
+
 def test_three_steps_carry_state():
     inputs, cache, w = kd.make_example(1, 1, dtype=torch.float32, device=DEVICE, seed=24)
     ref_cache = KDACache(*(t.double() for t in (cache.conv_q, cache.conv_k, cache.conv_v, cache.state)))

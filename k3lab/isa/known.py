@@ -10,11 +10,7 @@ from __future__ import annotations
 # (case prefix, kernel function, target, kind) -> cause and fix
 KNOWN: dict[tuple[str, str, str, str], str] = {}
 
-_PTR = ("Triton 3.6's AMD pointer canonicalisation aborts (PassManager::run failed) on a pointer chosen per "
-        "program among different tensors once buffer ops mark them < 2 GB (tt.pointer_range 32). Compiles "
-        "with AMDGCN_USE_BUFFER_OPS=0; in the kernel: one launch per input, or one stacked input tensor")
 for _t in ("gfx950", "gfx942"):
-    KNOWN[("kda_decode.", "_conv_silu_kernel", _t, "compile")] = _PTR
     for _c in ("mla_decode.verify_2", "mla_decode.verify_4"):
         for _kind in ("spill", "scratch"):
             KNOWN[(_c, "_split_kernel", _t, _kind)] = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from k3lab import env
 from k3lab.ops.kda_decode.inputs import HEAD_DIM
 
 try:
@@ -19,26 +20,9 @@ except ImportError:  # `before` needs Triton; the reference and the fused kernel
 if triton is not None:
 
     @triton.jit
-    def _conv_silu_kernel(xq, xk, xv, rs_q, rs_k, rs_v, cq, ck, cv, bs_q, bs_k, bs_v, wq, wk, wv, y, C,
-                          BC: tl.constexpr):
-        """Short conv + SiLU of q, k, v for one sequence and BC channels; rolls the conv states and
-        writes y [B, 3, C] (the first handoff through memory)."""
-        b = tl.program_id(0).to(tl.int64)
-        which = tl.program_id(1)
-        offs = tl.program_id(2) * BC + tl.arange(0, BC)
-        m = offs < C
-        if which == 0:
-            x_row = xq + b * rs_q
-            st = cq + b * bs_q
-            w = wq
-        elif which == 1:
-            x_row = xk + b * rs_k
-            st = ck + b * bs_k
-            w = wk
-        else:
-            x_row = xv + b * rs_v
-            st = cv + b * bs_v
-            w = wv
+    def _conv_silu_one(x_row, st, w, y, b, which, C, offs, m):
+        """Short conv + SiLU of one input's channels `offs` (mask m) into y[b, which] of y [B, 3, C], and its
+        conv state [C, 3] rolled by one (x enters)."""
         x = tl.load(x_row + offs, mask=m, other=0.0)
         s0 = tl.load(st + offs * 3, mask=m, other=0.0)
         s1 = tl.load(st + offs * 3 + 1, mask=m, other=0.0)
@@ -52,6 +36,39 @@ if triton is not None:
         tl.store(st + offs * 3, s1, mask=m)
         tl.store(st + offs * 3 + 1, s2, mask=m)
         tl.store(st + offs * 3 + 2, x, mask=m)
+
+    @triton.jit
+    def _conv_silu_kernel(xq, xk, xv, rs_q, rs_k, rs_v, cq, ck, cv, bs_q, bs_k, bs_v, wq, wk, wv, y, C,
+                          BC: tl.constexpr, BRANCH: tl.constexpr):
+        """Short conv + SiLU of q, k, v (program axis 1 picks which) for one sequence and BC channels;
+        rolls the conv states and writes y [B, 3, C] (the first handoff through memory). BRANCH: each
+        input's code in its own branch, every pointer taken straight from its argument (what Triton's
+        AMD pointer pass needs); else one body on a pointer chosen per program (NVIDIA)."""
+        b = tl.program_id(0).to(tl.int64)
+        which = tl.program_id(1)
+        offs = tl.program_id(2) * BC + tl.arange(0, BC)
+        m = offs < C
+        if BRANCH:
+            if which == 0:
+                _conv_silu_one(xq + b * rs_q, cq + b * bs_q, wq, y, b, which, C, offs, m)
+            elif which == 1:
+                _conv_silu_one(xk + b * rs_k, ck + b * bs_k, wk, y, b, which, C, offs, m)
+            else:
+                _conv_silu_one(xv + b * rs_v, cv + b * bs_v, wv, y, b, which, C, offs, m)
+        else:
+            if which == 0:
+                x_row = xq + b * rs_q
+                st = cq + b * bs_q
+                w = wq
+            elif which == 1:
+                x_row = xk + b * rs_k
+                st = ck + b * bs_k
+                w = wk
+            else:
+                x_row = xv + b * rs_v
+                st = cv + b * bs_v
+                w = wv
+            _conv_silu_one(x_row, st, w, y, b, which, C, offs, m)
 
     @triton.jit
     def _norm_gates_recurrence_kernel(y, g_raw, rs_g, A_log, dt_bias, b_raw, rs_b, state, bs_state, o, H, C,
@@ -104,7 +121,8 @@ def launch(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout, B,
     y = torch.empty(B, 3, C, device=q.device, dtype=act)
     _conv_silu_kernel[(B, 3, triton.cdiv(C, BEFORE_CONV_BLOCK))](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), cq, ck, cv, cq.stride(0), ck.stride(0), cv.stride(0),
-        weights.conv_q, weights.conv_k, weights.conv_v, y, C, BC=BEFORE_CONV_BLOCK)
+        weights.conv_q, weights.conv_k, weights.conv_v, y, C, BC=BEFORE_CONV_BLOCK,
+        BRANCH=env.detect().backend == "rocm")
     o_tmp = torch.empty(B, H, K, device=q.device, dtype=act)
     sk, sv = (K, 1) if state_layout == "kv" else (1, K)
     _norm_gates_recurrence_kernel[(B * H, K // BEFORE_TILE_V)](

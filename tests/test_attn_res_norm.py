@@ -154,12 +154,23 @@ def test_launch_config_tiles_small_batches_and_pipelines_large_ones(n_blocks, gr
         else:
             assert cfg["stages"] == 0 and cfg["prefetch"] == 1
     # the three configurations the H200 sweep chose (docs/copy_removal.md)
-    assert op.launch_config(1, 8, compute_units=units) == {"kernel": "triton", "group": 8, "num_warps": 8,
-                                                           "prefetch": 1, "w_reload": 0, "stages": 0}
-    assert op.launch_config(8192, 8, compute_units=units) == {"kernel": "triton", "group": 1, "num_warps": 8,
-                                                              "prefetch": 0, "w_reload": 0, "stages": 3}
-    assert op.launch_config(8192, 1, compute_units=units) == {"kernel": "triton", "group": 1, "num_warps": 4,
-                                                              "prefetch": 1, "w_reload": 0, "stages": 0}
+    h200 = dict(compute_units=units, wave_width=32)
+    assert op.launch_config(1, 8, **h200) == {"kernel": "triton", "group": 8, "num_warps": 8, "prefetch": 1,
+                                              "w_reload": 0, "stages": 0}
+    assert op.launch_config(8192, 8, **h200) == {"kernel": "triton", "group": 1, "num_warps": 8, "prefetch": 0,
+                                                 "w_reload": 0, "stages": 3}
+    assert op.launch_config(8192, 1, **h200) == {"kernel": "triton", "group": 1, "num_warps": 4, "prefetch": 1,
+                                                 "w_reload": 0, "stages": 0}
+
+
+def test_launch_config_tile_takes_16_waves_on_wave64():
+    """On AMD (64 lanes per wave) the one-step tile runs on 16 waves (8 spill 14 VGPRs, k3lab.isa); the
+    other two configurations are the H200's."""
+    amd, h200 = dict(compute_units=256, wave_width=64), dict(compute_units=256, wave_width=32)
+    for tokens in (1, 64):
+        assert op.launch_config(tokens, 8, **amd) == op.launch_config(tokens, 8, **h200) | {"num_warps": 16}
+    for tokens, n_blocks in ((8192, 8), (8192, 1)):
+        assert op.launch_config(tokens, n_blocks, **amd) == op.launch_config(tokens, n_blocks, **h200)
 
 
 @pytest.mark.parametrize("tokens,n_blocks,expect", [(1, 8, "cuda_cluster"), (18, 4, "cuda_cluster"),

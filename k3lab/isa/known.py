@@ -17,11 +17,6 @@ for _t in ("gfx950", "gfx942"):
                 "a verification group's 32- or 64-row fp32 accumulator on 8 waves of 64 lanes: a wave may hold "
                 "256 VGPRs when two share a SIMD, and the tile needs more (4 waves still spill at 64 rows). "
                 "Fix: fewer verify tokens per program on AMD (mla_decode.triton.token_tile)")
-    for _c in ("attn_res_norm.t1", "attn_res_norm.t64"):
-        for _kind in ("spill", "scratch"):
-            KNOWN[(_c, "_attn_res_norm_kernel", _t, _kind)] = (
-                "the one-step 'tile8' config (all 8 blocks as one tile, 8 warps) holds the group tile of a "
-                "7168-wide row in 8 waves of 64 lanes; 16 waves compile with 105 VGPRs and no spills")
 for _t, _n in (("gfx942", 6), ("gfx950", 4)):
     KNOWN[("kda_chunk.", "_a_kernel", _t, "spill")] = (
         f"the prologue's fix-up pass (FIXUP=True, exact pairwise decays, 4 waves) spills {_n} VGPRs on {_t} "

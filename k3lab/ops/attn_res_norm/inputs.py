@@ -44,7 +44,8 @@ def fold_mix_weight(res_norm_w, res_proj_w):
 # issued before this group is reduced), w_reload (re-read the logit weight each step instead of
 # keeping it in registers), stages (0: the loop over groups is unrolled; k > 0: a rolled loop that
 # the compiler software-pipelines k deep through shared memory).
-def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None, cluster_pieces: int = 0) -> dict:
+def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None, cluster_pieces: int = 0,
+                  wave_width: int | None = None) -> dict:
     """The kernel configuration for `tokens` tokens and `n_blocks` stored blocks: {"kernel":
     "cuda_cluster"} or {"kernel": "triton", and the Triton kernel's options}.
 
@@ -72,16 +73,22 @@ def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None, 
       195 us).
     The switch at one token per unit follows from the reasoning above; the sweep brackets it (tile8
     best at 64 tokens, pipe8s3 at 512) but did not time the tokens in between. On AMD GPUs the same
-    rule applies untuned (not yet run on AMD hardware by this project).
-    compute_units: the device's SM/CU count (read from the device when None).
+    rule applies untuned (not yet run on AMD hardware by this project), except that tile8 takes 16
+    waves of 64 lanes: at 8 the compiler spills 14 VGPRs (gfx950 and gfx942), at 16 it needs 105
+    and none (k3lab.isa).
+    compute_units, wave_width: the device's SM/CU count and lanes per wave (read from the device
+    when None).
     """
     if compute_units is None:
         compute_units = env.detect().compute_units or 1
+    if wave_width is None:
+        wave_width = env.detect().wave_width or 32
     if cluster_pieces and n_blocks >= CLUSTER_MIN_BLOCKS and tokens * cluster_pieces <= compute_units:
         return {"kernel": "cuda_cluster"}
     all_blocks = 1 << max(n_blocks - 1, 0).bit_length()  # next power of two
     if tokens <= compute_units:
-        return {"kernel": "triton", "group": all_blocks, "num_warps": 8, "prefetch": 1, "w_reload": 0, "stages": 0}
+        warps = 16 if wave_width == 64 else 8
+        return {"kernel": "triton", "group": all_blocks, "num_warps": warps, "prefetch": 1, "w_reload": 0, "stages": 0}
     if n_blocks >= 2:
         return {"kernel": "triton", "group": 1, "num_warps": 8, "prefetch": 0, "w_reload": 0, "stages": 3}
     return {"kernel": "triton", "group": 1, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0}

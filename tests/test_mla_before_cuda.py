@@ -123,9 +123,10 @@ def test_on_the_gpu_ring_with_small_pages_and_a_refusal():
 
 
 def test_committed_h200_before_records():
-    """What notebook 04 says of the committed H200 records: the CUDA before is the before of the main
-    cases and at least 5x faster than the Triton before of the same call at 1K and 32K, and the after
-    still beats it by the issue's 1.8x at 32K."""
+    """What notebook 04b says of the committed H200 records: the CUDA before is the before of the main
+    cases and at least 5x faster than the Triton before (the tune.* records, an earlier call on the
+    same H200: the Triton before is no longer a case) at 1K and 32K, and the after still beats it by
+    1.8x at 32K."""
     from k3lab.studies import mla_padding as study
 
     h200 = bench.load_records(study.NAME, device="nvidia-h200")
@@ -134,6 +135,6 @@ def test_committed_h200_before_records():
         cuda = graph[case, "before"]
         assert cuda.extra.get("backend", cuda.extra.get("kernel")) == "cuda"
         assert cuda.error and cuda.error["o"]["rel_l2"] < 0.02
-        assert cuda.commit == graph[triton, "before"].commit  # one call
+        assert cuda.device == graph[triton, "before"].device
         assert cuda.median_us * 5 <= graph[triton, "before"].median_us
     assert graph["ctx32k", "before"].median_us >= 1.8 * graph["ctx32k", "after"].median_us

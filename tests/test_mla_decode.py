@@ -205,6 +205,24 @@ def test_launch_config_reads_the_device():
     assert math.isclose(mla.DEFAULT_SCALE, 192 ** -0.5)
 
 
+def test_verify_tokens_per_program_by_wave_width(monkeypatch):
+    """Up to 4 verify tokens share an after-program on 32-lane devices (the H200's configuration); one
+    on 64-lane devices, where 32 or 64 accumulator rows spill (k3lab.isa). Both match the reference."""
+    from k3lab import env
+
+    assert [mt.token_tile(t, 32) for t in (1, 2, 3, 4, 8)] == [1, 2, 4, 4, 4]
+    assert [mt.token_tile(t, 64) for t in (1, 2, 3, 4, 8)] == [1, 1, 1, 1, 1]
+    assert mla.after_groups(12, 4, 32) == 1 and mla.after_groups(12, 4, 64) == 4
+    q, cache, lens, kv, bt = _inputs(2, 3, 4, 90, torch.float32, lengths=[90, 5], paged=True, seed=31)
+    ref_o, ref_l = mla.reference(q.float(), cache.float(), lens)
+    amd = env.DeviceInfo("rocm", "MI355X", 256, None, 64, "gfx950", env.PEAKS["CPU"])
+    monkeypatch.setattr(env, "detect", lambda: amd)
+    plan = mla.plan_after(q, kv, lens, block_table=bt, num_splits=2)
+    assert plan.programs == 2 * 2 * 3  # splits x requests x one program per token
+    o, lse = plan()
+    _check(o, lse, ref_o, ref_l, torch.float32, "wave64 verify")
+
+
 @pytest.mark.parametrize("page_size,block_n,splits", [(64, 32, 1), (16, 16, 1), (16, 16, 3), (32, 16, 2)])
 def test_after_paged_page_groups(page_size, block_n, splits):
     # Tiles inside pages: the kernel reads the block table 16 pages at a time; 300 positions in

@@ -10,13 +10,6 @@ from __future__ import annotations
 # (case prefix, kernel function, target, kind) -> cause and fix
 KNOWN: dict[tuple[str, str, str, str], str] = {}
 
-for _t in ("gfx950", "gfx942"):
-    for _c in ("mla_decode.verify_2", "mla_decode.verify_4"):
-        for _kind in ("spill", "scratch"):
-            KNOWN[(_c, "_split_kernel", _t, _kind)] = (
-                "a verification group's 32- or 64-row fp32 accumulator on 8 waves of 64 lanes: a wave may hold "
-                "256 VGPRs when two share a SIMD, and the tile needs more (4 waves still spill at 64 rows). "
-                "Fix: fewer verify tokens per program on AMD (mla_decode.triton.token_tile)")
 for _t, _n in (("gfx942", 6), ("gfx950", 4)):
     KNOWN[("kda_chunk.", "_a_kernel", _t, "spill")] = (
         f"the prologue's fix-up pass (FIXUP=True, exact pairwise decays, 4 waves) spills {_n} VGPRs on {_t} "

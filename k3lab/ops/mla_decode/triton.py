@@ -16,8 +16,8 @@
 Contract: q [B, q_len 1..8, H, 576] fp32 / fp16 / bf16, a contiguous [B, L, 576] or paged cache
 (inputs.validate); returns (o [B, q_len, H, 512] in q's dtype, lse [B, q_len, H] fp32, natural
 log), the plan's own buffers. Verification groups are causal inside the group. Launch choices:
-32-row tiles, 4 warps for one token (8 for verify groups of 64 rows), as many pipeline stages as
-the shared memory holds (at most 3); why this shape, and what else was measured, is in
+32-row tiles, 4 warps for one token (8 for verify groups of 64 rows; one token per program on
+64-lane AMD devices), as many pipeline stages as the shared memory holds (at most 3); why this shape, and what else was measured, is in
 docs/mla_padding.md ("Design choices").
 """
 
@@ -41,17 +41,22 @@ except ImportError:  # an older Triton: the plans never ask for it (see pdl_usab
 
 NAME = "triton"
 TOKENS_PER_PROGRAM = 4  # after: verify tokens sharing one program (4 x 16 = 64 rows of accumulator)
+# wave64 (AMD): one token per program; 32 or 64 accumulator rows spill 135-510 VGPRs there (k3lab.isa)
+TOKENS_PER_PROGRAM_WAVE64 = 1
 MERGE_DV = 16  # value columns per merge program: 12 heads x 32 programs at B = 1
 
 
-def token_tile(q_len: int) -> int:
-    """Verify tokens one after-program holds (a power of two, at most TOKENS_PER_PROGRAM)."""
-    return min(triton.next_power_of_2(q_len), TOKENS_PER_PROGRAM)
+def token_tile(q_len: int, wave_width: int | None = None) -> int:
+    """Verify tokens one after-program holds (a power of two): at most TOKENS_PER_PROGRAM, or
+    TOKENS_PER_PROGRAM_WAVE64 on a device of 64-lane waves. wave_width: read from the device when None."""
+    wave = wave_width if wave_width is not None else env.detect().wave_width
+    cap = TOKENS_PER_PROGRAM_WAVE64 if wave == 64 else TOKENS_PER_PROGRAM
+    return min(triton.next_power_of_2(q_len), cap)
 
 
-def after_groups(heads: int, q_len: int = 1) -> int:
+def after_groups(heads: int, q_len: int = 1, wave_width: int | None = None) -> int:
     """Programs the after kernel launches per request and split: 16-head groups x verify-token groups."""
-    return -(-heads // MMA_ROWS) * -(-q_len // token_tile(q_len))
+    return -(-heads // MMA_ROWS) * -(-q_len // token_tile(q_len, wave_width))
 
 
 def page_groups(max_len: int, splits: int, block_n: int, page_size: int) -> int:

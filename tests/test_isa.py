@@ -176,8 +176,8 @@ def test_k3lab_aiter_call_matches_the_wheel_signature():
     assert npos == len(EXPECTED_POSITIONAL) and names[:npos] == EXPECTED_POSITIONAL
     assert all(p["default"] is None for p in sig["params"][:npos])  # required, in this order
     assert always <= set(names), always - set(names)
-    assert {"return_lse", "page_size"} <= gated  # passed only where the installed version has them
-    assert not {"return_lse", "page_size"} & set(names)  # this version has neither
+    assert gated == {"page_size"}  # passed only where the installed version has it
+    assert "page_size" not in names and "return_lse" not in names  # this version has neither
 
 
 def test_aiter_lse_fact_for_the_non_persistent_decode():
@@ -188,3 +188,8 @@ def test_aiter_lse_fact_for_the_non_persistent_decode():
     assert "(logits, final_lse)" in sig["returns"]
     assert sig["final_lse_passed_to"] == ["aiter.mla_reduce_v1"]
     assert "work_meta_data" not in _aiter_call()[1]
+    # so k3lab's AITER path returns no lse: every return of aiter_decode is (o, None)
+    src = (Path(__file__).resolve().parents[1] / "k3lab" / "ops" / "mla_decode" / "peers.py").read_text()
+    fn = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name == "aiter_decode")
+    rets = [n.value for n in ast.walk(fn) if isinstance(n, ast.Return)]
+    assert rets and all(isinstance(r, ast.Tuple) and ast.unparse(r.elts[1]) == "None" for r in rets)

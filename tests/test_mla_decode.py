@@ -187,6 +187,60 @@ def test_bad_input():
         mla.plan_after(q, cache, num_splits=0)
 
 
+def _fake_aiter_mla():
+    """A stand-in for aiter.mla with mla_decode_fwd's signature from the committed amd-aiter wheel file:
+    it writes o from the call's index lists (page_size 1: kv_indices lists each position's row) and,
+    like that version's non-persistent path, returns a final_lse nothing wrote (NaN here)."""
+    import inspect
+    import types
+    from pathlib import Path
+
+    spec = json.loads((Path(__file__).resolve().parents[1] / "profiles" / "isa" / "aiter_mla_signature.json")
+                      .read_text())
+    empty = inspect.Parameter.empty
+    sig = inspect.Signature([inspect.Parameter(p["name"], inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                               default=empty if p["default"] is None else None)
+                             for p in spec["params"]])
+
+    def mla_decode_fwd(*args, **kwargs):
+        a = sig.bind(*args, **kwargs).arguments  # an argument this version lacks fails here
+        q, kv, o, Tq = a["q"], a["kv_buffer"].reshape(-1, mla.LATENT_DIM), a["o"], a["max_seqlen_q"]
+        starts, rows = a["kv_indptr"].tolist(), a["kv_indices"].long()
+        for b in range(len(starts) - 1):
+            keys = kv[rows[starts[b]:starts[b + 1]]].double()
+            for t in range(Tq):
+                n = starts[b + 1] - starts[b] - Tq + t + 1
+                p = torch.softmax(q[b * Tq + t].double() @ keys[:n].T * a["sm_scale"], -1)
+                o[b * Tq + t] = (p @ keys[:n, :mla.VALUE_DIM]).to(o.dtype)
+        return o, torch.full(o.shape[:2], float("nan"))
+
+    mla_decode_fwd.__signature__ = sig
+    return types.SimpleNamespace(mla_decode_fwd=mla_decode_fwd)
+
+
+def test_aiter_path_returns_no_lse_and_dcp_refuses_it_by_name(monkeypatch):
+    """AITER 0.1.7.post2.dev18's decode without a work list leaves its final_lse unwritten: k3lab's AITER
+    path returns lse None (the outputs are the decode's), and a caller that merges by lse refuses it."""
+    import sys
+    import types
+
+    from k3lab.ops.mla_decode import peers
+
+    monkeypatch.setitem(sys.modules, "aiter", types.SimpleNamespace(mla=_fake_aiter_mla()))
+    monkeypatch.setattr(peers, "aiter_status", lambda: (True, "a stand-in with the wheel's signature"))
+    q, cache, lens, pool, bt = _inputs(2, 2, 12, 70, torch.float32, lengths=[70, 9], paged=True, seed=41)
+    ref_o, _ = mla.reference(q, cache, lens)
+    o, lse = peers.aiter_decode(q, pool, lens, block_table=bt)
+    assert lse is None
+    bench.check(o, ref_o, dtype="fp32", name="aiter o")
+    plan = peers.AiterPlan(q, pool, lens, block_table=bt)
+    assert plan.returns_lse is False and plan.facts()["lse"] is False and plan()[1] is None
+    with pytest.raises(ValueError, match="DCP merges .* backend 'aiter' gives none"):
+        peers.require_lse("aiter", "DCP")
+    for name in ("triton", "cuda"):
+        peers.require_lse(name, "DCP")
+
+
 def test_aiter_absence_is_not_an_error():
     ok, why = mla.aiter_status()
     if env.detect().backend != "rocm":
@@ -208,8 +262,6 @@ def test_launch_config_reads_the_device():
 def test_verify_tokens_per_program_by_wave_width(monkeypatch):
     """Up to 4 verify tokens share an after-program on 32-lane devices (the H200's configuration); one
     on 64-lane devices, where 32 or 64 accumulator rows spill (k3lab.isa). Both match the reference."""
-    from k3lab import env
-
     assert [mt.token_tile(t, 32) for t in (1, 2, 3, 4, 8)] == [1, 2, 4, 4, 4]
     assert [mt.token_tile(t, 64) for t in (1, 2, 3, 4, 8)] == [1, 1, 1, 1, 1]
     assert mla.after_groups(12, 4, 32) == 1 and mla.after_groups(12, 4, 64) == 4

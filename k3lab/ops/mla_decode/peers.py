@@ -1,7 +1,7 @@
 """Peers of the MLA decode, for checks and comparisons: the fp32 reference, plain PyTorch (einsum and
 SDPA), FlashMLA's dense decode (DeepSeek's Hopper kernel) from a prebuilt library, and AITER's
 padded decode on ROCm. Every function returns (o [B, Tq, H, 512], lse [B, Tq, H] natural log) like
-the kernels (SDPA: lse None).
+the kernels (SDPA and AITER: lse None).
 
 FlashMLA: nothing of its source is in this project. The library is the one vLLM ships
 (`vllm/_flashmla_C.abi3.so`, 1.7 MB, from the vllm 0.24.0 wheel on PyPI, built against torch 2.11
@@ -14,7 +14,8 @@ merges them with a second kernel. It needs an sm_90a GPU, bf16 or fp16, and page
 rows. `flashmla_plan()` computes the scheduling table once, at plan time, so that the returned
 callable launches two kernels with no host sync (CUDA-graph capturable).
 
-AITER (`aiter_decode`): the seed's adapter, not yet run on AMD hardware by this project.
+AITER (`aiter_decode`): the seed's adapter, not yet run on AMD hardware by this project. It gives no
+lse (`AITER_LSE`); `require_lse` refuses it by name for callers that merge partials by lse (DCP).
 
 `flashmla_status()` / `aiter_status()` say whether each runs here and, when not, why; that is not an
 error: the MLA study then leaves the peer out and says so.
@@ -96,6 +97,19 @@ def sdpa_decode(q, cache, lengths=None, *, scale=None):
 # AITER (ROCm): not yet run on AMD hardware by this project
 
 
+AITER_LSE = ("AITER's mla_decode_fwd (amd-aiter 0.1.7.post2.dev18) returns (logits, final_lse), and only "
+             "mla_reduce_v1 on its persistent path (a work list, work_meta_data) writes final_lse; k3lab's call "
+             "passes no work list, so that tensor is never written and k3lab's AITER path has no lse")
+
+
+def require_lse(backend: str, caller: str) -> None:
+    """ValueError naming `backend` when its decode gives no log-sum-exp and `caller` (what merges partial
+    attention by lse, e.g. "DCP") needs one: 'aiter' (AITER_LSE). Call before any kernel runs."""
+    if backend == "aiter":
+        raise ValueError(f"{caller} merges partial attention by its log-sum-exp, and backend 'aiter' gives none "
+                         f"({AITER_LSE}); use backend 'triton' or 'cuda'")
+
+
 def aiter_status() -> tuple[bool, str]:
     """(usable, why): AITER's MLA decode needs a ROCm torch with a device and the amd-aiter package."""
     info = env.detect()
@@ -116,7 +130,7 @@ def aiter_decode(q, cache, lengths=None, *, block_table=None, scale=None):
 
     NOT YET RUN ON AMD HARDWARE BY THIS PROJECT. The cache is described to AITER token by token
     (page_size 1: kv_indices lists each position's row in the pool), the layout every AITER version
-    accepts. Returns (o, lse) with lse in natural log as AITER returns it (checked by the study)."""
+    accepts. Returns (o, None): no lse (AITER_LSE; the second value AITER returns is not read)."""
     ok, why = aiter_status()
     if not ok:
         raise RuntimeError(f"aiter_decode unavailable: {why}")
@@ -145,33 +159,29 @@ def aiter_decode(q, cache, lengths=None, *, block_table=None, scale=None):
     o16 = torch.empty(B * Tq, MMA_ROWS, VALUE_DIM, dtype=q.dtype, device=dev)
     kwargs = dict(sm_scale=DEFAULT_SCALE if scale is None else float(scale))
     params = inspect.signature(aiter_mla.mla_decode_fwd).parameters
-    if "return_lse" in params:
-        kwargs["return_lse"] = True
-    if "page_size" in params:
+    if "page_size" in params:  # versions that take the page size by name
         kwargs["page_size"] = 1
-    res = aiter_mla.mla_decode_fwd(q16.view(B * Tq, MMA_ROWS, LATENT_DIM), kv_rows, o16, qo_indptr, kv_indptr,
-                                   kv_indices, last_page, Tq, **kwargs)
-    lse16 = res[1] if isinstance(res, tuple) and len(res) > 1 else None
-    o = o16.view(B, Tq, MMA_ROWS, VALUE_DIM)[:, :, :H].contiguous()
-    lse = None if lse16 is None else lse16.reshape(B, Tq, MMA_ROWS)[:, :, :H].float().contiguous()
-    return o, lse
-
+    aiter_mla.mla_decode_fwd(q16.view(B * Tq, MMA_ROWS, LATENT_DIM), kv_rows, o16, qo_indptr, kv_indptr,
+                             kv_indices, last_page, Tq, **kwargs)  # writes o16; its final_lse is never written
+    return o16.view(B, Tq, MMA_ROWS, VALUE_DIM)[:, :, :H].contiguous(), None
 
 
 class AiterPlan:
     """`aiter_decode` on fixed inputs, as the 'aiter' backend of plan_after (validated at each call:
-    AITER builds its index lists on the host). Not yet run on AMD hardware by this project."""
+    AITER builds its index lists on the host); `plan()` returns (o, None). Not yet run on AMD hardware
+    by this project."""
 
     variant = "after"
     backend = "aiter"
     pad = "copy"
+    returns_lse = False
 
     def __init__(self, q, cache, lengths=None, *, block_table=None, scale=None):
         validate(q, cache, lengths, block_table, max_heads=MMA_ROWS)  # bad input: refused now, by name
         self._call = (q, cache, lengths, block_table, scale)
 
     def facts(self) -> dict:
-        return {"backend": "aiter", "pad": "copy"}
+        return {"backend": "aiter", "pad": "copy", "lse": False}
 
     def __call__(self):
         q, cache, lengths, block_table, scale = self._call

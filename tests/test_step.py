@@ -137,7 +137,7 @@ def test_random_weights_rotate_and_run():
 
 
 def test_gpu_only_switch_on_cpu_says_what_runs_instead():
-    step = DecodeStep(SMALL, 1, 4, optimizations="all", device="cpu")
+    step = DecodeStep(SMALL, 1, 4, optimizations="all", device="cpu")  # CPU tensors, also on a GPU machine
     assert step.impl["kda_fused"] == "reference"
     assert "PyTorch reference" in step.resolved.notes["kda_fused"]
     with pytest.raises(ValueError, match="kda_fused cannot run here"):
@@ -181,27 +181,41 @@ TP8_SLICE = dataclasses.replace(K3Config.full(), num_hidden_layers=4, num_expert
                                 vocab_size=8192, attn_res_block_size=2, name="k3-4layers")
 
 
+def _rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
+    d = got.double() - ref.double()
+    return float(d.norm() / ref.double().norm().clamp_min(1e-30))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (K3's true widths, 8 ranks in lockstep)")
-@pytest.mark.parametrize("opt", ("all", "none"))
-def test_gpu_tp8_slice_equals_model(opt):
-    """Not yet run on a GPU. Four layers at K3's widths (KDA x3, MLA; 16 experts so that 8 ranks' weights
-    fit one GPU) in bf16: the 8 ranks' steps, every switch on (or off), run in lockstep with real sums,
-    against K3Model in bf16 (both round differently: a bf16 bound on logits and caches). The whole-step
-    bench cannot bound its 93-layer bf16 logits this way: a router near-tie flips an expert and the
-    flips compound with depth."""
+def test_gpu_tp8_slice_equals_model():
+    """Four layers at K3's widths (KDA x3, MLA; 16 experts so that 8 ranks' weights fit one GPU) in
+    bf16: the 8 ranks' steps, every switch off and then every switch on, run in lockstep with real sums
+    against K3Model in bf16. The two round in different orders through 7168-wide layers (every switch
+    off, plain torch ops, differs from K3Model by about 1% in logits on the H200), so the bound is
+    two-sided: the unfused step within 2% of the model, and the optimized step no further from the model
+    than the unfused one (x 1.25): the kernels add no error of their own. The whole-step bench cannot
+    bound its 93-layer bf16 logits this way: a router near-tie flips an expert and the flips compound."""
     torch.manual_seed(0)
     model = init_weights(K3Model(TP8_SLICE, device="cuda", dtype=torch.bfloat16), 7, on_device=True).eval()
     ids = torch.randint(0, TP8_SLICE.vocab_size, (1, 65), device="cuda")
+    errs = {}
     with torch.no_grad():
         _, cache = model.prefill(ids[:, :64])
         ref, ref_cache = model.decode(ids[:, 64:], cache)
-        steps = [DecodeStep.from_model(model, 1, 64, tp=8, rank=r, optimizations=opt) for r in range(8)]
-        for s in steps:
-            s.load_cache(cache)
-        outs = run_group(steps, ids[:, 64:])
-    assert steps[0].impl["kda_fused"] == ("fused" if opt == "all" else "chain"), steps[0].resolved.notes
-    for r, (s, logits) in enumerate(zip(steps, outs)):
-        bench.check(logits, ref, dtype="bf16", name=f"rank {r} logits")
-        entries = s.cache_entries()
-        for name, want in ref_cache.entries().items():
-            bench.check(entries[name].float(), _mine(entries[name], want, 8, r).float(), dtype="bf16", name=name)
+        for opt in ("none", "all"):
+            steps = [DecodeStep.from_model(model, 1, 64, tp=8, rank=r, optimizations=opt) for r in range(8)]
+            for st in steps:
+                st.load_cache(cache)
+            outs = run_group(steps, ids[:, 64:])
+            assert steps[0].impl["kda_fused"] == ("fused" if opt == "all" else "chain"), steps[0].resolved.notes
+            for r, (st, logits) in enumerate(zip(steps, outs)):
+                errs[opt, r, "logits"] = _rel_l2(logits, ref)
+                entries = st.cache_entries()
+                for name, want in ref_cache.entries().items():
+                    errs[opt, r, name] = _rel_l2(entries[name], _mine(entries[name], want, 8, r))
+            del steps, outs
+    for (opt, r, name), e in errs.items():
+        if opt == "none":
+            assert e < 2e-2, (r, name, e)
+        else:
+            assert e <= max(1e-2, 1.25 * errs["none", r, name]), (r, name, e, errs["none", r, name])

@@ -139,7 +139,7 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False) -
     if impl["grouped_experts"] == "triton":
         from k3lab.ops import moe_experts
 
-        ok, why = moe_experts.available("triton")
+        ok, why = moe_experts.available("triton", device)
         if not ok:
             impl["grouped_experts"], notes["grouped_experts"] = "torch", f"grouped kernels unavailable ({why}): the loop runs"
             if strict:

@@ -6,6 +6,7 @@ On a GPU: a reduced-depth model at K3's true widths against 8 TP ranks run in lo
 from __future__ import annotations
 
 import dataclasses
+import os
 import itertools
 
 import pytest
@@ -35,6 +36,12 @@ def _case(config, q_len, seed=3):
         _, cache = model.prefill(ids[:, :CONTEXT])
         ref, ref_cache = model(ids[:, CONTEXT:], cache)
     return model, cache, ids[:, CONTEXT:], ref, ref_cache
+
+
+# The CPU-device tests below: where there is a GPU, k3lab leaves Triton's interpreter off, so a step on
+# CPU tensors cannot run its Triton kernels (DecodeStep says so; test_gpu_only_switch... checks it).
+CPU_STEP = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                              reason="a step on CPU tensors needs Triton's interpreter, which is off where there is a GPU")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +76,7 @@ def _run(model, cache, ids, **kw) -> tuple[DecodeStep, torch.Tensor]:
         return step, step(ids)
 
 
+@CPU_STEP
 @pytest.mark.parametrize("bits", list(itertools.product((True, False), repeat=len(CPU_DECODE))),
                          ids=lambda b: "".join("1" if x else "0" for x in b))
 def test_decode_equals_model_every_switch_combination(small, bits):
@@ -77,6 +85,7 @@ def test_decode_equals_model_every_switch_combination(small, bits):
     _check_step(step, logits, ref, ref_cache)
 
 
+@CPU_STEP
 @pytest.mark.parametrize("tiles,mla", list(itertools.product((True, False), repeat=2)))
 @pytest.mark.parametrize("rest", (True, False), ids=("rest_on", "rest_off"))
 def test_verification_equals_model(four_verify, tiles, mla, rest):
@@ -89,6 +98,7 @@ def test_verification_equals_model(four_verify, tiles, mla, rest):
     _check_step(step, logits, ref, ref_cache)
 
 
+@CPU_STEP
 @pytest.mark.parametrize("opt", ("all", "none"))
 def test_tp2_group_in_lockstep_equals_model(opt):
     model, cache, ids, ref, ref_cache = _case(FOUR, 1, seed=5)
@@ -102,6 +112,7 @@ def test_tp2_group_in_lockstep_equals_model(opt):
         _check_step(s, logits, ref, ref_cache, world=2, rank=r)
 
 
+@CPU_STEP
 def test_stand_in_collectives_are_counted_and_change_nothing_at_tp1(small):
     model, cache, ids, ref, _ = small
     step, logits = _run(model, cache, ids, optimizations="none")
@@ -115,6 +126,7 @@ def test_stand_in_collectives_are_counted_and_change_nothing_at_tp1(small):
     assert kinds.count("all_reduce") == 1 + 2 + 3 and kinds[-1] == "all_gather"
 
 
+@CPU_STEP
 def test_the_comparison_can_fail(small):
     """A step that skipped loading the model's cache does not match: the check is not vacuous."""
     model, _, ids, ref, _ = small
@@ -125,6 +137,7 @@ def test_the_comparison_can_fail(small):
         bench.check(logits, ref, dtype="fp32", name="logits")
 
 
+@CPU_STEP
 def test_random_weights_rotate_and_run():
     step = DecodeStep(FOUR, 1, 7, optimizations="all", weights="random", distinct_layers=2, device="cpu")
     kda = [step.weights.layers[i].attn for i, t in enumerate(FOUR.layer_types) if t == "kda"]
@@ -137,7 +150,11 @@ def test_random_weights_rotate_and_run():
 
 
 def test_gpu_only_switch_on_cpu_says_what_runs_instead():
-    step = DecodeStep(SMALL, 1, 4, optimizations="all", device="cpu")  # CPU tensors, also on a GPU machine
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="device='cpu' on a machine with a GPU"):
+            DecodeStep(SMALL, 1, 4, optimizations="all", device="cpu")
+        return
+    step = DecodeStep(SMALL, 1, 4, optimizations="all", device="cpu")
     assert step.impl["kda_fused"] == "reference"
     assert "PyTorch reference" in step.resolved.notes["kda_fused"]
     with pytest.raises(ValueError, match="kda_fused cannot run here"):
@@ -157,12 +174,14 @@ def test_gpu_only_switch_on_cpu_says_what_runs_instead():
     ({"weights": "zeros"}, "weights must be 'random' or a RankWeights"),
     ({"distinct_layers": 0}, "distinct_layers must be an integer >= 1"),
 ])
+@CPU_STEP
 def test_bad_configuration(kwargs, match):
     args = {"batch": 1, "context_len": 4} | {k: kwargs.pop(k) for k in ("batch", "context_len") if k in kwargs}
     with pytest.raises(ValueError, match=match):
         DecodeStep(SMALL, args["batch"], args["context_len"], device="cpu", **kwargs)
 
 
+@CPU_STEP
 def test_bad_model_slice_and_tokens(small):
     model, cache, ids, _, _ = small
     with pytest.raises(ValueError, match="not divisible by tp = 3"):

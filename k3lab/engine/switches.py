@@ -18,6 +18,7 @@ turns those notes into a ValueError for switches that were asked for by name.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,10 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False) -
     running a replacement for a switch that is on and cannot run as named on this device."""
     on = parse(optimizations)
     device = torch.device(device)
+    if device.type == "cpu" and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("device='cpu' on a machine with a GPU: the step's Triton kernels run compiled, on GPU "
+                         "tensors (k3lab turns Triton's interpreter on only where there is no GPU); use "
+                         "device='cuda', or set TRITON_INTERPRET=1 before triton is imported")
     impl, notes = {}, {}
     for name in SWITCHES:
         if name in DECODE_ONLY and q_len > 1:

@@ -262,3 +262,13 @@ def test_memory_of_the_142k_conversation():
 def test_measured_allocation_of_the_142k_shard_on_a_gpu(dtype):
     m = dcp.measure_shard_bytes(K3Config.full(), 142_000, 8, dtype=dtype, device="cuda")
     assert abs(m["measured"] - m["formula"]) <= 0.01 * m["formula"], m
+
+
+def _decode_forced_to_aiter(rank, world_size):
+    os.environ["K3LAB_MLA_BACKEND"] = "aiter"
+    dcp.dcp_decode(torch.randn(1, 1, 2, 576), torch.randn(1, 4, 576), [4], [4], local="after")
+
+
+def test_dcp_refuses_a_decode_without_lse():
+    with pytest.raises(RankError, match="backend 'aiter' gives none"):
+        spawn(_decode_forced_to_aiter, 1, backend="gloo", timeout_s=30)

@@ -32,6 +32,7 @@ from k3lab.bench.records import (
     make_record,
     records_frame,
     save_records,
+    write_run,
     validate_variant,
 )
 from k3lab.bench.timing import (
@@ -70,6 +71,7 @@ __all__ = [
     "rotation_count",
     "rotation_sets",
     "save_records",
+    "write_run",
     "time_fn",
     "tolerance_for",
     "validate_variant",

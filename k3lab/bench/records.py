@@ -311,3 +311,15 @@ def compare(records: Iterable[Record]):
             *[f"{p}_us" for p in peer_names], "peer", "peer_us", "floor_us", "speedup", "after_vs_peer",
             "floor_fraction"]
     return pd.DataFrame(rows, columns=cols)
+
+
+def write_run(result: dict, json_path=None, records_root=None) -> None:
+    """What a one-GPU benchmark script writes: `result` (a dict whose "records" are Records, with any
+    summaries beside them) as one JSON file at `json_path`, and the records under `records_root`
+    (save_records' layout, the form committed under profiles/). Either may be None."""
+    if json_path:
+        out = dict(result, records=[r.to_dict() for r in result["records"]])
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    if records_root:
+        save_records(result["records"], root=records_root)

@@ -24,7 +24,6 @@ DIR/<device>/agent_cache/*.json. Not yet run on a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -232,12 +231,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script (CPU too)")
     args = p.parse_args(argv)
     result = run(smoke=args.smoke)
-    if args.json:
-        out = dict(result, records=[r.to_dict() for r in result["records"]])
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, default=str)
-    if args.records_root:
-        bench.save_records(result["records"], root=args.records_root)
+    bench.write_run(result, args.json, args.records_root)
     _print(result)
     return 0
 

@@ -21,7 +21,6 @@ Not yet run on a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -169,12 +168,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     result = run(smoke=args.smoke)
     _print(result)
-    if args.json:
-        out = dict(result, records=[r.to_dict() for r in result["records"]])
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, default=str)
-    if args.records_root:
-        bench.save_records(result["records"], root=args.records_root)
+    bench.write_run(result, args.json, args.records_root)
     return 0
 
 

@@ -218,11 +218,7 @@ def main(argv=None) -> int:
     res = run(tp=a.tp)
     print(table(res["records"]))
     print("memory (one layer, rank 0):", json.dumps(res["memory"], indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"records": [r.to_dict() for r in res["records"]], "memory": res["memory"]}, f, indent=1)
-    if a.records_root:
-        bench.save_records(res["records"], root=a.records_root)
+    bench.write_run(res, a.json, a.records_root)
     return 0
 
 

@@ -20,7 +20,7 @@ that the whole path equals `k3lab.nn.kda.kda_chunked` / `kda_recurrent`.
 Tensors here are [B, H, n_chunks, ...] (one B x H batch of independent recurrences), computed in the
 inputs' precision promoted to at least fp32 (fp64 when any input is fp64). It is the readable version:
 the kernels of `k3lab.ops.kda_chunk` compute the same quantities for 64-token chunks; the algebra holds
-for any chunk size. Public path: also `k3lab.ops.kda_scan_math`.
+for any chunk size.
 """
 
 from __future__ import annotations

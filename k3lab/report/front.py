@@ -47,7 +47,8 @@ OPTIMIZATIONS: tuple[Optimization, ...] = (
         "Each GPU computes only its slice of the routed experts' output projection and the existing "
         "all-reduce assembles it: no duplicated work, no new collective.", "02_*.ipynb", (),
         (Headline("moe_sharding", "tail_N8", "graph", "latent MoE tail, 8 tokens (7168 / 896 rows)"),
-         Headline("moe_sharding", "experts_N64", "graph", "routed experts, 64 tokens (grouped kernels)"))),
+         Headline("moe_sharding", "experts_N64", "eager",
+                  "routed experts, 64 tokens (per-expert loop / grouped kernels; eager: the loop reads counts)"))),
     Optimization(
         "Copy removal and fusion",
         "The KDA decode step in one launch instead of five; AttnRes mixing fused with the next RMSNorm; "

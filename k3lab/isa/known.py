@@ -10,12 +10,6 @@ from __future__ import annotations
 # (case prefix, kernel function, target, kind) -> cause and fix
 KNOWN: dict[tuple[str, str, str, str], str] = {}
 
-for _t, _n in (("gfx942", 6), ("gfx950", 4)):
-    KNOWN[("kda_chunk.", "_a_kernel", _t, "spill")] = (
-        f"the prologue's fix-up pass (FIXUP=True, exact pairwise decays, 4 waves) spills {_n} SGPRs into VGPR "
-        f"lanes on {_t} (no scratch; 4 with exact fp32 products on either target; 8 waves spill more); the main "
-        "pass does not. It runs only on chunks whose decay spread the factored form refuses")
-
 
 def explain(case: str, kernel: str, target: str, kind: str) -> str | None:
     """The KNOWN entry for one problem (kernel: the function's name), or None when it is not listed."""

@@ -29,6 +29,8 @@ from collections.abc import Callable
 import triton
 import triton.language as tl
 
+from k3lab import env
+
 from .inputs import CHUNK, FAST_EXP, HEAD_DIM, SAFE_SPREAD, SUB, dot_precisions
 from .plan import KdaPlan, Work
 
@@ -56,12 +58,14 @@ def _exp(x, FAST: tl.constexpr):
 @triton.jit
 def _a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
                  K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
-                 AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr):
+                 AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr,
+                 UNROLL: tl.constexpr):
     """Akk (fp32, R buffer), Aqk, Qg, W's right factor (in W's buffer), Kd^T and d of one chunk, one
     slice of BK key channels at a time (decays are per channel; only the dots sum over them), with
     the chunk held as [4 blocks, 16 rows, BK] so that every per-block factor is a broadcast.
     Returns 1 if a block's decay spread exceeds SPREAD (else 0). EXACT: such blocks take the exact
-    path here; without it their diagonal blocks are left out and the caller must redo the chunk."""
+    path here; without it their diagonal blocks are left out and the caller must redo the chunk.
+    UNROLL: the exact path's row loop unrolled (`unroll_exact`)."""
     NB: tl.constexpr = C // BC
     ib = tl.arange(0, NB)
     rb = tl.arange(0, BC)
@@ -113,7 +117,7 @@ def _a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d
         acc_q = tl.dot(q3 * e_in, rt, acc_q, input_precision=AQK_PREC)
         if EXACT:
             if tl.max(spread, axis=0) > SPREAD:  # wide decay inside a block: exact pairwise decays
-                acc_k, acc_q = _exact_diag(acc_k, acc_q, k3, q3, Gw, spread, SPREAD, NB, BC, C)
+                acc_k, acc_q = _exact_diag(acc_k, acc_q, k3, q3, Gw, spread, SPREAD, NB, BC, C, UNROLL)
         else:
             wide = tl.maximum(wide, (tl.max(spread, axis=0) > SPREAD).to(tl.int32))
     rows = b3 * BC + r3
@@ -125,33 +129,46 @@ def _a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d
 
 
 @triton.jit
-def _exact_diag(acc_k, acc_q, k3, q3, Gw, spread, SPREAD: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
-                    C: tl.constexpr):
-    """The diagonal blocks whose decay spreads beyond SPREAD, one key row at a time with exact
-    pairwise decays e^(G_i - G_j) <= 1 (slow; never taken for K3's gate)."""
+def _exact_row(acc_k, acc_q, k3, q3, Gw, wide, cc, NB: tl.constexpr, BC: tl.constexpr, C: tl.constexpr):
+    """Key row cc of every wide diagonal block, with exact pairwise decays e^(G_i - G_j) <= 1."""
     ib = tl.arange(0, NB)
-    rb = tl.arange(0, BC)
     rc = tl.arange(0, C)
+    r3 = tl.arange(0, BC)[None, :, None]
+    sel = r3 == cc
+    k_c = tl.sum(tl.where(sel, k3, 0.0), axis=1)  # [NB, BK]: row cc of every block
+    G_c = tl.sum(tl.where(sel, Gw, 0.0), axis=1)
+    ke = k_c[:, None, :] * tl.exp(tl.where(r3 >= cc, Gw - G_c[:, None, :], float("-inf")))
+    hit = wide & (rc[None, None, :] == ib[:, None, None] * BC + cc)
+    acc_k = tl.where(hit, acc_k + tl.sum(k3 * ke, axis=2)[:, :, None], acc_k)
+    acc_q = tl.where(hit, acc_q + tl.sum(q3 * ke, axis=2)[:, :, None], acc_q)
+    return acc_k, acc_q
+
+
+@triton.jit
+def _exact_diag(acc_k, acc_q, k3, q3, Gw, spread, SPREAD: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
+                    C: tl.constexpr, UNROLL: tl.constexpr):
+    """The diagonal blocks whose decay spreads beyond SPREAD, one key row at a time (slow; never taken
+    for K3's gate). UNROLL: the row loop unrolled, which keeps the loop's scalar state out of the
+    spill path on AMD (`unroll_exact`)."""
     wide = (spread > SPREAD)[:, None, None]  # [NB, 1, 1]
-    r3 = rb[None, :, None]
-    for cc in range(BC):
-        sel = r3 == cc
-        k_c = tl.sum(tl.where(sel, k3, 0.0), axis=1)  # [NB, BK]: row cc of every block
-        G_c = tl.sum(tl.where(sel, Gw, 0.0), axis=1)
-        ke = k_c[:, None, :] * tl.exp(tl.where(r3 >= cc, Gw - G_c[:, None, :], float("-inf")))
-        hit = wide & (rc[None, None, :] == ib[:, None, None] * BC + cc)
-        acc_k = tl.where(hit, acc_k + tl.sum(k3 * ke, axis=2)[:, :, None], acc_k)
-        acc_q = tl.where(hit, acc_q + tl.sum(q3 * ke, axis=2)[:, :, None], acc_q)
+    if UNROLL:
+        for cc in tl.static_range(BC):
+            acc_k, acc_q = _exact_row(acc_k, acc_q, k3, q3, Gw, wide, cc, NB, BC, C)
+    else:
+        for cc in range(BC):
+            acc_k, acc_q = _exact_row(acc_k, acc_q, k3, q3, Gw, wide, cc, NB, BC, C)
     return acc_k, acc_q
 
 
 @triton.jit(do_not_specialize=["H"])
 def _a_kernel(q, k, g, beta, chunk_tok, chunk_len, w_out, qg_out, kdt_out, aqk_out, d_out, r_buf, flags, H, scale,
               K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
-              AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, FAST: tl.constexpr, FIXUP: tl.constexpr):
+              AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, FAST: tl.constexpr, FIXUP: tl.constexpr,
+              UNROLL_EXACT: tl.constexpr):
     """Launch 'a', one program per (chunk, head). FIXUP=False, the main pass: without the exact path for
     wide decays; writes each chunk's 'needs the exact path' flag. FIXUP=True, the fix-up pass: only
-    flagged chunks run, with the exact path (the others read one flag and stop)."""
+    flagged chunks run, with the exact path (the others read one flag and stop). UNROLL_EXACT: see
+    `unroll_exact`."""
     c = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     out = c * H + h
@@ -163,7 +180,7 @@ def _a_kernel(q, k, g, beta, chunk_tok, chunk_len, w_out, qg_out, kdt_out, aqk_o
         L = tl.load(chunk_len + c)
         wide = _a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out,
                         aqk_out + out * C * C, r_buf + out * C * C, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC, FAST,
-                        FIXUP)
+                        FIXUP, UNROLL_EXACT)
         if not FIXUP:
             tl.store(flags + out, wide)
 
@@ -301,6 +318,13 @@ def _wu_kernel(
     _wu_chunk(v, beta, tok0, L, h, H, out, w_out, u_out, r_buf + out * C * C, K, V, C, BC, BK, OUT_PREC)
 
 
+def unroll_exact() -> bool:
+    """Whether the fix-up pass unrolls the exact path's 16-step row loop: on a 64-lane (AMD) device,
+    where the rolled loop at A_WARPS spills scalar registers into vector lanes (k3lab.isa: gfx942 and
+    gfx950) and the unrolled one does not; NVIDIA keeps the rolled loop as it compiled before."""
+    return env.detect().wave_width == 64
+
+
 def launches(q, k, v, g, beta, plan: KdaPlan, scale: float, work: Work) -> dict[str, Callable[[], None]]:
     """The prologue's launches as callables on fixed buffers, in order: 'a' (the main and fix-up passes),
     'inverse', 'wu'. Each reruns in place (for timing one alone); inputs are validated by the caller."""
@@ -312,7 +336,8 @@ def launches(q, k, v, g, beta, plan: KdaPlan, scale: float, work: Work) -> dict[
         _a_kernel[(plan.n_chunks, H)](
             q, k, g, beta, plan.chunk_tok, plan.chunk_len, work.w, work.qg, work.kdt, work.aqk, work.d, r_buf,
             flags, H, float(scale), K=HEAD_DIM, C=CHUNK, BC=SUB, BK=A_BLOCK_K, SPREAD=SAFE_SPREAD,
-            AKK_PREC=p["akk"], AQK_PREC=p["aqk"], FAST=FAST_EXP, FIXUP=fixup, num_warps=A_WARPS, num_stages=1,
+            AKK_PREC=p["akk"], AQK_PREC=p["aqk"], FAST=FAST_EXP, FIXUP=fixup,
+            UNROLL_EXACT=fixup and unroll_exact(), num_warps=A_WARPS, num_stages=1,
         )  # fmt: skip
 
     def a():

@@ -96,3 +96,13 @@ def load_study(name: str) -> ModuleType:
 def available() -> list[str]:
     """Registered studies whose modules exist in this tree."""
     return [n for n, p in STUDIES.items() if importlib.util.find_spec(p) is not None]
+
+
+def select_cases(known: list[str], cases=None) -> list[str]:
+    """The cases a study's run() takes: all of `known` when `cases` is None, else `cases` in the given
+    order; ValueError naming the unknown ones (before anything runs)."""
+    chosen = list(known) if cases is None else list(cases)
+    unknown = [c for c in chosen if c not in known]
+    if unknown:
+        raise ValueError(f"cases must be among {list(known)}, got unknown {unknown}")
+    return chosen

@@ -32,6 +32,7 @@ from k3lab.cache import resume, sim
 from k3lab.cache.traces import Workload
 from k3lab.config import GiB, K3Config
 from k3lab.model import component_table
+from k3lab.studies import select_cases
 
 NAME = "agent_cache"
 WORKLOAD = {"sessions": 72, "duration_s": 900.0, "seed": 3}  # about 70 sessions active at once
@@ -70,11 +71,7 @@ def run(preset=None, cases=None) -> list[bench.Record]:
     """Each case checked (the simulator: with an unbounded HBM the hit rate is the workload's theoretical
     reuse less at most one checkpoint interval per request; copies and state: k3lab.cache.bench_h2d),
     then timed."""
-    known = case_names(preset)
-    cases = known if cases is None else list(cases)
-    unknown = [c for c in cases if c not in known]
-    if unknown:
-        raise ValueError(f"cases must be among {known}; got unknown {unknown}")
+    cases = select_cases(case_names(preset), cases)
     records: list[bench.Record] = []
     for case in cases:
         if case.startswith("sim_"):

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from k3lab import bench, spec
+from k3lab.studies import select_cases
 
 NAME = "draft_depth"
 
@@ -154,11 +155,7 @@ def _tokens_case(case: str) -> list[bench.Record]:
 def run(preset=None, cases=None) -> list[bench.Record]:
     """Check each case (counts identical, |z| < 3, chi-square p > 1e-3; CheckFailed otherwise),
     then time it. Returns the records; saves nothing."""
-    known = case_names(preset)
-    cases = known if cases is None else list(cases)
-    unknown = [c for c in cases if c not in known]
-    if unknown:
-        raise ValueError(f"cases must be among {known}; got unknown {unknown}")
+    cases = select_cases(case_names(preset), cases)
     records: list[bench.Record] = []
     for case in cases:
         if case.startswith("cycles_depth"):

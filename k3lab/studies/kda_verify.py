@@ -37,6 +37,7 @@ from k3lab import bench
 from k3lab import env as _env
 from k3lab.config import K3Config
 from k3lab.ops import kda_verify as kv
+from k3lab.studies import select_cases
 
 NAME = "kda_verify"
 
@@ -262,11 +263,7 @@ def _timing_args(graph: bool, n_sets: int) -> dict:
 def run(preset=None, cases=None, *, modes=None) -> list[bench.Record]:
     """Check every variant of every case against the fp64 reference, then time it (eager and graph
     replay on a GPU, perf_counter on CPU; the sweep and ablation cases in graph replay only)."""
-    valid = case_names(preset)
-    chosen = valid if cases is None else list(cases)
-    unknown = [c for c in chosen if c not in valid]
-    if unknown:
-        raise ValueError(f"cases must be among {valid}, got unknown {unknown}")
+    chosen = select_cases(case_names(preset), cases)
     H = _heads(preset)
     dev = _env.detect().device
     dtype = _input_dtype()

@@ -29,6 +29,7 @@ import torch
 
 from k3lab import bench
 from k3lab import env as _env
+from k3lab.studies import select_cases
 
 NAME = "launch_overhead"
 
@@ -168,11 +169,7 @@ def _timing_args() -> dict:
 
 def run(preset=None, cases=None) -> list[bench.Record]:
     """Check, then time, every case: 'before' (eager) everywhere, 'after' (graph replay) on a GPU."""
-    valid = case_names(preset)
-    chosen = valid if cases is None else list(cases)
-    unknown = [c for c in chosen if c not in valid]
-    if unknown:
-        raise ValueError(f"cases must be among {valid}, got unknown {unknown}")
+    chosen = select_cases(case_names(preset), cases)
     gpu = _gpu()
     launch_eager = bench.launch_cost_us("eager") if gpu else None
     launch_graph = bench.launch_cost_us("graph") if gpu else None

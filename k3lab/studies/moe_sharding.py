@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from k3lab.parallel import bench_moe
+from k3lab.studies import select_cases
 
 NAME = bench_moe.STUDY
 
@@ -23,11 +24,7 @@ def run(preset=None, cases=None) -> list:
     if not torch.cuda.is_available():
         raise RuntimeError("moe_sharding times compiled kernels at TP8 shapes and needs a GPU; on a CPU "
                            "tests/test_moe_*.py and notebook 02 check the same code in Triton's interpreter")
-    names = case_names()
-    cases = list(cases) if cases else names
-    bad = [c for c in cases if c not in names]
-    if bad:
-        raise ValueError(f"cases must be among {names}, got {bad}")
+    cases = select_cases(case_names(), cases or None)
     tail = tuple(int(c[6:]) for c in cases if c.startswith("tail_N"))
     experts = tuple(int(c[9:]) for c in cases if c.startswith("experts_N"))
     return bench_moe.run(tail_tokens=tail, expert_tokens=experts)["records"]

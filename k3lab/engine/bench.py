@@ -41,6 +41,7 @@ STUDY = "decode_step"
 GPU_CASES = {"b1_1k": (1, 1024), "b1_32k": (1, 32768), "b1_128k": (1, 131072), "b64_8k": (64, 8192)}
 CPU_CASES = {"tiny_b1_ctx8": (1, 8)}
 CPU_CONFIG = dataclasses.replace(K3Config.tiny(), num_hidden_layers=4, name="tiny4").sliced(2)
+TOP_KERNELS = 15  # kernels by total time kept per profiled run: where the step's time goes
 PROFILED = ("all_on", "all_off")  # profiled at B = 1 only: the loop at B = 64 runs ~450K kernels a step
 
 
@@ -129,10 +130,13 @@ def _profile(fn, name: str, trace_dir: str) -> dict:
     cap = profile.capture(fn, steps=1, warmup=0, name=name, trace_dir=trace_dir)
     counts = cap.counts()
     cats = cap.categories.head(8)
+    top = cap.table.head(TOP_KERNELS)
     return {"launches": counts["launches"], "copies": counts["copies"], "api_launches": counts["api_launches"],
             "kernel_sum_us": cap.total_us(),
             "categories": [{"category": r.category, "calls": int(r.calls), "total_us": float(r.total_us)}
-                           for r in cats.itertuples()]}
+                           for r in cats.itertuples()],
+            "top_kernels": [{"name": str(r.name)[:120], "category": r.category, "calls": int(r.calls),
+                             "total_us": float(r.total_us)} for r in top.itertuples()]}
 
 
 REFERENCES = {"all_off": dict.fromkeys(SWITCHES, False),

@@ -492,6 +492,7 @@ def test_committed_breakdown_orders_readers_and_decodes(tmp_path):
         study.read_breakdown(probe_path=bad)
     with pytest.raises(ValueError, match="merge run"):
         study.read_breakdown(merge_path=bad)
+    pytest.importorskip("plotly")  # the figure below; the bare GPU machine has no plotly
     fig = study.breakdown_figure(df)
     assert len(fig.data) == len(study.BREAKDOWN_STEPS)
 
@@ -516,6 +517,7 @@ def test_committed_stage_runs(tmp_path):
     bad.write_text('{"commit": "x", "rows": {"ctx32k": {"forms": {"wgmma": {"us": 1, "share": 0.5}}}}}')
     with pytest.raises(ValueError, match="wgmma-data-only"):
         study.stage_table(runs=(("bad", str(bad), "k"),))
+    pytest.importorskip("plotly")  # the figure below; the bare GPU machine has no plotly
     fig = study.stage_figure(df)
     assert len(fig.data) >= len(study.STAGE_BUILDS)
 
@@ -535,6 +537,7 @@ def test_committed_wave_runs_show_the_second_wave(tmp_path):
     bad.write_text('{"rows": {"ctx32k": {}}}')
     with pytest.raises(ValueError, match="b64_8k"):
         study.wave_table(paths=[bad])
+    pytest.importorskip("plotly")  # the figure below; the bare GPU machine has no plotly
     assert len(study.wave_figure(df).data) == 2
 
 
@@ -578,6 +581,7 @@ def test_committed_target_bounds(tmp_path):
     bad.write_text('{"rows": {"ctx32k": {"us": 1.0}}}')
     with pytest.raises(ValueError, match="device_mla_bounds"):
         study.target_bounds(path=bad)
+    pytest.importorskip("plotly")  # the figure below; the bare GPU machine has no plotly
     assert len(study.bounds_figure(df.reset_index()).data) == 3
 
 

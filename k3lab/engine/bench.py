@@ -303,8 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-profile", action="store_true", help="skip the profiler runs (launches per step)")
     b.add_argument("--json", default=None, help="write every record to this JSON file")
     b.add_argument("--save-profiles", action="store_true", help="save the records under profiles/<device>/decode_step/")
+    pb = sub.add_parser("bounds", help="the probes of what bounds the step above its floor (GPU)")
+    pb.add_argument("--json", default=None, help="write the probe records to this JSON file")
     args = p.parse_args(argv)
     print(env.describe())
+    if args.cmd == "bounds":
+        return _bounds(args.json)
     records = run_cases(args.cases, distinct_layers=args.distinct_layers, repeats=args.repeats,
                         profile=not args.no_profile)
     if args.json:
@@ -315,3 +319,32 @@ def main(argv: list[str] | None = None) -> int:
         paths = bench.save_records(records)
         print(f"saved {len(paths)} records under {bench.PROFILES}/")
     return 0
+
+
+def _bounds(json_path: str | None) -> int:
+    import json
+    from pathlib import Path
+
+    from . import bounds
+
+    if not on_gpu():
+        print("bounds: the probes time GPU kernels; there is no GPU here, so nothing is measured")
+        return 0
+    recs = bounds.run()
+    bw, how = measured_bandwidth_tbs()
+    total_us = total_floor_us = 0.0
+    for r in recs:
+        print(f"  {r.case:28s} {r.median_us:9.2f} us" + (f"  {r.extra['tbs']:.2f} TB/s x {r.extra['calls_per_step']}"
+                                                          if "tbs" in r.extra else ""))
+        if "tbs" in r.extra:
+            total_us += r.median_us * r.extra["calls_per_step"]
+            total_floor_us += r.extra["bytes"] * r.extra["calls_per_step"] / (bw * 1e6)
+    print(f"projections per step: {total_us / 1e3:.2f} ms alone, {total_floor_us / 1e3:.2f} ms at {bw:.2f} TB/s ({how})")
+    for r in recs:
+        r.extra.update(bandwidth_tbs=bw, bandwidth_how=how)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps([r.to_dict() for r in recs], indent=1) + "\n")
+        print(f"wrote {len(recs)} records to {json_path}")
+    return 0
+

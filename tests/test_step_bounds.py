@@ -47,3 +47,19 @@ def test_probes_on_the_gpu():
     recs = bounds.run(step_bench.CPU_CONFIG, repeats=3)
     assert {r.case for r in recs} >= {"probe.small_kernel", "probe.gemv.lm_head"}
     assert all(r.median_us > 0 for r in recs)
+
+
+def test_where_time_goes_from_committed_records():
+    from k3lab.studies import decode_step as ds
+
+    recs = ds.load()
+    assert not any(r.case.startswith(ds.PROBE) for r in recs)
+    rows = ds.where_time_goes(recs, "b1_1k")
+    if not rows:
+        pytest.skip("no committed profiled b1_1k graph record")
+    stream, rest, whole = rows
+    r = next(r for r in recs if r.case == "b1_1k.all_on.graph")
+    assert stream["kernel_ms"] + rest["kernel_ms"] == pytest.approx(r.extra["profile_graph"]["kernel_sum_us"] / 1e3)
+    assert stream["floor_ms"] + rest["floor_ms"] == pytest.approx(r.floor_us / 1e3, rel=1e-6)
+    assert whole["probe_ms"] == pytest.approx(r.median_us / 1e3)
+    assert ds.where_time_goes([], "b1_1k") == []

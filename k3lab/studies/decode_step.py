@@ -28,6 +28,7 @@ PER_OP = {
     "attn_res": ("copy_removal", "attn_res_t1_s5_graph", 187, "AttnRes + RMSNorm, 5 sources (187 per step)"),
     "pack": ("copy_removal", "pack_copy_graph", 69, "the needless pack copy (69 per step)"),
 }
+PROBE = "probe."  # case prefix of the bounds probes (k3lab.engine.bounds)
 MLA_CASE = {"b1_1k": "ctx1k", "b1_32k": "ctx32k", "b1_128k": "ctx128k", "b64_8k": "b64_8k"}
 
 
@@ -56,8 +57,52 @@ def profile_targets(preset=None) -> dict:
 
 # ------------------------------------------------------------------ reading the records
 def load(records=None, device: str = DEVICE) -> list:
-    """The whole-step records: `records` if given (a live run), else the committed ones for `device`."""
-    return list(records) if records is not None else bench.load_records(NAME, device=device)
+    """The whole-step records: `records` if given (a live run), else the committed ones for `device`;
+    without the bounds probes (`probes`)."""
+    recs = list(records) if records is not None else bench.load_records(NAME, device=device)
+    return [r for r in recs if not r.case.startswith(PROBE)]
+
+
+def probes(device: str = DEVICE) -> list:
+    """The committed bounds probes (k3lab.engine.bounds: cases probe.gemv.<projection>, probe.small_kernel)."""
+    return [r for r in bench.load_records(NAME, device=device) if r.case.startswith(PROBE)]
+
+
+def where_time_goes(records, case: str = "b1_1k", probe_records=None) -> list[dict]:
+    """The all-on graph step of `case` split by its profile (k3lab.engine.bounds.split): weight streaming
+    (GEMMs and the grouped experts) and the rest, each with kernels, kernel time, and what the bounds
+    say it costs at least: the streamed weights' bytes over the copy bandwidth and, from the probes, the
+    projections alone in a graph; the rest's kernels at the probed per-kernel cost of a do-nothing
+    kernel. Last row: the graph replay against the sum of its kernels. [] without a profiled record."""
+    from k3lab.engine import bounds
+
+    r = _index(records).get((case, "all_on", "graph"))
+    prof = r and r.extra.get("profile_graph")
+    if not prof or "top_kernels" not in prof:
+        return []
+    sp = bounds.split(prof)
+    pr = {p.case: p for p in (probes() if probe_records is None else probe_records)}
+    b, bw = r.extra["bytes"], r.extra["bandwidth_tbs"]
+    proj_alone = sum(p.median_us * p.extra["calls_per_step"] for k, p in pr.items() if k.startswith(PROBE + "gemv."))
+    sk = pr.get(PROBE + "small_kernel")
+    rows = [{"part": "weight streaming (GEMMs, grouped experts)", "kernels": sp["stream_kernels"],
+             "kernel_ms": sp["stream_us"] / 1e3,
+             "floor_ms": (b["weights_dense"] + b["weights_experts"]) / (bw * 1e9),
+             "probe_ms": proj_alone / 1e3 if proj_alone else None,
+             "probe": "the dense projections alone, one graph each (the experts not included)"},
+            {"part": "the rest (norms, gates, routing, copies, attention, recurrences)", "kernels": sp["rest_kernels"],
+             "kernel_ms": sp["rest_us"] / 1e3,
+             "floor_ms": (b["mla_cache"] + b["kda_state"] + b["kda_conv"]) / (bw * 1e9),
+             "probe_ms": sk.median_us * sp["rest_kernels"] / 1e3 if sk else None,
+             "probe": f"{sp['rest_kernels']} kernels x {sk.median_us:.2f} us (a do-nothing kernel in a graph)"
+             if sk else "no small-kernel probe committed"},
+            ]
+    # "alone": the eager step's kernels, each on an idle GPU between host launches
+    alone = (r.extra.get("profile_eager") or prof)["kernel_sum_us"]
+    rows.append({"part": "graph replay vs the sum of its kernels run alone (eager profile)",
+                 "kernels": prof["launches"], "kernel_ms": alone / 1e3, "floor_ms": r.floor_us / 1e3,
+                 "probe_ms": r.median_us / 1e3, "probe": f"the graph step: {r.median_us / alone:.2f}x that sum"})
+    return rows
 
 
 def _index(records) -> dict[tuple[str, str, str], bench.Record]:

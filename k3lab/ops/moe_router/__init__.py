@@ -1,0 +1,125 @@
+"""K3's MoE router and the expert sort in two launches: `route_and_sort`.
+
+    weights, idx = k3lab.nn.moe.route(logits, bias, top_k, scaling, renormalize)[:2]
+    sort = k3lab.ops.moe_experts.sort_by_expert(idx, E, block_m)
+
+logits [N, E] are the router logits (the gate matmul stays a cuBLAS matmul; fp32, or bf16 / fp16 that
+are read as fp32, as route's .float() does); bias [E] (or None) is e_score_correction_bias. Selection
+is by sigmoid(logits) + bias, the weights come from the sigmoid scores alone, renormalised over the
+chosen and times `scaling`. The sort is the ExpertSort that the grouped expert kernels read
+(moe_experts.inputs): pairs by expert, padded per expert to tiles of block_m rows, sized by max_tiles.
+
+Why: in plain PyTorch these are ~25 small launches per MoE layer (sigmoid, add, topk, gather, sum, div,
+mul; scatter_add_, cumsums, a radix argsort, searchsorted, index arithmetic). The triton backend does
+them in two (triton.py), with no read-back, so the call can be captured in a CUDA graph.
+
+Backends (`backend=` or K3LAB_MOE_ROUTER_BACKEND forces one by name; a forced one that cannot run is
+a ValueError):
+  triton  launch 1 = top-k and weights, launch 2 = the counting sort. For N * top_k <= MAX_PAIRS (2048,
+          decode sizes): a single program sorts, so larger batches raise when it is forced. Runs on a
+          GPU, or in Triton's interpreter (TRITON_INTERPRET=1: tests) on CPU tensors.
+  torch   route + sort_by_expert: the "before"; any size, fp64 too.
+With none forced: triton for GPU tensors when N * top_k <= MAX_PAIRS and logits are not fp64, else
+torch (CPU tensors too: the interpreter is for tests).
+
+Results equal the torch path's: the same experts in the same order (descending score + bias, as
+torch.topk's sorted output), weights to fp32 rounding, and the same ExpertSort (the order within an
+expert is the flat token-slot order of the stable argsort). Ties: the triton path takes the lowest
+expert index first; torch.topk does not document its order among equal values, so the paths may
+choose differently only on exact ties. NaN logits are chosen last by the triton path (torch.topk
+ranks NaN highest); its indices stay in [0, E) either way.
+
+Checked in Triton's interpreter; the GPU path is not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from k3lab.nn.moe import route
+from k3lab.ops import forced_backend
+from k3lab.ops.moe_experts import available as _experts_available
+from k3lab.ops.moe_experts.inputs import ExpertSort, check_block_m, sort_by_expert
+
+from .triton import MAX_PAIRS, sort_pairs, topk_weights
+
+ENV_VAR = "K3LAB_MOE_ROUTER_BACKEND"
+NAMES = ("triton", "torch")
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # fp64: torch only
+
+
+def available(name: str, device=None) -> tuple[bool, str]:
+    """(ok, why) for backend `name` on tensors of `device` (default: the GPU if there is one)."""
+    if name not in NAMES:
+        raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
+    if name == "torch":
+        return True, "plain PyTorch"
+    return _experts_available("triton", device)  # the same condition as the grouped expert kernels
+
+
+def check_router(logits, bias, top_k, scaling, renormalize, num_experts, block_m) -> tuple[int, int]:
+    """Validate route_and_sort's inputs; returns (N, E). Reads no tensor values."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"logits must be a 2-D [N, E] tensor, got {getattr(logits, 'shape', type(logits).__name__)}")
+    if logits.dtype not in LOGIT_DTYPES:
+        raise ValueError(f"logits must be fp32, bf16, fp16 (or fp64 for the torch path), got {logits.dtype}")
+    N, E = logits.shape
+    if E < 1:
+        raise ValueError("logits must have at least one expert column (E >= 1)")
+    if num_experts is not None and num_experts != E:
+        raise ValueError(f"num_experts must equal logits' width E={E} (or be None), got {num_experts!r}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (E,) or not bias.is_floating_point():
+            raise ValueError(f"bias must be a floating-point [E={E}] tensor or None, got "
+                             f"{getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
+        if bias.device != logits.device:
+            raise ValueError(f"bias must be on logits' device {logits.device}, got {bias.device}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be an integer in [1, E={E}], got {top_k!r}")
+    if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
+        raise ValueError(f"scaling must be a real number, got {scaling!r}")
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
+    check_block_m(block_m)
+    return N, E
+
+
+def pick_backend(backend: str | None, logits: torch.Tensor, top_k: int) -> str:
+    """The backend that runs these logits: the forced one (argument, else K3LAB_MOE_ROUTER_BACKEND),
+    checked, else the module docstring's default."""
+    forced = forced_backend(backend, ENV_VAR, NAMES)
+    N = logits.shape[0]
+    if forced == "torch":
+        return forced
+    fits = N * top_k <= MAX_PAIRS and logits.dtype != torch.float64
+    if forced is None:
+        return "triton" if logits.device.type != "cpu" and fits and available("triton", logits.device)[0] else "torch"
+    ok, why = available(forced, logits.device)
+    if not ok:
+        raise ValueError(f"backend 'triton' cannot run here: {why}")
+    if logits.dtype == torch.float64:
+        raise ValueError("logits: the triton backend takes fp32, bf16 or fp16 (fp64 runs on backend='torch')")
+    if N * top_k > MAX_PAIRS:
+        raise ValueError(f"logits: N={N} tokens x top_k={top_k} = {N * top_k} pairs is more than the triton "
+                         f"backend's single-program sort takes (MAX_PAIRS={MAX_PAIRS}, decode sizes); "
+                         "use backend='torch' (or none forced) for larger batches")
+    return forced
+
+
+def route_and_sort(logits, bias, top_k, *, scaling=1.0, renormalize=True, num_experts=None, block_m,
+                   backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, ExpertSort]:
+    """(weights [N, top_k] fp32 (fp64 for fp64 logits, torch path), idx [N, top_k] int64, sort:
+    ExpertSort) for logits [N, E] (see the module docstring). block_m: the grouped kernels' tile height (16, 32 or 64; moe_experts.
+    default_block_m picks one from the batch). ValueError on bad input before any kernel."""
+    N, E = check_router(logits, bias, top_k, scaling, renormalize, num_experts, block_m)
+    if pick_backend(backend, logits, top_k) == "torch":
+        weights, idx, _ = route(logits, bias, top_k, scaling, renormalize)
+        return weights, idx, sort_by_expert(idx, E, block_m)
+    weights, idx = topk_weights(logits, bias, top_k, scaling, renormalize)
+    return weights, idx, sort_pairs(idx, E, block_m)
+
+
+__all__ = ["ENV_VAR", "MAX_PAIRS", "NAMES", "available", "check_router", "pick_backend", "route_and_sort",
+           "sort_pairs", "topk_weights"]

@@ -112,8 +112,8 @@ if triton is not None:
         while r < most:  # each expert names its tiles
             tl.store(tile_expert_ptr + tile_start + r, bins, mask=r < tiles_per)
             r += 1
-        for r in range(0, BLOCK_M - 1):  # the padding rows that end each expert's last tile
-            pad = row0 + counts + r
+        for j in range(0, BLOCK_M - 1):  # the padding rows that end each expert's last tile
+            pad = row0 + counts + j
             tl.store(pair_ptr + pad, pairs, mask=pad < row0 + tiles_per * BLOCK_M)
         rows = tl.arange(0, BLOCK_R)
         q0 = n_tiles * BLOCK_M

@@ -1,0 +1,204 @@
+"""The router + expert sort (k3lab.ops.moe_router): the two Triton launches against nn.moe.route followed
+by moe_experts.sort_by_expert (Triton's interpreter on a CPU, compiled on a GPU where there is one), the
+grouped expert kernels fed either sort, bad input, the pair bound, backend choice and graph capture."""
+
+import pytest
+import torch
+
+import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
+from k3lab.nn.moe import route
+from k3lab.ops import moe_experts as me
+from k3lab.ops import moe_router as mr
+from k3lab.ops.moe_experts import triton as me_triton
+from k3lab.ops.moe_router import bench
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the same checks run compiled where there is a GPU
+FIELDS = ("pair_of_row", "tile_expert", "n_tiles", "counts")
+GPU_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA graph capture)")
+
+
+def router_inputs(n, e, k, seed, bias=True):
+    """Fresh logits and bias whose choices sigmoid(logits) + bias are a random permutation per token of
+    jittered, evenly spaced values in [0.1, 0.9], so no two are within rounding of each other (the
+    selection and its order do not hang on ties); checked here."""
+    gen = torch.Generator().manual_seed(seed)
+    b = (torch.rand(e, generator=gen) - 0.5) * 0.1 if bias else None
+    step = 0.8 / e
+    grid = 0.1 + step * (torch.arange(e) + 0.6 * torch.rand(n, e, generator=gen))
+    choice = torch.stack([row[torch.randperm(e, generator=gen)] for row in grid]) if n else grid
+    logits = torch.logit(choice - (0 if b is None else b)).float()
+    got = torch.sigmoid(logits) + (0 if b is None else b)
+    top = got.topk(min(k + 1, e), dim=-1).values
+    assert n == 0 or (top[:, :-1] - top[:, 1:]).min() > 0.3 * step
+    return logits.to(DEV), None if b is None else b.to(DEV)
+
+
+def assert_same(got, logits, bias, k, scaling, renormalize, m):
+    weights, idx, sort = got
+    w0, i0, _ = route(logits, bias, k, scaling, renormalize)
+    s0 = me.sort_by_expert(i0, logits.shape[1], m)
+    assert idx.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(idx, i0)  # the same experts in the same (descending) order
+    torch.testing.assert_close(weights, w0, rtol=1e-6, atol=0)
+    for f in FIELDS:
+        assert getattr(sort, f).dtype == getattr(s0, f).dtype, f
+        assert torch.equal(getattr(sort, f), getattr(s0, f)), f
+    assert (sort.block_m, sort.max_tiles, sort.pairs) == (s0.block_m, s0.max_tiles, s0.pairs)
+
+
+@pytest.mark.parametrize("n, e, k, m, scaling, renormalize, bias", [
+    (5, 8, 2, 16, 1.0, True, True),
+    (7, 24, 4, 32, 2.5, False, True),
+    (3, 40, 40, 16, 1.0, True, False),   # top_k = E: every expert, none left over
+    (70, 8, 3, 16, 2.5, True, True),     # 210 pairs: two blocks of the sort, several tiles per expert
+    (9, 20, 5, 64, 1.0, True, True),
+])
+def test_triton_matches_route_then_sort_by_expert(n, e, k, m, scaling, renormalize, bias):
+    logits, b = router_inputs(n, e, k, seed=n * 100 + e, bias=bias)
+    got = mr.route_and_sort(logits, b, k, scaling=scaling, renormalize=renormalize, block_m=m, backend="triton")
+    assert_same(got, logits, b, k, scaling, renormalize, m)
+
+
+@pytest.mark.parametrize("n", [1, 64])
+def test_k3_sizes(n):
+    """K3: E = 896, top_k = 16, 16-row tiles (the decode default)."""
+    logits, b = router_inputs(n, 896, 16, seed=n)
+    m = me.default_block_m(n, 16, 896)
+    got = mr.route_and_sort(logits, b, 16, scaling=2.5, block_m=m, backend="triton")
+    assert_same(got, logits, b, 16, 2.5, True, m)
+
+
+def test_the_pair_bound_runs_and_one_more_token_raises():
+    n = mr.MAX_PAIRS // 16
+    logits, b = router_inputs(n, 64, 16, seed=5)
+    assert_same(mr.route_and_sort(logits, b, 16, block_m=32, backend="triton"), logits, b, 16, 1.0, True, 32)
+    big = torch.randn(n + 1, 64, device=DEV)
+    with pytest.raises(ValueError, match=rf"N={n + 1} tokens"):
+        mr.route_and_sort(big, b, 16, block_m=32, backend="triton")
+    w, idx, sort = mr.route_and_sort(big, b, 16, block_m=32)  # none forced: the torch path takes it
+    assert torch.equal(sort.counts, me.sort_by_expert(idx, 64, 32).counts)
+    with pytest.raises(ValueError, match="MAX_PAIRS"):
+        mr.sort_pairs(idx, 64, 32)
+
+
+def test_grouped_experts_give_the_same_output_with_either_sort():
+    """The grouped kernels fed this sort against the same kernels fed sort_by_expert's, and against the
+    per-expert torch loop."""
+    n, e, k, lat, f, m = 6, 8, 2, 64, 32, 16
+    logits, b = router_inputs(n, e, k, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    z = torch.randn(n, lat, generator=gen).to(DEV)
+    w1, w3 = (torch.randn(e, f, lat, generator=gen).to(DEV) * lat ** -0.5 for _ in range(2))
+    w2 = torch.randn(e, lat, f, generator=gen).to(DEV) * f ** -0.5
+    weights, idx, sort = mr.route_and_sort(logits, b, k, block_m=m, backend="triton")
+    shapes = me.check_inputs(z, weights, idx, w1, w3, w2, check_values=False)
+    y = me_triton.grouped_experts(z, weights, idx, w1, w3, w2, shapes, sort)
+    y_ref_sort = me_triton.grouped_experts(z, weights, idx, w1, w3, w2, shapes, me.sort_by_expert(idx, e, m))
+    assert torch.equal(y, y_ref_sort)
+    torch.testing.assert_close(y, me.expert_loop(z, weights, idx, w1, w3, w2), rtol=1e-5, atol=1e-5)
+
+
+def test_no_tokens():
+    logits = torch.randn(0, 8, device=DEV)
+    weights, idx, sort = mr.route_and_sort(logits, None, 2, block_m=16, backend="triton")
+    assert weights.shape == idx.shape == (0, 2)
+    assert sort.max_tiles == sort.pairs == 0 and int(sort.n_tiles) == 0 and not sort.counts.any()
+
+
+def test_nan_logits_keep_indices_in_range():
+    logits, b = router_inputs(4, 16, 4, seed=3)
+    logits[1, :5] = float("nan")
+    _, idx, sort = mr.route_and_sort(logits, b, 4, block_m=16, backend="triton")
+    assert ((idx >= 0) & (idx < 16)).all()
+    assert all(len(set(row.tolist())) == 4 for row in idx)  # distinct experts per token
+    assert not torch.isin(idx[1], torch.arange(5, device=DEV)).any()  # NaN scores go last
+    assert int(sort.counts.sum()) == 16
+
+
+def test_the_torch_path_is_route_then_sort_by_expert():
+    logits, b = router_inputs(5, 12, 3, seed=2)
+    got = mr.route_and_sort(logits, b, 3, scaling=1.5, block_m=16, backend="torch")
+    assert_same(got, logits, b, 3, 1.5, True, 16)
+    w, _, _ = mr.route_and_sort(logits.double(), b, 3, block_m=16, backend="torch")
+    assert w.dtype == torch.float64
+    with pytest.raises(ValueError, match="fp64 runs on backend='torch'"):
+        mr.route_and_sort(logits.double(), b, 3, block_m=16, backend="triton")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"logits": torch.randn(8)}, "logits must be a 2-D"),
+    ({"logits": torch.ones(2, 8, dtype=torch.int32)}, "logits must be fp32"),
+    ({"logits": torch.randn(2, 0)}, "at least one expert"),
+    ({"bias": torch.randn(7)}, r"bias must be a floating-point \[E=8\]"),
+    ({"bias": torch.ones(8, dtype=torch.int64)}, "bias must be a floating-point"),
+    ({"top_k": 0}, "top_k must be an integer in"),
+    ({"top_k": 9}, "top_k must be an integer in"),
+    ({"top_k": 2.0}, "top_k must be an integer in"),
+    ({"top_k": True}, "top_k must be an integer in"),
+    ({"scaling": "2"}, "scaling must be a real number"),
+    ({"renormalize": 1}, "renormalize must be a bool"),
+    ({"num_experts": 7}, "num_experts must equal"),
+    ({"block_m": 8}, "block_m must be one of"),
+    ({"backend": "cuda"}, "backend must be one of"),
+])
+def test_bad_input_names_the_argument(kwargs, match):
+    args = {"logits": torch.randn(2, 8), "bias": torch.randn(8), "top_k": 2, "scaling": 1.0,
+            "renormalize": True, "num_experts": None, "block_m": 16, "backend": None} | kwargs
+    logits, bias, top_k = (args.pop(a) for a in ("logits", "bias", "top_k"))
+    with pytest.raises(ValueError, match=match):
+        mr.route_and_sort(logits, bias, top_k, **args)
+
+
+def test_sort_pairs_bad_input():
+    for idx, match in ((torch.zeros(4, 2), "int32 or int64"), (torch.zeros(2, 4, dtype=torch.long).t(), "contiguous")):
+        with pytest.raises(ValueError, match=match):
+            mr.sort_pairs(idx, 8, 16)
+    with pytest.raises(ValueError, match="num_experts must be a positive"):
+        mr.sort_pairs(torch.zeros(2, 2, dtype=torch.long), 0, 16)
+
+
+def test_backend_choice_and_the_environment_variable(monkeypatch):
+    logits = torch.randn(2, 8)
+    assert mr.pick_backend(None, logits, 2) == "torch"  # CPU tensors: the interpreter is for tests
+    monkeypatch.setenv(mr.ENV_VAR, "triton")
+    assert mr.pick_backend(None, logits, 2) == "triton"
+    monkeypatch.setenv(mr.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match=mr.ENV_VAR):
+        mr.pick_backend(None, logits, 2)
+    monkeypatch.delenv(mr.ENV_VAR)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not mr.available("triton", "cpu")[0]
+    with pytest.raises(ValueError, match="cannot run here"):
+        mr.pick_backend("triton", logits, 2)
+
+
+def test_bench_check_runs_on_this_device():
+    rec, _ = bench.compare(1, device=DEV)
+    assert rec["ok"], rec
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("n", [1, 64])
+def test_captured_in_a_cuda_graph_on_gpu(n):
+    """One graph of the two launches, replayed on new logits written into the captured input."""
+    logits, b = router_inputs(n, 896, 16, seed=20 + n, bias=False)
+    m = me.default_block_m(n, 16, 896)
+    static = logits.clone()
+    mr.route_and_sort(static, b, 16, block_m=m, backend="triton")  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mr.route_and_sort(static, b, 16, block_m=m, backend="triton")
+    fresh, _ = router_inputs(n, 896, 16, seed=40 + n, bias=False)
+    static.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same(out, fresh, b, 16, 1.0, True, m)
+
+
+def test_ties_go_to_the_lowest_expert_index():
+    """The triton path's own tie rule (torch.topk documents none, so no test compares ties with it)."""
+    logits = torch.zeros(2, 16, device=DEV)
+    logits[1, 9:] = 1.0
+    _, idx, _ = mr.route_and_sort(logits, None, 4, block_m=16, backend="triton")
+    assert idx.tolist() == [[0, 1, 2, 3], [9, 10, 11, 12]]

@@ -1,7 +1,8 @@
 """One rank's share of each sublayer of a decode (or verification) step, up to the point where the
 tensor-parallel layer needs a collective: every function returns this rank's partial result, which the
 caller all-reduces (docs/k3.md). Inputs x are [N, hidden] (N = batch x q_len tokens, the
-pre-normed hidden state); caches are updated in place.
+pre-normed hidden state); caches are updated in place. Every dense projection goes through
+`fp8.linear`: a torch matmul for a plain weight, the FP8 product for an `Fp8Linear` (RankWeights.to_fp8).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from k3lab.nn.situ import situ_glu
 from k3lab.ops import kda_verify as _kda_verify
 from k3lab.ops import moe_experts, packed_matmul
 
+from .fp8 import linear
 from .weights import DenseWeights, KDAWeights, MLAWeights, MoEWeights
 
 
@@ -22,7 +24,7 @@ def kda_inputs(w: KDAWeights, x: torch.Tensor, pack: str):
     """(q, k, v, gate, beta_raw, g_raw), each [N, width] with a contiguous last dim: one stacked matmul,
     then f_b through the matmul dispatcher ('after': packs only for the kernel that reads the copy;
     'before': packs first, and the fallback that runs ignores the copy)."""
-    q, k, v, gate, b_raw, fa = (x @ w.w_in.t()).split(w.split, dim=-1)
+    q, k, v, gate, b_raw, fa = linear(x, w.w_in).split(w.split, dim=-1)
     g_raw = packed_matmul.POLICIES[pack](fa, w.f_b)
     return q, k, v, gate, b_raw, g_raw
 
@@ -31,7 +33,7 @@ def kda_decode_partial(w: KDAWeights, x: torch.Tensor, decode_step, pack: str) -
     """One token per sequence: the KDA decode op (fused, chain or reference, bound to the layer's cache
     in `decode_step`), then this rank's columns of o_proj. Returns [N, hidden]."""
     q, k, v, gate, b_raw, g_raw = kda_inputs(w, x, pack)
-    return decode_step(q, k, v, g_raw, b_raw, gate) @ w.o_proj.t()
+    return linear(decode_step(q, k, v, g_raw, b_raw, gate), w.o_proj)
 
 
 def kda_verify_partial(w: KDAWeights, x: torch.Tensor, cache, batch: int, q_len: int, pack: str, impl: str,
@@ -58,7 +60,7 @@ def kda_verify_partial(w: KDAWeights, x: torch.Tensor, cache, batch: int, q_len:
                   states_out=states)
     cache.state.copy_(states[:, -1])
     o = gated_rms_norm(o.to(x.dtype), gate.reshape(B, T, H, K), d.o_norm, d.eps)
-    return o.reshape(B * T, H * K) @ w.o_proj.t()
+    return linear(o.reshape(B * T, H * K), w.o_proj)
 
 
 def mla_partial(w: MLAWeights, x: torch.Tensor, latent: torch.Tensor, pos: int, q_buf: torch.Tensor, plan,
@@ -70,8 +72,8 @@ def mla_partial(w: MLAWeights, x: torch.Tensor, latent: torch.Tensor, pos: int, 
     B, T, H, _ = q_buf.shape
     lat, rope = w.kv_a_norm.shape[0], q_buf.shape[-1] - w.kv_a_norm.shape[0]
     nope = w.w_uk.shape[1]
-    qa, ckv, g = (x @ w.w_in.t()).split([w.q_a_norm.shape[0], lat + rope, H * w.w_uv.shape[1]], dim=-1)
-    q = (rms_norm(qa, w.q_a_norm, w.eps) @ w.q_b.t()).view(B * T, H, -1)
+    qa, ckv, g = linear(x, w.w_in).split([w.q_a_norm.shape[0], lat + rope, H * w.w_uv.shape[1]], dim=-1)
+    q = linear(rms_norm(qa, w.q_a_norm, w.eps), w.q_b).view(B * T, H, -1)
     rows = latent[:, pos:pos + T]
     rows[..., :lat].copy_(rms_norm(ckv[:, :lat], w.kv_a_norm, w.eps).view(B, T, lat))
     rows[..., lat:].copy_(ckv[:, lat:].view(B, T, rope))
@@ -81,13 +83,13 @@ def mla_partial(w: MLAWeights, x: torch.Tensor, latent: torch.Tensor, pos: int, 
     o_lat, _ = plan()
     o = torch.bmm(o_lat.view(B * T, H, lat).transpose(0, 1), w.w_uv.transpose(1, 2))  # [H, N, 128]
     o = o.transpose(0, 1) * torch.sigmoid(g.view(B * T, H, -1))
-    return o.reshape(B * T, -1) @ w.o_proj.t()
+    return linear(o.reshape(B * T, -1), w.o_proj)
 
 
 def dense_partial(w: DenseWeights, x: torch.Tensor) -> torch.Tensor:
     """Layer 0's SiTU-GLU MLP on this rank's share of the intermediate: [N, hidden], a partial sum."""
-    g, u = (x @ w.gate_up.t()).chunk(2, dim=-1)
-    return situ_glu(g, u) @ w.down.t()
+    g, u = linear(x, w.gate_up).chunk(2, dim=-1)
+    return linear(situ_glu(g, u), w.down)
 
 
 def moe_latent_partial(w: MoEWeights, x: torch.Tensor, experts: str) -> torch.Tensor:
@@ -95,7 +97,7 @@ def moe_latent_partial(w: MoEWeights, x: torch.Tensor, experts: str) -> torch.Te
     [N, LAT] fp32, the partial latent that the layer all-reduces. experts: 'triton' (two grouped
     launches) or 'torch' (the per-expert loop)."""
     weights, idx, _ = route((x @ w.gate.t()).float(), w.gate_bias, w.top_k, w.scaling, w.renormalize)
-    z = x @ w.down.t()
+    z = linear(x, w.down)
     return moe_experts.routed_experts(z, weights, idx, w.w1, w.w3, w.w2, backend=experts, check_values=False)
 
 
@@ -103,8 +105,8 @@ def moe_shared_partial(w: MoEWeights, x: torch.Tensor) -> torch.Tensor:
     """This rank's share of the shared expert (row-parallel): [N, hidden] in x's dtype, contiguous."""
     if w.shared_in is None:
         return torch.zeros_like(x)
-    g, u = (x @ w.shared_in.t()).chunk(2, dim=-1)
-    return (situ_glu(g, u) @ w.shared_down.t()).contiguous()
+    g, u = linear(x, w.shared_in).chunk(2, dim=-1)
+    return linear(situ_glu(g, u), w.shared_down).contiguous()
 
 
 def moe_tail(w: MoEWeights, lat: torch.Tensor, out: torch.Tensor, sharded: bool, backend: str) -> torch.Tensor:

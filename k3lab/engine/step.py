@@ -12,7 +12,7 @@ latent buffer of context_len + q_len rows, written at positions [context_len, co
 runs, per layer: the AttnRes mix + the input RMSNorm, attention, the collective, the mix + the
 post-attention norm, the MLP or MoE and its collectives; then the output mix, the final norm and the
 rank's slice of lm_head. Each optimization is a switch (`switches.SWITCHES`); `step.resolved` says what
-runs for each.
+runs for each. `projections='fp8'` runs the large dense projections in FP8 (`fp8`, `weights.FP8_PROJECTIONS`).
 
 Collectives: the rank program yields each one it would run ('all_reduce' of a partial sum, 'all_gather'
 of the logits). `collectives='stand_in'` answers each on this one device with a copy of the same bytes
@@ -23,13 +23,15 @@ several ranks' steps in lockstep with real sums (the TP check on one device). At
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from k3lab.config import K3Config
 from k3lab.nn import KDACache
 from k3lab.ops import attn_res_norm, kda_decode, mla_decode
 
-from . import layers
+from . import fp8, layers
 from .switches import resolve
 from .weights import KDAWeights, RankWeights
 
@@ -68,12 +70,19 @@ class DecodeStep:
     layer kind rotated through the layers) or a `RankWeights`. strict: ValueError for a switch that
     cannot run as named here, instead of running its replacement (`self.resolved.notes` says which).
     device / dtype: where the random weights and caches live (default: the GPU with bf16 if there is
-    one, else the CPU with fp32).
+    one, else the CPU with fp32). projections: 'bf16' (the dense projections as torch matmuls in the
+    weights' dtype) or 'fp8' (`RankWeights.to_fp8`: e4m3fn weights with per-row scales, activations
+    quantized per token, `torch._scaled_mm`; the step quantizes its own copy of bf16 weights, or takes
+    weights already converted). Where FP8 cannot run, a GPU step runs its dtype and says so in
+    `self.resolved.notes['projections']` (ValueError with strict=True); a CPU step whose torch lacks
+    CPU e4m3fn products runs a plain-PyTorch emulation of the same arithmetic, said the same way.
     """
 
     def __init__(self, config: K3Config, batch: int, context_len: int, *, optimizations="all", weights="random",
                  distinct_layers: int = 4, q_len: int = 1, tp: int | None = None, device=None, dtype=None,
-                 strict: bool = False, collectives: str = "stand_in", seed: int = 0):
+                 strict: bool = False, collectives: str = "stand_in", seed: int = 0, projections: str = "bf16"):
+        if projections not in fp8.PROJECTIONS:
+            raise ValueError(f"projections must be one of {fp8.PROJECTIONS}, got {projections!r}")
         if tp is not None:
             _check_config(config)
             config = config.sliced(_check_int("tp", tp, 1)) if tp > 1 else config
@@ -97,7 +106,9 @@ class DecodeStep:
         self.config, self.weights, self.collectives = config, weights, collectives
         self.world_size, self.rank = weights.world_size, weights.rank
         self.device, self.dtype = weights.device, weights.dtype
-        self.resolved = resolve(optimizations, self.device, self.dtype, self.q_len, strict=strict)
+        self.resolved = resolve(optimizations, self.device, self.dtype, self.q_len, strict=strict,
+                                projections=projections)
+        self.weights = self._projection_weights(weights)
         self.impl = self.resolved.impl
         self.tokens = self.batch * self.q_len
         self.block_starts = frozenset(config.attn_res_block_starts())
@@ -113,6 +124,26 @@ class DecodeStep:
         DecodeStep (optimizations, q_len, strict, collectives)."""
         w = RankWeights.from_model(model, _check_int("tp", tp, 1), rank)
         return cls(w.config, batch, context_len, weights=w, **kw)
+
+    def _projection_weights(self, weights: RankWeights) -> RankWeights:
+        """The weights in the form `self.resolved.projections` reads: FP8 ones quantized here from the
+        step's dtype (or taken as they are when already converted)."""
+        ran = self.resolved.projections
+        if not ran.startswith("fp8"):
+            if weights.projections != "bf16":
+                raise ValueError(f"weights hold {weights.projections} projections but this step runs "
+                                 f"{ran}: pass projections='fp8', or the unconverted RankWeights")
+            return weights
+        if weights.projections == "bf16":
+            return weights.to_fp8(emulated=ran == "fp8_emulated")
+        if weights.projections == "fp8_emulated" and ran == "fp8":
+            if self.device.type != "cpu":
+                raise ValueError("weights were converted with to_fp8(emulated=True), the CPU-only stand-in; "
+                                 "convert them with to_fp8() on a GPU")
+            note = "weights converted with to_fp8(emulated=True): the plain-PyTorch product runs"
+            self.resolved = dataclasses.replace(self.resolved, projections="fp8_emulated",
+                                                notes=dict(self.resolved.notes, projections=note))
+        return weights
 
     # ------------------------------------------------------------ buffers and caches
     def _alloc(self, seed: int) -> None:
@@ -340,6 +371,7 @@ class DecodeStep:
         rw = self.weights
         return {"config": self.config.name, "tp": self.world_size, "batch": self.batch,
                 "context_len": self.context_len, "q_len": self.q_len, "dtype": str(self.dtype).replace("torch.", ""),
+                "projections": self.resolved.projections,
                 "weights": rw.source, "distinct_layers": rw.distinct_layers, "layers": self.config.num_hidden_layers,
                 "switches": dict(self.resolved.on), "impl": dict(self.impl), "notes": dict(self.resolved.notes),
                 "label": self.resolved.label(), "collectives": self.collectives,

@@ -14,6 +14,10 @@
 whether it is on, the implementation that runs and, where that is not what the switch names (a GPU
 kernel on a CPU, a verification switch at q_len = 1), a note saying what runs instead. strict=True
 turns those notes into a ValueError for switches that were asked for by name.
+
+The dense projections' dtype is not a switch but a choice beside them (`projections=`, 'bf16' or
+'fp8'; `fp8.resolve_projections`): `Resolved.projections` says what runs, and `notes['projections']`
+why where FP8 was asked for and cannot run as asked.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from .fp8 import PROJECTIONS, resolve_projections
 
 SWITCHES: dict[str, str] = {
     "kda_fused": "fused KDA decode (conv, norms, gates, recurrence, output norm in one launch)",
@@ -44,23 +50,30 @@ class Resolved:
     on: dict
     impl: dict
     notes: dict
+    projections: str = "bf16"  # what the dense projections run in: the step's dtype, 'fp8' or 'fp8_emulated'
 
     def describe(self) -> list[str]:
-        """One line per switch: name, on/off, what runs, and the note when there is one."""
-        return [f"{n}: {'on ' if self.on[n] else 'off'} -> {self.impl[n]}" + (f" ({self.notes[n]})" if n in self.notes
-                                                                                else "") for n in SWITCHES]
+        """One line per switch: name, on/off, what runs, and the note when there is one; then the
+        projections' line."""
+        lines = [f"{n}: {'on ' if self.on[n] else 'off'} -> {self.impl[n]}" + (f" ({self.notes[n]})" if n in self.notes
+                                                                                 else "") for n in SWITCHES]
+        note = self.notes.get("projections")
+        return lines + [f"projections: {self.projections}" + (f" ({note})" if note else "")]
 
     def label(self) -> str:
-        """'all on', 'all off', 'all on but X', or the list of switches that are on."""
+        """'all on', 'all off', 'all on but X', or the list of switches that are on; ', fp8 projections'
+        (or 'fp8_emulated') appended where the projections run in FP8."""
         applied = [n for n in SWITCHES if self.impl[n] != "n/a"]
         off = [n for n in applied if not self.on[n]]
         if not off:
-            return "all on"
-        if len(off) == len(applied):
-            return "all off"
-        if len(off) == 1:
-            return f"all on but {off[0]}"
-        return "on: " + ", ".join(n for n in applied if self.on[n])
+            base = "all on"
+        elif len(off) == len(applied):
+            base = "all off"
+        elif len(off) == 1:
+            base = f"all on but {off[0]}"
+        else:
+            base = "on: " + ", ".join(n for n in applied if self.on[n])
+        return base + (f", {self.projections} projections" if self.projections.startswith("fp8") else "")
 
 
 def parse(optimizations) -> dict[str, bool]:
@@ -108,9 +121,13 @@ def _kda_fused_impl(device: torch.device, dtype: torch.dtype) -> tuple[str, str]
     return "fused", ""
 
 
-def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False) -> Resolved:
+def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, projections: str = "bf16",
+            ) -> Resolved:
     """What runs for each switch here (see the module docstring). strict: raise ValueError instead of
-    running a replacement for a switch that is on and cannot run as named on this device."""
+    running a replacement for a switch that is on and cannot run as named on this device, or for
+    projections='fp8' where FP8 matmul cannot run."""
+    if projections not in PROJECTIONS:
+        raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
     on = parse(optimizations)
     device = torch.device(device)
     if device.type == "cpu" and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -149,4 +166,7 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False) -
             impl["grouped_experts"], notes["grouped_experts"] = "torch", f"grouped kernels unavailable ({why}): the loop runs"
             if strict:
                 raise ValueError(f"optimizations: grouped_experts cannot run here ({why})")
-    return Resolved(on, impl, notes)
+    proj, note = resolve_projections(projections, device, dtype, strict=strict)
+    if note:
+        notes["projections"] = note
+    return Resolved(on, impl, notes, proj)

@@ -10,10 +10,14 @@ bf16 at TP8), and R sets of ~100 MB+ per layer are far more than the L2 holds.
 
 Projections that read the same input are stored stacked (one matmul each): KDA's q, k, v, g_proj,
 b_proj, f_a; MLA's q_a, kv_a_proj_with_mqa, g_proj; the dense MLP's and the shared expert's gate and up.
+
+`RankWeights.to_fp8()` returns the same weights with the large dense projections (FP8_PROJECTIONS) as
+`fp8.Fp8Linear` (float8_e4m3fn, a scale per output row); everything else is shared with the original.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -22,6 +26,18 @@ import torch
 from k3lab.config import K3Config
 from k3lab.ops.attn_res_norm import fold_mix_weight
 from k3lab.ops.kda_decode import KDADecodeWeights
+
+from . import fp8
+
+# The projections stored in FP8 by `RankWeights.to_fp8`, per weight kind. Kept in the step's dtype:
+# KDA's f_b (goes through the packed-matmul dispatcher that `pack_where_used` switches; C x r, under
+# 0.2% of the layer), MLA's absorbed w_uk / w_uv (per-head batched products), the router gate (routing
+# decisions: a near-tie must not flip on quantization error), the MoE up_proj (read by the fused
+# latent-tail kernel with its RMSNorm and residual add; a rank reads 1/TP of it when sharded), the
+# routed experts (their own grouped kernels), lm_head (the step's output logits; one matrix per step,
+# ~1.5% of a TP8 rank's dense bytes) and the embedding (a row gather).
+FP8_PROJECTIONS = {"KDAWeights": ("w_in", "o_proj"), "MLAWeights": ("w_in", "q_b", "o_proj"),
+                   "DenseWeights": ("gate_up", "down"), "MoEWeights": ("down", "shared_in", "shared_down")}
 
 
 def _rows(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
@@ -205,6 +221,7 @@ class RankWeights:
     layers: list
     distinct_layers: int
     source: str
+    projections: str = "bf16"  # 'bf16' (the dtype of the tensors), 'fp8' or 'fp8_emulated' (to_fp8)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -259,8 +276,29 @@ class RankWeights:
         return cls(config, config.tp_size, 0, gen.matrix(config.vocab_size, h, unit=True),
                    gen.matrix(config.vocab_size, h), gen.norm(h), gen.mix(h), layers, distinct_layers, "random")
 
+    def to_fp8(self, *, emulated: bool = False) -> RankWeights:
+        """These weights with FP8_PROJECTIONS quantized (`fp8.quantize_weight`: e4m3fn, per-row fp32
+        scales); the rest, and the rotation of shared layer sets, shared with self. emulated: the
+        plain-PyTorch product (CPU tests where torch's CPU `_scaled_mm` lacks e4m3fn). ValueError if
+        these are FP8 already."""
+        if self.projections != "bf16":
+            raise ValueError(f"weights: projections are {self.projections} already")
+        done: dict[int, object] = {}
+
+        def convert(part):
+            if id(part) not in done:
+                names = FP8_PROJECTIONS.get(type(part).__name__, ())
+                new = {n: fp8.quantize_weight(getattr(part, n), emulated=emulated) for n in names
+                       if getattr(part, n) is not None}
+                done[id(part)] = dataclasses.replace(part, **new) if new else part
+            return done[id(part)]
+
+        layers = [LayerWeights(lw.norms, convert(lw.attn), convert(lw.mlp)) for lw in self.layers]
+        return dataclasses.replace(self, layers=layers, projections="fp8_emulated" if emulated else "fp8")
+
     def nbytes(self) -> dict[str, int]:
-        """Bytes of distinct weight storage held: 'experts', 'other' and 'total'."""
+        """Bytes of distinct weight storage held: 'experts', 'other' and 'total' (FP8 projections at
+        their stored size: a byte per value and the row scales)."""
         seen, sizes = set(), {"experts": 0, "other": 0}
         for layer in self.layers:
             for part in (layer.norms, layer.attn, layer.mlp):
@@ -270,6 +308,8 @@ class RankWeights:
                 for name, t in vars(part).items():
                     if isinstance(t, torch.Tensor):
                         sizes["experts" if name in ("w1", "w2", "w3") else "other"] += t.numel() * t.element_size()
+                    elif isinstance(t, fp8.Fp8Linear):
+                        sizes["other"] += t.nbytes()
         sizes["other"] += sum(t.numel() * t.element_size() for t in (self.embed, self.lm_head))
         sizes["total"] = sizes["experts"] + sizes["other"]
         return sizes

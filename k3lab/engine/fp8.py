@@ -1,0 +1,185 @@
+"""FP8 dense projections for the decode step: float8_e4m3fn weights with one fp32 scale per output row,
+activations quantized per token (per row) at run time, the product by `torch._scaled_mm`.
+
+    w = quantize_weight(weight)          # Fp8Linear: wq [N', K'] e4m3fn, scale [1, N'] fp32
+    y = fp8_linear(x, w)                 # x [M, K] -> [M, N] in x's dtype
+    ok, why = fp8_status(device, dtype)  # can FP8 matmul run here?
+
+Scaling: a row r of the weight is stored as round(W[r] * 448 / amax(W[r])) in e4m3fn (448 is its
+largest finite value), with scale[r] = amax / 448; a token's activation row likewise. `_scaled_mm`
+multiplies the two fp8 operands with fp32 accumulation and applies both scales to its output, so
+y[m, n] = sx[m] * sw[n] * sum_k xq[m, k] wq[n, k]. e4m3fn keeps 3 mantissa bits: every quantized value
+is within 2^-4 (relative) of the original, and a projection's output within a few percent.
+
+Shapes: cuBLASLt takes the inner dimension K and the output width N in multiples of 16; the token
+dimension M is not restricted (torch checks only K and N), so decode's M = batch x q_len runs unpadded.
+`quantize_weight` pads N and K with zero rows / columns to multiples of 16 (a KDA layer's stacked input
+projection is 4C + H + r = 6,284 rows at TP8) and `fp8_linear` pads x's columns to match and slices
+the output back to N.
+
+Devices: on CUDA the product needs compute capability >= 8.9 and a torch whose `_scaled_mm` takes
+per-row scales (bf16 output there); on a CPU, torch's `_scaled_mm` runs e4m3fn with fp32 output where
+this torch has it. Where it has not, `emulated=True` weights run the same arithmetic in plain PyTorch
+(dequantize, then an fp32 matmul): a CPU-only stand-in so the step's tests run everywhere; a step
+never takes it on a GPU. `fp8_status` probes one small product on the device and says why not.
+
+Everything here is device ops only (no host reads), so a step with FP8 projections is captured in one
+CUDA graph like the bf16 one. The CUDA path is not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+AMAX_FLOOR = 1e-12  # an all-zero row gets this amax: its scale stays finite and its values zero
+ALIGN = 16  # cuBLASLt's multiple for K and N
+PROJECTIONS = ("bf16", "fp8")
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
+
+
+@dataclass
+class Fp8Linear:
+    """One projection in FP8: wq [N', K'] float8_e4m3fn (row-major; N', K' = out_features,
+    in_features rounded up to 16, the padding zero), scale [1, N'] fp32 (row r's dequantization
+    scale), emulated: run the plain-PyTorch stand-in instead of `_scaled_mm` (CPU tests only)."""
+
+    wq: torch.Tensor
+    scale: torch.Tensor
+    out_features: int
+    in_features: int
+    emulated: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def nbytes(self) -> int:
+        return self.wq.numel() * self.wq.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight this projection multiplies by, [N, K] fp32 (wq * scale, padding cut)."""
+        return (self.wq.float() * self.scale.t())[:self.out_features, :self.in_features]
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3fn quantization of t [M, K] (any float dtype): (q [M, K] float8_e4m3fn, scale [M, 1]
+    fp32) with t ~= q * scale; each row's largest magnitude maps to 448. Device ops only."""
+    amax = torch.linalg.vector_norm(t, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+    scale = amax.clamp_min_(AMAX_FLOOR).div_(FP8_MAX)
+    # |t / scale| <= 448 up to one fp32 rounding, which e4m3fn's round-to-nearest maps to 448 (values
+    # only turn NaN from 480 up), so no clamp is needed.
+    return (t / scale).to(FP8), scale
+
+
+def quantize_weight(w: torch.Tensor, *, emulated: bool = False, chunk_rows: int = 4096) -> Fp8Linear:
+    """w [N, K] (bf16 / fp32, the layout `x @ w.t()` reads) -> Fp8Linear, per-row scales, N and K
+    padded to multiples of 16. Quantized `chunk_rows` rows at a time (bounded fp32 scratch on a GPU)."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"w must be a 2-D float weight [out_features, in_features], got {tuple(w.shape)} {w.dtype}")
+    N, K = w.shape
+    wq = torch.zeros(_round_up(N), _round_up(K), dtype=FP8, device=w.device)
+    scale = torch.ones(1, wq.shape[0], dtype=torch.float32, device=w.device)
+    w = w.detach()
+    for lo in range(0, N, chunk_rows):
+        q, s = quantize_rows(w[lo:lo + chunk_rows])
+        wq[lo:lo + q.shape[0], :K] = q
+        scale[0, lo:lo + q.shape[0]] = s[:, 0]
+    return Fp8Linear(wq, scale, N, K, emulated)
+
+
+def _dequantized_product(xq: torch.Tensor, sx: torch.Tensor, w: Fp8Linear) -> torch.Tensor:
+    """The plain-PyTorch form of `_scaled_mm` with per-row scales: fp32, [M, N']."""
+    return (xq.float() @ w.wq.float().t()) * sx * w.scale
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Linear) -> torch.Tensor:
+    """x [M, K] (any float dtype, any strides) @ the weight.t(): the activation quantized per row, the
+    product by `torch._scaled_mm` (or its stand-in for emulated weights); [M, N] in x's dtype (a view of
+    the padded output where N is not a multiple of 16)."""
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"x must be [M, {w.in_features}] for this projection, got {tuple(x.shape)}")
+    if w.wq.shape[1] != w.in_features:
+        x = F.pad(x, (0, w.wq.shape[1] - w.in_features))
+    xq, sx = quantize_rows(x)
+    if w.emulated:
+        y = _dequantized_product(xq, sx, w)
+    else:
+        out = torch.bfloat16 if x.is_cuda else x.dtype  # per-row scales on CUDA give bf16 only
+        y = torch._scaled_mm(xq, w.wq.t(), scale_a=sx, scale_b=w.scale, out_dtype=out, use_fast_accum=False)
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
+    return y if w.out_features == y.shape[1] else y[:, :w.out_features]
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x @ w.t() for a plain weight tensor, `fp8_linear` for an Fp8Linear: the step's one projection call."""
+    return fp8_linear(x, w) if isinstance(w, Fp8Linear) else x @ w.t()
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(device: str, dtype: torch.dtype) -> str:
+    """'' when a 16 x 16 x 16 product with per-row scales runs on `device`, else torch's error."""
+    dev = torch.device(device)
+    a = torch.ones(16, 16, device=dev).to(FP8)
+    b = torch.ones(16, 16, device=dev).to(FP8)
+    s = torch.ones(16, 1, device=dev)
+    out = torch.bfloat16 if dev.type == "cuda" else dtype
+    try:
+        y = torch._scaled_mm(a, b.t(), scale_a=s, scale_b=s.t().contiguous(), out_dtype=out)
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    if not bool((y.float() == 16.0).all()):
+        return "torch._scaled_mm ran but gave a wrong product on a 16 x 16 x 16 probe"
+    return ""
+
+
+def fp8_status(device, dtype: torch.dtype = torch.bfloat16) -> tuple[bool, str]:
+    """(True, '') when `torch._scaled_mm` with float8_e4m3fn and per-row scales runs on `device` for a
+    step in `dtype`, else (False, why). CUDA: compute capability >= 8.9 and a passing probe; CPU: the
+    probe (torch's CPU kernel); other devices: no."""
+    device = torch.device(device)
+    if FP8 is None or not hasattr(torch, "_scaled_mm"):
+        return False, f"torch {torch.__version__} has no float8_e4m3fn / torch._scaled_mm"
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if torch.version.hip is None and cap < (8, 9):
+            return False, (f"FP8 matmul needs CUDA compute capability >= 8.9 (Ada, Hopper and later); this GPU "
+                           f"is {cap[0]}.{cap[1]}")
+    elif device.type != "cpu":
+        return False, f"FP8 projections run on CUDA or the CPU, not on {device.type}"
+    why = _probe(str(device), dtype)
+    if why:
+        return False, f"torch._scaled_mm with e4m3fn and per-row scales does not run on {device.type} here ({why})"
+    return True, ""
+
+
+def resolve_projections(projections: str, device, dtype: torch.dtype, *, strict: bool = False) -> tuple[str, str]:
+    """(what runs, note): 'fp8', 'fp8_emulated' or the step's dtype ('bf16'; 'fp32' for the CPU's fp32
+    steps, whose plain projections are fp32) and why it differs from `projections` ('' when it does not).
+    FP8 that cannot run: a GPU falls back to the step's dtype (ValueError with strict=True); a CPU
+    runs the plain-PyTorch emulation, so the CPU tests still check the FP8 arithmetic."""
+    if projections not in PROJECTIONS:
+        raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
+    plain = DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+    if projections == "bf16":
+        return plain, ""
+    device = torch.device(device)
+    ok, why = fp8_status(device, dtype)
+    if ok:
+        return "fp8", ""
+    if strict:
+        raise ValueError(f"projections='fp8' cannot run here ({why}); pass strict=False to run the "
+                         "step's dtype instead, or projections='bf16'")
+    if device.type == "cpu" and FP8 is not None:
+        return "fp8_emulated", (f"{why}: the FP8 arithmetic runs as a plain-PyTorch emulation (dequantize, "
+                                "fp32 matmul), for CPU tests only")
+    return plain, f"{why}: the projections run in {plain}"

@@ -1,0 +1,248 @@
+"""SiTU-GLU on the stacked gate|up projection: one read of gu, one write of out.
+
+    out = situ_glu(g, u),   g, u = gu.chunk(2, dim=-1)
+        = 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)          (k3lab.nn.situ)
+
+Contract: `situ_glu_stacked(gu, *, out=None, backend=None)`. gu [..., 2F] (any leading dims; the
+last dim must have stride 1 and the leading dims must collapse to one row stride, as any row slice of
+a contiguous buffer does: gu.view(-1, 2F) must work). fp32, fp16 or bf16 (fp64 on backend 'torch'
+only). Returns [..., F] in gu's dtype; the math is fp32 (fp64 for fp64 input) with the bounds of
+k3lab.nn.situ. out: a preallocated [..., F] tensor of gu's dtype and device (stride-1 last dim; it
+must not overlap gu), written and returned. Bad input is a ValueError naming the argument, raised
+before any kernel; nothing reads a value back to the host, so the call can be captured in a CUDA graph.
+
+Backends (`backend=` or K3LAB_SITU_GLU_BACKEND forces one; a forced one that cannot run here is a
+ValueError):
+  triton  one launch, program = (row, column block): loads g and u, computes in fp32 registers,
+          stores out. Compiled on GPU tensors; Triton's interpreter on CPU tensors when
+          TRITON_INTERPRET=1 (tests; there bf16 is rounded with integer arithmetic, since the
+          interpreter's cast truncates; both round to nearest even, as torch does).
+  torch   k3lab.nn.situ.situ_glu on the two halves (the reference, ~12 elementwise kernels).
+Default: triton on GPU tensors, torch on CPU tensors.
+
+Why: the decode step runs this activation 93 times (92 shared experts + layer 0's dense MLP), each a
+chain of small elementwise kernels of ~2 us; fused it is one small kernel.
+`python -m k3lab.ops.situ_glu` times both paths under a CUDA graph. The compiled (GPU) path is
+checked in the interpreter only: not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from k3lab import env
+from k3lab.config import K3Config
+from k3lab.nn.situ import GATE_BOUND, UP_BOUND, situ_glu
+from k3lab.ops import forced_backend, triton_status
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch backend still runs; _triton_available says why this one does not
+    triton = None
+
+BACKEND_ENV = "K3LAB_SITU_GLU_BACKEND"
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_BLOCK = 1024
+
+if triton is not None:
+    from k3lab.ops.attn_res_norm.triton import _round_to  # round to nearest even, also in the interpreter
+
+    @triton.jit
+    def _tanh(x):
+        # Odd, overflow-free: e = exp(-2|x|) lies in (0, 1]. For |x| < 0.5, where 1 - e cancels, a
+        # [7/6] Pade approximant of tanh (relative error ~2e-7 there, like the exp form above it).
+        a = tl.abs(x)
+        e = tl.exp(-2.0 * a)
+        far = (1.0 - e) / (1.0 + e)
+        a2 = a * a
+        num = a * (135135.0 + a2 * (17325.0 + a2 * (378.0 + a2)))
+        den = 135135.0 + a2 * (62370.0 + a2 * (3150.0 + a2 * 28.0))
+        t = tl.where(a < 0.5, num / den, far)
+        return tl.where(x < 0, -t, t)
+
+    @triton.jit
+    def _sigmoid(x):
+        # exp of -|x| only, so nothing overflows at large |x|
+        e = tl.exp(-tl.abs(x))
+        return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+    @triton.jit
+    def _situ_glu_kernel(gu_ptr, out_ptr, gu_row_stride, out_row_stride, F,
+                         GATE: tl.constexpr, UP: tl.constexpr, BLOCK: tl.constexpr, INT_ROUND: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < F
+        src = gu_ptr + row * gu_row_stride + cols
+        g = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(src + F, mask=mask, other=0.0).to(tl.float32)
+        y = GATE * _tanh(g / GATE) * _sigmoid(g) * (UP * _tanh(u / UP))
+        tl.store(out_ptr + row * out_row_stride + cols, _round_to(y, out_ptr.dtype.element_ty, INT_ROUND),
+                 mask=mask)
+
+
+def _device(device) -> torch.device:
+    """`device`, or the GPU when there is one and None was given, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _triton_available(device: torch.device) -> tuple[bool, str]:
+    ok, why = triton_status()
+    if not ok:
+        return False, why
+    if device.type == "cuda":
+        return True, why
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True, "Triton's interpreter on CPU tensors (slow: small sizes only)"
+    return False, (f"{device.type} tensors and TRITON_INTERPRET is not 1 "
+                   "(the kernel runs compiled on GPU tensors)")
+
+
+NAMES = ("triton", "torch")
+
+
+def available(name: str, device=None) -> tuple[bool, str]:
+    """(ok, why) for backend `name` on tensors of `device` (default: the GPU if there is one)."""
+    if name not in NAMES:
+        raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
+    if name == "torch":
+        return True, "plain PyTorch (k3lab.nn.situ.situ_glu)"
+    return _triton_available(_device(device))
+
+
+def pick_backend(backend: str | None = None, device=None) -> str:
+    """The backend for tensors of `device`: `backend`, else K3LAB_SITU_GLU_BACKEND, else triton on GPU
+    tensors (torch where Triton is absent) and torch on CPU tensors. ValueError when a forced one
+    cannot run there."""
+    forced = forced_backend(backend, BACKEND_ENV, NAMES)
+    dev = _device(device)
+    if forced is not None:
+        ok, why = available(forced, dev)
+        if not ok:
+            raise ValueError(f"backend {forced!r} cannot run on {dev.type} tensors here: {why}")
+        return forced
+    return "triton" if dev.type == "cuda" and available("triton", dev)[0] else "torch"
+
+
+def _rows(name: str, t: torch.Tensor, width: int) -> torch.Tensor:
+    """t as a [rows, width] view (same storage); ValueError when no such view exists."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a stride-1 last dim, got strides {tuple(t.stride())} "
+                         "(call .contiguous())")
+    try:
+        return t.view(-1, width)
+    except RuntimeError:
+        raise ValueError(f"{name}'s leading dims must collapse to one row stride, got shape {tuple(t.shape)} "
+                         f"strides {tuple(t.stride())} (call .contiguous())") from None
+
+
+def check(gu, out=None) -> int:
+    """Validate gu (and out) for every backend alike; returns F. Reads only metadata (no host sync)."""
+    if not isinstance(gu, torch.Tensor):
+        raise ValueError(f"gu must be a torch.Tensor, got {type(gu).__name__}")  # noqa: TRY004
+    if gu.dim() < 1 or gu.shape[-1] % 2:
+        raise ValueError(f"gu must be [..., 2F] (an even last dim: gate | up), got shape {tuple(gu.shape)}")
+    if gu.dtype not in DTYPES:
+        raise ValueError(f"gu must be fp32, fp16, bf16 or fp64, got {gu.dtype}")
+    f = gu.shape[-1] // 2
+    if out is not None:
+        want = (*gu.shape[:-1], f)
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"out must be a torch.Tensor or None, got {type(out).__name__}")  # noqa: TRY004
+        if tuple(out.shape) != want:
+            raise ValueError(f"out must have shape {want} (gu's leading dims, F = {f}), "
+                             f"got {tuple(out.shape)}")
+        if out.dtype != gu.dtype:
+            raise ValueError(f"out must have gu's dtype {gu.dtype}, got {out.dtype}")
+        if out.device != gu.device:
+            raise ValueError(f"out must be on gu's device {gu.device}, got {out.device}")
+    for name, t, width in (("gu", gu, 2 * f), ("out", out, f)):
+        if t is not None and t.numel():
+            _rows(name, t, width)
+    return f
+
+
+def situ_glu_stacked(gu: torch.Tensor, *, out: torch.Tensor | None = None,
+                     backend: str | None = None) -> torch.Tensor:
+    """SiTU-GLU of gu = [g | u] along the last dim: [..., 2F] -> [..., F] in gu's dtype (module docstring)."""
+    f = check(gu, out)
+    name = pick_backend(backend, gu.device)
+    if name == "triton" and gu.dtype not in TRITON_DTYPES:
+        raise ValueError(f"gu: the triton backend takes fp32, fp16 or bf16, got {gu.dtype} "
+                         "(fp64 runs on backend='torch')")
+    if name == "torch":
+        g, u = gu.chunk(2, dim=-1)
+        y = situ_glu(g, u)
+        return y if out is None else out.copy_(y)
+    if out is None:
+        out = torch.empty((*gu.shape[:-1], f), dtype=gu.dtype, device=gu.device)
+    if out.numel() == 0:
+        return out
+    src, dst = _rows("gu", gu, 2 * f), _rows("out", out, f)
+    block = min(MAX_BLOCK, max(128, triton.next_power_of_2(f)))
+    grid = (src.shape[0], triton.cdiv(f, block))
+    _situ_glu_kernel[grid](src, dst, src.stride(0), dst.stride(0), f, GATE=GATE_BOUND, UP=UP_BOUND,
+                           BLOCK=block, INT_ROUND=int(env.triton_interpreted()), num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------- bench (python -m k3lab.ops.situ_glu)
+
+def widths() -> dict[str, int]:
+    """The TP8 widths this activation runs at: the shared experts' and layer 0's dense MLP's F."""
+    cfg = K3Config.tp_slice(8)
+    return {"shared_expert": cfg.shared_intermediate_size, "dense_mlp": cfg.intermediate_size}
+
+
+def bench(rows=(1, 64), dtype=torch.bfloat16) -> list[dict]:
+    """torch-path vs triton-path us per call (CUDA graph replay, k3lab.bench.time_fn) at each TP8
+    width and row count, after checking the two agree (bf16 tolerance) and match the fp64 reference.
+    Inputs stay hot in L2, as the matmul that produces gu in the step leaves them."""
+    from k3lab.bench import time_fn
+
+    records = []
+    for what, f in widths().items():
+        for n in rows:
+            gu = torch.randn(n, 2 * f, device="cuda", dtype=dtype) * 8
+            ref = situ_glu_stacked(gu.double(), backend="torch")
+            fast = situ_glu_stacked(gu, backend="triton")
+            plain = situ_glu_stacked(gu, backend="torch")
+            torch.testing.assert_close(fast.double(), ref, rtol=2 ** -8, atol=1e-6)
+            torch.testing.assert_close(fast, plain, rtol=2 ** -7, atol=1e-6)
+            # as the engine calls it: no out=, the result allocated (from the graph's pool) per call
+            t_torch = time_fn(lambda: situ_glu_stacked(gu, backend="torch"), graph=True)
+            t_triton = time_fn(lambda: situ_glu_stacked(gu, backend="triton"), graph=True)
+            records.append({"what": what, "F": f, "N": n, "dtype": str(dtype).removeprefix("torch."),
+                            "torch_us": t_torch.median_us, "triton_us": t_triton.median_us,
+                            "torch": t_torch.summary(), "triton": t_triton.summary()})
+    return records
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m k3lab.ops.situ_glu", description=__doc__.splitlines()[0])
+    p.add_argument("--json", metavar="PATH", help="also write the records as JSON to PATH")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("situ_glu bench: needs a GPU (torch sees none); nothing timed")
+        return 0
+    records = bench()
+    print(f"{'width':14s} {'F':>5s} {'N':>3s} {'torch us':>9s} {'triton us':>10s} {'ratio':>6s}")
+    for r in records:
+        print(f"{r['what']:14s} {r['F']:5d} {r['N']:3d} {r['torch_us']:9.2f} {r['triton_us']:10.2f} "
+              f"{r['torch_us'] / r['triton_us']:6.1f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(), "records": records}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

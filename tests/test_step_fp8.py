@@ -21,6 +21,7 @@ from k3lab import bench
 from k3lab.config import K3Config
 from k3lab.engine import DecodeStep, RankWeights, fp8, resolve, run_group
 from k3lab.engine.bench import CPU_CONFIG
+from k3lab.engine.weights import FP8_PROJECTIONS
 from k3lab.model import K3Model, init_weights
 
 CPU_STEP = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -93,8 +94,14 @@ def test_fp8_linear_equals_the_dequantized_product(dtype, emulated):
     want = (xq.double() * sx.double()) @ lin.dequantize().double().t()
     bench.check(y, want, dtype=dtype, name="fp8_linear vs the dequantized product")
     bench.check(y, x.double() @ w.double().t(), dtype="fp8", name="fp8_linear vs the unquantized matmul")
+    xin = fp8.quantize_input(x, lin)  # quantized once, read by two projections of the same width
+    assert torch.equal(fp8.linear(xin, lin), y) and fp8.quantize_input(x, w) is x
     with pytest.raises(ValueError, match=r"x must be \[M, 40\]"):
         fp8.fp8_linear(x[:, :32], lin)
+    with pytest.raises(ValueError, match="weight is a plain tensor"):
+        fp8.linear(xin, w)
+    with pytest.raises(ValueError, match="quantized for 40 input features"):
+        fp8.fp8_linear(xin, fp8.quantize_weight(w[:, :32]))
 
 
 def test_fp8_status_and_resolution_on_the_cpu():
@@ -124,6 +131,12 @@ def test_weights_in_fp8_and_a_bf16_step_do_not_mix():
     assert q.layers[0].attn is q.layers[2].attn and q.layers[1].mlp is q.layers[3].mlp  # rotation kept
     assert q.layers[1].norms is w.layers[1].norms and q.layers[1].mlp.w1 is w.layers[1].mlp.w1
     assert isinstance(q.layers[1].mlp.gate, torch.Tensor) and isinstance(q.lm_head, torch.Tensor)
+    stored = sum(getattr(part, n).nbytes() for lw in q.layers for part in (lw.attn, lw.mlp)
+                 for n in FP8_PROJECTIONS.get(type(part).__name__, ()) if getattr(part, n) is not None)
+    assert q.projection_bytes("fp8") == w.projection_bytes("fp8") == stored  # from shapes = as stored
+    plain = sum(getattr(part, n).numel() * 4 for lw in w.layers for part in (lw.attn, lw.mlp)
+                for n in FP8_PROJECTIONS.get(type(part).__name__, ()) if getattr(part, n) is not None)
+    assert q.projection_bytes("bf16") == w.projection_bytes("bf16") == plain
     with pytest.raises(ValueError, match="projections are fp8 already"):
         q.to_fp8()
     with pytest.raises(ValueError, match="weights hold fp8 projections but this step runs fp32"):

@@ -16,7 +16,7 @@ from k3lab.nn.situ import situ_glu
 from k3lab.ops import kda_verify as _kda_verify
 from k3lab.ops import moe_experts, packed_matmul
 
-from .fp8 import linear
+from .fp8 import linear, quantize_input
 from .weights import DenseWeights, KDAWeights, MLAWeights, MoEWeights
 
 
@@ -92,20 +92,27 @@ def dense_partial(w: DenseWeights, x: torch.Tensor) -> torch.Tensor:
     return linear(situ_glu(g, u), w.down)
 
 
-def moe_latent_partial(w: MoEWeights, x: torch.Tensor, experts: str) -> torch.Tensor:
-    """Router (replicated), down_proj (replicated) and this rank's share of every chosen expert:
-    [N, LAT] fp32, the partial latent that the layer all-reduces. experts: 'triton' (two grouped
-    launches) or 'torch' (the per-expert loop)."""
+def moe_input(w: MoEWeights, x: torch.Tensor):
+    """What down_proj and the shared expert's gate/up read: x, or x quantized once for both where
+    they are FP8 (`fp8.quantize_input`)."""
+    return quantize_input(x, w.down)
+
+
+def moe_latent_partial(w: MoEWeights, x: torch.Tensor, experts: str, xin=None) -> torch.Tensor:
+    """Router (replicated, on x), down_proj (replicated, on xin: `moe_input(w, x)`, default x) and this
+    rank's share of every chosen expert: [N, LAT] fp32, the partial latent that the layer all-reduces.
+    experts: 'triton' (two grouped launches) or 'torch' (the per-expert loop)."""
     weights, idx, _ = route((x @ w.gate.t()).float(), w.gate_bias, w.top_k, w.scaling, w.renormalize)
-    z = linear(x, w.down)
+    z = linear(x if xin is None else xin, w.down)
     return moe_experts.routed_experts(z, weights, idx, w.w1, w.w3, w.w2, backend=experts, check_values=False)
 
 
-def moe_shared_partial(w: MoEWeights, x: torch.Tensor) -> torch.Tensor:
-    """This rank's share of the shared expert (row-parallel): [N, hidden] in x's dtype, contiguous."""
+def moe_shared_partial(w: MoEWeights, x: torch.Tensor, xin=None) -> torch.Tensor:
+    """This rank's share of the shared expert (row-parallel; gate/up on xin as in moe_latent_partial):
+    [N, hidden] in x's dtype, contiguous."""
     if w.shared_in is None:
         return torch.zeros_like(x)
-    g, u = linear(x, w.shared_in).chunk(2, dim=-1)
+    g, u = linear(x if xin is None else xin, w.shared_in).chunk(2, dim=-1)
     return linear(situ_glu(g, u), w.shared_down).contiguous()
 
 

@@ -266,8 +266,9 @@ class DecodeStep:
         if not hasattr(w, "gate"):  # the dense layer
             return (yield from self._collective("all_reduce", layers.dense_partial(w, x)))
         backend = self.impl["grouped_experts"]
-        lat = yield from self._collective("all_reduce", layers.moe_latent_partial(w, x, backend))
-        shared = layers.moe_shared_partial(w, x)
+        xin = layers.moe_input(w, x)
+        lat = yield from self._collective("all_reduce", layers.moe_latent_partial(w, x, backend, xin))
+        shared = layers.moe_shared_partial(w, x, xin)
         if self.impl["moe_tail_sharded"] == "sharded":
             layers.moe_tail(w, lat, shared, True, backend)
             return (yield from self._collective("all_reduce", shared))

@@ -296,6 +296,28 @@ class RankWeights:
         layers = [LayerWeights(lw.norms, convert(lw.attn), convert(lw.mlp)) for lw in self.layers]
         return dataclasses.replace(self, layers=layers, projections="fp8_emulated" if emulated else "fp8")
 
+    def projection_bytes(self, projections: str = "fp8") -> int:
+        """Bytes one step reads from FP8_PROJECTIONS (every layer, shared sets counted at each use),
+        stored as `projections`: 'bf16' (the embedding's dtype, as the plain step holds them) or 'fp8'
+        (a byte per value of the 16-padded matrix and a 4-byte scale per padded row). From shapes: the
+        same figure whichever form these weights are in. The FP8 step's bytes floor is the plain one
+        less projection_bytes('bf16') - projection_bytes('fp8')."""
+        if projections not in fp8.PROJECTIONS:
+            raise ValueError(f"projections must be one of {fp8.PROJECTIONS}, got {projections!r}")
+        total = 0
+        for layer in self.layers:
+            for part in (layer.attn, layer.mlp):
+                for name in FP8_PROJECTIONS.get(type(part).__name__, ()):
+                    t = getattr(part, name)
+                    if t is None:
+                        continue
+                    n, k = t.shape
+                    if projections == "fp8":
+                        total += fp8.round_up(n) * (fp8.round_up(k) + 4)
+                    else:
+                        total += n * k * self.embed.element_size()
+        return total
+
     def nbytes(self) -> dict[str, int]:
         """Bytes of distinct weight storage held: 'experts', 'other' and 'total' (FP8 projections at
         their stored size: a byte per value and the row scales)."""

@@ -10,35 +10,25 @@ at K3's widths, 8 TP ranks in lockstep, FP8 against bf16, and capture()/replay()
 
 from __future__ import annotations
 
-import dataclasses
-import os
-
 import pytest
 import torch
 
 import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
 from k3lab import bench
-from k3lab.config import K3Config
 from k3lab.engine import DecodeStep, RankWeights, fp8, resolve, run_group
 from k3lab.engine.bench import CPU_CONFIG
 from k3lab.engine.weights import FP8_PROJECTIONS
 from k3lab.model import K3Model, init_weights
 
-CPU_STEP = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                              reason="a step on CPU tensors needs Triton's interpreter, which is off where there is a GPU")
+from test_step import BATCH, CONTEXT, CPU_STEP, SMALL, TP8_SLICE
+from test_step import _rel_l2 as _rel
+
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-SMALL = dataclasses.replace(K3Config.tiny(), num_hidden_layers=2, attn_res_block_size=1, name="tiny2")
-BATCH, CONTEXT = 2, 5
 
 # e4m3fn rounds to 3 mantissa bits: a normal value moves by at most half a unit in the last place,
 # 2^-4 of itself; below the smallest normal (2^-6) the spacing is 2^-9, so at most 2^-10 absolute,
 # in units of the row's scale. The fp32 division before the cast adds one rounding (the 1e-6 slack).
 REL_BOUND, SUBNORMAL_BOUND = 2.0 ** -4, 2.0 ** -10
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    d = got.double() - ref.double()
-    return float(d.norm() / ref.double().norm().clamp_min(1e-30))
 
 
 def _rows(seed: int, m: int, k: int) -> torch.Tensor:
@@ -198,10 +188,6 @@ def test_fp8_step_is_near_the_model():
 
 
 # ------------------------------------------------------------------ GPU (not yet run on a GPU)
-TP8_SLICE = dataclasses.replace(K3Config.full(), num_hidden_layers=4, num_experts=16, num_experts_per_token=4,
-                                vocab_size=8192, attn_res_block_size=2, name="k3-4layers")
-
-
 def _needs_fp8() -> None:
     ok, why = fp8.fp8_status("cuda")
     if not ok:

@@ -23,9 +23,10 @@ TOL = {torch.float32: dict(rtol=2e-6, atol=1e-9), torch.bfloat16: dict(rtol=2 **
 # against the torch backend: its fp32 values differ from the kernel's by ulps, so a rounding can flip
 ONE_ULP = {torch.float32: TOL[torch.float32], torch.bfloat16: dict(rtol=2 ** -7, atol=1e-9),
            torch.float16: dict(rtol=2 ** -10, atol=1e-7)}
-# the dense grid below (every tanh argument under ~0.75, the Pade side): the interpreter evaluates
-# exp and division exactly rounded; the compiled kernel's approximate instructions get a little more room
-GRID_RTOL = 2e-6 if DEV == "cuda" else 1e-6
+# the dense grid below (every tanh argument under ~0.75, near where 1 - exp(-2|x|) loses digits): the
+# interpreter rounds exp and division exactly; on a GPU they are approximate instructions (~2 ulp), an
+# error that 1 - exp(-2|x|) can enlarge about fourfold, so the compiled kernel gets more room
+GRID_RTOL = 3e-6 if DEV == "cuda" else 1e-6
 
 
 def _gu(*lead, f, dtype=torch.float32, seed=0, device=DEV):

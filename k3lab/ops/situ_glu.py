@@ -52,20 +52,10 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_BLOCK = 1024
 
 if triton is not None:
-    from k3lab.ops.attn_res_norm.triton import _round_to  # round to nearest even, also in the interpreter
-
-    @triton.jit
-    def _tanh(x):
-        # Odd, overflow-free: e = exp(-2|x|) lies in (0, 1]. For |x| < 0.5, where 1 - e cancels, a
-        # [7/6] Pade approximant of tanh (relative error ~2e-7 there, like the exp form above it).
-        a = tl.abs(x)
-        e = tl.exp(-2.0 * a)
-        far = (1.0 - e) / (1.0 + e)
-        a2 = a * a
-        num = a * (135135.0 + a2 * (17325.0 + a2 * (378.0 + a2)))
-        den = 135135.0 + a2 * (62370.0 + a2 * (3150.0 + a2 * 28.0))
-        t = tl.where(a < 0.5, num / den, far)
-        return tl.where(x < 0, -t, t)
+    # shared Triton helpers: round to nearest even (also in the interpreter, whose bf16 casts truncate)
+    # and an overflow-free tanh from exp(-2|x|), with a series near 0 where 1 - exp(-2|x|) cancels
+    from k3lab.ops.attn_res_norm.triton import _round_to
+    from k3lab.ops.moe_experts.triton import _tanh
 
     @triton.jit
     def _sigmoid(x):

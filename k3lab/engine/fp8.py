@@ -194,13 +194,19 @@ def fp8_status(device, dtype: torch.dtype = torch.bfloat16) -> tuple[bool, str]:
     return True, ""
 
 
+def check_projections(projections) -> str:
+    """projections itself when it is one of PROJECTIONS, else a ValueError naming it."""
+    if projections not in PROJECTIONS:
+        raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
+    return projections
+
+
 def resolve_projections(projections: str, device, dtype: torch.dtype, *, strict: bool = False) -> tuple[str, str]:
     """(what runs, note): 'fp8', 'fp8_emulated' or the step's dtype ('bf16'; 'fp32' for the CPU's fp32
     steps, whose plain projections are fp32) and why it differs from `projections` ('' when it does not).
     FP8 that cannot run: a GPU falls back to the step's dtype (ValueError with strict=True); a CPU
     runs the plain-PyTorch emulation, so the CPU tests still check the FP8 arithmetic."""
-    if projections not in PROJECTIONS:
-        raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
+    check_projections(projections)
     plain = DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
     if projections == "bf16":
         return plain, ""
@@ -215,3 +221,27 @@ def resolve_projections(projections: str, device, dtype: torch.dtype, *, strict:
         return "fp8_emulated", (f"{why}: the FP8 arithmetic runs as a plain-PyTorch emulation (dequantize, "
                                 "fp32 matmul), for CPU tests only")
     return plain, f"{why}: the projections run in {plain}"
+
+
+def weights_for(weights, ran: str):
+    """(weights in the form a step whose projections resolved to `ran` reads, what then runs, why that
+    differs from `ran`): RankWeights in the step's dtype are converted (`to_fp8`, the step's own copy)
+    for FP8; converted ones are taken as they are. ValueError for converted weights and a plain step,
+    emulated weights off the CPU, or `_scaled_mm` weights where it cannot run."""
+    held = weights.projections
+    if not ran.startswith("fp8"):
+        if held != "bf16":
+            raise ValueError(f"weights hold {held} projections but this step runs {ran}: pass projections='fp8', "
+                             "or the unconverted RankWeights")
+        return weights, ran, ""
+    if held == "bf16":
+        return weights.to_fp8(emulated=ran == "fp8_emulated"), ran, ""
+    if held == "fp8_emulated" and ran == "fp8":
+        if weights.device.type != "cpu":
+            raise ValueError("weights were converted with to_fp8(emulated=True), the CPU-only stand-in; "
+                             "convert them with to_fp8() on a GPU")
+        return weights, held, "weights converted with to_fp8(emulated=True): the plain-PyTorch product runs"
+    if held == "fp8" and ran == "fp8_emulated":
+        raise ValueError("weights were converted with to_fp8() but torch._scaled_mm cannot run here: convert "
+                         "the unconverted RankWeights with to_fp8(emulated=True), or pass them to the step")
+    return weights, ran, ""

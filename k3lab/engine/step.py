@@ -81,8 +81,7 @@ class DecodeStep:
     def __init__(self, config: K3Config, batch: int, context_len: int, *, optimizations="all", weights="random",
                  distinct_layers: int = 4, q_len: int = 1, tp: int | None = None, device=None, dtype=None,
                  strict: bool = False, collectives: str = "stand_in", seed: int = 0, projections: str = "bf16"):
-        if projections not in fp8.PROJECTIONS:
-            raise ValueError(f"projections must be one of {fp8.PROJECTIONS}, got {projections!r}")
+        fp8.check_projections(projections)
         if tp is not None:
             _check_config(config)
             config = config.sliced(_check_int("tp", tp, 1)) if tp > 1 else config
@@ -108,7 +107,10 @@ class DecodeStep:
         self.device, self.dtype = weights.device, weights.dtype
         self.resolved = resolve(optimizations, self.device, self.dtype, self.q_len, strict=strict,
                                 projections=projections)
-        self.weights = self._projection_weights(weights)
+        self.weights, ran, note = fp8.weights_for(weights, self.resolved.projections)
+        if ran != self.resolved.projections:
+            self.resolved = dataclasses.replace(self.resolved, projections=ran,
+                                                notes=dict(self.resolved.notes, projections=note))
         self.impl = self.resolved.impl
         self.tokens = self.batch * self.q_len
         self.block_starts = frozenset(config.attn_res_block_starts())
@@ -124,26 +126,6 @@ class DecodeStep:
         DecodeStep (optimizations, q_len, strict, collectives)."""
         w = RankWeights.from_model(model, _check_int("tp", tp, 1), rank)
         return cls(w.config, batch, context_len, weights=w, **kw)
-
-    def _projection_weights(self, weights: RankWeights) -> RankWeights:
-        """The weights in the form `self.resolved.projections` reads: FP8 ones quantized here from the
-        step's dtype (or taken as they are when already converted)."""
-        ran = self.resolved.projections
-        if not ran.startswith("fp8"):
-            if weights.projections != "bf16":
-                raise ValueError(f"weights hold {weights.projections} projections but this step runs "
-                                 f"{ran}: pass projections='fp8', or the unconverted RankWeights")
-            return weights
-        if weights.projections == "bf16":
-            return weights.to_fp8(emulated=ran == "fp8_emulated")
-        if weights.projections == "fp8_emulated" and ran == "fp8":
-            if self.device.type != "cpu":
-                raise ValueError("weights were converted with to_fp8(emulated=True), the CPU-only stand-in; "
-                                 "convert them with to_fp8() on a GPU")
-            note = "weights converted with to_fp8(emulated=True): the plain-PyTorch product runs"
-            self.resolved = dataclasses.replace(self.resolved, projections="fp8_emulated",
-                                                notes=dict(self.resolved.notes, projections=note))
-        return weights
 
     # ------------------------------------------------------------ buffers and caches
     def _alloc(self, seed: int) -> None:

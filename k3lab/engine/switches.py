@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import PROJECTIONS, resolve_projections
+from .fp8 import check_projections, resolve_projections
 
 SWITCHES: dict[str, str] = {
     "kda_fused": "fused KDA decode (conv, norms, gates, recurrence, output norm in one launch)",
@@ -126,8 +126,7 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
     """What runs for each switch here (see the module docstring). strict: raise ValueError instead of
     running a replacement for a switch that is on and cannot run as named on this device, or for
     projections='fp8' where FP8 matmul cannot run."""
-    if projections not in PROJECTIONS:
-        raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
+    check_projections(projections)
     on = parse(optimizations)
     device = torch.device(device)
     if device.type == "cpu" and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

@@ -52,10 +52,7 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_BLOCK = 1024
 
 if triton is not None:
-    # shared Triton helpers: round to nearest even (also in the interpreter, whose bf16 casts truncate)
-    # and an overflow-free tanh from exp(-2|x|), with a series near 0 where 1 - exp(-2|x|) cancels
-    from k3lab.ops.attn_res_norm.triton import _round_to
-    from k3lab.ops.moe_experts.triton import _tanh
+    from k3lab.ops.triton_math import round_to, tanh
 
     @triton.jit
     def _sigmoid(x):
@@ -72,8 +69,8 @@ if triton is not None:
         src = gu_ptr + row * gu_row_stride + cols
         g = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(src + F, mask=mask, other=0.0).to(tl.float32)
-        y = GATE * _tanh(g / GATE) * _sigmoid(g) * (UP * _tanh(u / UP))
-        tl.store(out_ptr + row * out_row_stride + cols, _round_to(y, out_ptr.dtype.element_ty, INT_ROUND),
+        y = GATE * tanh(g / GATE) * _sigmoid(g) * (UP * tanh(u / UP))
+        tl.store(out_ptr + row * out_row_stride + cols, round_to(y, out_ptr.dtype.element_ty, INT_ROUND),
                  mask=mask)
 
 

@@ -17,19 +17,7 @@ except ImportError:  # the plain PyTorch path still works; k3lab.ops.triton_stat
 
 
 if triton is not None:
-
-    @triton.jit
-    def _round_to(x, dtype: tl.constexpr, INT_ROUND: tl.constexpr):
-        # Round to nearest even as torch does: the persistent residual must match it bit for bit.
-        # A GPU's conversion instruction already rounds to nearest even (checked bit-exact on the H200).
-        # Triton's interpreter (the CPU path) truncates bf16 casts and mis-rounds carries, so there
-        # (INT_ROUND) bf16 is rounded with integer arithmetic.
-        if INT_ROUND and dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            return x.to(dtype)
+    from k3lab.ops.triton_math import round_to
 
     @triton.jit
     def _widen(x):
@@ -61,7 +49,7 @@ if triton is not None:
         # the partial sum: add the delta and round to the storage dtype, as the persistent residual
         # does; at a block boundary it becomes the next stored block and the partial restarts at 0
         if HAS_DELTA:
-            x = _round_to(x.to(tl.float32) + dx.to(tl.float32), prefix_ptr.dtype.element_ty, INT_ROUND)
+            x = round_to(x.to(tl.float32) + dx.to(tl.float32), prefix_ptr.dtype.element_ty, INT_ROUND)
         if PUSH:
             tl.store(blocks_ptr + push_offset + base + cols, x, mask=mask)
             tl.store(prefix_ptr + base + cols, tl.zeros_like(x), mask=mask)
@@ -131,7 +119,7 @@ if triton is not None:
         h = h * (1.0 / s)
         y = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
         y = y * tl.load(w_next_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + base + cols, _round_to(y, out_ptr.dtype.element_ty, INT_ROUND), mask=mask)
+        tl.store(out_ptr + base + cols, round_to(y, out_ptr.dtype.element_ty, INT_ROUND), mask=mask)
 
 
 def launch(prefix, delta, blocks, n_blocks, w_mix, next_norm_w, eps, push_block, cfg: dict,

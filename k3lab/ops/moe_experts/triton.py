@@ -29,22 +29,11 @@ except ImportError:  # the torch loop still runs; the backend table says why thi
 
 
 if triton is not None:
-
-    @triton.jit
-    def _tanh(x):
-        # tanh from exp (portable, also in the interpreter); a short series near 0, where
-        # (1 - e) / (1 + e) would cancel, keeps fp32 accuracy
-        a = tl.abs(x)
-        e = tl.exp(-2.0 * a)
-        far = (1.0 - e) / (1.0 + e)
-        x2 = a * a
-        near = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
-        t = tl.where(a < 0.125, near, far)
-        return tl.where(x < 0, -t, t)
+    from k3lab.ops.triton_math import tanh
 
     @triton.jit
     def _situ_glu(g, u):
-        return 4.0 * _tanh(g * 0.25) * tl.sigmoid(g) * (25.0 * _tanh(u * 0.04))
+        return 4.0 * tanh(g * 0.25) * tl.sigmoid(g) * (25.0 * tanh(u * 0.04))
 
     @triton.jit
     def _tile_rows(pair_ptr, tile_expert_ptr, tile, pairs, BLOCK_M: tl.constexpr):

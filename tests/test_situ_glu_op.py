@@ -69,8 +69,8 @@ def test_saturations_and_signs():
     got = situ_glu_stacked(gu, backend="triton")
     want = torch.tensor([[_by_hand(a, b) for a, b in zip(g, u)]], dtype=torch.float64)
     torch.testing.assert_close(got.double().cpu(), want, rtol=FP32_RTOL, atol=1e-30)
-    assert got[0, 1] == 0  # g = -200: the gate is -4 sigmoid(-200), below fp32's range
-    assert got[0, 8] == pytest.approx(100.0 * math.tanh(6.0), rel=1e-6)  # both saturated
+    assert got[0, 1].item() == 0  # g = -200: the gate is -4 sigmoid(-200), below fp32's range
+    assert got[0, 8].item() == pytest.approx(100.0 * math.tanh(6.0), rel=1e-6)  # both saturated
 
 
 def test_small_arguments_grid():

@@ -69,7 +69,7 @@ def projection_probe(config: K3Config, *, dtype=torch.bfloat16, repeats: int = 1
         x = torch.randn(1, s["in"], device="cuda", dtype=dtype, generator=g)
         t = bench.time_fn(lambda w: x @ w.t(), warmup=3, repeats=repeats, graph=True,
                           rotate=[(w,) for w in ws])
-        out.append(bench.make_record(STUDY, f"probe.gemv.{s['name']}", "probe", t,
+        out.append(bench.make_record(STUDY, f"probe.gemv.{s['name']}", "cublas", t,
                                      shape={"out": s["out"], "in": s["in"], "rows": 1}, dtype=dtype,
                                      floor_us=None, bytes=nbytes, calls_per_step=s["calls"],
                                      tbs=nbytes / (t.median_us * 1e-6) / 1e12, copies=len(ws)))
@@ -88,7 +88,7 @@ def small_kernel_probe(n: int = 2000, *, repeats: int = 10) -> bench.Record | No
     x = torch.zeros(1, device="cuda")
     # a graph of n successive calls, timed per call: each add waits for the one before it
     t = bench.time_fn(lambda: x.add_(1.0), warmup=2, repeats=repeats, graph=True, calls_per_sample=n)
-    return bench.make_record(STUDY, "probe.small_kernel", "probe", t, shape={"kernels": n}, dtype=torch.float32,
+    return bench.make_record(STUDY, "probe.small_kernel", "torch", t, shape={"kernels": n}, dtype=torch.float32,
                              what="one dependent one-element add per kernel, captured as one graph")
 
 

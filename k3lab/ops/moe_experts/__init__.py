@@ -88,9 +88,9 @@ def routed_experts(z, weights, idx, w1, w3, w2, *, backend: str | None = None, b
     """y [N, L] fp32 (see the module docstring). block_m: tile height of the triton backend (16, 32
     or 64; default from the batch: default_block_m). Raises ValueError on bad input before any kernel."""
     shapes = check_inputs(z, weights, idx, w1, w3, w2, check_values=check_values)
-    name = pick_backend(backend, z.device)
     if block_m is not None:
         check_block_m(block_m)
+    name = pick_backend(backend, z.device)
     if shapes.n_tokens == 0:
         return torch.zeros(0, shapes.latent, dtype=torch.float32, device=z.device)
     if name == "torch":

@@ -164,11 +164,13 @@ def test_fp8_step_equals_its_plain_pytorch_form(q_len):
 @CPU_STEP
 def test_fp8_step_is_near_the_model():
     """SMALL (KDA + the dense MLP, MLA + MoE) from a K3Model, against the model's own forward. Bounds:
-    layer 0's new cache rows are one projection from the same input, each quantized factor within 2^-4
-    (about 2.6% rms) and their product about 3.7% rms: <= 6%. Later quantities take several projections
-    in series (~4% each): layer 1's new latent row (three) <= 15%, the logits (four, plus the sum of
-    the depth blocks) <= 20%; seeds 0-2 give 2%, 6-7% and 6-10%. The full-precision step matches the
-    model to ~1e-6, and the FP8 one is at least 1% away (FP8 did run)."""
+    layer 0's new conv column is one projection from the same input, each quantized factor within 2^-4
+    (about 2.6% rms) and their product about 3.7% rms: <= 6%, and so is its state (one rank-1 update
+    of it); the columns shifted along are the model's exactly. Later quantities take several
+    projections in series (~4% each): layer 1's new latent row (three) <= 15%, the logits (four, plus
+    the depth mix) <= 20%. Seeds 0-3 give 3.6-4.1% (new conv columns), 1.7-2.4% (state), 5.7-8.4%
+    (latent) and 7-11% (logits). The full-precision step matches the model to ~1e-6 (test_step); the
+    FP8 one must be at least 1% away (FP8 did run)."""
     model = init_weights(K3Model(SMALL), 3).eval()
     ids = torch.randint(0, SMALL.vocab_size, (BATCH, CONTEXT + 1), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -178,10 +180,12 @@ def test_fp8_step_is_near_the_model():
         step.load_cache(cache)
         logits = step(ids[:, CONTEXT:])
     assert step.resolved.projections.startswith("fp8") and step.describe()["projections"] == step.resolved.projections
-    entries, want = step.cache_entries(), ref_cache.entries()
-    for name in ("layers.0.conv_q", "layers.0.conv_k", "layers.0.conv_v", "layers.0.state"):
-        assert _rel(entries[name], want[name]) <= 0.06, (name, _rel(entries[name], want[name]))
-    latent = _rel(entries["layers.1.latent"][:, CONTEXT:], want["layers.1.latent"][:, CONTEXT:])
+    got, want = step.cache_entries(), ref_cache.entries()
+    for name in ("layers.0.conv_q", "layers.0.conv_k", "layers.0.conv_v"):
+        assert torch.equal(got[name][..., :-1], want[name][..., :-1]), name
+        assert _rel(got[name][..., -1], want[name][..., -1]) <= 0.06, (name, _rel(got[name][..., -1], want[name][..., -1]))
+    assert _rel(got["layers.0.state"], want["layers.0.state"]) <= 0.06
+    latent = _rel(got["layers.1.latent"][:, CONTEXT:], want["layers.1.latent"][:, CONTEXT:])
     assert latent <= 0.15, latent
     assert 0.01 <= _rel(logits, ref) <= 0.20, _rel(logits, ref)
     assert bool(torch.isfinite(logits).all())
@@ -213,10 +217,13 @@ def test_gpu_fp8_linear_equals_the_dequantized_product():
 @GPU
 def test_gpu_tp8_slice_fp8_near_bf16_and_graph_equals_eager():
     """Four layers at K3's widths (KDA x3, MLA; 16 experts so that 8 ranks' weights fit one GPU), every
-    switch on, 8 ranks in lockstep: FP8 projections against bf16 ones. Bounds as in
-    test_fp8_step_is_near_the_model, with bf16's own ~1% on top: layer 0's states <= 8%, the logits
-    <= 25%. Then rank 0's FP8 step alone (stand-in collectives) captured as one CUDA graph: a replay
-    from the saved state equals the eager step (the same kernels; bf16 tolerance)."""
+    switch on, 8 ranks in lockstep: FP8 projections against bf16 ones. Layer 0 (KDA and the dense MLP,
+    no router) is one projection deep as in test_fp8_step_is_near_the_model, with bf16's own ~1% on
+    top: its new conv columns and its state <= 8%. The logits pass three MoE routers that read the FP8-perturbed stream, where
+    a near-tie picks another expert: a one-rank model at the TP8 slice's widths gives 7-18% on a CPU
+    (seeds 0-3, fp32), so their bound, 35%, catches O(1) errors (a wrong scale or operand), not drift.
+    Then rank 0's FP8 step alone (stand-in collectives) captured as one CUDA graph: a replay from the
+    saved state equals the eager step (the same kernels; bf16 tolerance)."""
     _needs_fp8()
     torch.manual_seed(0)
     model = init_weights(K3Model(TP8_SLICE, device="cuda", dtype=torch.bfloat16), 7, on_device=True).eval()
@@ -236,8 +243,10 @@ def test_gpu_tp8_slice_fp8_near_bf16_and_graph_equals_eager():
             del steps, logits
         torch.cuda.empty_cache()
         for name, t in out["bf16"][1].items():
-            assert _rel(out["fp8"][1][name], t) <= 0.08, (name, _rel(out["fp8"][1][name], t))
-        assert _rel(out["fp8"][0], out["bf16"][0]) <= 0.25, _rel(out["fp8"][0], out["bf16"][0])
+            new = (..., -1) if "conv" in name else (...,)  # the conv column this step wrote; the whole state
+            err = _rel(out["fp8"][1][name][new], t[new])
+            assert err <= 0.08, (name, err)
+        assert _rel(out["fp8"][0], out["bf16"][0]) <= 0.35, _rel(out["fp8"][0], out["bf16"][0])
         step = DecodeStep.from_model(model, 1, 64, tp=8, rank=0, projections="fp8", strict=True)
         step.load_cache(cache)
         assert step.capturable() == (True, "")

@@ -104,6 +104,37 @@ def test_fp8_status_and_resolution_on_the_cpu():
     assert not fp8.fp8_status("meta")[0]
 
 
+def test_fp8_that_cannot_run_falls_back_and_says_so(monkeypatch):
+    """Where FP8 cannot run (an older GPU, a torch without e4m3fn products): a GPU step runs its own
+    dtype with a note, or raises with strict=True; a CPU step runs the plain-PyTorch emulation."""
+    monkeypatch.setattr(fp8, "fp8_status", lambda device, dtype=torch.bfloat16: (False, "no FP8 here"))
+    ran, note = fp8.resolve_projections("fp8", "cuda", torch.bfloat16)
+    assert ran == "bf16" and note.startswith("no FP8 here") and "run in bf16" in note
+    with pytest.raises(ValueError, match=r"projections='fp8' cannot run here \(no FP8 here\)"):
+        fp8.resolve_projections("fp8", "cuda", torch.bfloat16, strict=True)
+    ran, note = fp8.resolve_projections("fp8", "cpu", torch.float32)
+    assert ran == "fp8_emulated" and "for CPU tests only" in note
+    assert fp8.resolve_projections("bf16", "cuda", torch.bfloat16) == ("bf16", "")
+
+
+@CPU_STEP
+def test_cpu_step_without_e4m3_products_runs_the_emulation(monkeypatch):
+    w = RankWeights.random(CPU_CONFIG, distinct_layers=1, dtype=torch.float32)
+    ids = torch.tensor([[3], [7]])
+    real = DecodeStep(CPU_CONFIG, BATCH, CONTEXT, weights=w, projections="fp8")
+    monkeypatch.setattr(fp8, "fp8_status", lambda device, dtype=torch.bfloat16: (False, "no FP8 here"))
+    emul = DecodeStep(CPU_CONFIG, BATCH, CONTEXT, weights=w, projections="fp8")
+    assert emul.resolved.projections == "fp8_emulated" and emul.describe()["projections"] == "fp8_emulated"
+    assert "emulation" in emul.resolved.notes["projections"] and emul.weights.layers[0].attn.w_in.emulated
+    assert any(line.startswith("projections: fp8_emulated") for line in emul.resolved.describe())
+    with pytest.raises(ValueError, match="cannot run here"):
+        DecodeStep(CPU_CONFIG, BATCH, CONTEXT, weights=w, projections="fp8", strict=True)
+    with pytest.raises(ValueError, match="convert the unconverted RankWeights with to_fp8"):
+        DecodeStep(CPU_CONFIG, BATCH, CONTEXT, weights=real.weights, projections="fp8")
+    bench.check(_first_step(emul, ids)[0], _first_step(real, ids)[0], dtype="fp32", rel_l2=1e-5, max_rel=1e-2,
+                name="emulated vs torch._scaled_mm logits")
+
+
 @pytest.mark.parametrize("bad", ("int8", "FP8", None, 8))
 def test_bad_projections_value_is_a_value_error_naming_it(bad):
     with pytest.raises(ValueError, match="projections must be one of"):

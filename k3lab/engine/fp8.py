@@ -168,7 +168,9 @@ def _probe(device: str, dtype: torch.dtype) -> str:
     try:
         y = torch._scaled_mm(a, b.t(), scale_a=s, scale_b=s.t().contiguous(), out_dtype=out)
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+    if not isinstance(y, torch.Tensor):
+        return f"torch {torch.__version__}'s _scaled_mm returns {type(y).__name__}, not one tensor"
     if not bool((y.float() == 16.0).all()):
         return "torch._scaled_mm ran but gave a wrong product on a 16 x 16 x 16 probe"
     return ""

@@ -63,3 +63,40 @@ def test_where_time_goes_from_committed_records():
     assert stream["floor_ms"] + rest["floor_ms"] == pytest.approx(r.floor_us / 1e3, rel=1e-6)
     assert whole["probe_ms"] == pytest.approx(r.median_us / 1e3)
     assert ds.where_time_goes([], "b1_1k") == []
+
+
+def test_experts_read_counts_the_recorded_routes_and_sets_the_floor():
+    from k3lab.engine import DecodeStep
+
+    c = step_bench.CPU_CONFIG
+    step = DecodeStep(c, 2, 8, optimizations="all", device="cpu", dtype=torch.float32)
+    assert step.experts_read() is None
+    with torch.no_grad():
+        step.routes = []
+        step.run()
+    assert len(step.routes) == c.num_moe_layers
+    read = step.experts_read()
+    assert read == sum(len(set(i.reshape(-1).tolist())) for i in step.routes)
+    assert c.num_moe_layers * c.num_experts_per_token <= read <= c.num_moe_layers * min(c.num_experts, 2 * c.num_experts_per_token)
+    case = {"bytes": step_bench.step_bytes(c, 2, 8), "bandwidth_tbs": 2.0}
+    f = step_bench.variant_floor(case, read, step_bench.expert_bytes(c), saved=1000)
+    b = f["bytes"]
+    assert b["weights_experts"] == read * step_bench.expert_bytes(c)
+    assert b["weights_dense"] == case["bytes"]["weights_dense"] - 1000
+    assert b["total"] == pytest.approx(case["bytes"]["total"] - 1000 - b["weights_experts_uniform"] + b["weights_experts"])
+    assert f["floor_us"] == pytest.approx(b["total"] / 2e6)
+
+
+def test_routed_experts_refuses_a_sort_of_other_pairs():
+    from k3lab.ops import moe_experts as me
+
+    g = torch.Generator().manual_seed(3)
+    z, w = torch.randn(3, 16, generator=g), torch.rand(3, 2, generator=g)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    w1, w3, w2 = torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 16, generator=g), torch.randn(4, 16, 8, generator=g)
+    other = me.sort_by_expert(idx[:2], 4, 16)
+    with pytest.raises(ValueError, match="sort must be the ExpertSort"):
+        me.routed_experts(z, w, idx, w1, w3, w2, sort=other, backend="torch")
+    good = me.sort_by_expert(idx, 4, 16)
+    with pytest.raises(ValueError, match="block_m=32"):
+        me.routed_experts(z, w, idx, w1, w3, w2, sort=good, block_m=32, backend="torch")

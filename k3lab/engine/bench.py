@@ -42,7 +42,8 @@ GPU_CASES = {"b1_1k": (1, 1024), "b1_32k": (1, 32768), "b1_128k": (1, 131072), "
 CPU_CASES = {"tiny_b1_ctx8": (1, 8)}
 CPU_CONFIG = dataclasses.replace(K3Config.tiny(), num_hidden_layers=4, name="tiny4").sliced(2)
 TOP_KERNELS = 15  # kernels by total time kept per profiled run: where the step's time goes
-PROFILED = ("all_on", "all_off")  # profiled at B = 1 only: the loop at B = 64 runs ~450K kernels a step
+PROFILED = ("all_on", "all_off", "all_on_fp8")
+PROJECTIONS_OF = {"all_on_fp8": "fp8"}  # variant -> DecodeStep(projections=...); the others run the weights' dtype  # profiled at B = 1 only: the loop at B = 64 runs ~450K kernels a step
 
 
 def on_gpu() -> bool:
@@ -62,9 +63,29 @@ def variants(q_len: int = 1) -> dict[str, dict]:
     """all_off first (the others are compared with it), all_on, then no_<switch> for each switch that
     applies at this q_len."""
     names = [n for n in SWITCHES if not (n in VERIFY_ONLY and q_len == 1) and not (n in DECODE_ONLY and q_len > 1)]
-    out = {"all_off": dict.fromkeys(SWITCHES, False), "all_on": dict.fromkeys(SWITCHES, True)}
+    out = {"all_off": dict.fromkeys(SWITCHES, False), "all_on": dict.fromkeys(SWITCHES, True),
+           "all_on_fp8": dict.fromkeys(SWITCHES, True)}
     out.update({f"no_{n}": all_but(n) for n in names})
     return out
+
+
+def expert_bytes(config: K3Config, act_bytes: int = 2) -> int:
+    """Bytes of one routed expert's slice on this rank (w1, w3, w2)."""
+    return 3 * config.moe_intermediate_size * config.routed_expert_hidden_size * act_bytes
+
+
+def variant_floor(case_floor: dict, experts_read: int | None, expert_nbytes: int, saved: int = 0) -> dict:
+    """The case's floor (`step_bytes` with uniform routing) with the routed experts counted as this
+    variant's step read them (`experts_read`: distinct experts summed over the MoE layers of its checked
+    step; None keeps the uniform expectation) and `saved` bytes fewer dense weights (FP8 projections)."""
+    b = dict(case_floor["bytes"])
+    b["weights_experts_uniform"] = b["weights_experts"]
+    if experts_read is not None:
+        b["weights_experts"] = float(experts_read * expert_nbytes)
+    b["weights_dense"] -= saved
+    b["total"] = sum(b[k] for k in ("weights_dense", "weights_experts", "mla_cache", "kda_state", "kda_conv"))
+    return dict(case_floor, bytes=b, floor_us=b["total"] / (case_floor["bandwidth_tbs"] * 1e6),
+                experts_read=experts_read)
 
 
 def step_bytes(config: K3Config, batch: int, context_len: int, q_len: int = 1, *, tail: str = "sharded",
@@ -171,9 +192,11 @@ def _errors(logits: torch.Tensor, ref: torch.Tensor | None, ref_name: str, saved
 
 def first_step(step: DecodeStep, ids: torch.Tensor) -> tuple[torch.Tensor, dict, float]:
     """The checked call: (logits of one step on `ids` from the step's caches as built, the state saved
-    before it, seconds it took). The caches are left advanced by one step."""
+    before it, seconds it took). The caches are left advanced by one step, and the step's routes
+    recorded (`step.experts_read()`)."""
     saved = step.save_state()
     step.set_tokens(ids)
+    step.routes = []  # kept for step.experts_read(); the caller sets None before timing
     t = time.perf_counter()
     logits = step.run().clone()
     return logits, saved, time.perf_counter() - t
@@ -216,11 +239,18 @@ def run_variant(case: str, name: str, opts: dict, weights: RankWeights, shape: t
     once from the saved state against the eager check), profile it if asked; returns (records, its
     first-step logits)."""
     B, ctx = shape
-    step = DecodeStep(weights.config, B, ctx, optimizations=opts, weights=weights)
+    proj = PROJECTIONS_OF.get(name, "bf16")
+    step = DecodeStep(weights.config, B, ctx, optimizations=opts, weights=weights, projections=proj)
     with torch.no_grad():
         logits, saved, t_first = first_step(step, _ids(weights.config, B))
+        experts_read, step.routes = step.experts_read(), None
         err = _errors(logits, ref, ref_name, saved)
-        extra = {"step": step.describe(), "bytes": floor["bytes"], "bandwidth_tbs": floor["bandwidth_tbs"],
+        fp8_saved = (weights.projection_bytes("bf16") - weights.projection_bytes("fp8")
+                     if step.resolved.projections.startswith("fp8") else 0)
+        floor = variant_floor(floor, experts_read, expert_bytes(weights.config, weights.embed.element_size()),
+                              fp8_saved)
+        extra = {"step": step.describe(), "bytes": floor["bytes"], "experts_read": floor["experts_read"],
+                 "bandwidth_tbs": floor["bandwidth_tbs"],
                  "bandwidth_how": floor["how"], "collectives": {"count": len(step.last_collectives),
                                                                "bytes": sum(b for _, b in step.last_collectives),
                                                                "what": "stand-ins: one device copy of the same bytes"}}

@@ -14,7 +14,8 @@ from k3lab.nn.moe import route
 from k3lab.nn.norms import gated_rms_norm, l2_normalize, rms_norm
 from k3lab.nn.situ import situ_glu
 from k3lab.ops import kda_verify as _kda_verify
-from k3lab.ops import moe_experts, packed_matmul
+from k3lab.ops import moe_experts, moe_router, packed_matmul
+from k3lab.ops.situ_glu import situ_glu_stacked
 
 from .fp8 import linear, quantize_input
 from .weights import DenseWeights, KDAWeights, MLAWeights, MoEWeights
@@ -86,10 +87,17 @@ def mla_partial(w: MLAWeights, x: torch.Tensor, latent: torch.Tensor, pos: int, 
     return linear(o.reshape(B * T, -1), w.o_proj)
 
 
-def dense_partial(w: DenseWeights, x: torch.Tensor) -> torch.Tensor:
+def glu(gu: torch.Tensor, glue: str) -> torch.Tensor:
+    """SiTU-GLU of a stacked gate|up product [N, 2F] -> [N, F]: one Triton launch ('triton') or the
+    PyTorch sequence ('torch')."""
+    if glue == "triton":
+        return situ_glu_stacked(gu, backend="triton")
+    return situ_glu(*gu.chunk(2, dim=-1))
+
+
+def dense_partial(w: DenseWeights, x: torch.Tensor, glue: str = "torch") -> torch.Tensor:
     """Layer 0's SiTU-GLU MLP on this rank's share of the intermediate: [N, hidden], a partial sum."""
-    g, u = linear(x, w.gate_up).chunk(2, dim=-1)
-    return linear(situ_glu(g, u), w.down)
+    return linear(glu(linear(x, w.gate_up), glue), w.down)
 
 
 def moe_input(w: MoEWeights, x: torch.Tensor):
@@ -98,22 +106,40 @@ def moe_input(w: MoEWeights, x: torch.Tensor):
     return quantize_input(x, w.down)
 
 
-def moe_latent_partial(w: MoEWeights, x: torch.Tensor, experts: str, xin=None) -> torch.Tensor:
+def fused_routing_fits(tokens: int, top_k: int) -> bool:
+    """Whether the fused router takes `tokens` x `top_k` pairs (k3lab.ops.moe_router.MAX_PAIRS)."""
+    return tokens * top_k <= moe_router.MAX_PAIRS
+
+
+def moe_latent_partial(w: MoEWeights, x: torch.Tensor, experts: str, xin=None, glue: str = "torch",
+                       seen: list | None = None) -> torch.Tensor:
     """Router (replicated, on x), down_proj (replicated, on xin: `moe_input(w, x)`, default x) and this
     rank's share of every chosen expert: [N, LAT] fp32, the partial latent that the layer all-reduces.
-    experts: 'triton' (two grouped launches) or 'torch' (the per-expert loop)."""
-    weights, idx, _ = route((x @ w.gate.t()).float(), w.gate_bias, w.top_k, w.scaling, w.renormalize)
+    experts: 'triton' (two grouped launches) or 'torch' (the per-expert loop). glue: 'triton' routes
+    and sorts in two launches (k3lab.ops.moe_router, where the pairs fit) or 'torch' (route(), and the
+    grouped kernels sort). seen: a list the chosen experts [N, top_k] are appended to (the bench's
+    count of expert weights read)."""
+    logits = x @ w.gate.t()
+    sort = None
+    if glue == "triton" and fused_routing_fits(x.shape[0], w.top_k):
+        m = moe_experts.default_block_m(x.shape[0], w.top_k, w.w1.shape[0])
+        weights, idx, sort = moe_router.route_and_sort(logits, w.gate_bias, w.top_k, scaling=w.scaling,
+                                                       renormalize=w.renormalize, block_m=m, backend="triton")
+    else:
+        weights, idx, _ = route(logits.float(), w.gate_bias, w.top_k, w.scaling, w.renormalize)
+    if seen is not None:
+        seen.append(idx)
     z = linear(x if xin is None else xin, w.down)
-    return moe_experts.routed_experts(z, weights, idx, w.w1, w.w3, w.w2, backend=experts, check_values=False)
+    return moe_experts.routed_experts(z, weights, idx, w.w1, w.w3, w.w2, backend=experts, check_values=False,
+                                      sort=sort if experts == "triton" else None)
 
 
-def moe_shared_partial(w: MoEWeights, x: torch.Tensor, xin=None) -> torch.Tensor:
+def moe_shared_partial(w: MoEWeights, x: torch.Tensor, xin=None, glue: str = "torch") -> torch.Tensor:
     """This rank's share of the shared expert (row-parallel; gate/up on xin as in moe_latent_partial):
     [N, hidden] in x's dtype, contiguous."""
     if w.shared_in is None:
         return torch.zeros_like(x)
-    g, u = linear(x if xin is None else xin, w.shared_in).chunk(2, dim=-1)
-    return linear(situ_glu(g, u), w.shared_down).contiguous()
+    return linear(glu(linear(x if xin is None else xin, w.shared_in), glue), w.shared_down).contiguous()
 
 
 def moe_tail(w: MoEWeights, lat: torch.Tensor, out: torch.Tensor, sharded: bool, backend: str) -> torch.Tensor:

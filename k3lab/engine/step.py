@@ -119,6 +119,10 @@ class DecodeStep:
         self.graph = None
         self.logits = None
         self.last_collectives: list[tuple[str, int]] = []
+        self.routes: list | None = None  # a list: each MoE layer's chosen experts of a run are appended
+        if self.impl["glue_fused"] == "triton" and not layers.fused_routing_fits(self.tokens, config.num_experts_per_token):
+            self.resolved.notes["glue_fused"] = (f"{self.tokens} tokens x top-{config.num_experts_per_token} exceed the "
+                                                 "fused router's pairs: routing runs the PyTorch sequence, SiTU-GLU fused")
 
     @classmethod
     def from_model(cls, model, batch: int, context_len: int, *, tp: int = 1, rank: int = 0, **kw) -> DecodeStep:
@@ -245,12 +249,14 @@ class DecodeStep:
         return (yield from self._collective("all_reduce", part))
 
     def _mlp(self, w, x: torch.Tensor):
+        glue = self.impl["glue_fused"]
         if not hasattr(w, "gate"):  # the dense layer
-            return (yield from self._collective("all_reduce", layers.dense_partial(w, x)))
+            return (yield from self._collective("all_reduce", layers.dense_partial(w, x, glue)))
         backend = self.impl["grouped_experts"]
         xin = layers.moe_input(w, x)
-        lat = yield from self._collective("all_reduce", layers.moe_latent_partial(w, x, backend, xin))
-        shared = layers.moe_shared_partial(w, x, xin)
+        lat = yield from self._collective("all_reduce", layers.moe_latent_partial(w, x, backend, xin, glue,
+                                                                                  self.routes))
+        shared = layers.moe_shared_partial(w, x, xin, glue)
         if self.impl["moe_tail_sharded"] == "sharded":
             layers.moe_tail(w, lat, shared, True, backend)
             return (yield from self._collective("all_reduce", shared))
@@ -325,6 +331,11 @@ class DecodeStep:
         return self.run()
 
     # ------------------------------------------------------------ CUDA graph
+    def experts_read(self) -> int | None:
+        """Distinct routed experts summed over the MoE layers of the last run made while `routes` was a
+        list (the expert weights that run read); None when routes were not recorded."""
+        return None if self.routes is None else sum(int(torch.unique(i).numel()) for i in self.routes)
+
     def capturable(self) -> tuple[bool, str]:
         """(True, '') when the whole step can be captured in one CUDA graph here, else (False, why)."""
         if self.device.type != "cuda":

@@ -9,6 +9,8 @@
     moe_tail_sharded  up_proj rows of this rank, inside the        the whole up_proj on every rank, after
                       shared expert's all-reduce                   the shared expert's all-reduce
     kda_verify_tiles  narrow value tiles (q_len > 1)               the streaming kernel, 32-column tiles
+    glue_fused        routing + expert sort in two Triton launches, the PyTorch sequences: ~25 kernels per
+                      SiTU-GLU in one                              router, ~12 per SiTU-GLU
 
 `resolve(optimizations, device, dtype, q_len)` turns the caller's choice into `Resolved`: per switch
 whether it is on, the implementation that runs and, where that is not what the switch names (a GPU
@@ -37,6 +39,7 @@ SWITCHES: dict[str, str] = {
     "grouped_experts": "routed experts as two grouped launches, the MoE tail as one fused launch",
     "moe_tail_sharded": "MoE tail sharded: this rank's up_proj rows, stitched by the existing all-reduce",
     "kda_verify_tiles": "KDA verification with narrow value tiles (q_len > 1)",
+    "glue_fused": "the MoE router + expert sort in two launches, SiTU-GLU in one (k3lab.ops.moe_router, situ_glu)",
 }
 DECODE_ONLY = frozenset({"kda_fused"})
 VERIFY_ONLY = frozenset({"kda_verify_tiles"})
@@ -156,6 +159,7 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
             "mla_padded": ("after", "before"), "attn_res_fused": ("after", "before"),
             "pack_where_used": ("after", "before"), "grouped_experts": ("triton", "torch"),
             "moe_tail_sharded": ("sharded", "replicated"), "kda_verify_tiles": ("after", "before"),
+            "glue_fused": ("triton", "torch"),
         }[name][0 if on[name] else 1]
     if impl["grouped_experts"] == "triton":
         from k3lab.ops import moe_experts
@@ -165,6 +169,14 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
             impl["grouped_experts"], notes["grouped_experts"] = "torch", f"grouped kernels unavailable ({why}): the loop runs"
             if strict:
                 raise ValueError(f"optimizations: grouped_experts cannot run here ({why})")
+    if impl["glue_fused"] == "triton":
+        from k3lab.ops import moe_router, situ_glu
+
+        why = [w for ok, w in (moe_router.available("triton", device), situ_glu.available("triton", device)) if not ok]
+        if why:
+            impl["glue_fused"], notes["glue_fused"] = "torch", f"fused glue kernels unavailable ({why[0]}): PyTorch runs"
+            if strict:
+                raise ValueError(f"optimizations: glue_fused cannot run here ({why[0]})")
     proj, note = resolve_projections(projections, device, dtype, strict=strict)
     if note:
         notes["projections"] = note

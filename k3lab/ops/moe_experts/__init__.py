@@ -84,12 +84,18 @@ def pick_backend(backend: str | None = None, device=None) -> str:
 
 
 def routed_experts(z, weights, idx, w1, w3, w2, *, backend: str | None = None, block_m: int | None = None,
-                   check_values: bool = True) -> torch.Tensor:
+                   check_values: bool = True, sort: ExpertSort | None = None) -> torch.Tensor:
     """y [N, L] fp32 (see the module docstring). block_m: tile height of the triton backend (16, 32
-    or 64; default from the batch: default_block_m). Raises ValueError on bad input before any kernel."""
+    or 64; default from the batch: default_block_m). sort: the expert sort of `idx` if the caller
+    built it already (k3lab.ops.moe_router.route_and_sort); the triton backend then uses it instead of
+    sorting again (the torch loop does not need one). Raises ValueError on bad input before any kernel."""
     shapes = check_inputs(z, weights, idx, w1, w3, w2, check_values=check_values)
     if block_m is not None:
         check_block_m(block_m)
+    if sort is not None and (not isinstance(sort, ExpertSort) or sort.pairs != shapes.n_tokens * shapes.top_k
+                             or (block_m is not None and sort.block_m != block_m)):
+        raise ValueError(f"sort must be the ExpertSort of idx's {shapes.n_tokens * shapes.top_k} pairs"
+                         + (f" with block_m={block_m}" if block_m is not None else "") + f", got {sort!r:.120}")
     name = pick_backend(backend, z.device)
     if shapes.n_tokens == 0:
         return torch.zeros(0, shapes.latent, dtype=torch.float32, device=z.device)
@@ -97,8 +103,9 @@ def routed_experts(z, weights, idx, w1, w3, w2, *, backend: str | None = None, b
         return _loop.expert_loop(z, weights, idx, w1, w3, w2, shapes)
     if z.dtype == torch.float64:
         raise ValueError("z: the triton backend takes fp32, fp16 or bf16 (fp64 runs on backend='torch')")
-    m = block_m or default_block_m(shapes.n_tokens, shapes.top_k, shapes.num_experts)
-    sort = sort_by_expert(idx, shapes.num_experts, m)
+    if sort is None:
+        sort = sort_by_expert(idx, shapes.num_experts, block_m or default_block_m(shapes.n_tokens, shapes.top_k,
+                                                                                  shapes.num_experts))
     return _triton.grouped_experts(z, weights, idx, w1, w3, w2, shapes, sort)
 
 

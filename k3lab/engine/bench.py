@@ -18,7 +18,7 @@ places (sharded: this rank's columns, before the all-reduce; replicated: every c
 under stand-ins they compute different sums, equal only with real collectives (`run_group`). A graph
 record also holds `error['graph_vs_eager']`: one replay from the saved state against the eager check.
 bf16 over 93 layers, and a near-tie in the router may pick another expert, so the figures are recorded,
-not asserted. The GPU path with these checks is not yet run on a GPU.
+not asserted. Run on the H200: profiles/nvidia-h200/decode_step/.
 """
 
 from __future__ import annotations

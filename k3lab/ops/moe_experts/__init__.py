@@ -15,7 +15,7 @@ With none forced, the triton backend runs on a GPU and the torch loop on a CPU (
 is too slow for more than tests). `padding.py` measures the tile padding at decode batches.
 
 The grouped kernels are checked in the interpreter and have run on the H200 (parallel.bench_moe);
-the tail's norm kernel is checked in the interpreter, not yet run on a GPU.
+the tail's norm kernel is checked in the interpreter and runs in the H200 decode-step records.
 
 The layer's tail, `latent_tail` (tail.py: RMSNorm of the latent, rows of up_proj, added into an
 output in place), has the same two backends: triton = one Triton norm launch and one in-place addmm_

@@ -15,7 +15,7 @@ small global scratch, ordered by barriers (no histogram or register gather, whos
 Triton versions); every other store has its own address. One program is the right size while the
 pairs are few (decode); `MAX_PAIRS` bounds them.
 
-Checked in Triton's interpreter against the torch path; not yet run on a GPU.
+Checked against the torch path in Triton's interpreter and compiled on the H200.
 """
 
 from __future__ import annotations

@@ -188,6 +188,18 @@ def waterfall_figure(df, title: str):
     return fig
 
 
+def where_figure(rows: list[dict], title: str):
+    """Grouped bars per part of `where_time_goes`: its kernels' time, its bytes floor and its probe."""
+    import plotly.graph_objects as go
+
+    parts = [r["part"].split(" (")[0] for r in rows]
+    fig = go.Figure([go.Bar(name=label, x=parts, y=[r[key] for r in rows]) for key, label in
+                     (("kernel_ms", "kernel time (profile)"), ("floor_ms", "bytes floor"),
+                      ("probe_ms", "probe / graph step"))])
+    fig.update_layout(barmode="group", title=title, yaxis_title="ms per step", height=380)
+    return fig
+
+
 def mla_rows(records) -> list[dict]:
     """The MLA padding's whole-step effect per B = 1 case: before (no_mla_padded) and after (all_on),
     beside the seed's per-token figures where the seed gives them (1K and 32K)."""

@@ -283,7 +283,8 @@ def front_page_rows(records=None, device: str = DEVICE) -> list[dict]:
                      "record": where})
     for switch, case, seed in (("attn_res_fused", "b1_128k", "+14.2% output throughput at 100K input (seed)"),
                                ("moe_tail_sharded", "b64_8k", "+3.05-4.91% output throughput (seed)"),
-                               ("kda_fused", "b1_1k", "3 kernels + 2 copies -> 1 launch (seed)")):
+                               ("kda_fused", "b1_1k", "3 kernels + 2 copies -> 1 launch (seed)"),
+                               ("glue_fused", "b1_1k", "not in the seed: k3lab's router, expert sort and SiTU-GLU kernels")):
         g = gain(recs, case, switch)
         rows.append({"what": f"{switch}: step time with it off / on - 1, {case}",
                      "k3lab": f"{100 * g:+.1f}%" if g is not None else "not yet run on a GPU", "seed": seed,
@@ -294,6 +295,11 @@ def front_page_rows(records=None, device: str = DEVICE) -> list[dict]:
                  "k3lab": f"{off['kernels']} -> {on['kernels']}" if off and on else "not yet run on a GPU",
                  "seed": "69 needless copies per step removed (seed)", "record": where})
     idx = _index(recs)
+    fp8, _ = best_us(idx, "b1_1k", "all_on_fp8")
+    bf16, _ = best_us(idx, "b1_1k", "all_on")
+    rows.append({"what": "all on, B = 1, 1K: bf16 -> FP8 dense projections",
+                 "k3lab": _fmt_pair(bf16 and bf16 / 1e3, fp8 and fp8 / 1e3), "seed": "not in the seed (its experts are MXFP4)",
+                 "record": where})
     t, mode = best_us(idx, "b1_1k", "all_on")
     r = idx.get(("b1_1k", "all_on", "eager"))
     rows.append({"what": "all on, B = 1, 1K: step time against its bytes floor",

@@ -42,8 +42,9 @@ GPU_CASES = {"b1_1k": (1, 1024), "b1_32k": (1, 32768), "b1_128k": (1, 131072), "
 CPU_CASES = {"tiny_b1_ctx8": (1, 8)}
 CPU_CONFIG = dataclasses.replace(K3Config.tiny(), num_hidden_layers=4, name="tiny4").sliced(2)
 TOP_KERNELS = 15  # kernels by total time kept per profiled run: where the step's time goes
-PROFILED = ("all_on", "all_off", "all_on_fp8")
-PROJECTIONS_OF = {"all_on_fp8": "fp8"}  # variant -> DecodeStep(projections=...); the others run the weights' dtype  # profiled at B = 1 only: the loop at B = 64 runs ~450K kernels a step
+PROFILED = ("all_on", "all_off", "all_on_fp8", "all_on_gemv")
+# variant -> DecodeStep(projections=...); the others run the weights' dtype through torch.matmul
+PROJECTIONS_OF = {"all_on_fp8": "fp8", "all_on_gemv": "gemv"}  # profiled at B = 1 only: the loop at B = 64 runs ~450K kernels a step
 
 
 def on_gpu() -> bool:
@@ -64,7 +65,7 @@ def variants(q_len: int = 1) -> dict[str, dict]:
     applies at this q_len."""
     names = [n for n in SWITCHES if not (n in VERIFY_ONLY and q_len == 1) and not (n in DECODE_ONLY and q_len > 1)]
     out = {"all_off": dict.fromkeys(SWITCHES, False), "all_on": dict.fromkeys(SWITCHES, True),
-           "all_on_fp8": dict.fromkeys(SWITCHES, True)}
+           "all_on_fp8": dict.fromkeys(SWITCHES, True), "all_on_gemv": dict.fromkeys(SWITCHES, True)}
     out.update({f"no_{n}": all_but(n) for n in names})
     return out
 
@@ -362,14 +363,16 @@ def _bounds(json_path: str | None) -> int:
         return 0
     recs = bounds.run()
     bw, how = measured_bandwidth_tbs()
-    total_us = total_floor_us = 0.0
+    total_us, total_floor_us = {}, 0.0
     for r in recs:
-        print(f"  {r.case:28s} {r.median_us:9.2f} us" + (f"  {r.extra['tbs']:.2f} TB/s x {r.extra['calls_per_step']}"
-                                                          if "tbs" in r.extra else ""))
+        print(f"  {r.case:28s} {r.variant:7s} {r.median_us:9.2f} us"
+              + (f"  {r.extra['tbs']:.2f} TB/s x {r.extra['calls_per_step']}" if "tbs" in r.extra else ""))
         if "tbs" in r.extra:
-            total_us += r.median_us * r.extra["calls_per_step"]
-            total_floor_us += r.extra["bytes"] * r.extra["calls_per_step"] / (bw * 1e6)
-    print(f"projections per step: {total_us / 1e3:.2f} ms alone, {total_floor_us / 1e3:.2f} ms at {bw:.2f} TB/s ({how})")
+            total_us[r.variant] = total_us.get(r.variant, 0.0) + r.median_us * r.extra["calls_per_step"]
+            if r.variant == "cublas":
+                total_floor_us += r.extra["bytes"] * r.extra["calls_per_step"] / (bw * 1e6)
+    alone = ", ".join(f"{v} {t / 1e3:.2f} ms" for v, t in total_us.items())
+    print(f"projections per step alone: {alone}; {total_floor_us / 1e3:.2f} ms at {bw:.2f} TB/s ({how})")
     for r in recs:
         r.extra.update(bandwidth_tbs=bw, bandwidth_how=how)
     if json_path:

@@ -7,7 +7,8 @@ and nothing else costs time. A B = 1 step of one rank departs from it in two way
 on its own:
 
 - `projection_probe`: every dense projection of a step (the shapes of `projection_shapes`, x [1, in] @
-  W^T in the step's dtype through torch.matmul, as the step runs them), timed alone as a CUDA graph
+  W^T in the step's dtype, through torch.matmul as the plain step runs them and through
+  k3lab.ops.gemv as the `projections="gemv"` step does), each timed alone as a CUDA graph
   over enough distinct copies of W that none is read from the L2 twice. Its per-step sum (each shape
   times its calls per step) against those weights' bytes over the copy bandwidth says what the matrix
   library reaches on one-row products at these shapes.
@@ -28,6 +29,7 @@ import torch
 
 from k3lab import bench
 from k3lab.config import K3Config
+from k3lab.ops import gemv
 
 STUDY = "decode_step"
 L2_BYTES = 50 * 2**20  # the H200's L2; copies are drawn until their sum is several times this
@@ -67,12 +69,13 @@ def projection_probe(config: K3Config, *, dtype=torch.bfloat16, repeats: int = 1
         ws = [torch.randn(s["out"], s["in"], device="cuda", dtype=dtype, generator=g) * 0.02
               for _ in range(_copies(nbytes))]
         x = torch.randn(1, s["in"], device="cuda", dtype=dtype, generator=g)
-        t = bench.time_fn(lambda w: x @ w.t(), warmup=3, repeats=repeats, graph=True,
-                          rotate=[(w,) for w in ws])
-        out.append(bench.make_record(STUDY, f"probe.gemv.{s['name']}", "cublas", t,
-                                     shape={"out": s["out"], "in": s["in"], "rows": 1}, dtype=dtype,
-                                     floor_us=None, bytes=nbytes, calls_per_step=s["calls"],
-                                     tbs=nbytes / (t.median_us * 1e-6) / 1e12, copies=len(ws)))
+        for variant, fn in (("cublas", lambda w: x @ w.t()), ("triton", lambda w: gemv.gemv(x, w))):
+            fn(ws[0])  # the Triton kernel picks its blocks on its first call, outside the timed graph
+            t = bench.time_fn(fn, warmup=3, repeats=repeats, graph=True, rotate=[(w,) for w in ws])
+            out.append(bench.make_record(STUDY, f"probe.gemv.{s['name']}", variant, t,
+                                         shape={"out": s["out"], "in": s["in"], "rows": 1}, dtype=dtype,
+                                         floor_us=None, bytes=nbytes, calls_per_step=s["calls"],
+                                         tbs=nbytes / (t.median_us * 1e-6) / 1e12, copies=len(ws)))
         del ws
     torch.cuda.empty_cache()
     return out

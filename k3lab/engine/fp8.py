@@ -37,13 +37,16 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+from k3lab.ops.gemv import GemvWeight
+from k3lab.ops.gemv import available as gemv_available
 import torch.nn.functional as F
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 AMAX_FLOOR = 1e-12  # an all-zero row gets this amax: its scale stays finite and its values zero
 ALIGN = 16  # cuBLASLt's multiple for K and N
-PROJECTIONS = ("bf16", "fp8")
+PROJECTIONS = ("bf16", "gemv", "fp8")  # gemv: bf16 weights, one-row products by k3lab.ops.gemv
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 
 
@@ -152,6 +155,8 @@ def linear(x, w) -> torch.Tensor:
     from `quantize_input`): the step's one projection call."""
     if isinstance(w, Fp8Linear):
         return fp8_linear(x, w)
+    if isinstance(w, GemvWeight):
+        return w(x)
     if isinstance(x, Fp8Input):
         raise ValueError("x is an FP8-quantized activation but the weight is a plain tensor")
     return x @ w.t()
@@ -213,6 +218,13 @@ def resolve_projections(projections: str, device, dtype: torch.dtype, *, strict:
     if projections == "bf16":
         return plain, ""
     device = torch.device(device)
+    if projections == "gemv":
+        ok, why = gemv_available("triton", device)
+        if ok:
+            return "gemv", ""
+        if strict:
+            raise ValueError(f"projections='gemv' cannot run here ({why}); pass strict=False to run torch.matmul")
+        return plain, f"{why}: the projections run as torch.matmul in {plain}"
     ok, why = fp8_status(device, dtype)
     if ok:
         return "fp8", ""
@@ -231,6 +243,10 @@ def weights_for(weights, ran: str):
     for FP8; converted ones are taken as they are. ValueError for converted weights and a plain step,
     emulated weights off the CPU, or `_scaled_mm` weights where it cannot run."""
     held = weights.projections
+    if ran == "gemv":
+        if held != "bf16":
+            raise ValueError(f"weights hold {held} projections but this step runs gemv: pass the unconverted RankWeights")
+        return weights.to_gemv(), ran, ""
     if not ran.startswith("fp8"):
         if held != "bf16":
             raise ValueError(f"weights hold {held} projections but this step runs {ran}: pass projections='fp8', "

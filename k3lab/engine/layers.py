@@ -119,7 +119,7 @@ def moe_latent_partial(w: MoEWeights, x: torch.Tensor, experts: str, xin=None, g
     and sorts in two launches (k3lab.ops.moe_router, where the pairs fit) or 'torch' (route(), and the
     grouped kernels sort). seen: a list the chosen experts [N, top_k] are appended to (the bench's
     count of expert weights read)."""
-    logits = x @ w.gate.t()
+    logits = linear(x, w.gate)
     sort = None
     if glue == "triton" and fused_routing_fits(x.shape[0], w.top_k):
         m = moe_experts.default_block_m(x.shape[0], w.top_k, w.w1.shape[0])

@@ -296,6 +296,26 @@ class RankWeights:
         layers = [LayerWeights(lw.norms, convert(lw.attn), convert(lw.mlp)) for lw in self.layers]
         return dataclasses.replace(self, layers=layers, projections="fp8_emulated" if emulated else "fp8")
 
+    def to_gemv(self) -> RankWeights:
+        """These weights with FP8_PROJECTIONS and the MoE router wrapped as `k3lab.ops.gemv.GemvWeight`
+        (the same tensors: one-row inputs run k3lab's one-row kernel, more rows torch.matmul); the rest
+        shared with self. ValueError if these are converted already."""
+        if self.projections != "bf16":
+            raise ValueError(f"weights: projections are {self.projections} already")
+        from k3lab.ops.gemv import GemvWeight
+
+        done: dict[int, object] = {}
+
+        def wrap(part):
+            if id(part) not in done:
+                names = FP8_PROJECTIONS.get(type(part).__name__, ()) + (("gate",) if isinstance(part, MoEWeights) else ())
+                new = {n: GemvWeight(getattr(part, n)) for n in names if getattr(part, n) is not None}
+                done[id(part)] = dataclasses.replace(part, **new) if new else part
+            return done[id(part)]
+
+        layers = [LayerWeights(lw.norms, wrap(lw.attn), wrap(lw.mlp)) for lw in self.layers]
+        return dataclasses.replace(self, layers=layers, projections="gemv")
+
     def projection_bytes(self, projections: str = "fp8") -> int:
         """Bytes one step reads from FP8_PROJECTIONS (every layer, shared sets counted at each use),
         stored as `projections`: 'bf16' (the embedding's dtype, as the plain step holds them) or 'fp8'
@@ -332,6 +352,8 @@ class RankWeights:
                         sizes["experts" if name in ("w1", "w2", "w3") else "other"] += t.numel() * t.element_size()
                     elif isinstance(t, fp8.Fp8Linear):
                         sizes["other"] += t.nbytes()
+                    elif isinstance(t, fp8.GemvWeight):
+                        sizes["other"] += t.weight.numel() * t.weight.element_size()
         sizes["other"] += sum(t.numel() * t.element_size() for t in (self.embed, self.lm_head))
         sizes["total"] = sizes["experts"] + sizes["other"]
         return sizes

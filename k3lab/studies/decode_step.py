@@ -81,10 +81,11 @@ def where_time_goes(records, case: str = "b1_1k", probe_records=None) -> list[di
     if not prof or "top_kernels" not in prof:
         return []
     sp = bounds.split(prof)
-    pr = {p.case: p for p in (probes() if probe_records is None else probe_records)}
+    recs = probes() if probe_records is None else probe_records
     b, bw = r.extra["bytes"], r.extra["bandwidth_tbs"]
-    proj_alone = sum(p.median_us * p.extra["calls_per_step"] for k, p in pr.items() if k.startswith(PROBE + "gemv."))
-    sk = pr.get(PROBE + "small_kernel")
+    proj_alone = sum(p.median_us * p.extra["calls_per_step"] for p in recs
+                     if p.case.startswith(PROBE + "gemv.") and p.variant == "cublas")
+    sk = next((p for p in recs if p.case == PROBE + "small_kernel"), None)
     rows = [{"part": "weight streaming (GEMMs, grouped experts)", "kernels": sp["stream_kernels"],
              "kernel_ms": sp["stream_us"] / 1e3,
              "floor_ms": (b["weights_dense"] + b["weights_experts"]) / (bw * 1e9),
@@ -186,6 +187,24 @@ def waterfall_figure(df, title: str):
         fig.add_vline(x=float(df["floor_ms"].iloc[0]), line_dash="dot", annotation_text="bytes floor")
     fig.update_layout(title=title, xaxis_title="ms per step", height=80 + 32 * len(df), margin={"l": 170})
     return fig
+
+
+def gemv_rows(probe_records=None) -> list[dict]:
+    """Per projection shape of the bounds probe: calls per step, MB, cuBLAS and k3lab.ops.gemv us and
+    TB/s, each alone in a graph (records probe.gemv.<name>, variants cublas / triton)."""
+    recs = probes() if probe_records is None else probe_records
+    by = {}
+    for p in recs:
+        if p.case.startswith(PROBE + "gemv."):
+            by.setdefault(p.case[len(PROBE + "gemv."):], {})[p.variant] = p
+    rows = []
+    for name, v in by.items():
+        c, t = v.get("cublas"), v.get("triton")
+        ref = c or t
+        rows.append({"projection": name, "calls": ref.extra["calls_per_step"], "MB": ref.extra["bytes"] / 1e6,
+                     "cublas_us": c.median_us if c else None, "cublas_tbs": c.extra["tbs"] if c else None,
+                     "gemv_us": t.median_us if t else None, "gemv_tbs": t.extra["tbs"] if t else None})
+    return rows
 
 
 def where_figure(rows: list[dict], title: str):

@@ -1,0 +1,157 @@
+"""One-row products y = x @ w^T for a decode step's dense projections: one Triton launch (x [1, K]).
+
+    y = gemv(x, w)            # x [1, K], w [N, K] (row-major, contiguous rows) -> y [1, N] in x's dtype
+    GemvWeight(w)(x)          # the kernel for one row, torch.matmul for more (what the step holds)
+
+Why: at B = 1 a projection reads its whole weight to make one row, so it is a pure weight stream;
+the matrix library's one-row products reach 2-4 TB/s on K3's wide matrices but 0.8-1.5 TB/s on the
+narrow ones (the 896-row router and sharded up_proj, MLA's q_b) on the H200 (docs/decode_step.md).
+A program here owns BLOCK_N whole rows of w, streams them in BLOCK_K columns with one fp32
+accumulator tile, and reduces once at the end; there is no split of K, so no second launch or
+atomics, and each output is one fixed-order sum (the same from run to run).
+
+Block shapes: on a GPU `triton.autotune` picks them per (N, K) on the first call (so call once
+before capturing a CUDA graph); in Triton's interpreter (CPU tensors, tests) one small shape runs.
+fp32 accumulation whatever the dtype; bf16 rounded to nearest even, also in the interpreter.
+Backends: 'triton' (this kernel) and 'torch' (x @ w.t()); K3LAB_GEMV_BACKEND or backend= forces one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from k3lab.ops import forced_backend
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch backend still runs; available() says why this one does not
+    triton = None
+
+BACKEND_ENV = "K3LAB_GEMV_BACKEND"
+NAMES = ("triton", "torch")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+INTERPRETER_BLOCKS = {"BLOCK_N": 4, "BLOCK_K": 64}  # Triton's interpreter: one shape, tests only
+
+
+# (BLOCK_N, BLOCK_K, warps) the autotuner tries on a GPU: from one row per program with long K
+# strides (few, tall matrices) to 16 rows with short ones; a small set keeps the first call short
+GPU_BLOCKS = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 8),
+              (16, 512, 8))
+
+
+def _configs():
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in GPU_BLOCKS]
+
+
+if triton is not None:
+    from k3lab.ops.triton_math import round_to
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, stride_w, INT_ROUND: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        nmask = rn < N
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            kmask = kk < K
+            w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_w + kk[None, :],
+                        mask=nmask[:, None] & kmask[None, :], other=0.0)
+            x = tl.load(x_ptr + kk, mask=kmask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        tl.store(y_ptr + rn, round_to(y, y_ptr.dtype.element_ty, INT_ROUND), mask=nmask)
+
+    _gemv_tuned = triton.autotune(configs=_configs(), key=["N", "K"])(_gemv_kernel)
+
+
+def available(name: str, device=None) -> tuple[bool, str]:
+    """(ok, why) for backend `name` on tensors of `device` (default: the GPU if there is one)."""
+    if name not in NAMES:
+        raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
+    if name == "torch":
+        return True, "torch.matmul"
+    if triton is None:
+        return False, "triton is not installed"
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        return (True, "GPU") if torch.cuda.is_available() else (False, "no GPU")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True, "Triton's interpreter on the CPU (slow: small sizes only)"
+    return False, "CPU tensors and TRITON_INTERPRET is not 1 (the kernel runs compiled on GPU tensors)"
+
+
+def pick_backend(backend: str | None = None, device=None) -> str:
+    """`backend`, else K3LAB_GEMV_BACKEND, else triton where it can run (torch otherwise). A forced one
+    that cannot run is a ValueError."""
+    forced = forced_backend(backend, BACKEND_ENV, NAMES)
+    if forced is not None:
+        ok, why = available(forced, device)
+        if not ok:
+            raise ValueError(f"backend {forced!r} cannot run here: {why}")
+        return forced
+    return "triton" if available("triton", device)[0] else "torch"
+
+
+def _check(x, w) -> tuple[int, int]:
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in DTYPES:
+            raise ValueError(f"{name} must be a 2-D fp32/fp16/bf16 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if x.shape[0] != 1:
+        raise ValueError(f"x must hold one row [1, K], got {tuple(x.shape)} (GemvWeight takes more rows)")
+    N, K = w.shape
+    if x.shape[1] != K or x.dtype != w.dtype or x.device != w.device:
+        raise ValueError(f"x must be [1, {K}] of w's dtype {w.dtype} on {w.device}, got {tuple(x.shape)} "
+                         f"{x.dtype} on {x.device}")
+    if w.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError("w and x need contiguous rows (last-dim stride 1)")
+    return N, K
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """y [1, N] = x [1, K] @ w[N, K]^T in x's dtype (module docstring); ValueError before any kernel."""
+    N, K = _check(x, w)
+    if pick_backend(backend, x.device) == "torch":
+        return x @ w.t()
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    if N and K and x.device.type == "cpu":
+        _gemv_kernel[(triton.cdiv(N, INTERPRETER_BLOCKS["BLOCK_N"]),)](
+            x, w, y, N, K, w.stride(0), INT_ROUND=True, **INTERPRETER_BLOCKS, num_warps=1)
+    elif N and K:
+        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](x, w, y, N, K, w.stride(0), INT_ROUND=False)
+    elif N:
+        y.zero_()
+    return y
+
+
+class GemvWeight:
+    """A projection weight [N, K] for the decode step: one-row inputs run `gemv`, more rows
+    torch.matmul. `shape`, `dtype`, `device` and `t()` are the weight's, so code that reads them
+    still works."""
+
+    def __init__(self, weight: torch.Tensor):
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in DTYPES:
+            raise ValueError(f"weight must be a 2-D fp32/fp16/bf16 tensor, got {getattr(weight, 'shape', weight)}")
+        self.weight = weight.contiguous()
+
+    shape = property(lambda self: self.weight.shape)
+    dtype = property(lambda self: self.weight.dtype)
+    device = property(lambda self: self.weight.device)
+
+    def t(self) -> torch.Tensor:
+        return self.weight.t()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
+            return gemv(x, self.weight, backend="triton")
+        return x @ self.weight.t()
+
+
+__all__ = ["BACKEND_ENV", "GemvWeight", "NAMES", "available", "gemv", "pick_backend"]

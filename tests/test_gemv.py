@@ -1,0 +1,98 @@
+"""The one-row product kernel against torch in fp64, its weight wrapper, and its errors. On a CPU the
+kernel runs in Triton's interpreter (set by `import k3lab` without a GPU); on a GPU, compiled."""
+
+import pytest
+import torch
+
+import k3lab  # noqa: F401  (TRITON_INTERPRET=1 without a GPU)
+from k3lab.ops import gemv as gv
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _inputs(n, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(DEV, dtype)
+    x = torch.randn(1, k, generator=g).to(DEV, dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 70), (33, 129), (64, 256)])
+def test_matches_fp64_reference(n, k, dtype):
+    x, w = _inputs(n, k, dtype, seed=n * k)
+    y = gv.gemv(x, w, backend="triton")
+    ref = x.double() @ w.double().t()
+    assert y.dtype == dtype and y.shape == (1, n)
+    err = float((y.double() - ref).norm() / ref.norm())
+    assert err < TOL[dtype], err
+
+
+def test_row_strided_weight_and_the_wrapper():
+    x, w_big = _inputs(40, 96, torch.float32, seed=5)
+    w = w_big[:, :64]  # rows of stride 96: still contiguous rows
+    y = gv.gemv(x[:, :64].contiguous(), w, backend="triton")
+    torch.testing.assert_close(y, x[:, :64] @ w.t(), rtol=1e-5, atol=1e-5)
+    gw = gv.GemvWeight(w_big)
+    assert gw.shape == w_big.shape and gw.dtype == w_big.dtype
+    torch.testing.assert_close(gw(x), x @ w_big.t(), rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(3, 96, device=DEV)
+    torch.testing.assert_close(gw(x3), x3 @ w_big.t())  # more rows: torch.matmul
+
+
+def test_bad_input_names_the_argument(monkeypatch):
+    x, w = _inputs(8, 16, torch.float32)
+    for args, match in (((x.repeat(2, 1), w), "one row"), ((x[:, :8], w), r"x must be \[1, 16\]"),
+                        ((x, torch.randn(16, 16, device=DEV).t()), "contiguous rows"), ((x.double(), w.double()), "fp32/fp16/bf16"),
+                        ((x.half(), w), "dtype")):
+        with pytest.raises(ValueError, match=match):
+            gv.gemv(*args)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        gv.gemv(x, w, backend="cutlass")
+    monkeypatch.setenv(gv.BACKEND_ENV, "nope")
+    with pytest.raises(ValueError, match=gv.BACKEND_ENV):
+        gv.gemv(x, w)
+    monkeypatch.setenv(gv.BACKEND_ENV, "torch")
+    torch.testing.assert_close(gv.gemv(x, w), x @ w.t())
+    with pytest.raises(ValueError, match="weight must be"):
+        gv.GemvWeight(torch.zeros(3))
+    monkeypatch.delenv(gv.BACKEND_ENV)
+    if DEV == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert not gv.available("triton", "cpu")[0]
+        with pytest.raises(ValueError, match="cannot run here"):
+            gv.gemv(x, w, backend="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="K3's widths and graph capture need a GPU")
+@pytest.mark.parametrize("n,k", [(896, 7168), (1536, 32), (20480, 7168)])
+def test_gpu_k3_widths_and_graph_capture(n, k):
+    x, w = _inputs(n, k, torch.bfloat16, seed=1)
+    y = gv.gemv(x, w)  # autotunes here, before the capture
+    ref = x.double() @ w.double().t()
+    assert float((y.double() - ref).norm() / ref.norm()) < 1e-2
+    out = torch.empty_like(y)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out.copy_(gv.gemv(x, w))
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.testing.assert_close(out, gv.gemv(x, w), rtol=0, atol=0)
+
+
+def test_a_decode_step_with_gemv_projections_equals_the_matmul_step():
+    from k3lab.engine import DecodeStep
+    from k3lab.engine import bench as sb
+
+    ids = torch.tensor([[3]])
+    out = {}
+    for proj in ("bf16", "gemv"):
+        step = DecodeStep(sb.CPU_CONFIG, 1, 8, optimizations="all", projections=proj, device=DEV,
+                          dtype=torch.float32, seed=4)
+        assert step.resolved.projections == ("gemv" if proj == "gemv" else "fp32")
+        with torch.no_grad():
+            step.set_tokens(ids)
+            out[proj] = step.run().clone()
+    err = float((out["gemv"] - out["bf16"]).norm() / out["bf16"].norm())
+    assert 0 < err < 1e-5 or torch.equal(out["gemv"], out["bf16"]), err

@@ -319,6 +319,12 @@ def front_page_rows(records=None, device: str = DEVICE) -> list[dict]:
     rows.append({"what": "all on, B = 1, 1K: bf16 -> FP8 dense projections",
                  "k3lab": _fmt_pair(bf16 and bf16 / 1e3, fp8 and fp8 / 1e3), "seed": "not in the seed (its experts are MXFP4)",
                  "record": where})
+    gv, _ = best_us(idx, "b1_1k", "all_on_gemv")
+    rg = idx.get(("b1_1k", "all_on_gemv", "eager"))
+    rows.append({"what": "all on, B = 1, 1K: cuBLAS -> k3lab's one-row projections (k3lab.ops.gemv)",
+                 "k3lab": _fmt_pair(bf16 and bf16 / 1e3, gv and gv / 1e3)
+                 + (f", {rg.floor_us / gv:.0%} of the bytes floor" if gv and rg and rg.floor_us else ""),
+                 "seed": "not in the seed", "record": where})
     t, mode = best_us(idx, "b1_1k", "all_on")
     r = idx.get(("b1_1k", "all_on", "eager"))
     rows.append({"what": "all on, B = 1, 1K: step time against its bytes floor",

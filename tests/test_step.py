@@ -205,6 +205,17 @@ def _rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float(d.norm() / ref.double().norm().clamp_min(1e-30))
 
 
+def tp8_model_after_prefill():
+    """(K3Model at TP8_SLICE in bf16 on the GPU, 65 token ids, its cache after the first 64): the
+    reduced-depth GPU tests' start."""
+    torch.manual_seed(0)
+    model = init_weights(K3Model(TP8_SLICE, device="cuda", dtype=torch.bfloat16), 7, on_device=True).eval()
+    ids = torch.randint(0, TP8_SLICE.vocab_size, (1, 65), device="cuda")
+    with torch.no_grad():
+        _, cache = model.prefill(ids[:, :64])
+    return model, ids, cache
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (K3's true widths, 8 ranks in lockstep)")
 def test_gpu_tp8_slice_equals_model():
     """Four layers at K3's widths (KDA x3, MLA; 16 experts so that 8 ranks' weights fit one GPU) in
@@ -214,12 +225,9 @@ def test_gpu_tp8_slice_equals_model():
     two-sided: the unfused step within 2% of the model, and the optimized step no further from the model
     than the unfused one (x 1.25): the kernels add no error of their own. The whole-step bench cannot
     bound its 93-layer bf16 logits this way: a router near-tie flips an expert and the flips compound."""
-    torch.manual_seed(0)
-    model = init_weights(K3Model(TP8_SLICE, device="cuda", dtype=torch.bfloat16), 7, on_device=True).eval()
-    ids = torch.randint(0, TP8_SLICE.vocab_size, (1, 65), device="cuda")
+    model, ids, cache = tp8_model_after_prefill()
     errs = {}
     with torch.no_grad():
-        _, cache = model.prefill(ids[:, :64])
         ref, ref_cache = model.decode(ids[:, 64:], cache)
         for opt in ("none", "all"):
             steps = [DecodeStep.from_model(model, 1, 64, tp=8, rank=r, optimizations=opt) for r in range(8)]

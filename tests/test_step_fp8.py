@@ -20,7 +20,7 @@ from k3lab.engine.bench import CPU_CONFIG
 from k3lab.engine.weights import FP8_PROJECTIONS
 from k3lab.model import K3Model, init_weights
 
-from test_step import BATCH, CONTEXT, CPU_STEP, SMALL, TP8_SLICE
+from test_step import BATCH, CONTEXT, CPU_STEP, SMALL, tp8_model_after_prefill
 from test_step import _rel_l2 as _rel
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -256,12 +256,9 @@ def test_gpu_tp8_slice_fp8_near_bf16_and_graph_equals_eager():
     Then rank 0's FP8 step alone (stand-in collectives) captured as one CUDA graph: a replay from the
     saved state equals the eager step (the same kernels; bf16 tolerance)."""
     _needs_fp8()
-    torch.manual_seed(0)
-    model = init_weights(K3Model(TP8_SLICE, device="cuda", dtype=torch.bfloat16), 7, on_device=True).eval()
-    ids = torch.randint(0, TP8_SLICE.vocab_size, (1, 65), device="cuda")
+    model, ids, cache = tp8_model_after_prefill()
     out = {}
     with torch.no_grad():
-        _, cache = model.prefill(ids[:, :64])
         for proj in ("bf16", "fp8"):
             steps = [DecodeStep.from_model(model, 1, 64, tp=8, rank=r, projections=proj, strict=True)
                      for r in range(8)]

@@ -1,5 +1,7 @@
-"""FP8 dense projections for the decode step: float8_e4m3fn weights with one fp32 scale per output row,
-activations quantized per token (per row) at run time, the product by `torch._scaled_mm`.
+"""The decode step's projection forms: FP8 (float8_e4m3fn weights with one fp32 scale per output row,
+activations quantized per token at run time, the product by `torch._scaled_mm`) and, beside the plain
+matmul, k3lab's one-row GEMV (`k3lab.ops.gemv.GemvWeight`); `linear(x, w)` is the step's one call for
+any of them and `resolve_projections` says which runs here.
 
     w = quantize_weight(weight)          # Fp8Linear: wq [N', K'] e4m3fn, scale [1, N'] fp32
     y = fp8_linear(x, w)                 # x [M, K] -> [M, N] in x's dtype

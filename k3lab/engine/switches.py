@@ -17,9 +17,9 @@ whether it is on, the implementation that runs and, where that is not what the s
 kernel on a CPU, a verification switch at q_len = 1), a note saying what runs instead. strict=True
 turns those notes into a ValueError for switches that were asked for by name.
 
-The dense projections' dtype is not a switch but a choice beside them (`projections=`, 'bf16' or
-'fp8'; `fp8.resolve_projections`): `Resolved.projections` says what runs, and `notes['projections']`
-why where FP8 was asked for and cannot run as asked.
+How the dense projections run is not a switch but a choice beside them (`projections=`, 'bf16',
+'gemv' or 'fp8'; `fp8.resolve_projections`): `Resolved.projections` says what runs, and
+`notes['projections']` why where the form asked for cannot run as asked.
 """
 
 from __future__ import annotations

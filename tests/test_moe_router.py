@@ -68,6 +68,16 @@ def test_k3_sizes(n):
     assert_same(got, logits, b, 16, 2.5, True, m)
 
 
+def test_the_sort_on_64_lane_devices_takes_smaller_blocks_and_sorts_the_same(monkeypatch):
+    from k3lab.ops.moe_router import triton as router
+
+    assert router.sort_block_cap(32) == 128 and router.sort_block_cap(64) == 32
+    monkeypatch.setattr(router, "sort_block_cap", lambda wave_width=None: 32)
+    logits, b = router_inputs(64, 896, 16, seed=9)
+    got = mr.route_and_sort(logits, b, 16, block_m=16, backend="triton")
+    assert_same(got, logits, b, 16, 1.0, True, 16)
+
+
 def test_the_pair_bound_runs_and_one_more_token_raises():
     n = mr.MAX_PAIRS // 16
     logits, b = router_inputs(n, 64, 16, seed=5)

@@ -198,6 +198,30 @@ def moe_tail(tokens=1):
                 torch.empty(tokens, CFG.hidden_size, dtype=BF16), 0)
 
 
+def moe_router(tokens=1):
+    from k3lab.ops.moe_experts import default_block_m, random_router_idx
+    from k3lab.ops.moe_router import triton as router
+
+    E, k = CFG.num_experts, CFG.num_experts_per_token
+    logits = torch.empty(tokens, E, dtype=BF16)
+    router.topk_weights(logits, torch.empty(E, dtype=torch.float32), k, 1.0, True)
+    router.sort_pairs(random_router_idx(tokens, num_experts=E, top_k=k), E, default_block_m(tokens, k, E))
+
+
+def situ_glu(width=CFG.shared_intermediate_size):
+    from k3lab.ops import situ_glu as sg
+
+    sg.launch(torch.empty(1, 2 * width, dtype=BF16), torch.empty(1, width, dtype=BF16), width)
+
+
+def gemv(rows=CFG.num_experts, cols=CFG.hidden_size):
+    from k3lab.ops import gemv as gv
+
+    x, w, y = torch.empty(1, cols, dtype=BF16), torch.empty(rows, cols, dtype=BF16), torch.empty(1, rows, dtype=BF16)
+    for blocks in gv.GPU_BLOCKS:  # the autotuner's candidates: each is a kernel the op may run
+        gv.launch(x, w, y, blocks)
+
+
 def launch_overhead_empty():
     from k3lab.studies.launch_overhead import _triton_kernel
 
@@ -229,6 +253,10 @@ CASES: dict[str, tuple] = {
     "moe_experts.grouped_t64": (moe_experts, {"tokens": 64}, "64 tokens"),
     "moe_experts.tail_t1": (moe_tail, {}, "latent tail, one token"),
     "moe_experts.tail_t256": (moe_tail, {"tokens": 256}, "latent tail, 256 tokens"),
+    "moe_router.route_t1": (moe_router, {}, "top-16 of 896 and the expert sort, one token"),
+    "moe_router.route_t64": (moe_router, {"tokens": 64}, "64 tokens"),
+    "situ_glu.shared_expert": (situ_glu, {}, "SiTU-GLU of the shared expert's 768 columns"),
+    "gemv.router": (gemv, {}, "one-row product 896 x 7168, every candidate block shape"),
     "launch_overhead.empty_triton": (launch_overhead_empty, {}, "the one-store kernel"),
 }
 

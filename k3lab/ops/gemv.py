@@ -121,14 +121,23 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> tor
     if pick_backend(backend, x.device) == "torch":
         return x @ w.t()
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    if N and K and x.device.type == "cpu":
-        _gemv_kernel[(triton.cdiv(N, INTERPRETER_BLOCKS["BLOCK_N"]),)](
-            x, w, y, N, K, w.stride(0), INT_ROUND=True, **INTERPRETER_BLOCKS, num_warps=1)
-    elif N and K:
+    if N and K and x.device.type != "cpu":
         _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](x, w, y, N, K, w.stride(0), INT_ROUND=False)
+    elif N and K:
+        launch(x, w, y, (INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"], 1), int_round=True)
     elif N:
         y.zero_()
     return y
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, blocks: tuple[int, int, int], *,
+           int_round: bool = False) -> None:
+    """One launch of the kernel on checked inputs with fixed (BLOCK_N, BLOCK_K, warps), one of
+    GPU_BLOCKS on a GPU (what the autotuner picks among) or the interpreter's shape."""
+    bn, bk, warps = blocks
+    N, K = w.shape
+    _gemv_kernel[(triton.cdiv(N, bn),)](x, w, y, N, K, w.stride(0), INT_ROUND=int_round, BLOCK_N=bn, BLOCK_K=bk,
+                                        num_warps=warps)
 
 
 class GemvWeight:

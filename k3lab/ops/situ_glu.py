@@ -171,6 +171,11 @@ def situ_glu_stacked(gu: torch.Tensor, *, out: torch.Tensor | None = None,
         return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty((*gu.shape[:-1], f), dtype=gu.dtype, device=gu.device)
+    return launch(gu, out, f)
+
+
+def launch(gu: torch.Tensor, out: torch.Tensor, f: int) -> torch.Tensor:
+    """The Triton launch on checked inputs (`check`; gu's dtype in TRITON_DTYPES): out = SiTU-GLU(gu)."""
     if out.numel() == 0:
         return out
     src, dst = _rows("gu", gu, 2 * f), _rows("out", out, f)

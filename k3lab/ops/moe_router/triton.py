@@ -145,6 +145,17 @@ def topk_weights(logits, bias, top_k: int, scaling: float, renormalize: bool):
     return weights, idx
 
 
+def sort_block_cap(wave_width: int | None = None) -> int:
+    """Pairs the sort compares with every expert bin at once: its [BLOCK_P, BINS] one-hot tile is
+    BLOCK_P x 1024 values over the program's lanes. 128 on 32-lane devices (measured on the H200);
+    32 on 64-lane ones, where 128 spills 192 registers on gfx942 / gfx950 (the ISA report; not yet
+    run on an AMD GPU). wave_width: read from the device when None."""
+    from k3lab import env
+
+    wave = wave_width if wave_width is not None else env.detect().wave_width
+    return 32 if wave == 64 else 128
+
+
 def sort_pairs(idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
     """Launch 2: the ExpertSort that inputs.sort_by_expert(idx, num_experts, block_m) builds, from
     idx [N, k] (int64 or int32, contiguous, values in [0, num_experts): the router's output, not read
@@ -170,7 +181,7 @@ def sort_pairs(idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
     n_tiles = torch.empty(1, dtype=torch.int32, device=dev)
     counts = torch.empty(num_experts, dtype=torch.int64, device=dev)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)  # scratch: one row cursor per expert
-    block_p = min(128, max(16, _pow2(P)))
+    block_p = min(sort_block_cap(), max(16, _pow2(P)))
     _sort_kernel[(1,)](idx, cursor, counts, pair_of_row, tile_expert, n_tiles, P, T, E=num_experts,
                        BINS=_pow2(num_experts), BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_R=ROW_BLOCK,
                        num_warps=8 if block_p > 64 else 4)

@@ -246,3 +246,20 @@ def test_gpu_tp8_slice_equals_model():
             assert e < 2e-2, (r, name, e)
         else:
             assert e <= max(1e-2, 1.25 * errs["none", r, name]), (r, name, e, errs["none", r, name])
+
+
+@CPU_STEP
+def test_glue_beyond_the_fused_routers_pairs_routes_in_pytorch_and_says_so(monkeypatch):
+    from k3lab.ops import moe_router
+
+    monkeypatch.setattr(moe_router, "MAX_PAIRS", 2)  # BATCH x top-2 = 4 pairs: past the bound
+    w = RankWeights.random(SMALL, distinct_layers=1, device="cpu", dtype=torch.float32)
+    ids = torch.tensor([[1], [4]])
+    out = {}
+    for glue in (True, False):
+        step = DecodeStep(SMALL, BATCH, CONTEXT, optimizations={"glue_fused": glue}, weights=w)
+        assert ("fused router's pairs" in step.resolved.notes.get("glue_fused", "")) == glue
+        with torch.no_grad():
+            step.set_tokens(ids)
+            out[glue] = step.run().clone()
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)  # SiTU-GLU still fused

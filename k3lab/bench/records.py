@@ -125,6 +125,14 @@ def _dtype_name(dtype) -> str:
     return str(dtype)
 
 
+def provenance() -> dict:
+    """Where and when a measurement was made, for result files that are not Records: device,
+    backend, versions, commit, date (the fields make_record fills)."""
+    info = _env.detect()
+    return {"device": info.name, "backend": info.backend, "versions": dict(_env.versions()), "commit": git_commit(),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
+
 def make_record(study: str, case: str, variant: str, timing: Timing, *, shape: dict, dtype,
                 floor_us: float | None = None, error: dict | None = None, **extra) -> Record:
     """A Record for this machine now: device, backend, versions, commit and date filled in; the

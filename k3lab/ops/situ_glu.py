@@ -231,8 +231,10 @@ def main(argv=None) -> int:
         print(f"{r['what']:14s} {r['F']:5d} {r['N']:3d} {r['torch_us']:9.2f} {r['triton_us']:10.2f} "
               f"{r['torch_us'] / r['triton_us']:6.1f}")
     if args.json:
+        from k3lab.bench import provenance
+
         with open(args.json, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "records": records}, fh, indent=1)
+            json.dump({**provenance(), "records": records}, fh, indent=1)
     return 0
 
 

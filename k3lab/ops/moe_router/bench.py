@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from k3lab.bench import time_fn
+from k3lab.bench import provenance, time_fn
 from k3lab.ops.moe_experts.inputs import default_block_m
 
 from . import route_and_sort
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     rows = bench()
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "E": E, "top_k": TOP_K, "rows": rows}, f, indent=1)
+            json.dump({**provenance(), "E": E, "top_k": TOP_K, "rows": rows}, f, indent=1)
     return 0 if all(r["ok"] for r in rows) else 1
 
 

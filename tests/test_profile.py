@@ -425,11 +425,16 @@ def test_gpu_trace_without_kernels_raises(tmp_path):
         P.kernels_from_trace(trace, expect_gpu=True)
 
 
-def test_gpu_capture_that_saw_only_cpu_ops_raises(tmp_path):
-    """capture() on a GPU parses its trace with expect_gpu=True: a trace holding only CPU ops
-    (as when CUPTI/roctracer recorded nothing) raises NoKernelsRecorded."""
+def test_gpu_capture_that_saw_only_cpu_ops_raises_and_says_why(tmp_path):
+    """capture() on a GPU parses its trace with expect_gpu=True: a trace holding only CPU ops raises
+    NoKernelsRecorded; with no launch call in it the message says the region ran on CPU tensors (what
+    a GPU capture of a CPU model sees); with launch calls but no kernel rows, that the tracer failed."""
     cap = P.capture(_three_matmuls_and_a_copy, trace_dir=tmp_path, device="cpu")
     trace = json.loads(cap.trace_path.read_text())
+    with pytest.raises(P.NoKernelsRecorded, match="computed on CPU tensors.*device='cpu'"):
+        P.kernels_from_trace(trace, expect_gpu=True)
+    launch = {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "dur": 1, "pid": 1, "tid": 1}
+    trace["traceEvents"].append(launch)
     with pytest.raises(P.NoKernelsRecorded, match="recorded nothing"):
         P.kernels_from_trace(trace, expect_gpu=True)
 

@@ -13,6 +13,8 @@ from k3lab.engine.weights import RankWeights
 from k3lab.engine import bench as sb
 from k3lab.studies import decode_step as ds
 
+from cpu_child import on_a_cpu
+
 
 def _rec(case: str, variant: str, ms: float, mode: str = "graph", **extra) -> bench.Record:
     t = bench.Timing(ms * 1e3, ms * 1e3, ms * 1e3, 3, mode, 0.0)
@@ -96,6 +98,7 @@ def _first(weights, opts, ids):
         return sb.first_step(step, ids)[0]
 
 
+@on_a_cpu
 def test_stand_in_tails_differ_so_each_variant_has_a_tail_matched_reference(tp2_weights):
     """Under stand-in collectives the sharded and the replicated MoE tail compute different sums (real
     sums make them equal: test_step's TP2 lockstep test), so neither can be the other's reference."""
@@ -109,6 +112,7 @@ def test_stand_in_tails_differ_so_each_variant_has_a_tail_matched_reference(tp2_
     torch.testing.assert_close(on, ref, rtol=1e-5, atol=1e-5)
 
 
+@on_a_cpu
 def test_restore_state_reruns_the_checked_step(tp2_weights):
     """A step advanced by timing loops, put back by restore_state, gives the checked call's logits again;
     without the restore it does not (the caches moved on)."""
@@ -124,7 +128,7 @@ def test_restore_state_reruns_the_checked_step(tp2_weights):
     torch.testing.assert_close(again, first, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case; a GPU runs the bench's true shapes")
+@on_a_cpu
 def test_bench_checks_every_variant_from_the_same_state():
     recs = sb.run_cases(repeats=1, profile=False, log=lambda *_: None)
     assert len({r.error["state"] for r in recs}) == 1

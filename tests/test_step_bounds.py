@@ -9,6 +9,8 @@ from k3lab.config import K3Config
 from k3lab.engine import bench as step_bench
 from k3lab.engine import bounds
 
+from cpu_child import on_a_cpu
+
 
 @pytest.mark.parametrize("config", [K3Config.tp_slice(8), step_bench.CPU_CONFIG])
 def test_projection_shapes_are_the_floors_dense_weights(config):
@@ -65,6 +67,7 @@ def test_where_time_goes_from_committed_records():
     assert ds.where_time_goes([], "b1_1k") == []
 
 
+@on_a_cpu
 def test_experts_read_counts_the_recorded_routes_and_sets_the_floor():
     from k3lab.engine import DecodeStep
 

@@ -154,11 +154,15 @@ def kernels_from_trace(trace, *, expect_gpu: bool | None = None, label: str = "t
         frame.attrs["api_launches"] = sum(
             1 for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and _ENQUEUE.search(str(e.get("name", ""))))
     elif expect_gpu or (expect_gpu is None and launches):
+        if not launches and cpu_ops:  # nothing was sent to the GPU: the region's tensors live on the CPU
+            why = ("No launch call was made while CPU ops ran: the region computed on CPU tensors. Move its "
+                   "tensors to the GPU, or capture with device='cpu' to profile the CPU ops.")
+        else:
+            why = ("The device tracer (CUPTI on NVIDIA, roctracer/rocprofiler on ROCm) recorded nothing: check "
+                   "that the profiler was given the CUDA activity and that the work ran inside the region.")
         raise NoKernelsRecorded(
             f"{label}: a GPU trace ({vendor}) with no kernel, memcpy or memset row "
-            f"({len(launches)} launch calls, {len(cpu_ops)} CPU ops recorded). The device tracer "
-            "(CUPTI on NVIDIA, roctracer/rocprofiler on ROCm) recorded nothing: check that the "
-            "profiler was given the CUDA activity and that the work ran inside the profiled region.")
+            f"({len(launches)} launch calls, {len(cpu_ops)} CPU ops recorded). {why}")
     else:
         rows = []
         for e, works in _top_level_ops(cpu_ops):

@@ -13,9 +13,18 @@ Failure contract, so that no distributed code can hang a test or a notebook:
 - the process group is created with `timeout_s`, and the parent's watchdog kills every rank still
   running `timeout_s` after the start and raises `TimeoutError` naming them.
 
-Processes are forked on CPU (fast, and `fn` may be any callable); with CUDA they are spawned
-(CUDA cannot be used across a fork), so `fn` and `args` must then be picklable and `fn`
-importable by name.
+Threads and start method. Each rank runs `threads_per_rank` intra-op threads (default 1):
+- one thread: gloo ranks are forked. They start in milliseconds (nothing is imported again) and `fn`
+  may be any callable (a lambda, a notebook's function, a module patched by the caller). A forked rank
+  must stay on one thread: torch's CPU build parallelizes with GNU OpenMP (libgomp), whose thread pool
+  does not survive a fork, so a forked child that enters a parallel region with two or more threads
+  after the parent has run one waits forever for pool threads that do not exist (torch's DataLoader
+  puts its forked workers on one thread for the same reason). A forked rank must not use CUDA either.
+- several threads, or NCCL: ranks are spawned, fresh interpreters that import torch again (seconds
+  each) and build their own thread pool (CUDA, too, cannot be used across a fork); `fn` must then be
+  importable by name and `args` picklable, checked before any rank starts.
+Small gloo jobs (the tests', the notebooks' checks) are fastest forked on one thread each: their
+tensors are too small for several threads to pay, and a start costs no import.
 
 The gloo path is tested on CPUs; the NCCL / RCCL path (spawned, one GPU per rank) is not yet run on a GPU.
 """
@@ -73,9 +82,11 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _check_args(world_size, backend, timeout_s) -> str:
+def _check_args(world_size, backend, timeout_s, threads_per_rank=1) -> str:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if not isinstance(threads_per_rank, int) or isinstance(threads_per_rank, bool) or threads_per_rank < 1:
+        raise ValueError(f"threads_per_rank must be a positive integer, got {threads_per_rank!r}")
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if backend is None:
@@ -118,22 +129,22 @@ def _init_group(backend: str, rank: int, world_size: int, timeout_s: float, stor
         )
 
 
-def _child(rank, world_size, backend, host, port, listen_fd, timeout_s, conn, fn, args):
+def _child(rank, world_size, backend, host, port, listen_fd, timeout_s, conn, fn, args, threads):
     # Reports go as plain pickles (send_bytes): tensors travel by value, not as shared-memory handles
     # that would need this process alive after it exits. SIGUSR1 dumps this rank's Python stacks
     # (the parent sends it to ranks it is about to kill for running past the timeout).
     try:
+        # First, before any tensor op: a forked rank inherits the parent's thread count, and its first
+        # parallel region with more than one thread would hang (module docstring).
+        torch.set_num_threads(threads)
         try:
             faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
         except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
             pass  # no usable stderr (an embedding host): the timeout then kills without stacks
-        if backend == "gloo":
-            # an equal share of the host's cores per rank: ranks are processes on one machine
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         timeout = datetime.timedelta(seconds=timeout_s)
         if rank == 0 and listen_fd is not None:  # forked: rank 0 serves the store on the parent's socket
-            store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listen_fd,
-                                  use_libuv=False)
+            store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
+                                  master_listen_fd=listen_fd, use_libuv=False)
         else:
             store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         _init_group(backend, rank, world_size, timeout_s, store=store)
@@ -159,10 +170,27 @@ def _child(rank, world_size, backend, host, port, listen_fd, timeout_s, conn, fn
         conn.close()
 
 
-def _start_method(backend: str) -> str:
-    if backend == "gloo" and "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized():
+def start_method(backend: str, threads_per_rank: int = 1) -> str:
+    """'fork' for gloo ranks of one thread each where the platform forks, else 'spawn' (module docstring).
+
+    It depends on these arguments only, never on what the caller ran before (CUDA initialized or not),
+    so a function that runs forked on one machine runs forked on every machine."""
+    if backend == "gloo" and threads_per_rank == 1 and "fork" in mp.get_all_start_methods():
         return "fork"
     return "spawn"
+
+
+def _check_spawnable(fn, backend: str, threads_per_rank: int) -> None:
+    """A spawned rank unpickles fn by its module and name: refuse, before any rank starts, a fn that
+    cannot travel (a lambda, a function defined inside another, one defined in a notebook cell)."""
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:  # noqa: BLE001 - pickle raises PicklingError, AttributeError or TypeError
+        why = "backend 'nccl'" if backend == "nccl" else f"threads_per_rank={threads_per_rank}"
+        raise ValueError(
+            f"fn must be importable by name when ranks are spawned ({why}; one-thread gloo ranks are forked "
+            f"and take any callable): {fn!r} cannot be pickled: {exc}"
+        ) from exc
 
 
 def _stop_all(procs):
@@ -193,15 +221,20 @@ def _is_secondary(err) -> bool:
     return err[2] in ("DistBackendError", "DistNetworkError") or "Connection closed" in err[3]
 
 
-def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: float = 120):
+def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: float = 120,
+          threads_per_rank: int = 1):
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return rank 0's result.
 
-    backend: None picks NCCL when there is a GPU per rank, else gloo. Rank 0's result comes back
-    pickled, with tensors on the CPU. Raises ValueError for a bad world_size / backend / timeout,
+    backend: None picks NCCL when there is a GPU per rank, else gloo. threads_per_rank: torch's
+    intra-op threads on each rank; 1 forks gloo ranks, more spawns them (see the module docstring).
+    Rank 0's result comes back pickled, with tensors on the CPU. Raises ValueError for a bad
+    world_size / backend / timeout / threads_per_rank or a fn that a spawned rank cannot import,
     RankError when a rank raises or dies, TimeoutError when ranks are still running after timeout_s.
     """
-    backend = _check_args(world_size, backend, timeout_s)
-    method = _start_method(backend)
+    backend = _check_args(world_size, backend, timeout_s, threads_per_rank)
+    method = start_method(backend, threads_per_rank)
+    if method == "spawn":
+        _check_spawnable(fn, backend, threads_per_rank)
     ctx = mp.get_context(method)
     # The rendezvous store. Forked ranks inherit a listening socket and rank 0 serves the store on it,
     # so the parent runs no store thread while it forks; spawned ranks connect to a store the parent
@@ -212,8 +245,8 @@ def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: flo
         store.listen(max(16, world_size))
         port, listen_fd = store.getsockname()[1], store.fileno()
     else:
-        store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
+        store = dist.TCPStore("127.0.0.1", 0, None, is_master=True,
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
         port, listen_fd = store.port, None
     procs, conns = [], {}
     start = time.monotonic()
@@ -222,10 +255,17 @@ def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: flo
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child, name=f"k3lab-rank{rank}",
-                args=(rank, world_size, backend, "127.0.0.1", port, listen_fd, timeout_s, child_end, fn, args),
+                args=(rank, world_size, backend, "127.0.0.1", port, listen_fd, timeout_s, child_end, fn, args,
+                      threads_per_rank),
                 daemon=True,
             )
-            p.start()
+            try:
+                p.start()
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                if method != "spawn":
+                    raise
+                # fn pickled above: what failed is args
+                raise ValueError(f"args must be picklable to start spawned ranks: {exc}") from exc
             child_end.close()
             procs.append(p)
             conns[parent_end] = rank

@@ -164,7 +164,8 @@ def _summary_step(
     BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """One chunk of a summary walk: X <- diag(d) X + Kd^T (rhs - W X); Dc, the product of d so far."""
+    """One chunk of a summary walk: X <- diag(d) X + Kd^T (rhs - W X); Dc, the product of d so far.
+    is_n / not_n: [BV] masks, every lane equal (which half of [N | b] this program builds)."""
     rc = tl.arange(0, C)
     rbv = tl.arange(0, BV)
     INTER = w.dtype.element_ty
@@ -172,12 +173,10 @@ def _summary_step(
     W, KdT, d = _chunk_maps(w, kdt, dd, base, K, C)
     # program-uniform masks instead of a branch: the loop stays one straight body the compiler can
     # software-pipeline; a masked-off load costs no memory traffic
-    Wc = tl.load(w + base * C * K + rc[:, None] * K + col0 + rbv[None, :], mask=is_n, other=0.0).to(
-        tl.float32
-    )
-    Uc = tl.load(u + base * C * V + rc[:, None] * V + vcol0 + rbv[None, :], mask=not_n, other=0.0).to(
-        tl.float32
-    )
+    Wc = tl.load(w + base * C * K + rc[:, None] * K + col0 + rbv[None, :], mask=is_n[None, :], other=0.0)
+    Uc = tl.load(u + base * C * V + rc[:, None] * V + vcol0 + rbv[None, :], mask=not_n[None, :], other=0.0)
+    Wc = Wc.to(tl.float32)
+    Uc = Uc.to(tl.float32)
     rhs = Uc - Wc * Dc[None, :]
     Dc = Dc * tl.load(dd + base * K + col0 + rbv, mask=is_n, other=1.0)
     E = rhs - tl.dot(W, X.to(INTER), input_precision=PREC)
@@ -216,8 +215,13 @@ def _summary_kernel(
     gi = tl.load(sum_grp + si)
     c0 = tl.load(grp_chunk0 + gi).to(tl.int64)
     nch = tl.load(grp_nchunks + gi)
-    is_n = it < K // BV
-    not_n = it >= K // BV
+    n_tile = it < K // BV
+    # the loads' masks as [BV] vectors compared lane by lane, not a scalar comparison splat to a tile:
+    # Triton's interpreter tags a scalar comparison with its operands' int32 type and splats it as int32,
+    # which its loads refuse from 3.9 on (compiled code is the same either way: one uniform predicate)
+    it_v = it + tl.zeros([BV], dtype=tl.int32)
+    is_n = it_v < K // BV
+    not_n = it_v >= K // BV
     col0 = (it % (K // BV)) * BV  # N: columns of M (b tiles keep an in-range, masked-off offset)
     vcol0 = (it % (K // BV)) * BV  # b: value columns
     X = tl.zeros([K, BV], dtype=tl.float32)
@@ -235,7 +239,7 @@ def _summary_kernel(
                 X, Dc, c0 + t, h, w, u, kdt, dd, H, is_n, not_n, col0, vcol0, K, V, C, BV, PREC
             )
     sbase = si.to(tl.int64) * H + h
-    if is_n:
+    if n_tile:
         tl.store(sum_n + (sbase * K + rk)[:, None] * K + col0 + rbv[None, :], X)
         tl.store(sum_d + sbase * K + col0 + rbv, Dc)
     else:

@@ -15,6 +15,7 @@ from k3lab.nn.mla import latent_attention
 from k3lab.parallel import RankError, dcp, spawn
 
 CAP = 72  # global positions of the test caches
+ROOM_S = 180  # a small gloo job's limit: room for a loaded machine; a hang is still caught and named
 
 
 def _inputs(seed, B, Tq, heads_total, lengths):
@@ -61,7 +62,7 @@ def _check_against_reference(N, cases, results, rel):
                                             (8, (1, 6))])
 def test_equals_single_rank_fp32(world_size, tqs):
     cases = _cases(world_size, tqs)
-    results = spawn(_run_cases, world_size, cases, torch.float32, backend="gloo", timeout_s=120)
+    results = spawn(_run_cases, world_size, cases, torch.float32, backend="gloo", timeout_s=ROOM_S)
     _check_against_reference(world_size, cases, results, rel=1e-5)
 
 
@@ -72,14 +73,14 @@ def test_equals_single_rank_fp32(world_size, tqs):
 def test_local_attention_is_the_ops_after(world_size):
     """The same checks with the MLA op's own after kernel (Triton's interpreter here) on every shard."""
     cases = _cases(world_size, (1, 3), interleaves=(1,) if world_size == 2 else (16,), local="after")
-    results = spawn(_run_cases, world_size, cases, torch.float32, backend="gloo", timeout_s=120)
+    results = spawn(_run_cases, world_size, cases, torch.float32, backend="gloo", timeout_s=ROOM_S)
     _check_against_reference(world_size, cases, results, rel=1e-5)
 
 
 def test_bf16_within_bf16_tolerance():
     cases = [dict(seed=7, B=3, Tq=2, H=2, lengths=[2, 70, 19], interleave=1, merge=m, local="reference")
              for m in dcp.MERGES]
-    results = spawn(_run_cases, 4, cases, torch.bfloat16, backend="gloo", timeout_s=120)
+    results = spawn(_run_cases, 4, cases, torch.bfloat16, backend="gloo", timeout_s=ROOM_S)
     for o, _ in results:
         assert o.dtype == torch.bfloat16
     _check_against_reference(4, cases, results, rel=2e-2)
@@ -180,7 +181,7 @@ def _decode_with(rank, N, bad_rank, what):
 ])
 def test_mismatch_across_ranks_is_one_clear_error(what, message):
     with pytest.raises(RankError, match=message) as info:
-        spawn(_decode_with, 3, 1, what, backend="gloo", timeout_s=60)
+        spawn(_decode_with, 3, 1, what, backend="gloo", timeout_s=ROOM_S)
     assert info.value.exc_type == "ValueError"
 
 
@@ -190,7 +191,7 @@ def _decode_with_a_narrow_query(rank, world_size):  # module level: spawned rank
 
 def test_bad_input_on_a_single_rank_raises_before_any_collective():
     with pytest.raises(RankError, match=r"q must be a tensor \[B, Tq, H, 576\]"):
-        spawn(_decode_with_a_narrow_query, 1, backend="gloo", timeout_s=30)
+        spawn(_decode_with_a_narrow_query, 1, backend="gloo", timeout_s=ROOM_S)
     with pytest.raises(RuntimeError, match="needs an initialized process group"):
         dcp.dcp_decode(torch.randn(1, 1, 2, 576), torch.randn(1, 4, 576), [4], [4])
 
@@ -224,12 +225,12 @@ def _count_collectives(rank, N, merge, check):
 def test_byte_counts_match_the_formula(merge):
     N = 4
     want = dcp.exchange_bytes(2, 3, 4, N, merge, torch.bfloat16)
-    calls = spawn(_count_collectives, N, merge, False, backend="gloo", timeout_s=60)
+    calls = spawn(_count_collectives, N, merge, False, backend="gloo", timeout_s=ROOM_S)
     assert len(calls) == want["calls"] == (3 if merge == "ag_rs" else 2)
     assert [b for _, b in calls] == [c["input_bytes"] for c in want["collectives"]]
     kinds = [next(op for op in ("all_gather", "reduce_scatter", "all_to_all") if n.startswith(op)) for n, _ in calls]
     assert kinds == [c["op"] for c in want["collectives"]]
-    checked = spawn(_count_collectives, N, merge, True, backend="gloo", timeout_s=60)
+    checked = spawn(_count_collectives, N, merge, True, backend="gloo", timeout_s=ROOM_S)
     assert len(checked) == want["calls"] + 1 and checked[0][0].startswith("all_gather")  # the agreement
     assert dcp.exchange_bytes(2, 3, 4, 1, merge)["calls"] == 0
 
@@ -253,15 +254,21 @@ def test_memory_of_the_142k_conversation():
         assert dcp.cache_bytes_per_rank(full, n, 8) == full.conversation_bytes_per_gpu(n, dcp=8)
     tiny = K3Config.tiny()
     m = dcp.measure_shard_bytes(tiny, 4000, 8, dtype=torch.float8_e4m3fn)
-    assert abs(m["measured"] - m["formula"]) <= 0.01 * m["formula"] and m["formula"] > 0
+    assert m["measured"] == m["formula"] > 0 and m["slack"] == 0 and m["agrees"]  # storage bytes: exact
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures the allocator on a GPU; CPU runs the formula test")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="measures the allocator on a GPU; CPU runs the formula test")
+@pytest.mark.parametrize("preset", ["full", "tiny"])
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16])
-def test_measured_allocation_of_the_142k_shard_on_a_gpu(dtype):
-    m = dcp.measure_shard_bytes(K3Config.full(), 142_000, 8, dtype=dtype, device="cuda")
-    assert abs(m["measured"] - m["formula"]) <= 0.01 * m["formula"], m
+def test_measured_allocation_of_the_142k_shard_on_a_gpu(dtype, preset):
+    """The allocator hands out the formula's bytes and at most one page more (notebook 01 measures the
+    tiny preset, where that page is 2.6% of a 20 MB shard; at K3's sizes it is under 1%)."""
+    m = dcp.measure_shard_bytes(K3Config.preset(preset), 142_000, 8, dtype=dtype, device="cuda")
+    assert m["slack"] == dcp.ALLOCATOR_PAGE and m["agrees"], m
+    if preset == "full":
+        assert m["measured"] - m["formula"] <= 0.01 * m["formula"], m
 
 
 def _decode_forced_to_aiter(rank, world_size):
@@ -271,4 +278,4 @@ def _decode_forced_to_aiter(rank, world_size):
 
 def test_dcp_refuses_a_decode_without_lse():
     with pytest.raises(RankError, match="backend 'aiter' gives none"):
-        spawn(_decode_forced_to_aiter, 1, backend="gloo", timeout_s=30)
+        spawn(_decode_forced_to_aiter, 1, backend="gloo", timeout_s=ROOM_S)

@@ -23,8 +23,11 @@ def test_dcp_check_fails_on_a_wrong_merge(monkeypatch, capsys):
         o, lse = real(*args)
         return o * 1.001, lse
 
-    monkeypatch.setattr(dcp, "_merge_ag_rs", off_by_a_bit)  # forked ranks inherit the patch
-    code = check.main(["dcp", "--world-size", "2", "--attention", "reference", "--merge", "ag_rs"])
+    monkeypatch.setattr(dcp, "_merge_ag_rs", off_by_a_bit)
+    # gloo ranks of one thread are forked, and forked ranks inherit the patch (spawned ones, NCCL's on a
+    # machine of two GPUs, would import dcp afresh)
+    code = check.main(["dcp", "--world-size", "2", "--attention", "reference", "--merge", "ag_rs",
+                       "--backend", "gloo"])
     out = capsys.readouterr().out
     assert code == 1 and "MISMATCH" in out and "FAILED" in out
 

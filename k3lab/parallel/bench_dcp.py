@@ -10,7 +10,8 @@
   `merge_partials` impl='torch' (before) against impl='triton' (after, one launch); each also as
   a share of the DCP8 local attention at 32K and 128K of the same batch. Target: Triton 3x faster.
 - memory: `dcp.measure_shard_bytes` for the 142,000-token conversation (K3's 24 MLA layers) under
-  TP8 and DCP8 in FP8 and BF16: torch.cuda.memory_allocated around the shards against the formula.
+  TP8 and DCP8 in FP8 and BF16: torch.cuda.memory_allocated around the shards against the formula
+  (agreeing within the allocator's page, `measure_shard_bytes`).
 
 Every timed output is checked against the fp32 reference first. Prints a table; --json writes the
 records, ratios and memory; --records-root writes the records as profiles/<device>/dcp/*.json.
@@ -99,7 +100,6 @@ def _memory(device) -> list[dict]:
         for world in (1, WORLD):
             m = dcp.measure_shard_bytes(full, CONVERSATION, world, dtype=dtype, device=device)
             m["layout"] = "tp8" if world == 1 else "dcp8"
-            m["within_1pct"] = abs(m["measured"] - m["formula"]) <= 0.01 * m["formula"]
             rows.append(m)
     return rows
 
@@ -156,8 +156,9 @@ def _print(result: dict) -> None:
                            for L, s in m["share_of_local_attention"].items())
         print(f"{m['batch']:>8} {m['torch_us']:>9.2f} {m['triton_us']:>9.2f} {m['speedup']:>8.2f}  {shares}")
     for m in result["memory"]:
+        off = "" if m["agrees"] else "  OFF BY MORE THAN ONE PAGE"
         print(f"memory {m['layout']:<5} {m['dtype']:<14} formula {m['formula'] / 1e6:9.1f} MB  measured "
-              f"{m['measured'] / 1e6:9.1f} MB  ({m['how']}){'' if m['within_1pct'] else '  OFF BY > 1%'}")
+              f"{m['measured'] / 1e6:9.1f} MB  ({m['how']}){off}")
 
 
 def main(argv=None) -> int:

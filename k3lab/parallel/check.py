@@ -2,7 +2,7 @@
 
     python -m k3lab.parallel.check dcp --world-size 4 [--merge ag_rs|a2a] [--interleave 16] [--tq 3]
     torchrun --nproc-per-node 8 -m k3lab.parallel.check dcp [--merge a2a]
-    python -m k3lab.parallel.check moe --world-size 4 [--tokens 7] [--dtype bf16]
+    python -m k3lab.parallel.check moe --world-size 4 [--tokens 7] [--dtype bf16] [--experts-backend triton]
 
 `dcp` builds random queries and a random latent history (the same seed on every rank), shards the
 history, runs `dcp.dcp_decode` on every rank and compares each rank's heads with single-rank fp64
@@ -130,6 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default=None)
     m.add_argument("--seed", type=int, default=None)
     m.add_argument("--timeout-s", type=float, default=None)
+    m.add_argument("--experts-backend", default=None,
+                   help="k3lab.ops.moe_experts backend of the routed experts (default: the op's choice)")
+    m.add_argument("--tail-backend", default=None, help="backend of the latent tail (default: the op's choice)")
     return p
 
 
@@ -142,9 +145,13 @@ def main(argv=None) -> int:
             print(f"the moe check needs k3lab.parallel.moe_tail.run_check, which is not importable here: {exc}",
                   file=sys.stderr)
             return 2
-        opts = {k: getattr(args, k) for k in ("preset", "tokens", "dtype", "seed", "timeout_s")
-                if getattr(args, k) is not None}
-        return run_check(args.world_size, backend=args.backend, **opts)
+        names = ("preset", "tokens", "dtype", "seed", "timeout_s", "experts_backend", "tail_backend")
+        opts = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+        try:
+            return run_check(args.world_size, backend=args.backend, **opts)
+        except ValueError as exc:
+            print(f"moe check: {exc}", file=sys.stderr)
+            return 2
     opts = dict(batch=args.batch, tq=args.tq, heads=args.heads, length=args.length, dtype=args.dtype,
                 interleave=args.interleave, local=args.attention, seed=args.seed,
                 merges=[args.merge] if args.merge else ["ag_rs", "a2a"])

@@ -386,6 +386,9 @@ def run_check(world_size: int, backend: str | None = None, **opts) -> int:
     o.update({k: v for k, v in opts.items() if v is not None})
     if o["dtype"] not in _CHECK_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_CHECK_DTYPES)}, got {o['dtype']!r}")
+    for name in ("experts_backend", "tail_backend"):
+        if o[name] is not None and o[name] not in moe_experts.BACKENDS:
+            raise ValueError(f"{name} must be one of {sorted(moe_experts.BACKENDS)} or None, got {o[name]!r}")
     cfg = K3Config.preset(o["preset"])
     check_world_size(world_size, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
                      shared=cfg.shared_intermediate_size)

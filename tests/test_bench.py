@@ -306,15 +306,15 @@ def test_tracked_file_is_not_overwritten(tmp_path):
     _git(tmp_path, "init", "-q")
     root = tmp_path / "profiles"
     (_path,) = bench.save_records([_record(median=10.0)], root=root)
-    bench.save_records([_record(median=11.0)], root=root)  # untracked: replaced freely
-    assert bench.load_records(root=root)[0].median_us == 11.0
+    bench.save_records([_record(median=11.0)], root=root)  # untracked: merged, nothing lost
+    assert [r.median_us for r in bench.load_records(root=root)] == [10.0, 11.0]
     _git(tmp_path, "add", ".")
     _git(tmp_path, "commit", "-qm", "reference")
     with pytest.raises(FileExistsError, match="overwrite=True"):
         bench.save_records([_record(median=12.0)], root=root)
-    assert bench.load_records(root=root)[0].median_us == 11.0
+    assert [r.median_us for r in bench.load_records(root=root)] == [10.0, 11.0]
     bench.save_records([_record(median=12.0)], root=root, overwrite=True)
-    assert bench.load_records(root=root)[0].median_us == 12.0
+    assert [r.median_us for r in bench.load_records(root=root)] == [12.0]
 
 
 def test_git_commit_marks_dirty_trees(tmp_path, monkeypatch):

@@ -133,8 +133,11 @@ def _req(t, n_in, ids, out=10, **kw):
     (lambda r: r.update(type="x"), "request 1: field 'type' must be one of"),
     (lambda r: r.update(hash_ids=[1]), "request 1: field 'hash_ids' must hold ceil"),
     (lambda r: r.update(t=-1.0), "request 1: field 't' must be finite and not before"),
-    (lambda r: r.update(out=-3), "request 1: fields 'in' >= 1 and 'out' >= 0"),
+    (lambda r: r.update(out=-3), "request 1: fields 'in' in 1..2147483647 and 'out' in 0..2147483647"),
+    (lambda r: r.update(out=10**19), "request 1: fields 'in' in 1..2147483647 and 'out' in 0..2147483647"),
     (lambda r: r.update(think_time="soon"), "request 1: field 'think_time' must be"),
+    (lambda r: r.update(think_time=float("inf")), "request 1: field 'think_time' must be finite"),
+    (lambda r: r.update(api_time=-1.0), "request 1: field 'api_time' must be finite"),
 ])
 def test_loader_names_the_bad_field(tmp_path, mutate, match):
     good = [_req(0.0, 128, [1, 2]), _req(5.0, 130, [1, 2, 3])]
@@ -152,6 +155,17 @@ def test_loader_rejects_non_json_and_wrong_top_level(tmp_path):
         traces.load_traces(p)
     with pytest.raises(traces.TraceError, match="field 'block_size' is missing"):
         traces.parse_traces({"id": "a", "requests": []})
+
+
+def test_loader_refuses_token_counts_that_would_wrap():
+    """10**19 tokens fit a Python int and JSON but not the workload's int64 columns: refused by name."""
+    huge = 10**19
+    with pytest.raises(traces.TraceError, match="'block_size' must be in 1..2147483647"):
+        traces.parse_traces(_trace("a", [_req(0.0, huge, [1])], block=huge))
+    with pytest.raises(traces.TraceError, match="fields 'in' in 1..2147483647"):
+        traces.parse_traces(_trace("a", [_req(0.0, 64, [1], out=huge)]))
+    ok = traces.to_workload(traces.parse_traces(_trace("a", [_req(0.0, 64, [1], out=2**31 - 1)])))
+    assert int(ok.out_tokens[0]) == 2**31 - 1
 
 
 def test_committed_sample_round_trips():

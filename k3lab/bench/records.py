@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,21 +171,47 @@ def _jsonable(obj):
     return str(obj)
 
 
-def _git_tracked(path: Path) -> bool:
+def _git_tracked(path: Path) -> bool | None:
+    """Whether git tracks `path`: True or False when git answers, None when it cannot (no git on
+    PATH, a tree without .git such as a `git archive` copy, an unsafe directory)."""
     try:
-        out = subprocess.run(["git", "ls-files", "--error-unmatch", path.name], cwd=path.parent,
-                             capture_output=True, text=True, check=False, timeout=10)
-        return out.returncode == 0
+        out = subprocess.run(["git", "ls-files", "-z", "--", path.name], cwd=path.parent, capture_output=True,
+                             text=True, check=False, timeout=10)
     except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip("\0")) if out.returncode == 0 else None
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
         return False
 
 
+def committed_reason(path: Path) -> str | None:
+    """Why an existing record file counts as a committed reference (None: it does not). Git is
+    asked first; when it cannot answer, every file under the committed tree (PROFILES) counts, so
+    a copy without git or .git (what a GPU machine often gets) protects its references too."""
+    tracked = _git_tracked(path)
+    if tracked:
+        return "tracked by git"
+    if tracked is None and _inside(path, Path(PROFILES)):
+        return f"under {PROFILES}, and git cannot tell here whether it is committed"
+    return None
+
+
 def _write_atomic(path: Path, text: str) -> None:
+    """Write `text` to a temp file beside `path`, flush it to disk, then rename it over `path`: an
+    interrupted write leaves the previous file whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -192,11 +219,38 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
+def _read_record_file(path: Path) -> list[Record]:
+    """The records of one file (a JSON list of records, or one record); ValueError naming the file
+    when it does not parse as records."""
+    try:
+        data = json.loads(path.read_text())
+        return [Record.from_dict(item) for item in (data if isinstance(data, list) else [data])]
+    except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} does not hold result records: {type(exc).__name__}: {exc}") from exc
+
+
+def _merge(existing: list[Record], new: list[Record]) -> list[Record]:
+    """The existing records, then the new ones not already there (equal in every field): a re-run
+    adds its records after the earlier ones, so readers that keep the last one see the newest."""
+    out = list(existing)
+    seen = [r.to_dict() for r in out]
+    for r in new:
+        d = r.to_dict()
+        if d not in seen:
+            out.append(r)
+            seen.append(d)
+    return out
+
+
 def save_records(records: Iterable[Record], root=None, overwrite: bool = False) -> list[Path]:
     """Write records as JSON: <root>/<device-slug>/<study>/<case>__<variant>.json, one file per
     (device, study, case, variant) holding a list (eager and graph timings of one variant share it).
-    Atomic (temp file + os.replace). A file git tracks is a committed reference: it is not replaced
-    unless overwrite=True. Returns the paths written."""
+
+    No record is lost: a file that exists already keeps its records and gains the new ones (a second
+    save merges; `overwrite=True` replaces the file's records with the new ones). A committed
+    reference (`committed_reference`: git tracks it, or git cannot tell and it lies under PROFILES)
+    is not touched unless overwrite=True: FileExistsError, before anything is written. Every file is
+    written atomically (temp file + rename). Returns the paths written."""
     root = PROFILES if root is None else root
     records = list(records)
     if not records:
@@ -207,18 +261,29 @@ def save_records(records: Iterable[Record], root=None, overwrite: bool = False) 
             raise ValueError(f"records must hold bench.Record, got {type(r).__name__}")  # noqa: TRY004 - bad input is a ValueError here
         path = Path(root) / device_slug(r.device, r.backend) / r.study / f"{r.case}__{r.variant}.json"
         groups.setdefault(path, []).append(r)
-    for path in groups:  # refuse before writing anything
-        if path.exists() and not overwrite and _git_tracked(path):
-            raise FileExistsError(f"{path} is a committed reference (tracked by git); pass overwrite=True "
-                                  "to replace it, or save under another root= for a scratch run")
-    for path, recs in groups.items():
+    merged: dict[Path, list[Record]] = {}
+    for path, recs in groups.items():  # refuse before writing anything
+        if overwrite or not path.exists():
+            merged[path] = recs
+            continue
+        why = committed_reason(path)
+        if why is not None:
+            raise FileExistsError(f"{path} is a committed reference ({why}); pass overwrite=True to replace it, "
+                                  "or save under another root= for a scratch run")
+        try:
+            merged[path] = _merge(_read_record_file(path), recs)
+        except ValueError as exc:
+            raise FileExistsError(f"{exc}: not merged into; pass overwrite=True to replace it") from exc
+    for path, recs in merged.items():
         _write_atomic(path, json.dumps([r.to_dict() for r in recs], indent=1, sort_keys=True) + "\n")
-    return list(groups)
+    return list(merged)
 
 
 def load_records(study: str | None = None, device: str | None = None, root=None) -> list[Record]:
     """Read records back from <root>/<device-slug>/<study>/*.json. `device` is a slug ('nvidia-h200',
-    'cpu') or a device name; None reads every device. Missing folders give an empty list."""
+    'cpu') or a device name; None reads every device. Missing folders give an empty list. A file that
+    does not parse as records (truncated, hand-edited) is skipped with a RecordFileWarning naming it:
+    one bad file does not hide every other record."""
     base = Path(PROFILES if root is None else root)
     if not base.is_dir():
         return []
@@ -231,10 +296,15 @@ def load_records(study: str | None = None, device: str | None = None, root=None)
         study_dirs = [d / study] if study else sorted(p for p in d.iterdir() if p.is_dir())
         for sd in study_dirs:
             for f in sorted(sd.glob("*.json")) if sd.is_dir() else []:
-                data = json.loads(f.read_text())
-                for item in data if isinstance(data, list) else [data]:
-                    out.append(Record.from_dict(item))
+                try:
+                    out += _read_record_file(f)
+                except ValueError as exc:
+                    warnings.warn(f"skipped a bad record file: {exc}", RecordFileWarning, stacklevel=2)
     return out
+
+
+class RecordFileWarning(UserWarning):
+    """A record file under profiles/ (or another root) that does not parse was skipped."""
 
 
 def records_frame(records: Iterable[Record]):
@@ -323,11 +393,11 @@ def compare(records: Iterable[Record]):
 
 def write_run(result: dict, json_path=None, records_root=None) -> None:
     """What a one-GPU benchmark script writes: `result` (a dict whose "records" are Records, with any
-    summaries beside them) as one JSON file at `json_path`, and the records under `records_root`
-    (save_records' layout, the form committed under profiles/). Either may be None."""
+    summaries beside them) as one JSON file at `json_path` (atomically: temp file + rename), and the
+    records under `records_root` (save_records' layout and rules, the form committed under
+    profiles/). Either may be None."""
     if json_path:
         out = dict(result, records=[r.to_dict() for r in result["records"]])
-        with open(json_path, "w") as f:
-            json.dump(out, f, indent=1, default=str)
+        _write_atomic(Path(json_path), json.dumps(out, indent=1, default=str))  # the old file survives a crash
     if records_root:
         save_records(result["records"], root=records_root)

@@ -32,6 +32,10 @@ import numpy as np
 
 REQUEST_TYPES = ("n", "s", "subagent")
 _TYPE_CODE = {t: i for i, t in enumerate(REQUEST_TYPES)}
+# The largest token count (and block size) a trace may give: far beyond any context or output, and
+# small enough that the workload's int64 columns and their sums over any realistic trace never wrap
+# (a count of 10**19 would turn negative in int64).
+MAX_TOKENS = 2**31 - 1
 
 
 class TraceError(ValueError):
@@ -79,8 +83,9 @@ def _parse_request(raw, where: str, block_size: int, prev_t: float) -> Request:
         raise TraceError(f"{where}: field 'type' must be one of {REQUEST_TYPES}, got {rtype!r}")
     n_in = _field(raw, "in", where, int)
     n_out = _field(raw, "out", where, int)
-    if n_in < 1 or n_out < 0:
-        raise TraceError(f"{where}: fields 'in' >= 1 and 'out' >= 0 expected, got in={n_in}, out={n_out}")
+    if not (1 <= n_in <= MAX_TOKENS and 0 <= n_out <= MAX_TOKENS):
+        raise TraceError(f"{where}: fields 'in' in 1..{MAX_TOKENS} and 'out' in 0..{MAX_TOKENS} expected, "
+                         f"got in={n_in}, out={n_out}")
     ids = _field(raw, "hash_ids", where, list)
     need = -(-n_in // block_size)
     if len(ids) != need:
@@ -88,9 +93,11 @@ def _parse_request(raw, where: str, block_size: int, prev_t: float) -> Request:
     if not all(isinstance(h, (int, str)) and not isinstance(h, bool) for h in ids):
         raise TraceError(f"{where}: field 'hash_ids' must hold ints or strings")
     think = float(_field(raw, "think_time", where, (int, float), required=False, default=0.0))
-    if not think >= 0:
-        raise TraceError(f"{where}: field 'think_time' must be >= 0, got {think}")
+    if not (think >= 0 and np.isfinite(think)):
+        raise TraceError(f"{where}: field 'think_time' must be finite and >= 0, got {think}")
     api = _field(raw, "api_time", where, (int, float), required=False)
+    if api is not None and not (api >= 0 and np.isfinite(api)):
+        raise TraceError(f"{where}: field 'api_time' must be finite and >= 0, got {api}")
     stop = raw.get("stop")
     return Request(t, rtype, n_in, n_out, ids, think, None if api is None else float(api),
                    None if stop is None else str(stop))
@@ -109,8 +116,8 @@ def parse_traces(data) -> list[Trace]:
         tid = str(_field(raw, "id", where, (str, int)))
         where = f"trace {tid!r}"
         block = _field(raw, "block_size", where, int)
-        if block < 1:
-            raise TraceError(f"{where}: field 'block_size' must be >= 1, got {block}")
+        if not 1 <= block <= MAX_TOKENS:
+            raise TraceError(f"{where}: field 'block_size' must be in 1..{MAX_TOKENS}, got {block}")
         reqs = _field(raw, "requests", where, list)
         parsed, prev = [], -np.inf
         for j, r in enumerate(reqs):

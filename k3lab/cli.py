@@ -4,7 +4,7 @@
     k3lab bench STUDY [--preset P] [--cases A B] [--save-profiles] [--json FILE]
     k3lab import FILE... [--overwrite]  records from a remote run into profiles/<device>/<study>/
     k3lab profile STUDY [--preset P]   traces and kernel tables of each variant
-    k3lab report [--skip-notebooks] [--skip-studies]   everything this machine can run -> build/report.html
+    k3lab report [--full] [--skip-notebooks] [--skip-studies]   this machine's run -> build/report.html
     k3lab isa [--target gfx950,gfx942,sm90] [--json F]  compile every Triton kernel, report ISA facts
 
 An unknown study name is one line on stderr naming the known ones, and exit status 2.
@@ -114,9 +114,20 @@ def _cmd_report(args) -> int:
     from k3lab.report import build_report
 
     path = build_report(out=Path(args.out), preset=args.preset, run_studies=not args.skip_studies,
-                        run_notebooks=not args.skip_notebooks, timeout_s=args.timeout)
+                        run_notebooks=not args.skip_notebooks, timeout_s=args.timeout, full=args.full,
+                        workers=args.workers)
     print(f"report: {path}")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,8 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="run what this machine can, execute the notebooks, write build/report.html")
     r.add_argument("--out", default="build")
     r.add_argument("--preset", default=None)
+    r.add_argument("--full", action="store_true",
+                   help="every case of every study (default: each study's quick form, which still checks every "
+                        "variant; k3lab.studies.GPU_QUICK / CPU_CASES say which cases)")
     r.add_argument("--skip-studies", action="store_true")
     r.add_argument("--skip-notebooks", action="store_true")
+    r.add_argument("--workers", type=_positive_int, default=2, help="notebooks executed at a time (default 2)")
     r.add_argument("--timeout", type=int, default=CELL_TIMEOUT_S,
                    help=f"seconds per notebook cell; a cell that reaches it fails the report (default {CELL_TIMEOUT_S})")
     return p

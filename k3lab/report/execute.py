@@ -19,7 +19,6 @@ shell socket while a reply is awaited.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -140,10 +139,10 @@ def execute_notebook(path: Path, out_dir: Path, timeout_s: int = CELL_TIMEOUT_S)
     return Path(out_dir) / path.name, time.perf_counter() - start, slowest
 
 
-def run_in_worker(path: Path, out_dir: Path, timeout_s: int, t0: float) -> tuple[Path, float, float]:
-    """execute_notebook in a worker process, with a progress line as it starts. Failures come back as
-    NotebookFailed / CellTimedOut (plain exceptions that survive the pickle back to the parent)."""
-    print(f"[{time.time() - t0:6.0f} s] notebook {Path(path).stem}: started", file=sys.stderr, flush=True)
+def run_in_worker(path: Path, out_dir: Path, timeout_s: int) -> tuple[Path, float, float]:
+    """execute_notebook in a worker process (the parent says when each starts, above its progress bar).
+    Failures come back as NotebookFailed / CellTimedOut (plain exceptions that survive the pickle back
+    to the parent)."""
     try:
         return execute_notebook(path, out_dir, timeout_s)
     except NotebookFailed:

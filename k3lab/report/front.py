@@ -84,7 +84,8 @@ OPTIMIZATIONS: tuple[Optimization, ...] = (
         "All together: one decode step",
         "One TP8 rank's whole decode step through all 93 layers, each optimization a switch.",
         "08_*.ipynb", ("decode_step",),
-        note="whole-step times per switch: notebook 08's waterfall"),
+        note="whole-step times per switch, all four cases from the committed H200 records: notebook 08's "
+             "waterfall"),
 )
 
 

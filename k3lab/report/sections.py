@@ -2,13 +2,13 @@
 
 On a CPU the Triton kernels run in Triton's interpreter, so their timings say nothing about speed:
 the section then says which cases were checked and shows no CPU timing, except for studies that time
-host code (`studies.HOST_SIDE`), whose CPU timings are the measurement.
+host code (`studies.HOST_SIDE`), whose CPU timings are the measurement. Each live part says which form
+of the study ran (`studies.report_form`: quick by default, full with `k3lab report --full`) and its cases.
 """
 
 from __future__ import annotations
 
 import html
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from k3lab.report import tables
 from k3lab.report.front import HEADLINE_DEVICE
+from k3lab.report.eta import say
 
 INTERPRETER_NOTE = "correctness checked; interpreter timings not meaningful"
 
@@ -29,32 +30,51 @@ class LiveRun:
     status: str = "skipped (studies not run)"
     seconds: float = 0.0
     error: str = ""
+    form: str = ""  # 'quick' or 'full' when it ran
+    cases: list[str] | None = None  # the cases asked for (None: every case)
+    why: str = ""  # what the quick form keeps
 
 
 def progress(t0: float, message: str) -> None:
     """One progress line on stderr: seconds since the report began, then the message."""
-    print(f"[{time.time() - t0:6.0f} s] {message}", file=sys.stderr, flush=True)
+    say(t0, message)
 
 
-def run_study(name: str, preset: str | None, out: Path, gpu: bool, t0: float) -> LiveRun:
-    """Run one study's checks and timings here; GPU-only studies are skipped on a CPU, by name."""
+def form_text(run: LiveRun) -> str:
+    """'quick form: cases a, b' / 'quick form: every case' / 'full form: every case' ('' if not run)."""
+    if not run.form:
+        return ""
+    cases = "every case" if run.cases is None else "cases " + ", ".join(run.cases)
+    return f"{run.form} form: {cases}"
+
+
+def run_study(name: str, preset: str | None, out: Path, gpu: bool, t0: float, full: bool = False,
+              budget_s: float | None = None) -> LiveRun:
+    """Run one study's checks and timings here, in the form `studies.report_form` gives (quick unless
+    `full`); GPU-only studies are skipped on a CPU, by name. `budget_s`: the line at its end says when
+    the study took longer."""
     from k3lab import bench
-    from k3lab.studies import CPU_CASES, GPU_ONLY, StudyNotAvailable, load_study
+    from k3lab.studies import GPU_ONLY, StudyNotAvailable, load_study, report_form
 
     if name in GPU_ONLY and not gpu:
         return LiveRun(name, status="skipped (needs a GPU)")
-    progress(t0, f"study {name}: started")
+    form = report_form(name, gpu, full)
+    shown = form_text(LiveRun(name, form=form.form, cases=form.cases))
+    progress(t0, f"study {name}: started ({shown})")
     start = time.perf_counter()
+    meta = {"form": form.form, "cases": form.cases, "why": form.why}
     try:
-        records = load_study(name).run(preset=preset, cases=None if gpu else CPU_CASES.get(name))
+        records = load_study(name).run(preset=preset, cases=form.cases, **form.kwargs)
         if records:
             bench.save_records(records, root=str(out / "records"), overwrite=True)
-        run = LiveRun(name, records, "passed", time.perf_counter() - start)
+        run = LiveRun(name, records, "passed", time.perf_counter() - start, **meta)
     except StudyNotAvailable as exc:
         run = LiveRun(name, status=f"skipped ({exc})")
     except Exception:
-        run = LiveRun(name, status="FAILED", seconds=time.perf_counter() - start, error=traceback.format_exc())
-    progress(t0, f"study {name}: {run.status} in {run.seconds:.0f} s")
+        run = LiveRun(name, status="FAILED", seconds=time.perf_counter() - start, error=traceback.format_exc(),
+                      **meta)
+    over = f" (over its budget of {budget_s:.0f} s)" if budget_s is not None and run.seconds > budget_s else ""
+    progress(t0, f"study {name}: {run.status} in {run.seconds:.0f} s{over}")
     return run
 
 
@@ -82,6 +102,11 @@ def _live(run: LiveRun, gpu: bool) -> str:
     from k3lab.studies import HOST_SIDE
 
     head = "<h4>On this machine</h4>"
+    if run.form:
+        head += (f"<p class='form'>{html.escape(form_text(run))}"
+                 + (f" ({html.escape(run.why)})" if run.form == "quick" and run.why else "")
+                 + ("; <code>k3lab report --full</code> runs every case" if run.cases is not None else "")
+                 + "</p>")
     if run.status == "FAILED":
         return head + f"<pre class='fail'>FAILED\n{html.escape(run.error)}</pre>"
     if not run.records:

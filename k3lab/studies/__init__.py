@@ -5,13 +5,20 @@ Each study module exposes NAME, case_names(preset=None), run(preset=None, cases=
 `STUDIES` maps each name to its module, in notebook order; `ABOUT` says in one line what each measures;
 `load_study(name)` imports one only when asked, so a study that is slow to import (Triton kernels, fla)
 costs nothing to the others. `GPU_ONLY` studies need a GPU to run at all; `HOST_SIDE` studies time host
-code, so their CPU timings mean what they say; `CPU_CASES` is what the report checks on a CPU.
+code, so their CPU timings mean what they say.
+
+What `k3lab report` runs of each study (`report_form`): by default a quick form, on a CPU `CPU_CASES`
+and on a GPU `GPU_QUICK`; with `--full`, every case. The quick forms still check every variant of the
+study against its reference at least once, and time the cases the notebooks and the report's first
+page show; the rest (sweeps, the grid of shapes) is left to `--full`, and the page shows the committed
+records for it.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+from dataclasses import dataclass, field
 from types import ModuleType
 
 STUDIES: dict[str, str] = {
@@ -58,6 +65,76 @@ CPU_CASES: dict[str, list[str] | None] = {
     "draft_depth": ["cycles_depth4", "tokens_v8_depth4"],
     "decode_step": ["tiny_b1_ctx8"],
     "agent_cache": ["sim_small"],
+}
+
+
+@dataclass(frozen=True)
+class QuickForm:
+    """One study's quick form on a GPU: `cases` (None: every case) and `kwargs` for its run(), and
+    `budget_s`, the seconds it should take on the H200 with the kernels already built (the report's
+    ETA starts from it and the progress line says when a study overran it); `why` says what it keeps."""
+
+    cases: tuple[str, ...] | None
+    budget_s: float
+    why: str
+    kwargs: dict = field(default_factory=dict)
+
+
+# `k3lab report` on a GPU by default: about 5 minutes of studies on the H200, so that with the kernel
+# builds (under a minute, in parallel) and the notebooks (216 s two at a time when they built the
+# kernels themselves, less after the studies) the report finishes within 10 minutes on a fresh machine
+# (tests/test_report_forms.py adds it up from these budgets and report.eta's table).
+# The full forms took 1,045 s there: copy_removal 176 s, kda_scan 212 s, decode_step 397 s (an eager
+# all-off step at B = 64 / 8K takes 13 s, the per-expert loop 11.6 s), the nine others ~260 s together.
+# Budgets are for the H200 once the .cu kernels are built (the report builds them first, in parallel).
+GPU_QUICK: dict[str, QuickForm] = {
+    "launch_overhead": QuickForm(
+        None, 15, "every case: a few hundred microsecond copies and launches per size, seconds in all"),
+    "copy_removal": QuickForm(
+        ("attn_res_t1_s5", "attn_res_t1_s9", "attn_res_t8192_s9", "packing"), 35,
+        "AttnRes + RMSNorm at the first page's shapes (1 and 8192 tokens, 9 sources) and at the 5 sources "
+        "notebook 08's per-op arithmetic reads; packing (its pack/where-used check at full depth). The fused "
+        "KDA decode cases are the kda_decode study's (the same code and batches); the rest of the shape "
+        "grid is --full's"),
+    "kda_decode": QuickForm(
+        ("B1_H12", "B128_H12"), 15,
+        "B = 1 (the first page) and B = 128 (notebook 03's live pair); both state layouts checked"),
+    "mla_padding": QuickForm(
+        ("ctx32k", "b64_8k", "ragged8_8k", "verify4_32k", "ctx32k.triton"), 35,
+        "the first page's 32K and B = 64 / 8K, and one case of each path those leave out: ragged lengths, "
+        "a verification group, the Triton kernel where the default is the CUDA one; the other contexts, "
+        "the split-count sweep and the other backend points are --full's (notebook 04 runs its own main "
+        "cases and sweep)"),
+    "kda_scan": QuickForm(
+        ("h12_b1_t16384",), 30,
+        "12 heads x 16K, the first page's and notebook 05's case: before, after (the group scan) and fla "
+        "checked in fp64 and timed; the B = 8, 64K and 96-head grid is --full's"),
+    "kda_verify": QuickForm(
+        ("b1_t4", "b1_t4.final_only", "b1_t4.narrow_only", "b1_t4.narrow_1wave", "b1_t4.ragged"), 20,
+        "B = 1, 4 positions (the first page and notebook 05) with every ablation's kernel path; the "
+        "batch and tile sweeps are --full's"),
+    "kda_precision": QuickForm(
+        ("k3_gate",), 10,
+        "K3's gates, fp32 against bf16 inverses: a host-side emulation, the same as on a CPU (notebooks "
+        "05 and 05b run every case themselves)"),
+    "draft_depth": QuickForm(
+        ("cycles_depth4", "tokens_v8_depth4"), 20,
+        "depth 4 (the seed's pick) and the token-level check, host-side as on a CPU; the depth 3 and 7 "
+        "loops and the random curves (which notebook 06 runs itself) are --full's"),
+    "decode_step": QuickForm(
+        ("b1_1k",), 70,
+        "B = 1, 1K: all on, all off and each switch off alone, checked and timed eager and as one graph "
+        "(3 samples, no profiler pass); 32K, 128K and B = 64 / 8K (whose eager all-off step alone takes "
+        "13 s) are --full's, and notebook 08 and the first page show their committed records",
+        {"repeats": 3, "profile": False}),
+    "agent_cache": QuickForm(
+        ("sim_small", "copies", "state"), 15,
+        "the host<->device copies and the state save / restore the first page shows, and the small "
+        "simulation; the hour-long simulated workload is --full's"),
+    "dcp": QuickForm(None, 15, "its one case: local attention at TP8 / DCP8 shapes and the merge"),
+    "moe_sharding": QuickForm(
+        ("tail_N8", "experts_N64"), 20,
+        "the first page's two cases: the MoE tail at 8 tokens, the routed experts at 64"),
 }
 HOST_SIDE = frozenset({"draft_depth", "agent_cache"})
 
@@ -106,3 +183,33 @@ def select_cases(known: list[str], cases=None) -> list[str]:
     if unknown:
         raise ValueError(f"cases must be among {list(known)}, got unknown {unknown}")
     return chosen
+
+
+@dataclass(frozen=True)
+class ReportForm:
+    """What `k3lab report` runs of one study: `cases` (None: every case) and `kwargs` for run();
+    `form` is 'quick' or 'full'; `why` says what the quick form keeps ('' for the full one)."""
+
+    cases: list[str] | None
+    kwargs: dict
+    form: str
+    why: str = ""
+
+
+def report_form(name: str, gpu: bool, full: bool = False) -> ReportForm:
+    """The form `k3lab report` runs of study `name`: every case with `full`, else on a GPU its
+    GPU_QUICK entry, on a CPU its CPU_CASES entry. ValueError for an unknown study or one that has
+    no quick form for this kind of machine (every registered study must have one)."""
+    name = canonical(name)
+    if full:
+        return ReportForm(None, {}, "full")
+    if gpu:
+        if name not in GPU_QUICK:
+            raise ValueError(f"study {name!r} has no GPU quick form in GPU_QUICK")
+        q = GPU_QUICK[name]
+        return ReportForm(None if q.cases is None else list(q.cases), dict(q.kwargs), "quick", q.why)
+    if name not in CPU_CASES and name not in GPU_ONLY:
+        raise ValueError(f"study {name!r} has no CPU form in CPU_CASES")
+    cases = CPU_CASES.get(name)
+    return ReportForm(None if cases is None else list(cases), {}, "quick",
+                      "the smallest cases that run every kernel (Triton's interpreter)")

@@ -1,0 +1,316 @@
+"""The report's overall progress: one bar with an ETA over every step of `k3lab report` (the kernel
+builds, each study, each notebook), on top of the per-step lines.
+
+`Plan` holds the steps and their expected seconds and computes the ETA; `Progress` shows it: on a
+terminal a tqdm bar redrawn every second (the per-step lines print above it), elsewhere (CI logs, a
+file) a plain line a minute and one as each step ends, e.g. "[   120 s] overall: 5/23 done, ETA 4 min
+10 s", so a log stays readable. `say(t0, message)` prints a per-step line through whichever is active.
+
+How the ETA is made, and why:
+- Each step starts from `expected_seconds(kind, form, step)`: seconds measured for it on that kind of
+  machine (`EXPECTED_S`; the GPU's quick studies take their budgets from `studies.GPU_QUICK`), so the
+  first estimate, shown from the first second, is already the machine's and not a guess from rates.
+- As steps finish, the rest are scaled by how the finished ones compared with theirs: (seconds taken
+  + PRIOR_S) / (seconds expected + PRIOR_S), clamped to [1/3, 3]. PRIOR_S keeps one short step from
+  swinging the whole estimate; a machine twice as slow as the table shows it after a few minutes.
+- Steps run one after another, except notebooks, which run `workers` at a time: their part is the end
+  of a greedy schedule (each pending notebook, in order, goes to the slot that frees first), from the
+  running notebooks' remaining seconds. A running step counts what is left of its scaled estimate,
+  never less than nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+PRIOR_S = 60.0
+SCALE_LIMITS = (1 / 3, 3.0)
+KERNELS = "kernels"  # the step that builds every kernels/*.cu (GPU)
+DEFAULT_S = {"gpu": 30.0, "cpu": 60.0}  # a step the table does not list (a new study or notebook)
+# Seconds per step. gpu: the H200 (16 cores), notebooks executed two at a time, each notebook's own
+# wall time; full studies as measured there (copy_removal, kda_scan and decode_step from `k3lab report`,
+# the others' ~260 s spread by their number of cases). cpu: a 2-core machine shared with one other
+# job, `k3lab report`'s default form. The refinement above corrects a table that is off.
+EXPECTED_S: dict[str, dict[str, float]] = {
+    "gpu": {
+        KERNELS: 45,
+        "notebook:00_k3_anatomy": 25, "notebook:01_dcp": 20, "notebook:02_moe_sharding": 30,
+        "notebook:03_copy_removal": 45, "notebook:04_mla_padding": 75, "notebook:04b_mla_deep_dive": 20,
+        "notebook:05_kda_scan": 65, "notebook:05b_kda_deep_dive": 25, "notebook:06_draft_depth": 25,
+        "notebook:07_agent_cache": 20, "notebook:08_all_together": 20,
+    },
+    "gpu-full": {
+        "study:launch_overhead": 20, "study:copy_removal": 176, "study:kda_decode": 20,
+        "study:mla_padding": 80, "study:kda_scan": 212, "study:kda_verify": 50, "study:kda_precision": 15,
+        "study:draft_depth": 30, "study:decode_step": 397, "study:agent_cache": 25, "study:dcp": 20,
+        "study:moe_sharding": 25,
+    },
+    "cpu": {
+        KERNELS: 0,
+        "study:launch_overhead": 3, "study:copy_removal": 6, "study:mla_padding": 23, "study:kda_scan": 54,
+        "study:kda_verify": 10, "study:kda_precision": 10, "study:draft_depth": 40, "study:decode_step": 30,
+        "study:agent_cache": 10,
+        "notebook:00_k3_anatomy": 90, "notebook:01_dcp": 90, "notebook:02_moe_sharding": 120,
+        "notebook:03_copy_removal": 90, "notebook:04_mla_padding": 150, "notebook:04b_mla_deep_dive": 90,
+        "notebook:05_kda_scan": 200, "notebook:05b_kda_deep_dive": 120, "notebook:06_draft_depth": 60,
+        "notebook:07_agent_cache": 60, "notebook:08_all_together": 60,
+    },
+}
+
+
+def expected_seconds(kind: str, form: str, step: str) -> float:
+    """Expected seconds of `step` ('kernels', 'study:<name>' or 'notebook:<stem>') on a `kind`
+    ('gpu' or 'cpu') machine in report form `form` ('quick' or 'full'). A GPU's quick studies take
+    their budget from studies.GPU_QUICK; full studies on a CPU take the quick form's figure (the
+    refinement corrects it); a step nowhere listed takes DEFAULT_S[kind]."""
+    if kind not in ("gpu", "cpu"):
+        raise ValueError(f"kind must be 'gpu' or 'cpu', got {kind!r}")
+    if form not in ("quick", "full"):
+        raise ValueError(f"form must be 'quick' or 'full', got {form!r}")
+    if kind == "gpu" and step.startswith("study:"):
+        if form == "full":
+            return float(EXPECTED_S["gpu-full"].get(step, DEFAULT_S[kind]))
+        from k3lab.studies import GPU_QUICK
+
+        quick = GPU_QUICK.get(step.split(":", 1)[1])
+        return float(quick.budget_s) if quick else DEFAULT_S[kind]
+    return float(EXPECTED_S[kind].get(step, DEFAULT_S[kind]))
+
+
+def fmt_duration(seconds: float) -> str:
+    """'45 s', '4 min 10 s', '1 h 02 min'."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {(s % 3600) // 60:02d} min"
+
+
+@dataclass
+class _Step:
+    key: str
+    expected: float
+    parallel: bool
+    started: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class Plan:
+    """The report's steps in the order they run, with expected seconds; notebooks (parallel=True)
+    run `workers` at a time after every other step. Times are seconds on any one clock."""
+
+    workers: int = 1
+    steps: list[_Step] = field(default_factory=list, init=False)
+
+    def __post_init__(self):
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
+        self._index: dict[str, _Step] = {}
+
+    def add(self, key: str, expected_s: float, parallel: bool = False) -> None:
+        if key in self._index:
+            raise ValueError(f"step {key!r} is already in the plan")
+        if not (isinstance(expected_s, (int, float)) and math.isfinite(expected_s) and expected_s >= 0):
+            raise ValueError(f"expected_s of {key!r} must be a finite number >= 0, got {expected_s!r}")
+        step = _Step(key, float(expected_s), parallel)
+        self.steps.append(step)
+        self._index[key] = step
+
+    def get(self, key: str) -> _Step | None:
+        """The step `key` (its expected seconds, start and end), or None when the plan has none."""
+        return self._index.get(key)
+
+    def _step(self, key: str) -> _Step:
+        if key not in self._index:
+            raise KeyError(f"no step {key!r} in the plan (steps: {', '.join(self._index)})")
+        return self._index[key]
+
+    def start(self, key: str, now: float) -> None:
+        step = self._step(key)
+        if step.started is None:
+            step.started = now
+
+    def finish(self, key: str, now: float) -> None:
+        step = self._step(key)
+        if step.started is None:
+            step.started = now
+        step.finished = now
+
+    @property
+    def done(self) -> int:
+        return sum(s.finished is not None for s in self.steps)
+
+    @property
+    def total(self) -> int:
+        return len(self.steps)
+
+    def scale(self) -> float:
+        """How much longer (> 1) or shorter than expected the finished steps took, shrunk toward 1 by
+        PRIOR_S and clamped to SCALE_LIMITS."""
+        fin = [s for s in self.steps if s.finished is not None]
+        taken = sum(s.finished - s.started for s in fin)
+        expected = sum(s.expected for s in fin)
+        lo, hi = SCALE_LIMITS
+        return min(hi, max(lo, (taken + PRIOR_S) / (expected + PRIOR_S)))
+
+    def eta(self, now: float) -> float:
+        """Seconds until every step has finished (see the module docstring)."""
+        k = self.scale()
+
+        def left(s: _Step) -> float:
+            if s.finished is not None:
+                return 0.0
+            if s.started is None:
+                return s.expected * k
+            return max(0.0, s.expected * k - (now - s.started))
+
+        serial = sum(left(s) for s in self.steps if not s.parallel)
+        running = sorted(left(s) for s in self.steps if s.parallel and s.started is not None and s.finished is None)
+        pending = [left(s) for s in self.steps if s.parallel and s.started is None]
+        slots = (running + [0.0] * self.workers)[: max(self.workers, len(running))]
+        for p in pending:
+            i = min(range(len(slots)), key=slots.__getitem__)
+            slots[i] += p
+        return serial + (max(slots) if slots else 0.0)
+
+    def summary(self, now: float, elapsed: float) -> str:
+        """'5/23 done, ETA 4 min 10 s' (or 'all 23 done' at the end)."""
+        if self.done == self.total:
+            return f"all {self.total} done in {fmt_duration(elapsed)}"
+        return f"{self.done}/{self.total} done, ETA {fmt_duration(self.eta(now))}"
+
+
+def _bar_class():
+    """tqdm with one more field for bar_format, {overall}: the plan's own count and ETA (tqdm's ETA
+    assumes a steady rate, which steps of such different lengths do not have)."""
+    from tqdm import tqdm
+
+    class _Bar(tqdm):
+        overall = ""
+
+        @property
+        def format_dict(self):
+            return {**super().format_dict, "overall": self.overall}
+
+    return _Bar
+
+
+_ACTIVE: Progress | None = None
+_PRINT_LOCK = threading.Lock()
+
+
+def say(t0: float, message: str) -> None:
+    """One per-step line on stderr: seconds since the report began, then the message; above the bar
+    when one is shown."""
+    line = f"[{time.time() - t0:6.0f} s] {message}"
+    active = _ACTIVE
+    if active is not None:
+        active.write(line)
+    else:
+        with _PRINT_LOCK:
+            print(line, file=sys.stderr, flush=True)
+
+
+class Progress:
+    """Shows a Plan's progress while the report runs: a tqdm bar on a terminal (`tty`), else a plain
+    overall line every `interval_s` and at each step's end. Use as a context manager; `start(key)` and
+    `finish(key)` mark steps (wall clock), `write(line)` prints a per-step line."""
+
+    def __init__(self, plan: Plan, t0: float, *, stream=None, tty: bool | None = None,
+                 interval_s: float | None = None):
+        self.plan, self.t0 = plan, t0
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) if tty is None else tty
+        self.interval_s = interval_s if interval_s is not None else (1.0 if self.tty else 60.0)
+        if self.interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {self.interval_s}")
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._bar = None
+        self._thread: threading.Thread | None = None
+        self._ended = False
+
+    # -- the display
+    def _elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def _overall(self) -> str:
+        return self.plan.summary(time.time(), self._elapsed())
+
+    def _redraw(self) -> None:
+        if self._bar is None:
+            return
+        elapsed = self._elapsed()
+        eta = self.plan.eta(time.time()) if self.plan.done < self.plan.total else 0.0
+        total = elapsed + eta
+        self._bar.n = int(1000 * elapsed / total) if total > 0 else 1000
+        self._bar.overall = f"{self._overall()} [{fmt_duration(elapsed)} elapsed]"
+        self._bar.refresh()
+
+    def _plain(self) -> None:
+        end = self.plan.done == self.plan.total
+        if end and self._ended:
+            return  # the end, said once
+        self._ended = end
+        text = self._overall()
+        with _PRINT_LOCK:
+            print(f"[{self._elapsed():6.0f} s] overall: {text}", file=self.stream, flush=True)
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            with self._lock:
+                self._redraw() if self.tty else self._plain()
+
+    def write(self, line: str) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.clear()
+            with _PRINT_LOCK:
+                print(line, file=self.stream, flush=True)
+            if self._bar is not None:
+                self._redraw()
+
+    # -- the steps
+    def start(self, key: str) -> None:
+        with self._lock:
+            self.plan.start(key, time.time())
+            self._redraw()
+
+    def finish(self, key: str) -> None:
+        with self._lock:
+            self.plan.finish(key, time.time())
+            self._redraw() if self.tty else self._plain()
+
+    # -- the context
+    def __enter__(self) -> Progress:
+        global _ACTIVE
+        if self.tty:
+            self._bar = _bar_class()(total=1000, file=self.stream, desc="k3lab report", leave=True,
+                                     bar_format="{desc}: {percentage:3.0f}%|{bar:30}| {overall}")
+            self._redraw()
+        else:
+            self._plain()
+        _ACTIVE = self
+        self._thread = threading.Thread(target=self._tick, name="k3lab-report-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _ACTIVE
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            _ACTIVE = None
+            if self._bar is not None:
+                self._redraw()
+                self._bar.close()
+                self._bar = None
+            else:
+                self._plain()

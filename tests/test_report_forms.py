@@ -1,0 +1,263 @@
+"""The report's forms (quick by default, --full) and its overall progress: which cases each study runs
+on a GPU and on a CPU, the ETA's arithmetic, the bar and the plain lines, and what the page says."""
+
+import inspect
+import io
+import json
+
+import pytest
+import torch
+
+from k3lab import cli, studies
+from k3lab.report import eta
+from k3lab.report.eta import Plan, Progress, expected_seconds, fmt_duration
+from k3lab.studies import CPU_CASES, GPU_ONLY, GPU_QUICK, STUDIES, load_study, report_form
+
+
+# ------------------------------------------------------------------ the forms
+def test_every_study_has_a_quick_form_on_both_kinds_of_machine():
+    assert set(GPU_QUICK) == set(STUDIES)
+    assert set(CPU_CASES) | GPU_ONLY == set(STUDIES)
+    for name in STUDIES:
+        full = report_form(name, gpu=True, full=True)
+        assert full.cases is None and full.form == "full" and not full.kwargs
+        q = report_form(name, gpu=True)
+        assert q.form == "quick" and q.why == GPU_QUICK[name].why
+        assert q.cases == (None if GPU_QUICK[name].cases is None else list(GPU_QUICK[name].cases))
+        assert q.kwargs == GPU_QUICK[name].kwargs and q.kwargs is not GPU_QUICK[name].kwargs  # a copy
+        if name not in GPU_ONLY:
+            assert report_form(name, gpu=False).cases == CPU_CASES[name]
+    assert report_form("kda_decode_bench", gpu=True).cases == ["B1_H12", "B128_H12"]  # an alias resolves
+    with pytest.raises(ValueError, match="unknown study 'nope'"):
+        report_form("nope", gpu=True)
+
+
+def _pretend_gpu(monkeypatch):
+    """What the studies see on an H200: env.detect() says CUDA, torch.cuda.is_available() is True (the
+    study modules are imported before, so nothing else is touched), and no .cu kernel builds."""
+    from k3lab import env
+    from k3lab.ops import kda_verify as kv
+
+    h200 = env.DeviceInfo("cuda", "NVIDIA H200", 132, 150.0, 32, "sm_90", env.PEAKS["H200"])
+    monkeypatch.setattr(env, "detect", lambda: h200)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kv, "backend_status", lambda: {"cuda": (False, "not built in this test")})
+
+
+def test_gpu_quick_cases_are_cases_the_study_has_on_a_gpu_and_run_takes_the_keywords(monkeypatch):
+    modules = {name: load_study(name) for name in STUDIES}
+    _pretend_gpu(monkeypatch)
+    for name, mod in modules.items():
+        q = GPU_QUICK[name]
+        known = mod.case_names()
+        if q.cases is not None:
+            assert q.cases and set(q.cases) <= set(known), (name, sorted(set(q.cases) - set(known)))
+            assert len(set(q.cases)) == len(q.cases), name
+        inspect.signature(mod.run).bind(preset=None, cases=q.cases, **q.kwargs)  # TypeError if it cannot
+        assert q.budget_s > 0 and q.why, name
+    # the slow cases of the issue are --full's: decode_step's B = 64 / 8K, kda_scan's grid
+    assert GPU_QUICK["decode_step"].cases == ("b1_1k",)
+    assert "b64_8k" in modules["decode_step"].case_names() and len(modules["kda_scan"].case_names()) > 1
+
+
+def test_the_quick_gpu_report_is_planned_within_ten_minutes():
+    # the table's own arithmetic: kernels, then every study's budget, then 11 notebooks two at a time
+    plan = Plan(workers=2)
+    plan.add("kernels", expected_seconds("gpu", "quick", "kernels"))
+    for name in STUDIES:
+        plan.add(f"study:{name}", expected_seconds("gpu", "quick", f"study:{name}"))
+    nbs = [k for k in eta.EXPECTED_S["gpu"] if k.startswith("notebook:")]
+    assert len(nbs) == 11
+    for k in nbs:
+        plan.add(k, expected_seconds("gpu", "quick", k), parallel=True)
+    assert plan.eta(0.0) <= 540, plan.eta(0.0)  # a minute of room under 600 s
+    full = sum(expected_seconds("gpu", "full", f"study:{n}") for n in STUDIES)
+    assert full > 1000  # what --full costs on the H200 (measured: 1,045 s of studies)
+
+
+# ------------------------------------------------------------------ the ETA
+def test_expected_seconds_reads_the_table_and_the_budgets():
+    assert expected_seconds("gpu", "quick", "study:decode_step") == GPU_QUICK["decode_step"].budget_s
+    assert expected_seconds("gpu", "full", "study:decode_step") == 397
+    assert expected_seconds("cpu", "quick", "notebook:05_kda_scan") == eta.EXPECTED_S["cpu"]["notebook:05_kda_scan"]
+    assert expected_seconds("cpu", "full", "study:kda_scan") == expected_seconds("cpu", "quick", "study:kda_scan")
+    assert expected_seconds("gpu", "quick", "notebook:99_new") == eta.DEFAULT_S["gpu"]
+    with pytest.raises(ValueError, match="kind must be"):
+        expected_seconds("tpu", "quick", "kernels")
+    with pytest.raises(ValueError, match="form must be"):
+        expected_seconds("gpu", "fast", "kernels")
+
+
+def test_eta_adds_serial_steps_and_schedules_notebooks_on_the_workers():
+    plan = Plan(workers=2)
+    plan.add("study:a", 100)
+    plan.add("study:b", 50)
+    for name, s in (("n1", 40), ("n2", 30), ("n3", 20), ("n4", 10)):
+        plan.add(f"notebook:{name}", s, parallel=True)
+    # 150 s of studies, then notebooks greedily on two slots: [40, 30] -> n3 on 30 -> n4 on 40: max 50
+    assert plan.eta(0.0) == pytest.approx(150 + 50)
+    assert (plan.done, plan.total) == (0, 6)
+    plan.start("study:a", 0.0)
+    assert plan.eta(30.0) == pytest.approx(70 + 50 + 50)  # what is left of the running study
+    assert plan.eta(500.0) == pytest.approx(0 + 50 + 50)  # an overrun counts as nothing left, never less
+    plan.finish("study:a", 100.0)  # exactly as expected: no rescaling
+    assert plan.scale() == pytest.approx(1.0) and plan.eta(100.0) == pytest.approx(100)
+    plan.start("study:b", 100.0)
+    plan.finish("study:b", 250.0)  # 150 s for 50 expected: the rest is scaled by (250 + 60) / (150 + 60)
+    k = (250 + eta.PRIOR_S) / (150 + eta.PRIOR_S)
+    assert plan.scale() == pytest.approx(k)
+    assert plan.eta(250.0) == pytest.approx(50 * k)
+    plan.start("notebook:n1", 250.0)
+    plan.start("notebook:n2", 250.0)
+    # 10 s later: slots [40k - 10, 30k - 10]; n3 goes to the second, n4 to the first
+    slots = sorted([40 * k - 10, 30 * k - 10])
+    slots[0] += 20 * k
+    slots = sorted(slots)
+    slots[0] += 10 * k
+    assert plan.eta(260.0) == pytest.approx(max(slots))
+    for name in ("n1", "n2", "n3", "n4"):
+        plan.finish(f"notebook:{name}", 300.0)
+    assert plan.eta(300.0) == 0 and plan.summary(300.0, 300.0) == "all 6 done in 5 min 00 s"
+
+
+def test_the_scale_is_clamped_and_damped():
+    plan = Plan()
+    plan.add("a", 10)
+    plan.add("b", 10)
+    plan.start("a", 0.0)
+    plan.finish("a", 1000.0)  # a hundred times slower than expected
+    assert plan.scale() == eta.SCALE_LIMITS[1]
+    fast = Plan()
+    fast.add("a", 1000)
+    fast.add("b", 10)
+    fast.start("a", 0.0)
+    fast.finish("a", 1.0)
+    assert fast.scale() == eta.SCALE_LIMITS[0]
+    short = Plan()
+    short.add("a", 1)
+    short.add("b", 100)
+    short.start("a", 0.0)
+    short.finish("a", 3.0)  # three times slower, but only 2 s late: barely moves the estimate
+    assert 1.0 < short.scale() < 1.05
+
+
+def test_plan_rejects_bad_input():
+    with pytest.raises(ValueError, match="workers must be a positive integer"):
+        Plan(workers=0)
+    plan = Plan()
+    plan.add("a", 1)
+    with pytest.raises(ValueError, match="already in the plan"):
+        plan.add("a", 2)
+    with pytest.raises(ValueError, match="expected_s of 'b'"):
+        plan.add("b", -1)
+    with pytest.raises(ValueError, match="expected_s of 'c'"):
+        plan.add("c", float("nan"))
+    with pytest.raises(KeyError, match="no step 'z'"):
+        plan.start("z", 0.0)
+    assert plan.get("z") is None and plan.get("a").expected == 1
+
+
+def test_durations_read_as_minutes():
+    assert [fmt_duration(s) for s in (0, 44.6, 60, 250, 3725)] == ["0 s", "45 s", "1 min 00 s", "4 min 10 s",
+                                                                   "1 h 02 min"]
+
+
+# ------------------------------------------------------------------ the display
+def _plan(n=3):
+    plan = Plan(workers=1)
+    for i in range(n):
+        plan.add(f"study:s{i}", 100)
+    return plan
+
+
+def test_plain_lines_off_a_terminal_say_the_count_and_the_eta():
+    out = io.StringIO()
+    with Progress(_plan(), t0=0.0, stream=out, tty=False, interval_s=3600) as bar:
+        eta.say(0.0, "study s0: started")
+        bar.start("study:s0")
+        bar.finish("study:s0")
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("overall: 0/3 done, ETA 5 min 00 s")
+    assert any(ln.endswith("study s0: started") for ln in lines)
+    assert "overall: 1/3 done, ETA" in lines[-2] and "overall: 1/3 done" in lines[-1]
+    assert "\r" not in out.getvalue()  # a log stays one line per event
+
+
+def test_plain_lines_repeat_on_their_interval():
+    import time
+
+    out = io.StringIO()
+    with Progress(_plan(), t0=time.time(), stream=out, tty=False, interval_s=0.05):
+        time.sleep(0.3)
+    assert out.getvalue().count("overall: 0/3 done") >= 3
+
+
+def test_the_bar_on_a_terminal_shows_the_plan_eta_and_keeps_lines_above_it():
+    out = io.StringIO()
+    with Progress(_plan(2), t0=0.0, stream=out, tty=True, interval_s=3600) as bar:
+        eta.say(0.0, "study s0: started")
+        bar.start("study:s0")
+        bar.finish("study:s0")
+        bar.start("study:s1")
+        bar.finish("study:s1")
+    text = out.getvalue()
+    assert "k3lab report:" in text and "0/2 done, ETA 3 min 20 s" in text and "all 2 done" in text
+    assert "study s0: started\n" in text
+    assert eta._ACTIVE is None  # lines go straight to stderr again
+
+
+# ------------------------------------------------------------------ the command and the page
+def test_cli_report_passes_full_and_workers(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake(**kw):
+        seen.update(kw)
+        return tmp_path / "report.html"
+
+    import k3lab.report
+
+    monkeypatch.setattr(k3lab.report, "build_report", fake)
+    assert cli.main(["report", "--out", str(tmp_path), "--full", "--workers", "3", "--skip-notebooks"]) == 0
+    assert seen["full"] is True and seen["workers"] == 3 and seen["run_notebooks"] is False
+    assert cli.main(["report", "--out", str(tmp_path)]) == 0
+    assert seen["full"] is False and seen["workers"] == 2
+    with pytest.raises(SystemExit):
+        cli.main(["report", "--workers", "0"])
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_the_page_and_the_lines_say_which_form_ran(tmp_path, capfd, full):
+    from k3lab import report
+
+    out = tmp_path / "out"
+    report.build_report(out=out, run_notebooks=False, studies=["launch_overhead"], full=full, tty=False)
+    page = (out / "report.html").read_text()
+    err = capfd.readouterr().err
+    form = "full" if full else "quick"
+    assert f"Studies: {form} form" in page and f"{form} form: every case" in page
+    assert f"study launch_overhead: started ({form} form: every case)" in err
+    assert "overall: 0/1 done, ETA" in err and "overall: all 1 done" in err
+    timings = json.loads((out / "timings.json").read_text())
+    assert timings["machine"] == "cpu" and timings["form"] == form
+    assert timings["steps"]["study:launch_overhead"]["seconds"] > 0
+    assert set(timings["steps"]) == {"study:launch_overhead"}
+
+
+def test_a_quick_form_with_fewer_cases_says_so_on_the_page(tmp_path):
+    from k3lab.report.sections import LiveRun, study_section
+
+    run = LiveRun("kda_verify", [], "passed", 1.0, form="quick", cases=["b1_t4"], why="the first page's case")
+    page = study_section(run, studies_root(), gpu=False)
+    assert "quick form: cases b1_t4 (the first page&#x27;s case)" in page and "--full</code> runs every case" in page
+
+
+def studies_root():
+    from k3lab import report
+
+    return report.REPO
+
+
+def test_report_form_names_a_study_with_no_form(monkeypatch):
+    monkeypatch.delitem(studies.GPU_QUICK, "dcp")
+    with pytest.raises(ValueError, match="study 'dcp' has no GPU quick form"):
+        report_form("dcp", gpu=True)

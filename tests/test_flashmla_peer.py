@@ -5,6 +5,7 @@ verification group)."""
 
 import math
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,17 +53,38 @@ def test_limits_are_clear_errors(case, match):
         fm.flashmla_check(q, pool, lengths, table)
 
 
-def test_a_wrong_library_file_is_refused_and_removed(monkeypatch, tmp_path):
+def _fake_pip(monkeypatch, seen: list):
     def fake_download(cmd, check):  # writes a wheel whose library is not the expected file
-        dest = cmd[cmd.index("--dest") + 1]
-        with zipfile.ZipFile(f"{dest}/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl", "w") as zf:
+        seen.append((cmd, open(cmd[cmd.index("-r") + 1]).read()))
+        dest = Path(cmd[cmd.index("--dest") + 1])
+        dest.mkdir(parents=True)
+        with zipfile.ZipFile(dest / fm.WHEEL_FILE, "w") as zf:
             zf.writestr(fm.MEMBER, b"not the library")
 
     monkeypatch.setattr(fm.subprocess, "run", fake_download)
+
+
+def test_fetch_pins_the_wheel_and_refuses_another(monkeypatch, tmp_path):
+    seen = []
+    _fake_pip(monkeypatch, seen)
+    target = tmp_path / "peers" / "lib.so"
+    with pytest.raises(RuntimeError, match="pip did not bring"):
+        fm.fetch(target)
+    (cmd, requirements), = seen
+    assert "--only-binary=:all:" in cmd and "--require-hashes" in cmd and "--no-deps" in cmd
+    assert requirements.strip() == f"{fm.WHEEL} --hash=sha256:{fm.WHEEL_SHA256}"
+    assert not target.exists()
+
+
+def test_a_wrong_library_file_is_refused_and_removed(monkeypatch, tmp_path):
+    seen = []
+    _fake_pip(monkeypatch, seen)
+    real_digest = fm._digest
+    monkeypatch.setattr(fm, "_digest", lambda p: fm.WHEEL_SHA256 if p.name == fm.WHEEL_FILE else real_digest(p))
     target = tmp_path / "peers" / "lib.so"
     with pytest.raises(RuntimeError, match="unexpected sha256"):
         fm.fetch(target)
-    assert not target.exists()
+    assert not target.exists() and list(target.parent.iterdir()) == []
 
 
 def test_the_study_leaves_the_peer_out_where_it_cannot_run():

@@ -192,6 +192,9 @@ class AiterPlan:
 
 # Where the library comes from, and the file's digest: a different file is refused.
 WHEEL = "vllm==0.24.0"
+WHEEL_FILE = "vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+# The wheel's sha256 (as PyPI publishes it; pip checked it on download) and the library's inside it.
+WHEEL_SHA256 = "2d2831aeba311292250df0132dbc4d8e9f42c654536eaec48e6fe58acb1822cf"
 MEMBER = "vllm/_flashmla_C.abi3.so"
 SHA256 = "7d55be379e446ca10ca256cb14ebed974d59ef1b7d905f7552414b846f7b3a91"
 TORCH_BUILT_FOR = ("2.11", "13")  # torch release and CUDA major the file was linked against
@@ -295,19 +298,30 @@ def flashmla_plan(q, pool, lengths, *, block_table, scale=None):
 
 
 def fetch(dest: Path = DEFAULT_PATH) -> Path:
-    """Download the vLLM wheel (no dependencies) into a temporary folder and keep the one library."""
+    """Download the one vLLM wheel (WHEEL_FILE: a built wheel only, never a source build, which would
+    run the package's code; no dependencies; pinned by WHEEL_SHA256 through pip's hash-checking mode)
+    into a temporary folder and keep the one library, itself checked against SHA256. The library is
+    written to a temp file and renamed, so `dest` is either absent or the right file."""
     if dest.is_file() and _digest(dest) == SHA256:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--dest", tmp, WHEEL],
-                       check=True)
-        wheel = next(Path(tmp).glob("vllm-*.whl"))
-        with zipfile.ZipFile(wheel) as zf, zf.open(MEMBER) as src, open(dest, "wb") as out:
+        req = Path(tmp) / "requirements.txt"
+        req.write_text(f"{WHEEL} --hash=sha256:{WHEEL_SHA256}\n")
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--require-hashes", "--dest", str(Path(tmp) / "dl"), "-r", str(req)], check=True)
+        wheel = Path(tmp) / "dl" / WHEEL_FILE
+        if not wheel.is_file() or _digest(wheel) != WHEEL_SHA256:
+            got = sorted(p.name for p in (Path(tmp) / "dl").glob("*"))
+            raise RuntimeError(f"pip did not bring {WHEEL_FILE} with sha256 {WHEEL_SHA256} (got {got}); "
+                               "this library exists for Linux x86_64 only")
+        part = dest.with_name(dest.name + ".part")
+        with zipfile.ZipFile(wheel) as zf, zf.open(MEMBER) as src, open(part, "wb") as out:
             shutil.copyfileobj(src, out)
-    if _digest(dest) != SHA256:
-        dest.unlink()
-        raise RuntimeError(f"{MEMBER} from {WHEEL} has an unexpected sha256; removed")
+        if _digest(part) != SHA256:
+            part.unlink()
+            raise RuntimeError(f"{MEMBER} from {WHEEL_FILE} has an unexpected sha256; removed")
+        os.replace(part, dest)
     return dest
 
 

@@ -1,0 +1,167 @@
+"""The task type and the grader behind `k3lab.workshop.check`.
+
+A `Task` is what a learner sees (statement, signature, stub, for Triton a skeleton) and what grades
+them: `cases(seed, device)` makes fresh random inputs (never zeros; small, so the CPU interpreter is
+fast), `reference(case)` computes the expected result from k3lab's own fp64 references, and `run`
+applies the learner's function to a case (by default `fn(**inputs)` on copies of the inputs, so a
+function that writes into its arguments cannot change what the reference sees).
+
+`grade` compares result and reference case by case and stops at the first case that differs. Tensors
+are held to the relative error bounds of `k3lab.bench.checks` for the case's dtype (the dtype the
+inputs come in, so a fp16 case allows what fp16 rounding allows); ints must be equal; floats get
+the case dtype's max_rel. Whatever goes wrong is one line: the learner's exception (type and the
+first line of its message), a wrong type or shape, or the error measured against the error allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from k3lab.bench.checks import CheckFailed, check as check_tensor, tolerance_for
+
+EXACT = "exact"  # a case dtype for integer results: equal or wrong
+
+
+class Mismatch(Exception):
+    """A learner's result that cannot be compared (wrong type, shape or count); its message is the
+    one line `grade` prints."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One graded call: `inputs` are the learner's keyword arguments; `dtype` sets the tolerance
+    (a torch dtype, a name of k3lab.bench.checks.TOLERANCES, or EXACT); `extra` holds what the
+    harness or the reference needs beyond the inputs; `out_dtype` (output name -> torch dtype)
+    states the dtype a tensor result must come back in."""
+
+    label: str
+    inputs: dict[str, Any]
+    dtype: Any
+    extra: dict[str, Any] = field(default_factory=dict)
+    out_dtype: dict[str, torch.dtype] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One learner task (see the module docstring). `outputs` names the results in order (one name:
+    the function returns one value; several: a tuple). `skeleton` is the Triton source with holes,
+    for kernel tasks; `stub` is what the learner starts from in every task."""
+
+    name: str
+    notebook: str
+    minutes: int
+    statement: str
+    signature: str
+    outputs: tuple[str, ...]
+    cases: Callable[[int, torch.device], list[Case]]
+    reference: Callable[[Case], Any]
+    solution: Callable
+    stub: str
+    run: Callable[[Callable, Case], Any] | None = None
+    skeleton: str | None = None
+    on_device: bool = False  # inputs on the GPU where there is one (kernel tasks); else on the CPU
+
+    def __post_init__(self):
+        if not 10 <= self.minutes <= 20:
+            raise ValueError(f"minutes must be 10-20 (a task of one notebook segment), got {self.minutes}")
+        if not self.outputs:
+            raise ValueError("outputs must name at least one result")
+
+    def call(self, fn: Callable, case: Case) -> Any:
+        """The learner's result for `case` (inputs deep-copied first)."""
+        if self.run is not None:
+            return self.run(fn, case)
+        return fn(**copy.deepcopy(case.inputs))
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"Tensor {tuple(x.shape)} {x.dtype}"
+    return type(x).__name__
+
+
+def _as_tuple(task: Task, value, what: str) -> tuple:
+    n = len(task.outputs)
+    if n == 1:
+        return (value,)
+    if not isinstance(value, (tuple, list)) or len(value) != n:
+        raise Mismatch(f"{what} must be a tuple ({', '.join(task.outputs)}), got {_describe(value)}"
+                       + (f" of {len(value)}" if isinstance(value, (tuple, list)) else ""))
+    return tuple(value)
+
+
+def _compare_one(name: str, got, ref, case: Case) -> str:
+    """'' when got matches ref under the case's bound, else the one-line reason (error measured and
+    allowed)."""
+    if isinstance(ref, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"{name}: expected a Tensor {tuple(ref.shape)}, got {_describe(got)}"
+        if tuple(got.shape) != tuple(ref.shape):
+            return f"{name}: expected shape {tuple(ref.shape)}, got {tuple(got.shape)}"
+        want = case.out_dtype.get(name)
+        if want is not None and got.dtype != want:
+            return f"{name}: expected dtype {want}, got {got.dtype}"
+        if not (got.is_floating_point() or got.dtype in (torch.int32, torch.int64)):
+            return f"{name}: expected a floating-point tensor, got {got.dtype}"
+        try:
+            check_tensor(got.detach().cpu(), ref.detach().cpu(), dtype=case.dtype, name=name)
+        except CheckFailed as exc:
+            return str(exc)
+        return ""
+    if isinstance(ref, bool) or not isinstance(ref, (int, float)):
+        raise TypeError(f"a task's reference must give tensors, ints or floats, got {type(ref).__name__}")
+    if isinstance(got, torch.Tensor) and got.numel() == 1:
+        got = got.item()
+    try:
+        import numpy as np  # numpy scalars (np.int64, np.float64) are plain numbers here
+
+        if isinstance(got, np.generic):
+            got = got.item()
+    except ImportError:  # pragma: no cover - numpy comes with torch
+        pass
+    if isinstance(ref, int):
+        if isinstance(got, bool) or not isinstance(got, int):
+            return f"{name}: expected an int ({ref} here), got {_describe(got)}"
+        return "" if got == ref else f"{name}: expected {ref}, got {got}"
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        return f"{name}: expected a number, got {_describe(got)}"
+    _, tol = tolerance_for(case.dtype if case.dtype != EXACT else torch.float64)
+    rel = abs(got - ref) / max(abs(ref), 1e-300)
+    if not rel <= tol.max_rel:  # NaN fails too
+        return f"{name}: expected {ref:.6g}, got {got:.6g} (relative error {rel:.2e} > allowed {tol.max_rel:.0e})"
+    return ""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def grade(task: Task, fn: Callable, cases: list[Case]) -> tuple[bool, str]:
+    """(passed, one line): the first failing case and why, or a summary of the passing run."""
+    if not callable(fn):
+        return False, f"{task.name}: expected a function, got {type(fn).__name__}"
+    for i, case in enumerate(cases, start=1):
+        where = f"{task.name}: case {i} of {len(cases)} ({case.label})"
+        ref = _as_tuple(task, task.reference(case), "the reference")
+        try:
+            got = task.call(fn, case)
+        except Mismatch as exc:
+            return False, f"{where}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - any failure of the learner's code is one line, not a traceback
+            return False, f"{where}: your function raised {_first_line(exc)}"
+        try:
+            got = _as_tuple(task, got, "your result")
+        except Mismatch as exc:
+            return False, f"{where}: {exc}"
+        for name, g, r in zip(task.outputs, got, ref):
+            why = _compare_one(name, g, r, case)
+            if why:
+                return False, f"{where}: {why}"
+    dts = sorted({str(c.dtype).removeprefix("torch.") for c in cases})
+    return True, f"{task.name}: pass ({len(cases)} cases; {', '.join(dts)})"

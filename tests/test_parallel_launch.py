@@ -135,6 +135,17 @@ def test_several_threads_per_rank_are_spawned_and_finish(parent_pool_in_use):
         assert (exp_sum, trace) == pytest.approx(parent_pool_in_use, rel=1e-12)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: checks forked gloo ranks after CUDA init")
+def test_gloo_ranks_fork_after_the_parent_used_cuda():
+    """A notebook on a GPU has CUDA initialized before it starts gloo ranks; they are still forked (a
+    lambda works) and run on CPU tensors, which a fork allows as long as the ranks do not use CUDA."""
+    torch.ones(4, device="cuda").sum().item()
+    assert torch.cuda.is_initialized() and start_method("gloo") == "fork"
+    out = spawn(lambda r, w: _sum_of_ranks(r, w, 1.0), 2, backend="gloo", timeout_s=ROOM_S)
+    assert out["sum"] == 1 + 2 and out["device"] == "cpu"
+
+
 def test_start_method_depends_on_the_arguments_only():
     assert start_method("gloo", 1) == "fork"  # CUDA initialized or not: lambdas and patches work alike
     assert start_method("gloo", 3) == "spawn" and start_method("nccl", 1) == "spawn"

@@ -136,7 +136,7 @@ def test_several_threads_per_rank_are_spawned_and_finish(parent_pool_in_use):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: checks forked gloo ranks after CUDA init")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: forked gloo ranks after CUDA init")
 def test_gloo_ranks_fork_after_the_parent_used_cuda():
     """A notebook on a GPU has CUDA initialized before it starts gloo ranks; they are still forked (a
     lambda works) and run on CPU tensors, which a fork allows as long as the ranks do not use CUDA."""

@@ -132,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--timeout-s", type=float, default=None)
     m.add_argument("--experts-backend", default=None,
                    help="k3lab.ops.moe_experts backend of the routed experts (default: the op's choice)")
-    m.add_argument("--tail-backend", default=None, help="backend of the latent tail (default: the op's choice)")
+    m.add_argument("--tail-backend", default=None,
+                   help="backend of the latent tail (default: the op's choice)")
     return p
 
 

@@ -24,6 +24,7 @@ check cell that grades the learner's function, or the solution when the paramete
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from k3lab import env
@@ -50,14 +51,21 @@ def _task(name) -> Task:
     return TASKS[name]
 
 
+@functools.lru_cache(maxsize=64)
+def _cases(name: str, seed: int, device: str) -> tuple[Case, ...]:
+    """A task's cases, made once per (seed, device): grading never writes into them (the learner gets
+    copies), so a second check of the same task (a learner's next attempt) reuses them."""
+    return tuple(TASKS[name].cases(seed, device))
+
+
 def check(name: str, fn: Callable, *, seed: int = 0, verbose: bool = True) -> bool:
     """Grade `fn` on task `name`'s cases (fresh random inputs from `seed`) against the fp64 reference.
     Prints one line when verbose; returns True when every case passes. Unknown names are a ValueError."""
     task = _task(name)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    device = env.detect().device if task.on_device else "cpu"
-    ok, line = grade(task, fn, task.cases(seed, device))
+    device = str(env.detect().device) if task.on_device else "cpu"
+    ok, line = grade(task, fn, list(_cases(name, seed, device)))
     if verbose:
         print(line)
     return ok

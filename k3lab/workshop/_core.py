@@ -133,7 +133,8 @@ def _compare_one(name: str, got, ref, case: Case) -> str:
     _, tol = tolerance_for(case.dtype if case.dtype != EXACT else torch.float64)
     rel = abs(got - ref) / max(abs(ref), 1e-300)
     if not rel <= tol.max_rel:  # NaN fails too
-        return f"{name}: expected {ref:.6g}, got {got:.6g} (relative error {rel:.2e} > allowed {tol.max_rel:.0e})"
+        return (f"{name}: expected {ref:.6g}, got {got:.6g} "
+                f"(relative error {rel:.2e} > allowed {tol.max_rel:.0e})")
     return ""
 
 
@@ -153,7 +154,7 @@ def grade(task: Task, fn: Callable, cases: list[Case]) -> tuple[bool, str]:
             got = task.call(fn, case)
         except Mismatch as exc:
             return False, f"{where}: {exc}"
-        except Exception as exc:  # noqa: BLE001 - any failure of the learner's code is one line, not a traceback
+        except Exception as exc:  # noqa: BLE001 - a learner's failure is one line, never a traceback
             return False, f"{where}: your function raised {_first_line(exc)}"
         try:
             got = _as_tuple(task, got, "your result")

@@ -38,7 +38,8 @@ def _gated_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, D, eps, BLOCK: tl.conste
     tl.store(out_ptr + base + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def launch(kernel, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+def launch(kernel, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = EPS
+           ) -> torch.Tensor:
     """Run `kernel` (the skeleton's signature) over the rows of x [rows, D]: one program per row.
     Contiguous inputs of one dtype and device; returns out [rows, D] in x's dtype."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
@@ -110,7 +111,8 @@ def _cases(seed: int, device) -> list[Case]:
 
 def _reference(case: Case):
     x = case.inputs
-    return gated_rms_norm(x["x"].double().cpu(), x["gate"].double().cpu(), x["weight"].double().cpu(), x["eps"])
+    x64 = {k: x[k].double().cpu() for k in ("x", "gate", "weight")}
+    return gated_rms_norm(x64["x"], x64["gate"], x64["weight"], x["eps"])
 
 
 STUB = SKELETON

@@ -101,6 +101,7 @@ all-reduce: a copy of its shared partial with `RMSNorm(lat) @ up_rows.T` added i
 columns its rows produce. `check` runs your function as every rank, sums the buffers as `all_reduce`
 does, and compares the sum with the single-GPU layer (all of `up_proj`, fp64). No new collective: if
 each coordinate's routed part is added on exactly one rank, the existing sum assembles it.""",
-    signature="rank_tail(lat: Tensor[N, LAT], norm_weight: Tensor[LAT], eps: float, up_rows: Tensor[H/W, LAT], "
+    signature="rank_tail(lat: Tensor[N, LAT], norm_weight: Tensor[LAT], eps: float, "
+              "up_rows: Tensor[H/W, LAT], "
               "shared_partial: Tensor[N, H], rank: int, world_size: int) -> Tensor[N, H]",
     outputs=("out",), cases=_cases, reference=_reference, solution=rank_tail_solution, stub=STUB, run=_run)

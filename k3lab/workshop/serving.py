@@ -32,15 +32,19 @@ def _depth_cases(seed: int, device) -> list[Case]:
         decay = rng.uniform(0.55, 0.75) if kind == "steep acceptance decay" else rng.uniform(0.85, 1.0)
         acc = np.clip(first * decay ** np.arange(K), 0.01, 0.99)
         one = rng.uniform(5_000, 20_000)
-        extra = {"memory-bound verify": 0.01, "compute-bound verify": 0.2}.get(kind, 0.04) * one * rng.uniform(0.5, 1.5)
-        curve = rng.uniform(1.0, 1.3)  # verification grows a little faster than linearly
-        verify = [float(one + extra * (n - 1) ** curve) for n in range(1, K + 2)]
+        per_position = {"memory-bound verify": 0.01, "compute-bound verify": 0.2}.get(kind, 0.04)
+        extra = per_position * one * rng.uniform(0.5, 1.5)
+        curve = rng.uniform(1.0, 1.3)  # verification grows a little faster than linearly,
+        tile = int(rng.choice([3, 4, 5]))  # and steps up where the positions outgrow one tile of tokens
+        step = one * (rng.uniform(0.3, 0.5) if kind == "memory-bound verify" else rng.uniform(0.05, 0.2))
+        verify = [float(one + extra * (n - 1) ** curve + step * (n > tile)) for n in range(1, K + 2)]
         draft = one * (rng.uniform(0.1, 0.2) if kind == "slow drafter" else rng.uniform(0.01, 0.05))
         commit = one * rng.uniform(0.005, 0.02)
         rates = np.sort(_rates(acc, draft, verify, commit))
         if rates[-1] < rates[-2] * (1 + 1e-6):  # a near tie: the best depth would hang on rounding
             continue
-        inputs = {"acceptance": acc, "draft_step_us": float(draft), "verify_us": verify, "commit_us": float(commit)}
+        inputs = {"acceptance": acc, "draft_step_us": float(draft), "verify_us": verify,
+                  "commit_us": float(commit)}
         out.append(Case(f"{kind}, {K} drafts at most", inputs, EXACT))
     return out
 
@@ -83,7 +87,8 @@ DEPTH = Task(
 verify_us, commit_us)`: for each depth `k` the expected committed tokens per cycle (the accepted drafts
 plus the one recovery or bonus token) over the cycle time (k draft steps, one verification of `k + 1`
 positions, the commit), and return the `k` with the highest rate. `verify_us[n - 1]` is the
-verification of `n` positions. `check` compares with `k3lab.spec.best_depth` on eight cost curves.""",
+verification of `n` positions; it steps up where the positions outgrow one tile of tokens. `check`
+compares with `k3lab.spec.best_depth` on eight cost curves.""",
     signature="best_depth(acceptance: ndarray[K], draft_step_us: float, verify_us: list[float] (K + 1), "
               "commit_us: float) -> int",
     outputs=("depth",), cases=_depth_cases, reference=_depth_reference, solution=best_depth_solution,
@@ -94,8 +99,10 @@ verification of `n` positions. `check` compares with `k3lab.spec.best_depth` on 
 def _resume_cases(seed: int, device) -> list[Case]:
     rng = np.random.default_rng(seed)
     fixed = [  # (label, prompt_len, mla_reach, checkpoints, mla_block, tail_saved)
-        ("the seed's example: history to 3,100, blocks of 1,024", 3300, 3100, [1024, 2048, 3100], 1024, False),
-        ("the same with the tail saved beside the checkpoint at 3,100", 3300, 3100, [1024, 2048, 3100], 1024, True),
+        ("the seed's example: history to 3,100, blocks of 1,024", 3300, 3100, [1024, 2048, 3100], 1024,
+         False),
+        ("the same with the tail saved beside the checkpoint at 3,100", 3300, 3100, [1024, 2048, 3100],
+         1024, True),
         ("a checkpoint exactly at the last whole block", 4200, 4100, [2048, 4096], 64, False),
         ("the whole prompt cached, a checkpoint at its end", 5000, 5000, [2048, 4096, 5000], 16, True),
         ("no checkpoint the stored history covers", 900, 700, [768, 896], 64, False),

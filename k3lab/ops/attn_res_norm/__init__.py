@@ -49,7 +49,7 @@ BACKEND_ENV = "K3LAB_ATTN_RES_NORM_BACKEND"
 
 def before(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False):
     """The unfused sequence in plain PyTorch (the seed's "before"). Updates prefix/blocks in place."""
-    check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block)
+    check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block, eps)
     if delta is not None:
         prefix.copy_((prefix.float() + delta.float()).to(prefix.dtype))
     sources = torch.cat([blocks[:n_blocks], prefix.unsqueeze(0)]).float()  # [S, T, D]
@@ -80,7 +80,7 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     chooses; see `kernel_status`). config: a Triton `launch_config(...)` result to run instead of the
     one chosen for this device's unit count (implies kernel='triton').
     int_round: round bf16 with integer arithmetic (default: only under Triton's interpreter)."""
-    T, D = check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block)
+    T, D = check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block, eps)
     for name, t in (("prefix", prefix), ("blocks", blocks)) + ((("delta", delta),) if delta is not None else ()):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")

@@ -75,7 +75,7 @@ def cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_nor
                mix_weight=None):
     """Same arguments, effects and result as `attn_res_norm.before` (bf16 tensors on one GPU, hidden
     size a multiple of 8)."""
-    T, D = check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block)
+    T, D = check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block, eps)
     if prefix.dtype != torch.bfloat16:
         raise ValueError(f"prefix must be bfloat16 (the kernel stores bf16), got {prefix.dtype}")
     if D % 8:

@@ -6,11 +6,25 @@ from __future__ import annotations
 import torch
 
 from k3lab import env
+from k3lab.ops.mla_decode.inputs import positive_finite
 
 CLUSTER_MIN_BLOCKS = 4  # 5+ sources: below that one Triton program is faster than a cluster
 
 
-def check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block):
+def check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block, eps):
+    """(T, D) for one step's arguments; ValueError naming the first bad one, the same for every
+    backend and for `before`: shapes, dtypes, one device, n_blocks in the slots, eps positive and
+    finite (a negative eps makes the norm NaN, which nn's rms_norm refuses)."""
+    tensors = {"prefix": prefix, "delta": delta, "blocks": blocks, "res_norm_w": res_norm_w,
+               "res_proj_w": res_proj_w, "next_norm_w": next_norm_w}
+    for name, t in tensors.items():
+        if not (isinstance(t, torch.Tensor) or (t is None and name == "delta")):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t is not None and not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+        if t is not None and t.device != prefix.device:
+            raise ValueError(f"{name} is on {t.device} but prefix is on {prefix.device}: all must be on one "
+                             "device")
     if prefix.dim() != 2:
         raise ValueError(f"prefix must be [T, D], got shape {tuple(prefix.shape)}")
     T, D = prefix.shape
@@ -20,18 +34,19 @@ def check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
         raise ValueError(f"blocks must be [max_blocks, T={T}, D={D}], got {tuple(blocks.shape)}")
     if blocks.dtype != prefix.dtype:
         raise ValueError(f"blocks must have prefix's dtype {prefix.dtype}, got {blocks.dtype}")
-    if not 0 <= n_blocks <= blocks.shape[0] - (1 if push_block else 0):
-        raise ValueError(f"n_blocks must be in [0, {blocks.shape[0] - (1 if push_block else 0)}] for "
-                         f"{blocks.shape[0]} block slots (push_block={push_block}), got {n_blocks}")
+    slots = blocks.shape[0] - (1 if push_block else 0)
+    if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or not 0 <= n_blocks <= slots:
+        raise ValueError(f"n_blocks must be an int in [0, {slots}] for {blocks.shape[0]} block slots "
+                         f"(push_block={push_block}), got {n_blocks!r}")
     for name, w in (("res_norm_w", res_norm_w), ("res_proj_w", res_proj_w), ("next_norm_w", next_norm_w)):
         if w.shape != (D,):
             raise ValueError(f"{name} must be [D={D}], got {tuple(w.shape)}")
+    positive_finite("eps", eps)
     return T, D
 
 
 def rms(x, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
 
 
 def fold_mix_weight(res_norm_w, res_proj_w):

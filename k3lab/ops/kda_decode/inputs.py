@@ -3,11 +3,14 @@ example inputs, and the argument checks (ValueError naming the argument, before 
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 from k3lab.nn import KDACache
+from k3lab.ops.mla_decode.inputs import positive_finite
 
 HEAD_DIM = 128  # K = V = 128 in K3; the fused kernel is compiled for it
 CONV_SIZE = 4
@@ -130,10 +133,10 @@ def check_static(cache, weights, out, B, H, act, dev, state_layout, source="q") 
         raise ValueError(f"weights.dt_bias must be [H*K={H * K}], got {tuple(w.dt_bias.shape)}")
     if tuple(tensor_arg("weights.o_norm", w.o_norm).shape) != (K,):
         raise ValueError(f"weights.o_norm must be [{K}], got {tuple(w.o_norm.shape)}")
-    if not w.lower_bound < 0:
-        raise ValueError(f"weights.lower_bound must be negative, got {w.lower_bound}")
-    if not w.eps > 0:
-        raise ValueError(f"weights.eps must be positive, got {w.eps}")
+    positive_finite("weights.eps", w.eps)
+    lb = w.lower_bound
+    if isinstance(lb, bool) or not isinstance(lb, numbers.Real) or not math.isfinite(lb) or not lb < 0:
+        raise ValueError(f"weights.lower_bound must be a negative finite number, got {w.lower_bound!r}")
     tensors = {"cache.conv_q": cache.conv_q, "cache.conv_k": cache.conv_k, "cache.conv_v": cache.conv_v,
                "cache.state": S, "weights.conv_q": w.conv_q, "weights.conv_k": w.conv_k,
                "weights.conv_v": w.conv_v, "weights.A_log": w.A_log, "weights.dt_bias": w.dt_bias,

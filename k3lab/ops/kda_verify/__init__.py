@@ -105,7 +105,8 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
     """Verify T = 1..8 draft positions per sequence (after: narrow tiles where parallelism is short).
 
     Ragged batches: either `cu_seqlens` [N + 1] with tensors flattened to [1, total, ...] (fla's
-    convention; pass `max_seqlen` to skip a host read, and under graph capture), or `lengths` [B] with
+    convention; `max_seqlen`, at least the longest sequence, is checked against cu_seqlens by one host
+    read outside graph capture and required under it), or `lengths` [B] with
     padded [B, T, ...] tensors (positions at or past a length: o = 0, state not written).
     Returns (o in q's dtype, shaped like v; states), see the module docstring; `states_out` writes the
     states into a caller buffer of that shape.
@@ -114,10 +115,10 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
     (None: `choose_num_warps`); the CUDA kernel always runs 4 warps per tile. `backend`: force 'cuda'
     or 'triton' for the narrow path. `pdl`: the CUDA kernel as a programmatic dependent launch (None:
     on where supported, or as K3LAB_KDA_VERIFY_PDL says)."""
-    (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode) = prepare(
-        q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out, tile_v)
+    (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode, scale) = prepare(
+        q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out,
+        tile_v, scale)
     bv = tile_v or choose_tile_v(N, H, V)
-    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     common = {"scale": scale, "n_seq": N, "heads": H, "mode": mode, "all_states": not final_state_only}
     if bv > NARROW_MAX:
         if mode == 2:  # the streaming kernel skips padded positions: their output rows start at zero
@@ -141,10 +142,10 @@ def kda_verify_before(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens
                       num_warps=None):
     """The original verification kernel: 32-column tiles, 128-thread workgroups, run-time length,
     per-token loads (the streaming kernel). Same arguments and results as `kda_verify`."""
-    (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode) = prepare(
-        q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out, tile_v,
-        zero_outputs=True)
-    triton.launch_stream(q, k, v, g, beta, h0, o, hs, seq_info, scale=HEAD_DIM ** -0.5 if scale is None
-                         else float(scale), n_seq=N, heads=H, v_dim=V, mode=mode, all_states=not final_state_only,
-                         tile_v=tile_v, num_warps=num_warps or before_num_warps())
+    (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode, scale) = prepare(
+        q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out,
+        tile_v, scale, zero_outputs=True)
+    triton.launch_stream(q, k, v, g, beta, h0, o, hs, seq_info, scale=scale, n_seq=N, heads=H, v_dim=V,
+                         mode=mode, all_states=not final_state_only, tile_v=tile_v,
+                         num_warps=num_warps or before_num_warps())
     return o, hs

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from k3lab import env
+from k3lab.ops.mla_decode.inputs import positive_finite
 
 HEAD_DIM = 128  # K3's KDA head dim; the kernels hold one full K = 128 column of the state per lane group
 MAX_POSITIONS = 8  # drafts + 1 verified by one call; beyond this, use the chunked prefill path
@@ -89,6 +90,12 @@ def before_num_warps(wave_width: int | None = None) -> int:
 
 def check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile_v):
     """Validate shapes and dtypes; return (N sequences, T positions per call, H, V, ragged mode)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
+        raise ValueError(f"initial_state must be a float32 tensor or None, got "
+                         f"{type(initial_state).__name__}")
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
@@ -109,6 +116,14 @@ def check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
     if cu_seqlens is not None and lengths is not None:
         raise ValueError("give cu_seqlens or lengths, not both")
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
+                                   or max_seqlen < 1):
+        raise ValueError(f"max_seqlen must be a positive int (the longest sequence), got {max_seqlen!r}")
+    for name, t in (("cu_seqlens", cu_seqlens), ("lengths", lengths)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be an int32/int64 tensor on q's device, got {type(t).__name__}")
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device} (the kernels read it), got {t.device}")
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens, q must be [1, total_tokens, H, K] (flattened), got B={B}")
@@ -117,17 +132,7 @@ def check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile
                              f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
         N = cu_seqlens.numel() - 1
         mode = 1
-        if max_seqlen is None:
-            # One host read, which also checks the offsets; pass max_seqlen to skip it (needed under
-            # graph capture): the caller then promises no sequence is longer and cu_seqlens[-1] == T.
-            if capturing():
-                raise ValueError("under graph capture, pass max_seqlen with cu_seqlens (it cannot be read)")
-            seq_lens = cu_seqlens[1:] - cu_seqlens[:-1]
-            if int(cu_seqlens[0]) != 0 or int(seq_lens.min()) < 0 or int(cu_seqlens[-1]) != T:
-                raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the token count {T}, "
-                                 f"got {cu_seqlens.tolist()}")
-            max_seqlen = int(seq_lens.max())
-        steps = max_seqlen
+        steps = _check_offsets(cu_seqlens, T, max_seqlen)
     elif lengths is not None:
         if lengths.dim() != 1 or lengths.numel() != B or lengths.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"lengths must be a 1-D int32/int64 tensor [B={B}], got "
@@ -139,6 +144,9 @@ def check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile
             raise ValueError(f"lengths must lie in 0..T={T} (the padded length), got {lengths.tolist()}")
     else:
         N, mode, steps = B, 0, T
+        if max_seqlen is not None and max_seqlen != T:
+            raise ValueError(f"without cu_seqlens or lengths, max_seqlen must be T={T} (q.shape[1]), "
+                             f"got {max_seqlen}")
     if not 1 <= steps <= MAX_POSITIONS:
         raise ValueError(f"T (positions per sequence) must be in 1..{MAX_POSITIONS}, got {steps}")
     if initial_state is not None:
@@ -147,28 +155,65 @@ def check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile
                              f"got {initial_state.dtype}")
         if initial_state.shape != (N, H, K, V):
             raise ValueError(f"initial_state must be [N={N}, H={H}, K={K}, V={V}], got {tuple(initial_state.shape)}")
+    if initial_state is not None and initial_state.device != q.device:
+        raise ValueError(f"initial_state must be on q's device {q.device}, got {initial_state.device}")
     if tile_v is not None and (tile_v not in TILE_WIDTHS or V % tile_v):
         raise ValueError(f"tile_v must be one of {TILE_WIDTHS} and divide V={V}, got {tile_v}")
     return N, steps, H, V, mode
+
+
+def _check_offsets(cu_seqlens: torch.Tensor, T: int, max_seqlen: int | None) -> int:
+    """The positions the kernels compile in for a flattened batch: `max_seqlen`, or the longest
+    sequence when it is None. Outside graph capture the offsets are read on the host and checked
+    (start at 0, never decrease, end at T) together with the promise `max_seqlen` >= every length:
+    the narrow kernel runs exactly `max_seqlen` positions, so a longer sequence would leave its
+    later outputs and states unwritten. The read costs one device-to-host copy of N + 1 integers
+    (one sync, a few microseconds); graph replay, where that would matter, skips it. Under capture
+    nothing can be read: `max_seqlen` is required and is the caller's promise."""
+    if capturing():
+        if max_seqlen is None:
+            raise ValueError("under graph capture, pass max_seqlen with cu_seqlens (it cannot be read)")
+        return max_seqlen
+    offsets = cu_seqlens.tolist()  # the one host read
+    seq_lens = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+    if offsets[0] != 0 or min(seq_lens) < 0 or offsets[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the token count {T}, "
+                         f"got {offsets}")
+    longest = max(seq_lens)
+    if max_seqlen is not None and max_seqlen < longest:
+        raise ValueError(f"max_seqlen = {max_seqlen} is shorter than the longest sequence in cu_seqlens "
+                         f"({longest}, lengths {seq_lens})")
+    return longest if max_seqlen is None else max_seqlen
 
 
 def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def check_scale(scale) -> float:
+    """The query scale: HEAD_DIM^-0.5 when None, else a positive finite number (ValueError otherwise),
+    the rule of the reference (k3lab.nn.kda) and of every backend."""
+    return HEAD_DIM ** -0.5 if scale is None else positive_finite("scale", scale)
+
+
 def states_buffer(states_out, shape, device):
     if states_out is None:
         return torch.empty(shape, dtype=torch.float32, device=device)
-    if states_out.shape != shape or states_out.dtype != torch.float32 or not states_out.is_contiguous():
-        raise ValueError(f"states_out must be a contiguous float32 tensor of shape {shape}, got "
-                         f"{states_out.dtype} {tuple(states_out.shape)}")
+    if (not isinstance(states_out, torch.Tensor) or states_out.shape != shape
+            or states_out.dtype != torch.float32 or not states_out.is_contiguous()
+            or states_out.device != device):
+        got = (f"{states_out.dtype} {tuple(states_out.shape)} on {states_out.device}"
+               if isinstance(states_out, torch.Tensor) else type(states_out).__name__)
+        raise ValueError(f"states_out must be a contiguous float32 tensor of shape {shape} on {device}, "
+                         f"got {got}")
     return states_out
 
 
 def prepare(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out,
-            tile_v, zero_outputs=False):
+            tile_v, scale=None, zero_outputs=False):
     """Checked, contiguous inputs and the output buffers every kernel takes: (q, k, v, g, beta, h0, o,
-    states, seq_info, N, steps, H, V, mode)."""
+    states, seq_info, N, steps, H, V, mode, scale as a float)."""
+    scale = check_scale(scale)
     N, steps, H, V, mode = check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile_v)
     B, T = q.shape[:2]
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
@@ -183,7 +228,7 @@ def prepare(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, fi
     # the before kernel skips dead padded positions, so their output rows must start at zero
     o = (torch.zeros_like if zero_outputs and mode == 2 else torch.empty_like)(v, dtype=q.dtype)
     seq_info = cu_seqlens if mode == 1 else lengths if mode == 2 else h0  # h0: an unused placeholder
-    return q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode
+    return q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode, scale
 
 
 # ----------------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ import torch
 
 from k3lab.ops.mla_decode import cuda, triton
 from k3lab.ops.mla_decode.inputs import (DEFAULT_SCALE, LATENT_DIM, MAX_Q_LEN, MMA_ROWS, VALUE_DIM, LaunchConfig,
-                                         choose_num_splits, choose_splits, gather_paged, split_cost, to_paged)
+                                         check_scale, choose_num_splits, choose_splits, gather_paged,
+                                         split_cost, to_paged)
 from k3lab.ops.mla_decode.triton import DecodePlan, after_groups
 
 BACKEND_ENV = "K3LAB_MLA_BACKEND"
@@ -191,6 +192,7 @@ def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, backend
     """Validate once and return a launchable plan of the conservative decode (one program per
     query row, whole history, no matrix units). `plan()` returns (o, lse); plan.backend says which
     backend runs."""
+    check_scale(scale)  # one rule for every backend: positive and finite
     name, _ = choose_backend("before", q, cache, lengths, block_table, backend=backend)
     return BACKENDS[name].plan("before", q, cache, lengths, block_table=block_table, scale=scale)
 
@@ -207,6 +209,7 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     length; asking for one selects the CUDA backend). backend: see `choose_backend`."""
     if pad not in ("registers", "copy"):
         raise ValueError(f"pad must be 'registers' or 'copy', got {pad!r}")
+    check_scale(scale)  # one rule for every backend: positive and finite
     name, _ = choose_backend("after", q, cache, lengths, block_table, backend=backend, pad=pad,
                              fold_heads=fold_heads, form=form)
     return BACKENDS[name].plan("after", q, cache, lengths, block_table=block_table, scale=scale,

@@ -13,6 +13,7 @@ Two split policies cut a request's history into pieces run by separate programs:
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ MMA_ROWS = 16  # the fewest rows a matrix-unit tile takes (mma.sync, MFMA, tl.do
 MAX_Q_LEN = 8  # verification group: the draft tokens plus one
 MAX_SPLITS = 512  # Triton policy's upper bound on pieces per request
 LOG2E = 1.0 / math.log(2.0)  # kernels work in base 2 and convert the lse once at the end
+FP32_TINY, FP32_MAX = 2.0 ** -126, (2.0 - 2.0 ** -23) * 2.0 ** 127  # fp32's normal range (kernel scalars)
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,9 @@ def _check_cache(q, cache) -> None:
 
 
 def _check_table(block_table, cache, B: int, dev) -> tuple[bool, int, int, torch.Tensor]:
-    """(paged, page_size, capacity, int32 block table) for a block table or None (contiguous)."""
+    """(paged, page_size, capacity, block table) for a block table or None (contiguous). The table
+    comes back in its own dtype: `validate` range-checks the page ids before narrowing them to int32
+    (an int64 id of 2**32 + 1 would otherwise wrap to page 1)."""
     if block_table is None:
         if cache.shape[0] != B:
             raise ValueError(f"contiguous cache must be [B={B}, L, {LATENT_DIM}], got {tuple(cache.shape)} "
@@ -113,7 +117,7 @@ def _check_table(block_table, cache, B: int, dev) -> tuple[bool, int, int, torch
     page_size = cache.shape[1]
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page size (cache.shape[1]) must be a power of two, got {page_size}")
-    return True, page_size, block_table.shape[1] * page_size, block_table.to(torch.int32).contiguous()
+    return True, page_size, block_table.shape[1] * page_size, block_table
 
 
 def validate(q, cache, lengths=None, block_table=None, *, max_heads: int | None = None) -> Inputs:
@@ -148,19 +152,32 @@ def validate(q, cache, lengths=None, block_table=None, *, max_heads: int | None 
             raise ValueError(f"lengths[{b}] = {n} is shorter than q_len {Tq} (the new tokens are in the cache)")
     if paged:
         used = (torch.tensor(lens_host, device=dev) + page_size - 1) // page_size
-        pages = bt[torch.arange(bt.shape[1], device=dev)[None, :] < used[:, None]]
+        pages = bt[torch.arange(bt.shape[1], device=dev)[None, :] < used[:, None]].long()
         if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= cache.shape[0]):
             raise ValueError(f"block_table holds page ids outside the pool [0, {cache.shape[0]}) for positions "
                              f"in use: min {int(pages.min())}, max {int(pages.max())}")
+    # Narrowed only now, every id in use checked: ids past a request's length are never read. An
+    # int32 table stays the caller's tensor, so a plan sees the caller's later page assignments.
+    bt = bt.to(torch.int32).contiguous()
     return Inputs(B, Tq, H, cache, paged, page_size, bt, lens, lens_host, capacity)
+
+
+def positive_finite(name: str, value) -> float:
+    """`value` as a float; ValueError naming `name` unless it is a real number (not a bool, not a
+    tensor, which would cost a host sync), finite and > 0, and a normal fp32 number (the kernels take
+    it in fp32, where 1e39 is inf and 1e-45 is 0). The one rule for the scales and epsilons of every
+    op and backend: a NaN scale gives an all-NaN output, a negative one a different softmax, a
+    negative eps a NaN norm, and the references and the CUDA backends refuse them."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or not FP32_TINY <= value <= FP32_MAX):
+        raise ValueError(f"{name} must be a positive finite number within fp32's normal range "
+                         f"[{FP32_TINY:.3g}, {FP32_MAX:.3g}], got {value!r}")
+    return float(value)
 
 
 def check_scale(scale) -> float:
     """The softmax scale as a float (default 192^-0.5); ValueError unless positive and finite."""
-    s = DEFAULT_SCALE if scale is None else scale
-    if not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s) or s <= 0:
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    return float(s)
+    return DEFAULT_SCALE if scale is None else positive_finite("scale", scale)
 
 
 def check_num_splits(num_splits, upper: int) -> None:

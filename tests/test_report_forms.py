@@ -11,7 +11,7 @@ import torch
 from k3lab import cli, studies
 from k3lab.report import eta
 from k3lab.report.eta import Plan, Progress, expected_seconds, fmt_duration
-from k3lab.studies import CPU_CASES, GPU_ONLY, GPU_QUICK, STUDIES, load_study, report_form
+from k3lab.studies import CPU_CASES, CPU_KWARGS, GPU_ONLY, GPU_QUICK, STUDIES, load_study, report_form
 
 
 # ------------------------------------------------------------------ the forms
@@ -26,7 +26,11 @@ def test_every_study_has_a_quick_form_on_both_kinds_of_machine():
         assert q.cases == (None if GPU_QUICK[name].cases is None else list(GPU_QUICK[name].cases))
         assert q.kwargs == GPU_QUICK[name].kwargs and q.kwargs is not GPU_QUICK[name].kwargs  # a copy
         if name not in GPU_ONLY:
-            assert report_form(name, gpu=False).cases == CPU_CASES[name]
+            cpu = report_form(name, gpu=False)
+            assert cpu.cases == CPU_CASES[name] and cpu.kwargs == CPU_KWARGS.get(name, {})
+            inspect.signature(load_study(name).run).bind(preset=None, cases=cpu.cases, **cpu.kwargs)
+            if cpu.cases is not None:
+                assert set(cpu.cases) <= set(load_study(name).case_names()), name
     assert report_form("kda_decode_bench", gpu=True).cases == ["B1_H12", "B128_H12"]  # an alias resolves
     with pytest.raises(ValueError, match="unknown study 'nope'"):
         report_form("nope", gpu=True)
@@ -79,8 +83,9 @@ def test_the_quick_gpu_report_is_planned_within_ten_minutes():
 def test_expected_seconds_reads_the_table_and_the_budgets():
     assert expected_seconds("gpu", "quick", "study:decode_step") == GPU_QUICK["decode_step"].budget_s
     assert expected_seconds("gpu", "full", "study:decode_step") == 397
-    assert expected_seconds("cpu", "quick", "notebook:05_kda_scan") == eta.EXPECTED_S["cpu"]["notebook:05_kda_scan"]
-    assert expected_seconds("cpu", "full", "study:kda_scan") == expected_seconds("cpu", "quick", "study:kda_scan")
+    cpu = eta.EXPECTED_S["cpu"]
+    assert expected_seconds("cpu", "quick", "notebook:05_kda_scan") == cpu["notebook:05_kda_scan"]
+    assert expected_seconds("cpu", "full", "study:kda_scan") == cpu["study:kda_scan"]
     assert expected_seconds("gpu", "quick", "notebook:99_new") == eta.DEFAULT_S["gpu"]
     with pytest.raises(ValueError, match="kind must be"):
         expected_seconds("tpu", "quick", "kernels")
@@ -248,7 +253,8 @@ def test_a_quick_form_with_fewer_cases_says_so_on_the_page(tmp_path):
 
     run = LiveRun("kda_verify", [], "passed", 1.0, form="quick", cases=["b1_t4"], why="the first page's case")
     page = study_section(run, studies_root(), gpu=False)
-    assert "quick form: cases b1_t4 (the first page&#x27;s case)" in page and "--full</code> runs every case" in page
+    assert "quick form: cases b1_t4 (the first page&#x27;s case)" in page
+    assert "--full</code> runs every case" in page
 
 
 def studies_root():
@@ -261,3 +267,14 @@ def test_report_form_names_a_study_with_no_form(monkeypatch):
     monkeypatch.delitem(studies.GPU_QUICK, "dcp")
     with pytest.raises(ValueError, match="study 'dcp' has no GPU quick form"):
         report_form("dcp", gpu=True)
+
+
+def test_the_cpu_forms_one_sample_reaches_the_records():
+    from k3lab.studies import kda_verify
+
+    form = report_form("kda_verify", gpu=False)
+    assert form.kwargs == {"repeats": 1}
+    recs = kda_verify.run(cases=form.cases, **form.kwargs)
+    assert recs and {r.extra["repeats"] for r in recs} == {1}
+    with pytest.raises(ValueError, match="repeats must be a positive integer"):
+        kda_verify.run(cases=form.cases, repeats=0)

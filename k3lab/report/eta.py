@@ -171,7 +171,8 @@ class Plan:
             return max(0.0, s.expected * k - (now - s.started))
 
         serial = sum(left(s) for s in self.steps if not s.parallel)
-        running = sorted(left(s) for s in self.steps if s.parallel and s.started is not None and s.finished is None)
+        running = sorted(left(s) for s in self.steps
+                         if s.parallel and s.started is not None and s.finished is None)
         pending = [left(s) for s in self.steps if s.parallel and s.started is None]
         slots = (running + [0.0] * self.workers)[: max(self.workers, len(running))]
         for p in pending:

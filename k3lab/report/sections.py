@@ -71,9 +71,10 @@ def run_study(name: str, preset: str | None, out: Path, gpu: bool, t0: float, fu
     except StudyNotAvailable as exc:
         run = LiveRun(name, status=f"skipped ({exc})")
     except Exception:
-        run = LiveRun(name, status="FAILED", seconds=time.perf_counter() - start, error=traceback.format_exc(),
-                      **meta)
-    over = f" (over its budget of {budget_s:.0f} s)" if budget_s is not None and run.seconds > budget_s else ""
+        run = LiveRun(name, status="FAILED", seconds=time.perf_counter() - start,
+                      error=traceback.format_exc(), **meta)
+    over = (f" (over its budget of {budget_s:.0f} s)" if budget_s is not None and run.seconds > budget_s
+            else "")
     progress(t0, f"study {name}: {run.status} in {run.seconds:.0f} s{over}")
     return run
 

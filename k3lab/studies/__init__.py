@@ -8,10 +8,10 @@ costs nothing to the others. `GPU_ONLY` studies need a GPU to run at all; `HOST_
 code, so their CPU timings mean what they say.
 
 What `k3lab report` runs of each study (`report_form`): by default a quick form, on a CPU `CPU_CASES`
-and on a GPU `GPU_QUICK`; with `--full`, every case. The quick forms still check every variant of the
-study against its reference at least once, and time the cases the notebooks and the report's first
-page show; the rest (sweeps, the grid of shapes) is left to `--full`, and the page shows the committed
-records for it.
+(with `CPU_KWARGS`) and on a GPU `GPU_QUICK`; with `--full`, every case. The quick forms still check
+every variant of the study against its reference at least once, and time the cases the notebooks and
+the report's first page show; the rest (sweeps, the grid of shapes) is left to `--full`, and the page
+shows the committed records for it.
 """
 
 from __future__ import annotations
@@ -65,6 +65,14 @@ CPU_CASES: dict[str, list[str] | None] = {
     "draft_depth": ["cycles_depth4", "tokens_v8_depth4"],
     "decode_step": ["tiny_b1_ctx8"],
     "agent_cache": ["sim_small"],
+}
+# run() keywords of the CPU form: there a timing in the interpreter says nothing, so one sample will do
+# and no profiler pass (the whole-step variants take seconds each in the interpreter)
+CPU_KWARGS: dict[str, dict] = {
+    "mla_padding": {"repeats": 1},
+    "kda_scan": {"repeats": 1},
+    "kda_verify": {"repeats": 1},
+    "decode_step": {"repeats": 1, "profile": False},
 }
 
 
@@ -198,8 +206,8 @@ class ReportForm:
 
 def report_form(name: str, gpu: bool, full: bool = False) -> ReportForm:
     """The form `k3lab report` runs of study `name`: every case with `full`, else on a GPU its
-    GPU_QUICK entry, on a CPU its CPU_CASES entry. ValueError for an unknown study or one that has
-    no quick form for this kind of machine (every registered study must have one)."""
+    GPU_QUICK entry, on a CPU its CPU_CASES and CPU_KWARGS entries. ValueError for an unknown study or
+    one that has no quick form for this kind of machine (every registered study must have one)."""
     name = canonical(name)
     if full:
         return ReportForm(None, {}, "full")
@@ -211,5 +219,5 @@ def report_form(name: str, gpu: bool, full: bool = False) -> ReportForm:
     if name not in CPU_CASES and name not in GPU_ONLY:
         raise ValueError(f"study {name!r} has no CPU form in CPU_CASES")
     cases = CPU_CASES.get(name)
-    return ReportForm(None if cases is None else list(cases), {}, "quick",
-                      "the smallest cases that run every kernel (Triton's interpreter)")
+    return ReportForm(None if cases is None else list(cases), dict(CPU_KWARGS.get(name, {})), "quick",
+                      "the smallest cases that run every kernel, one timed sample (Triton's interpreter)")

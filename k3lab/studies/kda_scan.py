@@ -361,13 +361,17 @@ def run(
     graph: bool = False,
     strict: bool = True,
     backend: str | None = None,
+    repeats: int | None = None,
 ) -> list[bench.Record]:
     """Check every variant against the fp64 reference (raising on failure), then time it. Returns
     records (not saved). `cases`: names from case_names() or crossover_cases() or any h{H}_b{B}_t{T}
     ('<case>.parts': `prologue_parts` of that case); `variants`: a subset of before / after / fla;
     `backend`: a name of `kda_chunk.BACKENDS` for both k3lab variants (None: the dispatcher's choice,
     what the committed records ran). strict=False records a failed check in the record's error
-    (error['failed']) and still times it (for exploring, never for committed references)."""
+    (error['failed']) and still times it (for exploring, never for committed references). `repeats`:
+    timed samples per variant (None: 50, or 20 for the big cases, on a GPU; 2 in the interpreter)."""
+    if repeats is not None and (not isinstance(repeats, int) or repeats < 1):
+        raise ValueError(f"repeats must be a positive integer or None, got {repeats!r}")
     names = case_names(preset) if cases is None else list(cases)
     records = []
     for name in names:
@@ -383,7 +387,8 @@ def run(
             if variants is not None and variant not in variants:
                 continue
             err = _run_and_check(case, inp, fn, ref, strict)
-            timing = bench.time_fn(fn, graph=graph, **_timing_kw(case))
+            kw = {**_timing_kw(case), **({"repeats": repeats} if repeats else {})}
+            timing = bench.time_fn(fn, graph=graph, **kw)
             gs = runner.group_size if variant == "after" else None
             plan = runner.plan_after if variant == "after" else runner.plan_before
             records.append(

@@ -260,9 +260,12 @@ def _timing_args(graph: bool, n_sets: int) -> dict:
     return {"warmup": 10, "repeats": 100}
 
 
-def run(preset=None, cases=None, *, modes=None) -> list[bench.Record]:
+def run(preset=None, cases=None, *, modes=None, repeats: int | None = None) -> list[bench.Record]:
     """Check every variant of every case against the fp64 reference, then time it (eager and graph
-    replay on a GPU, perf_counter on CPU; the sweep and ablation cases in graph replay only)."""
+    replay on a GPU, perf_counter on CPU; the sweep and ablation cases in graph replay only).
+    `repeats`: timed samples per variant and mode (None: 100 on a GPU, 3 on a CPU)."""
+    if repeats is not None and (not isinstance(repeats, int) or repeats < 1):
+        raise ValueError(f"repeats must be a positive integer or None, got {repeats!r}")
     chosen = select_cases(case_names(preset), cases)
     H = _heads(preset)
     dev = _env.detect().device
@@ -298,7 +301,8 @@ def run(preset=None, cases=None, *, modes=None) -> list[bench.Record]:
             err = check_result(o, states, ref_o.to(o.device), ref_states.to(o.device),
                                final_only=final_only or vs["kind"] == "fla")
             for mode in case_modes:
-                t = bench.time_fn(fn, rotate=sets, **_timing_args(mode == "graph", len(sets)))
+                kw = _timing_args(mode == "graph", len(sets))
+                t = bench.time_fn(fn, rotate=sets, **{**kw, **({"repeats": repeats} if repeats else {})})
                 fl = floor_parts(B, T, H, in_bytes, final_only=final_only or vs["kind"] == "fla", mode=t.mode)
                 extra = {"kernel": kernel_name(vs["kind"], vs["tile_v"], vs.get("backend")),
                          "backend": vs.get("backend"), "pdl": _pdl_used(vs),

@@ -278,3 +278,42 @@ def test_the_cpu_forms_one_sample_reaches_the_records():
     assert recs and {r.extra["repeats"] for r in recs} == {1}
     with pytest.raises(ValueError, match="repeats must be a positive integer"):
         kda_verify.run(cases=form.cases, repeats=0)
+
+
+def test_kernel_builds_run_in_parallel_with_the_loaders_flags_and_name_failures(monkeypatch):
+    import threading
+    import time
+
+    from k3lab.ops import _build
+    from k3lab.report import kernels
+
+    assert kernels.build_all() == ([], "no GPU visible to torch: nothing to build")
+    names = kernels.sources()
+    assert "kda_decode" in names and len(names) == len(list(_build.KERNEL_DIR.glob("*.cu")))
+    calls, lock, inside = [], threading.Lock(), [0, 0]  # [now, most at once]
+
+    def compile_kernel(name, *, kind, target, output):
+        with lock:
+            calls.append((name, kind, target, output))
+            inside[0] += 1
+            inside[1] = max(inside[1], inside[0])
+        time.sleep(0.2)
+        with lock:
+            inside[0] -= 1
+        if name == "kda_decode":
+            raise _build.KernelUnavailable("nvcc failed on kernels/kda_decode.cu\nsecond line")
+        return f"/cache/{name}.so"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_build, "device_target", lambda: ("nvcc", "sm_90a"))
+    monkeypatch.setattr(_build, "find_toolchain", lambda kind: _build.Toolchain(kind, "/bin/nvcc", "v13"))
+    monkeypatch.setattr(_build, "compile_kernel", compile_kernel)
+    results, note = kernels.build_all()
+    assert note == "nvcc for sm_90a" and sorted(c[0] for c in calls) == names
+    assert all(c[1:] == ("nvcc", "sm_90a", "shared") for c in calls)  # what _build.load compiles
+    assert inside[1] == len(names)  # all at once
+    status = {n: s for n, _, s in results}
+    assert status.pop("kda_decode") == "FAILED: nvcc failed on kernels/kda_decode.cu"
+    assert set(status.values()) == {"built"}
+    with pytest.raises(ValueError, match="max_workers"):
+        kernels.build_all(max_workers=0)

@@ -174,7 +174,7 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
     names = [canonical(n) for n in (studies if studies is not None else STUDIES)]
     nb_paths = notebook_paths(notebooks) if run_notebooks else []
     plan = Plan(workers=workers)
-    if run_studies and gpu:
+    if gpu and (run_studies or nb_paths):  # studies and notebooks then find every .cu built
         plan.add("kernels", expected_seconds(kind, form, "kernels"))
     for n in names if run_studies else []:
         if gpu or n not in GPU_ONLY:
@@ -187,7 +187,7 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
                  f"{fmt_duration(plan.eta(time.time()))} on this {kind.upper()}")
     kernel_line = ""
     with Progress(plan, t0, tty=tty) as bar:
-        if run_studies and gpu:
+        if plan.get("kernels") is not None:
             bar.start("kernels")
             kernel_line = _build_kernels(t0)
             bar.finish("kernels")

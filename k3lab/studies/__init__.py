@@ -220,4 +220,4 @@ def report_form(name: str, gpu: bool, full: bool = False) -> ReportForm:
         raise ValueError(f"study {name!r} has no CPU form in CPU_CASES")
     cases = CPU_CASES.get(name)
     return ReportForm(None if cases is None else list(cases), dict(CPU_KWARGS.get(name, {})), "quick",
-                      "the smallest cases that run every kernel, one timed sample (Triton's interpreter)")
+                      "the smallest cases that run every kernel, one timed sample, in Triton's interpreter")

@@ -63,22 +63,28 @@ def amd_figures(amdgcn: str, shared: int, num_warps: int, target: Target) -> dic
     return out
 
 
-def ptxas_path() -> str | None:
-    import triton
+def ptxas_path(arch: int = 90) -> str | None:
+    """The ptxas Triton itself runs for compute capability `arch` (its NVIDIA backend's `get_ptxas`: the
+    bundled 'ptxas', or from Triton 3.9 on 'ptxas-blackwell' for sm_90 too, the one that reads the PTX
+    version that Triton writes), or None where that file is missing."""
+    from triton.backends.nvidia.compiler import get_ptxas
 
-    p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    p = Path(get_ptxas(arch).path)
     return str(p) if p.exists() else None
 
 
 def ptxas_report(ptx: str, workdir: str, arch: str = "sm_90a") -> str:
-    """ptxas -v's report of a PTX text (Triton's bundled ptxas), or '' where there is none."""
-    ptxas = ptxas_path()
+    """ptxas -v's report of a PTX text (the ptxas Triton uses for `arch`), or '' where there is none.
+    RuntimeError with ptxas's message when it refuses the PTX (the figures would otherwise be blank)."""
+    ptxas = ptxas_path(int(re.sub(r"\D", "", arch)))
     if ptxas is None:
         return ""
     src = Path(workdir) / "k.ptx"
     src.write_text(ptx)
     res = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(workdir) / "k.cubin")],
                          capture_output=True, text=True, timeout=300, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"{ptxas} -v --gpu-name={arch} failed ({res.returncode}): {res.stderr.strip()[-400:]}")
     return res.stdout + res.stderr
 
 

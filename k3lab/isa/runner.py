@@ -3,7 +3,8 @@
 `compile_all(targets, cases, workers, timeout_s)` returns one row per (case, kernel launch, target).
 Each target's work runs in a worker process of its own (`k3lab.isa.worker`), at most `workers` at once;
 a compile that aborts the process or passes `timeout_s` becomes an error row for that kernel, and a
-fresh worker carries on with the rest. Results are cached by key (the kernel's source and its
+fresh worker carries on with the rest. Workers see no GPU (`worker_env`), so the report is the same on
+a machine with one as on a CPU. Results are cached by key (the kernel's source and its
 dependencies' source, argument types, constexprs, attributes, options, target, Triton's version and
 the code that reads the figures) under $K3LAB_ISA_CACHE (default ~/.cache/k3lab/isa); `cache=False`
 skips it.
@@ -32,15 +33,30 @@ class WorkerDied(RuntimeError):
     pass
 
 
+# Every way a CUDA or ROCm runtime is told which devices it sees: the worker sees none.
+HIDE_DEVICES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def worker_env() -> dict:
+    """The environment of a compile worker: compiled Triton (TRITON_INTERPRET=0), one BLAS thread unless
+    the caller set OMP_NUM_THREADS, this checkout first on PYTHONPATH, and no GPU visible. The launches
+    it captures are the ones the op picks on the *target*: with the machine's own GPU visible the ops'
+    GPU-only steps would run too (the MLA after-plan launches once more to read the compiled kernel's
+    occupancy from the real device), so a GPU machine would report other launches than a CPU one."""
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.update(dict.fromkeys(HIDE_DEVICES, ""))
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
 class _Proc:
     """A worker process for one target and the line protocol to it."""
 
     def __init__(self, target: str):
         self.target = target
         self.err = tempfile.TemporaryFile(mode="w+b")
-        env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env = worker_env()
         self.p = subprocess.Popen([sys.executable, "-m", "k3lab.isa.worker", target], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=self.err, env=env)
         self.buf = b""

@@ -6,7 +6,9 @@ imported), then answers JSON requests, one a line, on stdin:
   {"cmd": "compile", "case": C, "index": I} -> {"row": {...}}  (the figures, or "error")
 Answers go to the process's original stdout, prefixed with PREFIX; everything else anything prints
 (Triton's MLIR dumps, C-level messages) goes to stderr. Runs with TRITON_INTERPRET=0 (the runner
-sets it). A backend that aborts kills only this process; the runner starts another.
+sets it) and sees no GPU: it refuses to start where one is visible, since the ops' launch policies would
+then read this machine rather than the target. A backend that aborts kills only this process; the runner
+starts another.
 """
 
 from __future__ import annotations
@@ -42,8 +44,14 @@ def _root_cause(exc: BaseException) -> str:
 
 class Worker:
     def __init__(self, target_name: str):
+        import torch
+
         from k3lab.isa.targets import TARGETS
 
+        if torch.cuda.is_available():  # the runner hides them (runner.worker_env); a caller that did not
+            raise RuntimeError(
+                f"the ISA worker for {target_name} sees a GPU ({torch.cuda.get_device_name(0)}): the ops would "
+                "pick their launches for this machine, not the target; start it with runner.worker_env()")
         self.target = TARGETS[target_name]
         from k3lab.isa import cases
 

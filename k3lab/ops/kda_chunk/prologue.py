@@ -15,11 +15,13 @@ column block J,
 the left factor <= 1, the middle one <= 1 below the diagonal and e^(-bs_I) on it, c = k e^(E_J - G) <= 1,
 so the four row blocks are one batched dot against c scaled by the [4, 4] middle factors and nothing
 overflows. A diagonal block whose decay spread exceeds SAFE_SPREAD (never for K3's gate, g > -5) needs
-exact pairwise decays instead: the main 'a' pass leaves it out and flags the chunk, a fix-up pass redoes
-only flagged chunks with the exact path (keeping that path out of the main kernel keeps it free of
-register spills). The inverse and W / U run in their own launches at the few warps their small tiles
-need. docs/kda_scan.md has the forms measured against this one. In this module's form (the fix-up
-pass selected by one constexpr) it has run in Triton's interpreter only: not yet run on a GPU.
+exact pairwise decays instead: the main 'a' pass leaves it out and flags the chunk; a fix-up launch
+(`_fixup_kernel`) rewrites only the flagged chunks' four diagonal blocks with exact pairwise decays, as
+[4, 16, 16, 4-channel] broadcasts, with no row loop (keeping that path out of the main kernel keeps the
+main kernel free of register spills; a loop over rows inside it spilled scalar registers on AMD). The
+inverse and W / U run in their own launches at the few warps their small tiles need. docs/kda_scan.md
+has the forms measured against this one. The fix-up launch in this form has run in Triton's
+interpreter only: not yet on a GPU (on K3's gate its programs read one flag and stop).
 """
 
 from __future__ import annotations
@@ -29,13 +31,16 @@ from collections.abc import Callable
 import triton
 import triton.language as tl
 
-from k3lab import env
-
 from .inputs import CHUNK, FAST_EXP, HEAD_DIM, SAFE_SPREAD, SUB, dot_precisions
 from .plan import KdaPlan, Work
 
 A_BLOCK_K = 32  # key channels per pass of the A launch (255 registers, no spills on sm_90a)
 A_WARPS = 4
+# the fix-up pass: key channels per step of its [4, 16, 16, BK] pairwise tiles, and warps. At 4 x 8 no
+# target spills with Triton 3.6 or 3.9 (k3lab.isa: 66-76 VGPRs and 71-96 SGPRs on gfx942 / gfx950, 64-100
+# registers on sm_90a, two programs per H200 SM like the main pass)
+FIX_BLOCK_K = 4
+FIX_WARPS = 8
 INV_WARPS = 1  # 16 x 16 tiles: one warp, no spills
 WU_BLOCK_K = 64
 WU_WARPS = 4
@@ -58,14 +63,12 @@ def _exp(x, FAST: tl.constexpr):
 @triton.jit
 def _a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out, aqk_base, r_base,
                  K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
-                 AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr,
-                 UNROLL: tl.constexpr):
+                 AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, FAST: tl.constexpr):
     """Akk (fp32, R buffer), Aqk, Qg, W's right factor (in W's buffer), Kd^T and d of one chunk, one
     slice of BK key channels at a time (decays are per channel; only the dots sum over them), with
     the chunk held as [4 blocks, 16 rows, BK] so that every per-block factor is a broadcast.
-    Returns 1 if a block's decay spread exceeds SPREAD (else 0). EXACT: such blocks take the exact
-    path here; without it their diagonal blocks are left out and the caller must redo the chunk.
-    UNROLL: the exact path's row loop unrolled (`unroll_exact`)."""
+    Returns 1 if a block's decay spread exceeds SPREAD (else 0): such a block's diagonal block is left
+    out here and `_fixup_kernel` must redo the chunk's diagonal blocks."""
     NB: tl.constexpr = C // BC
     ib = tl.arange(0, NB)
     rb = tl.arange(0, BC)
@@ -115,11 +118,7 @@ def _a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d
         rt = tl.permute(right, (0, 2, 1))
         acc_k = tl.dot(k3 * e_in, rt, acc_k, input_precision=AKK_PREC)
         acc_q = tl.dot(q3 * e_in, rt, acc_q, input_precision=AQK_PREC)
-        if EXACT:
-            if tl.max(spread, axis=0) > SPREAD:  # wide decay inside a block: exact pairwise decays
-                acc_k, acc_q = _exact_diag(acc_k, acc_q, k3, q3, Gw, spread, SPREAD, NB, BC, C, UNROLL)
-        else:
-            wide = tl.maximum(wide, (tl.max(spread, axis=0) > SPREAD).to(tl.int32))
+        wide = tl.maximum(wide, (tl.max(spread, axis=0) > SPREAD).to(tl.int32))
     rows = b3 * BC + r3
     col = rc[None, None, :]
     tile = rows * C + col
@@ -128,61 +127,62 @@ def _a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d
     return wide
 
 
-@triton.jit
-def _exact_row(acc_k, acc_q, k3, q3, Gw, wide, cc, NB: tl.constexpr, BC: tl.constexpr, C: tl.constexpr):
-    """Key row cc of every wide diagonal block, with exact pairwise decays e^(G_i - G_j) <= 1."""
-    ib = tl.arange(0, NB)
-    rc = tl.arange(0, C)
-    r3 = tl.arange(0, BC)[None, :, None]
-    sel = r3 == cc
-    k_c = tl.sum(tl.where(sel, k3, 0.0), axis=1)  # [NB, BK]: row cc of every block
-    G_c = tl.sum(tl.where(sel, Gw, 0.0), axis=1)
-    ke = k_c[:, None, :] * tl.exp(tl.where(r3 >= cc, Gw - G_c[:, None, :], float("-inf")))
-    hit = wide & (rc[None, None, :] == ib[:, None, None] * BC + cc)
-    acc_k = tl.where(hit, acc_k + tl.sum(k3 * ke, axis=2)[:, :, None], acc_k)
-    acc_q = tl.where(hit, acc_q + tl.sum(q3 * ke, axis=2)[:, :, None], acc_q)
-    return acc_k, acc_q
-
-
-@triton.jit
-def _exact_diag(acc_k, acc_q, k3, q3, Gw, spread, SPREAD: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
-                    C: tl.constexpr, UNROLL: tl.constexpr):
-    """The diagonal blocks whose decay spreads beyond SPREAD, one key row at a time (slow; never taken
-    for K3's gate). UNROLL: the row loop unrolled, which keeps the loop's scalar state out of the
-    spill path on AMD (`unroll_exact`)."""
-    wide = (spread > SPREAD)[:, None, None]  # [NB, 1, 1]
-    if UNROLL:
-        for cc in tl.static_range(BC):
-            acc_k, acc_q = _exact_row(acc_k, acc_q, k3, q3, Gw, wide, cc, NB, BC, C)
-    else:
-        for cc in range(BC):
-            acc_k, acc_q = _exact_row(acc_k, acc_q, k3, q3, Gw, wide, cc, NB, BC, C)
-    return acc_k, acc_q
-
-
 @triton.jit(do_not_specialize=["H"])
-def _a_kernel(q, k, g, beta, chunk_tok, chunk_len, w_out, qg_out, kdt_out, aqk_out, d_out, r_buf, flags, H, scale,
-              K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
-              AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, FAST: tl.constexpr, FIXUP: tl.constexpr,
-              UNROLL_EXACT: tl.constexpr):
-    """Launch 'a', one program per (chunk, head). FIXUP=False, the main pass: without the exact path for
-    wide decays; writes each chunk's 'needs the exact path' flag. FIXUP=True, the fix-up pass: only
-    flagged chunks run, with the exact path (the others read one flag and stop). UNROLL_EXACT: see
-    `unroll_exact`."""
+def _a_kernel(q, k, g, beta, chunk_tok, chunk_len, w_out, qg_out, kdt_out, aqk_out, d_out, r_buf, flags, H,
+              scale, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
+              AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, FAST: tl.constexpr):
+    """Launch 'a', its main pass, one program per (chunk, head): everything `_a_phase` writes, and the
+    chunk's 'needs the exact path' flag (a block's decay spread beyond SPREAD)."""
     c = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     out = c * H + h
-    run = True
-    if FIXUP:
-        run = tl.load(flags + out) != 0
-    if run:
+    tok0 = tl.load(chunk_tok + c).to(tl.int64)
+    L = tl.load(chunk_len + c)
+    wide = _a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out,
+                    aqk_out + out * C * C, r_buf + out * C * C, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC, FAST)
+    tl.store(flags + out, wide)
+
+
+@triton.jit(do_not_specialize=["H"])
+def _fixup_kernel(q, k, g, beta, chunk_tok, chunk_len, aqk_out, r_buf, flags, H, scale, K: tl.constexpr,
+                  C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """Launch 'a', its fix-up pass, one program per (chunk, head); only flagged chunks do work (the
+    others read one flag and stop). It rewrites the chunk's four diagonal [BC x BC] blocks of Akk (R
+    buffer, fp32, times beta, strictly lower) and Aqk (times scale, lower) with exact pairwise decays
+    e^(G_i - G_j) <= 1 (j <= i in one block), BK key channels at a time as [4 blocks, i, j, BK]
+    broadcasts: no row loop and no exponential above 1, whatever the spread. Everything else the main
+    pass wrote stays."""
+    c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    out = c * H + h
+    if tl.load(flags + out) != 0:
+        NB: tl.constexpr = C // BC
         tok0 = tl.load(chunk_tok + c).to(tl.int64)
         L = tl.load(chunk_len + c)
-        wide = _a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out,
-                        aqk_out + out * C * C, r_buf + out * C * C, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC, FAST,
-                        FIXUP, UNROLL_EXACT)
-        if not FIXUP:
-            tl.store(flags + out, wide)
+        rb = tl.arange(0, BC)
+        rows3 = tl.arange(0, NB)[:, None, None] * BC + rb[None, :, None]  # [NB, BC, 1]
+        m3 = rows3 < L
+        tok3 = ((tok0 + rows3) * H + h) * K
+        lower = rb[:, None, None] >= rb[None, :, None]  # [i, j, 1]: j <= i
+        acc_k = tl.zeros([NB, BC, BC], dtype=tl.float32)
+        acc_q = tl.zeros([NB, BC, BC], dtype=tl.float32)
+        for s in range(K // BK):
+            off = tok3 + (s * BK + tl.arange(0, BK))[None, None, :]
+            Gw = tl.cumsum(tl.load(g + off, mask=m3, other=0.0), axis=1)  # G - P_b within each block
+            k3 = tl.load(k + off, mask=m3, other=0.0).to(tl.float32)
+            q3 = tl.load(q + off, mask=m3, other=0.0).to(tl.float32)
+            pair = Gw[:, :, None, :] - Gw[:, None, :, :]  # G_i - G_j
+            decay = tl.exp(tl.where(lower[None, :, :, :], pair, float("-inf")))
+            kj = k3[:, None, :, :] * decay  # [NB, i, j, BK]: k_j e^(G_i - G_j)
+            acc_k += tl.sum(k3[:, :, None, :] * kj, axis=3)
+            acc_q += tl.sum(q3[:, :, None, :] * kj, axis=3)
+        i3 = rb[None, :, None]
+        j3 = rb[None, None, :]
+        bt3 = tl.load(beta + (tok0 + rows3) * H + h, mask=m3, other=0.0)  # [NB, BC, 1]
+        tile = rows3 * C + tl.arange(0, NB)[:, None, None] * BC + j3
+        tl.store(r_buf + out * C * C + tile, tl.where(j3 < i3, acc_k * bt3, 0.0))
+        aqk = tl.where(j3 <= i3, acc_q * scale, 0.0)
+        tl.store(aqk_out + out * C * C + tile, aqk.to(aqk_out.dtype.element_ty))
 
 
 @triton.jit
@@ -318,13 +318,6 @@ def _wu_kernel(
     _wu_chunk(v, beta, tok0, L, h, H, out, w_out, u_out, r_buf + out * C * C, K, V, C, BC, BK, OUT_PREC)
 
 
-def unroll_exact() -> bool:
-    """Whether the fix-up pass unrolls the exact path's 16-step row loop: on a 64-lane (AMD) device,
-    where the rolled loop at A_WARPS spills scalar registers into vector lanes (k3lab.isa: gfx942 and
-    gfx950) and the unrolled one does not; NVIDIA keeps the rolled loop as it compiled before."""
-    return env.detect().wave_width == 64
-
-
 def launches(q, k, v, g, beta, plan: KdaPlan, scale: float, work: Work) -> dict[str, Callable[[], None]]:
     """The prologue's launches as callables on fixed buffers, in order: 'a' (the main and fix-up passes),
     'inverse', 'wu'. Each reruns in place (for timing one alone); inputs are validated by the caller."""
@@ -332,17 +325,16 @@ def launches(q, k, v, g, beta, plan: KdaPlan, scale: float, work: Work) -> dict[
     p = dot_precisions(q.dtype)
     r_buf, flags = work.r_buffer(), work.flag_buffer()
 
-    def a_pass(fixup: bool):
+    def a():
         _a_kernel[(plan.n_chunks, H)](
             q, k, g, beta, plan.chunk_tok, plan.chunk_len, work.w, work.qg, work.kdt, work.aqk, work.d, r_buf,
             flags, H, float(scale), K=HEAD_DIM, C=CHUNK, BC=SUB, BK=A_BLOCK_K, SPREAD=SAFE_SPREAD,
-            AKK_PREC=p["akk"], AQK_PREC=p["aqk"], FAST=FAST_EXP, FIXUP=fixup,
-            UNROLL_EXACT=fixup and unroll_exact(), num_warps=A_WARPS, num_stages=1,
+            AKK_PREC=p["akk"], AQK_PREC=p["aqk"], FAST=FAST_EXP, num_warps=A_WARPS, num_stages=1,
         )  # fmt: skip
-
-    def a():
-        a_pass(False)
-        a_pass(True)
+        _fixup_kernel[(plan.n_chunks, H)](
+            q, k, g, beta, plan.chunk_tok, plan.chunk_len, work.aqk, r_buf, flags, H, float(scale), K=HEAD_DIM,
+            C=CHUNK, BC=SUB, BK=FIX_BLOCK_K, num_warps=FIX_WARPS, num_stages=1,
+        )  # fmt: skip
 
     def inverse():
         _inverse_kernel[(plan.n_chunks * H,)](r_buf, C=CHUNK, BC=SUB, INV_PREC=p["inv"], num_warps=INV_WARPS,

@@ -123,6 +123,22 @@ def test_a_hung_worker_becomes_an_error_row_not_a_crash():
     assert len(out) == 1 and out[0]["ok"] is False and "no answer within" in out[0]["error"]
 
 
+def test_workers_see_no_gpu_and_refuse_one(monkeypatch):
+    """The report compiles for the target, not this machine: its workers start with every device
+    hidden, and a worker that still sees a GPU refuses to start (its ops would run their GPU-only
+    steps and pick this machine's launches)."""
+    import torch
+
+    from k3lab.isa import runner, worker
+
+    env = runner.worker_env()
+    assert {env[k] for k in runner.HIDE_DEVICES} == {""} and env["TRITON_INTERPRET"] == "0"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a visible GPU")
+    with pytest.raises(RuntimeError, match="sees a GPU"):
+        worker.Worker("gfx950")
+
+
 def test_bad_targets_and_cases_are_refused_by_name():
     with pytest.raises(ValueError, match="gfx950"):
         targets.parse_targets("gfx90a")

@@ -222,6 +222,14 @@ def gemv(rows=CFG.num_experts, cols=CFG.hidden_size):
         gv.launch(x, w, y, blocks)
 
 
+def workshop_gated_norm(rows=CFG.kda_num_heads, width=CFG.kda_head_dim):
+    """The workshop's reference solution (notebook 03's task): the gated RMS norm of one token's KDA heads."""
+    from k3lab.workshop import epilogue
+
+    x, gate = torch.empty(rows, width, dtype=BF16), torch.empty(rows, width, dtype=BF16)
+    epilogue.gated_norm_solution(x, gate, torch.empty(width, dtype=BF16))
+
+
 def launch_overhead_empty():
     from k3lab.studies.launch_overhead import _triton_kernel
 
@@ -257,6 +265,7 @@ CASES: dict[str, tuple] = {
     "moe_router.route_t64": (moe_router, {"tokens": 64}, "64 tokens"),
     "situ_glu.shared_expert": (situ_glu, {}, "SiTU-GLU of the shared expert's 768 columns"),
     "gemv.router": (gemv, {}, "one-row product 896 x 7168, every candidate block shape"),
+    "workshop.gated_norm": (workshop_gated_norm, {}, "the learner task's solution: 12 heads x 128"),
     "launch_overhead.empty_triton": (launch_overhead_empty, {}, "the one-store kernel"),
 }
 

@@ -50,6 +50,12 @@ if triton is not None:
         # does; at a block boundary it becomes the next stored block and the partial restarts at 0
         if HAS_DELTA:
             x = round_to(x.to(tl.float32) + dx.to(tl.float32), prefix_ptr.dtype.element_ty, INT_ROUND)
+        if PUSH or HAS_DELTA:
+            # every warp has read the partial before any warp overwrites it: a row narrower than the
+            # program's threads is held by several warps at once, and without this barrier a warp
+            # that loads late reads the zeros (or the sum) another warp already stored (seen on the
+            # H200: one token's output wrong in about 1 of 7 launches at 4 tokens, 96 columns)
+            tl.debug_barrier()
         if PUSH:
             tl.store(blocks_ptr + push_offset + base + cols, x, mask=mask)
             tl.store(prefix_ptr + base + cols, tl.zeros_like(x), mask=mask)

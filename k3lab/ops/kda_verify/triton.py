@@ -98,10 +98,14 @@ def verify_narrow_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
             bs = bs + (tl.load(beta + row),)
         else:
             alive = L > t
-            qs = qs + (tl.load(q + row * K + offs_in, mask=(offs_in < K) & alive, other=0.0),)
-            ks = ks + (tl.load(k + row * K + offs_in, mask=(offs_in < K) & alive, other=0.0),)
-            gs = gs + (tl.load(g + row * K + offs_in, mask=(offs_in < K) & alive, other=0.0),)
-            vs = vs + (tl.load(v + row * V + cv, mask=(cv < V) & alive, other=0.0),)
+            # lane-wise position masks, not a scalar one splat to the vector: Triton's interpreter
+            # splats a scalar comparison as int32, which its loads refuse from 3.9 on
+            alive_k = (offs_in < K) & (offs_in * 0 + t < L)
+            alive_v = (cv < V) & (cv * 0 + t < L)
+            qs = qs + (tl.load(q + row * K + offs_in, mask=alive_k, other=0.0),)
+            ks = ks + (tl.load(k + row * K + offs_in, mask=alive_k, other=0.0),)
+            gs = gs + (tl.load(g + row * K + offs_in, mask=alive_k, other=0.0),)
+            vs = vs + (tl.load(v + row * V + cv, mask=alive_v, other=0.0),)
             bs = bs + (tl.load(beta + row, mask=alive, other=0.0),)
     # Loads may not move across a barrier: without it the compiler interleaves position t+1's loads
     # with the arithmetic on position t's data and pays a round trip per position again.
@@ -143,15 +147,14 @@ def verify_narrow_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
             if ALL_STATES:
                 tl.store(hs + row_t * K * V + tile, S)
         else:
-            alive = L > t
             # padded layout (lengths): a dead position's q is 0, so its output row is written as 0;
             # flattened layout (cu_seqlens): the row belongs to the next sequence, so it is skipped
             if RAGGED == 1:
-                tl.store(o + row_t * V + cv, o_t.to(o.dtype.element_ty), mask=(cv < V) & alive)
+                tl.store(o + row_t * V + cv, o_t.to(o.dtype.element_ty), mask=(cv < V) & (cv * 0 + t < L))
             else:
                 tl.store(o + row_t * V + cv, o_t.to(o.dtype.element_ty))
             if ALL_STATES:
-                tl.store(hs + row_t * K * V + tile, S, mask=(tile >= 0) & alive)
+                tl.store(hs + row_t * K * V + tile, S, mask=tile * 0 + t < L)
     if not ALL_STATES:
         tl.store(hs + (i_b * H + i_h).to(tl.int64) * K * V + tile, S)
 

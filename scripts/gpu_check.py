@@ -5,8 +5,8 @@ touches notebooks, ops, engine or studies is called done.
     python scripts/gpu_check.py OUT [--workers N] [--label NAME] [PYTEST PATHS/ARGS ...]
 
 Runs `pytest -q -p no:cacheprovider --junitxml OUT/junit.xml ARGS` (default ARGS: the whole suite as
-`make test` runs it: `tests notebooks --nbval-lax --nbval-current-env`), with `-n N` when N > 1 (needs
-pytest-xdist), then writes OUT/gpu_check.json: device, backend, versions, commit (K3LAB_COMMIT when the
+`make test` runs it: `tests notebooks --nbval-lax --nbval-current-env`), with `-n N --dist loadfile` when N > 1
+(needs pytest-xdist; each file, so each notebook's cells, stays on one worker), then writes OUT/gpu_check.json: device, backend, versions, commit (K3LAB_COMMIT when the
 tree carries no usable .git), the command, wall seconds, counts, every failure's node id and first line,
 the skip reasons grouped, and the ten slowest tests. Exit status: pytest's.
 """
@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     junit = args.out / f"junit_{args.label}.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
-    cmd += (["-n", str(args.workers)] if args.workers > 1 else []) + (rest or DEFAULT_ARGS)
+    # one file per worker: a notebook's cells share one kernel and must run in order on one worker
+    cmd += (["-n", str(args.workers), "--dist", "loadfile"] if args.workers > 1 else []) + (rest or DEFAULT_ARGS)
     t0 = time.time()
     rc = subprocess.call(cmd)
     wall = time.time() - t0

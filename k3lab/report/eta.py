@@ -32,17 +32,17 @@ SCALE_LIMITS = (1 / 3, 3.0)
 KERNELS = "kernels"  # the step that builds every kernels/*.cu (GPU)
 DEFAULT_S = {"gpu": 30.0, "cpu": 60.0}  # a step the table does not list (a new study or notebook)
 # Seconds per step. gpu: the H200 (16 cores), notebooks executed two at a time, each notebook's own
-# wall time; full studies as measured there (copy_removal, kda_scan and decode_step from `k3lab report`,
+# wall time as the default report measured it (profiles/nvidia-h200/gpu_check/report_timings_*.json); full studies as measured there (copy_removal, kda_scan and decode_step from `k3lab report`,
 # the others' ~260 s spread by their number of cases). cpu: a 2-core machine that other jobs shared
 # (load about 4), `k3lab report`'s default form (11.5 minutes in all), so on the slow side. The refinement above corrects a
 # table that is off, and out/timings.json (written by every report) is what to update it from.
 EXPECTED_S: dict[str, dict[str, float]] = {
     "gpu": {
-        KERNELS: 45,
-        "notebook:00_k3_anatomy": 25, "notebook:01_dcp": 20, "notebook:02_moe_sharding": 30,
-        "notebook:03_copy_removal": 45, "notebook:04_mla_padding": 75, "notebook:04b_mla_deep_dive": 20,
-        "notebook:05_kda_scan": 65, "notebook:05b_kda_deep_dive": 25, "notebook:06_draft_depth": 25,
-        "notebook:07_agent_cache": 20, "notebook:08_all_together": 20,
+        KERNELS: 10,
+        "notebook:00_k3_anatomy": 25, "notebook:01_dcp": 20, "notebook:02_moe_sharding": 10,
+        "notebook:03_copy_removal": 75, "notebook:04_mla_padding": 55, "notebook:04b_mla_deep_dive": 10,
+        "notebook:05_kda_scan": 75, "notebook:05b_kda_deep_dive": 90, "notebook:06_draft_depth": 20,
+        "notebook:07_agent_cache": 25, "notebook:08_all_together": 10,
     },
     "gpu-full": {
         "study:launch_overhead": 20, "study:copy_removal": 176, "study:kda_decode": 20,

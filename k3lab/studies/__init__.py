@@ -88,60 +88,61 @@ class QuickForm:
     kwargs: dict = field(default_factory=dict)
 
 
-# `k3lab report` on a GPU by default: about 5 minutes of studies on the H200, so that with the kernel
-# builds (under a minute, in parallel) and the notebooks (216 s two at a time when they built the
-# kernels themselves, less after the studies) the report finishes within 10 minutes on a fresh machine
-# (tests/test_report_forms.py adds it up from these budgets and report.eta's table).
+# `k3lab report` on a GPU by default: under 6 minutes of studies on the H200, so that with the kernel
+# builds (under a minute, in parallel) and the notebooks (about 3.5 minutes two at a time) the report
+# finishes within 10 minutes on a fresh machine (tests/test_report_forms.py adds it up from these
+# budgets and report.eta's table). The budgets are the seconds the H200 took, rounded up: its run is
+# profiles/nvidia-h200/gpu_check/report_timings_*.json.
 # The full forms took 1,045 s there: copy_removal 176 s, kda_scan 212 s, decode_step 397 s (an eager
 # all-off step at B = 64 / 8K takes 13 s, the per-expert loop 11.6 s), the nine others ~260 s together.
 # Budgets are for the H200 once the .cu kernels are built (the report builds them first, in parallel).
 GPU_QUICK: dict[str, QuickForm] = {
     "launch_overhead": QuickForm(
-        None, 15, "every case: a few hundred microsecond copies and launches per size, seconds in all"),
+        None, 10, "every case: a few hundred microsecond copies and launches per size, seconds in all"),
     "copy_removal": QuickForm(
-        ("attn_res_t1_s5", "attn_res_t1_s9", "attn_res_t8192_s9", "packing"), 35,
+        ("attn_res_t1_s5", "attn_res_t1_s9", "attn_res_t8192_s9", "packing"), 85,
         "AttnRes + RMSNorm at the first page's shapes (1 and 8192 tokens, 9 sources) and at the 5 sources "
         "notebook 08's per-op arithmetic reads; packing (its pack/where-used check at full depth). The fused "
         "KDA decode cases are the kda_decode study's (the same code and batches); the rest of the shape "
         "grid is --full's"),
     "kda_decode": QuickForm(
-        ("B1_H12", "B128_H12"), 15,
+        ("B1_H12", "B128_H12"), 40,
         "B = 1 (the first page) and B = 128 (notebook 03's live pair); both state layouts checked"),
     "mla_padding": QuickForm(
-        ("ctx32k", "b64_8k", "ragged8_8k", "verify4_32k", "ctx32k.triton"), 35,
+        ("ctx32k", "b64_8k", "ragged8_8k", "verify4_32k", "ctx32k.triton"), 30,
         "the first page's 32K and B = 64 / 8K, and one case of each path those leave out: ragged lengths, "
         "a verification group, the Triton kernel where the default is the CUDA one; the other contexts, "
         "the split-count sweep and the other backend points are --full's (notebook 04 runs its own main "
         "cases and sweep)"),
     "kda_scan": QuickForm(
-        ("h12_b1_t16384",), 30,
+        ("h12_b1_t16384",), 75,
         "12 heads x 16K, the first page's and notebook 05's case: before, after (the group scan) and fla "
         "checked in fp64 and timed; the B = 8, 64K and 96-head grid is --full's"),
     "kda_verify": QuickForm(
-        ("b1_t4", "b1_t4.final_only", "b1_t4.narrow_only", "b1_t4.narrow_1wave", "b1_t4.ragged"), 20,
+        ("b1_t4", "b1_t4.final_only", "b1_t4.narrow_only", "b1_t4.narrow_1wave", "b1_t4.ragged"), 5,
         "B = 1, 4 positions (the first page and notebook 05) with every ablation's kernel path; the "
         "batch and tile sweeps are --full's"),
     "kda_precision": QuickForm(
-        ("k3_gate",), 10,
+        ("k3_gate",), 5,
         "K3's gates, fp32 against bf16 inverses: a host-side emulation, the same as on a CPU (notebooks "
         "05 and 05b run every case themselves)"),
     "draft_depth": QuickForm(
-        ("cycles_depth4", "tokens_v8_depth4"), 20,
+        ("cycles_depth4", "tokens_v8_depth4"), 10,
         "depth 4 (the seed's pick) and the token-level check, host-side as on a CPU; the depth 3 and 7 "
         "loops and the random curves (which notebook 06 runs itself) are --full's"),
     "decode_step": QuickForm(
-        ("b1_1k",), 70,
+        ("b1_1k",), 50,
         "B = 1, 1K: all on, all off and each switch off alone, checked and timed eager and as one graph "
         "(3 samples, no profiler pass); 32K, 128K and B = 64 / 8K (whose eager all-off step alone takes "
         "13 s) are --full's, and notebook 08 and the first page show their committed records",
         {"repeats": 3, "profile": False}),
     "agent_cache": QuickForm(
-        ("sim_small", "copies", "state"), 15,
+        ("sim_small", "copies", "state"), 10,
         "the host<->device copies and the state save / restore the first page shows, and the small "
         "simulation; the hour-long simulated workload is --full's"),
     "dcp": QuickForm(None, 15, "its one case: local attention at TP8 / DCP8 shapes and the merge"),
     "moe_sharding": QuickForm(
-        ("tail_N8", "experts_N64"), 20,
+        ("tail_N8", "experts_N64"), 40,
         "the first page's two cases: the MoE tail at 8 tokens, the routed experts at 64"),
 }
 HOST_SIDE = frozenset({"draft_depth", "agent_cache"})

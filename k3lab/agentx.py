@@ -41,7 +41,11 @@ def _positive(name: str, value) -> float:
 
 def tokens_per_dollar(tokens_per_s_gpu: float, usd_per_gpu_hour: float) -> float:
     """Total tokens served per dollar of GPU time."""
-    return _positive("tokens_per_s_gpu", tokens_per_s_gpu) * 3600.0 / _positive("usd_per_gpu_hour", usd_per_gpu_hour)
+    return (
+        _positive("tokens_per_s_gpu", tokens_per_s_gpu)
+        * 3600.0
+        / _positive("usd_per_gpu_hour", usd_per_gpu_hour)
+    )
 
 
 def compare(a: System, b: System) -> dict[str, float]:
@@ -61,7 +65,9 @@ def _steffen_slopes(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     if len(x) == 2:
         return np.full_like(y, d[0])
     p = (d[:-1] * h[1:] + d[1:] * h[:-1]) / (h[:-1] + h[1:])
-    m[1:-1] = (np.sign(d[:-1]) + np.sign(d[1:])) * np.minimum.reduce([np.abs(d[:-1]), np.abs(d[1:]), 0.5 * np.abs(p)])
+    m[1:-1] = (np.sign(d[:-1]) + np.sign(d[1:])) * np.minimum.reduce(
+        [np.abs(d[:-1]), np.abs(d[1:]), 0.5 * np.abs(p)]
+    )
     for end, (dd, hh, d2, h2) in ((0, (d[0], h[0], d[1], h[1])), (-1, (d[-1], h[-1], d[-2], h[-2]))):
         pe = dd * (1 + hh / (hh + h2)) - d2 * hh / (hh + h2)
         m[end] = 0.0 if pe * dd <= 0 else (2 * dd if abs(pe) > 2 * abs(dd) else pe)

@@ -137,13 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="backend, device, versions, preset, optional backends")
     b = sub.add_parser("bench", help="run a study's cases: checks, timings, floors, records", epilog=studies,
-                       formatter_class=raw, description="Check every variant of a study against its reference, "
+                       formatter_class=raw,
+                       description="Check every variant of a study against its reference, "
                        "then time it; prints case, before, after, peer, floor, after/before, after/peer.")
     b.add_argument("study", help="a study name (below)")
     b.add_argument("--preset", default=None, help="full, tiny or tpN (default: tp8 on a GPU, tiny on CPU)")
     b.add_argument("--cases", nargs="*", default=None)
     b.add_argument("--out", default="build")
-    b.add_argument("--save-profiles", action="store_true", help="save records under profiles/ (committed results)")
+    b.add_argument("--save-profiles", action="store_true",
+                   help="save records under profiles/ (committed results)")
     b.add_argument("--overwrite", action="store_true", help="replace committed records")
     b.add_argument("--json", default=None, help="also write every record to this one JSON file")
     im = sub.add_parser("import", help="save records from JSON files (k3lab bench --json) under profiles/")
@@ -159,17 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", default="build")
     sub.add_parser("isa", help="compile every Triton kernel for gfx950 / gfx942 / sm90 and report ISA facts "
                          "(python -m k3lab.isa --help)", add_help=False)
-    r = sub.add_parser("report", help="run what this machine can, execute the notebooks, write build/report.html")
+    r = sub.add_parser("report",
+                       help="run what this machine can, execute the notebooks, write build/report.html")
     r.add_argument("--out", default="build")
     r.add_argument("--preset", default=None)
     r.add_argument("--full", action="store_true",
-                   help="every case of every study (default: each study's quick form, which still checks every "
-                        "variant; k3lab.studies.GPU_QUICK / CPU_CASES say which cases)")
+                   help="every case of every study (default: each study's quick form, which still checks "
+                        "every variant; k3lab.studies.GPU_QUICK / CPU_CASES say which cases)")
     r.add_argument("--skip-studies", action="store_true")
     r.add_argument("--skip-notebooks", action="store_true")
-    r.add_argument("--workers", type=_positive_int, default=2, help="notebooks executed at a time (default 2)")
+    r.add_argument("--workers", type=_positive_int, default=2,
+                   help="notebooks executed at a time (default 2)")
     r.add_argument("--timeout", type=int, default=CELL_TIMEOUT_S,
-                   help=f"seconds per notebook cell; a cell that reaches it fails the report (default {CELL_TIMEOUT_S})")
+                   help=f"seconds per notebook cell; a cell that reaches it fails the report (default "
+                        f"{CELL_TIMEOUT_S})")
     return p
 
 

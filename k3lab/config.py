@@ -90,10 +90,11 @@ class K3Config:
                 f"K3Config.first_k_dense_replace must be in [0, num_hidden_layers={self.num_hidden_layers}], "
                 f"got {self.first_k_dense_replace}")
         if self.kda_chunk_size not in KDA_CHUNK_SIZES:
-            raise ValueError(f"K3Config.kda_chunk_size must be one of {KDA_CHUNK_SIZES} (a power of two up to "
-                             f"256; K3 uses 64), got {self.kda_chunk_size!r}")
+            raise ValueError(f"K3Config.kda_chunk_size must be one of {KDA_CHUNK_SIZES} (a power of two up "
+                             f"to 256; K3 uses 64), got {self.kda_chunk_size!r}")
         if not self.kda_gate_lower_bound < 0:
-            raise ValueError(f"K3Config.kda_gate_lower_bound must be negative, got {self.kda_gate_lower_bound}")
+            raise ValueError(f"K3Config.kda_gate_lower_bound must be negative, got "
+                             f"{self.kda_gate_lower_bound}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"K3Config.rms_norm_eps must be positive, got {self.rms_norm_eps}")
 
@@ -164,7 +165,8 @@ class K3Config:
         """'kda' or 'mla' for each decoder layer (K3: MLA at 3, 7, ..., 91 and 92)."""
         last = self.num_hidden_layers - 1
         return [
-            "mla" if (i % self.mla_layer_period == self.mla_layer_period - 1) or (self.mla_last_layer and i == last)
+            "mla" if (i % self.mla_layer_period == self.mla_layer_period - 1)
+            or (self.mla_last_layer and i == last)
             else "kda"
             for i in range(self.num_hidden_layers)
         ]
@@ -291,12 +293,13 @@ class K3Config:
         dense = self.first_k_dense_replace * c["dense_mlp"]
         body = self.num_hidden_layers * c["layer_norms"] + attn + dense
         total = ends + body + self.num_moe_layers * (c["moe_common"] + self.num_experts * c["expert"])
-        active = ends + body + self.num_moe_layers * (c["moe_common"] + self.num_experts_per_token * c["expert"])
+        active = ends + body + self.num_moe_layers * (c["moe_common"] + self.num_experts_per_token
+                                                      * c["expert"])
         return total, active
 
     def summary(self) -> str:
         total, active = self.param_counts()
         return (f"K3Config[{self.name}]: {self.num_hidden_layers} layers ({self.num_kda_layers} KDA, "
-                f"{self.num_mla_layers} MLA), hidden {self.hidden_size}, MLA heads {self.num_attention_heads}, "
-                f"KDA heads {self.kda_num_heads}, experts {self.num_experts} top-{self.num_experts_per_token}, "
-                f"{total / 1e9:.2f}B params ({active / 1e9:.2f}B active)")
+                f"{self.num_mla_layers} MLA), hidden {self.hidden_size}, MLA heads "
+                f"{self.num_attention_heads}, KDA heads {self.kda_num_heads}, experts {self.num_experts} "
+                f"top-{self.num_experts_per_token}, {total / 1e9:.2f}B params ({active / 1e9:.2f}B active)")

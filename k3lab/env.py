@@ -94,7 +94,8 @@ def optional_backends() -> dict[str, str]:
     found["triton"] = "found" if importlib.util.find_spec("triton") else "missing: PyTorch references only"
     found["fla"] = ("found" if importlib.util.find_spec("fla") else
                     "missing: no fla-core peer in KDA benchmarks (pip install fla-core)")
-    found["aiter"] = ("found (not yet run on AMD hardware by this project)" if importlib.util.find_spec("aiter")
+    found["aiter"] = ("found (not yet run on AMD hardware by this project)"
+                      if importlib.util.find_spec("aiter")
                       else "missing: k3lab's own MLA decode kernel is used")
     found["rocprofv3"] = ("found (not yet run on AMD hardware by this project)" if shutil.which("rocprofv3")
                           else "missing: torch.profiler is used")

@@ -59,7 +59,8 @@ class K3Cache:
                 sizes["mla_latent"] += layer.nbytes()
             else:
                 sizes["kda_state"] += layer.state.numel() * layer.state.element_size()
-                sizes["kda_conv"] += sum(t.numel() * t.element_size() for t in (layer.conv_q, layer.conv_k, layer.conv_v))
+                sizes["kda_conv"] += sum(t.numel() * t.element_size() for t
+                                         in (layer.conv_q, layer.conv_k, layer.conv_v))
         for t in (self.attn_res_blocks, self.attn_res_partial):
             sizes["attn_res"] += t.numel() * t.element_size()
         return sizes
@@ -88,7 +89,8 @@ class K3Model(nn.Module):
     # ------------------------------------------------------------ checks
     def _check_ids(self, input_ids, name="input_ids"):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError(f"{name} must be a [B, T] integer tensor, got {getattr(input_ids, 'shape', input_ids)}")
+            raise ValueError(f"{name} must be a [B, T] integer tensor, got "
+                             f"{getattr(input_ids, 'shape', input_ids)}")
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"{name} must be int64 or int32 token ids, got {input_ids.dtype}")
         if input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
@@ -99,7 +101,8 @@ class K3Model(nn.Module):
 
     def _check_cache(self, cache, batch):
         if not isinstance(cache, K3Cache):
-            raise ValueError(f"cache must be a K3Cache (from prefill or decode), got {type(cache).__name__}")  # noqa: TRY004
+            raise ValueError(f"cache must be a K3Cache (from prefill or decode), got "
+                             f"{type(cache).__name__}")  # noqa: TRY004
         if len(cache.layers) != len(self.layers):
             raise ValueError(f"cache.layers must have {len(self.layers)} entries, got {len(cache.layers)}")
         for i, (layer, c) in enumerate(zip(self.layers, cache.layers)):
@@ -205,7 +208,8 @@ def component_table(config: K3Config) -> list[dict]:
     return out
 
 
-def state_sizes(config: K3Config, *, latent_bytes: float = 1, conv_bytes: int = BF16_BYTES) -> dict[str, float]:
+def state_sizes(config: K3Config, *, latent_bytes: float = 1,
+                conv_bytes: int = BF16_BYTES) -> dict[str, float]:
     """What serving keeps per position and per sequence (this config's share), in bytes:
     mla_per_position_per_layer (576 in FP8), mla_per_position (all MLA layers), kda_state_per_sequence
     and kda_conv_per_sequence (all KDA layers), attn_res_per_token_in_flight (the 8 blocks + partial a
@@ -215,7 +219,8 @@ def state_sizes(config: K3Config, *, latent_bytes: float = 1, conv_bytes: int = 
         "mla_per_position": config.num_mla_layers * config.mla_latent_bytes_per_position(latent_bytes),
         "kda_state_per_sequence_per_layer": config.kda_state_bytes_per_sequence(),
         "kda_state_per_sequence": config.kda_state_bytes_all_layers(),
-        "kda_conv_per_sequence": config.num_kda_layers * config.kda_conv_state_values_per_sequence() * conv_bytes,
+        "kda_conv_per_sequence": config.num_kda_layers * config.kda_conv_state_values_per_sequence()
+        * conv_bytes,
         "attn_res_per_token_in_flight": config.attn_res_max_sources * config.hidden_size * 4,
     }
 

@@ -111,10 +111,17 @@ def before_after(df_or_records, *, log: bool = False, title: str | None = None, 
                                  line={"color": _PEER_COLORS[i % len(_PEER_COLORS)], "width": 2},
                                  hovertemplate=f"%{{x}}<br>{peer}: %{{y:.3g}} {unit}<extra></extra>"))
     if not table["floor_us"].isna().all():
-        fig.add_trace(go.Scatter(name="floor", x=x, y=table["floor_us"] * scale, mode="lines+markers",
-                                 line={"color": "black", "dash": "dash", "width": 1.5}, marker={"symbol": "line-ew-open",
-                                                                                                "size": 14},
-                                 hovertemplate=f"%{{x}}<br>floor: %{{y:.3g}} {unit}<extra></extra>"))
+        fig.add_trace(
+            go.Scatter(
+                name="floor",
+                x=x,
+                y=table["floor_us"] * scale,
+                mode="lines+markers",
+                line={"color": "black", "dash": "dash", "width": 1.5},
+                marker={"symbol": "line-ew-open", "size": 14},
+                hovertemplate=f"%{{x}}<br>floor: %{{y:.3g}} {unit}<extra></extra>",
+            )
+        )
     fig.update_layout(barmode="group", title=title, xaxis_title="case", yaxis_title=f"time per call ({unit})",
                       legend_title_text="variant", template="plotly_white")
     if log:
@@ -147,14 +154,22 @@ def size_sweep(records: Iterable[bench.Record], *, size_key: str = "bytes", thro
         else:
             fig.add_trace(go.Scatter(name=series, x=sub["size"], y=sub["us"], mode="lines+markers",
                                      line={"color": color},
-                                     error_y={"type": "data", "symmetric": False, "array": sub["p80"] - sub["us"],
+                                     error_y={"type": "data", "symmetric": False, "array": sub["p80"]
+                                              - sub["us"],
                                                   "arrayminus": sub["us"] - sub["p20"], "thickness": 1}))
     floors = df.dropna(subset=["floor"]).groupby("size", as_index=False)["floor"].max()
     if not floors.empty:
         if throughput:
             bw = _env.detect().peak.bandwidth_tbs * 1e3  # GB/s; flat ceiling
-            fig.add_trace(go.Scatter(name=f"bandwidth ({bw:.0f} GB/s)", x=[df["size"].min(), df["size"].max()],
-                                     y=[bw, bw], mode="lines", line={"color": "black", "dash": "dash"}))
+            fig.add_trace(
+                go.Scatter(
+                    name=f"bandwidth ({bw:.0f} GB/s)",
+                    x=[df["size"].min(), df["size"].max()],
+                    y=[bw, bw],
+                    mode="lines",
+                    line={"color": "black", "dash": "dash"},
+                )
+            )
         else:
             fig.add_trace(go.Scatter(name="floor", x=floors["size"], y=floors["floor"], mode="lines",
                                      line={"color": "black", "dash": "dash"}))
@@ -217,17 +232,30 @@ def kernel_bars(tables: dict[str, pd.DataFrame], *, by: str = "name", top: int =
         label = short_kernel_name(name) if by == "name" else str(name)
         fig.add_trace(go.Bar(name=label, x=variants, y=sub["total_us"].fillna(0.0),
                              customdata=sub["calls"].fillna(0).to_numpy(),
-                             marker_color=_CATEGORY_COLORS[i % len(_CATEGORY_COLORS)] if name != "other" else "#cccccc",
-                             hovertemplate=f"{name}<br>%{{x}}: %{{y:.3g}} us in %{{customdata}} calls<extra></extra>"))
+                             marker_color=_CATEGORY_COLORS[i % len(_CATEGORY_COLORS)] if name != "other"
+                             else "#cccccc",
+                             hovertemplate=f"{name}<br>%{{x}}: %{{y:.3g}} us in %{{customdata}} "
+                                           f"calls<extra></extra>"))
     totals = seg.groupby("variant")["total_us"].sum().reindex(variants)
-    fig.add_trace(go.Scatter(name="total", x=variants, y=totals, mode="text", text=[f"{v:.3g} us" for v in totals],
-                             textposition="top center", showlegend=False))
-    fig.update_layout(barmode="stack", title=title, yaxis_title="GPU time per step (us)", xaxis_title="variant",
+    fig.add_trace(
+        go.Scatter(
+            name="total",
+            x=variants,
+            y=totals,
+            mode="text",
+            text=[f"{v:.3g} us" for v in totals],
+            textposition="top center",
+            showlegend=False,
+        )
+    )
+    fig.update_layout(barmode="stack", title=title, yaxis_title="GPU time per step (us)",
+                      xaxis_title="variant",
                       legend_title_text="kernel" if by == "name" else "category", template="plotly_white")
     return fig
 
 
-def timeline(kernels: dict[str, pd.DataFrame], *, title: str | None = None, max_kernels: int = 2000) -> go.Figure:
+def timeline(kernels: dict[str, pd.DataFrame], *, title: str | None = None,
+             max_kernels: int = 2000) -> go.Figure:
     """A Gantt-like timeline: one row per variant, one bar per kernel from start_us for dur_us
     (times relative to the variant's first kernel), coloured by category. kernels: variant -> profile
     kernel DataFrame (name, category, start_us, dur_us). At most `max_kernels` kernels per variant
@@ -248,12 +276,15 @@ def timeline(kernels: dict[str, pd.DataFrame], *, title: str | None = None, max_
     for i, cat in enumerate(cats):
         sub = allk[allk["category"].astype(str) == cat]
         fig.add_trace(go.Bar(name=cat, orientation="h", y=sub["variant"], x=sub["dur_us"], base=sub["t0"],
-                             customdata=sub[["name"]].to_numpy(), marker_color=_CATEGORY_COLORS[i % len(_CATEGORY_COLORS)],
-                             hovertemplate="%{customdata[0]}<br>start %{base:.2f} us, %{x:.2f} us<extra>" + cat +
+                             customdata=sub[["name"]].to_numpy(),
+                             marker_color=_CATEGORY_COLORS[i % len(_CATEGORY_COLORS)],
+                             hovertemplate="%{customdata[0]}<br>start %{base:.2f} us, %{x:.2f} us<extra>"
+                             + cat +
                              "</extra>"))
     note = "" if not cut else " (left out: " + ", ".join(f"{v}: {n}" for v, n in cut.items()) + " kernels)"
     fig.update_layout(barmode="overlay", title=(title or "kernel timeline") + note, xaxis_title="time (us)",
-                      yaxis={"title": "variant", "categoryorder": "array", "categoryarray": list(kernels)[::-1]},
+                      yaxis={"title": "variant", "categoryorder": "array",
+                             "categoryarray": list(kernels)[::-1]},
                       legend_title_text="category", template="plotly_white")
     return fig
 
@@ -271,7 +302,8 @@ def _roofline_points(points) -> pd.DataFrame:
             df = pd.DataFrame(items)
     needed = {"name", "flops", "bytes", "time_us"}
     if not needed <= set(df.columns):
-        raise ValueError(f"roofline points need {sorted(needed)} (one per kernel or op); got {list(df.columns)}")
+        raise ValueError(f"roofline points need {sorted(needed)} (one per kernel or op); got "
+                         f"{list(df.columns)}")
     return df
 
 
@@ -311,7 +343,8 @@ def records_table(records: Iterable[bench.Record], *, title: str | None = None) 
     df = bench.records_frame(list(records))
     if df.empty:
         raise ValueError("records is empty: nothing to tabulate")
-    cols = ["study", "case", "variant", "mode", "device", "median_us", "p20_us", "p80_us", "floor_us", "max_rel",
+    cols = ["study", "case", "variant", "mode", "device", "median_us", "p20_us", "p80_us", "floor_us",
+            "max_rel",
             "commit", "date"]
     df = df[cols].copy()
     for c in ("median_us", "p20_us", "p80_us", "floor_us", "max_rel"):

@@ -49,8 +49,10 @@ def test_without_a_gpu_it_says_so():
 @pytest.mark.skipif(not GPU or not _build.clusters_available()[0],
                     reason="the cluster kernel runs on a CUDA GPU of compute capability 9.0+")
 @pytest.mark.parametrize("D", [7168, 1000])
-@pytest.mark.parametrize("T,n_blocks,push,with_delta", [(1, 8, False, True), (1, 0, True, True), (8, 4, True, False),
-                                                        (3, 1, False, False)])
+@pytest.mark.parametrize(
+    "T,n_blocks,push,with_delta",
+    [(1, 8, False, True), (1, 0, True, True), (8, 4, True, False), (3, 1, False, False)],
+)
 def test_on_the_gpu_matches_the_unfused_sequence(D, T, n_blocks, push, with_delta):
     x = _inputs(T, D, seed=T + n_blocks, device="cuda")
     ya, yb, (pa, ba), (pb, bb) = run_beside_before(arc.cuda_after, x, n_blocks, push, with_delta)

@@ -179,9 +179,11 @@ def test_launch_config_tiles_small_batches_and_pipelines_large_ones(n_blocks, gr
     h200 = dict(compute_units=units, wave_width=32)
     assert op.launch_config(1, 8, **h200) == {"kernel": "triton", "group": 8, "num_warps": 8, "prefetch": 1,
                                               "w_reload": 0, "stages": 0}
-    assert op.launch_config(8192, 8, **h200) == {"kernel": "triton", "group": 1, "num_warps": 8, "prefetch": 0,
+    assert op.launch_config(8192, 8, **h200) == {"kernel": "triton", "group": 1, "num_warps": 8,
+                                                 "prefetch": 0,
                                                  "w_reload": 0, "stages": 3}
-    assert op.launch_config(8192, 1, **h200) == {"kernel": "triton", "group": 1, "num_warps": 4, "prefetch": 1,
+    assert op.launch_config(8192, 1, **h200) == {"kernel": "triton", "group": 1, "num_warps": 4,
+                                                 "prefetch": 1,
                                                  "w_reload": 0, "stages": 0}
 
 
@@ -213,7 +215,8 @@ def test_without_a_cluster_gpu_after_says_why_and_runs_triton():
     out = op.after(prefix, x["delta"], blocks, 8, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"])
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="kernel must be one of"):
-        op.after(prefix, x["delta"], blocks, 8, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"], kernel="hip")
+        op.after(prefix, x["delta"], blocks, 8, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"],
+                 kernel="hip")
 
 
 def test_the_dispatched_launch_is_the_one_launch_config_names(monkeypatch):
@@ -240,4 +243,7 @@ def test_bad_kernel_and_config_name_the_argument(monkeypatch):
     monkeypatch.setenv(op.BACKEND_ENV, "triton")
     ref_out, _ = _reference(x, 2)
     torch.testing.assert_close(op.after(*args).double(), ref_out, rtol=1e-5, atol=1e-5)
-    assert [b.name for b in op.BACKENDS] == ["cuda_cluster", "triton"] and op.KERNELS == ("triton", "cuda_cluster")
+    assert [b.name for b in op.BACKENDS] == ["cuda_cluster", "triton"] and op.KERNELS == (
+        "triton",
+        "cuda_cluster",
+    )

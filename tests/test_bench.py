@@ -31,7 +31,8 @@ def test_sleep_is_timed_near_its_length():
 
 def test_percentiles_follow_a_known_mix_of_durations():
     # 1 ms and 4 ms calls alternate (rotate): p20 sits on the short ones, p80 on the long ones.
-    t = bench.time_fn(lambda s: time.sleep(s), warmup=0, repeats=20, rotate=[(0.001,), (0.004,)], device="cpu",
+    t = bench.time_fn(lambda s: time.sleep(s), warmup=0, repeats=20, rotate=[(0.001,), (0.004,)],
+                      device="cpu",
                       calls_per_sample=1)
     assert t.rotate_sets == 2
     assert 1000 <= t.p20_us < 3000
@@ -88,7 +89,8 @@ def test_calls_per_sample_batches_calls_and_auto_batches_fast_ones():
 
 def test_rotate_cycles_every_set_in_order():
     seen = []
-    bench.time_fn(lambda a, b: seen.append((a, b)), warmup=0, repeats=6, rotate=[(1, 2), (3, 4), (5, 6)], device="cpu",
+    bench.time_fn(lambda a, b: seen.append((a, b)), warmup=0, repeats=6, rotate=[(1, 2), (3, 4), (5, 6)],
+                  device="cpu",
                    calls_per_sample=1)
     assert seen == [(1, 2), (3, 4), (5, 6)] * 2
 
@@ -415,7 +417,8 @@ def test_gpu_graph_replay_beats_eager_on_a_tiny_op_and_runs_every_call():
     g = bench.time_fn(lambda: x.add_(1.0), warmup=5, repeats=50, graph=True, graph_copies=40)
     assert g.mode == "graph" and g.graph_copies == 40
     assert g.median_us < eager.median_us
-    # capture warm-up (5) + replay warm-up (5) + timed (50) replays, 40 adds each, and capture itself runs nothing
+    # capture warm-up (5) + replay warm-up (5) + timed (50) replays, 40 adds each, and capture itself runs
+    # nothing
     assert x.item() == 5 + 40 * (5 + 50)
     auto = bench.time_fn(lambda: x.add_(1.0), warmup=2, repeats=5, graph=True)
     # eagerly a tiny add costs its launch (several us); in a graph about 1 us: the graph is sized from a

@@ -118,7 +118,8 @@ def test_simulator_equals_the_plain_reference(case):
         w = _small_workload(seed, tick)
         cc = sim.CacheConfig(hbm_bytes=case["hbm"], host_bytes=case["host"], mla_bytes_per_block=1.0,
                              kda_checkpoint_bytes=3.0, checkpoint_interval=case["checkpoint_interval"],
-                             tail_aligned=case["tail_aligned"], policy=case["policy"], low_water=case["low_water"])
+                             tail_aligned=case["tail_aligned"], policy=case["policy"],
+                             low_water=case["low_water"])
         assert _as_reference(sim.simulate(w, cc)) == _reference(w, cc), (seed, case)
 
 
@@ -133,7 +134,8 @@ def test_equal_time_requests_evict_alike_whatever_their_order():
 
     data = [tr("a", [rq(0.0, [1, 2, 3, 4]), rq(2.0, [1, 2, 3, 4, 5])]),
             tr("b", [rq(0.0, [11, 12, 13, 14]), rq(3.0, [11, 12, 13, 14, 16])])]
-    cc = sim.CacheConfig(hbm_bytes=6.0, mla_bytes_per_block=1.0, kda_checkpoint_bytes=0.0, checkpoint_interval=64,
+    cc = sim.CacheConfig(hbm_bytes=6.0, mla_bytes_per_block=1.0, kda_checkpoint_bytes=0.0,
+                         checkpoint_interval=64,
                          low_water=1.0)
     one = sim.simulate(traces.to_workload(traces.parse_traces(data)), cc)
     other = sim.simulate(traces.to_workload(traces.parse_traces(data[::-1])), cc)

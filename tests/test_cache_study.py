@@ -47,7 +47,8 @@ def test_restore_against_recompute():
 def test_h2d_rate_reads_the_best_pinned_record():
     t = bench.Timing(100.0, 90.0, 110.0, 5, "eager", 1.0)
     recs = [bench.make_record("agent_cache", f"h2d_{n}MiB", v, t, shape={"bytes": n << 20}, dtype="uint8",
-                              gb_per_s=g) for n, v, g in ((1, "after", 60.0), (4, "after", 52.0), (4, "before", 20.0))]
+                              gb_per_s=g) for n, v, g
+            in ((1, "after", 60.0), (4, "after", 52.0), (4, "before", 20.0))]
     rate, label = ac.h2d_rate(records=recs)
     assert rate == 52e9 and "measured on the H200" in label
 

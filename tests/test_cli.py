@@ -46,14 +46,18 @@ def test_every_study_name_in_the_readme_and_the_report_resolves():
     listed = readme.split("lists the studies:", 1)[1].split(".\n", 1)[0]
     named = set(re.findall(r"`([a-z_]+)`", listed))
     assert len(named) >= 8, listed
-    named |= {n for opt in OPTIMIZATIONS for n in opt.studies} | {h.study for opt in OPTIMIZATIONS for h in opt.headlines}
+    named |= {n for opt in OPTIMIZATIONS for n in opt.studies} | {h.study for opt in OPTIMIZATIONS for h
+                                                                  in opt.headlines}
     named |= {"kda_decode", "kda_decode_bench"}
     for name in named:
         assert studies.load_study(name).NAME == studies.canonical(name), name
 
 
 def test_bench_prints_a_compact_table_without_empty_columns(tmp_path, capsys):
-    assert cli.main(["bench", "launch_overhead", "--out", str(tmp_path), "--cases", "tiny_op", "copy_1792B"]) == 0
+    assert (
+        cli.main(["bench", "launch_overhead", "--out", str(tmp_path), "--cases", "tiny_op", "copy_1792B"])
+        == 0
+    )
     out = capsys.readouterr().out
     header = out.splitlines()[0]
     assert header.split()[:3] == ["case", "before", "(us)"] and "floor (us)" in header
@@ -70,7 +74,8 @@ def test_compact_table_keeps_peer_and_ratios():
 
     recs = [r for r in bench.load_records(study="kda_decode", device="nvidia-h200") if r.case == "B1_H12"]
     table = compact(recs)
-    assert list(table.columns) == ["case", "mode", "before (us)", "after (us)", "peer", "peer (us)", "floor (us)",
+    assert list(table.columns) == ["case", "mode", "before (us)", "after (us)", "peer", "peer (us)",
+                                   "floor (us)",
                                    "after/before", "after/peer"]
     row = table[table["mode"] == "graph"].iloc[0]
     assert row["after/before"] == pytest.approx(row["after (us)"] / row["before (us)"])

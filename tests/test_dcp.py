@@ -67,8 +67,8 @@ def test_equals_single_rank_fp32(world_size, tqs):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="gloo ranks hold CPU tensors; the op's Triton kernels run on them only in the interpreter "
-                           "(TRITON_INTERPRET=1, set by k3lab when there is no GPU)")
+                    reason="gloo ranks hold CPU tensors; the op's Triton kernels run on them only in the "
+                           "interpreter (TRITON_INTERPRET=1, set by k3lab when there is no GPU)")
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_local_attention_is_the_ops_after(world_size):
     """The same checks with the MLA op's own after kernel (Triton's interpreter here) on every shard."""
@@ -174,7 +174,9 @@ def _decode_with(rank, N, bad_rank, what):
 
 
 @pytest.mark.parametrize("what,message", [
-    ("heads", r"q's shape \[B, Tq, H, 576\] differs across ranks \(rank 0: \[2, 1, 2, 576\], rank 1: \[2, 1, 3, 576\]"),
+    ("heads",
+     r"q's shape \[B, Tq, H, 576\] differs across ranks \(rank 0: \[2, 1, 2, 576\], rank 1: \[2, 1, 3, "
+     r"576\]"),
     ("lengths", r"lengths \(the global context lengths\) differs across ranks"),
     ("local_lengths", r"rank 1 of 3 refused its inputs: local_lengths\[0\] = 8, but rank 1 of 3 owns 7"),
     ("merge", r"rank 1 of 3 refused its inputs: merge must be one of"),
@@ -228,7 +230,8 @@ def test_byte_counts_match_the_formula(merge):
     calls = spawn(_count_collectives, N, merge, False, backend="gloo", timeout_s=ROOM_S)
     assert len(calls) == want["calls"] == (3 if merge == "ag_rs" else 2)
     assert [b for _, b in calls] == [c["input_bytes"] for c in want["collectives"]]
-    kinds = [next(op for op in ("all_gather", "reduce_scatter", "all_to_all") if n.startswith(op)) for n, _ in calls]
+    kinds = [next(op for op in ("all_gather", "reduce_scatter", "all_to_all") if n.startswith(op)) for n, _
+             in calls]
     assert kinds == [c["op"] for c in want["collectives"]]
     checked = spawn(_count_collectives, N, merge, True, backend="gloo", timeout_s=ROOM_S)
     assert len(checked) == want["calls"] + 1 and checked[0][0].startswith("all_gather")  # the agreement

@@ -20,7 +20,8 @@ def _attention(q, rows):
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_two_shards_by_hand_equal_attention_over_both(impl):
     g = torch.Generator().manual_seed(0)
-    q, rows = torch.randn(6, 64, generator=g, dtype=torch.float64), torch.randn(23, 64, generator=g, dtype=torch.float64)
+    q, rows = torch.randn(6, 64, generator=g, dtype=torch.float64), torch.randn(23, 64, generator=g,
+                                                                                dtype=torch.float64)
     whole = _attention(q, rows)
     a, b = _attention(q, rows[::2]), _attention(q, rows[1::2])  # the interleave-1 split over two ranks
     o_parts, lse_parts = torch.stack([a[0], b[0]]).to(DEV), torch.stack([a[1], b[1]]).to(DEV)
@@ -57,7 +58,8 @@ def test_one_piece_and_all_empty(impl):
     o, lse = torch.randn(1, 5, 512, device=DEV), torch.randn(1, 5, device=DEV)
     out, out_lse = merge_partials(o, lse, impl)
     assert torch.allclose(out, o[0], atol=1e-6) and torch.allclose(out_lse, lse[0])
-    out, out_lse = merge_partials(torch.zeros(3, 5, 512, device=DEV), torch.full((3, 5), float("-inf"), device=DEV),
+    out, out_lse = merge_partials(torch.zeros(3, 5, 512, device=DEV),
+                                  torch.full((3, 5), float("-inf"), device=DEV),
                                   impl)
     assert (out == 0).all() and torch.isneginf(out_lse).all()
 

@@ -80,7 +80,8 @@ def test_a_wrong_library_file_is_refused_and_removed(monkeypatch, tmp_path):
     seen = []
     _fake_pip(monkeypatch, seen)
     real_digest = fm._digest
-    monkeypatch.setattr(fm, "_digest", lambda p: fm.WHEEL_SHA256 if p.name == fm.WHEEL_FILE else real_digest(p))
+    monkeypatch.setattr(fm, "_digest", lambda p: fm.WHEEL_SHA256 if p.name == fm.WHEEL_FILE
+                        else real_digest(p))
     target = tmp_path / "peers" / "lib.so"
     with pytest.raises(RuntimeError, match="unexpected sha256"):
         fm.fetch(target)
@@ -98,14 +99,16 @@ def test_the_study_leaves_the_peer_out_where_it_cannot_run():
 def test_summary_reports_flashmla_over_after():
     def rec(variant, us):
         t = bench.Timing(median_us=us, p20_us=us, p80_us=us, repeats=3, mode="graph", overhead_us=0.0)
-        return bench.make_record(study.NAME, "ctx32k", variant, t, shape={"batch": 1, "context": 32768, "q_len": 1},
+        return bench.make_record(study.NAME, "ctx32k", variant, t,
+                                 shape={"batch": 1, "context": 32768, "q_len": 1},
                                  dtype=torch.bfloat16, floor_us=8.0)
     df = study.summary([rec("after", 16.0), rec("flashmla", 24.0)])
     assert math.isclose(float(df["vs_flashmla"].iloc[0]), 1.5)
 
 
 @pytest.mark.skipif(not USABLE, reason=WHY)
-@pytest.mark.parametrize("lengths,q_len", [((1000,), 1), ((32768,), 1), ((4096, 777, 64, 3000), 1), ((5000,), 4)])
+@pytest.mark.parametrize("lengths,q_len",
+                         [((1000,), 1), ((32768,), 1), ((4096, 777, 64, 3000), 1), ((5000,), 4)])
 def test_matches_the_reference_on_a_gpu(lengths, q_len):
     g = torch.Generator().manual_seed(sum(lengths) + q_len)
     B, L = len(lengths), max(lengths)

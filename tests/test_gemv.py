@@ -44,7 +44,8 @@ def test_row_strided_weight_and_the_wrapper():
 def test_bad_input_names_the_argument(monkeypatch):
     x, w = _inputs(8, 16, torch.float32)
     for args, match in (((x.repeat(2, 1), w), "one row"), ((x[:, :8], w), r"x must be \[1, 16\]"),
-                        ((x, torch.randn(16, 16, device=DEV).t()), "contiguous rows"), ((x.double(), w.double()), "fp32/fp16/bf16"),
+                        ((x, torch.randn(16, 16, device=DEV).t()), "contiguous rows"),
+                        ((x.double(), w.double()), "fp32/fp16/bf16"),
                         ((x.half(), w), "dtype")):
         with pytest.raises(ValueError, match=match):
             gv.gemv(*args)

@@ -76,7 +76,9 @@ def test_coverage_scan_finds_a_kernel_without_an_entry(tmp_path):
     graph = coverage.jit_functions(root)
     assert set(graph) == {"k3lab.ops.new_op._helper", "k3lab.ops.new_op._kernel",
                           "k3lab.ops.new_op.outer.<locals>._inner"}
-    assert coverage.uncovered({"k3lab.ops.new_op._kernel"}, root) == ["k3lab.ops.new_op.outer.<locals>._inner"]
+    assert coverage.uncovered({"k3lab.ops.new_op._kernel"}, root) == [
+        "k3lab.ops.new_op.outer.<locals>._inner"
+    ]
 
 
 def test_padded_mla_after_runs_on_mfma_on_gfx950(rep):
@@ -105,8 +107,8 @@ def test_kda_inverse_keeps_fp32_inputs_on_fp32_mfma(rep):
 
 
 def test_figures_are_read_from_gcn_text():
-    text = ("\tv_mfma_f32_16x16x32_bf16 a[0:3], v[0:3], v[4:7], 0\n\tv_pk_fma_f32 v[0:1], v[2:3], v[4:5], v[6:7]\n"
-            "\tv_fmac_f32_e32 v1, v2, v3\n; NumVgprs: 130\n; NumAgprs: 4\n; TotalNumSgprs: 40\n"
+    text = ("\tv_mfma_f32_16x16x32_bf16 a[0:3], v[0:3], v[4:7], 0\n\tv_pk_fma_f32 v[0:1], v[2:3], v[4:5], "
+            "v[6:7]\n\tv_fmac_f32_e32 v1, v2, v3\n; NumVgprs: 130\n; NumAgprs: 4\n; TotalNumSgprs: 40\n"
             "; ScratchSize: 16\n; Occupancy: 3\n    .vgpr_spill_count: 2\n    .sgpr_spill_count: 0\n")
     f = asm.amd_figures(text, 70000, 4, targets.TARGETS["gfx942"])
     assert f["matrix"] == {"v_mfma_f32_16x16x32_bf16": 1} and f["fma_lanes_ops"] == 3
@@ -119,7 +121,8 @@ def test_figures_are_read_from_gcn_text():
 def test_a_hung_worker_becomes_an_error_row_not_a_crash():
     from k3lab.isa.runner import compile_all
 
-    out = compile_all(["gfx950"], ["launch_overhead.empty_triton"], workers=1, timeout_s=0.01, use_cache=False)
+    out = compile_all(["gfx950"], ["launch_overhead.empty_triton"], workers=1, timeout_s=0.01,
+                      use_cache=False)
     assert len(out) == 1 and out[0]["ok"] is False and "no answer within" in out[0]["error"]
 
 
@@ -157,7 +160,8 @@ def _aiter_call():
     """k3lab's call of mla_decode_fwd in peers.aiter_decode, read with ast: (positional count, keyword
     names always passed, keyword names passed only when `"name" in params`)."""
     src = (Path(__file__).resolve().parents[1] / "k3lab" / "ops" / "mla_decode" / "peers.py").read_text()
-    fn = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name == "aiter_decode")
+    fn = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name
+              == "aiter_decode")
     (call,) = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
                and n.func.attr == "mla_decode_fwd"]
     always = {k.arg for k in call.keywords if k.arg}
@@ -166,7 +170,11 @@ def _aiter_call():
             always |= {k.arg for k in node.value.keywords}
     gated = set()
     for node in ast.walk(fn):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and isinstance(node.test.left, ast.Constant):
+        if (
+            isinstance(node, ast.If)
+            and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Constant)
+        ):
             gated.add(node.test.left.value)
     return len(call.args), always, gated
 
@@ -206,6 +214,7 @@ def test_aiter_lse_fact_for_the_non_persistent_decode():
     assert "work_meta_data" not in _aiter_call()[1]
     # so k3lab's AITER path returns no lse: every return of aiter_decode is (o, None)
     src = (Path(__file__).resolve().parents[1] / "k3lab" / "ops" / "mla_decode" / "peers.py").read_text()
-    fn = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name == "aiter_decode")
+    fn = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name
+              == "aiter_decode")
     rets = [n.value for n in ast.walk(fn) if isinstance(n, ast.Return)]
     assert rets and all(isinstance(r, ast.Tuple) and ast.unparse(r.elts[1]) == "None" for r in rets)

@@ -227,7 +227,9 @@ def _walk_with_akk_operands(q, k, v, g, beta, rnd):
         for blk in range(C // 16):
             P = G[16 * blk - 1] if blk else torch.zeros(K, dtype=torch.float64)
             rows, upto = slice(16 * blk, 16 * blk + 16), 16 * blk + 16
-            A[rows, :upto] = rnd(kc_[rows] * torch.exp(G[rows] - P)) @ rnd(kc_[:upto] * torch.exp(P - G[:upto])).T
+            A[rows, :upto] = (
+                rnd(kc_[rows] * torch.exp(G[rows] - P)) @ rnd(kc_[:upto] * torch.exp(P - G[:upto])).T
+            )
         A = torch.tril(A, -1) * bc[:, None]
         R = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A)
         W, U = R @ (bc[:, None] * kc_ * torch.exp(G)), R @ (bc[:, None] * vc)
@@ -320,9 +322,11 @@ def test_walk_tile_rule():
         (lambda a: a.update(cu_seqlens=torch.tensor([0, 10, 50], device=DEV)), "cu_seqlens"),
         (lambda a: a.update(cu_seqlens=torch.tensor([0, 30, 20, 70], device=DEV)), "cu_seqlens"),
         (lambda a: a.update(q=a["q"][0]), "q must be"),
-        (lambda a: a.update(q=a["q"][:0], k=a["k"][:0], v=a["v"][:0], g=a["g"][:0], beta=a["beta"][:0]), "B >= 1"),
+        (lambda a: a.update(q=a["q"][:0], k=a["k"][:0], v=a["v"][:0], g=a["g"][:0], beta=a["beta"][:0]),
+         "B >= 1"),
         (lambda a: a.update(v=a["v"].repeat(1, 1, 1, 2)[..., ::2]), "v must be contiguous"),
-        (lambda a: a.update(initial_state=a["initial_state"].transpose(2, 3)), "initial_state must be contiguous"),
+        (lambda a: a.update(initial_state=a["initial_state"].transpose(2, 3)),
+         "initial_state must be contiguous"),
         (lambda a: a.update(scale=True), "scale"),
         (lambda a: a.update(scale=float("nan")), "scale"),
     ],

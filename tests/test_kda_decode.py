@@ -18,7 +18,8 @@ from k3lab.ops import kda_decode as kd
 GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason="the fused kernel needs a CUDA/ROCm GPU; none is visible")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the unfused chain's Triton kernels need GPU tensors on a GPU
+# the unfused chain's Triton kernels need GPU tensors on a GPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def plain_step(inputs, cache, w, state_layout="kv"):
@@ -69,7 +70,8 @@ def assert_cache_close(got, ref, *, state_tol=1e-10):
 def test_reference_matches_plain_equations_fp64(layout):
     inputs, cache, w = kd.make_example(2, 2, dtype=torch.float64, state_layout=layout, seed=11)
     cache.state = cache.state.double()
-    out, new = kd.reference(**inputs, cache=cache, weights=w, state_layout=layout, compute_dtype=torch.float64)
+    out, new = kd.reference(**inputs, cache=cache, weights=w, state_layout=layout,
+                            compute_dtype=torch.float64)
     ref_out, ref = plain_step(inputs, cache, w, layout)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
     assert_cache_close(new, ref)
@@ -124,7 +126,8 @@ def test_handoff_rounding_is_what_differs():
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_before_matches_reference_fp32(layout):
     inputs, cache, w = kd.make_example(2, 2, dtype=torch.float32, state_layout=layout, device=DEVICE, seed=21)
-    ref_out, ref = kd.reference(**inputs, cache=cache, weights=w, state_layout=layout, compute_dtype=torch.float64)
+    ref_out, ref = kd.reference(**inputs, cache=cache, weights=w, state_layout=layout,
+                                compute_dtype=torch.float64)
     out = kd.kda_decode(**inputs, cache=cache, weights=w, impl="before", state_layout=layout)
     bench.check(out, ref_out, dtype="fp32", name="output")
     bench.check(cache.state, ref.state, dtype="fp32", name="state")
@@ -138,7 +141,8 @@ def test_before_bf16_matches_reference_with_the_same_handoffs():
     out = torch.empty(3, 128, dtype=torch.bfloat16, device=DEVICE)
     got = kd.before(**inputs, cache=cache, weights=w, out=out)
     assert got is out
-    bench.check_all({"output": (out, ref_out), "state": (cache.state, ref.state)}, {"output": "bf16", "state": "bf16"})
+    bench.check_all({"output": (out, ref_out), "state": (cache.state, ref.state)},
+                    {"output": "bf16", "state": "bf16"})
     for n in ("conv_q", "conv_k", "conv_v"):
         assert torch.equal(getattr(cache, n).double(), getattr(ref, n)), n
 
@@ -162,7 +166,8 @@ def test_before_conv_branch_per_input_is_bit_identical(monkeypatch):
     inputs, cache, w = kd.make_example(3, 2, dtype=torch.bfloat16, device=DEVICE, seed=25)
     runs = {}
     for name, info in (("one body", env.detect()),
-                       ("branch", env.DeviceInfo("rocm", "MI355X", 256, None, 64, "gfx950", env.PEAKS["CPU"]))):
+                       ("branch",
+                        env.DeviceInfo("rocm", "MI355X", 256, None, 64, "gfx950", env.PEAKS["CPU"]))):
         monkeypatch.setattr(env, "detect", lambda info=info: info)
         c = KDACache(*(t.clone() for t in (cache.conv_q, cache.conv_k, cache.conv_v, cache.state)))
         runs[name] = (kd.before(**inputs, cache=c, weights=w), c)
@@ -178,7 +183,8 @@ def test_three_steps_carry_state():
     ref_cache = KDACache(*(t.double() for t in (cache.conv_q, cache.conv_k, cache.conv_v, cache.state)))
     gen = torch.Generator().manual_seed(0)
     for step in range(3):
-        step_in = {n: torch.randn(t.shape, generator=gen, dtype=torch.float64).to(DEVICE) for n, t in inputs.items()}
+        step_in = {n: torch.randn(t.shape, generator=gen, dtype=torch.float64).to(DEVICE) for n, t
+                   in inputs.items()}
         ref_out, ref_cache = kd.reference(**step_in, cache=ref_cache, weights=w, compute_dtype=torch.float64)
         out = kd.before(**{n: t.float() for n, t in step_in.items()}, cache=cache, weights=w)
         bench.check(out, ref_out, dtype="fp32", name=f"output step {step}")

@@ -105,8 +105,9 @@ def test_cuda_prologue_replays_in_a_graph():
     plan = kc.make_plan([4096], 2, device="cuda")
     work = kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, backend="cuda")
     first = {name: t.clone() for name, t in _fields(work).items()}
-    graph = bench.capture_graph(lambda: kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, work, backend="cuda"),
-                                copies=3)
+    graph = bench.capture_graph(
+        lambda: kc.kda_chunk_prologue(q, k, v, g, beta, plan, 0.1, work, backend="cuda"), copies=3
+    )
     for t in _fields(work).values():
         t.fill_(float("nan")) if t.is_floating_point() else t.zero_()
     for _ in range(10):

@@ -169,7 +169,8 @@ def test_bad_ragged_and_launch_arguments():
         kv.kda_verify(**x, states_out=torch.empty(2, 2, 1, K, 8, device=DEV))
     flat = make(1, 4, 1, V=16, N=2)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        kv.kda_verify(**flat, cu_seqlens=torch.tensor([0, 1, 3], dtype=torch.int32, device=DEV))  # does not end at 4
+        # does not end at 4
+        kv.kda_verify(**flat, cu_seqlens=torch.tensor([0, 1, 3], dtype=torch.int32, device=DEV))
 
 
 def test_tile_rule_follows_units_and_backend():
@@ -215,7 +216,10 @@ def test_study_parses_its_cases():
     assert study._parse("b1_t4.stream16_w4", 12)["variants"][0][1]["kind"] == "before"
     warp = study._parse("b1_t4.cudawarp8_w4", 12)["variants"][0][1]
     assert (warp["backend"], warp["pdl"]) == ("cuda", False)  # the ablation's plain launch
-    assert study.kernel_name("after", 8, "cuda") == "cuda_warp" and study.kernel_name("after", 8, "triton") == "narrow"
+    assert (
+        study.kernel_name("after", 8, "cuda") == "cuda_warp"
+        and study.kernel_name("after", 8, "triton") == "narrow"
+    )
     assert study.kernel_name("after", 16, None) == "stream" and study.kernel_name("fla", 32) == "fla"
     for bad in ("b1_t4.chunk8_w2", "b1_t4.cudawarp8_w1", "b1_t4.narrow16_w1", "b1_t4.tile8_w1"):
         with pytest.raises(ValueError, match="case"):
@@ -278,7 +282,8 @@ def _gpu_inputs(B, T, H, dtype, seed=0, N=None):
 
 
 def _check_gpu(o, states, ref_o, ref_s):
-    bench.check_all({"o": (o, ref_o), "states": (states, ref_s)}, dtype={"o": o.dtype, "states": torch.float32})
+    bench.check_all({"o": (o, ref_o), "states": (states, ref_s)},
+                    dtype={"o": o.dtype, "states": torch.float32})
     for t in range(states.shape[1]):  # each saved state on its own
         bench.check(states[:, t], ref_s[:, t], dtype=torch.float32, name=f"state[{t}]")
 
@@ -316,7 +321,8 @@ def test_cuda_kernel_ragged_batches(index_dtype):
     o, states = kv.kda_verify(**x, cu_seqlens=cu, tile_v=8, backend="cuda")
     bench.check_all({"o": (o, ref_o), "states": (states, ref_s)},
                     dtype={"o": torch.bfloat16, "states": torch.float32})
-    o2, final = kv.kda_verify(**x, cu_seqlens=cu, max_seqlen=4, tile_v=8, backend="cuda", final_state_only=True)
+    o2, final = kv.kda_verify(**x, cu_seqlens=cu, max_seqlen=4, tile_v=8, backend="cuda",
+                              final_state_only=True)
     expect = torch.stack([ref_s[0, 2], ref_s[0, 3], x["initial_state"][2].double(), ref_s[0, 7]])
     bench.check(final, expect, dtype=torch.float32, name="final per sequence (the empty one keeps h0)")
     assert torch.equal(o2, o)

@@ -151,7 +151,11 @@ def test_committed_walk_bench_reads_back(tmp_path):
     wb = ks.walk_launches().set_index("launch")
     assert list(wb.index) == ["summaries", "scan", "replay", "after"]
     assert (wb[["triton", "cuda"]] > 0).all().all()
-    assert wb.loc["summaries", "speedup"] > 1 and wb.loc["replay", "speedup"] > 1 and wb.loc["after", "speedup"] > 1
+    assert (
+        wb.loc["summaries", "speedup"] > 1
+        and wb.loc["replay", "speedup"] > 1
+        and wb.loc["after", "speedup"] > 1
+    )
     bad = tmp_path / "bad.json"
     bad.write_text('{"triton.after": 1.0}')
     with pytest.raises(ValueError, match="walk bench"):

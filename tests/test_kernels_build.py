@@ -22,7 +22,8 @@ def test_there_are_kernels():
 @pytest.mark.skipif(_build.find_toolchain("nvcc") is None, reason="nvcc not on PATH (or CUDA_HOME)")
 @pytest.mark.parametrize("name", KERNELS)
 def test_nvcc_compiles_for_sm90a(name, tmp_path):
-    obj = _build.compile_kernel(name, kind="nvcc", target="sm_90a", output="object", dest=tmp_path / f"{name}.o")
+    obj = _build.compile_kernel(name, kind="nvcc", target="sm_90a", output="object", dest=tmp_path
+                                / f"{name}.o")
     assert obj.stat().st_size > 0
     # ptxas's report of this build: no kernel may spill registers to local memory (the state lives
     # in registers; a spill would send it back through memory).

@@ -8,7 +8,8 @@ import torch
 from k3lab import bench, studies
 from k3lab.studies import launch_overhead as lo
 
-cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="expectations for a CPU run; a GPU is present")
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(),
+                              reason="expectations for a CPU run; a GPU is present")
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,8 @@ def test_profile_targets_run():
 
 
 def test_registry_lists_studies_and_loads_lazily(monkeypatch):
-    assert set(studies.STUDIES) >= {"launch_overhead", "copy_removal", "kda_decode", "mla_padding", "kda_scan",
+    assert set(studies.STUDIES) >= {"launch_overhead", "copy_removal", "kda_decode", "mla_padding",
+                                    "kda_scan",
                                     "kda_verify", "kda_precision", "draft_depth"}
     assert studies.load_study("launch_overhead") is lo
     with pytest.raises(ValueError, match="unknown study 'nope'"):

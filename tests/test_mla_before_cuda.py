@@ -44,12 +44,14 @@ def test_plan_before_backend_choice_by_name():
     if not GPU:  # asked for by name where it cannot run: the reason, not a silent fallback
         with pytest.raises(mla.BackendUnavailable, match="'cuda' cannot run here"):
             mla.plan_before(q.bfloat16(), cache.bfloat16(), backend="cuda")
-        assert mla.plan_before(q, cache).backend == "triton"  # the Triton kernel runs, as before_status() says
+        # the Triton kernel runs, as before_status() says
+        assert mla.plan_before(q, cache).backend == "triton"
 
 
 @pytest.mark.skipif(not NVCC, reason="nvcc not on PATH (or CUDA_HOME)")
 def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
-    lib_path = _build.compile_kernel(mc.BEFORE_NAME, kind="nvcc", target="sm_90a", output="shared", dest=tmp_path / "b.so")
+    lib_path = _build.compile_kernel(mc.BEFORE_NAME, kind="nvcc", target="sm_90a", output="shared",
+                                     dest=tmp_path / "b.so")
     report = Path(str(lib_path) + ".log").read_text()
     spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", report)]
     assert spills and all(s == 0 for s in spills), report[-2000:]
@@ -64,8 +66,18 @@ def _runs() -> bool:
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("ring", [None, False], ids=["default", "direct"])
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
-@pytest.mark.parametrize("lengths,q_len,H", [((1,), 1, 12), ((33,), 1, 12), ((1000,), 1, 16), ((32768,), 1, 12),
-                                             ((5000, 7, 64, 2049), 1, 12), ((300, 130), 4, 12), ((700,), 8, 3)])
+@pytest.mark.parametrize(
+    "lengths,q_len,H",
+    [
+        ((1,), 1, 12),
+        ((33,), 1, 12),
+        ((1000,), 1, 16),
+        ((32768,), 1, 12),
+        ((5000, 7, 64, 2049), 1, 12),
+        ((300, 130), 4, 12),
+        ((700,), 8, 3),
+    ],
+)
 def test_on_the_gpu_matches_the_reference(ring, paged, lengths, q_len, H):
     if not _runs():
         pytest.skip(f"kernel unavailable: {mc.before_status()[1]}")
@@ -90,7 +102,8 @@ def test_on_the_gpu_matches_the_reference(ring, paged, lengths, q_len, H):
         kern[past] = float("nan")
         p = mla.plan_before(q, kern, lens) if ring is None else mc.plan_before(q, kern, lens, ring=ring)
     assert p.backend == "cuda" and p.programs == B * q_len * H and p.grid == (H, q_len, B)
-    assert p.rows_via == ("ring" if ring is None else "direct")  # dense, aligned rows take the ring by default
+    # dense, aligned rows take the ring by default
+    assert p.rows_via == ("ring" if ring is None else "direct")
     o, lse = p()
     ro, rl = mla.reference(q.float(), cache.float(), lens)
     bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)

@@ -137,7 +137,8 @@ def test_split_rule_choices():
     lens = [256, 1024, 4096, 32768, 131072]
     assert [rule(1, n, 132) for n in lens] == sorted(rule(1, n, 132) for n in lens)
     batches = [1, 2, 8, 32, 128]
-    assert [rule(b, 8192, 132) for b in batches] == sorted((rule(b, 8192, 132) for b in batches), reverse=True)
+    assert [rule(b, 8192, 132) for b in batches] == sorted((rule(b, 8192, 132) for b in batches),
+                                                           reverse=True)
     # the rule is the argmin of its cost model
     costs = {k: mla.split_cost(k, 1, 32768, 132) for k in range(1, 257)}
     assert costs[s] == min(costs.values())
@@ -382,7 +383,8 @@ def test_rows_past_the_length_are_never_read():
     # must take them out of both products (0 x NaN would poison the value sum), and pages past it
     # must not be touched. 200 = 6 whole tiles of 32 + 8 rows; 75 = 2 tiles + 11 rows.
     lengths = [200, 75]
-    q, cache, lens, pool, bt = _inputs(2, 1, 12, 256, torch.float32, lengths=lengths, paged=True, page_size=64,
+    q, cache, lens, pool, bt = _inputs(2, 1, 12, 256, torch.float32, lengths=lengths, paged=True,
+                                       page_size=64,
                                        seed=23)
     pool = _poison_past_lengths(pool, bt, lengths, 64)
     ref_o, ref_l = mla.reference(q, cache, lens)
@@ -395,7 +397,8 @@ def test_rows_past_the_length_are_never_read():
 def test_backend_table_and_forcing_by_name(monkeypatch):
     """The dispatcher takes the first available backend that takes the inputs; backend= or
     K3LAB_MLA_BACKEND forces one by name; an unknown name or an unavailable backend is a clear error."""
-    assert [b.name for b in sorted(mla.BACKENDS.values(), key=lambda b: b.priority)] == ["cuda", "triton", "aiter"]
+    assert [b.name for b
+            in sorted(mla.BACKENDS.values(), key=lambda b: b.priority)] == ["cuda", "triton", "aiter"]
     for b in mla.BACKENDS.values():
         ok, why = b.available()
         assert isinstance(ok, bool) and isinstance(why, str) and why
@@ -428,7 +431,11 @@ def test_after_says_which_backend_runs_and_runs_triton_without_the_cuda_kernel()
         q = torch.randn(1, 1, 12, mla.LATENT_DIM)
         cache = torch.randn(1, 96, mla.LATENT_DIM)
         plan = mla.plan_after(q, cache, torch.tensor([96]))
-        assert isinstance(plan, mla.DecodePlan) and plan.backend == "triton" and plan.facts()["backend"] == "triton"
+        assert (
+            isinstance(plan, mla.DecodePlan)
+            and plan.backend == "triton"
+            and plan.facts()["backend"] == "triton"
+        )
         with pytest.raises(RuntimeError, match="cannot run here"):
             mla.plan_after(q.bfloat16(), cache.bfloat16(), torch.tensor([96]), backend="cuda")
         with pytest.raises(RuntimeError, match="cannot run here"):  # a CUDA form asks for the CUDA backend
@@ -523,7 +530,8 @@ def test_committed_stage_runs(tmp_path):
 
 
 def test_committed_wave_runs_show_the_second_wave(tmp_path):
-    # the H200 runs notebook 04 draws: 64 x 8K with 3 pieces a request (192 blocks, 1.45 waves) and 2 (one wave)
+    # the H200 runs notebook 04 draws: 64 x 8K with 3 pieces a request (192 blocks, 1.45 waves) and 2 (one
+    # wave)
     from k3lab.studies import mla_padding as study
 
     df = study.wave_table()

@@ -97,7 +97,8 @@ def test_bad_arguments_are_refused_by_name(case, match):
         cache = torch.zeros(pool.shape[0], 2 * 64, 576, dtype=torch.bfloat16)[:, :64]
         kw["form"] = "wgmma"
     elif case == "wgmma_q_misaligned":
-        q = torch.zeros(1, 1, 12, 580, dtype=torch.bfloat16)[..., :576]  # head stride 580: pairs, not 16 bytes
+        # head stride 580: pairs, not 16 bytes
+        q = torch.zeros(1, 1, 12, 580, dtype=torch.bfloat16)[..., :576]
         kw["form"] = "wgmma"
     elif case == "scale_negative":
         kw["scale"] = -0.1
@@ -141,7 +142,8 @@ def test_pieces_fill_the_units_once_in_whole_tiles():
         assert B * splits <= 132 < 2 * B * splits, (B, splits)  # one wave, at least half full
     for B, L, units in ((1, 32768, 132), (3, 5000, 80), (2, 33, 7), (1, 1, 132)):
         splits, chunk = choose_splits(B, L, units)
-        assert chunk % mc.BLOCK_N == 0 and (splits - 1) * chunk < L <= splits * chunk  # no empty piece at max_len
+        # no empty piece at max_len
+        assert chunk % mc.BLOCK_N == 0 and (splits - 1) * chunk < L <= splits * chunk
     assert choose_splits(1, 32768, 132, num_splits=7) == (7, 4704)
     with pytest.raises(ValueError, match="num_splits"):
         choose_splits(1, 1024, 132, num_splits=0)
@@ -203,10 +205,19 @@ def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
     assert lib.k3_mla_wg_smem(1) == mc.wg_smem_bytes(1) and lib.k3_mla_wg_smem(3) == -4
     # the launchers refuse bad sizes before touching the GPU (-4): pieces that are not whole tiles
     args = mc.Args()
-    args.B, args.heads, args.splits, args.chunk, args.page_shift, args.q_run, args.q_tq = 1, 12, 4, 40, 6, 1, 1
+    args.B, args.heads, args.splits, args.chunk, args.page_shift, args.q_run, args.q_tq = (
+        1,
+        12,
+        4,
+        40,
+        6,
+        1,
+        1,
+    )
     assert lib.k3_mla_decode(ctypes.byref(args), 1, 1 << 18, None) == -4
     map128 = (ctypes.c_ubyte * 128)()
-    assert lib.k3_mla_decode_wg(ctypes.byref(args), ctypes.addressof(map128), ctypes.addressof(map128), 1, 1 << 18,
+    assert lib.k3_mla_decode_wg(ctypes.byref(args), ctypes.addressof(map128), ctypes.addressof(map128), 1,
+                                1 << 18,
                                 1, None) == -4
 
 
@@ -372,9 +383,21 @@ def test_two_tokens_per_block_refusals_by_name(kw, match):
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("share", ["pairs", "l2"])
-@pytest.mark.parametrize("lengths,q_len", [((4097,), 2), ((32768,), 4), ((5000, 33, 64, 2049), 4), ((700,), 8),
-                                           ((130, 64, 65), 2), ((130, 64, 65), 3), ((63, 2), 2), ((4133, 70), 5),
-                                           ((9000,), 7), ((66, 129), 6)])
+@pytest.mark.parametrize(
+    "lengths,q_len",
+    [
+        ((4097,), 2),
+        ((32768,), 4),
+        ((5000, 33, 64, 2049), 4),
+        ((700,), 8),
+        ((130, 64, 65), 2),
+        ((130, 64, 65), 3),
+        ((63, 2), 2),
+        ((4133, 70), 5),
+        ((9000,), 7),
+        ((66, 129), 6),
+    ],
+)
 def test_on_the_gpu_verify_as_requests_matches_the_reference(lengths, q_len, share, monkeypatch):
     """Each token of a verification group as its own request, two per block in one product ('pairs',
     an odd group padded by one token whose query reads zeros) or one per block sharing tiles through L2:
@@ -399,7 +422,8 @@ def test_on_the_gpu_verify_as_requests_matches_the_reference(lengths, q_len, sha
     ro, rl = mla.reference(q.float(), pool.float(), lens, block_table=bt)
     assert o.shape == (B, q_len, 12, mla.VALUE_DIM) and lse.shape == (B, q_len, 12)
     bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)
-    q.copy_(torch.randn(q.shape, generator=g).bfloat16())  # new queries in the same buffer: the plan sees them
+    # new queries in the same buffer: the plan sees them
+    q.copy_(torch.randn(q.shape, generator=g).bfloat16())
     o, lse = p()
     ro, rl = mla.reference(q.float(), pool.float(), lens, block_table=bt)
     bench.check_all({"o": (o, ro), "lse": (lse, rl)}, dtype=torch.bfloat16)

@@ -70,7 +70,11 @@ def test_cache_layout(model64):
             assert c.latent.shape == (3, 7, TINY.mla_latent_dim)
         else:
             assert isinstance(c, KDACache)
-            assert c.state.shape == (3, TINY.kda_num_heads, 128, 128) and c.conv_q.shape == (3, TINY.kda_width, 3)
+            assert c.state.shape == (3, TINY.kda_num_heads, 128, 128) and c.conv_q.shape == (
+                3,
+                TINY.kda_width,
+                3,
+            )
     assert cache.attn_res_blocks.shape == (len(TINY.attn_res_block_starts()), 3, TINY.hidden_size)
     sizes = cache.nbytes()
     assert sizes["mla_latent"] == TINY.num_mla_layers * 3 * 7 * 576 * 8
@@ -142,7 +146,8 @@ def test_bad_inputs(model64):
     layers = list(cache.layers)
     layers[1] = KDACache(layers[1].conv_q, layers[1].conv_k, layers[1].conv_v, layers[1].state[:, :, :64])
     with pytest.raises(ValueError, match=r"cache.layers\[1\].*cache.state"):
-        model64.decode(ids_for(2, 1, seed=0), K3Cache(layers, cache.attn_res_blocks, cache.attn_res_partial, 3))
+        model64.decode(ids_for(2, 1, seed=0),
+                       K3Cache(layers, cache.attn_res_blocks, cache.attn_res_partial, 3))
     with pytest.raises(ValueError, match="max_new_tokens"):
         model64.generate(ids_for(1, 2, seed=0), -1)
 

@@ -11,7 +11,8 @@ from k3lab.parallel import bench_moe
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real benchmark instead")
 def test_bench_runs_every_variant_checked_at_tiny_sizes():
-    res = bench_moe.run(tail_tokens=(3,), expert_tokens=(2,), tp=2, config=K3Config.tiny(), repeats=2, warmup=0)
+    res = bench_moe.run(tail_tokens=(3,), expert_tokens=(2,), tp=2, config=K3Config.tiny(), repeats=2,
+                        warmup=0)
     got = [(r.case, r.variant) for r in res["records"]]
     assert got == [("tail_N3", "before"), ("tail_N3", "after"), ("tail_N3", "torch"),
                    ("experts_N2", "before"), ("experts_N2", "after"), ("experts_N2", "after")]

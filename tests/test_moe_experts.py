@@ -170,7 +170,8 @@ def test_bad_tile_height_and_backend(layer, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the CPU runs the interpreter tests above)")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a GPU (the CPU runs the interpreter tests above)")
 def test_grouped_bf16_at_tp8_shapes_on_gpu():
     """K3's rank shapes (896 experts, 3584 x 384) at a decode batch, bf16, against the loop in fp32."""
     dev = "cuda"
@@ -251,7 +252,8 @@ def test_tail_adds_into_the_strided_column_view_without_a_copy(monkeypatch):
     check(out, ref, dtype=torch.float32, max_rel=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the CPU runs the interpreter tests above)")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a GPU (the CPU runs the interpreter tests above)")
 @pytest.mark.parametrize("n", [1, 65])
 def test_tail_on_the_gpu_at_k3_shapes(n):
     """K3's latent (3584) into rank 3's 896 columns of a 7168-wide output, fp32 and bf16."""

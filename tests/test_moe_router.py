@@ -55,7 +55,8 @@ def assert_same(got, logits, bias, k, scaling, renormalize, m):
 ])
 def test_triton_matches_route_then_sort_by_expert(n, e, k, m, scaling, renormalize, bias):
     logits, b = router_inputs(n, e, k, seed=n * 100 + e, bias=bias)
-    got = mr.route_and_sort(logits, b, k, scaling=scaling, renormalize=renormalize, block_m=m, backend="triton")
+    got = mr.route_and_sort(logits, b, k, scaling=scaling, renormalize=renormalize, block_m=m,
+                            backend="triton")
     assert_same(got, logits, b, k, scaling, renormalize, m)
 
 
@@ -160,7 +161,8 @@ def test_bad_input_names_the_argument(kwargs, match):
 
 
 def test_sort_pairs_bad_input():
-    for idx, match in ((torch.zeros(4, 2), "int32 or int64"), (torch.zeros(2, 4, dtype=torch.long).t(), "contiguous")):
+    for idx, match in ((torch.zeros(4, 2), "int32 or int64"),
+                       (torch.zeros(2, 4, dtype=torch.long).t(), "contiguous")):
         with pytest.raises(ValueError, match=match):
             mr.sort_pairs(idx, 8, 16)
     with pytest.raises(ValueError, match="num_experts must be a positive"):

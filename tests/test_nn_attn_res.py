@@ -26,7 +26,10 @@ def test_mix_hand_values():
 def test_one_source_mixes_to_itself_and_order_does_not_matter():
     gen = torch.Generator().manual_seed(0)
     v = torch.randn(4, 3, 5, 16, generator=gen, dtype=torch.float64)
-    nw, pw = torch.randn(16, generator=gen, dtype=torch.float64), torch.randn(16, generator=gen, dtype=torch.float64)
+    nw, pw = (
+        torch.randn(16, generator=gen, dtype=torch.float64),
+        torch.randn(16, generator=gen, dtype=torch.float64),
+    )
     torch.testing.assert_close(attn_res_mix(v[:1], nw, pw), v[0], rtol=0, atol=1e-15)
     perm = torch.tensor([2, 0, 3, 1])
     torch.testing.assert_close(attn_res_mix(v[perm], nw, pw), attn_res_mix(v, nw, pw), rtol=1e-12, atol=1e-12)
@@ -43,7 +46,9 @@ def test_state_protocol():
     s = AttnResState.start(emb)
     assert s.blocks == () and torch.equal(s.sources(), emb[None])
     s = s.push_block()
-    assert len(s.blocks) == 1 and torch.equal(s.blocks[0], emb) and torch.equal(s.partial, torch.zeros_like(emb))
+    assert (
+        len(s.blocks) == 1 and torch.equal(s.blocks[0], emb) and torch.equal(s.partial, torch.zeros_like(emb))
+    )
     a, m = torch.randn(1, 2, 4), torch.randn(1, 2, 4)
     s = s.add(a).add(m)
     torch.testing.assert_close(s.partial, a + m)

@@ -28,12 +28,14 @@ MOE_SHAPES = {
     "gate.weight": (896, 7168), "gate.e_score_correction_bias": (896,),
     "routed_expert_down_proj.weight": (3584, 7168), "routed_expert_norm.weight": (3584,),
     "routed_expert_up_proj.weight": (7168, 3584),
-    "experts.0.w1.weight": (3072, 3584), "experts.0.w3.weight": (3072, 3584), "experts.0.w2.weight": (3584, 3072),
+    "experts.0.w1.weight": (3072, 3584), "experts.0.w3.weight": (3072, 3584),
+    "experts.0.w2.weight": (3584, 3072),
     "experts.895.w2.weight": (3584, 3072),
     "shared_experts.gate_proj.weight": (6144, 7168), "shared_experts.up_proj.weight": (6144, 7168),
     "shared_experts.down_proj.weight": (7168, 6144),
 }
-DENSE_SHAPES = {"gate_proj.weight": (33792, 7168), "up_proj.weight": (33792, 7168), "down_proj.weight": (7168, 33792)}
+DENSE_SHAPES = {"gate_proj.weight": (33792, 7168), "up_proj.weight": (33792, 7168),
+                "down_proj.weight": (7168, 33792)}
 LAYER_SHAPES = {
     "input_layernorm.weight": (7168,), "post_attention_layernorm.weight": (7168,),
     "self_attention_res_norm.weight": (7168,), "self_attention_res_proj.weight": (1, 7168),
@@ -58,7 +60,8 @@ def test_full_layer_kinds(full_layers):
 
 def test_full_dims_parameter_shapes(full_layers):
     checks = [(full_layers[0].self_attn, KDA_SHAPES), (full_layers[3].self_attn, MLA_SHAPES),
-              (full_layers[1].mlp, MOE_SHAPES), (full_layers[0].mlp, DENSE_SHAPES), (full_layers[3], LAYER_SHAPES)]
+              (full_layers[1].mlp, MOE_SHAPES), (full_layers[0].mlp, DENSE_SHAPES),
+              (full_layers[3], LAYER_SHAPES)]
     for module, shapes in checks:
         params = dict(module.named_parameters())
         for name, shape in shapes.items():

@@ -103,7 +103,8 @@ def test_chunked_equals_fla_naive_chunk():
     naive = _fla_naive()
     # fla's naive chunk form needs T to be a multiple of its chunk size
     q, k, v, g, beta, s0 = kda_inputs(1, 128, 2, 64, 32, seed=12, dtype=torch.float32, state=True)
-    o_f, s_f = naive.naive_chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, chunk_size=64)
+    o_f, s_f = naive.naive_chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                     chunk_size=64)
     o_k, s_k = kda_chunked(q, k, v, g, beta, initial_state=s0, chunk_size=64)
     torch.testing.assert_close(o_k, o_f, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(s_k, s_f, rtol=1e-4, atol=1e-4)
@@ -165,7 +166,8 @@ def test_kda_gate_formula_and_range():
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     # the gate lies in [-5, 0]: exactly -5 only where the sigmoid saturates in floating point
     gen = torch.Generator().manual_seed(0)
-    wide = kda_gate(torch.randn(100, 8, dtype=torch.float64, generator=gen) * 10, torch.zeros(2), torch.zeros(8),
+    wide = kda_gate(torch.randn(100, 8, dtype=torch.float64, generator=gen) * 10, torch.zeros(2),
+                    torch.zeros(8),
                     -5.0)
     assert bool((wide >= -5).all()) and bool((wide <= 0).all())
     torch.testing.assert_close(kda_beta(torch.tensor([0.0, 2.0])), torch.sigmoid(torch.tensor([0.0, 2.0])))
@@ -191,8 +193,10 @@ def kda_layer_by_hand(layer, x):
     v = conv_silu(x @ layer.v_proj.weight.T, layer.v_conv.weight).reshape(B, T, H, K)
     q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
     k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    raw = (x @ layer.f_a.weight.T @ layer.f_b.weight.T).reshape(B, T, H, K) + layer.dt_bias.double().reshape(H, K)
-    g = -5.0 * torch.sigmoid(layer.A_log.double().exp().reshape(H, 1) * raw)  # the fp32 gate params, used in fp64
+    raw = (x @ layer.f_a.weight.T
+           @ layer.f_b.weight.T).reshape(B, T, H, K) + layer.dt_bias.double().reshape(H, K)
+    # the fp32 gate params, used in fp64
+    g = -5.0 * torch.sigmoid(layer.A_log.double().exp().reshape(H, 1) * raw)
     beta = torch.sigmoid(x @ layer.b_proj.weight.T)
     S = torch.zeros(B, H, K, K, dtype=x.dtype)
     o = torch.zeros(B, T, H, K, dtype=x.dtype)
@@ -223,7 +227,8 @@ def test_layer_matches_the_equations():
 @pytest.mark.parametrize("T", [3, 64, 70])
 def test_layer_prefill_then_decode_equals_longer_prefill(T):
     layer = tiny_kda_layer()
-    x = torch.randn(1, T + 3, layer.hidden_size, generator=torch.Generator().manual_seed(T), dtype=torch.float64)
+    x = torch.randn(1, T + 3, layer.hidden_size, generator=torch.Generator().manual_seed(T),
+                    dtype=torch.float64)
     full, c_full = layer(x)
     out, cache = layer(x[:, :T])
     outs = [out]
@@ -277,7 +282,8 @@ def test_layer_bad_inputs():
     with pytest.raises(ValueError, match="x must hold"):
         layer(torch.randn(1, 0, h, dtype=torch.float64))
     good = layer.empty_cache(1, state_dtype=torch.float64)
-    bad_state = KDACache(good.conv_q, good.conv_k, good.conv_v, torch.zeros(1, 2, 128, 64, dtype=torch.float64))
+    bad_state = KDACache(good.conv_q, good.conv_k, good.conv_v,
+                         torch.zeros(1, 2, 128, 64, dtype=torch.float64))
     with pytest.raises(ValueError, match="cache.state"):
         layer(torch.randn(1, 1, h, dtype=torch.float64), bad_state)
     bad_conv = KDACache(good.conv_q[:, :, :2], good.conv_k, good.conv_v, good.state)

@@ -70,7 +70,8 @@ def test_cache_rows_are_normed_latent_then_unrotated_rope_part():
     _, cache = layer(x)
     ckv = x @ layer.kv_a_proj_with_mqa.weight.T
     c, k_pe = ckv[..., :512], ckv[..., 512:]
-    c = c / torch.sqrt((c * c).mean(-1, keepdim=True) + layer.kv_a_layernorm.eps) * layer.kv_a_layernorm.weight
+    c = c / torch.sqrt((c * c).mean(-1, keepdim=True)
+                       + layer.kv_a_layernorm.eps) * layer.kv_a_layernorm.weight
     torch.testing.assert_close(cache.latent, torch.cat([c, k_pe], -1), rtol=1e-12, atol=1e-12)
 
 
@@ -107,7 +108,8 @@ def test_latent_attention_lengths_and_causality():
             pos = int(lengths[b]) - 3 + t
             s = (q[b, t] @ cache[b, :pos + 1].T) * 192 ** -0.5  # [H, pos+1]
             torch.testing.assert_close(lse[b, t], torch.logsumexp(s, -1), rtol=1e-12, atol=1e-12)
-            torch.testing.assert_close(o[b, t], s.softmax(-1) @ cache[b, :pos + 1, :512], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(o[b, t], s.softmax(-1) @ cache[b, :pos + 1, :512], rtol=1e-12,
+                                       atol=1e-12)
 
 
 @torch.no_grad()

@@ -55,9 +55,11 @@ def dense_moe_reference(moe, x):
     dense = torch.zeros_like(s).scatter(-1, idx, s.gather(-1, idx))
     dense = dense / dense.sum(-1, keepdim=True)
     z = xf @ moe.routed_expert_down_proj.weight.T
-    every = torch.stack([situ_glu(z @ e.w1.weight.T, z @ e.w3.weight.T) @ e.w2.weight.T for e in moe.experts], 1)
+    every = torch.stack([situ_glu(z @ e.w1.weight.T, z @ e.w3.weight.T) @ e.w2.weight.T for e in moe.experts],
+                        1)
     y = (dense.unsqueeze(-1) * every).sum(1)
-    y = y / torch.sqrt((y * y).mean(-1, keepdim=True) + moe.routed_expert_norm.eps) * moe.routed_expert_norm.weight
+    y = y / torch.sqrt((y * y).mean(-1, keepdim=True)
+                       + moe.routed_expert_norm.eps) * moe.routed_expert_norm.weight
     sh = moe.shared_experts
     shared = situ_glu(xf @ sh.gate_proj.weight.T, xf @ sh.up_proj.weight.T) @ sh.down_proj.weight.T
     return (y @ moe.routed_expert_up_proj.weight.T + shared).view(x.shape)

@@ -37,7 +37,8 @@ def test_situ_glu_computes_in_fp32():
     u = (torch.randn(256, generator=gen) * 30).bfloat16()
     got = situ_glu(g, u)
     assert got.dtype == torch.bfloat16
-    ref = (4 * torch.tanh(g.float() / 4) * torch.sigmoid(g.float()) * 25 * torch.tanh(u.float() / 25)).bfloat16()
+    ref = (4 * torch.tanh(g.float() / 4) * torch.sigmoid(g.float()) * 25
+           * torch.tanh(u.float() / 25)).bfloat16()
     assert torch.equal(got, ref)
 
 

@@ -56,7 +56,13 @@ def test_reads_as_a_workshop_segment(path):
     nb = json.loads(path.read_text())
     markdown = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"]
     words = sum(len(m.split()) for m in markdown)
-    assert words <= 2100, f"{path.name}: {words} words of narrative (a segment holds ~2,000; move depth to a 0Nb notebook)"
+    assert words <= 2100, (
+        f"{path.name}: {words} words of narrative (a segment holds ~2,000; move depth to a 0Nb notebook)"
+    )
     text = "\n".join(markdown)
-    assert not re.search(HISTORY, text), f"{path.name} names an issue or a commit: {re.search(HISTORY, text)[0]}"
-    assert not re.search(OUTSIDE, text), f"{path.name} points outside the repository: {re.search(OUTSIDE, text)[0]}"
+    assert not re.search(HISTORY, text), (
+        f"{path.name} names an issue or a commit: {re.search(HISTORY, text)[0]}"
+    )
+    assert not re.search(OUTSIDE, text), (
+        f"{path.name} points outside the repository: {re.search(OUTSIDE, text)[0]}"
+    )

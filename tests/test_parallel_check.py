@@ -8,7 +8,9 @@ from k3lab.parallel import check, dcp
 
 
 def test_dcp_check_passes_and_prints_errors_and_bytes(capsys):
-    code = check.main(["dcp", "--world-size", "3", "--attention", "reference", "--tq", "2", "--interleave", "16"])
+    code = check.main(
+        ["dcp", "--world-size", "3", "--attention", "reference", "--tq", "2", "--interleave", "16"]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "dcp check: 3 ranks" in out and out.count("ag_rs ") == 3 and out.count("a2a ") == 3

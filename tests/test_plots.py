@@ -20,7 +20,8 @@ def _rec(case, variant, median, floor=None, mode="eager", shape=None, **extra):
 @pytest.fixture
 def records():
     return [_rec("small", "before", 10.0, 1.0), _rec("small", "after", 5.0, 1.0), _rec("small", "fla", 6.0),
-            _rec("large", "before", 100.0, 40.0), _rec("large", "after", 50.0, 40.0), _rec("large", "fla", 45.0)]
+            _rec("large", "before", 100.0, 40.0), _rec("large", "after", 50.0, 40.0),
+            _rec("large", "fla", 45.0)]
 
 
 def test_before_after_from_records(records):
@@ -61,7 +62,8 @@ def test_before_after_labels_modes_when_mixed():
 
 def test_size_sweep_time_and_throughput():
     recs = [_rec(f"copy{n}", v, us, floor=n / 1e3, shape={"bytes": n}, bytes_moved=2 * n)
-            for n, (b, a) in {1000: (4.0, 1.0), 10**6: (300.0, 290.0)}.items() for v, us in (("before", b), ("after", a))]
+            for n, (b, a) in {1000: (4.0, 1.0), 10**6: (300.0, 290.0)}.items() for v, us
+            in (("before", b), ("after", a))]
     fig = plots.size_sweep(recs)
     assert [t.name for t in fig.data] == ["after (eager)", "before (eager)", "floor"]
     assert list(fig.data[1].x) == [1000, 10**6] and list(fig.data[1].y) == [4.0, 300.0]
@@ -73,14 +75,16 @@ def test_size_sweep_time_and_throughput():
 
 
 def _kernels(n_gemm, n_copy):
-    rows = [{"name": "gemm", "category": "matmul", "start_us": 10.0 * i, "dur_us": 8.0} for i in range(n_gemm)]
+    rows = [{"name": "gemm", "category": "matmul", "start_us": 10.0 * i, "dur_us": 8.0} for i
+            in range(n_gemm)]
     rows += [{"name": "copy", "category": "copy", "start_us": 10.0 * (n_gemm + i), "dur_us": 2.0}
              for i in range(n_copy)]
     return pd.DataFrame(rows)
 
 
 def _table(k):
-    return k.groupby(["name", "category"], as_index=False).agg(calls=("dur_us", "size"), total_us=("dur_us", "sum"))
+    return k.groupby(["name", "category"], as_index=False).agg(calls=("dur_us", "size"),
+                                                               total_us=("dur_us", "sum"))
 
 
 def test_kernel_bars_stack_per_variant():

@@ -132,9 +132,11 @@ def test_rocprofv3_results_json_memory_copies_hand_made():
         "kernel_symbols": [],
         "buffer_records": {"kernel_dispatch": [], "memory_copy": [
             {"kind": 10, "operation": 2, "correlation_id": {"internal": 5}, "start_timestamp": 100,
-             "end_timestamp": 350, "src_agent_id": {"handle": 7}, "dst_agent_id": {"handle": 9}, "bytes": 4096},
+             "end_timestamp": 350, "src_agent_id": {"handle": 7}, "dst_agent_id": {"handle": 9},
+             "bytes": 4096},
             {"kind": 10, "operation": 4, "correlation_id": {"internal": 6}, "start_timestamp": 400,
-             "end_timestamp": 420, "src_agent_id": {"handle": 9}, "dst_agent_id": {"handle": 9}, "bytes": 512}]},
+             "end_timestamp": 420, "src_agent_id": {"handle": 9}, "dst_agent_id": {"handle": 9},
+             "bytes": 512}]},
     }
     from k3lab.profiling.rocprofv3 import read_results_json
 
@@ -172,8 +174,8 @@ _ROCPD_TABLES = {
                              'kernel_id INT, dispatch_id INT, queue_id INT, stream_id INT, start BIGINT, '
                              '"end" BIGINT, region_name_id INT, event_id INT',
     "rocpd_memory_copy": 'id INTEGER PRIMARY KEY, guid TEXT, nid INT, pid INT, tid INT, start BIGINT, '
-                         '"end" BIGINT, name_id INT, dst_agent_id INT, src_agent_id INT, size INT, queue_id INT, '
-                         'stream_id INT, event_id INT',
+                         '"end" BIGINT, name_id INT, dst_agent_id INT, src_agent_id INT, size INT, queue_id '
+                         'INT, stream_id INT, event_id INT',
 }
 
 
@@ -189,7 +191,8 @@ def _build_rocpd(path: Path) -> None:
     con.executemany(f"INSERT INTO rocpd_string{_UUID} VALUES (?,?,?)",
                     [(1, g, "KERNEL_DISPATCH"), (2, g, "MEMORY_COPY_HOST_TO_DEVICE")])
     con.executemany(f"INSERT INTO rocpd_info_agent{_UUID} VALUES (?,?,?,?,?,?,?,?,?,?)",
-                    [(1, g, 1, 1, "CPU", 0, 0, 0, "cpu", "cpu"), (2, g, 1, 1, "GPU", 2, 2, 0, "gfx950", "MI355X")])
+                    [(1, g, 1, 1, "CPU", 0, 0, 0, "cpu", "cpu"),
+                     (2, g, 1, 1, "GPU", 2, 2, 0, "gfx950", "MI355X")])
     con.executemany(f"INSERT INTO rocpd_info_kernel_symbol{_UUID} VALUES (?,?,?,?,?,?,?)",
                     [(1, g, 1, 1, 1, "chunk_kda_fwd_kernel.kd", "chunk_kda_fwd_kernel"),
                      (2, g, 1, 1, 1, "Cijk_Alik_Bljk_BBS.kd", "Cijk_Alik_Bljk_BBS")])
@@ -226,7 +229,8 @@ def test_legacy_v1_json_db_and_csv_agree_with_their_stats():
     for df in (js, db):
         _assert_frame(df)
         assert len(df) == 7 and (df["kind"] == "memcpy").sum() == 6
-    assert (js[["name", "start_ns", "dur_ns"]].to_numpy() == db[["name", "start_ns", "dur_ns"]].to_numpy()).all()
+    assert (js[["name", "start_ns", "dur_ns"]].to_numpy()
+            == db[["name", "start_ns", "dur_ns"]].to_numpy()).all()
     # The same run's statistics files, written by rocprof itself, give the same totals.
     table = P.kernel_table(js).set_index("name")
     for stats_file in ("results.stats.csv", "results.copy_stats.csv"):
@@ -279,7 +283,8 @@ def test_torch_trace_rocm_mi300x_triton():
     assert cat["triton_poi_fused__unsafe_view_mul_silu_2"] == "elementwise"
     assert (df["category"] == "gemm").sum() == 7
     assert df["dur_ns"].iloc[0] == 77074  # ts/dur are floats with ns fractions on ROCm
-    assert P.counts(df)["api_launches"] == 12  # 7 hipExtModuleLaunchKernel (hipBLASLt) + 5 hipModuleLaunchKernel
+    # 7 hipExtModuleLaunchKernel (hipBLASLt) + 5 hipModuleLaunchKernel
+    assert P.counts(df)["api_launches"] == 12
 
 
 # ---------------------------------------------------------------- categories
@@ -295,15 +300,18 @@ def test_torch_trace_rocm_mi300x_triton():
     ("fused_recurrent_kda_fwd_kernel", "recurrence"), ("chunk_scaled_dot_kkt_fwd_kernel", "recurrence"),
     ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "recurrence"),
     ("rmsnorm_f32", "norm"), ("fused_qk_l2_norm_scale_f32", "norm"),
-    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float, false>(int)", "norm"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float, false>(int)",
+     "norm"),
     ("triton_red_fused_add_mean_mul_pow_rsqrt_0", "norm"),
     ("__amd_rocclr_copyBuffer", "copy"), ("Memcpy DtoD (Device -> Device)", "copy"),
     ("Memcpy HtoD (Pageable -> Device)", "copy"), ("CopyDeviceToHost", "copy"), ("aten::copy_", "copy"),
     (("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<"
       "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"), "copy"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "elementwise"),
-    ("triton_poi_fused__unsafe_view_mul_silu_2", "elementwise"), ("__amd_rocclr_fillBufferAligned", "elementwise"),
-    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float>>>", "reduction"),
+    ("triton_poi_fused__unsafe_view_mul_silu_2", "elementwise"),
+    ("__amd_rocclr_fillBufferAligned", "elementwise"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float>>>",
+     "reduction"),
     ("softmax_f32", "reduction"), ("moe_topk_renorm_k8_batched", "reduction"),
     ("ncclDevKernel_Generic_1(ncclDevKernelArgsStorage<4096ul>)", "communication"),
     ("rcclAllReduceKernel", "communication"), ("c10d::allreduce_", "communication"),
@@ -433,7 +441,8 @@ def test_gpu_capture_that_saw_only_cpu_ops_raises_and_says_why(tmp_path):
     trace = json.loads(cap.trace_path.read_text())
     with pytest.raises(P.NoKernelsRecorded, match="computed on CPU tensors.*device='cpu'"):
         P.kernels_from_trace(trace, expect_gpu=True)
-    launch = {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "dur": 1, "pid": 1, "tid": 1}
+    launch = {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "dur": 1, "pid": 1,
+              "tid": 1}
     trace["traceEvents"].append(launch)
     with pytest.raises(P.NoKernelsRecorded, match="recorded nothing"):
         P.kernels_from_trace(trace, expect_gpu=True)
@@ -573,7 +582,9 @@ def test_parse_ncu_csv_real_details_page():
     m = df.set_index("metric")
     assert m.loc["Duration", "value"] == 21058944 and m.loc["Duration", "unit_base"] == "ns"
     assert m.loc["DRAM Frequency", "value"] == pytest.approx(4963609951.19)
-    assert m.loc["DRAM Throughput", "value"] == pytest.approx(61.84) and m.loc["DRAM Throughput", "unit"] == "%"
+    assert (
+        m.loc["DRAM Throughput", "value"] == pytest.approx(61.84) and m.loc["DRAM Throughput", "unit"] == "%"
+    )
     assert m.loc["Maximum Buffer Size", "value_base"] == 3538944
 
 
@@ -588,8 +599,10 @@ def test_parse_ncu_csv_raw_page_hand_made():
          '"Grid Size","Device","CC","dram__bytes_read.sum","gpu__time_duration.sum",'
          '"sm__throughput.avg.pct_of_peak_sustained_elapsed"'),
         '"","","","","","","","","","","","Mbyte","usecond","%"',
-        '"0","4242","python3","h","chunk_kda_fwd","1","7","(128, 1, 1)","(64, 8, 1)","0","9.0","1,024.50","12.5","n/a"',
-        '"1","4242","python3","h","chunk_kda_fwd","1","7","(128, 1, 1)","(64, 8, 1)","0","9.0","1,000.00","12.0","40.1"',
+        '"0","4242","python3","h","chunk_kda_fwd","1","7","(128, 1, 1)","(64, 8, '
+        '1)","0","9.0","1,024.50","12.5","n/a"',
+        '"1","4242","python3","h","chunk_kda_fwd","1","7","(128, 1, 1)","(64, 8, '
+        '1)","0","9.0","1,000.00","12.0","40.1"',
         "==PROF== Disconnected from process 4242",
     ])
     wide = P.ncu_metrics(P.parse_ncu_csv(text)).set_index("id")
@@ -613,7 +626,8 @@ def test_kernel_table_and_counts_validate_input():
     assert P.counts(df, steps=3)["launches"] == 3
     assert P.counts(df, steps=2)["launches"] == 4.5  # not divisible: a float, never truncated
     table = P.kernel_table(df)
-    assert table.set_index("name").loc["divide_kernel(float*, float const*, float const*, int, int)", "calls"] == 2
+    assert table.set_index("name").loc["divide_kernel(float*, float const*, float const*, int, int)",
+                                       "calls"] == 2
     assert table["bytes"].isna().all() and str(table["bytes"].dtype) == "Int64"
 
 

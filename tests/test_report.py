@@ -144,7 +144,8 @@ def test_shown_cases_leave_out_variants_and_keep_graph_timings():
         graph = {(r.case, r.variant) for r in recs if r.mode == "graph"}
         graph_cases = {c for c, v in graph if v == "after"}
         # graph timings where a case has them; an eager one only for a variant never replayed
-        assert all(r.mode == "graph" or (r.case, r.variant) not in graph for r in shown if r.case in graph_cases)
+        assert all(r.mode == "graph" or (r.case, r.variant) not in graph for r in shown if r.case
+                   in graph_cases)
         t = tables.compact(shown)
         assert not t.isna().all().any(), study  # no empty column
 

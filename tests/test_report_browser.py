@@ -10,9 +10,21 @@ import pytest
 
 from k3lab import report
 
-BROWSER = next((shutil.which(b) for b in (os.environ.get("K3LAB_CHROMIUM", ""), "chromium", "chromium-headless-shell",
-                                         "chromium-browser") if b and shutil.which(b)), None)
-pytestmark = pytest.mark.skipif(BROWSER is None, reason="no headless Chromium here (Debian: apt-get install chromium; "
+BROWSER = next(
+    (
+        shutil.which(b)
+        for b in (
+            os.environ.get("K3LAB_CHROMIUM", ""),
+            "chromium",
+            "chromium-headless-shell",
+            "chromium-browser",
+        )
+        if b and shutil.which(b)
+    ),
+    None,
+)
+pytestmark = pytest.mark.skipif(BROWSER is None,
+                                reason="no headless Chromium here (Debian: apt-get install chromium; "
                                                         ".ci/run installs it)")
 
 # Collects what the page reports as an error into the DOM, where --dump-dom can read it back
@@ -32,9 +44,22 @@ window.addEventListener('unhandledrejection', (e) => keep('unhandled rejection: 
 def _render(page):
     probe = page.with_name("probe_" + page.name)
     probe.write_text(page.read_text().replace("<head>", "<head>" + CONSOLE_HOOK, 1))
-    run = subprocess.run([BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-                          "--virtual-time-budget=15000", "--dump-dom", probe.as_uri()],
-                         capture_output=True, text=True, timeout=180)
+    run = subprocess.run(
+        [
+            BROWSER,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--virtual-time-budget=15000",
+            "--dump-dom",
+            probe.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout, run.stderr
 

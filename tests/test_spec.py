@@ -32,7 +32,8 @@ def test_expected_committed_hand_computed(acceptance, depth, expected):
 @pytest.mark.parametrize("depth", [1, 2, 3, 5, 8, 13])
 def test_constant_acceptance_matches_closed_form(rate, depth):
     closed = (1 - rate ** (depth + 1)) / (1 - rate)  # geometric series 1 + a + ... + a^k
-    assert spec.expected_committed(spec.constant_acceptance(rate, depth), depth) == pytest.approx(closed, rel=1e-12)
+    assert spec.expected_committed(spec.constant_acceptance(rate, depth),
+                                   depth) == pytest.approx(closed, rel=1e-12)
 
 
 def test_expected_committed_all_agrees_with_each_depth():
@@ -248,7 +249,8 @@ def test_the_seeds_break_even():
 
 def test_illustrative_profiles_choose_different_depths():
     a = spec.reference_acceptance(8)
-    depths = {name: spec.best_depth(a, spec.illustrative_costs(name)).depth for name in spec.ILLUSTRATIVE_PROFILES}
+    depths = {name: spec.best_depth(a, spec.illustrative_costs(name)).depth for name
+              in spec.ILLUSTRATIVE_PROFILES}
     assert len(set(depths.values())) == len(depths), depths
     table = spec.best_depth(a, spec.illustrative_costs()).table
     assert (table["speedup_vs_plain"] > 1).all()
@@ -270,7 +272,8 @@ def test_costs_from_records(tmp_path):
     kda = {1: 8.0, 2: 9.0, 4: 11.0, 8: 15.0}
     mla = {1: 20.0, 2: 21.0, 3: 22.0, 4: 23.0, 5: 24.0}
     recs = [_record("kda_verify", {"B": 1, "T": t, "H": 12}, us) for t, us in kda.items()]
-    recs += [_record("kda_verify", {"B": 1, "T": t, "H": 12}, 99.0, mode="eager") for t in kda]  # graph preferred
+    # graph preferred
+    recs += [_record("kda_verify", {"B": 1, "T": t, "H": 12}, 99.0, mode="eager") for t in kda]
     recs += [_record("kda_verify", {"B": 32, "T": t, "H": 12}, 50.0) for t in kda]  # another batch
     recs += [_record("mla_padding", {"B": 1, "q_len": n, "heads": 16}, us) for n, us in mla.items()]
     bench.save_records(recs, root=tmp_path)
@@ -323,7 +326,8 @@ def test_costs_from_records_says_when_there_are_none(tmp_path):
     (lambda: spec.CycleCosts(draft_step_us=1, verify_us=(1, -2)), "verify_us"),
     (lambda: spec.CycleCosts(draft_step_us=1, verify_us=(1, 2), commit_us=float("nan")), "commit_us"),
     (lambda: spec.CycleCosts(draft_step_us=1, verify_us=(1,)), "verify_us"),
-    (lambda: spec.linear_costs(draft_step_us=1, verify_one_us=-5, verify_extra_position_us=1), "verify_one_us"),
+    (lambda: spec.linear_costs(draft_step_us=1, verify_one_us=-5, verify_extra_position_us=1),
+     "verify_one_us"),
     (lambda: spec.best_depth([0.5, 0.5], [100.0, -1.0]), "costs"),
     (lambda: spec.best_depth([0.5, 1.5], [100.0, 110.0]), "acceptance"),
     (lambda: spec.best_depth([0.5, 0.5], [100.0, 110.0], max_depth=3), "max_depth"),
@@ -358,7 +362,10 @@ def test_the_committed_h200_records_give_a_measured_verify_profile():
     where = {"mla": {"context": 32768}}
     entry = spec.verify_records_summary(device="nvidia-h200", where=where)["nvidia-h200"]
     costs = spec.costs_from_records(draft_step_us=1000, device="nvidia-h200", where=where)
-    assert "NVIDIA H200" in costs.source and costs.max_depth == min(max(entry["kda"]), max(entry["mla"])) - 1 == 7
+    assert (
+        "NVIDIA H200" in costs.source
+        and costs.max_depth == min(max(entry["kda"]), max(entry["mla"])) - 1 == 7
+    )
     assert sorted(entry["mla"]) == list(range(1, 9))
     layers = K3Config.full()
     assert costs.verify(1) == pytest.approx(layers.num_kda_layers * entry["kda"][1]

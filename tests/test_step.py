@@ -41,7 +41,8 @@ def _case(config, q_len, seed=3):
 # The CPU-device tests below: where there is a GPU, k3lab leaves Triton's interpreter off, so a step on
 # CPU tensors cannot run its Triton kernels (DecodeStep says so; test_gpu_only_switch... checks it).
 CPU_STEP = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                              reason="a step on CPU tensors needs Triton's interpreter, which is off where there is a GPU")
+                              reason="a step on CPU tensors needs Triton's interpreter, which is off where "
+                                     "there is a GPU")
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,9 @@ def test_verification_equals_model(four_verify, tiles, mla, rest):
     model, cache, ids, ref, ref_cache = four_verify
     opts = dict.fromkeys(SWITCHES, rest) | {"kda_verify_tiles": tiles, "mla_padded": mla}
     step, logits = _run(model, cache, ids, optimizations=opts, q_len=3)
-    assert step.impl["kda_fused"] == "n/a" and step.impl["kda_verify_tiles"] == ("after" if tiles else "before")
+    assert step.impl["kda_fused"] == "n/a" and step.impl["kda_verify_tiles"] == (
+        "after" if tiles else "before"
+    )
     _check_step(step, logits, ref, ref_cache)
 
 
@@ -103,7 +106,8 @@ def test_verification_equals_model(four_verify, tiles, mla, rest):
 def test_tp2_group_in_lockstep_equals_model(opt):
     model, cache, ids, ref, ref_cache = _case(FOUR, 1, seed=5)
     with torch.no_grad():
-        steps = [DecodeStep.from_model(model, BATCH, CONTEXT, tp=2, rank=r, optimizations=opt) for r in range(2)]
+        steps = [DecodeStep.from_model(model, BATCH, CONTEXT, tp=2, rank=r, optimizations=opt) for r
+                 in range(2)]
         for s in steps:
             s.load_cache(cache)
         outs = run_group(steps, ids)
@@ -176,7 +180,8 @@ def test_gpu_only_switch_on_cpu_says_what_runs_instead():
 ])
 @CPU_STEP
 def test_bad_configuration(kwargs, match):
-    args = {"batch": 1, "context_len": 4} | {k: kwargs.pop(k) for k in ("batch", "context_len") if k in kwargs}
+    args = {"batch": 1, "context_len": 4} | {k: kwargs.pop(k) for k in ("batch", "context_len") if k
+                                             in kwargs}
     with pytest.raises(ValueError, match=match):
         DecodeStep(SMALL, args["batch"], args["context_len"], device="cpu", **kwargs)
 
@@ -216,7 +221,8 @@ def tp8_model_after_prefill():
     return model, ids, cache
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (K3's true widths, 8 ranks in lockstep)")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU (K3's true widths, 8 ranks in lockstep)")
 def test_gpu_tp8_slice_equals_model():
     """Four layers at K3's widths (KDA x3, MLA; 16 experts so that 8 ranks' weights fit one GPU) in
     bf16: the 8 ranks' steps, every switch off and then every switch on, run in lockstep with real sums
@@ -234,7 +240,9 @@ def test_gpu_tp8_slice_equals_model():
             for st in steps:
                 st.load_cache(cache)
             outs = run_group(steps, ids[:, 64:])
-            assert steps[0].impl["kda_fused"] == ("fused" if opt == "all" else "chain"), steps[0].resolved.notes
+            assert steps[0].impl["kda_fused"] == ("fused" if opt == "all" else "chain"), steps[
+                0
+            ].resolved.notes
             for r, (st, logits) in enumerate(zip(steps, outs)):
                 errs[opt, r, "logits"] = _rel_l2(logits, ref)
                 entries = st.cache_entries()

@@ -19,7 +19,8 @@ from cpu_child import on_a_cpu
 def _rec(case: str, variant: str, ms: float, mode: str = "graph", **extra) -> bench.Record:
     t = bench.Timing(ms * 1e3, ms * 1e3, ms * 1e3, 3, mode, 0.0)
     suffix = ".graph" if mode == "graph" else ""
-    return bench.make_record("decode_step", f"{case}.{variant}{suffix}", "before" if variant == "all_off" else "after",
+    return bench.make_record("decode_step", f"{case}.{variant}{suffix}", "before" if variant == "all_off"
+                             else "after",
                              t, shape={"batch": 1}, dtype="bfloat16", floor_us=8000.0, **extra)
 
 
@@ -145,13 +146,18 @@ def test_bench_checks_every_variant_from_the_same_state():
 
 
 def test_checks_label_records_compared_with_all_off_alone():
-    old = _rec("b1_1k", "all_on", 10.0, error={"logits_vs_all_off": {"rel_l2": 1.3, "max_abs": 5.0, "finite": True}})
+    old = _rec("b1_1k", "all_on", 10.0,
+               error={"logits_vs_all_off": {"rel_l2": 1.3, "max_abs": 5.0, "finite": True}})
     new = _rec("b1_1k", "no_mla_padded", 11.0, error={
         "state": 7.0, "graph_vs_eager": {"rel_l2": 0.0, "max_abs": 0.0, "finite": True},
         "logits_vs_reference": {"reference": "all_off_but_moe_tail_sharded", "rel_l2": 0.02, "max_abs": 0.1,
                                 "finite": True}})
-    ref = _rec("b1_1k", "all_off", 60.0, mode="eager", error={"state": 7.0, "logits_vs_reference": "the reference"})
+    ref = _rec("b1_1k", "all_off", 60.0, mode="eager",
+               error={"state": 7.0, "logits_vs_reference": "the reference"})
     rows = {r["variant"]: r for r in ds.checks([old, new, ref])}
     assert rows["all_on"]["note"] == ds.UNCHECKED and rows["all_on"]["rel_l2"] == 1.3
-    assert rows["no_mla_padded"]["note"] == "" and rows["no_mla_padded"]["reference"] == "all_off_but_moe_tail_sharded"
+    assert (
+        rows["no_mla_padded"]["note"] == ""
+        and rows["no_mla_padded"]["reference"] == "all_off_but_moe_tail_sharded"
+    )
     assert rows["no_mla_padded"]["graph_vs_eager"] == 0.0 and rows["all_off"]["note"] == "the reference"

@@ -24,7 +24,8 @@ def test_projection_shapes_are_the_floors_dense_weights(config):
 
 
 def test_split_of_a_committed_profile_adds_up():
-    recs = [r for r in bench.load_records(bounds.STUDY, device="nvidia-h200") if r.case == "b1_1k.all_on.graph"]
+    recs = [r for r in bench.load_records(bounds.STUDY, device="nvidia-h200") if r.case
+            == "b1_1k.all_on.graph"]
     if not recs or "profile_graph" not in recs[0].extra:
         pytest.skip("no committed profiled b1_1k graph record")
     prof = recs[0].extra["profile_graph"]
@@ -61,7 +62,8 @@ def test_where_time_goes_from_committed_records():
         pytest.skip("no committed profiled b1_1k graph record")
     stream, rest, whole = rows
     r = next(r for r in recs if r.case == "b1_1k.all_on.graph")
-    assert stream["kernel_ms"] + rest["kernel_ms"] == pytest.approx(r.extra["profile_graph"]["kernel_sum_us"] / 1e3)
+    assert stream["kernel_ms"] + rest["kernel_ms"] == pytest.approx(r.extra["profile_graph"]["kernel_sum_us"]
+                                                                    / 1e3)
     assert stream["floor_ms"] + rest["floor_ms"] == pytest.approx(r.floor_us / 1e3, rel=1e-6)
     assert whole["probe_ms"] == pytest.approx(r.median_us / 1e3)
     assert ds.where_time_goes([], "b1_1k") == []
@@ -80,13 +82,18 @@ def test_experts_read_counts_the_recorded_routes_and_sets_the_floor():
     assert len(step.routes) == c.num_moe_layers
     read = step.experts_read()
     assert read == sum(len(set(i.reshape(-1).tolist())) for i in step.routes)
-    assert c.num_moe_layers * c.num_experts_per_token <= read <= c.num_moe_layers * min(c.num_experts, 2 * c.num_experts_per_token)
+    assert (
+        c.num_moe_layers * c.num_experts_per_token
+        <= read
+        <= c.num_moe_layers * min(c.num_experts, 2 * c.num_experts_per_token)
+    )
     case = {"bytes": step_bench.step_bytes(c, 2, 8), "bandwidth_tbs": 2.0}
     f = step_bench.variant_floor(case, read, step_bench.expert_bytes(c), saved=1000)
     b = f["bytes"]
     assert b["weights_experts"] == read * step_bench.expert_bytes(c)
     assert b["weights_dense"] == case["bytes"]["weights_dense"] - 1000
-    assert b["total"] == pytest.approx(case["bytes"]["total"] - 1000 - b["weights_experts_uniform"] + b["weights_experts"])
+    assert b["total"] == pytest.approx(case["bytes"]["total"] - 1000 - b["weights_experts_uniform"]
+                                       + b["weights_experts"])
     assert f["floor_us"] == pytest.approx(b["total"] / 2e6)
 
 
@@ -96,7 +103,11 @@ def test_routed_experts_refuses_a_sort_of_other_pairs():
     g = torch.Generator().manual_seed(3)
     z, w = torch.randn(3, 16, generator=g), torch.rand(3, 2, generator=g)
     idx = torch.tensor([[0, 1], [2, 3], [1, 2]])
-    w1, w3, w2 = torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 16, generator=g), torch.randn(4, 16, 8, generator=g)
+    w1, w3, w2 = (
+        torch.randn(4, 8, 16, generator=g),
+        torch.randn(4, 8, 16, generator=g),
+        torch.randn(4, 16, 8, generator=g),
+    )
     other = me.sort_by_expert(idx[:2], 4, 16)
     with pytest.raises(ValueError, match="sort must be the ExpertSort"):
         me.routed_experts(z, w, idx, w1, w3, w2, sort=other, backend="torch")

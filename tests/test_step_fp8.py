@@ -180,8 +180,12 @@ def test_fp8_step_equals_its_plain_pytorch_form(q_len):
     w = RankWeights.random(CPU_CONFIG, distinct_layers=2, dtype=torch.float32)
     ids = torch.randint(0, CPU_CONFIG.vocab_size, (BATCH, q_len), generator=torch.Generator().manual_seed(4))
     fast = DecodeStep(CPU_CONFIG, BATCH, CONTEXT, weights=w, q_len=q_len, projections="fp8")
-    plain = DecodeStep(CPU_CONFIG, BATCH, CONTEXT, weights=w.to_fp8(emulated=True), q_len=q_len, projections="fp8")
-    assert plain.resolved.projections == "fp8_emulated" and "emulated=True" in plain.resolved.notes["projections"]
+    plain = DecodeStep(CPU_CONFIG, BATCH, CONTEXT, weights=w.to_fp8(emulated=True), q_len=q_len,
+                       projections="fp8")
+    assert (
+        plain.resolved.projections == "fp8_emulated"
+        and "emulated=True" in plain.resolved.notes["projections"]
+    )
     assert fast.resolved.projections == ("fp8" if fp8.fp8_status("cpu", torch.float32)[0] else "fp8_emulated")
     assert fast.describe()["projections"] == fast.resolved.projections
     assert fast.resolved.label().endswith(f"{fast.resolved.projections} projections")
@@ -210,11 +214,17 @@ def test_fp8_step_is_near_the_model():
         step = DecodeStep.from_model(model, BATCH, CONTEXT, projections="fp8")
         step.load_cache(cache)
         logits = step(ids[:, CONTEXT:])
-    assert step.resolved.projections.startswith("fp8") and step.describe()["projections"] == step.resolved.projections
+    assert (
+        step.resolved.projections.startswith("fp8")
+        and step.describe()["projections"] == step.resolved.projections
+    )
     got, want = step.cache_entries(), ref_cache.entries()
     for name in ("layers.0.conv_q", "layers.0.conv_k", "layers.0.conv_v"):
         assert torch.equal(got[name][..., :-1], want[name][..., :-1]), name
-        assert _rel(got[name][..., -1], want[name][..., -1]) <= 0.06, (name, _rel(got[name][..., -1], want[name][..., -1]))
+        assert _rel(got[name][..., -1], want[name][..., -1]) <= 0.06, (
+            name,
+            _rel(got[name][..., -1], want[name][..., -1]),
+        )
     assert _rel(got["layers.0.state"], want["layers.0.state"]) <= 0.06
     latent = _rel(got["layers.1.latent"][:, CONTEXT:], want["layers.1.latent"][:, CONTEXT:])
     assert latent <= 0.15, latent

@@ -62,7 +62,8 @@ def tolerance_for(dtype) -> tuple[str, Tolerance]:
     else:
         key = None
     if key not in TOLERANCES:
-        raise ValueError(f"dtype must be a floating torch dtype or one of {sorted(TOLERANCES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be a floating torch dtype or one of {sorted(TOLERANCES)}, got "
+                         f"{dtype!r}")
     return key, TOLERANCES[key]
 
 

@@ -25,7 +25,8 @@ from k3lab.bench.timing import Timing
 
 VARIANTS = ("before", "after", "reference")
 # Public packages a k3lab kernel is compared with in the same run ('torch' = plain PyTorch ops).
-PEERS = {"fla", "torch", "triton", "aiter", "flashmla", "flashinfer", "flash_attn", "vllm", "sglang", "cublas"}
+PEERS = {"fla", "torch", "triton", "aiter", "flashmla", "flashinfer", "flash_attn", "vllm", "sglang",
+         "cublas"}
 
 
 def validate_variant(variant: str) -> str:
@@ -92,7 +93,8 @@ def git_commit(path: str | None = None) -> str:
     given = os.environ.get("K3LAB_COMMIT", "").strip()
     if given:
         if not re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", given):
-            raise ValueError(f"K3LAB_COMMIT must be a commit id (7-40 hex digits, optional '-dirty'), got {given!r}")
+            raise ValueError(f"K3LAB_COMMIT must be a commit id (7-40 hex digits, optional '-dirty'), got "
+                             f"{given!r}")
         return given
     where = path or str(_repo_root())
     try:
@@ -130,7 +132,8 @@ def provenance() -> dict:
     """Where and when a measurement was made, for result files that are not Records: device,
     backend, versions, commit, date (the fields make_record fills)."""
     info = _env.detect()
-    return {"device": info.name, "backend": info.backend, "versions": dict(_env.versions()), "commit": git_commit(),
+    return {"device": info.name, "backend": info.backend, "versions": dict(_env.versions()),
+            "commit": git_commit(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -268,8 +271,8 @@ def save_records(records: Iterable[Record], root=None, overwrite: bool = False) 
             continue
         why = committed_reason(path)
         if why is not None:
-            raise FileExistsError(f"{path} is a committed reference ({why}); pass overwrite=True to replace it, "
-                                  "or save under another root= for a scratch run")
+            raise FileExistsError(f"{path} is a committed reference ({why}); pass overwrite=True to replace "
+                                  f"it, or save under another root= for a scratch run")
         try:
             merged[path] = _merge(_read_record_file(path), recs)
         except ValueError as exc:
@@ -313,10 +316,24 @@ def records_frame(records: Iterable[Record]):
 
     rows = []
     for r in records:
-        rows.append({"device": r.device, "study": r.study, "case": r.case, "variant": r.variant, "mode": r.mode,
-                     "dtype": r.dtype, "median_us": r.median_us, "p20_us": r.p20_us, "p80_us": r.p80_us,
-                     "floor_us": r.floor_us, "shape": json.dumps(r.shape, sort_keys=True),
-                     "max_rel": r.error.get("max_rel"), "commit": r.commit, "date": r.date})
+        rows.append(
+            {
+                "device": r.device,
+                "study": r.study,
+                "case": r.case,
+                "variant": r.variant,
+                "mode": r.mode,
+                "dtype": r.dtype,
+                "median_us": r.median_us,
+                "p20_us": r.p20_us,
+                "p80_us": r.p80_us,
+                "floor_us": r.floor_us,
+                "shape": json.dumps(r.shape, sort_keys=True),
+                "max_rel": r.error.get("max_rel"),
+                "commit": r.commit,
+                "date": r.date,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -398,6 +415,7 @@ def write_run(result: dict, json_path=None, records_root=None) -> None:
     profiles/). Either may be None."""
     if json_path:
         out = dict(result, records=[r.to_dict() for r in result["records"]])
-        _write_atomic(Path(json_path), json.dumps(out, indent=1, default=str))  # the old file survives a crash
+        # the old file survives a crash
+        _write_atomic(Path(json_path), json.dumps(out, indent=1, default=str))
     if records_root:
         save_records(result["records"], root=records_root)

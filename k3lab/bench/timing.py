@@ -44,7 +44,8 @@ class Timing:
         what = {"graph": "calls per graph replay", "eager": "back-to-back calls per sample",
                 "cpu": "calls per sample"}[self.mode] if self.mode in ("graph", "eager", "cpu") else "calls"
         return (f"{self.median_us:.2f} us (p20 {self.p20_us:.2f}, p80 {self.p80_us:.2f}; {self.repeats} "
-                f"samples, {self.mode}, {self.calls_per_sample} {what}; timer overhead {self.overhead_us:.2f} us)")
+                f"samples, {self.mode}, {self.calls_per_sample} {what}; timer overhead "
+                f"{self.overhead_us:.2f} us)")
 
 
 def _percentile(sorted_vals: Sequence[float], q: float) -> float:
@@ -188,7 +189,8 @@ def _auto_calls(call, gpu: bool, warmup: int) -> int:
     afterwards, so a slow function costs no extra calls."""
     n = max(warmup, 1)
     if gpu:
-        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _
+                 in range(n)]
         for i, (a, b) in enumerate(pairs):
             a.record()
             call(i)
@@ -286,7 +288,8 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
         raise ValueError("flush_l2=True is a GPU option (it evicts the device L2); on CPU use rotate=")
     if flush_l2:
         if k not in (None, 1):
-            raise ValueError(f"flush_l2=True flushes before each sample, so calls_per_sample must be 1, got {k}")
+            raise ValueError(f"flush_l2=True flushes before each sample, so calls_per_sample must be 1, got "
+                             f"{k}")
         k = 1
 
     call = _caller(fn, rotate)

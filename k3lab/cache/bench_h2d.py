@@ -66,9 +66,10 @@ def copy_records(sizes=SIZES, *, device: str = "cuda", repeats: int = 30, gen=No
                 if gpu:
                     torch.cuda.synchronize()
                 if not torch.equal(dst.cpu(), src.cpu()):
-                    raise bench.CheckFailed(f"{direction} copy of {n} bytes ({'pinned' if pinned else 'pageable'}) "
-                                            "differs from its source")
-                t = bench.time_fn(lambda d=dst, s=src: d.copy_(s, non_blocking=pinned), warmup=5, repeats=repeats,
+                    raise bench.CheckFailed(f"{direction} copy of {n} bytes "
+                                            f"({'pinned' if pinned else 'pageable'}) differs from its source")
+                t = bench.time_fn(lambda d=dst, s=src: d.copy_(s, non_blocking=pinned), warmup=5,
+                                  repeats=repeats,
                                   device=device)
                 memory = "pinned" if pinned else ("pageable" if gpu else "host memcpy")
                 out.append(bench.make_record(
@@ -76,7 +77,8 @@ def copy_records(sizes=SIZES, *, device: str = "cuda", repeats: int = 30, gen=No
                     shape={"bytes": n, "direction": direction, "host_memory": memory}, dtype=torch.uint8,
                     floor_us=n / PCIE_GEN5_X16 * 1e6 if gpu else None, error={"equal": True},
                     gb_per_s=n / (t.median_us * 1e-6) / 1e9,
-                    floor_note="bytes / 63 GB/s (PCIe Gen5 x16 raw, one way)" if gpu else "none: a host memcpy"))
+                    floor_note="bytes / 63 GB/s (PCIe Gen5 x16 raw, one way)" if gpu
+                    else "none: a host memcpy"))
     return out
 
 
@@ -124,7 +126,8 @@ def _check_equal(saved: K3Cache, restored: K3Cache, layers, steps: int, gen, dty
     o1, c1 = _continue(layers, saved, xs)
     o2, c2 = _continue(layers, restored, xs)
     outs_equal = all(torch.equal(x, y) for x, y in zip(o1, o2))
-    caches_equal = all(torch.equal(t, c2[i].entries()[k]) for i, c in enumerate(c1) for k, t in c.entries().items())
+    caches_equal = all(torch.equal(t, c2[i].entries()[k]) for i, c in enumerate(c1) for k, t
+                       in c.entries().items())
     if not (outs_equal and caches_equal):
         raise bench.CheckFailed(f"decoding after restore differs from decoding without it (outputs equal: "
                                 f"{outs_equal}, caches equal: {caches_equal})")
@@ -203,7 +206,8 @@ def _print(result: dict) -> None:
     rows: dict[tuple, dict] = {}
     for r in result["records"]:
         if r.case.startswith(("h2d", "d2h")):
-            rows.setdefault((r.shape["direction"], r.shape["bytes"]), {})[r.shape["host_memory"]] = r.extra["gb_per_s"]
+            rows.setdefault((r.shape["direction"], r.shape["bytes"]),
+                            {})[r.shape["host_memory"]] = r.extra["gb_per_s"]
     print(f"copies on {result['device']} (GB/s, median)")
     print(f"{'dir':<4} {'block':>7} {'pageable':>9} {'pinned':>8}")
     for (d, n), v in sorted(rows.items()):
@@ -212,16 +216,19 @@ def _print(result: dict) -> None:
         print(f"{d:<4} {_label(n):>7} {pag:>9.2f} {'-' if pin is None else f'{pin:.2f}':>8}")
     if result["best_pinned_h2d_gb_per_s"]:
         verdict = "yes" if result["within_80pct"] else "NO"
-        print(f"pinned h2d >= 2MiB within {WITHIN:.0%} of the best ({result['best_pinned_h2d_gb_per_s']:.2f} GB/s): {verdict}")
+        print(f"pinned h2d >= 2MiB within {WITHIN:.0%} of the best ({result['best_pinned_h2d_gb_per_s']:.2f} "
+              f"GB/s): {verdict}")
     s = result["state"]
-    print(f"state of {s['kda_layers']} KDA + {s['mla_layers']} MLA layers ({s['preset']}, {s['context']} positions, "
-          f"{s['bytes'] / 1e6:.1f} MB), bit-equal after restore: {s['bit_equal']}")
+    print(f"state of {s['kda_layers']} KDA + {s['mla_layers']} MLA layers ({s['preset']}, {s['context']} "
+          f"positions, {s['bytes'] / 1e6:.1f} MB), bit-equal after restore: {s['bit_equal']}")
     for memory in ("pageable", "pinned"):
         if f"save_{memory}_ms" in s:
-            print(f"  {memory:<8} save {s[f'save_{memory}_ms']:8.2f} ms ({s[f'save_{memory}_gb_per_s']:6.2f} GB/s)  "
-                  f"restore {s[f'restore_{memory}_ms']:8.2f} ms ({s[f'restore_{memory}_gb_per_s']:6.2f} GB/s)")
-    print(f"  a whole rank's state ({'69 KDA + 24 MLA layers' if s['preset'] == 'tp8' else 'every layer of the preset'}) "
-          f"at this context: {s['full_rank_bytes'] / 1e6:.1f} MB")
+            print(f"  {memory:<8} save {s[f'save_{memory}_ms']:8.2f} ms ({s[f'save_{memory}_gb_per_s']:6.2f} "
+                  f"GB/s)  restore {s[f'restore_{memory}_ms']:8.2f} ms "
+                  f"({s[f'restore_{memory}_gb_per_s']:6.2f} GB/s)")
+    print(f"  a whole rank's state "
+          f"({'69 KDA + 24 MLA layers' if s['preset'] == 'tp8' else 'every layer of the preset'}) at this "
+          f"context: {s['full_rank_bytes'] / 1e6:.1f} MB")
 
 
 def main(argv=None) -> int:

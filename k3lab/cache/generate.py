@@ -98,7 +98,8 @@ class _Builder:
         arr = [np.asarray(c)[order] for c in cols]
         return Workload(arr[0].astype(float), arr[1].astype(np.int32), arr[2].astype(np.int8),
                         arr[3].astype(np.int64), arr[4].astype(np.int64), arr[5].astype(np.int32),
-                        arr[6].astype(np.int64), arr[7].astype(np.int64), self.chains, self.block, self.next_id)
+                        arr[6].astype(np.int64), arr[7].astype(np.int64), self.chains, self.block,
+                        self.next_id)
 
 
 def generate(sessions: int = 200, *, duration_s: float = 3600.0, seed: int = 0,
@@ -118,7 +119,9 @@ def generate(sessions: int = 200, *, duration_s: float = 3600.0, seed: int = 0,
     for _ in range(sessions):
         t0 = float(rng.uniform(0, duration_s * arrival_share))
         turns = max(1, int(round(_lognormal(rng, m.median_turns, m.turns_sigma))))
-        first = int(max(m.system_prompt_tokens + 1, _lognormal(rng, m.median_first_prompt, m.first_prompt_sigma)))
+        first = int(
+            max(m.system_prompt_tokens + 1, _lognormal(rng, m.median_first_prompt, m.first_prompt_sigma))
+        )
         chain = b.session(rng, m, sid, t0, turns, first, 0, None, duration_s)
         sid += 1
         if rng.random() < m.subagent_share:
@@ -144,7 +147,11 @@ def to_traces(w: Workload, *, limit: int | None = None) -> list[Trace]:
                 continue
             traces[s] = Trace(f"session-{s}", w.block_size, [])
         tr = traces[s]
-        prev_end = tr.requests[-1].t + tr.requests[-1].out_tokens / AGENTX.decode_tokens_per_s if tr.requests else None
+        prev_end = (
+            tr.requests[-1].t + tr.requests[-1].out_tokens / AGENTX.decode_tokens_per_s
+            if tr.requests
+            else None
+        )
         think = 0.0 if prev_end is None else max(0.0, float(w.t[i]) - prev_end)
         tr.requests.append(Request(float(w.t[i]), names[w.kind[i]], int(w.in_tokens[i]), int(w.out_tokens[i]),
                                    [int(x) for x in w.block_ids(i)], round(think, 3)))

@@ -82,7 +82,8 @@ class CacheConfig:
             raise ValueError("h2d_bytes_per_s and prefill_tokens_per_s must be > 0")
 
     @classmethod
-    def for_k3(cls, hbm_gb: float, *, layout: str = "tp8", host_gb: float = 0.0, config: K3Config | None = None,
+    def for_k3(cls, hbm_gb: float, *, layout: str = "tp8", host_gb: float = 0.0, config: K3Config
+               | None = None,
                latent_bytes: float = 1, **kw) -> CacheConfig:
         """Sizes from K3Config for one GPU: layout 'tp8' (each GPU holds the whole MLA history) or
         'dcp8' (an eighth of the positions); latent in FP8 (latent_bytes=1) by default; KDA state fp32
@@ -91,9 +92,16 @@ class CacheConfig:
             raise ValueError(f"layout must be 'tp8' or 'dcp8', got {layout!r}")
         cfg = config or K3Config.full()
         block = kw.get("block_size", 64)
-        mla = cfg.num_mla_layers * cfg.mla_latent_bytes_per_position(latent_bytes) * block / (8 if layout == "dcp8" else 1)
+        mla = (
+            cfg.num_mla_layers
+            * cfg.mla_latent_bytes_per_position(latent_bytes)
+            * block
+            / (8 if layout == "dcp8" else 1)
+        )
         tp = cfg.sliced(8)
-        kda = tp.kda_state_bytes_all_layers() + tp.num_kda_layers * tp.kda_conv_state_values_per_sequence() * 2
+        kda = (
+            tp.kda_state_bytes_all_layers() + tp.num_kda_layers * tp.kda_conv_state_values_per_sequence() * 2
+        )
         return cls(hbm_bytes=hbm_gb * 1e9, host_bytes=host_gb * 1e9, mla_bytes_per_block=mla,
                    kda_checkpoint_bytes=kda, **kw)
 
@@ -160,7 +168,8 @@ class _Cache:
         self.evictions = 0
 
     def bytes_of(self, ids: np.ndarray) -> float:
-        return float(len(ids) * self.cc.mla_bytes_per_block + (self.ckpt[ids] >= 0).sum() * self.cc.kda_checkpoint_bytes)
+        return float(len(ids) * self.cc.mla_bytes_per_block + (self.ckpt[ids] >= 0).sum()
+                     * self.cc.kda_checkpoint_bytes)
 
     def lookup(self, ids: np.ndarray, n_in: int) -> tuple[int, int, int, np.ndarray]:
         """(blocks found, resume position, index of the block holding the checkpoint or -1, the tiers
@@ -300,7 +309,8 @@ class _Grid:
     def __init__(self, cc: CacheConfig, max_blocks: int):
         self.b, self.tail = cc.block_size, cc.tail_aligned
         self.step = cc.checkpoint_interval // cc.block_size
-        js = np.arange(self.step - 1, max_blocks, self.step, dtype=np.int64) if self.step else np.empty(0, np.int64)
+        js = np.arange(self.step - 1, max_blocks, self.step,
+                       dtype=np.int64) if self.step else np.empty(0, np.int64)
         self.js, self.pos = js, (js + 1) * self.b
 
     def __call__(self, n_in: int, n_full: int) -> tuple[np.ndarray, np.ndarray]:
@@ -345,7 +355,12 @@ def simulate(w: Workload, cc: CacheConfig) -> SimResult:
     order = np.argsort(w.t, kind="stable")
     starts = np.flatnonzero(np.r_[True, np.diff(w.t[order]) != 0]).tolist() + [len(order)]
     order = order.tolist()
-    chain, n_full, n_in_all, session = w.chain.tolist(), w.n_full.tolist(), w.in_tokens.tolist(), w.session.tolist()
+    chain, n_full, n_in_all, session = (
+        w.chain.tolist(),
+        w.n_full.tolist(),
+        w.in_tokens.tolist(),
+        w.session.tolist(),
+    )
     ends: dict[int, tuple[int, int]] = {}  # session -> (block, depth) of its last end checkpoint
     hit = mla = host_hit = 0
     host_bytes = 0.0
@@ -361,7 +376,8 @@ def simulate(w: Workload, cc: CacheConfig) -> SimResult:
             hit += resume
             if resume and has_host:
                 n_host = int((t[: -(-resume // b)] == _HOST).sum())
-                host_bytes += n_host * cc.mla_bytes_per_block + (cc.kda_checkpoint_bytes if t[j] == _HOST else 0.0)
+                host_bytes += n_host * cc.mla_bytes_per_block + (cc.kda_checkpoint_bytes if t[j] == _HOST
+                                                                 else 0.0)
                 host_hit += min(resume, n_host * b)
             js, pos = grid(n_in, len(ids))
             keep = len(ids) if lru else (int(js[-1]) + 1 if len(js) else 0)
@@ -400,9 +416,18 @@ def bench(sessions: int = 2600, seed: int = 1, configs: dict | None = None) -> l
         c0, t0 = time.process_time(), time.perf_counter()
         r = simulate(w, cc)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        rows.append({"config": name, "requests": len(w), "blocks": w.n_blocks, "block_refs": int(w.n_full.sum()),
-                     "seconds": wall, "cpu_seconds": cpu, "token_hit_rate": r.token_hit_rate,
-                     "evictions": r.evictions})
+        rows.append(
+            {
+                "config": name,
+                "requests": len(w),
+                "blocks": w.n_blocks,
+                "block_refs": int(w.n_full.sum()),
+                "seconds": wall,
+                "cpu_seconds": cpu,
+                "token_hit_rate": r.token_hit_rate,
+                "evictions": r.evictions,
+            }
+        )
     return rows
 
 
@@ -420,7 +445,8 @@ def main(argv=None) -> int:
         return 0
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"one core, numpy; load average {load:.2f} over the last minute on {os.cpu_count()} cores")
-    print(f"{'config':<20} {'requests':>9} {'blocks':>11} {'block refs':>12} {'seconds':>8} {'cpu s':>7} {'hit rate':>8}")
+    print(f"{'config':<20} {'requests':>9} {'blocks':>11} {'block refs':>12} {'seconds':>8} {'cpu s':>7} "
+          f"{'hit rate':>8}")
     for row in bench(args.sessions, args.seed):
         print(f"{row['config']:<20} {row['requests']:>9,} {row['blocks']:>11,} {row['block_refs']:>12,} "
               f"{row['seconds']:>8.1f} {row['cpu_seconds']:>7.1f} {row['token_hit_rate']:>8.3f}")

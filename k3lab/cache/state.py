@@ -67,7 +67,8 @@ class RequestState:
             for name, t in entries.items():
                 key = "mla_latent" if kind == "mla" else ("kda_state" if name == "state" else "kda_conv")
                 out[key] += t.numel() * t.element_size()
-        out["attn_res"] = sum(t.numel() * t.element_size() for t in (self.attn_res_blocks, self.attn_res_partial))
+        out["attn_res"] = sum(t.numel() * t.element_size() for t
+                              in (self.attn_res_blocks, self.attn_res_partial))
         return out
 
     def tensors(self) -> list[torch.Tensor]:
@@ -180,5 +181,7 @@ class SequenceCheckpoints:
         kda = self._kda[position]
         layers = []
         for i, kind in enumerate(kda.kinds):
-            layers.append({"latent": self._mla.layers[i]["latent"][:position]} if kind == "mla" else kda.layers[i])
-        return restore(RequestState(position, kda.kinds, layers, kda.attn_res_blocks, kda.attn_res_partial), device)
+            layers.append({"latent": self._mla.layers[i]["latent"][:position]} if kind == "mla"
+                          else kda.layers[i])
+        return restore(RequestState(position, kda.kinds, layers, kda.attn_res_blocks, kda.attn_res_partial),
+                       device)

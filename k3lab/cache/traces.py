@@ -68,7 +68,8 @@ def _field(req: dict, name: str, where: str, kinds, *, required=True, default=No
         return default
     value = req[name]
     if isinstance(value, bool) or not isinstance(value, kinds):
-        raise TraceError(f"{where}: field '{name}' must be {getattr(kinds, '__name__', kinds)}, got {value!r}")
+        raise TraceError(f"{where}: field '{name}' must be {getattr(kinds, '__name__', kinds)}, got "
+                         f"{value!r}")
     return value
 
 
@@ -77,7 +78,8 @@ def _parse_request(raw, where: str, block_size: int, prev_t: float) -> Request:
         raise TraceError(f"{where}: a request must be an object, got {type(raw).__name__}")
     t = float(_field(raw, "t", where, (int, float)))
     if not np.isfinite(t) or t < prev_t:
-        raise TraceError(f"{where}: field 't' must be finite and not before the previous request ({prev_t}), got {t}")
+        raise TraceError(f"{where}: field 't' must be finite and not before the previous request ({prev_t}), "
+                         f"got {t}")
     rtype = _field(raw, "type", where, str)
     if rtype not in REQUEST_TYPES:
         raise TraceError(f"{where}: field 'type' must be one of {REQUEST_TYPES}, got {rtype!r}")
@@ -89,7 +91,8 @@ def _parse_request(raw, where: str, block_size: int, prev_t: float) -> Request:
     ids = _field(raw, "hash_ids", where, list)
     need = -(-n_in // block_size)
     if len(ids) != need:
-        raise TraceError(f"{where}: field 'hash_ids' must hold ceil(in / block_size) = {need} ids, got {len(ids)}")
+        raise TraceError(f"{where}: field 'hash_ids' must hold ceil(in / block_size) = {need} ids, got "
+                         f"{len(ids)}")
     if not all(isinstance(h, (int, str)) and not isinstance(h, bool) for h in ids):
         raise TraceError(f"{where}: field 'hash_ids' must hold ints or strings")
     think = float(_field(raw, "think_time", where, (int, float), required=False, default=0.0))
@@ -194,7 +197,8 @@ class Workload:
         np.minimum.at(start, self.session, self.t)
         np.maximum.at(end, self.session, self.t + self.out_tokens / decode_tokens_per_s)
         at = np.asarray(at, dtype=float)
-        return (np.searchsorted(np.sort(start), at, side="right") - np.searchsorted(np.sort(end), at, side="left"))
+        return (np.searchsorted(np.sort(start), at, side="right")
+                - np.searchsorted(np.sort(end), at, side="left"))
 
 
 def _prefix_ids(dense: dict, hash_ids):
@@ -214,11 +218,13 @@ def to_workload(traces: list[Trace], offsets=None) -> Workload:
         raise TraceError("traces must hold at least one trace")
     offsets = np.zeros(len(traces)) if offsets is None else np.asarray(offsets, dtype=float)
     if offsets.shape != (len(traces),):
-        raise TraceError(f"offsets must hold one start time per trace ({len(traces)}), got shape {offsets.shape}")
+        raise TraceError(f"offsets must hold one start time per trace ({len(traces)}), got shape "
+                         f"{offsets.shape}")
     block = traces[0].block_size
     for tr in traces:
         if tr.block_size != block:
-            raise TraceError(f"trace {tr.id!r}: block_size {tr.block_size} differs from the first trace's {block}")
+            raise TraceError(f"trace {tr.id!r}: block_size {tr.block_size} differs from the first trace's "
+                             f"{block}")
     dense: dict = {}
     cols = {k: [] for k in ("t", "session", "kind", "in", "out", "chain", "n_full", "tail")}
     chains = []
@@ -227,7 +233,8 @@ def to_workload(traces: list[Trace], offsets=None) -> Workload:
             ids = np.fromiter(_prefix_ids(dense, r.hash_ids), dtype=np.int64, count=len(r.hash_ids))
             partial = r.in_tokens % block != 0
             chains.append(ids[:-1] if partial else ids)
-            for k, v in (("t", r.t + offsets[s]), ("session", s), ("kind", _TYPE_CODE[r.type]), ("in", r.in_tokens),
+            for k, v in (("t", r.t + offsets[s]), ("session", s), ("kind", _TYPE_CODE[r.type]),
+                         ("in", r.in_tokens),
                          ("out", r.out_tokens), ("chain", len(chains) - 1),
                          ("n_full", len(ids) - partial), ("tail", ids[-1] if partial else -1)):
                 cols[k].append(v)

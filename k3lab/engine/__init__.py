@@ -17,5 +17,6 @@ from k3lab.engine.step import COLLECTIVES, DecodeStep, run_group
 from k3lab.engine.switches import SWITCHES, Resolved, all_but, parse, resolve
 from k3lab.engine.weights import RankWeights
 
-__all__ = ["COLLECTIVES", "PROJECTIONS", "SWITCHES", "DecodeStep", "RankWeights", "Resolved", "all_but", "fp8_status",
+__all__ = ["COLLECTIVES", "PROJECTIONS", "SWITCHES", "DecodeStep", "RankWeights", "Resolved", "all_but",
+           "fp8_status",
            "parse", "resolve", "run_group"]

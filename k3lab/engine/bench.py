@@ -44,7 +44,8 @@ CPU_CONFIG = dataclasses.replace(K3Config.tiny(), num_hidden_layers=4, name="tin
 TOP_KERNELS = 15  # kernels by total time kept per profiled run: where the step's time goes
 PROFILED = ("all_on", "all_off", "all_on_fp8", "all_on_gemv")
 # variant -> DecodeStep(projections=...); the others run the weights' dtype through torch.matmul
-PROJECTIONS_OF = {"all_on_fp8": "fp8", "all_on_gemv": "gemv"}  # profiled at B = 1 only: the loop at B = 64 runs ~450K kernels a step
+# profiled at B = 1 only: the loop at B = 64 runs ~450K kernels a step
+PROJECTIONS_OF = {"all_on_fp8": "fp8", "all_on_gemv": "gemv"}
 
 
 def on_gpu() -> bool:
@@ -63,7 +64,8 @@ def bench_config() -> K3Config:
 def variants(q_len: int = 1) -> dict[str, dict]:
     """all_off first (the others are compared with it), all_on, then no_<switch> for each switch that
     applies at this q_len."""
-    names = [n for n in SWITCHES if not (n in VERIFY_ONLY and q_len == 1) and not (n in DECODE_ONLY and q_len > 1)]
+    names = [n for n in SWITCHES if not (n in VERIFY_ONLY and q_len == 1) and
+             not (n in DECODE_ONLY and q_len > 1)]
     out = {"all_off": dict.fromkeys(SWITCHES, False), "all_on": dict.fromkeys(SWITCHES, True),
            "all_on_fp8": dict.fromkeys(SWITCHES, True), "all_on_gemv": dict.fromkeys(SWITCHES, True)}
     out.update({f"no_{n}": all_but(n) for n in names})
@@ -100,7 +102,8 @@ def step_bytes(config: K3Config, batch: int, context_len: int, q_len: int = 1, *
     kda = (4 * C + H + c.kda_gate_rank) * h + C * c.kda_gate_rank + h * C
     mla = ((c.q_lora_rank + c.mla_latent_dim + c.num_attention_heads * c.v_head_dim) * h
            + c.num_attention_heads * c.qk_head_dim * c.q_lora_rank
-           + 2 * c.num_attention_heads * c.qk_nope_head_dim * c.kv_lora_rank + h * c.num_attention_heads * c.v_head_dim)
+           + 2 * c.num_attention_heads * c.qk_nope_head_dim * c.kv_lora_rank + h * c.num_attention_heads
+           * c.v_head_dim)
     up_rows = h // c.tp_size if tail == "sharded" else h
     L = c.routed_expert_hidden_size
     moe = c.num_experts * h + L * h + up_rows * L + 3 * c.shared_intermediate_size * h
@@ -114,7 +117,8 @@ def step_bytes(config: K3Config, batch: int, context_len: int, q_len: int = 1, *
     mla_cache = c.num_mla_layers * batch * (context_len + 2 * q_len) * c.mla_latent_dim * cache_bytes
     kda_state = c.num_kda_layers * batch * 2 * c.kda_state_bytes_per_sequence()
     kda_conv = c.num_kda_layers * batch * 2 * c.kda_conv_state_values_per_sequence() * act_bytes
-    parts = {"weights_dense": float(dense_bytes), "weights_experts": float(experts), "mla_cache": float(mla_cache),
+    parts = {"weights_dense": float(dense_bytes), "weights_experts": float(experts),
+             "mla_cache": float(mla_cache),
              "kda_state": float(kda_state), "kda_conv": float(kda_conv)}
     parts["total"] = sum(parts.values())
     return parts
@@ -126,7 +130,10 @@ def measured_bandwidth_tbs() -> tuple[float, str]:
         pk = env.detect().peak
         return pk.bandwidth_tbs, f"{pk.name} peak ({pk.bandwidth_source})"
     n = 1 << 30
-    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    src, dst = (
+        torch.empty(n, dtype=torch.uint8, device="cuda"),
+        torch.empty(n, dtype=torch.uint8, device="cuda"),
+    )
     t = bench.time_fn(lambda: dst.copy_(src), warmup=3, repeats=10, calls_per_sample=1)
     return 2 * n / (t.median_us * 1e-6) / 1e12, "1 GiB device copy, read + write, measured in this run"
 
@@ -134,7 +141,8 @@ def measured_bandwidth_tbs() -> tuple[float, str]:
 def _standin_us(collectives: list[tuple[str, int]], world: int) -> float:
     """The collective stand-ins alone: the same copies, timed as one graph on a GPU."""
     dev = "cuda" if on_gpu() else "cpu"
-    srcs = [torch.empty(b * (world if k == "all_gather" else 1), dtype=torch.uint8, device=dev) for k, b in collectives]
+    srcs = [torch.empty(b * (world if k == "all_gather" else 1), dtype=torch.uint8, device=dev) for k, b
+            in collectives]
     bufs = [(s, torch.empty_like(s)) for s in srcs]
     if not bufs:
         return 0.0
@@ -153,7 +161,8 @@ def _profile(fn, name: str, trace_dir: str) -> dict:
     counts = cap.counts()
     cats = cap.categories.head(8)
     top = cap.table.head(TOP_KERNELS)
-    return {"launches": counts["launches"], "copies": counts["copies"], "api_launches": counts["api_launches"],
+    return {"launches": counts["launches"], "copies": counts["copies"],
+            "api_launches": counts["api_launches"],
             "kernel_sum_us": cap.total_us(),
             "categories": [{"category": r.category, "calls": int(r.calls), "total_us": float(r.total_us)}
                            for r in cats.itertuples()],
@@ -250,18 +259,37 @@ def run_variant(case: str, name: str, opts: dict, weights: RankWeights, shape: t
                      if step.resolved.projections.startswith("fp8") else 0)
         floor = variant_floor(floor, experts_read, expert_bytes(weights.config, weights.embed.element_size()),
                               fp8_saved)
-        extra = {"step": step.describe(), "bytes": floor["bytes"], "experts_read": floor["experts_read"],
-                 "bandwidth_tbs": floor["bandwidth_tbs"],
-                 "bandwidth_how": floor["how"], "collectives": {"count": len(step.last_collectives),
-                                                               "bytes": sum(b for _, b in step.last_collectives),
-                                                               "what": "stand-ins: one device copy of the same bytes"}}
+        extra = {
+            "step": step.describe(),
+            "bytes": floor["bytes"],
+            "experts_read": floor["experts_read"],
+            "bandwidth_tbs": floor["bandwidth_tbs"],
+            "bandwidth_how": floor["how"],
+            "collectives": {
+                "count": len(step.last_collectives),
+                "bytes": sum(b for _, b in step.last_collectives),
+                "what": "stand-ins: one device copy of the same bytes",
+            },
+        }
         extra["collectives"]["standin_us"] = _standin_us(step.last_collectives, step.world_size)
         if profile:
             extra["profile_eager"] = _profile(step.run, f"{case}_{name}_eager", trace_dir)
         label = "before" if name == "all_off" else "after"
-        sh = {"batch": B, "context_len": ctx, "q_len": 1, "tp": step.world_size, "layers": step.config.num_hidden_layers}
-        recs = [bench.make_record(STUDY, f"{case}.{name}", label, _time(step, repeats, False, t_first), shape=sh,
-                                  dtype=step.dtype, floor_us=floor["floor_us"], error=err, **extra)]
+        sh = {"batch": B, "context_len": ctx, "q_len": 1, "tp": step.world_size,
+              "layers": step.config.num_hidden_layers}
+        recs = [
+            bench.make_record(
+                STUDY,
+                f"{case}.{name}",
+                label,
+                _time(step, repeats, False, t_first),
+                shape=sh,
+                dtype=step.dtype,
+                floor_us=floor["floor_us"],
+                error=err,
+                **extra,
+            )
+        ]
         ok, why = step.capturable()
         if ok:
             t = _time(step, repeats, True, t_first)
@@ -280,7 +308,8 @@ def run_variant(case: str, name: str, opts: dict, weights: RankWeights, shape: t
     return recs, logits
 
 
-def run_cases(names: list[str] | None = None, *, distinct_layers: int = 3, repeats: int = 5, profile: bool = True,
+def run_cases(names: list[str] | None = None, *, distinct_layers: int = 3, repeats: int = 5,
+              profile: bool = True,
               log=print) -> list[bench.Record]:
     """Every variant of every case in `names` (default: all cases here); see the module docstring."""
     here = cases()
@@ -294,8 +323,8 @@ def run_cases(names: list[str] | None = None, *, distinct_layers: int = 3, repea
     dev = torch.device("cuda" if on_gpu() else "cpu")
     dt = torch.bfloat16 if on_gpu() else torch.float32
     weights = RankWeights.random(bench_config(), distinct_layers=distinct_layers, device=dev, dtype=dt)
-    log(f"decode_step: weights drawn ({weights.nbytes()['total'] / 2**30:.1f} GiB, {distinct_layers} sets per kind) "
-        f"in {time.perf_counter() - t0:.0f} s")
+    log(f"decode_step: weights drawn ({weights.nbytes()['total'] / 2**30:.1f} GiB, {distinct_layers} sets "
+        f"per kind) in {time.perf_counter() - t0:.0f} s")
     bw, how = measured_bandwidth_tbs()
     records = []
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -309,7 +338,8 @@ def run_cases(names: list[str] | None = None, *, distinct_layers: int = 3, repea
                 rname = reference_of(opts, weights.world_size)
                 if rname != name and rname not in refs:
                     refs[rname] = reference_logits(rname, weights, (B, ctx))
-                recs, logits = run_variant(case, name, opts, weights, (B, ctx), ref=refs.get(rname), ref_name=rname,
+                recs, logits = run_variant(case, name, opts, weights, (B, ctx), ref=refs.get(rname),
+                                           ref_name=rname,
                                            repeats=repeats, floor=floor, trace_dir=trace_dir,
                                            profile=profile and name in PROFILED and B == 1)
                 if name in REFERENCES:
@@ -325,15 +355,19 @@ def main(argv: list[str] | None = None) -> int:
     import json
     from pathlib import Path
 
-    p = argparse.ArgumentParser(prog="python -m k3lab.engine", description="the whole-step benchmark of one TP8 rank")
+    p = argparse.ArgumentParser(prog="python -m k3lab.engine",
+                                description="the whole-step benchmark of one TP8 rank")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bench", help="time the decode step: all on, all off, each switch off alone")
-    b.add_argument("--cases", nargs="+", default=None, help=f"cases (GPU: {list(GPU_CASES)}; CPU: {list(CPU_CASES)})")
-    b.add_argument("--distinct-layers", type=int, default=3, help="weight sets per layer kind rotated through the layers")
+    b.add_argument("--cases", nargs="+", default=None,
+                   help=f"cases (GPU: {list(GPU_CASES)}; CPU: {list(CPU_CASES)})")
+    b.add_argument("--distinct-layers", type=int, default=3,
+                   help="weight sets per layer kind rotated through the layers")
     b.add_argument("--repeats", type=int, default=5, help="timed samples per variant and mode")
     b.add_argument("--no-profile", action="store_true", help="skip the profiler runs (launches per step)")
     b.add_argument("--json", default=None, help="write every record to this JSON file")
-    b.add_argument("--save-profiles", action="store_true", help="save the records under profiles/<device>/decode_step/")
+    b.add_argument("--save-profiles", action="store_true",
+                   help="save the records under profiles/<device>/decode_step/")
     pb = sub.add_parser("bounds", help="the probes of what bounds the step above its floor (GPU)")
     pb.add_argument("--json", default=None, help="write the probe records to this JSON file")
     args = p.parse_args(argv)

@@ -45,8 +45,10 @@ def projection_shapes(config: K3Config) -> list[dict]:
     kda, mla, moe = c.num_kda_layers, c.num_mla_layers, c.num_moe_layers
     rows = [("kda.w_in", 4 * C + H + r, h, kda), ("kda.f_b", C, r, kda), ("kda.o_proj", h, C, kda),
             ("mla.w_in", c.q_lora_rank + c.mla_latent_dim + heads * c.v_head_dim, h, mla),
-            ("mla.q_b", heads * c.qk_head_dim, c.q_lora_rank, mla), ("mla.o_proj", h, heads * c.v_head_dim, mla),
-            ("moe.gate", c.num_experts, h, moe), ("moe.down", L, h, moe), ("moe.up_own_rows", h // c.tp_size, L, moe),
+            ("mla.q_b", heads * c.qk_head_dim, c.q_lora_rank, mla),
+            ("mla.o_proj", h, heads * c.v_head_dim, mla),
+            ("moe.gate", c.num_experts, h, moe), ("moe.down", L, h, moe),
+            ("moe.up_own_rows", h // c.tp_size, L, moe),
             ("moe.shared_in", 2 * S, h, moe), ("moe.shared_down", h, S, moe),
             ("dense.gate_up", 2 * c.intermediate_size, h, c.first_k_dense_replace),
             ("dense.down", h, c.intermediate_size, c.first_k_dense_replace), ("lm_head", c.vocab_size, h, 1)]
@@ -91,7 +93,8 @@ def small_kernel_probe(n: int = 2000, *, repeats: int = 10) -> bench.Record | No
     x = torch.zeros(1, device="cuda")
     # a graph of n successive calls, timed per call: each add waits for the one before it
     t = bench.time_fn(lambda: x.add_(1.0), warmup=2, repeats=repeats, graph=True, calls_per_sample=n)
-    return bench.make_record(STUDY, "probe.small_kernel", "torch", t, shape={"kernels": n}, dtype=torch.float32,
+    return bench.make_record(STUDY, "probe.small_kernel", "torch", t, shape={"kernels": n},
+                             dtype=torch.float32,
                              what="one dependent one-element add per kernel, captured as one graph")
 
 
@@ -100,12 +103,14 @@ def split(profile: dict) -> dict:
     with its `top_kernels` and `categories`) as {stream_us, stream_kernels, rest_us, rest_kernels}:
     stream = the GEMM category plus the grouped expert kernels, rest = everything else."""
     if not isinstance(profile, dict) or "categories" not in profile or "top_kernels" not in profile:
-        raise ValueError("profile must be a decode_step record's profile dict with 'categories' and 'top_kernels'")
+        raise ValueError("profile must be a decode_step record's profile dict with 'categories' and "
+                         "'top_kernels'")
     gemm = [c for c in profile["categories"] if c["category"] == "gemm"]
     experts = [k for k in profile["top_kernels"] if k["name"] in STREAM_KERNELS]
     stream_us = sum(c["total_us"] for c in gemm) + sum(k["total_us"] for k in experts)
     stream_n = sum(c["calls"] for c in gemm) + sum(k["calls"] for k in experts)
-    return {"stream_us": stream_us, "stream_kernels": stream_n, "rest_us": profile["kernel_sum_us"] - stream_us,
+    return {"stream_us": stream_us, "stream_kernels": stream_n, "rest_us": profile["kernel_sum_us"]
+            - stream_us,
             "rest_kernels": profile["launches"] - stream_n}
 
 

@@ -95,7 +95,8 @@ def quantize_weight(w: torch.Tensor, *, emulated: bool = False, chunk_rows: int 
     """w [N, K] (bf16 / fp32, the layout `x @ w.t()` reads) -> Fp8Linear, per-row scales, N and K
     padded to multiples of 16. Quantized `chunk_rows` rows at a time (bounded fp32 scratch on a GPU)."""
     if w.dim() != 2 or not w.is_floating_point():
-        raise ValueError(f"w must be a 2-D float weight [out_features, in_features], got {tuple(w.shape)} {w.dtype}")
+        raise ValueError(f"w must be a 2-D float weight [out_features, in_features], got {tuple(w.shape)} "
+                         f"{w.dtype}")
     N, K = w.shape
     wq = torch.zeros(round_up(N), round_up(K), dtype=FP8, device=w.device)
     scale = torch.ones(1, wq.shape[0], dtype=torch.float32, device=w.device)
@@ -142,12 +143,14 @@ def fp8_linear(x, w: Fp8Linear) -> torch.Tensor:
     if not isinstance(x, Fp8Input):
         x = quantize_input(x, w)
     elif x.in_features != w.in_features:
-        raise ValueError(f"x is quantized for {x.in_features} input features, this projection takes {w.in_features}")
+        raise ValueError(f"x is quantized for {x.in_features} input features, this projection takes "
+                         f"{w.in_features}")
     if w.emulated:
         y = _dequantized_product(x.q, x.scale, w)
     else:
         out = torch.bfloat16 if x.q.is_cuda else x.dtype  # per-row scales on CUDA give bf16 only
-        y = torch._scaled_mm(x.q, w.wq.t(), scale_a=x.scale, scale_b=w.scale, out_dtype=out, use_fast_accum=False)
+        y = torch._scaled_mm(x.q, w.wq.t(), scale_a=x.scale, scale_b=w.scale, out_dtype=out,
+                             use_fast_accum=False)
     y = y if y.dtype == x.dtype else y.to(x.dtype)
     return y if w.out_features == y.shape[1] else y[:, :w.out_features]
 
@@ -193,13 +196,16 @@ def fp8_status(device, dtype: torch.dtype = torch.bfloat16) -> tuple[bool, str]:
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
         if torch.version.hip is None and cap < (8, 9):
-            return False, (f"FP8 matmul needs CUDA compute capability >= 8.9 (Ada, Hopper and later); this GPU "
-                           f"is {cap[0]}.{cap[1]}")
+            return False, (f"FP8 matmul needs CUDA compute capability >= 8.9 (Ada, Hopper and later); this "
+                           f"GPU is {cap[0]}.{cap[1]}")
     elif device.type != "cpu":
         return False, f"FP8 projections run on CUDA or the CPU, not on {device.type}"
     why = _probe(str(device), dtype)
     if why:
-        return False, f"torch._scaled_mm with e4m3fn and per-row scales does not run on {device.type} here ({why})"
+        return (
+            False,
+            f"torch._scaled_mm with e4m3fn and per-row scales does not run on {device.type} here ({why})",
+        )
     return True, ""
 
 
@@ -210,7 +216,8 @@ def check_projections(projections) -> str:
     return projections
 
 
-def resolve_projections(projections: str, device, dtype: torch.dtype, *, strict: bool = False) -> tuple[str, str]:
+def resolve_projections(projections: str, device, dtype: torch.dtype, *,
+                        strict: bool = False) -> tuple[str, str]:
     """(what runs, note): 'fp8', 'fp8_emulated' or the step's dtype ('bf16'; 'fp32' for the CPU's fp32
     steps, whose plain projections are fp32) and why it differs from `projections` ('' when it does not).
     FP8 that cannot run: a GPU falls back to the step's dtype (ValueError with strict=True); a CPU
@@ -225,7 +232,8 @@ def resolve_projections(projections: str, device, dtype: torch.dtype, *, strict:
         if ok:
             return "gemv", ""
         if strict:
-            raise ValueError(f"projections='gemv' cannot run here ({why}); pass strict=False to run torch.matmul")
+            raise ValueError(f"projections='gemv' cannot run here ({why}); pass strict=False to run "
+                             f"torch.matmul")
         return plain, f"{why}: the projections run as torch.matmul in {plain}"
     ok, why = fp8_status(device, dtype)
     if ok:
@@ -247,12 +255,13 @@ def weights_for(weights, ran: str):
     held = weights.projections
     if ran == "gemv":
         if held != "bf16":
-            raise ValueError(f"weights hold {held} projections but this step runs gemv: pass the unconverted RankWeights")
+            raise ValueError(f"weights hold {held} projections but this step runs gemv: pass the unconverted "
+                             f"RankWeights")
         return weights.to_gemv(), ran, ""
     if not ran.startswith("fp8"):
         if held != "bf16":
-            raise ValueError(f"weights hold {held} projections but this step runs {ran}: pass projections='fp8', "
-                             "or the unconverted RankWeights")
+            raise ValueError(f"weights hold {held} projections but this step runs {ran}: pass "
+                             f"projections='fp8', or the unconverted RankWeights")
         return weights, ran, ""
     if held == "bf16":
         return weights.to_fp8(emulated=ran == "fp8_emulated"), ran, ""

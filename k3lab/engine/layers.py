@@ -48,7 +48,8 @@ def kda_verify_partial(w: KDAWeights, x: torch.Tensor, cache, batch: int, q_len:
     q, k, v, gate, b_raw, g_raw = kda_inputs(w, x, pack)
     d = w.decode
     ys = []
-    for t, conv_w, state in ((q, d.conv_q, cache.conv_q), (k, d.conv_k, cache.conv_k), (v, d.conv_v, cache.conv_v)):
+    for t, conv_w, state in ((q, d.conv_q, cache.conv_q), (k, d.conv_k, cache.conv_k),
+                             (v, d.conv_v, cache.conv_v)):
         y, new_state = short_conv(t.reshape(B, T, -1), conv_w, state)
         state.copy_(new_state)
         ys.append(y)
@@ -142,7 +143,8 @@ def moe_shared_partial(w: MoEWeights, x: torch.Tensor, xin=None, glue: str = "to
     return linear(glu(linear(x if xin is None else xin, w.shared_in), glue), w.shared_down).contiguous()
 
 
-def moe_tail(w: MoEWeights, lat: torch.Tensor, out: torch.Tensor, sharded: bool, backend: str) -> torch.Tensor:
+def moe_tail(w: MoEWeights, lat: torch.Tensor, out: torch.Tensor, sharded: bool,
+             backend: str) -> torch.Tensor:
     """out[:, cols] += up[cols](RMSNorm(lat)) in place: this rank's rows of up_proj (sharded) or all
     of them (replicated). Returns out."""
     lo, hi = w.own_rows if sharded else (0, w.up.shape[0])

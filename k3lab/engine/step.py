@@ -79,9 +79,11 @@ class DecodeStep:
     CPU e4m3fn products runs a plain-PyTorch emulation of the same arithmetic, said the same way.
     """
 
-    def __init__(self, config: K3Config, batch: int, context_len: int, *, optimizations="all", weights="random",
+    def __init__(self, config: K3Config, batch: int, context_len: int, *, optimizations="all",
+                 weights="random",
                  distinct_layers: int = 4, q_len: int = 1, tp: int | None = None, device=None, dtype=None,
-                 strict: bool = False, collectives: str = "stand_in", seed: int = 0, projections: str = "bf16"):
+                 strict: bool = False, collectives: str = "stand_in", seed: int = 0,
+                 projections: str = "bf16"):
         fp8.check_projections(projections)
         if tp is not None:
             _check_config(config)
@@ -99,10 +101,12 @@ class DecodeStep:
             dev = torch.device(device) if device is not None else (
                 torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
             dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-            weights = RankWeights.random(config, distinct_layers=_check_int("distinct_layers", distinct_layers, 1),
+            weights = RankWeights.random(config,
+                                         distinct_layers=_check_int("distinct_layers", distinct_layers, 1),
                                          device=dev, dtype=dt, seed=seed)
         else:
-            raise ValueError(f"weights must be 'random' or a RankWeights (RankWeights.from_model), got {weights!r}")
+            raise ValueError(f"weights must be 'random' or a RankWeights (RankWeights.from_model), got "
+                             f"{weights!r}")
         self.config, self.weights, self.collectives = config, weights, collectives
         self.world_size, self.rank = weights.world_size, weights.rank
         self.device, self.dtype = weights.device, weights.dtype
@@ -121,12 +125,15 @@ class DecodeStep:
         self.logits = None
         self.last_collectives: list[tuple[str, int]] = []
         self.routes: list | None = None  # a list: each MoE layer's chosen experts of a run are appended
-        if self.impl["glue_fused"] == "triton" and not layers.fused_routing_fits(self.tokens, config.num_experts_per_token):
-            self.resolved.notes["glue_fused"] = (f"{self.tokens} tokens x top-{config.num_experts_per_token} exceed the "
-                                                 "fused router's pairs: routing runs the PyTorch sequence, SiTU-GLU fused")
+        if self.impl["glue_fused"] == "triton" and not layers.fused_routing_fits(self.tokens,
+                                                                                 config.num_experts_per_token):
+            self.resolved.notes["glue_fused"] = (f"{self.tokens} tokens x top-{config.num_experts_per_token} "
+                                                 f"exceed the fused router's pairs: routing runs the PyTorch "
+                                                 f"sequence, SiTU-GLU fused")
 
     @classmethod
-    def from_model(cls, model, batch: int, context_len: int, *, tp: int = 1, rank: int = 0, **kw) -> DecodeStep:
+    def from_model(cls, model, batch: int, context_len: int, *, tp: int = 1, rank: int = 0,
+                   **kw) -> DecodeStep:
         """The step with `model`'s weights (a K3Model), rank `rank` of `tp`; keyword arguments as for
         DecodeStep (optimizations, q_len, strict, collectives)."""
         w = RankWeights.from_model(model, _check_int("tp", tp, 1), rank)
@@ -143,7 +150,8 @@ class DecodeStep:
         for i, kind in enumerate(c.layer_types):
             if kind == "kda":
                 conv = [torch.randn(B, C, c.kda_conv_size - 1, generator=gen, **f) for _ in range(3)]
-                state = torch.randn(B, H, c.kda_head_dim, c.kda_head_dim, generator=gen, device=dev).mul_(STATE_SCALE)
+                state = torch.randn(B, H, c.kda_head_dim, c.kda_head_dim, generator=gen,
+                                    device=dev).mul_(STATE_SCALE)
                 self.kda_caches[i] = KDACache(*conv, state)
             else:
                 self.latent[i] = torch.randn(B, self.context_len + T, c.mla_latent_dim, generator=gen, **f)
@@ -169,7 +177,8 @@ class DecodeStep:
             q = torch.zeros(B, T, H, c.mla_latent_dim, device=self.device, dtype=self.dtype)
             scale = c.mla_softmax_scale
             if self.impl["mla_padded"] == "after":
-                plan = mla_decode.plan_after(q, latent, self.lengths, scale=scale, fold_heads=H > mla_decode.MMA_ROWS)
+                plan = mla_decode.plan_after(q, latent, self.lengths, scale=scale, fold_heads=H
+                                             > mla_decode.MMA_ROWS)
             else:
                 plan = mla_decode.plan_before(q, latent, self.lengths, scale=scale)
             self.q_bufs[i], self.mla_plans[i] = q, plan
@@ -214,7 +223,8 @@ class DecodeStep:
         """Clones of what a step writes and the next one reads: per KDA layer the conv histories and the
         state, per MLA layer its rows [context_len, context_len + q_len) (the rows before are never
         written). `restore_state` puts them back, so a step re-run from there sees the same inputs."""
-        out = {f"layers.{i}.{n}": t.clone() for i, c in self.kda_caches.items() for n, t in c.entries().items()}
+        out = {f"layers.{i}.{n}": t.clone() for i, c in self.kda_caches.items() for n, t
+               in c.entries().items()}
         out.update({f"layers.{i}.latent": t[:, self.context_len:].clone() for i, t in self.latent.items()})
         return out
 
@@ -241,7 +251,8 @@ class DecodeStep:
     def _attention(self, i: int, w, x: torch.Tensor):
         pack = self.impl["pack_where_used"]
         if i in self.latent:
-            part = layers.mla_partial(w, x, self.latent[i], self.context_len, self.q_bufs[i], self.mla_plans[i])
+            part = layers.mla_partial(w, x, self.latent[i], self.context_len, self.q_bufs[i],
+                                      self.mla_plans[i])
         elif self.q_len == 1:
             part = layers.kda_decode_partial(w, x, self.kda_steps[i], pack)
         else:
@@ -365,12 +376,16 @@ class DecodeStep:
         """What this step is, for records: shapes, dtype, weights, switches and what runs for each."""
         rw = self.weights
         return {"config": self.config.name, "tp": self.world_size, "batch": self.batch,
-                "context_len": self.context_len, "q_len": self.q_len, "dtype": str(self.dtype).replace("torch.", ""),
+                "context_len": self.context_len, "q_len": self.q_len,
+                "dtype": str(self.dtype).replace("torch.", ""),
                 "projections": self.resolved.projections,
-                "weights": rw.source, "distinct_layers": rw.distinct_layers, "layers": self.config.num_hidden_layers,
-                "switches": dict(self.resolved.on), "impl": dict(self.impl), "notes": dict(self.resolved.notes),
+                "weights": rw.source, "distinct_layers": rw.distinct_layers,
+                "layers": self.config.num_hidden_layers,
+                "switches": dict(self.resolved.on), "impl": dict(self.impl),
+                "notes": dict(self.resolved.notes),
                 "label": self.resolved.label(), "collectives": self.collectives,
-                "mla_backend": {str(i): getattr(p, "backend", "?") for i, p in list(self.mla_plans.items())[:1]}}
+                "mla_backend": {str(i): getattr(p, "backend", "?") for i, p
+                                in list(self.mla_plans.items())[:1]}}
 
 
 def run_group(steps: list[DecodeStep], ids) -> list[torch.Tensor]:

@@ -39,7 +39,8 @@ SWITCHES: dict[str, str] = {
     "grouped_experts": "routed experts as two grouped launches, the MoE tail as one fused launch",
     "moe_tail_sharded": "MoE tail sharded: this rank's up_proj rows, stitched by the existing all-reduce",
     "kda_verify_tiles": "KDA verification with narrow value tiles (q_len > 1)",
-    "glue_fused": "the MoE router + expert sort in two launches, SiTU-GLU in one (k3lab.ops.moe_router, situ_glu)",
+    "glue_fused": "the MoE router + expert sort in two launches, SiTU-GLU in one (k3lab.ops.moe_router, "
+                  "situ_glu)",
 }
 DECODE_ONLY = frozenset({"kda_fused"})
 VERIFY_ONLY = frozenset({"kda_verify_tiles"})
@@ -58,8 +59,11 @@ class Resolved:
     def describe(self) -> list[str]:
         """One line per switch: name, on/off, what runs, and the note when there is one; then the
         projections' line."""
-        lines = [f"{n}: {'on ' if self.on[n] else 'off'} -> {self.impl[n]}" + (f" ({self.notes[n]})" if n in self.notes
-                                                                                 else "") for n in SWITCHES]
+        lines = [
+            f"{n}: {'on ' if self.on[n] else 'off'} -> {self.impl[n]}"
+            + (f" ({self.notes[n]})" if n in self.notes else "")
+            for n in SWITCHES
+        ]
         note = self.notes.get("projections")
         return lines + [f"projections: {self.projections}" + (f" ({note})" if note else "")]
 
@@ -87,7 +91,8 @@ def parse(optimizations) -> dict[str, bool]:
     if optimizations in ("none", False, None):
         return dict.fromkeys(SWITCHES, False)
     if isinstance(optimizations, str):
-        raise ValueError(f"optimizations must be 'all', 'none', a set of switch names or a dict, got {optimizations!r}")
+        raise ValueError(f"optimizations must be 'all', 'none', a set of switch names or a dict, got "
+                         f"{optimizations!r}")
     if isinstance(optimizations, dict):
         chosen = dict.fromkeys(SWITCHES, True)
         items = optimizations.items()
@@ -117,7 +122,10 @@ def _kda_fused_impl(device: torch.device, dtype: torch.dtype) -> tuple[str, str]
         return "reference", ("the fused KDA decode is a CUDA kernel and this step is on the CPU: the PyTorch "
                              "reference of the same step runs instead")
     if dtype != torch.bfloat16:
-        return "reference", f"the fused KDA decode takes bf16, the step is {dtype}: the PyTorch reference runs instead"
+        return (
+            "reference",
+            f"the fused KDA decode takes bf16, the step is {dtype}: the PyTorch reference runs instead",
+        )
     ok, why = kda_decode.fused_status()
     if not ok:
         return "reference", why
@@ -133,13 +141,16 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
     on = parse(optimizations)
     device = torch.device(device)
     if device.type == "cpu" and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("device='cpu' on a machine with a GPU: the step's Triton kernels run compiled, on GPU "
-                         "tensors (k3lab turns Triton's interpreter on only where there is no GPU); use "
+        raise ValueError("device='cpu' on a machine with a GPU: the step's Triton kernels run compiled, on "
+                         "GPU tensors (k3lab turns Triton's interpreter on only where there is no GPU); use "
                          "device='cuda', or set TRITON_INTERPRET=1 before triton is imported")
     impl, notes = {}, {}
     for name in SWITCHES:
         if name in DECODE_ONLY and q_len > 1:
-            impl[name], notes[name] = "n/a", f"applies to q_len = 1; verification (q_len = {q_len}) runs kda_verify_tiles"
+            impl[name], notes[name] = (
+                "n/a",
+                f"applies to q_len = 1; verification (q_len = {q_len}) runs kda_verify_tiles",
+            )
             continue
         if name in VERIFY_ONLY and q_len == 1:
             impl[name], notes[name] = "n/a", "applies to verification steps (q_len > 1)"
@@ -150,8 +161,8 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
                 if note:
                     notes[name] = note
                     if strict:
-                        raise ValueError(f"optimizations: kda_fused cannot run here ({note}); pass strict=False "
-                                         "to run the replacement, or turn kda_fused off")
+                        raise ValueError(f"optimizations: kda_fused cannot run here ({note}); pass "
+                                         f"strict=False to run the replacement, or turn kda_fused off")
             else:
                 impl[name] = "chain"
             continue
@@ -166,15 +177,22 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
 
         ok, why = moe_experts.available("triton", device)
         if not ok:
-            impl["grouped_experts"], notes["grouped_experts"] = "torch", f"grouped kernels unavailable ({why}): the loop runs"
+            impl["grouped_experts"], notes["grouped_experts"] = (
+                "torch",
+                f"grouped kernels unavailable ({why}): the loop runs",
+            )
             if strict:
                 raise ValueError(f"optimizations: grouped_experts cannot run here ({why})")
     if impl["glue_fused"] == "triton":
         from k3lab.ops import moe_router, situ_glu
 
-        why = [w for ok, w in (moe_router.available("triton", device), situ_glu.available("triton", device)) if not ok]
+        why = [w for ok, w in (moe_router.available("triton", device), situ_glu.available("triton", device))
+               if not ok]
         if why:
-            impl["glue_fused"], notes["glue_fused"] = "torch", f"fused glue kernels unavailable ({why[0]}): PyTorch runs"
+            impl["glue_fused"], notes["glue_fused"] = (
+                "torch",
+                f"fused glue kernels unavailable ({why[0]}): PyTorch runs",
+            )
             if strict:
                 raise ValueError(f"optimizations: glue_fused cannot run here ({why[0]})")
     proj, note = resolve_projections(projections, device, dtype, strict=strict)

@@ -109,11 +109,17 @@ class KDAWeights:
         dec = KDADecodeWeights.from_layer(attn)
         C = H * attn.head_dim
         sl = slice(rank * C, (rank + 1) * C)
-        dec = KDADecodeWeights(dec.conv_q[sl].contiguous(), dec.conv_k[sl].contiguous(), dec.conv_v[sl].contiguous(),
+        dec = KDADecodeWeights(dec.conv_q[sl].contiguous(), dec.conv_k[sl].contiguous(),
+                               dec.conv_v[sl].contiguous(),
                                dec.A_log[rank * H:(rank + 1) * H].contiguous(), dec.dt_bias[sl].contiguous(),
                                dec.o_norm, dec.lower_bound, dec.eps)
-        w_in = _stack(*(_rows(p.weight, world, rank) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.g_proj,
-                                                               attn.b_proj)), attn.f_a.weight)
+        w_in = _stack(
+            *(
+                _rows(p.weight, world, rank)
+                for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.g_proj, attn.b_proj)
+            ),
+            attn.f_a.weight,
+        )
         return cls(w_in, _rows(attn.f_b.weight, world, rank).contiguous(),
                    _cols(attn.o_proj.weight, world, rank).contiguous(), dec)
 
@@ -140,8 +146,10 @@ class MLAWeights:
     @classmethod
     def from_layer(cls, attn, world: int, rank: int) -> MLAWeights:
         w_uk, w_uv = attn.absorbed_weights()
-        w_in = _stack(attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight, _rows(attn.g_proj.weight, world, rank))
-        return cls(w_in, attn.q_a_layernorm.weight.detach(), _rows(attn.q_b_proj.weight, world, rank).contiguous(),
+        w_in = _stack(attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight,
+                      _rows(attn.g_proj.weight, world, rank))
+        return cls(w_in, attn.q_a_layernorm.weight.detach(),
+                   _rows(attn.q_b_proj.weight, world, rank).contiguous(),
                    attn.kv_a_layernorm.weight.detach(), _rows(w_uk, world, rank).contiguous(),
                    _rows(w_uv, world, rank).contiguous(), _cols(attn.o_proj.weight, world, rank).contiguous(),
                    float(attn.q_a_layernorm.eps))
@@ -195,7 +203,8 @@ class MoEWeights:
 
         w = shard_moe(layer, world, rank, "replicated")
         shared_in = None if w.shared_gate is None else _stack(w.shared_gate, w.shared_up)
-        return cls(w.gate_weight, w.gate_bias, w.top_k, w.scaling, w.renormalize, w.down_proj, w.w1, w.w3, w.w2,
+        return cls(w.gate_weight, w.gate_bias, w.top_k, w.scaling, w.renormalize, w.down_proj, w.w1, w.w3,
+                   w.w2,
                    w.norm_weight, w.eps, w.up_proj, shared_in, w.shared_down, world, rank)
 
 
@@ -274,7 +283,8 @@ class RankWeights:
                 mlp = gen.dense(config)
             layers.append(LayerWeights(gen.norms(h), attn, mlp))
         return cls(config, config.tp_size, 0, gen.matrix(config.vocab_size, h, unit=True),
-                   gen.matrix(config.vocab_size, h), gen.norm(h), gen.mix(h), layers, distinct_layers, "random")
+                   gen.matrix(config.vocab_size, h), gen.norm(h), gen.mix(h), layers, distinct_layers,
+                   "random")
 
     def to_fp8(self, *, emulated: bool = False) -> RankWeights:
         """These weights with FP8_PROJECTIONS quantized (`fp8.quantize_weight`: e4m3fn, per-row fp32
@@ -308,7 +318,9 @@ class RankWeights:
 
         def wrap(part):
             if id(part) not in done:
-                names = FP8_PROJECTIONS.get(type(part).__name__, ()) + (("gate",) if isinstance(part, MoEWeights) else ())
+                names = FP8_PROJECTIONS.get(type(part).__name__, ()) + (
+                    ("gate",) if isinstance(part, MoEWeights) else ()
+                )
                 new = {n: GemvWeight(getattr(part, n)) for n in names if getattr(part, n) is not None}
                 done[id(part)] = dataclasses.replace(part, **new) if new else part
             return done[id(part)]
@@ -349,7 +361,8 @@ class RankWeights:
                 seen.add(id(part))
                 for name, t in vars(part).items():
                     if isinstance(t, torch.Tensor):
-                        sizes["experts" if name in ("w1", "w2", "w3") else "other"] += t.numel() * t.element_size()
+                        sizes["experts" if name in ("w1", "w2", "w3")
+                              else "other"] += t.numel() * t.element_size()
                     elif isinstance(t, fp8.Fp8Linear):
                         sizes["other"] += t.nbytes()
                     elif isinstance(t, fp8.GemvWeight):
@@ -390,7 +403,8 @@ class _Draw:
         f32 = {"device": self.device, "dtype": torch.float32}
         conv = [torch.randn(C, c.kda_conv_size, generator=self.gen, **f32).mul_(c.kda_conv_size ** -0.5)
                 for _ in range(3)]
-        dec = KDADecodeWeights(*conv, self.uniform(H, math.log(0.5), math.log(2.0)), self.uniform(C, -6.0, 0.0),
+        dec = KDADecodeWeights(*conv, self.uniform(H, math.log(0.5), math.log(2.0)),
+                               self.uniform(C, -6.0, 0.0),
                                self.norm(K).float(), c.kda_gate_lower_bound, c.rms_norm_eps)
         return KDAWeights(self.matrix(4 * C + H + r, h), self.matrix(C, r), self.matrix(h, C), dec)
 

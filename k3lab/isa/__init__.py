@@ -21,7 +21,8 @@ import time
 
 from k3lab.isa.targets import DEFAULT_TARGETS, TARGETS, Target, parse_targets
 
-__all__ = ["DEFAULT_TARGETS", "TARGETS", "Target", "case_names", "parse_targets", "problems", "report", "table"]
+__all__ = ["DEFAULT_TARGETS", "TARGETS", "Target", "case_names", "parse_targets", "problems", "report",
+           "table"]
 
 
 def case_names() -> list[str]:
@@ -75,7 +76,8 @@ def problems(rep: dict) -> list[dict]:
     from k3lab.isa.known import explain
 
     out = [{"case": None, "kernel": name, "target": None, "kind": "coverage", "known": None,
-            "text": f"{name}: a @triton.jit function no compile entry reaches (add a case to k3lab/isa/cases.py)"}
+            "text": f"{name}: a @triton.jit function no compile entry reaches (add a case to "
+                    f"k3lab/isa/cases.py)"}
            for name in rep.get("uncovered", [])]
     for r in rep["rows"]:
         kernel = (r.get("kernel") or "?").rsplit(".", 1)[-1]
@@ -89,10 +91,19 @@ def problems(rep: dict) -> list[dict]:
             if r.get("scratch_bytes"):
                 found.append(("scratch", f"{where}: {r['scratch_bytes']} bytes of scratch"))
             if not r.get("shared_ok"):
-                found.append(("lds", f"{where}: LDS {r['shared_bytes']} B over the {r['shared_budget']} B budget"))
+                found.append(("lds", f"{where}: LDS {r['shared_bytes']} B over the {r['shared_budget']} B "
+                                     f"budget"))
         for kind, text in found:
-            out.append({"case": r["case"], "kernel": kernel, "target": r["target"], "kind": kind, "text": text,
-                        "known": explain(r["case"], kernel, r["target"], kind)})
+            out.append(
+                {
+                    "case": r["case"],
+                    "kernel": kernel,
+                    "target": r["target"],
+                    "kind": kind,
+                    "text": text,
+                    "known": explain(r["case"], kernel, r["target"], kind),
+                }
+            )
     return out
 
 
@@ -110,7 +121,8 @@ def table(rep: dict):
     out = []
     for r in rep["rows"]:
         amd = TARGETS[r["target"]].is_amd
-        base = {"case": r["case"], "kernel": (r.get("kernel") or "?").rsplit(".", 1)[-1], "target": r["target"],
+        base = {"case": r["case"], "kernel": (r.get("kernel") or "?").rsplit(".", 1)[-1],
+                "target": r["target"],
                 "warps/stages": f"{r.get('num_warps', '?')}/{r.get('num_stages', '?')}"}
         if not r.get("ok"):
             out.append(base | {"error": r.get("error", "?")})

@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cache", action="store_true")
     args = ap.parse_args(argv)
     try:
-        rep = report(args.target, args.case, workers=args.workers, timeout_s=args.timeout, cache=not args.no_cache)
+        rep = report(args.target, args.case, workers=args.workers, timeout_s=args.timeout, cache=
+                     not args.no_cache)
     except ValueError as exc:
         print(f"k3lab.isa: {exc}", file=sys.stderr)
         return 2

@@ -16,15 +16,19 @@ from pathlib import Path
 from k3lab.isa.targets import Target, amd_waves_per_simd, nvidia_blocks_per_sm
 
 _AMD_MATRIX = re.compile(r"^\s+(v_s?mfmac?_\w+)", re.M)
-_AMD_FMA = re.compile(r"^\s+(v_pk_fma_f32|v_pk_fma_f16|v_fmac?_f32\w*|v_fma_mix\w*|v_fmac?_f16\w*|v_dot2\w*)", re.M)
+_AMD_FMA = re.compile(r"^\s+(v_pk_fma_f32|v_pk_fma_f16|v_fmac?_f32\w*|v_fma_mix\w*|v_fmac?_f16\w*|v_dot2\w*)",
+                      re.M)
 _AMD_FIELDS = {
-    "vgprs": r"; NumVgprs:\s+(\d+)", "agprs": r"; NumAgprs:\s+(\d+)", "vgprs_total": r"; TotalNumVgprs:\s+(\d+)",
+    "vgprs": r"; NumVgprs:\s+(\d+)", "agprs": r"; NumAgprs:\s+(\d+)",
+    "vgprs_total": r"; TotalNumVgprs:\s+(\d+)",
     "sgprs": r"; TotalNumSgprs:\s+(\d+)", "scratch_bytes": r"; ScratchSize:\s+(\d+)",
     "occupancy_compiler": r"; Occupancy:\s+(\d+)", "vgpr_spills": r"\.vgpr_spill_count:\s+(\d+)",
     "sgpr_spills": r"\.sgpr_spill_count:\s+(\d+)", "static_lds_bytes": r"; LDSByteSize:\s+(\d+)",
 }
 _PTX_MATRIX = re.compile(r"^\s+((?:wgmma\.mma_async|mma\.sync)\S*)", re.M)
-_PTX_FMA = re.compile(r"^\s+(fma\.rn(?:\.ftz)?\.f32|fma\.rn\.f32x2|fma\.rn(?:\.ftz)?\.f16x2|fma\.rn\.bf16x2)\b", re.M)
+_PTX_FMA = re.compile(
+    r"^\s+(fma\.rn(?:\.ftz)?\.f32|fma\.rn\.f32x2|fma\.rn(?:\.ftz)?\.f16x2|fma\.rn\.bf16x2)\b", re.M
+)
 _PTXAS = {
     "regs": r"Used (\d+) registers", "stack_bytes": r"(\d+) bytes stack frame",
     "spill_store_bytes": r"(\d+) bytes spill stores", "spill_load_bytes": r"(\d+) bytes spill loads",
@@ -55,7 +59,8 @@ def amd_figures(amdgcn: str, shared: int, num_warps: int, target: Target) -> dic
         "matrix": dict(sorted(matrix.items())), "matrix_total": sum(matrix.values()),
         "fma": dict(sorted(fma.items())),
         "fma_lanes_ops": sum(2 * n if "pk_" in k else n for k, n in fma.items()),
-        "shared_bytes": lds, "shared_budget": target.shared_budget, "shared_ok": lds <= target.shared_per_block,
+        "shared_bytes": lds, "shared_budget": target.shared_budget, "shared_ok": lds
+        <= target.shared_per_block,
         "spills": int(out.get("vgpr_spills") or 0) + int(out.get("sgpr_spills") or 0),
         "occupancy": amd_waves_per_simd(target, out.get("vgprs") or 0, out.get("agprs") or 0, lds, num_warps),
         "occupancy_unit": "waves per SIMD",
@@ -84,7 +89,8 @@ def ptxas_report(ptx: str, workdir: str, arch: str = "sm_90a") -> str:
     res = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(workdir) / "k.cubin")],
                          capture_output=True, text=True, timeout=300, check=False)
     if res.returncode != 0:
-        raise RuntimeError(f"{ptxas} -v --gpu-name={arch} failed ({res.returncode}): {res.stderr.strip()[-400:]}")
+        raise RuntimeError(f"{ptxas} -v --gpu-name={arch} failed ({res.returncode}): "
+                           f"{res.stderr.strip()[-400:]}")
     return res.stdout + res.stderr
 
 
@@ -102,7 +108,8 @@ def nvidia_figures(ptx: str, ptxas_log: str, shared: int, num_warps: int, target
         "shared_ok": int(shared) <= target.shared_per_block,
         "spills": (out.get("spill_store_bytes") or 0) + (out.get("spill_load_bytes") or 0),
         "scratch_bytes": out.get("stack_bytes"),
-        "occupancy": nvidia_blocks_per_sm(target, regs, int(shared), num_warps), "occupancy_unit": "blocks per SM",
+        "occupancy": nvidia_blocks_per_sm(target, regs, int(shared), num_warps),
+        "occupancy_unit": "blocks per SM",
         "griddepcontrol": len(re.findall(r"griddepcontrol", ptx)),
     })
     return out

@@ -130,7 +130,8 @@ def kda_prologue_fp32_products(tokens=16384):
         prologue.dot_precisions = exact
 
 
-# ------------------------------------------------------------------------------------------ KDA decode / verify
+# ------------------------------------------------------------------------------------------ KDA decode /
+# verify
 
 
 def kda_decode_before(batch=1):
@@ -161,7 +162,8 @@ def kda_verify_before(batch=1, positions=4):
     before(*_verify_inputs(batch, positions))
 
 
-# ------------------------------------------------------------------------------------------ AttnRes, MoE, study
+# ------------------------------------------------------------------------------------------ AttnRes, MoE,
+# study
 
 
 def attn_res_after(tokens=1):
@@ -179,7 +181,12 @@ def moe_experts(tokens=1):
     from k3lab.ops.moe_experts import triton as moe_triton
     from k3lab.ops.moe_experts.inputs import Shapes
 
-    E, k, L, F = CFG.num_experts, CFG.num_experts_per_token, CFG.routed_expert_hidden_size, CFG.moe_intermediate_size
+    E, k, L, F = (
+        CFG.num_experts,
+        CFG.num_experts_per_token,
+        CFG.routed_expert_hidden_size,
+        CFG.moe_intermediate_size,
+    )
     idx = random_router_idx(tokens, num_experts=E, top_k=k)
     z = torch.empty(tokens, L, dtype=BF16)
     weights = torch.empty(tokens, k, dtype=torch.float32)
@@ -217,7 +224,11 @@ def situ_glu(width=CFG.shared_intermediate_size):
 def gemv(rows=CFG.num_experts, cols=CFG.hidden_size):
     from k3lab.ops import gemv as gv
 
-    x, w, y = torch.empty(1, cols, dtype=BF16), torch.empty(rows, cols, dtype=BF16), torch.empty(1, rows, dtype=BF16)
+    x, w, y = (
+        torch.empty(1, cols, dtype=BF16),
+        torch.empty(rows, cols, dtype=BF16),
+        torch.empty(1, rows, dtype=BF16),
+    )
     for blocks in gv.GPU_BLOCKS:  # the autotuner's candidates: each is a kernel the op may run
         gv.launch(x, w, y, blocks)
 
@@ -249,7 +260,8 @@ CASES: dict[str, tuple] = {
     "kda_chunk.before_16k": (kda_prefill_before, {}, "12 heads x 16K: prologue + plain walk"),
     "kda_chunk.after_16k": (kda_prefill_after, {}, "12 heads x 16K: prologue + group scan"),
     "kda_chunk.prologue_fp32_products": (kda_prologue_fp32_products, {},
-                                         "what-if, not the op's launch: tf32 products as ieee (gfx950's fix)"),
+                                         "what-if, not the op's launch: tf32 products as ieee (gfx950's "
+                                         "fix)"),
     "kda_decode.before_b1": (kda_decode_before, {}, "B = 1, the unfused chain"),
     "kda_decode.before_b128": (kda_decode_before, {"batch": 128}, "B = 128, the unfused chain"),
     "kda_verify.after_b1_t4": (kda_verify_after, {}, "B = 1, T = 4: narrow tiles"),

@@ -43,9 +43,10 @@ BITCODE_DIRS = ("/usr/lib/x86_64-linux-gnu/amdgcn/bitcode", "/usr/lib/aarch64-li
                 "/usr/lib/amdgcn/bitcode", "/usr/share/amdgcn/bitcode")
 # kernel file -> what runs on AMD instead of its CUDA kernel, where its HIP build has none
 STUBS = {
-    "mla_decode": "Triton _split_kernel + _merge_kernel (k3lab.ops.mla_decode.triton; AITER's assembly decode "
-                  "when forced)",
-    "kda_prologue": "Triton 'rows' prologue _a_kernel, _inverse_kernel, _wu_kernel (k3lab.ops.kda_chunk.prologue)",
+    "mla_decode": "Triton _split_kernel + _merge_kernel (k3lab.ops.mla_decode.triton; AITER's assembly "
+                  "decode when forced)",
+    "kda_prologue": "Triton 'rows' prologue _a_kernel, _inverse_kernel, _wu_kernel "
+                    "(k3lab.ops.kda_chunk.prologue)",
     "kda_walk": "Triton _walk_kernel / _summary_kernel (k3lab.ops.kda_chunk.walk)",
     "attn_res_norm": "Triton _attn_res_norm_kernel (k3lab.ops.attn_res_norm.triton); the cluster kernel is "
                      "NVIDIA-only",
@@ -67,9 +68,13 @@ def status() -> tuple[bool, str]:
     if _bitcode_dir() is None:
         missing.append("ROCm device libraries (amdgcn/bitcode)")
     if missing:
-        return False, f"missing {', '.join(missing)}: run scripts/ci_amd_toolchain.sh (apt: clang-19 lld-19 " \
-                      "llvm-19 libamdhip64-dev rocm-device-libs)"
-    ver = subprocess.run([CLANG, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()
+        return (
+            False,
+            f"missing {', '.join(missing)}: run scripts/ci_amd_toolchain.sh (apt: clang-19 lld-19 "
+            "llvm-19 libamdhip64-dev rocm-device-libs)",
+        )
+    ver = subprocess.run([CLANG, "--version"], capture_output=True, text=True,
+                         check=False).stdout.splitlines()
     return True, ver[0] if ver else CLANG
 
 
@@ -168,7 +173,8 @@ def gfx942(name: str, work: Path, libs: Path) -> dict:
     dis = subprocess.run([OBJDUMP, "-d", "--mcpu=gfx942", str(obj)], capture_output=True, text=True,
                          check=True).stdout
     rows = _rows(parse_metadata(notes), instruction_counts(dis), name, "gfx942")
-    return {"file": name, "arch": "gfx942", "ok": True, "code_object_bytes": obj.stat().st_size, "kernels": rows}
+    return {"file": name, "arch": "gfx942", "ok": True, "code_object_bytes": obj.stat().st_size,
+            "kernels": rows}
 
 
 _RETARGET = r"""
@@ -201,7 +207,8 @@ def gfx950(name: str, work: Path, libs: Path) -> dict:
                    "kernels": _rows(meta, instruction_counts(text), name, "gfx950")}
 
 
-def compile_all(archs=("gfx942", "gfx950"), names=None, workers: int = 2, work: Path | None = None) -> list[dict]:
+def compile_all(archs=("gfx942", "gfx950"), names=None, workers: int = 2, work: Path
+                | None = None) -> list[dict]:
     """One result per (kernel file, arch): ok / error, the code object's size and a row per kernel (see
     the module docstring). Files whose build has no kernel are stubs (`STUBS`)."""
     ok, why = status()
@@ -235,7 +242,8 @@ def summary(results: list[dict]) -> list[dict]:
                     "max_lds_bytes": max((k["lds_bytes"] for k in ks), default=0),
                     "max_scratch_bytes": max((k["scratch_bytes"] for k in ks), default=0),
                     "spills": sum(k["spills"] for k in ks), "mfma": dict(mfma),
-                    "note": (f"stub on AMD: {r['runs_instead']}" if r.get("stub") else r.get("error", "")[:200])})
+                    "note": (f"stub on AMD: {r['runs_instead']}" if r.get("stub")
+                             else r.get("error", "")[:200])})
     return out
 
 

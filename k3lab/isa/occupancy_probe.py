@@ -107,7 +107,8 @@ def probe(case: str = "kda_chunk.after_16k", index: int = 0, repeats: int = 50) 
     g = list(grid) + [1] * (3 - len(grid))
 
     def runner(k):
-        return lambda: k.run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, None, None, None, *bound)
+        return lambda: k.run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, None, None, None,
+                             *bound)
 
     def restore():
         for t, s in zip(tensors, snapshot):
@@ -124,7 +125,8 @@ def probe(case: str = "kda_chunk.after_16k", index: int = 0, repeats: int = 50) 
         same = all(torch.equal(a, b) for a, b in zip(tensors, baseline))
         t = time_fn(runner(k), repeats=repeats, calls_per_sample=1)
         levels.append({"programs_per_unit": blocks, "reserve_bytes": extra,
-                       "shared_bytes": ck.metadata.shared + extra, "median_us": t.median_us, "p20_us": t.p20_us,
+                       "shared_bytes": ck.metadata.shared + extra, "median_us": t.median_us,
+                       "p20_us": t.p20_us,
                        "p80_us": t.p80_us, "outputs_identical": same})
     return {"device": torch.cuda.get_device_name(), "target": target.name, "case": case, "index": index,
             "kernel": launch.name, "grid": list(grid), "num_warps": ck.metadata.num_warps, "threads": threads,
@@ -133,7 +135,8 @@ def probe(case: str = "kda_chunk.after_16k", index: int = 0, repeats: int = 50) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m k3lab.isa.occupancy_probe", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m k3lab.isa.occupancy_probe",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--case", default="kda_chunk.after_16k")
     ap.add_argument("--index", type=int, default=0, help="which of the case's launches (0: the first)")
     ap.add_argument("--repeats", type=int, default=50)

@@ -153,7 +153,8 @@ def _run_target(target: str, cases: list[str], timeout_s: float, use_cache: bool
                 drop()
                 continue
             if "error" in listing:
-                emit(base | {"kernel": None, "ok": False, "error": f"listing the launches: {listing['error']}"})
+                emit(base
+                     | {"kernel": None, "ok": False, "error": f"listing the launches: {listing['error']}"})
                 continue
             for item in listing["launches"]:
                 row = base | {"kernel": item["kernel"], "index": item["index"], "key": item["key"],

@@ -44,14 +44,16 @@ def mla_mi355x(targets: str = "gfx950") -> pd.DataFrame:
     32K context, as compiled for `targets`: matrix instructions, vector FMAs, LDS, registers, occupancy
     and the programs each launches at B = 1 against the CUs."""
     rep = report(targets, "mla_decode.before,mla_decode.after_32k,mla_decode.verify_4")
-    names = {"mla_decode.before": "before", "mla_decode.after_32k": "after (32K)", "mla_decode.verify_4": "after, verify 4"}
+    names = {"mla_decode.before": "before", "mla_decode.after_32k": "after (32K)",
+             "mla_decode.verify_4": "after, verify 4"}
     return _rows(rep, lambda r: names[r["case"]])
 
 
 def aiter_inventory(arch: str = "gfx950") -> pd.DataFrame:
     """AITER's prebuilt MLA decode code objects for `arch` (the committed inventory)."""
     inv = json.loads((PROFILES / "aiter_mla_inventory.json").read_text())
-    rows = [{"file": k["file"], "query heads": k["query_heads"], "q / cache": f"{k['q_dtype']} / {k['kv_dtype']}",
+    rows = [{"file": k["file"], "query heads": k["query_heads"], "q / cache": f"{k['q_dtype']} / "
+                                                                              f"{k['kv_dtype']}",
              "verify length": k["q_len"] or "any", "persistent": k["persistent"],
              "LDS KiB": k["lds_bytes"] // 1024, "VGPRs": k["vgprs"], "threads": k["workgroup_threads"]}
             for k in inv["kernels"] if k["arch"] == arch and k["family"] == "decode"]
@@ -85,18 +87,23 @@ def kda_prologue_lds() -> pd.DataFrame:
              "compiles": True, "KiB per program": SEED_PROLOGUE_LDS_KIB, "budget KiB": 160.0,
              "programs per unit by LDS": int(160 // 80)}]  # the request rounds to 80 KiB
     for r in rep["rows"]:
-        if not (r.get("kernel") or "").endswith(("_a_kernel", "_wu_kernel", "_inverse_kernel")) or r.get("index") == 1:
+        if (
+            not (r.get("kernel") or "").endswith(("_a_kernel", "_wu_kernel", "_inverse_kernel"))
+            or r.get("index") == 1
+        ):
             continue
         t = TARGETS[r["target"]]
         what = "what-if: fp32 products" if r["case"].endswith("fp32_products") else "op's launch"
         if what != "op's launch" and not t.is_amd:
             continue
-        row = {"kernel": r["kernel"].rsplit(".", 1)[-1], "target": r["target"], "as": what, "compiles": r["ok"],
+        row = {"kernel": r["kernel"].rsplit(".", 1)[-1], "target": r["target"], "as": what,
+               "compiles": r["ok"],
                "budget KiB": round(t.shared_budget / 1024, 1)}
         if r.get("ok"):
             kib = r["shared_bytes"] / 1024
             row |= {"KiB per program": round(kib, 1),
-                    "programs per unit by LDS": int(t.shared_budget // max(r["shared_bytes"] + (0 if t.is_amd else 1024), 1))}
+                    "programs per unit by LDS": int(t.shared_budget
+                                                    // max(r["shared_bytes"] + (0 if t.is_amd else 1024), 1))}
         else:
             row["error"] = r.get("error", "")[:80]
         rows.append(row)
@@ -107,9 +114,14 @@ def lds_figure(table: pd.DataFrame) -> go.Figure:
     """Bars of KiB per program against each target's per-unit budget (the table of kda_prologue_lds)."""
     ok = table[table["compiles"] == True]  # noqa: E712 (an object column)
     labels = [f"{k} · {t} · {a}" for k, t, a in zip(ok["kernel"], ok["target"], ok["as"])]
-    fig = go.Figure([go.Bar(name="LDS / shared per program", y=labels, x=ok["KiB per program"], orientation="h"),
-                     go.Bar(name="budget per compute unit", y=labels, x=ok["budget KiB"], orientation="h",
-                            opacity=0.35)])
+    fig = go.Figure(
+        [
+            go.Bar(name="LDS / shared per program", y=labels, x=ok["KiB per program"], orientation="h"),
+            go.Bar(
+                name="budget per compute unit", y=labels, x=ok["budget KiB"], orientation="h", opacity=0.35
+            ),
+        ]
+    )
     fig.update_layout(barmode="overlay", title="KDA prologue: on-chip memory per program vs one compute unit",
                       xaxis_title="KiB", height=420, margin={"l": 330})
     return fig

@@ -50,8 +50,9 @@ class Worker:
 
         if torch.cuda.is_available():  # the runner hides them (runner.worker_env); a caller that did not
             raise RuntimeError(
-                f"the ISA worker for {target_name} sees a GPU ({torch.cuda.get_device_name(0)}): the ops would "
-                "pick their launches for this machine, not the target; start it with runner.worker_env()")
+                f"the ISA worker for {target_name} sees a GPU ({torch.cuda.get_device_name(0)}): the ops "
+                f"would pick their launches for this machine, not the target; start it with "
+                f"runner.worker_env()")
         self.target = TARGETS[target_name]
         from k3lab.isa import cases
 
@@ -64,14 +65,22 @@ class Worker:
         from k3lab.isa.capture import compile_spec
 
         if case not in self.launches:
-            self.launches[case] = [(launch, compile_spec(launch, self.target)) for launch in self.cases.run_case(case)]
+            self.launches[case] = [(launch, compile_spec(launch, self.target)) for launch
+                                   in self.cases.run_case(case)]
         return self.launches[case]
 
     def list(self, case: str) -> dict:
         out = []
         for i, (launch, spec) in enumerate(self._specs(case)):
-            out.append({"index": i, "kernel": launch.name, "key": f"{spec.key}-{self.version}", "meta": spec.meta,
-                        "note": launch.note})
+            out.append(
+                {
+                    "index": i,
+                    "kernel": launch.name,
+                    "key": f"{spec.key}-{self.version}",
+                    "meta": spec.meta,
+                    "note": launch.note,
+                }
+            )
         return {"launches": out}
 
     def compile(self, case: str, index: int) -> dict:

@@ -27,7 +27,8 @@ def attn_res_mix(sources, norm_weight, proj_weight, eps=1e-5):
     norm_weight: [D] (the *_res_norm weight); proj_weight: [D] or [1, D] (the *_res_proj weight).
     One source mixes to itself (softmax over one logit is 1)."""
     if not isinstance(sources, torch.Tensor) or sources.dim() < 2 or not sources.is_floating_point():
-        raise ValueError(f"sources must be a floating-point tensor [S, ..., D], got {getattr(sources, 'shape', sources)}")
+        raise ValueError(f"sources must be a floating-point tensor [S, ..., D], got "
+                         f"{getattr(sources, 'shape', sources)}")
     if sources.shape[0] < 1:
         raise ValueError("sources must hold at least one source")
     D = sources.shape[-1]

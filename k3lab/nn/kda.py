@@ -35,7 +35,8 @@ def _check_kda_inputs(q, k, v, g, beta, initial_state):
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
     if g.shape != q.shape:
-        raise ValueError(f"g must have q's shape {tuple(q.shape)} (per-channel log decay), got {tuple(g.shape)}")
+        raise ValueError(f"g must have q's shape {tuple(q.shape)} (per-channel log decay), got "
+                         f"{tuple(g.shape)}")
     if v.dim() != 4 or v.shape[:3] != (B, T, H):
         raise ValueError(f"v must be [B={B}, T={T}, H={H}, V], got {tuple(v.shape)}")
     if beta.shape != (B, T, H):
@@ -57,13 +58,19 @@ def _check_scale(scale, K: int) -> float:
     """The query scale: K^-0.5 when None, else a positive finite number (ValueError otherwise)."""
     if scale is None:
         return K ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
         raise ValueError(f"scale must be a positive finite number (or None for K^-0.5), got {scale!r}")
     return float(scale)
 
 
 def _compute_dtype(*tensors) -> torch.dtype:
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t
+                                in tensors) else torch.float32
 
 
 def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None):
@@ -291,8 +298,8 @@ class KimiDeltaAttention(nn.Module):
         for name in ("conv_q", "conv_k", "conv_v"):
             t = getattr(cache, name)
             if t.shape != conv:
-                raise ValueError(f"cache.{name} must be [B={batch}, C={self.width}, W-1={self.conv_size - 1}], "
-                                 f"got {tuple(t.shape)}")
+                raise ValueError(f"cache.{name} must be [B={batch}, C={self.width}, "
+                                 f"W-1={self.conv_size - 1}], got {tuple(t.shape)}")
         st = (batch, self.num_heads, self.head_dim, self.head_dim)
         if cache.state.shape != st:
             raise ValueError(f"cache.state must be [B={batch}, H={self.num_heads}, K={self.head_dim}, "

@@ -106,7 +106,11 @@ class MultiHeadLatentAttention(nn.Module):
         f = {"device": device, "dtype": dtype}
         h, nh = config.hidden_size, config.num_attention_heads
         self.hidden_size, self.num_heads = h, nh
-        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.nope_dim, self.rope_dim, self.v_dim = (
+            config.qk_nope_head_dim,
+            config.qk_rope_head_dim,
+            config.v_head_dim,
+        )
         self.kv_lora_rank = config.kv_lora_rank
         self.latent_dim = config.mla_latent_dim
         self.scale = config.mla_softmax_scale

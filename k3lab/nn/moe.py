@@ -26,7 +26,8 @@ def route(logits, bias, top_k, scaling=1.0, renormalize=True):
     Returns (weights [N, top_k] fp32, idx [N, top_k] long, scores [N, E] fp32). Selection uses
     scores + bias; the weights use the scores alone, renormalised over the chosen experts."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(f"logits must be a floating-point [N, E] tensor, got {getattr(logits, 'shape', logits)}")
+        raise ValueError(f"logits must be a floating-point [N, E] tensor, got "
+                         f"{getattr(logits, 'shape', logits)}")
     E = logits.shape[1]
     if bias is not None and bias.shape != (E,):
         raise ValueError(f"bias must be [E={E}], got {tuple(bias.shape)}")
@@ -79,7 +80,9 @@ class MoEGate(nn.Module):
         super().__init__()
         self.top_k, self.scaling, self.renormalize = top_k, scaling, renormalize
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size, device=device, dtype=dtype))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(num_experts, device=device, dtype=torch.float32)
+        )
 
     def forward(self, x):
         """x [N, hidden] -> (weights [N, k] fp32, idx [N, k], scores [N, E] fp32); logits in fp32."""

@@ -12,7 +12,8 @@ from torch import nn
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """fp64 if any tensor is fp64, else fp32: the precision references compute in."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t
+                                in tensors) else torch.float32
 
 
 def _require_float(name: str, t: torch.Tensor) -> None:
@@ -84,7 +85,8 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def check_hidden_states(x: torch.Tensor, hidden_size: int, dtype: torch.dtype, name: str = "x") -> tuple[int, int]:
+def check_hidden_states(x: torch.Tensor, hidden_size: int, dtype: torch.dtype,
+                        name: str = "x") -> tuple[int, int]:
     """The input check every layer shares: `x` is [B, T >= 1, hidden_size] in the layer's weight dtype.
     Returns (B, T); raises ValueError naming `name` otherwise."""
     if not isinstance(x, torch.Tensor):

@@ -20,7 +20,8 @@ UP_BOUND = 25.0
 
 def _check_float(name: str, t) -> None:
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        raise ValueError(f"{name} must be a floating-point tensor, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)}")
 
 
 def situ_gate(g: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ class Backend:
     available: Callable[[], tuple[bool, str]]
 
 
-def forced_backend(given: str | None, env_name: str, names: tuple[str, ...], arg: str = "backend") -> str | None:
+def forced_backend(given: str | None, env_name: str, names: tuple[str, ...],
+                   arg: str = "backend") -> str | None:
     """The backend forced by the caller's argument `given`, else by the environment variable `env_name`,
     else None; ValueError naming the argument (or the variable) when the name is not one of `names`."""
     name = given if given is not None else (os.environ.get(env_name) or None)

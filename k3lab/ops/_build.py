@@ -148,7 +148,8 @@ def build_key(name: str, tool: Toolchain, flags: list[str]) -> str:
 
 
 def compile_kernel(name: str, *, kind: str, target, output: str = "shared", dest: Path | None = None,
-                   extra_flags: tuple[str, ...] = (), timeout: float = 900, source: Path | None = None) -> Path:
+                   extra_flags: tuple[str, ...] = (), timeout: float = 900, source: Path
+                   | None = None) -> Path:
     """Compile kernels/<name>.cu (or `source`) for one target, or several (a tuple: one fat binary).
     output='shared' (a .so to load) or 'object' (a .o: a compile-only check, no GPU needed). Returns
     the cached (or `dest`) path; raises KernelUnavailable when the compiler is missing or fails (its
@@ -214,7 +215,8 @@ def status(name: str) -> tuple[bool, str]:
     return True, f"kernels/{name}.cu built with {kind} for {target}{note}"
 
 
-def check_library(lib: ctypes.CDLL, name: str, args_type, int_functions=(), supported: bool = True) -> ctypes.CDLL:
+def check_library(lib: ctypes.CDLL, name: str, args_type, int_functions=(),
+                  supported: bool = True) -> ctypes.CDLL:
     """The checks every ctypes binding of a kernels/<name>.cu library makes: `int_functions` (and
     k3_<name>_args_size) return int; the library's Args is as large as the Python `args_type`; with
     `supported`, k3_<name>_supported() says the build has a kernel (not a HIP or old-target stub).
@@ -263,7 +265,10 @@ def cuda_status(name: str, load_library, *, instead: str, min_capability: tuple[
         major, minor = torch.cuda.get_device_capability()
         if (major, minor) < tuple(min_capability):
             need = ".".join(map(str, min_capability))
-            return False, f"compute capability {major}.{minor}: kernels/{name}.cu needs {need} or later{needs}; {instead}"
+            return (
+                False,
+                f"compute capability {major}.{minor}: kernels/{name}.cu needs {need} or later{needs}; {instead}",
+            )
     ok, why = status(name)
     if not ok:
         return False, why

@@ -85,7 +85,8 @@ def available(name: str, device=None) -> tuple[bool, str]:
         return True, "torch.matmul"
     if triton is None:
         return False, "triton is not installed"
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available()
+                                                                       else "cpu")
     if dev.type == "cuda":
         return (True, "GPU") if torch.cuda.is_available() else (False, "no GPU")
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -128,7 +129,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> tor
         return x @ w.t()
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     if N and K and x.device.type != "cpu":
-        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](x, w, y, N, K, w.stride(0), INT_ROUND=False)
+        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](x, w, y, N, K, w.stride(0),
+                                                                     INT_ROUND=False)
     elif N and K:
         launch(x, w, y, (INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"], 1), int_round=True)
     elif N:
@@ -142,7 +144,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, blocks: tuple[int,
     GPU_BLOCKS on a GPU (what the autotuner picks among) or the interpreter's shape."""
     bn, bk, warps = blocks
     N, K = w.shape
-    _gemv_kernel[(triton.cdiv(N, bn),)](x, w, y, N, K, w.stride(0), INT_ROUND=int_round, BLOCK_N=bn, BLOCK_K=bk,
+    _gemv_kernel[(triton.cdiv(N, bn),)](x, w, y, N, K, w.stride(0), INT_ROUND=int_round, BLOCK_N=bn,
+                                        BLOCK_K=bk,
                                         num_warps=warps)
 
 
@@ -153,7 +156,8 @@ class GemvWeight:
 
     def __init__(self, weight: torch.Tensor):
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in DTYPES:
-            raise ValueError(f"weight must be a 2-D fp32/fp16/bf16 tensor, got {getattr(weight, 'shape', weight)}")
+            raise ValueError(f"weight must be a 2-D fp32/fp16/bf16 tensor, got "
+                             f"{getattr(weight, 'shape', weight)}")
         self.weight = weight.contiguous()
 
     shape = property(lambda self: self.weight.shape)

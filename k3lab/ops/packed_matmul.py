@@ -93,6 +93,7 @@ def install(model: nn.Module, policy: str, attribute: str = "f_b") -> int:
             elif isinstance(current, nn.Linear):
                 setattr(module, attribute, DispatchedLinear(current, policy))
             else:
-                raise ValueError(f"KDA layer attribute {attribute!r} is a {type(current).__name__}, not a Linear")
+                raise ValueError(f"KDA layer attribute {attribute!r} is a {type(current).__name__}, not a "
+                                 f"Linear")
             count += 1
     return count

@@ -85,7 +85,8 @@ def _merge_case(B: int, gen, timing: dict, graph: bool, dt):
         got, got_lse = merge_partials(o, lse, impl)
         err = bench.check(got, ref, dtype=dt, name=f"merge {impl} B={B}")
         bench.check(got_lse, torch.logsumexp(lse.double(), 0), dtype=torch.float32, name=f"merge lse {impl}")
-        t = bench.time_fn(lambda a, b, impl=impl: merge_partials(a, b, impl), graph=graph, rotate=sets, **timing)
+        t = bench.time_fn(lambda a, b, impl=impl: merge_partials(a, b, impl), graph=graph, rotate=sets,
+                          **timing)
         out.append(bench.make_record(STUDY, f"merge_N{WORLD}_B{B}", variant, t,
                                      shape={"pieces": WORLD, "batch": B, "heads": TP_HEADS, "value_dim": 512},
                                      dtype=dt, floor_us=bench.floor_us(bytes=nbytes), error=err,
@@ -120,7 +121,8 @@ def run(smoke: bool = False) -> dict:
         dc = _local_case(L, B, "dcp8", gen, timing, graph, dt)
         records += [tp, dc]
         row = {"context": L, "batch": B, "tp8_us": tp.median_us, "dcp8_us": dc.median_us,
-               "ratio": dc.median_us / tp.median_us, "target": 1.1, "tp8_backend": tp.extra.get("backend_used"),
+               "ratio": dc.median_us / tp.median_us, "target": 1.1,
+               "tp8_backend": tp.extra.get("backend_used"),
                "dcp8_backend": dc.extra.get("backend_used")}
         if row["tp8_backend"] != row["dcp8_backend"]:  # the same shapes on one kernel: the seed's claim
             same = _local_case(L, B, "tp8", gen, timing, graph, dt, backend=row["dcp8_backend"])
@@ -133,11 +135,22 @@ def run(smoke: bool = False) -> dict:
         records += [before, after]
         local = {r.shape["context"]: r.median_us for r in records
                  if r.extra.get("layout") == "dcp8" and r.shape["batch"] == B}
-        merges.append({"batch": B, "torch_us": before.median_us, "triton_us": after.median_us,
-                       "speedup": before.median_us / after.median_us, "target": 3.0,
-                       "share_of_local_attention": {str(L): {"torch": before.median_us / (t + before.median_us),
-                                                             "triton": after.median_us / (t + after.median_us)}
-                                                    for L, t in local.items()}})
+        merges.append(
+            {
+                "batch": B,
+                "torch_us": before.median_us,
+                "triton_us": after.median_us,
+                "speedup": before.median_us / after.median_us,
+                "target": 3.0,
+                "share_of_local_attention": {
+                    str(L): {
+                        "torch": before.median_us / (t + before.median_us),
+                        "triton": after.median_us / (t + after.median_us),
+                    }
+                    for L, t in local.items()
+                },
+            }
+        )
     memory = _memory(dev) if gpu else []
     return {"records": records, "local_ratio": ratios, "merge": merges, "memory": memory}
 
@@ -146,10 +159,11 @@ def _print(result: dict) -> None:
     print(f"{'context':>8} {'B':>3} {'TP8 us':>9} {'DCP8 us':>9} {'DCP8/TP8':>9}  (target <= 1.1)  backends; "
           "same backend")
     for r in result["local_ratio"]:
-        same = (f"  TP8 on {r['dcp8_backend']}: {r['tp8_same_backend_us']:.2f} us, ratio {r['ratio_same_backend']:.2f}"
+        same = (f"  TP8 on {r['dcp8_backend']}: {r['tp8_same_backend_us']:.2f} us, ratio "
+                f"{r['ratio_same_backend']:.2f}"
                 if "ratio_same_backend" in r else "")
-        print(f"{r['context']:>8} {r['batch']:>3} {r['tp8_us']:>9.2f} {r['dcp8_us']:>9.2f} {r['ratio']:>9.2f}  "
-              f"{r['tp8_backend']} / {r['dcp8_backend']}{same}")
+        print(f"{r['context']:>8} {r['batch']:>3} {r['tp8_us']:>9.2f} {r['dcp8_us']:>9.2f} "
+              f"{r['ratio']:>9.2f}  {r['tp8_backend']} / {r['dcp8_backend']}{same}")
     print(f"{'merge B':>8} {'torch us':>9} {'triton us':>9} {'speedup':>8}  (target >= 3)  share of decode")
     for m in result["merge"]:
         shares = "; ".join(f"L={L}: torch {s['torch']:.0%}, triton {s['triton']:.0%}"
@@ -162,7 +176,8 @@ def _print(result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3lab.parallel.bench_dcp", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m k3lab.parallel.bench_dcp",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write records, ratios and memory here")
     p.add_argument("--records-root", default=None, help="save records under DIR/<device>/dcp/")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script (CPU too)")

@@ -72,14 +72,16 @@ def _tail_case(cfg, tp: int, n: int, gen, dt, timing: dict) -> list:
         R = H if tail == "replicated" else rows
 
         def make(R=R):
-            return (_randn(n, LAT, dtype=torch.float32, gen=gen), _randn(R, LAT, scale=LAT**-0.5, gen=gen, dtype=dt),
+            return (_randn(n, LAT, dtype=torch.float32, gen=gen),
+                    _randn(R, LAT, scale=LAT**-0.5, gen=gen, dtype=dt),
                     _randn(n, H, gen=gen, dtype=dt))
         cost = mt.tail_cost(cfg, tp, tail, n, dt)
         sets = bench.rotation_sets(make, cost["bytes"])
         lat, up, out = sets[0]
         col0 = 0 if tail == "replicated" else lo
         ref = out.double()
-        normed = (lat.double() * torch.rsqrt(lat.double().pow(2).mean(-1, keepdim=True) + eps) * norm_w.double())
+        normed = (lat.double() * torch.rsqrt(lat.double().pow(2).mean(-1, keepdim=True) + eps)
+                  * norm_w.double())
         ref[:, col0:col0 + R] += normed.to(dt).double() @ up.double().t()
         err = bench.check(fn(lat, norm_w, eps, up, out.clone(), col0), ref, dtype=dt,
                           name=f"tail {variant} N={n}")
@@ -88,7 +90,8 @@ def _tail_case(cfg, tp: int, n: int, gen, dt, timing: dict) -> list:
         t = bench.time_fn(lambda a, b, c: fn(a, norm_w, eps, b, c, col0), graph=graph, rotate=sets, **timing)
         floor = bench.floor_us(bytes=cost["bytes"], flops=cost["flops"])
         records.append(bench.make_record(
-            STUDY, f"tail_N{n}", variant, t, shape={"tokens": n, "rows": R, "latent": LAT, "hidden": H, "tp": tp},
+            STUDY, f"tail_N{n}", variant, t,
+            shape={"tokens": n, "rows": R, "latent": LAT, "hidden": H, "tp": tp},
             dtype=dt, floor_us=floor, error=err, tail=tail, form=fn.__name__, bytes=cost["bytes"],
             flops=cost["flops"], **launched))
     return records
@@ -96,7 +99,8 @@ def _tail_case(cfg, tp: int, n: int, gen, dt, timing: dict) -> list:
 
 def _expert_weights(cfg, tp: int, gen, dt):
     E, LAT, F = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size // tp
-    return (_randn(E, F, LAT, scale=LAT**-0.5, gen=gen, dtype=dt), _randn(E, F, LAT, scale=LAT**-0.5, gen=gen, dtype=dt),
+    return (_randn(E, F, LAT, scale=LAT**-0.5, gen=gen, dtype=dt),
+            _randn(E, F, LAT, scale=LAT**-0.5, gen=gen, dtype=dt),
             _randn(E, LAT, F, scale=F**-0.5, gen=gen, dtype=dt))
 
 
@@ -198,8 +202,8 @@ def run(tail_tokens=TAIL_TOKENS, expert_tokens=EXPERT_TOKENS, tp: int = 8, seed:
 
 def table(records) -> str:
     """One line per record; 'launches' / 'copies' are one call's GPU operations (tail records on a GPU)."""
-    lines = [f"{'case':<14} {'variant':<7} {'mode':<6} {'median us':>10} {'floor us':>9} {'floor/median':>12} "
-             f"{'launches':>8} {'copies':>6}"]
+    lines = [f"{'case':<14} {'variant':<7} {'mode':<6} {'median us':>10} {'floor us':>9} "
+             f"{'floor/median':>12} {'launches':>8} {'copies':>6}"]
     for r in records:
         frac = r.floor_us / r.median_us if r.floor_us else float("nan")
         launches, copies = (r.extra.get(k, "") for k in ("launches", "copies"))

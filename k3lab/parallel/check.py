@@ -55,11 +55,18 @@ def dcp_rank_check(rank: int, world_size: int, opts: dict) -> list[dict]:
         o, lse = dcp.dcp_decode(mine, shard, held, lengths, interleave=opts["interleave"], merge=merge,
                                 local=local)
         o, lse = o.double().cpu(), lse.double().cpu()
-        rows.append({"merge": merge, "rank": rank, "nan": bool(torch.isnan(o).any() or torch.isnan(lse).any()),
-                     "max_abs": (o - ref_o).abs().max().item(),
-                     "rel": ((o - ref_o).abs().max() / ref_o.abs().max()).item(),
-                     "lse_abs": (lse - ref_lse).abs().max().item(),
-                     "held": [int(x) for x in held.tolist()], "local": local})
+        rows.append(
+            {
+                "merge": merge,
+                "rank": rank,
+                "nan": bool(torch.isnan(o).any() or torch.isnan(lse).any()),
+                "max_abs": (o - ref_o).abs().max().item(),
+                "rel": ((o - ref_o).abs().max() / ref_o.abs().max()).item(),
+                "lse_abs": (lse - ref_lse).abs().max().item(),
+                "held": [int(x) for x in held.tolist()],
+                "local": local,
+            }
+        )
     every = [None] * world_size
     dist.all_gather_object(every, rows)
     return [r for rank_rows in every for r in rank_rows]
@@ -76,8 +83,8 @@ def _report(rows: list[dict], opts: dict, world_size: int) -> int:
     for r in rows:
         ok = not r["nan"] and r["rel"] <= tol and r["lse_abs"] <= tol * 10
         bad += not ok
-        print(f"{r['merge']:<6} {r['rank']:>4} {r['max_abs']:>10.2e} {r['rel']:>10.2e} {r['lse_abs']:>10.2e}  "
-              f"{r['held']}{'' if ok else '  MISMATCH'}")
+        print(f"{r['merge']:<6} {r['rank']:>4} {r['max_abs']:>10.2e} {r['rel']:>10.2e} {r['lse_abs']:>10.2e} "
+              f" {r['held']}{'' if ok else '  MISMATCH'}")
     for merge in opts["merges"]:
         x = dcp.exchange_bytes(opts["batch"], opts["tq"], opts["heads"], world_size, merge,
                                getattr(torch, opts["dtype"]))
@@ -117,12 +124,13 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--length", type=int, default=200, help="the longest request's context")
     d.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32")
     d.add_argument("--attention", choices=("after", "before", "reference"), default=None,
-                   help="the decode each rank runs on its shard (default: the MLA op's after; the reference on "
-                        "CPU tensors where Triton has no interpreter)")
+                   help="the decode each rank runs on its shard (default: the MLA op's after; the reference "
+                        "on CPU tensors where Triton has no interpreter)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--backend", choices=("gloo", "nccl"), default=None)
     d.add_argument("--timeout-s", type=float, default=120)
-    m = sub.add_parser("moe", help="the MoE output tail against the single-rank layer (k3lab.parallel.moe_tail)")
+    m = sub.add_parser("moe",
+                       help="the MoE output tail against the single-rank layer (k3lab.parallel.moe_tail)")
     m.add_argument("--world-size", type=int, required=True)
     m.add_argument("--backend", choices=("gloo", "nccl"), default=None)
     m.add_argument("--preset", default=None)
@@ -143,7 +151,8 @@ def main(argv=None) -> int:
         try:
             from k3lab.parallel.moe_tail import run_check
         except ImportError as exc:
-            print(f"the moe check needs k3lab.parallel.moe_tail.run_check, which is not importable here: {exc}",
+            print(f"the moe check needs k3lab.parallel.moe_tail.run_check, which is not importable here: "
+                  f"{exc}",
                   file=sys.stderr)
             return 2
         names = ("preset", "tokens", "dtype", "seed", "timeout_s", "experts_backend", "tail_backend")

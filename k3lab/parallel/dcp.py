@@ -59,7 +59,8 @@ def _check_layout(world_size, interleave, rank=None):
     for name, v in (("world_size", world_size), ("interleave", interleave)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size):
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank
+                             < world_size):
         raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
 
 
@@ -81,7 +82,8 @@ def owned_count(n, world_size: int, rank: int, interleave: int = 1):
     return (n // cycle) * interleave + part
 
 
-def global_positions(count: int, world_size: int, rank: int, interleave: int = 1, device=None) -> torch.Tensor:
+def global_positions(count: int, world_size: int, rank: int, interleave: int = 1,
+                     device=None) -> torch.Tensor:
     """The global positions of local rows 0..count-1 of `rank`, int64 [count]."""
     _check_layout(world_size, interleave, rank)
     j = torch.arange(count, device=device)
@@ -91,7 +93,8 @@ def global_positions(count: int, world_size: int, rank: int, interleave: int = 1
 def _host_ints(x, name: str, batch: int | None = None) -> list[int]:
     t = torch.as_tensor(x)
     if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
-        raise ValueError(f"{name} must be a 1-D integer tensor or list, got shape {tuple(t.shape)} dtype {t.dtype}")
+        raise ValueError(f"{name} must be a 1-D integer tensor or list, got shape {tuple(t.shape)} dtype "
+                         f"{t.dtype}")
     if batch is not None and t.shape[0] != batch:
         raise ValueError(f"{name} must hold one entry per request [B={batch}], got {t.shape[0]}")
     vals = [int(v) for v in t.tolist()]
@@ -126,8 +129,12 @@ def shard_cache(cache: torch.Tensor, lengths, world_size: int, rank: int, interl
     pos = global_positions(min(local_cap, owned_count(L, world_size, rank, interleave)), world_size, rank,
                            interleave, device=cache.device)
     rows = cache[:, pos]
-    keep = torch.arange(pos.numel(), device=cache.device)[None, :] < torch.tensor(local_lens, device=cache.device)[:, None]
-    local[:, :pos.numel()] = torch.where(keep[..., None], rows, torch.zeros((), dtype=cache.dtype, device=cache.device))
+    keep = (
+        torch.arange(pos.numel(), device=cache.device)[None, :]
+        < torch.tensor(local_lens, device=cache.device)[:, None]
+    )
+    local[:, :pos.numel()] = torch.where(keep[..., None], rows,
+                                         torch.zeros((), dtype=cache.dtype, device=cache.device))
     return local, torch.tensor(local_lens, dtype=torch.int64, device=cache.device)
 
 
@@ -139,7 +146,8 @@ def empty_shard(batch: int, capacity: int, world_size: int, rank: int, interleav
     return torch.zeros(batch, rows, LATENT_DIM, dtype=dtype, device=device)
 
 
-def append(local_cache: torch.Tensor, local_lengths, new_rows: torch.Tensor, lengths, world_size: int, rank: int,
+def append(local_cache: torch.Tensor, local_lengths, new_rows: torch.Tensor, lengths, world_size: int,
+           rank: int,
            interleave: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the latent rows of the Tq new tokens that this rank owns; skip the others.
 
@@ -148,9 +156,15 @@ def append(local_cache: torch.Tensor, local_lengths, new_rows: torch.Tensor, len
     into local_cache [B, C, 576] and returns (local_cache, the new local_lengths int64 [B]).
     """
     _check_layout(world_size, interleave, rank)
-    if not isinstance(local_cache, torch.Tensor) or local_cache.dim() != 3 or local_cache.shape[2] != LATENT_DIM:
-        raise ValueError(f"local_cache must be [B, C, {LATENT_DIM}], got "
-                         f"{tuple(local_cache.shape) if isinstance(local_cache, torch.Tensor) else local_cache!r}")
+    if (
+        not isinstance(local_cache, torch.Tensor)
+        or local_cache.dim() != 3
+        or local_cache.shape[2] != LATENT_DIM
+    ):
+        raise ValueError(
+            f"local_cache must be [B, C, {LATENT_DIM}], got "
+            f"{tuple(local_cache.shape) if isinstance(local_cache, torch.Tensor) else local_cache!r}"
+        )
     B, C, _ = local_cache.shape
     if not isinstance(new_rows, torch.Tensor) or new_rows.dim() != 3 or new_rows.shape[0] != B \
             or new_rows.shape[2] != LATENT_DIM:
@@ -192,7 +206,8 @@ def _local_fn(local: str):
     from k3lab.ops import mla_decode
 
     if local == "after":
-        return lambda q, c, n, bt, s: mla_decode.mla_decode_after(q, c, n, block_table=bt, scale=s, fold_heads=True)
+        return lambda q, c, n, bt, s: mla_decode.mla_decode_after(q, c, n, block_table=bt, scale=s,
+                                                                  fold_heads=True)
     if local == "before":
         return lambda q, c, n, bt, s: mla_decode.mla_decode_before(q, c, n, block_table=bt, scale=s)
     return lambda q, c, n, bt, s: mla_decode.reference(q, c, n, block_table=bt, scale=s)
@@ -212,7 +227,8 @@ def _rows(local_cache, block_table, idx):
     return local_cache[pages, idx % page]
 
 
-def local_attention(q, local_cache, local_lengths, lengths, world_size: int, rank: int, interleave: int = 1, *,
+def local_attention(q, local_cache, local_lengths, lengths, world_size: int, rank: int, interleave: int = 1,
+                    *,
                     block_table=None, scale=None, local: str = "after"):
     """Attention of q [B, Tq, HH, 576] over this rank's rows only: the partial (o, lse) that DCP merges.
 
@@ -281,7 +297,11 @@ def _check_inputs(q, local_cache, local_lengths, lengths, world_size, rank, inte
         raise ValueError(f"q [B, Tq, H, 576] needs B >= 1, H >= 1 and Tq in 1..{MAX_Q_LEN}, got {_shape(q)}")
     if q.dtype not in DTYPES:
         raise ValueError(f"q.dtype must be one of {DTYPES}, got {q.dtype}")
-    if not isinstance(local_cache, torch.Tensor) or local_cache.dim() != 3 or local_cache.shape[2] != LATENT_DIM:
+    if (
+        not isinstance(local_cache, torch.Tensor)
+        or local_cache.dim() != 3
+        or local_cache.shape[2] != LATENT_DIM
+    ):
         raise ValueError(f"local_cache must be [B, C, {LATENT_DIM}] (or a paged pool with block_table), "
                          f"got {_shape(local_cache)}")
     if local_cache.dtype != q.dtype or local_cache.device != q.device:
@@ -294,17 +314,19 @@ def _check_inputs(q, local_cache, local_lengths, lengths, world_size, rank, inte
     else:
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != B \
                 or block_table.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"block_table must be an integer tensor [B={B}, max_pages], got {_shape(block_table)}")
+            raise ValueError(f"block_table must be an integer tensor [B={B}, max_pages], got "
+                             f"{_shape(block_table)}")
         capacity = block_table.shape[1] * local_cache.shape[1]
     lens = _host_ints(lengths, "lengths", B)
     held = _host_ints(local_lengths, "local_lengths", B)
     for b, n in enumerate(lens):
         if n < Tq:
-            raise ValueError(f"lengths[{b}] = {n} is shorter than q_len {Tq} (lengths include the new tokens)")
+            raise ValueError(f"lengths[{b}] = {n} is shorter than q_len {Tq} (lengths include the new "
+                             f"tokens)")
         want = owned_count(n, world_size, rank, interleave)
         if held[b] != want:
-            raise ValueError(f"local_lengths[{b}] = {held[b]}, but rank {rank} of {world_size} owns {want} of "
-                             f"lengths[{b}] = {n} positions (interleave {interleave})")
+            raise ValueError(f"local_lengths[{b}] = {held[b]}, but rank {rank} of {world_size} owns {want} "
+                             f"of lengths[{b}] = {n} positions (interleave {interleave})")
         if want > capacity:
             raise ValueError(f"local_cache holds {capacity} rows per request; request {b} needs {want}")
     if block_table is not None and max(held) > 0:
@@ -341,7 +363,11 @@ def _agree(fields: dict, problem: str | None, group, device):
     heads = every[:, :len(_AGREE_FIELDS)].tolist()
     for j, h in enumerate(heads):
         if h[0]:
-            text = bytes(every[j, len(_AGREE_FIELDS):].view(torch.uint8).tolist()).rstrip(b"\0").decode(errors="replace")
+            text = (
+                bytes(every[j, len(_AGREE_FIELDS) :].view(torch.uint8).tolist())
+                .rstrip(b"\0")
+                .decode(errors="replace")
+            )
             raise ValueError(f"dcp_decode: rank {j} of {N} refused its inputs: {text}")
     names = {("B", "Tq", "H", "D"): "q's shape [B, Tq, H, 576]", ("dtype",): "q.dtype",
              ("interleave",): "interleave", ("merge",): "merge", ("local",): "local",
@@ -352,7 +378,8 @@ def _agree(fields: dict, problem: str | None, group, device):
         vals = [tuple(h[c] for c in cols) for h in heads]
         if len(set(vals)) > 1:
             shown = ", ".join(f"rank {j}: {list(v) if len(v) > 1 else v[0]}" for j, v in enumerate(vals))
-            raise ValueError(f"dcp_decode: {label} differs across ranks ({shown}); every rank must pass the same")
+            raise ValueError(f"dcp_decode: {label} differs across ranks ({shown}); every rank must pass the "
+                             f"same")
 
 
 # ------------------------------------------------------------------------------------ collectives
@@ -425,7 +452,8 @@ def _merge_a2a(o_loc, lse_loc, N, H, group, impl):
 
 
 # ---------------------------------------------------------------------------------------- decode
-def dcp_decode(q, local_cache, local_lengths, lengths, *, group=None, interleave: int = 1, merge: str = "ag_rs",
+def dcp_decode(q, local_cache, local_lengths, lengths, *, group=None, interleave: int = 1,
+               merge: str = "ag_rs",
                block_table=None, scale=None, local: str = "after", merge_impl: str | None = None,
                check: bool = True):
     """This rank's heads' MLA attention over the whole history, of which it holds one shard.
@@ -442,11 +470,13 @@ def dcp_decode(q, local_cache, local_lengths, lengths, *, group=None, interleave
     single-rank attention over the whole history, on every rank for its own heads.
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("dcp_decode needs an initialized process group (k3lab.parallel.spawn or init_from_env)")
+        raise RuntimeError("dcp_decode needs an initialized process group (k3lab.parallel.spawn or "
+                           "init_from_env)")
     N, rank = dist.get_world_size(group), dist.get_rank(group)
     problem, fields = None, {"world": N}
     try:
-        lens, held = _check_inputs(q, local_cache, local_lengths, lengths, N, rank, interleave, merge, block_table,
+        lens, held = _check_inputs(q, local_cache, local_lengths, lengths, N, rank, interleave, merge,
+                                   block_table,
                                    scale, local, merge_impl)
         fields.update(B=q.shape[0], Tq=q.shape[1], H=q.shape[2], D=q.shape[3], dtype=DTYPES.index(q.dtype),
                       interleave=interleave, merge=MERGES.index(merge), local=LOCAL_OPS.index(local),
@@ -463,7 +493,8 @@ def dcp_decode(q, local_cache, local_lengths, lengths, *, group=None, interleave
         _agree({**fields, "problem": problem is not None}, problem, group, device)
     H = q.shape[2]
     q_all = _gather_queries(q, N, group) if N > 1 else q
-    o_loc, lse_loc = local_attention(q_all, local_cache, held, lens, N, rank, interleave, block_table=block_table,
+    o_loc, lse_loc = local_attention(q_all, local_cache, held, lens, N, rank, interleave,
+                                     block_table=block_table,
                                      scale=scale, local=local)
     if N == 1:
         return o_loc, lse_loc
@@ -504,7 +535,8 @@ def exchange_bytes(batch: int, q_len: int, heads: int, world_size: int, merge: s
     for op, what, nbytes in colls:
         sent = (N - 1) * nbytes if op == "all_gather" else nbytes * (N - 1) // N
         out.append({"op": op, "what": what, "input_bytes": nbytes, "sent_bytes": sent})
-    return {"merge": merge, "world_size": N, "calls": len(out), "sent_bytes": sum(c["sent_bytes"] for c in out),
+    return {"merge": merge, "world_size": N, "calls": len(out),
+            "sent_bytes": sum(c["sent_bytes"] for c in out),
             "collectives": out}
 
 
@@ -543,7 +575,8 @@ def measure_shard_bytes(config, tokens: int, world_size: int = 1, *, dtype=torch
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
     e = torch.empty((), dtype=dtype).element_size()
-    formula = cache_bytes_per_rank(config, tokens, world_size, dtype_bytes=e, rank=rank, interleave=interleave)
+    formula = cache_bytes_per_rank(config, tokens, world_size, dtype_bytes=e, rank=rank,
+                                   interleave=interleave)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)

@@ -43,7 +43,8 @@ def ownership_figure(world_size: int = 8, hidden: int = 7168) -> go.Figure:
                                  xgap=2, ygap=2), row=1, col=i)
     fig.update_yaxes(autorange="reversed")
     fig.update_xaxes(title_text="output coordinates (hidden)", tickangle=-45)
-    fig.update_layout(height=380, title="Who computes the routed output projection (red: repeated, green: once)")
+    fig.update_layout(height=380,
+                      title="Who computes the routed output projection (red: repeated, green: once)")
     return fig
 
 
@@ -56,11 +57,19 @@ def tail_table(config, tp: int = 8, tokens=(1, 8, 64, 256), dtype="bf16", peak=N
         for tail in mt.TAILS:
             c = mt.tail_cost(config, tp, tail, n, dtype)
             floor = bench.floor_us(bytes=c["bytes"], flops=c["flops"], peak=pk)
-            rows.append({"tokens": n, "tail": tail, "up_proj rows": c["rows"], "MB per layer": c["bytes"] / 1e6,
-                         "MFLOP per layer": c["flops"] / 1e6, f"floor us per layer ({pk.name})": floor,
-                         "MB per step": c["bytes"] * config.num_moe_layers / 1e6,
-                         "GFLOP per step": c["flops"] * config.num_moe_layers / 1e9,
-                         "floor us per step": floor * config.num_moe_layers})
+            rows.append(
+                {
+                    "tokens": n,
+                    "tail": tail,
+                    "up_proj rows": c["rows"],
+                    "MB per layer": c["bytes"] / 1e6,
+                    "MFLOP per layer": c["flops"] / 1e6,
+                    f"floor us per layer ({pk.name})": floor,
+                    "MB per step": c["bytes"] * config.num_moe_layers / 1e6,
+                    "GFLOP per step": c["flops"] * config.num_moe_layers / 1e9,
+                    "floor us per step": floor * config.num_moe_layers,
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -73,9 +82,11 @@ def memory_table(config, tp: int = 8, dtype="bf16", kv_bytes: float = 1) -> pd.D
     rows = [("up_proj, replicated tail", mt.tail_bytes(config, tp, "replicated", dtype) / GiB, "GiB per GPU"),
             ("up_proj, sharded tail", mt.tail_bytes(config, tp, "sharded", dtype) / GiB, "GiB per GPU"),
             ("freed", freed / GiB, "GiB per GPU"),
-            (f"MLA cache positions it holds ({per_pos:,.0f} B each)", mt.cache_positions(config, freed, kv_bytes),
+            (f"MLA cache positions it holds ({per_pos:,.0f} B each)",
+             mt.cache_positions(config, freed, kv_bytes),
              "positions per GPU"),
-            (f"{CONVERSATION_TOKENS:,}-token conversations it holds (TP alone)", freed / conv, "conversations")]
+            (f"{CONVERSATION_TOKENS:,}-token conversations it holds (TP alone)", freed / conv,
+             "conversations")]
     return pd.DataFrame(rows, columns=["what", "value", "unit"])
 
 

@@ -168,8 +168,8 @@ def _agree(x: torch.Tensor, w: RankMoEWeights, group) -> None:
                if a != b and not (math.isnan(a) and math.isnan(b))]
         if bad:
             raise ValueError(f"x must be the same on every rank: rank {r} differs from rank 0 in "
-                             f"{', '.join(dict.fromkeys(bad))} (rank 0: {every[0][:2].long().tolist()} tokens x "
-                             f"width, rank {r}: {theirs[:2].long().tolist()})")
+                             f"{', '.join(dict.fromkeys(bad))} (rank 0: {every[0][:2].long().tolist()} "
+                             f"tokens x width, rank {r}: {theirs[:2].long().tolist()})")
 
 
 class TPLatentMoE:
@@ -207,7 +207,8 @@ class TPLatentMoE:
     def _check_x(self, x) -> torch.Tensor:
         w = self.weights
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] != w.hidden:
-            raise ValueError(f"x must be a [N, {w.hidden}] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+            raise ValueError(f"x must be a [N, {w.hidden}] tensor, got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
         if x.dtype != w.down_proj.dtype or x.device != w.down_proj.device:
             raise ValueError(f"x must be {w.down_proj.dtype} on {w.down_proj.device} (the weights'), got "
                              f"{x.dtype} on {x.device}")
@@ -342,7 +343,8 @@ def check_rank(rank: int, world_size: int, opts: dict) -> list[dict]:
     dtype = _CHECK_DTYPES[opts["dtype"]]
     cfg = K3Config.preset(opts["preset"])
     layer = init_weights(LatentMoE(cfg), seed=opts["seed"]).to(dtype)
-    x = torch.randn(opts["tokens"], cfg.hidden_size, generator=torch.Generator().manual_seed(opts["seed"] + 1))
+    x = torch.randn(opts["tokens"], cfg.hidden_size,
+                    generator=torch.Generator().manual_seed(opts["seed"] + 1))
     x = x.to(dtype)
     with torch.no_grad():
         ref = layer(x.unsqueeze(0))[0]
@@ -350,7 +352,8 @@ def check_rank(rank: int, world_size: int, opts: dict) -> list[dict]:
         mine = []
         for tail in TAILS:
             w = shard_moe(layer, world_size, rank, tail, device=dev)
-            moe = TPLatentMoE(w, experts_backend=opts.get("experts_backend"), tail_backend=opts.get("tail_backend"))
+            moe = TPLatentMoE(w, experts_backend=opts.get("experts_backend"),
+                              tail_backend=opts.get("tail_backend"))
             with count_collectives() as calls:
                 out = moe(x.to(dev))
             bound = {"max_rel": 1e-5} if dtype == torch.float32 else {}
@@ -395,13 +398,14 @@ def run_check(world_size: int, backend: str | None = None, **opts) -> int:
     timeout_s = o.pop("timeout_s")
     rows = spawn(check_rank, world_size, o, backend=backend, timeout_s=timeout_s)
     print(f"moe tail check: {world_size} ranks, preset {o['preset']}, {o['tokens']} tokens, {o['dtype']}")
-    print(f"{'tail':<11} {'rank':>4} {'max_rel':>10} {'rel_l2':>10} {'all-reduces':>11} {'up_proj bytes':>14}")
+    print(f"{'tail':<11} {'rank':>4} {'max_rel':>10} {'rel_l2':>10} {'all-reduces':>11} "
+          f"{'up_proj bytes':>14}")
     failed = 0
     for r in rows:
         good = r["ok"] and r["all_reduce"] == 2
         failed += not good
-        print(f"{r['tail']:<11} {r['rank']:>4} {r['max_rel']:>10.2e} {r['rel_l2']:>10.2e} {r['all_reduce']:>11} "
-              f"{r['up_proj_bytes']:>14,}" + ("" if good else f"  FAILED {r['error']}"))
+        print(f"{r['tail']:<11} {r['rank']:>4} {r['max_rel']:>10.2e} {r['rel_l2']:>10.2e} "
+              f"{r['all_reduce']:>11} {r['up_proj_bytes']:>14,}" + ("" if good else f"  FAILED {r['error']}"))
     print("OK: both tails equal the single-rank layer on every rank, two all-reduces per layer" if not failed
           else f"FAILED: {failed} rank/tail results")
     return 1 if failed else 0

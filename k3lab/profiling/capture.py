@@ -82,7 +82,8 @@ class Capture:
         c = self.counts()
         return (f"Capture({self.name!r}, {self.backend} on {self.device}, steps={self.steps}, "
                 f"{c['launches']} launches/step, {c['copies']} copies/step, "
-                f"{self.total_us():.1f} us/step, trace={self.trace_path})" + (f"\n  note: {self.note}" if self.note else ""))
+                f"{self.total_us():.1f} us/step, trace={self.trace_path})"
+                + (f"\n  note: {self.note}" if self.note else ""))
 
 
 def sort_key(averages, device: str) -> str:
@@ -143,7 +144,8 @@ def _tmp_beside(path: Path) -> Path:
     return Path(tmp)
 
 
-def write_chrome_trace(kernels: pd.DataFrame, path, *, overwrite: bool = False, meta: dict | None = None) -> Path:
+def write_chrome_trace(kernels: pd.DataFrame, path, *, overwrite: bool = False, meta: dict
+                       | None = None) -> Path:
     """Write a kernel frame as a Chrome/Perfetto trace (one track per device and stream), atomically.
 
     Used for rocprofv3 results, whose own JSON Perfetto cannot open. Timestamps are written
@@ -214,7 +216,8 @@ def _without_kineto_chatter():
                 os.write(2, "".join(kept).encode())
 
 
-def capture(fn: Callable[[], object], *, steps: int = 1, warmup: int = 1, trace_dir=None, name: str | None = None,
+def capture(fn: Callable[[], object], *, steps: int = 1, warmup: int = 1, trace_dir=None, name: str
+            | None = None,
             backend: str = "auto", device: str | None = None, trace_path=None, overwrite: bool = False,
             record_shapes: bool = True) -> Capture:
     """Profile `steps` calls of `fn()` (after `warmup` unprofiled calls) with torch.profiler.

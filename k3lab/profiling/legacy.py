@@ -82,8 +82,16 @@ def read_v1_db(path: str | Path) -> pd.DataFrame:
         for table, kind in (("OPS", "kernel"), ("COPY", "memcpy")):
             for start, end, name, dev, stream in con.execute(
                     f'SELECT BeginNs, EndNs, Name, "dev-id", "stream-id" FROM {table}'):
-                out.append({"name": name, "kind": kind, "start_ns": int(start), "dur_ns": int(end) - int(start),
-                            "device": f"gpu-id {dev}", "stream": stream})
+                out.append(
+                    {
+                        "name": name,
+                        "kind": kind,
+                        "start_ns": int(start),
+                        "dur_ns": int(end) - int(start),
+                        "device": f"gpu-id {dev}",
+                        "stream": stream,
+                    }
+                )
     finally:
         con.close()
     return make_frame(out, source="rocprof-v1-db")

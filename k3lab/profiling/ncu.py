@@ -101,7 +101,8 @@ def _number(text: str) -> float:
         return math.nan
 
 
-_TIME = {"nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9, "s": 1e9}
+_TIME = {"nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9,
+         "s": 1e9}
 _PREFIX = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _SCALED = re.compile(r"^(K|M|G|T)?(byte|hz|cycle|inst|sector|request|warp)(/second|/s)?$", re.IGNORECASE)
 

@@ -129,7 +129,8 @@ def read_results_json(obj: dict) -> pd.DataFrame:
             start, end = int(r["start_timestamp"]), int(r["end_timestamp"])
             rows.append({"name": symbols.get(kid) or f"kernel_id {kid}", "kind": "kernel",
                          "start_ns": start, "dur_ns": end - start,
-                         "device": agents.get(_handle(info.get("agent_id")), (f"agent {_handle(info.get('agent_id'))}",))[0],
+                         "device": agents.get(_handle(info.get("agent_id")),
+                                              (f"agent {_handle(info.get('agent_id'))}",))[0],
                          "stream": _handle(r.get("stream_id")) if r.get("stream_id") is not None
                          else _handle(info.get("queue_id")),
                          "correlation": (r.get("correlation_id") or {}).get("internal")})

@@ -62,7 +62,8 @@ def selfcheck(device: str | None = None, size: int = 256, trace_dir=None) -> dic
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(graph):
             out.copy_(torch.mm(a @ b, a))
-        replay = capture(graph.replay, steps=3, warmup=1, device=dev, trace_dir=trace_dir, name="selfcheck-graph")
+        replay = capture(graph.replay, steps=3, warmup=1, device=dev, trace_dir=trace_dir,
+                         name="selfcheck-graph")
         summary["graph_counts"] = replay.counts()
         if replay.counts()["api_launches"] is not None and cap.counts()["api_launches"] is not None and \
                 not replay.counts()["api_launches"] < cap.counts()["api_launches"]:

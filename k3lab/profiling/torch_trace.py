@@ -147,19 +147,22 @@ def kernels_from_trace(trace, *, expect_gpu: bool | None = None, label: str = "t
     vendor = vendor_of(trace)
     device_events = [e for e in events if str(e.get("cat", "")).lower() in _DEVICE_CATS]
     cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
-    launches = [e for e in events if e.get("cat") == "cuda_runtime" and _LAUNCH.search(str(e.get("name", "")))]
+    launches = [e for e in events if e.get("cat") == "cuda_runtime"
+                and _LAUNCH.search(str(e.get("name", "")))]
 
     if device_events:
         frame = make_frame(_device_rows(device_events, cpu_ops), source="torch")
         frame.attrs["api_launches"] = sum(
-            1 for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and _ENQUEUE.search(str(e.get("name", ""))))
+            1 for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+            and _ENQUEUE.search(str(e.get("name", ""))))
     elif expect_gpu or (expect_gpu is None and launches):
         if not launches and cpu_ops:  # nothing was sent to the GPU: the region's tensors live on the CPU
             why = ("No launch call was made while CPU ops ran: the region computed on CPU tensors. Move its "
                    "tensors to the GPU, or capture with device='cpu' to profile the CPU ops.")
         else:
-            why = ("The device tracer (CUPTI on NVIDIA, roctracer/rocprofiler on ROCm) recorded nothing: check "
-                   "that the profiler was given the CUDA activity and that the work ran inside the region.")
+            why = ("The device tracer (CUPTI on NVIDIA, roctracer/rocprofiler on ROCm) recorded nothing: "
+                   "check that the profiler was given the CUDA activity and that the work ran inside the "
+                   "region.")
         raise NoKernelsRecorded(
             f"{label}: a GPU trace ({vendor}) with no kernel, memcpy or memset row "
             f"({len(launches)} launch calls, {len(cpu_ops)} CPU ops recorded). {why}")
@@ -167,7 +170,8 @@ def kernels_from_trace(trace, *, expect_gpu: bool | None = None, label: str = "t
         rows = []
         for e, works in _top_level_ops(cpu_ops):
             name, args = str(e.get("name", "")), e.get("args") or {}
-            kind = args.get("k3lab_kind") or ("cpu_op" if works else "cpu_meta")  # traces k3lab wrote keep theirs
+            # traces k3lab wrote keep theirs
+            kind = args.get("k3lab_kind") or ("cpu_op" if works else "cpu_meta")
             nbytes = _int_or_none(args.get("bytes"))  # likewise
             if nbytes is None and name in _COPY_OPS and kind == "cpu_op":
                 nbytes = op_bytes(e)

@@ -51,9 +51,11 @@ INTRO = (
     "against a plain PyTorch reference, timed and profiled on the machine at hand (an AMD or NVIDIA GPU, "
     "or a CPU). This page shows what each optimization did on an NVIDIA H200 (committed records) and "
     "whether this machine's run checked it.")
-STYLE = ("body{font-family:sans-serif;max-width:1280px;margin:auto;padding:0 12px}table{border-collapse:collapse}"
-         "td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px;vertical-align:top}th{background:#f3f3f3}"
-         "td.num{white-space:nowrap;text-align:right}tr.planned td{color:#777}.fail{color:#b00}section{margin-top:28px}")
+STYLE = (
+    "body{font-family:sans-serif;max-width:1280px;margin:auto;padding:0 "
+    "12px}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px "
+    "6px;font-size:13px;vertical-align:top}th{background:#f3f3f3}td.num{white-space:nowrap;text-align:right}tr.planned td{color:#777}.fail{color:#b00}section{margin-top:28px}"
+)
 
 
 def notebook_paths(root: Path | None = None) -> list[Path]:

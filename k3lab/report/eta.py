@@ -32,9 +32,11 @@ SCALE_LIMITS = (1 / 3, 3.0)
 KERNELS = "kernels"  # the step that builds every kernels/*.cu (GPU)
 DEFAULT_S = {"gpu": 30.0, "cpu": 60.0}  # a step the table does not list (a new study or notebook)
 # Seconds per step. gpu: the H200 (16 cores), notebooks executed two at a time, each notebook's own
-# wall time as the default report measured it (profiles/nvidia-h200/gpu_check/report_timings_*.json); full studies as measured there (copy_removal, kda_scan and decode_step from `k3lab report`,
+# wall time as the default report measured it (profiles/nvidia-h200/gpu_check/report_timings_*.json); full
+# studies as measured there (copy_removal, kda_scan and decode_step from `k3lab report`,
 # the others' ~260 s spread by their number of cases). cpu: a 2-core machine that other jobs shared
-# (load about 4), `k3lab report`'s default form (11.5 minutes in all), so on the slow side. The refinement above corrects a
+# (load about 4), `k3lab report`'s default form (11.5 minutes in all), so on the slow side. The refinement
+# above corrects a
 # table that is off, and out/timings.json (written by every report) is what to update it from.
 EXPECTED_S: dict[str, dict[str, float]] = {
     "gpu": {

@@ -120,7 +120,8 @@ def execute_notebook(path: Path, out_dir: Path, timeout_s: int = CELL_TIMEOUT_S)
     nb = nbformat.read(path, as_version=4)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="k3lab-kernel-") as sockets:
-        client = _client_class()(nb, socket_path=str(Path(sockets) / "k"), kernel_name="python3", timeout=timeout_s, iopub_timeout=IOPUB_TIMEOUT_S,
+        client = _client_class()(nb, socket_path=str(Path(sockets) / "k"), kernel_name="python3",
+                                 timeout=timeout_s, iopub_timeout=IOPUB_TIMEOUT_S,
                                  raise_on_iopub_timeout=True, shutdown_kernel="immediate",
                                  resources={"metadata": {"path": str(path.parent)}})
         try:

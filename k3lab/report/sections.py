@@ -118,7 +118,8 @@ def _live(run: LiveRun, gpu: bool) -> str:
                        f"{html.escape(', '.join(cases[:tables.MAX_CASES]))}"
                        f"{', ...' if len(cases) > tables.MAX_CASES else ''}).</p>")
     shown = tables.shown_cases(run.records)
-    return (head + f"<p>passed, {len(cases)} cases, {run.seconds:.0f} s</p>" + tables.to_html(tables.compact(shown))
+    return (head + f"<p>passed, {len(cases)} cases, {run.seconds:.0f} s</p>"
+            + tables.to_html(tables.compact(shown))
             + _figure(shown, f"{run.name} on this machine (us, log)"))
 
 

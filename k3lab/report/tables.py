@@ -27,7 +27,8 @@ def compact(records) -> pd.DataFrame:
 
     table = bench.compare(records)
     out = table[list(COLUMNS)].rename(columns=COLUMNS)
-    out["after/before"] = [a / b if b > 0 else math.nan for a, b in zip(table["after_us"], table["before_us"])]
+    out["after/before"] = [a / b if b > 0 else math.nan for a, b
+                           in zip(table["after_us"], table["before_us"])]
     out["after/peer"] = [a / p if p > 0 else math.nan for a, p in zip(table["after_us"], table["peer_us"])]
     out = out.dropna(axis=1, how="all")
     if "peer" in out and out["peer"].isna().all():

@@ -131,7 +131,8 @@ class DepthChoice:
                 f"(costs: {self.source})")
 
 
-def best_depth(acceptance, costs: CycleCosts | Sequence[float], *, max_depth: int | None = None) -> DepthChoice:
+def best_depth(acceptance, costs: CycleCosts | Sequence[float], *, max_depth: int
+               | None = None) -> DepthChoice:
     """The draft depth that maximises committed tokens per second.
 
     ``costs`` is a ``CycleCosts`` or a sequence of whole-cycle times in microseconds for depths
@@ -151,7 +152,9 @@ def best_depth(acceptance, costs: CycleCosts | Sequence[float], *, max_depth: in
         try:
             cycle = np.array([float(c) for c in costs])
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"costs must be CycleCosts or a sequence of cycle times (us); got {costs!r}") from exc
+            raise ValueError(
+                f"costs must be CycleCosts or a sequence of cycle times (us); got {costs!r}"
+            ) from exc
         if cycle.size == 0:
             raise ValueError("costs must give the cycle time of at least depth 1")
         for k, c in enumerate(cycle, start=1):
@@ -245,7 +248,8 @@ def verify_records_summary(device: str | None = None, root=None, *, variant: str
     where = dict(where or {})
     unknown = set(where) - set(VERIFY_STUDIES)
     if unknown:
-        raise ValueError(f"where must map parts among {sorted(VERIFY_STUDIES)} to shape values; got {sorted(unknown)}")
+        raise ValueError(f"where must map parts among {sorted(VERIFY_STUDIES)} to shape values; got "
+                         f"{sorted(unknown)}")
     out: dict[str, dict] = {}
     for study in VERIFY_STUDIES.values():
         for r in bench.load_records(study=study, device=device, root=root):
@@ -298,7 +302,8 @@ def costs_from_records(*, draft_step_us: float, commit_us: float = 0.0, rest_one
         kda, mla = entry["kda"], entry["mla"]
         if kda_layers and not kda or mla_layers and not mla:
             continue
-        if any(entry["ambiguous"][part] for part, layers in (("kda", kda_layers), ("mla", mla_layers)) if layers):
+        if any(entry["ambiguous"][part] for part, layers in (("kda", kda_layers), ("mla", mla_layers))
+               if layers):
             continue
         tables = [t for t, layers in ((kda, kda_layers), (mla, mla_layers)) if layers]
         lo = max(min(t) for t in tables)
@@ -311,10 +316,11 @@ def costs_from_records(*, draft_step_us: float, commit_us: float = 0.0, rest_one
         mixed = {slug: {p: k for p, k in e["ambiguous"].items() if k} for slug, e in found.items()
                  if any(e["ambiguous"].values())}
         raise NoVerifyRecords(
-            f"no measured verification records for {place} under {root or _bench.PROFILES}/ (variant {variant!r}, batch "
-            f"{batch}) cover 1 and 2 positions in both {VERIFY_STUDIES['kda']} and {VERIFY_STUDIES['mla']}; "
-            f"measured position counts found: {have or 'none'}"
-            + (f"; records mixing several values of {mixed} at one position count: choose one with where=" if mixed
+            f"no measured verification records for {place} under {root or _bench.PROFILES}/ (variant "
+            f"{variant!r}, batch {batch}) cover 1 and 2 positions in both {VERIFY_STUDIES['kda']} and "
+            f"{VERIFY_STUDIES['mla']}; measured position counts found: {have or 'none'}"
+            + (f"; records mixing several values of {mixed} at one position count: choose one with where="
+               if mixed
                else "")
             + ". Use linear_costs(...) or illustrative_costs(...) and label them as such.")
     slug = min(usable, key=lambda s: (s == "cpu", s))  # a GPU's records before a CPU's

@@ -47,9 +47,10 @@ ABOUT: dict[str, str] = {
     "kda_precision": "the chunk inverse's error with fp32 against bf16 inputs (notebook 05)",
     "draft_depth": "speculative decoding: committed tokens per cycle, simulated and by formula (notebook 06)",
     "decode_step": "one TP8 rank's whole decode step, each optimization switched off alone (notebook 08)",
-    "agent_cache": "cache reuse across agent turns: a prefix-cache simulator over AgentX-like traces, host<->device "
-                   "copies (notebook 07)",
-    "dcp": "decode context parallelism on one GPU: local attention at TP8 / DCP8 shapes, the merge (notebook 01)",
+    "agent_cache": "cache reuse across agent turns: a prefix-cache simulator over AgentX-like traces, "
+                   "host<->device copies (notebook 07)",
+    "dcp": "decode context parallelism on one GPU: local attention at TP8 / DCP8 shapes, the merge (notebook "
+           "01)",
     "moe_sharding": "the MoE tail replicated vs sharded, the routed experts' grouped kernels (notebook 02)",
 }
 GPU_ONLY = frozenset({"kda_decode", "dcp", "moe_sharding"})

@@ -58,7 +58,8 @@ def case_names(preset=None) -> list[str]:
 def _sim_record(case: str, w: Workload, cc: sim.CacheConfig, repeats: int) -> bench.Record:
     result = sim.simulate(w, cc)
     c0, w0 = time.process_time(), time.perf_counter()
-    timing = bench.time_fn(lambda: sim.simulate(w, cc), warmup=0, repeats=repeats, calls_per_sample=1, device="cpu")
+    timing = bench.time_fn(lambda: sim.simulate(w, cc), warmup=0, repeats=repeats, calls_per_sample=1,
+                           device="cpu")
     cpu_per_wall = (time.process_time() - c0) / (time.perf_counter() - w0)
     return bench.make_record(
         NAME, case, "after", timing, shape={"requests": len(w), "blocks": w.n_blocks,
@@ -118,8 +119,13 @@ def workload_table(w: Workload) -> pd.DataFrame:
            "prefix reuse, unlimited cache": w.theoretical_reuse(),
            "subagent sessions per root session": len(subs) / max(1, len(roots))}
     rows = [{"quantity": k, "generated": v, "public AgentX": AGENTX_PUBLIC[k]} for k, v in got.items()]
-    rows.append({"quantity": "sessions active at once (median)", "generated": float(np.median(w.active_sessions(t))),
-                 "public AgentX": f"{SEED_CONCURRENCY} (the seed's highest concurrency)"})
+    rows.append(
+        {
+            "quantity": "sessions active at once (median)",
+            "generated": float(np.median(w.active_sessions(t))),
+            "public AgentX": f"{SEED_CONCURRENCY} (the seed's highest concurrency)",
+        }
+    )
     rows.append({"quantity": "requests", "generated": len(w), "public AgentX": "393 traces, runs >= 900 s"})
     return pd.DataFrame(rows)
 
@@ -130,7 +136,8 @@ def workload_figure(w: Workload):
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=2, cols=2, subplot_titles=(
-        "turns per session", "prompt tokens per request", "share of each prompt seen before", "sessions active"))
+        "turns per session", "prompt tokens per request", "share of each prompt seen before",
+        "sessions active"))
     fig.add_trace(go.Histogram(x=np.bincount(w.session)[np.unique(w.session[w.kind == 0])], nbinsx=30,
                                name="root sessions", marker_color="#1f77b4"), 1, 1)
     fig.add_trace(go.Histogram(x=np.bincount(w.session)[np.unique(w.session[w.kind == 2])], nbinsx=30,
@@ -139,7 +146,8 @@ def workload_figure(w: Workload):
     fig.add_trace(go.Histogram(x=w.reuse_per_request() / w.in_tokens, nbinsx=40, name="reuse",
                                marker_color="#9467bd"), 2, 1)
     t = np.linspace(0, w.t.max(), 200)
-    fig.add_trace(go.Scatter(x=t, y=w.active_sessions(t), mode="lines", name="active", line_color="#d62728"), 2, 2)
+    fig.add_trace(go.Scatter(x=t, y=w.active_sessions(t), mode="lines", name="active", line_color="#d62728"),
+                  2, 2)
     fig.update_xaxes(title_text="seconds", row=2, col=2)
     fig.update_layout(height=560, title="the generated workload", barmode="overlay", showlegend=False)
     return fig
@@ -175,20 +183,29 @@ def resume_figure(table: pd.DataFrame | None = None, prompt_end: int = 3100):
                              marker_color="#1f77b4", opacity=0.5, showlegend=k == 0, width=0.5))
         fig.add_trace(go.Bar(y=[y], x=[row["recomputed"]], base=[row["resume at"]], orientation="h",
                              name="recomputed", marker_color="#d62728", showlegend=k == 0, width=0.25))
-        fig.add_trace(go.Scatter(y=[y] * len(row["KDA checkpoints"]), x=row["KDA checkpoints"], mode="markers",
-                                 marker=dict(symbol="diamond", size=14, color="#2ca02c"), name="KDA checkpoint",
-                                 showlegend=k == 0))
+        fig.add_trace(
+            go.Scatter(
+                y=[y] * len(row["KDA checkpoints"]),
+                x=row["KDA checkpoints"],
+                mode="markers",
+                marker=dict(symbol="diamond", size=14, color="#2ca02c"),
+                name="KDA checkpoint",
+                showlegend=k == 0,
+            )
+        )
         fig.add_annotation(y=y, x=row["resume at"], text=f"resume at {row['resume at']:,}", yshift=24,
                            showarrow=False)
     fig.add_vline(x=prompt_end, line_dash="dot", annotation_text=f"prompt end {prompt_end:,}")
-    fig.update_layout(barmode="overlay", height=300, xaxis_title="position", title="where a returning turn resumes")
+    fig.update_layout(barmode="overlay", height=300, xaxis_title="position",
+                      title="where a returning turn resumes")
     return fig
 
 
 # ------------------------------------------------------------------ the simulator's sweeps
 VARIANTS = {  # label -> CacheConfig fields
     "grid 2,048, no tail, LRU": dict(checkpoint_interval=2048, tail_aligned=False, policy="lru"),
-    "grid 2,048, no tail, resume-aware": dict(checkpoint_interval=2048, tail_aligned=False, policy="resume_aware"),
+    "grid 2,048, no tail, resume-aware": dict(checkpoint_interval=2048, tail_aligned=False,
+                                              policy="resume_aware"),
     "tail only, LRU": dict(checkpoint_interval=0, tail_aligned=True, policy="lru"),
     "tail only, resume-aware": dict(checkpoint_interval=0, tail_aligned=True, policy="resume_aware"),
 }
@@ -247,10 +264,17 @@ def interval_figure(df: pd.DataFrame, hbm_gb: float):
 
     fig = go.Figure()
     for tail, part in df.groupby("tail_aligned"):
-        fig.add_trace(go.Scatter(x=[str(v) if v else "ends only" for v in part["interval"]], y=part["hit_rate"],
-                                 mode="lines+markers", name="tail saved" if tail else "whole blocks only",
-                                 line_color="#2ca02c" if tail else "#d62728"))
-    fig.update_layout(height=380, xaxis_title="KDA checkpoint interval (positions)", yaxis_title="token hit rate",
+        fig.add_trace(
+            go.Scatter(
+                x=[str(v) if v else "ends only" for v in part["interval"]],
+                y=part["hit_rate"],
+                mode="lines+markers",
+                name="tail saved" if tail else "whole blocks only",
+                line_color="#2ca02c" if tail else "#d62728",
+            )
+        )
+    fig.update_layout(height=380, xaxis_title="KDA checkpoint interval (positions)",
+                      yaxis_title="token hit rate",
                       title=f"checkpoint interval and tail alignment at {hbm_gb:g} GB")
     return fig
 
@@ -264,8 +288,15 @@ def layout_table(w: Workload, hbm_gb: float, **kw) -> pd.DataFrame:
         for extra, what in ((0.0, "HBM budget"), (MOE_FREED_GB, "+ 3.85 GiB (MoE rows)")):
             rows.append(_row(w, sim.CacheConfig.for_k3(hbm_gb + extra, layout=layout, **kw), layout=layout,
                              hbm=what, host_gb=0.0))
-        rows.append(_row(w, sim.CacheConfig.for_k3(hbm_gb, layout=layout, host_gb=HOST_GB, **kw), layout=layout,
-                         hbm="HBM budget", host_gb=HOST_GB))
+        rows.append(
+            _row(
+                w,
+                sim.CacheConfig.for_k3(hbm_gb, layout=layout, host_gb=HOST_GB, **kw),
+                layout=layout,
+                hbm="HBM budget",
+                host_gb=HOST_GB,
+            )
+        )
     return pd.DataFrame(rows)
 
 
@@ -292,8 +323,8 @@ def prefill_rate(tokens_per_s: float | None = None, *, peak_tflops: float = 707.
         raise ValueError(f"peak_tflops must be > 0 and efficiency in (0, 1], got {peak_tflops}, {efficiency}")
     active = (config or K3Config.tp_slice(8)).param_counts()[1]
     rate = peak_tflops * 1e12 * efficiency / (2 * active)
-    return rate, (f"modelled: {active / 1e9:.1f}B active parameters per rank x 2 FLOP over {peak_tflops:g} TFLOP/s "
-                  f"x {efficiency:.0%} = {rate:,.0f} tokens/s per GPU")
+    return rate, (f"modelled: {active / 1e9:.1f}B active parameters per rank x 2 FLOP over {peak_tflops:g} "
+                  f"TFLOP/s x {efficiency:.0%} = {rate:,.0f} tokens/s per GPU")
 
 
 def break_even(h2d_bytes_per_s: float, prefill_tokens_per_s: float, *, layout: str = "tp8",
@@ -307,22 +338,32 @@ def break_even(h2d_bytes_per_s: float, prefill_tokens_per_s: float, *, layout: s
     recompute_s = n / prefill_tokens_per_s
     gain = 1 / prefill_tokens_per_s - per_token / h2d_bytes_per_s
     even = cc.kda_checkpoint_bytes / h2d_bytes_per_s / gain if gain > 0 else np.inf
-    return pd.DataFrame({"tokens": n.astype(int), "restore_ms": restore_s * 1e3, "recompute_ms": recompute_s * 1e3,
-                         "recompute_over_restore": recompute_s / restore_s, "break_even_tokens": even})
+    return pd.DataFrame(
+        {
+            "tokens": n.astype(int),
+            "restore_ms": restore_s * 1e3,
+            "recompute_ms": recompute_s * 1e3,
+            "recompute_over_restore": recompute_s / restore_s,
+            "break_even_tokens": even,
+        }
+    )
 
 
 def break_even_figure(df: pd.DataFrame, h2d_label: str, prefill_label: str):
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    fig.add_trace(go.Scatter(x=df["tokens"], y=df["restore_ms"], mode="lines+markers", name="restore from host",
+    fig.add_trace(go.Scatter(x=df["tokens"], y=df["restore_ms"], mode="lines+markers", name="restore from "
+                                                                                            "host",
                              line_color="#2ca02c"))
-    fig.add_trace(go.Scatter(x=df["tokens"], y=df["recompute_ms"], mode="lines+markers", name="recompute (prefill)",
+    fig.add_trace(go.Scatter(x=df["tokens"], y=df["recompute_ms"], mode="lines+markers", name="recompute "
+                                                                                              "(prefill)",
                              line_color="#d62728"))
     fig.add_vline(x=float(df["break_even_tokens"].iloc[0]), line_dash="dot",
                   annotation_text=f"break-even {df['break_even_tokens'].iloc[0]:,.0f} tokens")
     fig.update_layout(height=400, xaxis_type="log", yaxis_type="log", xaxis_title="tokens resumed",
-                      yaxis_title="ms per GPU", title=f"restore vs recompute<br><sup>{h2d_label}; {prefill_label}</sup>")
+                      yaxis_title="ms per GPU",
+                      title=f"restore vs recompute<br><sup>{h2d_label}; {prefill_label}</sup>")
     return fig
 
 

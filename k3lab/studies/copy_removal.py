@@ -66,7 +66,8 @@ def attn_res_inputs(tokens: int, sources: int, hidden: int, dtype=torch.bfloat16
     n_blocks = sources - 1
     blocks = r(9, tokens, hidden).to(dtype)  # 9 slots as a server keeps them; n_blocks in use
     res_norm_w, res_proj_w = 1 + r(hidden, scale=0.1), r(hidden, scale=0.05)
-    return AttnResInputs(r(tokens, hidden).to(dtype), r(tokens, hidden).to(dtype), blocks, n_blocks, res_norm_w,
+    return AttnResInputs(r(tokens, hidden).to(dtype), r(tokens, hidden).to(dtype), blocks, n_blocks,
+                         res_norm_w,
                          res_proj_w, 1 + r(hidden, scale=0.1), arn.fold_mix_weight(res_norm_w, res_proj_w))
 
 
@@ -89,7 +90,8 @@ def check_attn_res(x: AttnResInputs) -> dict:
     for impl in ("before", "after"):
         prefix, blocks = x.prefix.clone(), x.blocks.clone()
         kwargs = {"mix_weight": x.mix_weight} if impl == "after" else {}
-        out = arn.attn_res_norm(prefix, x.delta, blocks, x.n_blocks, x.res_norm_w, x.res_proj_w, x.next_norm_w,
+        out = arn.attn_res_norm(prefix, x.delta, blocks, x.n_blocks, x.res_norm_w, x.res_proj_w,
+                                x.next_norm_w,
                                 impl=impl, **kwargs)
         errors[impl] = bench.check_all({"output": (out, ref_out), "partial": (prefix, ref_prefix)},
                                        dtype=x.prefix.dtype)
@@ -110,16 +112,28 @@ def _attn_res_case(tokens: int, sources: int, hidden: int, graph: bool) -> list[
     modes = [False, True] if graph else [False]
     records = []
     pieces, why = arn.kernel_status(x.prefix, x.delta, x.blocks)
-    launch = {"after": {"launch": arn.launch_config(tokens, x.n_blocks, cluster_pieces=pieces), "kernel_note": why},
-              "before": {}}
+    launch = {
+        "after": {"launch": arn.launch_config(tokens, x.n_blocks, cluster_pieces=pieces), "kernel_note": why},
+        "before": {},
+    }
     for use_graph in modes:
         case = f"attn_res_t{tokens}_s{sources}" + ("_graph" if use_graph else "")
         for variant, fn in fns.items():
             t = bench.time_fn(fn, graph=use_graph, warmup=5, repeats=30 if tokens >= 4096 else 100)
-            records.append(bench.make_record(NAME, case, variant, t, shape={"tokens": tokens, "sources": sources,
-                                                                            "hidden": hidden},
-                                             dtype=x.prefix.dtype, floor_us=floor, error=errors[variant],
-                                             bytes=nbytes, **launch[variant]))
+            records.append(
+                bench.make_record(
+                    NAME,
+                    case,
+                    variant,
+                    t,
+                    shape={"tokens": tokens, "sources": sources, "hidden": hidden},
+                    dtype=x.prefix.dtype,
+                    floor_us=floor,
+                    error=errors[variant],
+                    bytes=nbytes,
+                    **launch[variant],
+                )
+            )
     return records
 
 
@@ -131,7 +145,8 @@ def packing_config() -> K3Config:
     if _gpu():
         s = K3Config.tp_slice(8)
         return dataclasses.replace(K3Config.full(), num_attention_heads=s.num_attention_heads,
-                                   kda_num_heads=s.kda_num_heads, moe_intermediate_size=s.moe_intermediate_size,
+                                   kda_num_heads=s.kda_num_heads,
+                                   moe_intermediate_size=s.moe_intermediate_size,
                                    intermediate_size=s.intermediate_size, num_experts=16,
                                    num_experts_per_token=16, name="tp8-rank-16-experts")
     return dataclasses.replace(K3Config.tiny(), num_hidden_layers=93, attn_res_block_size=12, name="tiny-93")
@@ -180,7 +195,8 @@ def packing_records(batch: int = 1) -> list[bench.Record]:
             counts = count_copies(step)
             t = bench.time_fn(step, warmup=2 if _gpu() else 1, repeats=10 if _gpu() else 3)
         records.append(bench.make_record(
-            NAME, f"packing_decode_b{batch}", policy, t, shape={"batch": batch, "layers": config.num_hidden_layers,
+            NAME, f"packing_decode_b{batch}", policy, t, shape={"batch": batch,
+                                                                "layers": config.num_hidden_layers,
                                                                 "kda_layers": config.num_kda_layers},
             dtype=next(model.parameters()).dtype, error={"logits_equal": True}, config=config.name, **counts))
     # the pack alone, at the f_b input of one KDA layer (B x 128), eager and in a graph

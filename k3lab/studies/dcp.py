@@ -34,7 +34,11 @@ def memory_table(tokens=(1_000, 8_000, 32_000, 64_000, 128_000, CONVERSATION, 25
     """MLA history per GPU of one conversation under TP alone and under DCP (all MLA layers), and the
     per-sequence KDA state of one TP rank (which DCP does not divide), in bytes."""
     cfg = config or K3Config.full()
-    kda = K3Config.tp_slice(world).kda_state_bytes_all_layers() if config is None else cfg.kda_state_bytes_all_layers()
+    kda = (
+        K3Config.tp_slice(world).kda_state_bytes_all_layers()
+        if config is None
+        else cfg.kda_state_bytes_all_layers()
+    )
     rows = [{"tokens": n, "tp_bytes": dcp.cache_bytes_per_rank(cfg, n, 1, dtype_bytes=dtype_bytes),
              "dcp_bytes": dcp.cache_bytes_per_rank(cfg, n, world, dtype_bytes=dtype_bytes),
              "kda_state_bytes": kda} for n in tokens]
@@ -53,10 +57,12 @@ def memory_figure(table: pd.DataFrame, *, world: int = WORLD, mark: int = CONVER
     hit = table[table.tokens == mark]
     if len(hit):
         r = hit.iloc[0]
-        for y, label in ((r.tp_bytes, f"{r.tp_bytes / gb:.2f} GB"), (r.dcp_bytes, f"{r.dcp_bytes / 1e6:.0f} MB")):
+        for y, label in ((r.tp_bytes, f"{r.tp_bytes / gb:.2f} GB"),
+                         (r.dcp_bytes, f"{r.dcp_bytes / 1e6:.0f} MB")):
             fig.add_annotation(x=mark, y=y / gb, text=label, showarrow=True, arrowhead=2)
         fig.add_vline(x=mark, line_dash="dash", line_color="gray")
-    fig.update_layout(title=f"MLA history of one conversation per GPU (FP8, 24 layers): TP{world} vs DCP{world}",
+    fig.update_layout(title=f"MLA history of one conversation per GPU (FP8, 24 layers): TP{world} vs "
+                            f"DCP{world}",
                       xaxis_title="conversation length (tokens)", yaxis_title="GB per GPU")
     return fig
 
@@ -90,7 +96,8 @@ def two_shard_example(positions: int = 7, dim: int = 4, seed: int = 0) -> dict:
     """
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(dim, generator=g, dtype=torch.float64)
-    keys = torch.randn(positions, dim, generator=g, dtype=torch.float64)  # values = keys (MQA over the latent)
+    # values = keys (MQA over the latent)
+    keys = torch.randn(positions, dim, generator=g, dtype=torch.float64)
     s = keys @ q
     shards = {}
     for r in range(2):
@@ -114,8 +121,9 @@ def live_attention() -> tuple[str, str]:
 
     if default_attention("cpu") == "after":
         return "after", "the MLA op's after, in Triton's interpreter (CPU tensors)"
-    return "reference", ("the reference decode: gloo ranks hold CPU tensors, and Triton runs on CPU tensors only "
-                         "in its interpreter (TRITON_INTERPRET=1, which k3lab sets only when there is no GPU)")
+    return "reference", ("the reference decode: gloo ranks hold CPU tensors, and Triton runs on CPU tensors "
+                         "only in its interpreter (TRITON_INTERPRET=1, which k3lab sets only when there is "
+                         "no GPU)")
 
 
 def live_run(world_size: int = 4, *, tqs=(1, 4), interleaves=(1, 16), batch: int = 3, heads: int = 2,
@@ -136,7 +144,9 @@ def live_run(world_size: int = 4, *, tqs=(1, 4), interleaves=(1, 16), batch: int
                         local=attention, seed=tq * 100 + inter, merges=list(dcp.MERGES))
             rows = spawn(dcp_rank_check, world_size, opts, backend="gloo", timeout_s=timeout_s)
             frames.append(pd.DataFrame(rows).assign(tq=tq, interleave=inter))
-    return pd.concat(frames, ignore_index=True)[["tq", "interleave", "merge", "rank", "held", "rel", "lse_abs", "nan"]]
+    return pd.concat(frames, ignore_index=True)[
+        ["tq", "interleave", "merge", "rank", "held", "rel", "lse_abs", "nan"]
+    ]
 
 
 # ------------------------------------------------------------------------------------ exchange
@@ -165,7 +175,8 @@ def attention_model(records=None) -> dict:
     la, lb = a.shape["context"], b.shape["context"]
     per_pos_us = (b.median_us - a.median_us) / (lb - la)
     return {"t0_us": a.median_us - per_pos_us * la, "us_per_position": per_pos_us,
-            "bw_TBps": 576 * 2 / (per_pos_us * 1e-6) / 1e12, "source": "H200 records ctx32k / ctx128k (after)"}
+            "bw_TBps": 576 * 2 / (per_pos_us * 1e-6) / 1e12,
+            "source": "H200 records ctx32k / ctx128k (after)"}
 
 
 def cost_model(contexts=(1_000, 4_000, 16_000, 32_000, 64_000, 128_000, 256_000), batches=(1, 64), *,
@@ -248,8 +259,8 @@ def run(preset=None, cases=None) -> list:
     if cases and list(cases) != ["one_gpu"]:
         raise ValueError(f"cases must be ['one_gpu'], got {list(cases)}")
     if not torch.cuda.is_available():
-        raise RuntimeError("the dcp study times kernels on a GPU; on a CPU notebook 01 and tests/test_dcp*.py "
-                           "check DCP on gloo ranks")
+        raise RuntimeError("the dcp study times kernels on a GPU; on a CPU notebook 01 and "
+                           "tests/test_dcp*.py check DCP on gloo ranks")
     return bench_dcp.run()["records"]
 
 

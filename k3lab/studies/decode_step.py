@@ -51,7 +51,8 @@ def profile_targets(preset=None) -> dict:
     gpu = step_bench.on_gpu()
     w = RankWeights.random(step_bench.bench_config(), distinct_layers=2, device="cuda" if gpu else "cpu",
                            dtype=torch.bfloat16 if gpu else torch.float32)
-    steps = {v: DecodeStep(w.config, B, ctx, optimizations=o, weights=w) for v, o in (("before", "none"), ("after", "all"))}
+    steps = {v: DecodeStep(w.config, B, ctx, optimizations=o, weights=w) for v, o
+             in (("before", "none"), ("after", "all"))}
     return {v: s.run for v, s in steps.items()}
 
 
@@ -91,7 +92,8 @@ def where_time_goes(records, case: str = "b1_1k", probe_records=None) -> list[di
              "floor_ms": (b["weights_dense"] + b["weights_experts"]) / (bw * 1e9),
              "probe_ms": proj_alone / 1e3 if proj_alone else None,
              "probe": "the dense projections alone, one graph each (the experts not included)"},
-            {"part": "the rest (norms, gates, routing, copies, attention, recurrences)", "kernels": sp["rest_kernels"],
+            {"part": "the rest (norms, gates, routing, copies, attention, recurrences)",
+             "kernels": sp["rest_kernels"],
              "kernel_ms": sp["rest_us"] / 1e3,
              "floor_ms": (b["mla_cache"] + b["kda_state"] + b["kda_conv"]) / (bw * 1e9),
              "probe_ms": sk.median_us * sp["rest_kernels"] / 1e3 if sk else None,
@@ -102,7 +104,8 @@ def where_time_goes(records, case: str = "b1_1k", probe_records=None) -> list[di
     alone = (r.extra.get("profile_eager") or prof)["kernel_sum_us"]
     rows.append({"part": "graph replay vs the sum of its kernels run alone (eager profile)",
                  "kernels": prof["launches"], "kernel_ms": alone / 1e3, "floor_ms": r.floor_us / 1e3,
-                 "probe_ms": r.median_us / 1e3, "probe": f"the graph step: {r.median_us / alone:.2f}x that sum"})
+                 "probe_ms": r.median_us / 1e3,
+                 "probe": f"the graph step: {r.median_us / alone:.2f}x that sum"})
     return rows
 
 
@@ -165,7 +168,8 @@ def checks(records) -> list[dict]:
                "state": e.get("state"), "note": ""}
         chk = e.get("logits_vs_reference", e.get("logits_vs_all_off"))
         if isinstance(chk, dict):
-            row.update(reference=chk.get("reference", "all_off"), rel_l2=chk["rel_l2"], max_abs=chk["max_abs"])
+            row.update(reference=chk.get("reference", "all_off"), rel_l2=chk["rel_l2"],
+                       max_abs=chk["max_abs"])
             if "logits_vs_all_off" in e:
                 row["note"] = UNCHECKED
         else:
@@ -254,7 +258,8 @@ def launches(records, case: str) -> list[dict]:
             prof = r and r.extra.get(f"profile_{mode}")
             if prof:
                 rows.append({"variant": name, "mode": mode, "kernels": prof["launches"],
-                             "api_launches": prof["api_launches"], "kernel_sum_ms": prof["kernel_sum_us"] / 1e3,
+                             "api_launches": prof["api_launches"], "kernel_sum_ms": prof["kernel_sum_us"]
+                             / 1e3,
                              "step_ms": r.median_us / 1e3})
     return rows
 
@@ -265,14 +270,24 @@ def amdahl(context: str = "ctx32k", device: str = DEVICE) -> list[dict]:
     rows = []
     ops = dict(PER_OP, mla=("mla_padding", context, 24, f"MLA decode at {context} (24 MLA layers)"))
     for key, (study, case, calls, what) in ops.items():
-        recs = {r.variant: r for r in bench.load_records(study, device=device) if r.case == case and r.mode == "graph"}
+        recs = {r.variant: r for r in bench.load_records(study, device=device) if r.case == case and r.mode
+                == "graph"}
         before, after = recs.get("before"), recs.get("after")
         if before is None:
             continue
         b = before.median_us * calls / 1e3
         a = after.median_us * calls / 1e3 if after is not None else 0.0
-        rows.append({"op": key, "what": what, "calls": calls, "before_ms": b, "after_ms": a, "saved_ms": b - a,
-                     "record": f"profiles/{device}/{study}/{case}__before.json"})
+        rows.append(
+            {
+                "op": key,
+                "what": what,
+                "calls": calls,
+                "before_ms": b,
+                "after_ms": a,
+                "saved_ms": b - a,
+                "record": f"profiles/{device}/{study}/{case}__before.json",
+            }
+        )
     return rows
 
 
@@ -297,13 +312,15 @@ def front_page_rows(records=None, device: str = DEVICE) -> list[dict]:
     for case in ("b1_1k", "b1_32k"):
         m = mla[case]
         rows.append({"what": f"MLA padded to 16 heads, whole step, B = 1, {case[3:]} context",
-                     "k3lab": _fmt_pair(m["before_ms"], m["after_ms"]) + (f" ({m['ratio']:.2f}x)" if m["ratio"] else ""),
+                     "k3lab": _fmt_pair(m["before_ms"], m["after_ms"])
+                     + (f" ({m['ratio']:.2f}x)" if m["ratio"] else ""),
                      "seed": f"{m['seed_before_ms']} -> {m['seed_after_ms']} ms per token (seed, MI355X)",
                      "record": where})
     for switch, case, seed in (("attn_res_fused", "b1_128k", "+14.2% output throughput at 100K input (seed)"),
                                ("moe_tail_sharded", "b64_8k", "+3.05-4.91% output throughput (seed)"),
                                ("kda_fused", "b1_1k", "3 kernels + 2 copies -> 1 launch (seed)"),
-                               ("glue_fused", "b1_1k", "not in the seed: k3lab's router, expert sort and SiTU-GLU kernels")):
+                               ("glue_fused", "b1_1k",
+                                "not in the seed: k3lab's router, expert sort and SiTU-GLU kernels")):
         g = gain(recs, case, switch)
         rows.append({"what": f"{switch}: step time with it off / on - 1, {case}",
                      "k3lab": f"{100 * g:+.1f}%" if g is not None else "not yet run on a GPU", "seed": seed,
@@ -317,7 +334,8 @@ def front_page_rows(records=None, device: str = DEVICE) -> list[dict]:
     fp8, _ = best_us(idx, "b1_1k", "all_on_fp8")
     bf16, _ = best_us(idx, "b1_1k", "all_on")
     rows.append({"what": "all on, B = 1, 1K: bf16 -> FP8 dense projections",
-                 "k3lab": _fmt_pair(bf16 and bf16 / 1e3, fp8 and fp8 / 1e3), "seed": "not in the seed (its experts are MXFP4)",
+                 "k3lab": _fmt_pair(bf16 and bf16 / 1e3, fp8 and fp8 / 1e3),
+                 "seed": "not in the seed (its experts are MXFP4)",
                  "record": where})
     gv, _ = best_us(idx, "b1_1k", "all_on_gemv")
     rg = idx.get(("b1_1k", "all_on_gemv", "eager"))

@@ -49,7 +49,8 @@ _SEED = 20261201
 def case_names(preset=None) -> list[str]:
     if preset is not None and not isinstance(preset, str):
         raise ValueError(f"preset must be a preset name or None, got {type(preset).__name__}")
-    return [f"cycles_depth{k}" for k in DEPTHS] + ["random_curves", f"tokens_v{TOKEN_VOCAB}_depth{TOKEN_DEPTH}"]
+    return [f"cycles_depth{k}" for k in DEPTHS] + ["random_curves",
+                                                   f"tokens_v{TOKEN_VOCAB}_depth{TOKEN_DEPTH}"]
 
 
 def _time_on_cpu(fn: Callable[[], object], repeats: int) -> tuple[bench.Timing, dict]:
@@ -194,10 +195,12 @@ def agreement_figure(acceptance, sims: list[spec.CycleStats], *, title: str | No
         marker=dict(color="#2ca02c", size=9, symbol="x"),
         error_y=dict(type="data", array=[3 * s.stderr for s in sims], visible=True),
         customdata=[[s.cycles, s.z_score(formula[s.depth - 1])] for s in sims],
-        hovertemplate="depth %{x}: %{y:.4f} committed<br>%{customdata[0]:,} cycles, z = %{customdata[1]:+.2f}"))
+        hovertemplate="depth %{x}: %{y:.4f} committed<br>%{customdata[0]:,} cycles, z = "
+                      "%{customdata[1]:+.2f}"))
     fig.update_layout(title=title or "Expected committed tokens per cycle: formula and simulation",
                       xaxis_title="drafted tokens per cycle (depth)",
-                      yaxis_title="committed tokens per cycle (incl. recovery/bonus)", template="plotly_white")
+                      yaxis_title="committed tokens per cycle (incl. recovery/bonus)",
+                      template="plotly_white")
     return fig
 
 
@@ -205,7 +208,8 @@ def z_figure(z_scores: Sequence[float], depths: Sequence[int] | None = None, *, 
     """One bar per random curve: (simulated - formula) / standard error, inside the +-3 band."""
     import plotly.graph_objects as go
 
-    labels = [f"curve {i + 1}" + (f" (k={depths[i]})" if depths is not None else "") for i in range(len(z_scores))]
+    labels = [f"curve {i + 1}" + (f" (k={depths[i]})" if depths is not None else "") for i
+              in range(len(z_scores))]
     fig = go.Figure(go.Bar(x=labels, y=list(z_scores), marker_color="#1f77b4", name="z"))
     for y in (-MAX_Z, MAX_Z):
         fig.add_hline(y=y, line=dict(color="#d62728", dash="dash"))
@@ -244,7 +248,8 @@ def breakeven_figure(acceptance, *, title: str | None = None):
     committed = spec.expected_committed_all(acceptance)
     steps = [f"{k} -> {k + 1}" for k in range(1, growth.size + 1)]
     fig = go.Figure(go.Bar(
-        x=steps, y=100 * growth, marker_color=["#d62728" if k == 3 else "#1f77b4" for k in range(1, growth.size + 1)],
+        x=steps, y=100 * growth,
+        marker_color=["#d62728" if k == 3 else "#1f77b4" for k in range(1, growth.size + 1)],
         text=[f"{100 * g:.1f}%" for g in growth], textposition="outside",
         customdata=np.stack([committed[:-1], committed[1:]], axis=1),
         hovertemplate="%{x} drafts: %{customdata[0]:.2f} -> %{customdata[1]:.2f} committed<br>"
@@ -325,7 +330,8 @@ def explorer(**defaults):
         first=slider(w.FloatSlider, "first", 0.05, 1.0, 0.005, "acceptance of draft 1"),
         decay=slider(w.FloatSlider, "decay", 0.5, 1.0, 0.005, "decay per position"),
         draft_step_us=slider(w.FloatSlider, "draft_step_us", 0.0, 5_000.0, 50.0, "drafter step (us)"),
-        verify_one_us=slider(w.FloatSlider, "verify_one_us", 1_000.0, 50_000.0, 500.0, "target step, 1 position (us)"),
+        verify_one_us=slider(w.FloatSlider, "verify_one_us", 1_000.0, 50_000.0, 500.0,
+                             "target step, 1 position (us)"),
         verify_extra_position_us=slider(w.FloatSlider, "verify_extra_position_us", 0.0, 5_000.0, 50.0,
                                         "each extra position (us)"),
         commit_us=slider(w.FloatSlider, "commit_us", 0.0, 2_000.0, 10.0, "commit overhead (us)"),

@@ -131,7 +131,8 @@ def check_case(batch: int, heads: int = HEADS, *, device="cuda", seed: int = 0, 
         results["before"] = bench.check_all(pairs(out, c, ref_out, ref),
                                             {"output": "bf16", "state": "bf16", **exact_conv})
         results["before_vs_handoff_ref"] = bench.check_all(
-            {"output": (out, ref_h_out), "state": (c.state, ref_h.state)}, {"output": "bf16", "state": "bf16"})
+            {"output": (out, ref_h_out), "state": (c.state, ref_h.state)},
+            {"output": "bf16", "state": "bf16"})
     if "fla" in variants and state_layout == "kv" and fla_available()[0]:
         fc = fla_cache(cache)
         out, state = fla_step(inputs, fc, w)
@@ -156,8 +157,10 @@ def make_callables(batch: int, heads: int = HEADS, *, device="cuda", seed: int =
     # Bound once, as a serving engine holds a layer: per call only the six per-token inputs are
     # checked, so eager timings compare launches, not argument checking.
     befores = [kd.KDADecodeStep(kd.clone_cache(cache), w, impl="before") for _ in range(copies)]
-    afters = [kd.KDADecodeStep(kd.clone_cache(cache), w, impl="after", **kernel_options) for _ in range(copies)]
-    fns = {"before": _cycling(befores, lambda step: step(*args)), "after": _cycling(afters, lambda step: step(*args))}
+    afters = [kd.KDADecodeStep(kd.clone_cache(cache), w, impl="after", **kernel_options) for _
+              in range(copies)]
+    fns = {"before": _cycling(befores, lambda step: step(*args)),
+           "after": _cycling(afters, lambda step: step(*args))}
     after = afters[0].fused
     config = {"tile_v": after.tile_v, "threads": after.threads, "split": after.split, "hints": after.hints,
               "prefetch_ahead": after.prefetch_ahead, "host_path": "KDADecodeStep (bound once)",

@@ -298,7 +298,8 @@ def check_pipeline(kind: str = "adversarial", *, n_chunks: int = 4, heads: int =
     """The chunk walk itself, with an fp64 inverse and no rounding, must equal k3lab.nn.kda in fp64:
     then every error this study reports comes from the inverse's precision alone."""
     inputs = make_inputs(kind, n_chunks=n_chunks, heads=heads, seed=seed)
-    ch = prepare_chunks(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], dtype=torch.float64)
+    ch = prepare_chunks(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+                        dtype=torch.float64)
     o, S = walk(ch, blocked_inverse(ch.A, "fp64"), inputs["initial_state"])
     ref_o, ref_S = reference(inputs)
     return bench.check_all({"o": (o, ref_o), "state": (S, ref_S)}, dtype=torch.float64)
@@ -366,7 +367,8 @@ def inverse_tile_bytes(chunk: int = CHUNK, block: int = BLOCK) -> list[dict]:
     nb = chunk // block
     occupied = nb * (nb + 1) // 2
     rows = []
-    for what, tiles in (("A, whole 64 x 64", nb * nb), (f"A, {occupied} occupied {block} x {block} tiles", occupied)):
+    for what, tiles in (("A, whole 64 x 64", nb * nb),
+                        (f"A, {occupied} occupied {block} x {block} tiles", occupied)):
         for dtype, size in (("fp32", 4), ("bf16", 2)):
             rows.append({"buffer": what, "dtype": dtype, "tiles": tiles,
                          "bytes": tiles * block * block * size})
@@ -394,5 +396,7 @@ def onchip_table(extra_kib: tuple[float, ...] = (0.0, 0.5, 1.0, 5.0)) -> list[di
     rows = []
     for extra in extra_kib:
         req = SEED_PROLOGUE_KIB + extra
-        rows.append({"request_KiB": req, **{f"per {u} unit": workgroups_per_unit(req, u) for u in ONCHIP_KIB}})
+        rows.append(
+            {"request_KiB": req, **{f"per {u} unit": workgroups_per_unit(req, u) for u in ONCHIP_KIB}}
+        )
     return rows

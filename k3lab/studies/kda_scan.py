@@ -437,7 +437,8 @@ def _depth(case: Case, variant: str, plan) -> int | None:
     return sequential_depth(n, plan.group_size if variant == "after" and plan.uses_scan else None)
 
 
-def group_size_sweep(name: str, sizes=None, strict: bool = True, backend: str | None = None) -> list[bench.Record]:
+def group_size_sweep(name: str, sizes=None, strict: bool = True, backend: str
+                     | None = None) -> list[bench.Record]:
     """The 'after' at several group sizes on one case (checked, then timed): the curve behind
     choose_group_size. Records are named '<case>.gs<size>' ('<case>.walk' for the plain walk)."""
     case = parse_case(name)
@@ -499,8 +500,10 @@ def prologue_parts(name: str = "h12_b1_t16384", check_case: str | None = None) -
     runner = Runner(case, inp)
     args, plan, scale = runner._args(), runner.plan_before, HEAD_DIM**-0.5
     kw = {"warmup": 3, "repeats": 20} if _gpu() else {"warmup": 0, "repeats": 1}
-    forms = {"cuda": ("cuda", lambda: {"prologue": lambda: kda_cuda.prologue(*args, plan, scale, runner.work)}),
-             "triton": ("rows_exactfixup", lambda: kda_prologue.launches(*args, plan, scale, runner.work))}
+    forms = {
+        "cuda": ("cuda", lambda: {"prologue": lambda: kda_cuda.prologue(*args, plan, scale, runner.work)}),
+        "triton": ("rows_exactfixup", lambda: kda_prologue.launches(*args, plan, scale, runner.work)),
+    }
     records = []
     for backend, (label, make) in forms.items():
         try:
@@ -508,7 +511,8 @@ def prologue_parts(name: str = "h12_b1_t16384", check_case: str | None = None) -
         except ValueError as exc:  # not on this machine or not for these inputs: said, then left out
             print(f"prologue_parts: {exc}")
             continue
-        err = _run_and_check(check, check_inp, Runner(check, check_inp, backend).before, check_ref, strict=False)
+        err = _run_and_check(check, check_inp, Runner(check, check_inp, backend).before, check_ref,
+                             strict=False)
         launches = make()
         for f in launches.values():  # compile, and valid inputs for each launch timed alone
             f()
@@ -608,8 +612,8 @@ def main(argv=None) -> int:
             recs = fn()
             records.extend(recs)
             for r in recs:
-                print(f"  {r.case:28s} {r.variant:7s} {r.median_us:10.1f} us  gs={r.extra.get('group_size')}  "
-                      f"{_error_line(r.error)}", flush=True)
+                print(f"  {r.case:28s} {r.variant:7s} {r.median_us:10.1f} us  gs={r.extra.get('group_size')} "
+                      f" {_error_line(r.error)}", flush=True)
         except Exception:  # noqa: BLE001 - one failing case must not lose the others' records
             print(f"[{label} failed]\n" + traceback.format_exc()[-1500:], flush=True)
         print(f"[{label}: {time.time() - t:.1f} s, {left():.0f} s left]", flush=True)
@@ -617,7 +621,8 @@ def main(argv=None) -> int:
             json.dump([r.to_dict() for r in records], f, indent=1)
 
     phases = args.phases.split(",")
-    grid = sorted(crossover_cases(), key=lambda n: (parse_case(n).heads, parse_case(n).batch, n != "h12_b1_t16384"))
+    grid = sorted(crossover_cases(),
+                  key=lambda n: (parse_case(n).heads, parse_case(n).batch, n != "h12_b1_t16384"))
     names = args.cases.split(",") if args.cases else grid + ["h12_ragged"]
     fla_heads: set = set()
     for name in names if "cases" in phases else ():
@@ -629,7 +634,8 @@ def main(argv=None) -> int:
         else:
             print(f"[{name}: fla left out, {left():.0f} s left]", flush=True)
         variants = None if with_fla else ("before", "after")
-        step(name, lambda n=name, vs=variants: run(cases=[n], variants=vs, strict=False, backend=args.backend),
+        step(name, lambda n=name,
+             vs=variants: run(cases=[n], variants=vs, strict=False, backend=args.backend),
              need_s=15.0)
     for sw in args.sweep_cases.split(",") if "sweep" in phases else ():
         step(sw + " sweep", lambda n=sw: group_size_sweep(n, strict=False, backend=args.backend))

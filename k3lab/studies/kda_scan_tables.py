@@ -115,8 +115,10 @@ def walk_launches(path=None, device: str = "nvidia-h200", root=None):
     if path is None:
         path = Path(bench.PROFILES if root is None else root) / device / NAME / WALK_BENCH
     rows = json.loads(Path(path).read_text()).get("rows_us", {})
-    keys = {"summaries": "{}.scan.summaries", "scan": "{}.scan.scan", "replay": "{}.scan.replay", "after": "{}.after"}
-    missing = [k.format(kind) for k in keys.values() for kind in ("triton", "cuda") if k.format(kind) not in rows]
+    keys = {"summaries": "{}.scan.summaries", "scan": "{}.scan.scan", "replay": "{}.scan.replay",
+            "after": "{}.after"}
+    missing = [k.format(kind) for k in keys.values() for kind in ("triton", "cuda") if k.format(kind)
+               not in rows]
     if missing:
         raise ValueError(f"{path} is not a walk bench (missing {missing[:4]})")
     frame = pd.DataFrame({"launch": list(keys),
@@ -131,10 +133,14 @@ def summary_text(records) -> str:
     lines = [f"{'case':16s} {'before':>8s} {'after':>8s} {'fla':>8s} {'floor':>6s}  gs  o/S rel_l2 (after)"]
     for row in crossover_table(records).to_dict("records"):
         err = next((r.error for r in records if r.case == row["case"] and r.variant == "after"), {}) or {}
-        e = f"{err['o']['rel_l2']:.1e}/{err['state']['rel_l2']:.1e}" if "o" in err else err.get("failed", "")[:40]
+        e = (
+            f"{err['o']['rel_l2']:.1e}/{err['state']['rel_l2']:.1e}"
+            if "o" in err
+            else err.get("failed", "")[:40]
+        )
         lines.append(
-            f"{row['case']:16s} {row.get('before_us', float('nan')):8.0f} {row.get('after_us', float('nan')):8.0f} "
-            f"{row.get('fla_us', float('nan')):8.0f} {row.get('floor_us', float('nan')):6.0f}  "
-            f"{row.get('group_size')}  {e}"
+            f"{row['case']:16s} {row.get('before_us', float('nan')):8.0f} "
+            f"{row.get('after_us', float('nan')):8.0f} {row.get('fla_us', float('nan')):8.0f} "
+            f"{row.get('floor_us', float('nan')):6.0f}  {row.get('group_size')}  {e}"
         )
     return "\n".join(lines)

@@ -45,7 +45,8 @@ GPU_SHAPES = [(1, 4), (8, 4), (32, 4), (1, 1), (1, 2), (1, 8)]  # (batch, positi
 CPU_SHAPES = [(1, 4)]
 ABLATIONS = ("narrow_only", "narrow_1wave", "ragged")
 SWEEP_BATCHES = (1, 8, 32)
-SWEEP = [("narrow", w, n) for w in (4, 8) for n in (1, 2)] + [("stream", w, n) for w in (4, 8, 16, 32) for n in (1, 4)]
+SWEEP = [("narrow", w, n) for w in (4, 8) for n in (1, 2)] + [("stream", w, n) for w in (4, 8, 16, 32) for n
+                                                              in (1, 4)]
 CUDA_ABLATION = "b1_t4.cudawarp8_w4"  # the CUDA kernel launched plainly (the default adds PDL)
 MIN_GRAPH_CALLS = 10
 GATE_LOWER_BOUND = K3Config.full().kda_gate_lower_bound  # -5: g = -5 sigmoid(.)
@@ -112,7 +113,8 @@ def make_inputs(B: int, T: int, H: int, *, V: int = kv.HEAD_DIM, dtype=None, dev
     return {n: x.to(device) for n, x in t.items()}
 
 
-def bytes_moved(B: int, T: int, H: int, in_bytes: int, *, final_only: bool = False, V: int = kv.HEAD_DIM) -> int:
+def bytes_moved(B: int, T: int, H: int, in_bytes: int, *, final_only: bool = False,
+                V: int = kv.HEAD_DIM) -> int:
     """Memory traffic one call cannot avoid: read the state once, write it T times (or once), read q,
     k (in_bytes each), g (fp32), v and beta, write o (in_bytes)."""
     K = kv.HEAD_DIM
@@ -129,7 +131,8 @@ def floor_parts(B: int, T: int, H: int, in_bytes: int, *, final_only: bool, mode
     parts = bench.floor_breakdown(bytes=bytes_moved(B, T, H, in_bytes, final_only=final_only),
                                   launches=1 if _gpu() else 0, launch_mode=launch_mode)
     return {"floor_us": parts["floor_us"], "floor_memory_us": parts["memory_us"],
-            "floor_launch_us": parts["launch_us"], "bytes": bytes_moved(B, T, H, in_bytes, final_only=final_only)}
+            "floor_launch_us": parts["launch_us"],
+            "bytes": bytes_moved(B, T, H, in_bytes, final_only=final_only)}
 
 
 def reference(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,8 +212,9 @@ def _parse(case: str, H: int) -> dict:
     elif tail == "ragged":  # the after kernel through its dynamic (cu_seqlens) path
         spec["variants"] = [("after", dict(after, ragged=True))]
     elif case == CUDA_ABLATION:  # the CUDA kernel, plain launch
-        spec["variants"] = [("after", dict(kind="after", tile_v=8, num_warps=kv.cuda.NUM_WARPS, backend="cuda",
-                                           pdl=False))]
+        spec["variants"] = [
+            ("after", dict(kind="after", tile_v=8, num_warps=kv.cuda.NUM_WARPS, backend="cuda", pdl=False))
+        ]
     else:
         m = re.fullmatch(r"(narrow|stream)(\d+)_w(\d+)", tail)
         if m is None or (m[1] == "narrow" and int(m[2]) > kv.NARROW_MAX):
@@ -291,7 +295,8 @@ def run(preset=None, cases=None, *, modes=None, repeats: int | None = None) -> l
         ref_o, ref_states = reference(first)
         for label, vs in spec["variants"]:
             vs = _resolved(vs, sets[0])
-            fn = _variant_fn(vs["kind"], final_only=final_only, tile_v=vs["tile_v"], num_warps=vs["num_warps"],
+            fn = _variant_fn(vs["kind"], final_only=final_only, tile_v=vs["tile_v"],
+                             num_warps=vs["num_warps"],
                              ragged=vs.get("ragged", False), backend=vs.get("backend"), pdl=vs.get("pdl"))
             if vs.get("ragged"):
                 cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=dev)
@@ -310,13 +315,23 @@ def run(preset=None, cases=None, *, modes=None, repeats: int | None = None) -> l
                          "workgroups": kv.workgroups(B, H, vs["tile_v"]),
                          "compute_units": _env.detect().compute_units, "wave_width": _env.detect().wave_width,
                          "path": "ragged" if vs.get("ragged") else "uniform",
-                         "states_written": "final" if (final_only or vs["kind"] == "fla") else "every position",
+                         "states_written": "final" if (final_only or vs["kind"] == "fla")
+                         else "every position",
                          "floor_memory_us": fl["floor_memory_us"], "floor_launch_us": fl["floor_launch_us"],
                          "bytes": fl["bytes"]}
-                records.append(bench.make_record(NAME, case, label, t, shape={"B": B, "T": T, "H": H, "K": 128,
-                                                                             "V": 128},
-                                                 dtype=str(dtype).replace("torch.", ""), floor_us=fl["floor_us"],
-                                                 error=err, **extra))
+                records.append(
+                    bench.make_record(
+                        NAME,
+                        case,
+                        label,
+                        t,
+                        shape={"B": B, "T": T, "H": H, "K": 128, "V": 128},
+                        dtype=str(dtype).replace("torch.", ""),
+                        floor_us=fl["floor_us"],
+                        error=err,
+                        **extra,
+                    )
+                )
     return records
 
 
@@ -421,7 +436,8 @@ def ablation_table(records, batch: int = 1, positions: int = 4) -> "pandas.DataF
     steps = [("before (32 columns, 128 threads, per-token loads)", base, "before"),
              ("narrow tiles", f"{base}.narrow_only", "after"),
              ("+ one wave per program", f"{base}.narrow_1wave", "after"),
-             ("+ compile-time length, hoisted loads and work (Triton narrow kernel)", f"{base}.narrow8_w1", "after"),
+             ("+ compile-time length, hoisted loads and work (Triton narrow kernel)", f"{base}.narrow8_w1",
+              "after"),
              ("hand-written CUDA kernel (lane pairs, 4 warps per tile)", f"{base}.cudawarp8_w4", "after"),
              ("after: kda_verify's default (+ programmatic dependent launch on the H200)", base, "after"),
              ("ragged (cu_seqlens) path", f"{base}.ragged", "after"),

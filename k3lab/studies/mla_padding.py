@@ -46,12 +46,17 @@ from k3lab.config import K3Config
 from k3lab.ops import mla_decode as mla
 from k3lab.ops.mla_decode import peers
 from k3lab.ops.mla_decode import triton as mla_triton
-from k3lab.studies.mla_padding_tables import (BOUND_ROWS, BOUNDS, BREAKDOWN_STEPS, H200_SMS, MERGE_RUN, NAME,  # noqa: F401
-                                              PEER_KERNELS, PROBE_PHASES, READ_FLOORS, READ_PROBE, STAGE_BUILDS,
+from k3lab.studies.mla_padding_tables import (BOUND_ROWS, BOUNDS, BREAKDOWN_STEPS, H200_SMS, MERGE_RUN,
+                                              NAME,  # noqa: F401
+                                              PEER_KERNELS, PROBE_PHASES, READ_FLOORS, READ_PROBE,
+                                              STAGE_BUILDS,
                                               STAGE_RUNS, TARGETS, WAVE_RUNS, WGMMA_RUN, arithmetic_per_tile,
-                                              bounds_figure, breakdown_figure, peer_figure, peer_kernels, peer_table,
-                                              probe_frames, probe_runs, read_breakdown, read_floors, stage_figure,
-                                              stage_table, summary, sweep_figure, sweep_table, target_bounds, targets,
+                                              bounds_figure, breakdown_figure, peer_figure, peer_kernels,
+                                              peer_table,
+                                              probe_frames, probe_runs, read_breakdown, read_floors,
+                                              stage_figure,
+                                              stage_table, summary, sweep_figure, sweep_table, target_bounds,
+                                              targets,
                                               verify_figure, verify_table, wave_figure, wave_table)
 
 PAGE_SIZE = 64
@@ -72,7 +77,8 @@ class Case:
     ragged: bool = False  # per-request lengths drawn in [context / 8, context], the first = context
     splits: int | None = None  # force the split count (the sweep)
     kind: str = "main"  # 'main' or 'sweep'
-    backend: str | None = None  # the after's backend ('cuda' / 'triton'; None = plan_after's choice): sweep points
+    # the after's backend ('cuda' / 'triton'; None = plan_after's choice): sweep points
+    backend: str | None = None
 
 
 def _gpu() -> bool:
@@ -106,9 +112,19 @@ def _kernel_cases() -> list[Case]:
     if not _gpu():
         return []
     base = {c.name: c for c in _main_cases()}
-    out = [Case(f"{n}.triton", base[n].batch, base[n].context, ragged=base[n].ragged, kind="sweep", backend="triton")
-           for n in ("ctx1k", "ctx32k", "ctx128k", "b1_8k", "b8_8k", "b64_8k", "ragged8_8k")]
-    out += [Case(f"verify{tq}_32k.triton", 1, 32768, q_len=tq, kind="sweep", backend="triton") for tq in (2, 3, 4)]
+    out = [
+        Case(
+            f"{n}.triton",
+            base[n].batch,
+            base[n].context,
+            ragged=base[n].ragged,
+            kind="sweep",
+            backend="triton",
+        )
+        for n in ("ctx1k", "ctx32k", "ctx128k", "b1_8k", "b8_8k", "b64_8k", "ragged8_8k")
+    ]
+    out += [Case(f"verify{tq}_32k.triton", 1, 32768, q_len=tq, kind="sweep", backend="triton") for tq
+            in (2, 3, 4)]
     out += [Case("verify3_32k.cuda", 1, 32768, q_len=3, kind="sweep", backend="cuda")]
     out += [Case(f"verify{tq}_b8_8k.{b}", 8, 8192, q_len=tq, kind="sweep", backend=b)
             for tq in (2, 3, 4) for b in ("triton", "cuda")]
@@ -216,7 +232,11 @@ def _plan(key: str, case: Case, s: dict, heads: int):
     elif key == "contig":
         fn = mla.plan_after(q, cache, lens, fold_heads=fold)
     elif key == "einsum":
-        fn = (lambda: peers.einsum_decode(q, cache, lens)) if ragged else (lambda: peers.einsum_decode(q, cache))
+        fn = (
+            (lambda: peers.einsum_decode(q, cache, lens))
+            if ragged
+            else (lambda: peers.einsum_decode(q, cache))
+        )
     elif key == "sdpa":
         fn = (lambda: peers.sdpa_decode(q, cache, lens)) if ragged else (lambda: peers.sdpa_decode(q, cache))
     elif key == "flashmla":
@@ -303,7 +323,8 @@ def _run_case(case: Case, heads: int, dt, gpu: bool, info, modes, repeats, log) 
             timing = bench.time_fn(fn, rotate=rot, graph=(mode == "graph"), **_timing_opts(gpu, repeats))
             achieved = nbytes / (timing.median_us * 1e-6) / 1e12
             extra = dict(facts, cache_bytes=nbytes, achieved_tbs=achieved,
-                         copy_bw_fraction=achieved / info.peak.bandwidth_tbs, compute_units=info.compute_units,
+                         copy_bw_fraction=achieved / info.peak.bandwidth_tbs,
+                         compute_units=info.compute_units,
                          layout="contiguous" if key in ("einsum", "sdpa", "contig") else "paged",
                          peer={"einsum": "einsum+softmax", "sdpa": "sdpa", "flashmla": "flashmla"}.get(key))
             rec = bench.make_record(NAME, rcase, variant, timing, shape=shape, dtype=dt, floor_us=floor,
@@ -381,9 +402,15 @@ def programs_figure(table, title: str | None = None):
     fig = go.Figure()
     for policy, color in (("before", "#d62728"), ("after", "#2ca02c")):
         sub = table[table["policy"] == policy]
-        fig.add_trace(go.Bar(name=policy, x=[f"{c // 1024}K" if c >= 1024 else str(c) for c in sub["context"]],
-                             y=sub["programs"], marker_color=color,
-                             text=[f"{p} programs, {s} split(s)" for p, s in zip(sub["programs"], sub["splits"])]))
+        fig.add_trace(
+            go.Bar(
+                name=policy,
+                x=[f"{c // 1024}K" if c >= 1024 else str(c) for c in sub["context"]],
+                y=sub["programs"],
+                marker_color=color,
+                text=[f"{p} programs, {s} split(s)" for p, s in zip(sub["programs"], sub["splits"])],
+            )
+        )
     units = int(table["compute_units"].iloc[0])
     fig.add_hline(y=units, line_dash="dash", annotation_text=f"{units} compute units")
     fig.update_layout(barmode="group", template="plotly_white", xaxis_title="context length",
@@ -402,7 +429,8 @@ def padding_cost(preset=None, contexts=(1024, 32768, 131072), batch: int = 1, dt
     rows = []
     for n in contexts:
         cache = batch * n * mla.LATENT_DIM * elem
-        for label, h in (("12 heads" if heads == 12 else f"{heads} heads", heads), (f"padded to {padded}", padded)):
+        for label, h in (("12 heads" if heads == 12 else f"{heads} heads", heads),
+                         (f"padded to {padded}", padded)):
             q_bytes = batch * h * mla.LATENT_DIM * elem
             flops = 2 * batch * h * n * (mla.LATENT_DIM + mla.VALUE_DIM)
             rows.append({"context": n, "query": label, "cache_bytes": cache, "query_bytes": q_bytes,
@@ -433,7 +461,8 @@ def instruction_mix(dtype: str = "bf16", arch: int = 90):
                              env=dict(os.environ, TRITON_INTERPRET="0"))
         line = [ln for ln in res.stdout.splitlines() if ln.startswith("ROWS=")]
         if res.returncode != 0 or not line:
-            return pd.DataFrame([{"kernel": "both", "note": f"compile for sm_{arch} failed: {res.stderr[-400:]}"}])
+            return pd.DataFrame([{"kernel": "both", "note": f"compile for sm_{arch} failed: "
+                                                            f"{res.stderr[-400:]}"}])
         return pd.DataFrame(json.loads(line[0][5:]))
     return pd.DataFrame(_instruction_rows(dtype, arch))
 
@@ -452,19 +481,41 @@ def _instruction_rows(dtype: str, arch: int) -> list[dict]:
     # pointer and stride arguments get the 16-divisibility hint Triton's launcher gives them at run time
     div16 = {"q_ptr", "kv_ptr", "bt_ptr", "len_ptr", "o_ptr", "lse_ptr", "op_ptr", "lsep_ptr", "stride_qb",
              "stride_qt", "stride_qh", "stride_kvp", "stride_kvr", "stride_ob", "stride_ot", "stride_oh"}
-    ptr = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "bt_ptr": "*i32", "len_ptr": "*i32", "o_ptr": f"*{dtype}",
+    ptr = {"q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "bt_ptr": "*i32", "len_ptr": "*i32",
+           "o_ptr": f"*{dtype}",
            "lse_ptr": "*fp32", "op_ptr": "*fp32", "lsep_ptr": "*fp32", "scale_log2": "fp32"}
     mt = mla_triton
     bcfg = mt.launch_config("before")
     acfg = mt.launch_config("after", rows=mla.MMA_ROWS)  # the static default (no device needed)
     kernels = {
-        "before": (mt._before_kernel, dict(PAGED=True, PAGE_SIZE=PAGE_SIZE, DV=512, DR=64, BLOCK_N=bcfg.block_n,
-                                            INTERPRET=False), bcfg),
-        "after": (mt._split_kernel, dict(PAGED=True, PAGE_SIZE=PAGE_SIZE, PAGE_GROUPS=16, DV=512, DR=64,
-                                          HEAD_TILE=16, TOK_TILE=1, BLOCK_N=acfg.block_n, WRITE_FINAL=False,
-                                          IEEE=False, PDL=True, INTERPRET=False), acfg),
-        "merge": (mt._merge_kernel, dict(DV=512, BLOCK_DV=mt.MERGE_DV, SPLITS_P2=256, PDL=True),
-                  mla.LaunchConfig(mt.MERGE_DV, 4, 1)),
+        "before": (
+            mt._before_kernel,
+            dict(PAGED=True, PAGE_SIZE=PAGE_SIZE, DV=512, DR=64, BLOCK_N=bcfg.block_n, INTERPRET=False),
+            bcfg,
+        ),
+        "after": (
+            mt._split_kernel,
+            dict(
+                PAGED=True,
+                PAGE_SIZE=PAGE_SIZE,
+                PAGE_GROUPS=16,
+                DV=512,
+                DR=64,
+                HEAD_TILE=16,
+                TOK_TILE=1,
+                BLOCK_N=acfg.block_n,
+                WRITE_FINAL=False,
+                IEEE=False,
+                PDL=True,
+                INTERPRET=False,
+            ),
+            acfg,
+        ),
+        "merge": (
+            mt._merge_kernel,
+            dict(DV=512, BLOCK_DV=mt.MERGE_DV, SPLITS_P2=256, PDL=True),
+            mla.LaunchConfig(mt.MERGE_DV, 4, 1),
+        ),
     }
     ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
     rows = []
@@ -481,7 +532,8 @@ def _instruction_rows(dtype: str, arch: int) -> list[dict]:
         ptx = k.asm["ptx"]
         row = {"kernel": name, "target": f"sm_{arch}", "wgmma": ptx.count("wgmma.mma_async"),
                "mma_sync": ptx.count("mma.sync"), "bulk_copies": ptx.count("cp.async.bulk.tensor"),
-               "griddepcontrol": ptx.count("griddepcontrol."), "fma_f32": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+               "griddepcontrol": ptx.count("griddepcontrol."),
+               "fma_f32": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
                "shared_kb": k.metadata.shared / 1024, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
                "registers": None, "spill_bytes": None}
         if ptxas:
@@ -489,8 +541,11 @@ def _instruction_rows(dtype: str, arch: int) -> list[dict]:
                 src = os.path.join(d, "k.ptx")
                 with open(src, "w") as f:
                     f.write(ptx)
-                res = subprocess.run([ptxas[0], "-v", f"--gpu-name=sm_{arch}a", src, "-o", os.path.join(d, "k.cubin")],
-                                     capture_output=True, text=True)
+                res = subprocess.run(
+                    [ptxas[0], "-v", f"--gpu-name=sm_{arch}a", src, "-o", os.path.join(d, "k.cubin")],
+                    capture_output=True,
+                    text=True,
+                )
             m_reg = re.search(r"Used (\d+) registers", res.stderr)
             m_sp = re.search(r"(\d+) bytes spill stores", res.stderr)
             row["registers"] = int(m_reg.group(1)) if m_reg else None

@@ -31,7 +31,12 @@ def summary(records):
 
     keyed: dict[tuple, dict] = {}
     for r in records:
-        if r.study != NAME or r.case.startswith("tune.") or ".s" in r.case and r.case.split(".")[-1][1:].isdigit():
+        if (
+            r.study != NAME
+            or r.case.startswith("tune.")
+            or ".s" in r.case
+            and r.case.split(".")[-1][1:].isdigit()
+        ):
             continue
         base = _main_name(r.case)
         suffix = r.case[len(base) + 1:] if r.case != base else ""
@@ -44,7 +49,8 @@ def summary(records):
         row = keyed.setdefault((r.device, base, r.mode), {"device": r.device, "case": base, "mode": r.mode,
                                                           "batch": r.shape.get("batch"),
                                                           "context": r.shape.get("context"),
-                                                          "q_len": r.shape.get("q_len"), "floor_us": r.floor_us})
+                                                          "q_len": r.shape.get("q_len"),
+                                                          "floor_us": r.floor_us})
         row[col] = r.median_us
         if col == "after_us":
             row["splits"] = r.extra.get("num_splits")
@@ -52,7 +58,8 @@ def summary(records):
     df = pd.DataFrame(list(keyed.values()))
     if df.empty:
         return df
-    for c in ("before_us", "after_us", "einsum_us", "sdpa_us", "after_padcopy_us", "after_contig_us", "aiter_us",
+    for c in ("before_us", "after_us", "einsum_us", "sdpa_us", "after_padcopy_us", "after_contig_us",
+              "aiter_us",
               "flashmla_us"):
         if c not in df:
             df[c] = math.nan
@@ -94,7 +101,9 @@ def sweep_figure(table, title: str | None = None):
 
     fig = go.Figure()
     for (dev, case), sub in table.groupby(["device", "case"]):
-        fig.add_trace(go.Scatter(x=sub["splits"], y=sub["median_us"], mode="lines+markers", name=f"{case} ({dev})"))
+        fig.add_trace(
+            go.Scatter(x=sub["splits"], y=sub["median_us"], mode="lines+markers", name=f"{case} ({dev})")
+        )
         choice = int(sub["rule_choice"].iloc[0])
         hit = sub[sub["splits"] == choice]
         if not hit.empty:
@@ -122,8 +131,10 @@ def targets(records, device: str = "NVIDIA H200"):
             return float(sub.loc[case, col]) if case in sub.index and col in sub else math.nan
 
         checks = [
-            ("after share of copy bandwidth, 32K", ">= 0.70", get("ctx32k", "bw_fraction"), lambda v: v >= 0.70),
-            ("after share of copy bandwidth, 128K", ">= 0.80", get("ctx128k", "bw_fraction"), lambda v: v >= 0.80),
+            ("after share of copy bandwidth, 32K", ">= 0.70", get("ctx32k", "bw_fraction"), lambda v: v
+             >= 0.70),
+            ("after share of copy bandwidth, 128K", ">= 0.80", get("ctx128k", "bw_fraction"), lambda v: v
+             >= 0.80),
             ("before / after, 32K", ">= 1.8", get("ctx32k", "speedup"), lambda v: v >= 1.8),
             ("before / after, 1K", "0.85 .. 1.15", get("ctx1k", "speedup"), lambda v: 0.85 <= v <= 1.15),
             ("einsum / after, 32K", ">= 5", get("ctx32k", "vs_einsum"), lambda v: v >= 5.0),
@@ -159,7 +170,8 @@ def probe_frames(run: dict) -> dict[str, pd.DataFrame]:
         rows = []
         for b in tl["blocks"]:
             first = b["start"] if b["first"] is None else b["first"]
-            rows += [(PROBE_PHASES[0], b["start"], first - b["start"]), (PROBE_PHASES[1], first, b["loop_end"] - first),
+            rows += [(PROBE_PHASES[0], b["start"], first - b["start"]),
+                     (PROBE_PHASES[1], first, b["loop_end"] - first),
                      (PROBE_PHASES[2], b["loop_end"], b["end"] - b["loop_end"])]
         rows += [(PROBE_PHASES[3], m["start"], m["end"] - m["start"]) for m in tl["merge"]]
         label = key if "." in key else f"split.{key}"  # records without a form name are the split kernel
@@ -210,7 +222,8 @@ BREAKDOWN_STEPS = (
 )
 
 
-def read_breakdown(device: str = "nvidia-h200", probe_path=None, wgmma_path=None, merge_path=None) -> pd.DataFrame:
+def read_breakdown(device: str = "nvidia-h200", probe_path=None, wgmma_path=None,
+                   merge_path=None) -> pd.DataFrame:
     """One row per (case, step) of BREAKDOWN_STEPS: its graph-replay time and share of the measured
     copy bandwidth, from the committed read-probe, wgmma and merge-cost runs (cases present in all)."""
     base = bench.PROFILES / device / NAME
@@ -247,7 +260,8 @@ def arithmetic_per_tile(device: str = "nvidia-h200", path=None, key: str = "wgmm
     except (KeyError, TypeError):
         raise ValueError(f"{path} has no {key!r} times and bytes for {short!r} and {long!r}") from None
     if a["splits"] != b["splits"]:
-        raise ValueError(f"{path}: {short} and {long} ran with different piece counts ({a['splits']}, {b['splits']})")
+        raise ValueError(f"{path}: {short} and {long} ran with different piece counts ({a['splits']}, "
+                         f"{b['splits']})")
     tile_bytes = 64 * mla.LATENT_DIM * 2  # 64 rows of bf16
     tiles = {c: n / a["splits"] / tile_bytes for c, n in nbytes.items()}  # per piece
     arith = (b["us"] - a["us"]) / (tiles[long] - tiles[short])
@@ -275,7 +289,8 @@ def breakdown_figure(df: pd.DataFrame, title: str | None = None):
 
 STAGE_RUNS = (("rope loaded into registers", "extra/rope_regs_07e1932.json", "wgmma-rope-regs"),
               ("rope in a ring of two boxes", "extra/ring3_7691e31.json", "wgmma-r3"))
-STAGE_BUILDS = (("wgmma-data-only", "two 72 KB stages, no arithmetic"), ("{key}-data-only", "three 64 KB stages, no arithmetic"),
+STAGE_BUILDS = (("wgmma-data-only", "two 72 KB stages, no arithmetic"),
+                ("{key}-data-only", "three 64 KB stages, no arithmetic"),
                 ("wgmma", "two 72 KB stages (the after)"), ("{key}", "three 64 KB stages"))
 
 
@@ -339,7 +354,12 @@ def wave_figure(df: pd.DataFrame, title: str | None = None):
     """Bars of wave_table: each form's time with the grid spilling into a second wave and without."""
     import plotly.express as px
 
-    df = df.assign(grid=[f"{p} pieces: {b} blocks ({w:.2f} waves)" for p, b, w in zip(df["pieces"], df["blocks"], df["waves"])])
+    df = df.assign(
+        grid=[
+            f"{p} pieces: {b} blocks ({w:.2f} waves)"
+            for p, b, w in zip(df["pieces"], df["blocks"], df["waves"])
+        ]
+    )
     return px.bar(df, x="form", y="us", color="grid", barmode="group", text_auto=".0f",
                   title=title or "64 requests x 8K on the H200: a second, partial wave costs a whole piece",
                   labels={"us": "us per decode (graph replay)"})
@@ -373,7 +393,8 @@ def peer_figure(df: pd.DataFrame, peer: str = "flashmla", title: str | None = No
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    for col, name in (("after_us", "after (k3lab)"), (f"{peer}_us", peer), ("floor_us", "floor (bytes / copy bw)")):
+    for col, name in (("after_us", "after (k3lab)"), (f"{peer}_us", peer),
+                      ("floor_us", "floor (bytes / copy bw)")):
         fig.add_trace(go.Bar(x=df["case"], y=df[col], name=name, text=[f"{v:.1f}" for v in df[col]]))
     fig.update_layout(template="plotly_white", barmode="group", yaxis_type="log",
                       yaxis_title="us per decode step (graph replay)",
@@ -416,7 +437,8 @@ BOUND_ROWS = (
      ("ctx32k", "ring split 128 +tail"), "the after's data path: the tile ring and an empty second kernel"),
     ("before / after, 1K within 15%", "before",
      ("ctx1k", lambda v, floor: (1 + TARGETS["ratio_1k_band"]) * v["after (default)"]),
-     ("ctx1k", "each: ring, 1 block, 1 copy/tile"), "the before policy's data path: one block reading the whole history"),
+     ("ctx1k", "each: ring, 1 block, 1 copy/tile"),
+     "the before policy's data path: one block reading the whole history"),
 )
 _KERNEL_KEY = {"after": "after (default)", "before": "before (default)"}
 
@@ -442,9 +464,19 @@ def target_bounds(device: str = "nvidia-h200", path=None) -> pd.DataFrame:
             raise ValueError(f"{path}: {case} lacks {sorted(missing) or [reader]}")
         needed = need(us, rows[case]["floor_us"])
         bound = rows[bcase]["variants"][reader]["us"]
-        out.append({"target": target, "kernel": kernel, "kernel_us": us[_KERNEL_KEY[kernel]], "needed_us": needed,
-                    "bound": what, "bound_us": bound, "margin_us": needed - bound, "reachable": bound <= needed,
-                    "commit": run["commit"]})
+        out.append(
+            {
+                "target": target,
+                "kernel": kernel,
+                "kernel_us": us[_KERNEL_KEY[kernel]],
+                "needed_us": needed,
+                "bound": what,
+                "bound_us": bound,
+                "margin_us": needed - bound,
+                "reachable": bound <= needed,
+                "commit": run["commit"],
+            }
+        )
     return pd.DataFrame(out)
 
 
@@ -458,7 +490,8 @@ def bounds_figure(df: pd.DataFrame, title: str | None = None):
                       ("bound_us", "its data path alone (no arithmetic)")):
         fig.add_trace(go.Bar(y=df["target"], x=df[col], name=name, orientation="h",
                              text=[f"{v:.2f}" for v in df[col]], textposition="outside"))
-    fig.update_layout(template="plotly_white", barmode="group", xaxis_type="log", xaxis_title="us (graph replay)",
+    fig.update_layout(template="plotly_white", barmode="group", xaxis_type="log",
+                      xaxis_title="us (graph replay)",
                       title=title or "H200: the missed targets against the data path that bounds them",
                       legend={"orientation": "h", "y": -0.2}, height=420)
     return fig
@@ -484,7 +517,8 @@ def verify_table(records, context: int = 32768, mode: str = "graph") -> pd.DataF
         elif r.case.endswith(".triton"):
             triton[q] = r
     if 1 not in after:
-        raise ValueError(f"no one-token after record at context {context} ({mode}) among {len(records)} records")
+        raise ValueError(f"no one-token after record at context {context} ({mode}) among {len(records)} "
+                         f"records")
     one = after[1].median_us
     rows = [{"q_len": q, "after_us": r.median_us, "per_token_ratio": r.median_us / one, "commit": r.commit,
              "triton_us": triton[q].median_us if q in triton else math.nan,
@@ -501,7 +535,11 @@ def verify_figure(df: pd.DataFrame, title: str | None = None):
     fig.add_trace(go.Bar(x=df["q_len"], y=df["after_us"], name="after (CUDA, two tokens per block)",
                          text=[f"{v:.1f}" for v in df["after_us"]]))
     t = df[df["triton_us"].notna()]
-    fig.add_trace(go.Bar(x=t["q_len"], y=t["triton_us"], name="Triton kernel", text=[f"{v:.1f}" for v in t["triton_us"]]))
+    fig.add_trace(
+        go.Bar(
+            x=t["q_len"], y=t["triton_us"], name="Triton kernel", text=[f"{v:.1f}" for v in t["triton_us"]]
+        )
+    )
     fig.update_layout(template="plotly_white", barmode="group", xaxis_title="positions verified (q_len)",
                       yaxis_title="us per MLA layer (graph replay)",
                       title=title or "H200, 1 x 32K: an odd group costs what the next even one does")

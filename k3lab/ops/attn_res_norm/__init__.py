@@ -43,7 +43,8 @@ def _cluster_available() -> tuple[bool, str]:
 
 
 BACKENDS = (Backend("cuda_cluster", 0, _cluster_available), Backend("triton", 1, triton_status))
-KERNELS = tuple(b.name for b in sorted(BACKENDS, key=lambda b: b.priority, reverse=True))  # ('triton', 'cuda_cluster')
+# ('triton', 'cuda_cluster')
+KERNELS = tuple(b.name for b in sorted(BACKENDS, key=lambda b: b.priority, reverse=True))
 BACKEND_ENV = "K3LAB_ATTN_RES_NORM_BACKEND"
 
 
@@ -81,7 +82,8 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     one chosen for this device's unit count (implies kernel='triton').
     int_round: round bf16 with integer arithmetic (default: only under Triton's interpreter)."""
     T, D = check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block, eps)
-    for name, t in (("prefix", prefix), ("blocks", blocks)) + ((("delta", delta),) if delta is not None else ()):
+    for name, t in (("prefix", prefix), ("blocks", blocks)) + ((("delta", delta),) if delta is not None
+                                                               else ()):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     w_mix = fold_mix_weight(res_norm_w, res_proj_w) if mix_weight is None else mix_weight

@@ -65,13 +65,15 @@ def cluster_pieces(*tensors: torch.Tensor | None) -> tuple[int, str]:
     for t in tensors:
         if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
             return 0, "a tensor is not contiguous or not 16-byte aligned"
-    ok, why = cluster_build(prefix.device.index if prefix.device.index is not None else torch.cuda.current_device())
+    ok, why = cluster_build(prefix.device.index if prefix.device.index is not None
+                            else torch.cuda.current_device())
     if not ok:
         return 0, f"cluster kernel unavailable: {why}"
     return -(-D // PIECE), f"cluster kernel: {why}"
 
 
-def cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False,
+def cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5,
+               push_block=False,
                mix_weight=None):
     """Same arguments, effects and result as `attn_res_norm.before` (bf16 tensors on one GPU, hidden
     size a multiple of 8)."""
@@ -84,14 +86,16 @@ def cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_nor
         raise ValueError(f"n_blocks must be at most {MAX_BLOCKS}, got {n_blocks}")
     if -(-D // PIECE) > MAX_PIECES:
         raise ValueError(f"the cluster kernel takes rows of at most {MAX_PIECES * PIECE} columns, got D={D}")
-    for name, t in (("prefix", prefix), ("blocks", blocks)) + ((("delta", delta),) if delta is not None else ()):
+    for name, t in (("prefix", prefix), ("blocks", blocks)) + ((("delta", delta),) if delta is not None
+                                                               else ()):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must start on a 16-byte boundary (the kernel moves 8 bf16 at a time)")
     w_mix = fold_mix_weight(res_norm_w, res_proj_w) if mix_weight is None else mix_weight
     if w_mix.shape != (D,) or w_mix.dtype != torch.float32 or not w_mix.is_contiguous():
-        raise ValueError(f"mix_weight must be contiguous fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")
+        raise ValueError(f"mix_weight must be contiguous fp32 [D={D}], got {w_mix.dtype} "
+                         f"{tuple(w_mix.shape)}")
     w_next = next_norm_w.float().contiguous()  # no copy when it is fp32 already
     ok, why = _build.clusters_available(prefix.device)
     if not ok:
@@ -101,7 +105,8 @@ def cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_nor
     args = Args(prefix.data_ptr(), delta.data_ptr() if delta is not None else None, blocks.data_ptr(),
                  out.data_ptr(), w_mix.data_ptr(), w_next.data_ptr(), blocks.stride(0), T, D, n_blocks,
                  int(push_block), float(eps))
-    stream = _build.stream_handle(prefix.device.index if prefix.device.index is not None else torch.cuda.current_device())
+    stream = _build.stream_handle(prefix.device.index if prefix.device.index is not None
+                                  else torch.cuda.current_device())
     rc = lib.k3_attn_res_norm(ctypes.byref(args), ctypes.c_void_p(stream))
     if rc != 0:
         raise RuntimeError(f"{KERNEL}.cu returned {rc} (T={T}, D={D}, n_blocks={n_blocks})")

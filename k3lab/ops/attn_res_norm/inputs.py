@@ -103,7 +103,8 @@ def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None, 
     all_blocks = 1 << max(n_blocks - 1, 0).bit_length()  # next power of two
     if tokens <= compute_units:
         warps = 16 if wave_width == 64 else 8
-        return {"kernel": "triton", "group": all_blocks, "num_warps": warps, "prefetch": 1, "w_reload": 0, "stages": 0}
+        return {"kernel": "triton", "group": all_blocks, "num_warps": warps, "prefetch": 1, "w_reload": 0,
+                "stages": 0}
     if n_blocks >= 2:
         return {"kernel": "triton", "group": 1, "num_warps": 8, "prefetch": 0, "w_reload": 0, "stages": 3}
     return {"kernel": "triton", "group": 1, "num_warps": 4, "prefetch": 1, "w_reload": 0, "stages": 0}

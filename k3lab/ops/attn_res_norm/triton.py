@@ -137,11 +137,14 @@ def launch(prefix, delta, blocks, n_blocks, w_mix, next_norm_w, eps, push_block,
     out = torch.empty_like(prefix)
     if T == 0:
         return out
-    g = min(int(cfg["group"]), 1 << max(n_blocks - 1, 0).bit_length())  # no tile taller than the blocks in use
+    # no tile taller than the blocks in use
+    g = min(int(cfg["group"]), 1 << max(n_blocks - 1, 0).bit_length())
     _attn_res_norm_kernel[(T,)](
         prefix, delta if delta is not None else prefix, blocks, out, w_mix, next_norm_w.contiguous(),
         blocks.stride(0), 0, eps, D=D, N_BLOCKS=n_blocks, HAS_DELTA=delta is not None, PUSH=push_block,
-        BLOCK_D=triton.next_power_of_2(D), GROUP=g, PREFETCH=int(cfg["prefetch"]), W_RELOAD=int(cfg["w_reload"]),
-        STAGES=int(cfg["stages"]), INT_ROUND=int(env.triton_interpreted() if int_round is None else bool(int_round)),
+        BLOCK_D=triton.next_power_of_2(D), GROUP=g, PREFETCH=int(cfg["prefetch"]),
+        W_RELOAD=int(cfg["w_reload"]),
+        STAGES=int(cfg["stages"]),
+        INT_ROUND=int(env.triton_interpreted() if int_round is None else bool(int_round)),
         num_warps=int(cfg["num_warps"]))
     return out

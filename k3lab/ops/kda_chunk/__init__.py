@@ -75,14 +75,16 @@ class Backend:
     priority: int  # lower runs first where available
     available: Callable[[], tuple[bool, str]]  # this machine: (ok, what runs or why not)
     supports: Callable[..., str | None]  # (q, k, v, g, beta, plan) -> None, or why not these inputs
-    prologue: Callable[..., dict[str, Callable[[], None]]]  # (q, k, v, g, beta, plan, scale, work) -> launches
+    # (q, k, v, g, beta, plan, scale, work) -> launches
+    prologue: Callable[..., dict[str, Callable[[], None]]]
     summaries: Callable[..., None]  # (work, plan, sums)
     replay: Callable[..., None]  # (work, plan, o, s_final, s_in)
 
 
 BACKENDS = (
     Backend("cuda", 0, cuda.available, cuda.supports, _cuda_prologue, cuda.summaries, cuda.replay),
-    Backend("triton", 1, _triton_available, lambda *args: None, prologue.launches, walk.summaries, _triton_replay),
+    Backend("triton", 1, _triton_available, lambda *args: None, prologue.launches, walk.summaries,
+            _triton_replay),
 )
 
 
@@ -143,7 +145,8 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, variant, gro
             raise ValueError("give group_size or plan, not both: the plan fixes the groups")
         check_plan(plan, lengths, H, q.device)
         if variant == "before" and plan.uses_scan:
-            raise ValueError("plan uses groups (a scan plan); kda_chunk_before needs a plan with group_size=None")
+            raise ValueError("plan uses groups (a scan plan); kda_chunk_before needs a plan with "
+                             "group_size=None")
     if work is None:
         work = alloc_work(plan.n_chunks, H, q.dtype, q.device)
     else:
@@ -200,7 +203,8 @@ def kda_chunk_after(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens
     walk when the plan has no groups (`choose_group_size` says the GPU is already full). Same arguments and
     results as `kda_chunk_before`, plus group_size (chunks per group; None: `choose_group_size`; give it
     or a plan, not both)."""
-    call = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, variant="after", group_size=group_size,
+    call = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, variant="after",
+                    group_size=group_size,
                     plan=plan, work=work, backend=backend)
     return _run(_launches(q, k, v, g, beta, initial_state, call))
 
@@ -215,7 +219,8 @@ def after_launches(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=
     return _launches(q, k, v, g, beta, initial_state, call)
 
 
-def kda_chunk_prologue(q, k, v, g, beta, plan: KdaPlan, scale: float | None = None, work: Work | None = None, *,
+def kda_chunk_prologue(q, k, v, g, beta, plan: KdaPlan, scale: float | None = None, work: Work | None = None,
+                       *,
                        backend: str | None = None) -> Work:
     """The chunk prologue alone, into `work` (allocated when None): W, U, Qg, Kd^T, Aqk, d per (chunk,
     head), layout [n_chunks, H, ...] (`Work`). For checks and timing; the prefill functions run it."""
@@ -238,7 +243,8 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
             raise ValueError("group_size is an option of variant='after'; the before walks whole sequences")
         return kda_chunk_before(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan=plan, work=work,
                                 backend=backend)
-    return kda_chunk_after(q, k, v, g, beta, scale, initial_state, cu_seqlens, group_size=group_size, plan=plan,
+    return kda_chunk_after(q, k, v, g, beta, scale, initial_state, cu_seqlens, group_size=group_size,
+                           plan=plan,
                            work=work, backend=backend)
 
 

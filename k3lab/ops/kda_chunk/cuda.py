@@ -33,22 +33,29 @@ MIN_CAPABILITY = (8, 0)
 _ERRORS = {-3: "needs more shared memory per block than the device allows", -4: "bad sizes",
            -5: "this build has no kernel (HIP or an unsupported target)", -6: "no such form built"}
 _WORK = ("w", "u", "qg", "kdt", "aqk", "d")
-_WALK_POINTERS = (*_WORK, "chunk_tok", "chunk_len", "grp_chunk0", "grp_nchunks", "grp_seq", "grp_sin", "grp_last",
+_WALK_POINTERS = (*_WORK, "chunk_tok", "chunk_len", "grp_chunk0", "grp_nchunks", "grp_seq", "grp_sin",
+                  "grp_last",
                   "sum_grp", "s_in", "o", "s_final", "sum_n", "sum_b", "sum_d")
 
 
 class PrologueArgs(ctypes.Structure):
     """kernels/kda_prologue.cu's k3kp::Args, field by field (its size is checked against the library's)."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("q", "k", "v", "g", "beta", "chunk_tok", "chunk_len", *_WORK)] + [
-        ("n_chunks", ctypes.c_int), ("H", ctypes.c_int), ("scale", ctypes.c_float), ("spread", ctypes.c_float)]
+    _fields_ = [
+        (name, ctypes.c_void_p) for name in ("q", "k", "v", "g", "beta", "chunk_tok", "chunk_len", *_WORK)
+    ] + [
+        ("n_chunks", ctypes.c_int),
+        ("H", ctypes.c_int),
+        ("scale", ctypes.c_float),
+        ("spread", ctypes.c_float),
+    ]
 
 
 class WalkArgs(ctypes.Structure):
     """kernels/kda_walk.cu's k3kw::Args, field by field (its size is checked against the library's)."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in _WALK_POINTERS] + [("n_items", ctypes.c_int), ("H", ctypes.c_int)]
+    _fields_ = [(name, ctypes.c_void_p) for name in _WALK_POINTERS] + [("n_items", ctypes.c_int),
+                                                                       ("H", ctypes.c_int)]
 
 
 @functools.cache
@@ -63,7 +70,8 @@ def _prologue_library() -> ctypes.CDLL:
 def _walk_library() -> ctypes.CDLL:
     lib = _build.load(WALK)
     lib.k3_kda_walk.restype = ctypes.c_int
-    lib.k3_kda_walk.argtypes = [ctypes.POINTER(WalkArgs), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.k3_kda_walk.argtypes = [ctypes.POINTER(WalkArgs), ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                ctypes.c_void_p]
     return _build.check_library(lib, WALK, WalkArgs)
 
 
@@ -139,7 +147,8 @@ def replay(work: Work, plan: KdaPlan, o: torch.Tensor, s_final: torch.Tensor, s_
     """Walk every group of `plan` from its starting state s_in[group] (the scan's output), writing o
     [tokens, H, 128] bf16 and, from each sequence's last group, s_final. One launch."""
     ptrs = {name: getattr(work, name).data_ptr() for name in _WORK}
-    for name, t in (("chunk_tok", plan.chunk_tok), ("chunk_len", plan.chunk_len), ("grp_chunk0", plan.grp_chunk0),
+    for name, t in (("chunk_tok", plan.chunk_tok), ("chunk_len", plan.chunk_len),
+                    ("grp_chunk0", plan.grp_chunk0),
                     ("grp_nchunks", plan.grp_nchunks), ("grp_seq", plan.grp_seq), ("grp_sin", plan.grp_index),
                     ("grp_last", plan.grp_last), ("o", o), ("s_final", s_final), ("s_in", s_in)):
         ptrs[name] = t.data_ptr()
@@ -149,7 +158,8 @@ def replay(work: Work, plan: KdaPlan, o: torch.Tensor, s_final: torch.Tensor, s_
 def summaries(work: Work, plan: KdaPlan, sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
     """Every non-last group's summary into sums = (N, b, D) (`scan.buffers`' layout). One launch."""
     ptrs = {name: getattr(work, name).data_ptr() for name in _WORK}
-    for name, t in (("grp_chunk0", plan.grp_chunk0), ("grp_nchunks", plan.grp_nchunks), ("sum_grp", plan.sum_grp),
+    for name, t in (("grp_chunk0", plan.grp_chunk0), ("grp_nchunks", plan.grp_nchunks),
+                    ("sum_grp", plan.sum_grp),
                     ("sum_n", sums[0]), ("sum_b", sums[1]), ("sum_d", sums[2])):
         ptrs[name] = t.data_ptr()
     _walk(ptrs, plan.n_summaries, plan.heads, False, sums[0].device)

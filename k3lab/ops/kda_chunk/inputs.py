@@ -50,7 +50,8 @@ def _check_tensors(q, k, v, g, beta) -> None:
         raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dtype != q.dtype:
-            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {getattr(t, 'dtype', type(t).__name__)}")
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.shape != (B, T, H, HEAD_DIM):
@@ -83,7 +84,8 @@ def _lengths(cu_seqlens, B: int, T: int) -> list[int]:
     return [b - a for a, b in itertools.pairwise(cu)]
 
 
-def validate(q, k, v, g, beta, initial_state=None, cu_seqlens=None, scale=None) -> tuple[list[int], int, float]:
+def validate(q, k, v, g, beta, initial_state=None, cu_seqlens=None,
+             scale=None) -> tuple[list[int], int, float]:
     """Check one prefill call's arguments; returns (sequence lengths, heads H, scale).
 
     q, k [B, T, H, 128] and v [B, T, H, 128] of one dtype (bf16, fp16 or fp32), contiguous; g [B, T, H, 128]
@@ -101,7 +103,8 @@ def validate(q, k, v, g, beta, initial_state=None, cu_seqlens=None, scale=None) 
         raise ValueError(f"{N} sequences: the launch grids take at most {MAX_GRID}; split the batch")
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor) or initial_state.dtype != torch.float32:
-            raise ValueError(f"initial_state must be a float32 tensor, got {getattr(initial_state, 'dtype', None)}")
+            raise ValueError(f"initial_state must be a float32 tensor, got "
+                             f"{getattr(initial_state, 'dtype', None)}")
         if initial_state.shape != (N, H, HEAD_DIM, HEAD_DIM):
             raise ValueError(f"initial_state must be [N={N}, H={H}, {HEAD_DIM}, {HEAD_DIM}], got "
                              f"{tuple(initial_state.shape)}")

@@ -128,8 +128,8 @@ def check_plan(plan: KdaPlan, lengths: list[int], heads: int, device: torch.devi
     if not isinstance(plan, KdaPlan):
         raise ValueError(f"plan must be a KdaPlan (make_plan), got {type(plan).__name__}")
     if plan.lengths != lengths or plan.heads != heads:
-        raise ValueError(f"plan was made for lengths {plan.lengths[:4]}... and {plan.heads} heads, not for these "
-                         f"inputs (lengths {lengths[:4]}..., {heads} heads)")
+        raise ValueError(f"plan was made for lengths {plan.lengths[:4]}... and {plan.heads} heads, not for "
+                         f"these inputs (lengths {lengths[:4]}..., {heads} heads)")
     if plan.device != device:
         raise ValueError(f"plan's tables are on {plan.device} but q is on {device} (make_plan(device=...))")
 

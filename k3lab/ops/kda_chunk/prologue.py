@@ -53,7 +53,8 @@ def _exp(x, FAST: tl.constexpr):
     a sum of factors <= 1). Else tl.exp (the interpreter, other backends)."""
     if FAST:
         y = tl.inline_asm_elementwise(
-            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * 1.4426950408889634], dtype=tl.float32, is_pure=True, pack=1
+            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * 1.4426950408889634], dtype=tl.float32, is_pure=True,
+            pack=1
         )
     else:
         y = tl.exp(x)
@@ -112,7 +113,8 @@ def _a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d
         E4 = E[None, :, None, :]
         bs4 = bs[:, None, None, :]
         narrow4 = spread[:, None, None, None] <= SPREAD
-        arg = tl.where(J4 < I4, P4 - E4, tl.where((J4 == I4) & narrow4, tl.minimum(-bs4, SPREAD), float("-inf")))
+        arg = tl.where(J4 < I4, P4 - E4,
+                       tl.where((J4 == I4) & narrow4, tl.minimum(-bs4, SPREAD), float("-inf")))
         F = _exp(arg, FAST)  # [NB, NB, 1, BK]
         right = tl.reshape(c3[None, :, :, :] * F, [NB, C, BK])
         rt = tl.permute(right, (0, 2, 1))
@@ -129,7 +131,8 @@ def _a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d
 
 @triton.jit(do_not_specialize=["H"])
 def _a_kernel(q, k, g, beta, chunk_tok, chunk_len, w_out, qg_out, kdt_out, aqk_out, d_out, r_buf, flags, H,
-              scale, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr,
+              scale, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+              SPREAD: tl.constexpr,
               AKK_PREC: tl.constexpr, AQK_PREC: tl.constexpr, FAST: tl.constexpr):
     """Launch 'a', its main pass, one program per (chunk, head): everything `_a_phase` writes, and the
     chunk's 'needs the exact path' flag (a block's decay spread beyond SPREAD)."""
@@ -139,7 +142,8 @@ def _a_kernel(q, k, g, beta, chunk_tok, chunk_len, w_out, qg_out, kdt_out, aqk_o
     tok0 = tl.load(chunk_tok + c).to(tl.int64)
     L = tl.load(chunk_len + c)
     wide = _a_phase(q, k, g, beta, tok0, L, h, H, out, scale, qg_out, w_out, kdt_out, d_out,
-                    aqk_out + out * C * C, r_buf + out * C * C, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC, FAST)
+                    aqk_out + out * C * C, r_buf + out * C * C, K, C, BC, BK, SPREAD, AKK_PREC, AQK_PREC,
+                    FAST)
     tl.store(flags + out, wide)
 
 
@@ -203,7 +207,8 @@ def _mm(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _inverse_below_diagonal(l_base, r00, r11, r22, r33, C: tl.constexpr, BC: tl.constexpr, INV_PREC: tl.constexpr):
+def _inverse_below_diagonal(l_base, r00, r11, r22, r33, C: tl.constexpr, BC: tl.constexpr,
+                            INV_PREC: tl.constexpr):
     """The six blocks of R = (I + L)^-1 below its diagonal from the four inverted diagonal blocks:
     R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ (fp32 products); l_base holds L's off-diagonal blocks."""
     l10 = _blk(l_base, 1, 0, C, BC)
@@ -288,7 +293,8 @@ def _wu_chunk(v, beta, tok0, L, h, H, out, w_out, u_out, r_base, K: tl.constexpr
         vs = tl.load(v + ((tok0 + rc) * H + h)[:, None] * V + col[None, :], mask=rmask[:, None], other=0.0)
         vb = (vs.to(tl.float32) * bt[:, None]).to(INTER)
         tl.store(
-            u_out + out * C * V + rc[:, None] * V + col[None, :], tl.dot(R, vb, input_precision=OUT_PREC).to(INTER)
+            u_out + out * C * V + rc[:, None] * V + col[None, :],
+            tl.dot(R, vb, input_precision=OUT_PREC).to(INTER)
         )
 
 
@@ -332,7 +338,8 @@ def launches(q, k, v, g, beta, plan: KdaPlan, scale: float, work: Work) -> dict[
             AKK_PREC=p["akk"], AQK_PREC=p["aqk"], FAST=FAST_EXP, num_warps=A_WARPS, num_stages=1,
         )  # fmt: skip
         _fixup_kernel[(plan.n_chunks, H)](
-            q, k, g, beta, plan.chunk_tok, plan.chunk_len, work.aqk, r_buf, flags, H, float(scale), K=HEAD_DIM,
+            q, k, g, beta, plan.chunk_tok, plan.chunk_len, work.aqk, r_buf, flags, H, float(scale),
+            K=HEAD_DIM,
             C=CHUNK, BC=SUB, BK=FIX_BLOCK_K, num_warps=FIX_WARPS, num_stages=1,
         )  # fmt: skip
 
@@ -342,7 +349,8 @@ def launches(q, k, v, g, beta, plan: KdaPlan, scale: float, work: Work) -> dict[
 
     def wu():
         _wu_kernel[(plan.n_chunks, H)](
-            v, beta, plan.chunk_tok, plan.chunk_len, work.w, work.u, r_buf, H, K=HEAD_DIM, V=HEAD_DIM, C=CHUNK,
+            v, beta, plan.chunk_tok, plan.chunk_len, work.w, work.u, r_buf, H, K=HEAD_DIM, V=HEAD_DIM,
+            C=CHUNK,
             BC=SUB, BK=WU_BLOCK_K, OUT_PREC=p["out"], num_warps=WU_WARPS, num_stages=1,
         )  # fmt: skip
 

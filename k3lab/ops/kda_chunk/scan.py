@@ -103,7 +103,8 @@ def buffers(plan: KdaPlan, device) -> tuple[tuple[torch.Tensor, torch.Tensor, to
     return sums, torch.empty(plan.n_groups, H, K, K, dtype=torch.float32, device=device)
 
 
-def scan(plan: KdaPlan, sums, s_in: torch.Tensor, initial_state: torch.Tensor | None, dtype: torch.dtype) -> None:
+def scan(plan: KdaPlan, sums, s_in: torch.Tensor, initial_state: torch.Tensor | None,
+         dtype: torch.dtype) -> None:
     """Every group's starting state into s_in, from the summaries and the initial state (zeros when None).
     `dtype`: the inputs' (it picks the products' precision). One launch."""
     K, H = HEAD_DIM, plan.heads

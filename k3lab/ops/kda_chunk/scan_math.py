@@ -38,7 +38,8 @@ def _check_inputs(q, k, v, g, beta, initial_state):
     """(B, T, H, K, V) of KDA's inputs (kda_chunked's shapes); ValueError naming a wrong one."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+            raise ValueError(f"{name} must be a floating-point tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
@@ -58,7 +59,8 @@ def _check_inputs(q, k, v, g, beta, initial_state):
 
 
 def _compute_dtype(*tensors) -> torch.dtype:
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t
+                                in tensors) else torch.float32
 
 
 @dataclass
@@ -254,5 +256,6 @@ def sequential_depth(n_chunks: int, group_size: int | None) -> int:
     return 2 * group_size + n_groups - 1
 
 
-__all__ = ["ChunkQuantities", "apply", "chunk_affine", "chunk_products", "chunk_quantities", "chunk_step", "compose", "group_bounds",
+__all__ = ["ChunkQuantities", "apply", "chunk_affine", "chunk_products", "chunk_quantities", "chunk_step",
+           "compose", "group_bounds",
            "group_summaries", "kda_chunk_walk", "kda_group_scan", "replay", "scan_starts", "sequential_depth"]

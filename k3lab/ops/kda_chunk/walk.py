@@ -258,7 +258,8 @@ def walk(work: Work, plan: KdaPlan, o: torch.Tensor, s_final: torch.Tensor, s_in
     H, bv = plan.heads, block_v(plan)
     _walk_kernel[(HEAD_DIM // bv, H, plan.n_groups)](
         work.w, work.u, work.qg, work.kdt, work.aqk, work.d, plan.chunk_tok, plan.chunk_len, plan.grp_chunk0,
-        plan.grp_nchunks, plan.grp_seq, sin_index, plan.grp_last, s_in if s_in is not None else s_final, o, s_final,
+        plan.grp_nchunks, plan.grp_seq, sin_index, plan.grp_last, s_in if s_in is not None else s_final, o,
+        s_final,
         H, K=HEAD_DIM, V=HEAD_DIM, C=CHUNK, BV=bv, HAS_SIN=s_in is not None,
         PREC=dot_precisions(work.w.dtype)["walk"], WHILE=WHILE, num_warps=WARPS,
         num_stages=min(STAGES, pipeline_stages(WALK_TWO_STAGE_LDS[bv])),
@@ -271,7 +272,8 @@ def summaries(work: Work, plan: KdaPlan, sums: tuple[torch.Tensor, torch.Tensor,
     K, H = HEAD_DIM, plan.heads
     sum_n, sum_b, sum_d = sums
     _summary_kernel[(2 * K // SUMMARY_BLOCK, H, plan.n_summaries)](
-        work.w, work.u, work.kdt, work.d, plan.grp_chunk0, plan.grp_nchunks, plan.sum_grp, sum_n, sum_b, sum_d, H,
+        work.w, work.u, work.kdt, work.d, plan.grp_chunk0, plan.grp_nchunks, plan.sum_grp, sum_n, sum_b,
+        sum_d, H,
         K=K, V=K, C=CHUNK, BV=SUMMARY_BLOCK, PREC=dot_precisions(work.w.dtype)["walk"], WHILE=WHILE,
         num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip

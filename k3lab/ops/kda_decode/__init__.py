@@ -66,8 +66,10 @@ from k3lab.ops.kda_decode.inputs import (
 from k3lab.ops.kda_decode.reference import reference, write_back
 
 __all__ = [
-    "CONFIGS", "CONV_SIZE", "HEAD_DIM", "HINT_PREFETCH_L2", "HINT_STREAM_LOADS", "HINT_STREAM_STORES", "IMPLS",
-    "L2_EPS", "SPLIT_MODES", "SPLIT_TILE", "SPLIT_TILE_FINE", "STATE_LAYOUTS", "TOKEN_INPUTS", "KDADecodeStep",
+    "CONFIGS", "CONV_SIZE", "HEAD_DIM", "HINT_PREFETCH_L2", "HINT_STREAM_LOADS", "HINT_STREAM_STORES",
+    "IMPLS",
+    "L2_EPS", "SPLIT_MODES", "SPLIT_TILE", "SPLIT_TILE_FINE", "STATE_LAYOUTS", "TOKEN_INPUTS",
+    "KDADecodeStep",
     "KDADecodeWeights", "after", "before", "choose_config", "choose_split", "clone_cache", "default_hints",
     "fused_status", "kda_decode", "make_example", "reference", "validate",
 ]
@@ -149,7 +151,8 @@ class KDADecodeStep:
             return triton.launch(q, k, v, g_raw, beta_raw, gate, self.cache, self.weights, self.out,
                                   self.state_layout, self.batch, self.heads)
         fp64 = self.cache.state.dtype == torch.float64
-        res, new = reference(q, k, v, g_raw, beta_raw, gate, self.cache, self.weights, state_layout=self.state_layout,
+        res, new = reference(q, k, v, g_raw, beta_raw, gate, self.cache, self.weights,
+                             state_layout=self.state_layout,
                              compute_dtype=torch.float64 if fp64 else torch.float32)
         write_back(self.cache, new)
         self.out.copy_(res)
@@ -189,7 +192,11 @@ def kda_decode(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, impl
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        impl = "after" if q.device.type == "cuda" and q.dtype == torch.bfloat16 and fused_status()[0] else "reference"
+        impl = (
+            "after"
+            if q.device.type == "cuda" and q.dtype == torch.bfloat16 and fused_status()[0]
+            else "reference"
+        )
     if impl == "after":
         return after(q, k, v, g_raw, beta_raw, gate, cache, weights, out=out, state_layout=state_layout,
                      **kernel_options)
@@ -197,7 +204,11 @@ def kda_decode(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, impl
         raise ValueError(f"{sorted(kernel_options)} apply to impl='after' only")
     if impl == "before":
         return before(q, k, v, g_raw, beta_raw, gate, cache, weights, out=out, state_layout=state_layout)
-    fp64 = isinstance(cache, KDACache) and isinstance(cache.state, torch.Tensor) and cache.state.dtype == torch.float64
+    fp64 = (
+        isinstance(cache, KDACache)
+        and isinstance(cache.state, torch.Tensor)
+        and cache.state.dtype == torch.float64
+    )
     res, new = reference(q, k, v, g_raw, beta_raw, gate, cache, weights, state_layout=state_layout,
                          compute_dtype=torch.float64 if fp64 else torch.float32)
     write_back(cache, new)

@@ -28,13 +28,16 @@ def status() -> tuple[bool, str]:
 # (tile_v value columns per block, threads per block) compiled into the library, widest first.
 CONFIGS = ((128, 256), (32, 128), (16, 128))
 # kernels/kda_decode.cu's Args, field by field (checked against the library's sizeof at load)
-_ARGS_FORMAT = "<" + "Q" * 6 + "q" * 6 + "Q" * 3 + "q" * 3 + "Q" * 6 + "Qq" + "Qq" + "QQ" + "ii" + "fff" + "iii"
+_ARGS_FORMAT = (
+    "<" + "Q" * 6 + "q" * 6 + "Q" * 3 + "q" * 3 + "Q" * 6 + "Qq" + "Qq" + "QQ" + "ii" + "fff" + "iii"
+)
 _TOKEN_FORMAT = "<" + "Q" * 6 + "q" * 6  # the leading per-token fields, rewritten every step
 _ARGS_SIZE = struct.calcsize(_ARGS_FORMAT)
 HINT_STREAM_LOADS, HINT_STREAM_STORES, HINT_PREFETCH_L2 = 1, 2, 4
 # How the blocks of a split head exchange their partial sums for the output norm.
 SPLIT_MODES = {"whole": 0, "atomic": 1, "cluster": 2}
-_LAUNCH_ERRORS = {-1: "no compiled kernel for this (tile_v, threads)", -2: "warp width does not fit the block",
+_LAUNCH_ERRORS = {-1: "no compiled kernel for this (tile_v, threads)",
+                  -2: "warp width does not fit the block",
                   -3: "the config needs more shared memory than the device has", -4: "bad sizes",
                   -5: "this split mode is not compiled for this tile width"}
 
@@ -176,7 +179,13 @@ class FusedStep:
         # One block per unit ahead in launch order: on the H200 at B = 128 that beat two and four per
         # unit (53.6 vs 56.5 vs 65.5 us); further ahead, prefetched lines are evicted unused.
         ahead = f.units if hints & HINT_PREFETCH_L2 else 0
-        self.tile_v, self.threads, self.hints, self.split, self.prefetch_ahead = tile_v, threads, hints, split, ahead
+        self.tile_v, self.threads, self.hints, self.split, self.prefetch_ahead = (
+            tile_v,
+            threads,
+            hints,
+            split,
+            ahead,
+        )
         counters, o_part = _workspace(self.device, B * H) if split == "atomic" else (None, None)
         self._workspace = (counters, o_part)  # held, so it outlives a regrown shared one
         w, c = weights, cache
@@ -186,8 +195,10 @@ class FusedStep:
             c.conv_q.data_ptr(), c.conv_k.data_ptr(), c.conv_v.data_ptr(),
             c.conv_q.stride(0), c.conv_k.stride(0), c.conv_v.stride(0),
             w.conv_q.data_ptr(), w.conv_k.data_ptr(), w.conv_v.data_ptr(), w.A_log.data_ptr(),
-            w.dt_bias.data_ptr(), w.o_norm.data_ptr(), S.data_ptr(), S.stride(0), out.data_ptr(), out.stride(0),
-            counters.data_ptr() if counters is not None else 0, o_part.data_ptr() if o_part is not None else 0,
+            w.dt_bias.data_ptr(), w.o_norm.data_ptr(), S.data_ptr(), S.stride(0), out.data_ptr(),
+            out.stride(0),
+            counters.data_ptr() if counters is not None else 0, o_part.data_ptr() if o_part is not None
+            else 0,
             B, H, float(w.lower_bound), float(w.eps), HEAD_DIM ** -0.5, f.warp_size, hints, ahead)
         self._launch = f.lib.k3_kda_decode
         self._launch_tail = (tile_v, threads, int(state_layout == "vk"), SPLIT_MODES[split], f.max_shared)

@@ -111,9 +111,11 @@ def check_static(cache, weights, out, B, H, act, dev, state_layout, source="q") 
     for name in ("conv_q", "conv_k", "conv_v"):
         t = tensor_arg(f"cache.{name}", getattr(cache, name))
         if tuple(t.shape) != (B, H * K, CONV_SIZE - 1):
-            raise ValueError(f"cache.{name} must be [B={B}, H*K={H * K}, {CONV_SIZE - 1}], got {tuple(t.shape)}")
+            raise ValueError(f"cache.{name} must be [B={B}, H*K={H * K}, {CONV_SIZE - 1}], got "
+                             f"{tuple(t.shape)}")
         if t.dtype != act:
-            raise ValueError(f"cache.{name} must have {source}'s dtype {act} (it stores past inputs), got {t.dtype}")
+            raise ValueError(f"cache.{name} must have {source}'s dtype {act} (it stores past inputs), got "
+                             f"{t.dtype}")
     S = tensor_arg("cache.state", cache.state)
     if tuple(S.shape) != (B, H, K, K):
         dims = "K, V" if state_layout == "kv" else "V, K"
@@ -173,7 +175,8 @@ def validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out=None, state_lay
     for name, (t, shape) in expect.items():
         tensor_arg(name, t)
         if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must be {list(shape)} (B={B}, H={H}, head_dim {K}), got {tuple(t.shape)}")
+            raise ValueError(f"{name} must be {list(shape)} (B={B}, H={H}, head_dim {K}), got "
+                             f"{tuple(t.shape)}")
         if t.dtype != act:
             raise ValueError(f"{name} must have q's dtype {act}, got {t.dtype}")
         if t.device != dev:
@@ -190,7 +193,8 @@ def check_kernel_static(cache, weights, out, impl) -> None:
     for name in ("conv_q", "conv_k", "conv_v"):
         t = getattr(cache, name)
         if t.stride()[1:] != (CONV_SIZE - 1, 1):
-            raise ValueError(f"cache.{name} must be packed per sequence (strides [*, 3, 1]), got {t.stride()}")
+            raise ValueError(f"cache.{name} must be packed per sequence (strides [*, 3, 1]), got "
+                             f"{t.stride()}")
     S = cache.state
     if S.stride()[1:] != (HEAD_DIM * HEAD_DIM, HEAD_DIM, 1):
         raise ValueError(f"cache.state must have packed heads (strides [*, {HEAD_DIM ** 2}, {HEAD_DIM}, 1]), "

@@ -126,12 +126,14 @@ def launch(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout, B,
     o_tmp = torch.empty(B, H, K, device=q.device, dtype=act)
     sk, sv = (K, 1) if state_layout == "kv" else (1, K)
     _norm_gates_recurrence_kernel[(B * H, K // BEFORE_TILE_V)](
-        y, g_raw, g_raw.stride(0), weights.A_log, weights.dt_bias, beta_raw, beta_raw.stride(0), S, S.stride(0),
+        y, g_raw, g_raw.stride(0), weights.A_log, weights.dt_bias, beta_raw, beta_raw.stride(0), S,
+        S.stride(0),
         o_tmp, H, C, K ** -0.5, float(weights.lower_bound), sk, sv, K=K, V=K, BV=BEFORE_TILE_V)
     core = torch.empty(B, H * K, device=q.device, dtype=act)
     core.view(B, H, K).copy_(o_tmp)  # copy 1: into the attention-output buffer
     normed = torch.empty(B * H, K, device=q.device, dtype=act)
-    _gated_rms_norm_kernel[(B * H,)](core, gate, gate.stride(0), weights.o_norm, normed, H, float(weights.eps),
+    _gated_rms_norm_kernel[(B * H,)](core, gate, gate.stride(0), weights.o_norm, normed, H,
+                                     float(weights.eps),
                                      V=K)
     out.copy_(normed.view(B, H * K))  # copy 2: into the caller's buffer
     return out

@@ -57,7 +57,8 @@ from k3lab.ops.kda_verify.inputs import (
 from k3lab.ops.kda_verify.reference import reference_verify, select_accepted
 
 __all__ = [
-    "BACKENDS", "BACKEND_ENV", "BEFORE_THREADS", "BEFORE_TILE_V", "HEAD_DIM", "MAX_POSITIONS", "MIN_ROW_BYTES",
+    "BACKENDS", "BACKEND_ENV", "BEFORE_THREADS", "BEFORE_TILE_V", "HEAD_DIM", "MAX_POSITIONS",
+    "MIN_ROW_BYTES",
     "NARROW_MAX", "PROGRAMS_PER_UNIT", "TILE_WIDTHS", "Backend", "backend_status", "before_num_warps",
     "choose_backend", "choose_num_warps", "choose_tile_v", "kda_verify", "kda_verify_before", "min_tile_v",
     "reference_verify", "select_accepted", "workgroups",
@@ -129,7 +130,8 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
     name = choose_backend(q, k, v, g, beta, h0, bv, backend=backend, states=hs)
     if name == "cuda":
         if num_warps not in (None, cuda.NUM_WARPS):
-            raise ValueError(f"num_warps: the CUDA kernel runs {cuda.NUM_WARPS} warps per tile, got {num_warps}")
+            raise ValueError(f"num_warps: the CUDA kernel runs {cuda.NUM_WARPS} warps per tile, got "
+                             f"{num_warps}")
         cuda.launch(q, k, v, g, beta, h0, o, hs, seq_info, positions=steps, pdl=pdl, **common)
         return o, hs
     triton.launch_narrow(q, k, v, g, beta, h0, o, hs, seq_info, positions=steps, v_dim=V, tile_v=bv,

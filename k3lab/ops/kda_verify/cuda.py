@@ -34,9 +34,12 @@ _ERRORS = {-4: "bad sizes (T in 1..8, N and H <= 65535)"}
 class Args(ctypes.Structure):
     """kernels/kda_verify.cu's k3kv::Args, field by field (its size is checked against the library's)."""
 
-    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("g", ctypes.c_void_p),
-                ("beta", ctypes.c_void_p), ("h0", ctypes.c_void_p), ("o", ctypes.c_void_p), ("hs", ctypes.c_void_p),
-                ("seq_info", ctypes.c_void_p), ("n_seq", ctypes.c_int), ("T", ctypes.c_int), ("H", ctypes.c_int),
+    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("g", ctypes.c_void_p),
+                ("beta", ctypes.c_void_p), ("h0", ctypes.c_void_p), ("o", ctypes.c_void_p),
+                ("hs", ctypes.c_void_p),
+                ("seq_info", ctypes.c_void_p), ("n_seq", ctypes.c_int), ("T", ctypes.c_int),
+                ("H", ctypes.c_int),
                 ("mode", ctypes.c_int), ("seq64", ctypes.c_int), ("all_states", ctypes.c_int),
                 ("in_bf16", ctypes.c_int), ("g_bf16", ctypes.c_int), ("beta_bf16", ctypes.c_int),
                 ("scale", ctypes.c_float), ("pdl", ctypes.c_int)]
@@ -102,7 +105,8 @@ def supports(q, k, v, g, beta, initial_state, tile_v: int, states=None) -> str |
     for name, t in (("g", g), ("beta", beta)):
         if t.dtype not in (torch.bfloat16, torch.float32):
             return f"{name} must be bf16 or fp32, got {t.dtype}"
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state), ("states", states)):
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state),
+                    ("states", states)):
         if t is not None and t.data_ptr() % 16:
             return f"{name} is not 16-byte aligned (the kernel reads 16 bytes at a time)"
     if beta.data_ptr() % 4:
@@ -124,8 +128,10 @@ def launch(q, k, v, g, beta, h0, o, hs, seq_info, *, n_seq: int, positions: int,
     a = Args(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), h0.data_ptr(),
              o.data_ptr(), hs.data_ptr(), seq_info.data_ptr() if mode else 0,
              n_seq, positions, heads, mode, int(mode and seq_info.dtype == torch.int64), int(all_states),
-             int(q.dtype == torch.bfloat16), int(g.dtype == torch.bfloat16), int(beta.dtype == torch.bfloat16),
+             int(q.dtype == torch.bfloat16), int(g.dtype == torch.bfloat16),
+             int(beta.dtype == torch.bfloat16),
              float(scale), int(pdl))
     rc = lib.k3_kda_verify(ctypes.byref(a), ctypes.c_void_p(_build.stream_handle(idx)))
     if rc != 0:
-        raise RuntimeError(f"kda_verify.cu refused the launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
+        raise RuntimeError(f"kda_verify.cu refused the launch ({rc}: "
+                           f"{_ERRORS.get(rc, 'CUDA runtime error')})")

@@ -127,7 +127,11 @@ def check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens, q must be [1, total_tokens, H, K] (flattened), got B={B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        if (
+            cu_seqlens.dim() != 1
+            or cu_seqlens.numel() < 2
+            or cu_seqlens.dtype not in (torch.int32, torch.int64)
+        ):
             raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [N + 1], got "
                              f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
         N = cu_seqlens.numel() - 1
@@ -154,7 +158,8 @@ def check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile
             raise ValueError(f"initial_state must be float32 (the recurrent state is kept in fp32), "
                              f"got {initial_state.dtype}")
         if initial_state.shape != (N, H, K, V):
-            raise ValueError(f"initial_state must be [N={N}, H={H}, K={K}, V={V}], got {tuple(initial_state.shape)}")
+            raise ValueError(f"initial_state must be [N={N}, H={H}, K={K}, V={V}], got "
+                             f"{tuple(initial_state.shape)}")
     if initial_state is not None and initial_state.device != q.device:
         raise ValueError(f"initial_state must be on q's device {q.device}, got {initial_state.device}")
     if tile_v is not None and (tile_v not in TILE_WIDTHS or V % tile_v):

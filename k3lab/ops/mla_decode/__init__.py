@@ -43,7 +43,8 @@ from typing import Callable
 import torch
 
 from k3lab.ops.mla_decode import cuda, triton
-from k3lab.ops.mla_decode.inputs import (DEFAULT_SCALE, LATENT_DIM, MAX_Q_LEN, MMA_ROWS, VALUE_DIM, LaunchConfig,
+from k3lab.ops.mla_decode.inputs import (DEFAULT_SCALE, LATENT_DIM, MAX_Q_LEN, MMA_ROWS, VALUE_DIM,
+                                         LaunchConfig,
                                          check_scale, choose_num_splits, choose_splits, gather_paged,
                                          split_cost, to_paged)
 from k3lab.ops.mla_decode.triton import DecodePlan, after_groups
@@ -55,8 +56,10 @@ _PEER_NAMES = ("reference", "einsum_decode", "sdpa_decode", "aiter_status", "ait
 
 __all__ = [
     "LATENT_DIM", "VALUE_DIM", "DEFAULT_SCALE", "MMA_ROWS", "MAX_Q_LEN", "CUDA_VERIFY_Q_LENS", "BACKENDS",
-    "Backend", "BackendUnavailable", "DecodePlan", "LaunchConfig", "plan_before", "plan_after", "mla_decode_before",
-    "mla_decode_after", "choose_backend", "cuda_after_status", "choose_num_splits", "choose_splits", "split_cost",
+    "Backend", "BackendUnavailable", "DecodePlan", "LaunchConfig", "plan_before", "plan_after",
+    "mla_decode_before",
+    "mla_decode_after", "choose_backend", "cuda_after_status", "choose_num_splits", "choose_splits",
+    "split_cost",
     "after_groups", "to_paged", "gather_paged", *_PEER_NAMES,
 ]
 
@@ -103,15 +106,18 @@ def _cuda_refusal(variant, q, cache, lengths, block_table, opts) -> str | None:
     return cuda.after_refusal(q, cache, lengths, block_table)
 
 
-def _cuda_plan(variant, q, cache, lengths, *, block_table, scale, num_splits=None, form=None, pad_fill=0.0, **opts):
+def _cuda_plan(variant, q, cache, lengths, *, block_table, scale, num_splits=None, form=None, pad_fill=0.0,
+               **opts):
     if variant == "before":
         return cuda.plan_before(q, cache, lengths, block_table=block_table, scale=scale)
     if opts.get("pad", "registers") != "registers":
         raise ValueError("backend 'cuda' takes pad='registers' only (pad='copy' runs on the Triton backend)")
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > 1:
-        return cuda.plan_verify(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits,
+        return cuda.plan_verify(q, cache, lengths, block_table=block_table, scale=scale,
+                                num_splits=num_splits,
                                 form=form)
-    return cuda.plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, form=form)
+    return cuda.plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits,
+                     form=form)
 
 
 def _triton_plan(variant, q, cache, lengths, *, block_table, scale, num_splits=None, form=None, **opts):
@@ -119,7 +125,8 @@ def _triton_plan(variant, q, cache, lengths, *, block_table, scale, num_splits=N
         raise ValueError(f"form={form!r} names a CUDA split kernel; the Triton backend has one form")
     if variant == "before":
         return triton.plan_before(q, cache, lengths, block_table=block_table, scale=scale)
-    return triton.plan_after(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, **opts)
+    return triton.plan_after(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits,
+                             **opts)
 
 
 def _aiter_available(variant: str = "after") -> tuple[bool, str]:
@@ -141,13 +148,15 @@ def _aiter_plan(variant, q, cache, lengths, *, block_table, scale, num_splits=No
 
 BACKENDS: dict[str, Backend] = {
     "cuda": Backend("cuda", 0, _cuda_available, _cuda_refusal, _cuda_plan),
-    "triton": Backend("triton", 1, lambda variant="after": (True, "Triton kernels (the interpreter on a CPU)"),
+    "triton": Backend("triton", 1,
+                      lambda variant="after": (True, "Triton kernels (the interpreter on a CPU)"),
                       lambda *a: None, _triton_plan),
     "aiter": Backend("aiter", 2, _aiter_available, lambda *a: None, _aiter_plan),
 }
 
 
-def choose_backend(variant: str, q=None, cache=None, lengths=None, block_table=None, *, backend: str | None = None,
+def choose_backend(variant: str, q=None, cache=None, lengths=None, block_table=None, *, backend: str
+                   | None = None,
                    **opts) -> tuple[str, str]:
     """(name, why) of the backend a plan of `variant` ('before' or 'after') takes for these inputs:
     `backend` or K3LAB_MLA_BACKEND if set (BackendUnavailable if it cannot run here), else the first
@@ -213,7 +222,8 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     name, _ = choose_backend("after", q, cache, lengths, block_table, backend=backend, pad=pad,
                              fold_heads=fold_heads, form=form)
     return BACKENDS[name].plan("after", q, cache, lengths, block_table=block_table, scale=scale,
-                               num_splits=num_splits, pad=pad, fold_heads=fold_heads, form=form, pad_fill=pad_fill)
+                               num_splits=num_splits, pad=pad, fold_heads=fold_heads, form=form,
+                               pad_fill=pad_fill)
 
 
 def mla_decode_before(q, cache, lengths=None, *, block_table=None, scale=None, backend=None):
@@ -222,7 +232,8 @@ def mla_decode_before(q, cache, lengths=None, *, block_table=None, scale=None, b
     return o.clone(), lse.clone()
 
 
-def mla_decode_after(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, fold_heads=False,
+def mla_decode_after(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None,
+                     fold_heads=False,
                      pad="registers", backend=None):
     """The padded, split-history decode in one call: (o, lse) as new tensors (see `plan_after`)."""
     o, lse = plan_after(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits,

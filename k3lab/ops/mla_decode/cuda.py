@@ -75,7 +75,8 @@ def wg_smem_bytes(tokens: int = 1) -> int:
     """Dynamic shared memory of one block of form 'wgmma' with `tokens` tokens per block: 1 KB of
     alignment slack, two 72 KB tiles, Q^T (18 KB per token), P (2 KB per token), the max and sum
     exchanges (768 bytes per token) and three mbarriers (kernels/mla_wgmma.h, wg_smem_bytes_t)."""
-    return 1024 + WG_STAGES * 9 * 64 * 128 + tokens * (9 * 16 * 128 + 16 * 128 + 3 * 4 * 16 * 4) + (WG_STAGES + 1) * 8
+    return 1024 + WG_STAGES * 9 * 64 * 128 + tokens * (9 * 16 * 128 + 16 * 128 + 3 * 4 * 16
+                                                       * 4) + (WG_STAGES + 1) * 8
 
 
 class Args(ctypes.Structure):
@@ -84,7 +85,8 @@ class Args(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("block_table", ctypes.c_void_p),
                 ("lengths", ctypes.c_void_p), ("part_o", ctypes.c_void_p), ("part_lse", ctypes.c_void_p),
                 ("out", ctypes.c_void_p), ("lse", ctypes.c_void_p)] + \
-               [(n, ctypes.c_longlong) for n in ("q_sb", "q_sh", "kv_sp", "bt_sb", "o_sb", "o_sh", "l_sb")] + \
+               [(n, ctypes.c_longlong) for n
+                in ("q_sb", "q_sh", "kv_sp", "bt_sb", "o_sb", "o_sh", "l_sb")] + \
                [(n, ctypes.c_int) for n in ("B", "heads", "page_shift", "splits", "chunk", "max_pages")] + \
                [("scale_log2", ctypes.c_float), ("q_run", ctypes.c_int), ("q_tq", ctypes.c_int)]
 
@@ -107,8 +109,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                    ("form 'wgmma'", lib.k3_mla_wg_smem(1), wg_smem_bytes(1)),
                                    ("form 'wgmma' with two tokens", lib.k3_mla_wg_smem(2), wg_smem_bytes(2))):
             if theirs != ours:
-                raise _build.KernelUnavailable(f"{NAME}.cu's {what} needs {theirs} bytes of shared memory but the "
-                                               f"Python formula says {ours}")
+                raise _build.KernelUnavailable(f"{NAME}.cu's {what} needs {theirs} bytes of shared memory "
+                                               f"but the Python formula says {ours}")
     return lib
 
 
@@ -120,9 +122,11 @@ def _library() -> ctypes.CDLL:
 def status() -> tuple[bool, str]:
     """(True, what runs) when the after kernel can run here; else (False, why). Builds on first call."""
     ok, why = _build.cuda_status(
-        NAME, _library, instead="the Triton kernels of k3lab.ops.mla_decode run instead", min_capability=(9, 0),
+        NAME, _library, instead="the Triton kernels of k3lab.ops.mla_decode run instead",
+        min_capability=(9, 0),
         needs=" (bulk copies, mbarrier)",
-        hip_note=f"has no AMD path (mma.sync and Hopper bulk copies; the HIP build is a stub, {_build.NOT_RUN_ON_AMD})")
+        hip_note=f"has no AMD path (mma.sync and Hopper bulk copies; the HIP build is a stub, "
+                 f"{_build.NOT_RUN_ON_AMD})")
     if ok and not _library().k3_mla_decode_supported():
         return False, f"kernels/{NAME}.cu was built without its CUDA path"
     return ok, why
@@ -156,7 +160,8 @@ def _check_layout(q, cache, block_table) -> None:
     if not 1 <= q.shape[2] <= MAX_HEADS:
         raise ValueError(f"heads (q.shape[2]) must be 1..{MAX_HEADS} (one 16-row mma tile), got {q.shape[2]}")
     if q.dtype != torch.bfloat16:
-        raise ValueError(f"q.dtype must be bfloat16 (the kernel multiplies bf16 on the matrix units), got {q.dtype}")
+        raise ValueError(f"q.dtype must be bfloat16 (the kernel multiplies bf16 on the matrix units), got "
+                         f"{q.dtype}")
     if not isinstance(cache, torch.Tensor) or cache.dim() != 3 or cache.shape[2] != LATENT_DIM:
         raise ValueError(f"cache must be [B, L, {LATENT_DIM}] or [num_pages, page_size, {LATENT_DIM}], got "
                          f"{tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__}")
@@ -164,17 +169,17 @@ def _check_layout(q, cache, block_table) -> None:
         raise ValueError(f"cache.dtype must be bfloat16 like q, got {cache.dtype}")
     if cache.stride(2) != 1 or cache.stride(1) != LATENT_DIM:
         raise ValueError(f"cache rows must be contiguous {LATENT_DIM}-element rows (cache.stride(1) == "
-                         f"{LATENT_DIM}, cache.stride(2) == 1; a tile of 32 rows is copied in blocks of 4 rows), "
-                         f"got strides {tuple(cache.stride())}")
+                         f"{LATENT_DIM}, cache.stride(2) == 1; a tile of 32 rows is copied in blocks of 4 "
+                         f"rows), got strides {tuple(cache.stride())}")
     if block_table is not None and cache.shape[1] < BLOCK_N:
-        raise ValueError(f"page size (cache.shape[1]) must be a power of two >= {BLOCK_N} (a {BLOCK_N}-row tile "
-                         f"must not cross a page), got {cache.shape[1]}")
+        raise ValueError(f"page size (cache.shape[1]) must be a power of two >= {BLOCK_N} (a {BLOCK_N}-row "
+                         f"tile must not cross a page), got {cache.shape[1]}")
     if cache.data_ptr() % 16 or cache.stride(0) % 8:
-        raise ValueError("cache must start on a 16-byte boundary and its pages (or requests) too: bulk copies move "
-                         "16-byte units (cache.data_ptr() % 16 == 0, cache.stride(0) % 8 == 0)")
+        raise ValueError("cache must start on a 16-byte boundary and its pages (or requests) too: bulk "
+                         "copies move 16-byte units (cache.data_ptr() % 16 == 0, cache.stride(0) % 8 == 0)")
     if q.data_ptr() % 4 or q.stride(0) % 2 or q.stride(2) % 2:
-        raise ValueError("q must start on a 4-byte boundary with even batch and head strides (the kernel reads "
-                         "pairs of bf16)")
+        raise ValueError("q must start on a 4-byte boundary with even batch and head strides (the kernel "
+                         "reads pairs of bf16)")
 
 
 def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, form=None) -> Inputs:
@@ -193,14 +198,15 @@ def check(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=No
 def wgmma_refusal(q, cache, block_table) -> str | None:
     """Why form 'wgmma' cannot take these (checked) inputs, or None."""
     if block_table is not None and cache.shape[1] < WG_BLOCK_N:
-        return (f"form='wgmma' needs pages (cache.shape[1]) of >= {WG_BLOCK_N} rows (its {WG_BLOCK_N}-row tile is one "
-                f"TMA box inside a page), got {cache.shape[1]}; form='mma' takes pages of 32")
+        return (f"form='wgmma' needs pages (cache.shape[1]) of >= {WG_BLOCK_N} rows (its {WG_BLOCK_N}-row "
+                f"tile is one TMA box inside a page), got {cache.shape[1]}; form='mma' takes pages of 32")
     if cache.stride(0) != cache.shape[1] * LATENT_DIM:
-        return (f"form='wgmma' reads the cache through one tensor map of rows, so pages (or requests) must follow "
-                f"each other: cache.stride(0) must be {cache.shape[1] * LATENT_DIM}, got {cache.stride(0)}")
+        return (f"form='wgmma' reads the cache through one tensor map of rows, so pages (or requests) must "
+                f"follow each other: cache.stride(0) must be {cache.shape[1] * LATENT_DIM}, got "
+                f"{cache.stride(0)}")
     if q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(2) % 8:
-        return ("form='wgmma' reads q in 16-byte units: q must start on a 16-byte boundary with batch and head "
-                f"strides that are multiples of 8, got strides {tuple(q.stride())}")
+        return ("form='wgmma' reads q in 16-byte units: q must start on a 16-byte boundary with batch and "
+                f"head strides that are multiples of 8, got strides {tuple(q.stride())}")
     return None
 
 
@@ -215,8 +221,14 @@ def choose_form(batch: int, max_len: int, compute_units: int, *, refusal: str | 
     splits, chunk = choose_splits(batch, max_len, compute_units, num_splits=num_splits, block_n=WG_BLOCK_N)
     tiles = chunk // WG_BLOCK_N
     if tiles < WG_MIN_TILES:
-        return "mma", f"pieces of {tiles} tile(s) of {WG_BLOCK_N} rows (< {WG_MIN_TILES}): the mma kernel starts sooner"
-    return "wgmma", f"{splits} piece(s) of {tiles} tiles of {WG_BLOCK_N} rows each: warpgroup MMA on TMA tiles"
+        return (
+            "mma",
+            f"pieces of {tiles} tile(s) of {WG_BLOCK_N} rows (< {WG_MIN_TILES}): the mma kernel starts sooner",
+        )
+    return (
+        "wgmma",
+        f"{splits} piece(s) of {tiles} tiles of {WG_BLOCK_N} rows each: warpgroup MMA on TMA tiles",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,7 +252,8 @@ class CudaDecodePlan:
     _keep: tuple = field(repr=False)  # tensors the raw pointers in _args point into
     _max_shared: int = field(repr=False, default=0)
     _device: int = field(repr=False, default=0)
-    _tensor_map: object = field(repr=False, default=None)  # form 'wgmma': the cache's and q's 128-byte CUtensorMaps
+    # form 'wgmma': the cache's and q's 128-byte CUtensorMaps
+    _tensor_map: object = field(repr=False, default=None)
     tokens: int = 1  # 2: each block two consecutive requests that are two tokens of one verification group
 
     variant = "after"
@@ -264,7 +277,11 @@ class CudaDecodePlan:
 
     @property
     def config(self) -> LaunchConfig:
-        return LaunchConfig(WG_BLOCK_N, 4, WG_STAGES) if self.form == "wgmma" else LaunchConfig(BLOCK_N, WARPS, STAGES)
+        return (
+            LaunchConfig(WG_BLOCK_N, 4, WG_STAGES)
+            if self.form == "wgmma"
+            else LaunchConfig(BLOCK_N, WARPS, STAGES)
+        )
 
     @property
     def launches(self) -> int:
@@ -272,7 +289,8 @@ class CudaDecodePlan:
 
     def facts(self) -> dict:
         cfg = self.config
-        return {"backend": "cuda", "form": self.form, "tokens_per_block": self.tokens, "num_splits": self.num_splits,
+        return {"backend": "cuda", "form": self.form, "tokens_per_block": self.tokens,
+                "num_splits": self.num_splits,
                 "chunk": self.chunk, "block_n": cfg.block_n, "num_stages": cfg.num_stages,
                 "num_warps": cfg.num_warps, "smem_bytes": wg_smem_bytes(self.tokens) if self.form == "wgmma"
                 else smem_bytes(), "programs": self.programs, "launches": self.launches, "pdl": self.pdl,
@@ -288,13 +306,19 @@ class CudaDecodePlan:
         else:
             rc = lib.k3_mla_decode(ctypes.byref(self._args), int(self.pdl), self._max_shared, stream)
         if rc != 0:
-            raise RuntimeError(f"{NAME}.cu refused the {self.form} launch ({rc}: {_ERRORS.get(rc, 'CUDA runtime error')})")
+            raise RuntimeError(f"{NAME}.cu refused the {self.form} launch ({rc}: "
+                               f"{_ERRORS.get(rc, 'CUDA runtime error')})")
         return self.out, self.lse
 
 
 def _check_q_group(q, q_group, tokens_per_block: int) -> None:
     src, run = q_group
-    if tokens_per_block != 2 or not isinstance(src, torch.Tensor) or src.dim() != 4 or not isinstance(run, int):
+    if (
+        tokens_per_block != 2
+        or not isinstance(src, torch.Tensor)
+        or src.dim() != 4
+        or not isinstance(run, int)
+    ):
         raise ValueError("q_group must be (a tensor [G, Tq, H, 576], run) and needs tokens_per_block=2")
     if (src.shape[0] * run != q.shape[0] or not 1 <= src.shape[1] <= run or src.shape[2:] != q.shape[2:]
             or src.dtype != q.dtype or src.device != q.device or src.stride(3) != 1):
@@ -307,17 +331,33 @@ def _tensor_maps(cache, qsrc, heads: int, tq: int, groups: int):
     maps = ((ctypes.c_ubyte * 128)(), (ctypes.c_ubyte * 128)())
     lib = _library()
     st_token = qsrc.stride(-3) if tq > 1 else qsrc.stride(0)
-    for what, rc in (("cache's", lib.k3_mla_wg_map(ctypes.addressof(maps[0]), cache.data_ptr(),
-                                                     cache.shape[0] * cache.shape[1])),
-                     ("queries'", lib.k3_mla_wg_qmap(ctypes.addressof(maps[1]), qsrc.data_ptr(), heads, tq, groups,
-                                                       qsrc.stride(-2), st_token, qsrc.stride(0)))):
+    for what, rc in (
+        (
+            "cache's",
+            lib.k3_mla_wg_map(ctypes.addressof(maps[0]), cache.data_ptr(), cache.shape[0] * cache.shape[1]),
+        ),
+        (
+            "queries'",
+            lib.k3_mla_wg_qmap(
+                ctypes.addressof(maps[1]),
+                qsrc.data_ptr(),
+                heads,
+                tq,
+                groups,
+                qsrc.stride(-2),
+                st_token,
+                qsrc.stride(0),
+            ),
+        ),
+    ):
         if rc != 0:
             raise _build.KernelUnavailable(f"{NAME}.cu could not encode the {what} tensor map ({rc}: "
                                            f"{_ERRORS.get(rc, 'driver refused')})")
     return maps
 
 
-def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, compute_units: int | None = None,
+def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, compute_units: int
+         | None = None,
          form: str | None = None, tokens_per_block: int = 1, q_group: tuple | None = None) -> CudaDecodePlan:
     """Check once (ValueError by name), then build a launchable plan on the GPU (KernelUnavailable,
     with the reason, where the kernel cannot run). num_splits: None = `choose_splits` for the
@@ -336,7 +376,8 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
         if form not in (None, "auto", "wgmma"):
             raise ValueError(f"tokens_per_block=2 runs form 'wgmma' only, got form={form!r}")
         if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] % 2:
-            raise ValueError(f"tokens_per_block=2 needs an even batch of token requests, got q.shape[0] = {q.shape[0]}")
+            raise ValueError(f"tokens_per_block=2 needs an even batch of token requests, got q.shape[0] = "
+                             f"{q.shape[0]}")
         form = "wgmma"
     inp = check(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, form=form)
     ok, why = status()
@@ -347,7 +388,8 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
     units = compute_units or props.multi_processor_count
     form_why = f"form={form!r} asked" if tokens_per_block == 1 else "two tokens per block need 'wgmma'"
     if form in (None, "auto"):
-        form, form_why = choose_form(inp.batch, inp.max_len, units, refusal=wgmma_refusal(q, cache, block_table),
+        form, form_why = choose_form(inp.batch, inp.max_len, units,
+                                     refusal=wgmma_refusal(q, cache, block_table),
                                      num_splits=num_splits)
     max_shared = int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
     need = wg_smem_bytes(tokens_per_block) if form == "wgmma" else smem_bytes()
@@ -356,13 +398,15 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                                        f"this GPU allows {max_shared}")
     per_unit = int(getattr(props, "shared_memory_per_multiprocessor", 0) or max_shared)
     splits, chunk = choose_splits(inp.batch // tokens_per_block, inp.max_len, units,
-                                  blocks_per_unit=max(1, per_unit // (need + 1024)),  # the driver keeps 1 KB per block
+                                  # the driver keeps 1 KB per block
+                                  blocks_per_unit=max(1, per_unit // (need + 1024)),
                                   num_splits=num_splits, block_n=WG_BLOCK_N if form == "wgmma" else BLOCK_N,
                                   max_splits=MAX_SPLITS)
     B, H = inp.batch, inp.heads
     out = torch.empty(B, 1, H, VALUE_DIM, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, 1, H, dtype=torch.float32, device=q.device)
-    part_o = torch.empty(B, H, splits, VALUE_DIM, dtype=torch.float32, device=q.device) if splits > 1 else None
+    part_o = torch.empty(B, H, splits, VALUE_DIM, dtype=torch.float32,
+                         device=q.device) if splits > 1 else None
     part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device) if splits > 1 else None
     bt = inp.block_table if inp.paged else None
 
@@ -376,7 +420,8 @@ def plan(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=Non
                 bt.shape[1] if bt is not None else 0, check_scale(scale) * LOG2E, 1, 1)
     tensor_map = None
     if form == "wgmma":
-        qsrc, tq, groups = (q[:, 0], 1, B) if q_group is None else (q_group[0], q_group[0].shape[1], q_group[0].shape[0])
+        qsrc, tq, groups = (q[:, 0], 1, B) if q_group is None else (q_group[0], q_group[0].shape[1],
+                                                                    q_group[0].shape[0])
         if q_group is not None:
             args.q, args.q_run, args.q_tq = q_group[0].data_ptr(), q_group[1], tq
         tensor_map = _tensor_maps(cache, qsrc, H, tq, groups)
@@ -396,7 +441,13 @@ class VerifyAsRequestsPlan:
     plan's buffers (strided when the group was padded)."""
 
     def __init__(self, inner: CudaDecodePlan, batch: int, q_len: int, padded_len: int, keep: tuple):
-        self.inner, self.batch, self.q_len, self.padded_len, self._keep = inner, batch, q_len, padded_len, keep
+        self.inner, self.batch, self.q_len, self.padded_len, self._keep = (
+            inner,
+            batch,
+            q_len,
+            padded_len,
+            keep,
+        )
 
     def __getattr__(self, name):  # the inner plan's attributes (form, num_splits, programs, ...)
         return getattr(self.inner, name)
@@ -413,7 +464,8 @@ class VerifyAsRequestsPlan:
         return (o, lse) if T == self.q_len else (o[:, :self.q_len], lse[:, :self.q_len])
 
 
-def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, compute_units: int | None = None,
+def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, compute_units: int
+                | None = None,
                 form: str | None = None, share: str | None = None) -> VerifyAsRequestsPlan:
     """Plan a verification group (q [B, q_len >= 1, H, 576], a paged cache) on the after kernel,
     each token as its own one-token request over the same pages (VerifyAsRequestsPlan). share: how
@@ -427,8 +479,8 @@ def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, 
         raise ValueError(f"q must be a tensor [B, q_len, H, {LATENT_DIM}], got "
                          f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     if block_table is None or lengths is None:
-        raise ValueError("plan_verify needs a paged cache: block_table= and lengths= (each token becomes a request "
-                         "over the same pages)")
+        raise ValueError("plan_verify needs a paged cache: block_table= and lengths= (each token becomes a "
+                         "request over the same pages)")
     inp = validate(q, cache, lengths, block_table)  # q_len, lengths >= q_len, pages in the pool
     B, Tq = inp.batch, inp.q_len
     pairs = share == "pairs" or (share is None and Tq >= 2)
@@ -438,8 +490,10 @@ def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, 
     token_table = inp.block_table.repeat_interleave(Tp, dim=0).contiguous()
     if Tp == Tq:
         token_q, q_group = q.contiguous().view(B * Tq, 1, q.shape[2], q.shape[3]), None
-    else:  # the kernel reads each token's query from q itself (the extra token reads zeros): this only has the shape
-        token_q, q_group = torch.as_strided(q, (B * Tp, 1, q.shape[2], q.shape[3]), (0, 0, q.stride(2), 1)), (q, Tp)
+    # the kernel reads each token's query from q itself (the extra token reads zeros): this only has the shape
+    else:
+        token_q, q_group = torch.as_strided(q, (B * Tp, 1, q.shape[2], q.shape[3]),
+                                            (0, 0, q.stride(2), 1)), (q, Tp)
     inner = plan(token_q, cache, token_lengths, block_table=token_table, scale=scale, num_splits=num_splits,
                  compute_units=compute_units, form=form, tokens_per_block=2 if pairs else 1, q_group=q_group)
     return VerifyAsRequestsPlan(inner, B, Tq, Tp, (q, token_q, token_lengths, token_table))
@@ -452,7 +506,9 @@ def after_refusal(q, cache, lengths=None, block_table=None) -> str | None:
     try:
         if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > 1:
             if block_table is None:
-                return "verification groups run on this backend only over a paged cache (tokens share its pages)"
+                return (
+                    "verification groups run on this backend only over a paged cache (tokens share its pages)"
+                )
             check(q[:, :1], cache, None if lengths is None else torch.as_tensor(lengths) - q.shape[1] + 1,
                   block_table=block_table)
         else:
@@ -469,12 +525,34 @@ def after_refusal(q, cache, lengths=None, block_table=None) -> str | None:
 class BeforeArgs(ctypes.Structure):
     """kernels/mla_before.cu's k3mb::Args, field by field (its size is checked against the library's)."""
 
-    _fields_ = [("q", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("block_table", ctypes.c_void_p),
-                ("lengths", ctypes.c_void_p), ("out", ctypes.c_void_p), ("lse", ctypes.c_void_p)] + \
-               [(n, ctypes.c_longlong) for n in ("q_sb", "q_st", "q_sh", "kv_sp", "kv_sr", "bt_sb", "o_sb", "o_st",
-                                                 "o_sh", "l_sb", "l_st")] + \
-               [(n, ctypes.c_int) for n in ("B", "T", "H", "page_shift")] + [("scale_log2", ctypes.c_float),
-                                                                              ("ring", ctypes.c_int)]
+    _fields_ = (
+        [
+            ("q", ctypes.c_void_p),
+            ("kv", ctypes.c_void_p),
+            ("block_table", ctypes.c_void_p),
+            ("lengths", ctypes.c_void_p),
+            ("out", ctypes.c_void_p),
+            ("lse", ctypes.c_void_p),
+        ]
+        + [
+            (n, ctypes.c_longlong)
+            for n in (
+                "q_sb",
+                "q_st",
+                "q_sh",
+                "kv_sp",
+                "kv_sr",
+                "bt_sb",
+                "o_sb",
+                "o_st",
+                "o_sh",
+                "l_sb",
+                "l_st",
+            )
+        ]
+        + [(n, ctypes.c_int) for n in ("B", "T", "H", "page_shift")]
+        + [("scale_log2", ctypes.c_float), ("ring", ctypes.c_int)]
+    )
 
 
 def bind_before(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -502,7 +580,8 @@ def check_before(q, cache, lengths=None, *, block_table=None) -> Inputs:
     if q.dtype != torch.bfloat16:
         raise ValueError(f"q.dtype must be bfloat16 for the CUDA before kernel, got {q.dtype}")
     if cache.stride(1) % 2 or cache.stride(0) % 2 or cache.data_ptr() % 4:
-        raise ValueError("cache rows must start on 4-byte boundaries (even strides): the kernel reads bf16 pairs")
+        raise ValueError("cache rows must start on 4-byte boundaries (even strides): the kernel reads bf16 "
+                         "pairs")
     if q.stride(0) % 2 or q.stride(1) % 2 or q.stride(2) % 2 or q.data_ptr() % 4:
         raise ValueError("q rows must start on 4-byte boundaries (even strides): the kernel reads bf16 pairs")
     return inp
@@ -545,17 +624,20 @@ class BeforePlan:
         return "ring" if self._args.ring else "direct"
 
     def facts(self) -> dict:
-        return {"backend": "cuda", "programs": self.programs, "num_warps": BEFORE_WARPS, "rows_per_program": 1,
+        return {"backend": "cuda", "programs": self.programs, "num_warps": BEFORE_WARPS,
+                "rows_per_program": 1,
                 "rows_via": self.rows_via, "num_splits": 1, "launches": 1}
 
     def __call__(self):
-        rc = _before_library().k3_mla_before(ctypes.byref(self._args), ctypes.c_void_p(_build.stream_handle(self._device)))
+        rc = _before_library().k3_mla_before(ctypes.byref(self._args),
+                                             ctypes.c_void_p(_build.stream_handle(self._device)))
         if rc != 0:
             raise RuntimeError(f"{BEFORE_NAME}.cu refused the launch ({rc})")
         return self.out, self.lse
 
 
-def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, ring: bool | None = None) -> BeforePlan:
+def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, ring: bool
+                | None = None) -> BeforePlan:
     """Check once (ValueError by name), then a launchable plan on the GPU (KernelUnavailable where the
     kernel cannot run). ring: None = the ring kernel where `ring_ok(cache)`, else the direct one;
     False = the direct kernel; True = the ring kernel or a ValueError saying why it cannot."""
@@ -568,14 +650,16 @@ def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, ring: b
         raise _build.KernelUnavailable(why)
     if ring and not ring_ok(cache):
         raise ValueError("ring=True needs cache rows 576 elements apart and pages (or requests) on 16-byte "
-                         f"boundaries; got strides {tuple(cache.stride())}, data_ptr % 16 = {cache.data_ptr() % 16}")
+                         f"boundaries; got strides {tuple(cache.stride())}, data_ptr % 16 = "
+                         f"{cache.data_ptr() % 16}")
     use_ring = ring_ok(cache) if ring is None else ring
     B, T, H = inp.batch, inp.q_len, inp.heads
     out = torch.empty(B, T, H, VALUE_DIM, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
     bt = inp.block_table if inp.paged else None
     args = BeforeArgs(q.data_ptr(), cache.data_ptr(), bt.data_ptr() if bt is not None else None,
-                      inp.lengths.data_ptr(), out.data_ptr(), lse.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
+                      inp.lengths.data_ptr(), out.data_ptr(), lse.data_ptr(), q.stride(0), q.stride(1),
+                      q.stride(2),
                       cache.stride(0), cache.stride(1), bt.stride(0) if bt is not None else 0, out.stride(0),
                       out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), B, T, H,
                       int(math.log2(inp.page_size)) if inp.paged else 0, s * LOG2E, int(use_ring))

@@ -89,7 +89,8 @@ def _check_cache(q, cache) -> None:
         raise ValueError(f"cache must be [B, L, {LATENT_DIM}] (contiguous) or [num_pages, page_size, "
                          f"{LATENT_DIM}] (paged), got {_shape(cache)}")
     if cache.shape[2] != LATENT_DIM:
-        raise ValueError(f"cache width (cache.shape[2]) must be {LATENT_DIM} to match q, got {cache.shape[2]}")
+        raise ValueError(f"cache width (cache.shape[2]) must be {LATENT_DIM} to match q, got "
+                         f"{cache.shape[2]}")
     if cache.dtype != q.dtype:
         raise ValueError(f"cache.dtype ({cache.dtype}) must equal q.dtype ({q.dtype})")
     if cache.device != q.device:
@@ -133,15 +134,16 @@ def validate(q, cache, lengths=None, block_table=None, *, max_heads: int | None 
     dev = q.device
     paged, page_size, capacity, bt = _check_table(block_table, cache, B, dev)
     if lengths is None and paged:
-        raise ValueError("lengths is required with a paged cache (block_table=...): the pool does not say where "
-                         "each request's history ends")
+        raise ValueError("lengths is required with a paged cache (block_table=...): the pool does not say "
+                         "where each request's history ends")
     if lengths is None:
         lens_host = (capacity,) * B
         lens = torch.full((B,), capacity, dtype=torch.int32, device=dev)
     else:
         lens = torch.as_tensor(lengths, device=dev)
         if lens.shape != (B,) or lens.dtype.is_floating_point or lens.dtype == torch.bool:
-            raise ValueError(f"lengths must be integers [B={B}], got shape {tuple(lens.shape)} dtype {lens.dtype}")
+            raise ValueError(f"lengths must be integers [B={B}], got shape {tuple(lens.shape)} dtype "
+                             f"{lens.dtype}")
         lens_host = tuple(int(x) for x in lens.tolist())  # the one host sync, at plan time
         lens = lens.to(torch.int32).contiguous()
     for b, n in enumerate(lens_host):
@@ -149,13 +151,14 @@ def validate(q, cache, lengths=None, block_table=None, *, max_heads: int | None 
             raise ValueError(f"lengths[{b}] = {n} is longer than the cache holds ({capacity} positions"
                              f"{' = max_pages x page_size' if paged else ''})")
         if n < Tq:
-            raise ValueError(f"lengths[{b}] = {n} is shorter than q_len {Tq} (the new tokens are in the cache)")
+            raise ValueError(f"lengths[{b}] = {n} is shorter than q_len {Tq} (the new tokens are in the "
+                             f"cache)")
     if paged:
         used = (torch.tensor(lens_host, device=dev) + page_size - 1) // page_size
         pages = bt[torch.arange(bt.shape[1], device=dev)[None, :] < used[:, None]].long()
         if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= cache.shape[0]):
-            raise ValueError(f"block_table holds page ids outside the pool [0, {cache.shape[0]}) for positions "
-                             f"in use: min {int(pages.min())}, max {int(pages.max())}")
+            raise ValueError(f"block_table holds page ids outside the pool [0, {cache.shape[0]}) for "
+                             f"positions in use: min {int(pages.min())}, max {int(pages.max())}")
     # Narrowed only now, every id in use checked: ids past a request's length are never read. An
     # int32 table stays the caller's tensor, so a plan sees the caller's later page assignments.
     bt = bt.to(torch.int32).contiguous()
@@ -197,7 +200,8 @@ def _positive(**values) -> None:
 
 
 def split_cost(splits: int, batch: int, context_len: int, compute_units: int, *, groups_per_request: int = 1,
-               block_n: int = 64, programs_per_unit: int = 1, overhead_blocks: float = 2.0, merge_blocks: float = 6.0,
+               block_n: int = 64, programs_per_unit: int = 1, overhead_blocks: float = 2.0,
+               merge_blocks: float = 6.0,
                merge_blocks_per_split: float = 0.01) -> float:
     """Modelled time of the split-history decode, in units of "one program reading one tile of
     block_n latent rows".
@@ -247,7 +251,8 @@ def choose_num_splits(batch: int, context_len: int, compute_units: int | None = 
 
 
 def choose_splits(batch: int, max_len: int, compute_units: int, *, blocks_per_unit: int = 1,
-                  num_splits: int | None = None, block_n: int = 32, max_splits: int = 65535) -> tuple[int, int]:
+                  num_splits: int | None = None, block_n: int = 32,
+                  max_splits: int = 65535) -> tuple[int, int]:
     """(pieces per request, positions per piece) for the CUDA kernels: at most one wave. The batch's
     blocks cover the compute units once (blocks_per_unit each) and never spill into a second wave,
     each piece a whole number of block_n-row tiles. Why never spill: a second, partial wave's blocks

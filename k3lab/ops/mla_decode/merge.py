@@ -32,11 +32,14 @@ def _check(o_parts, lse_parts, impl):
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if not isinstance(o_parts, torch.Tensor) or o_parts.dim() < 2:
-        raise ValueError("o_parts must be a tensor [N, ..., D] with N >= 1 pieces, got "
-                         f"{tuple(o_parts.shape) if isinstance(o_parts, torch.Tensor) else type(o_parts).__name__}")
+        raise ValueError(
+            "o_parts must be a tensor [N, ..., D] with N >= 1 pieces, got "
+            f"{tuple(o_parts.shape) if isinstance(o_parts, torch.Tensor) else type(o_parts).__name__}"
+        )
     if not isinstance(lse_parts, torch.Tensor) or tuple(lse_parts.shape) != tuple(o_parts.shape[:-1]):
-        raise ValueError(f"lse_parts must be [N, ...] = {tuple(o_parts.shape[:-1])} (o_parts without its last "
-                         f"dim), got {tuple(lse_parts.shape) if isinstance(lse_parts, torch.Tensor) else lse_parts!r}")
+        raise ValueError(f"lse_parts must be [N, ...] = {tuple(o_parts.shape[:-1])} (o_parts without its "
+                         f"last dim), got "
+                         f"{tuple(lse_parts.shape) if isinstance(lse_parts, torch.Tensor) else lse_parts!r}")
     if o_parts.shape[0] < 1:
         raise ValueError("o_parts must hold at least one piece (N = o_parts.shape[0] >= 1)")
     for name, t in (("o_parts", o_parts), ("lse_parts", lse_parts)):

@@ -66,7 +66,11 @@ def einsum_decode(q, cache, lengths=None, *, scale=None):
     scale = DEFAULT_SCALE if scale is None else scale
     scores = torch.einsum("bthd,bld->bthl", q, cache).float() * scale
     if lengths is not None or Tq > 1:
-        lens = torch.full((B,), L, device=q.device) if lengths is None else torch.as_tensor(lengths, device=q.device)
+        lens = (
+            torch.full((B,), L, device=q.device)
+            if lengths is None
+            else torch.as_tensor(lengths, device=q.device)
+        )
         vis = _visible_mask(lens, Tq, L, q.device)
         scores = scores.masked_fill(~vis[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -84,7 +88,11 @@ def sdpa_decode(q, cache, lengths=None, *, scale=None):
     scale = DEFAULT_SCALE if scale is None else scale
     mask = None
     if lengths is not None or Tq > 1:
-        lens = torch.full((B,), L, device=q.device) if lengths is None else torch.as_tensor(lengths, device=q.device)
+        lens = (
+            torch.full((B,), L, device=q.device)
+            if lengths is None
+            else torch.as_tensor(lengths, device=q.device)
+        )
         mask = _visible_mask(lens, Tq, L, q.device)[:, None]  # [B, 1, Tq, L]
     k = cache[:, None]  # [B, 1, L, 576]
     v = cache[:, None, :, :VALUE_DIM]
@@ -98,16 +106,16 @@ def sdpa_decode(q, cache, lengths=None, *, scale=None):
 
 
 AITER_LSE = ("AITER's mla_decode_fwd (amd-aiter 0.1.7.post2.dev18) returns (logits, final_lse), and only "
-             "mla_reduce_v1 on its persistent path (a work list, work_meta_data) writes final_lse; k3lab's call "
-             "passes no work list, so that tensor is never written and k3lab's AITER path has no lse")
+             "mla_reduce_v1 on its persistent path (a work list, work_meta_data) writes final_lse; k3lab's "
+             "call passes no work list, so that tensor is never written and k3lab's AITER path has no lse")
 
 
 def require_lse(backend: str, caller: str) -> None:
     """ValueError naming `backend` when its decode gives no log-sum-exp and `caller` (what merges partial
     attention by lse, e.g. "DCP") needs one: 'aiter' (AITER_LSE). Call before any kernel runs."""
     if backend == "aiter":
-        raise ValueError(f"{caller} merges partial attention by its log-sum-exp, and backend 'aiter' gives none "
-                         f"({AITER_LSE}); use backend 'triton' or 'cuda'")
+        raise ValueError(f"{caller} merges partial attention by its log-sum-exp, and backend 'aiter' gives "
+                         f"none ({AITER_LSE}); use backend 'triton' or 'cuda'")
 
 
 def aiter_status() -> tuple[bool, str]:
@@ -144,7 +152,8 @@ def aiter_decode(q, cache, lengths=None, *, block_table=None, scale=None):
     lens = torch.tensor(inp.lengths_host, device=dev, dtype=torch.int64)
     if inp.paged:
         ps = inp.page_size
-        idx = [inp.block_table[b, torch.arange(n, device=dev) // ps].long() * ps + torch.arange(n, device=dev) % ps
+        idx = [inp.block_table[b, torch.arange(n, device=dev) // ps].long() * ps + torch.arange(n, device=dev)
+               % ps
                for b, n in enumerate(inp.lengths_host)]
         kv_rows = cache.reshape(-1, 1, 1, LATENT_DIM)
     else:
@@ -162,7 +171,8 @@ def aiter_decode(q, cache, lengths=None, *, block_table=None, scale=None):
     if "page_size" in params:  # versions that take the page size by name
         kwargs["page_size"] = 1
     aiter_mla.mla_decode_fwd(q16.view(B * Tq, MMA_ROWS, LATENT_DIM), kv_rows, o16, qo_indptr, kv_indptr,
-                             kv_indices, last_page, Tq, **kwargs)  # writes o16; its final_lse is never written
+                             # writes o16; its final_lse is never written
+                             kv_indices, last_page, Tq, **kwargs)
     return o16.view(B, Tq, MMA_ROWS, VALUE_DIM)[:, :, :H].contiguous(), None
 
 
@@ -233,16 +243,21 @@ def flashmla_status() -> tuple[bool, str]:
         return False, f"FlashMLA needs an NVIDIA GPU (found none): {instead}"
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
-        return False, f"FlashMLA's dense decode needs sm_90a (Hopper); this GPU is sm_{major}{minor}: {instead}"
+        return (
+            False,
+            f"FlashMLA's dense decode needs sm_90a (Hopper); this GPU is sm_{major}{minor}: {instead}",
+        )
     path, origin = library_path()
     if path is None:
         return False, (f"no FlashMLA library (set {LIB_ENV}, install vllm, or run "
                        f"`python -m k3lab.ops.mla_decode.peers fetch`): {instead}")
     if origin.startswith("fetched"):
         built, cuda = TORCH_BUILT_FOR
-        if not torch.__version__.startswith(built + ".") or not str(torch.version.cuda or "").startswith(cuda + "."):
-            return False, (f"the fetched FlashMLA library was built for torch {built} + CUDA {cuda}, this is torch "
-                           f"{torch.__version__} + CUDA {torch.version.cuda}: {instead}")
+        if not torch.__version__.startswith(built + ".") or not str(torch.version.cuda or "").startswith(
+            cuda + "."
+        ):
+            return False, (f"the fetched FlashMLA library was built for torch {built} + CUDA {cuda}, this is "
+                           f"torch {torch.__version__} + CUDA {torch.version.cuda}: {instead}")
         if _digest(path) != SHA256:
             return False, f"{path} is not the file of {WHEEL} (sha256 differs): {instead}"
     err = _load(path)

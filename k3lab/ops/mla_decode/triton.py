@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from k3lab import env
-from k3lab.ops.mla_decode.inputs import (DEFAULT_SCALE, LATENT_DIM, LOG2E, MAX_SPLITS, MMA_ROWS, ROPE_DIM, VALUE_DIM,
+from k3lab.ops.mla_decode.inputs import (DEFAULT_SCALE, LATENT_DIM, LOG2E, MAX_SPLITS, MMA_ROWS, ROPE_DIM,
+                                         VALUE_DIM,
                                          Inputs, LaunchConfig, check_num_splits, choose_num_splits, piece_len,
                                          validate)
 
@@ -163,7 +164,8 @@ def _before_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
     m_i = -float("inf")
     l_i = 0.0
     acc = tl.zeros([DV], dtype=tl.float32)
-    k_c, k_pe, pmask = _before_load(kv_ptr, bt_ptr, b, 0, end, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE,
+    k_c, k_pe, pmask = _before_load(kv_ptr, bt_ptr, b, 0, end, stride_kvp, stride_kvr, stride_btb, PAGED,
+                                    PAGE_SIZE,
                                     DV, DR, BLOCK_N)
     if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
         n0 = 0
@@ -234,8 +236,10 @@ def _load_query(q_ptr, b, tg, hg, heads, q_len, length, stride_qb, stride_qt, st
 
 
 @triton.jit
-def _store_piece(m_i, l_i, acc, o_ptr, lse_ptr, op_ptr, lsep_ptr, b, t, h, row_ok, split, heads, q_len, num_splits,
-                 stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV: tl.constexpr, WRITE_FINAL: tl.constexpr):
+def _store_piece(m_i, l_i, acc, o_ptr, lse_ptr, op_ptr, lsep_ptr, b, t, h, row_ok, split, heads, q_len,
+                 num_splits,
+                 stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV: tl.constexpr,
+                 WRITE_FINAL: tl.constexpr):
     """A piece's normalised output and log-sum-exp: the result itself when the history is one piece
     (natural log), else a partial for the merge ([B, q_len * heads, num_splits, DV] fp32 and
     [B, q_len * heads, num_splits], base 2)."""
@@ -286,7 +290,8 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
     if PAGE_GROUPS > 0:
         gidx = tl.arange(0, PAGE_GROUPS)
         pg = start // PAGE_SIZE
-        pages = tl.load(bt_ptr + b * stride_btb + pg + gidx, mask=pg + gidx < table_pages, other=0).to(tl.int64)
+        pages = tl.load(bt_ptr + b * stride_btb + pg + gidx, mask=pg + gidx < table_pages,
+                        other=0).to(tl.int64)
     length = tl.load(len_ptr + b)
     M: tl.constexpr = TOK_TILE * HEAD_TILE
     t, h, row_ok, q_t, qpe_t, qpos = _load_query(q_ptr, b, tg, hg, heads, q_len, length, stride_qb, stride_qt,
@@ -308,33 +313,41 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
                 while n0 < g_end:
                     page = tl.sum(tl.where(gidx == n0 // PAGE_SIZE - pg, pages, 0))
                     rows = page * stride_kvp + ((n0 % PAGE_SIZE) + offs_n).to(tl.int64) * stride_kvr
-                    m_i, l_i, acc = _split_tile(kv_ptr, rows, n0 + offs_n, end, qpos, q_t, qpe_t, m_i, l_i, acc,
+                    m_i, l_i, acc = _split_tile(kv_ptr, rows, n0 + offs_n, end, qpos, q_t, qpe_t, m_i, l_i,
+                                                acc,
                                                 scale_log2, DV, DR, IEEE)
                     n0 += BLOCK_N
             else:
                 for n0 in range(g_start, g_end, BLOCK_N):
                     page = tl.sum(tl.where(gidx == n0 // PAGE_SIZE - pg, pages, 0))
                     rows = page * stride_kvp + ((n0 % PAGE_SIZE) + offs_n).to(tl.int64) * stride_kvr
-                    m_i, l_i, acc = _split_tile(kv_ptr, rows, n0 + offs_n, end, qpos, q_t, qpe_t, m_i, l_i, acc,
+                    m_i, l_i, acc = _split_tile(kv_ptr, rows, n0 + offs_n, end, qpos, q_t, qpe_t, m_i, l_i,
+                                                acc,
                                                 scale_log2, DV, DR, IEEE)
             pg += PAGE_GROUPS
-            pages = tl.load(bt_ptr + b * stride_btb + pg + gidx, mask=pg + gidx < table_pages, other=0).to(tl.int64)
+            pages = tl.load(bt_ptr + b * stride_btb + pg + gidx, mask=pg + gidx < table_pages,
+                            other=0).to(tl.int64)
     else:
         if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
             n0 = start
             while n0 < end:
                 pos = n0 + offs_n
-                rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
-                m_i, l_i, acc = _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2,
+                rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED,
+                                    PAGE_SIZE)
+                m_i, l_i, acc = _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc,
+                                            scale_log2,
                                             DV, DR, IEEE)
                 n0 += BLOCK_N
         else:
             for n0 in range(start, end, BLOCK_N):
                 pos = n0 + offs_n
-                rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
-                m_i, l_i, acc = _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2,
+                rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED,
+                                    PAGE_SIZE)
+                m_i, l_i, acc = _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc,
+                                            scale_log2,
                                             DV, DR, IEEE)
-    _store_piece(m_i, l_i, acc, o_ptr, lse_ptr, op_ptr, lsep_ptr, b, t, h, row_ok, split, heads, q_len, num_splits,
+    _store_piece(m_i, l_i, acc, o_ptr, lse_ptr, op_ptr, lsep_ptr, b, t, h, row_ok, split, heads, q_len,
+                 num_splits,
                  stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV, WRITE_FINAL)
 
 
@@ -371,7 +384,8 @@ def _merge_kernel(op_ptr, lsep_ptr, o_ptr, lse_ptr,
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + offs_v,
              o.to(o_ptr.dtype.element_ty))
     if dv0 == 0:
-        lse = tl.where(seen, (m_use + tl.log2(tl.where(seen, denom, 1.0))) * 0.6931471805599453, -float("inf"))
+        lse = tl.where(seen, (m_use + tl.log2(tl.where(seen, denom, 1.0))) * 0.6931471805599453,
+                       -float("inf"))
         tl.store(lse_ptr + b * stride_lb + t * stride_lt + h, lse)
 
 
@@ -432,7 +446,8 @@ class DecodePlan:
         return {"backend": self.backend, "num_splits": self.num_splits, "programs": self.programs,
                 "programs_per_unit": self.programs_per_unit, "launches": self.launches,
                 "block_n": self.config.block_n, "num_warps": self.config.num_warps,
-                "num_stages": self.config.num_stages, "rows_per_program": self.rows_per_program, "pad": self.pad,
+                "num_stages": self.config.num_stages, "rows_per_program": self.rows_per_program,
+                "pad": self.pad,
                 "pdl": self.pdl}
 
 
@@ -487,9 +502,32 @@ def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, block_n
     kv, bt, lens = inp.kv, inp.block_table, inp.lengths
     consts = dict(PAGED=inp.paged, PAGE_SIZE=inp.page_size, DV=VALUE_DIM, DR=ROPE_DIM, BLOCK_N=cfg.block_n,
                   INTERPRET=env.triton_interpreted(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    launch = _Launch(_before_kernel, grid, (q, kv, bt, lens, out, lse, Tq, q.stride(0), q.stride(1), q.stride(2),
-                                            kv.stride(0), kv.stride(1), bt.stride(0), out.stride(0), out.stride(1),
-                                            out.stride(2), lse.stride(0), lse.stride(1), scale_log2), consts)
+    launch = _Launch(
+        _before_kernel,
+        grid,
+        (
+            q,
+            kv,
+            bt,
+            lens,
+            out,
+            lse,
+            Tq,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            kv.stride(0),
+            kv.stride(1),
+            bt.stride(0),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            scale_log2,
+        ),
+        consts,
+    )
     plan = DecodePlan("before", grid, 1, 1, cfg, H, 1, "none", out, lse, launch, _kernels=[launch])
     if on_gpu():
         plan()  # compile, and read how many programs fit on one unit
@@ -497,7 +535,8 @@ def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, block_n
     return plan
 
 
-def _split_launch(inp: Inputs, kq, k_out, k_lse, k_heads: int, cfg: LaunchConfig, splits: int, scale_log2: float,
+def _split_launch(inp: Inputs, kq, k_out, k_lse, k_heads: int, cfg: LaunchConfig, splits: int,
+                  scale_log2: float,
                   pdl: bool):
     """The split kernel's launch (and, for splits > 1, the merge's) on the (possibly padded) buffers."""
     B, Tq = inp.batch, inp.q_len
@@ -520,14 +559,45 @@ def _split_launch(inp: Inputs, kq, k_out, k_lse, k_heads: int, cfg: LaunchConfig
                   IEEE=kq.dtype == torch.float32, PDL=use_pdl, INTERPRET=env.triton_interpreted(),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kv, bt, lens = inp.kv, inp.block_table, inp.lengths
-    kernels = [_Launch(_split_kernel, grid, (kq, kv, bt, lens, k_out, k_lse, o_part, l_part, k_heads, Tq, splits,
-                                             head_groups, piece_len(inp.max_len, splits, cfg.block_n), bt.shape[1],
-                                             kq.stride(0), kq.stride(1), kq.stride(2), kv.stride(0), kv.stride(1),
-                                             bt.stride(0), k_out.stride(0), k_out.stride(1), k_out.stride(2),
-                                             k_lse.stride(0), k_lse.stride(1), scale_log2), consts)]
+    kernels = [
+        _Launch(
+            _split_kernel,
+            grid,
+            (
+                kq,
+                kv,
+                bt,
+                lens,
+                k_out,
+                k_lse,
+                o_part,
+                l_part,
+                k_heads,
+                Tq,
+                splits,
+                head_groups,
+                piece_len(inp.max_len, splits, cfg.block_n),
+                bt.shape[1],
+                kq.stride(0),
+                kq.stride(1),
+                kq.stride(2),
+                kv.stride(0),
+                kv.stride(1),
+                bt.stride(0),
+                k_out.stride(0),
+                k_out.stride(1),
+                k_out.stride(2),
+                k_lse.stride(0),
+                k_lse.stride(1),
+                scale_log2,
+            ),
+            consts,
+        )
+    ]
     if splits > 1:
         kernels.append(_Launch(_merge_kernel, (B, Tq * k_heads, VALUE_DIM // MERGE_DV),
-                               (o_part, l_part, k_out, k_lse, k_heads, Tq, splits, k_out.stride(0), k_out.stride(1),
+                               (o_part, l_part, k_out, k_lse, k_heads, Tq, splits, k_out.stride(0),
+                                k_out.stride(1),
                                 k_out.stride(2), k_lse.stride(0), k_lse.stride(1)),
                                dict(DV=VALUE_DIM, BLOCK_DV=MERGE_DV, SPLITS_P2=triton.next_power_of_2(splits),
                                     PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}))))
@@ -546,7 +616,8 @@ def _build_after(inp: Inputs, q, cfg: LaunchConfig, splits: int, ppu: int, *, pa
     else:
         kq, k_out, k_lse = q, out, lse
     scale_log2 = (DEFAULT_SCALE if scale is None else float(scale)) * LOG2E
-    grid, kernels, use_pdl = _split_launch(inp, kq, k_out, k_lse, kq.shape[2], cfg, splits, scale_log2, pdl_usable())
+    grid, kernels, use_pdl = _split_launch(inp, kq, k_out, k_lse, kq.shape[2], cfg, splits, scale_log2,
+                                           pdl_usable())
 
     def launch():
         if pad == "copy":
@@ -558,7 +629,8 @@ def _build_after(inp: Inputs, q, cfg: LaunchConfig, splits: int, ppu: int, *, pa
             lse.copy_(k_lse[:, :, :H])
 
     launches = len(kernels) + (3 if pad == "copy" else 0)
-    plan = DecodePlan("after", grid, splits, launches, cfg, H, token_tile(Tq) * MMA_ROWS, pad, out, lse, launch,
+    plan = DecodePlan("after", grid, splits, launches, cfg, H, token_tile(Tq) * MMA_ROWS, pad, out, lse,
+                      launch,
                       programs_per_unit=ppu, pdl=use_pdl, _kernels=kernels)
     if pad == "copy":
         plan.padded_query, plan.padded_out = kq, k_out
@@ -584,12 +656,14 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
                          "with fold_heads=True")
     check_num_splits(num_splits, MAX_SPLITS)
     rows = token_tile(inp.q_len) * MMA_ROWS
-    cfg = launch_config("after", q.dtype, rows=rows, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    cfg = launch_config("after", q.dtype, rows=rows, block_n=block_n, num_warps=num_warps,
+                        num_stages=num_stages)
     units = env.detect().compute_units if compute_units is None else compute_units
     groups = after_groups(inp.heads, inp.q_len)
 
     def rule(ppu: int) -> int:
-        return choose_num_splits(inp.batch, inp.max_len, units, groups_per_request=groups, block_n=cfg.block_n,
+        return choose_num_splits(inp.batch, inp.max_len, units, groups_per_request=groups,
+                                 block_n=cfg.block_n,
                                  programs_per_unit=ppu)
 
     kw = dict(pad=pad, pad_fill=pad_fill, scale=scale)

@@ -95,7 +95,8 @@ def routed_experts(z, weights, idx, w1, w3, w2, *, backend: str | None = None, b
     if sort is not None and (not isinstance(sort, ExpertSort) or sort.pairs != shapes.n_tokens * shapes.top_k
                              or (block_m is not None and sort.block_m != block_m)):
         raise ValueError(f"sort must be the ExpertSort of idx's {shapes.n_tokens * shapes.top_k} pairs"
-                         + (f" with block_m={block_m}" if block_m is not None else "") + f", got {sort!r:.120}")
+                         + (f" with block_m={block_m}" if block_m is not None else "")
+                         + f", got {sort!r:.120}")
     name = pick_backend(backend, z.device)
     if shapes.n_tokens == 0:
         return torch.zeros(0, shapes.latent, dtype=torch.float32, device=z.device)
@@ -104,8 +105,11 @@ def routed_experts(z, weights, idx, w1, w3, w2, *, backend: str | None = None, b
     if z.dtype == torch.float64:
         raise ValueError("z: the triton backend takes fp32, fp16 or bf16 (fp64 runs on backend='torch')")
     if sort is None:
-        sort = sort_by_expert(idx, shapes.num_experts, block_m or default_block_m(shapes.n_tokens, shapes.top_k,
-                                                                                  shapes.num_experts))
+        sort = sort_by_expert(
+            idx,
+            shapes.num_experts,
+            block_m or default_block_m(shapes.n_tokens, shapes.top_k, shapes.num_experts),
+        )
     return _triton.grouped_experts(z, weights, idx, w1, w3, w2, shapes, sort)
 
 

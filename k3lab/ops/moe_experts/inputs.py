@@ -73,7 +73,8 @@ def check_inputs(z, weights, idx, w1, w3, w2, *, check_values: bool = True) -> S
         raise ValueError("idx must choose at least one expert per token (k >= 1)")
     devices = {t.device for t in (z, weights, idx, w1, w3, w2)}
     if len(devices) != 1:
-        raise ValueError(f"z, weights, idx, w1, w3 and w2 must be on one device, got {sorted(map(str, devices))}")
+        raise ValueError(f"z, weights, idx, w1, w3 and w2 must be on one device, got "
+                         f"{sorted(map(str, devices))}")
     capturing = z.is_cuda and torch.cuda.is_current_stream_capturing()
     if check_values and not capturing and idx.numel():
         lo, hi = int(idx.min()), int(idx.max())

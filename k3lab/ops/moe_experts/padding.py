@@ -67,4 +67,5 @@ def decode_padding(batches=range(1, 257), heights=TILE_HEIGHTS, *, num_experts: 
     for h in heights:
         check_block_m(h)
     idx = random_router_idx(max(batches), hidden=hidden, num_experts=num_experts, top_k=top_k, seed=seed)
-    return [{"batch": n, "block_m": m, **padding_of(idx[:n], num_experts, m)} for n in batches for m in heights]
+    return [{"batch": n, "block_m": m, **padding_of(idx[:n], num_experts, m)} for n in batches for m
+            in heights]

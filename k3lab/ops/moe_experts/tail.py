@@ -36,7 +36,8 @@ NORM_BLOCK = 4096  # latent values a norm program loads at once (K3's 3584 in on
 
 def check_tail(y_lat, norm_w, up_rows, out, col0: int) -> tuple[int, int, int]:
     """Validate the tail's inputs; returns (N, LAT, R)."""
-    for name, t, dims in (("y_lat", y_lat, 2), ("norm_w", norm_w, 1), ("up_rows", up_rows, 2), ("out", out, 2)):
+    for name, t, dims in (("y_lat", y_lat, 2), ("norm_w", norm_w, 1), ("up_rows", up_rows, 2),
+                          ("out", out, 2)):
         if not isinstance(t, torch.Tensor) or t.dim() != dims or not t.is_floating_point():
             raise ValueError(f"{name} must be a {dims}-D floating-point tensor, got {getattr(t, 'shape', t)}")
     N, LAT = y_lat.shape

@@ -63,7 +63,8 @@ def available(name: str, device=None) -> tuple[bool, str]:
 def check_router(logits, bias, top_k, scaling, renormalize, num_experts, block_m) -> tuple[int, int]:
     """Validate route_and_sort's inputs; returns (N, E). Reads no tensor values."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        raise ValueError(f"logits must be a 2-D [N, E] tensor, got {getattr(logits, 'shape', type(logits).__name__)}")
+        raise ValueError(f"logits must be a 2-D [N, E] tensor, got "
+                         f"{getattr(logits, 'shape', type(logits).__name__)}")
     if logits.dtype not in LOGIT_DTYPES:
         raise ValueError(f"logits must be fp32, bf16, fp16 (or fp64 for the torch path), got {logits.dtype}")
     N, E = logits.shape
@@ -74,7 +75,8 @@ def check_router(logits, bias, top_k, scaling, renormalize, num_experts, block_m
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.shape != (E,) or not bias.is_floating_point():
             raise ValueError(f"bias must be a floating-point [E={E}] tensor or None, got "
-                             f"{getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
+                             f"{getattr(bias, 'dtype', type(bias).__name__)} "
+                             f"{tuple(getattr(bias, 'shape', ()))}")
         if bias.device != logits.device:
             raise ValueError(f"bias must be on logits' device {logits.device}, got {bias.device}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
@@ -96,7 +98,11 @@ def pick_backend(backend: str | None, logits: torch.Tensor, top_k: int) -> str:
         return forced
     fits = N * top_k <= MAX_PAIRS and logits.dtype != torch.float64
     if forced is None:
-        return "triton" if logits.device.type != "cpu" and fits and available("triton", logits.device)[0] else "torch"
+        return (
+            "triton"
+            if logits.device.type != "cpu" and fits and available("triton", logits.device)[0]
+            else "torch"
+        )
     ok, why = available(forced, logits.device)
     if not ok:
         raise ValueError(f"backend 'triton' cannot run here: {why}")

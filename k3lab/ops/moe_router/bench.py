@@ -30,7 +30,8 @@ def compare(n_tokens: int, seed: int = 0, device: str = "cuda") -> tuple[dict, t
     logits = torch.randn(n_tokens, E, device=device, generator=gen) * 2
     bias = torch.randn(E, device=device, generator=gen) * 0.05
     m = default_block_m(n_tokens, TOP_K, E)
-    out = {b: route_and_sort(logits, bias, TOP_K, scaling=SCALING, block_m=m, backend=b) for b in ("torch", "triton")}
+    out = {b: route_and_sort(logits, bias, TOP_K, scaling=SCALING, block_m=m, backend=b) for b
+           in ("torch", "triton")}
     (w0, i0, s0), (w1, i1, s1) = out["torch"], out["triton"]
     rec = {"n_tokens": n_tokens, "block_m": m, "idx_equal": bool(torch.equal(i0, i1)),
            "weights_max_rel": float(((w1 - w0).abs() / w0.abs()).max()),
@@ -45,13 +46,18 @@ def bench(sizes=(1, 64), device: str = "cuda") -> list[dict]:
     for n in sizes:
         rec, (logits, bias, m) = compare(n, device=device)
         for b in ("torch", "triton"):
-            t = time_fn(lambda b=b: route_and_sort(logits, bias, TOP_K, scaling=SCALING, block_m=m, backend=b),
-                        graph=device != "cpu", device=device, repeats=100 if device != "cpu" else 3, warmup=2)
+            t = time_fn(
+                lambda b=b: route_and_sort(logits, bias, TOP_K, scaling=SCALING, block_m=m, backend=b),
+                graph=device != "cpu",
+                device=device,
+                repeats=100 if device != "cpu" else 3,
+                warmup=2,
+            )
             rec[f"{b}_us"] = t.median_us
             rec[f"{b}_timing"] = t.summary()
             print(f"N={n:3d} {b:6s} {t.summary()}")
-        print(f"N={n:3d} check {'ok' if rec['ok'] else 'FAILED'}: idx equal {rec['idx_equal']}, weights max rel "
-              f"{rec['weights_max_rel']:.2e}, sort fields equal {rec['sort_equal']}; "
+        print(f"N={n:3d} check {'ok' if rec['ok'] else 'FAILED'}: idx equal {rec['idx_equal']}, weights max "
+              f"rel {rec['weights_max_rel']:.2e}, sort fields equal {rec['sort_equal']}; "
               f"torch/triton = {rec['torch_us'] / rec['triton_us']:.2f}x")
         rows.append(rec)
     return rows
@@ -63,7 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the records as JSON here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("moe_router bench needs a GPU (torch sees none); the CPU tests run the kernels in Triton's interpreter")
+        print("moe_router bench needs a GPU (torch sees none); the CPU tests run the kernels in Triton's "
+              "interpreter")
         return 2
     rows = bench()
     if args.out:

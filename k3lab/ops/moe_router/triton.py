@@ -162,7 +162,8 @@ def sort_pairs(idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
     back) with N * k <= MAX_PAIRS. Sizes come from N, k, E and block_m alone (no read-back).
     ValueError on a bad argument, before the launch."""
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"idx must be an int32 or int64 [N, k] tensor, got {getattr(idx, 'dtype', type(idx))}")
+        raise ValueError(f"idx must be an int32 or int64 [N, k] tensor, got "
+                         f"{getattr(idx, 'dtype', type(idx))}")
     if not idx.is_contiguous():
         raise ValueError("idx must be contiguous (the router's output is)")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
@@ -175,7 +176,8 @@ def sort_pairs(idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
     T = max_tiles(P, num_experts, block_m)
     if P == 0:
         z = torch.zeros(1, dtype=torch.int32, device=dev)
-        return ExpertSort(z[:0], z[:0], z, torch.zeros(num_experts, dtype=torch.int64, device=dev), block_m, 0, 0)
+        return ExpertSort(z[:0], z[:0], z, torch.zeros(num_experts, dtype=torch.int64, device=dev), block_m,
+                          0, 0)
     pair_of_row = torch.empty(T * block_m, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(T, dtype=torch.int32, device=dev)
     n_tiles = torch.empty(1, dtype=torch.int32, device=dev)

@@ -1,4 +1,5 @@
-"""The CUDA AttnRes cluster kernel (kernels/attn_res_norm.cu, k3lab.ops.attn_res_norm.cuda): argument checks everywhere,
+"""The CUDA AttnRes cluster kernel (kernels/attn_res_norm.cu, k3lab.ops.attn_res_norm.cuda): argument checks
+everywhere,
 results against the unfused sequence on a GPU. Its compilation for sm_90a and gfx90a/gfx940 is
 checked by tests/test_kernels_build.py."""
 

@@ -32,8 +32,10 @@ pytestmark = pytest.mark.skipif(BROWSER is None,
 CONSOLE_HOOK = """<script>
 window.__errors = [];
 const keep = (m) => { window.__errors.push(String(m));
-  const el = document.getElementById('k3lab-errors') || Object.assign(document.createElement('pre'), {id: 'k3lab-errors'});
-  el.textContent = window.__errors.join('\\n'); (document.body || document.documentElement).appendChild(el); };
+  const el = document.getElementById('k3lab-errors') || Object.assign(document.createElement('pre'), {id:
+  'k3lab-errors'});
+  el.textContent = window.__errors.join('\\n'); (document.body || document.documentElement).appendChild(el);
+  };
 const err = console.error.bind(console);
 console.error = (...a) => { keep('console.error: ' + a.join(' ')); err(...a); };
 window.addEventListener('error', (e) => keep('error: ' + (e.message || e.target?.src || e.type)), true);

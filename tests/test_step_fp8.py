@@ -260,7 +260,8 @@ def test_gpu_tp8_slice_fp8_near_bf16_and_graph_equals_eager():
     """Four layers at K3's widths (KDA x3, MLA; 16 experts so that 8 ranks' weights fit one GPU), every
     switch on, 8 ranks in lockstep: FP8 projections against bf16 ones. Layer 0 (KDA and the dense MLP,
     no router) is one projection deep as in test_fp8_step_is_near_the_model, with bf16's own ~1% on
-    top: its new conv columns and its state <= 8%. The logits pass three MoE routers that read the FP8-perturbed stream, where
+    top: its new conv columns and its state <= 8%. The logits pass three MoE routers that read the
+    FP8-perturbed stream, where
     a near-tie picks another expert: a one-rank model at the TP8 slice's widths gives 7-18% on a CPU
     (seeds 0-3, fp32), so their bound, 35%, catches O(1) errors (a wrong scale or operand), not drift.
     Then rank 0's FP8 step alone (stand-in collectives) captured as one CUDA graph: a replay from the

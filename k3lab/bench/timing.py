@@ -238,8 +238,9 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
     perf_counter.
 
     calls_per_sample (k): None picks, while running the warm-up calls one by one, enough calls that a
-    sample lasts ~0.5 ms (1..100; 1 for calls of 0.5 ms or more). Why several calls per sample: on the lent H200 an event pair alone costs 6-10 us of host
-    time, more than a small kernel; one event pair around k calls measures the cost of a call in a
+    sample lasts ~0.5 ms (1..100; 1 for calls of 0.5 ms or more). Why several calls per sample: an event
+    pair alone can cost more host time than a small kernel takes (docs/launch_overhead.md); one event pair
+    around k calls measures the cost of a call in a
     stream of work (what a decode step of many kernels sees: launch-bound ops show their launch rate,
     long ops their GPU time), and spreads the timer over k. k=1 gives the latency of a lone call,
     timer included.

@@ -8,7 +8,7 @@ what agent traces look like, and how a prefix cache with a host tier behaves ove
 - `sim`: a prefix-cache simulator over such traces (HBM budget, host tier, eviction, checkpoints);
   `python -m k3lab.cache.sim --bench` times it on a one-hour trace.
 - `bench_h2d`: host <-> device copies and one request's state offloaded and restored
-  (`python -m k3lab.cache.bench_h2d --json OUT.json`; not yet run on a GPU).
+  (`python -m k3lab.cache.bench_h2d --json OUT.json`; GPU records under profiles/<device>/agent_cache/).
 
 Pure PyTorch and numpy; nothing here needs a GPU (pinned host memory is used where there is one).
 """

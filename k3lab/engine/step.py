@@ -72,7 +72,8 @@ class DecodeStep:
     device / dtype: where the random weights and caches live (default: the GPU with bf16 if there is
     one, else the CPU with fp32). projections: 'bf16' (the dense projections as torch matmuls in the
     weights' dtype), 'gemv' (the same weights, one-row products by k3lab.ops.gemv: `RankWeights.to_gemv`;
-    where Triton cannot run, torch matmuls with a note) or 'fp8' (`RankWeights.to_fp8`: e4m3fn weights with per-row scales, activations
+    where Triton cannot run, torch matmuls with a note) or 'fp8' (`RankWeights.to_fp8`: e4m3fn weights with
+    per-row scales, activations
     quantized per token, `torch._scaled_mm`; the step quantizes its own copy of bf16 weights, or takes
     weights already converted). Where FP8 cannot run, a GPU step runs its dtype and says so in
     `self.resolved.notes['projections']` (ValueError with strict=True); a CPU step whose torch lacks
@@ -185,7 +186,8 @@ class DecodeStep:
 
     def load_cache(self, cache) -> None:
         """Copy a K3Cache of `context_len` positions (K3Model.prefill / decode) into this rank's caches:
-        the MLA histories whole (replicated under TP), the KDA conv histories and states of this rank's heads."""
+        the MLA histories whole (replicated under TP), the KDA conv histories and states of this rank's
+        heads."""
         if getattr(cache, "length", None) != self.context_len:
             raise ValueError(f"cache must hold context_len = {self.context_len} positions, got "
                              f"{getattr(cache, 'length', type(cache).__name__)}")

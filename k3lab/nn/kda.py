@@ -111,7 +111,8 @@ def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64)
     """KDA in chunks of `chunk_size` (any T: the last chunk is padded with no-op tokens).
 
     Per chunk, with G the in-chunk inclusive cumsum of g:
-      Akk[i,j] = beta_i sum_d k_i k_j exp(G_i - G_j) (j < i);  Aqk[i,j] = scale sum_d q_i k_j exp(G_i - G_j) (j <= i)
+      Akk[i,j] = beta_i sum_d k_i k_j exp(G_i - G_j) (j < i);  Aqk[i,j] = scale sum_d q_i k_j exp(G_i - G_j)
+      (j <= i)
       R = (I + Akk)^-1;  U = R diag(beta) V;  W = R diag(beta) (K * exp(G));  E = U - W S
       O = scale (Q * exp(G)) S + Aqk E;  S <- diag(exp(G_last)) S + (K * exp(G_last - G))^T E
     Same arguments and results as `kda_recurrent`; chunk_size must be one of

@@ -6,7 +6,8 @@ Latent MoE (docs/k3.md), for a token x [7168]:
     idx = topk(s + e_score_correction_bias, 16)     the bias steers *which* experts, never how much
     w = s[idx] / (sum s[idx] + 1e-20) * scaling     weights from the unbiased scores, summing to 1
     z = routed_expert_down_proj(x)                  7168 -> 3584, once per token, shared by its experts
-    y_lat = RMSNorm_3584(sum_j w_j expert_idx_j(z)) each expert: w2(SiTU-GLU(w1 z, w3 z)), 3584 -> 3072 -> 3584
+    y_lat = RMSNorm_3584(sum_j w_j expert_idx_j(z)) each expert: w2(SiTU-GLU(w1 z, w3 z)), 3584 -> 3072 ->
+    3584
     out = routed_expert_up_proj(y_lat) + shared(x)  3584 -> 7168; the shared MLP sees the original x
 """
 

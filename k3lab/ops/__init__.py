@@ -32,7 +32,8 @@ def forced_backend(given: str | None, env_name: str, names: tuple[str, ...],
 
 
 def triton_status() -> tuple[bool, str]:
-    """(True, Triton's version) when Triton imports here (GPU, or its interpreter on CPU), else (False, why)."""
+    """(True, Triton's version) when Triton imports here (GPU, or its interpreter on CPU), else (False,
+    why)."""
     try:
         import triton
     except ImportError:

@@ -267,7 +267,8 @@ def cuda_status(name: str, load_library, *, instead: str, min_capability: tuple[
             need = ".".join(map(str, min_capability))
             return (
                 False,
-                f"compute capability {major}.{minor}: kernels/{name}.cu needs {need} or later{needs}; {instead}",
+                f"compute capability {major}.{minor}: kernels/{name}.cu needs {need} or later{needs}; "
+                f"{instead}",
             )
     ok, why = status(name)
     if not ok:

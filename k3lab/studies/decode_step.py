@@ -1,4 +1,5 @@
-"""Study: one TP8 rank's whole decode step, every optimization a switch (notebook 08, the report's first page).
+"""Study: one TP8 rank's whole decode step, every optimization a switch (notebook 08, the report's first
+page).
 
 The run itself is k3lab.engine.bench (`python -m k3lab.engine bench`); this module gives it the study
 interface (NAME, case_names, run, profile_targets) and reads its records back into the tables the
@@ -65,7 +66,8 @@ def load(records=None, device: str = DEVICE) -> list:
 
 
 def probes(device: str = DEVICE) -> list:
-    """The committed bounds probes (k3lab.engine.bounds: cases probe.gemv.<projection>, probe.small_kernel)."""
+    """The committed bounds probes (k3lab.engine.bounds: cases probe.gemv.<projection>,
+    probe.small_kernel)."""
     return [r for r in bench.load_records(NAME, device=device) if r.case.startswith(PROBE)]
 
 

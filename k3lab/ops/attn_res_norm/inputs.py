@@ -66,26 +66,21 @@ def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None, 
 
     cluster_pieces: blocks per row of the CUDA cluster kernel (ceil(hidden / 1024)) when it can run
     here, else 0. It is chosen when every block of every row gets an SM of its own (tokens x pieces
-    <= compute units) and there are at least CLUSTER_MIN_BLOCKS stored blocks. Measured on the H200
-    (hidden 7168, graph replay): 1 token, 9 sources 5.24 us vs
-    6.16 us for tile8; 8 tokens, 9 sources 5.40 vs 6.27; 5 sources 5.04 vs 5.28; but 2 sources
-    4.36 vs 3.48 (the cluster launch and its barriers cost ~0.9 us more than one program's work).
+    <= compute units) and there are at least CLUSTER_MIN_BLOCKS stored blocks: with fewer sources the
+    cluster launch and its barriers cost more than one program's work (docs/copy_removal.md).
 
-    The rule, from the H200 sweep (hidden 7168, graph replay; docs/copy_removal.md has the table):
+    The rule, from the launch-configuration sweep (docs/copy_removal.md has the table and records):
     - tokens <= compute units: one program per token and at most one per unit, so one SM does all
       of a token's work with nothing beside it: the step is bound by latency and by that SM's
       instruction issue. Every stored block is loaded as one tile in a single step ("tile8": group
-      = all blocks, 8 warps). 1 token, 9 sources: 6.1 us vs 7.9 us walking the blocks with 8 warps. 16 and 32 warps were slower (6.6, 9.0 us): the work per
+      = all blocks, 8 warps), faster than walking the blocks; 16 and 32 warps are not: the work per
       SM is the same (about 2,750 instructions per thread at 8 warps for 9 sources, in the compiled
       code), more warps only add cross-warp reduction, and 32 spill registers.
     - more tokens, 2+ stored blocks: bandwidth-bound. One block at a time in a rolled loop that the
       compiler software-pipelines 3 deep through shared memory ("pipe8s3"): the loads in flight
       cost no registers, 128 registers per thread leave room for two programs of 8 warps per unit.
-      8192 tokens, 9 sources: 382 us, 87% of the floor (walking 4 warps: 487 us, 68%); 5 sources
-      260 us, 85%; 3 sources 202 us, 82% (walk4: 216 us). Also best at 512 tokens.
     - more tokens, 0-1 stored blocks: a loop of one step has nothing to pipeline; the block is
-      prefetched in registers with 4 warps ("walk4"): 8192 tokens, 2 sources: 160 us, 86% (pipe8s3:
-      195 us).
+      prefetched in registers with 4 warps ("walk4").
     The switch at one token per unit follows from the reasoning above; the sweep brackets it (tile8
     best at 64 tokens, pipe8s3 at 512) but did not time the tokens in between. On AMD GPUs the same
     rule applies untuned (not yet run on AMD hardware by this project), except that tile8 takes 16

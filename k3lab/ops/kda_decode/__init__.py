@@ -16,7 +16,8 @@ Three implementations, one entry point `kda_decode(..., impl=...)`:
 * `before`: the chain the seed describes, in k3lab's own Triton kernels: a conv kernel, a kernel that
   fuses the q/k norm, both gates and the recurrent update, the output norm, and the two copies
   between them: 3 compute launches + 2 copies, every handoff through device memory in bf16.
-* `after`: kernels/kda_decode.cu (`k3lab.ops.kda_decode.cuda`), one launch, intermediates kept on chip in fp32, the output written
+* `after`: kernels/kda_decode.cu (`k3lab.ops.kda_decode.cuda`), one launch, intermediates kept on chip in
+fp32, the output written
   straight into the caller's buffer; only the conv states and S go back to memory.
 
 All three update `cache` (a k3lab.nn.KDACache: conv_q, conv_k, conv_v [B, H*K, 3], state) in place

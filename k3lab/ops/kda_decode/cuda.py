@@ -103,9 +103,7 @@ def choose_config(batch: int, heads: int, units: int, warp_size: int = 32, clust
     a block; below that, each head is split over a cluster of blocks so the state moves through
     more units: 8 blocks of 16 value columns when they all fit on the units at once, else 4 of 32.
     Without clusters (the split then needs an atomic exchange through memory) whole heads always.
-    Measured on the H200 (132 SMs, 12 heads, graph replay, state read from memory; docs/kda_decode.md):
-    B = 1, split clusters of 16 columns 4.10 us, of 32 columns 4.37, whole heads 5.06; from B = 8
-    (96 heads) whole heads."""
+    The sweep behind the rule, with its figures and records, is in docs/kda_decode.md."""
     whole = (HEAD_DIM, 256)
     if not clusters or batch * heads * 2 >= units:
         tile_v, threads = whole
@@ -131,8 +129,7 @@ def choose_split(f: _Fused, tile_v: int) -> str:
 def default_hints(batch: int, heads: int, l2_bytes: int) -> int:
     """The L2 prefetch of a later block's state always; streaming (evict-first) loads and stores of S
     once the step's states (B x H x 64 KiB) exceed L2, where keeping them would only evict the
-    per-token inputs and weights. H200, graph replay: B = 128 53.6 us with both, 54.4 prefetch only,
-    55.2 streaming only; B = 1 and 8 (states in L2): prefetch alone 0.5-1.5% faster than both."""
+    per-token inputs and weights (docs/kda_decode.md has the timings of each combination)."""
     hints = HINT_PREFETCH_L2
     if batch * heads * HEAD_DIM * HEAD_DIM * 4 > l2_bytes:
         hints |= HINT_STREAM_LOADS | HINT_STREAM_STORES
@@ -176,8 +173,8 @@ class FusedStep:
         if split == "cluster" and not (f.clusters and "cluster" in f.split_modes and HEAD_DIM // tile_v <= 8):
             raise ValueError("split='cluster' needs a CUDA GPU of compute capability >= 9.0 and tile_v >= 16")
         hints = default_hints(B, H, f.l2_bytes) if hints is None else int(hints)
-        # One block per unit ahead in launch order: on the H200 at B = 128 that beat two and four per
-        # unit (53.6 vs 56.5 vs 65.5 us); further ahead, prefetched lines are evicted unused.
+        # One block per unit ahead in launch order (docs/kda_decode.md); further ahead, prefetched
+        # lines are evicted unused.
         ahead = f.units if hints & HINT_PREFETCH_L2 else 0
         self.tile_v, self.threads, self.hints, self.split, self.prefetch_ahead = (
             tile_v,

@@ -26,15 +26,12 @@ def workgroups(batch: int, heads: int, tile_v: int, v_dim: int = HEAD_DIM) -> in
 
 
 # The narrowest row segment a tile should write per state row, by backend. NVIDIA's L2 works in
-# 32-byte sectors: a 4-column fp32 row (16 B) leaves every sector half written, and on the H200
-# 8-column tiles ran B = 1, T = 4 in 4.21 us against 6.03 us for 4 columns (profiles/nvidia-h200/
-# kda_verify, sweep). On AMD the seed's 4-column tiles (16 B) are kept (not yet run on AMD hardware
+# 32-byte sectors: a 4-column fp32 row (16 B) leaves every sector half written (docs/kda_verify.md
+# has the sweep). On AMD the seed's 4-column tiles (16 B) are kept (not yet run on AMD hardware
 # by this project); the CPU interpreter has no sectors.
 MIN_ROW_BYTES = {"cuda": 32, "rocm": 16, "cpu": 16}
 # Programs per compute unit above which a wider tile pays (fewer q/k/g re-reads, fewer instructions).
-# Measured on the H200 (12 heads, T = 4, all states): at B = 8, 1,536 programs of 8 columns (13.5 us)
-# beat 768 of 16 (14.2 us) and 384 of 32 (16.0 us); at B = 32, 3,072 programs of 16 columns
-# (40.5 us) beat 6,144 of 8 (47.5 us) and 1,536 of 32 (47.0 us).
+# The threshold and its sweep are in docs/kda_verify.md.
 PROGRAMS_PER_UNIT = 12
 
 

@@ -214,8 +214,8 @@ def choose_form(batch: int, max_len: int, compute_units: int, *, refusal: str | 
                 num_splits: int | None = None) -> tuple[str, str]:
     """(form, why) for form='auto': 'wgmma' where it applies (`refusal` None) and each piece holds at
     least WG_MIN_TILES of its 64-row tiles; 'mma' elsewhere. Where a piece is one or two tiles the
-    whole decode is a few microseconds of start-up, and the mma.sync kernel's 32-row tiles start
-    sooner (H200: 8.5 against 7.0 us at 1K)."""
+    whole decode is dominated by start-up, and the mma.sync kernel's 32-row tiles start sooner
+    (docs/mla_padding.md)."""
     if refusal is not None:
         return "mma", refusal
     splits, chunk = choose_splits(batch, max_len, compute_units, num_splits=num_splits, block_n=WG_BLOCK_N)
@@ -223,7 +223,8 @@ def choose_form(batch: int, max_len: int, compute_units: int, *, refusal: str | 
     if tiles < WG_MIN_TILES:
         return (
             "mma",
-            f"pieces of {tiles} tile(s) of {WG_BLOCK_N} rows (< {WG_MIN_TILES}): the mma kernel starts sooner",
+            f"pieces of {tiles} tile(s) of {WG_BLOCK_N} rows (< {WG_MIN_TILES}): the mma kernel starts "
+            "sooner",
         )
     return (
         "wgmma",

@@ -341,7 +341,8 @@ def fetch(dest: Path = DEFAULT_PATH) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m k3lab.ops.mla_decode.peers fetch|status`: fetch the FlashMLA library, or say whether it runs."""
+    """`python -m k3lab.ops.mla_decode.peers fetch|status`: fetch the FlashMLA library, or say whether it
+    runs."""
     if argv == ["fetch"]:
         print(fetch())
     elif argv == ["status"]:

@@ -118,7 +118,8 @@ def pick_backend(backend: str | None, logits: torch.Tensor, top_k: int) -> str:
 def route_and_sort(logits, bias, top_k, *, scaling=1.0, renormalize=True, num_experts=None, block_m,
                    backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, ExpertSort]:
     """(weights [N, top_k] fp32 (fp64 for fp64 logits, torch path), idx [N, top_k] int64, sort:
-    ExpertSort) for logits [N, E] (see the module docstring). block_m: the grouped kernels' tile height (16, 32 or 64; moe_experts.
+    ExpertSort) for logits [N, E] (see the module docstring). block_m: the grouped kernels' tile height (16,
+    32 or 64; moe_experts.
     default_block_m picks one from the batch). ValueError on bad input before any kernel."""
     N, E = check_router(logits, bias, top_k, scaling, renormalize, num_experts, block_m)
     if pick_backend(backend, logits, top_k) == "torch":

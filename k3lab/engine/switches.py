@@ -3,8 +3,7 @@
     name              on (the seed's "after")                     off ("before")
     kda_fused         fused KDA decode, one launch                 the unfused chain: 3 kernels + 2 copies
     mla_padded        MLA padded to 16 heads, history split        one program per query row, whole history
-    attn_res_fused    AttnRes + RMSNorm in one kernel              the PyTorch sequence (about a dozen
-    kernels)
+    attn_res_fused    AttnRes + RMSNorm in one kernel              the PyTorch sequence (about 12 kernels)
     pack_where_used   the KDA gate input packed only where read    packed before the dispatcher chooses
     grouped_experts   two grouped expert launches + fused tail     per-expert loop + three-kernel tail
     moe_tail_sharded  up_proj rows of this rank, inside the        the whole up_proj on every rank, after

@@ -1,9 +1,10 @@
 """The report's first screen: one row per optimization of the seed article.
 
-Each `Optimization` names what it does, the notebook that teaches it, the studies whose live run
-checks it, and its headline cases: committed H200 records (profiles/nvidia-h200/<study>/) read at
-report time. An optimization whose notebook is not in the tree is shown as "not built yet", so the
-table follows the tree without edits when a notebook lands.
+The rows follow the map (`k3lab.optimizations.OPTIMIZATIONS`): each `Optimization` takes the entry's
+title, what it does, its lesson notebook and the studies whose live run checks it, and adds its headline
+cases: committed H200 records (profiles/nvidia-h200/<study>/) read at report time. An optimization
+whose notebook is not in the tree is shown as "not built yet", so the table follows the tree without edits
+when a notebook lands.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HEADLINE_DEVICE = "nvidia-h200"
+from k3lab import optimizations
+
+HEADLINE_DEVICE = optimizations.RECORDS_DEVICE
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,11 @@ class Headline:
 
 @dataclass(frozen=True)
 class Optimization:
+    """One row of the first screen: the map's entry (`k3lab.optimizations`) with the report's headlines.
+
+    notebook: the lesson's glob under notebooks/ (the entry's first); studies: the entry's studies,
+    whose live runs the row reports."""
+
     title: str
     does: str
     notebook: str  # glob under notebooks/, e.g. "03_*.ipynb"
@@ -36,57 +44,39 @@ class Optimization:
     note: str = ""  # what the H200 columns say where there is no timing to show
 
 
-OPTIMIZATIONS: tuple[Optimization, ...] = (
-    Optimization(
-        "Decode context parallelism (DCP)",
-        "Each GPU keeps one eighth of a request's MLA history; partial attention results are merged "
-        "by their log-sum-exp.", "01_*.ipynb", (),
-        (Headline("dcp", "merge_N8_B1", "graph", "merge of 8 partial results, B = 1 (torch / Triton)"),)),
-    Optimization(
-        "MoE output sharding",
-        "Each GPU computes only its slice of the routed experts' output projection and the existing "
-        "all-reduce assembles it: no duplicated work, no new collective.", "02_*.ipynb", (),
-        (Headline("moe_sharding", "tail_N8", "graph", "latent MoE tail, 8 tokens (7168 / 896 rows)"),
-         Headline("moe_sharding", "experts_N64", "eager",
-                  "routed experts, 64 tokens (per-expert loop / grouped kernels; eager: the loop reads counts)"))),
-    Optimization(
-        "Copy removal and fusion",
-        "The KDA decode step in one launch instead of five; AttnRes mixing fused with the next RMSNorm; "
-        "inputs packed only where a kernel reads them.", "03_*.ipynb", ("copy_removal", "kda_decode"),
-        (Headline("kda_decode", "B1_H12", "graph", "KDA decode, B = 1"),
-         Headline("copy_removal", "attn_res_t1_s9_graph", "graph", "AttnRes + RMSNorm, 1 token"),
-         Headline("copy_removal", "attn_res_t8192_s9_graph", "graph", "AttnRes + RMSNorm, 8192 tokens"))),
-    Optimization(
-        "MLA head padding",
-        "The 12 query heads of a GPU padded to 16, so a decode that splits the history across the GPU "
-        "and merges the pieces applies.", "04_*.ipynb", ("mla_padding",),
-        (Headline("mla_padding", "ctx32k", "graph", "B = 1, 32K context"),
-         Headline("mla_padding", "b64_8k", "graph", "B = 64, 8K context"))),
-    Optimization(
-        "KDA chunk scan and verification tiles",
-        "Prefill: chunk summaries scanned, then chunks replayed in parallel. Verification: narrow value "
-        "tiles for enough parallel work.", "05_*.ipynb", ("kda_scan", "kda_verify"),
-        (Headline("kda_scan", "h12_b1_t16384", "eager", "prefill, 12 heads x 16K"),
-         Headline("kda_verify", "b1_t4", "graph", "verification, B = 1, 4 positions"))),
-    Optimization(
-        "Draft depth",
-        "Choose how many tokens to draft from committed tokens per cycle over the whole cycle's cost.",
-        "06_*.ipynb", ("draft_depth",),
-        note="host-side arithmetic, no kernel: 3.00 tokens per cycle at 3 drafts, 3.36 at 4"),
-    Optimization(
-        "Cache offload across agent turns",
-        "Keep MLA history and KDA checkpoints in host memory between turns, with resume points that agree.",
-        "07_*.ipynb", ("agent_cache",),
-        (Headline("agent_cache", "h2d_2MiB", "eager", "host -> device copy of 2 MiB (pageable / pinned)"),
-         Headline("agent_cache", "state_restore_ctx32768", "eager",
-                  "restore a request's state, 5 layers at 32K (pageable / pinned)"))),
-    Optimization(
-        "All together: one decode step",
-        "One TP8 rank's whole decode step through all 93 layers, each optimization a switch.",
-        "08_*.ipynb", ("decode_step",),
-        note="whole-step times per switch, all four cases from the committed H200 records: notebook 08's "
-             "waterfall"),
-)
+# the committed cases each optimization's row shows, by the map's entry name
+HEADLINES: dict[str, tuple[Headline, ...]] = {
+    "dcp": (Headline("dcp", "merge_N8_B1", "graph", "merge of 8 partial results, B = 1 (torch / Triton)"),),
+    "moe_sharding": (
+        Headline("moe_sharding", "tail_N8", "graph", "latent MoE tail, 8 tokens (7168 / 896 rows)"),
+        Headline("moe_sharding", "experts_N64", "eager",
+                 "routed experts, 64 tokens (per-expert loop / grouped kernels; eager: the loop reads "
+                 "counts)")),
+    "copy_removal": (
+        Headline("kda_decode", "B1_H12", "graph", "KDA decode, B = 1"),
+        Headline("copy_removal", "attn_res_t1_s9_graph", "graph", "AttnRes + RMSNorm, 1 token"),
+        Headline("copy_removal", "attn_res_t8192_s9_graph", "graph", "AttnRes + RMSNorm, 8192 tokens")),
+    "mla_padding": (
+        Headline("mla_padding", "ctx32k", "graph", "B = 1, 32K context"),
+        Headline("mla_padding", "b64_8k", "graph", "B = 64, 8K context")),
+    "kda_scan": (
+        Headline("kda_scan", "h12_b1_t16384", "eager", "prefill, 12 heads x 16K"),
+        Headline("kda_verify", "b1_t4", "graph", "verification, B = 1, 4 positions")),
+    "agent_cache": (
+        Headline("agent_cache", "h2d_2MiB", "eager", "host -> device copy of 2 MiB (pageable / pinned)"),
+        Headline("agent_cache", "state_restore_ctx32768", "eager",
+                 "restore a request's state, 5 layers at 32K (pageable / pinned)")),
+}
+# what the H200 columns say for an optimization with no headline timing, by entry name
+NOTES: dict[str, str] = {
+    "draft_depth": "host-side arithmetic, no kernel: 3.00 tokens per cycle at 3 drafts, 3.36 at 4",
+    "decode_step": "whole-step times per switch, all four cases from the committed H200 records: notebook "
+                   "08's waterfall",
+}
+
+OPTIMIZATIONS: tuple[Optimization, ...] = tuple(
+    Optimization(e.title, e.does, e.notebooks[0], e.studies, HEADLINES.get(e.name, ()), NOTES.get(e.name, ""))
+    for e in optimizations.OPTIMIZATIONS)
 
 
 @dataclass
@@ -161,10 +151,11 @@ def front_table(root: Path, checks: Checks) -> str:
         span = f" rowspan='{len(rows)}'" if len(rows) > 1 else ""
         title = title.replace("<td>", f"<td{span}>")
         status = "<br>".join(map(html.escape, _status(opt, nb, checks)))
-        tail = f"<td{span}>{status}</td><td{span}><a href='notebooks/{nb.stem}.html'>{html.escape(nb.stem)}</a></td>"
+        link = f"<a href='notebooks/{nb.stem}.html'>{html.escape(nb.stem)}</a>"
+        tail = f"<td{span}>{status}</td><td{span}>{link}</td>"
         if not rows:
-            body.append(f"<tr>{title}<td colspan='7'><i>{html.escape(opt.note or 'no H200 record yet')}</i></td>"
-                        f"{tail}</tr>")
+            note = html.escape(opt.note or "no H200 record yet")
+            body.append(f"<tr>{title}<td colspan='7'><i>{note}</i></td>{tail}</tr>")
             continue
         for i, r in enumerate(rows):
             peer = html.escape(f"{_us(r['peer_us'])} {r['peer']}") if r["peer"] else ""

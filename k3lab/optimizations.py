@@ -16,10 +16,11 @@ in `k3lab.spec`; copy removal is three switches, three op packages and the study
 
 `ENTRIES` is the model's anatomy (notebook 00) followed by `OPTIMIZATIONS`, in notebook order; the whole
 step is the last optimization and lists only what it adds to the others (its own switch, ops, kernels).
-`INFRASTRUCTURE` names what serves every entry and so belongs to none, each with its reason. The report's
-first screen (k3lab.report.front) and the README's notebook table (`readme_table`) are read from here, so
-a renamed file or a new study shows up as a failing test (tests/test_optimizations.py) rather than as a
-stale row.
+`INFRASTRUCTURE` names what serves every entry and so belongs to none, each with its reason.
+`problems()` lists every way the map and the tree disagree (a name that does not resolve, a study, switch,
+op module, kernel, doc or records folder in no entry), so a renamed file or a new study fails a test
+(tests/test_optimizations.py) rather than leaving a stale row. The report's first screen
+(k3lab.report.front) and the README's notebook table (`readme_table`) are read from here.
 
     python -m k3lab.optimizations             the map, one block per entry
     python -m k3lab.optimizations --markdown  the README's "## Notebooks" table

@@ -3,9 +3,9 @@
     y = gemv(x, w)            # x [1, K], w [N, K] (row-major, contiguous rows) -> y [1, N] in x's dtype
     GemvWeight(w)(x)          # the kernel for one row, torch.matmul for more (what the step holds)
 
-Why: at B = 1 a projection reads its whole weight to make one row, so it is a pure weight stream;
-the matrix library's one-row products reach 2-4 TB/s on K3's wide matrices but 0.8-1.5 TB/s on the
-narrow ones (the 896-row router and sharded up_proj, MLA's q_b) on the H200 (docs/decode_step.md).
+Why: at B = 1 a projection reads its whole weight to make one row, so it is a pure weight stream,
+and a matrix library's one-row products stream the narrow matrices (the 896-row router and sharded
+up_proj, MLA's q_b) far below the copy bandwidth (figures: docs/decode_step.md).
 A program here owns BLOCK_N whole rows of w, streams them in BLOCK_K columns with one fp32
 accumulator tile, and reduces once at the end; there is no split of K, so no second launch or
 atomics, and each output is one fixed-order sum (the same from run to run).
@@ -13,9 +13,9 @@ atomics, and each output is one fixed-order sum (the same from run to run).
 Block shapes: on a GPU `triton.autotune` picks them per (N, K) among GPU_BLOCKS on the first call (so
 call once before capturing a CUDA graph; K is a compile-time constant: one build per width); in
 Triton's interpreter (CPU tensors, tests) one small shape runs. fp32 accumulation whatever the dtype;
-bf16 rounded to nearest even, also in the interpreter. On the H200 it is faster than cuBLAS on every
-projection of the TP8 step (2.2-4.4 TB/s alone; profiles/nvidia-h200/decode_step/, probe.gemv.*);
-on AMD targets it is compiled by the ISA report, not yet run on an AMD GPU.
+bf16 rounded to nearest even, also in the interpreter. How it compares with cuBLAS per projection:
+docs/decode_step.md and the probe.gemv.* records under profiles/<device>/decode_step/. On AMD targets
+it is compiled by the ISA report, not yet run on an AMD GPU.
 Backends: 'triton' (this kernel) and 'torch' (x @ w.t()); K3LAB_GEMV_BACKEND or backend= forces one.
 """
 

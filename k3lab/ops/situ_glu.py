@@ -21,9 +21,9 @@ ValueError):
 Default: triton on GPU tensors, torch on CPU tensors.
 
 Why: the decode step runs this activation 93 times (92 shared experts + layer 0's dense MLP), each a
-chain of small elementwise kernels of ~2 us; fused it is one small kernel.
-`python -m k3lab.ops.situ_glu` times both paths under a CUDA graph. Checked in the interpreter and
-compiled on the H200 (profiles/nvidia-h200/decode_step/glue/situ_glu_bench.json).
+chain of small elementwise kernels; fused it is one small kernel.
+`python -m k3lab.ops.situ_glu` times both paths under a CUDA graph; its records are under
+profiles/<device>/decode_step/glue/.
 """
 
 from __future__ import annotations

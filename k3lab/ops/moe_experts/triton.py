@@ -97,9 +97,8 @@ if triton is not None:
 def launch_config(shapes: Shapes, sort: ExpertSort) -> dict:
     """Column and reduction blocks and warps of both launches. With few tiles (one decode token's 16)
     the up launch takes long K steps (256) over 32-column blocks and the down launch short ones (64);
-    with many, 128 for both. Measured on the H200, see docs/moe_sharding.md: the best of a sweep at
-    16-row tiles and 4 warps, N = 1 (up 32/256, down 64/64: 96 us) and N = 64 (up 32/128, down 64/128:
-    1288 us). 8 warps for 64-row tiles is a first choice, not measured."""
+    with many, 128 for both: the best points of a sweep at 16-row tiles and 4 warps (docs/moe_sharding.md
+    has the sweep and its figures). 8 warps for 64-row tiles is a first choice, not swept."""
     few = sort.max_tiles * triton.cdiv(shapes.intermediate, 64) < 256
     warps = 4 if sort.block_m < 64 else 8
     return {

@@ -329,6 +329,8 @@ def test_walk_tile_rule():
          "initial_state must be contiguous"),
         (lambda a: a.update(scale=True), "scale"),
         (lambda a: a.update(scale=float("nan")), "scale"),
+        (lambda a: a.update(scale=-1.0), "scale must be a positive"),  # the references refuse it too
+        (lambda a: a.update(scale=0.0), "scale must be a positive"),
     ],
 )
 def test_bad_input_names_the_argument(mutate, match):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from k3lab import env
-from k3lab.ops.mla_decode.inputs import positive_finite
+from k3lab.ops import positive_finite
 
 CLUSTER_MIN_BLOCKS = 4  # 5+ sources: below that one Triton program is faster than a cluster
 

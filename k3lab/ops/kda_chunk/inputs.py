@@ -4,11 +4,11 @@ a call's arguments (before any kernel runs) and the matrix-product precisions pe
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 
 from k3lab import env
+from k3lab.ops import positive_finite
 
 HEAD_DIM = 128  # K = V = 128 for K3's KDA; the kernels hold whole 128-row state tiles
 CHUNK = 64  # tokens per chunk: the 64 x 64 in-chunk inverse the seed prescribes
@@ -94,9 +94,8 @@ def validate(q, k, v, g, beta, initial_state=None, cu_seqlens=None,
     Reading cu_seqlens waits for the GPU: callers validate once per call."""
     _check_tensors(q, k, v, g, beta)
     B, T, H, _ = q.shape
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    if scale is not None:
+        positive_finite("scale", scale)  # the rule every op shares: a real, finite, positive fp32 scale
     lengths = _lengths(cu_seqlens, B, T)
     N = len(lengths)
     if N > MAX_GRID:

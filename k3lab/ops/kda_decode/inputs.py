@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from k3lab.nn import KDACache
-from k3lab.ops.mla_decode.inputs import positive_finite
+from k3lab.ops import positive_finite
 
 HEAD_DIM = 128  # K = V = 128 in K3; the fused kernel is compiled for it
 CONV_SIZE = 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from k3lab import env
-from k3lab.ops.mla_decode.inputs import positive_finite
+from k3lab.ops import positive_finite
 
 HEAD_DIM = 128  # K3's KDA head dim; the kernels hold one full K = 128 column of the state per lane group
 MAX_POSITIONS = 8  # drafts + 1 verified by one call; beyond this, use the chunked prefill path

@@ -13,12 +13,12 @@ Two split policies cut a request's history into pieces run by separate programs:
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 
 from k3lab import env
+from k3lab.ops import positive_finite
 
 LATENT_DIM = 576  # [c 512 | k_pe 64] per position (docs/k3.md)
 VALUE_DIM = 512  # values are the first 512 latent columns
@@ -28,7 +28,6 @@ MMA_ROWS = 16  # the fewest rows a matrix-unit tile takes (mma.sync, MFMA, tl.do
 MAX_Q_LEN = 8  # verification group: the draft tokens plus one
 MAX_SPLITS = 512  # Triton policy's upper bound on pieces per request
 LOG2E = 1.0 / math.log(2.0)  # kernels work in base 2 and convert the lse once at the end
-FP32_TINY, FP32_MAX = 2.0 ** -126, (2.0 - 2.0 ** -23) * 2.0 ** 127  # fp32's normal range (kernel scalars)
 
 
 @dataclass(frozen=True)
@@ -163,19 +162,6 @@ def validate(q, cache, lengths=None, block_table=None, *, max_heads: int | None 
     # int32 table stays the caller's tensor, so a plan sees the caller's later page assignments.
     bt = bt.to(torch.int32).contiguous()
     return Inputs(B, Tq, H, cache, paged, page_size, bt, lens, lens_host, capacity)
-
-
-def positive_finite(name: str, value) -> float:
-    """`value` as a float; ValueError naming `name` unless it is a real number (not a bool, not a
-    tensor, which would cost a host sync), finite and > 0, and a normal fp32 number (the kernels take
-    it in fp32, where 1e39 is inf and 1e-45 is 0). The one rule for the scales and epsilons of every
-    op and backend: a NaN scale gives an all-NaN output, a negative one a different softmax, a
-    negative eps a NaN norm, and the references and the CUDA backends refuse them."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
-            or not FP32_TINY <= value <= FP32_MAX):
-        raise ValueError(f"{name} must be a positive finite number within fp32's normal range "
-                         f"[{FP32_TINY:.3g}, {FP32_MAX:.3g}], got {value!r}")
-    return float(value)
 
 
 def check_scale(scale) -> float:

@@ -186,3 +186,87 @@ def test_init_from_env_outside_torchrun_says_what_is_missing(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(RuntimeError, match="torchrun's environment"):
         init_from_env()
+
+
+# --------------------------------------------------------------------------- blame and dead parents
+def _die_by_signal(rank, world_size, bad):
+    dist.barrier()  # every rank is in the group, so its peers see a reset connection, not a refused one
+    if rank == bad:
+        os.kill(os.getpid(), 9)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_the_rank_that_died_first_is_named_not_a_peer_that_lost_it():
+    """At 4 ranks a killed rank's peers fail with gloo's "Connection reset by peer" / "Read error"
+    (secondary); the error names the killed rank, every time."""
+    for _ in range(3):
+        with pytest.raises(RankError) as info:
+            spawn(_die_by_signal, 4, 2, backend="gloo", timeout_s=ROOM_S)
+        assert info.value.rank == 2, str(info.value)
+        assert "killed by SIGKILL" in str(info.value)
+
+
+def test_peer_loss_messages_are_secondary():
+    from k3lab.parallel.launch import _is_secondary
+
+    reset = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:4242: " \
+            "Connection reset by peer"
+    assert _is_secondary(("error", 0, "RuntimeError", reset, "", None))
+    assert _is_secondary(("error", 0, "DistBackendError", "anything", "", None))
+    assert not _is_secondary(("error", 0, "ValueError", "bad input on purpose", "", None))
+
+
+def _sleep_and_note_pid(rank, world_size, folder):
+    from pathlib import Path
+
+    Path(folder, f"rank{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a reaper (a rank whose parent died is reaped by init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def parent_main(folder: str, threads: int) -> None:
+    """The parent a test kills: two ranks that sleep (run by `python -c`, see below)."""
+    spawn(_sleep_and_note_pid, 2, folder, backend="gloo", timeout_s=900, threads_per_rank=threads)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc (Linux)")
+@pytest.mark.parametrize("threads", [pytest.param(2, id="spawn"), pytest.param(1, id="fork")])
+def test_ranks_die_with_a_killed_parent(tmp_path, threads):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).parent)
+    code = (f"import sys; sys.path.insert(0, {here!r}); import test_parallel_launch as t; "
+            f"t.parent_main({str(tmp_path)!r}, {threads})")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        t0 = time.monotonic()
+        while len(list(tmp_path.glob("rank*.pid"))) < 2:  # a spawned rank imports torch: seconds
+            assert parent.poll() is None, "the parent ended before its ranks started"
+            assert time.monotonic() - t0 < ROOM_S, "the ranks did not start"
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        t0 = time.monotonic()
+        while any(map(_alive, pids)) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        left = [p for p in pids if _alive(p)]
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+        assert not left, f"ranks {left} still alive 10 s after their parent was killed"
+    finally:
+        if parent.poll() is None:
+            parent.kill()

@@ -11,7 +11,13 @@ Failure contract, so that no distributed code can hang a test or a notebook:
   exception as `__cause__` when it can be pickled;
 - a rank that dies without reporting (signal, os._exit) is named with its exit code;
 - the process group is created with `timeout_s`, and the parent's watchdog kills every rank still
-  running `timeout_s` after the start and raises `TimeoutError` naming them.
+  running `timeout_s` after the start and raises `TimeoutError` naming them;
+- blame goes to the rank that failed first: a rank whose error only says that a peer went away (gloo's
+  "Connection reset by peer", "Read error", "Connection closed") is secondary, and the parent waits a
+  moment for the primary's report or exit before it names a secondary one;
+- ranks die with their parent, however it ends (SIGKILL included): on Linux each rank asks the kernel
+  for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG), and on every platform a thread in each rank
+  watches a pipe whose only writer is the parent and ends the rank when it reads end-of-file.
 
 Threads and start method. Each rank runs `threads_per_rank` intra-op threads (default 1):
 - one thread: gloo ranks are forked. They start in milliseconds (nothing is imported again) and `fn`
@@ -31,6 +37,8 @@ The gloo path is tested on CPUs; the NCCL / RCCL path (spawned, one GPU per rank
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
 import faulthandler
 import io
@@ -41,6 +49,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -49,6 +58,12 @@ import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
 _KILL_GRACE_S = 2.0
+_BLAME_GRACE_S = 2.0  # how long a secondary error waits for the primary's report or exit
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# what a rank's error says when it failed only because a peer went away (gloo, the TCP store, NCCL)
+_SECONDARY_TYPES = ("DistBackendError", "DistNetworkError")
+_SECONDARY_TEXT = ("Connection closed", "Connection reset by peer", "Read error", "Broken pipe",
+                   "Socket closed", "peer closed", "remote process exited")
 
 
 class RankError(RuntimeError):
@@ -129,10 +144,40 @@ def _init_group(backend: str, rank: int, world_size: int, timeout_s: float, stor
         )
 
 
-def _child(rank, world_size, backend, host, port, listen_fd, timeout_s, conn, fn, args, threads):
+def _die_with_parent(parent_pid: int, lifeline, lifeline_writer_fd) -> None:
+    """End this rank when its parent ends (module docstring): the kernel's parent-death signal where
+    there is one, and a thread that reads the parent's lifeline pipe until end-of-file everywhere."""
+    if lifeline_writer_fd is not None:  # forked: this process inherited the writer; only the parent keeps it
+        try:
+            os.close(lifeline_writer_fd)
+        except OSError:
+            pass
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # no prctl: the lifeline below still ends the rank
+    if os.getppid() != parent_pid:  # the parent died before the signal was asked for
+        os._exit(1)
+
+    def watch():
+        try:
+            lifeline.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        os._exit(1)  # the parent closed its end or died: nothing is left to report to
+
+    threading.Thread(target=watch, name="k3lab-lifeline", daemon=True).start()
+
+
+def _child(rank, world_size, backend, host, port, listen_fd, timeout_s, conn, fn, args, threads,
+           parent_pid=None, lifeline=None, lifeline_writer_fd=None):
     # Reports go as plain pickles (send_bytes): tensors travel by value, not as shared-memory handles
     # that would need this process alive after it exits. SIGUSR1 dumps this rank's Python stacks
     # (the parent sends it to ranks it is about to kill for running past the timeout).
+    if parent_pid is not None:
+        _die_with_parent(parent_pid, lifeline, lifeline_writer_fd)
     try:
         # First, before any tensor op: a forked rank inherits the parent's thread count, and its first
         # parallel region with more than one thread would hang (module docstring).
@@ -218,7 +263,16 @@ def _dump_stacks(procs, ranks):
 
 def _is_secondary(err) -> bool:
     """A rank that failed only because a peer went away (its peer's error is the cause)."""
-    return err[2] in ("DistBackendError", "DistNetworkError") or "Connection closed" in err[3]
+    return err[2] in _SECONDARY_TYPES or any(t in err[3] for t in _SECONDARY_TEXT)
+
+
+def _exit_text(code) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: float = 120,
@@ -249,6 +303,9 @@ def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: flo
                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
         port, listen_fd = store.port, None
     procs, conns = [], {}
+    # the lifeline: the parent holds its only writer; every rank watches the reader (module docstring)
+    lifeline, lifeline_writer = ctx.Pipe(duplex=False)
+    writer_fd = lifeline_writer.fileno() if method == "fork" else None
     start = time.monotonic()
     try:
         for rank in range(world_size):
@@ -256,7 +313,7 @@ def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: flo
             p = ctx.Process(
                 target=_child, name=f"k3lab-rank{rank}",
                 args=(rank, world_size, backend, "127.0.0.1", port, listen_fd, timeout_s, child_end, fn, args,
-                      threads_per_rank),
+                      threads_per_rank, os.getpid(), lifeline, writer_fd),
                 daemon=True,
             )
             try:
@@ -274,6 +331,8 @@ def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: flo
         _stop_all(procs)
         for c in conns:
             c.close()
+        lifeline.close()
+        lifeline_writer.close()
         if method == "fork":
             store.close()
         del store
@@ -284,8 +343,13 @@ def _collect(procs, conns, world_size, deadline, timeout_s):
     state = {"result": None, "done": set(), "errors": []}
     waiting = dict(conns)  # pipe -> rank, until the rank's one message arrived
     sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+    blame_by = None  # when only secondary errors are in: the moment to stop waiting for the primary
     while len(state["done"]) < world_size:
         remaining = deadline - time.monotonic()
+        if blame_by is not None:
+            remaining = min(remaining, blame_by - time.monotonic())
+        if blame_by is not None and (remaining <= 0 or not (waiting or sentinels)):
+            break
         if remaining <= 0:
             late = [r for r in range(world_size) if r not in state["done"]]
             _dump_stacks(procs, late)
@@ -304,12 +368,18 @@ def _collect(procs, conns, world_size, deadline, timeout_s):
                 if not reported:
                     procs[rank].join(0.1)
                     state["errors"].append(("error", rank, "ProcessExit",
-                                            f"exited with code {procs[rank].exitcode} without a report",
+                                            f"{_exit_text(procs[rank].exitcode)} without a report",
                                             "", None))
         if state["errors"]:
-            primary = sorted(state["errors"], key=_is_secondary)[0]
-            _, rank, exc_type, message, tb, exc = primary
-            raise RankError(rank, world_size, exc_type, message, tb) from exc
+            if not all(_is_secondary(e) for e in state["errors"]):
+                break
+            if blame_by is None:
+                blame_by = time.monotonic() + _BLAME_GRACE_S
+    if state["errors"]:
+        # arrival order; the first error that is not a peer's going away is the cause
+        primary = sorted(state["errors"], key=_is_secondary)[0]
+        _, rank, exc_type, message, tb, exc = primary
+        raise RankError(rank, world_size, exc_type, message, tb) from exc
     return state["result"]
 
 

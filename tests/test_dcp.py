@@ -177,7 +177,8 @@ def _decode_with(rank, N, bad_rank, what):
     ("heads",
      r"q's shape \[B, Tq, H, 576\] differs across ranks \(rank 0: \[2, 1, 2, 576\], rank 1: \[2, 1, 3, "
      r"576\]"),
-    ("lengths", r"lengths \(the global context lengths\) differs across ranks"),
+    ("lengths", r"lengths \(the global context lengths\) differs across ranks \(rank 0: \[20, 9\], "
+                r"rank 1: \[20, 8\], rank 2: \[20, 9\]\)"),
     ("local_lengths", r"rank 1 of 3 refused its inputs: local_lengths\[0\] = 8, but rank 1 of 3 owns 7"),
     ("merge", r"rank 1 of 3 refused its inputs: merge must be one of"),
 ])

@@ -343,6 +343,12 @@ _AGREE_FIELDS = ("problem", "B", "Tq", "H", "D", "dtype", "interleave", "merge",
 _MSG_BYTES = 384
 
 
+def _lengths_text(lens) -> str:
+    """The lengths as a mismatch message shows them, cut to fit the gathered message."""
+    text = str([int(n) for n in lens])
+    return text if len(text) <= _MSG_BYTES else text[:_MSG_BYTES - 5] + " ...]"
+
+
 def _lengths_hash(lens) -> int:
     h = 1469598103934665603
     for n in lens:
@@ -350,25 +356,23 @@ def _lengths_hash(lens) -> int:
     return h
 
 
-def _agree(fields: dict, problem: str | None, group, device):
-    """One all-gather of every rank's fields (and refusal message); the same ValueError on every rank."""
+def _agree(fields: dict, problem: str | None, group, device, lengths_text: str = ""):
+    """One all-gather of every rank's fields (and refusal message, or else its lengths as text, shown
+    when they differ); the same ValueError on every rank."""
     N = dist.get_world_size(group)
     head = torch.tensor([int(fields.get(k, 0)) for k in _AGREE_FIELDS], dtype=torch.int64)
-    msg = (problem or "").encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
+    msg = (problem or lengths_text).encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
     body = torch.frombuffer(bytearray(msg), dtype=torch.uint8).view(torch.int64)
     mine = torch.cat([head, body]).to(device)
     every = torch.empty((N,) + mine.shape, dtype=torch.int64, device=device)
     _all_gather(every, mine, group)
     every = every.cpu()
     heads = every[:, :len(_AGREE_FIELDS)].tolist()
+    texts = [bytes(every[j, len(_AGREE_FIELDS):].view(torch.uint8).tolist()).rstrip(b"\0")
+             .decode(errors="replace") for j in range(N)]
     for j, h in enumerate(heads):
         if h[0]:
-            text = (
-                bytes(every[j, len(_AGREE_FIELDS) :].view(torch.uint8).tolist())
-                .rstrip(b"\0")
-                .decode(errors="replace")
-            )
-            raise ValueError(f"dcp_decode: rank {j} of {N} refused its inputs: {text}")
+            raise ValueError(f"dcp_decode: rank {j} of {N} refused its inputs: {texts[j]}")
     names = {("B", "Tq", "H", "D"): "q's shape [B, Tq, H, 576]", ("dtype",): "q.dtype",
              ("interleave",): "interleave", ("merge",): "merge", ("local",): "local",
              ("lengths",): "lengths (the global context lengths)", ("scale",): "scale",
@@ -377,6 +381,8 @@ def _agree(fields: dict, problem: str | None, group, device):
         cols = [_AGREE_FIELDS.index(k) for k in keys]
         vals = [tuple(h[c] for c in cols) for h in heads]
         if len(set(vals)) > 1:
+            if keys == ("lengths",):  # compared by a hash; shown by value
+                vals = [(t,) for t in texts]
             shown = ", ".join(f"rank {j}: {list(v) if len(v) > 1 else v[0]}" for j, v in enumerate(vals))
             raise ValueError(f"dcp_decode: {label} differs across ranks ({shown}); every rank must pass the "
                              f"same")
@@ -490,7 +496,8 @@ def dcp_decode(q, local_cache, local_lengths, lengths, *, group=None, interleave
         from k3lab.parallel.launch import rank_device
 
         device = q.device if isinstance(q, torch.Tensor) else rank_device()
-        _agree({**fields, "problem": problem is not None}, problem, group, device)
+        text = _lengths_text(lens) if problem is None else ""
+        _agree({**fields, "problem": problem is not None}, problem, group, device, text)
     H = q.shape[2]
     q_all = _gather_queries(q, N, group) if N > 1 else q
     o_loc, lse_loc = local_attention(q_all, local_cache, held, lens, N, rank, interleave,

@@ -7,7 +7,8 @@
     k3lab report [--full] [--skip-notebooks] [--skip-studies]   this machine's run -> build/report.html
     k3lab isa [--target gfx950,gfx942,sm90] [--json F]  compile every Triton kernel, report ISA facts
 
-An unknown study name is one line on stderr naming the known ones, and exit status 2.
+Every argument is checked before anything runs (a study name, --preset, --cases, --timeout and the
+other counts, the files to import): a bad one is one line on stderr naming it, and exit status 2.
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ def _cmd_bench(args) -> int:
     if args.json:  # one file holding every record: what a remote run brings back
         import json
 
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps([r.to_dict() for r in records], indent=1) + "\n")
+        from k3lab.bench.records import write_atomic
+
+        # temp file + rename: an interrupted write leaves the previous file whole
+        write_atomic(Path(args.json), json.dumps([r.to_dict() for r in records], indent=1) + "\n")
         print(f"wrote {len(records)} records to {args.json}")
     root = None if args.save_profiles else str(Path(args.out) / "records")
     paths = bench.save_records(records, root=root, overwrite=args.overwrite)
@@ -81,17 +84,38 @@ def _pandas_wide():
     return pd.option_context("display.width", 200, "display.max_columns", 20)
 
 
-def _cmd_import(args) -> int:
-    """Save records from a JSON list (k3lab bench --json) under profiles/<device>/<study>/."""
+def _read_import(path: str) -> list:
+    """The records in one file to import; ValueError naming the file and what is wrong with it."""
     import json
 
     from k3lab import bench
 
-    records = []
-    for f in args.files:
-        data = json.loads(Path(f).read_text())
-        records += [bench.Record.from_dict(d) for d in (data if isinstance(data, list) else [data])]
-    paths = bench.save_records(records, root=args.root, overwrite=args.overwrite)
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"import: {path}: cannot be read ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"import: {path}: not JSON ({exc})") from None
+    rows = data if isinstance(data, list) else [data]
+    if not rows or not all(isinstance(d, dict) for d in rows):
+        raise ValueError(f"import: {path}: expected a record or a list of records (k3lab bench --json)")
+    try:
+        return [bench.Record.from_dict(d) for d in rows]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"import: {path}: not a record file: {exc}") from None
+
+
+def _cmd_import(args) -> int:
+    """Save records from a JSON list (k3lab bench --json) under profiles/<device>/<study>/."""
+    from k3lab import bench
+
+    read = getattr(args, "records", None) or {f: _read_import(f) for f in args.files}  # main read them
+    records = [r for f in args.files for r in read[f]]
+    try:
+        paths = bench.save_records(records, root=args.root, overwrite=args.overwrite)
+    except FileExistsError as exc:
+        print(f"k3lab import: {exc}", file=sys.stderr)
+        return 2
     print(f"saved {len(records)} records in {len(paths)} files under {args.root or bench.PROFILES}/")
     return 0
 
@@ -120,6 +144,24 @@ def _cmd_report(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line on stderr (the command, the argument, what was wrong)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def _preset(text: str) -> str:
+    """A preset name K3Config knows (full, tiny, tpN whose N divides K3's heads and widths)."""
+    from k3lab.config import K3Config
+
+    try:
+        K3Config.preset(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -130,10 +172,25 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _check_args(args) -> None:
+    """What argparse cannot check alone, before anything runs: the study's case names (for its preset)
+    and the files to import. ValueError naming the argument."""
+    if getattr(args, "cases", None):
+        from k3lab.studies import load_study, select_cases
+
+        study = load_study(args.study)
+        try:
+            select_cases(study.case_names(args.preset), args.cases)
+        except ValueError as exc:
+            raise ValueError(f"--cases: {exc}") from None
+    if args.command == "import":
+        args.records = {f: _read_import(f) for f in args.files}
+
+
 def build_parser() -> argparse.ArgumentParser:
     studies = _studies_help()
     raw = argparse.RawTextHelpFormatter
-    p = argparse.ArgumentParser(prog="k3lab", description=__doc__, epilog=studies, formatter_class=raw)
+    p = _Parser(prog="k3lab", description=__doc__, epilog=studies, formatter_class=raw)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="backend, device, versions, preset, optional backends")
     b = sub.add_parser("bench", help="run a study's cases: checks, timings, floors, records", epilog=studies,
@@ -141,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Check every variant of a study against its reference, "
                        "then time it; prints case, before, after, peer, floor, after/before, after/peer.")
     b.add_argument("study", help="a study name (below)")
-    b.add_argument("--preset", default=None, help="full, tiny or tpN (default: tp8 on a GPU, tiny on CPU)")
+    b.add_argument("--preset", type=_preset, default=None,
+                   help="full, tiny or tpN (default: tp8 on a GPU, tiny on CPU)")
     b.add_argument("--cases", nargs="*", default=None)
     b.add_argument("--out", default="build")
     b.add_argument("--save-profiles", action="store_true",
@@ -155,16 +213,16 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("profile", help="trace each variant of a study and print its kernel table",
                         epilog=studies, formatter_class=raw)
     pr.add_argument("study", help="a study name (below)")
-    pr.add_argument("--preset", default=None)
-    pr.add_argument("--steps", type=int, default=3)
-    pr.add_argument("--top", type=int, default=15)
+    pr.add_argument("--preset", type=_preset, default=None)
+    pr.add_argument("--steps", type=_positive_int, default=3)
+    pr.add_argument("--top", type=_positive_int, default=15)
     pr.add_argument("--out", default="build")
     sub.add_parser("isa", help="compile every Triton kernel for gfx950 / gfx942 / sm90 and report ISA facts "
                          "(python -m k3lab.isa --help)", add_help=False)
     r = sub.add_parser("report",
                        help="run what this machine can, execute the notebooks, write build/report.html")
     r.add_argument("--out", default="build")
-    r.add_argument("--preset", default=None)
+    r.add_argument("--preset", type=_preset, default=None)
     r.add_argument("--full", action="store_true",
                    help="every case of every study (default: each study's quick form, which still checks "
                         "every variant; k3lab.studies.GPU_QUICK / CPU_CASES say which cases)")
@@ -172,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--skip-notebooks", action="store_true")
     r.add_argument("--workers", type=_positive_int, default=2,
                    help="notebooks executed at a time (default 2)")
-    r.add_argument("--timeout", type=int, default=CELL_TIMEOUT_S,
+    r.add_argument("--timeout", type=_positive_int, default=CELL_TIMEOUT_S,
                    help=f"seconds per notebook cell; a cell that reaches it fails the report (default "
                         f"{CELL_TIMEOUT_S})")
     return p
@@ -186,12 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         from k3lab.isa.__main__ import main as isa_main
         return isa_main(argv[1:])
     args = build_parser().parse_args(argv)
-    if getattr(args, "study", None) is not None:
-        try:
+    try:
+        if getattr(args, "study", None) is not None:
             args.study = canonical(args.study)
-        except ValueError as exc:
-            print(f"k3lab: {exc}", file=sys.stderr)
-            return 2
+        _check_args(args)
+    except ValueError as exc:
+        print(f"k3lab: {exc}", file=sys.stderr)
+        return 2
     handler = {"info": _cmd_info, "bench": _cmd_bench, "profile": _cmd_profile, "report": _cmd_report,
                "import": _cmd_import}
     return handler[args.command](args)

@@ -106,3 +106,69 @@ def test_make_test_groups_skips_by_reason():
                                              ("c", "fla missing")])]
     assert skip_groups(reports) == [("needs a GPU", 3, ["tests/test_a.py", "tests/test_b.py"]),
                                     ("fla missing", 1, ["tests/test_c.py"])]
+
+
+# ------------------------------------------------------------------ every argument checked up front
+@pytest.mark.parametrize("argv,named", [
+    (["bench", "launch_overhead", "--preset", "huge"], "--preset"),
+    (["bench", "launch_overhead", "--preset", "tp7"], "--preset"),
+    (["profile", "launch_overhead", "--preset", "huge"], "--preset"),
+    (["report", "--preset", "huge"], "--preset"),
+    (["report", "--timeout", "-5"], "--timeout"),
+    (["report", "--timeout", "0"], "--timeout"),
+    (["report", "--workers", "0"], "--workers"),
+    (["profile", "launch_overhead", "--steps", "0"], "--steps"),
+    (["bench", "launch_overhead", "--cases", "no_such_case"], "--cases"),
+])
+def test_a_bad_argument_is_one_line_naming_it_and_exit_2(argv, named, capsys, monkeypatch):
+    """Nothing runs: a study's run() and the report's builder would fail the test if reached."""
+    import k3lab.report
+
+    def must_not_run(*a, **k):
+        raise AssertionError("ran despite a bad argument")
+
+    monkeypatch.setattr(k3lab.report, "build_report", must_not_run)
+    monkeypatch.setattr(studies.load_study("launch_overhead"), "run", must_not_run)
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err, err
+
+
+@pytest.mark.parametrize("content,why", [
+    (None, "cannot be read"),
+    ("{not json", "not JSON"),
+    ("[1, 2]", "expected a record or a list of records"),
+    ('[{"study": "x"}]', "not a record file"),
+])
+def test_import_of_a_bad_file_names_the_file_and_saves_nothing(tmp_path, capsys, content, why):
+    good = tmp_path / "good.json"
+    assert cli.main(["bench", "launch_overhead", "--out", str(tmp_path / "b"), "--cases", "tiny_op",
+                     "--json", str(good)]) == 0
+    capsys.readouterr()
+    bad = tmp_path / "bad.json"
+    if content is not None:
+        bad.write_text(content)
+    root = tmp_path / "profiles"
+    assert cli.main(["import", str(good), str(bad), "--root", str(root)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(bad) in err and why in err, err
+    assert not root.exists()  # the good file's records were not saved either: every file is read first
+
+
+def test_import_over_a_committed_record_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    from k3lab.bench import records
+
+    f = tmp_path / "r.json"
+    assert cli.main(["bench", "launch_overhead", "--out", str(tmp_path / "b"), "--cases", "tiny_op",
+                     "--json", str(f)]) == 0
+    root = tmp_path / "profiles"
+    assert cli.main(["import", str(f), "--root", str(root)]) == 0
+    monkeypatch.setattr(records, "committed_reason", lambda path: "tracked by git")
+    capsys.readouterr()
+    assert cli.main(["import", str(f), "--root", str(root)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "committed reference" in err

@@ -205,7 +205,7 @@ def committed_reason(path: Path) -> str | None:
     return None
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     """Write `text` to a temp file beside `path`, flush it to disk, then rename it over `path`: an
     interrupted write leaves the previous file whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -278,7 +278,7 @@ def save_records(records: Iterable[Record], root=None, overwrite: bool = False) 
         except ValueError as exc:
             raise FileExistsError(f"{exc}: not merged into; pass overwrite=True to replace it") from exc
     for path, recs in merged.items():
-        _write_atomic(path, json.dumps([r.to_dict() for r in recs], indent=1, sort_keys=True) + "\n")
+        write_atomic(path, json.dumps([r.to_dict() for r in recs], indent=1, sort_keys=True) + "\n")
     return list(merged)
 
 
@@ -416,6 +416,6 @@ def write_run(result: dict, json_path=None, records_root=None) -> None:
     if json_path:
         out = dict(result, records=[r.to_dict() for r in result["records"]])
         # the old file survives a crash
-        _write_atomic(Path(json_path), json.dumps(out, indent=1, default=str))
+        write_atomic(Path(json_path), json.dumps(out, indent=1, default=str))
     if records_root:
         save_records(result["records"], root=records_root)

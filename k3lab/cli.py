@@ -58,7 +58,12 @@ def _cmd_bench(args) -> int:
               "Its notebook checks the references here and shows the committed GPU records.")
         return 0
     study = load_study(args.study)
-    records = study.run(preset=args.preset, cases=args.cases)
+    try:
+        kwargs = run_options(study, args)
+    except ValueError as exc:
+        print(f"k3lab: {exc}", file=sys.stderr)
+        return 2
+    records = study.run(preset=args.preset, cases=args.cases, **kwargs)
     if not records:
         print(f"{args.study}: no records (nothing to time here)")
         return 0
@@ -76,6 +81,28 @@ def _cmd_bench(args) -> int:
     paths = bench.save_records(records, root=root, overwrite=args.overwrite)
     print(f"saved {len(paths)} records under {root or bench.PROFILES}/")
     return 0
+
+
+# `k3lab bench` options that become keywords of a study's run(): (flag, run() keyword)
+RUN_OPTIONS = (("--repeats", "repeats"), ("--distinct-layers", "distinct_layers"),
+               ("--no-profile", "profile"))
+
+
+def run_options(study, args) -> dict:
+    """The run() keywords the command line set (RUN_OPTIONS; None means not given). ValueError naming the
+    flag when the study's run() does not take that keyword."""
+    import inspect
+
+    params = inspect.signature(study.run).parameters
+    out = {}
+    for flag, key in RUN_OPTIONS:
+        value = getattr(args, key, None)
+        if value is None:
+            continue
+        if key not in params:
+            raise ValueError(f"study {study.NAME!r} takes no {flag} option")
+        out[key] = value
+    return out
 
 
 def _pandas_wide():
@@ -206,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save records under profiles/ (committed results)")
     b.add_argument("--overwrite", action="store_true", help="replace committed records")
     b.add_argument("--json", default=None, help="also write every record to this one JSON file")
+    b.add_argument("--repeats", type=_positive_int, default=None,
+                   help="timed samples per variant (studies whose run() takes repeats)")
+    b.add_argument("--distinct-layers", type=_positive_int, default=None,
+                   help="decode_step: weight sets per layer kind rotated through the layers")
+    b.add_argument("--no-profile", dest="profile", action="store_const", const=False, default=None,
+                   help="skip the profiler passes (studies whose run() takes profile)")
     im = sub.add_parser("import", help="save records from JSON files (k3lab bench --json) under profiles/")
     im.add_argument("files", nargs="+")
     im.add_argument("--root", default=None, help="default: the repository's profiles/")

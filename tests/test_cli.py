@@ -68,6 +68,22 @@ def test_bench_prints_a_compact_table_without_empty_columns(tmp_path, capsys):
     assert rec["study"] == "launch_overhead" and rec["median_us"] > 0
 
 
+def test_bench_run_options_reach_run_or_name_the_flag(tmp_path, capsys):
+    """--repeats / --distinct-layers / --no-profile become run() keywords; a study whose run() lacks one
+    is exit status 2 naming the flag, before anything runs."""
+    assert cli.main(["bench", "launch_overhead", "--out", str(tmp_path), "--distinct-layers", "2"]) == 2
+    assert "takes no --distinct-layers option" in capsys.readouterr().err
+    seen = {}
+    study = type("S", (), {"NAME": "s", "run": staticmethod(lambda preset=None, cases=None, *, repeats=5,
+                                                                    profile=True: seen)})
+    args = cli.build_parser().parse_args(["bench", "decode_step", "--repeats", "2", "--no-profile"])
+    assert cli.run_options(study, args) == {"repeats": 2, "profile": False}
+    args = cli.build_parser().parse_args(["bench", "decode_step"])
+    assert cli.run_options(study, args) == {}
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "decode_step", "--repeats", "0"])
+
+
 def test_compact_table_keeps_peer_and_ratios():
     from k3lab import bench
     from k3lab.report.tables import compact

@@ -84,7 +84,7 @@ def test_gpu_k3_widths_and_graph_capture(n, k):
 
 def test_a_decode_step_with_gemv_projections_equals_the_matmul_step():
     from k3lab.engine import DecodeStep
-    from k3lab.engine import bench as sb
+    from k3lab.studies.decode_step import measure as sb
 
     ids = torch.tensor([[3]])
     out = {}

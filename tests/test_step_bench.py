@@ -1,4 +1,4 @@
-"""The whole-step study's arithmetic and tables (k3lab.engine.bench, k3lab.studies.decode_step) on
+"""The whole-step study's arithmetic and tables (k3lab.studies.decode_step and its measure module) on
 records made here, without running the benchmark."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from k3lab import bench
 from k3lab.config import K3Config
 from k3lab.engine import SWITCHES, DecodeStep
 from k3lab.engine.weights import RankWeights
-from k3lab.engine import bench as sb
 from k3lab.studies import decode_step as ds
+from k3lab.studies.decode_step import measure as sb
 
 from cpu_child import on_a_cpu
 
@@ -78,9 +78,11 @@ def test_amdahl_reads_the_committed_per_op_records():
 
 
 def test_study_interface_and_bad_cases():
-    assert ds.NAME == "decode_step" and ds.case_names() == list(sb.cases())
+    assert ds.NAME == "decode_step" and ds.case_names() == [*sb.cases(), ds.PROBE_CASE]
     with pytest.raises(ValueError, match="cases must be among"):
         sb.run_cases(["b1_2k"])
+    with pytest.raises(ValueError, match=r"unknown \['b1_2k'\]"):
+        ds.run(cases=["probe", "b1_2k"])
     with pytest.raises(ValueError, match="repeats must be a positive integer"):
         sb.run_cases(None, repeats=0)
 

@@ -6,8 +6,8 @@ import torch
 
 from k3lab import bench
 from k3lab.config import K3Config
-from k3lab.engine import bench as step_bench
-from k3lab.engine import bounds
+from k3lab.studies.decode_step import bounds
+from k3lab.studies.decode_step import measure as step_bench
 
 from cpu_child import on_a_cpu
 
@@ -42,7 +42,8 @@ def test_bad_input_and_cpu_answers():
         bounds.small_kernel_probe(0)
     if not torch.cuda.is_available():
         assert bounds.run(step_bench.CPU_CONFIG) == []
-        assert step_bench.main(["bounds"]) == 0
+        said = []
+        assert step_bench.probe_records(log=said.append) == [] and "no GPU here" in said[0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the probes time GPU kernels")

@@ -16,7 +16,7 @@ import torch
 import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
 from k3lab import bench
 from k3lab.engine import DecodeStep, RankWeights, fp8, resolve, run_group
-from k3lab.engine.bench import CPU_CONFIG
+from k3lab.studies.decode_step.measure import CPU_CONFIG
 from k3lab.engine.weights import FP8_PROJECTIONS
 from k3lab.model import K3Model, init_weights
 

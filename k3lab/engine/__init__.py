@@ -8,8 +8,8 @@ each optimization a named switch.
 Modules: `switches` (the switches and what each runs here), `fp8` (FP8 dense projections:
 `projections='fp8'`, `fp8_status(device)`), `weights` (a rank's weights: sliced from a
 K3Model or random at a rank's shapes, rotated through the layers), `layers` (each sublayer's rank-local
-part), `step` (DecodeStep, the rank program and its collectives, `run_group` for a TP group in lockstep),
-`bench` (`python -m k3lab.engine bench`: the whole-step waterfall).
+part), `step` (DecodeStep, the rank program and its collectives, `run_group` for a TP group in lockstep).
+The whole-step waterfall that measures it is the decode_step study (k3lab.studies.decode_step).
 """
 
 from k3lab.engine.fp8 import PROJECTIONS, fp8_status

@@ -1,6 +1,6 @@
 """Tasks of notebooks 06 (draft depth), 07 (agent cache) and 08 (the whole step): host-side
 arithmetic, graded against the library functions the notebooks use: `k3lab.spec.best_depth`,
-`k3lab.cache.resume.resume_point` and `k3lab.engine.bench.step_bytes`.
+`k3lab.cache.resume.resume_point` and `k3lab.studies.decode_step.measure.step_bytes`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 from k3lab import spec
 from k3lab.cache.resume import resume_point
 from k3lab.config import K3Config
-from k3lab.engine.bench import step_bytes
+from k3lab.studies.decode_step.measure import step_bytes
 
 from ._core import EXACT, Case, Task
 
@@ -222,7 +222,8 @@ bf16 (2 bytes): add the routed experts (`batch` tokens choosing `k` of `E` exper
 routed_expert_hidden_size` values), the MLA history (`num_mla_layers x batch x (context_len + 2) x
 mla_latent_dim`: the history plus the new row written and read), the KDA state
 (`kda_state_bytes_per_sequence()`, fp32) and conv history (`kda_conv_state_values_per_sequence()`
-values), both read and written per KDA layer. `check` compares with `k3lab.engine.bench.step_bytes`.""",
+values), both read and written per KDA layer. `check` compares with
+`k3lab.studies.decode_step.measure.step_bytes`.""",
     signature="step_floor_us(config: K3Config, batch: int, context_len: int, dense_weight_bytes: float, "
               "bandwidth_tbs: float) -> float",
     outputs=("floor_us",), cases=_floor_cases, reference=_floor_reference, solution=step_floor_solution,

@@ -1,9 +1,10 @@
 """Study: one TP8 rank's whole decode step, every optimization a switch (notebook 08, the report's first
 page).
 
-The run itself is k3lab.engine.bench (`python -m k3lab.engine bench`); this module gives it the study
-interface (NAME, case_names, run, profile_targets) and reads its records back into the tables the
-notebook and the report show: the waterfall (all on, each switched off alone, all off), the MLA padding's
+The run itself is `measure` (the waterfall) and `bounds` (the probes of what bounds the step above its
+floor), both run by `k3lab bench decode_step`; this module gives them the study interface (NAME,
+case_names, run, profile_targets) and reads their records back into the tables the notebook and the
+report show: the waterfall (all on, each switched off alone, all off), the MLA padding's
 whole-step effect beside the seed's per-token figures, the AttnRes fusion's and the MoE tail's shares
 beside the seed's throughput gains, launches per step, and what the per-op records predict (Amdahl).
 Seed figures are labelled as the seed's (MI355X, their serving stack); nothing here is mixed with them.
@@ -14,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from k3lab import bench
-from k3lab.engine import bench as step_bench
+
+from . import measure as step_bench
 
 NAME = "decode_step"
 DEVICE = "nvidia-h200"
@@ -29,18 +31,28 @@ PER_OP = {
     "attn_res": ("copy_removal", "attn_res_t1_s5_graph", 187, "AttnRes + RMSNorm, 5 sources (187 per step)"),
     "pack": ("copy_removal", "pack_copy_graph", 69, "the needless pack copy (69 per step)"),
 }
-PROBE = "probe."  # case prefix of the bounds probes (k3lab.engine.bounds)
+PROBE = "probe."  # case prefix of the bounds probes (k3lab.studies.decode_step.bounds)
+PROBE_CASE = "probe"  # the case that runs them
 MLA_CASE = {"b1_1k": "ctx1k", "b1_32k": "ctx32k", "b1_128k": "ctx128k", "b64_8k": "b64_8k"}
 
 
 def case_names(preset=None) -> list[str]:
-    """The whole-step cases on this machine (GPU: b1_1k, b1_32k, b1_128k, b64_8k; CPU: one tiny case)."""
-    return list(step_bench.cases())
+    """The whole-step cases on this machine (GPU: b1_1k, b1_32k, b1_128k, b64_8k; CPU: one tiny case),
+    then 'probe': the bounds probes (GPU kernels; nothing is measured on a CPU)."""
+    return [*step_bench.cases(), PROBE_CASE]
 
 
 def run(preset=None, cases=None, *, repeats: int = 5, distinct_layers: int = 3, profile: bool = True) -> list:
-    """Every variant of `cases` (see k3lab.engine.bench.run_cases); records of study 'decode_step'."""
-    return step_bench.run_cases(cases, distinct_layers=distinct_layers, repeats=repeats, profile=profile)
+    """Every variant of the whole-step `cases` (see measure.run_cases) and, with 'probe' among them, the
+    bounds probes (measure.probe_records); records of study 'decode_step'. Unknown cases are a
+    ValueError naming them, before anything runs."""
+    from k3lab.studies import select_cases
+
+    chosen = select_cases(case_names(preset), cases)
+    steps = [c for c in chosen if c != PROBE_CASE]
+    records = step_bench.run_cases(steps, distinct_layers=distinct_layers, repeats=repeats,
+                                   profile=profile) if steps else []
+    return records + (step_bench.probe_records() if PROBE_CASE in chosen else [])
 
 
 def profile_targets(preset=None) -> dict:
@@ -66,18 +78,18 @@ def load(records=None, device: str = DEVICE) -> list:
 
 
 def probes(device: str = DEVICE) -> list:
-    """The committed bounds probes (k3lab.engine.bounds: cases probe.gemv.<projection>,
+    """The committed bounds probes (`bounds`: cases probe.gemv.<projection>,
     probe.small_kernel)."""
     return [r for r in bench.load_records(NAME, device=device) if r.case.startswith(PROBE)]
 
 
 def where_time_goes(records, case: str = "b1_1k", probe_records=None) -> list[dict]:
-    """The all-on graph step of `case` split by its profile (k3lab.engine.bounds.split): weight streaming
+    """The all-on graph step of `case` split by its profile (`bounds.split`): weight streaming
     (GEMMs and the grouped experts) and the rest, each with kernels, kernel time, and what the bounds
     say it costs at least: the streamed weights' bytes over the copy bandwidth and, from the probes, the
     projections alone in a graph; the rest's kernels at the probed per-kernel cost of a do-nothing
     kernel. Last row: the graph replay against the sum of its kernels. [] without a profiled record."""
-    from k3lab.engine import bounds
+    from . import bounds
 
     r = _index(records).get((case, "all_on", "graph"))
     prof = r and r.extra.get("profile_graph")
@@ -157,7 +169,7 @@ UNCHECKED = ("not a check: compared with all off, whose MoE tail differs under t
 
 
 def checks(records) -> list[dict]:
-    """Per record, its logits check (k3lab.engine.bench): case, variant, mode, reference, rel_l2, max_abs,
+    """Per record, its logits check (`measure`): case, variant, mode, reference, rel_l2, max_abs,
     graph_vs_eager (rel_l2 of one graph replay against the eager check, graph records), state (the
     checksum of the caches it started from) and note. Records made before the check compared like with
     like (error['logits_vs_all_off']) keep their figure and say that it is not a check (UNCHECKED)."""

@@ -1,8 +1,8 @@
 """What bounds the whole step above its bytes floor: two read-only probes and the profiled step's split.
 
-    python -m k3lab.engine bounds --json F      (GPU; records of study decode_step, cases probe.*)
+    k3lab bench decode_step --cases probe --json F      (GPU; records of study decode_step, cases probe.*)
 
-The bytes floor (`bench.step_bytes` over the copy bandwidth) assumes every byte streams at copy speed
+The bytes floor (`measure.step_bytes` over the copy bandwidth) assumes every byte streams at copy speed
 and nothing else costs time. A B = 1 step of one rank departs from it in two ways, each measured here
 on its own:
 

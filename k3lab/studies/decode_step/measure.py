@@ -2,7 +2,8 @@
 switched off alone (the waterfall), eager and as one CUDA graph, with its bytes floor, its launches per
 step from the profiler and the collective stand-ins timed apart.
 
-    python -m k3lab.engine bench --json F [--cases b1_1k b64_8k] [--distinct-layers 3] [--repeats 5]
+    k3lab bench decode_step --json F [--cases b1_1k b64_8k] [--distinct-layers 3] [--repeats 5]
+    k3lab bench decode_step --cases probe --json F     (the bounds probes, k3lab.studies.decode_step.bounds)
 
 Cases on a GPU (K3Config.tp_slice(8), bf16, random weights: `distinct_layers` sets per layer kind rotated
 through the 93 layers): b1_1k, b1_32k, b1_128k (B = 1) and b64_8k (B = 64). On a CPU one case at a
@@ -18,7 +19,7 @@ places (sharded: this rank's columns, before the all-reduce; replicated: every c
 under stand-ins they compute different sums, equal only with real collectives (`run_group`). A graph
 record also holds `error['graph_vs_eager']`: one replay from the saved state against the eager check.
 bf16 over 93 layers, and a near-tie in the router may pick another expert, so the figures are recorded,
-not asserted. Run on the H200: profiles/nvidia-h200/decode_step/.
+not asserted. Committed records: profiles/<device>/decode_step/.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ import torch
 from k3lab import bench, env
 from k3lab.config import K3Config
 
-from .step import DecodeStep
-from .switches import DECODE_ONLY, SWITCHES, VERIFY_ONLY, all_but
-from .weights import RankWeights
+from k3lab.engine.step import DecodeStep
+from k3lab.engine.switches import DECODE_ONLY, SWITCHES, VERIFY_ONLY, all_but
+from k3lab.engine.weights import RankWeights
 
 STUDY = "decode_step"
 GPU_CASES = {"b1_1k": (1, 1024), "b1_32k": (1, 32768), "b1_128k": (1, 131072), "b64_8k": (64, 8192)}
@@ -350,68 +351,27 @@ def run_cases(names: list[str] | None = None, *, distinct_layers: int = 3, repea
     return records
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-    from pathlib import Path
-
-    p = argparse.ArgumentParser(prog="python -m k3lab.engine",
-                                description="the whole-step benchmark of one TP8 rank")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bench", help="time the decode step: all on, all off, each switch off alone")
-    b.add_argument("--cases", nargs="+", default=None,
-                   help=f"cases (GPU: {list(GPU_CASES)}; CPU: {list(CPU_CASES)})")
-    b.add_argument("--distinct-layers", type=int, default=3,
-                   help="weight sets per layer kind rotated through the layers")
-    b.add_argument("--repeats", type=int, default=5, help="timed samples per variant and mode")
-    b.add_argument("--no-profile", action="store_true", help="skip the profiler runs (launches per step)")
-    b.add_argument("--json", default=None, help="write every record to this JSON file")
-    b.add_argument("--save-profiles", action="store_true",
-                   help="save the records under profiles/<device>/decode_step/")
-    pb = sub.add_parser("bounds", help="the probes of what bounds the step above its floor (GPU)")
-    pb.add_argument("--json", default=None, help="write the probe records to this JSON file")
-    args = p.parse_args(argv)
-    print(env.describe())
-    if args.cmd == "bounds":
-        return _bounds(args.json)
-    records = run_cases(args.cases, distinct_layers=args.distinct_layers, repeats=args.repeats,
-                        profile=not args.no_profile)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps([r.to_dict() for r in records], indent=1) + "\n")
-        print(f"wrote {len(records)} records to {args.json}")
-    if args.save_profiles:
-        paths = bench.save_records(records)
-        print(f"saved {len(paths)} records under {bench.PROFILES}/")
-    return 0
-
-
-def _bounds(json_path: str | None) -> int:
-    import json
-    from pathlib import Path
-
+def probe_records(log=print) -> list[bench.Record]:
+    """The bounds probes (k3lab.studies.decode_step.bounds: cases probe.gemv.<projection>,
+    probe.small_kernel), each record with the copy bandwidth measured in this run; logs one line per
+    record and the projections' per-step sum against their bytes floor. [] on a CPU (said in the log)."""
     from . import bounds
 
     if not on_gpu():
-        print("bounds: the probes time GPU kernels; there is no GPU here, so nothing is measured")
-        return 0
+        log("decode_step probe: the probes time GPU kernels; there is no GPU here, so nothing is measured")
+        return []
     recs = bounds.run()
     bw, how = measured_bandwidth_tbs()
     total_us, total_floor_us = {}, 0.0
     for r in recs:
-        print(f"  {r.case:28s} {r.variant:7s} {r.median_us:9.2f} us"
-              + (f"  {r.extra['tbs']:.2f} TB/s x {r.extra['calls_per_step']}" if "tbs" in r.extra else ""))
+        log(f"  {r.case:28s} {r.variant:7s} {r.median_us:9.2f} us"
+            + (f"  {r.extra['tbs']:.2f} TB/s x {r.extra['calls_per_step']}" if "tbs" in r.extra else ""))
         if "tbs" in r.extra:
             total_us[r.variant] = total_us.get(r.variant, 0.0) + r.median_us * r.extra["calls_per_step"]
             if r.variant == "cublas":
                 total_floor_us += r.extra["bytes"] * r.extra["calls_per_step"] / (bw * 1e6)
     alone = ", ".join(f"{v} {t / 1e3:.2f} ms" for v, t in total_us.items())
-    print(f"projections per step alone: {alone}; {total_floor_us / 1e3:.2f} ms at {bw:.2f} TB/s ({how})")
+    log(f"projections per step alone: {alone}; {total_floor_us / 1e3:.2f} ms at {bw:.2f} TB/s ({how})")
     for r in recs:
         r.extra.update(bandwidth_tbs=bw, bandwidth_how=how)
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps([r.to_dict() for r in recs], indent=1) + "\n")
-        print(f"wrote {len(recs)} records to {json_path}")
-    return 0
-
+    return recs

@@ -10,6 +10,7 @@ ncu            Nsight Compute command and CSV parser
 read           format detection and read_trace
 capture        torch.profiler capture, Capture, trace writing
 rocprofv3_run  rocprofv3 on a child process
+diff           two kernel frames compared: kernels gone, new, changed; time per category; launches
 selfcheck      `python -m k3lab.profile`: capture a known workload and check the table
 
 Import the public API from `k3lab.profile`.

@@ -28,8 +28,10 @@ TRITON_SPEC ?= triton==3.6.0
 run: $(STAMP)
 	$(PY) -m k3lab.cli report
 
+# required_plugins: the hang guard (pytest-timeout, in .[dev]; its limit is in pyproject.toml) must be there
 test: $(STAMP)
-	$(PY) -m pytest -q tests notebooks --nbval-lax --nbval-current-env -p no:cacheprovider
+	$(PY) -m pytest -q tests notebooks --nbval-lax --nbval-current-env -p no:cacheprovider \
+	  -o required_plugins=pytest-timeout
 
 lint: $(STAMP)
 	$(PY) -m ruff check k3lab tests

@@ -188,3 +188,18 @@ def test_import_over_a_committed_record_is_one_line_and_exit_2(tmp_path, capsys,
     assert cli.main(["import", str(f), "--root", str(root)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "committed reference" in err
+
+
+def test_make_test_runs_under_the_hang_guard():
+    """`make test` requires pytest-timeout, which [dev] installs, and pyproject sets its limit."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    conf = tomllib.loads((root / "pyproject.toml").read_text())
+    assert any(d.startswith("pytest-timeout") for d in conf["project"]["optional-dependencies"]["dev"])
+    ini = conf["tool"]["pytest"]["ini_options"]
+    assert int(ini["timeout"]) >= 600 and ini["timeout_method"] == "thread"
+    make = (root / "Makefile").read_text()
+    test_rule = make.split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    assert "required_plugins=pytest-timeout" in test_rule

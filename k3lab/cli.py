@@ -53,7 +53,7 @@ def _cmd_bench(args) -> int:
     from k3lab import env
     from k3lab.studies import GPU_ONLY, load_study
 
-    if args.study in GPU_ONLY and env.detect().backend == "cpu":
+    if args.study in GPU_ONLY and env.detect().backend == "cpu" and not args.smoke:
         print(f"{args.study}: needs a GPU (its kernels and peer run only there); nothing timed on this CPU. "
               "Its notebook checks the references here and shows the committed GPU records.")
         return 0
@@ -85,7 +85,7 @@ def _cmd_bench(args) -> int:
 
 # `k3lab bench` options that become keywords of a study's run(): (flag, run() keyword)
 RUN_OPTIONS = (("--repeats", "repeats"), ("--distinct-layers", "distinct_layers"),
-               ("--no-profile", "profile"))
+               ("--no-profile", "profile"), ("--smoke", "smoke"))
 
 
 def run_options(study, args) -> dict:
@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode_step: weight sets per layer kind rotated through the layers")
     b.add_argument("--no-profile", dest="profile", action="store_const", const=False, default=None,
                    help="skip the profiler passes (studies whose run() takes profile)")
+    b.add_argument("--smoke", action="store_const", const=True, default=None,
+                   help="tiny sizes, on a CPU too: checks a GPU study's code, times nothing that matters "
+                        "(dcp, agent_cache)")
     im = sub.add_parser("import", help="save records from JSON files (k3lab bench --json) under profiles/")
     im.add_argument("files", nargs="+")
     im.add_argument("--root", default=None, help="default: the repository's profiles/")

@@ -75,7 +75,7 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
         "by their log-sum-exp.",
         "the MLA history split across ranks, the log-sum-exp merge, gloo ranks on a CPU",
         ("01_*.ipynb",), studies=("dcp",), ops=("k3lab.ops.mla_decode",),
-        modules=("k3lab.parallel.dcp", "k3lab.parallel.bench_dcp", "k3lab.parallel.check"),
+        modules=("k3lab.parallel.dcp", "k3lab.parallel.check"),
         kernels=("k3lab.ops.mla_decode.merge._merge_kernel",), docs=("docs/dcp.md",), records=_rec("dcp")),
     Entry(
         "moe_sharding", "MoE output sharding", "MoE output sharding (2)",

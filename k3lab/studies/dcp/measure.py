@@ -1,6 +1,6 @@
 """One-GPU benchmark of what DCP8 changes on each GPU: the local attention's shape, the merge, the memory.
 
-    python -m k3lab.parallel.bench_dcp --json OUT.json [--records-root DIR] [--smoke]
+    k3lab bench dcp --json OUT.json [--save-profiles] [--smoke]
 
 - local attention (the MLA op's after, bf16, one decode token, graph replay, inputs rotated so
   they are read from HBM): TP8's shape (12 heads over the whole history) against DCP8's (96 heads
@@ -13,16 +13,12 @@
   TP8 and DCP8 in FP8 and BF16: torch.cuda.memory_allocated around the shards against the formula
   (agreeing within the allocator's page, `measure_shard_bytes`).
 
-Every timed output is checked against the fp32 reference first. Prints a table; --json writes the
-records, ratios and memory; --records-root writes the records as profiles/<device>/dcp/*.json.
---smoke runs tiny sizes (on a CPU in fp32 through Triton's interpreter) to check the script itself.
-Not yet run on a GPU.
+Every timed output is checked against the fp32 reference first. `run` returns the records with the
+ratios and memory beside them; `print_summary` prints those. smoke=True runs tiny sizes (on a CPU in
+fp32 through Triton's interpreter) to check the code itself.
 """
 
 from __future__ import annotations
-
-import argparse
-import sys
 
 import torch
 
@@ -108,7 +104,9 @@ def _memory(device) -> list[dict]:
 def run(smoke: bool = False) -> dict:
     gpu = torch.cuda.is_available()
     if not gpu and not smoke:
-        raise SystemExit("bench_dcp needs a CUDA or ROCm GPU (use --smoke to check the script on a CPU)")
+        raise RuntimeError("the dcp study times kernels on a CUDA or ROCm GPU (smoke=True, or --smoke, "
+                           "checks the code on a CPU; notebook 01 and tests/test_dcp*.py check DCP on gloo "
+                           "ranks)")
     dev = torch.device("cuda" if gpu else "cpu")
     gen = torch.Generator(device=dev).manual_seed(0)
     timing = dict(warmup=1, repeats=2, calls_per_sample=1) if smoke else dict(warmup=10, repeats=50)
@@ -155,7 +153,8 @@ def run(smoke: bool = False) -> dict:
     return {"records": records, "local_ratio": ratios, "merge": merges, "memory": memory}
 
 
-def _print(result: dict) -> None:
+def print_summary(result: dict) -> None:
+    """The ratios, merges and memory of a `run` result, one table each."""
     print(f"{'context':>8} {'B':>3} {'TP8 us':>9} {'DCP8 us':>9} {'DCP8/TP8':>9}  (target <= 1.1)  backends; "
           "same backend")
     for r in result["local_ratio"]:
@@ -173,20 +172,3 @@ def _print(result: dict) -> None:
         off = "" if m["agrees"] else "  OFF BY MORE THAN ONE PAGE"
         print(f"memory {m['layout']:<5} {m['dtype']:<14} formula {m['formula'] / 1e6:9.1f} MB  measured "
               f"{m['measured'] / 1e6:9.1f} MB  ({m['how']}){off}")
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3lab.parallel.bench_dcp",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default=None, help="write records, ratios and memory here")
-    p.add_argument("--records-root", default=None, help="save records under DIR/<device>/dcp/")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script (CPU too)")
-    args = p.parse_args(argv)
-    result = run(smoke=args.smoke)
-    _print(result)
-    bench.write_run(result, args.json, args.records_root)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

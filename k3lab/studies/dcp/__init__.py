@@ -185,7 +185,7 @@ def cost_model(contexts=(1_000, 4_000, 16_000, 32_000, 64_000, 128_000, 256_000)
 
     TP: the after over the whole history of B requests. DCP: the after over 1/world of it (the seed:
     96 heads over 1/8 cost about what 12 heads over all of it cost per position, which
-    `bench_dcp` measures) plus the merge's collectives at the public latency range and link
+    `measure` times) plus the merge's collectives at the public latency range and link
     bandwidth (`PUBLIC`). Returns rows with dcp_low_us / dcp_high_us for the latency range.
     """
     att = attention if attention is not None else attention_model()
@@ -244,7 +244,7 @@ def h200_records() -> list:
 
 
 # ---------------------------------------------------------------------------------------- study contract
-# `k3lab bench dcp` on a GPU: the one-GPU benchmark (k3lab.parallel.bench_dcp) as one case.
+# `k3lab bench dcp` on a GPU: the one-GPU benchmark (`measure`) as one case.
 NAME = "dcp"
 
 
@@ -252,16 +252,17 @@ def case_names(preset=None) -> list[str]:
     return ["one_gpu"]
 
 
-def run(preset=None, cases=None) -> list:
-    """Local attention at TP8's and DCP8's shapes, the merge, the 142K cache (needs a GPU)."""
-    from k3lab.parallel import bench_dcp
+def run(preset=None, cases=None, *, smoke: bool = False) -> list:
+    """Local attention at TP8's and DCP8's shapes, the merge, the 142K cache (needs a GPU; smoke=True
+    runs tiny sizes anywhere, to check the code); prints the ratios, merges and memory
+    (`measure.print_summary`) and returns the records."""
+    from . import measure
 
     if cases and list(cases) != ["one_gpu"]:
         raise ValueError(f"cases must be ['one_gpu'], got {list(cases)}")
-    if not torch.cuda.is_available():
-        raise RuntimeError("the dcp study times kernels on a GPU; on a CPU notebook 01 and "
-                           "tests/test_dcp*.py check DCP on gloo ranks")
-    return bench_dcp.run()["records"]
+    result = measure.run(smoke=smoke)
+    measure.print_summary(result)
+    return result["records"]
 
 
 def profile_targets(preset=None) -> dict:

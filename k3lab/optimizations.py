@@ -84,7 +84,7 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
         "each rank's slice of the output projection inside the existing all-reduce",
         ("02_*.ipynb",), studies=("moe_sharding",), switches=("moe_tail_sharded", "grouped_experts"),
         ops=("k3lab.ops.moe_experts",),
-        modules=("k3lab.parallel.moe_tail", "k3lab.parallel.bench_moe", "k3lab.parallel.moe_figures"),
+        modules=("k3lab.parallel.moe_tail",),
         kernels=("k3lab.ops.moe_experts.triton._up_kernel", "k3lab.ops.moe_experts.triton._down_kernel",
                  "k3lab.ops.moe_experts.tail._norm_kernel"),
         docs=("docs/moe_sharding.md",), records=_rec("moe_sharding")),

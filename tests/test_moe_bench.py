@@ -6,7 +6,7 @@ import torch
 
 import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
 from k3lab.config import K3Config
-from k3lab.parallel import bench_moe
+from k3lab.studies.moe_sharding import measure as bench_moe
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real benchmark instead")

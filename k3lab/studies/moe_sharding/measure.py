@@ -1,7 +1,7 @@
 """One-GPU benchmark of the latent MoE at one TP8 rank's shapes: the tail, the routed experts, and
 the memory of up_proj under each tail.
 
-    python -m k3lab.parallel.bench_moe --json OUT.json [--records-root DIR]
+    k3lab bench moe_sharding --json OUT.json [--save-profiles]
 
 - tail (norm + up_proj + add into the output) for N = 1, 8, 64, 256 tokens, graph replay:
   before = the replicated tail (all 7168 rows of up_proj on every rank) and after = the sharded tail
@@ -19,21 +19,17 @@ the memory of up_proj under each tail.
   memory of one layer.
 
 Every variant is checked against an fp32 computation on the same inputs before it is timed.
-Prints a table; --json writes the records, memory figures and checks; --records-root writes the
-records as profiles/<device>/moe_sharding/*.json under that folder. Needs a CUDA/ROCm GPU.
-The tail's Triton-norm + addmm form is not yet run on a GPU.
+`run` returns the records and the memory figures; `table` prints the records. Needs a CUDA/ROCm GPU
+(a smaller config only exercises the code on a CPU).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import sys
 
 import torch
 
-from k3lab import bench, env
+from k3lab import bench
 from k3lab.config import K3Config
 from k3lab.ops import moe_experts as me
 from k3lab.parallel import moe_tail as mt
@@ -210,21 +206,3 @@ def table(records) -> str:
         lines.append(f"{r.case:<14} {r.variant:<7} {r.mode:<6} {r.median_us:>10.2f} {r.floor_us or 0:>9.2f} "
                      f"{frac:>12.2f} {launches:>8} {copies:>6}")
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3lab.parallel.bench_moe", description=__doc__.split("\n")[0])
-    p.add_argument("--json", help="write records, memory and checks to this file")
-    p.add_argument("--records-root", help="also save the records under DIR/<device>/moe_sharding/")
-    p.add_argument("--tp", type=int, default=8)
-    a = p.parse_args(argv)
-    print(env.describe())
-    res = run(tp=a.tp)
-    print(table(res["records"]))
-    print("memory (one layer, rank 0):", json.dumps(res["memory"], indent=1))
-    bench.write_run(res, a.json, a.records_root)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the profiler passes (studies whose run() takes profile)")
     b.add_argument("--smoke", action="store_const", const=True, default=None,
                    help="tiny sizes, on a CPU too: checks a GPU study's code, times nothing that matters "
-                        "(dcp, agent_cache)")
+                        "(dcp)")
     im = sub.add_parser("import", help="save records from JSON files (k3lab bench --json) under profiles/")
     im.add_argument("files", nargs="+")
     im.add_argument("--root", default=None, help="default: the repository's profiles/")

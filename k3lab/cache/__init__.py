@@ -5,10 +5,10 @@ what agent traces look like, and how a prefix cache with a host tier behaves ove
   and recurrent state, AttnRes blocks); checkpoints of a sequence at chosen positions.
 - `resume`: the rule that a hit resumes only where MLA history and a KDA checkpoint meet.
 - `traces`: agent-session traces in the public cc-traces schema: a strict loader and a seeded generator.
-- `sim`: a prefix-cache simulator over such traces (HBM budget, host tier, eviction, checkpoints);
-  `python -m k3lab.cache.sim --bench` times it on a one-hour trace.
-- `bench_h2d`: host <-> device copies and one request's state offloaded and restored
-  (`python -m k3lab.cache.bench_h2d --json OUT.json`; GPU records under profiles/<device>/agent_cache/).
+- `sim`: a prefix-cache simulator over such traces (HBM budget, host tier, eviction, checkpoints).
+
+What is measured of it (the simulator's speed, host <-> device copies, one request's state offloaded and
+restored) is the agent_cache study's (k3lab.studies.agent_cache, `k3lab bench agent_cache`).
 
 Pure PyTorch and numpy; nothing here needs a GPU (pinned host memory is used where there is one).
 """

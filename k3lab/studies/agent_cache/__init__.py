@@ -13,9 +13,10 @@ simulator) and k3lab.agentx (the seed's headline arithmetic). Here:
 - the headline arithmetic with the seed's inputs, labelled as the seed's.
 
 Study cases (`k3lab bench agent_cache`): `sim_small` (the notebook's workload, one replay, host CPU),
-`sim_hour` (the one-hour trace of ~1.3e5 requests and ~1e7 blocks, no eviction), and on a GPU
-`copies` and `state` (k3lab.cache.bench_h2d). The simulator cases time host code: their figures are
-what a CPU core does (each record carries CPU seconds per wall second: well below 1 means a shared core).
+`sim_hour` (the one-hour trace of ~1.3e5 requests and ~1e7 blocks, no eviction), `copies` and `state`
+(`h2d`: host <-> device copies and one request's state; on a CPU at tiny sizes). The simulator cases time
+host code: their figures are what a CPU core does (each record carries CPU seconds per wall second: well
+below 1 means a shared core).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from k3lab.model import component_table
 from k3lab.studies import select_cases
 
 NAME = "agent_cache"
+H2D_CASES = ("copies", "state")  # the host <-> device cases (`h2d`)
 WORKLOAD = {"sessions": 72, "duration_s": 900.0, "seed": 3}  # about 70 sessions active at once
 HOUR = {"sessions": 2600, "seed": 1}
 MOE_FREED_GB = 3.85 * GiB / 1e9  # seed section 2: rows of the routed output projection no rank needs
@@ -50,9 +52,7 @@ AGENTX_PUBLIC = {"turns per session (median)": 43, "prompt tokens (median)": 142
 def case_names(preset=None) -> list[str]:
     if preset is not None and not isinstance(preset, str):
         raise ValueError(f"preset must be a preset name or None, got {type(preset).__name__}")
-    import torch
-
-    return ["sim_small", "sim_hour"] + (["copies", "state"] if torch.cuda.is_available() else [])
+    return ["sim_small", "sim_hour", *H2D_CASES]
 
 
 def _sim_record(case: str, w: Workload, cc: sim.CacheConfig, repeats: int) -> bench.Record:
@@ -70,10 +70,18 @@ def _sim_record(case: str, w: Workload, cc: sim.CacheConfig, repeats: int) -> be
 
 def run(preset=None, cases=None) -> list[bench.Record]:
     """Each case checked (the simulator: with an unbounded HBM the hit rate is the workload's theoretical
-    reuse less at most one checkpoint interval per request; copies and state: k3lab.cache.bench_h2d),
-    then timed."""
+    reuse less at most one checkpoint interval per request; copies and state: `h2d`, whose summary is
+    printed), then timed."""
+    from . import h2d
+
     cases = select_cases(case_names(preset), cases)
     records: list[bench.Record] = []
+    parts = [c for c in cases if c in H2D_CASES]
+    if parts:
+        result = h2d.run(parts=parts)
+        h2d.print_summary(result)
+        by_part = {p: [r for r in result["records"] if (r.case.startswith("state_") == (p == "state"))]
+                   for p in parts}
     for case in cases:
         if case.startswith("sim_"):
             w = workload() if case == "sim_small" else gen.generate(HOUR["sessions"], seed=HOUR["seed"])
@@ -85,9 +93,7 @@ def run(preset=None, cases=None) -> list[bench.Record]:
                                         f"(the grid may lose up to {loss:.4f})")
             records.append(_sim_record(case, w, cc, 5 if case == "sim_small" else 1))
         else:
-            from k3lab.cache import bench_h2d
-
-            records += bench_h2d.copy_records() if case == "copies" else bench_h2d.state_records()[0]
+            records += by_part[case]
     return records
 
 
@@ -97,6 +103,35 @@ def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
     w = workload()
     cc = sim.CacheConfig.for_k3(hbm_budget_gb())
     return {"after": lambda: sim.simulate(w, cc)}
+
+
+def replay_hour(sessions: int = HOUR["sessions"], seed: int = HOUR["seed"],
+                configs: dict | None = None) -> list[dict]:
+    """Replay a one-hour AgentX-like workload (`generate(sessions, seed=seed)`: 2,600 sessions give
+    about 1.3e5 requests and 1e7 distinct blocks) under each CacheConfig of `configs` (name -> config;
+    default: an unbounded HBM, and 100 GB of HBM with the AMD recipe's 224.875 GB host tier). One row
+    per config: requests, distinct blocks, block references, wall and process CPU seconds, hit rate."""
+    w = gen.generate(sessions, seed=seed)
+    configs = configs or {"unbounded": sim.CacheConfig.for_k3(1e9),
+                          "hbm100_host224.875": sim.CacheConfig.for_k3(100, host_gb=224.875)}
+    rows = []
+    for name, cc in configs.items():
+        c0, t0 = time.process_time(), time.perf_counter()
+        r = sim.simulate(w, cc)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        rows.append(
+            {
+                "config": name,
+                "requests": len(w),
+                "blocks": w.n_blocks,
+                "block_refs": int(w.n_full.sum()),
+                "seconds": wall,
+                "cpu_seconds": cpu,
+                "token_hit_rate": r.token_hit_rate,
+                "evictions": r.evictions,
+            }
+        )
+    return rows
 
 
 # ------------------------------------------------------------------ the workload

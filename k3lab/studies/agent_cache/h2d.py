@@ -1,6 +1,6 @@
 """Host <-> device copies, and one request's real state offloaded to the host and restored.
 
-    python -m k3lab.cache.bench_h2d --json OUT.json [--records-root DIR] [--smoke]
+    k3lab bench agent_cache --cases copies state --json OUT.json [--save-profiles]
 
 - copies: host -> device and device -> host, pageable ('before') and pinned ('after') host memory,
   blocks of 64 KiB to 64 MiB (random bytes; each copy checked equal once before it is timed). Device
@@ -15,16 +15,12 @@
   carry the bytes by kind and what the whole rank's state (69 KDA + 24 MLA layers) would take at the
   measured rate.
 
-On a CPU (--smoke, or no GPU) it runs the same code at tiny sizes: copies between two host tensors
-(labelled 'host memcpy'; there is no pinned memory) and the tiny preset's layers. Prints a table last;
---json writes the records and the summary; --records-root saves the records as
-DIR/<device>/agent_cache/*.json. Not yet run on a GPU.
+On a CPU (smoke=True, or no GPU) it runs the same code at tiny sizes: copies between two host tensors
+(labelled 'host memcpy'; there is no pinned memory) and the tiny preset's layers. `run` returns the
+records with a summary beside them; `print_summary` prints it.
 """
 
 from __future__ import annotations
-
-import argparse
-import sys
 
 import torch
 
@@ -34,7 +30,7 @@ from k3lab.model import K3Cache, init_weights
 from k3lab.nn.kda import KimiDeltaAttention
 from k3lab.nn.mla import MultiHeadLatentAttention
 
-from .state import restore, save
+from k3lab.cache.state import restore, save
 
 STUDY = "agent_cache"
 KiB, MiB = 1 << 10, 1 << 20
@@ -189,11 +185,13 @@ def _full_rank_bytes(cfg: K3Config, context: int, dtype) -> int:
             + full.num_kda_layers * full.kda_conv_state_values_per_sequence() * item)
 
 
-def run(smoke: bool = False) -> dict:
+def run(smoke: bool = False, parts=("copies", "state")) -> dict:
+    """The copies and / or the state save and restore (`parts`), at the GPU's sizes, or tiny ones on a
+    CPU or with smoke=True: {'records', 'state' (the state's summary), and the pinned H2D figures}."""
     gpu = torch.cuda.is_available() and not smoke
     copies = copy_records(SIZES if gpu else SMOKE_SIZES, device="cuda" if gpu else "cpu",
-                          repeats=30 if gpu else 5)
-    states, summary = state_records(smoke=smoke, repeats=10 if gpu else 3)
+                          repeats=30 if gpu else 5) if "copies" in parts else []
+    states, summary = state_records(smoke=smoke, repeats=10 if gpu else 3) if "state" in parts else ([], {})
     pinned_h2d = [r for r in copies if r.variant == "after" and r.shape["direction"] == "h2d"]
     best = max((r.extra["gb_per_s"] for r in pinned_h2d), default=None)
     share = {r.case: r.extra["gb_per_s"] / best for r in pinned_h2d if r.shape["bytes"] >= 2 * MiB}
@@ -202,14 +200,16 @@ def run(smoke: bool = False) -> dict:
             "device": env.detect().name}
 
 
-def _print(result: dict) -> None:
+def print_summary(result: dict) -> None:
+    """The copy rates per direction and block, the pinned H2D verdict and the state's save and restore."""
     rows: dict[tuple, dict] = {}
     for r in result["records"]:
         if r.case.startswith(("h2d", "d2h")):
             rows.setdefault((r.shape["direction"], r.shape["bytes"]),
                             {})[r.shape["host_memory"]] = r.extra["gb_per_s"]
-    print(f"copies on {result['device']} (GB/s, median)")
-    print(f"{'dir':<4} {'block':>7} {'pageable':>9} {'pinned':>8}")
+    if rows:
+        print(f"copies on {result['device']} (GB/s, median)")
+        print(f"{'dir':<4} {'block':>7} {'pageable':>9} {'pinned':>8}")
     for (d, n), v in sorted(rows.items()):
         pag = v.get("pageable", v.get("host memcpy"))
         pin = v.get("pinned")
@@ -219,6 +219,8 @@ def _print(result: dict) -> None:
         print(f"pinned h2d >= 2MiB within {WITHIN:.0%} of the best ({result['best_pinned_h2d_gb_per_s']:.2f} "
               f"GB/s): {verdict}")
     s = result["state"]
+    if not s:
+        return
     print(f"state of {s['kda_layers']} KDA + {s['mla_layers']} MLA layers ({s['preset']}, {s['context']} "
           f"positions, {s['bytes'] / 1e6:.1f} MB), bit-equal after restore: {s['bit_equal']}")
     for memory in ("pageable", "pinned"):
@@ -229,19 +231,3 @@ def _print(result: dict) -> None:
     print(f"  a whole rank's state "
           f"({'69 KDA + 24 MLA layers' if s['preset'] == 'tp8' else 'every layer of the preset'}) at this "
           f"context: {s['full_rank_bytes'] / 1e6:.1f} MB")
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3lab.cache.bench_h2d", description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default=None, help="write the records and the summary here")
-    p.add_argument("--records-root", default=None, help="save records under DIR/<device>/agent_cache/")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script (CPU too)")
-    args = p.parse_args(argv)
-    result = run(smoke=args.smoke)
-    bench.write_run(result, args.json, args.records_root)
-    _print(result)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

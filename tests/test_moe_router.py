@@ -10,7 +10,6 @@ from k3lab.nn.moe import route
 from k3lab.ops import moe_experts as me
 from k3lab.ops import moe_router as mr
 from k3lab.ops.moe_experts import triton as me_triton
-from k3lab.ops.moe_router import bench
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the same checks run compiled where there is a GPU
 FIELDS = ("pair_of_row", "tile_expert", "n_tiles", "counts")
@@ -183,11 +182,6 @@ def test_backend_choice_and_the_environment_variable(monkeypatch):
     assert not mr.available("triton", "cpu")[0]
     with pytest.raises(ValueError, match="cannot run here"):
         mr.pick_backend("triton", logits, 2)
-
-
-def test_bench_check_runs_on_this_device():
-    rec, _ = bench.compare(1, device=DEV)
-    assert rec["ok"], rec
 
 
 @GPU_ONLY

@@ -22,16 +22,13 @@ Default: triton on GPU tensors, torch on CPU tensors.
 
 Why: the decode step runs this activation 93 times (92 shared experts + layer 0's dense MLP), each a
 chain of small elementwise kernels; fused it is one small kernel.
-`python -m k3lab.ops.situ_glu` times both paths under a CUDA graph; its records are under
-profiles/<device>/decode_step/glue/.
+`k3lab bench decode_step --cases glue` times both paths under a CUDA graph
+(k3lab.studies.decode_step.glue).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 
 import torch
 
@@ -186,57 +183,9 @@ def launch(gu: torch.Tensor, out: torch.Tensor, f: int) -> torch.Tensor:
     return out
 
 
-# ---------------------------------------------------------------- bench (python -m k3lab.ops.situ_glu)
+# ---------------------------------------------------------------- the step's widths
 
 def widths() -> dict[str, int]:
     """The TP8 widths this activation runs at: the shared experts' and layer 0's dense MLP's F."""
     cfg = K3Config.tp_slice(8)
     return {"shared_expert": cfg.shared_intermediate_size, "dense_mlp": cfg.intermediate_size}
-
-
-def bench(rows=(1, 64), dtype=torch.bfloat16) -> list[dict]:
-    """torch-path vs triton-path us per call (CUDA graph replay, k3lab.bench.time_fn) at each TP8
-    width and row count, after checking the two agree (bf16 tolerance) and match the fp64 reference.
-    Inputs stay hot in L2, as the matmul that produces gu in the step leaves them."""
-    from k3lab.bench import time_fn
-
-    records = []
-    for what, f in widths().items():
-        for n in rows:
-            gu = torch.randn(n, 2 * f, device="cuda", dtype=dtype) * 8
-            ref = situ_glu_stacked(gu.double(), backend="torch")
-            fast = situ_glu_stacked(gu, backend="triton")
-            plain = situ_glu_stacked(gu, backend="torch")
-            torch.testing.assert_close(fast.double(), ref, rtol=2 ** -8, atol=1e-6)
-            torch.testing.assert_close(fast, plain, rtol=2 ** -7, atol=1e-6)
-            # as the engine calls it: no out=, the result allocated (from the graph's pool) per call
-            t_torch = time_fn(lambda: situ_glu_stacked(gu, backend="torch"), graph=True)
-            t_triton = time_fn(lambda: situ_glu_stacked(gu, backend="triton"), graph=True)
-            records.append({"what": what, "F": f, "N": n, "dtype": str(dtype).removeprefix("torch."),
-                            "torch_us": t_torch.median_us, "triton_us": t_triton.median_us,
-                            "torch": t_torch.summary(), "triton": t_triton.summary()})
-    return records
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3lab.ops.situ_glu", description=__doc__.splitlines()[0])
-    p.add_argument("--json", metavar="PATH", help="also write the records as JSON to PATH")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("situ_glu bench: needs a GPU (torch sees none); nothing timed")
-        return 0
-    records = bench()
-    print(f"{'width':14s} {'F':>5s} {'N':>3s} {'torch us':>9s} {'triton us':>10s} {'ratio':>6s}")
-    for r in records:
-        print(f"{r['what']:14s} {r['F']:5d} {r['N']:3d} {r['torch_us']:9.2f} {r['triton_us']:10.2f} "
-              f"{r['torch_us'] / r['triton_us']:6.1f}")
-    if args.json:
-        from k3lab.bench import provenance
-
-        with open(args.json, "w") as fh:
-            json.dump({**provenance(), "records": records}, fh, indent=1)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

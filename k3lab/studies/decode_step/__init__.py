@@ -1,13 +1,14 @@
 """Study: one TP8 rank's whole decode step, every optimization a switch (notebook 08, the report's first
 page).
 
-The run itself is `measure` (the waterfall) and `bounds` (the probes of what bounds the step above its
-floor), both run by `k3lab bench decode_step`; this module gives them the study interface (NAME,
-case_names, run, profile_targets) and reads their records back into the tables the notebook and the
-report show: the waterfall (all on, each switched off alone, all off), the MLA padding's
-whole-step effect beside the seed's per-token figures, the AttnRes fusion's and the MoE tail's shares
-beside the seed's throughput gains, launches per step, and what the per-op records predict (Amdahl).
-Seed figures are labelled as the seed's (MI355X, their serving stack); nothing here is mixed with them.
+The run itself is `measure` (the waterfall), `bounds` (the probes of what bounds the step above its floor)
+and `glue` (the router and SiTU-GLU kernels alone), all run by `k3lab bench decode_step`; this module
+gives them the study interface (NAME, case_names, run, profile_targets) and reads their records back into
+the tables the notebook and the report show: the waterfall (all on, each switched off alone, all off), the
+MLA padding's whole-step effect beside the seed's per-token figures, the AttnRes fusion's and the MoE
+tail's shares beside the seed's throughput gains, launches per step, and what the per-op records predict
+(Amdahl). Seed figures are labelled as the seed's (MI355X, their serving stack); nothing here is mixed
+with them.
 """
 
 from __future__ import annotations
@@ -33,26 +34,33 @@ PER_OP = {
 }
 PROBE = "probe."  # case prefix of the bounds probes (k3lab.studies.decode_step.bounds)
 PROBE_CASE = "probe"  # the case that runs them
+GLUE = "glue."  # case prefix of the glue kernels' records (k3lab.studies.decode_step.glue)
+GLUE_CASE = "glue"  # the case that runs them
+EXTRA_CASES = (PROBE_CASE, GLUE_CASE)
 MLA_CASE = {"b1_1k": "ctx1k", "b1_32k": "ctx32k", "b1_128k": "ctx128k", "b64_8k": "b64_8k"}
 
 
 def case_names(preset=None) -> list[str]:
     """The whole-step cases on this machine (GPU: b1_1k, b1_32k, b1_128k, b64_8k; CPU: one tiny case),
-    then 'probe': the bounds probes (GPU kernels; nothing is measured on a CPU)."""
-    return [*step_bench.cases(), PROBE_CASE]
+    then 'probe' (the bounds probes) and 'glue' (the glue kernels alone): GPU kernels, nothing measured
+    on a CPU."""
+    return [*step_bench.cases(), *EXTRA_CASES]
 
 
 def run(preset=None, cases=None, *, repeats: int = 5, distinct_layers: int = 3, profile: bool = True) -> list:
-    """Every variant of the whole-step `cases` (see measure.run_cases) and, with 'probe' among them, the
-    bounds probes (measure.probe_records); records of study 'decode_step'. Unknown cases are a
-    ValueError naming them, before anything runs."""
+    """Every variant of the whole-step `cases` (see measure.run_cases), with 'probe' among them the
+    bounds probes (measure.probe_records), with 'glue' the glue kernels (glue.run); records of study
+    'decode_step'. Unknown cases are a ValueError naming them, before anything runs."""
     from k3lab.studies import select_cases
 
+    from . import glue
+
     chosen = select_cases(case_names(preset), cases)
-    steps = [c for c in chosen if c != PROBE_CASE]
+    steps = [c for c in chosen if c not in EXTRA_CASES]
     records = step_bench.run_cases(steps, distinct_layers=distinct_layers, repeats=repeats,
                                    profile=profile) if steps else []
-    return records + (step_bench.probe_records() if PROBE_CASE in chosen else [])
+    records += step_bench.probe_records() if PROBE_CASE in chosen else []
+    return records + (glue.run() if GLUE_CASE in chosen else [])
 
 
 def profile_targets(preset=None) -> dict:
@@ -72,9 +80,9 @@ def profile_targets(preset=None) -> dict:
 # ------------------------------------------------------------------ reading the records
 def load(records=None, device: str = DEVICE) -> list:
     """The whole-step records: `records` if given (a live run), else the committed ones for `device`;
-    without the bounds probes (`probes`)."""
+    without the bounds probes (`probes`) and the glue kernels' records."""
     recs = list(records) if records is not None else bench.load_records(NAME, device=device)
-    return [r for r in recs if not r.case.startswith(PROBE)]
+    return [r for r in recs if not r.case.startswith((PROBE, GLUE))]
 
 
 def probes(device: str = DEVICE) -> list:

@@ -78,7 +78,7 @@ def test_amdahl_reads_the_committed_per_op_records():
 
 
 def test_study_interface_and_bad_cases():
-    assert ds.NAME == "decode_step" and ds.case_names() == [*sb.cases(), ds.PROBE_CASE]
+    assert ds.NAME == "decode_step" and ds.case_names() == [*sb.cases(), *ds.EXTRA_CASES]
     with pytest.raises(ValueError, match="cases must be among"):
         sb.run_cases(["b1_2k"])
     with pytest.raises(ValueError, match=r"unknown \['b1_2k'\]"):

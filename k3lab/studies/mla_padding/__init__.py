@@ -46,7 +46,7 @@ from k3lab.config import K3Config
 from k3lab.ops import mla_decode as mla
 from k3lab.ops.mla_decode import peers
 from k3lab.ops.mla_decode import triton as mla_triton
-from k3lab.studies.mla_padding_tables import (  # noqa: F401
+from .tables import (  # noqa: F401
                                               BOUND_ROWS, BOUNDS, BREAKDOWN_STEPS, H200_SMS, MERGE_RUN, NAME,
                                               PEER_KERNELS, PROBE_PHASES, READ_FLOORS, READ_PROBE,
                                               STAGE_BUILDS,

@@ -2,14 +2,14 @@
 
 An optimization changes names on its way through the tree: the KDA prefill is the study `kda_scan`, the op
 package `k3lab.ops.kda_chunk` and the kernels `kda_prologue.cu` / `kda_walk.cu`; the draft depth lives
-in `k3lab.spec`; copy removal is three switches, three op packages and the study module
+in `k3lab.speculative`; copy removal is three switches, three op packages and the study module
 `kda_decode_bench`. One `Entry` per optimization holds them all:
 
     notebooks   globs under notebooks/ ("04_*.ipynb"), the lesson first
     studies     keys of k3lab.studies.STUDIES (`k3lab bench NAME`)
     switches    keys of k3lab.engine.SWITCHES: how the optimization is turned off in the whole step
     ops         module paths under k3lab.ops
-    modules     other library modules that hold the optimization (parallel/, spec/, cache/, engine/)
+    modules     other library modules that hold the optimization (parallel/, speculative/, cache/, engine/)
     kernels     files under kernels/ and Triton kernels as 'module.function' paths
     docs        pages under docs/
     records     folders of committed GPU records, profiles/nvidia-h200/<study>
@@ -132,7 +132,8 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
         "draft_depth", "Draft depth", "draft depth (6)",
         "Choose how many tokens to draft from committed tokens per cycle over the whole cycle's cost.",
         "committed tokens per cycle, simulated and by formula; choosing the depth",
-        ("06_*.ipynb",), studies=("draft_depth",), modules=("k3lab.spec",), docs=("docs/draft_depth.md",)),
+        ("06_*.ipynb",), studies=("draft_depth",), modules=("k3lab.speculative",),
+        docs=("docs/draft_depth.md",)),
     Entry(
         "agent_cache", "Cache offload across agent turns", "cache offload across turns (1)",
         "Keep MLA history and KDA checkpoints in host memory between turns, with resume points that agree.",

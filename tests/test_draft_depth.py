@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from k3lab import bench, spec
+from k3lab import bench
+from k3lab import speculative as spec
 from k3lab.studies import draft_depth as dd
 from k3lab.studies import load_study
 

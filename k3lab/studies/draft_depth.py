@@ -1,6 +1,6 @@
 """Study: how many tokens to draft (seed section 6), and how fast the simulator behind it runs.
 
-The lesson lives in `k3lab.spec` (expected committed tokens, cycle costs, best depth); what this
+The lesson lives in `k3lab.speculative` (expected committed tokens, cycle costs, best depth); what this
 study measures is the machinery that backs the formula up:
 
 - `cycles_depth<k>` (k = 3, 4, 7): 10^6 draft-verify cycles on the reference acceptance curve.
@@ -28,7 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from k3lab import bench, spec
+from k3lab import bench
+from k3lab import speculative as spec
 from k3lab.studies import select_cases
 
 NAME = "draft_depth"

@@ -1,5 +1,5 @@
 """Tasks of notebooks 06 (draft depth), 07 (agent cache) and 08 (the whole step): host-side
-arithmetic, graded against the library functions the notebooks use: `k3lab.spec.best_depth`,
+arithmetic, graded against the library functions the notebooks use: `k3lab.speculative.best_depth`,
 `k3lab.cache.resume.resume_point` and `k3lab.studies.decode_step.measure.step_bytes`.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3lab import spec
+from k3lab import speculative as spec
 from k3lab.cache.resume import resume_point
 from k3lab.config import K3Config
 from k3lab.studies.decode_step.measure import step_bytes
@@ -88,7 +88,7 @@ verify_us, commit_us)`: for each depth `k` the expected committed tokens per cyc
 plus the one recovery or bonus token) over the cycle time (k draft steps, one verification of `k + 1`
 positions, the commit), and return the `k` with the highest rate. `verify_us[n - 1]` is the
 verification of `n` positions; it steps up where the positions outgrow one tile of tokens. `check`
-compares with `k3lab.spec.best_depth` on eight cost curves.""",
+compares with `k3lab.speculative.best_depth` on eight cost curves.""",
     signature="best_depth(acceptance: ndarray[K], draft_step_us: float, verify_us: list[float] (K + 1), "
               "commit_us: float) -> int",
     outputs=("depth",), cases=_depth_cases, reference=_depth_reference, solution=best_depth_solution,

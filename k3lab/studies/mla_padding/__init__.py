@@ -128,8 +128,9 @@ def _kernel_cases() -> list[Case]:
     out += [Case("verify3_32k.cuda", 1, 32768, q_len=3, kind="sweep", backend="cuda")]
     out += [Case(f"verify{tq}_b8_8k.{b}", 8, 8192, q_len=tq, kind="sweep", backend=b)
             for tq in (2, 3, 4) for b in ("triton", "cuda")]
-    # every other verification group at 32K, the after only: with the main cases' 1, 2 and 4 positions the
-    # draft-depth study's record-based cost profile (k3lab.spec.costs_from_records) then reaches depth 7
+    # every other verification group at 32K, the after only: with the main cases' 1, 2 and 4 positions
+    # the draft-depth study's record-based cost profile (k3lab.speculative.costs_from_records) then
+    # reaches depth 7
     out += [Case(f"verify{tq}_32k", 1, 32768, q_len=tq, kind="sweep") for tq in (3, 5, 6, 7, 8)]
     return out
 

@@ -499,7 +499,7 @@ def bounds_figure(df: pd.DataFrame, title: str | None = None):
 
 # ----------------------------------------------------------------------------------------------
 # the cost of a verification group by its length (the after at 32K, B = 1, graph replay): what the
-# draft-depth study's measured cost profile reads (k3lab.spec.costs_from_records)
+# draft-depth study's measured cost profile reads (k3lab.speculative.costs_from_records)
 
 
 def verify_table(records, context: int = 32768, mode: str = "graph") -> pd.DataFrame:

@@ -1,4 +1,4 @@
-"""Argument checks shared by k3lab.spec: each names the bad argument and what was expected."""
+"""Argument checks shared by k3lab.speculative: each names the bad argument and what was expected."""
 
 from __future__ import annotations
 

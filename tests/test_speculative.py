@@ -1,4 +1,4 @@
-"""k3lab.spec: the committed-tokens formula, its two simulators, cycle costs and the best depth."""
+"""k3lab.speculative: the committed-tokens formula, its two simulators, cycle costs and the best depth."""
 
 import itertools
 import math
@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from k3lab import spec
-from k3lab.spec import simulate
+from k3lab import speculative as spec
+from k3lab.speculative import simulate
 from k3lab.config import K3Config
 
 # --------------------------------------------------------------------------------------------

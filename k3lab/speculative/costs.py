@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from k3lab.spec.inputs import cost_arg, count_arg, probabilities
-from k3lab.spec.acceptance import expected_committed_all
+from k3lab.speculative.inputs import cost_arg, count_arg, probabilities
+from k3lab.speculative.acceptance import expected_committed_all
 
 
 # --------------------------------------------------------------------------------------------

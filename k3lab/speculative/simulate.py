@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from k3lab.spec.inputs import count_arg, probabilities
-from k3lab.spec.acceptance import expected_committed
+from k3lab.speculative.inputs import count_arg, probabilities
+from k3lab.speculative.acceptance import expected_committed
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,10 +23,10 @@ What is here, in the order a reader meets it:
 
 Modules: `acceptance` (curves, formula), `simulate` (the two Monte Carlo checks), `costs` (cycle
 costs, `best_depth`, measured records), `inputs` (argument checks); every public name is importable
-from here (`from k3lab import spec; spec.best_depth`).
+from here (`from k3lab import speculative; speculative.best_depth`).
 """
 
-from k3lab.spec.acceptance import (
+from k3lab.speculative.acceptance import (
     REFERENCE_COMMITTED,
     break_even_growth,
     committed_distribution,
@@ -37,7 +37,7 @@ from k3lab.spec.acceptance import (
     geometric_acceptance,
     reference_acceptance,
 )
-from k3lab.spec.costs import (
+from k3lab.speculative.costs import (
     CycleCosts,
     DepthChoice,
     ILLUSTRATIVE_PROFILES,
@@ -49,7 +49,7 @@ from k3lab.spec.costs import (
     linear_costs,
     verify_records_summary,
 )
-from k3lab.spec.simulate import (
+from k3lab.speculative.simulate import (
     CycleStats,
     TokenStats,
     acceptance_from_distributions,

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from k3lab.spec.inputs import count_arg, probabilities, probability
+from k3lab.speculative.inputs import count_arg, probabilities, probability
 
 
 # The seed (section 6): AgentX's fixed acceptance reference commits 3.00 tokens per cycle with

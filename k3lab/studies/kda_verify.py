@@ -15,7 +15,7 @@ Cases: `b{B}_t{T}` (per-position states), `b{B}_t{T}.final_only`; on a GPU also 
 T=4, one change at a time on top of 'before' (variant 'after' in the records): `.narrow_only` (the
 streaming kernel with the narrowest tiles, still 128 threads), `.narrow_1wave` (+ one wave),
 `.narrow8_w1` (the Triton narrow kernel), `.cudawarp8_w4` (the CUDA kernel, plain launch), then the
-default (= 'after': on the H200 the CUDA kernel as a programmatic dependent launch), and `.ragged`
+default (= 'after': on an NVIDIA GPU the CUDA kernel as a programmatic dependent launch), and `.ragged`
 (the narrow path through its dynamic cu_seqlens path); and a sweep of tile width x waves for both
 Triton kernels (`b{B}_t4.narrow{W}_w{N}`, `b{B}_t4.stream{W}_w{N}`). Records name the kernel that ran
 in extra (kernel, backend, num_warps, pdl). Graph timings replay one graph of >= 10 calls cycling
@@ -379,14 +379,22 @@ def workgroup_table(batch: int = 1, heads: int = 12, v_dim: int = kv.HEAD_DIM) -
     return rows
 
 
+def launch_floor_us(device: str = "nvidia-h200") -> float | None:
+    """One empty kernel's time inside a CUDA graph on `device`: its committed launch_overhead record
+    (case empty_kernel, graph mode); None where there is none."""
+    recs = [r for r in bench.load_records("launch_overhead", device=device)
+            if r.case == "empty_kernel" and r.mode == "graph"]
+    return recs[0].median_us if recs else None
+
+
 def predict(batch: int, positions: int, heads: int = 12, *, peak=None, launch_us: float | None = None,
             in_bytes: int = 2) -> dict:
     """Before measuring: bytes one verify call must move (state read, T state writes, inputs,
-    outputs), the memory floor on `peak` (default: the H200's measured copy bandwidth), the launch
-    floor (default: 0.73 us, one empty kernel inside a CUDA graph on the H200, launch_overhead
-    records), and the same for the final-state-only mode fla implements."""
+    outputs), the memory floor on `peak` (default: the H200's copy bandwidth, env.PEAKS), the launch
+    floor (default: `launch_floor_us()`, the committed record of one empty kernel inside a CUDA graph;
+    0 without one), and the same for the final-state-only mode fla implements."""
     pk = peak or _env.PEAKS["H200"]
-    launch = 0.73 if launch_us is None else launch_us
+    launch = (launch_floor_us() or 0.0) if launch_us is None else launch_us
     out = {"batch": batch, "positions": positions, "heads": heads}
     for label, final in (("all states", False), ("final state", True)):
         b = bytes_moved(batch, positions, heads, in_bytes, final_only=final)
@@ -439,7 +447,7 @@ def ablation_table(records, batch: int = 1, positions: int = 4) -> "pandas.DataF
              ("+ compile-time length, hoisted loads and work (Triton narrow kernel)", f"{base}.narrow8_w1",
               "after"),
              ("hand-written CUDA kernel (lane pairs, 4 warps per tile)", f"{base}.cudawarp8_w4", "after"),
-             ("after: kda_verify's default (+ programmatic dependent launch on the H200)", base, "after"),
+             ("after: kda_verify's default (+ programmatic dependent launch on NVIDIA)", base, "after"),
              ("ragged (cu_seqlens) path", f"{base}.ragged", "after"),
              ("fla fused_recurrent_kda (final state only)", base, "fla")]
     got = {(r.case, r.variant): r for r in records if r.mode == "graph"}

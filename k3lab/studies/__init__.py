@@ -80,8 +80,9 @@ CPU_KWARGS: dict[str, dict] = {
 @dataclass(frozen=True)
 class QuickForm:
     """One study's quick form on a GPU: `cases` (None: every case) and `kwargs` for its run(), and
-    `budget_s`, the seconds it should take on the H200 with the kernels already built (the report's
-    ETA starts from it and the progress line says when a study overran it); `why` says what it keeps."""
+    `budget_s`, the seconds it may take on the reference GPU with the kernels already built (the
+    report's ETA starts from it and the progress line says when a study overran it); `why` says what it
+    keeps."""
 
     cases: tuple[str, ...] | None
     budget_s: float
@@ -89,14 +90,11 @@ class QuickForm:
     kwargs: dict = field(default_factory=dict)
 
 
-# `k3lab report` on a GPU by default: under 6 minutes of studies on the H200, so that with the kernel
-# builds (under a minute, in parallel) and the notebooks (about 3.5 minutes two at a time) the report
-# finishes within 10 minutes on a fresh machine (tests/test_report_forms.py adds it up from these
-# budgets and report.eta's table). The budgets are the seconds the H200 took, rounded up: its run is
-# profiles/nvidia-h200/gpu_check/report_timings_*.json.
-# The full forms took 1,045 s there: copy_removal 176 s, kda_scan 212 s, decode_step 397 s (an eager
-# all-off step at B = 64 / 8K takes 13 s, the per-expert loop 11.6 s), the nine others ~260 s together.
-# Budgets are for the H200 once the .cu kernels are built (the report builds them first, in parallel).
+# `k3lab report` on a GPU by default: the quick forms' budgets, the kernel builds and the notebooks must
+# add up to a report within 10 minutes on a fresh machine (tests/test_report_forms.py adds them up from
+# these budgets and report.eta's table). Each budget is the seconds the reference GPU's run took, rounded
+# up, once the .cu kernels are built (the report builds them first, in parallel): the run is
+# profiles/nvidia-h200/gpu_check/report_timings_*.json, and report.eta's table holds both forms' seconds.
 GPU_QUICK: dict[str, QuickForm] = {
     "launch_overhead": QuickForm(
         None, 10, "every case: a few hundred microsecond copies and launches per size, seconds in all"),

@@ -77,19 +77,20 @@ def test_an_interrupted_save_leaves_the_previous_file(tmp_path, monkeypatch):
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temp file left behind
 
 
-def test_an_interrupted_write_run_leaves_the_previous_json(tmp_path, monkeypatch):
+def test_an_interrupted_atomic_write_leaves_the_previous_json(tmp_path, monkeypatch):
+    from k3lab.bench import records
+
     out = tmp_path / "run.json"
-    bench.write_run({"records": [_record(10.0)], "summary": 1}, json_path=out)
-    before = json.loads(out.read_text())
-    assert before["summary"] == 1 and before["records"][0]["median_us"] == 10.0
+    records.write_atomic(out, json.dumps([_record(10.0).to_dict()]))
+    before = out.read_text()
 
-    class Unprintable:
-        def __str__(self):  # json.dumps(default=str) calls this halfway through the document
-            raise KeyboardInterrupt
+    def interrupted(src, dst):  # the rename never happens: as if the process died before it
+        raise KeyboardInterrupt
 
+    monkeypatch.setattr(records.os, "replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        bench.write_run({"records": [_record(11.0)], "summary": Unprintable()}, json_path=out)
-    assert json.loads(out.read_text()) == before
+        records.write_atomic(out, json.dumps([_record(11.0).to_dict()]))
+    assert out.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["run.json"]
 
 
 def test_a_corrupt_existing_file_is_not_merged_into(tmp_path, monkeypatch):

@@ -33,7 +33,6 @@ from k3lab.bench.records import (
     provenance,
     records_frame,
     save_records,
-    write_run,
     validate_variant,
 )
 from k3lab.bench.timing import (
@@ -73,7 +72,6 @@ __all__ = [
     "rotation_count",
     "rotation_sets",
     "save_records",
-    "write_run",
     "time_fn",
     "tolerance_for",
     "validate_variant",

@@ -406,16 +406,3 @@ def compare(records: Iterable[Record]):
             *[f"{p}_us" for p in peer_names], "peer", "peer_us", "floor_us", "speedup", "after_vs_peer",
             "floor_fraction"]
     return pd.DataFrame(rows, columns=cols)
-
-
-def write_run(result: dict, json_path=None, records_root=None) -> None:
-    """What a one-GPU benchmark script writes: `result` (a dict whose "records" are Records, with any
-    summaries beside them) as one JSON file at `json_path` (atomically: temp file + rename), and the
-    records under `records_root` (save_records' layout and rules, the form committed under
-    profiles/). Either may be None."""
-    if json_path:
-        out = dict(result, records=[r.to_dict() for r in result["records"]])
-        # the old file survives a crash
-        write_atomic(Path(json_path), json.dumps(out, indent=1, default=str))
-    if records_root:
-        save_records(result["records"], root=records_root)

@@ -92,12 +92,12 @@ def variant_floor(case_floor: dict, experts_read: int | None, expert_nbytes: int
                 experts_read=experts_read)
 
 
-def step_bytes(config: K3Config, batch: int, context_len: int, q_len: int = 1, *, tail: str = "sharded",
-               act_bytes: int = 2, cache_bytes: int = 2) -> dict[str, float]:
-    """Bytes one rank's step must move at least: every weight it reads once (the routed experts: the
-    expected number of distinct experts `batch * q_len` tokens choose under uniform routing), the MLA
-    history read and the new rows written, the KDA states read and written, the conv histories.
-    Keys: weights_dense, weights_experts, mla_cache, kda_state, kda_conv, total."""
+def part_bytes(config: K3Config, batch: int, context_len: int, q_len: int = 1, *, tail: str = "sharded",
+               act_bytes: int = 2, cache_bytes: int = 2) -> dict[str, dict[str, float]]:
+    """The bytes of `step_bytes`, per layer kind of the step: 'kda', 'mla', 'moe', 'dense' and 'ends'
+    (the lm_head slice and the embedding rows), each a dict of the same keys as `step_bytes`' parts
+    (weights_dense, weights_experts, mla_cache, kda_state, kda_conv; the ones a kind does not move are
+    0). Summed over the kinds they give `step_bytes`."""
     c, N = config, batch * q_len
     h, C, H = c.hidden_size, c.kda_width, c.kda_num_heads
     kda = (4 * C + H + c.kda_gate_rank) * h + C * c.kda_gate_rank + h * C
@@ -112,15 +112,32 @@ def step_bytes(config: K3Config, batch: int, context_len: int, q_len: int = 1, *
     ends = c.vocab_size * h + N * h  # lm_head slice, embedding rows
     E, k = c.num_experts, c.num_experts_per_token
     chosen = E * (1.0 - (1.0 - k / E) ** N)
-    experts = c.num_moe_layers * chosen * 3 * c.moe_intermediate_size * L * act_bytes
-    dense_bytes = (c.num_kda_layers * kda + c.num_mla_layers * mla + c.num_moe_layers * moe
-                   + c.first_k_dense_replace * dense + ends) * act_bytes
-    mla_cache = c.num_mla_layers * batch * (context_len + 2 * q_len) * c.mla_latent_dim * cache_bytes
-    kda_state = c.num_kda_layers * batch * 2 * c.kda_state_bytes_per_sequence()
-    kda_conv = c.num_kda_layers * batch * 2 * c.kda_conv_state_values_per_sequence() * act_bytes
-    parts = {"weights_dense": float(dense_bytes), "weights_experts": float(experts),
-             "mla_cache": float(mla_cache),
-             "kda_state": float(kda_state), "kda_conv": float(kda_conv)}
+    zero = dict.fromkeys(("weights_dense", "weights_experts", "mla_cache", "kda_state", "kda_conv"), 0.0)
+    return {
+        "kda": dict(zero, weights_dense=float(c.num_kda_layers * kda * act_bytes),
+                    kda_state=float(c.num_kda_layers * batch * 2 * c.kda_state_bytes_per_sequence()),
+                    kda_conv=float(c.num_kda_layers * batch * 2 * c.kda_conv_state_values_per_sequence()
+                                   * act_bytes)),
+        "mla": dict(zero, weights_dense=float(c.num_mla_layers * mla * act_bytes),
+                    mla_cache=float(c.num_mla_layers * batch * (context_len + 2 * q_len) * c.mla_latent_dim
+                                    * cache_bytes)),
+        "moe": dict(zero, weights_dense=float(c.num_moe_layers * moe * act_bytes),
+                    weights_experts=float(c.num_moe_layers * chosen * 3 * c.moe_intermediate_size * L
+                                          * act_bytes)),
+        "dense": dict(zero, weights_dense=float(c.first_k_dense_replace * dense * act_bytes)),
+        "ends": dict(zero, weights_dense=float(ends * act_bytes)),
+    }
+
+
+def step_bytes(config: K3Config, batch: int, context_len: int, q_len: int = 1, *, tail: str = "sharded",
+               act_bytes: int = 2, cache_bytes: int = 2) -> dict[str, float]:
+    """Bytes one rank's step must move at least: every weight it reads once (the routed experts: the
+    expected number of distinct experts `batch * q_len` tokens choose under uniform routing), the MLA
+    history read and the new rows written, the KDA states read and written, the conv histories.
+    Keys: weights_dense, weights_experts, mla_cache, kda_state, kda_conv, total (`part_bytes` summed)."""
+    kinds = part_bytes(config, batch, context_len, q_len, tail=tail, act_bytes=act_bytes,
+                       cache_bytes=cache_bytes)
+    parts = {key: sum(kind[key] for kind in kinds.values()) for key in next(iter(kinds.values()))}
     parts["total"] = sum(parts.values())
     return parts
 

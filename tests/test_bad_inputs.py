@@ -206,8 +206,8 @@ def test_attn_res_norm_refuses_by_name_or_matches_the_reference(T, n_blocks, pus
 @SETTINGS
 @given(eps=SCALARS, lower_bound=st.one_of(st.sampled_from([-5.0, -1.0, 0.0, 1.0, -math.inf, math.nan, True]),
                                           st.floats(-8.0, -0.5)),
-       impl=st.sampled_from(["before", "reference"]))
-def test_kda_decode_refuses_by_name_or_matches_the_reference(eps, lower_bound, impl):
+       backend=st.sampled_from(["triton", "torch"]))
+def test_kda_decode_refuses_by_name_or_matches_the_reference(eps, lower_bound, backend):
     inputs, cache, w = kd.make_example(1, 1, dtype=torch.float32, device=DEV, seed=5)
     w.eps, w.lower_bound = eps, lower_bound
     try:
@@ -215,12 +215,12 @@ def test_kda_decode_refuses_by_name_or_matches_the_reference(eps, lower_bound, i
     except ValueError as exc:
         ref_out, ref_exc = None, exc
     try:
-        out = kd.kda_decode(**inputs, cache=cache, weights=w, impl=impl)
+        out = kd.kda_decode(**inputs, cache=cache, weights=w, backend=backend)
     except ValueError as exc:
         _refused(exc, "weights.eps", "weights.lower_bound")
-        assert ref_out is None, f"{impl} refused what the reference takes: {exc}"
+        assert ref_out is None, f"{backend} refused what the reference takes: {exc}"
         return
-    assert ref_out is not None, f"{impl} took what the reference refuses: {ref_exc}"
+    assert ref_out is not None, f"{backend} took what the reference refuses: {ref_exc}"
     bench.check(out, ref_out, dtype="fp32", name="out")
     bench.check(cache.state, ref.state, dtype="fp32", name="state")
     event("computed, equal to the reference")

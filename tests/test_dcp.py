@@ -276,7 +276,7 @@ def test_measured_allocation_of_the_142k_shard_on_a_gpu(dtype, preset):
 
 
 def _decode_forced_to_aiter(rank, world_size):
-    os.environ["K3LAB_MLA_BACKEND"] = "aiter"
+    os.environ["K3LAB_MLA_DECODE_BACKEND"] = "aiter"
     dcp.dcp_decode(torch.randn(1, 1, 2, 576), torch.randn(1, 4, 576), [4], [4], local="after")
 
 

@@ -78,7 +78,7 @@ def test_triton_equals_torch_on_strided_pieces_and_bf16():
 
 def test_dcp_reexports_the_merge_and_bad_arguments_are_named():
     assert dcp.merge_partials is merge_partials
-    with pytest.raises(ValueError, match="impl must be one of"):
+    with pytest.raises(ValueError, match="backend must be one of"):
         merge_partials(torch.zeros(2, 3, 8), torch.zeros(2, 3), "cuda")
     with pytest.raises(ValueError, match=r"lse_parts must be \[N, ...\] = \(2, 3\)"):
         merge_partials(torch.zeros(2, 3, 8), torch.zeros(2, 4))

@@ -61,7 +61,7 @@ def test_bad_input_names_the_argument(monkeypatch):
     monkeypatch.delenv(gv.BACKEND_ENV)
     if DEV == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-        assert not gv.available("triton", "cpu")[0]
+        assert not gv.BACKENDS.check("triton", "cpu")[0]
         with pytest.raises(ValueError, match="cannot run here"):
             gv.gemv(x, w, backend="triton")
 

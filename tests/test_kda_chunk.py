@@ -421,11 +421,11 @@ def test_bad_options():
 def test_backend_table_and_dispatch(monkeypatch):
     q, k, v, g, beta = _inputs(1, 70, 1)
     plan = kc.make_plan([70], 1, device=DEV)
-    status = kc.backend_status()
+    status = kc.BACKENDS.status()
     assert list(status) == ["cuda", "triton"] and all(why for _, why in status.values())
-    assert [b.name for b in sorted(kc.BACKENDS, key=lambda b: b.priority)] == ["cuda", "triton"]
+    assert [b.name for b in kc.BACKENDS] == ["cuda", "triton"]
     # fp32 inputs: the CUDA kernels take bf16 only, so the dispatcher picks Triton (here and on a GPU)
-    assert kc.choose_backend(q, k, v, g, beta, plan).name == "triton"
+    assert kc.BACKENDS.choose(None, q, k, v, g, beta, plan)[0] == "triton"
     with pytest.raises(ValueError, match="backend='cuda' cannot run here"):
         kc.kda_chunk_before(q, k, v, g, beta, backend="cuda")
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -435,11 +435,11 @@ def test_backend_table_and_dispatch(monkeypatch):
         kc.kda_chunk_after(q, k, v, g, beta)
     monkeypatch.setenv(kc.BACKEND_ENV, "cuda")
     with pytest.raises(ValueError, match="K3LAB_KDA_CHUNK_BACKEND='cuda' cannot run here"):
-        kc.choose_backend(q, k, v, g, beta, plan)
+        kc.BACKENDS.choose(None, q, k, v, g, beta, plan)
     monkeypatch.setenv(kc.BACKEND_ENV, "triton")
-    assert kc.choose_backend(q, k, v, g, beta, plan).name == "triton"
+    assert kc.BACKENDS.choose(None, q, k, v, g, beta, plan)[0] == "triton"
     # the argument wins over the variable
-    assert kc.choose_backend(q, k, v, g, beta, plan, backend="triton").name == "triton"
+    assert kc.BACKENDS.choose("triton", q, k, v, g, beta, plan)[0] == "triton"
 
 
 # ---------------------------------------------------------------------------------------------

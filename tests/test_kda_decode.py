@@ -128,7 +128,7 @@ def test_before_matches_reference_fp32(layout):
     inputs, cache, w = kd.make_example(2, 2, dtype=torch.float32, state_layout=layout, device=DEVICE, seed=21)
     ref_out, ref = kd.reference(**inputs, cache=cache, weights=w, state_layout=layout,
                                 compute_dtype=torch.float64)
-    out = kd.kda_decode(**inputs, cache=cache, weights=w, impl="before", state_layout=layout)
+    out = kd.kda_decode(**inputs, cache=cache, weights=w, backend="triton", state_layout=layout)
     bench.check(out, ref_out, dtype="fp32", name="output")
     bench.check(cache.state, ref.state, dtype="fp32", name="state")
     assert_cache_close(KDACache(cache.conv_q, cache.conv_k, cache.conv_v, ref.state), ref)
@@ -192,14 +192,14 @@ def test_three_steps_carry_state():
 
 
 # ------------------------------------------------------------------ the bound step (CPU)
-@pytest.mark.parametrize("impl", ["before", "reference"])
-def test_bound_step_matches_the_functional_form(impl):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_bound_step_matches_the_functional_form(backend):
     inputs, cache, w = kd.make_example(2, 2, dtype=torch.float32, device=DEVICE, seed=25)
     c1, c2 = kd.clone_cache(cache), kd.clone_cache(cache)
-    step = kd.KDADecodeStep(c1, w, impl=impl)
+    step = kd.KDADecodeStep(c1, w, backend=backend)
     for _ in range(2):  # two tokens: the bound cache carries the state
         got = step(*(inputs[n] for n in kd.TOKEN_INPUTS))
-        want = kd.kda_decode(**inputs, cache=c2, weights=w, impl=impl)
+        want = kd.kda_decode(**inputs, cache=c2, weights=w, backend=backend)
     assert got is step.out
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(c1.state, c2.state, rtol=0, atol=0)
@@ -207,7 +207,7 @@ def test_bound_step_matches_the_functional_form(impl):
 
 def test_bound_step_checks_each_token_input():
     inputs, cache, w = kd.make_example(2, 2, dtype=torch.float32, seed=26)
-    step = kd.KDADecodeStep(cache, w, impl="before")
+    step = kd.KDADecodeStep(cache, w, backend="triton")
     args = [inputs[n] for n in kd.TOKEN_INPUTS]
     for i, name in enumerate(kd.TOKEN_INPUTS):
         bad = list(args)
@@ -218,20 +218,20 @@ def test_bound_step_checks_each_token_input():
     bad[5] = torch.randn(256, 2).t()  # right shape, last dimension strided
     with pytest.raises(ValueError, match="gate must have a contiguous last dimension"):
         step(*bad)
-    with pytest.raises(ValueError, match="apply to impl='after' only"):
-        kd.KDADecodeStep(cache, w, impl="before", tile_v=16)
+    with pytest.raises(ValueError, match="apply to backend='cuda' only"):
+        kd.KDADecodeStep(cache, w, backend="triton", tile_v=16)
 
 
 # ------------------------------------------------------------------ entry point and bad input (CPU)
-def test_reference_impl_updates_in_place():
+def test_reference_backend_updates_in_place():
     inputs, cache, w = kd.make_example(2, 1, dtype=torch.float32, seed=31)
     ref_out, ref = kd.reference(**inputs, cache=cache, weights=w)
-    out = kd.kda_decode(**inputs, cache=cache, weights=w, impl="reference")
+    out = kd.kda_decode(**inputs, cache=cache, weights=w, backend="torch")
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(cache.state, ref.state)
 
 
-@pytest.mark.skipif(GPU, reason="checks what impl='auto' does without a GPU")
+@pytest.mark.skipif(GPU, reason="checks what backend=None does without a GPU")
 def test_auto_without_gpu_says_it_uses_the_reference():
     ok, why = kd.fused_status()
     assert not ok and "reference" in why
@@ -251,7 +251,7 @@ def _bad(**change):
     return args
 
 
-@pytest.mark.parametrize("impl", ["reference", "before"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("change, match", [
     (lambda a: {"q": a["q"][:, :200]}, "q must be"),
     (lambda a: {"k": a["k"][:1]}, "k must be"),
@@ -266,12 +266,12 @@ def _bad(**change):
     (lambda a: {"weights": kd.KDADecodeWeights.random(3)}, "weights.A_log must be"),
     (lambda a: {"cache": (1, 2)}, "cache must be a k3lab.nn.KDACache"),
 ])
-def test_bad_input_is_rejected_before_any_kernel(impl, change, match):
+def test_bad_input_is_rejected_before_any_kernel(backend, change, match):
     base = _bad()
     args = _bad(**change(base))
     state_before = args["cache"].state.clone() if isinstance(args["cache"], KDACache) else None
     with pytest.raises(ValueError, match=match):
-        kd.kda_decode(**args, impl=impl)
+        kd.kda_decode(**args, backend=backend)
     if state_before is not None:
         assert torch.equal(args["cache"].state, state_before)
 
@@ -280,17 +280,21 @@ def test_head_dim_must_be_128():
     inputs, cache, w = kd.make_example(1, 1, dtype=torch.float32, seed=41)
     q = torch.randn(1, 192)  # 1.5 heads of 128, or 3 heads of 64: neither is K3's head_dim
     with pytest.raises(ValueError, match="head_dim 128"):
-        kd.kda_decode(**dict(inputs, q=q), cache=cache, weights=w, impl="reference")
+        kd.kda_decode(**dict(inputs, q=q), cache=cache, weights=w, backend="torch")
 
 
-def test_bad_impl_and_layout_names():
+def test_bad_backend_and_layout_names(monkeypatch):
     args = _bad()
-    with pytest.raises(ValueError, match="impl must be one of"):
-        kd.kda_decode(**args, impl="fused")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kd.kda_decode(**args, backend="fused")
+    monkeypatch.setenv(kd.BACKEND_ENV, "fused")
+    with pytest.raises(ValueError, match=kd.BACKEND_ENV):
+        kd.kda_decode(**args)
+    monkeypatch.delenv(kd.BACKEND_ENV)
     with pytest.raises(ValueError, match="state_layout must be one of"):
-        kd.kda_decode(**args, impl="reference", state_layout="kvk")
-    with pytest.raises(ValueError, match="apply to impl='after' only"):
-        kd.kda_decode(**args, impl="reference", tile_v=16)
+        kd.kda_decode(**args, backend="torch", state_layout="kvk")
+    with pytest.raises(ValueError, match="apply to backend='cuda' only"):
+        kd.kda_decode(**args, backend="torch", tile_v=16)
 
 
 def test_choose_config_and_hints_follow_the_measured_rules():
@@ -422,7 +426,7 @@ def test_fused_bound_step_matches_reference_over_steps():
     _fused_ready()
     inputs, cache, w = kd.make_example(3, 12, device="cuda", seed=53)
     ref = kd.clone_cache(cache)
-    step = kd.KDADecodeStep(cache, w, impl="after")
+    step = kd.KDADecodeStep(cache, w, backend="cuda")
     gen = torch.Generator(device="cuda").manual_seed(1)
     for t in range(4):
         tok = {n: torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype) for n, x in inputs.items()}

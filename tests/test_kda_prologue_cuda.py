@@ -31,16 +31,16 @@ def test_status_says_why_not_without_a_kernel():
     ok, why = _STATUS
     assert isinstance(ok, bool) and why
     if HAVE_GPU:
-        assert kc.backend_status()["cuda"] == _STATUS
+        assert kc.BACKENDS.status()["cuda"] == _STATUS
     if not HAVE_GPU:
         q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
         args = (q, q, q, q.float(), torch.zeros(1, 64, 1))
         plan = kc.make_plan([64], 1)
-        ok, why = kc.backend_status()["cuda"]
+        ok, why = kc.BACKENDS.status()["cuda"]
         assert not ok and "Triton" in why
-        assert kc.choose_backend(*args, plan).name == "triton"
+        assert kc.BACKENDS.choose(None, *args, plan)[0] == "triton"
         with pytest.raises(ValueError, match="cannot run here"):
-            kc.choose_backend(*args, plan, backend="cuda")
+            kc.BACKENDS.choose("cuda", *args, plan)
 
 
 @needs_kernel
@@ -93,7 +93,8 @@ def test_walks_with_the_cuda_prologue_match_fp64(variant):
     q, k, v, g, beta = _inputs(1, T, 3, seed=5)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     S0 = torch.randn(len(lengths), 3, 128, 128, device="cuda") * 0.1
-    assert kc.choose_backend(q, k, v, g, beta, kc.make_plan(lengths, 3, device="cuda")).name == "cuda"
+    plan = kc.make_plan(lengths, 3, device="cuda")
+    assert kc.BACKENDS.choose(None, q, k, v, g, beta, plan)[0] == "cuda"
     o, S = kc.kda_chunk(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu, variant=variant,
                         **({"group_size": 4} if variant == "after" else {}))
     check_ragged_against_fp64(o, S, (q, k, v, g, beta), cu, S0)
@@ -123,10 +124,10 @@ def test_cuda_backend_refuses_what_it_cannot_take():
     plan = kc.make_plan([64], 2, device="cuda")
     with pytest.raises(ValueError, match="bf16"):
         kc.kda_chunk_prologue(q.float(), k.float(), v.float(), g, beta, plan, 0.1, backend="cuda")
-    assert kc.choose_backend(q.float(), k.float(), v.float(), g, beta, plan).name == "triton"
+    assert kc.BACKENDS.choose(None, q.float(), k.float(), v.float(), g, beta, plan)[0] == "triton"
     unaligned = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape).copy_(q)
     assert "16-byte aligned" in kcu.supports(unaligned, k, v, g, beta, plan)
-    assert kc.choose_backend(unaligned, k, v, g, beta, plan).name == "triton"
+    assert kc.BACKENDS.choose(None, unaligned, k, v, g, beta, plan)[0] == "triton"
 
 
 def test_committed_prologue_probe_reads_back(tmp_path):

@@ -189,16 +189,16 @@ def test_tile_rule_follows_units_and_backend():
 
 def test_backend_table_and_its_environment_override(monkeypatch):
     monkeypatch.delenv(kv.BACKEND_ENV, raising=False)
-    assert [b.name for b in sorted(kv.BACKENDS, key=lambda b: b.priority)] == ["cuda", "triton"]
-    status = kv.backend_status()
+    assert [b.name for b in kv.BACKENDS] == ["cuda", "triton"]
+    status = kv.BACKENDS.status()
     assert status["triton"][0] and isinstance(status["cuda"][1], str)
     x = make(1, 2, 1, V=16)  # V = 16 (and CPU tensors here): never the CUDA kernel
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")]
-    assert kv.choose_backend(*args, 8) == "triton"
-    with pytest.raises(ValueError, match="backend 'cuda' cannot run"):
+    assert kv.BACKENDS.choose(None, *args, 8)[0] == "triton"
+    with pytest.raises(ValueError, match="'cuda' cannot run here"):
         kv.kda_verify(**x, tile_v=8, backend="cuda")
     monkeypatch.setenv(kv.BACKEND_ENV, "cuda")
-    with pytest.raises(ValueError, match="backend 'cuda' cannot run"):
+    with pytest.raises(ValueError, match="'cuda' cannot run here"):
         kv.kda_verify(**x, tile_v=8)
     monkeypatch.setenv(kv.BACKEND_ENV, "triton")
     ref_o, ref_s = kv.reference_verify(**x)
@@ -355,7 +355,8 @@ def test_cuda_kernel_uniform_equals_ragged_and_one_beta():
 def test_cuda_kernel_is_the_default_and_replays_in_a_graph(monkeypatch):
     monkeypatch.delenv(kv.BACKEND_ENV, raising=False)
     x = _gpu_inputs(1, 4, 12, torch.bfloat16, seed=9)
-    assert kv.choose_backend(*(x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")), 8) == "cuda"
+    assert kv.BACKENDS.choose(None, *(x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")),
+                              8)[0] == "cuda"
     buf = torch.empty(1, 4, 12, K, K, device="cuda")
     o_eager, _ = kv.kda_verify(**x, states_out=buf)
     s_eager = buf.clone()
@@ -388,7 +389,8 @@ def test_cuda_kernel_misaligned_buffers_fall_back_or_are_refused(monkeypatch):
     q = store[1:].view_as(x["q"])  # 2-byte offset: not 16-byte aligned
     q.copy_(x["q"])
     y = dict(x, q=q)
-    assert kv.choose_backend(*(y[n] for n in ("q", "k", "v", "g", "beta", "initial_state")), 8) == "triton"
+    assert kv.BACKENDS.choose(None, *(y[n] for n in ("q", "k", "v", "g", "beta", "initial_state")),
+                              8)[0] == "triton"
     with pytest.raises(ValueError, match="aligned"):
         kv.kda_verify(**y, tile_v=8, backend="cuda")
     ref_o, ref_s = kv.reference_verify(**x)

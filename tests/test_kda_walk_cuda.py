@@ -103,7 +103,8 @@ def test_cuda_backend_replays_in_a_graph():
 def test_fp32_inputs_are_refused_by_name_and_run_on_triton_by_default():
     q, k, v, g, beta = _inputs(1, 300, 1, seed=2)
     q, k, v = q.float(), k.float(), v.float()
-    assert kc.choose_backend(q, k, v, g, beta, kc.make_plan([300], 1, device="cuda")).name == "triton"
+    plan = kc.make_plan([300], 1, device="cuda")
+    assert kc.BACKENDS.choose(None, q, k, v, g, beta, plan)[0] == "triton"
     with pytest.raises(ValueError, match="backend='cuda' cannot run here.*bf16"):
         kc.kda_chunk_before(q, k, v, g, beta, backend="cuda")
 
@@ -112,7 +113,7 @@ def test_fp32_inputs_are_refused_by_name_and_run_on_triton_by_default():
 def test_default_backend_on_this_gpu_is_cuda():
     q, k, v, g, beta = _inputs(1, 300, 1, seed=2)
     plan = kc.make_plan([300], 1, device="cuda")
-    assert kc.choose_backend(q, k, v, g, beta, plan).name == "cuda"
+    assert kc.BACKENDS.choose(None, q, k, v, g, beta, plan)[0] == "cuda"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -126,7 +127,7 @@ def _cpu_inputs(T=200, H=1):
 def test_cuda_backend_off_the_gpu_says_why():
     q, k, v, g, beta = _cpu_inputs()
     plan = kc.make_plan([200], 1)
-    assert kc.choose_backend(q, k, v, g, beta, plan).name == "triton"
+    assert kc.BACKENDS.choose(None, q, k, v, g, beta, plan)[0] == "triton"
     if not HAVE_GPU:
         with pytest.raises(ValueError, match="backend='cuda' cannot run here"):
             kc.kda_chunk_before(q, k, v, g, beta, backend="cuda")

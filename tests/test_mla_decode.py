@@ -396,18 +396,18 @@ def test_rows_past_the_length_are_never_read():
 
 def test_backend_table_and_forcing_by_name(monkeypatch):
     """The dispatcher takes the first available backend that takes the inputs; backend= or
-    K3LAB_MLA_BACKEND forces one by name; an unknown name or an unavailable backend is a clear error."""
-    assert [b.name for b
-            in sorted(mla.BACKENDS.values(), key=lambda b: b.priority)] == ["cuda", "triton", "aiter"]
-    for b in mla.BACKENDS.values():
+    K3LAB_MLA_DECODE_BACKEND forces one by name; an unknown name or an unavailable backend is a clear
+    error."""
+    assert [b.name for b in sorted(mla.BACKENDS, key=lambda b: b.priority)] == ["cuda", "triton", "aiter"]
+    for b in mla.BACKENDS:
         ok, why = b.available()
         assert isinstance(ok, bool) and isinstance(why, str) and why
     q, cache, lens, _, _ = _inputs(1, 1, 12, 96, torch.float32, lengths=[96])
-    name, why = mla.choose_backend("after", q, cache, lens)
+    name, why = mla.BACKENDS.choose(None, "after", q, cache, lens)
     assert name == "triton"  # fp32: the CUDA kernels take bf16 only
     if not mla.BACKENDS["cuda"].available()[0]:
         assert "cuda" in why
-    assert mla.choose_backend("after", q, cache, lens, pad="copy")[0] == "triton"
+    assert mla.BACKENDS.choose(None, "after", q, cache, lens, pad="copy")[0] == "triton"
     with pytest.raises(ValueError, match="backend must be one of"):
         mla.plan_after(q, cache, lens, backend="tma")
     monkeypatch.setenv(mla.BACKEND_ENV, "nope")
@@ -425,7 +425,7 @@ def test_backend_table_and_forcing_by_name(monkeypatch):
 
 
 def test_after_says_which_backend_runs_and_runs_triton_without_the_cuda_kernel():
-    ok, why = mla.cuda_after_status()
+    ok, why = mla.BACKENDS.check("cuda", "after")
     if not torch.cuda.is_available():
         assert not ok and "GPU" in why  # on a CPU the Triton kernels run (interpreter), and it says so
         q = torch.randn(1, 1, 12, mla.LATENT_DIM)

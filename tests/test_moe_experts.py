@@ -162,11 +162,11 @@ def test_bad_tile_height_and_backend(layer, monkeypatch):
     stacked = me.stack_experts(layer.experts)
     with pytest.raises(ValueError, match="block_m must be one of"):
         me.grouped_experts(z, w, idx, *stacked, block_m=24)
-    monkeypatch.setenv(me.ENV_VAR, "cutlass")
-    with pytest.raises(ValueError, match="backend must be one of"):
+    monkeypatch.setenv(me.BACKEND_ENV, "cutlass")
+    with pytest.raises(ValueError, match=f"{me.BACKEND_ENV} must be one of"):
         me.routed_experts(z, w, idx, *stacked)
-    monkeypatch.setenv(me.ENV_VAR, "torch")
-    assert me.pick_backend() == "torch"
+    monkeypatch.setenv(me.BACKEND_ENV, "torch")
+    assert me.BACKENDS.choose()[0] == "torch"
 
 
 @pytest.mark.gpu

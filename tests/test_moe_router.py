@@ -170,18 +170,25 @@ def test_sort_pairs_bad_input():
 
 def test_backend_choice_and_the_environment_variable(monkeypatch):
     logits = torch.randn(2, 8)
-    assert mr.pick_backend(None, logits, 2) == "torch"  # CPU tensors: the interpreter is for tests
-    monkeypatch.setenv(mr.ENV_VAR, "triton")
+    def pick(backend):
+        return mr.BACKENDS.choose(backend, logits.device, logits.shape[0], 2, logits.dtype)[0]
+
+    monkeypatch.delenv(mr.BACKEND_ENV, raising=False)
+    assert pick(None) == "torch"  # CPU tensors: the interpreter is for tests
+    monkeypatch.setenv(mr.BACKEND_ENV, "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # forcing triton on CPU tensors needs the interpreter
-    assert mr.pick_backend(None, logits, 2) == "triton"
-    monkeypatch.setenv(mr.ENV_VAR, "fast")
-    with pytest.raises(ValueError, match=mr.ENV_VAR):
-        mr.pick_backend(None, logits, 2)
-    monkeypatch.delenv(mr.ENV_VAR)
+    assert pick(None) == "triton"
+    monkeypatch.setenv(mr.BACKEND_ENV, "fast")
+    with pytest.raises(ValueError, match=mr.BACKEND_ENV):
+        pick(None)
+    monkeypatch.delenv(mr.BACKEND_ENV)
+    with pytest.raises(ValueError, match="MAX_PAIRS"):  # the single-program sort's bound, by the verifier
+        mr.BACKENDS.choose("triton", logits.device, mr.MAX_PAIRS + 1)
+    assert mr.BACKENDS.choose(None, "cuda", mr.MAX_PAIRS // 2 + 1, 2)[0] == "torch"  # past the bound
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert not mr.available("triton", "cpu")[0]
+    assert not mr.BACKENDS.check("triton", "cpu")[0]
     with pytest.raises(ValueError, match="cannot run here"):
-        mr.pick_backend("triton", logits, 2)
+        pick("triton")
 
 
 @GPU_ONLY

@@ -45,7 +45,7 @@ def _pretend_gpu(monkeypatch):
     h200 = env.DeviceInfo("cuda", "NVIDIA H200", 132, 150.0, 32, "sm_90", env.PEAKS["H200"])
     monkeypatch.setattr(env, "detect", lambda: h200)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kv, "backend_status", lambda: {"cuda": (False, "not built in this test")})
+    monkeypatch.setattr(kv.BACKENDS, "status", lambda: {"cuda": (False, "not built in this test")})
 
 
 def test_gpu_quick_cases_are_cases_the_study_has_on_a_gpu_and_run_takes_the_keywords(monkeypatch):

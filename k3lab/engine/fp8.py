@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from k3lab.ops.gemv import BACKENDS as GEMV_BACKENDS
 from k3lab.ops.gemv import GemvWeight
-from k3lab.ops.gemv import available as gemv_available
 import torch.nn.functional as F
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -228,7 +228,7 @@ def resolve_projections(projections: str, device, dtype: torch.dtype, *,
         return plain, ""
     device = torch.device(device)
     if projections == "gemv":
-        ok, why = gemv_available("triton", device)
+        ok, why = GEMV_BACKENDS.check("triton", device)
         if ok:
             return "gemv", ""
         if strict:

@@ -168,11 +168,11 @@ class DecodeStep:
         launched without checks in every step)."""
         B, T, c = self.batch, self.q_len, self.config
         self.kda_steps, self.mla_plans, self.q_bufs = {}, {}, {}
-        kda_impl = {"fused": "after", "chain": "before", "reference": "reference"}.get(self.impl["kda_fused"])
+        kda_impl = {"fused": "cuda", "chain": "triton", "reference": "torch"}.get(self.impl["kda_fused"])
         for i, cache in self.kda_caches.items():
             w: KDAWeights = self.weights.layers[i].attn
             if kda_impl is not None:
-                self.kda_steps[i] = kda_decode.KDADecodeStep(cache, w.decode, impl=kda_impl)
+                self.kda_steps[i] = kda_decode.KDADecodeStep(cache, w.decode, backend=kda_impl)
         H = c.num_attention_heads
         for i, latent in self.latent.items():
             q = torch.zeros(B, T, H, c.mla_latent_dim, device=self.device, dtype=self.dtype)

@@ -24,10 +24,11 @@ How the dense projections run is not a switch but a choice beside them (`project
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from k3lab import env
 
 from .fp8 import check_projections, resolve_projections
 
@@ -140,7 +141,7 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
     check_projections(projections)
     on = parse(optimizations)
     device = torch.device(device)
-    if device.type == "cpu" and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cpu" and torch.cuda.is_available() and not env.triton_interpreted():
         raise ValueError("device='cpu' on a machine with a GPU: the step's Triton kernels run compiled, on "
                          "GPU tensors (k3lab turns Triton's interpreter on only where there is no GPU); use "
                          "device='cuda', or set TRITON_INTERPRET=1 before triton is imported")
@@ -175,7 +176,7 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
     if impl["grouped_experts"] == "triton":
         from k3lab.ops import moe_experts
 
-        ok, why = moe_experts.available("triton", device)
+        ok, why = moe_experts.BACKENDS.check("triton", device)
         if not ok:
             impl["grouped_experts"], notes["grouped_experts"] = (
                 "torch",
@@ -186,8 +187,8 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
     if impl["glue_fused"] == "triton":
         from k3lab.ops import moe_router, situ_glu
 
-        why = [w for ok, w in (moe_router.available("triton", device), situ_glu.available("triton", device))
-               if not ok]
+        why = [w for ok, w in (moe_router.BACKENDS.check("triton", device),
+                               situ_glu.BACKENDS.check("triton", device)) if not ok]
         if why:
             impl["glue_fused"], notes["glue_fused"] = (
                 "torch",

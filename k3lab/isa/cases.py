@@ -74,7 +74,7 @@ def dcp_merge(world=8, batch=1, q_len=1):
 
     o = torch.empty(world, batch, q_len, CFG.num_attention_heads, 512, dtype=BF16)
     lse = torch.empty(world, batch, q_len, CFG.num_attention_heads, dtype=torch.float32)
-    merge_partials(o, lse, impl="triton")
+    merge_partials(o, lse, backend="triton")
 
 
 # ------------------------------------------------------------------------------------------ KDA prefill
@@ -138,7 +138,7 @@ def kda_decode_before(batch=1):
     from k3lab.ops.kda_decode import KDADecodeStep, make_example
 
     inputs, cache, weights = make_example(batch, CFG.kda_num_heads, dtype=BF16)
-    KDADecodeStep(cache, weights, impl="before")(**inputs)
+    KDADecodeStep(cache, weights, backend="triton")(**inputs)
 
 
 def _verify_inputs(batch: int, positions: int):
@@ -173,7 +173,7 @@ def attn_res_after(tokens=1):
     prefix, delta = torch.empty(tokens, D, dtype=BF16), torch.empty(tokens, D, dtype=BF16)
     blocks = torch.empty(n + 1, tokens, D, dtype=BF16)
     w = torch.empty(D, dtype=torch.float32)
-    after(prefix, delta, blocks, n, w, w, w, mix_weight=w, kernel="triton")
+    after(prefix, delta, blocks, n, w, w, w, mix_weight=w, backend="triton")
 
 
 def moe_experts(tokens=1):

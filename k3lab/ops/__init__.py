@@ -1,8 +1,23 @@
 """The optimized ops, one module or package per op (see each op's docstring for its contract).
 
-Shared by the op packages: `Backend` (one row of an op's backend table), `forced_backend` (the name a
-caller argument or the op's K3LAB_<OP>_BACKEND variable forces), `triton_status`, and
-`positive_finite`, the one rule for every op's scales and epsilons.
+The one backend contract every op follows:
+
+* `Backend`: one implementation of an op, a row of the op's `BACKENDS` table: its name, its priority,
+  `available()` -> (ok, why) for this machine, `verify(*inputs)` -> (ok, why) for one call's inputs,
+  and `parts`, the op's own pieces it provides (launchers, plan builders).
+* `Backends`: the table itself, with the one chooser, `choose(backend, *inputs)` -> (name, why): the
+  backend named by the caller's `backend=` argument, else by the op's environment variable
+  K3LAB_<OP>_BACKEND (read here and nowhere else), which must run these inputs
+  (`BackendUnavailable` saying why not); else the first by priority that is available and takes them.
+  A name outside the table is a ValueError naming the argument or the variable.
+
+The ops read the process environment only here: `setting(name)` (a variable's value, as K3LAB_KERNEL_CACHE,
+CUDA_HOME, K3LAB_KDA_VERIFY_PDL), `environment()` (a copy for a compiler's child process), and the
+backend tables' K3LAB_<OP>_BACKEND; whether Triton is interpreted is `k3lab.env.triton_interpreted()`.
+
+Also shared by the op packages: `triton_status`, `triton_runs_on` (Triton kernels on a device's tensors:
+compiled on a GPU, the interpreter on a CPU), and `positive_finite`, the one rule for every op's
+scales and epsilons.
 """
 
 from __future__ import annotations
@@ -10,8 +25,12 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from k3lab import env
 
 FP32_TINY, FP32_MAX = 2.0 ** -126, (2.0 - 2.0 ** -23) * 2.0 ** 127  # fp32's normal range (kernel scalars)
 
@@ -29,24 +48,114 @@ def positive_finite(name: str, value) -> float:
     return float(value)
 
 
+def setting(name: str, default: str | None = None) -> str | None:
+    """The environment variable `name`, or `default` when it is unset or empty."""
+    return os.environ.get(name) or default
+
+
+def environment() -> dict[str, str]:
+    """A copy of the process environment (for a child process such as a kernel compiler)."""
+    return dict(os.environ)
+
+
+class BackendUnavailable(ValueError, RuntimeError):
+    """A backend asked for by name cannot run here, or none of an op's backends takes a call's inputs
+    (the message says why). A ValueError (it is about the caller's choice) and, for callers that
+    catch a machine's limits, a RuntimeError."""
+
+
+def takes_all(*_inputs, **_options) -> tuple[bool, str]:
+    """The verifier of a backend that takes every input its op validates."""
+    return True, ""
+
+
 @dataclass(frozen=True)
 class Backend:
-    """One implementation of an op: `available()` -> (ok, why); lower priority is tried first."""
+    """One implementation of an op (a row of its `BACKENDS` table).
+
+    name: what `backend=` and K3LAB_<OP>_BACKEND take. priority: lower is tried first; an int, or a
+    function of the call's inputs (the same arguments as `verify`) where the best choice differs
+    between GPU and CPU tensors. available() -> (ok, why): whether it runs on this machine at all
+    (installed, built, a device present). verify(*inputs, **options) -> (ok, why): whether it takes one
+    call's (validated) inputs. parts: the op's own pieces this backend provides, by name."""
 
     name: str
-    priority: int
+    priority: int | Callable[..., int]
     available: Callable[[], tuple[bool, str]]
+    verify: Callable[..., tuple[bool, str]] = takes_all
+    parts: Mapping[str, Callable] = field(default_factory=dict, compare=False)
+
+    def rank(self, *inputs, **options) -> int:
+        return self.priority(*inputs, **options) if callable(self.priority) else self.priority
 
 
-def forced_backend(given: str | None, env_name: str, names: tuple[str, ...],
-                   arg: str = "backend") -> str | None:
-    """The backend forced by the caller's argument `given`, else by the environment variable `env_name`,
-    else None; ValueError naming the argument (or the variable) when the name is not one of `names`."""
-    name = given if given is not None else (os.environ.get(env_name) or None)
-    if name is not None and name not in names:
-        where = arg if given is not None else env_name
-        raise ValueError(f"{where} must be one of {names} or None, got {name!r}")
-    return name
+class Backends:
+    """An op's backend table (module docstring): rows by name, iterated in declaration order."""
+
+    def __init__(self, op: str, *rows: Backend):
+        names = tuple(b.name for b in rows)
+        if not rows or len(set(names)) != len(names) or not all(isinstance(b, Backend) for b in rows):
+            raise ValueError(f"{op}: a table needs Backend rows with distinct names, got {names}")
+        self.op, self.rows, self.names = op, rows, names
+        self.env = f"K3LAB_{op.upper()}_BACKEND"
+
+    def __iter__(self) -> Iterator[Backend]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, name) -> bool:
+        return name in self.names
+
+    def __getitem__(self, name: str) -> Backend:
+        if name not in self.names:
+            raise KeyError(f"{self.op} has no backend {name!r}; backends: {self.names}")
+        return self.rows[self.names.index(name)]
+
+    def __repr__(self) -> str:
+        return f"Backends({self.op!r}, {', '.join(self.names)})"
+
+    def status(self) -> dict[str, tuple[bool, str]]:
+        """name -> available() on this machine, in declaration order."""
+        return {b.name: b.available() for b in self.rows}
+
+    def check(self, name: str, *inputs, **options) -> tuple[bool, str]:
+        """(ok, why) for backend `name`: available here, then (with inputs) taking them."""
+        b = self[name]
+        ok, why = b.available()
+        if not ok:
+            return False, why
+        ok, refusal = b.verify(*inputs, **options)
+        return ok, refusal or why
+
+    def forced(self, backend: str | None = None, *, arg: str = "backend") -> tuple[str | None, str]:
+        """(name, where): the name forced by the argument `backend`, else by K3LAB_<OP>_BACKEND, else
+        None; where names the argument or the variable. ValueError naming it for a name not in the
+        table."""
+        name, where = backend, arg
+        if name is None:
+            name, where = setting(self.env), self.env
+        if name is not None and name not in self.names:
+            raise ValueError(f"{where} must be one of {self.names} or None, got {name!r}")
+        return name, where
+
+    def choose(self, backend: str | None = None, *inputs, arg: str = "backend", **options) -> tuple[str, str]:
+        """(name, why) of the backend that runs these inputs (module docstring); `arg` names the
+        caller's argument in errors."""
+        name, where = self.forced(backend, arg=arg)
+        if name is not None:
+            ok, why = self.check(name, *inputs, **options)
+            if not ok:
+                raise BackendUnavailable(f"{where}={name!r} cannot run here: {why}")
+            return name, f"{why} (forced by {where})" if why else f"forced by {where}"
+        refused = []
+        for b in sorted(self.rows, key=lambda b: b.rank(*inputs, **options)):
+            ok, why = self.check(b.name, *inputs, **options)
+            if ok:
+                return b.name, why + (f" (not {'; '.join(refused)})" if refused else "")
+            refused.append(f"{b.name}: {why}")
+        raise BackendUnavailable(f"no {self.op} backend runs here: {'; '.join(refused)}")
 
 
 def triton_status() -> tuple[bool, str]:
@@ -57,3 +166,48 @@ def triton_status() -> tuple[bool, str]:
     except ImportError:
         return False, "Triton is not installed"
     return True, f"Triton {triton.__version__} kernels"
+
+
+def triton_available() -> tuple[bool, str]:
+    """(ok, why) for Triton kernels on this machine: installed, and a GPU or the interpreter."""
+    ok, why = triton_status()
+    if not ok:
+        return ok, why
+    if env.triton_interpreted():
+        return True, f"{why} in Triton's interpreter (CPU)"
+    if torch.cuda.is_available():
+        return True, f"{why} compiled for this GPU"
+    return False, "no GPU and Triton's interpreter is off (TRITON_INTERPRET=1 runs the kernels on CPU)"
+
+
+def device_of(device=None) -> torch.device:
+    """`device` as a torch.device; None: the GPU when there is one, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def triton_runs_on(device=None) -> tuple[bool, str]:
+    """(ok, why) for Triton kernels on tensors of `device` (`device_of`): compiled on GPU tensors, in
+    Triton's interpreter on CPU tensors (slow: small sizes, tests)."""
+    ok, why = triton_status()
+    if not ok:
+        return ok, why
+    dev = device_of(device)
+    if dev.type == "cuda":
+        return (True, f"{why} compiled for this GPU") if torch.cuda.is_available() else (False, "no GPU")
+    if env.triton_interpreted():
+        return True, "Triton's interpreter on CPU tensors (slow: small sizes only)"
+    return False, (f"{dev.type} tensors and TRITON_INTERPRET is not 1 (the kernels run compiled on GPU "
+                   "tensors)")
+
+
+def gpu_first(device=None, *_inputs, **_options) -> int:
+    """A Triton backend's priority where the plain-PyTorch one serves CPU tensors: first on GPU tensors,
+    second on CPU tensors (Triton's interpreter there is for tests)."""
+    return 0 if device_of(device).type == "cuda" else 1
+
+
+def cpu_first(device=None, *_inputs, **_options) -> int:
+    """The plain-PyTorch backend's priority beside a `gpu_first` Triton one."""
+    return 1 - gpu_first(device)

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from k3lab.ops import environment, setting
+
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 NOT_RUN_ON_AMD = "not yet run on AMD hardware by this project"
 
@@ -47,7 +49,7 @@ class Toolchain:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("K3LAB_KERNEL_CACHE", Path.home() / ".cache" / "k3lab" / "kernels"))
+    return Path(setting("K3LAB_KERNEL_CACHE") or Path.home() / ".cache" / "k3lab" / "kernels")
 
 
 def source_path(name: str) -> Path:
@@ -64,7 +66,7 @@ def find_toolchain(kind: str) -> Toolchain | None:
         raise ValueError(f"kind must be 'nvcc' or 'hipcc', got {kind!r}")
     path = shutil.which(kind)
     if path is None and kind == "nvcc":
-        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+        home = setting("CUDA_HOME") or setting("CUDA_PATH") or "/usr/local/cuda"
         cand = Path(home) / "bin" / "nvcc"
         path = str(cand) if cand.is_file() else None
     if path is None:
@@ -80,7 +82,7 @@ def find_toolchain(kind: str) -> Toolchain | None:
 
 
 def _compiler_env(kind: str) -> dict:
-    env = dict(os.environ)
+    env = environment()
     if kind == "hipcc":
         env["HIP_PLATFORM"] = "amd"  # where nvcc is also installed, hipcc would otherwise pick it
     return env

@@ -16,16 +16,15 @@ Triton's interpreter (CPU tensors, tests) one small shape runs. fp32 accumulatio
 bf16 rounded to nearest even, also in the interpreter. How it compares with cuBLAS per projection:
 docs/decode_step.md and the probe.gemv.* records under profiles/<device>/decode_step/. On AMD targets
 it is compiled by the ISA report, not yet run on an AMD GPU.
-Backends: 'triton' (this kernel) and 'torch' (x @ w.t()); K3LAB_GEMV_BACKEND or backend= forces one.
+Backends (`BACKENDS`, k3lab.ops' contract): 'triton' (this kernel, also on CPU tensors in Triton's
+interpreter) and 'torch' (x @ w.t()); backend= or K3LAB_GEMV_BACKEND forces one.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from k3lab.ops import forced_backend
+from k3lab.ops import Backend, Backends, triton_available, triton_runs_on
 
 try:
     import triton
@@ -33,8 +32,6 @@ try:
 except ImportError:  # the torch backend still runs; available() says why this one does not
     triton = None
 
-BACKEND_ENV = "K3LAB_GEMV_BACKEND"
-NAMES = ("triton", "torch")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -77,33 +74,9 @@ if triton is not None:
     _gemv_tuned = triton.autotune(configs=_configs(), key=["N", "K"])(_gemv_kernel)
 
 
-def available(name: str, device=None) -> tuple[bool, str]:
-    """(ok, why) for backend `name` on tensors of `device` (default: the GPU if there is one)."""
-    if name not in NAMES:
-        raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
-    if name == "torch":
-        return True, "torch.matmul"
-    if triton is None:
-        return False, "triton is not installed"
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available()
-                                                                       else "cpu")
-    if dev.type == "cuda":
-        return (True, "GPU") if torch.cuda.is_available() else (False, "no GPU")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True, "Triton's interpreter on the CPU (slow: small sizes only)"
-    return False, "CPU tensors and TRITON_INTERPRET is not 1 (the kernel runs compiled on GPU tensors)"
-
-
-def pick_backend(backend: str | None = None, device=None) -> str:
-    """`backend`, else K3LAB_GEMV_BACKEND, else triton where it can run (torch otherwise). A forced one
-    that cannot run is a ValueError."""
-    forced = forced_backend(backend, BACKEND_ENV, NAMES)
-    if forced is not None:
-        ok, why = available(forced, device)
-        if not ok:
-            raise ValueError(f"backend {forced!r} cannot run here: {why}")
-        return forced
-    return "triton" if available("triton", device)[0] else "torch"
+BACKENDS = Backends("gemv", Backend("triton", 0, triton_available, triton_runs_on),
+                    Backend("torch", 1, lambda: (True, "torch.matmul")))
+BACKEND_ENV = BACKENDS.env
 
 
 def _check(x, w) -> tuple[int, int]:
@@ -125,7 +98,7 @@ def _check(x, w) -> tuple[int, int]:
 def gemv(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ w[N, K]^T in x's dtype (module docstring); ValueError before any kernel."""
     N, K = _check(x, w)
-    if pick_backend(backend, x.device) == "torch":
+    if BACKENDS.choose(backend, x.device)[0] == "torch":
         return x @ w.t()
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     if N and K and x.device.type != "cpu":
@@ -173,4 +146,4 @@ class GemvWeight:
         return x @ self.weight.t()
 
 
-__all__ = ["BACKEND_ENV", "GemvWeight", "NAMES", "available", "gemv", "pick_backend"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "GemvWeight", "gemv"]

@@ -11,14 +11,14 @@ k3lab.nn.situ. out: a preallocated [..., F] tensor of gu's dtype and device (str
 must not overlap gu), written and returned. Bad input is a ValueError naming the argument, raised
 before any kernel; nothing reads a value back to the host, so the call can be captured in a CUDA graph.
 
-Backends (`backend=` or K3LAB_SITU_GLU_BACKEND forces one; a forced one that cannot run here is a
-ValueError):
+Backends (`BACKENDS`, k3lab.ops' contract: `backend=` or K3LAB_SITU_GLU_BACKEND forces one; a forced one
+that cannot run here is a ValueError):
   triton  one launch, program = (row, column block): loads g and u, computes in fp32 registers,
           stores out. Compiled on GPU tensors; Triton's interpreter on CPU tensors when
           TRITON_INTERPRET=1 (tests; there bf16 is rounded with integer arithmetic, since the
           interpreter's cast truncates; both round to nearest even, as torch does).
   torch   k3lab.nn.situ.situ_glu on the two halves (the reference, ~12 elementwise kernels).
-Default: triton on GPU tensors, torch on CPU tensors.
+Default: triton on GPU tensors (fp64 on torch), torch on CPU tensors.
 
 Why: the decode step runs this activation 93 times (92 shared experts + layer 0's dense MLP), each a
 chain of small elementwise kernels; fused it is one small kernel.
@@ -28,22 +28,20 @@ chain of small elementwise kernels; fused it is one small kernel.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from k3lab import env
 from k3lab.config import K3Config
 from k3lab.nn.situ import GATE_BOUND, UP_BOUND, situ_glu
-from k3lab.ops import forced_backend, triton_status
+from k3lab.ops import Backend, Backends, cpu_first, gpu_first, triton_available, triton_runs_on
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the torch backend still runs; _triton_available says why this one does not
+except ImportError:  # the torch backend still runs; BACKENDS says why this one does not
     triton = None
 
-BACKEND_ENV = "K3LAB_SITU_GLU_BACKEND"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_BLOCK = 1024
@@ -71,49 +69,16 @@ if triton is not None:
                  mask=mask)
 
 
-def _device(device) -> torch.device:
-    """`device`, or the GPU when there is one and None was given, else the CPU."""
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def _triton_verify(device=None, dtype=None) -> tuple[bool, str]:
+    if dtype is not None and dtype not in TRITON_DTYPES:
+        return False, (f"gu: the triton backend takes fp32, fp16 or bf16, got {dtype} "
+                       "(fp64 runs on backend='torch')")
+    return triton_runs_on(device)
 
 
-def _triton_available(device: torch.device) -> tuple[bool, str]:
-    ok, why = triton_status()
-    if not ok:
-        return False, why
-    if device.type == "cuda":
-        return True, why
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True, "Triton's interpreter on CPU tensors (slow: small sizes only)"
-    return False, (f"{device.type} tensors and TRITON_INTERPRET is not 1 "
-                   "(the kernel runs compiled on GPU tensors)")
-
-
-NAMES = ("triton", "torch")
-
-
-def available(name: str, device=None) -> tuple[bool, str]:
-    """(ok, why) for backend `name` on tensors of `device` (default: the GPU if there is one)."""
-    if name not in NAMES:
-        raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
-    if name == "torch":
-        return True, "plain PyTorch (k3lab.nn.situ.situ_glu)"
-    return _triton_available(_device(device))
-
-
-def pick_backend(backend: str | None = None, device=None) -> str:
-    """The backend for tensors of `device`: `backend`, else K3LAB_SITU_GLU_BACKEND, else triton on GPU
-    tensors (torch where Triton is absent) and torch on CPU tensors. ValueError when a forced one
-    cannot run there."""
-    forced = forced_backend(backend, BACKEND_ENV, NAMES)
-    dev = _device(device)
-    if forced is not None:
-        ok, why = available(forced, dev)
-        if not ok:
-            raise ValueError(f"backend {forced!r} cannot run on {dev.type} tensors here: {why}")
-        return forced
-    return "triton" if dev.type == "cuda" and available("triton", dev)[0] else "torch"
+BACKENDS = Backends("situ_glu", Backend("triton", gpu_first, triton_available, _triton_verify),
+                    Backend("torch", cpu_first, lambda: (True, "plain PyTorch (k3lab.nn.situ.situ_glu)")))
+BACKEND_ENV = BACKENDS.env
 
 
 def _rows(name: str, t: torch.Tensor, width: int) -> torch.Tensor:
@@ -158,11 +123,7 @@ def situ_glu_stacked(gu: torch.Tensor, *, out: torch.Tensor | None = None,
                      backend: str | None = None) -> torch.Tensor:
     """SiTU-GLU of gu = [g | u] along the last dim: [..., 2F] -> [..., F] in gu's dtype (module docstring)."""
     f = check(gu, out)
-    name = pick_backend(backend, gu.device)
-    if name == "triton" and gu.dtype not in TRITON_DTYPES:
-        raise ValueError(f"gu: the triton backend takes fp32, fp16 or bf16, got {gu.dtype} "
-                         "(fp64 runs on backend='torch')")
-    if name == "torch":
+    if BACKENDS.choose(backend, gu.device, gu.dtype)[0] == "torch":
         g, u = gu.chunk(2, dim=-1)
         y = situ_glu(g, u)
         return y if out is None else out.copy_(y)

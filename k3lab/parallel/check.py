@@ -20,13 +20,15 @@ import sys
 
 import torch
 
+from k3lab import env
+
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}  # max |o - ref| / max |ref|
 
 
 def default_attention(device) -> str:
     """The op's after, unless the ranks hold CPU tensors where Triton cannot run (no interpreter):
     then the reference decode (the gloo ranks of a GPU machine)."""
-    if torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if torch.device(device).type == "cuda" or env.triton_interpreted():
         return "after"
     return "reference"
 

@@ -37,8 +37,6 @@ Checked on gloo (CPU ranks) only; the NCCL / RCCL paths are not yet run on a GPU
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -283,9 +281,9 @@ def _check_inputs(q, local_cache, local_lengths, lengths, world_size, rank, inte
     if local not in LOCAL_OPS:
         raise ValueError(f"local must be one of {LOCAL_OPS}, got {local!r}")
     if local == "after":  # AITER is taken only when forced; its decode gives no lse to merge by
-        from k3lab.ops.mla_decode import BACKEND_ENV, peers
+        from k3lab.ops.mla_decode import BACKENDS, peers
 
-        peers.require_lse(os.environ.get(BACKEND_ENV) or "", "DCP")
+        peers.require_lse(BACKENDS.forced()[0] or "", "DCP")
     if merge_impl not in (None, "torch", "triton"):
         raise ValueError(f"merge_impl must be None, 'torch' or 'triton', got {merge_impl!r}")
     if scale is not None and (not isinstance(scale, (int, float)) or not scale > 0):

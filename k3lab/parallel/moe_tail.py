@@ -187,8 +187,8 @@ class TPLatentMoE:
             raise ValueError(f"weights must come from shard_moe, got {type(weights).__name__}")
         self.weights = weights
         device = weights.down_proj.device
-        self.experts_backend = moe_experts.pick_backend(experts_backend, device)
-        self.tail_backend = moe_experts.pick_backend(tail_backend, device)
+        self.experts_backend = moe_experts.BACKENDS.choose(experts_backend, device, arg="experts_backend")[0]
+        self.tail_backend = moe_experts.BACKENDS.choose(tail_backend, device, arg="tail_backend")[0]
         self.verify = verify
 
     def _group_checked(self, group) -> bool:
@@ -391,7 +391,7 @@ def run_check(world_size: int, backend: str | None = None, **opts) -> int:
         raise ValueError(f"dtype must be one of {sorted(_CHECK_DTYPES)}, got {o['dtype']!r}")
     for name in ("experts_backend", "tail_backend"):
         if o[name] is not None and o[name] not in moe_experts.BACKENDS:
-            raise ValueError(f"{name} must be one of {sorted(moe_experts.BACKENDS)} or None, got {o[name]!r}")
+            raise ValueError(f"{name} must be one of {moe_experts.BACKENDS.names} or None, got {o[name]!r}")
     cfg = K3Config.preset(o["preset"])
     check_world_size(world_size, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
                      shared=cfg.shared_intermediate_size)

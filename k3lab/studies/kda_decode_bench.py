@@ -156,8 +156,8 @@ def make_callables(batch: int, heads: int = HEADS, *, device="cuda", seed: int =
     args = tuple(inputs[n] for n in kd.TOKEN_INPUTS)
     # Bound once, as a serving engine holds a layer: per call only the six per-token inputs are
     # checked, so eager timings compare launches, not argument checking.
-    befores = [kd.KDADecodeStep(kd.clone_cache(cache), w, impl="before") for _ in range(copies)]
-    afters = [kd.KDADecodeStep(kd.clone_cache(cache), w, impl="after", **kernel_options) for _
+    befores = [kd.KDADecodeStep(kd.clone_cache(cache), w, backend="triton") for _ in range(copies)]
+    afters = [kd.KDADecodeStep(kd.clone_cache(cache), w, backend="cuda", **kernel_options) for _
               in range(copies)]
     fns = {"before": _cycling(befores, lambda step: step(*args)),
            "after": _cycling(afters, lambda step: step(*args))}

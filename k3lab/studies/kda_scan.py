@@ -9,7 +9,7 @@ many sequences or heads the walk already fills the GPU and the scan's extra pass
 they save; `k3lab.ops.kda_chunk.choose_group_size` then falls back to the walk.
 
 Variants: 'before' = `kda_chunk_before`, 'after' = `kda_chunk_after` (each on the backend
-`kda_chunk.choose_backend` picks: the CUDA prologue and walks for bf16 on NVIDIA GPUs, Triton elsewhere),
+`kda_chunk.BACKENDS.choose` picks: the CUDA prologue and walks for bf16 on NVIDIA GPUs, Triton elsewhere),
 'fla' = fla-core's `chunk_kda` (raw log-decay g, no in-kernel gate, norm or sigmoid: the same function),
 when fla-core and a GPU are present. Every variant is checked against `k3lab.nn.kda.kda_chunked` in
 fp64 (on GPU: on the first heads and sequences of the batch, over the whole length) before it is
@@ -300,7 +300,7 @@ class Runner:
         if variant == "fla":
             return None
         plan = self.plan_after if variant == "after" else self.plan_before
-        return kc.choose_backend(*self._args(), plan, self.backend).name
+        return kc.BACKENDS.choose(self.backend, *self._args(), plan)[0]
 
     def variants(self) -> dict[str, Callable]:
         out = {"before": self.before, "after": self.after}
@@ -507,7 +507,7 @@ def prologue_parts(name: str = "h12_b1_t16384", check_case: str | None = None) -
     records = []
     for backend, (label, make) in forms.items():
         try:
-            kc.choose_backend(*args, plan, backend)
+            kc.BACKENDS.choose(backend, *args, plan)
         except ValueError as exc:  # not on this machine or not for these inputs: said, then left out
             print(f"prologue_parts: {exc}")
             continue

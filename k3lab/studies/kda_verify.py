@@ -80,7 +80,7 @@ def case_names(preset=None) -> list[str]:
     if _gpu():
         names += [f"b1_t4.{a}" for a in ABLATIONS]
         names += [f"b{B}_t4.{kind}{w}_w{n}" for B in SWEEP_BATCHES for kind, w, n in SWEEP]
-        if kv.backend_status()["cuda"][0]:  # the .cu built here
+        if kv.BACKENDS.status()["cuda"][0]:  # the .cu built here
             names.append(CUDA_ABLATION)
     else:
         names.append("b1_t4.ragged")
@@ -233,7 +233,7 @@ def _resolved(vs: dict, x: tuple) -> dict:
         if vs["num_warps"] is None:
             return dict(vs, num_warps=kv.choose_num_warps(vs["tile_v"]))
         return vs
-    backend = vs.get("backend") or kv.choose_backend(*x[:6], vs["tile_v"], states=x[6])
+    backend = vs.get("backend") or kv.BACKENDS.choose(None, *x[:6], vs["tile_v"], states=x[6])[0]
     warps = kv.cuda.NUM_WARPS if backend == "cuda" else (vs["num_warps"] or kv.choose_num_warps(vs["tile_v"]))
     return dict(vs, backend=backend, num_warps=warps)
 

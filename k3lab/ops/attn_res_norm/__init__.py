@@ -10,7 +10,8 @@ Between two sublayers K3 does, per token:
     at a block boundary: blocks[n] <- prefix; prefix <- 0
 
 `before` is that sequence in plain PyTorch (a dozen kernels, every intermediate through memory).
-`after` is one kernel launch. Backends (`BACKENDS`; `kernel=` or K3LAB_ATTN_RES_NORM_BACKEND forces one):
+`after` is one kernel launch. Backends (`BACKENDS`, k3lab.ops' contract; `backend=` or
+K3LAB_ATTN_RES_NORM_BACKEND forces one; unforced, `launch_config` decides between them):
 
 * 'triton' (`k3lab.ops.attn_res_norm.triton`): one program per token reads every source once, takes
   the stored blocks a group at a time as one tile with an online softmax between groups, keeps the
@@ -28,12 +29,12 @@ from __future__ import annotations
 
 import torch
 
-from k3lab.ops import Backend, forced_backend, triton_status
+from k3lab.ops import Backend, Backends, triton_status
 from k3lab.ops.attn_res_norm import cuda, triton
 from k3lab.ops.attn_res_norm.inputs import CLUSTER_MIN_BLOCKS, check, fold_mix_weight, launch_config, rms
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "CLUSTER_MIN_BLOCKS", "KERNELS", "Backend", "after", "attn_res_norm",
-           "before", "fold_mix_weight", "kernel_status", "launch_config"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "CLUSTER_MIN_BLOCKS", "after", "attn_res_norm", "before",
+           "fold_mix_weight", "kernel_status", "launch_config"]
 
 
 def _cluster_available() -> tuple[bool, str]:
@@ -42,10 +43,22 @@ def _cluster_available() -> tuple[bool, str]:
     return cuda.cluster_build(torch.cuda.current_device())
 
 
-BACKENDS = (Backend("cuda_cluster", 0, _cluster_available), Backend("triton", 1, triton_status))
-# ('triton', 'cuda_cluster')
-KERNELS = tuple(b.name for b in sorted(BACKENDS, key=lambda b: b.priority, reverse=True))
-BACKEND_ENV = "K3LAB_ATTN_RES_NORM_BACKEND"
+def _cluster_verify(prefix, delta=None, blocks=None, n_blocks=0) -> tuple[bool, str]:
+    pieces, why = kernel_status(prefix, delta, blocks)
+    return pieces > 0, why
+
+
+def _cluster_rank(prefix, delta=None, blocks=None, n_blocks=0) -> int:
+    """First where `launch_config` picks the cluster kernel for these tensors, else after Triton."""
+    pieces = kernel_status(prefix, delta, blocks)[0] if prefix.shape[0] else 0
+    config = launch_config(prefix.shape[0], n_blocks, cluster_pieces=pieces)
+    return 0 if config["kernel"] == "cuda_cluster" else 2
+
+
+BACKENDS = Backends("attn_res_norm",
+                    Backend("cuda_cluster", _cluster_rank, _cluster_available, _cluster_verify),
+                    Backend("triton", 1, triton_status))
+BACKEND_ENV = BACKENDS.env
 
 
 def before(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False):
@@ -74,12 +87,12 @@ def kernel_status(prefix: torch.Tensor, delta: torch.Tensor | None = None, block
 
 
 def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False,
-          mix_weight=None, kernel=None, config=None, int_round=None):
+          mix_weight=None, backend=None, config=None, int_round=None):
     """One kernel launch for the whole step. Same arguments, effects and result as `before`;
     pass `mix_weight=fold_mix_weight(...)` (folded at load time) to keep the step at one launch.
-    kernel: 'triton', 'cuda_cluster', or None (K3LAB_ATTN_RES_NORM_BACKEND, else `launch_config`
+    backend: 'triton', 'cuda_cluster', or None (K3LAB_ATTN_RES_NORM_BACKEND, else `launch_config`
     chooses; see `kernel_status`). config: a Triton `launch_config(...)` result to run instead of the
-    one chosen for this device's unit count (implies kernel='triton').
+    one chosen for this device's unit count (implies backend='triton').
     int_round: round bf16 with integer arithmetic (default: only under Triton's interpreter)."""
     T, D = check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block, eps)
     for name, t in (("prefix", prefix), ("blocks", blocks)) + ((("delta", delta),) if delta is not None
@@ -89,20 +102,15 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     w_mix = fold_mix_weight(res_norm_w, res_proj_w) if mix_weight is None else mix_weight
     if w_mix.shape != (D,) or w_mix.dtype != torch.float32:
         raise ValueError(f"mix_weight must be fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")
-    kernel = forced_backend(kernel, BACKEND_ENV, KERNELS, arg="kernel")
     if config is not None:
-        if config.get("kernel") != "triton" or kernel == "cuda_cluster":
+        if config.get("kernel") != "triton" or BACKENDS.forced(backend)[0] == "cuda_cluster":
             raise ValueError(f"config must be a Triton launch_config result, got {config}")
-        kernel = "triton"
-    if kernel != "cuda_cluster" and config is None:
-        pieces = kernel_status(prefix, delta, blocks)[0] if kernel is None and T > 0 else 0
-        config = launch_config(T, n_blocks, cluster_pieces=pieces)
-        kernel = config["kernel"]
-    if kernel == "cuda_cluster":
+        backend = "triton"
+    name, _ = BACKENDS.choose(backend, prefix, delta, blocks, n_blocks)
+    if name == "cuda_cluster":
         return cuda.cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w,
                                eps=eps, push_block=push_block, mix_weight=w_mix)
-    if not triton_status()[0]:
-        raise RuntimeError("attn_res_norm.after needs Triton, which is not installed; use before()")
+    config = launch_config(T, n_blocks) if config is None else config
     return triton.launch(prefix, delta, blocks, n_blocks, w_mix, next_norm_w, eps, push_block, config,
                          int_round=int_round)
 

@@ -22,7 +22,8 @@ None (zeros); cu_seqlens [N + 1] packs variable-length sequences as B = 1 (Flash
 else N = B. Returns (o [B, T, H, 128] in q's dtype, final state [N, H, 128, 128] fp32). Bad arguments
 raise ValueError before any kernel runs. Precision: `inputs.dot_precisions`.
 
-Backends (`BACKENDS`, tried in priority order; `backend=` or K3LAB_KDA_CHUNK_BACKEND forces one by name):
+Backends (`BACKENDS`, k3lab.ops' contract: tried in priority order; `backend=` or K3LAB_KDA_CHUNK_BACKEND
+forces one by name; each provides the parts 'prologue', 'summaries' and 'replay'):
   'cuda'   kernels/kda_prologue.cu and kda_walk.cu (`cuda`): the prologue in one launch, the summaries
            and the replay; bf16 on NVIDIA GPUs. The scan and the plain walk stay Triton (its few long
            walks ran faster as Triton's narrower programs).
@@ -34,29 +35,19 @@ Measured figures and the forms that lost: docs/kda_scan.md.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from k3lab import env
+from k3lab.ops import Backend, Backends, triton_available
 
 from . import cuda, prologue, scan, walk
 from .inputs import CHUNK, HEAD_DIM, SAFE_SPREAD, validate
 from .plan import (KdaPlan, Work, alloc_work, check_plan, check_work, choose_block_v, choose_group_size,
                    make_plan, walk_programs)
 
-BACKEND_ENV = "K3LAB_KDA_CHUNK_BACKEND"
 VARIANTS = ("before", "after")
-
-
-def _triton_available() -> tuple[bool, str]:
-    if env.triton_interpreted():
-        return True, "Triton's interpreter (CPU)"
-    if torch.cuda.is_available():
-        return True, "Triton kernels compiled for this GPU"
-    return False, "no GPU and Triton's interpreter is off (TRITON_INTERPRET=1 runs the kernels on CPU)"
 
 
 def _cuda_prologue(q, k, v, g, beta, plan, scale, work) -> dict[str, Callable[[], None]]:
@@ -67,63 +58,23 @@ def _triton_replay(work, plan, o, s_final, s_in) -> None:
     walk.walk(work, plan, o, s_final, s_in, plan.grp_index)
 
 
-@dataclass(frozen=True)
-class Backend:
-    """One implementation of the prologue and of the scan's walking launches."""
-
-    name: str
-    priority: int  # lower runs first where available
-    available: Callable[[], tuple[bool, str]]  # this machine: (ok, what runs or why not)
-    supports: Callable[..., str | None]  # (q, k, v, g, beta, plan) -> None, or why not these inputs
-    # (q, k, v, g, beta, plan, scale, work) -> launches
-    prologue: Callable[..., dict[str, Callable[[], None]]]
-    summaries: Callable[..., None]  # (work, plan, sums)
-    replay: Callable[..., None]  # (work, plan, o, s_final, s_in)
-
-
-BACKENDS = (
-    Backend("cuda", 0, cuda.available, cuda.supports, _cuda_prologue, cuda.summaries, cuda.replay),
-    Backend("triton", 1, _triton_available, lambda *args: None, prologue.launches, walk.summaries,
-            _triton_replay),
+# parts: 'prologue' (q, k, v, g, beta, plan, scale, work) -> {name: launch}; 'summaries' (work, plan, sums);
+# 'replay' (work, plan, o, s_final, s_in). verify: (q, k, v, g, beta, plan) -> (ok, why)
+BACKENDS = Backends(
+    "kda_chunk",
+    Backend("cuda", 0, cuda.available, cuda.verify,
+            parts={"prologue": _cuda_prologue, "summaries": cuda.summaries, "replay": cuda.replay}),
+    Backend("triton", 1, triton_available,
+            parts={"prologue": prologue.launches, "summaries": walk.summaries, "replay": _triton_replay}),
 )
-
-
-def backend_status() -> dict[str, tuple[bool, str]]:
-    """name -> (available on this machine, what runs or why not), in priority order."""
-    return {b.name: b.available() for b in sorted(BACKENDS, key=lambda b: b.priority)}
-
-
-def choose_backend(q, k, v, g, beta, plan: KdaPlan, backend: str | None = None) -> Backend:
-    """The backend for validated inputs: `backend` (or K3LAB_KDA_CHUNK_BACKEND) by name, which must run
-    here (ValueError saying why not), else the first by priority that is available and takes them."""
-    names = [b.name for b in BACKENDS]
-    forced, source = backend, "backend"
-    if forced is None and os.environ.get(BACKEND_ENV):
-        forced, source = os.environ[BACKEND_ENV], BACKEND_ENV
-    if forced is not None:
-        if forced not in names:
-            raise ValueError(f"{source} must be one of {names}, got {forced!r}")
-        b = BACKENDS[names.index(forced)]
-        ok, why = b.available()
-        reason = b.supports(q, k, v, g, beta, plan) if ok else why
-        if reason:
-            raise ValueError(f"{source}={forced!r} cannot run here: {reason}")
-        return b
-    reasons = []
-    for b in sorted(BACKENDS, key=lambda b: b.priority):
-        ok, why = b.available()
-        reason = b.supports(q, k, v, g, beta, plan) if ok else why
-        if not reason:
-            return b
-        reasons.append(f"{b.name}: {reason}")
-    raise ValueError("no KDA prefill backend runs here: " + "; ".join(reasons))
+BACKEND_ENV = BACKENDS.env
 
 
 @dataclass
 class _Call:
     plan: KdaPlan
     work: Work
-    backend: Backend
+    parts: dict  # the chosen backend's parts
     scale: float
     o: torch.Tensor | None  # None for the prologue alone
     s_final: torch.Tensor | None
@@ -151,7 +102,7 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, variant, gro
         work = alloc_work(plan.n_chunks, H, q.dtype, q.device)
     else:
         check_work(work, plan, q.dtype, q.device)
-    be = choose_backend(q, k, v, g, beta, plan, backend)
+    be = BACKENDS[BACKENDS.choose(backend, q, k, v, g, beta, plan)[0]].parts
     if variant == "prologue":
         return _Call(plan, work, be, scale, None, None)
     o = torch.empty(q.shape[0], q.shape[1], H, HEAD_DIM, dtype=q.dtype, device=q.device)
@@ -160,8 +111,8 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, variant, gro
 
 
 def _launches(q, k, v, g, beta, initial_state, call: _Call) -> dict[str, Callable]:
-    plan, work, be = call.plan, call.work, call.backend
-    pro = be.prologue(q, k, v, g, beta, plan, call.scale, work) if plan.n_chunks else {}
+    plan, work, be = call.plan, call.work, call.parts
+    pro = be["prologue"](q, k, v, g, beta, plan, call.scale, work) if plan.n_chunks else {}
 
     def run_prologue():
         for launch in pro.values():
@@ -172,9 +123,9 @@ def _launches(q, k, v, g, beta, initial_state, call: _Call) -> dict[str, Callabl
         out["walk"] = lambda: walk.walk(work, plan, call.o, call.s_final, initial_state, plan.seq_index)
     else:
         sums, s_in = scan.buffers(plan, q.device)
-        out["summaries"] = lambda: be.summaries(work, plan, sums)
+        out["summaries"] = lambda: be["summaries"](work, plan, sums)
         out["scan"] = lambda: scan.scan(plan, sums, s_in, initial_state, q.dtype)
-        out["replay"] = lambda: be.replay(work, plan, call.o, call.s_final, s_in)
+        out["replay"] = lambda: be["replay"](work, plan, call.o, call.s_final, s_in)
     out["result"] = lambda: (call.o, call.s_final)
     return out
 
@@ -227,7 +178,7 @@ def kda_chunk_prologue(q, k, v, g, beta, plan: KdaPlan, scale: float | None = No
     call = _prepare(q, k, v, g, beta, scale, None, None, variant="prologue", group_size=None, plan=plan,
                     work=work, backend=backend)
     if plan.n_chunks:
-        for launch in call.backend.prologue(q, k, v, g, beta, plan, call.scale, call.work).values():
+        for launch in call.parts["prologue"](q, k, v, g, beta, plan, call.scale, call.work).values():
             launch()
     return call.work
 
@@ -249,7 +200,7 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
 
 
 __all__ = [
-    "BACKENDS", "BACKEND_ENV", "CHUNK", "HEAD_DIM", "SAFE_SPREAD", "VARIANTS", "Backend", "KdaPlan", "Work",
-    "after_launches", "alloc_work", "backend_status", "choose_backend", "choose_block_v", "choose_group_size",
+    "BACKENDS", "BACKEND_ENV", "CHUNK", "HEAD_DIM", "SAFE_SPREAD", "VARIANTS", "KdaPlan", "Work",
+    "after_launches", "alloc_work", "choose_block_v", "choose_group_size",
     "kda_chunk", "kda_chunk_after", "kda_chunk_before", "kda_chunk_prologue", "make_plan", "walk_programs",
 ]

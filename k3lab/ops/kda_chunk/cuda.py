@@ -9,10 +9,9 @@ on the current stream, so it can be captured in a CUDA graph):
 
 They take bf16 q, k, v with K = V = 128, fp32 g and beta, contiguous and 16-byte aligned, on an NVIDIA
 GPU of compute capability 8.0 or later (cp.async, tf32 and bf16 mma.sync). `available()` says whether
-both kernels build and load here, `supports()` whether they take a call's tensors. Their HIP builds are
-stubs (AMD would need its own MFMA kernels): not yet run on AMD hardware by this project.
-These bindings, with the kernels' reduced launch arguments (no probe, no stage choice), are not yet run
-on a GPU; the kernels' arithmetic is the one the H200 records measured.
+both kernels build and load here, `verify()` whether they take a call's tensors (k3lab.ops' contract).
+Their HIP builds are stubs (AMD would need its own MFMA kernels): not yet run on AMD hardware by this
+project.
 """
 
 from __future__ import annotations
@@ -93,18 +92,19 @@ def available() -> tuple[bool, str]:
     return True, "; ".join(why)
 
 
-def supports(q, k, v, g, beta, plan: KdaPlan) -> str | None:
-    """None when the kernels take these (validated) tensors and plan; else why not (a sentence)."""
+def verify(q, k, v, g, beta, plan: KdaPlan) -> tuple[bool, str]:
+    """(True, '') when the kernels take these (validated) tensors and plan; else (False, why)."""
     if not q.is_cuda:
-        return "the tensors are not on a CUDA device"
+        return False, "the tensors are not on a CUDA device"
     if q.dtype != torch.bfloat16:
-        return f"the kernels take bf16 q, k, v (got {q.dtype}: the Triton backend takes it)"
+        return False, f"the kernels take bf16 q, k, v (got {q.dtype}: the Triton backend takes it)"
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t.data_ptr() % 16:
-            return f"{name} is not 16-byte aligned (the kernels copy 16 bytes at a time)"
+            return False, f"{name} is not 16-byte aligned (the kernels copy 16 bytes at a time)"
     if max(plan.n_groups, plan.n_summaries) > MAX_GRID:
-        return f"{max(plan.n_groups, plan.n_summaries)} groups: the walk kernel takes at most {MAX_GRID}"
-    return None
+        groups = max(plan.n_groups, plan.n_summaries)
+        return False, f"{groups} groups: the walk kernel takes at most {MAX_GRID}"
+    return True, ""
 
 
 def _device_index(t: torch.Tensor) -> int:

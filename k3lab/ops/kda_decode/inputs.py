@@ -185,7 +185,7 @@ def validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out=None, state_lay
     return B, H
 
 
-def check_kernel_static(cache, weights, out, impl) -> None:
+def check_kernel_static(cache, weights, out, backend) -> None:
     """What the compiled kernels additionally need from the static parts: packed conv states and
     state heads, contiguous fp32 weights (fused kernel), a contiguous last dimension of `out`."""
     if out is not None and out.stride(1) != 1:
@@ -199,11 +199,11 @@ def check_kernel_static(cache, weights, out, impl) -> None:
     if S.stride()[1:] != (HEAD_DIM * HEAD_DIM, HEAD_DIM, 1):
         raise ValueError(f"cache.state must have packed heads (strides [*, {HEAD_DIM ** 2}, {HEAD_DIM}, 1]), "
                          f"got {S.stride()}")
-    if impl != "after":
+    if backend != "cuda":
         return
     if cache.conv_q.dtype != torch.bfloat16:
         raise ValueError(f"the fused kernel takes bf16 activations (q, k, v, g_raw, beta_raw, gate, conv "
-                         f"states), got {cache.conv_q.dtype}; use impl='reference' for other dtypes")
+                         f"states), got {cache.conv_q.dtype}; use backend='torch' for other dtypes")
     if S.dtype != torch.float32:
         raise ValueError(f"cache.state must be float32 for the fused kernel, got {S.dtype}")
     for name in ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias", "o_norm"):

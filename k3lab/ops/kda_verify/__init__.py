@@ -15,8 +15,8 @@ the server rolls back to state j without recomputing (`select_accepted`).
   beta v computed, before the recurrence. When batch x heads already fills the device,
   `choose_tile_v` returns a wide tile and the streaming kernel runs it.
 
-Backends of the narrow path (`BACKENDS`, first available by priority; `backend=` or
-K3LAB_KDA_VERIFY_BACKEND=cuda|triton forces one, and a forced backend that cannot run the inputs is
+Backends of the narrow path (`BACKENDS`, k3lab.ops' contract: first available by priority; `backend=`
+or K3LAB_KDA_VERIFY_BACKEND=cuda|triton forces one, and a forced backend that cannot run the inputs is
 an error):
 
 * 'cuda' (`k3lab.ops.kda_verify.cuda`, kernels/kda_verify.cu): a lane mapping Triton will not choose
@@ -36,7 +36,7 @@ and the forms that lost: docs/kda_verify.md; records: profiles/nvidia-h200/kda_v
 from __future__ import annotations
 
 from k3lab import env
-from k3lab.ops import Backend, forced_backend, triton_status
+from k3lab.ops import Backend, Backends, triton_status
 from k3lab.ops.kda_verify import cuda, triton
 from k3lab.ops.kda_verify.inputs import (
     BEFORE_THREADS,
@@ -58,9 +58,8 @@ from k3lab.ops.kda_verify.reference import reference_verify, select_accepted
 
 __all__ = [
     "BACKENDS", "BACKEND_ENV", "BEFORE_THREADS", "BEFORE_TILE_V", "HEAD_DIM", "MAX_POSITIONS",
-    "MIN_ROW_BYTES",
-    "NARROW_MAX", "PROGRAMS_PER_UNIT", "TILE_WIDTHS", "Backend", "backend_status", "before_num_warps",
-    "choose_backend", "choose_num_warps", "choose_tile_v", "kda_verify", "kda_verify_before", "min_tile_v",
+    "MIN_ROW_BYTES", "NARROW_MAX", "PROGRAMS_PER_UNIT", "TILE_WIDTHS", "before_num_warps", "choose_num_warps",
+    "choose_tile_v", "kda_verify", "kda_verify_before", "min_tile_v",
     "reference_verify", "select_accepted", "workgroups",
 ]
 
@@ -71,34 +70,10 @@ def _cuda_available() -> tuple[bool, str]:
     return cuda.available()
 
 
-BACKENDS = (Backend("cuda", 0, _cuda_available), Backend("triton", 1, triton_status))
-BACKEND_ENV = "K3LAB_KDA_VERIFY_BACKEND"
-_NAMES = tuple(b.name for b in BACKENDS)
-
-
-def backend_status() -> dict[str, tuple[bool, str]]:
-    """{backend name: (available here, why)}, in priority order."""
-    return {b.name: b.available() for b in sorted(BACKENDS, key=lambda b: b.priority)}
-
-
-def choose_backend(q, k, v, g, beta, initial_state, tile_v: int, *, backend: str | None = None,
-                   states=None) -> str:
-    """The narrow path's backend for these inputs: the forced one (`backend`, else
-    K3LAB_KDA_VERIFY_BACKEND; ValueError saying why when it cannot run them), else the first by
-    priority that is available and takes the inputs."""
-    forced = forced_backend(backend, BACKEND_ENV, _NAMES)
-    for b in sorted(BACKENDS, key=lambda b: b.priority):
-        if forced is not None and b.name != forced:
-            continue
-        ok, why = b.available()
-        if ok and b.name == "cuda":
-            why = cuda.supports(q, k, v, g, beta, initial_state, tile_v, states=states)
-            ok = why is None
-        if ok:
-            return b.name
-        if forced is not None:
-            raise ValueError(f"backend {forced!r} cannot run these inputs here: {why}")
-    raise ValueError(f"no KDA verification backend can run these inputs: {backend_status()}")
+# verify: (q, k, v, g, beta, initial_state, tile_v, states=None) -> (ok, why)
+BACKENDS = Backends("kda_verify", Backend("cuda", 0, _cuda_available, cuda.verify),
+                    Backend("triton", 1, triton_status))
+BACKEND_ENV = BACKENDS.env
 
 
 def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, lengths=None, max_seqlen=None,
@@ -127,7 +102,7 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
         triton.launch_stream(q, k, v, g, beta, h0, o, hs, seq_info, v_dim=V, tile_v=bv,
                              num_warps=num_warps or choose_num_warps(bv), **common)
         return o, hs
-    name = choose_backend(q, k, v, g, beta, h0, bv, backend=backend, states=hs)
+    name, _ = BACKENDS.choose(backend, q, k, v, g, beta, h0, bv, states=hs)
     if name == "cuda":
         if num_warps not in (None, cuda.NUM_WARPS):
             raise ValueError(f"num_warps: the CUDA kernel runs {cuda.NUM_WARPS} warps per tile, got "

@@ -1,7 +1,7 @@
 """The CUDA backend of KDA verification: binding for kernels/kda_verify.cu (pack the arguments, launch
 on the current stream). The kernel is one configuration: 8-column tiles, 4 warps per tile; the
 library is built once by k3lab.ops._build (nvcc for the device's own architecture) and loaded with
-ctypes. `status()` says whether it can run here and, if not, why; `supports()` whether it takes
+ctypes. `status()` says whether it can run here and, if not, why; `verify()` whether it takes
 given tensors. The source also compiles as HIP, but that build is not yet run on AMD hardware by this
 project, so the backend is available only on CUDA devices.
 
@@ -9,18 +9,16 @@ Programmatic dependent launch (PDL): on compute capability 9.0+ the kernel is la
 programmatic stream serialization attribute, so its blocks are placed while the stream's previous
 kernel finishes and wait (griddepcontrol.wait) for it before their first memory access: the results
 are the same, the launch latency is hidden. K3LAB_KDA_VERIFY_PDL=0 turns it off for a run, =1 insists.
-Not yet run on a GPU in this package form (the launcher's arguments were trimmed with the kernel).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
-from k3lab.ops import _build
+from k3lab.ops import _build, setting
 from k3lab.ops.kda_verify.inputs import HEAD_DIM
 
 NAME = "kda_verify"
@@ -83,7 +81,7 @@ def pdl_supported(index: int | None = None) -> bool:
 def pdl_default(index: int | None = None) -> bool:
     """Whether launches are programmatic dependents when the caller does not say: K3LAB_KDA_VERIFY_PDL
     ('1' yes, '0' no), else yes where `pdl_supported`."""
-    value = os.environ.get(PDL_ENV, "")
+    value = setting(PDL_ENV, "")
     if value not in ("", "0", "1"):
         raise ValueError(f"{PDL_ENV} must be 0 or 1, got {value!r}")
     if value:
@@ -91,9 +89,14 @@ def pdl_default(index: int | None = None) -> bool:
     return pdl_supported(index)
 
 
-def supports(q, k, v, g, beta, initial_state, tile_v: int, states=None) -> str | None:
-    """None when the kernel can take these tensors (and the `states` buffer, when given) at this tile
-    width; else why not (a sentence)."""
+def verify(q, k, v, g, beta, initial_state, tile_v: int, states=None) -> tuple[bool, str]:
+    """(True, '') when the kernel can take these tensors (and the `states` buffer, when given) at this
+    tile width; else (False, why) (k3lab.ops' verifier shape)."""
+    why = _refusal(q, k, v, g, beta, initial_state, tile_v, states)
+    return why is None, why or ""
+
+
+def _refusal(q, k, v, g, beta, initial_state, tile_v: int, states) -> str | None:
     if tile_v != TILE_V:
         return f"the kernel is compiled for {TILE_V}-column tiles, got tile_v={tile_v}"
     if not q.is_cuda:

@@ -20,8 +20,10 @@ at position lengths[b] - q_len + t). Bad input raises ValueError before any kern
 validated once (one host sync) and then launches with no checks and no sync (CUDA-graph capturable);
 its outputs are its own buffers, overwritten by each call.
 
-Backends (`BACKENDS`, tried in priority order; the first that is available here and takes the
-inputs runs, `plan.backend` says which; `backend=` or K3LAB_MLA_BACKEND forces one by name):
+Backends (`BACKENDS`, k3lab.ops' contract: tried in priority order; the first that is available here
+and takes the inputs runs, `plan.backend` says which; `backend=` or K3LAB_MLA_DECODE_BACKEND forces one
+by name, and so does a CUDA `form=`). Each verifies (variant, q, cache, lengths, block_table, pad=,
+fold_heads=, form=) and provides the part 'plan':
 
 * 'cuda' (cuda.py): NVIDIA sm_90 with nvcc, bf16, <= 16 heads, pad='registers'; the after for one
   token, and for verification groups over a paged cache (each token a request over the same pages);
@@ -36,12 +38,9 @@ Where the figures behind each choice are: docs/mla_padding.md.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
+from k3lab.ops import Backend, Backends, BackendUnavailable, triton_available
 from k3lab.ops.mla_decode import cuda, triton
 from k3lab.ops.mla_decode.inputs import (DEFAULT_SCALE, LATENT_DIM, MAX_Q_LEN, MMA_ROWS, VALUE_DIM,
                                          LaunchConfig,
@@ -49,17 +48,14 @@ from k3lab.ops.mla_decode.inputs import (DEFAULT_SCALE, LATENT_DIM, MAX_Q_LEN, M
                                          split_cost, to_paged)
 from k3lab.ops.mla_decode.triton import DecodePlan, after_groups
 
-BACKEND_ENV = "K3LAB_MLA_BACKEND"
 CUDA_VERIFY_Q_LENS = cuda.VERIFY_Q_LENS
 _PEER_NAMES = ("reference", "einsum_decode", "sdpa_decode", "aiter_status", "aiter_decode", "flashmla_status",
                "flashmla_plan")
 
 __all__ = [
     "LATENT_DIM", "VALUE_DIM", "DEFAULT_SCALE", "MMA_ROWS", "MAX_Q_LEN", "CUDA_VERIFY_Q_LENS", "BACKENDS",
-    "Backend", "BackendUnavailable", "DecodePlan", "LaunchConfig", "plan_before", "plan_after",
-    "mla_decode_before",
-    "mla_decode_after", "choose_backend", "cuda_after_status", "choose_num_splits", "choose_splits",
-    "split_cost",
+    "BACKEND_ENV", "BackendUnavailable", "DecodePlan", "LaunchConfig", "plan_before", "plan_after",
+    "mla_decode_before", "mla_decode_after", "choose_num_splits", "choose_splits", "split_cost",
     "after_groups", "to_paged", "gather_paged", *_PEER_NAMES,
 ]
 
@@ -73,37 +69,28 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class BackendUnavailable(RuntimeError):
-    """A backend asked for by name cannot run on this machine (the message says why)."""
+def _cuda_available() -> tuple[bool, str]:
+    ok, why = cuda.status()
+    return (True, why) if ok else cuda.before_status()
 
 
-@dataclass(frozen=True)
-class Backend:
-    """One implementation of the decode. available(variant) -> (ok, why) says whether it runs on this
-    machine; refusal(variant, q, cache, lengths, block_table, opts) -> None or why it does not take
-    these inputs; plan(variant, ...) builds the plan. Lower priority numbers are tried first."""
-
-    name: str
-    priority: int
-    available: Callable[..., tuple[bool, str]]
-    refusal: Callable[..., str | None]
-    plan: Callable
-
-
-def _cuda_available(variant: str = "after") -> tuple[bool, str]:
-    return cuda.before_status() if variant == "before" else cuda.status()
-
-
-def _cuda_refusal(variant, q, cache, lengths, block_table, opts) -> str | None:
+def _cuda_verify(variant, q=None, cache=None, lengths=None, block_table=None, **opts) -> tuple[bool, str]:
     if variant == "before":
+        ok, why = cuda.before_status()
+        if not ok or q is None:
+            return ok, why
         try:
             cuda.check_before(q, cache, lengths, block_table=block_table)
         except ValueError as exc:
-            return str(exc)
-        return None
+            return False, str(exc)
+        return True, why
+    ok, why = cuda.status()
+    if not ok:
+        return ok, why
     if opts.get("pad", "registers") != "registers":
-        return "pad='copy' (the explicit 16-head buffer) runs on the Triton backend"
-    return cuda.after_refusal(q, cache, lengths, block_table)
+        return False, "pad='copy' (the explicit 16-head buffer) runs on the Triton backend"
+    refused = cuda.after_refusal(q, cache, lengths, block_table) if q is not None else None
+    return refused is None, refused or why
 
 
 def _cuda_plan(variant, q, cache, lengths, *, block_table, scale, num_splits=None, form=None, pad_fill=0.0,
@@ -120,21 +107,29 @@ def _cuda_plan(variant, q, cache, lengths, *, block_table, scale, num_splits=Non
                      form=form)
 
 
-def _triton_plan(variant, q, cache, lengths, *, block_table, scale, num_splits=None, form=None, **opts):
+def _triton_verify(variant, *inputs, form=None, **opts) -> tuple[bool, str]:
     if form not in (None, "auto"):
-        raise ValueError(f"form={form!r} names a CUDA split kernel; the Triton backend has one form")
+        return False, f"form={form!r} names a CUDA split kernel; the Triton backend has one form"
+    return True, ""
+
+
+def _triton_plan(variant, q, cache, lengths, *, block_table, scale, num_splits=None, form=None, **opts):
     if variant == "before":
         return triton.plan_before(q, cache, lengths, block_table=block_table, scale=scale)
     return triton.plan_after(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits,
                              **opts)
 
 
-def _aiter_available(variant: str = "after") -> tuple[bool, str]:
+def _aiter_available() -> tuple[bool, str]:
     from k3lab.ops.mla_decode import peers  # see __getattr__
 
+    return peers.aiter_status()
+
+
+def _aiter_verify(variant, *inputs, **opts) -> tuple[bool, str]:
     if variant == "before":
         return False, "AITER has no before (its decode is the padded one)"
-    return peers.aiter_status()
+    return True, ""
 
 
 def _aiter_plan(variant, q, cache, lengths, *, block_table, scale, num_splits=None, form=None, pad_fill=0.0,
@@ -146,55 +141,22 @@ def _aiter_plan(variant, q, cache, lengths, *, block_table, scale, num_splits=No
     return peers.AiterPlan(q, cache, lengths, block_table=block_table, scale=scale)
 
 
-BACKENDS: dict[str, Backend] = {
-    "cuda": Backend("cuda", 0, _cuda_available, _cuda_refusal, _cuda_plan),
-    "triton": Backend("triton", 1,
-                      lambda variant="after": (True, "Triton kernels (the interpreter on a CPU)"),
-                      lambda *a: None, _triton_plan),
-    "aiter": Backend("aiter", 2, _aiter_available, lambda *a: None, _aiter_plan),
-}
+# aiter last: it is not yet run on AMD hardware by this project, so it runs only when forced
+BACKENDS = Backends(
+    "mla_decode",
+    Backend("cuda", 0, _cuda_available, _cuda_verify, parts={"plan": _cuda_plan}),
+    Backend("triton", 1, triton_available, _triton_verify, parts={"plan": _triton_plan}),
+    Backend("aiter", 2, _aiter_available, _aiter_verify, parts={"plan": _aiter_plan}),
+)
+BACKEND_ENV = BACKENDS.env
 
 
-def choose_backend(variant: str, q=None, cache=None, lengths=None, block_table=None, *, backend: str
-                   | None = None,
-                   **opts) -> tuple[str, str]:
-    """(name, why) of the backend a plan of `variant` ('before' or 'after') takes for these inputs:
-    `backend` or K3LAB_MLA_BACKEND if set (BackendUnavailable if it cannot run here), else the first
-    of BACKENDS by priority that is available and takes the inputs (without inputs: the first
-    available). A form other than 'auto' asks for the CUDA backend."""
-    if variant not in ("before", "after"):
-        raise ValueError(f"variant must be 'before' or 'after', got {variant!r}")
-    forced = backend if backend is not None else (os.environ.get(BACKEND_ENV) or None)
-    if forced is None and opts.get("form") not in (None, "auto"):
-        forced = "cuda"
-    if forced is not None:
-        if forced not in BACKENDS:
-            src = "backend" if backend is not None else BACKEND_ENV
-            raise ValueError(f"{src} must be one of {sorted(BACKENDS)}, got {forced!r}")
-        ok, why = BACKENDS[forced].available(variant)
-        if not ok:
-            raise BackendUnavailable(f"backend {forced!r} cannot run here: {why}")
-        return forced, f"asked for by name ({why})"
-    reasons = []
-    for b in sorted(BACKENDS.values(), key=lambda b: b.priority):
-        ok, why = b.available(variant)
-        if ok and q is not None:
-            refused = b.refusal(variant, q, cache, lengths, block_table, opts)
-            ok, why = refused is None, refused or why
-        if ok:
-            return b.name, why + (f" (not {'; '.join(reasons)})" if reasons else "")
-        reasons.append(f"{b.name}: {why}")
-    raise BackendUnavailable(f"no MLA decode backend runs here: {'; '.join(reasons)}")
-
-
-def cuda_after_status(q=None, cache=None, lengths=None, block_table=None) -> tuple[bool, str]:
-    """Whether `plan_after` runs the CUDA backend by default here (with inputs: for these inputs)
-    and, if not, why."""
-    ok, why = cuda.status()
-    if ok and q is not None:
-        refused = cuda.after_refusal(q, cache, lengths, block_table)
-        ok, why = refused is None, refused or why
-    return ok, why
+def _choose(variant, q, cache, lengths, block_table, backend, **opts) -> str:
+    """The backend of a plan: BACKENDS' choice, where a CUDA `form` (none forced) asks for 'cuda'."""
+    arg = "backend"
+    if backend is None and opts.get("form") not in (None, "auto") and BACKENDS.forced()[0] is None:
+        backend, arg = "cuda", f"backend (form={opts['form']!r} is a CUDA kernel's)"
+    return BACKENDS.choose(backend, variant, q, cache, lengths, block_table, arg=arg, **opts)[0]
 
 
 def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, backend=None):
@@ -202,8 +164,8 @@ def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, backend
     query row, whole history, no matrix units). `plan()` returns (o, lse); plan.backend says which
     backend runs."""
     check_scale(scale)  # one rule for every backend: positive and finite
-    name, _ = choose_backend("before", q, cache, lengths, block_table, backend=backend)
-    return BACKENDS[name].plan("before", q, cache, lengths, block_table=block_table, scale=scale)
+    name = _choose("before", q, cache, lengths, block_table, backend)
+    return BACKENDS[name].parts["plan"]("before", q, cache, lengths, block_table=block_table, scale=scale)
 
 
 def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, pad="registers",
@@ -215,13 +177,13 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     loads of the 16-row tile) or 'copy' (the seed's adapter: an explicit 16-head query buffer whose
     extra heads hold `pad_fill`, and a 16-head output sliced back; Triton). fold_heads: H > 16 as
     groups of 16 (Triton). form: the CUDA split kernel, 'mma', 'wgmma' or None / 'auto' (by piece
-    length; asking for one selects the CUDA backend). backend: see `choose_backend`."""
+    length; asking for one selects the CUDA backend). backend: a name of BACKENDS, None to choose."""
     if pad not in ("registers", "copy"):
         raise ValueError(f"pad must be 'registers' or 'copy', got {pad!r}")
     check_scale(scale)  # one rule for every backend: positive and finite
-    name, _ = choose_backend("after", q, cache, lengths, block_table, backend=backend, pad=pad,
-                             fold_heads=fold_heads, form=form)
-    return BACKENDS[name].plan("after", q, cache, lengths, block_table=block_table, scale=scale,
+    name = _choose("after", q, cache, lengths, block_table, backend, pad=pad, fold_heads=fold_heads,
+                   form=form)
+    return BACKENDS[name].parts["plan"]("after", q, cache, lengths, block_table=block_table, scale=scale,
                                num_splits=num_splits, pad=pad, fold_heads=fold_heads, form=form,
                                pad_fill=pad_fill)
 

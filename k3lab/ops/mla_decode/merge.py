@@ -10,7 +10,7 @@ and o_n = 0 and gets weight 0 (its o_n is not read, so NaN there cannot leak); w
 empty the result is o = 0, lse = -inf, never NaN. The pieces are split-history programs of one
 decode or the ranks of decode context parallelism (k3lab.parallel.dcp), where N is the world size.
 
-`merge_partials(o_parts, lse_parts, impl="torch" | "triton")`: o_parts [N, ..., D], lse_parts
+`merge_partials(o_parts, lse_parts, backend="torch" | "triton")`: o_parts [N, ..., D], lse_parts
 [N, ...]. Returns o in o_parts' dtype and lse in float32 (float64 for float64 inputs); the math runs
 in float32 (float64 for float64 inputs). "torch" is a handful of elementwise and reduction kernels;
 "triton" is one launch (one program per output row and 128-column block), and runs in Triton's
@@ -24,13 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-IMPLS = ("torch", "triton")
+BACKENDS = ("torch", "triton")  # chosen by the caller (DCP's merge_impl), not by k3lab.ops' chooser
 BLOCK_D = 128  # value columns per merge program
 
 
-def _check(o_parts, lse_parts, impl):
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+def _check(o_parts, lse_parts, backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(o_parts, torch.Tensor) or o_parts.dim() < 2:
         raise ValueError(
             "o_parts must be a tensor [N, ..., D] with N >= 1 pieces, got "
@@ -144,9 +144,9 @@ def _merge_triton(o_parts, lse_parts):
     return out, out_lse
 
 
-def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, impl: str = "torch"):
+def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, backend: str = "torch"):
     """Merge N partial attentions (see the module docstring). Returns (o [..., D], lse [...])."""
-    _check(o_parts, lse_parts, impl)
-    if impl == "triton":
+    _check(o_parts, lse_parts, backend)
+    if backend == "triton":
         return _merge_triton(o_parts, lse_parts)
     return _merge_torch(o_parts, lse_parts)

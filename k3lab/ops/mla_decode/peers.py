@@ -38,6 +38,7 @@ import torch
 
 from k3lab import env
 from k3lab.nn.mla import latent_attention
+from k3lab.ops import setting
 from k3lab.ops.mla_decode.inputs import DEFAULT_SCALE, LATENT_DIM, MMA_ROWS, VALUE_DIM, gather_paged, validate
 
 def reference(q, cache, lengths=None, *, block_table=None, scale=None):
@@ -218,8 +219,8 @@ _loaded: dict[str, str] = {}  # path -> "" once loaded, or the loading error
 
 def library_path() -> tuple[Path | None, str]:
     """(path, where it came from): K3LAB_FLASHMLA_LIB, an installed vLLM's copy, or the fetched file."""
-    if os.environ.get(LIB_ENV):
-        return Path(os.environ[LIB_ENV]), f"${LIB_ENV}"
+    if setting(LIB_ENV):
+        return Path(setting(LIB_ENV)), f"${LIB_ENV}"
     spec = importlib.util.find_spec("vllm")
     if spec is not None and spec.submodule_search_locations:
         for folder in spec.submodule_search_locations:

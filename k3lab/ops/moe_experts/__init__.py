@@ -6,16 +6,15 @@ z [N, L] is the latent (routed_expert_down_proj(x)); w1, w3 [E, F, L] and w2 [E,
 expert's slice of the intermediate (F = 384 of 3072 at TP8, so y is this rank's partial sum, the
 "latent" that the TP layer all-reduces). y is fp32. Shapes and errors: inputs.py.
 
-Backends (`routed_experts(..., backend=)` or K3LAB_MOE_EXPERTS_BACKEND forces one):
+Backends (`BACKENDS`, k3lab.ops' contract: `routed_experts(..., backend=)` or K3LAB_MOE_EXPERTS_BACKEND
+forces one):
   triton  the grouped kernels (triton.py): launch 1 = w1/w3 + SiTU-GLU, launch 2 = w2 with the
           routing weights; tiles of 16/32/64 rows of one expert. Needs a GPU, or Triton's
           interpreter (TRITON_INTERPRET=1, small sizes: tests) on a CPU.
   torch   the per-expert loop (loop.py): the "before"; runs anywhere.
-With none forced, the triton backend runs on a GPU and the torch loop on a CPU (the interpreter
-is too slow for more than tests). `padding.py` measures the tile padding at decode batches.
-
-The grouped kernels are checked in the interpreter and have run on the H200 (parallel.bench_moe);
-the tail's norm kernel is checked in the interpreter and runs in the H200 decode-step records.
+With none forced, the triton backend runs on GPU tensors (fp64 on the loop) and the torch loop on CPU
+tensors (the interpreter is too slow for more than tests). `padding.py` measures the tile padding at
+decode batches. Records of both: profiles/<device>/moe_sharding/ and profiles/<device>/decode_step/.
 
 The layer's tail, `latent_tail` (tail.py: RMSNorm of the latent, rows of up_proj, added into an
 output in place), has the same two backends: triton = one Triton norm launch and one in-place addmm_
@@ -24,9 +23,9 @@ into the output's columns; torch = the plain reference ops.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from k3lab.ops import Backend, Backends, cpu_first, gpu_first, triton_available, triton_runs_on
 
 from . import loop as _loop
 from . import triton as _triton
@@ -35,52 +34,16 @@ from .inputs import TILE_HEIGHTS, ExpertSort, check_block_m, check_inputs, defau
 from .padding import decode_padding, padding_of, random_router_idx
 from .tail import check_tail, norm_rows, tail_torch, tail_triton
 
-ENV_VAR = "K3LAB_MOE_EXPERTS_BACKEND"
+
+def _triton_verify(device=None, dtype=None) -> tuple[bool, str]:
+    if dtype == torch.float64:
+        return False, "z: the triton backend takes fp32, fp16 or bf16 (fp64 runs on backend='torch')"
+    return triton_runs_on(device)
 
 
-def _triton_available(device=None) -> tuple[bool, str]:
-    """Whether the Triton kernels can run on tensors of `device` (default: the GPU if there is one):
-    compiled on a GPU, or in Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors."""
-    if _triton.triton is None:
-        return False, "triton is not installed"
-    on_cpu = torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available()
-    if not on_cpu:
-        return (True, "GPU") if torch.cuda.is_available() else (False, "no GPU")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True, "Triton's interpreter on the CPU (slow: small sizes only)"
-    return False, "CPU tensors and TRITON_INTERPRET is not 1 (the kernels run compiled on GPU tensors)"
-
-
-# name -> (available() -> (ok, why), priority on a GPU, priority on a CPU); lower runs first
-BACKENDS = {
-    "triton": (_triton_available, 0, 1),
-    "torch": (lambda: (True, "plain PyTorch"), 1, 0),
-}
-
-
-def available(name: str, device=None) -> tuple[bool, str]:
-    """(ok, why) for backend `name` on tensors of `device` (default: the GPU if there is one)."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {name!r}")
-    return BACKENDS[name][0](device) if name == "triton" else BACKENDS[name][0]()
-
-
-def pick_backend(backend: str | None = None, device=None) -> str:
-    """The backend that runs on tensors of `device`: `backend`, else K3LAB_MOE_EXPERTS_BACKEND, else
-    the first available by priority (triton on GPU tensors, the torch loop on CPU tensors). A forced
-    one that cannot run is an error."""
-    forced = backend or os.environ.get(ENV_VAR) or None
-    if forced is not None:
-        ok, why = available(forced, device)
-        if not ok:
-            raise ValueError(f"backend {forced!r} cannot run here: {why}")
-        return forced
-    gpu = torch.device(device).type != "cpu" if device is not None else torch.cuda.is_available()
-    col = 1 if gpu else 2
-    for name in sorted(BACKENDS, key=lambda n: BACKENDS[n][col]):
-        if available(name, device)[0]:
-            return name
-    raise RuntimeError("no routed-expert backend can run")  # torch always can
+BACKENDS = Backends("moe_experts", Backend("triton", gpu_first, triton_available, _triton_verify),
+                    Backend("torch", cpu_first, lambda: (True, "plain PyTorch")))
+BACKEND_ENV = BACKENDS.env
 
 
 def routed_experts(z, weights, idx, w1, w3, w2, *, backend: str | None = None, block_m: int | None = None,
@@ -97,13 +60,11 @@ def routed_experts(z, weights, idx, w1, w3, w2, *, backend: str | None = None, b
         raise ValueError(f"sort must be the ExpertSort of idx's {shapes.n_tokens * shapes.top_k} pairs"
                          + (f" with block_m={block_m}" if block_m is not None else "")
                          + f", got {sort!r:.120}")
-    name = pick_backend(backend, z.device)
+    name = BACKENDS.choose(backend, z.device, z.dtype)[0]
     if shapes.n_tokens == 0:
         return torch.zeros(0, shapes.latent, dtype=torch.float32, device=z.device)
     if name == "torch":
         return _loop.expert_loop(z, weights, idx, w1, w3, w2, shapes)
-    if z.dtype == torch.float64:
-        raise ValueError("z: the triton backend takes fp32, fp16 or bf16 (fp64 runs on backend='torch')")
     if sort is None:
         sort = sort_by_expert(
             idx,
@@ -126,13 +87,13 @@ def expert_loop(z, weights, idx, w1, w3, w2) -> torch.Tensor:
 def latent_tail(y_lat, norm_w, eps, up_rows, out, col0: int = 0, *, backend: str | None = None):
     """out[:, col0 : col0 + R] += rms_norm(y_lat) @ up_rows^T in place (tail.py); returns out."""
     check_tail(y_lat, norm_w, up_rows, out, col0)
-    fn = tail_triton if pick_backend(backend, y_lat.device) == "triton" else tail_torch
+    fn = tail_triton if BACKENDS.choose(backend, y_lat.device)[0] == "triton" else tail_torch
     return fn(y_lat, norm_w, eps, up_rows, out, col0)
 
 
 __all__ = [
-    "BACKENDS", "ENV_VAR", "TILE_HEIGHTS", "ExpertSort", "available", "check_inputs", "decode_padding",
+    "BACKENDS", "BACKEND_ENV", "TILE_HEIGHTS", "ExpertSort", "check_inputs", "decode_padding",
     "default_block_m", "expert_loop", "grouped_experts", "latent_tail", "max_tiles", "norm_rows",
-    "padding_of", "pick_backend", "random_router_idx", "routed_experts", "sort_by_expert", "stack_experts",
+    "padding_of", "random_router_idx", "routed_experts", "sort_by_expert", "stack_experts",
     "tail_torch", "tail_triton",
 ]

@@ -13,8 +13,8 @@ Why: in plain PyTorch these are ~25 small launches per MoE layer (sigmoid, add, 
 mul; scatter_add_, cumsums, a radix argsort, searchsorted, index arithmetic). The triton backend does
 them in two (triton.py), with no read-back, so the call can be captured in a CUDA graph.
 
-Backends (`backend=` or K3LAB_MOE_ROUTER_BACKEND forces one by name; a forced one that cannot run is
-a ValueError):
+Backends (`BACKENDS`, k3lab.ops' contract: `backend=` or K3LAB_MOE_ROUTER_BACKEND forces one by name; a
+forced one that cannot run these logits is a ValueError):
   triton  launch 1 = top-k and weights, launch 2 = the counting sort. For N * top_k <= MAX_PAIRS (2048,
           decode sizes): a single program sorts, so larger batches raise when it is forced. Runs on a
           GPU, or in Triton's interpreter (TRITON_INTERPRET=1: tests) on CPU tensors.
@@ -29,8 +29,7 @@ expert index first; torch.topk does not document its order among equal values, s
 choose differently only on exact ties. NaN logits are chosen last by the triton path (torch.topk
 ranks NaN highest); its indices stay in [0, E) either way.
 
-Checked in Triton's interpreter and compiled on the H200 (tests/test_moe_router.py; per-call times in
-profiles/nvidia-h200/decode_step/glue/moe_router_bench.json).
+Checks: tests/test_moe_router.py; per-call times: profiles/<device>/decode_step/glue/.
 """
 
 from __future__ import annotations
@@ -40,24 +39,28 @@ import numbers
 import torch
 
 from k3lab.nn.moe import route
-from k3lab.ops import forced_backend
-from k3lab.ops.moe_experts import available as _experts_available
+from k3lab.ops import Backend, Backends, cpu_first, gpu_first, triton_available, triton_runs_on
 from k3lab.ops.moe_experts.inputs import ExpertSort, check_block_m, sort_by_expert
 
 from .triton import MAX_PAIRS, sort_pairs, topk_weights
 
-ENV_VAR = "K3LAB_MOE_ROUTER_BACKEND"
-NAMES = ("triton", "torch")
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # fp64: torch only
 
 
-def available(name: str, device=None) -> tuple[bool, str]:
-    """(ok, why) for backend `name` on tensors of `device` (default: the GPU if there is one)."""
-    if name not in NAMES:
-        raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
-    if name == "torch":
-        return True, "plain PyTorch"
-    return _experts_available("triton", device)  # the same condition as the grouped expert kernels
+def _triton_verify(device=None, tokens: int | None = None, top_k: int = 1, dtype=None) -> tuple[bool, str]:
+    """The single-program sort takes at most MAX_PAIRS (token, expert) pairs (decode sizes), and no fp64."""
+    if dtype == torch.float64:
+        return False, "logits: the triton backend takes fp32, bf16 or fp16 (fp64 runs on backend='torch')"
+    if tokens is not None and tokens * top_k > MAX_PAIRS:
+        return False, (f"logits: N={tokens} tokens x top_k={top_k} = {tokens * top_k} pairs is more than the "
+                       f"triton backend's single-program sort takes (MAX_PAIRS={MAX_PAIRS}, decode sizes); "
+                       "use backend='torch' (or none forced) for larger batches")
+    return triton_runs_on(device)
+
+
+BACKENDS = Backends("moe_router", Backend("triton", gpu_first, triton_available, _triton_verify),
+                    Backend("torch", cpu_first, lambda: (True, "plain PyTorch")))
+BACKEND_ENV = BACKENDS.env
 
 
 def check_router(logits, bias, top_k, scaling, renormalize, num_experts, block_m) -> tuple[int, int]:
@@ -89,32 +92,6 @@ def check_router(logits, bias, top_k, scaling, renormalize, num_experts, block_m
     return N, E
 
 
-def pick_backend(backend: str | None, logits: torch.Tensor, top_k: int) -> str:
-    """The backend that runs these logits: the forced one (argument, else K3LAB_MOE_ROUTER_BACKEND),
-    checked, else the module docstring's default."""
-    forced = forced_backend(backend, ENV_VAR, NAMES)
-    N = logits.shape[0]
-    if forced == "torch":
-        return forced
-    fits = N * top_k <= MAX_PAIRS and logits.dtype != torch.float64
-    if forced is None:
-        return (
-            "triton"
-            if logits.device.type != "cpu" and fits and available("triton", logits.device)[0]
-            else "torch"
-        )
-    ok, why = available(forced, logits.device)
-    if not ok:
-        raise ValueError(f"backend 'triton' cannot run here: {why}")
-    if logits.dtype == torch.float64:
-        raise ValueError("logits: the triton backend takes fp32, bf16 or fp16 (fp64 runs on backend='torch')")
-    if N * top_k > MAX_PAIRS:
-        raise ValueError(f"logits: N={N} tokens x top_k={top_k} = {N * top_k} pairs is more than the triton "
-                         f"backend's single-program sort takes (MAX_PAIRS={MAX_PAIRS}, decode sizes); "
-                         "use backend='torch' (or none forced) for larger batches")
-    return forced
-
-
 def route_and_sort(logits, bias, top_k, *, scaling=1.0, renormalize=True, num_experts=None, block_m,
                    backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, ExpertSort]:
     """(weights [N, top_k] fp32 (fp64 for fp64 logits, torch path), idx [N, top_k] int64, sort:
@@ -122,12 +99,12 @@ def route_and_sort(logits, bias, top_k, *, scaling=1.0, renormalize=True, num_ex
     32 or 64; moe_experts.
     default_block_m picks one from the batch). ValueError on bad input before any kernel."""
     N, E = check_router(logits, bias, top_k, scaling, renormalize, num_experts, block_m)
-    if pick_backend(backend, logits, top_k) == "torch":
+    if BACKENDS.choose(backend, logits.device, N, top_k, logits.dtype)[0] == "torch":
         weights, idx, _ = route(logits, bias, top_k, scaling, renormalize)
         return weights, idx, sort_by_expert(idx, E, block_m)
     weights, idx = topk_weights(logits, bias, top_k, scaling, renormalize)
     return weights, idx, sort_pairs(idx, E, block_m)
 
 
-__all__ = ["ENV_VAR", "MAX_PAIRS", "NAMES", "available", "check_router", "pick_backend", "route_and_sort",
+__all__ = ["BACKENDS", "BACKEND_ENV", "MAX_PAIRS", "check_router", "route_and_sort",
            "sort_pairs", "topk_weights"]

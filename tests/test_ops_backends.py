@@ -1,0 +1,157 @@
+"""k3lab.ops' one backend contract, checked over every op: a `BACKENDS` table of `Backend` rows, one
+chooser answering (name, why), forcing by argument and by K3LAB_<OP>_BACKEND, a bad name refused by the
+argument's or the variable's name, `backend=` on every public entry point, and no op reading the
+environment itself."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
+from k3lab import ops
+from k3lab.ops import Backend, BackendUnavailable, Backends
+
+OPS_DIR = Path(ops.__file__).parent
+HELPERS = {"_build", "packed_matmul", "triton_math"}  # shared pieces, not ops with backends
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _op_names() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules([str(OPS_DIR)]) if m.name not in HELPERS)
+
+
+def _kda(T=3, H=1, V=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(DEV)  # noqa: E731
+    q = torch.nn.functional.normalize(r(1, T, H, 128), dim=-1)
+    k = torch.nn.functional.normalize(r(1, T, H, 128), dim=-1)
+    return q, k, r(1, T, H, V), -torch.rand(1, T, H, 128, generator=g).to(DEV), torch.rand(1, T, H,
+                                                                                          generator=g).to(DEV)
+
+
+def _inputs(name: str) -> tuple:
+    """What `BACKENDS.choose` verifies for one small call of op `name` on this machine's tensors."""
+    if name in ("gemv",):
+        return (DEV,)
+    if name in ("situ_glu", "moe_experts", "kda_decode"):
+        return (DEV, torch.float32)
+    if name == "moe_router":
+        return (DEV, 4, 2, torch.float32)
+    if name == "attn_res_norm":
+        return (torch.randn(2, 64, device=DEV), None, torch.randn(3, 2, 64, device=DEV), 2)
+    if name == "kda_chunk":
+        from k3lab.ops import kda_chunk
+
+        return (*_kda(70), kda_chunk.make_plan([70], 1, device=DEV))
+    if name == "kda_verify":
+        q, k, v, g, beta = _kda(3, V=16)
+        return (q, k, v, g, beta, torch.zeros(1, 1, 128, 16, device=DEV), 8)
+    if name == "mla_decode":
+        return ("after", torch.randn(1, 1, 12, 576, device=DEV), torch.randn(1, 32, 576, device=DEV),
+                torch.tensor([32], device=DEV))
+    raise AssertionError(f"no sample inputs for op {name!r}: add them here")
+
+
+@pytest.mark.parametrize("name", _op_names())
+def test_every_op_has_one_table_of_the_one_type(name):
+    mod = importlib.import_module(f"k3lab.ops.{name}")
+    table = mod.BACKENDS
+    assert isinstance(table, Backends) and table.op == name
+    assert all(type(b) is Backend for b in table) and len(table) >= 2
+    assert mod.BACKEND_ENV == table.env == f"K3LAB_{name.upper()}_BACKEND"
+    for b_name, (ok, why) in table.status().items():
+        assert b_name in table and isinstance(ok, bool) and isinstance(why, str) and why, (b_name, why)
+
+
+@pytest.mark.parametrize("name", _op_names())
+def test_chooser_answers_name_and_why_and_forcing_works(name, monkeypatch):
+    table = importlib.import_module(f"k3lab.ops.{name}").BACKENDS
+    monkeypatch.delenv(table.env, raising=False)
+    args = _inputs(name)
+    chosen, why = table.choose(None, *args)
+    assert chosen in table and isinstance(why, str)
+    runs = [b.name for b in table if table.check(b.name, *args)[0]]
+    assert chosen in runs
+    for forced in runs:  # by argument, and by the variable; the argument wins over the variable
+        assert table.choose(forced, *args)[0] == forced
+        monkeypatch.setenv(table.env, forced)
+        assert table.choose(None, *args)[0] == forced
+        other = next(n for n in runs if n != forced) if len(runs) > 1 else forced
+        assert table.choose(other, *args)[0] == other
+        monkeypatch.delenv(table.env)
+    for refused in (b.name for b in table if b.name not in runs):  # a forced one that cannot run: why
+        with pytest.raises(BackendUnavailable, match=f"backend={refused!r} cannot run here: ."):
+            table.choose(refused, *args)
+        monkeypatch.setenv(table.env, refused)
+        with pytest.raises(ValueError, match=f"{table.env}={refused!r} cannot run here"):
+            table.choose(None, *args)
+        monkeypatch.delenv(table.env)
+
+
+@pytest.mark.parametrize("name", _op_names())
+def test_a_bad_name_is_refused_by_the_argument_or_the_variable(name, monkeypatch):
+    table = importlib.import_module(f"k3lab.ops.{name}").BACKENDS
+    monkeypatch.delenv(table.env, raising=False)
+    with pytest.raises(ValueError, match="^backend must be one of"):
+        table.choose("no_such_backend", *_inputs(name))
+    with pytest.raises(ValueError, match="^experts_backend must be one of"):
+        table.choose("no_such_backend", *_inputs(name), arg="experts_backend")
+    monkeypatch.setenv(table.env, "no_such_backend")
+    with pytest.raises(ValueError, match=f"^{table.env} must be one of"):
+        table.choose(None, *_inputs(name))
+
+
+def test_priority_and_verifier_decide_and_none_running_says_why_for_each():
+    calls = []
+    table = Backends("toy",
+                     Backend("fast", lambda n: 0 if n > 1 else 2, lambda: (True, "here"),
+                             lambda n: (n < 10, "" if n < 10 else "takes fewer than 10")),
+                     Backend("plain", 1, lambda: (True, "always"), lambda n: calls.append(n) or (True, "")))
+    assert table.choose(None, 5) == ("fast", "here")
+    assert table.choose(None, 1)[0] == "plain"  # the priority follows the inputs
+    name, why = table.choose(None, 20)
+    assert name == "plain" and "fast: takes fewer than 10" in why
+    with pytest.raises(BackendUnavailable, match="takes fewer than 10"):
+        table.choose("fast", 20)
+    broken = Backends("toy", Backend("a", 0, lambda: (False, "not built")),
+                      Backend("b", 1, lambda: (False, "no GPU")))
+    with pytest.raises(BackendUnavailable, match="no toy backend runs here: a: not built; b: no GPU"):
+        broken.choose()
+    with pytest.raises(ValueError, match="distinct names"):
+        Backends("toy", Backend("a", 0, lambda: (True, "")), Backend("a", 1, lambda: (True, "")))
+
+
+# public entry points: each takes backend= (none takes impl= or kernel= for its backend)
+ENTRY_POINTS = {
+    "gemv": ["gemv"], "situ_glu": ["situ_glu_stacked"], "moe_experts": ["routed_experts", "latent_tail"],
+    "moe_router": ["route_and_sort"], "attn_res_norm": ["after"],
+    "kda_chunk": ["kda_chunk", "kda_chunk_before", "kda_chunk_after", "kda_chunk_prologue", "after_launches"],
+    "kda_verify": ["kda_verify"], "kda_decode": ["kda_decode", "KDADecodeStep"],
+    "mla_decode": ["plan_before", "plan_after", "mla_decode_before", "mla_decode_after"],
+}
+
+
+def test_every_public_op_takes_backend():
+    assert sorted(ENTRY_POINTS) == _op_names()
+    for name, fns in ENTRY_POINTS.items():
+        mod = importlib.import_module(f"k3lab.ops.{name}")
+        for fn in fns:
+            params = inspect.signature(getattr(mod, fn)).parameters
+            assert "backend" in params and not {"impl", "kernel"} & set(params), (name, fn, list(params))
+
+
+def test_only_ops_init_reads_the_environment_and_nobody_reads_triton_interpret():
+    for path in OPS_DIR.rglob("*.py"):
+        if path != OPS_DIR / "__init__.py":
+            assert "os.environ" not in path.read_text(), path
+    pattern = re.compile(r"environ(\.get)?\(?\[?\s*[\"']TRITON_INTERPRET")
+    for path in Path(k3lab.__file__).parent.rglob("*.py"):
+        if path.name != "env.py" and path != Path(k3lab.__file__):
+            assert not pattern.search(path.read_text()), f"{path}: use env.triton_interpreted()"

@@ -65,3 +65,45 @@ def test_bad_arguments_are_named():
         at.part_labels(EAGER, "")
     with pytest.raises(ValueError, match="part"):
         at.attribute(kernels_from_trace(EAGER))
+
+
+def test_the_labelled_step_computes_what_the_step_computes_and_opens_its_part_ranges():
+    import torch
+
+    from k3lab.engine import DecodeStep
+    from k3lab.engine.weights import RankWeights
+    from k3lab.studies.decode_step import attribution, measure
+
+    w = RankWeights.random(measure.CPU_CONFIG, distinct_layers=1, device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, w.config.vocab_size, (2, 1), generator=torch.Generator().manual_seed(3))
+    out = []
+    for cls in (DecodeStep, attribution.LabelledStep):
+        s = cls(w.config, 2, 8, optimizations="none", weights=w)
+        s.set_tokens(ids)
+        saved = s.save_state()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            logits = s.run().clone()
+        names = {e.name for e in prof.events()}
+        out.append((logits, {k: v.clone() for k, v in s.save_state().items()}, names))
+        s.restore_state(saved)
+    (a, sa, plain), (b, sb, labelled) = out
+    assert torch.equal(a, b) and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    parts = {n[len(attribution.PREFIX):] for n in labelled if n.startswith(attribution.PREFIX)}
+    assert {"embed", "mix", "kda", "mla", "moe", "collective"} <= parts, parts
+    assert not any(n.startswith(attribution.PREFIX) for n in plain)
+
+
+def test_attribution_refuses_bad_arguments_by_name_and_says_what_runs_without_a_gpu():
+    from k3lab.studies.decode_step import attribution
+
+    with pytest.raises(ValueError, match="batch"):
+        attribution.attribute(0, 8)
+    with pytest.raises(ValueError, match="variant"):
+        attribution.attribute(1, 8, variant="fastest")
+    import torch
+
+    if not torch.cuda.is_available():
+        said = []
+        assert attribution.records(log=said.append) == [] and "no" in said[0].lower()
+        with pytest.raises(ValueError, match="GPU"):
+            attribution.attribute(1, 8)

@@ -36,31 +36,35 @@ PROBE = "probe."  # case prefix of the bounds probes (k3lab.studies.decode_step.
 PROBE_CASE = "probe"  # the case that runs them
 GLUE = "glue."  # case prefix of the glue kernels' records (k3lab.studies.decode_step.glue)
 GLUE_CASE = "glue"  # the case that runs them
-EXTRA_CASES = (PROBE_CASE, GLUE_CASE)
+ATTRIBUTION = "attribution."  # case prefix of the step attributions (k3lab.studies.decode_step.attribution)
+ATTRIBUTION_CASE = "attribution"  # the case that runs them
+EXTRA_CASES = (PROBE_CASE, GLUE_CASE, ATTRIBUTION_CASE)
 MLA_CASE = {"b1_1k": "ctx1k", "b1_32k": "ctx32k", "b1_128k": "ctx128k", "b64_8k": "b64_8k"}
 
 
 def case_names(preset=None) -> list[str]:
     """The whole-step cases on this machine (GPU: b1_1k, b1_32k, b1_128k, b64_8k; CPU: one tiny case),
-    then 'probe' (the bounds probes) and 'glue' (the glue kernels alone): GPU kernels, nothing measured
-    on a CPU."""
+    then 'probe' (the bounds probes), 'glue' (the glue kernels alone) and 'attribution' (where the
+    batch-1 steps' time goes, kernel by kernel): GPU kernels, nothing measured on a CPU."""
     return [*step_bench.cases(), *EXTRA_CASES]
 
 
 def run(preset=None, cases=None, *, repeats: int = 5, distinct_layers: int = 3, profile: bool = True) -> list:
     """Every variant of the whole-step `cases` (see measure.run_cases), with 'probe' among them the
-    bounds probes (measure.probe_records), with 'glue' the glue kernels (glue.run); records of study
-    'decode_step'. Unknown cases are a ValueError naming them, before anything runs."""
+    bounds probes (measure.probe_records), with 'glue' the glue kernels (glue.run), with 'attribution'
+    the per-part attribution of the batch-1 steps (attribution.records); records of study 'decode_step'.
+    Unknown cases are a ValueError naming them, before anything runs."""
     from k3lab.studies import select_cases
 
-    from . import glue
+    from . import attribution, glue
 
     chosen = select_cases(case_names(preset), cases)
     steps = [c for c in chosen if c not in EXTRA_CASES]
     records = step_bench.run_cases(steps, distinct_layers=distinct_layers, repeats=repeats,
                                    profile=profile) if steps else []
     records += step_bench.probe_records() if PROBE_CASE in chosen else []
-    return records + (glue.run() if GLUE_CASE in chosen else [])
+    records += glue.run() if GLUE_CASE in chosen else []
+    return records + (attribution.records() if ATTRIBUTION_CASE in chosen else [])
 
 
 def profile_targets(preset=None) -> dict:
@@ -80,9 +84,17 @@ def profile_targets(preset=None) -> dict:
 # ------------------------------------------------------------------ reading the records
 def load(records=None, device: str = DEVICE) -> list:
     """The whole-step records: `records` if given (a live run), else the committed ones for `device`;
-    without the bounds probes (`probes`) and the glue kernels' records."""
+    without the bounds probes (`probes`), the glue kernels' records and the attributions
+    (`attributions`)."""
     recs = list(records) if records is not None else bench.load_records(NAME, device=device)
-    return [r for r in recs if not r.case.startswith((PROBE, GLUE))]
+    return [r for r in recs if not r.case.startswith((PROBE, GLUE, ATTRIBUTION))]
+
+
+def attributions(records=None, device: str = DEVICE) -> list:
+    """The step attribution records (`attribution`: cases attribution.<case>.<variant>, the per-part
+    table in extra['parts']): `records` if given, else the committed ones for `device`."""
+    recs = list(records) if records is not None else bench.load_records(NAME, device=device)
+    return [r for r in recs if r.case.startswith(ATTRIBUTION)]
 
 
 def probes(device: str = DEVICE) -> list:

@@ -313,11 +313,24 @@ def explorer_figure(*, first: float, decay: float, max_depth: int, **costs):
     return rate_figure(curve, {"sliders": explorer_costs(max_depth=max_depth, **costs)}, title=title), choice
 
 
+def _figure_output(fig) -> dict:
+    """A plotly figure as one display_data output (the plotly mimetype JupyterLab draws)."""
+    import json
+
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"application/vnd.plotly.v1+json": json.loads(fig.to_json()),
+                     "text/plain": repr(fig)[:200]}}
+
+
+def _table_output(table) -> dict:
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"text/html": table.to_html(), "text/plain": table.to_string()}}
+
+
 def explorer(**defaults):
     """Sliders for the acceptance curve (first, decay) and the cycle costs; the figure and the
     per-depth table follow them. Needs ipywidgets (a JupyterLab front end to move the sliders)."""
     import ipywidgets as w
-    from IPython.display import display
 
     v = {**EXPLORER_DEFAULTS, **defaults}
     style = dict(description_width="180px")
@@ -340,12 +353,16 @@ def explorer(**defaults):
     )
     out = w.Output()
 
-    def redraw(**values):
-        out.clear_output(wait=True)
-        with out:
-            fig, choice = explorer_figure(**values)
-            fig.show()
-            display(choice.table.round(3))
+    def redraw(_change=None):
+        # The figure and the table become the Output's state, set from the kernel in one update. Nothing
+        # is captured from the cell's messages (no `with out:`, no interactive_output, which draws inside
+        # an Output of its own): a headless executor's Output mimic (nbclient's, under stock `jupyter
+        # nbconvert --execute` and papermill) echoes each captured output back to the kernel on the shell
+        # socket while it awaits the cell's reply, and then sat on that reply until its per-cell timeout.
+        fig, choice = explorer_figure(**{name: c.value for name, c in controls.items()})
+        out.outputs = (_figure_output(fig), _table_output(choice.table.round(3)))
 
-    w.interactive_output(redraw, controls)
+    for control in controls.values():
+        control.observe(redraw, names="value")
+    redraw()
     return w.VBox([w.VBox(list(controls.values())), out])

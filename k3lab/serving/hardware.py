@@ -1,0 +1,100 @@
+"""The GPUs and links of the serving model, each figure with where it comes from.
+
+Published figures are datasheet peaks; `measured` marks the one figure k3lab has measured itself (the
+H200's copy bandwidth, in every decode_step record). What one GPU cannot measure (the links between GPUs)
+is a `Link` from published numbers, labelled as modelled wherever it is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Link:
+    """The GPU-to-GPU fabric of one 8-GPU node: bandwidth per GPU and direction (GB/s), the latency of one
+    small collective call inside a graph (us), and the sources."""
+
+    name: str
+    gbs_per_direction: float
+    call_latency_us: float
+    source: str
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU kind: memory (GB), peak and usable copy bandwidth (TB/s), dense bf16 matrix rate (TFLOP/s),
+    its node's link, the seed's cost per GPU-hour (None where the seed gives none), and sources."""
+
+    key: str
+    name: str
+    memory_gb: float
+    bandwidth_tbs: float
+    usable_bandwidth_tbs: float
+    bf16_tflops: float
+    link: Link
+    usd_per_hour: float | None
+    source: str
+
+
+# One small all-reduce or all-to-all per call inside a CUDA/HIP graph: anchors.md gives 7-25 us per
+# collective call for the DCP exchange; the model takes the low end for graph-captured small messages
+# and says so. The what-if lets a reader move it.
+CALL_LATENCY_US = 8.0
+
+NVLINK_H200 = Link(
+    "NVLink 4 (HGX H200)",
+    450.0,
+    CALL_LATENCY_US,
+    "NVIDIA H200 datasheet: NVLink 900 GB/s per GPU (both directions); latency: anchors.md's "
+    "7-25 us per collective call, low end",
+)
+INFINITY_FABRIC = Link(
+    "Infinity Fabric (8x MI355X)",
+    537.6,
+    CALL_LATENCY_US,
+    "AMD Instinct MI355X product page: 7 Infinity Fabric links of 153.6 GB/s (both "
+    "directions), 1,075 GB/s per GPU; latency: as for NVLink (not measured by k3lab)",
+)
+
+GPUS: dict[str, GPU] = {
+    "h200": GPU(
+        "h200",
+        "NVIDIA H200",
+        141.0,
+        4.8,
+        4.25,
+        989.0,
+        NVLINK_H200,
+        None,
+        "NVIDIA H200 datasheet (141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s bf16 dense); usable bandwidth: "
+        "the 1 GiB copy measured in every decode_step record (anchors.md: 4.25 TB/s)",
+    ),
+    "mi355x": GPU(
+        "mi355x",
+        "AMD Instinct MI355X",
+        288.0,
+        8.0,
+        7.2,
+        2500.0,
+        INFINITY_FABRIC,
+        1.50,
+        "the seed and AMD's MI355X page (288 GB HBM3E, 8 TB/s; 2.5 PFLOP/s bf16 dense); usable "
+        "bandwidth 7.2 TB/s as measured in public work (anchors.md); $1.50 per GPU-hour (seed)",
+    ),
+}
+
+# The seed's serving figures (MI355X and HGX B300, their stacks), for labelled comparison only.
+SEED = {
+    "mi355x_tokens_per_s_gpu": 7567.0,
+    "b300_tokens_per_s_gpu": 6083.0,
+    "interactivity": 50.0,
+    "host_cache_gb": 224.875,
+}
+
+
+def gpu(key: str) -> GPU:
+    """The GPU called `key` ('h200', 'mi355x'); ValueError naming the known ones."""
+    if key not in GPUS:
+        raise ValueError(f"gpu must be one of {sorted(GPUS)}, got {key!r}")
+    return GPUS[key]

@@ -1,0 +1,176 @@
+"""The per-rank decode step time as a sum of its parts, fitted to measured whole-step records.
+
+    t_us = fixed + k_weights * weight_bytes / bw + k_history * history_bytes / bw
+                 + k_state * state_bytes / bw + per_token * tokens
+
+`bw` is the copy bandwidth measured in the run (TB/s, so bytes / (bw * 1e6) is microseconds at the floor);
+each k says how far above its bytes floor that part runs, `fixed` holds the launches and the rest that does
+not grow with the batch. The bytes are the decode_step study's parts (`extra['bytes']` of a record):
+weights read once (the routed experts: the distinct ones the batch's tokens choose), the MLA history, the
+KDA states and conv histories. One `StepFit` per variant (all_on, base, no_<switch>).
+
+Why two forms: the full form needs steps that differ in batch and in context separately; with the
+four committed whole-step cases (three contexts at B = 1 and one point at B = 64) only three numbers can
+be told apart, so `fit` uses the reduced form (k_state = k_weights, no per-token term) until a grid of
+at least three batches and three contexts exists. Coefficients are non-negative (a part cannot make the
+step faster); the fit is least squares on relative error, so short and long steps count alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FULL = ("fixed", "weights", "history", "history_per_sequence", "state", "tokens")
+REDUCED = ("fixed", "weights+state", "history")
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One measured step: variant, batch, context, tokens (batch x q_len), its bytes parts (keys
+    weights_dense, weights_experts, mla_cache, kda_state, kda_conv), the bandwidth (TB/s), the time (us)
+    and the record it came from."""
+
+    variant: str
+    batch: int
+    context: int
+    tokens: int
+    parts: dict
+    bandwidth_tbs: float
+    us: float
+    source: str = ""
+
+
+def features(
+    parts: dict, tokens: float, bandwidth_tbs: float, form: tuple[str, ...] = FULL, batch: int = 1
+) -> np.ndarray:
+    """The model's columns for one step: 1, each bytes part over the bandwidth (us), the history of one
+    sequence over the bandwidth (a kernel that walks each sequence's history in one program scales with
+    it rather than with the batch's total: the unpadded MLA decode), and the tokens."""
+    if not bandwidth_tbs > 0:
+        raise ValueError(f"bandwidth_tbs must be > 0, got {bandwidth_tbs!r}")
+    us = 1.0 / (bandwidth_tbs * 1e6)
+    w = (parts["weights_dense"] + parts["weights_experts"]) * us
+    s = (parts["kda_state"] + parts["kda_conv"]) * us
+    m = parts["mla_cache"] * us
+    cols = {
+        "fixed": 1.0,
+        "weights": w,
+        "history": m,
+        "history_per_sequence": m / batch,
+        "state": s,
+        "tokens": float(tokens),
+        "weights+state": w + s,
+    }
+    return np.array([cols[name] for name in form])
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """A fitted variant: `coef` per name of `form`, the points it was fitted to and held out."""
+
+    variant: str
+    form: tuple[str, ...]
+    coef: dict
+    fitted: tuple = ()
+    held_out: tuple = ()
+    notes: list = field(default_factory=list)
+
+    def terms(self, parts: dict, tokens: float, bandwidth_tbs: float, batch: int = 1) -> dict[str, float]:
+        """Microseconds per part of the step (the model's sum, term by term)."""
+        x = features(parts, tokens, bandwidth_tbs, self.form, batch)
+        return {name: float(self.coef[name] * v) for name, v in zip(self.form, x)}
+
+    def predict(self, parts: dict, tokens: float, bandwidth_tbs: float, batch: int = 1) -> float:
+        return sum(self.terms(parts, tokens, bandwidth_tbs, batch).values())
+
+
+def _nnls_rel(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    from scipy.optimize import nnls
+
+    return nnls(X / y[:, None], np.ones_like(y))[0]
+
+
+def choose_form(points: list[StepPoint]) -> tuple[str, ...]:
+    """FULL when the points span at least three batches and three contexts, else REDUCED."""
+    return FULL if len({p.batch for p in points}) >= 3 and len({p.context for p in points}) >= 3 else REDUCED
+
+
+def held_out_of(points: list[StepPoint], every: int = 4) -> list[StepPoint]:
+    """Every `every`-th point by (batch, context), starting from the second, kept only while the rest
+    still determine the form's coefficients (full column rank) and outnumber them."""
+    pts = sorted(points, key=lambda p: (p.batch, p.context, p.tokens))
+    out: list[StepPoint] = []
+    for i in range(1, len(pts), every):
+        rest = [p for p in pts if p is not pts[i] and p not in out]
+        form = choose_form(rest)
+        X = np.array([features(p.parts, p.tokens, p.bandwidth_tbs, form, p.batch) for p in rest])
+        if len(rest) >= len(form) and np.linalg.matrix_rank(X / np.abs(X).max(axis=0).clip(1e-30)) == len(
+            form
+        ):
+            out.append(pts[i])
+    return out
+
+
+def fit(points: list[StepPoint], held_out: list[StepPoint] | None = None) -> StepFit:
+    """Fit one variant's points (all of one variant), leaving `held_out` out (default: `held_out_of`).
+    ValueError when the points are of several variants or too few to fit."""
+    if not points:
+        raise ValueError("points must hold at least one measured step")
+    variants = {p.variant for p in points}
+    if len(variants) != 1:
+        raise ValueError(f"points must be of one variant, got {sorted(variants)}")
+    held = held_out_of(points) if held_out is None else list(held_out)
+    train = [p for p in points if p not in held]
+    form = choose_form(train)
+    if len(train) < len(form) - 1:
+        raise ValueError(f"{len(train)} points cannot fit the {len(form)} coefficients of {form}")
+    X = np.array([features(p.parts, p.tokens, p.bandwidth_tbs, form, p.batch) for p in train])
+    y = np.array([p.us for p in train])
+    coef = _nnls_rel(X, y)
+    notes = (
+        []
+        if form == FULL
+        else [
+            f"reduced form: {len(train)} points over {len({p.batch for p in train})} batches and "
+            f"{len({p.context for p in train})} contexts cannot tell the state, weights and per-token terms "
+            "apart"
+        ]
+    )
+    return StepFit(variants.pop(), form, dict(zip(form, map(float, coef))), tuple(train), tuple(held), notes)
+
+
+def validation(fits: dict[str, StepFit]) -> list[dict]:
+    """One row per held-out point of every fit: variant, batch, context, measured and predicted ms,
+    rel_err (predicted / measured - 1) and the record."""
+    rows = []
+    for name, f in fits.items():
+        for p in f.held_out:
+            pred = f.predict(p.parts, p.tokens, p.bandwidth_tbs, p.batch)
+            rows.append(
+                {
+                    "variant": name,
+                    "batch": p.batch,
+                    "context": p.context,
+                    "measured_ms": p.us / 1e3,
+                    "predicted_ms": pred / 1e3,
+                    "rel_err": pred / p.us - 1.0,
+                    "source": p.source,
+                }
+            )
+    return rows
+
+
+def residuals(f: StepFit) -> list[dict]:
+    """The fitted points' rel_err (how closely the form can follow what it was fitted to)."""
+    return [
+        {
+            "variant": f.variant,
+            "batch": p.batch,
+            "context": p.context,
+            "measured_ms": p.us / 1e3,
+            "rel_err": f.predict(p.parts, p.tokens, p.bandwidth_tbs, p.batch) / p.us - 1.0,
+        }
+        for p in f.fitted
+    ]

@@ -122,6 +122,7 @@ def attribute(batch: int, context_len: int, *, variant: str = "all_on", weights=
     span = at.span_us(rows)
     rows = rows.assign(gap_us=at.gaps(rows))
     top = rows.nlargest(12, "dur_us")[["name", "part", "dur_us", "gap_us"]]
+    top["name"] = top["name"].str.slice(0, 120)
     del step
     measure._free()
     return {"table": table, "span_us": span, "step_us": timing.median_us, "timing": timing,

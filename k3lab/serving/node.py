@@ -8,8 +8,8 @@ Every part says whether it is measured or modelled:
 - DCP8: the history split in eight for capacity; attention at DCP8 / TP8 shapes and the merge from the dcp
   study's records; two more collective calls per MLA layer;
 - speculation: committed tokens per cycle from k3lab.speculative's acceptance curve; verification of n
-  positions from the kda_verify and mla_padding records (the extra over one position, per sequence); the drafter
-  as one layer of the step (modelled);
+  positions from the kda_verify and mla_padding records (the extra over one position, per sequence);
+  the drafter as one layer of the step (modelled);
 - prefill: the KDA scan per token from kda_scan records; projections and MLA attention as FLOPs over the
   bf16 matrix rate (modelled);
 - a GPU other than the one measured: each bytes term scaled by the usable bandwidths' ratio, the per-token

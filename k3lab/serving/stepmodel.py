@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-FULL = ("fixed", "weights", "history", "history_per_sequence", "state", "tokens")
+FULL = ("fixed", "weights", "history", "history_per_sequence", "state")
 REDUCED = ("fixed", "weights+state", "history")
 
 

@@ -34,6 +34,7 @@ STUDIES: dict[str, str] = {
     "agent_cache": "k3lab.studies.agent_cache",
     "dcp": "k3lab.studies.dcp",
     "moe_sharding": "k3lab.studies.moe_sharding",
+    "serving": "k3lab.studies.serving",
 }
 ALIASES: dict[str, str] = {"kda_decode_bench": "kda_decode"}
 
@@ -52,6 +53,7 @@ ABOUT: dict[str, str] = {
     "dcp": "decode context parallelism on one GPU: local attention at TP8 / DCP8 shapes, the merge (notebook "
            "01)",
     "moe_sharding": "the MoE tail replicated vs sharded, the routed experts' grouped kernels (notebook 02)",
+    "serving": "tokens/s/GPU against tokens/s/user on 8 GPUs from the fitted decode step (notebook 09)",
 }
 GPU_ONLY = frozenset({"kda_decode", "dcp", "moe_sharding"})
 # What `k3lab report` checks on a CPU, where Triton runs in its interpreter: the smallest cases that
@@ -66,6 +68,7 @@ CPU_CASES: dict[str, list[str] | None] = {
     "draft_depth": ["cycles_depth4", "tokens_v8_depth4"],
     "decode_step": ["tiny_b1_ctx8"],
     "agent_cache": ["sim_small"],
+    "serving": ["validation", "curve_mi355x"],
 }
 # run() keywords of the CPU form: there a timing in the interpreter says nothing, so one sample will do
 # and no profiler pass (the whole-step variants take seconds each in the interpreter)
@@ -143,6 +146,9 @@ GPU_QUICK: dict[str, QuickForm] = {
     "moe_sharding": QuickForm(
         ("tail_N8", "experts_N64"), 40,
         "the first page's two cases: the MoE tail at 8 tokens, the routed experts at 64"),
+    "serving": QuickForm(
+        ("validation", "curve_h200", "curve_mi355x"), 30,
+        "the model's cases from committed records (host-side); the measured grid is --full's"),
 }
 HOST_SIDE = frozenset({"draft_depth", "agent_cache"})
 

@@ -1,29 +1,92 @@
 """Study: the serving curve, tokens/s/GPU against tokens/s/user on one node of 8 GPUs (notebook 09).
 
-Cases: 'grid' (GPU) measures the decode step over batch x context (`grid.measure_grid`); the model's
-cases are added beside it.
+Cases:
+    grid          (GPU) the decode step over batch x context (`grid.measure_grid`; a tiny grid on a CPU)
+    validation    the step model's held-out points: one record per point, measured and predicted, with
+                  extra.rel_err (predicted / measured - 1); device: the device that measured the step
+    curve_h200    the Pareto front per rung of the article's order, from the H200's fitted steps (with
+                  288 GB per GPU: an H200's 141 GB cannot hold a rank's FP4 weights), one record per point
+    curve_mi355x  the same projected to MI355X (its bandwidth, matrix rate, memory and link), labelled so
+Curve records carry extra.tokens_per_s_user (P90) and extra.tokens_per_s_gpu, mode 'model', median_us the
+cycle time; `inputs` gathers what the model reads from the committed records.
 """
 
 from __future__ import annotations
 
-from . import grid
+import datetime as _dt
+
+from k3lab import bench
+
+from . import grid, inputs
 
 NAME = "serving"
+H200_MEMORY_GB = 288.0  # the H200 curve's memory per GPU: K3's FP4 weights do not fit in 141 GB
 
 
 def case_names(preset=None) -> list[str]:
-    """'grid' (the step-time grid: a tiny one on a CPU)."""
-    return ["grid"]
+    """'validation', 'curve_h200', 'curve_mi355x', and 'grid' (the measured grid)."""
+    return ["validation", "curve_h200", "curve_mi355x", "grid"]
+
+
+def _model_record(case: str, variant: str, us: float, shape: dict, *, like=None, **extra) -> bench.Record:
+    info = bench.provenance()
+    src = like or {}
+    return bench.Record(study=NAME, case=case, variant=variant, device=src.get("device", "NVIDIA H200"),
+                        backend=src.get("backend", "cuda"), versions=src.get("versions", info["versions"]),
+                        commit=info["commit"], date=_dt.datetime.now(_dt.timezone.utc).isoformat(
+                            timespec="seconds"), shape=shape, dtype="bfloat16", median_us=us, p20_us=us,
+                        p80_us=us, mode="model", extra=extra)
+
+
+def validation_records(inp=None) -> list[bench.Record]:
+    """One record per held-out step: median_us measured, extra predicted_us, rel_err and the source."""
+    from k3lab.serving import stepmodel
+
+    inp = inp or inputs.node_inputs()
+    out = []
+    for row in stepmodel.validation(inp.fits):
+        pred, meas = row["predicted_ms"] * 1e3, row["measured_ms"] * 1e3
+        out.append(_model_record(f"validate.{row['variant']}.b{row['batch']}_{row['context']}", "after", meas,
+                                 {"batch": row["batch"], "context_len": row["context"]}, predicted_us=pred,
+                                 rel_err=row["rel_err"], source=row["source"],
+                                 form=list(inp.fits[row["variant"]].form)))
+    return out
+
+
+def curve_records(gpu_key: str, inp=None, work=None) -> list[bench.Record]:
+    """One record per front point of every rung on `gpu_key` ('h200' or 'mi355x')."""
+    from k3lab.serving import curve, hardware
+
+    inp = inp or inputs.node_inputs()
+    work = work or curve.agent_workload()
+    g = hardware.gpu(gpu_key)
+    mem = H200_MEMORY_GB if gpu_key == "h200" else None
+    out = []
+    for i, row in enumerate(curve.ladder(inp, g, work, memory_gb=mem)):
+        for p in row["front"]:
+            out.append(_model_record(
+                f"curve.{gpu_key}.r{i}.dcp{p['dcp']}_k{p['depth']}_c{p['concurrency']}",
+                "after" if i == len(curve.RUNGS) - 1 else "before", p["cycle_ms"] * 1e3,
+                {"concurrency": p["concurrency"], "dcp": p["dcp"], "depth": p["depth"]},
+                rung=row["rung"], section=row["section"], gpu=g.name,
+                measured_or_modelled="projected" if gpu_key != "h200" else "modelled from H200 step records",
+                tokens_per_s_user=p["tokens_per_s_user"], tokens_per_s_gpu=p["tokens_per_s_gpu"],
+                hit_rate=p["hit_rate"], committed=p["committed"], terms_us=p["terms_us"],
+                memory_gb=mem or g.memory_gb, workload=work.source))
+    return out
 
 
 def run(preset=None, cases=None, *, repeats: int = 5) -> list:
-    """The records of `cases` (see case_names)."""
+    """The records of `cases` (see case_names); the model's cases read committed records only."""
     from k3lab.studies import select_cases
 
-    out = []
+    out, inp = [], None
     for case in select_cases(case_names(preset), cases):
         if case == "grid":
             out += grid.measure_grid(repeats=repeats)
+            continue
+        inp = inp or inputs.node_inputs()
+        out += validation_records(inp) if case == "validation" else curve_records(case.split("_")[1], inp)
     return out
 
 

@@ -1,0 +1,74 @@
+"""The serving model against the committed H200 step records: the fit, its held-out error, units and
+monotonicity, and batch 1 against notebook 08's measured step."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3lab import bench
+from k3lab.serving import curve, hardware, node, stepmodel
+from k3lab.studies.serving import inputs
+
+pytestmark = pytest.mark.skipif(not bench.load_records("decode_step", device="nvidia-h200"),
+                                reason="no committed H200 decode_step records")
+
+
+@pytest.fixture(scope="module")
+def inp():
+    return inputs.node_inputs()
+
+
+def test_batch_one_reproduces_notebook_08s_step_within_the_fit_error(inp):
+    on = inp.fits["all_on"]
+    worst = max(abs(r["rel_err"]) for r in stepmodel.residuals(on))
+    for r in bench.load_records("decode_step", device="nvidia-h200"):
+        if r.case in ("b1_1k.all_on.graph", "b1_32k.all_on.graph"):
+            pred = on.predict(r.extra["bytes"], 1, r.extra["bandwidth_tbs"], 1)
+            assert abs(pred / r.median_us - 1) <= max(worst, 0.02) + 1e-9
+
+
+def test_held_out_points_are_not_fitted(inp):
+    for f in inp.fits.values():
+        assert not set(map(id, f.held_out)) & set(map(id, f.fitted))
+
+
+def test_step_parts_equal_the_records_bytes(inp):
+    c = node.tp_config()
+    for p in inputs.step_points():
+        if p.source.split("/")[2] != "decode_step":
+            continue
+        got = node.step_parts(c, p.batch, p.batch * p.context, p.tokens, dense_bytes=p.parts["weights_dense"])
+        for key in ("mla_cache", "kda_state", "kda_conv"):
+            assert got[key] == pytest.approx(p.parts[key], rel=1e-9)
+        assert got["weights_experts"] == pytest.approx(p.parts["weights_experts_uniform"], rel=1e-6)
+
+
+def test_the_step_grows_with_batch_and_context_and_units_are_microseconds(inp):
+    t = {(b, c): sum(node.rank_step_us(inp, frozenset(), b, b * c, b).values())
+         for b in (1, 8, 64) for c in (1024, 32768)}
+    assert t[(1, 1024)] < t[(8, 1024)] < t[(64, 1024)]
+    assert t[(1, 1024)] < t[(1, 32768)] and t[(64, 1024)] < t[(64, 32768)]
+    assert 5e3 < t[(1, 1024)] < 1e5  # one step of one rank: milliseconds, in microseconds
+
+
+def test_more_concurrency_trades_per_user_for_per_gpu_rate(inp):
+    w = curve.agent_workload()
+    g = hardware.gpu("mi355x")
+    rung = curve.RUNGS[-1]
+    a, b = (curve.evaluate(inp, rung, g, dcp=1, depth=0, concurrency=c, work=w) for c in (2, 8))
+    assert a["tokens_per_s_user"] > b["tokens_per_s_user"] and a["tokens_per_s_gpu"] < b["tokens_per_s_gpu"]
+    assert b["tokens_per_s_user"] <= b["tokens_per_s_user_mean"] * 1.001  # P90 is not above the mean here
+
+
+def test_capacity_h200_cannot_hold_fp4_weights_mi355x_can():
+    assert node.max_concurrency(142_000, hardware.gpu("h200")) == 0
+    g = hardware.gpu("mi355x")
+    assert node.max_concurrency(142_000, g, dcp=8) > node.max_concurrency(142_000, g, dcp=1) > 0
+
+
+def test_front_is_pareto():
+    pairs = ((10, 100), (20, 50), (15, 40), (5, 90))
+    pts = [{"tokens_per_s_user": u, "tokens_per_s_gpu": g} for u, g in pairs]
+    fr = curve.front(pts)
+    assert [(p["tokens_per_s_user"], p["tokens_per_s_gpu"]) for p in fr] == [(10, 100), (20, 50)]
+    assert curve.at_interactivity(fr, 15) == 50 and curve.at_interactivity(fr, 30) == 0

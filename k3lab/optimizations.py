@@ -3,7 +3,7 @@
 An optimization changes names on its way through the tree: the KDA prefill is the study `kda_scan`, the op
 package `k3lab.ops.kda_chunk` and the kernels `kda_prologue.cu` / `kda_walk.cu`; the draft depth lives
 in `k3lab.speculative`; copy removal is three switches, three op packages and the study module
-`kda_decode_bench`. One `Entry` per optimization holds them all:
+`kda_decode`. One `Entry` per optimization holds them all:
 
     notebooks   globs under notebooks/ ("04_*.ipynb"), the lesson first
     studies     keys of k3lab.studies.STUDIES (`k3lab bench NAME`)

@@ -317,7 +317,7 @@ def test_choose_config_and_hints_follow_the_measured_rules():
 
 
 def test_study_cases_name_the_batches():
-    from k3lab.studies import kda_decode_bench as kb
+    from k3lab.studies import kda_decode as kb
 
     assert kb.case_names() == ["B1_H12", "B8_H12", "B32_H12", "B128_H12"] and kb.NAME == "kda_decode"
     with pytest.raises(ValueError, match="cases"):
@@ -327,7 +327,7 @@ def test_study_cases_name_the_batches():
 
 
 def test_step_bytes_floor_inputs():
-    from k3lab.studies import kda_decode_bench as kb
+    from k3lab.studies import kda_decode as kb
     sb = kb.step_bytes(128, 12)
     assert sb["state"] == 2 * 128 * 12 * 128 * 128 * 4  # the anchors' KDA decode floor term
     assert sum(sb.values()) > sb["state"]
@@ -345,7 +345,7 @@ def _fused_ready():
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_fused_every_config_matches_reference(layout):
     _fused_ready()
-    from k3lab.studies import kda_decode_bench as kb
+    from k3lab.studies import kda_decode as kb
     f = kd.cuda.load_fused(torch.device("cuda"))
     n = 0
     for (tile_v, threads) in sorted(f.configs):
@@ -366,7 +366,7 @@ def test_fused_every_config_matches_reference(layout):
 @pytest.mark.parametrize("B", [1, 8, 32, 128])
 def test_fused_tp8_slice_against_reference_and_before(B):
     _fused_ready()
-    from k3lab.studies import kda_decode_bench as kb
+    from k3lab.studies import kda_decode as kb
     res = kb.check_case(B, 12, seed=B)
     assert set(res) >= {"after", "before"}
 
@@ -453,7 +453,7 @@ def test_fused_rejects_non_bf16_and_bad_config():
 
 def test_cold_state_timing_cycles_through_enough_caches():
     """Timing with cold state cycles caches whose states together exceed twice the cache, one per call."""
-    from k3lab.studies import kda_decode_bench as kb
+    from k3lab.studies import kda_decode as kb
 
     state = kb.step_bytes(1, 12)["state"]
     assert kb.state_copies(1) == min(64, -(-2 * timing._cache_bytes() // state)) > 1

@@ -24,7 +24,7 @@ from types import ModuleType
 STUDIES: dict[str, str] = {
     "launch_overhead": "k3lab.studies.launch_overhead",
     "copy_removal": "k3lab.studies.copy_removal",
-    "kda_decode": "k3lab.studies.kda_decode_bench",
+    "kda_decode": "k3lab.studies.kda_decode",
     "mla_padding": "k3lab.studies.mla_padding",
     "kda_scan": "k3lab.studies.kda_scan",
     "kda_verify": "k3lab.studies.kda_verify",

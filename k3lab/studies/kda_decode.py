@@ -11,7 +11,7 @@ per ShortConvolution), `fused_recurrent_kda` with its in-kernel gate, L2 norm an
 `rms_norm_gated` with a sigmoid gate.
 
 Study `kda_decode` (`k3lab bench kda_decode --cases B1_H12 B128_H12 --json F`); the copy_removal
-study (notebook 03) folds these functions in. `python -m k3lab.studies.kda_decode_bench --out DIR
+study (notebook 03) folds these functions in. `python -m k3lab.studies.kda_decode --out DIR
 --trace` also writes profiler traces.
 """
 

@@ -30,7 +30,7 @@ this torch has it. Where it has not, `emulated=True` weights run the same arithm
 never takes it on a GPU. `fp8_status` probes one small product on the device and says why not.
 
 Everything here is device ops only (no host reads), so a step with FP8 projections is captured in one
-CUDA graph like the bf16 one. Run on the H200 (tests/test_step_fp8.py GPU tests, the bench's all_on_fp8).
+CUDA graph like the bf16 one (tests/test_step_fp8.py's GPU tests, the decode_step study's all_on_fp8).
 """
 
 from __future__ import annotations

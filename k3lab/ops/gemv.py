@@ -15,7 +15,7 @@ call once before capturing a CUDA graph; K is a compile-time constant: one build
 Triton's interpreter (CPU tensors, tests) one small shape runs. fp32 accumulation whatever the dtype;
 bf16 rounded to nearest even, also in the interpreter. How it compares with cuBLAS per projection:
 docs/decode_step.md and the probe.gemv.* records under profiles/<device>/decode_step/. On AMD targets
-it is compiled by the ISA report, not yet run on an AMD GPU.
+it is compiled by the ISA report, not yet run on AMD hardware by this project.
 Backends (`BACKENDS`, k3lab.ops' contract): 'triton' (this kernel, also on CPU tensors in Triton's
 interpreter) and 'torch' (x @ w.t()); backend= or K3LAB_GEMV_BACKEND forces one.
 """

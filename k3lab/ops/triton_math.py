@@ -4,7 +4,7 @@
                                   near 0, where (1 - e) / (1 + e) would cancel, keeps fp32 accuracy;
                                   portable (Triton's interpreter and every GPU backend)
     round_to(x, dtype, INT_ROUND) x cast to dtype, rounding to nearest even as torch does. A GPU's
-                                  conversion instruction already does (checked bit-exact on the H200);
+                                  conversion instruction already does (tests check it bit-exact on a GPU);
                                   Triton's interpreter (the CPU path) truncates bf16 casts, so with
                                   INT_ROUND bf16 is rounded with integer arithmetic.
 

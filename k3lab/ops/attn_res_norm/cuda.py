@@ -2,8 +2,7 @@
 thread-block cluster of ceil(hidden / 1024) <= 8 blocks (CUDA, compute capability 9.0+), the blocks
 exchanging their partial sums through distributed shared memory. Chosen by `launch_config` for a few
 tokens and 5+ sources, where it builds (`cluster_pieces`). The source compiles as HIP too (no cluster
-kernel there; not yet run on AMD hardware by this project).
-Not yet run on a GPU in this package form (the launcher's arguments were trimmed with the kernel)."""
+kernel there; not yet run on AMD hardware by this project)."""
 
 
 from __future__ import annotations

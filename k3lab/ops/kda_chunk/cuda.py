@@ -130,7 +130,7 @@ def prologue(q, k, v, g, beta, plan: KdaPlan, scale: float, work: Work) -> None:
 def replay_tiles(blocks_with_two: int) -> int:
     """State tiles per replay block: two (W, Qg, Aqk and Kd^T read once for both 64-column halves, twice
     the work between barriers) once that still gives every compute unit a block, else one (twice the
-    blocks). H200 figures: docs/kda_scan.md."""
+    blocks). Figures: docs/kda_scan.md."""
     return 2 if blocks_with_two >= env.detect().compute_units else 1
 
 

@@ -189,7 +189,7 @@ def walk_programs(n_seqs: int, heads: int, block_v: int = 64, v_dim: int = HEAD_
 
 def choose_block_v(n_seqs: int, heads: int, compute_units: int | None = None) -> int:
     """Value-tile width of the Triton plain walk: 64 columns once that gives every compute unit a
-    program, else 32 (twice the programs on an idle GPU). The H200 figures are in docs/kda_scan.md."""
+    program, else 32 (twice the programs on an idle GPU). The figures are in docs/kda_scan.md."""
     units = compute_units if compute_units is not None else env.detect().compute_units
     return 64 if walk_programs(n_seqs, heads, 64) >= units else 32
 
@@ -204,7 +204,7 @@ def choose_group_size(lengths, heads: int, compute_units: int | None = None, blo
     sequence into about fill x units / P groups, so that the replay has ~fill programs per unit, but
     never into groups shorter than the depth-optimal sqrt(n_chunks / 2) (the critical path is
     2 x group + n_groups chunk steps) nor than `min_group` chunks. A sequence shorter than `min_chunks`
-    walks plainly even on an idle GPU (the break-even measured on the H200, docs/kda_scan.md)."""
+    walks plainly even on an idle GPU (the break-even: docs/kda_scan.md)."""
     units = compute_units if compute_units is not None else env.detect().compute_units
     lengths = [int(x) for x in lengths]
     n_chunks = max((-(-x // CHUNK) for x in lengths), default=0)

@@ -20,8 +20,8 @@ exact pairwise decays instead: the main 'a' pass leaves it out and flags the chu
 [4, 16, 16, 4-channel] broadcasts, with no row loop (keeping that path out of the main kernel keeps the
 main kernel free of register spills; a loop over rows inside it spilled scalar registers on AMD). The
 inverse and W / U run in their own launches at the few warps their small tiles need. docs/kda_scan.md
-has the forms measured against this one. The fix-up launch in this form has run in Triton's
-interpreter only: not yet on a GPU (on K3's gate its programs read one flag and stop).
+has the forms that lost against this one. On K3's gate the fix-up launch's programs read one flag and
+stop.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ memory. Built once by k3lab.ops._build and loaded with ctypes; `status()` says w
 `FusedStep` packs everything that stays the same from token to token (cache, weights, output buffer,
 launch configuration) into the kernel's argument block once; a call rewrites only the six per-token
 pointers and launches on the current stream (capturable in a CUDA graph).
-Not yet run on a GPU in this package form (the launcher's arguments were trimmed with the kernel).
 """
 
 from __future__ import annotations

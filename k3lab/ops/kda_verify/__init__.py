@@ -29,8 +29,8 @@ an error):
 
 Shapes: q, k [B, T, H, 128] (L2-normalised), v [B, T, H, V], g [B, T, H, 128] log-decay (fp32
 advised), beta [B, T, H], initial_state fp32 [N, H, 128, V]. States come back fp32 [B, T, H, 128, V]
-(ragged: [1, total_tokens, H, 128, V]) or, with `final_state_only`, [N, H, 128, V]. Figures (H200)
-and the forms that lost: docs/kda_verify.md; records: profiles/nvidia-h200/kda_verify/.
+(ragged: [1, total_tokens, H, 128, V]) or, with `final_state_only`, [N, H, 128, V]. Figures and the
+forms that lost: docs/kda_verify.md; records: profiles/<device>/kda_verify/.
 """
 
 from __future__ import annotations

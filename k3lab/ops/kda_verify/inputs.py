@@ -70,7 +70,7 @@ def choose_num_warps(tile_v: int, k_dim: int = HEAD_DIM, wave_width: int | None 
     """Waves per program of the Triton kernels: one wave until a lane would hold more than 32 state
     values (narrow kernel) or 64 (streaming kernel, which keeps fewer vectors per lane). A 128 x 4 or
     128 x 8 fp32 tile is one wave on NVIDIA's 32 lanes and on AMD's 64; so is a 128 x 16 tile in the
-    streaming kernel (on the H200 it ran faster with one wave than with four at B = 1, 8 and 32)."""
+    streaming kernel (docs/kda_verify.md, "Waves per program")."""
     wave = wave_width or _wave_width()
     per_lane = 32 if tile_v <= NARROW_MAX else 64
     return max(1, (k_dim * tile_v) // (wave * per_lane))

@@ -26,10 +26,8 @@ aligned (`ring_ok`), else direct loads.
 `status()` / `before_status()` say whether each runs here and, if not, why (no GPU, a HIP build,
 a GPU older than compute capability 9.0, no nvcc, a failed build). The HIP builds are stubs (no
 mma.sync / bulk-copy path on AMD; not yet run on AMD hardware by this project). Figures: docs/mla_padding.md.
-
-Not yet run on a GPU: these bindings and the launchers' current signatures (compiled for sm_90a and
-checked against the library's Args and shared-memory figures here; the GPU tests in
-tests/test_mla_decode_cuda.py and tests/test_mla_before_cuda.py run them).
+The bindings' argument blocks are checked against the library's Args at load; the GPU tests in
+tests/test_mla_decode_cuda.py and tests/test_mla_before_cuda.py run them.
 """
 
 from __future__ import annotations

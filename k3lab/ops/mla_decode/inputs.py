@@ -243,7 +243,7 @@ def choose_splits(batch: int, max_len: int, compute_units: int, *, blocks_per_un
     blocks cover the compute units once (blocks_per_unit each) and never spill into a second wave,
     each piece a whole number of block_n-row tiles. Why never spill: a second, partial wave's blocks
     start only when the first's end, so the time is two pieces long either way, and the fuller wave
-    streams faster (64 x 8K on the H200: docs/mla_padding.md). The piece length comes from the
+    streams faster (docs/mla_padding.md). The piece length comes from the
     longest request; shorter requests leave their last pieces empty (zero-weight partials).
     num_splits forces the count (rounded the same way)."""
     _positive(batch=batch, max_len=max_len, compute_units=compute_units, blocks_per_unit=blocks_per_unit,

@@ -17,9 +17,8 @@ Contract: q [B, q_len 1..8, H, 576] fp32 / fp16 / bf16, a contiguous [B, L, 576]
 (inputs.validate); returns (o [B, q_len, H, 512] in q's dtype, lse [B, q_len, H] fp32, natural
 log), the plan's own buffers. Verification groups are causal inside the group. Launch choices:
 32-row tiles, 4 warps for one token (8 for verify groups of 64 rows; one token per program on
-64-lane AMD devices), as many pipeline stages as the shared memory holds (at most 3); why this shape, and
-what else was measured, is in
-docs/mla_padding.md ("Design choices").
+64-lane AMD devices), as many pipeline stages as the shared memory holds (at most 3); why this shape,
+and the shapes that lost: docs/mla_padding.md ("Design choices").
 """
 
 from __future__ import annotations

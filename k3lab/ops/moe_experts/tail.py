@@ -16,7 +16,8 @@ Two forms, the same for either tail, so that the replicated-vs-sharded ratio mea
                column stride, which the BLAS call takes as its output with a leading dimension of H,
                so no copy of out is made and the add is one rounding.
   tail_torch   the plain reference: nn.norms.rms_norm (several small kernels), matmul, add.
-The norm kernel is checked in Triton's interpreter and runs in the H200 decode-step records.
+The norm kernel is checked against tail_torch (tests/test_moe_experts.py); its times are in the
+decode_step records (profiles/<device>/decode_step/).
 """
 
 from __future__ import annotations

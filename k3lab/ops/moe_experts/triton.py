@@ -11,8 +11,8 @@ Tiles past the ones in use (the grid is sized by a bound) return at once. Paddin
 write h = 0 and skip the second store. Each pair's result gets its own row of y_pair, so the final sum
 runs in a fixed order: the output is the same from run to run (atomic adds into y would not be).
 Accumulation is fp32 (fp32 inputs multiply in full fp32: no TF32); h is rounded to the inputs' dtype, as the
-reference's expert does between its two projections. Checked in Triton's interpreter and run on the
-H200 at K3's shapes (launch_config's blocks are the best of a sweep there).
+reference's expert does between its two projections. launch_config's blocks and the sweep behind them:
+docs/moe_sharding.md.
 """
 
 from __future__ import annotations

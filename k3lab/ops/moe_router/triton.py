@@ -15,7 +15,7 @@ small global scratch, ordered by barriers (no histogram or register gather, whos
 Triton versions); every other store has its own address. One program is the right size while the
 pairs are few (decode); `MAX_PAIRS` bounds them.
 
-Checked against the torch path in Triton's interpreter and compiled on the H200.
+Checked against the torch path (tests/test_moe_router.py).
 """
 
 from __future__ import annotations
@@ -147,9 +147,9 @@ def topk_weights(logits, bias, top_k: int, scaling: float, renormalize: bool):
 
 def sort_block_cap(wave_width: int | None = None) -> int:
     """Pairs the sort compares with every expert bin at once: its [BLOCK_P, BINS] one-hot tile is
-    BLOCK_P x 1024 values over the program's lanes. 128 on 32-lane devices (measured on the H200);
+    BLOCK_P x 1024 values over the program's lanes. 128 on 32-lane devices (docs/decode_step.md);
     32 on 64-lane ones, where 128 spills 192 registers on gfx942 / gfx950 (the ISA report; not yet
-    run on an AMD GPU). wave_width: read from the device when None."""
+    run on AMD hardware by this project). wave_width: read from the device when None."""
     from k3lab import env
 
     wave = wave_width if wave_width is not None else env.detect().wave_width

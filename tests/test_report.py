@@ -1,5 +1,6 @@
 """The report builder on CPU: the notebook step (no stalls, timeouts fail), the first screen, sections."""
 
+import html
 import os
 import time
 
@@ -115,21 +116,72 @@ def test_front_table_has_a_row_per_optimization_and_follows_the_tree(tmp_path):
 
     mla = next(o for o in front.OPTIMIZATIONS if o.title == "MLA head padding")
     after_32k = front.headline_rows(mla, bench.load_records(device="nvidia-h200"))[0]["after"]
-    assert "mla_padding: passed" in page and f">{front._us(after_32k)}<" in page  # the committed 32K after
+    assert "mla_padding: passed" in page and f">{front.plain(after_32k)} us<" in page  # the 32K after
     # an empty tree: every row is "not built yet"
     empty = front.front_table(tmp_path, front.Checks())
     assert empty.count("not built yet") == len(front.OPTIMIZATIONS)
 
 
-def test_headline_rows_carry_the_ratios():
+def test_headline_rows_carry_the_speedups():
     from k3lab import bench
 
     opt = next(o for o in front.OPTIMIZATIONS if o.title == "MLA head padding")
     rows = front.headline_rows(opt, bench.load_records(device="nvidia-h200"))
     assert [r["label"] for r in rows] == [h.label for h in opt.headlines]
     for r in rows:
-        assert r["after/before"] == pytest.approx(r["after"] / r["before"]) and r["after/before"] < 1
-        assert r["after/peer"] == pytest.approx(r["after"] / r["peer_us"]) and r["peer"] == "flashmla"
+        assert r["speedup"] == pytest.approx(r["before"] / r["after"]) and r["speedup"] > 1
+        assert r["vs_peer"] == pytest.approx(r["peer_us"] / r["after"]) and r["peer"] == "flashmla"
+
+
+def _front_row(page: str, label: str) -> list[str]:
+    import re
+
+    row = page.split(label, 1)[1].split("</tr>", 1)[0]
+    return re.findall(r"<td class='num'>([^<]*)</td>", row)
+
+
+def test_front_table_reads_as_speedups_in_one_unit_per_row():
+    """Speedups as before / after with an x; one unit per row (the routed experts' loop is 234 ms, its
+    grouped kernels under 10 ms: all in ms); no exponent anywhere."""
+    from k3lab import bench
+
+    recs = bench.load_records(device="nvidia-h200")
+    page = front.front_table(report.REPO, front.Checks())
+    assert "e+0" not in page and "after/before" not in page
+    for opt in front.OPTIMIZATIONS:
+        for r in front.headline_rows(opt, recs):
+            cells = _front_row(page, html.escape(r["label"]))
+            less = " less" if r["unit"] == "bytes" else ""
+            assert cells[2] == front.times(r["before"] / r["after"]) + less
+            units = {c.split()[1] for c in (cells[0], cells[1], cells[5]) if c}
+            assert len(units) == 1, (r["label"], cells)
+    experts = _front_row(page, "routed experts, 64 tokens")
+    assert experts[0].endswith(" ms") and experts[1].endswith(" ms")
+
+
+def test_dcp_row_shows_the_memory_it_frees_and_the_attention_it_keeps():
+    from k3lab.config import K3Config
+
+    page = front.front_table(report.REPO, front.Checks())
+    mem = _front_row(page, "MLA history per GPU")
+    full = K3Config.full()
+    tp8 = full.num_mla_layers * front.CONVERSATION * full.mla_latent_bytes_per_position(1)
+    assert mem[0] == f"{front.plain(tp8 / 1e6)} MB" and mem[0].startswith("1,96")  # 1,963 MB
+    assert mem[1].startswith("24") and mem[2] == "8.00x less"  # 245 MB: one eighth
+    kept = _front_row(page, "local attention kept")
+    assert kept[0].endswith(" us") and kept[1].endswith(" us")  # TP8's and DCP8's local attention
+
+
+def test_whole_step_row_shows_the_steps_before_and_after():
+    from k3lab import bench
+
+    page = front.front_table(report.REPO, front.Checks())
+    step = {r.case: r.median_us for r in bench.load_records(study="decode_step", device="nvidia-h200")
+            if r.case.startswith("b1_32k.all_o")}
+    cells = _front_row(page, "whole step, B = 1, 32K: all off / all on")
+    assert cells[0] == f"{front.plain(step['b1_32k.all_off'] / 1e3)} ms"
+    assert cells[1] == f"{front.plain(step['b1_32k.all_on'] / 1e3)} ms"
+    assert cells[2] == front.times(step["b1_32k.all_off"] / step["b1_32k.all_on"])
 
 
 def test_shown_cases_leave_out_variants_and_keep_graph_timings():
@@ -159,3 +211,30 @@ def test_cpu_section_shows_no_interpreter_timings():
     mine = page.split("On this machine", 1)[1]
     assert INTERPRETER_NOTE in mine and "<table" not in mine
     assert "On the H200" in page and page.count("<table") == 1
+
+
+def test_study_tables_keep_the_sweeps_order_and_write_plain_numbers():
+    """Committed cases in sweep order (ctx1k before ctx32k before ctx128k; not alphabetical), and the
+    128K before (about 2,890 us) as a plain number, not 2.89e+03."""
+    from k3lab import bench
+
+    recs = bench.load_records(study="mla_padding", device="nvidia-h200")
+    shown = tables.shown_cases(tables.in_case_order(recs, "mla_padding"))
+    cases = list(dict.fromkeys(r.case for r in shown))
+    assert cases.index("ctx1k") < cases.index("ctx32k") < cases.index("ctx128k"), cases
+    assert sorted(cases) != cases  # alphabetical would put ctx128k first
+    page = tables.to_html(tables.compact(shown))
+    assert "e+0" not in page and "e-0" not in page
+    before_128k = next(r.median_us for r in shown if r.case == "ctx128k" and r.variant == "before")
+    assert f"<td>{tables.plain(before_128k)}</td>" in page and "," in tables.plain(before_128k)
+
+
+def test_a_study_s_own_list_sets_the_order():
+    from types import SimpleNamespace
+
+    recs = [SimpleNamespace(case=c) for c in ("b", "zz9", "a", "zz10")]
+    known = tables.case_order("launch_overhead")
+    assert known  # the study lists its cases on any machine
+    mixed = [SimpleNamespace(case=c) for c in reversed(known)] + recs
+    out = [r.case for r in tables.in_case_order(mixed, "launch_overhead")]
+    assert out == known + ["a", "b", "zz9", "zz10"]

@@ -228,8 +228,9 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
     page += ["<h2>The optimizations</h2>", front_table(REPO, checks),
              "<p>The H200 columns are the committed records (profiles/nvidia-h200/), whichever form ran "
              "here: a case the quick form leaves to <code>--full</code> is still shown from its record. "
-             "Times per call in microseconds (ms where marked); after/before and after/peer below 1 "
-             "mean the after is faster. Peer: the fastest public implementation timed in the same run. "
+             "Times per call, one unit per row. Speedup: before / after (2.00x: the after takes half the "
+             "time); after vs peer: peer / after (above 1x the after beats the peer). Peer: the fastest "
+             "public implementation timed in the same run. "
              "Floor: the bytes the step must move over the measured copy bandwidth, or its launches.</p>"]
     if nb_rows:
         page.append("<h2>Notebooks</h2><ul>" + "".join(nb_rows) + "</ul>")

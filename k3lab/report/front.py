@@ -5,6 +5,13 @@ title, what it does, its lesson notebook and the studies whose live run checks i
 cases: committed H200 records (profiles/nvidia-h200/<study>/) read at report time. An optimization
 whose notebook is not in the tree is shown as "not built yet", so the table follows the tree without edits
 when a notebook lands.
+
+The table reads as speedups: before / after and peer / after ("13.2x": the after is 13.2 times faster),
+each row's times in one unit (us, or ms where the row's largest is 10 ms or more) as plain numbers. A
+headline may set a case's time against another case's (`after_case`: DCP8's local attention against
+TP8's, the whole step with every optimization on against every one off), and DCP's row adds the memory
+it frees: the MLA history a GPU keeps for a long conversation under TP8 and DCP8 (K3's config and
+`dcp.cache_bytes_per_rank`, which the committed H200 run measured to the byte).
 """
 
 from __future__ import annotations
@@ -21,12 +28,16 @@ HEADLINE_DEVICE = optimizations.RECORDS_DEVICE
 
 @dataclass(frozen=True)
 class Headline:
-    """One committed record set: `study`'s `case` timed in `mode`, shown as `label`."""
+    """One committed record set: `study`'s `case` timed in `mode`, shown as `label`; its before and after
+    variants, or, with `after_case`, this case's time (its before, else its after) against that case's
+    after timed in `after_mode` (default `mode`)."""
 
     study: str
     case: str
     mode: str
     label: str
+    after_case: str = ""
+    after_mode: str = ""
 
 
 @dataclass(frozen=True)
@@ -42,11 +53,15 @@ class Optimization:
     studies: tuple[str, ...] = ()
     headlines: tuple[Headline, ...] = ()
     note: str = ""  # what the H200 columns say where there is no timing to show
+    memory: object = None  # () -> (label, before bytes, after bytes): the memory the optimization frees
 
 
 # the committed cases each optimization's row shows, by the map's entry name
 HEADLINES: dict[str, tuple[Headline, ...]] = {
-    "dcp": (Headline("dcp", "merge_N8_B1", "graph", "merge of 8 partial results, B = 1 (torch / Triton)"),),
+    "dcp": (Headline("dcp", "local_tp8_B1_L131072", "graph",
+                     "local attention kept, B = 1, 128K: TP8 12 heads over all / DCP8 96 heads over 1/8",
+                     after_case="local_dcp8_B1_L131072"),
+            Headline("dcp", "merge_N8_B1", "graph", "merge of 8 partial results, B = 1 (torch / Triton)")),
     "moe_sharding": (
         Headline("moe_sharding", "tail_N8", "graph", "latent MoE tail, 8 tokens (7168 / 896 rows)"),
         Headline("moe_sharding", "experts_N64", "eager",
@@ -67,15 +82,35 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
         Headline("agent_cache", "state_restore_ctx32768", "eager",
                  "restore a request's state, 5 layers at 32K (pageable / pinned)")),
 }
+HEADLINES["decode_step"] = (
+    Headline("decode_step", "b1_32k.all_off", "eager", "whole step, B = 1, 32K: all off / all on (eager)",
+             after_case="b1_32k.all_on"),
+    Headline("decode_step", "b1_32k.all_on", "eager",
+             "whole step, B = 1, 32K, all on: eager / CUDA-graph replay", after_case="b1_32k.all_on.graph",
+             after_mode="graph"))
 # what the H200 columns say for an optimization with no headline timing, by entry name
 NOTES: dict[str, str] = {
     "draft_depth": "host-side arithmetic, no kernel: 3.00 tokens per cycle at 3 drafts, 3.36 at 4",
-    "decode_step": "whole-step times per switch, all four cases from the committed H200 records: notebook "
-                   "08's waterfall",
 }
+# the memory an optimization frees, by entry name: (label, before bytes, after bytes) from a function
+CONVERSATION = 142_000  # tokens: the seed's long agent conversation
+
+
+def dcp_memory() -> tuple[str, float, float]:
+    """The MLA history one GPU keeps for a CONVERSATION-token conversation, FP8, TP8 vs DCP8."""
+    from k3lab.config import K3Config
+    from k3lab.parallel.dcp import cache_bytes_per_rank
+
+    full = K3Config.full()
+    return (f"MLA history per GPU, {CONVERSATION:,}-token conversation, FP8 (TP8 / DCP8)",
+            cache_bytes_per_rank(full, CONVERSATION, 1), cache_bytes_per_rank(full, CONVERSATION, 8))
+
+
+MEMORY = {"dcp": dcp_memory}
 
 OPTIMIZATIONS: tuple[Optimization, ...] = tuple(
-    Optimization(e.title, e.does, e.notebooks[0], e.studies, HEADLINES.get(e.name, ()), NOTES.get(e.name, ""))
+    Optimization(e.title, e.does, e.notebooks[0], e.studies, HEADLINES.get(e.name, ()), NOTES.get(e.name, ""),
+                 MEMORY.get(e.name))
     for e in optimizations.OPTIMIZATIONS)
 
 
@@ -92,35 +127,83 @@ def notebook_for(opt: Optimization, root: Path) -> Path | None:
     return found[0] if found else None
 
 
+def _median(records, study: str, case: str, mode: str, variants: tuple[str, ...]):
+    for v in variants:
+        for r in records:
+            if r.study == study and r.case == case and r.mode == mode and r.variant == v:
+                return r
+    return None
+
+
 def headline_rows(opt: Optimization, records) -> list[dict]:
-    """One dict per headline found in `records` (bench.Record list): label, before, after, peer
-    (name and time), floor in microseconds, after/before and after/peer. Missing headlines are left out."""
+    """One dict per headline found in `records` (bench.Record list): label, mode, before, after, peer
+    (name and time) and floor in microseconds, speedup = before / after and vs_peer = peer / after (> 1:
+    the after is faster); unit 'time'. Then the optimization's memory row, unit 'bytes' (before and after
+    in bytes). Missing headlines are left out."""
     from k3lab import bench
 
     rows = []
     for h in opt.headlines:
-        recs = [r for r in records if r.study == h.study and r.case == h.case and r.mode == h.mode]
-        if not recs:
-            continue
-        row = bench.compare(recs).iloc[0]
-        after = row["after_us"]
-        rows.append({"label": h.label, "before": row["before_us"], "after": after, "peer": row["peer"],
-                     "peer_us": row["peer_us"], "floor": row["floor_us"], "mode": h.mode,
-                     "after/before": after / row["before_us"] if row["before_us"] > 0 else math.nan,
-                     "after/peer": after / row["peer_us"] if row["peer_us"] > 0 else math.nan})
+        if h.after_case:
+            first = _median(records, h.study, h.case, h.mode, ("before", "after"))
+            second = _median(records, h.study, h.after_case, h.after_mode or h.mode, ("after",))
+            if first is None or second is None:
+                continue
+            mode = h.mode if not h.after_mode or h.after_mode == h.mode else f"{h.mode} / {h.after_mode}"
+            floor = second.floor_us if second.floor_us is not None else math.nan
+            row = {"before_us": first.median_us, "after_us": second.median_us, "peer": None,
+                   "peer_us": math.nan, "floor_us": floor}
+        else:
+            recs = [r for r in records if r.study == h.study and r.case == h.case and r.mode == h.mode]
+            if not recs:
+                continue
+            row, mode = bench.compare(recs).iloc[0], h.mode
+        before, after, peer_us = row["before_us"], row["after_us"], row["peer_us"]
+        rows.append({"label": h.label, "before": before, "after": after, "peer": row["peer"],
+                     "peer_us": peer_us, "floor": row["floor_us"], "mode": mode, "unit": "time",
+                     "speedup": before / after if after > 0 else math.nan,
+                     "vs_peer": peer_us / after if after > 0 else math.nan})
+    if opt.memory is not None:
+        label, before, after = opt.memory()
+        rows.append({"label": label, "before": before, "after": after, "peer": None, "peer_us": math.nan,
+                     "floor": math.nan, "mode": "", "unit": "bytes",
+                     "speedup": before / after if after > 0 else math.nan, "vs_peer": math.nan})
     return rows
 
 
-def _us(value: float) -> str:
+def plain(value: float) -> str:
+    """A number as people write it: 1,963 / 42.9 / 4.21 (three figures, never an exponent)."""
     if value is None or not math.isfinite(value):
         return ""
-    if value >= 1e4:
-        return f"{value / 1e3:.3g} ms"
-    return f"{value:.0f} us" if value >= 100 else f"{value:.3g} us"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
 
 
-def _ratio(value: float) -> str:
-    return f"{value:.2f}" if value is not None and math.isfinite(value) else ""
+def times(value: float) -> str:
+    """A speedup: '13.2x' (before / after, or peer / after)."""
+    return f"{plain(value)}x" if value is not None and math.isfinite(value) else ""
+
+
+def row_unit(values) -> tuple[str, float]:
+    """One unit for a row of times in microseconds: ('ms', 1e3) when its largest is 10 ms or more."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return ("ms", 1e3) if finite and max(finite) >= 1e4 else ("us", 1.0)
+
+
+def row_cells(r: dict) -> list[str]:
+    """before, after, speedup, peer, after vs peer, floor: one unit across the row."""
+    if r["unit"] == "bytes":
+        mb = [plain(v / 1e6) + " MB" for v in (r["before"], r["after"])]
+        return [mb[0], mb[1], times(r["speedup"]) + " less", "", "", ""]
+    unit, scale = row_unit((r["before"], r["after"], r["peer_us"], r["floor"]))
+
+    def t(v):
+        text = plain(v / scale) if v is not None else ""
+        return f"{text} {unit}" if text else ""
+
+    peer = f"{t(r['peer_us'])} {r['peer']}" if r["peer"] else ""
+    return [t(r["before"]), t(r["after"]), times(r["speedup"]), peer, times(r["vs_peer"]), t(r["floor"])]
 
 
 def _status(opt: Optimization, nb: Path | None, checks: Checks) -> list[str]:
@@ -138,7 +221,8 @@ def front_table(root: Path, checks: Checks) -> str:
 
     records = bench.load_records(device=HEADLINE_DEVICE, root=root / "profiles")
     head = ("<tr><th>optimization</th><th>what it does</th><th>H200 case</th><th>before</th><th>after</th>"
-            "<th>peer</th><th>floor</th><th>after/before</th><th>after/peer</th>"
+            "<th>speedup (before / after)</th><th>peer</th><th>after vs peer (peer / after)</th>"
+            "<th>floor</th>"
             "<th>checked on this machine</th><th>notebook</th></tr>")
     body = []
     for opt in OPTIMIZATIONS:
@@ -158,10 +242,8 @@ def front_table(root: Path, checks: Checks) -> str:
             body.append(f"<tr>{title}<td colspan='7'><i>{note}</i></td>{tail}</tr>")
             continue
         for i, r in enumerate(rows):
-            peer = html.escape(f"{_us(r['peer_us'])} {r['peer']}") if r["peer"] else ""
-            nums = "".join(f"<td class='num'>{v}</td>" for v in (
-                _us(r["before"]), _us(r["after"]), peer, _us(r["floor"]), _ratio(r["after/before"]),
-                _ratio(r["after/peer"])))
-            case = f"<td>{html.escape(r['label'])} ({r['mode']})</td>"
+            nums = "".join(f"<td class='num'>{html.escape(v)}</td>" for v in row_cells(r))
+            mode = f" ({r['mode']})" if r["mode"] else ""
+            case = f"<td>{html.escape(r['label'] + mode)}</td>"
             body.append(f"<tr>{title if i == 0 else ''}{case}{nums}{tail if i == 0 else ''}</tr>")
     return "<table class='front'>" + head + "".join(body) + "</table>"

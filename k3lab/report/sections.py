@@ -89,8 +89,8 @@ def _figure(records, title: str) -> str:
 def _committed(name: str, root: Path) -> str:
     from k3lab import bench
 
-    records = [r for r in bench.load_records(study=name, device=HEADLINE_DEVICE, root=root / "profiles")]
-    shown = tables.shown_cases(records)
+    records = bench.load_records(study=name, device=HEADLINE_DEVICE, root=root / "profiles")
+    shown = tables.shown_cases(tables.in_case_order(records, name))
     if not shown:
         return "<p>No committed H200 records for this study.</p>"
     first = shown[0]
@@ -112,12 +112,12 @@ def _live(run: LiveRun, gpu: bool) -> str:
         return head + f"<pre class='fail'>FAILED\n{html.escape(run.error)}</pre>"
     if not run.records:
         return head + f"<p>{html.escape(run.status)}</p>"
-    cases = sorted({r.case for r in run.records})
+    cases = list(dict.fromkeys(r.case for r in tables.in_case_order(run.records, run.name)))
     if not gpu and run.name not in HOST_SIDE:
         return head + (f"<p>{INTERPRETER_NOTE} ({len(cases)} cases: "
                        f"{html.escape(', '.join(cases[:tables.MAX_CASES]))}"
                        f"{', ...' if len(cases) > tables.MAX_CASES else ''}).</p>")
-    shown = tables.shown_cases(run.records)
+    shown = tables.shown_cases(tables.in_case_order(run.records, run.name))
     return (head + f"<p>passed, {len(cases)} cases, {run.seconds:.0f} s</p>"
             + tables.to_html(tables.compact(shown))
             + _figure(shown, f"{run.name} on this machine (us, log)"))

@@ -19,7 +19,7 @@ Cases are named h{heads}_b{batch}_t{tokens}, or h{heads}_ragged (cu_seqlens). On
 slice (12 heads) at B = 1, T = 4K / 16K / 64K and B = 8, T = 4K / 16K, and all 96 heads at B = 1,
 T = 4K / 16K. On CPU (Triton's interpreter, fp32, tiny T) the same kernels run at a size a laptop
 finishes in seconds, with the group size forced small so the scan path runs. Tables and the
-committed records' readers: `k3lab.studies.kda_scan_tables` (re-exported here).
+committed records' readers: `k3lab.studies.kda_scan.tables` (re-exported here).
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ from k3lab import env as _env
 from k3lab.nn.kda import kda_chunked
 from k3lab.ops import kda_chunk as kc
 from k3lab.ops.kda_chunk.scan_math import sequential_depth
-from k3lab.studies.kda_scan_tables import (PROLOGUE_PROBE, PROLOGUE_PROBE_STAGES, WALK_BENCH, crossover_table,
-                                           prologue_stages, reference_records, summary_text, sweep_table,
-                                           walk_launches)
+from .tables import (PROLOGUE_PROBE, PROLOGUE_PROBE_STAGES, WALK_BENCH, crossover_table, prologue_stages,
+                     reference_records, summary_text, sweep_table, walk_launches)
 
 NAME = "kda_scan"
 HEAD_DIM = kc.HEAD_DIM
@@ -674,6 +673,3 @@ __all__ = [
     "walk_launches",
 ]
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -151,6 +151,12 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
         kernels=("k3lab.ops.moe_router.triton._topk_kernel", "k3lab.ops.moe_router.triton._sort_kernel",
                  "k3lab.ops.situ_glu._situ_glu_kernel", "k3lab.ops.gemv._gemv_kernel"),
         docs=("docs/decode_step.md",), records=_rec("decode_step")),
+    Entry(
+        "serving", "The serving curve", "the serving curve",
+        "Measured step times to tokens/s/GPU against tokens/s/user on 8 GPUs: capacity, collectives, "
+        "speculation and agent turns, each optimization's share.",
+        "the step model fitted to H200 steps, the Pareto curve per optimization, MI355X projected",
+        ("09_*.ipynb",), studies=("serving",), modules=("k3lab.serving",), records=_rec("serving")),
 )
 
 ENTRIES: tuple[Entry, ...] = (ANATOMY, *OPTIMIZATIONS)

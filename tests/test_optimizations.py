@@ -18,7 +18,7 @@ def test_the_map_agrees_with_the_tree():
 def test_problems_name_renamed_files_unknown_names_and_orphans():
     scan = opt.by_name("kda_scan")
     broken = dataclasses.replace(
-        scan, notebooks=("09_*.ipynb",), studies=("kda_chunk",), switches=("kda_scan",),
+        scan, notebooks=("99_*.ipynb",), studies=("kda_chunk",), switches=("kda_scan",),
         ops=("k3lab.ops.kda_scan",),
         kernels=("kernels/kda_scan.cu", "k3lab.ops.kda_chunk.scan._no_kernel",
                  "k3lab.ops.kda_chunk.scan_math"),
@@ -26,7 +26,7 @@ def test_problems_name_renamed_files_unknown_names_and_orphans():
     entries = tuple(broken if e is scan else e for e in opt.ENTRIES if e.name != "draft_depth")
     found = "\n".join(opt.problems(entries))
     for expected in (
-            "notebook glob '09_*.ipynb' finds nothing", "study 'kda_chunk' is not a key",
+            "notebook glob '99_*.ipynb' finds nothing", "study 'kda_chunk' is not a key",
             "switch 'kda_scan' is not a key", "module 'k3lab.ops.kda_scan' does not import",
             "kernel 'kernels/kda_scan.cu' is not a file",
             "kernel 'k3lab.ops.kda_chunk.scan._no_kernel' does not resolve",

@@ -64,7 +64,8 @@ def facts() -> list[dict]:
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     rows = [{"what": "machine", "here": d.backend, "note": env.describe()},
             {"what": "GPU", "here": "yes" if gpu else "no",
-             "note": "" if gpu else "CPU: every notebook runs at tiny sizes; GPU figures come from committed records"},
+             "note": "" if gpu else ("CPU: every notebook runs at tiny sizes; GPU figures come from "
+                                     "committed records")},
             {"what": "Triton kernels", "here": "interpreter" if interp else "compiled",
              "note": "correct, not fast: CPU timings of kernels mean nothing" if interp else ""}]
     for name, probe in (("FlashMLA", _flashmla), ("AITER", _aiter), ("fla", _fla), ("rocprofv3", _rocprofv3)):

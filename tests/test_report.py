@@ -238,3 +238,76 @@ def test_a_study_s_own_list_sets_the_order():
     mixed = [SimpleNamespace(case=c) for c in reversed(known)] + recs
     out = [r.case for r in tables.in_case_order(mixed, "launch_overhead")]
     assert out == known + ["a", "b", "zz9", "zz10"]
+
+
+def test_exported_pages_load_no_script_from_the_network():
+    """Notebook 06 (53 formulas, a widget explorer, plotly figures) exported as the report exports it: no
+    <script src="http(s)://..."> (require.js, MathJax, widget managers), and the formulas are MathML."""
+    import re
+
+    from k3lab.report.execute import export_html
+
+    nb = nbformat.read(report.REPO / "notebooks" / "06_draft_depth.ipynb", as_version=4)
+    page = export_html(nb)
+    srcs = re.findall(r"<script[^>]*\ssrc=[\"']?([^\"' >]+)", page, flags=re.I)
+    assert srcs and not [s for s in srcs if re.match(r"(https?:)?//", s)], srcs
+    assert not re.search(r"<link[^>]*href=[\"']?(https?:)?//", page)
+    pytest.importorskip("latex2mathml", reason="without latex2mathml the formulas stay as LaTeX text")
+    formulas = sum(len(re.findall(r"\$\$.+?\$\$|\$[^$\n]+\$", c.source, flags=re.S))
+                   for c in nb.cells if c.cell_type == "markdown")
+    assert formulas and page.count("<math") >= formulas
+
+
+def _stock_cell_seconds(path, timeout_s: int) -> tuple[dict, object]:
+    """Execute with stock nbclient, what `jupyter nbconvert --execute` and papermill run (its own Output
+    mimic, echo included); each cell's seconds and the executed notebook."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    began, seconds = {}, {}
+    client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    client.on_cell_execute = lambda cell, cell_index: began.__setitem__(cell_index, time.perf_counter())
+    client.on_cell_executed = lambda cell, cell_index, execute_reply: seconds.__setitem__(
+        cell_index, time.perf_counter() - began[cell_index])
+    client.execute()
+    return seconds, nb
+
+
+def test_notebook_06s_explorer_does_not_stall_under_stock_nbconvert(tmp_path):
+    """The explorer (k3lab.studies.draft_depth.explorer) fills its Output from the kernel, so stock
+    nbclient has nothing to echo and no reply to sit on: each explorer cell after the first (which
+    imports plotly) takes well under a second here; a captured Output waited several seconds a cell."""
+    src = _notebook(tmp_path / "explorer.ipynb", "import k3lab.studies.draft_depth as dd",
+                    *["dd.explorer()"] * 4, "print('done')")
+    seconds, ran = _stock_cell_seconds(src, timeout_s=60)
+    assert max(seconds[i] for i in (2, 3, 4)) < 3, seconds
+    assert "done" in ran.cells[-1].outputs[0]["text"]
+    state = ran.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    drawn = [m["state"]["outputs"] for m in state.values() if m["model_name"] == "OutputModel"]
+    assert len(drawn) == 4 and all("application/vnd.plotly.v1+json" in o[0]["data"] for o in drawn)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("runner", ["nbconvert", "papermill"])
+def test_notebook_06_runs_under_stock_runners(tmp_path, runner):
+    """`jupyter nbconvert --to notebook --execute` (and papermill where it is installed) run notebook 06
+    to the end, each cell within nbconvert's per-cell limit given here."""
+    import subprocess
+    import sys
+
+    src = report.REPO / "notebooks" / "06_draft_depth.ipynb"
+    out = tmp_path / "06.ipynb"
+    if runner == "papermill":
+        pytest.importorskip("papermill", reason="papermill is not installed (optional)")
+        cmd = [sys.executable, "-m", "papermill", str(src), str(out), "--execution-timeout", "300",
+               "--cwd", str(src.parent)]
+    else:
+        cmd = [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", str(src),
+               "--output", str(out), "--ExecutePreprocessor.timeout=300"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1100, cwd=src.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ran = nbformat.read(out, as_version=4)
+    code = [c for c in ran.cells if c.cell_type == "code"]
+    assert all(c.get("execution_count") for c in code)

@@ -14,11 +14,19 @@ explorer cell (interactive_output drawing into an Output) cost the full per-cell
 in four. A headless run has no view to keep in sync with the kernel, so `_HeadlessOutput` keeps the
 mimic (the outputs still land in the saved widget state) and drops the echo; nothing else sends on the
 shell socket while a reply is awaited.
+
+Pages that open offline (a workshop room without a network): the exported .html loads nothing from a
+CDN. nbconvert's page would fetch require.js and MathJax; the first is not needed (plotly.js is the
+report's local copy), and the formulas of the markdown cells are rendered to MathML before the export
+(`math_to_mathml`, with latex2mathml; browsers draw MathML themselves), so every remote script is
+left out (`drop_remote_scripts`). Without latex2mathml the formulas stay as their LaTeX source.
 """
 
 from __future__ import annotations
 
+import html
 import json
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -94,16 +102,61 @@ def add_html_for_plotly(nb) -> int:
     return count
 
 
+_CODE = re.compile(r"(```.*?```|~~~.*?~~~|`[^`\n]*`)", re.S)
+_DISPLAY_MATH = re.compile(r"\$\$(.+?)\$\$", re.S)
+_INLINE_MATH = re.compile(r"(?<![\\$])\$(?![\s$])([^$\n]+?)(?<![\s\\])\$(?!\d)")
+_REMOTE_SCRIPT = re.compile(r"<script[^>]*\ssrc=[\"']?(?:https?:)?//[^>]*>\s*</script>", re.I)
+
+
+def math_to_mathml(markdown: str) -> str:
+    """The $...$ and $$...$$ formulas of a markdown text as MathML (code spans and fences untouched);
+    a formula latex2mathml cannot read stays as its source. Unchanged when latex2mathml is missing."""
+    try:
+        from latex2mathml.converter import convert
+    except ImportError:
+        return markdown
+
+    def render(match, display: str) -> str:
+        try:
+            return convert(match.group(1).strip(), display=display)
+        except Exception:  # noqa: BLE001 - an unreadable formula stays readable as LaTeX
+            return html.escape(match.group(0))
+
+    parts = _CODE.split(markdown)
+    for i in range(0, len(parts), 2):  # the even parts lie outside code
+        text = _DISPLAY_MATH.sub(lambda m: "\n\n" + render(m, "block") + "\n\n", parts[i])
+        parts[i] = _INLINE_MATH.sub(lambda m: render(m, "inline"), text)
+    return "".join(parts)
+
+
+def drop_remote_scripts(page: str) -> str:
+    """page without <script src="http(s)://..."> tags (nbconvert's require.js and MathJax)."""
+    return _REMOTE_SCRIPT.sub("", page)
+
+
+def export_html(nb) -> str:
+    """The notebook as one HTML page that needs no network (module docstring); `nb` is not changed.
+    plotly.js is expected beside the page's folder (../plotly.min.js, the report's copy)."""
+    import copy
+
+    from nbconvert import HTMLExporter
+
+    nb = copy.deepcopy(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = math_to_mathml(cell.source)
+    body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
+    body = drop_remote_scripts(body)
+    return body.replace("<head>", '<head>\n<script src="../plotly.min.js"></script>', 1)
+
+
 def _write_outputs(nb, path: Path, out_dir: Path) -> None:
     import nbformat
-    from nbconvert import HTMLExporter
 
     out_dir.mkdir(parents=True, exist_ok=True)
     add_html_for_plotly(nb)
     nbformat.write(nb, out_dir / path.name)
-    body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
-    body = body.replace("<head>", '<head>\n<script src="../plotly.min.js"></script>', 1)
-    (out_dir / path.with_suffix(".html").name).write_text(body, encoding="utf-8")
+    (out_dir / path.with_suffix(".html").name).write_text(export_html(nb), encoding="utf-8")
 
 
 def execute_notebook(path: Path, out_dir: Path, timeout_s: int = CELL_TIMEOUT_S) -> tuple[Path, float, float]:

@@ -8,6 +8,7 @@
     df = k3lab.profile.read_trace("run_results.db")  # rocprofv3 CSV/JSON/rocpd, rocprof v1, torch
     k3lab.profile.kernel_table(df)
     k3lab.profile.trace_diff(before_df, after_df)  # kernels gone, new, changed; time per category
+    k3lab.profile.capture_diff(before_fn, after_fn)  # capture both here, then the same diff
 
 rocprofv3 (ROCm) runs a workload in a child process: `capture_rocprofv3("study.py")`.
 ncu (NVIDIA) reads hardware counters of one kernel: `ncu_command(...)` + `parse_ncu_csv(...)`.
@@ -27,7 +28,7 @@ from k3lab.profiling.capture import (
     write_chrome_trace,
 )
 from k3lab.profiling.categories import CATEGORIES, categorize
-from k3lab.profiling.diff import TraceDiff, short_name, trace_diff
+from k3lab.profiling.diff import TraceDiff, capture_diff, short_name, trace_diff
 from k3lab.profiling.frame import (
     COLUMNS,
     KINDS,
@@ -51,8 +52,8 @@ from k3lab.profiling.torch_trace import kernels_from_trace
 
 __all__ = [
     "BACKENDS", "CATEGORIES", "COLUMNS", "DEFAULT_NCU_METRICS", "FORMATS", "KINDS", "NOT_RUN_ON_AMD",
-    "TABLE_COLUMNS", "Capture", "NoKernelsRecorded", "TraceDiff", "capture", "capture_rocprofv3",
-    "categorize",
+    "TABLE_COLUMNS", "Capture", "NoKernelsRecorded", "TraceDiff", "capture", "capture_diff",
+    "capture_rocprofv3", "categorize",
     "category_table", "counts", "default_trace_dir", "detect_format", "device_time_us",
     "kernel_table", "kernels_from_trace", "ncu_command", "ncu_metrics", "parse_ncu_csv",
     "read_rocprofv3_dir", "read_stats", "read_trace", "rocprofv3_available", "rocprofv3_command",

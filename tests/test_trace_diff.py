@@ -102,3 +102,23 @@ def test_short_names():
     long = ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, "
             "float, float, float>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float>)")
     assert short_name(long) == "at::native::reduce_kernel<...MeanOps>"
+
+
+def test_capture_diff_profiles_both_callables_here(tmp_path):
+    import torch
+
+    x = torch.randn(64, 64)
+    d = profile.capture_diff(lambda: (x * 2).sum(), lambda: torch.mm(x, x), steps=2, warmup=0,
+                             trace_dir=tmp_path, name="t")
+    assert set(d.paths) == {"before", "after"} and all(Path(p).exists() for p in d.paths.values())
+    assert all(Path(p).parent == tmp_path for p in d.paths.values())
+    gone, new = " ".join(d.names("gone")), " ".join(d.names("new"))
+    if torch.cuda.is_available():
+        assert d.note == "" and len(d.names("new")) >= 1
+    else:  # a CPU trace lists ATen ops, and says so
+        assert "aten::mm" in new and "aten::mul" in gone and "ATen" in d.note and "ATen" in d.summary()
+    assert d.steps == (2, 2)
+    with pytest.raises(ValueError, match="callables"):
+        profile.capture_diff(x, lambda: x)
+    with pytest.raises(ValueError, match="labels"):
+        profile.capture_diff(lambda: x, lambda: x, labels=("a", "a"))

@@ -7,6 +7,8 @@ launches, and the trace files to open in Perfetto.
     d.launches     counts() of each side, per step (launches, copies, bytes, API launches)
     d.summary()    the diff in a few lines; a notebook shows the summary and both tables
 
+    d = capture_diff(before_fn, after_fn, steps=3)  # capture both here, then diff (a notebook's live diff)
+
 Frames are what `read_trace` and `Capture.kernels` return, from any profiler k3lab reads (torch.profiler
 on CUDA, ROCm or CPU, rocprofv3 CSV/JSON/rocpd, rocprof v1). Device work (kernels, copies, memsets) is
 compared where a frame holds any; a CPU trace's top-level ops otherwise.
@@ -21,6 +23,7 @@ already gives.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import re
 from dataclasses import dataclass, field
@@ -57,6 +60,7 @@ class TraceDiff:
     steps: tuple[int, int]
     tolerance: float
     paths: dict = field(default_factory=dict)
+    note: str = ""
 
     def total_us(self, side: str) -> float:
         """Device time per step of one side (`labels[0]` or `labels[1]`)."""
@@ -89,6 +93,8 @@ class TraceDiff:
                              + (" ..." if len(rows) > 4 else ""))
         for side, path in self.paths.items():
             lines.append(f"{side} trace: {path} (open in {PERFETTO})")
+        if self.note:
+            lines.append(self.note)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -194,4 +200,32 @@ def trace_diff(before: pd.DataFrame, after: pd.DataFrame, *, steps: int | tuple[
     return TraceDiff(k, cats, launches, labels, (sa, sb), float(tolerance), paths)
 
 
-__all__ = ["PERFETTO", "STATUSES", "TraceDiff", "device_work", "short_name", "trace_diff"]
+CPU_NOTE = ("captured on a CPU: the rows are ATen ops timed on the host (through Triton's interpreter for a "
+            "Triton kernel), not GPU kernels; the same cell on a GPU lists the device's kernels")
+
+
+def capture_diff(before, after, *, steps: int = 3, warmup: int = 1, name: str = "diff",
+                 labels: tuple[str, str] = ("before", "after"), trace_dir=None,
+                 tolerance: float = 0.05) -> TraceDiff:
+    """Profile `steps` calls of each of the callables `before()` and `after()` (after `warmup` unprofiled
+    calls) with `k3lab.profile.capture`, and diff the two kernel frames; the diff's paths are the two
+    trace files written (under `trace_dir`, default `default_trace_dir()`), named `<name>-<label>-...`.
+    On a CPU the note says the rows are ATen ops, so a reader does not take them for GPU kernels."""
+    from k3lab.profiling.capture import capture
+
+    if not callable(before) or not callable(after):
+        raise ValueError(f"before and after must be callables, got {type(before).__name__} and "
+                         f"{type(after).__name__}")
+    if (not isinstance(labels, tuple) or len(labels) != 2 or not all(isinstance(x, str) and x for x in labels)
+            or labels[0] == labels[1]):
+        raise ValueError(f"labels must be two different non-empty strings, got {labels!r}")
+    caps = {lab: capture(fn, steps=steps, warmup=warmup, trace_dir=trace_dir, name=f"{name}-{lab}")
+            for lab, fn in zip(labels, (before, after))}
+    a, b = (caps[lab] for lab in labels)
+    d = trace_diff(a.kernels, b.kernels, steps=steps, labels=labels, tolerance=tolerance,
+                   paths={lab: c.trace_path for lab, c in caps.items() if c.trace_path is not None})
+    return dataclasses.replace(d, note=CPU_NOTE) if a.device == "cpu" else d
+
+
+__all__ = ["CPU_NOTE", "PERFETTO", "STATUSES", "TraceDiff", "capture_diff", "device_work", "short_name",
+           "trace_diff"]

@@ -147,8 +147,9 @@ GPU_QUICK: dict[str, QuickForm] = {
         ("tail_N8", "experts_N64"), 40,
         "the first page's two cases: the MoE tail at 8 tokens, the routed experts at 64"),
     "serving": QuickForm(
-        ("validation", "curve_h200", "curve_mi355x"), 30,
-        "the model's cases from committed records (host-side); the measured grid is --full's"),
+        ("validation",), 2,
+        "the step model's held-out points from committed records (host-side arithmetic); the curves are "
+        "notebook 09's, the measured grid (7 minutes) --full's"),
 }
 HOST_SIDE = frozenset({"draft_depth", "agent_cache"})
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import warnings
 
 import pytest
 
@@ -115,3 +116,24 @@ def test_a_bad_record_file_is_named_and_skipped(tmp_path, monkeypatch):
     assert [r.median_us for r in got] == [10.0]
     names = " ".join(str(w.message) for w in caught)
     assert "truncated__after.json" in names and "wrong__after.json" in names
+
+
+def test_the_gpu_check_folder_is_not_read_as_records(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    bench.save_records([_record(10.0)], root=tmp_path)
+    check = tmp_path / "nvidia-h200" / "gpu_check"
+    check.mkdir()
+    (check / "tests_abc1234.json").write_text('{"label": "tests", "device": "NVIDIA H200"}')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rec.RecordFileWarning)
+        assert [r.median_us for r in bench.load_records(root=tmp_path)] == [10.0]
+        assert [r.median_us for r in bench.load_records(device="nvidia-h200", root=tmp_path)] == [10.0]
+    (tmp_path / "nvidia-h200" / "s" / "wrong__after.json").write_text('[{"study": "s"}]')  # a study's: named
+    with pytest.warns(rec.RecordFileWarning, match="wrong__after.json"):
+        assert [r.median_us for r in bench.load_records(root=tmp_path)] == [10.0]
+
+
+def test_the_committed_records_load_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rec.RecordFileWarning)
+        assert bench.load_records(device="nvidia-h200")  # gpu_check's reports are passed over quietly

@@ -83,6 +83,10 @@ def _repo_root() -> Path:
 
 # The committed results: found from any working directory (a notebook runs in notebooks/).
 PROFILES = _repo_root() / "profiles"
+# Folders beside the studies' under a device's folder that hold no result records: the GPU check's
+# test reports and report timings (scripts/gpu_check.py, docs/gpu_check.md). Reading every study skips
+# them; a file that does not parse inside a study's folder is still named (load_records).
+NOT_STUDIES = frozenset({"gpu_check"})
 
 
 @functools.lru_cache(maxsize=4)
@@ -286,7 +290,8 @@ def load_records(study: str | None = None, device: str | None = None, root=None)
     """Read records back from <root>/<device-slug>/<study>/*.json. `device` is a slug ('nvidia-h200',
     'cpu') or a device name; None reads every device. Missing folders give an empty list. A file that
     does not parse as records (truncated, hand-edited) is skipped with a RecordFileWarning naming it:
-    one bad file does not hide every other record."""
+    one bad file does not hide every other record. With study=None the folders of NOT_STUDIES are
+    passed over quietly (they hold the GPU check's reports, not records)."""
     base = Path(PROFILES if root is None else root)
     if not base.is_dir():
         return []
@@ -296,7 +301,8 @@ def load_records(study: str | None = None, device: str | None = None, root=None)
         dev_dirs = [p for p in dev_dirs if p.name == slug]
     out: list[Record] = []
     for d in dev_dirs:
-        study_dirs = [d / study] if study else sorted(p for p in d.iterdir() if p.is_dir())
+        study_dirs = ([d / study] if study else
+                      sorted(p for p in d.iterdir() if p.is_dir() and p.name not in NOT_STUDIES))
         for sd in study_dirs:
             for f in sorted(sd.glob("*.json")) if sd.is_dir() else []:
                 try:

@@ -4,9 +4,9 @@
 #   bash scripts/offline_wheels.sh        (on a machine with a network, from the repository root)
 #
 # Downloads into the ignored .whl/ the wheels of what k3lab needs that such an image may lack (the
-# notebook and plotting stack, nbval, pytest-xdist, pytest-timeout, hypothesis, tqdm, fla-core), for
-# CPython 3.12 on x86-64, and FlashMLA's library into .cache/peers/. Packages a GPU image already
-# holds (torch, triton, numpy, pytest and its plugins' base) are left out so they are not shadowed.
+# notebook and plotting stack, latex2mathml, nbval, pytest-xdist, pytest-timeout, hypothesis, tqdm,
+# fla-core), for CPython 3.12 on x86-64, and FlashMLA's library into .cache/peers/. Packages a GPU image
+# already holds (torch, triton, numpy, pytest and its plugins' base) are left out so they are not shadowed.
 # docs/gpu_check.md says how to install them there and run the check.
 set -euo pipefail
 [ -f pyproject.toml ] && grep -q '^name = "k3lab"' pyproject.toml || { echo "run me from the k3lab checkout's root"; exit 2; }
@@ -18,7 +18,7 @@ for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manyli
 done
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 python3 -m pip download -q $plat -d "$tmp" plotly ipywidgets nbval nbclient nbformat nbconvert ipykernel \
-  jupyterlab_widgets widgetsnbextension tqdm pytest-xdist pytest-timeout hypothesis einops
+  jupyterlab_widgets widgetsnbextension tqdm latex2mathml pytest-xdist pytest-timeout hypothesis einops
 python3 -m pip download -q --no-deps $plat -d "$tmp" fla-core==0.6.0
 rm -rf .whl && mkdir .whl
 keep_image='^(pytest|pluggy|iniconfig|coverage|packaging|jinja2|markupsafe|attrs|psutil|pygments|typing_extensions|narwhals|python_dateutil|tzdata|numpy|torch|triton)-'

@@ -3,6 +3,11 @@ tensor-parallel layer needs a collective: every function returns this rank's par
 caller all-reduces (docs/k3.md). Inputs x are [N, hidden] (N = batch x q_len tokens, the
 pre-normed hidden state); caches are updated in place. Every dense projection goes through
 `fp8.linear`: a torch matmul for a plain weight, the FP8 product for an `Fp8Linear` (RankWeights.to_fp8).
+
+What a switch chooses arrives here as a callable, bound once by the step (`DecodeStep._bind`): the KDA
+step (`KDADecodeStep`, or `KDAVerifyStep` for q_len > 1), the gate input's pack policy, the SiTU-GLU
+(`glu_fused` / `glu_plain`), the router (`route_fused` / `route_plain`), the routed experts
+(`experts_grouped` / `experts_loop`) and the MoE tail's op; nothing here compares a switch's name.
 """
 
 from __future__ import annotations
@@ -13,56 +18,60 @@ from k3lab.nn.kda import kda_beta, kda_gate, short_conv
 from k3lab.nn.moe import route
 from k3lab.nn.norms import gated_rms_norm, l2_normalize, rms_norm
 from k3lab.nn.situ import situ_glu
-from k3lab.ops import kda_verify as _kda_verify
-from k3lab.ops import moe_experts, moe_router, packed_matmul
+from k3lab.ops import moe_experts, moe_router
 from k3lab.ops.situ_glu import situ_glu_stacked
 
 from .fp8 import linear, quantize_input
 from .weights import DenseWeights, KDAWeights, MLAWeights, MoEWeights
 
 
-def kda_inputs(w: KDAWeights, x: torch.Tensor, pack: str):
+def kda_inputs(w: KDAWeights, x: torch.Tensor, pack):
     """(q, k, v, gate, beta_raw, g_raw), each [N, width] with a contiguous last dim: one stacked matmul,
-    then f_b through the matmul dispatcher ('after': packs only for the kernel that reads the copy;
-    'before': packs first, and the fallback that runs ignores the copy)."""
+    then f_b through `pack`, the matmul dispatcher's policy (k3lab.ops.packed_matmul.POLICIES: packs
+    only for the kernel that reads the copy, or packs first and lets the fallback ignore it)."""
     q, k, v, gate, b_raw, fa = linear(x, w.w_in).split(w.split, dim=-1)
-    g_raw = packed_matmul.POLICIES[pack](fa, w.f_b)
-    return q, k, v, gate, b_raw, g_raw
+    return q, k, v, gate, b_raw, pack(fa, w.f_b)
 
 
-def kda_decode_partial(w: KDAWeights, x: torch.Tensor, decode_step, pack: str) -> torch.Tensor:
-    """One token per sequence: the KDA decode op (fused, chain or reference, bound to the layer's cache
-    in `decode_step`), then this rank's columns of o_proj. Returns [N, hidden]."""
+def kda_partial(w: KDAWeights, x: torch.Tensor, kda_step, pack) -> torch.Tensor:
+    """The KDA op bound to the layer's cache in `kda_step` (a KDADecodeStep for one token per sequence,
+    a `KDAVerifyStep` for q_len > 1: either takes (q, k, v, g_raw, beta_raw, gate) [N, width]), then this
+    rank's columns of o_proj. Returns [N, hidden]."""
     q, k, v, gate, b_raw, g_raw = kda_inputs(w, x, pack)
-    return linear(decode_step(q, k, v, g_raw, b_raw, gate), w.o_proj)
+    return linear(kda_step(q, k, v, g_raw, b_raw, gate), w.o_proj)
 
 
-def kda_verify_partial(w: KDAWeights, x: torch.Tensor, cache, batch: int, q_len: int, pack: str, impl: str,
-                       states: torch.Tensor) -> torch.Tensor:
-    """q_len > 1 positions per sequence: the short convs (conv states updated), q/k norms and gates in
-    PyTorch, the recurrence by the verification kernel ('after': narrow tiles, 'before': the streaming
-    kernel) keeping every position's state in `states` [B, T, H, 128, 128]; the cache keeps the last
-    one (every draft accepted). Returns [N, hidden]."""
-    H, K = w.heads, w.decode.o_norm.shape[0]
-    B, T = batch, q_len
-    q, k, v, gate, b_raw, g_raw = kda_inputs(w, x, pack)
-    d = w.decode
-    ys = []
-    for t, conv_w, state in ((q, d.conv_q, cache.conv_q), (k, d.conv_k, cache.conv_k),
-                             (v, d.conv_v, cache.conv_v)):
-        y, new_state = short_conv(t.reshape(B, T, -1), conv_w, state)
-        state.copy_(new_state)
-        ys.append(y)
-    qn = l2_normalize(ys[0].view(B, T, H, K))
-    kn = l2_normalize(ys[1].view(B, T, H, K))
-    g = kda_gate(g_raw.view(B, T, -1), d.A_log, d.dt_bias, d.lower_bound).contiguous()
-    beta = kda_beta(b_raw.reshape(B, T, H)).contiguous()
-    verify = _kda_verify.kda_verify if impl == "after" else _kda_verify.kda_verify_before
-    o, _ = verify(qn.contiguous(), kn.contiguous(), ys[2].view(B, T, H, K).contiguous(), g, beta, cache.state,
-                  states_out=states)
-    cache.state.copy_(states[:, -1])
-    o = gated_rms_norm(o.to(x.dtype), gate.reshape(B, T, H, K), d.o_norm, d.eps)
-    return linear(o.reshape(B * T, H * K), w.o_proj)
+class KDAVerifyStep:
+    """One KDA layer's verification step (q_len > 1 positions per sequence) bound to its cache, weights,
+    the verification kernel (`verify`: k3lab.ops.kda_verify.kda_verify, narrow tiles, or
+    kda_verify_before, the streaming kernel) and the step's `states` buffer [B, T, H, 128, 128], as
+    `KDADecodeStep` binds a decode. A call runs the short convs (conv states updated), the q/k norms and
+    gates in PyTorch, the recurrence keeping every position's state in `states`; the cache keeps the
+    last one (every draft accepted). Returns o [N, H*128] in the activations' dtype."""
+
+    def __init__(self, cache, weights, verify, states: torch.Tensor, batch: int, q_len: int):
+        self.cache, self.weights, self.verify, self.states = cache, weights, verify, states
+        self.batch, self.q_len = batch, q_len
+        self.heads, self.head_dim = cache.state.shape[1], weights.o_norm.shape[0]
+
+    def __call__(self, q, k, v, g_raw, beta_raw, gate) -> torch.Tensor:
+        B, T, H, K = self.batch, self.q_len, self.heads, self.head_dim
+        d, cache = self.weights, self.cache
+        ys = []
+        for t, conv_w, state in ((q, d.conv_q, cache.conv_q), (k, d.conv_k, cache.conv_k),
+                                 (v, d.conv_v, cache.conv_v)):
+            y, new_state = short_conv(t.reshape(B, T, -1), conv_w, state)
+            state.copy_(new_state)
+            ys.append(y)
+        qn = l2_normalize(ys[0].view(B, T, H, K))
+        kn = l2_normalize(ys[1].view(B, T, H, K))
+        g = kda_gate(g_raw.view(B, T, -1), d.A_log, d.dt_bias, d.lower_bound).contiguous()
+        beta = kda_beta(beta_raw.reshape(B, T, H)).contiguous()
+        o, _ = self.verify(qn.contiguous(), kn.contiguous(), ys[2].view(B, T, H, K).contiguous(), g, beta,
+                           cache.state, states_out=self.states)
+        cache.state.copy_(self.states[:, -1])
+        o = gated_rms_norm(o.to(q.dtype), gate.reshape(B, T, H, K), d.o_norm, d.eps)
+        return o.reshape(B * T, H * K)
 
 
 def mla_partial(w: MLAWeights, x: torch.Tensor, latent: torch.Tensor, pos: int, q_buf: torch.Tensor, plan,
@@ -88,17 +97,20 @@ def mla_partial(w: MLAWeights, x: torch.Tensor, latent: torch.Tensor, pos: int, 
     return linear(o.reshape(B * T, -1), w.o_proj)
 
 
-def glu(gu: torch.Tensor, glue: str) -> torch.Tensor:
-    """SiTU-GLU of a stacked gate|up product [N, 2F] -> [N, F]: one Triton launch ('triton') or the
-    PyTorch sequence ('torch')."""
-    if glue == "triton":
-        return situ_glu_stacked(gu, backend="triton")
+def glu_fused(gu: torch.Tensor) -> torch.Tensor:
+    """SiTU-GLU of a stacked gate|up product [N, 2F] -> [N, F] in one Triton launch."""
+    return situ_glu_stacked(gu, backend="triton")
+
+
+def glu_plain(gu: torch.Tensor) -> torch.Tensor:
+    """SiTU-GLU of a stacked gate|up product [N, 2F] -> [N, F] as the PyTorch sequence."""
     return situ_glu(*gu.chunk(2, dim=-1))
 
 
-def dense_partial(w: DenseWeights, x: torch.Tensor, glue: str = "torch") -> torch.Tensor:
-    """Layer 0's SiTU-GLU MLP on this rank's share of the intermediate: [N, hidden], a partial sum."""
-    return linear(glu(linear(x, w.gate_up), glue), w.down)
+def dense_partial(w: DenseWeights, x: torch.Tensor, act=glu_plain) -> torch.Tensor:
+    """Layer 0's SiTU-GLU MLP on this rank's share of the intermediate: [N, hidden], a partial sum; `act`
+    is the SiTU-GLU (`glu_fused` or `glu_plain`)."""
+    return linear(act(linear(x, w.gate_up)), w.down)
 
 
 def moe_input(w: MoEWeights, x: torch.Tensor):
@@ -107,45 +119,57 @@ def moe_input(w: MoEWeights, x: torch.Tensor):
     return quantize_input(x, w.down)
 
 
-def fused_routing_fits(tokens: int, top_k: int) -> bool:
-    """Whether the fused router takes `tokens` x `top_k` pairs (k3lab.ops.moe_router.MAX_PAIRS)."""
-    return tokens * top_k <= moe_router.MAX_PAIRS
+def route_fused(logits: torch.Tensor, w: MoEWeights):
+    """(weights, idx, sort): routing and the expert sort in two Triton launches (k3lab.ops.moe_router;
+    the step binds it where the tokens' pairs fit the single-program sort)."""
+    m = moe_experts.default_block_m(logits.shape[0], w.top_k, w.w1.shape[0])
+    return moe_router.route_and_sort(logits, w.gate_bias, w.top_k, scaling=w.scaling,
+                                     renormalize=w.renormalize, block_m=m, backend="triton")
 
 
-def moe_latent_partial(w: MoEWeights, x: torch.Tensor, experts: str, xin=None, glue: str = "torch",
+def route_plain(logits: torch.Tensor, w: MoEWeights):
+    """(weights, idx, None): routing as the PyTorch sequence (k3lab.nn.moe.route); the grouped kernels
+    sort for themselves."""
+    weights, idx, _ = route(logits.float(), w.gate_bias, w.top_k, w.scaling, w.renormalize)
+    return weights, idx, None
+
+
+def experts_grouped(z, weights, idx, w: MoEWeights, sort) -> torch.Tensor:
+    """This rank's share of the chosen experts in two grouped Triton launches (the router's sort reused)."""
+    return moe_experts.routed_experts(z, weights, idx, w.w1, w.w3, w.w2, backend="triton", check_values=False,
+                                      sort=sort)
+
+
+def experts_loop(z, weights, idx, w: MoEWeights, sort=None) -> torch.Tensor:
+    """This rank's share of the chosen experts as the per-expert PyTorch loop (no sort read)."""
+    return moe_experts.routed_experts(z, weights, idx, w.w1, w.w3, w.w2, backend="torch", check_values=False)
+
+
+def moe_latent_partial(w: MoEWeights, x: torch.Tensor, router=route_plain, experts=experts_loop, xin=None,
                        seen: list | None = None) -> torch.Tensor:
     """Router (replicated, on x), down_proj (replicated, on xin: `moe_input(w, x)`, default x) and this
     rank's share of every chosen expert: [N, LAT] fp32, the partial latent that the layer all-reduces.
-    experts: 'triton' (two grouped launches) or 'torch' (the per-expert loop). glue: 'triton' routes
-    and sorts in two launches (k3lab.ops.moe_router, where the pairs fit) or 'torch' (route(), and the
-    grouped kernels sort). seen: a list the chosen experts [N, top_k] are appended to (the bench's
-    count of expert weights read)."""
-    logits = linear(x, w.gate)
-    sort = None
-    if glue == "triton" and fused_routing_fits(x.shape[0], w.top_k):
-        m = moe_experts.default_block_m(x.shape[0], w.top_k, w.w1.shape[0])
-        weights, idx, sort = moe_router.route_and_sort(logits, w.gate_bias, w.top_k, scaling=w.scaling,
-                                                       renormalize=w.renormalize, block_m=m, backend="triton")
-    else:
-        weights, idx, _ = route(logits.float(), w.gate_bias, w.top_k, w.scaling, w.renormalize)
+    router: `route_fused` or `route_plain`; experts: `experts_grouped` or `experts_loop`. seen: a list
+    the chosen experts [N, top_k] are appended to (the bench's count of expert weights read)."""
+    weights, idx, sort = router(linear(x, w.gate), w)
     if seen is not None:
         seen.append(idx)
     z = linear(x if xin is None else xin, w.down)
-    return moe_experts.routed_experts(z, weights, idx, w.w1, w.w3, w.w2, backend=experts, check_values=False,
-                                      sort=sort if experts == "triton" else None)
+    return experts(z, weights, idx, w, sort)
 
 
-def moe_shared_partial(w: MoEWeights, x: torch.Tensor, xin=None, glue: str = "torch") -> torch.Tensor:
-    """This rank's share of the shared expert (row-parallel; gate/up on xin as in moe_latent_partial):
-    [N, hidden] in x's dtype, contiguous."""
+def moe_shared_partial(w: MoEWeights, x: torch.Tensor, xin=None, act=glu_plain) -> torch.Tensor:
+    """This rank's share of the shared expert (row-parallel; gate/up on xin as in moe_latent_partial;
+    `act` the SiTU-GLU): [N, hidden] in x's dtype, contiguous."""
     if w.shared_in is None:
         return torch.zeros_like(x)
-    return linear(glu(linear(x if xin is None else xin, w.shared_in), glue), w.shared_down).contiguous()
+    return linear(act(linear(x if xin is None else xin, w.shared_in)), w.shared_down).contiguous()
 
 
 def moe_tail(w: MoEWeights, lat: torch.Tensor, out: torch.Tensor, sharded: bool,
-             backend: str) -> torch.Tensor:
+             tail=moe_experts.latent_tail) -> torch.Tensor:
     """out[:, cols] += up[cols](RMSNorm(lat)) in place: this rank's rows of up_proj (sharded) or all
-    of them (replicated). Returns out."""
+    of them (replicated), by `tail` (k3lab.ops.moe_experts.latent_tail with its backend bound).
+    Returns out."""
     lo, hi = w.own_rows if sharded else (0, w.up.shape[0])
-    return moe_experts.latent_tail(lat, w.norm, w.eps, w.up[lo:hi], out, lo, backend=backend)
+    return tail(lat, w.norm, w.eps, w.up[lo:hi], out, lo)

@@ -24,12 +24,13 @@ several ranks' steps in lockstep with real sums (the TP check on one device). At
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from k3lab.config import K3Config
 from k3lab.nn import KDACache
-from k3lab.ops import attn_res_norm, kda_decode, mla_decode
+from k3lab.ops import attn_res_norm, kda_decode, kda_verify, mla_decode, moe_experts, packed_matmul
 
 from . import fp8, layers
 from .switches import resolve
@@ -111,14 +112,15 @@ class DecodeStep:
         self.config, self.weights, self.collectives = config, weights, collectives
         self.world_size, self.rank = weights.world_size, weights.rank
         self.device, self.dtype = weights.device, weights.dtype
+        self.tokens = self.batch * self.q_len
         self.resolved = resolve(optimizations, self.device, self.dtype, self.q_len, strict=strict,
-                                projections=projections)
+                                projections=projections, tokens=self.tokens,
+                                top_k=config.num_experts_per_token)
         self.weights, ran, note = fp8.weights_for(weights, self.resolved.projections)
         if ran != self.resolved.projections:
             self.resolved = dataclasses.replace(self.resolved, projections=ran,
                                                 notes=dict(self.resolved.notes, projections=note))
         self.impl = self.resolved.impl
-        self.tokens = self.batch * self.q_len
         self.block_starts = frozenset(config.attn_res_block_starts())
         self._alloc(seed)
         self._bind()
@@ -126,11 +128,6 @@ class DecodeStep:
         self.logits = None
         self.last_collectives: list[tuple[str, int]] = []
         self.routes: list | None = None  # a list: each MoE layer's chosen experts of a run are appended
-        if self.impl["glue_fused"] == "triton" and not layers.fused_routing_fits(self.tokens,
-                                                                                 config.num_experts_per_token):
-            self.resolved.notes["glue_fused"] = (f"{self.tokens} tokens x top-{config.num_experts_per_token} "
-                                                 f"exceed the fused router's pairs: routing runs the PyTorch "
-                                                 f"sequence, SiTU-GLU fused")
 
     @classmethod
     def from_model(cls, model, batch: int, context_len: int, *, tp: int = 1, rank: int = 0,
@@ -164,20 +161,32 @@ class DecodeStep:
                        if T > 1 else None)
 
     def _bind(self) -> None:
-        """Per layer, what a server binds once: the KDA decode steps and the MLA plans (validated here,
-        launched without checks in every step)."""
-        B, T, c = self.batch, self.q_len, self.config
+        """What a server binds once, from the switches settled by `resolve`: one callable per switch, per
+        layer where it holds the layer's state (the KDA steps, decode or verification, and the MLA plans,
+        validated here and launched without checks in every step), else shared by every layer."""
+        B, T, c, impl, backends = self.batch, self.q_len, self.config, self.impl, self.resolved.backends
+        fused_mix = impl["attn_res_fused"] == "after"
+        self.mix_op = attn_res_norm.after if fused_mix else attn_res_norm.before
+        self.mix_folded = fused_mix  # the fused kernel takes the weights' fp32 product, folded at load
+        self.pack = packed_matmul.POLICIES[impl["pack_where_used"]]
+        self.glu = layers.glu_fused if backends["situ_glu"] == "triton" else layers.glu_plain
+        self.router = layers.route_fused if backends["moe_router"] == "triton" else layers.route_plain
+        self.experts = layers.experts_grouped if backends["moe_experts"] == "triton" else layers.experts_loop
+        self.tail = functools.partial(moe_experts.latent_tail, backend=backends["moe_experts"])
+        self.tail_sharded = impl["moe_tail_sharded"] == "sharded"
+        narrow = impl["kda_verify_tiles"] == "after"
+        verify = kda_verify.kda_verify if narrow else kda_verify.kda_verify_before
         self.kda_steps, self.mla_plans, self.q_bufs = {}, {}, {}
-        kda_impl = {"fused": "cuda", "chain": "triton", "reference": "torch"}.get(self.impl["kda_fused"])
         for i, cache in self.kda_caches.items():
             w: KDAWeights = self.weights.layers[i].attn
-            if kda_impl is not None:
-                self.kda_steps[i] = kda_decode.KDADecodeStep(cache, w.decode, backend=kda_impl)
+            self.kda_steps[i] = (kda_decode.KDADecodeStep(cache, w.decode, backend=backends["kda_decode"])
+                                 if T == 1 else
+                                 layers.KDAVerifyStep(cache, w.decode, verify, self.states, B, T))
         H = c.num_attention_heads
         for i, latent in self.latent.items():
             q = torch.zeros(B, T, H, c.mla_latent_dim, device=self.device, dtype=self.dtype)
             scale = c.mla_softmax_scale
-            if self.impl["mla_padded"] == "after":
+            if impl["mla_padded"] == "after":
                 plan = mla_decode.plan_after(q, latent, self.lengths, scale=scale, fold_heads=H
                                              > mla_decode.MMA_ROWS)
             else:
@@ -245,37 +254,30 @@ class DecodeStep:
         return (yield kind, t)
 
     def _mix(self, delta, n_blocks: int, mix, next_norm, push: bool) -> torch.Tensor:
-        fn = attn_res_norm.after if self.impl["attn_res_fused"] == "after" else attn_res_norm.before
-        kw = {"mix_weight": mix.folded} if fn is attn_res_norm.after else {}
-        return fn(self.prefix, delta, self.blocks, n_blocks, mix.res_norm, mix.res_proj, next_norm,
-                  self.config.rms_norm_eps, push_block=push, **kw)
+        kw = {"mix_weight": mix.folded} if self.mix_folded else {}
+        return self.mix_op(self.prefix, delta, self.blocks, n_blocks, mix.res_norm, mix.res_proj, next_norm,
+                           self.config.rms_norm_eps, push_block=push, **kw)
 
     def _attention(self, i: int, w, x: torch.Tensor):
-        pack = self.impl["pack_where_used"]
         if i in self.latent:
             part = layers.mla_partial(w, x, self.latent[i], self.context_len, self.q_bufs[i],
                                       self.mla_plans[i])
-        elif self.q_len == 1:
-            part = layers.kda_decode_partial(w, x, self.kda_steps[i], pack)
         else:
-            part = layers.kda_verify_partial(w, x, self.kda_caches[i], self.batch, self.q_len, pack,
-                                             self.impl["kda_verify_tiles"], self.states)
+            part = layers.kda_partial(w, x, self.kda_steps[i], self.pack)
         return (yield from self._collective("all_reduce", part))
 
     def _mlp(self, w, x: torch.Tensor):
-        glue = self.impl["glue_fused"]
         if not hasattr(w, "gate"):  # the dense layer
-            return (yield from self._collective("all_reduce", layers.dense_partial(w, x, glue)))
-        backend = self.impl["grouped_experts"]
+            return (yield from self._collective("all_reduce", layers.dense_partial(w, x, self.glu)))
         xin = layers.moe_input(w, x)
-        lat = yield from self._collective("all_reduce", layers.moe_latent_partial(w, x, backend, xin, glue,
-                                                                                  self.routes))
-        shared = layers.moe_shared_partial(w, x, xin, glue)
-        if self.impl["moe_tail_sharded"] == "sharded":
-            layers.moe_tail(w, lat, shared, True, backend)
+        lat = yield from self._collective("all_reduce", layers.moe_latent_partial(
+            w, x, self.router, self.experts, xin, self.routes))
+        shared = layers.moe_shared_partial(w, x, xin, self.glu)
+        if self.tail_sharded:
+            layers.moe_tail(w, lat, shared, True, self.tail)
             return (yield from self._collective("all_reduce", shared))
         shared = yield from self._collective("all_reduce", shared)
-        return layers.moe_tail(w, lat, shared, False, backend)
+        return layers.moe_tail(w, lat, shared, False, self.tail)
 
     def _embed(self):
         w = self.weights.embed

@@ -12,10 +12,12 @@
     glue_fused        routing + expert sort in two Triton launches, the PyTorch sequences: ~25 kernels per
                       SiTU-GLU in one                              router, ~12 per SiTU-GLU
 
-`resolve(optimizations, device, dtype, q_len)` turns the caller's choice into `Resolved`: per switch
-whether it is on, the implementation that runs and, where that is not what the switch names (a GPU
-kernel on a CPU, a verification switch at q_len = 1), a note saying what runs instead. strict=True
-turns those notes into a ValueError for switches that were asked for by name.
+`resolve(optimizations, device, dtype, q_len, tokens=, top_k=)` settles every switch once into
+`Resolved`: per switch whether it is on, the implementation that runs (the records' words) and, where
+that is not what the switch names (a GPU kernel on a CPU, a verification switch at q_len = 1, more
+routing pairs than the fused router takes), a note saying what runs instead; and per op the step calls,
+the backend that runs (`Resolved.backends`, k3lab.ops' names), which the step binds once per layer.
+strict=True turns the notes into a ValueError for switches that were asked for by name.
 
 How the dense projections run is not a switch but a choice beside them (`projections=`, 'bf16',
 'gemv' or 'fp8'; `fp8.resolve_projections`): `Resolved.projections` says what runs, and
@@ -24,7 +26,7 @@ How the dense projections run is not a switch but a choice beside them (`project
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,12 +52,15 @@ VERIFY_ONLY = frozenset({"kda_verify_tiles"})
 @dataclass(frozen=True)
 class Resolved:
     """on: switch -> bool (what was asked for); impl: switch -> the implementation that runs;
-    notes: switch -> why the implementation differs from what the switch names (empty when it does not)."""
+    notes: switch -> why the implementation differs from what the switch names (empty when it does not);
+    backends: op -> the k3lab.ops backend that runs it ('kda_decode', 'moe_router', 'situ_glu',
+    'moe_experts'; kda_decode only at q_len = 1)."""
 
     on: dict
     impl: dict
     notes: dict
     projections: str = "bf16"  # what the dense projections run in: the step's dtype, 'fp8' or 'fp8_emulated'
+    backends: dict = field(default_factory=dict)
 
     def describe(self) -> list[str]:
         """One line per switch: name, on/off, what runs, and the note when there is one; then the
@@ -116,6 +121,10 @@ def all_but(name: str) -> dict[str, bool]:
     return {n: n != name for n in SWITCHES}
 
 
+# kda_fused's implementation -> the k3lab.ops.kda_decode backend that runs it
+KDA_DECODE_BACKENDS = {"fused": "cuda", "chain": "triton", "reference": "torch"}
+
+
 def _kda_fused_impl(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
     from k3lab.ops import kda_decode
 
@@ -134,10 +143,11 @@ def _kda_fused_impl(device: torch.device, dtype: torch.dtype) -> tuple[str, str]
 
 
 def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, projections: str = "bf16",
-            ) -> Resolved:
+            tokens: int | None = None, top_k: int | None = None) -> Resolved:
     """What runs for each switch here (see the module docstring). strict: raise ValueError instead of
     running a replacement for a switch that is on and cannot run as named on this device, or for
-    projections='fp8' where FP8 matmul cannot run."""
+    projections='fp8' where FP8 matmul cannot run. tokens, top_k: the step's tokens (batch x q_len) and
+    experts per token, for whether the fused router takes their pairs (None: it is not asked)."""
     check_projections(projections)
     on = parse(optimizations)
     device = torch.device(device)
@@ -196,7 +206,18 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
             )
             if strict:
                 raise ValueError(f"optimizations: glue_fused cannot run here ({why[0]})")
+    backends = {"moe_experts": impl["grouped_experts"], "situ_glu": impl["glue_fused"],
+                "moe_router": impl["glue_fused"]}
+    if impl["kda_fused"] != "n/a":
+        backends["kda_decode"] = KDA_DECODE_BACKENDS[impl["kda_fused"]]
+    if impl["glue_fused"] == "triton" and tokens is not None:
+        from k3lab.ops import moe_router
+
+        if not moe_router.BACKENDS.check("triton", device, tokens, top_k or 1)[0]:
+            backends["moe_router"] = "torch"
+            notes["glue_fused"] = (f"{tokens} tokens x top-{top_k} exceed the fused router's pairs: routing "
+                                   f"runs the PyTorch sequence, SiTU-GLU fused")
     proj, note = resolve_projections(projections, device, dtype, strict=strict)
     if note:
         notes["projections"] = note
-    return Resolved(on, impl, notes, proj)
+    return Resolved(on, impl, notes, proj, backends)

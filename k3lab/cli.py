@@ -69,6 +69,8 @@ def _cmd_bench(args) -> int:
         return 0
     with _pandas_wide():
         print(compact(records).to_string(index=False, na_rep="", float_format=lambda x: f"{x:.3g}"))
+    if hasattr(study, "summary_text"):  # a study's own summary of its records, after the common table
+        print(study.summary_text(records))
     if args.json:  # one file holding every record: what a remote run brings back
         import json
 
@@ -85,7 +87,7 @@ def _cmd_bench(args) -> int:
 
 # `k3lab bench` options that become keywords of a study's run(): (flag, run() keyword)
 RUN_OPTIONS = (("--repeats", "repeats"), ("--distinct-layers", "distinct_layers"),
-               ("--no-profile", "profile"), ("--smoke", "smoke"))
+               ("--no-profile", "profile"), ("--smoke", "smoke"), ("--backend", "backend"))
 
 
 def run_options(study, args) -> dict:
@@ -239,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode_step: weight sets per layer kind rotated through the layers")
     b.add_argument("--no-profile", dest="profile", action="store_const", const=False, default=None,
                    help="skip the profiler passes (studies whose run() takes profile)")
+    b.add_argument("--backend", default=None,
+                   help="force one backend of the study's op for its k3lab variants (studies whose run() "
+                        "takes backend: kda_scan)")
     b.add_argument("--smoke", action="store_const", const=True, default=None,
                    help="tiny sizes, on a CPU too: checks a GPU study's code, times nothing that matters "
                         "(dcp)")

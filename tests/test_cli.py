@@ -63,6 +63,7 @@ def test_bench_prints_a_compact_table_without_empty_columns(tmp_path, capsys):
     assert header.split()[:3] == ["case", "before", "(us)"] and "floor (us)" in header
     assert "nan" not in out.lower()
     assert "peer" not in header  # no peer in this study: its columns are dropped, not shown empty
+    assert "copies of 1792 B per decode step" in out  # the study's summary_text follows the table
     saved = list((tmp_path / "records").rglob("*.json"))
     rec = json.loads(saved[0].read_text())[0]  # one file per (case, variant): a list of timings
     assert rec["study"] == "launch_overhead" and rec["median_us"] > 0
@@ -73,6 +74,10 @@ def test_bench_run_options_reach_run_or_name_the_flag(tmp_path, capsys):
     is exit status 2 naming the flag, before anything runs."""
     assert cli.main(["bench", "launch_overhead", "--out", str(tmp_path), "--distinct-layers", "2"]) == 2
     assert "takes no --distinct-layers option" in capsys.readouterr().err
+    assert cli.main(["bench", "launch_overhead", "--out", str(tmp_path), "--backend", "triton"]) == 2
+    assert "takes no --backend option" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["bench", "kda_scan", "--backend", "triton"])
+    assert cli.run_options(studies.load_study("kda_scan"), args) == {"backend": "triton"}
     seen = {}
     study = type("S", (), {"NAME": "s", "run": staticmethod(lambda preset=None, cases=None, *, repeats=5,
                                                                     profile=True: seen)})

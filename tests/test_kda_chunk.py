@@ -499,6 +499,32 @@ def test_study_prologue_parts_are_named_like_the_committed_ones():
     assert "o" in whole.error and "failed" not in whole.error and whole.extra["backend"] == "triton"
 
 
+def test_study_sweep_case_runs_the_group_size_sweep():
+    """'<case>.sweep' is `group_size_sweep` of that case (what `k3lab bench kda_scan --cases` reaches):
+    one checked record per group size below the chunk count, and the plain walk."""
+    from k3lab.studies import kda_scan as ks
+
+    recs = ks.run(cases=["h1_b1_t300.sweep"])  # 5 chunks: group size 4, then the walk
+    assert [r.case for r in recs] == ["h1_b1_t300.gs4", "h1_b1_t300.walk"]
+    assert [r.extra["group_size"] for r in recs] == [4, None]
+    for r in recs:
+        assert r.variant == "after" and "o" in r.error and "failed" not in r.error
+
+
+def test_study_refuses_bad_names_before_any_input(monkeypatch):
+    """An unknown backend or case name is a ValueError naming it before inputs are made or kernels run."""
+    from k3lab.studies import kda_scan as ks
+
+    def must_not_run(*a, **k):
+        raise AssertionError("inputs were made before the names were checked")
+
+    monkeypatch.setattr(ks, "make_inputs", must_not_run)
+    with pytest.raises(ValueError, match="backend"):
+        ks.run(cases=["h1_b1_t70"], backend="no_such_backend")
+    with pytest.raises(ValueError, match="case"):
+        ks.run(cases=["h1_b1_t70", "h1_b1_t70.swep"])
+
+
 # ---------------------------------------------------------------------------------------------
 # launch choices by device (the device facts are what env.detect() reports; nothing runs)
 

@@ -326,6 +326,26 @@ def test_study_cases_name_the_batches():
         kb.run(cases=["B1_H12"], batches=(1,))
 
 
+def test_study_summary_text_of_the_committed_h200_records():
+    """What `k3lab bench kda_decode` prints after the table: one line per batch and mode, in batch order,
+    each figure read from the records (before / after / fla, floor, ratios, state TB/s)."""
+    from k3lab import bench
+    from k3lab.studies import kda_decode as kb
+
+    recs = bench.load_records(study="kda_decode", device="nvidia-h200")
+    if not recs:
+        pytest.skip("no committed H200 kda_decode records in profiles/")
+    lines = kb.summary_text(recs).splitlines()
+    keys = sorted({(r.case, r.mode) for r in recs}, key=lambda k: (int(k[0][1:].split("_")[0]), k[1]))
+    assert lines[0].split()[:3] == ["case", "mode", "before"] and len(lines) == 1 + len(keys)
+    for line, (case, mode) in zip(lines[1:], keys):
+        by = {r.variant: r for r in recs if r.case == case and r.mode == mode}
+        cols = line.split()
+        assert cols[:2] == [case, mode]
+        assert float(cols[3]) == pytest.approx(by["after"].median_us, abs=0.006)
+        assert float(cols[6]) == pytest.approx(by["before"].median_us / by["after"].median_us, abs=0.006)
+
+
 def test_step_bytes_floor_inputs():
     from k3lab.studies import kda_decode as kb
     sb = kb.step_bytes(128, 12)

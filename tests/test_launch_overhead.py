@@ -120,3 +120,22 @@ def test_summary_of_the_committed_h200_records():
     table = bench.compare(recs).set_index("case")
     assert table.loc["copy_1792B", "mode"] == "before:eager after:graph"
     assert table.loc["copy_1792B", "speedup"] == pytest.approx(copies.loc["copy_1792B", "eager_over_graph"])
+
+
+def test_summary_text_reads_its_figures_from_the_records(records):
+    """What `k3lab bench launch_overhead` prints after the table: the launch costs and the seed's
+    per-step copies as the records carry them (committed H200 records, and this machine's run)."""
+    for recs in (bench.load_records(study="launch_overhead", device="nvidia-h200"), records):
+        if not recs:
+            continue
+        text = lo.summary_text(recs)
+        first = recs[0].extra
+        if first.get("launch_eager_us") is not None:
+            assert text.startswith(f"empty kernel launch: {first['launch_eager_us']:.2f} us eager, "
+                                   f"{first['launch_graph_us']:.2f} us per kernel")
+        else:
+            assert text.startswith("launch cost is not modelled on CPU")
+        seed = next(r for r in recs if r.case == "copy_1792B" and r.variant == "before")
+        assert f"69 copies of 1792 B per decode step: {seed.extra['per_decode_step_us']:.1f} us eager" in text
+        assert f"would take {69 * seed.floor_us:.2f} us" in text
+    assert lo.summary_text([]) == ""

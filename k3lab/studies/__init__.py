@@ -1,7 +1,8 @@
 """Study modules: one per notebook topic, so a notebook, the CLI and the tests run the same code.
 
 Each study module exposes NAME, case_names(preset=None), run(preset=None, cases=None) -> list[Record]
-(checks every variant against the reference first, then times) and profile_targets(preset=None).
+(checks every variant against the reference first, then times) and profile_targets(preset=None); it
+may expose summary_text(records) -> str, which `k3lab bench` prints after its common table.
 `STUDIES` maps each name to its module, in notebook order; `ABOUT` says in one line what each measures;
 `load_study(name)` imports one only when asked, so a study that is slow to import (Triton kernels, fla)
 costs nothing to the others. `GPU_ONLY` studies need a GPU to run at all; `HOST_SIDE` studies time host

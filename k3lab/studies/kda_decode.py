@@ -10,20 +10,17 @@ The peer is what an fla-core user runs for the same step: three `causal_conv1d_u
 per ShortConvolution), `fused_recurrent_kda` with its in-kernel gate, L2 norm and beta sigmoid, and
 `rms_norm_gated` with a sigmoid gate.
 
-Study `kda_decode` (`k3lab bench kda_decode --cases B1_H12 B128_H12 --json F`); the copy_removal
-study (notebook 03) folds these functions in. `python -m k3lab.studies.kda_decode --out DIR
---trace` also writes profiler traces.
+Study `kda_decode` (`k3lab bench kda_decode --cases B1_H12 B128_H12 --json F`; any B{batch}_H12 case
+runs); the copy_removal study (notebook 03) folds these functions in. `k3lab profile kda_decode`
+traces one B = 1 step per variant.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import math
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -252,7 +249,9 @@ def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
     return make_callables(1, HEADS)[0]
 
 
-def table(records: list[bench.Record]) -> str:
+def summary_text(records: list[bench.Record]) -> str:
+    """What `k3lab bench kda_decode` prints after its records: per batch and mode, before / after / fla,
+    the floor, the ratios and the state's achieved TB/s."""
     rows = {}
     for r in records:
         rows.setdefault((r.case, r.mode), {})[r.variant] = r
@@ -266,46 +265,3 @@ def table(records: list[bench.Record]) -> str:
                      f"{v['after'].floor_us:7.2f} {us('before') / a:8.2f} {us('fla') / a:8.2f} "
                      f"{v['after'].extra['state_tbs']:10.2f}")
     return "\n".join(lines)
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="folder for records.json (and traces)")
-    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    ap.add_argument("--repeats", type=int, default=200)
-    ap.add_argument("--trace", action="store_true", help="profiler traces of one B=1 step per variant")
-    args = ap.parse_args(argv)
-    batches = tuple(int(b) for b in args.batches.split(","))
-    print(kd.fused_status()[1], "|", fla_available()[1], flush=True)
-    out = Path(args.out) if args.out else None
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-    records = run(batches=batches, repeats=args.repeats)
-    if out:
-        (out / "records.json").write_text(json.dumps([r.to_dict() for r in records], indent=1))
-    print(table(records), flush=True)
-    if args.trace:
-        trace(out or Path("."))
-
-
-def trace(folder: Path, batch: int = 1, heads: int = HEADS) -> dict:
-    """torch.profiler traces of one step per variant (k3lab.profile.capture); prints and returns
-    the launches and copies per step that each one ran."""
-    from k3lab import profile
-
-    fns, _ = make_callables(batch, heads)
-    counts = {}
-    for variant, fn in fns.items():
-        try:
-            cap = profile.capture(fn, steps=3, warmup=3, trace_path=folder / f"trace_B{batch}_{variant}.json",
-                                  name=f"kda_decode B{batch} {variant}", overwrite=True)
-            counts[variant] = cap.counts()
-            print("trace", variant, json.dumps(counts[variant]), cap.table[["name", "calls", "mean_us"]]
-                  .to_string(index=False).replace("\n", "\n  "), flush=True)
-        except Exception as exc:  # noqa: BLE001 - a trace is extra; the records are already written
-            print("trace", variant, "failed:", type(exc).__name__, str(exc)[:300], flush=True)
-    return counts
-
-
-if __name__ == "__main__":
-    main()

@@ -252,39 +252,24 @@ def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
     return targets
 
 
-def main(argv=None) -> int:
-    """python -m k3lab.studies.launch_overhead [--json PATH] [--cases ...]: run, print the size curve and
-    the launch and timer figures, and (with --json) write every record into one JSON file."""
-    import argparse
-    import json
-    import os
-
-    ap = argparse.ArgumentParser(prog="python -m k3lab.studies.launch_overhead", description=main.__doc__)
-    ap.add_argument("--json", default=None, help="write all records (a list) to this file")
-    ap.add_argument("--cases", nargs="*", default=None)
-    args = ap.parse_args(argv)
-    print(_env.describe())
-    records = run(cases=args.cases)
-    if _gpu():
-        print(f"empty kernel launch: {bench.launch_cost_us('eager'):.2f} us eager, "
-              f"{bench.launch_cost_us('graph'):.2f} us per kernel inside a {GRAPH_COPIES}-kernel graph")
+def summary_text(records: list[bench.Record]) -> str:
+    """What `k3lab bench launch_overhead` prints after its records: the launch costs the records carry
+    (or that a CPU does not model them), the `summary` table, and the seed's per-step copies eager
+    against their bandwidth floor."""
+    mine = [r for r in records if r.study == NAME]
+    if not mine:
+        return ""
+    first = mine[0].extra
+    if first.get("launch_eager_us") is not None:
+        lines = [f"empty kernel launch: {first['launch_eager_us']:.2f} us eager, "
+                 f"{first['launch_graph_us']:.2f} us per kernel inside a {GRAPH_COPIES}-kernel graph"]
     else:
-        print("launch cost is not modelled on CPU: figures below are PyTorch host overhead")
-    df = summary(records)
-    print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    seed = next((r for r in records if r.case == "copy_1792B" and r.variant == "before"), None)
+        lines = ["launch cost is not modelled on CPU: figures below are PyTorch host overhead"]
+    lines.append(summary(mine).to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.4g}"))
+    seed_case = f"copy_{_size_label(SEED_COPY_BYTES)}"
+    seed = next((r for r in mine if r.case == seed_case and r.variant == "before"), None)
     if seed is not None:
-        print(f"{SEED_COPIES_PER_STEP} copies of {SEED_COPY_BYTES} B per decode step: "
-              f"{seed.extra['per_decode_step_us']:.1f} us eager; at the bandwidth floor they would take "
-              f"{SEED_COPIES_PER_STEP * (seed.floor_us or 0):.2f} us")
-    if args.json:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump([r.to_dict() for r in records], f, indent=1, sort_keys=True)
-        os.replace(tmp, args.json)
-        print(f"wrote {len(records)} records to {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        lines.append(f"{SEED_COPIES_PER_STEP} copies of {SEED_COPY_BYTES} B per decode step: "
+                     f"{seed.extra['per_decode_step_us']:.1f} us eager; at the bandwidth floor they would "
+                     f"take {SEED_COPIES_PER_STEP * (seed.floor_us or 0):.2f} us")
+    return "\n".join(lines)

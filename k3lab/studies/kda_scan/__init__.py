@@ -18,8 +18,11 @@ timed, outputs and final state both.
 Cases are named h{heads}_b{batch}_t{tokens}, or h{heads}_ragged (cu_seqlens). On a GPU: the TP8
 slice (12 heads) at B = 1, T = 4K / 16K / 64K and B = 8, T = 4K / 16K, and all 96 heads at B = 1,
 T = 4K / 16K. On CPU (Triton's interpreter, fp32, tiny T) the same kernels run at a size a laptop
-finishes in seconds, with the group size forced small so the scan path runs. Tables and the
-committed records' readers: `k3lab.studies.kda_scan.tables` (re-exported here).
+finishes in seconds, with the group size forced small so the scan path runs. `k3lab bench kda_scan
+--cases ...` runs any of them, the crossover grid (`crossover_cases()`, and 'h12_ragged'),
+'<case>.sweep' (the group-size sweep) and '<case>.parts' (the prologue alone); `--backend` forces one
+`kda_chunk` backend for both k3lab variants. Tables and the committed records' readers:
+`k3lab.studies.kda_scan.tables` (re-exported here).
 """
 
 from __future__ import annotations
@@ -364,18 +367,25 @@ def run(
 ) -> list[bench.Record]:
     """Check every variant against the fp64 reference (raising on failure), then time it. Returns
     records (not saved). `cases`: names from case_names() or crossover_cases() or any h{H}_b{B}_t{T}
-    ('<case>.parts': `prologue_parts` of that case); `variants`: a subset of before / after / fla;
+    ('<case>.parts': `prologue_parts` of that case; '<case>.sweep': `group_size_sweep` of that case);
+    `variants`: a subset of before / after / fla;
     `backend`: a name of `kda_chunk.BACKENDS` for both k3lab variants (None: the dispatcher's choice,
     what the committed records ran). strict=False records a failed check in the record's error
     (error['failed']) and still times it (for exploring, never for committed references). `repeats`:
     timed samples per variant (None: 50, or 20 for the big cases, on a GPU; 2 in the interpreter)."""
     if repeats is not None and (not isinstance(repeats, int) or repeats < 1):
         raise ValueError(f"repeats must be a positive integer or None, got {repeats!r}")
+    kc.BACKENDS.forced(backend)  # a name the table does not know is refused here, before any input
     names = case_names(preset) if cases is None else list(cases)
+    for name in names:  # every name parsed before the first case runs
+        parse_case(name.removesuffix(PARTS_SUFFIX).removesuffix(SWEEP_SUFFIX))
     records = []
     for name in names:
         if name.endswith(PARTS_SUFFIX):
             records += prologue_parts(name[: -len(PARTS_SUFFIX)])
+            continue
+        if name.endswith(SWEEP_SUFFIX):
+            records += group_size_sweep(name[: -len(SWEEP_SUFFIX)], strict=strict, backend=backend)
             continue
         case = parse_case(name)
         inp = make_inputs(case)
@@ -479,6 +489,7 @@ def group_size_sweep(name: str, sizes=None, strict: bool = True, backend: str
 
 
 PARTS_SUFFIX = ".parts"  # run(cases=["h12_b1_t16384.parts"]): the prologue launches of each backend
+SWEEP_SUFFIX = ".sweep"  # run(cases=["h12_b1_t16384.sweep"]): the after at several group sizes
 
 
 def prologue_parts(name: str = "h12_b1_t16384", check_case: str | None = None) -> list[bench.Record]:
@@ -571,82 +582,6 @@ def predict(case_name: str, target: str | None = None, compute_units: int | None
         "steps_after": sequential_depth(n, gs),
         "compute_units": units,
     }
-
-
-def main(argv=None) -> int:
-    """Run the study's grid on this machine and write every record to <out>/records.json (one file, so a
-    remote run returns it whole): the crossover grid and the ragged case (fla beside k3lab while the time
-    budget leaves room for fla's compile and autotuning, about 85 s per head count on the H200), and the
-    group-size sweep. `k3lab bench kda_scan --cases ...` reproduces single cases."""
-    import argparse
-    import json
-    import os
-    import time
-    import traceback
-
-    ap = argparse.ArgumentParser(prog="python -m k3lab.studies.kda_scan")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--budget-s", type=float, default=240.0)
-    ap.add_argument("--phases", default="cases,sweep")
-    ap.add_argument("--sweep-cases", default="h12_b1_t16384")
-    ap.add_argument("--cases", default=None, help="comma list replacing the grid + ragged case")
-    ap.add_argument("--backend", default=None, help="a kda_chunk backend for both k3lab variants")
-    ap.add_argument("--fla-first-s", type=float, default=100.0,
-                    help="time fla only while this much budget is left for a head count it has not compiled")
-    args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    t0 = time.time()
-    records: list[bench.Record] = []
-    print("kda_scan:", _env.describe(), flush=True)
-
-    def left() -> float:
-        return args.budget_s - (time.time() - t0)
-
-    def step(label, fn, need_s=20.0):
-        if left() < need_s:
-            print(f"[skip {label}: {left():.0f} s left]", flush=True)
-            return
-        t = time.time()
-        try:
-            recs = fn()
-            records.extend(recs)
-            for r in recs:
-                print(f"  {r.case:28s} {r.variant:7s} {r.median_us:10.1f} us  gs={r.extra.get('group_size')} "
-                      f" {_error_line(r.error)}", flush=True)
-        except Exception:  # noqa: BLE001 - one failing case must not lose the others' records
-            print(f"[{label} failed]\n" + traceback.format_exc()[-1500:], flush=True)
-        print(f"[{label}: {time.time() - t:.1f} s, {left():.0f} s left]", flush=True)
-        with open(os.path.join(args.out, "records.json"), "w") as f:
-            json.dump([r.to_dict() for r in records], f, indent=1)
-
-    phases = args.phases.split(",")
-    grid = sorted(crossover_cases(),
-                  key=lambda n: (parse_case(n).heads, parse_case(n).batch, n != "h12_b1_t16384"))
-    names = args.cases.split(",") if args.cases else grid + ["h12_ragged"]
-    fla_heads: set = set()
-    for name in names if "cases" in phases else ():
-        case = parse_case(name)
-        key = (case.heads, case.ragged)
-        with_fla = fla_available() and (key in fla_heads or left() > args.fla_first_s)
-        if with_fla:
-            fla_heads.add(key)
-        else:
-            print(f"[{name}: fla left out, {left():.0f} s left]", flush=True)
-        variants = None if with_fla else ("before", "after")
-        step(name, lambda n=name,
-             vs=variants: run(cases=[n], variants=vs, strict=False, backend=args.backend),
-             need_s=15.0)
-    for sw in args.sweep_cases.split(",") if "sweep" in phases else ():
-        step(sw + " sweep", lambda n=sw: group_size_sweep(n, strict=False, backend=args.backend))
-    print(f"kda_scan done: {len(records)} records, {time.time() - t0:.0f} s", flush=True)
-    print(summary_text(records), flush=True)
-    return 0
-
-
-def _error_line(e: dict) -> str:
-    if "failed" in e:
-        return "FAILED " + e["failed"][:120]
-    return f"o {e['o']['rel_l2']:.1e} S {e['state']['rel_l2']:.1e}" if "o" in e else ""
 
 
 __all__ = [

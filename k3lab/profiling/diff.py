@@ -200,8 +200,9 @@ def trace_diff(before: pd.DataFrame, after: pd.DataFrame, *, steps: int | tuple[
     return TraceDiff(k, cats, launches, labels, (sa, sb), float(tolerance), paths)
 
 
-CPU_NOTE = ("captured on a CPU: the rows are ATen ops timed on the host (through Triton's interpreter for a "
-            "Triton kernel), not GPU kernels; the same cell on a GPU lists the device's kernels")
+CPU_NOTE = ("captured on a CPU: the rows are ATen ops timed on the host, not GPU kernels (a Triton kernel "
+            "run by the interpreter shows only the copies of its arguments); on a GPU the same call lists "
+            "the device's kernels")
 
 
 def capture_diff(before, after, *, steps: int = 3, warmup: int = 1, name: str = "diff",

@@ -64,3 +64,24 @@ def test_show_source_elides_past_max_lines_and_refuses_stale_marks():
         lesson.show_source("k3lab.ops.no_such_module.f")
     with pytest.raises(ValueError, match="max_lines"):
         lesson.show_source(merge._merge_kernel, max_lines=0)
+
+
+def test_show_source_span_is_an_excerpt_found_by_text():
+    from k3lab.ops.kda_verify import triton as kv
+
+    full = textwrap.dedent(inspect.getsource(kv.verify_narrow_kernel.fn)).splitlines()
+    src = lesson.show_source(kv.verify_narrow_kernel, span=("qs = ()", "tl.debug_barrier()"),
+                             mark=["tl.static_range(T)"])
+    start = next(i for i, s in enumerate(full) if "qs = ()" in s)
+    stop = next(i for i in range(start, len(full)) if "tl.debug_barrier()" in full[i])
+    assert len(src.lines) == stop - start + 1 == src.total
+    assert src.lines[0] == "qs = ()" and src.lines[-1] == "tl.debug_barrier()"  # dedented
+    line = int(src.where.rsplit(":", 1)[1])
+    assert line == inspect.getsourcelines(kv.verify_narrow_kernel.fn)[1] + start and "excerpt" in src.name
+    assert len(src.marked) == 1
+    with pytest.raises(ValueError, match="span start"):
+        lesson.show_source(kv.verify_narrow_kernel, span=("no such text", "tl.debug_barrier()"))
+    with pytest.raises(ValueError, match="span end"):
+        lesson.show_source(kv.verify_narrow_kernel, span=("tl.debug_barrier()", "no such end"))
+    with pytest.raises(ValueError, match="span must"):
+        lesson.show_source(kv.verify_narrow_kernel, span="qs = ()")

@@ -4,6 +4,7 @@
     ...                                                                 # measure
     reveal(g, measured_mb, why="the state is read and written once")    # guess against measurement
     show_source(merge._merge_kernel, mark=["exp2", "tl.max"])           # the kernel, at most ~60 lines
+    show_source(kernel, span=("# Phase 1", "tl.debug_barrier()"))        # one part of a longer kernel
     prose(f"At batch 1 the step moves {mb:.2f} MB.")                    # a markdown cell rendered from data
 
 Predict, then reveal: a guess must be on record before the answer is shown, or nothing was predicted. The
@@ -215,9 +216,25 @@ class Source:
         return f"<p><code>{html.escape(self.name)}</code> ({html.escape(self.where)})</p>{code}{more}"
 
 
-def show_source(obj, *, mark: tuple[str, ...] | list[str] = (), max_lines: int = MAX_LINES) -> Source:
+def _span(lines: list[str], span, name: str) -> tuple[int, int]:
+    """[first, last) of the lines from the first holding span[0] to the next holding span[1], inclusive."""
+    if (not isinstance(span, tuple) or len(span) != 2 or not all(isinstance(x, str) and x for x in span)):
+        raise ValueError(f"span must be two non-empty strings (first line, last line), got {span!r}")
+    first = next((i for i, s in enumerate(lines) if span[0] in s), None)
+    if first is None:
+        raise ValueError(f"span start {span[0]!r} not found in {name}")
+    last = next((i for i in range(first, len(lines)) if span[1] in lines[i]), None)
+    if last is None:
+        raise ValueError(f"span end {span[1]!r} not found after {span[0]!r} in {name}")
+    return first, last + 1
+
+
+def show_source(obj, *, mark: tuple[str, ...] | list[str] = (), max_lines: int = MAX_LINES,
+                span: tuple[str, str] | None = None) -> Source:
     """The source of `obj` (a function, a Triton kernel, or its dotted import path), at most max_lines
     lines, the lines holding any of the `mark` substrings marked (highlighted in a notebook, '>>' in text).
+    span: (start, end) substrings: show only the excerpt from the first line holding `start` through the
+    next line holding `end` (a long kernel's one phase), found by text so it follows the code as it moves.
     Every mark must occur in the shown lines, so a guided read cannot point at code that moved away."""
     if not isinstance(max_lines, int) or isinstance(max_lines, bool) or max_lines < 1:
         raise ValueError(f"max_lines must be a positive int, got {max_lines!r}")
@@ -228,6 +245,10 @@ def show_source(obj, *, mark: tuple[str, ...] | list[str] = (), max_lines: int =
         lines = textwrap.dedent(inspect.getsource(fn)).rstrip("\n").splitlines()
     except (OSError, TypeError) as exc:
         raise ValueError(f"obj {obj!r}: no Python source to show ({exc})") from None
+    first = 0
+    if span is not None:
+        first, stop = _span(lines, span, fn.__qualname__)
+        lines = textwrap.dedent("\n".join(lines[first:stop])).splitlines()
     shown = lines[:max_lines]
     marked = tuple(i for i, s in enumerate(shown) if any(m in s for m in mark))
     missing = [m for m in mark if not any(m in s for s in shown)]
@@ -237,10 +258,12 @@ def show_source(obj, *, mark: tuple[str, ...] | list[str] = (), max_lines: int =
         path = Path(inspect.getsourcefile(fn)).resolve()
         root = Path(__file__).resolve().parent.parent.parent
         where = str(path.relative_to(root)) if path.is_relative_to(root) else path.name
-        where += f":{inspect.getsourcelines(fn)[1]}"
+        where += f":{inspect.getsourcelines(fn)[1] + first}"
     except (OSError, TypeError):
         where = "defined in this notebook"
     name = f"{fn.__module__}.{fn.__qualname__}" if fn.__module__ != "__main__" else fn.__qualname__
+    if span is not None:
+        name += f", excerpt ({len(lines)} lines)"
     out = Source(name, where, tuple(shown), len(lines), marked)
     return out
 

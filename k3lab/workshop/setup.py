@@ -13,7 +13,6 @@ so a broken install shows up before the workshop's first segment, not in its mid
 
 from __future__ import annotations
 
-import os
 import time
 
 from k3lab import env
@@ -61,7 +60,7 @@ def facts() -> list[dict]:
     """One row per fact: what, here (yes/no or a value), and a note (the reason, or what runs instead)."""
     d = env.detect()
     gpu = d.backend != "cpu"
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = env.triton_interpreted()
     rows = [{"what": "machine", "here": d.backend, "note": env.describe()},
             {"what": "GPU", "here": "yes" if gpu else "no",
              "note": "" if gpu else ("CPU: every notebook runs at tiny sizes; GPU figures come from "

@@ -86,3 +86,13 @@ def test_dcp_reexports_the_merge_and_bad_arguments_are_named():
         merge_partials(torch.zeros(8), torch.zeros(()))
     with pytest.raises(ValueError, match="o_parts.dtype must be floating point"):
         merge_partials(torch.zeros(2, 3, 8, dtype=torch.int32), torch.zeros(2, 3))
+
+
+def test_triton_with_cpu_tensors_and_no_interpreter_is_refused_by_name(monkeypatch):
+    """On a GPU machine (Triton's interpreter off) CPU tensors cannot reach a compiled Triton kernel:
+    a refusal naming the backend and what to do, before any launch."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"backend='triton' got CPU tensors"):
+        merge_partials(torch.randn(2, 3, 8), torch.randn(2, 3), "triton")
+    o, lse = merge_partials(torch.randn(2, 3, 8), torch.randn(2, 3), "torch")  # the torch one still runs
+    assert o.shape == (3, 8) and lse.shape == (3,)

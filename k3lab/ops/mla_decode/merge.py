@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3lab import env
+
 BACKENDS = ("torch", "triton")  # chosen by the caller (DCP's merge_impl), not by k3lab.ops' chooser
 BLOCK_D = 128  # value columns per merge program
 
@@ -47,6 +49,9 @@ def _check(o_parts, lse_parts, backend):
             raise ValueError(f"{name}.dtype must be floating point, got {t.dtype}")
     if lse_parts.device != o_parts.device:
         raise ValueError(f"lse_parts is on {lse_parts.device} but o_parts is on {o_parts.device}")
+    if backend == "triton" and o_parts.device.type == "cpu" and not env.triton_interpreted():
+        raise ValueError("backend='triton' got CPU tensors, and Triton's interpreter is off here (torch sees "
+                         "a GPU): move o_parts and lse_parts to the GPU, or use backend='torch'")
 
 
 def _math_dtype(o_parts, lse_parts) -> torch.dtype:

@@ -1,8 +1,8 @@
 """The map: each optimization of the seed article, and the whole decode step, to every name it goes by.
 
 An optimization changes names on its way through the tree: the KDA prefill is the study `kda_scan`, the op
-package `k3lab.ops.kda_chunk` and the kernels `kda_prologue.cu` / `kda_walk.cu`; the draft depth lives
-in `k3lab.speculative`; copy removal is three switches, three op packages and the study module
+package `k3lab.ops.kda_chunk` and its kernels `kda_chunk_prologue.cu` / `kda_chunk_walk.cu`; the draft depth
+lives in `k3lab.speculative`; copy removal is three switches, three op packages and the study module
 `kda_decode`. One `Entry` per optimization holds them all:
 
     notebooks   globs under notebooks/ ("04_*.ipynb"), the lesson first
@@ -110,7 +110,7 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
         "12 heads padded to 16, the history split across the GPU and merged",
         ("04_*.ipynb", "04b_*.ipynb"), studies=("mla_padding",), switches=("mla_padded",),
         ops=("k3lab.ops.mla_decode",),
-        kernels=("kernels/mla_decode.cu", "kernels/mla_before.cu", "kernels/mla_wgmma.h",
+        kernels=("kernels/mla_decode.cu", "kernels/mla_decode_before.cu", "kernels/mla_decode_wgmma.h",
                  "k3lab.ops.mla_decode.triton._before_kernel", "k3lab.ops.mla_decode.triton._split_kernel",
                  "k3lab.ops.mla_decode.triton._merge_kernel"),
         docs=("docs/mla_padding.md",), records=_rec("mla_padding")),
@@ -121,7 +121,7 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
         "chunk summaries scanned then replayed in parallel; narrow verification tiles",
         ("05_*.ipynb", "05b_*.ipynb"), studies=("kda_scan", "kda_verify", "kda_precision"),
         switches=("kda_verify_tiles",), ops=("k3lab.ops.kda_chunk", "k3lab.ops.kda_verify"),
-        kernels=("kernels/kda_prologue.cu", "kernels/kda_walk.cu", "kernels/kda_verify.cu",
+        kernels=("kernels/kda_chunk_prologue.cu", "kernels/kda_chunk_walk.cu", "kernels/kda_verify.cu",
                  "k3lab.ops.kda_chunk.prologue._a_kernel", "k3lab.ops.kda_chunk.prologue._fixup_kernel",
                  "k3lab.ops.kda_chunk.prologue._inverse_kernel", "k3lab.ops.kda_chunk.prologue._wu_kernel",
                  "k3lab.ops.kda_chunk.walk._summary_kernel", "k3lab.ops.kda_chunk.walk._walk_kernel",

@@ -1,5 +1,5 @@
 // k3lab_mma.h: the NVIDIA tensor-core and async-copy building blocks shared by the hand-written
-// kernels (kda_prologue.cu, kda_walk.cu, mla_decode.cu, mla_before.cu): 16-byte cp.async, ldmatrix,
+// kernels (kda_chunk_prologue.cu, kda_chunk_walk.cu, mla_decode.cu, mla_decode_before.cu): 16-byte cp.async, ldmatrix,
 // bf16 packing, the bf16 m16n8k16 mma.sync, and Hopper's mbarriers and bulk copies. CUDA only (sm_80
 // and later; the bulk copies sm_90); HIP builds of those kernels do not use it.
 #pragma once
@@ -52,7 +52,7 @@ K3_DEVICE void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2
 // Hopper's mbarriers and bulk copies (sm_90; the bodies are empty for older targets, whose kernels
 // never call them): a barrier expecting `bytes` of copies, waiting on its phase, and `bytes` (a
 // multiple of 16, both addresses 16-byte aligned) copied global -> shared by the copy engine,
-// completing on `bar`. Used by mla_decode.cu (and the forms it includes) and mla_before.cu.
+// completing on `bar`. Used by mla_decode.cu (and the forms it includes) and mla_decode_before.cu.
 K3_DEVICE void mbar_init(uint32_t bar, int count) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");

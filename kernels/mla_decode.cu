@@ -1,6 +1,6 @@
 // mla_decode.cu: absorbed MLA decode, split history, for Hopper (seed section 4): the CUDA backend's
 // after (k3lab/ops/mla_decode/cuda.py binds it). Form 'mma' is this file's split kernel; form 'wgmma'
-// (mla_wgmma.h, included below) the same decode on warpgroup MMA, taken where a piece of history
+// (mla_decode_wgmma.h, included below) the same decode on warpgroup MMA, taken where a piece of history
 // holds >= 4 of its 64-row tiles. Both write pieces that `merge_kernel` here combines.
 //
 // What it computes (one decode token per request). For each request b and piece p (positions
@@ -589,7 +589,7 @@ inline int launch_split(const Args& a, int max_shared, cudaStream_t st) {
 }  // namespace k3mla
 
 #include <cudaTypedefs.h>  // CUtensorMap and the driver's tensor-map encoder (form 'wgmma', host side)
-#include "mla_wgmma.h"     // the split kernel on warpgroup MMA (form 'wgmma')
+#include "mla_decode_wgmma.h"     // the split kernel on warpgroup MMA (form 'wgmma')
 
 // Whether this build has the kernel: 1 for a CUDA build that includes sm_90 code (checked at launch
 // against the device: cudaFuncGetAttributes fails for an architecture that was not compiled).
@@ -629,7 +629,7 @@ K3_EXPORT int k3_mla_decode(const k3mla::Args* args, int pdl, int max_shared, vo
   return k3mla::launch_merge(a, pdl, st);
 }
 
-// Form 'wgmma' (kernels/mla_wgmma.h): its tensor maps of a cache's rows and of the queries (each
+// Form 'wgmma' (kernels/mla_decode_wgmma.h): its tensor maps of a cache's rows and of the queries (each
 // written into the caller's 128-byte buffer, once per plan), and one decode step with it (the merge
 // as in k3_mla_decode). Same return codes, and -6: the driver's tensor-map encoder is unavailable,
 // <= -1000: the encoder refused the map.
@@ -647,7 +647,7 @@ K3_EXPORT int k3_mla_wg_qmap(void* map, const void* q, int heads, int tq, int gr
 }
 
 // tokens = 2: blocks of two consecutive requests that are two tokens of one verification group
-// (kernels/mla_wgmma.h, NT = 2; a.B even). 0 or an error code.
+// (kernels/mla_decode_wgmma.h, NT = 2; a.B even). 0 or an error code.
 K3_EXPORT int k3_mla_decode_wg(const k3mla::Args* args, const void* map, const void* qmap, int pdl, int max_shared,
                                int tokens, void* stream) {
   const k3mla::Args& a = *args;

@@ -36,7 +36,7 @@ def test_problems_name_renamed_files_unknown_names_and_orphans():
             "notebook 05_kda_scan.ipynb is in no entry", "notebook 06_draft_depth.ipynb is in no entry",
             "study 'draft_depth' is in no entry", "study 'kda_precision' is in no entry",
             "switch 'kda_verify_tiles' is in no entry", "op module k3lab.ops.kda_chunk is in no entry",
-            "kernels/kda_walk.cu is in no entry",
+            "kernels/kda_chunk_walk.cu is in no entry",
             "Triton kernel k3lab.ops.kda_chunk.walk._walk_kernel is in no entry",
             "docs/draft_depth.md is in no entry", "profiles/nvidia-h200/kda_verify is in no entry"):
         assert expected in found, expected
@@ -78,7 +78,8 @@ def test_the_command_prints_the_table_and_the_map(capsys):
     assert capsys.readouterr().out == opt.readme_table()
     assert opt.main([]) == 0
     out = capsys.readouterr().out
-    assert "kda_scan: KDA chunk scan" in out and "kernels/kda_prologue.cu, kernels/kda_walk.cu" in out
+    assert "kda_scan: KDA chunk scan" in out
+    assert "kernels/kda_chunk_prologue.cu, kernels/kda_chunk_walk.cu" in out
     with pytest.raises(KeyError, match="no optimization 'kda_chunk'; known: anatomy, dcp"):
         opt.by_name("kda_chunk")
 

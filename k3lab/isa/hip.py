@@ -45,9 +45,9 @@ BITCODE_DIRS = ("/usr/lib/x86_64-linux-gnu/amdgcn/bitcode", "/usr/lib/aarch64-li
 STUBS = {
     "mla_decode": "Triton _split_kernel + _merge_kernel (k3lab.ops.mla_decode.triton; AITER's assembly "
                   "decode when forced)",
-    "kda_prologue": "Triton 'rows' prologue _a_kernel, _inverse_kernel, _wu_kernel "
+    "kda_chunk_prologue": "Triton 'rows' prologue _a_kernel, _inverse_kernel, _wu_kernel "
                     "(k3lab.ops.kda_chunk.prologue)",
-    "kda_walk": "Triton _walk_kernel / _summary_kernel (k3lab.ops.kda_chunk.walk)",
+    "kda_chunk_walk": "Triton _walk_kernel / _summary_kernel (k3lab.ops.kda_chunk.walk)",
     "attn_res_norm": "Triton _attn_res_norm_kernel (k3lab.ops.attn_res_norm.triton); the cluster kernel is "
                      "NVIDIA-only",
 }

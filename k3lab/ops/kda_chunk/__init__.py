@@ -24,8 +24,8 @@ raise ValueError before any kernel runs. Precision: `inputs.dot_precisions`.
 
 Backends (`BACKENDS`, k3lab.ops' contract: tried in priority order; `backend=` or K3LAB_KDA_CHUNK_BACKEND
 forces one by name; each provides the parts 'prologue', 'summaries' and 'replay'):
-  'cuda'   kernels/kda_prologue.cu and kda_walk.cu (`cuda`): the prologue in one launch, the summaries
-           and the replay; bf16 on NVIDIA GPUs. The scan and the plain walk stay Triton (why:
+  'cuda'   kernels/kda_chunk_prologue.cu and kda_chunk_walk.cu (`cuda`): the prologue in one launch, the
+           summaries and the replay; bf16 on NVIDIA GPUs. The scan and the plain walk stay Triton (why:
            docs/kda_scan.md).
   'triton' the Triton 'rows' prologue (`prologue`), walks (`walk`) and scan (`scan`): any GPU Triton
            compiles for, and the CPU through Triton's interpreter (fp32 there: its bf16 dots are wrong).

@@ -1,9 +1,9 @@
 """Bindings for the hand-written NVIDIA kernels of KDA prefill (each call packs the arguments and launches
 on the current stream, so it can be captured in a CUDA graph):
 
-* kernels/kda_prologue.cu: the whole chunk prologue in one launch (`prologue`), the same quantities as the
-  Triton 'rows' prologue's three launches;
-* kernels/kda_walk.cu: the group scan's two walking launches, the summaries (`summaries`) and the replay
+* kernels/kda_chunk_prologue.cu: the whole chunk prologue in one launch (`prologue`), the same quantities as
+  the Triton 'rows' prologue's three launches;
+* kernels/kda_chunk_walk.cu: the group scan's two walking launches, the summaries (`summaries`) and the replay
   (`replay`), the same work as the Triton walks with the next chunk's operands copied in while the
   current one is computed.
 
@@ -27,7 +27,7 @@ from k3lab.ops import _build
 from .inputs import MAX_GRID, SAFE_SPREAD, WHILE
 from .plan import KdaPlan, Work
 
-PROLOGUE, WALK = "kda_prologue", "kda_walk"
+PROLOGUE, WALK = "kda_chunk_prologue", "kda_chunk_walk"
 MIN_CAPABILITY = (8, 0)
 _ERRORS = {-3: "needs more shared memory per block than the device allows", -4: "bad sizes",
            -5: "this build has no kernel (HIP or an unsupported target)", -6: "no such form built"}
@@ -38,7 +38,8 @@ _WALK_POINTERS = (*_WORK, "chunk_tok", "chunk_len", "grp_chunk0", "grp_nchunks",
 
 
 class PrologueArgs(ctypes.Structure):
-    """kernels/kda_prologue.cu's k3kp::Args, field by field (its size is checked against the library's)."""
+    """kernels/kda_chunk_prologue.cu's k3kp::Args, field by field (its size is checked against the
+    library's)."""
 
     _fields_ = [
         (name, ctypes.c_void_p) for name in ("q", "k", "v", "g", "beta", "chunk_tok", "chunk_len", *_WORK)
@@ -51,7 +52,7 @@ class PrologueArgs(ctypes.Structure):
 
 
 class WalkArgs(ctypes.Structure):
-    """kernels/kda_walk.cu's k3kw::Args, field by field (its size is checked against the library's)."""
+    """kernels/kda_chunk_walk.cu's k3kw::Args, field by field (its size is checked against the library's)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in _WALK_POINTERS] + [("n_items", ctypes.c_int),
                                                                        ("H", ctypes.c_int)]
@@ -60,16 +61,16 @@ class WalkArgs(ctypes.Structure):
 @functools.cache
 def _prologue_library() -> ctypes.CDLL:
     lib = _build.load(PROLOGUE)
-    lib.k3_kda_prologue.restype = ctypes.c_int
-    lib.k3_kda_prologue.argtypes = [ctypes.POINTER(PrologueArgs), ctypes.c_int, ctypes.c_void_p]
+    lib.k3_kda_chunk_prologue.restype = ctypes.c_int
+    lib.k3_kda_chunk_prologue.argtypes = [ctypes.POINTER(PrologueArgs), ctypes.c_int, ctypes.c_void_p]
     return _build.check_library(lib, PROLOGUE, PrologueArgs)
 
 
 @functools.cache
 def _walk_library() -> ctypes.CDLL:
     lib = _build.load(WALK)
-    lib.k3_kda_walk.restype = ctypes.c_int
-    lib.k3_kda_walk.argtypes = [ctypes.POINTER(WalkArgs), ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    lib.k3_kda_chunk_walk.restype = ctypes.c_int
+    lib.k3_kda_chunk_walk.argtypes = [ctypes.POINTER(WalkArgs), ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                 ctypes.c_void_p]
     return _build.check_library(lib, WALK, WalkArgs)
 
@@ -122,7 +123,7 @@ def prologue(q, k, v, g, beta, plan: KdaPlan, scale: float, work: Work) -> None:
     ptr += [getattr(work, name).data_ptr() for name in _WORK]
     a = PrologueArgs(*ptr, int(plan.n_chunks), int(plan.heads), float(scale), float(SAFE_SPREAD))
     idx = _device_index(q)
-    rc = _prologue_library().k3_kda_prologue(ctypes.byref(a), _build.max_shared_optin(idx),
+    rc = _prologue_library().k3_kda_chunk_prologue(ctypes.byref(a), _build.max_shared_optin(idx),
                                              ctypes.c_void_p(_build.stream_handle(idx)))
     _check(rc, PROLOGUE)
 
@@ -138,7 +139,7 @@ def _walk(ptrs: dict, items: int, heads: int, replay: bool, device: torch.device
     tiles = replay_tiles(items * heads) if replay else 1
     a = WalkArgs(*(ptrs.get(name, 0) for name in _WALK_POINTERS), int(items), int(heads))
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    rc = _walk_library().k3_kda_walk(ctypes.byref(a), int(replay), tiles, _build.max_shared_optin(idx),
+    rc = _walk_library().k3_kda_chunk_walk(ctypes.byref(a), int(replay), tiles, _build.max_shared_optin(idx),
                                      ctypes.c_void_p(_build.stream_handle(idx)))
     _check(rc, WALK)
 

@@ -1,5 +1,5 @@
 """The CUDA backend of the MLA decode: bindings for kernels/mla_decode.cu (the after, split history)
-and kernels/mla_before.cu (the before on CUDA cores). Each binding checks the arguments, sizes the
+and kernels/mla_decode_before.cu (the before on CUDA cores). Each binding checks the arguments, sizes the
 pieces, packs a ctypes Args and launches on the current stream; plans are CUDA-graph capturable.
 
 After (`plan`, one decode token; `plan_verify`, verification groups of 2..8): q [B, 1, H <= 16, 576]
@@ -9,7 +9,7 @@ kernel, both followed by the merge kernel (launched early by programmatic depend
 
 * 'mma': the 16 padded heads as one mma.sync tile of rows; 32-row tiles by bulk copies into a
   5-deep ring; one block per SM, four warps.
-* 'wgmma' (kernels/mla_wgmma.h): both products on Hopper's warpgroup MMA with positions on M
+* 'wgmma' (kernels/mla_decode_wgmma.h): both products on Hopper's warpgroup MMA with positions on M
   (64-row tiles, so no row of the product is padding), tiles and queries as TMA boxes with the
   128-byte swizzle, two 72 KB stages. It needs pages of >= 64 rows that follow each other in memory
   and 16-byte aligned queries (`wgmma_refusal`).
@@ -27,7 +27,7 @@ aligned (`ring_ok`), else direct loads.
 a GPU older than compute capability 9.0, no nvcc, a failed build). The HIP builds are stubs (no
 mma.sync / bulk-copy path on AMD; not yet run on AMD hardware by this project). Figures: docs/mla_padding.md.
 The bindings' argument blocks are checked against the library's Args at load; the GPU tests in
-tests/test_mla_decode_cuda.py and tests/test_mla_before_cuda.py run them.
+tests/test_mla_decode_cuda.py and tests/test_mla_decode_before_cuda.py run them.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from k3lab.ops.mla_decode.inputs import (LATENT_DIM, LOG2E, MAX_Q_LEN, VALUE_DIM
                                          check_num_splits, check_scale, choose_splits, validate)
 
 NAME = "mla_decode"
-BEFORE_NAME = "mla_before"
+BEFORE_NAME = "mla_decode_before"
 MAX_HEADS = 16  # one mma tile of rows
 BLOCK_N = 32  # form 'mma': latent rows per tile (kernels/mla_decode.cu, BN)
 STAGES = 5  # form 'mma': tiles in its ring (5 x 37 KB: one block per SM, ~150 KB of copies in flight)
@@ -55,7 +55,7 @@ WG_MIN_TILES = 4  # form='auto' takes 'wgmma' for pieces of at least this many 6
 FORMS = ("mma", "wgmma")
 MAX_SPLITS = 65535
 VERIFY_Q_LENS = tuple(range(1, MAX_Q_LEN + 1))  # groups plan_after sends here (pages required for q_len > 1)
-BEFORE_WARPS = 16  # kernels/mla_before.cu: warps per block
+BEFORE_WARPS = 16  # kernels/mla_decode_before.cu: warps per block
 _STAGE_BYTES = 8 * (4 * LATENT_DIM * 2 + 16)  # 8 blocks of 4 rows, 16 bytes of padding each
 _XCH_BYTES = 4 * 4 * 32 * 16  # one score-partial exchange buffer
 _ERRORS = {-1: "no such compiled form", -3: "more shared memory than the device allows per block",
@@ -72,7 +72,7 @@ def smem_bytes() -> int:
 def wg_smem_bytes(tokens: int = 1) -> int:
     """Dynamic shared memory of one block of form 'wgmma' with `tokens` tokens per block: 1 KB of
     alignment slack, two 72 KB tiles, Q^T (18 KB per token), P (2 KB per token), the max and sum
-    exchanges (768 bytes per token) and three mbarriers (kernels/mla_wgmma.h, wg_smem_bytes_t)."""
+    exchanges (768 bytes per token) and three mbarriers (kernels/mla_decode_wgmma.h, wg_smem_bytes_t)."""
     return 1024 + WG_STAGES * 9 * 64 * 128 + tokens * (9 * 16 * 128 + 16 * 128 + 3 * 4 * 16
                                                        * 4) + (WG_STAGES + 1) * 8
 
@@ -518,11 +518,12 @@ def after_refusal(q, cache, lengths=None, block_table=None) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# the before on CUDA cores (kernels/mla_before.cu)
+# the before on CUDA cores (kernels/mla_decode_before.cu)
 
 
 class BeforeArgs(ctypes.Structure):
-    """kernels/mla_before.cu's k3mb::Args, field by field (its size is checked against the library's)."""
+    """kernels/mla_decode_before.cu's k3mb::Args, field by field (its size is checked against the
+    library's)."""
 
     _fields_ = (
         [
@@ -556,9 +557,9 @@ class BeforeArgs(ctypes.Structure):
 
 def bind_before(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the before launcher's signature and check the Args layout; returns lib."""
-    lib.k3_mla_before.restype = ctypes.c_int
-    lib.k3_mla_before.argtypes = [ctypes.POINTER(BeforeArgs), ctypes.c_void_p]
-    lib.k3_mla_before_has_ring.restype = ctypes.c_int
+    lib.k3_mla_decode_before.restype = ctypes.c_int
+    lib.k3_mla_decode_before.argtypes = [ctypes.POINTER(BeforeArgs), ctypes.c_void_p]
+    lib.k3_mla_decode_before_has_ring.restype = ctypes.c_int
     return _build.check_library(lib, BEFORE_NAME, BeforeArgs, supported=False)
 
 
@@ -590,7 +591,7 @@ def ring_ok(cache) -> bool:
     """Whether the ring kernel can bring this cache's rows in: a CUDA build, rows dense (576 elements
     apart) and every page or request starting on a 16-byte boundary (what bulk copies need). Else
     the direct kernel loads them, whatever their layout."""
-    return (bool(_before_library().k3_mla_before_has_ring()) and cache.stride(-2) == LATENT_DIM
+    return (bool(_before_library().k3_mla_decode_before_has_ring()) and cache.stride(-2) == LATENT_DIM
             and cache.stride(0) % 8 == 0 and cache.data_ptr() % 16 == 0)
 
 
@@ -628,7 +629,7 @@ class BeforePlan:
                 "rows_via": self.rows_via, "num_splits": 1, "launches": 1}
 
     def __call__(self):
-        rc = _before_library().k3_mla_before(ctypes.byref(self._args),
+        rc = _before_library().k3_mla_decode_before(ctypes.byref(self._args),
                                              ctypes.c_void_p(_build.stream_handle(self._device)))
         if rc != 0:
             raise RuntimeError(f"{BEFORE_NAME}.cu refused the launch ({rc})")

@@ -1,4 +1,4 @@
-"""The CUDA backend's before on CUDA cores (kernels/mla_before.cu via k3lab.ops.mla_decode.cuda):
+"""The CUDA backend's before on CUDA cores (kernels/mla_decode_before.cu via k3lab.ops.mla_decode.cuda):
 refusals by name everywhere; the sm_90a build (no spills, the ctypes Args layout checked against the
 compiled library, which loads without a GPU) where nvcc is present; on a GPU, outputs and lse against
 the fp32 reference for contiguous and paged caches, ragged lengths with NaN past them, and
@@ -58,7 +58,8 @@ def test_sm90a_build_has_no_spills_and_matches_the_python_layout(tmp_path):
     spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", report)]
     assert spills and all(s == 0 for s in spills), report[-2000:]
     lib = mc.bind_before(ctypes.CDLL(str(lib_path)))
-    assert lib.k3_mla_before_args_size() == ctypes.sizeof(mc.BeforeArgs) and lib.k3_mla_before_has_ring() == 1
+    assert lib.k3_mla_decode_before_args_size() == ctypes.sizeof(mc.BeforeArgs)
+    assert lib.k3_mla_decode_before_has_ring() == 1
 
 
 def _runs() -> bool:

@@ -1,4 +1,4 @@
-// mla_before.cu: the conservative MLA decode ("before", seed section 4) as a CUDA-core kernel, the CUDA
+// mla_decode_before.cu: the conservative MLA decode ("before", seed section 4) as a CUDA-core kernel, the CUDA
 // backend's before (k3lab/ops/mla_decode/cuda.py binds it): one block per query row (request x
 // verify token x head) walking the row's whole history, no matrix units, no padding. The policy is
 // the Triton backend's `_before_kernel`; this form of it exists so that the before / after ratios
@@ -244,10 +244,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) ring_kernel(const Args a) {
 
 }  // namespace k3mb
 
-K3_EXPORT int k3_mla_before_args_size() { return (int)sizeof(k3mb::Args); }
+K3_EXPORT int k3_mla_decode_before_args_size() { return (int)sizeof(k3mb::Args); }
 
-// 1 when k3_mla_before takes the ring kernel for arguments with Args::ring set (CUDA builds), else 0.
-K3_EXPORT int k3_mla_before_has_ring() {
+// 1 when k3_mla_decode_before takes the ring kernel for arguments with Args::ring set (CUDA builds), else 0.
+K3_EXPORT int k3_mla_decode_before_has_ring() {
 #if defined(K3_CUDA)
   return 1;
 #else
@@ -257,7 +257,7 @@ K3_EXPORT int k3_mla_before_has_ring() {
 
 // One block per (head, verify token, request): the ring kernel when a.ring is set (CUDA), else the
 // direct one. 0, -4 for bad sizes, or the runtime's error code.
-K3_EXPORT int k3_mla_before(const k3mb::Args* args, void* stream) {
+K3_EXPORT int k3_mla_decode_before(const k3mb::Args* args, void* stream) {
   const k3mb::Args& a = *args;
   if (a.B < 1 || a.B > 65535 || a.T < 1 || a.T > 65535 || a.H < 1 || a.H > 65535 ||
       (a.block_table != nullptr && (a.page_shift < 0 || a.page_shift > 30)))

@@ -1,6 +1,6 @@
-"""kernels/kda_walk.cu (the 'cuda' backend's summaries and replay in k3lab.ops.kda_chunk) against the Triton
-walks on the same prologue outputs, end to end against fp64, graph replay, and how the backend is chosen
-or refused. GPU-only tests skip with the reason the kernels cannot run here."""
+"""kernels/kda_chunk_walk.cu (the 'cuda' backend's summaries and replay in k3lab.ops.kda_chunk) against the
+Triton walks on the same prologue outputs, end to end against fp64, graph replay, and how the backend is
+chosen or refused. GPU-only tests skip with the reason the kernels cannot run here."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""kernels/kda_prologue.cu (the 'cuda' backend's prologue of k3lab.ops.kda_chunk) against the PyTorch
+"""kernels/kda_chunk_prologue.cu (the 'cuda' backend's prologue of k3lab.ops.kda_chunk) against the PyTorch
 algebra in fp64 and against the Triton prologue, end to end through both variants, and its refusals.
 GPU-only tests skip with the reason the kernels cannot run here."""
 

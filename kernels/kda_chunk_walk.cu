@@ -1,4 +1,4 @@
-// kda_walk.cu: the walking launches of KDA prefill's group scan (seed section 5), for NVIDIA GPUs:
+// kda_chunk_walk.cu: the walking launches of KDA prefill's group scan (seed section 5), for NVIDIA GPUs:
 // the summaries and the replay (k3lab.ops.kda_chunk.cuda; the scan between them stays Triton).
 //
 // What: both walk a group's chunks in order, carrying a 128 x 64 fp32 tile X of a state-like matrix:
@@ -366,14 +366,14 @@ int launch(const Args& a, int max_shared, cudaStream_t stream) {
 
 }  // namespace k3kw
 
-K3_EXPORT int k3_kda_walk_supported() { return 1; }
-K3_EXPORT int k3_kda_walk_args_size() { return (int)sizeof(k3kw::Args); }
+K3_EXPORT int k3_kda_chunk_walk_supported() { return 1; }
+K3_EXPORT int k3_kda_chunk_walk_args_size() { return (int)sizeof(k3kw::Args); }
 
 // One launch: the replay (`tiles` = 1: grid 2 x H x groups, one 64-column half of the state per block;
 // 2: grid 1 x H x groups, both halves) or the summaries (tiles = 1: grid 4 x H x summary slots).
 // Returns 0, -3 (more shared memory than max_shared), -4 (bad sizes), -6 (a form not built) or the
 // CUDA runtime's error.
-K3_EXPORT int k3_kda_walk(const k3kw::Args* args, int replay, int tiles, int max_shared, void* stream) {
+K3_EXPORT int k3_kda_chunk_walk(const k3kw::Args* args, int replay, int tiles, int max_shared, void* stream) {
   const k3kw::Args& a = *args;
   if (a.n_items < 1 || a.H < 1 || a.H > 65535 || a.n_items > 65535) return -4;
   const cudaStream_t st = (cudaStream_t)stream;
@@ -388,8 +388,8 @@ K3_EXPORT int k3_kda_walk(const k3kw::Args* args, int replay, int tiles, int max
 
 #else  // HIP: no cp.async / mma.sync path; the launcher says so
 
-K3_EXPORT int k3_kda_walk_supported() { return 0; }
-K3_EXPORT int k3_kda_walk_args_size() { return (int)sizeof(k3kw::Args); }
-K3_EXPORT int k3_kda_walk(const k3kw::Args*, int, int, int, void*) { return K3_KW_UNSUPPORTED; }
+K3_EXPORT int k3_kda_chunk_walk_supported() { return 0; }
+K3_EXPORT int k3_kda_chunk_walk_args_size() { return (int)sizeof(k3kw::Args); }
+K3_EXPORT int k3_kda_chunk_walk(const k3kw::Args*, int, int, int, void*) { return K3_KW_UNSUPPORTED; }
 
 #endif

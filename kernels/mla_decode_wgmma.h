@@ -1,4 +1,4 @@
-// mla_wgmma.h: form 'wgmma' of the MLA decode's split kernel, on Hopper's warpgroup matrix units.
+// mla_decode_wgmma.h: form 'wgmma' of the MLA decode's split kernel, on Hopper's warpgroup matrix units.
 // Included by mla_decode.cu in its CUDA build only (it uses that file's Args, mbarrier helpers and
 // partial layout; the merge kernel there merges its pieces unchanged).
 //

@@ -1,4 +1,4 @@
-// kda_prologue.cu: the chunk prologue of KDA prefill (seed section 5) in one launch, for NVIDIA GPUs.
+// kda_chunk_prologue.cu: the chunk prologue of KDA prefill (seed section 5) in one launch, for NVIDIA GPUs.
 //
 // What: per (chunk of 64 tokens, head), from q, k, v (bf16), g (fp32 log-decay) and beta, what the walks
 // read (k3lab.ops.kda_chunk.scan_math.ChunkQuantities, in kda_chunk.Work's layout): Qg = scale q e^G,
@@ -549,12 +549,12 @@ __global__ void __launch_bounds__(THREADS, 2) prologue_kernel(const Args a) {
 
 }  // namespace k3kp
 
-K3_EXPORT int k3_kda_prologue_supported() { return 1; }
-K3_EXPORT int k3_kda_prologue_args_size() { return (int)sizeof(k3kp::Args); }
+K3_EXPORT int k3_kda_chunk_prologue_supported() { return 1; }
+K3_EXPORT int k3_kda_chunk_prologue_args_size() { return (int)sizeof(k3kp::Args); }
 
 // One launch, grid (n_chunks, H). Returns 0, -3 (more shared memory than max_shared), -4 (bad sizes)
 // or the CUDA runtime's error code.
-K3_EXPORT int k3_kda_prologue(const k3kp::Args* args, int max_shared, void* stream) {
+K3_EXPORT int k3_kda_chunk_prologue(const k3kp::Args* args, int max_shared, void* stream) {
   const k3kp::Args& a = *args;
   if (a.n_chunks < 1 || a.H < 1 || a.H > 65535) return -4;
   if (k3kp::SMEM_BYTES > max_shared) return -3;
@@ -571,8 +571,8 @@ K3_EXPORT int k3_kda_prologue(const k3kp::Args* args, int max_shared, void* stre
 
 #else  // HIP: no cp.async / tf32 mma path; the launcher says so
 
-K3_EXPORT int k3_kda_prologue_supported() { return 0; }
-K3_EXPORT int k3_kda_prologue_args_size() { return (int)sizeof(k3kp::Args); }
-K3_EXPORT int k3_kda_prologue(const k3kp::Args*, int, void*) { return K3_KP_UNSUPPORTED; }
+K3_EXPORT int k3_kda_chunk_prologue_supported() { return 0; }
+K3_EXPORT int k3_kda_chunk_prologue_args_size() { return (int)sizeof(k3kp::Args); }
+K3_EXPORT int k3_kda_chunk_prologue(const k3kp::Args*, int, void*) { return K3_KP_UNSUPPORTED; }
 
 #endif

@@ -126,7 +126,8 @@ def test_cuda_backend_refuses_what_it_cannot_take():
         kc.kda_chunk_prologue(q.float(), k.float(), v.float(), g, beta, plan, 0.1, backend="cuda")
     assert kc.BACKENDS.choose(None, q.float(), k.float(), v.float(), g, beta, plan)[0] == "triton"
     unaligned = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape).copy_(q)
-    assert "16-byte aligned" in kcu.supports(unaligned, k, v, g, beta, plan)
+    ok, why = kcu.verify(unaligned, k, v, g, beta, plan)
+    assert not ok and "16-byte aligned" in why
     assert kc.BACKENDS.choose(None, unaligned, k, v, g, beta, plan)[0] == "triton"
 
 

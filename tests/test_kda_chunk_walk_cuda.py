@@ -133,15 +133,17 @@ def test_cuda_backend_off_the_gpu_says_why():
             kc.kda_chunk_before(q, k, v, g, beta, backend="cuda")
 
 
-def test_supports_names_what_it_does_not_take():
+def test_verify_names_what_it_does_not_take():
     q, k, v, g, beta = _cpu_inputs()
     plan = kc.make_plan([200], 1)
-    assert "CUDA device" in kcu.supports(q, k, v, g, beta, plan)
+    ok, why = kcu.verify(q, k, v, g, beta, plan)
+    assert not ok and "CUDA device" in why
     if HAVE_GPU:
         qc, kc_, vc, gc, bc = (t.cuda() for t in (q, k, v, g, beta))
         plan = kc.make_plan([200], 1, device="cuda")
-        assert "bf16" in kcu.supports(qc.float(), kc_, vc, gc, bc, plan)
-        assert kcu.supports(qc, kc_, vc, gc, bc, plan) is None
+        ok, why = kcu.verify(qc.float(), kc_, vc, gc, bc, plan)
+        assert not ok and "bf16" in why
+        assert kcu.verify(qc, kc_, vc, gc, bc, plan) == (True, "")
 
 
 def test_committed_walk_bench_reads_back(tmp_path):

@@ -72,3 +72,40 @@ def test_front_is_pareto():
     fr = curve.front(pts)
     assert [(p["tokens_per_s_user"], p["tokens_per_s_gpu"]) for p in fr] == [(10, 100), (20, 50)]
     assert curve.at_interactivity(fr, 15) == 50 and curve.at_interactivity(fr, 30) == 0
+
+
+def test_every_variant_predicts_its_held_out_steps_within_ten_percent(inp):
+    rows = stepmodel.validation(inp.fits)
+    assert {r["variant"] for r in rows} >= {"all_on", "base"} | {f"no_{s}" for s in node.SWITCH_ORDER}
+    worst = max(rows, key=lambda r: abs(r["rel_err"]))
+    assert abs(worst["rel_err"]) <= 0.10, worst
+
+
+def test_the_committed_validation_records_are_the_models_current_predictions(inp):
+    from k3lab.studies.serving import validation_records
+
+    saved = {r.case: r for r in bench.load_records("serving", device="nvidia-h200")
+             if r.case.startswith("validate.")}
+    now = validation_records(inp)
+    assert saved and {r.case for r in now} == set(saved)
+    for r in now:
+        s = saved[r.case]
+        assert s.median_us == pytest.approx(r.median_us, rel=1e-9)
+        assert s.extra["rel_err"] == pytest.approx(r.extra["rel_err"], abs=1e-6)
+        assert s.extra["rel_err"] == pytest.approx(s.extra["predicted_us"] / s.median_us - 1, abs=1e-9)
+        assert s.device == "NVIDIA H200" and s.versions.get("cuda")  # the measured step's, not this machine's
+
+
+def test_the_routing_pool_inverts_the_distinct_expert_count():
+    for tokens, pool in ((2, 40.0), (64, 296.0), (128, 896.0)):
+        read = stepmodel.distinct_experts(tokens, pool, 16)
+        assert stepmodel.routing_pool(read, tokens, 16, 896) == pytest.approx(pool, rel=1e-6)
+    assert stepmodel.distinct_experts(1, 896, 16) == pytest.approx(16)
+    with pytest.raises(ValueError, match="read_per_layer"):
+        stepmodel.routing_pool(900, 64, 16, 896)  # more than uniform routing over all experts can read
+
+
+def test_waves_of_a_one_program_per_token_and_head_kernel():
+    assert [stepmodel.waves(b, 12, 132) for b in (1, 8, 11, 12, 16, 32, 64, 128)] == [1, 1, 1, 2, 2, 3, 6, 12]
+    with pytest.raises(ValueError, match="units"):
+        stepmodel.waves(1, 12, 0)

@@ -175,7 +175,7 @@ def evaluate(
         return None
     terms = cycle_us(inp, rung, g, dcp, depth, C, C * ctx)
     t = sum(terms.values())
-    hist = sum(v for k, v in terms.items() if k in ("history", "history_per_sequence", "off: mla_padded"))
+    hist = sum(v for k, v in terms.items() if k in ("history", "history_waves", "off: mla_padded"))
     rng = np.random.default_rng(seed)
     p = work.out_tokens / work.out_tokens.sum()
     sums = rng.choice(work.in_tokens, size=(draws, C), p=p).sum(axis=1) + C * work.mean_out / 2

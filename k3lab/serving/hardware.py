@@ -24,7 +24,8 @@ class Link:
 @dataclass(frozen=True)
 class GPU:
     """One GPU kind: memory (GB), peak and usable copy bandwidth (TB/s), dense bf16 matrix rate (TFLOP/s),
-    its node's link, the seed's cost per GPU-hour (None where the seed gives none), and sources."""
+    its node's link, the seed's cost per GPU-hour (None where the seed gives none), sources, and its
+    compute units (SMs / CUs: the waves of a one-program-per-(token, head) kernel, stepmodel.waves)."""
 
     key: str
     name: str
@@ -35,6 +36,7 @@ class GPU:
     link: Link
     usd_per_hour: float | None
     source: str
+    compute_units: int
 
 
 # One small all-reduce or all-to-all per call inside a CUDA/HIP graph: anchors.md gives 7-25 us per
@@ -68,7 +70,8 @@ GPUS: dict[str, GPU] = {
         NVLINK_H200,
         None,
         "NVIDIA H200 datasheet (141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s bf16 dense); usable bandwidth: "
-        "the 1 GiB copy measured in every decode_step record (anchors.md: 4.25 TB/s)",
+        "the 1 GiB copy measured in every decode_step record (anchors.md: 4.25 TB/s); 132 SMs",
+        compute_units=132,
     ),
     "mi355x": GPU(
         "mi355x",
@@ -80,7 +83,8 @@ GPUS: dict[str, GPU] = {
         INFINITY_FABRIC,
         1.50,
         "the seed and AMD's MI355X page (288 GB HBM3E, 8 TB/s; 2.5 PFLOP/s bf16 dense); usable "
-        "bandwidth 7.2 TB/s as measured in public work (anchors.md); $1.50 per GPU-hour (seed)",
+        "bandwidth 7.2 TB/s as measured in public work (anchors.md); $1.50 per GPU-hour (seed); 256 CUs",
+        compute_units=256,
     ),
 }
 
@@ -91,6 +95,14 @@ SEED = {
     "interactivity": 50.0,
     "host_cache_gb": 224.875,
 }
+
+
+def named(device: str) -> GPU:
+    """The GPU whose name a record's `device` field carries ('NVIDIA H200' -> h200); ValueError otherwise."""
+    for g in GPUS.values():
+        if g.key.upper() in device.upper().replace(" ", ""):
+            return g
+    raise ValueError(f"device must name one of {[g.name for g in GPUS.values()]}, got {device!r}")
 
 
 def gpu(key: str) -> GPU:

@@ -25,6 +25,7 @@ import numpy as np
 from k3lab.config import K3Config
 
 from .hardware import GPU, gpu as gpu_of
+from .stepmodel import waves
 
 MXFP4_BYTES = 0.53125  # 4 bits per value + one 8-bit scale per 32 values
 FP8_BYTES = 1.0
@@ -199,16 +200,17 @@ def rank_step_us(
         q_len=q_len,
     )
     bw = inp.bandwidth_tbs
+    w = waves(tokens, c.num_attention_heads, (g or gpu_of("h200")).compute_units)
     on = inp.fits["all_on"]
-    terms = on.terms(parts, tokens, bw, batch)
-    base_us = on.predict(parts, tokens, bw, batch)
+    terms = on.terms(parts, tokens, bw, batch, w)
+    base_us = on.predict(parts, tokens, bw, batch, w)
     deltas = {
-        s: inp.fits[f"no_{s}"].predict(parts, tokens, bw, batch) - base_us
+        s: inp.fits[f"no_{s}"].predict(parts, tokens, bw, batch, w) - base_us
         for s in SWITCH_ORDER
         if f"no_{s}" in inp.fits
     }
     if "base" in inp.fits and sum(deltas.values()) > 0:
-        scale = (inp.fits["base"].predict(parts, tokens, bw, batch) - base_us) / sum(deltas.values())
+        scale = (inp.fits["base"].predict(parts, tokens, bw, batch, w) - base_us) / sum(deltas.values())
         deltas = {s: d * max(scale, 0.0) for s, d in deltas.items()}
     for s in off:
         terms[f"off: {s}"] = deltas.get(s, 0.0)
@@ -223,7 +225,7 @@ def rank_step_us(
         h = _g("h200")
         r_bw, r_fl = h.usable_bandwidth_tbs / g.usable_bandwidth_tbs, h.bf16_tflops / g.bf16_tflops
         for key in list(terms):
-            if key in ("weights", "history", "history_per_sequence", "state", "weights+state"):
+            if key in ("weights", "history", "history_waves", "state", "weights+state"):
                 terms[key] *= r_bw
             elif key == "tokens":
                 terms[key] *= r_fl

@@ -1,19 +1,31 @@
 """The per-rank decode step time as a sum of its parts, fitted to measured whole-step records.
 
     t_us = fixed + k_weights * weight_bytes / bw + k_history * history_bytes / bw
-                 + k_state * state_bytes / bw + per_token * tokens
+                 + k_waves * history_of_one_sequence * waves / bw + k_state * state_bytes / bw
 
 `bw` is the copy bandwidth measured in the run (TB/s, so bytes / (bw * 1e6) is microseconds at the floor);
 each k says how far above its bytes floor that part runs, `fixed` holds the launches and the rest that does
 not grow with the batch. The bytes are the decode_step study's parts (`extra['bytes']` of a record):
-weights read once (the routed experts: the distinct ones the batch's tokens choose), the MLA history, the
-KDA states and conv histories. One `StepFit` per variant (all_on, base, no_<switch>).
+weights read once (the routed experts: the distinct ones the batch's tokens choose, `distinct_experts`),
+the MLA history, the KDA states and conv histories.
 
-Why two forms: the full form needs steps that differ in batch and in context separately; with the
-four committed whole-step cases (three contexts at B = 1 and one point at B = 64) only three numbers can
-be told apart, so `fit` uses the reduced form (k_state = k_weights, no per-token term) until a grid of
-at least three batches and three contexts exists. Coefficients are non-negative (a part cannot make the
-step faster); the fit is least squares on relative error, so short and long steps count alike.
+Why each column:
+- history_waves: a decode that gives one program to each (sequence, position, head) and walks that
+  sequence's whole history in it (the unpadded MLA decode) takes one history-walk per wave of programs,
+  `waves` = ceil(programs / compute units), whatever the batch's total bytes;
+- state: KDA states are read and written once per sequence, and at one position per sequence a
+  per-token column (activations, router, the grouped experts' rows) is this column again, so it holds both;
+- the routed experts' bytes: a step reads the distinct experts its tokens chose. The measured steps use
+  random router weights, whose choices are correlated: they pick from a smaller effective pool of
+  experts than uniform routing would (`routing_pool`, solved from a step that counted the experts it read).
+  The fit uses the bytes the measured steps read; the served step (k3lab.serving.node) uses uniform
+  routing over all experts, as a balanced trained router would.
+
+Why two forms: the full form needs steps that differ in batch and in context separately; with only a few
+whole-step cases (three contexts at B = 1 and one point at B = 64) three numbers can be told apart, so
+`fit` uses the reduced form (k_state = k_weights, no waves term) until a grid of at least three batches
+and three contexts exists. Coefficients are non-negative (a part cannot make the step faster); the fit
+is least squares on relative error, so short and long steps count alike.
 """
 
 from __future__ import annotations
@@ -22,15 +34,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-FULL = ("fixed", "weights", "history", "history_per_sequence", "state")
+FULL = ("fixed", "weights", "history", "history_waves", "state")
 REDUCED = ("fixed", "weights+state", "history")
 
 
 @dataclass(frozen=True)
 class StepPoint:
     """One measured step: variant, batch, context, tokens (batch x q_len), its bytes parts (keys
-    weights_dense, weights_experts, mla_cache, kda_state, kda_conv), the bandwidth (TB/s), the time (us)
-    and the record it came from."""
+    weights_dense, weights_experts, mla_cache, kda_state, kda_conv), the bandwidth (TB/s), the time (us),
+    the record it came from and the waves of a one-program-per-(token, head) decode (`waves`)."""
 
     variant: str
     batch: int
@@ -40,14 +52,52 @@ class StepPoint:
     bandwidth_tbs: float
     us: float
     source: str = ""
+    waves: int = 1
+
+
+def waves(tokens: int, heads: int, units: int) -> int:
+    """ceil(tokens x heads / units): the waves of a kernel with one program per (token, head) on a GPU of
+    `units` compute units at one program per unit. ValueError for a non-positive argument."""
+    for name, v in (("tokens", tokens), ("heads", heads), ("units", units)):
+        if not v > 0:
+            raise ValueError(f"{name} must be > 0, got {v!r}")
+    return -(-int(tokens) * int(heads) // int(units))
+
+
+def distinct_experts(tokens: float, pool: float, per_token: int) -> float:
+    """Expected distinct experts per MoE layer when `tokens` tokens each choose `per_token` of `pool`
+    experts independently and uniformly: pool x (1 - (1 - per_token / pool) ** tokens)."""
+    if not pool >= per_token > 0:
+        raise ValueError(f"pool must be >= per_token > 0, got pool={pool!r}, per_token={per_token!r}")
+    return pool * (1.0 - (1.0 - per_token / pool) ** tokens)
+
+
+def routing_pool(read_per_layer: float, tokens: int, per_token: int, experts: int) -> float:
+    """The effective pool of experts uniform routing would need to read `read_per_layer` distinct experts
+    on average for `tokens` tokens (bisection on `distinct_experts`, between per_token and `experts`).
+    ValueError when the count is not between per_token and what uniform routing over `experts` reads."""
+    top = distinct_experts(tokens, experts, per_token)
+    if tokens < 2 or not per_token < read_per_layer <= top + 1e-9:
+        raise ValueError(f"read_per_layer must lie in ({per_token}, {top:.1f}] for {tokens} tokens, got "
+                         f"{read_per_layer!r} (tokens must be >= 2)")
+    lo, hi = float(per_token), float(experts)
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if distinct_experts(tokens, mid, per_token) < read_per_layer else (lo, mid)
+    return 0.5 * (lo + hi)
 
 
 def features(
-    parts: dict, tokens: float, bandwidth_tbs: float, form: tuple[str, ...] = FULL, batch: int = 1
+    parts: dict,
+    tokens: float,
+    bandwidth_tbs: float,
+    form: tuple[str, ...] = FULL,
+    batch: int = 1,
+    waves: int = 1,
 ) -> np.ndarray:
     """The model's columns for one step: 1, each bytes part over the bandwidth (us), the history of one
-    sequence over the bandwidth (a kernel that walks each sequence's history in one program scales with
-    it rather than with the batch's total: the unpadded MLA decode), and the tokens."""
+    sequence times `waves` over the bandwidth (the unpadded MLA decode: module docstring), and the
+    tokens."""
     if not bandwidth_tbs > 0:
         raise ValueError(f"bandwidth_tbs must be > 0, got {bandwidth_tbs!r}")
     us = 1.0 / (bandwidth_tbs * 1e6)
@@ -58,7 +108,7 @@ def features(
         "fixed": 1.0,
         "weights": w,
         "history": m,
-        "history_per_sequence": m / batch,
+        "history_waves": m / batch * waves,
         "state": s,
         "tokens": float(tokens),
         "weights+state": w + s,
@@ -77,13 +127,21 @@ class StepFit:
     held_out: tuple = ()
     notes: list = field(default_factory=list)
 
-    def terms(self, parts: dict, tokens: float, bandwidth_tbs: float, batch: int = 1) -> dict[str, float]:
+    def terms(
+        self, parts: dict, tokens: float, bandwidth_tbs: float, batch: int = 1, waves: int = 1
+    ) -> dict[str, float]:
         """Microseconds per part of the step (the model's sum, term by term)."""
-        x = features(parts, tokens, bandwidth_tbs, self.form, batch)
+        x = features(parts, tokens, bandwidth_tbs, self.form, batch, waves)
         return {name: float(self.coef[name] * v) for name, v in zip(self.form, x)}
 
-    def predict(self, parts: dict, tokens: float, bandwidth_tbs: float, batch: int = 1) -> float:
-        return sum(self.terms(parts, tokens, bandwidth_tbs, batch).values())
+    def predict(
+        self, parts: dict, tokens: float, bandwidth_tbs: float, batch: int = 1, waves: int = 1
+    ) -> float:
+        return sum(self.terms(parts, tokens, bandwidth_tbs, batch, waves).values())
+
+    def predict_point(self, p: StepPoint) -> float:
+        """The predicted time (us) of a measured step."""
+        return self.predict(p.parts, p.tokens, p.bandwidth_tbs, p.batch, p.waves)
 
 
 def _nnls_rel(X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -105,7 +163,7 @@ def held_out_of(points: list[StepPoint], every: int = 4) -> list[StepPoint]:
     for i in range(1, len(pts), every):
         rest = [p for p in pts if p is not pts[i] and p not in out]
         form = choose_form(rest)
-        X = np.array([features(p.parts, p.tokens, p.bandwidth_tbs, form, p.batch) for p in rest])
+        X = np.array([features(p.parts, p.tokens, p.bandwidth_tbs, form, p.batch, p.waves) for p in rest])
         if len(rest) >= len(form) and np.linalg.matrix_rank(X / np.abs(X).max(axis=0).clip(1e-30)) == len(
             form
         ):
@@ -126,7 +184,7 @@ def fit(points: list[StepPoint], held_out: list[StepPoint] | None = None) -> Ste
     form = choose_form(train)
     if len(train) < len(form) - 1:
         raise ValueError(f"{len(train)} points cannot fit the {len(form)} coefficients of {form}")
-    X = np.array([features(p.parts, p.tokens, p.bandwidth_tbs, form, p.batch) for p in train])
+    X = np.array([features(p.parts, p.tokens, p.bandwidth_tbs, form, p.batch, p.waves) for p in train])
     y = np.array([p.us for p in train])
     coef = _nnls_rel(X, y)
     notes = (
@@ -147,7 +205,7 @@ def validation(fits: dict[str, StepFit]) -> list[dict]:
     rows = []
     for name, f in fits.items():
         for p in f.held_out:
-            pred = f.predict(p.parts, p.tokens, p.bandwidth_tbs, p.batch)
+            pred = f.predict_point(p)
             rows.append(
                 {
                     "variant": name,
@@ -170,7 +228,7 @@ def residuals(f: StepFit) -> list[dict]:
             "batch": p.batch,
             "context": p.context,
             "measured_ms": p.us / 1e3,
-            "rel_err": f.predict(p.parts, p.tokens, p.bandwidth_tbs, p.batch) / p.us - 1.0,
+            "rel_err": f.predict_point(p) / p.us - 1.0,
         }
         for p in f.fitted
     ]

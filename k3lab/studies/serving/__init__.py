@@ -38,18 +38,34 @@ def _model_record(case: str, variant: str, us: float, shape: dict, *, like=None,
                         p80_us=us, mode="model", extra=extra)
 
 
+def _measured(source: str) -> dict:
+    """The measured step's record (a dict) at `source` (a path under the repository), {} when unreadable."""
+    import json
+    from pathlib import Path
+
+    path = Path(bench.PROFILES).parent / source
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return (data[0] if isinstance(data, list) and data else data) or {}
+
+
 def validation_records(inp=None) -> list[bench.Record]:
-    """One record per held-out step: median_us measured, extra predicted_us, rel_err and the source."""
+    """One record per held-out step: median_us measured, extra predicted_us, rel_err and the source; the
+    device, backend and versions are the measured step's."""
     from k3lab.serving import stepmodel
 
     inp = inp or inputs.node_inputs()
     out = []
     for row in stepmodel.validation(inp.fits):
         pred, meas = row["predicted_ms"] * 1e3, row["measured_ms"] * 1e3
-        out.append(_model_record(f"validate.{row['variant']}.b{row['batch']}_{row['context']}", "after", meas,
-                                 {"batch": row["batch"], "context_len": row["context"]}, predicted_us=pred,
-                                 rel_err=row["rel_err"], source=row["source"],
-                                 form=list(inp.fits[row["variant"]].form)))
+        label = "before" if row["variant"] == "base" else "after"
+        out.append(_model_record(f"validate.{row['variant']}.b{row['batch']}_{row['context']}", label, meas,
+                                 {"batch": row["batch"], "context_len": row["context"]},
+                                 like=_measured(row["source"]), predicted_us=pred, rel_err=row["rel_err"],
+                                 source=row["source"], form=list(inp.fits[row["variant"]].form),
+                                 coef=inp.fits[row["variant"]].coef))
     return out
 
 

@@ -11,13 +11,37 @@ from __future__ import annotations
 import statistics
 
 from k3lab import bench
-from k3lab.serving import node, stepmodel
+from k3lab.serving import hardware, node, stepmodel
 
 DEVICE = "nvidia-h200"
 
 
+def routing_pool(device: str = DEVICE, root=None) -> tuple[float, str]:
+    """The effective expert pool of the measured steps' random router (stepmodel.routing_pool), the median
+    over the decode_step records that counted the experts they read (`extra.experts_read`) at two or more
+    tokens, and those records. LookupError when there is none."""
+    c = node.tp_config()
+    pools, used = [], []
+    for r in bench.load_records("decode_step", device=device, root=root):
+        tokens = int(r.shape.get("batch", 1)) * int(r.shape.get("q_len", 1))
+        if r.mode == "graph" and r.extra.get("experts_read") and tokens >= 2:
+            per_layer = r.extra["experts_read"] / c.num_moe_layers
+            pools.append(stepmodel.routing_pool(per_layer, tokens, c.num_experts_per_token, c.num_experts))
+            used.append(r.case)
+    if not pools:
+        raise LookupError(f"no decode_step record of {device} counted the experts it read at B > 1")
+    points = ", ".join(sorted({case.split(".")[0] for case in used}))
+    src = f"experts_read of {len(used)} records at {points}, profiles/{device}/decode_step/"
+    return statistics.median(pools), src
+
+
 def step_points(device: str = DEVICE, root=None) -> list[stepmodel.StepPoint]:
-    """Every graph-replayed whole step of one TP8 rank on `device` (decode_step and serving grid records)."""
+    """Every graph-replayed whole step of one TP8 rank on `device` (decode_step and serving grid records).
+    The routed experts' bytes are the ones the step read: counted where the record counted them, else
+    expected from the measured routing pool (`routing_pool`) instead of the record's uniform estimate."""
+    c = node.tp_config()
+    pool = None
+    units = hardware.named(device.replace("-", " ")).compute_units
     out = []
     for study in ("decode_step", "serving"):
         for r in bench.load_records(study, device=device, root=root):
@@ -32,16 +56,25 @@ def step_points(device: str = DEVICE, root=None) -> list[stepmodel.StepPoint]:
             ):
                 continue
             B, ctx = int(r.shape["batch"]), int(r.shape["context_len"])
+            tokens = B * int(r.shape.get("q_len", 1))
+            by = dict(r.extra["bytes"])
+            if not r.extra.get("experts_read") and tokens > 1:
+                pool = pool or routing_pool(device, root)[0]
+                k, E = c.num_experts_per_token, c.num_experts
+                by["weights_experts"] *= stepmodel.distinct_experts(tokens, pool, k) / (
+                    stepmodel.distinct_experts(tokens, E, k)
+                )
             out.append(
                 stepmodel.StepPoint(
                     variant,
                     B,
                     ctx,
-                    B * int(r.shape.get("q_len", 1)),
-                    r.extra["bytes"],
+                    tokens,
+                    by,
                     float(r.extra["bandwidth_tbs"]),
                     float(r.median_us),
-                    f"profiles/{DEVICE}/{study}/{r.case}__{r.variant}.json",
+                    f"profiles/{device}/{study}/{r.case}__{r.variant}.json",
+                    stepmodel.waves(tokens, c.num_attention_heads, units),
                 )
             )
     return out
@@ -66,6 +99,7 @@ def node_inputs(device: str = DEVICE, root=None) -> node.Inputs:
     """node.Inputs from the committed records of `device` (module docstring). LookupError naming what is
     missing when the records needed are not there."""
     pts = step_points(device, root)
+    pool, pool_src = routing_pool(device, root)
     f = fits(pts)
     if "all_on" not in f:
         raise LookupError(f"no all_on whole-step records of {device} to fit (profiles/{device}/decode_step)")
@@ -126,6 +160,8 @@ def node_inputs(device: str = DEVICE, root=None) -> node.Inputs:
         kda_prefill_us={"after": eager["after"] / 16384, "before": eager["before"] / 16384},
         sources={
             "steps": f"profiles/{device}/decode_step/ and profiles/{device}/serving/grid.*",
+            "routing": f"the measured steps' random router picks from about {pool:.0f} of "
+            f"{node.tp_config().num_experts} experts ({pool_src}); the served step routes uniformly over all",
             "collectives": f"profiles/{device}/decode_step/ (extra.collectives: calls, bytes, stand-ins)",
             "dcp": f"profiles/{device}/dcp/ (local_dcp8 / local_tp8, merge_N8)",
             "verify": f"profiles/{device}/kda_verify/b1_t*, profiles/{device}/mla_padding/verify*_32k",

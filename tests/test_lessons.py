@@ -1,7 +1,10 @@
 """The lesson helpers: predict then reveal, and a kernel's source on the page."""
 
 import inspect
+import json
+import re
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +88,56 @@ def test_show_source_span_is_an_excerpt_found_by_text():
         lesson.show_source(kv.verify_narrow_kernel, span=("tl.debug_barrier()", "no such end"))
     with pytest.raises(ValueError, match="span must"):
         lesson.show_source(kv.verify_narrow_kernel, span="qs = ()")
+
+
+# the lessons' shape: ~45 minutes of narrative, predict before reveal, the code and the trace diff on the page
+REPO = Path(__file__).resolve().parent.parent
+LESSONS = sorted((REPO / "notebooks").glob("0[1-8]_*.ipynb"))
+CORE_WORDS = 1550  # ~1,500 words of markdown before an optional appendix: about 45 minutes for a learner
+TRACE_DIFF = ("01", "02", "03", "04", "05", "08")  # the optimization notebooks whose before/after are kernels
+
+
+def _cells(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["cells"]
+
+
+def core_words(path: Path) -> int:
+    """\\w+ tokens in the markdown cells before the first '## Appendix' heading (the optional part)."""
+    words = 0
+    for c in _cells(path):
+        text = "".join(c["source"])
+        if c["cell_type"] == "markdown" and text.lstrip().startswith("## Appendix"):
+            break
+        if c["cell_type"] == "markdown":
+            words += len(re.findall(r"\w+", text))
+    return words
+
+
+def test_core_words_counts_up_to_the_appendix(tmp_path):
+    nb = {"cells": [{"cell_type": "markdown", "source": ["one two three"]},
+                    {"cell_type": "code", "source": ["x = 1  # four five"]},
+                    {"cell_type": "markdown", "source": ["## Appendix (optional)\nsix seven"]},
+                    {"cell_type": "markdown", "source": ["eight"]}]}
+    p = tmp_path / "nb.ipynb"
+    p.write_text(json.dumps(nb))
+    assert core_words(p) == 3
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_lesson_core_is_about_45_minutes(path):
+    assert core_words(path) <= CORE_WORDS, (
+        f"{path.name}: {core_words(path)} words before any appendix (a core lesson holds ~1,500: say it once "
+        "or move depth to a 0Nb notebook, or to an '## Appendix (optional)' section at the end)")
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_lesson_predicts_before_it_reveals_and_shows_its_code(path):
+    code = ["".join(c["source"]) for c in _cells(path) if c["cell_type"] == "code"]
+    first = lambda s: next((i for i, c in enumerate(code) if s in c), None)  # noqa: E731
+    predict, reveal = first("lesson.predict("), first("lesson.reveal(")
+    assert predict is not None and reveal is not None, f"{path.name}: no predict/reveal pair"
+    assert predict < reveal, f"{path.name}: the reveal (code cell {reveal}) comes before the prediction"
+    assert first("show_source(") is not None, f"{path.name}: no kernel or model function on the page"
+    if path.name[:2] in TRACE_DIFF:
+        assert first("trace_diff(") is not None or first("capture_diff(") is not None, (
+            f"{path.name}: no before/after trace diff")

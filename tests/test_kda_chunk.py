@@ -511,6 +511,26 @@ def test_study_sweep_case_runs_the_group_size_sweep():
         assert r.variant == "after" and "o" in r.error and "failed" not in r.error
 
 
+def test_study_summary_text_of_the_committed_h200_records():
+    """What `k3lab bench kda_scan` prints after the table: a line per crossover case with the records'
+    medians, then the sweep by group size (the plain walk last); '' when the records hold neither."""
+    from k3lab.studies import kda_scan as ks
+
+    recs = ks.reference_records()
+    if not recs:
+        pytest.skip("no committed H200 kda_scan records in profiles/")
+    text = ks.summary_text(recs)
+    head = next(ln for ln in text.splitlines() if ln.startswith("h12_b1_t16384 "))
+    after = next(r for r in recs if r.case == "h12_b1_t16384" and r.variant == "after")
+    assert int(head.split()[2]) == round(after.median_us)
+    sweep = text.split("group-size sweep (after):\n", 1)[1].splitlines()[1:]
+    sizes = [ln.split()[1] for ln in sweep if ln.startswith("h12_b1_t16384")]
+    assert sizes[-1] == "walk" and [int(x) for x in sizes[:-1]] == sorted(int(x) for x in sizes[:-1])
+    swept = [r for r in recs if r.case.startswith("h12_b1_t16384.gs") or r.case == "h12_b1_t16384.walk"]
+    assert len(sizes) == len(swept)
+    assert ks.summary_text([r for r in recs if ".part_" in r.case]) == ""
+
+
 def test_study_refuses_bad_names_before_any_input(monkeypatch):
     """An unknown backend or case name is a ValueError naming it before inputs are made or kernels run."""
     from k3lab.studies import kda_scan as ks

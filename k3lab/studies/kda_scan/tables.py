@@ -129,18 +129,30 @@ def walk_launches(path=None, device: str = "nvidia-h200", root=None):
 
 
 def summary_text(records) -> str:
-    """A short table for the end of a log: before / after / fla per case."""
-    lines = [f"{'case':16s} {'before':>8s} {'after':>8s} {'fla':>8s} {'floor':>6s}  gs  o/S rel_l2 (after)"]
-    for row in crossover_table(records).to_dict("records"):
-        err = next((r.error for r in records if r.case == row["case"] and r.variant == "after"), {}) or {}
-        e = (
-            f"{err['o']['rel_l2']:.1e}/{err['state']['rel_l2']:.1e}"
-            if "o" in err
-            else err.get("failed", "")[:40]
-        )
-        lines.append(
-            f"{row['case']:16s} {row.get('before_us', float('nan')):8.0f} "
-            f"{row.get('after_us', float('nan')):8.0f} {row.get('fla_us', float('nan')):8.0f} "
-            f"{row.get('floor_us', float('nan')):6.0f}  {row.get('group_size')}  {e}"
-        )
-    return "\n".join(lines)
+    """What `k3lab bench kda_scan` prints after its records: before / after / fla per case with the
+    after's errors, then the group-size sweep's table where the records hold one ('' for neither)."""
+    parts = []
+    rows = crossover_table(records).to_dict("records")
+    if rows:
+        lines = [f"{'case':16s} {'before':>8s} {'after':>8s} {'fla':>8s} {'floor':>6s}  gs  "
+                 "o/S rel_l2 (after)"]
+        for row in rows:
+            err = next((r.error for r in records if r.case == row["case"] and r.variant == "after"), {}) or {}
+            e = (
+                f"{err['o']['rel_l2']:.1e}/{err['state']['rel_l2']:.1e}"
+                if "o" in err
+                else err.get("failed", "")[:40]
+            )
+            lines.append(
+                f"{row['case']:16s} {row.get('before_us', float('nan')):8.0f} "
+                f"{row.get('after_us', float('nan')):8.0f} {row.get('fla_us', float('nan')):8.0f} "
+                f"{row.get('floor_us', float('nan')):6.0f}  {row.get('group_size')}  {e}"
+            )
+        parts.append("\n".join(lines))
+    sweep = sweep_table(records)
+    if len(sweep):
+        sweep = sweep.sort_values(["case", "group_size"], na_position="last")  # the plain walk last
+        whole = {"group_size": "{:.0f}".format, "median_us": "{:.0f}".format}
+        table = sweep.to_string(index=False, na_rep="walk", formatters=whole)
+        parts.append("group-size sweep (after):\n" + table)
+    return "\n".join(parts)

@@ -49,7 +49,8 @@ def _check(o_parts, lse_parts, backend):
             raise ValueError(f"{name}.dtype must be floating point, got {t.dtype}")
     if lse_parts.device != o_parts.device:
         raise ValueError(f"lse_parts is on {lse_parts.device} but o_parts is on {o_parts.device}")
-    if backend == "triton" and o_parts.device.type == "cpu" and not env.triton_interpreted():
+    if (backend == "triton" and o_parts.device.type == "cpu" and not env.triton_interpreted()
+            and torch.cuda.is_available()):
         raise ValueError("backend='triton' got CPU tensors, and Triton's interpreter is off here (torch sees "
                          "a GPU): move o_parts and lse_parts to the GPU, or use backend='torch'")
 

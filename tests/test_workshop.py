@@ -30,7 +30,7 @@ def _fails(name, fn, capsys, *, expect=None):
 def test_eight_tasks_one_per_notebook():
     books = workshop.by_notebook()
     assert sorted(books) == ["01_dcp", "02_moe_sharding", "03_copy_removal", "04_mla_padding", "05_kda_scan",
-                             "06_draft_depth", "07_agent_cache", "08_all_together"]
+                             "06_draft_depth", "07_agent_cache", "08_all_together", "09_serving_curve"]
     for t in workshop.TASKS.values():
         assert 10 <= t.minutes <= 20 and t.statement and t.signature
 

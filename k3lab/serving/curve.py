@@ -30,7 +30,7 @@ import numpy as np
 from . import node
 from .hardware import GPU, SEED
 
-CONCURRENCY = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+CONCURRENCY = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
 DRAFT_LAYERS = 1  # the drafter as one layer of the target (modelled: K3's MTP-style drafter)
 MAX_DEPTH = 7
 
@@ -112,6 +112,13 @@ class Workload:
     def mean_out(self) -> float:
         return float(self.out_tokens.mean())
 
+    def scaled(self, context: float) -> Workload:
+        """The same requests with every input `context` times as long (the what-if's context mix)."""
+        if not context > 0:
+            raise ValueError(f"context must be > 0, got {context!r}")
+        return Workload(self.in_tokens * context, self.out_tokens, self.reuse,
+                        f"{self.source}, inputs x {context:g}" if context != 1 else self.source)
+
 
 @functools.lru_cache(maxsize=4)
 def agent_workload(sessions: int = 40, seed: int = 42) -> Workload:
@@ -127,17 +134,44 @@ def agent_workload(sessions: int = 40, seed: int = 42) -> Workload:
     )
 
 
-@functools.lru_cache(maxsize=1)
-def _committed_all() -> tuple[float, ...]:
+@dataclass(frozen=True)
+class Scenario:
+    """What-if knobs over the model (defaults: the model as it stands). `hit_rate` replaces the modelled
+    prefix-cache hit rate; `acceptance` scales the reference acceptance of every drafted position
+    (clipped to 1); `step_scale` multiplies every cycle (a serving stack's host work per step over this
+    model's graph-replayed step); `max_depth` caps the draft depth."""
+
+    hit_rate: float | None = None
+    acceptance: float = 1.0
+    step_scale: float = 1.0
+    max_depth: int = MAX_DEPTH
+
+    def __post_init__(self):
+        if self.hit_rate is not None and not 0 <= self.hit_rate <= 1:
+            raise ValueError(f"hit_rate must be in [0, 1] or None, got {self.hit_rate!r}")
+        if not (self.acceptance > 0 and self.step_scale > 0):
+            raise ValueError(f"acceptance and step_scale must be > 0, got {self.acceptance!r}, "
+                             f"{self.step_scale!r}")
+        if not 0 <= self.max_depth <= MAX_DEPTH:
+            raise ValueError(f"max_depth must be in [0, {MAX_DEPTH}], got {self.max_depth!r}")
+
+
+MODEL = Scenario()
+
+
+@functools.lru_cache(maxsize=16)
+def _committed_all(acceptance: float = 1.0) -> tuple[float, ...]:
     from k3lab import speculative
 
-    return (1.0, *map(float, speculative.expected_committed_all(speculative.reference_acceptance(MAX_DEPTH))))
+    a = np.minimum(1.0, speculative.reference_acceptance(MAX_DEPTH) * acceptance)
+    return (1.0, *map(float, speculative.expected_committed_all(a)))
 
 
-def committed(depth: int) -> float:
+def committed(depth: int, acceptance: float = 1.0) -> float:
     """Expected committed tokens per cycle at `depth` drafts (1 at depth 0): k3lab.speculative's reference
-    acceptance curve (fitted to the seed's 3.00 and 3.36 tokens at three and four drafts)."""
-    return _committed_all()[depth]
+    acceptance curve (fitted to the seed's 3.00 and 3.36 tokens at three and four drafts), each
+    position's acceptance times `acceptance` (clipped to 1)."""
+    return _committed_all(float(acceptance))[depth]
 
 
 def cycle_us(
@@ -167,20 +201,24 @@ def evaluate(
     memory_gb: float | None = None,
     draws: int = 48,
     seed: int = 0,
+    scenario: Scenario = MODEL,
 ) -> dict | None:
-    """The rates of one configuration (module docstring), or None when its caches do not fit."""
+    """The rates of one configuration (module docstring), or None when its caches do not fit; `scenario`
+    applies the what-if knobs (Scenario)."""
     C = concurrency
     ctx = work.mean_in + work.mean_out / 2
     if C > node.max_concurrency(ctx, g, dcp=dcp, moe_rows_only=rung.moe_rows_only, memory_gb=memory_gb):
         return None
     terms = cycle_us(inp, rung, g, dcp, depth, C, C * ctx)
+    if scenario.step_scale != 1.0:
+        terms["serving stack (step_scale)"] = (scenario.step_scale - 1.0) * sum(terms.values())
     t = sum(terms.values())
     hist = sum(v for k, v in terms.items() if k in ("history", "history_waves", "off: mla_padded"))
     rng = np.random.default_rng(seed)
     p = work.out_tokens / work.out_tokens.sum()
     sums = rng.choice(work.in_tokens, size=(draws, C), p=p).sum(axis=1) + C * work.mean_out / 2
     t_draws = t + hist * (sums / (C * ctx) - 1.0)
-    hit = node.hit_rate(
+    hit = scenario.hit_rate if scenario.hit_rate is not None else node.hit_rate(
         work.reuse,
         C,
         ctx,
@@ -191,7 +229,7 @@ def evaluate(
         memory_gb=memory_gb,
     )
     prefill_s = work.mean_in * (1 - hit) * node.prefill_us_per_token(inp, ctx, g, rung.kda_scan) * 1e-6
-    e = committed(depth)
+    e = committed(depth, scenario.acceptance)
 
     def per_user(t_us):
         r0 = e / (np.asarray(t_us) * 1e-6)
@@ -216,14 +254,18 @@ def evaluate(
 
 
 def candidates(
-    inp, rung: Rung, g: GPU, work: Workload, *, memory_gb=None, dcp=None, depths=None
+    inp, rung: Rung, g: GPU, work: Workload, *, memory_gb=None, dcp=None, depths=None, scenario=MODEL
 ) -> list[dict]:
-    """Every configuration the rung allows (DCP degrees, depths, CONCURRENCY) that fits."""
+    """Every configuration the rung allows (DCP degrees, depths up to scenario.max_depth, CONCURRENCY)
+    that fits."""
     out = []
     for d in rung.dcp if dcp is None else dcp:
         for k in rung.depths if depths is None else depths:
+            if k > scenario.max_depth:
+                continue
             for C in CONCURRENCY:
-                r = evaluate(inp, rung, g, dcp=d, depth=k, concurrency=C, work=work, memory_gb=memory_gb)
+                r = evaluate(inp, rung, g, dcp=d, depth=k, concurrency=C, work=work, memory_gb=memory_gb,
+                             scenario=scenario)
                 if r is None:
                     break
                 out.append(r)
@@ -250,12 +292,12 @@ def at_interactivity(fr: list[dict], target: float = SEED["interactivity"]) -> f
 
 
 def ladder(
-    inp, g: GPU, work: Workload, *, memory_gb=None, target: float = SEED["interactivity"]
+    inp, g: GPU, work: Workload, *, memory_gb=None, target: float = SEED["interactivity"], scenario=MODEL
 ) -> list[dict]:
     """Per rung: its front, the tokens/s/GPU at `target`, the gain over the rung before (its share)."""
     rows, prev = [], 0.0
     for rung in RUNGS:
-        fr = front(candidates(inp, rung, g, work, memory_gb=memory_gb))
+        fr = front(candidates(inp, rung, g, work, memory_gb=memory_gb, scenario=scenario))
         v = at_interactivity(fr, target)
         best = max(
             (r for r in fr if r["tokens_per_s_user"] >= target),
@@ -274,3 +316,40 @@ def ladder(
         )
         prev = v
     return rows
+
+
+def reachable_target(rows: list[dict]) -> float:
+    """The highest tokens/s/user every rung's front reaches (the lowest of the rungs' best per-user rates,
+    rounded down to a whole number): a target at which every rung has a share."""
+    return float(np.floor(min(max(p["tokens_per_s_user"] for p in r["front"]) for r in rows)))
+
+
+def shares_at(rows: list[dict], target: float) -> list[dict]:
+    """Per rung of a `ladder`: tokens/s/GPU of its front at `target` and the gain over the rung before,
+    read from the fronts already computed."""
+    out, prev = [], 0.0
+    for r in rows:
+        v = at_interactivity(r["front"], target)
+        out.append({"rung": r["rung"], "section": r["section"], "target": target, "at_target": v,
+                    "gain": v - prev})
+        prev = v
+    return out
+
+
+def knee(concurrency, per_user, per_gpu) -> int:
+    """Where a front bends: over points in rising concurrency, the first concurrency from which the next
+    point gains less tokens/s/GPU (relative) than it costs each user in tokens/s/user (relative); the last
+    concurrency when every step still pays. ValueError for lists of unequal length, fewer than two
+    points, concurrency not rising, or a rate that is not positive."""
+    c, u, g = list(concurrency), [float(v) for v in per_user], [float(v) for v in per_gpu]
+    if not len(c) == len(u) == len(g) >= 2:
+        raise ValueError(f"concurrency, per_user and per_gpu must be equal lists of >= 2 points, got "
+                         f"{len(c)}, {len(u)}, {len(g)}")
+    if any(b <= a for a, b in zip(c, c[1:])):
+        raise ValueError(f"concurrency must rise, got {c}")
+    if min(u + g) <= 0:
+        raise ValueError("per_user and per_gpu must be positive rates")
+    for i in range(len(c) - 1):
+        if g[i + 1] / g[i] - 1.0 < 1.0 - u[i + 1] / u[i]:
+            return int(c[i])
+    return int(c[-1])

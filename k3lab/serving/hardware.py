@@ -88,12 +88,31 @@ GPUS: dict[str, GPU] = {
     ),
 }
 
+def matrix_efficiency() -> tuple[float, str]:
+    """The share of its datasheet bf16 matrix rate a large matmul reaches: the H200's measured rate
+    (k3lab.env.PEAKS, a bf16 8192^3 product on random data) over its datasheet figure, with the source.
+    Prefill is charged at this share of any GPU's datasheet rate (for MI355X a projection)."""
+    from k3lab.env import PEAKS
+
+    h = GPUS["h200"]
+    return PEAKS["H200"].bf16_tflops / h.bf16_tflops, (
+        f"H200 bf16 8192^3 matmul {PEAKS['H200'].bf16_tflops:g} TFLOP/s measured (k3lab.env) over "
+        f"{h.bf16_tflops:g} datasheet"
+    )
+
+
 # The seed's serving figures (MI355X and HGX B300, their stacks), for labelled comparison only.
 SEED = {
     "mi355x_tokens_per_s_gpu": 7567.0,
     "b300_tokens_per_s_gpu": 6083.0,
     "interactivity": 50.0,
     "host_cache_gb": 224.875,
+    # PR-reported mean time per output token, 8x MI355X, TP8, concurrency one, MXFP4 weights, padded MLA
+    "tpot_ms_c1": {1024: 22.8, 32768: 23.6},
+    # prefix-cache hit rate in the AgentX experiment of the MoE-rows change, before and after it
+    "hit_rate_reported": (0.748, 0.801),
+    # draft depths the recipe uses at 50 tokens/s/user (DCP8 without drafts to DCP1 with three)
+    "depths_at_50": (0, 3),
 }
 
 

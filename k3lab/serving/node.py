@@ -24,7 +24,7 @@ import numpy as np
 
 from k3lab.config import K3Config
 
-from .hardware import GPU, gpu as gpu_of
+from .hardware import GPU, gpu as gpu_of, matrix_efficiency
 from .stepmodel import waves
 
 MXFP4_BYTES = 0.53125  # 4 bits per value + one 8-bit scale per 32 values
@@ -260,7 +260,8 @@ def verify_extra_us(inp: Inputs, positions: int, batch: int, tiles: bool) -> flo
 def prefill_us_per_token(inp: Inputs, context: float, g: GPU, kda_scan: bool) -> float:
     """One uncached token's prefill on the node (each rank its slice), us: the KDA scan per token and
     layer from records, the projections (2 FLOPs per active parameter of the rank) and MLA attention over
-    `context` positions as FLOPs over the GPU's bf16 matrix rate (modelled)."""
+    `context` positions as FLOPs over the GPU's bf16 matrix rate at the share a large matmul reaches
+    (hardware.matrix_efficiency; modelled)."""
     c = tp_config()
     _, active = c.param_counts()
     flops = 2.0 * active + c.num_mla_layers * 2 * c.num_attention_heads * context * (
@@ -268,4 +269,4 @@ def prefill_us_per_token(inp: Inputs, context: float, g: GPU, kda_scan: bool) ->
     )
     kda = c.num_kda_layers * inp.kda_prefill_us["after" if kda_scan else "before"]
     scale = gpu_of("h200").bf16_tflops / g.bf16_tflops
-    return kda * scale + flops / (g.bf16_tflops * 1e6)
+    return kda * scale + flops / (g.bf16_tflops * matrix_efficiency()[0] * 1e6)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from k3lab import env
 
-from . import attention, epilogue, kda, moe, serving
+from . import attention, curve, epilogue, kda, moe, serving
 from ._core import EXACT, Case, Mismatch, Task, grade
 from .attention import mma16
 
@@ -42,6 +42,7 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     serving.DEPTH,         # 06
     serving.RESUME,        # 07
     serving.FLOOR,         # 08
+    curve.BEND,            # 09
 )}
 
 

@@ -1,0 +1,92 @@
+"""Notebook 09's figures and its what-if explorer: the fronts of a ladder, one configuration's front under
+a Scenario, and the sliders that redraw it.
+
+The explorer sets its figure and table as the Output widget's state from the kernel (no capture of cell
+output: see k3lab.studies.draft_depth.explorer for why), and `whatif` is the same computation as a plain
+call for a reader without widgets.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from k3lab.serving import curve, hardware
+
+WHATIF_DEFAULTS = dict(gpu="mi355x", context=1.0, hit_rate=None, acceptance=1.0, max_depth=curve.MAX_DEPTH,
+                       dcp="1 or 8")
+DCP_CHOICES = {"1 or 8": None, "1": (1,), "8": (8,)}
+
+
+def curve_figure(rows: list[dict], target: float, title: str):
+    """One line per rung (its Pareto front), tokens/s/GPU against tokens/s/user, the target dotted."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for row in rows:
+        fr = row["front"]
+        fig.add_trace(go.Scatter(x=[p["tokens_per_s_user"] for p in fr],
+                                 y=[p["tokens_per_s_gpu"] for p in fr], mode="lines+markers",
+                                 name=row["rung"]))
+    fig.add_vline(x=target, line_dash="dot")
+    fig.update_layout(title=title, xaxis_title="tokens/s/user (P90)", yaxis_title="total tokens/s/GPU",
+                      xaxis_type="log", height=460)
+    return fig
+
+
+def whatif(inp, work, *, gpu: str = "mi355x", context: float = 1.0, hit_rate: float | None = None,
+           acceptance: float = 1.0, max_depth: int = curve.MAX_DEPTH, dcp: str = "1 or 8",
+           target: float = hardware.SEED["interactivity"]):
+    """The all-on front under a what-if (inputs `context` times as long, a fixed prefix `hit_rate` or
+    None for the modelled one, acceptance scaled, depth capped, DCP '1', '8' or '1 or 8') on `gpu`:
+    (figure, table of the front). ValueError naming a bad argument before anything is computed."""
+    if dcp not in DCP_CHOICES:
+        raise ValueError(f"dcp must be one of {list(DCP_CHOICES)}, got {dcp!r}")
+    g = hardware.gpu(gpu)
+    sc = curve.Scenario(hit_rate=hit_rate, acceptance=acceptance, max_depth=int(max_depth))
+    w = work.scaled(context)
+    from k3lab.studies.serving import H200_MEMORY_GB
+
+    mem = H200_MEMORY_GB if gpu == "h200" else None
+    fr = curve.front(curve.candidates(inp, curve.RUNGS[-1], g, w, memory_gb=mem, dcp=DCP_CHOICES[dcp],
+                                      scenario=sc))
+    at = curve.at_interactivity(fr, target)
+    hits = "modelled hits" if hit_rate is None else f"hits {hit_rate:.0%}"
+    fig = curve_figure([{"rung": "all on (what-if)", "front": fr}], target,
+                       f"{g.name}, inputs x {context:g}, {hits}, acceptance x {acceptance:g}, DCP {dcp}: "
+                       f"{at:,.0f} tokens/s/GPU at {target:g} tokens/s/user")
+    cols = ["dcp", "depth", "concurrency", "tokens_per_s_user", "tokens_per_s_gpu", "hit_rate", "cycle_ms"]
+    return fig, pd.DataFrame(fr)[cols].round(3) if fr else pd.DataFrame(columns=cols)
+
+
+def explorer(inp, work, **defaults):
+    """Sliders and menus for `whatif`'s knobs; the figure and table follow them. Needs ipywidgets."""
+    import ipywidgets as w
+
+    from k3lab.studies.draft_depth import _figure_output, _table_output
+
+    v = {**WHATIF_DEFAULTS, **defaults}
+    style, layout = dict(description_width="160px"), w.Layout(width="480px")
+    controls = dict(
+        gpu=w.Dropdown(options=list(hardware.GPUS), value=v["gpu"], description="GPU", style=style),
+        context=w.FloatSlider(value=v["context"], min=0.25, max=1.5, step=0.05, description="inputs x",
+                              style=style, layout=layout, continuous_update=False),
+        hit_rate=w.FloatSlider(value=v["hit_rate"] if v["hit_rate"] is not None else 0.96, min=0.5, max=0.99,
+                               step=0.01, description="prefix hit rate", style=style, layout=layout,
+                               continuous_update=False),
+        acceptance=w.FloatSlider(value=v["acceptance"], min=0.5, max=1.15, step=0.05,
+                                 description="acceptance x", style=style, layout=layout,
+                                 continuous_update=False),
+        max_depth=w.IntSlider(value=v["max_depth"], min=0, max=curve.MAX_DEPTH, description="draft depth <=",
+                              style=style, layout=layout, continuous_update=False),
+        dcp=w.Dropdown(options=list(DCP_CHOICES), value=v["dcp"], description="DCP", style=style),
+    )
+    out = w.Output()
+
+    def redraw(_change=None):
+        fig, table = whatif(inp, work, **{name: c.value for name, c in controls.items()})
+        out.outputs = (_figure_output(fig), _table_output(table))
+
+    for control in controls.values():
+        control.observe(redraw, names="value")
+    redraw()
+    return w.VBox([w.VBox(list(controls.values())), out])

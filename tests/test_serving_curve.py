@@ -1,0 +1,106 @@
+"""The serving curve's what-ifs, the shares along it, the article comparison, and notebook 09's task."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3lab import bench, workshop
+from k3lab.serving import article, curve, hardware
+
+needs_records = pytest.mark.skipif(not bench.load_records("decode_step", device="nvidia-h200"),
+                                   reason="no committed H200 decode_step records")
+
+
+@pytest.fixture(scope="module")
+def inp():
+    from k3lab.studies.serving import inputs
+
+    return inputs.node_inputs()
+
+
+# ------------------------------------------------------------------------------------ the task
+def bend_at_max_throughput(concurrency, per_user, per_gpu):  # a plausible wrong answer: the curve's end
+    return int(concurrency[max(range(len(per_gpu)), key=per_gpu.__getitem__)])
+
+
+def bend_below_twenty_percent(concurrency, per_user, per_gpu):  # another: ignores what users lose
+    for i in range(len(concurrency) - 1):
+        if per_gpu[i + 1] < 1.2 * per_gpu[i]:
+            return int(concurrency[i])
+    return int(concurrency[-1])
+
+
+def test_the_bend_task_passes_its_solution_and_fails_two_plausible_wrong_answers(capsys):
+    assert "curve_bend" in workshop.TASKS and workshop.TASKS["curve_bend"].notebook == "09_serving_curve"
+    assert workshop.check("curve_bend", workshop.solution("curve_bend"), seed=3)
+    assert not workshop.check("curve_bend", bend_at_max_throughput, seed=3)
+    assert not workshop.check("curve_bend", bend_below_twenty_percent, seed=3)
+    assert "expected" in capsys.readouterr().out
+
+
+def test_knee_refuses_bad_fronts_by_name():
+    with pytest.raises(ValueError, match="concurrency must rise"):
+        curve.knee([2, 1], [2.0, 1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="equal lists"):
+        curve.knee([1], [1.0], [1.0])
+    assert curve.knee([1, 2], [10.0, 9.9], [1.0, 1.98]) == 2  # every step pays
+
+
+# ------------------------------------------------------------------------------------ scenarios
+def test_scenario_refuses_bad_knobs():
+    with pytest.raises(ValueError, match="hit_rate"):
+        curve.Scenario(hit_rate=1.5)
+    with pytest.raises(ValueError, match="max_depth"):
+        curve.Scenario(max_depth=curve.MAX_DEPTH + 1)
+    with pytest.raises(ValueError, match="context"):
+        curve.agent_workload().scaled(0)
+
+
+def test_acceptance_scales_the_committed_tokens():
+    assert curve.committed(3) == pytest.approx(3.0, abs=0.01)  # the seed's 3.00 at three drafts
+    assert curve.committed(3, 0.8) < curve.committed(3) < curve.committed(3, 1.1) <= 4.0
+
+
+@needs_records
+def test_fewer_prefix_hits_and_slower_steps_lower_the_figure(inp):
+    w, g, rung = curve.agent_workload(), hardware.gpu("mi355x"), curve.RUNGS[-1]
+    kw = dict(dcp=1, depth=3, concurrency=8, work=w)
+    base = curve.evaluate(inp, rung, g, **kw)
+    fewer = curve.evaluate(inp, rung, g, scenario=curve.Scenario(hit_rate=0.8), **kw)
+    slower = curve.evaluate(inp, rung, g, scenario=curve.Scenario(step_scale=1.3), **kw)
+    assert fewer["tokens_per_s_gpu"] < base["tokens_per_s_gpu"] and fewer["hit_rate"] == 0.8
+    assert slower["cycle_ms"] == pytest.approx(1.3 * base["cycle_ms"], rel=1e-9)
+    assert slower["tokens_per_s_user"] < base["tokens_per_s_user"]
+
+
+@needs_records
+def test_shares_at_a_target_every_rung_reaches_are_not_all_zero(inp):
+    rows = curve.ladder(inp, hardware.gpu("mi355x"), curve.agent_workload())
+    t = curve.reachable_target(rows)
+    assert t > 0
+    shares = curve.shares_at(rows, t)
+    assert all(s["at_target"] > 0 for s in shares)
+    assert sum(s["gain"] for s in shares) == pytest.approx(shares[-1]["at_target"])
+    assert any(s["gain"] > 0 for s in shares[1:])
+
+
+@needs_records
+def test_the_article_walk_ends_at_the_articles_figure_and_fewer_hits_lower_the_model(inp):
+    rows = article.steps(inp, curve.agent_workload())
+    assert rows[-1]["tokens_per_s_gpu"] == hardware.SEED["mi355x_tokens_per_s_gpu"]
+    model, no_glue, hits = (r["tokens_per_s_gpu"] for r in rows[:3])
+    assert model >= no_glue > hits > 0
+    implied = rows[-2]
+    assert implied["kind"] == "implied"
+    assert implied["tokens_per_s_gpu"] >= hardware.SEED["mi355x_tokens_per_s_gpu"]
+    assert hardware.SEED["hit_rate_reported"][1] <= implied["hit_rate"] <= rows[0]["hit_rate"]
+    kinds = {r["kind"] for r in rows}
+    assert kinds <= {"projected", "the article's", "implied"}
+
+
+@needs_records
+def test_the_whatif_refuses_a_bad_dcp_before_computing(inp):
+    from k3lab.studies.serving import figures
+
+    with pytest.raises(ValueError, match="dcp"):
+        figures.whatif(inp, curve.agent_workload(), dcp="4")

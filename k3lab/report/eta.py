@@ -44,23 +44,23 @@ EXPECTED_S: dict[str, dict[str, float]] = {
         "notebook:00_k3_anatomy": 25, "notebook:01_dcp": 20, "notebook:02_moe_sharding": 10,
         "notebook:03_copy_removal": 75, "notebook:04_mla_padding": 55, "notebook:04b_mla_deep_dive": 10,
         "notebook:05_kda_scan": 75, "notebook:05b_kda_deep_dive": 90, "notebook:06_draft_depth": 20,
-        "notebook:07_agent_cache": 25, "notebook:08_all_together": 10,
+        "notebook:07_agent_cache": 25, "notebook:08_all_together": 10, "notebook:09_serving_curve": 30,
     },
     "gpu-full": {
         "study:launch_overhead": 20, "study:copy_removal": 176, "study:kda_decode": 20,
         "study:mla_padding": 80, "study:kda_scan": 212, "study:kda_verify": 50, "study:kda_precision": 15,
         "study:draft_depth": 30, "study:decode_step": 397, "study:agent_cache": 25, "study:dcp": 20,
-        "study:moe_sharding": 25,
+        "study:moe_sharding": 25, "study:serving": 420,
     },
     "cpu": {
         KERNELS: 0,
         "study:launch_overhead": 7, "study:copy_removal": 14, "study:mla_padding": 30, "study:kda_scan": 30,
         "study:kda_verify": 7, "study:kda_precision": 35, "study:draft_depth": 50, "study:decode_step": 155,
-        "study:agent_cache": 5,
+        "study:agent_cache": 5, "study:serving": 25,
         "notebook:00_k3_anatomy": 85, "notebook:01_dcp": 45, "notebook:02_moe_sharding": 20,
         "notebook:03_copy_removal": 120, "notebook:04_mla_padding": 100, "notebook:04b_mla_deep_dive": 20,
         "notebook:05_kda_scan": 160, "notebook:05b_kda_deep_dive": 60, "notebook:06_draft_depth": 75,
-        "notebook:07_agent_cache": 45, "notebook:08_all_together": 15,
+        "notebook:07_agent_cache": 45, "notebook:08_all_together": 15, "notebook:09_serving_curve": 45,
     },
 }
 

@@ -104,3 +104,18 @@ def test_the_whatif_refuses_a_bad_dcp_before_computing(inp):
 
     with pytest.raises(ValueError, match="dcp"):
         figures.whatif(inp, curve.agent_workload(), dcp="4")
+
+
+@needs_records
+def test_the_front_page_section_draws_every_rung_and_tells_measured_from_modelled():
+    from pathlib import Path
+
+    from k3lab.report import front
+
+    page = front.serving_section(Path(bench.PROFILES).parent)
+    for word in ("Measured:", "Modelled:", "Projected:", "<svg", "validate.*"):
+        assert word in page, word
+    import html
+
+    assert all(html.escape(r.name) in page for r in curve.RUNGS)
+    assert page.count("<polyline") == len(curve.RUNGS)

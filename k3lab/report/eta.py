@@ -44,7 +44,7 @@ EXPECTED_S: dict[str, dict[str, float]] = {
         "notebook:00_k3_anatomy": 25, "notebook:01_dcp": 20, "notebook:02_moe_sharding": 10,
         "notebook:03_copy_removal": 75, "notebook:04_mla_padding": 55, "notebook:04b_mla_deep_dive": 10,
         "notebook:05_kda_scan": 75, "notebook:05b_kda_deep_dive": 90, "notebook:06_draft_depth": 20,
-        "notebook:07_agent_cache": 25, "notebook:08_all_together": 10, "notebook:09_serving_curve": 30,
+        "notebook:07_agent_cache": 25, "notebook:08_all_together": 10, "notebook:09_serving_curve": 20,
     },
     "gpu-full": {
         "study:launch_overhead": 20, "study:copy_removal": 176, "study:kda_decode": 20,

@@ -246,4 +246,74 @@ def front_table(root: Path, checks: Checks) -> str:
             mode = f" ({r['mode']})" if r["mode"] else ""
             case = f"<td>{html.escape(r['label'] + mode)}</td>"
             body.append(f"<tr>{title if i == 0 else ''}{case}{nums}{tail if i == 0 else ''}</tr>")
-    return "<table class='front'>" + head + "".join(body) + "</table>"
+    return "<table class='front'>" + head + "".join(body) + "</table>" + serving_section(root)
+
+
+# ------------------------------------------------------------------ the serving curve (notebook 09)
+def _svg_fronts(rows: list[dict], target: float, width: int = 560, height: int = 300) -> str:
+    """The rungs' fronts as one inline SVG: log tokens/s/user across, tokens/s/GPU up, the target dashed."""
+    pts = [p for r in rows for p in r["front"]]
+    if not pts:
+        return ""
+    xs = [math.log10(max(p["tokens_per_s_user"], 1e-3)) for p in pts]
+    x0, x1 = min(xs + [math.log10(target)]), max(xs + [math.log10(target)])
+    y1 = max(p["tokens_per_s_gpu"] for p in pts) or 1.0
+    m = 36
+
+    def xy(u, g):
+        x = m + (math.log10(max(u, 1e-3)) - x0) / max(x1 - x0, 1e-9) * (width - 2 * m)
+        return f"{x:.1f},{height - m - g / y1 * (height - 2 * m):.1f}"
+
+    colors = ["#7f7f7f", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#9467bd", "#d62728", "#ff7f0e",
+              "#1f77b4"]
+    lines = [f"<polyline fill='none' stroke='{colors[i % len(colors)]}' stroke-width='1.5' points='"
+             + " ".join(xy(p["tokens_per_s_user"], p["tokens_per_s_gpu"]) for p in r["front"])
+             + f"'><title>{html.escape(r['rung'])}</title></polyline>"
+             for i, r in enumerate(rows) if r["front"]]
+    tx = xy(target, 0).split(",")[0]
+    return (f"<svg width='{width}' height='{height}' role='img'>"
+            "<rect width='100%' height='100%' fill='white'/>"
+            f"<line x1='{tx}' x2='{tx}' y1='{m}' y2='{height - m}' stroke='#999' stroke-dasharray='4'/>"
+            + "".join(lines)
+            + f"<text x='{m}' y='{height - 8}' font-size='11'>tokens/s/user (P90, log) &#8594;</text>"
+            + f"<text x='4' y='14' font-size='11'>total tokens/s/GPU (up to {plain(y1)})</text></svg>")
+
+
+def serving_section(root: Path) -> str:
+    """The serving curve on the first screen: each rung's front on 8x MI355X (projected) and its
+    tokens/s/GPU at the article's interactivity and at a target every rung reaches, with what is measured
+    (the H200 step records and the held-out error of their fit), modelled and projected told apart. Reads
+    the committed records through the serving study; '' when they are missing."""
+    try:
+        from k3lab import bench
+        from k3lab.serving import curve, hardware
+        from k3lab.studies.serving import inputs
+
+        inp = inputs.node_inputs(root=root / "profiles")
+        work = curve.agent_workload()
+        target = hardware.SEED["interactivity"]
+        rows = curve.ladder(inp, hardware.gpu("mi355x"), work, target=target)
+        checks = [r for r in bench.load_records("serving", device=HEADLINE_DEVICE, root=root / "profiles")
+                  if r.case.startswith("validate.")]
+    except (LookupError, ImportError, ValueError) as exc:
+        return f"<h2>The serving curve</h2><p><i>not drawn: {html.escape(str(exc))}</i></p>"
+    reach = curve.reachable_target(rows)
+    low = {r["rung"]: r for r in curve.shares_at(rows, reach)}
+    worst = max((abs(r.extra["rel_err"]) for r in checks), default=float("nan"))
+    body = "".join(
+        f"<tr><td>{html.escape(r['rung'])}</td><td class='num'>{plain(r['at_target'])}</td>"
+        f"<td class='num'>{plain(r['gain'])}</td><td class='num'>{plain(low[r['rung']]['at_target'])}</td>"
+        f"<td class='num'>{plain(low[r['rung']]['gain'])}</td></tr>" for r in rows)
+    steps = len(inputs.step_points(root=root / "profiles"))
+    return (
+        "<h2>The serving curve (8x MI355X, projected; notebook 09)</h2>"
+        f"<p><b>Measured:</b> one TP8 rank's decode step on the H200 ({steps} graph-replayed steps), "
+        f"fitted per variant; its {len(checks)} held-out steps are within {worst:.1%} (validate.* records). "
+        "<b>Modelled:</b> collectives over the published links, DCP's exchange, the drafter, prefill, the "
+        "prefix hit rate. <b>Projected:</b> the MI355X (its bandwidth, matrix rate, memory, link); "
+        f"the article measured {plain(hardware.SEED['mi355x_tokens_per_s_gpu'])} tokens/s/GPU at "
+        f"{plain(target)} tokens/s/user.</p>" + _svg_fronts(rows, target)
+        + "<table class='front'><tr><th>rung (the article's order)</th>"
+        f"<th>tokens/s/GPU at {plain(target)} tokens/s/user</th><th>its share</th>"
+        f"<th>at {plain(reach)} tokens/s/user (every rung reaches it)</th><th>its share</th></tr>"
+        + body + "</table>")

@@ -12,7 +12,6 @@ import math
 import os
 import re
 import subprocess
-import tempfile
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import torch
 
 from k3lab import env as _env
 from k3lab.bench.timing import Timing
+from k3lab.files import write_atomic  # noqa: F401 - re-exported: bench's writers and the CLI use it
 
 VARIANTS = ("before", "after", "reference")
 # Public packages a k3lab kernel is compared with in the same run ('torch' = plain PyTorch ops).
@@ -207,23 +207,6 @@ def committed_reason(path: Path) -> str | None:
     if tracked is None and _inside(path, Path(PROFILES)):
         return f"under {PROFILES}, and git cannot tell here whether it is committed"
     return None
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to a temp file beside `path`, flush it to disk, then rename it over `path`: an
-    interrupted write leaves the previous file whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _read_record_file(path: Path) -> list[Record]:

@@ -9,6 +9,13 @@ copy of plotly.js, so the page opens without a network.
 A study or notebook that fails, and any cell that reaches the per-cell timeout, is named at the top
 of the page and makes `build_report` exit non-zero (SystemExit), so `make run` fails too.
 
+Ctrl-C ends the run within seconds (`workers` says how the notebooks stop): nothing queued starts, the
+running kernels and workers are killed, and an interrupted report is written at once (a banner at the
+top, each stopped or unstarted notebook and study named, the notebooks' own pages marked, timings.json
+'interrupted'); then SystemExit(130). And since a run can also die without a chance to write anything
+(SIGKILL, a lost machine), the previous report is moved to report.previous.html before the run starts
+and report.html says 'running' until the run writes it: an older page never looks current.
+
 Which form: by default every study runs its quick form (`studies.report_form`: on a GPU the cases the
 notebooks and the first page show, every variant still checked; on a CPU the smallest cases), so that
 `make run` takes about ten minutes on an H200 and well under twenty on two CPU cores; `full=True`
@@ -16,18 +23,19 @@ notebooks and the first page show, every variant still checked; on a CPU the sma
 cases of each study. On a GPU every kernels/*.cu is built first, in parallel (`kernels`). One overall
 bar with an ETA runs over every step (`eta`); out/timings.json keeps each step's seconds.
 
-Modules: `execute` (the notebook runner), `front` (the first screen), `sections` (per study),
-`tables` (compact before/after tables, shared with `k3lab bench`), `eta` (the overall bar and its ETA),
-`kernels` (the parallel build).
+Modules: `execute` (the notebook runner), `workers` (one process per notebook, and Ctrl-C), `front` (the
+first screen), `sections` (per study), `tables` (compact before/after tables, shared with `k3lab bench`),
+`eta` (the overall bar and its ETA), `kernels` (the parallel build).
 """
 
 from __future__ import annotations
 
 import html
 import json
-import multiprocessing
+import os
+import signal
+import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from k3lab.report.execute import (
@@ -35,6 +43,7 @@ from k3lab.report.execute import (
     PLOTLY_MIME,
     CellTimedOut,
     NotebookFailed,
+    NotebookInterrupted,
     add_html_for_plotly,
     execute_notebook,
 )
@@ -42,10 +51,12 @@ from k3lab.report.front import OPTIMIZATIONS, Checks, front_table
 from k3lab.report.eta import Plan, Progress, expected_seconds, fmt_duration
 from k3lab.report.sections import LiveRun, form_text, progress, run_study, study_section
 
-__all__ = ["CELL_TIMEOUT_S", "OPTIMIZATIONS", "PLOTLY_MIME", "CellTimedOut", "NotebookFailed",
-           "add_html_for_plotly", "build_report", "execute_notebook", "notebook_paths"]
+__all__ = ["CELL_TIMEOUT_S", "INTERRUPTED_EXIT", "OPTIMIZATIONS", "PLOTLY_MIME", "CellTimedOut",
+           "NotebookFailed", "NotebookInterrupted", "add_html_for_plotly", "build_report", "execute_notebook",
+           "notebook_paths"]
 
 REPO = Path(__file__).resolve().parent.parent.parent
+INTERRUPTED_EXIT = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 INTRO = (
     "k3lab runs the optimizations that serve Kimi K3 fast, each as a before and an after that are checked "
     "against a plain PyTorch reference, timed and profiled on the machine at hand (an AMD or NVIDIA GPU, "
@@ -59,61 +70,82 @@ STYLE = (
 
 
 def notebook_paths(root: Path | None = None) -> list[Path]:
-    return sorted((root or REPO / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
+    return sorted(Path(root or REPO / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
 
 
 def _write_plotly_js(out: Path) -> None:
+    """out/plotly.min.js, plotly's own copy (rewritten when it differs: a truncated one is replaced)."""
     from plotly.offline import get_plotlyjs
 
-    target = out / "plotly.min.js"
-    if not target.exists():
-        target.write_text(get_plotlyjs(), encoding="utf-8")
+    from k3lab.files import write_atomic
+
+    target, text = out / "plotly.min.js", get_plotlyjs()
+    if not target.exists() or target.stat().st_size != len(text.encode()):
+        write_atomic(target, text)
 
 
-def _run_notebooks(paths: list[Path], out: Path, timeout_s: int, workers: int, t0: float,
-                   checks: Checks, failures: list[str], bar: Progress | None = None) -> list[str]:
-    """Execute the notebooks in spawned worker processes (kernel clients share nothing); one list
-    item of HTML per notebook, in file order. The pool starts them in order as workers free up, so
-    `bar` marks the first `workers` started now and the next one each time one ends."""
-    from k3lab.report.execute import run_in_worker
+def _mark_running(out: Path, commit: str) -> None:
+    """Before a run: the previous report.html becomes report.previous.html, and report.html says that a
+    run began and has not written its report (so a run killed without a word leaves no old page as if
+    current)."""
+    from k3lab.files import write_atomic
 
-    rows: dict[Path, str] = {}
-    queue = list(paths)
+    page = out / "report.html"
+    if page.exists():
+        os.replace(page, out / "report.previous.html")
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    write_atomic(page, "<!doctype html><html><head><meta charset='utf-8'><title>k3lab report (running)"
+                       f"</title><style>{STYLE}</style></head><body><h1>k3lab report: not finished</h1>"
+                       f"<p class='fail'>A run began at {when} (commit {html.escape(commit)}) and has not "
+                       "written its report: this page is replaced when the run ends or is interrupted. If "
+                       "no run is going on, it was killed before it could write one.</p><p>The previous "
+                       "report, if there was one: <a href='report.previous.html'>report.previous.html</a> "
+                       "(its notebook pages may have been replaced by this run's).</p></body></html>\n")
 
-    def started(n: int) -> None:
-        for _ in range(min(n, len(queue))):
-            p = queue.pop(0)
-            progress(t0, f"notebook {p.stem}: started")
-            if bar is not None:
-                bar.start(f"notebook:{p.stem}")
 
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
-    with pool:
-        futures = {pool.submit(run_in_worker, p, out / "notebooks", timeout_s): p for p in paths}
-        started(workers)
-        for fut in as_completed(futures):
-            p = futures[fut]
-            try:
-                _, seconds, slowest = fut.result()
-                status = f"passed in {seconds:.0f} s (slowest cell {slowest:.0f} s)"
-                checks.notebooks[p.stem] = "passed"
-            except CellTimedOut as exc:
-                status = f"FAILED, timed out: {str(exc).splitlines()[0]}"
-                checks.notebooks[p.stem] = "FAILED (a cell timed out)"
-                failures.append(f"notebook {p.name} (timeout)")
-            except Exception as exc:
-                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                status = f"FAILED: {first}"
-                checks.notebooks[p.stem] = "FAILED"
-                failures.append(f"notebook {p.name}")
-            progress(t0, f"notebook {p.stem}: {status}")
-            if bar is not None:
-                bar.finish(f"notebook:{p.stem}")
-            started(1)
-            cls = " class='fail'" if status.startswith("FAILED") else ""
-            rows[p] = (f'<li{cls}><a href="notebooks/{p.stem}.html">{html.escape(p.stem)}</a> '
-                       f'(<a href="notebooks/{p.name}">ipynb</a>): {html.escape(status)}</li>')
-    return [rows[p] for p in paths]
+# a notebook's outcome (workers.Outcome.status) as the first screen's 'checked on this machine'
+NOTEBOOK_CHECK = {"passed": "passed", "timeout": "FAILED (a cell timed out)", "failed": "FAILED",
+                  "interrupted": "INTERRUPTED", "not started": "not run (interrupted)"}
+NOTEBOOK_LINE = {"timeout": "FAILED, timed out: ", "failed": "FAILED: ", "interrupted": "INTERRUPTED: ",
+                 "not started": "NOT RUN: "}
+
+
+def _run_notebooks(paths: list[Path], out: Path, timeout_s: int, workers: int, t0: float, checks: Checks,
+                   failures: list[str], bar: Progress | None = None) -> tuple[list[str], bool]:
+    """Execute the notebooks in worker processes (`workers`); one list item of HTML per notebook, in
+    file order, and whether Ctrl-C stopped them. `bar` marks each notebook as its worker starts and ends
+    (an interrupted one stays unfinished, so the timings show it as interrupted)."""
+    from k3lab.report import workers as pool
+
+    def started(p: Path) -> None:
+        progress(t0, f"notebook {p.stem}: started")
+        if bar is not None:
+            bar.start(f"notebook:{p.stem}")
+
+    def ended(p: Path, got) -> None:
+        progress(t0, f"notebook {p.stem}: {_notebook_status(got)}")
+        if bar is not None and got.status != "interrupted":
+            bar.finish(f"notebook:{p.stem}")
+
+    outcomes, stopped = pool.run_notebooks(paths, out / "notebooks", timeout_s, workers, started, ended)
+    rows = []
+    for p in paths:
+        got = outcomes[p]
+        status = _notebook_status(got)
+        checks.notebooks[p.stem] = NOTEBOOK_CHECK[got.status]
+        if got.status in ("failed", "timeout"):
+            failures.append(f"notebook {p.name}" + (" (timeout)" if got.status == "timeout" else ""))
+        cls = " class='fail'" if got.status != "passed" else ""
+        rows.append(f'<li{cls}><a href="notebooks/{p.stem}.html">{html.escape(p.stem)}</a> '
+                    f'(<a href="notebooks/{p.name}">ipynb</a>): {html.escape(status)}</li>')
+    return rows, stopped
+
+
+def _notebook_status(got) -> str:
+    """One notebook's line: 'passed in 12 s (slowest cell 3 s)', 'FAILED: ...', 'INTERRUPTED: ...'."""
+    if got.status == "passed":
+        return f"passed in {got.seconds:.0f} s (slowest cell {got.slowest:.0f} s)"
+    return NOTEBOOK_LINE[got.status] + got.message
 
 
 def _build_kernels(t0: float) -> str:
@@ -139,35 +171,107 @@ def _form_line(gpu: bool, full: bool) -> str:
     return f"quick form ({where}); k3lab report --full runs every case"
 
 
-def _write_timings(out: Path, plan: Plan, kind: str, form: str, total_s: float) -> None:
-    """out/timings.json: each step's seconds, to hold against the ETA table (eta.EXPECTED_S)."""
+def _write_timings(out: Path, plan: Plan, kind: str, form: str, total_s: float, stopped: str = "") -> None:
+    """out/timings.json: each step's seconds, to hold against the ETA table (eta.EXPECTED_S), and the
+    run's status: 'complete', or 'interrupted' with what was running (`stopped`), each stopped step's
+    seconds so far marked 'interrupted', and the steps that never started."""
     from k3lab import env
+    from k3lab.files import write_atomic
 
-    steps = {s.key: {"seconds": round(s.finished - s.started, 1), "expected": s.expected}
-             for s in plan.steps if s.finished is not None and s.started is not None}
+    now, steps = time.time(), {}
+    for s in plan.steps:
+        if s.finished is not None and s.started is not None:
+            steps[s.key] = {"seconds": round(s.finished - s.started, 1), "expected": s.expected}
+        elif s.started is not None and stopped:
+            steps[s.key] = {"seconds": round(now - s.started, 1), "expected": s.expected,
+                            "status": "interrupted"}
     data = {"machine": kind, "form": form, "environment": env.describe(), "workers": plan.workers,
-            "total_s": round(total_s, 1), "steps": steps}
-    (out / "timings.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+            "total_s": round(total_s, 1), "status": "interrupted" if stopped else "complete", "steps": steps}
+    if stopped:
+        data["interrupted"] = {"while": stopped,
+                               "not_started": [s.key for s in plan.steps if s.started is None]}
+    write_atomic(out / "timings.json", json.dumps(data, indent=1) + "\n")
+
+
+def _study_checks(runs: list[LiveRun], checks: Checks, failures: list[str]) -> None:
+    """Each study's line for the first screen, and the failed ones in `failures` (once)."""
+    for run in runs:
+        checks.studies[run.name] = run.status + (f" ({form_text(run)})" if run.form else "")
+        if run.status == "FAILED" and f"study {run.name}" not in failures:
+            failures.append(f"study {run.name}")
+
+
+def _running_steps(plan: Plan) -> list[str]:
+    return [s.key for s in plan.steps if s.started is not None and s.finished is None]
+
+
+class _CtrlC:
+    """While a report runs (main thread only): the first SIGINT raises KeyboardInterrupt, later ones
+    are ignored, so the interrupted report is written whole; the previous handler comes back after."""
+
+    def __init__(self):
+        self.hits = 0
+        self.previous = None
+
+    def _handler(self, signum, frame) -> None:
+        self.hits += 1
+        if self.hits == 1:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> _CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _sweep(since: int | None) -> None:
+    """SIGKILL to every process this one started since `since` (a /proc start time) that still runs:
+    a study's ranks, a compiler, a worker caught between its start and its place in the list."""
+    from k3lab.report import workers as pool
+
+    if since is not None:
+        pool.kill_tree(pool.descendants(os.getpid(), since=since))
+
+
+def _unstarted(paths: list[Path], out: Path, checks: Checks) -> list[str]:
+    """Rows and pages (`workers.placeholder`) of notebooks an interrupted report never started."""
+    from k3lab.report import workers as pool
+
+    rows = []
+    for p in paths:
+        pool.placeholder(p, out / "notebooks", "the report was interrupted before this notebook started")
+        checks.notebooks[p.stem] = NOTEBOOK_CHECK["not started"]
+        rows.append(f"<li class='fail'>{html.escape(p.stem)} (<a href='notebooks/{p.name}'>ipynb</a>): "
+                    "NOT RUN: the report was interrupted before it started</li>")
+    return rows
 
 
 def build_report(out: Path = Path("build"), preset: str | None = None, run_studies: bool = True,
                  run_notebooks: bool = True, timeout_s: int = CELL_TIMEOUT_S, workers: int = 2,
                  notebooks: Path | None = None, studies: list[str] | None = None, full: bool = False,
                  tty: bool | None = None) -> Path:
-    """Write out/report.html; SystemExit naming what failed when anything did (after writing it).
+    """Write out/report.html; SystemExit naming what failed when anything did (after writing it);
+    after Ctrl-C an interrupted report, then SystemExit(INTERRUPTED_EXIT) (module docstring).
 
     full: every case of every study (default: the quick forms, see the module docstring); workers:
     notebooks executed at a time; tty: force the progress bar on (True) or plain lines (False), default
     whether stderr is a terminal."""
     from k3lab import env
     from k3lab.bench import git_commit
+    from k3lab.report import workers as pool
     from k3lab.studies import GPU_ONLY, STUDIES, canonical
 
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     t0 = time.time()
+    since = pool.start_ticks()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    _mark_running(out, git_commit())
     _write_plotly_js(out)
     gpu = env.detect().backend != "cpu"
     kind, form = ("gpu" if gpu else "cpu"), ("full" if full else "quick")
@@ -187,42 +291,81 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
     progress(t0, f"k3lab report: {_form_line(gpu, full)}; {len(names) if run_studies else 0} studies, "
                  f"{len(nb_paths)} notebooks ({workers} at a time); expected about "
                  f"{fmt_duration(plan.eta(time.time()))} on this {kind.upper()}")
-    kernel_line = ""
-    with Progress(plan, t0, tty=tty) as bar:
-        if plan.get("kernels") is not None:
-            bar.start("kernels")
-            kernel_line = _build_kernels(t0)
-            bar.finish("kernels")
-        runs = []
-        for n in names:
-            if not run_studies:
-                runs.append(LiveRun(n))
-                continue
-            key, step = f"study:{n}", plan.get(f"study:{n}")
-            if step is not None:
-                bar.start(key)
-            budget = step.expected if step is not None and gpu and not full else None  # GPU_QUICK's budget
-            runs.append(run_study(n, preset, out, gpu, t0, full=full, budget_s=budget))
-            if step is not None:
-                bar.finish(key)
-        for run in runs:
-            checks.studies[run.name] = run.status + (f" ({form_text(run)})" if run.form else "")
-            if run.status == "FAILED":
-                failures.append(f"study {run.name}")
-        nb_rows = (_run_notebooks(nb_paths, out, timeout_s, workers, t0, checks, failures, bar)
-                   if run_notebooks else [])
-    total_s = time.time() - t0
-    _write_timings(out, plan, kind, form, total_s)
+    kernel_line, stopped = "", ""
+    runs: list[LiveRun] = []
+    nb_rows: list[str] | None = None
+    with _CtrlC():
+        try:
+            with Progress(plan, t0, tty=tty) as bar:
+                if plan.get("kernels") is not None:
+                    bar.start("kernels")
+                    kernel_line = _build_kernels(t0)
+                    bar.finish("kernels")
+                for n in names:
+                    if not run_studies:
+                        runs.append(LiveRun(n))
+                        continue
+                    key, step = f"study:{n}", plan.get(f"study:{n}")
+                    if step is not None:
+                        bar.start(key)
+                    budget = step.expected if step is not None and gpu and not full else None  # GPU_QUICK's
+                    runs.append(run_study(n, preset, out, gpu, t0, full=full, budget_s=budget))
+                    if step is not None:
+                        bar.finish(key)
+                _study_checks(runs, checks, failures)
+                if run_notebooks:
+                    nb_rows, interrupted = _run_notebooks(nb_paths, out, timeout_s, workers, t0, checks,
+                                                          failures, bar)
+                    if interrupted:
+                        raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            stopped = ", ".join(k.replace(":", " ") for k in _running_steps(plan)) or "the report"
+            progress(t0, f"interrupted (Ctrl-C) while {stopped} ran: writing an interrupted report")
+            _sweep(since)
+            for n in names[len(runs):]:
+                step = plan.get(f"study:{n}")
+                runs.append(LiveRun(n, status="INTERRUPTED" if step is not None and step.started is not None
+                                    else "not run (the report was interrupted)"))
+            _study_checks(runs, checks, failures)
+            if nb_rows is None:
+                nb_rows = _unstarted(nb_paths, out, checks)
+        total_s = time.time() - t0
+        _write_timings(out, plan, kind, form, total_s, stopped)
+        path = _write_page(out, runs, nb_rows or [], checks, failures, kernel_line, stopped, total_s,
+                           gpu=gpu, full=full, run_studies=run_studies)
+    progress(t0, f"report written to {path}" + (" (interrupted)" if stopped else ""))
+    if stopped:
+        raise SystemExit(INTERRUPTED_EXIT)
+    if failures:
+        raise SystemExit(f"k3lab report: written to {path}, but these failed: {', '.join(failures)}")
+    return path
 
+
+def _write_page(out: Path, runs: list[LiveRun], nb_rows: list[str], checks: Checks, failures: list[str],
+                kernel_line: str, stopped: str, total_s: float, *, gpu: bool, full: bool,
+                run_studies: bool) -> Path:
+    """out/report.html (written to a temp file and renamed); an interrupted run's page says so at the
+    top and keeps to what this run did (the committed records of studies it did not run are left to a
+    whole run's page, so the interrupted one is written at once)."""
+    from k3lab import env
+    from k3lab.bench import git_commit
+    from k3lab.files import write_atomic
+
+    title = "k3lab report" + (" (interrupted)" if stopped else "")
     page = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>k3lab report</title>",
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>",
         '<script src="plotly.min.js"></script>', f"<style>{STYLE}</style></head><body>",
-        "<h1>k3lab report</h1>", f"<p>{html.escape(INTRO)}</p>",
+        f"<h1>{title}</h1>", f"<p>{html.escape(INTRO)}</p>",
         f"<p><code>{html.escape(env.describe())}</code><br>commit {html.escape(git_commit())}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {total_s:.0f} s</p>",
         f"<p class='form'>Studies: {html.escape(_form_line(gpu, full)) if run_studies else 'not run'}."
         + (f" {html.escape(kernel_line)}." if kernel_line else "") + "</p>",
     ]
+    if stopped:
+        page.append(f"<p class='fail interrupted'><b>Interrupted</b> (Ctrl-C) after {total_s:.0f} s, while "
+                    f"{html.escape(stopped)} ran: this is not a complete run. What finished is shown; what "
+                    "was stopped or never started is marked INTERRUPTED or NOT RUN below, and so are the "
+                    "notebooks' own pages.</p>")
     if failures:
         page.append("<p class='fail'><b>Failed:</b> " + html.escape(", ".join(failures)) + "</p>")
     page += ["<h2>The optimizations</h2>", front_table(REPO, checks),
@@ -235,13 +378,13 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
     if nb_rows:
         page.append("<h2>Notebooks</h2><ul>" + "".join(nb_rows) + "</ul>")
     page.append("<h2>Studies</h2>")
-    page += [study_section(run, REPO, gpu) for run in runs]
+    if stopped:
+        page.append("<ul>" + "".join(f"<li>{html.escape(r.name)}: {html.escape(r.status)}</li>" for r in runs)
+                    + "</ul>")
+        page += [study_section(run, REPO, gpu) for run in runs if run.records or run.status == "FAILED"]
+    else:
+        page += [study_section(run, REPO, gpu) for run in runs]
     page.append("</body></html>")
     path = out / "report.html"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(page), encoding="utf-8")
-    tmp.replace(path)
-    progress(t0, f"report written to {path}")
-    if failures:
-        raise SystemExit(f"k3lab report: written to {path}, but these failed: {', '.join(failures)}")
+    write_atomic(path, "\n".join(page))
     return path

@@ -3,7 +3,10 @@
 `execute_notebook(path, out_dir, timeout_s)` runs every cell, writes the executed .ipynb and an .html
 twin, and returns (path written, seconds, slowest cell's seconds). A cell that errors raises
 `NotebookFailed` naming its error; a cell that reaches the per-cell timeout raises `CellTimedOut`
-(a timeout is always a failure, never a slow success).
+(a timeout is always a failure, never a slow success). Ctrl-C (KeyboardInterrupt, which the report's
+workers raise on their stop signal) kills the kernel's process group, marks the notebook interrupted in its
+saved .ipynb and .html (`mark_interrupted`: a banner on top and a marker after the cell that was
+running) and raises `NotebookInterrupted`. Every file is written to a temp file and renamed.
 
 Why a client of our own: nbclient mimics an ipywidgets `Output` for headless runs, and its mimic
 echoes every captured output back to the kernel on the shell socket, from the task that reads iopub,
@@ -26,7 +29,9 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -44,6 +49,67 @@ class NotebookFailed(RuntimeError):
 
 class CellTimedOut(NotebookFailed):
     """A cell reached the per-cell timeout."""
+
+
+class NotebookInterrupted(NotebookFailed):
+    """Ctrl-C (or the report's stop) ended the run; the saved notebook and page say so."""
+
+
+INTERRUPTED_STYLE = "border:2px solid #b00;color:#b00;padding:6px 10px"
+
+
+def banner(cell_id: str, title: str, text: str) -> dict:
+    """A markdown cell (a plain dict, valid nbformat 4.5) that shows `title`: `text` in a red box."""
+    box = f"<div style='{INTERRUPTED_STYLE}'><b>{html.escape(title)}</b>: {html.escape(text)}</div>"
+    return {"cell_type": "markdown", "id": cell_id, "metadata": {}, "source": box}
+
+
+def mark_interrupted(nb, running: int | None, why: str | None = None) -> str:
+    """Mark `nb` (a notebook dict or NotebookNode, executed in place in part, or not at all) as
+    interrupted: metadata['k3lab']['interrupted'], a banner as its first cell saying `why` (default: how
+    far it ran) and, when `running` (the index of the cell that was running) is given, a marker right
+    after that cell. Returns the one-line reason."""
+    cells = nb["cells"]
+    code = [i for i, c in enumerate(cells) if c["cell_type"] == "code"]
+    done = sum(1 for i in code if i != running and cells[i].get("execution_count") is not None)
+    where = (f"while code cell {code.index(running) + 1} of {len(code)} ran" if running in code
+             else "before its cells ran" if done == 0 else f"after {done} of {len(code)} code cells")
+    reason = why or f"stopped (Ctrl-C) {where}; {done} of {len(code)} code cells finished"
+    nb["metadata"]["k3lab"] = {"interrupted": True, "code_cells": len(code), "finished": done,
+                               "running": code.index(running) + 1 if running in code else None}
+    def node(cell: dict):  # cell ids came with nbformat 4.5; a NotebookNode takes NotebookNode cells
+        if nb.get("nbformat_minor", 0) < 5:
+            cell.pop("id")
+        return cell if type(nb) is dict else _node(cell)
+
+    if running in code:
+        cells.insert(running + 1, node(banner(
+            "k3lab-interrupted-here", "Interrupted here",
+            "this cell was running when the run was stopped, so its output above is partial, and no cell "
+            "below it ran.")))
+    cells.insert(0, node(banner("k3lab-interrupted", "Interrupted run",
+                                f"this page is not a complete run of the notebook: {reason}.")))
+    return reason
+
+
+def _node(d: dict):
+    import nbformat
+
+    return nbformat.from_dict(d)
+
+
+def _kill_kernel(client) -> None:
+    """SIGKILL to the kernel's process group (the kernel and whatever it started), when it has one."""
+    provisioner = getattr(getattr(client, "km", None), "provisioner", None)
+    pgid = getattr(provisioner, "pgid", None)
+    process = getattr(provisioner, "process", None)
+    try:
+        if pgid and hasattr(os, "killpg"):
+            os.killpg(pgid, signal.SIGKILL)
+        elif process is not None:
+            process.kill()
+    except OSError:
+        pass  # already gone
 
 
 def _client_class():
@@ -153,17 +219,20 @@ def export_html(nb) -> str:
 def _write_outputs(nb, path: Path, out_dir: Path) -> None:
     import nbformat
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    from k3lab.files import write_atomic
+
     add_html_for_plotly(nb)
-    nbformat.write(nb, out_dir / path.name)
-    (out_dir / path.with_suffix(".html").name).write_text(export_html(nb), encoding="utf-8")
+    text = nbformat.writes(nb)
+    write_atomic(out_dir / path.name, text if text.endswith("\n") else text + "\n")
+    write_atomic(out_dir / path.with_suffix(".html").name, export_html(nb))
 
 
 def execute_notebook(path: Path, out_dir: Path, timeout_s: int = CELL_TIMEOUT_S) -> tuple[Path, float, float]:
     """Execute one notebook into out_dir (.ipynb and .html, written even when a cell fails).
 
     Returns (executed .ipynb, seconds, slowest cell's seconds). Raises CellTimedOut when a cell
-    reaches timeout_s, NotebookFailed when a cell errors or the kernel dies."""
+    reaches timeout_s, NotebookFailed when a cell errors or the kernel dies, NotebookInterrupted on
+    KeyboardInterrupt (the kernel killed, the files marked; see the module docstring)."""
     import nbformat
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
@@ -187,19 +256,11 @@ def execute_notebook(path: Path, out_dir: Path, timeout_s: int = CELL_TIMEOUT_S)
             raise NotebookFailed(f"{exc.ename}: {exc.evalue}\n{exc}") from None
         except DeadKernelError as exc:
             raise NotebookFailed(f"the kernel died: {exc}") from None
+        except KeyboardInterrupt:
+            _kill_kernel(client)
+            running = next(iter(client._started), None)  # the cell whose reply never came
+            raise NotebookInterrupted(mark_interrupted(nb, running)) from None
         finally:
             _write_outputs(nb, path, Path(out_dir))
     slowest = max(client.cell_seconds.values(), default=0.0)
     return Path(out_dir) / path.name, time.perf_counter() - start, slowest
-
-
-def run_in_worker(path: Path, out_dir: Path, timeout_s: int) -> tuple[Path, float, float]:
-    """execute_notebook in a worker process (the parent says when each starts, above its progress bar).
-    Failures come back as NotebookFailed / CellTimedOut (plain exceptions that survive the pickle back
-    to the parent)."""
-    try:
-        return execute_notebook(path, out_dir, timeout_s)
-    except NotebookFailed:
-        raise
-    except Exception as exc:  # anything else (a broken notebook file, nbconvert) is one line too
-        raise NotebookFailed(f"{type(exc).__name__}: {exc}") from None

@@ -48,6 +48,11 @@ def build_all(max_workers: int | None = None) -> tuple[list[tuple[str, float, st
             status = "FAILED: " + (str(exc).splitlines() or [type(exc).__name__])[0]
         return name, time.perf_counter() - start, status
 
-    with ThreadPoolExecutor(max_workers=max_workers or max(1, len(names))) as pool:
+    pool = ThreadPoolExecutor(max_workers=max_workers or max(1, len(names)))
+    try:
         results = list(pool.map(one, names))
+    except BaseException:  # Ctrl-C: wait for no compiler (the report then kills those still running)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return results, f"{kind} for {target}"

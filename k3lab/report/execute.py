@@ -74,7 +74,7 @@ def mark_interrupted(nb, running: int | None, why: str | None = None) -> str:
     done = sum(1 for i in code if i != running and cells[i].get("execution_count") is not None)
     where = (f"while code cell {code.index(running) + 1} of {len(code)} ran" if running in code
              else "before its cells ran" if done == 0 else f"after {done} of {len(code)} code cells")
-    reason = why or f"stopped (Ctrl-C) {where}; {done} of {len(code)} code cells finished"
+    reason = why or f"stopped {where}; {done} of {len(code)} code cells finished"
     nb["metadata"]["k3lab"] = {"interrupted": True, "code_cells": len(code), "finished": done,
                                "running": code.index(running) + 1 if running in code else None}
     def node(cell: dict):  # cell ids came with nbformat 4.5; a NotebookNode takes NotebookNode cells

@@ -269,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "every variant; k3lab.studies.GPU_QUICK / CPU_CASES say which cases)")
     r.add_argument("--skip-studies", action="store_true")
     r.add_argument("--skip-notebooks", action="store_true")
-    r.add_argument("--workers", type=_positive_int, default=2,
-                   help="notebooks executed at a time (default 2)")
+    r.add_argument("--workers", type=_positive_int, default=None,
+                   help="notebooks executed at a time (default: 4 on a GPU machine, 2 on a CPU)")
     r.add_argument("--timeout", type=_positive_int, default=CELL_TIMEOUT_S,
                    help=f"seconds per notebook cell; a cell that reaches it fails the report (default "
                         f"{CELL_TIMEOUT_S})")

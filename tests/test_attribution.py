@@ -4,6 +4,8 @@ replay to the eager run, gaps and the per-part sums."""
 import pandas as pd
 import pytest
 
+from cpu_child import on_a_cpu
+
 from k3lab.profiling import attribution as at
 from k3lab.profiling.torch_trace import kernels_from_trace
 
@@ -67,6 +69,7 @@ def test_bad_arguments_are_named():
         at.attribute(kernels_from_trace(EAGER))
 
 
+@on_a_cpu  # the tiny step's Triton kernels on CPU tensors: the interpreter (a child without the GPU there)
 def test_the_labelled_step_computes_what_the_step_computes_and_opens_its_part_ranges():
     import torch
 

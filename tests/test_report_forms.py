@@ -65,8 +65,10 @@ def test_gpu_quick_cases_are_cases_the_study_has_on_a_gpu_and_run_takes_the_keyw
 
 
 def test_the_quick_gpu_report_is_planned_within_ten_minutes():
-    # the table's own arithmetic: kernels, then every study's budget, then 12 notebooks two at a time
-    plan = Plan(workers=2)
+    # the table's own arithmetic: kernels, then every study's budget, then 12 notebooks as many at a time
+    # as a GPU machine runs by default
+    assert eta.default_workers("gpu") == 4 and eta.default_workers("cpu") == 2
+    plan = Plan(workers=eta.default_workers("gpu"))
     plan.add("kernels", expected_seconds("gpu", "quick", "kernels"))
     for name in STUDIES:
         plan.add(f"study:{name}", expected_seconds("gpu", "quick", f"study:{name}"))
@@ -225,7 +227,8 @@ def test_cli_report_passes_full_and_workers(monkeypatch, tmp_path):
     assert cli.main(["report", "--out", str(tmp_path), "--full", "--workers", "3", "--skip-notebooks"]) == 0
     assert seen["full"] is True and seen["workers"] == 3 and seen["run_notebooks"] is False
     assert cli.main(["report", "--out", str(tmp_path)]) == 0
-    assert seen["full"] is False and seen["workers"] == 2
+    # None: build_report picks eta.default_workers for the machine
+    assert seen["full"] is False and seen["workers"] is None
     with pytest.raises(SystemExit):
         cli.main(["report", "--workers", "0"])
 

@@ -104,7 +104,8 @@ def test_ctrl_c_ends_the_report_within_seconds_and_marks_what_it_stopped(tmp_pat
     timings = json.loads((out / "timings.json").read_text())
     assert timings["status"] == "interrupted"
     assert timings["interrupted"]["not_started"] == ["notebook:03_queued"]
-    assert {k: v.get("status") for k, v in timings["steps"].items()} == {
+    # (on a GPU machine the kernel-build step comes first and finished before the notebooks started)
+    assert {k: v.get("status") for k, v in timings["steps"].items() if k.startswith("notebook:")} == {
         "notebook:01_sleepy": "interrupted", "notebook:02_sleepy": "interrupted"}
 
 

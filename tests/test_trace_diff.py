@@ -107,7 +107,7 @@ def test_short_names():
 def test_capture_diff_profiles_both_callables_here(tmp_path):
     import torch
 
-    x = torch.randn(64, 64)
+    x = torch.randn(64, 64, device="cuda" if torch.cuda.is_available() else "cpu")
     d = profile.capture_diff(lambda: (x * 2).sum(), lambda: torch.mm(x, x), steps=2, warmup=0,
                              trace_dir=tmp_path, name="t")
     assert set(d.paths) == {"before", "after"} and all(Path(p).exists() for p in d.paths.values())

@@ -48,7 +48,7 @@ from k3lab.report.execute import (
     execute_notebook,
 )
 from k3lab.report.front import OPTIMIZATIONS, Checks, front_table
-from k3lab.report.eta import Plan, Progress, expected_seconds, fmt_duration
+from k3lab.report.eta import Plan, Progress, default_workers, expected_seconds, fmt_duration
 from k3lab.report.sections import LiveRun, form_text, progress, run_study, study_section
 
 __all__ = ["CELL_TIMEOUT_S", "INTERRUPTED_EXIT", "OPTIMIZATIONS", "PLOTLY_MIME", "CellTimedOut",
@@ -251,22 +251,23 @@ def _unstarted(paths: list[Path], out: Path, checks: Checks) -> list[str]:
 
 
 def build_report(out: Path = Path("build"), preset: str | None = None, run_studies: bool = True,
-                 run_notebooks: bool = True, timeout_s: int = CELL_TIMEOUT_S, workers: int = 2,
+                 run_notebooks: bool = True, timeout_s: int = CELL_TIMEOUT_S, workers: int | None = None,
                  notebooks: Path | None = None, studies: list[str] | None = None, full: bool = False,
                  tty: bool | None = None) -> Path:
     """Write out/report.html; SystemExit naming what failed when anything did (after writing it);
     after Ctrl-C an interrupted report, then SystemExit(INTERRUPTED_EXIT) (module docstring).
 
     full: every case of every study (default: the quick forms, see the module docstring); workers:
-    notebooks executed at a time; tty: force the progress bar on (True) or plain lines (False), default
+    notebooks executed at a time (None: eta.default_workers for this machine); tty: force the progress
+    bar on (True) or plain lines (False), default
     whether stderr is a terminal."""
     from k3lab import env
     from k3lab.bench import git_commit
     from k3lab.report import workers as pool
     from k3lab.studies import GPU_ONLY, STUDIES, canonical
 
-    if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
     t0 = time.time()
     since = pool.start_ticks()
     out = Path(out)
@@ -275,6 +276,7 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
     _write_plotly_js(out)
     gpu = env.detect().backend != "cpu"
     kind, form = ("gpu" if gpu else "cpu"), ("full" if full else "quick")
+    workers = default_workers(kind) if workers is None else workers
     checks, failures = Checks(), []
 
     names = [canonical(n) for n in (studies if studies is not None else STUDIES)]

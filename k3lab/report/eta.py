@@ -31,20 +31,23 @@ PRIOR_S = 60.0
 SCALE_LIMITS = (1 / 3, 3.0)
 KERNELS = "kernels"  # the step that builds every kernels/*.cu (GPU)
 DEFAULT_S = {"gpu": 30.0, "cpu": 60.0}  # a step the table does not list (a new study or notebook)
-# Seconds per step. gpu: the H200 (16 cores), notebooks executed two at a time, each notebook's own
-# wall time as the default report measured it (profiles/nvidia-h200/gpu_check/report_timings_*.json); full
-# studies as measured there (copy_removal, kda_scan and decode_step from `k3lab report`,
-# the others' ~260 s spread by their number of cases). cpu: a 2-core machine that other jobs shared
-# (load about 4), `k3lab report`'s default form (11.5 minutes in all), so on the slow side. The refinement
-# above corrects a
-# table that is off, and out/timings.json (written by every report) is what to update it from.
+# Seconds per step. gpu: the H200 (16 cores): each notebook's wall time as nbval measured it with six
+# notebooks running at once on the one GPU (the sum of its cells in
+# profiles/nvidia-h200/gpu_check/notebooks_e547f7b.json; on the slow side for the report's four at a
+# time); full studies as the default report measured them (copy_removal, kda_scan and decode_step from `k3lab report`, the others' ~260 s spread by their
+# number of cases). cpu: a 2-core machine that other jobs shared (load about 4), `k3lab report`'s
+# default form (11.5 minutes in all), so on the slow side. The refinement above corrects a table that is
+# off, and out/timings.json (written by every report) is what to update it from.
+# Notebooks at a time (`default_workers`): four on a GPU machine (six at once ran clean on one H200 in
+# the record above), two on a CPU, whose cores the kernels and the interpreter already fill.
+WORKERS = {"gpu": 4, "cpu": 2}
 EXPECTED_S: dict[str, dict[str, float]] = {
     "gpu": {
         KERNELS: 10,
-        "notebook:00_k3_anatomy": 25, "notebook:01_dcp": 20, "notebook:02_moe_sharding": 10,
-        "notebook:03_copy_removal": 75, "notebook:04_mla_padding": 55, "notebook:04b_mla_deep_dive": 10,
-        "notebook:05_kda_scan": 75, "notebook:05b_kda_deep_dive": 90, "notebook:06_draft_depth": 20,
-        "notebook:07_agent_cache": 25, "notebook:08_all_together": 10, "notebook:09_serving_curve": 20,
+        "notebook:00_k3_anatomy": 30, "notebook:01_dcp": 17, "notebook:02_moe_sharding": 15,
+        "notebook:03_copy_removal": 86, "notebook:04_mla_padding": 61, "notebook:04b_mla_deep_dive": 13,
+        "notebook:05_kda_scan": 112, "notebook:05b_kda_deep_dive": 86, "notebook:06_draft_depth": 22,
+        "notebook:07_agent_cache": 48, "notebook:08_all_together": 25, "notebook:09_serving_curve": 18,
     },
     "gpu-full": {
         "study:launch_overhead": 20, "study:copy_removal": 176, "study:kda_decode": 20,
@@ -63,6 +66,13 @@ EXPECTED_S: dict[str, dict[str, float]] = {
         "notebook:07_agent_cache": 45, "notebook:08_all_together": 15, "notebook:09_serving_curve": 45,
     },
 }
+
+
+def default_workers(kind: str) -> int:
+    """Notebooks executed at a time by default on a `kind` ('gpu' or 'cpu') machine (WORKERS)."""
+    if kind not in WORKERS:
+        raise ValueError(f"kind must be 'gpu' or 'cpu', got {kind!r}")
+    return WORKERS[kind]
 
 
 def expected_seconds(kind: str, form: str, step: str) -> float:

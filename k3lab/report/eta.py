@@ -34,10 +34,11 @@ DEFAULT_S = {"gpu": 30.0, "cpu": 60.0}  # a step the table does not list (a new 
 # Seconds per step. gpu: the H200 (16 cores): each notebook's wall time as nbval measured it with six
 # notebooks running at once on the one GPU (the sum of its cells in
 # profiles/nvidia-h200/gpu_check/notebooks_e547f7b.json; on the slow side for the report's four at a
-# time); full studies as the default report measured them (copy_removal, kda_scan and decode_step from `k3lab report`, the others' ~260 s spread by their
-# number of cases). cpu: a 2-core machine that other jobs shared (load about 4), `k3lab report`'s
-# default form (11.5 minutes in all), so on the slow side. The refinement above corrects a table that is
-# off, and out/timings.json (written by every report) is what to update it from.
+# time); full studies as the default report measured them (copy_removal, kda_scan and decode_step from
+# `k3lab report`, the others' ~260 s spread by their number of cases). cpu: a 2-core machine that other
+# jobs shared (load about 4), `k3lab report`'s default form (11.5 minutes in all), so on the slow side.
+# The refinement above corrects a table that is off, and out/timings.json (written by every report) is
+# what to update it from.
 # Notebooks at a time (`default_workers`): four on a GPU machine (six at once ran clean on one H200 in
 # the record above), two on a CPU, whose cores the kernels and the interpreter already fill.
 WORKERS = {"gpu": 4, "cpu": 2}

@@ -53,8 +53,8 @@ if triton is not None:
         if PUSH or HAS_DELTA:
             # every warp has read the partial before any warp overwrites it: a row narrower than the
             # program's threads is held by several warps at once, and without this barrier a warp
-            # that loads late reads the zeros (or the sum) another warp already stored (seen on the
-            # H200: one token's output wrong in about 1 of 7 launches at 4 tokens, 96 columns)
+            # that loads late reads the zeros (or the sum) another warp already stored (the loop that
+            # found it: profiles/nvidia-h200/gpu_check/attn_res_race_*.json)
             tl.debug_barrier()
         if PUSH:
             tl.store(blocks_ptr + push_offset + base + cols, x, mask=mask)

@@ -279,7 +279,7 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
     # plan time), so a program knows where its piece starts without reading anything: its first
     # block-table entries, the request's length and the query are all requested at once, and the
     # first latent tiles wait for one memory round trip, not a chain of three (length -> block
-    # table -> tile). On the H200 that chain was most of a 32K decode's fixed cost.
+    # table -> tile): the chain is a decode's fixed cost at long context (docs/mla_padding.md).
     split = tl.program_id(0)
     b = tl.program_id(1)
     grp = tl.program_id(2)

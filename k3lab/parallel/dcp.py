@@ -566,7 +566,8 @@ def measure_shard_bytes(config, tokens: int, world_size: int = 1, *, dtype=torch
 
     The layers' shards are views of one pool [layers, 1, rows, 576], as a server allocates its cache:
     torch's CUDA allocator hands out large blocks in 2 MiB pages, so 24 separate ~10 MB shards would
-    each carry up to a page of rounding, one pool at most one page. On a GPU: the change of torch.cuda.memory_allocated (what the allocator handed out); on a
+    each carry up to a page of rounding, one pool at most one page. On a GPU: the change of
+    torch.cuda.memory_allocated (what the allocator handed out); on a
     CPU: the pool's storage bytes. Returns {"formula", "measured", "how", "slack", "agrees", ...}; the
     pool is freed again.
 

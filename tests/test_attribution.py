@@ -110,3 +110,20 @@ def test_attribution_refuses_bad_arguments_by_name_and_says_what_runs_without_a_
         assert attribution.records(log=said.append) == [] and "no" in said[0].lower()
         with pytest.raises(ValueError, match="GPU"):
             attribution.attribute(1, 8)
+
+
+def test_the_committed_attribution_reads_back_and_accounts_for_the_step():
+    from k3lab.studies import decode_step as ds
+
+    rows, summary = ds.attribution_rows("b1_1k", "all_on")
+    if not rows:
+        pytest.skip("no committed attribution record for b1_1k.all_on")
+    assert abs(summary["span_ms"] / summary["step_ms"] - 1) <= 0.05
+    assert sum(r["kernels"] for r in rows) == summary["kernels"]
+    assert sum(r["total_ms"] for r in rows) == pytest.approx(summary["span_ms"], rel=0.05)
+    parts = {r["part"]: r for r in rows}
+    assert {"moe", "kda", "mla"} <= set(parts)
+    assert all(parts[p]["floor_ms"] > 0 for p in ("moe", "kda", "mla"))
+    assert parts["mix"]["floor_ms"] is None  # a part without a floor reads as None, not NaN
+    assert ds.attribution_rows("b1_1k", "no_such_variant") == ([], {})
+    ds.attribution_figure(rows, "t")

@@ -257,6 +257,42 @@ def where_figure(rows: list[dict], title: str):
     return fig
 
 
+def attribution_rows(case: str = "b1_1k", variant: str = "all_on", records=None) -> tuple[list[dict], dict]:
+    """(rows, summary) of the step attribution record `attribution.<case>.<variant>` (`attributions`):
+    one row per part in ms (kernels, kernel_ms, gap_ms, total_ms, floor_ms, kernel_vs_floor), and the
+    summary: step_ms (the graph step timed apart), span_ms (the replay's first kernel to its last),
+    kernels, matched (share of the replay's kernels aligned to the labelled eager run), floor_ms, commit.
+    ([], {}) when no such record exists."""
+    r = next((r for r in attributions(records) if r.case == f"{ATTRIBUTION}{case}.{variant}"), None)
+    if r is None:
+        return [], {}
+    def num(x):  # a part without a floor: None (a record may hold it as NaN, written 'nan')
+        x = None if x is None else float(x)
+        return None if x is None or x != x else x
+
+    rows = [{"part": p["part"], "kernels": p["kernels"], "kernel_ms": p["kernel_us"] / 1e3,
+             "gap_ms": p["gap_us"] / 1e3, "total_ms": p["total_us"] / 1e3,
+             "floor_ms": None if num(p.get("floor_us")) is None else num(p.get("floor_us")) / 1e3,
+             "kernel_vs_floor": num(p.get("kernel_vs_floor"))} for p in r.extra["parts"]]
+    rows.sort(key=lambda row: -row["total_ms"])
+    return rows, {"step_ms": r.median_us / 1e3, "span_ms": r.extra["span_us"] / 1e3,
+                  "kernels": r.extra["launches"], "matched": r.extra["matched"],
+                  "floor_ms": (r.floor_us or 0) / 1e3, "commit": r.commit}
+
+
+def attribution_figure(rows: list[dict], title: str):
+    """Stacked bars per part: its kernels' time and the idle gaps before them, beside its bytes floor."""
+    import plotly.graph_objects as go
+
+    parts = [r["part"] for r in rows]
+    fig = go.Figure([go.Bar(name="kernels", x=parts, y=[r["kernel_ms"] for r in rows], offsetgroup="t"),
+                     go.Bar(name="gaps before them", x=parts, y=[r["gap_ms"] for r in rows], offsetgroup="t",
+                            base=[r["kernel_ms"] for r in rows]),
+                     go.Bar(name="bytes floor", x=parts, y=[r["floor_ms"] for r in rows], offsetgroup="f")])
+    fig.update_layout(title=title, yaxis_title="ms per step", height=380)
+    return fig
+
+
 def mla_rows(records) -> list[dict]:
     """The MLA padding's whole-step effect per B = 1 case: before (no_mla_padded) and after (all_on),
     beside the seed's per-token figures where the seed gives them (1K and 32K)."""

@@ -160,7 +160,8 @@ def records(cases=None, variants=("all_on",), log=print) -> list[bench.Record]:
             out.append(bench.make_record(
                 measure.STUDY, f"{CASE_PREFIX}{case}.{v}", "after" if v != "all_off" else "before",
                 a["timing"], shape={"batch": B, "context_len": ctx, "q_len": 1}, dtype=torch.bfloat16,
-                floor_us=a["floor_us"], parts=t.to_dict("records"), top=a["top"].to_dict("records"),
+                floor_us=a["floor_us"], parts=t.astype(object).where(t.notna(), None).to_dict("records"),
+                top=a["top"].to_dict("records"),
                 span_us=a["span_us"], matched=a["matched"], launches=a["launches"], agree=a["agree"],
                 bandwidth_tbs=a["bandwidth_tbs"], bandwidth_how=a["bandwidth_how"]))
     return out

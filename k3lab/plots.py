@@ -355,3 +355,20 @@ def records_table(records: Iterable[bench.Record], *, title: str | None = None) 
                              cells={"values": [df[c].tolist() for c in cols], "align": "left"}))
     fig.update_layout(title=title, template="plotly_white")
     return fig
+
+
+def figure_output(fig) -> dict:
+    """A plotly figure as one display_data output (the plotly mimetype JupyterLab draws), for an
+    ipywidgets Output whose outputs are set from the kernel: nothing is captured, so stock nbclient
+    (nbconvert, papermill) has nothing to echo and never waits on it."""
+    import json
+
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"application/vnd.plotly.v1+json": json.loads(fig.to_json()),
+                     "text/plain": repr(fig)[:200]}}
+
+
+def table_output(table) -> dict:
+    """A DataFrame as one display_data output (HTML and text), for the same Output widgets."""
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"text/html": table.to_html(), "text/plain": table.to_string()}}

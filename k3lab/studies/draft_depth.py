@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from k3lab import bench
+from k3lab import bench, plots
 from k3lab import speculative as spec
 from k3lab.studies import select_cases
 
@@ -313,20 +313,6 @@ def explorer_figure(*, first: float, decay: float, max_depth: int, **costs):
     return rate_figure(curve, {"sliders": explorer_costs(max_depth=max_depth, **costs)}, title=title), choice
 
 
-def _figure_output(fig) -> dict:
-    """A plotly figure as one display_data output (the plotly mimetype JupyterLab draws)."""
-    import json
-
-    return {"output_type": "display_data", "metadata": {},
-            "data": {"application/vnd.plotly.v1+json": json.loads(fig.to_json()),
-                     "text/plain": repr(fig)[:200]}}
-
-
-def _table_output(table) -> dict:
-    return {"output_type": "display_data", "metadata": {},
-            "data": {"text/html": table.to_html(), "text/plain": table.to_string()}}
-
-
 def explorer(**defaults):
     """Sliders for the acceptance curve (first, decay) and the cycle costs; the figure and the
     per-depth table follow them. Needs ipywidgets (a JupyterLab front end to move the sliders)."""
@@ -360,7 +346,7 @@ def explorer(**defaults):
         # nbconvert --execute` and papermill) echoes each captured output back to the kernel on the shell
         # socket while it awaits the cell's reply, and then sat on that reply until its per-cell timeout.
         fig, choice = explorer_figure(**{name: c.value for name, c in controls.items()})
-        out.outputs = (_figure_output(fig), _table_output(choice.table.round(3)))
+        out.outputs = (plots.figure_output(fig), plots.table_output(choice.table.round(3)))
 
     for control in controls.values():
         control.observe(redraw, names="value")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from k3lab import plots
 from k3lab.serving import curve, hardware
 
 WHATIF_DEFAULTS = dict(gpu="mi355x", context=1.0, hit_rate=None, acceptance=1.0, max_depth=curve.MAX_DEPTH,
@@ -62,7 +63,6 @@ def explorer(inp, work, **defaults):
     """Sliders and menus for `whatif`'s knobs; the figure and table follow them. Needs ipywidgets."""
     import ipywidgets as w
 
-    from k3lab.studies.draft_depth import _figure_output, _table_output
 
     v = {**WHATIF_DEFAULTS, **defaults}
     style, layout = dict(description_width="160px"), w.Layout(width="480px")
@@ -84,7 +84,7 @@ def explorer(inp, work, **defaults):
 
     def redraw(_change=None):
         fig, table = whatif(inp, work, **{name: c.value for name, c in controls.items()})
-        out.outputs = (_figure_output(fig), _table_output(table))
+        out.outputs = (plots.figure_output(fig), plots.table_output(table))
 
     for control in controls.values():
         control.observe(redraw, names="value")

@@ -97,3 +97,36 @@ def test_a_decode_step_with_gemv_projections_equals_the_matmul_step():
             out[proj] = step.run().clone()
     err = float((out["gemv"] - out["bf16"]).norm() / out["bf16"].norm())
     assert 0 < err < 1e-5 or torch.equal(out["gemv"], out["bf16"]), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(3, 40), (33, 129), (70, 256)])
+def test_fp8_weights_with_row_scales_match_the_widened_product(n, k, dtype):
+    from k3lab.engine import fp8
+
+    x, w = _inputs(n, k, torch.float32, seed=7 * n + k)
+    q = fp8.quantize_weight(w * torch.linspace(0.1, 10.0, n, device=DEV)[:, None])  # scales differ by row
+    wq, scale = q.wq[:n, :k], q.scale[0]
+    y = gv.gemv(x.to(dtype), wq, scale=scale, backend="triton")
+    ref = (x.to(dtype).double() @ wq.double().t()) * scale[:n].double()
+    assert y.dtype == dtype and y.shape == (1, n)
+    err = float((y.double() - ref).norm() / ref.norm())
+    assert err < TOL[dtype], err
+    torch.testing.assert_close(gv.gemv(x.to(dtype), wq, scale=scale, backend="torch").double(), ref,
+                               rtol=TOL[dtype], atol=TOL[dtype])
+    deq = q.dequantize().double()  # and it is the product with the weight the FP8 form stands for
+    assert float(((y.double() - x.to(dtype).double() @ deq.t()).norm() / ref.norm())) < TOL[dtype]
+
+
+def test_fp8_weights_bad_input_names_the_argument():
+    from k3lab.engine import fp8
+
+    x, w = _inputs(8, 32, torch.bfloat16)
+    q = fp8.quantize_weight(w)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        gv.gemv(x, w, scale=q.scale[0])  # a bf16 weight with a scale
+    with pytest.raises(ValueError, match="fp32/fp16/bf16"):
+        gv.gemv(x, q.wq)  # an FP8 weight without its scale
+    for bad in (q.scale[0, :4], q.scale[0].double(), q.scale.t()[::2].reshape(-1)[:4]):
+        with pytest.raises(ValueError, match="scale must be"):
+            gv.gemv(x, q.wq, scale=bad)

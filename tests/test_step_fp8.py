@@ -256,6 +256,24 @@ def test_gpu_fp8_linear_equals_the_dequantized_product():
 
 
 @GPU
+def test_gpu_one_row_fp8_linear_reads_the_weight_with_its_scales():
+    """Decode at batch 1: one row takes the W8A16 path (k3lab.ops.gemv on the e4m3fn weight and its row
+    scales, the activation unquantized): equal to x @ the dequantized weight (fp64), with no activation
+    quantized (`quantize_input` hands x back); three rows still quantize the activation."""
+    _needs_fp8()
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(1, 7168, device="cuda", generator=g).bfloat16()
+    w = torch.randn(6284, 7168, device="cuda", generator=g).mul_(7168 ** -0.5).bfloat16()
+    lin = fp8.quantize_weight(w)
+    assert fp8.one_row(x, lin) and fp8.quantize_input(x, lin) is x
+    assert isinstance(fp8.quantize_input(x.repeat(3, 1), lin), fp8.Fp8Input)
+    y = fp8.fp8_linear(x, lin)
+    assert y.dtype == torch.bfloat16 and y.shape == (1, 6284)
+    bench.check(y, x.double() @ lin.dequantize().double().t(), dtype=torch.bfloat16,
+                name="one-row fp8_linear vs the dequantized weight's product")
+
+
+@GPU
 def test_gpu_tp8_slice_fp8_near_bf16_and_graph_equals_eager():
     """Four layers at K3's widths (KDA x3, MLA; 16 experts so that 8 ranks' weights fit one GPU), every
     switch on, 8 ranks in lockstep: FP8 projections against bf16 ones. Layer 0 (KDA and the dense MLP,

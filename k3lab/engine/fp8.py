@@ -15,7 +15,14 @@ y[m, n] = sx[m] * sw[n] * sum_k xq[m, k] wq[n, k]. e4m3fn keeps 3 mantissa bits:
 within 2^-4 of the original (relative; 2^-10 of the row's scale, absolute, below e4m3fn's smallest
 normal), about 2.6% rms, and a projection's output is about 3.5% rms from the unquantized product.
 An activation's quantization is five small PyTorch ops (row amax, two on the scale, divide, cast)
-before the one `_scaled_mm`: launches a fused quantizer would fold into one.
+before the one `_scaled_mm`.
+
+One row on a GPU (decode at batch 1): the activation is not quantized; `k3lab.ops.gemv` reads the e4m3fn
+weight with its row scales and multiplies the activation as it is (W8A16), one launch per projection.
+At one row a projection is a weight stream, so the saving is the weight's bytes, and the five
+quantization launches (each a few microseconds of latency) would cost more than the product itself.
+The result is the product with the dequantized weight (`Fp8Linear.dequantize`), closer to the
+unquantized one than W8A8's. More rows, or the CPU, take the W8A8 path above.
 
 Shapes: cuBLASLt takes the inner dimension K and the output width N in multiples of 16; the token
 dimension M is not restricted (torch checks only K and N), so decode's M = batch x q_len runs unpadded.
@@ -41,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from k3lab.ops.gemv import BACKENDS as GEMV_BACKENDS
-from k3lab.ops.gemv import GemvWeight
+from k3lab.ops.gemv import GemvWeight, gemv
 import torch.nn.functional as F
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -119,10 +126,24 @@ class Fp8Input:
     dtype: torch.dtype
 
 
+@functools.lru_cache(maxsize=None)
+def _gemv_runs(device: str) -> bool:
+    return GEMV_BACKENDS.check("triton", torch.device(device))[0]
+
+
+def one_row(x, w) -> bool:
+    """Whether `fp8_linear(x, w)` takes the one-row W8A16 path (module docstring): x a single row with
+    contiguous columns on a GPU where k3lab.ops.gemv runs, w real (not emulated) FP8."""
+    return (isinstance(w, Fp8Linear) and not w.emulated and isinstance(x, torch.Tensor) and x.dim() == 2
+            and x.shape[0] == 1 and x.stride(-1) == 1 and x.device.type != "cpu"
+            and _gemv_runs(str(x.device)))
+
+
 def quantize_input(x: torch.Tensor, w):
     """x [M, K] quantized per row for the FP8 weight w (an Fp8Input, reusable by every projection of the
-    same in_features); x itself when w is a plain weight tensor."""
-    if not isinstance(w, Fp8Linear):
+    same in_features); x itself when w is a plain weight tensor, or where the product takes the one-row
+    path (`one_row`), which reads the activation unquantized."""
+    if not isinstance(w, Fp8Linear) or one_row(x, w):
         return x
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x must be [M, {w.in_features}] for this projection, got {tuple(x.shape)}")
@@ -139,7 +160,12 @@ def _dequantized_product(xq: torch.Tensor, sx: torch.Tensor, w: Fp8Linear) -> to
 def fp8_linear(x, w: Fp8Linear) -> torch.Tensor:
     """x [M, K] (any float dtype, any strides; or an Fp8Input of it) @ the weight.t(): the activation
     quantized per row, the product by `torch._scaled_mm` (or its stand-in for emulated weights); [M, N]
-    in x's dtype (a view of the padded output where N is not a multiple of 16)."""
+    in x's dtype (a view of the padded output where N is not a multiple of 16). One row on a GPU:
+    `k3lab.ops.gemv` on the FP8 weight and its row scales, x unquantized (module docstring)."""
+    if one_row(x, w):
+        if x.shape[1] != w.in_features:
+            raise ValueError(f"x must be [M, {w.in_features}] for this projection, got {tuple(x.shape)}")
+        return gemv(x, w.wq[:w.out_features, :w.in_features], scale=w.scale[0], backend="triton")
     if not isinstance(x, Fp8Input):
         x = quantize_input(x, w)
     elif x.in_features != w.in_features:

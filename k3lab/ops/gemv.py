@@ -1,6 +1,7 @@
 """One-row products y = x @ w^T for a decode step's dense projections: one Triton launch (x [1, K]).
 
     y = gemv(x, w)            # x [1, K], w [N, K] (row-major, contiguous rows) -> y [1, N] in x's dtype
+    y = gemv(x, wq, scale=s)  # wq [N, K] float8_e4m3fn, s [N] fp32 row scales: y = (x @ wq^T) * s
     GemvWeight(w)(x)          # the kernel for one row, torch.matmul for more (what the step holds)
 
 Why: at B = 1 a projection reads its whole weight to make one row, so it is a pure weight stream,
@@ -10,6 +11,12 @@ A program here owns BLOCK_N whole rows of w, streams them in BLOCK_K columns wit
 accumulator tile, and reduces once at the end; there is no split of K, so no second launch or
 atomics, and each output is one fixed-order sum (the same from run to run).
 
+FP8 weights (W8A16): with `scale`, w is float8_e4m3fn (k3lab.engine.fp8's per-row quantization) and the
+kernel reads a byte per weight, widens it to fp32 in registers and applies the row's scale to the sum;
+the activation stays in its dtype. At one row the product is a weight stream, so half the bytes is what
+the FP8 form buys; the W8A8 alternative (quantize the activation, then an FP8 matmul) adds the
+activation's quantization launches to every projection, which at one row cost more than they save.
+
 Block shapes: on a GPU `triton.autotune` picks them per (N, K) among GPU_BLOCKS on the first call (so
 call once before capturing a CUDA graph; K is a compile-time constant: one build per width); in
 Triton's interpreter (CPU tensors, tests) one small shape runs. fp32 accumulation whatever the dtype;
@@ -17,7 +24,8 @@ bf16 rounded to nearest even, also in the interpreter. How it compares with cuBL
 docs/decode_step.md and the probe.gemv.* records under profiles/<device>/decode_step/. On AMD targets
 it is compiled by the ISA report, not yet run on AMD hardware by this project.
 Backends (`BACKENDS`, k3lab.ops' contract): 'triton' (this kernel, also on CPU tensors in Triton's
-interpreter) and 'torch' (x @ w.t()); backend= or K3LAB_GEMV_BACKEND forces one.
+interpreter) and 'torch' (`reference`: x @ w.t(), FP8 weights widened to fp32); backend= or
+K3LAB_GEMV_BACKEND forces one.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ except ImportError:  # the torch backend still runs; available() says why this o
     triton = None
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8 = getattr(torch, "float8_e4m3fn", None)
 
 
 # Triton's interpreter (CPU): one fixed shape, wide enough that a step-sized product takes seconds, not
@@ -43,8 +52,9 @@ INTERPRETER_BLOCKS = {"BLOCK_N": 64, "BLOCK_K": 128}
 
 # (BLOCK_N, BLOCK_K, warps) the autotuner tries on a GPU: from one row per program with long K
 # strides (few, tall matrices) to 16 rows with short ones; a small set keeps the first call short
+# (FP8 weights are half the bytes per column, so the widest K blocks serve them)
 GPU_BLOCKS = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 8),
-              (16, 512, 8))
+              (16, 512, 8), (2, 4096, 8), (4, 4096, 8))
 
 
 def _configs():
@@ -55,8 +65,8 @@ if triton is not None:
     from k3lab.ops.triton_math import round_to
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, stride_w, INT_ROUND: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K: tl.constexpr, stride_w, HAS_SCALE: tl.constexpr,
+                     INT_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         nmask = rn < N
@@ -69,6 +79,8 @@ if triton is not None:
             x = tl.load(x_ptr + kk, mask=kmask, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
+        if HAS_SCALE:
+            y *= tl.load(scale_ptr + rn, mask=nmask, other=0.0)
         tl.store(y_ptr + rn, round_to(y, y_ptr.dtype.element_ty, INT_ROUND), mask=nmask)
 
     _gemv_tuned = triton.autotune(configs=_configs(), key=["N", "K"])(_gemv_kernel)
@@ -79,47 +91,69 @@ BACKENDS = Backends("gemv", Backend("triton", 0, triton_available, triton_runs_o
 BACKEND_ENV = BACKENDS.env
 
 
-def _check(x, w) -> tuple[int, int]:
-    for name, t in (("x", x), ("w", w)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in DTYPES:
-            raise ValueError(f"{name} must be a 2-D fp32/fp16/bf16 tensor, got "
+def _check(x, w, scale=None) -> tuple[int, int]:
+    w_dtypes = DTYPES if scale is None else (FP8,)
+    for name, t, dtypes, what in (("x", x, DTYPES, "fp32/fp16/bf16"),
+                                  ("w", w, w_dtypes, "fp32/fp16/bf16" if scale is None else
+                                   "float8_e4m3fn (scale is given)")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in dtypes:
+            raise ValueError(f"{name} must be a 2-D {what} tensor, got "
                              f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
     if x.shape[0] != 1:
         raise ValueError(f"x must hold one row [1, K], got {tuple(x.shape)} (GemvWeight takes more rows)")
     N, K = w.shape
-    if x.shape[1] != K or x.dtype != w.dtype or x.device != w.device:
+    same = x.dtype == w.dtype or scale is not None
+    if x.shape[1] != K or not same or x.device != w.device:
         raise ValueError(f"x must be [1, {K}] of w's dtype {w.dtype} on {w.device}, got {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}")
+    if scale is not None and (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32
+                              or not scale.is_contiguous() or scale.numel() < N or scale.device != w.device):
+        raise ValueError(f"scale must be a contiguous fp32 tensor of at least N={N} row scales on "
+                         f"{w.device}, "
+                         f"got {getattr(scale, 'dtype', type(scale).__name__)} "
+                         f"{tuple(getattr(scale, 'shape', ()))}")
     if w.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("w and x need contiguous rows (last-dim stride 1)")
     return N, K
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
-    """y [1, N] = x [1, K] @ w[N, K]^T in x's dtype (module docstring); ValueError before any kernel."""
-    N, K = _check(x, w)
+def gemv(x: torch.Tensor, w: torch.Tensor, *, scale: torch.Tensor | None = None,
+         backend: str | None = None) -> torch.Tensor:
+    """y [1, N] = x [1, K] @ w[N, K]^T in x's dtype, times scale[n] per output where `scale` is given
+    (w then float8_e4m3fn: module docstring); ValueError before any kernel."""
+    N, K = _check(x, w, scale)
     if BACKENDS.choose(backend, x.device)[0] == "torch":
-        return x @ w.t()
+        return reference(x, w, scale)
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     if N and K and x.device.type != "cpu":
-        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](x, w, y, N, K, w.stride(0),
-                                                                     INT_ROUND=False)
+        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
+            x, w, w if scale is None else scale, y, N, K, w.stride(0), HAS_SCALE=scale is not None,
+            INT_ROUND=False)
     elif N and K:
-        launch(x, w, y, (INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"], 1), int_round=True)
+        launch(x, w, y, (INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"], 1), int_round=True,
+               scale=scale)
     elif N:
         y.zero_()
     return y
 
 
+def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch backend: x @ w.t(), or for FP8 weights the fp32 product of the widened weight times
+    the row scales, cast to x's dtype."""
+    if scale is None:
+        return x @ w.t()
+    return ((x.float() @ w.float().t()) * scale.reshape(-1)[:w.shape[0]]).to(x.dtype)
+
+
 def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, blocks: tuple[int, int, int], *,
-           int_round: bool = False) -> None:
+           int_round: bool = False, scale: torch.Tensor | None = None) -> None:
     """One launch of the kernel on checked inputs with fixed (BLOCK_N, BLOCK_K, warps), one of
     GPU_BLOCKS on a GPU (what the autotuner picks among) or the interpreter's shape."""
     bn, bk, warps = blocks
     N, K = w.shape
-    _gemv_kernel[(triton.cdiv(N, bn),)](x, w, y, N, K, w.stride(0), INT_ROUND=int_round, BLOCK_N=bn,
-                                        BLOCK_K=bk,
-                                        num_warps=warps)
+    _gemv_kernel[(triton.cdiv(N, bn),)](x, w, w if scale is None else scale, y, N, K, w.stride(0),
+                                        HAS_SCALE=scale is not None, INT_ROUND=int_round, BLOCK_N=bn,
+                                        BLOCK_K=bk, num_warps=warps)
 
 
 class GemvWeight:
@@ -146,4 +180,4 @@ class GemvWeight:
         return x @ self.weight.t()
 
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "GemvWeight", "gemv"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "GemvWeight", "gemv", "reference"]

@@ -117,6 +117,21 @@ def span_us(rows: pd.DataFrame) -> float:
     return float(((rows["start_ns"] + rows["dur_ns"]).max() - rows["start_ns"].min()) / 1e3)
 
 
+def by_kernel(rows: pd.DataFrame, name=None) -> pd.DataFrame:
+    """Per (part, kernel name): kernels (launches in the step), kernel_us (their summed durations),
+    mean_us, gap_us (the idle time before them); longest kernel_us first. `name(full_name)` shortens
+    the names first (templated CUDA names run to hundreds of characters). What the part table sums,
+    split one level further: which kernels of a part take its time, and how many launches each adds."""
+    if "part" not in rows.columns:
+        raise ValueError("rows: expected a frame with a 'part' column (see align_parts() / labelled())")
+    d = rows.assign(gap_us=gaps(rows))
+    d["kernel"] = [name(n) if name else n for n in d["name"]]
+    g = d.groupby(["part", "kernel"], sort=False).agg(kernels=("dur_us", "size"), kernel_us=("dur_us", "sum"),
+                                                      gap_us=("gap_us", "sum")).reset_index()
+    g["mean_us"] = g["kernel_us"] / g["kernels"]
+    return g.sort_values("kernel_us", ascending=False, kind="stable").reset_index(drop=True)
+
+
 def attribute(rows: pd.DataFrame, floors_us: Mapping[str, float] | None = None,
               group=None) -> pd.DataFrame:
     """Per part (or per `group(part)` when given): kernels, kernel_us (the sum of the rows' durations),

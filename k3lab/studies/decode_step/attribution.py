@@ -13,7 +13,8 @@ The check: the parts' total equals the replay's span, and the span is compared w
 timed apart (`bench.time_fn` of the graph), `agree` within 5%.
 
 Records: study 'decode_step', case 'attribution.<case>.<variant>' (excluded from the waterfall's
-`load`); `extra.parts` holds the table, `extra.top` the slowest kernels with their parts.
+`load`); `extra.parts` holds the table, `extra.top` the slowest kernels with their parts,
+`extra.kernels` the per-(part, kernel name) split.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from k3lab import bench
 from k3lab.engine import DecodeStep
 from k3lab.profiling import attribution as at
+from k3lab.profiling.diff import short_name
 
 from . import measure
 
@@ -36,6 +38,7 @@ PARTS = ("embed", "mix", "kda", "mla", "moe", "dense", "collective", at.UNLABELL
 UNLABELLED_IS = "lm_head"
 FLOOR_OF = {"kda": "kda", "mla": "mla", "moe": "moe", "dense": "dense", UNLABELLED_IS: "ends"}
 AGREE = 0.05
+KERNEL_ROWS = 60  # the (part, kernel) rows a record keeps, longest first: every one above ~20 us a step
 
 
 def _range(name: str):
@@ -85,6 +88,7 @@ def attribute(batch: int, context_len: int, *, variant: str = "all_on", weights=
     replay from its first kernel's start to its last kernel's end), 'step_us' (the graph step timed
     apart), 'agree' (|span / step - 1| <= 5%), 'matched' (share of the replay's kernels aligned to the
     eager run), 'launches' (kernels in one replay), 'top' (the 12 longest kernels with part and gap),
+    'kernels' (`at.by_kernel`: per part and kernel name, launches, time and gaps, the KERNEL_ROWS longest),
     'bandwidth_tbs'. Needs a CUDA GPU (a graph); ValueError naming the argument otherwise."""
     for name, v in (("batch", batch), ("context_len", context_len), ("repeats", repeats)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -123,11 +127,13 @@ def attribute(batch: int, context_len: int, *, variant: str = "all_on", weights=
     rows = rows.assign(gap_us=at.gaps(rows))
     top = rows.nlargest(12, "dur_us")[["name", "part", "dur_us", "gap_us"]]
     top["name"] = top["name"].str.slice(0, 120)
+    kernels = at.by_kernel(rows, name=short_name).head(KERNEL_ROWS)
     del step
     measure._free()
     return {"table": table, "span_us": span, "step_us": timing.median_us, "timing": timing,
             "agree": abs(span / timing.median_us - 1.0) <= AGREE, "matched": matched,
-            "launches": int(len(rows)), "top": top, "bandwidth_tbs": bw, "bandwidth_how": how,
+            "launches": int(len(rows)), "top": top, "kernels": kernels, "bandwidth_tbs": bw,
+            "bandwidth_how": how,
             "floor_us": sum(sum(k.values()) for k in kinds.values()) / (bw * 1e6)}
 
 
@@ -161,7 +167,7 @@ def records(cases=None, variants=("all_on",), log=print) -> list[bench.Record]:
                 measure.STUDY, f"{CASE_PREFIX}{case}.{v}", "after" if v != "all_off" else "before",
                 a["timing"], shape={"batch": B, "context_len": ctx, "q_len": 1}, dtype=torch.bfloat16,
                 floor_us=a["floor_us"], parts=t.astype(object).where(t.notna(), None).to_dict("records"),
-                top=a["top"].to_dict("records"),
+                top=a["top"].to_dict("records"), kernels=a["kernels"].to_dict("records"),
                 span_us=a["span_us"], matched=a["matched"], launches=a["launches"], agree=a["agree"],
                 bandwidth_tbs=a["bandwidth_tbs"], bandwidth_how=a["bandwidth_how"]))
     return out

@@ -82,34 +82,6 @@ def test_gpu_k3_widths_and_graph_capture(n, k):
     torch.testing.assert_close(out, gv.gemv(x, w), rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs a GPU")
-def test_gpu_pdl_chain_in_a_graph_equals_the_plain_launches():
-    """Five products, each reading the one before (a decode step's chain), launched with PDL inside a
-    CUDA graph: every output equals the plain launches' exactly (each waits for the data it reads)."""
-    ok, why = gv.pdl_runs("cuda")
-    if not ok:
-        pytest.skip(why)
-    ws = [_inputs(4096, 4096, torch.bfloat16, seed=s)[1] for s in range(5)]
-    x = _inputs(1, 4096, torch.bfloat16, seed=9)[0]
-
-    def chain(pdl):
-        y = x
-        for w in ws:
-            y = gv.gemv(y, w, pdl=pdl)  # kernel to kernel: each launched while the last runs
-        return y
-
-    plain = chain(False)
-    chain(True)  # compile before the capture
-    out = torch.empty_like(plain)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out.copy_(chain(True))
-    for _ in range(3):
-        out.zero_()
-        g.replay()
-        torch.testing.assert_close(out, plain, rtol=0, atol=0)
-
-
 def test_a_decode_step_with_gemv_projections_equals_the_matmul_step():
     from k3lab.engine import DecodeStep
     from k3lab.studies.decode_step import measure as sb

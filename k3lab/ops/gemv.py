@@ -17,15 +17,6 @@ the activation stays in its dtype. At one row the product is a weight stream, so
 the FP8 form buys; the W8A8 alternative (quantize the activation, then an FP8 matmul) adds the
 activation's quantization launches to every projection, which at one row cost more than they save.
 
-Programmatic dependent launch (PDL, Hopper and later NVIDIA GPUs): the kernel is launched with the
-attribute that lets it start while the kernel before it in the stream finishes, and its programs wait
-(`griddepcontrol.wait`) before reading anything, so what overlaps is the launch and the programs'
-scheduling, not data: a decode step is thousands of short kernels, each paying that latency at its
-start. Each program then signals that the next kernel may launch. `PDL` (module switch, default on)
-and `pdl=` choose it; it is used where `pdl_runs(device)` (CUDA, compute capability >= 9.0, a Triton
-with `gdc_wait`); elsewhere the plain launch runs. Inside a CUDA graph the dependency is captured as
-a programmatic edge. AMD has no equivalent in this kernel (not run on AMD hardware by this project).
-
 Block shapes: on a GPU `triton.autotune` picks them per (N, K) among GPU_BLOCKS on the first call (so
 call once before capturing a CUDA graph; K is a compile-time constant: one build per width); in
 Triton's interpreter (CPU tensors, tests) one small shape runs. fp32 accumulation whatever the dtype;
@@ -38,8 +29,6 @@ K3LAB_GEMV_BACKEND forces one.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -72,23 +61,12 @@ def _configs():
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in GPU_BLOCKS]
 
 
-PDL = True  # use programmatic dependent launch where pdl_runs() (module docstring)
-
 if triton is not None:
     from k3lab.ops.triton_math import round_to
 
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    except ImportError:  # an older Triton: pdl_runs() is False, the constexpr branch is never compiled
-        gdc_wait = gdc_launch_dependents = None
-
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K: tl.constexpr, stride_w, HAS_SCALE: tl.constexpr,
-                     INT_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
-        if USE_PDL:  # launched early (PDL): wait for the kernel before, then let the next one launch
-            gdc_wait()
-            gdc_launch_dependents()
+                     INT_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         nmask = rn < N
@@ -139,38 +117,18 @@ def _check(x, w, scale=None) -> tuple[int, int]:
     return N, K
 
 
-@functools.lru_cache(maxsize=None)
-def _pdl_runs(device: str) -> tuple[bool, str]:
-    dev = torch.device(device)
-    if triton is None or gdc_wait is None:
-        return False, "this Triton has no gdc_wait (programmatic dependent launch)"
-    if dev.type != "cuda" or torch.version.hip is not None:
-        return False, f"programmatic dependent launch is a CUDA feature; {dev.type} tensors here"
-    cap = torch.cuda.get_device_capability(dev)
-    if cap < (9, 0):
-        return False, f"programmatic dependent launch needs compute capability >= 9.0, this GPU is {cap}"
-    return True, ""
-
-
-def pdl_runs(device) -> tuple[bool, str]:
-    """(True, '') where this kernel can be launched with programmatic dependent launch, else (False, why)."""
-    return _pdl_runs(str(torch.device(device)))
-
-
 def gemv(x: torch.Tensor, w: torch.Tensor, *, scale: torch.Tensor | None = None,
-         backend: str | None = None, pdl: bool | None = None) -> torch.Tensor:
+         backend: str | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ w[N, K]^T in x's dtype, times scale[n] per output where `scale` is given
-    (w then float8_e4m3fn: module docstring); pdl: launch with PDL where `pdl_runs` (None: `PDL`).
-    ValueError before any kernel."""
+    (w then float8_e4m3fn: module docstring); ValueError before any kernel."""
     N, K = _check(x, w, scale)
     if BACKENDS.choose(backend, x.device)[0] == "torch":
         return reference(x, w, scale)
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     if N and K and x.device.type != "cpu":
-        use = (PDL if pdl is None else bool(pdl)) and pdl_runs(x.device)[0]
         _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
             x, w, w if scale is None else scale, y, N, K, w.stride(0), HAS_SCALE=scale is not None,
-            INT_ROUND=False, USE_PDL=use, launch_pdl=use)
+            INT_ROUND=False)
     elif N and K:
         launch(x, w, y, (INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"], 1), int_round=True,
                scale=scale)
@@ -222,4 +180,4 @@ class GemvWeight:
         return x @ self.weight.t()
 
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "PDL", "GemvWeight", "gemv", "pdl_runs", "reference"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "GemvWeight", "gemv", "reference"]

@@ -231,6 +231,23 @@ def test_tail_adds_the_normed_projection_into_its_columns_in_place(n):
         assert torch.equal(got[:, :30], out0[:, :30]) and torch.equal(got[:, 70:], out0[:, 70:])
 
 
+@INTERPRETER_ONLY
+def test_one_row_tail_is_one_launch_and_rounds_like_the_two_step_tail():
+    """N = 1 runs `tail_row` (one program per ROW_BLOCKS rows, the norm recomputed in each): bf16 out and
+    weight, equal to the fp64 product of the bf16-rounded normed latent, added with one rounding; rows
+    past the last full block (40 = 10 x 4) and a latent walked in 3 blocks of 64 (lat 160)."""
+    from k3lab.ops.moe_experts import tail as tail_mod
+
+    y, nw, up, out0 = _tail_inputs(1, lat=160, rows=42)
+    up, out0 = up.bfloat16(), out0.bfloat16()
+    ref = out0.double()
+    ref[:, 30:72] += _normed64(y, nw).bfloat16().double() @ up.double().t()
+    out = out0.clone()
+    tail_mod.tail_row(y, nw, 1e-5, up, out, 30, blocks=(4, 64, 1))
+    check(out, ref, dtype=torch.bfloat16)
+    assert torch.equal(out[:, :30], out0[:, :30]) and torch.equal(out[:, 72:], out0[:, 72:])
+
+
 def test_tail_adds_into_the_strided_column_view_without_a_copy(monkeypatch):
     """The product goes into out[:, 30:70] (row stride 100) through addmm_ with no copy of out: the
     profiler sees no copy op in the tail (the norm's result is computed beforehand: its launch in

@@ -15,6 +15,12 @@ Two forms, the same for either tail, so that the replicated-vs-sharded ratio mea
                the product into out's column slice in place: the slice is a strided view with unit
                column stride, which the BLAS call takes as its output with a leading dimension of H,
                so no copy of out is made and the add is one rounding.
+               One row (decode at batch 1): a single launch instead (`_tail_row_kernel`): every
+               program computes the row's RMS itself (the latent is 14 KB, read from the L2), normalizes
+               and rounds each block of it as the norm kernel does, streams ROW_BLOCKS' rows of up_rows
+               against it and adds its outputs into out's columns (fp32 sum, one rounding, as addmm_).
+               At one row the BLAS call is a split-K GEMM (two kernels) and the norm a third: three
+               launches for a 6 MB weight stream that one covers.
   tail_torch   the plain reference: nn.norms.rms_norm (several small kernels), matmul, add.
 The norm kernel is checked against tail_torch (tests/test_moe_experts.py); its times are in the
 decode_step records (profiles/<device>/decode_step/).
@@ -33,6 +39,9 @@ except ImportError:
     triton = None
 
 NORM_BLOCK = 4096  # latent values a norm program loads at once (K3's 3584 in one block)
+# (rows of up_rows, latent columns per step, warps) of a one-row tail program: 224 programs for a TP8
+# rank's 896 rows; a first choice in the range the one-row GEMV's sweep favours, not swept itself
+ROW_BLOCKS = (4, 512, 4)
 
 
 def check_tail(y_lat, norm_w, up_rows, out, col0: int) -> tuple[int, int, int]:
@@ -68,6 +77,7 @@ def tail_torch(y_lat, norm_w, eps, up_rows, out, col0: int = 0) -> torch.Tensor:
 
 
 if triton is not None:
+    from k3lab.ops.triton_math import round_to
 
     @triton.jit
     def _norm_kernel(y_ptr, nw_ptr, o_ptr, eps, LAT: tl.constexpr, BLOCK: tl.constexpr):
@@ -84,6 +94,48 @@ if triton is not None:
             y = tl.load(y_ptr + row * LAT + k0 + ks, mask=ok, other=0.0).to(tl.float32)
             w = tl.load(nw_ptr + k0 + ks, mask=ok, other=0.0).to(tl.float32)
             tl.store(o_ptr + row * LAT + k0 + ks, (y * inv * w).to(o_ptr.dtype.element_ty), mask=ok)
+
+
+    @triton.jit
+    def _tail_row_kernel(y_ptr, nw_ptr, up_ptr, out_ptr, eps, R, stride_up, LAT: tl.constexpr,
+                         NORM_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         INT_ROUND: tl.constexpr):
+        # out[r] += sum_k round(y[k] * inv * nw[k]) * up[r, k] for this program's BLOCK_N rows r
+        ks = tl.arange(0, NORM_BLOCK)
+        ss = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
+        for k0 in range(0, LAT, NORM_BLOCK):
+            y = tl.load(y_ptr + k0 + ks, mask=(k0 + ks) < LAT, other=0.0).to(tl.float32)
+            ss += y * y
+        inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / LAT + eps)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn < R
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, LAT, BLOCK_K):
+            kk = k0 + rk
+            kmask = kk < LAT
+            y = tl.load(y_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+            nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+            x = round_to(y * inv * nw, up_ptr.dtype.element_ty, INT_ROUND).to(tl.float32)
+            u = tl.load(up_ptr + rn[:, None].to(tl.int64) * stride_up + kk[None, :],
+                        mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc += u.to(tl.float32) * x[None, :]
+        o = tl.load(out_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn, round_to(o + tl.sum(acc, axis=1), out_ptr.dtype.element_ty, INT_ROUND),
+                 mask=nmask)
+
+
+def tail_row(y_lat, norm_w, eps, up_rows, out, col0: int = 0, blocks=ROW_BLOCKS) -> torch.Tensor:
+    """The one-row tail in one launch (module docstring) on checked inputs with N = 1; returns out."""
+    R, LAT = up_rows.shape
+    if up_rows.stride(1) != 1:
+        up_rows = up_rows.contiguous()
+    bn, bk, warps = blocks
+    _tail_row_kernel[(triton.cdiv(R, bn),)](
+        y_lat.contiguous(), norm_w.contiguous(), up_rows, out.narrow(1, col0, R), float(eps), R,
+        up_rows.stride(0), LAT=LAT, NORM_BLOCK=min(NORM_BLOCK, triton.next_power_of_2(LAT)), BLOCK_N=bn,
+        BLOCK_K=bk, INT_ROUND=y_lat.device.type == "cpu", num_warps=warps)
+    return out
 
 
 def norm_rows(y_lat: torch.Tensor, norm_w: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
@@ -109,10 +161,15 @@ def norm_rows(y_lat: torch.Tensor, norm_w: torch.Tensor, eps: float, out_dtype: 
 
 
 def tail_triton(y_lat, norm_w, eps, up_rows, out, col0: int = 0) -> torch.Tensor:
-    """The Triton norm, then the product added into out's columns by one in-place addmm_; returns out."""
+    """The Triton norm, then the product added into out's columns by one in-place addmm_; one row:
+    `tail_row`'s single launch. Returns out."""
     N, LAT, R = check_tail(y_lat, norm_w, up_rows, out, col0)
     if N == 0:
         return out
+    if N == 1:
+        if not eps > 0:
+            raise ValueError(f"eps must be positive, got {eps}")
+        return tail_row(y_lat, norm_w, eps, up_rows, out, col0)
     normed = norm_rows(y_lat, norm_w, eps, up_rows.dtype)
     out[:, col0:col0 + R].addmm_(normed, up_rows.t())
     return out

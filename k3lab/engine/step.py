@@ -168,6 +168,10 @@ class DecodeStep:
         fused_mix = impl["attn_res_fused"] == "after"
         self.mix_op = attn_res_norm.after if fused_mix else attn_res_norm.before
         self.mix_folded = fused_mix  # the fused kernel takes the weights' fp32 product, folded at load
+        # and the next norm's weight in fp32, converted here once rather than by a copy kernel per mix
+        rw = self.weights
+        norms = [rw.final_norm] + [w for lw in rw.layers for w in (lw.norms.input_norm, lw.norms.post_norm)]
+        self.norms32 = {id(w): w.float() for w in norms} if fused_mix else {}
         self.pack = packed_matmul.POLICIES[impl["pack_where_used"]]
         self.glu = layers.glu_fused if backends["situ_glu"] == "triton" else layers.glu_plain
         self.router = layers.route_fused if backends["moe_router"] == "triton" else layers.route_plain
@@ -255,6 +259,7 @@ class DecodeStep:
 
     def _mix(self, delta, n_blocks: int, mix, next_norm, push: bool) -> torch.Tensor:
         kw = {"mix_weight": mix.folded} if self.mix_folded else {}
+        next_norm = self.norms32.get(id(next_norm), next_norm)
         return self.mix_op(self.prefix, delta, self.blocks, n_blocks, mix.res_norm, mix.res_proj, next_norm,
                            self.config.rms_norm_eps, push_block=push, **kw)
 

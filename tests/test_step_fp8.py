@@ -158,6 +158,10 @@ def test_weights_in_fp8_and_a_bf16_step_do_not_mix():
     plain = sum(getattr(part, n).numel() * 4 for lw in w.layers for part in (lw.attn, lw.mlp)
                 for n in FP8_PROJECTIONS.get(type(part).__name__, ()) if getattr(part, n) is not None)
     assert q.projection_bytes("bf16") == w.projection_bytes("bf16") == plain
+    for form in ("fp8", "bf16"):  # the attribution's per-part figures sum to the whole
+        parts = w.projection_bytes(form, by_part=True)
+        assert set(parts) == {"kda", "mla", "moe", "dense"} and all(v > 0 for v in parts.values()), parts
+        assert sum(parts.values()) == w.projection_bytes(form)
     with pytest.raises(ValueError, match="projections are fp8 already"):
         q.to_fp8()
     with pytest.raises(ValueError, match="weights hold fp8 projections but this step runs fp32"):

@@ -288,9 +288,10 @@ class RankWeights:
 
     def to_fp8(self, *, emulated: bool = False) -> RankWeights:
         """These weights with FP8_PROJECTIONS quantized (`fp8.quantize_weight`: e4m3fn, per-row fp32
-        scales); the rest, and the rotation of shared layer sets, shared with self. emulated: the
-        plain-PyTorch product (CPU tests where torch's CPU `_scaled_mm` lacks e4m3fn). ValueError if
-        these are FP8 already."""
+        scales) and, on a GPU, the MoE router (bf16) as a `GemvWeight`, so every one-row product of the
+        FP8 step is k3lab's GEMV; the rest, and the rotation of shared layer sets, shared with self.
+        emulated: the plain-PyTorch product (CPU tests where torch's CPU `_scaled_mm` lacks e4m3fn).
+        ValueError if these are FP8 already."""
         if self.projections != "bf16":
             raise ValueError(f"weights: projections are {self.projections} already")
         done: dict[int, object] = {}
@@ -300,6 +301,10 @@ class RankWeights:
                 names = FP8_PROJECTIONS.get(type(part).__name__, ())
                 new = {n: fp8.quantize_weight(getattr(part, n), emulated=emulated) for n in names
                        if getattr(part, n) is not None}
+                if isinstance(part, MoEWeights) and part.gate.is_cuda:  # the bf16 router: one-row GEMV
+                    from k3lab.ops.gemv import GemvWeight
+
+                    new["gate"] = GemvWeight(part.gate)
                 done[id(part)] = dataclasses.replace(part, **new) if new else part
             return done[id(part)]
 
@@ -328,27 +333,30 @@ class RankWeights:
         layers = [LayerWeights(lw.norms, wrap(lw.attn), wrap(lw.mlp)) for lw in self.layers]
         return dataclasses.replace(self, layers=layers, projections="gemv")
 
-    def projection_bytes(self, projections: str = "fp8") -> int:
+    def projection_bytes(self, projections: str = "fp8", by_part: bool = False):
         """Bytes one step reads from FP8_PROJECTIONS (every layer, shared sets counted at each use),
         stored as `projections`: 'bf16' (the embedding's dtype, as the plain step holds them) or 'fp8'
         (a byte per value of the 16-padded matrix and a 4-byte scale per padded row). From shapes: the
         same figure whichever form these weights are in. The FP8 step's bytes floor is the plain one
-        less projection_bytes('bf16') - projection_bytes('fp8')."""
+        less projection_bytes('bf16') - projection_bytes('fp8'). by_part: a dict per layer part
+        instead ('kda', 'mla', 'moe', 'dense': the decode_step attribution's parts)."""
         if projections not in fp8.PROJECTIONS:
             raise ValueError(f"projections must be one of {fp8.PROJECTIONS}, got {projections!r}")
-        total = 0
+        parts = {"KDAWeights": "kda", "MLAWeights": "mla", "MoEWeights": "moe", "DenseWeights": "dense"}
+        total = dict.fromkeys(parts.values(), 0)
         for layer in self.layers:
             for part in (layer.attn, layer.mlp):
-                for name in FP8_PROJECTIONS.get(type(part).__name__, ()):
+                kind = type(part).__name__
+                for name in FP8_PROJECTIONS.get(kind, ()):
                     t = getattr(part, name)
                     if t is None:
                         continue
                     n, k = t.shape
                     if projections == "fp8":
-                        total += fp8.round_up(n) * (fp8.round_up(k) + 4)
+                        total[parts[kind]] += fp8.round_up(n) * (fp8.round_up(k) + 4)
                     else:
-                        total += n * k * self.embed.element_size()
-        return total
+                        total[parts[kind]] += n * k * self.embed.element_size()
+        return total if by_part else sum(total.values())
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of distinct weight storage held: 'experts', 'other' and 'total' (FP8 projections at

@@ -121,6 +121,10 @@ def attribute(batch: int, context_len: int, *, variant: str = "all_on", weights=
     rows["part"] = [_part_name(p) for p in rows["part"]]
     kinds = measure.part_bytes(weights.config, batch, context_len, act_bytes=weights.embed.element_size(),
                                cache_bytes=weights.embed.element_size())
+    if proj == "fp8":  # FP8 projections: a byte per weight and the row scales, part by part
+        bf16, fp8 = (weights.projection_bytes(f, by_part=True) for f in ("bf16", "fp8"))
+        for part, saved in bf16.items():
+            kinds[part]["weights_dense"] -= saved - fp8[part]
     floors = {p: sum(kinds[k].values()) / (bw * 1e6) for p, k in FLOOR_OF.items()}
     table = at.attribute(rows, floors_us=floors)
     span = at.span_us(rows)

@@ -148,8 +148,9 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
         ("08_*.ipynb",), studies=("decode_step",), switches=("glue_fused",),
         ops=("k3lab.ops.moe_router", "k3lab.ops.situ_glu", "k3lab.ops.gemv"),
         modules=("k3lab.engine",),
-        kernels=("k3lab.ops.moe_router.triton._topk_kernel", "k3lab.ops.moe_router.triton._sort_kernel",
-                 "k3lab.ops.situ_glu._situ_glu_kernel", "k3lab.ops.gemv._gemv_kernel"),
+        kernels=("k3lab.ops.moe_router.triton._route_sort_kernel", "k3lab.ops.moe_router.triton._topk_kernel",
+                 "k3lab.ops.moe_router.triton._sort_kernel", "k3lab.ops.situ_glu._situ_glu_kernel",
+                 "k3lab.ops.gemv._gemv_kernel"),
         docs=("docs/decode_step.md",), records=_rec("decode_step")),
     Entry(
         "serving", "The serving curve", "the serving curve",

@@ -1,6 +1,7 @@
-"""The router + expert sort (k3lab.ops.moe_router): the two Triton launches against nn.moe.route followed
-by moe_experts.sort_by_expert (Triton's interpreter on a CPU, compiled on a GPU where there is one), the
-grouped expert kernels fed either sort, bad input, the pair bound, backend choice and graph capture."""
+"""The router + expert sort (k3lab.ops.moe_router): the one launch and the two launches against
+nn.moe.route followed by moe_experts.sort_by_expert (Triton's interpreter on a CPU, compiled on a GPU where
+there is one), ties and NaN against the documented order, the grouped expert kernels fed either sort, bad
+input, the pair bounds, backend choice and graph capture."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from k3lab.nn.moe import route
 from k3lab.ops import moe_experts as me
 from k3lab.ops import moe_router as mr
 from k3lab.ops.moe_experts import triton as me_triton
+from k3lab.ops.moe_router import triton as router
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the same checks run compiled where there is a GPU
 FIELDS = ("pair_of_row", "tile_expert", "n_tiles", "counts")
@@ -69,13 +71,13 @@ def test_k3_sizes(n):
 
 
 def test_the_sort_on_64_lane_devices_takes_smaller_blocks_and_sorts_the_same(monkeypatch):
-    from k3lab.ops.moe_router import triton as router
-
     assert router.sort_block_cap(32) == 128 and router.sort_block_cap(64) == 32
     monkeypatch.setattr(router, "sort_block_cap", lambda wave_width=None: 32)
-    logits, b = router_inputs(64, 896, 16, seed=9)
+    logits, b = router_inputs(64, 96, 16, seed=9)  # 1,024 pairs: 32 blocks of 32
     got = mr.route_and_sort(logits, b, 16, block_m=16, backend="triton")
     assert_same(got, logits, b, 16, 1.0, True, 16)
+    logits, b = router_inputs(7, 40, 16, seed=10)  # the one launch with the block-walking sort
+    assert_same(router.route_sort(logits, b, 16, 1.0, True, 16), logits, b, 16, 1.0, True, 16)
 
 
 def test_the_pair_bound_runs_and_one_more_token_raises():
@@ -89,6 +91,8 @@ def test_the_pair_bound_runs_and_one_more_token_raises():
     assert torch.equal(sort.counts, me.sort_by_expert(idx, 64, 32).counts)
     with pytest.raises(ValueError, match="MAX_PAIRS"):
         mr.sort_pairs(idx, 64, 32)
+    with pytest.raises(ValueError, match=rf"N={n + 1} tokens.*MAX_PAIRS"):
+        router.route_sort(big, b, 16, 1.0, True, 32)
 
 
 def test_grouped_experts_give_the_same_output_with_either_sort():
@@ -216,3 +220,103 @@ def test_ties_go_to_the_lowest_expert_index():
     logits[1, 9:] = 1.0
     _, idx, _ = mr.route_and_sort(logits, None, 4, block_m=16, backend="triton")
     assert idx.tolist() == [[0, 1, 2, 3], [9, 10, 11, 12]]
+
+
+def ordered_reference(logits, bias, k, scaling, renormalize, m):
+    """The documented order in plain torch: descending sigmoid(logits) + bias by a stable sort (the lowest
+    expert first among equal scores), NaN scores last; the weights as route makes them, the sort by
+    sort_by_expert. Equal to route's choice wherever the top k + 1 scores are distinct."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores if bias is None else scores + bias.float()
+    idx = torch.sort(choice.nan_to_num(float("-inf")), dim=-1, descending=True, stable=True).indices[:, :k]
+    w = scores.gather(-1, idx)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scaling, idx, me.sort_by_expert(idx, logits.shape[1], m)
+
+
+def assert_as_documented(got, logits, bias, k, scaling, renormalize, m):
+    """got against ordered_reference (exactly: experts, order, sort; weights to fp32 rounding), and, where no
+    NaN is chosen, the chosen scores equal the torch path's, slot by slot (ties may differ in index only)."""
+    weights, idx, sort = got
+    w0, i0, s0 = ordered_reference(logits, bias, k, scaling, renormalize, m)
+    assert idx.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(idx, i0)
+    torch.testing.assert_close(weights, w0, rtol=1e-6, atol=0, equal_nan=True)
+    for f in FIELDS:
+        assert getattr(sort, f).dtype == getattr(s0, f).dtype, f
+        assert torch.equal(getattr(sort, f), getattr(s0, f)), f
+    assert (sort.block_m, sort.max_tiles, sort.pairs) == (s0.block_m, s0.max_tiles, s0.pairs)
+    choice = torch.sigmoid(logits.float()) + (0 if bias is None else bias.float())
+    if not choice.isnan().any():
+        _, i_torch, _ = route(logits, bias, k, scaling, renormalize)
+        assert torch.equal(choice.gather(-1, idx), choice.gather(-1, i_torch))
+
+
+def one_or_two_launches(launches, logits, bias, k, scaling, renormalize, m):
+    if launches == 1:
+        return router.route_sort(logits, bias, k, scaling, renormalize, m)
+    weights, idx = router.topk_weights(logits, bias, k, scaling, renormalize)
+    return weights, idx, router.sort_pairs(idx, logits.shape[1], m)
+
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+@pytest.mark.parametrize("n, dtype, bias", [
+    (1, F32, True), (1, F32, False), (1, BF16, True), (1, F16, False),
+    (2, F32, True), (2, BF16, False), (2, F16, True),
+    (7, F32, False), (7, BF16, True), (7, F16, True),      # 112 pairs: the sort in one block
+    (64, F32, True), (64, BF16, False),                    # 1,024 pairs: the sort a block at a time
+    (128, F16, True), (128, F32, False),                   # 2,048 pairs: MAX_PAIRS
+])
+def test_the_one_launch_on_fresh_logits(n, dtype, bias):
+    """The one launch at any N within MAX_PAIRS (route_and_sort takes it up to FUSED_PAIRS), on fresh random
+    logits of each dtype, with and without bias. E = 40 (a partly masked 64-wide row) keeps the interpreter
+    quick; bf16 logits without bias tie exactly and often."""
+    gen = torch.Generator().manual_seed(1000 * n + (dtype == BF16) + 2 * (dtype == F16) + 4 * bias)
+    e, k = 40, 16
+    logits = (torch.randn(n, e, generator=gen) * 2).to(dtype).to(DEV)
+    b = (torch.randn(e, generator=gen) * 0.05).to(DEV) if bias else None
+    m = me.default_block_m(n, k, e)
+    got = router.route_sort(logits, b, k, 2.5, True, m)
+    assert_as_documented(got, logits, b, k, 2.5, True, m)
+
+
+@pytest.mark.parametrize("launches", [1, 2])
+@pytest.mark.parametrize("bias", [True, False])
+def test_exact_ties_follow_the_documented_order(launches, bias):
+    """Scores on four levels (and two bias levels): many exact ties, each broken by the lowest expert index,
+    as the stable reference does; the chosen scores equal the torch path's."""
+    gen = torch.Generator().manual_seed(7 + launches + 2 * bias)
+    n, e, k = 6, 24, 8
+    logits = torch.randint(-1, 3, (n, e), generator=gen).float().to(DEV)
+    b = (torch.randint(0, 2, (e,), generator=gen) * 0.5).to(DEV) if bias else None
+    got = one_or_two_launches(launches, logits, b, k, 1.0, False, 16)
+    assert_as_documented(got, logits, b, k, 1.0, False, 16)
+
+
+@pytest.mark.parametrize("launches", [1, 2])
+def test_nan_scores_go_last_in_index_order(launches):
+    """NaN logits: chosen only when too few scores are left, then last and lowest index first (their weights
+    are NaN, as the torch path's would be); the ExpertSort is the reference's."""
+    logits, b = router_inputs(4, 16, 4, seed=3 + launches)
+    logits[1, :5] = float("nan")
+    logits[2, 2:15] = float("nan")  # 13 NaN of 16: one of them is chosen
+    got = one_or_two_launches(launches, logits, b, 4, 1.0, True, 16)
+    assert_as_documented(got, logits, b, 4, 1.0, True, 16)
+    assert set(got[1][2, :3].tolist()) == {0, 1, 15} and int(got[1][2, 3]) == 2  # the lowest NaN index
+
+
+def test_route_and_sort_takes_one_launch_up_to_fused_pairs(monkeypatch):
+    calls = []
+    for name in ("route_sort", "topk_weights", "sort_pairs"):
+        real = getattr(mr, name)
+        monkeypatch.setattr(mr, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    k = 4
+    for n in (1, mr.FUSED_PAIRS // k, mr.FUSED_PAIRS // k + 1):
+        logits, b = router_inputs(n, 16, k, seed=n)
+        calls.clear()
+        got = mr.route_and_sort(logits, b, k, block_m=16, backend="triton")
+        assert_same(got, logits, b, k, 1.0, True, 16)
+        assert calls == (["route_sort"] if n * k <= mr.FUSED_PAIRS else ["topk_weights", "sort_pairs"])

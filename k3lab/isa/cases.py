@@ -205,14 +205,20 @@ def moe_tail(tokens=1):
                 torch.empty(tokens, CFG.hidden_size, dtype=BF16), 0)
 
 
-def moe_router(tokens=1):
+def moe_router(tokens=1, launches=None):
+    """The launches route_and_sort makes for `tokens` (one up to FUSED_PAIRS pairs, else two), or the
+    form `launches` (1 or 2) names: the one launch runs up to MAX_PAIRS where it is forced (glue bench)."""
     from k3lab.ops.moe_experts import default_block_m, random_router_idx
     from k3lab.ops.moe_router import triton as router
 
     E, k = CFG.num_experts, CFG.num_experts_per_token
-    logits = torch.empty(tokens, E, dtype=BF16)
-    router.topk_weights(logits, torch.empty(E, dtype=torch.float32), k, 1.0, True)
-    router.sort_pairs(random_router_idx(tokens, num_experts=E, top_k=k), E, default_block_m(tokens, k, E))
+    logits, bias, m = torch.empty(tokens, E, dtype=BF16), torch.empty(E, dtype=torch.float32), \
+        default_block_m(tokens, k, E)
+    if (launches or (1 if tokens * k <= router.FUSED_PAIRS else 2)) == 1:
+        router.route_sort(logits, bias, k, 1.0, True, m)
+        return
+    router.topk_weights(logits, bias, k, 1.0, True)
+    router.sort_pairs(random_router_idx(tokens, num_experts=E, top_k=k), E, m)
 
 
 def situ_glu(width=CFG.shared_intermediate_size):
@@ -273,8 +279,11 @@ CASES: dict[str, tuple] = {
     "moe_experts.grouped_t64": (moe_experts, {"tokens": 64}, "64 tokens"),
     "moe_experts.tail_t1": (moe_tail, {}, "latent tail, one token"),
     "moe_experts.tail_t256": (moe_tail, {"tokens": 256}, "latent tail, 256 tokens"),
-    "moe_router.route_t1": (moe_router, {}, "top-16 of 896 and the expert sort, one token"),
-    "moe_router.route_t64": (moe_router, {"tokens": 64}, "64 tokens"),
+    "moe_router.route_t1": (moe_router, {}, "top-16 of 896 and the expert sort in one launch, one token"),
+    "moe_router.route_t2": (moe_router, {"tokens": 2}, "2 tokens: the one launch's bound (FUSED_PAIRS)"),
+    "moe_router.route_t64": (moe_router, {"tokens": 64}, "64 tokens: top-k, then the sort"),
+    "moe_router.one_launch_t128": (moe_router, {"tokens": 128, "launches": 1},
+                                   "the one launch forced at MAX_PAIRS (the glue bench's comparison)"),
     "situ_glu.shared_expert": (situ_glu, {}, "SiTU-GLU of the shared expert's 768 columns"),
     "gemv.router": (gemv, {}, "one-row product 896 x 7168, every candidate block shape"),
     "workshop.gated_norm": (workshop_gated_norm, {}, "the learner task's solution: 12 heads x 128"),

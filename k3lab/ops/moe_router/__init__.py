@@ -1,4 +1,4 @@
-"""K3's MoE router and the expert sort in two launches: `route_and_sort`.
+"""K3's MoE router and the expert sort in one launch (two beyond decode sizes): `route_and_sort`.
 
     weights, idx = k3lab.nn.moe.route(logits, bias, top_k, scaling, renormalize)[:2]
     sort = k3lab.ops.moe_experts.sort_by_expert(idx, E, block_m)
@@ -11,11 +11,14 @@ chosen and times `scaling`. The sort is the ExpertSort that the grouped expert k
 
 Why: in plain PyTorch these are ~25 small launches per MoE layer (sigmoid, add, topk, gather, sum, div,
 mul; scatter_add_, cumsums, a radix argsort, searchsorted, index arithmetic). The triton backend does
-them in two (triton.py), with no read-back, so the call can be captured in a CUDA graph.
+them in one launch at decode sizes, two beyond (triton.py), with no read-back, so the call can be
+captured in a CUDA graph.
 
 Backends (`BACKENDS`, k3lab.ops' contract: `backend=` or K3LAB_MOE_ROUTER_BACKEND forces one by name; a
 forced one that cannot run these logits is a ValueError):
-  triton  launch 1 = top-k and weights, launch 2 = the counting sort. For N * top_k <= MAX_PAIRS (2048,
+  triton  up to FUSED_PAIRS (32) pairs N * top_k, one program routes every token and sorts
+          (triton.route_sort); beyond, launch 1 = top-k and weights (a program per token), launch 2 =
+          the counting sort (triton.topk_weights, sort_pairs). For N * top_k <= MAX_PAIRS (2048,
           decode sizes): a single program sorts, so larger batches raise when it is forced. Runs on a
           GPU, or in Triton's interpreter (TRITON_INTERPRET=1: tests) on CPU tensors.
   torch   route + sort_by_expert: the "before"; any size, fp64 too.
@@ -42,7 +45,7 @@ from k3lab.nn.moe import route
 from k3lab.ops import Backend, Backends, cpu_first, gpu_first, triton_available, triton_runs_on
 from k3lab.ops.moe_experts.inputs import ExpertSort, check_block_m, sort_by_expert
 
-from .triton import MAX_PAIRS, sort_pairs, topk_weights
+from .triton import FUSED_PAIRS, MAX_PAIRS, route_sort, sort_pairs, topk_weights
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # fp64: torch only
 
@@ -102,9 +105,11 @@ def route_and_sort(logits, bias, top_k, *, scaling=1.0, renormalize=True, num_ex
     if BACKENDS.choose(backend, logits.device, N, top_k, logits.dtype)[0] == "torch":
         weights, idx, _ = route(logits, bias, top_k, scaling, renormalize)
         return weights, idx, sort_by_expert(idx, E, block_m)
+    if N * top_k <= FUSED_PAIRS:
+        return route_sort(logits, bias, top_k, scaling, renormalize, block_m)
     weights, idx = topk_weights(logits, bias, top_k, scaling, renormalize)
     return weights, idx, sort_pairs(idx, E, block_m)
 
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "MAX_PAIRS", "check_router", "route_and_sort",
-           "sort_pairs", "topk_weights"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "FUSED_PAIRS", "MAX_PAIRS", "check_router", "route_and_sort",
+           "route_sort", "sort_pairs", "topk_weights"]

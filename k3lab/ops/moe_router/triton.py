@@ -1,19 +1,36 @@
-"""The router's top-k and the expert sort as two Triton launches (decode-sized batches).
+"""The router's top-k and the expert sort in Triton: one launch at decode sizes, two beyond.
 
-    launch 1 (_topk_kernel): one program per token: sigmoid, + bias, top-k, the weights
-    launch 2 (_sort_kernel): one program: the counting sort of the N * k (token, slot) pairs by
-                             expert, padded per expert to whole tiles (an inputs.ExpertSort)
+    one launch  (_route_sort_kernel, `route_sort`): one program: the top-k of every token, then the sort
+    two launches (`topk_weights`, `sort_pairs`):    _topk_kernel, one program per token; then
+                                                    _sort_kernel, one program: the sort
 
-Launch 1 packs each candidate into one int64 key, (order-preserving bits of score + bias, E_POW2 - 1 -
-expert), so one max reduction per slot yields the best expert, the lowest index among equal scores.
-Launch 2 walks the pairs twice in flat order, a block at a time: each pair's row is a per-expert cursor
-plus its rank among the block's earlier pairs of that expert, and the block's last pair of each expert
-moves the cursor. From zeroed cursors the first walk leaves the counts; the tile layout is their
-cumulative sum; from each expert's first padded row the second walk stores the pairs, in flat (token,
-slot) order within an expert, as the stable argsort of sort_by_expert gives. The cursors live in a
-small global scratch, ordered by barriers (no histogram or register gather, whose lowerings vary across
-Triton versions); every other store has its own address. One program is the right size while the
-pairs are few (decode); `MAX_PAIRS` bounds them.
+Top-k. Each candidate is one int64 key, (order-preserving bits of score + bias, E_POW2 - 1 - expert):
+keys are distinct, and descending key order is descending score with the lowest expert index first
+among equal scores (a NaN score is made -inf: chosen last, its index still in range). `tl.topk`, a
+bitonic top-k network over the row, gives the K_POW2 largest keys in descending order, the expert in
+their low bits: log2(E_POW2) short merge stages that every lane works on at once, where one max
+reduction per chosen slot would be top_k reductions in a row. Rows go ROWS at a time ([ROWS, E_POW2]).
+
+Sort (an inputs.ExpertSort). First every row is padding (`pairs`), every tile the last expert (what
+searchsorted gives past the tiles in use), then one barrier, then the pairs:
+  - pairs that fit one block (P <= the block, `sort_block_cap`): all in registers from the [P, P]
+    comparison of the pairs' experts: each pair's rank among the earlier pairs of its expert, its
+    expert's count, and the tiles of the chosen experts below its own (summed over each expert's first
+    pair). Then the stores; no scratch, nothing per expert bin but zeroing the counts.
+  - more pairs: the pairs are walked twice in flat order, a block at a time: each pair's row is a
+    per-expert cursor plus its rank among the block's earlier pairs of that expert, and the block's
+    last pair of each expert moves the cursor. From zeroed cursors the first walk leaves the counts;
+    the tile layout is their cumulative sum; from each expert's first padded row the second walk
+    stores the pairs. The cursors live in a small global scratch, ordered by barriers (no histogram or
+    register gather, whose lowerings vary across Triton versions).
+Either way a pair's row is its expert's first padded row plus its flat-order rank within the expert,
+as the stable argsort of sort_by_expert gives. In the one launch the sort reads the chosen experts
+back from `idx` after a barrier (global stores of a program are visible to all its lanes after one).
+
+Bounds: `MAX_PAIRS` pairs for either form (one program sorts); `FUSED_PAIRS`, the most pairs
+route_and_sort sends to the one launch, whose single program walks the tokens' top-k ROWS at a time
+(beyond it the per-token programs of the two launches work in parallel). Both are first bounds, not
+measured; the glue records of the decode_step study time both forms (docs/decode_step.md).
 
 Checked against the torch path (tests/test_moe_router.py).
 """
@@ -30,48 +47,98 @@ try:
 except ImportError:  # the torch path still runs; the backend table says why this one does not
     triton = None
 
-MAX_PAIRS = 2048  # N * top_k that launch 2's single program sorts (decode); a first bound, not measured
-ROW_BLOCK = 256   # padding rows stored per step past the tiles in use
+MAX_PAIRS = 2048   # N * top_k that one program sorts (decode); a first bound, not measured
+FUSED_PAIRS = 32   # N * top_k that route_and_sort routes and sorts in one launch (2 tokens at top-16)
+FUSED_ROWS = 2     # tokens the one launch takes through the top-k at once
+ROW_BLOCK = 1024   # rows (or tiles) the padding fill stores per step
+TOPK_WARPS = 8     # warps of a top-k program: lanes for the bitonic network over 1,024 keys
 
 if triton is not None:
 
     @triton.jit
-    def _topk_kernel(logits_ptr, stride_n, stride_e, bias_ptr, weights_ptr, idx_ptr, scaling,
-                     E: tl.constexpr, E_POW2: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
-        n = tl.program_id(0).to(tl.int64)
+    def _topk_rows(logits_ptr, stride_n, stride_e, bias_ptr, weights_ptr, idx_ptr, scaling, n0, n_tokens,
+                   E: tl.constexpr, E_POW2: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+                   ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
+        # tokens n0 .. n0 + ROWS - 1 (those < n_tokens): sigmoid, + bias, top-k, weights, stored
+        rows = n0 + tl.arange(0, ROWS).to(tl.int64)
+        live = rows < n_tokens
         cols = tl.arange(0, E_POW2)
-        ok = cols < E
-        row = logits_ptr + n * stride_n
-        choice = tl.sigmoid(tl.load(row + cols * stride_e, mask=ok, other=0.0).to(tl.float32))
+        ok = live[:, None] & (cols < E)[None, :]
+        row = logits_ptr + rows[:, None] * stride_n
+        choice = tl.sigmoid(tl.load(row + cols[None, :] * stride_e, mask=ok, other=0.0).to(tl.float32))
         if HAS_BIAS:
-            choice += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+            choice += tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(tl.float32)[None, :]
         choice = tl.where(choice == choice, choice, float("-inf"))  # NaN: chosen last, still in range
         bits = choice.to(tl.int32, bitcast=True)
         order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # signed order = float order
-        gone = tl.full([E_POW2], -(1 << 62), tl.int64)  # below every real key
-        key = tl.where(ok, order * E_POW2 + (E_POW2 - 1 - cols), gone)
+        gone = tl.full([ROWS, E_POW2], -(1 << 62), tl.int64)  # below every real key
+        key = tl.where(ok, order * E_POW2 + (E_POW2 - 1 - cols)[None, :], gone)
+        top = tl.topk(key, K_POW2)  # [ROWS, K_POW2], descending
+        sel = E_POW2 - 1 - (top & (E_POW2 - 1))
         slots = tl.arange(0, K_POW2)
-        sel = tl.zeros([K_POW2], dtype=tl.int64)
-        for j in range(TOP_K):
-            best = tl.max(key, 0)
-            e = E_POW2 - 1 - (best & (E_POW2 - 1))
-            sel = tl.where(slots == j, e, sel)
-            key = tl.where(cols == e, gone, key)
-        real = slots < TOP_K
+        real = live[:, None] & (slots < TOP_K)[None, :]
         s = tl.sigmoid(tl.load(row + sel * stride_e, mask=real, other=0.0).to(tl.float32))
         s = tl.where(real, s, 0.0)
         if RENORMALIZE:
-            s = s / (tl.sum(s, 0) + 1e-20)
-        tl.store(weights_ptr + n * TOP_K + slots, s * scaling, mask=real)
-        tl.store(idx_ptr + n * TOP_K + slots, sel, mask=real)
+            s = s / (tl.sum(s, 1) + 1e-20)[:, None]
+        out = rows[:, None] * TOP_K + slots[None, :]
+        tl.store(weights_ptr + out, s * scaling, mask=real)
+        tl.store(idx_ptr + out, sel, mask=real)
+
+    @triton.jit
+    def _topk_kernel(logits_ptr, stride_n, stride_e, bias_ptr, weights_ptr, idx_ptr, scaling, n_tokens,
+                     E: tl.constexpr, E_POW2: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
+        _topk_rows(logits_ptr, stride_n, stride_e, bias_ptr, weights_ptr, idx_ptr, scaling,
+                   tl.program_id(0), n_tokens, E, E_POW2, TOP_K, K_POW2, 1, HAS_BIAS, RENORMALIZE)
+
+    @triton.jit
+    def _sort_prepare(cursor_ptr, counts_ptr, pair_ptr, tile_expert_ptr, pairs, tiles, E: tl.constexpr,
+                      BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                      ONE_BLOCK: tl.constexpr):
+        # what the sort overwrites after a barrier: padding rows, unused tiles, zero counts or cursors
+        offs = tl.arange(0, BLOCK_R)
+        q0 = 0
+        while q0 < tiles * BLOCK_M:  # run-time bounds are while loops: the interpreter cannot range() them
+            tl.store(pair_ptr + q0 + offs, pairs, mask=q0 + offs < tiles * BLOCK_M)
+            q0 += BLOCK_R
+        t0 = 0
+        while t0 < tiles:
+            tl.store(tile_expert_ptr + t0 + offs, E - 1, mask=t0 + offs < tiles)
+            t0 += BLOCK_R
+        bins = tl.arange(0, BINS)
+        if ONE_BLOCK:
+            tl.store(counts_ptr + bins, tl.zeros([BINS], dtype=tl.int64), mask=bins < E)
+        else:
+            tl.store(cursor_ptr + bins, tl.zeros([BINS], dtype=tl.int32), mask=bins < E)
+
+    @triton.jit
+    def _sort_one_block(idx_ptr, counts_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr, pairs, E: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+        # every pair at once (pairs <= BLOCK_P); the caller's fills are behind a barrier
+        p = tl.arange(0, BLOCK_P)
+        real = p < pairs
+        ex = tl.load(idx_ptr + p, mask=real, other=E).to(tl.int32)
+        same = (ex[:, None] == ex[None, :]) & real[None, :]
+        count = tl.sum(same.to(tl.int32), 1)
+        rank = tl.sum((same & (p[None, :] < p[:, None])).to(tl.int32), 1)
+        first = real & (rank == 0)  # one pair stands for each chosen expert
+        tiles_of = tl.where(first, (count + BLOCK_M - 1) // BLOCK_M, 0)
+        start = tl.sum(tl.where(ex[None, :] < ex[:, None], tiles_of[None, :], 0), 1)  # tiles of lower experts
+        tl.store(pair_ptr + start * BLOCK_M + rank, p, mask=real)
+        tl.store(counts_ptr + ex, count.to(tl.int64), mask=first)
+        tl.store(n_tiles_ptr, tl.sum(tiles_of, 0))
+        most = tl.max(tiles_of, 0)
+        r = 0
+        while r < most:  # each chosen expert names its tiles
+            tl.store(tile_expert_ptr + start + r, ex, mask=r < tiles_of)
+            r += 1
 
     @triton.jit
     def _rank_pass(idx_ptr, cursor_ptr, pair_ptr, pairs, E: tl.constexpr, BLOCK_P: tl.constexpr,
                    WRITE_ROWS: tl.constexpr):
         # every pair in flat order: row = cursor[expert] + its rank among the block's earlier pairs of
         # that expert; the block's last pair of each expert moves the cursor past the block's pairs.
-        # Run-time bounds are while loops: the interpreter cannot range() over them.
         offs = tl.arange(0, BLOCK_P)
         p0 = 0
         while p0 < pairs:
@@ -90,77 +157,129 @@ if triton is not None:
             p0 += BLOCK_P
 
     @triton.jit
-    def _sort_kernel(idx_ptr, cursor_ptr, counts_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr, pairs, tiles,
-                     E: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                     BLOCK_R: tl.constexpr):
+    def _sort_blocks(idx_ptr, cursor_ptr, counts_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr, pairs,
+                     E: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+        # the pairs a block at a time through the cursors (zeroed by the caller, behind a barrier)
         bins = tl.arange(0, BINS)
         experts = bins < E
-        tl.store(cursor_ptr + bins, tl.zeros([BINS], dtype=tl.int32), mask=experts)
-        tl.debug_barrier()
         _rank_pass(idx_ptr, cursor_ptr, pair_ptr, pairs, E, BLOCK_P, False)  # pass 1: the counts
         counts = tl.load(cursor_ptr + bins, mask=experts, other=0)
         tiles_per = (counts + BLOCK_M - 1) // BLOCK_M
         tile_start = tl.cumsum(tiles_per, 0) - tiles_per
-        n_tiles = tl.sum(tiles_per, 0)
-        row0 = tile_start * BLOCK_M
         tl.debug_barrier()  # every lane has read the counts before the cursors restart
-        tl.store(cursor_ptr + bins, row0, mask=experts)
+        tl.store(cursor_ptr + bins, tile_start * BLOCK_M, mask=experts)
         tl.store(counts_ptr + bins, counts.to(tl.int64), mask=experts)
-        tl.store(n_tiles_ptr, n_tiles)
+        tl.store(n_tiles_ptr, tl.sum(tiles_per, 0))
         most = tl.max(tiles_per, 0)
         r = 0
         while r < most:  # each expert names its tiles
             tl.store(tile_expert_ptr + tile_start + r, bins, mask=r < tiles_per)
             r += 1
-        for j in range(0, BLOCK_M - 1):  # the padding rows that end each expert's last tile
-            pad = row0 + counts + j
-            tl.store(pair_ptr + pad, pairs, mask=pad < row0 + tiles_per * BLOCK_M)
-        rows = tl.arange(0, BLOCK_R)
-        q0 = n_tiles * BLOCK_M
-        while q0 < tiles * BLOCK_M:  # the rows of the unused tiles
-            tl.store(pair_ptr + q0 + rows, pairs, mask=q0 + rows < tiles * BLOCK_M)
-            q0 += BLOCK_R
-        t0 = n_tiles
-        while t0 < tiles:  # the unused tiles: the last expert, as searchsorted gives
-            tl.store(tile_expert_ptr + t0 + rows, E - 1, mask=t0 + rows < tiles)
-            t0 += BLOCK_R
         tl.debug_barrier()
         _rank_pass(idx_ptr, cursor_ptr, pair_ptr, pairs, E, BLOCK_P, True)  # pass 2: each pair's row
+
+    @triton.jit
+    def _sort_pairs_of(idx_ptr, cursor_ptr, counts_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr, pairs,
+                       E: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                       ONE_BLOCK: tl.constexpr):
+        if ONE_BLOCK:
+            _sort_one_block(idx_ptr, counts_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr, pairs, E, BLOCK_M,
+                            BLOCK_P)
+        else:
+            _sort_blocks(idx_ptr, cursor_ptr, counts_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr, pairs, E,
+                         BINS, BLOCK_M, BLOCK_P)
+
+    @triton.jit
+    def _sort_kernel(idx_ptr, cursor_ptr, counts_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr, pairs, tiles,
+                     E: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                     BLOCK_R: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        _sort_prepare(cursor_ptr, counts_ptr, pair_ptr, tile_expert_ptr, pairs, tiles, E, BINS, BLOCK_M,
+                      BLOCK_R, ONE_BLOCK)
+        tl.debug_barrier()
+        _sort_pairs_of(idx_ptr, cursor_ptr, counts_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr, pairs, E,
+                       BINS, BLOCK_M, BLOCK_P, ONE_BLOCK)
+
+    @triton.jit
+    def _route_sort_kernel(logits_ptr, stride_n, stride_e, bias_ptr, weights_ptr, idx_ptr, scaling, n_tokens,
+                           cursor_ptr, counts_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr, pairs, tiles,
+                           E: tl.constexpr, E_POW2: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+                           ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+                           BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                           BLOCK_R: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        _sort_prepare(cursor_ptr, counts_ptr, pair_ptr, tile_expert_ptr, pairs, tiles, E, BINS, BLOCK_M,
+                      BLOCK_R, ONE_BLOCK)
+        n0 = 0
+        while n0 < n_tokens:
+            _topk_rows(logits_ptr, stride_n, stride_e, bias_ptr, weights_ptr, idx_ptr, scaling, n0, n_tokens,
+                       E, E_POW2, TOP_K, K_POW2, ROWS, HAS_BIAS, RENORMALIZE)
+            n0 += ROWS
+        tl.debug_barrier()  # idx and the fills are in place for every lane
+        _sort_pairs_of(idx_ptr, cursor_ptr, counts_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr, pairs, E,
+                       BINS, BLOCK_M, BLOCK_P, ONE_BLOCK)
 
 
 def _pow2(x: int) -> int:
     return 1 << max(x - 1, 0).bit_length()
 
 
-def topk_weights(logits, bias, top_k: int, scaling: float, renormalize: bool):
-    """Launch 1 on checked inputs: (weights [N, top_k] fp32, idx [N, top_k] int64)."""
-    N, E = logits.shape
-    weights = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
-    idx = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
-    if N:
-        _topk_kernel[(N,)](logits, logits.stride(0), logits.stride(1), logits if bias is None else bias,
-                           weights, idx, float(scaling), E=E, E_POW2=_pow2(E), TOP_K=top_k,
-                           K_POW2=_pow2(top_k), HAS_BIAS=bias is not None, RENORMALIZE=bool(renormalize),
-                           num_warps=1)
-    return weights, idx
-
-
 def sort_block_cap(wave_width: int | None = None) -> int:
-    """Pairs the sort compares with every expert bin at once: its [BLOCK_P, BINS] one-hot tile is
-    BLOCK_P x 1024 values over the program's lanes. 128 on 32-lane devices (docs/decode_step.md);
-    32 on 64-lane ones, where 128 spills 192 registers on gfx942 / gfx950 (the ISA report; not yet
-    run on AMD hardware by this project). wave_width: read from the device when None."""
+    """Pairs the sort compares with each other at once: its [BLOCK_P, BLOCK_P] comparison tile over the
+    program's lanes. 128 on 32-lane devices (docs/decode_step.md); 32 on 64-lane ones, where 128
+    spills on gfx942 / gfx950 (the ISA report; not yet run on AMD hardware by this project). Up to
+    this many pairs the sort is one block, in registers. wave_width: read from the device when None."""
     from k3lab import env
 
     wave = wave_width if wave_width is not None else env.detect().wave_width
     return 32 if wave == 64 else 128
 
 
+def _topk_meta(logits, bias, top_k: int, renormalize: bool) -> dict:
+    E = logits.shape[1]
+    return dict(E=E, E_POW2=_pow2(E), TOP_K=top_k, K_POW2=_pow2(top_k), HAS_BIAS=bias is not None,
+                RENORMALIZE=bool(renormalize))
+
+
+def _sort_buffers(P: int, num_experts: int, block_m: int, dev) -> tuple[ExpertSort, torch.Tensor, dict]:
+    """(the ExpertSort to fill, the cursor scratch, the sort's constexprs and warps) for P > 0 pairs."""
+    T = max_tiles(P, num_experts, block_m)
+    block_p = min(sort_block_cap(), max(16, _pow2(P)))
+    one_block = P <= block_p
+    i32 = dict(dtype=torch.int32, device=dev)
+    sort = ExpertSort(torch.empty(T * block_m, **i32), torch.empty(T, **i32), torch.empty(1, **i32),
+                      torch.empty(num_experts, dtype=torch.int64, device=dev), block_m, T, P)
+    cursor = sort.counts if one_block else torch.empty(num_experts, **i32)  # scratch (unused in one block)
+    meta = dict(E=num_experts, BINS=_pow2(num_experts), BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_R=ROW_BLOCK,
+                ONE_BLOCK=one_block, num_warps=8 if block_p > 64 else 4)
+    return sort, cursor, meta
+
+
+def _empty_sort(num_experts: int, block_m: int, dev) -> ExpertSort:
+    z = torch.zeros(1, dtype=torch.int32, device=dev)
+    return ExpertSort(z[:0], z[:0], z, torch.zeros(num_experts, dtype=torch.int64, device=dev), block_m, 0, 0)
+
+
+def _sort_args(sort: ExpertSort, cursor: torch.Tensor) -> tuple:
+    return (cursor, sort.counts, sort.pair_of_row, sort.tile_expert, sort.n_tiles, sort.pairs, sort.max_tiles)
+
+
+def topk_weights(logits, bias, top_k: int, scaling: float, renormalize: bool, num_warps: int | None = None):
+    """The first of the two launches, on checked inputs: (weights [N, top_k] fp32, idx [N, top_k] int64).
+    num_warps: a top-k program's warps (TOPK_WARPS when None; the glue bench tries others)."""
+    N, _ = logits.shape
+    weights = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
+    if N:
+        _topk_kernel[(N,)](logits, logits.stride(0), logits.stride(1), logits if bias is None else bias,
+                           weights, idx, float(scaling), N, **_topk_meta(logits, bias, top_k, renormalize),
+                           num_warps=num_warps or TOPK_WARPS)
+    return weights, idx
+
+
 def sort_pairs(idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
-    """Launch 2: the ExpertSort that inputs.sort_by_expert(idx, num_experts, block_m) builds, from
-    idx [N, k] (int64 or int32, contiguous, values in [0, num_experts): the router's output, not read
-    back) with N * k <= MAX_PAIRS. Sizes come from N, k, E and block_m alone (no read-back).
-    ValueError on a bad argument, before the launch."""
+    """The second of the two launches: the ExpertSort that inputs.sort_by_expert(idx, num_experts,
+    block_m) builds, from idx [N, k] (int64 or int32, contiguous, values in [0, num_experts): the
+    router's output, not read back) with N * k <= MAX_PAIRS. Sizes come from N, k, E and block_m alone
+    (no read-back). ValueError on a bad argument, before the launch."""
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"idx must be an int32 or int64 [N, k] tensor, got "
                          f"{getattr(idx, 'dtype', type(idx))}")
@@ -172,19 +291,31 @@ def sort_pairs(idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
     if idx.numel() > MAX_PAIRS:
         raise ValueError(f"idx holds {idx.numel()} pairs, more than the single-program sort takes "
                          f"(MAX_PAIRS={MAX_PAIRS}); use inputs.sort_by_expert")
-    P, dev = idx.numel(), idx.device
-    T = max_tiles(P, num_experts, block_m)
-    if P == 0:
-        z = torch.zeros(1, dtype=torch.int32, device=dev)
-        return ExpertSort(z[:0], z[:0], z, torch.zeros(num_experts, dtype=torch.int64, device=dev), block_m,
-                          0, 0)
-    pair_of_row = torch.empty(T * block_m, dtype=torch.int32, device=dev)
-    tile_expert = torch.empty(T, dtype=torch.int32, device=dev)
-    n_tiles = torch.empty(1, dtype=torch.int32, device=dev)
-    counts = torch.empty(num_experts, dtype=torch.int64, device=dev)
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)  # scratch: one row cursor per expert
-    block_p = min(sort_block_cap(), max(16, _pow2(P)))
-    _sort_kernel[(1,)](idx, cursor, counts, pair_of_row, tile_expert, n_tiles, P, T, E=num_experts,
-                       BINS=_pow2(num_experts), BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_R=ROW_BLOCK,
-                       num_warps=8 if block_p > 64 else 4)
-    return ExpertSort(pair_of_row, tile_expert, n_tiles, counts, block_m, T, P)
+    if idx.numel() == 0:
+        return _empty_sort(num_experts, block_m, idx.device)
+    sort, cursor, meta = _sort_buffers(idx.numel(), num_experts, block_m, idx.device)
+    _sort_kernel[(1,)](idx, *_sort_args(sort, cursor), **meta)
+    return sort
+
+
+def route_sort(logits, bias, top_k: int, scaling: float, renormalize: bool, block_m: int,
+               num_warps: int | None = None):
+    """The one launch, on checked inputs (route_and_sort's checks) with N * top_k <= MAX_PAIRS:
+    (weights [N, top_k] fp32, idx [N, top_k] int64, ExpertSort), the same as topk_weights followed by
+    sort_pairs. route_and_sort takes it up to FUSED_PAIRS pairs; any N within MAX_PAIRS runs (tests,
+    the glue bench). num_warps: the program's warps (when None, the more of TOPK_WARPS and the sort's)."""
+    N, E = logits.shape
+    if N * top_k > MAX_PAIRS:
+        raise ValueError(f"logits: N={N} tokens x top_k={top_k} is more pairs than one program sorts "
+                         f"(MAX_PAIRS={MAX_PAIRS})")
+    weights = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
+    if N == 0:
+        return weights, idx, _empty_sort(E, block_m, logits.device)
+    sort, cursor, meta = _sort_buffers(N * top_k, E, block_m, logits.device)
+    meta |= _topk_meta(logits, bias, top_k, renormalize)
+    meta["num_warps"] = num_warps or max(meta["num_warps"], TOPK_WARPS)
+    _route_sort_kernel[(1,)](logits, logits.stride(0), logits.stride(1), logits if bias is None else bias,
+                             weights, idx, float(scaling), N, *_sort_args(sort, cursor),
+                             ROWS=min(_pow2(N), FUSED_ROWS), **meta)
+    return weights, idx, sort

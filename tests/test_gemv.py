@@ -130,3 +130,39 @@ def test_fp8_weights_bad_input_names_the_argument():
     for bad in (q.scale[0, :4], q.scale[0].double(), q.scale.t()[::2].reshape(-1)[:4]):
         with pytest.raises(ValueError, match="scale must be"):
             gv.gemv(x, q.wq, scale=bad)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_stack_of_weights_that_read_one_row_in_one_launch(count):
+    """One to three weights read by the same x, bf16 and FP8 (with row scales) mixed in one launch:
+    each output equals its own one-weight product (the same kernel body, in the interpreter's blocks)
+    and the fp64 reference."""
+    from k3lab.engine import fp8
+
+    shapes = [(70, 200), (5, 200), (129, 200)][:count]
+    x = _inputs(1, 200, torch.bfloat16, seed=3)[0]
+    parts = []
+    for i, (n, k) in enumerate(shapes):
+        w = _inputs(n, k, torch.float32, seed=11 + i)[1]
+        if i == 1:
+            q = fp8.quantize_weight(w)
+            parts.append((q.wq[:n, :k], q.scale[0]))
+        else:
+            parts.append((w.bfloat16(), None))
+    ys = gv.gemv_stack(x, parts, backend="triton")
+    assert [tuple(y.shape) for y in ys] == [(1, n) for n, _ in shapes]
+    for y, (w, sc) in zip(ys, parts):
+        one = gv.gemv(x, w, scale=sc, backend="triton")
+        if DEV == "cpu":  # the same blocks, so the same sums; a GPU may tune the two kernels apart
+            assert torch.equal(y, one)
+        ref = x.double() @ w.double().t() * (1.0 if sc is None else sc[:w.shape[0]].double())
+        assert float((y.double() - ref).norm() / ref.norm()) < TOL[torch.bfloat16]
+    torch.testing.assert_close(gv.gemv_stack(x, parts, backend="torch")[0], ys[0], rtol=1e-2, atol=1e-2)
+
+
+def test_stack_bad_input_names_the_argument():
+    x, w = _inputs(8, 16, torch.float32)
+    for parts, match in (([], "one to three"), ([(w, None)] * 4, "one to three"), ([w], r"parts\[0\]"),
+                         ([(w, None), (w[:, :8], None)], r"x must be \[1, 8\]")):
+        with pytest.raises(ValueError, match=match):
+            gv.gemv_stack(x, parts)

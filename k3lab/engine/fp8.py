@@ -139,6 +139,24 @@ def one_row(x, w) -> bool:
             and _gemv_runs(str(x.device)))
 
 
+def one_row_parts(x, weights) -> list | None:
+    """[(weight, row scales or None), ...] for `k3lab.ops.gemv.gemv_stack` when every weight of
+    `weights` takes x by the one-row GEMV (a `GemvWeight`, or an FP8 weight where `one_row(x, w)`) and
+    x is one row on a GPU; else None (each runs through `linear`)."""
+    if not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
+            and x.device.type != "cpu" and _gemv_runs(str(x.device))):
+        return None
+    out = []
+    for w in weights:
+        if isinstance(w, GemvWeight):
+            out.append((w.weight, None))
+        elif isinstance(w, Fp8Linear) and one_row(x, w):
+            out.append((w.wq[:w.out_features, :w.in_features], w.scale[0]))
+        else:
+            return None
+    return out
+
+
 def quantize_input(x: torch.Tensor, w):
     """x [M, K] quantized per row for the FP8 weight w (an Fp8Input, reusable by every projection of the
     same in_features); x itself when w is a plain weight tensor, or where the product takes the one-row

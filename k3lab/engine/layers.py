@@ -21,7 +21,9 @@ from k3lab.nn.situ import situ_glu
 from k3lab.ops import moe_experts, moe_router
 from k3lab.ops.situ_glu import situ_glu_stacked
 
-from .fp8 import linear, quantize_input
+from k3lab.ops.gemv import gemv_stack
+
+from .fp8 import linear, one_row_parts, quantize_input
 from .weights import DenseWeights, KDAWeights, MLAWeights, MoEWeights
 
 
@@ -113,10 +115,20 @@ def dense_partial(w: DenseWeights, x: torch.Tensor, act=glu_plain) -> torch.Tens
     return linear(act(linear(x, w.gate_up)), w.down)
 
 
-def moe_input(w: MoEWeights, x: torch.Tensor):
-    """What down_proj and the shared expert's gate/up read: x, or x quantized once for both where
-    they are FP8 (`fp8.quantize_input`)."""
-    return quantize_input(x, w.down)
+def moe_products(w: MoEWeights, x: torch.Tensor):
+    """(router logits, z = down_proj(x), the shared expert's gate|up or None): the three products of the
+    MoE layer's input. Where all three take x by the one-row GEMV (`fp8.one_row_parts`: batch 1 on a
+    GPU, GEMV or FP8 projections) they are one launch (`k3lab.ops.gemv.gemv_stack`); otherwise the
+    router reads x and down_proj and the shared gate/up read x quantized once where they are FP8
+    (`fp8.quantize_input`)."""
+    ws = [w.gate, w.down] + ([w.shared_in] if w.shared_in is not None else [])
+    stacked = one_row_parts(x, ws)
+    if stacked is not None:
+        logits, z, *gu = gemv_stack(x, stacked, backend="triton")
+        return logits, z, (gu[0] if gu else None)
+    xin = quantize_input(x, w.down)
+    return (linear(x, w.gate), linear(xin, w.down),
+            linear(xin, w.shared_in) if w.shared_in is not None else None)
 
 
 def route_fused(logits: torch.Tensor, w: MoEWeights):
@@ -145,25 +157,26 @@ def experts_loop(z, weights, idx, w: MoEWeights, sort=None) -> torch.Tensor:
     return moe_experts.routed_experts(z, weights, idx, w.w1, w.w3, w.w2, backend="torch", check_values=False)
 
 
-def moe_latent_partial(w: MoEWeights, x: torch.Tensor, router=route_plain, experts=experts_loop, xin=None,
-                       seen: list | None = None) -> torch.Tensor:
-    """Router (replicated, on x), down_proj (replicated, on xin: `moe_input(w, x)`, default x) and this
-    rank's share of every chosen expert: [N, LAT] fp32, the partial latent that the layer all-reduces.
-    router: `route_fused` or `route_plain`; experts: `experts_grouped` or `experts_loop`. seen: a list
-    the chosen experts [N, top_k] are appended to (the bench's count of expert weights read)."""
-    weights, idx, sort = router(linear(x, w.gate), w)
+def moe_latent_partial(w: MoEWeights, logits: torch.Tensor, z: torch.Tensor, router=route_plain,
+                       experts=experts_loop, seen: list | None = None) -> torch.Tensor:
+    """Routing on the router's `logits` and this rank's share of every chosen expert on `z` (both from
+    `moe_products`): [N, LAT] fp32, the partial latent that the layer all-reduces. router: `route_fused`
+    or `route_plain`; experts: `experts_grouped` or `experts_loop`. seen: a list the chosen experts
+    [N, top_k] are appended to (the bench's count of expert weights read)."""
+    weights, idx, sort = router(logits, w)
     if seen is not None:
         seen.append(idx)
-    z = linear(x if xin is None else xin, w.down)
     return experts(z, weights, idx, w, sort)
 
 
-def moe_shared_partial(w: MoEWeights, x: torch.Tensor, xin=None, act=glu_plain) -> torch.Tensor:
-    """This rank's share of the shared expert (row-parallel; gate/up on xin as in moe_latent_partial;
-    `act` the SiTU-GLU): [N, hidden] in x's dtype, contiguous."""
-    if w.shared_in is None:
+def moe_shared_partial(w: MoEWeights, x: torch.Tensor, gu: torch.Tensor | None,
+                       act=glu_plain) -> torch.Tensor:
+    """This rank's share of the shared expert (row-parallel) from its gate|up product `gu` (from
+    `moe_products`; None where the layer has no shared expert: zeros like x), `act` the SiTU-GLU:
+    [N, hidden] in x's dtype, contiguous."""
+    if gu is None:
         return torch.zeros_like(x)
-    return linear(act(linear(x if xin is None else xin, w.shared_in)), w.shared_down).contiguous()
+    return linear(act(gu), w.shared_down).contiguous()
 
 
 def moe_tail(w: MoEWeights, lat: torch.Tensor, out: torch.Tensor, sharded: bool,

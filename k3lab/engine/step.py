@@ -274,10 +274,10 @@ class DecodeStep:
     def _mlp(self, w, x: torch.Tensor):
         if not hasattr(w, "gate"):  # the dense layer
             return (yield from self._collective("all_reduce", layers.dense_partial(w, x, self.glu)))
-        xin = layers.moe_input(w, x)
+        logits, z, gu = layers.moe_products(w, x)
         lat = yield from self._collective("all_reduce", layers.moe_latent_partial(
-            w, x, self.router, self.experts, xin, self.routes))
-        shared = layers.moe_shared_partial(w, x, xin, self.glu)
+            w, logits, z, self.router, self.experts, self.routes))
+        shared = layers.moe_shared_partial(w, x, gu, self.glu)
         if self.tail_sharded:
             layers.moe_tail(w, lat, shared, True, self.tail)
             return (yield from self._collective("all_reduce", shared))

@@ -2,6 +2,7 @@
 
     y = gemv(x, w)            # x [1, K], w [N, K] (row-major, contiguous rows) -> y [1, N] in x's dtype
     y = gemv(x, wq, scale=s)  # wq [N, K] float8_e4m3fn, s [N] fp32 row scales: y = (x @ wq^T) * s
+    ys = gemv_stack(x, [(w0, None), (wq, s)])  # several weights that read one x, in one launch
     GemvWeight(w)(x)          # the kernel for one row, torch.matmul for more (what the step holds)
 
 Why: at B = 1 a projection reads its whole weight to make one row, so it is a pure weight stream,
@@ -65,9 +66,10 @@ if triton is not None:
     from k3lab.ops.triton_math import round_to
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K: tl.constexpr, stride_w, HAS_SCALE: tl.constexpr,
-                     INT_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _rows(x_ptr, w_ptr, scale_ptr, y_ptr, N, K: tl.constexpr, stride_w, block, HAS_SCALE: tl.constexpr,
+              INT_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # rows [block * BLOCK_N, +BLOCK_N) of y = x @ w^T (times their scales)
+        rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         nmask = rn < N
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -83,7 +85,29 @@ if triton is not None:
             y *= tl.load(scale_ptr + rn, mask=nmask, other=0.0)
         tl.store(y_ptr + rn, round_to(y, y_ptr.dtype.element_ty, INT_ROUND), mask=nmask)
 
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K: tl.constexpr, stride_w, HAS_SCALE: tl.constexpr,
+                     INT_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        _rows(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_w, tl.program_id(0), HAS_SCALE, INT_ROUND,
+              BLOCK_N, BLOCK_K)
+
+    @triton.jit
+    def _stack_kernel(x_ptr, w0, s0, y0, N0, st0, w1, s1, y1, N1, st1, w2, s2, y2, N2, st2,
+                      K: tl.constexpr, SCALE0: tl.constexpr, SCALE1: tl.constexpr, SCALE2: tl.constexpr,
+                      INT_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # up to three weights read by one x, one after the other in the grid: each program one's rows
+        pid = tl.program_id(0)
+        b0 = tl.cdiv(N0, BLOCK_N)
+        b1 = tl.cdiv(N1, BLOCK_N)
+        if pid < b0:
+            _rows(x_ptr, w0, s0, y0, N0, K, st0, pid, SCALE0, INT_ROUND, BLOCK_N, BLOCK_K)
+        elif pid < b0 + b1:
+            _rows(x_ptr, w1, s1, y1, N1, K, st1, pid - b0, SCALE1, INT_ROUND, BLOCK_N, BLOCK_K)
+        else:
+            _rows(x_ptr, w2, s2, y2, N2, K, st2, pid - b0 - b1, SCALE2, INT_ROUND, BLOCK_N, BLOCK_K)
+
     _gemv_tuned = triton.autotune(configs=_configs(), key=["N", "K"])(_gemv_kernel)
+    _stack_tuned = triton.autotune(configs=_configs(), key=["N0", "N1", "N2", "K"])(_stack_kernel)
 
 
 BACKENDS = Backends("gemv", Backend("triton", 0, triton_available, triton_runs_on),
@@ -137,6 +161,43 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, scale: torch.Tensor | None = None,
     return y
 
 
+def gemv_stack(x: torch.Tensor, parts, *, backend: str | None = None) -> list[torch.Tensor]:
+    """[x @ w_i^T (times scale_i)] for parts = [(w_i, scale_i or None), ...] (one to three weights of
+    x's width; bf16 / fp16 / fp32 ones of x's dtype, or float8_e4m3fn with their row scales, mixed
+    freely) in ONE launch: the programs of all parts in one grid, each streaming its part's rows, so
+    projections that read the same activation cost one launch and fill the GPU together. Outputs [1,
+    N_i] in x's dtype; ValueError before any kernel."""
+    parts = list(parts)
+    if not 1 <= len(parts) <= 3:
+        raise ValueError(f"parts must hold one to three (weight, scale) pairs, got {len(parts)}")
+    for i, part in enumerate(parts):
+        if not (isinstance(part, tuple) and len(part) == 2):
+            raise ValueError(f"parts[{i}] must be a (weight, scale or None) pair, got {type(part).__name__}")
+        _check(x, *part)
+    if BACKENDS.choose(backend, x.device)[0] == "torch":
+        return [reference(x, w, sc) for w, sc in parts]
+    ys = [torch.empty(1, w.shape[0], dtype=x.dtype, device=x.device) for w, _ in parts]
+    K = x.shape[1]
+    full = parts + [(parts[0][0][:0], None)] * (3 - len(parts))  # absent parts: no rows, no programs
+    ys_full = ys + [ys[0][:, :0]] * (3 - len(ys))
+    args = []
+    for (w, sc), y in zip(full, ys_full):
+        args += [w, w if sc is None else sc, y, w.shape[0], w.stride(0)]
+    flags = {f"SCALE{i}": sc is not None for i, (_, sc) in enumerate(full)}
+    rows = sum(w.shape[0] for w, _ in parts)
+    if rows and K and x.device.type != "cpu":
+        _stack_tuned[lambda meta: (sum(triton.cdiv(w.shape[0], meta["BLOCK_N"]) for w, _ in full),)](
+            x, *args, K, INT_ROUND=False, **flags)
+    elif rows and K:
+        bn, bk = INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"]
+        _stack_kernel[(sum(triton.cdiv(w.shape[0], bn) for w, _ in full),)](
+            x, *args, K, INT_ROUND=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=1, **flags)
+    elif rows:
+        for y in ys:
+            y.zero_()
+    return ys
+
+
 def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The torch backend: x @ w.t(), or for FP8 weights the fp32 product of the widened weight times
     the row scales, cast to x's dtype."""
@@ -180,4 +241,4 @@ class GemvWeight:
         return x @ self.weight.t()
 
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "GemvWeight", "gemv", "reference"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "GemvWeight", "gemv", "gemv_stack", "reference"]

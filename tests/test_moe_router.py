@@ -320,3 +320,29 @@ def test_route_and_sort_takes_one_launch_up_to_fused_pairs(monkeypatch):
         got = mr.route_and_sort(logits, b, k, block_m=16, backend="triton")
         assert_same(got, logits, b, k, 1.0, True, 16)
         assert calls == (["route_sort"] if n * k <= mr.FUSED_PAIRS else ["topk_weights", "sort_pairs"])
+
+
+def test_the_glue_bench_checks_each_router_form_and_tables_them(monkeypatch):
+    """decode_step.glue's one-launch-against-two records: a form that differs from the torch path stops the
+    bench before anything is timed; the table puts each size's three timings on one row."""
+    from k3lab import bench
+    from k3lab.studies.decode_step import glue
+
+    real = router.route_sort
+
+    def swapped(*a, **kw):
+        w, idx, s = real(*a, **kw)
+        return w, idx.flip(-1), s
+
+    monkeypatch.setattr(router, "route_sort", swapped)
+    with pytest.raises(bench.CheckFailed, match=r"one launch at N = 1, 4 warps"):
+        glue.launch_records((1,), device=DEV, repeats=1)
+    t = {v: bench.Timing(us, us, us, 3, "graph", 0.0)
+         for v, us in (("torch", 40.0), ("two", 9.0), ("one", 5.0))}
+    recs = [bench.make_record("decode_step", "glue.moe_router.N1", "before", t["torch"], shape={"tokens": 1},
+                              dtype="float32")]
+    for v, us in (("before", "two"), ("after", "one")):
+        recs.append(bench.make_record("decode_step", "glue.moe_router.launches.N1.w8", v, t[us],
+                                      shape={"tokens": 1, "topk_warps": 8}, dtype="float32"))
+    row = glue.router_table(recs).splitlines()[1].split()
+    assert row[:5] == ["1", "8", "40.00", "9.00", "5.00"] and "1 launch" in " ".join(row[5:])

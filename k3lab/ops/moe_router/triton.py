@@ -262,16 +262,16 @@ def _sort_args(sort: ExpertSort, cursor: torch.Tensor) -> tuple:
     return (cursor, sort.counts, sort.pair_of_row, sort.tile_expert, sort.n_tiles, sort.pairs, sort.max_tiles)
 
 
-def topk_weights(logits, bias, top_k: int, scaling: float, renormalize: bool, num_warps: int | None = None):
+def topk_weights(logits, bias, top_k: int, scaling: float, renormalize: bool, topk_warps: int | None = None):
     """The first of the two launches, on checked inputs: (weights [N, top_k] fp32, idx [N, top_k] int64).
-    num_warps: a top-k program's warps (TOPK_WARPS when None; the glue bench tries others)."""
+    topk_warps: a top-k program's warps (TOPK_WARPS when None; the glue bench tries others)."""
     N, _ = logits.shape
     weights = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
     idx = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
     if N:
         _topk_kernel[(N,)](logits, logits.stride(0), logits.stride(1), logits if bias is None else bias,
                            weights, idx, float(scaling), N, **_topk_meta(logits, bias, top_k, renormalize),
-                           num_warps=num_warps or TOPK_WARPS)
+                           num_warps=topk_warps or TOPK_WARPS)
     return weights, idx
 
 
@@ -299,11 +299,11 @@ def sort_pairs(idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
 
 
 def route_sort(logits, bias, top_k: int, scaling: float, renormalize: bool, block_m: int,
-               num_warps: int | None = None):
+               topk_warps: int | None = None):
     """The one launch, on checked inputs (route_and_sort's checks) with N * top_k <= MAX_PAIRS:
     (weights [N, top_k] fp32, idx [N, top_k] int64, ExpertSort), the same as topk_weights followed by
     sort_pairs. route_and_sort takes it up to FUSED_PAIRS pairs; any N within MAX_PAIRS runs (tests,
-    the glue bench). num_warps: the program's warps (when None, the more of TOPK_WARPS and the sort's)."""
+    the glue bench). Its warps: the more of `topk_warps` (TOPK_WARPS when None) and the sort's."""
     N, E = logits.shape
     if N * top_k > MAX_PAIRS:
         raise ValueError(f"logits: N={N} tokens x top_k={top_k} is more pairs than one program sorts "
@@ -314,7 +314,7 @@ def route_sort(logits, bias, top_k: int, scaling: float, renormalize: bool, bloc
         return weights, idx, _empty_sort(E, block_m, logits.device)
     sort, cursor, meta = _sort_buffers(N * top_k, E, block_m, logits.device)
     meta |= _topk_meta(logits, bias, top_k, renormalize)
-    meta["num_warps"] = num_warps or max(meta["num_warps"], TOPK_WARPS)
+    meta["num_warps"] = max(meta["num_warps"], topk_warps or TOPK_WARPS)
     _route_sort_kernel[(1,)](logits, logits.stride(0), logits.stride(1), logits if bias is None else bias,
                              weights, idx, float(scaling), N, *_sort_args(sort, cursor),
                              ROWS=min(_pow2(N), FUSED_ROWS), **meta)

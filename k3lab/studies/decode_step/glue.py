@@ -1,7 +1,10 @@
 """The step's glue kernels, each against its torch path at the step's shapes: the fused router + expert
 sort (k3lab.ops.moe_router, K3's E = 896, top_k = 16, N = 1 and 64 tokens) and SiTU-GLU
 (k3lab.ops.situ_glu at the TP8 widths, N = 1 and 64 rows). The `glue_fused` switch turns both on in
-the whole step; here each is timed alone.
+the whole step; here each is timed alone. The router's two Triton forms are also timed against each
+other at every size (`launch_records`): one launch (route and sort in one program) against two (a
+top-k program per token, then the sort), both forced, so the records show where route_and_sort's
+bound (moe_router.FUSED_PAIRS) should sit and which top-k width (warps) is quickest.
 
     k3lab bench decode_step --cases glue --json F      (GPU; records of study decode_step, cases glue.*)
 
@@ -10,7 +13,10 @@ same order, weights within 1e-5 relative, and the same ExpertSort; SiTU-GLU's Tr
 the fp64 reference and the torch path within bf16 bounds. Then each path is timed under a CUDA graph
 (k3lab.bench.time_fn, graph=True: the cost of a call inside a long graph, as the step replays it).
 Records: variant 'before' = the torch path, 'after' = the Triton path; cases
-glue.moe_router.N<n> and glue.situ_glu.<width>_N<n>. GPU only: on a CPU nothing is measured.
+glue.moe_router.N<n> and glue.situ_glu.<width>_N<n>; and glue.moe_router.launches.N<n>.w<warps>:
+'before' = the two launches, 'after' = the one launch, the top-k at <warps> warps, each checked
+against the torch path first. `router_table` prints the router's records as one table. GPU only: on a
+CPU nothing is measured.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 from k3lab import bench
 from k3lab.ops.moe_experts.inputs import default_block_m
 from k3lab.ops.moe_router import route_and_sort
+from k3lab.ops.moe_router import triton as router
 from k3lab.ops.situ_glu import situ_glu_stacked, widths
 
 STUDY = "decode_step"
@@ -27,22 +34,33 @@ PREFIX = "glue."  # case prefix of these records
 E, TOP_K, SCALING = 896, 16, 2.5
 SORT_FIELDS = ("pair_of_row", "tile_expert", "n_tiles", "counts")
 VARIANTS = (("before", "torch"), ("after", "triton"))
+LAUNCH_SIZES = (1, 2, 4, 8, 64)  # tokens: both sides of FUSED_PAIRS at top-16, and B = 64
+SWEEP_SIZES, SWEEP_WARPS = (1, 8), (4, 8, 16)  # top-k widths tried at these sizes (elsewhere TOPK_WARPS)
+
+
+def _router_inputs(n_tokens: int, seed: int, device: str):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(n_tokens, E, device=device, generator=gen) * 2
+    bias = torch.randn(E, device=device, generator=gen) * 0.05
+    return logits, bias, default_block_m(n_tokens, TOP_K, E)
+
+
+def _compare(ref, got) -> dict:
+    """The check dict of one router result `got` against the torch path's `ref` (weights, idx, sort)."""
+    (w0, i0, s0), (w1, i1, s1) = ref, got
+    chk = {"idx_equal": bool(torch.equal(i0, i1)),
+           "weights_max_rel": float(((w1 - w0).abs() / w0.abs()).max()),
+           "sort_equal": {f: bool(torch.equal(getattr(s0, f), getattr(s1, f))) for f in SORT_FIELDS}}
+    chk["ok"] = chk["idx_equal"] and chk["weights_max_rel"] <= 1e-5 and all(chk["sort_equal"].values())
+    return chk
 
 
 def router_check(n_tokens: int, seed: int = 0, device: str = "cuda") -> tuple[dict, tuple]:
     """(check dict, call arguments) for one batch: both paths run once on the same fresh logits. The
     check's 'ok' is False when the experts, their order, the weights or the sort differ."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    logits = torch.randn(n_tokens, E, device=device, generator=gen) * 2
-    bias = torch.randn(E, device=device, generator=gen) * 0.05
-    m = default_block_m(n_tokens, TOP_K, E)
+    logits, bias, m = _router_inputs(n_tokens, seed, device)
     out = {b: route_and_sort(logits, bias, TOP_K, scaling=SCALING, block_m=m, backend=b) for _, b in VARIANTS}
-    (w0, i0, s0), (w1, i1, s1) = out["torch"], out["triton"]
-    chk = {"idx_equal": bool(torch.equal(i0, i1)),
-           "weights_max_rel": float(((w1 - w0).abs() / w0.abs()).max()),
-           "sort_equal": {f: bool(torch.equal(getattr(s0, f), getattr(s1, f))) for f in SORT_FIELDS}}
-    chk["ok"] = chk["idx_equal"] and chk["weights_max_rel"] <= 1e-5 and all(chk["sort_equal"].values())
-    return chk, (logits, bias, m)
+    return _compare(out["torch"], out["triton"]), (logits, bias, m)
 
 
 def router_records(sizes=(1, 64), device: str = "cuda", repeats: int = 100) -> list[bench.Record]:
@@ -61,6 +79,59 @@ def router_records(sizes=(1, 64), device: str = "cuda", repeats: int = 100) -> l
                                          shape={"tokens": n, "experts": E, "top_k": TOP_K, "block_m": m},
                                          dtype=logits.dtype, error=chk, backend_used=b))
     return out
+
+
+def launch_forms(logits, bias, m, warps: int) -> dict:
+    """{'before': the two launches, 'after': the one launch} as calls, the top-k at `warps` warps."""
+    def two():
+        weights, idx = router.topk_weights(logits, bias, TOP_K, SCALING, True, topk_warps=warps)
+        return weights, idx, router.sort_pairs(idx, E, m)
+
+    return {"before": two,
+            "after": lambda: router.route_sort(logits, bias, TOP_K, SCALING, True, m, topk_warps=warps)}
+
+
+def launch_records(sizes=LAUNCH_SIZES, device: str = "cuda", repeats: int = 100) -> list[bench.Record]:
+    """The router's one launch against its two, forced, per batch size (and per top-k width at
+    SWEEP_SIZES): each form checked against the torch path on the same fresh logits (bench.CheckFailed
+    naming the form and size, before anything is timed), then timed as `router_records` times."""
+    out = []
+    for n in sizes:
+        logits, bias, m = _router_inputs(n, seed=n, device=device)
+        ref = route_and_sort(logits, bias, TOP_K, scaling=SCALING, block_m=m, backend="torch")
+        for w in SWEEP_WARPS if n in SWEEP_SIZES else (router.TOPK_WARPS,):
+            forms = launch_forms(logits, bias, m, w)
+            checks = {v: _compare(ref, f()) for v, f in forms.items()}
+            for v, chk in checks.items():
+                if not chk["ok"]:
+                    form = "one launch" if v == "after" else "two launches"
+                    raise bench.CheckFailed(f"moe_router {form} at N = {n}, {w} warps: differs from torch: "
+                                            f"{chk}")
+            for v, f in forms.items():
+                t = bench.time_fn(f, graph=device != "cpu", device=device, repeats=repeats, warmup=2)
+                out.append(bench.make_record(
+                    STUDY, f"{PREFIX}moe_router.launches.N{n}.w{w}", v, t,
+                    shape={"tokens": n, "experts": E, "top_k": TOP_K, "block_m": m, "topk_warps": w},
+                    dtype=logits.dtype, error=checks[v], backend_used="triton",
+                    launches=2 if v == "before" else 1, fused_pairs=router.FUSED_PAIRS))
+    return out
+
+
+def router_table(records) -> str:
+    """The router's records as a text table: per batch size and top-k width, us per call of the torch
+    path, the two launches and the one launch, and the form route_and_sort takes there."""
+    got = {(r.case, r.variant): r.median_us for r in records}
+    rows = sorted({(r.shape["tokens"], r.shape.get("topk_warps")) for r in records
+                   if r.case.startswith(f"{PREFIX}moe_router.launches.")})
+    lines = [f"{'N':>4} {'warps':>5} {'torch':>9} {'2 launches':>11} {'1 launch':>9}  route_and_sort takes"]
+    for n, w in rows:
+        case = f"{PREFIX}moe_router.launches.N{n}.w{w}"
+        torch_us = got.get((f"{PREFIX}moe_router.N{n}", "before"))
+        cells = [f"{x:9.2f}" if x is not None else f"{'':>9}" for x in
+                 (torch_us, got.get((case, "before")), got.get((case, "after")))]
+        takes = "1 launch" if n * TOP_K <= router.FUSED_PAIRS else "2 launches"
+        lines.append(f"{n:>4} {w:>5} {cells[0]}   {cells[1]} {cells[2]}  {takes}")
+    return "\n".join(lines)
 
 
 def situ_glu_records(rows=(1, 64), dtype=torch.bfloat16) -> list[bench.Record]:
@@ -92,4 +163,6 @@ def run(log=print) -> list[bench.Record]:
         log("decode_step glue: the glue kernels are timed on a GPU; there is none here, so nothing is "
             "measured (tests/test_moe_router.py and tests/test_situ_glu_op.py check them on a CPU)")
         return []
-    return router_records() + situ_glu_records()
+    routes = router_records() + launch_records()
+    log("decode_step glue: the MoE router, us per call in a CUDA graph\n" + router_table(routes))
+    return routes + situ_glu_records()

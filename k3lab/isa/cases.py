@@ -239,6 +239,30 @@ def gemv(rows=CFG.num_experts, cols=CFG.hidden_size):
         gv.launch(x, w, y, blocks)
 
 
+def gemv_fp8(rows=CFG.hidden_size, cols=CFG.kda_width):
+    """FP8 weights with row scales (o_proj's shape at TP8: 7168 x 1536), every candidate block shape."""
+    from k3lab.ops import gemv as gv
+
+    x, y = torch.empty(1, cols, dtype=BF16), torch.empty(1, rows, dtype=BF16)
+    w, scale = torch.empty(rows, cols, dtype=torch.float8_e4m3fn), torch.empty(rows, dtype=torch.float32)
+    for blocks in gv.GPU_BLOCKS:
+        gv.launch(x, w, y, blocks, scale=scale)
+
+
+def gemv_stack_moe():
+    """One MoE layer's router (bf16), down_proj and shared gate/up (FP8) in one launch, at TP8."""
+    from k3lab.ops import gemv as gv
+
+    h = CFG.hidden_size
+    x = torch.empty(1, h, dtype=BF16)
+    parts = [(torch.empty(CFG.num_experts, h, dtype=BF16), None)] + [
+        (torch.empty(n, h, dtype=torch.float8_e4m3fn), torch.empty(n, dtype=torch.float32))
+        for n in (CFG.routed_expert_hidden_size, 2 * CFG.shared_intermediate_size)]
+    ys = [torch.empty(1, w.shape[0], dtype=BF16) for w, _ in parts]
+    for blocks in gv.GPU_BLOCKS:
+        gv.launch_stack(x, parts, ys, blocks)
+
+
 def workshop_gated_norm(rows=CFG.kda_num_heads, width=CFG.kda_head_dim):
     """The workshop's reference solution (notebook 03's task): the gated RMS norm of one token's KDA heads."""
     from k3lab.workshop import epilogue
@@ -286,6 +310,8 @@ CASES: dict[str, tuple] = {
                                    "the one launch forced at MAX_PAIRS (the glue bench's comparison)"),
     "situ_glu.shared_expert": (situ_glu, {}, "SiTU-GLU of the shared expert's 768 columns"),
     "gemv.router": (gemv, {}, "one-row product 896 x 7168, every candidate block shape"),
+    "gemv.fp8_o_proj": (gemv_fp8, {}, "FP8 weights + row scales, 7168 x 1536, every block shape"),
+    "gemv.stack_moe": (gemv_stack_moe, {}, "router bf16 + down_proj and shared gate/up FP8, one launch"),
     "workshop.gated_norm": (workshop_gated_norm, {}, "the learner task's solution: 12 heads x 128"),
     "launch_overhead.empty_triton": (launch_overhead_empty, {}, "the one-store kernel"),
 }

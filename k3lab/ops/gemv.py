@@ -177,25 +177,35 @@ def gemv_stack(x: torch.Tensor, parts, *, backend: str | None = None) -> list[to
     if BACKENDS.choose(backend, x.device)[0] == "torch":
         return [reference(x, w, sc) for w, sc in parts]
     ys = [torch.empty(1, w.shape[0], dtype=x.dtype, device=x.device) for w, _ in parts]
-    K = x.shape[1]
-    full = parts + [(parts[0][0][:0], None)] * (3 - len(parts))  # absent parts: no rows, no programs
-    ys_full = ys + [ys[0][:, :0]] * (3 - len(ys))
+    if not sum(w.shape[0] for w, _ in parts):
+        return ys
+    if not x.shape[1]:
+        return [y.zero_() for y in ys]
+    if x.device.type != "cpu":
+        launch_stack(x, parts, ys)
+    else:
+        launch_stack(x, parts, ys, (INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"], 1),
+                     int_round=True)
+    return ys
+
+
+def launch_stack(x, parts, ys, blocks: tuple[int, int, int] | None = None, *,
+                 int_round: bool = False) -> None:
+    """One launch of the stacked kernel on checked inputs (`gemv_stack`), autotuned (blocks None, a GPU)
+    or with fixed (BLOCK_N, BLOCK_K, warps)."""
+    full = list(parts) + [(parts[0][0][:0], None)] * (3 - len(parts))  # absent parts: no rows, no programs
+    ys_full = list(ys) + [ys[0][:, :0]] * (3 - len(ys))
     args = []
     for (w, sc), y in zip(full, ys_full):
         args += [w, w if sc is None else sc, y, w.shape[0], w.stride(0)]
     flags = {f"SCALE{i}": sc is not None for i, (_, sc) in enumerate(full)}
-    rows = sum(w.shape[0] for w, _ in parts)
-    if rows and K and x.device.type != "cpu":
+    if blocks is None:
         _stack_tuned[lambda meta: (sum(triton.cdiv(w.shape[0], meta["BLOCK_N"]) for w, _ in full),)](
-            x, *args, K, INT_ROUND=False, **flags)
-    elif rows and K:
-        bn, bk = INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"]
-        _stack_kernel[(sum(triton.cdiv(w.shape[0], bn) for w, _ in full),)](
-            x, *args, K, INT_ROUND=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=1, **flags)
-    elif rows:
-        for y in ys:
-            y.zero_()
-    return ys
+            x, *args, x.shape[1], INT_ROUND=int_round, **flags)
+        return
+    bn, bk, warps = blocks
+    _stack_kernel[(sum(triton.cdiv(w.shape[0], bn) for w, _ in full),)](
+        x, *args, x.shape[1], INT_ROUND=int_round, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **flags)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -241,4 +251,4 @@ class GemvWeight:
         return x @ self.weight.t()
 
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "GemvWeight", "gemv", "gemv_stack", "reference"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "GemvWeight", "gemv", "gemv_stack", "launch_stack", "reference"]

@@ -346,3 +346,13 @@ def test_the_glue_bench_checks_each_router_form_and_tables_them(monkeypatch):
                                       shape={"tokens": 1, "topk_warps": 8}, dtype="float32"))
     row = glue.router_table(recs).splitlines()[1].split()
     assert row[:5] == ["1", "8", "40.00", "9.00", "5.00"] and "1 launch" in " ".join(row[5:])
+
+
+@pytest.mark.parametrize("launches", [1, 2])
+@pytest.mark.parametrize("n, e, k", [(3, 1, 1), (5, 2, 1), (1, 9, 1), (2, 2, 2)])
+def test_narrow_rows_and_top_1(launches, n, e, k):
+    """One or two experts, and top-1 (a top-k network of one key per row is widened to two)."""
+    gen = torch.Generator().manual_seed(n * 10 + e + k)
+    logits = torch.randn(n, e, generator=gen).to(DEV)
+    got = one_or_two_launches(launches, logits, None, k, 1.0, True, 16)
+    assert_as_documented(got, logits, None, k, 1.0, True, 16)

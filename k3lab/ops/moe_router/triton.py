@@ -8,8 +8,9 @@ Top-k. Each candidate is one int64 key, (order-preserving bits of score + bias, 
 keys are distinct, and descending key order is descending score with the lowest expert index first
 among equal scores (a NaN score is made -inf: chosen last, its index still in range). `tl.topk`, a
 bitonic top-k network over the row, gives the K_POW2 largest keys in descending order, the expert in
-their low bits: log2(E_POW2) short merge stages that every lane works on at once, where one max
-reduction per chosen slot would be top_k reductions in a row. Rows go ROWS at a time ([ROWS, E_POW2]).
+their low bits: a fixed set of compare-and-swap rounds that every lane works on at once (about 40 for
+16 of 1,024), where one max reduction per chosen slot would be top_k reductions in a row, each a
+chain across every lane. Rows go ROWS at a time ([ROWS, E_POW2]).
 
 Sort (an inputs.ExpertSort). First every row is padding (`pairs`), every tile the last expert (what
 searchsorted gives past the tiles in use), then one barrier, then the pairs:
@@ -235,8 +236,9 @@ def sort_block_cap(wave_width: int | None = None) -> int:
 
 def _topk_meta(logits, bias, top_k: int, renormalize: bool) -> dict:
     E = logits.shape[1]
-    return dict(E=E, E_POW2=_pow2(E), TOP_K=top_k, K_POW2=_pow2(top_k), HAS_BIAS=bias is not None,
-                RENORMALIZE=bool(renormalize))
+    # K_POW2 >= 2 where the row has 2: tl.topk of one key from one row would reduce to a scalar
+    return dict(E=E, E_POW2=_pow2(E), TOP_K=top_k, K_POW2=min(max(_pow2(top_k), 2), _pow2(E)),
+                HAS_BIAS=bias is not None, RENORMALIZE=bool(renormalize))
 
 
 def _sort_buffers(P: int, num_experts: int, block_m: int, dev) -> tuple[ExpertSort, torch.Tensor, dict]:

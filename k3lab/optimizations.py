@@ -86,7 +86,7 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
         ops=("k3lab.ops.moe_experts",),
         modules=("k3lab.parallel.moe_tail",),
         kernels=("k3lab.ops.moe_experts.triton._up_kernel", "k3lab.ops.moe_experts.triton._down_kernel",
-                 "k3lab.ops.moe_experts.tail._norm_kernel"),
+                 "k3lab.ops.moe_experts.tail._norm_kernel", "k3lab.ops.moe_experts.tail._tail_row_kernel"),
         docs=("docs/moe_sharding.md",), records=_rec("moe_sharding")),
     Entry(
         "copy_removal", "Copy removal and fusion", "copies and fusion (3)",
@@ -150,7 +150,7 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
         modules=("k3lab.engine",),
         kernels=("k3lab.ops.moe_router.triton._route_sort_kernel", "k3lab.ops.moe_router.triton._topk_kernel",
                  "k3lab.ops.moe_router.triton._sort_kernel", "k3lab.ops.situ_glu._situ_glu_kernel",
-                 "k3lab.ops.gemv._gemv_kernel"),
+                 "k3lab.ops.gemv._gemv_kernel", "k3lab.ops.gemv._stack_kernel"),
         docs=("docs/decode_step.md",), records=_rec("decode_step")),
     Entry(
         "serving", "The serving curve", "the serving curve",

@@ -17,8 +17,9 @@ Two forms, the same for either tail, so that the replicated-vs-sharded ratio mea
                so no copy of out is made and the add is one rounding.
                One row (decode at batch 1): a single launch instead (`_tail_row_kernel`): every
                program computes the row's RMS itself (the latent is 14 KB, read from the L2), normalizes
-               and rounds each block of it as the norm kernel does, streams ROW_BLOCKS' rows of up_rows
-               against it and adds its outputs into out's columns (fp32 sum, one rounding, as addmm_).
+               and rounds each block of it as the norm kernel does, streams a block of up_rows' rows
+               (one of ROW_BLOCKS) against it and adds its outputs into out's columns (fp32 sum, one
+               rounding, as addmm_).
                At one row the BLAS call is a split-K GEMM (two kernels) and the norm a third: three
                launches for a 6 MB weight stream that one covers.
   tail_torch   the plain reference: nn.norms.rms_norm (several small kernels), matmul, add.
@@ -39,9 +40,12 @@ except ImportError:
     triton = None
 
 NORM_BLOCK = 4096  # latent values a norm program loads at once (K3's 3584 in one block)
-# (rows of up_rows, latent columns per step, warps) of a one-row tail program: 224 programs for a TP8
-# rank's 896 rows; a first choice in the range the one-row GEMV's sweep favours, not swept itself
-ROW_BLOCKS = (4, 512, 4)
+# (rows of up_rows, latent columns per step, warps) a one-row tail program may take: on a GPU
+# `triton.autotune` picks among them per (R, LAT) on the first call (call once before capturing a
+# graph; the autotuner restores out between its trials, as the kernel adds into it); the interpreter
+# (tests) and the ISA report take them as given
+ROW_BLOCKS = ((1, 1024, 4), (2, 512, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 8), (8, 512, 8), (1, 2048, 8),
+              (2, 2048, 8))
 
 
 def check_tail(y_lat, norm_w, up_rows, out, col0: int) -> tuple[int, int, int]:
@@ -125,16 +129,28 @@ if triton is not None:
                  mask=nmask)
 
 
-def tail_row(y_lat, norm_w, eps, up_rows, out, col0: int = 0, blocks=ROW_BLOCKS) -> torch.Tensor:
-    """The one-row tail in one launch (module docstring) on checked inputs with N = 1; returns out."""
+if triton is not None:
+    _tail_row_tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in ROW_BLOCKS],
+        key=["R", "LAT"], restore_value=["out_ptr"])(_tail_row_kernel)
+
+
+def tail_row(y_lat, norm_w, eps, up_rows, out, col0: int = 0, blocks=None) -> torch.Tensor:
+    """The one-row tail in one launch (module docstring) on checked inputs with N = 1; blocks: one of
+    ROW_BLOCKS to run, None to let the autotuner choose on a GPU (the first of ROW_BLOCKS in the
+    interpreter). Returns out."""
     R, LAT = up_rows.shape
     if up_rows.stride(1) != 1:
         up_rows = up_rows.contiguous()
-    bn, bk, warps = blocks
-    _tail_row_kernel[(triton.cdiv(R, bn),)](
-        y_lat.contiguous(), norm_w.contiguous(), up_rows, out.narrow(1, col0, R), float(eps), R,
-        up_rows.stride(0), LAT=LAT, NORM_BLOCK=min(NORM_BLOCK, triton.next_power_of_2(LAT)), BLOCK_N=bn,
-        BLOCK_K=bk, INT_ROUND=y_lat.device.type == "cpu", num_warps=warps)
+    args = (y_lat.contiguous(), norm_w.contiguous(), up_rows, out.narrow(1, col0, R), float(eps), R,
+            up_rows.stride(0))
+    common = {"LAT": LAT, "NORM_BLOCK": min(NORM_BLOCK, triton.next_power_of_2(LAT)),
+              "INT_ROUND": y_lat.device.type == "cpu"}
+    if blocks is None and y_lat.device.type != "cpu":
+        _tail_row_tuned[lambda meta: (triton.cdiv(R, meta["BLOCK_N"]),)](*args, **common)
+        return out
+    bn, bk, warps = ROW_BLOCKS[0] if blocks is None else blocks
+    _tail_row_kernel[(triton.cdiv(R, bn),)](*args, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **common)
     return out
 
 

@@ -86,6 +86,7 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
         ops=("k3lab.ops.moe_experts",),
         modules=("k3lab.parallel.moe_tail",),
         kernels=("k3lab.ops.moe_experts.triton._up_kernel", "k3lab.ops.moe_experts.triton._down_kernel",
+                 "k3lab.ops.moe_experts.triton._down_row_kernel",
                  "k3lab.ops.moe_experts.tail._norm_kernel", "k3lab.ops.moe_experts.tail._tail_row_kernel"),
         docs=("docs/moe_sharding.md",), records=_rec("moe_sharding")),
     Entry(

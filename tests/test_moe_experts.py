@@ -91,6 +91,36 @@ def test_grouped_on_an_intermediate_slice_and_fp16(layer):
     check(got16, ref, dtype=torch.float16)
 
 
+@INTERPRETER_ONLY
+@pytest.mark.parametrize("idx_row", [[7, 2], [3, 3]], ids=["distinct", "one-expert-twice"])
+def test_one_token_down_sums_as_it_goes(layer, monkeypatch, idx_row):
+    """One token runs the down launch that sums the pairs itself (`down_row`: no y_pair, no reduction):
+    against the fp64 nn experts at every ROW_BLOCKS shape, an intermediate slice (20 of 64 columns, not
+    a multiple of any K block), an expert chosen twice (two real rows in its tile) and fp16 storage
+    (the interpreter's tl.dot in the up launch does not take bf16; the GPU test below runs bf16)."""
+    from k3lab.ops.moe_experts import triton as mt
+
+    gen = torch.Generator().manual_seed(11)
+    z = torch.randn(1, 128, generator=gen)
+    w = torch.rand(1, K, generator=gen) + 0.1
+    idx = torch.tensor([idx_row])
+    full = me.stack_experts(layer.experts)
+    w1, w3, w2 = me.stack_experts(layer.experts, 20, 40)
+    calls = []
+    real = mt.down_row
+    monkeypatch.setattr(mt, "down_row", lambda *a, **k: calls.append(a[3].pairs) or real(*a, **k))
+    with torch.no_grad():
+        ref = reference(layer, z, w, idx)
+        check(me.grouped_experts(z, w, idx, *full), ref, dtype=torch.float32, max_rel=1e-5)
+        ref_slice = me.expert_loop(z.double(), w, idx, w1.double(), w3.double(), w2.double())
+        for blocks in mt.ROW_BLOCKS:
+            monkeypatch.setattr(mt, "down_row", lambda *a, _b=blocks, **k: real(*a, blocks=_b))
+            check(me.grouped_experts(z, w, idx, w1, w3, w2), ref_slice, dtype=torch.float32, max_rel=1e-5)
+            check(me.grouped_experts(z.half(), w, idx, w1.half(), w3.half(), w2.half()), ref_slice,
+                  dtype=torch.float16)
+    assert calls == [2]
+
+
 def test_sort_by_expert_places_every_pair_once_in_its_experts_tiles():
     idx = torch.tensor([[7, 0], [1, 7], [3, 4], [7, 6], [0, 1], [6, 3], [7, 1]])
     for m in (16, 32):
@@ -172,11 +202,13 @@ def test_bad_tile_height_and_backend(layer, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs a GPU (the CPU runs the interpreter tests above)")
-def test_grouped_bf16_at_tp8_shapes_on_gpu():
-    """K3's rank shapes (896 experts, 3584 x 384) at a decode batch, bf16, against the loop in fp32."""
+@pytest.mark.parametrize("N", [1, 64])
+def test_grouped_bf16_at_tp8_shapes_on_gpu(N):
+    """K3's rank shapes (896 experts, 3584 x 384) at a decode batch (one token: the down launch that
+    sums as it goes, autotuned), bf16, against the loop in fp32."""
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
-    Ex, L, F, N = 896, 3584, 384, 64
+    Ex, L, F = 896, 3584, 384
     w1, w3 = (torch.randn(Ex, F, L, device=dev, generator=gen) / L**0.5 for _ in range(2))
     w2 = torch.randn(Ex, L, F, device=dev, generator=gen) / F**0.5
     z = torch.randn(N, L, device=dev, generator=gen)

@@ -132,8 +132,9 @@ def moe_products(w: MoEWeights, x: torch.Tensor):
 
 
 def route_fused(logits: torch.Tensor, w: MoEWeights):
-    """(weights, idx, sort): routing and the expert sort in two Triton launches (k3lab.ops.moe_router;
-    the step binds it where the tokens' pairs fit the single-program sort)."""
+    """(weights, idx, sort): routing and the expert sort by k3lab.ops.moe_router's Triton kernels (one
+    launch up to its FUSED_PAIRS pairs, two beyond; the step binds it where the tokens' pairs fit the
+    single-program sort)."""
     m = moe_experts.default_block_m(logits.shape[0], w.top_k, w.w1.shape[0])
     return moe_router.route_and_sort(logits, w.gate_bias, w.top_k, scaling=w.scaling,
                                      renormalize=w.renormalize, block_m=m, backend="triton")

@@ -9,8 +9,8 @@
     moe_tail_sharded  up_proj rows of this rank, inside the        the whole up_proj on every rank, after
                       shared expert's all-reduce                   the shared expert's all-reduce
     kda_verify_tiles  narrow value tiles (q_len > 1)               the streaming kernel, 32-column tiles
-    glue_fused        routing + expert sort in two Triton launches, the PyTorch sequences: ~25 kernels per
-                      SiTU-GLU in one                              router, ~12 per SiTU-GLU
+    glue_fused        routing + expert sort in one Triton launch   the PyTorch sequences: ~25 kernels per
+                      (two past 32 pairs), SiTU-GLU in one         router, ~12 per SiTU-GLU
 
 `resolve(optimizations, device, dtype, q_len, tokens=, top_k=)` settles every switch once into
 `Resolved`: per switch whether it is on, the implementation that runs (the records' words) and, where
@@ -42,8 +42,8 @@ SWITCHES: dict[str, str] = {
     "grouped_experts": "routed experts as two grouped launches, the MoE tail as one fused launch",
     "moe_tail_sharded": "MoE tail sharded: this rank's up_proj rows, stitched by the existing all-reduce",
     "kda_verify_tiles": "KDA verification with narrow value tiles (q_len > 1)",
-    "glue_fused": "the MoE router + expert sort in two launches, SiTU-GLU in one (k3lab.ops.moe_router, "
-                  "situ_glu)",
+    "glue_fused": "the MoE router + expert sort in one launch (two past 32 pairs), SiTU-GLU in one "
+                  "(k3lab.ops.moe_router, situ_glu)",
 }
 DECODE_ONLY = frozenset({"kda_fused"})
 VERIFY_ONLY = frozenset({"kda_verify_tiles"})

@@ -194,6 +194,10 @@ def moe_experts(tokens=1):
     w2 = torch.empty(E, L, F, dtype=BF16)
     sort = sort_by_expert(idx, E, default_block_m(tokens, k, E))
     moe_triton.grouped_experts(z, weights, idx, w1, w3, w2, Shapes(tokens, k, L, F, E), sort)
+    if tokens == 1:  # the one-token down launch: every other block shape its autotuner may pick
+        h = torch.empty(sort.max_tiles * sort.block_m, F, dtype=BF16)
+        for blocks in moe_triton.ROW_BLOCKS[1:]:
+            moe_triton.down_row(h, w2, weights.reshape(-1), sort, L, F, blocks=blocks)
 
 
 def moe_tail(tokens=1):

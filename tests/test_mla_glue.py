@@ -28,7 +28,7 @@ SHAPES = {
     "tp8": (TP8.num_attention_heads, TP8.q_lora_rank, TP8.kv_lora_rank, TP8.qk_rope_head_dim,
             TP8.qk_nope_head_dim, TP8.v_head_dim),
 }
-BT = [(1, 2), (2, 1)]  # (B, T): N = 2 either way
+BT = [(1, 1), (1, 2), (2, 1)]  # (B, T): N = 1, then N = 2 as one sequence of 2 or 2 of 1
 DTYPES = [torch.float32, torch.bfloat16]
 L, POS, EPS = 7, 3, 1e-6
 
@@ -107,7 +107,7 @@ def _sentinel(t: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------ the three functions
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("B,T", BT, ids=["b1t2", "b2t1"])
+@pytest.mark.parametrize("B,T", BT, ids=["b1t1", "b1t2", "b2t1"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_norms_match_the_reference_and_touch_only_the_new_rows(shape, B, T, dtype):
     d = _inputs(shape, B, T, dtype)
@@ -141,7 +141,7 @@ def test_norms_eps_enters_as_the_reference():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("B,T", BT, ids=["b1t2", "b2t1"])
+@pytest.mark.parametrize("B,T", BT, ids=["b1t1", "b1t2", "b2t1"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_absorb_q_fills_all_of_q_buf_as_the_reference(shape, B, T, dtype):
     d = _inputs(shape, B, T, dtype)
@@ -155,7 +155,7 @@ def test_absorb_q_fills_all_of_q_buf_as_the_reference(shape, B, T, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("B,T", BT, ids=["b1t2", "b2t1"])
+@pytest.mark.parametrize("B,T", BT, ids=["b1t1", "b1t2", "b2t1"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_out_gate_rounds_as_the_reference(shape, B, T, dtype):
     d = _inputs(shape, B, T, dtype)
@@ -290,7 +290,7 @@ def glued_partial(w: MLAWeights, x, latent, pos, q_buf, plan):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("B,T", BT, ids=["b1t2", "b2t1"])
+@pytest.mark.parametrize("B,T", BT, ids=["b1t1", "b1t2", "b2t1"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_mla_partial_with_the_glue_calls_agrees_with_mla_partial(shape, B, T, dtype):
     H, Q, LAT, ROPE, NOPE, V = SHAPES[shape]

@@ -40,6 +40,8 @@ def _inputs(name: str) -> tuple:
     """What `BACKENDS.choose` verifies for one small call of op `name` on this machine's tensors."""
     if name in ("gemv",):
         return (DEV,)
+    if name == "mla_glue":
+        return (DEV,)
     if name in ("situ_glu", "moe_experts", "kda_decode"):
         return (DEV, torch.float32)
     if name == "moe_router":
@@ -135,6 +137,7 @@ ENTRY_POINTS = {
     "kda_chunk": ["kda_chunk", "kda_chunk_before", "kda_chunk_after", "kda_chunk_prologue", "after_launches"],
     "kda_verify": ["kda_verify"], "kda_decode": ["kda_decode", "KDADecodeStep"],
     "mla_decode": ["plan_before", "plan_after", "mla_decode_before", "mla_decode_after"],
+    "mla_glue": ["mla_norms", "mla_absorb_q", "mla_out_gate"],
 }
 
 

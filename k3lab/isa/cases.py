@@ -195,9 +195,9 @@ def moe_experts(tokens=1):
     sort = sort_by_expert(idx, E, default_block_m(tokens, k, E))
     moe_triton.grouped_experts(z, weights, idx, w1, w3, w2, Shapes(tokens, k, L, F, E), sort)
     if tokens == 1:  # the one-token down launch: every other block shape its autotuner may pick
-        h = torch.empty(sort.max_tiles * sort.block_m, F, dtype=BF16)
+        h = torch.empty(k, F, dtype=BF16)
         for blocks in moe_triton.ROW_BLOCKS[1:]:
-            moe_triton.down_row(h, w2, weights.reshape(-1), sort, L, F, blocks=blocks)
+            moe_triton.down_row(h, w2, weights.reshape(-1), idx.reshape(-1), L, F, blocks=blocks)
 
 
 def moe_tail(tokens=1):
@@ -274,6 +274,28 @@ def gemv_stack_moe():
         gv.launch_stack(x, parts, ys, blocks)
 
 
+def mla_glue(stage: str):
+    """One MLA layer's glue at one token (N = 1) at TP8: the norms into a cache row, the absorbed query,
+    or the value product and gate, each with the block shape its GPU launch takes."""
+    from k3lab.ops import mla_glue as mg
+
+    H, Q, LAT, ROPE = CFG.num_attention_heads, CFG.q_lora_rank, CFG.kv_lora_rank, CFG.qk_rope_head_dim
+    NOPE, V = CFG.qk_nope_head_dim, CFG.v_head_dim
+    if stage == "norms":
+        stacked = torch.empty(1, Q + LAT + ROPE + H * V, dtype=BF16)  # qa | ckv | g: strided rows
+        qa, ckv = stacked[:, :Q], stacked[:, Q:Q + LAT + ROPE]
+        latent = torch.empty(1, 4096, LAT + ROPE, dtype=BF16)
+        mg.launch_norms(qa, ckv, torch.empty(Q, dtype=BF16), torch.empty(LAT, dtype=BF16), 1e-6,
+                        latent[:, 7:8], torch.empty(1, Q, dtype=BF16))
+    elif stage == "absorb_q":
+        mg.launch_absorb(torch.empty(1, H, NOPE + ROPE, dtype=BF16), torch.empty(H, NOPE, LAT, dtype=BF16),
+                         torch.empty(1, 1, H, LAT + ROPE, dtype=BF16))
+    else:
+        g = torch.empty(1, Q + LAT + ROPE + H * V, dtype=BF16)[:, -H * V:]
+        mg.launch_out_gate(torch.empty(1, 1, H, LAT, dtype=BF16), torch.empty(H, V, LAT, dtype=BF16), g,
+                           torch.empty(1, H * V, dtype=BF16))
+
+
 def workshop_gated_norm(rows=CFG.kda_num_heads, width=CFG.kda_head_dim):
     """The workshop's reference solution (notebook 03's task): the gated RMS norm of one token's KDA heads."""
     from k3lab.workshop import epilogue
@@ -323,6 +345,9 @@ CASES: dict[str, tuple] = {
     "gemv.router": (gemv, {}, "one-row product 896 x 7168, every candidate block shape"),
     "gemv.fp8_o_proj": (gemv_fp8, {}, "FP8 weights + row scales, 7168 x 1536, every block shape"),
     "gemv.stack_moe": (gemv_stack_moe, {}, "router bf16 + down_proj and shared gate/up FP8, one launch"),
+    "mla_glue.norms": (mla_glue, {"stage": "norms"}, "q_a and kv_a norms, the cache row, one token"),
+    "mla_glue.absorb_q": (mla_glue, {"stage": "absorb_q"}, "q_nope @ w_uk into q_buf, 12 heads, one token"),
+    "mla_glue.out_gate": (mla_glue, {"stage": "out_gate"}, "o_lat @ w_uv^T times sigmoid(g), one token"),
     "workshop.gated_norm": (workshop_gated_norm, {}, "the learner task's solution: 12 heads x 128"),
     "launch_overhead.empty_triton": (launch_overhead_empty, {}, "the one-store kernel"),
 }

@@ -94,7 +94,8 @@ def test_grouped_on_an_intermediate_slice_and_fp16(layer):
 @INTERPRETER_ONLY
 @pytest.mark.parametrize("idx_row", [[7, 2], [3, 3]], ids=["distinct", "one-expert-twice"])
 def test_one_token_down_sums_as_it_goes(layer, monkeypatch, idx_row):
-    """One token runs the down launch that sums the pairs itself (`down_row`: no y_pair, no reduction):
+    """One token runs the down launch that sums the pairs itself (`down_row`: h by pair, no y_pair, no
+    reduction):
     against the fp64 nn experts at every ROW_BLOCKS shape, an intermediate slice (20 of 64 columns, not
     a multiple of any K block), an expert chosen twice (two real rows in its tile) and fp16 storage
     (the interpreter's tl.dot in the up launch does not take bf16; the GPU test below runs bf16)."""
@@ -108,7 +109,7 @@ def test_one_token_down_sums_as_it_goes(layer, monkeypatch, idx_row):
     w1, w3, w2 = me.stack_experts(layer.experts, 20, 40)
     calls = []
     real = mt.down_row
-    monkeypatch.setattr(mt, "down_row", lambda *a, **k: calls.append(a[3].pairs) or real(*a, **k))
+    monkeypatch.setattr(mt, "down_row", lambda *a, **k: calls.append(a[3].numel()) or real(*a, **k))
     with torch.no_grad():
         ref = reference(layer, z, w, idx)
         check(me.grouped_experts(z, w, idx, *full), ref, dtype=torch.float32, max_rel=1e-5)

@@ -3,10 +3,11 @@
     launch 1 (_up_kernel):   h = SiTU-GLU(z_rows @ w1[e]^T, z_rows @ w3[e]^T)   per tile, [m, F]
     launch 2 (_down_kernel): y_pair = weight_pair * (h @ w2[e]^T)              per tile, [m, L]
     then y = sum over each token's k pairs (one reduction in slot order)
-    one token (decode at batch 1): launch 2 is `_down_row_kernel` instead, which sums as it goes:
-    y[cols] = sum over tiles of w2[e][cols] @ (sum over the tile's rows of weight_pair * h_row)
-    (every pair is the one token's, so the weights fold into h before the product), in tile order:
-    no y_pair and no reduction kernel, the same order from run to run
+    one token (decode at batch 1): launch 1 stores h by pair instead of by sorted row ([k, F]), and
+    launch 2 is `_down_row_kernel`, a GEMV over the k pairs' columns laid end to end:
+    y[cols] = sum over (j, f) of w2[idx[j]][cols, f] * weight[j] * h[j, f]
+    (all pairs are the one token's, so the weights fold into h): no y_pair and no reduction kernel,
+    and every load's address is known up front (no walk over tiles), the same order from run to run
 
 A program owns one tile (block_m rows, all of one expert) and one column block of the output, so it
 streams that expert's weight columns once for all its rows: at decode the cost is reading the chosen
@@ -50,7 +51,7 @@ if triton is not None:
     @triton.jit
     def _up_kernel(z_ptr, w1_ptr, w3_ptr, h_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr,
                    pairs, L: tl.constexpr, F: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BY_PAIR: tl.constexpr = False):
         tile = tl.program_id(0)
         if tile >= tl.load(n_tiles_ptr):
             return
@@ -71,8 +72,12 @@ if triton is not None:
             acc_g = tl.dot(zt, tl.load(w1_ptr + w_off, mask=w_ok, other=0.0), acc_g, input_precision="ieee")
             acc_u = tl.dot(zt, tl.load(w3_ptr + w_off, mask=w_ok, other=0.0), acc_u, input_precision="ieee")
         h = _situ_glu(acc_g, acc_u)
-        out = h_ptr + rows[:, None].to(tl.int64) * F + cols[None, :]
-        tl.store(out, h.to(h_ptr.dtype.element_ty), mask=col_ok[None, :])
+        if BY_PAIR:  # h [pairs, F] in pair order, padding rows not stored (the one-token down launch)
+            out = h_ptr + pair[:, None].to(tl.int64) * F + cols[None, :]
+            tl.store(out, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+        else:
+            out = h_ptr + rows[:, None].to(tl.int64) * F + cols[None, :]
+            tl.store(out, h.to(h_ptr.dtype.element_ty), mask=col_ok[None, :])
 
     @triton.jit
     def _down_kernel(h_ptr, w2_ptr, weight_ptr, y_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr,
@@ -99,50 +104,46 @@ if triton is not None:
 
 
     @triton.jit
-    def _down_row_kernel(h_ptr, w2_ptr, weight_ptr, y_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr,
-                         pairs, L: tl.constexpr, F: tl.constexpr, MAX_TILES: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # y[0, cols] for one token: each tile's rows (real ones only: padding loads nothing) weighted
-        # and summed into one vector, then streamed against the tile's expert's w2 rows
+    def _down_row_kernel(h_ptr, w2_ptr, weight_ptr, idx_ptr, y_ptr, L: tl.constexpr, F: tl.constexpr,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # y[0, cols] for one token: kk walks the TOP_K pairs' F columns end to end; column kk of the
+        # gathered weight is w2[idx[kk // F]][:, kk % F], its input weight[kk // F] * h[kk]
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < L
         ks = tl.arange(0, BLOCK_K)
-        n_tiles = tl.load(n_tiles_ptr)
+        row_base = cols[:, None].to(tl.int64) * F
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for tile in range(0, MAX_TILES):  # the bound on tiles; those past n_tiles are skipped
-            if tile < n_tiles:
-                expert, rows, pair, valid = _tile_rows(pair_ptr, tile_expert_ptr, tile, pairs, BLOCK_M)
-                rw = tl.load(weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)
-                w_base = expert * L * F + cols[:, None].to(tl.int64) * F
-                h_base = rows[:, None].to(tl.int64) * F
-                for k0 in range(0, F, BLOCK_K):
-                    k_ok = (k0 + ks) < F
-                    ht = tl.load(h_ptr + h_base + k0 + ks[None, :], mask=valid[:, None] & k_ok[None, :],
-                                 other=0.0)
-                    hw = tl.sum(ht.to(tl.float32) * rw[:, None], axis=0)
-                    wt = tl.load(w2_ptr + w_base + k0 + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                                 other=0.0)
-                    acc += wt.to(tl.float32) * hw[None, :]
+        for k0 in range(0, TOP_K * F, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < TOP_K * F
+            j = kk // F
+            expert = tl.load(idx_ptr + j, mask=k_ok, other=0).to(tl.int64)
+            x = tl.load(h_ptr + kk, mask=k_ok, other=0.0).to(tl.float32) * \
+                tl.load(weight_ptr + j, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w2_ptr + expert[None, :] * (L * F) + row_base + (kk - j * F)[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
         tl.store(y_ptr + cols, tl.sum(acc, axis=1), mask=col_ok)
 
 
 # (columns of y, intermediate columns per step, warps) of the one-token down launch; on a GPU
 # `triton.autotune` picks among them per (L, F) on its first call (before a graph is captured)
-ROW_BLOCKS = ((8, 128, 4), (16, 128, 4), (16, 128, 8), (32, 128, 8), (8, 256, 4), (16, 256, 8), (4, 512, 4),
-              (32, 64, 4))
+ROW_BLOCKS = ((2, 1024, 4), (4, 512, 4), (4, 1024, 4), (4, 2048, 8), (8, 256, 4), (8, 512, 4), (8, 1024, 8),
+              (16, 256, 8))
 
 if triton is not None:
     _down_row_tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in ROW_BLOCKS],
-        key=["L", "F"])(_down_row_kernel)
+        key=["L", "F", "TOP_K"])(_down_row_kernel)
 
 
-def down_row(h, w2, flat_w, sort: ExpertSort, L: int, F: int, blocks=None) -> torch.Tensor:
-    """The one-token down launch (module docstring): y [1, L] fp32. blocks: one of ROW_BLOCKS, or None
-    for the autotuner's choice on a GPU (the first of ROW_BLOCKS in the interpreter)."""
+def down_row(h, w2, flat_w, flat_idx, L: int, F: int, blocks=None) -> torch.Tensor:
+    """The one-token down launch (module docstring) on h [k, F] in pair order, the flat weights and
+    expert ids [k]: y [1, L] fp32. blocks: one of ROW_BLOCKS, or None for the autotuner's choice on a
+    GPU (the first of ROW_BLOCKS in the interpreter)."""
     y = torch.empty(1, L, dtype=torch.float32, device=h.device)
-    args = (h, w2, flat_w, y, sort.pair_of_row, sort.tile_expert, sort.n_tiles, sort.pairs)
-    common = {"L": L, "F": F, "MAX_TILES": sort.max_tiles, "BLOCK_M": sort.block_m}
+    args = (h, w2, flat_w, flat_idx, y)
+    common = {"L": L, "F": F, "TOP_K": flat_idx.numel()}
     if blocks is None and h.device.type != "cpu":
         _down_row_tuned[lambda meta: (triton.cdiv(L, meta["BLOCK_N"]),)](*args, **common)
         return y
@@ -171,14 +172,15 @@ def grouped_experts(z, weights, idx, w1, w3, w2, shapes: Shapes, sort: ExpertSor
     z, w1, w3, w2 = (t.contiguous() for t in (z, w1, w3, w2))
     flat_w = weights.reshape(-1).contiguous()
     cfg = launch_config(shapes, sort)
-    h = torch.empty(sort.max_tiles * sort.block_m, F, dtype=z.dtype, device=z.device)
+    one = N == 1  # h by pair, then the one-token down launch
+    h = torch.empty(k if one else sort.max_tiles * sort.block_m, F, dtype=z.dtype, device=z.device)
     up, down = cfg["up"], cfg["down"]
     _up_kernel[(sort.max_tiles, triton.cdiv(F, up["BLOCK_N"]))](
         z, w1, w3, h, sort.pair_of_row, sort.tile_expert, sort.n_tiles, sort.pairs, L, F,
         TOP_K=k, BLOCK_M=sort.block_m, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
-        num_warps=up["num_warps"])
-    if N == 1:
-        return down_row(h, w2, flat_w, sort, L, F)
+        BY_PAIR=one, num_warps=up["num_warps"])
+    if one:
+        return down_row(h, w2, flat_w, idx.reshape(-1).contiguous(), L, F)
     y_pair = torch.empty(N * k, L, dtype=torch.float32, device=z.device)
     _down_kernel[(sort.max_tiles, triton.cdiv(L, down["BLOCK_N"]))](
         h, w2, flat_w, y_pair, sort.pair_of_row, sort.tile_expert, sort.n_tiles, sort.pairs, L, F,

@@ -7,7 +7,8 @@ pre-normed hidden state); caches are updated in place. Every dense projection go
 What a switch chooses arrives here as a callable, bound once by the step (`DecodeStep._bind`): the KDA
 step (`KDADecodeStep`, or `KDAVerifyStep` for q_len > 1), the gate input's pack policy, the SiTU-GLU
 (`glu_fused` / `glu_plain`), the router (`route_fused` / `route_plain`), the routed experts
-(`experts_grouped` / `experts_loop`) and the MoE tail's op; nothing here compares a switch's name.
+(`experts_grouped` / `experts_loop`) and the MoE tail's op; the MLA glue's backend arrives as its name
+(k3lab.ops.mla_glue); nothing here compares a switch's name.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import torch
 
 from k3lab.nn.kda import kda_beta, kda_gate, short_conv
 from k3lab.nn.moe import route
-from k3lab.nn.norms import gated_rms_norm, l2_normalize, rms_norm
+from k3lab.nn.norms import gated_rms_norm, l2_normalize
 from k3lab.nn.situ import situ_glu
-from k3lab.ops import moe_experts, moe_router
+from k3lab.ops import mla_glue, moe_experts, moe_router
 from k3lab.ops.situ_glu import situ_glu_stacked
 
 from k3lab.ops.gemv import gemv_stack
@@ -77,26 +78,19 @@ class KDAVerifyStep:
 
 
 def mla_partial(w: MLAWeights, x: torch.Tensor, latent: torch.Tensor, pos: int, q_buf: torch.Tensor, plan,
-                ) -> torch.Tensor:
+                glue: str = "torch") -> torch.Tensor:
     """The absorbed MLA decode: projections, the new latent rows written at positions [pos, pos + T) of
     `latent` [B, L, 576], the absorbed query written into `q_buf` [B, T, H, 576] (the buffer `plan`, an
     MLA decode plan, reads), attention, the value half of kv_b_proj, the output gate and this rank's
-    columns of o_proj. Returns [N, hidden]."""
+    columns of o_proj. glue: the k3lab.ops.mla_glue backend of the work between the projections and
+    the attention ('triton': three launches; 'torch': the PyTorch sequence). Returns [N, hidden]."""
     B, T, H, _ = q_buf.shape
     lat, rope = w.kv_a_norm.shape[0], q_buf.shape[-1] - w.kv_a_norm.shape[0]
-    nope = w.w_uk.shape[1]
     qa, ckv, g = linear(x, w.w_in).split([w.q_a_norm.shape[0], lat + rope, H * w.w_uv.shape[1]], dim=-1)
-    q = linear(rms_norm(qa, w.q_a_norm, w.eps), w.q_b).view(B * T, H, -1)
-    rows = latent[:, pos:pos + T]
-    rows[..., :lat].copy_(rms_norm(ckv[:, :lat], w.kv_a_norm, w.eps).view(B, T, lat))
-    rows[..., lat:].copy_(ckv[:, lat:].view(B, T, rope))
-    q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w.w_uk)  # [H, N, 512]
-    q_buf[..., :lat].copy_(q_lat.transpose(0, 1).view(B, T, H, lat))
-    q_buf[..., lat:].copy_(q[..., nope:].view(B, T, H, rope))
+    qa_n = mla_glue.mla_norms(qa, ckv, w.q_a_norm, w.kv_a_norm, w.eps, latent[:, pos:pos + T], backend=glue)
+    mla_glue.mla_absorb_q(linear(qa_n, w.q_b).view(B * T, H, -1), w.w_uk, q_buf, backend=glue)
     o_lat, _ = plan()
-    o = torch.bmm(o_lat.view(B * T, H, lat).transpose(0, 1), w.w_uv.transpose(1, 2))  # [H, N, 128]
-    o = o.transpose(0, 1) * torch.sigmoid(g.view(B * T, H, -1))
-    return linear(o.reshape(B * T, -1), w.o_proj)
+    return linear(mla_glue.mla_out_gate(o_lat, w.w_uv, g, backend=glue), w.o_proj)
 
 
 def glu_fused(gu: torch.Tensor) -> torch.Tensor:

@@ -177,6 +177,7 @@ class DecodeStep:
         self.router = layers.route_fused if backends["moe_router"] == "triton" else layers.route_plain
         self.experts = layers.experts_grouped if backends["moe_experts"] == "triton" else layers.experts_loop
         self.tail = functools.partial(moe_experts.latent_tail, backend=backends["moe_experts"])
+        self.mla_glue = backends["mla_glue"]
         self.tail_sharded = impl["moe_tail_sharded"] == "sharded"
         narrow = impl["kda_verify_tiles"] == "after"
         verify = kda_verify.kda_verify if narrow else kda_verify.kda_verify_before
@@ -266,7 +267,7 @@ class DecodeStep:
     def _attention(self, i: int, w, x: torch.Tensor):
         if i in self.latent:
             part = layers.mla_partial(w, x, self.latent[i], self.context_len, self.q_bufs[i],
-                                      self.mla_plans[i])
+                                      self.mla_plans[i], self.mla_glue)
         else:
             part = layers.kda_partial(w, x, self.kda_steps[i], self.pack)
         return (yield from self._collective("all_reduce", part))

@@ -10,7 +10,8 @@
                       shared expert's all-reduce                   the shared expert's all-reduce
     kda_verify_tiles  narrow value tiles (q_len > 1)               the streaming kernel, 32-column tiles
     glue_fused        routing + expert sort in one Triton launch   the PyTorch sequences: ~25 kernels per
-                      (two past 32 pairs), SiTU-GLU in one         router, ~12 per SiTU-GLU
+                      (two past 32 pairs), SiTU-GLU in one, MLA's  router, ~12 per SiTU-GLU, ~25 around
+                      norms/query/output gate in three             each MLA attention
 
 `resolve(optimizations, device, dtype, q_len, tokens=, top_k=)` settles every switch once into
 `Resolved`: per switch whether it is on, the implementation that runs (the records' words) and, where
@@ -42,8 +43,8 @@ SWITCHES: dict[str, str] = {
     "grouped_experts": "routed experts as two grouped launches, the MoE tail as one fused launch",
     "moe_tail_sharded": "MoE tail sharded: this rank's up_proj rows, stitched by the existing all-reduce",
     "kda_verify_tiles": "KDA verification with narrow value tiles (q_len > 1)",
-    "glue_fused": "the MoE router + expert sort in one launch (two past 32 pairs), SiTU-GLU in one "
-                  "(k3lab.ops.moe_router, situ_glu)",
+    "glue_fused": "the MoE router + expert sort in one launch (two past 32 pairs), SiTU-GLU in one, the "
+                  "glue around MLA attention in three (k3lab.ops.moe_router, situ_glu, mla_glue)",
 }
 DECODE_ONLY = frozenset({"kda_fused"})
 VERIFY_ONLY = frozenset({"kda_verify_tiles"})
@@ -54,7 +55,7 @@ class Resolved:
     """on: switch -> bool (what was asked for); impl: switch -> the implementation that runs;
     notes: switch -> why the implementation differs from what the switch names (empty when it does not);
     backends: op -> the k3lab.ops backend that runs it ('kda_decode', 'moe_router', 'situ_glu',
-    'moe_experts'; kda_decode only at q_len = 1)."""
+    'mla_glue', 'moe_experts'; kda_decode only at q_len = 1)."""
 
     on: dict
     impl: dict
@@ -195,10 +196,11 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
             if strict:
                 raise ValueError(f"optimizations: grouped_experts cannot run here ({why})")
     if impl["glue_fused"] == "triton":
-        from k3lab.ops import moe_router, situ_glu
+        from k3lab.ops import mla_glue, moe_router, situ_glu
 
         why = [w for ok, w in (moe_router.BACKENDS.check("triton", device),
-                               situ_glu.BACKENDS.check("triton", device)) if not ok]
+                               situ_glu.BACKENDS.check("triton", device),
+                               mla_glue.BACKENDS.check("triton", device)) if not ok]
         if why:
             impl["glue_fused"], notes["glue_fused"] = (
                 "torch",
@@ -207,7 +209,7 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
             if strict:
                 raise ValueError(f"optimizations: glue_fused cannot run here ({why[0]})")
     backends = {"moe_experts": impl["grouped_experts"], "situ_glu": impl["glue_fused"],
-                "moe_router": impl["glue_fused"]}
+                "moe_router": impl["glue_fused"], "mla_glue": impl["glue_fused"]}
     if impl["kda_fused"] != "n/a":
         backends["kda_decode"] = KDA_DECODE_BACKENDS[impl["kda_fused"]]
     if impl["glue_fused"] == "triton" and tokens is not None:

@@ -1,6 +1,6 @@
 """k3lab.ops.mla_glue: the three fused launches around MLA decode against the lines of
-k3lab.engine.layers.mla_partial they replace (copied here as the reference), the op's torch backend and
-mla_partial itself.
+k3lab.engine.layers.mla_partial they replace (copied here as the reference), the op's torch backend, and
+mla_partial with either glue backend against the PyTorch sequence it ran before.
 
 Triton runs in its interpreter on these CPU tensors. fp32 agrees to a few fp32 ulps (the sums run in
 another order). bf16 reproduces the reference's roundings: every element equal or within 1 bf16 ulp
@@ -9,6 +9,8 @@ of them bit-equal.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -275,6 +277,27 @@ def _plan(latent, q_buf, pos, lat):
     return run
 
 
+def original_partial(w: MLAWeights, x, latent, pos, q_buf, plan):
+    """mla_partial as it was before the glue op: the PyTorch sequence, copied here as the reference."""
+    from k3lab.engine.fp8 import linear
+
+    B, T, H, _ = q_buf.shape
+    lat, rope = w.kv_a_norm.shape[0], q_buf.shape[-1] - w.kv_a_norm.shape[0]
+    nope = w.w_uk.shape[1]
+    qa, ckv, g = linear(x, w.w_in).split([w.q_a_norm.shape[0], lat + rope, H * w.w_uv.shape[1]], dim=-1)
+    q = linear(rms_norm(qa, w.q_a_norm, w.eps), w.q_b).view(B * T, H, -1)
+    rows = latent[:, pos:pos + T]
+    rows[..., :lat].copy_(rms_norm(ckv[:, :lat], w.kv_a_norm, w.eps).view(B, T, lat))
+    rows[..., lat:].copy_(ckv[:, lat:].view(B, T, rope))
+    q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w.w_uk)  # [H, N, 512]
+    q_buf[..., :lat].copy_(q_lat.transpose(0, 1).view(B, T, H, lat))
+    q_buf[..., lat:].copy_(q[..., nope:].view(B, T, H, rope))
+    o_lat, _ = plan()
+    o = torch.bmm(o_lat.view(B * T, H, lat).transpose(0, 1), w.w_uv.transpose(1, 2))  # [H, N, 128]
+    o = o.transpose(0, 1) * torch.sigmoid(g.view(B * T, H, -1))
+    return linear(o.reshape(B * T, -1), w.o_proj)
+
+
 def glued_partial(w: MLAWeights, x, latent, pos, q_buf, plan):
     """mla_partial with its glue lines replaced by the three calls (what the integrator will do)."""
     from k3lab.engine.fp8 import linear
@@ -299,15 +322,18 @@ def test_mla_partial_with_the_glue_calls_agrees_with_mla_partial(shape, B, T, dt
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(B * T, hidden, generator=gen).to(dtype)
     latent0 = torch.randn(B, L, LAT + ROPE, generator=gen).to(dtype)
+    integrated = [functools.partial(mla_partial, glue=name) for name in ("triton", "torch")]
     results = []
-    for fn in (mla_partial, glued_partial):
+    for fn in (original_partial, glued_partial, *integrated):
         latent, q_buf = latent0.clone(), torch.zeros(B, T, H, LAT + ROPE, dtype=dtype)
         y = fn(w, x, latent, POS, q_buf, _plan(latent, q_buf, POS, LAT))
         results.append((y, latent, q_buf))
-    (y0, lat0, qb0), (y1, lat1, qb1) = results
-    _agree(lat1, lat0, "latent cache")
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    # q_buf's inputs went through q_b on a norm that may differ by an ulp: the projection spreads it
-    torch.testing.assert_close(qb1, qb0, **tol)
-    torch.testing.assert_close(y1, y0, **tol)
+    (y0, lat0, qb0), *others = results
     assert y0.abs().max() > 0.1  # not a trivially small output
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for i, (y1, lat1, qb1) in enumerate(others):
+        _agree(lat1, lat0, f"latent cache ({i})")
+        # q_buf's inputs went through q_b on a norm that may differ by an ulp: the projection spreads it
+        torch.testing.assert_close(qb1, qb0, **tol)
+        torch.testing.assert_close(y1, y0, **tol)
+    assert torch.equal(others[2][0], y0)  # glue='torch' is the PyTorch sequence itself

@@ -41,7 +41,7 @@ Backends (`BACKENDS`, k3lab.ops' contract: `backend=` or K3LAB_MLA_GLUE_BACKEND 
 Default: triton on GPU tensors, torch on CPU tensors.
 
 Why: at batch 1 an MLA layer's glue is ~30 small kernels around the projections and the attention
-kernel, each a launch (a few microseconds) for a few kilobytes of work; 23 MLA layers per step pay
+kernel, each a launch (a few microseconds) for a few kilobytes of work; the 24 MLA layers of a step pay
 that every token. Fused, each stage is one launch whose cost is its small weight stream (w_uk, w_uv:
 1.5 MB each per TP8 rank in bf16).
 """

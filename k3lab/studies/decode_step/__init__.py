@@ -280,6 +280,20 @@ def attribution_rows(case: str = "b1_1k", variant: str = "all_on", records=None)
                   "floor_ms": (r.floor_us or 0) / 1e3, "commit": r.commit}
 
 
+def floor_rows(records=None) -> list[dict]:
+    """One row per attribution record (`attributions`), B = 1 cases first: case, variant, step_ms (the
+    graph step timed apart), floor_ms, of_floor (floor / step: the share of the bytes floor the step
+    reaches), kernels (launches per step in the replay) and commit."""
+    rows = []
+    for r in attributions(records):
+        case, variant = r.case[len(ATTRIBUTION):].split(".", 1)
+        rows.append({"case": case, "variant": variant, "step_ms": r.median_us / 1e3,
+                     "floor_ms": (r.floor_us or 0) / 1e3, "of_floor": (r.floor_us or 0) / r.median_us,
+                     "kernels": r.extra["launches"], "commit": r.commit})
+    order = {c: i for i, c in enumerate(step_bench.GPU_CASES)}
+    return sorted(rows, key=lambda row: (order.get(row["case"], len(order)), row["variant"]))
+
+
 def attribution_figure(rows: list[dict], title: str):
     """Stacked bars per part: its kernels' time and the idle gaps before them, beside its bytes floor."""
     import plotly.graph_objects as go

@@ -132,6 +132,39 @@ def test_fp8_weights_bad_input_names_the_argument():
             gv.gemv(x, q.wq, scale=bad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8_weight", [False, True], ids=["plain", "fp8"])
+def test_glu_input_is_the_situ_glu_then_the_product_in_one_launch(dtype, fp8_weight):
+    """glu=True: x is a gate|up row and the kernel computes its SiTU-GLU while loading it: equal, bit for
+    bit, to the SiTU-GLU kernel followed by the GEMV (the same fp32 math, rounded to x's dtype at the same
+    point), and close to the fp64 product of the nn reference's activation; gates and ups large enough to
+    reach both bounds; a K (129) that is not a multiple of the block."""
+    from k3lab.engine import fp8
+    from k3lab.nn.situ import situ_glu
+    from k3lab.ops.situ_glu import situ_glu_stacked
+
+    n, k = 33, 129
+    gen = torch.Generator().manual_seed(5)
+    gu = (torch.randn(1, 2 * k, generator=gen) * 20).to(DEV).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(DEV)
+    scale = None
+    if fp8_weight:
+        q = fp8.quantize_weight(w)
+        w, scale = q.wq[:n, :k], q.scale[0]
+    else:
+        w = w.to(dtype)
+    one = gv.gemv(gu, w, scale=scale, glu=True, backend="triton")
+    two = gv.gemv(situ_glu_stacked(gu, backend="triton"), w, scale=scale, backend="triton")
+    assert one.dtype == dtype and one.shape == (1, n) and torch.equal(one, two)
+    act = situ_glu(*gu.double().chunk(2, dim=-1)).to(dtype).double()
+    ref = act @ w.double().t() * (1.0 if scale is None else scale[:n].double())
+    assert float((one.double() - ref).norm() / ref.norm()) < TOL[dtype]
+    torch.testing.assert_close(gv.gemv(gu, w, scale=scale, glu=True, backend="torch").double(), ref,
+                               rtol=TOL[dtype], atol=TOL[dtype] * float(ref.abs().max()))
+    with pytest.raises(ValueError, match=r"gate \| up, glu=True"):
+        gv.gemv(gu[:, :k], w, scale=scale, glu=True)  # one half only
+
+
 @pytest.mark.parametrize("count", [1, 2, 3])
 def test_stack_of_weights_that_read_one_row_in_one_launch(count):
     """One to three weights read by the same x, bf16 and FP8 (with row scales) mixed in one launch:

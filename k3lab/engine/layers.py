@@ -22,7 +22,7 @@ from k3lab.nn.situ import situ_glu
 from k3lab.ops import mla_glue, moe_experts, moe_router
 from k3lab.ops.situ_glu import situ_glu_stacked
 
-from k3lab.ops.gemv import gemv_stack
+from k3lab.ops.gemv import gemv, gemv_stack
 
 from .fp8 import linear, one_row_parts, quantize_input
 from .weights import DenseWeights, KDAWeights, MLAWeights, MoEWeights
@@ -168,9 +168,15 @@ def moe_shared_partial(w: MoEWeights, x: torch.Tensor, gu: torch.Tensor | None,
                        act=glu_plain) -> torch.Tensor:
     """This rank's share of the shared expert (row-parallel) from its gate|up product `gu` (from
     `moe_products`; None where the layer has no shared expert: zeros like x), `act` the SiTU-GLU:
-    [N, hidden] in x's dtype, contiguous."""
+    [N, hidden] in x's dtype, contiguous. With the fused SiTU-GLU (`glu_fused`) and a one-row GEMV
+    down_proj (`fp8.one_row_parts`) the activation is computed inside the GEMV's load: one launch."""
     if gu is None:
         return torch.zeros_like(x)
+    if act is glu_fused:
+        stacked = one_row_parts(gu, [w.shared_down])
+        if stacked is not None:
+            (weight, scale), = stacked
+            return gemv(gu, weight, scale=scale, glu=True, backend="triton")
     return linear(act(gu), w.shared_down).contiguous()
 
 

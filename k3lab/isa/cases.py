@@ -260,6 +260,19 @@ def gemv_fp8(rows=CFG.hidden_size, cols=CFG.kda_width):
         gv.launch(x, w, y, blocks, scale=scale)
 
 
+def gemv_glu(rows=CFG.hidden_size, cols=CFG.shared_intermediate_size):
+    """The shared expert's down_proj with its SiTU-GLU computed in the load (7168 x 768 at TP8), bf16
+    and FP8 weights, every candidate block shape."""
+    from k3lab.ops import gemv as gv
+
+    gu, y = torch.empty(1, 2 * cols, dtype=BF16), torch.empty(1, rows, dtype=BF16)
+    w, wq = torch.empty(rows, cols, dtype=BF16), torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(rows, dtype=torch.float32)
+    for blocks in gv.GPU_BLOCKS:
+        gv.launch(gu, w, y, blocks, glu=True)
+        gv.launch(gu, wq, y, blocks, scale=scale, glu=True)
+
+
 def gemv_stack_moe():
     """One MoE layer's router (bf16), down_proj and shared gate/up (FP8) in one launch, at TP8."""
     from k3lab.ops import gemv as gv
@@ -345,6 +358,7 @@ CASES: dict[str, tuple] = {
     "gemv.router": (gemv, {}, "one-row product 896 x 7168, every candidate block shape"),
     "gemv.fp8_o_proj": (gemv_fp8, {}, "FP8 weights + row scales, 7168 x 1536, every block shape"),
     "gemv.stack_moe": (gemv_stack_moe, {}, "router bf16 + down_proj and shared gate/up FP8, one launch"),
+    "gemv.glu_shared_down": (gemv_glu, {}, "shared expert's down_proj, SiTU-GLU in the load, bf16 and FP8"),
     "mla_glue.norms": (mla_glue, {"stage": "norms"}, "q_a and kv_a norms, the cache row, one token"),
     "mla_glue.absorb_q": (mla_glue, {"stage": "absorb_q"}, "q_nope @ w_uk into q_buf, 12 heads, one token"),
     "mla_glue.out_gate": (mla_glue, {"stage": "out_gate"}, "o_lat @ w_uv^T times sigmoid(g), one token"),

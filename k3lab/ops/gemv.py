@@ -3,6 +3,7 @@
     y = gemv(x, w)            # x [1, K], w [N, K] (row-major, contiguous rows) -> y [1, N] in x's dtype
     y = gemv(x, wq, scale=s)  # wq [N, K] float8_e4m3fn, s [N] fp32 row scales: y = (x @ wq^T) * s
     ys = gemv_stack(x, [(w0, None), (wq, s)])  # several weights that read one x, in one launch
+    y = gemv(gu, w, glu=True)  # gu [1, 2K] = gate | up: y = SiTU-GLU(gu) @ w^T, the activation in-kernel
     GemvWeight(w)(x)          # the kernel for one row, torch.matmul for more (what the step holds)
 
 Why: at B = 1 a projection reads its whole weight to make one row, so it is a pure weight stream,
@@ -17,6 +18,11 @@ kernel reads a byte per weight, widens it to fp32 in registers and applies the r
 the activation stays in its dtype. At one row the product is a weight stream, so half the bytes is what
 the FP8 form buys; the W8A8 alternative (quantize the activation, then an FP8 matmul) adds the
 activation's quantization launches to every projection, which at one row cost more than they save.
+
+SiTU-GLU input (`glu=True`): x is a gate|up row [1, 2K] and each program computes SiTU-GLU of its K
+block as it loads it (k3lab.ops.triton_math.situ, rounded to x's dtype as the SiTU-GLU kernel rounds
+its output), so the MLP's activation and its down projection are one launch with the same result
+as the two (the shared expert's down_proj at B = 1).
 
 Block shapes: on a GPU `triton.autotune` picks them per (N, K) among GPU_BLOCKS on the first call (so
 call once before capturing a CUDA graph; K is a compile-time constant: one build per width); in
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from k3lab.nn.situ import situ_glu
 from k3lab.ops import Backend, Backends, triton_available, triton_runs_on
 
 try:
@@ -63,11 +70,15 @@ def _configs():
 
 
 if triton is not None:
-    from k3lab.ops.triton_math import round_to
+    from k3lab.nn.situ import GATE_BOUND, UP_BOUND
+    from k3lab.ops.triton_math import round_to, situ
+
+    _GATE, _UP = tl.constexpr(GATE_BOUND), tl.constexpr(UP_BOUND)
 
     @triton.jit
     def _rows(x_ptr, w_ptr, scale_ptr, y_ptr, N, K: tl.constexpr, stride_w, block, HAS_SCALE: tl.constexpr,
-              INT_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              INT_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              GLU: tl.constexpr = False):
         # rows [block * BLOCK_N, +BLOCK_N) of y = x @ w^T (times their scales)
         rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -79,6 +90,10 @@ if triton is not None:
             w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_w + kk[None, :],
                         mask=nmask[:, None] & kmask[None, :], other=0.0)
             x = tl.load(x_ptr + kk, mask=kmask, other=0.0)
+            if GLU:  # x holds gate | up: the input is SiTU-GLU of the pair, rounded to x's dtype
+                u = tl.load(x_ptr + K + kk, mask=kmask, other=0.0)
+                x = round_to(situ(x.to(tl.float32), u.to(tl.float32), _GATE, _UP),
+                             x_ptr.dtype.element_ty, INT_ROUND)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_SCALE:
@@ -87,9 +102,10 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K: tl.constexpr, stride_w, HAS_SCALE: tl.constexpr,
-                     INT_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     INT_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GLU: tl.constexpr):
         _rows(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, stride_w, tl.program_id(0), HAS_SCALE, INT_ROUND,
-              BLOCK_N, BLOCK_K)
+              BLOCK_N, BLOCK_K, GLU)
 
     @triton.jit
     def _stack_kernel(x_ptr, w0, s0, y0, N0, st0, w1, s1, y1, N1, st1, w2, s2, y2, N2, st2,
@@ -115,7 +131,7 @@ BACKENDS = Backends("gemv", Backend("triton", 0, triton_available, triton_runs_o
 BACKEND_ENV = BACKENDS.env
 
 
-def _check(x, w, scale=None) -> tuple[int, int]:
+def _check(x, w, scale=None, glu: bool = False) -> tuple[int, int]:
     w_dtypes = DTYPES if scale is None else (FP8,)
     for name, t, dtypes, what in (("x", x, DTYPES, "fp32/fp16/bf16"),
                                   ("w", w, w_dtypes, "fp32/fp16/bf16" if scale is None else
@@ -127,8 +143,9 @@ def _check(x, w, scale=None) -> tuple[int, int]:
         raise ValueError(f"x must hold one row [1, K], got {tuple(x.shape)} (GemvWeight takes more rows)")
     N, K = w.shape
     same = x.dtype == w.dtype or scale is not None
-    if x.shape[1] != K or not same or x.device != w.device:
-        raise ValueError(f"x must be [1, {K}] of w's dtype {w.dtype} on {w.device}, got {tuple(x.shape)} "
+    if x.shape[1] != K * (2 if glu else 1) or not same or x.device != w.device:
+        what = f"[1, 2 x {K}] (gate | up, glu=True)" if glu else f"[1, {K}]"
+        raise ValueError(f"x must be {what} of w's dtype {w.dtype} on {w.device}, got {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}")
     if scale is not None and (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32
                               or not scale.is_contiguous() or scale.numel() < N or scale.device != w.device):
@@ -141,21 +158,22 @@ def _check(x, w, scale=None) -> tuple[int, int]:
     return N, K
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, *, scale: torch.Tensor | None = None,
+def gemv(x: torch.Tensor, w: torch.Tensor, *, scale: torch.Tensor | None = None, glu: bool = False,
          backend: str | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ w[N, K]^T in x's dtype, times scale[n] per output where `scale` is given
-    (w then float8_e4m3fn: module docstring); ValueError before any kernel."""
-    N, K = _check(x, w, scale)
+    (w then float8_e4m3fn: module docstring); glu=True: x is [1, 2K] (gate | up) and the product's
+    input is its SiTU-GLU. ValueError before any kernel."""
+    N, K = _check(x, w, scale, glu)
     if BACKENDS.choose(backend, x.device)[0] == "torch":
-        return reference(x, w, scale)
+        return reference(situ_glu(*x.chunk(2, dim=-1)) if glu else x, w, scale)
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     if N and K and x.device.type != "cpu":
         _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
             x, w, w if scale is None else scale, y, N, K, w.stride(0), HAS_SCALE=scale is not None,
-            INT_ROUND=False)
+            INT_ROUND=False, GLU=glu)
     elif N and K:
         launch(x, w, y, (INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"], 1), int_round=True,
-               scale=scale)
+               scale=scale, glu=glu)
     elif N:
         y.zero_()
     return y
@@ -217,14 +235,14 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = Non
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, blocks: tuple[int, int, int], *,
-           int_round: bool = False, scale: torch.Tensor | None = None) -> None:
+           int_round: bool = False, scale: torch.Tensor | None = None, glu: bool = False) -> None:
     """One launch of the kernel on checked inputs with fixed (BLOCK_N, BLOCK_K, warps), one of
     GPU_BLOCKS on a GPU (what the autotuner picks among) or the interpreter's shape."""
     bn, bk, warps = blocks
     N, K = w.shape
     _gemv_kernel[(triton.cdiv(N, bn),)](x, w, w if scale is None else scale, y, N, K, w.stride(0),
                                         HAS_SCALE=scale is not None, INT_ROUND=int_round, BLOCK_N=bn,
-                                        BLOCK_K=bk, num_warps=warps)
+                                        BLOCK_K=bk, GLU=glu, num_warps=warps)
 
 
 class GemvWeight:

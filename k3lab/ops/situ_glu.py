@@ -47,13 +47,7 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_BLOCK = 1024
 
 if triton is not None:
-    from k3lab.ops.triton_math import round_to, tanh
-
-    @triton.jit
-    def _sigmoid(x):
-        # exp of -|x| only, so nothing overflows at large |x|
-        e = tl.exp(-tl.abs(x))
-        return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    from k3lab.ops.triton_math import round_to, situ
 
     @triton.jit
     def _situ_glu_kernel(gu_ptr, out_ptr, gu_row_stride, out_row_stride, F,
@@ -64,7 +58,7 @@ if triton is not None:
         src = gu_ptr + row * gu_row_stride + cols
         g = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(src + F, mask=mask, other=0.0).to(tl.float32)
-        y = GATE * tanh(g / GATE) * _sigmoid(g) * (UP * tanh(u / UP))
+        y = situ(g, u, GATE, UP)
         tl.store(out_ptr + row * out_row_stride + cols, round_to(y, out_ptr.dtype.element_ty, INT_ROUND),
                  mask=mask)
 

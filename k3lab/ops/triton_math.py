@@ -3,6 +3,10 @@
     tanh(x)                       tanh from exp(-2|x|): no overflow for any |x|, and a short series
                                   near 0, where (1 - e) / (1 + e) would cancel, keeps fp32 accuracy;
                                   portable (Triton's interpreter and every GPU backend)
+    situ(g, u, GATE, UP)          SiTU-GLU of one gate and up value in fp32 (k3lab.nn.situ's bounds GATE,
+                                  UP): GATE tanh(g / GATE) sigmoid(g) * UP tanh(u / UP), the sigmoid
+                                  from exp(-|g|) so nothing overflows; the SiTU-GLU kernel and the GEMV
+                                  that takes a gate|up row both compute it, so their roundings agree
     round_to(x, dtype, INT_ROUND) x cast to dtype, rounding to nearest even as torch does. A GPU's
                                   conversion instruction already does (tests check it bit-exact on a GPU);
                                   Triton's interpreter (the CPU path) truncates bf16 casts, so with
@@ -30,6 +34,16 @@ if triton is not None:
         near = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
         t = tl.where(a < 0.125, near, far)
         return tl.where(x < 0, -t, t)
+
+    @triton.jit
+    def sigmoid(x):
+        e = tl.exp(-tl.abs(x))
+        return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+    @triton.jit
+    def situ(g, u, GATE: tl.constexpr, UP: tl.constexpr):
+        # the tensor on the left of each product: the interpreter keeps constexpr * tensor a constexpr
+        return tanh(g / GATE) * GATE * sigmoid(g) * (tanh(u / UP) * UP)
 
     @triton.jit
     def round_to(x, dtype: tl.constexpr, INT_ROUND: tl.constexpr):

@@ -246,7 +246,7 @@ def gemv(rows=CFG.num_experts, cols=CFG.hidden_size):
         torch.empty(rows, cols, dtype=BF16),
         torch.empty(1, rows, dtype=BF16),
     )
-    for blocks in gv.GPU_BLOCKS:  # the autotuner's candidates: each is a kernel the op may run
+    for blocks in gv.gpu_blocks():  # the autotuner's candidates here: each is a kernel the op may run
         gv.launch(x, w, y, blocks)
 
 
@@ -256,7 +256,7 @@ def gemv_fp8(rows=CFG.hidden_size, cols=CFG.kda_width):
 
     x, y = torch.empty(1, cols, dtype=BF16), torch.empty(1, rows, dtype=BF16)
     w, scale = torch.empty(rows, cols, dtype=torch.float8_e4m3fn), torch.empty(rows, dtype=torch.float32)
-    for blocks in gv.GPU_BLOCKS:
+    for blocks in gv.gpu_blocks():
         gv.launch(x, w, y, blocks, scale=scale)
 
 
@@ -268,7 +268,7 @@ def gemv_glu(rows=CFG.hidden_size, cols=CFG.shared_intermediate_size):
     gu, y = torch.empty(1, 2 * cols, dtype=BF16), torch.empty(1, rows, dtype=BF16)
     w, wq = torch.empty(rows, cols, dtype=BF16), torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
     scale = torch.empty(rows, dtype=torch.float32)
-    for blocks in gv.GPU_BLOCKS:
+    for blocks in gv.gpu_blocks():
         gv.launch(gu, w, y, blocks, glu=True)
         gv.launch(gu, wq, y, blocks, scale=scale, glu=True)
 
@@ -283,7 +283,7 @@ def gemv_stack_moe():
         (torch.empty(n, h, dtype=torch.float8_e4m3fn), torch.empty(n, dtype=torch.float32))
         for n in (CFG.routed_expert_hidden_size, 2 * CFG.shared_intermediate_size)]
     ys = [torch.empty(1, w.shape[0], dtype=BF16) for w, _ in parts]
-    for blocks in gv.GPU_BLOCKS:
+    for blocks in gv.gpu_blocks():
         gv.launch_stack(x, parts, ys, blocks)
 
 

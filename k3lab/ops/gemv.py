@@ -24,7 +24,7 @@ block as it loads it (k3lab.ops.triton_math.situ, rounded to x's dtype as the Si
 its output), so the MLP's activation and its down projection are one launch with the same result
 as the two (the shared expert's down_proj at B = 1).
 
-Block shapes: on a GPU `triton.autotune` picks them per (N, K) among GPU_BLOCKS on the first call (so
+Block shapes: on a GPU `triton.autotune` picks them per (N, K) among `gpu_blocks()` on the first call (so
 call once before capturing a CUDA graph; K is a compile-time constant: one build per width); in
 Triton's interpreter (CPU tensors, tests) one small shape runs. fp32 accumulation whatever the dtype;
 bf16 rounded to nearest even, also in the interpreter. How it compares with cuBLAS per projection:
@@ -63,10 +63,21 @@ INTERPRETER_BLOCKS = {"BLOCK_N": 64, "BLOCK_K": 128}
 # (FP8 weights are half the bytes per column, so the widest K blocks serve them)
 GPU_BLOCKS = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 8),
               (16, 512, 8), (2, 4096, 8), (4, 4096, 8))
+# 64-lane AMD targets (gfx942, gfx950): the shapes whose accumulator tiles compile without spilling
+# there under Triton 3.6 and 3.9 (the ISA report; wider ones spill on gfx942); not yet run on AMD
+# hardware by this project
+AMD_BLOCKS = ((1, 2048, 4), (2, 1024, 4), (4, 1024, 4), (4, 2048, 8))
+
+
+def gpu_blocks() -> tuple:
+    """The block shapes the autotuner tries on this machine's GPU: AMD_BLOCKS on ROCm, else GPU_BLOCKS."""
+    from k3lab import env
+
+    return AMD_BLOCKS if env.detect().backend == "rocm" else GPU_BLOCKS
 
 
 def _configs():
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in GPU_BLOCKS]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in gpu_blocks()]
 
 
 if triton is not None:
@@ -237,7 +248,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = Non
 def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, blocks: tuple[int, int, int], *,
            int_round: bool = False, scale: torch.Tensor | None = None, glu: bool = False) -> None:
     """One launch of the kernel on checked inputs with fixed (BLOCK_N, BLOCK_K, warps), one of
-    GPU_BLOCKS on a GPU (what the autotuner picks among) or the interpreter's shape."""
+    `gpu_blocks()` on a GPU (what the autotuner picks among) or the interpreter's shape."""
     bn, bk, warps = blocks
     N, K = w.shape
     _gemv_kernel[(triton.cdiv(N, bn),)](x, w, w if scale is None else scale, y, N, K, w.stride(0),

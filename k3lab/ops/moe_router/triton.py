@@ -52,7 +52,7 @@ MAX_PAIRS = 2048   # N * top_k that one program sorts (decode); a first bound, n
 FUSED_PAIRS = 32   # N * top_k that route_and_sort routes and sorts in one launch (2 tokens at top-16)
 FUSED_ROWS = 2     # tokens the one launch takes through the top-k at once
 ROW_BLOCK = 1024   # rows (or tiles) the padding fill stores per step
-TOPK_WARPS = 8     # warps of a top-k program: lanes for the bitonic network over 1,024 keys
+TOPK_LANES = 256   # lanes of a top-k program for the bitonic network over 1,024 keys: 8 warps of 32
 
 if triton is not None:
 
@@ -234,6 +234,17 @@ def sort_block_cap(wave_width: int | None = None) -> int:
     return 32 if wave == 64 else 128
 
 
+def default_topk_warps(wave_width: int | None = None) -> int:
+    """Warps of a top-k program: TOPK_LANES lanes, 8 warps on 32-lane devices (the H200's fastest of 4, 8
+    and 16: the glue records) and 4 on 64-lane ones, where 8 spill registers on gfx942 / gfx950 under
+    Triton 3.9 (the ISA report; not yet run on AMD hardware by this project). wave_width: read from the
+    device when None."""
+    from k3lab import env
+
+    wave = wave_width if wave_width is not None else env.detect().wave_width
+    return TOPK_LANES // (wave or 32)
+
+
 def _topk_meta(logits, bias, top_k: int, renormalize: bool) -> dict:
     E = logits.shape[1]
     # K_POW2 >= 2 where the row has 2: tl.topk of one key from one row would reduce to a scalar
@@ -266,14 +277,14 @@ def _sort_args(sort: ExpertSort, cursor: torch.Tensor) -> tuple:
 
 def topk_weights(logits, bias, top_k: int, scaling: float, renormalize: bool, topk_warps: int | None = None):
     """The first of the two launches, on checked inputs: (weights [N, top_k] fp32, idx [N, top_k] int64).
-    topk_warps: a top-k program's warps (TOPK_WARPS when None; the glue bench tries others)."""
+    topk_warps: a top-k program's warps (`default_topk_warps()` when None; the glue bench tries others)."""
     N, _ = logits.shape
     weights = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
     idx = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
     if N:
         _topk_kernel[(N,)](logits, logits.stride(0), logits.stride(1), logits if bias is None else bias,
                            weights, idx, float(scaling), N, **_topk_meta(logits, bias, top_k, renormalize),
-                           num_warps=topk_warps or TOPK_WARPS)
+                           num_warps=topk_warps or default_topk_warps())
     return weights, idx
 
 
@@ -305,7 +316,7 @@ def route_sort(logits, bias, top_k: int, scaling: float, renormalize: bool, bloc
     """The one launch, on checked inputs (route_and_sort's checks) with N * top_k <= MAX_PAIRS:
     (weights [N, top_k] fp32, idx [N, top_k] int64, ExpertSort), the same as topk_weights followed by
     sort_pairs. route_and_sort takes it up to FUSED_PAIRS pairs; any N within MAX_PAIRS runs (tests,
-    the glue bench). Its warps: the more of `topk_warps` (TOPK_WARPS when None) and the sort's."""
+    the glue bench). Its warps: the more of `topk_warps` (`default_topk_warps()` when None) and the sort's."""
     N, E = logits.shape
     if N * top_k > MAX_PAIRS:
         raise ValueError(f"logits: N={N} tokens x top_k={top_k} is more pairs than one program sorts "
@@ -316,7 +327,7 @@ def route_sort(logits, bias, top_k: int, scaling: float, renormalize: bool, bloc
         return weights, idx, _empty_sort(E, block_m, logits.device)
     sort, cursor, meta = _sort_buffers(N * top_k, E, block_m, logits.device)
     meta |= _topk_meta(logits, bias, top_k, renormalize)
-    meta["num_warps"] = max(meta["num_warps"], topk_warps or TOPK_WARPS)
+    meta["num_warps"] = max(meta["num_warps"], topk_warps or default_topk_warps())
     _route_sort_kernel[(1,)](logits, logits.stride(0), logits.stride(1), logits if bias is None else bias,
                              weights, idx, float(scaling), N, *_sort_args(sort, cursor),
                              ROWS=min(_pow2(N), FUSED_ROWS), **meta)

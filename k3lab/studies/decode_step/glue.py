@@ -35,7 +35,8 @@ E, TOP_K, SCALING = 896, 16, 2.5
 SORT_FIELDS = ("pair_of_row", "tile_expert", "n_tiles", "counts")
 VARIANTS = (("before", "torch"), ("after", "triton"))
 LAUNCH_SIZES = (1, 2, 4, 8, 64)  # tokens: both sides of FUSED_PAIRS at top-16, and B = 64
-SWEEP_SIZES, SWEEP_WARPS = (1, 8), (4, 8, 16)  # top-k widths tried at these sizes (elsewhere TOPK_WARPS)
+# top-k widths tried at these sizes (elsewhere router.default_topk_warps())
+SWEEP_SIZES, SWEEP_WARPS = (1, 8), (4, 8, 16)
 
 
 def _router_inputs(n_tokens: int, seed: int, device: str):
@@ -99,7 +100,7 @@ def launch_records(sizes=LAUNCH_SIZES, device: str = "cuda", repeats: int = 100)
     for n in sizes:
         logits, bias, m = _router_inputs(n, seed=n, device=device)
         ref = route_and_sort(logits, bias, TOP_K, scaling=SCALING, block_m=m, backend="torch")
-        for w in SWEEP_WARPS if n in SWEEP_SIZES else (router.TOPK_WARPS,):
+        for w in SWEEP_WARPS if n in SWEEP_SIZES else (router.default_topk_warps(),):
             forms = launch_forms(logits, bias, m, w)
             checks = {v: _compare(ref, f()) for v, f in forms.items()}
             for v, chk in checks.items():

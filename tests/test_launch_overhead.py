@@ -44,9 +44,9 @@ def test_run_returns_sane_records(records):
     assert seed.extra["per_decode_step_us"] == pytest.approx(69 * seed.median_us)
     # 9x the bytes cost far less than 9x the time: a small copy is overhead, not bandwidth. 16 KiB, not
     # 1 MiB: torch splits copies above 32768 elements over threads, which a busy 2-core CI box starves
-    # now and then; both of these run on one thread. p20 for the same reason.
+    # now and then; both of these run on one thread. p20 for the same reason. Which of the two is the
+    # quicker is not asserted: both are the call's overhead, and noise on a busy box swaps them.
     mid = copies["copy_16KiB"]
-    assert mid.p20_us > seed.p20_us
     assert (2 * mid.shape["bytes"] / mid.p20_us) > 2 * (2 * 1792 / seed.p20_us)
     assert copies["copy_1MiB"].median_us > seed.median_us
 

@@ -5,15 +5,20 @@ Time limits of the gloo jobs leave room for a loaded machine (another test suite
 they only bound a hang, which is still caught and named, and cost nothing when the ranks finish.
 """
 
+import datetime
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from k3lab.parallel import RankError, rank_device, spawn
-from k3lab.parallel.launch import start_method
+from k3lab.parallel.launch import RankTimeout, start_method
 
 ROOM_S = 120  # the limit of a small gloo job here: a hang is caught and named after this
 
@@ -66,9 +71,49 @@ def _hang_on_rank(rank, world_size, bad):
 def test_hanging_rank_is_killed_within_the_timeout():
     limit = 10  # long enough for rank 0 to start and report on a loaded machine, short for a test
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 were still running"):
+    with pytest.raises(TimeoutError, match=r"rank \[1\] of 2 did not finish within timeout_s=10 s") as info:
         spawn(_hang_on_rank, 2, 1, backend="gloo", timeout_s=limit)
     assert limit <= time.monotonic() - t0 < limit + 15  # the timeout, the stacks and the kill grace
+    assert isinstance(info.value, RankTimeout) and info.value.stuck == [1] and info.value.waiting == []
+    assert "at _hang_on_rank (test_parallel_launch.py:" in str(info.value)
+
+
+def _hang_while_peers_wait(rank, world_size, bad):
+    dist.barrier()
+    if rank == bad:
+        time.sleep(600)  # in its own code: the one its peers wait for
+    t = torch.ones(1)
+    dist.all_reduce(t)  # every other rank waits here for the stuck one
+    return t.item()
+
+
+def test_a_hang_names_the_stuck_rank_not_the_ranks_waiting_for_it():
+    """Every rank is still running at the deadline, but only rank 2 is outside a collective: the error
+    names it (and where it was), and says the others were waiting for it."""
+    with pytest.raises(RankTimeout) as info:
+        spawn(_hang_while_peers_wait, 4, 2, backend="gloo", timeout_s=10)
+    err = info.value
+    assert err.stuck == [2] and err.waiting == [0, 1, 3], str(err)
+    text = str(err)
+    assert text.startswith("rank [2] of 4 did not finish") and "rank 2 at _hang_while_peers_wait" in text
+    assert "ranks [0, 1, 3] were waiting for it" in text
+    assert "all_reduce" in err.where[0] and "_hang_while_peers_wait" in err.where[0]
+
+
+def _mismatched(rank, world_size):
+    dist.barrier()
+    g = dist.new_group(timeout=datetime.timedelta(seconds=600))  # the test's deadline comes first
+    if rank == 0:
+        dist.barrier(group=g)  # the other waits in an all_reduce: neither can finish
+    else:
+        dist.all_reduce(torch.ones(1), group=g)
+
+
+def test_ranks_that_all_wait_in_collectives_are_each_named_with_their_call():
+    with pytest.raises(RankTimeout, match=r"ranks \[0, 1\] of 2 were all waiting") as info:
+        spawn(_mismatched, 2, backend="gloo", timeout_s=10)
+    assert info.value.stuck == [0, 1]
+    assert "barrier" in info.value.where[0] and "all_reduce" in info.value.where[1]
 
 
 def _exit_hard(rank, world_size):
@@ -215,12 +260,21 @@ def test_peer_loss_messages_are_secondary():
             "Connection reset by peer"
     assert _is_secondary(("error", 0, "RuntimeError", reset, "", None))
     assert _is_secondary(("error", 0, "DistBackendError", "anything", "", None))
+    timed_out = "[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 40000ms for recv operation"
+    assert _is_secondary(("error", 0, "RuntimeError", timed_out, "", None))
     assert not _is_secondary(("error", 0, "ValueError", "bad input on purpose", "", None))
 
 
-def _sleep_and_note_pid(rank, world_size, folder):
-    from pathlib import Path
+def _start_a_child(folder, rank) -> int:
+    """A process of the rank's own (what a rank running a compiler or a server would start); its pid is
+    noted in `folder` as child<rank>.pid."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    Path(folder, f"child{rank}.pid").write_text(str(child.pid))
+    return child.pid
 
+
+def _sleep_and_note_pid(rank, world_size, folder):
+    _start_a_child(folder, rank)
     Path(folder, f"rank{rank}.pid").write_text(str(os.getpid()))
     time.sleep(600)
 
@@ -239,14 +293,20 @@ def parent_main(folder: str, threads: int) -> None:
     spawn(_sleep_and_note_pid, 2, folder, backend="gloo", timeout_s=900, threads_per_rank=threads)
 
 
+def _gone_within(pids, seconds: float) -> list[int]:
+    """The pids still alive after `seconds` (killed then, so that a failing test leaves nothing behind)."""
+    t0 = time.monotonic()
+    while any(map(_alive, pids)) and time.monotonic() - t0 < seconds:
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return left
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc (Linux)")
 @pytest.mark.parametrize("threads", [pytest.param(2, id="spawn"), pytest.param(1, id="fork")])
-def test_ranks_die_with_a_killed_parent(tmp_path, threads):
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def test_ranks_and_their_children_die_with_a_killed_parent(tmp_path, threads):
     here = str(Path(__file__).parent)
     code = (f"import sys; sys.path.insert(0, {here!r}); import test_parallel_launch as t; "
             f"t.parent_main({str(tmp_path)!r}, {threads})")
@@ -257,16 +317,35 @@ def test_ranks_die_with_a_killed_parent(tmp_path, threads):
             assert parent.poll() is None, "the parent ended before its ranks started"
             assert time.monotonic() - t0 < ROOM_S, "the ranks did not start"
             time.sleep(0.2)
-        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+        ranks = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+        children = [int(p.read_text()) for p in tmp_path.glob("child*.pid")]
+        assert len(children) == 2 and all(map(_alive, ranks + children))
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        t0 = time.monotonic()
-        while any(map(_alive, pids)) and time.monotonic() - t0 < 10:
-            time.sleep(0.1)
-        left = [p for p in pids if _alive(p)]
-        for p in left:
-            os.kill(p, signal.SIGKILL)
-        assert not left, f"ranks {left} still alive 10 s after their parent was killed"
+        left = _gone_within(ranks + children, 10)
+        assert not left, (f"still alive 10 s after their parent was killed: ranks {set(left) & set(ranks)}, "
+                          f"children of ranks {set(left) & set(children)}")
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def _child_then(rank, world_size, folder, how):
+    _start_a_child(folder, rank)
+    dist.barrier()
+    if how == "raise" and rank == 1:
+        raise ValueError("after starting a process")
+    return rank
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc (Linux)")
+@pytest.mark.parametrize("how", ["return", "raise"])
+def test_a_ranks_children_end_when_spawn_returns_or_raises(tmp_path, how):
+    if how == "raise":
+        with pytest.raises(RankError, match="after starting a process"):
+            spawn(_child_then, 2, str(tmp_path), how, backend="gloo", timeout_s=ROOM_S)
+    else:
+        assert spawn(_child_then, 2, str(tmp_path), how, backend="gloo", timeout_s=ROOM_S) == 0
+    children = [int(p.read_text()) for p in tmp_path.glob("child*.pid")]
+    assert len(children) == 2
+    assert not _gone_within(children, 5), "a rank's child outlived spawn()"

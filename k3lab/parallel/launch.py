@@ -10,14 +10,23 @@ Failure contract, so that no distributed code can hang a test or a notebook:
   `RankError` naming the rank, with the rank's traceback in the message and the original
   exception as `__cause__` when it can be pickled;
 - a rank that dies without reporting (signal, os._exit) is named with its exit code;
-- the process group is created with `timeout_s`, and the parent's watchdog kills every rank still
-  running `timeout_s` after the start and raises `TimeoutError` naming them;
+- the parent's watchdog kills every rank still running `timeout_s` after the start and raises
+  `RankTimeout` (a TimeoutError) naming the rank that is stuck: each rank's progress thread tells the
+  parent where its main thread is whenever that changes, so a rank waiting inside a torch.distributed
+  call (a collective, a barrier, joining the group) is told apart from the one its peers wait for (in
+  its own code, or never reported). The ranks' store and process group time out _WATCHDOG_FIRST_S
+  later, so that the watchdog, which knows the stuck rank, speaks first and a waiting rank's own timeout
+  error never takes the blame;
 - blame goes to the rank that failed first: a rank whose error only says that a peer went away (gloo's
-  "Connection reset by peer", "Read error", "Connection closed") is secondary, and the parent waits a
-  moment for the primary's report or exit before it names a secondary one;
+  "Connection reset by peer", "Read error", "Connection closed", "Timed out waiting") is secondary, and
+  the parent waits a moment for the primary's report or exit before it names a secondary one;
 - ranks die with their parent, however it ends (SIGKILL included): on Linux each rank asks the kernel
   for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG), and on every platform a thread in each rank
-  watches a pipe whose only writer is the parent and ends the rank when it reads end-of-file.
+  watches a pipe whose only writer is the parent and ends the rank when it reads end-of-file;
+- the processes a rank starts end with it: each rank leads its own process group, which the parent
+  kills when it stops the ranks; on Linux a small guard process per rank (forked at the rank's start,
+  holding nothing else) kills the group when the rank dies, however it dies, so a rank's children do not
+  outlive a parent that was killed (a child that leaves the group, with setsid, is its own).
 
 Threads and start method. Each rank runs `threads_per_rank` intra-op threads (default 1):
 - one thread: gloo ranks are forked. They start in milliseconds (nothing is imported again) and `fn`
@@ -63,7 +72,11 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # what a rank's error says when it failed only because a peer went away (gloo, the TCP store, NCCL)
 _SECONDARY_TYPES = ("DistBackendError", "DistNetworkError")
 _SECONDARY_TEXT = ("Connection closed", "Connection reset by peer", "Read error", "Broken pipe",
-                   "Socket closed", "peer closed", "remote process exited")
+                   "Socket closed", "peer closed", "remote process exited", "Timed out waiting")
+_PROGRESS_S = 0.5  # how often a rank's progress thread looks at its main thread
+_WATCHDOG_FIRST_S = 30.0  # a spawned group's own timeouts come this long after the parent's watchdog
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_DIST_DIR = os.path.join(os.path.dirname(dist.__file__), "")
 
 
 class RankError(RuntimeError):
@@ -81,6 +94,16 @@ class RankError(RuntimeError):
         self.world_size = world_size
         self.exc_type = exc_type
         self.remote_traceback = remote_traceback
+
+
+class RankTimeout(TimeoutError):
+    """Ranks still running `timeout_s` after the start (they were killed). Attributes: `stuck` (the ranks
+    that were not waiting in a torch.distributed call, or never reported: the cause), `waiting` (those
+    waiting in one for the stuck), `where` (rank -> where its main thread last was)."""
+
+    def __init__(self, message: str, stuck: list[int], waiting: list[int], where: dict[int, str]):
+        super().__init__(message)
+        self.stuck, self.waiting, self.where = stuck, waiting, where
 
 
 def default_backend(world_size: int) -> str:
@@ -144,31 +167,129 @@ def _init_group(backend: str, rank: int, world_size: int, timeout_s: float, stor
         )
 
 
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def _end_group() -> None:
+    """Kill this rank's process group (itself and the processes it started) when it leads one; else
+    end this process only (never the parent's group)."""
+    if hasattr(os, "killpg") and os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(1)
+
+
+def _start_group_guard(libc) -> None:
+    """Fork the guard (module docstring): it closes every descriptor it inherited, asks for SIGTERM when
+    this rank dies, waits for it, then kills the rank's group. Linux only (prctl)."""
+    rank_pid = os.getpid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # queued for sigwait, never lost
+    try:
+        pid = os.fork()
+    except OSError:
+        pid = 1  # no guard: the parent's group kill still covers every end but its own death
+    if pid:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        return
+    try:  # the guard: os calls only
+        os.closerange(3, 1 << 16)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() == rank_pid:
+            signal.sigwait({signal.SIGTERM})
+        os.killpg(rank_pid, signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
 def _die_with_parent(parent_pid: int, lifeline, lifeline_writer_fd) -> None:
-    """End this rank when its parent ends (module docstring): the kernel's parent-death signal where
-    there is one, and a thread that reads the parent's lifeline pipe until end-of-file everywhere."""
+    """End this rank when its parent ends, and the processes it starts with it (module docstring): its
+    own process group and, on Linux, the group's guard; the kernel's parent-death signal where there is
+    one, and a thread that reads the parent's lifeline pipe until end-of-file everywhere."""
     if lifeline_writer_fd is not None:  # forked: this process inherited the writer; only the parent keeps it
         try:
             os.close(lifeline_writer_fd)
         except OSError:
             pass
-    if sys.platform.startswith("linux"):
+    try:
+        os.setpgid(0, 0)
+    except (AttributeError, OSError):
+        pass  # no groups here: _end_group then ends this process alone
+    libc = _libc() if sys.platform.startswith("linux") else None
+    if libc is not None:
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
+            if os.getpgrp() == os.getpid():
+                _start_group_guard(libc)
+        except AttributeError:
             pass  # no prctl: the lifeline below still ends the rank
     if os.getppid() != parent_pid:  # the parent died before the signal was asked for
-        os._exit(1)
+        _end_group()
 
     def watch():
         try:
             lifeline.recv_bytes()
         except (EOFError, OSError):
             pass
-        os._exit(1)  # the parent closed its end or died: nothing is left to report to
+        _end_group()  # the parent closed its end or died: nothing is left to report to
 
     threading.Thread(target=watch, name="k3lab-lifeline", daemon=True).start()
+
+
+def _where(frame) -> tuple[str, bool]:
+    """Where a thread is, from its innermost frame: its innermost frame outside torch, and whether it is
+    inside a torch.distributed call (then that call's name too)."""
+    stack = []
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    own = next((f for f in stack if not f.f_code.co_filename.startswith(_TORCH_DIR)), None)
+    at = f"{own.f_code.co_name} ({os.path.basename(own.f_code.co_filename)}:{own.f_lineno})" if own else "?"
+    call = next((f for f in stack if f.f_code.co_filename.startswith(_DIST_DIR)), None)
+    if call is not None:
+        return f"waiting in torch.distributed {call.f_code.co_name}, called from {at}", True
+    return f"at {at}", False
+
+
+class _Progress:
+    """A rank's reports to the parent over one pipe: 'where' messages from a thread that looks at the
+    main thread every _PROGRESS_S and sends when the answer changed, then the one final report."""
+
+    def __init__(self, conn, rank: int):
+        self.conn, self.rank = conn, rank
+        self.lock, self.stop = threading.Lock(), threading.Event()
+        self.main = threading.get_ident()
+        self.joining = True  # in TCPStore / init_process_group: waiting for the peers
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="k3lab-progress", daemon=True).start()
+
+    def _run(self) -> None:
+        last = None
+        while not self.stop.wait(_PROGRESS_S):
+            try:
+                frame = sys._current_frames().get(self.main)
+                where = (("joining the process group", True) if self.joining else
+                         _where(frame) if frame is not None else None)
+            except Exception:  # noqa: BLE001 - a note it cannot make leaves the last one standing
+                continue
+            if where is not None and where != last:
+                self.send(pickle.dumps(("where", self.rank, *where)))
+                last = where
+
+    def send(self, payload: bytes, final: bool = False) -> None:
+        """Send a pickled message; the final one (the rank's report) ends the notes."""
+        with self.lock:
+            if self.stop.is_set():
+                return
+            if final:
+                self.stop.set()
+            try:
+                self.conn.send_bytes(payload)
+            except OSError:
+                pass  # the parent went away: the lifeline ends this rank
 
 
 def _child(rank, world_size, backend, host, port, listen_fd, timeout_s, conn, fn, args, threads,
@@ -178,6 +299,7 @@ def _child(rank, world_size, backend, host, port, listen_fd, timeout_s, conn, fn
     # (the parent sends it to ranks it is about to kill for running past the timeout).
     if parent_pid is not None:
         _die_with_parent(parent_pid, lifeline, lifeline_writer_fd)
+    progress = _Progress(conn, rank)
     try:
         # First, before any tensor op: a forked rank inherits the parent's thread count, and its first
         # parallel region with more than one thread would hang (module docstring).
@@ -186,6 +308,8 @@ def _child(rank, world_size, backend, host, port, listen_fd, timeout_s, conn, fn
             faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
         except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
             pass  # no usable stderr (an embedding host): the timeout then kills without stacks
+        progress.start()
+        timeout_s = timeout_s + _WATCHDOG_FIRST_S  # the parent's watchdog first (module docstring)
         timeout = datetime.timedelta(seconds=timeout_s)
         if rank == 0 and listen_fd is not None:  # forked: rank 0 serves the store on the parent's socket
             store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
@@ -193,19 +317,20 @@ def _child(rank, world_size, backend, host, port, listen_fd, timeout_s, conn, fn
         else:
             store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         _init_group(backend, rank, world_size, timeout_s, store=store)
+        progress.joining = False
         result = fn(rank, world_size, *args)
         try:
             payload = pickle.dumps(("ok", rank, _to_cpu(result) if rank == 0 else None))
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             raise TypeError(f"rank 0's result could not be pickled back to the caller: {exc}") from exc
-        conn.send_bytes(payload)
+        progress.send(payload, final=True)
     except BaseException as exc:  # noqa: BLE001 - everything a rank raises goes to the parent
         tb = traceback.format_exc()
         try:
             payload = pickle.dumps(("error", rank, type(exc).__name__, str(exc), tb, exc))
         except Exception:  # the exception itself would not pickle: send its text only
             payload = pickle.dumps(("error", rank, type(exc).__name__, str(exc), tb, None))
-        conn.send_bytes(payload)
+        progress.send(payload, final=True)
     finally:
         if dist.is_initialized():
             try:
@@ -239,6 +364,7 @@ def _check_spawnable(fn, backend: str, threads_per_rank: int) -> None:
 
 
 def _stop_all(procs):
+    """End every rank, then every process left in a rank's group (what the rank started)."""
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -248,6 +374,13 @@ def _stop_all(procs):
         if p.is_alive():
             p.kill()
             p.join(1.0)
+    for p in procs:
+        # a group whose id is the rank's pid exists only if the rank made it; never this process's own
+        if p.pid and hasattr(os, "killpg") and p.pid != os.getpgrp():
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass  # no such group left
 
 
 def _dump_stacks(procs, ranks):
@@ -283,7 +416,8 @@ def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: flo
     intra-op threads on each rank; 1 forks gloo ranks, more spawns them (see the module docstring).
     Rank 0's result comes back pickled, with tensors on the CPU. Raises ValueError for a bad
     world_size / backend / timeout / threads_per_rank or a fn that a spawned rank cannot import,
-    RankError when a rank raises or dies, TimeoutError when ranks are still running after timeout_s.
+    RankError when a rank raises or dies, RankTimeout (a TimeoutError naming the stuck rank) when ranks
+    are still running after timeout_s.
     """
     backend = _check_args(world_size, backend, timeout_s, threads_per_rank)
     method = start_method(backend, threads_per_rank)
@@ -300,7 +434,8 @@ def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: flo
         port, listen_fd = store.getsockname()[1], store.fileno()
     else:
         store = dist.TCPStore("127.0.0.1", 0, None, is_master=True,
-                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+                              timeout=datetime.timedelta(seconds=timeout_s + _WATCHDOG_FIRST_S),
+                              wait_for_workers=False)
         port, listen_fd = store.port, None
     procs, conns = [], {}
     # the lifeline: the parent holds its only writer; every rank watches the reader (module docstring)
@@ -338,10 +473,30 @@ def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: flo
         del store
 
 
+def _timeout(procs, state, world_size, timeout_s) -> RankTimeout:
+    """The error for ranks still running at the deadline, naming the stuck ones (module docstring)."""
+    late = [r for r in range(world_size) if r not in state["done"]]
+    where = {r: state["where"].get(r, ("sent no progress report (not started?)", False))[0] for r in late}
+    waiting = [r for r in late if state["where"].get(r, ("", False))[1]]
+    stuck = [r for r in late if r not in waiting]
+    _dump_stacks(procs, stuck or late)
+    if stuck:
+        text = "; ".join(f"rank {r} {where[r]}" for r in stuck)
+        msg = (f"rank{'s' if len(stuck) > 1 else ''} {stuck} of {world_size} did not finish within "
+               f"timeout_s={timeout_s} s, outside any torch.distributed call: {text}")
+        if waiting:
+            msg += f"; ranks {waiting} were waiting for {'them' if len(stuck) > 1 else 'it'} in collectives"
+    else:
+        text = "; ".join(f"rank {r} {where[r]}" for r in late)
+        msg = (f"ranks {late} of {world_size} were all waiting in torch.distributed calls at "
+               f"timeout_s={timeout_s} s (collectives that do not match?): {text}")
+    return RankTimeout(msg + "; killed", stuck or late, waiting if stuck else [], where)
+
+
 def _collect(procs, conns, world_size, deadline, timeout_s):
     """Wait for every rank's report; the first error (or death, or the deadline) ends them all."""
-    state = {"result": None, "done": set(), "errors": []}
-    waiting = dict(conns)  # pipe -> rank, until the rank's one message arrived
+    state = {"result": None, "done": set(), "errors": [], "where": {}}
+    waiting = dict(conns)  # pipe -> rank, until the rank's final message arrived
     sentinels = {p.sentinel: r for r, p in enumerate(procs)}
     blame_by = None  # when only secondary errors are in: the moment to stop waiting for the primary
     while len(state["done"]) < world_size:
@@ -351,19 +506,15 @@ def _collect(procs, conns, world_size, deadline, timeout_s):
         if blame_by is not None and (remaining <= 0 or not (waiting or sentinels)):
             break
         if remaining <= 0:
-            late = [r for r in range(world_size) if r not in state["done"]]
-            _dump_stacks(procs, late)
-            raise TimeoutError(
-                f"ranks {late} of {world_size} were still running after timeout_s={timeout_s} s; killed"
-            )
+            raise _timeout(procs, state, world_size, timeout_s)
         for obj in mp_connection.wait(list(waiting) + list(sentinels), timeout=remaining):
             if obj in waiting:
-                _receive(obj, waiting.pop(obj), state)
+                _receive(obj, waiting, state)
             elif obj in sentinels:
                 rank = sentinels.pop(obj)
                 pipe = next((c for c, r in waiting.items() if r == rank), None)
-                if pipe is not None and pipe.poll():  # its report arrived with its exit
-                    _receive(pipe, waiting.pop(pipe), state)
+                while pipe in waiting and pipe.poll():  # its reports arrived with its exit
+                    _receive(pipe, waiting, state)
                 reported = rank in state["done"] or any(e[1] == rank for e in state["errors"])
                 if not reported:
                     procs[rank].join(0.1)
@@ -383,11 +534,19 @@ def _collect(procs, conns, world_size, deadline, timeout_s):
     return state["result"]
 
 
-def _receive(pipe, rank, state):
+def _receive(pipe, waiting, state):
+    """Read one message of a rank: a progress note keeps its pipe in `waiting`; the final report, or
+    end-of-file, takes it out."""
+    rank = waiting[pipe]
     try:
         msg = pickle.loads(pipe.recv_bytes())
     except (EOFError, OSError):
+        del waiting[pipe]
         return  # the rank died without a report: its sentinel says how
+    if msg[0] == "where":
+        state["where"][rank] = msg[2:]
+        return
+    del waiting[pipe]
     if msg[0] == "ok":
         state["done"].add(rank)
         if rank == 0:

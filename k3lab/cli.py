@@ -6,6 +6,7 @@
     k3lab profile STUDY [--preset P]   traces and kernel tables of each variant
     k3lab report [--full] [--skip-notebooks] [--skip-studies]   this machine's run -> build/report.html
     k3lab isa [--target gfx950,gfx942,sm90] [--json F]  compile every Triton kernel, report ISA facts
+    k3lab workshop room FILES... [--out F] [--png DIR]   the room's predictions, a histogram each
 
 Every argument is checked before anything runs (a study name, --preset, --cases, --timeout and the
 other counts, the files to import): a bad one is one line on stderr naming it, and exit status 2.
@@ -216,6 +217,22 @@ def _check_args(args) -> None:
         args.records = {f: _read_import(f) for f in args.files}
 
 
+def _add_workshop(sub) -> None:
+    """`k3lab workshop room FILES...`: the room's predictions files as one histogram per prediction
+    (k3lab.workshop.room)."""
+    w = sub.add_parser("workshop", help="workshop tools for the instructor (room: the predictions)")
+    wsub = w.add_subparsers(dest="workshop_command", required=True)
+    from k3lab.workshop.room import add_arguments
+
+    add_arguments(wsub.add_parser("room", help="predictions files -> one histogram per prediction (HTML)"))
+
+
+def _cmd_workshop(args) -> int:
+    from k3lab.workshop import room
+
+    return room.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     studies = _studies_help()
     raw = argparse.RawTextHelpFormatter
@@ -260,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", default="build")
     sub.add_parser("isa", help="compile every Triton kernel for gfx950 / gfx942 / sm90 and report ISA facts "
                          "(python -m k3lab.isa --help)", add_help=False)
+    _add_workshop(sub)
     r = sub.add_parser("report",
                        help="run what this machine can, execute the notebooks, write build/report.html")
     r.add_argument("--out", default="build")
@@ -293,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k3lab: {exc}", file=sys.stderr)
         return 2
     handler = {"info": _cmd_info, "bench": _cmd_bench, "profile": _cmd_profile, "report": _cmd_report,
-               "import": _cmd_import}
+               "import": _cmd_import, "workshop": _cmd_workshop}
     return handler[args.command](args)
 
 

@@ -1,37 +1,43 @@
-"""Learner tasks for the notebooks, the checker that grades them, and their solutions.
+"""Learner tasks for the notebooks, the grader, their solutions and hints.
 
-    TASKS                      name -> Task (statement, signature, stub, cases, fp64 reference, ...)
+    TASKS                      name -> Task (statement, signature, stub, cases, fp64 reference, forbidden
+                               library functions, three hints)
+    task(name, fn)             the notebook's check: grades the learner's fn (or, under
+                               K3LAB_WORKSHOP_GRADE=solutions, the reference), prints one line saying whose
+                               code it graded, never raises for the learner's code, and returns what the
+                               lesson runs on: fn when it passed, else the reference solution (labelled)
     check(name, fn)            True when fn passes every case; prints one line either way: "pass", or the
                                first failing case with the error measured and allowed (or the learner's
                                exception, type and first line), never a traceback from the library
+    hint(name)                 the next of the task's three hints (a nudge, the idea, nearly the code)
     solution(name)             the reference solution (a function with the task's signature)
     stub(name)                 the source the learner starts from (it raises NotImplementedError, or,
                                for the Triton task, runs and returns a wrong answer)
     skeleton(name)             the Triton task's kernel with holes, and its complete wrapper
     mma16(a, b)                the 16-row "matrix unit" of the MLA padding task
 
-One task per notebook, 01 to 08, each 10-20 minutes on that notebook's idea (`Task.notebook`,
-`Task.minutes`; docs/instructor.md has the answers and the common mistakes). Inputs are fresh random
-tensors or numbers from a fixed seed (`check(..., seed=)`), small enough for Triton's interpreter on a
-CPU. The kernel task (`on_device`) gets GPU tensors where there is a GPU, so it runs compiled there.
+One task per notebook, 01 to 09, each 10-20 minutes on that notebook's idea (`Task.notebook`,
+`Task.minutes`; docs/instructor.md has the answers, the common mistakes and the hints). Inputs are fresh
+random tensors or numbers from a fixed seed (`seed=`), small enough for Triton's interpreter on a CPU.
+The kernel task (`on_device`) gets GPU tensors where there is a GPU, so it runs compiled there. While
+a learner's function is graded (by `task` or `check`), the library functions that compute its answer,
+the task's solution and its reference refuse to run (`guard`).
 
-In a notebook: a statement cell (`TASKS[name].statement`), the learner's cell from `stub(name)`, and a
-check cell that grades the learner's function, or the solution when the parameter SOLVE is True (CI):
+In a notebook: a statement cell (`TASKS[name].statement`), the learner's cell from `stub(name)`, and
+one task cell (the grading module's docstring says why this grader and not nbgrader or otter-grader):
 
-    fn = solution("dcp_merge") if SOLVE else merge
-    assert check("dcp_merge", fn)
+    merge = workshop.task("dcp_merge", merge)   # the rest of the lesson calls merge(...)
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
-from k3lab import env
-
-from . import attention, curve, epilogue, kda, moe, serving
+from . import attention, curve, epilogue, grading, kda, moe, serving
 from ._core import EXACT, Case, Mismatch, Task, grade
 from .attention import mma16
+from .grading import GRADE_ENV, Attempt, SolutionFailed, grading as grade_mode
+from .guard import Refused
 
 TASKS: dict[str, Task] = {t.name: t for t in (
     attention.MERGE,       # 01
@@ -47,29 +53,33 @@ TASKS: dict[str, Task] = {t.name: t for t in (
 
 
 def _task(name) -> Task:
-    if not isinstance(name, str) or name not in TASKS:
-        raise ValueError(f"name must be one of {sorted(TASKS)}, got {name!r}")
-    return TASKS[name]
+    return grading._task(TASKS, name)
 
 
-@functools.lru_cache(maxsize=64)
-def _cases(name: str, seed: int, device: str) -> tuple[Case, ...]:
-    """A task's cases, made once per (seed, device): grading never writes into them (the learner gets
-    copies), so a second check of the same task (a learner's next attempt) reuses them."""
-    return tuple(TASKS[name].cases(seed, device))
+def task(name: str, fn: Callable | None = None, *, seed: int = 0) -> Attempt:
+    """Grade task `name` in a notebook: the learner's `fn` by default, the reference solution under
+    K3LAB_WORKSHOP_GRADE=solutions. Prints one line saying whose code it graded and how it went; returns
+    an Attempt, callable as the function the lesson goes on with (fn when it passed, else the reference,
+    labelled). Never raises for the learner's code; a reference that fails under the solutions setting
+    raises SolutionFailed. Unknown names are a ValueError."""
+    return grading.attempt(TASKS, name, fn, seed=seed)
 
 
 def check(name: str, fn: Callable, *, seed: int = 0, verbose: bool = True) -> bool:
-    """Grade `fn` on task `name`'s cases (fresh random inputs from `seed`) against the fp64 reference.
-    Prints one line when verbose; returns True when every case passes. Unknown names are a ValueError."""
-    task = _task(name)
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    device = str(env.detect().device) if task.on_device else "cpu"
-    ok, line = grade(task, fn, list(_cases(name, seed, device)))
+    """Grade `fn` on task `name`'s cases (fresh random inputs from `seed`) against the fp64 reference, with
+    the task's forbidden library functions refused (unless fn is the task's own solution). Prints one line
+    when verbose; returns True when every case passes. Unknown names are a ValueError. (Notebooks use
+    `task`, which also says whose code it graded and goes on when it fails.)"""
+    ok, line = grading.grade_function(_task(name), fn, seed)
     if verbose:
         print(line)
     return ok
+
+
+def hint(name: str, level: int | None = None) -> str:
+    """Print the next of task `name`'s three hints (a nudge, the idea, nearly the code); `level` 1-3 shows
+    that one. The position on the ladder is kept for this session. Returns the text."""
+    return grading.hint(TASKS, name, level)
 
 
 def solution(name: str) -> Callable:
@@ -99,5 +109,6 @@ def by_notebook() -> dict[str, list[str]]:
     return out
 
 
-__all__ = ["EXACT", "TASKS", "Case", "Mismatch", "Task", "by_notebook", "check", "grade", "mma16", "skeleton",
-           "solution", "stub"]
+__all__ = ["EXACT", "GRADE_ENV", "TASKS", "Attempt", "Case", "Mismatch", "Refused", "SolutionFailed", "Task",
+           "by_notebook", "check", "grade", "grade_mode", "hint", "mma16", "skeleton", "solution", "stub",
+           "task"]

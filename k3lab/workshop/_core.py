@@ -10,11 +10,17 @@ function that writes into its arguments cannot change what the reference sees).
 are held to the relative error bounds of `k3lab.bench.checks` for the case's dtype (the dtype the
 inputs come in, so a fp16 case allows what fp16 rounding allows); ints must be equal; floats get
 the case dtype's max_rel. Whatever goes wrong is one line: the learner's exception (type and the
-first line of its message), a wrong type or shape, or the error measured against the error allowed.
+first line of its message), a wrong type or shape, the error measured against the error allowed, or
+the library function it called that the task forbids (`Task.forbidden`, refused by `guard` while the
+learner's function runs).
+
+A task also carries its hint ladder (`hints`: a nudge, the idea, nearly the code), which
+`k3lab.workshop.hint` shows one step at a time and docs/instructor.md mirrors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +29,8 @@ from typing import Any
 import torch
 
 from k3lab.bench.checks import CheckFailed, check as check_tensor, tolerance_for
+
+from .guard import Refused
 
 EXACT = "exact"  # a case dtype for integer results: equal or wrong
 
@@ -50,7 +58,9 @@ class Case:
 class Task:
     """One learner task (see the module docstring). `outputs` names the results in order (one name:
     the function returns one value; several: a tuple). `skeleton` is the Triton source with holes,
-    for kernel tasks; `stub` is what the learner starts from in every task."""
+    for kernel tasks; `stub` is what the learner starts from in every task. `forbidden`: dotted paths of
+    the library functions that compute the answer (refused while the learner's function is graded);
+    `hints`: three distinct hints, a nudge, the idea, nearly the code."""
 
     name: str
     notebook: str
@@ -65,8 +75,17 @@ class Task:
     run: Callable[[Callable, Case], Any] | None = None
     skeleton: str | None = None
     on_device: bool = False  # inputs on the GPU where there is one (kernel tasks); else on the CPU
+    forbidden: tuple[str, ...] = ()
+    hints: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if (len(self.hints) != 3 or not all(isinstance(h, str) and h.strip() for h in self.hints)
+                or len(set(self.hints)) != 3):
+            raise ValueError(f"{self.name}: hints must be three distinct non-empty strings (a nudge, the "
+                             f"idea, nearly the code), got {len(self.hints)}")
+        if not all(isinstance(p, str) and "." in p for p in self.forbidden):
+            raise ValueError(f"{self.name}: forbidden must hold dotted paths 'module.function', got "
+                             f"{self.forbidden!r}")
         if not 10 <= self.minutes <= 20:
             raise ValueError(f"minutes must be 10-20 (a task of one notebook segment), got {self.minutes}")
         if not self.outputs:
@@ -143,19 +162,25 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def grade(task: Task, fn: Callable, cases: list[Case]) -> tuple[bool, str]:
-    """(passed, one line): the first failing case and why, or a summary of the passing run."""
+def grade(task: Task, fn: Callable, cases: list[Case], *, guard=None, who: str = "your function"
+          ) -> tuple[bool, str]:
+    """(passed, one line): the first failing case and why, or a summary of the passing run. `guard`: a
+    context manager factory entered around each call of `fn` (the refusal of the task's forbidden
+    functions; the cases and references are made outside it); `who` names fn in the line."""
     if not callable(fn):
         return False, f"{task.name}: expected a function, got {type(fn).__name__}"
     for i, case in enumerate(cases, start=1):
         where = f"{task.name}: case {i} of {len(cases)} ({case.label})"
         ref = _as_tuple(task, task.reference(case), "the reference")
         try:
-            got = task.call(fn, case)
+            with (guard() if guard is not None else contextlib.nullcontext()):
+                got = task.call(fn, case)
         except Mismatch as exc:
             return False, f"{where}: {exc}"
+        except Refused as exc:  # the call that gives the answer away, named
+            return False, f"{where}: {who} called {exc}"
         except Exception as exc:  # noqa: BLE001 - a learner's failure is one line, never a traceback
-            return False, f"{where}: your function raised {_first_line(exc)}"
+            return False, f"{where}: {who} raised {_first_line(exc)}"
         try:
             got = _as_tuple(task, got, "your result")
         except Mismatch as exc:

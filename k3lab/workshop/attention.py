@@ -96,7 +96,19 @@ enough that `exp(lse)` overflows fp32. `check` compares your merge with single-r
     signature="merge(o_parts: Tensor[N, B, H, 512], lse_parts: Tensor[N, B, H]) -> (o: Tensor[B, H, 512], "
               "lse: Tensor[B, H])",
     outputs=("o", "lse"), cases=_merge_cases, reference=_merge_reference, solution=merge_solution,
-    stub=MERGE_STUB)
+    stub=MERGE_STUB,
+    forbidden=("k3lab.ops.mla_decode.merge.merge_partials", "k3lab.ops.mla_decode.merge.lse_weights",
+               "k3lab.ops.mla_decode.merge._merge_torch", "k3lab.ops.mla_decode.merge._merge_triton"),
+    hints=(
+        "Each rank's o_n is already normalised over its own positions, and lse_n measures how much softmax "
+        "mass those positions carry. Ask what share of the whole mass belongs to rank n.",
+        "The whole mass is sum_n exp(lse_n), so lse = log sum_n exp(lse_n) and rank n's weight is "
+        "exp(lse_n - lse); o is the weighted sum of the o_n. Take m = max_n lse_n out before any exp "
+        "(lse = m + log sum_n exp(lse_n - m)) or fp32 overflows; an empty rank's exp(-inf) is 0 by itself.",
+        "In fp32 (fp64 for fp64 input): `l = lse_parts.float(); m = l.amax(0)`, "
+        "`lse = m + torch.log(torch.exp(l - m).sum(0))`, `w = torch.exp(l - lse)`; then "
+        "`(w[..., None] * o_parts.float()).sum(0)`, cast back to o_parts.dtype, with lse.",
+    ))
 
 
 # ------------------------------------------------------------------------------------------ 04
@@ -192,4 +204,21 @@ counts your `mma16` calls.""",
     signature="padded_decode(q: Tensor[B, Tq, H, 576], cache: Tensor[B, L, 576], lengths: Tensor[B], "
               "scale: float, mma16) -> (o: Tensor[B, Tq, H, 512], lse: Tensor[B, Tq, H])",
     outputs=("o", "lse"), cases=_pad_cases, reference=_pad_reference, solution=padded_decode_solution,
-    stub=PAD_STUB, run=_pad_run)
+    stub=PAD_STUB, run=_pad_run,
+    forbidden=("k3lab.nn.mla.latent_attention", "k3lab.ops.mla_decode.peers.reference",
+               "k3lab.ops.mla_decode.peers.einsum_decode", "k3lab.ops.mla_decode.peers.sdpa_decode",
+               "k3lab.ops.mla_decode.plan_before", "k3lab.ops.mla_decode.plan_after",
+               "k3lab.ops.mla_decode.mla_decode_before", "k3lab.ops.mla_decode.mla_decode_after"),
+    hints=(
+        "Padding rows cost nothing in the answer: no head's softmax sees another head's scores, so "
+        "whatever rows H..15 hold never reaches the H real heads, as long as you drop them at the end.",
+        "Copy q into a zero [B, Tq, 16, 576] tensor; scores = mma16(q16, cache^T) * scale are "
+        "[B, Tq, 16, L]. Token t of request b sits at position lengths[b] - Tq + t and sees every "
+        "position up to and including its own: set the others to -inf before the logsumexp. Then "
+        "o = mma16(softmax, the first 512 latent columns of the cache).",
+        "`q16 = torch.zeros(B, Tq, 16, D, dtype=q.dtype); q16[:, :, :H] = q`; "
+        "`s = mma16(q16, cache.transpose(1, 2)[:, None]) * scale`; "
+        "`qpos = lengths[:, None] - Tq + torch.arange(Tq)`; `visible = torch.arange(L) <= qpos[..., None]`; "
+        "`s = s.masked_fill(~visible[:, :, None, :], float('-inf'))`; logsumexp, exp, the second mma16, "
+        "and keep `[:, :, :H]` of both results.",
+    ))

@@ -60,4 +60,14 @@ the next step gains less tokens/s/GPU, relatively, than it costs each user in to
 concurrency when every step still pays. `check` compares with `k3lab.serving.curve.knee` on fronts of
 steps that cost `fixed + per_sequence x concurrency`.""",
     signature="bend(concurrency: list[int], per_user: list[float], per_gpu: list[float]) -> int",
-    outputs=("concurrency",), cases=_fronts, reference=_reference, solution=bend_solution, stub=STUB)
+    outputs=("concurrency",), cases=_fronts, reference=_reference, solution=bend_solution, stub=STUB,
+    forbidden=("k3lab.serving.curve.knee",),
+    hints=(
+        "Walk the front from low to high concurrency and ask, at each step to the next point: what does "
+        "the GPU gain, and what does each user lose?",
+        "Compare relative changes: the GPU's gain per_gpu[i + 1] / per_gpu[i] - 1 against each user's loss "
+        "1 - per_user[i + 1] / per_user[i]. The bend is the first concurrency whose next step gains less "
+        "than it loses; when every step pays, it is the last concurrency.",
+        "`for i in range(len(concurrency) - 1):` compute gain and loss as above and "
+        "`return int(concurrency[i])` when `gain < loss`; after the loop `return int(concurrency[-1])`.",
+    ))

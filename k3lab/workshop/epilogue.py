@@ -19,6 +19,7 @@ import triton.language as tl
 from k3lab.nn.norms import gated_rms_norm
 
 from ._core import Case, Task
+from .guard import Refused, refusal
 
 EPS = 1e-5
 
@@ -48,6 +49,9 @@ def launch(kernel, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {getattr(gate, 'shape', gate)}")
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (x.shape[1],):
         raise ValueError(f"weight must be [{x.shape[1]}], got {getattr(weight, 'shape', weight)}")
+    refused = refusal(kernel)  # a Triton kernel has no Python code to swap: the launch refuses it
+    if refused:
+        raise Refused(refused)
     x, gate, weight = x.contiguous(), gate.contiguous(), weight.contiguous()
     out = torch.empty_like(x)
     kernel[(x.shape[0],)](x, gate, weight, out, x.shape[1], eps, BLOCK=triton.next_power_of_2(x.shape[1]))
@@ -130,4 +134,16 @@ complete. `check` runs it compiled on a GPU, in Triton's interpreter on a CPU, a
     signature="gated_norm(x: Tensor[rows, D], gate: Tensor[rows, D], weight: Tensor[D], eps: float = 1e-5) "
               "-> Tensor[rows, D] (x's dtype)",
     outputs=("out",), cases=_cases, reference=_reference, solution=gated_norm_solution, stub=STUB,
-    skeleton=SKELETON, on_device=True)
+    skeleton=SKELETON, on_device=True,
+    forbidden=("k3lab.nn.norms.gated_rms_norm", "k3lab.workshop.epilogue._gated_norm_kernel"),
+    hints=(
+        "One program holds one row in registers and x is already loaded. The gate is laid out like x "
+        "(the same base + cols); the weight is one vector of D that every row shares (no row offset).",
+        "The mean of x*x must be over the D real columns: the masked columns load as 0 and add nothing to "
+        "the sum, but dividing by BLOCK instead of D shrinks the mean whenever D is not a power of two "
+        "(the D = 100 case). Then y = x * rstd * w * sigmoid(gate), all in fp32; the store casts.",
+        "`g = tl.load(gate_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)`; "
+        "`w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)`; "
+        "`rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)`; then TODO 3's y from x, rstd, w and "
+        "`tl.sigmoid(g)`.",
+    ))

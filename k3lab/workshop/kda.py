@@ -100,4 +100,15 @@ walk, in fp64 (one case has fp32 maps).""",
     signature="group_scan(A: Tensor[B, H, n, K, K], Bc: Tensor[B, H, n, K, V], S0: Tensor[B, H, K, V], "
               "group_size: int) -> (M: Tensor[B, H, G, K, K], b: Tensor[B, H, G, K, V], "
               "starts: Tensor[B, H, G, K, V])",
-    outputs=("M", "b", "starts"), cases=_cases, reference=_reference, solution=group_scan_solution, stub=STUB)
+    outputs=("M", "b", "starts"), cases=_cases, reference=_reference, solution=group_scan_solution, stub=STUB,
+    forbidden=("k3lab.ops.kda_chunk.scan_math.group_summaries", "k3lab.ops.kda_chunk.scan_math.scan_starts"),
+    hints=(
+        "A chunk's map S -> A S + B is affine, and two affine maps in a row are again one affine map. You "
+        "can work out that one map without knowing S.",
+        "Applying (A1, B1) and then (A2, B2) is (A2 A1, A2 B1 + B2): the later map's A multiplies from the "
+        "left. Fold each group's chunks into (M, b) starting from (I, 0); the last group may be shorter. "
+        "Then walk the G summaries in order: starts[0] = S0 and starts[j + 1] = M_j starts[j] + b_j.",
+        "For each group start s: `M = torch.eye(K, dtype=A.dtype).expand(B, H, K, K)`, "
+        "`b = torch.zeros_like(Bc[:, :, 0])`; for c in the group: `M, b = A[:, :, c] @ M, A[:, :, c] @ b + "
+        "Bc[:, :, c]`; stack the groups on dim 2. The walk appends S before it applies group j's map.",
+    ))

@@ -104,4 +104,16 @@ each coordinate's routed part is added on exactly one rank, the existing sum ass
     signature="rank_tail(lat: Tensor[N, LAT], norm_weight: Tensor[LAT], eps: float, "
               "up_rows: Tensor[H/W, LAT], "
               "shared_partial: Tensor[N, H], rank: int, world_size: int) -> Tensor[N, H]",
-    outputs=("out",), cases=_cases, reference=_reference, solution=rank_tail_solution, stub=STUB, run=_run)
+    outputs=("out",), cases=_cases, reference=_reference, solution=rank_tail_solution, stub=STUB, run=_run,
+    forbidden=("k3lab.ops.moe_experts.latent_tail", "k3lab.ops.moe_experts.tail_torch",
+               "k3lab.ops.moe_experts.tail_triton"),
+    hints=(
+        "The all-reduce adds the W ranks' buffers. For the sum to hold the routed output exactly once, "
+        "how many ranks may add into each output column?",
+        "Rank r holds rows r*H/W .. (r+1)*H/W - 1 of up_proj, so RMSNorm(lat) @ up_rows.T, [N, H/W], is "
+        "exactly those output columns. Add it into those columns of a copy of the shared partial and "
+        "leave the other columns alone: the existing all-reduce assembles the rest.",
+        "`rows = up_rows.shape[0]`; `out = shared_partial.clone()`; "
+        "`y = rms_norm(lat, norm_weight, eps, out_dtype=up_rows.dtype)`; "
+        "`out[:, lo:lo + rows] += y @ up_rows.t()` with lo the first column this rank's rows produce.",
+    ))

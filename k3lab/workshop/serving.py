@@ -92,7 +92,21 @@ compares with `k3lab.speculative.best_depth` on eight cost curves.""",
     signature="best_depth(acceptance: ndarray[K], draft_step_us: float, verify_us: list[float] (K + 1), "
               "commit_us: float) -> int",
     outputs=("depth",), cases=_depth_cases, reference=_depth_reference, solution=best_depth_solution,
-    stub=DEPTH_STUB)
+    stub=DEPTH_STUB,
+    forbidden=("k3lab.speculative.costs.best_depth", "k3lab.speculative.acceptance.expected_committed_all",
+               "k3lab.speculative.acceptance.expected_committed",
+               "k3lab.speculative.costs.CycleCosts.cycle_us", "k3lab.speculative.costs.CycleCosts.cycle_all"),
+    hints=(
+        "Each depth k has a payoff, the tokens one cycle commits, and a cost, the cycle's microseconds. The "
+        "best depth has the best ratio, not the most tokens.",
+        "Draft i counts only if drafts 1..i were all accepted, with probability a1 a2 ... ai. Expected "
+        "committed tokens at depth k = 1 + the sum of those products for i <= k (the 1 is the recovery or "
+        "bonus token the target always gives). A cycle of depth k drafts k tokens, verifies k + 1 "
+        "positions and commits.",
+        "Start from `committed, survive = 1.0, 1.0`; for k = 1..K: `survive *= acceptance[k - 1]`, "
+        "`committed += survive`, `cycle = k * draft_step_us + verify_us[k] + commit_us` (verify_us[k] is "
+        "k + 1 positions); keep the k, counted from 1, with the largest committed / cycle.",
+    ))
 
 
 # ------------------------------------------------------------------------------------------ 07
@@ -161,7 +175,19 @@ next token's logits; 0 when no checkpoint qualifies) and the number of prompt to
     signature="plan_resume(prompt_len: int, mla_reach: int, kda_checkpoints: list[int], mla_block: int, "
               "tail_saved: bool) -> (resume_at: int, recompute: int)",
     outputs=("resume_at", "recompute"), cases=_resume_cases, reference=_resume_reference,
-    solution=plan_resume_solution, stub=RESUME_STUB)
+    solution=plan_resume_solution, stub=RESUME_STUB,
+    forbidden=("k3lab.cache.resume.resume_point", "k3lab.cache.resume.stored_mla_reach"),
+    hints=(
+        "A request can resume only at a position where both kinds of layer have what they need: MLA rows "
+        "for every position before it, and a KDA state saved exactly there.",
+        "Without the tail saved only whole blocks were stored, so the MLA history reaches "
+        "(mla_reach // mla_block) * mla_block; with it, all of mla_reach. Resume at the latest checkpoint at "
+        "or below that reach, but at most prompt_len - 1: one prompt token must run to give the next "
+        "token's logits. No checkpoint qualifies: 0.",
+        "`stored = mla_reach if tail_saved else mla_reach // mla_block * mla_block`, capped at "
+        "`prompt_len - 1`; `at = max([c for c in kda_checkpoints if c <= stored], default=0)`; return "
+        "`at` and the tokens still to compute.",
+    ))
 
 
 # ------------------------------------------------------------------------------------------ 08
@@ -227,4 +253,19 @@ values), both read and written per KDA layer. `check` compares with
     signature="step_floor_us(config: K3Config, batch: int, context_len: int, dense_weight_bytes: float, "
               "bandwidth_tbs: float) -> float",
     outputs=("floor_us",), cases=_floor_cases, reference=_floor_reference, solution=step_floor_solution,
-    stub=FLOOR_STUB)
+    stub=FLOOR_STUB,
+    forbidden=("k3lab.studies.decode_step.measure.step_bytes",
+               "k3lab.studies.decode_step.measure.part_bytes"),
+    hints=(
+        "A floor counts the bytes a step cannot avoid moving, once each, and divides by the bandwidth. "
+        "List what one decode step must read, and what it must write back.",
+        "Besides the dense weights (given): the routed experts the batch touches (tokens share experts: "
+        "`batch` tokens choosing k of E uniformly touch E (1 - (1 - k/E)^batch) distinct experts per MoE "
+        "layer), the MLA history (context_len + 2 rows per layer and sequence), and the KDA state and conv "
+        "history, read and written back (x 2). TB/s is 10^12 bytes per second; answer in microseconds.",
+        "`experts = num_moe_layers * chosen * 3 * moe_intermediate_size * routed_expert_hidden_size * 2`; "
+        "`mla = num_mla_layers * batch * (context_len + 2) * mla_latent_dim * 2`; "
+        "`state = num_kda_layers * batch * 2 * config.kda_state_bytes_per_sequence()`; the conv history "
+        "likewise from `kda_conv_state_values_per_sequence()` at 2 bytes; "
+        "`total / (bandwidth_tbs * 1e12) * 1e6`.",
+    ))

@@ -9,6 +9,7 @@ import datetime as _dt
 import functools
 import json
 import math
+import numbers
 import os
 import re
 import subprocess
@@ -21,16 +22,28 @@ import torch
 
 from k3lab import env as _env
 from k3lab.bench.timing import Timing
+from k3lab.files import locked, tracked_files
 from k3lab.files import write_atomic  # noqa: F401 - re-exported: bench's writers and the CLI use it
 
 VARIANTS = ("before", "after", "reference")
 # Public packages a k3lab kernel is compared with in the same run ('torch' = plain PyTorch ops).
 PEERS = {"fla", "torch", "triton", "aiter", "flashmla", "flashinfer", "flash_attn", "vllm", "sglang",
          "cublas"}
+# What a record from elsewhere (`k3lab import`) may say: timing modes (bench.Timing's, and 'model' for a
+# fitted model's numbers), backends (k3lab.env's), commit ids (git_commit's).
+MODES = ("eager", "graph", "cpu", "model")
+RECORD_BACKENDS = ("cpu", "cuda", "rocm")
+_COMMIT = re.compile(r"[0-9a-f]{7,40}(-dirty)?|unknown")
+# A study or case name becomes a folder or file name: letters, digits, '_', '.', '-', not starting with
+# '.' or '-' (no '.', '..', hidden or option-like names), at most 120 characters.
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,119}")
+_TEXT_FIELDS = ("device", "backend", "commit", "date", "dtype", "mode")
+_DICT_FIELDS = ("versions", "shape", "error", "extra")
+_TIME_FIELDS = ("median_us", "p20_us", "p80_us")
 
 
 def validate_variant(variant: str) -> str:
-    if variant in VARIANTS or variant in PEERS:
+    if isinstance(variant, str) and (variant in VARIANTS or variant in PEERS):
         return variant
     raise ValueError(f"variant must be one of {list(VARIANTS)} or a peer package name {sorted(PEERS)}, "
                      f"got {variant!r}")
@@ -57,12 +70,26 @@ class Record:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        """Every field of the right kind, so that no reader meets a text median or a NaN: ValueError
+        naming the field. (Checks that need more context, such as known study names, are
+        `record_from_import`'s.)"""
         validate_variant(self.variant)
         for label in ("study", "case"):
             v = getattr(self, label)
-            if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", v):
-                raise ValueError(f"{label} must be a non-empty name of letters, digits, '_', '.', '-' "
-                                 f"(it becomes a file name), got {v!r}")
+            if not isinstance(v, str) or not _NAME.fullmatch(v):
+                raise ValueError(f"{label} must be a name of letters, digits, '_', '.', '-' that does not "
+                                 f"start with '.' or '-' (it becomes a file name), got {v!r}")
+        for label in _TEXT_FIELDS:
+            if not isinstance(getattr(self, label), str):
+                raise ValueError(f"{label} must be a string, got {getattr(self, label)!r}")
+        for label in _DICT_FIELDS:
+            if not isinstance(getattr(self, label), dict):
+                raise ValueError(f"{label} must be a dict, got {type(getattr(self, label)).__name__}")
+        for label in _TIME_FIELDS + (("floor_us",) if self.floor_us is not None else ()):
+            v = getattr(self, label)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{label} must be a finite number of microseconds >= 0"
+                                 f"{' (or None)' if label == 'floor_us' else ''}, got {v!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -75,6 +102,39 @@ class Record:
         if missing:
             raise ValueError(f"record is missing fields {sorted(missing)}")
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def record_from_import(d, studies=None) -> Record:
+    """A record from another machine's run (`k3lab bench --json`), every field checked before anything
+    is saved: the Record's own checks (names, kinds, finite times >= 0), no unknown field, the study among
+    `studies` (when given), a known backend and timing mode, a device name, a commit id, an ISO date,
+    a dtype, p20 <= median <= p80, versions as text. ValueError naming the field."""
+    if not isinstance(d, dict):
+        raise ValueError(f"expected a record (a JSON object), got {type(d).__name__}")  # noqa: TRY004 - bad input is a ValueError here
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(Record)})
+    if unknown:
+        raise ValueError(f"unknown fields {unknown}")
+    r = Record.from_dict(d)
+    if studies is not None and r.study not in studies:
+        raise ValueError(f"study {r.study!r} is not a known study ({', '.join(studies)})")
+    if r.backend not in RECORD_BACKENDS:
+        raise ValueError(f"backend must be one of {RECORD_BACKENDS}, got {r.backend!r}")
+    if r.mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {r.mode!r}")
+    if not r.device.strip() or not r.dtype.strip():
+        raise ValueError(f"device and dtype must be non-empty, got {r.device!r} and {r.dtype!r}")
+    if not _COMMIT.fullmatch(r.commit):
+        raise ValueError(f"commit must be a commit id (7-40 hex digits, optional '-dirty') or 'unknown', "
+                         f"got {r.commit!r}")
+    try:
+        _dt.datetime.fromisoformat(r.date)
+    except ValueError:
+        raise ValueError(f"date must be an ISO 8601 date, got {r.date!r}") from None
+    if not r.p20_us <= r.median_us <= r.p80_us:
+        raise ValueError(f"expected p20_us <= median_us <= p80_us, got {r.p20_us}, {r.median_us}, {r.p80_us}")
+    if not all(isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in r.versions.items()):
+        raise ValueError(f"versions must map names to version strings (or null), got {r.versions!r}")
+    return r
 
 
 def _repo_root() -> Path:
@@ -181,12 +241,8 @@ def _jsonable(obj):
 def _git_tracked(path: Path) -> bool | None:
     """Whether git tracks `path`: True or False when git answers, None when it cannot (no git on
     PATH, a tree without .git such as a `git archive` copy, an unsafe directory)."""
-    try:
-        out = subprocess.run(["git", "ls-files", "-z", "--", path.name], cwd=path.parent, capture_output=True,
-                             text=True, check=False, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return bool(out.stdout.strip("\0")) if out.returncode == 0 else None
+    tracked = tracked_files(path)
+    return None if tracked is None else bool(tracked)
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -240,8 +296,13 @@ def save_records(records: Iterable[Record], root=None, overwrite: bool = False) 
     save merges; `overwrite=True` replaces the file's records with the new ones). A committed
     reference (`committed_reference`: git tracks it, or git cannot tell and it lies under PROFILES)
     is not touched unless overwrite=True: FileExistsError, before anything is written. Every file is
-    written atomically (temp file + rename). Returns the paths written."""
-    root = PROFILES if root is None else root
+    written atomically (temp file + rename). Returns the paths written.
+
+    Concurrent saves (two processes, two `k3lab import`s) keep every record: the read, the merge and the
+    rename run under an exclusive lock on `root` (files.locked), so a second saver reads the first one's
+    file only after its rename. A lock, not one file per record: the files keep the one layout that
+    every reader and the committed tree use, (case, variant) to a file."""
+    root = Path(PROFILES if root is None else root)
     records = list(records)
     if not records:
         raise ValueError("records is empty: nothing to save")
@@ -249,23 +310,26 @@ def save_records(records: Iterable[Record], root=None, overwrite: bool = False) 
     for r in records:
         if not isinstance(r, Record):
             raise ValueError(f"records must hold bench.Record, got {type(r).__name__}")  # noqa: TRY004 - bad input is a ValueError here
-        path = Path(root) / device_slug(r.device, r.backend) / r.study / f"{r.case}__{r.variant}.json"
+        path = root / device_slug(r.device, r.backend) / r.study / f"{r.case}__{r.variant}.json"
+        if not _inside(path, root):  # a Record's names cannot leave it; a symlinked folder could
+            raise ValueError(f"{path} resolves outside {root}: not written")
         groups.setdefault(path, []).append(r)
-    merged: dict[Path, list[Record]] = {}
-    for path, recs in groups.items():  # refuse before writing anything
-        if overwrite or not path.exists():
-            merged[path] = recs
-            continue
-        why = committed_reason(path)
-        if why is not None:
-            raise FileExistsError(f"{path} is a committed reference ({why}); pass overwrite=True to replace "
-                                  f"it, or save under another root= for a scratch run")
-        try:
-            merged[path] = _merge(_read_record_file(path), recs)
-        except ValueError as exc:
-            raise FileExistsError(f"{exc}: not merged into; pass overwrite=True to replace it") from exc
-    for path, recs in merged.items():
-        write_atomic(path, json.dumps([r.to_dict() for r in recs], indent=1, sort_keys=True) + "\n")
+    with locked(root):
+        merged: dict[Path, list[Record]] = {}
+        for path, recs in groups.items():  # refuse before writing anything
+            if overwrite or not path.exists():
+                merged[path] = recs
+                continue
+            why = committed_reason(path)
+            if why is not None:
+                raise FileExistsError(f"{path} is a committed reference ({why}); pass overwrite=True to "
+                                      f"replace it, or save under another root= for a scratch run")
+            try:
+                merged[path] = _merge(_read_record_file(path), recs)
+            except ValueError as exc:
+                raise FileExistsError(f"{exc}: not merged into; pass overwrite=True to replace it") from exc
+        for path, recs in merged.items():
+            write_atomic(path, json.dumps([r.to_dict() for r in recs], indent=1, sort_keys=True) + "\n")
     return list(merged)
 
 

@@ -26,7 +26,7 @@ def test_predict_then_reveal_reports_the_guess_and_the_measurement(capsys):
 
 def test_reveal_reads_the_box_when_one_is_drawn():
     pytest.importorskip("ipywidgets")
-    g = lesson.predict("launches", 5, widget=True)
+    g = lesson.predict("launches after the box is edited", 5, widget=True)
     g.widget.value = 1.0  # the learner edits the box after running the cell
     assert lesson.reveal(g, 1, why="one fused kernel").ratio == 1.0
 

@@ -76,10 +76,10 @@ def check(name: str, fn: Callable, *, seed: int = 0, verbose: bool = True) -> bo
     return ok
 
 
-def hint(name: str, level: int | None = None) -> str:
+def hint(name: str, level: int | None = None) -> None:
     """Print the next of task `name`'s three hints (a nudge, the idea, nearly the code); `level` 1-3 shows
-    that one. The position on the ladder is kept for this session. Returns the text."""
-    return grading.hint(TASKS, name, level)
+    that one. The position on the ladder is kept for this session."""
+    grading.hint(TASKS, name, level)
 
 
 def solution(name: str) -> Callable:

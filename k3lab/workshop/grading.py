@@ -154,9 +154,10 @@ def attempt(tasks: dict[str, Task], name: str, fn: Callable | None = None, *, se
 _HINTS_SHOWN: dict[str, int] = {}
 
 
-def hint(tasks: dict[str, Task], name: str, level: int | None = None) -> str:
+def hint(tasks: dict[str, Task], name: str, level: int | None = None) -> None:
     """Print the next hint of task `name` (1, 2, 3, then the last again), or hint `level` (1-3); the ladder
-    position is kept for this session (the Python process). Returns the text printed."""
+    position is kept for this session (the Python process). Returns nothing, so a notebook cell that ends
+    in the call shows the hint once."""
     task = _task(tasks, name)
     if level is None:
         level = min(_HINTS_SHOWN.get(name, 0) + 1, len(task.hints))
@@ -167,7 +168,6 @@ def hint(tasks: dict[str, Task], name: str, level: int | None = None) -> str:
     if level == len(task.hints):
         text += f" [the last hint; the answer: inspect.getsource(workshop.solution({name!r}))]"
     print(text)
-    return text
 
 
 def reset_hints() -> None:

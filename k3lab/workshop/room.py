@@ -150,6 +150,8 @@ def figure(rs: list[dict]):
     (all positive) are binned on a log scale, so one wild guess does not squash the rest."""
     import plotly.graph_objects as go
 
+    from .lesson import _fmt
+
     guesses = [r["guess"] for r in rs]
     measured = [r["measured"] for r in rs]
     mark = statistics.median(measured)
@@ -160,9 +162,10 @@ def figure(rs: list[dict]):
                                  hovertemplate="%{y} learners<extra></extra>"))
     at = math.log10(mark) if log else mark
     fig.add_vline(x=at, line_color="crimson", line_width=3)
-    spread = (f"; measured {min(measured):.3g}-{max(measured):.3g} on different machines, median marked"
+    spread = (f"; measured {_fmt(min(measured))}-{_fmt(max(measured))} on different machines, median marked"
               if max(measured) != min(measured) else "")
-    fig.add_annotation(x=at, y=1, yref="paper", text=f"measured {mark:.3g} {unit}".rstrip(), showarrow=False,
+    fig.add_annotation(x=at, y=1, yref="paper", text=f"measured {_fmt(mark)} {unit}".rstrip(),
+                       showarrow=False,
                        xanchor="left", font={"color": "crimson"})
     q = rs[0]["question"]
     fig.update_layout(title=f"{rs[0]['notebook'] or '(notebook not named)'}: {q}<br><sup>{len(rs)} learners"

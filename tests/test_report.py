@@ -57,18 +57,52 @@ def test_execute_notebook_writes_ipynb_and_html(tmp_path):
     assert (tmp_path / "out" / "01_t.html").read_text().count("42") >= 1
 
 
-def test_a_cell_that_reaches_the_timeout_fails(tmp_path):
-    src = _notebook(tmp_path / "01_slow.ipynb", "import time\ntime.sleep(30)")
-    with pytest.raises(report.CellTimedOut, match="timeout of 2 s"):
+def _stopped(out_dir, stem):
+    """The executed notebook's k3lab metadata, its cells' sources and its page."""
+    ran = nbformat.read(out_dir / f"{stem}.ipynb", as_version=4)
+    return ran.metadata["k3lab"], [c.source for c in ran.cells], (out_dir / f"{stem}.html").read_text()
+
+
+def test_a_cell_that_reaches_the_timeout_fails_and_the_page_names_it(tmp_path):
+    src = _notebook(tmp_path / "01_slow.ipynb", "x = 1", "# the slow one\nimport time\ntime.sleep(30)", "x")
+    said = (r"^code cell 2 of 3 \(index 1 in the file: `# the slow one`\) reached the per-cell timeout of "
+            r"2 s; 1 of 3 code cells ran before it\n")
+    with pytest.raises(report.CellTimedOut, match=said) as got:
         report.execute_notebook(src, tmp_path / "out", timeout_s=2)
+    assert got.value.cell["code_cell"] == 2 and got.value.cell["index"] == 1
+    meta, sources, page = _stopped(tmp_path / "out", "01_slow")
+    assert meta["stopped"] == "timeout" and meta["cell"]["index"] == 1 and meta["finished"] == 1
+    assert "Timed out" in sources[0] and "time.sleep(30)" in sources[0]  # the banner: its first lines
+    assert "Timed out here" in sources[3]  # right after the cell (the banner moved it to index 2)
+    top = page.split("<main>", 1)[1]
+    assert top.index("Timed out") < top.index("jp-CodeCell")  # before the first code cell
+    assert "reached the per-cell timeout of 2 s" in top and "<code># the slow one</code>" in top
     with pytest.raises(ValueError, match="timeout_s"):
         report.execute_notebook(src, tmp_path / "out", timeout_s=0)
 
 
-def test_failing_cell_names_its_error(tmp_path):
-    src = _notebook(tmp_path / "02_bad.ipynb", "raise RuntimeError('boom')")
-    with pytest.raises(report.NotebookFailed, match="RuntimeError: boom"):
-        report.execute_notebook(src, tmp_path / "out", timeout_s=60)
+def test_failing_cell_names_its_error_and_the_page_says_where(tmp_path):
+    src = _notebook(tmp_path / "02_bad.ipynb", "y = 2", "raise RuntimeError('boom')", "y")
+    seconds = {}
+    with pytest.raises(report.NotebookFailed, match=r"^code cell 2 of 3 \(index 1 in the file: `raise "
+                                                    r"RuntimeError\('boom'\)`\) raised RuntimeError: boom; 1 "
+                                                    r"of 3 code cells ran before it"):
+        report.execute_notebook(src, tmp_path / "out", timeout_s=60, cell_seconds=seconds)
+    assert sorted(seconds) == [0, 1]  # the cells that ran, the failing one included
+    meta, sources, page = _stopped(tmp_path / "out", "02_bad")
+    assert meta["stopped"] == "failed" and meta["interrupted"] is False
+    assert "Failed run" in sources[0] and "raised RuntimeError: boom" in sources[0]
+    assert "Failed here" in sources[3]
+    top = page.split("<main>", 1)[1]
+    assert "Failed run" in top and top.index("Failed run") < top.index("jp-CodeCell")
+
+
+def test_a_stop_before_any_cell_and_a_bad_kind_are_told_apart():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1"), nbformat.v4.new_markdown_cell("m")])
+    assert report.execute.mark_stopped(nb, None, "interrupted") == "stopped before its cells ran"
+    assert nb.metadata["k3lab"]["cell"] is None and "Interrupted run" in nb.cells[0].source
+    with pytest.raises(ValueError, match="kind must be one of"):
+        report.execute.mark_stopped(nb, 1, "crashed")
 
 
 def test_report_marks_failures_and_timeouts_and_exits_non_zero(tmp_path, capfd):
@@ -77,17 +111,42 @@ def test_report_marks_failures_and_timeouts_and_exits_non_zero(tmp_path, capfd):
     _notebook(src / "01_good.ipynb", "import os\nprint('pid', os.getpid())")
     _notebook(src / "02_bad.ipynb", "raise ValueError('boom in a worker')")
     _notebook(src / "03_slow.ipynb", "import time\ntime.sleep(30)")
-    with pytest.raises(SystemExit, match=r"notebook 02_bad.ipynb, notebook 03_slow.ipynb \(timeout\)"):
+    with pytest.raises(SystemExit) as stop:
         report.build_report(out=tmp_path / "out", run_studies=False, notebooks=src, timeout_s=3)
+    said = str(stop.value.code)
+    # the summary names each failed notebook with the cell that stopped it and the reason
+    assert "notebook 02_bad.ipynb (failed: code cell 1 of 1 (index 0 in the file: `raise ValueError(" in said
+    assert "raised ValueError: boom in a worker" in said
+    assert ("notebook 03_slow.ipynb (timed out: code cell 1 of 1 (index 0 in the file: `import time`) "
+            "reached the per-cell timeout of 3 s") in said
     page = (tmp_path / "out" / "report.html").read_text()
     assert "01_good</a>" in page and "passed in" in page
-    assert "FAILED: ValueError: boom in a worker" in page and "FAILED, timed out" in page
+    assert "FAILED: code cell 1 of 1" in page and "raised ValueError: boom in a worker" in page
+    assert "FAILED, timed out: code cell 1 of 1" in page
+    assert "<b>Failed:</b><ul><li>notebook 02_bad.ipynb (failed: code cell 1 of 1" in page
+    assert "notebooks/03_slow.html#k3lab-stopped-here" in page
+    timings = __import__("json").loads((tmp_path / "out" / "timings.json").read_text())
+    slow = timings["steps"]["notebook:03_slow"]
+    assert slow["status"] == "timeout" and slow["stopped_at"].startswith("code cell 1 of 1")
+    assert set(slow["cells"]) == {"0"} and slow["cells"]["0"] >= 3
+    assert timings["machine_kind"]["kind"] == "cpu" and timings["machine_kind"]["cpus"] >= 1
     ran = nbformat.read(tmp_path / "out" / "notebooks" / "01_good.ipynb", as_version=4)
     assert int(ran.cells[0].outputs[0]["text"].split()[1]) != os.getpid()  # a kernel, not this process
     err = capfd.readouterr().err  # the workers' lines: another process, the same stderr
     for stem in ("01_good", "02_bad", "03_slow"):  # one line as each starts and as each ends
         assert f"notebook {stem}: started" in err and (f"notebook {stem}: passed" in err or
                                                        f"notebook {stem}: FAILED" in err)
+
+
+def test_the_first_screen_names_the_cell_a_notebook_stopped_in():
+    from k3lab.report.workers import Outcome
+
+    cell = {"code_cell": 15, "code_cells": 21, "index": 30, "text": "code cell 15 of 21 (...)"}
+    assert report._notebook_check(Outcome("timeout", cell=cell)) == "FAILED (code cell 15 of 21 timed out)"
+    assert report._notebook_check(Outcome("failed", cell=cell)) == ("FAILED (code cell 15 of 21 raised an "
+                                                                    "error)")
+    assert report._notebook_check(Outcome("failed")) == "FAILED"  # no cell known (the worker died)
+    assert report._notebook_check(Outcome("passed")) == "passed"
 
 
 def test_plotly_outputs_get_an_html_twin():

@@ -3,11 +3,14 @@
 The page opens with what k3lab is and one table, a row per optimization of the seed article: what
 it does, its committed H200 before / after / peer / floor, whether this machine's run checked it,
 and its notebook. One section per study follows (the committed H200 records, then this run). Every
-notebook is executed into build/notebooks/ as .ipynb and .html; plotly figures are drawn from a local
-copy of plotly.js, so the page opens without a network.
+notebook is executed into build/notebooks/ as .ipynb and .html (`pages`): plotly figures are drawn from a
+local copy of plotly.js and widgets by a widget view carried in the page, so every page opens without a
+network.
 
 A study or notebook that fails, and any cell that reaches the per-cell timeout, is named at the top
-of the page and makes `build_report` exit non-zero (SystemExit), so `make run` fails too.
+of the page, a notebook with the cell that stopped it (its place among the code cells, its index, its
+first line) and the reason, as the notebook's own page says in a banner on top; `build_report` then
+exits non-zero (SystemExit) with the same lines, so `make run` fails too.
 
 Ctrl-C ends the run within seconds (`workers` says how the notebooks stop): nothing queued starts, the
 running kernels and workers are killed, and an interrupted report is written at once (a banner at the
@@ -25,7 +28,7 @@ bar with an ETA runs over every step (`eta`); out/timings.json keeps each step's
 
 Modules: `execute` (the notebook runner), `workers` (one process per notebook, and Ctrl-C), `front` (the
 first screen), `sections` (per study), `tables` (compact before/after tables, shared with `k3lab bench`),
-`eta` (the overall bar and its ETA), `kernels` (the parallel build).
+`eta` (the overall bar and its ETA), `kernels` (the parallel build), `pages` (the offline notebook pages).
 """
 
 from __future__ import annotations
@@ -48,7 +51,16 @@ from k3lab.report.execute import (
     execute_notebook,
 )
 from k3lab.report.front import OPTIMIZATIONS, Checks, front_table
-from k3lab.report.eta import Plan, Progress, default_workers, expected_seconds, fmt_duration
+from k3lab.report.eta import (
+    Plan,
+    Progress,
+    default_workers,
+    expected_seconds,
+    fmt_duration,
+    machine_kind,
+    measured_seconds,
+    timing_files,
+)
 from k3lab.report.sections import LiveRun, form_text, progress, run_study, study_section
 
 __all__ = ["CELL_TIMEOUT_S", "INTERRUPTED_EXIT", "OPTIMIZATIONS", "PLOTLY_MIME", "CellTimedOut",
@@ -103,18 +115,24 @@ def _mark_running(out: Path, commit: str) -> None:
                        "(its notebook pages may have been replaced by this run's).</p></body></html>\n")
 
 
-# a notebook's outcome (workers.Outcome.status) as the first screen's 'checked on this machine'
+# a notebook's outcome (workers.Outcome.status) as the first screen's 'checked on this machine' (a stop
+# in a known cell adds it: "FAILED (code cell 15 of 21 timed out)")
 NOTEBOOK_CHECK = {"passed": "passed", "timeout": "FAILED (a cell timed out)", "failed": "FAILED",
                   "interrupted": "INTERRUPTED", "not started": "not run (interrupted)"}
+STOPPED_IN = {"timeout": "FAILED ({} timed out)", "failed": "FAILED ({} raised an error)",
+              "interrupted": "INTERRUPTED ({} was running)"}
 NOTEBOOK_LINE = {"timeout": "FAILED, timed out: ", "failed": "FAILED: ", "interrupted": "INTERRUPTED: ",
                  "not started": "NOT RUN: "}
+FAILURE_KIND = {"timeout": "timed out", "failed": "failed"}
 
 
 def _run_notebooks(paths: list[Path], out: Path, timeout_s: int, workers: int, t0: float, checks: Checks,
-                   failures: list[str], bar: Progress | None = None) -> tuple[list[str], bool]:
+                   failures: list[str], bar: Progress | None = None,
+                   outcomes_by_stem: dict | None = None) -> tuple[list[str], bool]:
     """Execute the notebooks in worker processes (`workers`); one list item of HTML per notebook, in
     file order, and whether Ctrl-C stopped them. `bar` marks each notebook as its worker starts and ends
-    (an interrupted one stays unfinished, so the timings show it as interrupted)."""
+    (an interrupted one stays unfinished, so the timings show it as interrupted); `outcomes_by_stem`
+    gets each notebook's workers.Outcome (for timings.json)."""
     from k3lab.report import workers as pool
 
     def started(p: Path) -> None:
@@ -132,13 +150,25 @@ def _run_notebooks(paths: list[Path], out: Path, timeout_s: int, workers: int, t
     for p in paths:
         got = outcomes[p]
         status = _notebook_status(got)
-        checks.notebooks[p.stem] = NOTEBOOK_CHECK[got.status]
+        checks.notebooks[p.stem] = _notebook_check(got)
+        if outcomes_by_stem is not None:
+            outcomes_by_stem[p.stem] = got
         if got.status in ("failed", "timeout"):
-            failures.append(f"notebook {p.name}" + (" (timeout)" if got.status == "timeout" else ""))
+            failures.append(f"notebook {p.name} ({FAILURE_KIND[got.status]}: {got.message})")
         cls = " class='fail'" if got.status != "passed" else ""
+        where = (f' (<a href="notebooks/{p.stem}.html#k3lab-stopped-here">where it stopped</a>)'
+                 if got.cell and got.page else "")
         rows.append(f'<li{cls}><a href="notebooks/{p.stem}.html">{html.escape(p.stem)}</a> '
-                    f'(<a href="notebooks/{p.name}">ipynb</a>): {html.escape(status)}</li>')
+                    f'(<a href="notebooks/{p.name}">ipynb</a>): {html.escape(status)}{where}</li>')
     return rows, stopped
+
+
+def _notebook_check(got) -> str:
+    """A notebook's outcome for the first screen: 'passed', 'FAILED (code cell 15 of 21 timed out)'."""
+    cell = (got.cell or {}).get("code_cell")
+    if cell and got.status in STOPPED_IN:
+        return STOPPED_IN[got.status].format(f"code cell {cell} of {got.cell.get('code_cells')}")
+    return NOTEBOOK_CHECK[got.status]
 
 
 def _notebook_status(got) -> str:
@@ -171,10 +201,14 @@ def _form_line(gpu: bool, full: bool) -> str:
     return f"quick form ({where}); k3lab report --full runs every case"
 
 
-def _write_timings(out: Path, plan: Plan, kind: str, form: str, total_s: float, stopped: str = "") -> None:
-    """out/timings.json: each step's seconds, to hold against the ETA table (eta.EXPECTED_S), and the
-    run's status: 'complete', or 'interrupted' with what was running (`stopped`), each stopped step's
-    seconds so far marked 'interrupted', and the steps that never started."""
+def _write_timings(out: Path, plan: Plan, kind: str, form: str, total_s: float, stopped: str = "",
+                   notebooks: dict | None = None) -> None:
+    """out/timings.json: each step's seconds beside what the ETA expected, the machine kind they were
+    measured on (`eta.machine_kind`: the next report on this kind of machine takes its ETA from them),
+    and the run's status: 'complete', or 'interrupted' with what was running (`stopped`), each stopped
+    step's seconds so far marked 'interrupted', and the steps that never started. Each notebook step
+    adds its cells' seconds ('cells': file index -> seconds) and, when it did not pass, its status and
+    the cell that stopped it (`notebooks`: workers.Outcome by stem)."""
     from k3lab import env
     from k3lab.files import write_atomic
 
@@ -185,8 +219,16 @@ def _write_timings(out: Path, plan: Plan, kind: str, form: str, total_s: float, 
         elif s.started is not None and stopped:
             steps[s.key] = {"seconds": round(now - s.started, 1), "expected": s.expected,
                             "status": "interrupted"}
-    data = {"machine": kind, "form": form, "environment": env.describe(), "workers": plan.workers,
-            "total_s": round(total_s, 1), "status": "interrupted" if stopped else "complete", "steps": steps}
+        got = (notebooks or {}).get(s.key.split(":", 1)[1]) if s.key.startswith("notebook:") else None
+        if got is not None and s.key in steps:
+            steps[s.key]["cells"] = {str(i): sec for i, sec in got.cells}
+            if got.status != "passed":
+                steps[s.key]["status"] = got.status
+            if got.cell:
+                steps[s.key]["stopped_at"] = got.cell.get("text")
+    data = {"machine": kind, "machine_kind": machine_kind(kind), "form": form, "environment": env.describe(),
+            "workers": plan.workers, "total_s": round(total_s, 1),
+            "status": "interrupted" if stopped else "complete", "steps": steps}
     if stopped:
         data["interrupted"] = {"while": stopped,
                                "not_started": [s.key for s in plan.steps if s.started is None]}
@@ -199,6 +241,14 @@ def _study_checks(runs: list[LiveRun], checks: Checks, failures: list[str]) -> N
         checks.studies[run.name] = run.status + (f" ({form_text(run)})" if run.form else "")
         if run.status == "FAILED" and f"study {run.name}" not in failures:
             failures.append(f"study {run.name}")
+
+
+def _shown_path(path: Path) -> str:
+    """A path as the progress line shows it: relative to the tree when inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
 
 
 def _running_steps(plan: Plan) -> list[str]:
@@ -281,21 +331,27 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
 
     names = [canonical(n) for n in (studies if studies is not None else STUDIES)]
     nb_paths = notebook_paths(notebooks) if run_notebooks else []
+    # the ETA from this machine kind's last measured run (eta module docstring)
+    measured, source = measured_seconds(machine_kind(kind), form, timing_files(out))
     plan = Plan(workers=workers)
     if gpu and (run_studies or nb_paths):  # studies and notebooks then find every .cu built
-        plan.add("kernels", expected_seconds(kind, form, "kernels"))
+        plan.add("kernels", expected_seconds(kind, form, "kernels", measured))
     for n in names if run_studies else []:
         if gpu or n not in GPU_ONLY:
-            plan.add(f"study:{n}", expected_seconds(kind, form, f"study:{n}"))
+            plan.add(f"study:{n}", expected_seconds(kind, form, f"study:{n}", measured))
     for p in nb_paths:
-        plan.add(f"notebook:{p.stem}", expected_seconds(kind, form, f"notebook:{p.stem}"), parallel=True)
+        plan.add(f"notebook:{p.stem}", expected_seconds(kind, form, f"notebook:{p.stem}", measured),
+                 parallel=True)
+    basis = (f"the steps' seconds in {_shown_path(source)}" if source is not None
+             else "the table of expected seconds (no measured run of this machine kind yet)")
 
     progress(t0, f"k3lab report: {_form_line(gpu, full)}; {len(names) if run_studies else 0} studies, "
                  f"{len(nb_paths)} notebooks ({workers} at a time); expected about "
-                 f"{fmt_duration(plan.eta(time.time()))} on this {kind.upper()}")
+                 f"{fmt_duration(plan.eta(time.time()))} on this {kind.upper()}, from {basis}")
     kernel_line, stopped = "", ""
     runs: list[LiveRun] = []
     nb_rows: list[str] | None = None
+    outcomes: dict = {}
     with _CtrlC():
         try:
             with Progress(plan, t0, tty=tty) as bar:
@@ -317,7 +373,7 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
                 _study_checks(runs, checks, failures)
                 if run_notebooks:
                     nb_rows, interrupted = _run_notebooks(nb_paths, out, timeout_s, workers, t0, checks,
-                                                          failures, bar)
+                                                          failures, bar, outcomes)
                     if interrupted:
                         raise KeyboardInterrupt
         except KeyboardInterrupt:
@@ -332,14 +388,15 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
             if nb_rows is None:
                 nb_rows = _unstarted(nb_paths, out, checks)
         total_s = time.time() - t0
-        _write_timings(out, plan, kind, form, total_s, stopped)
+        _write_timings(out, plan, kind, form, total_s, stopped, outcomes)
         path = _write_page(out, runs, nb_rows or [], checks, failures, kernel_line, stopped, total_s,
                            gpu=gpu, full=full, run_studies=run_studies)
     progress(t0, f"report written to {path}" + (" (interrupted)" if stopped else ""))
     if stopped:
         raise SystemExit(INTERRUPTED_EXIT)
     if failures:
-        raise SystemExit(f"k3lab report: written to {path}, but these failed: {', '.join(failures)}")
+        raise SystemExit(f"k3lab report: written to {path}, but these failed:\n"
+                         + "\n".join(f"  - {f}" for f in failures))
     return path
 
 
@@ -369,7 +426,8 @@ def _write_page(out: Path, runs: list[LiveRun], nb_rows: list[str], checks: Chec
                     "was stopped or never started is marked INTERRUPTED or NOT RUN below, and so are the "
                     "notebooks' own pages.</p>")
     if failures:
-        page.append("<p class='fail'><b>Failed:</b> " + html.escape(", ".join(failures)) + "</p>")
+        page.append("<div class='fail failed'><b>Failed:</b><ul>"
+                    + "".join(f"<li>{html.escape(f)}</li>" for f in failures) + "</ul></div>")
     page += ["<h2>The optimizations</h2>", front_table(REPO, checks),
              "<p>The H200 columns are the committed records (profiles/nvidia-h200/), whichever form ran "
              "here: a case the quick form leaves to <code>--full</code> is still shown from its record. "

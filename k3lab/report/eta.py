@@ -2,33 +2,48 @@
 builds, each study, each notebook), on top of the per-step lines.
 
 `Plan` holds the steps and their expected seconds and computes the ETA; `Progress` shows it: on a
-terminal a tqdm bar redrawn every second (the per-step lines print above it), elsewhere (CI logs, a
-file) a plain line a minute and one as each step ends, e.g. "[   120 s] overall: 5/23 done, ETA 4 min
-10 s", so a log stays readable. `say(t0, message)` prints a per-step line through whichever is active.
+terminal that has a size, a tqdm bar redrawn every second (the per-step lines print above it); anywhere
+else (CI, a pipe, a file, a terminal that reports no size) a plain line every PLAIN_INTERVAL_S seconds
+and one as each step ends, e.g. "[   120 s] overall: 5/23 done, ETA 4 min 10 s", so a log stays
+readable and never goes quiet. `say(t0, message)` prints a per-step line through whichever is active.
 
 How the ETA is made, and why:
-- Each step starts from `expected_seconds(kind, form, step)`: seconds measured for it on that kind of
-  machine (`EXPECTED_S`; the GPU's quick studies take their budgets from `studies.GPU_QUICK`), so the
-  first estimate, shown from the first second, is already the machine's and not a guess from rates.
+- Each step starts from seconds measured on this kind of machine (`expected_seconds`): first the last
+  report's out/timings.json when it ran on the same kind of machine (kind, device and core count,
+  `machine_kind`) in the same form, else a committed report timings file of that kind
+  (profiles/*/report_timings_*.json and profiles/*/gpu_check/report_timings_*.json), else the table
+  `EXPECTED_S` (the GPU's quick studies take their budgets from `studies.GPU_QUICK`). So the first
+  estimate, shown from the first second, is already the machine's and not a guess from rates.
 - As steps finish, the rest are scaled by how the finished ones compared with theirs: (seconds taken
-  + PRIOR_S) / (seconds expected + PRIOR_S), clamped to [1/3, 3]. PRIOR_S keeps one short step from
-  swinging the whole estimate; a machine twice as slow as the table shows it after a few minutes.
+  + PRIOR_S) / (seconds expected + PRIOR_S), clamped to SCALE_LIMITS. PRIOR_S keeps one short step from
+  swinging the whole estimate. (Only finished steps: a scale that grew with a running step's overrun
+  could cancel that step's own countdown and hold the ETA still.)
+- A running step counts what is left of its scaled estimate, and once it is near or past it,
+  OVERRUN_SHARE of the seconds it has run so far: a step that overruns is assumed to need a share more
+  of what it took, so the ETA keeps moving (down by a second a second on schedule, up by a share of a
+  second a second past it) while a long cell runs, instead of freezing at a step that counts as done.
 - Steps run one after another, except notebooks, which run `workers` at a time: their part is the end
   of a greedy schedule (each pending notebook, in order, goes to the slot that frees first), from the
-  running notebooks' remaining seconds. A running step counts what is left of its scaled estimate,
-  never less than nothing.
+  running notebooks' remaining seconds.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 PRIOR_S = 60.0
 SCALE_LIMITS = (1 / 3, 3.0)
+OVERRUN_SHARE = 1 / 3  # a running step near or past its estimate: this share of its seconds so far is left
+PLAIN_INTERVAL_S = 10.0  # the plain lines' interval off a terminal
+BAR_INTERVAL_S = 1.0  # the bar's redraw on a terminal
+REPO = Path(__file__).resolve().parent.parent.parent
 KERNELS = "kernels"  # the step that builds every kernels/*.cu (GPU)
 DEFAULT_S = {"gpu": 30.0, "cpu": 60.0}  # a step the table does not list (a new study or notebook)
 # Seconds per step. gpu: the H200 (16 cores): each notebook's wall time as nbval measured it with six
@@ -76,15 +91,78 @@ def default_workers(kind: str) -> int:
     return WORKERS[kind]
 
 
-def expected_seconds(kind: str, form: str, step: str) -> float:
+def machine_kind(kind: str) -> dict:
+    """This machine as report timings are matched to it: {'kind': 'gpu' or 'cpu', 'device': the GPU's
+    or CPU's name (k3lab.env), 'cpus': its core count}."""
+    from k3lab import env
+
+    if kind not in ("gpu", "cpu"):
+        raise ValueError(f"kind must be 'gpu' or 'cpu', got {kind!r}")
+    return {"kind": kind, "device": env.detect().name, "cpus": os.cpu_count() or 1}
+
+
+def _file_machine(data: dict) -> dict:
+    """The machine kind a timings file was measured on: its 'machine_kind', or for a file written before
+    it was kept, what its 'machine' and 'environment' line say (no core count)."""
+    if isinstance(data.get("machine_kind"), dict):
+        return data["machine_kind"]
+    env_line = str(data.get("environment", ""))
+    device = env_line.split(" device=", 1)[1].split(" units=", 1)[0] if " device=" in env_line else None
+    return {"kind": data.get("machine"), "device": device}
+
+
+def same_kind(a: dict, b: dict) -> bool:
+    """Whether two machine kinds match: kind and device equal, and the core counts where both have one."""
+    if a.get("kind") != b.get("kind") or a.get("device") != b.get("device"):
+        return False
+    return a.get("cpus") is None or b.get("cpus") is None or a.get("cpus") == b.get("cpus")
+
+
+def timing_files(out: Path | None = None, root: Path | None = None) -> list[Path]:
+    """Where measured report timings are looked for, in order: out/timings.json (the last report written
+    there), then the committed ones under root/profiles (default: the tree's), by path."""
+    base = Path(root if root is not None else REPO) / "profiles"
+    committed = sorted([*base.glob("*/report_timings_*.json"),
+                        *base.glob("*/gpu_check/report_timings_*.json")])
+    return ([Path(out) / "timings.json"] if out is not None else []) + committed
+
+
+def measured_seconds(machine: dict, form: str, files: list[Path]) -> tuple[dict[str, float], Path | None]:
+    """Each step's seconds from the first of `files` measured on this kind of machine (`same_kind`) in
+    report form `form`, and that file (({}, None) when none is). Steps that were interrupted are left out
+    (their seconds are not a whole step's); a notebook that failed keeps the seconds it took."""
+    for path in files:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or data.get("form") != form:
+            continue
+        if not same_kind(_file_machine(data), machine):
+            continue
+        steps = {}
+        for key, step in (data.get("steps") or {}).items():
+            seconds = step.get("seconds") if isinstance(step, dict) else None
+            if (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds)
+                    and seconds >= 0 and step.get("status") != "interrupted"):
+                steps[key] = float(seconds)
+        if steps:
+            return steps, Path(path)
+    return {}, None
+
+
+def expected_seconds(kind: str, form: str, step: str, measured: dict[str, float] | None = None) -> float:
     """Expected seconds of `step` ('kernels', 'study:<name>' or 'notebook:<stem>') on a `kind`
-    ('gpu' or 'cpu') machine in report form `form` ('quick' or 'full'). A GPU's quick studies take
-    their budget from studies.GPU_QUICK; full studies on a CPU take the quick form's figure (the
+    ('gpu' or 'cpu') machine in report form `form` ('quick' or 'full'): `measured[step]` when the
+    measurements of this machine kind have it (`measured_seconds`), else the table: a GPU's quick studies
+    take their budget from studies.GPU_QUICK; full studies on a CPU take the quick form's figure (the
     refinement corrects it); a step nowhere listed takes DEFAULT_S[kind]."""
     if kind not in ("gpu", "cpu"):
         raise ValueError(f"kind must be 'gpu' or 'cpu', got {kind!r}")
     if form not in ("quick", "full"):
         raise ValueError(f"form must be 'quick' or 'full', got {form!r}")
+    if measured and step in measured:
+        return float(measured[step])
     if kind == "gpu" and step.startswith("study:"):
         if form == "full":
             return float(EXPECTED_S["gpu-full"].get(step, DEFAULT_S[kind]))
@@ -173,16 +251,24 @@ class Plan:
         lo, hi = SCALE_LIMITS
         return min(hi, max(lo, (taken + PRIOR_S) / (expected + PRIOR_S)))
 
+    def left(self, key: str, now: float, k: float | None = None) -> float:
+        """Seconds `key` still needs at `now` (module docstring), its estimate scaled by `k` (default:
+        the plan's scale)."""
+        s = self._step(key)
+        k = self.scale() if k is None else k
+        if s.finished is not None:
+            return 0.0
+        if s.started is None:
+            return s.expected * k
+        ran = max(0.0, now - s.started)
+        return max(s.expected * k - ran, OVERRUN_SHARE * ran)
+
     def eta(self, now: float) -> float:
         """Seconds until every step has finished (see the module docstring)."""
         k = self.scale()
 
         def left(s: _Step) -> float:
-            if s.finished is not None:
-                return 0.0
-            if s.started is None:
-                return s.expected * k
-            return max(0.0, s.expected * k - (now - s.started))
+            return self.left(s.key, now, k)
 
         serial = sum(left(s) for s in self.steps if not s.parallel)
         running = sorted(left(s) for s in self.steps
@@ -232,17 +318,32 @@ def say(t0: float, message: str) -> None:
             print(line, file=sys.stderr, flush=True)
 
 
+def has_terminal(stream) -> bool:
+    """Whether a bar can be drawn on `stream`: a terminal that reports a size (a pseudo-terminal of no
+    size, as some CI runners and `script` give, shows nothing of a bar redrawn in place) and is not
+    TERM=dumb."""
+    try:
+        if not stream.isatty():
+            return False
+        columns = os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return False
+    return columns > 0 and os.environ.get("TERM", "") != "dumb"
+
+
 class Progress:
-    """Shows a Plan's progress while the report runs: a tqdm bar on a terminal (`tty`), else a plain
-    overall line every `interval_s` and at each step's end. Use as a context manager; `start(key)` and
-    `finish(key)` mark steps (wall clock), `write(line)` prints a per-step line."""
+    """Shows a Plan's progress while the report runs: a tqdm bar on a terminal with a size (`tty`,
+    default `has_terminal`), else a plain overall line every `interval_s` and at each step's end. Use
+    as a context manager; `start(key)` and `finish(key)` mark steps (wall clock), `write(line)` prints
+    a per-step line."""
 
     def __init__(self, plan: Plan, t0: float, *, stream=None, tty: bool | None = None,
                  interval_s: float | None = None):
         self.plan, self.t0 = plan, t0
         self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) if tty is None else tty
-        self.interval_s = interval_s if interval_s is not None else (1.0 if self.tty else 60.0)
+        self.tty = has_terminal(self.stream) if tty is None else tty
+        self.interval_s = interval_s if interval_s is not None else (BAR_INTERVAL_S if self.tty
+                                                                    else PLAIN_INTERVAL_S)
         if self.interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {self.interval_s}")
         self._lock = threading.RLock()

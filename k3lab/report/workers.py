@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 GRACE_S = 5.0  # a stopped worker's time to kill its kernel and write its page, before SIGKILL
@@ -45,13 +45,17 @@ STATUSES = ("passed", "failed", "timeout", "interrupted", "not started")
 @dataclass
 class Outcome:
     """How one notebook's run ended: status (one of STATUSES), its seconds and slowest cell's, the
-    first line of why it did not pass, and whether its page was written."""
+    first line of why it did not pass (the cell that stopped it and the reason), whether its page was
+    written, the stopping cell (`execute.where`'s dict, None when none was running) and each cell's
+    seconds as [file index, seconds] pairs."""
 
     status: str
     seconds: float = 0.0
     slowest: float = 0.0
     message: str = ""
     page: bool = False
+    cell: dict | None = None
+    cells: list = field(default_factory=list)
 
 
 # -- processes -------------------------------------------------------------------------------------
@@ -268,15 +272,23 @@ def run_one(path: Path, out_dir: Path, timeout_s: int) -> Outcome:
     def first(exc: BaseException) -> str:
         return (str(exc).splitlines() or [type(exc).__name__])[0]
 
+    timings: dict[int, float] = {}
+
+    def cells() -> list:
+        return [[i, round(s, 2)] for i, s in sorted(timings.items())]
+
+    def stopped(status: str, exc: NotebookFailed) -> Outcome:
+        return Outcome(status, message=first(exc), page=True, cell=exc.cell, cells=cells())
+
     try:
-        _, seconds, slowest = execute_notebook(path, out_dir, timeout_s)
-        return Outcome("passed", seconds, slowest, page=True)
+        _, seconds, slowest = execute_notebook(path, out_dir, timeout_s, cell_seconds=timings)
+        return Outcome("passed", seconds, slowest, page=True, cells=cells())
     except NotebookInterrupted as exc:
-        return Outcome("interrupted", message=first(exc), page=True)
+        return stopped("interrupted", exc)
     except CellTimedOut as exc:
-        return Outcome("timeout", message=first(exc), page=True)
+        return stopped("timeout", exc)
     except NotebookFailed as exc:
-        return Outcome("failed", message=first(exc), page=True)
+        return stopped("failed", exc)
     except KeyboardInterrupt:
         return Outcome("interrupted", message="stopped before its first cell ran")
     except Exception as exc:  # noqa: BLE001 - a broken notebook file, nbconvert: one line too

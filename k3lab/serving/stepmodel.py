@@ -145,7 +145,7 @@ class StepFit:
 
 
 def _nnls_rel(X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    from scipy.optimize import nnls
+    from k3lab.serving.nnls import nnls  # numpy's own (Lawson-Hanson): no scipy needed
 
     return nnls(X / y[:, None], np.ones_like(y))[0]
 

@@ -175,6 +175,7 @@ INFRASTRUCTURE: dict[str, str] = {
     "docs/README.md": "the index of the documentation pages",
     "docs/gpu_check.md": "running tests, notebooks and report on a GPU machine: every entry's check",
     "docs/instructor.md": "the workshop's tasks across all notebooks",
+    "docs/ladder.md": "the workshop's Triton ladder: the kernel puzzles before each kernel lesson",
     "docs/workshop.md": "the workshop day: agenda, prerequisites, which notebooks need a GPU",
     "docs/mi355x.md": "which kernel runs on MI355X for every op",
     f"profiles/{RECORDS_DEVICE}/gpu_check": "records of the tests, notebooks and report run on the GPU "

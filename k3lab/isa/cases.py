@@ -317,6 +317,13 @@ def workshop_gated_norm(rows=CFG.kda_num_heads, width=CFG.kda_head_dim):
     epilogue.gated_norm_solution(x, gate, torch.empty(width, dtype=BF16))
 
 
+def workshop_ladder():
+    """The Triton ladder's solutions (k3lab.workshop.ladder), each at its first case's small shapes."""
+    from k3lab.workshop import ladder
+
+    ladder.launch_solutions()
+
+
 def launch_overhead_empty():
     from k3lab.studies.launch_overhead import _triton_kernel
 
@@ -363,6 +370,7 @@ CASES: dict[str, tuple] = {
     "mla_glue.absorb_q": (mla_glue, {"stage": "absorb_q"}, "q_nope @ w_uk into q_buf, 12 heads, one token"),
     "mla_glue.out_gate": (mla_glue, {"stage": "out_gate"}, "o_lat @ w_uv^T times sigmoid(g), one token"),
     "workshop.gated_norm": (workshop_gated_norm, {}, "the learner task's solution: 12 heads x 128"),
+    "workshop.ladder": (workshop_ladder, {}, "the 17 ladder puzzles' solutions at their first case"),
     "launch_overhead.empty_triton": (launch_overhead_empty, {}, "the one-store kernel"),
 }
 

@@ -9,7 +9,9 @@
     k3lab workshop room FILES... [--out F] [--png DIR]   the room's predictions, a histogram each
 
 Every argument is checked before anything runs (a study name, --preset, --cases, --timeout and the
-other counts, the files to import): a bad one is one line on stderr naming it, and exit status 2.
+other counts, every field of the records to import, the output paths --out, --json and --save-profiles):
+a bad one is one line on stderr naming it, and exit status 2. An --out never holds files git tracks (a
+report writes pages and notebooks by fixed names). A run's traces stay under its --out.
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ def _studies_help() -> str:
 
 
 def _cmd_bench(args) -> int:
-    from k3lab import bench
     from k3lab.report.tables import compact
     from k3lab import env
     from k3lab.studies import GPU_ONLY, load_study
@@ -72,16 +73,37 @@ def _cmd_bench(args) -> int:
         print(compact(records).to_string(index=False, na_rep="", float_format=lambda x: f"{x:.3g}"))
     if hasattr(study, "summary_text"):  # a study's own summary of its records, after the common table
         print(study.summary_text(records))
-    if args.json:  # one file holding every record: what a remote run brings back
-        import json
+    return _keep_records(args, records)
 
-        from k3lab.bench.records import write_atomic
 
-        # temp file + rename: an interrupted write leaves the previous file whole
-        write_atomic(Path(args.json), json.dumps([r.to_dict() for r in records], indent=1) + "\n")
-        print(f"wrote {len(records)} records to {args.json}")
+def _records_json(records) -> str:
+    import json
+
+    return json.dumps([r.to_dict() for r in records], indent=1) + "\n"
+
+
+def _keep_records(args, records) -> int:
+    """Write a finished run's records (--json, then the records folder). The paths were checked before
+    the run; should a write still fail (a disk filled, a file committed meanwhile), one line says why and
+    the records go to a file in the temp folder, named, so the run's results are never lost."""
+    import tempfile
+    import time
+
+    from k3lab import bench
+    from k3lab.files import write_atomic
+
     root = None if args.save_profiles else str(Path(args.out) / "records")
-    paths = bench.save_records(records, root=root, overwrite=args.overwrite)
+    try:
+        if args.json:  # one file holding every record: what a remote run brings back
+            write_atomic(Path(args.json), _records_json(records))  # an interrupted write keeps the old file
+            print(f"wrote {len(records)} records to {args.json}")
+        paths = bench.save_records(records, root=root, overwrite=args.overwrite)
+    except (OSError, ValueError) as exc:
+        keep = Path(tempfile.gettempdir()) / f"k3lab-{args.study}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        write_atomic(keep, _records_json(records))
+        print(f"k3lab bench: records not saved: {exc}; all {len(records)} kept in {keep} "
+              f"(k3lab import {keep})", file=sys.stderr)
+        return 2
     print(f"saved {len(paths)} records under {root or bench.PROFILES}/")
     return 0
 
@@ -118,7 +140,8 @@ def _read_import(path: str) -> list:
     """The records in one file to import; ValueError naming the file and what is wrong with it."""
     import json
 
-    from k3lab import bench
+    from k3lab.bench.records import record_from_import
+    from k3lab.studies import STUDIES
 
     try:
         data = json.loads(Path(path).read_text())
@@ -129,10 +152,13 @@ def _read_import(path: str) -> list:
     rows = data if isinstance(data, list) else [data]
     if not rows or not all(isinstance(d, dict) for d in rows):
         raise ValueError(f"import: {path}: expected a record or a list of records (k3lab bench --json)")
-    try:
-        return [bench.Record.from_dict(d) for d in rows]
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"import: {path}: not a record file: {exc}") from None
+    out = []
+    for i, d in enumerate(rows):
+        try:
+            out.append(record_from_import(d, studies=tuple(STUDIES)))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"import: {path}: not a record file: record {i}: {exc}") from None
+    return out
 
 
 def _cmd_import(args) -> int:
@@ -164,12 +190,31 @@ def _cmd_profile(args) -> int:
     return 0
 
 
+REPORT_TRACES = Path("traces") / "report"  # under --out: the traces of the report's last run
+
+
 def _cmd_report(args) -> int:
+    """Build the report with every trace its studies and notebooks capture under --out (REPORT_TRACES,
+    through K3LAB_TRACE_DIR, which the notebook kernels inherit): the folder holds the last run's traces
+    only, so repeated reports take no more room, and nothing is left in the temp folder."""
+    import os
+    import shutil
+
     from k3lab.report import build_report
 
-    path = build_report(out=Path(args.out), preset=args.preset, run_studies=not args.skip_studies,
-                        run_notebooks=not args.skip_notebooks, timeout_s=args.timeout, full=args.full,
-                        workers=args.workers)
+    traces = Path(args.out) / REPORT_TRACES
+    shutil.rmtree(traces, ignore_errors=True)
+    before = os.environ.get("K3LAB_TRACE_DIR")
+    os.environ["K3LAB_TRACE_DIR"] = str(traces.absolute())
+    try:
+        path = build_report(out=Path(args.out), preset=args.preset, run_studies=not args.skip_studies,
+                            run_notebooks=not args.skip_notebooks, timeout_s=args.timeout, full=args.full,
+                            workers=args.workers)
+    finally:
+        if before is None:
+            os.environ.pop("K3LAB_TRACE_DIR", None)
+        else:
+            os.environ["K3LAB_TRACE_DIR"] = before
     print(f"report: {path}")
     return 0
 
@@ -203,8 +248,10 @@ def _positive_int(text: str) -> int:
 
 
 def _check_args(args) -> None:
-    """What argparse cannot check alone, before anything runs: the study's case names (for its preset)
-    and the files to import. ValueError naming the argument."""
+    """What argparse cannot check alone, before anything runs: the study's case names (for its preset),
+    the output paths and the files to import. ValueError naming the argument."""
+    from k3lab.files import check_output_dir, check_output_file
+
     if getattr(args, "cases", None):
         from k3lab.studies import load_study, select_cases
 
@@ -213,8 +260,40 @@ def _check_args(args) -> None:
             select_cases(study.case_names(args.preset), args.cases)
         except ValueError as exc:
             raise ValueError(f"--cases: {exc}") from None
-    if args.command == "import":
+    if args.command == "bench":
+        if args.json:
+            check_output_file(args.json, "--json")
+        if args.save_profiles:
+            _check_save_profiles(args)
+        else:
+            check_output_dir(args.out)
+    elif args.command in ("profile", "report"):
+        check_output_dir(args.out)
+    elif args.command == "import":
+        if args.root is not None:
+            check_output_dir(args.root, "--root", tracked_ok=True)
         args.records = {f: _read_import(f) for f in args.files}
+
+
+def _check_save_profiles(args) -> None:
+    """--save-profiles without --overwrite: refuse, before the study runs, when a record file of a chosen
+    case on this device is a committed reference (the save at the end would refuse it, after the run)."""
+    from k3lab import env
+    from k3lab.bench import records
+    from k3lab.files import check_output_dir
+    from k3lab.studies import load_study, select_cases
+
+    check_output_dir(records.PROFILES, "--save-profiles", tracked_ok=True)
+    if args.overwrite:
+        return
+    info = env.detect()
+    folder = Path(records.PROFILES) / records.device_slug(info.name, info.backend) / args.study
+    cases = set(select_cases(load_study(args.study).case_names(args.preset), args.cases))
+    for f in sorted(folder.glob("*__*.json")):
+        why = records.committed_reason(f) if f.name.rsplit("__", 1)[0] in cases else None
+        if why is not None:
+            raise ValueError(f"--save-profiles: {f} is a committed reference ({why}); add --overwrite to "
+                             f"replace it, or leave out --save-profiles (records then go under --out)")
 
 
 def _add_workshop(sub) -> None:
@@ -246,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("study", help="a study name (below)")
     b.add_argument("--preset", type=_preset, default=None,
                    help="full, tiny or tpN (default: tp8 on a GPU, tiny on CPU)")
-    b.add_argument("--cases", nargs="*", default=None)
+    b.add_argument("--cases", nargs="+", default=None, help="case names (default: every case)")
     b.add_argument("--out", default="build")
     b.add_argument("--save-profiles", action="store_true",
                    help="save records under profiles/ (committed results)")
@@ -312,7 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     handler = {"info": _cmd_info, "bench": _cmd_bench, "profile": _cmd_profile, "report": _cmd_report,
                "import": _cmd_import, "workshop": _cmd_workshop}
-    return handler[args.command](args)
+    try:
+        return handler[args.command](args)
+    except KeyboardInterrupt:
+        print(f"k3lab {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -140,16 +140,39 @@ def test_make_test_groups_skips_by_reason():
     (["report", "--workers", "0"], "--workers"),
     (["profile", "launch_overhead", "--steps", "0"], "--steps"),
     (["bench", "launch_overhead", "--cases", "no_such_case"], "--cases"),
+    (["bench", "launch_overhead", "--cases"], "--cases"),  # empty: nothing would run
+    # output paths, checked before the study runs ({tmp}: a fresh folder holding a file 'afile')
+    (["bench", "launch_overhead", "--json", "{tmp}"], "--json"),
+    (["bench", "launch_overhead", "--json", "{tmp}/afile/x.json"], "--json"),
+    (["bench", "launch_overhead", "--json", "{repo}/README.md"], "--json"),
+    (["bench", "launch_overhead", "--out", "{tmp}/afile"], "--out"),
+    (["bench", "launch_overhead", "--out", "{repo}"], "--out"),
+    (["bench", "launch_overhead", "--out", "{repo}/notebooks"], "--out"),
+    (["profile", "launch_overhead", "--out", "{repo}/docs"], "--out"),
+    (["profile", "launch_overhead", "--out", "{tmp}/afile/sub"], "--out"),
+    (["report", "--out", "."], "--out"),  # run from the repository's root: its tracked notebooks
+    (["report", "--out", "{repo}/notebooks"], "--out"),
+    (["report", "--out", "{repo}/.."], "--out"),  # holds the repository
+    (["report", "--out", "{tmp}/afile"], "--out"),
+    (["import", "{tmp}/afile", "--root", "{tmp}/afile"], "--root"),
 ])
-def test_a_bad_argument_is_one_line_naming_it_and_exit_2(argv, named, capsys, monkeypatch):
-    """Nothing runs: a study's run() and the report's builder would fail the test if reached."""
+def test_a_bad_argument_is_one_line_naming_it_and_exit_2(argv, named, capsys, monkeypatch, tmp_path):
+    """Nothing runs: a study's run() and profile_targets() and the report's builder would fail the test
+    if reached."""
+    from pathlib import Path
+
     import k3lab.report
 
     def must_not_run(*a, **k):
         raise AssertionError("ran despite a bad argument")
 
+    (tmp_path / "afile").write_text("x")
+    repo = Path(cli.__file__).resolve().parent.parent
+    argv = [a.format(tmp=tmp_path, repo=repo) for a in argv]
+    monkeypatch.chdir(repo)
     monkeypatch.setattr(k3lab.report, "build_report", must_not_run)
     monkeypatch.setattr(studies.load_study("launch_overhead"), "run", must_not_run)
+    monkeypatch.setattr(studies.load_study("launch_overhead"), "profile_targets", must_not_run)
     try:
         code = cli.main(argv)
     except SystemExit as exc:
@@ -208,3 +231,111 @@ def test_make_test_runs_under_the_hang_guard():
     make = (root / "Makefile").read_text()
     test_rule = make.split("\ntest:", 1)[1].split("\n\n", 1)[0]
     assert "required_plugins=pytest-timeout" in test_rule
+
+
+def _fake_records(n: int = 2):
+    from k3lab import bench
+
+    common = dict(study="launch_overhead", case="tiny_op", variant="after", device="cpu", backend="cpu",
+                  versions={"torch": "2"}, commit="abc1234", date="2025-01-01T00:00:00+00:00",
+                  dtype="float32", mode="cpu")
+    return [bench.Record(**common, shape={"i": i}, median_us=1.0 + i, p20_us=1.0 + i, p80_us=1.0 + i)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"median_us": float("nan")}, "median_us must be a finite number"),
+    ({"median_us": float("inf"), "p80_us": float("inf")}, "median_us must be a finite number"),
+    ({"median_us": -1.0, "p20_us": -1.0}, "median_us must be a finite number"),
+    ({"median_us": "1.5"}, "median_us must be a finite number"),
+    ({"study": "."}, "study must be a name"),
+    ({"study": ".."}, "study must be a name"),
+    ({"study": "no_such_study"}, "not a known study"),
+    ({"case": "../../x"}, "case must be a name"),
+    ({"backend": "gpu"}, "backend must be one of"),
+    ({"date": "today"}, "date must be an ISO 8601 date"),
+])
+def test_import_refuses_a_bad_field_with_one_line_before_writing(tmp_path, capsys, change, says):
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    rows = [r.to_dict() for r in _fake_records()]
+    good.write_text(json.dumps(rows))
+    bad.write_text(json.dumps([rows[0], {**rows[1], **change}]))  # the second record of the file is bad
+    root = tmp_path / "profiles"
+    assert cli.main(["import", str(good), str(bad), "--root", str(root)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(bad) in err and "record 1" in err and says in err, err
+    assert not root.exists()
+    assert cli.main(["import", str(good), "--root", str(root)]) == 0  # the good one alone goes in
+
+
+def test_save_profiles_onto_a_committed_record_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    from k3lab.bench import records
+
+    def must_not_run(*a, **k):
+        raise AssertionError("ran despite --save-profiles onto a committed record")
+
+    profiles = tmp_path / "profiles"
+    folder = profiles / "cpu" / "launch_overhead"
+    folder.mkdir(parents=True)
+    (folder / "tiny_op__before.json").write_text("[]")
+    (folder / "copy_1792B__before.json").write_text("[]")
+    monkeypatch.setattr(records, "PROFILES", profiles)
+    monkeypatch.setattr(records, "committed_reason", lambda path: "tracked by git")
+    study = studies.load_study("launch_overhead")
+    monkeypatch.setattr(study, "run", must_not_run)
+    argv = ["bench", "launch_overhead", "--save-profiles", "--cases", "tiny_op"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "tiny_op__before.json is a committed reference" in err, err
+    monkeypatch.setattr(study, "run", lambda **k: [])  # another case's committed file, or --overwrite: runs
+    assert cli.main(["bench", "launch_overhead", "--save-profiles", "--cases", "tiny_op_x"]) == 2  # unknown
+    capsys.readouterr()
+    assert cli.main(argv + ["--overwrite"]) == 0
+    assert "no records" in capsys.readouterr().out
+
+
+def test_a_save_that_fails_after_the_run_keeps_the_records_and_says_where(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    from k3lab import bench
+
+    study = studies.load_study("launch_overhead")
+    monkeypatch.setattr(study, "run", lambda **k: _fake_records(3))
+    monkeypatch.delattr(study, "summary_text", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench, "save_records", disk_full)
+    assert cli.main(["bench", "launch_overhead", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "No space left on device" in err, err
+    (kept,) = (tmp_path / "tmp").glob("k3lab-launch_overhead-*.json")
+    assert str(kept) in err and [r["median_us"] for r in json.loads(kept.read_text())] == [1.0, 2.0, 3.0]
+
+
+def test_report_traces_go_under_out_and_only_the_last_runs_stay(tmp_path, monkeypatch, capsys):
+    """`k3lab report` points K3LAB_TRACE_DIR (which the notebook kernels inherit) at out/traces/report
+    for the run, after removing the previous run's, and puts it back afterwards."""
+    import os
+
+    import k3lab.report
+    from k3lab.profiling.capture import default_trace_dir
+
+    out = tmp_path / "build"
+    old = out / "traces" / "report" / "old.trace.json"
+    old.parent.mkdir(parents=True)
+    old.write_text("{}")
+    seen = {}
+
+    def build(out, **kwargs):
+        seen["dir"] = default_trace_dir()
+        return out / "report.html"
+
+    monkeypatch.delenv("K3LAB_TRACE_DIR", raising=False)
+    monkeypatch.setattr(k3lab.report, "build_report", build)
+    assert cli.main(["report", "--out", str(out)]) == 0
+    assert seen["dir"] == (out / "traces" / "report").absolute()
+    assert not old.exists() and "K3LAB_TRACE_DIR" not in os.environ

@@ -5,6 +5,9 @@
     cap.counts()                                    # per step: launches, copies, bytes_copied
     cap.trace_path                                  # Chrome/Perfetto JSON (ui.perfetto.dev)
 
+Where traces go: `trace_dir=` or `trace_path=`; else $K3LAB_TRACE_DIR; else a temp folder whose traces
+are removed when the process exits (`default_trace_dir`). `k3lab report` keeps each run's under its --out.
+
     df = k3lab.profile.read_trace("run_results.db")  # rocprofv3 CSV/JSON/rocpd, rocprof v1, torch
     k3lab.profile.kernel_table(df)
     k3lab.profile.trace_diff(before_df, after_df)  # kernels gone, new, changed; time per category

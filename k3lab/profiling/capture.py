@@ -9,6 +9,7 @@ same trace file, so `capture` and `read_trace` agree by construction.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gzip
 import itertools
@@ -107,8 +108,27 @@ def device_time_us(event) -> float:
 
 
 def default_trace_dir() -> Path:
-    """$K3LAB_TRACE_DIR, else <tmp>/k3lab-traces: scratch traces stay out of the repository."""
+    """$K3LAB_TRACE_DIR, else <tmp>/k3lab-traces: scratch traces stay out of the repository. A trace
+    `capture` writes into that temp folder (no K3LAB_TRACE_DIR, trace_dir or trace_path given) is removed
+    when its process exits, so notebooks and tests leave nothing behind; `k3lab report` and `k3lab
+    profile` keep theirs under their --out."""
     return Path(os.environ.get("K3LAB_TRACE_DIR") or Path(tempfile.gettempdir()) / "k3lab-traces")
+
+
+_scratch: list[Path] = []
+
+
+def _remove_scratch() -> None:
+    for path in _scratch:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _scratch_trace(path: Path) -> None:
+    """Remove `path` when this process exits (a trace in the default temp folder, default_trace_dir)."""
+    if not _scratch:
+        atexit.register(_remove_scratch)
+    _scratch.append(path)
 
 
 def _slug(text: str) -> str:
@@ -224,7 +244,8 @@ def capture(fn: Callable[[], object], *, steps: int = 1, warmup: int = 1, trace_
 
     device: None detects the backend (k3lab.env); 'cpu' records CPU ops only, even on a GPU machine.
     trace_path: exact output path (.json or .json.gz); by default a new file in `trace_dir`
-    (default `default_trace_dir()`) named after `name`. An existing file is never replaced
+    (default `default_trace_dir()`, whose temp-folder traces last as long as this process) named after
+    `name`. An existing file is never replaced
     unless overwrite=True. On a GPU, a capture that recorded no kernel raises NoKernelsRecorded
     (the trace is kept and named in the message).
     """
@@ -274,6 +295,8 @@ def capture(fn: Callable[[], object], *, steps: int = 1, warmup: int = 1, trace_
     prof.export_chrome_trace(str(tmp))
     trace = json.loads(tmp.read_text())
     path = atomic_move(tmp, path, overwrite=overwrite)
+    if trace_path is None and trace_dir is None and not os.environ.get("K3LAB_TRACE_DIR"):
+        _scratch_trace(path)
     try:
         kernels = kernels_from_trace(trace, expect_gpu=gpu, label=f"capture {name!r} ({path})")
     except NoKernelsRecorded as err:

@@ -74,6 +74,7 @@ _SECONDARY_TYPES = ("DistBackendError", "DistNetworkError")
 _SECONDARY_TEXT = ("Connection closed", "Connection reset by peer", "Read error", "Broken pipe",
                    "Socket closed", "peer closed", "remote process exited", "Timed out waiting")
 _PROGRESS_S = 0.5  # how often a rank's progress thread looks at its main thread
+_SETTLE_S = 2.0  # how long ranks that all reported may take to exit on their own (_stop_all)
 _WATCHDOG_FIRST_S = 30.0  # a spawned group's own timeouts come this long after the parent's watchdog
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _DIST_DIR = os.path.join(os.path.dirname(dist.__file__), "")
@@ -182,6 +183,9 @@ def _end_group() -> None:
     os._exit(1)
 
 
+_guard = {"pid": None}  # this rank's guard process, reaped by the rank when it ends normally
+
+
 def _start_group_guard(libc) -> None:
     """Fork the guard (module docstring): it closes every descriptor it inherited, asks for SIGTERM when
     this rank dies, waits for it, then kills the rank's group. Linux only (prctl)."""
@@ -190,9 +194,10 @@ def _start_group_guard(libc) -> None:
     try:
         pid = os.fork()
     except OSError:
-        pid = 1  # no guard: the parent's group kill still covers every end but its own death
-    if pid:
+        pid = None  # no guard: the parent's group kill still covers every end but its own death
+    if pid != 0:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        _guard["pid"] = pid
         return
     try:  # the guard: os calls only
         os.closerange(3, 1 << 16)
@@ -202,6 +207,18 @@ def _start_group_guard(libc) -> None:
         os.killpg(rank_pid, signal.SIGKILL)
     finally:
         os._exit(0)
+
+
+def _stop_guard() -> None:
+    """A rank that ends normally stops and reaps its guard (left alone, it would outlive the rank as an
+    orphan that only init reaps); the parent then kills what is left of the group."""
+    pid, _guard["pid"] = _guard["pid"], None
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
 
 
 def _die_with_parent(parent_pid: int, lifeline, lifeline_writer_fd) -> None:
@@ -338,6 +355,7 @@ def _child(rank, world_size, backend, host, port, listen_fd, timeout_s, conn, fn
             except Exception:
                 pass
         conn.close()
+        _stop_guard()
 
 
 def start_method(backend: str, threads_per_rank: int = 1) -> str:
@@ -363,8 +381,12 @@ def _check_spawnable(fn, backend: str, threads_per_rank: int) -> None:
         ) from exc
 
 
-def _stop_all(procs):
-    """End every rank, then every process left in a rank's group (what the rank started)."""
+def _stop_all(procs, settle_s: float = 0.0):
+    """End every rank, then every process left in a rank's group (what the rank started). settle_s: how
+    long ranks that all reported may take to exit on their own first (each reaps its guard on the way)."""
+    settle_by = time.monotonic() + settle_s
+    for p in procs:
+        p.join(max(0.0, settle_by - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -441,7 +463,7 @@ def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: flo
     # the lifeline: the parent holds its only writer; every rank watches the reader (module docstring)
     lifeline, lifeline_writer = ctx.Pipe(duplex=False)
     writer_fd = lifeline_writer.fileno() if method == "fork" else None
-    start = time.monotonic()
+    start, finished = time.monotonic(), False
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
@@ -461,9 +483,11 @@ def spawn(fn, world_size: int, *args, backend: str | None = None, timeout_s: flo
             child_end.close()
             procs.append(p)
             conns[parent_end] = rank
-        return _collect(procs, conns, world_size, start + timeout_s, timeout_s)
+        result = _collect(procs, conns, world_size, start + timeout_s, timeout_s)
+        finished = True
+        return result
     finally:
-        _stop_all(procs)
+        _stop_all(procs, _SETTLE_S if finished else 0.0)
         for c in conns:
             c.close()
         lifeline.close()

@@ -156,6 +156,57 @@ def test_gated_norm_kernel_wrong(capsys):
     _fails("gated_norm_kernel", gate_first, capsys, expect="case 1 of")
 
 
+def _plain_gated_norm(x, gate, weight, eps):  # the right numbers in PyTorch, no kernel
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * rstd * weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(dst_ptr + i, tl.load(src_ptr + i, mask=i < n), mask=i < n)
+
+
+@pytest.mark.follows_gpu
+def test_gated_norm_kernel_needs_a_triton_kernel_of_the_learners(capsys):
+    assert workshop.check("gated_norm_kernel", lambda **kw: _plain_gated_norm(**kw)) is False
+    out = capsys.readouterr().out
+    assert "case 1 of 4" in out and "no Triton kernel launched: gated_norm must launch your" in out, out
+    fn = workshop.task("gated_norm_kernel", _plain_gated_norm)  # the notebook's cell: not solved, goes on
+    assert not fn.passed and "not solved yet" in capsys.readouterr().out
+
+    def launches_nothing(x, gate, weight, eps):  # a kernel over an empty grid runs no program
+        y = _plain_gated_norm(x, gate, weight, eps)
+        _copy_kernel[(0,)](y, torch.empty_like(y), 1, BLOCK=16)
+        return y
+    _fails("gated_norm_kernel", launches_nothing, capsys, expect="no Triton kernel launched")
+
+    def copies_with_a_kernel(x, gate, weight, eps):  # a real launch of the learner's: the check goes on
+        y = _plain_gated_norm(x, gate, weight, eps)
+        out = torch.empty_like(y)
+        _copy_kernel[(1,)](y.reshape(-1), out.reshape(-1), y.numel(), BLOCK=triton.next_power_of_2(y.numel()))
+        return out
+    assert workshop.check("gated_norm_kernel", copies_with_a_kernel)
+    capsys.readouterr()
+
+    library = _copy_kernel.fn.__module__
+    try:  # the same kernel as if k3lab had defined it: not the learner's
+        _copy_kernel.fn.__module__ = "k3lab.ops.some_op"
+        _fails("gated_norm_kernel", copies_with_a_kernel, capsys,
+               expect="no Triton kernel launched of yours (only k3lab's own: _copy_kernel)")
+    finally:
+        _copy_kernel.fn.__module__ = library
+
+    def launches_the_answer(x, gate, weight, eps):  # the reference kernel, launched around epilogue.launch
+        out = torch.empty_like(x)
+        epilogue._gated_norm_kernel[(x.shape[0],)](x, gate, weight, out, x.shape[1], eps,
+                                                   BLOCK=triton.next_power_of_2(x.shape[1]))
+        return out
+    _fails("gated_norm_kernel", launches_the_answer, capsys,
+           expect="epilogue._gated_norm_kernel, refused while 'gated_norm_kernel' is graded")
+
+
 @pytest.mark.follows_gpu
 def test_gated_norm_skeleton_runs_and_is_wrong(tmp_path, capsys):
     path = tmp_path / "learner_kernel.py"  # @triton.jit needs its source in a file (a notebook cell is one)
@@ -238,25 +289,59 @@ def test_kda_group_scan_wrong(capsys):
 
 
 # ------------------------------------------------------------------------------------------ 06
-def _depth(acceptance, draft_step_us, verify_us, commit_us, *, bonus=True, shift=0, cost=True):
+def _depth(committed_counts, draft_step_us, verify_us, commit_us, *, truncate=True, bonus=True, shift=0,
+           cost=True):
+    cycles = sum(committed_counts)
     rates = []
-    committed, survive = (1.0 if bonus else 0.0), 1.0
-    for k in range(1, len(acceptance) + 1):
-        survive *= acceptance[k - 1]
-        committed += survive
+    for k in range(1, len(committed_counts)):
+        cap = (k + 1 if bonus else k) if truncate else len(committed_counts)
+        committed = sum(n * min(c, cap) for c, n in enumerate(committed_counts, start=1)) / cycles
         cycle = k * draft_step_us + verify_us[k - shift] + commit_us
         rates.append(committed / cycle if cost else committed)
     return max(range(len(rates)), key=rates.__getitem__) + 1
 
 
+def _depth_from_conditional(committed_counts, draft_step_us, verify_us, commit_us):
+    """The log read as per-position acceptance: a_j = the share of cycles that committed j + 1 tokens."""
+    cycles = sum(committed_counts)
+    acc = [n / cycles for n in committed_counts[1:]]
+    rates, committed, survive = [], 1.0, 1.0
+    for k in range(1, len(committed_counts)):
+        survive *= acc[k - 1]
+        committed += survive
+        rates.append(committed / (k * draft_step_us + verify_us[k] + commit_us))
+    return max(range(len(rates)), key=rates.__getitem__) + 1
+
+
 def test_draft_depth_wrong(capsys):
     assert workshop.check("draft_depth", _depth)
+    assert workshop.check("draft_depth", _depth, seed=3)
     capsys.readouterr()
-    # verification of k positions instead of k + 1
-    _fails("draft_depth", lambda **kw: _depth(**kw, shift=1), capsys, expect="depth: expected")
-    _fails("draft_depth", lambda **kw: _depth(**kw, bonus=False), capsys)  # the recovery/bonus token left out
-    _fails("draft_depth", lambda **kw: _depth(**kw, cost=False), capsys)  # committed tokens, not a rate
-    _fails("draft_depth", lambda **kw: _depth(**kw) - 1, capsys)  # an index, not a depth
+    # each mistake first fails on the case whose label names it
+    _fails("draft_depth", lambda **kw: _depth(**kw, truncate=False), capsys,
+           expect="case 1 of 8 (a log of")  # every depth credited with the K-deep cycles' tokens
+    _fails("draft_depth", lambda **kw: _depth(**kw, shift=1), capsys,
+           expect="case 2 of 8 (verification steps up past")  # k positions verified, not k + 1
+    _fails("draft_depth", lambda **kw: _depth(**kw, cost=False), capsys,
+           expect="case 3 of 8 (compute-bound verification")  # committed tokens, not a rate
+    _fails("draft_depth", lambda **kw: _depth(**kw, bonus=False), capsys,
+           expect="case 4 of 8 (a cycle that accepts all k drafts still commits the target's bonus token)")
+    _fails("draft_depth", lambda **kw: _depth(**kw) - 1, capsys, expect="case 1 of 8")  # an index
+    _fails("draft_depth", _depth_from_conditional, capsys, expect="depth: expected")
+
+
+def test_draft_depth_cases_expose_their_mistake_on_other_seeds():
+    from k3lab.workshop import serving
+
+    wrong = {"no_truncation": dict(truncate=False), "k_positions": dict(shift=1),
+             "most_tokens": dict(cost=False), "bonus_dropped": dict(bonus=False)}
+    assert tuple(wrong) == serving.DEPTH_MISTAKES
+    for seed in (1, 2, 11):
+        cases = workshop.TASKS["draft_depth"].cases(seed, "cpu")
+        for i, opts in enumerate(wrong.values()):
+            for j, case in enumerate(cases[:i + 1]):  # right before its own case, wrong on it
+                right = _depth(**case.inputs, **opts) == serving._depth_reference(case)
+                assert right == (j < i), (seed, i, j)
 
 
 # ------------------------------------------------------------------------------------------ 07
@@ -279,24 +364,97 @@ def test_resume_point_wrong(capsys):
 
 
 # ------------------------------------------------------------------------------------------ 08
-def _floor(config, batch, context_len, dense_weight_bytes, bandwidth_tbs, *, distinct=True, rw=2, unit=1e6):
-    c = config
-    E, k = c.num_experts, c.num_experts_per_token
-    chosen = E * (1 - (1 - k / E) ** batch) if distinct else min(batch * k, E)
-    total = (dense_weight_bytes
-             + c.num_moe_layers * chosen * 3 * c.moe_intermediate_size * c.routed_expert_hidden_size * 2
-             + c.num_mla_layers * batch * (context_len + 2) * c.mla_latent_dim * 2
-             + c.num_kda_layers * batch * rw * c.kda_state_bytes_per_sequence()
-             + c.num_kda_layers * batch * rw * c.kda_conv_state_values_per_sequence() * 2)
-    return total / (bandwidth_tbs * unit)
+def _fix(parts, *, by="saved", gaps=True, none_is_zero=False):
+    rows = []
+    for p in parts:
+        if p["floor_ms"] is None and not none_is_zero:
+            continue
+        saved = (p["total_ms"] if gaps else p["kernel_ms"]) - (p["floor_ms"] or 0.0)
+        key = {"saved": saved, "longest": p["total_ms"], "ratio": p["kernel_vs_floor"] or 0.0}[by]
+        rows.append((key, p["part"], saved))
+    _, part, saved = max(rows)
+    return part, saved
 
 
-def test_step_floor_wrong(capsys):
-    assert workshop.check("step_floor", _floor)
+def test_fix_first_wrong(capsys):
+    assert workshop.check("fix_first", _fix)
     capsys.readouterr()
-    _fails("step_floor", lambda **kw: _floor(**kw, distinct=False), capsys, expect="B = 64")
-    _fails("step_floor", lambda **kw: _floor(**kw, rw=1), capsys, expect="relative error")
-    _fails("step_floor", lambda **kw: _floor(**kw, unit=1e12), capsys, expect="case 1 of")
+    _fails("fix_first", lambda parts: _fix(parts, gaps=False), capsys,
+           expect="case 1 of 7 (the gaps before a part's kernels are its time too")
+    _fails("fix_first", lambda parts: _fix(parts, by="longest"), capsys,
+           expect="case 2 of 7 (the longest part is not the one with the most ms above its floor")
+    _fails("fix_first", lambda parts: _fix(parts, by="ratio"), capsys,
+           expect="case 3 of 7 (the part furthest from its floor as a ratio has few ms to give")
+    _fails("fix_first", lambda parts: _fix(parts, none_is_zero=True), capsys,
+           expect="case 4 of 7 (a part with no bytes floor (None) cannot be ranked by this table")
+    _fails("fix_first", lambda parts: (_fix(parts)[0], _fix(parts)[1] * 1e3), capsys,  # us, not ms
+           expect="saved_ms: expected")
+    _fails("fix_first", lambda parts: (_fix(parts)[0], sum(p["total_ms"] for p in parts) - _fix(parts)[1]),
+           capsys, expect="case 1 of 7")  # the step's new time, not what it saves
+    _fails("fix_first", lambda parts: (_fix(parts)[0].upper(), _fix(parts)[1]), capsys,
+           expect="part: expected")
+
+
+def test_fix_first_tables_are_rescaled_records_in_the_pages_columns():
+    from k3lab.studies import decode_step as ds
+    from k3lab.workshop import serving
+
+    cases, other = (workshop.TASKS["fix_first"].cases(seed, "cpu") for seed in (0, 1))
+    page, _ = ds.attribution_rows("b1_1k", "all_on")
+    for case in cases:
+        parts = case.inputs["parts"]
+        assert {p["part"] for p in parts} == {r["part"] for r in page}  # the step's parts, every one
+        for p in parts:
+            assert tuple(p) == serving.FIX_COLUMNS
+            assert p["total_ms"] == pytest.approx(p["kernel_ms"] + p["gap_ms"])
+            assert p["floor_ms"] is None or 0 < p["floor_ms"] < p["kernel_ms"]
+        assert sum(p["share"] for p in parts) == pytest.approx(1.0)
+        assert not any(p == r for p in parts for r in page)  # no row is the page's
+    assert [c.inputs for c in cases] != [c.inputs for c in other]
+    gains = ds.headroom(page)  # the reference: parts with a floor, the most ms above it first
+    assert {r["part"] for r in gains} == {r["part"] for r in page if r["floor_ms"] is not None}
+    assert all(a["headroom_ms"] >= b["headroom_ms"] for a, b in zip(gains, gains[1:]))
+    assert gains[0]["headroom_ms"] == pytest.approx(gains[0]["total_ms"] - gains[0]["floor_ms"])
+
+
+# ------------------------------------------------------------------------------------------ 09
+def _bend(concurrency, input_tokens, output_tokens, hit_rate, fixed_us, per_sequence_us, per_history_token_us,
+          prefill_us_per_token, *, prefill="batch", hits=True, history="half", relative=True):
+    mean_in, mean_out = sum(input_tokens) / len(input_tokens), sum(output_tokens) / len(output_tokens)
+    one = mean_in * (1 - (hit_rate if hits else 0.0)) * prefill_us_per_token
+    held = mean_in + (mean_out / 2 if history == "half" else 0.0)
+    user, gpu = [], []
+    for c in concurrency:
+        stall = {"batch": c * one / mean_out, "one": one / mean_out, None: 0.0}[prefill]
+        step = fixed_us + c * (per_sequence_us + per_history_token_us * held) + stall
+        user.append(1e6 / step)
+        gpu.append(c * user[-1] * (mean_in + mean_out) / mean_out / 8)
+    for i in range(len(concurrency) - 1):
+        gain = gpu[i + 1] / gpu[i] - 1 if relative else gpu[i + 1] - gpu[i]
+        loss = 1 - user[i + 1] / user[i] if relative else user[i] - user[i + 1]
+        if gain < loss:
+            return int(concurrency[i])
+    return int(concurrency[-1])
+
+
+def test_curve_bend_wrong(capsys):
+    assert workshop.check("curve_bend", _bend)
+    assert workshop.check("curve_bend", _bend, seed=4)
+    capsys.readouterr()
+    for prefill in (None, "one"):  # no prefill stall, or one request's instead of the batch's
+        _fails("curve_bend", lambda **kw: _bend(**kw, prefill=prefill), capsys,
+               expect="case 1 of 6 (RAG: ")
+        assert "each request's prefill stalls the batch's every sequence" in _fails(
+            "curve_bend", lambda **kw: _bend(**kw, prefill=prefill), capsys)
+    _fails("curve_bend", lambda **kw: _bend(**kw, hits=False), capsys,
+           expect="case 2 of 6 (agent turns: ")  # cached input prefilled anyway
+    assert "cached input is not prefilled" in _fails("curve_bend", lambda **kw: _bend(**kw, hits=False),
+                                                     capsys)
+    _fails("curve_bend", lambda **kw: _bend(**kw, history="input"), capsys,
+           expect="a sequence's history grows as it answers")
+    _fails("curve_bend", lambda **kw: _bend(**kw, relative=False), capsys, expect="concurrency: expected")
+    _fails("curve_bend", lambda concurrency, **kw: int(concurrency[-1]), capsys,
+           expect="concurrency: expected")
 
 
 # ------------------------------------------------------------------------------------------ the checker
@@ -310,7 +468,8 @@ def test_raising_function_is_one_line(capsys):
 def test_wrong_return_type_is_one_line(capsys):
     _fails("dcp_merge", lambda o_parts, lse_parts: o_parts[0], capsys, expect="must be a tuple (o, lse)")
     _fails("resume_point", lambda **kw: (1.5, 2), capsys, expect="expected an int")
-    _fails("step_floor", lambda **kw: float("nan"), capsys, expect="relative error nan")
+    _fails("fix_first", lambda parts: ("moe", float("nan")), capsys, expect="relative error nan")
+    _fails("fix_first", lambda parts: (3, 1.0), capsys, expect="part: expected a str")
 
 
 def test_learner_writing_into_inputs_changes_nothing(capsys):

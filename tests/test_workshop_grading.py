@@ -12,6 +12,8 @@ from pathlib import Path
 import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 on CPU before triton loads)
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from k3lab import speculative as spec
 from k3lab import workshop
@@ -22,7 +24,7 @@ from k3lab.ops.kda_chunk.scan_math import group_summaries, scan_starts
 from k3lab.ops.mla_decode.merge import merge_partials
 from k3lab.ops.moe_experts import latent_tail
 from k3lab.serving.curve import knee
-from k3lab.studies.decode_step.measure import step_bytes
+from k3lab.studies.decode_step import headroom
 from k3lab.workshop import epilogue, grading, guard
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,10 +131,10 @@ def test_solutions_setting_grades_the_reference(name, tmp_path, capsys, monkeypa
 def test_solutions_setting_fails_loudly_on_a_broken_reference(monkeypatch, capsys):
     monkeypatch.setenv(workshop.GRADE_ENV, "solutions")
     broken = dataclasses.replace(workshop.TASKS["curve_bend"],
-                                 solution=lambda concurrency, per_user, per_gpu: int(concurrency[0]))
+                                 solution=lambda concurrency, **kw: int(concurrency[0]))
     monkeypatch.setitem(workshop.TASKS, "curve_bend", broken)
     with pytest.raises(workshop.SolutionFailed, match=r"curve_bend, graded the reference solution .*FAILED: "
-                                                      r"case 1 of 4 .*concurrency: expected"):
+                                                      r"case 1 of 6 .*concurrency: expected"):
         workshop.task("curve_bend", None)
 
 
@@ -149,6 +151,20 @@ def test_grade_setting_values(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ the library refuses
+def _acceptance(committed_counts):  # the conditional acceptance a log of committed tokens implies
+    surv = [sum(committed_counts[j:]) / sum(committed_counts) for j in range(len(committed_counts))]
+    return [surv[j] / surv[j - 1] if surv[j - 1] else 0.0 for j in range(1, len(surv))]
+
+
+def _front(concurrency, input_tokens, output_tokens, hit_rate, fixed_us, per_sequence_us,
+           per_history_token_us, prefill_us_per_token):  # the learner's own rates, for the one-line knee
+    mean_in, mean_out = sum(input_tokens) / len(input_tokens), sum(output_tokens) / len(output_tokens)
+    prefill = mean_in * (1 - hit_rate) * prefill_us_per_token
+    user = [1e6 / (fixed_us + c * (per_sequence_us + per_history_token_us * (mean_in + mean_out / 2)
+                                   + prefill / mean_out)) for c in concurrency]
+    return user, [c * u * (mean_in + mean_out) / mean_out / 8 for c, u in zip(concurrency, user)]
+
+
 ONE_LINE = {  # each task answered by one call of the library the notebooks import
     "dcp_merge": lambda o_parts, lse_parts: merge_partials(o_parts, lse_parts, "torch"),
     "moe_rank_tail": lambda lat, norm_weight, eps, up_rows, shared_partial, rank, world_size: latent_tail(
@@ -159,21 +175,19 @@ ONE_LINE = {  # each task answered by one call of the library the notebooks impo
                                                                                          scale=scale),
     "kda_group_scan": lambda A, Bc, S0, group_size: (
         *group_summaries(A, Bc, group_size), scan_starts(*group_summaries(A, Bc, group_size), S0)),
-    "draft_depth": lambda acceptance, draft_step_us, verify_us, commit_us: spec.best_depth(
-        acceptance, spec.CycleCosts(draft_step_us=draft_step_us, verify_us=tuple(verify_us),
-                                    commit_us=commit_us)).depth,
+    "draft_depth": lambda committed_counts, draft_step_us, verify_us, commit_us: spec.best_depth(
+        _acceptance(committed_counts),
+        spec.CycleCosts(draft_step_us=draft_step_us, verify_us=tuple(verify_us), commit_us=commit_us)).depth,
     "resume_point": lambda prompt_len, mla_reach, kda_checkpoints, mla_block, tail_saved: (
         lambda at: (at, prompt_len - at))(resume_point(mla_reach, kda_checkpoints, mla_block=mla_block,
                                                        tail_saved=tail_saved, limit=prompt_len - 1)),
-    "step_floor": lambda config, batch, context_len, dense_weight_bytes, bandwidth_tbs: (
-        lambda b: (b["total"] - b["weights_dense"] + dense_weight_bytes) / (bandwidth_tbs * 1e6))(
-        step_bytes(config, batch, context_len)),
-    "curve_bend": lambda concurrency, per_user, per_gpu: knee(concurrency, per_user, per_gpu),
+    "fix_first": lambda parts: (lambda first: (first["part"], first["headroom_ms"]))(headroom(parts)[0]),
+    "curve_bend": lambda **kw: knee(kw["concurrency"], *_front(**kw)),
 }
 CALLED = {"dcp_merge": "merge_partials", "moe_rank_tail": "latent_tail",
           "gated_norm_kernel": "gated_rms_norm", "mla_pad_heads": "latent_attention",
           "kda_group_scan": "group_summaries", "draft_depth": "best_depth",
-          "resume_point": "resume_point", "step_floor": "step_bytes", "curve_bend": "knee"}
+          "resume_point": "resume_point", "fix_first": "headroom", "curve_bend": "knee"}
 
 
 def test_one_line_calls_cover_every_task():
@@ -185,7 +199,9 @@ def test_one_line_calls_cover_every_task():
 def test_the_library_call_that_answers_a_task_is_refused(name, capsys):
     task = workshop.TASKS[name]
     cases = grading.cases(task, 0)
-    ok, line = workshop.grade(task, ONE_LINE[name], cases)  # no guard: the one line would pass
+    # no guard: the one line gives the right numbers (the kernel task's numbers, without its launch check)
+    plain = dataclasses.replace(task, run=None) if task.skeleton is not None else task
+    ok, line = workshop.grade(plain, ONE_LINE[name], cases)
     assert ok, line
     fn = workshop.task(name, ONE_LINE[name])
     line = _one_line(capsys)
@@ -194,20 +210,18 @@ def test_the_library_call_that_answers_a_task_is_refused(name, capsys):
     assert f".{CALLED[name]}, refused while {name!r} is graded" in line, line
     assert workshop.check(name, ONE_LINE[name]) is False  # the old check refuses it too
     capsys.readouterr()
-    ok, line = workshop.grade(task, ONE_LINE[name], cases)  # ... and afterwards the library works again
+    ok, line = workshop.grade(plain, ONE_LINE[name], cases)  # ... and afterwards the library works again
     assert ok, line
 
 
 def test_the_solution_and_the_reference_are_refused_inside_the_learners_function(capsys):
-    def borrows(concurrency, per_user, per_gpu):
-        return workshop.solution("curve_bend")(concurrency, per_user, per_gpu)
+    def borrows(**kw):
+        return workshop.solution("curve_bend")(**kw)
     workshop.task("curve_bend", borrows)
     assert "workshop.solution('curve_bend'), refused while 'curve_bend' is graded" in _one_line(capsys)
 
-    def reads_the_key(concurrency, per_user, per_gpu):
-        task = workshop.TASKS["curve_bend"]
-        return task.reference(workshop.Case("x", {"concurrency": concurrency, "per_user": per_user,
-                                                  "per_gpu": per_gpu}, workshop.EXACT))
+    def reads_the_key(**kw):
+        return workshop.TASKS["curve_bend"].reference(workshop.Case("x", kw, workshop.EXACT))
     workshop.task("curve_bend", reads_the_key)
     assert "the reference of 'curve_bend', refused" in _one_line(capsys)
 
@@ -223,7 +237,7 @@ def test_the_reference_kernel_is_refused_at_launch(capsys):
 
 
 def test_an_interrupt_inside_the_learners_function_puts_the_library_back(capsys):
-    def interrupted(concurrency, per_user, per_gpu):
+    def interrupted(**kw):
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):  # the learner's Ctrl-C is not swallowed as "not solved"
         workshop.task("curve_bend", interrupted)
@@ -298,3 +312,48 @@ def test_instructor_guide_mirrors_the_hints():
         "docs/instructor.md")
     for name, task in workshop.TASKS.items():
         assert f"`{name}`" in doc and all(h in doc for h in task.hints), name
+
+
+# ------------------------------------------------------------------------------------ Triton launches
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
+
+
+@triton.jit
+def _double(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) * 2, mask=i < n)
+
+
+def test_kernel_launches_records_what_ran_and_puts_triton_back():
+    from k3lab.workshop._core import _kernel_classes, kernel_launches
+
+    runs = {cls: cls.__dict__["run"] for cls in _kernel_classes()}
+    x = torch.ones(5, device=DEV)
+    with kernel_launches() as outer:
+        _double[(1,)](x, 5, BLOCK=8)
+        with kernel_launches() as inner:
+            _double[(0,)](x, 5, BLOCK=8)  # an empty grid: no program ran
+            _double[lambda meta: (1,)](x, 5, BLOCK=8)
+        _double.warmup(x, 5, BLOCK=8, grid=(1,))  # compiles (on a GPU), runs nothing
+        with pytest.raises(Exception):  # noqa: B017 - Triton's own error for a missing argument
+            _double[(1,)](x, BLOCK=8)
+    assert x.tolist() == [4.0] * 5  # the two launches that ran, and only those
+    assert outer.names() == ["_double", "_double"] and len(inner) == 1
+    assert [launch.programs for launch in outer] == [1, None] and outer.launches[0].kernel is _double
+    assert outer.outside("k3lab") == outer.launches  # this file's kernel is not the library's
+    assert outer.launches[0].module == __name__ and not outer.outside(__name__.split(".")[0])
+    assert {cls: cls.__dict__["run"] for cls in _kernel_classes()} == runs  # put back after the last block
+    _double[(1,)](x, 5, BLOCK=8)  # and launches go on as before
+    assert x.tolist() == [8.0] * 5
+
+
+def test_a_refused_kernel_refuses_to_launch_inside_a_block():
+    from k3lab.workshop._core import kernel_launches
+
+    x = torch.ones(4, device=DEV)
+    with guard.refusing("demo", also={"the demo kernel": _double}), kernel_launches() as seen:
+        with pytest.raises(guard.Refused, match="the demo kernel, refused while 'demo' is graded"):
+            _double[(1,)](x, 4, BLOCK=4)
+    assert len(seen) == 0 and x.tolist() == [1.0] * 4
+    _double[(1,)](x, 4, BLOCK=4)  # outside the block and the guard it launches again
+    assert x.tolist() == [2.0] * 4

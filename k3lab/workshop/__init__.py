@@ -47,7 +47,7 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     kda.TASK,              # 05
     serving.DEPTH,         # 06
     serving.RESUME,        # 07
-    serving.FLOOR,         # 08
+    serving.FIX,           # 08
     curve.BEND,            # 09
 )}
 

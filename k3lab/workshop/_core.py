@@ -16,12 +16,16 @@ learner's function runs).
 
 A task also carries its hint ladder (`hints`: a nudge, the idea, nearly the code), which
 `k3lab.workshop.hint` shows one step at a time and docs/instructor.md mirrors.
+
+`kernel_launches()` records the Triton kernels launched inside a block (the kernel task's grader and the
+Triton ladder use it to refuse an answer in which no Triton kernel of the learner's ran).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +34,7 @@ import torch
 
 from k3lab.bench.checks import CheckFailed, check as check_tensor, tolerance_for
 
-from .guard import Refused
+from .guard import Refused, refusal
 
 EXACT = "exact"  # a case dtype for integer results: equal or wrong
 
@@ -132,8 +136,13 @@ def _compare_one(name: str, got, ref, case: Case) -> str:
         except CheckFailed as exc:
             return str(exc)
         return ""
+    if isinstance(ref, str):  # a choice by name (e.g. which part of a table): equal or wrong
+        if not isinstance(got, str):
+            return f"{name}: expected a str (a name such as {ref!r}), got {_describe(got)}"
+        return "" if got == ref else f"{name}: expected {ref!r}, got {got!r}"
     if isinstance(ref, bool) or not isinstance(ref, (int, float)):
-        raise TypeError(f"a task's reference must give tensors, ints or floats, got {type(ref).__name__}")
+        raise TypeError(f"a task's reference must give tensors, ints, floats or strs, got "
+                        f"{type(ref).__name__}")
     if isinstance(got, torch.Tensor) and got.numel() == 1:
         got = got.item()
     try:
@@ -191,3 +200,162 @@ def grade(task: Task, fn: Callable, cases: list[Case], *, guard=None, who: str =
                 return False, f"{where}: {why}"
     dts = sorted({str(c.dtype).removeprefix("torch.") for c in cases})
     return True, f"{task.name}: pass ({len(cases)} cases; {', '.join(dts)})"
+
+
+# ------------------------------------------------------------------------------ Triton launches
+@dataclass(frozen=True)
+class Launch:
+    """One Triton launch seen by `kernel_launches`: the kernel object (a JITFunction, or an
+    InterpretedFunction under TRITON_INTERPRET=1), its Python function's name and module ('__main__' for
+    a notebook cell), the grid as given, and the programs it ran (None when the grid is a function of the
+    meta-parameters)."""
+
+    kernel: Any
+    name: str
+    module: str
+    grid: Any
+    programs: int | None
+
+
+class LaunchLog:
+    """The Triton launches of one `kernel_launches()` block, in launch order (`launches`)."""
+
+    def __init__(self) -> None:
+        self.launches: list[Launch] = []
+
+    def __len__(self) -> int:
+        return len(self.launches)
+
+    def __iter__(self):
+        return iter(self.launches)
+
+    def names(self) -> list[str]:
+        return [x.name for x in self.launches]
+
+    def outside(self, package: str = "k3lab") -> list[Launch]:
+        """The launches of kernels defined outside `package`: in a grader, the learner's own kernels (a
+        notebook cell's module is '__main__'), not the library's."""
+        return [x for x in self.launches if x.module != package and not x.module.startswith(package + ".")]
+
+
+_LAUNCH_LOCK = threading.Lock()
+_LOGS: list[LaunchLog] = []
+_RUNS: dict[type, Callable | None] = {}  # kernel class -> its own `run` (None: inherited), while open
+
+
+def _kernel_classes() -> list[type]:
+    """The classes whose `run` a launch goes through: `kernel[grid](...)` is `kernel.run(..., grid=grid,
+    warmup=False)` for a compiled JITFunction and for the interpreter's InterpretedFunction alike (an
+    autotuned or heuristics-wrapped kernel ends in one of them)."""
+    classes = []
+    try:
+        from triton.runtime.jit import JITFunction
+
+        classes.append(JITFunction)
+    except ImportError:  # no Triton: nothing can launch
+        return []
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        classes.append(InterpretedFunction)
+    except ImportError:  # pragma: no cover - every Triton 3.x has it
+        pass
+    return classes
+
+
+def _programs(grid) -> int | None:
+    if callable(grid):
+        return None
+    dims = grid if isinstance(grid, (tuple, list)) else (grid,)
+    n = 1
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int):
+            return None
+        n *= d
+    return n
+
+
+def _counting(run: Callable) -> Callable:
+    def run_counted(self, *args, **kwargs):
+        why = refusal(self)  # a kernel that answers the graded task refuses to launch, whoever launches it
+        if why:
+            raise Refused(why)
+        out = run(self, *args, **kwargs)
+        grid = kwargs.get("grid")
+        programs = _programs(grid)
+        if not kwargs.get("warmup") and programs != 0:
+            fn = getattr(self, "fn", None)
+            launch = Launch(self, getattr(fn, "__name__", type(self).__name__),
+                            getattr(fn, "__module__", None) or "", grid, programs)
+            for log in list(_LOGS):
+                log.launches.append(launch)
+        return out
+
+    run_counted.__wrapped__ = run
+    return run_counted
+
+
+@contextlib.contextmanager
+def kernel_launches():
+    """Record every Triton kernel launched inside the block; yields a `LaunchLog`.
+
+        with kernel_launches() as seen:
+            out = learner_fn(x)
+        if not seen.outside("k3lab"):
+            ...  # "no Triton kernel launched": plain PyTorch (or only the library's kernels) ran
+
+    A launch is a `kernel[grid](...)` call that returned, compiled on a GPU or in Triton's interpreter on a
+    CPU; a warm-up (`kernel.warmup`), a launch over an empty grid and a launch that raised are not counted,
+    and neither is a @triton.jit function called from inside another kernel (that is part of the caller's
+    launch). An autotuned kernel counts every launch its tuner makes. While a block is open, a kernel that
+    `guard.refusal` names (the graded task's own kernel) raises Refused at launch, by whatever path it is
+    launched. How: the `run` of Triton's kernel classes is wrapped while any block is open and put back
+    when the last one closes; blocks nest (each sees the launches of its own span); like the guard, the
+    wrap is process-wide, so another thread's launches in the span are recorded too."""
+    log = LaunchLog()
+    with _LAUNCH_LOCK:
+        if not _LOGS:
+            for cls in _kernel_classes():
+                _RUNS[cls] = cls.__dict__.get("run")
+                cls.run = _counting(cls.run)
+        _LOGS.append(log)
+    try:
+        yield log
+    finally:
+        with _LAUNCH_LOCK:
+            _LOGS.remove(log)
+            if not _LOGS:
+                for cls, run in _RUNS.items():
+                    if run is None:
+                        del cls.run
+                    else:
+                        cls.run = run
+                _RUNS.clear()
+
+
+# ------------------------------------------------------------------------------ cases that name a pitfall
+def cases_exposing(rng, steps, answer: Callable, *, tries: int = 5000) -> list[tuple[str, Any]]:
+    """Random cases ordered so that each common mistake first fails on the case named for it.
+
+    steps: [(mistakes, draw)], in case order: `draw(rng)` -> (label, inputs) makes a random candidate;
+    `answer(inputs, mistake)` -> the answer (hashable) that `mistake` gives (None: the right one), or None
+    when it is not decided (a near-tie the learner's rounding could flip). A candidate for step i is kept
+    when the right answer is decided, every mistake of step i gives another (decided) answer, and every
+    mistake of the later steps gives the right one: so a learner who makes mistake m passes the cases before
+    m's and fails on m's, whose label names what m misses. RuntimeError after `tries` candidates (the draw
+    cannot expose the mistake: a bug of the task, not of the learner)."""
+    later = [m for ms, _ in steps for m in ms]
+    out = []
+    for mistakes, draw in steps:
+        later = later[len(mistakes):]
+        for _ in range(tries):
+            label, inputs = draw(rng)
+            right = answer(inputs, None)
+            if right is None or any(answer(inputs, m) in (None, right) for m in mistakes):
+                continue
+            if all(answer(inputs, m) == right for m in later):
+                out.append((label, inputs))
+                break
+        else:
+            raise RuntimeError(f"no case in {tries} draws exposes {mistakes} alone")
+    return out

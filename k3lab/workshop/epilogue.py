@@ -7,10 +7,14 @@ fused decode folds in. The learner fills the holes of `SKELETON`; the wrapper be
 complete. Rows are [rows, D] with D = 128 (KDA's head dim) and widths that are not a power of two, so
 the column mask and the mean over D (not over the padded BLOCK) both matter. It runs compiled on GPU
 tensors and in Triton's interpreter on CPU tensors (fp32 and fp16; bf16 casts truncate there).
-Graded against `k3lab.nn.norms.gated_rms_norm` in fp64.
+Graded against `k3lab.nn.norms.gated_rms_norm` in fp64, and only when a Triton kernel of the learner's
+launched during the call (`_core.kernel_launches`): the same numbers from plain PyTorch, or from a
+kernel of k3lab's own, do not solve it.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import triton
@@ -18,7 +22,7 @@ import triton.language as tl
 
 from k3lab.nn.norms import gated_rms_norm
 
-from ._core import Case, Task
+from ._core import Case, Mismatch, Task, kernel_launches
 from .guard import Refused, refusal
 
 EPS = 1e-5
@@ -119,6 +123,24 @@ def _reference(case: Case):
     return gated_rms_norm(x64["x"], x64["gate"], x64["weight"], x["eps"])
 
 
+def _run(fn, case: Case):
+    """The learner's gated_norm on a copy of the case, refused unless a Triton kernel of theirs launched (the
+    reference solution's own kernel for the reference)."""
+    with kernel_launches() as seen:
+        out = fn(**copy.deepcopy(case.inputs))
+        if isinstance(out, torch.Tensor) and out.is_cuda:
+            torch.cuda.synchronize()  # a launch's fault surfaces here, as the learner's error
+    ran = ([x for x in seen if x.kernel is _gated_norm_kernel] if fn is gated_norm_solution  # the reference
+           else seen.outside("k3lab"))
+    if not ran:
+        library = sorted(set(seen.names()))
+        raise Mismatch("no Triton kernel launched" + (f" of yours (only k3lab's own: {', '.join(library)})"
+                                                      if library else "")
+                       + ": gated_norm must launch your @triton.jit kernel, gated_norm_kernel[grid](...); "
+                       "the same numbers from PyTorch do not count")
+    return out
+
+
 STUB = SKELETON
 
 TASK = Task(
@@ -130,11 +152,12 @@ TODOs of `gated_norm_kernel` (one program per row, the whole row in registers): 
 weight, take the mean of `x*x` over the **D** real columns (BLOCK is D rounded up to a power of two, and
 one case has D = 100), and write `y = x * rstd * w * sigmoid(gate)`. The wrapper `gated_norm` is
 complete. `check` runs it compiled on a GPU, in Triton's interpreter on a CPU, against
-`k3lab.nn.norms.gated_rms_norm` in fp64.""",
+`k3lab.nn.norms.gated_rms_norm` in fp64, and refuses an answer in which no Triton kernel of yours
+launched.""",
     signature="gated_norm(x: Tensor[rows, D], gate: Tensor[rows, D], weight: Tensor[D], eps: float = 1e-5) "
               "-> Tensor[rows, D] (x's dtype)",
     outputs=("out",), cases=_cases, reference=_reference, solution=gated_norm_solution, stub=STUB,
-    skeleton=SKELETON, on_device=True,
+    run=_run, skeleton=SKELETON, on_device=True,
     forbidden=("k3lab.nn.norms.gated_rms_norm", "k3lab.workshop.epilogue._gated_norm_kernel"),
     hints=(
         "One program holds one row in registers and x is already loaded. The gate is laid out like x "

@@ -1,51 +1,121 @@
-"""Tasks of notebooks 06 (draft depth), 07 (agent cache) and 08 (the whole step): host-side
-arithmetic, graded against the library functions the notebooks use: `k3lab.speculative.best_depth`,
-`k3lab.cache.resume.resume_point` and `k3lab.studies.decode_step.measure.step_bytes`.
+"""Tasks of notebooks 06 (the draft depth a server's log and costs call for), 07 (agent cache) and 08
+(which part of the step to fix first): host-side decisions from evidence, graded against k3lab's own
+functions: `k3lab.speculative.best_depth` on the acceptance curve a log implies,
+`k3lab.cache.resume.resume_point` and `k3lab.studies.decode_step.headroom`.
+
+The cases of 06 and 08 are fresh random logs, costs and attribution tables (08's rescaled from the
+committed H200 records), ordered so that each common mistake first fails on a case whose label names
+what it misses (`_core.cases_exposing`; the mistakes are listed in DEPTH_MISTAKES and FIX_MISTAKES).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
 from k3lab import speculative as spec
 from k3lab.cache.resume import resume_point
-from k3lab.config import K3Config
-from k3lab.studies.decode_step.measure import step_bytes
 
-from ._core import EXACT, Case, Task
+from ._core import EXACT, Case, Task, cases_exposing
 
 
 # ------------------------------------------------------------------------------------------ 06
-def _rates(acceptance, draft_step_us, verify_us, commit_us) -> np.ndarray:
-    costs = spec.CycleCosts(draft_step_us=draft_step_us, verify_us=tuple(verify_us), commit_us=commit_us)
-    return spec.best_depth(acceptance, costs).table["tokens_per_s"].to_numpy()
+# The mistakes the cases are built to expose, in case order (tests/test_workshop.py writes each out):
+# every depth committing what the K-deep cycles did; depth k's cycle charged the verification of k
+# positions; the most tokens per cycle instead of per microsecond; a cycle's commit capped at k tokens.
+DEPTH_MISTAKES = ("no_truncation", "k_positions", "most_tokens", "bonus_dropped")
+# Per kind of cost curve: the first acceptance and its decay per position, verification's growth per
+# position (a share of one position's time), its step past a tile of tokens (a share), a draft step (a
+# share); the tile: K - 1 positions, or None for 3-5 at random.
+_DEPTH_KINDS = {
+    "cheap drafts, memory-bound verification": ((0.8, 0.95), (0.95, 1.0), 0.005, (0.0, 0.02), (0.005, 0.02),
+                                                None),
+    "a tile step": ((0.75, 0.95), (0.93, 1.0), 0.005, (0.05, 0.4), (0.005, 0.03), "K-1"),
+    "compute-bound verification": ((0.6, 0.95), (0.85, 1.0), 0.2, (0.05, 0.2), (0.01, 0.05), None),
+    "middling costs": ((0.5, 0.9), (0.8, 1.0), 0.04, (0.05, 0.2), (0.01, 0.08), None),
+    "memory-bound verification": ((0.6, 0.95), (0.85, 1.0), 0.01, (0.3, 0.5), (0.01, 0.05), None),
+    "slow drafter": ((0.6, 0.95), (0.85, 1.0), 0.04, (0.05, 0.2), (0.1, 0.2), None),
+    "steep acceptance decay": ((0.6, 0.95), (0.55, 0.75), 0.04, (0.05, 0.2), (0.01, 0.05), None),
+}
+
+
+def _log_survival(committed_counts) -> np.ndarray:
+    """S[j] = the share of the logged cycles that accepted at least j drafts, j = 0..K (S[0] = 1)."""
+    n = np.asarray(committed_counts, dtype=np.float64)
+    return n[::-1].cumsum()[::-1] / n.sum()
+
+
+def acceptance_of_log(committed_counts) -> np.ndarray:
+    """The conditional acceptance curve a log implies: committed_counts[c - 1] cycles of a run drafted K
+    deep committed c tokens (c - 1 drafts accepted); a[j - 1] = P(draft j accepted | drafts 1..j - 1 were)
+    = S[j] / S[j - 1] (0 past the deepest draft any cycle accepted)."""
+    s = _log_survival(committed_counts)
+    prev = s[:-1]
+    return np.clip(np.divide(s[1:], prev, out=np.zeros_like(prev), where=prev > 0), 0.0, 1.0)
+
+
+def _depth_answer(x: dict, mistake: str | None = None) -> int | None:
+    """The depth `mistake` picks (None: the right one), or None when the top two rates are within 1e-4."""
+    s = _log_survival(x["committed_counts"])
+    K = s.size - 1
+    k = np.arange(1, K + 1)
+    committed = np.cumsum(s)[1:]  # cycles stopped after k drafts: E[min(accepted, k)] + 1
+    if mistake == "no_truncation":
+        committed = np.full(K, float(np.dot(np.arange(1, K + 2), x["committed_counts"]))
+                            / sum(x["committed_counts"]))
+    elif mistake == "bonus_dropped":
+        committed = np.cumsum(s)[:-1]
+    verify = np.asarray(x["verify_us"], dtype=np.float64)
+    cycle = k * x["draft_step_us"] + verify[k - 1 if mistake == "k_positions" else k] + x["commit_us"]
+    rate = committed if mistake == "most_tokens" else committed / cycle
+    top = np.sort(rate)[::-1]
+    if top.size > 1 and top[0] < top[1] * (1 + 1e-4):
+        return None
+    return int(np.argmax(rate)) + 1
+
+
+def _depth_draw(kind: str, label):
+    """A draw for cases_exposing: a K-deep run's log of committed tokens (cycles simulated from a random
+    acceptance curve) and random costs of kind `kind`; label(K, tile) names the case."""
+    first, decay, per_position, step_of_one, draft_of_one, tile_rule = _DEPTH_KINDS[kind]
+
+    def draw(rng):
+        K = int(rng.integers(4, 8))
+        acc = np.clip(rng.uniform(*first) * rng.uniform(*decay) ** np.arange(K), 0.02, 0.99)
+        rejected = rng.random((int(rng.integers(300, 1000)), K)) >= acc
+        accepted = np.where(rejected.any(axis=1), rejected.argmax(axis=1), K)
+        counts = np.bincount(accepted, minlength=K + 1)
+        one = rng.uniform(5_000, 20_000)
+        extra = per_position * one * rng.uniform(0.5, 1.5)
+        bend = rng.uniform(1.0, 1.3)  # verification grows a little faster than linearly
+        tile = K - 1 if tile_rule == "K-1" else int(rng.choice([3, 4, 5]))
+        step = one * rng.uniform(*step_of_one)  # and steps up where the positions outgrow a tile of tokens
+        verify = [float(one + extra * (n - 1) ** bend + step * (n > tile)) for n in range(1, K + 2)]
+        return label(K, tile), {"committed_counts": [int(c) for c in counts],
+                                "draft_step_us": float(one * rng.uniform(*draft_of_one)), "verify_us": verify,
+                                "commit_us": float(one * rng.uniform(0.005, 0.02))}
+    return draw
 
 
 def _depth_cases(seed: int, device) -> list[Case]:
     rng = np.random.default_rng(seed)
-    kinds = ["memory-bound verify", "compute-bound verify", "slow drafter", "steep acceptance decay"]
-    out: list[Case] = []
-    while len(out) < 8:
-        kind = kinds[len(out) % len(kinds)]
-        K = int(rng.integers(5, 9))
-        first = rng.uniform(0.6, 0.95)
-        decay = rng.uniform(0.55, 0.75) if kind == "steep acceptance decay" else rng.uniform(0.85, 1.0)
-        acc = np.clip(first * decay ** np.arange(K), 0.01, 0.99)
-        one = rng.uniform(5_000, 20_000)
-        per_position = {"memory-bound verify": 0.01, "compute-bound verify": 0.2}.get(kind, 0.04)
-        extra = per_position * one * rng.uniform(0.5, 1.5)
-        curve = rng.uniform(1.0, 1.3)  # verification grows a little faster than linearly,
-        tile = int(rng.choice([3, 4, 5]))  # and steps up where the positions outgrow one tile of tokens
-        step = one * (rng.uniform(0.3, 0.5) if kind == "memory-bound verify" else rng.uniform(0.05, 0.2))
-        verify = [float(one + extra * (n - 1) ** curve + step * (n > tile)) for n in range(1, K + 2)]
-        draft = one * (rng.uniform(0.1, 0.2) if kind == "slow drafter" else rng.uniform(0.01, 0.05))
-        commit = one * rng.uniform(0.005, 0.02)
-        rates = np.sort(_rates(acc, draft, verify, commit))
-        if rates[-1] < rates[-2] * (1 + 1e-6):  # a near tie: the best depth would hang on rounding
-            continue
-        inputs = {"acceptance": acc, "draft_step_us": float(draft), "verify_us": verify,
-                  "commit_us": float(commit)}
-        out.append(Case(f"{kind}, {K} drafts at most", inputs, EXACT))
+    steps = [
+        (("no_truncation",), _depth_draw("cheap drafts, memory-bound verification", lambda K, t: (
+            f"a log of {K}-deep cycles: drafting k, a cycle that would have accepted more stops at k"))),
+        (("k_positions",), _depth_draw("a tile step", lambda K, t: (
+            f"verification steps up past {t} positions: a depth-k cycle verifies k + 1"))),
+        (("most_tokens",), _depth_draw("compute-bound verification", lambda K, t: (
+            "compute-bound verification: deeper drafts commit more per cycle, fewer per microsecond"))),
+        (("bonus_dropped",), _depth_draw("middling costs", lambda K, t: (
+            "a cycle that accepts all k drafts still commits the target's bonus token"))),
+    ]
+    out = [Case(label, x, EXACT) for label, x in cases_exposing(rng, steps, _depth_answer)]
+    for kind in ("memory-bound verification", "compute-bound verification", "slow drafter",
+                 "steep acceptance decay"):
+        draw = _depth_draw(kind, lambda K, t, kind=kind: f"{kind}, a log of {K}-deep cycles")
+        label, x = next(c for c in iter(lambda: draw(rng), None) if _depth_answer(c[1]) is not None)
+        out.append(Case(label, x, EXACT))
     return out
 
 
@@ -53,17 +123,16 @@ def _depth_reference(case: Case) -> int:
     x = case.inputs
     costs = spec.CycleCosts(draft_step_us=x["draft_step_us"], verify_us=tuple(x["verify_us"]),
                             commit_us=x["commit_us"])
-    return spec.best_depth(x["acceptance"], costs).depth
+    return spec.best_depth(acceptance_of_log(x["committed_counts"]), costs).depth
 
 
-def best_depth_solution(acceptance, draft_step_us, verify_us, commit_us):
-    """committed(k) = 1 + a1 + a1 a2 + ... + a1...ak (the recovery or bonus token counts);
-    cycle(k) = k draft steps + one verification of k + 1 positions + the commit."""
+def best_depth_solution(committed_counts, draft_step_us, verify_us, commit_us):
+    """Drafting only k, a logged cycle that committed c tokens commits min(c, k + 1): its first k drafts
+    fared as they did, and the target adds its token. Rate = that mean over the log / the cycle's time."""
+    cycles = sum(committed_counts)
     best, best_rate = 0, -1.0
-    survive, committed = 1.0, 1.0
-    for k in range(1, len(acceptance) + 1):
-        survive *= acceptance[k - 1]
-        committed += survive
+    for k in range(1, len(committed_counts)):
+        committed = sum(n * min(c, k + 1) for c, n in enumerate(committed_counts, start=1)) / cycles
         cycle = k * draft_step_us + verify_us[k] + commit_us   # verify_us[n - 1]: n positions
         if committed / cycle > best_rate:
             best, best_rate = k, committed / cycle
@@ -71,41 +140,44 @@ def best_depth_solution(acceptance, draft_step_us, verify_us, commit_us):
 
 
 DEPTH_STUB = '''\
-def best_depth(acceptance, draft_step_us, verify_us, commit_us):
-    """acceptance[i]: P(draft i + 1 accepted | the drafts before it were), for depths 1..K.
-    verify_us[n - 1]: one target forward over n positions, n = 1..K + 1. Return the depth k in 1..K
-    with the most committed tokens per microsecond."""
-    # TODO: committed(k) = 1 + a1 + a1*a2 + ... + a1*...*ak
-    #       cycle(k) = k * draft_step_us + (verification of k + 1 positions) + commit_us
+def best_depth(committed_counts, draft_step_us, verify_us, commit_us):
+    """committed_counts[c - 1]: how many cycles of a server's log committed c tokens, c = 1..K + 1, with
+    K drafts a cycle. verify_us[n - 1]: one target forward over n positions, n = 1..K + 1. Return the
+    depth k in 1..K that would have committed the most tokens per microsecond on these cycles."""
+    # TODO: for each depth k: what would these cycles have committed, and what does one cycle cost?
     raise NotImplementedError("choose the depth")
 '''
 
 DEPTH = Task(
     name="draft_depth", notebook="06_draft_depth", minutes=15,
     statement="""\
-**Task: choose the draft depth from a cost curve.** Write `best_depth(acceptance, draft_step_us,
-verify_us, commit_us)`: for each depth `k` the expected committed tokens per cycle (the accepted drafts
-plus the one recovery or bonus token) over the cycle time (k draft steps, one verification of `k + 1`
-positions, the commit), and return the `k` with the highest rate. `verify_us[n - 1]` is the
-verification of `n` positions; it steps up where the positions outgrow one tile of tokens. `check`
-compares with `k3lab.speculative.best_depth` on eight cost curves.""",
-    signature="best_depth(acceptance: ndarray[K], draft_step_us: float, verify_us: list[float] (K + 1), "
-              "commit_us: float) -> int",
+**Task: the draft depth for another drafter and another target.** A server drafted `K` tokens a cycle
+and logged what each cycle committed: `committed_counts[c - 1]` cycles committed `c` tokens (the
+accepted drafts and the target's own token). Its costs differ from this page's too: a draft step takes
+`draft_step_us`, one target forward over `n` positions `verify_us[n - 1]` (it steps up where the
+positions outgrow a tile of tokens), the commit `commit_us`. Write `best_depth(committed_counts,
+draft_step_us, verify_us, commit_us)` returning the depth `k` (1 to `K`) at which the same cycles would
+have committed the most tokens per microsecond. `check` tries eight fresh logs and cost curves against
+`k3lab.speculative.best_depth` on the acceptance curve the log implies.""",
+    signature="best_depth(committed_counts: list[int] (K + 1), draft_step_us: float, verify_us: list[float] "
+              "(K + 1), commit_us: float) -> int",
     outputs=("depth",), cases=_depth_cases, reference=_depth_reference, solution=best_depth_solution,
     stub=DEPTH_STUB,
     forbidden=("k3lab.speculative.costs.best_depth", "k3lab.speculative.acceptance.expected_committed_all",
                "k3lab.speculative.acceptance.expected_committed",
-               "k3lab.speculative.costs.CycleCosts.cycle_us", "k3lab.speculative.costs.CycleCosts.cycle_all"),
+               "k3lab.speculative.acceptance.committed_distribution",
+               "k3lab.speculative.costs.CycleCosts.cycle_us", "k3lab.speculative.costs.CycleCosts.cycle_all",
+               "k3lab.workshop.serving.acceptance_of_log"),
     hints=(
-        "Each depth k has a payoff, the tokens one cycle commits, and a cost, the cycle's microseconds. The "
-        "best depth has the best ratio, not the most tokens.",
-        "Draft i counts only if drafts 1..i were all accepted, with probability a1 a2 ... ai. Expected "
-        "committed tokens at depth k = 1 + the sum of those products for i <= k (the 1 is the recovery or "
-        "bonus token the target always gives). A cycle of depth k drafts k tokens, verifies k + 1 "
+        "Two things change with the depth k: what one cycle commits on average, and how long it takes. Work "
+        "out both for every k from 1 to K from the log, then compare tokens per microsecond.",
+        "Drafting only k, a cycle's first k drafts fare exactly as in the log, and drafting stops there: a "
+        "logged cycle that committed c tokens (c - 1 accepted drafts) would commit min(c, k + 1), the target "
+        "adding its recovery or bonus token either way. One such cycle drafts k tokens, verifies k + 1 "
         "positions and commits.",
-        "Start from `committed, survive = 1.0, 1.0`; for k = 1..K: `survive *= acceptance[k - 1]`, "
-        "`committed += survive`, `cycle = k * draft_step_us + verify_us[k] + commit_us` (verify_us[k] is "
-        "k + 1 positions); keep the k, counted from 1, with the largest committed / cycle.",
+        "`cycles = sum(committed_counts)`; for k in 1..K: `committed = sum(n * min(c, k + 1) for c, n in "
+        "enumerate(committed_counts, start=1)) / cycles` and `cycle = k * draft_step_us + verify_us[k] + "
+        "commit_us` (verify_us[k] is k + 1 positions); return the k with the largest committed / cycle.",
     ))
 
 
@@ -191,81 +263,130 @@ next token's logits; 0 when no checkpoint qualifies) and the number of prompt to
 
 
 # ------------------------------------------------------------------------------------------ 08
-def _floor_cases(seed: int, device) -> list[Case]:
-    rng = np.random.default_rng(seed)
-    tp8, tiny = K3Config.tp_slice(8), K3Config.tiny()
-    shapes = [("TP8 rank, B = 1, 1K", tp8, 1, 1024), ("TP8 rank, B = 1, 128K", tp8, 1, 131072),
-              ("TP8 rank, B = 64, 8K", tp8, 64, 8192), ("tiny preset, B = 3, 40", tiny, 3, 40)]
-    shapes.append(("TP8 rank, random", tp8, int(rng.integers(2, 200)), int(rng.integers(100, 200_000))))
+# The mistakes the cases are built to expose, in case order: the saving counted from the kernels alone
+# (the gaps before them left out); the longest part; the part furthest from its floor as a ratio; a part
+# with no floor (None) taken as a floor of 0.
+FIX_MISTAKES = ("kernels_only", "longest", "worst_ratio", "no_floor_is_zero")
+FIX_COLUMNS = ("part", "kernels", "kernel_ms", "gap_ms", "total_ms", "share", "floor_ms", "kernel_vs_floor")
+
+
+@functools.lru_cache(maxsize=1)
+def _attribution_tables() -> tuple[tuple[str, tuple[tuple, ...]], ...]:
+    """(record name, its part rows as item tuples) for every committed attribution record of the step."""
+    from k3lab.studies import decode_step as ds
+
     out = []
-    for label, cfg, B, ctx in shapes:
-        bw = float(rng.choice([4.25, 8.0, 3.2]))
-        dense = step_bytes(cfg, B, ctx)["weights_dense"]
-        out.append(Case(f"{label}, {bw} TB/s", {"config": cfg, "batch": B, "context_len": ctx,
-                                                "dense_weight_bytes": dense, "bandwidth_tbs": bw}, "fp64"))
+    for r in ds.floor_rows():
+        rows, _ = ds.attribution_rows(r["case"], r["variant"])
+        if rows:
+            out.append((f"{r['case']} {r['variant']}", tuple(tuple(sorted(x.items())) for x in rows)))
+    if not out:
+        raise LookupError("fix_first's cases start from the committed H200 attribution records "
+                          "(profiles/nvidia-h200/decode_step/attribution.*.json), and none was found")
+    return tuple(out)
+
+
+def _fix_draw(rng) -> tuple[str, dict]:
+    """One committed attribution table with every part's kernel time, gaps and floor rescaled at random
+    (a floor kept below the kernels' time), its rows shuffled: a table no page shows."""
+    tables = _attribution_tables()
+    name, rows = tables[int(rng.integers(len(tables)))]
+    parts = []
+    for r in map(dict, rows):
+        kernel, gap = r["kernel_ms"] * rng.uniform(0.4, 1.6), r["gap_ms"] * rng.uniform(0.3, 2.5)
+        floor = r["floor_ms"]
+        if floor is not None:
+            floor *= rng.uniform(0.6, 1.4)
+            if floor > 0.95 * kernel:
+                floor = kernel * rng.uniform(0.3, 0.9)
+        parts.append({"part": r["part"], "kernels": int(r["kernels"]), "kernel_ms": kernel, "gap_ms": gap,
+                      "total_ms": kernel + gap, "floor_ms": floor,
+                      "kernel_vs_floor": None if floor is None else kernel / floor})
+    step = sum(p["total_ms"] for p in parts)
+    parts = [{k: ({**p, "share": p["total_ms"] / step})[k] for k in FIX_COLUMNS} for p in parts]
+    rng.shuffle(parts)
+    return name, {"parts": parts}
+
+
+def _fix_answer(x: dict, mistake: str | None = None) -> tuple[str, float] | None:
+    """(part, ms saved) that `mistake` gives (None: the right one); None when the best two savings are
+    within 5% (which part is first would hang on rounding)."""
+    rows = []
+    for p in x["parts"]:
+        floor = p["floor_ms"]
+        if floor is None and mistake != "no_floor_is_zero":
+            continue
+        saved = (p["kernel_ms"] if mistake == "kernels_only" else p["total_ms"]) - (floor or 0.0)
+        key = {"longest": p["total_ms"], "worst_ratio": p["kernel_vs_floor"] or 0.0}.get(mistake, saved)
+        rows.append((key, p["part"], saved))
+    rows.sort(reverse=True)
+    if mistake is None and len(rows) > 1 and rows[0][0] < 1.05 * rows[1][0]:
+        return None
+    return rows[0][1], rows[0][2]
+
+
+def _fix_cases(seed: int, device) -> list[Case]:
+    rng = np.random.default_rng(seed)
+
+    def named(label):
+        return lambda r: (lambda name, x: (f"{label} (from {name})", x))(*_fix_draw(r))
+    steps = [(("kernels_only",), named("the gaps before a part's kernels are its time too")),
+             (("longest",), named("the longest part is not the one with the most ms above its floor")),
+             (("worst_ratio",), named("the part furthest from its floor as a ratio has few ms to give")),
+             (("no_floor_is_zero",), named("a part with no bytes floor (None) cannot be ranked by this "
+                                           "table"))]
+    out = [Case(label, x, "fp32") for label, x in cases_exposing(rng, steps, _fix_answer)]
+    while len(out) < 7:
+        name, x = _fix_draw(rng)
+        if _fix_answer(x) is not None:
+            out.append(Case(f"random table from {name}", x, "fp32"))
     return out
 
 
-def _floor_reference(case: Case) -> float:
-    x = case.inputs
-    parts = step_bytes(x["config"], x["batch"], x["context_len"])
-    total = parts["total"] - parts["weights_dense"] + x["dense_weight_bytes"]
-    return total / (x["bandwidth_tbs"] * 1e6)
+def _fix_reference(case: Case) -> tuple[str, float]:
+    from k3lab.studies.decode_step import headroom
+
+    first = headroom(case.inputs["parts"])[0]
+    return first["part"], first["headroom_ms"]
 
 
-def step_floor_solution(config, batch, context_len, dense_weight_bytes, bandwidth_tbs):
-    """Bytes every step must move once, over the bandwidth, in microseconds (bf16 weights and cache)."""
-    c, N = config, batch
-    E, k = c.num_experts, c.num_experts_per_token
-    chosen = E * (1 - (1 - k / E) ** N)          # distinct experts N tokens choose, uniform routing
-    experts = c.num_moe_layers * chosen * 3 * c.moe_intermediate_size * c.routed_expert_hidden_size * 2
-    mla = c.num_mla_layers * batch * (context_len + 2) * c.mla_latent_dim * 2
-    state = c.num_kda_layers * batch * 2 * c.kda_state_bytes_per_sequence()
-    conv = c.num_kda_layers * batch * 2 * c.kda_conv_state_values_per_sequence() * 2
-    total = dense_weight_bytes + experts + mla + state + conv
-    return total / (bandwidth_tbs * 1e12) * 1e6
+def fix_first_solution(parts):
+    """The part whose time (kernels and the gaps before them) lies furthest above its bytes floor, in ms,
+    among the parts that have a floor; that distance is what the step saves when the part reaches it."""
+    best = max((p for p in parts if p["floor_ms"] is not None), key=lambda p: p["total_ms"] - p["floor_ms"])
+    return best["part"], best["total_ms"] - best["floor_ms"]
 
 
-FLOOR_STUB = '''\
-def step_floor_us(config, batch, context_len, dense_weight_bytes, bandwidth_tbs):
-    """The bytes floor of one decode step of one rank (config: a K3Config), in microseconds.
-    dense_weight_bytes: every weight but the routed experts, read once (given). bf16: 2 bytes."""
-    # TODO: routed experts: num_moe_layers x (distinct experts `batch` tokens choose) x one expert's bytes
-    #       MLA history: num_mla_layers x batch x (context_len + 2) x mla_latent_dim x 2
-    #       KDA state and conv history: read and written (x 2) per KDA layer and sequence
-    #       floor = total bytes / bandwidth
-    raise NotImplementedError("count the bytes")
+FIX_STUB = '''\
+def fix_first(parts):
+    """parts: one step's attribution table, a list of rows (dicts) with the keys part, kernels, kernel_ms,
+    gap_ms, total_ms, share, floor_ms (None where the part has no bytes floor) and kernel_vs_floor.
+    Return (part, saved_ms): the part to work on first, and the ms one step would save if that part ran
+    at its bytes floor."""
+    # TODO: what would each part give back at its floor?
+    raise NotImplementedError("choose the part")
 '''
 
-FLOOR = Task(
-    name="step_floor", notebook="08_all_together", minutes=15,
+FIX = Task(
+    name="fix_first", notebook="08_all_together", minutes=10,
     statement="""\
-**Task: the bytes floor of a step.** A decode step of one TP8 rank must read every weight it uses once,
-the MLA history, and read and write the KDA state. Write `step_floor_us(config, batch, context_len,
-dense_weight_bytes, bandwidth_tbs)` in microseconds, with the dense weights given and everything in
-bf16 (2 bytes): add the routed experts (`batch` tokens choosing `k` of `E` experts uniformly touch
-`E (1 - (1 - k/E)^batch)` distinct experts per MoE layer, each `3 x moe_intermediate_size x
-routed_expert_hidden_size` values), the MLA history (`num_mla_layers x batch x (context_len + 2) x
-mla_latent_dim`: the history plus the new row written and read), the KDA state
-(`kda_state_bytes_per_sequence()`, fp32) and conv history (`kda_conv_state_values_per_sequence()`
-values), both read and written per KDA layer. `check` compares with
-`k3lab.studies.decode_step.measure.step_bytes`.""",
-    signature="step_floor_us(config: K3Config, batch: int, context_len: int, dense_weight_bytes: float, "
-              "bandwidth_tbs: float) -> float",
-    outputs=("floor_us",), cases=_floor_cases, reference=_floor_reference, solution=step_floor_solution,
-    stub=FLOOR_STUB,
-    forbidden=("k3lab.studies.decode_step.measure.step_bytes",
-               "k3lab.studies.decode_step.measure.part_bytes"),
+**Task: what to fix first.** The attribution table above says where one step's time goes, part by part,
+beside each part's bytes floor. Write `fix_first(parts)` for a table like it (a list of rows with the
+same columns, `floor_ms` None where a part has no bytes floor): return the part to work on first, the
+one whose reaching its floor would save the step the most, and the ms the step would save. `check` gives
+seven tables it makes from the committed H200 records, every part's times and floor rescaled at random,
+so none is the one on this page; the part must match, and the ms to a relative 2e-4.""",
+    signature="fix_first(parts: list[dict]) -> (part: str, saved_ms: float)",
+    outputs=("part", "saved_ms"), cases=_fix_cases, reference=_fix_reference, solution=fix_first_solution,
+    stub=FIX_STUB,
+    forbidden=("k3lab.studies.decode_step.headroom",),
     hints=(
-        "A floor counts the bytes a step cannot avoid moving, once each, and divides by the bandwidth. "
-        "List what one decode step must read, and what it must write back.",
-        "Besides the dense weights (given): the routed experts the batch touches (tokens share experts: "
-        "`batch` tokens choosing k of E uniformly touch E (1 - (1 - k/E)^batch) distinct experts per MoE "
-        "layer), the MLA history (context_len + 2 rows per layer and sequence), and the KDA state and conv "
-        "history, read and written back (x 2). TB/s is 10^12 bytes per second; answer in microseconds.",
-        "`experts = num_moe_layers * chosen * 3 * moe_intermediate_size * routed_expert_hidden_size * 2`; "
-        "`mla = num_mla_layers * batch * (context_len + 2) * mla_latent_dim * 2`; "
-        "`state = num_kda_layers * batch * 2 * config.kda_state_bytes_per_sequence()`; the conv history "
-        "likewise from `kda_conv_state_values_per_sequence()` at 2 bytes; "
-        "`total / (bandwidth_tbs * 1e12) * 1e6`.",
+        "A part at its bytes floor still takes floor_ms: what it gives back is the distance between its time "
+        "now and that floor. The biggest part, or the one with the worst ratio, is not always the one with "
+        "the most milliseconds to give.",
+        "A part's time in the step is its kernels and the idle gaps before them (total_ms); at its floor it "
+        "takes floor_ms in all. The saving is total_ms - floor_ms; the part to fix first has the largest. A "
+        "part whose floor_ms is None has no floor to reach in this table: leave it out.",
+        "`best = max((p for p in parts if p['floor_ms'] is not None), key=lambda p: p['total_ms'] - "
+        "p['floor_ms'])`, then return `best['part']` and that difference.",
     ))

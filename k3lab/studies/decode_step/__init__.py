@@ -294,6 +294,21 @@ def floor_rows(records=None) -> list[dict]:
     return sorted(rows, key=lambda row: (order.get(row["case"], len(order)), row["variant"]))
 
 
+def headroom(rows: list[dict]) -> list[dict]:
+    """What each part of an attribution table (`attribution_rows`' rows) would give back at its bytes floor:
+    one row per part that has a floor, largest first, with headroom_ms = total_ms - floor_ms (its kernels
+    and the gaps before them, against what its bytes take at the copy bandwidth). A part without a floor
+    (floor_ms None: the mixes, the collectives' stand-ins, the embedding) is left out: the table cannot say
+    how far it could go. The first row is the part to work on first and what the step would save."""
+    out = []
+    for r in rows:
+        if r.get("floor_ms") is None:
+            continue
+        out.append({"part": r["part"], "total_ms": r["total_ms"], "floor_ms": r["floor_ms"],
+                    "headroom_ms": r["total_ms"] - r["floor_ms"]})
+    return sorted(out, key=lambda row: -row["headroom_ms"])
+
+
 def attribution_figure(rows: list[dict], title: str):
     """Stacked bars per part: its kernels' time and the idle gaps before them, beside its bytes floor."""
     import plotly.graph_objects as go

@@ -28,10 +28,12 @@ TRITON_SPEC ?= triton==3.6.0
 run: $(STAMP)
 	$(PY) -m k3lab.cli report
 
-# required_plugins: the hang guard (pytest-timeout, in .[dev]; its limit is in pyproject.toml) must be there
+# required_plugins: the hang guard (pytest-timeout, in .[dev]; its limit is in pyproject.toml) must be there.
+# Output: one line per test file or notebook, its dots as its tests pass, and the ten slowest tests at the end
+# (no per-test names: the suite has over a thousand); a long test is the only pause.
 test: $(STAMP)
-	$(PY) -m pytest -q tests notebooks --nbval-lax --nbval-current-env -p no:cacheprovider \
-	  -o required_plugins=pytest-timeout
+	$(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env -p no:cacheprovider \
+	  -o required_plugins=pytest-timeout -o console_output_style=count --durations=10 --durations-min=30
 
 lint: $(STAMP)
 	$(PY) -m ruff check k3lab tests

@@ -10,6 +10,7 @@ only needed where figures are drawn.
 - timeline({variant: kernels}): a Gantt-like kernel timeline per variant.
 - roofline(points): arithmetic intensity against achieved TFLOP/s under bandwidth and compute ceilings.
 - records_table(records): the records as a table figure.
+- say_missing(frame, why): a DataFrame for display whose missing values say why they are missing.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import plotly.graph_objects as go
 from k3lab import bench
 from k3lab import env as _env
 
-__all__ = ["before_after", "kernel_bars", "records_table", "roofline", "size_sweep", "timeline"]
+__all__ = ["before_after", "kernel_bars", "records_table", "roofline", "say_missing", "size_sweep",
+           "timeline"]
 
 _VARIANT_COLORS = {"before": "#d62728", "after": "#2ca02c", "reference": "#7f7f7f"}
 _PEER_COLORS = ["#1f77b4", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
@@ -372,3 +374,29 @@ def table_output(table) -> dict:
     """A DataFrame as one display_data output (HTML and text), for the same Output widgets."""
     return {"output_type": "display_data", "metadata": {},
             "data": {"text/html": table.to_html(), "text/plain": table.to_string()}}
+
+
+def say_missing(frame: pd.DataFrame, why: dict[str, str] | str, digits: int | None = None) -> pd.DataFrame:
+    """`frame` for display: rounded to `digits` decimals where given, and every missing value (NaN,
+    None, NA) replaced by the text that says why it is missing: `why[column]`, or `why` itself for every
+    column when it is a string. A shown table never holds a bare NaN or None: a column with missing
+    values and no reason raises ValueError naming it. The frame is not changed; computations should go on
+    using it, not the returned copy, whose columns with reasons are text."""
+    if not isinstance(frame, pd.DataFrame):
+        raise TypeError(f"frame must be a pandas DataFrame, got {type(frame).__name__}")
+    if not isinstance(why, (str, dict)) or (isinstance(why, dict) and not all(
+            isinstance(v, str) and v for v in why.values())) or why == "":
+        raise TypeError(f"why must be a non-empty string or a dict of column -> non-empty string, "
+                        f"got {why!r}")
+    if digits is not None and (not isinstance(digits, int) or isinstance(digits, bool) or digits < 0):
+        raise ValueError(f"digits must be a non-negative int or None, got {digits!r}")
+    out = frame.round(digits) if digits is not None else frame.copy()
+    missing = [c for c in out.columns if out[c].isna().any()]
+    reasons = {c: why for c in missing} if isinstance(why, str) else {c: why.get(c) for c in missing}
+    unsaid = [str(c) for c in missing if reasons[c] is None]
+    if unsaid:
+        raise ValueError(f"why gives no reason for the missing values of column(s) {', '.join(unsaid)} "
+                         f"(it names {', '.join(map(str, why)) or 'no column'})")
+    for c in missing:
+        out[c] = out[c].astype(object).where(out[c].notna(), reasons[c])
+    return out

@@ -297,6 +297,17 @@ EXPLORER_DEFAULTS = dict(first=0.835, decay=0.951, draft_step_us=400.0, verify_o
                          verify_extra_position_us=150.0, commit_us=150.0, max_depth=8)
 
 
+# the growth columns compare a depth with the next one, which the deepest depth of a table does not have
+_NO_DEEPER = "— (the deepest depth: none after it)"
+
+
+def depth_table(choice: spec.DepthChoice):
+    """`choice.table` (speculative.best_depth) as the notebook and the explorer show it: rounded to three
+    decimals, the deepest depth's growth columns saying why they are empty instead of NaN."""
+    return plots.say_missing(choice.table, {"break_even_growth": _NO_DEEPER, "cycle_growth": _NO_DEEPER},
+                             digits=3)
+
+
 def explorer_costs(*, draft_step_us: float, verify_one_us: float, verify_extra_position_us: float,
                    commit_us: float, max_depth: int) -> spec.CycleCosts:
     return spec.linear_costs(draft_step_us=draft_step_us, verify_one_us=verify_one_us,
@@ -346,7 +357,7 @@ def explorer(**defaults):
         # nbconvert --execute` and papermill) echoes each captured output back to the kernel on the shell
         # socket while it awaits the cell's reply, and then sat on that reply until its per-cell timeout.
         fig, choice = explorer_figure(**{name: c.value for name, c in controls.items()})
-        out.outputs = (plots.figure_output(fig), plots.table_output(choice.table.round(3)))
+        out.outputs = (plots.figure_output(fig), plots.table_output(depth_table(choice)))
 
     for control in controls.values():
         control.observe(redraw, names="value")

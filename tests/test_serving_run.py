@@ -404,3 +404,41 @@ def test_bad_inputs_by_name(weights):
         eng.run(ss, RunSettings(concurrency=3))
     with pytest.raises(ValueError, match="sessions must be"):
         eng.run(ss.workload, RunSettings(concurrency=1))
+
+
+# ------------------------------------------------------------------------------------------ the study
+@CPU
+def test_study_records_on_a_cpu(tmp_path):
+    """The study's CPU form through its CLI: one record per case, written after each run, with TPOT
+    percentiles as the timing, the summary's percentiles and rates, what ran and the budget's source."""
+    from k3lab.studies import serving_run
+
+    assert set(serving_run.case_names()) == set(serving_run.CPU_CASES) or torch.cuda.is_available()
+    out = tmp_path / "records.json"
+    assert serving_run.main(["--cases", "c2.dcp1.host", "c2.dcp8.gpu_only", "--json", str(out),
+                             "--save-dir", str(tmp_path / "profiles")]) == 0
+    recs = [bench.Record.from_dict(d) for d in __import__("json").loads(out.read_text())]
+    assert [r.case for r in recs] == ["c2.dcp1.host", "c2.dcp8.gpu_only"]
+    for r in recs:
+        s = r.extra["summary"]
+        assert r.study == "serving_run" and r.mode == "cpu" and r.p20_us <= r.median_us <= r.p80_us
+        assert s["requests"] == 8 and s["ttft_ms"]["p50"] <= s["ttft_ms"]["p90"] <= s["ttft_ms"]["p99"]
+        assert s["output_tokens_per_s_gpu"] > 0 and "stand_in" in r.extra["describe"]["collectives"]
+        assert "scaled-down budget" in r.extra["describe"]["cache_budget"]["source"]
+        assert len(r.extra["requests"]) == 8 and r.shape["dcp"] == int(r.case.split(".")[1][3:])
+    assert len(list((tmp_path / "profiles").rglob("*.json"))) == 2
+    with pytest.raises(ValueError, match="case must look like"):
+        serving_run.parse_case("c8.dcp1")
+    with pytest.raises(ValueError, match="form"):
+        serving_run.run(form="fast")
+
+
+def test_study_budget_is_the_article_rank_scaled():
+    """The GPU budget: one MI355X rank's HBM left after K3's weights at the served precision (59.9 GB)
+    and the recipe's 224.875 GB host tier, both x the context scale."""
+    from k3lab.serving import hardware, node
+    from k3lab.studies import serving_run
+
+    b = serving_run.budget(1 / 16)
+    assert b.gpu_bytes == pytest.approx(node.free_gb(hardware.gpu("mi355x")) * 1e9 / 16)
+    assert b.host_bytes == pytest.approx(224.875e9 / 16) and "MI355X" in b.source

@@ -1,0 +1,298 @@
+"""Study: a measured serving run, continuous batching over AgentX-like sessions on one TP8 rank, with the
+prefix cache in the memory a rank would have (k3lab.serving.run; docs/serving_run.md).
+
+    python -m k3lab.studies.serving_run --form quick --json $OUT/serving_run.json --budget-s 230
+
+Cases, one run each: 'c{C}.dcp{D}.{host|gpu_only}' = concurrency C (agent sessions at once, closed loop),
+DCP degree D, with or without the host tier. On a GPU: K3Config.tp_slice(8), bf16, random weights
+(`DISTINCT_LAYERS` sets per layer kind), every switch on, decode steps as CUDA graphs; the workload's
+prompts x 1/16, outputs and think times x 1/8 (`GPU_SCALE`); the cache budget is what one rank of the
+article's 8 x MI355X node has left after K3's weights at the served precision (k3lab.serving.node.free_gb:
+59.9 GB) and its host tier (224.875 GB per rank), both x the context scale, so that as many sessions'
+histories fit as would at full length (the fixed KDA checkpoints aside). No H100 or H200 rank can hold
+K3's weights (205 GB per rank at MXFP4 experts), so no budget of this device's own would be one a
+server has. On a CPU: the tiny preset with the switches whose "on" form is PyTorch there, prompts x 1/512,
+a 6 MB device budget and 3 MB host tier (stated in the records), three short runs: a check that the
+whole run works, not a speed.
+
+Forms: QUICK (c1, c2, c4, c8, c16 at DCP1 with the host tier, then c16 at DCP8 and c16 without the host
+tier: where capacity binds, what DCP8 and offload change), each run 15 s of serving clock plus at most 10 s
+to finish the requests in flight; FULL (c1 .. c64, DCP1 and DCP8, with and without host, 40 s each).
+
+Records: study 'serving_run', variant 'after', mode 'graph' (GPU) or 'cpu'; median_us / p20_us / p80_us
+= the requests' TPOT percentiles; extra['summary'] holds TTFT / TPOT / ITL / E2E mean and P50 / P90 / P99
+(ms), output and total tokens/s/GPU (the TP8 group's over its 8 GPUs), tokens/s/user, decode step time per
+batch size, prefill tokens/s, hit rate and the cache's counters; extra['describe'] what ran (switches,
+collectives as labelled stand-ins, kernels, budget and its source, scale); extra['requests'] one row per
+request (arrival, prompt, output, resumed position, TTFT, TPOT, E2E in seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from k3lab import bench
+
+NAME = "serving_run"
+DISTINCT_LAYERS = 2  # weight sets per layer kind on a GPU: each layer's ~100 MB+ dwarfs the L2 either way
+GPU_SCALE = {"context": 1 / 16, "output": 1 / 8, "time": 1 / 8}
+CPU_SCALE = {"context": 1 / 512, "output": 1 / 64, "time": 1 / 8}
+MAX_BATCHED_TOKENS = {"gpu": 8192, "cpu": 96}
+CHECKPOINT_INTERVAL = {"gpu": 2048, "cpu": 128}
+CPU_BUDGET = (6e6, 3e6)
+QUICK = ("c1.dcp1.host", "c2.dcp1.host", "c4.dcp1.host", "c8.dcp1.host", "c16.dcp1.host", "c16.dcp8.host",
+         "c16.dcp1.gpu_only")
+FULL = tuple(f"c{c}.dcp{d}.{h}" for c in (1, 2, 4, 8, 16, 32, 64) for d in (1, 8)
+             for h in ("host", "gpu_only"))
+CPU_CASES = ("c1.dcp1.host", "c3.dcp1.host", "c3.dcp8.gpu_only")
+RUN_S = {"quick": (15.0, 10.0), "full": (40.0, 20.0)}  # serving clock, then at most this to finish
+
+
+def _on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def parse_case(case: str) -> dict:
+    """'c8.dcp1.host' -> {'concurrency': 8, 'dcp': 1, 'host': True}; ValueError otherwise."""
+    parts = case.split(".")
+    try:
+        c, d, h = parts
+        if not (c.startswith("c") and d.startswith("dcp") and h in ("host", "gpu_only")):
+            raise ValueError
+        out = {"concurrency": int(c[1:]), "dcp": int(d[3:]), "host": h == "host"}
+    except ValueError:
+        raise ValueError(f"case must look like 'c8.dcp1.host' or 'c16.dcp8.gpu_only', got {case!r}") from None
+    if out["concurrency"] < 1 or out["dcp"] not in (1, 2, 4, 8):
+        raise ValueError(f"case {case!r}: concurrency >= 1 and DCP 1, 2, 4 or 8 expected")
+    return out
+
+
+def case_names(preset=None) -> list[str]:
+    """Every case of the full form on a GPU (the quick form's among them); on a CPU the three CPU cases."""
+    return list(CPU_CASES) if not _on_gpu() else list(dict.fromkeys(QUICK + FULL))
+
+
+def budget(context_scale: float, target: str = "mi355x"):
+    """The cache budget (k3lab.serving.run.CacheBudget) of one rank of an 8 x `target` node after K3's
+    weights at the served precision, and the recipe's host tier, both x `context_scale`."""
+    from k3lab.serving import hardware, node
+    from k3lab.serving.run import CacheBudget
+
+    g = hardware.gpu(target)
+    free, host = node.free_gb(g), hardware.SEED["host_cache_gb"]
+    w = node.weights_gb_per_rank()["total"]
+    return CacheBudget(free * 1e9 * context_scale, host * 1e9 * context_scale,
+                       f"one rank of 8 x {g.name}: {g.memory_gb:g} GB x (1 - {node.RESERVE}) - {w:.1f} GB "
+                       f"of K3 weights (MXFP4 experts, bf16 rest) = {free:.1f} GB, and the recipe's host "
+                       f"tier {host:g} GB per rank; both x {context_scale:g} (the workload's context "
+                       f"scale). The run stores history and KDA state in its own dtype")
+
+
+def _setup(cases: list[str], log):
+    """(engine, sessions, kind, scale) for `cases`: the weights, the workload and the engine sized for the
+    largest concurrency among them."""
+    from k3lab.config import K3Config
+    from k3lab.engine import RankWeights
+    from k3lab.serving.run import CPU_SWITCHES, CacheBudget, Engine
+    from k3lab.serving.workload import Scale, Sessions, agentx_sessions
+
+    kind = "gpu" if _on_gpu() else "cpu"
+    conc = max(parse_case(c)["concurrency"] for c in cases)
+    t0 = time.perf_counter()
+    if kind == "gpu":
+        from k3lab.report.kernels import build_all
+
+        built, note = build_all()
+        log(f"serving_run: kernels ({note}): " + ", ".join(f"{n} {s}" for n, _, s in built)
+            + f" in {time.perf_counter() - t0:.0f} s")
+        config, dev, dt = K3Config.tp_slice(8), torch.device("cuda"), torch.bfloat16
+        scale = Scale(**GPU_SCALE)
+        cache = budget(scale.context)
+        opts = "all"
+    else:
+        config, dev, dt = K3Config.tiny(), torch.device("cpu"), torch.float32
+        scale = Scale(**CPU_SCALE)
+        cache = CacheBudget(*CPU_BUDGET, source="a scaled-down budget for the tiny preset on a CPU: 6 MB of "
+                                                "device memory and a 3 MB host tier (about 20 and 10 blocks "
+                                                "of 64 positions), so that capacity binds at 3 sessions")
+        opts = CPU_SWITCHES
+    weights = RankWeights.random(config, distinct_layers=DISTINCT_LAYERS if kind == "gpu" else 1, device=dev,
+                                 dtype=dt)
+    log(f"serving_run: weights drawn ({weights.nbytes()['total'] / 2**30:.1f} GiB) in "
+        f"{time.perf_counter() - t0:.0f} s")
+    sessions_n = max(2, conc + conc // 2) if kind == "gpu" else 2
+    w = agentx_sessions(sessions_n, scale=scale, seed=0, **({} if kind == "gpu" else {"median_turns": 4}))
+    sessions = Sessions.of(w, think_scale=scale.time)
+    rows = sessions.max_len() + 2
+    engine = Engine(weights, slots=conc, rows=rows, cache=cache, staging=2 if kind == "cpu" else 4,
+                    max_batched_tokens=MAX_BATCHED_TOKENS[kind], optimizations=opts, log=log)
+    return engine, sessions, kind, scale
+
+
+def _record(case: str, res, kind: str, scale) -> bench.Record:
+    s = res.summary()
+    tpots = sorted(r["tpot"] * 1e6 for r in res.requests if r["finished"] and r["tpot"] is not None)
+    if tpots:
+        import numpy as np
+
+        med, p20, p80 = (float(np.percentile(tpots, q)) for q in (50, 20, 80))
+    else:
+        med = p20 = p80 = 0.0
+    info = bench.provenance()
+    d = res.describe
+    keys = ("request", "session", "turn", "n_in", "out", "resume", "arrival", "ttft", "tpot", "e2e",
+            "finished")
+    rows = [{k: r[k] for k in keys} for r in res.requests]
+    return bench.Record(
+        study=NAME, case=case, variant="after", device=info["device"], backend=info["backend"],
+        versions=info["versions"], commit=info["commit"], date=info["date"],
+        shape={"concurrency": res.settings.concurrency, "dcp": res.settings.dcp,
+               "host_tier": res.settings.host, "config": d["config"],
+               "max_batched_tokens": res.settings.max_batched_tokens,
+               "checkpoint_interval": res.settings.checkpoint_interval, "slots": d["slots"],
+               "rows": d["rows"]},
+        dtype=d["dtype"], median_us=med, p20_us=p20, p80_us=p80, floor_us=None,
+        mode="graph" if d["decode"]["graphs"] else ("cpu" if kind == "cpu" else "eager"),
+        extra=_plain({
+            "what": "a measured serving run (TPOT percentiles over requests in median/p20/p80)",
+            "summary": s, "describe": d, "workload": scale.describe(),
+            "run_clock_s": [res.settings.duration_s, res.settings.drain_s], "requests": rows}))
+
+
+def _plain(obj):
+    """JSON-ready copy: numpy numbers as Python numbers, tuples as lists, non-finite floats as text."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if hasattr(obj, "item") and not isinstance(obj, torch.Tensor):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    return obj if obj is None or isinstance(obj, (str, int, float, bool)) else str(obj)
+
+
+def run(preset=None, cases=None, *, form: str = "quick", log=print, budget_s: float | None = None,
+        on_record=None) -> list[bench.Record]:
+    """One record per case (default: the quick form's on a GPU, the CPU cases on a CPU), in order. Stops
+    starting runs once `budget_s` seconds (from the start, engine included) would be passed by one more
+    run of the form's length. on_record(record) is called after each run (the CLI writes its file)."""
+    from k3lab.serving.run import RunSettings
+
+    if form not in RUN_S:
+        raise ValueError(f"form must be one of {sorted(RUN_S)}, got {form!r}")
+    default = (QUICK if form == "quick" else FULL) if _on_gpu() else CPU_CASES
+    chosen = list(default if cases is None else cases)
+    if not chosen:
+        raise ValueError("cases must name at least one case")
+    for c in chosen:
+        parse_case(c)  # any well-formed case runs (ValueError naming a malformed one, before anything runs)
+    t0 = time.perf_counter()
+    engine, sessions, kind, scale = _setup(chosen, log)
+    dur, drain = RUN_S[form]
+    kw = {"checkpoint_interval": CHECKPOINT_INTERVAL[kind], "max_batched_tokens": MAX_BATCHED_TOKENS[kind]}
+    if kind == "cpu":
+        kw.update(max_requests=8)
+    else:
+        kw.update(duration_s=dur, drain_s=drain)
+    out, per_run = [], None
+    for k, case in enumerate(chosen):
+        spent = time.perf_counter() - t0
+        est = per_run if per_run is not None else dur + drain / 2
+        if budget_s is not None and spent + est > budget_s:
+            log(f"serving_run: stopping before {case}: {spent:.0f} s spent, about {est:.0f} s more per run, "
+                f"budget {budget_s:.0f} s ({len(chosen) - k} cases not run)")
+            break
+        log(f"serving_run: {case} [{k + 1}/{len(chosen)}], {spent:.0f} s so far, ETA "
+            f"{est * (len(chosen) - k):.0f} s")
+        p = parse_case(case)
+        settings = RunSettings(concurrency=p["concurrency"], dcp=p["dcp"], host=p["host"], **kw)
+        last = [time.perf_counter()]
+
+        def progress(now, done, case=case, last=last):
+            if time.perf_counter() - last[0] > 10:
+                last[0] = time.perf_counter()
+                log(f"serving_run:   {case}: run clock {now:.1f} s, {done} requests done")
+
+        t_run = time.perf_counter()
+        with torch.no_grad():
+            res = engine.run(sessions, settings, progress=progress)
+        took = time.perf_counter() - t_run
+        n = k + 1
+        per_run = (per_run * k + took) / n if per_run is not None else took
+        rec = _record(case, res, kind, scale)
+        log(f"serving_run: done in {took:.0f} s ({rec.extra['summary']['requests']} requests, "
+            f"{res.incomplete} cut at the drain limit): {summary_text([rec])}")
+        out.append(rec)
+        if on_record is not None:
+            on_record(rec)
+    return out
+
+
+def profile_targets(preset=None) -> dict:
+    """Nothing to profile apart: the decode step is the decode_step study's (`k3lab profile decode_step`),
+    the KDA chunk scan the kda_scan study's."""
+    return {}
+
+
+def summary_text(records) -> str:
+    """One line per run: concurrency, DCP, host tier, TTFT and TPOT P50/P90, output and total tokens/s/GPU,
+    hit rate."""
+    lines = []
+    for r in records:
+        s = r.extra.get("summary", {})
+        ttft, tpot = s.get("ttft_ms", {}), s.get("tpot_ms", {})
+        lines.append(f"{r.case}: TTFT p50/p90 {ttft.get('p50', math.nan):.0f}/"
+                     f"{ttft.get('p90', math.nan):.0f} ms, TPOT p50/p90 {tpot.get('p50', math.nan):.1f}/"
+                     f"{tpot.get('p90', math.nan):.1f} ms, "
+                     f"{s.get('output_tokens_per_s_gpu', math.nan):.1f} output and "
+                     f"{s.get('total_tokens_per_s_gpu', math.nan):.0f} total tok/s/GPU, hit rate "
+                     f"{s.get('hit_rate', math.nan):.2f}")
+    return "\n".join(lines)
+
+
+def _write(path: Path, records: list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump([r.to_dict() for r in records], f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    """The CLI (module docstring): records to --json after every run (a run cut short keeps what it
+    measured) and, with --save-dir, as profiles/-style files under that folder."""
+    ap = argparse.ArgumentParser(prog="python -m k3lab.studies.serving_run",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--form", choices=sorted(RUN_S), default="quick")
+    ap.add_argument("--cases", nargs="*", help="cases to run (default: the form's)")
+    ap.add_argument("--json", type=Path, required=True,
+                    help="file the records go to (rewritten after each run)")
+    ap.add_argument("--save-dir", type=Path, help="also save them as <dir>/<device>/serving_run/*.json")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no run that would end past this")
+    args = ap.parse_args(argv)
+    done: list = []
+
+    def keep(rec):
+        done.append(rec)
+        _write(args.json, done)
+        if args.save_dir is not None:
+            bench.save_records([rec], root=args.save_dir, overwrite=True)
+
+    run(cases=args.cases or None, form=args.form, budget_s=args.budget_s, on_record=keep,
+        log=lambda m: print(m, flush=True))
+    if done:
+        print(summary_text(done), flush=True)
+    return 0 if done else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -296,9 +296,10 @@ class Chunk:
 def _mm_fp32_out(device: str, dtype: torch.dtype) -> bool:
     """Whether torch.mm takes out_dtype=float32 for `dtype` operands here (fp32 scores from 16-bit
     operands in one product); else the operands are converted to fp32 first."""
-    a = torch.ones(2, 2, device=device, dtype=dtype)
-    try:
-        torch.mm(a, a, out_dtype=torch.float32)
+    a, c = torch.ones(4, 16, device=device, dtype=dtype), torch.ones(8, 16, device=device, dtype=dtype)
+    try:  # the layouts chunk_attention uses: a transposed right operand, then a column slice of rows
+        s = torch.mm(a, c.t(), out_dtype=torch.float32)
+        torch.mm(s.to(dtype), c[:, :8], out_dtype=torch.float32)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
     return True

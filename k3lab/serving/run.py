@@ -199,7 +199,17 @@ class RunResult:
             "iterations_with_prefill_and_decode": sum(1 for row in it if row["prefill_tokens"] and
                                                       row["decode_batch"]),
             "hit_rate": self.pool.get("hit_rate", 0.0), "cache": self.pool,
+            "later_turns": self._later_turns(done),
         }
+
+    @staticmethod
+    def _later_turns(done: list) -> dict:
+        """TTFT and TPOT (ms) of the requests that are not a session's first turn: the turns a warm cache
+        serves, apart from the cold first prompts a short run starts with."""
+        later = [r for r in done if r["turn"] > 0]
+        return {"requests": len(later), "ttft_ms": _percentiles([r["ttft"] * 1e3 for r in later]),
+                "tpot_ms": _percentiles([r["tpot"] * 1e3 for r in later if r["tpot"] is not None]),
+                "resumed_share": (sum(r["resume"] for r in later) / max(1, sum(r["n_in"] for r in later)))}
 
     def as_dict(self) -> dict:
         return {"settings": asdict(self.settings), "summary": self.summary(), "describe": self.describe,
@@ -232,7 +242,9 @@ class Engine:
         self.decode = {b: SlotDecodeStep(self.slots, b, weights, optimizations=opts) for b in self.sizes}
         self.prefill = PrefillStep(self.slots, weights, max_tokens=max_batched_tokens, optimizations=opts)
         self.max_batched_tokens = max_batched_tokens
+        t_mem = time.perf_counter()
         self.memory = cache_memory(cache.gpu_bytes, cache.host_bytes, dev)
+        self.memory_s = time.perf_counter() - t_mem  # pinning a large host tier takes seconds
         self._warm_prefill()
         if self.graphs:
             for b in self.sizes:
@@ -242,7 +254,8 @@ class Engine:
             f"({self.slots.nbytes()['latent'] / 1e9:.2f} GB latent, "
             f"{self.slots.nbytes()['kda'] / 1e9:.2f} GB KDA), decode sizes {self.sizes} "
             f"({'graphs' if self.graphs else 'eager'}), cache "
-            f"{cache.gpu_bytes / 1e9:.2f} GB device + {cache.host_bytes / 1e9:.2f} GB host")
+            f"{cache.gpu_bytes / 1e9:.2f} GB device + {cache.host_bytes / 1e9:.2f} GB host (allocated in "
+            f"{self.memory_s:.1f} s)")
 
     def _warm_prefill(self) -> None:
         """One prefill call at the largest and one at a small size (compiles and autotunes before any
@@ -274,7 +287,8 @@ class Engine:
             "slots": self.slots.slots, "rows": self.slots.rows, "staging": self.slots.staging,
             "weights": {"source": self.weights.source, "distinct_layers": self.weights.distinct_layers,
                         "layers": self.weights.config.num_hidden_layers},
-            "cache_budget": asdict(self.cache), "build_s": self.build_s, "provenance": bench.provenance(),
+            "cache_budget": asdict(self.cache), "build_s": self.build_s, "memory_alloc_s": self.memory_s,
+            "provenance": bench.provenance(),
         }
 
     # ------------------------------------------------------------ one run

@@ -148,6 +148,29 @@ def test_slot_decode_matches_the_model_at_ragged_lengths(model, weights):
                         name=f"rows {s}")
 
 
+@CPU
+def test_slot_decode_with_the_mla_decode_kernel(model, weights):
+    """The GPU's MLA path in Triton's interpreter: the padded split-history plan, bound once for full
+    slots, reads the shared lengths at run time (here 30 and 11 of 47 rows) after the scatter of the
+    new rows, and equals the model."""
+    seqs = {0: _ids(30, 12), 1: _ids(11, 13)}
+    nxt = _ids(2, 14)[0]
+    with torch.no_grad():
+        sc = SlotCaches(TINY, 2, 48, device="cpu", dtype=torch.float32)
+        refs = {}
+        for s, ids in seqs.items():
+            _, cache = model(ids)
+            sc.load(cache, 0, slot=s)
+            refs[s] = model(nxt[s:s + 1, None], cache)[0]
+        dec = SlotDecodeStep(sc, 2, weights, optimizations={**CPU_SWITCHES, "mla_padded": True},
+                             mla_decode="ops")
+        assert dec.describe()["mla_decode"] == "ops" and sc.lengths.tolist() == [1, 1]
+        sc.set_decode({s: ids.shape[1] for s, ids in seqs.items()})
+        out = dec(nxt[:, None])
+    for s, ref in refs.items():
+        bench.check(out[s, 0], ref[0, 0], dtype="fp32", name=f"slot {s}")
+
+
 def test_chunk_attention_against_the_reference():
     """fp64: a chunk of 5 queries at positions 11..15 over 16 rows equals latent_attention's verification
     rule; with key_stride 4 it equals attention over every 4th row (the DCP share), masked by position."""

@@ -210,6 +210,21 @@ class _ScatterPlan:
         return o.to(self.q_buf.dtype), lse
 
 
+def _check_shared(caches, weights, kw: dict) -> None:
+    """The checks a step over slot caches shares: their types, one config, device and dtype, and no
+    keyword that the caches and weights fix."""
+    if not isinstance(caches, SlotCaches):
+        raise ValueError(f"caches must be a SlotCaches, got {type(caches).__name__}")  # noqa: TRY004
+    if not isinstance(weights, RankWeights) or weights.config != caches.config:
+        raise ValueError(f"weights must be a RankWeights for config {caches.config.name}")
+    if weights.device != caches.device or weights.dtype != caches.dtype:
+        raise ValueError(f"weights ({weights.device}, {weights.dtype}) and caches ({caches.device}, "
+                         f"{caches.dtype}) must share device and dtype")
+    for bad in ("q_len", "context_len", "weights", "tp", "device", "dtype"):
+        if bad in kw:
+            raise ValueError(f"{bad} is fixed by the slot caches and weights; not an argument here")
+
+
 class SlotDecodeStep(DecodeStep):
     """A decode step (q_len 1) over the first `batch` slots of `caches`, with `weights` shared by every
     step of the run (see the module docstring). mla_decode: 'ops' (k3lab.ops.mla_decode's plan, as
@@ -218,21 +233,12 @@ class SlotDecodeStep(DecodeStep):
 
     def __init__(self, caches: SlotCaches, batch: int, weights: RankWeights, *, mla_decode: str | None = None,
                  **kw):
-        if not isinstance(caches, SlotCaches):
-            raise ValueError(f"caches must be a SlotCaches, got {type(caches).__name__}")  # noqa: TRY004
-        if not isinstance(weights, RankWeights) or weights.config != caches.config:
-            raise ValueError(f"weights must be a RankWeights for config {caches.config.name}")
+        _check_shared(caches, weights, kw)
         if not isinstance(batch, int) or not 1 <= batch <= caches.slots:
             raise ValueError(f"batch must be an integer in [1, slots={caches.slots}], got {batch!r}")
-        if weights.device != caches.device or weights.dtype != caches.dtype:
-            raise ValueError(f"weights ({weights.device}, {weights.dtype}) and caches ({caches.device}, "
-                             f"{caches.dtype}) must share device and dtype")
         mla_decode = mla_decode or ("ops" if caches.device.type == "cuda" else "reference")
         if mla_decode not in MLA_DECODES:
             raise ValueError(f"mla_decode must be one of {MLA_DECODES}, got {mla_decode!r}")
-        for bad in ("q_len", "context_len", "weights", "tp", "device", "dtype"):
-            if bad in kw:
-                raise ValueError(f"{bad} is fixed by the slot caches and weights; not an argument here")
         self.slot_caches, self.mla_decode = caches, mla_decode
         super().__init__(caches.config, batch, caches.rows - 1, weights=weights, **kw)
         if mla_decode == "reference":
@@ -367,16 +373,10 @@ class PrefillStep(DecodeStep):
 
     def __init__(self, caches: SlotCaches, weights: RankWeights, *, max_tokens: int = 8192,
                  kda_scan: str | None = None, **kw):
-        if not isinstance(caches, SlotCaches):
-            raise ValueError(f"caches must be a SlotCaches, got {type(caches).__name__}")  # noqa: TRY004
-        if not isinstance(weights, RankWeights) or weights.config != caches.config:
-            raise ValueError(f"weights must be a RankWeights for config {caches.config.name}")
+        _check_shared(caches, weights, kw)
         kda_scan = kda_scan or _device_default_scan(caches.device)
         if kda_scan not in KDA_SCANS:
             raise ValueError(f"kda_scan must be one of {KDA_SCANS}, got {kda_scan!r}")
-        for bad in ("q_len", "context_len", "weights", "tp", "device", "dtype"):
-            if bad in kw:
-                raise ValueError(f"{bad} is fixed by the slot caches and weights; not an argument here")
         self.slot_caches, self.kda_scan = caches, kda_scan
         super().__init__(caches.config, _check_int("max_tokens", max_tokens, 1), 0, weights=weights, **kw)
         self.max_tokens = max_tokens
@@ -435,25 +435,15 @@ class PrefillStep(DecodeStep):
         self._offsets = [0]
         for c in chunks:
             self._offsets.append(self._offsets[-1] + c.tokens)
-        return self.run()
+        self._last = torch.tensor([o - 1 for o in self._offsets[1:]], device=self.device)
+        self.batch = len(chunks)  # DecodeStep.program shapes its logits [batch, q_len = 1, vocab]
+        return self.run()[:, 0]
 
-    def program(self):
-        """The rank's prefill as a generator (collectives yielded as DecodeStep's); returns logits
-        [chunks, vocab] of each chunk's last token."""
-        rw = self.weights
-        yield from self._embed()
-        n_blocks, m = 0, None
-        for i, lw in enumerate(rw.layers):
-            starts = i in self.block_starts
-            x = self._mix(m, n_blocks, lw.norms.attn_mix, lw.norms.input_norm, starts)
-            n_blocks += starts
-            a = yield from self._attention(i, lw.attn, x)
-            x = self._mix(a, n_blocks, lw.norms.mlp_mix, lw.norms.post_norm, False)
-            m = yield from self._mlp(lw.mlp, x)
-        h = self._mix(m, n_blocks, rw.out_mix, rw.final_norm, False)
-        last = torch.tensor([o - 1 for o in self._offsets[1:]], device=self.device)
-        logits = (h.index_select(0, last) @ rw.lm_head.t()).float()
-        return (yield from self._collective("all_gather", logits))
+    def _mix(self, delta, n_blocks: int, mix, next_norm, push: bool) -> torch.Tensor:
+        """DecodeStep's mix; the last one (into the final norm) keeps each chunk's last token only, so that
+        DecodeStep.program's lm_head and logits all-gather run on [chunks, hidden] (`batch` = chunks)."""
+        out = super()._mix(delta, n_blocks, mix, next_norm, push)
+        return out.index_select(0, self._last) if next_norm is self.weights.final_norm else out
 
     # ------------------------------------------------------------ attention over chunks
     def _attention(self, i: int, w, x: torch.Tensor):

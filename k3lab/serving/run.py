@@ -537,23 +537,3 @@ class _Run:
             row["logits"] = r.logits
         return row
 
-
-def sweep(engine: Engine, sessions: Sessions, concurrencies, *, log=print, budget_s: float | None = None,
-          **settings) -> list[RunResult]:
-    """One run per concurrency (RunSettings keywords in `settings`), a progress line before each with
-    the time so far and an ETA (from the runs so far, or `budget_s` per run before the first ends)."""
-    out, t0 = [], time.perf_counter()
-    conc = list(concurrencies)
-    for k, c in enumerate(conc):
-        spent = time.perf_counter() - t0
-        per = spent / k if k else budget_s
-        eta = f"ETA {per * (len(conc) - k):.0f} s" if per else "ETA unknown"
-        log(f"serving_run: concurrency {c} [{k + 1}/{len(conc)}], {spent:.0f} s so far, {eta}")
-        res = engine.run(sessions, RunSettings(concurrency=c, **settings))
-        s = res.summary()
-        log(f"serving_run: concurrency {c} done: {s['requests']} requests, TTFT p50 "
-            f"{s['ttft_ms'].get('p50', float('nan')):.0f} ms, TPOT p50 "
-            f"{s['tpot_ms'].get('p50', float('nan')):.1f} ms, {s['output_tokens_per_s_gpu']:.1f} output "
-            f"tok/s/GPU, hit rate {s['hit_rate']:.2f}")
-        out.append(res)
-    return out

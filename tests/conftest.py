@@ -1,6 +1,40 @@
-"""Test-session hooks: the skipped tests grouped by reason at the end of the run (one line a reason)."""
+"""Test-session hooks: tests marked `on_a_cpu` run in a CPU child on a GPU machine (`cpu_child.py`); on
+a run that interprets Triton kernels, a test that launches them on CPU tensors without that mark or a
+device that follows the GPU fails (`cpu_guard.py`); the skipped tests are grouped by reason at the end
+of the run (one line a reason)."""
 
 from __future__ import annotations
+
+import pytest
+
+import cpu_child
+import cpu_guard
+
+
+def pytest_configure(config):
+    cpu_child.configure(config)
+    cpu_guard.configure(config)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    cpu_guard.runtest_setup()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield
+    cpu_guard.runtest_call(item)
+    return result
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    return cpu_child.pyfunc_call(pyfuncitem)
+
+
+def pytest_sessionfinish(session):
+    cpu_child.sessionfinish()
 
 
 def _reason(report) -> str:

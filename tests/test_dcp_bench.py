@@ -10,6 +10,7 @@ from k3lab import bench, cli
 from k3lab.studies.dcp import measure
 
 
+@pytest.mark.follows_gpu  # the study puts its tensors on the GPU where there is one
 @pytest.mark.slow
 def test_bench_smoke_checks_records_and_ratios(capsys):
     data = measure.run(smoke=True)
@@ -31,6 +32,7 @@ def test_bench_smoke_checks_records_and_ratios(capsys):
     assert "DCP8/TP8" in capsys.readouterr().out
 
 
+@pytest.mark.follows_gpu  # the study puts its tensors on the GPU where there is one
 @pytest.mark.slow
 def test_cli_smoke_writes_the_records(tmp_path, capsys):
     out = tmp_path / "dcp.json"

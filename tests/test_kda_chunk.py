@@ -486,6 +486,7 @@ def test_after_without_groups_walks_like_the_before():
     assert walk.block_v(kc.make_plan([640], 2, group_size=2)) == walk.REPLAY_BLOCK_V
 
 
+@pytest.mark.follows_gpu  # the study puts its tensors on the GPU where there is one
 def test_study_prologue_parts_are_named_like_the_committed_ones():
     """'<case>.parts' times each backend's prologue whole and the Triton one launch by launch, after an
     end-to-end check; the names are those of the committed H200 part records."""
@@ -499,6 +500,7 @@ def test_study_prologue_parts_are_named_like_the_committed_ones():
     assert "o" in whole.error and "failed" not in whole.error and whole.extra["backend"] == "triton"
 
 
+@pytest.mark.follows_gpu  # the study puts its tensors on the GPU where there is one
 def test_study_sweep_case_runs_the_group_size_sweep():
     """'<case>.sweep' is `group_size_sweep` of that case (what `k3lab bench kda_scan --cases` reaches):
     one checked record per group size below the chunk count, and the plain walk."""

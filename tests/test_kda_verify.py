@@ -429,6 +429,7 @@ def test_cuda_kernel_as_a_programmatic_dependent_launch():
         kv.kda_verify(**x, **kw, num_warps=1)
 
 
+@pytest.mark.follows_gpu  # the study puts its tensors on the GPU where there is one
 def test_study_run_checks_and_records_what_ran():
     from k3lab.studies import kda_verify as study
 

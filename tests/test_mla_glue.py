@@ -2,10 +2,11 @@
 k3lab.engine.layers.mla_partial they replace (copied here as the reference), the op's torch backend, and
 mla_partial with either glue backend against the PyTorch sequence it ran before.
 
-Triton runs in its interpreter on these CPU tensors. fp32 agrees to a few fp32 ulps (the sums run in
-another order). bf16 reproduces the reference's roundings: every element equal or within 1 bf16 ulp
-(where the fp32 sum, in another order, lands on the other side of a rounding boundary), and nearly all
-of them bit-equal.
+Triton runs in its interpreter on these CPU tensors: on a GPU machine those tests run in a child that
+sees no GPU (`@on_a_cpu`, tests/cpu_child.py); the bad-input checks, which refuse before any kernel, run
+in place. fp32 agrees to a few fp32 ulps (the sums run in another order). bf16 reproduces the
+reference's roundings: every element equal or within 1 bf16 ulp (where the fp32 sum, in another order,
+lands on the other side of a rounding boundary), and nearly all of them bit-equal.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from k3lab.engine.weights import MLAWeights
 from k3lab.nn.norms import rms_norm
 from k3lab.ops import BackendUnavailable
 from k3lab.ops import mla_glue as mg
+
+from cpu_child import on_a_cpu
 
 TP8 = K3Config.tp_slice(8)
 # (H, q_lora, LAT, ROPE, NOPE, V): a small shape with widths that are not powers of two (masks), and a
@@ -108,6 +111,7 @@ def _sentinel(t: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------ the three functions
 
+@on_a_cpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B,T", BT, ids=["b1t1", "b1t2", "b2t1"])
 @pytest.mark.parametrize("shape", SHAPES)
@@ -130,6 +134,7 @@ def test_norms_match_the_reference_and_touch_only_the_new_rows(shape, B, T, dtyp
         assert torch.equal(cache[:, POS:POS + T, d["LAT"]:], d["ckv"][:, d["LAT"]:].view(B, T, -1))
 
 
+@on_a_cpu
 def test_norms_eps_enters_as_the_reference():
     """Small rows where eps is a fair share of mean(x^2): a misplaced eps shows."""
     d = _inputs("small", 1, 2, torch.float32, seed=3)
@@ -142,6 +147,7 @@ def test_norms_eps_enters_as_the_reference():
     assert not torch.allclose(want, rms_norm(qa, d["q_a_norm"], 2e-2), rtol=1e-3)
 
 
+@on_a_cpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B,T", BT, ids=["b1t1", "b1t2", "b2t1"])
 @pytest.mark.parametrize("shape", SHAPES)
@@ -156,6 +162,7 @@ def test_absorb_q_fills_all_of_q_buf_as_the_reference(shape, B, T, dtype):
         assert torch.equal(q_buf[..., d["LAT"]:], d["q"][..., d["NOPE"]:].view(B, T, d["H"], -1))
 
 
+@on_a_cpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B,T", BT, ids=["b1t1", "b1t2", "b2t1"])
 @pytest.mark.parametrize("shape", SHAPES)
@@ -172,6 +179,7 @@ def test_out_gate_rounds_as_the_reference(shape, B, T, dtype):
         _agree(out, want, f"{backend} out=")
 
 
+@on_a_cpu
 def test_out_gate_rounds_each_stage_in_bf16():
     """The gate is rounded to bf16 before the product, as torch.sigmoid on a bf16 tensor is: an fp32
     product of the unrounded values differs in many elements, which the triton backend must not."""
@@ -185,6 +193,7 @@ def test_out_gate_rounds_each_stage_in_bf16():
     assert (got == want).float().mean() > (got == once).float().mean()
 
 
+@on_a_cpu
 def test_backend_is_chosen_by_device_argument_or_variable(monkeypatch):
     d = _inputs("small", 1, 1, torch.float32)
     calls = []
@@ -312,6 +321,7 @@ def glued_partial(w: MLAWeights, x, latent, pos, q_buf, plan):
     return linear(mg.mla_out_gate(o_lat, w.w_uv, g, backend="triton"), w.o_proj)
 
 
+@on_a_cpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B,T", BT, ids=["b1t1", "b1t2", "b2t1"])
 @pytest.mark.parametrize("shape", SHAPES)

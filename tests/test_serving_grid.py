@@ -83,6 +83,7 @@ def test_bad_arguments_are_refused_before_anything_runs():
         grid.measure_grid([(1, 8)], variants=["all_off"])
 
 
+@pytest.mark.follows_gpu  # the study puts its tensors on the GPU where there is one
 def test_the_tiny_grid_runs_on_this_machine_and_writes_records_k3lab_import_reads(tmp_path):
     out = tmp_path / "grid.json"
     recs = grid.measure_grid([(1, 8), (1, 16)], variants=["all_on"], repeats=1, distinct_layers=1,

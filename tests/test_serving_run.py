@@ -126,22 +126,28 @@ def test_prefill_equals_the_decode_step_one_token_at_a_time(model, weights):
         bench.check(sc.latent[i][0, :49], sc.latent[i][1, :49], dtype="fp32", name=f"rows {i}")
 
 
-@CPU
-def test_slot_decode_matches_the_model_at_ragged_lengths(model, weights):
-    """Three sequences of 40, 9 and 25 positions in slots 0, 2, 3 of a batch of 4 (slot 1 free): one step
-    writes each new row at its own position and equals the model's decode of each."""
-    seqs = {0: _ids(40, 7), 2: _ids(9, 8), 3: _ids(25, 9)}
-    nxt = _ids(4, 10)[0]
+def _slot_decode(model, weights, seqs: dict, nxt, slots: int, **kw):
+    """Sequences `seqs` (slot -> ids [1, n]) prefilled by the model and loaded into their slots, then one
+    slot decode step of `nxt` [slots]: (its logits, the slot caches, slot -> the model's (logits, cache)).""" 
     with torch.no_grad():
-        sc = SlotCaches(TINY, 4, 48, device="cpu", dtype=torch.float32)
+        sc = SlotCaches(TINY, slots, 48, device="cpu", dtype=torch.float32)
         refs = {}
         for s, ids in seqs.items():
             _, cache = model(ids)
             sc.load(cache, 0, slot=s)
             refs[s] = model(nxt[s:s + 1, None], cache)
-        dec = SlotDecodeStep(sc, 4, weights, optimizations=CPU_SWITCHES)
+        dec = SlotDecodeStep(sc, slots, weights, **kw)
+        assert sc.lengths.tolist() == [1] * slots  # the plans were bound for full slots, then reset
         sc.set_decode({s: ids.shape[1] for s, ids in seqs.items()})
-        out = dec(nxt[:, None])
+        return dec(nxt[:, None]), sc, refs
+
+
+@CPU
+def test_slot_decode_matches_the_model_at_ragged_lengths(model, weights):
+    """Three sequences of 40, 9 and 25 positions in slots 0, 2, 3 of a batch of 4 (slot 1 free): one step
+    writes each new row at its own position and equals the model's decode of each."""
+    seqs = {0: _ids(40, 7), 2: _ids(9, 8), 3: _ids(25, 9)}
+    out, sc, refs = _slot_decode(model, weights, seqs, _ids(4, 10)[0], 4, optimizations=CPU_SWITCHES)
     for s, (ref, ref_cache) in refs.items():
         n = seqs[s].shape[1]
         bench.check(out[s, 0], ref[0, 0], dtype="fp32", name=f"slot {s} logits")
@@ -155,21 +161,9 @@ def test_slot_decode_with_the_mla_decode_kernel(model, weights):
     """The GPU's MLA path in Triton's interpreter: the padded split-history plan, bound once for full
     slots, reads the shared lengths at run time (here 30 and 11 of 47 rows) after the scatter of the
     new rows, and equals the model."""
-    seqs = {0: _ids(30, 12), 1: _ids(11, 13)}
-    nxt = _ids(2, 14)[0]
-    with torch.no_grad():
-        sc = SlotCaches(TINY, 2, 48, device="cpu", dtype=torch.float32)
-        refs = {}
-        for s, ids in seqs.items():
-            _, cache = model(ids)
-            sc.load(cache, 0, slot=s)
-            refs[s] = model(nxt[s:s + 1, None], cache)[0]
-        dec = SlotDecodeStep(sc, 2, weights, optimizations={**CPU_SWITCHES, "mla_padded": True},
-                             mla_decode="ops")
-        assert dec.describe()["mla_decode"] == "ops" and sc.lengths.tolist() == [1, 1]
-        sc.set_decode({s: ids.shape[1] for s, ids in seqs.items()})
-        out = dec(nxt[:, None])
-    for s, ref in refs.items():
+    out, _, refs = _slot_decode(model, weights, {0: _ids(30, 12), 1: _ids(11, 13)}, _ids(2, 14)[0], 2,
+                                optimizations={**CPU_SWITCHES, "mla_padded": True}, mla_decode="ops")
+    for s, (ref, _) in refs.items():
         bench.check(out[s, 0], ref[0, 0], dtype="fp32", name=f"slot {s}")
 
 

@@ -128,7 +128,7 @@ def test_prefill_equals_the_decode_step_one_token_at_a_time(model, weights):
 
 def _slot_decode(model, weights, seqs: dict, nxt, slots: int, **kw):
     """Sequences `seqs` (slot -> ids [1, n]) prefilled by the model and loaded into their slots, then one
-    slot decode step of `nxt` [slots]: (its logits, the slot caches, slot -> the model's (logits, cache)).""" 
+    slot decode step of `nxt` [slots]: (its logits, the slot caches, slot -> the model's (logits, cache))."""
     with torch.no_grad():
         sc = SlotCaches(TINY, slots, 48, device="cpu", dtype=torch.float32)
         refs = {}

@@ -88,7 +88,8 @@ def test_failing_cell_names_its_error_and_the_page_says_where(tmp_path):
                                                     r"RuntimeError\('boom'\)`\) raised RuntimeError: boom; 1 "
                                                     r"of 3 code cells ran before it"):
         report.execute_notebook(src, tmp_path / "out", timeout_s=60, cell_seconds=seconds)
-    assert sorted(seconds) == [0, 1]  # the cells that ran, the failing one included
+    cells = nbformat.read(src, as_version=4).cells
+    assert set(seconds) == {cells[0].id, cells[1].id}  # the cells that ran, the failing one included
     meta, sources, page = _stopped(tmp_path / "out", "02_bad")
     assert meta["stopped"] == "failed" and meta["interrupted"] is False
     assert "Failed run" in sources[0] and "raised RuntimeError: boom" in sources[0]
@@ -128,7 +129,8 @@ def test_report_marks_failures_and_timeouts_and_exits_non_zero(tmp_path, capfd):
     timings = __import__("json").loads((tmp_path / "out" / "timings.json").read_text())
     slow = timings["steps"]["notebook:03_slow"]
     assert slow["status"] == "timeout" and slow["stopped_at"].startswith("code cell 1 of 1")
-    assert set(slow["cells"]) == {"0"} and slow["cells"]["0"] >= 3
+    (only,) = nbformat.read(src / "03_slow.ipynb", as_version=4).cells
+    assert list(slow["cells"]) == [only.id] and slow["cells"][only.id] >= 3
     assert timings["machine_kind"]["kind"] == "cpu" and timings["machine_kind"]["cpus"] >= 1
     ran = nbformat.read(tmp_path / "out" / "notebooks" / "01_good.ipynb", as_version=4)
     assert int(ran.cells[0].outputs[0]["text"].split()[1]) != os.getpid()  # a kernel, not this process
@@ -302,22 +304,52 @@ def test_a_study_s_own_list_sets_the_order():
     assert out == known + ["a", "b", "zz9", "zz10"]
 
 
-def test_exported_pages_load_no_script_from_the_network():
+def test_exported_pages_load_nothing_from_the_network():
     """Notebook 06 (53 formulas, a widget explorer, plotly figures) exported as the report exports it: no
-    <script src="http(s)://..."> (require.js, MathJax, widget managers), and the formulas are MathML."""
+    script, style, image or module from the network (require.js, MathJax, mermaid, the CDN widget
+    manager), the widget view carried in the page, and the formulas as MathML."""
     import re
 
-    from k3lab.report.execute import export_html
+    from k3lab.report import pages
 
     nb = nbformat.read(report.REPO / "notebooks" / "06_draft_depth.ipynb", as_version=4)
-    page = export_html(nb)
-    srcs = re.findall(r"<script[^>]*\ssrc=[\"']?([^\"' >]+)", page, flags=re.I)
-    assert srcs and not [s for s in srcs if re.match(r"(https?:)?//", s)], srcs
-    assert not re.search(r"<link[^>]*href=[\"']?(https?:)?//", page)
+    page = pages.export_html(nb)
+    assert pages.remote_loads(page) == [], pages.remote_loads(page)
+    assert "unpkg.com" not in page and "html-manager" not in page and "require.min.js" not in page
+    assert "k3labWidgetKinds" in page and '<script src="../plotly.min.js"></script>' in page
+    # the check itself sees each kind of load (it must be able to fail)
+    seen = pages.remote_loads("<script src='https://cdn.x/a.js'></script><link rel=stylesheet "
+                              "href='//fonts.x/b.css'><img src=\"http://i.x/c.png\"><style>"
+                              "@import url(https://s.x/d.css)</style><script>import('https://m.x/e.js')"
+                              "; var u = 'https://unpkg.com/@jupyter-widgets/html-manager@1/dist/"
+                              "embed-amd.js';</script><a href='https://link.x/'>a link</a>")
+    assert len(seen) == 6 and not [u for u in seen if "link.x" in u], seen
     pytest.importorskip("latex2mathml", reason="without latex2mathml the formulas stay as LaTeX text")
     formulas = sum(len(re.findall(r"\$\$.+?\$\$|\$[^$\n]+\$", c.source, flags=re.S))
                    for c in nb.cells if c.cell_type == "markdown")
     assert formulas and page.count("<math") >= formulas
+
+
+def test_every_widget_kind_k3lab_shows_is_drawn_offline():
+    """Each ipywidgets class that k3lab or a notebook builds has a view in the pages' widget view (a new
+    kind fails here, before a page shows it as a box that names it)."""
+    import json
+    import re
+
+    from k3lab.report import pages
+
+    texts = [p.read_text() for p in (report.REPO / "k3lab").rglob("*.py")]
+    texts += ["".join("".join(c["source"]) for c in json.loads(p.read_text())["cells"])
+              for p in report.notebook_paths()]
+    built = {m for t in texts for m in re.findall(r"\b(?:w|widgets|ipywidgets)\.([A-Z]\w+)\(", t)}
+    assert {"FloatText", "FloatSlider", "IntSlider", "Dropdown", "VBox", "Output"} <= built, built
+    views = {b for b in built if f"{b}Model" not in pages.NOT_VIEWS and b not in ("Layout",)}
+    assert not {f"{b}Model" for b in views} - pages.drawn_widget_kinds()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["widgets"] = {pages.WIDGET_STATE_MIME: {"state": {
+        "a": {"model_name": "FloatSliderModel"}, "b": {"model_name": "LayoutModel"},
+        "c": {"model_name": "FancyModel"}}}}
+    assert pages.undrawn_widget_kinds(nb) == {"FancyModel"}
 
 
 def _stock_cell_seconds(path, timeout_s: int) -> tuple[dict, object]:

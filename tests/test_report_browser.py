@@ -84,7 +84,9 @@ def _render(page):
     """Chromium's DOM of `page` after its scripts ran, its log, and the requests it sent to the network
     (none may leave the machine: the network is off, see _Network), the browser's own left out."""
     dom, log, requests = _render_raw(page)
-    return dom, log, [r for r in requests if _host(r) not in _browser_own()]
+    own = _browser_own()
+    return dom, log, [r for r in requests if _host(r) not in own
+                      and not any(_host(r) == d or _host(r).endswith("." + d) for d in BROWSER_OWN_DOMAINS)]
 
 
 def _render_raw(page):
@@ -125,10 +127,11 @@ def _render_raw(page):
     return run.stdout, run.stderr, net.requests
 
 
-# Chromium itself still calls a few of Google's hosts whatever the flags (sign-in, connectivity): those
-# are the browser's, not the page's. They are left out of what a page is held to, with whatever an empty
-# page also asks for (`_browser_own`, measured once).
-BROWSER_OWN = {"www.google.com", "accounts.google.com", "clients2.google.com", "redirector.gvt1.com"}
+# Chromium itself still calls Google's own hosts whatever the flags (sign-in, connectivity, device
+# check-in: www., accounts., clients2., android.clients.google.com, redirector.gvt1.com), at moments of its
+# own: those are the browser's, not the page's. They are left out of what a page is held to, with
+# whatever an empty page also asks for (`_browser_own`, measured once).
+BROWSER_OWN_DOMAINS = ("google.com", "gvt1.com")
 
 
 def _host(request: str) -> str:
@@ -146,7 +149,7 @@ def _browser_own() -> frozenset:
         blank = Path(tmp) / "blank.html"
         blank.write_text("<html><head></head><body>nothing to load</body></html>")
         _, _, requests = _render_raw(blank)
-    return frozenset(BROWSER_OWN | {_host(r) for r in requests})
+    return frozenset(_host(r) for r in requests)
 
 
 def test_report_plots_render_and_the_console_is_clean(tmp_path):

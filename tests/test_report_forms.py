@@ -251,13 +251,16 @@ def test_the_eta_keeps_moving_while_a_long_step_overruns():
 def test_expected_seconds_come_from_the_last_run_of_this_machine_kind(tmp_path):
     machine = {"kind": "cpu", "device": "x86_64", "cpus": 2}
     steps = {"study:kda_scan": {"seconds": 7.0}, "notebook:02_moe_sharding": {"seconds": 249.0},
-             "notebook:05_kda_scan": {"seconds": 3.0, "status": "interrupted"}}
+             "notebook:05_kda_scan": {"seconds": 3.0, "status": "interrupted"},
+             "notebook:08_all_together": {"seconds": 16.2, "status": "failed"},
+             "notebook:09_serving_curve": {"seconds": 240.5, "status": "timeout"}}
     last = tmp_path / "timings.json"
     last.write_text(json.dumps({"machine": "cpu", "machine_kind": machine, "form": "quick", "steps": steps}))
     measured, source = eta.measured_seconds(machine, "quick", [last])
-    assert source == last and measured == {"study:kda_scan": 7.0, "notebook:02_moe_sharding": 249.0}
+    assert source == last and measured == {"study:kda_scan": 7.0, "notebook:02_moe_sharding": 249.0,
+                                           "notebook:09_serving_curve": 240.5}
     assert expected_seconds("cpu", "quick", "notebook:02_moe_sharding", measured) == 249.0
-    # an interrupted step's seconds are not a whole step's: the table's
+    # an interrupted or failed step's seconds are not a whole step's: the table's
     assert (expected_seconds("cpu", "quick", "notebook:05_kda_scan", measured)
             == eta.EXPECTED_S["cpu"]["notebook:05_kda_scan"])
     # another core count, another device, another form: not this machine's measurements

@@ -207,7 +207,7 @@ def _write_timings(out: Path, plan: Plan, kind: str, form: str, total_s: float, 
     measured on (`eta.machine_kind`: the next report on this kind of machine takes its ETA from them),
     and the run's status: 'complete', or 'interrupted' with what was running (`stopped`), each stopped
     step's seconds so far marked 'interrupted', and the steps that never started. Each notebook step
-    adds its cells' seconds ('cells': file index -> seconds) and, when it did not pass, its status and
+    adds its code cells' seconds ('cells': cell id -> seconds) and, when it did not pass, its status and
     the cell that stopped it (`notebooks`: workers.Outcome by stem)."""
     from k3lab import env
     from k3lab.files import write_atomic
@@ -221,7 +221,7 @@ def _write_timings(out: Path, plan: Plan, kind: str, form: str, total_s: float, 
                             "status": "interrupted"}
         got = (notebooks or {}).get(s.key.split(":", 1)[1]) if s.key.startswith("notebook:") else None
         if got is not None and s.key in steps:
-            steps[s.key]["cells"] = {str(i): sec for i, sec in got.cells}
+            steps[s.key]["cells"] = {str(cell_id): sec for cell_id, sec in got.cells}
             if got.status != "passed":
                 steps[s.key]["status"] = got.status
             if got.cell:

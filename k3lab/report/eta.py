@@ -129,8 +129,9 @@ def timing_files(out: Path | None = None, root: Path | None = None) -> list[Path
 
 def measured_seconds(machine: dict, form: str, files: list[Path]) -> tuple[dict[str, float], Path | None]:
     """Each step's seconds from the first of `files` measured on this kind of machine (`same_kind`) in
-    report form `form`, and that file (({}, None) when none is). Steps that were interrupted are left out
-    (their seconds are not a whole step's); a notebook that failed keeps the seconds it took."""
+    report form `form`, and that file (({}, None) when none is). Steps that were interrupted or failed are
+    left out (their seconds are not a whole step's); one that timed out keeps its seconds (a lower bound,
+    and the next run is likely to take as long again)."""
     for path in files:
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -144,7 +145,7 @@ def measured_seconds(machine: dict, form: str, files: list[Path]) -> tuple[dict[
         for key, step in (data.get("steps") or {}).items():
             seconds = step.get("seconds") if isinstance(step, dict) else None
             if (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds)
-                    and seconds >= 0 and step.get("status") != "interrupted"):
+                    and seconds >= 0 and step.get("status") not in ("interrupted", "failed")):
                 steps[key] = float(seconds)
         if steps:
             return steps, Path(path)

@@ -264,8 +264,9 @@ def execute_notebook(path: Path, out_dir: Path, timeout_s: int = CELL_TIMEOUT_S,
     Returns (executed .ipynb, seconds, slowest cell's seconds). Raises CellTimedOut when a cell
     reaches timeout_s, NotebookFailed when a cell errors or the kernel dies, NotebookInterrupted on
     KeyboardInterrupt (the kernel killed); each names the cell and the reason, and the files are marked
-    (module docstring). cell_seconds, when given, is filled with each cell's seconds by its file index
-    (a stopped cell's so far), whether or not the run finished."""
+    (module docstring). cell_seconds, when given, is filled with each code cell's seconds by its cell id
+    (its file index as text where it has none; a stopped cell's seconds so far), whether or not the run
+    finished."""
     import nbformat
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
@@ -273,6 +274,7 @@ def execute_notebook(path: Path, out_dir: Path, timeout_s: int = CELL_TIMEOUT_S,
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
+    ids = [c.get("id") or str(i) for i, c in enumerate(nb.cells)]  # before a banner shifts the cells
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="k3lab-kernel-") as sockets:
         client = _client_class()(nb, socket_path=str(Path(sockets) / "k"), kernel_name="python3",
@@ -299,7 +301,7 @@ def execute_notebook(path: Path, out_dir: Path, timeout_s: int = CELL_TIMEOUT_S,
         finally:
             client.stopped_cell_seconds()
             if cell_seconds is not None:
-                cell_seconds.update(client.cell_seconds)
+                cell_seconds.update({ids[i]: sec for i, sec in client.cell_seconds.items()})
             client.set_widgets_metadata()  # nbclient saves it only at the end of a whole run
             _write_outputs(nb, path, Path(out_dir))
     slowest = max(client.cell_seconds.values(), default=0.0)

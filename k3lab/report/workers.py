@@ -46,8 +46,8 @@ STATUSES = ("passed", "failed", "timeout", "interrupted", "not started")
 class Outcome:
     """How one notebook's run ended: status (one of STATUSES), its seconds and slowest cell's, the
     first line of why it did not pass (the cell that stopped it and the reason), whether its page was
-    written, the stopping cell (`execute.where`'s dict, None when none was running) and each cell's
-    seconds as [file index, seconds] pairs."""
+    written, the stopping cell (`execute.where`'s dict, None when none was running) and each code
+    cell's seconds as [cell id, seconds] pairs, in the order they ran."""
 
     status: str
     seconds: float = 0.0
@@ -272,10 +272,10 @@ def run_one(path: Path, out_dir: Path, timeout_s: int) -> Outcome:
     def first(exc: BaseException) -> str:
         return (str(exc).splitlines() or [type(exc).__name__])[0]
 
-    timings: dict[int, float] = {}
+    timings: dict[str, float] = {}
 
     def cells() -> list:
-        return [[i, round(s, 2)] for i, s in sorted(timings.items())]
+        return [[cell_id, round(s, 2)] for cell_id, s in timings.items()]
 
     def stopped(status: str, exc: NotebookFailed) -> Outcome:
         return Outcome(status, message=first(exc), page=True, cell=exc.cell, cells=cells())

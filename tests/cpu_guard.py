@@ -182,7 +182,9 @@ def verdict(item) -> str | None:
     """None when the test is safe on a GPU machine as far as a CPU run can tell, else why not and what
     to do (the test then fails with it)."""
     launched = sum(LAUNCHES.values())
-    if not launched or item.get_closest_marker(CHILD_MARK) or item.get_closest_marker(FOLLOWS_MARK):
+    if not launched or not isinstance(item, pytest.Function):  # a notebook cell's kernels run elsewhere
+        return None
+    if item.get_closest_marker(CHILD_MARK) or item.get_closest_marker(FOLLOWS_MARK):
         return None
     fn = getattr(item, "originalname", None) or item.name
     cls = item.cls.__name__ if getattr(item, "cls", None) is not None else None

@@ -1,6 +1,7 @@
 """Nothing silently wrong: every public op of MLA decode, KDA verification, AttnRes + RMSNorm and KDA decode,
 driven with generated inputs that are often bad (page ids past int32 or outside the pool, lengths past the
-cache, offsets that break their promise, NaN / negative / zero / out-of-fp32 scales and epsilons), either
+cache or given as floats or bools, offsets that break their promise, NaN / negative / zero / out-of-fp32
+scales and epsilons), either
 refuses them by name (ValueError naming the argument) or returns what the reference computes. On a CPU the
 Triton kernels run in the interpreter, so shapes stay small and each property tries 25 cases."""
 
@@ -20,23 +21,17 @@ from k3lab.ops import kda_decode as kd
 from k3lab.ops import kda_verify as kv
 from k3lab.ops import mla_decode as mla
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, event, given, settings  # noqa: E402
+from refusals import examples, refused
+
+from hypothesis import event, given  # noqa: E402  (refusals skips the module without hypothesis)
 from hypothesis import strategies as st  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None, print_blob=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = examples(25)
 
 # Scalars a caller may pass as a scale or an epsilon: plausible ones and the bad ones every op refuses.
 BAD_SCALARS = [math.nan, math.inf, -math.inf, 0.0, -1.0, -0.25, 1e-45, 1e39, True, "0.1", torch.tensor(0.1)]
 SCALARS = st.one_of(st.sampled_from(BAD_SCALARS), st.floats(0.05, 2.0), st.sampled_from([1, 2]))
-
-
-def _refused(exc: ValueError, *names: str) -> None:
-    """A refusal must name the argument it refuses."""
-    assert any(n in str(exc) for n in names), f"refusal does not name any of {names}: {exc}"
-    event(f"refused: {next(n for n in names if n in str(exc))}")
 
 
 # ------------------------------------------------------------------ MLA decode
@@ -55,6 +50,8 @@ def mla_calls(draw):
     bt_dtype = torch.int64 if wide else draw(st.sampled_from([torch.int32, torch.int64]))
     L = per * ps if paged else draw(st.integers(8, 40))
     lengths = draw(st.one_of(st.none(), st.lists(st.integers(-2, L + 3), min_size=B, max_size=B)))
+    if lengths is not None and draw(st.integers(0, 5)) == 0:  # whole lengths as floats or bools: refused
+        lengths = [float(n) + 0.5 for n in lengths] if draw(st.booleans()) else [n > 0 for n in lengths]
     return dict(B=B, Tq=Tq, H=H, paged=paged, ps=ps, n_pages=n_pages, table=table, bt_dtype=bt_dtype, L=L,
                 lengths=lengths, scale=draw(SCALARS), variant=draw(st.sampled_from(["before", "after"])))
 
@@ -86,8 +83,9 @@ def test_mla_decode_refuses_by_name_or_matches_the_reference(c):
     try:
         o, lse = fn(q, kv_, lengths, block_table=table, scale=c["scale"], backend="triton")
     except ValueError as exc:
-        _refused(exc, "scale", "block_table", "lengths", "cache", "q_len")
+        refused(exc, "scale", "block_table", "lengths", "cache", "q_len")
         return
+    assert lengths is None or lengths.dtype in (torch.int64, torch.int32), f"took {lengths.dtype} lengths"
     used = lengths if lengths is not None else torch.full((c["B"],), kv_.shape[1])
     ref_o, ref_lse = _mla_reference(q.cpu(), kv_.cpu(), used.cpu(), None if table is None else table.cpu(),
                                     c["ps"], c["scale"], c["paged"])
@@ -129,6 +127,7 @@ def verify_calls(draw):
     elif mode == "lengths":
         call["B"] = draw(st.integers(1, 2))
         call["lengths"] = draw(st.lists(st.integers(-1, T + 1), min_size=call["B"], max_size=call["B"]))
+        call["lengths_dtype"] = draw(st.sampled_from([torch.int32] * 4 + [torch.float32, torch.bool]))
     call.setdefault("B", 1 if mode == "cu_seqlens" else draw(st.integers(1, 2)))
     return call
 
@@ -144,14 +143,15 @@ def test_kda_verify_refuses_by_name_or_matches_the_reference(c):
     gate = (-torch.rand(B, T, H, 128, generator=g)).to(DEV)
     beta = torch.rand(B, T, H, generator=g).to(DEV)
     cu = None if c["cu"] is None else torch.tensor(c["cu"], dtype=torch.int32, device=DEV)
-    lengths = None if c["lengths"] is None else torch.tensor(c["lengths"], dtype=torch.int32, device=DEV)
+    lengths = None if c["lengths"] is None else torch.tensor(c["lengths"], device=DEV).to(c["lengths_dtype"])
     fn = kv.kda_verify_before if c["before"] else kv.kda_verify
     try:
         o, states = fn(q, k, v, gate, beta, None, scale=c["scale"], cu_seqlens=cu, lengths=lengths,
                        max_seqlen=c["max_seqlen"], final_state_only=c["final"])
     except ValueError as exc:
-        _refused(exc, "scale", "cu_seqlens", "max_seqlen", "lengths", "T (positions")
+        refused(exc, "scale", "cu_seqlens", "max_seqlen", "lengths", "T (positions")
         return
+    assert lengths is None or lengths.dtype == torch.int32, f"took {lengths.dtype} lengths"
     ref_o, ref_s = kv.reference_verify(q, k, v, gate, beta, None, scale=c["scale"], cu_seqlens=cu,
                                        lengths=lengths)
     bench.check(o, ref_o, dtype="fp32", name="o")
@@ -195,7 +195,7 @@ def test_attn_res_norm_refuses_by_name_or_matches_the_reference(T, n_blocks, pus
         out = arn.attn_res_norm(x["prefix"], x["delta"], x["blocks"], n_blocks, x["res_norm_w"],
                                 x["res_proj_w"], x["next_norm_w"], eps=eps, push_block=push, impl=impl)
     except ValueError as exc:
-        _refused(exc, "eps", "n_blocks")
+        refused(exc, "eps", "n_blocks")
         return
     assert expect is not None, f"accepted eps={eps!r}, n_blocks={n_blocks}, which the reference refuses"
     bench.check(out, expect, dtype="fp32", name="out")
@@ -217,7 +217,7 @@ def test_kda_decode_refuses_by_name_or_matches_the_reference(eps, lower_bound, b
     try:
         out = kd.kda_decode(**inputs, cache=cache, weights=w, backend=backend)
     except ValueError as exc:
-        _refused(exc, "weights.eps", "weights.lower_bound")
+        refused(exc, "weights.eps", "weights.lower_bound")
         assert ref_out is None, f"{backend} refused what the reference takes: {exc}"
         return
     assert ref_out is not None, f"{backend} took what the reference refuses: {ref_exc}"

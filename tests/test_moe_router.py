@@ -309,17 +309,19 @@ def test_nan_scores_go_last_in_index_order(launches):
 
 
 def test_route_and_sort_takes_one_launch_up_to_fused_pairs(monkeypatch):
-    calls = []
-    for name in ("route_sort", "topk_weights", "sort_pairs"):
-        real = getattr(mr, name)
-        monkeypatch.setattr(mr, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    calls = []  # route_and_sort has checked its inputs: it calls the launchers that do not check again
+    for where, name in ((mr.triton, "launch_route_sort"), (mr.triton, "launch_topk_weights"),
+                        (mr, "sort_pairs")):
+        real = getattr(where, name)
+        monkeypatch.setattr(where, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
     k = 4
     for n in (1, mr.FUSED_PAIRS // k, mr.FUSED_PAIRS // k + 1):
         logits, b = router_inputs(n, 16, k, seed=n)
         calls.clear()
         got = mr.route_and_sort(logits, b, k, block_m=16, backend="triton")
         assert_same(got, logits, b, k, 1.0, True, 16)
-        assert calls == (["route_sort"] if n * k <= mr.FUSED_PAIRS else ["topk_weights", "sort_pairs"])
+        assert calls == (["launch_route_sort"] if n * k <= mr.FUSED_PAIRS
+                         else ["launch_topk_weights", "sort_pairs"])
 
 
 def test_the_glue_bench_checks_each_router_form_and_tables_them(monkeypatch):

@@ -14,10 +14,12 @@ of a generated workload are checked against them in the tests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
+from ..ops import int_arg
 from .traces import Request, Trace, Workload
 
 
@@ -42,6 +44,20 @@ class SessionModel:
     subagent_turns: float = 8
     system_prompt_tokens: int = 12_000
     block_size: int = 64
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("max_prompt", "block_size", "system_prompt_tokens"):
+                int_arg(f.name, v, low=int(f.name != "system_prompt_tokens"), what="a token count: an int")
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"{f.name} must be a finite number >= 0, got {v!r}")
+        for name in ("median_turns", "median_first_prompt", "median_output", "median_new_tokens",
+                     "decode_tokens_per_s", "subagent_turns"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.subagent_share > 1:
+            raise ValueError(f"subagent_share must be in [0, 1], got {self.subagent_share!r}")
 
 
 AGENTX = SessionModel()
@@ -106,10 +122,9 @@ def generate(sessions: int = 200, *, duration_s: float = 3600.0, seed: int = 0,
              arrival_share: float = 0.5, model: SessionModel = AGENTX, **overrides) -> Workload:
     """A Workload of `sessions` root sessions (and their subagents) over `duration_s` seconds.
     overrides: any SessionModel field (e.g. median_turns=10)."""
-    if not isinstance(sessions, int) or sessions < 1:
-        raise ValueError(f"sessions must be a positive int, got {sessions!r}")
-    if not duration_s > 0:
-        raise ValueError(f"duration_s must be > 0, got {duration_s!r}")
+    int_arg("sessions", sessions, low=1)
+    if isinstance(duration_s, bool) or not 0 < duration_s < math.inf:
+        raise ValueError(f"duration_s must be a finite number > 0, got {duration_s!r}")
     if not 0 < arrival_share <= 1:
         raise ValueError(f"arrival_share must be in (0, 1], got {arrival_share!r}")
     m = replace(model, **overrides) if overrides else model
@@ -138,6 +153,8 @@ def generate(sessions: int = 200, *, duration_s: float = 3600.0, seed: int = 0,
 def to_traces(w: Workload, *, limit: int | None = None) -> list[Trace]:
     """The schema form of a workload (one Trace per session; `limit` sessions at most), e.g. to write
     a small sample file with traces.dump_traces."""
+    if limit is not None:
+        int_arg("limit", limit, what="a number of sessions: an int")
     traces: dict[int, Trace] = {}
     names = ("n", "s", "subagent")
     for i in range(len(w)):
@@ -154,5 +171,5 @@ def to_traces(w: Workload, *, limit: int | None = None) -> list[Trace]:
         )
         think = 0.0 if prev_end is None else max(0.0, float(w.t[i]) - prev_end)
         tr.requests.append(Request(float(w.t[i]), names[w.kind[i]], int(w.in_tokens[i]), int(w.out_tokens[i]),
-                                   [int(x) for x in w.block_ids(i)], round(think, 3)))
+                                   [int(x) for x in w._block_ids(i)], round(think, 3)))
     return list(traces.values())

@@ -20,11 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-
-def _nonneg_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return value
+from ..ops import int_arg as _nonneg_int  # an int >= 0: never a bool, never a float
 
 
 def stored_mla_reach(mla_reach: int, *, mla_block: int, tail_saved: bool = False) -> int:

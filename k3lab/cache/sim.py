@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..config import K3Config
+from ..ops import int_arg
 from .traces import Workload
 
 POLICIES = ("lru", "resume_aware")
@@ -72,6 +73,7 @@ class CacheConfig:
                 raise ValueError(f"{name} must be >= 0 bytes, got {getattr(self, name)!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        int_arg("block_size", self.block_size, low=1, what="a token count: an int")
         iv = self.checkpoint_interval
         if isinstance(iv, bool) or not isinstance(iv, int) or iv < 0 or iv % self.block_size:
             raise ValueError(f"checkpoint_interval must be 0 (prompt ends only) or a positive multiple of "

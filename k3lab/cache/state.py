@@ -28,6 +28,7 @@ import torch
 from ..model import K3Cache
 from ..nn.kda import KDACache
 from ..nn.mla import MLACache
+from ..ops import int_arg
 
 _KDA_FIELDS = ("conv_q", "conv_k", "conv_v", "state")
 
@@ -82,8 +83,7 @@ def save(cache: K3Cache, request: int = 0, *, pin: bool | None = None) -> Reques
     if not isinstance(cache, K3Cache):
         raise ValueError(f"cache must be a K3Cache (from K3Model.prefill/decode), got {type(cache).__name__}")
     batch = cache.attn_res_partial.shape[0]
-    if not isinstance(request, int) or not 0 <= request < batch:
-        raise ValueError(f"request must be an int in [0, {batch}) (the cache's batch), got {request!r}")
+    request = int_arg("request", request, high=batch - 1, what="an index into the cache's batch: an int")
     pin = _want_pin(pin)
     kinds, layers = [], []
     for i, layer in enumerate(cache.layers):
@@ -114,6 +114,15 @@ def restore(states, device=None) -> K3Cache:
                              f"{first.position}, states[{j}] at {s.position}")
         if s.kinds != first.kinds:
             raise ValueError(f"states[{j}] comes from a model with another layer map than states[0]")
+    for j, s in enumerate(states):
+        int_arg(f"states[{j}].position", s.position)
+        for i, (kind, entries) in enumerate(zip(s.kinds, s.layers)):
+            if kind != "mla":
+                continue
+            rows = entries["latent"].shape[0] if isinstance(entries.get("latent"), torch.Tensor) else None
+            if rows != s.position:
+                raise ValueError(f"states[{j}].position is {s.position}, but MLA layer {i} holds {rows} rows "
+                                 "(one per position)")
     device = torch.device("cpu") if device is None else torch.device(device)
     nb = device.type != "cpu"
 
@@ -175,7 +184,7 @@ class SequenceCheckpoints:
 
     def at(self, position: int, device=None) -> K3Cache:
         """The cache at checkpoint `position` (one of `positions`), on `device`."""
-        if position not in self._kda:
+        if isinstance(position, bool) or not isinstance(position, int) or position not in self._kda:
             raise ValueError(f"position must be a checkpoint ({self.positions}), got {position!r}: KDA state "
                              "exists only where it was saved")
         kda = self._kda[position]

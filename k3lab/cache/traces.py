@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..ops import int_arg
+
 REQUEST_TYPES = ("n", "s", "subagent")
 _TYPE_CODE = {t: i for i, t in enumerate(REQUEST_TYPES)}
 # The largest token count (and block size) a trace may give: far beyond any context or output, and
@@ -167,7 +169,11 @@ class Workload:
         return len(self.t)
 
     def block_ids(self, i: int) -> np.ndarray:
-        """Request i's prompt blocks, in order."""
+        """Request i's prompt blocks, in order (i an int in [0, len(self)): no bool, no negative index
+        counted from the end)."""
+        return self._block_ids(int_arg("i", i, high=len(self) - 1, what="a request index: an int"))
+
+    def _block_ids(self, i: int) -> np.ndarray:
         ids = self.chains[self.chain[i]][: self.n_full[i]]
         return ids if self.tail[i] < 0 else np.append(ids, self.tail[i])
 
@@ -178,7 +184,7 @@ class Workload:
         seen = np.zeros(self.n_blocks, dtype=bool)
         out = np.zeros(len(self), dtype=np.int64)
         for i in np.argsort(self.t, kind="stable"):
-            ids = self.block_ids(i)
+            ids = self._block_ids(i)
             s = seen[ids]
             h = len(ids) if s.all() else int(np.argmin(s))
             out[i] = min(h * self.block_size, int(self.in_tokens[i]))
@@ -220,6 +226,9 @@ def to_workload(traces: list[Trace], offsets=None) -> Workload:
     if offsets.shape != (len(traces),):
         raise TraceError(f"offsets must hold one start time per trace ({len(traces)}), got shape "
                          f"{offsets.shape}")
+    if not np.isfinite(offsets).all():
+        bad = offsets[~np.isfinite(offsets)][:4].tolist()
+        raise TraceError(f"offsets must be finite start times, got {bad}")
     block = traces[0].block_size
     for tr in traces:
         if tr.block_size != block:

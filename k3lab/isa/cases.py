@@ -74,7 +74,7 @@ def dcp_merge(world=8, batch=1, q_len=1):
 
     o = torch.empty(world, batch, q_len, CFG.num_attention_heads, 512, dtype=BF16)
     lse = torch.empty(world, batch, q_len, CFG.num_attention_heads, dtype=torch.float32)
-    merge_partials(o, lse, backend="triton")
+    merge_partials(o, lse, backend="triton", check_values=False)  # compiles the kernel: values unused
 
 
 # ------------------------------------------------------------------------------------------ KDA prefill

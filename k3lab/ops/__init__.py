@@ -16,14 +16,18 @@ CUDA_HOME, K3LAB_KDA_VERIFY_PDL), `environment()` (a copy for a compiler's child
 backend tables' K3LAB_<OP>_BACKEND; whether Triton is interpreted is `k3lab.env.triton_interpreted()`.
 
 Also shared by the op packages: `triton_status`, `triton_runs_on` (Triton kernels on a device's tensors:
-compiled on a GPU, the interpreter on a CPU), and `positive_finite`, the one rule for every op's
-scales and epsilons.
+compiled on a GPU, the interpreter on a CPU), and the argument rules every op applies the same way:
+`positive_finite` (scales and epsilons), `int_arg` (lengths, counts and indices: integers, never bools
+or floats, within their range) and `check_finite` (tensors whose NaN or infinity an op would spread
+beyond the rows it belongs to; one device sync, skipped under CUDA-graph capture, so a captured path
+checks when it is bound).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import operator
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -46,6 +50,56 @@ def positive_finite(name: str, value) -> float:
         raise ValueError(f"{name} must be a positive finite number within fp32's normal range "
                          f"[{FP32_TINY:.3g}, {FP32_MAX:.3g}], got {value!r}")
     return float(value)
+
+
+def int_arg(name: str, value, *, low: int = 0, high: int | None = None, what: str = "an integer") -> int:
+    """`value` as a Python int; ValueError naming `name` unless it is an integer (a Python or numpy
+    integer, or a 0-d integer tensor) in [low, high]. Never a bool (True would count as 1) nor a float
+    (2.7 would be truncated to 2): the one rule for the lengths, counts and indices the ops take."""
+    bad = (type(value).__name__ in ("bool", "bool_")  # Python's and numpy's
+           or (isinstance(value, torch.Tensor) and (value.dim() != 0 or value.dtype == torch.bool)))
+    try:
+        v = None if bad else operator.index(value)
+    except TypeError:
+        v = None
+    span = f">= {low}" if high is None else f"in [{low}, {high}]"
+    if v is None or v < low or (high is not None and v > high):
+        raise ValueError(f"{name} must be {what} {span} (not a bool or a float), got {value!r}")
+    return v
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (no value can be read back then). A capture
+    needs CUDA initialized in this process; asking nothing of CUDA before that keeps this safe to call
+    on any machine."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def check_finite(why: str, tensors: Mapping[str, torch.Tensor], *, neg_inf_ok: tuple[str, ...] = ()) -> None:
+    """ValueError naming the first of `tensors` (name -> tensor) that holds a NaN or an infinity (-inf is
+    allowed for the names in `neg_inf_ok`), with the index of its first such value and `why` the op
+    refuses it. Cost: one sum per tensor and one device sync for all of them together (an exact
+    element-wise look only where a sum is not finite, which finite values rarely cause). Under CUDA-graph
+    capture nothing can be read, so nothing is checked: a captured path checks when it is bound."""
+    if capturing() or not tensors:
+        return
+    names = list(tensors)
+    sums = []
+    for name in names:
+        t = tensors[name]
+        if name in neg_inf_ok:
+            t = t.masked_fill(t == -math.inf, 0)
+        sums.append(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).double())
+    finite = torch.isfinite(torch.stack([s.to(sums[0].device) for s in sums])).tolist()  # the one sync
+    for name, ok in zip(names, finite):
+        if ok:
+            continue
+        t = tensors[name]
+        bad = torch.isnan(t) | (t == math.inf) if name in neg_inf_ok else ~torch.isfinite(t)
+        where = bad.nonzero()
+        if where.numel():
+            kind = "NaN or +inf" if name in neg_inf_ok else "NaN or an infinity"
+            raise ValueError(f"{name} holds {kind} (first at index {where[0].tolist()}): {why}")
 
 
 def setting(name: str, default: str | None = None) -> str | None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from k3lab.ops import int_arg
 from k3lab.ops.mla_decode.merge import lse_weights, merge_partials  # merge_partials is re-exported
 
 LATENT_DIM = 576
@@ -62,15 +63,31 @@ def _check_layout(world_size, interleave, rank=None):
         raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
 
 
+def _positions(name: str, x):
+    """x, a position or count: an int >= 0 or an integer tensor of them (read once to check: a host sync
+    for a GPU tensor). Never a bool or a float (2.5 positions has no owner), never negative (a count of
+    -5 positions would come back as a negative local count)."""
+    if not isinstance(x, torch.Tensor):
+        return int_arg(name, x)
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor (not bool or floating point), got {x.dtype}")
+    if x.numel() and int(x.min()) < 0:
+        raise ValueError(f"{name} must be >= 0, got a minimum of {int(x.min())}")
+    return x
+
+
 def owner(position, world_size: int, interleave: int = 1):
-    """The rank holding `position` (an int or an integer tensor): (position // interleave) % world_size."""
+    """The rank holding `position` (an int >= 0 or an integer tensor): (position // interleave) %
+    world_size."""
     _check_layout(world_size, interleave)
+    position = _positions("position", position)
     return (position // interleave) % world_size
 
 
 def owned_count(n, world_size: int, rank: int, interleave: int = 1):
-    """How many of the positions 0..n-1 live on `rank` (n an int or an integer tensor)."""
+    """How many of the positions 0..n-1 live on `rank` (n an int >= 0 or an integer tensor)."""
     _check_layout(world_size, interleave, rank)
+    n = _positions("n", n)
     cycle = world_size * interleave
     rem = n % cycle - rank * interleave
     if isinstance(rem, torch.Tensor):
@@ -84,7 +101,7 @@ def global_positions(count: int, world_size: int, rank: int, interleave: int = 1
                      device=None) -> torch.Tensor:
     """The global positions of local rows 0..count-1 of `rank`, int64 [count]."""
     _check_layout(world_size, interleave, rank)
-    j = torch.arange(count, device=device)
+    j = torch.arange(int_arg("count", count), device=device)
     return (j // interleave) * world_size * interleave + rank * interleave + j % interleave
 
 
@@ -116,9 +133,9 @@ def shard_cache(cache: torch.Tensor, lengths, world_size: int, rank: int, interl
                          f"{tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__}")
     B, L, _ = cache.shape
     lens = _host_ints(lengths, "lengths", B)
-    capacity = L if capacity is None else capacity
-    if not isinstance(capacity, int) or capacity < L:
-        raise ValueError(f"capacity must be an integer >= the cache length {L}, got {capacity!r}")
+    if capacity is None:
+        capacity = L
+    int_arg("capacity", capacity, low=L, what="a number of positions (at least the cache length): an int")
     if max(lens, default=0) > L:
         raise ValueError(f"lengths must be <= the cache length {L}, got max {max(lens)}")
     local_cap = owned_count(capacity, world_size, rank, interleave)
@@ -140,8 +157,8 @@ def empty_shard(batch: int, capacity: int, world_size: int, rank: int, interleav
                 dtype=torch.bfloat16, device=None) -> torch.Tensor:
     """A zeroed local cache [batch, owned_count(capacity), 576]: what one MLA layer of a rank allocates."""
     _check_layout(world_size, interleave, rank)
-    rows = owned_count(capacity, world_size, rank, interleave)
-    return torch.zeros(batch, rows, LATENT_DIM, dtype=dtype, device=device)
+    rows = owned_count(int_arg("capacity", capacity), world_size, rank, interleave)
+    return torch.zeros(int_arg("batch", batch, low=1), rows, LATENT_DIM, dtype=dtype, device=device)
 
 
 def append(local_cache: torch.Tensor, local_lengths, new_rows: torch.Tensor, lengths, world_size: int,
@@ -231,13 +248,21 @@ def local_attention(q, local_cache, local_lengths, lengths, world_size: int, ran
     """Attention of q [B, Tq, HH, 576] over this rank's rows only: the partial (o, lse) that DCP merges.
 
     o [B, Tq, HH, 512] in q's dtype, lse [B, Tq, HH] in float32 (float64 for float64 q); o = 0 and
-    lse = -inf where the rank holds no row a token sees. Inputs are as `dcp_decode` checks them.
+    lse = -inf where the rank holds no row a token sees. The inputs get `dcp_decode`'s own checks on
+    this rank (lengths and local_lengths integers, local_lengths what the layout gives this rank and
+    within the shard's rows, page ids in the pool), before anything runs; no collective.
     """
+    lens, held = _check_inputs(q, local_cache, local_lengths, lengths, world_size, rank, interleave, "ag_rs",
+                               block_table, scale, local, None)
+    return _attend(q, local_cache, held, lens, world_size, rank, interleave, block_table=block_table,
+                   scale=scale, local=local)
+
+
+def _attend(q, local_cache, held, lens, world_size, rank, interleave, *, block_table, scale, local):
+    """`local_attention` on checked inputs: held and lens are the host lists `_check_inputs` returns."""
     B, Tq, HH, D = q.shape
     acc = _acc_dtype(q.dtype)
     scale = DEFAULT_SCALE if scale is None else scale
-    lens = [int(n) for n in torch.as_tensor(lengths).tolist()]
-    held = [int(n) for n in torch.as_tensor(local_lengths).tolist()]
     seen = [owned_count(n - Tq + 1, world_size, rank, interleave) for n in lens]  # rows every token sees
     dev = q.device
     o = torch.zeros(B, Tq, HH, VALUE_DIM, dtype=acc, device=dev)
@@ -263,7 +288,7 @@ def local_attention(q, local_cache, local_lengths, lengths, world_size: int, ran
         lse_t = torch.logsumexp(scores, dim=-1)
         p = torch.exp(scores - torch.where(torch.isfinite(lse_t), lse_t, torch.zeros_like(lse_t))[..., None])
         o_t = torch.einsum("bthj,bjv->bthv", p, rows[..., :VALUE_DIM])
-        o, lse = merge_partials(torch.stack([o, o_t]), torch.stack([lse, lse_t]), "torch")
+        o, lse = merge_partials(torch.stack([o, o_t]), torch.stack([lse, lse_t]), "torch", check_values=False)
     return o.to(q.dtype), lse
 
 
@@ -435,7 +460,7 @@ def _merge_ag_rs(o_loc, lse_loc, N, rank, H, group):
     B, Tq = o_loc.shape[:2]
     every = torch.empty((N,) + tuple(lse_loc.shape), dtype=lse_loc.dtype, device=lse_loc.device)
     _all_gather(every, lse_loc.contiguous(), group)
-    weights, total = lse_weights(every)
+    weights, total = lse_weights(every, check_values=False)  # the op's own lse
     factor = weights[rank]  # exp(lse_local - lse_global); 0 for an empty shard
     scaled = (o_loc.to(factor.dtype) * factor[..., None]).to(o_loc.dtype)
     send = scaled.view(B, Tq, N, H, VALUE_DIM).permute(2, 0, 1, 3, 4).contiguous()
@@ -452,7 +477,8 @@ def _merge_a2a(o_loc, lse_loc, N, H, group, impl):
     send[..., VALUE_DIM:] = _pack_lse(lse_loc.view(B, Tq, N, H).permute(2, 0, 1, 3), o_loc.dtype)
     recv = torch.empty_like(send)
     _all_to_all(recv, send, group)
-    return merge_partials(recv[..., :VALUE_DIM], _unpack_lse(recv[..., VALUE_DIM:], lse_loc.dtype), impl)
+    return merge_partials(recv[..., :VALUE_DIM], _unpack_lse(recv[..., VALUE_DIM:], lse_loc.dtype), impl,
+                          check_values=False)
 
 
 # ---------------------------------------------------------------------------------------- decode
@@ -498,9 +524,8 @@ def dcp_decode(q, local_cache, local_lengths, lengths, *, group=None, interleave
         _agree({**fields, "problem": problem is not None}, problem, group, device, text)
     H = q.shape[2]
     q_all = _gather_queries(q, N, group) if N > 1 else q
-    o_loc, lse_loc = local_attention(q_all, local_cache, held, lens, N, rank, interleave,
-                                     block_table=block_table,
-                                     scale=scale, local=local)
+    o_loc, lse_loc = _attend(q_all, local_cache, held, lens, N, rank, interleave, block_table=block_table,
+                             scale=scale, local=local)
     if N == 1:
         return o_loc, lse_loc
     if merge == "ag_rs":
@@ -523,8 +548,7 @@ def exchange_bytes(batch: int, q_len: int, heads: int, world_size: int, merge: s
     if merge not in MERGES:
         raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     for name, v in (("batch", batch), ("q_len", q_len), ("heads", heads)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        int_arg(name, v, low=1)
     e = torch.empty((), dtype=dtype).element_size()
     N, rows = world_size, batch * q_len * heads
     lse_e = 8 if dtype == torch.float64 else LSE_BYTES
@@ -551,8 +575,7 @@ def cache_bytes_per_rank(config, tokens: int, world_size: int = 1, *, dtype_byte
 
     world_size 1 is TP alone (every GPU keeps every position); rank 0 is the busiest rank.
     """
-    if not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(f"tokens must be an integer >= 0, got {tokens!r}")
+    int_arg("tokens", tokens)
     rows = owned_count(tokens, world_size, rank, interleave)
     return config.num_mla_layers * rows * config.mla_latent_bytes_per_position(dtype_bytes)
 

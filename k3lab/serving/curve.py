@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from k3lab.ops import int_arg
+
 from . import node
 from .hardware import GPU, SEED
 
@@ -171,7 +173,7 @@ def committed(depth: int, acceptance: float = 1.0) -> float:
     """Expected committed tokens per cycle at `depth` drafts (1 at depth 0): k3lab.speculative's reference
     acceptance curve (fitted to the seed's 3.00 and 3.36 tokens at three and four drafts), each
     position's acceptance times `acceptance` (clipped to 1)."""
-    return _committed_all(float(acceptance))[depth]
+    return _committed_all(float(acceptance))[int_arg("depth", depth, high=MAX_DEPTH)]
 
 
 def cycle_us(

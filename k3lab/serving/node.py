@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3lab.config import K3Config
+from k3lab.ops import int_arg
 
 from .hardware import GPU, gpu as gpu_of, matrix_efficiency
 from .stepmodel import waves
@@ -61,6 +62,10 @@ def step_parts(
     history (`context_sum` positions over the batch, plus the rows written, divided by `dcp`), the KDA
     states and conv histories read and written."""
     c = config
+    for name, v in (("batch", batch), ("tokens", tokens), ("dcp", dcp), ("q_len", q_len)):
+        int_arg(name, v, low=1)
+    if not 0 <= context_sum < np.inf:
+        raise ValueError(f"context_sum must be a finite number of positions >= 0, got {context_sum!r}")
     E, k = c.num_experts, c.num_experts_per_token
     chosen = E * (1.0 - (1.0 - k / E) ** tokens)
     experts = c.num_moe_layers * chosen * expert_bytes_per_rank(c, expert_weight_bytes)
@@ -100,6 +105,9 @@ def sequence_gb(context: float, dcp: int = 1, config: K3Config | None = None) ->
     """GB one sequence holds on each GPU: MLA history at FP8 (576 bytes per position and MLA layer,
     divided by the DCP degree) and the KDA states (fp32) and conv histories (bf16), which DCP leaves whole."""
     c = config or tp_config()
+    int_arg("dcp", dcp, low=1)
+    if not 0 <= context < np.inf:
+        raise ValueError(f"context must be a finite number of positions >= 0, got {context!r}")
     mla = c.num_mla_layers * context * c.mla_latent_dim * FP8_BYTES / dcp
     kda = c.num_kda_layers * (c.kda_state_bytes_per_sequence() + c.kda_conv_state_values_per_sequence() * 2)
     return (mla + kda) / 1e9

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from k3lab.ops import int_arg
+
 FULL = ("fixed", "weights", "history", "history_waves", "state")
 REDUCED = ("fixed", "weights+state", "history")
 
@@ -57,11 +59,10 @@ class StepPoint:
 
 def waves(tokens: int, heads: int, units: int) -> int:
     """ceil(tokens x heads / units): the waves of a kernel with one program per (token, head) on a GPU of
-    `units` compute units at one program per unit. ValueError for a non-positive argument."""
-    for name, v in (("tokens", tokens), ("heads", heads), ("units", units)):
-        if not v > 0:
-            raise ValueError(f"{name} must be > 0, got {v!r}")
-    return -(-int(tokens) * int(heads) // int(units))
+    `units` compute units at one program per unit. ValueError for an argument that is not an int > 0."""
+    tokens, heads, units = (int_arg(n, v, low=1) for n, v in (("tokens", tokens), ("heads", heads),
+                                                             ("units", units)))
+    return -(-tokens * heads // units)
 
 
 def distinct_experts(tokens: float, pool: float, per_token: int) -> float:
@@ -69,6 +70,8 @@ def distinct_experts(tokens: float, pool: float, per_token: int) -> float:
     experts independently and uniformly: pool x (1 - (1 - per_token / pool) ** tokens)."""
     if not pool >= per_token > 0:
         raise ValueError(f"pool must be >= per_token > 0, got pool={pool!r}, per_token={per_token!r}")
+    if not 0 <= tokens < np.inf:
+        raise ValueError(f"tokens must be a finite count >= 0, got {tokens!r}")
     return pool * (1.0 - (1.0 - per_token / pool) ** tokens)
 
 

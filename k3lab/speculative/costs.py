@@ -245,6 +245,7 @@ def verify_records_summary(device: str | None = None, root=None, *, variant: str
     filters shapes per part. Empty when no records exist (nothing has been run on a GPU yet)."""
     from k3lab import bench
 
+    batch = count_arg("batch", batch)  # a filter on the records' batch: True would pick batch 1
     where = dict(where or {})
     unknown = set(where) - set(VERIFY_STUDIES)
     if unknown:

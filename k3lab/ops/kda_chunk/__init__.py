@@ -20,7 +20,9 @@ Contract: q, k [B, T, H, 128] and v [B, T, H, 128] of one dtype (bf16, fp16 or f
 g [B, T, H, 128] fp32 log-decay (<= 0); beta [B, T, H] fp32; initial_state [N, H, 128, 128] fp32 or
 None (zeros); cu_seqlens [N + 1] packs variable-length sequences as B = 1 (FlashAttention's convention),
 else N = B. Returns (o [B, T, H, 128] in q's dtype, final state [N, H, 128, 128] fp32). Bad arguments
-raise ValueError before any kernel runs. Precision: `inputs.dot_precisions`.
+raise ValueError before any kernel runs, a NaN or infinity in k, v, g or beta included (in chunks it
+would reach the earlier tokens of its chunk: `inputs`), at one device sync per call. Precision:
+`inputs.dot_precisions`.
 
 Backends (`BACKENDS`, k3lab.ops' contract: tried in priority order; `backend=` or K3LAB_KDA_CHUNK_BACKEND
 forces one by name; each provides the parts 'prologue', 'summaries' and 'replay'):
@@ -81,10 +83,11 @@ class _Call:
 
 
 def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, variant, group_size, plan, work,
-             backend) -> _Call:
-    """Validate once per call (reading cu_seqlens waits for the GPU), build or check plan and work, pick
-    the backend and allocate the outputs."""
-    lengths, H, scale = validate(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+             backend, check_values=True) -> _Call:
+    """Validate once per call (reading cu_seqlens and the values waits for the GPU), build or check plan
+    and work, pick the backend and allocate the outputs."""
+    lengths, H, scale = validate(q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                                 check_values=check_values)
     if plan is None:
         if variant == "prologue":
             raise ValueError("the prologue needs a plan (make_plan)")
@@ -138,25 +141,27 @@ def _run(launches: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def kda_chunk_before(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, *,
-                     plan: KdaPlan | None = None, work: Work | None = None, backend: str | None = None):
+                     plan: KdaPlan | None = None, work: Work | None = None, backend: str | None = None,
+                     check_values: bool = True):
     """Chunked KDA prefill by the plain walk (2 launches: prologue, walk). Returns (o, final state).
     plan: `make_plan(lengths, H)` (group_size None) to reuse across calls; work: `alloc_work` buffers to
-    reuse; backend: a name in BACKENDS, None for the first that runs here."""
+    reuse; backend: a name in BACKENDS, None for the first that runs here. check_values: refuse a NaN or
+    infinity in k, v, g or beta (one device sync); False where the caller made them (a study's inputs)."""
     call = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, variant="before", group_size=None,
-                    plan=plan, work=work, backend=backend)
+                    plan=plan, work=work, backend=backend, check_values=check_values)
     return _run(_launches(q, k, v, g, beta, initial_state, call))
 
 
 def kda_chunk_after(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, *,
                     group_size: int | None = None, plan: KdaPlan | None = None, work: Work | None = None,
-                    backend: str | None = None):
+                    backend: str | None = None, check_values: bool = True):
     """Chunked KDA prefill by the group scan (4 launches: prologue, summaries, scan, replay), or the plain
     walk when the plan has no groups (`choose_group_size` says the GPU is already full). Same arguments and
     results as `kda_chunk_before`, plus group_size (chunks per group; None: `choose_group_size`; give it
     or a plan, not both)."""
     call = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, variant="after",
                     group_size=group_size,
-                    plan=plan, work=work, backend=backend)
+                    plan=plan, work=work, backend=backend, check_values=check_values)
     return _run(_launches(q, k, v, g, beta, initial_state, call))
 
 
@@ -164,7 +169,9 @@ def after_launches(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=
                    work: Work | None = None, backend: str | None = None) -> dict[str, Callable]:
     """The after's launches as callables on fixed buffers, for timing or profiling each one: 'prologue',
     then 'summaries', 'scan', 'replay' (or 'walk' for a plan without groups), and 'result' -> (o, final
-    state). Run them in that order: each reads what the previous wrote."""
+    state). Run them in that order: each reads what the previous wrote. The arguments, values included,
+    are checked here, when the launches are bound; the callables (and a CUDA graph of them) do not check
+    again, so what is later written into the same tensors is the caller's to keep finite."""
     call = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, variant="after", group_size=None,
                     plan=plan, work=work, backend=backend)
     return _launches(q, k, v, g, beta, initial_state, call)
@@ -185,7 +192,7 @@ def kda_chunk_prologue(q, k, v, g, beta, plan: KdaPlan, scale: float | None = No
 
 def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, *, variant: str = "after",
               group_size: int | None = None, plan: KdaPlan | None = None, work: Work | None = None,
-              backend: str | None = None):
+              backend: str | None = None, check_values: bool = True):
     """One entry point: variant 'before' (plain walk) or 'after' (group scan where it pays)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -193,10 +200,10 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
         if group_size is not None:
             raise ValueError("group_size is an option of variant='after'; the before walks whole sequences")
         return kda_chunk_before(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan=plan, work=work,
-                                backend=backend)
+                                backend=backend, check_values=check_values)
     return kda_chunk_after(q, k, v, g, beta, scale, initial_state, cu_seqlens, group_size=group_size,
                            plan=plan,
-                           work=work, backend=backend)
+                           work=work, backend=backend, check_values=check_values)
 
 
 __all__ = [

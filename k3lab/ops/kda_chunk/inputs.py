@@ -1,5 +1,11 @@
 """What every backend of chunked KDA prefill shares: the sizes the kernels are built for, the check of
-a call's arguments (before any kernel runs) and the matrix-product precisions per input dtype."""
+a call's arguments (before any kernel runs) and the matrix-product precisions per input dtype.
+
+Values: the chunked form reaches a chunk's earlier tokens from its later ones (the in-chunk inverse of
+I + strictly-lower beta K K^T terms, and decays taken relative to the chunk's last token), so a NaN or
+an infinity in one token's k, v, g or beta would poison the outputs of the tokens before it in its
+chunk, and every state after. `validate` refuses them (one sum per tensor, one device sync). A NaN in q
+stays in its own token's output, as in the recurrence, so q is not read."""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ import itertools
 import torch
 
 from k3lab import env
-from k3lab.ops import positive_finite
+from k3lab.ops import check_finite, int_arg, positive_finite
 
 HEAD_DIM = 128  # K = V = 128 for K3's KDA; the kernels hold whole 128-row state tiles
 CHUNK = 64  # tokens per chunk: the 64 x 64 in-chunk inverse the seed prescribes
@@ -27,9 +33,23 @@ def check_positive_int(name: str, value, *, allow_none: bool = False) -> None:
     """ValueError unless `value` is an int >= 1 (bool refused), or None when allowed."""
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        want = "a positive int or None" if allow_none else "a positive int"
-        raise ValueError(f"{name} must be {want}, got {value!r}")
+    int_arg(name, value, low=1, what="an int (or None)" if allow_none else "an int")
+
+
+def int_list(name: str, values) -> list[int]:
+    """`values` (a list or 1-D tensor of them) as a non-empty list of ints >= 0: numpy and torch integers
+    are taken; a bool or a float (2.5 tokens would be truncated) is refused, naming `name`."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype.is_complex \
+                or values.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor, got {values.dtype} {tuple(values.shape)}")
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name} must be a non-empty list of ints >= 0, got {values!r}"[:200])
+    out = [int_arg(f"{name}[{i}]", x) for i, x in enumerate(values)]
+    if not out:
+        raise ValueError(f"{name} must be a non-empty list of ints >= 0, got an empty one")
+    return out
 
 
 def _shape(t) -> str:
@@ -74,29 +94,31 @@ def _lengths(cu_seqlens, B: int, T: int) -> list[int]:
         return [T] * B
     if B != 1:
         raise ValueError(f"with cu_seqlens, q must be packed as B = 1, got B = {B}")
-    if isinstance(cu_seqlens, torch.Tensor) and (cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point()):
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {cu_seqlens.dtype} "
-                         f"{tuple(cu_seqlens.shape)}")
-    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    cu = int_list("cu_seqlens", cu_seqlens)
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in itertools.pairwise(cu)):
         raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T = {T}, got "
                          f"{cu[:4]}...{cu[-2:]} ({len(cu)} entries)")
     return [b - a for a, b in itertools.pairwise(cu)]
 
 
-def validate(q, k, v, g, beta, initial_state=None, cu_seqlens=None,
-             scale=None) -> tuple[list[int], int, float]:
+def validate(q, k, v, g, beta, initial_state=None, cu_seqlens=None, scale=None, *,
+             check_values: bool = True) -> tuple[list[int], int, float]:
     """Check one prefill call's arguments; returns (sequence lengths, heads H, scale).
 
     q, k [B, T, H, 128] and v [B, T, H, 128] of one dtype (bf16, fp16 or fp32), contiguous; g [B, T, H, 128]
     fp32 log-decay; beta [B, T, H] fp32; initial_state [N, H, 128, 128] fp32 or None; cu_seqlens [N + 1]
-    (packed variable-length batch, B = 1) or None (N = B). Raises ValueError naming the argument.
-    Reading cu_seqlens waits for the GPU: callers validate once per call."""
+    (packed variable-length batch, B = 1) or None (N = B): ints, never bools or floats. k, v, g and beta
+    finite (module docstring; check_values=False skips that read, for inputs the caller made itself).
+    Raises ValueError naming the argument. Reading cu_seqlens and the finite check wait for the GPU:
+    callers validate once per call (or once per binding)."""
     _check_tensors(q, k, v, g, beta)
     B, T, H, _ = q.shape
     if scale is not None:
         positive_finite("scale", scale)  # the rule every op shares: a real, finite, positive fp32 scale
     lengths = _lengths(cu_seqlens, B, T)
+    if check_values:
+        check_finite("the chunked form would spread it to the earlier tokens of its chunk (module docstring)",
+                     {"k": k, "v": v, "g": g, "beta": beta})
     N = len(lengths)
     if N > MAX_GRID:
         raise ValueError(f"{N} sequences: the launch grids take at most {MAX_GRID}; split the batch")

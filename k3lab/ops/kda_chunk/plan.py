@@ -5,14 +5,14 @@ plain walk's value tiles are."""
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 
 import torch
 
 from k3lab import env
+from k3lab.ops import int_arg
 
-from .inputs import CHUNK, HEAD_DIM, MAX_GRID, check_positive_int
+from .inputs import CHUNK, HEAD_DIM, MAX_GRID, check_positive_int, int_list
 
 
 @dataclass
@@ -80,28 +80,10 @@ def _tables(lengths: list[int], group_size: int | None) -> dict[str, list[int]]:
     return t
 
 
-def _int_list(lengths) -> list[int]:
-    """lengths as a list of non-negative ints (numpy or torch integers accepted, bool refused)."""
-    bad = ValueError(f"lengths must be a non-empty list of non-negative ints, got {lengths!r}"[:200])
-    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
-        raise bad
-    out = []
-    for x in lengths:
-        if isinstance(x, bool):
-            raise bad
-        try:
-            out.append(operator.index(x))
-        except TypeError:
-            raise bad from None
-    if not out or min(out) < 0:
-        raise bad
-    return out
-
-
 def make_plan(lengths, heads: int, group_size: int | None = None, device=None) -> KdaPlan:
     """Tables for sequences of `lengths` tokens (packed one after the other), `heads` heads and
     `group_size` chunks per group (None: the whole sequence, i.e. the plain walk, no scan)."""
-    lengths = _int_list(lengths)
+    lengths = int_list("lengths", lengths)
     check_positive_int("heads", heads)
     check_positive_int("group_size", group_size, allow_none=True)
     t = _tables(lengths, group_size)
@@ -184,6 +166,9 @@ def check_work(work: Work, plan: KdaPlan, dtype: torch.dtype, device: torch.devi
 
 def walk_programs(n_seqs: int, heads: int, block_v: int = 64, v_dim: int = HEAD_DIM) -> int:
     """Programs the plain walk launches: one per (sequence, head, value tile)."""
+    int_arg("n_seqs", n_seqs)
+    for name, v in (("heads", heads), ("block_v", block_v), ("v_dim", v_dim)):
+        check_positive_int(name, v)
     return n_seqs * heads * (v_dim // block_v)
 
 
@@ -206,7 +191,7 @@ def choose_group_size(lengths, heads: int, compute_units: int | None = None, blo
     2 x group + n_groups chunk steps) nor than `min_group` chunks. A sequence shorter than `min_chunks`
     walks plainly even on an idle GPU (the break-even: docs/kda_scan.md)."""
     units = compute_units if compute_units is not None else env.detect().compute_units
-    lengths = [int(x) for x in lengths]
+    lengths = int_list("lengths", lengths)
     n_chunks = max((-(-x // CHUNK) for x in lengths), default=0)
     P = walk_programs(len(lengths), heads, block_v)
     if P >= units or n_chunks < max(min_chunks, 2 * min_group + 1):

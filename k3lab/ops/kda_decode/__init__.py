@@ -29,6 +29,10 @@ says whether the fused kernel runs and why. A serving loop binds
 `KDADecodeStep(cache, weights, backend=...)` once per layer and calls it with the six per-token inputs
 (q, k, v, g_raw, beta_raw, gate).
 
+Values are not read (the step is captured in the decode graph): a NaN or infinity in one sequence's
+inputs, conv states or state reaches that sequence's output and saved state (so its later tokens) and
+never another sequence's or head's (tests/test_bad_inputs_values.py checks this on every backend).
+
 Modules: `inputs` (weights, examples, checks), `reference`, `triton` (before), `cuda` (after: the
 binding, the launch configuration chosen from the device). Figures: profiles/<device>/kda_decode/;
 the configurations that lost: docs/kda_decode.md.

@@ -31,6 +31,12 @@ Shapes: q, k [B, T, H, 128] (L2-normalised), v [B, T, H, V], g [B, T, H, 128] lo
 advised), beta [B, T, H], initial_state fp32 [N, H, 128, V]. States come back fp32 [B, T, H, 128, V]
 (ragged: [1, total_tokens, H, 128, V]) or, with `final_state_only`, [N, H, 128, V]. Figures and the
 forms that lost: docs/kda_verify.md; records: profiles/<device>/kda_verify/.
+
+Values are not read (no host sync on the decode path, and none is possible under graph capture): the
+kernels run the recurrence position by position, so a NaN or infinity in one position's q, k, v, g or
+beta reaches that position's output and the states from it on, and never an earlier position, another
+head or another sequence (tests/test_bad_inputs_values.py checks this on every backend). The sampler
+then rejects that draft and everything after it.
 """
 
 from __future__ import annotations

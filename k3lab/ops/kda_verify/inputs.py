@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from k3lab import env
-from k3lab.ops import positive_finite
+from k3lab.ops import capturing, positive_finite
 
 HEAD_DIM = 128  # K3's KDA head dim; the kernels hold one full K = 128 column of the state per lane group
 MAX_POSITIONS = 8  # drafts + 1 verified by one call; beyond this, use the chunked prefill path
@@ -186,10 +186,6 @@ def _check_offsets(cu_seqlens: torch.Tensor, T: int, max_seqlen: int | None) -> 
         raise ValueError(f"max_seqlen = {max_seqlen} is shorter than the longest sequence in cu_seqlens "
                          f"({longest}, lengths {seq_lens})")
     return longest if max_seqlen is None else max_seqlen
-
-
-def capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def check_scale(scale) -> float:

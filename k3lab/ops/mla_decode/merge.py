@@ -16,6 +16,12 @@ in float32 (float64 for float64 inputs). "torch" is a handful of elementwise and
 "triton" is one launch (one program per output row and 128-column block), and runs in Triton's
 interpreter on a CPU at small sizes. `lse_weights(lse_parts)` gives the weights exp(lse_n - lse) and
 the total alone (DCP's ag_rs merge rescales each rank's partial with them before its reduce-scatter).
+
+Values: an lse is finite, or -inf for an empty piece. A NaN or +inf lse would make every weight of its
+row NaN (exp(+inf - +inf)), so both functions refuse one (ValueError naming lse_parts), before any
+kernel: one reduction and one device sync. `check_values=False` skips that read, for callers whose lse
+come straight from the attention op (DCP's merges, inside a decode step) and under CUDA-graph capture,
+where nothing can be read. A NaN in some o_n reaches only the rows that piece weighs into, as a NaN.
 """
 
 from __future__ import annotations
@@ -25,12 +31,24 @@ import triton
 import triton.language as tl
 
 from k3lab import env
+from k3lab.ops import check_finite
 
 BACKENDS = ("torch", "triton")  # chosen by the caller (DCP's merge_impl), not by k3lab.ops' chooser
 BLOCK_D = 128  # value columns per merge program
 
 
-def _check(o_parts, lse_parts, backend):
+LSE_VALUES = "a log-sum-exp is finite, or -inf for a piece that holds no position"
+
+
+def _check_lse(lse_parts) -> None:
+    if (not isinstance(lse_parts, torch.Tensor) or lse_parts.dim() < 1
+            or not lse_parts.dtype.is_floating_point):
+        raise ValueError(f"lse_parts must be a floating-point tensor [N, ...], got "
+                         f"{getattr(lse_parts, 'dtype', type(lse_parts).__name__)} "
+                         f"{tuple(getattr(lse_parts, 'shape', ()))}")
+
+
+def _check(o_parts, lse_parts, backend, check_values):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(o_parts, torch.Tensor) or o_parts.dim() < 2:
@@ -53,6 +71,8 @@ def _check(o_parts, lse_parts, backend):
             and torch.cuda.is_available()):
         raise ValueError("backend='triton' got CPU tensors, and Triton's interpreter is off here (torch sees "
                          "a GPU): move o_parts and lse_parts to the GPU, or use backend='torch'")
+    if check_values:
+        check_finite(LSE_VALUES, {"lse_parts": lse_parts}, neg_inf_ok=("lse_parts",))
 
 
 def _math_dtype(o_parts, lse_parts) -> torch.dtype:
@@ -60,12 +80,15 @@ def _math_dtype(o_parts, lse_parts) -> torch.dtype:
     return torch.float64 if wide else torch.float32
 
 
-def lse_weights(lse_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def lse_weights(lse_parts: torch.Tensor, *, check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(w [N, ...], lse [...]): each piece's share exp(lse_n - lse) of the total and the total lse.
 
     Empty pieces (-inf) get weight 0; when all are empty every weight is 0 and lse = -inf. Computed
-    in float32 (float64 for float64 input).
+    in float32 (float64 for float64 input). A NaN or +inf lse is refused (module docstring).
     """
+    _check_lse(lse_parts)
+    if check_values:
+        check_finite(LSE_VALUES, {"lse_parts": lse_parts}, neg_inf_ok=("lse_parts",))
     lse = lse_parts.to(torch.float64 if lse_parts.dtype == torch.float64 else torch.float32)
     m = lse.amax(dim=0)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all pieces empty: -inf - 0 stays -inf
@@ -78,7 +101,7 @@ def lse_weights(lse_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _merge_torch(o_parts, lse_parts):
     acc = _math_dtype(o_parts, lse_parts)
-    frac, total = lse_weights(lse_parts.to(acc))
+    frac, total = lse_weights(lse_parts.to(acc), check_values=False)
     o = torch.where(frac[..., None] > 0, o_parts.to(acc), torch.zeros((), dtype=acc, device=o_parts.device))
     o = (o * frac[..., None]).sum(dim=0)
     return o.to(o_parts.dtype), total
@@ -150,9 +173,11 @@ def _merge_triton(o_parts, lse_parts):
     return out, out_lse
 
 
-def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, backend: str = "torch"):
-    """Merge N partial attentions (see the module docstring). Returns (o [..., D], lse [...])."""
-    _check(o_parts, lse_parts, backend)
+def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, backend: str = "torch", *,
+                   check_values: bool = True):
+    """Merge N partial attentions (see the module docstring). Returns (o [..., D], lse [...]).
+    check_values: refuse a NaN or +inf lse (one device sync); False for lse the attention op produced."""
+    _check(o_parts, lse_parts, backend, check_values)
     if backend == "triton":
         return _merge_triton(o_parts, lse_parts)
     return _merge_torch(o_parts, lse_parts)

@@ -86,7 +86,7 @@ def expert_loop(z, weights, idx, w1, w3, w2) -> torch.Tensor:
 
 def latent_tail(y_lat, norm_w, eps, up_rows, out, col0: int = 0, *, backend: str | None = None):
     """out[:, col0 : col0 + R] += rms_norm(y_lat) @ up_rows^T in place (tail.py); returns out."""
-    check_tail(y_lat, norm_w, up_rows, out, col0)
+    check_tail(y_lat, norm_w, up_rows, out, col0, eps)
     fn = tail_triton if BACKENDS.choose(backend, y_lat.device)[0] == "triton" else tail_torch
     return fn(y_lat, norm_w, eps, up_rows, out, col0)
 

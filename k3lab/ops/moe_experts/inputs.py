@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from k3lab.ops import int_arg
+
 TILE_HEIGHTS = (16, 32, 64)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # fp64: the torch loop only
 
@@ -84,7 +86,7 @@ def check_inputs(z, weights, idx, w1, w3, w2, *, check_values: bool = True) -> S
 
 
 def check_block_m(block_m) -> int:
-    if block_m not in TILE_HEIGHTS:
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m not in TILE_HEIGHTS:
         raise ValueError(f"block_m must be one of {TILE_HEIGHTS} (rows per expert tile), got {block_m!r}")
     return block_m
 
@@ -92,6 +94,9 @@ def check_block_m(block_m) -> int:
 def default_block_m(n_tokens: int, top_k: int, num_experts: int) -> int:
     """The smallest tile height that holds the expected rows per chosen expert under uniform routing
     (decode batches on K3's 896 experts expect fewer than 16: the 16-row tile)."""
+    int_arg("n_tokens", n_tokens)
+    int_arg("num_experts", num_experts, low=1)
+    int_arg("top_k", top_k, low=1, high=num_experts)
     pairs = n_tokens * top_k
     chosen = num_experts * (1.0 - (1.0 - top_k / num_experts) ** n_tokens) if n_tokens else 1.0
     rows = pairs / max(chosen, 1.0)
@@ -101,6 +106,9 @@ def default_block_m(n_tokens: int, top_k: int, num_experts: int) -> int:
 def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
     """Most tiles `pairs` (token, slot) rows can need: each chosen expert rounds its rows up to a tile,
     sum_e ceil(c_e / m) <= (pairs + (m - 1) * min(E, pairs)) / m."""
+    int_arg("pairs", pairs)
+    int_arg("num_experts", num_experts, low=1)
+    check_block_m(block_m)
     return (pairs + (block_m - 1) * min(num_experts, pairs)) // block_m
 
 
@@ -125,7 +133,12 @@ class ExpertSort:
 
 def sort_by_expert(idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
     """Sort the pairs of idx [N, k] by expert (stable: token order within an expert) and pad each
-    expert's run to whole tiles. Device-side ops only, so it can be captured in a CUDA graph."""
+    expert's run to whole tiles. Device-side ops only, so it can be captured in a CUDA graph: idx's
+    values are not read (the router's output; `check_inputs` reads them where a read is allowed)."""
+    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"idx must be an int32 or int64 tensor of expert numbers, got "
+                         f"{getattr(idx, 'dtype', type(idx).__name__)}")
+    num_experts = int_arg("num_experts", num_experts, low=1)
     check_block_m(block_m)
     flat = idx.reshape(-1).long()
     P, dev = flat.numel(), flat.device

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from k3lab.nn.norms import rms_norm
+from k3lab.ops import positive_finite
 
 try:
     import triton
@@ -48,8 +49,9 @@ ROW_BLOCKS = ((1, 1024, 4), (2, 512, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 8)
               (2, 2048, 8))
 
 
-def check_tail(y_lat, norm_w, up_rows, out, col0: int) -> tuple[int, int, int]:
-    """Validate the tail's inputs; returns (N, LAT, R)."""
+def check_tail(y_lat, norm_w, up_rows, out, col0: int, eps=None) -> tuple[int, int, int]:
+    """Validate the tail's inputs; returns (N, LAT, R). col0 an int (a bool is not a column), eps (when
+    given) the rule every op's epsilon follows (`positive_finite`)."""
     for name, t, dims in (("y_lat", y_lat, 2), ("norm_w", norm_w, 1), ("up_rows", up_rows, 2),
                           ("out", out, 2)):
         if not isinstance(t, torch.Tensor) or t.dim() != dims or not t.is_floating_point():
@@ -59,7 +61,8 @@ def check_tail(y_lat, norm_w, up_rows, out, col0: int) -> tuple[int, int, int]:
     if up_rows.shape[1] != LAT or norm_w.shape != (LAT,):
         raise ValueError(f"up_rows must be [R, LAT={LAT}] and norm_w [LAT], got {tuple(up_rows.shape)} and "
                          f"{tuple(norm_w.shape)}")
-    if out.shape[0] != N or not (isinstance(col0, int) and 0 <= col0 and col0 + R <= out.shape[1]):
+    if out.shape[0] != N or not (isinstance(col0, int) and not isinstance(col0, bool) and 0 <= col0
+                                 and col0 + R <= out.shape[1]):
         raise ValueError(f"out must be [N={N}, H] with columns [col0, col0 + R={R}) inside it, got out "
                          f"{tuple(out.shape)} and col0={col0!r}")
     if not out.is_contiguous():
@@ -69,12 +72,14 @@ def check_tail(y_lat, norm_w, up_rows, out, col0: int) -> tuple[int, int, int]:
                          f"got {out.dtype}")
     if len({t.device for t in (y_lat, norm_w, up_rows, out)}) != 1:
         raise ValueError("y_lat, norm_w, up_rows and out must be on one device")
+    if eps is not None:
+        positive_finite("eps", eps)
     return N, LAT, R
 
 
 def tail_torch(y_lat, norm_w, eps, up_rows, out, col0: int = 0) -> torch.Tensor:
     """Plain PyTorch (the reference); adds into out in place and returns it."""
-    check_tail(y_lat, norm_w, up_rows, out, col0)
+    check_tail(y_lat, norm_w, up_rows, out, col0, eps)
     normed = rms_norm(y_lat, norm_w, eps, out_dtype=up_rows.dtype)
     out[:, col0:col0 + up_rows.shape[0]] += normed @ up_rows.t()
     return out
@@ -179,12 +184,10 @@ def norm_rows(y_lat: torch.Tensor, norm_w: torch.Tensor, eps: float, out_dtype: 
 def tail_triton(y_lat, norm_w, eps, up_rows, out, col0: int = 0) -> torch.Tensor:
     """The Triton norm, then the product added into out's columns by one in-place addmm_; one row:
     `tail_row`'s single launch. Returns out."""
-    N, LAT, R = check_tail(y_lat, norm_w, up_rows, out, col0)
+    N, LAT, R = check_tail(y_lat, norm_w, up_rows, out, col0, eps)
     if N == 0:
         return out
     if N == 1:
-        if not eps > 0:
-            raise ValueError(f"eps must be positive, got {eps}")
         return tail_row(y_lat, norm_w, eps, up_rows, out, col0)
     normed = norm_rows(y_lat, norm_w, eps, up_rows.dtype)
     out[:, col0:col0 + R].addmm_(normed, up_rows.t())

@@ -37,17 +37,15 @@ Checks: tests/test_moe_router.py; per-call times: profiles/<device>/decode_step/
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from k3lab.nn.moe import route
 from k3lab.ops import Backend, Backends, cpu_first, gpu_first, triton_available, triton_runs_on
-from k3lab.ops.moe_experts.inputs import ExpertSort, check_block_m, sort_by_expert
+from k3lab.ops.moe_experts.inputs import ExpertSort, sort_by_expert
 
+from . import triton
+from .inputs import LOGIT_DTYPES, check_router
 from .triton import FUSED_PAIRS, MAX_PAIRS, route_sort, sort_pairs, topk_weights
-
-LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # fp64: torch only
 
 
 def _triton_verify(device=None, tokens: int | None = None, top_k: int = 1, dtype=None) -> tuple[bool, str]:
@@ -66,35 +64,6 @@ BACKENDS = Backends("moe_router", Backend("triton", gpu_first, triton_available,
 BACKEND_ENV = BACKENDS.env
 
 
-def check_router(logits, bias, top_k, scaling, renormalize, num_experts, block_m) -> tuple[int, int]:
-    """Validate route_and_sort's inputs; returns (N, E). Reads no tensor values."""
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        raise ValueError(f"logits must be a 2-D [N, E] tensor, got "
-                         f"{getattr(logits, 'shape', type(logits).__name__)}")
-    if logits.dtype not in LOGIT_DTYPES:
-        raise ValueError(f"logits must be fp32, bf16, fp16 (or fp64 for the torch path), got {logits.dtype}")
-    N, E = logits.shape
-    if E < 1:
-        raise ValueError("logits must have at least one expert column (E >= 1)")
-    if num_experts is not None and num_experts != E:
-        raise ValueError(f"num_experts must equal logits' width E={E} (or be None), got {num_experts!r}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.shape != (E,) or not bias.is_floating_point():
-            raise ValueError(f"bias must be a floating-point [E={E}] tensor or None, got "
-                             f"{getattr(bias, 'dtype', type(bias).__name__)} "
-                             f"{tuple(getattr(bias, 'shape', ()))}")
-        if bias.device != logits.device:
-            raise ValueError(f"bias must be on logits' device {logits.device}, got {bias.device}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
-        raise ValueError(f"top_k must be an integer in [1, E={E}], got {top_k!r}")
-    if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
-        raise ValueError(f"scaling must be a real number, got {scaling!r}")
-    if not isinstance(renormalize, bool):
-        raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
-    check_block_m(block_m)
-    return N, E
-
-
 def route_and_sort(logits, bias, top_k, *, scaling=1.0, renormalize=True, num_experts=None, block_m,
                    backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, ExpertSort]:
     """(weights [N, top_k] fp32 (fp64 for fp64 logits, torch path), idx [N, top_k] int64, sort:
@@ -102,14 +71,16 @@ def route_and_sort(logits, bias, top_k, *, scaling=1.0, renormalize=True, num_ex
     32 or 64; moe_experts.
     default_block_m picks one from the batch). ValueError on bad input before any kernel."""
     N, E = check_router(logits, bias, top_k, scaling, renormalize, num_experts, block_m)
+    top_k = int(top_k)  # a numpy or 0-d tensor integer, as the launchers and nn's route take it
     if BACKENDS.choose(backend, logits.device, N, top_k, logits.dtype)[0] == "torch":
         weights, idx, _ = route(logits, bias, top_k, scaling, renormalize)
         return weights, idx, sort_by_expert(idx, E, block_m)
-    if N * top_k <= FUSED_PAIRS:
-        return route_sort(logits, bias, top_k, scaling, renormalize, block_m)
-    weights, idx = topk_weights(logits, bias, top_k, scaling, renormalize)
+    if N * top_k <= FUSED_PAIRS:  # checked above: the launchers' own checks are not repeated
+        return triton.launch_route_sort(logits, bias, top_k, scaling, renormalize, block_m)
+    weights, idx = triton.launch_topk_weights(logits, bias, top_k, scaling, renormalize)
     return weights, idx, sort_pairs(idx, E, block_m)
 
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "FUSED_PAIRS", "MAX_PAIRS", "check_router", "route_and_sort",
+__all__ = ["BACKENDS", "BACKEND_ENV", "FUSED_PAIRS", "LOGIT_DTYPES", "MAX_PAIRS", "check_router",
+           "route_and_sort",
            "route_sort", "sort_pairs", "topk_weights"]

@@ -42,6 +42,10 @@ import torch
 
 from k3lab.ops.moe_experts.inputs import ExpertSort, check_block_m, max_tiles
 
+from k3lab.ops import int_arg
+
+from .inputs import check_router
+
 try:
     import triton
     import triton.language as tl
@@ -276,8 +280,16 @@ def _sort_args(sort: ExpertSort, cursor: torch.Tensor) -> tuple:
 
 
 def topk_weights(logits, bias, top_k: int, scaling: float, renormalize: bool, topk_warps: int | None = None):
-    """The first of the two launches, on checked inputs: (weights [N, top_k] fp32, idx [N, top_k] int64).
-    topk_warps: a top-k program's warps (`default_topk_warps()` when None; the glue bench tries others)."""
+    """The first of the two launches: (weights [N, top_k] fp32, idx [N, top_k] int64), after
+    `check_router`'s checks. topk_warps: a top-k program's warps (`default_topk_warps()` when None; the
+    glue bench tries others)."""
+    check_router(logits, bias, top_k, scaling, renormalize)
+    return launch_topk_weights(logits, bias, int(top_k), scaling, renormalize, topk_warps)
+
+
+def launch_topk_weights(logits, bias, top_k: int, scaling: float, renormalize: bool,
+                        topk_warps: int | None = None):
+    """`topk_weights` on inputs `check_router` has passed (route_and_sort's path: no second check)."""
     N, _ = logits.shape
     weights = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
     idx = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
@@ -298,8 +310,7 @@ def sort_pairs(idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
                          f"{getattr(idx, 'dtype', type(idx))}")
     if not idx.is_contiguous():
         raise ValueError("idx must be contiguous (the router's output is)")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
+    num_experts = int_arg("num_experts", num_experts, low=1, what="a positive integer")
     check_block_m(block_m)
     if idx.numel() > MAX_PAIRS:
         raise ValueError(f"idx holds {idx.numel()} pairs, more than the single-program sort takes "
@@ -313,10 +324,17 @@ def sort_pairs(idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
 
 def route_sort(logits, bias, top_k: int, scaling: float, renormalize: bool, block_m: int,
                topk_warps: int | None = None):
-    """The one launch, on checked inputs (route_and_sort's checks) with N * top_k <= MAX_PAIRS:
-    (weights [N, top_k] fp32, idx [N, top_k] int64, ExpertSort), the same as topk_weights followed by
-    sort_pairs. route_and_sort takes it up to FUSED_PAIRS pairs; any N within MAX_PAIRS runs (tests,
-    the glue bench). Its warps: the more of `topk_warps` (`default_topk_warps()` when None) and the sort's."""
+    """The one launch with N * top_k <= MAX_PAIRS, after `check_router`'s checks: (weights [N, top_k]
+    fp32, idx [N, top_k] int64, ExpertSort), the same as topk_weights followed by sort_pairs.
+    route_and_sort takes it up to FUSED_PAIRS pairs; any N within MAX_PAIRS runs (tests, the glue bench).
+    Its warps: the more of `topk_warps` (`default_topk_warps()` when None) and the sort's."""
+    check_router(logits, bias, top_k, scaling, renormalize, block_m=block_m)
+    return launch_route_sort(logits, bias, int(top_k), scaling, renormalize, block_m, topk_warps)
+
+
+def launch_route_sort(logits, bias, top_k: int, scaling: float, renormalize: bool, block_m: int,
+                      topk_warps: int | None = None):
+    """`route_sort` on inputs `check_router` has passed (route_and_sort's path: no second check)."""
     N, E = logits.shape
     if N * top_k > MAX_PAIRS:
         raise ValueError(f"logits: N={N} tokens x top_k={top_k} is more pairs than one program sorts "

@@ -271,6 +271,7 @@ class Runner:
             plan=self.plan_before,
             work=self.work,
             backend=self.backend,
+            check_values=False,  # the study's own finite inputs: timed without the value check's sync
         )
 
     def after(self, plan=None):
@@ -282,6 +283,7 @@ class Runner:
             plan=plan or self.plan_after,
             work=self.work,
             backend=self.backend,
+            check_values=False,  # the study's own finite inputs: timed without the value check's sync
         )
 
     def fla(self):

@@ -160,7 +160,8 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
         "Measured step times to tokens/s/GPU against tokens/s/user on 8 GPUs: capacity, collectives, "
         "speculation and agent turns, each optimization's share.",
         "the step model fitted to H200 steps, the Pareto curve per optimization, MI355X projected",
-        ("09_*.ipynb",), studies=("serving",), modules=("k3lab.serving",), docs=("docs/serving.md",),
+        ("09_*.ipynb",), studies=("serving",), modules=("k3lab.serving",), docs=("docs/serving.md",
+                                                                        "docs/serving_run.md"),
         records=_rec("serving")),
 )
 

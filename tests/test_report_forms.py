@@ -109,8 +109,8 @@ def test_eta_adds_serial_steps_and_schedules_notebooks_on_the_workers():
     assert (plan.done, plan.total) == (0, 6)
     plan.start("study:a", 0.0)
     assert plan.eta(30.0) == pytest.approx(70 + 50 + 50)  # what is left of the running study
-    # an overrun: a share of what it ran so far is left (the ETA keeps moving, never counts it done)
-    assert plan.eta(500.0) == pytest.approx(500 * eta.OVERRUN_SHARE + 50 + 50)
+    # an overrun: a floor and a share of the overrun are left (the ETA keeps moving, never counts it done)
+    assert plan.eta(500.0) == pytest.approx(eta.OVERRUN_FLOOR_S + eta.OVERRUN_SHARE * 400 + 50 + 50)
     plan.finish("study:a", 100.0)  # exactly as expected: no rescaling
     assert plan.scale() == pytest.approx(1.0) and plan.eta(100.0) == pytest.approx(100)
     plan.start("study:b", 100.0)
@@ -155,6 +155,19 @@ def test_the_scale_is_clamped_and_damped():
 # ------------------------------------------------------------------ the ETA against recorded runs
 H200_TIMINGS = REPO / "profiles" / "nvidia-h200" / "gpu_check" / "report_timings_a20b24e.json"
 MID_RUN = (0.2, 0.8)  # the share of a run over which the ETA is held to within 25% of what is left
+# `k3lab report` (quick form, two notebooks at a time) on a 2-core CPU that other jobs shared: each step's
+# seconds and the table's expected seconds of the time, as its timings.json gave them
+CPU_RUN = {
+    "study:launch_overhead": (1.5, 7), "study:copy_removal": (1.3, 14), "study:mla_padding": (5.5, 30),
+    "study:kda_scan": (11.2, 30), "study:kda_verify": (2.4, 7), "study:kda_precision": (6.8, 35),
+    "study:draft_depth": (8.0, 50), "study:decode_step": (104.9, 155), "study:agent_cache": (1.0, 5),
+    "study:serving": (1.6, 25), "notebook:00_k3_anatomy": (21.6, 85), "notebook:01_dcp": (15.4, 45),
+    "notebook:02_moe_sharding": (13.1, 20), "notebook:03_copy_removal": (28.9, 120),
+    "notebook:04_mla_padding": (52.4, 100), "notebook:04b_mla_deep_dive": (9.7, 20),
+    "notebook:05_kda_scan": (55.1, 160), "notebook:05b_kda_deep_dive": (74.7, 60),
+    "notebook:06_draft_depth": (57.0, 75), "notebook:07_agent_cache": (68.9, 45),
+    "notebook:08_all_together": (16.2, 15), "notebook:09_serving_curve": (34.0, 45),
+}
 
 
 def _schedule(seconds: dict[str, float], workers: int) -> dict[str, tuple[float, float]]:
@@ -205,16 +218,22 @@ def _recorded(path):
     return {k: v["seconds"] for k, v in data["steps"].items()}, data["workers"]
 
 
-def test_the_eta_from_a_measured_run_stays_within_a_quarter_mid_run():
-    """The H200's recorded report (each step's seconds): its ETA table was 47% off mid-run against it;
-    from the measured seconds of the same kind of machine, a rerun that goes as measured, 20% faster
-    or 25% slower overall with each step 10% off either way stays within 25% of what is really left."""
+@pytest.mark.parametrize("machine", ["h200", "cpu"])
+def test_the_eta_from_a_measured_run_stays_within_a_quarter_mid_run(machine):
+    """Two recorded reports (each step's seconds): the H200's, against which its ETA table of the time
+    was 47% off mid-run, and a 2-core CPU's (the table: 55% off). From the measured seconds of the same
+    kind of machine, a rerun that goes as measured, 20% faster or 25% slower overall with each step 10%
+    off either way stays within 25% of what is really left."""
     import random
 
-    actual, workers = _recorded(H200_TIMINGS)
-    table = {k: v["expected"] for k, v in json.loads(H200_TIMINGS.read_text())["steps"].items()}
-    assert _worst_mid_run(_replay(table, actual, workers)) > 0.4  # the table it had then
-    assert _worst_mid_run(_replay(actual, actual, workers)) < 0.15
+    if machine == "h200":
+        actual, workers = _recorded(H200_TIMINGS)
+        table = {k: v["expected"] for k, v in json.loads(H200_TIMINGS.read_text())["steps"].items()}
+    else:
+        actual, workers = {k: s for k, (s, _) in CPU_RUN.items()}, 2
+        table = {k: e for k, (_, e) in CPU_RUN.items()}
+    assert _worst_mid_run(_replay(table, actual, workers)) > 0.4  # the tables were far off
+    assert _worst_mid_run(_replay(actual, actual, workers)) < 0.05
     rng = random.Random(0)
     for load in (0.8, 1.0, 1.25):
         for _ in range(3):

@@ -18,10 +18,10 @@ How the ETA is made, and why:
   + PRIOR_S) / (seconds expected + PRIOR_S), clamped to SCALE_LIMITS. PRIOR_S keeps one short step from
   swinging the whole estimate. (Only finished steps: a scale that grew with a running step's overrun
   could cancel that step's own countdown and hold the ETA still.)
-- A running step counts what is left of its scaled estimate, and once it is near or past it,
-  OVERRUN_SHARE of the seconds it has run so far: a step that overruns is assumed to need a share more
-  of what it took, so the ETA keeps moving (down by a second a second on schedule, up by a share of a
-  second a second past it) while a long cell runs, instead of freezing at a step that counts as done.
+- A running step counts what is left of its scaled estimate; within OVERRUN_FLOOR_S of it and past it,
+  OVERRUN_FLOOR_S plus OVERRUN_SHARE of its overrun so far: a step that overruns is assumed to need a
+  share more of what it overran, so the ETA keeps moving (down a second a second on schedule, up half
+  a second a second past it) while a long cell runs, instead of freezing at a step that counts as done.
 - Steps run one after another, except notebooks, which run `workers` at a time: their part is the end
   of a greedy schedule (each pending notebook, in order, goes to the slot that frees first), from the
   running notebooks' remaining seconds.
@@ -40,7 +40,9 @@ from pathlib import Path
 
 PRIOR_S = 60.0
 SCALE_LIMITS = (1 / 3, 3.0)
-OVERRUN_SHARE = 1 / 3  # a running step near or past its estimate: this share of its seconds so far is left
+# a running step past its estimate has OVERRUN_FLOOR_S + OVERRUN_SHARE x its overrun so far left
+OVERRUN_FLOOR_S = 1.0
+OVERRUN_SHARE = 0.5
 PLAIN_INTERVAL_S = 10.0  # the plain lines' interval off a terminal
 BAR_INTERVAL_S = 1.0  # the bar's redraw on a terminal
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -51,9 +53,9 @@ DEFAULT_S = {"gpu": 30.0, "cpu": 60.0}  # a step the table does not list (a new 
 # profiles/nvidia-h200/gpu_check/notebooks_e547f7b.json; on the slow side for the report's four at a
 # time); full studies as the default report measured them (copy_removal, kda_scan and decode_step from
 # `k3lab report`, the others' ~260 s spread by their number of cases). cpu: a 2-core machine that other
-# jobs shared (load about 4), `k3lab report`'s default form (11.5 minutes in all), so on the slow side.
-# The refinement above corrects a table that is off, and out/timings.json (written by every report) is
-# what to update it from.
+# jobs shared, `k3lab report`'s default form (6 minutes in all; notebook 08's, which failed early there,
+# from the run before), rounded up. The table serves only a machine kind with no measured run: a report's
+# out/timings.json or a committed report_timings file of the same kind comes first (`expected_seconds`).
 # Notebooks at a time (`default_workers`): four on a GPU machine (six at once ran clean on one H200 in
 # the record above), two on a CPU, whose cores the kernels and the interpreter already fill.
 WORKERS = {"gpu": 4, "cpu": 2}
@@ -72,14 +74,13 @@ EXPECTED_S: dict[str, dict[str, float]] = {
         "study:moe_sharding": 25, "study:serving": 420,
     },
     "cpu": {
-        KERNELS: 0,
-        "study:launch_overhead": 7, "study:copy_removal": 14, "study:mla_padding": 30, "study:kda_scan": 30,
-        "study:kda_verify": 7, "study:kda_precision": 35, "study:draft_depth": 50, "study:decode_step": 155,
-        "study:agent_cache": 5, "study:serving": 25,
-        "notebook:00_k3_anatomy": 85, "notebook:01_dcp": 45, "notebook:02_moe_sharding": 20,
-        "notebook:03_copy_removal": 120, "notebook:04_mla_padding": 100, "notebook:04b_mla_deep_dive": 20,
-        "notebook:05_kda_scan": 160, "notebook:05b_kda_deep_dive": 60, "notebook:06_draft_depth": 75,
-        "notebook:07_agent_cache": 45, "notebook:08_all_together": 15, "notebook:09_serving_curve": 45,
+        KERNELS: 0, "study:launch_overhead": 2, "study:copy_removal": 2, "study:mla_padding": 6,
+        "study:kda_scan": 15, "study:kda_verify": 3, "study:kda_precision": 7, "study:draft_depth": 8,
+        "study:decode_step": 105, "study:agent_cache": 1, "study:serving": 2, "notebook:00_k3_anatomy": 25,
+        "notebook:01_dcp": 20, "notebook:02_moe_sharding": 15, "notebook:03_copy_removal": 30,
+        "notebook:04_mla_padding": 55, "notebook:04b_mla_deep_dive": 10, "notebook:05_kda_scan": 60,
+        "notebook:05b_kda_deep_dive": 75, "notebook:06_draft_depth": 60, "notebook:07_agent_cache": 70,
+        "notebook:08_all_together": 15, "notebook:09_serving_curve": 35,
     },
 }
 
@@ -261,8 +262,8 @@ class Plan:
             return 0.0
         if s.started is None:
             return s.expected * k
-        ran = max(0.0, now - s.started)
-        return max(s.expected * k - ran, OVERRUN_SHARE * ran)
+        ran, due = max(0.0, now - s.started), s.expected * k
+        return max(due - ran, OVERRUN_FLOOR_S + OVERRUN_SHARE * max(0.0, ran - due))
 
     def eta(self, now: float) -> float:
         """Seconds until every step has finished (see the module docstring)."""

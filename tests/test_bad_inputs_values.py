@@ -525,11 +525,20 @@ def test_serving_depths_and_token_counts_are_ints(depth, tokens):
     assert n is not None and waves == -(-n * 12 // 132)
 
 
-def test_mla_lengths_are_ints():
-    """Float or bool lengths are refused by name, not truncated (MLA decode reads them as positions)."""
+def test_mla_lengths_and_page_sizes_are_ints():
+    """Float or bool lengths are refused by name, not truncated (MLA decode reads them as positions); so
+    are page sizes and lengths of the paged-cache helpers."""
     q = torch.randn(1, 1, 2, mla.LATENT_DIM, device=DEV)
     cache = torch.randn(1, 16, mla.LATENT_DIM, device=DEV)
     for bad in ([7.9], [True], torch.tensor([7.5], device=DEV), torch.tensor([True], device=DEV)):
         for fn in (mla.mla_decode_after, mla.mla_decode_before):
             with pytest.raises(ValueError, match="lengths must be integers"):
                 fn(q, cache, bad)
+    for bad in (True, 16.0, 0):
+        with pytest.raises(ValueError, match="page_size must be"):
+            mla.to_paged(cache, bad)
+    pool, table = mla.to_paged(cache, 8)
+    assert torch.equal(mla.gather_paged(pool, table, 16), cache)
+    for bad in (True, 7.5, -1, 17):
+        with pytest.raises(ValueError, match="length must be"):
+            mla.gather_paged(pool, table, bad)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from k3lab import env
-from k3lab.ops import positive_finite
+from k3lab.ops import int_arg, positive_finite
 
 LATENT_DIM = 576  # [c 512 | k_pe 64] per position (docs/k3.md)
 VALUE_DIM = 512  # values are the first 512 latent columns
@@ -274,8 +274,10 @@ def to_paged(cache: torch.Tensor, page_size: int = 64, *, shuffle: bool = True, 
     Unused rows hold random values, never zeros."""
     if not isinstance(cache, torch.Tensor) or cache.dim() != 3:
         raise ValueError(f"cache must be [B, L, D], got {_shape(cache)}")
-    if page_size < 1 or page_size & (page_size - 1):
+    page_size = int_arg("page_size", page_size, low=1, what="a power of two: an int")
+    if page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {page_size}")
+    spare_pages = int_arg("spare_pages", spare_pages)
     B, L, D = cache.shape
     per = -(-L // page_size)
     n_pages = B * per + spare_pages
@@ -292,6 +294,12 @@ def to_paged(cache: torch.Tensor, page_size: int = 64, *, shuffle: bool = True, 
 
 def gather_paged(pool: torch.Tensor, block_table: torch.Tensor, length: int | None = None) -> torch.Tensor:
     """The contiguous [B, L, 576] view of a paged cache (L = max_pages x page_size, or `length`)."""
+    if (not isinstance(block_table, torch.Tensor) or block_table.dim() != 2
+            or block_table.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"block_table must be an int32 or int64 tensor [B, max_pages], got "
+                         f"{getattr(block_table, 'dtype', type(block_table).__name__)} {_shape(block_table)}")
+    if length is not None:
+        length = int_arg("length", length, high=block_table.shape[1] * pool.shape[1])
     B, per = block_table.shape
     rows = pool[block_table.long().flatten()].view(B, per * pool.shape[1], pool.shape[2])
     return rows if length is None else rows[:, :length]

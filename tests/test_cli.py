@@ -275,7 +275,7 @@ def test_save_profiles_onto_a_committed_record_is_refused_before_the_run(tmp_pat
         raise AssertionError("ran despite --save-profiles onto a committed record")
 
     profiles = tmp_path / "profiles"
-    folder = profiles / "cpu" / "launch_overhead"
+    folder = profiles / records.device_slug() / "launch_overhead"  # this machine's folder: cpu, or the GPU's
     folder.mkdir(parents=True)
     (folder / "tiny_op__before.json").write_text("[]")
     (folder / "copy_1792B__before.json").write_text("[]")

@@ -131,7 +131,8 @@ def test_report_marks_failures_and_timeouts_and_exits_non_zero(tmp_path, capfd):
     assert slow["status"] == "timeout" and slow["stopped_at"].startswith("code cell 1 of 1")
     (only,) = nbformat.read(src / "03_slow.ipynb", as_version=4).cells
     assert list(slow["cells"]) == [only.id] and slow["cells"][only.id] >= 3
-    assert timings["machine_kind"]["kind"] == "cpu" and timings["machine_kind"]["cpus"] >= 1
+    kind = "gpu" if __import__("torch").cuda.is_available() else "cpu"
+    assert timings["machine_kind"]["kind"] == kind and timings["machine_kind"]["cpus"] >= 1
     ran = nbformat.read(tmp_path / "out" / "notebooks" / "01_good.ipynb", as_version=4)
     assert int(ran.cells[0].outputs[0]["text"].split()[1]) != os.getpid()  # a kernel, not this process
     err = capfd.readouterr().err  # the workers' lines: another process, the same stderr

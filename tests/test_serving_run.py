@@ -297,27 +297,35 @@ COST = (0.01, 0.002, 0.0005)
 SETTINGS = {"concurrency": 3, "checkpoint_interval": 128, "max_batched_tokens": 96, "step_cost": COST}
 
 
-@pytest.fixture(scope="module")
-def engine(weights):
-    ss = _sessions()
-    return ss, _engine(weights, ss, 6.0, 3.0)
+# Built on first use inside a test body, not as fixtures: a marked test's fixtures are set up in the
+# parent process, which on a GPU machine refuses CPU steps; its body runs in the CPU child.
+_BUILT: dict[tuple[str, int], tuple] = {}
 
 
-@pytest.fixture(scope="module")
-def logged_run(engine):
+def _engine_for(weights):
+    key = ("engine", id(weights))
+    if key not in _BUILT:
+        ss = _sessions()
+        _BUILT[key] = ss, _engine(weights, ss, 6.0, 3.0)
+    return _BUILT[key]
+
+
+def _logged_run(weights):
     """One run whose cache binds (evictions to the host tier, restores from it), every token's logits kept."""
-    ss, eng = engine
-    with torch.no_grad():
-        res = eng.run(ss, RunSettings(record_logits=True, **SETTINGS))
-    return ss, res
+    key = ("run", id(weights))
+    if key not in _BUILT:
+        ss, eng = _engine_for(weights)
+        with torch.no_grad():
+            _BUILT[key] = ss, eng.run(ss, RunSettings(record_logits=True, **SETTINGS))
+    return _BUILT[key]
 
 
 @CPU
-def test_run_accounting(logged_run):
+def test_run_accounting(weights):
     """Every request completes; tokens are conserved (each request's outputs, the prompt tokens computed
     = prompt - resumed, prefill tokens run = computed); 0 < TTFT <= E2E; ITLs are outputs - 1; the cache
     bound (evictions to the host tier, restores from it) and hits happened."""
-    ss, res = logged_run
+    ss, res = _logged_run(weights)
     w = ss.workload
     s = res.summary()
     assert res.incomplete == 0 and res.not_started == 0
@@ -338,11 +346,11 @@ def test_run_accounting(logged_run):
 
 
 @CPU
-def test_run_every_token_matches_the_model(model, logged_run):
+def test_run_every_token_matches_the_model(model, weights):
     """Each request's logits (its first token from the prefill that ended its prompt, the rest from
     decode steps beside other sequences) equal K3Model over the whole sequence from scratch: resumes at
     checkpoints, host-tier restores, chunk boundaries and continuous batching change nothing."""
-    ss, res = logged_run
+    ss, res = _logged_run(weights)
     w = ss.workload
     for r in res.requests:
         i, n_in, out = r["request"], r["n_in"], r["out"]
@@ -355,11 +363,11 @@ def test_run_every_token_matches_the_model(model, logged_run):
 
 
 @CPU
-def test_dcp8_and_the_host_tier_where_capacity_binds(engine, logged_run):
+def test_dcp8_and_the_host_tier_where_capacity_binds(weights):
     """The same sessions and budget without the host tier: DCP1 loses hits to dropped blocks; the host
     tier (the logged run) and DCP8 (an eighth of the history rows per rank) each win them back."""
-    ss, eng = engine
-    rates = {"dcp1_host": logged_run[1].pool["hit_rate"]}
+    ss, eng = _engine_for(weights)
+    rates = {"dcp1_host": _logged_run(weights)[1].pool["hit_rate"]}
     with torch.no_grad():
         for name, kw in (("dcp1_gpu", {"host": False}), ("dcp8_gpu", {"host": False, "dcp": 8})):
             res = eng.run(ss, RunSettings(**SETTINGS, **kw))

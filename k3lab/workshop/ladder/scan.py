@@ -27,7 +27,13 @@ NB = "05_kda_scan"
 CHUNK = 16
 
 
-def _tol(dt: torch.dtype):
+def _tol(dt: torch.dtype, chain: int = 1):
+    """The case's bound: one product of fp32 inputs is held to tf32 (what `tl.dot` rounds them to on NVIDIA
+    GPUs). A chain of more than two products compounds that rounding (five tf32 products measured 2.9e-3
+    rel_l2 on an H100), so it is held to the next coarser bound, bf16's, which a wrong index or a missing
+    term (O(1) errors) still fails."""
+    if chain > 2:
+        return "bf16"
     return "tf32" if dt == torch.float32 else dt
 
 
@@ -275,7 +281,8 @@ def _group_cases(seed: int, device: str, starts: bool) -> list[Case]:
         inputs = {k: v.to(device=device, dtype=dt) for k, v in inputs.items()}
         if not starts:
             inputs["group_size"] = gs
-        out.append(Case(label, inputs, _tol(dt)))
+        chain = -(-n // gs) if starts else min(gs, n)  # products one output is the end of
+        out.append(Case(label, inputs, _tol(dt, chain)))
     return out
 
 

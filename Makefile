@@ -25,14 +25,19 @@ TRITON_SPEC ?= triton==3.6.0
 
 .PHONY: run test install lint clean-build
 
+# The two commands grade the workshop's tasks in their two roles (k3lab.workshop.grading): make run grades
+# the reference solutions (K3LAB_WORKSHOP_GRADE=solutions: a broken reference fails the report), and make
+# test runs every notebook as a learner first opens it, unsolved (each check says "not solved yet" and the
+# lesson goes on with the reference, so nothing may halt; its guesses are not a learner's, so no predictions
+# file is written). An explicit K3LAB_WORKSHOP_GRADE or K3LAB_PREDICTIONS wins in both.
 run: $(STAMP)
-	$(PY) -m k3lab.cli report
+	K3LAB_WORKSHOP_GRADE=$${K3LAB_WORKSHOP_GRADE-solutions} $(PY) -m k3lab.cli report
 
 # required_plugins: the hang guard (pytest-timeout, in .[dev]; its limit is in pyproject.toml) must be there.
 # Output: one line per test file or notebook, its dots as its tests pass, and the ten slowest tests at the end
 # (no per-test names: the suite has over a thousand); a long test is the only pause.
 test: $(STAMP)
-	$(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env -p no:cacheprovider \
+	K3LAB_PREDICTIONS=$${K3LAB_PREDICTIONS-off} $(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env -p no:cacheprovider \
 	  -o required_plugins=pytest-timeout -o console_output_style=count --durations=10 --durations-min=30
 
 lint: $(STAMP)

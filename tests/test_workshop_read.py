@@ -57,3 +57,13 @@ def test_question_refuses_bad_arguments():
         read.question("q", 1.0, expected=1.0, why="")
     with pytest.raises(ValueError, match="rel"):
         read.question("q", 1.0, expected=1.0, rel=True, why="w")
+
+
+def test_where_names_the_function_line_in_its_file():
+    import inspect
+    r = read.read_kernel(merge_op._merge_kernel, [("tl.load", "the loads")])
+    line = inspect.getsourcelines(merge_op._merge_kernel.fn)[1]
+    assert r.where == f"k3lab/ops/mla_decode/merge.py:{line}" and line > 1
+    r2 = read.read_kernel(merge_op._merge_kernel, [("tl.load", "the loads")], span=("tl.load", "tl.store"))
+    src = open(inspect.getsourcefile(merge_op._merge_kernel.fn)).read().splitlines()
+    assert "tl.load" in src[int(r2.where.rsplit(":", 1)[1]) - 1]

@@ -81,9 +81,9 @@ def _source(obj, span) -> tuple[str, str, list[str]]:
         try:
             path = Path(inspect.getsourcefile(fn)).resolve()
             where = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else path.name
+            first = inspect.getsourcelines(fn)[1] - 1  # the function's own line in its file
         except (OSError, TypeError):
-            where = "defined in this notebook"
-        first = 0
+            where, first = "defined in this notebook", 0
     if span is not None:
         if not (isinstance(span, tuple) and len(span) == 2 and all(isinstance(s, str) and s for s in span)):
             raise ValueError(f"span must be two non-empty strings (first line, last line), got {span!r}")
@@ -93,7 +93,7 @@ def _source(obj, span) -> tuple[str, str, list[str]]:
         b = next((i for i in range(a, len(lines)) if span[1] in lines[i]), None)
         if b is None:
             raise ValueError(f"span end {span[1]!r} not found after {span[0]!r} in {name}")
-        lines, first = lines[a:b + 1], a
+        lines, first = lines[a:b + 1], first + a
     return name, f"{where}:{first + 1}" if where != "defined in this notebook" else where, lines
 
 

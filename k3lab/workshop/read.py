@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import grading
-from .lesson import _python_function, _resolve
+from .lesson import _python_function, _resolve, _span
 
 REPO = Path(__file__).resolve().parent.parent.parent
 MAX_READ_LINES = 140
@@ -85,15 +85,8 @@ def _source(obj, span) -> tuple[str, str, list[str]]:
         except (OSError, TypeError):
             where, first = "defined in this notebook", 0
     if span is not None:
-        if not (isinstance(span, tuple) and len(span) == 2 and all(isinstance(s, str) and s for s in span)):
-            raise ValueError(f"span must be two non-empty strings (first line, last line), got {span!r}")
-        a = next((i for i, s in enumerate(lines) if span[0] in s), None)
-        if a is None:
-            raise ValueError(f"span start {span[0]!r} not found in {name}")
-        b = next((i for i in range(a, len(lines)) if span[1] in lines[i]), None)
-        if b is None:
-            raise ValueError(f"span end {span[1]!r} not found after {span[0]!r} in {name}")
-        lines, first = lines[a:b + 1], first + a
+        a, stop = _span(lines, span, name)
+        lines, first = lines[a:stop], first + a
     return name, f"{where}:{first + 1}" if where != "defined in this notebook" else where, lines
 
 

@@ -18,6 +18,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
+    cpu_child.runtest_setup(item)
     cpu_guard.runtest_setup()
 
 

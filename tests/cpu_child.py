@@ -6,8 +6,9 @@ CPU tensors run only on a machine without a GPU. A test marked `@on_a_cpu` (or a
 `pytestmark = on_a_cpu`) runs as it is there; on a GPU machine it is not called in the run's process:
 the marked tests of its file run together in one child pytest that sees no GPU (CUDA_VISIBLE_DEVICES
 and HIP_VISIBLE_DEVICES empty, TRITON_INTERPRET=1), started when the first of them comes up, and each
-test passes, fails (with the child's report of it) or skips as it did there. So the same facts are
-checked wherever `make test` runs, for the price of one child start per file.
+test passes, fails (with the child's report of it) or skips as it did there. Its fixtures are set up
+there too, not in the run's process (`runtest_setup`), so a fixture may build CPU steps. So the same
+facts are checked wherever `make test` runs, for the price of one child start per file.
 
 The check that every test needing this has it is in `cpu_guard.py`; `conftest.py` wires both in.
 """
@@ -253,6 +254,29 @@ def configure(config) -> None:
                             "machine it runs in a child process that sees no GPU (tests/cpu_child.py)")
     if os.environ.get(RESULTS_ENV):
         config.pluginmanager.register(ResultWriter(Path(os.environ[RESULTS_ENV])), "k3lab-cpu-child-results")
+
+
+class SetUpInTheChild:
+    """What a marked test's fixture names hold in the parent on the child path: the fixtures themselves
+    are set up in the child, which runs the test."""
+
+    def __repr__(self) -> str:
+        return "<set up in the CPU child>"
+
+
+SET_UP_IN_THE_CHILD = SetUpInTheChild()
+
+
+def runtest_setup(item) -> None:
+    """On the child path, leave a marked test's fixtures (module-scoped, autouse, its own) to the child:
+    each name of its fixture closure is filled with a placeholder before pytest's setup, which then sets
+    up none of them here (it fills only names it does not have yet). A fixture that builds CPU steps
+    would refuse here on a GPU machine; in the child it is built where the test runs. Unmarked tests of
+    the same file set up theirs here as usual, a module-scoped one the first time one of them needs it."""
+    if not isinstance(item, pytest.Function) or item.get_closest_marker(MARK) is None or not needs_child():
+        return
+    for name in item.fixturenames:
+        item.funcargs.setdefault(name, SET_UP_IN_THE_CHILD)
 
 
 def pyfunc_call(pyfuncitem):

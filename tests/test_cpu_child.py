@@ -126,3 +126,98 @@ def test_needs_child_never_in_a_child(monkeypatch, env, want):
     child = cpu_child.child_env()
     assert child[cpu_child.IN_CHILD_ENV] == "1" and cpu_child.FORCE_ENV not in child
     assert child["CUDA_VISIBLE_DEVICES"] == "" and child["TRITON_INTERPRET"] == "1"
+
+
+FIXTURES = '''
+import json, os, pytest
+from cpu_child import on_a_cpu
+
+
+def _log(name):
+    with open(LOG, 'a') as f:
+        f.write(json.dumps([name, os.getpid(), os.environ.get('K3LAB_CPU_CHILD')]) + '\\n')
+
+
+def _only_in_the_child(what):
+    _log(what)
+    if os.environ.get('K3LAB_CPU_CHILD') != '1':  # as a CPU step refuses to be built on a GPU machine
+        raise ValueError(f"{what} set up outside the CPU child")
+
+
+@pytest.fixture(scope='module')
+def cpu_engine():
+    _only_in_the_child('cpu_engine')
+    return 'engine'
+
+
+@pytest.fixture(autouse=True)
+def every_test(request):
+    if request.node.get_closest_marker('on_a_cpu') is not None:
+        _only_in_the_child('autouse')
+    yield
+    _log('autouse-teardown')
+
+
+@pytest.fixture
+def plain():
+    _log('plain')
+    return 3
+
+
+@on_a_cpu
+def test_marked_takes_the_module_fixture(cpu_engine):
+    assert cpu_engine == 'engine'
+
+
+@on_a_cpu
+@pytest.mark.parametrize('k', [1, 2])
+def test_marked_parametrized(cpu_engine, k):
+    assert cpu_engine == 'engine' and k in (1, 2)
+
+
+def test_unmarked_between(plain):
+    assert plain == 3
+
+
+@on_a_cpu
+class TestMarkedClass:
+    def test_method(self, cpu_engine, plain):
+        assert (cpu_engine, plain) == ('engine', 3)
+'''
+
+
+def test_marked_tests_set_up_their_fixtures_in_the_child_only(tmp_path):
+    """On the child path a marked test's fixtures (module-scoped, autouse, plain) are set up in the child
+    alone: a fixture that refuses to be built outside it (as a CPU step does on a GPU machine) passes, and
+    the unmarked tests around them (another file too) set up theirs in the parent as usual."""
+    hooked_folder(tmp_path)
+    log = tmp_path / "fixtures.jsonl"
+    (tmp_path / "test_a_fixtures.py").write_text(f"LOG = {str(log)!r}\n" + FIXTURES)
+    (tmp_path / "test_b_after.py").write_text(
+        "import pytest\n\n@pytest.fixture(scope='module')\ndef here():\n    return 5\n\n"
+        "def test_after(here):\n    assert here == 5\n")
+    done = run_pytest(tmp_path, **{cpu_child.FORCE_ENV: "1"})
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert done.stdout.strip().splitlines()[-1].startswith("6 passed"), out
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    child = {pid for name, pid, flag in rows if flag == "1"}
+    parent = {pid for name, pid, flag in rows if flag is None}
+    assert len(child) == 1 and len(parent) == 1, rows
+    in_parent = [name for name, pid, flag in rows if flag is None]
+    # the parent set up only the unmarked test's fixtures (plain and the autouse one, with its teardown)
+    assert sorted(in_parent) == ["autouse-teardown", "plain"], rows
+    in_child = [name for name, pid, flag in rows if flag == "1"]
+    assert in_child.count("cpu_engine") == 1 and in_child.count("autouse") == 4, rows
+
+
+def test_without_the_child_path_a_refusing_fixture_fails_in_setup(tmp_path):
+    """The same file with the child path off and the fixture run in this process: the refusal shows as a
+    setup error, so the test above passes because the parent skipped the setup, not by accident."""
+    hooked_folder(tmp_path)
+    log = tmp_path / "fixtures.jsonl"
+    (tmp_path / "test_a_fixtures.py").write_text(f"LOG = {str(log)!r}\n" + FIXTURES)
+    done = run_pytest(tmp_path, CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="")
+    out = done.stdout + done.stderr
+    assert done.returncode == 1 and "set up outside the CPU child" in out, out
+    assert "1 passed, 4 errors" in done.stdout.strip().splitlines()[-1], out

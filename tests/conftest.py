@@ -24,8 +24,17 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
+    cpu_guard.runtest_call_start()
     result = yield
     cpu_guard.runtest_call(item)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    cpu_guard.runtest_teardown_start()
+    result = yield
+    cpu_guard.runtest_teardown(item)
     return result
 
 

@@ -6,7 +6,9 @@ there ("cpu tensors and TRITON_INTERPRET is not 1", or Triton's own pointer erro
 GPU machine cannot be seen on a CPU, where every tensor is a CPU tensor; what can be seen is:
 
 - that the test launched Triton kernels in the interpreter on CPU tensors (Triton's interpreter calls
-  one function per launch, `GridExecutor.__call__`, which this module counts), and
+  one function per launch, `GridExecutor.__call__`, which this module counts), in its body or in the
+  fixtures set up or torn down for it (a module-scoped fixture's setup counts for the first test that
+  takes it, its teardown for the file's last), and
 - whether the test's code asks whether there is a GPU: a call of `torch.cuda.is_available()`,
   `torch.cuda.device_count()`, `env.detect()` or `device_of()` in the test function, its decorators
   (a skipif), its class, the fixtures it takes, or any module-level name, function or class of its
@@ -39,6 +41,9 @@ from cpu_child import MARK as CHILD_MARK
 FOLLOWS_MARK = "follows_gpu"
 GPU_QUESTIONS = ("cuda.is_available", "cuda.device_count", "env.detect", "device_of")
 LAUNCHES: collections.Counter = collections.Counter()  # kernel name -> interpreted launches on CPU tensors
+PHASES: collections.Counter = collections.Counter()  # the test's phase (setup, call, teardown) -> launches
+NOW = {"phase": "call"}  # the phase the launches are counted in (set by the hooks below)
+PHASE_WORDS = {"setup": "its fixtures' setup", "call": "its body", "teardown": "its fixtures' teardown"}
 
 
 # ------------------------------------------------------------------------ counting interpreted launches
@@ -68,6 +73,7 @@ def count_interpreted_launches() -> bool:
     def counted(self, *args, **kwargs):
         if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in (*args, *kwargs.values())):
             LAUNCHES[getattr(self.fn, "__name__", "kernel")] += 1
+            PHASES[NOW["phase"]] += 1
         return launch(self, *args, **kwargs)
 
     counted._k3lab_counted = True
@@ -191,7 +197,9 @@ def verdict(item) -> str | None:
     if asks_for_gpu(item.path, fn, cls, tuple(getattr(item, "fixturenames", ()))):
         return None
     kernels = ", ".join(f"{k} x{n}" for k, n in LAUNCHES.most_common(4))
-    return (f"{item.nodeid} ran {launched} Triton launch(es) in the interpreter on CPU tensors ({kernels}) "
+    where = " and ".join(f"{n} in {PHASE_WORDS.get(p, p)}" for p, n in PHASES.items() if n)
+    return (f"{item.nodeid} ran {launched} Triton launch(es) in the interpreter on CPU tensors ({kernels}; "
+            f"{where}) "
             "and nothing in it asks whether there is a GPU: on a GPU machine these kernels run compiled and "
             "refuse CPU tensors, so this test would fail there. Mark it @on_a_cpu (from cpu_child import "
             "on_a_cpu; a file: pytestmark = on_a_cpu) to run it in a child that sees no GPU there; or make "
@@ -208,13 +216,41 @@ def configure(config) -> None:
     count_interpreted_launches()
 
 
+def _enter(phase: str) -> None:
+    NOW["phase"] = phase
+
+
 def runtest_setup() -> None:
+    """Before the test's fixtures are set up: from here its launches (its fixtures' too) are counted."""
     count_interpreted_launches()  # a no-op once done; here in case triton came in after configure
     LAUNCHES.clear()
+    PHASES.clear()
+    _enter("setup")
+
+
+def runtest_call_start() -> None:
+    _enter("call")
 
 
 def runtest_call(item) -> None:
-    """After the test's call passed: fail it if it needs the CPU child on a GPU machine and lacks it."""
+    """After the test's call passed: fail it if it (or a fixture it set up) needs the CPU child on a GPU
+    machine and lacks it."""
     why = verdict(item)
+    if why:
+        pytest.fail(why, pytrace=False)
+
+
+def runtest_teardown_start() -> None:
+    """Before the test's fixtures are torn down: the launches judged after the call are not judged again."""
+    LAUNCHES.clear()
+    PHASES.clear()
+    _enter("teardown")
+
+
+def runtest_teardown(item) -> None:
+    """After teardown: launches in a fixture's teardown (after its yield; a module-scoped one's at its
+    file's last test) are judged as the call's are; the test then errors in teardown."""
+    why = verdict(item)
+    _enter("call")
     if why:
         pytest.fail(why, pytrace=False)

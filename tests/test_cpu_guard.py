@@ -76,8 +76,67 @@ def test_an_unmarked_cpu_tensor_launch_fails_and_each_way_out_passes(tmp_path):
               if line.startswith(("PASSED ", "FAILED ")) and "::" in line}
     assert status == {"test_unmarked": "FAILED", "test_marked": "PASSED", "test_follows_the_device": "PASSED",
                       "test_declared": "PASSED", "test_no_kernel": "PASSED"}, out
-    assert "ran 1 Triton launch(es) in the interpreter on CPU tensors (_twice x1)" in out, out
+    assert "ran 1 Triton launch(es) in the interpreter on CPU tensors (_twice x1; 1 in its body)" in out, out
     assert "Mark it @on_a_cpu" in out and "follows_gpu" in out, out
+
+
+def test_launches_in_an_unmarked_tests_fixtures_fail_it_in_setup_and_teardown(tmp_path):
+    """A kernel launched on CPU tensors by a fixture, not the test's body, would refuse on a GPU machine
+    just the same: a module-scoped fixture's setup fails the first test that takes it, a fixture's
+    teardown errors the test in teardown; a fixture that follows the GPU, and a marked test, pass."""
+    hooked_folder(tmp_path)
+    (tmp_path / "test_fixtures.py").write_text(KERNEL + textwrap.dedent('''
+        DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+        @pytest.fixture(scope="module")
+        def built():
+            return twice(torch.ones(5))
+
+
+        @pytest.fixture
+        def torn():
+            yield 1
+            twice(torch.ones(3))
+
+
+        @pytest.fixture
+        def on_dev():
+            return twice(torch.ones(5, device=DEV))
+
+
+        def test_first_to_take_built(built):
+            assert built.sum() == 10
+
+
+        def test_second_to_take_built(built):
+            assert built.sum() == 10
+
+
+        def test_torn(torn):
+            assert torn == 1
+
+
+        def test_on_dev(on_dev):
+            assert on_dev.sum() == 10
+
+
+        @on_a_cpu
+        def test_marked_torn(torn):
+            assert torn == 1
+        '''))
+    done = run_pytest(tmp_path, CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="")
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    status = {}
+    for line in out.splitlines():
+        if line.startswith(("PASSED ", "FAILED ", "ERROR ")) and "::" in line:
+            status.setdefault(line.split()[1].split("::")[1], []).append(line.split()[0])
+    assert status == {"test_first_to_take_built": ["FAILED"], "test_second_to_take_built": ["PASSED"],
+                      "test_torn": ["PASSED", "ERROR"], "test_on_dev": ["PASSED"],
+                      "test_marked_torn": ["PASSED"]}, out
+    assert "(_twice x1; 1 in its fixtures' setup)" in out, out
+    assert "(_twice x1; 1 in its fixtures' teardown)" in out, out
 
 
 def test_this_run_counts_interpreted_launches():

@@ -16,7 +16,9 @@ operands are
   - `k3lab.MODULE.NAME...`: a value the library computes or holds (the config, a study's quoted seed
     figures, e.g. `k3lab.studies.mla_padding.SEED_MS_PER_TOKEN['32K'][1]`);
   - `QUOTED['name']`: a published figure with no home in the library (NCCL's, a datasheet's), kept with
-    its origin in `k3lab.workshop.figures.QUOTED`.
+    its origin in `k3lab.workshop.figures.QUOTED`;
+  - `NOTED['name']`: a figure k3lab measured that only a study's doc keeps (an Nsight Compute counter),
+    kept in `k3lab.workshop.figures.NOTED` with the doc, which must print it.
 The bound value, rounded to the printed number of decimals, must be the printed number: "16.7 µs" passes
 for 16.66 and fails for 16.76. A figure with no binding, or a binding with no figure, fails too.
 
@@ -142,6 +144,12 @@ def test_planted_figures_over_bound_ones_fail(seed):
         planted = dict(cell, source=source[:a] + new + source[b:], metadata={"k3lab": {"figures": bindings}})
         passed += not cell_problems(planted)
     assert passed <= 5, f"{passed} of 100 planted figures over bound ones passed"
+
+
+def test_noted_figures_are_printed_in_their_docs():
+    for name, (value, doc) in F.NOTED.items():
+        text = (REPO / doc).read_text()
+        assert f"{value:g}" in text, f"NOTED[{name!r}] = {value} is not printed in {doc}"
 
 
 def test_a_source_names_one_field_and_rounds_at_the_printed_precision():

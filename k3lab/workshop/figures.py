@@ -23,6 +23,8 @@ printed unit. Its operands are:
                          figures): a dotted name, attribute access, subscripts and calls
     QUOTED['name']       a figure someone else published (the seed article, a datasheet, NCCL's
                          numbers), kept in QUOTED below with where it comes from
+    NOTED['name']        a figure k3lab measured that only a study's doc keeps (an Nsight Compute
+                         counter, a probe build), kept in NOTED below with the doc
 
 `check(markdown, figures)` says what is wrong: a printed figure with no binding, a binding for a figure
 not printed, or a bound value that, rounded to the printed number of decimals, is not the printed number
@@ -58,6 +60,15 @@ QUOTED: dict[str, float | tuple[float, ...]] = {
     "seed_kda_scan_prefill_gain_pct": (5.3, 5.6),  # section 5: input throughput at 4K and 16K, 8 MI355X
     "seed_kda_verify_us": (16.20, 5.61),       # section 5: before -> after per layer, one MI355X
     "seed_moe_rows_gain_low_pct": 1,           # section 2: "under 1%" at concurrency 32 and 48
+}
+
+
+# figures k3lab measured that only a study's doc keeps (Nsight Compute counters, probe builds): value and
+# the doc that prints it (a test checks the doc does)
+NOTED: dict[str, tuple[float, str]] = {
+    "kda_prologue_ncu_smem_busy_pct": (69, "docs/kda_scan.md"),
+    "kda_prologue_ncu_dram_busy_pct": (31, "docs/kda_scan.md"),
+    "kda_prologue_mb": (467, "docs/kda_scan.md"),
 }
 
 
@@ -133,11 +144,11 @@ def resolve(source: str) -> tuple[float, ...]:
     tree = ast.parse(expr, mode="eval")
     bad = [type(n).__name__ for n in ast.walk(tree) if not isinstance(n, _ALLOWED)]
     bad += [n.id for n in ast.walk(tree)
-            if isinstance(n, ast.Name) and n.id not in ("k3lab", "QUOTED", "_field")]
+            if isinstance(n, ast.Name) and n.id not in ("k3lab", "QUOTED", "NOTED", "_field")]
     bad += [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_")]
     if bad:
-        raise ValueError(f"source {source!r} uses {bad[0]}; only arithmetic on fields, k3lab names and "
-                         "QUOTED is allowed")
+        raise ValueError(f"source {source!r} uses {bad[0]}; only arithmetic on fields, k3lab names, "
+                         "QUOTED and NOTED is allowed")
     for name in re.findall(r"\bk3lab(?:\.\w+)+", expr):
         parts = name.split(".")
         for i in range(len(parts), 0, -1):
@@ -148,6 +159,7 @@ def resolve(source: str) -> tuple[float, ...]:
                 continue
     value = eval(compile(tree, source, "eval"),  # noqa: S307 - the AST is checked above
                  {"__builtins__": {}, "k3lab": importlib.import_module("k3lab"), "QUOTED": QUOTED,
+                  "NOTED": {k: v for k, (v, _) in NOTED.items()},
                   "_field": lambda i: field(*refs[i])})
     values = value if isinstance(value, tuple) else (value,)
     return tuple(float(v) for v in values)
@@ -199,5 +211,5 @@ def normal_coverage(sigmas: float) -> float:
     return 100 * math.erf(sigmas / math.sqrt(2))
 
 
-__all__ = ["FIGURE", "QUOTED", "Figure", "check", "expert_share", "field", "figures", "normal_coverage",
-           "printed", "resolve"]
+__all__ = ["FIGURE", "NOTED", "QUOTED", "Figure", "check", "expert_share", "field", "figures",
+           "normal_coverage", "printed", "resolve"]

@@ -2,24 +2,37 @@
 was skipped, how long it took, on which device and versions), for the GPU check before anything that
 touches notebooks, ops, engine or studies is called done.
 
-    python scripts/gpu_check.py OUT [--workers N] [--label NAME] [PYTEST PATHS/ARGS ...]
+    python scripts/gpu_check.py OUT [--workers N] [--label NAME] [--shard K/N [--durations RECORD]]
+                                    [--stop-after S] [PYTEST PATHS/ARGS ...]
+    python scripts/gpu_check.py plan N [--durations RECORD] [PATHS ...]
+    python scripts/gpu_check.py merge OUT --label NAME RECORD ...
 
-Runs `pytest -q -p no:cacheprovider --junitxml OUT/junit.xml ARGS` (default ARGS: the whole suite as
-`make test` runs it: `tests notebooks --nbval-lax --nbval-current-env`), with `-n N --dist loadfile` when
-N > 1 (needs pytest-xdist; each file, so each notebook's cells, stays on one worker). Without --workers,
-N comes from the GPU's free memory and the CPU count (`choose_workers`). Then it writes
-OUT/gpu_check_<label>.json: device, backend, versions, commit (K3LAB_COMMIT when the tree carries no
-usable .git), the command, the workers and why, wall seconds, counts, every failure's node id and first
-line, the skip reasons grouped, the ten slowest tests, and the GPU memory the run's processes peaked at
-(nvidia-smi, sampled). Exit status: pytest's.
+Runs `pytest -q -p no:cacheprovider --junitxml OUT/junit_<label>.xml ARGS` (default ARGS: the whole
+suite as `make test` runs it: `tests notebooks --nbval-lax --nbval-current-env`, with
+K3LAB_PREDICTIONS=off unless set), with `-n N --dist loadfile` when N > 1 (needs pytest-xdist; each
+file, so each notebook's cells, stays on one worker). Without --workers, N comes from the GPU's free
+memory and the CPU count (`choose_workers`). Then it writes OUT/gpu_check_<label>.json: device, backend,
+versions, commit (K3LAB_COMMIT when the tree carries no usable .git), the command, the workers and why,
+wall seconds, counts, every failure's node id and first line, the skip reasons grouped, the ten slowest
+tests, each file's seconds, and the GPU memory the run's processes peaked at (nvidia-smi, sampled).
+Exit status: pytest's.
+
+`--shard K/N` runs the K-th of N groups of the test files and notebooks the paths name (a notebook
+whole), split by expected time (`split`: each file's seconds in the --durations records, else its size),
+so a suite longer than one sitting runs as N calls; `plan` prints the groups without running them, and
+`merge` combines the N records into one record of the whole suite (`merge_records`). `--stop-after S`
+interrupts a serial run after S seconds: the record keeps the files that finished and lists the rest
+(`files_not_run`), which a later run of those files can cover before the merge.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -104,16 +117,40 @@ class MemorySampler:
                 "samples": self.samples, "every_s": self.every_s}
 
 
-def summarize(junit: Path) -> dict:
-    """Counts, failures, skip reasons and the slowest tests of a JUnit XML file pytest wrote."""
+def file_key(path: str) -> str:
+    """The dotted name pytest's JUnit file gives a file's tests (their classname starts with it):
+    tests/test_x.py -> tests.test_x, notebooks/01_dcp.ipynb -> notebooks.01_dcp.ipynb."""
+    return (path[:-3] if path.endswith(".py") else path).replace("/", ".")
+
+
+def file_of(classname: str, files) -> str | None:
+    """Which of `files` a JUnit testcase's classname (or a collection error's name) belongs to."""
+    best = None
+    for f in files:
+        key = file_key(f)
+        if (classname == key or classname.startswith(key + ".")) and (best is None or len(f) > len(best)):
+            best = f
+    return best
+
+
+def summarize(junit: Path, files=(), drop=()) -> dict:
+    """Counts, failures, skip reasons, the slowest tests and each of `files`' seconds (its testcases'
+    times) of a JUnit XML file pytest wrote, leaving out the testcases of the files in `drop`."""
     root = ET.parse(junit).getroot()
-    cases = root.iter("testcase")
     counts = collections.Counter()
     failures, skips, times = [], collections.Counter(), []
-    for c in cases:
+    file_seconds: dict[str, float] = collections.defaultdict(float)
+    for c in root.iter("testcase"):
+        if not (c.get("classname") or c.get("name")):
+            continue  # the entry pytest leaves for a test it was interrupted in
+        owner = file_of(c.get("classname") or c.get("name") or "", files) if files else None
+        if owner is not None and owner in drop:
+            continue
         node = f"{c.get('classname', '')}::{c.get('name', '')}"
         t = float(c.get("time") or 0.0)
         times.append((t, node))
+        if owner is not None:
+            file_seconds[owner] += t
         bad = c.find("failure") if c.find("failure") is not None else c.find("error")
         if bad is not None:
             counts["failed"] += 1
@@ -127,49 +164,311 @@ def summarize(junit: Path) -> dict:
             counts["passed"] += 1
     slowest = [{"test": n, "seconds": round(t, 1)} for t, n in sorted(times, reverse=True)[:10]]
     return {"counts": dict(counts), "failures": failures,
-            "skips": [{"reason": r, "count": n} for r, n in skips.most_common()], "slowest": slowest}
+            "skips": [{"reason": r, "count": n} for r, n in skips.most_common()], "slowest": slowest,
+            "file_seconds": {f: round(v, 2) for f, v in sorted(file_seconds.items())}}
+
+
+def seen_files(junit: Path, files) -> list[str]:
+    """Those of `files` with at least one testcase in the JUnit file, in the order their first one came."""
+    order: list[str] = []
+    for c in ET.parse(junit).getroot().iter("testcase"):
+        owner = file_of(c.get("classname") or c.get("name") or "", files)
+        if owner is not None and owner not in order:
+            order.append(owner)
+    return order
+
+
+# ------------------------------------------------------------------------ splitting the suite into shards
+
+def suite_files(args, root: Path) -> list[str]:
+    """The test files and notebooks that pytest would collect from the path arguments among `args`
+    (options are left out), relative to `root`, sorted: under a folder, test_*.py and *_test.py files
+    and notebooks (nbval collects every .ipynb), hidden folders and checkpoints passed over."""
+    found: set[str] = set()
+    for a in args:
+        if a.startswith("-"):
+            continue
+        path = (root / a.split("::", 1)[0])
+        if path.is_file():
+            found.add(path.relative_to(root).as_posix())
+            continue
+        if not path.is_dir():
+            continue
+        for f in path.rglob("*"):
+            rel = f.relative_to(root)
+            if any(part.startswith(".") or part in ("__pycache__", "build") for part in rel.parts[:-1]):
+                continue
+            if f.is_file() and (f.suffix == ".ipynb" or (f.suffix == ".py" and (
+                    f.name.startswith("test_") or f.stem.endswith("_test")))):
+                found.add(rel.as_posix())
+    return sorted(found)
+
+
+def read_durations(records) -> dict[str, float]:
+    """Each file's seconds from gpu_check records (`file_seconds`; a later record's figure wins)."""
+    seconds: dict[str, float] = {}
+    for rec in records:
+        data = json.loads(Path(rec).read_text()) if not isinstance(rec, dict) else rec
+        if not isinstance(data.get("file_seconds"), dict):
+            raise ValueError(f"durations record {rec} has no file_seconds (a record gpu_check.py wrote)")
+        seconds.update({f: float(v) for f, v in data["file_seconds"].items()})
+    return seconds
+
+
+def weights(files, root: Path, durations: dict[str, float] | None = None) -> tuple[dict[str, float], str]:
+    """(each file's expected cost, its unit): the recorded seconds where `durations` has the file, else
+    its size in bytes times the recorded seconds per byte (the files both know); no durations: bytes."""
+    size = {f: float((root / f).stat().st_size) for f in files}
+    known = {f: durations[f] for f in files if durations and f in durations}
+    if not known:
+        return size, "bytes"
+    per_byte = sum(known.values()) / max(1.0, sum(size[f] for f in known))
+    return {f: known.get(f, size[f] * per_byte) for f in files}, "s"
+
+
+def split(cost: dict[str, float], n: int) -> list[list[str]]:
+    """`cost`'s files in `n` groups of similar total: the costliest first, each to the group with the
+    least so far (the first such group on a tie); each group keeps the files in path order. The same
+    files and costs always give the same groups, whatever order they come in."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if n > len(cost):
+        raise ValueError(f"n must be at most the number of files ({len(cost)}), got {n}")
+    groups: list[list[str]] = [[] for _ in range(n)]
+    load = [0.0] * n
+    for f in sorted(cost, key=lambda f: (-cost[f], f)):
+        i = min(range(n), key=lambda j: (load[j], j))
+        groups[i].append(f)
+        load[i] += cost[f]
+    return [sorted(g) for g in groups]
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'K/N' -> (K, N), 1 <= K <= N."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must be K/N with whole numbers, got {text!r}") from None
+    if not 1 <= k <= n:
+        raise ValueError(f"--shard K/N needs 1 <= K <= N, got {text!r}")
+    return k, n
+
+
+def digest(files) -> str:
+    return hashlib.sha256("\n".join(sorted(files)).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------ combining shard records
+
+SUMMED = ("passed", "failed", "skipped")
+
+
+def merge_records(records: list[dict], label: str) -> dict:
+    """One record of the whole suite from the records of its shards (and of runs that covered a shard's
+    files_not_run): counts and skips summed, failures and files joined, wall seconds summed (the suite's
+    time run one shard after another), the slowest tests and the GPU memory peak over all. Refused with
+    a ValueError: records without a files list, of other devices or commits, of different splits, a
+    shard twice, or a file run in two records. A file of the split that no record ran is listed in
+    files_not_run and the merged record is not complete."""
+    if not records:
+        raise ValueError("records must name at least one gpu_check record")
+    for r in records:
+        if not isinstance(r.get("files"), list):
+            raise ValueError(f"record {r.get('label')!r} has no files list: rerun it with this gpu_check.py")
+    for field in ("device", "commit"):
+        values = sorted({str(r.get(field)) for r in records})
+        if len(values) > 1:
+            raise ValueError(f"records of different {field}s cannot be one suite's: {', '.join(values)}")
+    shards = [r["shard"] for r in records if r.get("shard")]
+    if len({(s["n"], s["all_files_digest"]) for s in shards}) > 1:
+        raise ValueError("the shard records come from different splits (N or the suite's files differ): "
+                         + ", ".join(f"{s['k']}/{s['n']} of {s['all_files_digest']}" for s in shards))
+    ks = collections.Counter(s["k"] for s in shards)
+    if any(c > 1 for c in ks.values()):
+        raise ValueError(f"shard {min(k for k, c in ks.items() if c > 1)} comes twice")
+    ran: dict[str, int] = {}  # file -> the record that ran it
+    for i, r in enumerate(records):
+        for f in r["files"]:
+            if f in r.get("files_not_run", []):
+                continue
+            if f in ran:
+                raise ValueError(f"{f} ran in two records ({records[ran[f]].get('label')!r} and "
+                                 f"{r.get('label')!r}): its tests would be counted twice")
+            ran[f] = i
+    everything = set(shards[0]["all_files"]) if shards else set()
+    everything |= {f for r in records for f in r["files"]}
+    missing_shards = sorted(set(range(1, shards[0]["n"] + 1)) - set(ks)) if shards else []
+    counts = collections.Counter()
+    skips = collections.Counter()
+    for r in records:
+        counts.update({k: v for k, v in r.get("counts", {}).items() if v})
+        skips.update({s["reason"]: s["count"] for s in r.get("skips", [])})
+    slowest = sorted((s for r in records for s in r.get("slowest", [])), key=lambda s: -s["seconds"])[:10]
+    not_run = sorted(everything - set(ran))
+    first = records[0]
+    return {
+        "label": label, "device": first.get("device"), "backend": first.get("backend"),
+        "versions": first.get("versions"), "commit": first.get("commit"),
+        "merged_from": [{"label": r.get("label"), "shard": (f"{r['shard']['k']}/{r['shard']['n']}"
+                                                             if r.get("shard") else None),
+                         "command": r.get("command"), "exit_status": r.get("exit_status"),
+                         "wall_s": r.get("wall_s"), "counts": r.get("counts"), "date": r.get("date"),
+                         "stopped": r.get("stopped")} for r in records],
+        "exit_status": next((r.get("exit_status") for r in records if r.get("exit_status")), 0),
+        "complete": not not_run and not missing_shards, "missing_shards": missing_shards,
+        "files_not_run": not_run, "wall_s": round(sum(r.get("wall_s") or 0.0 for r in records), 1),
+        "workers": sorted({r.get("workers") for r in records}, key=str),
+        "gpu_memory": {k: max((r.get("gpu_memory") or {}).get(k, 0) for r in records)
+                       for k in ("peak_total_mib", "peak_process_mib")},
+        "counts": dict(counts), "failures": [f for r in records for f in r.get("failures", [])],
+        "skips": [{"reason": k, "count": v} for k, v in skips.most_common()], "slowest": slowest,
+        "files": sorted(ran),
+        "file_seconds": {f: records[i].get("file_seconds", {}).get(f) for f, i in sorted(ran.items())
+                         if f in records[i].get("file_seconds", {})},
+    }
+
+
+def merge_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="gpu_check.py merge", description=merge_records.__doc__.split("\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("records", nargs="+", type=Path)
+    p.add_argument("--label", default="merged")
+    args = p.parse_args(argv)
+    try:
+        merged = merge_records([json.loads(r.read_text()) for r in args.records], args.label)
+    except (ValueError, OSError, json.JSONDecodeError) as e:
+        p.exit(2, f"gpu_check merge: {e}\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"gpu_check_{args.label}.json"
+    path.write_text(json.dumps(merged, indent=1) + "\n")
+    c = merged["counts"]
+    print(f"{args.label}: {c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('skipped', 0)} "
+          f"skipped in {merged['wall_s']:.0f} s over {len(args.records)} record(s)"
+          + ("" if merged["complete"] else f"; NOT complete: shards {merged['missing_shards']} missing, "
+             f"{len(merged['files_not_run'])} file(s) not run") + f" -> {path}")
+    return 0 if merged["complete"] and not merged["exit_status"] else 1
+
+
+def plan_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="gpu_check.py plan", description="print the N shards of the suite")
+    p.add_argument("n", type=int)
+    p.add_argument("--durations", type=Path, action="append", default=[])
+    args, rest = p.parse_known_args(argv)
+    root = Path.cwd()
+    files = suite_files(rest or DEFAULT_ARGS, root)
+    cost, unit = weights(files, root, read_durations(args.durations) if args.durations else None)
+    try:
+        groups = split(cost, args.n)
+    except ValueError as e:
+        p.exit(2, f"gpu_check plan: {e}\n")
+    for k, g in enumerate(groups, 1):
+        print(f"shard {k}/{args.n}: {len(g)} files, {sum(cost[f] for f in g):,.0f} {unit}: {' '.join(g)}")
+    return 0
+
+
+# ------------------------------------------------------------------------ running pytest
+
+def run_pytest(cmd: list[str], env: dict[str, str], stop_after: float | None) -> tuple[int, str | None]:
+    """(pytest's exit status, why it was stopped or None). After `stop_after` seconds it is interrupted
+    as Ctrl-C would (pytest then ends the session and writes its JUnit file), and killed 120 s later."""
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait(timeout=stop_after), None
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(timeout=120), f"--stop-after {stop_after:g} s reached: pytest was interrupted"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(), f"--stop-after {stop_after:g} s reached: pytest did not end, so it was killed"
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
+    if argv[:1] == ["plan"]:
+        return plan_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
     p.add_argument("--workers", type=int, default=None,
                    help="pytest-xdist workers (1: no xdist); default: from the GPU's free memory and CPUs")
     p.add_argument("--label", default="suite", help="a name for this run in the record")
+    p.add_argument("--shard", default=None,
+                   help="K/N: run the K-th of N groups of the files (`plan N` lists them)")
+    p.add_argument("--durations", type=Path, action="append", default=[],
+                   help="a gpu_check record whose file_seconds weigh the files for --shard (repeatable)")
+    p.add_argument("--stop-after", type=float, default=None,
+                   help="seconds: interrupt a serial run then, keeping the finished files in the record")
     args, rest = p.parse_known_args(argv)
     if args.workers is not None and args.workers < 1:
         p.error(f"--workers must be >= 1, got {args.workers}")
+    if args.stop_after is not None and not args.stop_after > 0:
+        p.error(f"--stop-after must be > 0 seconds, got {args.stop_after}")
+    root = Path.cwd()
+    pytest_args = rest or DEFAULT_ARGS
+    files = suite_files(pytest_args, root)
+    shard = None
+    if args.shard is not None:
+        try:
+            k, n = parse_shard(args.shard)
+            cost, unit = weights(files, root, read_durations(args.durations) if args.durations else None)
+            groups = split(cost, n)
+        except (ValueError, OSError) as e:
+            p.error(str(e))
+        shard = {"k": k, "n": n, "expected": round(sum(cost[f] for f in groups[k - 1]), 1), "unit": unit,
+                 "basis": ("durations: " + ", ".join(map(str, args.durations))) if args.durations
+                 else "file sizes", "all_files": files, "all_files_digest": digest(files)}
+        files = groups[k - 1]
+        # the options stay, the paths give way to this shard's files
+        pytest_args = [a for a in pytest_args if a.startswith("-")] + files
     if args.workers is None:
         args.workers, why = choose_workers(gpu_free_bytes(), os.cpu_count())
         print(f"gpu_check: {args.workers} worker(s): {why} (--workers N to choose)")
     else:
         why = "--workers"
+    if args.stop_after is not None and args.workers > 1:
+        p.error("--stop-after needs --workers 1: with several workers the files in flight when it stops are "
+                "not known")
     args.out.mkdir(parents=True, exist_ok=True)
     junit = args.out / f"junit_{args.label}.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
     # one file per worker: a notebook's cells share one kernel and must run in order on one worker
     cmd += ["-n", str(args.workers), "--dist", "loadfile"] if args.workers > 1 else []
-    cmd += rest or DEFAULT_ARGS
+    cmd += pytest_args
+    env = {**os.environ}
+    env.setdefault("K3LAB_PREDICTIONS", "off")  # as make test: the notebooks' guesses are not a learner's
     t0 = time.time()
     with MemorySampler() as memory:
-        rc = subprocess.call(cmd)
+        rc, stopped = run_pytest(cmd, env, args.stop_after)
     wall = time.time() - t0
 
-    from k3lab import env
+    from k3lab import env as k3env
     from k3lab.bench import git_commit
 
-    info = env.detect()
-    record = {"label": args.label, "device": info.name, "backend": info.backend, "versions": env.versions(),
-              "commit": os.environ.get("K3LAB_COMMIT") or git_commit(), "command": " ".join(cmd[1:]),
-              "exit_status": rc, "wall_s": round(wall, 1), "cpu_count": os.cpu_count(),
-              "workers": args.workers, "workers_why": why, "gpu_memory": memory.record(),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    record |= summarize(junit) if junit.exists() else {"counts": {}, "note": "pytest wrote no JUnit file"}
+    info = k3env.detect()
+    record = {"label": args.label, "device": info.name, "backend": info.backend,
+              "versions": k3env.versions(), "commit": os.environ.get("K3LAB_COMMIT") or git_commit(),
+              "command": " ".join(cmd[1:]), "exit_status": rc, "wall_s": round(wall, 1),
+              "cpu_count": os.cpu_count(), "workers": args.workers, "workers_why": why,
+              "gpu_memory": memory.record(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "shard": shard, "stopped": stopped, "files": files, "files_not_run": []}
+    if junit.exists():
+        not_run = []
+        if stopped:  # the file in flight and those after it; the finished ones stay
+            seen = seen_files(junit, files)
+            not_run = [f for f in files if f not in seen[:-1]]
+        record |= summarize(junit, files, drop=set(not_run)) | {"files_not_run": not_run}
+    else:
+        record |= {"counts": {}, "note": "pytest wrote no JUnit file", "files_not_run": files}
     path = args.out / f"gpu_check_{args.label}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     c = record.get("counts", {})
     print(f"{args.label}: {c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('skipped', 0)} "
-          f"skipped in {wall:.0f} s on {info.name} with {args.workers} worker(s) -> {path}")
+          f"skipped in {wall:.0f} s on {info.name} with {args.workers} worker(s)"
+          + (f", shard {args.shard} ({len(files)} files)" if shard else "")
+          + (f"; {stopped}, {len(record['files_not_run'])} file(s) not run" if stopped else "")
+          + f" -> {path}")
     return rc
 
 

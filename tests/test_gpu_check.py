@@ -1,9 +1,13 @@
-"""scripts/gpu_check.py's choice of pytest-xdist workers from the GPU's free memory and the CPU count,
-at the machines' own figures (torch.cuda.mem_get_info's free bytes on an idle card), and its refusals."""
+"""scripts/gpu_check.py: its choice of pytest-xdist workers from the GPU's free memory and the CPU count
+(at the machines' own figures: torch.cuda.mem_get_info's free bytes on an idle card) and its refusals;
+the split of the suite's files into shards (each file in one, the same every time, of similar expected
+time), a shard's run and a run stopped at its time limit, and the merge of shard records into one."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import random
 from pathlib import Path
 
 import pytest
@@ -57,7 +61,7 @@ def test_bad_figures_are_refused_by_name(kwargs, name):
 
 def test_workers_option_overrides_and_refuses_zero(tmp_path, monkeypatch, capsys):
     seen = []
-    monkeypatch.setattr(gpu_check.subprocess, "call", lambda cmd: seen.append(cmd) or 0)
+    monkeypatch.setattr(gpu_check, "run_pytest", lambda cmd, env, stop: (seen.append(cmd) or 0, None))
     monkeypatch.setattr(gpu_check, "gpu_free_bytes", lambda: H200_FREE)
     monkeypatch.setattr(gpu_check.os, "cpu_count", lambda: 16)
     assert gpu_check.main([str(tmp_path), "--label", "x", "tests/test_config.py"]) == 0
@@ -69,3 +73,198 @@ def test_workers_option_overrides_and_refuses_zero(tmp_path, monkeypatch, capsys
     with pytest.raises(SystemExit):
         gpu_check.main([str(tmp_path), "--workers", "0"])
     assert "--workers must be >= 1" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ shards
+
+SUITE = gpu_check.suite_files(gpu_check.DEFAULT_ARGS, ROOT)
+
+
+def test_the_suite_is_every_test_file_and_notebook():
+    tests = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py"))
+    notebooks = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert SUITE == sorted(tests + notebooks) and len(notebooks) >= 12 and len(tests) >= 90
+
+
+def test_suite_files_takes_what_pytest_collects_and_no_more(tmp_path):
+    for rel in ("tests/test_a.py", "tests/helper.py", "tests/conftest.py", "tests/sub/test_b.py",
+                "tests/sub/c_test.py", "tests/.hidden/test_c.py", "tests/__pycache__/test_d.py",
+                "notebooks/x.ipynb", "notebooks/.ipynb_checkpoints/x-checkpoint.ipynb", "other/test_e.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    got = gpu_check.suite_files(["tests", "notebooks", "--nbval-lax", "other/test_e.py::test_one"], tmp_path)
+    assert got == ["notebooks/x.ipynb", "other/test_e.py", "tests/sub/c_test.py", "tests/sub/test_b.py",
+                   "tests/test_a.py"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_every_file_is_in_exactly_one_shard_and_the_split_is_always_the_same(n):
+    cost, unit = gpu_check.weights(SUITE, ROOT)
+    assert unit == "bytes" and set(cost) == set(SUITE)
+    groups = gpu_check.split(cost, n)
+    flat = [f for g in groups for f in g]
+    assert len(groups) == n and sorted(flat) == SUITE and len(flat) == len(set(flat))
+    shuffled = list(cost.items())
+    random.Random(n).shuffle(shuffled)
+    assert gpu_check.split(dict(shuffled), n) == groups  # the order files come in does not matter
+    loads = [sum(cost[f] for f in g) for g in groups]
+    assert max(loads) <= sum(loads) / n + max(cost.values())  # greedy's bound: within one file of even
+
+
+def test_recorded_seconds_weigh_the_files_and_unknown_ones_scale_by_size(tmp_path):
+    for name, size in (("a", 100), ("b", 100), ("c", 300), ("d", 100)):
+        (tmp_path / f"test_{name}.py").write_text("x" * size)
+    files = [f"test_{n}.py" for n in "abcd"]
+    record = tmp_path / "gpu_check_serial.json"
+    record.write_text(json.dumps({"file_seconds": {"test_a.py": 90.0, "test_b.py": 10.0, "gone.py": 5.0}}))
+    cost, unit = gpu_check.weights(files, tmp_path, gpu_check.read_durations([record]))
+    assert unit == "s"
+    # a and b as recorded; c and d at the known files' 100 s / 200 bytes
+    assert cost == {"test_a.py": 90.0, "test_b.py": 10.0, "test_c.py": 150.0, "test_d.py": 50.0}
+    assert gpu_check.split(cost, 2) == [["test_c.py"], ["test_a.py", "test_b.py", "test_d.py"]]
+    by_size = gpu_check.weights(files, tmp_path)[0]
+    assert gpu_check.split(by_size, 2) == [["test_c.py"], ["test_a.py", "test_b.py", "test_d.py"]]
+    (tmp_path / "plain.json").write_text("{}")
+    with pytest.raises(ValueError, match="has no file_seconds"):
+        gpu_check.read_durations([tmp_path / "plain.json"])
+
+
+@pytest.mark.parametrize("n, match", [(0, "n must be an int >= 1"), (True, "n must be an int >= 1"),
+                                      (5, "at most the number of files")])
+def test_bad_shard_counts_are_refused(n, match):
+    with pytest.raises(ValueError, match=match):
+        gpu_check.split({"a": 1.0, "b": 2.0}, n)
+
+
+@pytest.mark.parametrize("text", ["3", "0/3", "4/3", "a/b", "1/2/3"])
+def test_bad_shard_text_is_refused(text):
+    with pytest.raises(ValueError, match="--shard"):
+        gpu_check.parse_shard(text)
+
+
+def test_a_shard_runs_its_files_with_the_options_and_says_so(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(gpu_check, "run_pytest", lambda cmd, env, stop: (seen.append((cmd, env)) or 0, None))
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("K3LAB_PREDICTIONS", raising=False)
+    want = gpu_check.split(gpu_check.weights(SUITE, ROOT)[0], 3)[1]
+    assert gpu_check.main([str(tmp_path), "--label", "s2", "--workers", "1", "--shard", "2/3"]) == 0
+    cmd, env = seen[-1]
+    assert cmd[-len(want) - 2:] == ["--nbval-lax", "--nbval-current-env", *want], cmd
+    assert "tests" not in cmd and "notebooks" not in cmd and "-n" not in cmd
+    assert env["K3LAB_PREDICTIONS"] == "off"  # as make test runs the notebooks
+    rec = json.loads((tmp_path / "gpu_check_s2.json").read_text())
+    assert rec["files"] == want and rec["shard"]["k"] == 2 and rec["shard"]["n"] == 3
+    assert rec["shard"]["all_files"] == SUITE and rec["shard"]["basis"] == "file sizes"
+
+
+def test_a_run_stopped_at_its_limit_keeps_the_finished_files_only(tmp_path, monkeypatch):
+    """A real pytest over three files, interrupted in the second: the first's tests are counted, the
+    second (in flight) and third are listed as not run and none of their testcases are counted."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "test_a_fast.py").write_text("def test_one():\n    pass\n\ndef test_two():\n    pass\n")
+    (work / "test_b_slow.py").write_text("import time\n\ndef test_quick():\n    pass\n\n"
+                                         "def test_slow():\n    time.sleep(120)\n")
+    (work / "test_c_never.py").write_text("def test_never():\n    pass\n")
+    monkeypatch.chdir(work)
+    out = tmp_path / "out"
+    rc = gpu_check.main([str(out), "--label", "cut", "--workers", "1", "--stop-after", "20",
+                         "test_a_fast.py", "test_b_slow.py", "test_c_never.py"])
+    rec = json.loads((out / "gpu_check_cut.json").read_text())
+    assert rc != 0 and rec["stopped"].startswith("--stop-after 20 s reached"), rec
+    assert rec["files_not_run"] == ["test_b_slow.py", "test_c_never.py"], rec
+    assert rec["counts"] == {"passed": 2} and list(rec["file_seconds"]) == ["test_a_fast.py"], rec
+    assert rec["wall_s"] < 100
+    with pytest.raises(SystemExit):
+        gpu_check.main([str(out), "--workers", "2", "--stop-after", "20", "test_a_fast.py"])
+
+
+def test_summarize_gives_each_file_its_testcases(tmp_path):
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.test_x" name="test_a" time="1.5"/>'
+        '<testcase classname="tests.test_x.TestK" name="test_b" time="2.0"><failure message="boom"/>'
+        '</testcase>'
+        '<testcase classname="tests.test_xy" name="test_c" time="4.0"><skipped message="no GPU"/></testcase>'
+        '<testcase classname="notebooks.01_dcp.ipynb" name="Cell 3" time="7.25"/>'
+        '<testcase classname="" name="tests.test_broken" time="0"><error message="collection failure"/>'
+        '</testcase><testcase time="0.000"/></testsuite></testsuites>')  # the interrupted test's
+    files = ["tests/test_x.py", "tests/test_xy.py", "notebooks/01_dcp.ipynb", "tests/test_broken.py"]
+    got = gpu_check.summarize(junit, files)
+    assert got["counts"] == {"passed": 2, "failed": 2, "skipped": 1}
+    assert got["file_seconds"] == {"notebooks/01_dcp.ipynb": 7.25, "tests/test_broken.py": 0.0,
+                                   "tests/test_x.py": 3.5, "tests/test_xy.py": 4.0}
+    assert [f["message"] for f in got["failures"]] == ["boom", "collection failure"]
+    dropped = gpu_check.summarize(junit, files, drop={"tests/test_x.py"})
+    assert dropped["counts"] == {"passed": 1, "failed": 1, "skipped": 1} and "tests/test_x.py" not in \
+        dropped["file_seconds"]
+    assert gpu_check.seen_files(junit, files) == ["tests/test_x.py", "tests/test_xy.py",
+                                                  "notebooks/01_dcp.ipynb", "tests/test_broken.py"]
+
+
+# ------------------------------------------------------------------------ merging shard records
+
+ALL = [f"tests/test_{c}.py" for c in "abcdef"]
+PLAN = {"n": 3, "all_files": ALL, "all_files_digest": gpu_check.digest(ALL)}
+GROUPS = [ALL[0:2], ALL[2:4], ALL[4:6]]
+
+
+def _record(k, files=None, not_run=(), **over):
+    files = GROUPS[k - 1] if files is None else files
+    ran = [f for f in files if f not in not_run]
+    rec = {"label": f"serial_{k}", "device": "NVIDIA H100 80GB HBM3", "commit": "abc", "workers": 1,
+           "shard": {**PLAN, "k": k} if k else None, "files": files, "files_not_run": list(not_run),
+           "exit_status": 0, "wall_s": 100.0 * (k or 1), "counts": {"passed": 10 * len(ran), "skipped": 1},
+           "failures": [], "skips": [{"reason": "no peer", "count": 1}],
+           "slowest": [{"test": f"{f}::slow", "seconds": 10.0 + i} for i, f in enumerate(ran)],
+           "file_seconds": {f: 5.0 for f in ran}, "gpu_memory": {"peak_total_mib": 100 * (k or 1),
+                                                                 "peak_process_mib": 50}}
+    return rec | over
+
+
+def test_merge_adds_up_the_shards_into_the_whole_suite():
+    recs = [_record(1), _record(2, counts={"passed": 15, "failed": 1, "skipped": 1}, exit_status=1,
+                                failures=[{"test": "tests.test_c::t", "message": "boom"}]), _record(3)]
+    m = gpu_check.merge_records(recs, "serial")
+    assert m["counts"] == {"passed": 55, "failed": 1, "skipped": 3}
+    assert m["failures"] == [{"test": "tests.test_c::t", "message": "boom"}] and m["exit_status"] == 1
+    assert m["wall_s"] == 600.0 and m["complete"] and m["files_not_run"] == [] and m["files"] == ALL
+    assert m["skips"] == [{"reason": "no peer", "count": 3}] and m["workers"] == [1]
+    assert m["gpu_memory"]["peak_total_mib"] == 300
+    assert m["file_seconds"] == {f: 5.0 for f in ALL}
+    assert [s["seconds"] for s in m["slowest"]][:2] == [11.0, 11.0] and len(m["slowest"]) == 6
+    assert [r["shard"] for r in m["merged_from"]] == ["1/3", "2/3", "3/3"]
+    # and the merged record weighs the next split
+    assert gpu_check.read_durations([m]) == {f: 5.0 for f in ALL}
+
+
+def test_merge_of_a_missing_shard_or_a_stopped_one_is_not_complete_until_covered(tmp_path):
+    m = gpu_check.merge_records([_record(1), _record(3)], "serial")
+    assert not m["complete"] and m["missing_shards"] == [2] and m["files_not_run"] == GROUPS[1]
+    cut = _record(2, not_run=[ALL[3]], stopped="--stop-after 540 s reached: pytest was interrupted")
+    m = gpu_check.merge_records([_record(1), cut, _record(3)], "serial")
+    assert not m["complete"] and m["missing_shards"] == [] and m["files_not_run"] == [ALL[3]]
+    rest = _record(0, files=[ALL[3]], label="serial_rest")
+    m = gpu_check.merge_records([_record(1), cut, _record(3), rest], "serial")
+    assert m["complete"] and m["counts"]["passed"] == 60 and m["files"] == ALL
+    for i, rec in enumerate([_record(1), _record(3)]):
+        (tmp_path / f"r{i}.json").write_text(json.dumps(rec))
+    assert gpu_check.main(["merge", str(tmp_path / "out"), "--label", "part", str(tmp_path / "r0.json"),
+                           str(tmp_path / "r1.json")]) == 1  # not complete: not a pass
+    assert json.loads((tmp_path / "out" / "gpu_check_part.json").read_text())["missing_shards"] == [2]
+
+
+@pytest.mark.parametrize("records, match", [
+    ([_record(1), _record(1)], "shard 1 comes twice"),
+    ([_record(1), _record(0, files=[ALL[0]])], "tests/test_a.py ran in two records"),
+    ([_record(1), _record(2, device="NVIDIA H200")], "different devices"),
+    ([_record(1), _record(2, commit="def")], "different commits"),
+    ([_record(1), _record(2, shard={**PLAN, "k": 2, "n": 4})], "different splits"),
+    ([_record(1), {k: v for k, v in _record(2).items() if k != "files"}], "has no files list"),
+    ([], "at least one"),
+])
+def test_merge_refuses_records_that_are_not_one_suite(records, match):
+    with pytest.raises(ValueError, match=match):
+        gpu_check.merge_records(records, "serial")

@@ -18,7 +18,7 @@ operands are
   - `QUOTED['name']`: a published figure with no home in the library (NCCL's, a datasheet's), kept with
     its origin in `k3lab.workshop.figures.QUOTED`;
   - `NOTED['name']`: a figure k3lab measured that only a study's doc keeps (an Nsight Compute counter),
-    kept in `k3lab.workshop.figures.NOTED` with the doc, which must print it.
+    kept in `k3lab.workshop.figures.NOTED` with the doc and the phrase of it that prints the figure.
 The bound value, rounded to the printed number of decimals, must be the printed number: "16.7 µs" passes
 for 16.66 and fails for 16.76. A figure with no binding, or a binding with no figure, fails too.
 
@@ -147,9 +147,10 @@ def test_planted_figures_over_bound_ones_fail(seed):
 
 
 def test_noted_figures_are_printed_in_their_docs():
-    for name, (value, doc) in F.NOTED.items():
-        text = (REPO / doc).read_text()
-        assert f"{value:g}" in text, f"NOTED[{name!r}] = {value} is not printed in {doc}"
+    for name, (value, doc, phrase) in F.NOTED.items():
+        assert f"{value:g}" in phrase, f"NOTED[{name!r}]: the phrase {phrase!r} does not print {value:g}"
+        text = " ".join((REPO / doc).read_text().split())
+        assert phrase in text, f"NOTED[{name!r}]: {doc} lacks {phrase!r}"
 
 
 def test_a_source_names_one_field_and_rounds_at_the_printed_precision():

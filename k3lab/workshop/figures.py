@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 _NUM = r"\d[\d,]*(?:\.\d+)?"
 # a ratio's x is not a product's ("128 x 128", "24 x L")
 UNIT = r"(?:µs|us|ns|ms|TB/s|GB/s|MB/s|%|[x×](?!\s*\d)(?!\s+[A-Z]\b))"
-FIGURE = re.compile(r"(?<![\w.^/-])(" + _NUM + r")(?:\s?(?:-|–|to|->|→)\s?(" + _NUM + r"))?\s?(" + UNIT
+FIGURE = re.compile(r"(?<![\w.^/-])(" + _NUM + r")(?:\s*(?:-|–|to|->|→)\s*(" + _NUM + r"))?\s?(" + UNIT
                     + r")(?![\w/])")
 
 # figures published by others that no module of the library holds, with where each comes from
@@ -60,21 +60,25 @@ QUOTED: dict[str, float | tuple[float, ...]] = {
     "seed_kda_scan_prefill_gain_pct": (5.3, 5.6),  # section 5: input throughput at 4K and 16K, 8 MI355X
     "seed_kda_verify_us": (16.20, 5.61),       # section 5: before -> after per layer, one MI355X
     "seed_moe_rows_gain_low_pct": 1,           # section 2: "under 1%" at concurrency 32 and 48
+    # the H200's boost clock and an SM's four warp schedulers (NVIDIA's Hopper figures)
+    "h200_boost_clock_ghz": 1.98,
+    "warp_schedulers_per_sm": 4,
 }
 
 
-# figures k3lab measured that only a study's doc keeps (Nsight Compute counters, probe builds): value and
-# the doc that prints it (a test checks the doc does)
-NOTED: dict[str, tuple[float, str]] = {
-    "kda_prologue_ncu_smem_busy_pct": (69, "docs/kda_scan.md"),
-    "kda_prologue_ncu_dram_busy_pct": (31, "docs/kda_scan.md"),
-    "kda_prologue_mb": (467, "docs/kda_scan.md"),
+# figures k3lab measured that only a study's doc keeps (Nsight Compute counters, probe builds): the value,
+# the doc, and the doc's phrase that prints it (a test checks the doc holds the phrase)
+NOTED: dict[str, tuple[float, str, str]] = {
+    "kda_prologue_ncu_smem_busy_pct": (69, "docs/kda_scan.md", "the L1/shared pipe 69% busy"),
+    "kda_prologue_ncu_dram_busy_pct": (31, "docs/kda_scan.md", "DRAM 31%"),
+    "kda_prologue_mb": (467, "docs/kda_scan.md", "its 467 MB at copy bandwidth"),
+    "mla_probe_before_request_us": (2, "docs/mla_padding.md", "~2 us of it before the first request"),
 }
 
 
 @dataclass(frozen=True)
 class Figure:
-    text: str                  # as printed
+    text: str                  # as printed, runs of white space as one space
     values: tuple[float, ...]  # one, or the two ends of a range
     decimals: tuple[int, ...]
     unit: str
@@ -92,7 +96,7 @@ def figures(markdown: str) -> list[Figure]:
     out = []
     for m in FIGURE.finditer(_strip_code(markdown)):
         raws = [g.replace(",", "") for g in (m.group(1), m.group(2)) if g]
-        out.append(Figure(m.group(0).strip(), tuple(float(r) for r in raws),
+        out.append(Figure(" ".join(m.group(0).split()), tuple(float(r) for r in raws),
                           tuple(len(r.split(".")[1]) if "." in r else 0 for r in raws),
                           m.group(3).strip().lstrip("-")))
     return out
@@ -127,7 +131,8 @@ def field(path: str, keys: str) -> float:
 
 _REF = re.compile(r"\[([^\[\]:]+\.json):((?:[^\]\\]|\\.)+)\]")
 _ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Attribute, ast.Subscript,
-            ast.Call, ast.Tuple, ast.Load, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub, ast.keyword)
+            ast.Call, ast.Tuple, ast.List, ast.Load, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub,
+            ast.keyword)
 
 
 def resolve(source: str) -> tuple[float, ...]:
@@ -159,7 +164,7 @@ def resolve(source: str) -> tuple[float, ...]:
                 continue
     value = eval(compile(tree, source, "eval"),  # noqa: S307 - the AST is checked above
                  {"__builtins__": {}, "k3lab": importlib.import_module("k3lab"), "QUOTED": QUOTED,
-                  "NOTED": {k: v for k, (v, _) in NOTED.items()},
+                  "NOTED": {k: v[0] for k, v in NOTED.items()},
                   "_field": lambda i: field(*refs[i])})
     values = value if isinstance(value, tuple) else (value,)
     return tuple(float(v) for v in values)

@@ -99,3 +99,15 @@ def test_bad_arguments_and_an_unreadable_record_are_named(tmp_path, capsys):
     (tmp_path / agenda.CPU_RECORD).write_text("{not json")
     with pytest.raises(ValueError, match="report_timings_2cores.json cannot be read as JSON"):
         agenda.markdown(tmp_path)
+
+
+def test_what_to_cut_when_late_is_priced_from_the_definitions(monkeypatch):
+    text = agenda.markdown()
+    assert f"03's rung `depth_mix` ({PUZZLES['depth_mix'].minutes} min)" in text
+    assert f"08's task `fix_first` ({TASKS['fix_first'].minutes} min)" in text
+    row = _row(text, "07_agent_cache").split("|")[1].strip()          # e.g. 15:34-16:00
+    start, end = ([int(x) for x in t.split(":")] for t in row.split("-"))
+    assert f"segment 07 as a whole ({(end[0] - start[0]) * 60 + end[1] - start[1]} min)" in text
+    monkeypatch.setattr(agenda, "CUTS", (("lunch", "x", "y"),))
+    with pytest.raises(ValueError, match="kind must be rung, task, records or segment"):
+        agenda.markdown()

@@ -87,6 +87,19 @@ SEGMENTS = (
             (("what if: the other workloads and GPUs", 5),), after=("questions", 10)),
 )
 
+# When the room runs late, in this order: (kind, which, what is lost). kind "rung": a ladder puzzle by name;
+# "records": the RECORDS part of the named segments; "task": a task by name (run its cell unsolved);
+# "segment": a whole segment. Their minutes are computed like the clock's.
+CUTS = (
+    ("records", ("06_draft_depth", "07_agent_cache", "08_all_together", "09_serving_curve"),
+     "show the figures, skip reading the tables"),
+    ("rung", "depth_mix", "`attn_res_norm` carries the same softmax over depth"),
+    ("rung", "column_add", "`tail_row` includes the column slice it teaches"),
+    ("task", "fix_first", "run its cell unsolved: the lesson goes on with the reference, labelled, and the "
+     "attribution table still says where the time goes"),
+    ("segment", "07_agent_cache", "the resume rule is background to 08 and 09, not a prerequisite"),
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
@@ -202,6 +215,32 @@ def machine_minutes(notebook: str, cpu: dict[str, Timing], gpus) -> int:
     return max(1, math.ceil(max(seconds, default=0) / 60))
 
 
+def cuts(cpu: dict[str, Timing], gpus) -> list[tuple[str, int, str]]:
+    """CUTS resolved: (what, minutes saved, what is lost)."""
+    from k3lab.workshop import TASKS
+    from k3lab.workshop.ladder import PUZZLES
+
+    by_nb = {s.notebook: s for s in SEGMENTS}
+    out = []
+    for kind, which, lost in CUTS:
+        if kind == "rung":
+            p = PUZZLES[which]
+            out.append((f"{p.notebook[:2]}'s rung `{which}`", p.minutes, lost))
+        elif kind == "task":
+            t = TASKS[which]
+            out.append((f"{t.notebook[:2]}'s task `{which}`", t.minutes, lost))
+        elif kind == "records":
+            out.append((f"the records part of {', '.join(n[:2] for n in which)}",
+                        sum(RECORDS[1] for n in which if RECORDS in by_nb[n].core), lost))
+        elif kind == "segment":
+            core, _ = parts(by_nb[which])
+            out.append((f"segment {which[:2]} as a whole",
+                        sum(m for _, m in core) + machine_minutes(which, cpu, gpus), lost))
+        else:
+            raise ValueError(f"CUTS: kind must be rung, task, records or segment, got {kind!r}")
+    return out
+
+
 def _clock(minutes: int) -> str:
     return f"{minutes // 60:02d}:{minutes % 60:02d}"
 
@@ -240,6 +279,12 @@ def markdown(root: Path = REPO) -> str:
             lines.append(f"| {_clock(now)}-{_clock(now + m)} | {what} | | | |")
             now += m
     lines += ["", f"The day ends at {_clock(now)}; its stretch parts add up to {total_stretch} minutes.", "",
+              "### When the room runs late", "",
+              "Stretch parts are never in the clock. Beyond them, cut in this order (minutes saved, what is "
+              "lost):", ""]
+    lines += [f"{i}. {what} ({m} min): {lost}." for i, (what, m, lost) in enumerate(cuts(cpu, gpus), start=1)]
+    lines += ["", "Never cut a prediction (the room's histograms need every guess before its reveal) or a "
+              "kernel segment's last rung (it is the lesson's kernel).", "",
               "### Measured run-all times", "",
               "Each notebook run top to bottom (`k3lab report`, solutions graded). The CPU is the 2-core "
               f"record `{CPU_RECORD.as_posix()}` (Triton in its interpreter); the GPU columns are the "

@@ -262,7 +262,12 @@ def digest(files) -> str:
 
 # ------------------------------------------------------------------------ combining shard records
 
-SUMMED = ("passed", "failed", "skipped")
+def _status(record: dict) -> int:
+    """A record's exit status for the merge: a run stopped at --stop-after counts by its failures alone
+    (pytest's status says it was interrupted; the files it did not finish are listed and run elsewhere)."""
+    if record.get("stopped"):
+        return 1 if record.get("counts", {}).get("failed") else 0
+    return record.get("exit_status") or 0
 
 
 def merge_records(records: list[dict], label: str) -> dict:
@@ -316,7 +321,7 @@ def merge_records(records: list[dict], label: str) -> dict:
                          "command": r.get("command"), "exit_status": r.get("exit_status"),
                          "wall_s": r.get("wall_s"), "counts": r.get("counts"), "date": r.get("date"),
                          "stopped": r.get("stopped")} for r in records],
-        "exit_status": next((r.get("exit_status") for r in records if r.get("exit_status")), 0),
+        "exit_status": next((st for st in map(_status, records) if st), 0),
         "complete": not not_run and not missing_shards, "missing_shards": missing_shards,
         "files_not_run": not_run, "wall_s": round(sum(r.get("wall_s") or 0.0 for r in records), 1),
         "workers": sorted({r.get("workers") for r in records}, key=str),

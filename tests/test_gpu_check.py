@@ -250,12 +250,14 @@ def test_merge_adds_up_the_shards_into_the_whole_suite():
 def test_merge_of_a_missing_shard_or_a_stopped_one_is_not_complete_until_covered(tmp_path):
     m = gpu_check.merge_records([_record(1), _record(3)], "serial")
     assert not m["complete"] and m["missing_shards"] == [2] and m["files_not_run"] == GROUPS[1]
-    cut = _record(2, not_run=[ALL[3]], stopped="--stop-after 540 s reached: pytest was interrupted")
+    cut = _record(2, not_run=[ALL[3]], stopped="--stop-after 540 s reached: pytest was interrupted",
+                  exit_status=2)
     m = gpu_check.merge_records([_record(1), cut, _record(3)], "serial")
     assert not m["complete"] and m["missing_shards"] == [] and m["files_not_run"] == [ALL[3]]
     rest = _record(0, files=[ALL[3]], label="serial_rest")
     m = gpu_check.merge_records([_record(1), cut, _record(3), rest], "serial")
     assert m["complete"] and m["counts"]["passed"] == 60 and m["files"] == ALL
+    assert m["exit_status"] == 0  # the interruption was made good by the rest's run
     for i, rec in enumerate([_record(1), _record(3)]):
         (tmp_path / f"r{i}.json").write_text(json.dumps(rec))
     assert gpu_check.main(["merge", str(tmp_path / "out"), "--label", "part", str(tmp_path / "r0.json"),

@@ -1,6 +1,6 @@
 """Every figure in a lesson's prose is tied to the one value it prints.
 
-A figure is a number with a unit of time, bandwidth, percentage or ratio in a markdown cell
+A figure is a number with a unit of time, bandwidth, percentage, ratio or bytes in a markdown cell
 (`k3lab.workshop.figures.FIGURE`; a range such as "90-98%" or "43.8 to 23.6 ms" is one figure with two
 ends). Each markdown cell lists its figures, in the order printed, with the source of each, in its
 metadata:
@@ -27,9 +27,10 @@ precision) either inserted unbound into random cells, or written over a bound fi
 with the binding's key updated and its source kept (someone editing the number and not the record); at
 most 5 in 100 may pass.
 
-Its limit: a figure with no unit ("from 41.3 to 37.8 µs" binds both ends, "125 us against 155" binds
-only the first), a byte count (MB, GiB) and a number rendered by code (`lesson.prose`) are not checked
-here; the rendered ones come from the records by construction.
+Its limit: a number with no unit ("from 41.3 to 37.8 µs" binds both ends, "125 us against 155" binds
+only the first), a size used as an adjective ("a 32-byte sector", the hardware's unit), a count of
+parameters ("105B") and a number rendered by code (`lesson.prose`) are not checked here; the rendered
+ones come from the records by construction.
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ def test_bindings_sit_only_on_markdown(nb):
 
 # kinds of figure with plausible magnitudes: (unit, low, high)
 KINDS = [("µs", 0.5, 300.0), ("us", 0.5, 300.0), ("ms", 0.5, 60.0), ("GB/s", 20.0, 900.0),
-         ("TB/s", 0.5, 4.8), ("%", 1.0, 100.0), ("x", 1.05, 60.0)]
+         ("TB/s", 0.5, 4.8), ("%", 1.0, 100.0), ("x", 1.05, 60.0), ("B", 16.0, 20000.0),
+         ("bytes", 2.0, 2048.0), ("KB", 1.0, 228.0), ("KiB", 1.0, 228.0), ("MB", 0.5, 500.0),
+         ("MiB", 0.5, 500.0), ("GB", 1.0, 300.0), ("GiB", 0.5, 100.0), ("TB", 0.1, 5.0)]
 
 
 def _random_figure(rng: random.Random, unit: str | None = None) -> str:

@@ -1,7 +1,6 @@
 """Figures in a lesson's prose, each tied to the one value it prints.
 
-A markdown cell that prints figures (a time, a bandwidth, a percentage or a ratio; byte counts
-are not yet covered) lists
+A markdown cell that prints figures (a time, a bandwidth, a percentage, a ratio or a byte count) lists
 them, in the order they appear, in its metadata:
 
     "metadata": {"k3lab": {"figures": [
@@ -44,8 +43,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 _NUM = r"\d[\d,]*(?:\.\d+)?"
-# a ratio's x is not a product's ("128 x 128", "24 x L")
-UNIT = r"(?:µs|us|ns|ms|TB/s|GB/s|MB/s|%|[x×](?!\s*\d)(?!\s+[A-Z]\b))"
+# a ratio's x is not a product's ("128 x 128", "24 x L"); a byte count needs a space before B or bytes
+# ("105B" is a parameter count) and is not an adjective ("a 32-byte sector" names the hardware's unit)
+BYTES = r"\s?(?:TB|GB|MB|KB|kB|GiB|MiB|KiB)(?![\w/])|\s(?:B)(?![\w/])|\sbytes?(?!\w)"
+UNIT = r"(?:µs|us|ns|ms|TB/s|GB/s|MB/s|%|[x×](?!\s*\d)(?!\s+[A-Z]\b)|" + BYTES + ")"
 FIGURE = re.compile(r"(?<![\w.^/-])(" + _NUM + r")(?:\s*(?:-|–|to|->|→)\s*(" + _NUM + r"))?\s?(" + UNIT
                     + r")(?![\w/])")
 
@@ -63,6 +64,13 @@ QUOTED: dict[str, float | tuple[float, ...]] = {
     # the H200's boost clock and an SM's four warp schedulers (NVIDIA's Hopper figures)
     "h200_boost_clock_ghz": 1.98,
     "warp_schedulers_per_sm": 4,
+    # an H200's L2 and the shared memory one block may ask for (NVIDIA's Hopper tuning guide)
+    "h200_l2_mb": 60,
+    "h200_smem_per_block_kib": 227,
+    # the sizes of number formats, and PyTorch's CUDA caching allocator's large-block granularity
+    "fp32_bytes": 4,
+    "bf16_bytes": 2,
+    "cuda_allocator_page_mib": 2,
 }
 
 
@@ -73,6 +81,7 @@ NOTED: dict[str, tuple[float, str, str]] = {
     "kda_prologue_ncu_dram_busy_pct": (31, "docs/kda_scan.md", "DRAM 31%"),
     "kda_prologue_mb": (467, "docs/kda_scan.md", "its 467 MB at copy bandwidth"),
     "mla_probe_before_request_us": (2, "docs/mla_padding.md", "~2 us of it before the first request"),
+    "kda_prologue_h200_kib": (40, "docs/mi355x.md", "on the H200 the same 40 KiB of 228 KB"),
 }
 
 
@@ -210,6 +219,15 @@ def expert_share() -> float:
     return 100 * c.num_moe_layers * c.num_experts * c.component_params()["expert"] / c.param_counts()[0]
 
 
+def weight_bytes(tp: int = 1) -> float:
+    """Bytes of K3's weights as released (MXFP4 experts, BF16 elsewhere): the whole model (tp=1) or one
+    rank's share under tensor parallelism `tp`."""
+    from k3lab.config import K3Config
+    from k3lab.model import component_table
+    config = K3Config.full() if tp == 1 else K3Config.tp_slice(tp)
+    return float(sum(r["bytes"] for r in component_table(config)))
+
+
 def normal_coverage(sigmas: float) -> float:
     """The percentage of a normal distribution within `sigmas` standard deviations of its mean."""
     import math
@@ -217,4 +235,4 @@ def normal_coverage(sigmas: float) -> float:
 
 
 __all__ = ["FIGURE", "NOTED", "QUOTED", "Figure", "check", "expert_share", "field", "figures",
-           "normal_coverage", "printed", "resolve"]
+           "normal_coverage", "printed", "resolve", "weight_bytes"]

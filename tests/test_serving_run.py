@@ -297,8 +297,8 @@ COST = (0.01, 0.002, 0.0005)
 SETTINGS = {"concurrency": 3, "checkpoint_interval": 128, "max_batched_tokens": 96, "step_cost": COST}
 
 
-# Built on first use inside a test body, not as fixtures: a marked test's fixtures are set up in the
-# parent process, which on a GPU machine refuses CPU steps; its body runs in the CPU child.
+# One engine and one logged run, built on first use and shared by the tests below (in the CPU child on a
+# GPU machine, where the marked tests run).
 _BUILT: dict[tuple[str, int], tuple] = {}
 
 

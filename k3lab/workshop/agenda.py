@@ -21,8 +21,9 @@ import dataclasses
 import json
 import math
 import re
-import sys
 from pathlib import Path
+
+from .sections import replace_section, section_command
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_RECORD = Path("profiles/cpu/report_timings_2cores.json")
@@ -302,26 +303,12 @@ def markdown(root: Path = REPO) -> str:
 
 def with_agenda(doc: str, root: Path = REPO) -> str:
     """`doc` with its agenda section replaced by the generated one (appended when it has none)."""
-    section = markdown(root)
-    if BEGIN in doc and END in doc:
-        head, rest = doc.split(BEGIN, 1)
-        return head + section + rest.split(END, 1)[1]
-    return doc.rstrip("\n") + "\n\n" + section + "\n"
+    return replace_section(doc, markdown(root), BEGIN, END)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        print(markdown())
-        return 0
-    if len(argv) != 1 or not Path(argv[0]).is_file():
-        print(f"usage: python -m k3lab.workshop.agenda [FILE]: FILE must be an existing markdown file, got "
-              f"{argv}", file=sys.stderr)
-        return 2
-    path = Path(argv[0])
-    path.write_text(with_agenda(path.read_text()))
-    print(f"{path}: agenda section written ({len(SEGMENTS)} segments)")
-    return 0
+    return section_command(argv, "k3lab.workshop.agenda", markdown, with_agenda,
+                           f"agenda section written ({len(SEGMENTS)} segments)")
 
 
 if __name__ == "__main__":

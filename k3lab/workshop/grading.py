@@ -195,11 +195,9 @@ def hints_markdown(tasks: dict[str, Task]) -> str:
 
 def with_hints(doc: str, tasks: dict[str, Task]) -> str:
     """`doc` with its hints section replaced by the generated one (appended when it has none)."""
-    section = hints_markdown(tasks)
-    if HINTS_BEGIN in doc and HINTS_END in doc:
-        head, rest = doc.split(HINTS_BEGIN, 1)
-        return head + section + rest.split(HINTS_END, 1)[1]
-    return doc.rstrip("\n") + "\n\n" + section + "\n"
+    from .sections import replace_section
+
+    return replace_section(doc, hints_markdown(tasks), HINTS_BEGIN, HINTS_END)
 
 
 __all__ = ["CONTINUE", "GRADE_ENV", "GRADE_MODES", "HINT_LEVELS", "Attempt", "SolutionFailed", "attempt",

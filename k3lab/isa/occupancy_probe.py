@@ -11,7 +11,7 @@ random values, <= 0, finite), then times the launch (k3lab.bench.time_fn, device
     python -m k3lab.isa.occupancy_probe [--case kda_chunk.after_16k] [--index 0] [--json FILE]
 
 Prints one line per level and writes {"device", "case", "kernel", "levels": [...]} with --json. Needs a
-CUDA or ROCm GPU; not yet run on a GPU.
+CUDA or ROCm GPU (run on an H200: profiles/isa/occupancy_probe_h200.json; not yet run on ROCm).
 """
 
 from __future__ import annotations

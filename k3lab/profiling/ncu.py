@@ -13,8 +13,8 @@ launch, one column per metric, a units row under the header). Anything before th
 program's own output, "==PROF==" lines) is skipped; "n/a" becomes NaN; thousands separators
 (en-US "1,234.5") are removed. A comma-decimal locale ("65,77") is not supported.
 
-Not yet run on a GPU by this project: the command is built and tested here, and the parser is
-tested on an excerpt of a real ncu CSV, but no ncu capture has been made on the H200 yet.
+The parser is tested on an excerpt of a real ncu CSV; ncu captures of this project's kernels on the H200
+are under profiles/nvidia-h200/kda_scan/extra/ (docs/kda_scan.md says which).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ launch, one column per metric, a units row under the header). Anything before th
 program's own output, "==PROF==" lines) is skipped; "n/a" becomes NaN; thousands separators
 (en-US "1,234.5") are removed. A comma-decimal locale ("65,77") is not supported.
 
-The parser is tested on an excerpt of a real ncu CSV; ncu captures of this project's kernels on the H200
-are under profiles/nvidia-h200/kda_scan/extra/ (docs/kda_scan.md says which).
+The parser is tested on an excerpt of a real ncu CSV. ncu has been run on the H200 on this project's
+kernels (by hand, not through this command; docs/kda_scan.md quotes the counters), and those captures
+are in git's history rather than in profiles/.
 """
 
 from __future__ import annotations

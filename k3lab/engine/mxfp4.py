@@ -1,0 +1,112 @@
+"""MXFP4 weights (OCP Microscaling, the format the article serves K3's routed experts in): FP4 E2M1
+values, two per byte, and one E8M0 scale (a power of two) per block of 32 values along K.
+
+    w = quantize(weight)             # Mxfp4Weight: packed uint8 [N, K/2], scale_exp int8 [N, K/32]
+    wd = w.dequantize(torch.float32) # [N, K]: value * 2^scale_exp, exactly (every value is representable)
+    w.nbytes                         # 0.5 B per value + 1 B per 32 values = 4.25 bits a weight
+
+E2M1 holds sign x {0, 0.5, 1, 1.5, 2, 3, 4, 6}. A block's scale is 2^(floor(log2(amax)) - 2): the block's
+largest magnitude then lands in [4, 8) before rounding, at the top of E2M1's range (its largest exponent
+is 2), and values past 6 saturate to 6, as the OCP specification's conversion does. Values round to the
+nearest E2M1 value, ties to the even code. A block of zeros gets scale 2^-127 (E8M0's smallest) and
+zeros. Packing: the value of the even column k in the low nibble of byte k // 2, the odd one in the high
+nibble; a nibble is sign (bit 3) and the magnitude's code (bits 0-2, the index into the list above).
+
+Error: below 6 x scale a value is within half a grid step of its code (a step is 0.5, 1 or 2 scale
+units), so at most 1/8 of the block's largest magnitude; a block whose largest magnitude is in
+(6, 8) x scale saturates it to 6 x scale, up to 1/4 of it (the specification's choice: the scale stays a
+power of two). A kernel reading this format is checked against the fp64 product of `dequantize()`,
+which it must reproduce up to its accumulation order.
+
+Host-side PyTorch only (no kernel reads the format yet): the reference the MXFP4 expert kernels are
+checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+E2M1_EMAX = 2          # the exponent of E2M1's largest binade (4, 6)
+E8M0_MIN = -127        # the smallest scale exponent E8M0 encodes (255 is NaN)
+E8M0_MAX = 127
+
+
+@dataclass(frozen=True)
+class Mxfp4Weight:
+    """A weight [N, K] in MXFP4: `packed` uint8 [N, K // 2] (two E2M1 codes a byte, even column low),
+    `scale_exp` int8 [N, K // BLOCK] (each block's power-of-two exponent)."""
+
+    packed: torch.Tensor
+    scale_exp: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a kernel streams for this weight: the codes and one byte per block's scale."""
+        return self.packed.numel() + self.scale_exp.numel()
+
+    def codes(self) -> torch.Tensor:
+        """uint8 [N, K]: each value's 4-bit code (sign in bit 3)."""
+        lo, hi = self.packed & 0x0F, self.packed >> 4
+        return torch.stack((lo, hi), dim=-1).reshape(self.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in `dtype`: each value times its block's 2^scale_exp (exact in fp32 and fp64)."""
+        if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be a floating dtype (fp32, fp64, bf16, fp16), got {dtype}")
+        c = self.codes()
+        table = torch.tensor(E2M1, dtype=torch.float64, device=c.device)
+        mag = table[(c & 0x07).long()]
+        val = torch.where((c & 0x08) != 0, -mag, mag)
+        n, k = self.shape
+        scale = torch.pow(2.0, self.scale_exp.to(torch.float64))  # [N, K/32]
+        return (val.view(n, k // BLOCK, BLOCK) * scale[..., None]).reshape(n, k).to(dtype)
+
+
+def _check_weight(weight) -> None:
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise ValueError(f"weight must be a floating tensor, got {weight.dtype}")
+    if weight.shape[1] % BLOCK:
+        raise ValueError(f"weight's K ({weight.shape[1]}) must be a multiple of the block, {BLOCK}")
+    if weight.numel() and not bool(torch.isfinite(weight).all()):
+        raise ValueError("weight must be finite (no NaN or inf): MXFP4 has no code for them")
+
+
+def quantize(weight: torch.Tensor) -> Mxfp4Weight:
+    """`weight` [N, K] (K a multiple of 32, finite, any floating dtype) in MXFP4 (module docstring).
+    ValueError / TypeError naming `weight` for anything else."""
+    _check_weight(weight)
+    n, k = weight.shape
+    w = weight.detach().to(torch.float64).view(n, k // BLOCK, BLOCK)
+    amax = w.abs().amax(dim=-1)                                          # [N, K/32]
+    exp = torch.floor(torch.log2(amax.clamp_min(2.0 ** E8M0_MIN))) - E2M1_EMAX
+    exp = torch.where(amax > 0, exp, torch.full_like(exp, E8M0_MIN)).clamp(E8M0_MIN, E8M0_MAX)
+    x = (w / torch.pow(2.0, exp)[..., None]).clamp(-E2M1_MAX, E2M1_MAX)
+    # nearest E2M1 magnitude, ties to the even code: distances to every grid value, the first minimum
+    # among equals is the lower code, so ties go down unless the lower code is odd
+    grid = torch.tensor(E2M1, dtype=torch.float64, device=w.device)
+    d = (x.abs()[..., None] - grid).abs()
+    best = d.argmin(dim=-1)
+    upper = (best + 1).clamp(max=len(E2M1) - 1)
+    tie = (d.gather(-1, upper[..., None])[..., 0] == d.gather(-1, best[..., None])[..., 0]) & (upper != best)
+    code = torch.where(tie & (best % 2 == 1), upper, best).to(torch.uint8)
+    code = code | torch.where(x < 0, 8, 0).to(torch.uint8)
+    code = torch.where(code == 8, torch.zeros_like(code), code)         # no negative zero
+    c = code.view(n, k)
+    packed = (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+    return Mxfp4Weight(packed, exp.to(torch.int8).contiguous())
+
+
+__all__ = ["BLOCK", "E2M1", "Mxfp4Weight", "quantize"]

@@ -1,6 +1,7 @@
 """Test-session hooks: tests marked `on_a_cpu` run in a CPU child on a GPU machine (`cpu_child.py`); on
 a run that interprets Triton kernels, a test that launches them on CPU tensors without that mark or a
-device that follows the GPU fails (`cpu_guard.py`); the skipped tests are grouped by reason at the end
+device that follows the GPU fails (`cpu_guard.py`); after each test the GPU memory a worker has cached
+goes back to the device (`gpu_cache.py`), so parallel workers don't starve each other; the skipped tests are grouped by reason at the end
 of the run (one line a reason)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import pytest
 
 import cpu_child
 import cpu_guard
+import gpu_cache
 
 
 def pytest_configure(config):
@@ -35,6 +37,7 @@ def pytest_runtest_teardown(item, nextitem):
     cpu_guard.runtest_teardown_start()
     result = yield
     cpu_guard.runtest_teardown(item)
+    gpu_cache.give_back()
     return result
 
 

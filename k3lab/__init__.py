@@ -20,3 +20,7 @@ def _gpu_present() -> bool:
 
 if "TRITON_INTERPRET" not in _os.environ and not _gpu_present():
     _os.environ["TRITON_INTERPRET"] = "1"
+
+from k3lab._cells import hook_cells as _hook_cells  # noqa: E402  (after TRITON_INTERPRET is decided)
+
+_hook_cells()

@@ -42,14 +42,15 @@ from pathlib import Path
 
 DEFAULT_ARGS = ["tests", "notebooks", "--nbval-lax", "--nbval-current-env"]
 GIB = 2 ** 30
-# GPU memory one xdist worker may need at once, all of them at their peak together. On an H100 (79 GiB
-# free) the suite ran out of memory with 12 workers (so more than 6.6 GiB a worker at once) and not
-# with 4 or 6 (profiles/nvidia-h100-80gb-hbm3/gpu_check: 6 workers, no out-of-memory failure); on an
-# H200 (140 GiB free) not with 8 nor with 12 (profiles/nvidia-h200/gpu_check). 13 GiB gives 6 on the
-# H100 and 8 (half its 16 cores) on the H200, counts that ran within memory on each; with 4 the H100's
-# tests alone outran a 560 s sitting. The record's gpu_memory (the most one process held, sampled) is
-# the measurement to revise it by.
-PER_WORKER_BYTES = 13 * GIB
+# GPU memory one xdist worker may need at once, all of them at their peak together. Each test and each
+# notebook cell gives its cached memory back when it ends (tests/conftest.py, k3lab/_cells.py), so a
+# worker holds only what its current test or cell has live. The most any one process then held on an
+# H100 was 48-49 GiB (one notebook cell at K3's shapes), while the other workers held 5-7 GiB each
+# (profiles/nvidia-h100-80gb-hbm3/gpu_check: gpu_check_workers_2_2b4119a.json, the probe record). 15 GiB
+# a worker gives 5 on the H100 (79 GiB free: 49 + 4 x 7 fits, 49 + 5 x 7 would not) and 8 (half its 16
+# cores) on the H200, which ran within memory with 8 and 12. The record's gpu_memory (the most one
+# process held, sampled) is the measurement to revise it by.
+PER_WORKER_BYTES = 15 * GIB
 
 
 def choose_workers(free_bytes: int | None, cpu_count: int | None,

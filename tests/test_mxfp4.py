@@ -87,3 +87,27 @@ def test_bad_weight_refused_by_name(bad, says):
         mxfp4.quantize([[1.0] * 32])
     with pytest.raises(ValueError, match="dtype"):
         mxfp4.quantize(torch.ones(1, 32)).dequantize(torch.int8)
+
+
+def test_a_stack_of_experts_quantizes_row_by_row():
+    g = _gen(3)
+    w = torch.randn(3, 5, 64, generator=g)
+    q = mxfp4.quantize(w)
+    assert q.packed.shape == (3, 5, 32) and q.scale_exp.shape == (3, 5, 2) and q.shape == (3, 5, 64)
+    flat = mxfp4.quantize(w.reshape(15, 64))
+    assert torch.equal(q.packed.reshape(15, 32), flat.packed)
+    assert torch.equal(q.scale_exp.reshape(15, 2), flat.scale_exp)
+    assert torch.equal(q.dequantize(torch.float64).reshape(15, 64), flat.dequantize(torch.float64))
+    assert q.nbytes == mxfp4.nbytes(3, 5, 64) == 3 * 5 * (32 + 2)
+    with pytest.raises(ValueError, match="2-D .* or 3-D"):
+        mxfp4.quantize(torch.zeros(2, 2, 2, 32))
+
+
+def test_bytes_are_four_and_a_quarter_bits_a_weight():
+    assert mxfp4.bytes_per_weight() * 8 == 4.25
+    # K3's routed expert w1 at full width [3072, 3584]: 3072 * 3584 * 4.25 / 8 bytes exactly
+    assert mxfp4.nbytes(3072, 3584) * 8 == 3072 * 3584 * 4.25
+    assert mxfp4.nbytes(896, 3072, 3584) == 896 * mxfp4.nbytes(3072, 3584)
+    for bad in ((3072, 100), (), (-1, 32), (2.0, 32)):
+        with pytest.raises(ValueError, match="shape"):
+            mxfp4.nbytes(*bad)

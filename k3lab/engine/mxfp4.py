@@ -4,6 +4,7 @@ values, two per byte, and one E8M0 scale (a power of two) per block of 32 values
     w = quantize(weight)             # Mxfp4Weight: packed uint8 [N, K/2], scale_exp int8 [N, K/32]
     wd = w.dequantize(torch.float32) # [N, K]: value * 2^scale_exp, exactly (every value is representable)
     w.nbytes                         # 0.5 B per value + 1 B per 32 values = 4.25 bits a weight
+    quantize(experts)                # a stack [E, N, K] (every expert's w1, say): packed [E, N, K/2], ...
 
 E2M1 holds sign x {0, 0.5, 1, 1.5, 2, 3, 4, 6}. A block's scale is 2^(floor(log2(amax)) - 2): the block's
 largest magnitude then lands in [4, 8) before rounding, at the top of E2M1's range (its largest exponent
@@ -18,8 +19,9 @@ units), so at most 1/8 of the block's largest magnitude; a block whose largest m
 power of two). A kernel reading this format is checked against the fp64 product of `dequantize()`,
 which it must reproduce up to its accumulation order.
 
-Host-side PyTorch only (no kernel reads the format yet): the reference the MXFP4 expert kernels are
-checked against.
+Host-side PyTorch: the packing and the reference the MXFP4 expert kernels
+(k3lab.ops.moe_experts.mxfp4_kernels) are checked against. Blocks run along the last dim, so a stack of
+experts [E, N, K] quantizes as the E x N rows it is.
 """
 
 from __future__ import annotations
@@ -38,15 +40,15 @@ E8M0_MAX = 127
 
 @dataclass(frozen=True)
 class Mxfp4Weight:
-    """A weight [N, K] in MXFP4: `packed` uint8 [N, K // 2] (two E2M1 codes a byte, even column low),
-    `scale_exp` int8 [N, K // BLOCK] (each block's power-of-two exponent)."""
+    """A weight [N, K] (or a stack [E, N, K]) in MXFP4: `packed` uint8 [..., N, K // 2] (two E2M1 codes
+    a byte, even column low), `scale_exp` int8 [..., N, K // BLOCK] (each block's power-of-two exponent)."""
 
     packed: torch.Tensor
     scale_exp: torch.Tensor
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.packed.shape[0], self.packed.shape[1] * 2
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
 
     @property
     def nbytes(self) -> int:
@@ -54,42 +56,46 @@ class Mxfp4Weight:
         return self.packed.numel() + self.scale_exp.numel()
 
     def codes(self) -> torch.Tensor:
-        """uint8 [N, K]: each value's 4-bit code (sign in bit 3)."""
+        """uint8 [..., N, K]: each value's 4-bit code (sign in bit 3)."""
         lo, hi = self.packed & 0x0F, self.packed >> 4
         return torch.stack((lo, hi), dim=-1).reshape(self.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N, K] in `dtype`: each value times its block's 2^scale_exp (exact in fp32 and fp64)."""
+        """[..., N, K] in `dtype`: each value times its block's 2^scale_exp (exact in fp32 and fp64)."""
         if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be a floating dtype (fp32, fp64, bf16, fp16), got {dtype}")
         c = self.codes()
         table = torch.tensor(E2M1, dtype=torch.float64, device=c.device)
         mag = table[(c & 0x07).long()]
         val = torch.where((c & 0x08) != 0, -mag, mag)
-        n, k = self.shape
-        scale = torch.pow(2.0, self.scale_exp.to(torch.float64))  # [N, K/32]
-        return (val.view(n, k // BLOCK, BLOCK) * scale[..., None]).reshape(n, k).to(dtype)
+        *lead, k = self.shape
+        scale = torch.pow(2.0, self.scale_exp.to(torch.float64))  # [..., N, K/32]
+        return (val.view(*lead, k // BLOCK, BLOCK) * scale[..., None]).reshape(*lead, k).to(dtype)
 
 
 def _check_weight(weight) -> None:
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    if weight.dim() not in (2, 3):
+        raise ValueError(f"weight must be 2-D [N, K] or 3-D [E, N, K] (a stack of experts), got shape "
+                         f"{tuple(weight.shape)}")
     if not weight.is_floating_point():
         raise ValueError(f"weight must be a floating tensor, got {weight.dtype}")
-    if weight.shape[1] % BLOCK:
-        raise ValueError(f"weight's K ({weight.shape[1]}) must be a multiple of the block, {BLOCK}")
+    if weight.shape[-1] % BLOCK:
+        raise ValueError(f"weight's K ({weight.shape[-1]}) must be a multiple of the block, {BLOCK}")
     if weight.numel() and not bool(torch.isfinite(weight).all()):
         raise ValueError("weight must be finite (no NaN or inf): MXFP4 has no code for them")
 
 
 def quantize(weight: torch.Tensor) -> Mxfp4Weight:
-    """`weight` [N, K] (K a multiple of 32, finite, any floating dtype) in MXFP4 (module docstring).
-    ValueError / TypeError naming `weight` for anything else."""
+    """`weight` [N, K] or [E, N, K] (K a multiple of 32, finite, any floating dtype) in MXFP4 (module
+    docstring). ValueError / TypeError naming `weight` for anything else."""
     _check_weight(weight)
-    n, k = weight.shape
-    w = weight.detach().to(torch.float64).view(n, k // BLOCK, BLOCK)
+    *lead, k = weight.shape
+    n = 1
+    for d in lead:
+        n *= d
+    w = weight.detach().to(torch.float64).reshape(n, k // BLOCK, BLOCK)
     amax = w.abs().amax(dim=-1)                                          # [N, K/32]
     exp = torch.floor(torch.log2(amax.clamp_min(2.0 ** E8M0_MIN))) - E2M1_EMAX
     exp = torch.where(amax > 0, exp, torch.full_like(exp, E8M0_MIN)).clamp(E8M0_MIN, E8M0_MAX)
@@ -105,8 +111,26 @@ def quantize(weight: torch.Tensor) -> Mxfp4Weight:
     code = code | torch.where(x < 0, 8, 0).to(torch.uint8)
     code = torch.where(code == 8, torch.zeros_like(code), code)         # no negative zero
     c = code.view(n, k)
-    packed = (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
-    return Mxfp4Weight(packed, exp.to(torch.int8).contiguous())
+    packed = (c[:, 0::2] | (c[:, 1::2] << 4)).reshape(*lead, k // 2).contiguous()
+    return Mxfp4Weight(packed, exp.to(torch.int8).reshape(*lead, k // BLOCK).contiguous())
 
 
-__all__ = ["BLOCK", "E2M1", "Mxfp4Weight", "quantize"]
+def bytes_per_weight() -> float:
+    """Bytes a kernel streams per MXFP4 weight: half a byte of code and 1/32 of a scale byte
+    (4.25 bits)."""
+    return 0.5 + 1.0 / BLOCK
+
+
+def nbytes(*shape: int) -> int:
+    """Bytes of an MXFP4 weight of `shape` (the last dim K a multiple of 32): codes plus scales."""
+    if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise ValueError(f"shape must be non-negative integers, got {shape!r}")
+    if shape[-1] % BLOCK:
+        raise ValueError(f"shape's last dim K ({shape[-1]}) must be a multiple of the block, {BLOCK}")
+    n = 1
+    for d in shape:
+        n *= d
+    return n // 2 + n // BLOCK
+
+
+__all__ = ["BLOCK", "E2M1", "Mxfp4Weight", "bytes_per_weight", "nbytes", "quantize"]

@@ -59,6 +59,14 @@ INFINITY_FABRIC = Link(
     "directions), 1,075 GB/s per GPU; latency: as for NVLink (not measured by k3lab)",
 )
 
+NVLINK_B300 = Link(
+    "NVLink 5 (HGX B300)",
+    900.0,
+    CALL_LATENCY_US,
+    "NVIDIA HGX B300: NVLink 5 1.8 TB/s per GPU (both directions); latency: as for NVLink 4 (not measured "
+    "by k3lab)",
+)
+
 GPUS: dict[str, GPU] = {
     "h200": GPU(
         "h200",
@@ -85,6 +93,34 @@ GPUS: dict[str, GPU] = {
         "the seed and AMD's MI355X page (288 GB HBM3E, 8 TB/s; 2.5 PFLOP/s bf16 dense); usable "
         "bandwidth 7.2 TB/s as measured in public work (anchors.md); $1.50 per GPU-hour (seed); 256 CUs",
         compute_units=256,
+    ),
+    "h100": GPU(
+        "h100",
+        "NVIDIA H100",
+        80.0,
+        3.35,
+        3.35 * 4.25 / 4.8,
+        989.0,
+        NVLINK_H200,
+        None,
+        "NVIDIA H100 SXM datasheet (80 GB HBM3, 3.35 TB/s, 989 TFLOP/s bf16 dense, NVLink 900 GB/s); "
+        "usable bandwidth: the H200's measured share of its peak until an H100 record carries its own "
+        "(a step record's bandwidth_tbs is what the step model uses); 132 SMs",
+        compute_units=132,
+    ),
+    "b300": GPU(
+        "b300",
+        "NVIDIA B300",
+        288.0,
+        8.0,
+        8.0 * 4.25 / 4.8,
+        2250.0,
+        NVLINK_B300,
+        None,
+        "NVIDIA HGX B300 platform figures (288 GB HBM3e and up to 8 TB/s per GPU; 36 PFLOP/s bf16 per 8 "
+        "GPUs with sparsity, 2.25 PFLOP/s dense per GPU; NVLink 5 1.8 TB/s per GPU); usable bandwidth: the "
+        "H200's measured share of its peak (assumed, not measured); 160 SMs (Blackwell Ultra)",
+        compute_units=160,
     ),
 }
 

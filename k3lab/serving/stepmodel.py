@@ -159,18 +159,25 @@ def choose_form(points: list[StepPoint]) -> tuple[str, ...]:
 
 
 def held_out_of(points: list[StepPoint], every: int = 4) -> list[StepPoint]:
-    """Every `every`-th point by (batch, context), starting from the second, kept only while the rest
-    still determine the form's coefficients (full column rank) and outnumber them."""
-    pts = sorted(points, key=lambda p: (p.batch, p.context, p.tokens))
+    """The held-out points: every `every`-th measured shape (batch, context) in sorted order, starting from
+    the second, with every point measured at that shape (a grid record and a decode_step record of one
+    shape are two measurements of one step, so both leave the fit: the held-out shapes are disjoint from
+    the fitted ones). A shape is held out only while the rest still determine the form's coefficients
+    (full column rank) and outnumber them."""
+    shapes = sorted({(p.batch, p.context) for p in points})
     out: list[StepPoint] = []
-    for i in range(1, len(pts), every):
-        rest = [p for p in pts if p is not pts[i] and p not in out]
+    for i in range(1, len(shapes), every):
+        at = [p for p in points if (p.batch, p.context) == shapes[i]]
+        gone = {id(p) for p in out + at}
+        rest = [p for p in points if id(p) not in gone]
+        if not rest:
+            continue
         form = choose_form(rest)
         X = np.array([features(p.parts, p.tokens, p.bandwidth_tbs, form, p.batch, p.waves) for p in rest])
         if len(rest) >= len(form) and np.linalg.matrix_rank(X / np.abs(X).max(axis=0).clip(1e-30)) == len(
             form
         ):
-            out.append(pts[i])
+            out += at
     return out
 
 

@@ -35,6 +35,19 @@ def routing_pool(device: str = DEVICE, root=None) -> tuple[float, str]:
     return statistics.median(pools), src
 
 
+def step_routing_pool(device: str = DEVICE, root=None) -> tuple[float, str]:
+    """`routing_pool` of `device`, or of the H200's records where `device` has no decode_step record that
+    counted its experts (the pool is a property of the steps' seeded random router weights, which every
+    device draws alike, not of the device); the source says which."""
+    try:
+        return routing_pool(device, root)
+    except LookupError:
+        if device == DEVICE:
+            raise
+        pool, src = routing_pool(DEVICE, root)
+        return pool, f"{src} (no {device} record counted its experts: the same seeded router)"
+
+
 def step_points(device: str = DEVICE, root=None) -> list[stepmodel.StepPoint]:
     """Every graph-replayed whole step of one TP8 rank on `device` (decode_step and serving grid records).
     The routed experts' bytes are the ones the step read: counted where the record counted them, else
@@ -59,7 +72,7 @@ def step_points(device: str = DEVICE, root=None) -> list[stepmodel.StepPoint]:
             tokens = B * int(r.shape.get("q_len", 1))
             by = dict(r.extra["bytes"])
             if not r.extra.get("experts_read") and tokens > 1:
-                pool = pool or routing_pool(device, root)[0]
+                pool = pool or step_routing_pool(device, root)[0]
                 k, E = c.num_experts_per_token, c.num_experts
                 by["weights_experts"] *= stepmodel.distinct_experts(tokens, pool, k) / (
                     stepmodel.distinct_experts(tokens, E, k)

@@ -9,6 +9,7 @@ only needed where figures are drawn.
 - kernel_bars({variant: kernel table}): per-kernel stacked bars per variant.
 - timeline({variant: kernels}): a Gantt-like kernel timeline per variant.
 - roofline(points): arithmetic intensity against achieved TFLOP/s under bandwidth and compute ceilings.
+- study_roofline(study): a study's committed records on that roofline, with the device's measured ceilings.
 - records_table(records): the records as a table figure.
 - say_missing(frame, why): a DataFrame for display whose missing values say why they are missing.
 """
@@ -25,7 +26,7 @@ from k3lab import bench
 from k3lab import env as _env
 
 __all__ = ["before_after", "kernel_bars", "records_table", "roofline", "say_missing", "size_sweep",
-           "timeline"]
+           "study_roofline", "timeline"]
 
 _VARIANT_COLORS = {"before": "#d62728", "after": "#2ca02c", "reference": "#7f7f7f"}
 _PEER_COLORS = ["#1f77b4", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
@@ -309,34 +310,86 @@ def _roofline_points(points) -> pd.DataFrame:
     return df
 
 
-def roofline(points, *, peak=None, title: str | None = None) -> go.Figure:
+def _ceiling_traces(fig: go.Figure, pk, lo: float, hi: float, *, projected: bool = False) -> None:
+    ridge = pk.bf16_tflops / pk.bandwidth_tbs  # flop/byte where the two ceilings meet
+    style = {"color": "#888888", "dash": "dot"} if projected else {"color": "black", "dash": "dash"}
+    tag = f"{pk.name}: " if projected else ""
+    fig.add_trace(go.Scatter(name=f"{tag}bandwidth {pk.bandwidth_tbs:.3g} TB/s", x=[lo, ridge],
+                             y=[lo * pk.bandwidth_tbs, pk.bf16_tflops], mode="lines", line=style))
+    fig.add_trace(go.Scatter(name=f"{tag}matrix {pk.bf16_tflops:.4g} TFLOP/s", x=[ridge, hi],
+                             y=[pk.bf16_tflops, pk.bf16_tflops], mode="lines",
+                             line={**style, "dash": "dot" if projected else "solid"}))
+
+
+def _source_note(pk) -> str:
+    bw = getattr(pk, "bandwidth_source", None)
+    mat = getattr(pk, "bf16_source", None) or getattr(pk, "matrix_source", None)
+    return f"<br><sup>bandwidth: {bw}; matrix: {mat}</sup>" if bw and mat else ""
+
+
+def roofline(points, *, peak=None, title: str | None = None, projected=None) -> go.Figure:
     """Arithmetic intensity (flop/byte) against achieved TFLOP/s, log-log, under the bandwidth slope
-    and the bf16 compute ceiling of `peak` (default: k3lab.env.detect().peak). points: a DataFrame or
-    list of dicts with name, flops, bytes, time_us, or bench.Records carrying extra['flops'] and
-    extra['bytes_moved']. Points without flops or bytes cannot sit on a roofline; the title counts them."""
+    and the matrix ceiling of `peak` (an env.Peak or profiling.roofline.Ceilings; default:
+    k3lab.env.detect().peak), the device's name and each ceiling's source in the title. points: a DataFrame
+    or list of dicts with name, flops, bytes, time_us (and optionally variant: one marker colour per
+    variant), or bench.Records carrying extra['flops'] and extra['bytes_moved']. `projected`: another
+    device's ceilings (profiling.roofline.projected_ceilings), drawn dotted grey and labelled as such.
+    Points without flops or bytes cannot sit on a roofline; the title counts them."""
     df = _roofline_points(points)
     pk = peak if peak is not None else _env.detect().peak
     ok = (df["flops"] > 0) & (df["bytes"] > 0) & (df["time_us"] > 0)
     shown = df[ok].assign(intensity=lambda d: d["flops"] / d["bytes"],
                           tflops=lambda d: d["flops"] / d["time_us"] / 1e6)
-    ridge = pk.bf16_tflops / pk.bandwidth_tbs  # flop/byte where the two ceilings meet
-    lo = min([ridge / 100] + list(shown["intensity"] / 2))
-    hi = max([ridge * 100] + list(shown["intensity"] * 2))
+    ridges = [pk.bf16_tflops / pk.bandwidth_tbs] + ([projected.bf16_tflops / projected.bandwidth_tbs]
+                                                     if projected is not None else [])
+    lo = min([min(ridges) / 100] + list(shown["intensity"] / 2))
+    hi = max([max(ridges) * 100] + list(shown["intensity"] * 2))
     fig = go.Figure()
-    fig.add_trace(go.Scatter(name=f"bandwidth {pk.bandwidth_tbs:g} TB/s", x=[lo, ridge],
-                             y=[lo * pk.bandwidth_tbs, pk.bf16_tflops], mode="lines",
-                             line={"color": "black", "dash": "dash"}))
-    fig.add_trace(go.Scatter(name=f"bf16 {pk.bf16_tflops:g} TFLOP/s", x=[ridge, hi],
-                             y=[pk.bf16_tflops, pk.bf16_tflops], mode="lines", line={"color": "black"}))
-    fig.add_trace(go.Scatter(name="measured", x=shown["intensity"], y=shown["tflops"], mode="markers+text",
-                             text=shown["name"], textposition="top center", marker={"size": 10},
-                             hovertemplate="%{text}<br>%{x:.3g} flop/B, %{y:.3g} TFLOP/s<extra></extra>"))
+    _ceiling_traces(fig, pk, lo, hi)
+    if projected is not None:
+        _ceiling_traces(fig, projected, lo, hi, projected=True)
+    groups = ([("measured", shown)] if "variant" not in shown.columns
+              else list(shown.groupby("variant", sort=False)))
+    for i, (label, sub) in enumerate(groups):
+        color = _VARIANT_COLORS.get(label, _PEER_COLORS[i % len(_PEER_COLORS)])
+        marker = {"size": 10, **({"color": color} if "variant" in shown.columns else {})}
+        fig.add_trace(go.Scatter(name=str(label), x=sub["intensity"], y=sub["tflops"], mode="markers+text",
+                                 text=sub["name"], textposition="top center",
+                                 marker=marker,
+                                 hovertemplate="%{text}<br>%{x:.3g} flop/B, %{y:.3g} TFLOP/s<extra></extra>"))
     left_out = int((~ok).sum())
     note = f" ({left_out} points without flops/bytes not shown)" if left_out else ""
     fig.update_xaxes(type="log", title="arithmetic intensity (flop / byte)")
     fig.update_yaxes(type="log", title="achieved TFLOP/s")
-    fig.update_layout(title=(title or f"roofline: {pk.name}") + note, template="plotly_white")
+    fig.update_layout(title=(title or f"roofline: {pk.name}") + note + _source_note(pk),
+                      template="plotly_white")
     return fig
+
+
+def study_roofline(study: str, *, device: str = "nvidia-h200", cases=None, modes=None, records=None,
+                   projected: str | None = None, title: str | None = None) -> go.Figure:
+    """The roofline of a study's committed records on `device` (profiling.roofline: the problem's bytes
+    and flops per case, this device's measured ceilings where records hold them). decode_step draws the
+    parts of its attribution records (`cases`: which attribution cases). `projected`: a k3lab.env.PEAKS
+    name (e.g. 'MI355X') whose datasheet ceilings are added, labelled projected."""
+    from k3lab.profiling import roofline as rl
+
+    recs = list(records) if records is not None else bench.load_records(study, device=device)
+    recs = [r for r in recs if r.study == study]
+    if not recs:
+        raise ValueError(f"study: no {study!r} records for device {device!r}")
+    if study == "decode_step":
+        att = [r for r in recs if "parts" in r.extra and (cases is None or r.case in cases)]
+        pts = pd.concat([rl.step_points(r) for r in att], ignore_index=True) if att else rl.points([])
+    else:
+        pts = rl.points(recs, cases=cases, modes=modes)
+    if not len(pts):
+        raise ValueError(f"cases: none of {study!r}'s records on {device!r} has bytes and flops "
+                         f"(cases asked: {cases})")
+    ceil = rl.ceilings(device)
+    proj = rl.projected_ceilings(projected) if projected else None
+    return roofline(pts, peak=ceil, projected=proj,
+                    title=title or f"{study} roofline on {ceil.device} (committed records)")
 
 
 def records_table(records: Iterable[bench.Record], *, title: str | None = None) -> go.Figure:

@@ -1,0 +1,146 @@
+"""Roofline points from records (k3lab.profiling.roofline) and their figure (plots.study_roofline)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from k3lab import bench, env, plots
+from k3lab.bench.records import Record
+from k3lab.profiling import roofline as rl
+
+DEVICE = "nvidia-h200"
+H200 = env.PEAKS["H200"]  # the peak the committed H200 records' floors were computed with
+
+
+def _rec(study="copy_removal", case="c", variant="after", device="NVIDIA H200", extra=None, shape=None,
+         median=10.0, floor=None):
+    return Record(study=study, case=case, variant=variant, device=device, backend="cuda", versions={},
+                  commit="abcdef1", date="2026-12-01T00:00:00+00:00", shape=shape or {}, dtype="bfloat16",
+                  median_us=median, p20_us=median, p80_us=median, floor_us=floor, extra=extra or {})
+
+
+@pytest.mark.parametrize("study", ["copy_removal", "kda_scan", "kda_decode", "mla_padding"])
+def test_work_reproduces_the_committed_floors(study):
+    """The bytes and flops a point uses are the ones the study's floor was computed from: max(bytes /
+    bandwidth, flops / matrix rate) at the peak the records used gives each record's floor_us back
+    (mla_padding's floor counts bytes only)."""
+    recs = [r for r in bench.load_records(study, device=DEVICE) if r.floor_us]
+    pts = rl.points(recs)
+    assert len(pts) >= 10, f"{study}: expected committed points, got {len(pts)}"
+    for row in pts.itertuples():
+        mem = row.bytes / (H200.bandwidth_tbs * 1e6)
+        floor = mem if study == "mla_padding" else max(mem, row.flops / (H200.bf16_tflops * 1e6))
+        assert floor == pytest.approx(row.floor_us, rel=1e-9), row.name
+        assert row.flops > 0
+
+
+def test_work_is_none_where_no_formula_and_refuses_non_records():
+    assert rl.work(_rec("serving")) is None
+    assert rl.work(_rec("copy_removal", shape={"tokens": 1})) is None  # fields missing
+    with pytest.raises(ValueError, match="record"):
+        rl.work({"study": "copy_removal"})
+
+
+def test_points_keep_cases_in_order_and_modes():
+    recs = [_rec(case=c, variant=v, shape={"tokens": 1, "hidden": 8, "sources": 2}, extra={"bytes": 64},
+                 median=m) for c, v, m in (("a", "before", 4.0), ("a", "after", 2.0), ("b", "after", 1.0))]
+    pts = rl.points(recs, cases=["b", "a"])
+    assert list(pts["case"]) == ["b", "a", "a"]
+    assert pts["flops"].tolist() == [8 * (4 * 2 + 4)] * 3
+    assert rl.points(recs, modes=("graph",)).empty
+
+
+def test_ceilings_from_records_then_peaks_labelled():
+    measured = [_rec(extra={"bandwidth_tbs": b, "bandwidth_how": "1 GiB device copy, measured in this run"})
+                for b in (4.0, 4.2, 4.4)]
+    assumed = _rec(extra={"bandwidth_tbs": 9.0, "bandwidth_how": "env peak"})  # not a measurement
+    c = rl.ceilings(DEVICE, records=measured + [assumed])
+    assert c.bandwidth_tbs == pytest.approx(4.2) and c.bandwidth_source.startswith("measured")
+    assert c.matrix_tflops == H200.bf16_tflops and c.matrix_source.startswith("k3lab.env.PEAKS")
+    probe = _rec(rl.PROBE_STUDY, variant="reference", extra={"matmul_tflops": 650.0})
+    c2 = rl.ceilings(DEVICE, records=[probe])
+    assert c2.matrix_tflops == 650.0 and "probe" in c2.matrix_source
+    assert c2.bandwidth_source.startswith("k3lab.env.PEAKS")
+    assert c2.ridge == pytest.approx(650.0 / H200.bandwidth_tbs)
+    with pytest.raises(ValueError, match="device"):
+        rl.ceilings("some-npu", records=[])
+    with pytest.raises(ValueError, match="device"):
+        rl.ceilings("")
+
+
+def test_committed_h200_ceilings_are_the_measured_copy():
+    c = rl.ceilings(DEVICE)
+    assert c.device == "NVIDIA H200" and c.bandwidth_source.startswith("measured")
+    assert 3.5 < c.bandwidth_tbs < 4.8  # a device copy on an H200 (datasheet 4.8 TB/s)
+
+
+def test_projected_ceilings_are_marked():
+    p = rl.projected_ceilings("MI355X")
+    assert p.projected and "projected" in p.name and p.bandwidth_source.startswith("projected")
+    with pytest.raises(ValueError, match="name"):
+        rl.projected_ceilings("CPU")
+
+
+def test_step_points_from_an_attribution_record():
+    rec = next(r for r in bench.load_records("decode_step", device=DEVICE) if "parts" in r.extra)
+    pts = rl.step_points(rec)
+    floored = {p["part"] for p in rec.extra["parts"] if rl._num(p.get("floor_us")) is not None}
+    assert {n.split()[0] for n in pts["name"]} == floored and floored >= {"kda", "mla", "moe"}
+    bw = rec.extra["bandwidth_tbs"]
+    for row in pts.itertuples():
+        assert row.bytes / (bw * 1e6) == pytest.approx(row.floor_us)
+        assert 0.2 < row.flops / row.bytes < 200  # a decode step: far left of an H200's ridge (~166)
+    with pytest.raises(ValueError, match="attribution"):
+        rl.step_points(_rec())
+
+
+def test_part_flops_scale_with_batch_and_context():
+    from k3lab.config import K3Config
+
+    c = K3Config.tp_slice(8)
+    f1, f2 = rl._part_flops(c, 1, 1024), rl._part_flops(c, 2, 1024)
+    assert f2["dense"] == pytest.approx(2 * f1["dense"])
+    long = rl._part_flops(c, 1, 2048)
+    extra = 2.0 * c.num_mla_layers * c.num_attention_heads * 1024 * (c.mla_latent_dim + c.kv_lora_rank)
+    assert long["mla"] - f1["mla"] == pytest.approx(extra)
+
+
+@pytest.mark.parametrize("study", ["copy_removal", "mla_padding", "kda_scan", "decode_step"])
+def test_study_roofline_figure(study):
+    fig = plots.study_roofline(study, projected="MI355X")
+    title = fig.layout.title.text
+    assert "NVIDIA H200" in title and "bandwidth: measured" in title and "matrix:" in title
+    names = [t.name for t in fig.data]
+    assert any(n.startswith("bandwidth ") for n in names) and any(n.startswith("matrix ") for n in names)
+    projected = [n for n in names if "projected" in n]
+    assert len(projected) == 2  # MI355X's slope and ceiling, labelled
+    points = [t for t in fig.data if t.mode == "markers+text"]
+    assert points and all(len(t.x) for t in points)
+
+
+def test_study_roofline_before_and_after_share_an_intensity():
+    fig = plots.study_roofline("mla_padding", cases=["ctx32k"])
+    by = {t.name: (t.x[0], t.y[0]) for t in fig.data if t.mode == "markers+text"}
+    assert {"before", "after"} <= set(by)
+    assert by["before"][0] == pytest.approx(by["after"][0])
+    assert by["after"][1] > by["before"][1]  # the after is faster: higher on the same x
+
+
+def test_study_roofline_refuses_unknown():
+    with pytest.raises(ValueError, match="study"):
+        plots.study_roofline("copy_removal", device="no-such-device")
+    with pytest.raises(ValueError, match="cases"):
+        plots.study_roofline("copy_removal", cases=["no_such_case"])
+
+
+def test_roofline_point_height_is_flops_over_time():
+    fig = plots.study_roofline("kda_decode", cases=["B1_H12"], modes=("graph",))
+    recs = {r.variant: r for r in bench.load_records("kda_decode", device=DEVICE)
+            if r.case == "B1_H12" and r.mode == "graph"}
+    for t in fig.data:
+        if t.mode == "markers+text":
+            b, f = rl.work(recs[t.name])
+            assert t.y[0] == pytest.approx(f / recs[t.name].median_us / 1e6)
+            assert t.x[0] == pytest.approx(f / b) and math.isfinite(t.x[0])

@@ -7,14 +7,15 @@ from k3lab import bench
 from k3lab import speculative as spec
 from k3lab.studies import draft_depth as dd
 from k3lab.studies import load_study
+from k3lab.studies.draft_depth import measure as dd_measure
 
 
 @pytest.fixture
 def small(monkeypatch):
     # Fewer cycles keep the test fast; the 10^6-cycle figure is the benchmark record's job.
-    monkeypatch.setattr(dd, "CYCLES", 40_000)
-    monkeypatch.setattr(dd, "RANDOM_CYCLES", 20_000)
-    monkeypatch.setattr(dd, "TOKEN_CYCLES", 40_000)
+    monkeypatch.setattr(dd_measure, "CYCLES", 40_000)
+    monkeypatch.setattr(dd_measure, "RANDOM_CYCLES", 20_000)
+    monkeypatch.setattr(dd_measure, "TOKEN_CYCLES", 40_000)
 
 
 def test_contract():

@@ -90,9 +90,9 @@ def test_a_wrong_library_file_is_refused_and_removed(monkeypatch, tmp_path):
 
 def test_the_study_leaves_the_peer_out_where_it_cannot_run():
     case = study.Case("x", 1, 96)
-    with_fp32 = study._variants(case, 12, torch.float32)
+    with_fp32 = study.measure._variants(case, 12, torch.float32)
     assert "flashmla" not in with_fp32  # FlashMLA has no fp32 kernel
-    with_bf16 = study._variants(case, 12, torch.bfloat16)
+    with_bf16 = study.measure._variants(case, 12, torch.bfloat16)
     assert ("flashmla" in with_bf16) == USABLE
 
 

@@ -540,7 +540,7 @@ def test_study_refuses_bad_names_before_any_input(monkeypatch):
     def must_not_run(*a, **k):
         raise AssertionError("inputs were made before the names were checked")
 
-    monkeypatch.setattr(ks, "make_inputs", must_not_run)
+    monkeypatch.setattr(ks.measure, "make_inputs", must_not_run)  # run() makes its inputs in measure
     with pytest.raises(ValueError, match="backend"):
         ks.run(cases=["h1_b1_t70"], backend="no_such_backend")
     with pytest.raises(ValueError, match="case"):

@@ -479,7 +479,7 @@ def test_cold_state_timing_cycles_through_enough_caches():
     assert kb.state_copies(1) == min(64, -(-2 * timing._cache_bytes() // state)) > 1
     assert kb.state_copies(128) == 1  # 100 MB of state is already past any cache
     seen = []
-    step = kb._cycling(["a", "b", "c"], seen.append)
+    step = kb.measure._cycling(["a", "b", "c"], seen.append)
     for _ in range(4):
         step()
     assert seen == ["a", "b", "c", "a"]

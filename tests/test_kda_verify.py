@@ -211,10 +211,10 @@ def test_backend_table_and_its_environment_override(monkeypatch):
 def test_study_parses_its_cases():
     from k3lab.studies import kda_verify as study
 
-    assert study._parse("b1_t4.narrow8_w2", 12)["variants"] == [
+    assert study.measure._parse("b1_t4.narrow8_w2", 12)["variants"] == [
         ("after", dict(kind="after", tile_v=8, num_warps=2, backend="triton"))]
-    assert study._parse("b1_t4.stream16_w4", 12)["variants"][0][1]["kind"] == "before"
-    warp = study._parse("b1_t4.cudawarp8_w4", 12)["variants"][0][1]
+    assert study.measure._parse("b1_t4.stream16_w4", 12)["variants"][0][1]["kind"] == "before"
+    warp = study.measure._parse("b1_t4.cudawarp8_w4", 12)["variants"][0][1]
     assert (warp["backend"], warp["pdl"]) == ("cuda", False)  # the ablation's plain launch
     assert (
         study.kernel_name("after", 8, "cuda") == "cuda_warp"
@@ -223,7 +223,7 @@ def test_study_parses_its_cases():
     assert study.kernel_name("after", 16, None) == "stream" and study.kernel_name("fla", 32) == "fla"
     for bad in ("b1_t4.chunk8_w2", "b1_t4.cudawarp8_w1", "b1_t4.narrow16_w1", "b1_t4.tile8_w1"):
         with pytest.raises(ValueError, match="case"):
-            study._parse(bad, 12)
+            study.measure._parse(bad, 12)
 
 
 # ----------------------------------------------------------------------------------------------

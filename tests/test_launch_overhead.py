@@ -62,17 +62,17 @@ def test_summary_and_compare(records):
 
 
 def test_a_broken_copy_is_caught():
-    op = lo._build("copy_4KiB")
+    op = lo.measure._build("copy_4KiB")
     good = op["fn"]
     op["fn"] = lambda src, dst: dst[: dst.numel() // 2].copy_(src[: src.numel() // 2])  # copies half
     with pytest.raises(bench.CheckFailed):
-        lo._verify("copy_4KiB", op, graph=False)
+        lo.measure._verify("copy_4KiB", op, graph=False)
     op["fn"] = good
-    assert lo._verify("copy_4KiB", op, graph=False)["max_rel"] == 0.0
-    tiny = lo._build("tiny_op")
+    assert lo.measure._verify("copy_4KiB", op, graph=False)["max_rel"] == 0.0
+    tiny = lo.measure._build("tiny_op")
     tiny["fn"] = lambda: None  # a kernel that does nothing
     with pytest.raises(bench.CheckFailed):
-        lo._verify("tiny_op", tiny, graph=False)
+        lo.measure._verify("tiny_op", tiny, graph=False)
 
 
 def test_bad_cases_and_preset():

@@ -1,4 +1,15 @@
-"""Study modules: one per notebook topic, so a notebook, the CLI and the tests run the same code.
+"""Study packages: one per notebook topic, so a notebook, the CLI and the tests run the same code.
+
+Every study is a package of one shape:
+- `<study>/__init__.py`: the docstring (what the study measures, its variants and cases) and the names
+  the notebooks, the CLI and the report read, imported from the parts below (`__all__` lists them);
+  it computes nothing itself.
+- `<study>/measure.py`: the cases, their inputs, each variant checked against the reference and then
+  timed into `bench.Record`s, and the study contract below (run, case_names, profile_targets).
+- `<study>/tables.py`: records (fresh or committed under profiles/) to tables, figures and the text
+  `k3lab bench` prints, and the models predicted before measuring; it never imports measure.py, so
+  reading records builds no kernel; the names both parts need (NAME, shared constants) live here.
+- further modules where a study has a part of its own (decode_step/attribution.py, agent_cache/h2d.py).
 
 Each study module exposes NAME, case_names(preset=None), run(preset=None, cases=None) -> list[Record]
 (checks every variant against the reference first, then times) and profile_targets(preset=None); it
@@ -36,6 +47,7 @@ STUDIES: dict[str, str] = {
     "dcp": "k3lab.studies.dcp",
     "moe_sharding": "k3lab.studies.moe_sharding",
     "serving": "k3lab.studies.serving",
+    "serving_run": "k3lab.studies.serving_run",
 }
 ALIASES: dict[str, str] = {"kda_decode_bench": "kda_decode"}
 
@@ -55,6 +67,8 @@ ABOUT: dict[str, str] = {
            "01)",
     "moe_sharding": "the MoE tail replicated vs sharded, the routed experts' grouped kernels (notebook 02)",
     "serving": "tokens/s/GPU against tokens/s/user on 8 GPUs from the fitted decode step (notebook 09)",
+    "serving_run": "a measured serving run: requests timed (TTFT, TPOT, ITL) under continuous batching and "
+                   "chunked prefill, the prefix cache in a rank's memory, per concurrency (notebook 09)",
 }
 GPU_ONLY = frozenset({"kda_decode", "dcp", "moe_sharding"})
 # What `k3lab report` checks on a CPU, where Triton runs in its interpreter: the smallest cases that
@@ -70,6 +84,7 @@ CPU_CASES: dict[str, list[str] | None] = {
     "decode_step": ["tiny_b1_ctx8"],
     "agent_cache": ["sim_small"],
     "serving": ["validation", "curve_mi355x"],
+    "serving_run": None,  # its CPU cases: the tiny preset, eight requests a run, seconds in all
 }
 # run() keywords of the CPU form: there a timing in the interpreter says nothing, so one sample will do
 # and no profiler pass (the whole-step variants take seconds each in the interpreter)
@@ -151,6 +166,14 @@ GPU_QUICK: dict[str, QuickForm] = {
         ("validation",), 2,
         "the step model's held-out points from committed records (host-side arithmetic); the curves are "
         "notebook 09's, the measured grid (7 minutes) --full's"),
+    # not yet run on a GPU: the budget is a cap (the study starts no run past kwargs' budget_s, the
+    # first aside), not a measured time
+    "serving_run": QuickForm(
+        ("c1.dcp1.host", "c4.dcp1.host", "c16.dcp1.host"), 60,
+        "c1, c4 and c16 at DCP1 with the host tier, 6 s of serving clock each (the brief form), started "
+        "only while the 55 s budget lasts; the quick form's seven runs (DCP8 and no host tier at c16) are "
+        "`python -m k3lab.studies.serving_run --form quick`'s and the full sweep --full's",
+        {"form": "brief", "budget_s": 55.0}),
 }
 HOST_SIDE = frozenset({"draft_depth", "agent_cache"})
 

@@ -1,24 +1,5 @@
-"""Study: what one kernel launch costs, and why moving 1,792 bytes faster barely helps.
-
-The seed (section 3) found 69 needless copies per decode step, one per KDA layer, each moving only
-1,792 bytes yet taking about 4.8 us on an MI355X: launch overhead, not bandwidth. This study measures
-that on the machine at hand:
-
-- `tiny_op`: a one-element torch op (x.add_(1)), the cost of any small PyTorch kernel call;
-- `empty_kernel` (GPU): torch.cuda._sleep(0), a kernel with nothing to do;
-- `empty_triton` (GPU with Triton): a one-program Triton kernel storing one value;
-- `copy_<size>`: a device copy from 1,792 bytes up to 64 MiB (4 MiB on CPU), with its bandwidth floor
-  and the achieved bytes/s, which stays far below the bandwidth until the copy is megabytes long.
-
-Variants: 'before' = the op launched eagerly, 100 calls back to back between one pair of device events
-(per call = total / 100: the cost of the op in a stream of work, as in a decode step of many kernels);
-'after' = the same 100 calls captured in one CUDA/HIP graph and replayed (per call = replay / 100):
-graph replay is the fix for launch-bound chains of tiny kernels. Each 'before' record also keeps the
-latency of a lone call with its own event pair (extra['lone_call_us'], timer overhead included).
-
-On CPU there is no graph: only 'before', timed with
-perf_counter (launch cost is not modelled on CPU; the figure is PyTorch's host overhead). The model
-preset does not change this study (it is accepted so every study has the same signature).
+"""Checks and timings of the launch_overhead study (the package docstring says what it measures): its cases,
+each variant checked against the expected values before it is timed into records.
 """
 
 from __future__ import annotations
@@ -31,20 +12,11 @@ from k3lab import bench
 from k3lab import env as _env
 from k3lab.studies import select_cases
 
-NAME = "launch_overhead"
+from .tables import size_label, GRAPH_COPIES, NAME, SEED_COPIES_PER_STEP, SEED_COPY_BYTES
 
-SEED_COPY_BYTES = 1792  # one KDA layer's needless copy (seed, section 3)
-SEED_COPIES_PER_STEP = 69  # one per KDA layer
-GRAPH_COPIES = 100  # calls per captured graph (docs/k3.md: "100 of them replayed in one CUDA graph")
+
 _GPU_SIZES = [SEED_COPY_BYTES] + [4 ** k * 1024 for k in range(1, 9)]  # 1,792 B, 4 KiB .. 64 MiB
 _CPU_SIZES = [SEED_COPY_BYTES] + [4 ** k * 1024 for k in range(1, 6)]  # 1,792 B, 4 KiB .. 1 MiB
-
-
-def _size_label(n: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return f"{n}B"
 
 
 def _gpu() -> bool:
@@ -52,7 +24,7 @@ def _gpu() -> bool:
 
 
 def _copy_sizes() -> dict[str, int]:
-    return {f"copy_{_size_label(n)}": n for n in (_GPU_SIZES if _gpu() else _CPU_SIZES)}
+    return {f"copy_{size_label(n)}": n for n in (_GPU_SIZES if _gpu() else _CPU_SIZES)}
 
 
 def _triton_ok() -> bool:
@@ -81,7 +53,7 @@ def _device() -> torch.device:
     return _env.detect().device
 
 
-def _triton_kernel():
+def triton_kernel():
     import triton
     import triton.language as tl
 
@@ -107,7 +79,7 @@ def _build(case: str) -> dict:
         return {"fn": lambda: torch.cuda._sleep(0), "rotate": None, "prepare": None, "bytes": 0,
                 "dtype": "none", "shape": {"threads": 1}}
     if case == "empty_triton":
-        kernel = _triton_kernel()
+        kernel = triton_kernel()
         y = torch.zeros(1, device=dev)
         return {"fn": lambda: kernel[(1,)](y), "rotate": None,
                 "prepare": lambda: ([y.zero_()], [torch.ones_like(y)]), "bytes": 4, "dtype": "float32",
@@ -194,42 +166,11 @@ def run(preset=None, cases=None) -> list[bench.Record]:
                      "achieved_gbs": op["bytes"] / t.median_us / 1e3 if op["bytes"] else None,
                      "launch_eager_us": launch_eager, "launch_graph_us": launch_graph,
                      "launch_note": "" if gpu else "launch cost is not modelled on CPU (host overhead only)"}
-            if case == f"copy_{_size_label(SEED_COPY_BYTES)}":
+            if case == f"copy_{size_label(SEED_COPY_BYTES)}":
                 extra["per_decode_step_us"] = SEED_COPIES_PER_STEP * t.median_us
             records.append(bench.make_record(NAME, case, variant, t, shape=op["shape"], dtype=op["dtype"],
                                              floor_us=floor, error=err, **extra))
     return records
-
-
-def summary(records: list[bench.Record]):
-    """One row per case (launch cases first, then copies by size): eager and graph time per call, the
-    lone-call latency where recorded, the bandwidth floor, achieved GB/s of each, eager / graph, the
-    timer overheads, and floor / eager (the share of the eager time a floor-speed copy would keep)."""
-    import pandas as pd
-
-    rows: dict[str, dict] = {}
-    for r in records:
-        if r.study != NAME:
-            continue
-        row = rows.setdefault(r.case, {"case": r.case, "bytes": r.shape.get("bytes")})
-        row["floor_us"] = r.floor_us
-        key = "eager" if r.variant == "before" else "graph"
-        row[f"{key}_us"] = r.median_us
-        row[f"{key}_gbs"] = r.extra.get("achieved_gbs")
-        row[f"{key}_timer_overhead_us"] = r.extra.get("overhead_us")
-        if key == "eager" and r.extra.get("lone_call_us") is not None:
-            row["lone_call_us"] = r.extra["lone_call_us"]
-    order = {"tiny_op": 0, "empty_kernel": 1, "empty_triton": 2}
-    ranked = sorted(rows.values(), key=lambda w: (order.get(w["case"], 3), w["bytes"] or 0))
-    cols = ["case", "bytes", "eager_us", "graph_us", "lone_call_us", "floor_us", "eager_gbs", "graph_gbs",
-            "eager_timer_overhead_us", "graph_timer_overhead_us"]
-    df = pd.DataFrame(ranked)
-    df = df[[c for c in cols if c in df.columns]]
-    if "graph_us" in df:
-        df["eager_over_graph"] = df["eager_us"] / df["graph_us"]
-    if "eager_us" in df:
-        df["floor_over_eager"] = df["floor_us"] / df["eager_us"]
-    return df
 
 
 def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
@@ -252,24 +193,3 @@ def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
     return targets
 
 
-def summary_text(records: list[bench.Record]) -> str:
-    """What `k3lab bench launch_overhead` prints after its records: the launch costs the records carry
-    (or that a CPU does not model them), the `summary` table, and the seed's per-step copies eager
-    against their bandwidth floor."""
-    mine = [r for r in records if r.study == NAME]
-    if not mine:
-        return ""
-    first = mine[0].extra
-    if first.get("launch_eager_us") is not None:
-        lines = [f"empty kernel launch: {first['launch_eager_us']:.2f} us eager, "
-                 f"{first['launch_graph_us']:.2f} us per kernel inside a {GRAPH_COPIES}-kernel graph"]
-    else:
-        lines = ["launch cost is not modelled on CPU: figures below are PyTorch host overhead"]
-    lines.append(summary(mine).to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.4g}"))
-    seed_case = f"copy_{_size_label(SEED_COPY_BYTES)}"
-    seed = next((r for r in mine if r.case == seed_case and r.variant == "before"), None)
-    if seed is not None:
-        lines.append(f"{SEED_COPIES_PER_STEP} copies of {SEED_COPY_BYTES} B per decode step: "
-                     f"{seed.extra['per_decode_step_us']:.1f} us eager; at the bandwidth floor they would "
-                     f"take {SEED_COPIES_PER_STEP * (seed.floor_us or 0):.2f} us")
-    return "\n".join(lines)

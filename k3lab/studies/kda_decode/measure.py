@@ -1,24 +1,10 @@
-"""Fused KDA decode benchmark: before (unfused chain), after (one launch), fla-core peer, floor.
-
-At the TP8 slice (12 heads, K = V = 128, bf16 activations, fp32 state) for B in {1, 8, 32, 128}:
-every variant is first checked against the fp32 reference on fresh random inputs (output, the three
-conv states and the recurrent state), then timed eager and under CUDA-graph replay
-(`k3lab.bench.time_fn`). The floor is the bytes one step must move (state read + write, conv states,
-per-token inputs, output, weights) over the measured copy bandwidth.
-
-The peer is what an fla-core user runs for the same step: three `causal_conv1d_update` calls (one
-per ShortConvolution), `fused_recurrent_kda` with its in-kernel gate, L2 norm and beta sigmoid, and
-`rms_norm_gated` with a sigmoid gate.
-
-Study `kda_decode` (`k3lab bench kda_decode --cases B1_H12 B128_H12 --json F`; any B{batch}_H12 case
-runs); the copy_removal study (notebook 03) folds these functions in. `k3lab profile kda_decode`
-traces one B = 1 step per variant.
+"""Checks and timings of the kda_decode study (the package docstring says what it measures): its cases,
+each variant checked against the fp32 reference before it is timed into records.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import re
 from collections.abc import Callable
 
@@ -28,7 +14,7 @@ from k3lab import bench
 from k3lab.nn import KDACache
 from k3lab.ops import kda_decode as kd
 
-STUDY = "kda_decode"
+NAME = "kda_decode"
 HEADS = 12  # TP8 slice
 BATCHES = (1, 8, 32, 128)
 HEAD = kd.HEAD_DIM
@@ -204,12 +190,11 @@ def time_case(batch: int, heads: int = HEADS, *, modes=("eager", "graph"), repea
             if variant == "after":
                 extra["config"] = config
             records.append(bench.make_record(
-                STUDY, f"B{batch}_H{heads}", variant, t, shape={"B": batch, "H": heads, "K": HEAD, "V": HEAD},
+                NAME, f"B{batch}_H{heads}", variant, t, shape={"B": batch, "H": heads, "K": HEAD, "V": HEAD},
                 dtype=torch.bfloat16, floor_us=fl, error=(errors or {}).get(variant, {}), **extra))
     return records
 
 
-NAME = STUDY
 
 
 def case_names(preset=None) -> list[str]:
@@ -249,19 +234,3 @@ def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
     return make_callables(1, HEADS)[0]
 
 
-def summary_text(records: list[bench.Record]) -> str:
-    """What `k3lab bench kda_decode` prints after its records: per batch and mode, before / after / fla,
-    the floor, the ratios and the state's achieved TB/s."""
-    rows = {}
-    for r in records:
-        rows.setdefault((r.case, r.mode), {})[r.variant] = r
-    lines = [(f"{'case':>10} {'mode':>6} {'before':>9} {'after':>9} {'fla':>9} {'floor':>7} "
-              f"{'bef/aft':>8} {'fla/aft':>8} {'state TB/s':>10}")]
-    for (case, mode), v in sorted(rows.items(), key=lambda kv: (int(kv[0][0].split('_')[0][1:]), kv[0][1])):
-        def us(name, v=v):
-            return v[name].median_us if name in v else math.nan
-        a = us("after")
-        lines.append(f"{case:>10} {mode:>6} {us('before'):9.2f} {a:9.2f} {us('fla'):9.2f} "
-                     f"{v['after'].floor_us:7.2f} {us('before') / a:8.2f} {us('fla') / a:8.2f} "
-                     f"{v['after'].extra['state_tbs']:10.2f}")
-    return "\n".join(lines)

@@ -200,6 +200,24 @@ def moe_experts(tokens=1):
             moe_triton.down_row(h, w2, weights.reshape(-1), idx.reshape(-1), L, F, blocks=blocks)
 
 
+def moe_mxfp4(tokens=1):
+    """The MXFP4 routed experts' two GEMV launches (codes and E8M0 scales dequantized in registers)."""
+    from k3lab.engine.mxfp4 import Mxfp4Weight
+    from k3lab.ops.moe_experts import mxfp4_kernels, random_router_idx
+
+    E, k, L, F = CFG.num_experts, CFG.num_experts_per_token, CFG.routed_expert_hidden_size, \
+        CFG.moe_intermediate_size
+
+    def experts(n, width):
+        return Mxfp4Weight(torch.empty(E, n, width // 2, dtype=torch.uint8),
+                           torch.empty(E, n, width // 32, dtype=torch.int8))
+
+    idx = random_router_idx(tokens, num_experts=E, top_k=k)
+    z, weights = torch.empty(tokens, L, dtype=BF16), torch.empty(tokens, k)
+    up = experts(F, L)
+    mxfp4_kernels.mxfp4_experts(z, weights, idx, up, up, experts(L, F), check_values=False)
+
+
 def moe_tail(tokens=1):
     from k3lab.ops.moe_experts import tail_triton
 
@@ -354,6 +372,7 @@ CASES: dict[str, tuple] = {
     "attn_res_norm.t8192": (attn_res_after, {"tokens": 8192}, "8192 tokens (prefill)"),
     "moe_experts.grouped_t1": (moe_experts, {}, "one token's 16 experts"),
     "moe_experts.grouped_t64": (moe_experts, {"tokens": 64}, "64 tokens"),
+    "moe_experts.mxfp4_t1": (moe_mxfp4, {}, "MXFP4 experts, one token's 16: the two GEMV launches"),
     "moe_experts.tail_t1": (moe_tail, {}, "latent tail, one token"),
     "moe_experts.tail_t256": (moe_tail, {"tokens": 256}, "latent tail, 256 tokens"),
     "moe_router.route_t1": (moe_router, {}, "top-16 of 896 and the expert sort in one launch, one token"),

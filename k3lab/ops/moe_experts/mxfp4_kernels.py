@@ -1,0 +1,258 @@
+"""K3's routed experts over MXFP4 weights (the article's precision for them): the token-at-a-time GEMV
+form the decode step runs at batch 1, reading E2M1 codes and E8M0 block scales
+(k3lab.engine.mxfp4's packing) and dequantizing in registers.
+
+    w1q = quantize_experts(w1)          # [E, F, L] -> Mxfp4Weight, packed [E, F, L/2], scale_exp [E, F, L/32]
+    y = mxfp4_experts(z, weights, idx, w1q, w3q, w2q)    # y [N, L] fp32, the same sum as routed_experts:
+    y[n] = sum_j weights[n, j] * w2[e] @ SiTU-GLU(w1[e] @ z[n], w3[e] @ z[n]),   e = idx[n, j]
+
+Two launches:
+  _up_kernel    one program per (token, slot) pair and block of F columns: g, u = w1[e] z, w3[e] z,
+                h = SiTU-GLU(g, u) stored fp32 in pair order, h [N * k, F]
+  _down_kernel  one program per token and block of L columns: y[cols] = sum over the token's k pairs,
+                in slot order, of weight_j * w2[e_j][cols, :] h_j
+No atomics and a fixed order of every sum: the output is the same bits from run to run.
+
+Dequantization in registers: a byte holds the codes of columns 2i (low nibble) and 2i + 1 (high), so a
+tile of bytes multiplies the even and the odd inputs; a code becomes fp32 by its bits (exponent and
+mantissa from the E2M1 fields; code 1, the one subnormal, is 0.5 exactly), and each block of 32
+products is summed first and then multiplied once by its 2^scale_exp. The reference is the fp64
+product of `dequantize()`; the kernel accumulates in fp32 (h is kept fp32 between the launches, not
+rounded to z's dtype as the bf16 experts' kernel does).
+
+Cost: each launch streams the chosen experts' codes and scales once per token (4.25 bits a weight,
+`expert_bytes`); z and h are small and re-read from cache. More tokens re-read their experts' weights
+per token, so the form is for decode batches; larger batches want the grouped tile form (one weight
+tile for every row of an expert), which on gfx950 / sm100 would use tl.dot_scaled (not built here:
+module `__doc__` of the report).
+
+Shapes: z [N, L] fp32 / fp16 / bf16, weights [N, k] float, idx [N, k] int32 / int64 in [0, E),
+w1, w3 Mxfp4Weight of [E, F, L], w2 of [E, L, F]; L and F multiples of 32. Bad input: ValueError /
+TypeError naming the argument, before any kernel runs. Needs a GPU, or Triton's interpreter
+(TRITON_INTERPRET=1) on a CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3lab.engine import mxfp4
+from k3lab.engine.mxfp4 import BLOCK, Mxfp4Weight
+from k3lab.ops import int_arg
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # mxfp4_experts then says so when called
+    triton = None
+
+Z_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+UP_BLOCKS = (32, 256, 4)    # (F columns, K values per step, warps) of the up launch
+DOWN_BLOCKS = (16, 256, 4)  # (L columns, F values per step, warps) of the down launch
+
+
+if triton is not None:
+    from k3lab.ops.triton_math import situ
+
+    @triton.jit
+    def _e2m1(code):
+        # an E2M1 code (int32, 0..15) as fp32: magnitude codes 2..7 are normal numbers whose fp32
+        # exponent and mantissa are (code >> 1) + 126 and code & 1, i.e. bits (code + 252) << 22; code 1
+        # is 0.5 (exponent 126, no mantissa: 252 << 22) and code 0 is zero; bit 3 is the sign
+        mag = code & 7
+        bits = tl.where(mag >= 2, mag + 252, mag * 252) << 22
+        bits = bits | ((code & 8) << 28)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _block_dot(w_ptr, s_ptr, w_row, s_row, x_ptr, x_row, k0, col_ok, x_scale,
+                   KB: tl.constexpr, NB: tl.constexpr):
+        # sum over the blocks [k0 / 32, k0 / 32 + NB) of one row tile of an MXFP4 weight times x:
+        # [BLOCK_N, NB] per-block sums already scaled by 2^scale_exp (w_row, s_row: [BLOCK_N, 1, 1] and
+        # [BLOCK_N, 1] element offsets of each row's codes and scales; x_row: x's offset; KB: K / 32)
+        blk = k0 // 32 + tl.arange(0, NB)
+        blk_ok = blk < KB
+        byte = blk[:, None] * 16 + tl.arange(0, 16)[None, :]                       # [NB, 16]
+        x_at = x_ptr + x_row + 2 * byte
+        x_even = tl.load(x_at, mask=blk_ok[:, None], other=0.0).to(tl.float32) * x_scale
+        x_odd = tl.load(x_at + 1, mask=blk_ok[:, None], other=0.0).to(tl.float32) * x_scale
+        ok = col_ok[:, None] & blk_ok[None, :]
+        p = tl.load(w_ptr + w_row + byte[None, :, :], mask=ok[:, :, None], other=0).to(tl.int32)
+        part = tl.sum(_e2m1(p & 15) * x_even[None, :, :] + _e2m1(p >> 4) * x_odd[None, :, :], axis=2)
+        s = tl.load(s_ptr + s_row + blk[None, :], mask=ok, other=0).to(tl.float32)
+        return part * tl.exp2(s)
+
+    @triton.jit
+    def _up_kernel(z_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, idx_ptr, h_ptr,
+                   L: tl.constexpr, F: tl.constexpr, TOP_K: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pair = tl.program_id(0)
+        token = pair // TOP_K
+        e = tl.load(idx_ptr + pair).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < F
+        row = e * F + cols.to(tl.int64)                       # weight rows [E * F]
+        w_row = (row * (L // 2))[:, None, None]
+        s_row = (row * (L // 32))[:, None]
+        NB: tl.constexpr = BLOCK_K // 32
+        acc_g = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        for k0 in range(0, L, BLOCK_K):
+            acc_g += _block_dot(w1_ptr, s1_ptr, w_row, s_row, z_ptr, token * L, k0, col_ok, 1.0, L // 32, NB)
+            acc_u += _block_dot(w3_ptr, s3_ptr, w_row, s_row, z_ptr, token * L, k0, col_ok, 1.0, L // 32, NB)
+        h = situ(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), 4.0, 25.0)
+        tl.store(h_ptr + pair.to(tl.int64) * F + cols, h, mask=col_ok)
+
+    @triton.jit
+    def _down_kernel(h_ptr, w2_ptr, s2_ptr, weight_ptr, idx_ptr, y_ptr,
+                     L: tl.constexpr, F: tl.constexpr, TOP_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        n = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < L
+        NB: tl.constexpr = BLOCK_K // 32
+        acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        for j in range(TOP_K):  # slot order: the same sum every run
+            pair = n * TOP_K + j
+            e = tl.load(idx_ptr + pair).to(tl.int64)
+            rw = tl.load(weight_ptr + pair).to(tl.float32)
+            row = e * L + cols.to(tl.int64)                   # weight rows [E * L]
+            w_row = (row * (F // 2))[:, None, None]
+            s_row = (row * (F // 32))[:, None]
+            for k0 in range(0, F, BLOCK_K):
+                acc += _block_dot(w2_ptr, s2_ptr, w_row, s_row, h_ptr, pair.to(tl.int64) * F, k0, col_ok, rw,
+                                  F // 32, NB)
+        tl.store(y_ptr + n.to(tl.int64) * L + cols, tl.sum(acc, axis=1), mask=col_ok)
+
+
+def quantize_experts(w: torch.Tensor) -> Mxfp4Weight:
+    """A stack of expert weights [E, N, K] (K a multiple of 32) in MXFP4 (k3lab.engine.mxfp4.quantize)."""
+    if isinstance(w, torch.Tensor) and w.dim() != 3:
+        raise ValueError(f"w must be a stack of expert weights [E, N, K], got shape {tuple(w.shape)}")
+    return mxfp4.quantize(w)
+
+
+def _experts(name: str, w, shape: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    if not isinstance(w, Mxfp4Weight):
+        raise TypeError(f"{name} must be an Mxfp4Weight (quantize_experts of [E, N, K]), got "
+                        f"{type(w).__name__}")
+    if w.packed.dim() != 3 or w.packed.dtype != torch.uint8 or w.scale_exp.dtype != torch.int8:
+        raise ValueError(f"{name} must hold packed uint8 [E, N, K/2] and scale_exp int8 [E, N, K/32], got "
+                         f"{w.packed.dtype} {tuple(w.packed.shape)} and {w.scale_exp.dtype} "
+                         f"{tuple(w.scale_exp.shape)}")
+    E, N, K = w.shape
+    if K % BLOCK or w.scale_exp.shape != (E, N, K // BLOCK):
+        raise ValueError(f"{name}'s scale_exp must be [E={E}, N={N}, K/32={K // BLOCK}] with K={K} a "
+                         f"multiple of {BLOCK}, got {tuple(w.scale_exp.shape)}")
+    if shape is not None and (E, N, K) != shape:
+        raise ValueError(f"{name} must be an expert stack of shape {shape}, got {(E, N, K)}")
+    return E, N, K
+
+
+def check_inputs(z, weights, idx, w1, w3, w2, *, check_values: bool = True) -> tuple[int, int, int, int, int]:
+    """(N, k, L, F, E) of valid inputs (module docstring); ValueError / TypeError naming the argument.
+    check_values reads idx back for its range (skipped while a CUDA graph is captured)."""
+    for name, t, dims in (("z", z, 2), ("weights", weights, 2), ("idx", idx, 2)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != dims:
+            raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
+    E, F, L = _experts("w1", w1)
+    _experts("w3", w3, (E, F, L))
+    _experts("w2", w2, (E, L, F))
+    N = z.shape[0]
+    if z.shape[1] != L:
+        raise ValueError(f"z must be [N, L={L}] (w1's input width), got {tuple(z.shape)}")
+    if z.dtype not in Z_DTYPES:
+        raise ValueError(f"z must be fp32, fp16 or bf16, got {z.dtype}")
+    if idx.shape[0] != N or weights.shape != idx.shape or idx.shape[1] < 1:
+        raise ValueError(f"idx and weights must both be [N={N}, k >= 1], got {tuple(idx.shape)} and "
+                         f"{tuple(weights.shape)}")
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"idx must be int32 or int64, got {idx.dtype}")
+    if not weights.is_floating_point():
+        raise ValueError(f"weights must be a floating-point tensor, got {weights.dtype}")
+    tensors = {"z": z, "weights": weights, "idx": idx, "w1": w1.packed, "w1.scale_exp": w1.scale_exp,
+               "w3": w3.packed, "w3.scale_exp": w3.scale_exp, "w2": w2.packed, "w2.scale_exp": w2.scale_exp}
+    devices = {str(t.device) for t in tensors.values()}
+    if len(devices) != 1:
+        raise ValueError(f"z, weights, idx, w1, w3 and w2 must be on one device, got {sorted(devices)}")
+    capturing = z.is_cuda and torch.cuda.is_current_stream_capturing()
+    if check_values and not capturing and idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= E:
+            raise ValueError(f"idx values must be expert numbers in [0, E={E}), got the range [{lo}, {hi}]")
+    return N, idx.shape[1], L, F, E
+
+
+def _blocks(name: str, blocks) -> tuple[int, int, int]:
+    def pow2(b) -> bool:
+        return isinstance(b, int) and not isinstance(b, bool) and b > 0 and b & (b - 1) == 0
+
+    if not (isinstance(blocks, tuple) and len(blocks) == 3 and all(map(pow2, blocks)) and blocks[1] >= BLOCK):
+        raise ValueError(f"{name} must be (columns, values per step >= 32, warps), powers of two, got "
+                         f"{blocks!r}")
+    return blocks
+
+
+def mxfp4_experts(z, weights, idx, w1: Mxfp4Weight, w3: Mxfp4Weight, w2: Mxfp4Weight, *,
+                  check_values: bool = True, up_blocks=UP_BLOCKS, down_blocks=DOWN_BLOCKS) -> torch.Tensor:
+    """y [N, L] fp32 = sum_j weights[n, j] * expert idx[n, j] of z[n] over MXFP4 weights (module
+    docstring). up_blocks / down_blocks: (columns, values per step, warps) of the two launches."""
+    N, k, L, F, _ = check_inputs(z, weights, idx, w1, w3, w2, check_values=check_values)
+    bn_u, bk_u, warps_u = _blocks("up_blocks", up_blocks)
+    bn_d, bk_d, warps_d = _blocks("down_blocks", down_blocks)
+    if triton is None:
+        raise RuntimeError("mxfp4_experts needs Triton (a GPU, or TRITON_INTERPRET=1 on a CPU); "
+                           "k3lab.ops.moe_experts' torch loop runs bf16 weights without it")
+    y = torch.empty(N, L, dtype=torch.float32, device=z.device)
+    if N == 0:
+        return y
+    z = z.contiguous()
+    flat_idx = idx.reshape(-1).contiguous()
+    flat_w = weights.reshape(-1).contiguous()
+    h = torch.empty(N * k, F, dtype=torch.float32, device=z.device)
+    _up_kernel[(N * k, triton.cdiv(F, bn_u))](
+        z, w1.packed, w1.scale_exp, w3.packed, w3.scale_exp, flat_idx, h, L=L, F=F, TOP_K=k,
+        BLOCK_N=bn_u, BLOCK_K=bk_u, num_warps=warps_u)
+    _down_kernel[(N, triton.cdiv(L, bn_d))](
+        h, w2.packed, w2.scale_exp, flat_w, flat_idx, y, L=L, F=F, TOP_K=k,
+        BLOCK_N=bn_d, BLOCK_K=bk_d, num_warps=warps_d)
+    return y
+
+
+def reference(z, weights, idx, w1: Mxfp4Weight, w3: Mxfp4Weight, w2: Mxfp4Weight) -> torch.Tensor:
+    """The fp64 product of the dequantized experts, [N, L] fp64: what mxfp4_experts is checked against."""
+    from k3lab.nn.situ import situ_glu
+
+    N, k, *_ = check_inputs(z, weights, idx, w1, w3, w2)
+    d1, d3, d2 = (w.dequantize(torch.float64) for w in (w1, w3, w2))
+    zd = z.to(torch.float64)
+    y = torch.zeros(N, d2.shape[1], dtype=torch.float64, device=z.device)
+    for n in range(N):
+        for j in range(k):
+            e = int(idx[n, j])
+            h = situ_glu(d1[e] @ zd[n], d3[e] @ zd[n])
+            y[n] += float(weights[n, j]) * (d2[e] @ h)
+    return y
+
+
+def expert_bytes(tokens: int, top_k: int, latent: int, intermediate: int,
+                 bytes_per_weight: float | None = None) -> int:
+    """Bytes the routed experts stream for `tokens` tokens of `top_k` experts each, if every pair chose
+    a different expert (decode at batch 1: the floor): three [intermediate, latent] matrices a pair
+    (w1, w3, w2). bytes_per_weight: MXFP4's 4.25 bits (None), or 2 for bf16, 1 for fp8."""
+    int_arg("tokens", tokens)
+    int_arg("top_k", top_k, low=1)
+    int_arg("latent", latent, low=1)
+    int_arg("intermediate", intermediate, low=1)
+    if bytes_per_weight is None:
+        return tokens * top_k * 3 * mxfp4.nbytes(intermediate, latent)
+    number = isinstance(bytes_per_weight, (int, float)) and not isinstance(bytes_per_weight, bool)
+    if not number or bytes_per_weight <= 0:
+        raise ValueError(f"bytes_per_weight must be a positive number, got {bytes_per_weight!r}")
+    return int(round(tokens * top_k * 3 * intermediate * latent * bytes_per_weight))
+
+
+__all__ = ["DOWN_BLOCKS", "UP_BLOCKS", "check_inputs", "expert_bytes", "mxfp4_experts", "quantize_experts",
+           "reference"]

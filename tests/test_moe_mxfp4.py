@@ -1,0 +1,107 @@
+"""The MXFP4 routed experts (k3lab.ops.moe_experts.mxfp4_kernels): against the fp64 product of the
+dequantized experts on fresh random inputs, the same bits run to run, edge tiles, bad input refused by
+name before any kernel, and the bytes floor. Tensors follow the GPU where there is one (compiled
+kernels), else Triton's interpreter runs them on the CPU (small shapes)."""
+
+import pytest
+import torch
+
+from k3lab.engine import mxfp4
+from k3lab.ops.moe_experts import mxfp4_kernels as mk
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(seed, N=1, k=4, E=6, L=64, F=64, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(E, F, L, generator=g) * 0.2
+    w3 = torch.randn(E, F, L, generator=g) * 0.2
+    w2 = torch.randn(E, L, F, generator=g) * 0.2
+    z = torch.randn(N, L, generator=g).to(dtype)
+    scores = torch.rand(N, E, generator=g)
+    idx = scores.topk(k, dim=1).indices.to(torch.int32)
+    weights = torch.rand(N, k, generator=g)
+    weights = weights / weights.sum(1, keepdim=True)
+    q = [mk.quantize_experts(w.to(DEV)) for w in (w1, w3, w2)]
+    return (z.to(DEV), weights.to(DEV), idx.to(DEV), *q)
+
+
+def _close(y, ref):
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    err = (y.double() - ref).abs().max().item()
+    assert err <= 2e-5 * max(1.0, ref.abs().max().item()), err  # fp32 accumulation against fp64
+
+
+@pytest.mark.parametrize("N, k", [(1, 4), (3, 2)])
+def test_matches_fp64_product_and_is_bit_stable(N, k):
+    args = _case(10 + N, N=N, k=k)
+    codes = torch.cat([w.codes().reshape(-1) for w in args[3:]])
+    assert len(torch.unique(codes)) == 15          # every E2M1 code and sign (quantize writes no -0)
+    y = mk.mxfp4_experts(*args)
+    ref = mk.reference(*args)
+    _close(y, ref)
+    assert ref.abs().max() > 0.05                  # a product that would show a wrong code or scale
+    assert torch.equal(y, mk.mxfp4_experts(*args))  # the same bits from run to run
+
+
+def test_bf16_input_edge_tiles_and_wide_scales():
+    # L = 96, F = 96: the 64-value steps end in a half-used step; 3 experts of a column block of 16 hit
+    # the column mask; scales spread over 2^-6 .. 2^4 by expert
+    z, weights, idx, w1, w3, w2 = _case(21, N=2, k=3, E=5, L=96, F=96, dtype=torch.bfloat16)
+    spread = torch.pow(2.0, torch.arange(-6, 4, 2.0, device=DEV))[:, None, None]
+    w1, w3, w2 = (mk.quantize_experts(w.dequantize() * spread) for w in (w1, w3, w2))
+    args = (z, weights, idx, w1, w3, w2)
+    y = mk.mxfp4_experts(*args, up_blocks=(16, 64, 4), down_blocks=(32, 64, 4))
+    _close(y, mk.reference(*args))
+
+
+def test_a_wrong_code_or_scale_is_caught():
+    args = list(_case(5))
+    y_good = mk.reference(*args)
+    w2 = args[5]
+    bad = mxfp4.Mxfp4Weight(w2.packed, w2.scale_exp.clone())
+    bad.scale_exp.view(-1)[: w2.scale_exp.numel() // 2] += 1        # half the blocks twice too big
+    args[5] = bad
+    y = mk.mxfp4_experts(*args)
+    err = (y.double() - y_good).abs().max().item()
+    assert err > 1e-2, err   # the check in _close would fail on such a kernel
+
+
+def test_empty_batch():
+    z, weights, idx, *w = _case(2)
+    y = mk.mxfp4_experts(z[:0], weights[:0], idx[:0], *w)
+    assert y.shape == (0, 64)
+
+
+def _refused(exc, says, *args, **kw):
+    with pytest.raises(exc, match=says):
+        mk.mxfp4_experts(*args, **kw)
+
+
+def test_bad_input_refused_by_name():
+    z, weights, idx, w1, w3, w2 = _case(3)
+    good = (z, weights, idx, w1, w3, w2)
+    _refused(ValueError, r"z must be \[N, L=64\]", z[:, :32], *good[1:])
+    _refused(ValueError, "z must be fp32", z.double(), *good[1:])
+    _refused(TypeError, "w1 must be an Mxfp4Weight", z, weights, idx, w1.dequantize(), w3, w2)
+    narrow = mk.quantize_experts(torch.zeros(6, 64, 32, device=DEV))
+    _refused(ValueError, "w2 must be an expert stack", z, weights, idx, w1, w3, narrow)
+    _refused(ValueError, "idx values must be expert numbers", z, weights, idx + 10, w1, w3, w2)
+    _refused(ValueError, "idx must be int32", z, weights, idx.float(), w1, w3, w2)
+    _refused(ValueError, "idx and weights", z, weights[:, :2], idx, w1, w3, w2)
+    _refused(ValueError, "up_blocks", *good, up_blocks=(16, 16, 4))
+    _refused(ValueError, "down_blocks", *good, down_blocks=(12, 64, 4))
+    with pytest.raises(ValueError, match="w must be a stack"):
+        mk.quantize_experts(torch.zeros(4, 32))
+
+
+def test_expert_bytes_floor():
+    # K3 at TP8 (F = 384 of 3072, L = 3584), one token, 16 experts: 3 matrices x 4.25 bits a weight
+    got = mk.expert_bytes(1, 16, 3584, 384)
+    assert got == 16 * 3 * 384 * 3584 * 4.25 / 8 == 16 * 3 * mxfp4.nbytes(384, 3584)
+    assert mk.expert_bytes(1, 16, 3584, 384, bytes_per_weight=2) == 16 * 3 * 384 * 3584 * 2
+    assert got / mk.expert_bytes(1, 16, 3584, 384, bytes_per_weight=2) == 4.25 / 16
+    with pytest.raises(ValueError, match="intermediate"):
+        mk.expert_bytes(1, 16, 3584, 0)
+    with pytest.raises(ValueError, match="bytes_per_weight"):
+        mk.expert_bytes(1, 16, 3584, 384, bytes_per_weight=0)

@@ -29,18 +29,18 @@ def _status(fn) -> tuple[bool, str]:
 
 
 def _flashmla():
-    from k3lab.ops.mla_decode.peers import flashmla_status
+    from k3lab.studies.peers import flashmla_status
     return flashmla_status()
 
 
 def _aiter():
-    from k3lab.ops.mla_decode.peers import aiter_status
+    from k3lab.studies.peers import aiter_status
     return aiter_status()
 
 
 def _fla():
-    from k3lab.studies.kda_decode import fla_available
-    return fla_available()
+    from k3lab.studies.peers import FLA_DECODE, fla_status
+    return fla_status(FLA_DECODE)
 
 
 def _rocprofv3():

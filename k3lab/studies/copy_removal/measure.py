@@ -12,16 +12,13 @@ import torch
 from k3lab import bench, env
 from k3lab.config import K3Config
 from k3lab.ops import attn_res_norm as arn
+from k3lab.studies.peers import on_gpu
 
 NAME = "copy_removal"
 HIDDEN_GPU = 7168
 ATTN_RES_GPU = [(1, 2), (1, 5), (1, 9), (64, 2), (64, 5), (64, 9), (8192, 2), (8192, 5), (8192, 9)]
 ATTN_RES_CPU = [(1, 2), (1, 9), (16, 5)]
 KDA_DECODE_BATCHES = [1, 8, 32, 128]
-
-
-def _gpu() -> bool:
-    return env.detect().backend != "cpu"
 
 
 def _device() -> torch.device:
@@ -100,7 +97,7 @@ def _attn_res_case(tokens: int, sources: int, hidden: int, graph: bool) -> list[
     fns = {"before": lambda: arn.before(*x.args()),
            "after": lambda: arn.after(*x.args(), mix_weight=x.mix_weight)}
     nbytes = attn_res_bytes(tokens, sources, hidden, x.prefix.element_size())
-    floor = bench.floor_us(bytes=nbytes) if _gpu() else None
+    floor = bench.floor_us(bytes=nbytes) if on_gpu() else None
     modes = [False, True] if graph else [False]
     records = []
     pieces, why = arn.kernel_status(x.prefix, x.delta, x.blocks)
@@ -134,7 +131,7 @@ def packing_config() -> K3Config:
     """Full depth (93 layers: 69 KDA, 24 MLA). On a GPU: one TP8 rank's widths (12 MLA heads, 12 KDA
     heads, expert intermediate 384) with 16 experts instead of 896 so the weights fit one GPU, and no
     collectives. On CPU: the tiny widths at full depth."""
-    if _gpu():
+    if on_gpu():
         s = K3Config.tp_slice(8)
         return dataclasses.replace(K3Config.full(), num_attention_heads=s.num_attention_heads,
                                    kda_num_heads=s.kda_num_heads,
@@ -150,7 +147,7 @@ def packing_model(config: K3Config | None = None, batch: int = 1, prompt: int = 
 
     config = config or packing_config()
     device = _device()
-    dtype = torch.bfloat16 if _gpu() else torch.float32
+    dtype = torch.bfloat16 if on_gpu() else torch.float32
     with torch.device(device):
         model = init_weights(K3Model(config, dtype=dtype), seed=seed, on_device=True)
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -185,7 +182,7 @@ def packing_records(batch: int = 1) -> list[bench.Record]:
             if not torch.equal(out, ref):
                 raise bench.CheckFailed(f"packing {policy}: the decode step's logits changed")
             counts = count_copies(step)
-            t = bench.time_fn(step, warmup=2 if _gpu() else 1, repeats=10 if _gpu() else 3)
+            t = bench.time_fn(step, warmup=2 if on_gpu() else 1, repeats=10 if on_gpu() else 3)
         records.append(bench.make_record(
             NAME, f"packing_decode_b{batch}", policy, t, shape={"batch": batch,
                                                                 "layers": config.num_hidden_layers,
@@ -193,12 +190,12 @@ def packing_records(batch: int = 1) -> list[bench.Record]:
             dtype=next(model.parameters()).dtype, error={"logits_equal": True}, config=config.name, **counts))
     # the pack alone, at the f_b input of one KDA layer (B x 128), eager and in a graph
     x = torch.randn(batch, config.kda_gate_rank, device=_device(), dtype=next(model.parameters()).dtype)
-    for use_graph in ([False, True] if _gpu() else [False]):
+    for use_graph in ([False, True] if on_gpu() else [False]):
         t = bench.time_fn(lambda: pm.pack(x), graph=use_graph, warmup=10, repeats=200)
         nbytes = x.numel() * x.element_size()
         records.append(bench.make_record(
             NAME, "pack_copy" + ("_graph" if use_graph else ""), "before", t, shape={"bytes": nbytes},
-            dtype=x.dtype, floor_us=bench.floor_us(bytes=2 * nbytes) if _gpu() else None,
+            dtype=x.dtype, floor_us=bench.floor_us(bytes=2 * nbytes) if on_gpu() else None,
             seed_copy_bytes=1792, seed_copy_us=4.8))
     return records
 
@@ -215,9 +212,9 @@ def kda_decode_records(batches=None) -> list[bench.Record]:
 
 # ------------------------------------------------------------------ study contract
 def case_names(preset: str | None = None) -> list[str]:
-    shapes = ATTN_RES_GPU if _gpu() else ATTN_RES_CPU
+    shapes = ATTN_RES_GPU if on_gpu() else ATTN_RES_CPU
     names = [f"attn_res_t{t}_s{s}" for t, s in shapes] + ["packing"]
-    if _gpu():
+    if on_gpu():
         names = [f"kda_decode_b{b}" for b in KDA_DECODE_BATCHES] + names
     return names
 
@@ -231,10 +228,10 @@ def run(preset: str | None = None, cases: list[str] | None = None) -> list[bench
     batches = [b for b in KDA_DECODE_BATCHES if f"kda_decode_b{b}" in wanted]
     if batches:
         records += kda_decode_records(batches)
-    hidden = HIDDEN_GPU if _gpu() else K3Config.tiny().hidden_size
-    for t, s in ATTN_RES_GPU if _gpu() else ATTN_RES_CPU:
+    hidden = HIDDEN_GPU if on_gpu() else K3Config.tiny().hidden_size
+    for t, s in ATTN_RES_GPU if on_gpu() else ATTN_RES_CPU:
         if f"attn_res_t{t}_s{s}" in wanted:
-            records += _attn_res_case(t, s, hidden, graph=_gpu())
+            records += _attn_res_case(t, s, hidden, graph=on_gpu())
     if "packing" in wanted:
         records += packing_records()
     return records
@@ -242,7 +239,7 @@ def run(preset: str | None = None, cases: list[str] | None = None) -> list[bench
 
 def profile_targets(preset: str | None = None) -> dict[str, Callable[[], None]]:
     """One AttnRes step (9 sources) before and after, for traces."""
-    tokens, hidden = (64, HIDDEN_GPU) if _gpu() else (4, K3Config.tiny().hidden_size)
+    tokens, hidden = (64, HIDDEN_GPU) if on_gpu() else (4, K3Config.tiny().hidden_size)
     x = attn_res_inputs(tokens, 9, hidden)
     return {"before": lambda: arn.before(*x.args()),
             "after": lambda: arn.after(*x.args(), mix_weight=x.mix_weight)}

@@ -37,6 +37,7 @@ from k3lab.config import K3Config
 from k3lab.engine.step import DecodeStep
 from k3lab.engine.switches import DECODE_ONLY, SWITCHES, VERIFY_ONLY, all_but
 from k3lab.engine.weights import RankWeights
+from k3lab.studies.peers import on_gpu
 
 STUDY = "decode_step"
 GPU_CASES = {"b1_1k": (1, 1024), "b1_32k": (1, 32768), "b1_128k": (1, 131072), "b64_8k": (64, 8192)}
@@ -47,10 +48,6 @@ PROFILED = ("all_on", "all_off", "all_on_fp8", "all_on_gemv")
 # variant -> DecodeStep(projections=...); the others run the weights' dtype through torch.matmul
 # profiled at B = 1 only: the loop at B = 64 runs ~450K kernels a step
 PROJECTIONS_OF = {"all_on_fp8": "fp8", "all_on_gemv": "gemv"}
-
-
-def on_gpu() -> bool:
-    return torch.cuda.is_available()
 
 
 def cases() -> dict[str, tuple[int, int]]:

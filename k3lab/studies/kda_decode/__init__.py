@@ -15,12 +15,12 @@ runs); the copy_removal study (notebook 03) folds these functions in. `k3lab pro
 traces one B = 1 step per variant.
 """
 
-from .measure import (BATCHES, case_names, check_case, fla_available, fla_cache, fla_step, floor_us, HEAD,
-    HEADS, LAUNCHES, make_callables, NAME, profile_targets, run, state_copies, step_bytes, time_case)
+from .measure import (BATCHES, case_names, check_case, fla_cache, fla_step, floor_us, HEAD, HEADS, LAUNCHES,
+    make_callables, NAME, profile_targets, run, state_copies, step_bytes, time_case)
 from .tables import (summary_text)
 
 __all__ = [
-    "BATCHES", "case_names", "check_case", "fla_available", "fla_cache", "fla_step", "floor_us", "HEAD",
-    "HEADS", "LAUNCHES", "make_callables", "NAME", "profile_targets", "run", "state_copies", "step_bytes",
-    "summary_text", "time_case"
+    "BATCHES", "case_names", "check_case", "fla_cache", "fla_step", "floor_us", "HEAD", "HEADS", "LAUNCHES",
+    "make_callables", "NAME", "profile_targets", "run", "state_copies", "step_bytes", "summary_text",
+    "time_case"
 ]

@@ -13,6 +13,7 @@ import torch
 from k3lab import bench
 from k3lab.nn import KDACache
 from k3lab.ops import kda_decode as kd
+from k3lab.studies.peers import FLA_DECODE, fla_status
 
 NAME = "kda_decode"
 HEADS = 12  # TP8 slice
@@ -38,16 +39,6 @@ def floor_us(batch: int, heads: int) -> float:
 
 # ----------------------------------------------------------------------------------------------
 # the fla-core peer
-
-
-def fla_available() -> tuple[bool, str]:
-    try:
-        import fla.ops.kda  # noqa: F401
-        from fla.modules.causal_conv1d.ops import causal_conv1d_update  # noqa: F401
-        from fla.modules.norm.fused_norm_gate import rms_norm_gated  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - absent or broken: no peer, said so
-        return False, f"fla-core not usable here ({type(exc).__name__}: {exc}); no peer timings"
-    return True, "fla-core " + getattr(__import__("fla"), "__version__", "?")
 
 
 def fla_cache(cache: KDACache) -> dict:
@@ -116,7 +107,7 @@ def check_case(batch: int, heads: int = HEADS, *, device="cuda", seed: int = 0, 
         results["before_vs_handoff_ref"] = bench.check_all(
             {"output": (out, ref_h_out), "state": (c.state, ref_h.state)},
             {"output": "bf16", "state": "bf16"})
-    if "fla" in variants and state_layout == "kv" and fla_available()[0]:
+    if "fla" in variants and state_layout == "kv" and fla_status(FLA_DECODE)[0]:
         fc = fla_cache(cache)
         out, state = fla_step(inputs, fc, w)
         got = KDACache(fc["conv_q"][..., 1:], fc["conv_k"][..., 1:], fc["conv_v"][..., 1:], state)
@@ -148,7 +139,7 @@ def make_callables(batch: int, heads: int = HEADS, *, device="cuda", seed: int =
     config = {"tile_v": after.tile_v, "threads": after.threads, "split": after.split, "hints": after.hints,
               "prefetch_ahead": after.prefetch_ahead, "host_path": "KDADecodeStep (bound once)",
               "state_copies": copies}
-    if fla_available()[0]:
+    if fla_status(FLA_DECODE)[0]:
         fcs = [fla_cache(cache) for _ in range(copies)]
         fns["fla"] = _cycling(fcs, lambda fc: fla_step(inputs, fc, w))
     return fns, config

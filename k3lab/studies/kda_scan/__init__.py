@@ -26,17 +26,17 @@ finishes in seconds, with the group size forced small so the scan path runs. `k3
 """
 
 from .measure import (Case, case_names, check_variant, chunk_flops, CPU_CASES, CROSSOVER_BATCH,
-    crossover_cases, CROSSOVER_HEADS, CROSSOVER_T, fla_available, floor_for, GPU_CASES, group_size_sweep,
-    HEAD_DIM, io_bytes, make_inputs, MAX_TOKEN_HEADS, NAME, parse_case, PARTS_SUFFIX, predict,
-    profile_targets, prologue_parts, RAGGED_LENGTHS, reference, run, Runner, SWEEP_SUFFIX)
+    crossover_cases, CROSSOVER_HEADS, CROSSOVER_T, floor_for, GPU_CASES, group_size_sweep, HEAD_DIM,
+    io_bytes, make_inputs, MAX_TOKEN_HEADS, NAME, parse_case, PARTS_SUFFIX, predict, profile_targets,
+    prologue_parts, RAGGED_LENGTHS, reference, run, Runner, SWEEP_SUFFIX)
 from .tables import (crossover_table, PROLOGUE_PROBE, PROLOGUE_PROBE_STAGES, prologue_stages,
     reference_records, summary_text, sweep_table, WALK_BENCH, walk_launches)
 
 __all__ = [
     "Case", "case_names", "check_variant", "chunk_flops", "CPU_CASES", "CROSSOVER_BATCH", "crossover_cases",
-    "CROSSOVER_HEADS", "CROSSOVER_T", "crossover_table", "fla_available", "floor_for", "GPU_CASES",
-    "group_size_sweep", "HEAD_DIM", "io_bytes", "make_inputs", "MAX_TOKEN_HEADS", "NAME", "parse_case",
-    "PARTS_SUFFIX", "predict", "profile_targets", "prologue_parts", "PROLOGUE_PROBE",
-    "PROLOGUE_PROBE_STAGES", "prologue_stages", "RAGGED_LENGTHS", "reference", "reference_records", "run",
-    "Runner", "summary_text", "SWEEP_SUFFIX", "sweep_table", "WALK_BENCH", "walk_launches"
+    "CROSSOVER_HEADS", "CROSSOVER_T", "crossover_table", "floor_for", "GPU_CASES", "group_size_sweep",
+    "HEAD_DIM", "io_bytes", "make_inputs", "MAX_TOKEN_HEADS", "NAME", "parse_case", "PARTS_SUFFIX",
+    "predict", "profile_targets", "prologue_parts", "PROLOGUE_PROBE", "PROLOGUE_PROBE_STAGES",
+    "prologue_stages", "RAGGED_LENGTHS", "reference", "reference_records", "run", "Runner", "summary_text",
+    "SWEEP_SUFFIX", "sweep_table", "WALK_BENCH", "walk_launches"
 ]

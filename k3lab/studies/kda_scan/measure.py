@@ -15,6 +15,7 @@ from k3lab import env as _env
 from k3lab.nn.kda import kda_chunked
 from k3lab.ops import kda_chunk as kc
 from k3lab.ops.kda_chunk.scan_math import sequential_depth
+from k3lab.studies.peers import FLA_CHUNK, fla_status, on_gpu
 from .tables import (PROLOGUE_PROBE, PROLOGUE_PROBE_STAGES, WALK_BENCH, crossover_table, prologue_stages,
                      reference_records, summary_text, sweep_table, walk_launches)
 
@@ -71,13 +72,9 @@ class Case:
         return d
 
 
-def _gpu() -> bool:
-    return _env.detect().backend != "cpu"
-
-
 def parse_case(name: str) -> Case:
     """'h12_b1_t16384' -> Case(heads 12, one sequence of 16384); 'h2_ragged' -> packed sequences."""
-    gpu = _gpu()
+    gpu = on_gpu()
     m = re.fullmatch(r"h(\d+)_b(\d+)_t(\d+)", name)
     dtype = torch.bfloat16 if gpu else torch.float32  # bf16 dots are wrong in the interpreter
     if m:
@@ -102,7 +99,7 @@ def case_names(preset=None) -> list[str]:
     """The cases this machine runs: the TP8 / full-head grid on a GPU, two tiny ones on CPU."""
     if preset is not None and not isinstance(preset, str):
         raise ValueError(f"preset must be a preset name or None, got {type(preset).__name__}")
-    return list(GPU_CASES if _gpu() else CPU_CASES)
+    return list(GPU_CASES if on_gpu() else CPU_CASES)
 
 
 def crossover_cases() -> list[str]:
@@ -211,16 +208,6 @@ def _run_and_check(case, inp, fn, ref, strict: bool) -> dict:
             raise
         return {"failed": str(exc)}
 
-def fla_available() -> bool:
-    if not _gpu():
-        return False
-    try:
-        from fla.ops.kda import chunk_kda  # noqa: F401
-    except Exception:  # noqa: BLE001 - a broken optional install means 'no peer', said in the records
-        return False
-    return True
-
-
 class Runner:
     """Plans and work buffers for one case, built once so that timed calls hold only the launches."""
 
@@ -285,7 +272,7 @@ class Runner:
 
     def variants(self) -> dict[str, Callable]:
         out = {"before": self.before, "after": self.after}
-        if fla_available():
+        if fla_status(FLA_CHUNK)[0]:
             out["fla"] = self.fla
         return out
 
@@ -325,11 +312,11 @@ def floor_for(case: Case) -> float:
 def _ref_limits(case: Case):
     # on a GPU the fp64 reference runs on 2 heads of 2 sequences (heads are independent; the length,
     # where the state's error builds up, is checked in full); on CPU everything is referenced
-    return (2, 2) if _gpu() else (None, None)
+    return (2, 2) if on_gpu() else (None, None)
 
 
 def _timing_kw(case: Case) -> dict:
-    if not _gpu():
+    if not on_gpu():
         return {"warmup": 0, "repeats": 2}
     big = case.tokens * case.heads >= 12 * 65536
     return {"warmup": 3 if big else 5, "repeats": 20 if big else 50}
@@ -400,7 +387,7 @@ def run(
                 )
             )
         del runner, inp, ref
-        if _gpu():
+        if on_gpu():
             torch.cuda.empty_cache()
     return records
 
@@ -480,7 +467,7 @@ def prologue_parts(name: str = "h12_b1_t16384", check_case: str | None = None) -
     from k3lab.ops.kda_chunk import cuda as kda_cuda
     from k3lab.ops.kda_chunk import prologue as kda_prologue
 
-    check_case = check_case or ("h2_b1_t4096" if _gpu() else "h1_b1_t70")
+    check_case = check_case or ("h2_b1_t4096" if on_gpu() else "h1_b1_t70")
     check = parse_case(check_case)
     check_inp = make_inputs(check, seed=1)
     check_ref = reference(check, check_inp, *_ref_limits(check))
@@ -488,7 +475,7 @@ def prologue_parts(name: str = "h12_b1_t16384", check_case: str | None = None) -
     inp = make_inputs(case)
     runner = Runner(case, inp)
     args, plan, scale = runner._args(), runner.plan_before, HEAD_DIM**-0.5
-    kw = {"warmup": 3, "repeats": 20} if _gpu() else {"warmup": 0, "repeats": 1}
+    kw = {"warmup": 3, "repeats": 20} if on_gpu() else {"warmup": 0, "repeats": 1}
     forms = {
         "cuda": ("cuda", lambda: {"prologue": lambda: kda_cuda.prologue(*args, plan, scale, runner.work)}),
         "triton": ("rows_exactfixup", lambda: kda_prologue.launches(*args, plan, scale, runner.work)),
@@ -524,7 +511,7 @@ def prologue_parts(name: str = "h12_b1_t16384", check_case: str | None = None) -
 
 def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
     """variant -> one call on the study's headline case (h12_b1_t16384 on a GPU, the first CPU case)."""
-    name = "h12_b1_t16384" if _gpu() else CPU_CASES[0]
+    name = "h12_b1_t16384" if on_gpu() else CPU_CASES[0]
     case = parse_case(name)
     runner = Runner(case, make_inputs(case))
     return {v: (lambda f=f: f()) for v, f in runner.variants().items()}

@@ -24,16 +24,16 @@ read + state writes + inputs and outputs over the copy bandwidth, and one launch
 launch cost).
 """
 
-from .measure import (ABLATIONS, case_names, check_result, CPU_SHAPES, CUDA_ABLATION, fla_available,
-    floor_parts, GATE_LOWER_BOUND, GPU_SHAPES, kernel_name, make_inputs, MIN_GRAPH_CALLS, profile_targets,
-    reference, run, SWEEP, SWEEP_BATCHES)
+from .measure import (ABLATIONS, case_names, check_result, CPU_SHAPES, CUDA_ABLATION, floor_parts,
+    GATE_LOWER_BOUND, GPU_SHAPES, kernel_name, make_inputs, MIN_GRAPH_CALLS, profile_targets, reference, run,
+    SWEEP, SWEEP_BATCHES)
 from .tables import (ablation_table, best_config, bytes_moved, launch_floor_us, NAME, predict,
     reference_records, summary, sweep_table, UNIT_BACKEND, UNITS, workgroup_table)
 
 __all__ = [
     "ablation_table", "ABLATIONS", "best_config", "bytes_moved", "case_names", "check_result", "CPU_SHAPES",
-    "CUDA_ABLATION", "fla_available", "floor_parts", "GATE_LOWER_BOUND", "GPU_SHAPES", "kernel_name",
-    "launch_floor_us", "make_inputs", "MIN_GRAPH_CALLS", "NAME", "predict", "profile_targets", "reference",
+    "CUDA_ABLATION", "floor_parts", "GATE_LOWER_BOUND", "GPU_SHAPES", "kernel_name", "launch_floor_us",
+    "make_inputs", "MIN_GRAPH_CALLS", "NAME", "predict", "profile_targets", "reference",
     "reference_records", "run", "summary", "SWEEP", "SWEEP_BATCHES", "sweep_table", "UNIT_BACKEND", "UNITS",
     "workgroup_table"
 ]

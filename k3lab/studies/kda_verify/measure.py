@@ -4,7 +4,6 @@ each variant checked against the fp32 reference before it is timed into records.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import zlib
 from typing import Callable
@@ -16,6 +15,7 @@ from k3lab import env as _env
 from k3lab.config import K3Config
 from k3lab.ops import kda_verify as kv
 from k3lab.studies import select_cases
+from k3lab.studies.peers import FLA_RECURRENT, fla_status, on_gpu
 
 from .tables import bytes_moved, NAME
 
@@ -31,32 +31,23 @@ MIN_GRAPH_CALLS = 10
 GATE_LOWER_BOUND = K3Config.full().kda_gate_lower_bound  # -5: g = -5 sigmoid(.)
 
 
-def _gpu() -> bool:
-    return _env.detect().backend != "cpu"
-
-
-def fla_available() -> bool:
-    """fla-core's fused_recurrent_kda is timed as the peer on a GPU when installed (absent: no peer)."""
-    return _gpu() and importlib.util.find_spec("fla") is not None
-
-
 def _heads(preset) -> int:
     return K3Config.preset(preset or _env.default_preset()).kda_num_heads
 
 
 def _input_dtype() -> torch.dtype:
     # bf16 inputs as served; fp32 on CPU, where the Triton interpreter runs the kernels
-    return torch.bfloat16 if _gpu() else torch.float32
+    return torch.bfloat16 if on_gpu() else torch.float32
 
 
 def case_names(preset=None) -> list[str]:
     if preset is not None and not isinstance(preset, str):
         raise ValueError(f"preset must be a preset name or None, got {type(preset).__name__}")
-    shapes = GPU_SHAPES if _gpu() else CPU_SHAPES
+    shapes = GPU_SHAPES if on_gpu() else CPU_SHAPES
     names = []
     for B, T in shapes:
         names += [f"b{B}_t{T}", f"b{B}_t{T}.final_only"]
-    if _gpu():
+    if on_gpu():
         names += [f"b1_t4.{a}" for a in ABLATIONS]
         names += [f"b{B}_t4.{kind}{w}_w{n}" for B in SWEEP_BATCHES for kind, w, n in SWEEP]
         if kv.BACKENDS.status()["cuda"][0]:  # the .cu built here
@@ -96,7 +87,7 @@ def floor_parts(B: int, T: int, H: int, in_bytes: int, *, final_only: bool, mode
     """The memory floor and the one-launch floor (graph or eager launch cost) and their max."""
     launch_mode = "graph" if mode == "graph" else "eager"
     parts = bench.floor_breakdown(bytes=bytes_moved(B, T, H, in_bytes, final_only=final_only),
-                                  launches=1 if _gpu() else 0, launch_mode=launch_mode)
+                                  launches=1 if on_gpu() else 0, launch_mode=launch_mode)
     return {"floor_us": parts["floor_us"], "floor_memory_us": parts["memory_us"],
             "floor_launch_us": parts["launch_us"],
             "bytes": bytes_moved(B, T, H, in_bytes, final_only=final_only)}
@@ -170,7 +161,7 @@ def _parse(case: str, H: int) -> dict:
     spec = {"B": B, "T": T, "final_only": tail == "final_only", "variants": []}
     if tail in ("", "final_only"):
         spec["variants"] = [("before", before), ("after", after)]
-        if fla_available():
+        if fla_status(FLA_RECURRENT)[0]:  # fla's fused_recurrent_kda as the peer
             spec["variants"].append(("fla", dict(kind="fla", tile_v=32, num_warps=4)))
     elif tail == "narrow_only":  # narrow tiles in the original kernel: 128 threads, per-token loads
         spec["variants"] = [("after", dict(kind="before", tile_v=narrow_w, num_warps=kv.before_num_warps()))]
@@ -224,7 +215,7 @@ def kernel_name(kind: str, tile_v: int, backend: str | None = None) -> str:
 
 
 def _timing_args(graph: bool, n_sets: int) -> dict:
-    if not _gpu():
+    if not on_gpu():
         return {"warmup": 1, "repeats": 3}
     if graph:  # one graph replays every input set (>= 10 calls), so no call finds its inputs in L2
         return {"warmup": 10, "repeats": 100, "graph": True, "graph_copies": max(n_sets, MIN_GRAPH_CALLS)}
@@ -247,7 +238,7 @@ def run(preset=None, cases=None, *, modes=None, repeats: int | None = None) -> l
         spec = _parse(case, H)
         B, T, final_only = spec["B"], spec["T"], spec["final_only"]
         main = "." not in case or case.endswith(".final_only")
-        case_modes = modes or ((["eager", "graph"] if main else ["graph"]) if _gpu() else ["cpu"])
+        case_modes = modes or ((["eager", "graph"] if main else ["graph"]) if on_gpu() else ["cpu"])
         gen = torch.Generator().manual_seed(zlib.crc32(case.encode()))
 
         def make():
@@ -257,7 +248,7 @@ def run(preset=None, cases=None, *, modes=None, repeats: int | None = None) -> l
             return (x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], buf)
 
         per_set = bytes_moved(B, T, H, in_bytes, final_only=final_only)
-        sets = bench.rotation_sets(make, per_set, max_sets=32) if _gpu() else [make()]
+        sets = bench.rotation_sets(make, per_set, max_sets=32) if on_gpu() else [make()]
         first = dict(zip(("q", "k", "v", "g", "beta", "initial_state"), sets[0][:6]))
         ref_o, ref_states = reference(first)
         for label, vs in spec["variants"]:

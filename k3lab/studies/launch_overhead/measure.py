@@ -11,6 +11,7 @@ import torch
 from k3lab import bench
 from k3lab import env as _env
 from k3lab.studies import select_cases
+from k3lab.studies.peers import on_gpu
 
 from .tables import size_label, GRAPH_COPIES, NAME, SEED_COPIES_PER_STEP, SEED_COPY_BYTES
 
@@ -19,16 +20,12 @@ _GPU_SIZES = [SEED_COPY_BYTES] + [4 ** k * 1024 for k in range(1, 9)]  # 1,792 B
 _CPU_SIZES = [SEED_COPY_BYTES] + [4 ** k * 1024 for k in range(1, 6)]  # 1,792 B, 4 KiB .. 1 MiB
 
 
-def _gpu() -> bool:
-    return _env.detect().backend != "cpu"
-
-
 def _copy_sizes() -> dict[str, int]:
-    return {f"copy_{size_label(n)}": n for n in (_GPU_SIZES if _gpu() else _CPU_SIZES)}
+    return {f"copy_{size_label(n)}": n for n in (_GPU_SIZES if on_gpu() else _CPU_SIZES)}
 
 
 def _triton_ok() -> bool:
-    if not _gpu():
+    if not on_gpu():
         return False
     try:
         import triton  # noqa: F401
@@ -42,7 +39,7 @@ def case_names(preset=None) -> list[str]:
     if preset is not None and not isinstance(preset, str):
         raise ValueError(f"preset must be a preset name or None, got {type(preset).__name__}")
     names = ["tiny_op"]
-    if _gpu():
+    if on_gpu():
         names.append("empty_kernel")
         if _triton_ok():
             names.append("empty_triton")
@@ -94,7 +91,7 @@ def _build(case: str) -> dict:
                 torch.randint(1, 256, (n,), dtype=torch.uint8, device=dev))
 
     # Small copies would be timed cache-hot: cycle enough pairs to exceed twice the cache.
-    sets = bench.rotation_sets(make, 2 * n, max_sets=64 if _gpu() else 8)
+    sets = bench.rotation_sets(make, 2 * n, max_sets=64 if on_gpu() else 8)
 
     def copy(src, dst):
         dst.copy_(src)
@@ -136,13 +133,13 @@ def _verify(case: str, op: dict, graph: bool) -> dict:
 
 
 def _timing_args() -> dict:
-    return {"warmup": 20, "repeats": 200} if _gpu() else {"warmup": 3, "repeats": 30}
+    return {"warmup": 20, "repeats": 200} if on_gpu() else {"warmup": 3, "repeats": 30}
 
 
 def run(preset=None, cases=None) -> list[bench.Record]:
     """Check, then time, every case: 'before' (eager) everywhere, 'after' (graph replay) on a GPU."""
     chosen = select_cases(case_names(preset), cases)
-    gpu = _gpu()
+    gpu = on_gpu()
     launch_eager = bench.launch_cost_us("eager") if gpu else None
     launch_graph = bench.launch_cost_us("graph") if gpu else None
     records: list[bench.Record] = []
@@ -187,7 +184,7 @@ def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
         dst.copy_(src)
 
     targets = {"before": step}
-    if _gpu():
+    if on_gpu():
         g = bench.capture_graph(step, copies=1)
         targets["after"] = g.replay
     return targets

@@ -19,6 +19,8 @@ from k3lab.config import K3Config
 from k3lab.ops import mla_decode as mla
 from k3lab.ops.mla_decode import peers
 from k3lab.ops.mla_decode import triton as mla_triton
+from k3lab.studies import peers as study_peers
+from k3lab.studies.peers import on_gpu
 from .tables import NAME
 
 PAGE_SIZE = 64
@@ -43,12 +45,8 @@ class Case:
     backend: str | None = None
 
 
-def _gpu() -> bool:
-    return _env.detect().backend != "cpu"
-
-
 def _main_cases() -> list[Case]:
-    if _gpu():
+    if on_gpu():
         return [Case("ctx1k", 1, 1024), Case("ctx32k", 1, 32768), Case("ctx128k", 1, 131072),
                 Case("b1_8k", 1, 8192), Case("b8_8k", 8, 8192), Case("b64_8k", 64, 8192),
                 Case("ragged8_8k", 8, 8192, ragged=True), Case("verify2_32k", 1, 32768, q_len=2),
@@ -58,7 +56,7 @@ def _main_cases() -> list[Case]:
 
 
 def _sweep_cases() -> list[Case]:
-    if _gpu():
+    if on_gpu():
         grid = {"ctx1k": (1024, (1, 4, 8, 16, 32, 64)),
                 "ctx32k": (32768, (1, 16, 32, 64, 128, 132, 192, 256, 264, 396)),
                 "ctx128k": (131072, (32, 64, 128, 132, 256, 264, 396))}
@@ -71,7 +69,7 @@ def _sweep_cases() -> list[Case]:
 def _kernel_cases() -> list[Case]:
     """The after on a named backend beside the default: '<case>.triton' (the Triton kernel, where the
     default is the CUDA one), verification groups on both, and every other group length at 32K."""
-    if not _gpu():
+    if not on_gpu():
         return []
     base = {c.name: c for c in _main_cases()}
     out = [
@@ -115,7 +113,7 @@ def _heads(preset) -> int:
 def _dtype(dtype=None) -> torch.dtype:
     if dtype is not None:
         return dtype
-    return torch.bfloat16 if _gpu() else torch.float32
+    return torch.bfloat16 if on_gpu() else torch.float32
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,7 +162,7 @@ def _variants(case: Case, heads: int, dtype: torch.dtype | None = None) -> dict[
            "contig": (f"{case.name}.contig", "after")}
     if heads > mla.MMA_ROWS:
         out.pop("padcopy")
-    if peers.aiter_status()[0] and heads <= mla.MMA_ROWS:
+    if study_peers.aiter_status()[0] and heads <= mla.MMA_ROWS:
         out["aiter"] = (case.name, "aiter")
     if dtype in (torch.bfloat16, torch.float16) and flashmla_status()[0]:
         out["flashmla"] = (case.name, "flashmla")
@@ -172,10 +170,8 @@ def _variants(case: Case, heads: int, dtype: torch.dtype | None = None) -> dict[
 
 
 def flashmla_status() -> tuple[bool, str]:
-    """Whether FlashMLA's decode joins the cases as a peer (k3lab.ops.mla_decode.peers), and why not."""
-    if PAGE_SIZE != peers.FLASHMLA_PAGE_SIZE:
-        return False, f"the study's pages are {PAGE_SIZE} rows, FlashMLA's {peers.FLASHMLA_PAGE_SIZE}"
-    return peers.flashmla_status()
+    """Whether FlashMLA's decode joins the cases as a peer at this study's page size, and why not."""
+    return study_peers.flashmla_status(PAGE_SIZE)
 
 
 def _plan(key: str, case: Case, s: dict, heads: int):
@@ -203,7 +199,7 @@ def _plan(key: str, case: Case, s: dict, heads: int):
     elif key == "sdpa":
         fn = (lambda: peers.sdpa_decode(q, cache, lens)) if ragged else (lambda: peers.sdpa_decode(q, cache))
     elif key == "flashmla":
-        fn = peers.flashmla_plan(q, pool, lens, block_table=table)
+        fn = study_peers.flashmla_plan(q, pool, lens, block_table=table)
     elif key == "aiter":  # not yet run on AMD hardware by this project
         fn = lambda: peers.aiter_decode(q, pool, lens, block_table=table)  # noqa: E731
     else:
@@ -243,7 +239,7 @@ def run(preset=None, cases=None, *, modes=None, dtype=None, repeats: int | None 
         if unknown:
             raise ValueError(f"unknown cases {unknown}; cases here: {list(table)}")
         chosen = [table[n] for n in cases]
-    gpu = _gpu()
+    gpu = on_gpu()
     info = _env.detect()
     records: list[bench.Record] = []
     for case in chosen:
@@ -305,7 +301,7 @@ def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
     """One decode step per variant at 32K (GPU) or 320 positions (CPU), for traces: before, after, the
     einsum peer ('torch') and, where it runs, FlashMLA."""
     heads = _heads(preset)
-    case = Case("ctx32k", 1, 32768) if _gpu() else Case("ctx320", 1, 320)
+    case = Case("ctx32k", 1, 32768) if on_gpu() else Case("ctx320", 1, 320)
     dtype = _dtype()
     s = _make_set(case, heads, dtype, seed=7)
     variants = [("before", "before"), ("after", "after"), ("einsum", "torch")]

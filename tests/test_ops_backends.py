@@ -19,7 +19,7 @@ from k3lab import ops
 from k3lab.ops import Backend, BackendUnavailable, Backends
 
 OPS_DIR = Path(ops.__file__).parent
-HELPERS = {"_build", "packed_matmul", "triton_math"}  # shared pieces, not ops with backends
+HELPERS = {"_build", "triton_math"}  # shared pieces, not ops with backends
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -40,6 +40,8 @@ def _inputs(name: str) -> tuple:
     """What `BACKENDS.choose` verifies for one small call of op `name` on this machine's tensors."""
     if name in ("gemv",):
         return (DEV,)
+    if name == "packed_matmul":
+        return ()
     if name == "mla_glue":
         return (DEV,)
     if name in ("situ_glu", "moe_experts", "kda_decode"):

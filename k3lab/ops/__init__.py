@@ -4,12 +4,19 @@ The one backend contract every op follows:
 
 * `Backend`: one implementation of an op, a row of the op's `BACKENDS` table: its name, its priority,
   `available()` -> (ok, why) for this machine, `verify(*inputs)` -> (ok, why) for one call's inputs,
-  and `parts`, the op's own pieces it provides (launchers, plan builders).
-* `Backends`: the table itself, with the one chooser, `choose(backend, *inputs)` -> (name, why): the
-  backend named by the caller's `backend=` argument, else by the op's environment variable
-  K3LAB_<OP>_BACKEND (read here and nowhere else), which must run these inputs
-  (`BackendUnavailable` saying why not); else the first by priority that is available and takes them.
-  A name outside the table is a ValueError naming the argument or the variable.
+  and `parts`, the op's callables this row provides, by name, read as attributes (`row.after(...)`).
+  The names are one vocabulary over every op: `after` (the optimized form), `before` (the article's
+  original kernel, with after's signature), `plan_after` / `plan_before` where the op binds once and
+  launches many times, and an op's own further pieces (its docstring lists them). The plain-PyTorch
+  reference is a row of its own (named 'torch' where it is one); it provides both `before` and
+  `after`, since the reference computes what both compute.
+* `Backends`: the table itself, with the one chooser. `select(backend, *inputs, need=)` -> (row,
+  why): the row named by the caller's `backend=` argument, else by the op's environment variable
+  K3LAB_<OP>_BACKEND (read here and nowhere else), which must run these inputs and provide the
+  callable `need` (`BackendUnavailable` saying why not); else the first by priority that is available,
+  provides `need` and takes the inputs. `pick(...)` is the row alone, `choose(...)` -> (name, why).
+  A name outside the table is a ValueError naming the argument or the variable. A face calls the row
+  it picked (`BACKENDS.pick(backend, x.device, need="after").after(x, w)`) and compares no names.
 
 The ops read the process environment only here: `setting(name)` (a variable's value, as K3LAB_KERNEL_CACHE,
 CUDA_HOME, K3LAB_KDA_VERIFY_PDL), `environment()` (a copy for a compiler's child process), and the
@@ -142,6 +149,18 @@ class Backend:
     def rank(self, *inputs, **options) -> int:
         return self.priority(*inputs, **options) if callable(self.priority) else self.priority
 
+    def provides(self, name: str | None) -> bool:
+        """Whether this row carries the callable `name` (None: any row does)."""
+        return name is None or name in self.parts
+
+    def __getattr__(self, name: str):
+        # row.after, row.plan_before, ...: the row's callables (module docstring)
+        parts = self.__dict__.get("parts") or {}
+        if name in parts:
+            return parts[name]
+        raise AttributeError(f"backend {self.__dict__.get('name')!r} provides no {name!r} "
+                             f"(it provides {sorted(parts)})")
+
 
 class Backends:
     """An op's backend table (module docstring): rows by name, iterated in declaration order."""
@@ -174,9 +193,12 @@ class Backends:
         """name -> available() on this machine, in declaration order."""
         return {b.name: b.available() for b in self.rows}
 
-    def check(self, name: str, *inputs, **options) -> tuple[bool, str]:
-        """(ok, why) for backend `name`: available here, then (with inputs) taking them."""
+    def check(self, name: str, *inputs, need: str | None = None, **options) -> tuple[bool, str]:
+        """(ok, why) for backend `name`: providing the callable `need`, available here, then (with
+        inputs) taking them."""
         b = self[name]
+        if not b.provides(need):
+            return False, f"backend {name!r} provides no {need} (it provides {sorted(b.parts)})"
         ok, why = b.available()
         if not ok:
             return False, why
@@ -194,22 +216,37 @@ class Backends:
             raise ValueError(f"{where} must be one of {self.names} or None, got {name!r}")
         return name, where
 
-    def choose(self, backend: str | None = None, *inputs, arg: str = "backend", **options) -> tuple[str, str]:
-        """(name, why) of the backend that runs these inputs (module docstring); `arg` names the
-        caller's argument in errors."""
+    def select(self, backend: str | None = None, *inputs, need: str | None = None, arg: str = "backend",
+               **options) -> tuple[Backend, str]:
+        """(row, why) of the backend that runs these inputs and provides the callable `need` (module
+        docstring); `arg` names the caller's argument in errors."""
         name, where = self.forced(backend, arg=arg)
         if name is not None:
-            ok, why = self.check(name, *inputs, **options)
+            ok, why = self.check(name, *inputs, need=need, **options)
             if not ok:
                 raise BackendUnavailable(f"{where}={name!r} cannot run here: {why}")
-            return name, f"{why} (forced by {where})" if why else f"forced by {where}"
+            return self[name], f"{why} (forced by {where})" if why else f"forced by {where}"
         refused = []
         for b in sorted(self.rows, key=lambda b: b.rank(*inputs, **options)):
-            ok, why = self.check(b.name, *inputs, **options)
+            if not b.provides(need):
+                continue
+            ok, why = self.check(b.name, *inputs, need=need, **options)
             if ok:
-                return b.name, why + (f" (not {'; '.join(refused)})" if refused else "")
+                return b, why + (f" (not {'; '.join(refused)})" if refused else "")
             refused.append(f"{b.name}: {why}")
-        raise BackendUnavailable(f"no {self.op} backend runs here: {'; '.join(refused)}")
+        what = f" provides {need} and" if need else ""
+        raise BackendUnavailable(f"no {self.op} backend{what} runs here: {'; '.join(refused) or 'none'}")
+
+    def pick(self, backend: str | None = None, *inputs, need: str | None = None, arg: str = "backend",
+             **options) -> Backend:
+        """The row `select` chooses (what a face calls)."""
+        return self.select(backend, *inputs, need=need, arg=arg, **options)[0]
+
+    def choose(self, backend: str | None = None, *inputs, need: str | None = None, arg: str = "backend",
+               **options) -> tuple[str, str]:
+        """(name, why) of the row `select` chooses."""
+        row, why = self.select(backend, *inputs, need=need, arg=arg, **options)
+        return row.name, why
 
 
 def triton_status() -> tuple[bool, str]:

@@ -137,8 +137,50 @@ if triton is not None:
     _stack_tuned = triton.autotune(configs=_configs(), key=["N0", "N1", "N2", "K"])(_stack_kernel)
 
 
-BACKENDS = Backends("gemv", Backend("triton", 0, triton_available, triton_runs_on),
-                    Backend("torch", 1, lambda: (True, "torch.matmul")))
+def _after_triton(x, w, scale, glu, N, K):
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    if N and K and x.device.type != "cpu":
+        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
+            x, w, w if scale is None else scale, y, N, K, w.stride(0), HAS_SCALE=scale is not None,
+            INT_ROUND=False, GLU=glu)
+    elif N and K:
+        launch(x, w, y, (INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"], 1), int_round=True,
+               scale=scale, glu=glu)
+    elif N:
+        y.zero_()
+    return y
+
+
+def _stack_triton(x, parts):
+    ys = [torch.empty(1, w.shape[0], dtype=x.dtype, device=x.device) for w, _ in parts]
+    if not sum(w.shape[0] for w, _ in parts):
+        return ys
+    if not x.shape[1]:
+        return [y.zero_() for y in ys]
+    if x.device.type != "cpu":
+        launch_stack(x, parts, ys)
+    else:
+        launch_stack(x, parts, ys, (INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"], 1),
+                     int_round=True)
+    return ys
+
+
+def _after_torch(x, w, scale, glu, N, K):
+    return reference(situ_glu(*x.chunk(2, dim=-1)) if glu else x, w, scale)
+
+
+def _stack_torch(x, parts):
+    return [reference(x, w, sc) for w, sc in parts]
+
+
+# callables (on checked inputs): after(x, w, scale, glu, N, K) -> y; stack(x, parts) -> [y_i]. The torch
+# row is the reference and the before (a matrix library's one-row product, what the step runs without
+# this kernel).
+BACKENDS = Backends("gemv",
+                    Backend("triton", 0, triton_available, triton_runs_on,
+                            parts={"after": _after_triton, "stack": _stack_triton}),
+                    Backend("torch", 1, lambda: (True, "torch.matmul"),
+                            parts={"before": _after_torch, "after": _after_torch, "stack": _stack_torch}))
 BACKEND_ENV = BACKENDS.env
 
 
@@ -175,19 +217,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, scale: torch.Tensor | None = None,
     (w then float8_e4m3fn: module docstring); glu=True: x is [1, 2K] (gate | up) and the product's
     input is its SiTU-GLU. ValueError before any kernel."""
     N, K = _check(x, w, scale, glu)
-    if BACKENDS.choose(backend, x.device)[0] == "torch":
-        return reference(situ_glu(*x.chunk(2, dim=-1)) if glu else x, w, scale)
-    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    if N and K and x.device.type != "cpu":
-        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
-            x, w, w if scale is None else scale, y, N, K, w.stride(0), HAS_SCALE=scale is not None,
-            INT_ROUND=False, GLU=glu)
-    elif N and K:
-        launch(x, w, y, (INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"], 1), int_round=True,
-               scale=scale, glu=glu)
-    elif N:
-        y.zero_()
-    return y
+    return BACKENDS.pick(backend, x.device, need="after").after(x, w, scale, glu, N, K)
 
 
 def gemv_stack(x: torch.Tensor, parts, *, backend: str | None = None) -> list[torch.Tensor]:
@@ -203,19 +233,7 @@ def gemv_stack(x: torch.Tensor, parts, *, backend: str | None = None) -> list[to
         if not (isinstance(part, tuple) and len(part) == 2):
             raise ValueError(f"parts[{i}] must be a (weight, scale or None) pair, got {type(part).__name__}")
         _check(x, *part)
-    if BACKENDS.choose(backend, x.device)[0] == "torch":
-        return [reference(x, w, sc) for w, sc in parts]
-    ys = [torch.empty(1, w.shape[0], dtype=x.dtype, device=x.device) for w, _ in parts]
-    if not sum(w.shape[0] for w, _ in parts):
-        return ys
-    if not x.shape[1]:
-        return [y.zero_() for y in ys]
-    if x.device.type != "cpu":
-        launch_stack(x, parts, ys)
-    else:
-        launch_stack(x, parts, ys, (INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"], 1),
-                     int_round=True)
-    return ys
+    return BACKENDS.pick(backend, x.device, need="stack").stack(x, parts)
 
 
 def launch_stack(x, parts, ys, blocks: tuple[int, int, int] | None = None, *,

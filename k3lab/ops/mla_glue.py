@@ -163,12 +163,6 @@ if triton is not None:
         tl.store(out_ptr + n * s_outn + cols, round_to(y * s, dt, INT_ROUND), mask=vmask)
 
 
-BACKENDS = Backends("mla_glue", Backend("triton", gpu_first, triton_available, triton_runs_on),
-                    Backend("torch", cpu_first,
-                            lambda: (True, "plain PyTorch (the lines of k3lab.engine.layers.mla_partial)")))
-BACKEND_ENV = BACKENDS.env
-
-
 # ------------------------------------------------------------------------------------------ checks
 
 def _tensor(name: str, t, dims: int, what: str) -> torch.Tensor:
@@ -260,8 +254,65 @@ def check_out_gate(o_lat, w_uv, g, out=None) -> tuple[int, int, int, int]:
     return N, H, V, LAT
 
 
-def _use_torch(backend, t: torch.Tensor) -> bool:
-    return BACKENDS.choose(backend, t.device)[0] == "torch"
+# ------------------------------------------------------------------------------------------ the rows'
+# callables, on checked inputs
+
+def _norms_torch(qa, ckv, q_a_norm, kv_a_norm, eps, rows, B, T, LAT, ROPE):
+    from k3lab.nn.norms import rms_norm
+
+    qa_n = rms_norm(qa, q_a_norm, eps)
+    rows[..., :LAT].copy_(rms_norm(ckv[:, :LAT], kv_a_norm, eps).view(B, T, LAT))
+    rows[..., LAT:].copy_(ckv[:, LAT:].view(B, T, ROPE))
+    return qa_n
+
+
+def _norms_triton(qa, ckv, q_a_norm, kv_a_norm, eps, rows, B, T, LAT, ROPE):
+    qa_n = torch.empty(qa.shape, dtype=qa.dtype, device=qa.device)
+    if qa.shape[0]:
+        launch_norms(qa, ckv, q_a_norm, kv_a_norm, float(eps), rows, qa_n, int_round=qa.device.type == "cpu")
+    return qa_n
+
+
+def _absorb_torch(q, w_uk, q_buf, B, T, H, NOPE, LAT, ROPE):
+    q_lat = torch.bmm(q[..., :NOPE].transpose(0, 1), w_uk)  # [H, N, LAT]
+    q_buf[..., :LAT].copy_(q_lat.transpose(0, 1).view(B, T, H, LAT))
+    q_buf[..., LAT:].copy_(q[..., NOPE:].view(B, T, H, ROPE))
+    return q_buf
+
+
+def _absorb_triton(q, w_uk, q_buf, B, T, H, NOPE, LAT, ROPE):
+    if q_buf.numel():
+        interp = q.device.type == "cpu"
+        launch_absorb(q, w_uk, q_buf, ABSORB_INTERPRETER if interp else ABSORB_GPU, int_round=interp)
+    return q_buf
+
+
+def _gate_torch(o_lat, w_uv, g, out, N, H, V, LAT):
+    o = torch.bmm(o_lat.view(N, H, LAT).transpose(0, 1), w_uv.transpose(1, 2))  # [H, N, V]
+    o = (o.transpose(0, 1) * torch.sigmoid(g.view(N, H, -1))).reshape(N, -1)
+    return o if out is None else out.copy_(o)
+
+
+def _gate_triton(o_lat, w_uv, g, out, N, H, V, LAT):
+    if out is None:
+        out = torch.empty(N, H * V, dtype=g.dtype, device=g.device)
+    if out.numel():
+        interp = g.device.type == "cpu"
+        launch_out_gate(o_lat, w_uv, g, out, GATE_INTERPRETER if interp else GATE_GPU, int_round=interp)
+    return out
+
+
+# callables (on checked inputs, the widths the checks return): norms, absorb_q, out_gate. The torch row
+# is the reference (and the before: the ~30 kernels the step runs unfused).
+BACKENDS = Backends("mla_glue",
+                    Backend("triton", gpu_first, triton_available, triton_runs_on,
+                            parts={"norms": _norms_triton, "absorb_q": _absorb_triton,
+                                   "out_gate": _gate_triton}),
+                    Backend("torch", cpu_first,
+                            lambda: (True, "plain PyTorch (the lines of k3lab.engine.layers.mla_partial)"),
+                            parts={"norms": _norms_torch, "absorb_q": _absorb_torch,
+                                   "out_gate": _gate_torch}))
+BACKEND_ENV = BACKENDS.env
 
 
 # ------------------------------------------------------------------------------------------ entry points
@@ -269,47 +320,21 @@ def _use_torch(backend, t: torch.Tensor) -> bool:
 def mla_norms(qa, ckv, q_a_norm, kv_a_norm, eps, rows, *, backend: str | None = None) -> torch.Tensor:
     """rms_norm(qa) returned, rms_norm(ckv's latent) and ckv's rope written into rows (module docstring)."""
     B, T, _, LAT, ROPE = check_norms(qa, ckv, q_a_norm, kv_a_norm, eps, rows)
-    if _use_torch(backend, qa):
-        from k3lab.nn.norms import rms_norm
-
-        qa_n = rms_norm(qa, q_a_norm, eps)
-        rows[..., :LAT].copy_(rms_norm(ckv[:, :LAT], kv_a_norm, eps).view(B, T, LAT))
-        rows[..., LAT:].copy_(ckv[:, LAT:].view(B, T, ROPE))
-        return qa_n
-    qa_n = torch.empty(qa.shape, dtype=qa.dtype, device=qa.device)
-    if qa.shape[0]:
-        launch_norms(qa, ckv, q_a_norm, kv_a_norm, float(eps), rows, qa_n, int_round=qa.device.type == "cpu")
-    return qa_n
+    row = BACKENDS.pick(backend, qa.device, need="norms")
+    return row.norms(qa, ckv, q_a_norm, kv_a_norm, eps, rows, B, T, LAT, ROPE)
 
 
 def mla_absorb_q(q, w_uk, q_buf, *, backend: str | None = None) -> torch.Tensor:
     """q_buf[..., :LAT] = q_nope @ w_uk per head, q_buf[..., LAT:] = q_rope; returns q_buf."""
-    B, T, H, NOPE, LAT, ROPE = check_absorb(q, w_uk, q_buf)
-    if _use_torch(backend, q):
-        q_lat = torch.bmm(q[..., :NOPE].transpose(0, 1), w_uk)  # [H, N, LAT]
-        q_buf[..., :LAT].copy_(q_lat.transpose(0, 1).view(B, T, H, LAT))
-        q_buf[..., LAT:].copy_(q[..., NOPE:].view(B, T, H, ROPE))
-        return q_buf
-    if q_buf.numel():
-        interp = q.device.type == "cpu"
-        launch_absorb(q, w_uk, q_buf, ABSORB_INTERPRETER if interp else ABSORB_GPU, int_round=interp)
-    return q_buf
+    shape = check_absorb(q, w_uk, q_buf)
+    return BACKENDS.pick(backend, q.device, need="absorb_q").absorb_q(q, w_uk, q_buf, *shape)
 
 
 def mla_out_gate(o_lat, w_uv, g, *, out: torch.Tensor | None = None,
                  backend: str | None = None) -> torch.Tensor:
     """(o_lat @ w_uv^T per head) * sigmoid(g): [N, H*V] in g's dtype (module docstring)."""
-    N, H, V, LAT = check_out_gate(o_lat, w_uv, g, out)
-    if _use_torch(backend, g):
-        o = torch.bmm(o_lat.view(N, H, LAT).transpose(0, 1), w_uv.transpose(1, 2))  # [H, N, V]
-        o = (o.transpose(0, 1) * torch.sigmoid(g.view(N, H, -1))).reshape(N, -1)
-        return o if out is None else out.copy_(o)
-    if out is None:
-        out = torch.empty(N, H * V, dtype=g.dtype, device=g.device)
-    if out.numel():
-        interp = g.device.type == "cpu"
-        launch_out_gate(o_lat, w_uv, g, out, GATE_INTERPRETER if interp else GATE_GPU, int_round=interp)
-    return out
+    shape = check_out_gate(o_lat, w_uv, g, out)
+    return BACKENDS.pick(backend, g.device, need="out_gate").out_gate(o_lat, w_uv, g, out, *shape)
 
 
 # ------------------------------------------------------------------------------------------ launches

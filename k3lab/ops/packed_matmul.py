@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3lab.ops import Backend, Backends
+
 SPECIALIZED_K_MULTIPLE = 256
 
 
@@ -56,7 +58,21 @@ def dispatch_after(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
-POLICIES = {"before": dispatch_before, "after": dispatch_after}
+def _reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight)
+
+
+# k3lab.ops' contract: the 'dispatch' row carries the two dispatchers (before: pack first; after: pack
+# where used); the 'torch' row is the reference (the plain product, no dispatcher). K3LAB_PACKED_MATMUL_
+# BACKEND forces one.
+BACKENDS = Backends("packed_matmul",
+                    Backend("dispatch", 0, lambda: (True, "the stand-in dispatcher (plain PyTorch)"),
+                            parts={"before": dispatch_before, "after": dispatch_after}),
+                    Backend("torch", 1, lambda: (True, "torch.nn.functional.linear"),
+                            parts={"before": _reference, "after": _reference}))
+BACKEND_ENV = BACKENDS.env
+# policy name -> the dispatcher (what a DispatchedLinear and the decode step's `pack` switch call)
+POLICIES = {name: getattr(BACKENDS["dispatch"], name) for name in ("before", "after")}
 
 
 class DispatchedLinear(nn.Module):

@@ -70,8 +70,25 @@ def _triton_verify(device=None, dtype=None) -> tuple[bool, str]:
     return triton_runs_on(device)
 
 
-BACKENDS = Backends("situ_glu", Backend("triton", gpu_first, triton_available, _triton_verify),
-                    Backend("torch", cpu_first, lambda: (True, "plain PyTorch (k3lab.nn.situ.situ_glu)")))
+def _after_torch(gu: torch.Tensor, out: torch.Tensor | None, f: int) -> torch.Tensor:
+    g, u = gu.chunk(2, dim=-1)
+    y = situ_glu(g, u)
+    return y if out is None else out.copy_(y)
+
+
+def _after_triton(gu: torch.Tensor, out: torch.Tensor | None, f: int) -> torch.Tensor:
+    if out is None:
+        out = torch.empty((*gu.shape[:-1], f), dtype=gu.dtype, device=gu.device)
+    return launch(gu, out, f)
+
+
+# callables (on checked inputs): after(gu, out or None, F) -> out. The torch row is the reference and the
+# before (the chain of elementwise kernels the step runs unfused).
+BACKENDS = Backends("situ_glu",
+                    Backend("triton", gpu_first, triton_available, _triton_verify,
+                            parts={"after": _after_triton}),
+                    Backend("torch", cpu_first, lambda: (True, "plain PyTorch (k3lab.nn.situ.situ_glu)"),
+                            parts={"before": _after_torch, "after": _after_torch}))
 BACKEND_ENV = BACKENDS.env
 
 
@@ -117,13 +134,7 @@ def situ_glu_stacked(gu: torch.Tensor, *, out: torch.Tensor | None = None,
                      backend: str | None = None) -> torch.Tensor:
     """SiTU-GLU of gu = [g | u] along the last dim: [..., 2F] -> [..., F] in gu's dtype (module docstring)."""
     f = check(gu, out)
-    if BACKENDS.choose(backend, gu.device, gu.dtype)[0] == "torch":
-        g, u = gu.chunk(2, dim=-1)
-        y = situ_glu(g, u)
-        return y if out is None else out.copy_(y)
-    if out is None:
-        out = torch.empty((*gu.shape[:-1], f), dtype=gu.dtype, device=gu.device)
-    return launch(gu, out, f)
+    return BACKENDS.pick(backend, gu.device, gu.dtype, need="after").after(gu, out, f)
 
 
 def launch(gu: torch.Tensor, out: torch.Tensor, f: int) -> torch.Tensor:

@@ -530,8 +530,7 @@ def dcp_decode(q, local_cache, local_lengths, lengths, *, group=None, interleave
         return o_loc, lse_loc
     if merge == "ag_rs":
         return _merge_ag_rs(o_loc, lse_loc, N, rank, H, group)
-    impl = merge_impl or ("triton" if q.is_cuda else "torch")
-    return _merge_a2a(o_loc, lse_loc, N, H, group, impl)
+    return _merge_a2a(o_loc, lse_loc, N, H, group, merge_impl)  # None: merge's own chooser
 
 
 # ------------------------------------------------------------------------------ bytes and memory

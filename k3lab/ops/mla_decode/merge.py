@@ -10,11 +10,13 @@ and o_n = 0 and gets weight 0 (its o_n is not read, so NaN there cannot leak); w
 empty the result is o = 0, lse = -inf, never NaN. The pieces are split-history programs of one
 decode or the ranks of decode context parallelism (k3lab.parallel.dcp), where N is the world size.
 
-`merge_partials(o_parts, lse_parts, backend="torch" | "triton")`: o_parts [N, ..., D], lse_parts
-[N, ...]. Returns o in o_parts' dtype and lse in float32 (float64 for float64 inputs); the math runs
-in float32 (float64 for float64 inputs). "torch" is a handful of elementwise and reduction kernels;
-"triton" is one launch (one program per output row and 128-column block), and runs in Triton's
-interpreter on a CPU at small sizes. `lse_weights(lse_parts)` gives the weights exp(lse_n - lse) and
+`merge_partials(o_parts, lse_parts, backend=None)`: o_parts [N, ..., D], lse_parts [N, ...]. Returns
+o in o_parts' dtype and lse in float32 (float64 for float64 inputs); the math runs in float32 (float64
+for float64 inputs). Backends (`BACKENDS`, k3lab.ops' contract: `backend=` or K3LAB_MLA_MERGE_BACKEND
+forces one; unforced, triton on GPU tensors and torch on CPU tensors): 'torch' is a handful of
+elementwise and reduction kernels (the reference, and the before); 'triton' is one launch (one program
+per output row and 128-column block, the after), and runs in Triton's interpreter on a CPU at small
+sizes. `lse_weights(lse_parts)` gives the weights exp(lse_n - lse) and
 the total alone (DCP's ag_rs merge rescales each rank's partial with them before its reduce-scatter).
 
 Values: an lse is finite, or -inf for an empty piece. A NaN or +inf lse would make every weight of its
@@ -30,10 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab import env
-from k3lab.ops import check_finite
+from k3lab.ops import Backend, Backends, check_finite, cpu_first, gpu_first, triton_available, triton_runs_on
 
-BACKENDS = ("torch", "triton")  # chosen by the caller (DCP's merge_impl), not by k3lab.ops' chooser
 BLOCK_D = 128  # value columns per merge program
 
 
@@ -48,9 +48,8 @@ def _check_lse(lse_parts) -> None:
                          f"{tuple(getattr(lse_parts, 'shape', ()))}")
 
 
-def _check(o_parts, lse_parts, backend, check_values):
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+def _check(o_parts, lse_parts, backend, check_values) -> Backend:
+    """Validate the inputs; the row that merges them."""
     if not isinstance(o_parts, torch.Tensor) or o_parts.dim() < 2:
         raise ValueError(
             "o_parts must be a tensor [N, ..., D] with N >= 1 pieces, got "
@@ -67,12 +66,10 @@ def _check(o_parts, lse_parts, backend, check_values):
             raise ValueError(f"{name}.dtype must be floating point, got {t.dtype}")
     if lse_parts.device != o_parts.device:
         raise ValueError(f"lse_parts is on {lse_parts.device} but o_parts is on {o_parts.device}")
-    if (backend == "triton" and o_parts.device.type == "cpu" and not env.triton_interpreted()
-            and torch.cuda.is_available()):
-        raise ValueError("backend='triton' got CPU tensors, and Triton's interpreter is off here (torch sees "
-                         "a GPU): move o_parts and lse_parts to the GPU, or use backend='torch'")
+    row = BACKENDS.pick(backend, o_parts.device, need="after")
     if check_values:
         check_finite(LSE_VALUES, {"lse_parts": lse_parts}, neg_inf_ok=("lse_parts",))
+    return row
 
 
 def _math_dtype(o_parts, lse_parts) -> torch.dtype:
@@ -173,11 +170,19 @@ def _merge_triton(o_parts, lse_parts):
     return out, out_lse
 
 
-def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, backend: str = "torch", *,
+# callables (on checked inputs): after(o_parts, lse_parts) -> (o, lse); the torch row is the reference
+# and the before (a handful of elementwise and reduction kernels)
+BACKENDS = Backends("mla_merge",
+                    Backend("triton", gpu_first, triton_available, triton_runs_on,
+                            parts={"after": _merge_triton}),
+                    Backend("torch", cpu_first, lambda: (True, "plain PyTorch"),
+                            parts={"before": _merge_torch, "after": _merge_torch}))
+BACKEND_ENV = BACKENDS.env
+
+
+def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, backend: str | None = None, *,
                    check_values: bool = True):
     """Merge N partial attentions (see the module docstring). Returns (o [..., D], lse [...]).
-    check_values: refuse a NaN or +inf lse (one device sync); False for lse the attention op produced."""
-    _check(o_parts, lse_parts, backend, check_values)
-    if backend == "triton":
-        return _merge_triton(o_parts, lse_parts)
-    return _merge_torch(o_parts, lse_parts)
+    backend: a name of BACKENDS, None to choose. check_values: refuse a NaN or +inf lse (one device
+    sync); False for lse the attention op produced."""
+    return _check(o_parts, lse_parts, backend, check_values).after(o_parts, lse_parts)

@@ -11,7 +11,7 @@ forces one):
   triton  the grouped kernels (triton.py): launch 1 = w1/w3 + SiTU-GLU, launch 2 = w2 with the
           routing weights; tiles of 16/32/64 rows of one expert. Needs a GPU, or Triton's
           interpreter (TRITON_INTERPRET=1, small sizes: tests) on a CPU.
-  torch   the per-expert loop (loop.py): the "before"; runs anywhere.
+  torch   the per-expert loop (loop.py): the reference, and the before; runs anywhere.
 With none forced, the triton backend runs on GPU tensors (fp64 on the loop) and the torch loop on CPU
 tensors (the interpreter is too slow for more than tests). `padding.py` measures the tile padding at
 decode batches. Records of both: profiles/<device>/moe_sharding/ and profiles/<device>/decode_step/.
@@ -41,8 +41,25 @@ def _triton_verify(device=None, dtype=None) -> tuple[bool, str]:
     return triton_runs_on(device)
 
 
-BACKENDS = Backends("moe_experts", Backend("triton", gpu_first, triton_available, _triton_verify),
-                    Backend("torch", cpu_first, lambda: (True, "plain PyTorch")))
+def _after_triton(z, weights, idx, w1, w3, w2, shapes, sort, block_m):
+    if sort is None:
+        sort = sort_by_expert(idx, shapes.num_experts,
+                              block_m or default_block_m(shapes.n_tokens, shapes.top_k, shapes.num_experts))
+    return _triton.grouped_experts(z, weights, idx, w1, w3, w2, shapes, sort)
+
+
+def _after_torch(z, weights, idx, w1, w3, w2, shapes, sort, block_m):
+    return _loop.expert_loop(z, weights, idx, w1, w3, w2, shapes)
+
+
+# callables (on checked inputs): after(z, weights, idx, w1, w3, w2, shapes, sort or None, block_m or None)
+# -> y; tail(y_lat, norm_w, eps, up_rows, out, col0) -> out. The torch row is the reference and the
+# before (the per-expert loop).
+BACKENDS = Backends("moe_experts",
+                    Backend("triton", gpu_first, triton_available, _triton_verify,
+                            parts={"after": _after_triton, "tail": tail_triton}),
+                    Backend("torch", cpu_first, lambda: (True, "plain PyTorch"),
+                            parts={"before": _after_torch, "after": _after_torch, "tail": tail_torch}))
 BACKEND_ENV = BACKENDS.env
 
 
@@ -60,35 +77,26 @@ def routed_experts(z, weights, idx, w1, w3, w2, *, backend: str | None = None, b
         raise ValueError(f"sort must be the ExpertSort of idx's {shapes.n_tokens * shapes.top_k} pairs"
                          + (f" with block_m={block_m}" if block_m is not None else "")
                          + f", got {sort!r:.120}")
-    name = BACKENDS.choose(backend, z.device, z.dtype)[0]
+    row = BACKENDS.pick(backend, z.device, z.dtype, need="after")
     if shapes.n_tokens == 0:
         return torch.zeros(0, shapes.latent, dtype=torch.float32, device=z.device)
-    if name == "torch":
-        return _loop.expert_loop(z, weights, idx, w1, w3, w2, shapes)
-    if sort is None:
-        sort = sort_by_expert(
-            idx,
-            shapes.num_experts,
-            block_m or default_block_m(shapes.n_tokens, shapes.top_k, shapes.num_experts),
-        )
-    return _triton.grouped_experts(z, weights, idx, w1, w3, w2, shapes, sort)
+    return row.after(z, weights, idx, w1, w3, w2, shapes, sort, block_m)
 
 
 def grouped_experts(z, weights, idx, w1, w3, w2, *, block_m: int | None = None) -> torch.Tensor:
-    """The grouped Triton kernels (the "after")."""
+    """The grouped Triton kernels (the triton row's after)."""
     return routed_experts(z, weights, idx, w1, w3, w2, backend="triton", block_m=block_m)
 
 
 def expert_loop(z, weights, idx, w1, w3, w2) -> torch.Tensor:
-    """The per-expert torch loop (the "before")."""
+    """The per-expert torch loop (the torch row: the reference and the before)."""
     return routed_experts(z, weights, idx, w1, w3, w2, backend="torch")
 
 
 def latent_tail(y_lat, norm_w, eps, up_rows, out, col0: int = 0, *, backend: str | None = None):
     """out[:, col0 : col0 + R] += rms_norm(y_lat) @ up_rows^T in place (tail.py); returns out."""
     check_tail(y_lat, norm_w, up_rows, out, col0, eps)
-    fn = tail_triton if BACKENDS.choose(backend, y_lat.device)[0] == "triton" else tail_torch
-    return fn(y_lat, norm_w, eps, up_rows, out, col0)
+    return BACKENDS.pick(backend, y_lat.device, need="tail").tail(y_lat, norm_w, eps, up_rows, out, col0)
 
 
 __all__ = [

@@ -21,7 +21,8 @@ forced one that cannot run these logits is a ValueError):
           the counting sort (triton.topk_weights, sort_pairs). For N * top_k <= MAX_PAIRS (2048,
           decode sizes): a single program sorts, so larger batches raise when it is forced. Runs on a
           GPU, or in Triton's interpreter (TRITON_INTERPRET=1: tests) on CPU tensors.
-  torch   route + sort_by_expert: the "before"; any size, fp64 too.
+  torch   route + sort_by_expert: the reference (and the before: what the step runs unfused); any
+          size, fp64 too.
 With none forced: triton for GPU tensors when N * top_k <= MAX_PAIRS and logits are not fp64, else
 torch (CPU tensors too: the interpreter is for tests).
 
@@ -59,8 +60,25 @@ def _triton_verify(device=None, tokens: int | None = None, top_k: int = 1, dtype
     return triton_runs_on(device)
 
 
-BACKENDS = Backends("moe_router", Backend("triton", gpu_first, triton_available, _triton_verify),
-                    Backend("torch", cpu_first, lambda: (True, "plain PyTorch")))
+def _after_triton(logits, bias, top_k, scaling, renormalize, E, block_m):
+    if logits.shape[0] * top_k <= FUSED_PAIRS:  # checked: the launchers' own checks are not repeated
+        return triton.launch_route_sort(logits, bias, top_k, scaling, renormalize, block_m)
+    weights, idx = triton.launch_topk_weights(logits, bias, top_k, scaling, renormalize)
+    return weights, idx, sort_pairs(idx, E, block_m)
+
+
+def _after_torch(logits, bias, top_k, scaling, renormalize, E, block_m):
+    weights, idx, _ = route(logits, bias, top_k, scaling, renormalize)
+    return weights, idx, sort_by_expert(idx, E, block_m)
+
+
+# callables (on checked inputs): after(logits, bias, top_k, scaling, renormalize, E, block_m) -> (weights,
+# idx, sort). The torch row is the reference and the before (route + sort_by_expert, ~25 launches).
+BACKENDS = Backends("moe_router",
+                    Backend("triton", gpu_first, triton_available, _triton_verify,
+                            parts={"after": _after_triton}),
+                    Backend("torch", cpu_first, lambda: (True, "plain PyTorch"),
+                            parts={"before": _after_torch, "after": _after_torch}))
 BACKEND_ENV = BACKENDS.env
 
 
@@ -72,13 +90,8 @@ def route_and_sort(logits, bias, top_k, *, scaling=1.0, renormalize=True, num_ex
     default_block_m picks one from the batch). ValueError on bad input before any kernel."""
     N, E = check_router(logits, bias, top_k, scaling, renormalize, num_experts, block_m)
     top_k = int(top_k)  # a numpy or 0-d tensor integer, as the launchers and nn's route take it
-    if BACKENDS.choose(backend, logits.device, N, top_k, logits.dtype)[0] == "torch":
-        weights, idx, _ = route(logits, bias, top_k, scaling, renormalize)
-        return weights, idx, sort_by_expert(idx, E, block_m)
-    if N * top_k <= FUSED_PAIRS:  # checked above: the launchers' own checks are not repeated
-        return triton.launch_route_sort(logits, bias, top_k, scaling, renormalize, block_m)
-    weights, idx = triton.launch_topk_weights(logits, bias, top_k, scaling, renormalize)
-    return weights, idx, sort_pairs(idx, E, block_m)
+    row = BACKENDS.pick(backend, logits.device, N, top_k, logits.dtype, need="after")
+    return row.after(logits, bias, top_k, scaling, renormalize, E, block_m)
 
 
 __all__ = ["BACKENDS", "BACKEND_ENV", "FUSED_PAIRS", "LOGIT_DTYPES", "MAX_PAIRS", "check_router",

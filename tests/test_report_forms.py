@@ -84,6 +84,51 @@ def test_the_quick_gpu_report_is_planned_within_ten_minutes():
     assert full > 1000  # what --full costs on the H200 (measured: 1,045 s of studies)
 
 
+H100_TIMINGS = REPO / "profiles" / "nvidia-h100-80gb-hbm3" / "gpu_check" / "report_timings_2b4119a.json"
+
+
+def test_the_serving_run_quick_form_keeps_the_h100_report_under_nine_minutes():
+    """The measured serving run in the report: on a GPU the brief form (three concurrencies, a budget the
+    study stops at, first run aside), whose ETA budget covers its own; with it, the H100's measured
+    default report (each step's seconds, as scheduled) stays under 9 minutes."""
+    from k3lab.studies import serving_run
+
+    q = GPU_QUICK["serving_run"]
+    assert q.kwargs["form"] == "brief" and q.cases == serving_run.BRIEF
+    assert 0 < q.kwargs["budget_s"] < q.budget_s  # the study stops before the ETA's figure
+    dur, drain = serving_run.RUN_S["brief"]
+    assert dur + drain < q.kwargs["budget_s"] / 2  # at least the first run fits beside the setup
+    actual, workers = _recorded(H100_TIMINGS)
+    assert "study:serving_run" not in actual  # the record is of the report before it
+    before = max(end for _, end in _schedule(actual, workers).values())
+    actual["study:serving_run"] = q.budget_s
+    studies_first = dict(sorted(actual.items(), key=lambda kv: kv[0].startswith("notebook:")))
+    after = max(end for _, end in _schedule(studies_first, workers).values())
+    assert after == pytest.approx(before + q.budget_s) and after <= 540, (before, after)
+    full = report_form("serving_run", gpu=True, full=True)
+    assert full.cases is None and not full.kwargs  # run()'s default: the full form, every case
+
+
+@on_a_cpu  # the study's CPU form (tiny preset, CPU tensors)
+def test_the_report_runs_the_serving_run_and_shows_its_own_table(tmp_path, capfd):
+    from k3lab import report
+    from k3lab.studies import serving_run
+
+    out = tmp_path / "out"
+    report.build_report(out=out, run_notebooks=False, studies=["serving_run"], tty=False)
+    page = (out / "report.html").read_text()
+    section = page.split("id='study-serving_run'", 1)[1]
+    assert "TTFT P90 (ms)" in section and "TPOT P90 (ms)" in section and "total tok/s/GPU" in section
+    assert serving_run.REPORT_NOTE["cpu"].split(":")[0] in section
+    for case in serving_run.CPU_CASES:
+        assert f"<td>{case}</td>" in section, case
+    recs = [r for r in __import__("k3lab").bench.load_records(study="serving_run", root=out / "records")]
+    assert sorted(r.case for r in recs) == sorted(serving_run.CPU_CASES)
+    took = json.loads((out / "timings.json").read_text())["steps"]["study:serving_run"]["seconds"]
+    assert took < 4 * eta.EXPECTED_S["cpu"]["study:serving_run"], took  # seconds, as the table says
+    assert "study serving_run: passed" in capfd.readouterr().err
+
+
 # ------------------------------------------------------------------ the ETA
 def test_expected_seconds_reads_the_table_and_the_budgets():
     assert expected_seconds("gpu", "quick", "study:decode_step") == GPU_QUICK["decode_step"].budget_s

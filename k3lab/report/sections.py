@@ -2,7 +2,8 @@
 
 On a CPU the Triton kernels run in Triton's interpreter, so their timings say nothing about speed:
 the section then says which cases were checked and shows no CPU timing, except for studies that time
-host code (`studies.HOST_SIDE`), whose CPU timings are the measurement. Each live part says which form
+host code (`studies.HOST_SIDE`), whose CPU timings are the measurement. A study whose records are not
+before / after timings gives its own table (`report_table`). Each live part says which form
 of the study ran (`studies.report_form`: quick by default, full with `k3lab report --full`) and its cases.
 """
 
@@ -113,6 +114,9 @@ def _live(run: LiveRun, gpu: bool) -> str:
     if not run.records:
         return head + f"<p>{html.escape(run.status)}</p>"
     cases = list(dict.fromkeys(r.case for r in tables.in_case_order(run.records, run.name)))
+    own = _own_table(run, gpu)
+    if own is not None:
+        return head + f"<p>passed, {len(cases)} cases, {run.seconds:.0f} s</p>" + own
     if not gpu and run.name not in HOST_SIDE:
         return head + (f"<p>{INTERPRETER_NOTE} ({len(cases)} cases: "
                        f"{html.escape(', '.join(cases[:tables.MAX_CASES]))}"
@@ -121,6 +125,20 @@ def _live(run: LiveRun, gpu: bool) -> str:
     return (head + f"<p>passed, {len(cases)} cases, {run.seconds:.0f} s</p>"
             + tables.to_html(tables.compact(shown))
             + _figure(shown, f"{run.name} on this machine (us, log)"))
+
+
+def _own_table(run: LiveRun, gpu: bool) -> str | None:
+    """The study's own table of its records when it has one (`report_table(records)` -> DataFrame, for
+    records that are not before / after timings, such as serving_run's one record per run), with its
+    `REPORT_NOTE[kind]` above it; None for the common before / after table."""
+    from k3lab.studies import load_study
+
+    module = load_study(run.name)
+    make = getattr(module, "report_table", None)
+    if make is None:
+        return None
+    note = getattr(module, "REPORT_NOTE", {}).get("gpu" if gpu else "cpu", "")
+    return (f"<p>{html.escape(note)}</p>" if note else "") + tables.to_html(make(run.records))
 
 
 def study_section(run: LiveRun, root: Path, gpu: bool) -> str:

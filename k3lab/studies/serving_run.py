@@ -12,12 +12,20 @@ article's 8 x MI355X node has left after K3's weights at the served precision (k
 histories fit as would at full length (the fixed KDA checkpoints aside). No H100 or H200 rank can hold
 K3's weights (205 GB per rank at MXFP4 experts), so no budget of this device's own would be one a
 server has. On a CPU: the tiny preset with the switches whose "on" form is PyTorch there, prompts x 1/512,
-a 6 MB device budget and 3 MB host tier (stated in the records), three short runs: a check that the
-whole run works, not a speed.
+a 6 MB device budget and 3 MB host tier (stated in the records), four short runs: a check that the
+whole run works and the shape of its curve, not a speed.
 
 Forms: QUICK (c1, c2, c4, c8, c16 at DCP1 with the host tier, then c16 at DCP8 and c16 without the host
 tier: where capacity binds, what DCP8 and offload change), each run 15 s of serving clock plus at most 10 s
-to finish the requests in flight; FULL (c1 .. c64, DCP1 and DCP8, with and without host, 40 s each).
+to finish the requests in flight; FULL (c1 .. c64, DCP1 and DCP8, with and without host, 40 s each); BRIEF
+(`k3lab report`'s quick form on a GPU: c1, c4 and c16 at DCP1 with the host tier, 6 s each plus at most
+4 s, under the report's budget). With `budget_s` a run that would end past it is not started, except
+the first: a budget always measures one run. On a CPU every form runs the CPU cases (c1, c2, c3 at DCP1
+with the host tier: a curve of three points; c3 at DCP8 without it), eight requests each.
+
+This machine's records: `measured(root)` loads the committed ones (profiles/<device>/serving_run/);
+`curve_rows(records)` gives one row per run (percentiles, tokens/s, the decode step at the batch the run
+held, the gaps between tokens), the table notebook 09 opens with.
 
 Records: study 'serving_run', variant 'after', mode 'graph' (GPU) or 'cpu'; median_us / p20_us / p80_us
 = the requests' TPOT percentiles; extra['summary'] holds TTFT / TPOT / ITL / E2E mean and P50 / P90 / P99
@@ -52,8 +60,11 @@ QUICK = ("c1.dcp1.host", "c2.dcp1.host", "c4.dcp1.host", "c8.dcp1.host", "c16.dc
          "c16.dcp1.gpu_only")
 FULL = tuple(f"c{c}.dcp{d}.{h}" for c in (1, 2, 4, 8, 16, 32, 64) for d in (1, 8)
              for h in ("host", "gpu_only"))
-CPU_CASES = ("c1.dcp1.host", "c3.dcp1.host", "c3.dcp8.gpu_only")
-RUN_S = {"quick": (15.0, 10.0), "full": (40.0, 20.0)}  # serving clock, then at most this to finish
+BRIEF = ("c1.dcp1.host", "c4.dcp1.host", "c16.dcp1.host")
+CPU_CASES = ("c1.dcp1.host", "c2.dcp1.host", "c3.dcp1.host", "c3.dcp8.gpu_only")
+RUN_S = {"quick": (15.0, 10.0), "full": (40.0, 20.0), "brief": (6.0, 4.0)}  # serving clock, then at most
+# this to finish the requests in flight
+FORM_CASES = {"quick": QUICK, "full": FULL, "brief": BRIEF}
 
 
 def _on_gpu() -> bool:
@@ -76,8 +87,9 @@ def parse_case(case: str) -> dict:
 
 
 def case_names(preset=None) -> list[str]:
-    """Every case of the full form on a GPU (the quick form's among them); on a CPU the three CPU cases."""
-    return list(CPU_CASES) if not _on_gpu() else list(dict.fromkeys(QUICK + FULL))
+    """Every case of the full form on a GPU (the quick and brief forms' among them); on a CPU the CPU
+    cases."""
+    return list(CPU_CASES) if not _on_gpu() else list(dict.fromkeys(QUICK + BRIEF + FULL))
 
 
 def budget(context_scale: float, target: str = "mi355x"):
@@ -180,16 +192,31 @@ def _plain(obj):
     return obj if obj is None or isinstance(obj, (str, int, float, bool)) else str(obj)
 
 
-def run(preset=None, cases=None, *, form: str = "quick", log=print, budget_s: float | None = None,
+def run(preset=None, cases=None, *, form: str = "full", log=print, budget_s: float | None = None,
         on_record=None) -> list[bench.Record]:
-    """One record per case (default: the quick form's on a GPU, the CPU cases on a CPU), in order. Stops
-    starting runs once `budget_s` seconds (from the start, engine included) would be passed by one more
-    run of the form's length. on_record(record) is called after each run (the CLI writes its file)."""
+    """One record per case (default: the form's on a GPU, the CPU cases on a CPU), in order; as for
+    every study, run() with no form runs every case (`k3lab report --full`, `k3lab bench serving_run`),
+    the CLI the quick form. Stops starting runs once `budget_s` seconds (from the start, engine
+    included) would be passed by one more run of the form's length; the first always runs.
+    on_record(record) is called after each run (the CLI writes its file).
+
+    On a CPU the runs use one torch thread (restored after): on a shared 2-core machine under load,
+    torch's pool of two spins (the CPU form took 116 s with two threads at a load of 5, 7 s alone)."""
+    threads = torch.get_num_threads()
+    if not _on_gpu():
+        torch.set_num_threads(1)
+    try:
+        return _run_cases(cases, form, log, budget_s, on_record)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_cases(cases, form, log, budget_s, on_record) -> list[bench.Record]:
     from k3lab.serving.run import RunSettings
 
     if form not in RUN_S:
         raise ValueError(f"form must be one of {sorted(RUN_S)}, got {form!r}")
-    default = (QUICK if form == "quick" else FULL) if _on_gpu() else CPU_CASES
+    default = FORM_CASES[form] if _on_gpu() else CPU_CASES
     chosen = list(default if cases is None else cases)
     if not chosen:
         raise ValueError("cases must name at least one case")
@@ -207,7 +234,7 @@ def run(preset=None, cases=None, *, form: str = "quick", log=print, budget_s: fl
     for k, case in enumerate(chosen):
         spent = time.perf_counter() - t0
         est = per_run if per_run is not None else dur + drain / 2
-        if budget_s is not None and spent + est > budget_s:
+        if budget_s is not None and k > 0 and spent + est > budget_s:
             log(f"serving_run: stopping before {case}: {spent:.0f} s spent, about {est:.0f} s more per run, "
                 f"budget {budget_s:.0f} s ({len(chosen) - k} cases not run)")
             break
@@ -234,7 +261,99 @@ def run(preset=None, cases=None, *, form: str = "quick", log=print, budget_s: fl
         out.append(rec)
         if on_record is not None:
             on_record(rec)
+    if budget_s is not None and time.perf_counter() - t0 > budget_s:
+        log(f"serving_run: {time.perf_counter() - t0:.0f} s, over the budget of {budget_s:.0f} s (the "
+            "engine's setup and the first run are always measured)")
+    del engine
+    _give_back_memory(kind)
     return out
+
+
+def _give_back_memory(kind: str) -> None:
+    """The engine's weights, slots, pool and graphs go with it; on a GPU the cached blocks are given back
+    too, so the processes that run after this one in the same report (notebooks) find the memory free."""
+    import gc
+
+    gc.collect()
+    if kind == "gpu":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def measured(root=None, device: str | None = None) -> list[bench.Record]:
+    """This machine's committed serving-run records (`device`: a slug or name, default this machine's;
+    `root`: default the tree's profiles/), ordered by DCP, host tier and concurrency; [] when none."""
+    slug = device if device is not None else bench.device_slug()
+    recs = bench.load_records(study=NAME, device=slug, root=root)
+    return sorted(recs, key=lambda r: (r.shape.get("dcp", 1), not r.shape.get("host_tier", True),
+                                       r.shape.get("concurrency", 0)))
+
+
+def _step_at(steps: dict, running: float) -> tuple[int, float]:
+    """The decode step (batch size, ms) measured at the size nearest the batch a run held on average."""
+    sizes = sorted((int(b), float(ms)) for b, ms in steps.items())
+    if not sizes:
+        return 0, math.nan
+    return min(sizes, key=lambda bm: (abs(bm[0] - running), -bm[0]))
+
+
+def curve_rows(records) -> list[dict]:
+    """One row per serving-run record: its case; TTFT, TPOT and ITL P50 / P90 (ms); the decode step
+    measured at the batch size nearest the batch the run held on average (`step_ms`, at `step_batch`)
+    and TPOT P90 over it (what the prefill chunks a decode step waited behind added, with the other
+    iterations' admission work); the share of iterations that ran a prefill chunk besides decoding;
+    output and total tokens/s/GPU, tokens/s/user (P50 over users), the prefix hit rate; requests done
+    and cut at the drain limit. ValueError for a record of another study."""
+    rows = []
+    for r in records:
+        if getattr(r, "study", None) != NAME:
+            got = getattr(r, "study", type(r).__name__)
+            raise ValueError(f"records must be {NAME!r} records, got {got!r}")
+        s = r.extra.get("summary", {})
+        ttft, tpot, itl = s.get("ttft_ms", {}), s.get("tpot_ms", {}), s.get("itl_ms", {})
+        batch, step = _step_at(s.get("decode_step_ms", {}), float(s.get("mean_running", 0.0)))
+        iters = s.get("iterations") or 0
+        p90 = tpot.get("p90", math.nan)
+        rows.append({
+            "case": r.case, "concurrency": r.shape.get("concurrency"), "dcp": r.shape.get("dcp"),
+            "host_tier": r.shape.get("host_tier"), "requests": s.get("requests"),
+            "incomplete": s.get("incomplete"),
+            "ttft_p50_ms": ttft.get("p50"), "ttft_p90_ms": ttft.get("p90"),
+            "tpot_p50_ms": tpot.get("p50"), "tpot_p90_ms": tpot.get("p90"),
+            "itl_p50_ms": itl.get("p50"), "itl_p90_ms": itl.get("p90"),
+            "step_batch": batch, "step_ms": step,
+            "tpot_p90_over_step": p90 / step if step and math.isfinite(step) else math.nan,
+            "prefill_iterations": (s.get("iterations_with_prefill_and_decode", 0) / iters if iters
+                                   else math.nan),
+            "output_tok_s_gpu": s.get("output_tokens_per_s_gpu"),
+            "total_tok_s_gpu": s.get("total_tokens_per_s_gpu"),
+            "tok_s_user": (s.get("tokens_per_s_user") or {}).get("p50"), "hit_rate": s.get("hit_rate"),
+        })
+    return rows
+
+
+REPORT_COLUMNS = {"case": "case", "requests": "requests", "ttft_p50_ms": "TTFT P50 (ms)",
+                  "ttft_p90_ms": "TTFT P90 (ms)", "tpot_p50_ms": "TPOT P50 (ms)",
+                  "tpot_p90_ms": "TPOT P90 (ms)",
+                  "step_ms": "decode step (ms)", "itl_p90_ms": "ITL P90 (ms)",
+                  "output_tok_s_gpu": "output tok/s/GPU", "total_tok_s_gpu": "total tok/s/GPU",
+                  "tok_s_user": "tok/s/user P50", "hit_rate": "hit rate"}
+REPORT_NOTE = {
+    "cpu": "The tiny preset on this CPU, eight requests a run in a scaled-down budget: a check that the "
+           "whole run works (chunked prefill, the pool, continuous batching) and the shape of its curve, "
+           "not a speed.",
+    "gpu": "Measured on this GPU: one TP8 rank of K3 at bf16 with random weights, collectives as stand-ins "
+           "(no communication time), the workload scaled (prompts x 1/16, outputs and think times x 1/8) and "
+           "the cache budget of an MI355X rank scaled alike (docs/serving_run.md).",
+}
+
+
+def report_table(records):
+    """`k3lab report`'s table of this study's records: `curve_rows` in REPORT_COLUMNS."""
+    import pandas as pd
+
+    rows = curve_rows(records)
+    return pd.DataFrame(rows, columns=list(REPORT_COLUMNS)).rename(columns=REPORT_COLUMNS)
 
 
 def profile_targets(preset=None) -> dict:

@@ -1,11 +1,13 @@
-"""The model's MI355X figure at the article's interactivity against the article's own, term by term.
+"""The model's MI355X projection and the article's measured figure: what each is made of, never one set
+against the other as comparable.
 
-The article's 7,567 total tokens/s/GPU at 50 tokens/s/user (P90) is a measurement of a whole serving
-stack on AgentX; the model's figure is a projection of k3lab's graph-replayed step. `steps` walks from
-one to the other, changing one assumption at a time to what the article reports, and gives the
-tokens/s/GPU after each change; `terms` sets the quantities that differ side by side. Every row says
-what kind of figure each side is: measured (k3lab's H200 records), modelled, projected (another GPU),
-or the article's (hardware.SEED).
+The article's 7,567 total tokens/s/GPU at 50 tokens/s/user (P90) is a measurement of a whole serving stack
+on AgentX; the model's figure is a projection of k3lab's graph-replayed H200 step. `steps` changes the
+projection one input at a time where the input is measured by k3lab or cited by the article for this
+configuration (DROPPED lists the changes left out and why); `terms` lists the quantities behind each
+side with the article's over the model's as a ratio; bands.calibration states the article's figure over
+the projection as a calibration factor. Every row says what kind each side is: measured (k3lab's
+records), modelled, projected (another GPU), or the article's (hardware.SEED).
 """
 
 from __future__ import annotations
@@ -28,62 +30,57 @@ def step_c1_ms(inp: node.Inputs, g: GPU, context: int, rung: curve.Rung | None =
     return sum(node.rank_step_us(inp, rung.off, 1, context, 1, g=g).values()) / 1e3
 
 
+# Steps an earlier walk took and this one does not: their inputs are neither measured by k3lab nor cited
+# by the article for the configuration the walk is at (8x MI355X at 50 tokens/s/user). What each input
+# can still say is said elsewhere: the hit rate as one end of the band (bands.SOURCES), the c1 step as a
+# ratio in `terms`, the article's figure as a calibration (bands.calibration).
+DROPPED = (
+    ("prefix hits at the article's reported 80.1%", "reported by a separate AgentX experiment (the MoE-rows "
+     "change) at another concurrency, not for this configuration"),
+    ("every step scaled to the article's concurrency-one step", "the article cites its step at concurrency "
+     "one only; scaling the steps of every concurrency by it extrapolates"),
+    ("the hit rate at which the model meets the article's figure", "solved from the figure, not an input"),
+    ("the article's figure at the end of the walk", "a measurement of another stack: stated as a "
+     "calibration ratio (bands.calibration), not as the walk's last step"),
+)
+
+
 def steps(inp: node.Inputs, work: curve.Workload, *, gpu: str = "mi355x",
           target: float = SEED["interactivity"]) -> list[dict]:
-    """From the model's figure to the article's assumptions, one change at a time (cumulative): each row
-    the change, its kind, the scenario, the best configuration at `target` and its tokens/s/GPU, users
-    per node and prefix hit rate. The last row is the article's figure."""
+    """The model's projected figure on `gpu` at `target`, then one change at a time whose input is
+    measured (k3lab's records) or cited for this configuration: each row the change, its kind, the
+    scenario, the best configuration at `target` and its tokens/s/GPU, users per node and prefix hit rate.
+    Every row is a projection; the steps left out and why are in DROPPED."""
     g = gpu_of(gpu)
-    article_rung = curve.RUNGS[-2]
-    hit = SEED["hit_rate_reported"][1]
-    scale = SEED["tpot_ms_c1"][1024] / step_c1_ms(inp, g, 1024)
     plan = [
-        ("the model, all on (k3lab's fused glue included)", "projected", curve.RUNGS[-1], curve.MODEL),
-        ("without k3lab's fused glue (the article's stack has none)", "projected", article_rung, curve.MODEL),
-        (f"prefix hits at the article's reported {hit:.1%} instead of the modelled rate", "the article's",
-         article_rung, curve.Scenario(hit_rate=hit)),
-        (f"every step {scale:.2f}x as long: the article's concurrency-one step over the model's (1K)",
-         "the article's", article_rung, curve.Scenario(hit_rate=hit, step_scale=scale)),
+        ("the model, all on (k3lab's fused glue included)", "projected", curve.RUNGS[-1]),
+        ("without k3lab's fused glue (the article's stack has none; its cost measured on the H200)",
+         "projected", curve.RUNGS[-2]),
     ]
     rows = []
-    for change, kind, rung, sc in plan:
-        b = _best(inp, rung, g, work, target, sc)
+    for change, kind, rung in plan:
+        b = _best(inp, rung, g, work, target, curve.MODEL)
         rows.append({
-            "change": change, "kind": kind, "scenario": sc,
+            "change": change, "kind": kind, "scenario": curve.MODEL,
             "tokens_per_s_gpu": b["tokens_per_s_gpu"] if b else 0.0,
             "config": {k: b[k] for k in ("dcp", "depth", "concurrency")} if b else None,
             "users_per_node": b["concurrency"] if b else 0,
             "hit_rate": b["hit_rate"] if b else None,
         })
-    lo, hi = SEED["hit_rate_reported"][1], max(r["hit_rate"] or 0.0 for r in rows[:2])
-    for _ in range(7):  # the hit rate at which the model meets the article's figure (bisection)
-        mid = 0.5 * (lo + hi)
-        b = _best(inp, article_rung, g, work, target, curve.Scenario(hit_rate=mid, step_scale=scale))
-        lo, hi = (lo, mid) if b and b["tokens_per_s_gpu"] >= SEED["mi355x_tokens_per_s_gpu"] else (mid, hi)
-    b = _best(inp, article_rung, g, work, target, curve.Scenario(hit_rate=hi, step_scale=scale))
-    rows.append({"change": f"prefix hits at {hi:.1%}: where the model meets the article's figure",
-                 "kind": "implied", "scenario": curve.Scenario(hit_rate=hi, step_scale=scale),
-                 "tokens_per_s_gpu": b["tokens_per_s_gpu"] if b else 0.0,
-                 "config": {k: b[k] for k in ("dcp", "depth", "concurrency")} if b else None,
-                 "users_per_node": b["concurrency"] if b else 0, "hit_rate": hi})
-    rows.append({"change": "the article's figure (8x MI355X, AgentX, measured by its authors)",
-                 "kind": "the article's", "scenario": None,
-                 "tokens_per_s_gpu": SEED["mi355x_tokens_per_s_gpu"], "config": None,
-                 "users_per_node": None, "hit_rate": None})
     return rows
 
 
 def terms(inp: node.Inputs, work: curve.Workload, *, gpu: str = "mi355x",
           target: float = SEED["interactivity"]) -> list[dict]:
-    """The quantities behind the two figures, side by side: term, the model's value, what the article
-    reports or its figure implies (None where it publishes nothing), and the kind of each side."""
+    """The quantities behind the model's projection and the article's measurement: term, the model's value,
+    what the article reports or its figure implies (None where it publishes nothing), the kind of each
+    side, and the article's value over the model's (a calibration ratio, not a check: the stacks differ).
+    The total tokens/s/GPU is bands.calibration's."""
     g = gpu_of(gpu)
     b = _best(inp, curve.RUNGS[-1], g, work, target, curve.MODEL)
     per_out = (work.mean_in + work.mean_out) / work.mean_out
     seed_out_node = SEED["mi355x_tokens_per_s_gpu"] * node.TP / per_out
     rows = [
-        ("total tokens/s/GPU at the target", b and b["tokens_per_s_gpu"], SEED["mi355x_tokens_per_s_gpu"],
-         "projected", "the article's"),
         ("tokens counted per output token ((input + output) / output)", per_out, None,
          "modelled (AgentX-like generator)", "AgentX counts input and output; its mix is not published"),
         ("output tokens/s per node", b and b["concurrency"] * b["tokens_per_s_user_mean"], seed_out_node,
@@ -100,8 +97,12 @@ def terms(inp: node.Inputs, work: curve.Workload, *, gpu: str = "mi355x",
          "the article's recipe"),
         ("prefill of one request's uncached input (s)", b and b["prefill_s"], None, "modelled", None),
     ]
-    return [{"term": t, "model": m, "article": a, "model_kind": mk, "article_kind": ak}
-            for t, m, a, mk, ak in rows]
+    def ratio(m, a):
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (m, a))
+        return a / m if ok and m else None
+
+    return [{"term": t, "model": m, "article": a, "model_kind": mk, "article_kind": ak,
+             "ratio_article_over_model": ratio(m, a)} for t, m, a, mk, ak in rows]
 
 
 __all__ = ["step_c1_ms", "steps", "terms"]

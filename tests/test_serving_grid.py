@@ -97,3 +97,25 @@ def test_the_tiny_grid_runs_on_this_machine_and_writes_records_k3lab_import_read
     saved = bench.save_records([bench.Record.from_dict(d) for d in json.loads(out.read_text())],
                                root=tmp_path / "profiles")
     assert len(saved) == 2
+
+
+def test_the_second_gpu_grid_command_plans_every_variant_at_every_point(monkeypatch, tmp_path):
+    """The H100 grid the lead runs (docs/serving.md): the CLI's points, variants and --switches-everywhere
+    reach measure_grid, and its plan times each named variant at every point (what cross_gpu fits)."""
+    seen = {}
+
+    def fake(points, **kw):
+        seen.update(kw, points=points)
+        return []
+
+    monkeypatch.setattr(grid, "measure_grid", fake)
+    out = tmp_path / "g.json"
+    argv = ["grid", "--json", str(out), "--budget-s", "220", "--batches", "1", "4", "16", "--contexts", "1024",
+            "16384", "--variants", "all_on", "base", "no_mla_padded", "--switches-everywhere"]
+    assert grid.main(argv) == 0
+    assert seen["points"] == [(1, 1024), (1, 16384), (4, 1024), (4, 16384), (16, 1024), (16, 16384)]
+    assert seen["subset"] == seen["points"] and seen["variants"] == ["all_on", "base", "no_mla_padded"]
+    todo = [t for t in grid.plan(seen["points"], seen["subset"]) if t[2] in seen["variants"]]
+    for v in seen["variants"]:
+        assert {(b, c) for b, c, w in todo if w == v} == set(seen["points"])
+    assert json.loads(out.read_text()) == []

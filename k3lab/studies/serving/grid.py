@@ -2,6 +2,8 @@
 over batch x context, for all on, the article's befores, and each switch off alone at a few points.
 
     python -m k3lab.studies.serving grid --json $OUT/serving_grid.json [--budget-s 390] [--repeats 5]
+        [--batches 1 4 16 ...] [--contexts 1024 16384 ...] [--variants all_on base ...]
+        [--switches-everywhere]
 
 Records are study 'serving', case 'grid.b{batch}_{context}.{variant}', mode 'graph' (eager where the
 step cannot be captured, and on a CPU), written to the JSON file after every point, so a run stopped
@@ -170,7 +172,8 @@ def measure_point(weights, batch: int, context: int, variant: str, *, repeats: i
 
 def measure_grid(points=None, *, variants: Iterable[str] | None = None, budget_s: float = BUDGET_S,
                  repeats: int = 5, distinct_layers: int = 3, json_path=None, config=None,
-                 log: Callable = print, started: float | None = None) -> list[bench.Record]:
+                 log: Callable = print, started: float | None = None,
+                 subset: Iterable[tuple[int, int]] | None = None) -> list[bench.Record]:
     """Measure the grid (module docstring): `points` (batch, context) pairs (default: `default_points`),
     `variants` to keep from the plan (default: all of it), stopping before a point that would end past
     `budget_s` seconds from `started` (default: now; weights and the bandwidth copy count), estimated from
@@ -183,7 +186,8 @@ def measure_grid(points=None, *, variants: Iterable[str] | None = None, budget_s
         raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
     m = decode_step_measure()
     gpu = m.on_gpu()
-    todo = plan(default_points(gpu) if points is None else points)
+    pts = default_points(gpu) if points is None else points
+    todo = plan(pts, SUBSET if subset is None else subset)
     if variants is not None:
         keep = set(variants)
         for v in keep:
@@ -242,12 +246,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="stop before a point that would end past this many seconds from the start")
     g.add_argument("--repeats", type=int, default=5, help="timed samples per step")
     g.add_argument("--distinct-layers", type=int, default=3, help="weight sets per layer kind")
+    g.add_argument("--batches", type=int, nargs="+", help=f"batches to time (default {BATCHES})")
+    g.add_argument("--contexts", type=int, nargs="+", help=f"contexts to time (default {CONTEXTS})")
+    g.add_argument("--variants", nargs="+", help="variants to keep: all_on, base, no_<switch> (default all)")
+    g.add_argument("--switches-everywhere", action="store_true",
+                   help="time the no_<switch> variants at every point, not only at SUBSET (a second GPU's "
+                        "grid for the cross-GPU check: serving.validate.cross_gpu fits each variant there)")
     args = p.parse_args(argv)
     from k3lab import env
 
     print(env.describe())
-    recs = measure_grid(budget_s=args.budget_s, repeats=args.repeats, distinct_layers=args.distinct_layers,
-                        json_path=args.json, started=started)
+    points = None
+    if args.batches or args.contexts:
+        points = [(b, c) for b in (args.batches or BATCHES) for c in (args.contexts or CONTEXTS)]
+    recs = measure_grid(points, variants=args.variants, budget_s=args.budget_s, repeats=args.repeats,
+                        distinct_layers=args.distinct_layers, json_path=args.json, started=started,
+                        subset=points if args.switches_everywhere and points else None)
     if not recs:
         _write_json(Path(args.json), recs)
     print(f"wrote {len(recs)} records to {args.json} in {time.perf_counter() - started:.0f} s")

@@ -398,12 +398,12 @@ def seed_headline() -> dict:
 
 
 def _fmt_pair(a, b, unit="ms") -> str:
-    return f"{a:.2f} -> {b:.2f} {unit}" if a is not None and b is not None else "not yet run on a GPU"
+    return f"{a:.2f} -> {b:.2f} {unit}" if a is not None and b is not None else "no GPU record yet"
 
 
 def front_page_rows(records=None, device: str = DEVICE) -> list[dict]:
     """Rows for the report's first page, one per whole-step result: what, k3lab (this device's
-    whole-step records, or 'not yet run on a GPU'), seed (the seed's figure, labelled), record."""
+    whole-step records, or 'no GPU record yet'), seed (the seed's figure, labelled), record."""
     recs = load(records, device)
     where = f"profiles/{device}/{NAME}/"
     mla = {r["case"]: r for r in mla_rows(recs)}
@@ -422,12 +422,12 @@ def front_page_rows(records=None, device: str = DEVICE) -> list[dict]:
                                 "not in the seed: k3lab's router, expert sort and SiTU-GLU kernels")):
         g = gain(recs, case, switch)
         rows.append({"what": f"{switch}: step time with it off / on - 1, {case}",
-                     "k3lab": f"{100 * g:+.1f}%" if g is not None else "not yet run on a GPU", "seed": seed,
+                     "k3lab": f"{100 * g:+.1f}%" if g is not None else "no GPU record yet", "seed": seed,
                      "record": where})
     lrows = {(r["variant"], r["mode"]): r for r in launches(recs, "b1_1k")}
     off, on = lrows.get(("all_off", "eager")), lrows.get(("all_on", "eager"))
     rows.append({"what": "kernels per step, all off -> all on (B = 1, 1K)",
-                 "k3lab": f"{off['kernels']} -> {on['kernels']}" if off and on else "not yet run on a GPU",
+                 "k3lab": f"{off['kernels']} -> {on['kernels']}" if off and on else "no GPU record yet",
                  "seed": "69 needless copies per step removed (seed)", "record": where})
     idx = _index(recs)
     fp8, _ = best_us(idx, "b1_1k", "all_on_fp8")
@@ -446,6 +446,6 @@ def front_page_rows(records=None, device: str = DEVICE) -> list[dict]:
     r = idx.get(("b1_1k", "all_on", "eager"))
     rows.append({"what": "all on, B = 1, 1K: step time against its bytes floor",
                  "k3lab": f"{t / 1e3:.2f} ms ({mode}), floor {r.floor_us / 1e3:.2f} ms ({r.floor_us / t:.0%})"
-                 if t and r and r.floor_us else "not yet run on a GPU",
+                 if t and r and r.floor_us else "no GPU record yet",
                  "seed": "22.8 ms per token at 1K (seed, whole serving stack)", "record": where})
     return rows

@@ -1,0 +1,273 @@
+"""Where each part of k3lab has run, as data held to the committed records and to the text that states it.
+
+`RUNS` holds one `Run` per part: the devices it ran on, each with the committed record under profiles/
+that shows it (`ran_on`), and the targets it has not run on, each with the files whose text says so
+(`not_run`). tests/test_runs.py holds this to the tree:
+- a device claimed with no record of that device at the named path fails;
+- a records folder profiles/<device>/<folder> that no claim names fails (a new run must be entered);
+- a part said not to have run on a target with a record for it fails: an AMD device's folder under
+  profiles/ fails every "AMD GPU" claim, a GPU claim fails "GPU";
+- every file whose text states a run status ("not yet run on AMD hardware", "not yet run on a GPU",
+  "not yet made" for several GPUs: `STATEMENTS`) must be named by a part for that target, and every file a
+  part names must state it.
+The README's "What runs where" table is `markdown()`, between the markers `TABLE_BEGIN` / `TABLE_END`
+(`python -m k3lab.studies.runs --write` rewrites it; the test compares it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILES = REPO / "profiles"
+
+# device folder under profiles/ -> the name its records carry in their "device" field ('' = any: the CPU
+# records carry the machine's architecture)
+DEVICES: dict[str, str] = {
+    "nvidia-h200": "NVIDIA H200",
+    "nvidia-h100-80gb-hbm3": "NVIDIA H100 80GB HBM3",
+    "cpu": "",
+}
+DEVICE_LABELS: dict[str, str] = {"nvidia-h200": "H200", "nvidia-h100-80gb-hbm3": "H100", "cpu": "CPU"}
+# the targets a part may not have run on, and the phrases that state it in code and docs
+TARGETS = ("AMD GPU", "GPU", "several GPUs")
+def _phrase(*alternatives: str) -> re.Pattern:
+    """A pattern of phrases whose words may be split across lines; the word '...' stands for any text
+    inside one sentence."""
+    def words(a: str) -> str:
+        return r"\s+".join(r"[^.]*?" if w == "..." else re.escape(w) for w in a.split())
+
+    return re.compile("|".join(words(a) for a in alternatives), re.I)
+
+
+# checked in this order, each statement's text taken out before the next target's search (an NCCL line
+# that says "not yet run on a GPU" is a statement about several GPUs)
+STATEMENTS: dict[str, re.Pattern] = {
+    "several GPUs": _phrase("multi-GPU NCCL runs are not yet made",
+                            "NCCL / RCCL ... not yet run on a GPU"),
+    "AMD GPU": _phrase("not yet run on AMD hardware", "not yet been run on AMD hardware",
+                       "not yet run on ROCm", "not run on AMD hardware", "not yet on AMD hardware"),
+    "GPU": _phrase("not yet run on a GPU", "GPU path is not yet run"),
+}
+AMD_FOLDER = re.compile(r"^(amd|mi\d|instinct|gfx)", re.I)
+TABLE_BEGIN = "<!-- runs table: python -m k3lab.studies.runs --write (k3lab/studies/runs.py) -->"
+TABLE_END = "<!-- end of runs table -->"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One part of k3lab: `what` it is, `ran_on` {device folder: a record path under profiles/ (a file or
+    a folder) that shows the run}, `not_run` {target: files (repository paths) whose text states it}."""
+
+    name: str
+    what: str
+    ran_on: dict[str, str] = field(default_factory=dict)
+    not_run: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def _h200(study: str) -> dict[str, str]:
+    return {"nvidia-h200": f"nvidia-h200/{study}"}
+
+
+RUNS: tuple[Run, ...] = (
+    Run("launch_overhead", "launch costs, eager against graph replay", _h200("launch_overhead")),
+    Run("copy_removal", "AttnRes + RMSNorm fused, packing where read", _h200("copy_removal")),
+    Run("kda_decode", "the fused KDA decode step against five launches and fla", _h200("kda_decode")),
+    Run("mla_padding", "MLA decode, 12 heads padded to 16, split history; FlashMLA beside it",
+        _h200("mla_padding")),
+    Run("kda_scan", "KDA chunked prefill, the group scan against the walk and fla", _h200("kda_scan")),
+    Run("kda_verify", "KDA verification with narrow value tiles", _h200("kda_verify")),
+    Run("kda_precision", "the chunk inverse's error, fp32 against bf16 (host-side)",
+        {"cpu": "cpu/kda_precision"}),
+    Run("draft_depth", "committed tokens per cycle, simulated and by formula (host-side)",
+        {"cpu": "cpu/draft_depth"}),
+    Run("decode_step", "one TP8 rank's whole decode step, each switch off alone", _h200("decode_step")),
+    Run("agent_cache", "the prefix-cache simulator and host<->device copies", _h200("agent_cache")),
+    Run("dcp", "DCP8's local attention, the merge and the cache on one GPU", _h200("dcp")),
+    Run("moe_sharding", "the MoE tail replicated vs sharded, the grouped experts", _h200("moe_sharding")),
+    Run("serving", "the step model fitted to measured steps, the serving curves", _h200("serving")),
+    Run("gpu_check", "the tests, notebooks and `k3lab report` on a GPU machine",
+        {"nvidia-h200": "nvidia-h200/gpu_check", "nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/gpu_check"}),
+    Run("occupancy_probe", "the seed's occupancy experiment (k3lab.isa.occupancy_probe)",
+        {"nvidia-h200": "isa/occupancy_probe_h200.json"},
+        {"AMD GPU": ("docs/mi355x.md", "k3lab/isa/occupancy_probe.py")}),
+    Run("triton_on_amd", "the Triton kernels through Triton's AMD backend (compiled for gfx950 / gfx942 "
+        "in CI; docs/mi355x.md)", {},
+        {"AMD GPU": ("README.md", "docs/instructor.md", "k3lab/isa/__main__.py", "k3lab/ops/gemv.py",
+                     "k3lab/ops/attn_res_norm/inputs.py", "k3lab/ops/kda_chunk/__init__.py",
+                     "k3lab/ops/kda_verify/__init__.py", "k3lab/ops/kda_verify/inputs.py",
+                     "k3lab/ops/kda_verify/triton.py", "k3lab/ops/moe_router/triton.py")}),
+    Run("hip_kernels", "kernels/*.cu built by hipcc (compiled for gfx942 in CI)", {},
+        {"AMD GPU": ("k3lab/ops/_build.py", "k3lab/ops/attn_res_norm/cuda.py", "k3lab/ops/kda_chunk/cuda.py",
+                     "k3lab/ops/kda_verify/cuda.py", "k3lab/ops/mla_decode/cuda.py", "k3lab/isa/hip.py",
+                     "notebooks/03_copy_removal.ipynb")}),
+    Run("aiter", "AITER's padded MLA decode as a backend and peer", {},
+        {"AMD GPU": ("docs/mi355x.md", "docs/mla_padding.md", "k3lab/env.py",
+                     "k3lab/ops/mla_decode/__init__.py",
+                     "k3lab/ops/mla_decode/peers.py", "k3lab/studies/mla_padding/__init__.py",
+                     "k3lab/studies/mla_padding/measure.py", "k3lab/studies/peers.py",
+                     "k3lab/workshop/setup.py")}),
+    Run("rocprofv3", "rocprofv3 traces and their rocpd database", {},
+        {"AMD GPU": ("k3lab/profiling/rocprofv3_run.py", "k3lab/profiling/rocpd.py")}),
+    Run("collectives", "DCP and the MoE tail on torch.distributed (NCCL / RCCL; gloo in the tests)", {},
+        {"several GPUs": ("README.md", "k3lab/parallel/dcp.py", "k3lab/parallel/launch.py")}),
+    Run("serving_run", "the measured serving run (continuous batching, chunked prefill, the prefix cache)",
+        {}, {"GPU": ("README.md", "k3lab/serving/pool.py", "k3lab/serving/run.py", "k3lab/engine/prefill.py",
+                     "k3lab/report/eta.py", "k3lab/studies/__init__.py")}),
+)
+
+
+def by_name(name: str) -> Run:
+    """The part called `name`; KeyError naming the known ones."""
+    for r in RUNS:
+        if r.name == name:
+            return r
+    raise KeyError(f"no part {name!r} in RUNS; known: {', '.join(r.name for r in RUNS)}")
+
+
+def _record_devices(path: Path) -> set[str]:
+    """The "device" fields of the JSON records at `path` (a file or every *.json under a folder)."""
+    files = [path] if path.is_file() else sorted(path.rglob("*.json"))
+    found = set()
+    for f in files:
+        try:
+            data = json.loads(f.read_text())
+        except (ValueError, UnicodeDecodeError):
+            continue
+        for rec in data if isinstance(data, list) else [data]:
+            if isinstance(rec, dict) and isinstance(rec.get("device"), str):
+                found.add(rec["device"])
+    return found
+
+
+def problems(runs: tuple[Run, ...] = RUNS, root: Path = REPO) -> list[str]:
+    """Every way `runs` and the tree under `root` disagree, one line each ([] when they agree)."""
+    profiles = root / "profiles"
+    out = []
+    names = [r.name for r in runs]
+    out += [f"part {n!r} is listed twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    claimed = set()
+    for r in runs:
+        for device, rel in r.ran_on.items():
+            if device not in DEVICES:
+                out.append(f"{r.name}: device {device!r} is not one of {sorted(DEVICES)}")
+                continue
+            path = profiles / rel
+            claimed.add(rel)
+            if not path.exists():
+                out.append(f"{r.name}: ran on {device} claims profiles/{rel}, which does not exist")
+                continue
+            seen = _record_devices(path)
+            want = DEVICES[device]
+            if not seen or (want and want not in seen):
+                out.append(f"{r.name}: ran on {device} claims profiles/{rel}, whose records name "
+                           f"{sorted(seen) or 'no device'}")
+        for target, files in r.not_run.items():
+            if target not in TARGETS:
+                out.append(f"{r.name}: target {target!r} is not one of {TARGETS}")
+                continue
+            if target == "GPU" and any(d != "cpu" for d in r.ran_on):
+                out.append(f"{r.name}: said not to have run on a GPU, but ran on {sorted(r.ran_on)}")
+            for f in files:
+                p = root / f
+                if not p.is_file():
+                    out.append(f"{r.name}: {f} (stating it has not run on {target}) is not a file")
+                elif target not in statements(_text(p)):
+                    out.append(f"{r.name}: {f} is said to state that it has not run on {target}, "
+                               "and does not")
+    amd = sorted(p.name for p in profiles.iterdir() if p.is_dir() and AMD_FOLDER.match(p.name))
+    if amd:
+        out += [f"{r.name}: said not to have run on an AMD GPU, but profiles/ holds {amd}" for r in runs
+                if "AMD GPU" in r.not_run]
+    for device in DEVICES:
+        folder = profiles / device
+        for p in sorted(folder.iterdir()) if folder.is_dir() else []:
+            rel = f"{device}/{p.name}"
+            if p.is_dir() and rel not in claimed:
+                out.append(f"profiles/{rel} is in no part's ran_on")
+    for p in sorted(profiles.iterdir()):
+        if p.is_dir() and p.name not in DEVICES and p.name != "isa":
+            out.append(f"profiles/{p.name} is a device folder not in runs.DEVICES")
+    named = {(t, f) for r in runs for t, files in r.not_run.items() for f in files}
+    for path in _stating_files(root):
+        rel = path.relative_to(root).as_posix()
+        for target in statements(_text(path)):
+            if (target, rel) not in named:
+                out.append(f"{rel} states a part has not run on {target}, and no part of runs.RUNS names it")
+    return out
+
+
+def statements(text: str) -> set[str]:
+    """The targets `text` states a part has not run on (STATEMENTS, in order, each match taken out)."""
+    found = set()
+    for target, pattern in STATEMENTS.items():
+        text, n = pattern.subn(" ", text)
+        if n:
+            found.add(target)
+    return found
+
+
+def _text(path: Path) -> str:
+    """A file's text; a notebook's cell sources joined (so statements in outputs or metadata do not count)."""
+    if path.suffix == ".ipynb":
+        cells = json.loads(path.read_text())["cells"]
+        return "\n".join("".join(c["source"]) for c in cells)
+    return path.read_text()
+
+
+def _stating_files(root: Path) -> list[Path]:
+    """The files whose statements are held to the data: README.md, docs/*.md, k3lab/**/*.py, notebooks."""
+    files = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "k3lab").rglob("*.py"),
+             *(root / "notebooks").glob("*.ipynb")]
+    return sorted(f for f in files if f.name != "runs.py" or f.parent.name != "studies")  # not this file
+
+
+def markdown(runs: tuple[Run, ...] = RUNS) -> str:
+    """The README's table: one row per part, where it ran (with the record) and where not yet."""
+    rows = ["| part | what | ran on (committed record) | stated as not yet run on |", "|---|---|---|---|"]
+    for r in runs:
+        ran = ", ".join(f"{DEVICE_LABELS[d]} (`profiles/{rel}`)" for d, rel in r.ran_on.items()) or "-"
+        rows.append(f"| `{r.name}` | {r.what} | {ran} | {', '.join(r.not_run) or '-'} |")
+    return "\n".join(rows) + "\n"
+
+
+def readme_table(readme: str) -> str:
+    """The text between TABLE_BEGIN and TABLE_END in the README ('' when the markers are absent)."""
+    if TABLE_BEGIN not in readme or TABLE_END not in readme:
+        return ""
+    return readme.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0].strip("\n") + "\n"
+
+
+def write_readme(path: Path = REPO / "README.md") -> bool:
+    """Rewrite the table between the markers; True when the file changed. ValueError without the markers."""
+    text = path.read_text()
+    if TABLE_BEGIN not in text or TABLE_END not in text:
+        raise ValueError(f"{path} lacks the markers {TABLE_BEGIN!r} ... {TABLE_END!r}")
+    head, rest = text.split(TABLE_BEGIN, 1)
+    tail = rest.split(TABLE_END, 1)[1]
+    new = f"{head}{TABLE_BEGIN}\n{markdown()}{TABLE_END}{tail}"
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m k3lab.studies.runs", description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="rewrite README.md's table")
+    args = parser.parse_args(argv)
+    if args.write:
+        print("README.md", "rewritten" if write_readme() else "unchanged")
+    else:
+        print(markdown(), end="")
+    bad = problems()
+    for line in bad:
+        print("problem:", line)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -148,4 +148,40 @@ def calibration(inp, work: curve.Workload, *, error: dict, target: float = SEED[
     return rows
 
 
-__all__ = ["ACCEPTANCE", "CALL_LATENCY_US", "PROJECTIONS", "SOURCES", "band", "calibration"]
+def _tok(v) -> str:
+    return "none reaches it" if not v else f"{round(v, -1):,.0f}"
+
+
+def _ratio(v) -> str:
+    return "unbounded" if v is None else f"{v:.2f}"
+
+
+def report_markdown(inp, work: curve.Workload, error: dict, *, target: float = SEED["interactivity"]) -> str:
+    """docs/serving.md's projection section, generated: per projection its band at `target` (all on),
+    the per-source ranges, output tokens/s/GPU, TPOT P90 and modelled TTFT of the central point, then the
+    calibration ratios (the test compares the page to this)."""
+    bs = {k: band(inp, k, work, error=error, target=target) for k in PROJECTIONS}
+    lines = [f"Step-model error carried: {error['kind']}, worst {error['worst']:.0%}.", "",
+             f"| projection (all on) | memory/GPU | total tokens/s/GPU at {target:g} tokens/s/user: central "
+             "[band] | output tokens/s/GPU | TPOT P90 (ms) | TTFT (s, modelled) | "
+             + " | ".join(SOURCES) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(SOURCES)]
+    for b in bs.values():
+        a = b["at_target"]
+        src = " | ".join(f"{_tok(lo)} to {_tok(hi)}" for lo, hi in (b["per_source"][s] for s in SOURCES))
+        tpot = "-" if a["tpot_p90_ms"] is None else f"{a['tpot_p90_ms']:.1f}"
+        ttft = "-" if a["ttft_s_modelled"] is None else f"{a['ttft_s_modelled']:.2f}"
+        lines.append(f"| {b['gpu']} (projected) | {b['memory_gb']:g} GB | {_tok(a['central'])} "
+                     f"[{_tok(a['low'])}, {_tok(a['high'])}] | {a['output_tokens_per_s_gpu']:,.0f} | "
+                     f"{tpot} | {ttft} | {src} |")
+    lines += ["", "| calibration | the article's measured tokens/s/GPU | over the projection of the "
+              "article's stack: central [over the band's high, low end] |", "|---|---|---|"]
+    for r in calibration(inp, work, error=error, target=target):
+        lo, hi = r["ratio_range"]
+        lines.append(f"| {r['gpu']} | {r['article_measured']:,.0f} | {_ratio(r['ratio_central'])} "
+                     f"[{_ratio(lo)}, {_ratio(hi)}] |")
+    return "\n".join(lines)
+
+
+__all__ = ["ACCEPTANCE", "CALL_LATENCY_US", "PROJECTIONS", "SOURCES", "band", "calibration",
+           "report_markdown"]

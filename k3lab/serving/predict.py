@@ -68,6 +68,18 @@ def _get(record) -> dict:
     return d
 
 
+def as_record(result, case: str = "run", device: str = "this machine") -> dict:
+    """A k3lab.serving.run.RunResult in the form of a serving_run record (the fields this module reads),
+    for a run made outside the study (a test's, a notebook's)."""
+    st = result.settings
+    return {"study": "serving_run", "case": case, "device": device,
+            "shape": {"concurrency": st.concurrency, "dcp": st.dcp,
+                      "max_batched_tokens": st.max_batched_tokens,
+                      "checkpoint_interval": st.checkpoint_interval},
+            "extra": {"summary": result.summary(), "describe": result.describe,
+                      "requests": [{k: v for k, v in r.items() if k != "logits"} for r in result.requests]}}
+
+
 def run_inputs(record) -> dict:
     """What the replay takes from a serving_run record: concurrency, DCP, the prefill budget, checkpoint
     interval, staging entries, captured sizes, GPUs, and the sessions (each a list of turns: request, prompt,

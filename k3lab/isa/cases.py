@@ -69,6 +69,16 @@ def mla_after(batch=1, q_len=1, length=32768):
     mt.plan_after(q, kv, lengths, block_table=bt)()
 
 
+def mla_fp8(batch=1, q_len=1, length=32768):
+    """The decode over an FP8 (E4M3) latent cache with its fp32 scale (k3lab.ops.mla_decode.fp8_cache)."""
+    from k3lab.ops.mla_decode import fp8_cache
+
+    q, kv, lengths, bt = _mla_inputs(batch, q_len, length)
+    cache = torch.empty(kv.shape, dtype=fp8_cache.FP8)
+    kv_scale = torch.ones(1, dtype=torch.float32)  # its value is read when the plan is made
+    fp8_cache.plan_fp8(q, cache, kv_scale, lengths, block_table=bt)()
+
+
 def dcp_merge(world=8, batch=1, q_len=1):
     from k3lab.ops.mla_decode.merge import merge_partials
 
@@ -357,6 +367,9 @@ CASES: dict[str, tuple] = {
     "mla_decode.after_64x8k": (mla_after, {"batch": 64, "length": 8192}, "64 requests x 8K"),
     "mla_decode.verify_2": (mla_after, {"q_len": 2}, "verification group of 2 at 32K"),
     "mla_decode.verify_4": (mla_after, {"q_len": 4}, "verification group of 4 at 32K"),
+    "mla_decode.fp8_cache_1k": (mla_fp8, {"length": 1024}, "FP8 latent cache, one token, 1K"),
+    "mla_decode.fp8_cache_32k": (mla_fp8, {}, "FP8 latent cache, one token, 32K (split)"),
+    "mla_decode.fp8_cache_verify_4": (mla_fp8, {"q_len": 4}, "FP8 latent cache, verification group of 4"),
     "mla_decode.dcp_merge": (dcp_merge, {}, "DCP8 merge of 8 partials"),
     "kda_chunk.before_16k": (kda_prefill_before, {}, "12 heads x 16K: prologue + plain walk"),
     "kda_chunk.after_16k": (kda_prefill_after, {}, "12 heads x 16K: prologue + group scan"),

@@ -13,7 +13,7 @@ from k3lab.studies.dcp import measure
 @pytest.mark.follows_gpu  # the study puts its tensors on the GPU where there is one
 @pytest.mark.slow
 def test_bench_smoke_checks_records_and_ratios(capsys):
-    data = measure.run(smoke=True)
+    data = measure.one_gpu(smoke=True)
     cases = {(r.case, r.variant) for r in data["records"]}
     assert ("local_tp8_B2_L128", "after") in cases and ("local_dcp8_B2_L128", "after") in cases
     assert ("merge_N8_B2", "before") in cases and ("merge_N8_B2", "after") in cases
@@ -49,4 +49,4 @@ def test_without_a_gpu_the_full_run_refuses_by_name():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     with pytest.raises(RuntimeError, match="smoke=True"):
-        measure.run()
+        measure.one_gpu()

@@ -13,13 +13,14 @@
   TP8 and DCP8 in FP8 and BF16: torch.cuda.memory_allocated around the shards against the formula
   (agreeing within the allocator's page, `measure_shard_bytes`).
 
-Every timed output is checked against the fp32 reference first. `run` returns the records with the
+Every timed output is checked against the fp32 reference first. `one_gpu` returns the records with the
 ratios and memory beside them; `print_summary` prints those. smoke=True runs tiny sizes (on a CPU in
 fp32 through Triton's interpreter) to check the code itself.
 """
 
 from __future__ import annotations
 
+import pandas as pd
 import torch
 
 from k3lab import bench
@@ -28,11 +29,11 @@ from k3lab.ops import mla_decode
 from k3lab.ops.mla_decode.merge import merge_partials
 from k3lab.parallel import dcp
 
-STUDY = "dcp"
-TP_HEADS, WORLD = 12, 8
+from .tables import CONVERSATION, NAME, WORLD
+
+TP_HEADS = 12
 LOCAL_CASES = ((32768, 1), (32768, 8), (131072, 1), (131072, 8), (32768, 64))
 MERGE_BATCHES = (1, 64)
-CONVERSATION = 142_000
 
 
 def _local_case(L: int, B: int, shape: str, gen, timing: dict, graph: bool, dt, backend: str | None = None):
@@ -56,7 +57,7 @@ def _local_case(L: int, B: int, shape: str, gen, timing: dict, graph: bool, dt, 
                 rel_l2=1e-3)  # lse of bf16 inputs, both sides in fp32
     t = bench.time_fn(lambda p: p(), graph=graph, rotate=[(p,) for p in plans], **timing)
     floor = bench.floor_us(bytes=bytes_per_set)
-    return bench.make_record(STUDY, f"local_{shape}_B{B}_L{L}{'.' + backend if backend else ''}", "after", t,
+    return bench.make_record(NAME, f"local_{shape}_B{B}_L{L}{'.' + backend if backend else ''}", "after", t,
                              shape={"batch": B, "context": L, "rows": rows, "heads": heads},
                              dtype=dt, floor_us=floor, error=err, backend_used=plans[0].backend,
                              layout=shape)
@@ -84,7 +85,7 @@ def _merge_case(B: int, gen, timing: dict, graph: bool, dt):
         # timed as the decode runs it: on the op's own lse, without the value check (a host sync)
         t = bench.time_fn(lambda a, b, impl=impl: merge_partials(a, b, impl, check_values=False), graph=graph,
                           rotate=sets, **timing)
-        out.append(bench.make_record(STUDY, f"merge_N{WORLD}_B{B}", variant, t,
+        out.append(bench.make_record(NAME, f"merge_N{WORLD}_B{B}", variant, t,
                                      shape={"pieces": WORLD, "batch": B, "heads": TP_HEADS, "value_dim": 512},
                                      dtype=dt, floor_us=bench.floor_us(bytes=nbytes), error=err,
                                      impl=impl))
@@ -102,7 +103,7 @@ def _memory(device) -> list[dict]:
     return rows
 
 
-def run(smoke: bool = False) -> dict:
+def one_gpu(smoke: bool = False) -> dict:
     gpu = torch.cuda.is_available()
     if not gpu and not smoke:
         raise RuntimeError("the dcp study times kernels on a CUDA or ROCm GPU (smoke=True, or --smoke, "
@@ -155,7 +156,7 @@ def run(smoke: bool = False) -> dict:
 
 
 def print_summary(result: dict) -> None:
-    """The ratios, merges and memory of a `run` result, one table each."""
+    """The ratios, merges and memory of a `one_gpu` result, one table each."""
     print(f"{'context':>8} {'B':>3} {'TP8 us':>9} {'DCP8 us':>9} {'DCP8/TP8':>9}  (target <= 1.1)  backends; "
           "same backend")
     for r in result["local_ratio"]:
@@ -173,3 +174,59 @@ def print_summary(result: dict) -> None:
         off = "" if m["agrees"] else "  OFF BY MORE THAN ONE PAGE"
         print(f"memory {m['layout']:<5} {m['dtype']:<14} formula {m['formula'] / 1e6:9.1f} MB  measured "
               f"{m['measured'] / 1e6:9.1f} MB  ({m['how']}){off}")
+
+
+# -------------------------------------------------------------------------------------- live run
+def live_attention() -> tuple[str, str]:
+    """(decode, why) for the gloo ranks' shards, which are CPU tensors (`check.default_attention`)."""
+    from k3lab.parallel.check import default_attention
+
+    if default_attention("cpu") == "after":
+        return "after", "the MLA op's after, in Triton's interpreter (CPU tensors)"
+    return "reference", ("the reference decode: gloo ranks hold CPU tensors, and Triton runs on CPU tensors "
+                         "only in its interpreter (TRITON_INTERPRET=1, which k3lab sets only when there is "
+                         "no GPU)")
+
+
+def live_run(world_size: int = 4, *, tqs=(1, 4), interleaves=(1, 16), batch: int = 3, heads: int = 2,
+             length: int = 96, attention: str | None = None, timeout_s: float = 120) -> pd.DataFrame:
+    """DCP on `world_size` gloo ranks (processes on this machine) against single-rank fp64 attention.
+
+    One spawned run per (Tq, interleave); both merges in each. Returns one row per merge, rank and case.
+    attention: the decode on each shard (None: `live_attention`).
+    """
+    from k3lab.parallel import spawn
+    from k3lab.parallel.check import dcp_rank_check
+
+    attention = attention or live_attention()[0]
+    frames = []
+    for tq in tqs:
+        for inter in interleaves:
+            opts = dict(batch=batch, tq=tq, heads=heads, length=length, dtype="float32", interleave=inter,
+                        local=attention, seed=tq * 100 + inter, merges=list(dcp.MERGES))
+            rows = spawn(dcp_rank_check, world_size, opts, backend="gloo", timeout_s=timeout_s)
+            frames.append(pd.DataFrame(rows).assign(tq=tq, interleave=inter))
+    return pd.concat(frames, ignore_index=True)[
+        ["tq", "interleave", "merge", "rank", "held", "rel", "lse_abs", "nan"]
+    ]
+
+
+# ---------------------------------------------------------------------------------------- study contract
+# `k3lab bench dcp` on a GPU: the one-GPU benchmark (`one_gpu`) as one case.
+def case_names(preset=None) -> list[str]:
+    return ["one_gpu"]
+
+
+def run(preset=None, cases=None, *, smoke: bool = False) -> list:
+    """Local attention at TP8's and DCP8's shapes, the merge, the 142K cache (needs a GPU; smoke=True
+    runs tiny sizes anywhere, to check the code); prints the ratios, merges and memory
+    (`print_summary`) and returns the records."""
+    if cases and list(cases) != ["one_gpu"]:
+        raise ValueError(f"cases must be ['one_gpu'], got {list(cases)}")
+    result = one_gpu(smoke=smoke)
+    print_summary(result)
+    return result["records"]
+
+
+def profile_targets(preset=None) -> dict:
+    return {}

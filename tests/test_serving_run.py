@@ -454,6 +454,9 @@ def test_study_records_on_a_cpu(tmp_path):
         assert "scaled-down budget" in r.extra["describe"]["cache_budget"]["source"]
         assert len(r.extra["requests"]) == 8 and r.shape["dcp"] == int(r.case.split(".")[1][3:])
     assert len(list((tmp_path / "profiles").rglob("*.json"))) == 2
+    back = serving_run.measured(root=tmp_path / "profiles", device="cpu")
+    assert [r.case for r in back] == ["c2.dcp1.host", "c2.dcp8.gpu_only"]  # DCP1 first
+    assert serving_run.measured(root=tmp_path / "nothing") == []
     with pytest.raises(ValueError, match="case must look like"):
         serving_run.parse_case("c8.dcp1")
     with pytest.raises(ValueError, match="form"):
@@ -469,3 +472,35 @@ def test_study_budget_is_the_article_rank_scaled():
     b = serving_run.budget(1 / 16)
     assert b.gpu_bytes == pytest.approx(node.free_gb(hardware.gpu("mi355x")) * 1e9 / 16)
     assert b.host_bytes == pytest.approx(224.875e9 / 16) and "MI355X" in b.source
+
+
+@CPU
+def test_study_budget_rows_and_the_model_costs():
+    """A budget that no run fits still measures the first run and starts no other; curve_rows reads the
+    summary (the decode step at the batch nearest the run's mean, TPOT P90 over it); the costs are timed
+    on the run's engine and are what the notebook's model uses on a CPU; the thread count comes back."""
+    from k3lab.studies import serving_run
+
+    threads, lines = torch.get_num_threads(), []
+    recs, costs = serving_run.run_with_costs(cases=["c1.dcp1.host", "c2.dcp1.host"], budget_s=1e-3,
+                                             log=lines.append)
+    assert [r.case for r in recs] == ["c1.dcp1.host"] and torch.get_num_threads() == threads
+    assert any("stopping before c2.dcp1.host" in ln for ln in lines), lines
+    assert any("over the budget" in ln for ln in lines), lines
+    (row,) = serving_run.curve_rows(recs)
+    s = recs[0].extra["summary"]
+    assert row["tpot_p90_ms"] == s["tpot_ms"]["p90"] and row["ttft_p50_ms"] == s["ttft_ms"]["p50"]
+    assert row["step_ms"] == s["decode_step_ms"][str(row["step_batch"])]
+    assert row["tpot_p90_over_step"] == pytest.approx(row["tpot_p90_ms"] / row["step_ms"])
+    assert row["total_tok_s_gpu"] > row["output_tok_s_gpu"] > 0 and 0 <= row["prefill_iterations"] <= 1
+    assert serving_run._step_at({"1": 5.0, "2": 7.0, "4": 9.0}, 3.0) == (4, 9.0)  # a tie: the larger
+    assert serving_run._step_at({"1": 5.0, "2": 7.0, "4": 9.0}, 1.2) == (1, 5.0)
+    table = serving_run.report_table(recs)
+    assert list(table.columns) == list(serving_run.REPORT_COLUMNS.values()) and len(table) == 1
+    assert "timed alone" in costs.source and costs.decode_us(1, 1, 16.0) > 0
+    assert serving_run.model_costs(recs, costs) is costs
+    other = dataclasses.replace(recs[0], study="serving")
+    with pytest.raises(ValueError, match="records must be 'serving_run' records"):
+        serving_run.curve_rows([other])
+    with pytest.raises(ValueError, match="concurrency must be a positive int"):
+        serving_run.engine_costs(0)

@@ -202,16 +202,64 @@ def run(preset=None, cases=None, *, form: str = "full", log=print, budget_s: flo
 
     On a CPU the runs use one torch thread (restored after): on a shared 2-core machine under load,
     torch's pool of two spins (the CPU form took 116 s with two threads at a load of 5, 7 s alone)."""
+    return _one_thread_on_a_cpu(_run_cases, cases, form, log, budget_s, on_record)[0]
+
+
+def run_with_costs(cases=None, *, form: str = "brief", log=print, budget_s: float | None = None):
+    """(records, costs): run() of `cases` in `form`, then the step model's costs timed on the same
+    engine, each step alone (k3lab.serving.predict.measure_costs), for predict.check_runs to set the
+    model beside these runs."""
+    return _one_thread_on_a_cpu(_run_cases, cases, form, log, budget_s, None, True)
+
+
+def engine_costs(concurrency: int, log=print):
+    """The step model's costs (predict.measure_costs) timed on an engine built as a run of `concurrency`
+    sequences would be, without running any requests: for committed records of this machine."""
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency must be a positive int, got {concurrency!r}")
+
+    def build():
+        from k3lab.serving import predict
+
+        engine, _, kind, _ = _setup([f"c{concurrency}.dcp1.host"], log)
+        with torch.no_grad():
+            costs = predict.measure_costs(engine)
+        del engine
+        _give_back_memory(kind)
+        return costs
+
+    return _one_thread_on_a_cpu(build)
+
+
+def model_costs(records, costs=None, log=print):
+    """The costs notebook 09 sets the model beside `records` with: on a GPU whose serving grid is
+    committed, its step model (predict.gpu_costs); else `costs` when given (timed on the run's own
+    engine); else timed on a fresh engine of the records' largest concurrency (`engine_costs`)."""
+    from k3lab.serving import predict
+
+    if _on_gpu():
+        try:
+            return predict.gpu_costs(bench.device_slug())
+        except (LookupError, ValueError) as exc:  # no grid of this GPU committed
+            log(f"serving_run: {exc}: the model is this GPU's steps timed alone")
+    if costs is not None:
+        return costs
+    return engine_costs(max(int(r.shape["concurrency"]) for r in records), log)
+
+
+def _one_thread_on_a_cpu(fn, *args):
+    """fn(*args) with one torch thread on a CPU (run()'s docstring says why), the count restored after."""
     threads = torch.get_num_threads()
     if not _on_gpu():
         torch.set_num_threads(1)
     try:
-        return _run_cases(cases, form, log, budget_s, on_record)
+        return fn(*args)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_cases(cases, form, log, budget_s, on_record) -> list[bench.Record]:
+def _run_cases(cases, form, log, budget_s, on_record, with_costs: bool = False):
+    """(records, costs or None): the runs of run() / run_with_costs()."""
     from k3lab.serving.run import RunSettings
 
     if form not in RUN_S:
@@ -264,9 +312,15 @@ def _run_cases(cases, form, log, budget_s, on_record) -> list[bench.Record]:
     if budget_s is not None and time.perf_counter() - t0 > budget_s:
         log(f"serving_run: {time.perf_counter() - t0:.0f} s, over the budget of {budget_s:.0f} s (the "
             "engine's setup and the first run are always measured)")
+    costs = None
+    if with_costs:
+        from k3lab.serving import predict
+
+        with torch.no_grad():
+            costs = predict.measure_costs(engine)
     del engine
     _give_back_memory(kind)
-    return out
+    return out, costs
 
 
 def _give_back_memory(kind: str) -> None:
@@ -280,9 +334,13 @@ def _give_back_memory(kind: str) -> None:
         torch.cuda.empty_cache()
 
 
+REPORT_RECORDS = Path(bench.records.PROFILES).parent / "build" / "records"  # `make run`'s (k3lab report)
+
+
 def measured(root=None, device: str | None = None) -> list[bench.Record]:
     """This machine's committed serving-run records (`device`: a slug or name, default this machine's;
-    `root`: default the tree's profiles/), ordered by DCP, host tier and concurrency; [] when none."""
+    `root`: default the tree's profiles/; REPORT_RECORDS holds those of the last `make run`), ordered by
+    DCP, host tier and concurrency; [] when none."""
     slug = device if device is not None else bench.device_slug()
     recs = bench.load_records(study=NAME, device=slug, root=root)
     return sorted(recs, key=lambda r: (r.shape.get("dcp", 1), not r.shape.get("host_tier", True),
@@ -354,6 +412,39 @@ def report_table(records):
 
     rows = curve_rows(records)
     return pd.DataFrame(rows, columns=list(REPORT_COLUMNS)).rename(columns=REPORT_COLUMNS)
+
+
+def curve_figure(rows: list[dict], title: str):
+    """Two panels of `curve_rows` (one marker per run, labelled by concurrency): total and output
+    tokens/s/GPU against tokens/s/user (P50), the article's axes; TTFT and TPOT P50 / P90 against
+    concurrency (log scale)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s/GPU against tokens/s/user",
+                                                        "TTFT and TPOT against concurrency"))
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["dcp"], r["host_tier"]), []).append(r)
+    for (dcp, host), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["concurrency"])
+        name = f"DCP{dcp}, {'host tier' if host else 'GPU only'}"
+        text = [f"C={r['concurrency']}" for r in rs]
+        for key, what, dash in (("total_tok_s_gpu", "total", None), ("output_tok_s_gpu", "output", "dot")):
+            fig.add_trace(go.Scatter(x=[r["tok_s_user"] for r in rs], y=[r[key] for r in rs], text=text,
+                                     mode="lines+markers+text", textposition="top center",
+                                     line={"dash": dash}, name=f"{what} tokens, {name}"), row=1, col=1)
+        for key, what, dash in (("ttft_p50_ms", "TTFT P50", None), ("ttft_p90_ms", "TTFT P90", "dot"),
+                                ("tpot_p50_ms", "TPOT P50", "dash"), ("tpot_p90_ms", "TPOT P90", "dashdot")):
+            fig.add_trace(go.Scatter(x=[r["concurrency"] for r in rs], y=[r[key] for r in rs],
+                                     mode="lines+markers", line={"dash": dash}, name=f"{what}, {name}"),
+                          row=1, col=2)
+    fig.update_xaxes(title_text="tokens/s/user (P50 over users)", row=1, col=1)
+    fig.update_yaxes(title_text="tokens/s/GPU", type="log", row=1, col=1)
+    fig.update_xaxes(title_text="concurrency (sessions at once)", type="log", row=1, col=2)
+    fig.update_yaxes(title_text="ms", type="log", row=1, col=2)
+    fig.update_layout(title=title, height=460)
+    return fig
 
 
 def profile_targets(preset=None) -> dict:

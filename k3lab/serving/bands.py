@@ -156,11 +156,13 @@ def _ratio(v) -> str:
     return "unbounded" if v is None else f"{v:.2f}"
 
 
-def report_markdown(inp, work: curve.Workload, error: dict, *, target: float = SEED["interactivity"]) -> str:
+def report_markdown(inp, work: curve.Workload, error: dict, *, target: float = SEED["interactivity"],
+                    bands_by_key: dict | None = None) -> str:
     """docs/serving.md's projection section, generated: per projection its band at `target` (all on),
     the per-source ranges, output tokens/s/GPU, TPOT P90 and modelled TTFT of the central point, then the
-    calibration ratios (the test compares the page to this)."""
-    bs = {k: band(inp, k, work, error=error, target=target) for k in PROJECTIONS}
+    calibration ratios (the test compares the page to this). `bands_by_key`: the all-on bands (with
+    per_source) already computed for every key of PROJECTIONS."""
+    bs = bands_by_key or {k: band(inp, k, work, error=error, target=target) for k in PROJECTIONS}
     lines = [f"Step-model error carried: {error['kind']}, worst {error['worst']:.0%}.", "",
              f"| projection (all on) | memory/GPU | total tokens/s/GPU at {target:g} tokens/s/user: central "
              "[band] | output tokens/s/GPU | TPOT P90 (ms) | TTFT (s, modelled) | "

@@ -159,7 +159,7 @@ def test_gpu_only_switch_on_cpu_says_what_runs_instead():
             DecodeStep(SMALL, 1, 4, optimizations="all", device="cpu")
         return
     step = DecodeStep(SMALL, 1, 4, optimizations="all", device="cpu")
-    assert step.impl["kda_fused"] == "reference"
+    assert step.impl["kda_fused"] == "torch"  # the kda_decode row that runs: the PyTorch reference
     assert "PyTorch reference" in step.resolved.notes["kda_fused"]
     with pytest.raises(ValueError, match="kda_fused cannot run here"):
         DecodeStep(SMALL, 1, 4, optimizations={"kda_fused": True}, device="cpu", strict=True)
@@ -240,7 +240,7 @@ def test_gpu_tp8_slice_equals_model():
             for st in steps:
                 st.load_cache(cache)
             outs = run_group(steps, ids[:, 64:])
-            assert steps[0].impl["kda_fused"] == ("fused" if opt == "all" else "chain"), steps[
+            assert steps[0].impl["kda_fused"] == ("cuda" if opt == "all" else "triton"), steps[
                 0
             ].resolved.notes
             for r, (st, logits) in enumerate(zip(steps, outs)):

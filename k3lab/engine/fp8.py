@@ -47,9 +47,10 @@ from dataclasses import dataclass
 
 import torch
 
-from k3lab.ops.gemv import BACKENDS as GEMV_BACKENDS
-from k3lab.ops.gemv import GemvWeight, gemv
 import torch.nn.functional as F
+
+from k3lab.ops.gemv import BACKENDS as GEMV_BACKENDS
+from k3lab.ops.gemv import GemvWeight
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -126,25 +127,42 @@ class Fp8Input:
     dtype: torch.dtype
 
 
+# the one-row GEMV's row (k3lab.ops.gemv): its `after` (x, w, scale, glu, N, K) and `stack` (x, parts) run
+# every one-row product of a step, on inputs of the shapes checked here, where `_gemv_runs` says it runs
+GEMV = GEMV_BACKENDS["triton"]
+
+
 @functools.lru_cache(maxsize=None)
 def _gemv_runs(device: str) -> bool:
     return GEMV_BACKENDS.check("triton", torch.device(device))[0]
 
 
+def _one_row_x(x, cpu: bool = False) -> bool:
+    """x is one row with contiguous columns where the one-row GEMV runs (on a GPU; cpu: on CPU tensors
+    too, in Triton's interpreter, as a `GemvWeight` takes them)."""
+    return (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
+            and (cpu or x.device.type != "cpu") and _gemv_runs(str(x.device)))
+
+
+def gemv_one_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+                 glu: bool = False) -> torch.Tensor:
+    """x [1, K] (or [1, 2K] gate | up with glu) @ w [N, K]^T by the one-row GEMV's row (times the row
+    scales of an e4m3fn w): [1, N] in x's dtype."""
+    N, K = w.shape
+    return GEMV.after(x, w, scale, glu, N, K)
+
+
 def one_row(x, w) -> bool:
     """Whether `fp8_linear(x, w)` takes the one-row W8A16 path (module docstring): x a single row with
     contiguous columns on a GPU where k3lab.ops.gemv runs, w real (not emulated) FP8."""
-    return (isinstance(w, Fp8Linear) and not w.emulated and isinstance(x, torch.Tensor) and x.dim() == 2
-            and x.shape[0] == 1 and x.stride(-1) == 1 and x.device.type != "cpu"
-            and _gemv_runs(str(x.device)))
+    return isinstance(w, Fp8Linear) and not w.emulated and _one_row_x(x)
 
 
 def one_row_parts(x, weights) -> list | None:
     """[(weight, row scales or None), ...] for `k3lab.ops.gemv.gemv_stack` when every weight of
     `weights` takes x by the one-row GEMV (a `GemvWeight`, or an FP8 weight where `one_row(x, w)`) and
     x is one row on a GPU; else None (each runs through `linear`)."""
-    if not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
-            and x.device.type != "cpu" and _gemv_runs(str(x.device))):
+    if not _one_row_x(x):
         return None
     out = []
     for w in weights:
@@ -183,7 +201,7 @@ def fp8_linear(x, w: Fp8Linear) -> torch.Tensor:
     if one_row(x, w):
         if x.shape[1] != w.in_features:
             raise ValueError(f"x must be [M, {w.in_features}] for this projection, got {tuple(x.shape)}")
-        return gemv(x, w.wq[:w.out_features, :w.in_features], scale=w.scale[0], backend="triton")
+        return gemv_one_row(x, w.wq[:w.out_features, :w.in_features], w.scale[0])
     if not isinstance(x, Fp8Input):
         x = quantize_input(x, w)
     elif x.in_features != w.in_features:
@@ -205,7 +223,11 @@ def linear(x, w) -> torch.Tensor:
     if isinstance(w, Fp8Linear):
         return fp8_linear(x, w)
     if isinstance(w, GemvWeight):
-        return w(x)
+        if _one_row_x(x, cpu=True):
+            if x.shape[1] != w.shape[1]:
+                raise ValueError(f"x must be [1, {w.shape[1]}] for this projection, got {tuple(x.shape)}")
+            return gemv_one_row(x, w.weight)
+        return x @ w.weight.t()
     if isinstance(x, Fp8Input):
         raise ValueError("x is an FP8-quantized activation but the weight is a plain tensor")
     return x @ w.t()

@@ -4,11 +4,11 @@ caller all-reduces (docs/k3.md). Inputs x are [N, hidden] (N = batch x q_len tok
 pre-normed hidden state); caches are updated in place. Every dense projection goes through
 `fp8.linear`: a torch matmul for a plain weight, the FP8 product for an `Fp8Linear` (RankWeights.to_fp8).
 
-What a switch chooses arrives here as a callable, bound once by the step (`DecodeStep._bind`): the KDA
-step (`KDADecodeStep`, or `KDAVerifyStep` for q_len > 1), the gate input's pack policy, the SiTU-GLU
-(`glu_fused` / `glu_plain`), the router (`route_fused` / `route_plain`), the routed experts
-(`experts_grouped` / `experts_loop`) and the MoE tail's op; the MLA glue's backend arrives as its name
-(k3lab.ops.mla_glue); nothing here compares a switch's name.
+What a switch chooses arrives here as a callable, bound once by the step (`DecodeStep._bind`, from the
+rows `switches.resolve` chose, `rows.Chosen`): the KDA step (`KDADecodeStep`, or `KDAVerifyStep` for
+q_len > 1), the gate input's pack policy, the SiTU-GLU and the shared expert's down projection after it,
+the router, the routed experts, the MoE tail, and the MLA glue's row (k3lab.ops.mla_glue: its `norms`,
+`absorb_q` and `out_gate`). Nothing here chooses a backend or compares a name.
 """
 
 from __future__ import annotations
@@ -16,15 +16,10 @@ from __future__ import annotations
 import torch
 
 from k3lab.nn.kda import kda_beta, kda_gate, short_conv
-from k3lab.nn.moe import route
 from k3lab.nn.norms import gated_rms_norm, l2_normalize
-from k3lab.nn.situ import situ_glu
-from k3lab.ops import mla_glue, moe_experts, moe_router
-from k3lab.ops.situ_glu import situ_glu_stacked
+from k3lab.ops import mla_glue
 
-from k3lab.ops.gemv import gemv, gemv_stack
-
-from .fp8 import linear, one_row_parts, quantize_input
+from .fp8 import GEMV, linear, one_row_parts, quantize_input
 from .weights import DenseWeights, KDAWeights, MLAWeights, MoEWeights
 
 
@@ -78,34 +73,27 @@ class KDAVerifyStep:
 
 
 def mla_partial(w: MLAWeights, x: torch.Tensor, latent: torch.Tensor, pos: int, q_buf: torch.Tensor, plan,
-                glue: str = "torch") -> torch.Tensor:
+                glue="torch") -> torch.Tensor:
     """The absorbed MLA decode: projections, the new latent rows written at positions [pos, pos + T) of
     `latent` [B, L, 576], the absorbed query written into `q_buf` [B, T, H, 576] (the buffer `plan`, an
     MLA decode plan, reads), attention, the value half of kv_b_proj, the output gate and this rank's
-    columns of o_proj. glue: the k3lab.ops.mla_glue backend of the work between the projections and
-    the attention ('triton': three launches; 'torch': the PyTorch sequence). Returns [N, hidden]."""
-    B, T, H, _ = q_buf.shape
-    lat, rope = w.kv_a_norm.shape[0], q_buf.shape[-1] - w.kv_a_norm.shape[0]
-    qa, ckv, g = linear(x, w.w_in).split([w.q_a_norm.shape[0], lat + rope, H * w.w_uv.shape[1]], dim=-1)
-    qa_n = mla_glue.mla_norms(qa, ckv, w.q_a_norm, w.kv_a_norm, w.eps, latent[:, pos:pos + T], backend=glue)
-    mla_glue.mla_absorb_q(linear(qa_n, w.q_b).view(B * T, H, -1), w.w_uk, q_buf, backend=glue)
+    columns of o_proj. glue: the k3lab.ops.mla_glue row (or its name) that runs the work between the
+    projections and the attention ('triton': three launches; 'torch': the PyTorch sequence); its
+    callables take the shapes read here. Returns [N, hidden]."""
+    glue = mla_glue.BACKENDS[glue] if isinstance(glue, str) else glue
+    B, T, H, W = q_buf.shape
+    lat = w.kv_a_norm.shape[0]
+    rope, nope, V = W - lat, w.w_uk.shape[1], w.w_uv.shape[1]
+    qa, ckv, g = linear(x, w.w_in).split([w.q_a_norm.shape[0], W, H * V], dim=-1)
+    qa_n = glue.norms(qa, ckv, w.q_a_norm, w.kv_a_norm, w.eps, latent[:, pos:pos + T], B, T, lat, rope)
+    glue.absorb_q(linear(qa_n, w.q_b).view(B * T, H, -1), w.w_uk, q_buf, B, T, H, nope, lat, rope)
     o_lat, _ = plan()
-    return linear(mla_glue.mla_out_gate(o_lat, w.w_uv, g, backend=glue), w.o_proj)
+    return linear(glue.out_gate(o_lat, w.w_uv, g, None, B * T, H, V, lat), w.o_proj)
 
 
-def glu_fused(gu: torch.Tensor) -> torch.Tensor:
-    """SiTU-GLU of a stacked gate|up product [N, 2F] -> [N, F] in one Triton launch."""
-    return situ_glu_stacked(gu, backend="triton")
-
-
-def glu_plain(gu: torch.Tensor) -> torch.Tensor:
-    """SiTU-GLU of a stacked gate|up product [N, 2F] -> [N, F] as the PyTorch sequence."""
-    return situ_glu(*gu.chunk(2, dim=-1))
-
-
-def dense_partial(w: DenseWeights, x: torch.Tensor, act=glu_plain) -> torch.Tensor:
+def dense_partial(w: DenseWeights, x: torch.Tensor, act) -> torch.Tensor:
     """Layer 0's SiTU-GLU MLP on this rank's share of the intermediate: [N, hidden], a partial sum; `act`
-    is the SiTU-GLU (`glu_fused` or `glu_plain`)."""
+    is the SiTU-GLU of a stacked gate|up product."""
     return linear(act(linear(x, w.gate_up)), w.down)
 
 
@@ -118,72 +106,37 @@ def moe_products(w: MoEWeights, x: torch.Tensor):
     ws = [w.gate, w.down] + ([w.shared_in] if w.shared_in is not None else [])
     stacked = one_row_parts(x, ws)
     if stacked is not None:
-        logits, z, *gu = gemv_stack(x, stacked, backend="triton")
+        logits, z, *gu = GEMV.stack(x, stacked)
         return logits, z, (gu[0] if gu else None)
     xin = quantize_input(x, w.down)
     return (linear(x, w.gate), linear(xin, w.down),
             linear(xin, w.shared_in) if w.shared_in is not None else None)
 
 
-def route_fused(logits: torch.Tensor, w: MoEWeights):
-    """(weights, idx, sort): routing and the expert sort by k3lab.ops.moe_router's Triton kernels (one
-    launch up to its FUSED_PAIRS pairs, two beyond; the step binds it where the tokens' pairs fit the
-    single-program sort)."""
-    m = moe_experts.default_block_m(logits.shape[0], w.top_k, w.w1.shape[0])
-    return moe_router.route_and_sort(logits, w.gate_bias, w.top_k, scaling=w.scaling,
-                                     renormalize=w.renormalize, block_m=m, backend="triton")
-
-
-def route_plain(logits: torch.Tensor, w: MoEWeights):
-    """(weights, idx, None): routing as the PyTorch sequence (k3lab.nn.moe.route); the grouped kernels
-    sort for themselves."""
-    weights, idx, _ = route(logits.float(), w.gate_bias, w.top_k, w.scaling, w.renormalize)
-    return weights, idx, None
-
-
-def experts_grouped(z, weights, idx, w: MoEWeights, sort) -> torch.Tensor:
-    """This rank's share of the chosen experts in two grouped Triton launches (the router's sort reused)."""
-    return moe_experts.routed_experts(z, weights, idx, w.w1, w.w3, w.w2, backend="triton", check_values=False,
-                                      sort=sort)
-
-
-def experts_loop(z, weights, idx, w: MoEWeights, sort=None) -> torch.Tensor:
-    """This rank's share of the chosen experts as the per-expert PyTorch loop (no sort read)."""
-    return moe_experts.routed_experts(z, weights, idx, w.w1, w.w3, w.w2, backend="torch", check_values=False)
-
-
-def moe_latent_partial(w: MoEWeights, logits: torch.Tensor, z: torch.Tensor, router=route_plain,
-                       experts=experts_loop, seen: list | None = None) -> torch.Tensor:
+def moe_latent_partial(w: MoEWeights, logits: torch.Tensor, z: torch.Tensor, router, experts,
+                       seen: list | None = None) -> torch.Tensor:
     """Routing on the router's `logits` and this rank's share of every chosen expert on `z` (both from
-    `moe_products`): [N, LAT] fp32, the partial latent that the layer all-reduces. router: `route_fused`
-    or `route_plain`; experts: `experts_grouped` or `experts_loop`. seen: a list the chosen experts
-    [N, top_k] are appended to (the bench's count of expert weights read)."""
+    `moe_products`): [N, LAT] fp32, the partial latent that the layer all-reduces. router(logits, w) ->
+    (weights, idx, sort or None); experts(z, weights, idx, w, sort) -> [N, LAT]. seen: a list the chosen
+    experts [N, top_k] are appended to (the bench's count of expert weights read)."""
     weights, idx, sort = router(logits, w)
     if seen is not None:
         seen.append(idx)
     return experts(z, weights, idx, w, sort)
 
 
-def moe_shared_partial(w: MoEWeights, x: torch.Tensor, gu: torch.Tensor | None,
-                       act=glu_plain) -> torch.Tensor:
+def moe_shared_partial(w: MoEWeights, x: torch.Tensor, gu: torch.Tensor | None, down) -> torch.Tensor:
     """This rank's share of the shared expert (row-parallel) from its gate|up product `gu` (from
-    `moe_products`; None where the layer has no shared expert: zeros like x), `act` the SiTU-GLU:
-    [N, hidden] in x's dtype, contiguous. With the fused SiTU-GLU (`glu_fused`) and a one-row GEMV
-    down_proj (`fp8.one_row_parts`) the activation is computed inside the GEMV's load: one launch."""
+    `moe_products`; None where the layer has no shared expert: zeros like x): [N, hidden] in x's dtype,
+    contiguous. down(gu, weight): the SiTU-GLU and the down projection (`rows.shared_down`)."""
     if gu is None:
         return torch.zeros_like(x)
-    if act is glu_fused:
-        stacked = one_row_parts(gu, [w.shared_down])
-        if stacked is not None:
-            (weight, scale), = stacked
-            return gemv(gu, weight, scale=scale, glu=True, backend="triton")
-    return linear(act(gu), w.shared_down).contiguous()
+    return down(gu, w.shared_down)
 
 
-def moe_tail(w: MoEWeights, lat: torch.Tensor, out: torch.Tensor, sharded: bool,
-             tail=moe_experts.latent_tail) -> torch.Tensor:
+def moe_tail(w: MoEWeights, lat: torch.Tensor, out: torch.Tensor, sharded: bool, tail) -> torch.Tensor:
     """out[:, cols] += up[cols](RMSNorm(lat)) in place: this rank's rows of up_proj (sharded) or all
-    of them (replicated), by `tail` (k3lab.ops.moe_experts.latent_tail with its backend bound).
-    Returns out."""
+    of them (replicated), by `tail` (the k3lab.ops.moe_experts row's tail(lat, norm_w, eps, up_rows,
+    out, col0)). Returns out."""
     lo, hi = w.own_rows if sharded else (0, w.up.shape[0])
     return tail(lat, w.norm, w.eps, w.up[lo:hi], out, lo)

@@ -499,9 +499,11 @@ class PrefillStep(DecodeStep):
         qa, ckv, g = linear(x, w.w_in).split([w.q_a_norm.shape[0], self.config.mla_latent_dim,
                                               H * w.w_uv.shape[1]], dim=-1)
         rows = torch.empty(1, N, self.config.mla_latent_dim, device=self.device, dtype=self.dtype)
-        qa_n = mla_glue.mla_norms(qa, ckv, w.q_a_norm, w.kv_a_norm, w.eps, rows, backend="torch")
+        glue, W = mla_glue.BACKENDS["torch"], self.config.mla_latent_dim  # the reference row's callables
+        nope, V = w.w_uk.shape[1], w.w_uv.shape[1]
+        qa_n = glue.norms(qa, ckv, w.q_a_norm, w.kv_a_norm, w.eps, rows, 1, N, lat, W - lat)
         q_buf = torch.empty(1, N, H, self.config.mla_latent_dim, device=self.device, dtype=self.dtype)
-        mla_glue.mla_absorb_q(linear(qa_n, w.q_b).view(N, H, -1), w.w_uk, q_buf, backend="torch")
+        glue.absorb_q(linear(qa_n, w.q_b).view(N, H, -1), w.w_uk, q_buf, 1, N, H, nope, lat, W - lat)
         latent, d = sc.latent[i], sc.dcp
         o_lat = torch.empty(N, H, lat, device=self.device, dtype=self.dtype)
         for c, lo, hi in zip(self.chunks, self._offsets, self._offsets[1:]):
@@ -512,10 +514,10 @@ class PrefillStep(DecodeStep):
             o = chunk_attention(q, latent[c.slot, :sc.share(c.start + c.tokens)], c.start,
                                 scale=self.config.mla_softmax_scale, value_dim=lat, key_stride=d)
             o_lat[lo:hi] = o[:, :H]
-        return linear(mla_glue.mla_out_gate(o_lat, w.w_uv, g, backend="torch"), w.o_proj)
+        return linear(glue.out_gate(o_lat, w.w_uv, g, None, N, H, V, lat), w.o_proj)
 
     def describe(self) -> dict:
         return {**super().describe(), "max_tokens": self.max_tokens, "kda_scan": self.kda_scan,
                 "mla_prefill": "chunk_attention (PyTorch, absorbed, fp32 softmax statistics)",
                 "mla_glue_prefill": "torch", "dcp": self.slot_caches.dcp,
-                "router": "triton" if self.router is layers.route_fused else "torch"}
+                "router": self.resolved.backends["moe_router"]}

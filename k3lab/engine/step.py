@@ -12,7 +12,9 @@ latent buffer of context_len + q_len rows, written at positions [context_len, co
 runs, per layer: the AttnRes mix + the input RMSNorm, attention, the collective, the mix + the
 post-attention norm, the MLP or MoE and its collectives; then the output mix, the final norm and the
 rank's slice of lm_head. Each optimization is a switch (`switches.SWITCHES`); `step.resolved` says what
-runs for each. `projections='fp8'` runs the large dense projections in FP8 (`fp8`, `weights.FP8_PROJECTIONS`).
+runs for each and holds the chosen row of every op the step calls, whose callables the step binds once
+(`rows`): a step that runs chooses no backend. `projections='fp8'` runs the large dense projections in
+FP8 (`fp8`, `weights.FP8_PROJECTIONS`).
 
 Collectives: the rank program yields each one it would run ('all_reduce' of a partial sum, 'all_gather'
 of the logits). `collectives='stand_in'` answers each on this one device with a copy of the same bytes
@@ -24,13 +26,12 @@ several ranks' steps in lockstep with real sums (the TP check on one device). At
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
 from k3lab.config import K3Config
 from k3lab.nn import KDACache
-from k3lab.ops import attn_res_norm, kda_decode, kda_verify, mla_decode, moe_experts, packed_matmul
+from k3lab.ops import kda_decode, mla_decode
 
 from . import fp8, layers
 from .switches import resolve
@@ -79,14 +80,17 @@ class DecodeStep:
     weights already converted). Where FP8 cannot run, a GPU step runs its dtype and says so in
     `self.resolved.notes['projections']` (ValueError with strict=True); a CPU step whose torch lacks
     CPU e4m3fn products runs a plain-PyTorch emulation of the same arithmetic, said the same way.
+    precision: 'bf16' (the weights' dtype), 'fp8' (FP8 dense projections: the same as projections='fp8')
+    or 'article' (refused by name until its kernels exist: `switches.ARTICLE_MISSING`); None follows
+    projections. Both are settings of the same table as the switches (`switches.SETTINGS`) and may be
+    given in the optimizations dict instead.
     """
 
     def __init__(self, config: K3Config, batch: int, context_len: int, *, optimizations="all",
                  weights="random",
                  distinct_layers: int = 4, q_len: int = 1, tp: int | None = None, device=None, dtype=None,
                  strict: bool = False, collectives: str = "stand_in", seed: int = 0,
-                 projections: str = "bf16"):
-        fp8.check_projections(projections)
+                 projections: str | None = None, precision: str | None = None):
         if tp is not None:
             _check_config(config)
             config = config.sliced(_check_int("tp", tp, 1)) if tp > 1 else config
@@ -114,10 +118,10 @@ class DecodeStep:
         self.device, self.dtype = weights.device, weights.dtype
         self.tokens = self.batch * self.q_len
         self.resolved = resolve(optimizations, self.device, self.dtype, self.q_len, strict=strict,
-                                projections=projections, tokens=self.tokens,
+                                projections=projections, precision=precision, tokens=self.tokens,
                                 top_k=config.num_experts_per_token)
         self.weights, ran, note = fp8.weights_for(weights, self.resolved.projections)
-        if ran != self.resolved.projections:
+        if note:
             self.resolved = dataclasses.replace(self.resolved, projections=ran,
                                                 notes=dict(self.resolved.notes, projections=note))
         self.impl = self.resolved.impl
@@ -161,42 +165,44 @@ class DecodeStep:
                        if T > 1 else None)
 
     def _bind(self) -> None:
-        """What a server binds once, from the switches settled by `resolve`: one callable per switch, per
-        layer where it holds the layer's state (the KDA steps, decode or verification, and the MLA plans,
-        validated here and launched without checks in every step), else shared by every layer."""
-        B, T, c, impl, backends = self.batch, self.q_len, self.config, self.impl, self.resolved.backends
-        fused_mix = impl["attn_res_fused"] == "after"
-        self.mix_op = attn_res_norm.after if fused_mix else attn_res_norm.before
-        self.mix_folded = fused_mix  # the fused kernel takes the weights' fp32 product, folded at load
-        # and the next norm's weight in fp32, converted here once rather than by a copy kernel per mix
+        """What a server binds once, from the rows settled by `resolve` (`self.resolved.rows`): the
+        callables every layer shares, and per call site what holds its own state or tensors (the AttnRes
+        mix per count of stored blocks, the KDA steps, decode or verification, and the MLA plans,
+        validated here and launched without checks in every step). Nothing is chosen after this."""
+        B, T, c, on, ops = self.batch, self.q_len, self.config, self.resolved.on, self.resolved.rows
+        # the fused kernel takes the weights' fp32 product, folded at load, and the next norm's weight in
+        # fp32, converted here once rather than by a copy kernel per mix
+        self.mix_folded = on["attn_res_fused"]
         rw = self.weights
         norms = [rw.final_norm] + [w for lw in rw.layers for w in (lw.norms.input_norm, lw.norms.post_norm)]
-        self.norms32 = {id(w): w.float() for w in norms} if fused_mix else {}
-        self.pack = packed_matmul.POLICIES[impl["pack_where_used"]]
-        self.glu = layers.glu_fused if backends["situ_glu"] == "triton" else layers.glu_plain
-        self.router = layers.route_fused if backends["moe_router"] == "triton" else layers.route_plain
-        self.experts = layers.experts_grouped if backends["moe_experts"] == "triton" else layers.experts_loop
-        self.tail = functools.partial(moe_experts.latent_tail, backend=backends["moe_experts"])
-        self.mla_glue = backends["mla_glue"]
-        self.tail_sharded = impl["moe_tail_sharded"] == "sharded"
-        narrow = impl["kda_verify_tiles"] == "after"
-        verify = kda_verify.kda_verify if narrow else kda_verify.kda_verify_before
+        self.norms32 = {id(w): w.float() for w in norms} if self.mix_folded else {}
+        self.mixes = {}  # (has a delta, stored blocks) -> the mix bound for those call sites
+        n_blocks = 0
+        for i in range(c.num_hidden_layers):
+            for key in ((i > 0, n_blocks), (True, n_blocks + (i in self.block_starts))):
+                if key not in self.mixes:
+                    self.mixes[key] = ops["attn_res_norm"].bind(self.prefix, self.blocks, key[1], key[0])
+            n_blocks += i in self.block_starts
+        self.mixes.setdefault((True, n_blocks), ops["attn_res_norm"].bind(self.prefix, self.blocks, n_blocks,
+                                                                          True))
+        self.pack = ops["packed_matmul"].dispatch
+        self.glu = ops["situ_glu"].glu
+        self.shared_down = ops["situ_glu"].shared_down
+        self.router = ops["moe_router"].route
+        self.experts = ops["moe_experts"].experts
+        self.tail = ops["moe_experts"].tail
+        self.mla_glue = ops["mla_glue"]
+        self.tail_sharded = on["moe_tail_sharded"]
         self.kda_steps, self.mla_plans, self.q_bufs = {}, {}, {}
         for i, cache in self.kda_caches.items():
             w: KDAWeights = self.weights.layers[i].attn
-            self.kda_steps[i] = (kda_decode.KDADecodeStep(cache, w.decode, backend=backends["kda_decode"])
-                                 if T == 1 else
-                                 layers.KDAVerifyStep(cache, w.decode, verify, self.states, B, T))
+            self.kda_steps[i] = (ops["kda_decode"].bind(cache, w.decode) if T == 1 else layers.KDAVerifyStep(
+                cache, w.decode, ops["kda_verify"].verify, self.states, B, T))
         H = c.num_attention_heads
         for i, latent in self.latent.items():
             q = torch.zeros(B, T, H, c.mla_latent_dim, device=self.device, dtype=self.dtype)
-            scale = c.mla_softmax_scale
-            if impl["mla_padded"] == "after":
-                plan = mla_decode.plan_after(q, latent, self.lengths, scale=scale, fold_heads=H
-                                             > mla_decode.MMA_ROWS)
-            else:
-                plan = mla_decode.plan_before(q, latent, self.lengths, scale=scale)
-            self.q_bufs[i], self.mla_plans[i] = q, plan
+            self.q_bufs[i] = q
+            self.mla_plans[i] = ops["mla_decode"].bind(q, latent, self.lengths, c.mla_softmax_scale)
 
     def load_cache(self, cache) -> None:
         """Copy a K3Cache of `context_len` positions (K3Model.prefill / decode) into this rank's caches:
@@ -261,8 +267,9 @@ class DecodeStep:
     def _mix(self, delta, n_blocks: int, mix, next_norm, push: bool) -> torch.Tensor:
         kw = {"mix_weight": mix.folded} if self.mix_folded else {}
         next_norm = self.norms32.get(id(next_norm), next_norm)
-        return self.mix_op(self.prefix, delta, self.blocks, n_blocks, mix.res_norm, mix.res_proj, next_norm,
-                           self.config.rms_norm_eps, push_block=push, **kw)
+        mix_op = self.mixes[delta is not None, n_blocks]
+        return mix_op(self.prefix, delta, self.blocks, n_blocks, mix.res_norm, mix.res_proj, next_norm,
+                      self.config.rms_norm_eps, push_block=push, **kw)
 
     def _attention(self, i: int, w, x: torch.Tensor):
         if i in self.latent:
@@ -278,7 +285,7 @@ class DecodeStep:
         logits, z, gu = layers.moe_products(w, x)
         lat = yield from self._collective("all_reduce", layers.moe_latent_partial(
             w, logits, z, self.router, self.experts, self.routes))
-        shared = layers.moe_shared_partial(w, x, gu, self.glu)
+        shared = layers.moe_shared_partial(w, x, gu, self.shared_down)
         if self.tail_sharded:
             layers.moe_tail(w, lat, shared, True, self.tail)
             return (yield from self._collective("all_reduce", shared))
@@ -362,9 +369,7 @@ class DecodeStep:
         """(True, '') when the whole step can be captured in one CUDA graph here, else (False, why)."""
         if self.device.type != "cuda":
             return False, "CUDA graphs need a CUDA device; this step is on the CPU"
-        if self.impl["grouped_experts"] == "torch":
-            return False, "the per-expert loop reads the expert counts back to the host (grouped_experts off)"
-        return True, ""
+        return not self.resolved.graph, self.resolved.graph
 
     def capture(self, warmup: int = 2) -> None:
         """Capture one whole step (the tokens in `self.ids`) as a CUDA graph; `replay()` runs it and
@@ -388,11 +393,11 @@ class DecodeStep:
         return {"config": self.config.name, "tp": self.world_size, "batch": self.batch,
                 "context_len": self.context_len, "q_len": self.q_len,
                 "dtype": str(self.dtype).replace("torch.", ""),
-                "projections": self.resolved.projections,
+                "projections": self.resolved.projections, "precision": self.resolved.precision,
                 "weights": rw.source, "distinct_layers": rw.distinct_layers,
                 "layers": self.config.num_hidden_layers,
                 "switches": dict(self.resolved.on), "impl": dict(self.impl),
-                "notes": dict(self.resolved.notes),
+                "notes": dict(self.resolved.notes), "backends": self.resolved.backends,
                 "label": self.resolved.label(), "collectives": self.collectives,
                 "mla_backend": {str(i): getattr(p, "backend", "?") for i, p
                                 in list(self.mla_plans.items())[:1]}}

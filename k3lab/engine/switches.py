@@ -13,16 +13,22 @@
                       (two past 32 pairs), SiTU-GLU in one, MLA's  router, ~12 per SiTU-GLU, ~25 around
                       norms/query/output gate in three             each MLA attention
 
-`resolve(optimizations, device, dtype, q_len, tokens=, top_k=)` settles every switch once into
-`Resolved`: per switch whether it is on, the implementation that runs (the records' words) and, where
-that is not what the switch names (a GPU kernel on a CPU, a verification switch at q_len = 1, more
-routing pairs than the fused router takes), a note saying what runs instead; and per op the step calls,
-the backend that runs (`Resolved.backends`, k3lab.ops' names), which the step binds once per layer.
-strict=True turns the notes into a ValueError for switches that were asked for by name.
+`resolve(optimizations, device, dtype, q_len, tokens=, top_k=, projections=, precision=)` settles every
+setting once into `Resolved`: per switch whether it is on, the implementation that runs (the op's row name,
+or the switch's form) and, where that is not what the switch names (a GPU kernel on a CPU, a verification
+switch at q_len = 1, more routing pairs than the fused router takes), a note saying what runs instead; and
+per op the step calls, the chosen row as an object (`Resolved.rows`, `rows.Chosen`: its name and the
+callables the step binds), so the step binds callables and never chooses again. strict=True turns the
+notes into a ValueError for switches that were asked for by name.
 
-How the dense projections run is not a switch but a choice beside them (`projections=`, 'bf16',
-'gemv' or 'fp8'; `fp8.resolve_projections`): `Resolved.projections` says what runs, and
-`notes['projections']` why where the form asked for cannot run as asked.
+Two settings take values instead of on/off, in the same table (`SETTINGS`): `projections`, how the dense
+projections run ('bf16': the matrix library in the weights' dtype; 'gemv': the same weights, one-row
+products by k3lab.ops.gemv; 'fp8': e4m3fn weights, `fp8.resolve_projections`), and `precision`, the
+number formats of the step ('bf16': the weights' dtype; 'fp8': FP8 dense projections; 'article': the
+article's MXFP4 routed experts, FP8 dense projections and an FP8 MLA cache, refused by name until the
+kernels that read MXFP4 experts and an FP8 cache exist). Either may be given in the optimizations dict or
+as a keyword; `Resolved.projections` says what runs and `notes['projections']` why where the form asked
+for cannot run as asked.
 """
 
 from __future__ import annotations
@@ -33,46 +39,90 @@ import torch
 
 from k3lab import env
 
-from .fp8 import check_projections, resolve_projections
+from . import rows
+from .fp8 import PROJECTIONS, resolve_projections
 
-SWITCHES: dict[str, str] = {
-    "kda_fused": "fused KDA decode (conv, norms, gates, recurrence, output norm in one launch)",
-    "mla_padded": "MLA decode padded to 16 heads with the history split across the GPU",
-    "attn_res_fused": "AttnRes mix + RMSNorm in one kernel",
-    "pack_where_used": "pack the KDA gate input only in the branch whose kernel reads it",
-    "grouped_experts": "routed experts as two grouped launches, the MoE tail as one fused launch",
-    "moe_tail_sharded": "MoE tail sharded: this rank's up_proj rows, stitched by the existing all-reduce",
-    "kda_verify_tiles": "KDA verification with narrow value tiles (q_len > 1)",
-    "glue_fused": "the MoE router + expert sort in one launch (two past 32 pairs), SiTU-GLU in one, the "
-                  "glue around MLA attention in three (k3lab.ops.moe_router, situ_glu, mla_glue)",
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the settings table: what it turns or chooses, its values (the first is what 'all'
+    gives; (True, False) for an on/off switch) and, for an on/off switch, where it applies."""
+
+    what: str
+    values: tuple = (True, False)
+    applies: str = "always"  # 'always', 'decode' (q_len = 1) or 'verify' (q_len > 1)
+
+    @property
+    def on_off(self) -> bool:
+        return self.values == (True, False)
+
+
+PRECISIONS = ("bf16", "fp8", "article")
+# What the article's precision needs that k3lab has not got yet (the step refuses it by these names).
+ARTICLE_MISSING = ("routed-expert kernels that read MXFP4 weights (k3lab.engine.mxfp4 has the format and "
+                   "its reference only)",
+                   "an FP8 MLA latent cache with its writer and an MLA decode that reads it")
+
+SETTINGS: dict[str, Setting] = {
+    "kda_fused": Setting("fused KDA decode (conv, norms, gates, recurrence, output norm in one launch)",
+                         applies="decode"),
+    "mla_padded": Setting("MLA decode padded to 16 heads with the history split across the GPU"),
+    "attn_res_fused": Setting("AttnRes mix + RMSNorm in one kernel"),
+    "pack_where_used": Setting("pack the KDA gate input only in the branch whose kernel reads it"),
+    "grouped_experts": Setting("routed experts as two grouped launches, the MoE tail as one fused launch"),
+    "moe_tail_sharded": Setting("MoE tail sharded: this rank's up_proj rows, stitched by the existing "
+                                "all-reduce"),
+    "kda_verify_tiles": Setting("KDA verification with narrow value tiles (q_len > 1)", applies="verify"),
+    "glue_fused": Setting("the MoE router + expert sort in one launch (two past 32 pairs), SiTU-GLU in one, "
+                          "the glue around MLA attention in three (k3lab.ops.moe_router, situ_glu, "
+                          "mla_glue)"),
+    "projections": Setting("how the dense projections run: the matrix library in the weights' dtype, the "
+                           "one-row GEMV (k3lab.ops.gemv) on the same weights, or FP8 weights", PROJECTIONS),
+    "precision": Setting("the step's number formats: the weights' dtype, FP8 dense projections, or the "
+                         "article's (MXFP4 routed experts, FP8 dense projections, FP8 MLA cache)",
+                         PRECISIONS),
 }
-DECODE_ONLY = frozenset({"kda_fused"})
-VERIFY_ONLY = frozenset({"kda_verify_tiles"})
+SWITCHES: dict[str, str] = {n: s.what for n, s in SETTINGS.items() if s.on_off}
+DECODE_ONLY = frozenset(n for n, s in SETTINGS.items() if s.applies == "decode")
+VERIFY_ONLY = frozenset(n for n, s in SETTINGS.items() if s.applies == "verify")
+# the on/off switches that pick one of two forms of an op: impl says which form runs
+FORMS = {"mla_padded": ("after", "before"), "attn_res_fused": ("after", "before"),
+         "pack_where_used": ("after", "before"), "kda_verify_tiles": ("after", "before"),
+         "moe_tail_sharded": ("sharded", "replicated")}
 
 
 @dataclass(frozen=True)
 class Resolved:
-    """on: switch -> bool (what was asked for); impl: switch -> the implementation that runs;
-    notes: switch -> why the implementation differs from what the switch names (empty when it does not);
-    backends: op -> the k3lab.ops backend that runs it ('kda_decode', 'moe_router', 'situ_glu',
-    'mla_glue', 'moe_experts'; kda_decode only at q_len = 1)."""
+    """on: switch -> bool (what was asked for); impl: switch -> what runs (the op's row name, or the
+    switch's form); notes: switch -> why that differs from what the switch names (empty when it does
+    not); projections: what the dense projections run in (the step's dtype, 'gemv', 'fp8' or
+    'fp8_emulated'); precision: the step's number formats; rows: op -> `rows.Chosen`, for every op the
+    step calls; graph: '' where the step's ops can be captured in one CUDA graph, else why not."""
 
     on: dict
     impl: dict
     notes: dict
-    projections: str = "bf16"  # what the dense projections run in: the step's dtype, 'fp8' or 'fp8_emulated'
-    backends: dict = field(default_factory=dict)
+    projections: str = "bf16"
+    rows: dict = field(default_factory=dict)
+    precision: str = "bf16"
+    graph: str = ""
+
+    @property
+    def backends(self) -> dict[str, str]:
+        """op -> the name of what runs it (`rows`)."""
+        return {op: c.name for op, c in self.rows.items()}
 
     def describe(self) -> list[str]:
         """One line per switch: name, on/off, what runs, and the note when there is one; then the
-        projections' line."""
+        projections' and the precision's lines."""
         lines = [
             f"{n}: {'on ' if self.on[n] else 'off'} -> {self.impl[n]}"
             + (f" ({self.notes[n]})" if n in self.notes else "")
             for n in SWITCHES
         ]
         note = self.notes.get("projections")
-        return lines + [f"projections: {self.projections}" + (f" ({note})" if note else "")]
+        return lines + [f"projections: {self.projections}" + (f" ({note})" if note else ""),
+                        f"precision: {self.precision}"]
 
     def label(self) -> str:
         """'all on', 'all off', 'all on but X', or the list of switches that are on; ', fp8 projections'
@@ -90,9 +140,18 @@ class Resolved:
         return base + (f", {self.projections} projections" if self.projections.startswith("fp8") else "")
 
 
+def _value(name: str, value):
+    """value when it is one of SETTINGS[name].values, else a ValueError naming the setting."""
+    values = SETTINGS[name].values
+    if isinstance(value, bool) or value not in values:
+        raise ValueError(f"{name} must be one of {values}, got {value!r}")
+    return value
+
+
 def parse(optimizations) -> dict[str, bool]:
     """'all' / True, 'none' / False / None, an iterable of names that are on, or a dict name -> bool
-    (names left out of the dict are on). ValueError naming an unknown switch."""
+    (names left out of the dict are on). ValueError naming an unknown switch. A dict may also hold the
+    valued settings ('projections', 'precision'); `settings` reads them, this returns the switches."""
     if optimizations in ("all", True):
         return dict.fromkeys(SWITCHES, True)
     if optimizations in ("none", False, None):
@@ -102,17 +161,45 @@ def parse(optimizations) -> dict[str, bool]:
                          f"{optimizations!r}")
     if isinstance(optimizations, dict):
         chosen = dict.fromkeys(SWITCHES, True)
-        items = optimizations.items()
+        items = ((n, v) for n, v in optimizations.items() if n not in SETTINGS or SETTINGS[n].on_off)
     else:
         chosen = dict.fromkeys(SWITCHES, False)
         items = ((name, True) for name in optimizations)
     for name, value in items:
         if name not in SWITCHES:
-            raise ValueError(f"optimizations: unknown switch {name!r}; switches: {', '.join(SWITCHES)}")
+            raise ValueError(f"optimizations: unknown switch {name!r}; switches: {', '.join(SETTINGS)}")
         if not isinstance(value, bool):
             raise ValueError(f"optimizations[{name!r}] must be True or False, got {value!r}")
         chosen[name] = value
     return chosen
+
+
+def settings(optimizations, projections: str | None = None, precision: str | None = None) -> tuple[str, str]:
+    """(projections, precision) from the keywords or the optimizations dict (not both, unless equal):
+    unset, each follows the other ('fp8' projections <-> 'fp8' precision), else 'bf16'. ValueError for
+    a value outside the table, for projections that contradict the precision, and for precision='article'
+    (its kernels are not here yet: `ARTICLE_MISSING`)."""
+    given = optimizations if isinstance(optimizations, dict) else {}
+    out = {}
+    for name, kw in (("projections", projections), ("precision", precision)):
+        if name in given and kw is not None and given[name] != kw:
+            raise ValueError(f"{name} is given twice: {kw!r} as a keyword and {given[name]!r} in "
+                             "optimizations")
+        value = kw if kw is not None else given.get(name)
+        out[name] = None if value is None else _value(name, value)
+    proj, prec = out["projections"], out["precision"]
+    if prec == "article":
+        raise ValueError("precision='article' (MXFP4 routed experts, FP8 dense projections, FP8 MLA cache) "
+                         "cannot run yet: k3lab lacks " + "; and ".join(ARTICLE_MISSING) + ". Use precision="
+                         "'fp8' (FP8 dense projections) or 'bf16'")
+    if prec is None:
+        prec = "fp8" if proj == "fp8" else "bf16"
+    if proj is None:
+        proj = "fp8" if prec == "fp8" else "bf16"
+    if (prec == "fp8") != (proj == "fp8"):
+        raise ValueError(f"projections={proj!r} contradicts precision={prec!r}: FP8 precision runs FP8 "
+                         f"projections, and FP8 projections are the FP8 precision")
+    return proj, prec
 
 
 def all_but(name: str) -> dict[str, bool]:
@@ -122,104 +209,104 @@ def all_but(name: str) -> dict[str, bool]:
     return {n: n != name for n in SWITCHES}
 
 
-# kda_fused's implementation -> the k3lab.ops.kda_decode backend that runs it
-KDA_DECODE_BACKENDS = {"fused": "cuda", "chain": "triton", "reference": "torch"}
+def _row(op: str, on: bool, names: tuple[str, str], device, *inputs, **options):
+    """(row, why it is not the on-row) for an op whose switch picks between two of its rows: the first
+    name when the switch is on and that row runs these inputs here, else the second."""
+    from importlib import import_module
+
+    table = import_module(f"k3lab.ops.{op}").BACKENDS
+    if not on:
+        return table[names[1]], ""
+    ok, why = table.check(names[0], device, *inputs, **options)
+    return (table[names[0]], "") if ok else (table[names[1]], why)
 
 
-def _kda_fused_impl(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
-    from k3lab.ops import kda_decode
-
-    if device.type != "cuda":
-        return "reference", ("the fused KDA decode is a CUDA kernel and this step is on the CPU: the PyTorch "
-                             "reference of the same step runs instead")
-    if dtype != torch.bfloat16:
-        return (
-            "reference",
-            f"the fused KDA decode takes bf16, the step is {dtype}: the PyTorch reference runs instead",
-        )
-    ok, why = kda_decode.fused_status()
-    if not ok:
-        return "reference", why
-    return "fused", ""
-
-
-def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, projections: str = "bf16",
-            tokens: int | None = None, top_k: int | None = None) -> Resolved:
-    """What runs for each switch here (see the module docstring). strict: raise ValueError instead of
+def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, projections: str | None = None,
+            precision: str | None = None, tokens: int | None = None, top_k: int | None = None) -> Resolved:
+    """What runs for each setting here (see the module docstring). strict: raise ValueError instead of
     running a replacement for a switch that is on and cannot run as named on this device, or for
     projections='fp8' where FP8 matmul cannot run. tokens, top_k: the step's tokens (batch x q_len) and
     experts per token, for whether the fused router takes their pairs (None: it is not asked)."""
-    check_projections(projections)
+    projections, precision = settings(optimizations, projections, precision)
     on = parse(optimizations)
     device = torch.device(device)
     if device.type == "cpu" and torch.cuda.is_available() and not env.triton_interpreted():
         raise ValueError("device='cpu' on a machine with a GPU: the step's Triton kernels run compiled, on "
                          "GPU tensors (k3lab turns Triton's interpreter on only where there is no GPU); use "
                          "device='cuda', or set TRITON_INTERPRET=1 before triton is imported")
-    impl, notes = {}, {}
-    for name in SWITCHES:
-        if name in DECODE_ONLY and q_len > 1:
-            impl[name], notes[name] = (
-                "n/a",
-                f"applies to q_len = 1; verification (q_len = {q_len}) runs kda_verify_tiles",
-            )
-            continue
-        if name in VERIFY_ONLY and q_len == 1:
-            impl[name], notes[name] = "n/a", "applies to verification steps (q_len > 1)"
-            continue
-        if name == "kda_fused":
-            if on[name]:
-                impl[name], note = _kda_fused_impl(device, dtype)
-                if note:
-                    notes[name] = note
-                    if strict:
-                        raise ValueError(f"optimizations: kda_fused cannot run here ({note}); pass "
-                                         f"strict=False to run the replacement, or turn kda_fused off")
-            else:
-                impl[name] = "chain"
-            continue
-        impl[name] = {
-            "mla_padded": ("after", "before"), "attn_res_fused": ("after", "before"),
-            "pack_where_used": ("after", "before"), "grouped_experts": ("triton", "torch"),
-            "moe_tail_sharded": ("sharded", "replicated"), "kda_verify_tiles": ("after", "before"),
-            "glue_fused": ("triton", "torch"),
-        }[name][0 if on[name] else 1]
-    if impl["grouped_experts"] == "triton":
-        from k3lab.ops import moe_experts
+    impl, notes, chosen = {}, {}, {}
 
-        ok, why = moe_experts.BACKENDS.check("triton", device)
-        if not ok:
-            impl["grouped_experts"], notes["grouped_experts"] = (
-                "torch",
-                f"grouped kernels unavailable ({why}): the loop runs",
-            )
-            if strict:
-                raise ValueError(f"optimizations: grouped_experts cannot run here ({why})")
-    if impl["glue_fused"] == "triton":
-        from k3lab.ops import mla_glue, moe_router, situ_glu
+    def refuse(name: str, note: str, instead: str) -> None:
+        notes[name] = note
+        if strict:
+            raise ValueError(f"optimizations: {name} cannot run here ({note}); pass strict=False to run "
+                             f"{instead}, or turn {name} off")
 
-        why = [w for ok, w in (moe_router.BACKENDS.check("triton", device),
-                               situ_glu.BACKENDS.check("triton", device),
-                               mla_glue.BACKENDS.check("triton", device)) if not ok]
+    for name, (after, before) in FORMS.items():
+        impl[name] = after if on[name] else before
+    decode = q_len == 1
+    if decode:
+        impl["kda_verify_tiles"] = "n/a"
+        notes["kda_verify_tiles"] = "applies to verification steps (q_len > 1)"
+        from k3lab.ops import kda_decode
+
+        if on["kda_fused"]:
+            ok, why = kda_decode.BACKENDS.check("cuda", device, dtype)
+            row = kda_decode.BACKENDS["cuda" if ok else "torch"]
+            if not ok:
+                refuse("kda_fused", f"{why}: the PyTorch reference of the same step runs instead",
+                       "the PyTorch reference")
+        else:
+            row = kda_decode.BACKENDS["triton"]
+        impl["kda_fused"] = row.name
+        chosen["kda_decode"] = rows.Chosen("kda_decode", row.name, notes.get("kda_fused", ""),
+                                           {"bind": rows.kda_decode_binder(row.name)})
+    else:
+        impl["kda_fused"], notes["kda_fused"] = (
+            "n/a", f"applies to q_len = 1; verification (q_len = {q_len}) runs kda_verify_tiles")
+        chosen["kda_verify"] = rows.Chosen("kda_verify", impl["kda_verify_tiles"], "",
+                                           {"verify": rows.verifier(on["kda_verify_tiles"])})
+
+    experts, why = _row("moe_experts", on["grouped_experts"], ("triton", "torch"), device)
+    impl["grouped_experts"] = experts.name
+    if why:
+        refuse("grouped_experts", f"grouped kernels unavailable ({why}): the loop runs", "the loop")
+    chosen["moe_experts"] = rows.Chosen("moe_experts", experts.name, notes.get("grouped_experts", ""),
+                                        {"experts": rows.experts(experts), "tail": experts.tail})
+
+    glue = {op: _row(op, on["glue_fused"], ("triton", "torch"), device)
+            for op in ("situ_glu", "mla_glue", "moe_router")}
+    why = next((w for _, w in glue.values() if w), "")
+    fused_glue = on["glue_fused"] and not why
+    if why:  # every glue kernel runs, or none of them does
+        glue = {op: _row(op, False, ("triton", "torch"), device) for op in glue}
+        refuse("glue_fused", f"fused glue kernels unavailable ({why}): PyTorch runs", "PyTorch")
+    fused_route = fused_glue
+    if fused_glue and tokens is not None:
+        router, why = _row("moe_router", True, ("triton", "torch"), device, tokens, top_k or 1)
         if why:
-            impl["glue_fused"], notes["glue_fused"] = (
-                "torch",
-                f"fused glue kernels unavailable ({why[0]}): PyTorch runs",
-            )
-            if strict:
-                raise ValueError(f"optimizations: glue_fused cannot run here ({why[0]})")
-    backends = {"moe_experts": impl["grouped_experts"], "situ_glu": impl["glue_fused"],
-                "moe_router": impl["glue_fused"], "mla_glue": impl["glue_fused"]}
-    if impl["kda_fused"] != "n/a":
-        backends["kda_decode"] = KDA_DECODE_BACKENDS[impl["kda_fused"]]
-    if impl["glue_fused"] == "triton" and tokens is not None:
-        from k3lab.ops import moe_router
-
-        if not moe_router.BACKENDS.check("triton", device, tokens, top_k or 1)[0]:
-            backends["moe_router"] = "torch"
+            glue["moe_router"], fused_route = (router, why), False
             notes["glue_fused"] = (f"{tokens} tokens x top-{top_k} exceed the fused router's pairs: routing "
                                    f"runs the PyTorch sequence, SiTU-GLU fused")
+    note = notes.get("glue_fused", "")
+    impl["glue_fused"] = glue["situ_glu"][0].name
+    glu = rows.glu(glue["situ_glu"][0])
+    chosen["situ_glu"] = rows.Chosen("situ_glu", glue["situ_glu"][0].name, note,
+                                     {"glu": glu, "shared_down": rows.shared_down(glu, fused_glue)})
+    chosen["mla_glue"] = rows.of_row("mla_glue", glue["mla_glue"][0], note)
+    router = glue["moe_router"][0]
+    route = rows.router_fused(router) if fused_route else rows.route_plain
+    chosen["moe_router"] = rows.Chosen("moe_router", router.name, note, {"route": route})
+
+    chosen["attn_res_norm"] = rows.Chosen("attn_res_norm", impl["attn_res_fused"], "",
+                                          {"bind": rows.mix_binder(on["attn_res_fused"])})
+    chosen["mla_decode"] = rows.Chosen("mla_decode", impl["mla_padded"], "",
+                                       {"bind": rows.mla_plan_binder(on["mla_padded"])})
+    chosen["packed_matmul"] = rows.Chosen("packed_matmul", impl["pack_where_used"], "",
+                                          {"dispatch": rows.pack_policy(on["pack_where_used"])})
     proj, note = resolve_projections(projections, device, dtype, strict=strict)
     if note:
         notes["projections"] = note
-    return Resolved(on, impl, notes, proj, backends)
+    graph = "" if on["grouped_experts"] and not notes.get("grouped_experts") else (
+        "the per-expert loop reads the expert counts back to the host (grouped_experts off)")
+    return Resolved(on, impl, notes, proj, chosen, precision, graph)

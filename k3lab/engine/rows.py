@@ -1,0 +1,173 @@
+"""The ops a decode step calls, each as one chosen row, and the callables the step binds from them.
+
+`switches.resolve` settles every switch once into one `Chosen` per op: the op, the name of what runs
+(a k3lab.ops backend row's name, or the switch's form, 'after' / 'before', where the op's kernel is picked
+per call site at bind), why, and the callables the step calls, read as attributes (`chosen.after(...)`,
+`chosen.bind(...)`). Where an op's `BACKENDS` row carries the callable (k3lab.ops' contract: `after`,
+`before`, the op's own pieces) the Chosen holds that row's callable itself; the rest are built here from
+the op's launchers. Nothing here chooses again: a step that has bound its callables makes no backend
+choice while it runs (tests/test_step_choices.py counts them).
+
+Call sites that need their tensors to choose (the AttnRes kernel by the stored blocks it mixes, the MLA
+decode plans, the KDA decode step bound to its cache) get a `bind(...)` callable: the choice is made once
+per site when the step binds, never per call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from k3lab.nn.moe import route
+from k3lab.ops import attn_res_norm, kda_decode, kda_verify, mla_decode, moe_experts, packed_matmul
+
+from .fp8 import gemv_one_row, linear, one_row_parts
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """One op of the step as `resolve` settled it. op: the k3lab.ops op; name: the backend row that runs
+    (or the form, 'after' / 'before', where `bind` picks the kernel per site); why: the chooser's reason
+    or the note of what runs instead; fns: the callables the step calls, by name (read as attributes)."""
+
+    op: str
+    name: str
+    why: str = ""
+    fns: Mapping[str, Callable] = field(default_factory=dict, compare=False)
+
+    def __getattr__(self, name: str):
+        fns = self.__dict__.get("fns") or {}
+        if name in fns:
+            return fns[name]
+        raise AttributeError(f"{self.__dict__.get('op')} ({self.__dict__.get('name')}) binds no {name!r} "
+                             f"(it binds {sorted(fns)})")
+
+
+def of_row(op: str, row, why: str = "", **extra: Callable) -> Chosen:
+    """A Chosen holding a k3lab.ops backend row's own callables (its `parts`) and `extra` ones."""
+    return Chosen(op, row.name, why, {**row.parts, **extra})
+
+
+# ------------------------------------------------------------------------------ the step's callables
+
+
+def glu(row) -> Callable:
+    """SiTU-GLU of a stacked gate|up product [N, 2F] -> [N, F] by the situ_glu row `row`."""
+    after = row.after
+
+    def situ_glu(gu: torch.Tensor) -> torch.Tensor:
+        return after(gu, None, gu.shape[-1] // 2)
+
+    return situ_glu
+
+
+def shared_down(act, in_gemv: bool):
+    """down(gu, weight) -> linear(act(gu), weight), contiguous; in_gemv (the fused SiTU-GLU): where the
+    down projection is a one-row GEMV (`fp8.one_row_parts`), the activation is computed inside its load,
+    one launch."""
+
+    def plain(gu: torch.Tensor, weight) -> torch.Tensor:
+        return linear(act(gu), weight).contiguous()
+
+    def fused(gu: torch.Tensor, weight) -> torch.Tensor:
+        stacked = one_row_parts(gu, [weight])
+        if stacked is None:
+            return plain(gu, weight)
+        (wt, scale), = stacked
+        return gemv_one_row(gu, wt, scale, glu=True)
+
+    return fused if in_gemv else plain
+
+
+def router_fused(row) -> Callable:
+    """(weights, idx, sort) of the router's logits [N, E] for a layer's MoEWeights, by the moe_router row
+    `row` (routing and the expert sort the grouped experts read)."""
+    after = row.after
+
+    def route_and_sort(logits: torch.Tensor, w):
+        E = logits.shape[1]
+        m = moe_experts.default_block_m(logits.shape[0], w.top_k, w.w1.shape[0])
+        return after(logits, w.gate_bias, w.top_k, w.scaling, w.renormalize, E, m)
+
+    return route_and_sort
+
+
+def route_plain(logits: torch.Tensor, w):
+    """(weights, idx, None): routing as the PyTorch sequence (k3lab.nn.moe.route), no sort: the grouped
+    kernels sort for themselves and the per-expert loop needs none."""
+    weights, idx, _ = route(logits.float(), w.gate_bias, w.top_k, w.scaling, w.renormalize)
+    return weights, idx, None
+
+
+def experts(row) -> Callable:
+    """This rank's share of the chosen experts [N, LAT] fp32 by the moe_experts row `row` (the sort
+    reused where the router made one)."""
+    after = row.after
+
+    def routed(z, weights, idx, w, sort):
+        shapes = moe_experts.check_inputs(z, weights, idx, w.w1, w.w3, w.w2, check_values=False)
+        return after(z, weights, idx, w.w1, w.w3, w.w2, shapes, sort, None)
+
+    return routed
+
+
+def mix_binder(fused: bool) -> Callable:
+    """bind(prefix, blocks, n_blocks, has_delta) -> the AttnRes mix + RMSNorm for one call site, with
+    `attn_res_norm.before`'s arguments: the PyTorch sequence, or (fused) the kernel chosen once for the
+    site's stored blocks (the CUDA cluster kernel where it runs them, else Triton's)."""
+    if not fused:
+        return lambda prefix, blocks, n_blocks, has_delta: attn_res_norm.before
+    return _bind_mix_after
+
+
+def _bind_mix_after(prefix, blocks, n_blocks: int, has_delta: bool) -> Callable:
+    delta = torch.empty_like(prefix) if has_delta else None
+    return _MIX_KERNELS[attn_res_norm.BACKENDS.pick(None, prefix, delta, blocks, n_blocks).name]
+
+
+def _cluster_mix(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block=False,
+                 mix_weight=None):
+    return attn_res_norm.cuda.cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w,
+                                         eps=eps, push_block=push_block, mix_weight=mix_weight)
+
+
+def _triton_mix(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block=False,
+                mix_weight=None):
+    cfg = attn_res_norm.launch_config(prefix.shape[0], n_blocks)
+    return attn_res_norm.triton.launch(prefix, delta, blocks, n_blocks, mix_weight, next_norm_w, eps,
+                                       push_block, cfg)
+
+
+# attn_res_norm's rows by name -> the launch each runs (its rows carry no callables of their own)
+_MIX_KERNELS = {"cuda_cluster": _cluster_mix, "triton": _triton_mix}
+
+
+def kda_decode_binder(name: str) -> Callable:
+    """bind(cache, weights) -> a KDADecodeStep on the kda_decode row `name`."""
+    return functools.partial(kda_decode.KDADecodeStep, backend=name)
+
+
+def mla_plan_binder(padded: bool) -> Callable:
+    """bind(q, latent, lengths, scale) -> an MLA decode plan: padded to 16 heads with the history split
+    (folded by 16 where there are more heads), or one program per query row."""
+    if not padded:
+        return lambda q, latent, lengths, scale: mla_decode.plan_before(q, latent, lengths, scale=scale)
+
+    def plan_after(q, latent, lengths, scale):
+        fold = q.shape[2] > mla_decode.MMA_ROWS
+        return mla_decode.plan_after(q, latent, lengths, scale=scale, fold_heads=fold)
+
+    return plan_after
+
+
+def verifier(narrow: bool) -> Callable:
+    """The KDA verification kernel: narrow value tiles, or the streaming kernel."""
+    return kda_verify.kda_verify if narrow else kda_verify.kda_verify_before
+
+
+def pack_policy(after: bool) -> Callable:
+    """The gate input's matmul dispatcher: packing only where its kernel reads the copy, or first."""
+    return packed_matmul.dispatch_after if after else packed_matmul.dispatch_before

@@ -1,0 +1,116 @@
+"""The decode step decides once: `resolve` returns a chosen row for every op the step calls, the step binds
+their callables, and eager decode steps make no backend choice after that (k3lab.ops' chooser is counted
+across several steps). The settings table holds the valued settings too (projections, precision), and
+the article's precision is refused by name until its kernels exist."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
+from k3lab.config import K3Config
+from k3lab.engine import SETTINGS, SWITCHES, DecodeStep, resolve
+from k3lab.engine.switches import ARTICLE_MISSING, settings
+from k3lab.ops import Backends
+from k3lab.ops.situ_glu import situ_glu_stacked
+
+SMALL = dataclasses.replace(K3Config.tiny(), num_hidden_layers=2, attn_res_block_size=1, name="tiny2")
+CPU_STEP = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                              reason="a step on CPU tensors needs Triton's interpreter, which is off where "
+                                     "there is a GPU")
+STEP_OPS = {"kda_decode", "mla_decode", "attn_res_norm", "packed_matmul", "situ_glu", "moe_router",
+            "moe_experts", "mla_glue"}
+
+
+@pytest.fixture
+def choices(monkeypatch):
+    """A Counter of the chooser's calls per op while the test runs (every entry point of Backends that
+    chooses a row is wrapped)."""
+    calls = collections.Counter()
+    for name in ("select", "choose", "pick"):
+        original = getattr(Backends, name, None)
+        if original is None:
+            continue
+
+        def counting(self, *args, _original=original, **kwargs):
+            calls[self.op] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Backends, name, counting)
+    return calls
+
+
+def test_the_counter_sees_a_face_choose(choices):
+    """The count can fail: a face called with no backend chooses, and the counter sees it."""
+    situ_glu_stacked(torch.randn(2, 64))  # CPU tensors: the plain-PyTorch row is chosen
+    assert choices["situ_glu"] >= 1
+
+
+@CPU_STEP
+@pytest.mark.parametrize("projections", ("bf16", "gemv", "fp8"))
+@pytest.mark.parametrize("opt", ("all", "none"))
+def test_eager_decode_steps_choose_nothing_after_resolve(choices, opt, projections):
+    step = DecodeStep(SMALL, 1, 4, optimizations=opt, device="cpu", projections=projections)
+    assert set(step.resolved.rows) >= STEP_OPS, set(step.resolved.rows)
+    assert set(step.resolved.backends) == set(step.resolved.rows)
+    choices.clear()
+    with torch.no_grad():
+        for t in range(3):
+            logits = step(torch.tensor([[t + 1]]))
+    assert torch.isfinite(logits).all()
+    assert sum(choices.values()) == 0, dict(choices)
+
+
+def test_rows_cover_verification_ops_and_are_objects_with_callables():
+    r = resolve("all", "cpu", torch.float32, 3)
+    assert {"kda_verify", "mla_decode", "attn_res_norm"} <= set(r.rows) and "kda_decode" not in r.rows
+    assert callable(r.rows["kda_verify"].verify) and callable(r.rows["mla_decode"].bind)
+    assert callable(r.rows["moe_experts"].experts) and callable(r.rows["moe_experts"].tail)
+    with pytest.raises(AttributeError, match="binds no 'after'"):
+        r.rows["mla_decode"].after  # noqa: B018
+    d = resolve("none", "cpu", torch.float32, 1)
+    assert d.backends["kda_decode"] == "triton" and d.backends["moe_experts"] == "torch"
+    assert d.graph and "per-expert loop" in d.graph
+
+
+def test_projections_and_precision_are_settings_of_the_same_table():
+    assert set(SWITCHES) < set(SETTINGS)
+    assert SETTINGS["projections"].values == ("bf16", "gemv", "fp8")
+    assert SETTINGS["precision"].values == ("bf16", "fp8", "article")
+    assert settings("all") == ("bf16", "bf16")
+    assert settings({"projections": "fp8"}) == ("fp8", "fp8")
+    assert settings("all", precision="fp8") == ("fp8", "fp8")
+    assert settings({"projections": "gemv", "kda_fused": False}) == ("gemv", "bf16")
+    r = resolve({"projections": "fp8", "glue_fused": False}, "cpu", torch.float32, 1)
+    assert r.projections.startswith("fp8") and r.precision == "fp8" and not r.on["glue_fused"]
+    assert any(line.startswith("precision: fp8") for line in r.describe())
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"precision": "fp4"}, "precision must be one of"),
+    ({"projections": "int8"}, "projections must be one of"),
+    ({"projections": "gemv", "precision": "fp8"}, "contradicts precision"),
+    ({"projections": "fp8", "precision": "bf16"}, "contradicts precision"),
+    ({"optimizations": {"projections": "gemv"}, "projections": "fp8"}, "given twice"),
+    ({"optimizations": {"projections": True}}, "projections must be one of"),
+])
+def test_bad_settings_are_refused_by_name(kw, match):
+    opts = kw.pop("optimizations", "all")
+    with pytest.raises(ValueError, match=match):
+        resolve(opts, "cpu", torch.float32, 1, **kw)
+
+
+def test_the_articles_precision_is_refused_naming_what_is_missing():
+    for where in ({"precision": "article"}, {"optimizations": {"precision": "article"}}):
+        opts = where.pop("optimizations", "all")
+        with pytest.raises(ValueError, match="precision='article'") as err:
+            resolve(opts, "cpu", torch.float32, 1, **where)
+        assert "MXFP4" in str(err.value) and "FP8 MLA latent cache" in str(err.value)
+    assert len(ARTICLE_MISSING) == 2
+    with pytest.raises(ValueError, match="cannot run yet"):
+        DecodeStep(SMALL, 1, 4, device="cpu", precision="article")

@@ -3,7 +3,7 @@
     k3lab info                         backend, device, versions, preset, optional backends
     k3lab bench STUDY [--preset P] [--cases A B] [--save-profiles] [--json FILE]
     k3lab import FILE... [--overwrite]  records from a remote run into profiles/<device>/<study>/
-    k3lab profile STUDY [--preset P]   traces and kernel tables of each variant
+    k3lab profile STUDY [--tool torch|ncu|nsys|rocprofv3] [--variant V...]   traces and kernel tables
     k3lab report [--full] [--skip-notebooks] [--skip-studies]   this machine's run -> build/report.html
     k3lab isa [--target gfx950,gfx942,sm90] [--json F]  compile every Triton kernel, report ISA facts
     k3lab workshop room FILES... [--out F] [--png DIR]   the room's predictions, a histogram each
@@ -177,15 +177,27 @@ def _cmd_import(args) -> int:
 
 
 def _cmd_profile(args) -> int:
-    from k3lab import profile
-    from k3lab.studies import load_study
+    """Each chosen variant under the chosen profiler (k3lab.profiling.tools.profile_study); a tool that cannot
+    run here is refused in one line before anything runs."""
+    from k3lab.profiling import tools
 
-    study = load_study(args.study)
+    why = tools.missing(args.tool)
+    if why is not None:
+        print(f"k3lab profile: {why}", file=sys.stderr)
+        return 2
     out = Path(args.out) / "traces" / args.study
-    out.mkdir(parents=True, exist_ok=True)
-    for variant, fn in study.profile_targets(preset=args.preset).items():
-        cap = profile.capture(fn, steps=args.steps, warmup=1, trace_dir=out, name=f"{args.study}-{variant}")
-        print(f"== {args.study} / {variant}: {cap.counts()}  trace: {cap.trace_path}")
+    try:
+        caps = tools.profile_study(args.study, tool=args.tool, variants=args.variant, preset=args.preset,
+                                   steps=args.steps, out_dir=out)
+    except ValueError as exc:
+        print(f"k3lab profile: {exc}", file=sys.stderr)
+        return 2
+    for variant, cap in caps.items():
+        print(f"== {args.study} / {variant} ({cap.backend}): {cap.counts()}")
+        for f in cap.files:
+            print(f"   {f}")
+        if cap.note:
+            print(f"   note: {cap.note}")
         print(cap.table.head(args.top).to_string(index=False))
     return 0
 
@@ -354,6 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--steps", type=_positive_int, default=3)
     pr.add_argument("--top", type=_positive_int, default=15)
     pr.add_argument("--out", default="build")
+    pr.add_argument("--tool", default="torch", choices=("torch", "ncu", "nsys", "rocprofv3"),
+                    help="torch.profiler here (default), or Nsight Compute / Nsight Systems / rocprofv3 on a "
+                         "child process where the tool and its GPU are present")
+    pr.add_argument("--variant", nargs="+", default=None, help="variants to profile (default: every one)")
     sub.add_parser("isa", help="compile every Triton kernel for gfx950 / gfx942 / sm90 and report ISA facts "
                          "(python -m k3lab.isa --help)", add_help=False)
     _add_workshop(sub)

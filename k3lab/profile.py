@@ -15,6 +15,8 @@ are removed when the process exits (`default_trace_dir`). `k3lab report` keeps e
 
 rocprofv3 (ROCm) runs a workload in a child process: `capture_rocprofv3("study.py")`.
 ncu (NVIDIA) reads hardware counters of one kernel: `ncu_command(...)` + `parse_ncu_csv(...)`.
+`k3lab profile STUDY --tool ncu|nsys|rocprofv3` runs a study's variant under that tool (profiling.tools).
+Traces for HTA and Perfetto: `write_hta_folder(cap.trace_path, folder)`, `label(name)` for named ranges.
 `python -m k3lab.profile` captures a small known workload here and checks the table (selfcheck).
 The implementation lives in k3lab/profiling/, one module per format.
 """
@@ -32,6 +34,7 @@ from k3lab.profiling.capture import (
 )
 from k3lab.profiling.categories import CATEGORIES, categorize
 from k3lab.profiling.diff import TraceDiff, capture_diff, short_name, trace_diff
+from k3lab.profiling.export import hta_kernel_breakdown, hta_status, label, with_step_marks, write_hta_folder
 from k3lab.profiling.frame import (
     COLUMNS,
     KINDS,
@@ -56,7 +59,8 @@ from k3lab.profiling.torch_trace import kernels_from_trace
 __all__ = [
     "BACKENDS", "CATEGORIES", "COLUMNS", "DEFAULT_NCU_METRICS", "FORMATS", "KINDS", "NOT_RUN_ON_AMD",
     "TABLE_COLUMNS", "Capture", "NoKernelsRecorded", "TraceDiff", "capture", "capture_diff",
-    "capture_rocprofv3", "categorize",
+    "capture_rocprofv3", "categorize", "hta_kernel_breakdown", "hta_status", "label", "with_step_marks",
+    "write_hta_folder",
     "category_table", "counts", "default_trace_dir", "detect_format", "device_time_us",
     "kernel_table", "kernels_from_trace", "ncu_command", "ncu_metrics", "parse_ncu_csv",
     "read_rocprofv3_dir", "read_stats", "read_trace", "rocprofv3_available", "rocprofv3_command",

@@ -12,6 +12,10 @@ capture        torch.profiler capture, Capture, trace writing
 rocprofv3_run  rocprofv3 on a child process
 diff           two kernel frames compared: kernels gone, new, changed; time per category; launches
 selfcheck      `python -m k3lab.profile`: capture a known workload and check the table
+export         HTA per-rank folders with ProfilerStep marks, named ranges (record_function + NVTX/ROCTX)
+tools          `k3lab profile --tool torch|ncu|nsys|rocprofv3`: refusals, ncu/nsys readers, child runs
+child          `python -m k3lab.profiling.child`: one variant's steps in a child process, marked
+roofline       roofline points (bytes, flops, time) from records and the device's ceilings
 
 Import the public API from `k3lab.profile`.
 """

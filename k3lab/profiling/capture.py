@@ -274,7 +274,9 @@ def capture(fn: Callable[[], object], *, steps: int = 1, warmup: int = 1, trace_
         raise FileExistsError(f"trace_path: {path} exists; pass overwrite=True to replace it")
 
     import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    from k3lab.profiling.export import STEP_PREFIX, label
 
     gpu = dev != "cpu"
     if gpu and not torch.cuda.is_available():
@@ -286,7 +288,7 @@ def capture(fn: Callable[[], object], *, steps: int = 1, warmup: int = 1, trace_
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with _without_kineto_chatter(), profile(activities=activities, record_shapes=record_shapes) as prof:
         for i in range(steps):
-            with record_function(f"k3lab.step.{i}"):
+            with label(f"{STEP_PREFIX}{i}"):  # a record_function range, and NVTX / ROCTX on a GPU
                 fn()
         if gpu:
             torch.cuda.synchronize()

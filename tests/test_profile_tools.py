@@ -1,0 +1,197 @@
+"""`k3lab profile --tool`: the refusals here, the vendor readers on real files, the child-process paths with
+the profiler replaced by the files it writes (k3lab.profiling.tools, .child)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from k3lab import cli
+from k3lab import profile as P
+from k3lab.profiling import child, tools
+
+FIX = Path(__file__).parent / "fixtures" / "profiles"
+NSYS = sorted((FIX / "nsys").glob("cuda_gpu_trace_*.csv"))
+
+
+def test_cli_offers_every_tool():
+    action = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["profile"]._actions
+                  if a.dest == "tool")
+    assert tuple(action.choices) == tools.TOOLS
+
+
+@pytest.mark.parametrize("tool, backend, on_path, expect", [
+    ("ncu", "cpu", False, ["ncu is not on PATH", "NVIDIA (CUDA)", "backend is cpu"]),
+    ("ncu", "cuda", False, ["ncu is not on PATH"]),
+    ("ncu", "rocm", True, ["NVIDIA (CUDA)", "backend is rocm"]),
+    ("nsys", "cpu", True, ["NVIDIA (CUDA)"]),
+    ("rocprofv3", "cuda", False, ["rocprofv3 is not on PATH", "AMD (ROCm)"]),
+])
+def test_missing_names_what_is_missing(tool, backend, on_path, expect):
+    why = tools.missing(tool, backend=backend, which=lambda t: f"/usr/bin/{t}" if on_path else None)
+    assert why.startswith(f"--tool {tool}: ") and "\n" not in why and "--tool torch" in why
+    for text in expect:
+        assert text in why
+    assert tools.missing(tool, backend=tools._VENDOR[tool][0], which=lambda t: "/x") is None
+
+
+def test_missing_torch_and_unknown():
+    assert tools.missing("torch", backend="cpu") is None
+    with pytest.raises(ValueError, match="--tool"):
+        tools.missing("vtune")
+
+
+@pytest.mark.parametrize("tool", ["ncu", "nsys", "rocprofv3"])
+def test_cli_refuses_a_tool_missing_here_before_anything_runs(tool, tmp_path, capsys, monkeypatch):
+    if tools.missing(tool) is None:
+        pytest.skip(f"{tool} can run on this machine")
+    from k3lab import studies
+
+    def must_not_run(*a, **k):
+        raise AssertionError("ran despite the refusal")
+
+    monkeypatch.setattr(studies.load_study("launch_overhead"), "profile_targets", must_not_run)
+    monkeypatch.setattr(tools, "_run", must_not_run)
+    assert cli.main(["profile", "launch_overhead", "--tool", tool, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"k3lab profile: --tool {tool}: ")
+    with pytest.raises(ValueError, match=f"--tool {tool}"):
+        tools.capture_tool(tool, "launch_overhead", "before", preset=None, out_dir=tmp_path)
+
+
+def test_cli_profile_torch_writes_perfetto_and_hta(tmp_path, capsys):
+    assert cli.main(["profile", "launch_overhead", "--out", str(tmp_path), "--steps", "2", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    folder = tmp_path / "traces" / "launch_overhead"
+    traces = sorted(folder.glob("*.trace.json"))
+    assert traces, out
+    for trace in traces:
+        variant = trace.name.split(".")[0]
+        doc = json.loads(trace.read_text())
+        steps = [e for e in doc["traceEvents"] if str(e.get("name", "")).startswith("k3lab.step.")]
+        assert len(steps) == 2 and all(e.get("cat") == "user_annotation" for e in steps)
+        hta = json.loads(gzip.decompress((folder / "hta" / variant / "rank-0.json.gz").read_bytes()))
+        marks = [e for e in hta["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")]
+        assert sorted(e["name"] for e in marks) == ["ProfilerStep#0", "ProfilerStep#1"]
+        assert hta["distributedInfo"]["rank"] == 0
+        assert str(trace) in out and f"hta/{variant}/rank-0.json.gz" in out
+    assert cli.main(["profile", "launch_overhead", "--variant", "nope", "--out", str(tmp_path)]) == 2
+    assert "--variant" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- nsys
+
+@pytest.mark.parametrize("path", NSYS, ids=lambda p: p.stem)
+def test_nsys_cuda_gpu_trace_real_files(path):
+    assert len(NSYS) == 2
+    f = tools.read_cuda_gpu_trace(path)
+    assert len(f) == 16 and f.attrs["source"] == "nsys"
+    assert list(f["kind"]).count("kernel") == 4 and list(f["kind"]).count("memcpy") == 12
+    kern = f[f["kind"] == "kernel"]
+    saxpy = "vernier::bench::demo::<unnamed>::saxpyKernel(float, const float *, float *, unsigned long)"
+    assert set(kern["name"]) == {saxpy}  # the quoted name's commas kept
+    assert kern["bytes"].isna().all() and (f.loc[f["kind"] == "memcpy", "bytes"] == 4_194_000).all()
+    assert set(f["stream"]) == {13, 14} and set(f["category"]) >= {"copy"}
+    text = path.read_text().splitlines()
+    first = text[1].split(",")
+    assert f["start_ns"].iloc[0] == int(first[0]) and f["dur_ns"].iloc[0] == int(first[1])
+    assert P.counts(f, steps=4)["launches"] == 4 and P.counts(f, steps=4)["copies"] == 3
+
+
+def test_nsys_reader_skips_notices_and_refuses_other_text():
+    body = (NSYS[0]).read_text()
+    f = tools.read_cuda_gpu_trace("NOTICE: Existing SQLite export found\n\nProcessing [x.sqlite]...\n" + body)
+    assert len(f) == 16
+    with pytest.raises(ValueError, match="cuda_gpu_trace"):
+        tools.read_cuda_gpu_trace("name,calls\nx,1\n")
+
+
+# ---------------------------------------------------------------- ncu
+
+def test_ncu_frame_real_details_page():
+    long = P.parse_ncu_csv(FIX / "ncu" / "copy_blocked_head.csv")
+    f = tools.ncu_frame(long)
+    assert len(f) == 1 and f["dur_ns"].iloc[0] == 21_058_944 and f.attrs["source"] == "ncu"
+    assert f["name"].iloc[0].startswith("copy_blocked[") and f["bytes"].isna().all()  # no DRAM byte metric
+
+
+def test_ncu_frame_raw_metrics_two_launches():
+    text = ('"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","dram__bytes_write.sum"\n'
+            '"","","nsecond","byte","Kbyte"\n'
+            '"0","k3kda_decode","5,000","1000","2"\n'
+            '"1","k3mla::wg_kernel<1>","7,500","4000","1"\n')
+    f = tools.ncu_frame(P.parse_ncu_csv(text))
+    assert list(f["name"]) == ["k3kda_decode", "k3mla::wg_kernel<1>"]
+    assert list(f["dur_ns"]) == [5000, 7500] and list(f["start_ns"]) == [0, 5000]
+    assert list(f["bytes"]) == [3000, 5000]
+    with pytest.raises(ValueError, match="duration"):
+        tools.ncu_frame(P.parse_ncu_csv(text.replace("gpu__time_duration.sum", "sm__cycles.sum")))
+    with pytest.raises(ValueError, match="parse_ncu_csv"):
+        tools.ncu_frame(f)
+
+
+def test_ncu_capture_command(tmp_path, monkeypatch):
+    """capture_ncu: the child command under ncu with the step-0 NVTX filter; stdout read into the frame."""
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen["cmd"] = cmd
+        return subprocess.CompletedProcess(cmd, 0, stdout=(FIX / "ncu" / "copy_blocked_head.csv").read_text(),
+                                           stderr="")
+
+    monkeypatch.setattr(tools.subprocess, "run", fake_run)
+    cap = tools.capture_ncu("kda_decode", "after", preset="tp8", out_dir=tmp_path)
+    cmd = seen["cmd"]
+    assert cmd[0] == "ncu" and cmd[cmd.index("--nvtx-include") + 1] == "k3lab.step.0/"
+    args = cmd[cmd.index("k3lab.profiling.child") + 1:]
+    assert args == ["kda_decode", "after", "--steps", "1", "--warmup", "1", "--preset", "tp8"]
+    assert cap.backend == "ncu" and cap.trace_path.exists() and len(cap.kernels) == 1
+    assert "not yet run" in cap.note
+
+
+def test_rocprofv3_capture_reads_what_the_tool_wrote(tmp_path, monkeypatch):
+    """The rocprofv3 path end to end, rocprofv3 replaced by copying real rocprofv3 files into its -d
+    folder."""
+    src = FIX / "rocprofv3" / "docs-samples-2024"
+    monkeypatch.setattr(tools, "missing", lambda tool, **k: None)
+    monkeypatch.setattr("k3lab.profiling.rocprofv3_run.rocprofv3_available", lambda: True)
+
+    def fake_run(cmd, **kw):
+        assert cmd[0] == "rocprofv3" and "k3lab.profiling.child" in cmd
+        out = Path(cmd[cmd.index("-d") + 1])
+        for f in ("kernel_trace.csv", "memory_copy_trace.csv"):
+            shutil.copy(src / f, out / f"run_{f}")
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    monkeypatch.setattr("k3lab.profiling.rocprofv3_run.subprocess.run", fake_run)
+    cap = tools.capture_tool("rocprofv3", "kda_decode", "after", preset=None, out_dir=tmp_path, steps=2)
+    direct = [P.read_trace(src / f) for f in ("kernel_trace.csv", "memory_copy_trace.csv")]
+    assert len(cap.kernels) == sum(map(len, direct)) > 0 and cap.steps == 2
+    assert sorted(cap.kernels["name"]) == sorted(n for d in direct for n in d["name"])
+    assert cap.trace_path.name.endswith(".perfetto.json")
+
+
+# ---------------------------------------------------------------- the child
+
+def test_child_marks_each_step_after_the_warmup(monkeypatch, capsys):
+    import torch
+
+    from k3lab import studies
+
+    calls = []
+    monkeypatch.setattr(studies.load_study("launch_overhead"), "profile_targets",
+                        lambda preset=None: {"after": lambda: calls.append(torch.ones(4).sum())})
+    cap = P.capture(lambda: child.run("launch_overhead", "after", steps=3, warmup=2), steps=1, warmup=0,
+                    device="cpu")
+    doc = json.loads(Path(cap.trace_path).read_text())
+    names = [e["name"] for e in doc["traceEvents"] if e.get("cat") == "user_annotation"]
+    assert sorted(n for n in names if n.startswith("k3lab.step.")) == \
+        ["k3lab.step.0", "k3lab.step.0", "k3lab.step.1", "k3lab.step.2"]  # capture's step 0; the child's
+    assert len(calls) == 5 and "2 warm-up and 3 marked steps" in capsys.readouterr().out
+    assert child.main(["launch_overhead", "nope"]) == 2
+    assert "variant" in capsys.readouterr().err

@@ -3,6 +3,11 @@ dequantized experts on fresh random inputs, the same bits run to run, edge tiles
 name before any kernel, and the bytes floor. Tensors follow the GPU where there is one (compiled
 kernels), else Triton's interpreter runs them on the CPU (small shapes)."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -105,3 +110,58 @@ def test_expert_bytes_floor():
         mk.expert_bytes(1, 16, 3584, 0)
     with pytest.raises(ValueError, match="bytes_per_weight"):
         mk.expert_bytes(1, 16, 3584, 384, bytes_per_weight=0)
+
+
+# ------------------------------------------------------------------------------------------ grouped form
+
+GROUPED_OK, GROUPED_WHY = mk.grouped_runs_here()
+
+
+@pytest.mark.skipif(not GROUPED_OK, reason=f"grouped dot_scaled form: {GROUPED_WHY}")
+def test_grouped_dot_scaled_matches_fp64_with_mxfp8_activations():
+    args = _case(31, N=8, k=4, E=6, L=256, F=128)
+    y = mk.mxfp4_experts_grouped(*args)
+    ref = mk.reference(*args, mx_activations=True)
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    err = (y.double().cpu() - ref.cpu()).abs().max().item()
+    assert err <= 5e-3 * ref.abs().max().item(), err   # fp32 h vs fp64 h may round to another E4M3 value
+    assert torch.equal(y, mk.mxfp4_experts_grouped(*args))
+    exact = mk.reference(*args)   # without MXFP8 activations: a few percent apart, not more
+    assert (y.double().cpu() - exact.cpu()).norm() <= 0.1 * exact.norm()
+
+
+def test_grouped_form_says_what_runs_where_it_cannot():
+    args = _case(32, L=128, F=128)
+    if GROUPED_OK:
+        with pytest.raises(ValueError, match="blocks"):
+            mk.mxfp4_experts_grouped(*args, blocks=(16, 64, 32, 4))   # K step below 128
+        return
+    with pytest.raises(RuntimeError, match="GEMV form"):
+        mk.mxfp4_experts_grouped(*args)
+
+
+def test_mx_fp8_rounding_rule():
+    x = torch.tensor([[448.0 * 4, 1.0, -3.0] + [0.0] * 29, [0.0] * 32], dtype=torch.float64)
+    q = mk.mx_fp8(x)
+    assert q[0, 0] == 448.0 * 4 and q[0, 1] == 1.0 and q[0, 2] == -3.0 and not q[1].any()
+    g = torch.Generator().manual_seed(4)
+    r = torch.randn(4, 64, generator=g, dtype=torch.float64)
+    rel = ((mk.mx_fp8(r) - r).abs() / r.abs()).max().item()
+    assert 0 < rel <= 2 ** -4 + 1e-12   # E4M3: 3 mantissa bits; every block's amax fits under 448 x scale
+
+
+def test_gfx950_compiles_the_grouped_form_to_the_scaled_mfma(tmp_path):
+    """Compiled only (Triton's AMD backend on this machine, no GPU): the 64-token case's two grouped
+    launches are v_mfma_scale instructions on gfx950, without spills."""
+    out = tmp_path / "isa.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-m", "k3lab.isa", "--target", "gfx950", "--case",
+                           "moe_experts.mxfp4_t64", "--json", str(out), "--workers", "1"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    kernels = {r["kernel"].rsplit(".", 1)[-1]: r for r in rows}
+    assert set(kernels) == {"_scaled_up_kernel", "_scaled_down_kernel"}
+    for r in kernels.values():
+        scaled = sum(n for name, n in r["matrix"].items() if "mfma_scale" in name)
+        assert r["ok"] and scaled >= 1 and r["spills"] == 0, r

@@ -225,7 +225,11 @@ def moe_mxfp4(tokens=1):
     idx = random_router_idx(tokens, num_experts=E, top_k=k)
     z, weights = torch.empty(tokens, L, dtype=BF16), torch.empty(tokens, k)
     up = experts(F, L)
-    mxfp4_kernels.mxfp4_experts(z, weights, idx, up, up, experts(L, F), check_values=False)
+    # many tokens: the grouped dot_scaled form where the target lowers it (gfx950, sm90), else the GEMV form
+    run = mxfp4_kernels.mxfp4_experts
+    if tokens > 1 and mxfp4_kernels.grouped_runs_here()[0]:
+        run = mxfp4_kernels.mxfp4_experts_grouped
+    run(z, weights, idx, up, up, experts(L, F), check_values=False)
 
 
 def moe_tail(tokens=1):
@@ -386,6 +390,8 @@ CASES: dict[str, tuple] = {
     "moe_experts.grouped_t1": (moe_experts, {}, "one token's 16 experts"),
     "moe_experts.grouped_t64": (moe_experts, {"tokens": 64}, "64 tokens"),
     "moe_experts.mxfp4_t1": (moe_mxfp4, {}, "MXFP4 experts, one token's 16: the two GEMV launches"),
+    "moe_experts.mxfp4_t64": (moe_mxfp4, {"tokens": 64}, "MXFP4 experts, 64 tokens: grouped tl.dot_scaled "
+                              "(gfx950, sm90), the GEMV form on gfx942"),
     "moe_experts.tail_t1": (moe_tail, {}, "latent tail, one token"),
     "moe_experts.tail_t256": (moe_tail, {"tokens": 256}, "latent tail, 256 tokens"),
     "moe_router.route_t1": (moe_router, {}, "top-16 of 896 and the expert sort in one launch, one token"),

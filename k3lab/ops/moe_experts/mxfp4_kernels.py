@@ -22,9 +22,16 @@ rounded to z's dtype as the bf16 experts' kernel does).
 
 Cost: each launch streams the chosen experts' codes and scales once per token (4.25 bits a weight,
 `expert_bytes`); z and h are small and re-read from cache. More tokens re-read their experts' weights
-per token, so the form is for decode batches; larger batches want the grouped tile form (one weight
-tile for every row of an expert), which on gfx950 / sm100 would use tl.dot_scaled (not built here:
-module `__doc__` of the report).
+per token, so the form is for decode batches.
+
+The grouped form (`mxfp4_experts_grouped`, for many tokens): tiles of expert-sorted rows
+(k3lab.ops.moe_experts.sort_by_expert), each weight tile read once for all its rows, both products on
+`tl.dot_scaled`: the activations (z, then h) are quantized in registers to MXFP8 (E4M3 values with one
+E8M0 scale per 32 along K: 2^ceil(log2(amax / 448))) and multiplied with the MXFP4 weights as they are.
+On gfx950 this is the scaled MFMA (v_mfma_scale_f32_16x16x128_f8f6f4, in the ISA report); on sm90 Triton
+decomposes it into bf16 mma with the operands scaled in registers. Triton's interpreter has no
+dot_scaled and gfx942 cannot lower it: there `grouped_runs_here` says no and the GEMV form runs.
+Its reference (`reference(..., mx_activations=True)`) quantizes the activations the same way.
 
 Shapes: z [N, L] fp32 / fp16 / bf16, weights [N, k] float, idx [N, k] int32 / int64 in [0, E),
 w1, w3 Mxfp4Weight of [E, F, L], w2 of [E, L, F]; L and F multiples of 32. Bad input: ValueError /
@@ -125,6 +132,84 @@ if triton is not None:
         tl.store(y_ptr + n.to(tl.int64) * L + cols, tl.sum(acc, axis=1), mask=col_ok)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _mx_fp8(x, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+        # x [ROWS, BLOCK_K] fp32 as MXFP8: E4M3 values and E8M0 scales (uint8, exponent + 127) per 32
+        NB: tl.constexpr = BLOCK_K // 32
+        x3 = tl.reshape(x, (ROWS, NB, 32))
+        amax = tl.max(tl.abs(x3), axis=2)
+        e = tl.ceil(tl.log2(tl.where(amax > 0, amax, 1.0) / 448.0))
+        e = tl.minimum(tl.maximum(tl.where(amax > 0, e, -127.0), -127.0), 127.0)
+        q = tl.reshape(x3 / tl.exp2(e)[:, :, None], (ROWS, BLOCK_K))
+        return tl.clamp(q, -448.0, 448.0).to(tl.float8e4nv), (e + 127.0).to(tl.uint8)
+
+    @triton.jit
+    def _scaled_product(x, w_ptr, s_ptr, row_base, k0, col_ok, acc, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        # acc += MXFP8(x) @ W[rows, k0:k0 + BLOCK_K]^T on tl.dot_scaled; row_base [BLOCK_N] int64: the
+        # weight rows (expert * N + column); codes read as [BLOCK_K / 2, BLOCK_N], scales as E8M0
+        xq, xs = _mx_fp8(x, BLOCK_M, BLOCK_K)
+        kb = tl.arange(0, BLOCK_K // 2)
+        wp = tl.load(w_ptr + row_base[None, :] * (K // 2) + k0 // 2 + kb[:, None], mask=col_ok[None, :],
+                     other=0)
+        ks = tl.arange(0, BLOCK_K // 32)
+        ws = tl.load(s_ptr + row_base[:, None] * (K // 32) + k0 // 32 + ks[None, :], mask=col_ok[:, None],
+                     other=0)
+        ws = (ws.to(tl.int32) + 127).to(tl.uint8)
+        return tl.dot_scaled(xq, xs, "e4m3", wp, ws, "e2m1", acc)
+
+    @triton.jit
+    def _scaled_up_kernel(z_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, tile_expert_ptr,
+                          n_tiles_ptr, pairs, L: tl.constexpr, F: tl.constexpr, TOP_K: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        tile = tl.program_id(0)
+        if tile >= tl.load(n_tiles_ptr):
+            return
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_ptr + rows)
+        valid = pair < pairs
+        token = (pair // TOP_K).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < F
+        row_base = expert * F + cols.to(tl.int64)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        ks = tl.arange(0, BLOCK_K)
+        for k0 in range(0, L, BLOCK_K):
+            x = tl.load(z_ptr + token[:, None] * L + k0 + ks[None, :], mask=valid[:, None], other=0.0)
+            x = x.to(tl.float32)
+            acc_g = _scaled_product(x, w1_ptr, s1_ptr, row_base, k0, col_ok, acc_g, L, BLOCK_M, BLOCK_K)
+            acc_u = _scaled_product(x, w3_ptr, s3_ptr, row_base, k0, col_ok, acc_u, L, BLOCK_M, BLOCK_K)
+        h = situ(acc_g, acc_u, 4.0, 25.0)
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * F + cols[None, :], h, mask=col_ok[None, :])
+
+    @triton.jit
+    def _scaled_down_kernel(h_ptr, w2_ptr, s2_ptr, weight_ptr, y_ptr, pair_ptr, tile_expert_ptr, n_tiles_ptr,
+                            pairs, L: tl.constexpr, F: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        tile = tl.program_id(0)
+        if tile >= tl.load(n_tiles_ptr):
+            return
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_ptr + rows)
+        valid = pair < pairs
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < L
+        row_base = expert * L + cols.to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        ks = tl.arange(0, BLOCK_K)
+        for k0 in range(0, F, BLOCK_K):
+            x = tl.load(h_ptr + rows[:, None].to(tl.int64) * F + k0 + ks[None, :])
+            acc = _scaled_product(x, w2_ptr, s2_ptr, row_base, k0, col_ok, acc, F, BLOCK_M, BLOCK_K)
+        rw = tl.load(weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        tl.store(y_ptr + pair[:, None].to(tl.int64) * L + cols[None, :], acc * rw[:, None],
+                 mask=valid[:, None] & col_ok[None, :])
+
+
 def quantize_experts(w: torch.Tensor) -> Mxfp4Weight:
     """A stack of expert weights [E, N, K] (K a multiple of 32) in MXFP4 (k3lab.engine.mxfp4.quantize)."""
     if isinstance(w, torch.Tensor) and w.dim() != 3:
@@ -221,18 +306,83 @@ def mxfp4_experts(z, weights, idx, w1: Mxfp4Weight, w3: Mxfp4Weight, w2: Mxfp4We
     return y
 
 
-def reference(z, weights, idx, w1: Mxfp4Weight, w3: Mxfp4Weight, w2: Mxfp4Weight) -> torch.Tensor:
-    """The fp64 product of the dequantized experts, [N, L] fp64: what mxfp4_experts is checked against."""
+GROUPED = (16, 64, 128, 4)  # (rows per tile, columns, K values per step, warps) of the grouped launches
+
+
+def grouped_runs_here() -> tuple[bool, str]:
+    """Whether the grouped dot_scaled form runs here (this process's device), and why not."""
+    from k3lab import env
+
+    if triton is None:
+        return False, "Triton is not installed"
+    if env.triton_interpreted():
+        return False, "Triton's interpreter has no tl.dot_scaled: the GEMV form (mxfp4_experts) runs"
+    arch = env.detect().arch or ""
+    if arch.startswith("gfx") and not arch.startswith("gfx95"):
+        return False, f"{arch} has no scaled MFMA and Triton cannot lower tl.dot_scaled there: the GEMV " \
+            "form runs"
+    return True, ""
+
+
+def mxfp4_experts_grouped(z, weights, idx, w1: Mxfp4Weight, w3: Mxfp4Weight, w2: Mxfp4Weight, *,
+                          check_values: bool = True, blocks=GROUPED) -> torch.Tensor:
+    """y [N, L] fp32 through the grouped dot_scaled form (module docstring): activations as MXFP8, so
+    it matches `reference(..., mx_activations=True)`. Where that form cannot run (`grouped_runs_here`)
+    RuntimeError names the GEMV form. blocks: (rows per tile 16/32/64, columns, K step, warps)."""
+    from k3lab.ops.moe_experts.inputs import sort_by_expert
+
+    N, k, L, F, E = check_inputs(z, weights, idx, w1, w3, w2, check_values=check_values)
+    bm, bn, bk, warps = blocks if isinstance(blocks, tuple) and len(blocks) == 4 else (0, 0, 0, 0)
+    _blocks("blocks", (bn, bk, warps))
+    if bm not in (16, 32, 64) or bk < 128 or L % bk or F % bk:
+        raise ValueError(f"blocks must be (16, 32 or 64 rows, columns, a K step >= 128 dividing L={L} and "
+                         f"F={F}, warps), got {blocks!r}")
+    ok, why = grouped_runs_here()
+    if not ok:
+        raise RuntimeError(f"mxfp4_experts_grouped cannot run here: {why}")
+    y_pair = torch.zeros(N * k, L, dtype=torch.float32, device=z.device)
+    if N == 0:
+        return y_pair.view(0, L)
+    sort = sort_by_expert(idx, E, bm)
+    h = torch.empty(sort.max_tiles * bm, F, dtype=torch.float32, device=z.device)
+    z = z.contiguous()
+    _scaled_up_kernel[(sort.max_tiles, triton.cdiv(F, bn))](
+        z, w1.packed, w1.scale_exp, w3.packed, w3.scale_exp, h, sort.pair_of_row, sort.tile_expert,
+        sort.n_tiles, sort.pairs, L=L, F=F, TOP_K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    _scaled_down_kernel[(sort.max_tiles, triton.cdiv(L, bn))](
+        h, w2.packed, w2.scale_exp, weights.reshape(-1).contiguous(), y_pair, sort.pair_of_row,
+        sort.tile_expert, sort.n_tiles, sort.pairs, L=L, F=F, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps)
+    return y_pair.view(N, k, L).sum(1)
+
+
+def mx_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K a multiple of 32) rounded as the grouped kernels quantize activations: E4M3 values
+    with a power-of-two scale 2^ceil(log2(amax / 448)) per 32 along K; returned dequantized, fp64."""
+    x = x.to(torch.float64)
+    x3 = x.reshape(*x.shape[:-1], -1, BLOCK)
+    amax = x3.abs().amax(-1, keepdim=True)
+    e = torch.ceil(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)) / 448.0))
+    scale = torch.pow(2.0, torch.where(amax > 0, e, torch.full_like(e, -127.0)).clamp(-127, 127))
+    q = (x3 / scale).clamp(-448, 448).to(torch.float8_e4m3fn).to(torch.float64)
+    return (q * scale).reshape(x.shape)
+
+
+def reference(z, weights, idx, w1: Mxfp4Weight, w3: Mxfp4Weight, w2: Mxfp4Weight, *,
+              mx_activations: bool = False) -> torch.Tensor:
+    """The fp64 product of the dequantized experts, [N, L] fp64: what mxfp4_experts is checked against.
+    mx_activations: z and h rounded as MXFP8 first (`mx_fp8`), as the grouped form does."""
     from k3lab.nn.situ import situ_glu
 
     N, k, *_ = check_inputs(z, weights, idx, w1, w3, w2)
     d1, d3, d2 = (w.dequantize(torch.float64) for w in (w1, w3, w2))
-    zd = z.to(torch.float64)
+    act = mx_fp8 if mx_activations else (lambda t: t.to(torch.float64))
+    zd = act(z)
     y = torch.zeros(N, d2.shape[1], dtype=torch.float64, device=z.device)
     for n in range(N):
         for j in range(k):
             e = int(idx[n, j])
-            h = situ_glu(d1[e] @ zd[n], d3[e] @ zd[n])
+            h = act(situ_glu(d1[e] @ zd[n], d3[e] @ zd[n]))
             y[n] += float(weights[n, j]) * (d2[e] @ h)
     return y
 
@@ -254,5 +404,5 @@ def expert_bytes(tokens: int, top_k: int, latent: int, intermediate: int,
     return int(round(tokens * top_k * 3 * intermediate * latent * bytes_per_weight))
 
 
-__all__ = ["DOWN_BLOCKS", "UP_BLOCKS", "check_inputs", "expert_bytes", "mxfp4_experts", "quantize_experts",
-           "reference"]
+__all__ = ["DOWN_BLOCKS", "GROUPED", "UP_BLOCKS", "check_inputs", "expert_bytes", "grouped_runs_here",
+           "mx_fp8", "mxfp4_experts", "mxfp4_experts_grouped", "quantize_experts", "reference"]

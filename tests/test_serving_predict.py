@@ -155,3 +155,18 @@ def test_bad_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="tolerance"):
         predict.check_run(rec, SIZE_COSTS, tolerance=0)
     assert np.isclose(predict.fixed_clock((1, 2, 3)).iteration_us, 1e6)
+
+
+def test_docs_budget_figures_are_the_models():
+    """docs/serving_run.md's budget sentence: an MI355X rank's HBM less the reserve and K3's weights at
+    the served precision (node.free_gb), and the recipe's host tier."""
+    from pathlib import Path
+
+    from k3lab.serving import hardware, node
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "serving_run.md").read_text()
+    g = hardware.gpu("mi355x")
+    w = node.weights_gb_per_rank()["total"]
+    figure = (f"{g.memory_gb:g} GB x {1 - node.RESERVE:.2f} - {w:.1f} GB = {node.free_gb(g):.1f} GB")
+    assert figure in page.replace("\n", " ")
+    assert f"{hardware.SEED['host_cache_gb']:g} GB per rank" in page.replace("\n", " ")

@@ -72,12 +72,15 @@ def validation_records(inp=None) -> list[bench.Record]:
     return out
 
 
-def curve_records(gpu_key: str, inp=None, work=None) -> list[bench.Record]:
-    """One record per front point of every rung on `gpu_key` ('h200' or 'mi355x')."""
-    from k3lab.serving import curve, hardware
+def curve_records(gpu_key: str, inp=None, work=None, error=None) -> list[bench.Record]:
+    """One record per front point of every rung on `gpu_key` ('h200' or 'mi355x'), each with the step
+    model's measured error it carries (`error`, default serving.validate.model_error(): its kind and worst
+    abs(rel_err); the band around a front is serving.bands')."""
+    from k3lab.serving import curve, hardware, validate
 
     inp = inp or inputs.node_inputs()
     work = work or curve.agent_workload()
+    error = error or validate.model_error()
     g = hardware.gpu(gpu_key)
     mem = H200_MEMORY_GB if gpu_key == "h200" else None
     out = []
@@ -91,7 +94,8 @@ def curve_records(gpu_key: str, inp=None, work=None) -> list[bench.Record]:
                 measured_or_modelled="projected" if gpu_key != "h200" else "modelled from H200 step records",
                 tokens_per_s_user=p["tokens_per_s_user"], tokens_per_s_gpu=p["tokens_per_s_gpu"],
                 hit_rate=p["hit_rate"], committed=p["committed"], terms_us=p["terms_us"],
-                memory_gb=mem or g.memory_gb, workload=work.source))
+                memory_gb=mem or g.memory_gb, workload=work.source, step_model_error_kind=error["kind"],
+                step_model_error_worst=error["worst"]))
     return out
 
 
@@ -99,13 +103,19 @@ def run(preset=None, cases=None, *, repeats: int = 5) -> list:
     """The records of `cases` (see case_names); the model's cases read committed records only."""
     from k3lab.studies import select_cases
 
-    out, inp = [], None
+    out, inp, err = [], None, None
     for case in select_cases(case_names(preset), cases):
         if case == "grid":
             out += grid.measure_grid(repeats=repeats)
             continue
         inp = inp or inputs.node_inputs()
-        out += validation_records(inp) if case == "validation" else curve_records(case.split("_")[1], inp)
+        if case == "validation":
+            out += validation_records(inp)
+            continue
+        from k3lab.serving import validate
+
+        err = err or validate.model_error()
+        out += curve_records(case.split("_")[1], inp, error=err)
     return out
 
 

@@ -30,8 +30,10 @@ The grouped form (`mxfp4_experts_grouped`, for many tokens): tiles of expert-sor
 E8M0 scale per 32 along K: 2^ceil(log2(amax / 448))) and multiplied with the MXFP4 weights as they are.
 On gfx950 this is the scaled MFMA (v_mfma_scale_f32_16x16x128_f8f6f4, in the ISA report); on sm90 Triton
 decomposes it into bf16 mma with the operands scaled in registers. Triton's interpreter has no
-dot_scaled and gfx942 cannot lower it: there `grouped_runs_here` says no and the GEMV form runs.
-Its reference (`reference(..., mx_activations=True)`) quantizes the activations the same way.
+dot_scaled and gfx942 cannot lower it: there `grouped_runs_here` says no, the caller runs the GEMV form,
+and `mxfp4_experts_grouped` refuses, naming it. L and F must be multiples of its K step (128). Its
+reference (`reference(..., mx_activations=True)`) quantizes the activations the same way. The grouped
+form has not yet run on a GPU here (its test is GPU-only); its gfx950 code is compiled only.
 
 Shapes: z [N, L] fp32 / fp16 / bf16, weights [N, k] float, idx [N, k] int32 / int64 in [0, E),
 w1, w3 Mxfp4Weight of [E, F, L], w2 of [E, L, F]; L and F multiples of 32. Bad input: ValueError /

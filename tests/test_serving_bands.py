@@ -93,3 +93,15 @@ def test_docs_quote_the_generated_projection_section(setup):
     inp, work, err, bs = setup
     page = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
     assert bands.report_markdown(inp, work, err, bands_by_key=bs) in page
+
+
+def test_the_band_figure_draws_each_projection_as_a_labelled_region_and_its_central_front(setup):
+    from k3lab.studies.serving import figures
+
+    _, _, err, bs = setup
+    fig = figures.band_figure(list(bs.values()), 50.0, "projected")
+    assert len(fig.data) == 2 * len(bs)
+    for region, line, b in zip(fig.data[::2], fig.data[1::2], bs.values()):
+        assert region.fill == "toself" and "projected" in region.name and "projected" in line.name
+        assert len(region.x) == len(b["high"]) + len(b["low"]) and len(line.x) == len(b["central"])
+    assert err["kind"] in fig.layout.annotations[0].text

@@ -34,6 +34,33 @@ def curve_figure(rows: list[dict], target: float, title: str):
     return fig
 
 
+def band_figure(bands: list[dict], target: float, title: str):
+    """Projected fronts as bands (k3lab.serving.bands.band): per band its central front (a line) and the
+    region between its low and high fronts (filled), named 'projected' with the error the band carries;
+    tokens/s/GPU against tokens/s/user, the target dotted."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for b in bands:
+        hi, lo = b["high"], b["low"]
+        xs = [p["tokens_per_s_user"] for p in hi] + [p["tokens_per_s_user"] for p in lo[::-1]]
+        ys = [p["tokens_per_s_gpu"] for p in hi] + [p["tokens_per_s_gpu"] for p in lo[::-1]]
+        name = f"{b['gpu']}, {b['memory_gb']:g} GB (projected)"
+        fig.add_trace(go.Scatter(x=xs, y=ys, fill="toself", mode="none", opacity=0.25, name=f"{name}: band",
+                                 hoverinfo="skip"))
+        fig.add_trace(go.Scatter(x=[p["tokens_per_s_user"] for p in b["central"]],
+                                 y=[p["tokens_per_s_gpu"] for p in b["central"]], mode="lines+markers",
+                                 name=name))
+    if bands:
+        fig.add_annotation(text=f"band: step model error ({bands[0]['error_kind']}, worst "
+                                f"{bands[0]['error_worst']:.0%}), hit rate, acceptance, call latency",
+                           xref="paper", yref="paper", x=0, y=1.08, showarrow=False, font=dict(size=10))
+    fig.add_vline(x=target, line_dash="dot")
+    fig.update_layout(title=title, xaxis_title="tokens/s/user (P90)", yaxis_title="total tokens/s/GPU",
+                      xaxis_type="log", height=460)
+    return fig
+
+
 def whatif(inp, work, *, gpu: str = "mi355x", context: float = 1.0, hit_rate: float | None = None,
            acceptance: float = 1.0, max_depth: int = curve.MAX_DEPTH, dcp: str = "1 or 8",
            target: float = hardware.SEED["interactivity"]):

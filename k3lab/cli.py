@@ -5,6 +5,7 @@
     k3lab import FILE... [--overwrite]  records from a remote run into profiles/<device>/<study>/
     k3lab profile STUDY [--tool torch|ncu|nsys|rocprofv3] [--variant V...]   traces and kernel tables
     k3lab report [--full] [--skip-notebooks] [--skip-studies]   this machine's run -> build/report.html
+    k3lab records trend STUDY [CASE]   a study's records over commits (median_us, ratio to floor)
     k3lab isa [--target gfx950,gfx942,sm90] [--json F]  compile every Triton kernel, report ISA facts
     k3lab workshop room FILES... [--out F] [--png DIR]   the room's predictions, a histogram each
 
@@ -202,6 +203,32 @@ def _cmd_profile(args) -> int:
     return 0
 
 
+def _cmd_records(args) -> int:
+    """`k3lab records trend STUDY [CASE]`: every committed version of the study's records (git history of
+    profiles/), printed per device, variant and mode, and drawn to an HTML figure under --out."""
+    from k3lab import plots
+    from k3lab.files import write_atomic
+    from k3lab.profiling import trend
+
+    hist = trend.history(args.study, args.case, device=args.device)
+    if hist.empty:
+        print(f"k3lab records trend: no {args.study} records" + (f" of case {args.case}" if args.case else "")
+              + (f" on {args.device}" if args.device else ""), file=sys.stderr)
+        return 2
+    cols = ["date", "record_commit", "device", "case", "variant", "mode", "median_us", "floor_ratio",
+            "launches"]
+    shown = hist[cols].assign(date=hist["date"].str.slice(0, 16),
+                              record_commit=hist["record_commit"].str.slice(0, 9))
+    with _pandas_wide():
+        print(shown.to_string(index=False, na_rep="", float_format=lambda x: f"{x:.4g}"))
+    name = f"trend-{args.study}" + (f"-{args.case}" if args.case else "") + ".html"
+    path = Path(args.out) / name
+    title = f"{args.study}" + (f" {args.case}" if args.case else "") + ": records over time"
+    write_atomic(path, plots.trend(hist, title=title).to_html(include_plotlyjs=True, full_html=True))
+    print(f"{len(hist)} records; figure: {path}")
+    return 0
+
+
 REPORT_TRACES = Path("traces") / "report"  # under --out: the traces of the report's last run
 
 
@@ -279,7 +306,7 @@ def _check_args(args) -> None:
             _check_save_profiles(args)
         else:
             check_output_dir(args.out)
-    elif args.command in ("profile", "report"):
+    elif args.command in ("profile", "report", "records"):
         check_output_dir(args.out)
     elif args.command == "import":
         if args.root is not None:
@@ -370,6 +397,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch.profiler here (default), or Nsight Compute / Nsight Systems / rocprofv3 on a "
                          "child process where the tool and its GPU are present")
     pr.add_argument("--variant", nargs="+", default=None, help="variants to profile (default: every one)")
+    rec = sub.add_parser("records", help="the committed records: trend (every version in git's history)")
+    rsub = rec.add_subparsers(dest="records_command", required=True)
+    tr = rsub.add_parser("trend", help="a study's records over commits: median_us and ratio to the floor",
+                         epilog=studies, formatter_class=raw)
+    tr.add_argument("study", help="a study name (below)")
+    tr.add_argument("case", nargs="?", default=None, help="one case (default: every case)")
+    tr.add_argument("--device", default=None, help="a device folder under profiles/, e.g. nvidia-h200")
+    tr.add_argument("--out", default="build")
     sub.add_parser("isa", help="compile every Triton kernel for gfx950 / gfx942 / sm90 and report ISA facts "
                          "(python -m k3lab.isa --help)", add_help=False)
     _add_workshop(sub)
@@ -406,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k3lab: {exc}", file=sys.stderr)
         return 2
     handler = {"info": _cmd_info, "bench": _cmd_bench, "profile": _cmd_profile, "report": _cmd_report,
-               "import": _cmd_import, "workshop": _cmd_workshop}
+               "import": _cmd_import, "workshop": _cmd_workshop, "records": _cmd_records}
     try:
         return handler[args.command](args)
     except KeyboardInterrupt:

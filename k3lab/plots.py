@@ -11,6 +11,7 @@ only needed where figures are drawn.
 - roofline(points): arithmetic intensity against achieved TFLOP/s under bandwidth and compute ceilings.
 - study_roofline(study): a study's committed records on that roofline, with the device's measured ceilings.
 - records_table(records): the records as a table figure.
+- trend(history): a study's records over time (median and ratio to the floor).
 - say_missing(frame, why): a DataFrame for display whose missing values say why they are missing.
 """
 
@@ -26,7 +27,7 @@ from k3lab import bench
 from k3lab import env as _env
 
 __all__ = ["before_after", "kernel_bars", "records_table", "roofline", "say_missing", "size_sweep",
-           "study_roofline", "timeline"]
+           "study_roofline", "timeline", "trend"]
 
 _VARIANT_COLORS = {"before": "#d62728", "after": "#2ca02c", "reference": "#7f7f7f"}
 _PEER_COLORS = ["#1f77b4", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
@@ -390,6 +391,42 @@ def study_roofline(study: str, *, device: str = "nvidia-h200", cases=None, modes
     proj = rl.projected_ceilings(projected) if projected else None
     return roofline(pts, peak=ceil, projected=proj,
                     title=title or f"{study} roofline on {ceil.device} (committed records)")
+
+
+def trend(history: pd.DataFrame, *, title: str | None = None) -> go.Figure:
+    """A study's records over time (profiling.trend.history): median_us (log) above, the ratio to the
+    floor below, one line per device, variant and mode, each point hovering its case and the commit it
+    measured. ValueError on an empty history."""
+    from plotly.subplots import make_subplots
+
+    need = {"date", "median_us", "floor_ratio", "device", "variant", "mode", "case", "record_commit"}
+    if not isinstance(history, pd.DataFrame) or not need <= set(history.columns):
+        raise ValueError(f"history: expected profiling.trend.history's DataFrame (columns {sorted(need)})")
+    if history.empty:
+        raise ValueError("history: no records to draw")
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=("median (us)", "median / floor"))
+    groups = history.groupby(["device", "variant", "mode"], sort=False)
+    for i, ((device, variant, mode), g) in enumerate(groups):
+        color = _VARIANT_COLORS.get(variant, _PEER_COLORS[i % len(_PEER_COLORS)])
+        label = f"{variant} {mode}" + (f" ({device})" if history["device"].nunique() > 1 else "")
+        text = [f"{c} @ {str(k)[:9]}" for c, k in zip(g["case"], g["record_commit"])]
+        dash = "dot" if mode == "graph" else "solid"
+        fig.add_trace(go.Scatter(name=label, legendgroup=label, x=g["date"], y=g["median_us"], text=text,
+                                 mode="lines+markers", line={"color": color, "dash": dash},
+                                 hovertemplate="%{text}<br>%{y:.4g} us<extra></extra>"), row=1, col=1)
+        ok = g["floor_ratio"].notna()
+        if ok.any():
+            fig.add_trace(go.Scatter(name=label, legendgroup=label, showlegend=False, x=g["date"][ok],
+                                     y=g["floor_ratio"][ok], text=[t for t, k in zip(text, ok) if k],
+                                     mode="lines+markers", line={"color": color, "dash": dash},
+                                     hovertemplate="%{text}<br>%{y:.3g} x floor<extra></extra>"),
+                          row=2, col=1)
+    fig.update_yaxes(type="log", row=1, col=1)
+    fig.update_yaxes(type="log", row=2, col=1)
+    fig.update_xaxes(title="measured (record date)", row=2, col=1)
+    fig.update_layout(title=title or "records over time", template="plotly_white")
+    return fig
 
 
 def records_table(records: Iterable[bench.Record], *, title: str | None = None) -> go.Figure:

@@ -110,7 +110,8 @@ def test_the_articles_precision_is_refused_naming_what_is_missing():
         opts = where.pop("optimizations", "all")
         with pytest.raises(ValueError, match="precision='article'") as err:
             resolve(opts, "cpu", torch.float32, 1, **where)
-        assert "MXFP4" in str(err.value) and "FP8 MLA latent cache" in str(err.value)
+        assert "MXFP4 routed experts in the step" in str(err.value)
+        assert "FP8 MLA latent cache in the step" in str(err.value)
     assert len(ARTICLE_MISSING) == 2
     with pytest.raises(ValueError, match="cannot run yet"):
         DecodeStep(SMALL, 1, 4, device="cpu", precision="article")

@@ -81,7 +81,7 @@ class DecodeStep:
     `self.resolved.notes['projections']` (ValueError with strict=True); a CPU step whose torch lacks
     CPU e4m3fn products runs a plain-PyTorch emulation of the same arithmetic, said the same way.
     precision: 'bf16' (the weights' dtype), 'fp8' (FP8 dense projections: the same as projections='fp8')
-    or 'article' (refused by name until its kernels exist: `switches.ARTICLE_MISSING`); None follows
+    or 'article' (refused by name until the step runs it: `switches.ARTICLE_MISSING`); None follows
     projections. Both are settings of the same table as the switches (`switches.SETTINGS`) and may be
     given in the optimizations dict instead.
     """

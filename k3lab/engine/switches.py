@@ -26,9 +26,9 @@ projections run ('bf16': the matrix library in the weights' dtype; 'gemv': the s
 products by k3lab.ops.gemv; 'fp8': e4m3fn weights, `fp8.resolve_projections`), and `precision`, the
 number formats of the step ('bf16': the weights' dtype; 'fp8': FP8 dense projections; 'article': the
 article's MXFP4 routed experts, FP8 dense projections and an FP8 MLA cache, refused by name until the
-kernels that read MXFP4 experts and an FP8 cache exist). Either may be given in the optimizations dict or
-as a keyword; `Resolved.projections` says what runs and `notes['projections']` why where the form asked
-for cannot run as asked.
+step runs its experts and its MLA cache in those formats: `ARTICLE_MISSING`). Either may be given in the
+optimizations dict or as a keyword; `Resolved.projections` says what runs and `notes['projections']` why
+where the form asked for cannot run as asked.
 """
 
 from __future__ import annotations
@@ -58,10 +58,12 @@ class Setting:
 
 
 PRECISIONS = ("bf16", "fp8", "article")
-# What the article's precision needs that k3lab has not got yet (the step refuses it by these names).
-ARTICLE_MISSING = ("routed-expert kernels that read MXFP4 weights (k3lab.engine.mxfp4 has the format and "
-                   "its reference only)",
-                   "an FP8 MLA latent cache with its writer and an MLA decode that reads it")
+# What the article's precision needs in the step that the step does not do yet (refused by these names):
+# the kernels exist in k3lab.ops, the step's weights, caches and bound callables do not use them.
+ARTICLE_MISSING = ("MXFP4 routed experts in the step (its RankWeights do not quantize the experts with "
+                   "k3lab.engine.mxfp4, and it binds no k3lab.ops.moe_experts MXFP4 kernel)",
+                   "an FP8 MLA latent cache in the step (its caches are bf16, and it binds neither "
+                   "k3lab.ops.mla_decode.fp8_cache's row writer nor its FP8 decode plan)")
 
 SETTINGS: dict[str, Setting] = {
     "kda_fused": Setting("fused KDA decode (conv, norms, gates, recurrence, output norm in one launch)",
@@ -178,7 +180,7 @@ def settings(optimizations, projections: str | None = None, precision: str | Non
     """(projections, precision) from the keywords or the optimizations dict (not both, unless equal):
     unset, each follows the other ('fp8' projections <-> 'fp8' precision), else 'bf16'. ValueError for
     a value outside the table, for projections that contradict the precision, and for precision='article'
-    (its kernels are not here yet: `ARTICLE_MISSING`)."""
+    (the step does not run those formats yet: `ARTICLE_MISSING`)."""
     given = optimizations if isinstance(optimizations, dict) else {}
     out = {}
     for name, kw in (("projections", projections), ("precision", precision)):
@@ -190,8 +192,8 @@ def settings(optimizations, projections: str | None = None, precision: str | Non
     proj, prec = out["projections"], out["precision"]
     if prec == "article":
         raise ValueError("precision='article' (MXFP4 routed experts, FP8 dense projections, FP8 MLA cache) "
-                         "cannot run yet: k3lab lacks " + "; and ".join(ARTICLE_MISSING) + ". Use precision="
-                         "'fp8' (FP8 dense projections) or 'bf16'")
+                         "cannot run yet: the step lacks " + "; and ".join(ARTICLE_MISSING) + ". Use "
+                         "precision='fp8' (FP8 dense projections) or 'bf16'")
     if prec is None:
         prec = "fp8" if proj == "fp8" else "bf16"
     if proj is None:

@@ -179,6 +179,7 @@ INFRASTRUCTURE: dict[str, str] = {
     "docs/ladder.md": "the workshop's Triton ladder: the kernel puzzles before each kernel lesson",
     "docs/workshop.md": "the workshop day: agenda, prerequisites, which notebooks need a GPU",
     "docs/mi355x.md": "which kernel runs on MI355X for every op",
+    "docs/profiling.md": "the profilers, traces, rooflines and trends every study's records go through",
     f"profiles/{RECORDS_DEVICE}/gpu_check": "records of the tests, notebooks and report run on the GPU "
                                              "machine",
 }

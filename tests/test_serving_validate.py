@@ -39,7 +39,7 @@ def test_held_out_shapes_are_disjoint_from_the_fit_and_the_fit_sees_every_batch(
         f = stepmodel.fit(pts)
         held = {(p.batch, p.context) for p in f.held_out}
         assert held and not held & {(p.batch, p.context) for p in f.fitted}, v
-        # every record measured at a held-out shape left the fit (a grid and a decode_step record of one shape)
+        # every record measured at a held-out shape left the fit (grid and decode_step records of one shape)
         assert all((p.batch, p.context) not in held for p in f.fitted)
         assert {p.batch for p in f.fitted} == {p.batch for p in pts}, v  # fitted on every measured batch
     assert {r["variant"] for r in rows} == {v for v, ps in by.items() if len(ps) >= 3}
@@ -48,7 +48,8 @@ def test_held_out_shapes_are_disjoint_from_the_fit_and_the_fit_sees_every_batch(
 
 
 def test_held_out_of_takes_every_record_of_a_shape_together():
-    parts = {"weights_dense": 1e9, "weights_experts": 1e9, "mla_cache": 1e8, "kda_state": 1e7, "kda_conv": 1e6}
+    parts = {"weights_dense": 1e9, "weights_experts": 1e9, "mla_cache": 1e8, "kda_state": 1e7,
+             "kda_conv": 1e6}
 
     def pt(b, c, us, src):
         p = dict(parts, mla_cache=parts["mla_cache"] * b * c / 1024, kda_state=parts["kda_state"] * b,
@@ -142,3 +143,38 @@ def test_model_error_without_a_second_grid_is_the_held_out_and_extrapolation_err
 def test_docs_quote_the_generated_error_table():
     page = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
     assert validate.report_markdown() in page
+
+
+def test_model_error_takes_the_cross_gpu_error_once_a_second_grid_is_filed(tmp_path):
+    """The path the H100 grid takes after `k3lab import`: records under
+    profiles/nvidia-h100-80gb-hbm3/serving/ (here the H200's grid of three variants refiled as an H100's,
+    its bandwidth x 0.7 and every time x 1.1) make model_error the cross-GPU error, both directions, per
+    variant shared; the H100 has no decode_step records, so its steps take the H200's routing pool."""
+    import json
+    import shutil
+
+    src = Path(bench.PROFILES) / "nvidia-h200"
+    shutil.copytree(src / "decode_step", tmp_path / "nvidia-h200" / "decode_step")
+    (tmp_path / "nvidia-h200" / "serving").mkdir(parents=True)
+    h100 = tmp_path / "nvidia-h100-80gb-hbm3" / "serving"
+    h100.mkdir(parents=True)
+    keep = ("all_on", "base", "no_mla_padded")
+    for f in (src / "serving").glob("grid.*.json"):
+        shutil.copy(f, tmp_path / "nvidia-h200" / "serving" / f.name)
+        recs = json.loads(f.read_text())
+        if recs[0]["extra"]["grid_variant"] not in keep:
+            continue
+        for r in recs:
+            r["device"] = "NVIDIA H100 80GB HBM3"
+            r["extra"]["bandwidth_tbs"] *= 0.7
+            r["median_us"] *= 1.1
+        (h100 / f.name).write_text(json.dumps(recs))
+    err = validate.model_error(root=tmp_path)
+    assert err["kind"].startswith("cross-GPU") and set(err["per_variant"]) == set(keep)
+    directions = {(r["fitted_on"], r["tested_on"]) for r in err["rows"]}
+    assert directions == {("nvidia-h200", "nvidia-h100-80gb-hbm3"), ("nvidia-h100-80gb-hbm3", "nvidia-h200")}
+    from k3lab.studies.serving import inputs
+
+    h = inputs.step_points("nvidia-h100-80gb-hbm3", tmp_path)
+    assert {p.variant for p in h} == set(keep) and all(p.source.split("/")[2] == "serving" for p in h)
+    assert all(r["rel_err"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1) for r in err["rows"])

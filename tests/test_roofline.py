@@ -76,6 +76,15 @@ def test_committed_h200_ceilings_are_the_measured_copy():
     assert 3.5 < c.bandwidth_tbs < 4.8  # a device copy on an H200 (datasheet 4.8 TB/s)
 
 
+def test_probe_needs_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the probe would run")
+    with pytest.raises(ValueError, match="needs a GPU"):
+        rl.probe_ceilings()
+
+
 def test_projected_ceilings_are_marked():
     p = rl.projected_ceilings("MI355X")
     assert p.projected and "projected" in p.name and p.bandwidth_source.startswith("projected")

@@ -23,6 +23,7 @@ the distance to the ceiling is the distance to the floor. `work(record)` derives
 `ceilings(device)` takes the copy bandwidth and the matrix rate from the device's records where a run
 measured them (decode_step's attribution measures a 1 GiB device copy in the same run; a matrix probe
 record `ceilings/matmul_bf16__reference`), else from k3lab.env.PEAKS, each labelled with its source.
+`probe_ceilings()` measures both on a GPU as such records (not yet run on a GPU by this project).
 `projected_ceilings('MI355X')` is the datasheet line for a GPU nobody here ran on, labelled projected.
 Pure functions over records: no GPU needed.
 """
@@ -105,6 +106,33 @@ def ceilings(device: str, records=None) -> Ceilings:
     else:
         mat, mat_src = pk.bf16_tflops, f"k3lab.env.PEAKS: {pk.bf16_source}"
     return Ceilings(name, bw, bw_src, mat, mat_src)
+
+
+def probe_ceilings(*, save: bool = False, root=None) -> list:
+    """Measure this GPU's two ceilings as records of the study `ceilings` (variant 'reference'): a 1 GiB
+    device copy (case copy_1GiB, extra bandwidth_tbs: bytes read + written over the median time) and a
+    bf16 8192^3 matmul on random data (case matmul_bf16_8192, extra matmul_tflops). `save=True` writes
+    them under profiles/<device>/ceilings/ (or `root`), where `ceilings()` finds them. ValueError on a
+    machine without a GPU. Not yet run on a GPU by this project."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("probe_ceilings: needs a GPU (torch sees none); on a CPU ceilings() reads the "
+                         "committed records and k3lab.env.PEAKS")
+    n, m = 1 << 30, 8192
+    src, dst = (torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(2))
+    copy = bench.time_fn(lambda: dst.copy_(src), warmup=3, repeats=20, calls_per_sample=1)
+    a, b = (torch.randn(m, m, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    mm = bench.time_fn(lambda: a @ b, warmup=3, repeats=20, calls_per_sample=1)
+    recs = [bench.make_record(PROBE_STUDY, "copy_1GiB", "reference", copy, shape={"bytes": n}, dtype="uint8",
+                              bandwidth_tbs=2 * n / (copy.median_us * 1e-6) / 1e12,
+                              bandwidth_how="1 GiB device copy, read + write, measured by probe_ceilings"),
+            bench.make_record(PROBE_STUDY, "matmul_bf16_8192", "reference", mm,
+                              shape={"m": m, "n": m, "k": m}, dtype="bfloat16",
+                              matmul_tflops=2 * m ** 3 / (mm.median_us * 1e-6) / 1e12)]
+    if save:
+        bench.save_records(recs, root=root)
+    return recs
 
 
 def projected_ceilings(name: str = "MI355X") -> Ceilings:

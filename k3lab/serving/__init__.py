@@ -1,13 +1,18 @@
 """The serving model: one node of 8 GPUs serving K3, from measured step times to tokens/s/GPU against
-tokens/s/user.
+tokens/s/user, and a measured serving run on one rank to hold it against.
 
-Modules: `stepmodel` (the per-rank step as a sum of parts, fitted to whole-step records, held-out
-validation), `hardware` (GPUs and links with their sources), `node` (bytes, capacity, the served step,
+Modules: `stepmodel` (the per-rank step as a sum of parts, fitted to whole-step records), `validate` (its
+measured error: held-out shapes disjoint from the fit, extrapolation past batch 32, cross-GPU fit and
+validate), `hardware` (GPUs and links with their sources), `node` (bytes, capacity, the served step,
 collectives, DCP, verification, prefill), `curve` (the cycle, the per-user and per-GPU rates, the Pareto
-front, the article's order of optimizations and each one's share). The records it reads are gathered by
-the serving study (k3lab.studies.serving.inputs); nothing here touches a GPU.
+front, the article's order of optimizations and each one's share), `bands` (projected fronts with the
+measured error and the sensitivities as a band; the article's figures as calibration ratios), `article`
+(what the projection and the article's measurement are made of), `run` / `pool` / `workload` (the measured
+serving run: continuous batching, chunked prefill, a prefix cache in real memory), `predict` (the step
+model replaying a measured run: TTFT, TPOT and output tokens/s predicted beside measured, the wrong term
+named). The model's records are gathered by the serving study (k3lab.studies.serving.inputs).
 """
 
-from . import curve, hardware, node, stepmodel
+from . import bands, curve, hardware, node, predict, stepmodel, validate
 
-__all__ = ["curve", "hardware", "node", "stepmodel"]
+__all__ = ["bands", "curve", "hardware", "node", "predict", "stepmodel", "validate"]

@@ -7,8 +7,9 @@ each and the rank, and `write_hta_folder` writes the result as `<folder>/rank-<r
 trace is Chrome/Perfetto JSON (ui.perfetto.dev): the step and part ranges show as named slices.
 
 `label(name)` opens a record_function range and, where a CUDA or ROCm build of torch sees a GPU, an NVTX
-range of the same name (torch.cuda.nvtx, which is ROCTX on ROCm), so Nsight Systems and rocprofv3's marker
-trace name the same parts that torch.profiler does.
+range of the same name (torch.cuda.nvtx; a ROCm build of torch routes it to ROCTX, not yet run on AMD
+hardware by this project), so Nsight Systems and rocprofv3's marker trace name the parts torch.profiler
+names.
 
 HTA is optional (pip install HolisticTraceAnalysis; its import also needs psutil): `hta_status()` says
 whether it imports and why not; `hta_kernel_breakdown(folder)` runs its kernel breakdown; without it

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -20,9 +19,8 @@ from k3lab.ops import Backends
 from k3lab.ops.situ_glu import situ_glu_stacked
 
 SMALL = dataclasses.replace(K3Config.tiny(), num_hidden_layers=2, attn_res_block_size=1, name="tiny2")
-CPU_STEP = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                              reason="a step on CPU tensors needs Triton's interpreter, which is off where "
-                                     "there is a GPU")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DT = torch.bfloat16 if DEV == "cuda" else torch.float32
 STEP_OPS = {"kda_decode", "mla_decode", "attn_res_norm", "packed_matmul", "situ_glu", "moe_router",
             "moe_experts", "mla_glue"}
 
@@ -51,29 +49,29 @@ def test_the_counter_sees_a_face_choose(choices):
     assert choices["situ_glu"] >= 1
 
 
-@CPU_STEP
 @pytest.mark.parametrize("projections", ("bf16", "gemv", "fp8"))
 @pytest.mark.parametrize("opt", ("all", "none"))
 def test_eager_decode_steps_choose_nothing_after_resolve(choices, opt, projections):
-    step = DecodeStep(SMALL, 1, 4, optimizations=opt, device="cpu", projections=projections)
+    """On the GPU where there is one (bf16: the CUDA kernels' rows), else on the CPU (fp32)."""
+    step = DecodeStep(SMALL, 1, 4, optimizations=opt, device=DEV, projections=projections)
     assert set(step.resolved.rows) >= STEP_OPS, set(step.resolved.rows)
     assert set(step.resolved.backends) == set(step.resolved.rows)
     choices.clear()
     with torch.no_grad():
         for t in range(3):
-            logits = step(torch.tensor([[t + 1]]))
+            logits = step(torch.tensor([[t + 1]], device=DEV))
     assert torch.isfinite(logits).all()
     assert sum(choices.values()) == 0, dict(choices)
 
 
 def test_rows_cover_verification_ops_and_are_objects_with_callables():
-    r = resolve("all", "cpu", torch.float32, 3)
+    r = resolve("all", DEV, DT, 3)
     assert {"kda_verify", "mla_decode", "attn_res_norm"} <= set(r.rows) and "kda_decode" not in r.rows
     assert callable(r.rows["kda_verify"].verify) and callable(r.rows["mla_decode"].bind)
     assert callable(r.rows["moe_experts"].experts) and callable(r.rows["moe_experts"].tail)
     with pytest.raises(AttributeError, match="binds no 'after'"):
         r.rows["mla_decode"].after  # noqa: B018
-    d = resolve("none", "cpu", torch.float32, 1)
+    d = resolve("none", DEV, DT, 1)
     assert d.backends["kda_decode"] == "triton" and d.backends["moe_experts"] == "torch"
     assert d.graph and "per-expert loop" in d.graph
 
@@ -86,7 +84,7 @@ def test_projections_and_precision_are_settings_of_the_same_table():
     assert settings({"projections": "fp8"}) == ("fp8", "fp8")
     assert settings("all", precision="fp8") == ("fp8", "fp8")
     assert settings({"projections": "gemv", "kda_fused": False}) == ("gemv", "bf16")
-    r = resolve({"projections": "fp8", "glue_fused": False}, "cpu", torch.float32, 1)
+    r = resolve({"projections": "fp8", "glue_fused": False}, DEV, DT, 1)
     assert r.projections.startswith("fp8") and r.precision == "fp8" and not r.on["glue_fused"]
     assert any(line.startswith("precision: fp8") for line in r.describe())
 
@@ -102,16 +100,16 @@ def test_projections_and_precision_are_settings_of_the_same_table():
 def test_bad_settings_are_refused_by_name(kw, match):
     opts = kw.pop("optimizations", "all")
     with pytest.raises(ValueError, match=match):
-        resolve(opts, "cpu", torch.float32, 1, **kw)
+        resolve(opts, DEV, DT, 1, **kw)
 
 
 def test_the_articles_precision_is_refused_naming_what_is_missing():
     for where in ({"precision": "article"}, {"optimizations": {"precision": "article"}}):
         opts = where.pop("optimizations", "all")
         with pytest.raises(ValueError, match="precision='article'") as err:
-            resolve(opts, "cpu", torch.float32, 1, **where)
+            resolve(opts, DEV, DT, 1, **where)
         assert "MXFP4 routed experts in the step" in str(err.value)
         assert "FP8 MLA latent cache in the step" in str(err.value)
     assert len(ARTICLE_MISSING) == 2
     with pytest.raises(ValueError, match="cannot run yet"):
-        DecodeStep(SMALL, 1, 4, device="cpu", precision="article")
+        DecodeStep(SMALL, 1, 4, device=DEV, precision="article")

@@ -39,20 +39,22 @@ def _weights():
     return _BUILT["w"]
 
 
-def _fixed_clock_record():
-    """A run of 3 sessions at concurrency 3 on the fixed clock, with a cache large enough that no request
-    waits for memory (the replay does not model that wait), as a record."""
-    if "fixed" not in _BUILT:
+def _fixed_clock_record(gpu_mb: float = 40.0, host_mb: float = 0.0):
+    """A run of 3 sessions at concurrency 3 on the fixed clock, as a record: by default with a cache large
+    enough that no request waits for memory; 2 MB and a 3 MB host tier make requests wait for it."""
+    key = ("fixed", gpu_mb, host_mb)
+    if key not in _BUILT:
         w = agentx_sessions(3, scale=Scale(context=1 / 512, output=1 / 64, time=1 / 8), seed=2,
                             median_turns=4)
         ss = Sessions.of(w, think_scale=1 / 8, seed=2)
-        eng = Engine(_weights(), slots=3, rows=ss.max_len() + 2, cache=CacheBudget(40e6, 0.0, "test"),
+        eng = Engine(_weights(), slots=3, rows=ss.max_len() + 2,
+                     cache=CacheBudget(gpu_mb * 1e6, host_mb * 1e6, "test"),
                      staging=2, max_batched_tokens=96, log=lambda *a: None)
         with torch.no_grad():
             res = eng.run(ss, RunSettings(concurrency=3, max_requests=9, checkpoint_interval=128,
                                           max_batched_tokens=96, step_cost=COST))
-        _BUILT["fixed"] = predict.as_record(res, "c3.fixed_clock"), res
-    return _BUILT["fixed"]
+        _BUILT[key] = predict.as_record(res, "c3.fixed_clock"), res
+    return _BUILT[key]
 
 
 # decode depends on the captured size only, so the run's median step per size is the term itself
@@ -61,8 +63,9 @@ SIZE_COSTS = predict.StepCosts(lambda b, n, ctx: 3000.0 + 1500.0 * b, lambda t, 
 
 
 @on_a_cpu
-def test_the_replay_of_a_fixed_clock_run_gives_its_times_back():
-    rec, res = _fixed_clock_record()
+@pytest.mark.parametrize("budget", [(40.0, 0.0), (2.0, 3.0)], ids=["roomy", "capacity_binds"])
+def test_the_replay_of_a_fixed_clock_run_gives_its_times_back(budget):
+    rec, res = _fixed_clock_record(*budget)
     assert res.describe["clock"].startswith("fixed") and res.incomplete == 0
     rep = predict.replay(predict.run_inputs(rec), predict.fixed_clock(COST))
     got = {r["request"]: r for r in rep["requests"]}
@@ -75,6 +78,10 @@ def test_the_replay_of_a_fixed_clock_run_gives_its_times_back():
     assert row["pass"] and row["wrong_term"] is None
     for m in predict.METRICS:
         assert abs(row[f"{m} err"]) < 1e-9, m
+    if budget == (2.0, 3.0):  # requests waited for memory: a replay without the wait is another schedule
+        free = dict(predict.run_inputs(rec), memory=None)
+        ttft = {r["request"]: r["ttft"] for r in predict.replay(free, predict.fixed_clock(COST))["requests"]}
+        assert any(abs(ttft[r["request"]] - r["ttft"]) > 1e-6 for r in res.requests)
     # a replay with other costs is another schedule: the check sees it
     off = predict.check_run(rec, predict.fixed_clock((COST[0], 2 * COST[1], COST[2])))
     assert not off["pass"]

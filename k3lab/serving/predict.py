@@ -15,9 +15,11 @@ history, prefill of the chunk's tokens, a per-iteration overhead, zero unless gi
 
 The replay (`replay`) follows `k3lab.serving.run`'s scheduler: closed-loop sessions (the first `concurrency`
 start at 0, a session that ends its last recorded turn hands its place to the next), admission while a
-slot and a staging entry are free (the memory wait is not replayed: the record's resumed positions already
-carry what the cache held), then the decode step of the sequences decoding, then prefill chunks within
-max_batched_tokens less one per decoding sequence, each chunk ending at a checkpoint position.
+slot and a staging entry are free and the running sequences' reserved state (one KDA state and the rows of
+prompt and output, at the run's DCP share) fits the device budget the record's pool describes (the cache's
+contents are not replayed: the record's resumed positions carry what it held), then the decode step of
+the sequences decoding, then prefill chunks within max_batched_tokens less one per decoding sequence, each
+chunk ending at a checkpoint position.
 
 When a metric is off by more than `TOLERANCE`, `check_run` names the term: it replays again with the
 decode step, then the prefill, taken from the run's own measurement (its median decode step per captured
@@ -82,8 +84,10 @@ def as_record(result, case: str = "run", device: str = "this machine") -> dict:
 
 def run_inputs(record) -> dict:
     """What the replay takes from a serving_run record: concurrency, DCP, the prefill budget, checkpoint
-    interval, staging entries, captured sizes, GPUs, and the sessions (each a list of turns: request, prompt,
-    output, resumed position, think seconds before it), in the order they started."""
+    interval, staging entries, captured sizes, GPUs, the device budget of the running state (`memory`:
+    budget, KDA state and history-row bytes, from the record's pool; None when the record has none), and
+    the sessions (each a list of turns: request, prompt, output, resumed position, think seconds before
+    it), in the order they started."""
     d = _get(record)
     shape, desc = d["shape"], d["extra"]["describe"]
     rows = sorted(d["extra"]["requests"], key=lambda r: (r["session"], r["turn"]))
@@ -101,7 +105,13 @@ def run_inputs(record) -> dict:
             if prev_end is None:
                 break  # cut at the drain limit: no later turn was sent
         sessions.append(seq)
-    return {"concurrency": int(shape["concurrency"]), "dcp": int(shape.get("dcp", 1)),
+    pool = desc.get("pool") or {}
+    memory = None
+    if pool.get("page_bytes") and pool.get("rows_per_block"):
+        memory = {"budget": int(pool["device_pages"]) * int(pool["page_bytes"]),
+                  "state": int(pool["checkpoint_bytes"]),
+                  "row": int(pool["page_bytes"]) // int(pool["rows_per_block"])}
+    return {"concurrency": int(shape["concurrency"]), "dcp": int(shape.get("dcp", 1)), "memory": memory,
             "max_batched_tokens": int(shape["max_batched_tokens"]),
             "checkpoint_interval": int(shape["checkpoint_interval"]), "staging": int(desc["staging"]),
             "sizes": [int(s) for s in desc["decode"]["sizes"]], "gpus": int(desc["gpus"]),
@@ -135,6 +145,7 @@ def replay(inputs: dict, costs: StepCosts) -> dict:
     active: list[dict] = []
     done: list[dict] = []
     free_slots, free_stages = list(range(C)), list(range(inputs["staging"]))
+    mem, reserved = inputs.get("memory"), 0
     parts = {"decode": 0.0, "prefill": 0.0, "overhead": 0.0}
     iterations: list[tuple[int, float, int, float]] = []  # (captured size or 0, decode s, prefill tokens, s)
     seq = 0
@@ -160,7 +171,14 @@ def replay(inputs: dict, costs: StepCosts) -> dict:
             now = max(now, pending[0][0])
             continue
         while queue and free_slots and free_stages:  # admission
-            r = queue.pop(0)
+            r = queue[0]
+            if mem is not None:
+                need = mem["state"] + -(-(r["n_in"] + r["out"]) // inputs["dcp"]) * mem["row"]
+                if reserved + need > mem["budget"] and active:
+                    break  # waits for memory, as the run's admission does
+                r["reserved"] = need
+                reserved += need
+            queue.pop(0)
             r["slot"], r["stage"], r["state"] = free_slots.pop(0), free_stages.pop(0), "prefill"
             free_slots.sort()
             active.append(r)
@@ -203,6 +221,7 @@ def replay(inputs: dict, costs: StepCosts) -> dict:
         for r in [r for r in active if r["state"] == "decode" and len(r["times"]) >= r["out"]]:
             active.remove(r)
             done.append(r)
+            reserved -= r.get("reserved", 0)
             free_slots.append(r["slot"])
             free_slots.sort()
             if r["k"] + 1 < len(sessions[r["s"]]):

@@ -110,8 +110,8 @@ def test_the_second_gpu_grid_command_plans_every_variant_at_every_point(monkeypa
 
     monkeypatch.setattr(grid, "measure_grid", fake)
     out = tmp_path / "g.json"
-    argv = ["grid", "--json", str(out), "--budget-s", "220", "--batches", "1", "4", "16", "--contexts", "1024",
-            "16384", "--variants", "all_on", "base", "no_mla_padded", "--switches-everywhere"]
+    argv = ["grid", "--json", str(out), "--budget-s", "220", "--batches", "1", "4", "16", "--contexts",
+            "1024", "16384", "--variants", "all_on", "base", "no_mla_padded", "--switches-everywhere"]
     assert grid.main(argv) == 0
     assert seen["points"] == [(1, 1024), (1, 16384), (4, 1024), (4, 16384), (16, 1024), (16, 16384)]
     assert seen["subset"] == seen["points"] and seen["variants"] == ["all_on", "base", "no_mla_padded"]

@@ -244,4 +244,8 @@ def test_bad_kernel_and_config_name_the_argument(monkeypatch):
     monkeypatch.setenv(op.BACKEND_ENV, "triton")
     ref_out, _ = _reference(x, 2)
     torch.testing.assert_close(op.after(*args).double(), ref_out, rtol=1e-5, atol=1e-5)
-    assert op.BACKENDS.names == ("cuda_cluster", "triton")
+    assert op.BACKENDS.names == ("cuda_cluster", "triton", "torch")
+    monkeypatch.setenv(op.BACKEND_ENV, "torch")  # the reference row: the unfused sequence behind after's face
+    x = _inputs(2, 64, torch.float32)
+    args = (x["prefix"], x["delta"], x["blocks"], 2, x["res_norm_w"], x["res_proj_w"], x["next_norm_w"])
+    torch.testing.assert_close(op.after(*args).double(), ref_out, rtol=1e-5, atol=1e-5)

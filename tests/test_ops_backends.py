@@ -139,7 +139,7 @@ ENTRY_POINTS = {
     "kda_chunk": ["kda_chunk", "kda_chunk_before", "kda_chunk_after", "kda_chunk_prologue", "after_launches"],
     "kda_verify": ["kda_verify"], "kda_decode": ["kda_decode", "KDADecodeStep"],
     "mla_decode": ["plan_before", "plan_after", "mla_decode_before", "mla_decode_after"],
-    "mla_glue": ["mla_norms", "mla_absorb_q", "mla_out_gate"],
+    "mla_glue": ["mla_norms", "mla_absorb_q", "mla_out_gate"], "packed_matmul": ["packed_linear"],
 }
 
 
@@ -160,3 +160,104 @@ def test_only_ops_init_reads_the_environment_and_nobody_reads_triton_interpret()
     for path in Path(k3lab.__file__).parent.rglob("*.py"):
         if path.name != "env.py" and path != Path(k3lab.__file__):
             assert not pattern.search(path.read_text()), f"{path}: use env.triton_interpreted()"
+
+
+# ------------------------------------------------------------------ rows carry callables; faces call them
+
+def _toy_rows():
+    ref = lambda x: ("ref", x)  # noqa: E731
+    return Backends("toy",
+                    Backend("fast", 0, lambda: (True, "fast here"), parts={"after": lambda x: ("fast", x)}),
+                    Backend("slow", 1, lambda: (True, "slow here"), parts={"before": lambda x: ("slow", x)}),
+                    Backend("torch", 2, lambda: (True, "reference"), parts={"before": ref, "after": ref}))
+
+
+def test_a_row_is_picked_by_the_callable_it_must_provide(monkeypatch):
+    table = _toy_rows()
+    monkeypatch.delenv(table.env, raising=False)
+    assert table.pick(need="after").after(1) == ("fast", 1)
+    assert table.pick(need="before").before(2) == ("slow", 2)  # 'fast' has no before: skipped
+    row, why = table.select(need="before")
+    assert row.name == "slow" and why == "slow here"
+    assert table.choose(None, need="after") == ("fast", "fast here")
+    with pytest.raises(BackendUnavailable, match="backend='fast' cannot run here: backend 'fast' provides no "
+                                                 "before"):
+        table.pick("fast", need="before")
+    with pytest.raises(AttributeError, match="provides no 'before'"):
+        table["fast"].before  # noqa: B018
+    monkeypatch.setenv(table.env, "torch")  # the variable forces the rows that provide the callable
+    assert table.pick(need="after").after(3) == ("ref", 3)
+    monkeypatch.setenv(table.env, "fast")  # ... and forces nothing for one its row lacks
+    assert table.pick(need="before").before(4) == ("slow", 4)
+    with pytest.raises(BackendUnavailable, match="no toy backend provides plan_after and runs here"):
+        table.pick(need="plan_after")
+
+
+@pytest.mark.parametrize("name", _op_names())
+def test_every_rows_callables_are_named_in_the_one_vocabulary(name):
+    """Each row carries callables; a reference row named 'torch' carries before and after alike."""
+    table = importlib.import_module(f"k3lab.ops.{name}").BACKENDS
+    for row in table:
+        assert row.parts and all(callable(f) for f in row.parts.values()), (name, row.name)
+        if row.name == "torch" and "after" in row.parts:
+            assert row.parts["before"] is row.parts["after"], name
+
+
+NAMES = {"torch", "triton", "cuda", "cuda_cluster", "aiter", "dispatch", "before", "after"}
+# where a name is compared on purpose, not to choose: peers.require_lse refuses a *forced* 'aiter' for
+# callers that merge by lse (its decode writes none)
+ALLOWED = {("mla_decode/peers.py", "require_lse")}
+
+
+def _name_comparisons(path: Path) -> list[str]:
+    import ast
+
+    text = path.read_text()
+    tree = ast.parse(text)
+    funcs = [(n.lineno, n.end_lineno, n.name) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    hits = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        left = ast.get_source_segment(text, node.left) or ""
+        if left.endswith(".type") or "detect()" in left or left == "info.backend":  # devices, platforms
+            continue
+        lits = []  # the literals a name is compared with (x == "a", x in ("a", "b"); not "a" in parts)
+        member = isinstance(node.ops[0], (ast.In, ast.NotIn))
+        sides = node.comparators if member else (node.left, *node.comparators)
+        for side in sides:
+            elts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+            lits += [e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+        if NAMES & set(lits):
+            inside = {f for a, b, f in funcs if a <= node.lineno <= b}
+            if not any((str(path.relative_to(OPS_DIR)), f) in ALLOWED for f in inside):
+                where = f"{path.relative_to(OPS_DIR)}:{node.lineno}"
+                hits.append(f"{where}: {ast.get_source_segment(text, node)}")
+    return hits
+
+
+def test_no_op_compares_backend_or_variant_names():
+    """A face calls the row it picked: no comparison of a backend's or a variant's name in k3lab/ops."""
+    hits = [h for path in sorted(OPS_DIR.rglob("*.py")) for h in _name_comparisons(path)]
+    assert not hits, hits
+
+
+def test_expect_names_the_argument_and_what_was_expected():
+    t = torch.zeros(2, 3, dtype=torch.float16)
+    assert ops.expect("x", t, shape=(2, None), dtype=(torch.float16, torch.float32), device="cpu",
+                      contiguous=True) is t
+    cases = [
+        (dict(t=[1.0]), r"^x must be a torch.Tensor \[N, D\], got list$", {"what": "[N, D]"}),
+        (dict(t=t), r"^x must be a 3-D tensor, got shape \(2, 3\)$", {"shape": 3}),
+        (dict(t=t), r"^x must be \[2, 4\], got \(2, 3\)$", {"shape": (2, 4)}),
+        (dict(t=t), r"^x must be \[\*, 3, \*\], got \(2, 3\)$", {"shape": (None, 3, None)}),
+        (dict(t=t), r"^x must be bfloat16 or float32, got torch.float16$",
+         {"dtype": (torch.bfloat16, torch.float32)}),
+        (dict(t=t), r"^x must be on meta, got cpu$", {"device": "meta"}),
+        (dict(t=t.t()), r"^x must be contiguous, got strides \(1, 3\)", {"contiguous": True}),
+        (dict(t=t.t()), r"^x must have a stride-1 last dim, got strides \(1, 3\)$", {"contiguous": "last"}),
+    ]
+    for arg, pattern, kw in cases:
+        with pytest.raises(ValueError, match=pattern):
+            ops.expect("x", arg["t"], **kw)
+    assert ops.expect("x", t[:, :1].t().t(), contiguous="last") is not None  # a size-1 last dim passes

@@ -32,6 +32,20 @@ def test_branch_choice_and_packing(pack_calls, k, specialized):
     assert len(pack_calls) == (2 if specialized else 1)  # after packs only for the specialized kernel
 
 
+def test_rows_carry_the_policies_and_the_reference(pack_calls):
+    """The table's rows: 'dispatch' carries both policies, 'torch' the plain product; the face calls the
+    row it picks and packs only as the policy says."""
+    x, w = torch.randn(3, 256, dtype=torch.float64), torch.randn(5, 256, dtype=torch.float64)
+    ref = x @ w.t()
+    assert pm.POLICIES == {"before": pm.dispatch_before, "after": pm.dispatch_after}
+    for variant in pm.VARIANTS:
+        torch.testing.assert_close(pm.packed_linear(x, w, variant=variant), ref)
+        torch.testing.assert_close(pm.packed_linear(x, w, variant=variant, backend="torch"), ref)
+    assert len(pack_calls) == 2  # the two dispatcher calls, none by the reference row
+    with pytest.raises(ValueError, match="variant must be one of"):
+        pm.packed_linear(x, w, variant="middle")
+
+
 def test_pack_is_one_private_copy():
     x = torch.randn(2, 3, 128)
     p = pm.pack(x)

@@ -1,11 +1,13 @@
 """The compile entries of the ISA report: each op's own launch code called at K3's TP8 shapes.
 
-A case calls an op's Triton launch path (the function the op's dispatch calls once it has chosen the
-Triton backend) on CPU tensors of the shapes a TP8 rank sees; `capture.capture` records the launches
-instead of running them, so every kernel is compiled with the arguments, constexprs, warps and stages
-the op itself picks, on the device the target names (`as_device`: the launch policies read the compute
-units, wave width and shared memory from there). Tensors are `torch.empty` (nothing is computed; only
-shapes, dtypes and alignment reach the compiler) except where a policy reads values (lengths, routes).
+A case calls the callables of an op's Triton backend row (`BACKENDS["triton"].after`, `.plan_before`,
+..., what the op's face calls once it has picked that row; k3lab.ops' contract) on CPU tensors of the
+shapes a TP8 rank sees (where an op autotunes, its fixed-block launcher with each candidate shape);
+`capture.capture` records the launches instead of running them, so every kernel is compiled with the
+arguments, constexprs, warps and stages the op itself picks, on the device the target names
+(`as_device`: the launch policies read the compute units, wave width and shared memory from there).
+Tensors are `torch.empty` (nothing is computed; only shapes, dtypes and alignment reach the compiler)
+except where a policy reads values (lengths, routes, the FP8 cache's scale).
 
 TP8 (`K3Config.tp_slice(8)`): 12 MLA heads over the 576-wide latent, 12 KDA heads of 128, hidden 7168
 with 9 AttnRes sources, MoE latent 3584 with 384 of each expert's 3072 intermediate, 896 experts, top 16.
@@ -56,17 +58,17 @@ def _mla_inputs(batch: int, q_len: int, length: int, heads: int = CFG.num_attent
 
 
 def mla_before(batch=1, q_len=1, length=32768):
-    from k3lab.ops.mla_decode import triton as mt
+    from k3lab.ops.mla_decode import BACKENDS
 
     q, kv, lengths, bt = _mla_inputs(batch, q_len, length)
-    mt.plan_before(q, kv, lengths, block_table=bt)()
+    BACKENDS["triton"].plan_before(q, kv, lengths, block_table=bt, scale=None)()
 
 
 def mla_after(batch=1, q_len=1, length=32768):
-    from k3lab.ops.mla_decode import triton as mt
+    from k3lab.ops.mla_decode import BACKENDS
 
     q, kv, lengths, bt = _mla_inputs(batch, q_len, length)
-    mt.plan_after(q, kv, lengths, block_table=bt)()
+    BACKENDS["triton"].plan_after(q, kv, lengths, block_table=bt, scale=None)()
 
 
 def mla_fp8(batch=1, q_len=1, length=32768):
@@ -80,37 +82,31 @@ def mla_fp8(batch=1, q_len=1, length=32768):
 
 
 def dcp_merge(world=8, batch=1, q_len=1):
-    from k3lab.ops.mla_decode.merge import merge_partials
+    from k3lab.ops.mla_decode.merge import BACKENDS
 
     o = torch.empty(world, batch, q_len, CFG.num_attention_heads, 512, dtype=BF16)
     lse = torch.empty(world, batch, q_len, CFG.num_attention_heads, dtype=torch.float32)
-    merge_partials(o, lse, backend="triton", check_values=False)  # compiles the kernel: values unused
+    BACKENDS["triton"].after(o, lse)  # compiles the kernel: values unused
 
 
 # ------------------------------------------------------------------------------------------ KDA prefill
 
 
 def _kda_prefill(tokens: int, group: bool):
-    from k3lab.ops.kda_chunk import alloc_work, choose_group_size, make_plan, prologue, scan, walk
+    from k3lab.ops.kda_chunk import BACKENDS, alloc_work, choose_group_size, launches, make_plan
 
     H, K = CFG.kda_num_heads, CFG.kda_head_dim
     q, k, v = (torch.empty(1, tokens, H, K, dtype=BF16) for _ in range(3))
     g = torch.empty(1, tokens, H, K, dtype=torch.float32)
     beta = torch.empty(1, tokens, H, dtype=torch.float32)
-    gs = choose_group_size([tokens], H) if group else None
-    plan = make_plan([tokens], H, gs)
+    plan = make_plan([tokens], H, choose_group_size([tokens], H) if group else None)
     work = alloc_work(plan.n_chunks, H, BF16, q.device)
-    for launch in prologue.launches(q, k, v, g, beta, plan, K ** -0.5, work).values():
-        launch()
     o = torch.empty(1, tokens, H, K, dtype=BF16)
     s_final = torch.empty(1, H, K, K, dtype=torch.float32)
-    if not plan.uses_scan:
-        walk.walk(work, plan, o, s_final, None, plan.seq_index)
-        return
-    sums, s_in = scan.buffers(plan, q.device)
-    walk.summaries(work, plan, sums)
-    scan.scan(plan, sums, s_in, None, BF16)
-    walk.walk(work, plan, o, s_final, s_in, plan.grp_index)
+    *steps, _result = launches(BACKENDS["triton"], q, k, v, g, beta, None, plan, K ** -0.5, work, o,
+                               s_final).values()
+    for launch in steps:
+        launch()
 
 
 def kda_prefill_before(tokens=16384):
@@ -124,7 +120,7 @@ def kda_prefill_after(tokens=16384):
 def kda_prologue_fp32_products(tokens=16384):
     """Not the op's launch: the prologue with its 'tf32' products as 'ieee' (exact fp32 on the fp32
     MFMA), the change gfx950 needs (CDNA4 has no xf32), to show what it would compile to there."""
-    from k3lab.ops.kda_chunk import alloc_work, make_plan, prologue
+    from k3lab.ops.kda_chunk import BACKENDS, alloc_work, make_plan, prologue
 
     exact = prologue.dot_precisions
     prologue.dot_precisions = lambda dtype: {k: "ieee" if v == "tf32" else v for k, v in exact(dtype).items()}
@@ -133,8 +129,8 @@ def kda_prologue_fp32_products(tokens=16384):
         q, k, v = (torch.empty(1, tokens, H, K, dtype=BF16) for _ in range(3))
         g, beta = torch.empty(1, tokens, H, K), torch.empty(1, tokens, H)
         plan = make_plan([tokens], H)
-        for launch in prologue.launches(q, k, v, g, beta, plan, K ** -0.5, alloc_work(plan.n_chunks, H, BF16,
-                                                                                       q.device)).values():
+        work = alloc_work(plan.n_chunks, H, BF16, q.device)
+        for launch in BACKENDS["triton"].prologue(q, k, v, g, beta, plan, K ** -0.5, work).values():
             launch()
     finally:
         prologue.dot_precisions = exact
@@ -187,7 +183,7 @@ def attn_res_after(tokens=1):
 
 
 def moe_experts(tokens=1):
-    from k3lab.ops.moe_experts import default_block_m, random_router_idx, sort_by_expert
+    from k3lab.ops.moe_experts import BACKENDS, random_router_idx
     from k3lab.ops.moe_experts import triton as moe_triton
     from k3lab.ops.moe_experts.inputs import Shapes
 
@@ -202,8 +198,7 @@ def moe_experts(tokens=1):
     weights = torch.empty(tokens, k, dtype=torch.float32)
     w1, w3 = torch.empty(E, F, L, dtype=BF16), torch.empty(E, F, L, dtype=BF16)
     w2 = torch.empty(E, L, F, dtype=BF16)
-    sort = sort_by_expert(idx, E, default_block_m(tokens, k, E))
-    moe_triton.grouped_experts(z, weights, idx, w1, w3, w2, Shapes(tokens, k, L, F, E), sort)
+    BACKENDS["triton"].after(z, weights, idx, w1, w3, w2, Shapes(tokens, k, L, F, E), None, None)
     if tokens == 1:  # the one-token down launch: every other block shape its autotuner may pick
         h = torch.empty(k, F, dtype=BF16)
         for blocks in moe_triton.ROW_BLOCKS[1:]:
@@ -233,7 +228,7 @@ def moe_mxfp4(tokens=1):
 
 
 def moe_tail(tokens=1):
-    from k3lab.ops.moe_experts import tail_triton
+    from k3lab.ops.moe_experts import BACKENDS
 
     L, R = CFG.routed_expert_hidden_size, CFG.hidden_size // 8  # this rank's 896 of the 7168 output columns
     y = torch.empty(tokens, L, dtype=torch.float32)
@@ -245,29 +240,29 @@ def moe_tail(tokens=1):
         for blocks in tail_mod.ROW_BLOCKS:
             tail_mod.tail_row(*args, blocks=blocks)
     else:
-        tail_triton(*args)
+        BACKENDS["triton"].tail(*args)
 
 
 def moe_router(tokens=1, launches=None):
-    """The launches route_and_sort makes for `tokens` (one up to FUSED_PAIRS pairs, else two), or the
-    form `launches` (1 or 2) names: the one launch runs up to MAX_PAIRS where it is forced (glue bench)."""
-    from k3lab.ops.moe_experts import default_block_m, random_router_idx
+    """The launches route_and_sort makes for `tokens` (the triton row: one launch up to FUSED_PAIRS pairs,
+    else two), or the one launch (`launches=1`) forced up to MAX_PAIRS (the glue bench's comparison)."""
+    from k3lab.ops.moe_experts import default_block_m
+    from k3lab.ops.moe_router import BACKENDS
     from k3lab.ops.moe_router import triton as router
 
     E, k = CFG.num_experts, CFG.num_experts_per_token
     logits, bias, m = torch.empty(tokens, E, dtype=BF16), torch.empty(E, dtype=torch.float32), \
         default_block_m(tokens, k, E)
-    if (launches or (1 if tokens * k <= router.FUSED_PAIRS else 2)) == 1:
+    if launches == 1:
         router.route_sort(logits, bias, k, 1.0, True, m)
         return
-    router.topk_weights(logits, bias, k, 1.0, True)
-    router.sort_pairs(random_router_idx(tokens, num_experts=E, top_k=k), E, m)
+    BACKENDS["triton"].after(logits, bias, k, 1.0, True, E, m)
 
 
 def situ_glu(width=CFG.shared_intermediate_size):
-    from k3lab.ops import situ_glu as sg
+    from k3lab.ops.situ_glu import BACKENDS
 
-    sg.launch(torch.empty(1, 2 * width, dtype=BF16), torch.empty(1, width, dtype=BF16), width)
+    BACKENDS["triton"].after(torch.empty(1, 2 * width, dtype=BF16), torch.empty(1, width, dtype=BF16), width)
 
 
 def gemv(rows=CFG.num_experts, cols=CFG.hidden_size):
@@ -322,23 +317,24 @@ def gemv_stack_moe():
 def mla_glue(stage: str):
     """One MLA layer's glue at one token (N = 1) at TP8: the norms into a cache row, the absorbed query,
     or the value product and gate, each with the block shape its GPU launch takes."""
-    from k3lab.ops import mla_glue as mg
+    from k3lab.ops.mla_glue import BACKENDS
 
+    row = BACKENDS["triton"]
     H, Q, LAT, ROPE = CFG.num_attention_heads, CFG.q_lora_rank, CFG.kv_lora_rank, CFG.qk_rope_head_dim
     NOPE, V = CFG.qk_nope_head_dim, CFG.v_head_dim
     if stage == "norms":
         stacked = torch.empty(1, Q + LAT + ROPE + H * V, dtype=BF16)  # qa | ckv | g: strided rows
         qa, ckv = stacked[:, :Q], stacked[:, Q:Q + LAT + ROPE]
         latent = torch.empty(1, 4096, LAT + ROPE, dtype=BF16)
-        mg.launch_norms(qa, ckv, torch.empty(Q, dtype=BF16), torch.empty(LAT, dtype=BF16), 1e-6,
-                        latent[:, 7:8], torch.empty(1, Q, dtype=BF16))
+        row.norms(qa, ckv, torch.empty(Q, dtype=BF16), torch.empty(LAT, dtype=BF16), 1e-6, latent[:, 7:8],
+                  1, 1, LAT, ROPE)
     elif stage == "absorb_q":
-        mg.launch_absorb(torch.empty(1, H, NOPE + ROPE, dtype=BF16), torch.empty(H, NOPE, LAT, dtype=BF16),
-                         torch.empty(1, 1, H, LAT + ROPE, dtype=BF16))
+        row.absorb_q(torch.empty(1, H, NOPE + ROPE, dtype=BF16), torch.empty(H, NOPE, LAT, dtype=BF16),
+                     torch.empty(1, 1, H, LAT + ROPE, dtype=BF16), 1, 1, H, NOPE, LAT, ROPE)
     else:
         g = torch.empty(1, Q + LAT + ROPE + H * V, dtype=BF16)[:, -H * V:]
-        mg.launch_out_gate(torch.empty(1, 1, H, LAT, dtype=BF16), torch.empty(H, V, LAT, dtype=BF16), g,
-                           torch.empty(1, H * V, dtype=BF16))
+        row.out_gate(torch.empty(1, 1, H, LAT, dtype=BF16), torch.empty(H, V, LAT, dtype=BF16), g,
+                     torch.empty(1, H * V, dtype=BF16), 1, H, V, LAT)
 
 
 def workshop_gated_norm(rows=CFG.kda_num_heads, width=CFG.kda_head_dim):

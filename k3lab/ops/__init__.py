@@ -14,7 +14,8 @@ The one backend contract every op follows:
   why): the row named by the caller's `backend=` argument, else by the op's environment variable
   K3LAB_<OP>_BACKEND (read here and nowhere else), which must run these inputs and provide the
   callable `need` (`BackendUnavailable` saying why not); else the first by priority that is available,
-  provides `need` and takes the inputs. `pick(...)` is the row alone, `choose(...)` -> (name, why).
+  provides `need` and takes the inputs (K3LAB_<OP>_BACKEND naming a row without `need` forces
+  nothing for that callable). `pick(...)` is the row alone, `choose(...)` -> (name, why).
   A name outside the table is a ValueError naming the argument or the variable. A face calls the row
   it picked (`BACKENDS.pick(backend, x.device, need="after").after(x, w)`) and compares no names.
 
@@ -24,8 +25,9 @@ backend tables' K3LAB_<OP>_BACKEND; whether Triton is interpreted is `k3lab.env.
 
 Also shared by the op packages: `triton_status`, `triton_runs_on` (Triton kernels on a device's tensors:
 compiled on a GPU, the interpreter on a CPU), and the argument rules every op applies the same way:
-`positive_finite` (scales and epsilons), `int_arg` (lengths, counts and indices: integers, never bools
-or floats, within their range) and `check_finite` (tensors whose NaN or infinity an op would spread
+`expect` (a tensor's type, shape, dtype, device and layout), `positive_finite` (scales and epsilons),
+`int_arg` (lengths, counts and indices: integers, never bools or floats, within their range) and
+`check_finite` (tensors whose NaN or infinity an op would spread
 beyond the rows it belongs to; one device sync, skipped under CUDA-graph capture, so a captured path
 checks when it is bound).
 """
@@ -107,6 +109,45 @@ def check_finite(why: str, tensors: Mapping[str, torch.Tensor], *, neg_inf_ok: t
         if where.numel():
             kind = "NaN or +inf" if name in neg_inf_ok else "NaN or an infinity"
             raise ValueError(f"{name} holds {kind} (first at index {where[0].tolist()}): {why}")
+
+
+def _dtype_names(dtypes) -> str:
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def expect(name: str, t, *, shape=None, dtype=None, device=None, contiguous: bool | str = False,
+           what: str = "") -> torch.Tensor:
+    """`t`, checked: the one tensor check of every op. ValueError naming `name` and what was expected, at
+    the first thing that differs (metadata only: no value is read, nothing waits for the device).
+
+    shape: an int (the number of dimensions) or a sequence of sizes, None for a free one; dtype: a dtype
+    or a tuple of them; device: the device t must be on; contiguous: True for t.is_contiguous(), 'last'
+    for a stride-1 last dimension (a last dimension of size 1 passes); what: how the caller writes the
+    expected shape in messages ("[N, H, LAT]")."""
+    desc = f" {what}" if what else ""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor{desc}, got {type(t).__name__}")  # noqa: TRY004
+    if isinstance(shape, int):
+        if t.dim() != shape:
+            raise ValueError(f"{name} must be a {shape}-D tensor{desc}, got shape {tuple(t.shape)}")
+    elif shape is not None:
+        want = tuple(shape)
+        if t.dim() != len(want) or any(w is not None and w != n for w, n in zip(want, t.shape)):
+            spec = what or "[" + ", ".join("*" if w is None else str(w) for w in want) + "]"
+            raise ValueError(f"{name} must be {spec}, got {tuple(t.shape)}")
+    if dtype is not None:
+        dtypes = dtype if isinstance(dtype, (tuple, list, set, frozenset)) else (dtype,)
+        if t.dtype not in dtypes:
+            raise ValueError(f"{name} must be {_dtype_names(dtypes)}, got {t.dtype}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name} must be on {torch.device(device)}, got {t.device}")
+    if contiguous == "last":
+        if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a stride-1 last dim, got strides {tuple(t.stride())}")
+    elif contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {tuple(t.stride())} (call .contiguous())")
+    return t
 
 
 def setting(name: str, default: str | None = None) -> str | None:
@@ -221,6 +262,8 @@ class Backends:
         """(row, why) of the backend that runs these inputs and provides the callable `need` (module
         docstring); `arg` names the caller's argument in errors."""
         name, where = self.forced(backend, arg=arg)
+        if name is not None and backend is None and not self[name].provides(need):
+            name = None  # the variable forces the rows that provide `need`; this one does not
         if name is not None:
             ok, why = self.check(name, *inputs, need=need, **options)
             if not ok:
@@ -247,6 +290,24 @@ class Backends:
         """(name, why) of the row `select` chooses."""
         row, why = self.select(backend, *inputs, need=need, arg=arg, **options)
         return row.name, why
+
+
+def triton_and_torch(op: str, triton_parts: Mapping[str, Callable], torch_parts: Mapping[str, Callable], *,
+                     verify: Callable[..., tuple[bool, str]] | None = None, torch_why: str = "plain PyTorch",
+                     priorities: tuple = (None, None)) -> Backends:
+    """The table of an op with one Triton kernel and a plain-PyTorch reference: a 'triton' row (available
+    where Triton runs, `verify` or `triton_runs_on` for the inputs) and a 'torch' row that is the
+    reference and the before (its `after` is also its `before`: the unfused PyTorch ops the step runs
+    without the kernel). priorities: the rows' (triton, torch) priorities; by default `gpu_first` /
+    `cpu_first` (the first argument of verify is then the inputs' device)."""
+    tri, ref = priorities
+    reference = dict(torch_parts)
+    if "after" in reference:
+        reference.setdefault("before", reference["after"])
+    return Backends(op, Backend("triton", gpu_first if tri is None else tri, triton_available,
+                                verify or triton_runs_on, parts=dict(triton_parts)),
+                    Backend("torch", cpu_first if ref is None else ref, lambda: (True, torch_why),
+                            parts=reference))
 
 
 def triton_status() -> tuple[bool, str]:

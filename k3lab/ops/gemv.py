@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import torch
 
+from k3lab import env
 from k3lab.nn.situ import situ_glu
-from k3lab.ops import Backend, Backends, triton_available, triton_runs_on
+from k3lab.ops import triton_and_torch
 
 try:
     import triton
@@ -82,7 +83,7 @@ def _configs():
 
 if triton is not None:
     from k3lab.nn.situ import GATE_BOUND, UP_BOUND
-    from k3lab.ops.triton_math import round_to, situ
+    from k3lab.ops.triton_math import launch_rows, round_to, situ
 
     _GATE, _UP = tl.constexpr(GATE_BOUND), tl.constexpr(UP_BOUND)
 
@@ -139,13 +140,8 @@ if triton is not None:
 
 def _after_triton(x, w, scale, glu, N, K):
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    if N and K and x.device.type != "cpu":
-        _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
-            x, w, w if scale is None else scale, y, N, K, w.stride(0), HAS_SCALE=scale is not None,
-            INT_ROUND=False, GLU=glu)
-    elif N and K:
-        launch(x, w, y, (INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"], 1), int_round=True,
-               scale=scale, glu=glu)
+    if N and K:
+        launch(x, w, y, None, scale=scale, glu=glu)
     elif N:
         y.zero_()
     return y
@@ -157,11 +153,7 @@ def _stack_triton(x, parts):
         return ys
     if not x.shape[1]:
         return [y.zero_() for y in ys]
-    if x.device.type != "cpu":
-        launch_stack(x, parts, ys)
-    else:
-        launch_stack(x, parts, ys, (INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"], 1),
-                     int_round=True)
+    launch_stack(x, parts, ys)
     return ys
 
 
@@ -176,11 +168,9 @@ def _stack_torch(x, parts):
 # callables (on checked inputs): after(x, w, scale, glu, N, K) -> y; stack(x, parts) -> [y_i]. The torch
 # row is the reference and the before (a matrix library's one-row product, what the step runs without
 # this kernel).
-BACKENDS = Backends("gemv",
-                    Backend("triton", 0, triton_available, triton_runs_on,
-                            parts={"after": _after_triton, "stack": _stack_triton}),
-                    Backend("torch", 1, lambda: (True, "torch.matmul"),
-                            parts={"before": _after_torch, "after": _after_torch, "stack": _stack_torch}))
+BACKENDS = triton_and_torch("gemv", {"after": _after_triton, "stack": _stack_triton},
+                            {"after": _after_torch, "stack": _stack_torch}, torch_why="torch.matmul",
+                            priorities=(0, 1))
 BACKEND_ENV = BACKENDS.env
 
 
@@ -236,23 +226,28 @@ def gemv_stack(x: torch.Tensor, parts, *, backend: str | None = None) -> list[to
     return BACKENDS.pick(backend, x.device, need="stack").stack(x, parts)
 
 
+def _interpreted() -> bool:
+    return env.triton_interpreted()  # Triton's interpreter: one fixed shape, bf16 rounded with integers
+
+
+INTERPRETER_SHAPE = (INTERPRETER_BLOCKS["BLOCK_N"], INTERPRETER_BLOCKS["BLOCK_K"], 1)
+
+
 def launch_stack(x, parts, ys, blocks: tuple[int, int, int] | None = None, *,
-                 int_round: bool = False) -> None:
-    """One launch of the stacked kernel on checked inputs (`gemv_stack`), autotuned (blocks None, a GPU)
-    or with fixed (BLOCK_N, BLOCK_K, warps)."""
+                 int_round: bool | None = None) -> None:
+    """One launch of the stacked kernel on checked inputs (`gemv_stack`): autotuned (blocks None, a GPU),
+    with fixed (BLOCK_N, BLOCK_K, warps), or the interpreter's shape (blocks None, CPU tensors).
+    int_round: None rounds bf16 with integers where interpreted."""
     full = list(parts) + [(parts[0][0][:0], None)] * (3 - len(parts))  # absent parts: no rows, no programs
     ys_full = list(ys) + [ys[0][:, :0]] * (3 - len(ys))
-    args = []
+    args = [x]
     for (w, sc), y in zip(full, ys_full):
         args += [w, w if sc is None else sc, y, w.shape[0], w.stride(0)]
-    flags = {f"SCALE{i}": sc is not None for i, (_, sc) in enumerate(full)}
-    if blocks is None:
-        _stack_tuned[lambda meta: (sum(triton.cdiv(w.shape[0], meta["BLOCK_N"]) for w, _ in full),)](
-            x, *args, x.shape[1], INT_ROUND=int_round, **flags)
-        return
-    bn, bk, warps = blocks
-    _stack_kernel[(sum(triton.cdiv(w.shape[0], bn) for w, _ in full),)](
-        x, *args, x.shape[1], INT_ROUND=int_round, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **flags)
+    common = {f"SCALE{i}": sc is not None for i, (_, sc) in enumerate(full)}
+    common["INT_ROUND"] = _interpreted() if int_round is None else int_round
+    programs = lambda bn: sum(triton.cdiv(w.shape[0], bn) for w, _ in full)  # noqa: E731
+    launch_rows(_stack_tuned, _stack_kernel, programs, (*args, x.shape[1]), common, blocks=blocks,
+                fallback=INTERPRETER_SHAPE, tune=not _interpreted())
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -263,15 +258,18 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = Non
     return ((x.float() @ w.float().t()) * scale.reshape(-1)[:w.shape[0]]).to(x.dtype)
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, blocks: tuple[int, int, int], *,
-           int_round: bool = False, scale: torch.Tensor | None = None, glu: bool = False) -> None:
-    """One launch of the kernel on checked inputs with fixed (BLOCK_N, BLOCK_K, warps), one of
-    `gpu_blocks()` on a GPU (what the autotuner picks among) or the interpreter's shape."""
-    bn, bk, warps = blocks
+def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, blocks: tuple[int, int, int] | None, *,
+           int_round: bool | None = None, scale: torch.Tensor | None = None, glu: bool = False) -> None:
+    """One launch of the kernel on checked inputs: autotuned (blocks None, a GPU), with fixed (BLOCK_N,
+    BLOCK_K, warps), one of `gpu_blocks()` on a GPU (what the autotuner picks among), or the
+    interpreter's shape (blocks None, CPU tensors). int_round: None rounds bf16 with integers where
+    interpreted."""
     N, K = w.shape
-    _gemv_kernel[(triton.cdiv(N, bn),)](x, w, w if scale is None else scale, y, N, K, w.stride(0),
-                                        HAS_SCALE=scale is not None, INT_ROUND=int_round, BLOCK_N=bn,
-                                        BLOCK_K=bk, GLU=glu, num_warps=warps)
+    common = {"HAS_SCALE": scale is not None, "GLU": glu,
+              "INT_ROUND": _interpreted() if int_round is None else int_round}
+    launch_rows(_gemv_tuned, _gemv_kernel, lambda bn: triton.cdiv(N, bn),
+                (x, w, w if scale is None else scale, y, N, K, w.stride(0)), common, blocks=blocks,
+                fallback=INTERPRETER_SHAPE, tune=not _interpreted())
 
 
 class GemvWeight:

@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import torch
 
-from k3lab.ops import (Backend, Backends, cpu_first, gpu_first, positive_finite, triton_available,
-                       triton_runs_on)
+from k3lab import env
+from k3lab.ops import expect, positive_finite, triton_and_torch
 
 try:
     import triton
@@ -68,28 +68,13 @@ ABSORB_GPU, ABSORB_INTERPRETER = (64, 4), (512, 1)
 GATE_GPU, GATE_INTERPRETER = (16, 256, 4), (128, 512, 1)
 
 if triton is not None:
-    from k3lab.ops.triton_math import round_to
+    from k3lab.ops.triton_math import rms_row, round_to
 
     @triton.jit
     def _sigmoid(x):
         # exp of -|x| only, so nothing overflows at large |x|
         e = tl.exp(-tl.abs(x))
         return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-
-    @triton.jit
-    def _norm_row(x_ptr, w_ptr, o_ptr, eps, D: tl.constexpr, BLOCK: tl.constexpr, INT_ROUND: tl.constexpr):
-        # o[:D] = round(x * rsqrt(mean(x^2) + eps) * w): sum of squares in fp32, then the scaled row
-        ks = tl.arange(0, BLOCK)
-        ss = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k0 in range(0, D, BLOCK):
-            x = tl.load(x_ptr + k0 + ks, mask=(k0 + ks) < D, other=0.0).to(tl.float32)
-            ss += x * x
-        inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + eps)
-        for k0 in range(0, D, BLOCK):
-            ok = (k0 + ks) < D
-            x = tl.load(x_ptr + k0 + ks, mask=ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + k0 + ks, mask=ok, other=0.0).to(tl.float32)
-            tl.store(o_ptr + k0 + ks, round_to(x * inv * w, o_ptr.dtype.element_ty, INT_ROUND), mask=ok)
 
     @triton.jit
     def _norms_kernel(qa_ptr, qw_ptr, qo_ptr, ckv_ptr, kw_ptr, rows_ptr, eps, T, s_qa, s_qo, s_ckv, s_rb,
@@ -99,11 +84,11 @@ if triton is not None:
         # (b, t) = divmod(n, T) and its rope part copied after it
         n = tl.program_id(0).to(tl.int64)
         if tl.program_id(1) == 0:
-            _norm_row(qa_ptr + n * s_qa, qw_ptr, qo_ptr + n * s_qo, eps, Q, Q_BLOCK, INT_ROUND)
+            rms_row(qa_ptr + n * s_qa, qw_ptr, qo_ptr + n * s_qo, eps, Q, Q_BLOCK, INT_ROUND)
         else:
             src = ckv_ptr + n * s_ckv
             dst = rows_ptr + (n // T) * s_rb + (n % T) * s_rt
-            _norm_row(src, kw_ptr, dst, eps, LAT, LAT_BLOCK, INT_ROUND)
+            rms_row(src, kw_ptr, dst, eps, LAT, LAT_BLOCK, INT_ROUND)
             rs = tl.arange(0, ROPE_BLOCK)
             for r0 in range(0, ROPE, ROPE_BLOCK):
                 ok = (r0 + rs) < ROPE
@@ -165,15 +150,7 @@ if triton is not None:
 
 # ------------------------------------------------------------------------------------------ checks
 
-def _tensor(name: str, t, dims: int, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dim() != dims:
-        raise ValueError(f"{name} must be a {dims}-D tensor {what}, got "
-                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if t.dtype not in DTYPES:
-        raise ValueError(f"{name} must be fp32, fp16 or bf16, got {t.dtype}")
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must have a stride-1 last dim, got strides {tuple(t.stride())}")
-    return t
+_ACT = {"dtype": DTYPES, "contiguous": "last"}  # every tensor here: fp32 / fp16 / bf16, stride-1 last dim
 
 
 def _same(ref_name: str, ref: torch.Tensor, *named, dtype: bool = True) -> None:
@@ -192,11 +169,11 @@ def _shape(name: str, t: torch.Tensor, want: tuple, what: str) -> None:
 
 def check_norms(qa, ckv, q_a_norm, kv_a_norm, eps, rows) -> tuple[int, int, int, int, int]:
     """Validate mla_norms' inputs (metadata only); returns (B, T, q_lora, LAT, ROPE)."""
-    _tensor("qa", qa, 2, "[N, q_lora]")
-    _tensor("ckv", ckv, 2, "[N, LAT + ROPE]")
-    _tensor("rows", rows, 3, "[B, T, LAT + ROPE] (latent[:, pos:pos + T])")
-    _tensor("q_a_norm", q_a_norm, 1, "[q_lora]")
-    _tensor("kv_a_norm", kv_a_norm, 1, "[LAT]")
+    expect("qa", qa, shape=2, what="[N, q_lora]", **_ACT)
+    expect("ckv", ckv, shape=2, what="[N, LAT + ROPE]", **_ACT)
+    expect("rows", rows, shape=3, what="[B, T, LAT + ROPE] (latent[:, pos:pos + T])", **_ACT)
+    expect("q_a_norm", q_a_norm, shape=1, what="[q_lora]", **_ACT)
+    expect("kv_a_norm", kv_a_norm, shape=1, what="[LAT]", **_ACT)
     positive_finite("eps", eps)
     B, T, W = rows.shape
     N, Q, LAT = qa.shape[0], qa.shape[1], kv_a_norm.shape[0]
@@ -214,9 +191,9 @@ def check_norms(qa, ckv, q_a_norm, kv_a_norm, eps, rows) -> tuple[int, int, int,
 
 def check_absorb(q, w_uk, q_buf) -> tuple[int, int, int, int, int, int]:
     """Validate mla_absorb_q's inputs; returns (B, T, H, NOPE, LAT, ROPE)."""
-    _tensor("q", q, 3, "[N, H, NOPE + ROPE]")
-    _tensor("w_uk", w_uk, 3, "[H, NOPE, LAT]")
-    _tensor("q_buf", q_buf, 4, "[B, T, H, LAT + ROPE]")
+    expect("q", q, shape=3, what="[N, H, NOPE + ROPE]", **_ACT)
+    expect("w_uk", w_uk, shape=3, what="[H, NOPE, LAT]", **_ACT)
+    expect("q_buf", q_buf, shape=4, what="[B, T, H, LAT + ROPE]", **_ACT)
     B, T, H, W = q_buf.shape
     _, NOPE, LAT = w_uk.shape
     if not 0 < LAT < W:
@@ -230,11 +207,11 @@ def check_absorb(q, w_uk, q_buf) -> tuple[int, int, int, int, int, int]:
 def check_out_gate(o_lat, w_uv, g, out=None) -> tuple[int, int, int, int]:
     """Validate mla_out_gate's inputs; returns (N, H, V, LAT)."""
     if isinstance(o_lat, torch.Tensor) and o_lat.dim() == 4:
-        _tensor("o_lat", o_lat, 4, "[B, T, H, LAT]")
+        expect("o_lat", o_lat, shape=4, what="[B, T, H, LAT]", **_ACT)
     else:
-        _tensor("o_lat", o_lat, 3, "[N, H, LAT] (or [B, T, H, LAT])")
-    _tensor("w_uv", w_uv, 3, "[H, V, LAT]")
-    _tensor("g", g, 2, "[N, H*V]")
+        expect("o_lat", o_lat, shape=3, what="[N, H, LAT] (or [B, T, H, LAT])", **_ACT)
+    expect("w_uv", w_uv, shape=3, what="[H, V, LAT]", **_ACT)
+    expect("g", g, shape=2, what="[N, H*V]", **_ACT)
     H, V, LAT = w_uv.shape
     N = g.shape[0]
     _shape("g", g, (N, H * V), f"w_uv's H*V = {H * V} columns")
@@ -248,7 +225,7 @@ def check_out_gate(o_lat, w_uv, g, out=None) -> tuple[int, int, int, int]:
                          f"{tuple(o_lat.stride())}") from None
     _same("g", g, ("o_lat", o_lat), ("w_uv", w_uv))
     if out is not None:
-        _tensor("out", out, 2, "[N, H*V]")
+        expect("out", out, shape=2, what="[N, H*V]", **_ACT)
         _shape("out", out, (N, H * V), "g's shape")
         _same("g", g, ("out", out))
     return N, H, V, LAT
@@ -269,7 +246,7 @@ def _norms_torch(qa, ckv, q_a_norm, kv_a_norm, eps, rows, B, T, LAT, ROPE):
 def _norms_triton(qa, ckv, q_a_norm, kv_a_norm, eps, rows, B, T, LAT, ROPE):
     qa_n = torch.empty(qa.shape, dtype=qa.dtype, device=qa.device)
     if qa.shape[0]:
-        launch_norms(qa, ckv, q_a_norm, kv_a_norm, float(eps), rows, qa_n, int_round=qa.device.type == "cpu")
+        launch_norms(qa, ckv, q_a_norm, kv_a_norm, float(eps), rows, qa_n, int_round=env.triton_interpreted())
     return qa_n
 
 
@@ -282,7 +259,7 @@ def _absorb_torch(q, w_uk, q_buf, B, T, H, NOPE, LAT, ROPE):
 
 def _absorb_triton(q, w_uk, q_buf, B, T, H, NOPE, LAT, ROPE):
     if q_buf.numel():
-        interp = q.device.type == "cpu"
+        interp = env.triton_interpreted()  # the interpreter's blocks and bf16 rounding
         launch_absorb(q, w_uk, q_buf, ABSORB_INTERPRETER if interp else ABSORB_GPU, int_round=interp)
     return q_buf
 
@@ -297,21 +274,17 @@ def _gate_triton(o_lat, w_uv, g, out, N, H, V, LAT):
     if out is None:
         out = torch.empty(N, H * V, dtype=g.dtype, device=g.device)
     if out.numel():
-        interp = g.device.type == "cpu"
+        interp = env.triton_interpreted()
         launch_out_gate(o_lat, w_uv, g, out, GATE_INTERPRETER if interp else GATE_GPU, int_round=interp)
     return out
 
 
 # callables (on checked inputs, the widths the checks return): norms, absorb_q, out_gate. The torch row
 # is the reference (and the before: the ~30 kernels the step runs unfused).
-BACKENDS = Backends("mla_glue",
-                    Backend("triton", gpu_first, triton_available, triton_runs_on,
-                            parts={"norms": _norms_triton, "absorb_q": _absorb_triton,
-                                   "out_gate": _gate_triton}),
-                    Backend("torch", cpu_first,
-                            lambda: (True, "plain PyTorch (the lines of k3lab.engine.layers.mla_partial)"),
-                            parts={"norms": _norms_torch, "absorb_q": _absorb_torch,
-                                   "out_gate": _gate_torch}))
+BACKENDS = triton_and_torch("mla_glue",
+                            {"norms": _norms_triton, "absorb_q": _absorb_triton, "out_gate": _gate_triton},
+                            {"norms": _norms_torch, "absorb_q": _absorb_torch, "out_gate": _gate_torch},
+                            torch_why="plain PyTorch (the lines of k3lab.engine.layers.mla_partial)")
 BACKEND_ENV = BACKENDS.env
 
 

@@ -75,6 +75,18 @@ BACKEND_ENV = BACKENDS.env
 POLICIES = {name: getattr(BACKENDS["dispatch"], name) for name in ("before", "after")}
 
 
+VARIANTS = ("before", "after")
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, *, variant: str = "after",
+                  backend: str | None = None) -> torch.Tensor:
+    """x @ weight^T through the row `backend` picks (None: the dispatcher) as `variant`: 'before' (pack,
+    then choose) or 'after' (pack where used)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    return getattr(BACKENDS.pick(backend, need=variant), variant)(x, weight)
+
+
 class DispatchedLinear(nn.Module):
     """A bias-free Linear whose product goes through a dispatcher policy ('before' or 'after')."""
 

@@ -34,7 +34,7 @@ import torch
 from k3lab import env
 from k3lab.config import K3Config
 from k3lab.nn.situ import GATE_BOUND, UP_BOUND, situ_glu
-from k3lab.ops import Backend, Backends, cpu_first, gpu_first, triton_available, triton_runs_on
+from k3lab.ops import triton_and_torch, triton_runs_on
 
 try:
     import triton
@@ -84,11 +84,8 @@ def _after_triton(gu: torch.Tensor, out: torch.Tensor | None, f: int) -> torch.T
 
 # callables (on checked inputs): after(gu, out or None, F) -> out. The torch row is the reference and the
 # before (the chain of elementwise kernels the step runs unfused).
-BACKENDS = Backends("situ_glu",
-                    Backend("triton", gpu_first, triton_available, _triton_verify,
-                            parts={"after": _after_triton}),
-                    Backend("torch", cpu_first, lambda: (True, "plain PyTorch (k3lab.nn.situ.situ_glu)"),
-                            parts={"before": _after_torch, "after": _after_torch}))
+BACKENDS = triton_and_torch("situ_glu", {"after": _after_triton}, {"after": _after_torch},
+                            verify=_triton_verify, torch_why="plain PyTorch (k3lab.nn.situ.situ_glu)")
 BACKEND_ENV = BACKENDS.env
 
 

@@ -19,7 +19,8 @@ K3LAB_ATTN_RES_NORM_BACKEND forces one; unforced, `launch_config` decides betwee
   its group size, warps and pipelining come from `launch_config` (token count against compute units);
 * 'cuda_cluster' (`k3lab.ops.attn_res_norm.cuda`, kernels/attn_res_norm.cu): for a few tokens and 5+
   sources on a GPU with thread-block clusters (compute capability 9.0+), one token's row over a
-  cluster of 7 blocks, where it builds (`kernel_status` says which kernel runs and why).
+  cluster of 7 blocks, where it builds (`kernel_status` says which kernel runs and why);
+* 'torch': `before`, the reference row (its after is the same sequence); it runs only when forced.
 
 Both update `prefix` / `blocks` in place and return the normed output. Figures and the launch
 configurations that lost: docs/copy_removal.md.
@@ -31,9 +32,10 @@ import torch
 
 from k3lab.ops import Backend, Backends, triton_status
 from k3lab.ops.attn_res_norm import cuda, triton
-from k3lab.ops.attn_res_norm.inputs import CLUSTER_MIN_BLOCKS, check, fold_mix_weight, launch_config, rms
+from k3lab.ops.attn_res_norm.inputs import (CLUSTER_MIN_BLOCKS, TRITON_CONFIG_KEYS, check, cluster_pays,
+                                            fold_mix_weight, launch_config, rms)
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "CLUSTER_MIN_BLOCKS", "after", "attn_res_norm", "before",
+__all__ = ["BACKENDS", "BACKEND_ENV", "CLUSTER_MIN_BLOCKS", "VARIANTS", "after", "attn_res_norm", "before",
            "fold_mix_weight", "kernel_status", "launch_config"]
 
 
@@ -49,21 +51,51 @@ def _cluster_verify(prefix, delta=None, blocks=None, n_blocks=0) -> tuple[bool, 
 
 
 def _cluster_rank(prefix, delta=None, blocks=None, n_blocks=0) -> int:
-    """First where `launch_config` picks the cluster kernel for these tensors, else after Triton."""
+    """First where `launch_config`'s rule picks the cluster kernel for these tensors, else after Triton."""
     pieces = kernel_status(prefix, delta, blocks)[0] if prefix.shape[0] else 0
-    config = launch_config(prefix.shape[0], n_blocks, cluster_pieces=pieces)
-    return 0 if config["kernel"] == "cuda_cluster" else 2
+    return 0 if cluster_pays(prefix.shape[0], n_blocks, pieces) else 2
 
 
+def _cluster_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block,
+                   w_mix, config, int_round):
+    if config is not None:
+        raise ValueError("config is a Triton launch_config result; backend 'cuda_cluster' takes none")
+    return cuda.cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=eps,
+                           push_block=push_block, mix_weight=w_mix)
+
+
+def _triton_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block,
+                  w_mix, config, int_round):
+    config = launch_config(prefix.shape[0], n_blocks) if config is None else config
+    return triton.launch(prefix, delta, blocks, n_blocks, w_mix, next_norm_w, eps, push_block, config,
+                         int_round=int_round)
+
+
+def _torch_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block,
+                 w_mix, config, int_round):
+    return _reference(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block)
+
+
+# callables (on checked inputs): after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w,
+# eps, push_block, mix_weight, config, int_round) -> out. The torch row is the reference and the before
+# (the unfused sequence); it runs only when forced.
 BACKENDS = Backends("attn_res_norm",
-                    Backend("cuda_cluster", _cluster_rank, _cluster_available, _cluster_verify),
-                    Backend("triton", 1, triton_status))
+                    Backend("cuda_cluster", _cluster_rank, _cluster_available, _cluster_verify,
+                            parts={"after": _cluster_after}),
+                    Backend("triton", 1, triton_status, parts={"after": _triton_after}),
+                    Backend("torch", 3, lambda: (True, "plain PyTorch (the unfused sequence)"),
+                            parts={"before": _torch_after, "after": _torch_after}))
 BACKEND_ENV = BACKENDS.env
 
 
 def before(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps=1e-5, push_block=False):
-    """The unfused sequence in plain PyTorch (the seed's "before"). Updates prefix/blocks in place."""
+    """The unfused sequence in plain PyTorch (the seed's "before", and the reference). Updates
+    prefix/blocks in place."""
     check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block, eps)
+    return _reference(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block)
+
+
+def _reference(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block):
     if delta is not None:
         prefix.copy_((prefix.float() + delta.float()).to(prefix.dtype))
     sources = torch.cat([blocks[:n_blocks], prefix.unsqueeze(0)]).float()  # [S, T, D]
@@ -103,22 +135,19 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     if w_mix.shape != (D,) or w_mix.dtype != torch.float32:
         raise ValueError(f"mix_weight must be fp32 [D={D}], got {w_mix.dtype} {tuple(w_mix.shape)}")
     if config is not None:
-        if config.get("kernel") != "triton" or BACKENDS.forced(backend)[0] == "cuda_cluster":
+        if not isinstance(config, dict) or not all(key in config for key in TRITON_CONFIG_KEYS):
             raise ValueError(f"config must be a Triton launch_config result, got {config}")
-        backend = "triton"
-    name, _ = BACKENDS.choose(backend, prefix, delta, blocks, n_blocks)
-    if name == "cuda_cluster":
-        return cuda.cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w,
-                               eps=eps, push_block=push_block, mix_weight=w_mix)
-    config = launch_config(T, n_blocks) if config is None else config
-    return triton.launch(prefix, delta, blocks, n_blocks, w_mix, next_norm_w, eps, push_block, config,
-                         int_round=int_round)
+        backend = "triton" if backend is None else backend
+    row = BACKENDS.pick(backend, prefix, delta, blocks, n_blocks, need="after")
+    return row.after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block,
+                     w_mix, config, int_round)
+
+
+VARIANTS = {"before": before, "after": after}
 
 
 def attn_res_norm(*args, impl: str = "after", **kwargs):
     """Entry point: impl 'after' (one fused kernel) or 'before' (plain PyTorch sequence)."""
-    if impl == "after":
-        return after(*args, **kwargs)
-    if impl == "before":
-        return before(*args, **kwargs)
-    raise ValueError(f"impl must be 'after' or 'before', got {impl!r}")
+    if impl not in VARIANTS:
+        raise ValueError(f"impl must be 'after' or 'before', got {impl!r}")
+    return VARIANTS[impl](*args, **kwargs)

@@ -54,6 +54,20 @@ def fold_mix_weight(res_norm_w, res_proj_w):
     return (res_norm_w.float() * res_proj_w.float()).contiguous()
 
 
+def cluster_pays(tokens: int, n_blocks: int, cluster_pieces: int, compute_units: int | None = None) -> bool:
+    """Whether the CUDA cluster kernel is the one to run (`launch_config`'s rule): it can run here
+    (cluster_pieces > 0), every block of every row gets an SM of its own and there are at least
+    CLUSTER_MIN_BLOCKS stored blocks."""
+    if compute_units is None:
+        compute_units = env.detect().compute_units or 1
+    return (bool(cluster_pieces) and n_blocks >= CLUSTER_MIN_BLOCKS
+            and tokens * cluster_pieces <= compute_units)
+
+
+# Keys of a Triton launch configuration (what `launch_config` returns for the Triton kernel)
+TRITON_CONFIG_KEYS = ("group", "num_warps", "prefetch", "w_reload", "stages")
+
+
 # Launch configuration, chosen per call by `launch_config` (the rule and the H200 sweep behind it are
 # documented there). Fields: group (blocks per tile step), num_warps, prefetch (the next group's loads
 # issued before this group is reduced), w_reload (re-read the logit weight each step instead of
@@ -93,7 +107,7 @@ def launch_config(tokens: int, n_blocks: int, compute_units: int | None = None, 
         compute_units = env.detect().compute_units or 1
     if wave_width is None:
         wave_width = env.detect().wave_width or 32
-    if cluster_pieces and n_blocks >= CLUSTER_MIN_BLOCKS and tokens * cluster_pieces <= compute_units:
+    if cluster_pays(tokens, n_blocks, cluster_pieces, compute_units):
         return {"kernel": "cuda_cluster"}
     all_blocks = 1 << max(n_blocks - 1, 0).bit_length()  # next power of two
     if tokens <= compute_units:

@@ -49,7 +49,6 @@ from .inputs import CHUNK, HEAD_DIM, SAFE_SPREAD, validate
 from .plan import (KdaPlan, Work, alloc_work, check_plan, check_work, choose_block_v, choose_group_size,
                    make_plan, walk_programs)
 
-VARIANTS = ("before", "after")
 
 
 def _cuda_prologue(q, k, v, g, beta, plan, scale, work) -> dict[str, Callable[[], None]]:
@@ -76,46 +75,49 @@ BACKEND_ENV = BACKENDS.env
 class _Call:
     plan: KdaPlan
     work: Work
-    parts: dict  # the chosen backend's parts
+    row: Backend  # the chosen backend's row
     scale: float
     o: torch.Tensor | None  # None for the prologue alone
     s_final: torch.Tensor | None
 
 
-def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, variant, group_size, plan, work,
-             backend, check_values=True) -> _Call:
+def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, scan_groups: bool, group_size, plan, work,
+             backend, check_values=True, outputs=True) -> _Call:
     """Validate once per call (reading cu_seqlens and the values waits for the GPU), build or check plan
-    and work, pick the backend and allocate the outputs."""
+    and work, pick the backend and allocate the outputs. scan_groups: the after (a plan with groups
+    where `choose_group_size` says they pay) rather than the before (a plan without groups); outputs:
+    allocate o and the final state (not for the prologue alone)."""
     lengths, H, scale = validate(q, k, v, g, beta, initial_state, cu_seqlens, scale,
                                  check_values=check_values)
     if plan is None:
-        if variant == "prologue":
-            raise ValueError("the prologue needs a plan (make_plan)")
-        if variant == "after" and group_size is None:
+        if scan_groups and group_size is None:
             group_size = choose_group_size(lengths, H)
-        plan = make_plan(lengths, H, group_size if variant == "after" else None, device=q.device)
+        plan = make_plan(lengths, H, group_size if scan_groups else None, device=q.device)
     else:
         if group_size is not None:
             raise ValueError("give group_size or plan, not both: the plan fixes the groups")
         check_plan(plan, lengths, H, q.device)
-        if variant == "before" and plan.uses_scan:
+        if not scan_groups and plan.uses_scan:
             raise ValueError("plan uses groups (a scan plan); kda_chunk_before needs a plan with "
                              "group_size=None")
     if work is None:
         work = alloc_work(plan.n_chunks, H, q.dtype, q.device)
     else:
         check_work(work, plan, q.dtype, q.device)
-    be = BACKENDS[BACKENDS.choose(backend, q, k, v, g, beta, plan)[0]].parts
-    if variant == "prologue":
-        return _Call(plan, work, be, scale, None, None)
+    row = BACKENDS.pick(backend, q, k, v, g, beta, plan)
+    if not outputs:
+        return _Call(plan, work, row, scale, None, None)
     o = torch.empty(q.shape[0], q.shape[1], H, HEAD_DIM, dtype=q.dtype, device=q.device)
     s_final = torch.empty(plan.n_seqs, H, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=q.device)
-    return _Call(plan, work, be, scale, o, s_final)
+    return _Call(plan, work, row, scale, o, s_final)
 
 
-def _launches(q, k, v, g, beta, initial_state, call: _Call) -> dict[str, Callable]:
-    plan, work, be = call.plan, call.work, call.parts
-    pro = be["prologue"](q, k, v, g, beta, plan, call.scale, work) if plan.n_chunks else {}
+def launches(row, q, k, v, g, beta, initial_state, plan: KdaPlan, scale: float, work: Work, o, s_final
+             ) -> dict[str, Callable]:
+    """The launches of backend `row` (a row of BACKENDS) on checked inputs and fixed buffers, in order:
+    'prologue', then 'walk' (a plan without groups) or 'summaries', 'scan', 'replay', and 'result' ->
+    (o, s_final). Nothing is checked here (`after_launches` checks, then calls this)."""
+    pro = row.prologue(q, k, v, g, beta, plan, scale, work) if plan.n_chunks else {}
 
     def run_prologue():
         for launch in pro.values():
@@ -123,21 +125,26 @@ def _launches(q, k, v, g, beta, initial_state, call: _Call) -> dict[str, Callabl
 
     out = {"prologue": run_prologue}
     if not plan.uses_scan:
-        out["walk"] = lambda: walk.walk(work, plan, call.o, call.s_final, initial_state, plan.seq_index)
+        out["walk"] = lambda: walk.walk(work, plan, o, s_final, initial_state, plan.seq_index)
     else:
         sums, s_in = scan.buffers(plan, q.device)
-        out["summaries"] = lambda: be["summaries"](work, plan, sums)
+        out["summaries"] = lambda: row.summaries(work, plan, sums)
         out["scan"] = lambda: scan.scan(plan, sums, s_in, initial_state, q.dtype)
-        out["replay"] = lambda: be["replay"](work, plan, call.o, call.s_final, s_in)
-    out["result"] = lambda: (call.o, call.s_final)
+        out["replay"] = lambda: row.replay(work, plan, o, s_final, s_in)
+    out["result"] = lambda: (o, s_final)
     return out
 
 
+def _launches(q, k, v, g, beta, initial_state, call: _Call) -> dict[str, Callable]:
+    return launches(call.row, q, k, v, g, beta, initial_state, call.plan, call.scale, call.work, call.o,
+                    call.s_final)
+
+
 def _run(launches: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    for name, launch in launches.items():
-        if name != "result":
-            launch()
-    return launches["result"]()
+    *steps, result = launches.values()  # 'result' is last
+    for launch in steps:
+        launch()
+    return result()
 
 
 def kda_chunk_before(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, *,
@@ -147,7 +154,7 @@ def kda_chunk_before(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlen
     plan: `make_plan(lengths, H)` (group_size None) to reuse across calls; work: `alloc_work` buffers to
     reuse; backend: a name in BACKENDS, None for the first that runs here. check_values: refuse a NaN or
     infinity in k, v, g or beta (one device sync); False where the caller made them (a study's inputs)."""
-    call = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, variant="before", group_size=None,
+    call = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, scan_groups=False, group_size=None,
                     plan=plan, work=work, backend=backend, check_values=check_values)
     return _run(_launches(q, k, v, g, beta, initial_state, call))
 
@@ -159,7 +166,7 @@ def kda_chunk_after(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens
     walk when the plan has no groups (`choose_group_size` says the GPU is already full). Same arguments and
     results as `kda_chunk_before`, plus group_size (chunks per group; None: `choose_group_size`; give it
     or a plan, not both)."""
-    call = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, variant="after",
+    call = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, scan_groups=True,
                     group_size=group_size,
                     plan=plan, work=work, backend=backend, check_values=check_values)
     return _run(_launches(q, k, v, g, beta, initial_state, call))
@@ -172,7 +179,7 @@ def after_launches(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=
     state). Run them in that order: each reads what the previous wrote. The arguments, values included,
     are checked here, when the launches are bound; the callables (and a CUDA graph of them) do not check
     again, so what is later written into the same tensors is the caller's to keep finite."""
-    call = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, variant="after", group_size=None,
+    call = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, scan_groups=True, group_size=None,
                     plan=plan, work=work, backend=backend)
     return _launches(q, k, v, g, beta, initial_state, call)
 
@@ -182,12 +189,17 @@ def kda_chunk_prologue(q, k, v, g, beta, plan: KdaPlan, scale: float | None = No
                        backend: str | None = None) -> Work:
     """The chunk prologue alone, into `work` (allocated when None): W, U, Qg, Kd^T, Aqk, d per (chunk,
     head), layout [n_chunks, H, ...] (`Work`). For checks and timing; the prefill functions run it."""
-    call = _prepare(q, k, v, g, beta, scale, None, None, variant="prologue", group_size=None, plan=plan,
-                    work=work, backend=backend)
+    if plan is None:
+        raise ValueError("the prologue needs a plan (make_plan)")
+    call = _prepare(q, k, v, g, beta, scale, None, None, scan_groups=True, group_size=None, plan=plan,
+                    work=work, backend=backend, outputs=False)
     if plan.n_chunks:
-        for launch in call.parts["prologue"](q, k, v, g, beta, plan, call.scale, call.work).values():
+        for launch in call.row.prologue(q, k, v, g, beta, plan, call.scale, call.work).values():
             launch()
     return call.work
+
+
+VARIANTS = {"before": kda_chunk_before, "after": kda_chunk_after}
 
 
 def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, *, variant: str = "after",
@@ -195,19 +207,19 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
               backend: str | None = None, check_values: bool = True):
     """One entry point: variant 'before' (plain walk) or 'after' (group scan where it pays)."""
     if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    if variant == "before":
-        if group_size is not None:
+        raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
+    fn = VARIANTS[variant]
+    options = {"plan": plan, "work": work, "backend": backend, "check_values": check_values}
+    if group_size is not None:
+        if fn is kda_chunk_before:
             raise ValueError("group_size is an option of variant='after'; the before walks whole sequences")
-        return kda_chunk_before(q, k, v, g, beta, scale, initial_state, cu_seqlens, plan=plan, work=work,
-                                backend=backend, check_values=check_values)
-    return kda_chunk_after(q, k, v, g, beta, scale, initial_state, cu_seqlens, group_size=group_size,
-                           plan=plan,
-                           work=work, backend=backend, check_values=check_values)
+        options["group_size"] = group_size
+    return fn(q, k, v, g, beta, scale, initial_state, cu_seqlens, **options)
 
 
 __all__ = [
     "BACKENDS", "BACKEND_ENV", "CHUNK", "HEAD_DIM", "SAFE_SPREAD", "VARIANTS", "KdaPlan", "Work",
     "after_launches", "alloc_work", "choose_block_v", "choose_group_size",
-    "kda_chunk", "kda_chunk_after", "kda_chunk_before", "kda_chunk_prologue", "make_plan", "walk_programs",
+    "kda_chunk", "kda_chunk_after", "kda_chunk_before", "kda_chunk_prologue", "launches", "make_plan",
+    "walk_programs",
 ]

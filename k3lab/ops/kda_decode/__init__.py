@@ -8,18 +8,19 @@ Per sequence and head, a KDA decode step (docs/k3.md) is
     S <- diag(exp g) S;  u = S^T k;  S <- S + k (beta (v - u))^T;  o = S^T q      (S fp32, K x V)
     out     = RMSNorm_V(o) * o_norm * sigmoid(gate)
 
-Three implementations, the backends of one entry point `kda_decode(..., backend=...)` (`BACKENDS`,
-k3lab.ops' contract; K3LAB_KDA_DECODE_BACKEND forces one too):
+Three implementations, the rows of one table (`BACKENDS`, k3lab.ops' contract; `backend=` or
+K3LAB_KDA_DECODE_BACKEND forces one), each carrying the bound step of the variant it implements
+(`plan_before`, `plan_after`: (cache, weights, out, state_layout, B, H) -> step):
 
-* 'torch', `reference`: k3lab.nn pieces (short_conv, l2_normalize, kda_gate, kda_beta, kda_recurrent,
-  gated_rms_norm) in fp32 or fp64. `handoff_dtype=torch.bfloat16` rounds the conv outputs and o
-  where the unfused chain stores them in memory, which is what that chain computes exactly.
-* 'triton', `before`: the chain the seed describes, in k3lab's own Triton kernels: a conv kernel, a
-  kernel that fuses the q/k norm, both gates and the recurrent update, the output norm, and the two
-  copies between them: 3 compute launches + 2 copies, every handoff through device memory in bf16.
-* 'cuda', `after`: kernels/kda_decode.cu (`k3lab.ops.kda_decode.cuda`), one launch, intermediates kept
-  on chip in fp32, the output written straight into the caller's buffer; only the conv states and S go
-  back to memory.
+* 'torch' (both; `reference`): k3lab.nn pieces (short_conv, l2_normalize, kda_gate, kda_beta,
+  kda_recurrent, gated_rms_norm) in fp32 or fp64. `handoff_dtype=torch.bfloat16` rounds the conv
+  outputs and o where the unfused chain stores them in memory, which is what that chain computes exactly.
+* 'triton' (plan_before; `before`): the chain the seed describes, in k3lab's own Triton kernels: a conv
+  kernel, a kernel that fuses the q/k norm, both gates and the recurrent update, the output norm, and
+  the two copies between them: 3 compute launches + 2 copies, every handoff through device memory in bf16.
+* 'cuda' (plan_after; `after`): kernels/kda_decode.cu (`k3lab.ops.kda_decode.cuda`), one launch,
+  intermediates kept on chip in fp32, the output written straight into the caller's buffer; only the
+  conv states and S go back to memory.
 
 All three update `cache` (a k3lab.nn.KDACache: conv_q, conv_k, conv_v [B, H*K, 3], state) in place
 and return out [B, H*V]. State layout 'kv' is [B, H, K, V] (fla's default); 'vk' is [B, H, V, K].
@@ -43,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from k3lab.nn import KDACache
-from k3lab.ops import Backend, Backends, triton_status
+from k3lab.ops import Backend, Backends, expect, triton_status
 from k3lab.ops.kda_decode import cuda, triton
 from k3lab.ops.kda_decode.cuda import (
     CONFIGS,
@@ -64,11 +65,11 @@ from k3lab.ops.kda_decode.inputs import (
     STATE_LAYOUTS,
     TOKEN_INPUTS,
     KDADecodeWeights,
+    check_fused_static,
     check_kernel_static,
     check_static,
     clone_cache,
     make_example,
-    tensor_arg,
     validate,
 )
 from k3lab.ops.kda_decode.reference import reference, write_back
@@ -90,12 +91,49 @@ def _fused_verify(device=None, dtype=None) -> tuple[bool, str]:
     return True, ""
 
 
-# verify: (device, dtype) of the activations. The Triton chain is last: it runs only when asked for.
+def _no_options(name: str, options: dict) -> None:
+    if options:
+        raise ValueError(f"{sorted(options)} (tile_v, hints and split) apply to backend='cuda' only, "
+                         f"not {name!r}")
+
+
+def _bind_fused(cache, weights, out, state_layout, B, H, **kernel_options):
+    check_kernel_static(cache, weights, out)
+    check_fused_static(cache, weights)
+    return cuda.FusedStep(cache, weights, out, state_layout=state_layout, **kernel_options)
+
+
+def _bind_chain(cache, weights, out, state_layout, B, H, **kernel_options):
+    _no_options("triton", kernel_options)
+    check_kernel_static(cache, weights, out)
+
+    def chain(q, k, v, g_raw, beta_raw, gate):
+        triton.launch(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout, B, H)
+    return chain
+
+
+def _bind_reference(cache, weights, out, state_layout, B, H, **kernel_options):
+    _no_options("torch", kernel_options)
+    compute = torch.float64 if cache.state.dtype == torch.float64 else torch.float32
+
+    def run(q, k, v, g_raw, beta_raw, gate):
+        res, new = reference(q, k, v, g_raw, beta_raw, gate, cache, weights, state_layout=state_layout,
+                             compute_dtype=compute)
+        write_back(cache, new)
+        out.copy_(res)
+    return run
+
+
+# verify: (device, dtype) of the activations. Callables: plan_after / plan_before (cache, weights, out,
+# state_layout, B, H, **kernel_options) -> step(q, k, v, g_raw, beta_raw, gate), which updates the cache
+# and fills out. The fused kernel is the after, the Triton chain the before (it runs only when asked
+# for), the torch row the reference (both).
 BACKENDS = Backends(
     "kda_decode",
-    Backend("cuda", 0, cuda.status, _fused_verify),
-    Backend("torch", 1, lambda: (True, "the PyTorch reference (k3lab.nn pieces in fp32)")),
-    Backend("triton", 2, triton_status),
+    Backend("cuda", 0, cuda.status, _fused_verify, parts={"plan_after": _bind_fused}),
+    Backend("torch", 1, lambda: (True, "the PyTorch reference (k3lab.nn pieces in fp32)"),
+            parts={"plan_after": _bind_reference, "plan_before": _bind_reference}),
+    Backend("triton", 2, triton_status, parts={"plan_before": _bind_chain}),
 )
 BACKEND_ENV = BACKENDS.env
 
@@ -119,35 +157,34 @@ class KDADecodeStep:
     """
 
     def __init__(self, cache, weights, *, out=None, backend=None, state_layout="kv", tile_v=None, hints=None,
-                 split=None):
-        """backend: a name of BACKENDS, None to choose (module docstring). tile_v/hints/split
-        (backend='cuda' only) override what `cuda.choose_config`, `cuda.default_hints` and
-        `cuda.choose_split` pick from the device."""
+                 split=None, variant=None):
+        """backend: a name of BACKENDS, None to choose (module docstring). variant: 'after' or 'before'
+        (None: the row's own: its after where it has one, else its before: the Triton chain).
+        tile_v/hints/split (backend='cuda' only) override what `cuda.choose_config`,
+        `cuda.default_hints` and `cuda.choose_split` pick from the device."""
         if not isinstance(cache, KDACache):
             raise ValueError(f"cache must be a k3lab.nn.KDACache, got {type(cache).__name__}")  # noqa: TRY004
-        S = tensor_arg("cache.state", cache.state)
+        S = expect("cache.state", cache.state)
         if S.dim() != 4:
             raise ValueError(f"cache.state must be [B, H, {HEAD_DIM}, {HEAD_DIM}], got {tuple(S.shape)}")
         B, H = S.shape[0], S.shape[1]
-        act = tensor_arg("cache.conv_q", cache.conv_q).dtype
+        act = expect("cache.conv_q", cache.conv_q).dtype
         check_static(cache, weights, out, B, H, act, S.device, state_layout, source="cache.conv_q")
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS.names} or None, got {backend!r}")
-        if any(x is not None for x in (tile_v, hints, split)) and backend != "cuda":
-            raise ValueError("tile_v, hints and split apply to backend='cuda' only")
-        backend, _ = BACKENDS.choose(backend, S.device, act)
-        if backend != "torch":
-            check_kernel_static(cache, weights, out, backend)
-        self.cache, self.weights, self.backend, self.state_layout = cache, weights, backend, state_layout
+        if variant is not None and variant not in VARIANT_NAMES:
+            raise ValueError(f"variant must be one of {VARIANT_NAMES} or None, got {variant!r}")
+        options = {k: v for k, v in (("tile_v", tile_v), ("hints", hints), ("split", split)) if v is not None}
+        row, _ = BACKENDS.select(backend, S.device, act, need=None if variant is None else f"plan_{variant}")
+        bind = row.parts.get(f"plan_{variant or 'after'}") or row.plan_before
+        self.cache, self.weights, self.backend, self.state_layout = cache, weights, row.name, state_layout
         self.batch, self.heads, self.dtype, self.device = B, H, act, S.device
         self.out = out if out is not None else torch.empty(B, H * HEAD_DIM, device=S.device, dtype=act)
         hk = torch.Size((B, H * HEAD_DIM))
         self._shapes = (hk, hk, hk, hk, torch.Size((B, H)), hk)
-        self.fused = (cuda.FusedStep(cache, weights, self.out, state_layout=state_layout, tile_v=tile_v,
-                                     hints=hints, split=split) if backend == "cuda" else None)
+        self._run = bind(cache, weights, self.out, state_layout, B, H, **options)
+        self.fused = self._run if isinstance(self._run, cuda.FusedStep) else None
 
     def _bad_token(self, name, t, shape):
-        tensor_arg(name, t)
+        expect(name, t)
         if t.shape != shape:
             raise ValueError(f"{name} must be {list(shape)} (B={self.batch}, H={self.heads}, head_dim "
                              f"{HEAD_DIM}), got {tuple(t.shape)}")
@@ -167,39 +204,35 @@ class KDADecodeStep:
                 ok = False
             if not ok:
                 self._bad_token(name, t, shape)
-        if self.fused is not None:
-            self.fused(q, k, v, g_raw, beta_raw, gate)
-            return self.out
-        if self.backend == "triton":
-            return triton.launch(q, k, v, g_raw, beta_raw, gate, self.cache, self.weights, self.out,
-                                  self.state_layout, self.batch, self.heads)
-        fp64 = self.cache.state.dtype == torch.float64
-        res, new = reference(q, k, v, g_raw, beta_raw, gate, self.cache, self.weights,
-                             state_layout=self.state_layout,
-                             compute_dtype=torch.float64 if fp64 else torch.float32)
-        write_back(self.cache, new)
-        self.out.copy_(res)
+        self._run(q, k, v, g_raw, beta_raw, gate)
         return self.out
 
 
-def before(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_layout="kv") -> torch.Tensor:
+def before(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_layout="kv", backend=None
+           ) -> torch.Tensor:
     """The unfused chain: conv kernel -> norm/gates/recurrence kernel -> copy -> output-norm kernel ->
-    copy into `out`. Intermediates go through memory in the activation dtype."""
+    copy into `out`. Intermediates go through memory in the activation dtype. backend: 'triton' (the
+    chain) unless named ('torch': the reference)."""
     validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout)
-    return KDADecodeStep(cache, weights, out=out, backend="triton", state_layout=state_layout)(
-        q, k, v, g_raw, beta_raw, gate)
+    step = KDADecodeStep(cache, weights, out=out, backend=backend or "triton", state_layout=state_layout,
+                         variant="before")
+    return step(q, k, v, g_raw, beta_raw, gate)
 
 
 def after(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_layout="kv", tile_v=None,
-          hints=None, split=None) -> torch.Tensor:
+          hints=None, split=None, backend=None) -> torch.Tensor:
     """The fused kernel: one launch per step. tile_v overrides the width chosen from the device
     (`cuda.choose_config`); split: 'atomic' or 'cluster' for split heads (`cuda.choose_split`); hints:
     a mix of HINT_STREAM_LOADS, HINT_STREAM_STORES, HINT_PREFETCH_L2 (`cuda.default_hints`).
-    Checks everything on every call; a serving loop binds a `KDADecodeStep` once instead."""
+    backend: 'cuda' unless named ('torch': the reference). Checks everything on every call; a serving
+    loop binds a `KDADecodeStep` once instead."""
     validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout)
-    return KDADecodeStep(cache, weights, out=out, backend="cuda", state_layout=state_layout, tile_v=tile_v,
-                         hints=hints, split=split)(
-        q, k, v, g_raw, beta_raw, gate)
+    step = KDADecodeStep(cache, weights, out=out, backend=backend or "cuda", state_layout=state_layout,
+                         tile_v=tile_v, hints=hints, split=split, variant="after")
+    return step(q, k, v, g_raw, beta_raw, gate)
+
+
+VARIANT_NAMES = ("before", "after")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,23 +247,8 @@ def kda_decode(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, back
     kernel_options (tile_v, hints, split) go to the fused kernel."""
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS.names} or None, got {backend!r}")
-    if kernel_options and backend != "cuda":
-        raise ValueError(f"{sorted(kernel_options)} apply to backend='cuda' only")
-    backend, _ = BACKENDS.choose(backend, getattr(q, "device", None), getattr(q, "dtype", None))
-    if backend == "cuda":
-        return after(q, k, v, g_raw, beta_raw, gate, cache, weights, out=out, state_layout=state_layout,
-                     **kernel_options)
-    if backend == "triton":
-        return before(q, k, v, g_raw, beta_raw, gate, cache, weights, out=out, state_layout=state_layout)
-    fp64 = (
-        isinstance(cache, KDACache)
-        and isinstance(cache.state, torch.Tensor)
-        and cache.state.dtype == torch.float64
-    )
-    res, new = reference(q, k, v, g_raw, beta_raw, gate, cache, weights, state_layout=state_layout,
-                         compute_dtype=torch.float64 if fp64 else torch.float32)
-    write_back(cache, new)
-    if out is None:
-        return res.to(q.dtype)
-    out.copy_(res)
-    return out
+    validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out, state_layout)
+    if out is None:  # the step's buffer, in q's dtype
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return KDADecodeStep(cache, weights, out=out, backend=backend, state_layout=state_layout,
+                         **kernel_options)(q, k, v, g_raw, beta_raw, gate)

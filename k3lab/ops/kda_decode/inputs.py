@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from k3lab.nn import KDACache
-from k3lab.ops import positive_finite
+from k3lab.ops import expect, positive_finite
 
 HEAD_DIM = 128  # K = V = 128 in K3; the fused kernel is compiled for it
 CONV_SIZE = 4
@@ -92,12 +92,6 @@ def clone_cache(cache: KDACache) -> KDACache:
 
 
 
-def tensor_arg(name, t):
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
-    return t
-
-
 
 def check_static(cache, weights, out, B, H, act, dev, state_layout, source="q") -> None:
     """The parts of a step that stay the same from token to token: cache, weights, output buffer."""
@@ -109,14 +103,14 @@ def check_static(cache, weights, out, B, H, act, dev, state_layout, source="q") 
         raise ValueError(f"weights must be a KDADecodeWeights, got {type(weights).__name__}")  # noqa: TRY004
     K = HEAD_DIM
     for name in ("conv_q", "conv_k", "conv_v"):
-        t = tensor_arg(f"cache.{name}", getattr(cache, name))
+        t = expect(f"cache.{name}", getattr(cache, name))
         if tuple(t.shape) != (B, H * K, CONV_SIZE - 1):
             raise ValueError(f"cache.{name} must be [B={B}, H*K={H * K}, {CONV_SIZE - 1}], got "
                              f"{tuple(t.shape)}")
         if t.dtype != act:
             raise ValueError(f"cache.{name} must have {source}'s dtype {act} (it stores past inputs), got "
                              f"{t.dtype}")
-    S = tensor_arg("cache.state", cache.state)
+    S = expect("cache.state", cache.state)
     if tuple(S.shape) != (B, H, K, K):
         dims = "K, V" if state_layout == "kv" else "V, K"
         raise ValueError(f"cache.state must be [B={B}, H={H}, {dims}] = {[B, H, K, K]} (head_dim {K}), "
@@ -124,16 +118,16 @@ def check_static(cache, weights, out, B, H, act, dev, state_layout, source="q") 
     if S.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"cache.state must be float32 (the recurrent state is kept in fp32), got {S.dtype}")
     w = weights
-    if tuple(tensor_arg("weights.A_log", w.A_log).shape) != (H,):
+    if tuple(expect("weights.A_log", w.A_log).shape) != (H,):
         raise ValueError(f"weights.A_log must be [H={H}], got {tuple(w.A_log.shape)}")
     for name in ("conv_q", "conv_k", "conv_v"):
-        t = tensor_arg(f"weights.{name}", getattr(w, name))
+        t = expect(f"weights.{name}", getattr(w, name))
         if tuple(t.shape) != (H * K, CONV_SIZE):
             raise ValueError(f"weights.{name} must be [H*K={H * K}, {CONV_SIZE}], got {tuple(t.shape)} "
                              "(KDADecodeWeights.from_layer converts K3's [C, 1, 4])")
-    if tuple(tensor_arg("weights.dt_bias", w.dt_bias).shape) != (H * K,):
+    if tuple(expect("weights.dt_bias", w.dt_bias).shape) != (H * K,):
         raise ValueError(f"weights.dt_bias must be [H*K={H * K}], got {tuple(w.dt_bias.shape)}")
-    if tuple(tensor_arg("weights.o_norm", w.o_norm).shape) != (K,):
+    if tuple(expect("weights.o_norm", w.o_norm).shape) != (K,):
         raise ValueError(f"weights.o_norm must be [{K}], got {tuple(w.o_norm.shape)}")
     positive_finite("weights.eps", w.eps)
     lb = w.lower_bound
@@ -144,7 +138,7 @@ def check_static(cache, weights, out, B, H, act, dev, state_layout, source="q") 
                "weights.conv_v": w.conv_v, "weights.A_log": w.A_log, "weights.dt_bias": w.dt_bias,
                "weights.o_norm": w.o_norm}
     if out is not None:
-        tensor_arg("out", out)
+        expect("out", out)
         if tuple(out.shape) != (B, H * K) or out.dtype != act:
             raise ValueError(f"out must be [B={B}, H*V={H * K}] of {source}'s dtype {act}, got "
                              f"{tuple(out.shape)} {out.dtype}")
@@ -161,7 +155,7 @@ def validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out=None, state_lay
     if not isinstance(cache, KDACache):
         raise ValueError(f"cache must be a k3lab.nn.KDACache, got {type(cache).__name__}")  # noqa: TRY004
     K = HEAD_DIM
-    tensor_arg("q", q)
+    expect("q", q)
     if q.dim() != 2 or q.shape[1] % K or q.shape[1] == 0:
         raise ValueError(f"q must be [B, H*{K}] (one token per sequence, head_dim {K}), got {tuple(q.shape)}")
     B, H = q.shape[0], q.shape[1] // K
@@ -170,10 +164,10 @@ def validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out=None, state_lay
     act, dev = q.dtype, q.device
     if not act.is_floating_point:
         raise ValueError(f"q must be floating point, got {act}")
-    expect = {"k": (k, (B, H * K)), "v": (v, (B, H * K)), "g_raw": (g_raw, (B, H * K)),
+    wanted = {"k": (k, (B, H * K)), "v": (v, (B, H * K)), "g_raw": (g_raw, (B, H * K)),
               "beta_raw": (beta_raw, (B, H)), "gate": (gate, (B, H * K))}
-    for name, (t, shape) in expect.items():
-        tensor_arg(name, t)
+    for name, (t, shape) in wanted.items():
+        expect(name, t)
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must be {list(shape)} (B={B}, H={H}, head_dim {K}), got "
                              f"{tuple(t.shape)}")
@@ -185,9 +179,9 @@ def validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out=None, state_lay
     return B, H
 
 
-def check_kernel_static(cache, weights, out, backend) -> None:
+def check_kernel_static(cache, weights, out) -> None:
     """What the compiled kernels additionally need from the static parts: packed conv states and
-    state heads, contiguous fp32 weights (fused kernel), a contiguous last dimension of `out`."""
+    state heads, a contiguous last dimension of `out` (the fused kernel: `check_fused_static` too)."""
     if out is not None and out.stride(1) != 1:
         raise ValueError(f"out must have a contiguous last dimension (stride 1), got strides {out.stride()}")
     for name in ("conv_q", "conv_k", "conv_v"):
@@ -199,8 +193,12 @@ def check_kernel_static(cache, weights, out, backend) -> None:
     if S.stride()[1:] != (HEAD_DIM * HEAD_DIM, HEAD_DIM, 1):
         raise ValueError(f"cache.state must have packed heads (strides [*, {HEAD_DIM ** 2}, {HEAD_DIM}, 1]), "
                          f"got {S.stride()}")
-    if backend != "cuda":
-        return
+
+
+def check_fused_static(cache, weights) -> None:
+    """What the fused kernel needs beyond `check_kernel_static`: bf16 activations, an fp32 state on a
+    GPU, contiguous fp32 weights."""
+    S = cache.state
     if cache.conv_q.dtype != torch.bfloat16:
         raise ValueError(f"the fused kernel takes bf16 activations (q, k, v, g_raw, beta_raw, gate, conv "
                          f"states), got {cache.conv_q.dtype}; use backend='torch' for other dtypes")

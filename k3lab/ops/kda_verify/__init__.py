@@ -56,6 +56,7 @@ from k3lab.ops.kda_verify.inputs import (
     before_num_warps,
     choose_num_warps,
     choose_tile_v,
+    VerifyInputs,
     min_tile_v,
     prepare,
     workgroups,
@@ -66,7 +67,7 @@ __all__ = [
     "BACKENDS", "BACKEND_ENV", "BEFORE_THREADS", "BEFORE_TILE_V", "HEAD_DIM", "MAX_POSITIONS",
     "MIN_ROW_BYTES", "NARROW_MAX", "PROGRAMS_PER_UNIT", "TILE_WIDTHS", "before_num_warps", "choose_num_warps",
     "choose_tile_v", "kda_verify", "kda_verify_before", "min_tile_v",
-    "reference_verify", "select_accepted", "workgroups",
+    "VARIANTS", "VerifyInputs", "reference_verify", "select_accepted", "workgroups",
 ]
 
 
@@ -76,9 +77,35 @@ def _cuda_available() -> tuple[bool, str]:
     return cuda.available()
 
 
-# verify: (q, k, v, g, beta, initial_state, tile_v, states=None) -> (ok, why)
-BACKENDS = Backends("kda_verify", Backend("cuda", 0, _cuda_available, cuda.verify),
-                    Backend("triton", 1, triton_status))
+def _stream(x: VerifyInputs, tile_v: int, num_warps: int | None) -> tuple:
+    triton.launch_stream(*x.kernel_args(), v_dim=x.v_dim, tile_v=tile_v,
+                         num_warps=num_warps or choose_num_warps(tile_v), **x.common())
+    return x.o, x.hs
+
+
+def _cuda_after(x: VerifyInputs, tile_v: int, num_warps: int | None, pdl) -> tuple:
+    if num_warps not in (None, cuda.NUM_WARPS):
+        raise ValueError(f"num_warps: the CUDA kernel runs {cuda.NUM_WARPS} warps per tile, got {num_warps}")
+    cuda.launch(*x.kernel_args(), positions=x.positions, pdl=pdl, **x.common())
+    return x.o, x.hs
+
+
+def _triton_after(x: VerifyInputs, tile_v: int, num_warps: int | None, pdl) -> tuple:
+    triton.launch_narrow(*x.kernel_args(), positions=x.positions, v_dim=x.v_dim, tile_v=tile_v,
+                         num_warps=num_warps or choose_num_warps(tile_v), **x.common())
+    return x.o, x.hs
+
+
+def _triton_before(x: VerifyInputs, tile_v: int, num_warps: int | None, pdl) -> tuple:
+    return _stream(x, tile_v, num_warps or before_num_warps())
+
+
+# verify: (q, k, v, g, beta, initial_state, tile_v, states=None) -> (ok, why). Callables (on `prepare`d
+# inputs): after(x, tile_v, num_warps, pdl) the narrow kernel; before(x, ...) the streaming kernel.
+BACKENDS = Backends("kda_verify",
+                    Backend("cuda", 0, _cuda_available, cuda.verify, parts={"after": _cuda_after}),
+                    Backend("triton", 1, triton_status,
+                            parts={"after": _triton_after, "before": _triton_before}))
 BACKEND_ENV = BACKENDS.env
 
 
@@ -97,27 +124,15 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
     (None: `choose_num_warps`); the CUDA kernel always runs 4 warps per tile. `backend`: force 'cuda'
     or 'triton' for the narrow path. `pdl`: the CUDA kernel as a programmatic dependent launch (None:
     on where supported, or as K3LAB_KDA_VERIFY_PDL says)."""
-    (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode, scale) = prepare(
-        q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out,
-        tile_v, scale)
-    bv = tile_v or choose_tile_v(N, H, V)
-    common = {"scale": scale, "n_seq": N, "heads": H, "mode": mode, "all_states": not final_state_only}
-    if bv > NARROW_MAX:
-        if mode == 2:  # the streaming kernel skips padded positions: their output rows start at zero
-            o.zero_()
-        triton.launch_stream(q, k, v, g, beta, h0, o, hs, seq_info, v_dim=V, tile_v=bv,
-                             num_warps=num_warps or choose_num_warps(bv), **common)
-        return o, hs
-    name, _ = BACKENDS.choose(backend, q, k, v, g, beta, h0, bv, states=hs)
-    if name == "cuda":
-        if num_warps not in (None, cuda.NUM_WARPS):
-            raise ValueError(f"num_warps: the CUDA kernel runs {cuda.NUM_WARPS} warps per tile, got "
-                             f"{num_warps}")
-        cuda.launch(q, k, v, g, beta, h0, o, hs, seq_info, positions=steps, pdl=pdl, **common)
-        return o, hs
-    triton.launch_narrow(q, k, v, g, beta, h0, o, hs, seq_info, positions=steps, v_dim=V, tile_v=bv,
-                         num_warps=num_warps or choose_num_warps(bv), **common)
-    return o, hs
+    x = prepare(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only,
+                states_out, tile_v, scale)
+    bv = tile_v or choose_tile_v(x.n_seq, x.heads, x.v_dim)
+    if bv > NARROW_MAX:  # a wide tile: the device is already full, the streaming kernel runs it
+        if x.mode == 2:  # the streaming kernel skips padded positions: their output rows start at zero
+            x.o.zero_()
+        return _stream(x, bv, num_warps)
+    row = BACKENDS.pick(backend, x.q, x.k, x.v, x.g, x.beta, x.h0, bv, states=x.hs, need="after")
+    return row.after(x, bv, num_warps, pdl)
 
 
 def kda_verify_before(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, lengths=None,
@@ -125,10 +140,10 @@ def kda_verify_before(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens
                       num_warps=None):
     """The original verification kernel: 32-column tiles, 128-thread workgroups, run-time length,
     per-token loads (the streaming kernel). Same arguments and results as `kda_verify`."""
-    (q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode, scale) = prepare(
-        q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out,
-        tile_v, scale, zero_outputs=True)
-    triton.launch_stream(q, k, v, g, beta, h0, o, hs, seq_info, scale=scale, n_seq=N, heads=H, v_dim=V,
-                         mode=mode, all_states=not final_state_only, tile_v=tile_v,
-                         num_warps=num_warps or before_num_warps())
-    return o, hs
+    x = prepare(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only,
+                states_out, tile_v, scale, zero_outputs=True)
+    row = BACKENDS.pick(None, x.q, x.k, x.v, x.g, x.beta, x.h0, tile_v, states=x.hs, need="before")
+    return row.before(x, tile_v, num_warps, None)
+
+
+VARIANTS = {"before": kda_verify_before, "after": kda_verify}

@@ -3,6 +3,8 @@ and the tile width and waves chosen from the device."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from k3lab import env
@@ -207,10 +209,45 @@ def states_buffer(states_out, shape, device):
     return states_out
 
 
+@dataclass(frozen=True)
+class VerifyInputs:
+    """One call's checked, contiguous inputs and output buffers, what every kernel takes (`prepare`).
+
+    q, k, v, g, beta: contiguous; h0 fp32 [N, H, 128, V] (zeros when no initial state); o: the output,
+    shaped like v in q's dtype; hs: the states buffer; seq_info: cu_seqlens (mode 1), lengths (mode
+    2) or h0 as an unused placeholder (mode 0); n_seq N, positions T (the draft length), heads H,
+    v_dim V; mode 0 dense, 1 cu_seqlens, 2 lengths; scale a float; all_states: a state per position."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    h0: torch.Tensor
+    o: torch.Tensor
+    hs: torch.Tensor
+    seq_info: torch.Tensor
+    n_seq: int
+    positions: int
+    heads: int
+    v_dim: int
+    mode: int
+    scale: float
+    all_states: bool
+
+    def kernel_args(self) -> tuple:
+        """The tensors every launcher takes first: (q, k, v, g, beta, h0, o, hs, seq_info)."""
+        return self.q, self.k, self.v, self.g, self.beta, self.h0, self.o, self.hs, self.seq_info
+
+    def common(self) -> dict:
+        """The keyword arguments every launcher takes."""
+        return {"scale": self.scale, "n_seq": self.n_seq, "heads": self.heads, "mode": self.mode,
+                "all_states": self.all_states}
+
+
 def prepare(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only, states_out,
-            tile_v, scale=None, zero_outputs=False):
-    """Checked, contiguous inputs and the output buffers every kernel takes: (q, k, v, g, beta, h0, o,
-    states, seq_info, N, steps, H, V, mode, scale as a float)."""
+            tile_v, scale=None, zero_outputs=False) -> VerifyInputs:
+    """Checked, contiguous inputs and the output buffers every kernel takes (`VerifyInputs`)."""
     scale = check_scale(scale)
     N, steps, H, V, mode = check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile_v)
     B, T = q.shape[:2]
@@ -226,7 +263,8 @@ def prepare(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, fi
     # the before kernel skips dead padded positions, so their output rows must start at zero
     o = (torch.zeros_like if zero_outputs and mode == 2 else torch.empty_like)(v, dtype=q.dtype)
     seq_info = cu_seqlens if mode == 1 else lengths if mode == 2 else h0  # h0: an unused placeholder
-    return q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode, scale
+    return VerifyInputs(q, k, v, g, beta, h0, o, hs, seq_info, N, steps, H, V, mode, scale,
+                        not final_state_only)
 
 
 # ----------------------------------------------------------------------------------------------

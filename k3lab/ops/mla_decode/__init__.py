@@ -23,7 +23,7 @@ its outputs are its own buffers, overwritten by each call.
 Backends (`BACKENDS`, k3lab.ops' contract: tried in priority order; the first that is available here
 and takes the inputs runs, `plan.backend` says which; `backend=` or K3LAB_MLA_DECODE_BACKEND forces one
 by name, and so does a CUDA `form=`). Each verifies (variant, q, cache, lengths, block_table, pad=,
-fold_heads=, form=) and provides the part 'plan':
+fold_heads=, form=) and provides the callables 'plan_before' and 'plan_after' (aiter: 'plan_after'):
 
 * 'cuda' (cuda.py): NVIDIA sm_90 with nvcc, bf16, <= 16 heads, pad='registers'; the after for one
   token, and for verification groups over a paged cache (each token a request over the same pages);
@@ -54,7 +54,8 @@ _PEER_NAMES = ("reference", "einsum_decode", "sdpa_decode", "aiter_status", "ait
 
 __all__ = [
     "LATENT_DIM", "VALUE_DIM", "DEFAULT_SCALE", "MMA_ROWS", "MAX_Q_LEN", "CUDA_VERIFY_Q_LENS", "BACKENDS",
-    "BACKEND_ENV", "BackendUnavailable", "DecodePlan", "LaunchConfig", "plan_before", "plan_after",
+    "BACKEND_ENV", "BackendUnavailable", "VARIANTS", "DecodePlan", "LaunchConfig", "plan_before",
+    "plan_after",
     "mla_decode_before", "mla_decode_after", "choose_num_splits", "choose_splits", "split_cost",
     "after_groups", "to_paged", "gather_paged", *_PEER_NAMES,
 ]
@@ -74,16 +75,18 @@ def _cuda_available() -> tuple[bool, str]:
     return (True, why) if ok else cuda.before_status()
 
 
-def _cuda_verify(variant, q=None, cache=None, lengths=None, block_table=None, **opts) -> tuple[bool, str]:
-    if variant == "before":
-        ok, why = cuda.before_status()
-        if not ok or q is None:
-            return ok, why
-        try:
-            cuda.check_before(q, cache, lengths, block_table=block_table)
-        except ValueError as exc:
-            return False, str(exc)
-        return True, why
+def _cuda_verify_before(q=None, cache=None, lengths=None, block_table=None, **opts) -> tuple[bool, str]:
+    ok, why = cuda.before_status()
+    if not ok or q is None:
+        return ok, why
+    try:
+        cuda.check_before(q, cache, lengths, block_table=block_table)
+    except ValueError as exc:
+        return False, str(exc)
+    return True, why
+
+
+def _cuda_verify_after(q=None, cache=None, lengths=None, block_table=None, **opts) -> tuple[bool, str]:
     ok, why = cuda.status()
     if not ok:
         return ok, why
@@ -93,18 +96,21 @@ def _cuda_verify(variant, q=None, cache=None, lengths=None, block_table=None, **
     return refused is None, refused or why
 
 
-def _cuda_plan(variant, q, cache, lengths, *, block_table, scale, num_splits=None, form=None, pad_fill=0.0,
-               **opts):
-    if variant == "before":
-        return cuda.plan_before(q, cache, lengths, block_table=block_table, scale=scale)
+def _cuda_verify(variant, *inputs, **opts) -> tuple[bool, str]:
+    return {"before": _cuda_verify_before, "after": _cuda_verify_after}[variant](*inputs, **opts)
+
+
+def _cuda_plan_before(q, cache, lengths, *, block_table, scale):
+    return cuda.plan_before(q, cache, lengths, block_table=block_table, scale=scale)
+
+
+def _cuda_plan_after(q, cache, lengths, *, block_table, scale, num_splits=None, form=None, pad_fill=0.0,
+                     **opts):
     if opts.get("pad", "registers") != "registers":
         raise ValueError("backend 'cuda' takes pad='registers' only (pad='copy' runs on the Triton backend)")
-    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > 1:
-        return cuda.plan_verify(q, cache, lengths, block_table=block_table, scale=scale,
-                                num_splits=num_splits,
-                                form=form)
-    return cuda.plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits,
-                     form=form)
+    # a verification group (q_len > 1) runs each token as a request over the same pages
+    plan = cuda.plan_verify if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > 1 else cuda.plan
+    return plan(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits, form=form)
 
 
 def _triton_verify(variant, *inputs, form=None, **opts) -> tuple[bool, str]:
@@ -113,9 +119,11 @@ def _triton_verify(variant, *inputs, form=None, **opts) -> tuple[bool, str]:
     return True, ""
 
 
-def _triton_plan(variant, q, cache, lengths, *, block_table, scale, num_splits=None, form=None, **opts):
-    if variant == "before":
-        return triton.plan_before(q, cache, lengths, block_table=block_table, scale=scale)
+def _triton_plan_before(q, cache, lengths, *, block_table, scale):
+    return triton.plan_before(q, cache, lengths, block_table=block_table, scale=scale)
+
+
+def _triton_plan_after(q, cache, lengths, *, block_table, scale, num_splits=None, form=None, **opts):
     return triton.plan_after(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits,
                              **opts)
 
@@ -126,37 +134,38 @@ def _aiter_available() -> tuple[bool, str]:
     return peers.aiter_status()
 
 
-def _aiter_verify(variant, *inputs, **opts) -> tuple[bool, str]:
-    if variant == "before":
-        return False, "AITER has no before (its decode is the padded one)"
-    return True, ""
-
-
-def _aiter_plan(variant, q, cache, lengths, *, block_table, scale, num_splits=None, form=None, pad_fill=0.0,
-                **opts):
+def _aiter_plan_after(q, cache, lengths, *, block_table, scale, num_splits=None, form=None, pad_fill=0.0,
+                      **opts):
     from k3lab.ops.mla_decode import peers  # see __getattr__
 
-    if variant == "before" or num_splits is not None or opts.get("pad", "registers") != "registers" or form:
+    if num_splits is not None or opts.get("pad", "registers") != "registers" or form:
         raise ValueError("backend 'aiter' runs the after with its own split choice, padding and form only")
     return peers.AiterPlan(q, cache, lengths, block_table=block_table, scale=scale)
 
 
-# aiter last: it is not yet run on AMD hardware by this project, so it runs only when forced
+# verify: (variant, q, cache, lengths, block_table, pad=, fold_heads=, form=) -> (ok, why); callables:
+# plan_before(q, cache, lengths, *, block_table, scale) and plan_after(..., num_splits, pad, fold_heads,
+# form, pad_fill) -> a launchable plan. AITER has no before (its decode is the padded one), and is last:
+# it is not yet run on AMD hardware by this project, so it runs only when forced.
 BACKENDS = Backends(
     "mla_decode",
-    Backend("cuda", 0, _cuda_available, _cuda_verify, parts={"plan": _cuda_plan}),
-    Backend("triton", 1, triton_available, _triton_verify, parts={"plan": _triton_plan}),
-    Backend("aiter", 2, _aiter_available, _aiter_verify, parts={"plan": _aiter_plan}),
+    Backend("cuda", 0, _cuda_available, _cuda_verify,
+            parts={"plan_before": _cuda_plan_before, "plan_after": _cuda_plan_after}),
+    Backend("triton", 1, triton_available, _triton_verify,
+            parts={"plan_before": _triton_plan_before, "plan_after": _triton_plan_after}),
+    Backend("aiter", 2, _aiter_available, parts={"plan_after": _aiter_plan_after}),
 )
 BACKEND_ENV = BACKENDS.env
 
 
-def _choose(variant, q, cache, lengths, block_table, backend, **opts) -> str:
-    """The backend of a plan: BACKENDS' choice, where a CUDA `form` (none forced) asks for 'cuda'."""
+def _choose(variant, q, cache, lengths, block_table, backend, **opts) -> Backend:
+    """The row of a plan of `variant`: BACKENDS' choice among the rows with its plan, where a CUDA
+    `form` (none forced) asks for 'cuda'."""
     arg = "backend"
     if backend is None and opts.get("form") not in (None, "auto") and BACKENDS.forced()[0] is None:
         backend, arg = "cuda", f"backend (form={opts['form']!r} is a CUDA kernel's)"
-    return BACKENDS.choose(backend, variant, q, cache, lengths, block_table, arg=arg, **opts)[0]
+    return BACKENDS.pick(backend, variant, q, cache, lengths, block_table, arg=arg, need=f"plan_{variant}",
+                         **opts)
 
 
 def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, backend=None):
@@ -164,8 +173,8 @@ def plan_before(q, cache, lengths=None, *, block_table=None, scale=None, backend
     query row, whole history, no matrix units). `plan()` returns (o, lse); plan.backend says which
     backend runs."""
     check_scale(scale)  # one rule for every backend: positive and finite
-    name = _choose("before", q, cache, lengths, block_table, backend)
-    return BACKENDS[name].parts["plan"]("before", q, cache, lengths, block_table=block_table, scale=scale)
+    row = _choose("before", q, cache, lengths, block_table, backend)
+    return row.plan_before(q, cache, lengths, block_table=block_table, scale=scale)
 
 
 def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_splits=None, pad="registers",
@@ -181,11 +190,9 @@ def plan_after(q, cache, lengths=None, *, block_table=None, scale=None, num_spli
     if pad not in ("registers", "copy"):
         raise ValueError(f"pad must be 'registers' or 'copy', got {pad!r}")
     check_scale(scale)  # one rule for every backend: positive and finite
-    name = _choose("after", q, cache, lengths, block_table, backend, pad=pad, fold_heads=fold_heads,
-                   form=form)
-    return BACKENDS[name].parts["plan"]("after", q, cache, lengths, block_table=block_table, scale=scale,
-                               num_splits=num_splits, pad=pad, fold_heads=fold_heads, form=form,
-                               pad_fill=pad_fill)
+    row = _choose("after", q, cache, lengths, block_table, backend, pad=pad, fold_heads=fold_heads, form=form)
+    return row.plan_after(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits,
+                          pad=pad, fold_heads=fold_heads, form=form, pad_fill=pad_fill)
 
 
 def mla_decode_before(q, cache, lengths=None, *, block_table=None, scale=None, backend=None):
@@ -201,3 +208,7 @@ def mla_decode_after(q, cache, lengths=None, *, block_table=None, scale=None, nu
     o, lse = plan_after(q, cache, lengths, block_table=block_table, scale=scale, num_splits=num_splits,
                         fold_heads=fold_heads, pad=pad, backend=backend)()
     return o.clone(), lse.clone()
+
+
+# the one before/after axis: the decode in one call, by variant
+VARIANTS = {"before": mla_decode_before, "after": mla_decode_after}

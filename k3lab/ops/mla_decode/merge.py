@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.ops import Backend, Backends, check_finite, cpu_first, gpu_first, triton_available, triton_runs_on
+from k3lab.ops import Backend, check_finite, triton_and_torch
 
 BLOCK_D = 128  # value columns per merge program
 
@@ -172,11 +172,7 @@ def _merge_triton(o_parts, lse_parts):
 
 # callables (on checked inputs): after(o_parts, lse_parts) -> (o, lse); the torch row is the reference
 # and the before (a handful of elementwise and reduction kernels)
-BACKENDS = Backends("mla_merge",
-                    Backend("triton", gpu_first, triton_available, triton_runs_on,
-                            parts={"after": _merge_triton}),
-                    Backend("torch", cpu_first, lambda: (True, "plain PyTorch"),
-                            parts={"before": _merge_torch, "after": _merge_torch}))
+BACKENDS = triton_and_torch("mla_merge", {"after": _merge_triton}, {"after": _merge_torch})
 BACKEND_ENV = BACKENDS.env
 
 

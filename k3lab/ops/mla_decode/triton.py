@@ -78,18 +78,11 @@ def _shared_memory_bytes() -> int | None:
     return None
 
 
-def launch_config(variant: str, dtype: torch.dtype = torch.bfloat16, rows: int = MMA_ROWS,
-                  block_n: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None) -> LaunchConfig:
-    """Tile rows, warps and pipeline depth for 'before' or 'after' (explicit values win).
+def _before_config(dtype, rows, block_n, num_warps, num_stages) -> LaunchConfig:
+    return LaunchConfig(block_n or 32, num_warps or 8, num_stages or 2)
 
-    after: 32-row tiles; 4 warps for 16 rows, 8 for 64 (the 64 x 512 fp32 accumulator of a verify
-    group); as many stages as fit in the device's shared memory (LDS on AMD) beside the query and p
-    tiles, at most 3 (two tiles in flight, two programs per H200 SM). before: 32 rows, 8 warps, 2."""
-    if variant not in ("before", "after"):
-        raise ValueError(f"variant must be 'before' or 'after', got {variant!r}")
-    if variant == "before":
-        return LaunchConfig(block_n or 32, num_warps or 8, num_stages or 2)
+
+def _after_config(dtype, rows, block_n, num_warps, num_stages) -> LaunchConfig:
     bn = block_n or 32
     warps = num_warps or (4 if rows <= 16 else 8)
     if num_stages is None:
@@ -98,6 +91,22 @@ def launch_config(variant: str, dtype: torch.dtype = torch.bfloat16, rows: int =
         reserve = rows * LATENT_DIM * elem + 16384  # the query tile and the p tile live there too
         num_stages = 3 if smem is None else max(1, min(3, (smem - reserve) // (bn * LATENT_DIM * elem)))
     return LaunchConfig(bn, warps, num_stages)
+
+
+_CONFIGS = {"before": _before_config, "after": _after_config}
+
+
+def launch_config(variant: str, dtype: torch.dtype = torch.bfloat16, rows: int = MMA_ROWS,
+                  block_n: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None) -> LaunchConfig:
+    """Tile rows, warps and pipeline depth for 'before' or 'after' (explicit values win).
+
+    after: 32-row tiles; 4 warps for 16 rows, 8 for 64 (the 64 x 512 fp32 accumulator of a verify
+    group); as many stages as fit in the device's shared memory (LDS on AMD) beside the query and p
+    tiles, at most 3 (two tiles in flight, two programs per H200 SM). before: 32 rows, 8 warps, 2."""
+    if variant not in _CONFIGS:
+        raise ValueError(f"variant must be 'before' or 'after', got {variant!r}")
+    return _CONFIGS[variant](dtype, rows, block_n, num_warps, num_stages)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from k3lab.ops import Backend, Backends, cpu_first, gpu_first, triton_available, triton_runs_on
+from k3lab.ops import triton_and_torch, triton_runs_on
 
 from . import loop as _loop
 from . import triton as _triton
@@ -55,11 +55,8 @@ def _after_torch(z, weights, idx, w1, w3, w2, shapes, sort, block_m):
 # callables (on checked inputs): after(z, weights, idx, w1, w3, w2, shapes, sort or None, block_m or None)
 # -> y; tail(y_lat, norm_w, eps, up_rows, out, col0) -> out. The torch row is the reference and the
 # before (the per-expert loop).
-BACKENDS = Backends("moe_experts",
-                    Backend("triton", gpu_first, triton_available, _triton_verify,
-                            parts={"after": _after_triton, "tail": tail_triton}),
-                    Backend("torch", cpu_first, lambda: (True, "plain PyTorch"),
-                            parts={"before": _after_torch, "after": _after_torch, "tail": tail_torch}))
+BACKENDS = triton_and_torch("moe_experts", {"after": _after_triton, "tail": tail_triton},
+                            {"after": _after_torch, "tail": tail_torch}, verify=_triton_verify)
 BACKEND_ENV = BACKENDS.env
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3lab.ops import int_arg
+from k3lab.ops import expect, int_arg
 
 TILE_HEIGHTS = (16, 32, 64)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # fp64: the torch loop only
@@ -35,13 +35,6 @@ class Shapes:
     num_experts: int
 
 
-def _tensor(name: str, t, dims: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
-    if t.dim() != dims:
-        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
-
-
 def check_inputs(z, weights, idx, w1, w3, w2, *, check_values: bool = True) -> Shapes:
     """Validate the routed-expert inputs (see the module docstring); returns their sizes.
 
@@ -49,7 +42,7 @@ def check_inputs(z, weights, idx, w1, w3, w2, *, check_values: bool = True) -> S
     captured (a read-back cannot be captured), so a captured call trusts the router."""
     for name, t, dims in (("z", z, 2), ("weights", weights, 2), ("idx", idx, 2),
                           ("w1", w1, 3), ("w3", w3, 3), ("w2", w2, 3)):
-        _tensor(name, t, dims)
+        expect(name, t, shape=dims)
     N, L = z.shape
     E, F, L1 = w1.shape
     if z.dtype not in DTYPES:

@@ -86,23 +86,13 @@ def tail_torch(y_lat, norm_w, eps, up_rows, out, col0: int = 0) -> torch.Tensor:
 
 
 if triton is not None:
-    from k3lab.ops.triton_math import round_to
+    from k3lab.ops.triton_math import launch_rows, rms_inv, rms_row, round_to
 
     @triton.jit
     def _norm_kernel(y_ptr, nw_ptr, o_ptr, eps, LAT: tl.constexpr, BLOCK: tl.constexpr):
-        # one row: sum of squares in fp32, then y * rsqrt(mean + eps) * w rounded to o's dtype
+        # one row: sum of squares in fp32, then y * rsqrt(mean + eps) * w cast to o's dtype
         row = tl.program_id(0).to(tl.int64)
-        ks = tl.arange(0, BLOCK)
-        ss = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k0 in range(0, LAT, BLOCK):
-            y = tl.load(y_ptr + row * LAT + k0 + ks, mask=(k0 + ks) < LAT, other=0.0).to(tl.float32)
-            ss += y * y
-        inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / LAT + eps)
-        for k0 in range(0, LAT, BLOCK):
-            ok = (k0 + ks) < LAT
-            y = tl.load(y_ptr + row * LAT + k0 + ks, mask=ok, other=0.0).to(tl.float32)
-            w = tl.load(nw_ptr + k0 + ks, mask=ok, other=0.0).to(tl.float32)
-            tl.store(o_ptr + row * LAT + k0 + ks, (y * inv * w).to(o_ptr.dtype.element_ty), mask=ok)
+        rms_row(y_ptr + row * LAT, nw_ptr, o_ptr + row * LAT, eps, LAT, BLOCK, False)
 
 
     @triton.jit
@@ -110,12 +100,7 @@ if triton is not None:
                          NORM_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          INT_ROUND: tl.constexpr):
         # out[r] += sum_k round(y[k] * inv * nw[k]) * up[r, k] for this program's BLOCK_N rows r
-        ks = tl.arange(0, NORM_BLOCK)
-        ss = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
-        for k0 in range(0, LAT, NORM_BLOCK):
-            y = tl.load(y_ptr + k0 + ks, mask=(k0 + ks) < LAT, other=0.0).to(tl.float32)
-            ss += y * y
-        inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / LAT + eps)
+        inv = rms_inv(y_ptr, eps, LAT, NORM_BLOCK)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rn < R
         rk = tl.arange(0, BLOCK_K)
@@ -151,11 +136,8 @@ def tail_row(y_lat, norm_w, eps, up_rows, out, col0: int = 0, blocks=None) -> to
             up_rows.stride(0))
     common = {"LAT": LAT, "NORM_BLOCK": min(NORM_BLOCK, triton.next_power_of_2(LAT)),
               "INT_ROUND": y_lat.device.type == "cpu"}
-    if blocks is None and y_lat.device.type != "cpu":
-        _tail_row_tuned[lambda meta: (triton.cdiv(R, meta["BLOCK_N"]),)](*args, **common)
-        return out
-    bn, bk, warps = ROW_BLOCKS[0] if blocks is None else blocks
-    _tail_row_kernel[(triton.cdiv(R, bn),)](*args, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **common)
+    launch_rows(_tail_row_tuned, _tail_row_kernel, lambda bn: triton.cdiv(R, bn), args, common, blocks=blocks,
+                fallback=ROW_BLOCKS[0], tune=y_lat.device.type != "cpu")
     return out
 
 

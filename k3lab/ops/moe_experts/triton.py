@@ -34,7 +34,7 @@ except ImportError:  # the torch loop still runs; the backend table says why thi
 
 
 if triton is not None:
-    from k3lab.ops.triton_math import tanh
+    from k3lab.ops.triton_math import launch_rows, tanh
 
     @triton.jit
     def _situ_glu(g, u):
@@ -144,11 +144,8 @@ def down_row(h, w2, flat_w, flat_idx, L: int, F: int, blocks=None) -> torch.Tens
     y = torch.empty(1, L, dtype=torch.float32, device=h.device)
     args = (h, w2, flat_w, flat_idx, y)
     common = {"L": L, "F": F, "TOP_K": flat_idx.numel()}
-    if blocks is None and h.device.type != "cpu":
-        _down_row_tuned[lambda meta: (triton.cdiv(L, meta["BLOCK_N"]),)](*args, **common)
-        return y
-    bn, bk, warps = ROW_BLOCKS[0] if blocks is None else blocks
-    _down_row_kernel[(triton.cdiv(L, bn),)](*args, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **common)
+    launch_rows(_down_row_tuned, _down_row_kernel, lambda bn: triton.cdiv(L, bn), args, common, blocks=blocks,
+                fallback=ROW_BLOCKS[0], tune=h.device.type != "cpu")
     return y
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from k3lab.nn.moe import route
-from k3lab.ops import Backend, Backends, cpu_first, gpu_first, triton_available, triton_runs_on
+from k3lab.ops import triton_and_torch, triton_runs_on
 from k3lab.ops.moe_experts.inputs import ExpertSort, sort_by_expert
 
 from . import triton
@@ -74,11 +74,8 @@ def _after_torch(logits, bias, top_k, scaling, renormalize, E, block_m):
 
 # callables (on checked inputs): after(logits, bias, top_k, scaling, renormalize, E, block_m) -> (weights,
 # idx, sort). The torch row is the reference and the before (route + sort_by_expert, ~25 launches).
-BACKENDS = Backends("moe_router",
-                    Backend("triton", gpu_first, triton_available, _triton_verify,
-                            parts={"after": _after_triton}),
-                    Backend("torch", cpu_first, lambda: (True, "plain PyTorch"),
-                            parts={"before": _after_torch, "after": _after_torch}))
+BACKENDS = triton_and_torch("moe_router", {"after": _after_triton}, {"after": _after_torch},
+                            verify=_triton_verify)
 BACKEND_ENV = BACKENDS.env
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from k3lab.config import K3Config
 from k3lab.ops.moe_experts import decode_padding
-from k3lab.studies.moe_sharding import figures as mf
+from k3lab.studies.moe_sharding import tables as mf
 
 
 def test_memory_table_and_cost_table_at_k3_tp8():

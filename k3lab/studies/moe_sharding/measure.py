@@ -26,6 +26,8 @@ Every variant is checked against an fp32 computation on the same inputs before i
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Callable
 
 import torch
 
@@ -33,8 +35,10 @@ from k3lab import bench
 from k3lab.config import K3Config
 from k3lab.ops import moe_experts as me
 from k3lab.parallel import moe_tail as mt
+from k3lab.studies import select_cases
 
-STUDY = "moe_sharding"
+from .tables import NAME
+
 TAIL_TOKENS = (1, 8, 64, 256)
 EXPERT_TOKENS = (1, 64)
 
@@ -86,7 +90,7 @@ def _tail_case(cfg, tp: int, n: int, gen, dt, timing: dict) -> list:
         t = bench.time_fn(lambda a, b, c: fn(a, norm_w, eps, b, c, col0), graph=graph, rotate=sets, **timing)
         floor = bench.floor_us(bytes=cost["bytes"], flops=cost["flops"])
         records.append(bench.make_record(
-            STUDY, f"tail_N{n}", variant, t,
+            NAME, f"tail_N{n}", variant, t,
             shape={"tokens": n, "rows": R, "latent": LAT, "hidden": H, "tp": tp},
             dtype=dt, floor_us=floor, error=err, tail=tail, form=fn.__name__, bytes=cost["bytes"],
             flops=cost["flops"], **launched))
@@ -139,7 +143,7 @@ def _experts_case(cfg, tp: int, n: int, weights, gen, timing: dict) -> list:
         err = bench.check(fn(z, w, idx, w1, w3, w2), ref, dtype=dt, name=f"experts {variant} N={n}")
         t = bench.time_fn(lambda a, b, c: fn(a, b, c, w1, w3, w2), graph=graph, rotate=sets, **timing)
         records.append(bench.make_record(
-            STUDY, f"experts_N{n}", variant, t, shape=shape, dtype=dt, floor_us=floor, error=err,
+            NAME, f"experts_N{n}", variant, t, shape=shape, dtype=dt, floor_us=floor, error=err,
             weight_bytes=weight_bytes, block_m=m if variant == "after" else None, padding=pad))
     return records
 
@@ -168,7 +172,7 @@ def _memory(cfg, tp: int) -> dict:
     return out
 
 
-def run(tail_tokens=TAIL_TOKENS, expert_tokens=EXPERT_TOKENS, tp: int = 8, seed: int = 0, config=None,
+def run_tokens(tail_tokens=TAIL_TOKENS, expert_tokens=EXPERT_TOKENS, tp: int = 8, seed: int = 0, config=None,
         repeats: int = 100, warmup: int = 10) -> dict:
     """All cases on this GPU; returns {'records': [Record...], 'memory': {...}}. config: K3's full
     shapes by default; a smaller config (with a CPU) only exercises the code (eager CPU timings,
@@ -196,13 +200,24 @@ def run(tail_tokens=TAIL_TOKENS, expert_tokens=EXPERT_TOKENS, tp: int = 8, seed:
     return {"records": records, "memory": memory}
 
 
-def table(records) -> str:
-    """One line per record; 'launches' / 'copies' are one call's GPU operations (tail records on a GPU)."""
-    lines = [f"{'case':<14} {'variant':<7} {'mode':<6} {'median us':>10} {'floor us':>9} "
-             f"{'floor/median':>12} {'launches':>8} {'copies':>6}"]
-    for r in records:
-        frac = r.floor_us / r.median_us if r.floor_us else float("nan")
-        launches, copies = (r.extra.get(k, "") for k in ("launches", "copies"))
-        lines.append(f"{r.case:<14} {r.variant:<7} {r.mode:<6} {r.median_us:>10.2f} {r.floor_us or 0:>9.2f} "
-                     f"{frac:>12.2f} {launches:>8} {copies:>6}")
-    return "\n".join(lines)
+# ------------------------------------------------------------------ the study contract
+def case_names(preset=None) -> list[str]:
+    return [f"tail_N{n}" for n in TAIL_TOKENS] + [f"experts_N{n}" for n in EXPERT_TOKENS]
+
+
+def run(preset=None, cases=None) -> list:
+    """Every case (cases: a subset of case_names()); checks each variant against the reference first."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("moe_sharding times compiled kernels at TP8 shapes and needs a GPU; on a CPU "
+                           "tests/test_moe_*.py and notebook 02 check the same code in Triton's interpreter")
+    cases = select_cases(case_names(), cases or None)
+    tail = tuple(int(c[6:]) for c in cases if c.startswith("tail_N"))
+    experts = tuple(int(c[9:]) for c in cases if c.startswith("experts_N"))
+    res = run_tokens(tail_tokens=tail, expert_tokens=experts)
+    if res["memory"]:  # not records: up_proj's memory under each tail, printed for the run's README
+        print("memory (one layer, rank 0):", json.dumps(res["memory"], indent=1))
+    return res["records"]
+
+
+def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
+    return {}

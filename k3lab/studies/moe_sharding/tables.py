@@ -1,5 +1,5 @@
-"""Tables and figures of notebook 02 (MoE output sharding): who computes what, the tail's bytes and
-FLOPs, the memory freed and the cache it buys, the expert-tile padding, the one-GPU records.
+"""Tables and figures of the moe_sharding study (notebook 02): who computes what, the tail's bytes and
+FLOPs, the memory freed and the cache it buys, the expert-tile padding, the one-GPU records as text.
 
 Plain pandas frames and plotly go.Figure objects, no renderer set and no I/O.
 """
@@ -14,6 +14,8 @@ from k3lab import bench
 from k3lab import env as _env
 from k3lab.config import GiB
 from k3lab.parallel import moe_tail as mt
+
+NAME = "moe_sharding"
 
 # The seed's own figures (vLLM PR 59591's AgentX experiment on eight MI355X): not measured here.
 SEED_CACHE_RUN = {"concurrency": 70, "hit_rate_before": 0.748, "hit_rate_after": 0.801,
@@ -134,3 +136,15 @@ def check_frame(rows: list[dict]) -> pd.DataFrame:
     """check_rank's rows as a frame (rank, tail, error figures, all-reduce count, up_proj bytes)."""
     cols = ["rank", "tail", "ok", "max_rel", "rel_l2", "all_reduce", "other_collectives", "up_proj_bytes"]
     return pd.DataFrame(rows)[cols].sort_values(["tail", "rank"]).reset_index(drop=True)
+
+
+def table(records) -> str:
+    """One line per record; 'launches' / 'copies' are one call's GPU operations (tail records on a GPU)."""
+    lines = [f"{'case':<14} {'variant':<7} {'mode':<6} {'median us':>10} {'floor us':>9} "
+             f"{'floor/median':>12} {'launches':>8} {'copies':>6}"]
+    for r in records:
+        frac = r.floor_us / r.median_us if r.floor_us else float("nan")
+        launches, copies = (r.extra.get(k, "") for k in ("launches", "copies"))
+        lines.append(f"{r.case:<14} {r.variant:<7} {r.mode:<6} {r.median_us:>10.2f} {r.floor_us or 0:>9.2f} "
+                     f"{frac:>12.2f} {launches:>8} {copies:>6}")
+    return "\n".join(lines)

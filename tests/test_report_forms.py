@@ -129,6 +129,33 @@ def test_the_report_runs_the_serving_run_and_shows_its_own_table(tmp_path, capfd
     assert "study serving_run: passed" in capfd.readouterr().err
 
 
+def test_the_notebooks_see_where_the_reports_records_are(tmp_path, monkeypatch):
+    """While the report's notebooks run, RECORDS_ENV names its out/records (notebook 09 reads this run's
+    serving-run records there instead of running the study again); after, it is as before."""
+    import os
+
+    from k3lab import report
+    from k3lab.studies import serving_run
+
+    seen = {}
+
+    def notebooks(paths, out, *args, **kwargs):
+        seen["env"] = os.environ.get(report.RECORDS_ENV)
+        seen["root"] = serving_run.report_records()
+        return [], False
+
+    monkeypatch.setattr(report, "_run_notebooks", notebooks)
+    monkeypatch.delenv(report.RECORDS_ENV, raising=False)
+    nbs = tmp_path / "nbs"
+    nbs.mkdir()
+    (nbs / "01_x.ipynb").write_text("{}")
+    out = tmp_path / "out"
+    report.build_report(out=out, run_studies=False, notebooks=nbs, tty=False)
+    assert seen["env"] == str((out / "records").resolve()) and seen["root"] == (out / "records").resolve()
+    assert report.RECORDS_ENV not in os.environ
+    assert serving_run.report_records() == report.REPO / "build" / "records"  # outside a report: make run's
+
+
 # ------------------------------------------------------------------ the ETA
 def test_expected_seconds_reads_the_table_and_the_budgets():
     assert expected_seconds("gpu", "quick", "study:decode_step") == GPU_QUICK["decode_step"].budget_s

@@ -63,12 +63,15 @@ from k3lab.report.eta import (
 )
 from k3lab.report.sections import LiveRun, form_text, progress, run_study, study_section
 
-__all__ = ["CELL_TIMEOUT_S", "INTERRUPTED_EXIT", "OPTIMIZATIONS", "PLOTLY_MIME", "CellTimedOut",
-           "NotebookFailed", "NotebookInterrupted", "add_html_for_plotly", "build_report", "execute_notebook",
-           "notebook_paths"]
+__all__ = ["CELL_TIMEOUT_S", "INTERRUPTED_EXIT", "OPTIMIZATIONS", "RECORDS_ENV", "PLOTLY_MIME",
+           "CellTimedOut", "NotebookFailed", "NotebookInterrupted", "add_html_for_plotly", "build_report",
+           "execute_notebook", "notebook_paths"]
 
 REPO = Path(__file__).resolve().parent.parent.parent
 INTERRUPTED_EXIT = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
+# set while the report's notebooks run: the folder its studies saved this run's records in (out/records),
+# for a notebook that shows this machine's fresh records (notebook 09's serving runs) instead of rerunning
+RECORDS_ENV = "K3LAB_REPORT_RECORDS"
 INTRO = (
     "k3lab runs the optimizations that serve Kimi K3 fast, each as a before and an after that are checked "
     "against a plain PyTorch reference, timed and profiled on the machine at hand (an AMD or NVIDIA GPU, "
@@ -372,8 +375,16 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
                         bar.finish(key)
                 _study_checks(runs, checks, failures)
                 if run_notebooks:
-                    nb_rows, interrupted = _run_notebooks(nb_paths, out, timeout_s, workers, t0, checks,
-                                                          failures, bar, outcomes)
+                    before = os.environ.get(RECORDS_ENV)
+                    os.environ[RECORDS_ENV] = str((out / "records").resolve())
+                    try:
+                        nb_rows, interrupted = _run_notebooks(nb_paths, out, timeout_s, workers, t0, checks,
+                                                              failures, bar, outcomes)
+                    finally:
+                        if before is None:
+                            os.environ.pop(RECORDS_ENV, None)
+                        else:
+                            os.environ[RECORDS_ENV] = before
                     if interrupted:
                         raise KeyboardInterrupt
         except KeyboardInterrupt:

@@ -334,13 +334,19 @@ def _give_back_memory(kind: str) -> None:
         torch.cuda.empty_cache()
 
 
-REPORT_RECORDS = Path(bench.records.PROFILES).parent / "build" / "records"  # `make run`'s (k3lab report)
+def report_records() -> Path:
+    """Where `k3lab report` saved this machine's fresh records: the running report's out/records (its
+    notebooks see k3lab.report.RECORDS_ENV), else the last `make run`'s build/records."""
+    from k3lab.report import RECORDS_ENV
+
+    here = os.environ.get(RECORDS_ENV)
+    return Path(here) if here else Path(bench.records.PROFILES).parent / "build" / "records"
 
 
 def measured(root=None, device: str | None = None) -> list[bench.Record]:
     """This machine's committed serving-run records (`device`: a slug or name, default this machine's;
-    `root`: default the tree's profiles/; REPORT_RECORDS holds those of the last `make run`), ordered by
-    DCP, host tier and concurrency; [] when none."""
+    `root`: default the tree's profiles/; `report_records()` holds a report's fresh ones), ordered by DCP,
+    host tier and concurrency; [] when none."""
     slug = device if device is not None else bench.device_slug()
     recs = bench.load_records(study=NAME, device=slug, root=root)
     return sorted(recs, key=lambda r: (r.shape.get("dcp", 1), not r.shape.get("host_tier", True),

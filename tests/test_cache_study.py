@@ -3,6 +3,7 @@
 import pytest
 
 from k3lab import bench
+from k3lab.config import K3Config
 from k3lab.studies import agent_cache as ac
 
 
@@ -34,7 +35,7 @@ def test_restore_against_recompute():
     rate, label = ac.h2d_rate(records=[])
     assert rate == 50e9 and "not measured here" in label
     prefill, plabel = ac.prefill_rate(peak_tflops=100.0, efficiency=0.5)
-    assert prefill == pytest.approx(50e12 / (2 * ac.K3Config.tp_slice(8).param_counts()[1]))
+    assert prefill == pytest.approx(50e12 / (2 * K3Config.tp_slice(8).param_counts()[1]))
     assert "modelled" in plabel and ac.prefill_rate(1234.0)[0] == 1234.0
     with pytest.raises(ValueError, match="efficiency"):
         ac.prefill_rate(efficiency=0)

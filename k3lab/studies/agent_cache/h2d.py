@@ -32,7 +32,8 @@ from k3lab.nn.mla import MultiHeadLatentAttention
 
 from k3lab.cache.state import restore, save
 
-STUDY = "agent_cache"
+from .tables import NAME
+
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
 SMOKE_SIZES = (64 * KiB, 1 * MiB)
@@ -69,7 +70,7 @@ def copy_records(sizes=SIZES, *, device: str = "cuda", repeats: int = 30, gen=No
                                   device=device)
                 memory = "pinned" if pinned else ("pageable" if gpu else "host memcpy")
                 out.append(bench.make_record(
-                    STUDY, f"{direction}_{_label(n)}", "after" if pinned else "before", t,
+                    NAME, f"{direction}_{_label(n)}", "after" if pinned else "before", t,
                     shape={"bytes": n, "direction": direction, "host_memory": memory}, dtype=torch.uint8,
                     floor_us=n / PCIE_GEN5_X16 * 1e6 if gpu else None, error={"equal": True},
                     gb_per_s=n / (t.median_us * 1e-6) / 1e9,
@@ -161,7 +162,7 @@ def state_records(*, smoke: bool = False, context: int | None = None, n_kda: int
             rate = total / (t.median_us * 1e-6)
             full = _full_rank_bytes(cfg, context, dtype)
             records.append(bench.make_record(
-                STUDY, f"state_{what}_ctx{context}", variant, t,
+                NAME, f"state_{what}_ctx{context}", variant, t,
                 shape={"context": context, "preset": cfg.name, "kda_layers": n_kda, "mla_layers": n_mla,
                        "host_memory": memory, "bytes": total},
                 dtype=dtype, error=error, bytes_by_kind=nbytes, gb_per_s=rate / 1e9,

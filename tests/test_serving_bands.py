@@ -105,3 +105,19 @@ def test_the_band_figure_draws_each_projection_as_a_labelled_region_and_its_cent
         assert region.fill == "toself" and "projected" in region.name and "projected" in line.name
         assert len(region.x) == len(b["high"]) + len(b["low"]) and len(line.x) == len(b["central"])
     assert err["kind"] in fig.layout.annotations[0].text
+
+
+def test_update_docs_rewrites_only_the_generated_sections(tmp_path, monkeypatch):
+    from k3lab.studies.serving import figures
+
+    page = tmp_path / "serving.md"
+    page.write_text("intro\n<!-- generated: a() -->\nold a\n<!-- end generated -->\nmiddle\n"
+                    "<!-- generated: b() -->\nnew b\n<!-- end generated -->\nend\n")
+    monkeypatch.setattr(figures, "docs_sections", lambda root=None: {"a()": "new a", "b()": "new b"})
+    assert figures.update_docs(page) == ["a()"]
+    assert page.read_text() == ("intro\n<!-- generated: a() -->\nnew a\n<!-- end generated -->\nmiddle\n"
+                                "<!-- generated: b() -->\nnew b\n<!-- end generated -->\nend\n")
+    assert figures.update_docs(page) == []
+    page.write_text("<!-- generated: c() -->\nx\n<!-- end generated -->\n")
+    with pytest.raises(ValueError, match="unknown generated section"):
+        figures.update_docs(page)

@@ -178,3 +178,6 @@ def test_model_error_takes_the_cross_gpu_error_once_a_second_grid_is_filed(tmp_p
     h = inputs.step_points("nvidia-h100-80gb-hbm3", tmp_path)
     assert {p.variant for p in h} == set(keep) and all(p.source.split("/")[2] == "serving" for p in h)
     assert all(r["rel_err"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1) for r in err["rows"])
+    table = validate.report_markdown(root=tmp_path)  # docs/serving.md's table then carries both directions
+    assert "| cross-GPU, fitted on nvidia-h200 | all_on |" in table
+    assert "| cross-GPU, fitted on nvidia-h100-80gb-hbm3 | no_mla_padded |" in table

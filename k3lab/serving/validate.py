@@ -197,13 +197,19 @@ def model_error(device: str = "nvidia-h200", other: str | None = "nvidia-h100-80
             "rows": rows}
 
 
-def report_markdown(device: str = "nvidia-h200", root=None) -> str:
+def report_markdown(device: str = "nvidia-h200", other: str | None = "nvidia-h100-80gb-hbm3",
+                    root=None) -> str:
     """The section of docs/serving.md that quotes the step model's errors: held-out and extrapolation per
-    variant on `device`'s committed records, as a markdown table (the test compares the page to this)."""
+    variant on `device`'s committed records and, once `other`'s grid is committed, the cross-GPU error in
+    both directions, as a markdown table (the test compares the page to this)."""
     from k3lab.studies.serving import inputs
 
     pts = inputs.step_points(device, root)
-    rows = summarize(held_out(pts) + extrapolation(pts))
+    rows = held_out(pts) + extrapolation(pts)
+    err = model_error(device, other, root) if other else None
+    if err and err["kind"].startswith("cross-GPU"):
+        rows += [dict(r, check=f"cross-GPU, fitted on {r['fitted_on']}") for r in err["rows"]]
+    rows = summarize(rows)
     lines = ["| check | variant | points | worst abs(rel_err) | at | mean abs(rel_err) | mean rel_err |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -61,6 +61,50 @@ def band_figure(bands: list[dict], target: float, title: str):
     return fig
 
 
+GENERATED = "<!-- generated: "
+END = "<!-- end generated -->"
+
+
+def docs_sections(root=None) -> dict[str, str]:
+    """docs/serving.md's generated sections, by the expression their marker names: the step model's
+    errors (serving.validate.report_markdown) and the projections' bands and calibration
+    (serving.bands.report_markdown), computed from the committed records under `root`."""
+    from k3lab.serving import bands, validate
+    from k3lab.studies.serving import inputs
+
+    inp, work = inputs.node_inputs(root=root), curve.agent_workload()
+    return {"k3lab.serving.validate.report_markdown()": validate.report_markdown(root=root),
+            "k3lab.serving.bands.report_markdown(inputs.node_inputs(), curve.agent_workload(), "
+            "validate.model_error())": bands.report_markdown(inp, work, validate.model_error(root=root))}
+
+
+def update_docs(path=None, root=None) -> list[str]:
+    """Rewrite the generated sections of docs/serving.md (between '<!-- generated: EXPR -->' and
+    '<!-- end generated -->') from the committed records, after new records (an H100 grid, a refit);
+    returns the expressions whose section changed. ValueError when a marker the page names is unknown."""
+    from pathlib import Path
+
+    from k3lab import bench
+
+    path = Path(path) if path else Path(bench.PROFILES).parent / "docs" / "serving.md"
+    text = path.read_text()
+    sections = docs_sections(root)
+    changed, out, pos = [], [], 0
+    while (i := text.find(GENERATED, pos)) >= 0:
+        head_end = text.index(" -->", i) + len(" -->")
+        expr = text[i + len(GENERATED):head_end - len(" -->")]
+        if expr not in sections:
+            raise ValueError(f"{path} names an unknown generated section: {expr!r}")
+        j = text.index(END, head_end)
+        new = "\n" + sections[expr] + "\n"
+        if text[head_end:j] != new:
+            changed.append(expr)
+        out.append(text[pos:head_end] + new)
+        pos = j
+    path.write_text("".join(out) + text[pos:])
+    return changed
+
+
 def whatif(inp, work, *, gpu: str = "mi355x", context: float = 1.0, hit_rate: float | None = None,
            acceptance: float = 1.0, max_depth: int = curve.MAX_DEPTH, dcp: str = "1 or 8",
            target: float = hardware.SEED["interactivity"]):

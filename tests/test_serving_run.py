@@ -475,10 +475,11 @@ def test_study_budget_is_the_article_rank_scaled():
 
 
 @CPU
-def test_study_budget_rows_and_the_model_costs():
+def test_study_budget_rows_and_the_model_beside_each_run():
     """A budget that no run fits still measures the first run and starts no other; curve_rows reads the
-    summary (the decode step at the batch nearest the run's mean, TPOT P90 over it); the costs are timed
-    on the run's engine and are what the notebook's model uses on a CPU; the thread count comes back."""
+    summary (the decode step at the batch nearest the run's mean, TPOT P90 over it); the model's costs
+    are timed on the run's engine and its prediction is stored beside the run (extra['model']), which the
+    notebook reads when it has no costs of its own; the thread count comes back."""
     from k3lab.studies import serving_run
 
     threads, lines = torch.get_num_threads(), []
@@ -498,7 +499,14 @@ def test_study_budget_rows_and_the_model_costs():
     table = serving_run.report_table(recs)
     assert list(table.columns) == list(serving_run.REPORT_COLUMNS.values()) and len(table) == 1
     assert "timed alone" in costs.source and costs.decode_us(1, 1, 16.0) > 0
-    assert serving_run.model_costs(recs, costs) is costs
+    model = recs[0].extra["model"]  # the model beside the run, stored with it
+    assert model["costs"] == costs.source and model["case"] == "c1.dcp1.host"
+    assert model["tpot_p50_ms measured"] == pytest.approx(s["tpot_ms"]["p50"])
+    assert model["tpot_p50_ms err"] == pytest.approx(model["tpot_p50_ms predicted"] / s["tpot_ms"]["p50"] - 1)
+    assert serving_run.model_rows(recs) == ([model], costs.source)  # no costs given: the stored rows
+    rows, source = serving_run.model_rows(recs, costs)  # costs given: checked again with them
+    assert source == costs.source and rows[0]["tpot_p50_ms predicted"] == pytest.approx(
+        model["tpot_p50_ms predicted"])
     other = dataclasses.replace(recs[0], study="serving")
     with pytest.raises(ValueError, match="records must be 'serving_run' records"):
         serving_run.curve_rows([other])

@@ -169,11 +169,12 @@ GPU_QUICK: dict[str, QuickForm] = {
     # not yet run on a GPU: the budget is a cap (the study starts no run past kwargs' budget_s, the
     # first aside), not a measured time
     "serving_run": QuickForm(
-        ("c1.dcp1.host", "c4.dcp1.host", "c16.dcp1.host"), 60,
+        ("c1.dcp1.host", "c4.dcp1.host", "c16.dcp1.host"), 55,
         "c1, c4 and c16 at DCP1 with the host tier, 6 s of serving clock each (the brief form), started "
-        "only while the 55 s budget lasts; the quick form's seven runs (DCP8 and no host tier at c16) are "
-        "`python -m k3lab.studies.serving_run --form quick`'s and the full sweep --full's",
-        {"form": "brief", "budget_s": 55.0}),
+        "only while the 45 s budget lasts (the first always), then the step model beside each; the quick "
+        "form's seven runs (DCP8 and no host tier at c16) are `python -m k3lab.studies.serving_run --form "
+        "quick`'s and the full sweep --full's",
+        {"form": "brief", "budget_s": 45.0}),
 }
 HOST_SIDE = frozenset({"draft_depth", "agent_cache"})
 

@@ -206,10 +206,10 @@ def run(preset=None, cases=None, *, form: str = "full", log=print, budget_s: flo
 
 
 def run_with_costs(cases=None, *, form: str = "brief", log=print, budget_s: float | None = None):
-    """(records, costs): run() of `cases` in `form`, then the step model's costs timed on the same
-    engine, each step alone (k3lab.serving.predict.measure_costs), for predict.check_runs to set the
-    model beside these runs."""
-    return _one_thread_on_a_cpu(_run_cases, cases, form, log, budget_s, None, True)
+    """(records, costs): run() of `cases` in `form`, and the step model's costs it timed on the same
+    engine (k3lab.serving.predict.measure_costs; each record's extra['model'] is predict.check_run with
+    them)."""
+    return _one_thread_on_a_cpu(_run_cases, cases, form, log, budget_s, None)
 
 
 def engine_costs(concurrency: int, log=print):
@@ -231,20 +231,45 @@ def engine_costs(concurrency: int, log=print):
     return _one_thread_on_a_cpu(build)
 
 
-def model_costs(records, costs=None, log=print):
-    """The costs notebook 09 sets the model beside `records` with: on a GPU whose serving grid is
-    committed, its step model (predict.gpu_costs); else `costs` when given (timed on the run's own
-    engine); else timed on a fresh engine of the records' largest concurrency (`engine_costs`)."""
+def model_rows(records, costs=None, log=print) -> tuple[list[dict], str]:
+    """(rows, source): the step model beside each of `records` (predict.check_run rows) and what the
+    model is. On a GPU whose serving grid is committed, that grid's step model (predict.gpu_costs);
+    else `costs` when given (timed on the run's own engine); else the rows the study stored with the
+    records (extra['model']: its engine's steps timed alone after the runs); else the steps of a fresh
+    engine of the records' largest concurrency (`engine_costs`)."""
     from k3lab.serving import predict
 
     if _on_gpu():
         try:
-            return predict.gpu_costs(bench.device_slug())
+            costs = predict.gpu_costs(bench.device_slug())
         except (LookupError, ValueError) as exc:  # no grid of this GPU committed
             log(f"serving_run: {exc}: the model is this GPU's steps timed alone")
-    if costs is not None:
-        return costs
-    return engine_costs(max(int(r.shape["concurrency"]) for r in records), log)
+    if costs is None and records and all("model" in r.extra for r in records):
+        return [r.extra["model"] for r in records], records[0].extra["model"]["costs"]
+    if costs is None:
+        costs = engine_costs(max(int(r.shape["concurrency"]) for r in records), log)
+    return predict.check_runs(records, costs), costs.source
+
+
+def _attach_model(records: list, engine, log):
+    """Time `engine`'s steps alone and fit the step model (predict.measure_costs), then set it beside each
+    record (extra['model'] = predict.check_run: TTFT / TPOT P50 / P90 and output tokens/s predicted,
+    measured, rel_err, and the term named when one is off by more than predict.TOLERANCE). The costs."""
+    from k3lab.serving import predict
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        costs = predict.measure_costs(engine)
+    for rec in records:
+        try:
+            row = predict.check_run(rec, costs)
+        except ValueError as exc:  # e.g. a run that finished no request: said in the record
+            row = {"case": rec.case, "error": str(exc)}
+        rec.extra["model"] = _plain({"what": "modelled: this run's requests replayed through the scheduler "
+                                             "with the step model's times (k3lab.serving.predict)",
+                                     "costs": costs.source, **row})
+    log(f"serving_run: the step model beside each run ({time.perf_counter() - t0:.1f} s): {costs.source}")
+    return costs
 
 
 def _one_thread_on_a_cpu(fn, *args):
@@ -258,8 +283,8 @@ def _one_thread_on_a_cpu(fn, *args):
         torch.set_num_threads(threads)
 
 
-def _run_cases(cases, form, log, budget_s, on_record, with_costs: bool = False):
-    """(records, costs or None): the runs of run() / run_with_costs()."""
+def _run_cases(cases, form, log, budget_s, on_record):
+    """(records, costs): the runs of run() / run_with_costs(), the model beside each (_attach_model)."""
     from k3lab.serving.run import RunSettings
 
     if form not in RUN_S:
@@ -312,12 +337,7 @@ def _run_cases(cases, form, log, budget_s, on_record, with_costs: bool = False):
     if budget_s is not None and time.perf_counter() - t0 > budget_s:
         log(f"serving_run: {time.perf_counter() - t0:.0f} s, over the budget of {budget_s:.0f} s (the "
             "engine's setup and the first run are always measured)")
-    costs = None
-    if with_costs:
-        from k3lab.serving import predict
-
-        with torch.no_grad():
-            costs = predict.measure_costs(engine)
+    costs = _attach_model(out, engine, log) if out else None
     del engine
     _give_back_memory(kind)
     return out, costs
@@ -505,7 +525,10 @@ def main(argv=None) -> int:
 
     run(cases=args.cases or None, form=args.form, budget_s=args.budget_s, on_record=keep,
         log=lambda m: print(m, flush=True))
-    if done:
+    if done:  # again, with the model beside each run (extra['model'], set after the last run)
+        _write(args.json, done)
+        if args.save_dir is not None:
+            bench.save_records(done, root=args.save_dir, overwrite=True)
         print(summary_text(done), flush=True)
     return 0 if done else 1
 

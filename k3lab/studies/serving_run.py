@@ -331,6 +331,7 @@ def _run_cases(cases, form, log, budget_s, on_record):
         rec = _record(case, res, kind, scale)
         log(f"serving_run: done in {took:.0f} s ({rec.extra['summary']['requests']} requests, "
             f"{res.incomplete} cut at the drain limit): {summary_text([rec])}")
+        res = None  # a run's result holds its pool: nothing of it outlives its record
         out.append(rec)
         if on_record is not None:
             on_record(rec)
@@ -338,7 +339,7 @@ def _run_cases(cases, form, log, budget_s, on_record):
         log(f"serving_run: {time.perf_counter() - t0:.0f} s, over the budget of {budget_s:.0f} s (the "
             "engine's setup and the first run are always measured)")
     costs = _attach_model(out, engine, log) if out else None
-    del engine
+    del engine, sessions
     _give_back_memory(kind)
     return out, costs
 

@@ -134,6 +134,23 @@ def test_before_matches_reference_fp32(layout):
     assert_cache_close(KDACache(cache.conv_q, cache.conv_k, cache.conv_v, ref.state), ref)
 
 
+def test_rows_carry_the_bound_steps_of_their_variants():
+    """plan_before / plan_after per row: the torch row (the reference) binds both, the Triton chain only
+    the before, the fused kernel only the after; a step asks for its variant's row."""
+    assert {b.name: sorted(b.parts) for b in kd.BACKENDS} == {
+        "cuda": ["plan_after"], "torch": ["plan_after", "plan_before"], "triton": ["plan_before"]}
+    for variant in kd.VARIANTS:
+        inputs, cache, w = kd.make_example(1, 2, dtype=torch.float32, device=DEVICE, seed=24)
+        ref_out, ref = kd.reference(**inputs, cache=cache, weights=w, compute_dtype=torch.float64)
+        step = kd.KDADecodeStep(cache, w, backend="torch", variant=variant)
+        bench.check(step(**inputs), ref_out, dtype="fp32", name=f"{variant} output")
+        bench.check(cache.state, ref.state, dtype="fp32", name=f"{variant} state")
+    with pytest.raises(ValueError, match="backend 'triton' provides no plan_after"):
+        kd.KDADecodeStep(cache, w, backend="triton", variant="after")
+    with pytest.raises(ValueError, match="variant must be one of"):
+        kd.KDADecodeStep(cache, w, variant="middle")
+
+
 def test_before_bf16_matches_reference_with_the_same_handoffs():
     inputs, cache, w = kd.make_example(3, 1, dtype=torch.bfloat16, device=DEVICE, seed=22)
     ref_out, ref = kd.reference(**inputs, cache=cache, weights=w, compute_dtype=torch.float64,

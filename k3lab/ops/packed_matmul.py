@@ -71,11 +71,10 @@ BACKENDS = Backends("packed_matmul",
                     Backend("torch", 1, lambda: (True, "torch.nn.functional.linear"),
                             parts={"before": _reference, "after": _reference}))
 BACKEND_ENV = BACKENDS.env
-# policy name -> the dispatcher (what a DispatchedLinear and the decode step's `pack` switch call)
-POLICIES = {name: getattr(BACKENDS["dispatch"], name) for name in ("before", "after")}
-
-
-VARIANTS = ("before", "after")
+# the one before/after axis: variant -> the dispatcher (what a DispatchedLinear calls); POLICIES is the
+# name the decode step's `pack` switch reads
+VARIANTS = {name: getattr(BACKENDS["dispatch"], name) for name in ("before", "after")}
+POLICIES = VARIANTS
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, *, variant: str = "after",
@@ -83,7 +82,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, *, variant: str = "afte
     """x @ weight^T through the row `backend` picks (None: the dispatcher) as `variant`: 'before' (pack,
     then choose) or 'after' (pack where used)."""
     if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
     return getattr(BACKENDS.pick(backend, need=variant), variant)(x, weight)
 
 

@@ -78,7 +78,7 @@ __all__ = [
     "BACKENDS", "BACKEND_ENV", "CONFIGS", "CONV_SIZE", "HEAD_DIM", "HINT_PREFETCH_L2", "HINT_STREAM_LOADS",
     "HINT_STREAM_STORES", "L2_EPS", "SPLIT_MODES", "SPLIT_TILE", "SPLIT_TILE_FINE", "STATE_LAYOUTS",
     "TOKEN_INPUTS",
-    "KDADecodeStep",
+    "VARIANTS", "KDADecodeStep",
     "KDADecodeWeights", "after", "before", "choose_config", "choose_split", "clone_cache", "default_hints",
     "fused_status", "kda_decode", "make_example", "reference", "validate",
 ]
@@ -170,8 +170,8 @@ class KDADecodeStep:
         B, H = S.shape[0], S.shape[1]
         act = expect("cache.conv_q", cache.conv_q).dtype
         check_static(cache, weights, out, B, H, act, S.device, state_layout, source="cache.conv_q")
-        if variant is not None and variant not in VARIANT_NAMES:
-            raise ValueError(f"variant must be one of {VARIANT_NAMES} or None, got {variant!r}")
+        if variant is not None and variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {tuple(VARIANTS)} or None, got {variant!r}")
         options = {k: v for k, v in (("tile_v", tile_v), ("hints", hints), ("split", split)) if v is not None}
         row, _ = BACKENDS.select(backend, S.device, act, need=None if variant is None else f"plan_{variant}")
         bind = row.parts.get(f"plan_{variant or 'after'}") or row.plan_before
@@ -232,7 +232,8 @@ def after(q, k, v, g_raw, beta_raw, gate, cache, weights, *, out=None, state_lay
     return step(q, k, v, g_raw, beta_raw, gate)
 
 
-VARIANT_NAMES = ("before", "after")
+# the one before/after axis: the step in one call, by variant
+VARIANTS = {"before": before, "after": after}
 
 
 # ----------------------------------------------------------------------------------------------

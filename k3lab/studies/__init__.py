@@ -7,9 +7,12 @@ Every study is a package of one shape:
 - `<study>/measure.py`: the cases, their inputs, each variant checked against the reference and then
   timed into `bench.Record`s, and the study contract below (run, case_names, profile_targets).
 - `<study>/tables.py`: records (fresh or committed under profiles/) to tables, figures and the text
-  `k3lab bench` prints, and the models predicted before measuring; it never imports measure.py, so
-  reading records builds no kernel; the names both parts need (NAME, shared constants) live here.
+  `k3lab bench` prints, and the models predicted before measuring; it runs nothing on a device.
+  measure.py and tables.py import each other in one direction only, and the names both need (NAME,
+  shared constants) live in the one imported.
 - further modules where a study has a part of its own (decode_step/attribution.py, agent_cache/h2d.py).
+`k3lab.studies.peers` says whether each public peer (fla, FlashMLA, AITER) runs here, and
+`k3lab.studies.runs` where each part has run, from the committed records.
 
 Each study module exposes NAME, case_names(preset=None), run(preset=None, cases=None) -> list[Record]
 (checks every variant against the reference first, then times) and profile_targets(preset=None); it

@@ -168,7 +168,7 @@ def records(cases=None, variants=("all_on",), log=print) -> list[bench.Record]:
                 f"{a['launches']} kernels, {a['matched']:.0%} aligned, floor {a['floor_us'] / 1e3:.2f} ms")
             log(t.to_string(index=False, float_format=lambda x: f"{x:.1f}"))
             out.append(bench.make_record(
-                measure.STUDY, f"{CASE_PREFIX}{case}.{v}", "after" if v != "all_off" else "before",
+                measure.NAME, f"{CASE_PREFIX}{case}.{v}", "after" if v != "all_off" else "before",
                 a["timing"], shape={"batch": B, "context_len": ctx, "q_len": 1}, dtype=torch.bfloat16,
                 floor_us=a["floor_us"], parts=t.astype(object).where(t.notna(), None).to_dict("records"),
                 top=a["top"].to_dict("records"), kernels=a["kernels"].to_dict("records"),

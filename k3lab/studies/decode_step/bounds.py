@@ -31,7 +31,8 @@ from k3lab import bench
 from k3lab.config import K3Config
 from k3lab.ops import gemv
 
-STUDY = "decode_step"
+from .measure import NAME
+
 L2_BYTES = 50 * 2**20  # the H200's L2; copies are drawn until their sum is several times this
 STREAM_KERNELS = ("_up_kernel", "_down_kernel")  # the grouped expert kernels stream weights too
 
@@ -74,7 +75,7 @@ def projection_probe(config: K3Config, *, dtype=torch.bfloat16, repeats: int = 1
         for variant, fn in (("cublas", lambda w: x @ w.t()), ("triton", lambda w: gemv.gemv(x, w))):
             fn(ws[0])  # the Triton kernel picks its blocks on its first call, outside the timed graph
             t = bench.time_fn(fn, warmup=3, repeats=repeats, graph=True, rotate=[(w,) for w in ws])
-            out.append(bench.make_record(STUDY, f"probe.gemv.{s['name']}", variant, t,
+            out.append(bench.make_record(NAME, f"probe.gemv.{s['name']}", variant, t,
                                          shape={"out": s["out"], "in": s["in"], "rows": 1}, dtype=dtype,
                                          floor_us=None, bytes=nbytes, calls_per_step=s["calls"],
                                          tbs=nbytes / (t.median_us * 1e-6) / 1e12, copies=len(ws)))
@@ -93,7 +94,7 @@ def small_kernel_probe(n: int = 2000, *, repeats: int = 10) -> bench.Record | No
     x = torch.zeros(1, device="cuda")
     # a graph of n successive calls, timed per call: each add waits for the one before it
     t = bench.time_fn(lambda: x.add_(1.0), warmup=2, repeats=repeats, graph=True, calls_per_sample=n)
-    return bench.make_record(STUDY, "probe.small_kernel", "torch", t, shape={"kernels": n},
+    return bench.make_record(NAME, "probe.small_kernel", "torch", t, shape={"kernels": n},
                              dtype=torch.float32,
                              what="one dependent one-element add per kernel, captured as one graph")
 

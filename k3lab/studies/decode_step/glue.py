@@ -29,7 +29,8 @@ from k3lab.ops.moe_router import route_and_sort
 from k3lab.ops.moe_router import triton as router
 from k3lab.ops.situ_glu import situ_glu_stacked, widths
 
-STUDY = "decode_step"
+from .measure import NAME
+
 PREFIX = "glue."  # case prefix of these records
 E, TOP_K, SCALING = 896, 16, 2.5
 SORT_FIELDS = ("pair_of_row", "tile_expert", "n_tiles", "counts")
@@ -76,7 +77,7 @@ def router_records(sizes=(1, 64), device: str = "cuda", repeats: int = 100) -> l
             t = bench.time_fn(lambda b=b: route_and_sort(logits, bias, TOP_K, scaling=SCALING, block_m=m,
                                                          backend=b),
                               graph=device != "cpu", device=device, repeats=repeats, warmup=2)
-            out.append(bench.make_record(STUDY, f"{PREFIX}moe_router.N{n}", variant, t,
+            out.append(bench.make_record(NAME, f"{PREFIX}moe_router.N{n}", variant, t,
                                          shape={"tokens": n, "experts": E, "top_k": TOP_K, "block_m": m},
                                          dtype=logits.dtype, error=chk, backend_used=b))
     return out
@@ -111,7 +112,7 @@ def launch_records(sizes=LAUNCH_SIZES, device: str = "cuda", repeats: int = 100)
             for v, f in forms.items():
                 t = bench.time_fn(f, graph=device != "cpu", device=device, repeats=repeats, warmup=2)
                 out.append(bench.make_record(
-                    STUDY, f"{PREFIX}moe_router.launches.N{n}.w{w}", v, t,
+                    NAME, f"{PREFIX}moe_router.launches.N{n}.w{w}", v, t,
                     shape={"tokens": n, "experts": E, "top_k": TOP_K, "block_m": m, "topk_warps": w},
                     dtype=logits.dtype, error=checks[v], backend_used="triton",
                     launches=2 if v == "before" else 1, fused_pairs=router.FUSED_PAIRS))
@@ -152,7 +153,7 @@ def situ_glu_records(rows=(1, 64), dtype=torch.bfloat16) -> list[bench.Record]:
                    "bounds": "rtol 2^-8 against fp64, 2^-7 against the torch path; atol 1e-6"}
             for variant, b in VARIANTS:
                 t = bench.time_fn(lambda b=b: situ_glu_stacked(gu, backend=b), graph=True)
-                out.append(bench.make_record(STUDY, f"{PREFIX}situ_glu.{what}_N{n}", variant, t,
+                out.append(bench.make_record(NAME, f"{PREFIX}situ_glu.{what}_N{n}", variant, t,
                                              shape={"rows": n, "F": f, "width": what}, dtype=dtype, error=err,
                                              backend_used=b))
     return out

@@ -37,9 +37,17 @@ from k3lab.config import K3Config
 from k3lab.engine.step import DecodeStep
 from k3lab.engine.switches import DECODE_ONLY, SWITCHES, VERIFY_ONLY, all_but
 from k3lab.engine.weights import RankWeights
+from k3lab.studies import select_cases
 from k3lab.studies.peers import on_gpu
 
-STUDY = "decode_step"
+NAME = "decode_step"
+PROBE = "probe."  # case prefix of the bounds probes (k3lab.studies.decode_step.bounds)
+PROBE_CASE = "probe"  # the case that runs them
+GLUE = "glue."  # case prefix of the glue kernels' records (k3lab.studies.decode_step.glue)
+GLUE_CASE = "glue"  # the case that runs them
+ATTRIBUTION = "attribution."  # case prefix of the step attributions (k3lab.studies.decode_step.attribution)
+ATTRIBUTION_CASE = "attribution"  # the case that runs them
+EXTRA_CASES = (PROBE_CASE, GLUE_CASE, ATTRIBUTION_CASE)
 GPU_CASES = {"b1_1k": (1, 1024), "b1_32k": (1, 32768), "b1_128k": (1, 131072), "b64_8k": (64, 8192)}
 CPU_CASES = {"tiny_b1_ctx8": (1, 8)}
 CPU_CONFIG = dataclasses.replace(K3Config.tiny(), num_hidden_layers=4, name="tiny4").sliced(2)
@@ -294,7 +302,7 @@ def run_variant(case: str, name: str, opts: dict, weights: RankWeights, shape: t
               "layers": step.config.num_hidden_layers}
         recs = [
             bench.make_record(
-                STUDY,
+                NAME,
                 f"{case}.{name}",
                 label,
                 _time(step, repeats, False, t_first),
@@ -314,7 +322,7 @@ def run_variant(case: str, name: str, opts: dict, weights: RankWeights, shape: t
                 gextra["profile_graph"] = _profile(step.replay, f"{case}_{name}_graph", trace_dir)
             step.restore_state(saved)
             gerr = dict(err, graph_vs_eager=_rel(step.replay().clone(), logits))
-            recs.append(bench.make_record(STUDY, f"{case}.{name}.graph", label, t, shape=sh, dtype=step.dtype,
+            recs.append(bench.make_record(NAME, f"{case}.{name}.graph", label, t, shape=sh, dtype=step.dtype,
                                           floor_us=floor["floor_us"], error=gerr, **gextra))
         else:
             recs[0].extra["graph"] = f"not captured: {why}"
@@ -389,3 +397,41 @@ def probe_records(log=print) -> list[bench.Record]:
     for r in recs:
         r.extra.update(bandwidth_tbs=bw, bandwidth_how=how)
     return recs
+
+
+# ------------------------------------------------------------------ the study contract
+def case_names(preset=None) -> list[str]:
+    """The whole-step cases on this machine (GPU: b1_1k, b1_32k, b1_128k, b64_8k; CPU: one tiny case),
+    then 'probe' (the bounds probes), 'glue' (the glue kernels alone) and 'attribution' (where the
+    batch-1 steps' time goes, kernel by kernel): GPU kernels, nothing measured on a CPU."""
+    return [*cases(), *EXTRA_CASES]
+
+
+def run(preset=None, cases=None, *, repeats: int = 5, distinct_layers: int = 3, profile: bool = True) -> list:
+    """Every variant of the whole-step `cases` (see measure.run_cases), with 'probe' among them the
+    bounds probes (measure.probe_records), with 'glue' the glue kernels (glue.run), with 'attribution'
+    the per-part attribution of the batch-1 steps (attribution.records); records of study 'decode_step'.
+    Unknown cases are a ValueError naming them, before anything runs."""
+    from . import attribution, glue
+
+    chosen = select_cases(case_names(preset), cases)
+    steps = [c for c in chosen if c not in EXTRA_CASES]
+    records = run_cases(steps, distinct_layers=distinct_layers, repeats=repeats,
+                                   profile=profile) if steps else []
+    records += probe_records() if PROBE_CASE in chosen else []
+    records += glue.run() if GLUE_CASE in chosen else []
+    return records + (attribution.records() if ATTRIBUTION_CASE in chosen else [])
+
+
+def profile_targets(preset=None) -> dict:
+    """One step with every optimization off ('before') and on ('after'), at the first case's shape."""
+    from k3lab.engine import DecodeStep
+    from k3lab.engine.weights import RankWeights
+
+    B, ctx = next(iter(cases().values()))
+    gpu = on_gpu()
+    w = RankWeights.random(bench_config(), distinct_layers=2, device="cuda" if gpu else "cpu",
+                           dtype=torch.bfloat16 if gpu else torch.float32)
+    steps = {v: DecodeStep(w.config, B, ctx, optimizations=o, weights=w) for v, o
+             in (("before", "none"), ("after", "all"))}
+    return {v: s.run for v, s in steps.items()}

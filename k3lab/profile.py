@@ -34,7 +34,14 @@ from k3lab.profiling.capture import (
 )
 from k3lab.profiling.categories import CATEGORIES, categorize
 from k3lab.profiling.diff import TraceDiff, capture_diff, short_name, trace_diff
-from k3lab.profiling.export import hta_kernel_breakdown, hta_status, label, with_step_marks, write_hta_folder
+from k3lab.profiling.export import (
+    hta_kernel_breakdown,
+    hta_status,
+    hta_trace_diff,
+    label,
+    with_step_marks,
+    write_hta_folder,
+)
 from k3lab.profiling.frame import (
     COLUMNS,
     KINDS,
@@ -59,7 +66,8 @@ from k3lab.profiling.torch_trace import kernels_from_trace
 __all__ = [
     "BACKENDS", "CATEGORIES", "COLUMNS", "DEFAULT_NCU_METRICS", "FORMATS", "KINDS", "NOT_RUN_ON_AMD",
     "TABLE_COLUMNS", "Capture", "NoKernelsRecorded", "TraceDiff", "capture", "capture_diff",
-    "capture_rocprofv3", "categorize", "hta_kernel_breakdown", "hta_status", "label", "with_step_marks",
+    "capture_rocprofv3", "categorize", "hta_kernel_breakdown", "hta_status", "hta_trace_diff", "label",
+    "with_step_marks",
     "write_hta_folder",
     "category_table", "counts", "default_trace_dir", "detect_format", "device_time_us",
     "kernel_table", "kernels_from_trace", "ncu_command", "ncu_metrics", "parse_ncu_csv",

@@ -102,7 +102,25 @@ def test_hta_kernel_breakdown_agrees_with_k3lab_on_h200_traces(path, tmp_path):
         assert ours.loc[name, "min_us"] - 1.0 <= row["sum_us"] <= ours.loc[name, "total_us"] + 1e-6, name
 
 
+@needs_hta
+def test_hta_trace_diff_agrees_with_k3labs_on_the_h200_pair(tmp_path):
+    """HTA's trace diff of the committed MLA before/after traces names the same kernels gone and new as
+    k3lab's own trace_diff, with the same call counts."""
+    paths = {v: next(p for p in H200_TRACES if f"-{v}-" in p.name) for v in ("before", "after")}
+    for v, p in paths.items():
+        export.write_hta_folder(p, tmp_path / v)
+    hta = export.hta_trace_diff(tmp_path / "before", tmp_path / "after")
+    ours = P.trace_diff(P.read_trace(paths["before"]), P.read_trace(paths["after"]), steps=3)
+    assert set(hta.index[hta["change"] == "-"]) == set(ours.names("gone")) != set()
+    assert set(hta.index[hta["change"] == "+"]) == set(ours.names("new")) != set()
+    calls = P.kernel_table(P.read_trace(paths["after"])).set_index("name")["calls"]
+    for name in ours.names("new"):
+        assert hta.loc[name, "after_calls"] == calls[name]
+
+
 def test_hta_missing_is_named(monkeypatch, tmp_path):
     monkeypatch.setattr(export, "hta_status", lambda: (False, "HolisticTraceAnalysis is not importable"))
     with pytest.raises(RuntimeError, match="not importable"):
         export.hta_kernel_breakdown(tmp_path)
+    with pytest.raises(RuntimeError, match="not importable"):
+        export.hta_trace_diff(tmp_path, tmp_path)

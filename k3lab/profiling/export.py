@@ -12,8 +12,9 @@ hardware by this project), so Nsight Systems and rocprofv3's marker trace name t
 names.
 
 HTA is optional (pip install HolisticTraceAnalysis; its import also needs psutil): `hta_status()` says
-whether it imports and why not; `hta_kernel_breakdown(folder)` runs its kernel breakdown; without it
-k3lab's own `trace_diff` / `kernel_table` are what runs.
+whether it imports and why not; `hta_kernel_breakdown(folder)` runs its kernel breakdown and
+`hta_trace_diff(before, after)` its trace diff; without it k3lab's own `trace_diff` / `kernel_table` are
+what runs.
 """
 
 from __future__ import annotations
@@ -148,6 +149,26 @@ def hta_steps(folder) -> list[int]:
     with _quiet_hta():
         return [int(s) for s in TraceAnalysis(trace_dir=str(folder), include_last_profiler_step=True)
                 .get_profiler_steps()]
+
+
+def hta_trace_diff(before, after) -> pd.DataFrame:
+    """HTA's trace diff of two HTA folders (`write_hta_folder`) over every step each holds, GPU kernels
+    only, by kernel name: before_calls, before_us, after_calls, after_us, diff_calls, diff_us and
+    HTA's change mark ('+' new, '-' gone, '=' same count, ...). RuntimeError naming the fallback
+    (k3lab.profile.trace_diff) when HTA is not installed."""
+    ok, why = hta_status()
+    if not ok:
+        raise RuntimeError(why)
+    from hta.trace_diff import DeviceType, TraceDiff
+
+    steps = [hta_steps(f) for f in (before, after)]
+    with _quiet_hta():
+        df = TraceDiff.compare_traces(str(before), str(after), control_iteration=steps[0],
+                                      test_iteration=steps[1], device_type=DeviceType.GPU)
+    names = {"Control_counts": "before_calls", "Control_total_duration": "before_us",
+             "Test_counts": "after_calls", "Test_total_duration": "after_us", "diff_counts": "diff_calls",
+             "diff_duration": "diff_us", "counts_change_categories": "change"}
+    return df.rename(columns=names).rename_axis("kernel")
 
 
 def _nvtx():

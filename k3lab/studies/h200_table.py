@@ -15,6 +15,7 @@ import argparse
 import re
 from pathlib import Path
 
+from k3lab.studies.runs import between, write_between
 from k3lab.workshop import figures as F
 
 REPO = Path(__file__).resolve().parents[2]
@@ -337,22 +338,13 @@ def markdown(rows=ROWS) -> str:
 
 
 def readme_table(readme: str) -> str:
-    """The text between TABLE_BEGIN and TABLE_END ('' when the markers are absent)."""
-    if TABLE_BEGIN not in readme or TABLE_END not in readme:
-        return ""
-    return readme.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0].strip("\n") + "\n"
+    """The README's generated results table ('' when the markers are absent)."""
+    return between(readme, TABLE_BEGIN, TABLE_END)
 
 
 def write_readme(path: Path = REPO / "README.md") -> bool:
-    """Rewrite the table between the markers; True when the file changed. ValueError without the markers."""
-    text = path.read_text()
-    if TABLE_BEGIN not in text or TABLE_END not in text:
-        raise ValueError(f"{path} lacks the markers {TABLE_BEGIN!r} ... {TABLE_END!r}")
-    head, rest = text.split(TABLE_BEGIN, 1)
-    new = f"{head}{TABLE_BEGIN}\n{markdown()}{TABLE_END}{rest.split(TABLE_END, 1)[1]}"
-    if new != text:
-        path.write_text(new)
-    return new != text
+    """Rewrite the results table between the markers; True when the file changed (ValueError without them)."""
+    return write_between(path, TABLE_BEGIN, TABLE_END, markdown())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -243,24 +243,34 @@ def markdown(runs: tuple[Run, ...] = RUNS) -> str:
     return "\n".join(rows) + "\n"
 
 
-def readme_table(readme: str) -> str:
-    """The text between TABLE_BEGIN and TABLE_END in the README ('' when the markers are absent)."""
-    if TABLE_BEGIN not in readme or TABLE_END not in readme:
+def between(text: str, begin: str, end: str) -> str:
+    """The text between the markers `begin` and `end` ('' when either is absent), ending in a newline."""
+    if begin not in text or end not in text:
         return ""
-    return readme.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0].strip("\n") + "\n"
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n") + "\n"
 
 
-def write_readme(path: Path = REPO / "README.md") -> bool:
-    """Rewrite the table between the markers; True when the file changed. ValueError without the markers."""
+def write_between(path: Path, begin: str, end: str, body: str) -> bool:
+    """Put `body` between the markers in the file at `path`; True when the file changed. ValueError naming
+    the markers when the file lacks them (a generated section is never appended blindly)."""
     text = path.read_text()
-    if TABLE_BEGIN not in text or TABLE_END not in text:
-        raise ValueError(f"{path} lacks the markers {TABLE_BEGIN!r} ... {TABLE_END!r}")
-    head, rest = text.split(TABLE_BEGIN, 1)
-    tail = rest.split(TABLE_END, 1)[1]
-    new = f"{head}{TABLE_BEGIN}\n{markdown()}{TABLE_END}{tail}"
+    if begin not in text or end not in text:
+        raise ValueError(f"{path} lacks the markers {begin!r} ... {end!r}")
+    head, rest = text.split(begin, 1)
+    new = f"{head}{begin}\n{body}{end}{rest.split(end, 1)[1]}"
     if new != text:
         path.write_text(new)
     return new != text
+
+
+def readme_table(readme: str) -> str:
+    """The README's generated run table ('' when the markers are absent)."""
+    return between(readme, TABLE_BEGIN, TABLE_END)
+
+
+def write_readme(path: Path = REPO / "README.md") -> bool:
+    """Rewrite the run table between the markers; True when the file changed."""
+    return write_between(path, TABLE_BEGIN, TABLE_END, markdown())
 
 
 def main(argv: list[str] | None = None) -> int:

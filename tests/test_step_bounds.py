@@ -24,7 +24,7 @@ def test_projection_shapes_are_the_floors_dense_weights(config):
 
 
 def test_split_of_a_committed_profile_adds_up():
-    recs = [r for r in bench.load_records(bounds.STUDY, device="nvidia-h200") if r.case
+    recs = [r for r in bench.load_records(bounds.NAME, device="nvidia-h200") if r.case
             == "b1_1k.all_on.graph"]
     if not recs or "profile_graph" not in recs[0].extra:
         pytest.skip("no committed profiled b1_1k graph record")

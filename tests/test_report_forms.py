@@ -119,6 +119,7 @@ def test_the_report_runs_the_serving_run_and_shows_its_own_table(tmp_path, capfd
     page = (out / "report.html").read_text()
     section = page.split("id='study-serving_run'", 1)[1]
     assert "TTFT P90 (ms)" in section and "TPOT P90 (ms)" in section and "total tok/s/GPU" in section
+    assert "model vs measured: TTFT P50 (%)" in section  # the model beside each run, as its error
     assert serving_run.REPORT_NOTE["cpu"].split(":")[0] in section
     for case in serving_run.CPU_CASES:
         assert f"<td>{case}</td>" in section, case

@@ -497,7 +497,9 @@ def test_study_budget_rows_and_the_model_beside_each_run():
     assert serving_run._step_at({"1": 5.0, "2": 7.0, "4": 9.0}, 3.0) == (4, 9.0)  # a tie: the larger
     assert serving_run._step_at({"1": 5.0, "2": 7.0, "4": 9.0}, 1.2) == (1, 5.0)
     table = serving_run.report_table(recs)
-    assert list(table.columns) == list(serving_run.REPORT_COLUMNS.values()) and len(table) == 1
+    assert list(table.columns)[:len(serving_run.REPORT_COLUMNS)] == list(serving_run.REPORT_COLUMNS.values())
+    assert len(table) == 1 and table["TPOT P50 (%)"][0] == pytest.approx(
+        100 * recs[0].extra["model"]["tpot_p50_ms err"])
     assert "timed alone" in costs.source and costs.decode_us(1, 1, 16.0) > 0
     model = recs[0].extra["model"]  # the model beside the run, stored with it
     assert model["costs"] == costs.source and model["case"] == "c1.dcp1.host"

@@ -79,7 +79,7 @@ EXPECTED_S: dict[str, dict[str, float]] = {
     "cpu": {
         KERNELS: 0, "study:launch_overhead": 2, "study:copy_removal": 2, "study:mla_padding": 6,
         "study:kda_scan": 15, "study:kda_verify": 3, "study:kda_precision": 7, "study:draft_depth": 8,
-        "study:decode_step": 105, "study:agent_cache": 1, "study:serving": 2, "study:serving_run": 10,
+        "study:decode_step": 105, "study:agent_cache": 1, "study:serving": 2, "study:serving_run": 13,
         "notebook:00_k3_anatomy": 25,
         "notebook:01_dcp": 20, "notebook:02_moe_sharding": 15, "notebook:03_copy_removal": 30,
         "notebook:04_mla_padding": 55, "notebook:04b_mla_deep_dive": 10, "notebook:05_kda_scan": 60,

@@ -433,12 +433,22 @@ REPORT_NOTE = {
 }
 
 
+MODEL_COLUMNS = {"ttft_p50_ms": "model vs measured: TTFT P50 (%)", "tpot_p50_ms": "TPOT P50 (%)",
+                 "tpot_p90_ms": "TPOT P90 (%)", "output_tokens_per_s_gpu": "output tok/s (%)"}
+
+
 def report_table(records):
-    """`k3lab report`'s table of this study's records: `curve_rows` in REPORT_COLUMNS."""
+    """`k3lab report`'s table of this study's records: `curve_rows` in REPORT_COLUMNS, then the step
+    model beside each run (extra['model']): predicted / measured - 1 in percent per MODEL_COLUMNS, and
+    the term it names when one is off by more than predict.TOLERANCE."""
     import pandas as pd
 
-    rows = curve_rows(records)
-    return pd.DataFrame(rows, columns=list(REPORT_COLUMNS)).rename(columns=REPORT_COLUMNS)
+    table = pd.DataFrame(curve_rows(records), columns=list(REPORT_COLUMNS)).rename(columns=REPORT_COLUMNS)
+    for key, name in MODEL_COLUMNS.items():
+        errs = [r.extra.get("model", {}).get(f"{key} err") for r in records]
+        table[name] = [100 * e if isinstance(e, (int, float)) else math.nan for e in errs]
+    table["model's wrong term"] = [r.extra.get("model", {}).get("wrong_term") or "" for r in records]
+    return table
 
 
 def curve_figure(rows: list[dict], title: str):

@@ -355,13 +355,13 @@ def _give_back_memory(kind: str) -> None:
         torch.cuda.empty_cache()
 
 
-def report_records() -> Path:
-    """Where `k3lab report` saved this machine's fresh records: the running report's out/records (its
-    notebooks see k3lab.report.RECORDS_ENV), else the last `make run`'s build/records."""
+def report_records() -> Path | None:
+    """Inside a `k3lab report` (its notebooks see k3lab.report.RECORDS_ENV), the folder where its studies
+    saved this run's records; None elsewhere (an older report's records could be another commit's)."""
     from k3lab.report import RECORDS_ENV
 
     here = os.environ.get(RECORDS_ENV)
-    return Path(here) if here else Path(bench.records.PROFILES).parent / "build" / "records"
+    return Path(here) if here else None
 
 
 def measured(root=None, device: str | None = None) -> list[bench.Record]:

@@ -20,3 +20,9 @@ def test_launch_floor_is_the_committed_empty_kernel_graph_record():
 def test_no_record_means_no_launch_floor_and_an_explicit_one_wins():
     assert kda_verify.launch_floor_us(device="no-such-device") is None
     assert kda_verify.predict(1, 4, launch_us=2.5)["launch floor us"] == 2.5
+
+
+def test_reference_records_are_found_from_any_directory(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    recs = kda_verify.reference_records()
+    assert recs and {r.study for r in recs} == {"kda_verify"}

@@ -83,7 +83,7 @@ def reference_records(device: str = "nvidia-h200", root=None) -> list[bench.Reco
     """The committed GPU records of this study (found from any working directory)."""
     from pathlib import Path
 
-    base = root or Path(__file__).resolve().parent.parent.parent / "profiles"
+    base = root or Path(__file__).resolve().parents[3] / "profiles"
     return bench.load_records(NAME, device=device, root=base)
 
 

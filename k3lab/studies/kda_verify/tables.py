@@ -81,10 +81,7 @@ def predict(batch: int, positions: int, heads: int = 12, *, peak=None, launch_us
 
 def reference_records(device: str = "nvidia-h200", root=None) -> list[bench.Record]:
     """The committed GPU records of this study (found from any working directory)."""
-    from pathlib import Path
-
-    base = root or Path(__file__).resolve().parents[3] / "profiles"
-    return bench.load_records(NAME, device=device, root=base)
+    return bench.load_records(NAME, device=device, root=root or bench.PROFILES)
 
 
 def _is_sweep(case: str) -> bool:

@@ -1,7 +1,7 @@
 """The decode step decides once: `resolve` returns a chosen row for every op the step calls, the step binds
-their callables, and eager decode steps make no backend choice after that (k3lab.ops' chooser is counted
-across several steps). The settings table holds the valued settings too (projections, precision), and
-the article's precision is refused by name until its kernels exist."""
+their callables, and eager decode and verification steps make no backend choice after that (k3lab.ops'
+chooser is counted across several steps). The settings table holds the valued settings too (projections,
+precision), and the article's precision is refused by name until the step runs it."""
 
 from __future__ import annotations
 
@@ -64,10 +64,22 @@ def test_eager_decode_steps_choose_nothing_after_resolve(choices, opt, projectio
     assert sum(choices.values()) == 0, dict(choices)
 
 
+@pytest.mark.parametrize("opt", ("all", "none"))
+def test_eager_verification_steps_choose_nothing_after_resolve(choices, opt):
+    step = DecodeStep(SMALL, 1, 4, optimizations=opt, device=DEV, q_len=3)
+    assert {"kda_verify", "mla_decode", "attn_res_norm"} <= set(step.resolved.rows)
+    choices.clear()
+    with torch.no_grad():
+        for t in range(2):
+            logits = step(torch.tensor([[t + 1, t + 2, t + 3]], device=DEV))
+    assert torch.isfinite(logits).all()
+    assert sum(choices.values()) == 0, dict(choices)
+
+
 def test_rows_cover_verification_ops_and_are_objects_with_callables():
     r = resolve("all", DEV, DT, 3)
     assert {"kda_verify", "mla_decode", "attn_res_norm"} <= set(r.rows) and "kda_decode" not in r.rows
-    assert callable(r.rows["kda_verify"].verify) and callable(r.rows["mla_decode"].bind)
+    assert callable(r.rows["kda_verify"].bind) and callable(r.rows["mla_decode"].bind)
     assert callable(r.rows["moe_experts"].experts) and callable(r.rows["moe_experts"].tail)
     with pytest.raises(AttributeError, match="binds no 'after'"):
         r.rows["mla_decode"].after  # noqa: B018

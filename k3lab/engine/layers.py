@@ -41,8 +41,8 @@ def kda_partial(w: KDAWeights, x: torch.Tensor, kda_step, pack) -> torch.Tensor:
 
 class KDAVerifyStep:
     """One KDA layer's verification step (q_len > 1 positions per sequence) bound to its cache, weights,
-    the verification kernel (`verify`: k3lab.ops.kda_verify.kda_verify, narrow tiles, or
-    kda_verify_before, the streaming kernel) and the step's `states` buffer [B, T, H, 128, 128], as
+    the verification kernel (`verify`, bound by `rows.verify_binder`: narrow tiles or the streaming
+    kernel, with kda_verify's arguments) and the step's `states` buffer [B, T, H, 128, 128], as
     `KDADecodeStep` binds a decode. A call runs the short convs (conv states updated), the q/k norms and
     gates in PyTorch, the recurrence keeping every position's state in `states`; the cache keeps the
     last one (every draft accepted). Returns o [N, H*128] in the activations' dtype."""

@@ -3,14 +3,13 @@
 `switches.resolve` settles every switch once into one `Chosen` per op: the op, the name of what runs
 (a k3lab.ops backend row's name, or the switch's form, 'after' / 'before', where the op's kernel is picked
 per call site at bind), why, and the callables the step calls, read as attributes (`chosen.after(...)`,
-`chosen.bind(...)`). Where an op's `BACKENDS` row carries the callable (k3lab.ops' contract: `after`,
-`before`, the op's own pieces) the Chosen holds that row's callable itself; the rest are built here from
-the op's launchers. Nothing here chooses again: a step that has bound its callables makes no backend
-choice while it runs (tests/test_step_choices.py counts them).
+`chosen.bind(...)`). The callables are the chosen `BACKENDS` row's own (k3lab.ops' contract: `after`,
+`before`, `plan_*`, the op's further pieces), given the step's shapes here. Nothing chooses again: a step
+that has bound its callables makes no backend choice while it runs (tests/test_step_choices.py counts).
 
-Call sites that need their tensors to choose (the AttnRes kernel by the stored blocks it mixes, the MLA
-decode plans, the KDA decode step bound to its cache) get a `bind(...)` callable: the choice is made once
-per site when the step binds, never per call.
+Call sites whose kernel depends on their tensors (the AttnRes mix by the stored blocks it mixes, the KDA
+verification by its tile width and buffers, the MLA decode plans, the KDA decode step bound to its cache)
+get a `bind(...)` callable: the row is picked once per site when the step binds, never per call.
 """
 
 from __future__ import annotations
@@ -125,24 +124,14 @@ def mix_binder(fused: bool) -> Callable:
 
 def _bind_mix_after(prefix, blocks, n_blocks: int, has_delta: bool) -> Callable:
     delta = torch.empty_like(prefix) if has_delta else None
-    return _MIX_KERNELS[attn_res_norm.BACKENDS.pick(None, prefix, delta, blocks, n_blocks).name]
+    after = attn_res_norm.BACKENDS.pick(None, prefix, delta, blocks, n_blocks, need="after").after
 
+    def mix(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block=False,
+            mix_weight=None):
+        return after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block,
+                     mix_weight, None, None)
 
-def _cluster_mix(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block=False,
-                 mix_weight=None):
-    return attn_res_norm.cuda.cuda_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w,
-                                         eps=eps, push_block=push_block, mix_weight=mix_weight)
-
-
-def _triton_mix(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block=False,
-                mix_weight=None):
-    cfg = attn_res_norm.launch_config(prefix.shape[0], n_blocks)
-    return attn_res_norm.triton.launch(prefix, delta, blocks, n_blocks, mix_weight, next_norm_w, eps,
-                                       push_block, cfg)
-
-
-# attn_res_norm's rows by name -> the launch each runs (its rows carry no callables of their own)
-_MIX_KERNELS = {"cuda_cluster": _cluster_mix, "triton": _triton_mix}
+    return mix
 
 
 def kda_decode_binder(name: str) -> Callable:
@@ -163,11 +152,45 @@ def mla_plan_binder(padded: bool) -> Callable:
     return plan_after
 
 
-def verifier(narrow: bool) -> Callable:
-    """The KDA verification kernel: narrow value tiles, or the streaming kernel."""
-    return kda_verify.kda_verify if narrow else kda_verify.kda_verify_before
+def verify_binder(narrow: bool) -> Callable:
+    """bind(state, states, dtype) -> verify(q, k, v, g, beta, initial_state, states_out=) for one KDA layer's
+    verification (what `kda_verify.kda_verify` / `kda_verify_before` compute on dense [B, T, H, 128]
+    inputs: q, k, v in `dtype`, g and beta fp32, `states` [B, T, H, 128, V] fp32): the kernel, narrow value
+    tiles or the streaming one, is chosen once here for tensors like the step's, and each call prepares
+    (checks) its inputs and launches that row's callable."""
+    return functools.partial(_bind_verify, narrow)
+
+
+def _bind_verify(narrow: bool, state: torch.Tensor, states: torch.Tensor, dtype: torch.dtype) -> Callable:
+    B, T, H, K, V = states.shape
+    fp32 = {"device": states.device, "dtype": torch.float32}
+    q = torch.empty(B, T, H, K, dtype=dtype, device=states.device)
+    g, beta = torch.empty(B, T, H, K, **fp32), torch.empty(B, T, H, **fp32)
+    table = kda_verify.BACKENDS
+    if narrow:
+        tile = kda_verify.choose_tile_v(B, H, V)
+        if tile > kda_verify.NARROW_MAX:  # the device is full already: the streaming kernel, as kda_verify
+            before = table.pick(None, q, q, q, g, beta, state, tile, states=states, need="before").before
+            warps = kda_verify.choose_num_warps(tile)
+            run = lambda x: before(x, tile, warps, None)  # noqa: E731
+        else:
+            after = table.pick(None, q, q, q, g, beta, state, tile, states=states, need="after").after
+            run = lambda x: after(x, tile, None, None)  # noqa: E731
+    else:
+        tile = kda_verify.BEFORE_TILE_V
+        before = table.pick(None, q, q, q, g, beta, state, tile, states=states, need="before").before
+        run = lambda x: before(x, tile, None, None)  # noqa: E731
+
+    def verify(q, k, v, g, beta, initial_state, *, states_out):
+        x = kda_verify.prepare(q, k, v, g, beta, initial_state, None, None, None, False, states_out,
+                               None if narrow else tile, None, zero_outputs=not narrow)
+        return run(x)
+
+    return verify
 
 
 def pack_policy(after: bool) -> Callable:
-    """The gate input's matmul dispatcher: packing only where its kernel reads the copy, or first."""
-    return packed_matmul.dispatch_after if after else packed_matmul.dispatch_before
+    """The gate input's matmul dispatcher (packed_matmul's 'dispatch' row): packing only where its kernel
+    reads the copy (after), or first (before)."""
+    row = packed_matmul.BACKENDS["dispatch"]
+    return row.after if after else row.before

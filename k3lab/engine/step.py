@@ -196,8 +196,11 @@ class DecodeStep:
         self.kda_steps, self.mla_plans, self.q_bufs = {}, {}, {}
         for i, cache in self.kda_caches.items():
             w: KDAWeights = self.weights.layers[i].attn
-            self.kda_steps[i] = (ops["kda_decode"].bind(cache, w.decode) if T == 1 else layers.KDAVerifyStep(
-                cache, w.decode, ops["kda_verify"].verify, self.states, B, T))
+            if T == 1:
+                self.kda_steps[i] = ops["kda_decode"].bind(cache, w.decode)
+            else:
+                verify = ops["kda_verify"].bind(cache.state, self.states, self.dtype)
+                self.kda_steps[i] = layers.KDAVerifyStep(cache, w.decode, verify, self.states, B, T)
         H = c.num_attention_heads
         for i, latent in self.latent.items():
             q = torch.zeros(B, T, H, c.mla_latent_dim, device=self.device, dtype=self.dtype)

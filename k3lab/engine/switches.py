@@ -267,7 +267,7 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
         impl["kda_fused"], notes["kda_fused"] = (
             "n/a", f"applies to q_len = 1; verification (q_len = {q_len}) runs kda_verify_tiles")
         chosen["kda_verify"] = rows.Chosen("kda_verify", impl["kda_verify_tiles"], "",
-                                           {"verify": rows.verifier(on["kda_verify_tiles"])})
+                                           {"bind": rows.verify_binder(on["kda_verify_tiles"])})
 
     experts, why = _row("moe_experts", on["grouped_experts"], ("triton", "torch"), device)
     impl["grouped_experts"] = experts.name

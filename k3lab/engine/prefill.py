@@ -386,6 +386,18 @@ class PrefillStep(DecodeStep):
         self.max_tokens = max_tokens
         self.chunks: list[Chunk] = []
 
+    def _bind(self) -> None:
+        """DecodeStep's binding, except the AttnRes mixes: their kernel is picked by the token count, which
+        here is the call's chunks' and changes from call to call, so each mix binds per call."""
+        super()._bind()
+        bind = self.resolved.rows["attn_res_norm"].bind
+
+        def mix(prefix, delta, blocks, n_blocks, *args, **kw):
+            kernel = bind(prefix, blocks, n_blocks, delta is not None)
+            return kernel(prefix, delta, blocks, n_blocks, *args, **kw)
+
+        self.mixes = dict.fromkeys(self.mixes, mix)
+
     def _alloc(self, seed: int) -> None:
         N, D = self.batch, self.config.hidden_size
         f = {"device": self.device, "dtype": self.dtype}

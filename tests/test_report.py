@@ -249,6 +249,57 @@ def test_whole_step_row_shows_the_steps_before_and_after():
     assert cells[2] == front.times(step["b1_32k.all_off"] / step["b1_32k.all_on"])
 
 
+CALIBRATION_WORDING = ("Calibration, not a comparison", "over the model's projection")
+
+
+def _measurements_beside_projections(section: str) -> list[str]:
+    """The blocks (paragraph, table row, heading) of the serving section that show one of the article's
+    measured tokens/s/GPU (any spelling) without the calibration wording: a measurement set beside the
+    projection as comparable."""
+    import re
+
+    from k3lab.serving.hardware import SEED
+
+    spellings = {s for k in ("mi355x_tokens_per_s_gpu", "b300_tokens_per_s_gpu")
+                 for s in (front.plain(SEED[k]), f"{SEED[k]:,.0f}", f"{SEED[k]:.0f}")}
+    blocks = re.split(r"</p>|</tr>|</h2>|</svg>", section)
+    return [b for b in blocks if any(re.search(rf"(?<![\d,.]){re.escape(s)}(?![\d,])", b) for s in spellings)
+            and not all(w in b for w in CALIBRATION_WORDING)]
+
+
+def test_the_serving_section_labels_the_projection_with_its_error_and_calibrates_against_the_article():
+    """The first screen's serving curve: every figure labelled projected, the step model's measured error
+    (serving.validate.model_error) and the all-on band beside it, the article's measured figures only as
+    calibration ratios. The check finds a planted measurement beside the projection."""
+    import re
+
+    n = front._serving_numbers(report.REPO)
+    page = front.serving_html(n)
+    assert page == front.serving_section(report.REPO)
+    err, band = n["error"], n["band"]["at_target"]
+    assert "projected" in page.split("</h2>", 1)[0]
+    shown = page.split("<p class='projection'>", 1)[1].split("</p>", 1)[0]
+    assert f"up to {err['worst']:.0%}" in shown and html.escape(err["kind"]) in shown
+    assert f"band {front.plain(band['low'])} to {front.plain(band['high'])}" in shown
+    for th in re.findall(r"<th>([^<]*tokens/s/GPU[^<]*)</th>", page):
+        assert th.startswith("projected") and f"error up to {err['worst']:.0%}" in th, th
+    cal = page.split("<p class='calibration'>", 1)[1]
+    assert all(w in cal for w in CALIBRATION_WORDING) and len(n["calibration"]) == 2
+    for c in n["calibration"]:
+        assert f"{html.escape(c['gpu'])} {c['ratio_central']:.2f} (over the band: " in cal
+    assert _measurements_beside_projections(page) == []
+    # planted: the sentence the page had, a table row, a bare figure in the error paragraph
+    for planted in (page.replace("</table>", "</table><p>the article measured 7,567 tokens/s/GPU at 50 "
+                                 "tokens/s/user.</p>"),
+                    page.replace("</table>", "<tr><td>the article (measured)</td><td class='num'>7,567</td>"
+                                 "</tr></table>"),
+                    page.replace("(that error,", "(the article: 6083; that error,")):
+        assert len(_measurements_beside_projections(planted)) == 1
+    # the article's figure inside the calibration wording is a calibration, not a comparison
+    assert _measurements_beside_projections(page.replace("A factor for", "(7,567 / the projection) A factor "
+                                                         "for")) == []
+
+
 def test_shown_cases_leave_out_variants_and_keep_graph_timings():
     from k3lab import bench
 

@@ -16,6 +16,7 @@ it frees: the MLA history a GPU keeps for a long conversation under TP8 and DCP8
 
 from __future__ import annotations
 
+import functools
 import html
 import math
 from dataclasses import dataclass, field
@@ -250,9 +251,12 @@ def front_table(root: Path, checks: Checks) -> str:
 
 
 # ------------------------------------------------------------------ the serving curve (notebook 09)
-def _svg_fronts(rows: list[dict], target: float, width: int = 560, height: int = 300) -> str:
-    """The rungs' fronts as one inline SVG: log tokens/s/user across, tokens/s/GPU up, the target dashed."""
-    pts = [p for r in rows for p in r["front"]]
+def _svg_fronts(rows: list[dict], target: float, band: dict | None = None, width: int = 560,
+                height: int = 300) -> str:
+    """The rungs' fronts as one inline SVG: log tokens/s/user across, tokens/s/GPU up, the target dashed;
+    with `band` (bands.band of the all-on rung) its low and high fronts dotted."""
+    edges = [(f"all on, band {k}", band[k]) for k in ("low", "high") if band and band[k]]
+    pts = [p for r in rows for p in r["front"]] + [p for _, fr in edges for p in fr]
     if not pts:
         return ""
     xs = [math.log10(max(p["tokens_per_s_user"], 1e-3)) for p in pts]
@@ -264,56 +268,106 @@ def _svg_fronts(rows: list[dict], target: float, width: int = 560, height: int =
         x = m + (math.log10(max(u, 1e-3)) - x0) / max(x1 - x0, 1e-9) * (width - 2 * m)
         return f"{x:.1f},{height - m - g / y1 * (height - 2 * m):.1f}"
 
+    def line(name: str, front: list[dict], color: str, dash: str = "") -> str:
+        return (f"<polyline fill='none' stroke='{color}' stroke-width='1.5'{dash} points='"
+                + " ".join(xy(p["tokens_per_s_user"], p["tokens_per_s_gpu"]) for p in front)
+                + f"'><title>{html.escape(name)}</title></polyline>")
+
     colors = ["#7f7f7f", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#9467bd", "#d62728", "#ff7f0e",
               "#1f77b4"]
-    lines = [f"<polyline fill='none' stroke='{colors[i % len(colors)]}' stroke-width='1.5' points='"
-             + " ".join(xy(p["tokens_per_s_user"], p["tokens_per_s_gpu"]) for p in r["front"])
-             + f"'><title>{html.escape(r['rung'])}</title></polyline>"
-             for i, r in enumerate(rows) if r["front"]]
+    lines = [line(r["rung"], r["front"], colors[i % len(colors)]) for i, r in enumerate(rows) if r["front"]]
+    lines += [line(name, fr, "#1f77b4", " stroke-dasharray='2'") for name, fr in edges]
     tx = xy(target, 0).split(",")[0]
     return (f"<svg width='{width}' height='{height}' role='img'>"
             "<rect width='100%' height='100%' fill='white'/>"
             f"<line x1='{tx}' x2='{tx}' y1='{m}' y2='{height - m}' stroke='#999' stroke-dasharray='4'/>"
             + "".join(lines)
             + f"<text x='{m}' y='{height - 8}' font-size='11'>tokens/s/user (P90, log) &#8594;</text>"
-            + f"<text x='4' y='14' font-size='11'>total tokens/s/GPU (up to {plain(y1)})</text></svg>")
+            + "<text x='4' y='14' font-size='11'>projected total tokens/s/GPU "
+            + f"(up to {plain(y1)})</text></svg>")
+
+
+def _tokens(v: float) -> str:
+    return plain(v) if v else "none reaches it"
+
+
+def _ratio(v: float | None) -> str:
+    return "unbounded" if v is None else f"{v:.2f}"
+
+
+@functools.lru_cache(maxsize=2)
+def _serving_numbers(root: Path) -> dict:
+    """What the serving section shows, from the committed records through the serving study: the MI355X
+    ladder, the step model's measured error (validate.model_error), the all-on band and the calibration
+    ratios (bands). Computed once per root and process (a few seconds; the committed records do not change
+    while a report is built). LookupError, ImportError or ValueError when the records are missing."""
+    from k3lab import bench
+    from k3lab.serving import bands, curve, hardware, validate
+    from k3lab.studies.serving import inputs
+
+    inp = inputs.node_inputs(root=root / "profiles")
+    work = curve.agent_workload()
+    target = hardware.SEED["interactivity"]
+    err = validate.model_error(root=root / "profiles")
+    return {
+        "target": target, "rows": curve.ladder(inp, hardware.gpu("mi355x"), work, target=target),
+        "checks": [r for r in bench.load_records("serving", device=HEADLINE_DEVICE, root=root / "profiles")
+                   if r.case.startswith("validate.")],
+        "steps": len(inputs.step_points(root=root / "profiles")), "error": err,
+        "band": bands.band(inp, "mi355x", work, error=err, target=target, per_source=False),
+        "calibration": bands.calibration(inp, work, error=err, target=target),
+    }
 
 
 def serving_section(root: Path) -> str:
-    """The serving curve on the first screen: each rung's front on 8x MI355X (projected) and its
+    """The serving curve on the first screen: each rung's front on 8x MI355X, projected, and its
     tokens/s/GPU at the article's interactivity and at a target every rung reaches, with what is measured
-    (the H200 step records and the held-out error of their fit), modelled and projected told apart. Reads
-    the committed records through the serving study; '' when they are missing."""
+    (the H200 step records, the held-out error of their fit), modelled and projected told apart. Every
+    figure of the table is labelled a projection and carries the step model's measured error
+    (`serving.validate.model_error`) and the all-on band (`serving.bands.band`); the article's measured
+    figures appear only as calibration ratios (article over projection, `serving.bands.calibration`), never
+    beside a projection. Reads the committed records through the serving study; a 'not drawn' line when
+    they are missing."""
     try:
-        from k3lab import bench
-        from k3lab.serving import curve, hardware
-        from k3lab.studies.serving import inputs
-
-        inp = inputs.node_inputs(root=root / "profiles")
-        work = curve.agent_workload()
-        target = hardware.SEED["interactivity"]
-        rows = curve.ladder(inp, hardware.gpu("mi355x"), work, target=target)
-        checks = [r for r in bench.load_records("serving", device=HEADLINE_DEVICE, root=root / "profiles")
-                  if r.case.startswith("validate.")]
+        return serving_html(_serving_numbers(root))
     except (LookupError, ImportError, ValueError) as exc:
         return f"<h2>The serving curve</h2><p><i>not drawn: {html.escape(str(exc))}</i></p>"
+
+
+def serving_html(n: dict) -> str:
+    """The serving section's HTML from `_serving_numbers`' dict (split out so a test can plant a figure)."""
+    from k3lab.serving import curve
+
+    rows, target, err, b = n["rows"], n["target"], n["error"], n["band"]
     reach = curve.reachable_target(rows)
     low = {r["rung"]: r for r in curve.shares_at(rows, reach)}
-    worst = max((abs(r.extra["rel_err"]) for r in checks), default=float("nan"))
+    worst = max((abs(r.extra["rel_err"]) for r in n["checks"]), default=float("nan"))
     body = "".join(
         f"<tr><td>{html.escape(r['rung'])}</td><td class='num'>{plain(r['at_target'])}</td>"
         f"<td class='num'>{plain(r['gain'])}</td><td class='num'>{plain(low[r['rung']]['at_target'])}</td>"
         f"<td class='num'>{plain(low[r['rung']]['gain'])}</td></tr>" for r in rows)
-    steps = len(inputs.step_points(root=root / "profiles"))
+    a = b["at_target"]
+    cal = "; ".join(f"{html.escape(c['gpu'])} {_ratio(c['ratio_central'])} (over the band: "
+                    f"{_ratio(c['ratio_range'][0])} to {_ratio(c['ratio_range'][1])})"
+                    for c in n["calibration"])
     return (
         "<h2>The serving curve (8x MI355X, projected; notebook 09)</h2>"
-        f"<p><b>Measured:</b> one TP8 rank's decode step on the H200 ({steps} graph-replayed steps), "
-        f"fitted per variant; its {len(checks)} held-out steps are within {worst:.1%} (validate.* records). "
-        "<b>Modelled:</b> collectives over the published links, DCP's exchange, the drafter, prefill, the "
-        "prefix hit rate. <b>Projected:</b> the MI355X (its bandwidth, matrix rate, memory, link); "
-        f"the article measured {plain(hardware.SEED['mi355x_tokens_per_s_gpu'])} tokens/s/GPU at "
-        f"{plain(target)} tokens/s/user.</p>" + _svg_fronts(rows, target)
+        f"<p><b>Measured:</b> one TP8 rank's decode step on the H200 ({n['steps']} graph-replayed steps), "
+        f"fitted per variant; its {len(n['checks'])} held-out steps are within {worst:.1%} (validate.* "
+        "records). <b>Modelled:</b> collectives over the published links, DCP's exchange, the drafter, "
+        "prefill, the prefix hit rate. <b>Projected:</b> the MI355X (its bandwidth, matrix rate, memory, "
+        "link): every tokens/s figure below is a projection, not a measurement.</p>"
+        f"<p class='projection'><b>The projection's measured error:</b> the step model's, "
+        f"{html.escape(err['kind'])}: up to {err['worst']:.0%} (serving.validate.model_error, "
+        f"{err['points']} points). All on, projected at {plain(target)} tokens/s/user: "
+        f"{_tokens(a['central'])} tokens/s/GPU, band {_tokens(a['low'])} to {_tokens(a['high'])} (that "
+        "error, the prefix hit rate, acceptance and call latency at their ends; serving.bands; dotted "
+        "below).</p>" + _svg_fronts(rows, target, b)
         + "<table class='front'><tr><th>rung (the article's order)</th>"
-        f"<th>tokens/s/GPU at {plain(target)} tokens/s/user</th><th>its share</th>"
-        f"<th>at {plain(reach)} tokens/s/user (every rung reaches it)</th><th>its share</th></tr>"
-        + body + "</table>")
+        f"<th>projected tokens/s/GPU at {plain(target)} tokens/s/user (error up to {err['worst']:.0%})</th>"
+        f"<th>its share</th><th>projected at {plain(reach)} tokens/s/user (every rung reaches it)</th>"
+        "<th>its share</th></tr>" + body + "</table>"
+        f"<p class='calibration'><b>Calibration, not a comparison:</b> the article's measured tokens/s/GPU "
+        f"at {plain(target)} tokens/s/user over the model's projection of the article's stack on the same "
+        f"GPU: {cal}. A factor for reading a projection, not a check of the model: the stacks, the "
+        "workload and the hit rates differ (serving.bands.calibration; docs/serving.md).</p>")

@@ -414,7 +414,7 @@ def instruction_mix(dtype: str = "bf16", arch: int = 90):
 
 
     if _env.triton_interpreted():
-        code = (f"import json; from k3lab.studies import mla_padding as st; "
+        code = (f"import json; from k3lab.studies.mla_padding import measure as st; "
                 f"print('ROWS=' + json.dumps(st._instruction_rows({dtype!r}, {arch})))")
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                              env=dict(os.environ, TRITON_INTERPRET="0"))

@@ -300,6 +300,27 @@ def test_the_serving_section_labels_the_projection_with_its_error_and_calibrates
                                                          "for")) == []
 
 
+def test_the_readme_paragraph_on_projections_is_the_records(tmp_path):
+    """README.md's projection paragraph is k3lab.report.readme's output on the committed records: the
+    error every projection carries and the MI355X band, no measured figure of the article beside them."""
+    from k3lab.report import readme
+
+    text = (report.REPO / "README.md").read_text()
+    section = readme.readme_section(text)
+    assert section == readme.markdown(report.REPO), "run: python -m k3lab.report.readme --write"
+    n = front._serving_numbers(report.REPO)
+    assert f"worst {n['error']['worst']:.0%}" in section and "band " in section
+    assert _measurements_beside_projections(section) == []
+    # the writer puts the paragraph between the markers, and refuses a file without them
+    path = tmp_path / "README.md"
+    path.write_text(f"head\n{readme.BEGIN}\nstale\n{readme.END}\ntail\n")
+    assert readme.write_readme(path) and readme.readme_section(path.read_text()) == section
+    assert not readme.write_readme(path)
+    path.write_text("no markers\n")
+    with pytest.raises(ValueError, match="lacks the markers"):
+        readme.write_readme(path)
+
+
 def test_shown_cases_leave_out_variants_and_keep_graph_timings():
     from k3lab import bench
 

@@ -12,6 +12,10 @@ headline may set a case's time against another case's (`after_case`: DCP8's loca
 TP8's, the whole step with every optimization on against every one off), and DCP's row adds the memory
 it frees: the MLA history a GPU keeps for a long conversation under TP8 and DCP8 (K3's config and
 `dcp.cache_bytes_per_rank`, which the committed H200 run measured to the byte).
+
+The serving section below the table (`serving_section`) shows notebook 09's curve on 8x MI355X, every
+figure labelled a projection with the step model's measured error and the all-on band; the article's
+measured figures only as calibration ratios (`k3lab.report.readme` puts the same figures in the README).
 """
 
 from __future__ import annotations
@@ -371,3 +375,4 @@ def serving_html(n: dict) -> str:
         f"at {plain(target)} tokens/s/user over the model's projection of the article's stack on the same "
         f"GPU: {cal}. A factor for reading a projection, not a check of the model: the stacks, the "
         "workload and the hit rates differ (serving.bands.calibration; docs/serving.md).</p>")
+

@@ -321,6 +321,18 @@ def test_the_readme_paragraph_on_projections_is_the_records(tmp_path):
         readme.write_readme(path)
 
 
+def test_a_study_page_draws_the_roofline_of_its_shown_cases():
+    """A study whose records carry bytes and flops shows its roofline (the H200's measured ceilings, MI355X's
+    labelled projected) under its committed table; one without formulas shows none and no error."""
+    from k3lab.report import sections
+
+    page = sections._committed("mla_padding", report.REPO)
+    assert "mla_padding roofline on NVIDIA H200 (committed records)" in page
+    assert "AMD Instinct MI355X (projected)" in page and page.count("Plotly.newPlot") == 2
+    other = sections._committed("agent_cache", report.REPO)
+    assert "roofline" not in other and other.count("Plotly.newPlot") == 1
+
+
 def test_shown_cases_leave_out_variants_and_keep_graph_timings():
     from k3lab import bench
 

@@ -97,7 +97,22 @@ def _committed(name: str, root: Path) -> str:
     first = shown[0]
     where = html.escape(f"{first.device}, torch {first.versions.get('torch', '?')}")
     return (f"<h4>On the H200 (committed records; {where})</h4>" + tables.to_html(tables.compact(shown))
-            + _figure(shown, f"{name} on the H200 (us, log)"))
+            + _figure(shown, f"{name} on the H200 (us, log)") + _roofline(name, records, shown))
+
+
+def _roofline(name: str, records: list, shown: list) -> str:
+    """The shown cases' graph-replayed timings against the H200's measured ceilings, with MI355X's
+    datasheet ceilings drawn as projected (plots.study_roofline); '' for a study whose records carry no
+    bytes and flops (no formulas: agent_cache's copies, the serving records)."""
+    from k3lab import plots
+
+    cases = list(dict.fromkeys(r.case for r in shown))
+    try:
+        fig = plots.study_roofline(name, device=HEADLINE_DEVICE, cases=cases, modes=("graph",),
+                                   records=records, projected="MI355X")
+    except ValueError:
+        return ""
+    return fig.to_html(include_plotlyjs=False, full_html=False)
 
 
 def _live(run: LiveRun, gpu: bool) -> str:

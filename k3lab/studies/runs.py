@@ -117,15 +117,16 @@ RUNS: tuple[Run, ...] = (
          "AMD GPU": ("k3lab/profiling/tools.py", "k3lab/profiling/export.py")}),
     Run("roofline_probe", "the measured roofline ceilings (k3lab.profiling.roofline.probe_ceilings)", {},
         {"GPU": ("k3lab/profiling/roofline.py",)}),
-    Run("mxfp4_grouped", "the MXFP4 routed experts' grouped kernel (k3lab.ops.moe_experts.mxfp4_kernels)", {},
-        {"GPU": ("k3lab/ops/moe_experts/mxfp4_kernels.py",)}),
+    Run("article_precisions", "the article's precisions: the MXFP4 routed experts' kernels, GEMV and grouped "
+        "(k3lab.ops.moe_experts.mxfp4_kernels), the FP8 MLA cache's decode (k3lab.ops.mla_decode.fp8_cache)",
+        {}, {"GPU": ("k3lab/ops/moe_experts/mxfp4_kernels.py", "k3lab/optimizations.py")}),
     Run("rocprofv3", "rocprofv3 traces and their rocpd database", {},
         {"AMD GPU": ("k3lab/profiling/rocprofv3_run.py", "k3lab/profiling/rocpd.py")}),
     Run("collectives", "DCP and the MoE tail on torch.distributed (NCCL / RCCL; gloo in the tests)", {},
         {"several GPUs": ("README.md", "k3lab/parallel/dcp.py", "k3lab/parallel/launch.py")}),
     Run("serving_run", "the measured serving run (continuous batching, chunked prefill, the prefix cache)",
         {}, {"GPU": ("README.md", "k3lab/serving/pool.py", "k3lab/serving/run.py", "k3lab/engine/prefill.py",
-                     "k3lab/report/eta.py", "k3lab/studies/__init__.py")}),
+                     "k3lab/report/eta.py", "k3lab/studies/__init__.py", "k3lab/optimizations.py")}),
 )
 
 

@@ -75,6 +75,9 @@ def test_an_amd_record_contradicts_every_amd_statement(tmp_path):
     ("the NCCL / RCCL paths are not yet run on a GPU.", {"several GPUs"}),
     ("Not yet run on AMD\n  hardware by this project", {"AMD GPU"}),
     ("its GPU path is not yet\nrun by this project; not yet run on a GPU", {"GPU"}),
+    ("The ncu and nsys paths have not yet been run on a GPU by this project.", {"GPU"}),
+    ("Compiled only: no AMD timing, nothing run on AMD hardware.", {"AMD GPU"}),
+    ("on sm90 it runs; its gfx950 code is compiled\nonly.", {"AMD GPU"}),
     ("no GPU record yet", set()),
 ])
 def test_statements_are_read_across_lines_and_by_target(text, targets):

@@ -50,8 +50,10 @@ STATEMENTS: dict[str, re.Pattern] = {
     "several GPUs": _phrase("multi-GPU NCCL runs are not yet made",
                             "NCCL / RCCL ... not yet run on a GPU"),
     "AMD GPU": _phrase("not yet run on AMD hardware", "not yet been run on AMD hardware",
-                       "not yet run on ROCm", "not run on AMD hardware", "not yet on AMD hardware"),
-    "GPU": _phrase("not yet run on a GPU", "GPU path is not yet run"),
+                       "not yet run on ROCm", "not run on AMD hardware", "not yet on AMD hardware",
+                       "nothing run on AMD hardware", "compiled only: no AMD timing",
+                       "gfx950 code is compiled only"),
+    "GPU": _phrase("not yet run on a GPU", "not yet been run on a GPU", "GPU path is not yet run"),
 }
 AMD_FOLDER = re.compile(r"^(amd|mi\d|instinct|gfx)", re.I)
 TABLE_BEGIN = "<!-- runs table: python -m k3lab.studies.runs --write (k3lab/studies/runs.py) -->"
@@ -97,7 +99,9 @@ RUNS: tuple[Run, ...] = (
         {"AMD GPU": ("docs/mi355x.md", "k3lab/isa/occupancy_probe.py")}),
     Run("triton_on_amd", "the Triton kernels through Triton's AMD backend (compiled for gfx950 / gfx942 "
         "in CI; docs/mi355x.md)", {},
-        {"AMD GPU": ("README.md", "docs/instructor.md", "k3lab/isa/__main__.py", "k3lab/ops/gemv.py",
+        {"AMD GPU": ("README.md", "docs/instructor.md", "k3lab/isa/__main__.py", "k3lab/isa/views.py",
+                     "notebooks/04_mla_padding.ipynb", "k3lab/ops/moe_experts/mxfp4_kernels.py",
+                     "k3lab/ops/gemv.py",
                      "k3lab/ops/attn_res_norm/inputs.py", "k3lab/ops/kda_chunk/__init__.py",
                      "k3lab/ops/kda_verify/__init__.py", "k3lab/ops/kda_verify/inputs.py",
                      "k3lab/ops/kda_verify/triton.py", "k3lab/ops/moe_router/triton.py")}),

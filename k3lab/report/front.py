@@ -258,9 +258,9 @@ def front_table(root: Path, checks: Checks) -> str:
 def _svg_fronts(rows: list[dict], target: float, band: dict | None = None, width: int = 560,
                 height: int = 300) -> str:
     """The rungs' fronts as one inline SVG: log tokens/s/user across, tokens/s/GPU up, the target dashed;
-    with `band` (bands.band of the all-on rung) its low and high fronts dotted."""
-    edges = [(f"all on, band {k}", band[k]) for k in ("low", "high") if band and band[k]]
-    pts = [p for r in rows for p in r["front"]] + [p for _, fr in edges for p in fr]
+    with `band` (bands.band of the all-on rung) the area between its low and high fronts shaded."""
+    ring = ((band or {}).get("low") or []) + ((band or {}).get("high") or [])[::-1]
+    pts = [p for r in rows for p in r["front"]] + ring
     if not pts:
         return ""
     xs = [math.log10(max(p["tokens_per_s_user"], 1e-3)) for p in pts]
@@ -272,15 +272,18 @@ def _svg_fronts(rows: list[dict], target: float, band: dict | None = None, width
         x = m + (math.log10(max(u, 1e-3)) - x0) / max(x1 - x0, 1e-9) * (width - 2 * m)
         return f"{x:.1f},{height - m - g / y1 * (height - 2 * m):.1f}"
 
-    def line(name: str, front: list[dict], color: str, dash: str = "") -> str:
-        return (f"<polyline fill='none' stroke='{color}' stroke-width='1.5'{dash} points='"
+    def line(name: str, front: list[dict], color: str) -> str:
+        return (f"<polyline fill='none' stroke='{color}' stroke-width='1.5' points='"
                 + " ".join(xy(p["tokens_per_s_user"], p["tokens_per_s_gpu"]) for p in front)
                 + f"'><title>{html.escape(name)}</title></polyline>")
 
     colors = ["#7f7f7f", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#9467bd", "#d62728", "#ff7f0e",
               "#1f77b4"]
     lines = [line(r["rung"], r["front"], colors[i % len(colors)]) for i, r in enumerate(rows) if r["front"]]
-    lines += [line(name, fr, "#1f77b4", " stroke-dasharray='2'") for name, fr in edges]
+    if ring:
+        lines.insert(0, "<polygon fill='#1f77b4' fill-opacity='0.15' stroke='none' points='"
+                     + " ".join(xy(p["tokens_per_s_user"], p["tokens_per_s_gpu"]) for p in ring)
+                     + "'><title>all on, projected band</title></polygon>")
     tx = xy(target, 0).split(",")[0]
     return (f"<svg width='{width}' height='{height}' role='img'>"
             "<rect width='100%' height='100%' fill='white'/>"
@@ -365,7 +368,7 @@ def serving_html(n: dict) -> str:
         f"{html.escape(err['kind'])}: up to {err['worst']:.0%} (serving.validate.model_error, "
         f"{err['points']} points). All on, projected at {plain(target)} tokens/s/user: "
         f"{_tokens(a['central'])} tokens/s/GPU, band {_tokens(a['low'])} to {_tokens(a['high'])} (that "
-        "error, the prefix hit rate, acceptance and call latency at their ends; serving.bands; dotted "
+        "error, the prefix hit rate, acceptance and call latency at their ends; serving.bands; shaded "
         "below).</p>" + _svg_fronts(rows, target, b)
         + "<table class='front'><tr><th>rung (the article's order)</th>"
         f"<th>projected tokens/s/GPU at {plain(target)} tokens/s/user (error up to {err['worst']:.0%})</th>"

@@ -379,7 +379,9 @@ def plan_main(argv) -> int:
 def run_pytest(cmd: list[str], env: dict[str, str], stop_after: float | None) -> tuple[int, str | None]:
     """(pytest's exit status, why it was stopped or None). After `stop_after` seconds it is interrupted
     as Ctrl-C would (pytest then ends the session and writes its JUnit file), and killed 120 s later."""
-    proc = subprocess.Popen(cmd, env=env)
+    # SIGINT back to its default in the child: a shell's background job (`nohup ... &`) starts with it
+    # ignored, and a Python started so never turns it into KeyboardInterrupt, so pytest would not stop
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         return proc.wait(timeout=stop_after), None
     except subprocess.TimeoutExpired:

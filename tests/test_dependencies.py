@@ -28,6 +28,9 @@ REPO = Path(__file__).resolve().parent.parent
 OPTIONAL = {
     "aiter": "AMD's kernel library (amd-aiter, built for the ROCm at hand, not on PyPI): without it the MLA "
              "decode peers leave it out and k3lab's own kernel runs (k3lab.ops.mla_decode.peers)",
+    "hta": "HolisticTraceAnalysis, pyproject's `hta` extra; its import name is not its distribution's, so "
+           "where it is not installed nothing maps one to the other: without it k3lab's own kernel table and "
+           "trace diff run (k3lab.profiling.export)",
     "pygments": "code highlighting in the lessons' shown source (nbconvert brings it); without it the "
                 "source is shown plain (k3lab.workshop.lesson)",
 }

@@ -2,8 +2,8 @@
 a run that interprets Triton kernels, a test that launches them on CPU tensors without that mark or a
 device that follows the GPU fails (`cpu_guard.py`); after each test the GPU memory a worker has cached
 goes back to the device (`k3lab._cells`: an xdist worker that once ran a test at K3's full shapes
-would hold that peak for the rest of the run and starve the others); the skipped tests are grouped by reason at the end
-of the run (one line a reason)."""
+would hold that peak for the rest of the run and starve the others); the skipped tests are grouped by
+reason at the end of the run (one line a reason)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def pytest_runtest_teardown(item, nextitem):
     cpu_guard.runtest_teardown_start()
     result = yield
     cpu_guard.runtest_teardown(item)
-    from k3lab._cells import give_back_gpu_cache  # here, not at the top: k3lab's import decides TRITON_INTERPRET
+    # imported here, not at the top: k3lab's import decides TRITON_INTERPRET
+    from k3lab._cells import give_back_gpu_cache
 
     give_back_gpu_cache()
     return result

@@ -38,7 +38,8 @@ def test_no_shell_no_hook():
 def test_a_kernel_without_cuda_in_use_is_not_initialised():
     code = ("import torch, k3lab; from k3lab import _cells; "
             "print(_cells.give_back_gpu_cache(None), torch.cuda.is_initialized())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
     assert out.stdout.split() == ["0", "False"]
 
 
@@ -53,8 +54,9 @@ def test_the_freed_blocks_go_back_after_a_cell():
 
 
 def test_a_real_ipython_shell_gets_the_hook():
-    ipython = pytest.importorskip("IPython")
+    pytest.importorskip("IPython")
     code = ("from IPython.testing.globalipapp import start_ipython; ip = start_ipython(); import k3lab; "
-            "from k3lab import _cells; print(_cells.give_back_gpu_cache in ip.events.callbacks['post_run_cell'])")
+            "from k3lab import _cells; "
+            "print(_cells.give_back_gpu_cache in ip.events.callbacks['post_run_cell'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]

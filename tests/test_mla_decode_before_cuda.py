@@ -41,7 +41,8 @@ def test_plan_before_backend_choice_by_name():
         mla.plan_before(q, cache, backend="asm")
     with pytest.raises(mla.BackendUnavailable, match="'aiter' cannot run here"):
         mla.plan_before(q, cache, backend="aiter")
-    ok, why = mla.BACKENDS.check("aiter", q, cache, need="plan_before")  # wherever AITER is installed: no before
+    # wherever AITER is installed, it has no before
+    ok, why = mla.BACKENDS.check("aiter", q, cache, need="plan_before")
     assert not ok and "provides no plan_before" in why
     if not GPU:  # asked for by name where it cannot run: the reason, not a silent fallback
         with pytest.raises(mla.BackendUnavailable, match="'cuda' cannot run here"):

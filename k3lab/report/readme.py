@@ -8,11 +8,10 @@ rewrites it in README.md between `BEGIN` and `END`; tests/test_report.py compare
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from k3lab.report.front import _serving_numbers
-from k3lab.studies.runs import REPO, between, write_between
+from k3lab.studies.runs import REPO, between, section_main, write_between
 
 BEGIN = "<!-- projection error: python -m k3lab.report.readme --write (k3lab/report/readme.py) -->"
 END = "<!-- end of projection error -->"
@@ -47,13 +46,8 @@ def write_readme(path: Path = REPO / "README.md", root: Path = REPO) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite README.md's paragraph")
-    args = parser.parse_args(argv)
-    if args.write:
-        print("README.md", "rewritten" if write_readme() else "unchanged")
-    else:
-        print(markdown(), end="")
+    section_main(argv, prog="python -m k3lab.report.readme", doc=__doc__, what="paragraph", markdown=markdown,
+                 write=write_readme)
     return 0
 
 

@@ -11,11 +11,10 @@ record).
 
 from __future__ import annotations
 
-import argparse
 import re
 from pathlib import Path
 
-from k3lab.studies.runs import between, write_between
+from k3lab.studies.runs import between, section_main, write_between
 from k3lab.workshop import figures as F
 
 REPO = Path(__file__).resolve().parents[2]
@@ -348,15 +347,8 @@ def write_readme(path: Path = REPO / "README.md") -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m k3lab.studies.h200_table", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--write", action="store_true", help="rewrite README.md's table")
-    args = parser.parse_args(argv)
-    if args.write:
-        print("README.md", "rewritten" if write_readme() else "unchanged")
-    else:
-        print(markdown(), end="")
+    section_main(argv, prog="python -m k3lab.studies.h200_table", doc=__doc__, what="table",
+                 markdown=markdown, write=write_readme)
     return 0
 
 

@@ -278,14 +278,20 @@ def write_readme(path: Path = REPO / "README.md") -> bool:
     return write_between(path, TABLE_BEGIN, TABLE_END, markdown())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m k3lab.studies.runs", description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite README.md's table")
-    args = parser.parse_args(argv)
-    if args.write:
-        print("README.md", "rewritten" if write_readme() else "unchanged")
+def section_main(argv: list[str] | None, *, prog: str, doc: str, what: str, markdown, write) -> None:
+    """The command line every generated README section shares: print the section (`markdown()`), or with
+    --write rewrite it in README.md (`write()`, True when the file changed)."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help=f"rewrite README.md's {what}")
+    if parser.parse_args(argv).write:
+        print("README.md", "rewritten" if write() else "unchanged")
     else:
         print(markdown(), end="")
+
+
+def main(argv: list[str] | None = None) -> int:
+    section_main(argv, prog="python -m k3lab.studies.runs", doc=__doc__, what="table", markdown=markdown,
+                 write=write_readme)
     bad = problems()
     for line in bad:
         print("problem:", line)

@@ -50,8 +50,6 @@ from k3lab.ops.mla_decode.inputs import (DEFAULT_SCALE, LATENT_DIM, LOG2E, MAX_S
 try:
     import triton
     import triton.language as tl
-
-    from k3lab.ops.mla_decode.triton import _row_offsets, online_tile  # the bf16 decode's tile steps
 except ImportError:  # plan_fp8 then says so
     triton = None
 
@@ -183,12 +181,31 @@ if triton is not None:
         # One tile of FP8 latent rows at positions `pos` for the program's query rows: the codes are
         # converted to q's dtype in the load; scores [BLOCK_N, M] = K q^T, acc [DV, M] += K_v^T p^T
         pmask = pos < end
-        rows = _row_offsets(bt_ptr, b, pos, pmask, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE)
+        if PAGED:
+            page = tl.load(bt_ptr + b * stride_btb + pos // PAGE_SIZE, mask=pmask, other=0).to(tl.int64)
+            rows = page * stride_kvp + (pos % PAGE_SIZE).to(tl.int64) * stride_kvr
+        else:
+            rows = b.to(tl.int64) * stride_kvp + pos.to(tl.int64) * stride_kvr
         dt = q_t.dtype
         at = kv_ptr + rows[:, None]
         k_c = tl.load(at + tl.arange(0, DV)[None, :], mask=pmask[:, None], other=0.0).to(dt)
         k_pe = tl.load(at + DV + tl.arange(0, DR)[None, :], mask=pmask[:, None], other=0.0).to(dt)
-        return online_tile(k_c, k_pe, pos, pmask, qpos, q_t, qpe_t, m_i, l_i, acc, score_scale, IEEE)
+        if IEEE:
+            s = tl.dot(k_pe, qpe_t, tl.dot(k_c, q_t, input_precision="ieee"), input_precision="ieee")
+        else:
+            s = tl.dot(k_pe, qpe_t, tl.dot(k_c, q_t))
+        visible = (pos[:, None] <= qpos[None, :]) & pmask[:, None]
+        s = tl.where(visible, s * score_scale, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row that sees nothing yet stays at zero
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        if IEEE:
+            acc = tl.dot(tl.trans(k_c), p.to(dt), acc * alpha[None, :], input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(k_c), p.to(dt), acc * alpha[None, :])
+        return m_new, l_i, acc
 
     @triton.jit
     def _fp8_split_kernel(q_ptr, kv_ptr, kv_scale_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_ptr,

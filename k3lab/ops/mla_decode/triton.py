@@ -208,15 +208,6 @@ def _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_l
     pmask = pos < end
     k_c = tl.load(kv_ptr + rows[:, None] + tl.arange(0, DV)[None, :], mask=pmask[:, None], other=0.0)
     k_pe = tl.load(kv_ptr + rows[:, None] + DV + tl.arange(0, DR)[None, :], mask=pmask[:, None], other=0.0)
-    return online_tile(k_c, k_pe, pos, pmask, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2, IEEE)
-
-
-@triton.jit
-def online_tile(k_c, k_pe, pos, pmask, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr):
-    """The online-softmax step over one loaded latent tile (k_c [rows, DV], k_pe [rows, DR], in q's
-    dtype): scores s^T = K q^T in log2 units, masked to positions <= each query's; the running max
-    `m_i` and sum `l_i`; acc^T [DV, rows] += K_v^T p^T after rescaling. Returns (m_new, l_i, acc). Every
-    split decode shares it, whatever its cache stores (bf16 here, FP8 in fp8_cache)."""
     if IEEE:  # fp32 inputs: no tf32 rounding
         s = tl.dot(k_c, q_t, input_precision="ieee")
         s = tl.dot(k_pe, qpe_t, s, input_precision="ieee")

@@ -8,9 +8,10 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+
+from k3lab.runtime.graphs import capture_calls, indexed_call
 
 
 @dataclass
@@ -73,14 +74,6 @@ def _use_gpu(device) -> bool:
     return dev.type == "cuda"
 
 
-def _caller(fn: Callable, rotate: list[tuple] | None) -> Callable[[int], Any]:
-    """call(i) runs fn on the i-th input set (cycled), or fn() when there is no rotation."""
-    if rotate is None:
-        return lambda i: fn()
-    n = len(rotate)
-    return lambda i: fn(*rotate[i % n])
-
-
 @functools.lru_cache(maxsize=1)
 def _flush_buffer() -> torch.Tensor:
     # Twice the L2 so that writing it evicts whatever the timed call left there.
@@ -131,37 +124,8 @@ def _time_eager_gpu(call, warmup: int, repeats: int, min_time_s: float | None, f
     return samples
 
 
-def capture_graph(fn: Callable, *, copies: int = 1, rotate: list[tuple] | None = None,
-                  warmup: int = 3) -> torch.cuda.CUDAGraph:
-    """Capture `copies` successive calls of fn (cycling through `rotate` argument sets, as time_fn
-    does) into a CUDA/HIP graph after `warmup` eager calls on a side stream; replay with .replay()."""
-    if not torch.cuda.is_available():
-        raise ValueError("capture_graph needs a CUDA/HIP device; torch sees none")
-    if copies < 1:
-        raise ValueError(f"copies must be >= 1, got {copies}")
-    return _capture_graph(_caller(fn, rotate), copies, warmup)
-
-
-def _capture_graph(call, copies: int, warmup: int) -> torch.cuda.CUDAGraph:
-    # Warm up on a side stream first (cuBLAS workspaces, Triton compilation, allocator pools):
-    # nothing may be allocated for the first time inside capture.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(max(warmup, 1)):
-            call(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            call(i)
-    torch.cuda.synchronize()
-    return graph
-
-
 def _time_graph(call, warmup: int, repeats: int, min_time_s: float | None, copies: int) -> list[float]:
-    graph = _capture_graph(call, copies, warmup)
+    graph = capture_calls(call, copies, warmup)
     for _ in range(max(warmup, 1)):
         graph.replay()
     torch.cuda.synchronize()
@@ -217,7 +181,7 @@ def _graph_calls(call, first_guess: int) -> int:
     leaves a graph of a handful of calls, and each replay's own launch (a few us) would then add a
     share that depends on that handful: run-to-run differences of ~30% at a few us per call (seen on
     the H200 for the one-token AttnRes step, 5 vs 9 calls per graph). Never fewer than the guess."""
-    graph = _capture_graph(call, first_guess, 1)
+    graph = capture_calls(call, first_guess, 1)
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(3)]
     for a, b in pairs:
         a.record()
@@ -293,7 +257,7 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
                              f"{k}")
         k = 1
 
-    call = _caller(fn, rotate)
+    call = indexed_call(fn, rotate)
     empty = lambda i: None  # noqa: E731 - the timer around nothing
     n_sets = len(rotate) if rotate else 1
     if k is None:

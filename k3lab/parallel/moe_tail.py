@@ -335,7 +335,7 @@ def count_collectives():
 
 def check_rank(rank: int, world_size: int, opts: dict) -> list[dict]:
     """On every rank: both tails against the single-rank layer; returns every rank's figures."""
-    from k3lab.bench import check as check_close
+    from k3lab.runtime import check as check_close
     from k3lab.config import K3Config
     from k3lab.model import init_weights
     from k3lab.parallel.launch import rank_device

@@ -7,7 +7,7 @@ applies the learner's function to a case (by default `fn(**inputs)` on copies of
 function that writes into its arguments cannot change what the reference sees).
 
 `grade` compares result and reference case by case and stops at the first case that differs. Tensors
-are held to the relative error bounds of `k3lab.bench.checks` for the case's dtype (the dtype the
+are held to the relative error bounds of `k3lab.runtime.checks` for the case's dtype (the dtype the
 inputs come in, so a fp16 case allows what fp16 rounding allows); ints must be equal; floats get
 the case dtype's max_rel. Whatever goes wrong is one line: the learner's exception (type and the
 first line of its message), a wrong type or shape, the error measured against the error allowed, or
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from k3lab.bench.checks import CheckFailed, check as check_tensor, tolerance_for
+from k3lab.runtime.checks import CheckFailed, check as check_tensor, tolerance_for
 
 from .guard import Refused, refusal
 
@@ -47,7 +47,7 @@ class Mismatch(Exception):
 @dataclass(frozen=True)
 class Case:
     """One graded call: `inputs` are the learner's keyword arguments; `dtype` sets the tolerance
-    (a torch dtype, a name of k3lab.bench.checks.TOLERANCES, or EXACT); `extra` holds what the
+    (a torch dtype, a name of k3lab.runtime.checks.TOLERANCES, or EXACT); `extra` holds what the
     harness or the reference needs beyond the inputs; `out_dtype` (output name -> torch dtype)
     states the dtype a tensor result must come back in."""
 

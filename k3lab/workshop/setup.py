@@ -94,7 +94,7 @@ def smoke() -> list[dict]:
     def mla():
         import torch
 
-        from k3lab import bench
+        from k3lab import runtime
         from k3lab.ops import mla_decode as mla_op
         dev = env.detect().device
         dtype = torch.bfloat16 if env.detect().backend != "cpu" else torch.float32
@@ -104,7 +104,7 @@ def smoke() -> list[dict]:
         pool, table = mla_op.to_paged(cache, 64)
         o, _ = mla_op.plan_after(q, pool, torch.tensor([130], device=dev), block_table=table)()
         ref, _ = mla_op.reference(q.float(), cache.float())
-        bench.check(o, ref, dtype=dtype, name="MLA decode, 12 heads padded to 16")
+        runtime.check(o, ref, dtype=dtype, name="MLA decode, 12 heads padded to 16")
         return True
 
     run("Triton task kernel (gated RMSNorm) against fp64", task)

@@ -9,7 +9,7 @@ cases and a plain PyTorch fp64 reference.
 what the kernel computes: the wrapper is fixed, and a launch counter between the wrapper and the kernel
 must see at least one launch, so a plain PyTorch function (or anything that is not a Triton kernel)
 cannot pass. Inputs are on the GPU where Triton compiles for one, on the CPU under Triton's interpreter
-(`device()`). Results are held to `k3lab.bench.checks`' bounds for the case's dtype against the fp64
+(`device()`). Results are held to `k3lab.runtime.checks`' bounds for the case's dtype against the fp64
 reference. The verdict is one line; when the kernel does not compile (or fails in the interpreter) the
 whole error follows it, every message of the chain and the lines of the learner's own source it points
 at, never cut to its first line. Nothing the learner's kernel does makes `grade` raise.
@@ -33,7 +33,7 @@ import torch
 import triton
 
 from k3lab import env
-from k3lab.bench.checks import CheckFailed, check as check_tensor
+from k3lab.runtime.checks import CheckFailed, check as check_tensor
 from k3lab.workshop._core import Case
 
 try:

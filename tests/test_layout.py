@@ -1,0 +1,115 @@
+"""The room rules of k3lab's layout, read from the imports of every module (ast, relative imports resolved;
+imports inside functions count as much as those at the top).
+
+A room is a top-level package or module of k3lab (`ops`, `engine`, `bench`, `runtime`, `config`, ...).
+The rules:
+- nn/ never imports ops/: the references stay independent of the kernels they check.
+- runtime/ (checking a result, capturing a graph) imports no other room, so every room may import it.
+- bench/ (timing, floors, records) is the measuring harness: it imports only env, files and runtime, never
+  a study, an op or the engine.
+- The rooms that run a model (nn, ops, engine, parallel, runtime) never import bench/ or studies/: what
+  they need while they run (check, capture_graph) lives in runtime/, and measuring code lives in studies/.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "k3lab"
+
+RUNNING = ("nn", "ops", "engine", "parallel", "runtime")
+# room -> the rooms it must not import
+FORBIDDEN = {room: {"bench", "studies"} for room in RUNNING}
+FORBIDDEN["nn"] |= {"ops"}
+# room -> the only rooms it may import
+ALLOWED = {
+    "runtime": set(),
+    "bench": {"env", "files", "runtime"},
+}
+
+
+def room_of(path: str) -> str:
+    """'k3lab/ops/mla_decode/triton.py' -> 'ops'; 'k3lab/config.py' -> 'config'."""
+    parts = Path(path).with_suffix("").parts
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def imported_rooms(path: str, source: str) -> set[str]:
+    """The k3lab rooms that `source` (the text of the module at `path`, relative to the repository)
+    imports, relative imports resolved against the module's package."""
+    here = list(Path(path).with_suffix("").parts)
+    package = here if here[-1] == "__init__" else here[:-1]
+    if package and package[-1] == "__init__":
+        package = package[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            # `from k3lab import bench`, `from . import checks`: the names may be rooms themselves
+            names = [module] if node.module and module != "k3lab" else []
+            names += [f"{module}.{a.name}" for a in node.names if not node.module or module == "k3lab"]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "k3lab" and len(parts) > 1:
+                found.add(parts[1])
+    return found - {room_of(path)}
+
+
+def broken_rules(files: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(file, imported room, rule) for each import that breaks a room rule (module docstring)."""
+    broken = []
+    for path, source in files.items():
+        room = room_of(path)
+        for target in sorted(imported_rooms(path, source)):
+            if target in FORBIDDEN.get(room, set()):
+                broken.append((path, target, f"{room}/ never imports {target}/"))
+            elif room in ALLOWED and target not in ALLOWED[room]:
+                allowed = ", ".join(sorted(ALLOWED[room]))
+                broken.append((path, target, f"{room}/ imports only {allowed}" if allowed else
+                               f"{room}/ imports no other room"))
+    return broken
+
+
+def sources() -> dict[str, str]:
+    return {str(p.relative_to(REPO)): p.read_text(encoding="utf-8") for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_every_room_keeps_its_rules():
+    files = sources()
+    assert len(files) > 100 and "k3lab/runtime/__init__.py" in files
+    broken = broken_rules(files)
+    assert not broken, "imports that break a room rule:\n" + "\n".join(f"{f}: imports {t}: {why}"
+                                                                         for f, t, why in broken)
+
+
+def test_a_broken_rule_is_found():
+    # the rules above must be able to fail, for each way of writing an import
+    files = {
+        "k3lab/nn/x.py": "from k3lab.ops import mla_decode\n",
+        "k3lab/engine/y.py": "def f():\n    from k3lab import bench\n",
+        "k3lab/parallel/z.py": "import k3lab.studies.dcp\n",
+        "k3lab/runtime/w.py": "from k3lab.env import detect\nfrom . import checks\n",
+        "k3lab/bench/v.py": "from ..ops import m\nfrom .timing import f\nfrom k3lab import runtime\n",
+        "k3lab/ops/fine.py": "from k3lab import runtime\nfrom k3lab.nn import mla\nfrom .inputs import x\n",
+    }
+    assert broken_rules(files) == [
+        ("k3lab/nn/x.py", "ops", "nn/ never imports ops/"),
+        ("k3lab/engine/y.py", "bench", "engine/ never imports bench/"),
+        ("k3lab/parallel/z.py", "studies", "parallel/ never imports studies/"),
+        ("k3lab/runtime/w.py", "env", "runtime/ imports no other room"),
+        ("k3lab/bench/v.py", "ops", "bench/ imports only env, files, runtime"),
+    ]
+
+
+def test_relative_imports_resolve_to_their_room():
+    assert imported_rooms("k3lab/ops/mla_decode/__init__.py", "from ..situ_glu import f\n") == set()
+    assert imported_rooms("k3lab/ops/mla_decode/__init__.py", "from ...config import C\n") == {"config"}
+    assert imported_rooms("k3lab/ops/mla_decode/triton.py", "from ...engine import rows\n") == {"engine"}
+    assert imported_rooms("k3lab/studies/dcp/measure.py", "from .cases import c\n") == set()

@@ -89,7 +89,7 @@ def test_ragged_cu_seqlens(tile_v):
 
 
 @pytest.mark.parametrize("fn", [kv.kda_verify, functools.partial(kv.kda_verify, backend="triton"),
-                                kv.kda_verify_before])
+                                functools.partial(kv.kda_verify, backend="torch"), kv.kda_verify_before])
 def test_ragged_lengths_leave_padding_untouched(fn):
     x = make(3, 4, 1, V=16)
     lengths = torch.tensor([4, 1, 2], device=DEV)
@@ -114,6 +114,36 @@ def test_uniform_path_equals_ragged_path(tile_v):
     assert torch.equal(s_u, s_r.view_as(s_u))
     o_l, s_l = kv.kda_verify(**x, lengths=torch.tensor([4, 4, 4], device=DEV), tile_v=tile_v)
     assert torch.equal(o_u, o_l) and torch.equal(s_u, s_l)
+
+
+@pytest.mark.parametrize("layout", ["dense", "cu_seqlens", "lengths"])
+@pytest.mark.parametrize("final", [False, True])
+def test_torch_row_computes_what_the_triton_row_computes(layout, final, monkeypatch):
+    """backend='torch' (and the variable) select the reference row, before and after alike; on fresh
+    random fp32 inputs it writes the outputs and states the Triton row writes (interpreter on CPU), in
+    every layout, a state per position or the final one, a wide tile included."""
+    monkeypatch.delenv(kv.BACKEND_ENV, raising=False)
+    row = kv.BACKENDS["torch"]
+    assert row.after is row.before and row.available()[0]
+    if layout == "cu_seqlens":
+        x = make(1, 8, 2, V=32, seed=5, N=4)
+        extra = {"cu_seqlens": torch.tensor([0, 3, 4, 4, 8], dtype=torch.int32, device=DEV), "max_seqlen": 4}
+    else:
+        x = make(3, 4, 2, V=32, seed=5)
+        extra = {"lengths": torch.tensor([4, 0, 2], device=DEV)} if layout == "lengths" else {}
+    args = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    assert kv.BACKENDS.choose("torch", *args, 8)[0] == "torch"
+    for tile in (8, 16):
+        shape = (*x["initial_state"].shape,) if final else (*x["v"].shape[:3], K, 32)
+        o_t, s_t = kv.kda_verify(**x, **extra, tile_v=tile, final_state_only=final,
+                                 states_out=torch.full(shape, 7.0, device=DEV), backend="triton")
+        o_r, s_r = kv.kda_verify(**x, **extra, tile_v=tile, final_state_only=final,
+                                 states_out=torch.full(shape, 7.0, device=DEV), backend="torch")
+        assert s_r.shape == s_t.shape and torch.equal(s_r == 7.0, s_t == 7.0), "same positions written"
+        bench.check_all({"o": (o_r, o_t), "states": (s_r, s_t)}, dtype=torch.float32)
+    monkeypatch.setenv(kv.BACKEND_ENV, "torch")
+    o_e, _ = kv.kda_verify(**x, **extra, tile_v=8, final_state_only=final)
+    assert torch.equal(o_e, o_r)  # the variable forces the same row: bit-identical to backend='torch'
 
 
 def test_select_accepted_rolls_back():
@@ -189,7 +219,7 @@ def test_tile_rule_follows_units_and_backend():
 
 def test_backend_table_and_its_environment_override(monkeypatch):
     monkeypatch.delenv(kv.BACKEND_ENV, raising=False)
-    assert [b.name for b in kv.BACKENDS] == ["cuda", "triton"]
+    assert [b.name for b in kv.BACKENDS] == ["cuda", "triton", "torch"]
     status = kv.BACKENDS.status()
     assert status["triton"][0] and isinstance(status["cuda"][1], str)
     x = make(1, 2, 1, V=16)  # V = 16 (and CPU tensors here): never the CUDA kernel

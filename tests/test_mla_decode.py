@@ -398,7 +398,8 @@ def test_backend_table_and_forcing_by_name(monkeypatch):
     """The dispatcher takes the first available backend that takes the inputs; backend= or
     K3LAB_MLA_DECODE_BACKEND forces one by name; an unknown name or an unavailable backend is a clear
     error."""
-    assert [b.name for b in sorted(mla.BACKENDS, key=lambda b: b.priority)] == ["cuda", "triton", "aiter"]
+    assert [b.name for b in sorted(mla.BACKENDS, key=lambda b: b.priority)] == ["cuda", "triton", "aiter",
+                                                                                   "torch"]
     for b in mla.BACKENDS:
         ok, why = b.available()
         assert isinstance(ok, bool) and isinstance(why, str) and why
@@ -422,6 +423,32 @@ def test_backend_table_and_forcing_by_name(monkeypatch):
             mla.plan_after(q, cache, lens, backend="aiter")
     with pytest.raises(ValueError, match="form"):
         mla.plan_after(q, cache, lens, backend="triton", form="wgmma")
+
+
+@pytest.mark.parametrize("case", ["b2_q3_h4_mixed_paged", "b3_q2_h4_mixed_contig"])
+def test_torch_row_is_the_reference_and_matches_the_triton_row(case, monkeypatch):
+    """backend='torch' selects the plain-PyTorch row (before and after alike), and it computes what the
+    Triton row computes on fresh random fp32 inputs (CPU: the Triton row in the interpreter)."""
+    monkeypatch.delenv(mla.BACKEND_ENV, raising=False)
+    B, Tq, H, L, lengths, paged = CASES[case]
+    q, cache, lens, kv, bt = _inputs(B, Tq, H, L, torch.float32, lengths=lengths, paged=paged, seed=11)
+    row = mla.BACKENDS["torch"]
+    assert row.plan_before is row.plan_after and row.available()[0]
+    assert mla.BACKENDS.choose("torch", "after", q, kv, lens, bt)[0] == "torch"
+    ref = mla.plan_after(q, kv, lens, block_table=bt, backend="torch")
+    assert ref.backend == "torch"
+    assert mla.plan_before(q, kv, lens, block_table=bt, backend="torch").backend == "torch"
+    o, lse = (t.clone() for t in ref())
+    for variant in ("before", "after"):
+        fast = mla.VARIANTS[variant](q, kv, lens, block_table=bt, backend="triton")
+        _check(*fast, o, lse, torch.float32, f"torch row vs triton {variant}")
+    ref_o, ref_l = mla.reference(q.double(), cache.double(), lens)  # and the fp64 reference
+    _check(o, lse, ref_o, ref_l, torch.float32, "torch row vs fp64")
+    assert o.dtype == torch.float32 and not torch.equal(o, torch.zeros_like(o))
+    with pytest.raises(ValueError, match="form"):
+        mla.plan_after(q, kv, lens, block_table=bt, backend="torch", form="wgmma")
+    with pytest.raises(ValueError, match="lengths"):  # the kernels' checks, before anything runs
+        mla.plan_after(q, kv, torch.full((B,), 10 ** 6, device=DEV), block_table=bt, backend="torch")
 
 
 def test_after_says_which_backend_runs_and_runs_triton_without_the_cuda_kernel():

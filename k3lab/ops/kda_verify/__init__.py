@@ -16,7 +16,7 @@ the server rolls back to state j without recomputing (`select_accepted`).
   `choose_tile_v` returns a wide tile and the streaming kernel runs it.
 
 Backends of the narrow path (`BACKENDS`, k3lab.ops' contract: first available by priority; `backend=`
-or K3LAB_KDA_VERIFY_BACKEND=cuda|triton forces one, and a forced backend that cannot run the inputs is
+or K3LAB_KDA_VERIFY_BACKEND=cuda|triton|torch forces one, and a forced backend that cannot run the inputs is
 an error):
 
 * 'cuda' (`k3lab.ops.kda_verify.cuda`, kernels/kda_verify.cu): a lane mapping Triton will not choose
@@ -26,6 +26,8 @@ an error):
   misaligned buffers, tiles other than 8) run the Triton kernel instead unless 'cuda' was forced.
 * 'triton' (`k3lab.ops.kda_verify.triton`): the narrow kernel; everywhere (CPU through Triton's
   interpreter; ROCm: not yet run on AMD hardware by this project).
+* 'torch' (`reference.reference_into`): the plain-PyTorch reference in fp32, the before and the after
+  alike; any device; last in priority, so it runs when forced.
 
 Shapes: q, k [B, T, H, 128] (L2-normalised), v [B, T, H, V], g [B, T, H, 128] log-decay (fp32
 advised), beta [B, T, H], initial_state fp32 [N, H, 128, V]. States come back fp32 [B, T, H, 128, V]
@@ -61,7 +63,7 @@ from k3lab.ops.kda_verify.inputs import (
     prepare,
     workgroups,
 )
-from k3lab.ops.kda_verify.reference import reference_verify, select_accepted
+from k3lab.ops.kda_verify.reference import reference_into, reference_verify, select_accepted
 
 __all__ = [
     "BACKENDS", "BACKEND_ENV", "BEFORE_THREADS", "BEFORE_TILE_V", "HEAD_DIM", "MAX_POSITIONS",
@@ -91,6 +93,10 @@ def _cuda_after(x: VerifyInputs, tile_v: int, num_warps: int | None, pdl) -> tup
 
 
 def _triton_after(x: VerifyInputs, tile_v: int, num_warps: int | None, pdl) -> tuple:
+    if tile_v > NARROW_MAX:  # a wide tile: the device is already full, the streaming kernel runs it
+        if x.mode == 2:  # the streaming kernel skips padded positions: their output rows start at zero
+            x.o.zero_()
+        return _stream(x, tile_v, num_warps)
     triton.launch_narrow(*x.kernel_args(), positions=x.positions, v_dim=x.v_dim, tile_v=tile_v,
                          num_warps=num_warps or choose_num_warps(tile_v), **x.common())
     return x.o, x.hs
@@ -101,11 +107,15 @@ def _triton_before(x: VerifyInputs, tile_v: int, num_warps: int | None, pdl) -> 
 
 
 # verify: (q, k, v, g, beta, initial_state, tile_v, states=None) -> (ok, why). Callables (on `prepare`d
-# inputs): after(x, tile_v, num_warps, pdl) the narrow kernel; before(x, ...) the streaming kernel.
+# inputs): after(x, tile_v, num_warps, pdl) the narrow kernel (Triton: the streaming one for tiles wider
+# than NARROW_MAX, where the device is full already; the CUDA kernel takes 8-column tiles only); before(x,
+# ...) the streaming kernel; 'torch' the reference, before and after alike, on any device.
 BACKENDS = Backends("kda_verify",
                     Backend("cuda", 0, _cuda_available, cuda.verify, parts={"after": _cuda_after}),
                     Backend("triton", 1, triton_status,
-                            parts={"after": _triton_after, "before": _triton_before}))
+                            parts={"after": _triton_after, "before": _triton_before}),
+                    Backend("torch", 2, lambda: (True, "the PyTorch reference (kda_recurrent in fp32)"),
+                            parts={"after": reference_into, "before": reference_into}))
 BACKEND_ENV = BACKENDS.env
 
 
@@ -122,15 +132,11 @@ def kda_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=None, 
     `tile_v`: None chooses from the device (`choose_tile_v`); tiles up to NARROW_MAX columns run the
     narrow path, wider ones the streaming kernel. `num_warps`: waves per program of the Triton kernels
     (None: `choose_num_warps`); the CUDA kernel always runs 4 warps per tile. `backend`: force 'cuda'
-    or 'triton' for the narrow path. `pdl`: the CUDA kernel as a programmatic dependent launch (None:
-    on where supported, or as K3LAB_KDA_VERIFY_PDL says)."""
+    (8-column tiles), 'triton' or 'torch' (the reference). `pdl`: the CUDA kernel as a programmatic
+    dependent launch (None: on where supported, or as K3LAB_KDA_VERIFY_PDL says)."""
     x = prepare(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, final_state_only,
                 states_out, tile_v, scale)
     bv = tile_v or choose_tile_v(x.n_seq, x.heads, x.v_dim)
-    if bv > NARROW_MAX:  # a wide tile: the device is already full, the streaming kernel runs it
-        if x.mode == 2:  # the streaming kernel skips padded positions: their output rows start at zero
-            x.o.zero_()
-        return _stream(x, bv, num_warps)
     row = BACKENDS.pick(backend, x.q, x.k, x.v, x.g, x.beta, x.h0, bv, states=x.hs, need="after")
     return row.after(x, bv, num_warps, pdl)
 

@@ -50,3 +50,29 @@ def reference_verify(q, k, v, g, beta, initial_state, *, scale=None, cu_seqlens=
             out, S = kda_recurrent(*[x[row:row + 1, t:t + 1] for x in cast], scale=scale, initial_state=S)
             o[row, t], states[row, t] = out[0, 0], S[0]
     return o, states
+
+
+def reference_into(x, tile_v: int = 0, num_warps=None, pdl=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 'torch' row of kda_verify's table: `reference_verify` in fp32 on `prepare`d inputs x
+    (k3lab.ops.kda_verify.inputs.VerifyInputs), written where the kernels write: x.o (padded positions
+    0) and x.hs, a state per live position (positions past a length untouched) or, for
+    final_state_only, each sequence's last state (its initial state when it is empty). The launch
+    options (tile_v, num_warps, pdl) do not change the result and are ignored. One host read of the
+    sequence bounds (a reference, not a graph-captured path)."""
+    ragged = {1: {"cu_seqlens": x.seq_info}, 2: {"lengths": x.seq_info}}.get(x.mode, {})
+    o, states = reference_verify(x.q, x.k, x.v, x.g, x.beta, x.h0, scale=x.scale, dtype=torch.float32,
+                                 **ragged)
+    x.o.copy_(o)
+    B, T = x.q.shape[:2]
+    if x.mode == 1:  # one flattened row: (row, first token, length) per sequence
+        bounds = x.seq_info.tolist()
+        seqs = [(0, a, b - a) for a, b in zip(bounds[:-1], bounds[1:])]
+    else:
+        lens = x.seq_info.tolist() if x.mode == 2 else [T] * B
+        seqs = [(n, 0, int(n_len)) for n, n_len in enumerate(lens)]
+    for n, (row, start, length) in enumerate(seqs):
+        if x.all_states:
+            x.hs[row, start:start + length] = states[row, start:start + length]
+        else:
+            x.hs[n] = states[row, start + length - 1] if length else x.h0[n]
+    return x.o, x.hs

@@ -30,8 +30,10 @@ fold_heads=, form=) and provides the callables 'plan_before' and 'plan_after' (a
   the before for bf16 on any CUDA GPU.
 * 'triton' (triton.py): everywhere else (other GPUs, fp32 / fp16, pad='copy', fold_heads, and on a
   CPU through Triton's interpreter).
-* 'aiter' (peers.aiter_decode, ROCm with amd-aiter): the seed's padded assembly decode; last in
-  priority because it is not yet run on AMD hardware by this project, so it runs only when forced.
+* 'aiter' (peers.aiter_decode, ROCm with amd-aiter): the seed's padded assembly decode; after Triton
+  in priority because it is not yet run on AMD hardware by this project, so it runs only when forced.
+* 'torch' (torch_plan.py): the plain-PyTorch reference as a plan, before and after alike; any
+  device, last in priority (it runs when forced, or where nothing else does).
 
 Where the figures behind each choice are: docs/mla_padding.md.
 """
@@ -41,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from k3lab.ops import Backend, Backends, BackendUnavailable, triton_available
-from k3lab.ops.mla_decode import cuda, triton
+from k3lab.ops.mla_decode import cuda, torch_plan, triton
 from k3lab.ops.mla_decode.inputs import (DEFAULT_SCALE, LATENT_DIM, MAX_Q_LEN, MMA_ROWS, VALUE_DIM,
                                          LaunchConfig,
                                          check_scale, choose_num_splits, choose_splits, gather_paged,
@@ -143,10 +145,17 @@ def _aiter_plan_after(q, cache, lengths, *, block_table, scale, num_splits=None,
     return peers.AiterPlan(q, cache, lengths, block_table=block_table, scale=scale)
 
 
+def _torch_verify(variant, *inputs, form=None, **opts) -> tuple[bool, str]:
+    if form not in (None, "auto"):
+        return False, f"form={form!r} names a CUDA split kernel; the reference has none"
+    return True, ""
+
+
 # verify: (variant, q, cache, lengths, block_table, pad=, fold_heads=, form=) -> (ok, why); callables:
 # plan_before(q, cache, lengths, *, block_table, scale) and plan_after(..., num_splits, pad, fold_heads,
 # form, pad_fill) -> a launchable plan. AITER has no before (its decode is the padded one), and is last:
-# it is not yet run on AMD hardware by this project, so it runs only when forced.
+# it is not yet run on AMD hardware by this project, so it runs only when forced. 'torch' is the
+# plain-PyTorch reference (torch_plan), the before and the after alike; on any device, last.
 BACKENDS = Backends(
     "mla_decode",
     Backend("cuda", 0, _cuda_available, _cuda_verify,
@@ -154,6 +163,8 @@ BACKENDS = Backends(
     Backend("triton", 1, triton_available, _triton_verify,
             parts={"plan_before": _triton_plan_before, "plan_after": _triton_plan_after}),
     Backend("aiter", 2, _aiter_available, parts={"plan_after": _aiter_plan_after}),
+    Backend("torch", 3, lambda: (True, "the PyTorch reference (k3lab.nn.mla.latent_attention in fp32)"),
+            _torch_verify, parts={"plan_before": torch_plan.plan, "plan_after": torch_plan.plan}),
 )
 BACKEND_ENV = BACKENDS.env
 

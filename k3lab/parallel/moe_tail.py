@@ -335,7 +335,7 @@ def count_collectives():
 
 def check_rank(rank: int, world_size: int, opts: dict) -> list[dict]:
     """On every rank: both tails against the single-rank layer; returns every rank's figures."""
-    from k3lab.runtime import check as check_close
+    from k3lab.runtime import check
     from k3lab.config import K3Config
     from k3lab.model import init_weights
     from k3lab.parallel.launch import rank_device
@@ -358,7 +358,7 @@ def check_rank(rank: int, world_size: int, opts: dict) -> list[dict]:
                 out = moe(x.to(dev))
             bound = {"max_rel": 1e-5} if dtype == torch.float32 else {}
             try:
-                figs = check_close(out.cpu(), ref, dtype=dtype, **bound)
+                figs = check(out.cpu(), ref, dtype=dtype, **bound)
                 ok, err = True, ""
             except AssertionError as exc:
                 figs, ok, err = {"max_rel": float("nan"), "rel_l2": float("nan")}, False, str(exc)

@@ -1,7 +1,7 @@
 """The decode step decides once: `resolve` returns a chosen row for every op the step calls, the step binds
 their callables, and eager decode and verification steps make no backend choice after that (k3lab.ops'
 chooser is counted across several steps). The settings table holds the valued settings too (projections,
-precision), and the article's precision is refused by name until the step runs it."""
+precision), and the article's precision (MXFP4 experts, FP8 cache) is one of them, bound once too."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
 from k3lab.config import K3Config
 from k3lab.engine import SETTINGS, SWITCHES, DecodeStep, resolve
-from k3lab.engine.switches import ARTICLE_MISSING, settings
+from k3lab.engine import switches
+from k3lab.engine.switches import settings
 from k3lab.ops import Backends
 from k3lab.ops.situ_glu import situ_glu_stacked
 
@@ -49,11 +50,13 @@ def test_the_counter_sees_a_face_choose(choices):
     assert choices["situ_glu"] >= 1
 
 
-@pytest.mark.parametrize("projections", ("bf16", "gemv", "fp8"))
+@pytest.mark.parametrize("projections", ("bf16", "gemv", "fp8", "article"))
 @pytest.mark.parametrize("opt", ("all", "none"))
 def test_eager_decode_steps_choose_nothing_after_resolve(choices, opt, projections):
-    """On the GPU where there is one (bf16: the CUDA kernels' rows), else on the CPU (fp32)."""
-    step = DecodeStep(SMALL, 1, 4, optimizations=opt, device=DEV, projections=projections)
+    """On the GPU where there is one (bf16: the CUDA kernels' rows), else on the CPU (fp32). 'article':
+    precision='article' (its FP8 projections, MXFP4 experts and FP8 cache bound once as well)."""
+    kw = {"precision": "article"} if projections == "article" else {"projections": projections}
+    step = DecodeStep(SMALL, 1, 4, optimizations=opt, device=DEV, **kw)
     assert set(step.resolved.rows) >= STEP_OPS, set(step.resolved.rows)
     assert set(step.resolved.backends) == set(step.resolved.rows)
     choices.clear()
@@ -115,13 +118,19 @@ def test_bad_settings_are_refused_by_name(kw, match):
         resolve(opts, DEV, DT, 1, **kw)
 
 
-def test_the_articles_precision_is_refused_naming_what_is_missing():
+def test_the_articles_precision_resolves_to_its_rows():
+    """precision='article' (a keyword or in the dict) gives FP8 projections, the MXFP4 experts' row and
+    the FP8 cache's decode; nothing of it is refused any more."""
+    assert not hasattr(switches, "ARTICLE_MISSING")
+    assert settings("all", precision="article") == ("fp8", "article")
     for where in ({"precision": "article"}, {"optimizations": {"precision": "article"}}):
         opts = where.pop("optimizations", "all")
-        with pytest.raises(ValueError, match="precision='article'") as err:
-            resolve(opts, DEV, DT, 1, **where)
-        assert "MXFP4 routed experts in the step" in str(err.value)
-        assert "FP8 MLA latent cache in the step" in str(err.value)
-    assert len(ARTICLE_MISSING) == 2
-    with pytest.raises(ValueError, match="cannot run yet"):
-        DecodeStep(SMALL, 1, 4, device=DEV, precision="article")
+        r = resolve(opts, DEV, DT, 1, tokens=1, **where)
+        assert r.precision == "article" and r.projections.startswith("fp8")
+        assert r.backends["moe_experts"] == "mxfp4_gemv" and r.backends["mla_decode"] == "fp8_cache"
+        assert "precision: article" in r.describe() and not r.graph
+    off = resolve({"grouped_experts": False, "mla_padded": False}, DEV, DT, 1, precision="article")
+    assert off.backends["moe_experts"] == "mxfp4_torch" and "per-expert loop" in off.graph
+    assert "FP8 latent cache has one decode" in off.notes["mla_padded"]
+    with pytest.raises(ValueError, match="contradicts precision"):
+        resolve("all", DEV, DT, 1, precision="article", projections="bf16")

@@ -113,6 +113,65 @@ def experts(row) -> Callable:
     return routed
 
 
+def experts_mxfp4(form: str) -> Callable:
+    """This rank's share of the chosen experts [N, LAT] fp32 over a layer's MXFP4 experts (w1, w3, w2
+    `mxfp4.Mxfp4Weight`), by k3lab.ops.moe_experts.mxfp4_kernels: form 'gemv' (the token-at-a-time
+    launches, dequantizing in registers), 'grouped' (expert-sorted tiles on tl.dot_scaled, activations
+    as MXFP8) or 'torch' (the per-expert loop in PyTorch over each chosen expert dequantized: reads the
+    chosen experts back to the host). The router's sort is not read (each form sorts for itself)."""
+    from k3lab.ops.moe_experts import mxfp4_kernels as mx
+
+    if form == "torch":
+        return _mxfp4_loop
+    run = {"gemv": mx.mxfp4_experts, "grouped": mx.mxfp4_experts_grouped}[form]
+
+    def routed(z, weights, idx, w, sort):
+        return run(z, weights, idx, w.w1, w.w3, w.w2, check_values=False)
+
+    return routed
+
+
+def _mxfp4_loop(z, weights, idx, w, sort):
+    from k3lab.engine.mxfp4 import Mxfp4Weight
+    from k3lab.nn.situ import situ_glu
+
+    y = torch.zeros(z.shape[0], w.w2.shape[1], dtype=torch.float32, device=z.device)
+    zf = z.float()
+    for e in torch.unique(idx).tolist():
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        w1, w3, w2 = (Mxfp4Weight(t.packed[e], t.scale_exp[e]).dequantize(torch.float32)
+                      for t in (w.w1, w.w3, w.w2))
+        x = zf[tok]
+        h = situ_glu(x @ w1.t(), x @ w3.t())
+        y.index_add_(0, tok, (h @ w2.t()) * weights[tok, slot, None].float())
+    return y
+
+
+def fp8_plan_binder() -> Callable:
+    """bind(q, cache, kv_scale, lengths, scale, rows, pos) -> one MLA layer's decode over its FP8 latent
+    cache (k3lab.ops.mla_decode.fp8_cache): a call quantizes the new latent rows `rows` [B, T, 576] (where
+    the step's glue wrote them) into cache[:, pos:pos + T] with the cache's per-tensor scale (its row
+    writer's quantization: device ops only), then runs the FP8 split decode's plan, validated here once.
+    Returns (o, lse) as the bf16 plans do, so the DCP merge of partials is unchanged."""
+    from k3lab.ops.mla_decode import fp8_cache
+
+    def bind(q, cache, kv_scale, lengths, scale, rows, pos):
+        fp8_cache.check_cache(cache)
+        fp8_cache.check_kv_scale(kv_scale, cache.device)
+        plan = fp8_cache.plan_fp8(q, cache, kv_scale, lengths, scale=scale)
+        dst = cache[:, pos:pos + rows.shape[1]]
+        quantize = fp8_cache.quantize_rows
+
+        def decode():
+            dst.copy_(quantize(rows, kv_scale))
+            return plan()
+
+        decode.backend = "triton_fp8"
+        return decode
+
+    return bind
+
+
 def mix_binder(fused: bool) -> Callable:
     """bind(prefix, blocks, n_blocks, has_delta) -> the AttnRes mix + RMSNorm for one call site, with
     `attn_res_norm.before`'s arguments: the PyTorch sequence, or (fused) the kernel chosen once for the

@@ -16,6 +16,17 @@ runs for each and holds the chosen row of every op the step calls, whose callabl
 (`rows`): a step that runs chooses no backend. `projections='fp8'` runs the large dense projections in
 FP8 (`fp8`, `weights.FP8_PROJECTIONS`).
 
+`precision='article'` runs the article's formats: FP8 dense projections, the routed experts in MXFP4
+(`RankWeights.to_article`, read by k3lab.ops.moe_experts.mxfp4_kernels) and each MLA layer's latent
+cache in FP8 E4M3 (k3lab.ops.mla_decode.fp8_cache) with one fp32 scale per layer's cache, per tensor
+rather than per page: a decode step adds one row to a page at a time, so a page's scale would have to
+be fixed before the rows that set its range arrive (or the page re-quantized when a larger one comes),
+while a per-tensor scale is set once, from the cache loaded (`load_cache`: its largest magnitude times
+KV_HEADROOM) or the random one drawn, and costs 4 bytes a layer and no read per page in the decode's
+inner loop. The new rows of a step are written by the MLA glue into a small buffer in the step's dtype
+and quantized into the cache just before the decode reads it; `cache_entries` gives the values the
+FP8 cache stands for, `save_state` its codes.
+
 Collectives: the rank program yields each one it would run ('all_reduce' of a partial sum, 'all_gather'
 of the logits). `collectives='stand_in'` answers each on this one device with a copy of the same bytes
 (an all-gather: the rank's slice written world_size times), so the step's memory traffic and launches
@@ -32,6 +43,7 @@ import torch
 from k3lab.config import K3Config
 from k3lab.nn import KDACache
 from k3lab.ops import kda_decode, mla_decode
+from k3lab.ops.mla_decode import fp8_cache
 
 from . import fp8, layers
 from .switches import resolve
@@ -40,6 +52,8 @@ from .weights import KDAWeights, RankWeights
 COLLECTIVES = ("stand_in", "skip")
 MAX_Q_LEN = 8
 STATE_SCALE = 0.1  # random KDA states: of the size a decayed recurrence holds
+KV_HEADROOM = 2.0  # an FP8 cache's scale holds this times the largest magnitude it was set from: room for
+                   # new rows a little larger (E4M3's relative step is the same at every normal magnitude)
 
 
 def _check_int(name: str, value, lo: int, hi: int | None = None) -> int:
@@ -81,8 +95,8 @@ class DecodeStep:
     `self.resolved.notes['projections']` (ValueError with strict=True); a CPU step whose torch lacks
     CPU e4m3fn products runs a plain-PyTorch emulation of the same arithmetic, said the same way.
     precision: 'bf16' (the weights' dtype), 'fp8' (FP8 dense projections: the same as projections='fp8')
-    or 'article' (refused by name until the step runs it: `switches.ARTICLE_MISSING`); None follows
-    projections. Both are settings of the same table as the switches (`switches.SETTINGS`) and may be
+    or 'article' (FP8 dense projections, MXFP4 routed experts, an FP8 MLA latent cache: the module
+    docstring); None follows projections. Both are settings of the same table as the switches (`switches.SETTINGS`) and may be
     given in the optimizations dict instead.
     """
 
@@ -120,6 +134,9 @@ class DecodeStep:
         self.resolved = resolve(optimizations, self.device, self.dtype, self.q_len, strict=strict,
                                 projections=projections, precision=precision, tokens=self.tokens,
                                 top_k=config.num_experts_per_token)
+        self.article = self.resolved.precision == "article"
+        if self.article:
+            weights = _article_weights(weights, self.resolved.projections)
         self.weights, ran, note = fp8.weights_for(weights, self.resolved.projections)
         if note:
             self.resolved = dataclasses.replace(self.resolved, projections=ran,
@@ -148,6 +165,8 @@ class DecodeStep:
         f = {"device": dev, "dtype": dt}
         self.kda_caches: dict[int, KDACache] = {}
         self.latent: dict[int, torch.Tensor] = {}
+        self.kv_scales: dict[int, torch.Tensor] = {}  # FP8 caches: each layer's fp32 [1] scale
+        self.new_rows: dict[int, torch.Tensor] = {}   # FP8 caches: the step's new rows before quantizing
         C, H = c.kda_width, c.kda_num_heads
         for i, kind in enumerate(c.layer_types):
             if kind == "kda":
@@ -157,6 +176,10 @@ class DecodeStep:
                 self.kda_caches[i] = KDACache(*conv, state)
             else:
                 self.latent[i] = torch.randn(B, self.context_len + T, c.mla_latent_dim, generator=gen, **f)
+                if self.article:
+                    self.kv_scales[i] = fp8_cache.scale_for(self.latent[i].abs().amax(), KV_HEADROOM).to(dev)
+                    self.latent[i] = fp8_cache.quantize_rows(self.latent[i], self.kv_scales[i])
+                    self.new_rows[i] = torch.zeros(B, T, c.mla_latent_dim, **f)
         self.lengths = torch.full((B,), self.context_len + T, dtype=torch.int32, device=dev)
         self.ids = torch.zeros(B, T, dtype=torch.long, device=dev)
         self.prefix = torch.zeros(self.tokens, c.hidden_size, **f)
@@ -194,6 +217,7 @@ class DecodeStep:
         self.mla_glue = ops["mla_glue"]
         self.tail_sharded = on["moe_tail_sharded"]
         self.kda_steps, self.mla_plans, self.q_bufs = {}, {}, {}
+        self.article_rows = self.new_rows if self.article else {}
         for i, cache in self.kda_caches.items():
             w: KDAWeights = self.weights.layers[i].attn
             if T == 1:
@@ -205,12 +229,18 @@ class DecodeStep:
         for i, latent in self.latent.items():
             q = torch.zeros(B, T, H, c.mla_latent_dim, device=self.device, dtype=self.dtype)
             self.q_bufs[i] = q
-            self.mla_plans[i] = ops["mla_decode"].bind(q, latent, self.lengths, c.mla_softmax_scale)
+            if self.article:
+                self.mla_plans[i] = ops["mla_decode"].bind(q, latent, self.kv_scales[i], self.lengths,
+                                                           c.mla_softmax_scale, self.new_rows[i],
+                                                           self.context_len)
+            else:
+                self.mla_plans[i] = ops["mla_decode"].bind(q, latent, self.lengths, c.mla_softmax_scale)
 
     def load_cache(self, cache) -> None:
         """Copy a K3Cache of `context_len` positions (K3Model.prefill / decode) into this rank's caches:
-        the MLA histories whole (replicated under TP), the KDA conv histories and states of this rank's
-        heads."""
+        the MLA histories whole (replicated under TP; an FP8 cache takes a new scale from the history's
+        largest magnitude times KV_HEADROOM and quantizes it), the KDA conv histories and states of this
+        rank's heads."""
         if getattr(cache, "length", None) != self.context_len:
             raise ValueError(f"cache must hold context_len = {self.context_len} positions, got "
                              f"{getattr(cache, 'length', type(cache).__name__)}")
@@ -220,7 +250,13 @@ class DecodeStep:
                 if tuple(layer.latent.shape) != (self.batch, self.context_len, self.config.mla_latent_dim):
                     raise ValueError(f"cache.layers[{i}].latent must be [B={self.batch}, {self.context_len}, "
                                      f"{self.config.mla_latent_dim}], got {tuple(layer.latent.shape)}")
-                self.latent[i][:, :self.context_len].copy_(layer.latent)
+                if self.article:
+                    amax = layer.latent.abs().amax() if layer.latent.numel() else 0.0
+                    self.kv_scales[i].copy_(fp8_cache.scale_for(amax, KV_HEADROOM).to(self.device))
+                    self.latent[i][:, :self.context_len].copy_(
+                        fp8_cache.quantize_rows(layer.latent.to(self.device), self.kv_scales[i]))
+                else:
+                    self.latent[i][:, :self.context_len].copy_(layer.latent)
                 continue
             mine = self.kda_caches[i]
             for name in ("conv_q", "conv_k", "conv_v", "state"):
@@ -230,12 +266,14 @@ class DecodeStep:
 
     def cache_entries(self) -> dict[str, torch.Tensor]:
         """This rank's caches under K3Cache.entries()' names: 'layers.{i}.latent' [B, context_len + q_len,
-        576], 'layers.{i}.conv_q' / conv_k / conv_v / state, 'attn_res.blocks' [S, B, hidden] and
-        'attn_res.partial' [B, hidden] (the last position's depth state at the model output)."""
+        576] (an FP8 cache: the values it stands for, codes x scale, in the step's dtype), 'layers.{i}.conv_q'
+        / conv_k / conv_v / state, 'attn_res.blocks' [S, B, hidden] and 'attn_res.partial' [B, hidden] (the
+        last position's depth state at the model output)."""
         out = {}
         for i in range(self.config.num_hidden_layers):
             if i in self.latent:
-                out[f"layers.{i}.latent"] = self.latent[i]
+                out[f"layers.{i}.latent"] = (fp8_cache.dequantize(self.latent[i], self.kv_scales[i], self.dtype)
+                                             if self.article else self.latent[i])
             else:
                 for name, t in self.kda_caches[i].entries().items():
                     out[f"layers.{i}.{name}"] = t
@@ -275,7 +313,10 @@ class DecodeStep:
                       self.config.rms_norm_eps, push_block=push, **kw)
 
     def _attention(self, i: int, w, x: torch.Tensor):
-        if i in self.latent:
+        if i in self.article_rows:  # the glue writes the new rows; the bound plan quantizes them in
+            part = layers.mla_partial(w, x, self.article_rows[i], 0, self.q_bufs[i], self.mla_plans[i],
+                                      self.mla_glue)
+        elif i in self.latent:
             part = layers.mla_partial(w, x, self.latent[i], self.context_len, self.q_bufs[i],
                                       self.mla_plans[i], self.mla_glue)
         else:
@@ -380,9 +421,9 @@ class DecodeStep:
         ok, why = self.capturable()
         if not ok:
             raise ValueError(f"capture: {why}")
-        from k3lab import bench
+        from k3lab.runtime import capture_graph
 
-        self.graph = bench.capture_graph(self.run, warmup=warmup)
+        self.graph = capture_graph(self.run, warmup=warmup)
 
     def replay(self) -> torch.Tensor:
         if self.graph is None:
@@ -397,6 +438,7 @@ class DecodeStep:
                 "context_len": self.context_len, "q_len": self.q_len,
                 "dtype": str(self.dtype).replace("torch.", ""),
                 "projections": self.resolved.projections, "precision": self.resolved.precision,
+                "experts": rw.experts, "mla_cache": "fp8_e4m3" if self.article else str(self.dtype)[6:],
                 "weights": rw.source, "distinct_layers": rw.distinct_layers,
                 "layers": self.config.num_hidden_layers,
                 "switches": dict(self.resolved.on), "impl": dict(self.impl),
@@ -404,6 +446,17 @@ class DecodeStep:
                 "label": self.resolved.label(), "collectives": self.collectives,
                 "mla_backend": {str(i): getattr(p, "backend", "?") for i, p
                                 in list(self.mla_plans.items())[:1]}}
+
+
+def _article_weights(given: RankWeights, ran: str) -> RankWeights:
+    """`given` in the article's formats (`RankWeights.to_article`: FP8 projections as `ran` says, MXFP4
+    experts), or itself where it holds them already. ValueError for FP8 projections over bf16 experts."""
+    if given.experts == "mxfp4":
+        return given
+    if given.projections != "bf16":
+        raise ValueError(f"weights hold {given.projections} projections with {given.experts} experts: pass "
+                         "the unconverted RankWeights, or RankWeights.to_article(), for precision='article'")
+    return given.to_article(emulated=ran == "fp8_emulated")
 
 
 def run_group(steps: list[DecodeStep], ids) -> list[torch.Tensor]:

@@ -25,10 +25,15 @@ Two settings take values instead of on/off, in the same table (`SETTINGS`): `pro
 projections run ('bf16': the matrix library in the weights' dtype; 'gemv': the same weights, one-row
 products by k3lab.ops.gemv; 'fp8': e4m3fn weights, `fp8.resolve_projections`), and `precision`, the
 number formats of the step ('bf16': the weights' dtype; 'fp8': FP8 dense projections; 'article': the
-article's MXFP4 routed experts, FP8 dense projections and an FP8 MLA cache, refused by name until the
-step runs its experts and its MLA cache in those formats: `ARTICLE_MISSING`). Either may be given in the
-optimizations dict or as a keyword; `Resolved.projections` says what runs and `notes['projections']` why
-where the form asked for cannot run as asked.
+article's MXFP4 routed experts, FP8 dense projections and an FP8 MLA latent cache). Either may be given
+in the optimizations dict or as a keyword; `Resolved.projections` says what runs and `notes['projections']`
+why where the form asked for cannot run as asked.
+
+At precision='article' the rows bound differ in two ops, settled here once like every other:
+'moe_experts' runs k3lab.ops.moe_experts.mxfp4_kernels (`experts_form`: the GEMV form for one token,
+the grouped tl.dot_scaled form for more where the target has scaled matrix instructions, else the GEMV
+form; the PyTorch loop with grouped_experts off or without Triton), and 'mla_decode' binds
+k3lab.ops.mla_decode.fp8_cache's row quantization + FP8 split decode (`rows.fp8_plan_binder`).
 """
 
 from __future__ import annotations
@@ -58,12 +63,7 @@ class Setting:
 
 
 PRECISIONS = ("bf16", "fp8", "article")
-# What the article's precision needs in the step that the step does not do yet (refused by these names):
-# the kernels exist in k3lab.ops, the step's weights, caches and bound callables do not use them.
-ARTICLE_MISSING = ("MXFP4 routed experts in the step (its RankWeights do not quantize the experts with "
-                   "k3lab.engine.mxfp4, and it binds no k3lab.ops.moe_experts MXFP4 kernel)",
-                   "an FP8 MLA latent cache in the step (its caches are bf16, and it binds neither "
-                   "k3lab.ops.mla_decode.fp8_cache's row writer nor its FP8 decode plan)")
+FP8_PRECISIONS = ("fp8", "article")  # the precisions whose dense projections are FP8
 
 SETTINGS: dict[str, Setting] = {
     "kda_fused": Setting("fused KDA decode (conv, norms, gates, recurrence, output norm in one launch)",
@@ -178,9 +178,9 @@ def parse(optimizations) -> dict[str, bool]:
 
 def settings(optimizations, projections: str | None = None, precision: str | None = None) -> tuple[str, str]:
     """(projections, precision) from the keywords or the optimizations dict (not both, unless equal):
-    unset, each follows the other ('fp8' projections <-> 'fp8' precision), else 'bf16'. ValueError for
-    a value outside the table, for projections that contradict the precision, and for precision='article'
-    (the step does not run those formats yet: `ARTICLE_MISSING`)."""
+    unset, each follows the other ('fp8' projections <-> 'fp8' precision; 'article' precision -> 'fp8'
+    projections), else 'bf16'. ValueError for a value outside the table and for projections that
+    contradict the precision."""
     given = optimizations if isinstance(optimizations, dict) else {}
     out = {}
     for name, kw in (("projections", projections), ("precision", precision)):
@@ -190,17 +190,13 @@ def settings(optimizations, projections: str | None = None, precision: str | Non
         value = kw if kw is not None else given.get(name)
         out[name] = None if value is None else _value(name, value)
     proj, prec = out["projections"], out["precision"]
-    if prec == "article":
-        raise ValueError("precision='article' (MXFP4 routed experts, FP8 dense projections, FP8 MLA cache) "
-                         "cannot run yet: the step lacks " + "; and ".join(ARTICLE_MISSING) + ". Use "
-                         "precision='fp8' (FP8 dense projections) or 'bf16'")
     if prec is None:
         prec = "fp8" if proj == "fp8" else "bf16"
     if proj is None:
-        proj = "fp8" if prec == "fp8" else "bf16"
-    if (prec == "fp8") != (proj == "fp8"):
-        raise ValueError(f"projections={proj!r} contradicts precision={prec!r}: FP8 precision runs FP8 "
-                         f"projections, and FP8 projections are the FP8 precision")
+        proj = "fp8" if prec in FP8_PRECISIONS else "bf16"
+    if (prec in FP8_PRECISIONS) != (proj == "fp8"):
+        raise ValueError(f"projections={proj!r} contradicts precision={prec!r}: the 'fp8' and 'article' "
+                         f"precisions run FP8 projections, and FP8 projections are one of those precisions")
     return proj, prec
 
 
@@ -221,6 +217,26 @@ def _row(op: str, on: bool, names: tuple[str, str], device, *inputs, **options):
         return table[names[1]], ""
     ok, why = table.check(names[0], device, *inputs, **options)
     return (table[names[0]], "") if ok else (table[names[1]], why)
+
+
+def experts_form(grouped: bool, tokens: int | None, device) -> tuple[str, str]:
+    """(form, why) of the MXFP4 routed experts (`rows.experts_mxfp4`): 'torch' with grouped_experts off
+    (the per-expert loop) or without Triton; 'gemv' for one token (each chosen expert read once anyway);
+    'grouped' for more tokens where tl.dot_scaled runs (mxfp4_kernels.grouped_runs_here), else 'gemv'
+    with why (its weights re-read per token)."""
+    from k3lab.ops.moe_experts import mxfp4_kernels as mx
+
+    if mx.triton is None or (torch.device(device).type == "cpu" and not env.triton_interpreted()):
+        return "torch", "Triton cannot run the MXFP4 kernels here: the PyTorch loop over dequantized experts runs"
+    if not grouped:
+        return "torch", ""
+    if tokens == 1:
+        return "gemv", ""
+    ok, why = mx.grouped_runs_here()
+    if ok:
+        return "grouped", ""
+    return "gemv", (f"the grouped MXFP4 form cannot run here ({why}); the MXFP4 GEMV form runs, reading "
+                    "the chosen experts once per token")
 
 
 def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, projections: str | None = None,
@@ -273,8 +289,16 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
     impl["grouped_experts"] = experts.name
     if why:
         refuse("grouped_experts", f"grouped kernels unavailable ({why}): the loop runs", "the loop")
-    chosen["moe_experts"] = rows.Chosen("moe_experts", experts.name, notes.get("grouped_experts", ""),
-                                        {"experts": rows.experts(experts), "tail": experts.tail})
+    routed = rows.experts(experts)
+    name = experts.name
+    if precision == "article":
+        form, why = experts_form(on["grouped_experts"], tokens, device)
+        name, routed = f"mxfp4_{form}", rows.experts_mxfp4(form)
+        impl["grouped_experts"] = name
+        if why and on["grouped_experts"]:
+            refuse("grouped_experts", why, f"the MXFP4 {form} form")
+    chosen["moe_experts"] = rows.Chosen("moe_experts", name, notes.get("grouped_experts", ""),
+                                        {"experts": routed, "tail": experts.tail})
 
     glue = {op: _row(op, on["glue_fused"], ("triton", "torch"), device)
             for op in ("situ_glu", "mla_glue", "moe_router")}
@@ -302,13 +326,22 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
 
     chosen["attn_res_norm"] = rows.Chosen("attn_res_norm", impl["attn_res_fused"], "",
                                           {"bind": rows.mix_binder(on["attn_res_fused"])})
-    chosen["mla_decode"] = rows.Chosen("mla_decode", impl["mla_padded"], "",
-                                       {"bind": rows.mla_plan_binder(on["mla_padded"])})
+    if precision == "article":  # one form: the FP8 cache's padded split decode
+        impl["mla_padded"] = "fp8_cache"
+        if not on["mla_padded"]:
+            notes["mla_padded"] = ("the FP8 latent cache has one decode, padded with the history split "
+                                   "(k3lab.ops.mla_decode.fp8_cache): it runs with the switch off too")
+        chosen["mla_decode"] = rows.Chosen("mla_decode", "fp8_cache", notes.get("mla_padded", ""),
+                                           {"bind": rows.fp8_plan_binder()})
+    else:
+        chosen["mla_decode"] = rows.Chosen("mla_decode", impl["mla_padded"], "",
+                                           {"bind": rows.mla_plan_binder(on["mla_padded"])})
     chosen["packed_matmul"] = rows.Chosen("packed_matmul", impl["pack_where_used"], "",
                                           {"dispatch": rows.pack_policy(on["pack_where_used"])})
     proj, note = resolve_projections(projections, device, dtype, strict=strict)
     if note:
         notes["projections"] = note
-    graph = "" if on["grouped_experts"] and not notes.get("grouped_experts") else (
-        "the per-expert loop reads the expert counts back to the host (grouped_experts off)")
+    looped = (chosen["moe_experts"].name == "mxfp4_torch" if precision == "article"
+              else not on["grouped_experts"] or bool(notes.get("grouped_experts")))
+    graph = "the per-expert loop reads the expert counts back to the host" if looped else ""
     return Resolved(on, impl, notes, proj, chosen, precision, graph)

@@ -13,6 +13,9 @@ b_proj, f_a; MLA's q_a, kv_a_proj_with_mqa, g_proj; the dense MLP's and the shar
 
 `RankWeights.to_fp8()` returns the same weights with the large dense projections (FP8_PROJECTIONS) as
 `fp8.Fp8Linear` (float8_e4m3fn, a scale per output row); everything else is shared with the original.
+`RankWeights.to_article()` is that plus the routed experts w1, w3, w2 in MXFP4 (`mxfp4.Mxfp4Weight`:
+E2M1 codes two a byte, an E8M0 scale per 32 along K, 4.25 bits a weight), the article's formats.
+`dequantized()` gives back plain tensors of the values any of these forms stand for (references).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from k3lab.config import K3Config
 from k3lab.ops.attn_res_norm import fold_mix_weight
 from k3lab.ops.kda_decode import KDADecodeWeights
 
-from . import fp8
+from . import fp8, mxfp4
 
 # The projections stored in FP8 by `RankWeights.to_fp8`, per weight kind. Kept in the step's dtype:
 # KDA's f_b (goes through the packed-matmul dispatcher that `pack_where_used` switches; C x r, under
@@ -231,6 +234,7 @@ class RankWeights:
     distinct_layers: int
     source: str
     projections: str = "bf16"  # 'bf16' (the dtype of the tensors), 'fp8' or 'fp8_emulated' (to_fp8)
+    experts: str = "bf16"      # the routed experts: 'bf16' (the dtype of the tensors) or 'mxfp4' (to_article)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -311,6 +315,57 @@ class RankWeights:
         layers = [LayerWeights(lw.norms, convert(lw.attn), convert(lw.mlp)) for lw in self.layers]
         return dataclasses.replace(self, layers=layers, projections="fp8_emulated" if emulated else "fp8")
 
+    def to_article(self, *, emulated: bool = False) -> RankWeights:
+        """The article's weight formats: `to_fp8(emulated=)` (FP8 dense projections) and every MoE
+        layer's routed experts w1, w3, w2 as `mxfp4.Mxfp4Weight` stacks (quantized once per shared
+        layer set). ValueError if the experts are converted already."""
+        if self.experts != "bf16":
+            raise ValueError(f"weights: the experts are {self.experts} already")
+        q = self.to_fp8(emulated=emulated)
+        done: dict[int, object] = {}
+
+        def convert(part):
+            if isinstance(part, MoEWeights) and id(part) not in done:
+                done[id(part)] = dataclasses.replace(part, **{n: mxfp4.quantize(getattr(part, n))
+                                                             for n in ("w1", "w3", "w2")})
+            return done.get(id(part), part)
+
+        layers = [LayerWeights(lw.norms, lw.attn, convert(lw.mlp)) for lw in q.layers]
+        return dataclasses.replace(q, layers=layers, experts="mxfp4")
+
+    def dequantized(self, dtype: torch.dtype = torch.float64) -> RankWeights:
+        """Plain `dtype` tensors of the values these weights stand for: FP8 projections and MXFP4 experts
+        dequantized (exactly: every code times its scale), GEMV-wrapped weights unwrapped, the rest cast;
+        the rotation of shared layer sets kept. The reference a quantized step is checked against."""
+        done: dict[int, object] = {}
+
+        def plain(t):
+            if isinstance(t, fp8.Fp8Linear):
+                return t.dequantize().to(dtype)
+            if isinstance(t, mxfp4.Mxfp4Weight):
+                return t.dequantize(dtype)
+            if isinstance(t, fp8.GemvWeight):
+                t = t.weight
+            return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+        def part_of(part):
+            if id(part) not in done:
+                new = {f.name: plain(getattr(part, f.name)) for f in dataclasses.fields(part)}
+                new = {n: MixWeights(*(plain(getattr(v, f)) for f in ("res_norm", "res_proj", "folded")))
+                       if isinstance(v, MixWeights) else v for n, v in new.items()}
+                if isinstance(part, KDAWeights):
+                    dec = part.decode
+                    new["decode"] = dataclasses.replace(dec, **{f.name: plain(getattr(dec, f.name))
+                                                                for f in dataclasses.fields(dec)})
+                done[id(part)] = dataclasses.replace(part, **new)
+            return done[id(part)]
+
+        layers = [LayerWeights(part_of(lw.norms), part_of(lw.attn), part_of(lw.mlp)) for lw in self.layers]
+        out_mix = MixWeights(*(plain(getattr(self.out_mix, f)) for f in ("res_norm", "res_proj", "folded")))
+        return dataclasses.replace(self, embed=plain(self.embed), lm_head=plain(self.lm_head),
+                                   final_norm=plain(self.final_norm), out_mix=out_mix, layers=layers,
+                                   projections="bf16", experts="bf16")
+
     def to_gemv(self) -> RankWeights:
         """These weights with FP8_PROJECTIONS and the MoE router wrapped as `k3lab.ops.gemv.GemvWeight`
         (the same tensors: one-row inputs run k3lab's one-row kernel, more rows torch.matmul); the rest
@@ -371,6 +426,8 @@ class RankWeights:
                     if isinstance(t, torch.Tensor):
                         sizes["experts" if name in ("w1", "w2", "w3")
                               else "other"] += t.numel() * t.element_size()
+                    elif isinstance(t, mxfp4.Mxfp4Weight):
+                        sizes["experts"] += t.nbytes
                     elif isinstance(t, fp8.Fp8Linear):
                         sizes["other"] += t.nbytes()
                     elif isinstance(t, fp8.GemvWeight):

@@ -96,8 +96,8 @@ class DecodeStep:
     CPU e4m3fn products runs a plain-PyTorch emulation of the same arithmetic, said the same way.
     precision: 'bf16' (the weights' dtype), 'fp8' (FP8 dense projections: the same as projections='fp8')
     or 'article' (FP8 dense projections, MXFP4 routed experts, an FP8 MLA latent cache: the module
-    docstring); None follows projections. Both are settings of the same table as the switches (`switches.SETTINGS`) and may be
-    given in the optimizations dict instead.
+    docstring); None follows projections. Both are settings of the same table as the switches
+    (`switches.SETTINGS`) and may be given in the optimizations dict instead.
     """
 
     def __init__(self, config: K3Config, batch: int, context_len: int, *, optimizations="all",
@@ -272,8 +272,9 @@ class DecodeStep:
         out = {}
         for i in range(self.config.num_hidden_layers):
             if i in self.latent:
-                out[f"layers.{i}.latent"] = (fp8_cache.dequantize(self.latent[i], self.kv_scales[i], self.dtype)
-                                             if self.article else self.latent[i])
+                t = self.latent[i]
+                out[f"layers.{i}.latent"] = (fp8_cache.dequantize(t, self.kv_scales[i], self.dtype)
+                                             if self.article else t)
             else:
                 for name, t in self.kda_caches[i].entries().items():
                     out[f"layers.{i}.{name}"] = t

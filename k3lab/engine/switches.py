@@ -226,7 +226,8 @@ def experts_form(grouped: bool, tokens: int | None, device) -> tuple[str, str]:
     with why (its weights re-read per token)."""
     from k3lab.ops.moe_experts import mxfp4_kernels as mx
 
-    if mx.triton is None or (torch.device(device).type == "cpu" and not env.triton_interpreted()):
+    cpu = torch.device(device).type == "cpu"
+    if mx.triton is None or (cpu and not env.triton_interpreted()):
         return "torch", ("Triton cannot run the MXFP4 kernels here: the PyTorch loop over dequantized experts "
                          "runs")
     if not grouped:

@@ -6,13 +6,13 @@ import torch
 
 import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
 from k3lab.config import K3Config
-from k3lab.studies.moe_sharding import measure as bench_moe
+from k3lab.studies.moe_sharding import measure
 from k3lab.studies.moe_sharding import tables
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real benchmark instead")
 def test_bench_runs_every_variant_checked_at_tiny_sizes():
-    res = bench_moe.run_tokens(tail_tokens=(3,), expert_tokens=(2,), tp=2, config=K3Config.tiny(), repeats=2,
+    res = measure.run_tokens(tail_tokens=(3,), expert_tokens=(2,), tp=2, config=K3Config.tiny(), repeats=2,
                         warmup=0)
     got = [(r.case, r.variant) for r in res["records"]]
     assert got == [("tail_N3", "before"), ("tail_N3", "after"), ("tail_N3", "torch"),
@@ -31,4 +31,4 @@ def test_bench_refuses_to_run_k3_shapes_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     with pytest.raises(RuntimeError, match="needs a CUDA/ROCm GPU"):
-        bench_moe.run_tokens()
+        measure.run_tokens()

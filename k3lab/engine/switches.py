@@ -228,8 +228,8 @@ def experts_form(grouped: bool, tokens: int | None, device) -> tuple[str, str]:
 
     cpu = torch.device(device).type == "cpu"
     if mx.triton is None or (cpu and not env.triton_interpreted()):
-        return "torch", ("Triton cannot run the MXFP4 kernels here: the PyTorch loop over dequantized experts "
-                         "runs")
+        return "torch", ("Triton cannot run the MXFP4 kernels here: the PyTorch loop over dequantized "
+                         "experts runs")
     if not grouped:
         return "torch", ""
     if tokens == 1:

@@ -120,7 +120,7 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
         "Prefill: chunk summaries scanned, then chunks replayed in parallel. Verification: narrow value "
         "tiles for enough parallel work.",
         "chunk summaries scanned then replayed in parallel; narrow verification tiles",
-        ("05_*.ipynb", "05b_*.ipynb"), studies=("kda_scan", "kda_verify", "kda_precision"),
+        ("05_*.ipynb", "05b_*.ipynb"), studies=("kda_scan", "kda_verify", "kda_precision", "occupancy"),
         switches=("kda_verify_tiles",), ops=("k3lab.ops.kda_chunk", "k3lab.ops.kda_verify"),
         kernels=("kernels/kda_chunk_prologue.cu", "kernels/kda_chunk_walk.cu", "kernels/kda_verify.cu",
                  "k3lab.ops.kda_chunk.prologue._a_kernel", "k3lab.ops.kda_chunk.prologue._fixup_kernel",
@@ -128,7 +128,7 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
                  "k3lab.ops.kda_chunk.walk._summary_kernel", "k3lab.ops.kda_chunk.walk._walk_kernel",
                  "k3lab.ops.kda_chunk.scan._scan_kernel", "k3lab.ops.kda_verify.triton.verify_stream_kernel",
                  "k3lab.ops.kda_verify.triton.verify_narrow_kernel"),
-        docs=("docs/kda_scan.md", "docs/kda_verify.md"), records=_rec("kda_scan", "kda_verify")),
+        docs=("docs/kda_scan.md", "docs/kda_verify.md"), records=_rec("kda_scan", "kda_verify", "occupancy")),
     Entry(
         "draft_depth", "Draft depth", "draft depth (6)",
         "Choose how many tokens to draft from committed tokens per cycle over the whole cycle's cost.",

@@ -44,6 +44,7 @@ STUDIES: dict[str, str] = {
     "kda_scan": "k3lab.studies.kda_scan",
     "kda_verify": "k3lab.studies.kda_verify",
     "kda_precision": "k3lab.studies.kda_precision",
+    "occupancy": "k3lab.studies.occupancy",
     "draft_depth": "k3lab.studies.draft_depth",
     "decode_step": "k3lab.studies.decode_step",
     "agent_cache": "k3lab.studies.agent_cache",
@@ -62,6 +63,8 @@ ABOUT: dict[str, str] = {
     "kda_scan": "KDA chunked prefill: chunk summaries scanned, then replayed in parallel (notebook 05)",
     "kda_verify": "KDA verification of a few positions with narrow value tiles (notebook 05)",
     "kda_precision": "the chunk inverse's error with fp32 against bf16 inputs (notebook 05)",
+    "occupancy": "the KDA prologue's binary relaunched with shared memory reserved, fewer programs per unit "
+                 "each level (notebook 05b)",
     "draft_depth": "speculative decoding: committed tokens per cycle, simulated and by formula (notebook 06)",
     "decode_step": "one TP8 rank's whole decode step, each optimization switched off alone (notebook 08)",
     "agent_cache": "cache reuse across agent turns: a prefix-cache simulator over AgentX-like traces, "
@@ -83,6 +86,7 @@ CPU_CASES: dict[str, list[str] | None] = {
     "kda_scan": ["h1_ragged"],
     "kda_verify": ["b1_t4"],
     "kda_precision": ["k3_gate"],
+    "occupancy": None,  # nothing launched on a CPU: the levels each target would take, from the ISA report
     "draft_depth": ["cycles_depth4", "tokens_v8_depth4"],
     "decode_step": ["tiny_b1_ctx8"],
     "agent_cache": ["sim_small"],
@@ -147,6 +151,10 @@ GPU_QUICK: dict[str, QuickForm] = {
         ("k3_gate",), 5,
         "K3's gates, fp32 against bf16 inverses: a host-side emulation, the same as on a CPU (notebooks "
         "05 and 05b run every case themselves)"),
+    "occupancy": QuickForm(
+        None, 15,
+        "its one case: the KDA prologue's main pass compiled once, each level checked bit-identical and "
+        "timed (50 launches of a few hundred microseconds each)"),
     "draft_depth": QuickForm(
         ("cycles_depth4", "tokens_v8_depth4"), 10,
         "depth 4 (the seed's pick) and the token-level check, host-side as on a CPU; the depth 3 and 7 "

@@ -63,7 +63,8 @@ TABLE_END = "<!-- end of runs table -->"
 @dataclass(frozen=True)
 class Run:
     """One part of k3lab: `what` it is, `ran_on` {device folder: a record path under profiles/ (a file or
-    a folder) that shows the run}, `not_run` {target: files (repository paths) whose text states it}."""
+    a folder) that shows the run}, `not_run` {target: files (repository paths) whose text states it; none
+    when only this data and the tables made from it state it}."""
 
     name: str
     what: str
@@ -94,9 +95,8 @@ RUNS: tuple[Run, ...] = (
     Run("serving", "the step model fitted to measured steps, the serving curves", _h200("serving")),
     Run("gpu_check", "the tests, notebooks and `k3lab report` on a GPU machine",
         {"nvidia-h200": "nvidia-h200/gpu_check", "nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/gpu_check"}),
-    Run("occupancy_probe", "the seed's occupancy experiment (k3lab.isa.occupancy_probe)",
-        {"nvidia-h200": "isa/occupancy_probe_h200.json"},
-        {"AMD GPU": ("docs/mi355x.md", "k3lab/isa/occupancy_probe.py")}),
+    Run("occupancy", "the seed's occupancy experiment: one binary, shared memory reserved level by level",
+        _h200("occupancy"), {"AMD GPU": ()}),
     Run("triton_on_amd", "the Triton kernels through Triton's AMD backend (compiled for gfx950 / gfx942 "
         "in CI; docs/mi355x.md)", {},
         {"AMD GPU": ("README.md", "docs/instructor.md", "k3lab/isa/__main__.py", "k3lab/isa/views.py",

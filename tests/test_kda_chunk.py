@@ -422,8 +422,8 @@ def test_backend_table_and_dispatch(monkeypatch):
     q, k, v, g, beta = _inputs(1, 70, 1)
     plan = kc.make_plan([70], 1, device=DEV)
     status = kc.BACKENDS.status()
-    assert list(status) == ["cuda", "triton"] and all(why for _, why in status.values())
-    assert [b.name for b in kc.BACKENDS] == ["cuda", "triton"]
+    assert list(status) == ["cuda", "triton", "torch"] and all(why for _, why in status.values())
+    assert [b.name for b in kc.BACKENDS] == ["cuda", "triton", "torch"]
     # fp32 inputs: the CUDA kernels take bf16 only, so the dispatcher picks Triton (here and on a GPU)
     assert kc.BACKENDS.choose(None, q, k, v, g, beta, plan)[0] == "triton"
     with pytest.raises(ValueError, match="backend='cuda' cannot run here"):
@@ -440,6 +440,41 @@ def test_backend_table_and_dispatch(monkeypatch):
     assert kc.BACKENDS.choose(None, q, k, v, g, beta, plan)[0] == "triton"
     # the argument wins over the variable
     assert kc.BACKENDS.choose("triton", q, k, v, g, beta, plan)[0] == "triton"
+
+
+@pytest.mark.parametrize("layout", ["cu_seqlens", "batch"])
+def test_torch_row_computes_what_the_triton_row_computes(layout, monkeypatch):
+    """backend='torch' (and the variable) select the reference row, before and after alike; on fresh
+    random fp32 inputs (partial chunks, an empty sequence, initial states) it gives the Triton row's
+    outputs and final states (the interpreter on CPU). It has no launches to hand out."""
+    monkeypatch.delenv(kc.BACKEND_ENV, raising=False)
+    row = kc.BACKENDS["torch"]
+    assert row.before is row.after and row.available()[0]
+    if layout == "cu_seqlens":
+        lengths = [70, 0, 5]
+        q, k, v, g, beta = _inputs(1, sum(lengths), 2, seed=21)
+        cu = torch.tensor([0, 70, 70, 75], dtype=torch.int32, device=DEV)
+    else:
+        lengths, cu = [65, 65], None
+        q, k, v, g, beta = _inputs(2, 65, 2, seed=22)
+    S0 = torch.randn(len(lengths), 2, 128, 128, device=DEV) * 0.5
+    plan = kc.make_plan(lengths, 2, device=DEV)
+    assert kc.BACKENDS.choose("torch", q, k, v, g, beta, plan)[0] == "torch"
+    for variant, kw in (("before", {}), ("after", {"group_size": 1})):
+        o_t, S_t = kc.kda_chunk(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu, variant=variant,
+                                backend="triton", **kw)
+        o_r, S_r = kc.kda_chunk(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu, variant=variant,
+                                backend="torch", **kw)
+        assert o_r.dtype == o_t.dtype and S_r.shape == S_t.shape
+        _check(o_r, S_r, o_t.double(), S_t.double())
+    if cu is not None:
+        torch.testing.assert_close(S_r[1], S0[1], rtol=0, atol=0)  # the empty sequence: its initial state
+    monkeypatch.setenv(kc.BACKEND_ENV, "torch")
+    o_e, _ = kc.kda_chunk(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu, variant="after", group_size=1)
+    assert torch.equal(o_e, o_r)  # the variable forces the same row
+    monkeypatch.delenv(kc.BACKEND_ENV)
+    with pytest.raises(ValueError, match="backend='torch' cannot run here: .* provides no prologue"):
+        kc.after_launches(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu, plan=plan, backend="torch")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,12 +25,16 @@ would reach the earlier tokens of its chunk: `inputs`), at one device sync per c
 `inputs.dot_precisions`.
 
 Backends (`BACKENDS`, k3lab.ops' contract: tried in priority order; `backend=` or K3LAB_KDA_CHUNK_BACKEND
-forces one by name; each provides the parts 'prologue', 'summaries' and 'replay'):
+forces one by name; each provides 'before' and 'after', the whole prefill, and the kernel rows the
+launches 'prologue', 'summaries' and 'replay'):
   'cuda'   kernels/kda_chunk_prologue.cu and kda_chunk_walk.cu (`cuda`): the prologue in one launch, the
            summaries and the replay; bf16 on NVIDIA GPUs. The scan and the plain walk stay Triton (why:
            docs/kda_scan.md).
   'triton' the Triton 'rows' prologue (`prologue`), walks (`walk`) and scan (`scan`): any GPU Triton
            compiles for, and the CPU through Triton's interpreter (fp32 there: its bf16 dots are wrong).
+  'torch'  the plain-PyTorch reference (k3lab.nn.kda.kda_chunked in fp32), before and after alike; any
+           device, last in priority; no launches of its own, so `after_launches` and
+           `kda_chunk_prologue` take the kernel rows only.
 On ROCm the Triton backend runs; it has not yet been run on AMD hardware by this project.
 Figures and the forms that lost: docs/kda_scan.md.
 """
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3lab.nn.kda import kda_chunked
 from k3lab.ops import Backend, Backends, triton_available
 
 from . import cuda, prologue, scan, walk
@@ -59,14 +64,45 @@ def _triton_replay(work, plan, o, s_final, s_in) -> None:
     walk.walk(work, plan, o, s_final, s_in, plan.grp_index)
 
 
+def _kernels(q, k, v, g, beta, initial_state, call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
+    # a kernel row's before and after alike: the call's plan says walk (no groups) or group scan
+    return _run(_launches(q, k, v, g, beta, initial_state, call))
+
+
+def _reference(q, k, v, g, beta, initial_state, call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 'torch' row: k3lab.nn.kda.kda_chunked in fp32, sequence by sequence (the plan's bounds), into
+    the call's o and final state; an empty sequence hands its initial state back."""
+    bos = 0  # B > 1: sequence n is row n; B = 1: the sequences follow one another (cu_seqlens)
+    for n, length in enumerate(call.plan.lengths):
+        rows, toks = (slice(n, n + 1), slice(0, length)) if q.shape[0] > 1 else (slice(0, 1),
+                                                                                   slice(bos, bos + length))
+        bos += length
+        s0 = None if initial_state is None else initial_state[n:n + 1].float()
+        if not length:
+            call.s_final[n] = 0 if s0 is None else s0[0]
+            continue
+        o, s = kda_chunked(*(t[rows, toks].float() for t in (q, k, v, g, beta)), scale=call.scale,
+                           initial_state=s0)
+        call.o[rows, toks] = o.to(call.o.dtype)
+        call.s_final[n] = s[0]
+    return call.o, call.s_final
+
+
 # parts: 'prologue' (q, k, v, g, beta, plan, scale, work) -> {name: launch}; 'summaries' (work, plan, sums);
-# 'replay' (work, plan, o, s_final, s_in). verify: (q, k, v, g, beta, plan) -> (ok, why)
+# 'replay' (work, plan, o, s_final, s_in); 'before' / 'after' (q, k, v, g, beta, initial_state, call) ->
+# (o, final state), the whole prefill on a prepared call. verify: (q, k, v, g, beta, plan) -> (ok, why).
+# 'torch' is the plain-PyTorch reference (k3lab.nn.kda.kda_chunked in fp32), before and after alike, on
+# any device, last in priority; it has no launches (after_launches and the prologue alone need a kernel row).
 BACKENDS = Backends(
     "kda_chunk",
     Backend("cuda", 0, cuda.available, cuda.verify,
-            parts={"prologue": _cuda_prologue, "summaries": cuda.summaries, "replay": cuda.replay}),
+            parts={"prologue": _cuda_prologue, "summaries": cuda.summaries, "replay": cuda.replay,
+                   "before": _kernels, "after": _kernels}),
     Backend("triton", 1, triton_available,
-            parts={"prologue": prologue.launches, "summaries": walk.summaries, "replay": _triton_replay}),
+            parts={"prologue": prologue.launches, "summaries": walk.summaries, "replay": _triton_replay,
+                   "before": _kernels, "after": _kernels}),
+    Backend("torch", 2, lambda: (True, "the PyTorch reference (k3lab.nn.kda.kda_chunked in fp32)"),
+            parts={"before": _reference, "after": _reference}),
 )
 BACKEND_ENV = BACKENDS.env
 
@@ -82,11 +118,12 @@ class _Call:
 
 
 def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, scan_groups: bool, group_size, plan, work,
-             backend, check_values=True, outputs=True) -> _Call:
+             backend, need: str, check_values=True, outputs=True) -> _Call:
     """Validate once per call (reading cu_seqlens and the values waits for the GPU), build or check plan
     and work, pick the backend and allocate the outputs. scan_groups: the after (a plan with groups
     where `choose_group_size` says they pay) rather than the before (a plan without groups); outputs:
-    allocate o and the final state (not for the prologue alone)."""
+    allocate o and the final state (not for the prologue alone); need: the callable the caller will
+    call on the chosen row ('before', 'after', or 'prologue' for launches)."""
     lengths, H, scale = validate(q, k, v, g, beta, initial_state, cu_seqlens, scale,
                                  check_values=check_values)
     if plan is None:
@@ -100,11 +137,11 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, scan_groups:
         if not scan_groups and plan.uses_scan:
             raise ValueError("plan uses groups (a scan plan); kda_chunk_before needs a plan with "
                              "group_size=None")
-    if work is None:
+    row = BACKENDS.pick(backend, q, k, v, g, beta, plan, need=need)
+    if work is None and row.provides("prologue"):  # the reference row launches nothing: no work buffers
         work = alloc_work(plan.n_chunks, H, q.dtype, q.device)
-    else:
+    elif work is not None:
         check_work(work, plan, q.dtype, q.device)
-    row = BACKENDS.pick(backend, q, k, v, g, beta, plan)
     if not outputs:
         return _Call(plan, work, row, scale, None, None)
     o = torch.empty(q.shape[0], q.shape[1], H, HEAD_DIM, dtype=q.dtype, device=q.device)
@@ -155,8 +192,8 @@ def kda_chunk_before(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlen
     reuse; backend: a name in BACKENDS, None for the first that runs here. check_values: refuse a NaN or
     infinity in k, v, g or beta (one device sync); False where the caller made them (a study's inputs)."""
     call = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, scan_groups=False, group_size=None,
-                    plan=plan, work=work, backend=backend, check_values=check_values)
-    return _run(_launches(q, k, v, g, beta, initial_state, call))
+                    plan=plan, work=work, backend=backend, need="before", check_values=check_values)
+    return call.row.before(q, k, v, g, beta, initial_state, call)
 
 
 def kda_chunk_after(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, *,
@@ -168,8 +205,8 @@ def kda_chunk_after(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens
     or a plan, not both)."""
     call = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, scan_groups=True,
                     group_size=group_size,
-                    plan=plan, work=work, backend=backend, check_values=check_values)
-    return _run(_launches(q, k, v, g, beta, initial_state, call))
+                    plan=plan, work=work, backend=backend, need="after", check_values=check_values)
+    return call.row.after(q, k, v, g, beta, initial_state, call)
 
 
 def after_launches(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, *, plan: KdaPlan,
@@ -180,7 +217,7 @@ def after_launches(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=
     are checked here, when the launches are bound; the callables (and a CUDA graph of them) do not check
     again, so what is later written into the same tensors is the caller's to keep finite."""
     call = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, scan_groups=True, group_size=None,
-                    plan=plan, work=work, backend=backend)
+                    plan=plan, work=work, backend=backend, need="prologue")
     return _launches(q, k, v, g, beta, initial_state, call)
 
 
@@ -192,7 +229,7 @@ def kda_chunk_prologue(q, k, v, g, beta, plan: KdaPlan, scale: float | None = No
     if plan is None:
         raise ValueError("the prologue needs a plan (make_plan)")
     call = _prepare(q, k, v, g, beta, scale, None, None, scan_groups=True, group_size=None, plan=plan,
-                    work=work, backend=backend, outputs=False)
+                    work=work, backend=backend, need="prologue", outputs=False)
     if plan.n_chunks:
         for launch in call.row.prologue(q, k, v, g, beta, plan, call.scale, call.work).values():
             launch()

@@ -103,14 +103,15 @@ def hta_status() -> tuple[bool, str]:
 
 @contextlib.contextmanager
 def _quiet_hta():
-    """HTA prints a line per parsed file and per stage; keep a notebook's output to the result."""
+    """HTA logs a line per parsed file and per stage, at WARNING level; keep a notebook's output to the
+    result (HTA's errors still show)."""
     import io
     import logging
     import warnings
 
     logger = logging.getLogger("hta")
     level = logger.level
-    logger.setLevel(logging.WARNING)
+    logger.setLevel(logging.ERROR)
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore", category=FutureWarning)  # HTA's pandas calls (inplace=...)
         warnings.simplefilter("ignore", category=DeprecationWarning)
@@ -151,11 +152,14 @@ def hta_steps(folder) -> list[int]:
                 .get_profiler_steps()]
 
 
-def hta_trace_diff(before, after) -> pd.DataFrame:
-    """HTA's trace diff of two HTA folders (`write_hta_folder`) over every step each holds, GPU kernels
-    only, by kernel name: before_calls, before_us, after_calls, after_us, diff_calls, diff_us and
+def hta_trace_diff(before, after, *, device: str = "gpu") -> pd.DataFrame:
+    """HTA's trace diff of two HTA folders (`write_hta_folder`) over every step each holds, by name:
+    GPU kernels (device='gpu') or CPU ops and named ranges, the step marks left out (device='cpu', for
+    a trace captured on a CPU): before_calls, before_us, after_calls, after_us, diff_calls, diff_us and
     HTA's change mark ('+' new, '-' gone, '=' same count, ...). RuntimeError naming the fallback
     (k3lab.profile.trace_diff) when HTA is not installed."""
+    if device not in ("gpu", "cpu"):
+        raise ValueError(f"device: expected 'gpu' or 'cpu', got {device!r}")
     ok, why = hta_status()
     if not ok:
         raise RuntimeError(why)
@@ -164,7 +168,10 @@ def hta_trace_diff(before, after) -> pd.DataFrame:
     steps = [hta_steps(f) for f in (before, after)]
     with _quiet_hta():
         df = TraceDiff.compare_traces(str(before), str(after), control_iteration=steps[0],
-                                      test_iteration=steps[1], device_type=DeviceType.GPU)
+                                      test_iteration=steps[1],
+                                      device_type=DeviceType.GPU if device == "gpu" else DeviceType.CPU)
+    if device == "cpu":
+        df = df[~df.index.str.startswith(("ProfilerStep#", STEP_PREFIX))]
     names = {"Control_counts": "before_calls", "Control_total_duration": "before_us",
              "Test_counts": "after_calls", "Test_total_duration": "after_us", "diff_counts": "diff_calls",
              "diff_duration": "diff_us", "counts_change_categories": "change"}

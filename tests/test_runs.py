@@ -78,6 +78,7 @@ def test_an_amd_record_contradicts_every_amd_statement(tmp_path):
     ("The ncu and nsys paths have not yet been run on a GPU by this project.", {"GPU"}),
     ("Compiled only: no AMD timing, nothing run on AMD hardware.", {"AMD GPU"}),
     ("on sm90 it runs; its gfx950 code is compiled\nonly.", {"AMD GPU"}),
+    ("Nothing here has run on AMD\nhardware, and no figure is a timing.", {"AMD GPU"}),
     ("no GPU record yet", set()),
 ])
 def test_statements_are_read_across_lines_and_by_target(text, targets):

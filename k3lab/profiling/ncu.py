@@ -13,9 +13,8 @@ launch, one column per metric, a units row under the header). Anything before th
 program's own output, "==PROF==" lines) is skipped; "n/a" becomes NaN; thousands separators
 (en-US "1,234.5") are removed. A comma-decimal locale ("65,77") is not supported.
 
-The parser is tested on an excerpt of a real ncu CSV. ncu has been run on the H200 on this project's
-kernels (by hand, not through this command; docs/kda_scan.md quotes the counters), and those captures
-are in git's history rather than in profiles/.
+The parser is tested on an excerpt of a real ncu CSV. Where `k3lab profile --tool ncu` has run is
+data, not this text: `k3lab.studies.runs` (part `profile_tools`), held to the records under profiles/.
 """
 
 from __future__ import annotations

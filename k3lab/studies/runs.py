@@ -51,7 +51,8 @@ STATEMENTS: dict[str, re.Pattern] = {
                             "NCCL / RCCL ... not yet run on a GPU"),
     "AMD GPU": _phrase("not yet run on AMD hardware", "not yet been run on AMD hardware",
                        "not yet run on ROCm", "not run on AMD hardware", "not yet on AMD hardware",
-                       "nothing run on AMD hardware", "compiled only: no AMD timing",
+                       "nothing run on AMD hardware", "nothing here has run on AMD hardware",
+                       "compiled only: no AMD timing",
                        "gfx950 code is compiled only"),
     "GPU": _phrase("not yet run on a GPU", "not yet been run on a GPU", "GPU path is not yet run"),
 }
@@ -99,8 +100,10 @@ RUNS: tuple[Run, ...] = (
         _h200("occupancy"), {"AMD GPU": ()}),
     Run("triton_on_amd", "the Triton kernels through Triton's AMD backend (compiled for gfx950 / gfx942 "
         "in CI; docs/mi355x.md)", {},
-        {"AMD GPU": ("README.md", "docs/instructor.md", "k3lab/isa/__main__.py", "k3lab/isa/views.py",
-                     "notebooks/04_mla_padding.ipynb", "k3lab/ops/moe_experts/mxfp4_kernels.py",
+        {"AMD GPU": ("README.md", "docs/instructor.md", "docs/mi355x.md", "k3lab/isa/__init__.py",
+                     "k3lab/isa/__main__.py", "k3lab/isa/views.py",
+                     "notebooks/04_mla_padding.ipynb", "notebooks/05b_kda_deep_dive.ipynb",
+                     "k3lab/ops/moe_experts/mxfp4_kernels.py",
                      "k3lab/ops/gemv.py",
                      "k3lab/ops/attn_res_norm/inputs.py", "k3lab/ops/kda_chunk/__init__.py",
                      "k3lab/ops/kda_verify/__init__.py", "k3lab/ops/kda_verify/inputs.py",

@@ -113,3 +113,13 @@ def test_relative_imports_resolve_to_their_room():
     assert imported_rooms("k3lab/ops/mla_decode/__init__.py", "from ...config import C\n") == {"config"}
     assert imported_rooms("k3lab/ops/mla_decode/triton.py", "from ...engine import rows\n") == {"engine"}
     assert imported_rooms("k3lab/studies/dcp/measure.py", "from .cases import c\n") == set()
+
+
+def test_bench_names_runtimes_checks_and_capture():
+    # the measuring API includes checking a result: the studies, tests and notebooks reach runtime's own
+    # objects through bench, not copies of them
+    from k3lab import bench, runtime
+
+    names = ("check", "check_all", "TOLERANCES", "Tolerance", "CheckFailed", "tolerance_for", "capture_graph")
+    assert all(getattr(bench, n) is getattr(runtime, n) for n in names)
+    assert set(names) <= set(bench.__all__) and set(names) <= set(runtime.__all__)

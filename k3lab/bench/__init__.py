@@ -13,7 +13,7 @@ One place for each of these, used by the studies, notebooks, the CLI and the tes
 
 Checking a result is part of measuring it (a study checks each variant before it times it), so the
 measuring API names `check`, its bounds and `capture_graph` too; they live in `k3lab.runtime`, which the
-engine, parallel/, serving and the workshop import instead of this package (they check and capture while
+engine, parallel/ and the workshop import instead of this package (they check and capture while
 they run, but measure nothing). bench imports runtime, never the other way.
 
 No dependency on triton.testing (its do_bench needs a GPU driver and hides its choices); plotly is

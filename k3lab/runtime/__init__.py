@@ -7,7 +7,7 @@ its reference under a per-dtype error bound, and capturing work as a CUDA/HIP gr
 - `capture_graph`  capture successive calls of a function into a CUDA/HIP graph to replay.
 
 Why a room of its own: the engine (a captured decode step), parallel/ (a rank's result against the
-single-rank layer), serving and the workshop's graders use these while they run, and none of them
+single-rank layer) and the workshop's graders use these while they run, and none of them
 measures. Keeping them out of `k3lab.bench` (timing, floors, records) lets those rooms import no
 measuring code; bench imports from here, never the other way. A package rather than one module
 because the two halves share nothing (checks need only torch tensors, graphs a GPU stream) and

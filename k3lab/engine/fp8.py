@@ -17,12 +17,13 @@ normal), about 2.6% rms, and a projection's output is about 3.5% rms from the un
 An activation's quantization is five small PyTorch ops (row amax, two on the scale, divide, cast)
 before the one `_scaled_mm`.
 
-One row on a GPU (decode at batch 1): the activation is not quantized; `k3lab.ops.gemv` reads the e4m3fn
-weight with its row scales and multiplies the activation as it is (W8A16), one launch per projection.
+One row (decode at batch 1; on a GPU, or a CPU in Triton's interpreter): the activation is not
+quantized; `k3lab.ops.gemv` reads the e4m3fn weight with its row scales and multiplies the activation
+as it is (W8A16), one launch per projection.
 At one row a projection is a weight stream, so the saving is the weight's bytes, and the five
 quantization launches (each a few microseconds of latency) would cost more than the product itself.
 The result is the product with the dequantized weight (`Fp8Linear.dequantize`), closer to the
-unquantized one than W8A8's. More rows, or the CPU, take the W8A8 path above.
+unquantized one than W8A8's. More rows, or emulated weights, take the W8A8 path above.
 
 Shapes: cuBLASLt takes the inner dimension K and the output width N in multiples of 16; the token
 dimension M is not restricted (torch checks only K and N), so decode's M = batch x q_len runs unpadded.
@@ -154,15 +155,16 @@ def gemv_one_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = 
 
 def one_row(x, w) -> bool:
     """Whether `fp8_linear(x, w)` takes the one-row W8A16 path (module docstring): x a single row with
-    contiguous columns on a GPU where k3lab.ops.gemv runs, w real (not emulated) FP8."""
-    return isinstance(w, Fp8Linear) and not w.emulated and _one_row_x(x)
+    contiguous columns where k3lab.ops.gemv runs (a GPU, or Triton's interpreter on a CPU: the same
+    arithmetic as the GPU's), w real (not emulated) FP8."""
+    return isinstance(w, Fp8Linear) and not w.emulated and _one_row_x(x, cpu=True)
 
 
 def one_row_parts(x, weights) -> list | None:
     """[(weight, row scales or None), ...] for `k3lab.ops.gemv.gemv_stack` when every weight of
     `weights` takes x by the one-row GEMV (a `GemvWeight`, or an FP8 weight where `one_row(x, w)`) and
-    x is one row on a GPU; else None (each runs through `linear`)."""
-    if not _one_row_x(x):
+    x is one row where the GEMV runs (`one_row`); else None (each runs through `linear`)."""
+    if not _one_row_x(x, cpu=True):
         return None
     out = []
     for w in weights:

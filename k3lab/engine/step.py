@@ -46,7 +46,7 @@ from k3lab.ops import kda_decode, mla_decode
 from k3lab.ops.mla_decode import fp8_cache
 
 from . import fp8, layers
-from .switches import resolve
+from .switches import resolve, settings
 from .weights import KDAWeights, RankWeights
 
 COLLECTIVES = ("stand_in", "skip")
@@ -114,6 +114,7 @@ class DecodeStep:
         self.q_len = _check_int("q_len", q_len, 1, MAX_Q_LEN)
         if collectives not in COLLECTIVES:
             raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
+        settings(optimizations, projections, precision)  # bad settings refused before weights are drawn
         if isinstance(weights, RankWeights):
             if weights.config != config:
                 raise ValueError(f"weights are for {weights.config.name}, not for config {config.name}")

@@ -165,3 +165,46 @@ def test_bad_precision_is_refused_before_anything_runs(bad, monkeypatch):
         DecodeStep(SMALL, 1, 4, device="cpu", optimizations={"precision": bad})
     with pytest.raises(ValueError, match="precision must be one of"):
         resolve("all", "cpu", torch.float32, 1, precision=bad)
+
+
+@pytest.mark.parametrize("precision", ("bf16", "fp8", "article"))
+def test_part_bytes_of_the_moe_and_mla_parts_at_each_precision(precision):
+    """measure.part_bytes' MoE and MLA parts against the bytes of tensors stored as that precision
+    stores them: RankWeights drawn at the TP2 tiny slice and converted (`to_fp8`, `to_article`), each
+    tensor's own storage summed (FP8 projections with their row scales, MXFP4 codes with their block
+    scales), the routed experts at the expected number of distinct experts chosen, the MLA cache from
+    an FP8 tensor's element size and its scale."""
+    from k3lab.studies.decode_step.measure import CPU_CONFIG as c
+    from k3lab.studies.decode_step.measure import part_bytes
+
+    w = RankWeights.random(c, distinct_layers=1, dtype=torch.bfloat16)
+    w = {"bf16": w, "fp8": w.to_fp8(emulated=True), "article": w.to_article(emulated=True)}[precision]
+    moe = w.layers[c.first_k_dense_replace].mlp
+    mla = w.layers[c.layer_types.index("mla")].attn
+
+    def stored(part, names):
+        total = 0
+        for n in names:
+            t = getattr(part, n)
+            total += t.nbytes() if callable(getattr(t, "nbytes", None)) else (
+                t.nbytes if isinstance(t, Mxfp4Weight) else t.numel() * t.element_size())
+        return total
+
+    batch, ctx = 3, 40
+    got = part_bytes(c, batch, ctx, tail="replicated", precision=precision)
+    E, k = c.num_experts, c.num_experts_per_token
+    chosen = E * (1 - (1 - k / E) ** batch)
+    per_expert = stored(moe, ("w1", "w3", "w2")) / E
+    assert got["moe"]["weights_dense"] == c.num_moe_layers * stored(
+        moe, ("gate", "down", "up", "shared_in", "shared_down"))
+    assert got["moe"]["weights_experts"] == pytest.approx(c.num_moe_layers * chosen * per_expert, rel=1e-12)
+    assert got["mla"]["weights_dense"] == c.num_mla_layers * stored(
+        mla, ("w_in", "q_b", "w_uk", "w_uv", "o_proj"))
+    dtype = torch.float8_e4m3fn if precision == "article" else torch.bfloat16
+    rows = torch.empty(batch, ctx + 2, c.mla_latent_dim, dtype=dtype)
+    scale = 4 if precision == "article" else 0
+    assert got["mla"]["mla_cache"] == c.num_mla_layers * (rows.numel() * rows.element_size() + scale)
+    if precision == "article":  # 4.25 bits a routed weight
+        assert per_expert == 3 * c.moe_intermediate_size * c.routed_expert_hidden_size * 4.25 / 8
+    with pytest.raises(ValueError, match="precision must be one of"):
+        part_bytes(c, 1, 8, precision="fp4")

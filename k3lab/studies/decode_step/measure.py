@@ -97,39 +97,63 @@ def variant_floor(case_floor: dict, experts_read: int | None, expert_nbytes: int
                 experts_read=experts_read)
 
 
+PRECISIONS = ("bf16", "fp8", "article")  # part_bytes' number formats (k3lab.engine.switches.PRECISIONS)
+
+
 def part_bytes(config: K3Config, batch: int, context_len: int, q_len: int = 1, *, tail: str = "sharded",
-               act_bytes: int = 2, cache_bytes: int = 2) -> dict[str, dict[str, float]]:
+               act_bytes: int = 2, cache_bytes: int = 2,
+               precision: str = "bf16") -> dict[str, dict[str, float]]:
     """The bytes of `step_bytes`, per layer kind of the step: 'kda', 'mla', 'moe', 'dense' and 'ends'
     (the lm_head slice and the embedding rows), each a dict of the same keys as `step_bytes`' parts
     (weights_dense, weights_experts, mla_cache, kda_state, kda_conv; the ones a kind does not move are
-    0). Summed over the kinds they give `step_bytes`."""
+    0). Summed over the kinds they give `step_bytes`.
+
+    precision: the step's number formats (DecodeStep(precision=)). 'bf16': every weight at `act_bytes`,
+    the MLA cache at `cache_bytes` a value. 'fp8': the projections stored in FP8
+    (k3lab.engine.weights.FP8_PROJECTIONS) at a byte a value of the matrix padded to 16 x 16 plus a 4-byte
+    scale per padded row (`RankWeights.projection_bytes('fp8')`), the rest as 'bf16'. 'article': 'fp8'
+    plus the routed experts in MXFP4 (4.25 bits a weight: half a byte of code and a one-byte scale per
+    32) and the MLA cache in FP8 (one byte a value, `cache_bytes` not read, plus its fp32 scale, 4 bytes
+    a layer)."""
+    from k3lab.engine import fp8, mxfp4
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     c, N = config, batch * q_len
     h, C, H = c.hidden_size, c.kda_width, c.kda_num_heads
-    kda = (4 * C + H + c.kda_gate_rank) * h + C * c.kda_gate_rank + h * C
-    mla = ((c.q_lora_rank + c.mla_latent_dim + c.num_attention_heads * c.v_head_dim) * h
-           + c.num_attention_heads * c.qk_head_dim * c.q_lora_rank
-           + 2 * c.num_attention_heads * c.qk_nope_head_dim * c.kv_lora_rank + h * c.num_attention_heads
-           * c.v_head_dim)
+    nh, L = c.num_attention_heads, c.routed_expert_hidden_size
+    quantized = precision in ("fp8", "article")
+
+    def proj(n: int, k: int) -> float:  # one FP8_PROJECTIONS matrix [n, k] as this precision stores it
+        return float(fp8.round_up(n) * (fp8.round_up(k) + 4) if quantized else n * k * act_bytes)
+
     up_rows = h // c.tp_size if tail == "sharded" else h
-    L = c.routed_expert_hidden_size
-    moe = c.num_experts * h + L * h + up_rows * L + 3 * c.shared_intermediate_size * h
-    dense = 3 * c.intermediate_size * h
+    kda = proj(4 * C + H + c.kda_gate_rank, h) + proj(h, C) + C * c.kda_gate_rank * act_bytes
+    mla = (proj(c.q_lora_rank + c.mla_latent_dim + nh * c.v_head_dim, h)
+           + proj(nh * c.qk_head_dim, c.q_lora_rank) + proj(h, nh * c.v_head_dim)
+           + 2 * nh * c.qk_nope_head_dim * c.kv_lora_rank * act_bytes)
+    S = c.shared_intermediate_size
+    shared = proj(2 * S, h) + proj(h, S) if c.num_shared_experts else 0.0
+    moe = proj(L, h) + shared + (c.num_experts * h + up_rows * L) * act_bytes
+    dense = proj(2 * c.intermediate_size, h) + proj(h, c.intermediate_size)
     ends = c.vocab_size * h + N * h  # lm_head slice, embedding rows
     E, k = c.num_experts, c.num_experts_per_token
     chosen = E * (1.0 - (1.0 - k / E) ** N)
+    F = c.moe_intermediate_size
+    expert = float(3 * mxfp4.nbytes(F, L) if precision == "article" else 3 * F * L * act_bytes)
+    rows = batch * (context_len + 2 * q_len) * c.mla_latent_dim
+    cache = rows + 4 if precision == "article" else rows * cache_bytes
     zero = dict.fromkeys(("weights_dense", "weights_experts", "mla_cache", "kda_state", "kda_conv"), 0.0)
     return {
-        "kda": dict(zero, weights_dense=float(c.num_kda_layers * kda * act_bytes),
+        "kda": dict(zero, weights_dense=float(c.num_kda_layers * kda),
                     kda_state=float(c.num_kda_layers * batch * 2 * c.kda_state_bytes_per_sequence()),
                     kda_conv=float(c.num_kda_layers * batch * 2 * c.kda_conv_state_values_per_sequence()
                                    * act_bytes)),
-        "mla": dict(zero, weights_dense=float(c.num_mla_layers * mla * act_bytes),
-                    mla_cache=float(c.num_mla_layers * batch * (context_len + 2 * q_len) * c.mla_latent_dim
-                                    * cache_bytes)),
-        "moe": dict(zero, weights_dense=float(c.num_moe_layers * moe * act_bytes),
-                    weights_experts=float(c.num_moe_layers * chosen * 3 * c.moe_intermediate_size * L
-                                          * act_bytes)),
-        "dense": dict(zero, weights_dense=float(c.first_k_dense_replace * dense * act_bytes)),
+        "mla": dict(zero, weights_dense=float(c.num_mla_layers * mla),
+                    mla_cache=float(c.num_mla_layers * cache)),
+        "moe": dict(zero, weights_dense=float(c.num_moe_layers * moe),
+                    weights_experts=float(c.num_moe_layers * chosen * expert)),
+        "dense": dict(zero, weights_dense=float(c.first_k_dense_replace * dense)),
         "ends": dict(zero, weights_dense=float(ends * act_bytes)),
     }
 

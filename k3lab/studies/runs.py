@@ -282,13 +282,14 @@ def write_readme(path: Path = REPO / "README.md") -> bool:
     return write_between(path, TABLE_BEGIN, TABLE_END, markdown())
 
 
-def section_main(argv: list[str] | None, *, prog: str, doc: str, what: str, markdown, write) -> None:
-    """The command line every generated README section shares: print the section (`markdown()`), or with
-    --write rewrite it in README.md (`write()`, True when the file changed)."""
+def section_main(argv: list[str] | None, *, prog: str, doc: str, what: str, markdown, write,
+                 target: str = "README.md") -> None:
+    """The command line every generated section of a page shares: print the section (`markdown()`), or
+    with --write rewrite it in `target` (`write()`, True when the file changed)."""
     parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help=f"rewrite README.md's {what}")
+    parser.add_argument("--write", action="store_true", help=f"rewrite {target}'s {what}")
     if parser.parse_args(argv).write:
-        print("README.md", "rewritten" if write() else "unchanged")
+        print(target, "rewritten" if write() else "unchanged")
     else:
         print(markdown(), end="")
 

@@ -5,8 +5,9 @@
 #
 # Downloads into the ignored .whl/ the wheels of what k3lab needs that such an image may lack (the
 # notebook and plotting stack, latex2mathml, nbval, pytest-xdist, pytest-timeout, hypothesis, tqdm,
-# fla-core), for CPython 3.12 on x86-64, and FlashMLA's library into .cache/peers/. Packages a GPU image
-# already holds (torch, triton, numpy, pytest and its plugins' base) are left out so they are not shadowed.
+# fla-core, HolisticTraceAnalysis), for CPython 3.12 on x86-64, and FlashMLA's library into
+# .cache/peers/. Packages a GPU image already holds (torch, triton, numpy, pytest and its plugins' base)
+# are left out so they are not shadowed.
 # docs/gpu_check.md says how to install them there and run the check.
 set -euo pipefail
 [ -f pyproject.toml ] && grep -q '^name = "k3lab"' pyproject.toml || { echo "run me from the k3lab checkout's root"; exit 2; }
@@ -20,6 +21,9 @@ tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 python3 -m pip download -q $plat -d "$tmp" plotly ipywidgets nbval nbclient nbformat nbconvert ipykernel \
   jupyterlab_widgets widgetsnbextension tqdm latex2mathml pytest-xdist pytest-timeout hypothesis einops
 python3 -m pip download -q --no-deps $plat -d "$tmp" fla-core==0.6.0
+# HTA (pyproject's hta extra) and the PyYAML it imports without declaring it, about 1.2 MB; the networkx
+# and psutil it also imports are the image's (torch brings networkx). pydot is not imported on k3lab's path.
+python3 -m pip download -q --no-deps $plat -d "$tmp" HolisticTraceAnalysis==0.5.0 pyyaml
 rm -rf .whl && mkdir .whl
 keep_image='^(pytest|pluggy|iniconfig|coverage|packaging|jinja2|markupsafe|attrs|psutil|pygments|typing_extensions|narwhals|python_dateutil|tzdata|numpy|torch|triton)-'
 for f in "$tmp"/*.whl; do basename "$f" | grep -qiE "$keep_image" || cp "$f" .whl/; done

@@ -182,8 +182,7 @@ def compare(before, after, *, min_share: float = 0.05, top: int = 12) -> Compari
                              "after_us": d["us_after"] * steps["after"]})
         diff["diff_us"] = diff["after_us"] - diff["before_us"]
         source = "k3lab"
-        note = (f"HTA not used ({why}): k3lab's own kernel_table and trace_diff of {rows} instead; "
-                "pip install -e '.[hta]' for HTA's")
+        note = f"HTA not used ({why}): k3lab's own kernel_table and trace_diff of {rows} instead"
     breakdown = pd.concat([p.head(top).assign(variant=v) for v, p in parts.items()], ignore_index=True)
     before_total = float(parts["before"]["total_us"].sum()) if device == "gpu" else _step_us(frames["before"])
     return Comparison(breakdown[list(BREAKDOWN_COLUMNS)], _select(diff, before_total, min_share).head(top),

@@ -26,7 +26,9 @@ projections run ('bf16': the matrix library in the weights' dtype; 'gemv': the s
 products by k3lab.ops.gemv; 'fp8': e4m3fn weights, `fp8.resolve_projections`), and `precision`, the
 number formats of the step ('bf16': the weights' dtype; 'fp8': FP8 dense projections; 'article': the
 article's MXFP4 routed experts, FP8 dense projections and an FP8 MLA latent cache). Either may be given
-in the optimizations dict or as a keyword; `Resolved.projections` says what runs and `notes['projections']`
+in the optimizations dict or as a keyword. Unset at precision 'bf16', the projections are
+`rows.default_projections(tokens)`: the one-row GEMV where the step has one token (decode at batch 1),
+the matrix library above; `Resolved.projections` says what runs and `notes['projections']`
 why where the form asked for cannot run as asked.
 
 At precision='article' the rows bound differ in two ops, settled here once like every other:
@@ -122,9 +124,8 @@ class Resolved:
             + (f" ({self.notes[n]})" if n in self.notes else "")
             for n in SWITCHES
         ]
-        note = self.notes.get("projections")
-        return lines + [f"projections: {self.projections}" + (f" ({note})" if note else ""),
-                        f"precision: {self.precision}"]
+        note = self.notes.get("projections") or _PROJECTIONS_RUN.get(self.projections, "torch.matmul")
+        return lines + [f"projections: {self.projections} ({note})", f"precision: {self.precision}"]
 
     def label(self) -> str:
         """'all on', 'all off', 'all on but X', or the list of switches that are on; ', fp8 projections'
@@ -140,6 +141,11 @@ class Resolved:
         else:
             base = "on: " + ", ".join(n for n in applied if self.on[n])
         return base + (f", {self.projections} projections" if self.projections.startswith("fp8") else "")
+
+
+_PROJECTIONS_RUN = {"gemv": "k3lab.ops.gemv's one-row kernel where a projection takes one row, torch.matmul "
+                            "above", "fp8": "e4m3fn weights: k3lab.ops.gemv's one-row kernel (W8A16) at one "
+                            "row, torch._scaled_mm above", "fp8_emulated": "e4m3fn weights, plain PyTorch"}
 
 
 def _value(name: str, value):
@@ -247,7 +253,10 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
     running a replacement for a switch that is on and cannot run as named on this device, or for
     projections='fp8' where FP8 matmul cannot run. tokens, top_k: the step's tokens (batch x q_len) and
     experts per token, for whether the fused router takes their pairs (None: it is not asked)."""
+    asked = projections is not None or (isinstance(optimizations, dict) and "projections" in optimizations)
     projections, precision = settings(optimizations, projections, precision)
+    if not asked and precision == "bf16":  # the default: the one-row GEMV at one row, the library above
+        projections = rows.default_projections(tokens)
     on = parse(optimizations)
     device = torch.device(device)
     if device.type == "cpu" and torch.cuda.is_available() and not env.triton_interpreted():
@@ -340,7 +349,7 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
                                            {"bind": rows.mla_plan_binder(on["mla_padded"])})
     chosen["packed_matmul"] = rows.Chosen("packed_matmul", impl["pack_where_used"], "",
                                           {"dispatch": rows.pack_policy(on["pack_where_used"])})
-    proj, note = resolve_projections(projections, device, dtype, strict=strict)
+    proj, note = resolve_projections(projections, device, dtype, strict=strict and asked)
     if note:
         notes["projections"] = note
     looped = (chosen["moe_experts"].name == "mxfp4_torch" if precision == "article"

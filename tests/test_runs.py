@@ -79,6 +79,7 @@ def test_an_amd_record_contradicts_every_amd_statement(tmp_path):
     ("Compiled only: no AMD timing, nothing run on AMD hardware.", {"AMD GPU"}),
     ("on sm90 it runs; its gfx950 code is compiled\nonly.", {"AMD GPU"}),
     ("Nothing here has run on AMD\nhardware, and no figure is a timing.", {"AMD GPU"}),
+    ("the datasheet line for a GPU nobody here ran on, labelled projected", {"AMD GPU"}),
     ("no GPU record yet", set()),
 ])
 def test_statements_are_read_across_lines_and_by_target(text, targets):

@@ -52,7 +52,8 @@ STATEMENTS: dict[str, re.Pattern] = {
     "AMD GPU": _phrase("not yet run on AMD hardware", "not yet been run on AMD hardware",
                        "not yet run on ROCm", "not run on AMD hardware", "not yet on AMD hardware",
                        "nothing run on AMD hardware", "nothing here has run on AMD hardware",
-                       "compiled only: no AMD timing",
+                       "nothing in k3lab has run on that device", "a GPU nobody here ran on",
+                       "nothing here ran on it", "compiled only: no AMD timing",
                        "gfx950 code is compiled only"),
     "GPU": _phrase("not yet run on a GPU", "not yet been run on a GPU", "GPU path is not yet run"),
 }
@@ -112,6 +113,8 @@ RUNS: tuple[Run, ...] = (
         {"AMD GPU": ("k3lab/ops/_build.py", "k3lab/ops/attn_res_norm/cuda.py", "k3lab/ops/kda_chunk/cuda.py",
                      "k3lab/ops/kda_verify/cuda.py", "k3lab/ops/mla_decode/cuda.py", "k3lab/isa/hip.py",
                      "notebooks/03_copy_removal.ipynb")}),
+    Run("mi355x", "anything on an MI355X: its rooflines are the datasheet's ceilings, drawn as projected", {},
+        {"AMD GPU": ("docs/profiling.md", "k3lab/profiling/roofline.py", "notebooks/03_copy_removal.ipynb")}),
     Run("aiter", "AITER's padded MLA decode as a backend and peer", {},
         {"AMD GPU": ("docs/mi355x.md", "docs/mla_padding.md", "k3lab/env.py",
                      "k3lab/ops/mla_decode/__init__.py",

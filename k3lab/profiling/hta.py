@@ -8,10 +8,11 @@
 
 Where HTA is installed (the `hta` extra: pip install -e ".[hta]") the tables are HTA's:
 - breakdown: for a trace with GPU kernels, HTA's GPU kernel breakdown (`get_gpu_kernel_breakdown`:
-  per kernel sum/mean/min/max us and its type, the smallest folded into 'others'), share = the kernel's
-  part of the variant's kernel time; for a CPU trace (no GPU kernel) HTA's op summary over the steps
-  (calls and total us per op name, from HTA's own parse), share = the op's time over the steps' time,
-  inclusive of the ops it calls, so nested ops' shares overlap.
+  per kernel sum/mean/min/max us and its type, the smallest folded into 'others'), calls = sum / mean
+  (HTA gives no count), share = the kernel's part of the variant's kernel time; for a CPU trace (no
+  GPU kernel) HTA's op summary over the steps (calls and total us per op name, from HTA's own parse),
+  share = the op's time over the steps' time, inclusive of the ops it calls, so nested ops' shares
+  overlap.
 - diff: HTA's TraceDiff over every step of both folders, GPU kernels or CPU ops (export.hta_trace_diff).
 HTA's parser rounds each event to whole microseconds by default, which makes sub-microsecond CPU ops
 negative; the calls here turn that rounding off (HTA_DISABLE_NS_ROUNDING) for their duration.

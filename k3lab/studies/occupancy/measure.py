@@ -12,6 +12,7 @@ import torch
 from k3lab import bench
 from k3lab.isa.targets import TARGETS, nvidia_blocks_per_sm
 from k3lab.studies import select_cases
+from k3lab.studies.peers import on_gpu
 
 from .tables import CASES, NAME, blocks_by_shared, level_case, planned_levels, reserve_levels
 
@@ -119,7 +120,7 @@ def run(preset=None, cases=None, *, repeats: int = 50) -> list[bench.Record]:
     chosen = select_cases(case_names(), cases)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
-    if not torch.cuda.is_available():
+    if not on_gpu():
         print(f"{NAME}: {CPU_NOTE}")
         for case in chosen:
             print(planned_levels(case).to_string(index=False))

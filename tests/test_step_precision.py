@@ -115,6 +115,21 @@ def test_the_comparison_can_fail(monkeypatch):
 
 
 @CPU_STEP
+def test_article_experts_loop_equals_the_gemv_form():
+    """grouped_experts off at 'article': the PyTorch loop over each chosen expert dequantized, against
+    the MXFP4 GEMV form on the same weights and caches (fp32 both: fp32's bound)."""
+    w = RankWeights.random(SMALL, distinct_layers=1, dtype=torch.float32, seed=5).to_article()
+    ids = torch.tensor([[7]])
+    out = {}
+    for name, opt in (("gemv", "all"), ("loop", {"grouped_experts": False})):
+        step = DecodeStep(SMALL, 1, CONTEXT, weights=w, precision="article", optimizations=opt, seed=5)
+        assert step.resolved.backends["moe_experts"] == f"mxfp4_{'torch' if name == 'loop' else 'gemv'}"
+        with torch.no_grad():
+            out[name] = step(ids).clone()
+    bench.check(out["loop"], out["gemv"].double(), dtype="fp32", name="logits: MXFP4 loop vs GEMV form")
+
+
+@CPU_STEP
 def test_article_step_is_bit_stable_run_to_run():
     step, ids = _article_case(2)
     saved = step.save_state()

@@ -223,3 +223,41 @@ def test_part_bytes_of_the_moe_and_mla_parts_at_each_precision(precision):
         assert per_expert == 3 * c.moe_intermediate_size * c.routed_expert_hidden_size * 4.25 / 8
     with pytest.raises(ValueError, match="precision must be one of"):
         part_bytes(c, 1, 8, precision="fp4")
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@GPU
+def test_gpu_article_kernels_in_the_step_equal_pytorch():
+    """On the GPU (not yet run on one here): the article step (fp32 activations, so the FP8 decode's
+    products run in fp32) against the same step with its two new kernels replaced by PyTorch: the routed
+    experts by the loop over each chosen expert dequantized (grouped_experts off), the FP8 split decode
+    by fp64 attention over the dequantized cache after the same row writer. The FP8 projections and the
+    glue are the same kernels in both, so the bound is fp32's; then a CUDA graph replay equals eager."""
+    w = RankWeights.random(SMALL, distinct_layers=1, dtype=torch.float32, device="cuda", seed=6).to_article()
+    ids = torch.tensor([[5]], device="cuda")
+    fast = DecodeStep(SMALL, 1, CONTEXT, weights=w, precision="article", seed=6)
+    plain = DecodeStep(SMALL, 1, CONTEXT, weights=w, precision="article", seed=6,
+                       optimizations={"grouped_experts": False})
+    assert fast.resolved.backends["moe_experts"] == "mxfp4_gemv"
+    assert plain.resolved.backends["moe_experts"] == "mxfp4_torch"
+    for i, codes in plain.latent.items():
+        scale, q, rows_new = plain.kv_scales[i], plain.q_bufs[i], plain.new_rows[i]
+
+        def plan(codes=codes, scale=scale, q=q, rows_new=rows_new):
+            codes[:, CONTEXT:].copy_(fp8_cache.quantize_rows(rows_new, scale))
+            o = _fp64_attention(q, fp8_cache.dequantize(codes, scale), SMALL.mla_softmax_scale)
+            return o.to(q.dtype), None
+
+        plain.mla_plans[i] = plan
+    saved = fast.save_state()
+    with torch.no_grad():
+        got, want = fast(ids).clone(), plain(ids).clone()
+    bench.check(got, want.double(), dtype="fp32", name="logits: article kernels vs PyTorch")
+    for name, t in plain.cache_entries().items():
+        bench.check(fast.cache_entries()[name], t.double(), dtype="fp32", name=name)
+    assert fast.capturable() == (True, "")
+    fast.capture()
+    fast.restore_state(saved)
+    bench.check(fast.replay().clone(), got.double(), dtype="fp32", name="graph replay vs eager")

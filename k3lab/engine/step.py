@@ -88,11 +88,11 @@ class DecodeStep:
     device / dtype: where the random weights and caches live (default: the GPU with bf16 if there is
     one, else the CPU with fp32). projections: None (the default at precision 'bf16': 'gemv' where the
     step has one token, batch 1 decode, else 'bf16'; `rows.default_projections`), 'bf16' (the dense
-    projections as torch matmuls in the weights' dtype), 'gemv' (the same weights, one-row products by k3lab.ops.gemv: `RankWeights.to_gemv`;
-    where Triton cannot run, torch matmuls with a note) or 'fp8' (`RankWeights.to_fp8`: e4m3fn weights with
-    per-row scales, activations
-    quantized per token, `torch._scaled_mm`; the step quantizes its own copy of bf16 weights, or takes
-    weights already converted). Where FP8 cannot run, a GPU step runs its dtype and says so in
+    projections as torch matmuls in the weights' dtype), 'gemv' (the same weights, one-row products by
+    k3lab.ops.gemv: `RankWeights.to_gemv`; where Triton cannot run, torch matmuls with a note) or 'fp8'
+    (`RankWeights.to_fp8`: e4m3fn weights with per-row scales, activations quantized per token,
+    `torch._scaled_mm`, the one-row GEMV at one row; the step quantizes its own copy of bf16 weights, or
+    takes weights already converted). Where FP8 cannot run, a GPU step runs its dtype and says so in
     `self.resolved.notes['projections']` (ValueError with strict=True); a CPU step whose torch lacks
     CPU e4m3fn products runs a plain-PyTorch emulation of the same arithmetic, said the same way.
     precision: 'bf16' (the weights' dtype), 'fp8' (FP8 dense projections: the same as projections='fp8')

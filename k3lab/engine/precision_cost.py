@@ -158,12 +158,21 @@ def _cache_after(step: DecodeStep):
 def _decode(weights: RankWeights, cache, first: torch.Tensor, steps: int, precision: str, optimizations,
             forced: torch.Tensor | None):
     """`steps` decode steps from `cache` (first token ids [B, 1]): (logits [S, B, V] fp64 on the CPU,
-    tokens [S, B] chosen greedily, what ran). forced [S, B]: feed these tokens instead of the greedy ones."""
-    ids, out, toks, runs = first, [], [], ""
+    tokens [S, B] chosen greedily, what ran). forced [S, B]: feed these tokens instead of the greedy ones.
+
+    An FP8 latent cache (precision='article') takes its per-layer scale from the history it loads (twice
+    its largest magnitude: `step.KV_HEADROOM`), so the values one step leaves re-quantize to the same codes
+    in the next while that scale holds; where a new row passes the history's largest value a step sets
+    a larger one (a server would keep its scale and clamp) and `runs` says at which step."""
+    ids, out, toks, runs, scales, moved = first, [], [], "", None, None
     for t in range(steps):
         step = DecodeStep(weights.config, first.shape[0], cache.length, weights=weights,
                           optimizations=optimizations, precision=precision)
         step.load_cache(cache)
+        now = {i: float(v) for i, v in getattr(step, "kv_scales", {}).items()}
+        if scales is not None and now != scales and moved is None:
+            moved = t
+        scales = now
         with torch.no_grad():
             logits = step(ids)[:, -1].double().cpu()
         out.append(logits)
@@ -172,6 +181,8 @@ def _decode(weights: RankWeights, cache, first: torch.Tensor, steps: int, precis
         nxt = forced[t] if forced is not None else toks[-1]
         ids = nxt.view(-1, 1).to(first.device)
         cache = _cache_after(step)
+    if moved is not None:
+        runs += f"; the FP8 cache's scale was set again at step {moved}"
     return torch.stack(out), torch.stack(toks), runs
 
 

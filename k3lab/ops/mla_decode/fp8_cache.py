@@ -50,6 +50,10 @@ from k3lab.ops.mla_decode.inputs import (DEFAULT_SCALE, LATENT_DIM, LOG2E, MAX_S
 try:
     import triton
     import triton.language as tl
+
+    # the bf16 split decode's pieces: the query tile, the walk over a piece (its tile step converts the
+    # FP8 codes in the load), the piece's store
+    from k3lab.ops.mla_decode.triton import _load_query, _store_piece, walk_piece
 except ImportError:  # plan_fp8 then says so
     triton = None
 
@@ -174,40 +178,6 @@ def check_cache(cache) -> None:
 if triton is not None:
 
     @triton.jit
-    def _fp8_tile(kv_ptr, bt_ptr, b, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, score_scale,
-                  stride_kvp, stride_kvr, stride_btb,
-                  PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
-                  IEEE: tl.constexpr):
-        # One tile of FP8 latent rows at positions `pos` for the program's query rows: the codes are
-        # converted to q's dtype in the load; scores [BLOCK_N, M] = K q^T, acc [DV, M] += K_v^T p^T
-        pmask = pos < end
-        if PAGED:
-            page = tl.load(bt_ptr + b * stride_btb + pos // PAGE_SIZE, mask=pmask, other=0).to(tl.int64)
-            rows = page * stride_kvp + (pos % PAGE_SIZE).to(tl.int64) * stride_kvr
-        else:
-            rows = b.to(tl.int64) * stride_kvp + pos.to(tl.int64) * stride_kvr
-        dt = q_t.dtype
-        at = kv_ptr + rows[:, None]
-        k_c = tl.load(at + tl.arange(0, DV)[None, :], mask=pmask[:, None], other=0.0).to(dt)
-        k_pe = tl.load(at + DV + tl.arange(0, DR)[None, :], mask=pmask[:, None], other=0.0).to(dt)
-        if IEEE:
-            s = tl.dot(k_pe, qpe_t, tl.dot(k_c, q_t, input_precision="ieee"), input_precision="ieee")
-        else:
-            s = tl.dot(k_pe, qpe_t, tl.dot(k_c, q_t))
-        visible = (pos[:, None] <= qpos[None, :]) & pmask[:, None]
-        s = tl.where(visible, s * score_scale, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row that sees nothing yet stays at zero
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        if IEEE:
-            acc = tl.dot(tl.trans(k_c), p.to(dt), acc * alpha[None, :], input_precision="ieee")
-        else:
-            acc = tl.dot(tl.trans(k_c), p.to(dt), acc * alpha[None, :])
-        return m_new, l_i, acc
-
-    @triton.jit
     def _fp8_split_kernel(q_ptr, kv_ptr, kv_scale_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_ptr,
                           heads, q_len, num_splits, head_groups, chunk, sm_scale_log2,
                           stride_qb, stride_qt, stride_qh, stride_kvp, stride_kvr, stride_btb,
@@ -225,49 +195,25 @@ if triton is not None:
         tg = grp // head_groups
         kv_scale = tl.load(kv_scale_ptr)
         score_scale = sm_scale_log2 * kv_scale
-        r = tl.arange(0, TOK_TILE * HEAD_TILE)
-        t = tg * TOK_TILE + r // HEAD_TILE
-        h = hg * HEAD_TILE + r % HEAD_TILE
-        row_ok = (t < q_len) & (h < heads)
-        q_rows = q_ptr + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
-        q_t = tl.load(q_rows[None, :] + tl.arange(0, DV)[:, None], mask=row_ok[None, :], other=0.0)
-        qpe_t = tl.load(q_rows[None, :] + DV + tl.arange(0, DR)[:, None], mask=row_ok[None, :], other=0.0)
+        length = tl.load(len_ptr + b)
+        t, h, row_ok, q_t, qpe_t, qpos = _load_query(q_ptr, b, tg, hg, heads, q_len, length, stride_qb,
+                                                     stride_qt, stride_qh, DV, DR, TOK_TILE, HEAD_TILE)
         if IEEE:  # fp32 products (fp32 queries, and every query in the interpreter: see plan_fp8)
             q_t = q_t.to(tl.float32)
             qpe_t = qpe_t.to(tl.float32)
-        length = tl.load(len_ptr + b)
-        qpos = tl.where(row_ok, length - q_len + t, -1)  # causal inside a verify group
         start = split * chunk
         end = tl.minimum(start + chunk, length)
         M: tl.constexpr = TOK_TILE * HEAD_TILE
         m_i = tl.full([M], -float("inf"), dtype=tl.float32)
         l_i = tl.zeros([M], dtype=tl.float32)
         acc = tl.zeros([DV, M], dtype=tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
-        if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
-            n0 = start
-            while n0 < end:
-                m_i, l_i, acc = _fp8_tile(kv_ptr, bt_ptr, b, n0 + offs_n, end, qpos, q_t, qpe_t, m_i, l_i,
-                                          acc, score_scale, stride_kvp, stride_kvr, stride_btb, PAGED,
-                                          PAGE_SIZE, DV, DR, IEEE)
-                n0 += BLOCK_N
-        else:
-            for n0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _fp8_tile(kv_ptr, bt_ptr, b, n0 + offs_n, end, qpos, q_t, qpe_t, m_i, l_i,
-                                          acc, score_scale, stride_kvp, stride_kvr, stride_btb, PAGED,
-                                          PAGE_SIZE, DV, DR, IEEE)
-        seen = l_i > 0
-        o = acc * kv_scale / tl.where(seen, l_i, 1.0)[None, :]      # the values' scale, applied once
-        lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -float("inf"))
-        offs_v = tl.arange(0, DV)
-        if WRITE_FINAL:
-            o_rows = o_ptr + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
-            tl.store(o_rows[None, :] + offs_v[:, None], o.to(o_ptr.dtype.element_ty), mask=row_ok[None, :])
-            tl.store(lse_ptr + b * stride_lb + t * stride_lt + h, lse2 * 0.6931471805599453, mask=row_ok)
-        else:
-            prow = (b * q_len * heads + t * heads + h).to(tl.int64) * num_splits + split
-            tl.store(op_ptr + prow[None, :] * DV + offs_v[:, None], o, mask=row_ok[None, :])
-            tl.store(lsep_ptr + prow, lse2, mask=row_ok)
+        m_i, l_i, acc = walk_piece(kv_ptr, bt_ptr, b, start, end, qpos, q_t, qpe_t, m_i, l_i, acc,
+                                   score_scale, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE, DV, DR,
+                                   BLOCK_N, IEEE, INTERPRET)
+        # the values' scale, applied once to the sums; the result, or a partial for the merge
+        _store_piece(m_i, l_i, acc * kv_scale, o_ptr, lse_ptr, op_ptr, lsep_ptr, b, t, h, row_ok, split,
+                     heads, q_len, num_splits, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV,
+                     WRITE_FINAL)
 
 
 # ---------------------------------------------------------------------------------------------- plan

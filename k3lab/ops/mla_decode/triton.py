@@ -200,7 +200,8 @@ def _before_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
 def _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2,
                 DV: tl.constexpr, DR: tl.constexpr, IEEE: tl.constexpr):
     """One tile of latent rows (element offsets `rows` of positions `pos`) for all query rows of
-    the program, both products on tl.dot.
+    the program, both products on tl.dot. Every split decode runs it, whatever its cache stores: the
+    loads convert to q's dtype (nothing to do for a bf16 cache; fp8_cache's E4M3 codes widen exactly).
 
     Transposed: positions are the M dimension (64-row tiles are what Hopper's wgmma wants) and the 16
     padded heads the N dimension, so the latent tile feeds both products straight from shared memory.
@@ -208,6 +209,7 @@ def _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_l
     pmask = pos < end
     k_c = tl.load(kv_ptr + rows[:, None] + tl.arange(0, DV)[None, :], mask=pmask[:, None], other=0.0)
     k_pe = tl.load(kv_ptr + rows[:, None] + DV + tl.arange(0, DR)[None, :], mask=pmask[:, None], other=0.0)
+    k_c, k_pe = k_c.to(q_t.dtype), k_pe.to(q_t.dtype)
     if IEEE:  # fp32 inputs: no tf32 rounding
         s = tl.dot(k_c, q_t, input_precision="ieee")
         s = tl.dot(k_pe, qpe_t, s, input_precision="ieee")
@@ -226,6 +228,46 @@ def _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_l
     else:
         acc = tl.dot(tl.trans(k_c), p.to(k_c.dtype), acc * alpha[None, :])
     return m_new, l_i, acc
+
+
+@triton.jit
+def _page_group_tile(kv_ptr, pages, gidx, pg, n0, offs_n, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2,
+                     stride_kvp, stride_kvr, PAGE_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+                     IEEE: tl.constexpr):
+    """The tile at n0 inside a page whose id is among the block-table entries held in registers
+    (`pages`, entries pg + gidx): no memory read for its address."""
+    page = tl.sum(tl.where(gidx == n0 // PAGE_SIZE - pg, pages, 0))
+    rows = page * stride_kvp + ((n0 % PAGE_SIZE) + offs_n).to(tl.int64) * stride_kvr
+    return _split_tile(kv_ptr, rows, n0 + offs_n, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2, DV, DR,
+                       IEEE)
+
+
+@triton.jit
+def walk_piece(kv_ptr, bt_ptr, b, start, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2,
+               stride_kvp, stride_kvr, stride_btb, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """Positions [start, end) of request b, tile by tile, each tile's rows addressed through the block
+    table (paged) or the request's rows (contiguous), one lookup per row. Returns (m, l, acc). The bf16
+    split decode (pieces that cross its register-held page groups) and fp8_cache's decode walk with it."""
+    offs_n = tl.arange(0, BLOCK_N)
+    if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
+        n0 = start
+        while n0 < end:
+            pos = n0 + offs_n
+            rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED,
+                                PAGE_SIZE)
+            m_i, l_i, acc = _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2,
+                                        DV, DR, IEEE)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + offs_n
+            rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED,
+                                PAGE_SIZE)
+            m_i, l_i, acc = _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc, scale_log2,
+                                        DV, DR, IEEE)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -320,41 +362,22 @@ def _split_kernel(q_ptr, kv_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_p
             if INTERPRET:
                 n0 = g_start
                 while n0 < g_end:
-                    page = tl.sum(tl.where(gidx == n0 // PAGE_SIZE - pg, pages, 0))
-                    rows = page * stride_kvp + ((n0 % PAGE_SIZE) + offs_n).to(tl.int64) * stride_kvr
-                    m_i, l_i, acc = _split_tile(kv_ptr, rows, n0 + offs_n, end, qpos, q_t, qpe_t, m_i, l_i,
-                                                acc,
-                                                scale_log2, DV, DR, IEEE)
+                    m_i, l_i, acc = _page_group_tile(kv_ptr, pages, gidx, pg, n0, offs_n, end, qpos, q_t,
+                                                     qpe_t, m_i, l_i, acc, scale_log2, stride_kvp, stride_kvr,
+                                                     PAGE_SIZE, DV, DR, IEEE)
                     n0 += BLOCK_N
             else:
                 for n0 in range(g_start, g_end, BLOCK_N):
-                    page = tl.sum(tl.where(gidx == n0 // PAGE_SIZE - pg, pages, 0))
-                    rows = page * stride_kvp + ((n0 % PAGE_SIZE) + offs_n).to(tl.int64) * stride_kvr
-                    m_i, l_i, acc = _split_tile(kv_ptr, rows, n0 + offs_n, end, qpos, q_t, qpe_t, m_i, l_i,
-                                                acc,
-                                                scale_log2, DV, DR, IEEE)
+                    m_i, l_i, acc = _page_group_tile(kv_ptr, pages, gidx, pg, n0, offs_n, end, qpos, q_t,
+                                                     qpe_t, m_i, l_i, acc, scale_log2, stride_kvp, stride_kvr,
+                                                     PAGE_SIZE, DV, DR, IEEE)
             pg += PAGE_GROUPS
             pages = tl.load(bt_ptr + b * stride_btb + pg + gidx, mask=pg + gidx < table_pages,
                             other=0).to(tl.int64)
     else:
-        if INTERPRET:  # Triton's interpreter cannot range() over a run-time scalar
-            n0 = start
-            while n0 < end:
-                pos = n0 + offs_n
-                rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED,
-                                    PAGE_SIZE)
-                m_i, l_i, acc = _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc,
-                                            scale_log2,
-                                            DV, DR, IEEE)
-                n0 += BLOCK_N
-        else:
-            for n0 in range(start, end, BLOCK_N):
-                pos = n0 + offs_n
-                rows = _row_offsets(bt_ptr, b, pos, pos < end, stride_kvp, stride_kvr, stride_btb, PAGED,
-                                    PAGE_SIZE)
-                m_i, l_i, acc = _split_tile(kv_ptr, rows, pos, end, qpos, q_t, qpe_t, m_i, l_i, acc,
-                                            scale_log2,
-                                            DV, DR, IEEE)
+        m_i, l_i, acc = walk_piece(kv_ptr, bt_ptr, b, start, end, qpos, q_t, qpe_t, m_i, l_i, acc,
+                                   scale_log2, stride_kvp, stride_kvr, stride_btb, PAGED, PAGE_SIZE, DV, DR,
+                                   BLOCK_N, IEEE, INTERPRET)
     _store_piece(m_i, l_i, acc, o_ptr, lse_ptr, op_ptr, lsep_ptr, b, t, h, row_ok, split, heads, q_len,
                  num_splits,
                  stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV, WRITE_FINAL)

@@ -40,15 +40,17 @@ def test_the_chained_step_equals_the_models_own_decode():
     ids = torch.randint(0, SMALL.vocab_size, (2, 5), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         _, cache = model.prefill(ids[:, :4])
-        logits, toks, runs = pc._decode(RankWeights.from_model(model, 1, 0), cache, ids[:, 4:], 3, "bf16",
-                                        set(pc.CPU_OPTIMIZATIONS), None)
+        weights = RankWeights.from_model(model, 1, 0)
+        opt = set(pc.CPU_OPTIMIZATIONS)
+        logits, toks, runs, routes = pc._decode(weights, cache, ids[:, 4:], 3, "bf16", opt, None)
         want, nxt, mc = [], ids[:, 4:], cache
         for _ in range(3):
             out, mc = model.decode(nxt, mc)
             want.append(out[:, -1].double())
             nxt = out[:, -1].argmax(-1, keepdim=True)
     want = torch.stack(want)
-    assert logits.shape == (3, 2, SMALL.vocab_size) and runs.startswith("projections=fp32")
+    assert logits.shape == (3, 2, SMALL.vocab_size) and runs.startswith("projections=")
+    assert routes.shape == (3, 1, 2, SMALL.num_experts_per_token)  # one MoE layer, two sequences
     assert torch.equal(toks, want.argmax(-1))
     assert (logits - want).abs().max().item() <= 1e-4 * want.abs().max().item()
 
@@ -59,8 +61,9 @@ def test_rows_bf16_is_exact_fp8_is_bounded_article_says_what_it_is():
     assert list(rows) == list(switches.PRECISIONS)
     ref = rows["bf16"]
     assert ref["status"] == "ran" and ref["dtype"] == "float32"
-    got = (ref["max_abs_logit"], ref["kl_mean"], ref["tokens_match"], ref["first_divergence"])
-    assert got == (0.0, 0.0, 3, None), ref
+    got = (ref["max_abs_logit"], ref["kl_mean"], ref["tokens_match"], ref["first_divergence"],
+           ref["experts_changed"])
+    assert got == (0.0, 0.0, 3, None, 0.0), ref
     f8 = rows["fp8"]
     assert f8["status"] == "ran" and f8["runs"].startswith("projections=fp8")
     # FP8 did run (the logits moved) and moved them by a fraction of their size (an O(1) error, a wrong
@@ -94,6 +97,9 @@ def test_compare_counts_tokens_and_divergence():
     assert c["kl_mean"] > 0 and pc.compare(ref, ref, ref.argmax(-1))["kl_mean"] == 0.0
     with pytest.raises(ValueError, match="must be"):
         pc.compare(got[:, :, :2], ref, ref.argmax(-1))
+    routes = torch.tensor([[[[0, 1]]], [[[0, 2]]], [[[0, 1]]], [[[1, 3]]]])  # [S=4, layers=1, tokens=1, 2]
+    flipped = pc.compare(got, ref, ref.argmax(-1), routes, routes[[0, 0, 0, 0]])["experts_changed"]
+    assert flipped == 0.5 and pc.compare(got, ref, ref.argmax(-1), routes, routes)["experts_changed"] == 0
 
 
 @pytest.mark.parametrize("kwargs,err,match", [

@@ -14,7 +14,9 @@ tokens_match, the steps whose greedy choice (argmax) equals the reference's toke
 the first step where it does not (None: never), which is where a free-running greedy decode at that
 precision would first leave the reference's text; max_abs_logit, the largest |logit - reference
 logit| over every step, sequence and vocabulary entry; kl_mean, KL(reference || precision) of the
-next-token distributions, in nats, mean over steps and sequences (fp64).
+next-token distributions, in nats, mean over steps and sequences (fp64); experts_changed, the share
+of (step, MoE layer, token) whose routed experts differ from the reference's: a router near a tie
+flips its choice under a small rounding, and a flipped expert moves that layer's output by O(1).
 
 `step_cost`: one step of one rank at TP8 slice shapes (K3's widths; 2 layers, one KDA and one MLA, 16
 experts and a 65,536-token vocabulary so the weights fit a CPU's memory) on random weights from one
@@ -96,15 +98,18 @@ def _optimizations(optimizations, dev: torch.device):
 def _row(precision: str, **kw) -> dict:
     row = {"precision": precision, "status": "ran", "dtype": "", "runs": "", "steps": 0, "tokens_match": None,
            "first_divergence": None, "max_abs_logit": math.nan, "ref_abs_max": math.nan, "kl_mean": math.nan,
-           "note": ""}
+           "experts_changed": math.nan, "note": ""}
     row.update(kw)
     return row
 
 
-def compare(logits: torch.Tensor, ref: torch.Tensor, ref_tokens: torch.Tensor) -> dict:
+def compare(logits: torch.Tensor, ref: torch.Tensor, ref_tokens: torch.Tensor, routes=None,
+            ref_routes=None) -> dict:
     """Figures of logits [S, B, V] against the reference's [S, B, V] and its tokens [S, B] (what each step
     fed next): tokens_match, first_divergence, max_abs_logit, kl_mean (module docstring) and ref_abs_max
-    (the reference's largest |logit|, the scale max_abs_logit is read against), in fp64."""
+    (the reference's largest |logit|, the scale max_abs_logit is read against), in fp64; with the routed
+    experts each MoE layer chose ([S, layers, tokens, top_k], sorted) of both, experts_changed: the share
+    of (step, layer, token) whose chosen set differs from the reference's (NaN without them)."""
     if logits.shape != ref.shape or ref_tokens.shape != ref.shape[:2]:
         raise ValueError(f"logits {tuple(logits.shape)}, ref {tuple(ref.shape)} and ref_tokens "
                          f"{tuple(ref_tokens.shape)} must be [S, B, V], [S, B, V] and [S, B]")
@@ -116,7 +121,9 @@ def compare(logits: torch.Tensor, ref: torch.Tensor, ref_tokens: torch.Tensor) -
     return {"steps": int(lp.shape[0]), "tokens_match": int(same.sum()),
             "first_divergence": int(wrong[0]) if len(wrong) else None,
             "max_abs_logit": float((lp - lr).abs().max()), "ref_abs_max": float(lr.abs().max()),
-            "kl_mean": float(kl.mean())}
+            "kl_mean": float(kl.mean()),
+            "experts_changed": (math.nan if routes is None or ref_routes is None or routes.numel() == 0 else
+                                float((routes != ref_routes).any(-1).double().mean()))}
 
 
 def _refused(build) -> str:
@@ -135,6 +142,13 @@ def _runs(step: DecodeStep) -> str:
     r = step.resolved
     return (f"projections={r.projections}, mla={r.impl.get('mla_padded')}, "
             f"experts={r.impl.get('grouped_experts')}")
+
+
+def _routes(step: DecodeStep) -> torch.Tensor:
+    """The experts each MoE layer of the step's last run chose: [layers, tokens, top_k], sorted, CPU."""
+    if not step.routes:
+        return torch.zeros(0, step.tokens, step.config.num_experts_per_token, dtype=torch.long)
+    return torch.stack([r.reshape(step.tokens, -1).sort(-1).values.cpu() for r in step.routes])
 
 
 def _cache_after(step: DecodeStep):
@@ -158,13 +172,14 @@ def _cache_after(step: DecodeStep):
 def _decode(weights: RankWeights, cache, first: torch.Tensor, steps: int, precision: str, optimizations,
             forced: torch.Tensor | None):
     """`steps` decode steps from `cache` (first token ids [B, 1]): (logits [S, B, V] fp64 on the CPU,
-    tokens [S, B] chosen greedily, what ran). forced [S, B]: feed these tokens instead of the greedy ones.
+    tokens [S, B] chosen greedily, what ran, the routed experts [S, MoE layers, B, top_k] each step chose,
+    sorted). forced [S, B]: feed these tokens instead of the greedy ones.
 
     An FP8 latent cache (precision='article') takes its per-layer scale from the history it loads (twice
     its largest magnitude: `step.KV_HEADROOM`), so the values one step leaves re-quantize to the same codes
     in the next while that scale holds; where a new row passes the history's largest value a step sets
     a larger one (a server would keep its scale and clamp) and `runs` says at which step."""
-    ids, out, toks, runs, scales, moved = first, [], [], "", None, None
+    ids, out, toks, runs, scales, moved, routes = first, [], [], "", None, None, []
     for t in range(steps):
         step = DecodeStep(weights.config, first.shape[0], cache.length, weights=weights,
                           optimizations=optimizations, precision=precision)
@@ -173,8 +188,10 @@ def _decode(weights: RankWeights, cache, first: torch.Tensor, steps: int, precis
         if scales is not None and now != scales and moved is None:
             moved = t
         scales = now
+        step.routes = []
         with torch.no_grad():
             logits = step(ids)[:, -1].double().cpu()
+        routes.append(_routes(step))
         out.append(logits)
         toks.append(logits.argmax(-1))
         runs = runs or _runs(step)
@@ -183,7 +200,7 @@ def _decode(weights: RankWeights, cache, first: torch.Tensor, steps: int, precis
         cache = _cache_after(step)
     if moved is not None:
         runs += f"; the FP8 cache's scale was set again at step {moved}"
-    return torch.stack(out), torch.stack(toks), runs
+    return torch.stack(out), torch.stack(toks), runs, torch.stack(routes)
 
 
 def greedy_cost(config: K3Config | None = None, *, steps: int = 64, prompt_len: int = 8, batch: int = 1,
@@ -191,7 +208,7 @@ def greedy_cost(config: K3Config | None = None, *, steps: int = 64, prompt_len: 
     """The tiny model's greedy decode at each precision against 'bf16' (module docstring): one dict a
     precision with precision, status ('ran' / 'not available'), dtype, runs (the step's projections, MLA
     decode and experts forms), steps, tokens_match, first_divergence, max_abs_logit, ref_abs_max, kl_mean,
-    note.
+    experts_changed, note.
 
     config: a whole model's config (tp_size 1; default K3Config.tiny()); steps: decode steps (1..512);
     prompt_len, batch: the random prompt; device: default the GPU if there is one (bf16), else the CPU
@@ -216,7 +233,7 @@ def greedy_cost(config: K3Config | None = None, *, steps: int = 64, prompt_len: 
         _, cache = model.prefill(prompt[:, :-1])
     weights = RankWeights.from_model(model, 1, 0)
     first = prompt[:, -1:]
-    ref, ref_tokens, _ = _decode(weights, cache, first, steps, REFERENCE, opt, None)
+    ref, ref_tokens, _, ref_routes = _decode(weights, cache, first, steps, REFERENCE, opt, None)
     rows = []
     for p in wanted:
         why = _refused(lambda: DecodeStep(config, batch, cache.length, weights=weights, optimizations=opt,
@@ -224,10 +241,10 @@ def greedy_cost(config: K3Config | None = None, *, steps: int = 64, prompt_len: 
         if why:
             rows.append(_row(p, status="not available", dtype=str(dtype).replace("torch.", ""), note=why))
             continue
-        logits, _, runs = _decode(weights, cache, first, steps, p, opt, ref_tokens)
+        logits, _, runs, routes = _decode(weights, cache, first, steps, p, opt, ref_tokens)
         note = "a second run of the reference (run to run)" if p == REFERENCE else ""
         rows.append(_row(p, dtype=str(dtype).replace("torch.", ""), runs=runs, note=note,
-                         **compare(logits, ref, ref_tokens)))
+                         **compare(logits, ref, ref_tokens, routes, ref_routes)))
     return rows
 
 
@@ -261,11 +278,12 @@ def step_cost(config: K3Config | None = None, *, context_len: int = 64, precisio
 
     def one(p):
         step = build(p)
+        step.routes = []
         with torch.no_grad():
             logits = step(ids)[:, -1].double().cpu()
-        return logits[None], str(step.dtype).replace("torch.", ""), _runs(step)
+        return logits[None], str(step.dtype).replace("torch.", ""), _runs(step), _routes(step)[None]
 
-    ref, dtype, _ = one(REFERENCE)
+    ref, dtype, _, ref_routes = one(REFERENCE)
     ref_tokens = ref.argmax(-1)
     rows = []
     for p in wanted:
@@ -273,8 +291,8 @@ def step_cost(config: K3Config | None = None, *, context_len: int = 64, precisio
         if why:
             rows.append(_row(p, status="not available", dtype=dtype, note=why))
             continue
-        logits, dtype, runs = one(p)
-        rows.append(_row(p, dtype=dtype, runs=runs, **compare(logits, ref, ref_tokens)))
+        logits, dtype, runs, routes = one(p)
+        rows.append(_row(p, dtype=dtype, runs=runs, **compare(logits, ref, ref_tokens, routes, ref_routes)))
     return rows
 
 

@@ -29,20 +29,30 @@ def sequence_span(seq_info, i_b, T, RAGGED: tl.constexpr):
 
 
 @triton.jit
+def program_tile(h0, seq_info, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                 RAGGED: tl.constexpr):
+    """What a program of either kernel starts from: its (sequence, head) and span of tokens, the K rows
+    and BV value columns of its state tile, their offsets in a [K, V] state, and the initial state tile
+    (fp32). Grid: (V / BV tiles, sequences x heads)."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    bos, L = sequence_span(seq_info, i_b, T, RAGGED)
+    offs_k = tl.arange(0, K)
+    cols = i_v * BV + tl.arange(0, BV)
+    tile = offs_k[:, None] * V + cols[None, :]
+    S = tl.load(h0 + (i_b * H + i_h).to(tl.int64) * K * V + tile)
+    return i_b, i_h, bos, L, offs_k, cols, tile, S
+
+
+@triton.jit
 def verify_stream_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale, T_run,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                           RAGGED: tl.constexpr, ALL_STATES: tl.constexpr):
     """One program per (tile of BV columns, sequence x head). The token loop's length is read at
     run time and each token's inputs are loaded inside it: T memory round trips in series."""
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    bos, L = sequence_span(seq_info, i_b, T_run, RAGGED)
-    offs_k = tl.arange(0, K)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    tile = offs_k[:, None] * V + offs_v[None, :]
-    S = tl.load(h0 + (i_b * H + i_h).to(tl.int64) * K * V + tile)
+    i_b, i_h, bos, L, offs_k, offs_v, tile, S = program_tile(h0, seq_info, T_run, H, K, V, BV, RAGGED)
     t = 0
     while t < L:  # a while loop: the interpreter cannot range() over a run-time scalar
         row = (bos + t) * H + i_h
@@ -70,15 +80,8 @@ def verify_narrow_kernel(q, k, v, g, beta, h0, o, hs, seq_info, scale,
     """Narrow tiles, one wave. T is a compile-time constant (the uniform length, or the ragged
     batch's longest sequence), so the loops unroll. Three phases: every load, then every
     state-independent quantity, then the recurrence."""
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    bos, L = sequence_span(seq_info, i_b, T, RAGGED)
-    offs_k = tl.arange(0, K)
-    cv = i_v * BV + tl.arange(0, BV)[None, :]  # [1, BV]: a row of the tile
-    tile = offs_k[:, None] * V + cv
-    S = tl.load(h0 + (i_b * H + i_h).to(tl.int64) * K * V + tile)
+    i_b, i_h, bos, L, offs_k, cols, tile, S = program_tile(h0, seq_info, T, H, K, V, BV, RAGGED)
+    cv = cols[None, :]  # [1, BV]: a row of the tile
     # Phase 1, hoisted loads: every position's inputs are requested before any is used, so the T
     # loads overlap: one memory round trip, not T. A dead ragged position reads k = g = beta = 0,
     # which makes its update the identity, so the unrolled loop needs no branch.

@@ -127,7 +127,11 @@ def test_bad_step_cost_arguments():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (one step at K3's widths)")
 def test_gpu_tp8_slice_step_at_each_precision():
+    """Bound: the logits move by less than their own largest size. One router reads the FP8-perturbed
+    stream and may flip an expert (O(1) for that layer, a fraction of the logits); a wrong scale or
+    operand (448x, a transposed weight) moves them by more than their size."""
     rows = {r["precision"]: r for r in pc.step_cost()}
     assert rows["bf16"]["dtype"] == "bfloat16" and rows["bf16"]["max_abs_logit"] == 0.0
-    assert 0 < rows["fp8"]["max_abs_logit"] <= 0.5 * rows["fp8"]["ref_abs_max"], rows["fp8"]
+    for p in ("fp8", "article") if _article_accepted() else ("fp8",):
+        assert 0 < rows[p]["max_abs_logit"] <= rows[p]["ref_abs_max"], rows[p]
     assert rows["article"]["status"] == ("ran" if _article_accepted() else "not available"), rows["article"]

@@ -21,7 +21,7 @@ flips its choice under a small rounding, and a flipped expert moves that layer's
 `step_cost`: one step of one rank at TP8 slice shapes (K3's widths; 2 layers, one KDA and one MLA, 16
 experts and a 65,536-token vocabulary so the weights fit a CPU's memory) on random weights from one
 seed, at each precision against 'bf16'; collectives are stand-ins (the rank's own bytes), so these
-logits are one rank's arithmetic, not the model's. On a CPU it takes about 10 s a precision and 4 GB.
+logits are one rank's arithmetic, not the model's. K3-wide, it holds GBs of weights a precision.
 
 On a CPU the step runs in fp32 (Triton's interpreter multiplies bf16 tiles wrongly), so 'bf16' there
 means the weights' dtype, fp32: the rows say which dtype ran, and the reference's projections run

@@ -119,6 +119,7 @@ def test_the_default_projections_are_the_one_row_gemv_at_one_row_only():
     assert step.resolved.projections == "gemv" and step.describe()["projections"] == "gemv"
     assert type(step.weights.layers[0].attn.w_in).__name__ == "GemvWeight"
     assert DecodeStep(SMALL, 2, 4, device=DEV).resolved.projections == plain
+    assert resolve("all", DEV, torch.float64, 1, tokens=1).projections == "float64"  # no fp64 GEMV
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -256,7 +256,7 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
     asked = projections is not None or (isinstance(optimizations, dict) and "projections" in optimizations)
     projections, precision = settings(optimizations, projections, precision)
     if not asked and precision == "bf16":  # the default: the one-row GEMV at one row, the library above
-        projections = rows.default_projections(tokens)
+        projections = rows.default_projections(tokens, dtype)
     on = parse(optimizations)
     device = torch.device(device)
     if device.type == "cpu" and torch.cuda.is_available() and not env.triton_interpreted():

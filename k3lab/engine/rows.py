@@ -50,14 +50,18 @@ def of_row(op: str, row, why: str = "", **extra: Callable) -> Chosen:
     return Chosen(op, row.name, why, {**row.parts, **extra})
 
 
-def default_projections(tokens: int | None, dtype: torch.dtype | None = None) -> str:
+def default_projections(tokens: int | None, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None) -> str:
     """The dense projections' form where none is asked for (fp8.PROJECTIONS' names): 'gemv', k3lab.ops.gemv's
     one-row kernel, where the step multiplies one row (tokens == 1: decode at batch 1, where a projection
-    is a weight stream and the one-row kernel streams it faster than the matrix library), else 'bf16'
-    (the matrix library in the weights' dtype), as for weights in a dtype the one-row kernel does not take
-    (fp64 references). Chosen once, by `switches.resolve`."""
+    is a weight stream and the one-row kernel streams it faster than the matrix library) on a GPU, else
+    'bf16' (the matrix library in the weights' dtype): above one row; for weights in a dtype the one-row
+    kernel does not take (fp64 references); and on a CPU, where the one-row kernel runs in Triton's
+    interpreter and the matrix library is the fast path by far (asked for by name, it runs there too).
+    Chosen once, by `switches.resolve`."""
     gemv_dtype = dtype in (None, torch.float32, torch.float16, torch.bfloat16)
-    return "gemv" if tokens == 1 and gemv_dtype else "bf16"
+    on_cpu = device is not None and torch.device(device).type == "cpu"
+    return "gemv" if tokens == 1 and gemv_dtype and not on_cpu else "bf16"
 
 
 # ------------------------------------------------------------------------------ the step's callables

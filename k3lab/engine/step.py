@@ -87,7 +87,7 @@ class DecodeStep:
     cannot run as named here, instead of running its replacement (`self.resolved.notes` says which).
     device / dtype: where the random weights and caches live (default: the GPU with bf16 if there is
     one, else the CPU with fp32). projections: None (the default at precision 'bf16': 'gemv' where the
-    step has one token, batch 1 decode, else 'bf16'; `rows.default_projections`), 'bf16' (the dense
+    step has one token, batch 1 decode, on a GPU, else 'bf16'; `rows.default_projections`), 'bf16' (the dense
     projections as torch matmuls in the weights' dtype), 'gemv' (the same weights, one-row products by
     k3lab.ops.gemv: `RankWeights.to_gemv`; where Triton cannot run, torch matmuls with a note) or 'fp8'
     (`RankWeights.to_fp8`: e4m3fn weights with per-row scales, activations quantized per token,

@@ -27,9 +27,9 @@ products by k3lab.ops.gemv; 'fp8': e4m3fn weights, `fp8.resolve_projections`), a
 number formats of the step ('bf16': the weights' dtype; 'fp8': FP8 dense projections; 'article': the
 article's MXFP4 routed experts, FP8 dense projections and an FP8 MLA latent cache). Either may be given
 in the optimizations dict or as a keyword. Unset at precision 'bf16', the projections are
-`rows.default_projections(tokens)`: the one-row GEMV where the step has one token (decode at batch 1),
-the matrix library above; `Resolved.projections` says what runs and `notes['projections']`
-why where the form asked for cannot run as asked.
+`rows.default_projections(tokens, dtype, device)`: the one-row GEMV where the step has one token (decode
+at batch 1) on a GPU, the matrix library above and on a CPU; `Resolved.projections` says what runs and
+`notes['projections']` why where the form asked for cannot run as asked.
 
 At precision='article' the rows bound differ in two ops, settled here once like every other:
 'moe_experts' runs k3lab.ops.moe_experts.mxfp4_kernels (`experts_form`: the GEMV form for one token,
@@ -256,7 +256,7 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
     asked = projections is not None or (isinstance(optimizations, dict) and "projections" in optimizations)
     projections, precision = settings(optimizations, projections, precision)
     if not asked and precision == "bf16":  # the default: the one-row GEMV at one row, the library above
-        projections = rows.default_projections(tokens, dtype)
+        projections = rows.default_projections(tokens, dtype, device)
     on = parse(optimizations)
     device = torch.device(device)
     if device.type == "cpu" and torch.cuda.is_available() and not env.triton_interpreted():

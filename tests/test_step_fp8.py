@@ -167,7 +167,7 @@ def test_weights_in_fp8_and_a_bf16_step_do_not_mix():
     with pytest.raises(ValueError, match="weights hold fp8 projections but this step runs fp32"):
         DecodeStep(CPU_CONFIG, 2, 4, weights=q)
     with pytest.raises(ValueError, match="weights hold fp8 projections but this step runs gemv"):
-        DecodeStep(CPU_CONFIG, 1, 4, weights=q)  # one row: the default projections are the one-row GEMV
+        DecodeStep(CPU_CONFIG, 1, 4, weights=q, projections="gemv")
 
 
 def _first_step(step: DecodeStep, ids) -> tuple[torch.Tensor, dict]:

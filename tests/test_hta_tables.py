@@ -27,6 +27,9 @@ def packing_pair(tmp_path_factory):
     """HTA folders of one tiny K3 decode step per policy, `STEPS` steps each, and the KDA layer count."""
     config = K3Config.tiny()
     model, cache, nxt = copy_removal.packing_model(config, seed=0)
+    if next(model.parameters()).device.type != "cpu":
+        pytest.skip("the tiny model runs on the GPU here, so a CPU-ops capture of it holds launches without "
+                    "kernels; HTA's GPU path is tested on the committed H200 pair and runs in notebook 03")
     caps = {}
     root = tmp_path_factory.mktemp("packing")
     for policy in ("before", "after"):

@@ -14,7 +14,7 @@ import torch
 import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
 from k3lab.config import K3Config
 from k3lab.engine import SETTINGS, SWITCHES, DecodeStep, resolve
-from k3lab.engine import switches
+from k3lab.engine import rows, switches
 from k3lab.engine.switches import settings
 from k3lab.ops import Backends
 from k3lab.ops.situ_glu import situ_glu_stacked
@@ -111,7 +111,8 @@ def test_the_default_projections_are_the_one_row_gemv_at_one_row_on_a_gpu_only()
     plain = "bf16" if DEV == "cuda" else "fp32"
     one_row = "gemv" if DEV == "cuda" else plain
     assert resolve("all", DEV, DT, 1, tokens=1).projections == one_row
-    assert resolve("all", "cpu", torch.float32, 1, tokens=1).projections == "fp32"
+    assert rows.default_projections(1, torch.float32, "cpu") == "bf16"  # the matrix library on a CPU
+    assert rows.default_projections(1, torch.bfloat16, "cuda") == "gemv"
     if DEV == "cuda":
         assert "one-row kernel" in resolve("all", DEV, DT, 1, tokens=1).describe()[-2]
     assert resolve("all", DEV, DT, 1, tokens=2).projections == plain

@@ -168,6 +168,8 @@ def test_weights_in_fp8_and_a_bf16_step_do_not_mix():
         DecodeStep(CPU_CONFIG, 2, 4, weights=q)
     with pytest.raises(ValueError, match="weights hold fp8 projections but this step runs gemv"):
         DecodeStep(CPU_CONFIG, 1, 4, weights=q, projections="gemv")
+    g = w.to_gemv()  # GEMV weights a step converted earlier: a later GEMV step takes them as they are
+    assert DecodeStep(CPU_CONFIG, 1, 4, weights=g, projections="gemv").weights is g
 
 
 def _first_step(step: DecodeStep, ids) -> tuple[torch.Tensor, dict]:

@@ -318,10 +318,13 @@ def resolve_projections(projections: str, device, dtype: torch.dtype, *,
 def weights_for(weights, ran: str):
     """(weights in the form a step whose projections resolved to `ran` reads, what then runs, why that
     differs from `ran`): RankWeights in the step's dtype are converted (`to_fp8`, the step's own copy)
-    for FP8; converted ones are taken as they are. ValueError for converted weights and a plain step,
+    for FP8 and the one-row GEMV; converted ones are taken as they are (a later step reusing an earlier
+    step's `weights`). ValueError for converted weights and a plain step,
     emulated weights off the CPU, or `_scaled_mm` weights where it cannot run."""
     held = weights.projections
     if ran == "gemv":
+        if held == "gemv":
+            return weights, ran, ""
         if held != "bf16":
             raise ValueError(f"weights hold {held} projections but this step runs gemv: pass the unconverted "
                              f"RankWeights")

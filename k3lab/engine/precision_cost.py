@@ -50,9 +50,14 @@ MAX_STEPS = 512
 # on 2 cores; the fused KDA decode is the cheapest form there. Every switch computes the same result in
 # fp32 (tests/test_step.py), so a precision's cost does not depend on which are on.
 CPU_OPTIMIZATIONS = frozenset({"kda_fused"})
-# At one row the step's default projections are the one-row GEMV (k3lab.ops.gemv), interpreted on a CPU
-# (seconds a step); the reference's fp32 weights give the same products through the matrix library.
+# On a CPU the reference's projections are the matrix library, named so that the reference does not
+# follow the default: the one-row GEMV (k3lab.ops.gemv) would run interpreted there, seconds a step.
 CPU_REFERENCE_PROJECTIONS = "bf16"
+# What a missing figure of a row means, for tables (`k3lab.plots.say_missing`): a row that ran and never
+# left bf16's greedy path has no first divergence; a precision not available here has no figures; a run
+# whose routed experts were not recorded has no share of changed choices.
+MISSING = {"first_divergence": "never", "tokens_match": "not run", "max_abs_logit": "not run",
+           "ref_abs_max": "not run", "kl_mean": "not run", "experts_changed": "not recorded"}
 
 
 def _int(name: str, value, lo: int, hi: int) -> int:

@@ -169,8 +169,8 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
         "speculation and agent turns, each optimization's share.",
         "the step model fitted to H200 steps, the Pareto curve per optimization, MI355X projected as a band "
         "carrying the model's measured error (below)",
-        # serving_run: the measured serving run beside the model; no GPU records (its GPU path is not yet
-        # run, k3lab.studies.runs), so its only records folder is the model's
+        # serving_run: the measured serving run beside the model; its records (profiles/<device>/serving_run)
+        # are read by the study itself (k3lab.studies.serving_run.measured), the model's folder here
         ("09_*.ipynb",), studies=("serving", "serving_run"), modules=("k3lab.serving",),
         docs=("docs/serving.md", "docs/serving_run.md"), records=_rec("serving")),
 )

@@ -1,9 +1,8 @@
 """The serving rank's steps: slot caches shared by every step, a decode step over them, and a prefill step
 that runs chunks of uncached input for several sequences at once.
 
-Not yet run on a GPU by this project: the CUDA paths (graph-replayed decode per batch size, the packed
-KDA chunk scan, pinned host buffers and timed restores) are written and read, not run; the CPU form
-(tiny preset, tests/test_serving_run.py) is what has run.
+Where it has run (CPU: the tiny preset, tests/test_serving_run.py; an H100: the serving-run study's
+quick form, CUDA graphs, pinned host buffers and timed restores) is k3lab.studies.runs' part 'serving_run'.
 
     slots = SlotCaches(config, slots=16, rows=8193, staging=4, device=..., dtype=...)
     decode = {b: SlotDecodeStep(slots, b, weights) for b in (1, 2, 4, 8, 16)}   # one graph per size

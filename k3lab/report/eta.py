@@ -72,8 +72,8 @@ EXPECTED_S: dict[str, dict[str, float]] = {
         "study:mla_padding": 80, "study:kda_scan": 212, "study:kda_verify": 50, "study:kda_precision": 15,
         "study:draft_depth": 30, "study:decode_step": 397, "study:agent_cache": 25, "study:dcp": 20,
         "study:moe_sharding": 25, "study:serving": 420,
-        # not yet run on a GPU: its full form's 28 runs of 40 s of serving clock (at most 20 s more each to
-        # finish what is in flight) and the engine for 64 sequences, estimated
+        # estimated, the full form never having run: its 28 runs of 40 s of serving clock (at most 20 s more
+        # each to finish what is in flight) and the engine for 64 sequences
         "study:serving_run": 1500,
     },
     "cpu": {

@@ -1,9 +1,8 @@
 """The prefix cache of one rank in real memory: paged MLA history and KDA checkpoints, LRU eviction to a
 pinned host tier, restores on a hit.
 
-Not yet run on a GPU by this project: the CUDA paths (graph-replayed decode per batch size, the packed
-KDA chunk scan, pinned host buffers and timed restores) are written and read, not run; the CPU form
-(tiny preset, tests/test_serving_run.py) is what has run.
+Where it has run (CPU: the tiny preset, tests/test_serving_run.py; an H100: the serving-run study's
+quick form, CUDA graphs, pinned host buffers and timed restores) is k3lab.studies.runs' part 'serving_run'.
 
     pool = PrefixPool(slots, gpu_bytes=3.7e9, host_bytes=14e9, checkpoint_interval=2048)
     hit = pool.lookup(block_ids, n_in)                 # blocks found, resume position

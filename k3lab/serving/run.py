@@ -1,9 +1,8 @@
 """A measured serving run: continuous batching on one TP rank over AgentX-like sessions, with chunked
 prefill, a prefix cache in real memory, and every request timed.
 
-Not yet run on a GPU by this project: the CUDA paths (graph-replayed decode per batch size, the packed
-KDA chunk scan, pinned host buffers and timed restores) are written and read, not run; the CPU form
-(tiny preset, tests/test_serving_run.py) is what has run.
+Where it has run (CPU: the tiny preset, tests/test_serving_run.py; an H100: the serving-run study's
+quick form, CUDA graphs, pinned host buffers and timed restores) is k3lab.studies.runs' part 'serving_run'.
 
     engine = Engine(weights, slots=16, rows=16_385, cache=CacheBudget(gpu_bytes=3.7e9, host_bytes=14e9))
     result = engine.run(Sessions.of(workload), RunSettings(concurrency=8, duration_s=25))

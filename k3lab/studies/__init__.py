@@ -177,8 +177,8 @@ GPU_QUICK: dict[str, QuickForm] = {
         ("validation",), 2,
         "the step model's held-out points from committed records (host-side arithmetic); the curves are "
         "notebook 09's, the measured grid (7 minutes) --full's"),
-    # not yet run on a GPU: the budget is a cap (the study starts no run past kwargs' budget_s, the
-    # first aside), not a measured time
+    # the budget is a cap (the study starts no run past kwargs' budget_s, the first aside); the brief form
+    # took 52 s of the report on an H100 (profiles/nvidia-h100-80gb-hbm3/gpu_check/report_timings_*.json)
     "serving_run": QuickForm(
         ("c1.dcp1.host", "c4.dcp1.host", "c16.dcp1.host"), 55,
         "c1, c4 and c16 at DCP1 with the host tier, 6 s of serving clock each (the brief form), started "

@@ -136,8 +136,7 @@ RUNS: tuple[Run, ...] = (
     Run("collectives", "DCP and the MoE tail on torch.distributed (NCCL / RCCL; gloo in the tests)", {},
         {"several GPUs": ("README.md", "k3lab/parallel/dcp.py", "k3lab/parallel/launch.py")}),
     Run("serving_run", "the measured serving run (continuous batching, chunked prefill, the prefix cache)",
-        {}, {"GPU": ("README.md", "k3lab/serving/pool.py", "k3lab/serving/run.py", "k3lab/engine/prefill.py",
-                     "k3lab/report/eta.py", "k3lab/studies/__init__.py", "k3lab/optimizations.py")}),
+        {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/serving_run"}),
 )
 
 

@@ -43,12 +43,11 @@ def _cmd_info(args) -> int:
 
 
 def _studies_help() -> str:
-    from k3lab.studies import ABOUT, ALIASES, STUDIES
+    from k3lab.studies import ABOUT, STUDIES
 
     width = max(map(len, STUDIES))
     lines = [f"  {name:<{width}}  {ABOUT.get(name, '')}" for name in STUDIES]
-    aliases = ", ".join(f"{a} = {n}" for a, n in ALIASES.items())
-    return "studies:\n" + "\n".join(lines) + (f"\n  (also: {aliases})" if aliases else "")
+    return "studies:\n" + "\n".join(lines)
 
 
 def _cmd_bench(args) -> int:

@@ -48,7 +48,7 @@ def test_every_study_name_in_the_readme_and_the_report_resolves():
     assert len(named) >= 8, listed
     named |= {n for opt in OPTIMIZATIONS for n in opt.studies} | {h.study for opt in OPTIMIZATIONS for h
                                                                   in opt.headlines}
-    named |= {"kda_decode", "kda_decode_bench"}
+    named.add("kda_decode")
     for name in named:
         assert studies.load_study(name).NAME == studies.canonical(name), name
 

@@ -34,7 +34,9 @@ def test_every_study_has_a_quick_form_on_both_kinds_of_machine():
             inspect.signature(load_study(name).run).bind(preset=None, cases=cpu.cases, **cpu.kwargs)
             if cpu.cases is not None and not torch.cuda.is_available():  # a GPU machine lists its own cases
                 assert set(cpu.cases) <= set(load_study(name).case_names()), name
-    assert report_form("kda_decode_bench", gpu=True).cases == ["B1_H12", "B128_H12"]  # an alias resolves
+    assert report_form("kda_decode", gpu=True).cases == ["B1_H12", "B128_H12"]
+    with pytest.raises(ValueError, match=r"unknown study 'kda_decode_bench'; known studies: .*kda_decode"):
+        report_form("kda_decode_bench", gpu=True)  # a former name is refused, not translated
     with pytest.raises(ValueError, match="unknown study 'nope'"):
         report_form("nope", gpu=True)
 

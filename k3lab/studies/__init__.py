@@ -53,7 +53,6 @@ STUDIES: dict[str, str] = {
     "serving": "k3lab.studies.serving",
     "serving_run": "k3lab.studies.serving_run",
 }
-ALIASES: dict[str, str] = {"kda_decode_bench": "kda_decode"}
 
 ABOUT: dict[str, str] = {
     "launch_overhead": "what a launch costs: tiny copies and empty kernels, eager against graph replay",
@@ -197,16 +196,15 @@ class StudyNotAvailable(ImportError):
 
 
 def canonical(name: str) -> str:
-    """The registered name for `name` (an alias such as kda_decode_bench gives kda_decode).
-    ValueError naming the known studies for anything else."""
-    name = ALIASES.get(name, name)
+    """`name` itself when it is a registered study; ValueError naming the known studies for anything
+    else (a study's former name included: only the names in STUDIES are accepted)."""
     if name not in STUDIES:
         raise ValueError(f"unknown study {name!r}; known studies: {', '.join(STUDIES)}")
     return name
 
 
 def load_study(name: str) -> ModuleType:
-    """Import and return the study module `name` (a key of STUDIES or an alias).
+    """Import and return the study module `name` (a key of STUDIES).
 
     ValueError for a name not in STUDIES; StudyNotAvailable (an ImportError) when the module does not
     exist yet; ImportError from the module itself is left as is (a real bug, not an absence)."""

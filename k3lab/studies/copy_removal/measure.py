@@ -204,9 +204,9 @@ def packing_records(batch: int = 1) -> list[bench.Record]:
 def kda_decode_records(batches=None) -> list[bench.Record]:
     """k3lab.studies.kda_decode at the TP8 slice (GPU: the fused HIP/CUDA kernel), relabelled
     as this study's `kda_decode_b{B}` cases (eager and graph records of a variant share a case)."""
-    from k3lab.studies import kda_decode as kda_decode_bench
+    from k3lab.studies import kda_decode
 
-    records = kda_decode_bench.run(batches=tuple(batches or KDA_DECODE_BATCHES))
+    records = kda_decode.run(batches=tuple(batches or KDA_DECODE_BATCHES))
     return [dataclasses.replace(r, study=NAME, case=f"kda_decode_b{r.shape['B']}") for r in records]
 
 

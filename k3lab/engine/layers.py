@@ -25,7 +25,7 @@ from .weights import DenseWeights, KDAWeights, MLAWeights, MoEWeights
 
 def kda_inputs(w: KDAWeights, x: torch.Tensor, pack):
     """(q, k, v, gate, beta_raw, g_raw), each [N, width] with a contiguous last dim: one stacked matmul,
-    then f_b through `pack`, the matmul dispatcher's policy (k3lab.ops.packed_matmul.POLICIES: packs
+    then f_b through `pack`, the matmul dispatcher's policy (k3lab.ops.packed_matmul.VARIANTS: packs
     only for the kernel that reads the copy, or packs first and lets the fallback ignore it)."""
     q, k, v, gate, b_raw, fa = linear(x, w.w_in).split(w.split, dim=-1)
     return q, k, v, gate, b_raw, pack(fa, w.f_b)

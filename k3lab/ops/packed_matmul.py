@@ -71,10 +71,8 @@ BACKENDS = Backends("packed_matmul",
                     Backend("torch", 1, lambda: (True, "torch.nn.functional.linear"),
                             parts={"before": _reference, "after": _reference}))
 BACKEND_ENV = BACKENDS.env
-# the one before/after axis: variant -> the dispatcher (what a DispatchedLinear calls); POLICIES is the
-# name the decode step's `pack` switch reads
+# the one before/after axis: variant -> the dispatcher (what a DispatchedLinear calls as its policy)
 VARIANTS = {name: getattr(BACKENDS["dispatch"], name) for name in ("before", "after")}
-POLICIES = VARIANTS
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, *, variant: str = "after",
@@ -91,15 +89,15 @@ class DispatchedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, policy: str):
         super().__init__()
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+        if policy not in VARIANTS:
+            raise ValueError(f"policy must be one of {sorted(VARIANTS)}, got {policy!r}")
         if linear.bias is not None:
             raise ValueError("DispatchedLinear wraps bias-free Linear layers only")
         self.weight = linear.weight
         self.policy = policy
 
     def forward(self, x):
-        return POLICIES[self.policy](x, self.weight)
+        return VARIANTS[self.policy](x, self.weight)
 
 
 def install(model: nn.Module, policy: str, attribute: str = "f_b") -> int:
@@ -109,8 +107,8 @@ def install(model: nn.Module, policy: str, attribute: str = "f_b") -> int:
     module whose KDA layers expose `attribute` as an nn.Linear (or DispatchedLinear)."""
     from k3lab.nn.kda import KimiDeltaAttention
 
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+    if policy not in VARIANTS:
+        raise ValueError(f"policy must be one of {sorted(VARIANTS)}, got {policy!r}")
     count = 0
     for module in model.modules():
         if isinstance(module, KimiDeltaAttention):

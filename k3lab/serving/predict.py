@@ -378,13 +378,24 @@ def check_runs(records, costs: StepCosts | Callable, tolerance: float = TOLERANC
 NOMINAL_TBS = 1.0  # the bandwidth a CPU fit divides bytes by: its coefficients carry the real scale
 
 
-def measure_costs(engine, *, contexts=(16, 64, 160), prefill_tokens=(8, 32, 96), repeats: int = 3,
+def measure_costs(engine, *, contexts=None, prefill_tokens=None, repeats: int = 3,
                   dcp: int = 1) -> StepCosts:
     """Time `engine`'s own steps alone (outside any run) and fit the step model to them: every captured
     decode size at `contexts` history positions per sequence (stepmodel.fit on the decode_step bytes parts
     of the engine's config), and one prefill call at each of `prefill_tokens` (a line in tokens). The
     engine's slot 0 and staging entry 0 are reset afterwards. ValueError for a context the slots cannot
-    hold or a prefill larger than the engine's budget."""
+    hold or a prefill larger than the engine's budget.
+
+    Default sizes span the run's own: contexts at 1/8, 3/8 and 6/8 of the slots' rows (the longest
+    session), prefill calls of 1/8, 3/8 and all of the engine's max_batched_tokens. A fit at sizes far
+    below the run's misses it: fitted at 16-160 positions and 8-96 prefill tokens on an H100, where the
+    run's histories reach thousands of positions and its chunks 8,192 tokens, the prefill line came out
+    a constant (launch-bound at those sizes) 80-93% under the run's prefill per token."""
+    sc0 = engine.slots
+    if contexts is None:
+        contexts = tuple(sorted({max(1, (sc0.rows - 2) * f // 8) for f in (1, 3, 6)}))
+    if prefill_tokens is None:
+        prefill_tokens = tuple(sorted({max(1, engine.max_batched_tokens * f // 8) for f in (1, 3, 8)}))
     import time
 
     import torch

@@ -83,8 +83,8 @@ def test_calls_per_sample_batches_calls_and_auto_batches_fast_ones():
     assert len(slow_calls) == 2 + 3  # choosing k reused the warm-up: no extra calls
     lone = bench.time_fn(bump, warmup=0, repeats=50, calls_per_sample=1, device="cpu")
     assert auto.overhead_us < lone.overhead_us  # the timer is spread over the batch
-    with pytest.raises(ValueError, match="same knob"):
-        bench.time_fn(bump, calls_per_sample=2, graph_copies=3, device="cpu")
+    with pytest.raises(TypeError, match="graph_copies"):  # the calls per graph are calls_per_sample
+        bench.time_fn(bump, graph_copies=3, device="cpu")
 
 
 def test_rotate_cycles_every_set_in_order():
@@ -417,7 +417,7 @@ def test_gpu_graph_replay_beats_eager_on_a_tiny_op_and_runs_every_call():
     x = torch.zeros(1, device="cuda")
     eager = bench.time_fn(lambda: x.add_(1.0), warmup=5, repeats=50)
     x.zero_()
-    g = bench.time_fn(lambda: x.add_(1.0), warmup=5, repeats=50, graph=True, graph_copies=40)
+    g = bench.time_fn(lambda: x.add_(1.0), warmup=5, repeats=50, graph=True, calls_per_sample=40)
     assert g.mode == "graph" and g.graph_copies == 40
     assert g.median_us < eager.median_us
     # capture warm-up (5) + replay warm-up (5) + timed (50) replays, 40 adds each, and capture itself runs
@@ -437,7 +437,8 @@ def test_gpu_graph_replay_beats_eager_on_a_tiny_op_and_runs_every_call():
 @needs_gpu
 def test_gpu_rotation_under_graph_and_l2_flush():
     sets = [(torch.randn(1024, device="cuda"), torch.zeros(1024, device="cuda")) for _ in range(3)]
-    t = bench.time_fn(lambda s, d: d.copy_(s), rotate=sets, graph=True, graph_copies=6, warmup=1, repeats=5)
+    t = bench.time_fn(lambda s, d: d.copy_(s), rotate=sets, graph=True, calls_per_sample=6, warmup=1,
+                      repeats=5)
     assert t.rotate_sets == 3 and all(torch.equal(s, d) for s, d in sets)
     f = bench.time_fn(lambda s, d: d.copy_(s), rotate=sets, flush_l2=True, warmup=1, repeats=10)
     assert f.flush_l2 and f.median_us > 0

@@ -195,7 +195,7 @@ def _graph_calls(call, first_guess: int) -> int:
 
 def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool = False,
             rotate: list[tuple] | None = None, min_time_s: float | None = None, flush_l2: bool = False,
-            calls_per_sample: int | None = None, graph_copies: int | None = None, device=None) -> Timing:
+            calls_per_sample: int | None = None, device=None) -> Timing:
     """Time `fn` per call: the median and p20/p80 of `repeats` samples (more if `min_time_s` asks for a
     longer run), each sample = one timer pair around `calls_per_sample` back-to-back calls, divided by
     that count. GPU (when torch sees one, or device='cuda'): device events, after `warmup` calls. CPU:
@@ -209,8 +209,8 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
     long ops their GPU time), and spreads the timer over k. k=1 gives the latency of a lone call,
     timer included.
 
-    graph=True (GPU only): capture a CUDA/HIP graph holding k successive calls (`graph_copies` is the
-    same knob) and time its replays; per call = replay time / k. Why a graph of k calls rather than N
+    graph=True (GPU only): capture a CUDA/HIP graph holding k successive calls (the Timing reports k as
+    `graph_copies`) and time its replays; per call = replay time / k. Why a graph of k calls rather than N
     replays of a one-call graph: each replay pays a graph launch of its own (a few us), which would
     swamp the per-kernel cost we want to show. A served decode step is one graph of hundreds of
     kernels, so the cost of a kernel inside a long graph is the figure that matters. With k=None the
@@ -235,13 +235,9 @@ def time_fn(fn: Callable, *, warmup: int = 10, repeats: int = 100, graph: bool =
         rotate = [tuple(a) if isinstance(a, (tuple, list)) else (a,) for a in rotate]
         if not rotate:
             raise ValueError("rotate must be a non-empty list of argument tuples, or None")
-    for label, v in (("calls_per_sample", calls_per_sample), ("graph_copies", graph_copies)):
-        if v is not None and (not isinstance(v, int) or v < 1):
-            raise ValueError(f"{label} must be an int >= 1 or None, got {v!r}")
-    if calls_per_sample is not None and graph_copies is not None and calls_per_sample != graph_copies:
-        raise ValueError(f"graph_copies={graph_copies} and calls_per_sample={calls_per_sample} name the same "
-                         "knob; pass one")
-    k = calls_per_sample if calls_per_sample is not None else graph_copies
+    if calls_per_sample is not None and (not isinstance(calls_per_sample, int) or calls_per_sample < 1):
+        raise ValueError(f"calls_per_sample must be an int >= 1 or None, got {calls_per_sample!r}")
+    k = calls_per_sample
     gpu = _use_gpu(device)
     if graph and not gpu:
         raise ValueError("graph=True needs a CUDA/HIP device (graph replay does not exist on CPU); "

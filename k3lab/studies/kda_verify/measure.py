@@ -218,7 +218,7 @@ def _timing_args(graph: bool, n_sets: int) -> dict:
     if not on_gpu():
         return {"warmup": 1, "repeats": 3}
     if graph:  # one graph replays every input set (>= 10 calls), so no call finds its inputs in L2
-        return {"warmup": 10, "repeats": 100, "graph": True, "graph_copies": max(n_sets, MIN_GRAPH_CALLS)}
+        return {"warmup": 10, "repeats": 100, "graph": True, "calls_per_sample": max(n_sets, MIN_GRAPH_CALLS)}
     return {"warmup": 10, "repeats": 100}
 
 

@@ -155,8 +155,8 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
                  "k3lab.ops.mla_glue._norms_kernel", "k3lab.ops.mla_glue._absorb_q_kernel",
                  "k3lab.ops.mla_glue._out_gate_kernel",
                  # the article's precisions (the step's 'precision' setting, k3lab.engine.switches): MXFP4
-                 # routed experts and the FP8 MLA latent cache; checked in Triton's interpreter and compiled
-                 # by the ISA report, not yet run on a GPU by this project (k3lab.studies.runs)
+                 # routed experts and the FP8 MLA latent cache; checked in Triton's interpreter, on a GPU and
+                 # compiled by the ISA report (where they ran: k3lab.studies.runs)
                  "k3lab.ops.moe_experts.mxfp4_kernels._up_kernel",
                  "k3lab.ops.moe_experts.mxfp4_kernels._down_kernel",
                  "k3lab.ops.moe_experts.mxfp4_kernels._scaled_up_kernel",

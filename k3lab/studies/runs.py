@@ -129,8 +129,7 @@ RUNS: tuple[Run, ...] = (
         {"GPU": ("k3lab/profiling/roofline.py",)}),
     Run("article_precisions", "the article's precisions: the MXFP4 routed experts' kernels, GEMV and grouped "
         "(k3lab.ops.moe_experts.mxfp4_kernels), the FP8 MLA cache's decode (k3lab.ops.mla_decode.fp8_cache)",
-        {}, {"GPU": ("k3lab/ops/mla_decode/fp8_cache.py", "k3lab/ops/moe_experts/mxfp4_kernels.py",
-                     "k3lab/optimizations.py")}),
+        {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/gpu_check/gpu_check_tests_a87f4ff.json"}),
     Run("rocprofv3", "rocprofv3 traces and their rocpd database", {},
         {"AMD GPU": ("k3lab/profiling/rocprofv3_run.py", "k3lab/profiling/rocpd.py")}),
     Run("collectives", "DCP and the MoE tail on torch.distributed (NCCL / RCCL; gloo in the tests)", {},

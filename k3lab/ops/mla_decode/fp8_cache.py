@@ -30,8 +30,9 @@ decode's layout ([B * q_len * H * splits, 512] fp32, base-2 lse) and are merged 
 
 Bad input raises ValueError / TypeError naming the argument before any kernel runs (the bf16 decode's
 own validation of q, lengths and block table, plus the cache's dtype and the scale). Needs a GPU, or
-Triton's interpreter (TRITON_INTERPRET=1) on a CPU (small shapes: tests). It has not yet run on a
-GPU (only in the interpreter; its bf16 tl.dot path runs only on a GPU).
+Triton's interpreter (TRITON_INTERPRET=1) on a CPU (small shapes: tests). Where its tests and the step
+that binds it have run is k3lab.studies.runs' part 'article_precisions' (its bf16 tl.dot path runs only
+on a GPU).
 """
 
 from __future__ import annotations

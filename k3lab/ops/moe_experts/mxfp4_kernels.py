@@ -33,8 +33,8 @@ decomposes it into bf16 mma with the operands scaled in registers. Triton's inte
 dot_scaled and gfx942 cannot lower it: there `grouped_runs_here` says no, the caller runs the GEMV form,
 and `mxfp4_experts_grouped` refuses, naming it. L and F must be multiples of its K step (128). Its
 reference (`reference(..., mx_activations=True)`) quantizes the activations the same way. The grouped
-form has not yet run on a GPU here (its test is GPU-only); its gfx950 code is compiled only. The GEMV
-form has not yet run on a GPU either (only in Triton's interpreter).
+form's test is GPU-only; its gfx950 code is compiled only. Where both forms have run is
+k3lab.studies.runs' part 'article_precisions'.
 
 Shapes: z [N, L] fp32 / fp16 / bf16, weights [N, k] float, idx [N, k] int32 / int64 in [0, E),
 w1, w3 Mxfp4Weight of [E, F, L], w2 of [E, L, F]; L and F multiples of 32. Bad input: ValueError /

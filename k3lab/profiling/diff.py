@@ -89,7 +89,7 @@ class TraceDiff:
             if len(rows):
                 col = f"us_{a}" if status == "gone" else f"us_{b}"
                 lines.append(f"{status} ({verb}): {len(rows)} kernel(s), {rows[col].sum():,.1f} us per step: "
-                             + ", ".join(_short(n) for n in rows["name"].head(4))
+                             + ", ".join(short_name(n) for n in rows["name"].head(4))
                              + (" ..." if len(rows) > 4 else ""))
         for side, path in self.paths.items():
             lines.append(f"{side} trace: {path} (open in {PERFETTO})")
@@ -102,7 +102,7 @@ class TraceDiff:
 
     def _repr_html_(self) -> str:
         head = "<br>".join(html.escape(s) for s in self.summary().splitlines())
-        kern = self.kernels.assign(name=self.kernels["name"].map(_short)).round(2).to_html(index=False)
+        kern = self.kernels.assign(name=self.kernels["name"].map(short_name)).round(2).to_html(index=False)
         cats = self.categories.round(2).to_html(index=False)
         return f"<p>{head}</p><b>Kernels (per step)</b>{kern}<b>Time per category (us per step)</b>{cats}"
 
@@ -132,9 +132,6 @@ def short_name(name: str, width: int = 60) -> str:
     what = re.findall(r"(\w+(?:Functor|Ops|Op)\b|direct_copy_kernel_cuda|\w+_kernel\b)", s[len(head):])
     s = f"{head}<...{what[-1]}>" if what else f"{head}<...>"
     return s if len(s) <= width else s[: width - 3] + "..."
-
-
-_short = short_name
 
 
 def _per_step(table: pd.DataFrame, steps: int, label: str) -> pd.DataFrame:

@@ -162,8 +162,9 @@ GPU_QUICK: dict[str, QuickForm] = {
         ("b1_1k",), 50,
         "B = 1, 1K: all on, all off and each switch off alone, checked and timed eager and as one graph "
         "(3 samples, no profiler pass); 32K, 128K and B = 64 / 8K (whose eager all-off step alone takes "
-        "13 s) are --full's, and notebook 08 and the first page show their committed records",
-        {"repeats": 3, "profile": False}),
+        "13 s) are --full's, and notebook 08 and the first page show their committed records; the "
+        "default-projections and article-precision variants too (variants='waterfall')",
+        {"repeats": 3, "profile": False, "variants": "waterfall"}),
     "agent_cache": QuickForm(
         ("sim_small", "copies", "state"), 10,
         "the host<->device copies and the state save / restore the first page shows, and the small "

@@ -11,23 +11,25 @@ gains, launches per step, and what the per-op records predict (Amdahl). Seed fig
 the seed's (MI355X, their serving stack); nothing here is mixed with them.
 """
 
-from .measure import (ATTRIBUTION, ATTRIBUTION_CASE, bench_config, case_names, cases, CPU_CASES, CPU_CONFIG,
-    expert_bytes, EXTRA_CASES, first_step, GLUE, GLUE_CASE, GPU_CASES, measured_bandwidth_tbs, NAME,
-    part_bytes, PROBE, PROBE_CASE, probe_records, profile_targets, PROFILED, PROJECTIONS_OF,
-    reference_logits, reference_of, REFERENCES, run, run_cases, run_variant, SLOW_STEP_S, step_bytes,
-    TOP_KERNELS, variant_floor, variants)
+from .measure import (ATTRIBUTION, ATTRIBUTION_CASE, bench_config, case_floor, case_names, cases, CPU_CASES,
+    CPU_CONFIG, CPU_SKIPPED, chosen_variants, expert_bytes, EXTRA_CASES, first_step, GLUE, GLUE_CASE,
+    GPU_CASES, measured_bandwidth_tbs, NAME, part_bytes, PRECISION_OF, PROBE, PROBE_CASE, probe_records,
+    profile_targets, PROFILED, PROJECTIONS_OF, reference_logits, reference_of, REFERENCES, run, run_cases,
+    run_variant, SETTING_VARIANTS, SLOW_STEP_S, step_bytes, step_settings, TOP_KERNELS, variant_floor,
+    variants, WATERFALL)
 from .tables import (amdahl, attribution_figure, attribution_rows, attributions, best_us, checks, DEVICE,
     floor_rows, front_page_rows, gain, gemv_rows, headroom, launches, load, MLA_CASE, mla_rows, PER_OP,
     probes, SEED, seed_headline, UNCHECKED, waterfall, waterfall_figure, where_figure, where_time_goes)
 
 __all__ = [
     "amdahl", "ATTRIBUTION", "ATTRIBUTION_CASE", "attribution_figure", "attribution_rows", "attributions",
-    "bench_config", "best_us", "case_names", "cases", "checks", "CPU_CASES", "CPU_CONFIG", "DEVICE",
-    "expert_bytes", "EXTRA_CASES", "first_step", "floor_rows", "front_page_rows", "gain", "gemv_rows",
-    "GLUE", "GLUE_CASE", "GPU_CASES", "headroom", "launches", "load", "measured_bandwidth_tbs", "MLA_CASE",
-    "mla_rows", "NAME", "part_bytes", "PER_OP", "PROBE", "PROBE_CASE", "probe_records", "probes",
-    "profile_targets", "PROFILED", "PROJECTIONS_OF", "reference_logits", "reference_of", "REFERENCES",
-    "run", "run_cases", "run_variant", "SEED", "seed_headline", "SLOW_STEP_S", "step_bytes", "TOP_KERNELS",
-    "UNCHECKED", "variant_floor", "variants", "waterfall", "waterfall_figure", "where_figure",
+    "bench_config", "best_us", "case_floor", "case_names", "cases", "checks", "CPU_CASES", "CPU_CONFIG",
+    "CPU_SKIPPED", "chosen_variants", "DEVICE", "expert_bytes", "EXTRA_CASES", "first_step", "floor_rows",
+    "front_page_rows", "gain", "gemv_rows", "GLUE", "GLUE_CASE", "GPU_CASES", "headroom", "launches", "load",
+    "measured_bandwidth_tbs", "MLA_CASE", "mla_rows", "NAME", "part_bytes", "PER_OP", "PRECISION_OF", "PROBE",
+    "PROBE_CASE", "probe_records", "probes", "profile_targets", "PROFILED", "PROJECTIONS_OF",
+    "reference_logits", "reference_of", "REFERENCES", "run", "run_cases", "run_variant", "SEED",
+    "seed_headline", "SETTING_VARIANTS", "SLOW_STEP_S", "step_bytes", "step_settings", "TOP_KERNELS",
+    "UNCHECKED", "variant_floor", "variants", "waterfall", "WATERFALL", "waterfall_figure", "where_figure",
     "where_time_goes"
 ]

@@ -20,6 +20,15 @@ under stand-ins they compute different sums, equal only with real collectives (`
 record also holds `error['graph_vs_eager']`: one replay from the saved state against the eager check.
 bf16 over 93 layers, and a near-tie in the router may pick another expert, so the figures are recorded,
 not asserted. Committed records: profiles/<device>/decode_step/.
+
+Every variant but two passes its projections ('bf16' unless PROJECTIONS_OF says otherwise), so a name
+keeps what its committed records measured. all_on_default leaves them unset (the step's default:
+the one-row GEMV at B = 1 on a GPU). all_on_article runs DecodeStep(precision='article'); its floor is
+the article's bytes (`part_bytes(precision='article')`, the routed experts it read at MXFP4 bytes) and
+its check is against its reference's switches at the same precision, the same quantized weights and
+FP8 cache through the switches-off paths (`reference_logits`), so it is held to the same like-with-like
+comparison as the bf16 variants; what the formats cost against bf16 is recorded beside it
+(error['precision_vs_bf16']). On a CPU the article variant is left out (CPU_SKIPPED).
 """
 
 from __future__ import annotations
@@ -49,13 +58,28 @@ ATTRIBUTION = "attribution."  # case prefix of the step attributions (k3lab.stud
 ATTRIBUTION_CASE = "attribution"  # the case that runs them
 EXTRA_CASES = (PROBE_CASE, GLUE_CASE, ATTRIBUTION_CASE)
 GPU_CASES = {"b1_1k": (1, 1024), "b1_32k": (1, 32768), "b1_128k": (1, 131072), "b64_8k": (64, 8192)}
-CPU_CASES = {"tiny_b1_ctx8": (1, 8)}
+CPU_CASES = {"tiny_b1_ctx8": (1, 8)}  # every variant but CPU_SKIPPED's (the article step: slow there)
 CPU_CONFIG = dataclasses.replace(K3Config.tiny(), num_hidden_layers=4, name="tiny4").sliced(2)
 TOP_KERNELS = 15  # kernels by total time kept per profiled run: where the step's time goes
 PROFILED = ("all_on", "all_off", "all_on_fp8", "all_on_gemv")
 # variant -> DecodeStep(projections=...); the others run the weights' dtype through torch.matmul
+# (projections='bf16', as their committed records did); all_on_default leaves projections unset, so the
+# step takes `rows.default_projections` (the one-row GEMV at B = 1 on a GPU, the matrix library above)
 # profiled at B = 1 only: the loop at B = 64 runs ~450K kernels a step
-PROJECTIONS_OF = {"all_on_fp8": "fp8", "all_on_gemv": "gemv"}
+PROJECTIONS_OF = {"all_on_fp8": "fp8", "all_on_gemv": "gemv", "all_on_default": None}
+# variant -> DecodeStep(precision=...): all_on_article runs the article's formats (FP8 projections, MXFP4
+# routed experts, an FP8 MLA cache); its floor is part_bytes at that precision and its check is against
+# its reference's switches at the same precision (`reference_logits`)
+PRECISION_OF = {"all_on_article": "article"}
+# the variants of the step's settings rather than of its switches: the report's quick form leaves them
+# out (run(variants=WATERFALL)), the default and full runs measure them
+SETTING_VARIANTS = ("all_on_default", "all_on_article")
+WATERFALL = "waterfall"  # run(variants=WATERFALL): every variant but SETTING_VARIANTS
+# variants the CPU case leaves out, and why: the CPU case must run in seconds
+CPU_SKIPPED = {"all_on_article": "the article step's MXFP4 and FP8-cache kernels run in Triton's "
+                                 "interpreter on a CPU: about 6 s a step, 20 s with its timing, against "
+                                 "under a second for the others (tests/test_decode_step_article.py "
+                                 "checks it)"}
 
 
 def cases() -> dict[str, tuple[int, int]]:
@@ -68,19 +92,34 @@ def bench_config() -> K3Config:
 
 
 def variants(q_len: int = 1) -> dict[str, dict]:
-    """all_off first (the others are compared with it), all_on, then no_<switch> for each switch that
-    applies at this q_len."""
+    """all_off first (the others are compared with it), all_on, all_on_fp8, all_on_gemv, then
+    no_<switch> for each switch that applies at this q_len, then SETTING_VARIANTS (every switch on:
+    all_on_default with the projections the step picks itself, all_on_article at the article's
+    precision). `step_settings` gives each one's projections / precision."""
     names = [n for n in SWITCHES if not (n in VERIFY_ONLY and q_len == 1) and
              not (n in DECODE_ONLY and q_len > 1)]
     out = {"all_off": dict.fromkeys(SWITCHES, False), "all_on": dict.fromkeys(SWITCHES, True),
            "all_on_fp8": dict.fromkeys(SWITCHES, True), "all_on_gemv": dict.fromkeys(SWITCHES, True)}
     out.update({f"no_{n}": all_but(n) for n in names})
+    out.update({n: dict.fromkeys(SWITCHES, True) for n in SETTING_VARIANTS})
     return out
 
 
-def expert_bytes(config: K3Config, act_bytes: int = 2) -> int:
-    """Bytes of one routed expert's slice on this rank (w1, w3, w2)."""
-    return 3 * config.moe_intermediate_size * config.routed_expert_hidden_size * act_bytes
+def step_settings(name: str) -> dict:
+    """DecodeStep keywords of variant `name`: {'precision': ...} for PRECISION_OF's (its projections follow
+    the precision), else {'projections': PROJECTIONS_OF's or 'bf16'}."""
+    if name in PRECISION_OF:
+        return {"precision": PRECISION_OF[name]}
+    return {"projections": PROJECTIONS_OF.get(name, "bf16")}
+
+
+def expert_bytes(config: K3Config, act_bytes: int = 2, precision: str = "bf16") -> int:
+    """Bytes of one routed expert's slice on this rank (w1, w3, w2): at `act_bytes` a weight, or at
+    precision 'article' in MXFP4 (k3lab.engine.mxfp4.nbytes: codes and block scales)."""
+    from k3lab.engine import mxfp4
+
+    F, L = config.moe_intermediate_size, config.routed_expert_hidden_size
+    return 3 * (mxfp4.nbytes(F, L) if precision == "article" else F * L * act_bytes)
 
 
 def variant_floor(case_floor: dict, experts_read: int | None, expert_nbytes: int, saved: int = 0) -> dict:
@@ -115,7 +154,7 @@ def part_bytes(config: K3Config, batch: int, context_len: int, q_len: int = 1, *
     plus the routed experts in MXFP4 (4.25 bits a weight: half a byte of code and a one-byte scale per
     32) and the MLA cache in FP8 (one byte a value, `cache_bytes` not read, plus its fp32 scale, 4 bytes
     a layer)."""
-    from k3lab.engine import fp8, mxfp4
+    from k3lab.engine import fp8
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -139,8 +178,7 @@ def part_bytes(config: K3Config, batch: int, context_len: int, q_len: int = 1, *
     ends = c.vocab_size * h + N * h  # lm_head slice, embedding rows
     E, k = c.num_experts, c.num_experts_per_token
     chosen = E * (1.0 - (1.0 - k / E) ** N)
-    F = c.moe_intermediate_size
-    expert = float(3 * mxfp4.nbytes(F, L) if precision == "article" else 3 * F * L * act_bytes)
+    expert = float(expert_bytes(c, act_bytes, precision))
     rows = batch * (context_len + 2 * q_len) * c.mla_latent_dim
     cache = rows + 4 if precision == "article" else rows * cache_bytes
     zero = dict.fromkeys(("weights_dense", "weights_experts", "mla_cache", "kda_state", "kda_conv"), 0.0)
@@ -159,13 +197,14 @@ def part_bytes(config: K3Config, batch: int, context_len: int, q_len: int = 1, *
 
 
 def step_bytes(config: K3Config, batch: int, context_len: int, q_len: int = 1, *, tail: str = "sharded",
-               act_bytes: int = 2, cache_bytes: int = 2) -> dict[str, float]:
+               act_bytes: int = 2, cache_bytes: int = 2, precision: str = "bf16") -> dict[str, float]:
     """Bytes one rank's step must move at least: every weight it reads once (the routed experts: the
     expected number of distinct experts `batch * q_len` tokens choose under uniform routing), the MLA
-    history read and the new rows written, the KDA states read and written, the conv histories.
+    history read and the new rows written, the KDA states read and written, the conv histories, in the
+    number formats of `precision` (`part_bytes`).
     Keys: weights_dense, weights_experts, mla_cache, kda_state, kda_conv, total (`part_bytes` summed)."""
     kinds = part_bytes(config, batch, context_len, q_len, tail=tail, act_bytes=act_bytes,
-                       cache_bytes=cache_bytes)
+                       cache_bytes=cache_bytes, precision=precision)
     parts = {key: sum(kind[key] for kind in kinds.values()) for key in next(iter(kinds.values()))}
     parts["total"] = sum(parts.values())
     return parts
@@ -263,9 +302,14 @@ def _ids(config: K3Config, batch: int) -> torch.Tensor:
     return torch.randint(0, config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(11))
 
 
-def reference_logits(name: str, weights: RankWeights, shape: tuple[int, int]) -> torch.Tensor:
-    """One check reference's first-step logits (REFERENCES[name]), its step freed after."""
-    step = DecodeStep(weights.config, *shape, optimizations=REFERENCES[name], weights=weights)
+def reference_logits(name: str, weights: RankWeights, shape: tuple[int, int],
+                     precision: str = "bf16") -> torch.Tensor:
+    """One check reference's first-step logits (REFERENCES[name] at `precision`), its step freed after.
+    At 'article' the reference runs the same quantized weights and FP8 cache through the switches-off
+    paths (the PyTorch loop over dequantized experts among them), so the article step is checked like
+    with like: what its kernels change, not what the formats cost."""
+    step = DecodeStep(weights.config, *shape, optimizations=REFERENCES[name], weights=weights,
+                      precision=precision)
     with torch.no_grad():
         logits = first_step(step, _ids(weights.config, shape[0]))[0]
     del step
@@ -288,24 +332,40 @@ def _time(step: DecodeStep, repeats: int, graph: bool, first_s: float) -> bench.
     return bench.time_fn(step.run, warmup=1, repeats=repeats, graph=graph, calls_per_sample=1)
 
 
+def case_floor(config: K3Config, shape: tuple[int, int], act_bytes: int, bandwidth: tuple[float, str],
+               precision: str = "bf16") -> dict:
+    """A case's floor at `precision`: `step_bytes` (uniform routing; the cache at `act_bytes` a value at
+    'bf16' and 'fp8') over the measured copy bandwidth (TB/s, how)."""
+    parts = step_bytes(config, *shape, act_bytes=act_bytes, cache_bytes=act_bytes, precision=precision)
+    bw, how = bandwidth
+    return {"bytes": parts, "bandwidth_tbs": bw, "how": how, "floor_us": parts["total"] / (bw * 1e6),
+            "precision": precision}
+
+
 def run_variant(case: str, name: str, opts: dict, weights: RankWeights, shape: tuple[int, int], *, ref,
                 ref_name: str, repeats: int, floor: dict, trace_dir: str, profile: bool,
-                ) -> tuple[list[bench.Record], torch.Tensor]:
-    """Build one variant's step, check it (`first_step` against `ref`, the logits of `ref_name`; None
-    for the reference itself), time it eager (and as one graph where it can be captured, then replay
-    once from the saved state against the eager check), profile it if asked; returns (records, its
-    first-step logits)."""
+                bf16_ref: torch.Tensor | None = None) -> tuple[list[bench.Record], torch.Tensor]:
+    """Build one variant's step (`step_settings(name)`), check it (`first_step` against `ref`, the
+    logits of `ref_name`; None for the reference itself), time it eager (and as one graph where it can
+    be captured, then replay once from the saved state against the eager check), profile it if asked;
+    returns (records, its first-step logits). floor: `case_floor` at the variant's precision. bf16_ref:
+    for a variant at another precision, the bf16 reference's logits: error['precision_vs_bf16'] records
+    what its number formats move the logits by (a figure, not a check)."""
     B, ctx = shape
-    proj = PROJECTIONS_OF.get(name, "bf16")
-    step = DecodeStep(weights.config, B, ctx, optimizations=opts, weights=weights, projections=proj)
+    step = DecodeStep(weights.config, B, ctx, optimizations=opts, weights=weights, **step_settings(name))
     with torch.no_grad():
         logits, saved, t_first = first_step(step, _ids(weights.config, B))
         experts_read, step.routes = step.experts_read(), None
         err = _errors(logits, ref, ref_name, saved)
+        if bf16_ref is not None:
+            err["precision_vs_bf16"] = _rel(logits, bf16_ref)
+        prec = step.resolved.precision
+        # FP8 projections below a bf16 floor: the bytes they save; an 'article' floor counts them already
         fp8_saved = (weights.projection_bytes("bf16") - weights.projection_bytes("fp8")
-                     if step.resolved.projections.startswith("fp8") else 0)
-        floor = variant_floor(floor, experts_read, expert_bytes(weights.config, weights.embed.element_size()),
-                              fp8_saved)
+                     if step.resolved.projections.startswith("fp8") and floor.get("precision") != prec
+                     else 0)
+        floor = variant_floor(floor, experts_read,
+                              expert_bytes(weights.config, weights.embed.element_size(), prec), fp8_saved)
         extra = {
             "step": step.describe(),
             "bytes": floor["bytes"],
@@ -355,15 +415,34 @@ def run_variant(case: str, name: str, opts: dict, weights: RankWeights, shape: t
     return recs, logits
 
 
+def chosen_variants(chosen=None) -> list[str]:
+    """The variants a run measures: None, every one (`variants()`; on a CPU less CPU_SKIPPED's);
+    WATERFALL, those less SETTING_VARIANTS; or a list of names. ValueError for an unknown name."""
+    known = list(variants())
+    here = [n for n in known if on_gpu() or n not in CPU_SKIPPED]
+    if chosen is None:
+        return here
+    if chosen == WATERFALL:
+        return [n for n in here if n not in SETTING_VARIANTS]
+    if isinstance(chosen, str) or not all(isinstance(n, str) for n in chosen):
+        raise TypeError(f"variants must be None, {WATERFALL!r} or a list of variant names, got {chosen!r}")
+    unknown = [n for n in chosen if n not in known]
+    if unknown:
+        raise ValueError(f"variants must be among {known}, got {unknown}")
+    return [n for n in known if n in chosen]
+
+
 def run_cases(names: list[str] | None = None, *, distinct_layers: int = 3, repeats: int = 5,
-              profile: bool = True,
+              profile: bool = True, variants_run=None,
               log=print) -> list[bench.Record]:
-    """Every variant of every case in `names` (default: all cases here); see the module docstring."""
+    """Every variant (`chosen_variants(variants_run)`) of every case in `names` (default: all cases
+    here); see the module docstring."""
     here = cases()
     names = list(here) if names is None else list(names)
     unknown = [n for n in names if n not in here]
     if unknown:
         raise ValueError(f"cases must be among {list(here)} on this machine, got {unknown}")
+    run_names = chosen_variants(variants_run)
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     t0 = time.perf_counter()
@@ -372,25 +451,27 @@ def run_cases(names: list[str] | None = None, *, distinct_layers: int = 3, repea
     weights = RankWeights.random(bench_config(), distinct_layers=distinct_layers, device=dev, dtype=dt)
     log(f"decode_step: weights drawn ({weights.nbytes()['total'] / 2**30:.1f} GiB, {distinct_layers} sets "
         f"per kind) in {time.perf_counter() - t0:.0f} s")
-    bw, how = measured_bandwidth_tbs()
+    bandwidth = measured_bandwidth_tbs()
+    all_opts = variants()
     records = []
     with tempfile.TemporaryDirectory() as trace_dir:
         for case in names:
             B, ctx = here[case]
-            parts = step_bytes(weights.config, B, ctx, act_bytes=weights.embed.element_size(),
-                               cache_bytes=weights.embed.element_size())
-            floor = {"bytes": parts, "bandwidth_tbs": bw, "how": how, "floor_us": parts["total"] / (bw * 1e6)}
-            refs = {}
-            for name, opts in variants().items():
+            refs = {}  # (reference name, precision) -> its first-step logits
+            for name in run_names:
+                opts, prec = all_opts[name], PRECISION_OF.get(name, "bf16")
                 rname = reference_of(opts, weights.world_size)
-                if rname != name and rname not in refs:
-                    refs[rname] = reference_logits(rname, weights, (B, ctx))
-                recs, logits = run_variant(case, name, opts, weights, (B, ctx), ref=refs.get(rname),
-                                           ref_name=rname,
+                for p in dict.fromkeys(("bf16", prec)):
+                    if (rname, p) not in refs and (rname != name or p != prec):
+                        refs[rname, p] = reference_logits(rname, weights, (B, ctx), p)
+                floor = case_floor(weights.config, (B, ctx), weights.embed.element_size(), bandwidth, prec)
+                recs, logits = run_variant(case, name, opts, weights, (B, ctx), ref=refs.get((rname, prec)),
+                                           ref_name=rname if prec == "bf16" else f"{rname} at {prec}",
                                            repeats=repeats, floor=floor, trace_dir=trace_dir,
-                                           profile=profile and name in PROFILED and B == 1)
+                                           profile=profile and name in PROFILED and B == 1,
+                                           bf16_ref=refs[rname, "bf16"] if prec != "bf16" else None)
                 if name in REFERENCES:
-                    refs.setdefault(name, logits)
+                    refs.setdefault((name, "bf16"), logits)
                 records += recs
                 log(f"  {case} {name}: " + ", ".join(f"{r.mode} {r.median_us / 1e3:.2f} ms" for r in recs)
                     + f"  [{time.perf_counter() - t0:.0f} s]")
@@ -431,8 +512,10 @@ def case_names(preset=None) -> list[str]:
     return [*cases(), *EXTRA_CASES]
 
 
-def run(preset=None, cases=None, *, repeats: int = 5, distinct_layers: int = 3, profile: bool = True) -> list:
-    """Every variant of the whole-step `cases` (see measure.run_cases), with 'probe' among them the
+def run(preset=None, cases=None, *, repeats: int = 5, distinct_layers: int = 3, profile: bool = True,
+        variants=None) -> list:
+    """Every variant of the whole-step `cases` (see measure.run_cases; `variants`: None for all,
+    WATERFALL for all but SETTING_VARIANTS (the report's quick form), or a list), with 'probe' among them the
     bounds probes (measure.probe_records), with 'glue' the glue kernels (glue.run), with 'attribution'
     the per-part attribution of the batch-1 steps (attribution.records); records of study 'decode_step'.
     Unknown cases are a ValueError naming them, before anything runs."""
@@ -440,8 +523,9 @@ def run(preset=None, cases=None, *, repeats: int = 5, distinct_layers: int = 3, 
 
     chosen = select_cases(case_names(preset), cases)
     steps = [c for c in chosen if c not in EXTRA_CASES]
-    records = run_cases(steps, distinct_layers=distinct_layers, repeats=repeats,
-                                   profile=profile) if steps else []
+    chosen_variants(variants)  # an unknown variant refused before anything runs
+    records = run_cases(steps, distinct_layers=distinct_layers, repeats=repeats, profile=profile,
+                        variants_run=variants) if steps else []
     records += probe_records() if PROBE_CASE in chosen else []
     records += glue.run() if GLUE_CASE in chosen else []
     return records + (attribution.records() if ATTRIBUTION_CASE in chosen else [])

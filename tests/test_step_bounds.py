@@ -7,19 +7,19 @@ import torch
 from k3lab import bench
 from k3lab.config import K3Config
 from k3lab.studies.decode_step import bounds
-from k3lab.studies.decode_step import measure as step_bench
+from k3lab.studies.decode_step import measure
 
 from cpu_child import on_a_cpu
 
 
-@pytest.mark.parametrize("config", [K3Config.tp_slice(8), step_bench.CPU_CONFIG])
+@pytest.mark.parametrize("config", [K3Config.tp_slice(8), measure.CPU_CONFIG])
 def test_projection_shapes_are_the_floors_dense_weights(config):
     """Every dense weight the floor counts is a probed projection, except the absorbed MLA key/value
     halves (batched matmuls) and the embedding rows."""
     c = config
     probed = sum(s["out"] * s["in"] * s["calls"] for s in bounds.projection_shapes(c))
     absorbed = c.num_mla_layers * 2 * c.num_attention_heads * c.qk_nope_head_dim * c.kv_lora_rank
-    dense = step_bench.step_bytes(c, 1, 1024, act_bytes=1)["weights_dense"]
+    dense = measure.step_bytes(c, 1, 1024, act_bytes=1)["weights_dense"]
     assert probed + absorbed + c.hidden_size == dense
 
 
@@ -41,14 +41,14 @@ def test_bad_input_and_cpu_answers():
     with pytest.raises(ValueError, match="n must be"):
         bounds.small_kernel_probe(0)
     if not torch.cuda.is_available():
-        assert bounds.run(step_bench.CPU_CONFIG) == []
+        assert bounds.run(measure.CPU_CONFIG) == []
         said = []
-        assert step_bench.probe_records(log=said.append) == [] and "no GPU here" in said[0]
+        assert measure.probe_records(log=said.append) == [] and "no GPU here" in said[0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the probes time GPU kernels")
 def test_probes_on_the_gpu():
-    recs = bounds.run(step_bench.CPU_CONFIG, repeats=3)
+    recs = bounds.run(measure.CPU_CONFIG, repeats=3)
     assert {r.case for r in recs} >= {"probe.small_kernel", "probe.gemv.lm_head"}
     assert all(r.median_us > 0 for r in recs)
 
@@ -74,7 +74,7 @@ def test_where_time_goes_from_committed_records():
 def test_experts_read_counts_the_recorded_routes_and_sets_the_floor():
     from k3lab.engine import DecodeStep
 
-    c = step_bench.CPU_CONFIG
+    c = measure.CPU_CONFIG
     step = DecodeStep(c, 2, 8, optimizations="all", device="cpu", dtype=torch.float32)
     assert step.experts_read() is None
     with torch.no_grad():
@@ -88,10 +88,10 @@ def test_experts_read_counts_the_recorded_routes_and_sets_the_floor():
         <= read
         <= c.num_moe_layers * min(c.num_experts, 2 * c.num_experts_per_token)
     )
-    case = {"bytes": step_bench.step_bytes(c, 2, 8), "bandwidth_tbs": 2.0}
-    f = step_bench.variant_floor(case, read, step_bench.expert_bytes(c), saved=1000)
+    case = {"bytes": measure.step_bytes(c, 2, 8), "bandwidth_tbs": 2.0}
+    f = measure.variant_floor(case, read, measure.expert_bytes(c), saved=1000)
     b = f["bytes"]
-    assert b["weights_experts"] == read * step_bench.expert_bytes(c)
+    assert b["weights_experts"] == read * measure.expert_bytes(c)
     assert b["weights_dense"] == case["bytes"]["weights_dense"] - 1000
     assert b["total"] == pytest.approx(case["bytes"]["total"] - 1000 - b["weights_experts_uniform"]
                                        + b["weights_experts"])

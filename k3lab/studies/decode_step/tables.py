@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from k3lab import bench
 
-from . import measure as step_bench
+from . import measure
 from .measure import ATTRIBUTION, GLUE, NAME, PROBE
 
 DEVICE = "nvidia-h200"
@@ -113,7 +113,7 @@ def waterfall(records, case: str):
 
     idx = _index(records)
     rows = []
-    for name in step_bench.variants():
+    for name in measure.variants():
         eager, graph = idx.get((case, name, "eager")), idx.get((case, name, "graph"))
         if eager is None:
             continue
@@ -234,7 +234,7 @@ def floor_rows(records=None) -> list[dict]:
         rows.append({"case": case, "variant": variant, "step_ms": r.median_us / 1e3,
                      "floor_ms": (r.floor_us or 0) / 1e3, "of_floor": (r.floor_us or 0) / r.median_us,
                      "kernels": r.extra["launches"], "commit": r.commit})
-    order = {c: i for i, c in enumerate(step_bench.GPU_CASES)}
+    order = {c: i for i, c in enumerate(measure.GPU_CASES)}
     return sorted(rows, key=lambda row: (order.get(row["case"], len(order)), row["variant"]))
 
 

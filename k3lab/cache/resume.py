@@ -20,14 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..ops import int_arg as _nonneg_int  # an int >= 0: never a bool, never a float
+from ..ops import int_arg  # an int >= 0 by default: never a bool, never a float
 
 
 def stored_mla_reach(mla_reach: int, *, mla_block: int, tail_saved: bool = False) -> int:
     """How far the stored MLA history reaches: whole blocks of `mla_block` positions, or all of
     `mla_reach` when the tail was saved."""
-    _nonneg_int("mla_reach", mla_reach)
-    if _nonneg_int("mla_block", mla_block) == 0:
+    int_arg("mla_reach", mla_reach)
+    if int_arg("mla_block", mla_block) == 0:
         raise ValueError("mla_block must be at least 1 position, got 0")
     return mla_reach if tail_saved else (mla_reach // mla_block) * mla_block
 
@@ -43,10 +43,10 @@ def resume_point(mla_reach: int, kda_checkpoints: Iterable[int], *, mla_block: i
     MLA block was saved with the checkpoint at its end."""
     stored = stored_mla_reach(mla_reach, mla_block=mla_block, tail_saved=tail_saved)
     if limit is not None:
-        stored = min(stored, _nonneg_int("limit", limit))
+        stored = min(stored, int_arg("limit", limit))
     best = 0
     for i, c in enumerate(kda_checkpoints):
-        _nonneg_int(f"kda_checkpoints[{i}]", c)
+        int_arg(f"kda_checkpoints[{i}]", c)
         if best < c <= stored:
             best = c
     return best
@@ -54,7 +54,7 @@ def resume_point(mla_reach: int, kda_checkpoints: Iterable[int], *, mla_block: i
 
 def grid_checkpoints(length: int, interval: int) -> list[int]:
     """Checkpoint positions saved on a grid of `interval` positions over a prompt of `length`."""
-    _nonneg_int("length", length)
-    if _nonneg_int("interval", interval) == 0:
+    int_arg("length", length)
+    if int_arg("interval", interval) == 0:
         raise ValueError("interval must be at least 1 position, got 0")
     return list(range(interval, length + 1, interval))

@@ -24,8 +24,8 @@ seed, at each precision against 'bf16'; collectives are stand-ins (the rank's ow
 logits are one rank's arithmetic, not the model's. K3-wide, it holds GBs of weights a precision.
 
 On a CPU the step runs in fp32 (Triton's interpreter multiplies bf16 tiles wrongly), so 'bf16' there
-means the weights' dtype, fp32: the rows say which dtype ran, and the reference's projections run
-through the matrix library (`CPU_REFERENCE_PROJECTIONS`) rather than the interpreted one-row GEMV. A
+means the weights' dtype, fp32: the rows say which dtype ran (its projections are the step's default
+there, the matrix library: `k3lab.engine.rows.default_projections`). A
 precision the step refuses here (its ValueError when built, e.g. precision='article' before the step ran
 the article's formats) gives a row with status 'not available' and the step's reason, not an error. Bad
 arguments raise ValueError / TypeError naming the argument before anything runs.
@@ -50,9 +50,6 @@ MAX_STEPS = 512
 # on 2 cores; the fused KDA decode is the cheapest form there. Every switch computes the same result in
 # fp32 (tests/test_step.py), so a precision's cost does not depend on which are on.
 CPU_OPTIMIZATIONS = frozenset({"kda_fused"})
-# On a CPU the reference's projections are the matrix library, named so that the reference does not
-# follow the default: the one-row GEMV (k3lab.ops.gemv) would run interpreted there, seconds a step.
-CPU_REFERENCE_PROJECTIONS = "bf16"
 # What a missing figure of a row means, for tables (`k3lab.plots.say_missing`): a row that ran and never
 # left bf16's greedy path has no first divergence; a precision not available here has no figures; a run
 # whose routed experts were not recorded has no share of changed choices.
@@ -179,7 +176,7 @@ def _cache_after(step: DecodeStep):
 
 
 def _decode(weights: RankWeights, cache, first: torch.Tensor, steps: int, precision: str, optimizations,
-            forced: torch.Tensor | None, projections: str | None = None):
+            forced: torch.Tensor | None):
     """`steps` decode steps from `cache` (first token ids [B, 1]): (logits [S, B, V] fp64 on the CPU,
     tokens [S, B] chosen greedily, what ran, the routed experts [S, MoE layers, B, top_k] each step chose,
     sorted). forced [S, B]: feed these tokens instead of the greedy ones. The first step converts the
@@ -192,7 +189,7 @@ def _decode(weights: RankWeights, cache, first: torch.Tensor, steps: int, precis
     ids, out, toks, runs, scales, moved, routes = first, [], [], "", None, None, []
     for t in range(steps):
         step = DecodeStep(weights.config, first.shape[0], cache.length, weights=weights,
-                          optimizations=optimizations, precision=precision, projections=projections)
+                          optimizations=optimizations, precision=precision)
         weights = step.weights
         step.load_cache(cache)
         now = {i: float(v) for i, v in getattr(step, "kv_scales", {}).items()}
@@ -244,17 +241,15 @@ def greedy_cost(config: K3Config | None = None, *, steps: int = 64, prompt_len: 
         _, cache = model.prefill(prompt[:, :-1])
     weights = RankWeights.from_model(model, 1, 0)
     first = prompt[:, -1:]
-    proj = {REFERENCE: CPU_REFERENCE_PROJECTIONS} if dev.type == "cpu" else {}
-    ref, ref_tokens, _, ref_routes = _decode(weights, cache, first, steps, REFERENCE, opt, None,
-                                             proj.get(REFERENCE))
+    ref, ref_tokens, _, ref_routes = _decode(weights, cache, first, steps, REFERENCE, opt, None)
     rows = []
     for p in wanted:
         why = _refused(lambda: DecodeStep(config, batch, cache.length, weights=weights, optimizations=opt,
-                                          precision=p, projections=proj.get(p)))
+                                          precision=p))
         if why:
             rows.append(_row(p, status="not available", dtype=str(dtype).replace("torch.", ""), note=why))
             continue
-        logits, _, runs, routes = _decode(weights, cache, first, steps, p, opt, ref_tokens, proj.get(p))
+        logits, _, runs, routes = _decode(weights, cache, first, steps, p, opt, ref_tokens)
         note = "a second run of the reference (run to run)" if p == REFERENCE else ""
         rows.append(_row(p, dtype=str(dtype).replace("torch.", ""), runs=runs, note=note,
                          **compare(logits, ref, ref_tokens, routes, ref_routes)))
@@ -285,11 +280,9 @@ def step_cost(config: K3Config | None = None, *, context_len: int = 64, precisio
     opt = _optimizations(optimizations, dev)
     ids = torch.randint(0, config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(seed)).to(dev)
 
-    proj = {REFERENCE: CPU_REFERENCE_PROJECTIONS} if dev.type == "cpu" else {}
-
     def build(p):
         return DecodeStep(config, 1, context_len, weights="random", distinct_layers=1, seed=seed, device=dev,
-                          optimizations=opt, precision=p, projections=proj.get(p))
+                          optimizations=opt, precision=p)
 
     def one(p):
         step = build(p)
@@ -311,5 +304,5 @@ def step_cost(config: K3Config | None = None, *, context_len: int = 64, precisio
     return rows
 
 
-__all__ = ["CPU_OPTIMIZATIONS", "CPU_REFERENCE_PROJECTIONS", "REFERENCE", "compare", "greedy_cost",
+__all__ = ["CPU_OPTIMIZATIONS", "REFERENCE", "compare", "greedy_cost",
            "step_cost", "tp8_config"]

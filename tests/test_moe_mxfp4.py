@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from k3lab.engine import mxfp4
+from k3lab.ops.moe_experts import mxfp4
 from k3lab.ops.moe_experts import mxfp4_kernels as mk
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

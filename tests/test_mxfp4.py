@@ -1,11 +1,11 @@
-"""MXFP4 weights (k3lab.engine.mxfp4): exact on representable values, nearest E2M1 code with ties to even,
-power-of-two block scales, the packing layout, the bytes, the error bounds on fresh random weights, and
-bad input refused by name."""
+"""MXFP4 weights (k3lab.ops.moe_experts.mxfp4): exact on representable values, nearest E2M1 code with ties
+to even, power-of-two block scales, the packing layout, the bytes, the error bounds on fresh random weights,
+and bad input refused by name."""
 
 import pytest
 import torch
 
-from k3lab.engine import mxfp4
+from k3lab.ops.moe_experts import mxfp4
 
 
 def _gen(seed=0):

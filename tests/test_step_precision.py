@@ -24,7 +24,7 @@ import k3lab  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
 from k3lab import bench
 from k3lab.config import K3Config
 from k3lab.engine import SWITCHES, DecodeStep, RankWeights, resolve, rows
-from k3lab.engine.mxfp4 import Mxfp4Weight
+from k3lab.ops.moe_experts.mxfp4 import Mxfp4Weight
 from k3lab.ops.mla_decode import fp8_cache
 
 from test_step import CPU_STEP

@@ -7,9 +7,9 @@ each optimization a named switch.
 
 Modules: `switches` (the settings table and what each runs here), `rows` (the chosen row of every op the
 step calls and the callables the step binds from them), `fp8` (FP8 dense projections:
-`projections='fp8'`, `fp8_status(device)`), `mxfp4` (the MXFP4 format of the routed experts at
-`precision='article'`), `weights` (a rank's weights: sliced from a K3Model or random at a rank's
-shapes, rotated through the layers; `to_fp8`, `to_article`), `layers` (each sublayer's rank-local
+`projections='fp8'`, `fp8_status(device)`), `weights` (a rank's weights: sliced from a K3Model or
+random at a rank's shapes, rotated through the layers; `to_fp8`, `to_article`, whose routed experts are
+in the MXFP4 format of k3lab.ops.moe_experts.mxfp4), `layers` (each sublayer's rank-local
 part), `step` (DecodeStep, the rank program and its collectives, `run_group` for a TP group in lockstep).
 The whole-step waterfall that measures it is the decode_step study (k3lab.studies.decode_step).
 """

@@ -146,7 +146,7 @@ def experts_mxfp4(form: str) -> Callable:
 
 
 def _mxfp4_loop(z, weights, idx, w, sort):
-    from k3lab.engine.mxfp4 import Mxfp4Weight
+    from k3lab.ops.moe_experts.mxfp4 import Mxfp4Weight
     from k3lab.nn.situ import situ_glu
 
     y = torch.zeros(z.shape[0], w.w2.shape[1], dtype=torch.float32, device=z.device)

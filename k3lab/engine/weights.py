@@ -29,8 +29,9 @@ import torch
 from k3lab.config import K3Config
 from k3lab.ops.attn_res_norm import fold_mix_weight
 from k3lab.ops.kda_decode import KDADecodeWeights
+from k3lab.ops.moe_experts import mxfp4
 
-from . import fp8, mxfp4
+from . import fp8
 
 # The projections stored in FP8 by `RankWeights.to_fp8`, per weight kind. Kept in the step's dtype:
 # KDA's f_b (goes through the packed-matmul dispatcher that `pack_where_used` switches; C x r, under

@@ -207,7 +207,7 @@ def moe_experts(tokens=1):
 
 def moe_mxfp4(tokens=1):
     """The MXFP4 routed experts' two GEMV launches (codes and E8M0 scales dequantized in registers)."""
-    from k3lab.engine.mxfp4 import Mxfp4Weight
+    from k3lab.ops.moe_experts.mxfp4 import Mxfp4Weight
     from k3lab.ops.moe_experts import mxfp4_kernels, random_router_idx
 
     E, k, L, F = CFG.num_experts, CFG.num_experts_per_token, CFG.routed_expert_hidden_size, \

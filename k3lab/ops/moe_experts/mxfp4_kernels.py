@@ -1,6 +1,6 @@
 """K3's routed experts over MXFP4 weights (the article's precision for them): the token-at-a-time GEMV
 form the decode step runs at batch 1, reading E2M1 codes and E8M0 block scales
-(k3lab.engine.mxfp4's packing) and dequantizing in registers.
+(mxfp4.py's packing, beside this file) and dequantizing in registers.
 
     w1q = quantize_experts(w1)          # [E, F, L] -> Mxfp4Weight, packed [E, F, L/2], scale_exp [E, F, L/32]
     y = mxfp4_experts(z, weights, idx, w1q, w3q, w2q)    # y [N, L] fp32, the same sum as routed_experts:
@@ -46,9 +46,10 @@ from __future__ import annotations
 
 import torch
 
-from k3lab.engine import mxfp4
-from k3lab.engine.mxfp4 import BLOCK, Mxfp4Weight
 from k3lab.ops import int_arg
+
+from . import mxfp4
+from .mxfp4 import BLOCK, Mxfp4Weight
 
 try:
     import triton
@@ -214,7 +215,7 @@ if triton is not None:
 
 
 def quantize_experts(w: torch.Tensor) -> Mxfp4Weight:
-    """A stack of expert weights [E, N, K] (K a multiple of 32) in MXFP4 (k3lab.engine.mxfp4.quantize)."""
+    """A stack of expert weights [E, N, K] (K a multiple of 32) in MXFP4 (mxfp4.quantize)."""
     if isinstance(w, torch.Tensor) and w.dim() != 3:
         raise ValueError(f"w must be a stack of expert weights [E, N, K], got shape {tuple(w.shape)}")
     return mxfp4.quantize(w)

@@ -115,8 +115,8 @@ def step_settings(name: str) -> dict:
 
 def expert_bytes(config: K3Config, act_bytes: int = 2, precision: str = "bf16") -> int:
     """Bytes of one routed expert's slice on this rank (w1, w3, w2): at `act_bytes` a weight, or at
-    precision 'article' in MXFP4 (k3lab.engine.mxfp4.nbytes: codes and block scales)."""
-    from k3lab.engine import mxfp4
+    precision 'article' in MXFP4 (k3lab.ops.moe_experts.mxfp4.nbytes: codes and block scales)."""
+    from k3lab.ops.moe_experts import mxfp4
 
     F, L = config.moe_intermediate_size, config.routed_expert_hidden_size
     return 3 * (mxfp4.nbytes(F, L) if precision == "article" else F * L * act_bytes)

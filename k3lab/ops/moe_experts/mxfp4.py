@@ -19,9 +19,11 @@ units), so at most 1/8 of the block's largest magnitude; a block whose largest m
 power of two). A kernel reading this format is checked against the fp64 product of `dequantize()`,
 which it must reproduce up to its accumulation order.
 
-Host-side PyTorch: the packing and the reference the MXFP4 expert kernels
-(k3lab.ops.moe_experts.mxfp4_kernels) are checked against. Blocks run along the last dim, so a stack of
-experts [E, N, K] quantizes as the E x N rows it is.
+Host-side PyTorch: the packing and the reference the MXFP4 expert kernels (mxfp4_kernels.py beside
+it) are checked against. Blocks run along the last dim, so a stack of experts [E, N, K] quantizes as the
+E x N rows it is. The format lives with the op whose kernels read it, since ops/ never imports engine/;
+the engine quantizes its routed experts with it (`RankWeights.to_article`) and the decode-step study
+counts their bytes with `nbytes`.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ The rules:
   a study, an op or the engine.
 - The rooms that run a model (nn, ops, engine, parallel, runtime) never import bench/ or studies/: what
   they need while they run (check, capture_graph) lives in runtime/, and measuring code lives in studies/.
+- ops/ never imports engine/: a kernel and the formats it reads (the MXFP4 weights, for one) sit below the
+  step that composes them, so an op is usable, tested and compiled without the engine.
+- No library room (the running rooms, and config, env, files, model, agentx, cache, speculative, serving)
+  imports studies/: studies/ composes the library, never the other way; serving/ reads its records itself.
 """
 
 from __future__ import annotations
@@ -20,9 +24,15 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "k3lab"
 
 RUNNING = ("nn", "ops", "engine", "parallel", "runtime")
+# the rooms studies/ composes; isa/, profiling/, workshop/, report/, optimizations and cli sit beside or
+# above studies/ and may call a study
+LIBRARY = (*RUNNING, "config", "env", "files", "model", "agentx", "cache", "speculative", "serving")
 # room -> the rooms it must not import
-FORBIDDEN = {room: {"bench", "studies"} for room in RUNNING}
+FORBIDDEN = {room: {"studies"} for room in LIBRARY}
+for room in RUNNING:
+    FORBIDDEN[room] |= {"bench"}
 FORBIDDEN["nn"] |= {"ops"}
+FORBIDDEN["ops"] |= {"engine"}
 # room -> the only rooms it may import
 ALLOWED = {
     "runtime": set(),
@@ -98,6 +108,13 @@ def test_a_broken_rule_is_found():
         "k3lab/runtime/w.py": "from k3lab.env import detect\nfrom . import checks\n",
         "k3lab/bench/v.py": "from ..ops import m\nfrom .timing import f\nfrom k3lab import runtime\n",
         "k3lab/ops/fine.py": "from k3lab import runtime\nfrom k3lab.nn import mla\nfrom .inputs import x\n",
+        "k3lab/ops/moe_experts/u.py": "from k3lab.engine.mxfp4 import Mxfp4Weight\n",
+        "k3lab/ops/t.py": "def f():\n    from ..engine import rows\n",
+        "k3lab/serving/s.py": "def f():\n    from k3lab.studies.serving import inputs\n",
+        "k3lab/cache/r.py": "from ..studies import agent_cache\n",
+        "k3lab/config.py": "import k3lab.studies\n",
+        "k3lab/engine/fine.py": "from k3lab.ops.moe_experts import mxfp4\nfrom k3lab import serving\n",
+        "k3lab/report/fine.py": "from k3lab.studies import load_study\nfrom k3lab.engine import rows\n",
     }
     assert broken_rules(files) == [
         ("k3lab/nn/x.py", "ops", "nn/ never imports ops/"),
@@ -105,6 +122,11 @@ def test_a_broken_rule_is_found():
         ("k3lab/parallel/z.py", "studies", "parallel/ never imports studies/"),
         ("k3lab/runtime/w.py", "env", "runtime/ imports no other room"),
         ("k3lab/bench/v.py", "ops", "bench/ imports only env, files, runtime"),
+        ("k3lab/ops/moe_experts/u.py", "engine", "ops/ never imports engine/"),
+        ("k3lab/ops/t.py", "engine", "ops/ never imports engine/"),
+        ("k3lab/serving/s.py", "studies", "serving/ never imports studies/"),
+        ("k3lab/cache/r.py", "studies", "cache/ never imports studies/"),
+        ("k3lab/config.py", "studies", "config/ never imports studies/"),
     ]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from k3lab import bench
-from k3lab.serving import bands, curve, hardware, validate
+from k3lab.serving import bands, curve, hardware, inputs, validate
 
 pytestmark = pytest.mark.skipif(not bench.load_records("decode_step", device="nvidia-h200"),
                                 reason="no committed H200 decode_step records")
@@ -18,8 +18,6 @@ pytestmark = pytest.mark.skipif(not bench.load_records("decode_step", device="nv
 
 @pytest.fixture(scope="module")
 def setup():
-    from k3lab.studies.serving import inputs
-
     inp, work, err = inputs.node_inputs(), curve.agent_workload(), validate.model_error()
     bs = {k: bands.band(inp, k, work, error=err) for k in bands.PROJECTIONS}
     return inp, work, err, bs

@@ -14,7 +14,7 @@ needs_records = pytest.mark.skipif(not bench.load_records("decode_step", device=
 
 @pytest.fixture(scope="module")
 def inp():
-    from k3lab.studies.serving import inputs
+    from k3lab.serving import inputs
 
     return inputs.node_inputs()
 

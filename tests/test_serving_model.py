@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from k3lab import bench
-from k3lab.serving import curve, hardware, node, stepmodel
-from k3lab.studies.serving import inputs
+from k3lab.serving import curve, hardware, inputs, node, stepmodel
 
 pytestmark = pytest.mark.skipif(not bench.load_records("decode_step", device="nvidia-h200"),
                                 reason="no committed H200 decode_step records")

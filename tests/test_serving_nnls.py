@@ -57,7 +57,7 @@ def test_the_step_model_fits_the_committed_records_without_scipy():
             "        if name.split('.')[0] == 'scipy':\n"
             "            raise ModuleNotFoundError('No module named scipy (blocked)')\n"
             "sys.meta_path.insert(0, NoScipy())\n"
-            "from k3lab.studies.serving import inputs\n"
+            "from k3lab.serving import inputs\n"
             "fits = inputs.fits(inputs.step_points())\n"
             "assert fits and 'scipy' not in sys.modules\n"
             "print(len(fits), round(fits['base'].coef['fixed'], 6))\n")

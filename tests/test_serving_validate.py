@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not bench.load_records("serving", device="nvidia
 
 @pytest.fixture(scope="module")
 def points():
-    from k3lab.studies.serving import inputs
+    from k3lab.serving import inputs
 
     return inputs.step_points()
 
@@ -173,7 +173,7 @@ def test_model_error_takes_the_cross_gpu_error_once_a_second_grid_is_filed(tmp_p
     assert err["kind"].startswith("cross-GPU") and set(err["per_variant"]) == set(keep)
     directions = {(r["fitted_on"], r["tested_on"]) for r in err["rows"]}
     assert directions == {("nvidia-h200", "nvidia-h100-80gb-hbm3"), ("nvidia-h100-80gb-hbm3", "nvidia-h200")}
-    from k3lab.studies.serving import inputs
+    from k3lab.serving import inputs
 
     h = inputs.step_points("nvidia-h100-80gb-hbm3", tmp_path)
     assert {p.variant for p in h} == set(keep) and all(p.source.split("/")[2] == "serving" for p in h)

@@ -309,8 +309,7 @@ def _serving_numbers(root: Path) -> dict:
     ratios (bands). Computed once per root and process (a few seconds; the committed records do not change
     while a report is built). LookupError, ImportError or ValueError when the records are missing."""
     from k3lab import bench
-    from k3lab.serving import bands, curve, hardware, validate
-    from k3lab.studies.serving import inputs
+    from k3lab.serving import bands, curve, hardware, inputs, validate
 
     inp = inputs.node_inputs(root=root / "profiles")
     work = curve.agent_workload()

@@ -10,9 +10,10 @@ measured error and the sensitivities as a band; the article's figures as calibra
 (what the projection and the article's measurement are made of), `run` / `pool` / `workload` (the measured
 serving run: continuous batching, chunked prefill, a prefix cache in real memory), `predict` (the step
 model replaying a measured run: TTFT, TPOT and output tokens/s predicted beside measured, the wrong term
-named). The model's records are gathered by the serving study (k3lab.studies.serving.inputs).
+named), `inputs` (what the model reads from the committed records: the measured steps, their fits,
+node.Inputs). The serving study (k3lab.studies.serving) measures the grid and writes the model's records.
 """
 
-from . import bands, curve, hardware, node, predict, stepmodel, validate
+from . import bands, curve, hardware, inputs, node, predict, stepmodel, validate
 
-__all__ = ["bands", "curve", "hardware", "node", "predict", "stepmodel", "validate"]
+__all__ = ["bands", "curve", "hardware", "inputs", "node", "predict", "stepmodel", "validate"]

@@ -151,7 +151,7 @@ def hit_rate(
 # ------------------------------------------------------------------------------------------- node model
 @dataclass
 class Inputs:
-    """What the node model reads from records (study_inputs in the serving study builds it): fits per
+    """What the node model reads from records (k3lab.serving.inputs.node_inputs builds it): fits per
     variant (StepFit), the dense weight bytes and the bandwidth of the measured steps, the stand-in
     collectives (calls per step, bytes per token, us at one token and per extra token), the DCP ratio
     (DCP8 / TP8 local attention) and merge cost (us per MLA layer at B = 1 and per extra sequence), the

@@ -463,14 +463,12 @@ def measure_costs(engine, *, contexts=None, prefill_tokens=None, repeats: int = 
 
 def gpu_costs(device: str = "nvidia-h200", *, dcp: int = 1, variant: str = "all_on", root=None) -> StepCosts:
     """The step model of `device`'s committed grid for a serving run on it: the decode step is `variant`'s
-    fit (k3lab.studies.serving.inputs) over the bytes of the run's step (bf16 weights and history, the
+    fit (serving.inputs) over the bytes of the run's step (bf16 weights and history, the
     measured steps' random-router expert count, the history divided by `dcp`, the waves at the device's
     compute units, its measured bandwidth), collectives as the same stand-ins the grid timed; prefill per
     token is the serving model's (node.prefill_us_per_token: the H200's measured KDA scan, FLOPs at the
     measured matrix share; modelled). LookupError when the device has no grid of `variant`."""
-    from k3lab.studies.serving import inputs
-
-    from . import hardware, node, stepmodel
+    from . import hardware, inputs, node, stepmodel
 
     pts = inputs.step_points(device, root)
     fits = inputs.fits(pts)

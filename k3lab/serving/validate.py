@@ -1,7 +1,7 @@
 """How far the step model's predictions can be trusted, measured from records: held-out shapes, the
 extrapolation past the batches it was fitted on, and the error of projecting it to another GPU.
 
-Every function here takes measured steps (`stepmodel.StepPoint`s, e.g. `studies.serving.inputs.step_points`)
+Every function here takes measured steps (`stepmodel.StepPoint`s, e.g. `serving.inputs.step_points`)
 and returns one row per predicted point plus, through `summarize`, the worst and mean error per variant.
 Nothing is typed in: the figures docs/serving.md quotes are these functions' output on the committed
 records (`report_markdown`, checked by tests/test_serving_validate.py).
@@ -170,7 +170,7 @@ def model_error(device: str = "nvidia-h200", other: str | None = "nvidia-h100-80
     variant) when `other`'s grid is committed, else the worse of the held-out and the extrapolation error
     on `device`'s grid; `kind` names which, `per_variant` the worst abs(rel_err) per variant, `worst` the
     largest over variants, `source` the records. LookupError when `device` has no steps."""
-    from k3lab.studies.serving import inputs
+    from . import inputs
 
     pts = inputs.step_points(device, root)
     if not pts:
@@ -202,7 +202,7 @@ def report_markdown(device: str = "nvidia-h200", other: str | None = "nvidia-h10
     """The section of docs/serving.md that quotes the step model's errors: held-out and extrapolation per
     variant on `device`'s committed records and, once `other`'s grid is committed, the cross-GPU error in
     both directions, as a markdown table (the test compares the page to this)."""
-    from k3lab.studies.serving import inputs
+    from . import inputs
 
     pts = inputs.step_points(device, root)
     rows = held_out(pts) + extrapolation(pts)

@@ -8,7 +8,7 @@ Cases:
                   288 GB per GPU: an H200's 141 GB cannot hold a rank's FP4 weights), one record per point
     curve_mi355x  the same projected to MI355X (its bandwidth, matrix rate, memory and link), labelled so
 Curve records carry extra.tokens_per_s_user (P90) and extra.tokens_per_s_gpu, mode 'model', median_us the
-cycle time; `inputs` gathers what the model reads from the committed records.
+cycle time; k3lab.serving.inputs gathers what the model reads from the committed records.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import datetime as _dt
 
 from k3lab import bench
 
-from . import grid, inputs
+from . import grid
 
 NAME = "serving"
 H200_MEMORY_GB = 288.0  # the H200 curve's memory per GPU: K3's FP4 weights do not fit in 141 GB
@@ -54,7 +54,7 @@ def _measured(source: str) -> dict:
 def validation_records(inp=None) -> list[bench.Record]:
     """One record per held-out step: median_us measured, extra predicted_us, rel_err and the source; the
     device, backend and versions are the measured step's."""
-    from k3lab.serving import stepmodel
+    from k3lab.serving import inputs, stepmodel
 
     inp = inp or inputs.node_inputs()
     out = []
@@ -76,7 +76,7 @@ def curve_records(gpu_key: str, inp=None, work=None, error=None) -> list[bench.R
     """One record per front point of every rung on `gpu_key` ('h200' or 'mi355x'), each with the step
     model's measured error it carries (`error`, default serving.validate.model_error(): its kind and worst
     abs(rel_err); the band around a front is serving.bands')."""
-    from k3lab.serving import curve, hardware, validate
+    from k3lab.serving import curve, hardware, inputs, validate
 
     inp = inp or inputs.node_inputs()
     work = work or curve.agent_workload()
@@ -101,6 +101,7 @@ def curve_records(gpu_key: str, inp=None, work=None, error=None) -> list[bench.R
 
 def run(preset=None, cases=None, *, repeats: int = 5) -> list:
     """The records of `cases` (see case_names); the model's cases read committed records only."""
+    from k3lab.serving import inputs, validate
     from k3lab.studies import select_cases
 
     out, inp, err = [], None, None
@@ -112,8 +113,6 @@ def run(preset=None, cases=None, *, repeats: int = 5) -> list:
         if case == "validation":
             out += validation_records(inp)
             continue
-        from k3lab.serving import validate
-
         err = err or validate.model_error()
         out += curve_records(case.split("_")[1], inp, error=err)
     return out

@@ -69,8 +69,7 @@ def docs_sections(root=None) -> dict[str, str]:
     """docs/serving.md's generated sections, by the expression their marker names: the step model's
     errors (serving.validate.report_markdown) and the projections' bands and calibration
     (serving.bands.report_markdown), computed from the committed records under `root`."""
-    from k3lab.serving import bands, validate
-    from k3lab.studies.serving import inputs
+    from k3lab.serving import bands, inputs, validate
 
     inp, work = inputs.node_inputs(root=root), curve.agent_workload()
     return {"k3lab.serving.validate.report_markdown()": validate.report_markdown(root=root),

@@ -2,8 +2,11 @@
 and the per-op figures the node model takes (k3lab.serving.node.Inputs), each with the record it came from.
 
 Steps: the decode_step study's graph-replayed whole steps (b1_1k, b1_32k, b1_128k, b64_8k; all_on and each
-no_<switch>) and, once the lead has imported them, this study's grid (grid.b{B}_{ctx}.{variant}); a grid
-step and a decode_step step at the same point and variant are both kept (two measurements).
+no_<switch>) and, once imported, the serving study's grid (grid.b{B}_{ctx}.{variant}); a grid step and a
+decode_step step at the same point and variant are both kept (two measurements).
+
+It reads records (bench.load_records) and runs no study, so it lives with the model that reads it
+(`validate`, `predict`); the serving study (k3lab.studies.serving) writes the grid and imports this.
 """
 
 from __future__ import annotations

@@ -328,14 +328,52 @@ def _source_note(pk) -> str:
     return f"<br><sup>bandwidth: {bw}; matrix: {mat}</sup>" if bw and mat else ""
 
 
-def roofline(points, *, peak=None, title: str | None = None, projected=None) -> go.Figure:
+def _isa_traces(fig: go.Figure, df: pd.DataFrame, isa) -> str:
+    """Draw profiling.isa_roofline.project's rows (aligned with `df`) as open diamonds at the TFLOP/s
+    MI355X would need, each joined to its measured point by a dotted line; a legend entry counts the
+    points without ISA facts. Returns the title's note."""
+    from k3lab.profiling import isa_roofline as ir
+
+    if not isinstance(isa, pd.DataFrame) or len(isa) != len(df) or "need_tflops" not in isa.columns:
+        rows = f" of {len(isa)} rows" if isinstance(isa, pd.DataFrame) else ""
+        raise ValueError(f"isa: expected profiling.isa_roofline.project(points), one row per point "
+                         f"({len(df)}), got {type(isa).__name__}{rows}")
+    has = isa["why_not"].isna().to_numpy() & (df["time_us"] > 0).to_numpy()
+    got = isa[has].reset_index(drop=True)
+    meas = df[has].reset_index(drop=True)
+    if len(got):
+        x = (got["flops"] / got["bytes"]).tolist()
+        fig.add_trace(go.Scatter(name=ir.LABEL, x=x, y=got["need_tflops"].tolist(), mode="markers",
+                                 marker={"symbol": "diamond-open", "size": 13, "color": "#444444",
+                                         "line": {"width": 2}},
+                                 text=[ir.hover(r) for _, r in got.iterrows()], legendgroup="isa",
+                                 hovertemplate="%{text}<extra></extra>"))
+        xs, ys = [], []
+        for xi, m, n in zip(x, meas["flops"] / meas["time_us"] / 1e6, got["need_tflops"]):
+            xs += [xi, xi, None]
+            ys += [m, n, None]
+        fig.add_trace(go.Scatter(name=ir.LABEL + ": from the measured point", x=xs, y=ys, mode="lines",
+                                 line={"color": "#444444", "dash": "dot", "width": 1}, legendgroup="isa",
+                                 showlegend=False, hoverinfo="skip"))
+    missing = len(df) - len(got)
+    if missing:
+        fig.add_trace(go.Scatter(name=f"no gfx950 ISA facts, nothing drawn: {missing} of {len(df)} points",
+                                 x=[None], y=[None], mode="markers", legendgroup="isa",
+                                 marker={"symbol": "diamond-open", "color": "#bbbbbb"}))
+    return f" · MI355X ISA projection for {len(got)} of {len(df)} points"
+
+
+def roofline(points, *, peak=None, title: str | None = None, projected=None, isa=None) -> go.Figure:
     """Arithmetic intensity (flop/byte) against achieved TFLOP/s, log-log, under the bandwidth slope
     and the matrix ceiling of `peak` (an env.Peak or profiling.roofline.Ceilings; default:
     k3lab.env.detect().peak), the device's name and each ceiling's source in the title. points: a DataFrame
     or list of dicts with name, flops, bytes, time_us (and optionally variant: one marker colour per
     variant), or bench.Records carrying extra['flops'] and extra['bytes_moved']. `projected`: another
     device's ceilings (profiling.roofline.projected_ceilings), drawn dotted grey and labelled as such.
-    Points without flops or bytes cannot sit on a roofline; the title counts them."""
+    `isa`: profiling.isa_roofline.project(points), one row per point: where a point's kernel has gfx950
+    ISA facts, an open diamond at the TFLOP/s MI355X would need for its floor, labelled "projected (ISA,
+    not measured)"; a legend entry counts the points without them. Points without flops or bytes cannot
+    sit on a roofline; the title counts them."""
     df = _roofline_points(points)
     pk = peak if peak is not None else _env.detect().peak
     ok = (df["flops"] > 0) & (df["bytes"] > 0) & (df["time_us"] > 0)
@@ -360,6 +398,9 @@ def roofline(points, *, peak=None, title: str | None = None, projected=None) -> 
                                  hovertemplate="%{text}<br>%{x:.3g} flop/B, %{y:.3g} TFLOP/s<extra></extra>"))
     left_out = int((~ok).sum())
     note = f" ({left_out} points without flops/bytes not shown)" if left_out else ""
+    if isa is not None:
+        note += _isa_traces(fig, df.reset_index(drop=True), isa.reset_index(drop=True)
+                            if isinstance(isa, pd.DataFrame) else isa)
     fig.update_xaxes(type="log", title="arithmetic intensity (flop / byte)")
     fig.update_yaxes(type="log", title="achieved TFLOP/s")
     fig.update_layout(title=(title or f"roofline: {pk.name}") + note + _source_note(pk),
@@ -368,11 +409,14 @@ def roofline(points, *, peak=None, title: str | None = None, projected=None) -> 
 
 
 def study_roofline(study: str, *, device: str = "nvidia-h200", cases=None, modes=None, records=None,
-                   projected: str | None = None, title: str | None = None) -> go.Figure:
+                   projected: str | None = None, title: str | None = None, isa: bool = True) -> go.Figure:
     """The roofline of a study's committed records on `device` (profiling.roofline: the problem's bytes
     and flops per case, this device's measured ceilings where records hold them). decode_step draws the
     parts of its attribution records (`cases`: which attribution cases). `projected`: a k3lab.env.PEAKS
-    name (e.g. 'MI355X') whose datasheet ceilings are added, labelled projected."""
+    name (e.g. 'MI355X') whose datasheet ceilings are added, labelled projected; for 'MI355X' also (unless
+    `isa=False`) what each point's kernel would need there from its gfx950 ISA facts
+    (profiling.isa_roofline), where it has them."""
+    from k3lab.profiling import isa_roofline as ir
     from k3lab.profiling import roofline as rl
 
     recs = list(records) if records is not None else bench.load_records(study, device=device)
@@ -389,7 +433,8 @@ def study_roofline(study: str, *, device: str = "nvidia-h200", cases=None, modes
                          f"(cases asked: {cases})")
     ceil = rl.ceilings(device)
     proj = rl.projected_ceilings(projected) if projected else None
-    return roofline(pts, peak=ceil, projected=proj,
+    facts = ir.project(pts) if isa and projected == "MI355X" else None
+    return roofline(pts, peak=ceil, projected=proj, isa=facts,
                     title=title or f"{study} roofline on {ceil.device} (committed records)")
 
 

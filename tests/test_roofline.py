@@ -123,8 +123,10 @@ def test_study_roofline_figure(study):
     assert "NVIDIA H200" in title and "bandwidth: measured" in title and "matrix:" in title
     names = [t.name for t in fig.data]
     assert any(n.startswith("bandwidth ") for n in names) and any(n.startswith("matrix ") for n in names)
-    projected = [n for n in names if "projected" in n]
+    projected = [n for n in names if "(projected)" in n]
     assert len(projected) == 2  # MI355X's slope and ceiling, labelled
+    isa = [n for n in names if "ISA" in n]  # what MI355X would need, or a note that nothing was projected
+    assert isa and all("not measured" in n or "nothing drawn" in n for n in isa)
     points = [t for t in fig.data if t.mode == "markers+text"]
     assert points and all(len(t.x) for t in points)
 

@@ -16,6 +16,7 @@ export         HTA per-rank folders with ProfilerStep marks, named ranges (recor
 tools          `k3lab profile --tool torch|ncu|nsys|rocprofv3`: refusals, ncu/nsys readers, child runs
 child          `python -m k3lab.profiling.child`: one variant's steps in a child process, marked
 roofline       roofline points (bytes, flops, time) from records and the device's ceilings
+isa_roofline   what MI355X would need per roofline point, from the gfx950 ISA report (projected)
 trend          records over git history and the deterministic-figure regression check
 
 Import the public API from `k3lab.profile`.

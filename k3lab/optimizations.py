@@ -184,6 +184,7 @@ INFRASTRUCTURE: dict[str, str] = {
     "kernels/k3lab_mma.h": "the matrix-multiply-accumulate helpers shared by the .cu kernels",
     "kernels/k3lab_portability.h": "CUDA/HIP names and device facts shared by every .cu kernel",
     "docs/README.md": "the index of the documentation pages",
+    "docs/layout.md": "the package's rooms and their import rules, each job's files beside fla's and vLLM's",
     "docs/gpu_check.md": "running tests, notebooks and report on a GPU machine: every entry's check",
     "docs/instructor.md": "the workshop's tasks across all notebooks",
     "docs/ladder.md": "the workshop's Triton ladder: the kernel puzzles before each kernel lesson",

@@ -12,6 +12,7 @@ from k3lab import bench, plots
 from k3lab.isa.targets import TARGETS
 from k3lab.profiling import isa_roofline as ir
 from k3lab.profiling import roofline as rl
+from k3lab.profiling.trend import committed_isa_report
 
 DEVICE = "nvidia-h200"
 GFX950 = TARGETS["gfx950"]
@@ -24,7 +25,7 @@ def _isa_trace(fig):
 
 
 def _rows(case: str) -> list[dict]:
-    return [r for r in ir.load_report()["rows"] if r["target"] == "gfx950" and r["case"] == case]
+    return [r for r in committed_isa_report()["rows"] if r["target"] == "gfx950" and r["case"] == case]
 
 
 def _expected_need(nbytes: float, flops: float, rows: list[dict]) -> float:

@@ -2,9 +2,10 @@
 
 A roofline point (profiling.roofline.points) is one (study, case, variant) at the problem's bytes and
 flops. Where the op's gfx950 launch for that case was compiled by the ISA report (the committed
-profiles/isa/report.json, k3lab.isa) and `CASES` pairs the two at the same shape, `project()` derives:
+profiles/isa/report.json, k3lab.isa; read by profiling.trend.committed_isa_report) and `CASES` pairs
+the two at the same shape, `project()` derives:
 
-- the compute rate the kernel's own instructions can reach: the published MI355X rate of the widest
+- the compute rate the kernel's own instructions can reach: the published MI355X rate of the fastest
   matrix instruction kind in its code (bf16/f16, fp8, fp32 MFMA), or the fp32 vector rate where the code
   has no matrix instruction (the 12-head MLA before stays on the vector units);
 - scaled by the share of the 4 x 256 SIMDs its launch can keep busy: a program (workgroup) runs on one
@@ -36,17 +37,15 @@ mi350/mi355x.html; AMD CDNA 4 architecture whitepaper; 2.4 GHz peak engine clock
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import pandas as pd
 
 from k3lab import env as _env
 from k3lab.isa.targets import TARGETS
+from k3lab.profiling.trend import committed_isa_report
 
-REPORT = Path(__file__).resolve().parents[2] / "profiles" / "isa" / "report.json"
 TARGET = "gfx950"
 LABEL = "MI355X: projected (ISA, not measured)"
 _PEAK = _env.PEAKS["MI355X"]
@@ -105,11 +104,6 @@ CASES: dict[tuple[str, str], dict[str, IsaCase]] = {
     ("kda_decode", "B1_H12"): {"before": IsaCase("kda_decode.before_b1", None, {"B": 1, "H": 12})},
     ("kda_decode", "B128_H12"): {"before": IsaCase("kda_decode.before_b128", None, {"B": 128, "H": 12})},
 }
-
-
-def load_report(path=None) -> dict:
-    """The committed ISA report (profiles/isa/report.json, or `path`)."""
-    return json.loads(Path(path or REPORT).read_text())
 
 
 def _kind(mnemonic: str) -> str:
@@ -179,7 +173,7 @@ def project(points: pd.DataFrame, report: dict | None = None, cases=None) -> pd.
     need = {"name", "study", "case", "variant", "bytes", "flops"}
     if not need <= set(points.columns):
         raise ValueError(f"points: need columns {sorted(need)}, got {list(points.columns)}")
-    rep = load_report() if report is None else report
+    rep = committed_isa_report() if report is None else report
     if not isinstance(rep, dict) or not isinstance(rep.get("rows"), list):
         raise ValueError("report: expected an ISA report dict with a 'rows' list (k3lab.isa.report)")
     table = CASES if cases is None else cases

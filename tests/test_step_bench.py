@@ -65,7 +65,7 @@ def test_tables_from_records():
 
 def test_front_page_rows_say_when_nothing_was_run():
     rows = ds.front_page_rows(records=[])
-    assert len(rows) == 10 and all(r["k3lab"] == "no GPU record yet" for r in rows)
+    assert len(rows) == 12 and all(r["k3lab"] == "no GPU record yet" for r in rows)
     assert "43.8 -> 23.6 ms per token (seed, MI355X)" in rows[1]["seed"]
     recs = [_rec("b1_32k", "all_on", 10.0), _rec("b1_32k", "no_mla_padded", 25.0)]
     assert ds.front_page_rows(records=recs)[1]["k3lab"] == "25.00 -> 10.00 ms (2.50x)"

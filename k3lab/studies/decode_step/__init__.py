@@ -18,18 +18,19 @@ from .measure import (ATTRIBUTION, ATTRIBUTION_CASE, bench_config, case_floor, c
     run_variant, SETTING_VARIANTS, SLOW_STEP_S, step_bytes, step_settings, TOP_KERNELS, variant_floor,
     variants, WATERFALL)
 from .tables import (amdahl, attribution_figure, attribution_rows, attributions, best_us, checks, DEVICE,
-    floor_rows, front_page_rows, gain, gemv_rows, headroom, launches, load, MLA_CASE, mla_rows, PER_OP,
-    probes, SEED, seed_headline, UNCHECKED, waterfall, waterfall_figure, where_figure, where_time_goes)
+    floor_rows, front_page_rows, gain, gemv_rows, headroom, launches, load, MLA_CASE, mla_rows, NOT_MEASURED,
+    PER_OP, precision_rows, predicted_floor_us, probes, SEED, seed_headline, SETTING_ROWS, UNCHECKED,
+    variant_precision, waterfall, waterfall_figure, where_figure, where_time_goes)
 
 __all__ = [
     "amdahl", "ATTRIBUTION", "ATTRIBUTION_CASE", "attribution_figure", "attribution_rows", "attributions",
-    "bench_config", "best_us", "case_floor", "case_names", "cases", "checks", "CPU_CASES", "CPU_CONFIG",
-    "CPU_SKIPPED", "chosen_variants", "DEVICE", "expert_bytes", "EXTRA_CASES", "first_step", "floor_rows",
+    "bench_config", "best_us", "case_floor", "case_names", "cases", "checks", "chosen_variants", "CPU_CASES",
+    "CPU_CONFIG", "CPU_SKIPPED", "DEVICE", "expert_bytes", "EXTRA_CASES", "first_step", "floor_rows",
     "front_page_rows", "gain", "gemv_rows", "GLUE", "GLUE_CASE", "GPU_CASES", "headroom", "launches", "load",
-    "measured_bandwidth_tbs", "MLA_CASE", "mla_rows", "NAME", "part_bytes", "PER_OP", "PRECISION_OF", "PROBE",
-    "PROBE_CASE", "probe_records", "probes", "profile_targets", "PROFILED", "PROJECTIONS_OF",
-    "reference_logits", "reference_of", "REFERENCES", "run", "run_cases", "run_variant", "SEED",
-    "seed_headline", "SETTING_VARIANTS", "SLOW_STEP_S", "step_bytes", "step_settings", "TOP_KERNELS",
-    "UNCHECKED", "variant_floor", "variants", "waterfall", "WATERFALL", "waterfall_figure", "where_figure",
-    "where_time_goes"
+    "measured_bandwidth_tbs", "MLA_CASE", "mla_rows", "NAME", "NOT_MEASURED", "part_bytes", "PER_OP",
+    "PRECISION_OF", "precision_rows", "predicted_floor_us", "PROBE", "PROBE_CASE", "probe_records", "probes",
+    "profile_targets", "PROFILED", "PROJECTIONS_OF", "reference_logits", "reference_of", "REFERENCES", "run",
+    "run_cases", "run_variant", "SEED", "seed_headline", "SETTING_ROWS", "SETTING_VARIANTS", "SLOW_STEP_S",
+    "step_bytes", "step_settings", "TOP_KERNELS", "UNCHECKED", "variant_floor", "variant_precision",
+    "variants", "WATERFALL", "waterfall", "waterfall_figure", "where_figure", "where_time_goes"
 ]

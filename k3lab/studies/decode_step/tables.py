@@ -10,6 +10,10 @@ from k3lab import bench
 from . import measure
 from .measure import ATTRIBUTION, GLUE, NAME, PROBE
 
+NOT_MEASURED = "not measured"  # a table's cell for a variant with no record yet (never NaN or None)
+# the all-on step at each of its settings, in the order `precision_rows` lists them
+SETTING_ROWS = ("all_on", "all_on_gemv", "all_on_default", "all_on_fp8", "all_on_article")
+
 DEVICE = "nvidia-h200"
 SEED = {
     "mla_1k_ms": (22.9, 22.8), "mla_32k_ms": (43.8, 23.6),  # ms per output token, before -> after
@@ -97,6 +101,54 @@ def _index(records) -> dict[tuple[str, str, str], bench.Record]:
     return out
 
 
+def variant_precision(variant: str, record=None) -> str:
+    """The precision a variant's record ran (extra['precision'], or its step's), else the one the study
+    builds it at (`attribution.precision_of`); 'bf16' for a name the study no longer has."""
+    from . import attribution
+
+    extra = getattr(record, "extra", None) or {}
+    got = extra.get("precision") or (extra.get("step") or {}).get("precision")
+    if got:
+        return got
+    try:
+        return attribution.precision_of(variant)
+    except ValueError:
+        return "bf16"
+
+
+def _case_basis(case: str, records) -> tuple | None:
+    """(config, (batch, context_len), bytes per value, (TB/s, how)) to predict a floor of shape case
+    `case` from: the study's config and shape for the case, the dtype and the copy bandwidth of one of
+    its `records` (measured in the same run). None without such a record."""
+    import torch
+
+    from k3lab.config import K3Config
+
+    shape = measure.GPU_CASES.get(case) or measure.CPU_CASES.get(case)
+    def of_case(r) -> bool:
+        return r.case.split(".")[0] == case or r.case.startswith(f"{ATTRIBUTION}{case}.")
+
+    r = next((r for r in records if of_case(r) and isinstance(r.extra.get("bandwidth_tbs"), (int, float))),
+             None)
+    if shape is None or r is None:
+        return None
+    config = K3Config.tp_slice(8) if case in measure.GPU_CASES else measure.CPU_CONFIG
+    size = getattr(torch, str(r.dtype).replace("torch.", ""), torch.bfloat16).itemsize
+    how = r.extra.get("bandwidth_how") or r.extra.get("how") or "the records' copy bandwidth"
+    return config, shape, size, (float(r.extra["bandwidth_tbs"]), how)
+
+
+def predicted_floor_us(case: str, precision: str, records) -> float | None:
+    """The bytes floor of an all-on step of `case` at `precision` that has no record: `measure.case_floor`
+    (part_bytes at that precision, the routed experts at uniform routing's expectation: at B = 1 the
+    16 a token reads) at the bandwidth one of the case's `records` measured. None without one."""
+    basis = _case_basis(case, records)
+    if basis is None:
+        return None
+    config, shape, size, bw = basis
+    return measure.case_floor(config, shape, size, bw, precision)["floor_us"]
+
+
 def best_us(idx, case: str, variant: str) -> tuple[float | None, str]:
     """(median us, mode) of a variant: the graph replay where it was captured, else eager."""
     for mode in ("graph", "eager"):
@@ -107,8 +159,10 @@ def best_us(idx, case: str, variant: str) -> tuple[float | None, str]:
 
 
 def waterfall(records, case: str):
-    """One row per variant of `case`: variant, label, eager_ms, graph_ms, step_ms (graph where captured),
-    vs_all_on (step time / all-on step time - 1: what switching that one off costs), floor_ms."""
+    """One row per variant of `case` with a record: variant, label, precision (the number formats it
+    ran), eager_ms, graph_ms, step_ms (graph where captured), vs_all_on (step time / all-on step time - 1:
+    what switching that one off costs), floor_ms (at its precision). `precision_rows` lists the all-on
+    settings with a row for each, measured or not."""
     import pandas as pd
 
     idx = _index(records)
@@ -119,13 +173,50 @@ def waterfall(records, case: str):
             continue
         t, mode = best_us(idx, case, name)
         rows.append({"variant": name, "label": eager.extra.get("step", {}).get("label", name),
-                     "eager_ms": eager.median_us / 1e3, "graph_ms": graph.median_us / 1e3 if graph else None,
+                     "precision": variant_precision(name, eager), "eager_ms": eager.median_us / 1e3,
+                     "graph_ms": graph.median_us / 1e3 if graph else None,
                      "step_ms": t / 1e3, "step_mode": mode, "floor_ms": (eager.floor_us or 0) / 1e3})
     df = pd.DataFrame(rows)
     if len(df) and "all_on" in set(df["variant"]):
         on = float(df.loc[df["variant"] == "all_on", "step_ms"].iloc[0])
         df["vs_all_on"] = df["step_ms"] / on - 1.0
     return df
+
+
+def precision_rows(records, case: str = "b1_1k") -> list[dict]:
+    """The all-on step of `case` at each of its settings (SETTING_ROWS: the matrix library's and the
+    one-row GEMV's bf16 projections, the step's own default, FP8 projections, the article's precisions),
+    one row each whether measured or not: variant, precision, projections, step_ms, step_mode, floor_ms
+    (the record's, at the precision it ran), floor_from, of_floor (floor / step). A variant without a
+    record reads NOT_MEASURED in step_ms, step_mode and of_floor, and its floor is predicted
+    (`predicted_floor_us`, said in floor_from) where a record of the case gives the bandwidth, else
+    NOT_MEASURED too: no cell is NaN or None."""
+    idx = _index(records)
+    rows = []
+    for name in SETTING_ROWS:
+        rec = idx.get((case, name, "graph")) or idx.get((case, name, "eager"))
+        prec = variant_precision(name, rec)
+        settings = measure.step_settings(name)
+        proj = ((rec.extra.get("step") or {}).get("projections") if rec else None) or (
+            settings.get("projections") or ("fp8" if prec != "bf16" else "the step's default"))
+        row = {"variant": name, "precision": prec, "projections": proj}
+        if rec is not None:
+            t, mode = best_us(idx, case, name)
+            floor = rec.floor_us
+            row.update(step_ms=t / 1e3, step_mode=mode,
+                       floor_ms=floor / 1e3 if floor else NOT_MEASURED,
+                       floor_from=f"the record ({prec}, experts as read)" if floor else "no floor recorded",
+                       of_floor=floor / t if floor else NOT_MEASURED)
+        else:
+            floor = predicted_floor_us(case, prec, records)
+            basis = _case_basis(case, records)
+            row.update(step_ms=NOT_MEASURED, step_mode=NOT_MEASURED,
+                       floor_ms=NOT_MEASURED if floor is None else floor / 1e3,
+                       floor_from=f"no record of {case} to take a bandwidth from" if basis is None else
+                       f"predicted: part_bytes at {prec} over {basis[3][0]:.2f} TB/s ({case}'s records)",
+                       of_floor=NOT_MEASURED)
+        rows.append(row)
+    return rows
 
 
 UNCHECKED = ("not a check: compared with all off, whose MoE tail differs under the stand-in collectives; "
@@ -201,12 +292,31 @@ def where_figure(rows: list[dict], title: str):
     return fig
 
 
+def _part_bytes(r, variant: str, precision: str) -> dict:
+    """An attribution record's per-part bytes: extra['part_bytes'] where it holds them, else (records made
+    before they were kept) `attribution.part_floors` at its shape and precision, at TP8 in bf16 as every
+    GPU attribution ran, with the variant's MoE tail."""
+    from k3lab.config import K3Config
+
+    from . import attribution
+
+    if isinstance(r.extra.get("part_bytes"), dict):
+        return r.extra["part_bytes"]
+    tail = "sharded" if measure.variants().get(variant, {}).get("moe_tail_sharded", True) else "replicated"
+    return attribution.part_floors(K3Config.tp_slice(8), int(r.shape["batch"]), int(r.shape["context_len"]),
+                                   precision=precision, tail=tail)
+
+
 def attribution_rows(case: str = "b1_1k", variant: str = "all_on", records=None) -> tuple[list[dict], dict]:
     """(rows, summary) of the step attribution record `attribution.<case>.<variant>` (`attributions`):
-    one row per part in ms (kernels, kernel_ms, gap_ms, total_ms, floor_ms, kernel_vs_floor), and the
-    summary: step_ms (the graph step timed apart), span_ms (the replay's first kernel to its last),
-    kernels, matched (share of the replay's kernels aligned to the labelled eager run), floor_ms, commit.
+    one row per part in ms (kernels, kernel_ms, gap_ms, total_ms, floor_ms, kernel_vs_floor), the
+    precision the step ran and the part's bytes at it in MB (`attribution.BYTES_COLUMNS`: dense_MB,
+    experts_MB, cache_MB, state_MB; None for a part without a floor), and the summary: precision,
+    step_ms (the graph step timed apart), span_ms (the replay's first kernel to its last), kernels,
+    matched (share of the replay's kernels aligned to the labelled eager run), floor_ms, commit.
     ([], {}) when no such record exists."""
+    from . import attribution
+
     r = next((r for r in attributions(records) if r.case == f"{ATTRIBUTION}{case}.{variant}"), None)
     if r is None:
         return [], {}
@@ -214,26 +324,45 @@ def attribution_rows(case: str = "b1_1k", variant: str = "all_on", records=None)
         x = None if x is None else float(x)
         return None if x is None or x != x else x
 
+    prec = variant_precision(variant, r)
+    kinds = _part_bytes(r, variant, prec)
     rows = [{"part": p["part"], "kernels": p["kernels"], "kernel_ms": p["kernel_us"] / 1e3,
              "gap_ms": p["gap_us"] / 1e3, "total_ms": p["total_us"] / 1e3,
              "floor_ms": None if num(p.get("floor_us")) is None else num(p.get("floor_us")) / 1e3,
-             "kernel_vs_floor": num(p.get("kernel_vs_floor"))} for p in r.extra["parts"]]
+             "kernel_vs_floor": num(p.get("kernel_vs_floor")), "precision": prec,
+             **attribution.bytes_columns(kinds.get(p["part"]))} for p in r.extra["parts"]]
     rows.sort(key=lambda row: -row["total_ms"])
-    return rows, {"step_ms": r.median_us / 1e3, "span_ms": r.extra["span_us"] / 1e3,
+    return rows, {"precision": prec, "step_ms": r.median_us / 1e3, "span_ms": r.extra["span_us"] / 1e3,
                   "kernels": r.extra["launches"], "matched": r.extra["matched"],
                   "floor_ms": (r.floor_us or 0) / 1e3, "commit": r.commit}
 
 
 def floor_rows(records=None) -> list[dict]:
-    """One row per attribution record (`attributions`), B = 1 cases first: case, variant, step_ms (the
-    graph step timed apart), floor_ms, of_floor (floor / step: the share of the bytes floor the step
-    reaches), kernels (launches per step in the replay) and commit."""
-    rows = []
-    for r in attributions(records):
+    """One row per attribution record (`attributions`), B = 1 cases first: case, variant, precision,
+    step_ms (the graph step timed apart), floor_ms (at its precision), of_floor (floor / step: the share
+    of the bytes floor the step reaches), kernels (launches per step in the replay) and commit. A case
+    with a record also lists each precision's variant (`attribution.VARIANT_OF`) it lacks: NOT_MEASURED
+    in step_ms, of_floor, kernels and commit, the floor predicted at the bandwidth the case's records
+    measured (`predicted_floor_us`)."""
+    from . import attribution
+
+    recs = attributions(records)
+    rows, seen = [], set()
+    for r in recs:
         case, variant = r.case[len(ATTRIBUTION):].split(".", 1)
-        rows.append({"case": case, "variant": variant, "step_ms": r.median_us / 1e3,
-                     "floor_ms": (r.floor_us or 0) / 1e3, "of_floor": (r.floor_us or 0) / r.median_us,
-                     "kernels": r.extra["launches"], "commit": r.commit})
+        seen.add((case, variant))
+        rows.append({"case": case, "variant": variant, "precision": variant_precision(variant, r),
+                     "step_ms": r.median_us / 1e3, "floor_ms": (r.floor_us or 0) / 1e3,
+                     "of_floor": (r.floor_us or 0) / r.median_us, "kernels": r.extra["launches"],
+                     "commit": r.commit})
+    for case in dict.fromkeys(c for c, _ in seen):
+        for prec, variant in attribution.VARIANT_OF.items():
+            if (case, variant) in seen:
+                continue
+            floor = predicted_floor_us(case, prec, recs)
+            rows.append({"case": case, "variant": variant, "precision": prec, "step_ms": NOT_MEASURED,
+                         "floor_ms": NOT_MEASURED if floor is None else floor / 1e3,
+                         "of_floor": NOT_MEASURED, "kernels": NOT_MEASURED, "commit": NOT_MEASURED})
     order = {c: i for i, c in enumerate(measure.GPU_CASES)}
     return sorted(rows, key=lambda row: (order.get(row["case"], len(order)), row["variant"]))
 
@@ -345,6 +474,13 @@ def _fmt_pair(a, b, unit="ms") -> str:
     return f"{a:.2f} -> {b:.2f} {unit}" if a is not None and b is not None else "no GPU record yet"
 
 
+def _against_floor(t: float | None, mode: str, r) -> str:
+    """'<step> ms (<mode>), floor <floor> ms (<share>)' of a record timed `t` us, or 'no GPU record yet'."""
+    if not (t and r and r.floor_us):
+        return "no GPU record yet"
+    return f"{t / 1e3:.2f} ms ({mode}), floor {r.floor_us / 1e3:.2f} ms ({r.floor_us / t:.0%})"
+
+
 def front_page_rows(records=None, device: str = DEVICE) -> list[dict]:
     """Rows for the report's first page, one per whole-step result: what, k3lab (this device's
     whole-step records, or 'no GPU record yet'), seed (the seed's figure, labelled), record."""
@@ -389,7 +525,15 @@ def front_page_rows(records=None, device: str = DEVICE) -> list[dict]:
     t, mode = best_us(idx, "b1_1k", "all_on")
     r = idx.get(("b1_1k", "all_on", "eager"))
     rows.append({"what": "all on, B = 1, 1K: step time against its bytes floor",
-                 "k3lab": f"{t / 1e3:.2f} ms ({mode}), floor {r.floor_us / 1e3:.2f} ms ({r.floor_us / t:.0%})"
-                 if t and r and r.floor_us else "no GPU record yet",
+                 "k3lab": _against_floor(t, mode, r),
                  "seed": "22.8 ms per token at 1K (seed, whole serving stack)", "record": where})
+    for variant, what, seed in (
+            ("all_on_default", "the step's own projections (the one-row GEMV at one row)", "not in the seed"),
+            ("all_on_article", "the article's precisions (MXFP4 experts, FP8 projections and MLA cache)",
+             "FP4 weights and FP8 KV (the article's serving notes)")):
+        t, mode = best_us(idx, "b1_1k", variant)
+        r = idx.get(("b1_1k", variant, "graph")) or idx.get(("b1_1k", variant, "eager"))
+        prec = variant_precision(variant, r)
+        rows.append({"what": f"all on, B = 1, 1K, {what}: step time against its {prec} bytes floor",
+                     "k3lab": _against_floor(t, mode, r), "seed": seed, "record": where})
     return rows

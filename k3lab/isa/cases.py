@@ -184,15 +184,14 @@ def attn_res_after(tokens=1):
 
 def attn_res_gemv_fold(rows=CFG.num_experts):
     """The mix folded into the one-row product of its output (the router's 896 x 7168 here), 8 stored
-    blocks + the partial, every candidate block shape."""
-    from k3lab.ops import gemv as gv
+    blocks + the partial, every block shape its autotuner tries."""
     from k3lab.ops.attn_res_norm import gemv_fold
 
     D, n = CFG.hidden_size, CFG.attn_res_max_sources - 1
     prefix, delta = torch.empty(1, D, dtype=BF16), torch.empty(1, D, dtype=BF16)
     blocks, w = torch.empty(n + 1, 1, D, dtype=BF16), torch.empty(D, dtype=torch.float32)
     parts = [(torch.empty(rows, D, dtype=BF16), None)]
-    for shape in gv.gpu_blocks():
+    for shape in gemv_fold.fold_blocks():
         gemv_fold.launch(prefix, delta, blocks, n, w, w, 1e-5, False, parts, blocks_shape=shape)
 
 

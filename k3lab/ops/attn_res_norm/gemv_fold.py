@@ -27,17 +27,19 @@ partial, plus the delta; the GEMV's programs own BLOCK_N rows, e.g. 4, of the KD
   follow it; it cannot sit in the producer.
 * one mix program inside the consumer (this module): the sources are read once, by program 0, as the
   standalone kernel reads them; extra bytes are a 4-byte flag per fold and a D-wide fp32 scratch row
-  (28 KB written and read back, L2) plus the polls of the waiting programs (4-byte L2 atomics).
+  (28 KB written and read back, L2) plus the polls of the waiting programs (one thread each, 4-byte
+  acquire loads of the flag, L2).
   Per step (186 folds: two per layer; the final mix feeds lm_head, a matrix-library product, and
   stays a mix launch): 186 x (28,672 x 2 + 4) B = 10.7 MB of L2 traffic, and at most the scratch
   rows' 186 x 28,672 B = 5.3 MB of DRAM writes where the weight stream evicts them from L2; against
   186 launches of about 1 us saved, and the waiting programs' first weight tiles loaded while the mix
   runs.
 What it costs instead: the kernel's registers and shared memory are the max of the mix path and the
-product path, which lowers the products' occupancy (the ISA report on sm90 at the router's shape:
-72-127 registers a thread and 8.5-12 KiB of shared memory, 2-7 blocks per SM, against the plain
-GEMV's 45-125 registers, 2-10 blocks), and program 0's mix walks the row in MIX_CHUNK-wide chunks
-(three passes: logits, mixture, norm) where the standalone kernel holds every source in registers.
+product path, which lowers the products' occupancy (the ISA report on sm90 at the router's shape, the
+shapes of FOLD_BLOCKS: 64-90 registers a thread and 8-12 KiB of shared memory, 4-7 blocks per SM,
+against the plain GEMV's 45-72 registers and 4-10 blocks at the same shapes), and program 0's mix
+walks the row in MIX_CHUNK-wide chunks (three passes: logits, mixture, norm) where the standalone
+kernel holds every source in registers.
 Unmeasured: k3lab.studies.decode_step.measure.run(cases=["b1_1k"],
 variants=["all_on_gemv", "all_on_mixfold"]) times the step without and with it (the setting
 `mix_fold` of k3lab.engine.switches, off unless asked); tests/test_attn_res_gemv_fold.py checks it
@@ -69,6 +71,16 @@ MIX_STAGES = 2   # the mix passes' loops software-pipelined this deep (loads thr
 INTERPRETER_SHAPE = (64, 128, 1)  # (BLOCK_N, BLOCK_K, warps) in Triton's interpreter, as k3lab.ops.gemv
 
 _SCRATCH: dict = {}  # (device, D) -> (fp32 [D] mixture row, int32 [1] flag)
+# the one-row GEMV's block shapes the fold's autotuner tries (those of `gemv.gpu_blocks()` on this
+# machine): the 4-warp shapes that keep the most programs per SM beside the mix's registers (ISA report,
+# sm90: 70-90 registers a thread, 5-7 blocks per SM) and AMD's 8-warp one; few, because every (weight
+# set, GROUP) of a step compiles each shape on its first call
+FOLD_BLOCKS = ((1, 2048, 4), (2, 1024, 4), (4, 1024, 4), (8, 512, 4), (4, 2048, 8))
+
+
+def fold_blocks() -> tuple:
+    """The (BLOCK_N, BLOCK_K, warps) candidates of the fold's autotuner on this machine."""
+    return tuple(b for b in gpu_blocks() if b in FOLD_BLOCKS)
 
 
 if triton is not None:
@@ -76,16 +88,18 @@ if triton is not None:
 
     @triton.jit
     def _mix_row(prefix_ptr, delta_ptr, blocks_ptr, x_ptr, h_ptr, w_mix_ptr, w_next_ptr, stride_block, eps,
-                 D: tl.constexpr, N_BLOCKS: tl.constexpr, HAS_DELTA: tl.constexpr, PUSH: tl.constexpr,
-                 GROUP: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr, INT_ROUND: tl.constexpr):
-        # the mix of one row in three passes over CHUNK-wide column chunks (GROUP >= N_BLOCKS rows of
-        # stored blocks per chunk): logits, then the mixture (kept in the fp32 scratch row h), then the norm
+                 n_blocks, has_delta, push, D: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
+                 STAGES: tl.constexpr, INT_ROUND: tl.constexpr):
+        # the mix of one row in three passes over CHUNK-wide column chunks (GROUP >= n_blocks rows of
+        # stored blocks per chunk): logits, then the mixture (kept in the fp32 scratch row h), then the
+        # norm. n_blocks, has_delta and push are run-time values: one compiled kernel serves every site
+        # of a step whose stored blocks round up to the same GROUP
         cols = tl.arange(0, CHUNK)
         g = tl.arange(0, GROUP)
-        gvalid = g < N_BLOCKS
+        gvalid = g < n_blocks
         stride = stride_block.to(tl.int64)
         g_off = g[:, None].to(tl.int64) * stride
-        push_off = N_BLOCKS * stride
+        push_off = n_blocks * stride
         dot_p = tl.zeros([CHUNK], dtype=tl.float32)
         ss_p = tl.zeros([CHUNK], dtype=tl.float32)
         dot_b = tl.zeros([GROUP], dtype=tl.float32)
@@ -95,24 +109,22 @@ if triton is not None:
             m = kk < D
             w = tl.load(w_mix_ptr + kk, mask=m, other=0.0)
             x = tl.load(prefix_ptr + kk, mask=m, other=0.0)
-            if HAS_DELTA:
+            if has_delta:
                 dx = tl.load(delta_ptr + kk, mask=m, other=0.0)
                 x = round_to(x.to(tl.float32) + dx.to(tl.float32), prefix_ptr.dtype.element_ty, INT_ROUND)
-            if PUSH or HAS_DELTA:
-                tl.debug_barrier()  # every thread holding these columns has read them before any writes
-            if PUSH:
+            tl.debug_barrier()  # every thread holding these columns has read them before any writes
+            if push:
                 tl.store(blocks_ptr + push_off + kk, x, mask=m)
                 tl.store(prefix_ptr + kk, tl.zeros_like(x), mask=m)
-            elif HAS_DELTA:
+            elif has_delta:
                 tl.store(prefix_ptr + kk, x, mask=m)
             xf = x.to(tl.float32)
             dot_p += xf * w
             ss_p += xf * xf
-            if N_BLOCKS > 0:
-                v = tl.load(blocks_ptr + g_off + kk[None, :], mask=gvalid[:, None] & m[None, :],
-                            other=0.0).to(tl.float32)
-                dot_b += tl.sum(v * w[None, :], axis=1)
-                ss_b += tl.sum(v * v, axis=1)
+            v = tl.load(blocks_ptr + g_off + kk[None, :], mask=gvalid[:, None] & m[None, :],  # none: no bytes
+                        other=0.0).to(tl.float32)
+            dot_b += tl.sum(v * w[None, :], axis=1)
+            ss_b += tl.sum(v * v, axis=1)
         logit_p = tl.sum(dot_p, axis=0) * tl.rsqrt(tl.sum(ss_p, axis=0) / D + eps)
         logit_b = tl.where(gvalid, dot_b * tl.rsqrt(ss_b / D + eps), float("-inf"))
         top = tl.maximum(logit_p, tl.max(logit_b, axis=0))
@@ -126,15 +138,13 @@ if triton is not None:
         for c0 in tl.range(0, D, CHUNK, num_stages=STAGES):
             kk = c0 + cols
             m = kk < D
-            if PUSH:
+            if push:
                 x = tl.load(blocks_ptr + push_off + kk, mask=m, other=0.0).to(tl.float32)
             else:
                 x = tl.load(prefix_ptr + kk, mask=m, other=0.0).to(tl.float32)
-            h = p_p * x
-            if N_BLOCKS > 0:
-                v = tl.load(blocks_ptr + g_off + kk[None, :], mask=gvalid[:, None] & m[None, :],
-                            other=0.0).to(tl.float32)
-                h += tl.sum(p_b[:, None] * v, axis=0)
+            v = tl.load(blocks_ptr + g_off + kk[None, :], mask=gvalid[:, None] & m[None, :],
+                        other=0.0).to(tl.float32)
+            h = p_p * x + tl.sum(p_b[:, None] * v, axis=0)
             hss += h * h
             tl.store(h_ptr + kk, h, mask=m)
         r = tl.rsqrt(tl.sum(hss, axis=0) / D + eps)
@@ -148,11 +158,10 @@ if triton is not None:
 
     @triton.jit
     def _fold_rows(prefix_ptr, delta_ptr, blocks_ptr, x_ptr, h_ptr, ready_ptr, w_mix_ptr, w_next_ptr,
-                   stride_block, eps, w_ptr, scale_ptr, y_ptr, N, stride_w, block, pid,
-                   K: tl.constexpr, N_BLOCKS: tl.constexpr, HAS_DELTA: tl.constexpr, PUSH: tl.constexpr,
-                   GROUP: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr, HAS_SCALE: tl.constexpr,
-                   INT_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   FIRST_PART: tl.constexpr):
+                   stride_block, eps, n_blocks, has_delta, push, w_ptr, scale_ptr, y_ptr, N, stride_w, block,
+                   pid, K: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, INT_ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, FIRST_PART: tl.constexpr):
         # rows [block * BLOCK_N, +BLOCK_N) of y = x @ w^T; the first weight tile is loaded before the mix
         # is waited for (program 0, in the first part, runs the mix and releases the others)
         rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -162,7 +171,7 @@ if triton is not None:
         w0 = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & (rk < K)[None, :], other=0.0)
         if FIRST_PART and pid == 0:
             _mix_row(prefix_ptr, delta_ptr, blocks_ptr, x_ptr, h_ptr, w_mix_ptr, w_next_ptr, stride_block,
-                     eps, K, N_BLOCKS, HAS_DELTA, PUSH, GROUP, CHUNK, STAGES, INT_ROUND)
+                     eps, n_blocks, has_delta, push, K, GROUP, CHUNK, STAGES, INT_ROUND)
             tl.debug_barrier()  # all of x is stored before the flag says so
             tl.atomic_xchg(ready_ptr, tl.num_programs(0) - 1, sem="release", scope="gpu")
         else:
@@ -183,10 +192,11 @@ if triton is not None:
             y *= tl.load(scale_ptr + rn, mask=nmask, other=0.0)
         tl.store(y_ptr + rn, round_to(y, y_ptr.dtype.element_ty, INT_ROUND), mask=nmask)
 
-    @triton.jit
+    # n_blocks, has_delta and push stay run-time values (not specialized on 0 / 1): one build for them all
+    @triton.jit(do_not_specialize=["n_blocks", "has_delta", "push"])
     def _mix_gemv_kernel(prefix_ptr, delta_ptr, blocks_ptr, x_ptr, h_ptr, ready_ptr, w_mix_ptr, w_next_ptr,
-                         stride_block, eps, w0, s0, y0, N0, st0, w1, s1, y1, N1, st1, w2, s2, y2, N2, st2,
-                         K: tl.constexpr, N_BLOCKS: tl.constexpr, HAS_DELTA: tl.constexpr, PUSH: tl.constexpr,
+                         stride_block, eps, n_blocks, has_delta, push,
+                         w0, s0, y0, N0, st0, w1, s1, y1, N1, st1, w2, s2, y2, N2, st2, K: tl.constexpr,
                          GROUP: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr,
                          SCALE0: tl.constexpr, SCALE1: tl.constexpr, SCALE2: tl.constexpr,
                          INT_ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -197,21 +207,22 @@ if triton is not None:
         b1 = tl.cdiv(N1, BLOCK_N)
         if pid < b0:
             _fold_rows(prefix_ptr, delta_ptr, blocks_ptr, x_ptr, h_ptr, ready_ptr, w_mix_ptr, w_next_ptr,
-                       stride_block, eps, w0, s0, y0, N0, st0, pid, pid, K, N_BLOCKS, HAS_DELTA, PUSH, GROUP,
+                       stride_block, eps, n_blocks, has_delta, push, w0, s0, y0, N0, st0, pid, pid, K, GROUP,
                        CHUNK, STAGES, SCALE0, INT_ROUND, BLOCK_N, BLOCK_K, True)
         elif pid < b0 + b1:
             _fold_rows(prefix_ptr, delta_ptr, blocks_ptr, x_ptr, h_ptr, ready_ptr, w_mix_ptr, w_next_ptr,
-                       stride_block, eps, w1, s1, y1, N1, st1, pid - b0, pid, K, N_BLOCKS, HAS_DELTA, PUSH,
+                       stride_block, eps, n_blocks, has_delta, push, w1, s1, y1, N1, st1, pid - b0, pid, K,
                        GROUP, CHUNK, STAGES, SCALE1, INT_ROUND, BLOCK_N, BLOCK_K, False)
         else:
             _fold_rows(prefix_ptr, delta_ptr, blocks_ptr, x_ptr, h_ptr, ready_ptr, w_mix_ptr, w_next_ptr,
-                       stride_block, eps, w2, s2, y2, N2, st2, pid - b0 - b1, pid, K, N_BLOCKS, HAS_DELTA,
-                       PUSH, GROUP, CHUNK, STAGES, SCALE2, INT_ROUND, BLOCK_N, BLOCK_K, False)
+                       stride_block, eps, n_blocks, has_delta, push, w2, s2, y2, N2, st2, pid - b0 - b1, pid,
+                       K, GROUP, CHUNK, STAGES, SCALE2, INT_ROUND, BLOCK_N, BLOCK_K, False)
 
-    # the autotuner runs the kernel once per candidate shape: the in-place state is put back after
+    # the autotuner runs the kernel once per candidate shape: the in-place state is put back after; tuned
+    # once per set of weights (the mix's sites share the pick), among fold_blocks()
     _mix_gemv_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in gpu_blocks()],
-        key=["N0", "N1", "N2", "K", "N_BLOCKS"], restore_value=["prefix_ptr", "blocks_ptr"])(_mix_gemv_kernel)
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in fold_blocks()],
+        key=["N0", "N1", "N2", "K"], restore_value=["prefix_ptr", "blocks_ptr"])(_mix_gemv_kernel)
 
 
 def check_parts(prefix: torch.Tensor, parts) -> list:
@@ -256,12 +267,12 @@ def launch(prefix, delta, blocks, n_blocks, w_mix, next_norm_w, eps, push_block,
     full = list(parts) + [(parts[0][0][:0], None)] * (3 - len(parts))  # absent parts: no rows, no programs
     ys_full = ys + [ys[0][:, :0]] * (3 - len(ys))
     args = [prefix, delta if delta is not None else prefix, blocks, x, h, ready, w_mix,
-            next_norm_w.contiguous(), blocks.stride(0), eps]
+            next_norm_w.contiguous(), blocks.stride(0), eps, n_blocks, int(delta is not None),
+            int(push_block)]
     for (w, sc), y in zip(full, ys_full):
         args += [w, w if sc is None else sc, y, w.shape[0], w.stride(0)]
     interpreted = env.triton_interpreted()
-    common = {"K": D, "N_BLOCKS": n_blocks, "HAS_DELTA": delta is not None, "PUSH": bool(push_block),
-              "GROUP": triton.next_power_of_2(max(n_blocks, 1)),
+    common = {"K": D, "GROUP": triton.next_power_of_2(max(n_blocks, 1)),
               "CHUNK": min(MIX_CHUNK, triton.next_power_of_2(D)),
               "STAGES": MIX_STAGES, "INT_ROUND": interpreted if int_round is None else bool(int_round),
               **{f"SCALE{i}": sc is not None for i, (_, sc) in enumerate(full)}}
@@ -283,4 +294,5 @@ def reference(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm
     return x, [product(x, w, sc) for w, sc in parts]
 
 
-__all__ = ["MIX_CHUNK", "MIX_STAGES", "check_parts", "launch", "reference", "scratch"]
+__all__ = ["FOLD_BLOCKS", "MIX_CHUNK", "MIX_STAGES", "check_parts", "fold_blocks", "launch", "reference",
+           "scratch"]

@@ -5,10 +5,15 @@ run the kernel in Triton's interpreter (conftest); on a GPU the same tests run i
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from k3lab import bench
+from k3lab.config import K3Config
 from k3lab.engine import SWITCHES, DecodeStep, RankWeights, resolve
+from k3lab.model import K3Model, init_weights
 from k3lab.ops import attn_res_norm as arn
 from k3lab.ops.attn_res_norm import gemv_fold
 from k3lab.ops.gemv import FP8
@@ -97,6 +102,7 @@ def test_the_torch_row_is_the_reference_sequence():
     ({"parts": "dtype"}, r"parts\[0\]: x must be \[1, 32\] of w's dtype torch.float16"),
     ({"parts": "width"}, r"parts\[0\]: x must be"),
     ({"parts": "not_pair"}, r"parts\[0\] must be a \(weight, scale or None\) pair"),
+    ({"parts": "no_rows"}, r"parts\[0\]: the weight must have rows and columns"),
     ({"mix_weight": "fp16"}, "mix_weight must be a contiguous fp32"),
     ({"delta": "shape"}, "delta must match prefix"),
     ({"eps": -1.0}, "eps must be a positive finite number"),
@@ -114,7 +120,8 @@ def test_bad_inputs_are_refused_before_any_kernel(change, match, monkeypatch):
     if kw["delta"] == "shape":
         kw["delta"] = dx[:, :16]
     bad_parts = {"four": parts * 4, "dtype": [(parts[0][0].half(), None)],
-                 "width": [(parts[0][0][:, :16], None)], "not_pair": [parts[0][0]]}
+                 "width": [(parts[0][0][:, :16], None)], "not_pair": [parts[0][0]],
+                 "no_rows": [(parts[0][0][:0], None)]}
     if isinstance(kw["parts"], str):
         kw["parts"] = bad_parts[kw["parts"]]
     if kw["mix_weight"] == "fp16":
@@ -175,3 +182,27 @@ def test_the_step_with_the_fold_equals_its_reference_outputs_and_state():
             _close(caches[k], ref[2][k], torch.float32, f"{name} cache {k}")
     # with and without the fold: the same step but for the mix's fp32 summation order
     assert ((out["fold"][0] - out["gemv"][0]).norm() / out["gemv"][0].norm()).item() < 1e-5
+
+
+def test_the_step_with_the_fold_equals_the_pytorch_model():
+    """Two layers (KDA + the dense MLP, MLA + MoE; an AttnRes block per layer, so a block pushed at every
+    attention mix) at batch 1 in fp32 against K3Model, the plain PyTorch model, after a 5-token prefill:
+    the logits and every cache, the AttnRes blocks and partial included; all four mixes before a product
+    folded."""
+    config = dataclasses.replace(K3Config.tiny(), num_hidden_layers=2, attn_res_block_size=1, name="tiny2")
+    model = init_weights(K3Model(config), 7).eval().to(DEV)
+    ids = torch.randint(0, config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(7)).to(DEV)
+    with torch.no_grad():
+        _, cache = model.prefill(ids[:, :5])
+        ref, ref_cache = model(ids[:, 5:], cache)
+        step = DecodeStep.from_model(model, 1, 5, optimizations=dict(dict.fromkeys(SWITCHES, True),
+                                                                     mix_fold=True), projections="gemv")
+        step.load_cache(cache)
+        calls, fold = [], step.fold
+        step.fold = lambda *a: calls.append(1) or fold(*a)
+        logits = step(ids[:, 5:])
+    assert step.resolved.mix_fold and len(calls) == 2 * config.num_hidden_layers
+    bench.check(logits, ref, dtype="fp32", name="logits")
+    entries = step.cache_entries()
+    for name, want in ref_cache.entries().items():
+        bench.check(entries[name], want, dtype="fp32", name=name)

@@ -242,6 +242,8 @@ def check_parts(prefix: torch.Tensor, parts) -> list:
             check_product(x, *part)
         except ValueError as e:
             raise ValueError(f"parts[{i}]: {e} (x is the mixed row: prefix's width and dtype)") from None
+        if not part[0].shape[0] or not part[0].shape[1]:  # program 0, the mixer, is the first part's
+            raise ValueError(f"parts[{i}]: the weight must have rows and columns, got {tuple(part[0].shape)}")
     return parts
 
 

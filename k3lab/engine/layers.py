@@ -23,32 +23,19 @@ from .fp8 import GEMV, linear, one_row_parts, quantize_input
 from .weights import DenseWeights, KDAWeights, MLAWeights, MoEWeights
 
 
-def first_weights(w) -> list:
-    """The weights that read a sublayer's normed input x first (what the AttnRes mix before it feeds):
-    the KDA / MLA stacked input projection, the dense MLP's gate|up, or the MoE layer's router, down_proj
-    and shared gate|up (`moe_products`). The step folds the mix into their one-row product
-    (switches' mix_fold) and passes the products in as `y_in` / `ys`."""
-    if isinstance(w, MoEWeights):
-        return [w.gate, w.down] + ([w.shared_in] if w.shared_in is not None else [])
-    return [w.gate_up] if isinstance(w, DenseWeights) else [w.w_in]
-
-
-def kda_inputs(w: KDAWeights, x: torch.Tensor, pack, y_in: torch.Tensor | None = None):
-    """(q, k, v, gate, beta_raw, g_raw), each [N, width] with a contiguous last dim: one stacked matmul
-    (or `y_in`, its product computed already), then f_b through `pack`, the matmul dispatcher's policy
-    (k3lab.ops.packed_matmul.VARIANTS: packs only for the kernel that reads the copy, or packs first and
-    lets the fallback ignore it)."""
-    q, k, v, gate, b_raw, fa = (linear(x, w.w_in) if y_in is None else y_in).split(w.split, dim=-1)
+def kda_inputs(w: KDAWeights, x: torch.Tensor, pack):
+    """(q, k, v, gate, beta_raw, g_raw), each [N, width] with a contiguous last dim: one stacked matmul,
+    then f_b through `pack`, the matmul dispatcher's policy (k3lab.ops.packed_matmul.VARIANTS: packs
+    only for the kernel that reads the copy, or packs first and lets the fallback ignore it)."""
+    q, k, v, gate, b_raw, fa = linear(x, w.w_in).split(w.split, dim=-1)
     return q, k, v, gate, b_raw, pack(fa, w.f_b)
 
 
-def kda_partial(w: KDAWeights, x: torch.Tensor, kda_step, pack,
-                y_in: torch.Tensor | None = None) -> torch.Tensor:
+def kda_partial(w: KDAWeights, x: torch.Tensor, kda_step, pack) -> torch.Tensor:
     """The KDA op bound to the layer's cache in `kda_step` (a KDADecodeStep for one token per sequence,
     a `KDAVerifyStep` for q_len > 1: either takes (q, k, v, g_raw, beta_raw, gate) [N, width]), then this
-    rank's columns of o_proj. y_in: x's stacked input product, computed already (`kda_inputs`). Returns
-    [N, hidden]."""
-    q, k, v, gate, b_raw, g_raw = kda_inputs(w, x, pack, y_in)
+    rank's columns of o_proj. Returns [N, hidden]."""
+    q, k, v, gate, b_raw, g_raw = kda_inputs(w, x, pack)
     return linear(kda_step(q, k, v, g_raw, b_raw, gate), w.o_proj)
 
 
@@ -86,38 +73,36 @@ class KDAVerifyStep:
 
 
 def mla_partial(w: MLAWeights, x: torch.Tensor, latent: torch.Tensor, pos: int, q_buf: torch.Tensor, plan,
-                glue="torch", y_in: torch.Tensor | None = None) -> torch.Tensor:
+                glue="torch") -> torch.Tensor:
     """The absorbed MLA decode: projections, the new latent rows written at positions [pos, pos + T) of
     `latent` [B, L, 576], the absorbed query written into `q_buf` [B, T, H, 576] (the buffer `plan`, an
     MLA decode plan, reads), attention, the value half of kv_b_proj, the output gate and this rank's
     columns of o_proj. glue: the k3lab.ops.mla_glue row (or its name) that runs the work between the
     projections and the attention ('triton': three launches; 'torch': the PyTorch sequence); its
-    callables take the shapes read here. y_in: x @ w_in^T computed already. Returns [N, hidden]."""
+    callables take the shapes read here. Returns [N, hidden]."""
     glue = mla_glue.BACKENDS[glue] if isinstance(glue, str) else glue
     B, T, H, W = q_buf.shape
     lat = w.kv_a_norm.shape[0]
     rope, nope, V = W - lat, w.w_uk.shape[1], w.w_uv.shape[1]
-    qa, ckv, g = (linear(x, w.w_in) if y_in is None else y_in).split([w.q_a_norm.shape[0], W, H * V], dim=-1)
+    qa, ckv, g = linear(x, w.w_in).split([w.q_a_norm.shape[0], W, H * V], dim=-1)
     qa_n = glue.norms(qa, ckv, w.q_a_norm, w.kv_a_norm, w.eps, latent[:, pos:pos + T], B, T, lat, rope)
     glue.absorb_q(linear(qa_n, w.q_b).view(B * T, H, -1), w.w_uk, q_buf, B, T, H, nope, lat, rope)
     o_lat, _ = plan()
     return linear(glue.out_gate(o_lat, w.w_uv, g, None, B * T, H, V, lat), w.o_proj)
 
 
-def dense_partial(w: DenseWeights, x: torch.Tensor, act, y_in: torch.Tensor | None = None) -> torch.Tensor:
+def dense_partial(w: DenseWeights, x: torch.Tensor, act) -> torch.Tensor:
     """Layer 0's SiTU-GLU MLP on this rank's share of the intermediate: [N, hidden], a partial sum; `act`
-    is the SiTU-GLU of a stacked gate|up product (`y_in` where it is computed already)."""
-    return linear(act(linear(x, w.gate_up) if y_in is None else y_in), w.down)
+    is the SiTU-GLU of a stacked gate|up product."""
+    return linear(act(linear(x, w.gate_up)), w.down)
 
 
-def moe_products(w: MoEWeights, x: torch.Tensor, ys: list | None = None):
+def moe_products(w: MoEWeights, x: torch.Tensor):
     """(router logits, z = down_proj(x), the shared expert's gate|up or None): the three products of the
     MoE layer's input. Where all three take x by the one-row GEMV (`fp8.one_row_parts`: batch 1 on a
     GPU, GEMV or FP8 projections) they are one launch (`k3lab.ops.gemv.gemv_stack`); otherwise the
     router reads x and down_proj and the shared gate/up read x quantized once where they are FP8
-    (`fp8.quantize_input`). ys: the products of `first_weights(w)`, computed already."""
-    if ys is not None:
-        return ys[0], ys[1], (ys[2] if len(ys) > 2 else None)
+    (`fp8.quantize_input`)."""
     ws = [w.gate, w.down] + ([w.shared_in] if w.shared_in is not None else [])
     stacked = one_row_parts(x, ws)
     if stacked is not None:

@@ -14,9 +14,7 @@ post-attention norm, the MLP or MoE and its collectives; then the output mix, th
 rank's slice of lm_head. Each optimization is a switch (`switches.SWITCHES`); `step.resolved` says what
 runs for each and holds the chosen row of every op the step calls, whose callables the step binds once
 (`rows`): a step that runs chooses no backend. `projections='fp8'` runs the large dense projections in
-FP8 (`fp8`, `weights.FP8_PROJECTIONS`). With the setting mix_fold (off unless asked: {'mix_fold': True}),
-each mix whose output only one-row GEMV products read runs inside their launch
-(k3lab.ops.attn_res_norm.gemv_fold), and the sublayer takes the products instead of computing them.
+FP8 (`fp8`, `weights.FP8_PROJECTIONS`).
 
 `precision='article'` runs the article's formats: FP8 dense projections, the routed experts in MXFP4
 (`RankWeights.to_article`, read by k3lab.ops.moe_experts.mxfp4_kernels) and each MLA layer's latent
@@ -212,12 +210,6 @@ class DecodeStep:
             n_blocks += i in self.block_starts
         self.mixes.setdefault((True, n_blocks), ops["attn_res_norm"].bind(self.prefix, self.blocks, n_blocks,
                                                                           True))
-        # mix_fold: per layer, the one-row products each of its two mixes feeds ((weight, scale) pairs for
-        # the fold), or None where a weight there does not take the one-row GEMV (that mix runs alone)
-        self.fold = ops["attn_res_norm"].fold if self.resolved.mix_fold else None
-        self.fold_parts = {i: tuple(fp8.one_row_parts(self.prefix, layers.first_weights(part))
-                                    for part in (lw.attn, lw.mlp))
-                           for i, lw in enumerate(rw.layers)} if self.fold else {}
         self.pack = ops["packed_matmul"].dispatch
         self.glu = ops["situ_glu"].glu
         self.shared_down = ops["situ_glu"].shared_down
@@ -316,34 +308,28 @@ class DecodeStep:
             return t
         return (yield kind, t)
 
-    def _mix(self, delta, n_blocks: int, mix, next_norm, push: bool, parts=None):
-        """The mix's normed output x, or where `parts` is given (mix_fold) (x, the products of x with
-        parts' weights) from one launch."""
-        next_norm = self.norms32.get(id(next_norm), next_norm)
-        if parts is not None:
-            return self.fold(self.prefix, delta, self.blocks, n_blocks, mix.res_norm, mix.res_proj, next_norm,
-                             self.config.rms_norm_eps, push, mix.folded, parts)
+    def _mix(self, delta, n_blocks: int, mix, next_norm, push: bool) -> torch.Tensor:
         kw = {"mix_weight": mix.folded} if self.mix_folded else {}
+        next_norm = self.norms32.get(id(next_norm), next_norm)
         mix_op = self.mixes[delta is not None, n_blocks]
         return mix_op(self.prefix, delta, self.blocks, n_blocks, mix.res_norm, mix.res_proj, next_norm,
                       self.config.rms_norm_eps, push_block=push, **kw)
 
-    def _attention(self, i: int, w, x: torch.Tensor, y_in: torch.Tensor | None = None):
+    def _attention(self, i: int, w, x: torch.Tensor):
         if i in self.article_rows:  # the glue writes the new rows; the bound plan quantizes them in
             part = layers.mla_partial(w, x, self.article_rows[i], 0, self.q_bufs[i], self.mla_plans[i],
-                                      self.mla_glue, y_in)
+                                      self.mla_glue)
         elif i in self.latent:
             part = layers.mla_partial(w, x, self.latent[i], self.context_len, self.q_bufs[i],
-                                      self.mla_plans[i], self.mla_glue, y_in)
+                                      self.mla_plans[i], self.mla_glue)
         else:
-            part = layers.kda_partial(w, x, self.kda_steps[i], self.pack, y_in)
+            part = layers.kda_partial(w, x, self.kda_steps[i], self.pack)
         return (yield from self._collective("all_reduce", part))
 
-    def _mlp(self, w, x: torch.Tensor, ys: list | None = None):
+    def _mlp(self, w, x: torch.Tensor):
         if not hasattr(w, "gate"):  # the dense layer
-            y_in = ys[0] if ys is not None else None
-            return (yield from self._collective("all_reduce", layers.dense_partial(w, x, self.glu, y_in)))
-        logits, z, gu = layers.moe_products(w, x, ys)
+            return (yield from self._collective("all_reduce", layers.dense_partial(w, x, self.glu)))
+        logits, z, gu = layers.moe_products(w, x)
         lat = yield from self._collective("all_reduce", layers.moe_latent_partial(
             w, logits, z, self.router, self.experts, self.routes))
         shared = layers.moe_shared_partial(w, x, gu, self.shared_down)
@@ -373,14 +359,11 @@ class DecodeStep:
         n_blocks, m = 0, None
         for i, lw in enumerate(rw.layers):
             starts = i in self.block_starts
-            into_attn, into_mlp = self.fold_parts.get(i, (None, None))
-            x = self._mix(m, n_blocks, lw.norms.attn_mix, lw.norms.input_norm, starts, into_attn)
-            x, ys = x if into_attn is not None else (x, None)
+            x = self._mix(m, n_blocks, lw.norms.attn_mix, lw.norms.input_norm, starts)
             n_blocks += starts
-            a = yield from self._attention(i, lw.attn, x, ys[0] if ys is not None else None)
-            x = self._mix(a, n_blocks, lw.norms.mlp_mix, lw.norms.post_norm, False, into_mlp)
-            x, ys = x if into_mlp is not None else (x, None)
-            m = yield from self._mlp(lw.mlp, x, ys)
+            a = yield from self._attention(i, lw.attn, x)
+            x = self._mix(a, n_blocks, lw.norms.mlp_mix, lw.norms.post_norm, False)
+            m = yield from self._mlp(lw.mlp, x)
         h = self._mix(m, n_blocks, rw.out_mix, rw.final_norm, False)
         logits = (h @ rw.lm_head.t()).float()
         logits = yield from self._collective("all_gather", logits)

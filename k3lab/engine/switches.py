@@ -31,14 +31,6 @@ in the optimizations dict or as a keyword. Unset at precision 'bf16', the projec
 at batch 1) on a GPU, the matrix library above and on a CPU; `Resolved.projections` says what runs and
 `notes['projections']` why where the form asked for cannot run as asked.
 
-One more setting takes True / False but is off unless asked by name ({'mix_fold': True} in the dict; 'all'
-leaves it off): `mix_fold`, the AttnRes mix folded into the one-row product that reads its output
-(k3lab.ops.attn_res_norm.gemv_fold), not yet measured. It runs where the step multiplies one row by the
-one-row GEMV (tokens = 1, projections 'gemv' or 'fp8'), with attn_res_fused on and Triton running here;
-elsewhere `Resolved.mix_fold` is False and `notes['mix_fold']` says why. Per call site the step folds where
-every weight that reads the mix's output takes the one-row GEMV (`fp8.one_row_parts`); the final mix,
-read by lm_head's matrix-library product, stays a mix launch.
-
 At precision='article' the rows bound differ in two ops, settled here once like every other:
 'moe_experts' runs k3lab.ops.moe_experts.mxfp4_kernels (`experts_form`: the GEMV form for one token,
 the grouped tl.dot_scaled form for more where the target has scaled matrix instructions, else the GEMV
@@ -93,11 +85,6 @@ SETTINGS: dict[str, Setting] = {
     "precision": Setting("the step's number formats: the weights' dtype, FP8 dense projections, or the "
                          "article's (MXFP4 routed experts, FP8 dense projections, FP8 MLA cache)",
                          PRECISIONS),
-    # off unless asked (values[0] is what 'all' gives): unmeasured; `python -m k3lab.cli`'s decode_step
-    # study measures it by its variant all_on_mixfold against all_on_gemv (measure.run(variants=...))
-    "mix_fold": Setting("the AttnRes mix + RMSNorm folded into the one-row GEMV that reads its output: one "
-                        "launch for both (k3lab.ops.attn_res_norm.gemv_fold); unmeasured, off unless asked",
-                        (False, True), applies="decode"),
 }
 SWITCHES: dict[str, str] = {n: s.what for n, s in SETTINGS.items() if s.on_off}
 DECODE_ONLY = frozenset(n for n, s in SETTINGS.items() if s.applies == "decode")
@@ -123,7 +110,6 @@ class Resolved:
     rows: dict = field(default_factory=dict)
     precision: str = "bf16"
     graph: str = ""
-    mix_fold: bool = False
 
     @property
     def backends(self) -> dict[str, str]:
@@ -139,9 +125,7 @@ class Resolved:
             for n in SWITCHES
         ]
         note = self.notes.get("projections") or _PROJECTIONS_RUN.get(self.projections, "torch.matmul")
-        fold = f"mix_fold: {'on ' if self.mix_fold else 'off'}" + (
-            f" ({self.notes['mix_fold']})" if "mix_fold" in self.notes else "")
-        return lines + [fold, f"projections: {self.projections} ({note})", f"precision: {self.precision}"]
+        return lines + [f"projections: {self.projections} ({note})", f"precision: {self.precision}"]
 
     def label(self) -> str:
         """'all on', 'all off', 'all on but X', or the list of switches that are on; ', fp8 projections'
@@ -156,7 +140,6 @@ class Resolved:
             base = f"all on but {off[0]}"
         else:
             base = "on: " + ", ".join(n for n in applied if self.on[n])
-        base += ", mix folded into the GEMV" if self.mix_fold else ""
         return base + (f", {self.projections} projections" if self.projections.startswith("fp8") else "")
 
 
@@ -168,7 +151,7 @@ _PROJECTIONS_RUN = {"gemv": "k3lab.ops.gemv's one-row kernel where a projection 
 def _value(name: str, value):
     """value when it is one of SETTINGS[name].values, else a ValueError naming the setting."""
     values = SETTINGS[name].values
-    if type(value) is not type(values[0]) or value not in values:
+    if isinstance(value, bool) or value not in values:
         raise ValueError(f"{name} must be one of {values}, got {value!r}")
     return value
 
@@ -372,33 +355,4 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
     looped = (chosen["moe_experts"].name == "mxfp4_torch" if precision == "article"
               else not on["grouped_experts"] or bool(notes.get("grouped_experts")))
     graph = "the per-expert loop reads the expert counts back to the host" if looped else ""
-    fold = _mix_fold(optimizations, on, proj, device, tokens, notes, refuse)
-    if fold:
-        from k3lab.ops import attn_res_norm
-
-        chosen["attn_res_norm"] = rows.Chosen("attn_res_norm", impl["attn_res_fused"], "",
-                                              {"bind": rows.mix_binder(True),
-                                               "fold": attn_res_norm.BACKENDS["triton"].mix_gemv})
-    return Resolved(on, impl, notes, proj, chosen, precision, graph, fold)
-
-
-def _mix_fold(optimizations, on: dict, projections: str, device, tokens, notes: dict, refuse) -> bool:
-    """Whether the mix_fold setting (asked for in the optimizations dict; off otherwise) runs here; where
-    it was asked for and cannot, the note says why (`refuse`: a ValueError under strict)."""
-    asked = _value("mix_fold", optimizations.get("mix_fold", False)) if isinstance(optimizations, dict) \
-        else False
-    if not asked:
-        return False
-    from k3lab.ops import triton_runs_on
-
-    ok, why = triton_runs_on(device)
-    if not on["attn_res_fused"]:
-        why = "attn_res_fused is off: the PyTorch sequence runs, unfolded"
-    elif tokens != 1:
-        why = f"the fold feeds the one-row GEMV: the step has {tokens} tokens, not one"
-    elif projections not in ("gemv", "fp8"):
-        why = f"the fold feeds the one-row GEMV: the projections run as {projections!r}"
-    elif ok:
-        return True
-    refuse("mix_fold", why, "the mix as its own launch")
-    return False
+    return Resolved(on, impl, notes, proj, chosen, precision, graph)

@@ -182,19 +182,6 @@ def attn_res_after(tokens=1):
     after(prefix, delta, blocks, n, w, w, w, mix_weight=w, backend="triton")
 
 
-def attn_res_gemv_fold(rows=CFG.num_experts):
-    """The mix folded into the one-row product of its output (the router's 896 x 7168 here), 8 stored
-    blocks + the partial, every block shape its autotuner tries."""
-    from k3lab.ops.attn_res_norm import gemv_fold
-
-    D, n = CFG.hidden_size, CFG.attn_res_max_sources - 1
-    prefix, delta = torch.empty(1, D, dtype=BF16), torch.empty(1, D, dtype=BF16)
-    blocks, w = torch.empty(n + 1, 1, D, dtype=BF16), torch.empty(D, dtype=torch.float32)
-    parts = [(torch.empty(rows, D, dtype=BF16), None)]
-    for shape in gemv_fold.fold_blocks():
-        gemv_fold.launch(prefix, delta, blocks, n, w, w, 1e-5, False, parts, blocks_shape=shape)
-
-
 def moe_experts(tokens=1):
     from k3lab.ops.moe_experts import BACKENDS, random_router_idx
     from k3lab.ops.moe_experts import triton as moe_triton
@@ -396,7 +383,6 @@ CASES: dict[str, tuple] = {
     "attn_res_norm.t1": (attn_res_after, {}, "1 token, 9 sources"),
     "attn_res_norm.t64": (attn_res_after, {"tokens": 64}, "64 tokens"),
     "attn_res_norm.t8192": (attn_res_after, {"tokens": 8192}, "8192 tokens (prefill)"),
-    "attn_res_norm.gemv_fold": (attn_res_gemv_fold, {}, "the mix folded into a one-row product, 9 sources"),
     "moe_experts.grouped_t1": (moe_experts, {}, "one token's 16 experts"),
     "moe_experts.grouped_t64": (moe_experts, {"tokens": 64}, "64 tokens"),
     "moe_experts.mxfp4_t1": (moe_mxfp4, {}, "MXFP4 experts, one token's 16: the two GEMV launches"),

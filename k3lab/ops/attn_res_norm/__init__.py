@@ -31,12 +31,12 @@ from __future__ import annotations
 import torch
 
 from k3lab.ops import Backend, Backends, triton_status
-from k3lab.ops.attn_res_norm import cuda, gemv_fold, triton
+from k3lab.ops.attn_res_norm import cuda, triton
 from k3lab.ops.attn_res_norm.inputs import (CLUSTER_MIN_BLOCKS, TRITON_CONFIG_KEYS, check, cluster_pays,
                                             fold_mix_weight, launch_config, rms)
 
 __all__ = ["BACKENDS", "BACKEND_ENV", "CLUSTER_MIN_BLOCKS", "VARIANTS", "after", "attn_res_norm", "before",
-           "fold_mix_weight", "kernel_status", "launch_config", "mix_gemv"]
+           "fold_mix_weight", "kernel_status", "launch_config"]
 
 
 def _cluster_available() -> tuple[bool, str]:
@@ -76,30 +76,15 @@ def _torch_after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_n
     return _reference(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block)
 
 
-def _triton_mix_gemv(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block,
-                     w_mix, parts):
-    return gemv_fold.launch(prefix, delta, blocks, n_blocks, w_mix, next_norm_w, eps, push_block, parts)
-
-
-def _torch_mix_gemv(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block,
-                    w_mix, parts):
-    return gemv_fold.reference(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps,
-                               push_block, parts, _reference)
-
-
 # callables (on checked inputs): after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w,
-# eps, push_block, mix_weight, config, int_round) -> out; mix_gemv(prefix, delta, blocks, n_blocks,
-# res_norm_w, res_proj_w, next_norm_w, eps, push_block, mix_weight, parts) -> (out, [y_i]), the mix folded
-# into the one-row products of its output (`gemv_fold`). The torch row is the reference and the before
+# eps, push_block, mix_weight, config, int_round) -> out. The torch row is the reference and the before
 # (the unfused sequence); it runs only when forced.
 BACKENDS = Backends("attn_res_norm",
                     Backend("cuda_cluster", _cluster_rank, _cluster_available, _cluster_verify,
                             parts={"after": _cluster_after}),
-                    Backend("triton", 1, triton_status, parts={"after": _triton_after,
-                                                               "mix_gemv": _triton_mix_gemv}),
+                    Backend("triton", 1, triton_status, parts={"after": _triton_after}),
                     Backend("torch", 3, lambda: (True, "plain PyTorch (the unfused sequence)"),
-                            parts={"before": _torch_after, "after": _torch_after,
-                                   "mix_gemv": _torch_mix_gemv}))
+                            parts={"before": _torch_after, "after": _torch_after}))
 BACKEND_ENV = BACKENDS.env
 
 
@@ -156,32 +141,6 @@ def after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     row = BACKENDS.pick(backend, prefix, delta, blocks, n_blocks, need="after")
     return row.after(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block,
                      w_mix, config, int_round)
-
-
-def mix_gemv(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, parts, eps=1e-5,
-             push_block=False, mix_weight=None, backend=None):
-    """`after` on one row followed by `gemv.gemv_stack(out, parts)`, in ONE launch where the Triton row
-    runs (`gemv_fold`: program 0 of the products' grid runs the mix, the others wait for its row).
-    prefix [1, D]; parts: one to three (weight [N_i, D] of prefix's dtype, or float8_e4m3fn with fp32 row
-    scales, scale or None) pairs. Returns (out [1, D], [y_i [1, N_i]]); prefix / blocks updated in place as
-    by `after`. backend: 'triton' or 'torch' (the sequence); None: Triton where it runs (a GPU, or its
-    interpreter on CPU tensors), else torch. ValueError naming the bad argument before any kernel."""
-    T, D = check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, push_block, eps)
-    if T != 1:
-        raise ValueError(f"prefix must be one row [1, D] for the folded products, got {tuple(prefix.shape)}")
-    for name, t in (("prefix", prefix), ("blocks", blocks), ("next_norm_w", next_norm_w)) + (
-            (("delta", delta),) if delta is not None else ()):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    parts = gemv_fold.check_parts(prefix, parts)
-    w_mix = fold_mix_weight(res_norm_w, res_proj_w) if mix_weight is None else mix_weight
-    if not isinstance(w_mix, torch.Tensor) or w_mix.shape != (D,) or w_mix.dtype != torch.float32 \
-            or w_mix.device != prefix.device or not w_mix.is_contiguous():
-        got = f"{getattr(w_mix, 'dtype', type(w_mix).__name__)} {tuple(getattr(w_mix, 'shape', ()))}"
-        raise ValueError(f"mix_weight must be a contiguous fp32 [D={D}] tensor on {prefix.device}, got {got}")
-    row = BACKENDS.pick(backend, prefix, delta, blocks, n_blocks, need="mix_gemv")
-    return row.mix_gemv(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, eps, push_block,
-                        w_mix, parts)
 
 
 VARIANTS = {"before": before, "after": after}

@@ -66,25 +66,20 @@ PROFILED = ("all_on", "all_off", "all_on_fp8", "all_on_gemv")
 # (projections='bf16', as their committed records did); all_on_default leaves projections unset, so the
 # step takes `rows.default_projections` (the one-row GEMV at B = 1 on a GPU, the matrix library above)
 # profiled at B = 1 only: the loop at B = 64 runs ~450K kernels a step
-PROJECTIONS_OF = {"all_on_fp8": "fp8", "all_on_gemv": "gemv", "all_on_default": None,
-                  "all_on_mixfold": "gemv"}
+PROJECTIONS_OF = {"all_on_fp8": "fp8", "all_on_gemv": "gemv", "all_on_default": None}
 # variant -> DecodeStep(precision=...): all_on_article runs the article's formats (FP8 projections, MXFP4
 # routed experts, an FP8 MLA cache); its floor is part_bytes at that precision and its check is against
 # its reference's switches at the same precision (`reference_logits`)
 PRECISION_OF = {"all_on_article": "article"}
 # the variants of the step's settings rather than of its switches: the report's quick form leaves them
 # out (run(variants=WATERFALL)), the default and full runs measure them
-# all_on_mixfold: all_on_gemv with the AttnRes mix folded into the one-row GEMV (switches' mix_fold, off
-# by default until measured): run(cases=["b1_1k"], variants=["all_on_gemv", "all_on_mixfold"]) times both
-SETTING_VARIANTS = ("all_on_default", "all_on_article", "all_on_mixfold")
+SETTING_VARIANTS = ("all_on_default", "all_on_article")
 WATERFALL = "waterfall"  # run(variants=WATERFALL): every variant but SETTING_VARIANTS
 # variants the CPU case leaves out, and why: the CPU case must run in seconds
 CPU_SKIPPED = {"all_on_article": "the article step's MXFP4 and FP8-cache kernels run in Triton's "
                                  "interpreter on a CPU: about 6 s a step, 20 s with its timing, against "
                                  "under a second for the others (tests/test_decode_step_article.py "
-                                 "checks it)",
-               "all_on_mixfold": "all_on_gemv's step with the mix folded in, a GPU measurement; on a CPU "
-                                 "tests/test_attn_res_gemv_fold.py checks it against the reference"}
+                                 "checks it)"}
 
 
 def cases() -> dict[str, tuple[int, int]]:
@@ -107,7 +102,6 @@ def variants(q_len: int = 1) -> dict[str, dict]:
            "all_on_fp8": dict.fromkeys(SWITCHES, True), "all_on_gemv": dict.fromkeys(SWITCHES, True)}
     out.update({f"no_{n}": all_but(n) for n in names})
     out.update({n: dict.fromkeys(SWITCHES, True) for n in SETTING_VARIANTS})
-    out["all_on_mixfold"] = dict(out["all_on_mixfold"], mix_fold=True)
     return out
 
 

@@ -96,16 +96,36 @@ def _existing_dir(path: Path) -> Path:
 def tracked_files(path) -> list[str] | None:
     """The files git tracks at or under `path` (a file or a folder, existing or not), as git names them
     relative to the nearest existing folder; None when git cannot answer (no git on PATH, a tree with no
-    .git such as a copy on a GPU machine, an unsafe directory)."""
+    .git such as a copy on a GPU machine, an unsafe directory) and, for a path inside k3lab's tree, when
+    that tree is not a checkout of its own (a copy of it inside another repository, whose git would
+    call every file of the copy untracked)."""
     path = Path(path).absolute()
     base = _existing_dir(path if path.is_dir() else path.parent)
     spec = os.path.relpath(path, base)
+    if _inside(path.resolve(), REPO) and not repo_is_checkout():
+        return None
     try:
         out = subprocess.run(["git", "--literal-pathspecs", "ls-files", "-z", "--", spec], cwd=base,
                              capture_output=True, text=True, check=False, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return [n for n in out.stdout.split("\0") if n] if out.returncode == 0 else None
+
+
+_CHECKOUT: dict[Path, bool] = {}
+
+
+def repo_is_checkout() -> bool:
+    """Whether k3lab's tree is the top of a git checkout (False for a `git archive` copy, with or without
+    another repository around it). Kept once git has answered; not kept while git cannot be run."""
+    if REPO not in _CHECKOUT:
+        try:
+            out = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=REPO, capture_output=True,
+                                 text=True, check=False, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return False
+        _CHECKOUT[REPO] = out.returncode == 0 and Path(out.stdout.strip()).resolve() == REPO
+    return _CHECKOUT[REPO]
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -162,6 +182,12 @@ def check_output_file(path, flag: str) -> Path:
     if path.is_dir():
         raise ValueError(f"{flag} {path}: is a folder, expected a file name")
     _writable_place(path, flag)  # the file is replaced by a rename: its folder must be writable
-    if path.exists() and tracked_files(path):
-        raise ValueError(f"{flag} {path}: git tracks this file; write to a new file (or under build/)")
+    if path.exists():
+        tracked = tracked_files(path)
+        if tracked:
+            raise ValueError(f"{flag} {path}: git tracks this file; write to a new file (or under build/)")
+        if tracked is None and _inside(path.resolve(), REPO) and not _inside(path.resolve(), REPO / "build"):
+            raise ValueError(f"{flag} {path}: an existing file inside the repository, and git cannot tell "
+                             f"here whether it is committed; write to a new file, under {REPO / 'build'}, or "
+                             f"outside the repository")
     return path

@@ -268,3 +268,37 @@ def test_a_text_median_is_skipped_by_name_and_the_report_reads_the_rest(tmp_path
     assert [r.median_us for r in got] == [10.0]
     assert page.count("<tr") > 1  # the header and the optimizations' rows
     assert all("B1__before.json" in str(w.message) for w in caught)
+
+
+def test_a_copy_of_the_tree_inside_another_repository_is_not_taken_for_untracked(tmp_path, monkeypatch):
+    """A `git archive` copy of k3lab inside another checkout (as a GPU machine may get it): that checkout's
+    git calls every file of the copy untracked, so the copy must count as 'git cannot tell', and the
+    output checks refuse its source folders and files."""
+    import importlib.util
+    import shutil
+
+    from k3lab import files
+
+    if subprocess.run(["git", "--version"], capture_output=True, check=False).returncode != 0:
+        pytest.skip("git is not installed")
+    outer = tmp_path / "outer"
+    (outer / "copy" / "k3lab").mkdir(parents=True)
+    (outer / "copy" / "notebooks").mkdir()
+    (outer / "copy" / "README.md").write_text("committed upstream\n")
+    shutil.copy(files.__file__, outer / "copy" / "k3lab" / "files.py")
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    spec = importlib.util.spec_from_file_location("copied_files", outer / "copy" / "k3lab" / "files.py")
+    copied = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copied)
+    assert copied.REPO == (outer / "copy").resolve()
+    assert copied.repo_is_checkout() is False
+    assert copied.tracked_files(outer / "copy" / "README.md") is None
+    with pytest.raises(ValueError, match="--json .*git cannot tell"):
+        copied.check_output_file(outer / "copy" / "README.md", "--json")
+    with pytest.raises(ValueError, match="--out .*git cannot tell"):
+        copied.check_output_dir(outer / "copy" / "notebooks", "--out")
+    assert copied.check_output_dir(outer / "copy" / "build" / "x", "--out") == outer / "copy" / "build" / "x"
+    assert copied.check_output_file(outer / "copy" / "new.json", "--json") == outer / "copy" / "new.json"
+    # this checkout itself (CI's clean clone): git answers for it
+    if files.repo_is_checkout():
+        assert files.tracked_files(files.REPO / "README.md") == ["README.md"]

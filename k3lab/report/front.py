@@ -371,8 +371,9 @@ def serving_html(n: dict) -> str:
         "below).</p>" + _svg_fronts(rows, target, b)
         + "<table class='front'><tr><th>rung (the article's order)</th>"
         f"<th>projected tokens/s/GPU at {plain(target)} tokens/s/user (error up to {err['worst']:.0%})</th>"
-        f"<th>its share</th><th>projected at {plain(reach)} tokens/s/user (every rung reaches it)</th>"
-        "<th>its share</th></tr>" + body + "</table>"
+        f"<th>its share (projected)</th><th>projected tokens/s/GPU at {plain(reach)} tokens/s/user, which "
+        f"every rung reaches (error up to {err['worst']:.0%})</th>"
+        "<th>its share (projected)</th></tr>" + body + "</table>"
         f"<p class='calibration'><b>Calibration, not a comparison:</b> the article's measured tokens/s/GPU "
         f"at {plain(target)} tokens/s/user over the model's projection of the article's stack on the same "
         f"GPU: {cal}. A factor for reading a projection, not a check of the model: the stacks, the "

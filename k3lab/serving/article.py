@@ -7,14 +7,23 @@ projection one input at a time where the input is measured by k3lab or cited by 
 configuration (DROPPED lists the changes left out and why); `terms` lists the quantities behind each
 side with the article's over the model's as a ratio; bands.calibration states the article's figure over
 the projection as a calibration factor. Every row says what kind each side is: measured (k3lab's
-records), modelled, projected (another GPU), or the article's (hardware.SEED).
+records), modelled, projected (another GPU), or the article's (hardware.SEED), and every row with a
+modelled or projected figure carries the step model's measured error (`error`, validate.model_error's
+dict; by default the committed records'), or says the row does not rest on the step model.
 """
 
 from __future__ import annotations
 
 
-from . import curve, node
+from . import curve, node, validate
 from .hardware import GPU, SEED, gpu as gpu_of
+
+
+def error_text(error: dict | None) -> str:
+    """The step model's measured error as a row states it: its kind and worst abs(rel_err); `error` None
+    reads validate.model_error() on the committed records."""
+    error = error if error is not None else validate.model_error()
+    return f"{error['kind']}, worst {error['worst']:.0%}"
 
 
 def _best(inp, rung, g: GPU, work, target: float, scenario) -> dict | None:
@@ -46,12 +55,14 @@ DROPPED = (
 
 
 def steps(inp: node.Inputs, work: curve.Workload, *, gpu: str = "mi355x",
-          target: float = SEED["interactivity"]) -> list[dict]:
+          target: float = SEED["interactivity"], error: dict | None = None) -> list[dict]:
     """The model's projected figure on `gpu` at `target`, then one change at a time whose input is
     measured (k3lab's records) or cited for this configuration: each row the change, its kind, the
-    scenario, the best configuration at `target` and its tokens/s/GPU, users per node and prefix hit rate.
-    Every row is a projection; the steps left out and why are in DROPPED."""
+    scenario, the best configuration at `target` and its tokens/s/GPU, users per node, prefix hit rate and
+    the step model's measured error (`error_text(error)`). Every row is a projection; the steps left out
+    and why are in DROPPED."""
     g = gpu_of(gpu)
+    err = error_text(error)
     plan = [
         ("the model, all on (k3lab's fused glue included)", "projected", curve.RUNGS[-1]),
         ("without k3lab's fused glue (the article's stack has none; its cost measured on the H200)",
@@ -66,17 +77,20 @@ def steps(inp: node.Inputs, work: curve.Workload, *, gpu: str = "mi355x",
             "config": {k: b[k] for k in ("dcp", "depth", "concurrency")} if b else None,
             "users_per_node": b["concurrency"] if b else 0,
             "hit_rate": b["hit_rate"] if b else None,
+            "step_model_error": err,
         })
     return rows
 
 
 def terms(inp: node.Inputs, work: curve.Workload, *, gpu: str = "mi355x",
-          target: float = SEED["interactivity"]) -> list[dict]:
+          target: float = SEED["interactivity"], error: dict | None = None) -> list[dict]:
     """The quantities behind the model's projection and the article's measurement: term, the model's value,
     what the article reports or its figure implies (None where it publishes nothing), the kind of each
-    side, and the article's value over the model's (a calibration ratio, not a check: the stacks differ).
-    The total tokens/s/GPU is bands.calibration's."""
+    side, the article's value over the model's (a calibration ratio, not a check: the stacks differ) and
+    the step model's measured error where the model's value rests on it (`error_text(error)`). The total
+    tokens/s/GPU is bands.calibration's."""
     g = gpu_of(gpu)
+    err = error_text(error)
     b = _best(inp, curve.RUNGS[-1], g, work, target, curve.MODEL)
     per_out = (work.mean_in + work.mean_out) / work.mean_out
     seed_out_node = SEED["mi355x_tokens_per_s_gpu"] * node.TP / per_out
@@ -101,8 +115,13 @@ def terms(inp: node.Inputs, work: curve.Workload, *, gpu: str = "mi355x",
         ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (m, a))
         return a / m if ok and m else None
 
+    # the rows whose model value rests on no step time; every other one does (the configuration chosen
+    # at the target included)
+    apart = {rows[0][0]: "none: the generator's mix, no step time in it",
+             rows[-1][0]: "not known: the prefill is modelled apart from the step model, not validated"}
     return [{"term": t, "model": m, "article": a, "model_kind": mk, "article_kind": ak,
-             "ratio_article_over_model": ratio(m, a)} for t, m, a, mk, ak in rows]
+             "ratio_article_over_model": ratio(m, a), "model_error": apart.get(t, err)}
+            for t, m, a, mk, ak in rows]
 
 
-__all__ = ["step_c1_ms", "steps", "terms"]
+__all__ = ["error_text", "step_c1_ms", "steps", "terms"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from k3lab import plots
-from k3lab.serving import curve, hardware
+from k3lab.serving import article, curve, hardware
 
 WHATIF_DEFAULTS = dict(gpu="mi355x", context=1.0, hit_rate=None, acceptance=1.0, max_depth=curve.MAX_DEPTH,
                        dcp="1 or 8")
@@ -106,10 +106,12 @@ def update_docs(path=None, root=None) -> list[str]:
 
 def whatif(inp, work, *, gpu: str = "mi355x", context: float = 1.0, hit_rate: float | None = None,
            acceptance: float = 1.0, max_depth: int = curve.MAX_DEPTH, dcp: str = "1 or 8",
-           target: float = hardware.SEED["interactivity"]):
+           target: float = hardware.SEED["interactivity"], error: dict | None = None):
     """The all-on front under a what-if (inputs `context` times as long, a fixed prefix `hit_rate` or
     None for the modelled one, acceptance scaled, depth capped, DCP '1', '8' or '1 or 8') on `gpu`:
-    (figure, table of the front). ValueError naming a bad argument before anything is computed."""
+    (figure, table of the front). The title labels the figure modelled (the H200) or projected (another
+    GPU) with the step model's measured error (`error`, default validate.model_error() on the committed
+    records). ValueError naming a bad argument before anything is computed."""
     if dcp not in DCP_CHOICES:
         raise ValueError(f"dcp must be one of {list(DCP_CHOICES)}, got {dcp!r}")
     g = hardware.gpu(gpu)
@@ -122,9 +124,11 @@ def whatif(inp, work, *, gpu: str = "mi355x", context: float = 1.0, hit_rate: fl
                                       scenario=sc))
     at = curve.at_interactivity(fr, target)
     hits = "modelled hits" if hit_rate is None else f"hits {hit_rate:.0%}"
-    fig = curve_figure([{"rung": "all on (what-if)", "front": fr}], target,
-                       f"{g.name}, inputs x {context:g}, {hits}, acceptance x {acceptance:g}, DCP {dcp}: "
-                       f"{at:,.0f} tokens/s/GPU at {target:g} tokens/s/user")
+    kind = "modelled" if gpu == "h200" else "projected"
+    fig = curve_figure([{"rung": f"all on (what-if, {kind})", "front": fr}], target,
+                       f"{g.name}, {kind}: inputs x {context:g}, {hits}, acceptance x {acceptance:g}, DCP "
+                       f"{dcp}: {at:,.0f} tokens/s/GPU at {target:g} tokens/s/user<br><sup>step model error: "
+                       f"{article.error_text(error)}</sup>")
     cols = ["dcp", "depth", "concurrency", "tokens_per_s_user", "tokens_per_s_gpu", "hit_rate", "cycle_ms"]
     return fig, pd.DataFrame(fr)[cols].round(3) if fr else pd.DataFrame(columns=cols)
 

@@ -192,8 +192,9 @@ def test_notebook_prose_sets_no_projection_beside_a_measurement(nb, known):
 
 def test_the_serving_strings_label_each_projection_and_carry_its_error(known):
     """article's tables: every row projected, with the step model's worst error or why it has none;
-    DROPPED and the calibration rows say what they are; the what-if figure says projected and its error."""
-    from k3lab.studies.serving import figures
+    DROPPED and the calibration rows say what they are; the ladder's rungs and shares say modelled (H200)
+    or projected; the what-if figure says projected and its error."""
+    from k3lab.studies.serving import H200_MEMORY_GB, figures
 
     inp, work, err = known["inp"], known["work"], known["err"]
     worst = f"worst {err['worst']:.0%}"
@@ -206,6 +207,10 @@ def test_the_serving_strings_label_each_projection_and_carry_its_error(known):
         assert not MEASURED.search(change + why) or CALIBRATION.search(why)
     for c in bands.calibration(inp, work, error=err):
         assert CALIBRATION.search(c["use"]) and "not a check" in c["use"]
+    for key, kind, mem in (("mi355x", "projected", None), ("h200", "modelled", H200_MEMORY_GB)):
+        lad = curve.ladder(inp, hardware.gpu(key), work, memory_gb=mem)
+        shares = curve.shares_at(lad, curve.reachable_target(lad))
+        assert {r["kind"] for r in lad} == {r["kind"] for r in shares} == {kind}, key
     fig, _ = figures.whatif(inp, work, error=err)
     assert "projected" in fig.layout.title.text and worst in fig.layout.title.text
     assert "projected" in fig.data[0].name

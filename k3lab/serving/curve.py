@@ -296,8 +296,10 @@ def at_interactivity(fr: list[dict], target: float = SEED["interactivity"]) -> f
 def ladder(
     inp, g: GPU, work: Workload, *, memory_gb=None, target: float = SEED["interactivity"], scenario=MODEL
 ) -> list[dict]:
-    """Per rung: its front, the tokens/s/GPU at `target`, the gain over the rung before (its share)."""
+    """Per rung: its front, the tokens/s/GPU at `target`, the gain over the rung before (its share), and
+    `kind`: 'modelled' on the H200 whose steps the model is fitted to, 'projected' on any other GPU."""
     rows, prev = [], 0.0
+    kind = "modelled" if g.key == "h200" else "projected"
     for rung in RUNGS:
         fr = front(candidates(inp, rung, g, work, memory_gb=memory_gb, scenario=scenario))
         v = at_interactivity(fr, target)
@@ -310,6 +312,7 @@ def ladder(
             {
                 "rung": rung.name,
                 "section": rung.section,
+                "kind": kind,
                 "front": fr,
                 "at_target": v,
                 "gain": v - prev,
@@ -328,12 +331,12 @@ def reachable_target(rows: list[dict]) -> float:
 
 def shares_at(rows: list[dict], target: float) -> list[dict]:
     """Per rung of a `ladder`: tokens/s/GPU of its front at `target` and the gain over the rung before,
-    read from the fronts already computed."""
+    read from the fronts already computed, with the ladder's `kind` (modelled or projected)."""
     out, prev = [], 0.0
     for r in rows:
         v = at_interactivity(r["front"], target)
-        out.append({"rung": r["rung"], "section": r["section"], "target": target, "at_target": v,
-                    "gain": v - prev})
+        out.append({"rung": r["rung"], "section": r["section"], "kind": r.get("kind"), "target": target,
+                    "at_target": v, "gain": v - prev})
         prev = v
     return out
 

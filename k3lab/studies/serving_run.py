@@ -20,8 +20,15 @@ tier: where capacity binds, what DCP8 and offload change), each run 15 s of serv
 to finish the requests in flight; FULL (c1 .. c64, DCP1 and DCP8, with and without host, 40 s each); BRIEF
 (`k3lab report`'s quick form on a GPU: c1, c4 and c16 at DCP1 with the host tier, 6 s each plus at most
 4 s, under the report's budget). With `budget_s` a run that would end past it is not started, except
-the first: a budget always measures one run. On a CPU every form runs the CPU cases (c1, c2, c3 at DCP1
-with the host tier: a curve of three points; c3 at DCP8 without it), eight requests each.
+the first: a budget always measures one run. On a CPU every form but CAPACITY runs the CPU cases (c1,
+c2, c3 at DCP1 with the host tier: a curve of three points; c3 at DCP8 without it), eight requests each.
+
+CAPACITY (`--form capacity`, `CAPACITY_WHY`): c16 at DCP1 without and with the host tier, c16 at DCP8,
+and c4 at DCP1 without it (where nothing binds), 75 s of serving clock each, KDA checkpoints at prompt
+ends only; a scaled workload and budget (the quick form's), labelled in each record; on a CPU its own
+cases at c3 and c1, twelve requests each (`CPU_CAPACITY`). `plan(case, form)`
+is the arithmetic behind a form: turns per session expected in its clock, the cache its sessions hold
+against the budget, whether capacity binds.
 
 This machine's records: `measured(root)` loads the committed ones (profiles/<device>/serving_run/);
 `curve_rows(records)` gives one row per run (percentiles, tokens/s, the decode step at the batch the run
@@ -51,6 +58,7 @@ from k3lab import bench
 
 NAME = "serving_run"
 DISTINCT_LAYERS = 2  # weight sets per layer kind on a GPU: each layer's ~100 MB+ dwarfs the L2 either way
+PLAN_DEVICE = "nvidia-h100-80gb-hbm3"  # whose committed quick-form records give `plan` its step times
 GPU_SCALE = {"context": 1 / 16, "output": 1 / 8, "time": 1 / 8}
 CPU_SCALE = {"context": 1 / 512, "output": 1 / 64, "time": 1 / 8}
 MAX_BATCHED_TOKENS = {"gpu": 8192, "cpu": 96}
@@ -62,9 +70,80 @@ FULL = tuple(f"c{c}.dcp{d}.{h}" for c in (1, 2, 4, 8, 16, 32, 64) for d in (1, 8
              for h in ("host", "gpu_only"))
 BRIEF = ("c1.dcp1.host", "c4.dcp1.host", "c16.dcp1.host")
 CPU_CASES = ("c1.dcp1.host", "c2.dcp1.host", "c3.dcp1.host", "c3.dcp8.gpu_only")
-RUN_S = {"quick": (15.0, 10.0), "full": (40.0, 20.0), "brief": (6.0, 4.0)}  # serving clock, then at most
-# this to finish the requests in flight
-FORM_CASES = {"quick": QUICK, "full": FULL, "brief": BRIEF}
+CAPACITY = ("capacity.c16.dcp1.gpu_only", "capacity.c16.dcp1.host", "capacity.c16.dcp8.host",
+            "capacity.c4.dcp1.gpu_only")
+CPU_CAPACITY = ("capacity.c3.dcp1.gpu_only", "capacity.c3.dcp1.host", "capacity.c3.dcp8.host",
+                "capacity.c1.dcp1.host")
+CAPACITY_CPU_BUDGET = (5.5e6, 6e6)
+CAPACITY_CPU_REQUESTS = 12  # four turns a session at c3
+CAPACITY_CPU_TURNS = 8      # the CPU workload's median turns per session in this form (4 elsewhere)
+RUN_S = {"quick": (15.0, 10.0), "full": (40.0, 20.0), "brief": (6.0, 4.0),
+         "capacity": (75.0, 10.0)}  # serving clock, then at most this to finish the requests in flight
+FORM_CASES = {"quick": QUICK, "full": FULL, "brief": BRIEF, "capacity": CAPACITY}
+FORM_PREFIX = "capacity."  # the capacity form's cases and records carry its name (a scaled workload)
+CAPACITY_WHY = """The capacity form: where the cache's capacity binds, what DCP8 and the host tier change.
+
+Why it exists. In the quick form's 15 s a session at concurrency 16 completes about one turn (the
+sixteen first prompts' prefill takes longer than the clock), so almost no turn can hit a cached prefix
+and DCP8 and the host tier show nothing. This form gives each session several turns (k3lab.serving.plan
+expects about 4 to 7 at c16 on an H100, at least 3) and a budget that c16's sessions overfill at DCP1
+and fit at DCP8.
+
+What it changes, and why. The workload is the quick form's scaled one (prompts x 1/16, outputs and
+think times x 1/8) and so is the budget (an MI355X rank's 59.9 GB and its 224.875 GB host tier, x 1/16):
+- the serving clock is 75 s (plus at most 10 s to finish the requests in flight) instead of 15 s, so that
+  each session gets several turns: four runs fit one 10-minute GPU call with the engine's setup;
+- KDA checkpoints are kept at prompt ends only (checkpoint interval 0, the quick form's is 2048): a
+  checkpoint is every KDA layer's state (56 MB per sequence on one rank of K3 at bf16, not divided by
+  DCP); with one every 2048 positions a c16 session's checkpoints alone would outweigh its DCP8 history
+  and DCP8 would bind too. At prompt ends only, a session holds its history (which DCP divides by its
+  degree) and one state, and a miss recomputes the whole prompt.
+The plan (`plan(case, 'capacity')`): at c16 the sessions need about 5.4 to 6 GB at DCP1 (their prefixes
+plus their running state) against the 3.74 GB budget, about 2.3 GB at DCP8; at c4 DCP1 about 2 GB (the
+case where nothing binds). On a CPU the same cases at concurrency 3 (and 1) on the tiny preset, twelve
+requests each (four turns a session), in a 5.5 MB device budget and a 6 MB host tier chosen likewise.
+Its records carry the form in their case names ('capacity.c16.dcp8.host') and in extra['form'], apart
+from the curve's records (`measured(form='capacity')`)."""
+CAPACITY_LABEL = {"gpu": " [the capacity form: the scaled workload above, a 75 s clock, KDA checkpoints at "
+                         "prompt ends only (serving_run.CAPACITY_WHY)]",
+                  "cpu": " [the capacity form at its CPU size: the scaled workload above, 12 requests a run, "
+                         "KDA checkpoints at prompt ends only (serving_run.CAPACITY_WHY)]"}
+
+
+def plan(case: str, form: str = "quick", kind: str | None = None) -> dict:
+    """k3lab.serving.plan.plan_run of `case` as `form` runs it on `kind` ('gpu' or 'cpu'; default this
+    machine's): the form's workload (drawn as for the form's default cases run together), budget,
+    checkpoint interval and clock; on a GPU the step times of the
+    H100's committed quick-form records (`plan.costs_from_records`), on a CPU a fixed clock (its runs are
+    bounded by a request count, not a clock: the times only order the turns). Adds 'case', 'form',
+    'kind'. ValueError for a malformed case or form, or (GPU) no committed H100 records."""
+    from k3lab.config import K3Config
+    from k3lab.serving import plan as planning
+    from k3lab.serving.predict import fixed_clock
+
+    kind = kind or ("gpu" if _on_gpu() else "cpu")
+    spec = form_setup(form, kind)
+    p = parse_case(case)
+    cases = list(spec["cases"] or FORM_CASES[form])  # the workload is drawn for the cases run together
+    if case.removeprefix(FORM_PREFIX) not in [c.removeprefix(FORM_PREFIX) for c in cases]:
+        cases.append(case)
+    sessions = _sessions(cases, spec)
+    if kind == "gpu":
+        recs = measured(device=PLAN_DEVICE)
+        if not recs:
+            raise ValueError(f"no committed {NAME} records of {PLAN_DEVICE} to take step times from")
+        costs = planning.costs_from_records(recs)
+        layout = planning.Layout.of(K3Config.tp_slice(8), 2)
+    else:
+        costs = fixed_clock((1e-3, 1e-4, 1e-5))
+        layout = planning.Layout.of(K3Config.tiny(), 4)
+    lim = spec["limits"]
+    out = planning.plan_run(sessions, layout, spec["cache"], concurrency=p["concurrency"], dcp=p["dcp"],
+                            host=p["host"], costs=costs, clock_s=lim.get("duration_s"),
+                            max_requests=lim.get("max_requests"),
+                            checkpoint_interval=spec["checkpoint_interval"],
+                            max_batched_tokens=MAX_BATCHED_TOKENS[kind], staging=4 if kind == "gpu" else 2)
+    return {"case": case, "form": form, "kind": kind, **out}
 
 
 def _on_gpu() -> bool:
@@ -72,8 +151,12 @@ def _on_gpu() -> bool:
 
 
 def parse_case(case: str) -> dict:
-    """'c8.dcp1.host' -> {'concurrency': 8, 'dcp': 1, 'host': True}; ValueError otherwise."""
-    parts = case.split(".")
+    """'c8.dcp1.host' -> {'concurrency': 8, 'dcp': 1, 'host': True}; a capacity-form case
+    ('capacity.c16.dcp8.host') gives the same with 'form': 'capacity'; ValueError otherwise."""
+    if not isinstance(case, str):
+        raise ValueError(f"case must be a string like 'c8.dcp1.host', got {case!r}")
+    form = "capacity" if case.startswith(FORM_PREFIX) else None
+    parts = case.removeprefix(FORM_PREFIX).split(".")
     try:
         c, d, h = parts
         if not (c.startswith("c") and d.startswith("dcp") and h in ("host", "gpu_only")):
@@ -83,7 +166,44 @@ def parse_case(case: str) -> dict:
         raise ValueError(f"case must look like 'c8.dcp1.host' or 'c16.dcp8.gpu_only', got {case!r}") from None
     if out["concurrency"] < 1 or out["dcp"] not in (1, 2, 4, 8):
         raise ValueError(f"case {case!r}: concurrency >= 1 and DCP 1, 2, 4 or 8 expected")
-    return out
+    return {**out, "form": form} if form else out
+
+
+def form_setup(form: str, kind: str) -> dict:
+    """What a form's runs are on `kind` ('gpu' or 'cpu'): the workload's scale, its generator overrides,
+    root sessions per concurrency, the cache budget, the checkpoint interval and the run's limits
+    (duration_s and drain_s on a GPU, max_requests on a CPU). Every form but 'capacity' shares one
+    set-up per kind (the module docstring); the capacity form's differs only where its docstring
+    (`CAPACITY_WHY`) says."""
+    if form not in RUN_S:
+        raise ValueError(f"form must be one of {sorted(RUN_S)}, got {form!r}")
+    if kind not in ("gpu", "cpu"):
+        raise ValueError(f"kind must be 'gpu' or 'cpu', got {kind!r}")
+    from k3lab.serving.run import CacheBudget
+    from k3lab.serving.workload import Scale
+
+    cap = form == "capacity"
+    if kind == "gpu":
+        scale = Scale(**GPU_SCALE)
+        dur, drain = RUN_S[form]
+        return {"scale": scale, "overrides": {}, "sessions": lambda c: max(2, c + c // 2),
+                "cache": budget(scale.context),
+                "checkpoint_interval": 0 if cap else CHECKPOINT_INTERVAL[kind],
+                "limits": {"duration_s": dur, "drain_s": drain}, "cases": CAPACITY if cap else None}
+    if cap:
+        cache = CacheBudget(*CAPACITY_CPU_BUDGET, source="a scaled-down budget for the tiny preset on a CPU, "
+                            "the capacity form's: 5.5 MB of device memory and a 6 MB host tier, where "
+                            "k3lab.serving.plan puts three sessions' prefixes and running state over it at "
+                            "DCP1 and under it at DCP8")
+        return {"scale": Scale(**CPU_SCALE), "overrides": {"median_turns": CAPACITY_CPU_TURNS},
+                "sessions": lambda c: max(2, c + c // 2), "cache": cache, "checkpoint_interval": 0,
+                "limits": {"max_requests": CAPACITY_CPU_REQUESTS}, "cases": CPU_CAPACITY}
+    cache = CacheBudget(*CPU_BUDGET, source="a scaled-down budget for the tiny preset on a CPU: 6 MB of "
+                                            "device memory and a 3 MB host tier (about 20 and 10 blocks "
+                                            "of 64 positions), so that capacity binds at 3 sessions")
+    return {"scale": Scale(**CPU_SCALE), "overrides": {"median_turns": 4}, "sessions": lambda c: 2,
+            "cache": cache, "checkpoint_interval": CHECKPOINT_INTERVAL[kind], "limits": {"max_requests": 8},
+            "cases": CPU_CASES}
 
 
 def case_names(preset=None) -> list[str]:
@@ -108,15 +228,25 @@ def budget(context_scale: float, target: str = "mi355x"):
                        f"scale). The run stores history and KDA state in its own dtype")
 
 
-def _setup(cases: list[str], log):
-    """(engine, sessions, kind, scale) for `cases`: the weights, the workload and the engine sized for the
-    largest concurrency among them."""
+def _sessions(cases: list[str], spec: dict):
+    """The closed-loop sessions of a run of `cases` under a form's set-up (`form_setup`): root sessions
+    for the largest concurrency among them."""
+    from k3lab.serving.workload import Sessions, agentx_sessions
+
+    conc = max(parse_case(c)["concurrency"] for c in cases)
+    w = agentx_sessions(spec["sessions"](conc), scale=spec["scale"], seed=0, **spec["overrides"])
+    return Sessions.of(w, think_scale=spec["scale"].time)
+
+
+def _setup(cases: list[str], log, form: str = "quick"):
+    """(engine, sessions, kind, scale) for `cases` in `form`: the weights, the workload and the engine
+    sized for the largest concurrency among them."""
     from k3lab.config import K3Config
     from k3lab.engine import RankWeights
-    from k3lab.serving.run import CPU_SWITCHES, CacheBudget, Engine
-    from k3lab.serving.workload import Scale, Sessions, agentx_sessions
+    from k3lab.serving.run import CPU_SWITCHES, Engine
 
     kind = "gpu" if _on_gpu() else "cpu"
+    spec = form_setup(form, kind)
     conc = max(parse_case(c)["concurrency"] for c in cases)
     t0 = time.perf_counter()
     if kind == "gpu":
@@ -126,30 +256,23 @@ def _setup(cases: list[str], log):
         log(f"serving_run: kernels ({note}): " + ", ".join(f"{n} {s}" for n, _, s in built)
             + f" in {time.perf_counter() - t0:.0f} s")
         config, dev, dt = K3Config.tp_slice(8), torch.device("cuda"), torch.bfloat16
-        scale = Scale(**GPU_SCALE)
-        cache = budget(scale.context)
         opts = "all"
     else:
         config, dev, dt = K3Config.tiny(), torch.device("cpu"), torch.float32
-        scale = Scale(**CPU_SCALE)
-        cache = CacheBudget(*CPU_BUDGET, source="a scaled-down budget for the tiny preset on a CPU: 6 MB of "
-                                                "device memory and a 3 MB host tier (about 20 and 10 blocks "
-                                                "of 64 positions), so that capacity binds at 3 sessions")
         opts = CPU_SWITCHES
+    scale, cache = spec["scale"], spec["cache"]
     weights = RankWeights.random(config, distinct_layers=DISTINCT_LAYERS if kind == "gpu" else 1, device=dev,
                                  dtype=dt)
     log(f"serving_run: weights drawn ({weights.nbytes()['total'] / 2**30:.1f} GiB) in "
         f"{time.perf_counter() - t0:.0f} s")
-    sessions_n = max(2, conc + conc // 2) if kind == "gpu" else 2
-    w = agentx_sessions(sessions_n, scale=scale, seed=0, **({} if kind == "gpu" else {"median_turns": 4}))
-    sessions = Sessions.of(w, think_scale=scale.time)
+    sessions = _sessions(cases, spec)
     rows = sessions.max_len() + 2
     engine = Engine(weights, slots=conc, rows=rows, cache=cache, staging=2 if kind == "cpu" else 4,
                     max_batched_tokens=MAX_BATCHED_TOKENS[kind], optimizations=opts, log=log)
     return engine, sessions, kind, scale
 
 
-def _record(case: str, res, kind: str, scale) -> bench.Record:
+def _record(case: str, res, kind: str, scale, form: str = "quick") -> bench.Record:
     s = res.summary()
     tpots = sorted(r["tpot"] * 1e6 for r in res.requests if r["finished"] and r["tpot"] is not None)
     if tpots:
@@ -175,7 +298,8 @@ def _record(case: str, res, kind: str, scale) -> bench.Record:
         mode="graph" if d["decode"]["graphs"] else ("cpu" if kind == "cpu" else "eager"),
         extra=_plain({
             "what": "a measured serving run (TPOT percentiles over requests in median/p20/p80)",
-            "summary": s, "describe": d, "workload": scale.describe(),
+            "summary": s, "describe": d, "form": form,
+            "workload": scale.describe() + (CAPACITY_LABEL[kind] if form == "capacity" else ""),
             "run_clock_s": [res.settings.duration_s, res.settings.drain_s], "requests": rows}))
 
 
@@ -287,22 +411,14 @@ def _run_cases(cases, form, log, budget_s, on_record):
     """(records, costs): the runs of run() / run_with_costs(), the model beside each (_attach_model)."""
     from k3lab.serving.run import RunSettings
 
-    if form not in RUN_S:
-        raise ValueError(f"form must be one of {sorted(RUN_S)}, got {form!r}")
-    default = FORM_CASES[form] if _on_gpu() else CPU_CASES
-    chosen = list(default if cases is None else cases)
-    if not chosen:
-        raise ValueError("cases must name at least one case")
-    for c in chosen:
-        parse_case(c)  # any well-formed case runs (ValueError naming a malformed one, before anything runs)
+    kind = "gpu" if _on_gpu() else "cpu"
+    spec = form_setup(form, kind)
+    chosen = _form_cases(form, (spec["cases"] or FORM_CASES[form]) if cases is None else cases)
     t0 = time.perf_counter()
-    engine, sessions, kind, scale = _setup(chosen, log)
+    engine, sessions, kind, scale = _setup(chosen, log, form)
     dur, drain = RUN_S[form]
-    kw = {"checkpoint_interval": CHECKPOINT_INTERVAL[kind], "max_batched_tokens": MAX_BATCHED_TOKENS[kind]}
-    if kind == "cpu":
-        kw.update(max_requests=8)
-    else:
-        kw.update(duration_s=dur, drain_s=drain)
+    kw = {"checkpoint_interval": spec["checkpoint_interval"], "max_batched_tokens": MAX_BATCHED_TOKENS[kind],
+          **spec["limits"]}
     out, per_run = [], None
     for k, case in enumerate(chosen):
         spent = time.perf_counter() - t0
@@ -328,7 +444,7 @@ def _run_cases(cases, form, log, budget_s, on_record):
         took = time.perf_counter() - t_run
         n = k + 1
         per_run = (per_run * k + took) / n if per_run is not None else took
-        rec = _record(case, res, kind, scale)
+        rec = _record(case, res, kind, scale, form)
         log(f"serving_run: done in {took:.0f} s ({rec.extra['summary']['requests']} requests, "
             f"{res.incomplete} cut at the drain limit): {summary_text([rec])}")
         res = None  # a run's result holds its pool: nothing of it outlives its record
@@ -342,6 +458,23 @@ def _run_cases(cases, form, log, budget_s, on_record):
     del engine, sessions
     _give_back_memory(kind)
     return out, costs
+
+
+def _form_cases(form: str, cases) -> list[str]:
+    """`cases` checked for `form` (ValueError naming a malformed one, before anything runs): any
+    well-formed case runs; in the capacity form each carries the form's prefix (added when absent), in
+    another form none may (its records would pass for the capacity form's)."""
+    chosen = list(cases)
+    if not chosen:
+        raise ValueError("cases must name at least one case")
+    for c in chosen:
+        parse_case(c)
+    if form == "capacity":
+        return [c if c.startswith(FORM_PREFIX) else FORM_PREFIX + c for c in chosen]
+    wrong = [c for c in chosen if parse_case(c).get("form")]
+    if wrong:
+        raise ValueError(f"cases {wrong} are the capacity form's: run them with form='capacity'")
+    return chosen
 
 
 def _give_back_memory(kind: str) -> None:
@@ -364,12 +497,14 @@ def report_records() -> Path | None:
     return Path(here) if here else None
 
 
-def measured(root=None, device: str | None = None) -> list[bench.Record]:
+def measured(root=None, device: str | None = None, form: str = "quick") -> list[bench.Record]:
     """This machine's committed serving-run records (`device`: a slug or name, default this machine's;
     `root`: default the tree's profiles/; `report_records()` holds a report's fresh ones), ordered by DCP,
-    host tier and concurrency; [] when none."""
+    host tier and concurrency; [] when none. form='capacity': the capacity form's records (a workload
+    of their own, kept apart from the curve's); any other form: the rest."""
     slug = device if device is not None else bench.device_slug()
-    recs = bench.load_records(study=NAME, device=slug, root=root)
+    recs = [r for r in bench.load_records(study=NAME, device=slug, root=root)
+            if bool(parse_case(r.case).get("form")) == (form == "capacity")]
     return sorted(recs, key=lambda r: (r.shape.get("dcp", 1), not r.shape.get("host_tier", True),
                                        r.shape.get("concurrency", 0)))
 

@@ -18,9 +18,10 @@ previous prompt ended.
 
 Turns. The sessions' own turns (prompt, output, think time) replayed through the run's scheduler with
 measured step times (k3lab.serving.predict.replay), each later turn resuming as above; a turn counts when
-it arrives inside the clock (the run sends no new turn after it), or, for a run of `max_requests`, among
-the first that many arrivals. The plan is the arithmetic of a design, checked against measured runs in
-tests/test_serving_run_capacity.py; a run's own records are what it measured.
+the run sends it: its session's previous turn ended inside the clock (a first turn: the session started
+inside it), or, for a run of `max_requests`, among the first that many arrivals. The plan is the
+arithmetic of a design, checked against measured runs in tests/test_serving_run_capacity.py; a run's own
+records are what it measured.
 """
 
 from __future__ import annotations

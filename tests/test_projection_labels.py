@@ -27,6 +27,7 @@ rounded "18.5K", a ratio) or a measurement paraphrased without its number is not
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from pathlib import Path
@@ -257,3 +258,22 @@ def test_the_report_rules_fail_on_a_planted_row_and_an_unlabelled_header(known):
     assert any("beside a projection" in p for p in problems([html_blocks(row)], known, "report"))
     bare = page.replace("</table>", f"</table><p>8x MI355X: {fig} tokens/s/GPU.</p>", 1)
     assert any("without a label" in p for p in problems([html_blocks(bare)], known, "report"))
+
+
+def test_the_serving_models_error_against_measured_runs_is_stated(tmp_path):
+    """README's projection paragraph and the report's serving section state how far the serving model's
+    replay of each committed GPU serving run is off (the records' extra['model']), or that it is not known."""
+    from k3lab.report import front, readme
+    from k3lab.serving import predict
+    from k3lab.studies import serving_run
+
+    said = readme.run_error(REPO)
+    assert said in (REPO / "README.md").read_text() and html.escape(said) in front.serving_section(REPO)
+    assert "not known yet" in readme.run_error(tmp_path)  # no records: says so
+    for dev in (d.parent.name for d in (REPO / "profiles").glob("*/serving_run") if d.parent.name != "cpu"):
+        recs = [r for r in serving_run.measured(root=REPO / "profiles", device=dev) if r.extra.get("model")]
+        if recs:
+            ok = sum(bool(r.extra["model"]["pass"]) for r in recs)
+            assert f"on {recs[0].device}, {ok} of {len(recs)} runs within {predict.TOLERANCE:.0%}" in said
+            out = max((r.extra["model"]["output_tokens_per_s_gpu err"] for r in recs), key=abs)
+            assert f"worst {out:+.0%} in output tokens/s/GPU" in said

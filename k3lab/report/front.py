@@ -306,9 +306,11 @@ def _ratio(v: float | None) -> str:
 def _serving_numbers(root: Path) -> dict:
     """What the serving section shows, from the committed records through the serving study: the MI355X
     ladder, the step model's measured error (validate.model_error), the all-on band and the calibration
-    ratios (bands). Computed once per root and process (a few seconds; the committed records do not change
+    ratios (bands), and the serving model's error against the measured serving runs (readme.run_error).
+    Computed once per root and process (a few seconds; the committed records do not change
     while a report is built). LookupError, ImportError or ValueError when the records are missing."""
     from k3lab import bench
+    from k3lab.report.readme import run_error
     from k3lab.serving import bands, curve, hardware, inputs, validate
 
     inp = inputs.node_inputs(root=root / "profiles")
@@ -322,6 +324,7 @@ def _serving_numbers(root: Path) -> dict:
         "steps": len(inputs.step_points(root=root / "profiles")), "error": err,
         "band": bands.band(inp, "mi355x", work, error=err, target=target, per_source=False),
         "calibration": bands.calibration(inp, work, error=err, target=target),
+        "run_error": run_error(root),
     }
 
 
@@ -368,7 +371,9 @@ def serving_html(n: dict) -> str:
         f"{err['points']} points). All on, projected at {plain(target)} tokens/s/user: "
         f"{_tokens(a['central'])} tokens/s/GPU, band {_tokens(a['low'])} to {_tokens(a['high'])} (that "
         "error, the prefix hit rate, acceptance and call latency at their ends; serving.bands; shaded "
-        "below).</p>" + _svg_fronts(rows, target, b)
+        "below).</p>"
+        + (f"<p class='run-error'>{html.escape(n['run_error'])}</p>" if n.get("run_error") else "")
+        + _svg_fronts(rows, target, b)
         + "<table class='front'><tr><th>rung (the article's order)</th>"
         f"<th>projected tokens/s/GPU at {plain(target)} tokens/s/user (error up to {err['worst']:.0%})</th>"
         f"<th>its share (projected)</th><th>projected tokens/s/GPU at {plain(reach)} tokens/s/user, which "

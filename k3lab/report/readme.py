@@ -2,7 +2,9 @@
 
 `markdown()` is the error every projection carries (`serving.validate.model_error`) and the MI355X all-on
 projection with its band (`serving.bands.band`), the numbers the report's serving section shows
-(`front._serving_numbers`); no measured figure is set beside them. `python -m k3lab.report.readme --write`
+(`front._serving_numbers`), then the serving model's error against the measured serving runs
+(`run_error`: each GPU run's replay by `serving.predict`, which its record keeps); no measured figure is
+set beside a projection. `python -m k3lab.report.readme --write`
 rewrites it in README.md between `BEGIN` and `END`; tests/test_report.py compares the README to it.
 """
 
@@ -22,6 +24,37 @@ def _tens(v: float) -> str:
     return f"{round(v, -1):,.0f}" if v else "none reaches it"
 
 
+def run_error(root: Path = REPO) -> str:
+    """The serving model's error against the committed GPU serving runs: per device, how many runs its
+    replay (`serving.predict`, the record's extra['model']) meets within predict.TOLERANCE on every
+    metric, the worst error over the metrics and the worst in output tokens/s/GPU; a sentence saying it is
+    not known when no GPU run carries a replay."""
+    from k3lab.serving import predict
+    from k3lab.studies import serving_run
+
+    parts = []
+    devices = sorted(d.parent.name for d in (root / "profiles").glob("*/serving_run"))
+    for dev in (d for d in devices if d != "cpu"):
+        recs = [r for r in serving_run.measured(root=root / "profiles", device=dev) if r.extra.get("model")]
+        errs = [(abs(e), e, m, r.case) for r in recs for m in predict.METRICS
+                if isinstance(e := r.extra["model"].get(f"{m} err"), (int, float))]
+        if not errs:
+            continue
+        ok = sum(bool(r.extra["model"].get("pass")) for r in recs)
+        worst = [f"{w[1]:+.0%} in {what} ({w[3]})" for what, sel in (
+            ("output tokens/s/GPU", lambda m: m == "output_tokens_per_s_gpu"),
+            ("TTFT or TPOT", lambda m: m != "output_tokens_per_s_gpu"))
+            if (w := max((e for e in errs if sel(e[2])), default=None))]
+        parts.append(f"on {recs[0].device}, {ok} of {len(recs)} runs within {predict.TOLERANCE:.0%} on every "
+                     f"metric, worst {' and '.join(worst)}")
+    if not parts:
+        return ("The serving model's error against a measured serving run is not known yet: no GPU run's "
+                "record carries its replay.")
+    return ("The serving model against the measured serving runs (each run replayed with its own steps timed "
+            "alone, `serving.predict`; notebook 09, section 2): " + "; ".join(parts)
+            + ". The bands do not carry this error yet.")
+
+
 def markdown(root: Path = REPO) -> str:
     """The README's paragraph on projections from the records under `root`/profiles."""
     n = _serving_numbers(root)
@@ -32,7 +65,7 @@ def markdown(root: Path = REPO) -> str:
             f"tokens/s/GPU, band {_tens(a['low'])} to {_tens(a['high'])} (that error, the prefix hit rate, "
             "acceptance and call latency at their ends: `serving.bands`). The other projections, and the "
             "article's measured figures as calibration ratios over them, are in "
-            "[docs/serving.md](docs/serving.md).\n")
+            f"[docs/serving.md](docs/serving.md). {run_error(root)}\n")
 
 
 def readme_section(readme: str) -> str:

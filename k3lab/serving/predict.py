@@ -21,10 +21,14 @@ contents are not replayed: the record's resumed positions carry what it held), t
 the sequences decoding, then prefill chunks within max_batched_tokens less one per decoding sequence, each
 chunk ending at a checkpoint position.
 
+The replay's figures are taken over the requests the run's figures count (`counted`: those it finished;
+the replay runs the ones cut at the drain limit to their end, past the run's clock).
+
 When a metric is off by more than `TOLERANCE`, `check_run` names the term: it replays again with the
 decode step, then the prefill, taken from the run's own measurement (its median decode step per captured
-size, its prefill seconds per token) and names the substitution that removes the error; when neither does,
-the time outside the steps (host scheduling, lookups, restores: no part of the step model) is named.
+size, its prefill seconds over its calls and tokens) and names the substitution that removes the error;
+when neither does, the time outside the steps (host scheduling, lookups, restores: no part of the step
+model) is named.
 """
 
 from __future__ import annotations
@@ -118,16 +122,26 @@ def run_inputs(record) -> dict:
             "sessions": sessions}
 
 
+def counted(record) -> set[int]:
+    """The requests a run's figures count: those it finished. A request cut at the drain limit is in the
+    replay (which runs it to its end) but not in the run's summary, so the replay's figures are taken over
+    the same requests as the run's (a replay's figures over the cut ones too run the clock on past the
+    run's and shift every percentile)."""
+    return {int(r["request"]) for r in _get(record)["extra"]["requests"] if r.get("finished", True)}
+
+
 def measured(record) -> dict:
     """The run's figures the check compares (METRICS) and the measured terms a diagnosis substitutes
-    (decode step ms per captured size, prefill us per token)."""
+    (decode step ms per captured size, prefill us per token, prefill calls, tokens and seconds)."""
     s = _get(record)["extra"]["summary"]
     pf = s["prefill_s"] / s["prefill_tokens"] * 1e6 if s.get("prefill_tokens") else None
     return {"ttft_p50_ms": s["ttft_ms"].get("p50"), "ttft_p90_ms": s["ttft_ms"].get("p90"),
             "tpot_p50_ms": s["tpot_ms"].get("p50"), "tpot_p90_ms": s["tpot_ms"].get("p90"),
             "output_tokens_per_s_gpu": s["output_tokens_per_s_gpu"],
             "decode_step_ms": {int(b): float(v) for b, v in s.get("decode_step_ms", {}).items()},
-            "prefill_us_per_token": pf}
+            "prefill_us_per_token": pf, "prefill_calls": int(s.get("prefill_calls") or 0),
+            "prefill_tokens": int(s.get("prefill_tokens") or 0),
+            "prefill_s": float(s.get("prefill_s") or 0.0)}
 
 
 # ------------------------------------------------------------------------------------------- the replay
@@ -238,9 +252,10 @@ def replay(inputs: dict, costs: StepCosts) -> dict:
     return {"requests": reqs, "parts_s": parts, "iterations": iterations}
 
 
-def figures(rep: dict, gpus: int) -> dict:
-    """METRICS of a replay, computed as the run's summary computes them."""
-    reqs = rep["requests"]
+def figures(rep: dict, gpus: int, only: set[int] | None = None) -> dict:
+    """METRICS of a replay, computed as the run's summary computes them, over the requests in `only`
+    (`counted(record)`: those the run finished) or every replayed request."""
+    reqs = [r for r in rep["requests"] if only is None or r["request"] in only]
     ttft = [r["ttft"] * 1e3 for r in reqs]
     tpot = [r["tpot"] * 1e3 for r in reqs if r["tpot"] is not None]
     dur = max(max(r["end"] for r in reqs) - min(r["arrival"] for r in reqs), 1e-12)
@@ -267,7 +282,7 @@ def planted(record, costs: StepCosts, *, decode_scale: float = 1.0, prefill_scal
                       lambda t, ctx: prefill_scale * costs.prefill_us(t, ctx),
                       costs.iteration_us + outside_us, "planted")
     rep = replay(inp, wrong)
-    f = figures(rep, inp["gpus"])
+    f = figures(rep, inp["gpus"], counted(d))
     s = d["extra"]["summary"]
     s["ttft_ms"].update(p50=f["ttft_p50_ms"], p90=f["ttft_p90_ms"])
     s["tpot_ms"].update(p50=f["tpot_p50_ms"], p90=f["tpot_p90_ms"])
@@ -278,6 +293,7 @@ def planted(record, costs: StepCosts, *, decode_scale: float = 1.0, prefill_scal
             steps.setdefault(b, []).append(t_dec * 1e3)
     s["decode_step_ms"] = {str(b): statistics.median(v) for b, v in sorted(steps.items())}
     s["prefill_s"] = sum(it[3] for it in rep["iterations"])
+    s["prefill_calls"] = sum(1 for it in rep["iterations"] if it[2])
     s["prefill_tokens"] = sum(it[2] for it in rep["iterations"])
     d["extra"]["planted"] = {"decode_scale": decode_scale, "prefill_scale": prefill_scale,
                              "outside_us": outside_us, "costs": costs.source}
@@ -296,12 +312,19 @@ def _worst(err: dict) -> float:
 def with_measured(costs: StepCosts, meas: dict, terms: tuple[str, ...]) -> StepCosts:
     """`costs` with the named terms ('decode step', 'prefill') replaced by the run's own measurement:
     the median decode step of each captured size the run used (the model's at a size it did not), and the
-    run's prefill seconds per token."""
+    run's prefill: the model's prefill scaled so that the run's calls at their mean size take the run's
+    measured seconds (its shape, per call and per token, kept; exact for a prefill linear in tokens), or
+    the run's seconds per token when the record counts no calls."""
     dec, pf = costs.decode_us, costs.prefill_us
     if "decode step" in terms and meas["decode_step_ms"]:
         steps = meas["decode_step_ms"]
         dec = lambda b, n, ctx: steps[b] * 1e3 if b in steps else costs.decode_us(b, n, ctx)  # noqa: E731
-    if "prefill" in terms and meas["prefill_us_per_token"]:
+    calls, tokens = meas.get("prefill_calls"), meas.get("prefill_tokens")
+    model_s = calls * costs.prefill_us(tokens / calls, 0.0) * 1e-6 if calls and tokens else 0.0
+    if "prefill" in terms and model_s > 0 and meas.get("prefill_s"):
+        k = meas["prefill_s"] / model_s
+        pf = lambda t, ctx: k * costs.prefill_us(t, ctx)  # noqa: E731
+    elif "prefill" in terms and meas["prefill_us_per_token"]:
         per = meas["prefill_us_per_token"]
         pf = lambda t, ctx: per * t  # noqa: E731
     return StepCosts(dec, pf, costs.iteration_us, f"{costs.source}; measured in the run: {', '.join(terms)}")
@@ -335,7 +358,8 @@ def check_run(record, costs: StepCosts, tolerance: float = TOLERANCE) -> dict:
     d = _get(record)
     inp, meas = run_inputs(d), measured(d)
     rep = replay(inp, costs)
-    pred = figures(rep, inp["gpus"])
+    only = counted(d)
+    pred = figures(rep, inp["gpus"], only)
     err = _errors(pred, meas)
     parts = rep["parts_s"]
     row = {"case": d["case"], "device": d["device"], "concurrency": inp["concurrency"], "dcp": inp["dcp"],
@@ -353,7 +377,7 @@ def check_run(record, costs: StepCosts, tolerance: float = TOLERANCE) -> dict:
         row["failing"] = failing
         base = _worst({m: err[m] for m in failing}) if all(err[m] is not None for m in failing) else 1.0
         for terms in (("decode step",), ("prefill",), ("decode step", "prefill")):
-            p = figures(replay(inp, with_measured(costs, meas, terms)), inp["gpus"])
+            p = figures(replay(inp, with_measured(costs, meas, terms)), inp["gpus"], only)
             e = _errors(p, meas)
             row["after_substitution"][" + ".join(terms)] = _worst({m: e[m] for m in failing})
         singles = {k: v for k, v in row["after_substitution"].items() if "+" not in k}

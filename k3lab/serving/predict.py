@@ -309,6 +309,13 @@ def _worst(err: dict) -> float:
     return max((abs(e) for e in err.values() if e is not None), default=0.0)
 
 
+def prefill_model_s(costs: StepCosts, meas: dict) -> float:
+    """The model's seconds for a run's prefill: its calls (`measured`'s prefill_calls) at their mean size
+    (exact for a prefill linear in tokens); 0.0 when the record counts no calls."""
+    calls, tokens = meas.get("prefill_calls"), meas.get("prefill_tokens")
+    return calls * costs.prefill_us(tokens / calls, 0.0) * 1e-6 if calls and tokens else 0.0
+
+
 def with_measured(costs: StepCosts, meas: dict, terms: tuple[str, ...]) -> StepCosts:
     """`costs` with the named terms ('decode step', 'prefill') replaced by the run's own measurement:
     the median decode step of each captured size the run used (the model's at a size it did not), and the
@@ -319,8 +326,7 @@ def with_measured(costs: StepCosts, meas: dict, terms: tuple[str, ...]) -> StepC
     if "decode step" in terms and meas["decode_step_ms"]:
         steps = meas["decode_step_ms"]
         dec = lambda b, n, ctx: steps[b] * 1e3 if b in steps else costs.decode_us(b, n, ctx)  # noqa: E731
-    calls, tokens = meas.get("prefill_calls"), meas.get("prefill_tokens")
-    model_s = calls * costs.prefill_us(tokens / calls, 0.0) * 1e-6 if calls and tokens else 0.0
+    model_s = prefill_model_s(costs, meas)
     if "prefill" in terms and model_s > 0 and meas.get("prefill_s"):
         k = meas["prefill_s"] / model_s
         pf = lambda t, ctx: k * costs.prefill_us(t, ctx)  # noqa: E731

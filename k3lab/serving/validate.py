@@ -216,3 +216,137 @@ def report_markdown(device: str = "nvidia-h200", other: str | None = "nvidia-h10
         lines.append(f"| {r['check']} | {r['variant']} | {r['points']} | {r['worst_abs_err']:.1%} | "
                      f"{r['worst_at']} | {r['mean_abs_err']:.1%} | {r['mean_err']:+.1%} |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ the serving model on measured runs
+RUNS_DEVICE = "nvidia-h100-80gb-hbm3"
+RUNS_BEGIN = ("<!-- model check, each run held out: python -m k3lab.serving.validate --write "
+              "(k3lab/serving/validate.py) -->")
+RUNS_END = "<!-- end of model check, each run held out -->"
+
+
+def _unseen(rec, others) -> list[str]:
+    """The held-out run's settings no fitted record shares: its DCP degree, host tier (or none), decode
+    sizes measured."""
+    def shape(r):
+        return r.shape if hasattr(r, "shape") else r["shape"]
+
+    def sizes(r):
+        s = (r.extra if hasattr(r, "extra") else r["extra"])["summary"].get("decode_step_ms", {})
+        return {int(b) for b in s}
+
+    out = []
+    if shape(rec).get("dcp", 1) not in {shape(o).get("dcp", 1) for o in others}:
+        out.append(f"DCP{shape(rec).get('dcp', 1)}")
+    host = shape(rec).get("host_tier", True)
+    if host not in {shape(o).get("host_tier", True) for o in others}:
+        out.append("host tier" if host else "no host tier")
+    new = sizes(rec) - set().union(*(sizes(o) for o in others))
+    if new:
+        out.append("decode sizes " + ", ".join(f"b{b}" for b in sorted(new)))
+    return out
+
+
+def held_out_runs(records, tolerance: float | None = None) -> list[dict]:
+    """The serving model against each measured serving run, leaving that run out of its costs: per record,
+    the step costs fitted on every OTHER record (`plan.costs_from_records`: median decode step per captured
+    size, prefill per call + per token), the held-out run's own requests, sessions and settings replayed
+    through `predict.check_run` (its figures over the requests the run counts; a metric off by more than
+    `tolerance` names its term). Each row is check_run's with `held_out` (the case), `fitted_on` (the
+    other cases), `unseen` (the held-out run's settings no fitted run shares) and each fitted term against
+    the held-out run's own measurement of it, predicted / measured - 1: `decode_step_err` per captured size
+    the run used, `prefill_err` over its calls and tokens (`predict.prefill_model_s`). ValueError for
+    fewer than three records or two of one case (a run left out must leave the fit whole)."""
+    from . import plan, predict
+
+    recs = list(records)
+    cases = [r.case if hasattr(r, "case") else r["case"] for r in recs]
+    if len(recs) < 3 or len(set(cases)) != len(cases):
+        raise ValueError(f"records must be three or more serving-run records of distinct cases, got "
+                         f"{cases!r}")
+    tol = predict.TOLERANCE if tolerance is None else tolerance
+    rows = []
+    for i, rec in enumerate(recs):
+        others = recs[:i] + recs[i + 1:]
+        costs = plan.costs_from_records(others)
+        row = predict.check_run(rec, costs, tol)
+        meas = predict.measured(rec)
+        steps = {b: costs.decode_us(b, b, 0.0) / (ms * 1e3) - 1.0 for b, ms in meas["decode_step_ms"].items()}
+        model_pf = predict.prefill_model_s(costs, meas)
+        rows.append({**row, "held_out": cases[i], "fitted_on": cases[:i] + cases[i + 1:],
+                     "unseen": _unseen(rec, others), "tolerance": tol, "decode_step_err": steps,
+                     "prefill_err": model_pf / meas["prefill_s"] - 1.0 if meas["prefill_s"] else None})
+    return rows
+
+
+NAMES = {"ttft_p50_ms": "TTFT P50 (ms)", "ttft_p90_ms": "TTFT P90 (ms)", "tpot_p50_ms": "TPOT P50 (ms)",
+         "tpot_p90_ms": "TPOT P90 (ms)", "output_tokens_per_s_gpu": "output tok/s/GPU"}
+
+
+def _term(r: dict) -> str:
+    """The table's last cell: the term check_run names for a failing run; for a passing one, a fitted term
+    off by more than the tolerance against the run's own measurement, with the settings the fit lacked."""
+    unseen = f" ({', '.join(r['unseen'])} not in the fit)" if r["unseen"] else ""
+    if not r["pass"]:
+        return f"{r['wrong_term']} ({', '.join(NAMES[m] for m in r['failing'])}){unseen}"
+    off = [f"decode step b{b} {e:+.1%}" for b, e in sorted(r["decode_step_err"].items())
+           if abs(e) > r["tolerance"]]
+    if r["prefill_err"] is not None and abs(r["prefill_err"]) > r["tolerance"]:
+        off.append(f"prefill {r['prefill_err']:+.1%}")
+    return f"none; off alone: {', '.join(off)}{unseen}" if off else "none"
+
+
+def runs_markdown(device: str = RUNS_DEVICE, root=None) -> str:
+    """docs/serving_run.md's table of `held_out_runs` on `device`'s committed quick-form serving-run
+    records: per held-out run, predicted / measured (rel_err) per metric, the fit's prefill, each fitted
+    term against the run's own, and the term named (the test compares the page to this)."""
+    from k3lab.studies import serving_run
+
+    from . import predict
+
+    recs = serving_run.measured(root=root, device=device)
+    if len(recs) < 3:
+        return (f"No model check: {device} has {len(recs)} committed serving-run records (three or more "
+                "needed).\n")
+    rows = held_out_runs(recs)
+    ok = sum(r["pass"] for r in rows)
+    lines = [f"Model check on {rows[0]['device']}, each run held out: held-out set, the row's run; fit, "
+             f"the other {len(rows) - 1} runs' records (profiles/{device}/serving_run/). {ok} of {len(rows)} "
+             f"runs within {predict.TOLERANCE:.0%} on every metric. Cells: predicted / measured (predicted / "
+             "measured - 1).", "",
+             "| held-out run | prefill fitted on the others | "
+             + " | ".join(NAMES[m] for m in predict.METRICS)
+             + f" | within {predict.TOLERANCE:.0%} | fitted terms vs the run's own | term named |",
+             "|---|---|" + "---|" * len(predict.METRICS) + "---|---|---|"]
+    for r in rows:
+        cells = []
+        for m in predict.METRICS:
+            d = 0 if m.startswith("ttft") else 1
+            cells.append(f"{r[f'{m} predicted']:,.{d}f} / {r[f'{m} measured']:,.{d}f} ({r[f'{m} err']:+.1%})")
+        worst = max(r["decode_step_err"].items(), key=lambda kv: abs(kv[1]))
+        terms = f"decode step {worst[1]:+.1%} (worst, b{worst[0]}), prefill {r['prefill_err']:+.1%}"
+        fit = r["costs"].split(" of ")[0].replace("decode steps and prefill ", "").strip("()")
+        lines.append(f"| {r['held_out']} | {fit} | " + " | ".join(cells)
+                     + f" | {'yes' if r['pass'] else 'no'} | {terms} | {_term(r)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`--write` puts runs_markdown() into docs/serving_run.md between its markers; else prints it."""
+    import argparse
+
+    from k3lab.studies.runs import REPO, write_between
+
+    ap = argparse.ArgumentParser(prog="python -m k3lab.serving.validate", description=main.__doc__)
+    ap.add_argument("--write", action="store_true")
+    a = ap.parse_args(argv)
+    text = runs_markdown()
+    if a.write:
+        write_between(REPO / "docs" / "serving_run.md", RUNS_BEGIN, RUNS_END, text)
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

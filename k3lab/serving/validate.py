@@ -228,18 +228,14 @@ RUNS_END = "<!-- end of model check, each run held out -->"
 def _unseen(rec, others) -> list[str]:
     """The held-out run's settings no fitted record shares: its DCP degree, host tier (or none), decode
     sizes measured."""
-    def shape(r):
-        return r.shape if hasattr(r, "shape") else r["shape"]
-
     def sizes(r):
-        s = (r.extra if hasattr(r, "extra") else r["extra"])["summary"].get("decode_step_ms", {})
-        return {int(b) for b in s}
+        return {int(b) for b in r.extra["summary"].get("decode_step_ms", {})}
 
     out = []
-    if shape(rec).get("dcp", 1) not in {shape(o).get("dcp", 1) for o in others}:
-        out.append(f"DCP{shape(rec).get('dcp', 1)}")
-    host = shape(rec).get("host_tier", True)
-    if host not in {shape(o).get("host_tier", True) for o in others}:
+    dcp, host = rec.shape.get("dcp", 1), rec.shape.get("host_tier", True)
+    if dcp not in {o.shape.get("dcp", 1) for o in others}:
+        out.append(f"DCP{dcp}")
+    if host not in {o.shape.get("host_tier", True) for o in others}:
         out.append("host tier" if host else "no host tier")
     new = sizes(rec) - set().union(*(sizes(o) for o in others))
     if new:
@@ -252,15 +248,17 @@ def held_out_runs(records, tolerance: float | None = None) -> list[dict]:
     the step costs fitted on every OTHER record (`plan.costs_from_records`: median decode step per captured
     size, prefill per call + per token), the held-out run's own requests, sessions and settings replayed
     through `predict.check_run` (its figures over the requests the run counts; a metric off by more than
-    `tolerance` names its term). Each row is check_run's with `held_out` (the case), `fitted_on` (the
+    `tolerance` names its term); `records` are bench.Records or their dicts. Each row is check_run's with `held_out` (the case), `fitted_on` (the
     other cases), `unseen` (the held-out run's settings no fitted run shares) and each fitted term against
     the held-out run's own measurement of it, predicted / measured - 1: `decode_step_err` per captured size
     the run used, `prefill_err` over its calls and tokens (`predict.prefill_model_s`). ValueError for
     fewer than three records or two of one case (a run left out must leave the fit whole)."""
     from . import plan, predict
 
-    recs = list(records)
-    cases = [r.case if hasattr(r, "case") else r["case"] for r in recs]
+    from k3lab.bench import Record
+
+    recs = [r if isinstance(r, Record) else Record.from_dict(r) for r in records]
+    cases = [r.case for r in recs]
     if len(recs) < 3 or len(set(cases)) != len(cases):
         raise ValueError(f"records must be three or more serving-run records of distinct cases, got "
                          f"{cases!r}")

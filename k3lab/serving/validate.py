@@ -244,18 +244,19 @@ def _unseen(rec, others) -> list[str]:
 
 
 def held_out_runs(records, tolerance: float | None = None) -> list[dict]:
-    """The serving model against each measured serving run, leaving that run out of its costs: per record,
-    the step costs fitted on every OTHER record (`plan.costs_from_records`: median decode step per captured
-    size, prefill per call + per token), the held-out run's own requests, sessions and settings replayed
-    through `predict.check_run` (its figures over the requests the run counts; a metric off by more than
-    `tolerance` names its term); `records` are bench.Records or their dicts. Each row is check_run's with `held_out` (the case), `fitted_on` (the
-    other cases), `unseen` (the held-out run's settings no fitted run shares) and each fitted term against
-    the held-out run's own measurement of it, predicted / measured - 1: `decode_step_err` per captured size
-    the run used, `prefill_err` over its calls and tokens (`predict.prefill_model_s`). ValueError for
-    fewer than three records or two of one case (a run left out must leave the fit whole)."""
-    from . import plan, predict
-
+    """The serving model against each measured serving run, leaving that run out of its costs: per record
+    (bench.Records or their dicts), the step costs fitted on every OTHER record (`plan.costs_from_records`:
+    median decode step per captured size, prefill per call + per token), the held-out run's own requests,
+    sessions and settings replayed through `predict.check_run` (its figures over the requests the run
+    counts; a metric off by more than `tolerance` names its term). Each row is check_run's with `held_out`
+    (the case), `fitted_on` (the other cases), `unseen` (the held-out run's settings no fitted run shares)
+    and each fitted term against the held-out run's own measurement of it, predicted / measured - 1:
+    `decode_step_err` per captured size the run used, `prefill_err` over its calls and tokens
+    (`predict.prefill_model_s`). ValueError for fewer than three records or two of one case (a run left
+    out must leave the fit whole)."""
     from k3lab.bench import Record
+
+    from . import plan, predict
 
     recs = [r if isinstance(r, Record) else Record.from_dict(r) for r in records]
     cases = [r.case for r in recs]

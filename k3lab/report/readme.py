@@ -27,15 +27,17 @@ def _tens(v: float) -> str:
 def run_error(root: Path = REPO) -> str:
     """The serving model's error against the committed GPU serving runs: per device, how many runs its
     replay (`serving.predict`, the record's extra['model']) meets within predict.TOLERANCE on every
-    metric, the worst error over the metrics and the worst in output tokens/s/GPU; a sentence saying it is
-    not known when no GPU run carries a replay."""
-    from k3lab.serving import predict
+    metric, the worst error over the metrics and the worst in output tokens/s/GPU, and how many the
+    held-out replay meets (each run's costs fitted on the device's other runs, three runs or more);
+    a sentence saying it is not known when no GPU run carries a replay."""
+    from k3lab.serving import predict, validate
     from k3lab.studies import serving_run
 
     parts = []
     devices = sorted(d.parent.name for d in (root / "profiles").glob("*/serving_run"))
     for dev in (d for d in devices if d != "cpu"):
-        recs = [r for r in serving_run.measured(root=root / "profiles", device=dev) if r.extra.get("model")]
+        runs = serving_run.measured(root=root / "profiles", device=dev)
+        recs = [r for r in runs if r.extra.get("model")]
         errs = [(abs(e), e, m, r.case) for r in recs for m in predict.METRICS
                 if isinstance(e := r.extra["model"].get(f"{m} err"), (int, float))]
         if not errs:
@@ -45,8 +47,14 @@ def run_error(root: Path = REPO) -> str:
             ("output tokens/s/GPU", lambda m: m == "output_tokens_per_s_gpu"),
             ("TTFT or TPOT", lambda m: m != "output_tokens_per_s_gpu"))
             if (w := max((e for e in errs if sel(e[2])), default=None))]
+        held = ""
+        if len(runs) >= 3:
+            rows = validate.held_out_runs(runs)
+            held = (f"; held out (each run's costs fitted on the other runs' records, "
+                    f"`serving.validate.held_out_runs`): {sum(bool(r['pass']) for r in rows)} of {len(rows)} "
+                    f"within {predict.TOLERANCE:.0%}")
         parts.append(f"on {recs[0].device}, {ok} of {len(recs)} runs within {predict.TOLERANCE:.0%} on every "
-                     f"metric, worst {' and '.join(worst)}")
+                     f"metric, worst {' and '.join(worst)}{held}")
     if not parts:
         return ("The serving model's error against a measured serving run is not known yet: no GPU run's "
                 "record carries its replay.")

@@ -12,6 +12,7 @@ import pytest
 
 from k3lab.serving import plan, predict, validate
 from k3lab.studies import serving_run
+from k3lab.studies.serving import held_out
 from k3lab.studies.runs import between
 
 REPO = Path(__file__).resolve().parent.parent
@@ -120,5 +121,5 @@ def test_docs_table_is_the_functions_output():
     page = (REPO / "docs" / "serving_run.md").read_text()
     body = between(page, validate.RUNS_BEGIN, validate.RUNS_END)
     assert body, "docs/serving_run.md lacks the held-out model check's markers"
-    assert body == validate.runs_markdown(), "stale: run python -m k3lab.serving.validate --write"
+    assert body == held_out.markdown(), "stale: run python -m k3lab.studies.serving.held_out --write"
     assert "Model check" in body and "held out" in body

@@ -220,8 +220,8 @@ def report_markdown(device: str = "nvidia-h200", other: str | None = "nvidia-h10
 
 # ------------------------------------------------------------------------ the serving model on measured runs
 RUNS_DEVICE = "nvidia-h100-80gb-hbm3"
-RUNS_BEGIN = ("<!-- model check, each run held out: python -m k3lab.serving.validate --write "
-              "(k3lab/serving/validate.py) -->")
+RUNS_BEGIN = ("<!-- model check, each run held out: python -m k3lab.studies.serving.held_out --write "
+              "(k3lab/studies/serving/held_out.py) -->")
 RUNS_END = "<!-- end of model check, each run held out -->"
 
 
@@ -295,15 +295,13 @@ def _term(r: dict) -> str:
     return f"none; off alone: {', '.join(off)}{unseen}" if off else "none"
 
 
-def runs_markdown(device: str = RUNS_DEVICE, root=None) -> str:
+def runs_markdown(recs, device: str = RUNS_DEVICE) -> str:
     """docs/serving_run.md's table of `held_out_runs` on `device`'s committed quick-form serving-run
-    records: per held-out run, predicted / measured (rel_err) per metric, the fit's prefill, each fitted
-    term against the run's own, and the term named (the test compares the page to this)."""
-    from k3lab.studies import serving_run
-
+    records `recs` (the study reads them: k3lab.studies.serving.held_out): per held-out run, predicted /
+    measured (rel_err) per metric, the fit's prefill, each fitted term against the run's own, and the term
+    named (the test compares the page to this)."""
     from . import predict
 
-    recs = serving_run.measured(root=root, device=device)
     if len(recs) < 3:
         return (f"No model check: {device} has {len(recs)} committed serving-run records (three or more "
                 "needed).\n")
@@ -328,24 +326,3 @@ def runs_markdown(device: str = RUNS_DEVICE, root=None) -> str:
         lines.append(f"| {r['held_out']} | {fit} | " + " | ".join(cells)
                      + f" | {'yes' if r['pass'] else 'no'} | {terms} | {_term(r)} |")
     return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`--write` puts runs_markdown() into docs/serving_run.md between its markers; else prints it."""
-    import argparse
-
-    from k3lab.studies.runs import REPO, write_between
-
-    ap = argparse.ArgumentParser(prog="python -m k3lab.serving.validate", description=main.__doc__)
-    ap.add_argument("--write", action="store_true")
-    a = ap.parse_args(argv)
-    text = runs_markdown()
-    if a.write:
-        write_between(REPO / "docs" / "serving_run.md", RUNS_BEGIN, RUNS_END, text)
-    else:
-        print(text, end="")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

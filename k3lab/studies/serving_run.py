@@ -83,6 +83,9 @@ FORM_CASES = {"quick": QUICK, "full": FULL, "brief": BRIEF, "capacity": CAPACITY
 FORM_PREFIX = "capacity."  # the capacity form's cases and records carry its name (a scaled workload)
 CAPACITY_WHY = """The capacity form: where the cache's capacity binds, what DCP8 and the host tier change.
 
+Not yet run on a GPU: its GPU cases are planned from the H100 quick runs (serving.plan), not measured;
+only its CPU size has run.
+
 Why it exists. In the quick form's 15 s a session at concurrency 16 completes about one turn (the
 sixteen first prompts' prefill takes longer than the clock), so almost no turn can hit a cached prefix
 and DCP8 and the host tier show nothing. This form gives each session several turns (k3lab.serving.plan

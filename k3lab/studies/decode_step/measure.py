@@ -446,36 +446,54 @@ def run_cases(names: list[str] | None = None, *, distinct_layers: int = 3, repea
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     t0 = time.perf_counter()
+    weights = bench_weights(distinct_layers, log)
+    bandwidth = measured_bandwidth_tbs()
+    records = []
+    with tempfile.TemporaryDirectory() as trace_dir:
+        for case in names:
+            refs = {}  # (reference name, precision) -> its first-step logits
+            for name in run_names:
+                recs = measure_variant(case, name, weights, refs, bandwidth, repeats=repeats, profile=profile,
+                                       trace_dir=trace_dir)
+                records += recs
+                log(f"  {case} {name}: " + ", ".join(f"{r.mode} {r.median_us / 1e3:.2f} ms" for r in recs)
+                    + f"  [{time.perf_counter() - t0:.0f} s]")
+    return records
+
+
+def bench_weights(distinct_layers: int, log=print) -> RankWeights:
+    """The study's random weights (`bench_config()`; bf16 on a GPU, fp32 on a CPU), `distinct_layers`
+    sets per layer kind; one log line says their size and how long they took."""
+    t0 = time.perf_counter()
     dev = torch.device("cuda" if on_gpu() else "cpu")
     dt = torch.bfloat16 if on_gpu() else torch.float32
     weights = RankWeights.random(bench_config(), distinct_layers=distinct_layers, device=dev, dtype=dt)
     log(f"decode_step: weights drawn ({weights.nbytes()['total'] / 2**30:.1f} GiB, {distinct_layers} sets "
         f"per kind) in {time.perf_counter() - t0:.0f} s")
-    bandwidth = measured_bandwidth_tbs()
-    all_opts = variants()
-    records = []
-    with tempfile.TemporaryDirectory() as trace_dir:
-        for case in names:
-            B, ctx = here[case]
-            refs = {}  # (reference name, precision) -> its first-step logits
-            for name in run_names:
-                opts, prec = all_opts[name], PRECISION_OF.get(name, "bf16")
-                rname = reference_of(opts, weights.world_size)
-                for p in dict.fromkeys(("bf16", prec)):
-                    if (rname, p) not in refs and (rname != name or p != prec):
-                        refs[rname, p] = reference_logits(rname, weights, (B, ctx), p)
-                floor = case_floor(weights.config, (B, ctx), weights.embed.element_size(), bandwidth, prec)
-                recs, logits = run_variant(case, name, opts, weights, (B, ctx), ref=refs.get((rname, prec)),
-                                           ref_name=rname if prec == "bf16" else f"{rname} at {prec}",
-                                           repeats=repeats, floor=floor, trace_dir=trace_dir,
-                                           profile=profile and name in PROFILED and B == 1,
-                                           bf16_ref=refs[rname, "bf16"] if prec != "bf16" else None)
-                if name in REFERENCES:
-                    refs.setdefault((name, "bf16"), logits)
-                records += recs
-                log(f"  {case} {name}: " + ", ".join(f"{r.mode} {r.median_us / 1e3:.2f} ms" for r in recs)
-                    + f"  [{time.perf_counter() - t0:.0f} s]")
-    return records
+    return weights
+
+
+def measure_variant(case: str, name: str, weights: RankWeights, refs: dict, bandwidth: tuple[float, str], *,
+                    repeats: int, profile: bool, trace_dir: str) -> list[bench.Record]:
+    """One variant of one whole-step case (`cases()[case]`), checked then timed (`run_variant`): its
+    reference's logits (bf16, and at the variant's precision when that differs) are computed first
+    unless `refs` (a dict kept for the case: (reference name, precision) -> logits) holds them already,
+    and kept there for the case's next variants. profile: profiled where PROFILED names it at B = 1."""
+    B, ctx = cases()[case]
+    opts, prec = variants()[name], PRECISION_OF.get(name, "bf16")
+    rname = reference_of(opts, weights.world_size)
+    for p in dict.fromkeys(("bf16", prec)):
+        if (rname, p) not in refs and (rname != name or p != prec):
+            refs[rname, p] = reference_logits(rname, weights, (B, ctx), p)
+    floor = case_floor(weights.config, (B, ctx), weights.embed.element_size(), bandwidth, prec)
+    recs, logits = run_variant(case, name, opts, weights, (B, ctx), ref=refs.get((rname, prec)),
+                               ref_name=rname if prec == "bf16" else f"{rname} at {prec}",
+                               repeats=repeats, floor=floor, trace_dir=trace_dir,
+                               profile=profile and name in PROFILED and B == 1,
+                               bf16_ref=refs[rname, "bf16"] if prec != "bf16" else None)
+    if name in REFERENCES:
+        refs.setdefault((name, "bf16"), logits)
+    return recs
 
 
 def probe_records(log=print) -> list[bench.Record]:

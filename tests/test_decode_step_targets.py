@@ -167,3 +167,22 @@ def test_the_cpu_form_runs_through_its_command_and_names_what_it_leaves_out(monk
         assert lines, (what, table)
         assert all(c[2] == "-" and c[6] == "not measured" and why in c[7] for c in lines), (what, table)
     assert json.loads(out.read_text())[0]["study"] == "decode_step"
+
+
+@on_a_cpu
+def test_a_pair_that_raises_is_named_as_failed_and_the_run_goes_on(monkeypatch, tmp_path, capsys):
+    calls = []
+
+    def boom(case, variant, *a, **k):
+        calls.append(variant)
+        raise RuntimeError(f"out of memory in {variant}\nsecond line")
+
+    monkeypatch.setattr(measure, "measure_variant", boom)
+    records, left = tg.run(repeats=1, log=lambda *_: None)
+    assert records == [] and calls == ["all_on_default", "all_on_fp8"]  # the second pair still ran
+    assert left["b1_1k", "all_on_default"] == "failed: RuntimeError: out of memory in all_on_default"
+    assert left["b1_1k", "all_on_fp8"].startswith(tg.FAILED)
+    # the command prints the table all the same and exits 1
+    assert tg.main(["--json", str(tmp_path / "t.json"), "--repeats", "1"]) == 1
+    table = capsys.readouterr().out.rstrip().splitlines()[-8:]
+    assert any("all_on_default" in line and "failed: RuntimeError" in line for line in table)

@@ -4,6 +4,8 @@ step from the profiler and the collective stand-ins timed apart.
 
     k3lab bench decode_step --json F [--cases b1_1k b64_8k] [--distinct-layers 3] [--repeats 5]
     k3lab bench decode_step --cases probe --json F     (the bounds probes, k3lab.studies.decode_step.bounds)
+    python -m k3lab.studies.decode_step.targets --json F --budget-s N   (only the pairs the step's targets
+                                                         name, a pass/miss table last: targets.py)
 
 Cases on a GPU (K3Config.tp_slice(8), bf16, random weights: `distinct_layers` sets per layer kind rotated
 through the 93 layers): b1_1k, b1_32k, b1_128k (B = 1) and b64_8k (B = 64). On a CPU one case at a

@@ -19,8 +19,9 @@ its records are the study's and `k3lab import` files them under profiles/<device
 pairs run case by case (the case's reference logits computed once), B = 1, 1K first. With `budget_s`
 a pair whose estimate (`UNIT_S`, scaled up by how much slower than their estimates the pairs before it
 ran) would end past the budget is not started; the run goes on with the next pairs, and every pair left
-out is named with why (in the log and in the table). The records go to --json after each pair, so a run
-cut short keeps what it measured; the table is printed last.
+out is named with why (in the log and in the table); so is a pair that raised (out of memory, a kernel
+that failed: its traceback logged), and the run goes on. The records go to --json after each pair, so a
+run cut short keeps what it measured; the table is printed last.
 
 Estimate (`estimate_s`): `SETUP_S` plus `UNIT_S` summed, from the committed H200 records' medians at
 the study's counts (per pair about ten eager steps: the checked one, one warm-up and five timed ones,
@@ -43,6 +44,7 @@ import math
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +115,9 @@ UNIT_S = {("b1_1k", "all_on_default"): 45.0,  # reference 0.65 s, the step's Tri
 CPU_UNIT_S = {"all_on_default": 12.0, "all_on_fp8": 12.0}
 
 
+FAILED = "failed:"  # how a pair that raised is named among those left out (its error follows)
+
+
 def units(cases=None) -> list[tuple[str, str]]:
     """The (case, variant) pairs the targets of `cases` (default: every target case, `CASES`) need,
     grouped by case in `CASES` order: each target's variant, then the one it must beat."""
@@ -181,7 +186,8 @@ def plan(cases=None) -> tuple[list[tuple[str, str, str]], dict[tuple[str, str], 
 def run(cases=None, *, budget_s: float | None = None, repeats: int = 5, distinct_layers: int = 3,
         log=print, on_record=None) -> tuple[list[bench.Record], dict[tuple[str, str], str]]:
     """Measure the pairs of `plan(cases)` (module docstring): (records, left out), left out =
-    {(target case, variant): why} for every pair not measured (not run here, or past `budget_s`).
+    {(target case, variant): why} for every pair not measured (not run here, past `budget_s`, or
+    FAILED: a pair that raised is named with its error, its traceback logged, and the run goes on).
     on_record(records so far) is called after each pair. Every argument is checked before anything
     runs: ValueError naming it."""
     check_cases(cases)
@@ -222,8 +228,17 @@ def run(cases=None, *, budget_s: float | None = None, repeats: int = 5, distinct
             if here != refs_case:  # a new case: the last one's reference logits go
                 refs, refs_case = {}, here
             start = time.perf_counter()
-            recs = measure.measure_variant(here, variant, weights, refs, bandwidth, repeats=repeats,
-                                           profile=False, trace_dir=trace_dir)
+            try:
+                recs = measure.measure_variant(here, variant, weights, refs, bandwidth, repeats=repeats,
+                                               profile=False, trace_dir=trace_dir)
+            except Exception as exc:  # noqa: BLE001 - named in the table as failed; the other pairs still run
+                first = (str(exc).splitlines() or [""])[0][:200]
+                left[case, variant] = f"{FAILED} {type(exc).__name__}: {first}"
+                log(traceback.format_exc().rstrip())
+                log(f"targets: {case} {variant} {left[case, variant]}")
+                refs, refs_case = {}, None
+                measure._free()
+                continue
             took = time.perf_counter() - start
             spent, guessed = spent + took, guessed + base
             records += recs
@@ -346,7 +361,8 @@ def _write(path: Path, records: list) -> None:
 
 def main(argv=None) -> int:
     """The CLI (module docstring). Exit status 2 with one line on stderr for a bad argument (before
-    anything runs), 1 when nothing was measured, else 0 (a missed target is a result, not an error)."""
+    anything runs), 1 when nothing was measured or a pair failed (the table is printed all the same),
+    else 0 (a missed target is a result, not an error)."""
     from k3lab.files import check_output_file
 
     ap = argparse.ArgumentParser(prog="python -m k3lab.studies.decode_step.targets",
@@ -378,7 +394,7 @@ def main(argv=None) -> int:
         out(f"wrote {len(records)} records to {path} (k3lab import {path} --overwrite files them)")
     stands = {} if measure.on_gpu() else CPU_STANDS_FOR
     out(table_text(target_rows(records, left=left, stands_for=stands)))
-    return 0 if records else 1
+    return 0 if records and not any(why.startswith(FAILED) for why in left.values()) else 1
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ CPU_STANDS_FOR = {"b1_1k": next(iter(measure.CPU_CASES))}
 # Seconds on an H200 from a cold start (see the module docstring): the run's setup (imports, the .cu
 # kernels built in parallel, the weights drawn, the copy bandwidth timed), then each pair with what it
 # compiles and, for the first pair of a case, the case's reference step.
-SETUP_S = {"gpu": 30.0, "cpu": 2.0}
+SETUP_S = 30.0
 UNIT_S = {("b1_1k", "all_on_default"): 45.0,  # reference 0.65 s, the step's Triton kernels, GEMV tuning
           ("b1_1k", "all_on_article"): 60.0,  # two quantizations, MXFP4 / FP8-cache kernels, its reference
           ("b1_1k", "all_on_fp8"): 35.0,      # the W8A16 GEMV tuned per width
@@ -133,7 +133,7 @@ def units(cases=None) -> list[tuple[str, str]]:
 
 def estimate_s(cases=None) -> float:
     """The run's estimated seconds on an H200 (SETUP_S plus UNIT_S of `units(cases)`)."""
-    return SETUP_S["gpu"] + sum(UNIT_S[u] for u in units(cases))
+    return SETUP_S + sum(UNIT_S[u] for u in units(cases))
 
 
 def check_cases(cases, label: str = "cases") -> list[str]:

@@ -111,7 +111,7 @@ def test_other_forms_keep_their_setup():
 @on_a_cpu
 def test_capacity_form_on_a_cpu(tmp_path):
     """The capacity form's CPU path through the CLI (seconds): four records named and labelled as the
-    form's scaled workload; four turns a session at c3; without the host tier DCP1 drops blocks and hits
+    form's scaled workload; twelve turns over the three sessions at c3, each with later turns; without the host tier DCP1 drops blocks and hits
     little, with it blocks go to the host and come back (restored bytes, hits from host-tier blocks);
     DCP8 evicts nothing and hits as often as DCP1 with the host tier; the records stay apart from the
     curve's."""
@@ -130,7 +130,11 @@ def test_capacity_form_on_a_cpu(tmp_path):
             "source"]
         assert r.shape["checkpoint_interval"] == 0 and r.extra["summary"]["requests"] == 12
         if r.shape["concurrency"] == 3:
-            assert _sessions_started_at_zero(r) == [4, 4, 4], case
+            # the twelve requests fall to the three sessions in the order their turns complete (the
+            # clock orders them: under load one session may take five and another three), each with
+            # later turns that can hit its prefix
+            turns = _sessions_started_at_zero(r)
+            assert sum(turns) == 12 and min(turns) >= 2, (case, turns)
     cache = {c.removeprefix(sr.FORM_PREFIX): (r.extra["summary"]["cache"], r.extra["summary"]["hit_rate"])
              for c, r in recs.items()}
     (g, g_hit), (h, h_hit), (d, d_hit) = (cache[c] for c in ("c3.dcp1.gpu_only", "c3.dcp1.host",

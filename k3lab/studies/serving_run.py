@@ -75,7 +75,7 @@ CAPACITY = ("capacity.c16.dcp1.gpu_only", "capacity.c16.dcp1.host", "capacity.c1
 CPU_CAPACITY = ("capacity.c3.dcp1.gpu_only", "capacity.c3.dcp1.host", "capacity.c3.dcp8.host",
                 "capacity.c1.dcp1.host")
 CAPACITY_CPU_BUDGET = (5.5e6, 6e6)
-CAPACITY_CPU_REQUESTS = 12  # four turns a session at c3
+CAPACITY_CPU_REQUESTS = 12  # about four turns a session at c3 (the clock orders which session takes each)
 CAPACITY_CPU_TURNS = 8      # the CPU workload's median turns per session in this form (4 elsewhere)
 RUN_S = {"quick": (15.0, 10.0), "full": (40.0, 20.0), "brief": (6.0, 4.0),
          "capacity": (75.0, 10.0)}  # serving clock, then at most this to finish the requests in flight

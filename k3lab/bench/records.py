@@ -147,6 +147,10 @@ PROFILES = _repo_root() / "profiles"
 # test reports and report timings (scripts/gpu_check.py, docs/gpu_check.md). Reading every study skips
 # them; a file that does not parse inside a study's folder is still named (load_records).
 NOT_STUDIES = frozenset({"gpu_check"})
+# Records of a GPU nobody here ran on (a model's projection: extra["projected"] is True) are saved under
+# <root>/projected/<device-slug>/<study>/, never beside a measured device's folder, and reading a root's
+# devices passes that folder over: readers of projections read root=<root>/projected (k3lab.studies.serving).
+PROJECTED = "projected"
 
 
 @functools.lru_cache(maxsize=4)
@@ -290,7 +294,8 @@ def _merge(existing: list[Record], new: list[Record]) -> list[Record]:
 
 def save_records(records: Iterable[Record], root=None, overwrite: bool = False) -> list[Path]:
     """Write records as JSON: <root>/<device-slug>/<study>/<case>__<variant>.json, one file per
-    (device, study, case, variant) holding a list (eager and graph timings of one variant share it).
+    (device, study, case, variant) holding a list (eager and graph timings of one variant share it); a
+    projected record (extra["projected"] is True) under <root>/projected/<device-slug>/ instead.
 
     No record is lost: a file that exists already keeps its records and gains the new ones (a second
     save merges; `overwrite=True` replaces the file's records with the new ones). A committed
@@ -310,7 +315,10 @@ def save_records(records: Iterable[Record], root=None, overwrite: bool = False) 
     for r in records:
         if not isinstance(r, Record):
             raise ValueError(f"records must hold bench.Record, got {type(r).__name__}")  # noqa: TRY004 - bad input is a ValueError here
-        path = root / device_slug(r.device, r.backend) / r.study / f"{r.case}__{r.variant}.json"
+        folder = device_slug(r.device, r.backend)
+        if r.extra.get("projected") is True:
+            folder = f"{PROJECTED}/{folder}"
+        path = root / folder / r.study / f"{r.case}__{r.variant}.json"
         if not _inside(path, root):  # a Record's names cannot leave it; a symlinked folder could
             raise ValueError(f"{path} resolves outside {root}: not written")
         groups.setdefault(path, []).append(r)
@@ -338,11 +346,12 @@ def load_records(study: str | None = None, device: str | None = None, root=None)
     'cpu') or a device name; None reads every device. Missing folders give an empty list. A file that
     does not parse as records (truncated, hand-edited) is skipped with a RecordFileWarning naming it:
     one bad file does not hide every other record. With study=None the folders of NOT_STUDIES are
-    passed over quietly (they hold the GPU check's reports, not records)."""
+    passed over quietly (they hold the GPU check's reports, not records). The PROJECTED folder is no
+    device's: projected records are read with root=<root>/projected."""
     base = Path(PROFILES if root is None else root)
     if not base.is_dir():
         return []
-    dev_dirs = sorted(p for p in base.iterdir() if p.is_dir())
+    dev_dirs = sorted(p for p in base.iterdir() if p.is_dir() and p.name != PROJECTED)
     if device is not None:
         slug = device if device == "cpu" else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
         dev_dirs = [p for p in dev_dirs if p.name == slug]

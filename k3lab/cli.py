@@ -141,6 +141,7 @@ def _read_import(path: str) -> list:
     import json
 
     from k3lab.bench.records import record_from_import
+    from k3lab.profiling.roofline import PROBE_STUDY
     from k3lab.studies import STUDIES
 
     try:
@@ -155,7 +156,8 @@ def _read_import(path: str) -> list:
     out = []
     for i, d in enumerate(rows):
         try:
-            out.append(record_from_import(d, studies=tuple(STUDIES)))
+            # a study's records, or the roofline ceilings probe's (profiling.roofline.probe_ceilings)
+            out.append(record_from_import(d, studies=(*STUDIES, PROBE_STUDY)))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"import: {path}: not a record file: record {i}: {exc}") from None
     return out

@@ -44,7 +44,7 @@ def test_an_unclaimed_records_folder_fails():
 
 
 def test_said_not_run_on_a_gpu_with_a_gpu_record_fails():
-    part = runs.by_name("roofline_probe")
+    part = runs.by_name("serving_run_capacity")
     contradicted = replace(part, ran_on={"nvidia-h200": "nvidia-h200/serving"})
     assert any("said not to have run on a GPU" in p for p in runs.problems(_with(contradicted)))
 

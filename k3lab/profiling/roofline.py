@@ -23,7 +23,8 @@ the distance to the ceiling is the distance to the floor. `work(record)` derives
 `ceilings(device)` takes the copy bandwidth and the matrix rate from the device's records where a run
 measured them (decode_step's attribution measures a 1 GiB device copy in the same run; a matrix probe
 record `ceilings/matmul_bf16__reference`), else from k3lab.env.PEAKS, each labelled with its source.
-`probe_ceilings()` measures both on a GPU as such records (not yet run on a GPU by this project).
+`probe_ceilings()` measures both on a GPU as such records (the H100's:
+profiles/nvidia-h100-80gb-hbm3/ceilings).
 `projected_ceilings('MI355X')` is the datasheet line for a GPU nobody here ran on, labelled projected.
 Pure functions over records: no GPU needed.
 """
@@ -113,7 +114,8 @@ def probe_ceilings(*, save: bool = False, root=None) -> list:
     device copy (case copy_1GiB, extra bandwidth_tbs: bytes read + written over the median time) and a
     bf16 8192^3 matmul on random data (case matmul_bf16_8192, extra matmul_tflops). `save=True` writes
     them under profiles/<device>/ceilings/ (or `root`), where `ceilings()` finds them. ValueError on a
-    machine without a GPU. Not yet run on a GPU by this project."""
+    machine without a GPU. Run on an NVIDIA H100 (its records are committed); not yet on the H200, whose
+    matrix rate k3lab.env.PEAKS holds from an earlier measurement."""
     import torch
 
     if not torch.cuda.is_available():

@@ -11,9 +11,10 @@ nsys        Nsight Systems on a CUDA GPU: the child runs under `nsys profile --t
 rocprofv3   ROCm: the child under rocprofv3 (k3lab.profiling.rocprofv3_run.capture_rocprofv3).
 
 `missing(tool)` says, before anything runs, why a tool cannot run here (not on PATH, no GPU of its
-vendor), so the command refuses in one line. The ncu and nsys paths have not yet been run on a GPU by this
-project through this module (NOT_YET_RUN says which); their readers are tested on real files
-(tests/fixtures/profiles/ncu, .../nsys).
+vendor), so the command refuses in one line. The ncu path has run on an NVIDIA H100 (its captures of the
+fused KDA decode and the MLA split kernel: profiles/nvidia-h100-80gb-hbm3/ncu); the nsys path has not yet
+been run on a GPU by this project through this module (NOT_YET_RUN says which). The readers are tested on
+real files (tests/fixtures/profiles/ncu, .../nsys, and the H100's ncu captures).
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ from k3lab.profiling.frame import NoKernelsRecorded, make_frame
 from k3lab.profiling.ncu import ncu_command, parse_ncu_csv
 
 TOOLS = ("torch", "ncu", "nsys", "rocprofv3")
-NOT_YET_RUN = {"ncu": "k3lab profile --tool ncu: not yet run on a GPU by this project",
-               "nsys": "k3lab profile --tool nsys: not yet run on a GPU by this project",
+NOT_YET_RUN = {"nsys": "k3lab profile --tool nsys: not yet run on a GPU by this project",
                "rocprofv3": "k3lab profile --tool rocprofv3: not yet run on AMD hardware by this project"}
 _VENDOR = {"ncu": ("cuda", "Nsight Compute"), "nsys": ("cuda", "Nsight Systems"),
            "rocprofv3": ("rocm", "ROCm")}
@@ -113,7 +113,8 @@ def ncu_frame(long: pd.DataFrame) -> pd.DataFrame:
 def capture_ncu(study: str, variant: str, *, preset: str | None, out_dir, steps: int = 1,
                 timeout_s: float | None = None) -> Capture:
     """Every kernel of the variant's first marked step under ncu (a child process), as a Capture whose
-    trace_path is ncu's CSV. Not yet run on a GPU by this project (NOT_YET_RUN['ncu'])."""
+    trace_path is ncu's CSV. Run on an NVIDIA H100 (profiles/nvidia-h100-80gb-hbm3/ncu); ncu selects the
+    marked step by its NVTX range (k3lab.step.0)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = ncu_command(child_command(study, variant, preset=preset, steps=steps), kernel_name=".*", regex=True,
@@ -123,7 +124,7 @@ def capture_ncu(study: str, variant: str, *, preset: str | None, out_dir, steps:
     csv_path.write_text(done.stdout)
     kernels = ncu_frame(parse_ncu_csv(done.stdout))
     return Capture(kernels=kernels, steps=1, trace_path=csv_path, backend="ncu", device="cuda",
-                   name=f"{study}-{variant}", note=NOT_YET_RUN["ncu"], files=[csv_path])
+                   name=f"{study}-{variant}", files=[csv_path])
 
 
 # ----------------------------------------------------------------------------------------- nsys

@@ -121,12 +121,15 @@ RUNS: tuple[Run, ...] = (
                      "k3lab/ops/mla_decode/peers.py", "k3lab/studies/mla_padding/__init__.py",
                      "k3lab/studies/mla_padding/measure.py", "k3lab/studies/peers.py",
                      "k3lab/workshop/setup.py")}),
-    Run("profile_tools", "`k3lab profile --tool` ncu, nsys and rocprofv3, HTA folders, NVTX / ROCTX ranges "
+    Run("profile_ncu", "`k3lab profile --tool ncu`: the fused KDA decode and the MLA split kernel captured, "
+        "the marked step selected by its NVTX range (k3lab.profiling.tools)",
+        {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/ncu"}),
+    Run("profile_tools", "`k3lab profile --tool` nsys and rocprofv3, HTA folders, ROCTX ranges "
         "(k3lab.profiling.tools, export)", {},
         {"GPU": ("docs/profiling.md", "k3lab/profiling/tools.py"),
          "AMD GPU": ("k3lab/profiling/tools.py", "k3lab/profiling/export.py")}),
-    Run("roofline_probe", "the measured roofline ceilings (k3lab.profiling.roofline.probe_ceilings)", {},
-        {"GPU": ("k3lab/profiling/roofline.py",)}),
+    Run("roofline_probe", "the measured roofline ceilings (k3lab.profiling.roofline.probe_ceilings)",
+        {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/ceilings"}),
     Run("article_precisions", "the article's precisions: the MXFP4 routed experts' kernels, GEMV and grouped "
         "(k3lab.ops.moe_experts.mxfp4_kernels), the FP8 MLA cache's decode (k3lab.ops.mla_decode.fp8_cache)",
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/gpu_check/gpu_check_tests_a87f4ff.json"}),

@@ -155,3 +155,25 @@ def test_roofline_point_height_is_flops_over_time():
             b, f = rl.work(recs[t.name])
             assert t.y[0] == pytest.approx(f / recs[t.name].median_us / 1e6)
             assert t.x[0] == pytest.approx(f / b) and math.isfinite(t.x[0])
+
+
+def test_probe_records_import_and_set_the_ceilings(tmp_path):
+    """The H100's committed probe records go through `k3lab import` (the ceilings probe is not a study, and
+    import takes it) and set both ceilings, each labelled measured, to the records' own figures."""
+    import json
+    from pathlib import Path
+
+    from k3lab import cli
+
+    folder = Path(__file__).parents[1] / "profiles" / "nvidia-h100-80gb-hbm3" / rl.PROBE_STUDY
+    rows = [d for f in sorted(folder.glob("*.json")) for d in json.loads(f.read_text())]
+    assert {d["case"] for d in rows} == {"copy_1GiB", "matmul_bf16_8192"}
+    (tmp_path / "in.json").write_text(json.dumps(rows))
+    assert cli.main(["import", str(tmp_path / "in.json"), "--root", str(tmp_path / "p")]) == 0
+    c = rl.ceilings("nvidia-h100-80gb-hbm3",
+                    records=bench.load_records(device="nvidia-h100-80gb-hbm3", root=str(tmp_path / "p")))
+    by = {d["case"]: d["extra"] for d in rows}
+    assert c.bandwidth_tbs == pytest.approx(by["copy_1GiB"]["bandwidth_tbs"])
+    assert "measured" in c.bandwidth_source
+    assert c.matrix_tflops == pytest.approx(by["matmul_bf16_8192"]["matmul_tflops"])
+    assert "measured" in c.matrix_source

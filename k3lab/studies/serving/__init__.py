@@ -7,8 +7,20 @@ Cases:
     curve_h200    the Pareto front per rung of the article's order, from the H200's fitted steps (with
                   288 GB per GPU: an H200's 141 GB cannot hold a rank's FP4 weights), one record per point
     curve_mi355x  the same projected to MI355X (its bandwidth, matrix rate, memory and link), labelled so
+                  and filed under profiles/projected/ (below)
 Curve records carry extra.tokens_per_s_user (P90) and extra.tokens_per_s_gpu, mode 'model', median_us the
 cycle time; k3lab.serving.inputs gathers what the model reads from the committed records.
+
+Where projected records live: a curve projected to another GPU is no measurement of any device, so it is
+filed apart from every measured device's folder, under profiles/projected/<device-slug>/serving/
+(bench.records.PROJECTED; save_records puts a record there when extra['projected'] is True). Its `device`
+names the target and says projected ('AMD Instinct MI355X (projected from NVIDIA H200 records)',
+`projected_device`); extra['projected_from'] names the measured device and the records the model read.
+Filed under the H200's folder with the H200 as device, every reader of "the H200's records"
+(bench.load_records(device=...), roofline.ceilings, the records' trend, the README and report tables) could
+take it for an H200 timing, and an AMD name in a top-level folder would read as an AMD run
+(k3lab.studies.runs). `projected_records` reads them back. The H200 curve is modelled on the device whose
+steps were measured and stays in its folder.
 """
 
 from __future__ import annotations
@@ -16,11 +28,41 @@ from __future__ import annotations
 import datetime as _dt
 
 from k3lab import bench
+from k3lab.bench.records import PROJECTED
 
 from . import grid
 
 NAME = "serving"
 H200_MEMORY_GB = 288.0  # the H200 curve's memory per GPU: K3's FP4 weights do not fit in 141 GB
+SOURCE_DEVICE = "NVIDIA H200"  # the device whose measured steps the model is fitted to (inputs.DEVICE)
+
+
+def projected_device(gpu_name: str, source: str = SOURCE_DEVICE) -> str:
+    """The `device` of a projected record: the target GPU's name, then that it is projected and from what
+    ('AMD Instinct MI355X (projected from NVIDIA H200 records)')."""
+    if not isinstance(gpu_name, str) or not gpu_name.strip():
+        raise ValueError(f"gpu_name: expected a GPU's name such as 'AMD Instinct MI355X', got {gpu_name!r}")
+    return f"{gpu_name} (projected from {source} records)"
+
+
+def projected_from(sources: dict, source: str = SOURCE_DEVICE) -> dict:
+    """extra['projected_from'] of a projected record: the measured device and the records the model read
+    (node.Inputs.sources: folder and case names, without the routing line's fitted figure)."""
+    return {"device": source, "records": {k: v for k, v in sources.items() if k != "routing"}}
+
+
+def projected_records(gpu_key: str, root=None) -> list[bench.Record]:
+    """The committed projected curve records of `gpu_key` ('mi355x'), read from their own folder,
+    <root or profiles>/projected/<device-slug>/serving/ (module docstring); [] when none are there."""
+    from pathlib import Path
+
+    from k3lab.serving import hardware
+
+    if gpu_key == "h200":
+        raise ValueError("gpu_key: the H200 curve is modelled, not projected: its records are "
+                         "profiles/nvidia-h200/serving/curve.h200.*")
+    base = Path(bench.PROFILES if root is None else root) / PROJECTED
+    return bench.load_records(NAME, device=projected_device(hardware.gpu(gpu_key).name), root=base)
 
 
 def case_names(preset=None) -> list[str]:
@@ -31,7 +73,7 @@ def case_names(preset=None) -> list[str]:
 def _model_record(case: str, variant: str, us: float, shape: dict, *, like=None, **extra) -> bench.Record:
     info = bench.provenance()
     src = like or {}
-    return bench.Record(study=NAME, case=case, variant=variant, device=src.get("device", "NVIDIA H200"),
+    return bench.Record(study=NAME, case=case, variant=variant, device=src.get("device", SOURCE_DEVICE),
                         backend=src.get("backend", "cuda"), versions=src.get("versions", info["versions"]),
                         commit=info["commit"], date=_dt.datetime.now(_dt.timezone.utc).isoformat(
                             timespec="seconds"), shape=shape, dtype="bfloat16", median_us=us, p20_us=us,
@@ -75,7 +117,8 @@ def validation_records(inp=None) -> list[bench.Record]:
 def curve_records(gpu_key: str, inp=None, work=None, error=None) -> list[bench.Record]:
     """One record per front point of every rung on `gpu_key` ('h200' or 'mi355x'), each with the step
     model's measured error it carries (`error`, default serving.validate.model_error(): its kind and worst
-    abs(rel_err); the band around a front is serving.bands')."""
+    abs(rel_err); the band around a front is serving.bands'). Another GPU's records are projected: device
+    `projected_device`, extra projected and projected_from, saved under profiles/projected/."""
     from k3lab.serving import curve, hardware, inputs, validate
 
     inp = inp or inputs.node_inputs()
@@ -83,6 +126,9 @@ def curve_records(gpu_key: str, inp=None, work=None, error=None) -> list[bench.R
     error = error or validate.model_error()
     g = hardware.gpu(gpu_key)
     mem = H200_MEMORY_GB if gpu_key == "h200" else None
+    # another GPU's curve is projected: its own device name and folder (module docstring)
+    like = None if gpu_key == "h200" else {"device": projected_device(g.name)}
+    where = {} if gpu_key == "h200" else {"projected": True, "projected_from": projected_from(inp.sources)}
     out = []
     for i, row in enumerate(curve.ladder(inp, g, work, memory_gb=mem)):
         for p in row["front"]:
@@ -90,7 +136,7 @@ def curve_records(gpu_key: str, inp=None, work=None, error=None) -> list[bench.R
                 f"curve.{gpu_key}.r{i}.dcp{p['dcp']}_k{p['depth']}_c{p['concurrency']}",
                 "after" if i == len(curve.RUNGS) - 1 else "before", p["cycle_ms"] * 1e3,
                 {"concurrency": p["concurrency"], "dcp": p["dcp"], "depth": p["depth"]},
-                rung=row["rung"], section=row["section"], gpu=g.name,
+                like=like, rung=row["rung"], section=row["section"], gpu=g.name, **where,
                 measured_or_modelled="projected" if gpu_key != "h200" else "modelled from H200 step records",
                 tokens_per_s_user=p["tokens_per_s_user"], tokens_per_s_gpu=p["tokens_per_s_gpu"],
                 hit_rate=p["hit_rate"], committed=p["committed"], terms_us=p["terms_us"],

@@ -135,3 +135,14 @@ def test_the_study_labels_a_projected_curve_and_not_the_h200_curve():
     assert all(r.device == serving.projected_device("AMD Instinct MI355X") and r.extra["projected"] is True
                and r.extra["projected_from"]["device"] == serving.SOURCE_DEVICE for r in mi)
     assert all(r.device == serving.SOURCE_DEVICE and projected_why(r.to_dict()) is None for r in h2)
+
+
+def test_the_records_trend_leaves_projections_out():
+    """`k3lab records trend serving` reads git history too, where the projected curve was once filed under
+    the H200's folder with the H200 as device: none of those versions is a row of the H200's trend."""
+    from k3lab.profiling import trend
+
+    h = trend.history(serving.NAME, device="nvidia-h200")
+    assert not h.empty and (h["case"].str.startswith("validate.")).any()
+    assert not h["case"].str.startswith("curve.mi355x").any()
+    assert set(h["device"]) == {serving.SOURCE_DEVICE}

@@ -1,7 +1,7 @@
 """Tables, figures and models of the dcp study (notebook 01): the MLA history per GPU under TP8 and DCP8,
 which rank holds each position, the merge worked by hand, the bytes each merge exchanges, and the
-per-layer cost model (attention fitted to the committed H200 records; collectives from public
-figures, labelled). They read records and launch nothing."""
+per-layer cost model (attention: a line fitted to the committed H200 records, with its held-out error;
+collectives from public figures, labelled, no measured error). They read records and launch nothing."""
 
 
 from __future__ import annotations
@@ -128,19 +128,86 @@ def bytes_table(batches=(1, 8, 64), *, q_len: int = 1, heads: int = 12, world: i
 
 
 # ---------------------------------------------------------------------------------- cost model
-def attention_model(records=None) -> dict:
-    """t(positions) = t0 + positions x bytes_per_position / bw for the after at TP8's shape (12 heads,
-    bf16), fitted to the committed H200 records at 32K and 128K (B = 1)."""
+ATTENTION_FIT = ("ctx32k", "ctx128k")  # the committed records the attention line passes through
+COLLECTIVES = "public figures, not measured here"
+
+
+def _after_points(records=None) -> dict:
+    """The after's graph-replay records at TP8's decode shape (12 heads, one query position), one per
+    case (the last read wins), as case -> {batch, context, positions, measured_us}. Variant cases
+    (`<case>.<variant>`: contiguous cache, split sweeps, the Triton after) are left out."""
     recs = records if records is not None else bench.load_records("mla_padding", "nvidia-h200")
-    pick = {r.case: r for r in recs if r.variant == "after" and r.case in ("ctx32k", "ctx128k")}
-    if len(pick) < 2:
+    out = {}
+    for r in recs:
+        s = r.shape or {}
+        if (r.variant == "after" and r.mode == "graph" and "." not in r.case and s.get("heads") == 12
+                and s.get("q_len") == 1 and s.get("lengths_sum")):
+            out[r.case] = {"batch": s["batch"], "context": s["context"], "positions": s["lengths_sum"],
+                           "measured_us": r.median_us}
+    return out
+
+
+def attention_fit_error(records=None, *, fit=ATTENTION_FIT) -> pd.DataFrame:
+    """The attention line's measured error: the line t0 + us_per_position x positions through the
+    records named by `fit` (least squares when more than two), set against every committed after record
+    at TP8's shape. One row per record: case, batch, context, positions (the history read, B x context
+    or a ragged batch's sum), measured_us, model_us, rel_error ((model - measured) / measured) and role:
+    'fit' (the line was fitted to it: with two points it passes through both, so the residual is zero
+    by construction) or 'held out' (not used by the fit, the model's measured error). Raises ValueError
+    when a fit case has no record or the fit cases do not span two history lengths."""
+    if isinstance(fit, str) or not all(isinstance(c, str) for c in fit):
+        raise TypeError(f"fit must be a tuple of case names, got {fit!r}")
+    points = _after_points(records)
+    missing = [c for c in fit if c not in points]
+    if missing:
+        raise ValueError(f"fit: no committed H200 mla_padding after record (graph, 12 heads, one position) "
+                         f"for {missing}; have {sorted(points)}")
+    xs = [points[c]["positions"] for c in fit]
+    if len(set(xs)) < 2:
+        raise ValueError(f"fit must name records of at least two history lengths, got {list(fit)} ({xs})")
+    n, mx, my = len(fit), sum(xs) / len(fit), sum(points[c]["measured_us"] for c in fit) / len(fit)
+    slope = (sum((x - mx) * (points[c]["measured_us"] - my) for x, c in zip(xs, fit))
+             / sum((x - mx) ** 2 for x in xs))
+    t0 = my - slope * mx
+    rows = []
+    for case, p in sorted(points.items(), key=lambda kv: (kv[1]["positions"], kv[0])):
+        model = t0 + slope * p["positions"]
+        rows.append({"case": case, **p, "model_us": model,
+                     "rel_error": (model - p["measured_us"]) / p["measured_us"],
+                     "role": "fit" if case in fit else "held out"})
+    table = pd.DataFrame(rows)
+    table.attrs.update(t0_us=t0, us_per_position=slope, fit=tuple(fit), points=n)
+    return table
+
+
+def attention_model(records=None, *, fit=ATTENTION_FIT) -> dict:
+    """t(positions) = t0 + positions x bytes_per_position / bw for the after at TP8's shape (12 heads,
+    bf16, graph replay), fitted to the committed H200 records `fit` (32K and 128K, B = 1), with its
+    measured error from `attention_fit_error`: fit_worst_rel (residual on the fitting points),
+    heldout_worst_rel / heldout_case (the worst |relative error| on the records the fit did not use) and
+    the range of history lengths the records cover (measured_positions). {} when a fit record is
+    missing."""
+    try:
+        err = attention_fit_error(records, fit=fit)
+    except ValueError:
         return {}
-    a, b = pick["ctx32k"], pick["ctx128k"]
-    la, lb = a.shape["context"], b.shape["context"]
-    per_pos_us = (b.median_us - a.median_us) / (lb - la)
-    return {"t0_us": a.median_us - per_pos_us * la, "us_per_position": per_pos_us,
+    held, fitted = err[err.role == "held out"], err[err.role == "fit"]
+    worst = held.rel_error.abs().idxmax() if len(held) else None
+    per_pos_us = err.attrs["us_per_position"]
+    return {"t0_us": err.attrs["t0_us"], "us_per_position": per_pos_us,
             "bw_TBps": 576 * 2 / (per_pos_us * 1e-6) / 1e12,
-            "source": "H200 records ctx32k / ctx128k (after)"}
+            "source": f"H200 records {' / '.join(fit)} (after)",
+            "fit_worst_rel": float(fitted.rel_error.abs().max()),
+            "heldout_worst_rel": float(held.rel_error.abs().max()) if len(held) else float("nan"),
+            "heldout_case": held.case[worst] if len(held) else None, "heldout_points": len(held),
+            "measured_positions": (int(err.positions.min()), int(err.positions.max()))}
+
+
+def _positive_ints(name: str, values) -> tuple:
+    vals = tuple(values) if not isinstance(values, (str, bytes)) else ()
+    if not vals or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in vals):
+        raise ValueError(f"{name} must be a non-empty sequence of positive ints, got {values!r}")
+    return vals
 
 
 def cost_model(contexts=(1_000, 4_000, 16_000, 32_000, 64_000, 128_000, 256_000), batches=(1, 64), *,
@@ -150,39 +217,69 @@ def cost_model(contexts=(1_000, 4_000, 16_000, 32_000, 64_000, 128_000, 256_000)
     TP: the after over the whole history of B requests. DCP: the after over 1/world of it (the seed:
     96 heads over 1/8 cost about what 12 heads over all of it cost per position, which
     `measure` times) plus the merge's collectives at the public latency range and link
-    bandwidth (`PUBLIC`). Returns rows with dcp_low_us / dcp_high_us for the latency range.
-    """
+    bandwidth (`PUBLIC`, not measured here). Returns rows with dcp_low_us / dcp_high_us for the latency
+    range and, on every row, what it is: kind 'model', attention_error_pct (the attention line's worst
+    held-out error on the committed records, `attention_model`), beyond_records (a history length, TP's
+    or one DCP rank's, outside the lengths the records cover: the line is extrapolated there) and
+    collectives (COLLECTIVES: no measured error). `attention` must come from `attention_model`."""
+    contexts, batches = _positive_ints("contexts", contexts), _positive_ints("batches", batches)
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
+    if merge not in dcp.MERGES:
+        raise ValueError(f"merge must be one of {dcp.MERGES}, got {merge!r}")
     att = attention if attention is not None else attention_model()
     if not att:
         raise ValueError("no attention model: the H200 mla_padding records ctx32k / ctx128k are missing")
+    need = ("t0_us", "us_per_position", "heldout_worst_rel", "measured_positions")
+    if not isinstance(att, dict) or any(k not in att for k in need):
+        raise ValueError(f"attention must be attention_model()'s dict (with its measured error: {need}), "
+                         f"got {att!r}")
     lat_lo, lat_hi = PUBLIC["collective_latency_us"]
+    lo_pos, hi_pos = att["measured_positions"]
     rows = []
     for B in batches:
         x = dcp.exchange_bytes(B, 1, 12, world, merge, torch.bfloat16)
         wire_us = x["sent_bytes"] / (PUBLIC["link_GBps"] * 1e9) * 1e6
         for L in contexts:
-            tp = att["t0_us"] + att["us_per_position"] * B * L
-            local = att["t0_us"] + att["us_per_position"] * B * math.ceil(L / world)
-            rows.append({"batch": B, "context": L, "tp_us": tp, "dcp_local_us": local,
+            tp_pos, local_pos = B * L, B * math.ceil(L / world)
+            tp = att["t0_us"] + att["us_per_position"] * tp_pos
+            local = att["t0_us"] + att["us_per_position"] * local_pos
+            rows.append({"kind": "model", "batch": B, "context": L, "tp_us": tp, "dcp_local_us": local,
                          "dcp_low_us": local + x["calls"] * lat_lo + wire_us,
                          "dcp_high_us": local + x["calls"] * lat_hi + wire_us, "calls": x["calls"],
-                         "wire_us": wire_us})
+                         "wire_us": wire_us, "attention_error_pct": 100 * att["heldout_worst_rel"],
+                         "beyond_records": not (lo_pos <= local_pos and tp_pos <= hi_pos),
+                         "collectives": COLLECTIVES})
     return pd.DataFrame(rows)
 
 
 def cost_figure(table: pd.DataFrame, *, world: int = WORLD) -> go.Figure:
+    """`cost_model`'s rows drawn as what they are: a model for `world` GPUs, with the attention line's
+    held-out error and the collectives' source in the title. No measurement is drawn beside them."""
+    need = {"kind", "batch", "context", "tp_us", "dcp_low_us", "dcp_high_us", "attention_error_pct",
+            "beyond_records"}
+    if not isinstance(table, pd.DataFrame) or need - set(table.columns) or not len(table):
+        raise ValueError(f"table must be cost_model()'s non-empty rows (columns {sorted(need)})")
+    if set(table.kind) != {"model"}:
+        raise ValueError(f"table must hold model rows only, got kinds {sorted(set(table.kind))}")
+    err = table.attention_error_pct.abs().max()
+    lo, hi = PUBLIC["collective_latency_us"]
     fig = go.Figure()
     for k, (B, part) in enumerate(table.groupby("batch")):
         c = _RANK_COLORS[k % len(_RANK_COLORS)]
-        fig.add_scatter(x=part.context, y=part.tp_us, name=f"TP{world}, B={B}", line=dict(color=c))
-        fig.add_scatter(x=part.context, y=part.dcp_high_us, name=f"DCP{world}, B={B} (25 us per collective)",
-                        line=dict(color=c, dash="dash"))
-        fig.add_scatter(x=part.context, y=part.dcp_low_us, name=f"DCP{world}, B={B} (7 us per collective)",
-                        line=dict(color=c, dash="dot"))
-    fig.update_layout(title=f"Model: one MLA layer's decode per GPU, TP{world} vs DCP{world} "
-                            "(attention from H200 records; collectives: public figures)",
-                      xaxis_title="context per request (tokens)", yaxis_title="us per layer",
-                      xaxis_type="log", yaxis_type="log")
+        fig.add_scatter(x=part.context, y=part.tp_us, name=f"model: TP{world}, B={B}", line=dict(color=c))
+        fig.add_scatter(x=part.context, y=part.dcp_high_us, line=dict(color=c, dash="dash"),
+                        name=f"model: DCP{world}, B={B} ({hi:g} us per collective, public figure)")
+        fig.add_scatter(x=part.context, y=part.dcp_low_us, line=dict(color=c, dash="dot"),
+                        name=f"model: DCP{world}, B={B} ({lo:g} us per collective, public figure)")
+    fig.update_layout(title=dict(text=(
+        f"Model, projected for {world} GPUs (not measured): one MLA layer's decode per GPU, TP{world} vs "
+        f"DCP{world}<br><sup>attention: a line fitted to H200 records, held-out error up to {err:.1f}%; "
+        f"collectives: {COLLECTIVES}; "
+        f"{int(table.beyond_records.sum())} of {len(table)} points extrapolate past the records' "
+        "history lengths</sup>")),
+        xaxis_title="context per request (tokens)", yaxis_title="us per layer (model)",
+        xaxis_type="log", yaxis_type="log")
     return fig
 
 

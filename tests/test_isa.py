@@ -99,6 +99,16 @@ def test_twelve_head_before_stays_on_the_vector_units(rep):
         assert r["fma_lanes_ops"] > 100 and r["spills"] == 0 and r["shared_ok"]
 
 
+def test_grouped_mxfp4_experts_run_on_the_scaled_mfma_on_gfx950(rep):
+    """The issue's precision: for many tokens the MXFP4 experts' grouped tl.dot_scaled launches carry
+    their products on gfx950's scaled MFMA only (no bf16 MFMA of an upcast), under whichever Triton
+    compiles this report (.ci/triton_next.sh runs this file with the newest one)."""
+    for kernel in ("_scaled_up_kernel", "_scaled_down_kernel"):
+        (r,) = rows(rep, "moe_experts.mxfp4_t64", kernel, "gfx950")
+        assert r["ok"] and r["matrix_total"] >= 1, r
+        assert all(name.startswith("v_mfma_scale_") for name in r["matrix"]), r["matrix"]
+
+
 def test_kda_inverse_keeps_fp32_inputs_on_fp32_mfma(rep):
     """The seed: the prologue's 64 x 64 inverse uses the native 16x16x4 fp32 MFMA (fp32 inputs kept)."""
     for target in AMD:

@@ -49,6 +49,13 @@ _DOWN = "moe_experts.grouped_t1:_down_row_kernel,moe_experts.tail_t1"
 _GEMV = "gemv.router,gemv.fp8_o_proj,gemv.stack_moe,gemv.glu_shared_down"
 _MOE = "moe_experts.grouped_t1,moe_experts.grouped_t64,moe_experts.tail_t1,moe_experts.tail_t256"
 _VA, _VB = "gfx950 kda_verify.after_b1_t4 0 ", "gfx950 kda_verify.before_b1_t4 0 "
+_FP8 = "mla_decode.fp8_cache_1k,mla_decode.fp8_cache_32k,mla_decode.fp8_cache_verify_4"
+_FP8_32K = "gfx950 mla_decode.fp8_cache_32k 0 "
+_MX = "moe_experts.mxfp4_t1,moe_experts.mxfp4_t64"
+_MX_UP, _MX_DOWN = ("gfx950 moe_experts.mxfp4_t64:_scaled_up_kernel * ",
+                    "gfx950 moe_experts.mxfp4_t64:_scaled_down_kernel * ")
+_MX_GEMV = "moe_experts.mxfp4_t1"
+_SCALED_MFMA = "v_mfma_scale_f32_16x16x128_f8f6f4"
 
 ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("MLA decode, before",
@@ -67,6 +74,16 @@ ROWS: tuple[tuple[str, str, str, str], ...] = (
      f"{_t(_MLA_A + 'vgprs')} + {_t(_MLA_A + 'agprs')} VGPR/AGPR, "
      f"{_t(_MLA_A + 'occupancy')} wave/SIMD, {_t(_MLA_A + 'grid0')} programs at 32K",
      "verify groups: one token per program on AMD (below). `mla_decode.cu` is a HIP stub"),
+    ("MLA decode, FP8 latent cache (`fp8_cache.plan_fp8`)",
+     "Triton `_fp8_split_kernel` (E4M3 tiles converted in the load, one scale per cache tensor); a split "
+     "history's partials merged with torch ops",
+     f"{_t(f'gfx950 {_FP8} * ok', 'yes')}: "
+     f"{_t(_FP8_32K + 'matrix.v_mfma_f32_16x16x32_bf16')} `v_mfma_f32_16x16x32_bf16`, "
+     f"{_t(_FP8_32K + 'kib', 'kib')} KiB LDS, {_t(_FP8_32K + 'vgprs')} + {_t(_FP8_32K + 'agprs')} VGPR/AGPR, "
+     f"{_t(_FP8_32K + 'occupancy')} wave/SIMD, {_t(_FP8_32K + 'grid0')} programs at 32K, "
+     f"{_t(f'gfx950 {_FP8} * spills', 'spills')}",
+     f"gfx942: {_t(f'gfx942 {_FP8} * vgprs', 'range')} + {_t(f'gfx942 {_FP8} * agprs', 'range')} VGPR/AGPR, "
+     f"{_t(f'gfx942 {_FP8} * spills', 'spills')}; verify groups: one token per program on AMD"),
     ("MLA decode, DCP merge", "torch, or Triton `merge._merge_kernel`",
      _t("gfx950 mla_decode.dcp_merge * ok", "yes"), ""),
     ("KDA prefill (chunk)",
@@ -104,6 +121,17 @@ ROWS: tuple[tuple[str, str, str, str], ...] = (
      "the one-token down and tail launches on vector units, "
      f"every autotuner shape {_t(f'gfx950 {_DOWN} * vgprs', 'range')} VGPRs, "
      f"{_t(f'gfx950 {_DOWN} * spills', 'spills')}", ""),
+    ("MoE routed experts, MXFP4 (`mxfp4_kernels`)",
+     "Triton `_up_kernel`, `_down_kernel` (GEMVs over the E2M1 codes and E8M0 block scales, dequantized in "
+     "registers); for many tokens where the target has scaled matrix instructions, `_scaled_up_kernel`, "
+     "`_scaled_down_kernel` on `tl.dot_scaled` (activations as MXFP8)",
+     f"{_t(f'gfx950 {_MX} * ok', 'yes')}: the grouped form on the scaled MFMA, "
+     f"{_t(f'{_MX_UP}matrix.{_SCALED_MFMA}')} / {_t(f'{_MX_DOWN}matrix.{_SCALED_MFMA}')} `{_SCALED_MFMA}` "
+     f"and {_t(_MX_UP + 'vgprs')} / {_t(_MX_DOWN + 'vgprs')} VGPRs (up / down); the GEMV launches "
+     f"{_t(f'gfx950 {_MX_GEMV} * vgprs', 'range')} VGPRs, {_t(f'gfx950 {_MX} * spills', 'spills')}",
+     "gfx942 has no scaled MFMA and Triton 3.6.0 does not lower `tl.dot_scaled` there (\"Unsupported "
+     "DotScaleOp\"): the GEMV form at every token count, "
+     f"{_t(f'gfx942 {_MX} * vgprs', 'range')} VGPRs, {_t(f'gfx942 {_MX} * spills', 'spills')}"),
     ("MoE router + expert sort (decode step's `glue_fused`)",
      "Triton `_route_sort_kernel` (one launch, up to 32 pairs), else `_topk_kernel`, `_sort_kernel`",
      f"{_t('gfx950 moe_router.route_t1,moe_router.route_t2,moe_router.route_t64 * ok', 'yes')}: "
@@ -134,8 +162,13 @@ COUNT = ("Count: of <<count kernels|d>> Triton kernel functions launched by the 
          "solutions (<<count launches|d>> launches per AMD target), <<count compiled|d>> compile for gfx950, "
          "gfx942 and "
          "sm90 with Triton <<count triton|s>> (the committed report; `.ci/triton_next.sh` compiles them with "
-         "3.9.0); on both AMD targets <<count clean|d>> of the <<count launches|d>> launches are free of "
-         "spills, scratch and LDS over budget.")
+         "3.9.0) and <<count partial|d>> are launched on some targets only and compile on each of them "
+         "(the grouped form of the MXFP4 experts, which gfx942 does not launch); on both AMD targets "
+         "<<count clean|d>> of the "
+         "<<count launches|d>> launches are free of spills, scratch and LDS over budget.")
+# The workshop's ladder puzzles are in the report but not in the count (docs/mi355x.md gives them a
+# paragraph of their own)
+UNCOUNTED = ("workshop.ladder",)
 
 
 def load_report(path: Path = REPORT) -> dict:
@@ -176,15 +209,20 @@ def _field(row: dict, field: str, selection: str):
 
 
 def _count(what: str, report: dict):
-    amd = [r for r in report["rows"] if r["target"] in ("gfx950", "gfx942")]
-    per_target = {t: [r for r in report["rows"] if r["target"] == t] for t in ("gfx950", "gfx942", "sm90")}
+    counted = [r for r in report["rows"] if r["case"] not in UNCOUNTED]
+    amd = [r for r in counted if r["target"] in ("gfx950", "gfx942")]
+    per_target = {t: [r for r in counted if r["target"] == t] for t in ("gfx950", "gfx942", "sm90")}
     if what == "triton":
         return report["triton"]
     if what == "kernels":
-        return len({r["kernel"] for r in report["rows"]})
+        return len({r["kernel"] for r in counted})
     if what == "compiled":
         ok = [{r["kernel"] for r in rows if r["ok"]} for rows in per_target.values()]
         return len(set.intersection(*ok))
+    if what == "partial":  # launched on some targets only, and compiled wherever launched
+        launched = [{r["kernel"] for r in rows} for rows in per_target.values()]
+        some = set.union(*launched) - set.intersection(*launched)
+        return len(some - {r["kernel"] for r in counted if not r["ok"]})
     launches = {len(per_target[t]) for t in ("gfx950", "gfx942")}
     if what == "launches":
         if len(launches) != 1:

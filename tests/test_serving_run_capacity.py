@@ -111,10 +111,10 @@ def test_other_forms_keep_their_setup():
 @on_a_cpu
 def test_capacity_form_on_a_cpu(tmp_path):
     """The capacity form's CPU path through the CLI (seconds): four records named and labelled as the
-    form's scaled workload; twelve turns over the three sessions at c3, each with later turns; without the host tier DCP1 drops blocks and hits
-    little, with it blocks go to the host and come back (restored bytes, hits from host-tier blocks);
-    DCP8 evicts nothing and hits as often as DCP1 with the host tier; the records stay apart from the
-    curve's."""
+    form's scaled workload; twelve turns over the three sessions at c3, each with later turns; without the
+    host tier DCP1 drops blocks and hits little, with it blocks go to the host and come back (restored
+    bytes, hits from host-tier blocks); DCP8 evicts nothing and hits as often as DCP1 with the host tier;
+    the records stay apart from the curve's."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -1,6 +1,7 @@
-"""Projected records live apart from measured ones (k3lab.studies.serving's docstring): no record under a
-measured device's folder says it is projected, the committed projections load from profiles/projected/ with
-their labels, and save_records files a new projection there."""
+"""Projected and modelled records live apart from measured ones (k3lab.studies.serving's docstring): no
+record under a measured device's folder says it is projected or modelled, the committed curves (MI355X
+projected, the H200 given 288 GB modelled) load from profiles/projected/ with their labels, and save_records
+files a new one there."""
 
 from __future__ import annotations
 
@@ -17,19 +18,24 @@ from k3lab.studies import serving
 PROFILES = Path(bench.PROFILES)
 NOT_DEVICES = {PROJECTED, "isa", "cpu"}  # folders under profiles/ that hold no measured GPU's records
 PROJECTION_KEYS = ("projected", "projection", "projected_from")
+# words that label a record as the model's output: a device naming them, or an extra label opening with one
+# ('projected', 'modelled from H200 step records')
+MODEL_WORDS = ("projected", "modelled")
+MODELLED_CASE = "curve.h200."  # the H200 curve the study once filed in the H200's folder
 
 
 def projected_why(d: dict) -> str | None:
-    """Why a record (a dict) says it is projected: a projection key in extra, a device or an extra label
-    naming it; None when it says nothing of the kind."""
+    """Why a record (a dict) says it is projected or modelled: a projection key in extra, a device or an
+    extra label naming it; None when it says nothing of the kind."""
     extra = d.get("extra") if isinstance(d.get("extra"), dict) else {}
     keys = [k for k in PROJECTION_KEYS if k in extra]
     if keys:
         return f"extra has {keys}"
-    if "projected" in str(d.get("device", "")).lower():
+    if any(w in str(d.get("device", "")).lower() for w in MODEL_WORDS):
         return f"device {d.get('device')!r}"
-    labels = [k for k, v in extra.items() if isinstance(v, str) and v.strip().lower() == "projected"]
-    return f"extra {labels} says 'projected'" if labels else None
+    labels = [k for k, v in extra.items()
+              if isinstance(v, str) and v.strip().lower().split(" ")[0] in MODEL_WORDS]
+    return f"extra {labels} says {[extra[k] for k in labels]}" if labels else None
 
 
 def projected_in_measured_folders(profiles: Path) -> list[str]:
@@ -76,25 +82,68 @@ def test_the_check_fails_on_the_old_layout(tmp_path):
     assert len(found) == 1 and "extra has ['projected', 'projected_from']" in found[0], found
 
 
-def test_the_projected_curve_loads_from_its_own_folder_with_its_labels():
-    recs = serving.projected_records("mi355x")
+def test_the_check_fails_on_a_modelled_record_in_a_measured_folder(tmp_path):
+    """The modelled H200 curve placed back under the H200's serving folder as the study once filed it
+    (device 'NVIDIA H200', only extra.measured_or_modelled saying modelled), and a measured record given
+    that label: the check names each; the measured records beside them pass."""
+    root = tmp_path / "profiles"
+    folder = root / "nvidia-h200" / "serving"
+    folder.mkdir(parents=True)
+    grid = sorted((PROFILES / "nvidia-h200" / "serving").glob("grid.*.json"))[0]
+    shutil.copy(grid, folder / grid.name)
+    assert projected_in_measured_folders(root) == []
+    moved = sorted((PROFILES / PROJECTED).rglob(f"{MODELLED_CASE}*.json"))[0]
+    old = json.loads(moved.read_text())
+    for d in old:
+        d["device"] = serving.SOURCE_DEVICE
+        for k in PROJECTION_KEYS:
+            d["extra"].pop(k, None)
+    (folder / moved.name).write_text(json.dumps(old))
+    found = projected_in_measured_folders(root)
+    assert len(found) == 1 and moved.name in found[0] and "modelled from H200" in found[0], found
+    labelled = json.loads(grid.read_text())
+    for d in labelled:
+        d["extra"]["measured_or_modelled"] = "Modelled"
+    (folder / grid.name).write_text(json.dumps(labelled))
+    assert sorted(f.split(":")[0] for f in projected_in_measured_folders(root)) == sorted(
+        str(p.relative_to(root)) for p in (folder / grid.name, folder / moved.name))
+
+
+@pytest.mark.parametrize("key, device, label", [
+    ("mi355x", "AMD Instinct MI355X (projected from NVIDIA H200 records)", "projected"),
+    ("h200", "NVIDIA H200 with 288 GB (modelled from NVIDIA H200 records)",
+     "modelled from H200 step records"),
+])
+def test_each_curve_loads_from_its_own_folder_with_its_labels(key, device, label):
+    recs = serving.projected_records(key)
     assert len(recs) >= 100, len(recs)  # the committed front points of every rung
-    device = serving.projected_device("AMD Instinct MI355X")
-    assert device == "AMD Instinct MI355X (projected from NVIDIA H200 records)"
+    assert serving.curve_device(key) == device
     folder = PROFILES / PROJECTED / bench.device_slug(device, "cuda") / serving.NAME
-    assert len(list(folder.glob("curve.mi355x.*.json"))) == len(recs)
+    assert len(list(folder.glob("*.json"))) == len(recs)
     for r in recs:
-        assert r.case.startswith("curve.mi355x.") and r.device == device and r.mode == "model"
-        assert r.extra["projected"] is True and r.extra["measured_or_modelled"] == "projected"
+        assert r.case.startswith(f"curve.{key}.") and r.device == device and r.mode == "model"
+        assert r.extra["projected"] is True and r.extra["measured_or_modelled"] == label
         src = r.extra["projected_from"]
         assert src["device"] == serving.SOURCE_DEVICE
         assert "profiles/nvidia-h200/decode_step/" in src["records"]["steps"]
         assert r.extra["tokens_per_s_gpu"] > 0 and r.extra["tokens_per_s_user"] > 0
+    if key == "h200":  # the H200's curve assumes 288 GB per GPU, not the H200's own 141 GB
+        assert {r.extra["memory_gb"] for r in recs} == {serving.H200_MEMORY_GB}
+        assert {r.extra["gpu"] for r in recs} == {serving.SOURCE_DEVICE}
     # no reader of the H200's records, or of every device's, meets them
     for read in (bench.load_records(serving.NAME, device="nvidia-h200"), bench.load_records(serving.NAME)):
-        assert read and not [r.case for r in read if r.case.startswith("curve.mi355x.")]
-    with pytest.raises(ValueError, match="modelled, not projected"):
-        serving.projected_records("h200")
+        assert read and not [r.case for r in read if r.case.startswith("curve.")]
+
+
+def test_curve_device_names_what_the_curve_is():
+    assert serving.modelled_device("NVIDIA H200", 288.0) == (
+        "NVIDIA H200 with 288 GB (modelled from NVIDIA H200 records)")
+    for bad in ("", None, 3):
+        with pytest.raises(ValueError, match="gpu_name"):
+            serving.modelled_device(bad, 288.0)
+    for bad in (0, -1.0, "288", True, None):
+        with pytest.raises(ValueError, match="memory_gb"):
+            serving.modelled_device("NVIDIA H200", bad)
 
 
 def _record(**kw) -> bench.Record:
@@ -119,9 +168,9 @@ def test_save_records_files_a_projection_under_projected_and_reading_devices_pas
     assert projected_in_measured_folders(root) == []
 
 
-def test_the_study_labels_a_projected_curve_and_not_the_h200_curve():
-    """curve_records on a small workload: MI355X's records carry the projected device and extras (so
-    save_records files them apart), the H200's keep the measured device's name and none of them."""
+def test_the_study_labels_each_curve_and_files_it_apart(tmp_path):
+    """curve_records: MI355X's records carry the projected device, the H200's the modelled one, both the
+    extras that make save_records file them under profiles/projected/, never in the H200's folder."""
     from k3lab.serving import curve, inputs
 
     if not bench.load_records("decode_step", device="nvidia-h200"):
@@ -134,15 +183,24 @@ def test_the_study_labels_a_projected_curve_and_not_the_h200_curve():
     assert mi and h2
     assert all(r.device == serving.projected_device("AMD Instinct MI355X") and r.extra["projected"] is True
                and r.extra["projected_from"]["device"] == serving.SOURCE_DEVICE for r in mi)
-    assert all(r.device == serving.SOURCE_DEVICE and projected_why(r.to_dict()) is None for r in h2)
+    assert all(r.device == serving.curve_device("h200") and r.extra["projected"] is True
+               and r.extra["measured_or_modelled"] == "modelled from H200 step records"
+               and r.extra["memory_gb"] == serving.H200_MEMORY_GB
+               and r.extra["projected_from"]["device"] == serving.SOURCE_DEVICE for r in h2)
+    root = tmp_path / "profiles"
+    bench.save_records(mi[:2] + h2[:2], root=root)
+    assert [p.name for p in root.iterdir()] == [PROJECTED] and projected_in_measured_folders(root) == []
+    back = serving.projected_records("h200", root=root)
+    assert sorted(r.case for r in back) == sorted(r.case for r in h2[:2])
 
 
 def test_the_records_trend_leaves_projections_out():
-    """`k3lab records trend serving` reads git history too, where the projected curve was once filed under
-    the H200's folder with the H200 as device: none of those versions is a row of the H200's trend."""
+    """`k3lab records trend serving` reads git history too, where the projected and the modelled curves were
+    once filed under the H200's folder with the H200 as device: none of those versions is a row of the
+    H200's trend."""
     from k3lab.profiling import trend
 
     h = trend.history(serving.NAME, device="nvidia-h200")
     assert not h.empty and (h["case"].str.startswith("validate.")).any()
-    assert not h["case"].str.startswith("curve.mi355x").any()
+    assert not h["case"].str.startswith("curve.").any()  # neither projected nor modelled curves
     assert set(h["device"]) == {serving.SOURCE_DEVICE}

@@ -147,7 +147,8 @@ PROFILES = _repo_root() / "profiles"
 # test reports and report timings (scripts/gpu_check.py, docs/gpu_check.md). Reading every study skips
 # them; a file that does not parse inside a study's folder is still named (load_records).
 NOT_STUDIES = frozenset({"gpu_check"})
-# Records a model projected to another GPU (extra["projected"] is True) are saved under
+# Records a model computed, not measured (projected to another GPU, or modelled for a configuration nobody
+# measured; extra["projected"] is True), are saved under
 # <root>/projected/<device-slug>/<study>/, never beside a measured device's folder, and reading a root's
 # devices passes that folder over: readers of projections read root=<root>/projected (k3lab.studies.serving).
 PROJECTED = "projected"

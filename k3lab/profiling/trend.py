@@ -85,8 +85,9 @@ def history(study: str, case: str | None = None, *, device: str | None = None, r
     """Every distinct record of `study` (and `case`, when given) that git history or the working tree of
     profiles/ holds, one row each (TREND_COLUMNS), oldest measurement first. `device`: a folder name
     ('nvidia-h200'), default every device. `git_commit` is the commit that first committed the record
-    ('working tree' for one not committed yet). A projected record (extra.projected, or
-    measured_or_modelled 'projected') is left out: it is no measurement of the device it is filed under."""
+    ('working tree' for one not committed yet). A projected or modelled record (extra.projected, or
+    measured_or_modelled 'projected' or 'modelled ...') is left out: it is no measurement of the device it is
+    filed under."""
     if not isinstance(study, str) or not study:
         raise ValueError(f"study: expected a study name, got {study!r}")
     profiles = Path(PROFILES if root is None else root)
@@ -103,8 +104,9 @@ def history(study: str, case: str | None = None, *, device: str | None = None, r
         for r in _records_of(text):
             if r.study != study or (case is not None and r.case != case):
                 continue
-            if r.extra.get("projected") is True or r.extra.get("measured_or_modelled") == "projected":
-                continue  # projected to another GPU: no timing of the device (git history has some here)
+            label = str(r.extra.get("measured_or_modelled", ""))
+            if r.extra.get("projected") is True or label.startswith(("projected", "modelled")):
+                continue  # the model's output: no timing of the device (git history has some here)
             key = json.dumps(r.to_dict(), sort_keys=True)
             if key in seen:
                 continue

@@ -4,23 +4,27 @@ Cases:
     grid          (GPU) the decode step over batch x context (`grid.measure_grid`; a tiny grid on a CPU)
     validation    the step model's held-out points: one record per point, measured and predicted, with
                   extra.rel_err (predicted / measured - 1); device: the device that measured the step
-    curve_h200    the Pareto front per rung of the article's order, from the H200's fitted steps (with
-                  288 GB per GPU: an H200's 141 GB cannot hold a rank's FP4 weights), one record per point
+    curve_h200    the Pareto front per rung of the article's order, from the H200's fitted steps with 288 GB
+                  per GPU (an H200's 141 GB cannot hold a rank's FP4 weights): a configuration nobody
+                  measured, labelled modelled and filed under profiles/projected/ (below)
     curve_mi355x  the same projected to MI355X (its bandwidth, matrix rate, memory and link), labelled so
                   and filed under profiles/projected/ (below)
 Curve records carry extra.tokens_per_s_user (P90) and extra.tokens_per_s_gpu, mode 'model', median_us the
 cycle time; k3lab.serving.inputs gathers what the model reads from the committed records.
 
-Where projected records live: a curve projected to another GPU is no measurement of any device, so it is
+Where curve records live: a curve is the model's output, no measurement of any device, so every curve is
 filed apart from every measured device's folder, under profiles/projected/<device-slug>/serving/
 (bench.records.PROJECTED; save_records puts a record there when extra['projected'] is True). Its `device`
-names the target and says projected ('AMD Instinct MI355X (projected from NVIDIA H200 records)',
-`projected_device`); extra['projected_from'] names the measured device and the records the model read.
-Filed under the H200's folder with the H200 as device, every reader of "the H200's records"
-(bench.load_records(device=...), roofline.ceilings, the records' trend, the README and report tables) could
-take it for an H200 timing, and an AMD name in a top-level folder would read as an AMD run
-(k3lab.studies.runs). `projected_records` reads them back. The H200 curve is modelled on the device whose
-steps were measured and stays in its folder.
+names the configuration and says what it is (`curve_device`): projected to another GPU ('AMD Instinct
+MI355X (projected from NVIDIA H200 records)', `projected_device`) or modelled on the measured GPU given
+memory it lacks ('NVIDIA H200 with 288 GB (modelled from NVIDIA H200 records)', `modelled_device`);
+extra['projected_from'] names the measured device and the records the model read, extra
+['measured_or_modelled'] says 'projected' or 'modelled from H200 step records'. Filed under the H200's
+folder with the H200 as device, every reader of "the H200's records" (bench.load_records(device=...),
+roofline.ceilings, the records' trend, the README and report tables) could take it for an H200 timing, and
+an AMD name in a top-level folder would read as an AMD run (k3lab.studies.runs). `projected_records` reads
+them back. The measured grid (grid.*) and the held-out checks (validate.*: the measured step beside the
+model's prediction) stay in the H200's folder.
 """
 
 from __future__ import annotations
@@ -45,6 +49,25 @@ def projected_device(gpu_name: str, source: str = SOURCE_DEVICE) -> str:
     return f"{gpu_name} (projected from {source} records)"
 
 
+def modelled_device(gpu_name: str, memory_gb: float, source: str = SOURCE_DEVICE) -> str:
+    """The `device` of a curve modelled on the measured GPU given memory it lacks: 'NVIDIA H200 with 288 GB
+    (modelled from NVIDIA H200 records)'."""
+    if not isinstance(gpu_name, str) or not gpu_name.strip():
+        raise ValueError(f"gpu_name: expected a GPU's name such as 'NVIDIA H200', got {gpu_name!r}")
+    if not isinstance(memory_gb, (int, float)) or isinstance(memory_gb, bool) or not memory_gb > 0:
+        raise ValueError(f"memory_gb: expected the memory per GPU in GB (> 0), got {memory_gb!r}")
+    return f"{gpu_name} with {memory_gb:g} GB (modelled from {source} records)"
+
+
+def curve_device(gpu_key: str) -> str:
+    """The `device` of `gpu_key`'s curve records: 'h200' modelled with H200_MEMORY_GB (`modelled_device`),
+    another GPU projected (`projected_device`)."""
+    from k3lab.serving import hardware
+
+    name = hardware.gpu(gpu_key).name
+    return modelled_device(name, H200_MEMORY_GB) if gpu_key == "h200" else projected_device(name)
+
+
 def projected_from(sources: dict, source: str = SOURCE_DEVICE) -> dict:
     """extra['projected_from'] of a projected record: the measured device and the records the model read
     (node.Inputs.sources: folder and case names, without the routing line's fitted figure)."""
@@ -52,17 +75,12 @@ def projected_from(sources: dict, source: str = SOURCE_DEVICE) -> dict:
 
 
 def projected_records(gpu_key: str, root=None) -> list[bench.Record]:
-    """The committed projected curve records of `gpu_key` ('mi355x'), read from their own folder,
-    <root or profiles>/projected/<device-slug>/serving/ (module docstring); [] when none are there."""
+    """The committed curve records of `gpu_key` ('h200' modelled, 'mi355x' projected), read from their own
+    folder, <root or profiles>/projected/<device-slug>/serving/ (module docstring); [] when none are there."""
     from pathlib import Path
 
-    from k3lab.serving import hardware
-
-    if gpu_key == "h200":
-        raise ValueError("gpu_key: the H200 curve is modelled, not projected: its records are "
-                         "profiles/nvidia-h200/serving/curve.h200.*")
     base = Path(bench.PROFILES if root is None else root) / PROJECTED
-    return bench.load_records(NAME, device=projected_device(hardware.gpu(gpu_key).name), root=base)
+    return bench.load_records(NAME, device=curve_device(gpu_key), root=base)
 
 
 def case_names(preset=None) -> list[str]:
@@ -117,8 +135,8 @@ def validation_records(inp=None) -> list[bench.Record]:
 def curve_records(gpu_key: str, inp=None, work=None, error=None) -> list[bench.Record]:
     """One record per front point of every rung on `gpu_key` ('h200' or 'mi355x'), each with the step
     model's measured error it carries (`error`, default serving.validate.model_error(): its kind and worst
-    abs(rel_err); the band around a front is serving.bands'). Another GPU's records are projected: device
-    `projected_device`, extra projected and projected_from, saved under profiles/projected/."""
+    abs(rel_err); the band around a front is serving.bands'). No curve is a measurement: each carries its
+    `curve_device`, extra projected and projected_from, and is saved under profiles/projected/."""
     from k3lab.serving import curve, hardware, inputs, validate
 
     inp = inp or inputs.node_inputs()
@@ -126,9 +144,9 @@ def curve_records(gpu_key: str, inp=None, work=None, error=None) -> list[bench.R
     error = error or validate.model_error()
     g = hardware.gpu(gpu_key)
     mem = H200_MEMORY_GB if gpu_key == "h200" else None
-    # another GPU's curve is projected: its own device name and folder (module docstring)
-    like = None if gpu_key == "h200" else {"device": projected_device(g.name)}
-    where = {} if gpu_key == "h200" else {"projected": True, "projected_from": projected_from(inp.sources)}
+    # every curve is the model's output: its own device name and folder (module docstring)
+    like = {"device": curve_device(gpu_key)}
+    where = {"projected": True, "projected_from": projected_from(inp.sources)}
     out = []
     for i, row in enumerate(curve.ladder(inp, g, work, memory_gb=mem)):
         for p in row["front"]:

@@ -481,6 +481,7 @@ def test_study_budget_rows_and_the_model_beside_each_run():
     are timed on the run's engine and its prediction is stored beside the run (extra['model']), which the
     notebook reads when it has no costs of its own; the thread count comes back."""
     from k3lab.studies import serving_run
+    from k3lab.studies.serving_run import tables
 
     threads, lines = torch.get_num_threads(), []
     recs, costs = serving_run.run_with_costs(cases=["c1.dcp1.host", "c2.dcp1.host"], budget_s=1e-3,
@@ -494,8 +495,8 @@ def test_study_budget_rows_and_the_model_beside_each_run():
     assert row["step_ms"] == s["decode_step_ms"][str(row["step_batch"])]
     assert row["tpot_p90_over_step"] == pytest.approx(row["tpot_p90_ms"] / row["step_ms"])
     assert row["total_tok_s_gpu"] > row["output_tok_s_gpu"] > 0 and 0 <= row["prefill_iterations"] <= 1
-    assert serving_run._step_at({"1": 5.0, "2": 7.0, "4": 9.0}, 3.0) == (4, 9.0)  # a tie: the larger
-    assert serving_run._step_at({"1": 5.0, "2": 7.0, "4": 9.0}, 1.2) == (1, 5.0)
+    assert tables._step_at({"1": 5.0, "2": 7.0, "4": 9.0}, 3.0) == (4, 9.0)  # a tie: the larger
+    assert tables._step_at({"1": 5.0, "2": 7.0, "4": 9.0}, 1.2) == (1, 5.0)
     table = serving_run.report_table(recs)
     assert list(table.columns)[:len(serving_run.REPORT_COLUMNS)] == list(serving_run.REPORT_COLUMNS.values())
     assert len(table) == 1 and table["TPOT P50 (%)"][0] == pytest.approx(

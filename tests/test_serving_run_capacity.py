@@ -20,6 +20,7 @@ from k3lab.serving.plan import Layout, costs_from_records, plan_run
 from k3lab.serving.pool import PrefixPool
 from k3lab.serving.run import CacheBudget
 from k3lab.studies import serving_run as sr
+from k3lab.studies.serving_run import measure as sr_measure
 
 from cpu_child import on_a_cpu
 
@@ -158,13 +159,13 @@ def test_bad_inputs_by_name():
     with pytest.raises(ValueError, match="case must be a string"):
         sr.parse_case(16)
     with pytest.raises(ValueError, match="capacity form's: run them with form='capacity'"):
-        sr._form_cases("quick", ["capacity.c4.dcp1.host"])
-    assert sr._form_cases("capacity", ["c4.dcp1.host"]) == ["capacity.c4.dcp1.host"]
+        sr_measure._form_cases("quick", ["capacity.c4.dcp1.host"])
+    assert sr_measure._form_cases("capacity", ["c4.dcp1.host"]) == ["capacity.c4.dcp1.host"]
     with pytest.raises(ValueError, match="form must be one of"):
         sr.form_setup("huge", "gpu")
     with pytest.raises(ValueError, match="kind must be"):
         sr.form_setup("quick", "tpu")
-    ss = sr._sessions(["c2.dcp1.host"], sr.form_setup("quick", "cpu"))
+    ss = sr_measure._sessions(["c2.dcp1.host"], sr.form_setup("quick", "cpu"))
     lay, budget = Layout.of(TINY, 4), CacheBudget(6e6, 0.0)
     from k3lab.serving.predict import fixed_clock
 

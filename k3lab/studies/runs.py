@@ -140,7 +140,7 @@ RUNS: tuple[Run, ...] = (
     Run("serving_run", "the measured serving run (continuous batching, chunked prefill, the prefix cache)",
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/serving_run"}),
     Run("serving_run_capacity", "the serving run's capacity form (the cache binds at DCP1 and holds at DCP8)",
-        {}, {"GPU": ("k3lab/studies/serving_run.py",)}),
+        {}, {"GPU": ("k3lab/studies/serving_run/measure.py",)}),
 )
 
 

@@ -1,46 +1,7 @@
-"""Study: a measured serving run, continuous batching over AgentX-like sessions on one TP8 rank, with the
-prefix cache in the memory a rank would have (k3lab.serving.run; docs/serving_run.md).
-
-    python -m k3lab.studies.serving_run --form quick --json $OUT/serving_run.json --budget-s 230
-
-Cases, one run each: 'c{C}.dcp{D}.{host|gpu_only}' = concurrency C (agent sessions at once, closed loop),
-DCP degree D, with or without the host tier. On a GPU: K3Config.tp_slice(8), bf16, random weights
-(`DISTINCT_LAYERS` sets per layer kind), every switch on, decode steps as CUDA graphs; the workload's
-prompts x 1/16, outputs and think times x 1/8 (`GPU_SCALE`); the cache budget is what one rank of the
-article's 8 x MI355X node has left after K3's weights at the served precision (k3lab.serving.node.free_gb:
-59.9 GB) and its host tier (224.875 GB per rank), both x the context scale, so that as many sessions'
-histories fit as would at full length (the fixed KDA checkpoints aside). No H100 or H200 rank can hold
-K3's weights (205 GB per rank at MXFP4 experts), so no budget of this device's own would be one a
-server has. On a CPU: the tiny preset with the switches whose "on" form is PyTorch there, prompts x 1/512,
-a 6 MB device budget and 3 MB host tier (stated in the records), four short runs: a check that the
-whole run works and the shape of its curve, not a speed.
-
-Forms: QUICK (c1, c2, c4, c8, c16 at DCP1 with the host tier, then c16 at DCP8 and c16 without the host
-tier: where capacity binds, what DCP8 and offload change), each run 15 s of serving clock plus at most 10 s
-to finish the requests in flight; FULL (c1 .. c64, DCP1 and DCP8, with and without host, 40 s each); BRIEF
-(`k3lab report`'s quick form on a GPU: c1, c4 and c16 at DCP1 with the host tier, 6 s each plus at most
-4 s, under the report's budget). With `budget_s` a run that would end past it is not started, except
-the first: a budget always measures one run. On a CPU every form but CAPACITY runs the CPU cases (c1,
-c2, c3 at DCP1 with the host tier: a curve of three points; c3 at DCP8 without it), eight requests each.
-
-CAPACITY (`--form capacity`, `CAPACITY_WHY`): c16 at DCP1 without and with the host tier, c16 at DCP8,
-and c4 at DCP1 without it (where nothing binds), 75 s of serving clock each, KDA checkpoints at prompt
-ends only; a scaled workload and budget (the quick form's), labelled in each record; on a CPU its own
-cases at c3 and c1, twelve requests each (`CPU_CAPACITY`). `plan(case, form)`
-is the arithmetic behind a form: turns per session expected in its clock, the cache its sessions hold
-against the budget, whether capacity binds.
-
-This machine's records: `measured(root)` loads the committed ones (profiles/<device>/serving_run/);
-`curve_rows(records)` gives one row per run (percentiles, tokens/s, the decode step at the batch the run
-held, the gaps between tokens), the table notebook 09 opens with.
-
-Records: study 'serving_run', variant 'after', mode 'graph' (GPU) or 'cpu'; median_us / p20_us / p80_us
-= the requests' TPOT percentiles; extra['summary'] holds TTFT / TPOT / ITL / E2E mean and P50 / P90 / P99
-(ms), output and total tokens/s/GPU (the TP8 group's over its 8 GPUs), tokens/s/user, decode step time per
-batch size, prefill tokens/s, hit rate and the cache's counters; extra['describe'] what ran (switches,
-collectives as labelled stand-ins, kernels, budget and its source, scale); extra['requests'] one row per
-request (arrival, prompt, output, resumed position, TTFT, TPOT, E2E in seconds).
-"""
+"""Runs of the serving_run study (the package docstring says what it measures): the forms and their
+set-up (workload scale, cache budget, checkpoint interval, clock), the engine built once for a form's
+cases, one record per run with the step model beside it, the plan behind a form, and the CLI
+(`python -m k3lab.studies.serving_run`)."""
 
 from __future__ import annotations
 
@@ -56,7 +17,8 @@ import torch
 
 from k3lab import bench
 
-NAME = "serving_run"
+from .tables import FORM_PREFIX, NAME, measured, parse_case, summary_text
+
 DISTINCT_LAYERS = 2  # weight sets per layer kind on a GPU: each layer's ~100 MB+ dwarfs the L2 either way
 PLAN_DEVICE = "nvidia-h100-80gb-hbm3"  # whose committed quick-form records give `plan` its step times
 GPU_SCALE = {"context": 1 / 16, "output": 1 / 8, "time": 1 / 8}
@@ -80,7 +42,6 @@ CAPACITY_CPU_TURNS = 8      # the CPU workload's median turns per session in thi
 RUN_S = {"quick": (15.0, 10.0), "full": (40.0, 20.0), "brief": (6.0, 4.0),
          "capacity": (75.0, 10.0)}  # serving clock, then at most this to finish the requests in flight
 FORM_CASES = {"quick": QUICK, "full": FULL, "brief": BRIEF, "capacity": CAPACITY}
-FORM_PREFIX = "capacity."  # the capacity form's cases and records carry its name (a scaled workload)
 CAPACITY_WHY = """The capacity form: where the cache's capacity binds, what DCP8 and the host tier change.
 
 Not yet run on a GPU: its GPU cases are planned from the H100 quick runs (serving.plan), not measured;
@@ -153,30 +114,11 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def parse_case(case: str) -> dict:
-    """'c8.dcp1.host' -> {'concurrency': 8, 'dcp': 1, 'host': True}; a capacity-form case
-    ('capacity.c16.dcp8.host') gives the same with 'form': 'capacity'; ValueError otherwise."""
-    if not isinstance(case, str):
-        raise ValueError(f"case must be a string like 'c8.dcp1.host', got {case!r}")
-    form = "capacity" if case.startswith(FORM_PREFIX) else None
-    parts = case.removeprefix(FORM_PREFIX).split(".")
-    try:
-        c, d, h = parts
-        if not (c.startswith("c") and d.startswith("dcp") and h in ("host", "gpu_only")):
-            raise ValueError
-        out = {"concurrency": int(c[1:]), "dcp": int(d[3:]), "host": h == "host"}
-    except ValueError:
-        raise ValueError(f"case must look like 'c8.dcp1.host' or 'c16.dcp8.gpu_only', got {case!r}") from None
-    if out["concurrency"] < 1 or out["dcp"] not in (1, 2, 4, 8):
-        raise ValueError(f"case {case!r}: concurrency >= 1 and DCP 1, 2, 4 or 8 expected")
-    return {**out, "form": form} if form else out
-
-
 def form_setup(form: str, kind: str) -> dict:
     """What a form's runs are on `kind` ('gpu' or 'cpu'): the workload's scale, its generator overrides,
     root sessions per concurrency, the cache budget, the checkpoint interval and the run's limits
     (duration_s and drain_s on a GPU, max_requests on a CPU). Every form but 'capacity' shares one
-    set-up per kind (the module docstring); the capacity form's differs only where its docstring
+    set-up per kind (the package docstring); the capacity form's differs only where its docstring
     (`CAPACITY_WHY`) says."""
     if form not in RUN_S:
         raise ValueError(f"form must be one of {sorted(RUN_S)}, got {form!r}")
@@ -491,157 +433,10 @@ def _give_back_memory(kind: str) -> None:
         torch.cuda.empty_cache()
 
 
-def report_records() -> Path | None:
-    """Inside a `k3lab report` (its notebooks see k3lab.report.RECORDS_ENV), the folder where its studies
-    saved this run's records; None elsewhere (an older report's records could be another commit's)."""
-    from k3lab.report import RECORDS_ENV
-
-    here = os.environ.get(RECORDS_ENV)
-    return Path(here) if here else None
-
-
-def measured(root=None, device: str | None = None, form: str = "quick") -> list[bench.Record]:
-    """This machine's committed serving-run records (`device`: a slug or name, default this machine's;
-    `root`: default the tree's profiles/; `report_records()` holds a report's fresh ones), ordered by DCP,
-    host tier and concurrency; [] when none. form='capacity': the capacity form's records (a workload
-    of their own, kept apart from the curve's); any other form: the rest."""
-    slug = device if device is not None else bench.device_slug()
-    recs = [r for r in bench.load_records(study=NAME, device=slug, root=root)
-            if bool(parse_case(r.case).get("form")) == (form == "capacity")]
-    return sorted(recs, key=lambda r: (r.shape.get("dcp", 1), not r.shape.get("host_tier", True),
-                                       r.shape.get("concurrency", 0)))
-
-
-def _step_at(steps: dict, running: float) -> tuple[int, float]:
-    """The decode step (batch size, ms) measured at the size nearest the batch a run held on average."""
-    sizes = sorted((int(b), float(ms)) for b, ms in steps.items())
-    if not sizes:
-        return 0, math.nan
-    return min(sizes, key=lambda bm: (abs(bm[0] - running), -bm[0]))
-
-
-def curve_rows(records) -> list[dict]:
-    """One row per serving-run record: its case; TTFT, TPOT and ITL P50 / P90 (ms); the decode step
-    measured at the batch size nearest the batch the run held on average (`step_ms`, at `step_batch`)
-    and TPOT P90 over it (what the prefill chunks a decode step waited behind added, with the other
-    iterations' admission work); the share of iterations that ran a prefill chunk besides decoding;
-    output and total tokens/s/GPU, tokens/s/user (P50 over users), the prefix hit rate; requests done
-    and cut at the drain limit. ValueError for a record of another study."""
-    rows = []
-    for r in records:
-        if getattr(r, "study", None) != NAME:
-            got = getattr(r, "study", type(r).__name__)
-            raise ValueError(f"records must be {NAME!r} records, got {got!r}")
-        s = r.extra.get("summary", {})
-        ttft, tpot, itl = s.get("ttft_ms", {}), s.get("tpot_ms", {}), s.get("itl_ms", {})
-        batch, step = _step_at(s.get("decode_step_ms", {}), float(s.get("mean_running", 0.0)))
-        iters = s.get("iterations") or 0
-        p90 = tpot.get("p90", math.nan)
-        rows.append({
-            "case": r.case, "concurrency": r.shape.get("concurrency"), "dcp": r.shape.get("dcp"),
-            "host_tier": r.shape.get("host_tier"), "requests": s.get("requests"),
-            "incomplete": s.get("incomplete"),
-            "ttft_p50_ms": ttft.get("p50"), "ttft_p90_ms": ttft.get("p90"),
-            "tpot_p50_ms": tpot.get("p50"), "tpot_p90_ms": tpot.get("p90"),
-            "itl_p50_ms": itl.get("p50"), "itl_p90_ms": itl.get("p90"),
-            "step_batch": batch, "step_ms": step,
-            "tpot_p90_over_step": p90 / step if step and math.isfinite(step) else math.nan,
-            "prefill_iterations": (s.get("iterations_with_prefill_and_decode", 0) / iters if iters
-                                   else math.nan),
-            "output_tok_s_gpu": s.get("output_tokens_per_s_gpu"),
-            "total_tok_s_gpu": s.get("total_tokens_per_s_gpu"),
-            "tok_s_user": (s.get("tokens_per_s_user") or {}).get("p50"), "hit_rate": s.get("hit_rate"),
-        })
-    return rows
-
-
-REPORT_COLUMNS = {"case": "case", "requests": "requests", "ttft_p50_ms": "TTFT P50 (ms)",
-                  "ttft_p90_ms": "TTFT P90 (ms)", "tpot_p50_ms": "TPOT P50 (ms)",
-                  "tpot_p90_ms": "TPOT P90 (ms)",
-                  "step_ms": "decode step (ms)", "itl_p90_ms": "ITL P90 (ms)",
-                  "output_tok_s_gpu": "output tok/s/GPU", "total_tok_s_gpu": "total tok/s/GPU",
-                  "tok_s_user": "tok/s/user P50", "hit_rate": "hit rate"}
-REPORT_NOTE = {
-    "cpu": "The tiny preset on this CPU, eight requests a run in a scaled-down budget: a check that the "
-           "whole run works (chunked prefill, the pool, continuous batching) and the shape of its curve, "
-           "not a speed.",
-    "gpu": "Measured on this GPU: one TP8 rank of K3 at bf16 with random weights, collectives as stand-ins "
-           "(no communication time), the workload scaled (prompts x 1/16, outputs and think times x 1/8) and "
-           "the cache budget of an MI355X rank scaled alike (docs/serving_run.md).",
-}
-
-
-MODEL_COLUMNS = {"ttft_p50_ms": "model vs measured: TTFT P50 (%)", "tpot_p50_ms": "TPOT P50 (%)",
-                 "tpot_p90_ms": "TPOT P90 (%)", "output_tokens_per_s_gpu": "output tok/s (%)"}
-
-
-def report_table(records):
-    """`k3lab report`'s table of this study's records: `curve_rows` in REPORT_COLUMNS, then the step
-    model beside each run (extra['model']): predicted / measured - 1 in percent per MODEL_COLUMNS, and
-    the term it names when one is off by more than predict.TOLERANCE."""
-    import pandas as pd
-
-    table = pd.DataFrame(curve_rows(records), columns=list(REPORT_COLUMNS)).rename(columns=REPORT_COLUMNS)
-    for key, name in MODEL_COLUMNS.items():
-        errs = [r.extra.get("model", {}).get(f"{key} err") for r in records]
-        table[name] = [100 * e if isinstance(e, (int, float)) else math.nan for e in errs]
-    table["model's wrong term"] = [r.extra.get("model", {}).get("wrong_term") or "" for r in records]
-    return table
-
-
-def curve_figure(rows: list[dict], title: str):
-    """Two panels of `curve_rows` (one marker per run, labelled by concurrency): total and output
-    tokens/s/GPU against tokens/s/user (P50), the article's axes; TTFT and TPOT P50 / P90 against
-    concurrency (log scale)."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s/GPU against tokens/s/user",
-                                                        "TTFT and TPOT against concurrency"))
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["dcp"], r["host_tier"]), []).append(r)
-    for (dcp, host), rs in groups.items():
-        rs = sorted(rs, key=lambda r: r["concurrency"])
-        name = f"DCP{dcp}, {'host tier' if host else 'GPU only'}"
-        text = [f"C={r['concurrency']}" for r in rs]
-        for key, what, dash in (("total_tok_s_gpu", "total", None), ("output_tok_s_gpu", "output", "dot")):
-            fig.add_trace(go.Scatter(x=[r["tok_s_user"] for r in rs], y=[r[key] for r in rs], text=text,
-                                     mode="lines+markers+text", textposition="top center",
-                                     line={"dash": dash}, name=f"{what} tokens, {name}"), row=1, col=1)
-        for key, what, dash in (("ttft_p50_ms", "TTFT P50", None), ("ttft_p90_ms", "TTFT P90", "dot"),
-                                ("tpot_p50_ms", "TPOT P50", "dash"), ("tpot_p90_ms", "TPOT P90", "dashdot")):
-            fig.add_trace(go.Scatter(x=[r["concurrency"] for r in rs], y=[r[key] for r in rs],
-                                     mode="lines+markers", line={"dash": dash}, name=f"{what}, {name}"),
-                          row=1, col=2)
-    fig.update_xaxes(title_text="tokens/s/user (P50 over users)", row=1, col=1)
-    fig.update_yaxes(title_text="tokens/s/GPU", type="log", row=1, col=1)
-    fig.update_xaxes(title_text="concurrency (sessions at once)", type="log", row=1, col=2)
-    fig.update_yaxes(title_text="ms", type="log", row=1, col=2)
-    fig.update_layout(title=title, height=460)
-    return fig
-
-
 def profile_targets(preset=None) -> dict:
     """Nothing to profile apart: the decode step is the decode_step study's (`k3lab profile decode_step`),
     the KDA chunk scan the kda_scan study's."""
     return {}
-
-
-def summary_text(records) -> str:
-    """One line per run: concurrency, DCP, host tier, TTFT and TPOT P50/P90, output and total tokens/s/GPU,
-    hit rate."""
-    lines = []
-    for r in records:
-        s = r.extra.get("summary", {})
-        ttft, tpot = s.get("ttft_ms", {}), s.get("tpot_ms", {})
-        lines.append(f"{r.case}: TTFT p50/p90 {ttft.get('p50', math.nan):.0f}/"
-                     f"{ttft.get('p90', math.nan):.0f} ms, TPOT p50/p90 {tpot.get('p50', math.nan):.1f}/"
-                     f"{tpot.get('p90', math.nan):.1f} ms, "
-                     f"{s.get('output_tokens_per_s_gpu', math.nan):.1f} output and "
-                     f"{s.get('total_tokens_per_s_gpu', math.nan):.0f} total tok/s/GPU, hit rate "
-                     f"{s.get('hit_rate', math.nan):.2f}")
-    return "\n".join(lines)
 
 
 def _write(path: Path, records: list) -> None:
@@ -653,10 +448,13 @@ def _write(path: Path, records: list) -> None:
 
 
 def main(argv=None) -> int:
-    """The CLI (module docstring): records to --json after every run (a run cut short keeps what it
-    measured) and, with --save-dir, as profiles/-style files under that folder."""
+    """The CLI (the package docstring; `python -m k3lab.studies.serving_run`): records to --json after
+    every run (a run cut short keeps what it measured) and, with --save-dir, as profiles/-style files under
+    that folder."""
+    from k3lab.studies import serving_run  # its docstring's first line is the CLI's description
+
     ap = argparse.ArgumentParser(prog="python -m k3lab.studies.serving_run",
-                                 description=__doc__.splitlines()[0])
+                                 description=serving_run.__doc__.splitlines()[0])
     ap.add_argument("--form", choices=sorted(RUN_S), default="quick")
     ap.add_argument("--cases", nargs="*", help="cases to run (default: the form's)")
     ap.add_argument("--json", type=Path, required=True,
@@ -681,6 +479,3 @@ def main(argv=None) -> int:
         print(summary_text(done), flush=True)
     return 0 if done else 1
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -155,8 +155,6 @@ STUDY_FILES = ("__init__.py", "measure.py", "tables.py")
 # studies not yet in the shape: each xfails strictly, so the test fails once it is fixed and the entry goes
 NOT_YET_SHAPED = {
     "serving": "serving's grid.py/figures.py are renamed to measure.py/tables.py next",
-    "copy_removal": "copy_removal has no tables.py yet: its floor-traffic model (attn_res_bytes) sits in "
-                    "measure.py",
 }
 
 

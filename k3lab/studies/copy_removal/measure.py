@@ -14,7 +14,8 @@ from k3lab.config import K3Config
 from k3lab.ops import attn_res_norm as arn
 from k3lab.studies.peers import on_gpu
 
-NAME = "copy_removal"
+from .tables import attn_res_bytes, NAME
+
 HIDDEN_GPU = 7168
 ATTN_RES_GPU = [(1, 2), (1, 5), (1, 9), (64, 2), (64, 5), (64, 9), (8192, 2), (8192, 5), (8192, 9)]
 ATTN_RES_CPU = [(1, 2), (1, 9), (16, 5)]
@@ -58,12 +59,6 @@ def attn_res_inputs(tokens: int, sources: int, hidden: int, dtype=torch.bfloat16
     return AttnResInputs(r(tokens, hidden).to(dtype), r(tokens, hidden).to(dtype), blocks, n_blocks,
                          res_norm_w,
                          res_proj_w, 1 + r(hidden, scale=0.1), arn.fold_mix_weight(res_norm_w, res_proj_w))
-
-
-def attn_res_bytes(tokens: int, sources: int, hidden: int, elem: int = 2) -> int:
-    """Floor traffic: read the stored blocks, the partial and the delta once; write the partial and
-    the normed output (the weights are negligible)."""
-    return tokens * hidden * elem * ((sources - 1) + 2 + 2)
 
 
 def check_attn_res(x: AttnResInputs) -> dict:

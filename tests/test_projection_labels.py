@@ -195,7 +195,7 @@ def test_the_serving_strings_label_each_projection_and_carry_its_error(known):
     """article's tables: every row projected, with the step model's worst error or why it has none;
     DROPPED and the calibration rows say what they are; the ladder's rungs and shares say modelled (H200)
     or projected; the what-if figure says projected and its error."""
-    from k3lab.studies.serving import H200_MEMORY_GB, figures
+    from k3lab.studies.serving import H200_MEMORY_GB, tables
 
     inp, work, err = known["inp"], known["work"], known["err"]
     worst = f"worst {err['worst']:.0%}"
@@ -212,7 +212,7 @@ def test_the_serving_strings_label_each_projection_and_carry_its_error(known):
         lad = curve.ladder(inp, hardware.gpu(key), work, memory_gb=mem)
         shares = curve.shares_at(lad, curve.reachable_target(lad))
         assert {r["kind"] for r in lad} == {r["kind"] for r in shares} == {kind}, key
-    fig, _ = figures.whatif(inp, work, error=err)
+    fig, _ = tables.whatif(inp, work, error=err)
     assert "projected" in fig.layout.title.text and worst in fig.layout.title.text
     assert "projected" in fig.data[0].name
 

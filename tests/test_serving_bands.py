@@ -94,10 +94,10 @@ def test_docs_quote_the_generated_projection_section(setup):
 
 
 def test_the_band_figure_draws_each_projection_as_a_labelled_region_and_its_central_front(setup):
-    from k3lab.studies.serving import figures
+    from k3lab.studies.serving import tables
 
     _, _, err, bs = setup
-    fig = figures.band_figure(list(bs.values()), 50.0, "projected")
+    fig = tables.band_figure(list(bs.values()), 50.0, "projected")
     assert len(fig.data) == 2 * len(bs)
     for region, line, b in zip(fig.data[::2], fig.data[1::2], bs.values()):
         assert region.fill == "toself" and "projected" in region.name and "projected" in line.name
@@ -106,16 +106,16 @@ def test_the_band_figure_draws_each_projection_as_a_labelled_region_and_its_cent
 
 
 def test_update_docs_rewrites_only_the_generated_sections(tmp_path, monkeypatch):
-    from k3lab.studies.serving import figures
+    from k3lab.studies.serving import tables
 
     page = tmp_path / "serving.md"
     page.write_text("intro\n<!-- generated: a() -->\nold a\n<!-- end generated -->\nmiddle\n"
                     "<!-- generated: b() -->\nnew b\n<!-- end generated -->\nend\n")
-    monkeypatch.setattr(figures, "docs_sections", lambda root=None: {"a()": "new a", "b()": "new b"})
-    assert figures.update_docs(page) == ["a()"]
+    monkeypatch.setattr(tables, "docs_sections", lambda root=None: {"a()": "new a", "b()": "new b"})
+    assert tables.update_docs(page) == ["a()"]
     assert page.read_text() == ("intro\n<!-- generated: a() -->\nnew a\n<!-- end generated -->\nmiddle\n"
                                 "<!-- generated: b() -->\nnew b\n<!-- end generated -->\nend\n")
-    assert figures.update_docs(page) == []
+    assert tables.update_docs(page) == []
     page.write_text("<!-- generated: c() -->\nx\n<!-- end generated -->\n")
     with pytest.raises(ValueError, match="unknown generated section"):
-        figures.update_docs(page)
+        tables.update_docs(page)

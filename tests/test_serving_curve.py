@@ -86,10 +86,10 @@ def test_the_article_walk_keeps_only_projections_with_measured_or_cited_inputs(i
 
 @needs_records
 def test_the_whatif_refuses_a_bad_dcp_before_computing(inp):
-    from k3lab.studies.serving import figures
+    from k3lab.studies.serving import tables
 
     with pytest.raises(ValueError, match="dcp"):
-        figures.whatif(inp, curve.agent_workload(), dcp="4")
+        tables.whatif(inp, curve.agent_workload(), dcp="4")
 
 
 @needs_records

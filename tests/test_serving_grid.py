@@ -8,12 +8,12 @@ import json
 import pytest
 
 from k3lab import bench
-from k3lab.studies.serving import grid
+from k3lab.studies.serving import measure
 
 
 def test_plan_times_all_on_and_base_everywhere_then_the_single_switches_at_the_subset():
     pts = [(b, c) for b in (1, 2, 4) for c in (1024, 4096)]
-    order = grid.plan(pts, subset=[(1, 4096), (8, 8)], switches=("kda_fused", "mla_padded"))
+    order = measure.plan(pts, subset=[(1, 4096), (8, 8)], switches=("kda_fused", "mla_padded"))
     head = order[:2 * len(pts)]
     assert {(b, c) for b, c, _ in head} == set(pts)
     assert [v for _, _, v in head] == ["all_on", "base"] * len(pts)
@@ -26,28 +26,28 @@ def test_plan_times_all_on_and_base_everywhere_then_the_single_switches_at_the_s
 @pytest.mark.parametrize("bad", [(0, 8), (1,), ("1", 8), (True, 8), (2, -1)])
 def test_plan_refuses_a_bad_point_by_name(bad):
     with pytest.raises(ValueError, match="points"):
-        grid.plan([bad])
+        measure.plan([bad])
 
 
 def test_variant_switches():
-    assert all(grid.variant_switches("all_on").values())
-    base = grid.variant_switches("base")
+    assert all(measure.variant_switches("all_on").values())
+    base = measure.variant_switches("base")
     assert base["grouped_experts"] and not any(v for k, v in base.items() if k != "grouped_experts")
-    off = grid.variant_switches("no_mla_padded")
+    off = measure.variant_switches("no_mla_padded")
     assert not off["mla_padded"] and sum(not v for v in off.values()) == 1
     with pytest.raises(ValueError, match="variant"):
-        grid.variant_switches("no_grouped_experts")  # the per-expert loop cannot be graphed
+        measure.variant_switches("no_grouped_experts")  # the per-expert loop cannot be graphed
 
 
 def test_point_bytes_grows_with_batch_and_context_and_rules_out_the_largest_points():
     from k3lab.config import K3Config
 
     c = K3Config.tp_slice(8)
-    small, wide, long = (grid.point_bytes(c, 1, 1024), grid.point_bytes(c, 8, 1024),
-                         grid.point_bytes(c, 1, 8192))
+    small, wide, long = (measure.point_bytes(c, 1, 1024), measure.point_bytes(c, 8, 1024),
+                         measure.point_bytes(c, 1, 8192))
     assert small < wide and small < long
     # the MLA history alone at B = 128, 128K in bf16: 24 x 128 x 131073 x 576 x 2 bytes > an H200's 141 GB
-    assert grid.point_bytes(c, 128, 131072) > 141e9 > grid.point_bytes(c, 16, 16384)
+    assert measure.point_bytes(c, 128, 131072) > 141e9 > measure.point_bytes(c, 16, 16384)
 
 
 def _fake_record(case: str, us: float) -> bench.Record:
@@ -58,15 +58,15 @@ def _fake_record(case: str, us: float) -> bench.Record:
 def test_the_budget_stops_before_a_point_that_would_overrun_and_the_json_keeps_what_was_measured(
         monkeypatch, tmp_path):
     clock = [0.0]
-    monkeypatch.setattr(grid.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
 
     def fake_point(weights, batch, context, variant, **kw):
         clock[0] += 10.0  # every point takes 10 s
         return _fake_record(f"grid.b{batch}_{context}.{variant}", 1.0)
 
-    monkeypatch.setattr(grid, "measure_point", fake_point)
+    monkeypatch.setattr(measure, "measure_point", fake_point)
     out = tmp_path / "grid.json"
-    recs = grid.measure_grid([(1, 8), (2, 8), (4, 8)], variants=["all_on"], budget_s=25.0, json_path=out,
+    recs = measure.measure_grid([(1, 8), (2, 8), (4, 8)], variants=["all_on"], budget_s=25.0, json_path=out,
                              log=lambda *_: None)
     # 0 s -> 10 s -> 20 s; a third point would end near 35 s > 25 s
     assert len(recs) == 2
@@ -76,17 +76,17 @@ def test_the_budget_stops_before_a_point_that_would_overrun_and_the_json_keeps_w
 
 def test_bad_arguments_are_refused_before_anything_runs():
     with pytest.raises(ValueError, match="repeats"):
-        grid.measure_grid([(1, 8)], repeats=0)
+        measure.measure_grid([(1, 8)], repeats=0)
     with pytest.raises(ValueError, match="budget_s"):
-        grid.measure_grid([(1, 8)], budget_s=0)
+        measure.measure_grid([(1, 8)], budget_s=0)
     with pytest.raises(ValueError, match="variant"):
-        grid.measure_grid([(1, 8)], variants=["all_off"])
+        measure.measure_grid([(1, 8)], variants=["all_off"])
 
 
 @pytest.mark.follows_gpu  # the study puts its tensors on the GPU where there is one
 def test_the_tiny_grid_runs_on_this_machine_and_writes_records_k3lab_import_reads(tmp_path):
     out = tmp_path / "grid.json"
-    recs = grid.measure_grid([(1, 8), (1, 16)], variants=["all_on"], repeats=1, distinct_layers=1,
+    recs = measure.measure_grid([(1, 8), (1, 16)], variants=["all_on"], repeats=1, distinct_layers=1,
                              json_path=out, log=lambda *_: None)
     assert [r.case for r in recs] == ["grid.b1_8.all_on", "grid.b1_16.all_on"]
     for r in recs:
@@ -108,14 +108,14 @@ def test_the_second_gpu_grid_command_plans_every_variant_at_every_point(monkeypa
         seen.update(kw, points=points)
         return []
 
-    monkeypatch.setattr(grid, "measure_grid", fake)
+    monkeypatch.setattr(measure, "measure_grid", fake)
     out = tmp_path / "g.json"
     argv = ["grid", "--json", str(out), "--budget-s", "220", "--batches", "1", "4", "16", "--contexts",
             "1024", "16384", "--variants", "all_on", "base", "no_mla_padded", "--switches-everywhere"]
-    assert grid.main(argv) == 0
+    assert measure.main(argv) == 0
     assert seen["points"] == [(1, 1024), (1, 16384), (4, 1024), (4, 16384), (16, 1024), (16, 16384)]
     assert seen["subset"] == seen["points"] and seen["variants"] == ["all_on", "base", "no_mla_padded"]
-    todo = [t for t in grid.plan(seen["points"], seen["subset"]) if t[2] in seen["variants"]]
+    todo = [t for t in measure.plan(seen["points"], seen["subset"]) if t[2] in seen["variants"]]
     for v in seen["variants"]:
         assert {(b, c) for b, c, w in todo if w == v} == set(seen["points"])
     assert json.loads(out.read_text()) == []

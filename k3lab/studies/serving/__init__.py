@@ -1,7 +1,7 @@
 """Study: the serving curve, tokens/s/GPU against tokens/s/user on one node of 8 GPUs (notebook 09).
 
 Cases:
-    grid          (GPU) the decode step over batch x context (`grid.measure_grid`; a tiny grid on a CPU)
+    grid          (GPU) the decode step over batch x context (`measure.measure_grid`; a tiny grid on a CPU)
     validation    the step model's held-out points: one record per point, measured and predicted, with
                   extra.rel_err (predicted / measured - 1); device: the device that measured the step
     curve_h200    the Pareto front per rung of the article's order, from the H200's fitted steps with 288 GB
@@ -34,7 +34,7 @@ import datetime as _dt
 from k3lab import bench
 from k3lab.bench.records import PROJECTED
 
-from . import grid
+from . import measure
 
 NAME = "serving"
 H200_MEMORY_GB = 288.0  # the H200 curve's memory per GPU: K3's FP4 weights do not fit in 141 GB
@@ -171,7 +171,7 @@ def run(preset=None, cases=None, *, repeats: int = 5) -> list:
     out, inp, err = [], None, None
     for case in select_cases(case_names(preset), cases):
         if case == "grid":
-            out += grid.measure_grid(repeats=repeats)
+            out += measure.measure_grid(repeats=repeats)
             continue
         inp = inp or inputs.node_inputs()
         if case == "validation":

@@ -1,5 +1,5 @@
-"""`python -m k3lab.studies.serving grid --json F`: the step-time grid (k3lab.studies.serving.grid)."""
+"""`python -m k3lab.studies.serving grid --json F`: the step-time grid (k3lab.studies.serving.measure)."""
 
-from k3lab.studies.serving.grid import main
+from k3lab.studies.serving.measure import main
 
 raise SystemExit(main())

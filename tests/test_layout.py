@@ -152,10 +152,6 @@ def test_bench_names_runtimes_checks_and_capture():
 
 
 STUDY_FILES = ("__init__.py", "measure.py", "tables.py")
-# studies not yet in the shape: each xfails strictly, so the test fails once it is fixed and the entry goes
-NOT_YET_SHAPED = {
-    "serving": "serving's grid.py/figures.py are renamed to measure.py/tables.py next",
-}
 
 
 def study_shape_problems(studies: dict[str, str], root: Path = REPO) -> list[str]:
@@ -175,14 +171,13 @@ def study_shape_problems(studies: dict[str, str], root: Path = REPO) -> list[str
     return out
 
 
-def _study_params():
+def _study_names():
     from k3lab.studies import STUDIES
 
-    return [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=NOT_YET_SHAPED[name]))
-            if name in NOT_YET_SHAPED else name for name in STUDIES]
+    return list(STUDIES)
 
 
-@pytest.mark.parametrize("name", _study_params())
+@pytest.mark.parametrize("name", _study_names())
 def test_every_study_is_a_package_of_one_shape(name):
     from k3lab.studies import STUDIES
 

@@ -107,3 +107,27 @@ def test_bad_inputs_are_named(tmp_path):
         copy_removal.attn_res_table([{"case": "attn_res_t1_s2"}])
     with pytest.raises(TypeError, match="device"):
         copy_removal.load(device=None)
+
+
+def test_doc_headline_is_the_committed_records():
+    """docs/copy_removal.md's headline rows are generated from the committed records (stale: run
+    `python -m k3lab.studies.copy_removal.headline --write`), each figure the graph record's at two decimals,
+    and a record re-measured (a temp copy) changes the rows."""
+    from k3lab.studies.copy_removal import headline
+
+    body = headline.in_doc(headline.DOC.read_text())
+    assert body == headline.markdown(), "stale: python -m k3lab.studies.copy_removal.headline --write"
+    recs = tables.load()
+    by = {(r.case, r.variant): r for r in recs}
+    for tokens, sources in headline.HEADLINE:
+        case = f"attn_res_t{tokens}_s{sources}_graph"
+        before, after = by[(case, "before")], by[(case, "after")]
+        want = (f"| {tokens}, {sources} | {before.median_us:.2f} | {after.median_us:.2f} "
+                f"| {after.floor_us:.2f} |")
+        assert want in body.splitlines(), (want, body)
+    faster = [r if (r.case, r.variant) != ("attn_res_t1_s9_graph", "after") else
+              bench.Record.from_dict({**r.to_dict(), "median_us": r.median_us / 2, "p20_us": r.p20_us / 2,
+                                      "p80_us": r.p80_us / 2}) for r in recs]
+    assert headline.markdown(faster) != body
+    without = headline.markdown([r for r in recs if not r.case.startswith("attn_res_t1_s9")])
+    assert "| 1, 9 | not measured | not measured | not measured |" in without.splitlines()

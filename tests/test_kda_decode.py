@@ -363,6 +363,36 @@ def test_study_summary_text_of_the_committed_h200_records():
         assert float(cols[6]) == pytest.approx(by["before"].median_us / by["after"].median_us, abs=0.006)
 
 
+
+def test_doc_headline_is_the_committed_records():
+    """docs/kda_decode.md's headline rows are generated from the committed graph records (stale: run
+    `python -m k3lab.studies.kda_decode.headline --write`), each figure the record's at two decimals with
+    the records' commit, and a record re-measured (a changed copy) or missing changes the rows."""
+    from k3lab.studies.kda_decode import headline
+
+    recs = bench.load_records(study="kda_decode", device="nvidia-h200")
+    if not recs:
+        pytest.skip("no committed H200 kda_decode records in profiles/")
+    body = headline.in_doc(headline.DOC.read_text())
+    assert body == headline.markdown(), "stale: python -m k3lab.studies.kda_decode.headline --write"
+    graph = {(r.case, r.variant): r for r in recs if r.mode == "graph"}
+    lines = body.splitlines()
+    assert len(lines) == 2 + len(headline.BATCHES)
+    for b in headline.BATCHES:
+        before, after, fla = (graph[(f"B{b}_H12", v)] for v in ("before", "after", "fla"))
+        commits = ", ".join(sorted({r.commit[:7] for r in (before, after, fla)}))
+        want = (f"| {b} | {before.median_us:.2f} | {after.median_us:.2f} | {fla.median_us:.2f} "
+                f"| {after.extra['state_tbs']:.2f} | {commits} |")
+        assert want in lines, (want, body)
+    slower = [r if (r.case, r.variant, r.mode) != ("B128_H12", "fla", "graph") else
+              bench.Record.from_dict({**r.to_dict(), "median_us": r.median_us * 1.5}) for r in recs]
+    changed = headline.markdown(slower)
+    assert changed != body
+    assert f"| {graph[('B128_H12', 'fla')].median_us * 1.5:.2f} |" in changed
+    without = headline.markdown([r for r in recs if not (r.case == "B1_H12" and r.variant == "fla")])
+    assert any(line.startswith("| 1 | ") and "| not measured |" in line for line in without.splitlines())
+    assert headline.in_doc("no markers here") == ""
+
 def test_step_bytes_floor_inputs():
     from k3lab.studies import kda_decode as kb
     sb = kb.step_bytes(128, 12)

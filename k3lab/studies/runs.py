@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -299,6 +300,33 @@ def section_main(argv: list[str] | None, *, prog: str, doc: str, what: str, mark
         print(target, "rewritten" if write() else "unchanged")
     else:
         print(markdown(), end="")
+
+
+@dataclass(frozen=True)
+class PageSection:
+    """A page's section generated from records: `page` (a file under the repository), its markers, and
+    `markdown()` making its text; `module` is the command that prints or rewrites it (`main`)."""
+
+    page: Path
+    begin: str
+    end: str
+    markdown: Callable[[], str]
+    module: str
+    doc: str
+    what: str = "headline table"
+
+    def in_doc(self, text: str) -> str:
+        """The section in the page's text ('' when its markers are absent)."""
+        return between(text, self.begin, self.end)
+
+    def write(self) -> bool:
+        """Rewrite the section from the committed records; True when the file changed."""
+        return write_between(self.page, self.begin, self.end, self.markdown())
+
+    def main(self, argv: list[str] | None = None) -> int:
+        section_main(argv, prog=f"python -m {self.module}", doc=self.doc, what=self.what,
+                     markdown=self.markdown, write=self.write, target=self.page.relative_to(REPO).as_posix())
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:

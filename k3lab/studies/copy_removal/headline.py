@@ -8,7 +8,7 @@ figures are the records' and a re-measured record shows up as a stale page in th
 
 from __future__ import annotations
 
-from k3lab.studies.runs import REPO, between, section_main, write_between
+from k3lab.studies.runs import REPO, PageSection
 
 from .tables import NOT_MEASURED, attn_res_table
 
@@ -32,20 +32,8 @@ def markdown(records=None) -> str:
     return "\n".join(rows) + "\n"
 
 
-def in_doc(text: str) -> str:
-    """The headline section of the page's text ('' when its markers are absent)."""
-    return between(text, BEGIN, END)
-
-
-def write(path=DOC) -> bool:
-    """Rewrite the page's headline rows from the committed records; True when the file changed."""
-    return write_between(path, BEGIN, END, markdown())
-
-
-def main(argv: list[str] | None = None) -> int:
-    section_main(argv, prog="python -m k3lab.studies.copy_removal.headline", doc=__doc__,
-                 what="headline table", markdown=markdown, write=write, target="docs/copy_removal.md")
-    return 0
+SECTION = PageSection(DOC, BEGIN, END, markdown, "k3lab.studies.copy_removal.headline", __doc__)
+in_doc, write, main = SECTION.in_doc, SECTION.write, SECTION.main
 
 
 if __name__ == "__main__":

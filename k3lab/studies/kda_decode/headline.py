@@ -10,7 +10,7 @@ stale page in the test.
 from __future__ import annotations
 
 from k3lab import bench
-from k3lab.studies.runs import REPO, between, section_main, write_between
+from k3lab.studies.runs import REPO, PageSection
 
 from .measure import BATCHES, HEADS, NAME
 
@@ -41,20 +41,8 @@ def markdown(records: list[bench.Record] | None = None) -> str:
     return "\n".join(rows) + "\n"
 
 
-def in_doc(text: str) -> str:
-    """The headline section of the page's text ('' when its markers are absent)."""
-    return between(text, BEGIN, END)
-
-
-def write(path=DOC) -> bool:
-    """Rewrite the page's headline rows from the committed records; True when the file changed."""
-    return write_between(path, BEGIN, END, markdown())
-
-
-def main(argv: list[str] | None = None) -> int:
-    section_main(argv, prog="python -m k3lab.studies.kda_decode.headline", doc=__doc__,
-                 what="headline table", markdown=markdown, write=write, target="docs/kda_decode.md")
-    return 0
+SECTION = PageSection(DOC, BEGIN, END, markdown, "k3lab.studies.kda_decode.headline", __doc__)
+in_doc, write, main = SECTION.in_doc, SECTION.write, SECTION.main
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from k3lab import bench
+from k3lab.ops import int_arg
 
 NAME = "copy_removal"
 DEVICE = "nvidia-h200"  # the committed records a CPU reader sees
@@ -21,8 +22,7 @@ def attn_res_bytes(tokens: int, sources: int, hidden: int, elem: int = 2) -> int
     write the partial and the normed output (the weights are negligible). `sources` counts the stored
     blocks plus the partial; `elem` is the activations' bytes per element."""
     for name, value in (("tokens", tokens), ("sources", sources), ("hidden", hidden), ("elem", elem)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        int_arg(name, value, low=1, what="a positive int")
     return tokens * hidden * elem * ((sources - 1) + 2 + 2)
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k3lab import bench
+from k3lab.ops import int_arg
 
 from . import measure, tables
 from .tables import DEVICE, NOT_MEASURED
@@ -149,11 +150,6 @@ def check_cases(cases, label: str = "cases") -> list[str]:
     return list(cases)
 
 
-def _check_positive_int(label: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{label} must be a positive integer, got {value!r}")
-
-
 def check_budget(budget_s, label: str = "budget_s") -> float | None:
     """budget_s: None (no budget) or a positive finite number of seconds; ValueError naming it
     (`label`)."""
@@ -192,8 +188,8 @@ def run(cases=None, *, budget_s: float | None = None, repeats: int = 5, distinct
     runs: ValueError naming it."""
     check_cases(cases)
     budget_s = check_budget(budget_s)
-    _check_positive_int("repeats", repeats)
-    _check_positive_int("distinct_layers", distinct_layers)
+    int_arg("repeats", repeats, low=1, what="a positive integer")
+    int_arg("distinct_layers", distinct_layers, low=1, what="a positive integer")
     t0 = time.perf_counter()
     runs, left = plan(cases)
     for (case, variant), why in left.items():
@@ -377,8 +373,8 @@ def main(argv=None) -> int:
     try:
         check_cases(args.cases, "--cases")
         check_budget(args.budget_s, "--budget-s")
-        _check_positive_int("--repeats", args.repeats)
-        _check_positive_int("--distinct-layers", args.distinct_layers)
+        int_arg("--repeats", args.repeats, low=1, what="a positive integer")
+        int_arg("--distinct-layers", args.distinct_layers, low=1, what="a positive integer")
         path = check_output_file(args.json, "--json")
     except ValueError as exc:
         print(f"targets: {exc}", file=sys.stderr)

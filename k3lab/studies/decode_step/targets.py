@@ -33,7 +33,8 @@ longer, the compiling the same.
 On a CPU the pairs of B = 1, 1K run at the study's CPU case (`measure.CPU_CASES`, the tiny config with
 Triton in its interpreter), the article step left out as the study leaves it out there
 (`measure.CPU_SKIPPED`) and the other cases named as GPU cases: a check that the run and its table work,
-whose times are not speeds (the rows say so instead of pass or miss).
+whose times are not speeds (the rows say so instead of pass or miss). The GPU path is not yet run on a
+GPU by this project: its estimates above come from other runs' records, not from a run of this command.
 """
 
 from __future__ import annotations

@@ -603,3 +603,22 @@ def test_kernel_builds_run_in_parallel_with_the_loaders_flags_and_name_failures(
     assert set(status.values()) == {"built"}
     with pytest.raises(ValueError, match="max_workers"):
         kernels.build_all(max_workers=0)
+
+
+def test_the_newest_committed_timings_come_first_whatever_their_names(tmp_path):
+    machine = {"kind": "gpu", "device": "NVIDIA H100 80GB HBM3", "cpus": 16}
+    folder = tmp_path / "profiles" / "nvidia-h100-80gb-hbm3" / "gpu_check"
+    folder.mkdir(parents=True)
+    for name, finished_at, seconds in (("report_timings_aaa.json", 100.0, 1.0),
+                                       ("report_timings_zzz.json", 300.0, 3.0),
+                                       ("report_timings_mmm.json", 200.0, 2.0)):
+        (folder / name).write_text(json.dumps({"machine": "gpu", "machine_kind": machine, "form": "quick",
+                                               "finished_at": finished_at,
+                                               "steps": {"study:kda_scan": {"seconds": seconds}}}))
+    files = eta.timing_files(root=tmp_path)
+    assert [f.name for f in files] == ["report_timings_zzz.json", "report_timings_mmm.json",
+                                       "report_timings_aaa.json"]
+    assert eta.measured_seconds(machine, "quick", files)[0] == {"study:kda_scan": 3.0}
+    # a file without the stamp, outside any git history, sorts after every stamped one
+    (folder / "report_timings_000.json").write_text(json.dumps({"form": "quick", "steps": {}}))
+    assert eta.timing_files(root=tmp_path)[-1].name == "report_timings_000.json"

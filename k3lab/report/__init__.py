@@ -230,7 +230,7 @@ def _write_timings(out: Path, plan: Plan, kind: str, form: str, total_s: float, 
             if got.cell:
                 steps[s.key]["stopped_at"] = got.cell.get("text")
     data = {"machine": kind, "machine_kind": machine_kind(kind), "form": form, "environment": env.describe(),
-            "workers": plan.workers, "total_s": round(total_s, 1),
+            "workers": plan.workers, "total_s": round(total_s, 1), "finished_at": round(now, 1),
             "status": "interrupted" if stopped else "complete", "steps": steps}
     if stopped:
         data["interrupted"] = {"while": stopped,

@@ -123,12 +123,37 @@ def same_kind(a: dict, b: dict) -> bool:
     return a.get("cpus") is None or b.get("cpus") is None or a.get("cpus") == b.get("cpus")
 
 
+def measured_at(path: Path) -> float:
+    """When a timings file was measured, in seconds since the epoch: its 'finished_at' (written by every
+    report since it was kept), else the time of the commit that added it (git, where the tree is a
+    clone), else 0.0 (unknown: such a file sorts last)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0.0
+    stamp = data.get("finished_at") if isinstance(data, dict) else None
+    if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) and math.isfinite(stamp):
+        return float(stamp)
+    import subprocess
+
+    try:
+        got = subprocess.run(["git", "log", "--diff-filter=A", "-1", "--format=%ct", "--", Path(path).name],
+                             cwd=Path(path).parent, capture_output=True, text=True, timeout=10)
+        lines = got.stdout.split() if got.returncode == 0 else []
+        return float(lines[0]) if lines else 0.0
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0.0
+
+
 def timing_files(out: Path | None = None, root: Path | None = None) -> list[Path]:
     """Where measured report timings are looked for, in order: out/timings.json (the last report written
-    there), then the committed ones under root/profiles (default: the tree's), by path."""
+    there), then the committed ones under root/profiles (default: the tree's), newest first
+    (`measured_at`; by path among equals), so the ETA reads the latest run of a machine kind, not the
+    first file name."""
     base = Path(root if root is not None else REPO) / "profiles"
     committed = sorted([*base.glob("*/report_timings_*.json"),
                         *base.glob("*/gpu_check/report_timings_*.json")])
+    committed.sort(key=measured_at, reverse=True)  # stable: equal times keep the path order
     return ([Path(out) / "timings.json"] if out is not None else []) + committed
 
 

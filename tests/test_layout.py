@@ -13,8 +13,8 @@ The rules:
   step that composes them, so an op is usable, tested and compiled without the engine.
 - No library room (the running rooms, and config, env, files, model, agentx, cache, speculative, serving)
   imports studies/: studies/ composes the library, never the other way; serving/ reads its records itself.
-Every study of k3lab.studies.STUDIES is a package of one shape: a folder holding `__init__.py`, `measure.py`
-and `tables.py` (k3lab.studies' docstring says what each holds).
+Every study of k3lab.studies.STUDIES and PROBES is a package of one shape: a folder holding `__init__.py`,
+`measure.py` and `tables.py` (k3lab.studies' docstring says what each holds).
 """
 
 from __future__ import annotations
@@ -171,17 +171,32 @@ def study_shape_problems(studies: dict[str, str], root: Path = REPO) -> list[str
     return out
 
 
-def _study_names():
-    from k3lab.studies import STUDIES
+def _studies() -> dict[str, str]:
+    from k3lab.studies import PROBES, STUDIES
 
-    return list(STUDIES)
+    return {**STUDIES, **PROBES}
 
 
-@pytest.mark.parametrize("name", _study_names())
+@pytest.mark.parametrize("name", list(_studies()))
 def test_every_study_is_a_package_of_one_shape(name):
-    from k3lab.studies import STUDIES
+    assert study_shape_problems({name: _studies()[name]}) == []
 
-    assert study_shape_problems({name: STUDIES[name]}) == []
+
+def _probes() -> dict[str, str]:
+    from k3lab.studies import PROBES
+
+    return PROBES
+
+
+@pytest.mark.parametrize("name", list(_probes()))
+def test_every_probe_keeps_the_study_contract(name):
+    # the report's studies are held to it by k3lab.studies.load_study; a probe, which the report does not
+    # load, answers the same calls
+    import importlib
+
+    module = importlib.import_module(_probes()[name])
+    assert [a for a in ("NAME", "case_names", "run", "profile_targets") if not hasattr(module, a)] == []
+    assert module.NAME == name
 
 
 def test_a_study_out_of_shape_is_found(tmp_path):

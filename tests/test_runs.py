@@ -20,9 +20,9 @@ def test_readme_table_is_generated():
 
 
 def test_every_study_is_a_part():
-    from k3lab.studies import STUDIES
+    from k3lab.studies import PROBES, STUDIES
 
-    assert set(STUDIES) <= {r.name for r in runs.RUNS}
+    assert set(STUDIES) | set(PROBES) <= {r.name for r in runs.RUNS}
 
 
 def _with(part: runs.Run) -> tuple[runs.Run, ...]:

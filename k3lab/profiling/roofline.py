@@ -21,10 +21,10 @@ the distance to the ceiling is the distance to the floor. `work(record)` derives
                  value sums over the context, the KDA state update)
 
 `ceilings(device)` takes the copy bandwidth and the matrix rate from the device's records where a run
-measured them (decode_step's attribution measures a 1 GiB device copy in the same run; a matrix probe
-record `ceilings/matmul_bf16__reference`), else from k3lab.env.PEAKS, each labelled with its source.
-`probe_ceilings()` measures both on a GPU as such records (the H100's:
-profiles/nvidia-h100-80gb-hbm3/ceilings).
+measured them (decode_step's attribution measures a 1 GiB device copy in the same run; the ceilings
+probe's records, profiles/<device>/ceilings/), else from k3lab.env.PEAKS, each labelled with its source.
+The probe is the study k3lab.studies.ceilings (`python -m k3lab.studies.ceilings --save` on a GPU); which
+devices it has run on is k3lab.studies.runs' data (its part `ceilings`), not this docstring's.
 `projected_ceilings('MI355X')` is the datasheet line for a GPU nobody here ran on, labelled projected.
 Pure functions over records: no GPU needed.
 """
@@ -39,8 +39,7 @@ import pandas as pd
 
 from k3lab import bench
 from k3lab import env as _env
-
-PROBE_STUDY = "ceilings"  # matrix / copy probe records: profiles/<device>/ceilings/<case>__reference.json
+from k3lab.studies.ceilings import NAME as PROBE_STUDY  # profiles/<device>/ceilings/<case>__reference.json
 KDA_FLOPS_PER_KV = 8  # per head and token: decay, k.S, outer-product update, q.S (2 flops each per K x V)
 POINT_COLUMNS = ("name", "study", "case", "variant", "mode", "device", "bytes", "flops", "time_us",
                  "floor_us")
@@ -107,34 +106,6 @@ def ceilings(device: str, records=None) -> Ceilings:
     else:
         mat, mat_src = pk.bf16_tflops, f"k3lab.env.PEAKS: {pk.bf16_source}"
     return Ceilings(name, bw, bw_src, mat, mat_src)
-
-
-def probe_ceilings(*, save: bool = False, root=None) -> list:
-    """Measure this GPU's two ceilings as records of the study `ceilings` (variant 'reference'): a 1 GiB
-    device copy (case copy_1GiB, extra bandwidth_tbs: bytes read + written over the median time) and a
-    bf16 8192^3 matmul on random data (case matmul_bf16_8192, extra matmul_tflops). `save=True` writes
-    them under profiles/<device>/ceilings/ (or `root`), where `ceilings()` finds them. ValueError on a
-    machine without a GPU. Run on an NVIDIA H100 (its records are committed); not yet on the H200, whose
-    matrix rate k3lab.env.PEAKS holds from an earlier measurement."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ValueError("probe_ceilings: needs a GPU (torch sees none); on a CPU ceilings() reads the "
-                         "committed records and k3lab.env.PEAKS")
-    n, m = 1 << 30, 8192
-    src, dst = (torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(2))
-    copy = bench.time_fn(lambda: dst.copy_(src), warmup=3, repeats=20, calls_per_sample=1)
-    a, b = (torch.randn(m, m, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    mm = bench.time_fn(lambda: a @ b, warmup=3, repeats=20, calls_per_sample=1)
-    recs = [bench.make_record(PROBE_STUDY, "copy_1GiB", "reference", copy, shape={"bytes": n}, dtype="uint8",
-                              bandwidth_tbs=2 * n / (copy.median_us * 1e-6) / 1e12,
-                              bandwidth_how="1 GiB device copy, read + write, measured by probe_ceilings"),
-            bench.make_record(PROBE_STUDY, "matmul_bf16_8192", "reference", mm,
-                              shape={"m": m, "n": m, "k": m}, dtype="bfloat16",
-                              matmul_tflops=2 * m ** 3 / (mm.median_us * 1e-6) / 1e12)]
-    if save:
-        bench.save_records(recs, root=root)
-    return recs
 
 
 def projected_ceilings(name: str = "MI355X") -> Ceilings:

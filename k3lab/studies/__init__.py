@@ -14,6 +14,11 @@ Every study is a package of one shape:
 `k3lab.studies.peers` says whether each public peer (fla, FlashMLA, AITER) runs here, and
 `k3lab.studies.runs` where each part has run, from the committed records.
 
+`PROBES` are studies of the device itself rather than of an optimization (the ceilings a roofline is
+drawn under): the same package shape and contract, run by their own command (`python -m
+k3lab.studies.<name> --save`) where a device has no records of them yet, not by `k3lab report` (no
+notebook topic, no entry in k3lab.optimizations, no quick form in the report's time budget).
+
 Each study module exposes NAME, case_names(preset=None), run(preset=None, cases=None) -> list[Record]
 (checks every variant against the reference first, then times) and profile_targets(preset=None); it
 may expose summary_text(records) -> str, which `k3lab bench` prints after its common table.
@@ -76,6 +81,7 @@ ABOUT: dict[str, str] = {
                    "chunked prefill, the prefix cache in a rank's memory, per concurrency (notebook 09)",
 }
 GPU_ONLY = frozenset({"kda_decode", "dcp", "moe_sharding"})
+PROBES: dict[str, str] = {"ceilings": "k3lab.studies.ceilings"}
 # What `k3lab report` checks on a CPU, where Triton runs in its interpreter: the smallest cases that
 # still run every kernel of the study (the notebooks check the rest); None runs every case.
 CPU_CASES: dict[str, list[str] | None] = {

@@ -128,9 +128,10 @@ RUNS: tuple[Run, ...] = (
     Run("profile_tools", "`k3lab profile --tool` nsys and rocprofv3, HTA folders, ROCTX ranges "
         "(k3lab.profiling.tools, export)", {},
         {"GPU": ("docs/profiling.md", "k3lab/profiling/tools.py"),
-         "AMD GPU": ("k3lab/profiling/tools.py", "k3lab/profiling/export.py")}),
-    Run("roofline_probe", "the measured roofline ceilings (k3lab.profiling.roofline.probe_ceilings)",
-        {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/ceilings"}),
+         "AMD GPU": ("k3lab/profiling/tools.py", "k3lab/profiling/export.py",
+                     "k3lab/studies/decode_step/attribution.py")}),
+    Run("ceilings", "the roofline ceilings measured: a device copy and a bf16 matmul (the probe "
+        "k3lab.studies.ceilings)", {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/ceilings"}),
     Run("article_precisions", "the article's precisions: the MXFP4 routed experts' kernels, GEMV and grouped "
         "(k3lab.ops.moe_experts.mxfp4_kernels), the FP8 MLA cache's decode (k3lab.ops.mla_decode.fp8_cache)",
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/gpu_check/gpu_check_tests_a87f4ff.json"}),

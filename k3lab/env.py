@@ -33,15 +33,21 @@ class Peak:
     note: str = ""
 
 
-# From docs/k3.md ("Public figures the notebooks cite"). The H200 figures are what the lent H200 measured
-# (device-to-device copy, bf16 8192^3 matmul on random data); the others are datasheet values.
+# From docs/k3.md ("Public figures the notebooks cite"). Only a figure that committed records back is
+# labelled measured (tests/test_roofline.py holds each such label to the records): the H200's copy
+# bandwidth (the device copy every decode_step attribution record times). The H200's 707 TFLOP/s came
+# with the project's first files, said to be a bf16 8192^3 matmul on the lent H200, and no record of that
+# run exists; it stays because the committed H200 floors were computed with it. The ceilings probe
+# (`python -m k3lab.studies.ceilings --save` on an H200) would measure it, and `roofline.ceilings`
+# prefers such a record to this table. The others are datasheet values.
 PEAKS: dict[str, Peak] = {
     "MI355X": Peak("AMD Instinct MI355X", 8.0, "datasheet (7.2 measured in public work)", 2500.0,
                    "datasheet (dense bf16)", 256, 64, 160, 288.0, "10.1 PF MXFP4 dense"),
     "B300": Peak("NVIDIA B300", 8.0, "datasheet", 2250.0, "datasheet (dense bf16)", None, 32, 228, 288.0,
                  "13.5 PF FP4 dense"),
     "H200": Peak("NVIDIA H200", 4.25, "measured (device copy, read + write; datasheet 4.8)", 707.0,
-                 "measured (bf16 8192^3 random; datasheet 989)", 132, 32, 228, 141.0),
+                 "unrecorded (bf16 8192^3 random, no committed record; datasheet 989)", 132, 32, 228,
+                 141.0),
     "H100": Peak("NVIDIA H100", 3.35, "datasheet", 989.0, "datasheet (dense bf16)", 132, 32, 228, 80.0),
     "CPU": Peak("CPU", 0.05, "order of magnitude (copies here reach 40-60 GB/s)", 0.5, "order of magnitude",
                 os.cpu_count(), None, None, None),

@@ -184,3 +184,44 @@ def test_probe_records_import_and_set_the_ceilings(tmp_path):
     assert "measured" in c.bandwidth_source
     assert c.matrix_tflops == pytest.approx(by["matmul_bf16_8192"]["matmul_tflops"])
     assert "measured" in c.matrix_source
+
+
+# k3lab.env.PEAKS key -> its records' folder under profiles/
+PEAK_FOLDERS = {"H200": "nvidia-h200", "H100": "nvidia-h100-80gb-hbm3"}
+
+
+def peak_label_problems(peaks, load=bench.load_records) -> list[str]:
+    """Each PEAKS label that the committed records contradict: a figure labelled 'measured' with no record
+    of that device measuring it within 5 %, or one said to have 'no committed record' where a ceilings
+    probe record of it exists."""
+    out = []
+    for key, pk in peaks.items():
+        folder = PEAK_FOLDERS.get(key)
+        recs = list(load(device=folder)) if folder else []
+        for label, value, field in ((pk.bandwidth_source, pk.bandwidth_tbs, "bandwidth_tbs"),
+                                    (pk.bf16_source, pk.bf16_tflops, "matmul_tflops")):
+            found = [float(r.extra[field]) for r in recs if isinstance(r.extra.get(field), (int, float))
+                     and (field == "matmul_tflops" or "measured" in str(r.extra.get("bandwidth_how", "")))]
+            if label.startswith("measured") and not any(abs(f / value - 1) <= 0.05 for f in found):
+                out.append(f"{key} {field}: labelled {label!r}, and no record of {folder or 'that device'} "
+                           f"measured {value:g} (records: {sorted(round(f, 2) for f in found)[:5]})")
+            if "no committed record" in label and found:
+                out.append(f"{key} {field}: labelled {label!r}, and {len(found)} records measured it")
+    return out
+
+
+def test_peaks_labelled_measured_are_backed_by_records():
+    assert peak_label_problems(env.PEAKS) == []
+
+
+def test_a_peak_label_the_records_contradict_is_found():
+    from dataclasses import replace
+
+    claimed = {"H200": replace(H200, bf16_source="measured (bf16 8192^3 random)"),
+               "H100": replace(env.PEAKS["H100"], bandwidth_source="measured", bandwidth_tbs=3.35)}
+    out = peak_label_problems(claimed)
+    assert len(out) == 2 and "H200 matmul_tflops" in out[0] and "H100 bandwidth_tbs" in out[1]
+    probe = _rec(rl.PROBE_STUDY, variant="reference", extra={"matmul_tflops": 707.0})
+    copy = _rec(extra={"bandwidth_tbs": 4.3, "bandwidth_how": "device copy, measured in this run"})
+    out = peak_label_problems({"H200": H200}, load=lambda device: [probe, copy])
+    assert out == [f"H200 matmul_tflops: labelled {H200.bf16_source!r}, and 1 records measured it"]

@@ -17,6 +17,7 @@ only needed where figures are drawn.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 
@@ -408,6 +409,42 @@ def roofline(points, *, peak=None, title: str | None = None, projected=None, isa
     return fig
 
 
+def _carried_work(record) -> tuple[float, float] | None:
+    b, f = record.extra.get("bytes"), record.extra.get("flops")
+    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (b, f))
+    return (float(b), float(f)) if ok else None
+
+
+def _with_study_work(study: str, recs: list) -> list:
+    """The records of a study that keeps its bytes and flops formulas itself (a `work` module with
+    `work_of(record)`, the formulas its floors are made of: dcp, moe_sharding) rather than in
+    profiling.roofline.WORK: a record that carries extra['bytes'] and extra['flops'] (written by the
+    study's measure) is kept; one saved before the study wrote them gets them derived from its shape and
+    dtype by `work_of`, labelled extra['work'] = 'derived at load ...'. The study joins WORK, reading
+    those two fields. Other studies' records are returned as they are."""
+    import importlib
+
+    from k3lab import studies
+    from k3lab.profiling import roofline as rl
+
+    if (study in rl.WORK and rl.WORK[study] is not _carried_work) or study not in studies.STUDIES:
+        return recs
+    try:
+        work_of = importlib.import_module(studies.STUDIES[study] + ".work").work_of
+    except (ImportError, AttributeError):
+        return recs
+    rl.WORK[study] = _carried_work
+    out = []
+    for r in recs:
+        derived = None if _carried_work(r) else work_of(r)
+        if derived is not None:
+            r = dataclasses.replace(r, extra={**r.extra, **derived, "work": (
+                f"derived at load: {studies.STUDIES[study]}.work.work_of from the record's shape and dtype "
+                "(the record was saved before its study wrote bytes and flops)")})
+        out.append(r)
+    return out
+
+
 def study_roofline(study: str, *, device: str = "nvidia-h200", cases=None, modes=None, records=None,
                    projected: str | None = None, title: str | None = None, isa: bool = True) -> go.Figure:
     """The roofline of a study's committed records on `device` (profiling.roofline: the problem's bytes
@@ -420,7 +457,7 @@ def study_roofline(study: str, *, device: str = "nvidia-h200", cases=None, modes
     from k3lab.profiling import roofline as rl
 
     recs = list(records) if records is not None else bench.load_records(study, device=device)
-    recs = [r for r in recs if r.study == study]
+    recs = _with_study_work(study, [r for r in recs if r.study == study])
     if not recs:
         raise ValueError(f"study: no {study!r} records for device {device!r}")
     if study == "decode_step":

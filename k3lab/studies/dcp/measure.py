@@ -5,7 +5,8 @@
 - local attention (the MLA op's after, bf16, one decode token, graph replay, inputs rotated so
   they are read from HBM): TP8's shape (12 heads over the whole history) against DCP8's (96 heads
   over 1/8 of it) at 32K and 128K positions, B = 1 and 8, plus B = 64 at 32K for the merge's share;
-  each beside its cache-read floor. Target: DCP8 within 1.1x of TP8.
+  each beside its cache-read floor (`work.local_work`'s bytes; the record carries them and the flops,
+  extra['bytes'] and extra['flops']). Target: DCP8 within 1.1x of TP8.
 - merge at N = 8 partials of 12 heads (the a2a merge a rank runs), B = 1 and 64, graph replay:
   `merge_partials` impl='torch' (before) against impl='triton' (after, one launch); each also as
   a share of the DCP8 local attention at 32K and 128K of the same batch. Target: Triton 3x faster.
@@ -30,6 +31,7 @@ from k3lab.ops.mla_decode.merge import merge_partials
 from k3lab.parallel import dcp
 
 from .tables import CONVERSATION, NAME, WORLD
+from .work import local_work, merge_work
 
 TP_HEADS = 12
 LOCAL_CASES = ((32768, 1), (32768, 8), (131072, 1), (131072, 8), (32768, 64))
@@ -41,7 +43,8 @@ def _local_case(L: int, B: int, shape: str, gen, timing: dict, graph: bool, dt, 
     forced, e.g. 'triton' to compare the two shapes on one kernel)."""
     heads, rows = (TP_HEADS, L) if shape == "tp8" else (TP_HEADS * WORLD, -(-L // WORLD))
     dev = gen.device
-    bytes_per_set = B * rows * 576 * dt.itemsize
+    work = local_work(B, rows, heads, dt.itemsize)
+    bytes_per_set = work["bytes"]
 
     def make():
         q = torch.randn(B, 1, heads, 576, device=dev, generator=gen).to(dt)
@@ -60,7 +63,7 @@ def _local_case(L: int, B: int, shape: str, gen, timing: dict, graph: bool, dt, 
     return bench.make_record(NAME, f"local_{shape}_B{B}_L{L}{'.' + backend if backend else ''}", "after", t,
                              shape={"batch": B, "context": L, "rows": rows, "heads": heads},
                              dtype=dt, floor_us=floor, error=err, backend_used=plans[0].backend,
-                             layout=shape)
+                             layout=shape, **work)
 
 
 def _merge_case(B: int, gen, timing: dict, graph: bool, dt):
@@ -72,7 +75,8 @@ def _merge_case(B: int, gen, timing: dict, graph: bool, dt):
         lse = torch.randn(WORLD, B, 1, TP_HEADS, device=dev, generator=gen) * 3
         return o, lse
 
-    nbytes = WORLD * B * TP_HEADS * (512 * dt.itemsize + 4)
+    work = merge_work(WORLD, B, TP_HEADS, 512, dt.itemsize)
+    nbytes = work["bytes"]
     sets = bench.rotation_sets(make, nbytes)
     o, lse = sets[0]
     w = torch.softmax(lse.double(), dim=0)
@@ -88,7 +92,7 @@ def _merge_case(B: int, gen, timing: dict, graph: bool, dt):
         out.append(bench.make_record(NAME, f"merge_N{WORLD}_B{B}", variant, t,
                                      shape={"pieces": WORLD, "batch": B, "heads": TP_HEADS, "value_dim": 512},
                                      dtype=dt, floor_us=bench.floor_us(bytes=nbytes), error=err,
-                                     impl=impl))
+                                     impl=impl, **work))
     return out
 
 

@@ -13,7 +13,8 @@ the memory of up_proj under each tail.
 - experts for N = 1 and 64 (896 experts, 384 of the 3072 intermediate, bf16, the router's top-16 at
   K3's shape with random weights): before = the per-expert torch loop (eager: it reads back counts,
   so it cannot be captured), after = the grouped kernels (graph replay and eager); floor = the
-  chosen experts' weight bytes over the bandwidth.
+  chosen experts' weight bytes (with the activations, `work.experts_work`) over the bandwidth; each
+  record carries extra['bytes'], extra['flops'] and extra['weight_bytes'].
 - memory: torch.cuda.memory_allocated() around shard_moe of one layer (K3's shapes, 16 experts
   instead of 896 so that the source layer fits) for each tail; the up_proj difference is the freed
   memory of one layer.
@@ -38,6 +39,7 @@ from k3lab.parallel import moe_tail as mt
 from k3lab.studies import select_cases
 
 from .tables import NAME
+from .work import experts_work
 
 TAIL_TOKENS = (1, 8, 64, 256)
 EXPERT_TOKENS = (1, 64)
@@ -126,11 +128,8 @@ def _experts_case(cfg, tp: int, n: int, weights, gen, timing: dict) -> list:
     ref = _experts_reference(z, w, idx, w1, w3, w2)
     F, LAT = w1.shape[1], w1.shape[2]
     chosen = int(idx.unique().numel())
-    e = w1.element_size()
-    weight_bytes = chosen * 3 * F * LAT * e
-    act_bytes = n * LAT * e + n * cfg.num_experts_per_token * (F * e * 2 + LAT * 4 * 2)
-    flops = 2 * n * cfg.num_experts_per_token * 3 * F * LAT
-    floor = bench.floor_us(bytes=weight_bytes + act_bytes, flops=flops)
+    work = experts_work(n, cfg.num_experts_per_token, F, LAT, chosen, w1.element_size())
+    floor = bench.floor_us(bytes=work["bytes"], flops=work["flops"])
     shape = {"tokens": n, "experts": cfg.num_experts, "top_k": cfg.num_experts_per_token, "intermediate": F,
              "latent": LAT, "tp": tp, "experts_chosen": chosen}
     m = me.default_block_m(n, cfg.num_experts_per_token, cfg.num_experts)
@@ -144,7 +143,7 @@ def _experts_case(cfg, tp: int, n: int, weights, gen, timing: dict) -> list:
         t = bench.time_fn(lambda a, b, c: fn(a, b, c, w1, w3, w2), graph=graph, rotate=sets, **timing)
         records.append(bench.make_record(
             NAME, f"experts_N{n}", variant, t, shape=shape, dtype=dt, floor_us=floor, error=err,
-            weight_bytes=weight_bytes, block_m=m if variant == "after" else None, padding=pad))
+            block_m=m if variant == "after" else None, padding=pad, **work))
     return records
 
 

@@ -224,3 +224,46 @@ def test_ncu_frame_reads_the_committed_h100_captures(study, kernels):
         assert f["dur_ns"].iloc[i] == metric[(i, "gpu__time_duration.sum")]
         dram = metric[(i, "dram__bytes_read.sum")] + metric[(i, "dram__bytes_write.sum")]
         assert f["bytes"].iloc[i] == dram
+
+
+# ---------------------------------------------------------------- the decode step's part labels
+
+class _RecordingNvtx:
+    """Stands in for torch.cuda.nvtx on this CPU: records each range push and pop."""
+
+    def __init__(self):
+        self.pushed, self.open = [], 0
+
+    def range_push(self, name):
+        self.pushed.append(name)
+        self.open += 1
+
+    def range_pop(self):
+        self.open -= 1
+
+
+@pytest.mark.follows_gpu  # the study builds its step on the GPU where there is one
+def test_profile_decode_step_names_its_parts(tmp_path, capsys, monkeypatch):
+    """`k3lab profile decode_step`: the Chrome/Perfetto trace and the HTA folder hold a k3lab.part.* range
+    per part of the program, each inside the step's range; the same names go to NVTX (here a recorder
+    standing in for torch.cuda.nvtx, which a CPU lacks)."""
+    from k3lab.profiling import export
+
+    nvtx = _RecordingNvtx()
+    monkeypatch.setattr(export, "_nvtx", lambda: nvtx)
+    argv = ["profile", "decode_step", "--variant", "after", "--steps", "1", "--top", "3",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    folder = tmp_path / "traces" / "decode_step"
+    want = {"k3lab.part." + p for p in ("embed", "mix", "kda", "mla", "moe", "dense", "collective")}
+    chrome = json.loads((folder / "after.trace.json").read_text())
+    hta = json.loads(gzip.decompress((folder / "hta" / "after" / "rank-0.json.gz").read_bytes()))
+    for doc in (chrome, hta):
+        ranges = [e for e in doc["traceEvents"] if e.get("cat") == "user_annotation" and e.get("ph") == "X"]
+        step = next(e for e in ranges if e["name"] == "k3lab.step.0")
+        parts = [e for e in ranges if e["name"].startswith("k3lab.part.")]
+        assert {e["name"] for e in parts} == want
+        assert all(step["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] for e in parts)
+    assert any(e.get("name") == "ProfilerStep#0" for e in hta["traceEvents"])
+    assert "ProfilerStep#0" not in {e.get("name") for e in chrome["traceEvents"]}
+    assert want <= set(nvtx.pushed) and "k3lab.step.0" in nvtx.pushed and nvtx.open == 0

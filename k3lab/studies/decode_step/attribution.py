@@ -2,11 +2,13 @@
 with each kernel named by the layer part that launched it, the idle gap before it, and per part the
 kernel time, the gaps and the part's bytes floor (notebook 08; issue: the step toward its floor).
 
-How (k3lab.profiling.attribution): one eager step runs with a `record_function` range around each
-part of the program (`LabelledStep`, a DecodeStep whose program methods open the ranges: embedding,
-AttnRes + norm mixes, KDA and MLA attention, the MoE and dense MLPs, the collectives' stand-ins), so
-each kernel's launch is inside its part's range; the same step captured as one CUDA graph is replayed
-under the profiler; the replay's kernels are aligned to the eager run's by name and take their parts.
+How (k3lab.profiling.attribution): one eager step runs with a named range `k3lab.part.<part>` around
+each part of the program (`LabelledStep`, a DecodeStep whose program methods open the ranges: embedding,
+AttnRes + norm mixes, KDA and MLA attention, the MoE and dense MLPs, the collectives' stand-ins; each
+range is a `record_function` range and, where torch sees a GPU, an NVTX range for Nsight Systems, which
+a ROCm build of torch turns into ROCTX: that path is not yet run on AMD hardware), so each kernel's
+launch is inside its part's range; the same step captured as one CUDA graph is replayed under the
+profiler; the replay's kernels are aligned to the eager run's by name and take their parts.
 Per part: kernels, kernel time, the gaps before its kernels (launch bubbles and dependency waits), and
 the floor: the part's bytes (`measure.part_bytes`) over the copy bandwidth measured in the same run.
 The check: the parts' total equals the replay's span, and the span is compared with the step time
@@ -41,6 +43,7 @@ from k3lab.engine import DecodeStep
 from k3lab.engine.switches import settings
 from k3lab.profiling import attribution as at
 from k3lab.profiling.diff import short_name
+from k3lab.profiling.export import label
 
 from . import measure
 
@@ -62,7 +65,9 @@ BYTES_COLUMNS = {"dense_MB": ("weights_dense",), "experts_MB": ("weights_experts
 
 
 def _range(name: str):
-    return torch.profiler.record_function(PREFIX + name)
+    """The part's range: record_function (torch.profiler, Kineto, HTA, Perfetto) and, where torch sees a
+    GPU, an NVTX range of the same name for Nsight Systems (`k3lab.profiling.export.label`)."""
+    return label(PREFIX + name)
 
 
 class LabelledStep(DecodeStep):

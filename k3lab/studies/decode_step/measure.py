@@ -552,14 +552,18 @@ def run(preset=None, cases=None, *, repeats: int = 5, distinct_layers: int = 3, 
 
 
 def profile_targets(preset=None) -> dict:
-    """One step with every optimization off ('before') and on ('after'), at the first case's shape."""
-    from k3lab.engine import DecodeStep
+    """One eager step with every optimization off ('before') and on ('after'), at the first case's
+    shape, each part of the program inside its named range (`attribution.LabelledStep`:
+    k3lab.part.embed, .mix, .kda, .mla, .moe, .dense, .collective; NVTX too where torch sees a GPU), so
+    `k3lab profile decode_step`'s traces name the parts."""
     from k3lab.engine.weights import RankWeights
+
+    from .attribution import LabelledStep
 
     B, ctx = next(iter(cases().values()))
     gpu = on_gpu()
     w = RankWeights.random(bench_config(), distinct_layers=2, device="cuda" if gpu else "cpu",
                            dtype=torch.bfloat16 if gpu else torch.float32)
-    steps = {v: DecodeStep(w.config, B, ctx, optimizations=o, weights=w) for v, o
+    steps = {v: LabelledStep(w.config, B, ctx, optimizations=o, weights=w) for v, o
              in (("before", "none"), ("after", "all"))}
     return {v: s.run for v, s in steps.items()}

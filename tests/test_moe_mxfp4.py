@@ -100,6 +100,31 @@ def test_bad_input_refused_by_name():
         mk.quantize_experts(torch.zeros(4, 32))
 
 
+def test_the_mxfp4_rows_carry_the_forms_and_the_face_calls_the_chosen_one():
+    """moe_experts' MXFP4 rows: each carries its form as `mxfp4` (none an `after`, so the bf16 face never
+    picks one), the face picks by the tokens (GEMV for one, grouped first for more where it runs) and the
+    forms agree with the fp64 product."""
+    from k3lab.ops import BackendUnavailable, moe_experts
+
+    table = moe_experts.BACKENDS
+    forms = {"mxfp4_gemv": mk.mxfp4_experts, "mxfp4_grouped": mk.mxfp4_experts_grouped}
+    for name, fn in forms.items():
+        assert table[name].mxfp4 is fn and not table[name].provides("after")
+    assert [r.name for r in table.ranked(DEV, None, 1, need="mxfp4")][0] == "mxfp4_gemv"
+    assert [r.name for r in table.ranked(DEV, None, 4, need="mxfp4")][0] == "mxfp4_grouped"
+    assert table.pick(None, DEV, torch.float32, need="after").name in ("triton", "torch")
+    args = _case(31, N=3, k=2)
+    ref = mk.reference(*args)
+    for backend in ("mxfp4_gemv", "mxfp4_torch"):
+        _close(moe_experts.mxfp4_routed_experts(*args, backend=backend), ref)
+    ok, _ = table.check("mxfp4_grouped", DEV, torch.float32, 3)
+    assert (table.pick(None, DEV, torch.float32, 3, need="mxfp4").name == "mxfp4_grouped") == ok
+    with pytest.raises(BackendUnavailable, match="provides no after"):
+        moe_experts.routed_experts(*args[:3], *(w.dequantize() for w in args[3:]), backend="mxfp4_gemv")
+    with pytest.raises(TypeError, match="w1 must be an Mxfp4Weight"):
+        moe_experts.mxfp4_routed_experts(*args[:3], args[3].dequantize(), *args[4:], backend="mxfp4_torch")
+
+
 def test_expert_bytes_floor():
     # K3 at TP8 (F = 384 of 3072, L = 3584), one token, 16 experts: 3 matrices x 4.25 bits a weight
     got = mk.expert_bytes(1, 16, 3584, 384)

@@ -134,7 +134,8 @@ def test_priority_and_verifier_decide_and_none_running_says_why_for_each():
 
 # public entry points: each takes backend= (none takes impl= or kernel= for its backend)
 ENTRY_POINTS = {
-    "gemv": ["gemv"], "situ_glu": ["situ_glu_stacked"], "moe_experts": ["routed_experts", "latent_tail"],
+    "gemv": ["gemv"], "situ_glu": ["situ_glu_stacked"],
+    "moe_experts": ["routed_experts", "latent_tail", "mxfp4_routed_experts"],
     "moe_router": ["route_and_sort"], "attn_res_norm": ["after"],
     "kda_chunk": ["kda_chunk", "kda_chunk_before", "kda_chunk_after", "kda_chunk_prologue", "after_launches"],
     "kda_verify": ["kda_verify"], "kda_decode": ["kda_decode", "KDADecodeStep"],
@@ -203,18 +204,23 @@ def test_every_rows_callables_are_named_in_the_one_vocabulary(name):
             assert row.parts["before"] is row.parts["after"], name
 
 
-NAMES = {"torch", "triton", "cuda", "cuda_cluster", "aiter", "dispatch", "before", "after"}
+ENGINE_DIR = OPS_DIR.parent / "engine"
+NAMES = {b.name for op in _op_names() for b in importlib.import_module(f"k3lab.ops.{op}").BACKENDS} | {
+    "before", "after"}  # every row's name, and the two sides of every op
 # where a name is compared on purpose, not to choose: peers.require_lse refuses a *forced* 'aiter' for
 # callers that merge by lse (its decode writes none)
-ALLOWED = {("mla_decode/peers.py", "require_lse")}
+ALLOWED = {("ops/mla_decode/peers.py", "require_lse")}
 
 
-def _name_comparisons(path: Path) -> list[str]:
+def _name_comparisons(path: Path, root: Path = OPS_DIR.parent, allowed=ALLOWED) -> list[str]:
+    """`path`'s comparisons of a backend's or a side's name (x == "torch", x in ("a", "b"); not "a" in
+    parts), outside ALLOWED; devices and platforms (x.type, detect(), info.backend) are not names."""
     import ast
 
     text = path.read_text()
     tree = ast.parse(text)
     funcs = [(n.lineno, n.end_lineno, n.name) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    rel = path.relative_to(root).as_posix()
     hits = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Compare):
@@ -222,7 +228,7 @@ def _name_comparisons(path: Path) -> list[str]:
         left = ast.get_source_segment(text, node.left) or ""
         if left.endswith(".type") or "detect()" in left or left == "info.backend":  # devices, platforms
             continue
-        lits = []  # the literals a name is compared with (x == "a", x in ("a", "b"); not "a" in parts)
+        lits = []
         member = isinstance(node.ops[0], (ast.In, ast.NotIn))
         sides = node.comparators if member else (node.left, *node.comparators)
         for side in sides:
@@ -230,16 +236,34 @@ def _name_comparisons(path: Path) -> list[str]:
             lits += [e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
         if NAMES & set(lits):
             inside = {f for a, b, f in funcs if a <= node.lineno <= b}
-            if not any((str(path.relative_to(OPS_DIR)), f) in ALLOWED for f in inside):
-                where = f"{path.relative_to(OPS_DIR)}:{node.lineno}"
-                hits.append(f"{where}: {ast.get_source_segment(text, node)}")
+            if not any((rel, f) in allowed for f in inside):
+                hits.append(f"{rel}:{node.lineno}: {ast.get_source_segment(text, node)}")
     return hits
 
 
-def test_no_op_compares_backend_or_variant_names():
-    """A face calls the row it picked: no comparison of a backend's or a variant's name in k3lab/ops."""
-    hits = [h for path in sorted(OPS_DIR.rglob("*.py")) for h in _name_comparisons(path)]
+def test_no_op_or_engine_compares_backend_or_variant_names():
+    """A face calls the row it picked, and the step the rows `resolve` bound: no comparison of a
+    backend's or a side's name in k3lab/ops or k3lab/engine."""
+    paths = sorted([*OPS_DIR.rglob("*.py"), *ENGINE_DIR.rglob("*.py")])
+    assert any(p.parent == ENGINE_DIR for p in paths) and any(p.parent.name == "moe_experts" for p in paths)
+    hits = [h for path in paths for h in _name_comparisons(path)]
     assert not hits, hits
+
+
+def test_the_name_scan_catches_a_planted_comparison(tmp_path):
+    """The scan can fail: the form string the engine once branched on, planted in a copy of engine/rows.py
+    (and a comparison with a row's name), is found; in an allowed function it is not."""
+    text = (ENGINE_DIR / "rows.py").read_text() + (
+        '\n\ndef experts_by_form(form):\n    if form == "torch":\n        return None\n'
+        '    return {"gemv": 1}[form]\n\n\ndef loop_row(row):\n    return row.name in ("mxfp4_torch",)\n')
+    copy = tmp_path / "engine" / "rows.py"
+    copy.parent.mkdir()
+    copy.write_text(text)
+    found = [h.split(": ", 1)[1] for h in _name_comparisons(copy, tmp_path)]
+    assert found == ['form == "torch"', 'row.name in ("mxfp4_torch",)'], found
+    allowed = ALLOWED | {("engine/rows.py", "experts_by_form")}
+    assert [h.split(": ", 1)[1] for h in _name_comparisons(copy, tmp_path, allowed)] == [
+        'row.name in ("mxfp4_torch",)']
 
 
 def test_expect_names_the_argument_and_what_was_expected():

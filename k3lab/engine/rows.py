@@ -127,38 +127,17 @@ def experts(row) -> Callable:
     return routed
 
 
-def experts_mxfp4(form: str) -> Callable:
+def experts_mxfp4(row) -> Callable:
     """This rank's share of the chosen experts [N, LAT] fp32 over a layer's MXFP4 experts (w1, w3, w2
-    `mxfp4.Mxfp4Weight`), by k3lab.ops.moe_experts.mxfp4_kernels: form 'gemv' (the token-at-a-time
-    launches, dequantizing in registers), 'grouped' (expert-sorted tiles on tl.dot_scaled, activations
-    as MXFP8) or 'torch' (the per-expert loop in PyTorch over each chosen expert dequantized: reads the
-    chosen experts back to the host). The router's sort is not read (each form sorts for itself)."""
-    from k3lab.ops.moe_experts import mxfp4_kernels as mx
-
-    if form == "torch":
-        return _mxfp4_loop
-    run = {"gemv": mx.mxfp4_experts, "grouped": mx.mxfp4_experts_grouped}[form]
+    `mxfp4.Mxfp4Weight`), by the moe_experts row `row`'s `mxfp4` callable (the GEMV launches, the grouped
+    tl.dot_scaled tiles or the PyTorch loop: k3lab.ops.moe_experts' MXFP4 rows). The router's sort is not
+    read (each form sorts for itself)."""
+    mxfp4 = row.mxfp4
 
     def routed(z, weights, idx, w, sort):
-        return run(z, weights, idx, w.w1, w.w3, w.w2, check_values=False)
+        return mxfp4(z, weights, idx, w.w1, w.w3, w.w2, check_values=False)
 
     return routed
-
-
-def _mxfp4_loop(z, weights, idx, w, sort):
-    from k3lab.ops.moe_experts.mxfp4 import Mxfp4Weight
-    from k3lab.nn.situ import situ_glu
-
-    y = torch.zeros(z.shape[0], w.w2.shape[1], dtype=torch.float32, device=z.device)
-    zf = z.float()
-    for e in torch.unique(idx).tolist():
-        tok, slot = (idx == e).nonzero(as_tuple=True)
-        w1, w3, w2 = (Mxfp4Weight(t.packed[e], t.scale_exp[e]).dequantize(torch.float32)
-                      for t in (w.w1, w.w3, w.w2))
-        x = zf[tok]
-        h = situ_glu(x @ w1.t(), x @ w3.t())
-        y.index_add_(0, tok, (h @ w2.t()) * weights[tok, slot, None].float())
-    return y
 
 
 def fp8_plan_binder() -> Callable:

@@ -32,9 +32,9 @@ at batch 1) on a GPU, the matrix library above and on a CPU; `Resolved.projectio
 `notes['projections']` why where the form asked for cannot run as asked.
 
 At precision='article' the rows bound differ in two ops, settled here once like every other:
-'moe_experts' runs k3lab.ops.moe_experts.mxfp4_kernels (`experts_form`: the GEMV form for one token,
-the grouped tl.dot_scaled form for more where the target has scaled matrix instructions, else the GEMV
-form; the PyTorch loop with grouped_experts off or without Triton), and 'mla_decode' binds
+'moe_experts' runs one of k3lab.ops.moe_experts' MXFP4 rows (`experts_mxfp4_row`: the GEMV form for one
+token, the grouped tl.dot_scaled form for more where the target has scaled matrix instructions, else the
+GEMV form; the PyTorch loop with grouped_experts off or without Triton), and 'mla_decode' binds
 k3lab.ops.mla_decode.fp8_cache's row quantization + FP8 split decode (`rows.fp8_plan_binder`).
 """
 
@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3lab import env
+from k3lab.ops import moe_experts
 
 from . import rows
 from .fp8 import PROJECTIONS, resolve_projections
@@ -225,26 +226,22 @@ def _row(op: str, on: bool, names: tuple[str, str], device, *inputs, **options):
     return (table[names[0]], "") if ok else (table[names[1]], why)
 
 
-def experts_form(grouped: bool, tokens: int | None, device) -> tuple[str, str]:
-    """(form, why) of the MXFP4 routed experts (`rows.experts_mxfp4`): 'torch' with grouped_experts off
-    (the per-expert loop) or without Triton; 'gemv' for one token (each chosen expert read once anyway);
-    'grouped' for more tokens where tl.dot_scaled runs (mxfp4_kernels.grouped_runs_here), else 'gemv'
-    with why (its weights re-read per token)."""
-    from k3lab.ops.moe_experts import mxfp4_kernels as mx
-
-    cpu = torch.device(device).type == "cpu"
-    if mx.triton is None or (cpu and not env.triton_interpreted()):
-        return "torch", ("Triton cannot run the MXFP4 kernels here: the PyTorch loop over dequantized "
-                         "experts runs")
+def experts_mxfp4_row(grouped: bool, tokens: int | None, device):
+    """(row, why) of the MXFP4 routed experts: one of k3lab.ops.moe_experts' rows that provide `mxfp4`.
+    With grouped_experts off, 'mxfp4_torch' (the per-expert loop); on, the first of them in the table's
+    order for `tokens` (the GEMV form for one token, each chosen expert read once anyway; the grouped
+    tl.dot_scaled form for more) that runs on `device` here, with why the ones before it do not (the
+    GEMV form for more tokens re-reads its experts' weights per token; the loop reads back to the host)."""
+    table = moe_experts.BACKENDS
     if not grouped:
-        return "torch", ""
-    if tokens == 1:
-        return "gemv", ""
-    ok, why = mx.grouped_runs_here()
-    if ok:
-        return "grouped", ""
-    return "gemv", (f"the grouped MXFP4 form cannot run here ({why}); the MXFP4 GEMV form runs, reading "
-                    "the chosen experts once per token")
+        return table["mxfp4_torch"], ""
+    refused = []
+    for row in table.ranked(device, None, tokens, need="mxfp4"):
+        ok, why = table.check(row.name, device, None, tokens, need="mxfp4")
+        if ok:
+            return row, "; ".join(refused)
+        refused.append(f"{row.name} cannot run here ({why})")
+    raise AssertionError("the mxfp4_torch row runs anywhere")
 
 
 def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, projections: str | None = None,
@@ -300,14 +297,13 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
     impl["grouped_experts"] = experts.name
     if why:
         refuse("grouped_experts", f"grouped kernels unavailable ({why}): the loop runs", "the loop")
-    routed = rows.experts(experts)
-    name = experts.name
+    routed, name, mx_row = rows.experts(experts), experts.name, None
     if precision == "article":
-        form, why = experts_form(on["grouped_experts"], tokens, device)
-        name, routed = f"mxfp4_{form}", rows.experts_mxfp4(form)
+        mx_row, why = experts_mxfp4_row(on["grouped_experts"], tokens, device)
+        name, routed = mx_row.name, rows.experts_mxfp4(mx_row)
         impl["grouped_experts"] = name
-        if why and on["grouped_experts"]:
-            refuse("grouped_experts", why, f"the MXFP4 {form} form")
+        if why:
+            refuse("grouped_experts", f"{why}: {name} runs", name)
     chosen["moe_experts"] = rows.Chosen("moe_experts", name, notes.get("grouped_experts", ""),
                                         {"experts": routed, "tail": experts.tail})
 
@@ -352,7 +348,7 @@ def resolve(optimizations, device, dtype, q_len: int, *, strict: bool = False, p
     proj, note = resolve_projections(projections, device, dtype, strict=strict and asked)
     if note:
         notes["projections"] = note
-    looped = (chosen["moe_experts"].name == "mxfp4_torch" if precision == "article"
+    looped = (mx_row is moe_experts.BACKENDS["mxfp4_torch"] if precision == "article"
               else not on["grouped_experts"] or bool(notes.get("grouped_experts")))
     graph = "the per-expert loop reads the expert counts back to the host" if looped else ""
     return Resolved(on, impl, notes, proj, chosen, precision, graph)

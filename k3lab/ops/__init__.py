@@ -270,15 +270,18 @@ class Backends:
                 raise BackendUnavailable(f"{where}={name!r} cannot run here: {why}")
             return self[name], f"{why} (forced by {where})" if why else f"forced by {where}"
         refused = []
-        for b in sorted(self.rows, key=lambda b: b.rank(*inputs, **options)):
-            if not b.provides(need):
-                continue
+        for b in self.ranked(*inputs, need=need, **options):
             ok, why = self.check(b.name, *inputs, need=need, **options)
             if ok:
                 return b, why + (f" (not {'; '.join(refused)})" if refused else "")
             refused.append(f"{b.name}: {why}")
         what = f" provides {need} and" if need else ""
         raise BackendUnavailable(f"no {self.op} backend{what} runs here: {'; '.join(refused) or 'none'}")
+
+    def ranked(self, *inputs, need: str | None = None, **options) -> list[Backend]:
+        """The rows that provide the callable `need`, in the order `select` tries them for these inputs
+        (for a caller that names what runs in place of the first: `check` each in turn)."""
+        return sorted((b for b in self.rows if b.provides(need)), key=lambda b: b.rank(*inputs, **options))
 
     def pick(self, backend: str | None = None, *inputs, need: str | None = None, arg: str = "backend",
              **options) -> Backend:

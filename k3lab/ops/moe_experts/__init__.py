@@ -19,15 +19,26 @@ decode batches. Records of both: profiles/<device>/moe_sharding/ and profiles/<d
 The layer's tail, `latent_tail` (tail.py: RMSNorm of the latent, rows of up_proj, added into an
 output in place), has the same two backends: triton = one Triton norm launch and one in-place addmm_
 into the output's columns; torch = the plain reference ops.
+
+The experts over MXFP4 weights (the article's precision; w1, w3, w2 `mxfp4.Mxfp4Weight`) are three more
+rows, each providing the callable `mxfp4(z, weights, idx, w1, w3, w2, check_values)` -> y [N, L] fp32
+(and no `after`: the bf16 face never picks them), chosen by `mxfp4_routed_experts(..., backend=)`:
+  mxfp4_grouped  expert-sorted tiles on tl.dot_scaled, activations as MXFP8 (mxfp4_kernels); first for
+                 more than one token, where Triton lowers tl.dot_scaled (not its interpreter, not gfx942)
+  mxfp4_gemv     the token-at-a-time GEMV launches, dequantizing in registers (mxfp4_kernels); first for
+                 one token (each chosen expert is read once anyway)
+  mxfp4_torch    the per-expert PyTorch loop over each chosen expert dequantized (loop.py): runs anywhere,
+                 reads the chosen experts back to the host (no CUDA graph); the before of the two above
 """
 
 from __future__ import annotations
 
 import torch
 
-from k3lab.ops import triton_and_torch, triton_runs_on
+from k3lab.ops import Backend, Backends, triton_and_torch, triton_available, triton_runs_on
 
 from . import loop as _loop
+from . import mxfp4_kernels as _mx
 from . import triton as _triton
 from .inputs import TILE_HEIGHTS, ExpertSort, check_block_m, check_inputs, default_block_m, max_tiles, \
     sort_by_expert, stack_experts
@@ -55,8 +66,31 @@ def _after_torch(z, weights, idx, w1, w3, w2, shapes, sort, block_m):
 # callables (on checked inputs): after(z, weights, idx, w1, w3, w2, shapes, sort or None, block_m or None)
 # -> y; tail(y_lat, norm_w, eps, up_rows, out, col0) -> out. The torch row is the reference and the
 # before (the per-expert loop).
-BACKENDS = triton_and_torch("moe_experts", {"after": _after_triton, "tail": tail_triton},
-                            {"after": _after_torch, "tail": tail_torch}, verify=_triton_verify)
+_BF16 = triton_and_torch("moe_experts", {"after": _after_triton, "tail": tail_triton},
+                         {"after": _after_torch, "tail": tail_torch}, verify=_triton_verify)
+
+
+def _mxfp4_verify(device=None, dtype=None, tokens=None) -> tuple[bool, str]:
+    if dtype is not None and dtype not in _mx.Z_DTYPES:
+        return False, f"z: the MXFP4 kernels take fp32, fp16 or bf16, got {dtype}"
+    return triton_runs_on(device)
+
+
+def _mxfp4_rank(first_at_one_token: bool):
+    # after the bf16 rows (a choice with no callable named stays theirs); among the MXFP4 Triton forms the
+    # GEMV one first for one token, the grouped one first otherwise
+    return lambda device=None, dtype=None, tokens=None: 2 if (tokens == 1) == first_at_one_token else 3
+
+
+_MXFP4 = (
+    Backend("mxfp4_grouped", _mxfp4_rank(False), _mx.grouped_runs_here, _mxfp4_verify,
+            parts={"mxfp4": _mx.mxfp4_experts_grouped}),
+    Backend("mxfp4_gemv", _mxfp4_rank(True), triton_available, _mxfp4_verify,
+            parts={"mxfp4": _mx.mxfp4_experts}),
+    Backend("mxfp4_torch", 4, lambda: (True, "plain PyTorch: the per-expert loop over each chosen expert "
+                                            "dequantized"), parts={"mxfp4": _loop.mxfp4_expert_loop}),
+)
+BACKENDS = Backends("moe_experts", *_BF16.rows, *_MXFP4)
 BACKEND_ENV = BACKENDS.env
 
 
@@ -90,6 +124,16 @@ def expert_loop(z, weights, idx, w1, w3, w2) -> torch.Tensor:
     return routed_experts(z, weights, idx, w1, w3, w2, backend="torch")
 
 
+def mxfp4_routed_experts(z, weights, idx, w1, w3, w2, *, backend: str | None = None,
+                         check_values: bool = True) -> torch.Tensor:
+    """y [N, L] fp32 over MXFP4 experts (w1, w3, w2 `mxfp4.Mxfp4Weight`; the module docstring's MXFP4
+    rows, chosen for z's device and dtype and its number of tokens). Bad input: ValueError / TypeError
+    naming the argument (mxfp4_kernels.check_inputs), before any kernel runs."""
+    _mx.check_inputs(z, weights, idx, w1, w3, w2, check_values=False)
+    row = BACKENDS.pick(backend, z.device, z.dtype, z.shape[0], need="mxfp4")
+    return row.mxfp4(z, weights, idx, w1, w3, w2, check_values=check_values)
+
+
 def latent_tail(y_lat, norm_w, eps, up_rows, out, col0: int = 0, *, backend: str | None = None):
     """out[:, col0 : col0 + R] += rms_norm(y_lat) @ up_rows^T in place (tail.py); returns out."""
     check_tail(y_lat, norm_w, up_rows, out, col0, eps)
@@ -98,7 +142,8 @@ def latent_tail(y_lat, norm_w, eps, up_rows, out, col0: int = 0, *, backend: str
 
 __all__ = [
     "BACKENDS", "BACKEND_ENV", "TILE_HEIGHTS", "ExpertSort", "check_inputs", "decode_padding",
-    "default_block_m", "expert_loop", "grouped_experts", "latent_tail", "max_tiles", "norm_rows",
+    "default_block_m", "expert_loop", "grouped_experts", "latent_tail", "max_tiles", "mxfp4_routed_experts",
+    "norm_rows",
     "padding_of", "random_router_idx", "routed_experts", "sort_by_expert", "stack_experts",
     "tail_torch", "tail_triton",
 ]

@@ -81,6 +81,9 @@ def test_an_amd_record_contradicts_every_amd_statement(tmp_path):
     ("Nothing here has run on AMD\nhardware, and no figure is a timing.", {"AMD GPU"}),
     ("the datasheet line for a GPU nobody here ran on, labelled projected", {"AMD GPU"}),
     ("no GPU record yet", set()),
+    ("Run on an H100 (its records are committed); not yet on the H200, whose rate", {"H200"}),
+    ("09 has no GPU timing yet.", {"GPU"}),
+    ("Its capacity form has run only on a CPU; its GPU cases are planned", {"GPU"}),
 ])
 def test_statements_are_read_across_lines_and_by_target(text, targets):
     assert runs.statements(text) == targets
@@ -91,3 +94,70 @@ def test_write_readme_refuses_a_file_without_markers(tmp_path):
     path.write_text("# no table here\n")
     with pytest.raises(ValueError, match="markers"):
         runs.write_readme(path)
+
+
+def test_said_not_run_on_a_card_it_ran_on_fails():
+    part = runs.by_name("ceilings")
+    on_h200 = replace(part, ran_on={**part.ran_on, "nvidia-h200": "nvidia-h200/decode_step"},
+                      not_run={"H200": ()})
+    assert any("ceilings: said not to have run on the H200, but ran on it" in p
+               for p in runs.problems(_with(on_h200)))
+    assert not any("said not to have run on the H200" in p
+                   for p in runs.problems(_with(replace(part, not_run={"H200": ()}))))
+
+
+def _tree_with_the_gpu_logs(tmp_path, doc: str):
+    """A tree holding the committed GPU report logs, empty notebooks of the real names, and `doc` as
+    docs/workshop.md."""
+    import shutil
+
+    for log in runs.PROFILES.glob("*/gpu_check/report_*.log"):
+        dest = tmp_path / log.relative_to(runs.REPO)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, dest)
+    (tmp_path / "notebooks").mkdir()
+    for nb in (runs.REPO / "notebooks").glob("*.ipynb"):
+        (tmp_path / "notebooks" / nb.name).write_text(json.dumps({"cells": []}))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "k3lab").mkdir()
+    (tmp_path / "README.md").write_text("# k3lab\n")
+    (tmp_path / "docs" / "workshop.md").write_text(doc)
+    return tmp_path
+
+
+def test_a_notebook_timing_claim_the_logs_contradict_fails(tmp_path):
+    doc = (runs.REPO / "docs" / "workshop.md").read_text()
+    root = _tree_with_the_gpu_logs(tmp_path, doc)
+    assert not [p for p in runs.problems((), root=root) if "timing" in p]  # the page as committed holds
+    planted = doc + "\n03, 05, 05b and 06-09 have no H100 figure. 09 has no GPU timing yet.\n"
+    (root / "docs" / "workshop.md").write_text(planted)
+    out = runs.problems((), root=root)
+    h100 = "profiles/nvidia-h100-80gb-hbm3/gpu_check/report_0ebcf91.log"
+    assert f"docs/workshop.md says 09 has no GPU timing, but {h100} timed 09_serving_curve" in out
+    assert (f"docs/workshop.md says 03, 05, 05b and 06-09 have no H100 timing, but {h100} timed "
+            "05b_kda_deep_dive") in out
+    # the same claim about a card that never timed the notebook holds: the H200's run has no 09
+    (root / "docs" / "workshop.md").write_text(doc + "\n09 has no H200 figure.\n")
+    assert not [p for p in runs.problems((), root=root) if "no H200 timing" in p]
+    # and the plain statement is a GPU statement no part names
+    assert "docs/workshop.md states a part has not run on GPU, and no part of runs.RUNS names it" in out
+
+
+def test_notebook_claims_name_the_notebooks_of_the_tree():
+    claims = runs.notebook_claims("Here 04b and 01-02 have no GPU timing, and 07 has no H200 figure.")
+    assert claims == [("04b and 01-02", "GPU", ["04b_mla_deep_dive", "01_dcp", "02_moe_sharding"]),
+                      ("07", "H200", ["07_agent_cache"])]
+    assert runs.notebook_claims("no timing yet; 3 cells have no output") == []
+
+
+def test_the_agendas_status_line_is_a_claim_the_logs_hold():
+    from k3lab.workshop import agenda
+
+    gpus = agenda.gpu_timings()
+    notebooks = sorted({s.notebook for s in agenda.SEGMENTS})
+    line = " ".join(agenda.run_status(notebooks, gpus))
+    assert runs.notebook_claims(line) == []  # every notebook has a GPU timing on record
+    fewer = [(label, {nb: t for nb, t in g.items() if nb != "09_serving_curve"}) for label, g in gpus]
+    line = " ".join(agenda.run_status(notebooks, fewer))
+    assert "09 has no GPU timing in any run on record." in line
+    assert runs.notebook_claims(line) == [("09", "GPU", ["09_serving_curve"])]

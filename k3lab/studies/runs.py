@@ -8,8 +8,12 @@ that shows it (`ran_on`), and the targets it has not run on, each with the files
 - a part said not to have run on a target with a record for it fails: an AMD device's folder under
   profiles/ fails every "AMD GPU" claim, a GPU claim fails "GPU";
 - every file whose text states a run status ("not yet run on AMD hardware", "not yet run on a GPU",
-  "not yet made" for several GPUs: `STATEMENTS`) must be named by a part for that target, and every file a
-  part names must state it.
+  "not yet made" for several GPUs, "not yet on the H200": `STATEMENTS`) must be named by a part for that
+  target, and every file a part names must state it; a part said not to have run on one card (`CARDS`)
+  that claims a run on it fails;
+- a sentence saying notebooks have no GPU (or H100, H200) timing (`NOTEBOOK_CLAIM`: "09 has no GPU
+  timing yet", "03, 05b and 06-09 have no H100 figure") fails when a GPU report log under
+  profiles/*/gpu_check/ timed one of them (`timed_notebooks`, read as k3lab.workshop.agenda reads them).
 The README's "What runs where" table is `markdown()`, between the markers `TABLE_BEGIN` / `TABLE_END`
 (`python -m k3lab.studies.runs --write` rewrites it; the test compares it).
 """
@@ -35,7 +39,9 @@ DEVICES: dict[str, str] = {
 }
 DEVICE_LABELS: dict[str, str] = {"nvidia-h200": "H200", "nvidia-h100-80gb-hbm3": "H100", "cpu": "CPU"}
 # the targets a part may not have run on, and the phrases that state it in code and docs
-TARGETS = ("AMD GPU", "GPU", "several GPUs")
+TARGETS = ("AMD GPU", "GPU", "several GPUs", "H200", "H100")
+# the targets that are one card: the device folder whose run contradicts them
+CARDS: dict[str, str] = {"H200": "nvidia-h200", "H100": "nvidia-h100-80gb-hbm3"}
 def _phrase(*alternatives: str) -> re.Pattern:
     """A pattern of phrases whose words may be split across lines; the word '...' stands for any text
     inside one sentence."""
@@ -56,8 +62,15 @@ STATEMENTS: dict[str, re.Pattern] = {
                        "nothing in k3lab has run on that device", "a GPU nobody here ran on",
                        "nothing here ran on it", "compiled only: no AMD timing",
                        "gfx950 code is compiled only"),
-    "GPU": _phrase("not yet run on a GPU", "not yet been run on a GPU", "GPU path is not yet run"),
+    **{card: _phrase(f"not yet on the {card}", f"not yet run on the {card}", f"not yet run on an {card}",
+                     f"not yet been run on the {card}", f"no {card} run yet") for card in CARDS},
+    "GPU": _phrase("not yet run on a GPU", "not yet been run on a GPU", "GPU path is not yet run",
+                   "has run only on a CPU", "no GPU timing yet"),
 }
+# notebooks said to have no timing on a GPU (any), or on one card: "<ids> has/have no <GPU|H100|H200>
+# timing|figure", the ids two digits and a letter (05b), listed with commas and "and", or a range (06-09)
+NOTEBOOK_CLAIM = re.compile(r"(?P<ids>\b\d\d[a-z]?(?:(?:\s*,\s*|\s*,?\s+and\s+|\s*-\s*)\d\d[a-z]?)*)\s+"
+                            r"ha(?:s|ve)\s+no\s+(?P<card>GPU|H\d00)\s+(?:timing|figure)", re.I)
 AMD_FOLDER = re.compile(r"^(amd|mi\d|instinct|gfx)", re.I)
 TABLE_BEGIN = "<!-- runs table: python -m k3lab.studies.runs --write (k3lab/studies/runs.py) -->"
 TABLE_END = "<!-- end of runs table -->"
@@ -144,7 +157,7 @@ RUNS: tuple[Run, ...] = (
     Run("decode_step_targets", "the step targets' one budgeted run (k3lab.studies.decode_step.targets)", {},
         {"GPU": ("k3lab/studies/decode_step/targets.py",)}),
     Run("serving_run_capacity", "the serving run's capacity form (the cache binds at DCP1 and holds at DCP8)",
-        {}, {"GPU": ("k3lab/studies/serving_run/measure.py",)}),
+        {}, {"GPU": ("README.md", "k3lab/studies/serving_run/measure.py")}),
 )
 
 
@@ -199,6 +212,9 @@ def problems(runs: tuple[Run, ...] = RUNS, root: Path = REPO) -> list[str]:
                 continue
             if target == "GPU" and any(d != "cpu" for d in r.ran_on):
                 out.append(f"{r.name}: said not to have run on a GPU, but ran on {sorted(r.ran_on)}")
+            if target in CARDS and CARDS[target] in r.ran_on:
+                out.append(f"{r.name}: said not to have run on the {target}, but ran on it "
+                           f"(profiles/{r.ran_on[CARDS[target]]})")
             for f in files:
                 p = root / f
                 if not p.is_file():
@@ -221,11 +237,62 @@ def problems(runs: tuple[Run, ...] = RUNS, root: Path = REPO) -> list[str]:
         if p.is_dir() and p.name not in DEVICES and p.name not in ("isa", "projected"):
             out.append(f"profiles/{p.name} is a device folder not in runs.DEVICES")
     named = {(t, f) for r in runs for t, files in r.not_run.items() for f in files}
+    timed = None
     for path in _stating_files(root):
         rel = path.relative_to(root).as_posix()
-        for target in statements(_text(path)):
+        text = _text(path)
+        for target in statements(text):
             if (target, rel) not in named:
                 out.append(f"{rel} states a part has not run on {target}, and no part of runs.RUNS names it")
+        claims = notebook_claims(text, root)
+        if claims and timed is None:
+            timed = timed_notebooks(root)
+        for ids, card, notebooks in claims:
+            for nb in notebooks:
+                logs = [log for label, log in (timed or {}).get(nb, {}).items() if card in ("GPU", label)]
+                if logs:
+                    verb = "have" if len(notebooks) > 1 else "has"
+                    out.append(f"{rel} says {ids} {verb} no {card} timing, but {logs[0]} timed {nb}")
+    return out
+
+
+def _notebook_names(root: Path) -> list[str]:
+    return sorted(p.stem for p in (root / "notebooks").glob("*.ipynb"))
+
+
+def notebook_claims(text: str, root: Path = REPO) -> list[tuple[str, str, list[str]]]:
+    """Each NOTEBOOK_CLAIM in `text`: (the ids as written, the card or 'GPU', the notebooks under root's
+    notebooks/ they name; a range 06-09 names every notebook whose two digits lie in it)."""
+    names = _notebook_names(root)
+
+    def short(nb: str) -> str:
+        m = re.match(r"\d\d[a-z]?(?=_|$)", nb)
+        return m[0] if m else nb
+
+    out = []
+    for m in NOTEBOOK_CLAIM.finditer(text):
+        chosen: list[str] = []
+        for part in re.split(r"\s*,\s*|\s*,?\s+and\s+", m["ids"].strip()):
+            lo, _, hi = (x.strip() for x in part.partition("-"))
+            chosen += [n for n in names
+                       if (lo <= short(n)[:2] <= hi if hi else short(n) == lo) and n not in chosen]
+        card = m["card"].upper()
+        out.append((" ".join(m["ids"].split()), card, chosen))
+    return out
+
+
+def timed_notebooks(root: Path = REPO) -> dict[str, dict[str, str]]:
+    """notebook -> {card ('H100', 'H200'): the first GPU report log under profiles/*/gpu_check/ in which
+    it passed}, the logs read by k3lab.workshop.agenda.parse_report_log (the agenda's own reader)."""
+    from k3lab.workshop.agenda import parse_report_log
+
+    out: dict[str, dict[str, str]] = {}
+    for log in sorted((root / "profiles").glob("*/gpu_check/report_*.log")):
+        folder = log.parent.parent.name
+        card = next((c for c, f in CARDS.items() if f == folder), DEVICE_LABELS.get(folder, folder))
+        for nb, t in parse_report_log(log.read_text(errors="replace")).items():
+            if t.seconds is not None:
+                out.setdefault(nb, {}).setdefault(card, log.relative_to(root).as_posix())
     return out
 
 

@@ -255,6 +255,36 @@ def _fmt(t: Timing | None) -> str:
     return f"{t.seconds:.0f} s{slow}"
 
 
+def short_id(notebook: str) -> str:
+    """'05b_kda_deep_dive' -> '05b', '09_serving_curve' -> '09' (the id the docs name a notebook by)."""
+    m = re.match(r"\d\d[a-z]?(?=_|$)", notebook)
+    return m[0] if m else notebook
+
+
+def _ids(notebooks: list[str]) -> str:
+    ids = [short_id(n) for n in notebooks]
+    return ids[0] if len(ids) == 1 else f"{', '.join(ids[:-1])} and {ids[-1]}"
+
+
+def run_status(notebooks: list[str], gpus) -> list[str]:
+    """The run status under the timing table, derived from the same records: per GPU run, the notebooks it
+    did not time and why; then the notebooks no GPU run timed (or that every one has a GPU figure)."""
+    out = []
+    for label, timings in gpus:
+        missed: dict[str, list[str]] = {}
+        for nb in notebooks:
+            t = timings.get(nb)
+            if t is None or t.seconds is None:
+                missed.setdefault("no timing" if t is None else t.status, []).append(nb)
+        if missed:
+            out.append(f"{label}: " + "; ".join(f"{_ids(nbs)} {why}" for why, nbs in missed.items()) + ".")
+    untimed = [nb for nb in notebooks
+               if not any(t is not None and t.seconds is not None for t in (g.get(nb) for _, g in gpus))]
+    out.append(f"{_ids(untimed)} {'has' if len(untimed) == 1 else 'have'} no GPU timing in any run on record."
+               if untimed else "Every notebook has a GPU timing in at least one run on record.")
+    return out
+
+
 def markdown(root: Path = REPO) -> str:
     """The agenda section: the clock, each segment's core and stretch parts with minutes, and the
     measured run-all times per machine."""
@@ -297,7 +327,7 @@ def markdown(root: Path = REPO) -> str:
     for nb in notebooks:
         lines.append(f"| `{nb}` | {_fmt(cpu.get(nb))} | "
                      + " | ".join(_fmt(g.get(nb)) for _, g in gpus) + " |")
-    lines += ["", END]
+    lines += ["", "Not timed, from the same logs: " + " ".join(run_status(notebooks, gpus)), "", END]
     return "\n".join(lines)
 
 

@@ -267,3 +267,63 @@ def test_profile_decode_step_names_its_parts(tmp_path, capsys, monkeypatch):
     assert any(e.get("name") == "ProfilerStep#0" for e in hta["traceEvents"])
     assert "ProfilerStep#0" not in {e.get("name") for e in chrome["traceEvents"]}
     assert want <= set(nvtx.pushed) and "k3lab.step.0" in nvtx.pushed and nvtx.open == 0
+
+
+# ---------------------------------------------------------------- studies with nothing to profile here
+
+@pytest.mark.parametrize("study", sorted(tools.NO_KERNELS))
+def test_profile_refuses_a_study_without_kernels(study, tmp_path, capsys, monkeypatch):
+    """A study with no kernels of its own exits 2 with one line naming it and the studies that have
+    kernels, and writes nothing; its profile_targets is indeed empty."""
+    from k3lab import studies
+
+    assert studies.load_study(study).profile_targets() == {}
+    assert cli.main(["profile", study, "--steps", "1", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"k3lab profile: {study} has no kernels to profile: ")
+    listed = err.split("Studies with kernels to profile: ")[1].split(", ")
+    assert "decode_step" in listed and "kda_decode" in listed and not set(listed) & set(tools.NO_KERNELS)
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(tools, "missing", lambda tool: None)  # as on a GPU with ncu: still refused first
+    monkeypatch.setattr(tools, "_run", lambda *a, **k: pytest.fail("ncu ran for a study without kernels"))
+    with pytest.raises(ValueError, match=f"{study} has no kernels"):
+        tools.profile_study(study, tool="ncu", variants=["after"], out_dir=tmp_path)
+
+
+def test_profile_refuses_empty_targets_of_any_study(tmp_path, capsys, monkeypatch):
+    """A study outside NO_KERNELS whose profile_targets build nothing here is refused too, never a silent
+    exit 0 with no trace."""
+    from k3lab import studies
+
+    monkeypatch.setattr(studies.load_study("launch_overhead"), "profile_targets", lambda preset=None: {})
+    assert cli.main(["profile", "launch_overhead", "--steps", "1", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "launch_overhead has no kernels to profile" in err and "built none" in err
+    assert not (tmp_path / "out").exists()
+    assert tools.no_targets("launch_overhead") is None
+    with pytest.raises(ValueError, match="unknown study"):
+        tools.no_targets("nope")
+
+
+@pytest.mark.follows_gpu  # the study builds its inputs on the GPU where there is one
+def test_profile_kda_decode_runs_here(tmp_path, capsys):
+    """`k3lab profile kda_decode` on the device at hand: every variant on a GPU; on a CPU the unfused
+    chain in Triton's interpreter (the fused kernel and fla need a GPU), its state advancing each call."""
+    import torch
+
+    from k3lab import studies
+
+    targets = studies.load_study("kda_decode").profile_targets()
+    if not torch.cuda.is_available():
+        assert sorted(targets) == ["before"]
+        first = targets["before"]().clone()  # out [B, H*V] of one step; the next step reads the new state
+        second = targets["before"]()
+        assert first.shape == second.shape == (1, 2 * 128) and torch.isfinite(second).all()
+        assert not torch.equal(first, second)
+    assert cli.main(["profile", "kda_decode", "--steps", "1", "--top", "3", "--out", str(tmp_path)]) == 0
+    for variant in targets:
+        doc = json.loads((tmp_path / "traces" / "kda_decode" / f"{variant}.trace.json").read_text())
+        steps = [e for e in doc["traceEvents"] if e.get("name") == "k3lab.step.0"]
+        ops = [e for e in doc["traceEvents"] if e.get("cat") == "cpu_op"
+               and steps[0]["ts"] <= e["ts"] <= steps[0]["ts"] + steps[0]["dur"]]
+        assert steps and ops, variant

@@ -38,6 +38,15 @@ NOT_YET_RUN = {"nsys": "k3lab profile --tool nsys: not yet run on a GPU by this 
                "rocprofv3": "k3lab profile --tool rocprofv3: not yet run on AMD hardware by this project"}
 _VENDOR = {"ncu": ("cuda", "Nsight Compute"), "nsys": ("cuda", "Nsight Systems"),
            "rocprofv3": ("rocm", "ROCm")}
+# The studies with no kernels of their own (their profile_targets return {}), each with where its kernels
+# are profiled: `k3lab profile` refuses them in one line (`no_targets`) instead of writing nothing.
+NO_KERNELS = {
+    "occupancy": "its one kernel is kda_scan's chunk prologue, relaunched at each shared-memory reserve by "
+                 "`k3lab bench occupancy`; `k3lab profile kda_scan` traces that kernel",
+    "serving": "its grid's steps are decode_step's; `k3lab profile decode_step` traces them",
+    "serving_run": "its decode step is decode_step's and its chunked prefill kda_scan's; `k3lab profile "
+                   "decode_step` and `k3lab profile kda_scan` trace them",
+}
 
 
 def _backend() -> str:
@@ -64,6 +73,24 @@ def missing(tool: str, *, backend: str | None = None, which=shutil.which) -> str
     if not lacking:
         return None
     return f"--tool {tool}: " + "; ".join(lacking) + "; --tool torch (torch.profiler) runs here"
+
+
+def no_targets(study: str) -> str | None:
+    """The one-line refusal for a study with no kernels to profile (NO_KERNELS), naming the study, why, and
+    the studies that have profile targets; None for the others. ValueError for an unknown study."""
+    from k3lab.studies import canonical
+
+    name = canonical(study)
+    if name not in NO_KERNELS:
+        return None
+    return _nothing_line(name, NO_KERNELS[name])
+
+
+def _nothing_line(name: str, why: str) -> str:
+    from k3lab.studies import STUDIES
+
+    profiled = [s for s in STUDIES if s not in NO_KERNELS]
+    return f"{name} has no kernels to profile: {why}. Studies with kernels to profile: {', '.join(profiled)}"
 
 
 def child_command(study: str, variant: str, *, preset: str | None, steps: int, warmup: int = 1) -> list[str]:
@@ -218,19 +245,21 @@ def profile_study(study: str, *, tool: str = "torch", variants=None, preset: str
     """Profile each of `variants` (default: every profile target of the study) with `tool`, files under
     `out_dir`. torch: per variant `<variant>.trace.json` (Chrome/Perfetto, with the step and part ranges)
     and an HTA folder `hta/<variant>/rank-0.json.gz` (k3lab.profiling.export). Other tools: their own
-    files (`capture_tool`). ValueError naming what is wrong (a tool that cannot run here, an unknown
-    variant) before anything is profiled."""
+    files (`capture_tool`). ValueError naming what is wrong (a tool that cannot run here, a study with
+    no kernels to profile, an unknown variant) before anything is profiled."""
     from k3lab.profiling.capture import capture
     from k3lab.profiling.export import write_hta_folder
     from k3lab.studies import load_study
 
-    why = missing(tool)
+    why = missing(tool) or no_targets(study)
     if why is not None:
         raise ValueError(why)
     out_dir = Path(out_dir)
     targets = None
     if variants is None or tool == "torch":
         targets = load_study(study).profile_targets(preset=preset)
+        if not targets:  # a study outside NO_KERNELS that built nothing here: refused, never a silent no-op
+            raise ValueError(_nothing_line(study, "its profile_targets built none on this machine"))
         names = list(targets)
         unknown = [v for v in variants or () if v not in names]
         if unknown:

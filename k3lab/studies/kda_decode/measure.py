@@ -13,7 +13,7 @@ import torch
 from k3lab import bench
 from k3lab.nn import KDACache
 from k3lab.ops import kda_decode as kd
-from k3lab.studies.peers import FLA_DECODE, fla_status
+from k3lab.studies.peers import FLA_DECODE, fla_status, on_gpu
 
 NAME = "kda_decode"
 HEADS = 12  # TP8 slice
@@ -220,8 +220,18 @@ def run(preset=None, cases=None, *, batches=None, heads: int = HEADS, modes=("ea
     return records
 
 
+CPU_PROFILE_HEADS = 2  # the CPU's profile target: notebook 03's CPU check of the chain, at B = 1
+
+
 def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
-    """One B = 1 decode step per variant (GPU)."""
-    return make_callables(1, HEADS)[0]
+    """One B = 1 decode step per variant: on a GPU every variant at the TP8 slice (`make_callables`); on
+    a CPU what notebook 03's CPU form runs, the unfused chain ('before', k3lab's Triton kernels in
+    Triton's interpreter) at CPU_PROFILE_HEADS heads: the fused kernel ('after') and fla need a GPU."""
+    if on_gpu():
+        return make_callables(1, HEADS)[0]
+    inputs, cache, w = kd.make_example(1, CPU_PROFILE_HEADS, device="cpu", seed=1)
+    step = kd.KDADecodeStep(cache, w, backend="triton")
+    args = tuple(inputs[n] for n in kd.TOKEN_INPUTS)
+    return {"before": lambda: step(*args)}
 
 

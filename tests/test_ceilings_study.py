@@ -88,3 +88,14 @@ def test_committed_records_are_the_probes_cases_and_format():
     assert by["matmul_bf16_8192"] == pytest.approx(ceilings.matmul_tflops(ceilings.MATMUL_N,
                                                                           med["matmul_bf16_8192"]))
     assert ceilings.summary_text(recs).count("NVIDIA H100") == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path of the probe needs a GPU")
+def test_gpu_path_checks_and_times_small_cases(tmp_path):
+    c = ceilings.measure_copy(1 << 20, device="cuda", repeats=3)
+    m = ceilings.measure_matmul(512, device="cuda", repeats=3)
+    assert c.extra["bandwidth_tbs"] > 0 and m.extra["matmul_tflops"] > 0
+    assert c.device == m.device != "cpu"
+    with pytest.raises(bench.CheckFailed):
+        ceilings.measure_matmul(256, device="cuda", repeats=1,
+                                product=lambda a, b: torch.roll(a @ b, 1, dims=1))

@@ -109,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     if records:
         print(summary_text(records))
     if records and args.save:
-        for path in bench.save_records(records, root=args.root, overwrite=args.overwrite):
+        try:
+            paths = bench.save_records(records, root=args.root, overwrite=args.overwrite)
+        except FileExistsError as exc:  # a committed record of this device: kept unless --overwrite
+            print(f"{NAME}: nothing written: {exc}")
+            return 1
+        for path in paths:
             print("wrote", path)
     return 0

@@ -327,3 +327,29 @@ def test_profile_kda_decode_runs_here(tmp_path, capsys):
         ops = [e for e in doc["traceEvents"] if e.get("cat") == "cpu_op"
                and steps[0]["ts"] <= e["ts"] <= steps[0]["ts"] + steps[0]["dur"]]
         assert steps and ops, variant
+
+
+@pytest.mark.follows_gpu  # the studies build their inputs on the GPU where there is one
+@pytest.mark.parametrize("study, pairs", [
+    ("dcp", [("before", "after")]),
+    ("moe_sharding", [("experts_before", "experts_after")]),
+])
+def test_profile_kernel_studies_trace_their_before_and_after(study, pairs, tmp_path, capsys):
+    """dcp and moe_sharding profile their before/after kernels at a small case: each pair computes the
+    same result (the torch form against the Triton one), and every variant leaves a trace and an HTA
+    folder with its step."""
+    import torch
+
+    from k3lab import studies
+
+    targets = studies.load_study(study).profile_targets()
+    for before, after in pairs:
+        got, want = targets[after](), targets[before]()
+        got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)  # the merge's (o, lse)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert cli.main(["profile", study, "--steps", "1", "--top", "3", "--out", str(tmp_path)]) == 0
+    folder = tmp_path / "traces" / study
+    for variant in targets:
+        doc = json.loads((folder / f"{variant}.trace.json").read_text())
+        assert any(e.get("name") == "k3lab.step.0" for e in doc["traceEvents"]), variant
+        assert (folder / "hta" / variant / "rank-0.json.gz").is_file()

@@ -233,4 +233,13 @@ def run(preset=None, cases=None, *, smoke: bool = False) -> list:
 
 
 def profile_targets(preset=None) -> dict:
-    return {}
+    """The study's before/after kernels at one small case, for traces: the a2a merge of N = 8 partials
+    at B = 1, torch ('before') and Triton ('after', one launch), as the decode runs it (no value check).
+    On a GPU at TP8's 12 heads in bf16; on a CPU at 2 heads in fp32 through Triton's interpreter."""
+    gpu = torch.cuda.is_available()
+    dev, dt, heads = ("cuda", torch.bfloat16, TP_HEADS) if gpu else ("cpu", torch.float32, 2)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    o = torch.randn(WORLD, 1, 1, heads, 512, device=dev, generator=gen).to(dt)
+    lse = torch.randn(WORLD, 1, 1, heads, device=dev, generator=gen) * 3
+    return {v: (lambda impl=impl: merge_partials(o, lse, impl, check_values=False))
+            for v, impl in (("before", "torch"), ("after", "triton"))}

@@ -219,4 +219,24 @@ def run(preset=None, cases=None) -> list:
 
 
 def profile_targets(preset=None) -> dict[str, Callable[[], None]]:
-    return {}
+    """The study's before/after kernels at one small case, for traces: the tail at one token, replicated
+    ('tail_before') and sharded ('tail_after', both tail_triton), and the routed experts of one token,
+    the per-expert loop ('experts_before') and the grouped kernels ('experts_after'). On a GPU at K3's
+    TP8 shapes in bf16; on a CPU at K3Config.tiny()'s over two ranks in fp16 through Triton's
+    interpreter (as tests/test_moe_sharding_measure.py runs the code)."""
+    gpu = torch.cuda.is_available()
+    cfg, tp, dt = (K3Config.full(), 8, torch.bfloat16) if gpu else (K3Config.tiny(), 2, torch.float16)
+    gen = torch.Generator(device="cuda" if gpu else "cpu").manual_seed(0)
+    H, LAT, eps = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.rms_norm_eps
+    norm_w = (1 + 0.1 * _randn(LAT, gen=gen, dtype=torch.float32)).to(dt)
+    lat, out = _randn(1, LAT, dtype=torch.float32, gen=gen), _randn(1, H, gen=gen, dtype=dt)
+    targets = {}
+    for variant, rows in (("tail_before", H), ("tail_after", H // tp)):
+        up = _randn(rows, LAT, scale=LAT**-0.5, gen=gen, dtype=dt)
+        targets[variant] = lambda up=up: me.tail_triton(lat, norm_w, eps, up, out, 0)
+    w1, w3, w2 = _expert_weights(cfg, tp, gen, dt)
+    z, w, idx = _routing(cfg, 1, 0, gen, dt)
+    m = me.default_block_m(1, cfg.num_experts_per_token, cfg.num_experts)
+    targets["experts_before"] = lambda: me.expert_loop(z, w, idx, w1, w3, w2)
+    targets["experts_after"] = lambda: me.grouped_experts(z, w, idx, w1, w3, w2, block_m=m)
+    return targets

@@ -7,6 +7,7 @@ import copy
 import dataclasses
 
 import pytest
+from cpu_child import on_a_cpu
 
 from k3lab import cli, plots
 from k3lab.profiling import trend
@@ -108,3 +109,60 @@ def test_ci_bytes_per_step_fails_on_a_planted_regression():
     found = trend.regressions(current, committed, trend.STEP_BYTES_TOLERANCE, what="bytes per step")
     assert found and all(f.startswith("bytes per step b1_32k") for f in found)
     assert any("mla_cache" in f for f in found)
+
+
+# ------------------------------------------------------------------------------ launches per step
+@pytest.fixture(scope="module")
+def launches_now():
+    return trend.step_launch_figures()
+
+
+@on_a_cpu
+def test_ci_launches_per_step_no_worse_than_committed(launches_now):
+    current, committed = launches_now
+    assert set(current) == set(committed) == set(trend.LAUNCH_CASES)
+    assert all(f["launches"] == f["triton"] + f["aten"] > 0 and f["triton"] > 0 for f in current.values())
+    found = trend.regressions(current, committed, trend.STEP_LAUNCH_TOLERANCE, what="launches per step")
+    assert found == [], found + trend.launch_changes(current, committed)
+
+
+@on_a_cpu
+def test_ci_launches_check_fails_on_a_planted_launch():
+    """The every-switch-off step with one more launch in its MoE tail (a clone of its input, one aten
+    kernel per MoE layer) fails the check, naming the case and the kernel that grew."""
+    step = trend.launch_step("decode.before")
+    tail = step.tail
+
+    def tail_with_a_copy(*args, **kwargs):
+        args[0].clone()
+        return tail(*args, **kwargs)
+
+    step.tail = tail_with_a_copy
+    current, committed = trend.step_launch_figures(["decode.before"], steps={"decode.before": step})
+    found = trend.regressions(current, committed, trend.STEP_LAUNCH_TOLERANCE, what="launches per step")
+    assert any(f.startswith("launches per step decode.before: launches") for f in found), found
+    assert any(f.startswith("launches per step decode.before: aten") for f in found), found
+    changes = trend.launch_changes(current, committed)
+    assert len(changes) == 1 and changes[0].startswith("decode.before: aten.clone"), changes
+
+
+@on_a_cpu
+def test_count_launches_counts_triton_and_aten_kernels_not_views():
+    import torch
+
+    from k3lab.ops import situ_glu
+
+    x = torch.randn(2, 64)
+    with trend.count_launches() as counts:
+        x.view(4, 32).t()  # views: no kernel
+        torch.empty(3)  # an allocation: no kernel
+        y = x * 2
+        situ_glu.situ_glu_stacked(y, backend="triton")
+    assert counts["aten.mul"] == 1
+    assert not any(k.startswith(("aten.view", "aten.t", "aten.empty")) for k in counts), dict(counts)
+    assert sum(v for k, v in counts.items() if k.startswith("triton.")) == 1, dict(counts)
+
+
+def test_launch_step_refuses_an_unknown_case():
+    with pytest.raises(ValueError, match="case"):
+        trend.launch_step("decode.sideways")

@@ -13,12 +13,21 @@ sources of such figures are wired here, both computed on a CPU:
     committed one is profiles/isa/report.json; the current tree's is `k3lab.isa.report(...)`);
   - `step_bytes_figures(records)`: the bytes per decode step the committed decode_step records were
     floored with, against k3lab.studies.decode_step.measure.step_bytes for the same case now.
-Kernels per step are GPU figures (the records' launches); they are drawn by the trend, not checked on a
-CPU.
+  - `step_launch_figures()`: launches per decode step, counted on a CPU (`count_launches`: every
+    aten operator that runs a kernel and every Triton launch one `DecodeStep.run()` makes) at
+    LAUNCH_CONFIG for each LAUNCH_CASES case, against the committed baseline STEP_LAUNCHES
+    (profiles/cpu/step_launches.json, records written by `write_step_launches`).
+The GPU records' own launches (extra['launches'] of a profiled run) are drawn by the trend; the CPU count
+is the one CI can make: it counts the calls the step's program and its bound rows make on the CPU, so a
+change that adds a launch to the program or to a row the CPU binds shows there, while a change to a
+GPU-only kernel row (a CUDA backend) shows only in the GPU records.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
 import json
 import math
 import subprocess
@@ -34,6 +43,17 @@ TREND_COLUMNS = ("date", "record_commit", "git_commit", "device", "case", "varia
 # Per figure, how much worse the current tree may be before CI fails (absolute units of the figure).
 ISA_TOLERANCE = {"registers": 8, "sgprs": 8, "spills": 0, "scratch_bytes": 0}
 STEP_BYTES_TOLERANCE = {"weights_dense": 0.0, "mla_cache": 0.0, "kda_state": 0.0, "kda_conv": 0.0}
+# Launches are counted exactly (the same code makes the same calls): one more launch per step fails.
+STEP_LAUNCH_TOLERANCE = {"launches": 0, "triton": 0, "aten": 0}
+STEP_LAUNCHES = Path(PROFILES) / "cpu" / "step_launches.json"
+# case -> the step's settings; '.after' is every switch on, '.before' every switch off.
+LAUNCH_CASES = {"decode.after": {"optimizations": "all"}, "decode.before": {"optimizations": "none"},
+                "verify_q3.after": {"optimizations": "all", "q_len": 3}}
+LAUNCH_BATCH, LAUNCH_CONTEXT = 1, 4
+# aten operators that launch no kernel: metadata and allocation, profiler marks, dtype arithmetic.
+NO_KERNEL = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach",
+                       "alias", "lift_fresh", "promote_types", "result_type", "_record_function_enter_new",
+                       "_record_function_exit", "set_", "resize_"})
 
 
 def _git(args: list[str], cwd: Path, stdin: str | None = None) -> str:
@@ -177,3 +197,141 @@ def step_bytes_figures(records=None, config=None) -> tuple[dict, dict]:
         now = step_bytes(config, r.shape["batch"], r.shape["context_len"], r.shape.get("q_len", 1))
         current[key] = {k: float(now[k]) for k in STEP_BYTES_TOLERANCE}
     return current, committed
+
+
+# ------------------------------------------------------------------------------ launches per step
+def launch_config():
+    """The two-layer model the launches are counted at: K3Config.tiny()'s widths, layer 0 a KDA layer
+    with the dense MLP, layer 1 an MLA layer with the MoE (mla_layer_period 2), each layer its own
+    AttnRes block. The step is embed + per layer (mix, the attention part of the layer's kind, mix, the
+    MLP part of its kind) + the final mix and lm_head, and a part's launches depend on its kind, not on
+    the widths or the layer's place, so these two layers hold one of every part: K3's step makes the same
+    parts' launches, repeated by its layer counts. A launch added to any part shows here, at about 3 s
+    of Triton's interpreter on a CPU instead of the minutes of a full-depth step."""
+    from k3lab.config import K3Config
+
+    return dataclasses.replace(K3Config.tiny(), num_hidden_layers=2, mla_layer_period=2,
+                               attn_res_block_size=1, name="launches-2-layer")
+
+
+@contextlib.contextmanager
+def count_launches():
+    """A Counter, filled while the block runs, of the kernels this process launches: 'triton.<kernel>'
+    per Triton launch (compiled or in the interpreter, a launch inside another counted once) and
+    'aten.<op>' per call of an aten operator that runs a kernel (views and NO_KERNEL left out; the aten
+    calls a Triton launch makes inside the interpreter are not counted)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime import interpreter, jit
+
+    counts, inside = collections.Counter(), [0]
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not inside[0] and not func.is_view and name not in NO_KERNEL:
+                counts["aten." + name] += 1
+            return func(*args, **(kwargs or {}))
+
+    def counting(original):
+        def run(self, *args, **kwargs):
+            if not inside[0]:
+                counts["triton." + getattr(getattr(self, "fn", None), "__name__", type(self).__name__)] += 1
+            inside[0] += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                inside[0] -= 1
+        return run
+
+    patched = [(cls, cls.run) for cls in (interpreter.InterpretedFunction, jit.JITFunction)]
+    try:
+        for cls, original in patched:
+            cls.run = counting(original)
+        with torch.no_grad(), _Count():
+            yield counts
+    finally:
+        for cls, original in patched:
+            cls.run = original
+
+
+def launch_step(case: str, config=None):
+    """The DecodeStep of `case` (a LAUNCH_CASES key) at `config` (default `launch_config()`), on the CPU
+    in fp32, batch LAUNCH_BATCH over LAUNCH_CONTEXT cached positions, its tokens set."""
+    import torch
+
+    from k3lab.engine import DecodeStep
+
+    if case not in LAUNCH_CASES:
+        raise ValueError(f"case: expected one of {sorted(LAUNCH_CASES)}, got {case!r}")
+    kw = LAUNCH_CASES[case]
+    step = DecodeStep(config or launch_config(), LAUNCH_BATCH, LAUNCH_CONTEXT, device="cpu",
+                      dtype=torch.float32, **kw)
+    step.set_tokens(torch.arange(1, kw.get("q_len", 1) + 1).reshape(1, -1).repeat(LAUNCH_BATCH, 1))
+    return step
+
+
+def step_launches(step) -> dict:
+    """Launches of one `step.run()` after one warm run: {'launches': all, 'triton': Triton launches,
+    'aten': aten kernels, 'kernels': {name: count}}."""
+    step.run()  # first-call work (plans, caches) is not the step's
+    with count_launches() as counts:
+        step.run()
+    triton = sum(v for k, v in counts.items() if k.startswith("triton."))
+    return {"launches": sum(counts.values()), "triton": triton, "aten": sum(counts.values()) - triton,
+            "kernels": dict(sorted(counts.items()))}
+
+
+def committed_step_launches(path=None) -> dict[str, dict]:
+    """The committed baseline (STEP_LAUNCHES, or `path`) as LAUNCH_CASES case -> figures (the records'
+    extra; a record of case 'launches.decode', variant 'after' is the case 'decode.after')."""
+    recs = [Record.from_dict(d) for d in json.loads(Path(path or STEP_LAUNCHES).read_text())]
+    return {f"{r.case.removeprefix('launches.')}.{r.variant}": {k: r.extra[k] for k in
+                                                               (*STEP_LAUNCH_TOLERANCE, "kernels")}
+            for r in recs}
+
+
+def step_launch_figures(cases=None, *, path=None, steps=None) -> tuple[dict, dict]:
+    """(current, committed) launches per step per case (`cases`: LAUNCH_CASES keys, default all);
+    `steps`: case -> a built step to count instead of `launch_step(case)` (a test plants one)."""
+    committed = committed_step_launches(path)
+    current = {}
+    for case in cases or LAUNCH_CASES:
+        current[case] = step_launches((steps or {}).get(case) or launch_step(case))
+    return current, committed
+
+
+def launch_changes(current: dict, committed: dict) -> list[str]:
+    """Per case, the kernels whose count per step differs: 'case: name committed -> current'."""
+    out = []
+    for case in sorted(set(current) & set(committed)):
+        now, then = current[case].get("kernels", {}), committed[case].get("kernels", {})
+        out += [f"{case}: {k} {then.get(k, 0)} -> {now.get(k, 0)}" for k in sorted(set(now) | set(then))
+                if now.get(k, 0) != then.get(k, 0)]
+    return out
+
+
+def write_step_launches(path=None) -> list[Record]:
+    """Count every LAUNCH_CASES case now and write them to STEP_LAUNCHES (or `path`) as records (study
+    'decode_step', case 'launches.<case>', the step's CPU eager time as the timing; the figures in
+    extra): the baseline the CI check compares with. Run after a change that is meant to change the
+    launches, and commit the file."""
+    import torch
+
+    recs = []
+    for case in LAUNCH_CASES:
+        step = launch_step(case)
+        figures = step_launches(step)
+        t = bench.time_fn(step.run, warmup=0, repeats=3, calls_per_sample=1, device="cpu")
+        name, variant = case.rsplit(".", 1)
+        cfg = step.config
+        recs.append(bench.make_record(
+            "decode_step", f"launches.{name}", variant, t, dtype=torch.float32,
+            shape={"batch": LAUNCH_BATCH, "context_len": LAUNCH_CONTEXT, "q_len": step.q_len,
+                   "layers": cfg.num_hidden_layers},
+            config=cfg.name, optimizations=LAUNCH_CASES[case]["optimizations"], **figures,
+            how="trend.count_launches around one DecodeStep.run() on the CPU (aten kernels and Triton "
+                "launches); the timing is the CPU eager step, not a figure the check reads"))
+    out = Path(path or STEP_LAUNCHES)
+    out.write_text(json.dumps([r.to_dict() for r in recs], indent=1, sort_keys=True) + "\n")
+    return recs

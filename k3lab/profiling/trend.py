@@ -218,8 +218,9 @@ def launch_config():
 def count_launches():
     """A Counter, filled while the block runs, of the kernels this process launches: 'triton.<kernel>'
     per Triton launch (compiled or in the interpreter, a launch inside another counted once) and
-    'aten.<op>' per call of an aten operator that runs a kernel (views and NO_KERNEL left out; the aten
-    calls a Triton launch makes inside the interpreter are not counted)."""
+    '<namespace>.<op>' ('aten.mm', or a library's own operator) per call of a torch operator that runs
+    a kernel (views and NO_KERNEL left out; the torch calls a Triton launch makes inside the interpreter
+    are not counted)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime import interpreter, jit
@@ -230,7 +231,7 @@ def count_launches():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
             if not inside[0] and not func.is_view and name not in NO_KERNEL:
-                counts["aten." + name] += 1
+                counts[f"{func.namespace}.{name}"] += 1
             return func(*args, **(kwargs or {}))
 
     def counting(original):
@@ -273,7 +274,7 @@ def launch_step(case: str, config=None):
 
 def step_launches(step) -> dict:
     """Launches of one `step.run()` after one warm run: {'launches': all, 'triton': Triton launches,
-    'aten': aten kernels, 'kernels': {name: count}}."""
+    'aten': torch operators' kernels, 'kernels': {name: count}}."""
     step.run()  # first-call work (plans, caches) is not the step's
     with count_launches() as counts:
         step.run()

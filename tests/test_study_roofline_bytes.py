@@ -120,3 +120,19 @@ def test_new_records_carry_the_formulas_bytes_and_flops():
         w = WORK[r.study].work_of(r)
         assert (r.extra["bytes"], r.extra["flops"]) == (w["bytes"], w["flops"]), (r.case, r.variant)
     assert len(rl.points(plots._with_study_work("dcp", [r for r in recs if r.study == "dcp"]))) >= 4
+
+
+def test_dcp_local_attention_counts_what_the_mla_ops_records_count():
+    """dcp's local attention is the MLA op's after: its bytes and flops agree with what
+    profiling.roofline gives the mla_padding records of the same op at one decode token (B sequences of
+    one length read as B x length rows)."""
+    seen = 0
+    for r in bench.load_records("mla_padding", device="nvidia-h200"):
+        s = r.shape
+        if (r.variant != "after" or s.get("q_len") != 1 or r.dtype != "bfloat16"
+                or "cache_bytes" not in r.extra):
+            continue
+        got = dcp_work.local_work(1, s["lengths_sum"], s["heads"], 2)
+        assert (got["bytes"], got["flops"]) == rl.work(r), r.case
+        seen += 1
+    assert seen >= 5

@@ -124,3 +124,21 @@ def test_hta_missing_is_named(monkeypatch, tmp_path):
         export.hta_kernel_breakdown(tmp_path)
     with pytest.raises(RuntimeError, match="not importable"):
         export.hta_trace_diff(tmp_path, tmp_path)
+
+
+@needs_hta
+@pytest.mark.follows_gpu  # the study builds its step on the GPU where there is one
+def test_hta_reads_the_part_labels_of_k3lab_profile_decode_step(tmp_path):
+    """`k3lab profile decode_step`'s HTA folders, read by HTA itself: one profiler step each, and its CPU
+    trace diff of before against after names every part range (k3lab.part.*) on both sides."""
+    from k3lab.profiling import tools
+
+    caps = tools.profile_study("decode_step", steps=1, out_dir=tmp_path)
+    assert sorted(caps) == ["after", "before"]
+    folders = {v: tmp_path / "hta" / v for v in caps}
+    assert all(export.hta_steps(f) == [0] for f in folders.values())
+    diff = export.hta_trace_diff(folders["before"], folders["after"], device="cpu")
+    parts = diff[diff.index.str.startswith("k3lab.part.")]
+    want = {"k3lab.part." + p for p in ("embed", "mix", "kda", "mla", "moe", "dense", "collective")}
+    assert set(parts.index) == want
+    assert (parts["before_calls"] > 0).all() and (parts["after_calls"] > 0).all()

@@ -7,15 +7,15 @@ record has it, its launches per step. `plots.trend` draws it; `k3lab records tre
 draws it.
 
 `regressions(current, committed, tolerances)` compares deterministic figures (the same on every run of
-the same code) figure by figure and names each case that got worse by more than its tolerance. Two
-sources of such figures are wired here, both computed on a CPU:
+the same code) figure by figure and names each case that got worse by more than its tolerance. Three
+sources of such figures are wired here, all computed on a CPU:
   - `isa_figures(report)`: registers and spills per kernel and target from a k3lab.isa report (the
     committed one is profiles/isa/report.json; the current tree's is `k3lab.isa.report(...)`);
   - `step_bytes_figures(records)`: the bytes per decode step the committed decode_step records were
-    floored with, against k3lab.studies.decode_step.measure.step_bytes for the same case now.
+    floored with, against k3lab.studies.decode_step.measure.step_bytes for the same case now;
   - `step_launch_figures()`: launches per decode step, counted on a CPU (`count_launches`: every
-    aten operator that runs a kernel and every Triton launch one `DecodeStep.run()` makes) at
-    LAUNCH_CONFIG for each LAUNCH_CASES case, against the committed baseline STEP_LAUNCHES
+    torch operator that runs a kernel and every Triton launch one `DecodeStep.run()` makes) at
+    `launch_config()` for each LAUNCH_CASES case, against the committed baseline STEP_LAUNCHES
     (profiles/cpu/step_launches.json, records written by `write_step_launches`).
 The GPU records' own launches (extra['launches'] of a profiled run) are drawn by the trend; the CPU count
 is the one CI can make: it counts the calls the step's program and its bound rows make on the CPU, so a

@@ -233,7 +233,7 @@ def test_bound_step_checks_each_token_input():
             step(*bad)
     bad = list(args)
     bad[5] = torch.randn(256, 2).t()  # right shape, last dimension strided
-    with pytest.raises(ValueError, match="gate must have a contiguous last dimension"):
+    with pytest.raises(ValueError, match="gate must have a stride-1 last dim"):
         step(*bad)
     with pytest.raises(ValueError, match="apply to backend='cuda' only"):
         kd.KDADecodeStep(cache, w, backend="triton", tile_v=16)

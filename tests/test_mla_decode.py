@@ -170,7 +170,7 @@ def test_bad_input():
         mla.plan_before(torch.randn(1, 0, 12, 576, device=DEV), cache)
     with pytest.raises(ValueError, match="shorter than q_len"):
         mla.plan_after(torch.randn(1, 4, 12, 576, device=DEV), cache, torch.tensor([3]))
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ValueError, match="cache must be float16, got torch.float32"):  # q's dtype
         mla.plan_after(q.half(), cache)
     with pytest.raises(ValueError, match="heads"):
         mla.plan_after(torch.randn(1, 1, 17, 576, device=DEV), cache)

@@ -90,7 +90,7 @@ def test_writer_refuses_bad_input_by_name():
         ((cache, rows, torch.zeros(1, device=DEV), 0), ValueError, "kv_scale must be positive"),
         ((cache, rows, torch.ones(2, device=DEV), 0), ValueError, "kv_scale must be an fp32 tensor"),
         ((cache, rows, 1.0, 0), TypeError, "kv_scale"),
-        ((cache, rows.int(), one, 0), ValueError, "rows must be fp32"),
+        ((cache, rows.int(), one, 0), ValueError, "rows must be float32, float16, bfloat16 or float64"),
     ]:
         with pytest.raises(exc, match=says):
             fc.write_rows(*args)
@@ -166,7 +166,7 @@ def test_decode_refuses_bad_input_by_name():
     for args, kw, exc, says in [
         ((q, cache.float(), scale), {}, ValueError, "cache must be"),
         ((q[..., :512], cache, scale), {}, ValueError, "q's last dim"),
-        ((q.double(), cache, scale), {}, ValueError, "q.dtype"),
+        ((q.double(), cache, scale), {}, ValueError, "q must be float32, float16 or bfloat16"),
         ((q, cache, scale, torch.tensor([9], device=DEV)), {}, ValueError, "lengths"),
         ((q, cache, -scale), {}, ValueError, "kv_scale"),
         ((q, cache, scale), {"scale": 0.0}, ValueError, "scale"),

@@ -284,4 +284,8 @@ def test_expect_names_the_argument_and_what_was_expected():
     for arg, pattern, kw in cases:
         with pytest.raises(ValueError, match=pattern):
             ops.expect("x", arg["t"], **kw)
+    with pytest.raises(TypeError, match="^y must be a torch.Tensor, got int$"):  # the wrong type
+        ops.expect("y", 3)
+    with pytest.raises(ValueError, match="^y must be a torch.Tensor"):  # and still a refused argument
+        ops.expect("y", None, shape=2)
     assert ops.expect("x", t[:, :1].t().t(), contiguous="last") is not None  # a size-1 last dim passes

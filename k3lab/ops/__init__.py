@@ -25,9 +25,9 @@ backend tables' K3LAB_<OP>_BACKEND; whether Triton is interpreted is `k3lab.env.
 
 Also shared by the op packages: `triton_status`, `triton_runs_on` (Triton kernels on a device's tensors:
 compiled on a GPU, the interpreter on a CPU), and the argument rules every op applies the same way:
-`expect` (a tensor's type, shape, dtype, device and layout), `positive_finite` (scales and epsilons),
-`int_arg` (lengths, counts and indices: integers, never bools or floats, within their range) and
-`check_finite` (tensors whose NaN or infinity an op would spread
+`expect` (a tensor's type, shape, dtype, device and layout; `NotATensor` for a non-tensor),
+`positive_finite` (scales and epsilons), `int_arg` (lengths, counts and indices: integers, never bools
+or floats, within their range) and `check_finite` (tensors whose NaN or infinity an op would spread
 beyond the rows it belongs to; one device sync, skipped under CUDA-graph capture, so a captured path
 checks when it is bound).
 """
@@ -116,10 +116,16 @@ def _dtype_names(dtypes) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
+class NotATensor(TypeError, ValueError):
+    """`expect`'s refusal of an argument that is not a tensor: a TypeError (the wrong type), and a
+    ValueError too, for callers that take every refusal of a bad argument as one."""
+
+
 def expect(name: str, t, *, shape=None, dtype=None, device=None, contiguous: bool | str = False,
            what: str = "") -> torch.Tensor:
-    """`t`, checked: the one tensor check of every op. ValueError naming `name` and what was expected, at
-    the first thing that differs (metadata only: no value is read, nothing waits for the device).
+    """`t`, checked: the one tensor check of every op. An error naming `name` and what was expected, at
+    the first thing that differs (metadata only: no value is read, nothing waits for the device):
+    `NotATensor` (a TypeError, and a ValueError) for what is not a tensor, ValueError for the rest.
 
     shape: an int (the number of dimensions) or a sequence of sizes, None for a free one; dtype: a dtype
     or a tuple of them; device: the device t must be on; contiguous: True for t.is_contiguous(), 'last'
@@ -127,7 +133,7 @@ def expect(name: str, t, *, shape=None, dtype=None, device=None, contiguous: boo
     expected shape in messages ("[N, H, LAT]")."""
     desc = f" {what}" if what else ""
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor{desc}, got {type(t).__name__}")  # noqa: TRY004
+        raise NotATensor(f"{name} must be a torch.Tensor{desc}, got {type(t).__name__}")
     if isinstance(shape, int):
         if t.dim() != shape:
             raise ValueError(f"{name} must be a {shape}-D tensor{desc}, got shape {tuple(t.shape)}")

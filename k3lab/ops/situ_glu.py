@@ -34,7 +34,7 @@ import torch
 from k3lab import env
 from k3lab.config import K3Config
 from k3lab.nn.situ import GATE_BOUND, UP_BOUND, situ_glu
-from k3lab.ops import triton_and_torch, triton_runs_on
+from k3lab.ops import expect, triton_and_torch, triton_runs_on
 
 try:
     import triton
@@ -91,9 +91,7 @@ BACKEND_ENV = BACKENDS.env
 
 def _rows(name: str, t: torch.Tensor, width: int) -> torch.Tensor:
     """t as a [rows, width] view (same storage); ValueError when no such view exists."""
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must have a stride-1 last dim, got strides {tuple(t.stride())} "
-                         "(call .contiguous())")
+    expect(name, t, contiguous="last")
     try:
         return t.view(-1, width)
     except RuntimeError:
@@ -103,24 +101,15 @@ def _rows(name: str, t: torch.Tensor, width: int) -> torch.Tensor:
 
 def check(gu, out=None) -> int:
     """Validate gu (and out) for every backend alike; returns F. Reads only metadata (no host sync)."""
-    if not isinstance(gu, torch.Tensor):
-        raise ValueError(f"gu must be a torch.Tensor, got {type(gu).__name__}")  # noqa: TRY004
+    expect("gu", gu, what="[..., 2F]")
     if gu.dim() < 1 or gu.shape[-1] % 2:
         raise ValueError(f"gu must be [..., 2F] (an even last dim: gate | up), got shape {tuple(gu.shape)}")
-    if gu.dtype not in DTYPES:
-        raise ValueError(f"gu must be fp32, fp16, bf16 or fp64, got {gu.dtype}")
+    expect("gu", gu, dtype=DTYPES)
     f = gu.shape[-1] // 2
-    if out is not None:
+    if out is not None:  # gu's leading dims and F, gu's dtype and device
         want = (*gu.shape[:-1], f)
-        if not isinstance(out, torch.Tensor):
-            raise ValueError(f"out must be a torch.Tensor or None, got {type(out).__name__}")  # noqa: TRY004
-        if tuple(out.shape) != want:
-            raise ValueError(f"out must have shape {want} (gu's leading dims, F = {f}), "
-                             f"got {tuple(out.shape)}")
-        if out.dtype != gu.dtype:
-            raise ValueError(f"out must have gu's dtype {gu.dtype}, got {out.dtype}")
-        if out.device != gu.device:
-            raise ValueError(f"out must be on gu's device {gu.device}, got {out.device}")
+        expect("out", out, shape=want, dtype=gu.dtype, device=gu.device,
+               what=f"{want} (gu's leading dims, F = {f})")
     for name, t, width in (("gu", gu, 2 * f), ("out", out, f)):
         if t is not None and t.numel():
             _rows(name, t, width)

@@ -164,9 +164,7 @@ class KDADecodeStep:
         `cuda.default_hints` and `cuda.choose_split` pick from the device."""
         if not isinstance(cache, KDACache):
             raise ValueError(f"cache must be a k3lab.nn.KDACache, got {type(cache).__name__}")  # noqa: TRY004
-        S = expect("cache.state", cache.state)
-        if S.dim() != 4:
-            raise ValueError(f"cache.state must be [B, H, {HEAD_DIM}, {HEAD_DIM}], got {tuple(S.shape)}")
+        S = expect("cache.state", cache.state, shape=4, what=f"[B, H, {HEAD_DIM}, {HEAD_DIM}]")
         B, H = S.shape[0], S.shape[1]
         act = expect("cache.conv_q", cache.conv_q).dtype
         check_static(cache, weights, out, B, H, act, S.device, state_layout, source="cache.conv_q")
@@ -184,22 +182,17 @@ class KDADecodeStep:
         self.fused = self._run if isinstance(self._run, cuda.FusedStep) else None
 
     def _bad_token(self, name, t, shape):
-        expect(name, t)
-        if t.shape != shape:
-            raise ValueError(f"{name} must be {list(shape)} (B={self.batch}, H={self.heads}, head_dim "
-                             f"{HEAD_DIM}), got {tuple(t.shape)}")
-        if t.dtype != self.dtype:
-            raise ValueError(f"{name} must have the cache's dtype {self.dtype}, got {t.dtype}")
-        if t.device != self.device:
-            raise ValueError(f"{name} is on {t.device} but the cache is on {self.device}")
-        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
+        expect(name, t, shape=shape, dtype=self.dtype, device=self.device, contiguous="last",
+               what=f"{list(shape)} (B={self.batch}, H={self.heads}, head_dim {HEAD_DIM})")
+        raise AssertionError(f"{name} passed expect but not the bound step's check")  # the two agree
 
     def __call__(self, q, k, v, g_raw, beta_raw, gate) -> torch.Tensor:
         toks = (q, k, v, g_raw, beta_raw, gate)
         dtype, device = self.dtype, self.device
         for name, t, shape in zip(TOKEN_INPUTS, toks, self._shapes):
             try:
-                ok = t.shape == shape and t.dtype is dtype and t.device == device and t.stride(-1) == 1
+                ok = (t.shape == shape and t.dtype is dtype and t.device == device
+                      and (t.stride(-1) == 1 or t.shape[-1] == 1))  # expect's contiguous="last"
             except AttributeError:
                 ok = False
             if not ok:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3lab import env
-from k3lab.ops import int_arg
+from k3lab.ops import expect, int_arg
 from k3lab.ops.mla_decode.inputs import (DEFAULT_SCALE, LATENT_DIM, LOG2E, MAX_SPLITS, MMA_ROWS, ROPE_DIM,
                                          VALUE_DIM, check_num_splits, check_scale, choose_num_splits,
                                          piece_len, validate)
@@ -96,24 +96,14 @@ def cache_bytes(positions: int, layers: int = 1, ranks: int = 1, dtype: torch.dt
 # ---------------------------------------------------------------------------------------------- writer
 
 
-def _float_tensor(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-        raise ValueError(f"{name} must be fp32, fp16, bf16 or fp64, got {t.dtype}")
-
-
 def check_kv_scale(kv_scale, device) -> None:
     """kv_scale must be an fp32 tensor of one element on `device`: a device tensor, so a captured step
     reads a scale set later (no host value baked into a graph). Its value is read once here: positive
     and finite."""
-    if not isinstance(kv_scale, torch.Tensor):
-        raise TypeError(f"kv_scale must be an fp32 tensor of one element, got {type(kv_scale).__name__}")
-    if kv_scale.dtype != torch.float32 or kv_scale.numel() != 1:
-        raise ValueError(f"kv_scale must be an fp32 tensor of one element, got {kv_scale.dtype} "
-                         f"{tuple(kv_scale.shape)}")
-    if kv_scale.device != torch.device(device):
-        raise ValueError(f"kv_scale is on {kv_scale.device} but the cache is on {device}")
+    expect("kv_scale", kv_scale, dtype=torch.float32, what="(an fp32 tensor of one element)")
+    if kv_scale.numel() != 1:
+        raise ValueError(f"kv_scale must be an fp32 tensor of one element, got {tuple(kv_scale.shape)}")
+    expect("kv_scale", kv_scale, device=device)  # the cache's
     if not (kv_scale.is_cuda and torch.cuda.is_current_stream_capturing()):
         v = float(kv_scale.reshape(()))
         if not (math.isfinite(v) and v > 0):
@@ -144,11 +134,9 @@ def write_rows(cache: torch.Tensor, rows: torch.Tensor, kv_scale: torch.Tensor, 
     [B, T, 576] of a contiguous FP8 cache [B, L, 576]; returns cache. ValueError / TypeError naming the
     argument before anything is written."""
     check_cache(cache)
-    _float_tensor("rows", rows)
-    if rows.dim() != 3 or rows.shape[0] != cache.shape[0] or rows.shape[2] != LATENT_DIM:
-        raise ValueError(f"rows must be [B={cache.shape[0]}, T, {LATENT_DIM}], got {tuple(rows.shape)}")
-    if rows.device != cache.device:
-        raise ValueError(f"rows are on {rows.device} but the cache is on {cache.device}")
+    expect("rows", rows, dtype=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
+    expect("rows", rows, shape=(cache.shape[0], None, LATENT_DIM), device=cache.device,
+           what=f"[B={cache.shape[0]}, T, {LATENT_DIM}]")  # the cache's batch and device
     T = rows.shape[1]
     int_arg("pos", pos, high=cache.shape[1] - T)
     check_kv_scale(kv_scale, cache.device)
@@ -164,13 +152,9 @@ def dequantize(cache: torch.Tensor, kv_scale: torch.Tensor,
 
 
 def check_cache(cache) -> None:
-    if not isinstance(cache, torch.Tensor):
-        raise TypeError(f"cache must be a torch.Tensor of {FP8}, got {type(cache).__name__}")
-    if cache.dtype != FP8:
-        raise ValueError(f"cache must be {FP8} (E4M3 codes), got {cache.dtype}")
-    if cache.dim() != 3 or cache.shape[2] != LATENT_DIM or cache.stride(2) != 1:
-        raise ValueError(f"cache must be [B, L, {LATENT_DIM}] or [pages, page_size, {LATENT_DIM}], "
-                         f"contiguous in its last dim, got {tuple(cache.shape)} strides {cache.stride()}")
+    expect("cache", cache, dtype=FP8, what="(E4M3 codes)")
+    expect("cache", cache, shape=(None, None, LATENT_DIM), contiguous="last",
+           what=f"[B, L, {LATENT_DIM}] or [pages, page_size, {LATENT_DIM}]")
 
 
 # ---------------------------------------------------------------------------------------------- kernel
@@ -265,10 +249,8 @@ def plan_fp8(q, cache, kv_scale, lengths=None, *, block_table=None, scale=None, 
     if triton is None:
         raise RuntimeError("plan_fp8 needs Triton (a GPU, or TRITON_INTERPRET=1 on a CPU)")
     check_cache(cache)
-    if not isinstance(q, torch.Tensor):
-        raise ValueError(f"q must be a tensor [B, q_len, H, {LATENT_DIM}], got {type(q).__name__}")
-    if cache.device != q.device:
-        raise ValueError(f"cache is on {cache.device} but q is on {q.device}")
+    expect("q", q, what=f"[B, q_len, H, {LATENT_DIM}]")
+    expect("cache", cache, device=q.device)  # q's
     sm_scale = check_scale(scale)
     check_num_splits(num_splits, MAX_SPLITS)
     # the bf16 decode's own checks of q, lengths and the block table, on a stand-in of the cache's

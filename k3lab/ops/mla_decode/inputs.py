@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from k3lab import env
-from k3lab.ops import int_arg, positive_finite
+from k3lab.ops import expect, int_arg, positive_finite
 
 LATENT_DIM = 576  # [c 512 | k_pe 64] per position (docs/k3.md)
 VALUE_DIM = 512  # values are the first 512 latent columns
@@ -59,13 +59,8 @@ class Inputs:
         return max(self.lengths_host)
 
 
-def _shape(x) -> str:
-    return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
-
-
 def _check_query(q, max_heads: int | None) -> None:
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"q must be a tensor [B, q_len, H, {LATENT_DIM}], got {_shape(q)}")
+    expect("q", q, shape=4, what=f"[B, q_len, H, {LATENT_DIM}]")
     B, Tq, H, D = q.shape
     if D != LATENT_DIM:
         raise ValueError(f"q's last dim must be the latent width {LATENT_DIM} (512 absorbed nope + 64 rope), "
@@ -79,23 +74,17 @@ def _check_query(q, max_heads: int | None) -> None:
         raise ValueError(f"heads (q.shape[2]) = {H} exceeds {max_heads}: the padded path runs one 16-row "
                          f"tile of heads per program; pass fold_heads=True to run {H} heads as "
                          f"{-(-H // MMA_ROWS)} folded groups of 16")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"q.dtype must be float32, float16 or bfloat16, got {q.dtype}")
+    expect("q", q, dtype=(torch.float32, torch.float16, torch.bfloat16))
 
 
 def _check_cache(q, cache) -> None:
-    if not isinstance(cache, torch.Tensor) or cache.dim() != 3:
-        raise ValueError(f"cache must be [B, L, {LATENT_DIM}] (contiguous) or [num_pages, page_size, "
-                         f"{LATENT_DIM}] (paged), got {_shape(cache)}")
+    expect("cache", cache, shape=3,
+           what=f"[B, L, {LATENT_DIM}] (contiguous) or [num_pages, page_size, {LATENT_DIM}] (paged)")
     if cache.shape[2] != LATENT_DIM:
         raise ValueError(f"cache width (cache.shape[2]) must be {LATENT_DIM} to match q, got "
                          f"{cache.shape[2]}")
-    if cache.dtype != q.dtype:
-        raise ValueError(f"cache.dtype ({cache.dtype}) must equal q.dtype ({q.dtype})")
-    if cache.device != q.device:
-        raise ValueError(f"cache is on {cache.device} but q is on {q.device}")
-    if cache.stride(2) != 1 or q.stride(3) != 1:
-        raise ValueError("q and cache must be contiguous in their last (latent) dim")
+    expect("cache", cache, dtype=q.dtype, device=q.device, contiguous="last")  # q's dtype and device
+    expect("q", q, contiguous="last")
 
 
 def _check_table(block_table, cache, B: int, dev) -> tuple[bool, int, int, torch.Tensor]:
@@ -107,13 +96,8 @@ def _check_table(block_table, cache, B: int, dev) -> tuple[bool, int, int, torch
             raise ValueError(f"contiguous cache must be [B={B}, L, {LATENT_DIM}], got {tuple(cache.shape)} "
                              "(pass block_table= for a paged pool)")
         return False, cache.shape[1], cache.shape[1], torch.arange(B, dtype=torch.int32, device=dev)[:, None]
-    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != B:
-        got = tuple(block_table.shape) if isinstance(block_table, torch.Tensor) else repr(block_table)
-        raise ValueError(f"block_table must be an integer tensor [B={B}, max_pages], got {got}")
-    if block_table.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_table.dtype must be int32 or int64, got {block_table.dtype}")
-    if block_table.device != dev:
-        raise ValueError(f"block_table is on {block_table.device} but q is on {dev}")
+    expect("block_table", block_table, shape=(B, None), dtype=(torch.int32, torch.int64), device=dev,
+           what=f"[B={B}, max_pages]")  # q's batch and device
     page_size = cache.shape[1]
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page size (cache.shape[1]) must be a power of two, got {page_size}")
@@ -272,8 +256,7 @@ def to_paged(cache: torch.Tensor, page_size: int = 64, *, shuffle: bool = True, 
     [B, ceil(L / page_size)] int32). With shuffle, pages sit in the pool in a random order, as they
     do in a server after many requests come and go; `spare_pages` adds unused pages to the pool.
     Unused rows hold random values, never zeros."""
-    if not isinstance(cache, torch.Tensor) or cache.dim() != 3:
-        raise ValueError(f"cache must be [B, L, D], got {_shape(cache)}")
+    expect("cache", cache, shape=3, what="[B, L, D]")
     page_size = int_arg("page_size", page_size, low=1, what="a power of two: an int")
     if page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {page_size}")
@@ -294,10 +277,7 @@ def to_paged(cache: torch.Tensor, page_size: int = 64, *, shuffle: bool = True, 
 
 def gather_paged(pool: torch.Tensor, block_table: torch.Tensor, length: int | None = None) -> torch.Tensor:
     """The contiguous [B, L, 576] view of a paged cache (L = max_pages x page_size, or `length`)."""
-    if (not isinstance(block_table, torch.Tensor) or block_table.dim() != 2
-            or block_table.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"block_table must be an int32 or int64 tensor [B, max_pages], got "
-                         f"{getattr(block_table, 'dtype', type(block_table).__name__)} {_shape(block_table)}")
+    expect("block_table", block_table, shape=2, dtype=(torch.int32, torch.int64), what="[B, max_pages]")
     if length is not None:
         length = int_arg("length", length, high=block_table.shape[1] * pool.shape[1])
     B, per = block_table.shape

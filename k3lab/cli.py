@@ -156,7 +156,7 @@ def _read_import(path: str) -> list:
     out = []
     for i, d in enumerate(rows):
         try:
-            # a study's records, or the roofline ceilings probe's (profiling.roofline.probe_ceilings)
+            # a study's records, or the ceilings probe's (k3lab.studies.ceilings)
             out.append(record_from_import(d, studies=(*STUDIES, PROBE_STUDY)))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"import: {path}: not a record file: record {i}: {exc}") from None

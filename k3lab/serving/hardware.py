@@ -125,14 +125,16 @@ GPUS: dict[str, GPU] = {
 }
 
 def matrix_efficiency() -> tuple[float, str]:
-    """The share of its datasheet bf16 matrix rate a large matmul reaches: the H200's measured rate
-    (k3lab.env.PEAKS, a bf16 8192^3 product on random data) over its datasheet figure, with the source.
+    """The share of its datasheet bf16 matrix rate a large matmul reaches: the H200's rate as
+    k3lab.env.PEAKS holds it (a bf16 8192^3 product on random data; its label says whether a committed
+    record backs it) over its datasheet figure, with the source.
     Prefill is charged at this share of any GPU's datasheet rate (for MI355X a projection)."""
     from k3lab.env import PEAKS
 
     h = GPUS["h200"]
     return PEAKS["H200"].bf16_tflops / h.bf16_tflops, (
-        f"H200 bf16 8192^3 matmul {PEAKS['H200'].bf16_tflops:g} TFLOP/s measured (k3lab.env) over "
+        f"H200 bf16 8192^3 matmul {PEAKS['H200'].bf16_tflops:g} TFLOP/s ({PEAKS['H200'].bf16_source}, "
+        "k3lab.env) over "
         f"{h.bf16_tflops:g} datasheet"
     )
 

@@ -240,11 +240,15 @@ def h2d_rate(records=None) -> tuple[float, str]:
     return PUBLIC_H2D, "public H100 figure (vLLM's offloading blog), not measured here: 50 GB/s"
 
 
-def prefill_rate(tokens_per_s: float | None = None, *, peak_tflops: float = 707.0, efficiency: float = 0.4,
-                 config: K3Config | None = None) -> tuple[float, str]:
+def prefill_rate(tokens_per_s: float | None = None, *, peak_tflops: float | None = None,
+                 efficiency: float = 0.4, config: K3Config | None = None) -> tuple[float, str]:
     """(tokens/s, label) of prefill per GPU: given, or modelled as peak x efficiency over 2 FLOP per
     active parameter of one TP8 rank (attention's context-dependent work left out). Defaults: the H200's
-    measured bf16 rate (k3lab.env) at 40%, both assumptions."""
+    bf16 matrix rate as k3lab.env.PEAKS holds it (and labels it) at 40%, both assumptions."""
+    if peak_tflops is None:
+        from k3lab.env import PEAKS
+
+        peak_tflops = PEAKS["H200"].bf16_tflops
     if tokens_per_s is not None:
         return float(tokens_per_s), f"given: {tokens_per_s:,.0f} tokens/s per GPU"
     if not (peak_tflops > 0 and 0 < efficiency <= 1):

@@ -173,11 +173,11 @@ def test_decode_padding_on_k3_router_shape():
 @pytest.mark.parametrize("change, message", [
     (lambda a: a.update(z=a["z"][:, :100]), "w1 must be"),
     (lambda a: a.update(w2=a["w2"].transpose(1, 2)), "w2 must be"),
-    (lambda a: a.update(w3=a["w3"].half()), "w3 must have z's dtype"),
+    (lambda a: a.update(w3=a["w3"].half()), "w3 must be float32, got torch.float16"),
     (lambda a: a.update(idx=a["idx"].float()), "idx must be int32 or int64"),
     (lambda a: a.update(idx=a["idx"] + 1), r"idx values must be expert numbers in \[0, E=8\)"),
     (lambda a: a.update(weights=a["weights"][:, :1]), "idx and weights must both be"),
-    (lambda a: a.update(z=a["z"].long()), "z must be fp32"),
+    (lambda a: a.update(z=a["z"].long()), "z must be float32, float16, bfloat16 or float64"),
 ])
 def test_bad_input_is_refused_by_name(layer, change, message):
     z, w, idx = crafted()

@@ -35,46 +35,51 @@ class Shapes:
     num_experts: int
 
 
+def check_routing(z, weights, idx, z_dtypes) -> tuple[int, int]:
+    """(N, k) of the routing inputs every expert form takes alike (bf16 or MXFP4 weights): z [N, L] in
+    one of `z_dtypes`, weights [N, k] float, idx [N, k] int32 / int64, k >= 1. Metadata only."""
+    for name, t in (("z", z), ("weights", weights), ("idx", idx)):
+        expect(name, t, shape=2)
+    expect("z", z, dtype=z_dtypes)
+    N, k = z.shape[0], idx.shape[1]
+    if idx.shape[0] != N or weights.shape != idx.shape or k < 1:
+        raise ValueError(f"idx and weights must both be [N={N}, k >= 1] (at least one expert per token), "
+                         f"got {tuple(idx.shape)} and {tuple(weights.shape)}")
+    expect("idx", idx, dtype=(torch.int32, torch.int64))
+    if not weights.is_floating_point():
+        raise ValueError(f"weights must be a floating-point tensor, got {weights.dtype}")
+    return N, k
+
+
+def check_placed(tensors: dict, idx, num_experts: int, check_values: bool) -> None:
+    """`tensors` (name -> tensor, the call's every input) on one device, and (check_values) idx's
+    values expert numbers in [0, num_experts): one read-back, skipped while a CUDA graph is captured (a
+    read-back cannot be captured), so a captured call trusts the router."""
+    devices = {str(t.device) for t in tensors.values()}
+    if len(devices) != 1:
+        *first, last = tensors
+        raise ValueError(f"{', '.join(first)} and {last} must be on one device, got {sorted(devices)}")
+    capturing = idx.is_cuda and torch.cuda.is_current_stream_capturing()
+    if check_values and not capturing and idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"idx values must be expert numbers in [0, E={num_experts}), got the range "
+                             f"[{lo}, {hi}]")
+
+
 def check_inputs(z, weights, idx, w1, w3, w2, *, check_values: bool = True) -> Shapes:
     """Validate the routed-expert inputs (see the module docstring); returns their sizes.
 
-    check_values reads idx back to check its range; it is skipped while a CUDA graph is being
-    captured (a read-back cannot be captured), so a captured call trusts the router."""
-    for name, t, dims in (("z", z, 2), ("weights", weights, 2), ("idx", idx, 2),
-                          ("w1", w1, 3), ("w3", w3, 3), ("w2", w2, 3)):
-        expect(name, t, shape=dims)
-    N, L = z.shape
-    E, F, L1 = w1.shape
-    if z.dtype not in DTYPES:
-        raise ValueError(f"z must be fp32, fp16, bf16 (or fp64 for the torch loop), got {z.dtype}")
+    check_values reads idx back to check its range (`check_placed`)."""
+    N, k = check_routing(z, weights, idx, DTYPES)
     for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
-        if w.dtype != z.dtype:
-            raise ValueError(f"{name} must have z's dtype {z.dtype}, got {w.dtype}")
-    if L1 != L:
-        raise ValueError(f"w1 must be [E, F, L={L}] (z's width), got {tuple(w1.shape)}")
-    if w3.shape != w1.shape:
-        raise ValueError(f"w3 must have w1's shape {tuple(w1.shape)}, got {tuple(w3.shape)}")
-    if w2.shape != (E, L, F):
-        raise ValueError(f"w2 must be [E={E}, L={L}, F={F}], got {tuple(w2.shape)}")
-    if idx.shape[0] != N or weights.shape != idx.shape:
-        raise ValueError(f"idx and weights must both be [N={N}, k], got {tuple(idx.shape)} and "
-                         f"{tuple(weights.shape)}")
-    if idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"idx must be int32 or int64, got {idx.dtype}")
-    if not weights.is_floating_point():
-        raise ValueError(f"weights must be a floating-point tensor, got {weights.dtype}")
-    k = idx.shape[1]
-    if k < 1:
-        raise ValueError("idx must choose at least one expert per token (k >= 1)")
-    devices = {t.device for t in (z, weights, idx, w1, w3, w2)}
-    if len(devices) != 1:
-        raise ValueError(f"z, weights, idx, w1, w3 and w2 must be on one device, got "
-                         f"{sorted(map(str, devices))}")
-    capturing = z.is_cuda and torch.cuda.is_current_stream_capturing()
-    if check_values and not capturing and idx.numel():
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= E:
-            raise ValueError(f"idx values must be expert numbers in [0, E={E}), got the range [{lo}, {hi}]")
+        expect(name, w, shape=3, dtype=z.dtype)  # z's dtype
+    L = z.shape[1]
+    E, F, _ = w1.shape
+    expect("w1", w1, shape=(None, None, L), what=f"[E, F, L={L}] (z's width)")
+    expect("w3", w3, shape=tuple(w1.shape), what=f"w1's shape {tuple(w1.shape)}")
+    expect("w2", w2, shape=(E, L, F), what=f"[E={E}, L={L}, F={F}]")
+    check_placed({"z": z, "weights": weights, "idx": idx, "w1": w1, "w3": w3, "w2": w2}, idx, E, check_values)
     return Shapes(N, k, L, F, E)
 
 
@@ -128,9 +133,7 @@ def sort_by_expert(idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertS
     """Sort the pairs of idx [N, k] by expert (stable: token order within an expert) and pad each
     expert's run to whole tiles. Device-side ops only, so it can be captured in a CUDA graph: idx's
     values are not read (the router's output; `check_inputs` reads them where a read is allowed)."""
-    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"idx must be an int32 or int64 tensor of expert numbers, got "
-                         f"{getattr(idx, 'dtype', type(idx).__name__)}")
+    expect("idx", idx, dtype=(torch.int32, torch.int64), what="(expert numbers)")
     num_experts = int_arg("num_experts", num_experts, low=1)
     check_block_m(block_m)
     flat = idx.reshape(-1).long()

@@ -46,9 +46,10 @@ from __future__ import annotations
 
 import torch
 
-from k3lab.ops import int_arg
+from k3lab.ops import expect, int_arg
 
 from . import mxfp4
+from .inputs import check_placed, check_routing
 from .mxfp4 import BLOCK, Mxfp4Weight
 
 try:
@@ -225,10 +226,8 @@ def _experts(name: str, w, shape: tuple[int, int, int] | None = None) -> tuple[i
     if not isinstance(w, Mxfp4Weight):
         raise TypeError(f"{name} must be an Mxfp4Weight (quantize_experts of [E, N, K]), got "
                         f"{type(w).__name__}")
-    if w.packed.dim() != 3 or w.packed.dtype != torch.uint8 or w.scale_exp.dtype != torch.int8:
-        raise ValueError(f"{name} must hold packed uint8 [E, N, K/2] and scale_exp int8 [E, N, K/32], got "
-                         f"{w.packed.dtype} {tuple(w.packed.shape)} and {w.scale_exp.dtype} "
-                         f"{tuple(w.scale_exp.shape)}")
+    expect(f"{name}.packed", w.packed, shape=3, dtype=torch.uint8, what="[E, N, K/2]")
+    expect(f"{name}.scale_exp", w.scale_exp, dtype=torch.int8)
     E, N, K = w.shape
     if K % BLOCK or w.scale_exp.shape != (E, N, K // BLOCK):
         raise ValueError(f"{name}'s scale_exp must be [E={E}, N={N}, K/32={K // BLOCK}] with K={K} a "
@@ -241,37 +240,15 @@ def _experts(name: str, w, shape: tuple[int, int, int] | None = None) -> tuple[i
 def check_inputs(z, weights, idx, w1, w3, w2, *, check_values: bool = True) -> tuple[int, int, int, int, int]:
     """(N, k, L, F, E) of valid inputs (module docstring); ValueError / TypeError naming the argument.
     check_values reads idx back for its range (skipped while a CUDA graph is captured)."""
-    for name, t, dims in (("z", z, 2), ("weights", weights, 2), ("idx", idx, 2)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != dims:
-            raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
+    N, k = check_routing(z, weights, idx, Z_DTYPES)
     E, F, L = _experts("w1", w1)
     _experts("w3", w3, (E, F, L))
     _experts("w2", w2, (E, L, F))
-    N = z.shape[0]
-    if z.shape[1] != L:
-        raise ValueError(f"z must be [N, L={L}] (w1's input width), got {tuple(z.shape)}")
-    if z.dtype not in Z_DTYPES:
-        raise ValueError(f"z must be fp32, fp16 or bf16, got {z.dtype}")
-    if idx.shape[0] != N or weights.shape != idx.shape or idx.shape[1] < 1:
-        raise ValueError(f"idx and weights must both be [N={N}, k >= 1], got {tuple(idx.shape)} and "
-                         f"{tuple(weights.shape)}")
-    if idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"idx must be int32 or int64, got {idx.dtype}")
-    if not weights.is_floating_point():
-        raise ValueError(f"weights must be a floating-point tensor, got {weights.dtype}")
+    expect("z", z, shape=(N, L), what=f"[N, L={L}] (w1's input width)")
     tensors = {"z": z, "weights": weights, "idx": idx, "w1": w1.packed, "w1.scale_exp": w1.scale_exp,
                "w3": w3.packed, "w3.scale_exp": w3.scale_exp, "w2": w2.packed, "w2.scale_exp": w2.scale_exp}
-    devices = {str(t.device) for t in tensors.values()}
-    if len(devices) != 1:
-        raise ValueError(f"z, weights, idx, w1, w3 and w2 must be on one device, got {sorted(devices)}")
-    capturing = z.is_cuda and torch.cuda.is_current_stream_capturing()
-    if check_values and not capturing and idx.numel():
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= E:
-            raise ValueError(f"idx values must be expert numbers in [0, E={E}), got the range [{lo}, {hi}]")
-    return N, idx.shape[1], L, F, E
+    check_placed(tensors, idx, E, check_values)
+    return N, k, L, F, E
 
 
 def _blocks(name: str, blocks) -> tuple[int, int, int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from k3lab import env
-from k3lab.ops import positive_finite
+from k3lab.ops import expect, positive_finite
 
 CLUSTER_MIN_BLOCKS = 4  # 5+ sources: below that one Triton program is faster than a cluster
 
@@ -17,30 +17,23 @@ def check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     finite (a negative eps makes the norm NaN, which nn's rms_norm refuses)."""
     tensors = {"prefix": prefix, "delta": delta, "blocks": blocks, "res_norm_w": res_norm_w,
                "res_proj_w": res_proj_w, "next_norm_w": next_norm_w}
+    expect("prefix", prefix, shape=2, what="[T, D]")
     for name, t in tensors.items():
-        if not (isinstance(t, torch.Tensor) or (t is None and name == "delta")):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t is not None and not t.is_floating_point():
+        if t is None and name == "delta":
+            continue
+        expect(name, t, device=prefix.device)  # prefix's: all on one device
+        if not t.is_floating_point():
             raise ValueError(f"{name} must be floating point, got {t.dtype}")
-        if t is not None and t.device != prefix.device:
-            raise ValueError(f"{name} is on {t.device} but prefix is on {prefix.device}: all must be on one "
-                             "device")
-    if prefix.dim() != 2:
-        raise ValueError(f"prefix must be [T, D], got shape {tuple(prefix.shape)}")
     T, D = prefix.shape
-    if delta is not None and delta.shape != prefix.shape:
-        raise ValueError(f"delta must match prefix [T={T}, D={D}], got {tuple(delta.shape)}")
-    if blocks.dim() != 3 or blocks.shape[1:] != (T, D):
-        raise ValueError(f"blocks must be [max_blocks, T={T}, D={D}], got {tuple(blocks.shape)}")
-    if blocks.dtype != prefix.dtype:
-        raise ValueError(f"blocks must have prefix's dtype {prefix.dtype}, got {blocks.dtype}")
+    if delta is not None:
+        expect("delta", delta, shape=(T, D), what=f"prefix's [T={T}, D={D}]")
+    expect("blocks", blocks, shape=(None, T, D), dtype=prefix.dtype, what=f"[max_blocks, T={T}, D={D}]")
     slots = blocks.shape[0] - (1 if push_block else 0)
     if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or not 0 <= n_blocks <= slots:
         raise ValueError(f"n_blocks must be an int in [0, {slots}] for {blocks.shape[0]} block slots "
                          f"(push_block={push_block}), got {n_blocks!r}")
     for name, w in (("res_norm_w", res_norm_w), ("res_proj_w", res_proj_w), ("next_norm_w", next_norm_w)):
-        if w.shape != (D,):
-            raise ValueError(f"{name} must be [D={D}], got {tuple(w.shape)}")
+        expect(name, w, shape=(D,), what=f"[D={D}]")
     positive_finite("eps", eps)
     return T, D
 

@@ -41,7 +41,7 @@ import torch
 
 from k3lab import env
 from k3lab.nn.situ import situ_glu
-from k3lab.ops import triton_and_torch
+from k3lab.ops import expect, triton_and_torch
 
 try:
     import triton
@@ -175,29 +175,21 @@ BACKEND_ENV = BACKENDS.env
 
 
 def _check(x, w, scale=None, glu: bool = False) -> tuple[int, int]:
-    w_dtypes = DTYPES if scale is None else (FP8,)
-    for name, t, dtypes, what in (("x", x, DTYPES, "fp32/fp16/bf16"),
-                                  ("w", w, w_dtypes, "fp32/fp16/bf16" if scale is None else
-                                   "float8_e4m3fn (scale is given)")):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in dtypes:
-            raise ValueError(f"{name} must be a 2-D {what} tensor, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    expect("x", x, shape=2, dtype=DTYPES, what="[1, K]")
+    expect("w", w, shape=2, dtype=DTYPES if scale is None else FP8, what="[N, K]")  # FP8 with a scale
     if x.shape[0] != 1:
         raise ValueError(f"x must hold one row [1, K], got {tuple(x.shape)} (GemvWeight takes more rows)")
     N, K = w.shape
-    same = x.dtype == w.dtype or scale is not None
-    if x.shape[1] != K * (2 if glu else 1) or not same or x.device != w.device:
-        what = f"[1, 2 x {K}] (gate | up, glu=True)" if glu else f"[1, {K}]"
-        raise ValueError(f"x must be {what} of w's dtype {w.dtype} on {w.device}, got {tuple(x.shape)} "
-                         f"{x.dtype} on {x.device}")
-    if scale is not None and (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32
-                              or not scale.is_contiguous() or scale.numel() < N or scale.device != w.device):
-        raise ValueError(f"scale must be a contiguous fp32 tensor of at least N={N} row scales on "
-                         f"{w.device}, "
-                         f"got {getattr(scale, 'dtype', type(scale).__name__)} "
-                         f"{tuple(getattr(scale, 'shape', ()))}")
-    if w.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError("w and x need contiguous rows (last-dim stride 1)")
+    what = f"[1, 2 x {K}] (gate | up, glu=True)" if glu else f"[1, {K}]"
+    expect("x", x, shape=(1, K * (2 if glu else 1)), dtype=w.dtype if scale is None else None,
+           device=w.device, what=what)  # w's K, dtype and device
+    if scale is not None:
+        expect("scale", scale, dtype=torch.float32, device=w.device, contiguous=True)
+        if scale.numel() < N:
+            raise ValueError(f"scale must be a contiguous fp32 tensor of at least N={N} row scales, got "
+                             f"{tuple(scale.shape)}")
+    expect("w", w, contiguous="last")
+    expect("x", x, contiguous="last")
     return N, K
 
 
@@ -278,9 +270,7 @@ class GemvWeight:
     still works."""
 
     def __init__(self, weight: torch.Tensor):
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in DTYPES:
-            raise ValueError(f"weight must be a 2-D fp32/fp16/bf16 tensor, got "
-                             f"{getattr(weight, 'shape', weight)}")
+        expect("weight", weight, shape=2, dtype=DTYPES, what="[N, K]")
         self.weight = weight.contiguous()
 
     shape = property(lambda self: self.weight.shape)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from k3lab import env
-from k3lab.ops import capturing, positive_finite
+from k3lab.ops import capturing, expect, positive_finite
 
 HEAD_DIM = 128  # K3's KDA head dim; the kernels hold one full K = 128 column of the state per lane group
 MAX_POSITIONS = 8  # drafts + 1 verified by one call; beyond this, use the chunked prefill path
@@ -90,56 +90,41 @@ def before_num_warps(wave_width: int | None = None) -> int:
 def check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile_v):
     """Validate shapes and dtypes; return (N sequences, T positions per call, H, V, ragged mode)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
-        raise ValueError(f"initial_state must be a float32 tensor or None, got "
-                         f"{type(initial_state).__name__}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+        expect(name, t)
+    if initial_state is not None:
+        expect("initial_state", initial_state, what="(float32) or None")
+    expect("q", q, shape=4, what="[B, T, H, K]")
     B, T, H, K = q.shape
     if K != HEAD_DIM:
         raise ValueError(f"q/k head dim K must be {HEAD_DIM} (K3's KDA head), got K={K}")
     for name, t in (("k", k), ("g", g)):
-        if t.shape != q.shape:
-            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
-    if v.dim() != 4 or v.shape[:3] != (B, T, H):
-        raise ValueError(f"v must be [B={B}, T={T}, H={H}, V], got {tuple(v.shape)}")
+        expect(name, t, shape=q.shape, what=f"q's shape {tuple(q.shape)}")
+    expect("v", v, shape=(B, T, H, None), what=f"[B={B}, T={T}, H={H}, V]")
     V = v.shape[-1]
-    if beta.shape != (B, T, H):
-        raise ValueError(f"beta must be [B={B}, T={T}, H={H}] (one scalar per head), got {tuple(beta.shape)}")
+    expect("beta", beta, shape=(B, T, H), what=f"[B={B}, T={T}, H={H}] (one scalar per head)")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+        expect(name, t, device=q.device)  # q's
     if cu_seqlens is not None and lengths is not None:
         raise ValueError("give cu_seqlens or lengths, not both")
     if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
                                    or max_seqlen < 1):
         raise ValueError(f"max_seqlen must be a positive int (the longest sequence), got {max_seqlen!r}")
     for name, t in (("cu_seqlens", cu_seqlens), ("lengths", lengths)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be an int32/int64 tensor on q's device, got {type(t).__name__}")
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device} (the kernels read it), got {t.device}")
+        if t is not None:
+            expect(name, t, device=q.device, what="(int32 or int64)")  # q's: the kernels read it
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens, q must be [1, total_tokens, H, K] (flattened), got B={B}")
-        if (
-            cu_seqlens.dim() != 1
-            or cu_seqlens.numel() < 2
-            or cu_seqlens.dtype not in (torch.int32, torch.int64)
-        ):
-            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [N + 1], got "
-                             f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        expect("cu_seqlens", cu_seqlens, shape=1, dtype=(torch.int32, torch.int64), what="[N + 1]")
+        if cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be [N + 1] with N >= 1, got {tuple(cu_seqlens.shape)}")
         N = cu_seqlens.numel() - 1
         mode = 1
         steps = _check_offsets(cu_seqlens, T, max_seqlen)
     elif lengths is not None:
-        if lengths.dim() != 1 or lengths.numel() != B or lengths.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"lengths must be a 1-D int32/int64 tensor [B={B}], got "
-                             f"{lengths.dtype} {tuple(lengths.shape)}")
+        expect("lengths", lengths, shape=(B,), dtype=(torch.int32, torch.int64), what=f"[B={B}]")
         N, mode, steps = B, 2, T
         if max_seqlen is not None and max_seqlen != T:
             raise ValueError(f"with lengths, max_seqlen must be the padded length T={T}, got {max_seqlen}")
@@ -152,15 +137,10 @@ def check(q, k, v, g, beta, initial_state, cu_seqlens, lengths, max_seqlen, tile
                              f"got {max_seqlen}")
     if not 1 <= steps <= MAX_POSITIONS:
         raise ValueError(f"T (positions per sequence) must be in 1..{MAX_POSITIONS}, got {steps}")
-    if initial_state is not None:
-        if initial_state.dtype != torch.float32:
-            raise ValueError(f"initial_state must be float32 (the recurrent state is kept in fp32), "
-                             f"got {initial_state.dtype}")
-        if initial_state.shape != (N, H, K, V):
-            raise ValueError(f"initial_state must be [N={N}, H={H}, K={K}, V={V}], got "
-                             f"{tuple(initial_state.shape)}")
-    if initial_state is not None and initial_state.device != q.device:
-        raise ValueError(f"initial_state must be on q's device {q.device}, got {initial_state.device}")
+    if initial_state is not None:  # fp32: the recurrent state is kept in fp32; on q's device
+        expect("initial_state", initial_state, dtype=torch.float32)
+        expect("initial_state", initial_state, shape=(N, H, K, V), device=q.device,
+               what=f"[N={N}, H={H}, K={K}, V={V}]")
     if tile_v is not None and (tile_v not in TILE_WIDTHS or V % tile_v):
         raise ValueError(f"tile_v must be one of {TILE_WIDTHS} and divide V={V}, got {tile_v}")
     return N, steps, H, V, mode
@@ -199,14 +179,7 @@ def check_scale(scale) -> float:
 def states_buffer(states_out, shape, device):
     if states_out is None:
         return torch.empty(shape, dtype=torch.float32, device=device)
-    if (not isinstance(states_out, torch.Tensor) or states_out.shape != shape
-            or states_out.dtype != torch.float32 or not states_out.is_contiguous()
-            or states_out.device != device):
-        got = (f"{states_out.dtype} {tuple(states_out.shape)} on {states_out.device}"
-               if isinstance(states_out, torch.Tensor) else type(states_out).__name__)
-        raise ValueError(f"states_out must be a contiguous float32 tensor of shape {shape} on {device}, "
-                         f"got {got}")
-    return states_out
+    return expect("states_out", states_out, shape=shape, dtype=torch.float32, device=device, contiguous=True)
 
 
 @dataclass(frozen=True)

@@ -328,7 +328,7 @@ def test_tail_refuses_bad_input_by_name():
         me.latent_tail(y, nw, 1e-5, up, out, 13)
     with pytest.raises(ValueError, match="up_rows must be"):
         me.latent_tail(y, nw, 1e-5, up[:, :8], out, 0)
-    with pytest.raises(ValueError, match="out must have up_rows' dtype"):
+    with pytest.raises(ValueError, match="out must be float32, got torch.float64"):  # up_rows' dtype
         me.latent_tail(y, nw, 1e-5, up, out.double(), 0)
     with pytest.raises(ValueError, match="out must be contiguous"):
         me.latent_tail(y, nw, 1e-5, up, torch.zeros(20, 2).t(), 0)

@@ -278,6 +278,7 @@ def test_expect_names_the_argument_and_what_was_expected():
         (dict(t=t), r"^x must be bfloat16 or float32, got torch.float16$",
          {"dtype": (torch.bfloat16, torch.float32)}),
         (dict(t=t), r"^x must be on meta, got cpu$", {"device": "meta"}),
+        (dict(t=t.int()), r"^x must be a floating-point tensor, got torch.int32$", {"dtype": "float"}),
         (dict(t=t.t()), r"^x must be contiguous, got strides \(1, 3\)", {"contiguous": True}),
         (dict(t=t.t()), r"^x must have a stride-1 last dim, got strides \(1, 3\)$", {"contiguous": "last"}),
     ]
@@ -289,3 +290,4 @@ def test_expect_names_the_argument_and_what_was_expected():
     with pytest.raises(ValueError, match="^y must be a torch.Tensor"):  # and still a refused argument
         ops.expect("y", None, shape=2)
     assert ops.expect("x", t[:, :1].t().t(), contiguous="last") is not None  # a size-1 last dim passes
+    assert ops.expect("x", t.to(torch.float8_e4m3fn), dtype="float") is not None

@@ -128,9 +128,9 @@ def expect(name: str, t, *, shape=None, dtype=None, device=None, contiguous: boo
     `NotATensor` (a TypeError, and a ValueError) for what is not a tensor, ValueError for the rest.
 
     shape: an int (the number of dimensions) or a sequence of sizes, None for a free one; dtype: a dtype
-    or a tuple of them; device: the device t must be on; contiguous: True for t.is_contiguous(), 'last'
-    for a stride-1 last dimension (a last dimension of size 1 passes); what: how the caller writes the
-    expected shape in messages ("[N, H, LAT]")."""
+    or a tuple of them, or 'float' for any floating-point dtype; device: the device t must be on;
+    contiguous: True for t.is_contiguous(), 'last' for a stride-1 last dimension (a last dimension of
+    size 1 passes); what: how the caller writes the expected shape in messages ("[N, H, LAT]")."""
     desc = f" {what}" if what else ""
     if not isinstance(t, torch.Tensor):
         raise NotATensor(f"{name} must be a torch.Tensor{desc}, got {type(t).__name__}")
@@ -142,7 +142,10 @@ def expect(name: str, t, *, shape=None, dtype=None, device=None, contiguous: boo
         if t.dim() != len(want) or any(w is not None and w != n for w, n in zip(want, t.shape)):
             spec = what or "[" + ", ".join("*" if w is None else str(w) for w in want) + "]"
             raise ValueError(f"{name} must be {spec}, got {tuple(t.shape)}")
-    if dtype is not None:
+    if dtype == "float":
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    elif dtype is not None:
         dtypes = dtype if isinstance(dtype, (tuple, list, set, frozenset)) else (dtype,)
         if t.dtype not in dtypes:
             raise ValueError(f"{name} must be {_dtype_names(dtypes)}, got {t.dtype}")

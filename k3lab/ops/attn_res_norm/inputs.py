@@ -21,9 +21,7 @@ def check(prefix, delta, blocks, n_blocks, res_norm_w, res_proj_w, next_norm_w, 
     for name, t in tensors.items():
         if t is None and name == "delta":
             continue
-        expect(name, t, device=prefix.device)  # prefix's: all on one device
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+        expect(name, t, dtype="float", device=prefix.device)  # prefix's: all on one device
     T, D = prefix.shape
     if delta is not None:
         expect("delta", delta, shape=(T, D), what=f"prefix's [T={T}, D={D}]")

@@ -46,8 +46,7 @@ def check_routing(z, weights, idx, z_dtypes) -> tuple[int, int]:
         raise ValueError(f"idx and weights must both be [N={N}, k >= 1] (at least one expert per token), "
                          f"got {tuple(idx.shape)} and {tuple(weights.shape)}")
     expect("idx", idx, dtype=(torch.int32, torch.int64))
-    if not weights.is_floating_point():
-        raise ValueError(f"weights must be a floating-point tensor, got {weights.dtype}")
+    expect("weights", weights, dtype="float")
     return N, k
 
 

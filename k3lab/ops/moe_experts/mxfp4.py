@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from k3lab.ops import expect
+
 BLOCK = 32
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
@@ -76,13 +78,11 @@ class Mxfp4Weight:
 
 
 def _check_weight(weight) -> None:
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    expect("weight", weight)
     if weight.dim() not in (2, 3):
         raise ValueError(f"weight must be 2-D [N, K] or 3-D [E, N, K] (a stack of experts), got shape "
                          f"{tuple(weight.shape)}")
-    if not weight.is_floating_point():
-        raise ValueError(f"weight must be a floating tensor, got {weight.dtype}")
+    expect("weight", weight, dtype="float")
     if weight.shape[-1] % BLOCK:
         raise ValueError(f"weight's K ({weight.shape[-1]}) must be a multiple of the block, {BLOCK}")
     if weight.numel() and not bool(torch.isfinite(weight).all()):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from k3lab.ops import expect
+
 from .inputs import TILE_HEIGHTS, check_block_m
 
 
@@ -25,8 +27,7 @@ def padding_of(idx: torch.Tensor, num_experts: int, block_m: int) -> dict:
     Returns rows (pairs), chosen experts, tiles, padded rows (tiles x m), padding share
     (1 - rows / padded rows), and the mean and max rows per chosen expert."""
     check_block_m(block_m)
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
-        raise ValueError(f"idx must be a [N, k] tensor, got {getattr(idx, 'shape', idx)}")
+    expect("idx", idx, shape=2, what="[N, k]")
     counts = torch.bincount(idx.reshape(-1).long().cpu(), minlength=num_experts)
     chosen = counts[counts > 0]
     tiles = int(((chosen + block_m - 1) // block_m).sum())

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from k3lab.nn.norms import rms_norm
-from k3lab.ops import positive_finite
+from k3lab.ops import expect, positive_finite
 
 try:
     import triton
@@ -54,8 +54,7 @@ def check_tail(y_lat, norm_w, up_rows, out, col0: int, eps=None) -> tuple[int, i
     given) the rule every op's epsilon follows (`positive_finite`)."""
     for name, t, dims in (("y_lat", y_lat, 2), ("norm_w", norm_w, 1), ("up_rows", up_rows, 2),
                           ("out", out, 2)):
-        if not isinstance(t, torch.Tensor) or t.dim() != dims or not t.is_floating_point():
-            raise ValueError(f"{name} must be a {dims}-D floating-point tensor, got {getattr(t, 'shape', t)}")
+        expect(name, t, shape=dims, dtype="float")
     N, LAT = y_lat.shape
     R = up_rows.shape[0]
     if up_rows.shape[1] != LAT or norm_w.shape != (LAT,):
@@ -65,11 +64,7 @@ def check_tail(y_lat, norm_w, up_rows, out, col0: int, eps=None) -> tuple[int, i
                                  and col0 + R <= out.shape[1]):
         raise ValueError(f"out must be [N={N}, H] with columns [col0, col0 + R={R}) inside it, got out "
                          f"{tuple(out.shape)} and col0={col0!r}")
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous (the tail adds into it in place)")
-    if out.dtype != up_rows.dtype:
-        raise ValueError(f"out must have up_rows' dtype {up_rows.dtype} (the product is added in place), "
-                         f"got {out.dtype}")
+    expect("out", out, dtype=up_rows.dtype, contiguous=True)  # up_rows' dtype: the tail adds in place
     if len({t.device for t in (y_lat, norm_w, up_rows, out)}) != 1:
         raise ValueError("y_lat, norm_w, up_rows and out must be on one device")
     if eps is not None:
@@ -144,13 +139,9 @@ def tail_row(y_lat, norm_w, eps, up_rows, out, col0: int = 0, blocks=None) -> to
 def norm_rows(y_lat: torch.Tensor, norm_w: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
     """rms_norm(y_lat, norm_w, eps) in fp32, written as out_dtype [N, LAT]: one Triton launch (none
     for N = 0). Raises ValueError on bad shapes or a non-positive eps."""
-    for name, t, dims in (("y_lat", y_lat, 2), ("norm_w", norm_w, 1)):
-        if not isinstance(t, torch.Tensor) or t.dim() != dims or not t.is_floating_point():
-            raise ValueError(f"{name} must be a {dims}-D floating-point tensor, got {getattr(t, 'shape', t)}")
+    expect("y_lat", y_lat, shape=2, dtype="float")
     N, LAT = y_lat.shape
-    if norm_w.shape != (LAT,) or norm_w.device != y_lat.device:
-        raise ValueError(f"norm_w must be [LAT={LAT}] on {y_lat.device}, got {tuple(norm_w.shape)} on "
-                         f"{norm_w.device}")
+    expect("norm_w", norm_w, shape=(LAT,), dtype="float", device=y_lat.device, what=f"[LAT={LAT}]")
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
     if triton is None:

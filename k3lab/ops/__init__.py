@@ -27,9 +27,9 @@ Also shared by the op packages: `triton_status`, `triton_runs_on` (Triton kernel
 compiled on a GPU, the interpreter on a CPU), and the argument rules every op applies the same way:
 `expect` (a tensor's type, shape, dtype, device and layout; `NotATensor` for a non-tensor),
 `positive_finite` (scales and epsilons), `int_arg` (lengths, counts and indices: integers, never bools
-or floats, within their range) and `check_finite` (tensors whose NaN or infinity an op would spread
-beyond the rows it belongs to; one device sync, skipped under CUDA-graph capture, so a captured path
-checks when it is bound).
+or floats, within their range), `int_list` (a list of them, each by int_arg's rule) and `check_finite`
+(tensors whose NaN or infinity an op would spread beyond the rows it belongs to; one device sync,
+skipped under CUDA-graph capture, so a captured path checks when it is bound).
 """
 
 from __future__ import annotations
@@ -75,6 +75,27 @@ def int_arg(name: str, value, *, low: int = 0, high: int | None = None, what: st
     if v is None or v < low or (high is not None and v > high):
         raise ValueError(f"{name} must be {what} {span} (not a bool or a float), got {value!r}")
     return v
+
+
+def int_list(name: str, values, *, size: int | None = None, low: int = 0,
+             high: int | None = None) -> list[int]:
+    """`values` (a list or tuple of integers, or a 1-D integer tensor: one host read) as a list of Python
+    ints, each by `int_arg`'s rule, so a bool inside a list is refused as a lone one is (torch.as_tensor
+    would turn [True, 12] into int64 [1, 12]); `size`: the number of entries required. ValueError naming
+    `name` (and the entry) otherwise: the one rule for per-request lengths."""
+    what = "a list of integers" if size is None else f"a list of {size} integers"
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype.is_complex \
+                or values.dtype == torch.bool:
+            raise ValueError(f"{name} must be {what} or a 1-D integer tensor (not bool or floating "
+                             f"point), got {values.dtype} {tuple(values.shape)}")
+        values = values.tolist()
+    elif isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name} must be {what} or a 1-D integer tensor, got {values!r}"[:200])
+    values = list(values)
+    if size is not None and len(values) != size:
+        raise ValueError(f"{name} must hold {size} entries (one per request), got {len(values)}")
+    return [int_arg(f"{name}[{i}]", x, low=low, high=high) for i, x in enumerate(values)]
 
 
 def capturing() -> bool:

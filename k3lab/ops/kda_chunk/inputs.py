@@ -15,6 +15,7 @@ import torch
 
 from k3lab import env
 from k3lab.ops import check_finite, int_arg, positive_finite
+from k3lab.ops import int_list as ops_int_list
 
 HEAD_DIM = 128  # K = V = 128 for K3's KDA; the kernels hold whole 128-row state tiles
 CHUNK = 64  # tokens per chunk: the 64 x 64 in-chunk inverse the seed prescribes
@@ -37,16 +38,8 @@ def check_positive_int(name: str, value, *, allow_none: bool = False) -> None:
 
 
 def int_list(name: str, values) -> list[int]:
-    """`values` (a list or 1-D tensor of them) as a non-empty list of ints >= 0: numpy and torch integers
-    are taken; a bool or a float (2.5 tokens would be truncated) is refused, naming `name`."""
-    if isinstance(values, torch.Tensor):
-        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype.is_complex \
-                or values.dtype == torch.bool:
-            raise ValueError(f"{name} must be a 1-D integer tensor, got {values.dtype} {tuple(values.shape)}")
-        values = values.tolist()
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise ValueError(f"{name} must be a non-empty list of ints >= 0, got {values!r}"[:200])
-    out = [int_arg(f"{name}[{i}]", x) for i, x in enumerate(values)]
+    """`values` by `ops.int_list`'s rule (ints >= 0, never bools or floats), and not empty."""
+    out = ops_int_list(name, values)
     if not out:
         raise ValueError(f"{name} must be a non-empty list of ints >= 0, got an empty one")
     return out

@@ -273,9 +273,9 @@ def _bad(**change):
     (lambda a: {"q": a["q"][:, :200]}, "q must be"),
     (lambda a: {"k": a["k"][:1]}, "k must be"),
     (lambda a: {"beta_raw": a["beta_raw"][:, :1]}, "beta_raw must be"),
-    (lambda a: {"gate": a["gate"].double()}, "gate must have q's dtype"),
+    (lambda a: {"gate": a["gate"].double()}, "gate must be float32, got torch.float64"),  # q's dtype
     (lambda a: {"cache": KDACache(a["cache"].conv_q, a["cache"].conv_k, a["cache"].conv_v,
-                                  a["cache"].state.bfloat16())}, "cache.state must be float32"),
+                                  a["cache"].state.bfloat16())}, "cache.state must be float32 or float64"),
     (lambda a: {"cache": KDACache(a["cache"].conv_q[..., :2], a["cache"].conv_k, a["cache"].conv_v,
                                   a["cache"].state)}, "cache.conv_q must be"),
     (lambda a: {"cache": KDACache(a["cache"].conv_q, a["cache"].conv_k, a["cache"].conv_v,

@@ -103,32 +103,19 @@ def check_static(cache, weights, out, B, H, act, dev, state_layout, source="q") 
         raise ValueError(f"weights must be a KDADecodeWeights, got {type(weights).__name__}")  # noqa: TRY004
     K = HEAD_DIM
     for name in ("conv_q", "conv_k", "conv_v"):
-        t = expect(f"cache.{name}", getattr(cache, name))
-        if tuple(t.shape) != (B, H * K, CONV_SIZE - 1):
-            raise ValueError(f"cache.{name} must be [B={B}, H*K={H * K}, {CONV_SIZE - 1}], got "
-                             f"{tuple(t.shape)}")
-        if t.dtype != act:
-            raise ValueError(f"cache.{name} must have {source}'s dtype {act} (it stores past inputs), got "
-                             f"{t.dtype}")
-    S = expect("cache.state", cache.state)
-    if tuple(S.shape) != (B, H, K, K):
-        dims = "K, V" if state_layout == "kv" else "V, K"
-        raise ValueError(f"cache.state must be [B={B}, H={H}, {dims}] = {[B, H, K, K]} (head_dim {K}), "
-                         f"got {tuple(S.shape)}")
-    if S.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"cache.state must be float32 (the recurrent state is kept in fp32), got {S.dtype}")
+        expect(f"cache.{name}", getattr(cache, name), shape=(B, H * K, CONV_SIZE - 1), dtype=act,
+               what=f"[B={B}, H*K={H * K}, {CONV_SIZE - 1}]")  # {source}'s dtype: it stores past inputs
+    dims = "K, V" if state_layout == "kv" else "V, K"
+    S = expect("cache.state", cache.state, shape=(B, H, K, K),
+               what=f"[B={B}, H={H}, {dims}] = {[B, H, K, K]} (head_dim {K})")
+    expect("cache.state", S, dtype=(torch.float32, torch.float64))  # the recurrent state is kept in fp32
     w = weights
-    if tuple(expect("weights.A_log", w.A_log).shape) != (H,):
-        raise ValueError(f"weights.A_log must be [H={H}], got {tuple(w.A_log.shape)}")
+    expect("weights.A_log", w.A_log, shape=(H,), what=f"[H={H}]")
     for name in ("conv_q", "conv_k", "conv_v"):
-        t = expect(f"weights.{name}", getattr(w, name))
-        if tuple(t.shape) != (H * K, CONV_SIZE):
-            raise ValueError(f"weights.{name} must be [H*K={H * K}, {CONV_SIZE}], got {tuple(t.shape)} "
-                             "(KDADecodeWeights.from_layer converts K3's [C, 1, 4])")
-    if tuple(expect("weights.dt_bias", w.dt_bias).shape) != (H * K,):
-        raise ValueError(f"weights.dt_bias must be [H*K={H * K}], got {tuple(w.dt_bias.shape)}")
-    if tuple(expect("weights.o_norm", w.o_norm).shape) != (K,):
-        raise ValueError(f"weights.o_norm must be [{K}], got {tuple(w.o_norm.shape)}")
+        expect(f"weights.{name}", getattr(w, name), shape=(H * K, CONV_SIZE),
+               what=f"[H*K={H * K}, {CONV_SIZE}] (KDADecodeWeights.from_layer converts K3's [C, 1, 4])")
+    expect("weights.dt_bias", w.dt_bias, shape=(H * K,), what=f"[H*K={H * K}]")
+    expect("weights.o_norm", w.o_norm, shape=(K,), what=f"[{K}]")
     positive_finite("weights.eps", w.eps)
     lb = w.lower_bound
     if isinstance(lb, bool) or not isinstance(lb, numbers.Real) or not math.isfinite(lb) or not lb < 0:
@@ -138,10 +125,7 @@ def check_static(cache, weights, out, B, H, act, dev, state_layout, source="q") 
                "weights.conv_v": w.conv_v, "weights.A_log": w.A_log, "weights.dt_bias": w.dt_bias,
                "weights.o_norm": w.o_norm}
     if out is not None:
-        expect("out", out)
-        if tuple(out.shape) != (B, H * K) or out.dtype != act:
-            raise ValueError(f"out must be [B={B}, H*V={H * K}] of {source}'s dtype {act}, got "
-                             f"{tuple(out.shape)} {out.dtype}")
+        expect("out", out, shape=(B, H * K), dtype=act, what=f"[B={B}, H*V={H * K}]")  # {source}'s dtype
         tensors["out"] = out
     for name, t in tensors.items():
         if t.device != dev:
@@ -167,12 +151,8 @@ def validate(q, k, v, g_raw, beta_raw, gate, cache, weights, out=None, state_lay
     wanted = {"k": (k, (B, H * K)), "v": (v, (B, H * K)), "g_raw": (g_raw, (B, H * K)),
               "beta_raw": (beta_raw, (B, H)), "gate": (gate, (B, H * K))}
     for name, (t, shape) in wanted.items():
-        expect(name, t)
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must be {list(shape)} (B={B}, H={H}, head_dim {K}), got "
-                             f"{tuple(t.shape)}")
-        if t.dtype != act:
-            raise ValueError(f"{name} must have q's dtype {act}, got {t.dtype}")
+        expect(name, t, shape=shape, dtype=act,  # q's dtype
+               what=f"{list(shape)} (B={B}, H={H}, head_dim {K})")
         if t.device != dev:
             raise ValueError(f"{name} is on {t.device} but q is on {dev}: all must be on one device")
     check_static(cache, weights, out, B, H, act, dev, state_layout)

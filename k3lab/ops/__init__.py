@@ -94,7 +94,7 @@ def int_list(name: str, values, *, size: int | None = None, low: int = 0,
         raise ValueError(f"{name} must be {what} or a 1-D integer tensor, got {values!r}"[:200])
     values = list(values)
     if size is not None and len(values) != size:
-        raise ValueError(f"{name} must hold {size} entries (one per request), got {len(values)}")
+        raise ValueError(f"{name} must be {what} (one per request), got {len(values)} entries")
     return [int_arg(f"{name}[{i}]", x, low=low, high=high) for i, x in enumerate(values)]
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from k3lab import env
-from k3lab.ops import expect, int_arg, positive_finite
+from k3lab.ops import expect, int_arg, int_list, positive_finite
 
 LATENT_DIM = 576  # [c 512 | k_pe 64] per position (docs/k3.md)
 VALUE_DIM = 512  # values are the first 512 latent columns
@@ -123,12 +123,8 @@ def validate(q, cache, lengths=None, block_table=None, *, max_heads: int | None 
         lens_host = (capacity,) * B
         lens = torch.full((B,), capacity, dtype=torch.int32, device=dev)
     else:
-        lens = torch.as_tensor(lengths, device=dev)
-        if lens.shape != (B,) or lens.dtype.is_floating_point or lens.dtype == torch.bool:
-            raise ValueError(f"lengths must be integers [B={B}], got shape {tuple(lens.shape)} dtype "
-                             f"{lens.dtype}")
-        lens_host = tuple(int(x) for x in lens.tolist())  # the one host sync, at plan time
-        lens = lens.to(torch.int32).contiguous()
+        lens_host = tuple(int_list("lengths", lengths, size=B))  # the one host sync, at plan time
+        lens = torch.as_tensor(lengths, device=dev).to(torch.int32).contiguous()
     for b, n in enumerate(lens_host):
         if n > capacity:
             raise ValueError(f"lengths[{b}] = {n} is longer than the cache holds ({capacity} positions"

@@ -1,9 +1,10 @@
 """Every figure in a lesson's prose is tied to the one value it prints.
 
-A figure is a number with a unit of time, bandwidth, percentage, ratio or bytes in a markdown cell
-(`k3lab.workshop.figures.FIGURE`; a range such as "90-98%" or "43.8 to 23.6 ms" is one figure with two
-ends). Each markdown cell lists its figures, in the order printed, with the source of each, in its
-metadata:
+A figure is a number with a unit of time, bandwidth, percentage, ratio ("3x", "3 times"), bytes, a
+serving rate (tokens/s, tokens/s/GPU, tokens/s/user) or a count of sequences, requests or users in a
+markdown cell (`k3lab.workshop.figures.FIGURE`; a range such as "90-98%" or "43.8 to 23.6 ms" is one
+figure with two ends). Each markdown cell lists its figures, in the order printed, with the source of
+each, in its metadata:
 
     "k3lab": {"figures": [["<figure as printed>", "<source>"], ...]}
 
@@ -87,14 +88,19 @@ def test_bindings_sit_only_on_markdown(nb):
 KINDS = [("µs", 0.5, 300.0), ("us", 0.5, 300.0), ("ms", 0.5, 60.0), ("GB/s", 20.0, 900.0),
          ("TB/s", 0.5, 4.8), ("%", 1.0, 100.0), ("x", 1.05, 60.0), ("B", 16.0, 20000.0),
          ("bytes", 2.0, 2048.0), ("KB", 1.0, 228.0), ("KiB", 1.0, 228.0), ("MB", 0.5, 500.0),
-         ("MiB", 0.5, 500.0), ("GB", 1.0, 300.0), ("GiB", 0.5, 100.0), ("TB", 0.1, 5.0)]
+         ("MiB", 0.5, 500.0), ("GB", 1.0, 300.0), ("GiB", 0.5, 100.0), ("TB", 0.1, 5.0),
+         ("tokens/s/GPU", 300.0, 30000.0), ("tokens/s", 20.0, 200000.0), ("tokens/s/user", 5.0, 400.0),
+         ("tok/s", 5.0, 400.0), ("times", 1.05, 60.0), ("sequences", 1, 512), ("requests", 1, 512),
+         ("users", 1, 512)]
+COUNTS = ("sequences", "requests", "users")
 
 
 def _random_figure(rng: random.Random, unit: str | None = None) -> str:
     unit, lo, hi = next(k for k in KINDS if k[0] == unit) if unit else rng.choice(KINDS)
     value = rng.uniform(lo, hi)
-    decimals = rng.choice((0, 1, 1, 2))
-    return f"{value:.{decimals}f}{'' if unit in ('%', 'x') else ' '}{unit}"
+    decimals = 0 if unit in COUNTS else rng.choice((0, 1, 1, 2))
+    number = f"{value:,.{decimals}f}" if value >= 1000 and rng.random() < 0.5 else f"{value:.{decimals}f}"
+    return f"{number}{'' if unit in ('%', 'x') else ' '}{unit}"
 
 
 def _all_cells():
@@ -106,6 +112,20 @@ def test_the_checks_detect_a_figure_of_every_kind():
     for unit, *_ in KINDS:
         text = _random_figure(rng, unit)
         assert [f.text for f in F.figures(f"it takes {text} here.")] == [text], text
+
+
+def test_serving_rates_ratios_and_counts_are_figures():
+    text = ("The node serves 23,480 tokens/s/GPU here, 41 tokens/s/user, 3 times the rate and 2.5x faster "
+            "at 24 sequences; a price (\\$1.50 and \\$2.26) opens no formula: 7 tokens/s after it counts.")
+    assert [f.text for f in F.figures(text)] == ["23,480 tokens/s/GPU", "41 tokens/s/user", "3 times", "2.5x",
+                                                 "24 sequences", "7 tokens/s"]
+    assert F.figures(text)[0].values == (23480.0,)
+    # the audit's sentence, added to a bound cell of notebook 09, fails
+    nb = REPO / "notebooks" / "09_serving_curve.ipynb"
+    cell = next(c for c in _cells(nb) if c.get("id") == "535d3175")
+    assert not cell_problems(cell)
+    planted = dict(cell, source="".join(cell["source"]) + "\nThe node serves 23,480 tokens/s/GPU here.\n")
+    assert cell_problems(planted)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

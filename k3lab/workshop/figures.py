@@ -1,7 +1,8 @@
 """Figures in a lesson's prose, each tied to the one value it prints.
 
-A markdown cell that prints figures (a time, a bandwidth, a percentage, a ratio or a byte count) lists
-them, in the order they appear, in its metadata:
+A markdown cell that prints figures (a time, a bandwidth, a percentage, a ratio, a byte count, a serving
+rate in tokens/s or a count of sequences, requests or users) lists them, in the order they appear, in its
+metadata:
 
     "metadata": {"k3lab": {"figures": [
         ["16.5 µs", "[mla_padding/ctx32k__after.json:mode=graph/median_us]"],
@@ -46,7 +47,10 @@ _NUM = r"\d[\d,]*(?:\.\d+)?"
 # a ratio's x is not a product's ("128 x 128", "24 x L"); a byte count needs a space before B or bytes
 # ("105B" is a parameter count) and is not an adjective ("a 32-byte sector" names the hardware's unit)
 BYTES = r"\s?(?:TB|GB|MB|KB|kB|GiB|MiB|KiB)(?![\w/])|\s(?:B)(?![\w/])|\sbytes?(?!\w)"
-UNIT = r"(?:µs|us|ns|ms|TB/s|GB/s|MB/s|%|[x×](?!\s*\d)(?!\s+[A-Z]\b)|" + BYTES + ")"
+# a serving rate (tokens/s, per GPU or per user), a ratio written out ("3 times") and a count of the
+# requests a server holds at once ("at 24 sequences") are figures too
+RATES = r"tokens/s/GPU|tokens/s/user|tokens/s|tok/s|\s(?:times|sequences|requests|users)(?!\w)"
+UNIT = r"(?:µs|us|ns|ms|TB/s|GB/s|MB/s|" + RATES + r"|%|[x×](?!\s*\d)(?!\s+[A-Z]\b)|" + BYTES + ")"
 FIGURE = re.compile(r"(?<![\w.^/-])(" + _NUM + r")(?:\s*(?:-|–|to|->|→)\s*(" + _NUM + r"))?\s?(" + UNIT
                     + r")(?![\w/])")
 
@@ -95,7 +99,8 @@ class Figure:
 
 def _strip_code(markdown: str) -> str:
     # code spans and LaTeX hold formulas and names, not figures; blank them keeping the offsets
-    return re.sub(r"`[^`]*`|\$[^$]*\$", lambda m: " " * len(m.group(0)), markdown)
+    # (an escaped dollar, \$1.50 as a price, opens none)
+    return re.sub(r"`[^`]*`|(?<!\\)\$(?:[^$\\]|\\.)*(?<!\\)\$", lambda m: " " * len(m.group(0)), markdown)
 
 
 def figures(markdown: str) -> list[Figure]:

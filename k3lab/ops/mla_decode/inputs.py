@@ -124,7 +124,8 @@ def validate(q, cache, lengths=None, block_table=None, *, max_heads: int | None 
         lens = torch.full((B,), capacity, dtype=torch.int32, device=dev)
     else:
         lens_host = tuple(int_list("lengths", lengths, size=B))  # the one host sync, at plan time
-        lens = torch.as_tensor(lengths, device=dev).to(torch.int32).contiguous()
+        lens = lengths if isinstance(lengths, torch.Tensor) else torch.tensor(lens_host)
+        lens = lens.to(device=dev, dtype=torch.int32).contiguous()
     for b, n in enumerate(lens_host):
         if n > capacity:
             raise ValueError(f"lengths[{b}] = {n} is longer than the cache holds ({capacity} positions"

@@ -301,6 +301,42 @@ def test_dcp_local_attention_takes_only_the_local_lengths_its_shard_holds(B, Tq,
     event("computed, equal to the brute-force attention")
 
 
+MIXED_BOOLS = [([True, 12], 0), ([12, False], 1), ([np.True_, 12], 0), ([12.0, 12], 0)]
+
+
+def test_dcp_lengths_refuse_a_bool_or_float_inside_a_list():
+    """A bool inside a list of ints ([True, 12]: torch.as_tensor reads it as [1, 12]) or a float entry is
+    refused by name and entry for every DCP call that takes per-request lengths, before anything runs;
+    the same lists with ints in their place are taken."""
+    world, rank = 4, 0
+    cache = torch.randn(2, 24, dcp.LATENT_DIM, device=DEV)
+    for bad, at in MIXED_BOOLS:
+        with pytest.raises(ValueError, match=rf"lengths\[{at}\] must be an integer"):
+            dcp.shard_cache(cache, bad, world, rank)
+    lens = [16, 12]
+    loc, held_t = dcp.shard_cache(cache, lens, world, rank)
+    held = held_t.tolist()
+    q = torch.randn(2, 1, 2, dcp.LATENT_DIM, device=DEV)
+    good = dcp.local_attention(q, loc, held, lens, world, rank, local="reference")
+    new_rows = torch.randn(2, 1, dcp.LATENT_DIM, device=DEV)
+    for bad, at in MIXED_BOOLS:
+        as_lens = [bad[i] if i == at else lens[i] for i in range(2)]
+        as_held = [bad[i] if i == at else held[i] for i in range(2)]
+        for name, call in (
+                ("lengths", lambda: dcp.local_attention(q, loc, held, as_lens, world, rank,
+                                                        local="reference")),
+                ("local_lengths", lambda: dcp.local_attention(q, loc, as_held, lens, world, rank,
+                                                              local="reference")),
+                ("lengths", lambda: dcp.append(loc.clone(), held, new_rows, as_lens, world, rank)),
+                ("local_lengths", lambda: dcp.append(loc.clone(), as_held, new_rows, lens, world, rank))):
+            with pytest.raises(ValueError, match=rf"^{name}\[{at}\] must be an integer"):
+                call()
+    for kind in (np.array, torch.tensor):  # the same values as ints: taken, equal to the list's result
+        again = dcp.local_attention(q, loc, kind(held), kind(lens), world, rank, local="reference")
+        for a, b in zip(good, again, strict=True):
+            assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------ the cache
 def _k3cache(B=3, L=5, hidden=16):
     g = torch.Generator().manual_seed(0)
@@ -526,14 +562,17 @@ def test_serving_depths_and_token_counts_are_ints(depth, tokens):
 
 
 def test_mla_lengths_and_page_sizes_are_ints():
-    """Float or bool lengths are refused by name, not truncated (MLA decode reads them as positions); so
-    are page sizes and lengths of the paged-cache helpers."""
-    q = torch.randn(1, 1, 2, mla.LATENT_DIM, device=DEV)
-    cache = torch.randn(1, 16, mla.LATENT_DIM, device=DEV)
-    for bad in ([7.9], [True], torch.tensor([7.5], device=DEV), torch.tensor([True], device=DEV)):
+    """Float or bool lengths, alone or inside a list of ints (torch.as_tensor reads [True, 12] as [1, 12]),
+    are refused by name, not truncated (MLA decode reads them as positions); so are page sizes and
+    lengths of the paged-cache helpers."""
+    q = torch.randn(2, 1, 2, mla.LATENT_DIM, device=DEV)
+    cache = torch.randn(2, 16, mla.LATENT_DIM, device=DEV)
+    for bad in ([7.9, 12], [True, 12], [12, False], [np.True_, 12], torch.tensor([7.5, 2.0], device=DEV),
+                torch.tensor([True, True], device=DEV), [12]):
         for fn in (mla.mla_decode_after, mla.mla_decode_before):
-            with pytest.raises(ValueError, match="lengths must be integers"):
+            with pytest.raises(ValueError, match=r"lengths(\[\d\])? must be"):
                 fn(q, cache, bad)
+    cache = cache[:1]
     for bad in (True, 16.0, 0):
         with pytest.raises(ValueError, match="page_size must be"):
             mla.to_paged(cache, bad)

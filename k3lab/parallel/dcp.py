@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from k3lab.ops import int_arg
+from k3lab.ops import int_arg, int_list
 from k3lab.ops.mla_decode.merge import lse_weights, merge_partials  # merge_partials is re-exported
 
 LATENT_DIM = 576
@@ -105,19 +105,6 @@ def global_positions(count: int, world_size: int, rank: int, interleave: int = 1
     return (j // interleave) * world_size * interleave + rank * interleave + j % interleave
 
 
-def _host_ints(x, name: str, batch: int | None = None) -> list[int]:
-    t = torch.as_tensor(x)
-    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
-        raise ValueError(f"{name} must be a 1-D integer tensor or list, got shape {tuple(t.shape)} dtype "
-                         f"{t.dtype}")
-    if batch is not None and t.shape[0] != batch:
-        raise ValueError(f"{name} must hold one entry per request [B={batch}], got {t.shape[0]}")
-    vals = [int(v) for v in t.tolist()]
-    if any(v < 0 for v in vals):
-        raise ValueError(f"{name} must be >= 0, got {vals}")
-    return vals
-
-
 def shard_cache(cache: torch.Tensor, lengths, world_size: int, rank: int, interleave: int = 1, *,
                 capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's share of a contiguous cache [B, L, 576]: (local_cache [B, C, 576], local_lengths [B]).
@@ -132,7 +119,7 @@ def shard_cache(cache: torch.Tensor, lengths, world_size: int, rank: int, interl
         raise ValueError(f"cache must be a tensor [B, L, {LATENT_DIM}], got "
                          f"{tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__}")
     B, L, _ = cache.shape
-    lens = _host_ints(lengths, "lengths", B)
+    lens = int_list("lengths", lengths, size=B)
     if capacity is None:
         capacity = L
     int_arg("capacity", capacity, low=L, what="a number of positions (at least the cache length): an int")
@@ -186,8 +173,8 @@ def append(local_cache: torch.Tensor, local_lengths, new_rows: torch.Tensor, len
         raise ValueError(f"new_rows must be [B={B}, Tq, {LATENT_DIM}], got "
                          f"{tuple(new_rows.shape) if isinstance(new_rows, torch.Tensor) else new_rows!r}")
     Tq = new_rows.shape[1]
-    lens = _host_ints(lengths, "lengths", B)
-    before = _host_ints(local_lengths, "local_lengths", B)
+    lens = int_list("lengths", lengths, size=B)
+    before = int_list("local_lengths", local_lengths, size=B)
     for b, n in enumerate(lens):
         if n < Tq:
             raise ValueError(f"lengths[{b}] = {n} is shorter than the {Tq} new tokens it includes")
@@ -340,8 +327,8 @@ def _check_inputs(q, local_cache, local_lengths, lengths, world_size, rank, inte
             raise ValueError(f"block_table must be an integer tensor [B={B}, max_pages], got "
                              f"{_shape(block_table)}")
         capacity = block_table.shape[1] * local_cache.shape[1]
-    lens = _host_ints(lengths, "lengths", B)
-    held = _host_ints(local_lengths, "local_lengths", B)
+    lens = int_list("lengths", lengths, size=B)
+    held = int_list("local_lengths", local_lengths, size=B)
     for b, n in enumerate(lens):
         if n < Tq:
             raise ValueError(f"lengths[{b}] = {n} is shorter than q_len {Tq} (lengths include the new "

@@ -495,14 +495,14 @@ def test_kda_cu_seqlens_are_ints_never_truncated(lengths, at, how, as_tensor):
 @examples(40)
 @given(top_k=int_like(1, 8), num_experts=st.one_of(st.none(), int_like(8, 8)),
        block_m=st.sampled_from([16, 32, 64, 16.0, True, 8, np.int64(16)]),
-       fn=st.sampled_from(["route_and_sort", "route_sort", "topk_weights", "sort_by_expert"]))
+       fn=st.sampled_from(["route_and_sort", "route_sort", "topk_weights", "sort_by_expert", "route"]))
 def test_router_counts_are_ints(top_k, num_experts, block_m, fn):
     logits = torch.randn(2, 8, generator=torch.Generator().manual_seed(3)).to(DEV)
     k, E = as_int(top_k, 1, 8), None if num_experts is None else as_int(num_experts, 8, 8)
     m_ok = type(block_m) is int and block_m in TILE_HEIGHTS
     e_ok = num_experts is None or E is not None
     good = {"route_and_sort": k is not None and e_ok and m_ok, "route_sort": k is not None and m_ok,
-            "topk_weights": k is not None, "sort_by_expert": e_ok and m_ok}[fn]
+            "topk_weights": k is not None, "sort_by_expert": e_ok and m_ok, "route": k is not None}[fn]
     try:
         if fn == "route_and_sort":
             w, idx, _ = mr.route_and_sort(logits, None, top_k, num_experts=num_experts, block_m=block_m,
@@ -511,6 +511,8 @@ def test_router_counts_are_ints(top_k, num_experts, block_m, fn):
             w, idx, _ = mr.route_sort(logits, None, top_k, 1.0, True, block_m)
         elif fn == "topk_weights":
             w, idx = mr.topk_weights(logits, None, top_k, 1.0, True)
+        elif fn == "route":  # the reference itself (a bool top_k once reached torch.topk's own message)
+            w, idx, _ = route(logits, None, top_k)
         else:
             idx = torch.arange(2 * 2, device=DEV).view(2, 2) % 8
             sort = sort_by_expert(idx, 8 if num_experts is None else num_experts, block_m)
@@ -528,14 +530,18 @@ def test_router_counts_are_ints(top_k, num_experts, block_m, fn):
     event(f"{fn}: computed, equal to the reference")
 
 
-def test_a_non_finite_router_scaling_is_refused():
+def test_a_non_finite_router_scaling_or_a_non_bool_renormalize_is_refused():
     logits = torch.randn(2, 8, device=DEV)
     for bad in (math.nan, math.inf, -math.inf):
         for call in (lambda: mr.route_and_sort(logits, None, 2, scaling=bad, block_m=16),
                      lambda: mr.route_sort(logits, None, 2, bad, True, 16),
-                     lambda: mr.topk_weights(logits, None, 2, bad, True)):
+                     lambda: mr.topk_weights(logits, None, 2, bad, True),
+                     lambda: route(logits, None, 2, bad)):
             with pytest.raises(ValueError, match="scaling must be a real number, finite"):
                 call()
+    for bad in ("no", 0, None):  # the reference refuses what the op refuses, not read as truthy
+        with pytest.raises(ValueError, match="renormalize must be a bool"):
+            route(logits, None, 2, 1.0, bad)
 
 
 # ------------------------------------------------------------------ the serving model

@@ -13,11 +13,25 @@ Latent MoE (docs/k3.md), for a token x [7168]:
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import nn
 
+from k3lab.ops import int_arg
+
 from .norms import RMSNorm, check_hidden_states
 from .situ import situ_glu
+
+
+def check_scaling(scaling) -> float:
+    """The router's `scaling` as a float: a real number (not a bool, not a tensor) and finite, since an
+    infinite or NaN one makes every weight inf or NaN; ValueError naming it otherwise. One rule for this
+    reference and the router op (k3lab.ops.moe_router)."""
+    if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real) or not math.isfinite(scaling):
+        raise ValueError(f"scaling must be a real number, finite, got {scaling!r}")
+    return float(scaling)
 
 
 def route(logits, bias, top_k, scaling=1.0, renormalize=True):
@@ -25,15 +39,18 @@ def route(logits, bias, top_k, scaling=1.0, renormalize=True):
 
     logits: [N, E] router logits (computed in fp32); bias: [E] e_score_correction_bias.
     Returns (weights [N, top_k] fp32, idx [N, top_k] long, scores [N, E] fp32). Selection uses
-    scores + bias; the weights use the scores alone, renormalised over the chosen experts."""
+    scores + bias; the weights use the scores alone, renormalised over the chosen experts. top_k an int
+    in [1, E] (never a bool), scaling finite, renormalize a bool: ValueError naming the argument."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a floating-point [N, E] tensor, got "
                          f"{getattr(logits, 'shape', logits)}")
     E = logits.shape[1]
-    if bias is not None and bias.shape != (E,):
-        raise ValueError(f"bias must be [E={E}], got {tuple(bias.shape)}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= E:
-        raise ValueError(f"top_k must be an integer in [1, E={E}], got {top_k!r}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (E,)):
+        raise ValueError(f"bias must be a [E={E}] tensor or None, got {getattr(bias, 'shape', bias)!r}")
+    top_k = int_arg("top_k", top_k, low=1, high=E)
+    scaling = check_scaling(scaling)
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
     dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     scores = torch.sigmoid(logits.to(dt))
     choice = scores if bias is None else scores + bias.to(dt)

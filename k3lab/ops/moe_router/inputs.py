@@ -4,11 +4,9 @@ values (nothing is read back, so the checked call can still be captured in a CUD
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
+from k3lab.nn.moe import check_scaling
 from k3lab.ops import int_arg
 from k3lab.ops.moe_experts.inputs import check_block_m
 
@@ -38,8 +36,7 @@ def check_router(logits, bias, top_k, scaling, renormalize, num_experts=None,
         if bias.device != logits.device:
             raise ValueError(f"bias must be on logits' device {logits.device}, got {bias.device}")
     int_arg("top_k", top_k, low=1, high=E)
-    if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real) or not math.isfinite(scaling):
-        raise ValueError(f"scaling must be a real number, finite, got {scaling!r}")
+    check_scaling(scaling)
     if not isinstance(renormalize, bool):
         raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
     if block_m is not None:

@@ -60,12 +60,7 @@ def _cmd_bench(args) -> int:
               "Its notebook checks the references here and shows the committed GPU records.")
         return 0
     study = load_study(args.study)
-    try:
-        kwargs = run_options(study, args)
-    except ValueError as exc:
-        print(f"k3lab: {exc}", file=sys.stderr)
-        return 2
-    records = study.run(preset=args.preset, cases=args.cases, **kwargs)
+    records = study.run(preset=args.preset, cases=args.cases, **run_options(study, args))  # checked before
     if not records:
         print(f"{args.study}: no records (nothing to time here)")
         return 0
@@ -115,7 +110,8 @@ RUN_OPTIONS = (("--repeats", "repeats"), ("--distinct-layers", "distinct_layers"
 
 def run_options(study, args) -> dict:
     """The run() keywords the command line set (RUN_OPTIONS; None means not given). ValueError naming the
-    flag when the study's run() does not take that keyword."""
+    flag when the study's run() does not take that keyword, and for a --backend that is not a row of the
+    op table the study forces (its `BACKENDS`) or whose row cannot run on this machine."""
     import inspect
 
     params = inspect.signature(study.run).parameters
@@ -126,8 +122,22 @@ def run_options(study, args) -> dict:
             continue
         if key not in params:
             raise ValueError(f"study {study.NAME!r} takes no {flag} option")
+        if key == "backend":
+            _check_backend(study, value)
         out[key] = value
     return out
+
+
+def _check_backend(study, name: str) -> None:
+    """--backend NAME of a study whose run() takes backend: a row of the study's `BACKENDS` (the op table
+    it forces) that is available here; ValueError naming --backend otherwise."""
+    table = getattr(study, "BACKENDS", None)
+    if table is None:  # a study that takes backend= must say whose: tests/test_cli.py checks every study
+        raise ValueError(f"--backend: study {study.NAME!r} names no backend table (BACKENDS)")
+    table.forced(name, arg="--backend")
+    ok, why = table[name].available()
+    if not ok:
+        raise ValueError(f"--backend {name!r} cannot run on this machine: {why}")
 
 
 def _pandas_wide():
@@ -301,6 +311,9 @@ def _check_args(args) -> None:
         except ValueError as exc:
             raise ValueError(f"--cases: {exc}") from None
     if args.command == "bench":
+        from k3lab.studies import load_study
+
+        run_options(load_study(args.study), args)  # before a GPU-only study's note on a CPU, too
         if args.json:
             check_output_file(args.json, "--json")
         if args.save_profiles:

@@ -89,6 +89,36 @@ def test_bench_run_options_reach_run_or_name_the_flag(tmp_path, capsys):
         cli.build_parser().parse_args(["bench", "decode_step", "--repeats", "0"])
 
 
+@pytest.mark.parametrize("name", list(studies.STUDIES))
+def test_every_studys_bad_backend_or_cases_is_one_line_and_exit_2_before_anything_runs(name, capsys,
+                                                                                       monkeypatch):
+    """For every study, GPU-only ones on a CPU included: an unknown --backend, one this machine cannot
+    run, and an unknown case are one line on stderr naming the flag, exit 2, and run() is never called."""
+    import functools
+    import inspect
+
+    import torch
+
+    study = studies.load_study(name)
+
+    def must_not_run(*a, **k):
+        raise AssertionError("ran despite a bad argument")
+
+    monkeypatch.setattr(study, "run", functools.wraps(study.run)(must_not_run))  # keeps run's signature
+    takes = "backend" in inspect.signature(study.run).parameters
+    bad = [(["--backend", "nope"], "--backend" if takes else "takes no --backend option"),
+           (["--cases", "no_such_case"], "--cases")]
+    if takes:
+        assert getattr(study, "BACKENDS", None) is not None, f"{name}'s run() takes backend= but no BACKENDS"
+        if not torch.cuda.is_available():
+            bad.append((["--backend", "cuda"], "--backend 'cuda' cannot run on this machine"))
+    for extra, named in bad:
+        code = cli.main(["bench", name, *extra])
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and named in err, (extra, code, err, captured.out)
+
+
 def test_compact_table_keeps_peer_and_ratios():
     from k3lab import bench
     from k3lab.report.tables import compact

@@ -10,10 +10,19 @@ from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
 
+from k3lab import plots
 from k3lab.isa import TARGETS, report
 
 PROFILES = Path(__file__).resolve().parents[2] / "profiles" / "isa"
 SEED_PROLOGUE_LDS_KIB = 79.5  # the seed's fused HIP prologue on MI355X (of 160 KiB per CU)
+
+
+def _shown(rows: list[dict]) -> pd.DataFrame:
+    """`rows` as a table whose empty cells say why: a build that does not compile has no figures (its
+    error says why), one that compiles has no error."""
+    frame = pd.DataFrame(rows).astype(object)
+    return plots.say_missing(frame, {c: "none: compiles" if c == "error" else "n/a: does not compile"
+                                     for c in frame.columns})
 
 
 def _rows(rep: dict, label) -> pd.DataFrame:
@@ -36,7 +45,7 @@ def _rows(rep: dict, label) -> pd.DataFrame:
             "VGPR + AGPR": f"{r.get('vgprs')} + {r.get('agprs')}" if t.is_amd else f"{r.get('regs')} regs",
             "spills": r["spills"], "occupancy": f"{r['occupancy']} {r['occupancy_unit']}",
             "programs": programs, "of units": f"{programs / t.compute_units:.2f}x {t.compute_units}"})
-    return pd.DataFrame(out).astype(object).fillna("")
+    return _shown(out)
 
 
 def mla_mi355x(targets: str = "gfx950") -> pd.DataFrame:
@@ -107,7 +116,7 @@ def kda_prologue_lds() -> pd.DataFrame:
         else:
             row["error"] = r.get("error", "")[:80]
         rows.append(row)
-    return pd.DataFrame(rows).astype(object).fillna("")
+    return _shown(rows)
 
 
 def lds_figure(table: pd.DataFrame) -> go.Figure:

@@ -166,19 +166,27 @@ if triton is not None:
         return tl.dot_scaled(xq, xs, "e4m3", wp, ws, "e2m1", acc)
 
     @triton.jit
+    def _tile_of(tile, pair_ptr, tile_expert_ptr, pairs, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+        # what a grouped program works on: its tile's expert, the tile's padded rows, the (token, slot)
+        # pair each row holds and whether it holds one (padding rows hold `pairs`), and its block of the
+        # N output columns with their mask
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_ptr + rows)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return expert, rows, pair, pair < pairs, cols, cols < N
+
+    @triton.jit
     def _scaled_up_kernel(z_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, tile_expert_ptr,
                           n_tiles_ptr, pairs, L: tl.constexpr, F: tl.constexpr, TOP_K: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         tile = tl.program_id(0)
         if tile >= tl.load(n_tiles_ptr):
             return
-        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pair_ptr + rows)
-        valid = pair < pairs
+        expert, rows, pair, valid, cols, col_ok = _tile_of(tile, pair_ptr, tile_expert_ptr, pairs, F, BLOCK_M,
+                                                           BLOCK_N)
         token = (pair // TOP_K).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < F
         row_base = expert * F + cols.to(tl.int64)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -198,12 +206,8 @@ if triton is not None:
         tile = tl.program_id(0)
         if tile >= tl.load(n_tiles_ptr):
             return
-        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pair_ptr + rows)
-        valid = pair < pairs
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < L
+        expert, rows, pair, valid, cols, col_ok = _tile_of(tile, pair_ptr, tile_expert_ptr, pairs, L, BLOCK_M,
+                                                           BLOCK_N)
         row_base = expert * L + cols.to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         ks = tl.arange(0, BLOCK_K)

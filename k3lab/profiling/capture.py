@@ -108,27 +108,65 @@ def device_time_us(event) -> float:
 
 
 def default_trace_dir() -> Path:
-    """$K3LAB_TRACE_DIR, else <tmp>/k3lab-traces: scratch traces stay out of the repository. A trace
-    `capture` writes into that temp folder (no K3LAB_TRACE_DIR, trace_dir or trace_path given) is removed
-    when its process exits, so notebooks and tests leave nothing behind; `k3lab report` and `k3lab
-    profile` keep theirs under their --out."""
-    return Path(os.environ.get("K3LAB_TRACE_DIR") or Path(tempfile.gettempdir()) / "k3lab-traces")
+    """$K3LAB_TRACE_DIR, else this process's scratch folder <tmp>/k3lab-traces/<pid>: scratch traces stay
+    out of the repository, and the scratch folder goes when its process does, however it ends. At a
+    normal exit it is removed then; a process killed outright runs no exit code (nbval and Jupyter kill a
+    notebook's kernel at shutdown), so a small watcher process started with the folder removes it once
+    the pipe this process holds to it closes, which the system does when the process is gone. So
+    notebooks and tests leave nothing in the temp folder; `k3lab report` and `k3lab profile` keep their
+    traces under their --out."""
+    chosen = os.environ.get("K3LAB_TRACE_DIR")
+    return Path(chosen) if chosen else _scratch_dir()
 
 
-_scratch: list[Path] = []
+# The watcher: waits for end of input (its stdin is a pipe whose only writer is the traced process, so
+# the read ends when that process ends, by exit or kill), then removes the folder. Its own session: the
+# kill of the kernel's process group does not reach it; it imports nothing heavy and exits at once.
+_WATCHER = """import os, shutil, sys
+sys.stdin.buffer.read()
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+try:
+    os.rmdir(os.path.dirname(sys.argv[1]))  # k3lab-traces, when no other process's folder is in it
+except OSError:
+    pass
+"""
+_scratch: dict[int, tuple[Path, object]] = {}  # pid -> (its scratch folder, its watcher's Popen)
+
+
+def _scratch_dir() -> Path:
+    """This process's scratch trace folder, made (with its watcher and its exit-time removal) on the
+    first call in each process (a forked child gets its own)."""
+    pid = os.getpid()
+    if pid in _scratch:
+        return _scratch[pid][0]
+    import subprocess
+
+    folder = Path(tempfile.gettempdir()) / "k3lab-traces" / str(pid)
+    folder.mkdir(parents=True, exist_ok=True)
+    watcher = None
+    with contextlib.suppress(OSError):  # without a watcher the exit-time removal still runs
+        watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(folder)], stdin=subprocess.PIPE,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   start_new_session=True)
+    if not _scratch:
+        atexit.register(_remove_scratch)
+    _scratch[pid] = (folder, watcher)
+    return folder
 
 
 def _remove_scratch() -> None:
-    for path in _scratch:
-        with contextlib.suppress(OSError):
-            path.unlink()
-
-
-def _scratch_trace(path: Path) -> None:
-    """Remove `path` when this process exits (a trace in the default temp folder, default_trace_dir)."""
-    if not _scratch:
-        atexit.register(_remove_scratch)
-    _scratch.append(path)
+    """At exit: remove this process's scratch folder and let its watcher go (it finds nothing left)."""
+    entry = _scratch.get(os.getpid())
+    if entry is None:
+        return
+    folder, watcher = entry
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError, ValueError):
+        folder.parent.rmdir()  # k3lab-traces itself, when no other process's folder is in it
+    if watcher is not None:
+        with contextlib.suppress(Exception):
+            watcher.stdin.close()
+            watcher.wait(timeout=5)
 
 
 def _slug(text: str) -> str:
@@ -297,8 +335,6 @@ def capture(fn: Callable[[], object], *, steps: int = 1, warmup: int = 1, trace_
     prof.export_chrome_trace(str(tmp))
     trace = json.loads(tmp.read_text())
     path = atomic_move(tmp, path, overwrite=overwrite)
-    if trace_path is None and trace_dir is None and not os.environ.get("K3LAB_TRACE_DIR"):
-        _scratch_trace(path)
     try:
         kernels = kernels_from_trace(trace, expect_gpu=gpu, label=f"capture {name!r} ({path})")
     except NoKernelsRecorded as err:

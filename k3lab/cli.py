@@ -313,7 +313,10 @@ def _check_args(args) -> None:
     if args.command == "bench":
         from k3lab.studies import load_study
 
-        run_options(load_study(args.study), args)  # before a GPU-only study's note on a CPU, too
+        study = load_study(args.study)
+        run_options(study, args)  # before a GPU-only study's note on a CPU, too
+        if args.backend is None and getattr(study, "BACKENDS", None) is not None:
+            study.BACKENDS.forced(None)  # its K3LAB_<OP>_BACKEND, if set, must name a row too
         if args.json:
             check_output_file(args.json, "--json")
         if args.save_profiles:

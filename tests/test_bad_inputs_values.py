@@ -539,6 +539,9 @@ def test_a_non_finite_router_scaling_or_a_non_bool_renormalize_is_refused():
                      lambda: route(logits, None, 2, bad)):
             with pytest.raises(ValueError, match="scaling must be a real number, finite"):
                 call()
+    for bad in (True, np.True_, 2.0, torch.tensor(True)):  # once torch.topk's own message for a bool
+        with pytest.raises(ValueError, match="top_k must be an integer"):
+            route(logits, None, bad)
     for bad in ("no", 0, None):  # the reference refuses what the op refuses, not read as truthy
         with pytest.raises(ValueError, match="renormalize must be a bool"):
             route(logits, None, 2, 1.0, bad)

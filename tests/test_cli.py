@@ -117,6 +117,11 @@ def test_every_studys_bad_backend_or_cases_is_one_line_and_exit_2_before_anythin
         captured = capsys.readouterr()
         err = captured.err.strip()
         assert code == 2 and len(err.splitlines()) == 1 and named in err, (extra, code, err, captured.out)
+    if takes:  # the op's own variable, read when no --backend is given, is checked the same way
+        monkeypatch.setenv(study.BACKENDS.env, "nope")
+        code = cli.main(["bench", name])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and study.BACKENDS.env in err, (code, err)
 
 
 def test_compact_table_keeps_peer_and_ratios():

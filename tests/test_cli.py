@@ -374,3 +374,20 @@ def test_report_traces_go_under_out_and_only_the_last_runs_stay(tmp_path, monkey
     assert cli.main(["report", "--out", str(out)]) == 0
     assert seen["dir"] == (out / "traces" / "report").absolute()
     assert not old.exists() and "K3LAB_TRACE_DIR" not in os.environ
+
+
+def test_kda_scans_documented_case_names_pass_the_cli_check(capsys, monkeypatch):
+    """kda_scan's run() takes names beyond case_names() (any h{H}_b{B}_t{T}, '<case>.parts',
+    '<case>.sweep', docs/kda_scan.md names one): the CLI's --cases check accepts them through the
+    study's check_cases and still refuses a name run() would refuse, in one line with exit 2."""
+    study = studies.load_study("kda_scan")
+    seen = []
+    monkeypatch.setattr(study, "run", lambda **k: seen.append(k["cases"]) or [])
+    for name in ("h12_b1_t16384.parts", "h2_b1_t64.sweep", "h96_b8_t4096"):
+        assert cli.main(["bench", "kda_scan", "--cases", name]) == 0, capsys.readouterr().err
+        assert seen[-1] == [name]
+    for bad in ("h12_b1.sweep", "h0_b1_t64", "no_such_case"):
+        code = cli.main(["bench", "kda_scan", "--cases", bad])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and "--cases" in err, (bad, code, err)
+    assert seen == [["h12_b1_t16384.parts"], ["h2_b1_t64.sweep"], ["h96_b8_t4096"]]

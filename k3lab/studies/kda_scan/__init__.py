@@ -27,7 +27,7 @@ finishes in seconds, with the group size forced small so the scan path runs. `k3
 
 from k3lab.ops.kda_chunk import BACKENDS  # the op table run(backend=...) and `--backend` force
 
-from .measure import (Case, case_names, check_variant, chunk_flops, CPU_CASES, CROSSOVER_BATCH,
+from .measure import (Case, case_names, check_cases, check_variant, chunk_flops, CPU_CASES, CROSSOVER_BATCH,
     crossover_cases, CROSSOVER_HEADS, CROSSOVER_T, floor_for, GPU_CASES, group_size_sweep, HEAD_DIM,
     io_bytes, make_inputs, MAX_TOKEN_HEADS, NAME, parse_case, PARTS_SUFFIX, predict, profile_targets,
     prologue_parts, RAGGED_LENGTHS, reference, run, Runner, SWEEP_SUFFIX)
@@ -35,8 +35,8 @@ from .tables import (crossover_table, PROLOGUE_PROBE, PROLOGUE_PROBE_STAGES, pro
     reference_records, summary_text, sweep_table, WALK_BENCH, walk_launches)
 
 __all__ = [
-    "BACKENDS", "Case", "case_names", "check_variant", "chunk_flops", "CPU_CASES", "CROSSOVER_BATCH",
-    "crossover_cases",
+    "BACKENDS", "Case", "case_names", "check_cases", "check_variant", "chunk_flops", "CPU_CASES",
+    "CROSSOVER_BATCH", "crossover_cases",
     "CROSSOVER_HEADS", "CROSSOVER_T", "crossover_table", "floor_for", "GPU_CASES", "group_size_sweep",
     "HEAD_DIM", "io_bytes", "make_inputs", "MAX_TOKEN_HEADS", "NAME", "parse_case", "PARTS_SUFFIX",
     "predict", "profile_targets", "prologue_parts", "PROLOGUE_PROBE", "PROLOGUE_PROBE_STAGES",

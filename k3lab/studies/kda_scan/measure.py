@@ -102,6 +102,19 @@ def case_names(preset=None) -> list[str]:
     return list(GPU_CASES if on_gpu() else CPU_CASES)
 
 
+def check_cases(cases=None, preset=None) -> list[str]:
+    """The names run() takes, in order (`case_names(preset)` when `cases` is None): a name from
+    case_names() or crossover_cases(), any h{H}_b{B}_t{T} or h{H}_ragged, each optionally with
+    PARTS_SUFFIX or SWEEP_SUFFIX. ValueError naming the first bad one, before anything runs (the CLI's
+    --cases check calls this, so every name run() documents is accepted there too)."""
+    names = case_names(preset) if cases is None else list(cases)
+    for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"cases must be case names (str), got {name!r}")
+        parse_case(name.removesuffix(PARTS_SUFFIX).removesuffix(SWEEP_SUFFIX))
+    return names
+
+
 def crossover_cases() -> list[str]:
     """heads {12, 96} x batch {1, 8} x T {4K, 16K, 64K}, without the points too big for one GPU."""
     out = []
@@ -342,9 +355,7 @@ def run(
     if repeats is not None and (not isinstance(repeats, int) or repeats < 1):
         raise ValueError(f"repeats must be a positive integer or None, got {repeats!r}")
     kc.BACKENDS.forced(backend)  # a name the table does not know is refused here, before any input
-    names = case_names(preset) if cases is None else list(cases)
-    for name in names:  # every name parsed before the first case runs
-        parse_case(name.removesuffix(PARTS_SUFFIX).removesuffix(SWEEP_SUFFIX))
+    names = check_cases(cases, preset)  # every name parsed before the first case runs
     records = []
     for name in names:
         if name.endswith(PARTS_SUFFIX):

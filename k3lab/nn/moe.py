@@ -19,7 +19,7 @@ import numbers
 import torch
 from torch import nn
 
-from k3lab.ops import int_arg
+from k3lab.runtime.args import int_arg
 
 from .norms import RMSNorm, check_hidden_states
 from .situ import situ_glu

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3lab import env
+from k3lab.runtime.args import int_arg as int_arg, int_list as int_list  # the one rule, as ops.int_arg
 
 FP32_TINY, FP32_MAX = 2.0 ** -126, (2.0 - 2.0 ** -23) * 2.0 ** 127  # fp32's normal range (kernel scalars)
 
@@ -61,41 +61,6 @@ def positive_finite(name: str, value) -> float:
     return float(value)
 
 
-def int_arg(name: str, value, *, low: int = 0, high: int | None = None, what: str = "an integer") -> int:
-    """`value` as a Python int; ValueError naming `name` unless it is an integer (a Python or numpy
-    integer, or a 0-d integer tensor) in [low, high]. Never a bool (True would count as 1) nor a float
-    (2.7 would be truncated to 2): the one rule for the lengths, counts and indices the ops take."""
-    bad = (type(value).__name__ in ("bool", "bool_")  # Python's and numpy's
-           or (isinstance(value, torch.Tensor) and (value.dim() != 0 or value.dtype == torch.bool)))
-    try:
-        v = None if bad else operator.index(value)
-    except TypeError:
-        v = None
-    span = f">= {low}" if high is None else f"in [{low}, {high}]"
-    if v is None or v < low or (high is not None and v > high):
-        raise ValueError(f"{name} must be {what} {span} (not a bool or a float), got {value!r}")
-    return v
-
-
-def int_list(name: str, values, *, size: int | None = None, low: int = 0,
-             high: int | None = None) -> list[int]:
-    """`values` (a list or tuple of integers, or a 1-D integer tensor: one host read) as a list of Python
-    ints, each by `int_arg`'s rule, so a bool inside a list is refused as a lone one is (torch.as_tensor
-    would turn [True, 12] into int64 [1, 12]); `size`: the number of entries required. ValueError naming
-    `name` (and the entry) otherwise: the one rule for per-request lengths."""
-    what = "a list of integers" if size is None else f"a list of {size} integers"
-    if isinstance(values, torch.Tensor):
-        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype.is_complex \
-                or values.dtype == torch.bool:
-            raise ValueError(f"{name} must be {what} or a 1-D integer tensor (not bool or floating "
-                             f"point), got {values.dtype} {tuple(values.shape)}")
-        values = values.tolist()
-    elif isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__iter__"):
-        raise ValueError(f"{name} must be {what} or a 1-D integer tensor, got {values!r}"[:200])
-    values = list(values)
-    if size is not None and len(values) != size:
-        raise ValueError(f"{name} must be {what} (one per request), got {len(values)} entries")
-    return [int_arg(f"{name}[{i}]", x, low=low, high=high) for i, x in enumerate(values)]
 
 
 def capturing() -> bool:

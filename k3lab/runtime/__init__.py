@@ -5,6 +5,7 @@ its reference under a per-dtype error bound, and capturing work as a CUDA/HIP gr
                    (`TOLERANCES`, `tolerance_for`); NaN and Inf never pass (`CheckFailed`). `check_all`
                    does several outputs at once.
 - `capture_graph`  capture successive calls of a function into a CUDA/HIP graph to replay.
+- `args`           the one rule for integer arguments (`int_arg`, `int_list`; k3lab.ops re-exports them).
 
 Why a room of its own: the engine (a captured decode step), parallel/ (a rank's result against the
 single-rank layer) and the workshop's graders use these while they run, and none of them

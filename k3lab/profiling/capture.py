@@ -112,9 +112,10 @@ def default_trace_dir() -> Path:
     out of the repository, and the scratch folder goes when its process does, however it ends. At a
     normal exit it is removed then; a process killed outright runs no exit code (nbval and Jupyter kill a
     notebook's kernel at shutdown), so a small watcher process started with the folder removes it once
-    the pipe this process holds to it closes, which the system does when the process is gone. So
-    notebooks and tests leave nothing in the temp folder; `k3lab report` and `k3lab profile` keep their
-    traces under their --out."""
+    the pipe this process holds to it closes, which the system does when the process is gone. Making
+    the folder sweeps what dead processes left beside it (`sweep_scratch`: a watcher that never ran,
+    older versions' traces). So notebooks and tests leave nothing in the temp folder; `k3lab report` and
+    `k3lab profile` keep their traces under their --out."""
     chosen = os.environ.get("K3LAB_TRACE_DIR")
     return Path(chosen) if chosen else _scratch_dir()
 
@@ -142,6 +143,7 @@ def _scratch_dir() -> Path:
     import subprocess
 
     folder = Path(tempfile.gettempdir()) / "k3lab-traces" / str(pid)
+    sweep_scratch(folder.parent)
     folder.mkdir(parents=True, exist_ok=True)
     watcher = None
     with contextlib.suppress(OSError):  # without a watcher the exit-time removal still runs
@@ -152,6 +154,63 @@ def _scratch_dir() -> Path:
         atexit.register(_remove_scratch)
     _scratch[pid] = (folder, watcher)
     return folder
+
+
+# A trace file (or rocprofv3 folder) as `unique_trace_path` names it: <name>-<device>-<date>-<time>-<pid>-<n>
+# [.trace.json[.gz]]. Older versions wrote them straight into <tmp>/k3lab-traces and removed them only
+# at a normal exit, so a killed process left its files there.
+_TRACE_NAME = re.compile(r"^[A-Za-z0-9_.-]+-[0-9]{8}-[0-9]{6}-(?P<pid>[0-9]+)-[0-9]+"
+                         r"(?:\.trace\.json(?:\.gz)?)?$")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user's counts: signal 0 is refused, not unknown)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):
+        return True
+    return True
+
+
+def sweep_scratch(root) -> list[Path]:
+    """Remove what dead processes left in the scratch root `root` (<tmp>/k3lab-traces), returning what
+    was removed: a pid folder (a name of digits) whose process no longer exists, and a trace file or
+    folder named as `unique_trace_path` names them whose pid no longer exists (left by older versions
+    that wrote there directly). A live process's folder or trace, a symbolic link and every other name
+    are left alone, and an entry that cannot be removed (another user's) is skipped. Run when a process
+    makes its scratch folder, so leftovers from killed processes do not pile up."""
+    root = Path(root)
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        if entry.is_symlink():
+            continue
+        is_dir = entry.is_dir(follow_symlinks=False)
+        match = _TRACE_NAME.match(entry.name)
+        if entry.name.isdigit() and entry.name.isascii() and is_dir:
+            pid = int(entry.name)
+        elif match is not None:
+            pid = int(match["pid"])
+        else:
+            continue
+        if _alive(pid):
+            continue
+        try:
+            if is_dir:
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append(Path(entry.path))
+    return removed
 
 
 def _remove_scratch() -> None:

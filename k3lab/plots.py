@@ -17,7 +17,6 @@ only needed where figures are drawn.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable
 
@@ -369,8 +368,9 @@ def roofline(points, *, peak=None, title: str | None = None, projected=None, isa
     and the matrix ceiling of `peak` (an env.Peak or profiling.roofline.Ceilings; default:
     k3lab.env.detect().peak), the device's name and each ceiling's source in the title. points: a DataFrame
     or list of dicts with name, flops, bytes, time_us (and optionally variant: one marker colour per
-    variant), or bench.Records carrying extra['flops'] and extra['bytes_moved']. `projected`: another
-    device's ceilings (profiling.roofline.projected_ceilings), drawn dotted grey and labelled as such.
+    variant; work: where a point's bytes and flops come from, on its hover), or bench.Records carrying
+    extra['flops'] and extra['bytes_moved']. `projected`: another device's ceilings
+    (profiling.roofline.projected_ceilings), drawn dotted grey and labelled as such.
     `isa`: profiling.isa_roofline.project(points), one row per point: where a point's kernel has gfx950
     ISA facts, an open diamond at the TFLOP/s MI355X would need for its floor, labelled "projected (ISA,
     not measured)"; a legend entry counts the points without them. Points without flops or bytes cannot
@@ -393,10 +393,13 @@ def roofline(points, *, peak=None, title: str | None = None, projected=None, isa
     for i, (label, sub) in enumerate(groups):
         color = _VARIANT_COLORS.get(label, _PEER_COLORS[i % len(_PEER_COLORS)])
         marker = {"size": 10, **({"color": color} if "variant" in shown.columns else {})}
+        source = "work" in sub.columns and sub["work"].notna().any()
+        hover = "%{text}<br>%{x:.3g} flop/B, %{y:.3g} TFLOP/s" + ("<br>bytes and flops: %{customdata}"
+                                                                  if source else "")
         fig.add_trace(go.Scatter(name=str(label), x=sub["intensity"], y=sub["tflops"], mode="markers+text",
                                  text=sub["name"], textposition="top center",
-                                 marker=marker,
-                                 hovertemplate="%{text}<br>%{x:.3g} flop/B, %{y:.3g} TFLOP/s<extra></extra>"))
+                                 marker=marker, customdata=sub["work"].fillna("") if source else None,
+                                 hovertemplate=hover + "<extra></extra>"))
     left_out = int((~ok).sum())
     note = f" ({left_out} points without flops/bytes not shown)" if left_out else ""
     if isa is not None:
@@ -407,42 +410,6 @@ def roofline(points, *, peak=None, title: str | None = None, projected=None, isa
     fig.update_layout(title=(title or f"roofline: {pk.name}") + note + _source_note(pk),
                       template="plotly_white")
     return fig
-
-
-def _carried_work(record) -> tuple[float, float] | None:
-    b, f = record.extra.get("bytes"), record.extra.get("flops")
-    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (b, f))
-    return (float(b), float(f)) if ok else None
-
-
-def _with_study_work(study: str, recs: list) -> list:
-    """The records of a study that keeps its bytes and flops formulas itself (a `work` module with
-    `work_of(record)`, the formulas its floors are made of: dcp, moe_sharding) rather than in
-    profiling.roofline.WORK: a record that carries extra['bytes'] and extra['flops'] (written by the
-    study's measure) is kept; one saved before the study wrote them gets them derived from its shape and
-    dtype by `work_of`, labelled extra['work'] = 'derived at load ...'. The study joins WORK, reading
-    those two fields. Other studies' records are returned as they are."""
-    import importlib
-
-    from k3lab import studies
-    from k3lab.profiling import roofline as rl
-
-    if (study in rl.WORK and rl.WORK[study] is not _carried_work) or study not in studies.STUDIES:
-        return recs
-    try:
-        work_of = importlib.import_module(studies.STUDIES[study] + ".work").work_of
-    except (ImportError, AttributeError):
-        return recs
-    rl.WORK[study] = _carried_work
-    out = []
-    for r in recs:
-        derived = None if _carried_work(r) else work_of(r)
-        if derived is not None:
-            r = dataclasses.replace(r, extra={**r.extra, **derived, "work": (
-                f"derived at load: {studies.STUDIES[study]}.work.work_of from the record's shape and dtype "
-                "(the record was saved before its study wrote bytes and flops)")})
-        out.append(r)
-    return out
 
 
 def study_roofline(study: str, *, device: str = "nvidia-h200", cases=None, modes=None, records=None,
@@ -457,7 +424,7 @@ def study_roofline(study: str, *, device: str = "nvidia-h200", cases=None, modes
     from k3lab.profiling import roofline as rl
 
     recs = list(records) if records is not None else bench.load_records(study, device=device)
-    recs = _with_study_work(study, [r for r in recs if r.study == study])
+    recs = [r for r in recs if r.study == study]
     if not recs:
         raise ValueError(f"study: no {study!r} records for device {device!r}")
     if study == "decode_step":

@@ -1,15 +1,19 @@
 """Rooflines of the dcp and moe_sharding studies: their records' bytes and flops come from the formulas
 their floors are made of (k3lab.studies.<study>.work), written by the study's measure into new records
-and derived at load, labelled, for committed records saved before (plots.study_roofline)."""
+and, for committed records saved before, derived from the record by profiling.roofline's `work`, each
+point saying which. And the MLA decode's one flop count (k3lab.ops.mla_decode.decode_flops) that the
+rooflines and both studies use, against the reference's matrix products."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+import torch
 
 from k3lab import bench, env, plots
 from k3lab.config import K3Config
+from k3lab.ops import mla_decode
 from k3lab.profiling import roofline as rl
 from k3lab.studies.dcp import work as dcp_work
 from k3lab.studies.moe_sharding import work as moe_work
@@ -29,9 +33,19 @@ def test_study_roofline_draws_every_committed_record(study):
     recs = _committed(study)
     fig = plots.study_roofline(study)
     assert "NVIDIA H200" in fig.layout.title.text
-    pts = rl.points(plots._with_study_work(study, recs))
+    pts = rl.points(recs)
     assert len(pts) == len(recs)  # every record placed, none left out for want of bytes and flops
-    assert (pts["bytes"] > 0).all() and (pts["flops"] > 0).all()
+    assert (pts["bytes"] > 0).all() and (pts["flops"] > 0).all() and pts["work"].notna().all()
+
+
+def test_drawing_a_roofline_changes_no_formula_table():
+    """roofline.WORK holds dcp's and moe_sharding's entries itself: a record is placed without a figure
+    drawn first, and drawing one leaves the table as it was."""
+    before = dict(rl.WORK)
+    assert {"dcp", "moe_sharding"} <= set(before)
+    for study in ("dcp", "moe_sharding"):
+        plots.study_roofline(study)
+    assert rl.WORK == before
 
 
 @pytest.mark.parametrize("study", sorted(WORK))
@@ -49,24 +63,32 @@ def test_derived_bytes_reproduce_each_committed_floor(study):
 
 def test_records_that_carry_bytes_keep_them_and_derived_ones_say_so():
     recs = _committed("moe_sharding")
-    loaded = {(r.case, r.variant, r.mode): r for r in plots._with_study_work("moe_sharding", recs)}
-    for r in recs:
-        got = loaded[(r.case, r.variant, r.mode)]
+    pts = rl.points(recs)
+    assert len(pts) == len(recs)
+    kinds = set()
+    for r, got in zip(recs, pts.itertuples()):
+        assert (got.case, got.variant, got.mode) == (r.case, r.variant, r.mode)
         w = moe_work.work_of(r)
-        assert (got.extra["bytes"], got.extra["flops"]) == (w["bytes"], w["flops"])
+        assert (got.bytes, got.flops) == (w["bytes"], w["flops"])
         if "bytes" in r.extra:  # the tail records: measured with tail_cost's figures, kept as written
-            assert "work" not in got.extra
+            assert got.work.startswith("carried")
             assert (r.extra["bytes"], r.extra["flops"]) == (w["bytes"], w["flops"])
         else:
-            assert got.extra["work"].startswith("derived at load")
+            assert got.work.startswith("derived: k3lab.studies.moe_sharding.work.work_of"), got.work
             assert "bytes" not in r.extra  # the committed record itself is not changed
+        kinds.add(got.work.split(":")[0])
+    assert kinds == {"carried", "derived"}  # the committed records hold both kinds
+    # the figure's points say it on their hover
+    fig = plots.study_roofline("moe_sharding")
+    shown = [c for t in fig.data if t.customdata is not None for c in t.customdata]
+    assert any(c.startswith("derived") for c in shown) and any(c.startswith("carried") for c in shown)
 
 
 def test_changed_case_parameters_change_the_bytes():
     r = next(r for r in _committed("dcp") if r.case == "local_dcp8_B1_L32768")
     wider = dataclasses.replace(r, shape={**r.shape, "rows": 2 * r.shape["rows"]}, extra={})
-    (one,), (two,) = (plots._with_study_work("dcp", [x]) for x in (r, wider))
-    assert two.extra["bytes"] == 2 * one.extra["bytes"] and two.extra["flops"] == 2 * one.extra["flops"]
+    one, two = rl.work(r), rl.work(wider)
+    assert two[0] == 2 * one[0] and two[1] == 2 * one[1]
     fp32 = dataclasses.replace(r, dtype="float32")
     assert dcp_work.work_of(fp32)["bytes"] == 2 * dcp_work.work_of(r)["bytes"]
     e = next(r for r in _committed("moe_sharding") if r.case == "experts_N64")
@@ -100,7 +122,7 @@ def test_a_record_of_no_known_shape_is_not_placed():
     r = _committed("dcp")[0]
     odd = dataclasses.replace(r, shape={"what": 1}, extra={})
     assert dcp_work.work_of(odd) is None and moe_work.work_of(odd) is None
-    assert plots._with_study_work("dcp", [odd])[0].extra == {}
+    assert rl.work(odd) is None and rl.points([odd]).empty
 
 
 @pytest.mark.follows_gpu  # the studies put their tensors on the GPU where there is one
@@ -119,20 +141,30 @@ def test_new_records_carry_the_formulas_bytes_and_flops():
     for r in recs:
         w = WORK[r.study].work_of(r)
         assert (r.extra["bytes"], r.extra["flops"]) == (w["bytes"], w["flops"]), (r.case, r.variant)
-    assert len(rl.points(plots._with_study_work("dcp", [r for r in recs if r.study == "dcp"]))) >= 4
+    assert len(rl.points([r for r in recs if r.study == "dcp"])) >= 4
 
 
-def test_dcp_local_attention_counts_what_the_mla_ops_records_count():
-    """dcp's local attention is the MLA op's after: its bytes and flops agree with what
-    profiling.roofline gives the mla_padding records of the same op at one decode token (B sequences of
-    one length read as B x length rows)."""
-    seen = 0
-    for r in bench.load_records("mla_padding", device="nvidia-h200"):
-        s = r.shape
-        if (r.variant != "after" or s.get("q_len") != 1 or r.dtype != "bfloat16"
-                or "cache_bytes" not in r.extra):
-            continue
-        got = dcp_work.local_work(1, s["lengths_sum"], s["heads"], 2)
-        assert (got["bytes"], got["flops"]) == rl.work(r), r.case
-        seen += 1
-    assert seen >= 5
+def test_mla_decode_flops_count_the_references_matrix_products():
+    """The one MLA flop count against two counts made without it: by hand (per query row, head and
+    cached position, a 576-wide dot for the score and a 512-wide multiply-add into the value sum, 2
+    flops an element) and by torch's flop counter on the reference's own products."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from k3lab.nn.mla import latent_attention
+
+    per_position = 2 * 576 + 2 * 512  # score dot + value multiply-add, per query row and head
+    assert per_position == 2176
+    assert mla_decode.decode_flops(10, 2) == 10 * 2 * 2176 == 43_520
+    assert mla_decode.decode_flops(10, 2, 4) == 4 * 43_520  # four query rows a sequence
+    B, Tq, H, L = 2, 3, 5, 7
+    q, cache = torch.randn(B, Tq, H, 576), torch.randn(B, L, 576)
+    with FlopCounterMode(display=False) as fc:
+        latent_attention(q, cache)
+    assert fc.get_total_flops() == mla_decode.decode_flops(B * L, H, Tq) == B * Tq * H * L * 2176
+    # the config-driven form (decode_step's parts) takes its widths
+    c = K3Config.tp_slice(8)
+    assert mla_decode.decode_flops(3, 1, latent=c.mla_latent_dim, value=c.kv_lora_rank) == 3 * 2176
+    with pytest.raises(ValueError, match="heads"):
+        mla_decode.decode_flops(8, 0)
+    with pytest.raises(ValueError, match="positions"):
+        mla_decode.decode_flops(2.5, 12)

@@ -9,8 +9,9 @@ the distance to the ceiling is the distance to the floor. `work(record)` derives
   copy_removal   bytes: extra['bytes'] (the floor's: read every source once, write mix and norm);
                  flops: per hidden element a score product and a weighted add per source (4 flops)
                  and the norm's square, sum and two scales (4)
-  mla_padding    bytes: extra['cache_bytes'] (the latent cache read once); flops: per query row and head,
-                 the scores over the 576-wide latent and the 512-wide value sum (2 (576 + 512) per token)
+  mla_padding    bytes: extra['cache_bytes'] (the latent cache read once); flops: the MLA op's count,
+                 k3lab.ops.mla_decode.decode_flops (per query row, head and cached row, the score over
+                 the 576-wide latent and the 512-wide value sum, 2 (576 + 512))
   kda_scan       the study's io_bytes and chunk_flops formulas from the record's shape (q, k, v, o in the
                  input dtype, g and beta fp32, state in and out fp32; the chunked algorithm's matmuls)
   kda_decode,    bytes: the record's extra['bytes'] (its parts summed); flops: 8 K V per head and token (the
@@ -19,6 +20,10 @@ the distance to the ceiling is the distance to the floor. `work(record)` derives
                  measured copy bandwidth) and its flops from k3lab.studies.decode_step.measure.part_bytes
                  (2 flops per weight a token uses, the experts a token routes to, the MLA scores and
                  value sums over the context, the KDA state update)
+  dcp,           the formulas the study's floors are made of, kept by the study (k3lab.studies.<study>.work):
+  moe_sharding   the record's extra['bytes'] and extra['flops'] where its measure wrote them, else the
+                 study's work_of(record) from its shape and dtype (records saved before the study wrote
+                 them); the point's `work` column says which
 
 `ceilings(device)` takes the copy bandwidth and the matrix rate from the device's records where a run
 measured them (decode_step's attribution measures a 1 GiB device copy in the same run; the ceilings
@@ -39,10 +44,13 @@ import pandas as pd
 
 from k3lab import bench
 from k3lab import env as _env
+from k3lab.ops.mla_decode.inputs import decode_flops
 from k3lab.studies.ceilings import NAME as PROBE_STUDY  # profiles/<device>/ceilings/<case>__reference.json
 KDA_FLOPS_PER_KV = 8  # per head and token: decay, k.S, outer-product update, q.S (2 flops each per K x V)
+STEP_WORK = ("decode_step attribution: bytes = the part's floor x the run's measured bandwidth, flops = "
+             "k3lab.profiling.roofline's count for the part's layer kind")
 POINT_COLUMNS = ("name", "study", "case", "variant", "mode", "device", "bytes", "flops", "time_us",
-                 "floor_us")
+                 "floor_us", "work")
 
 
 @dataclass(frozen=True)
@@ -133,8 +141,8 @@ def _mla(r) -> tuple[float, float] | None:
     s = r.shape
     if "cache_bytes" not in r.extra or not {"heads", "lengths_sum", "latent", "value"} <= set(s):
         return None
-    q = s.get("q_len", 1)
-    flops = 2 * q * s["heads"] * s["lengths_sum"] * (s["latent"] + s["value"])
+    flops = decode_flops(s["lengths_sum"], s["heads"], s.get("q_len", 1), latent=s["latent"],
+                         value=s["value"])
     return float(r.extra["cache_bytes"]), float(flops)
 
 
@@ -161,8 +169,47 @@ def _kda_step(r) -> tuple[float, float] | None:
     return float(b), float(KDA_FLOPS_PER_KV * tokens * s["H"] * s["K"] * s["V"])
 
 
+def _carried(r) -> tuple[float, float] | None:
+    b, f = r.extra.get("bytes"), r.extra.get("flops")
+    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (b, f))
+    return (float(b), float(f)) if ok else None
+
+
+def _study_work_of(study: str):
+    """The `work_of(record)` of a study that keeps its formulas itself (k3lab.studies.<study>.work),
+    imported on first use: a study's package may import profiling/, so importing this module loads none."""
+    import importlib
+
+    from k3lab import studies
+
+    return importlib.import_module(studies.STUDIES[study] + ".work").work_of
+
+
+def _study_work(r) -> tuple[float, float] | None:
+    carried = _carried(r)
+    if carried is not None:
+        return carried
+    w = _study_work_of(r.study)(r)
+    return None if w is None else (float(w["bytes"]), float(w["flops"]))
+
+
 WORK = {"copy_removal": _copy_removal, "mla_padding": _mla, "kda_scan": _kda_scan, "kda_decode": _kda_step,
-        "kda_verify": _kda_step}
+        "kda_verify": _kda_step, "dcp": _study_work, "moe_sharding": _study_work}
+
+
+def work_source(record) -> str | None:
+    """Where `work(record)`'s bytes and flops come from, in words (a roofline point's `work` column);
+    None where `work` gives none."""
+    return None if work(record) is None else _source(record)
+
+
+def _source(record) -> str:
+    if WORK[record.study] is not _study_work:
+        return f"k3lab.profiling.roofline's {record.study} formula from the record"
+    if _carried(record) is not None:
+        return "carried: the record's extra['bytes'] and extra['flops'], written by its study's measure"
+    return (f"derived: {_study_work_of(record.study).__module__}.work_of from the record's shape and dtype "
+            "(the record was saved before its study wrote bytes and flops)")
 
 
 def work(record) -> tuple[float, float] | None:
@@ -176,7 +223,8 @@ def work(record) -> tuple[float, float] | None:
 
 def points(records, *, cases=None, modes=None) -> pd.DataFrame:
     """One row per record that `work` knows (POINT_COLUMNS): name 'case variant', bytes, flops, time_us
-    (the median), floor_us. `cases`: keep these cases (in this order); `modes`: these timing modes."""
+    (the median), floor_us, work (`work_source`: where bytes and flops come from). `cases`: keep these
+    cases (in this order); `modes`: these timing modes."""
     rows = []
     for r in records:
         if cases is not None and r.case not in cases:
@@ -188,7 +236,7 @@ def points(records, *, cases=None, modes=None) -> pd.DataFrame:
             continue
         rows.append({"name": f"{r.case} {r.variant}", "study": r.study, "case": r.case, "variant": r.variant,
                      "mode": r.mode, "device": r.device, "bytes": w[0], "flops": w[1], "time_us": r.median_us,
-                     "floor_us": r.floor_us})
+                     "floor_us": r.floor_us, "work": _source(r)})
     df = pd.DataFrame(rows, columns=list(POINT_COLUMNS))
     if cases is not None and len(df):
         order = df["case"].map({c: i for i, c in enumerate(cases)})
@@ -208,8 +256,8 @@ def _part_flops(config, batch: int, context_len: int, q_len: int = 1) -> dict[st
     out = {kind: 2.0 * N * parts["weights_dense"] / 2 for kind, parts in kinds.items()}
     out["moe"] += 2.0 * N * c.num_moe_layers * c.num_experts_per_token * 3 * c.moe_intermediate_size \
         * c.routed_expert_hidden_size
-    out["mla"] += 2.0 * N * c.num_mla_layers * c.num_attention_heads * (context_len + q_len) \
-        * (c.mla_latent_dim + c.kv_lora_rank)
+    out["mla"] += float(c.num_mla_layers * decode_flops(batch * (context_len + q_len), c.num_attention_heads,
+                                                        q_len, latent=c.mla_latent_dim, value=c.kv_lora_rank))
     out["kda"] += float(KDA_FLOPS_PER_KV * N * c.num_kda_layers * c.kda_num_heads * c.kda_head_dim ** 2)
     return out
 
@@ -247,5 +295,5 @@ def step_points(record, config=None) -> pd.DataFrame:
         rows.append({"name": f"{p['part']} {variant}", "study": record.study, "case": record.case,
                      "variant": variant, "mode": record.mode, "device": record.device,
                      "bytes": floor * bw * 1e6, "flops": flops[kind], "time_us": float(p["kernel_us"]),
-                     "floor_us": floor})
+                     "floor_us": floor, "work": STEP_WORK})
     return pd.DataFrame(rows, columns=list(POINT_COLUMNS))

@@ -46,8 +46,8 @@ from k3lab.ops import Backend, Backends, BackendUnavailable, triton_available
 from k3lab.ops.mla_decode import cuda, torch_plan, triton
 from k3lab.ops.mla_decode.inputs import (DEFAULT_SCALE, LATENT_DIM, MAX_Q_LEN, MMA_ROWS, VALUE_DIM,
                                          LaunchConfig,
-                                         check_scale, choose_num_splits, choose_splits, gather_paged,
-                                         split_cost, to_paged)
+                                         check_scale, choose_num_splits, choose_splits, decode_flops,
+                                         gather_paged, split_cost, to_paged)
 from k3lab.ops.mla_decode.triton import DecodePlan, after_groups
 
 CUDA_VERIFY_Q_LENS = cuda.VERIFY_Q_LENS
@@ -59,7 +59,7 @@ __all__ = [
     "BACKEND_ENV", "BackendUnavailable", "VARIANTS", "DecodePlan", "LaunchConfig", "plan_before",
     "plan_after",
     "mla_decode_before", "mla_decode_after", "choose_num_splits", "choose_splits", "split_cost",
-    "after_groups", "to_paged", "gather_paged", *_PEER_NAMES,
+    "decode_flops", "after_groups", "to_paged", "gather_paged", *_PEER_NAMES,
 ]
 
 

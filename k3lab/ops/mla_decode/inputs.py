@@ -30,6 +30,20 @@ MAX_SPLITS = 512  # Triton policy's upper bound on pieces per request
 LOG2E = 1.0 / math.log(2.0)  # kernels work in base 2 and convert the lse once at the end
 
 
+def decode_flops(positions: int, heads: int, q_len: int = 1, *, latent: int = LATENT_DIM,
+                 value: int = VALUE_DIM) -> int:
+    """Matrix flops of one absorbed decode over `positions` cached rows (summed over the batch): every
+    query row (`q_len` a sequence) of every head scores each row over the `latent`-wide key and adds its
+    `value`-wide slice to the output, 2 (latent + value) flops a row (a multiply and an add each; the
+    softmax's few exp/max a row left out). The one count the rooflines, the mla_padding study's
+    padding cost and the dcp study's local attention use; `latent`/`value` default to the op's widths
+    (576 and 512) and take a config's. ValueError naming the argument for a non-integer or one below 1."""
+    n, h, t, lat, val = (int_arg(k, v, low=1) for k, v in (("positions", positions), ("heads", heads),
+                                                            ("q_len", q_len), ("latent", latent),
+                                                            ("value", value)))
+    return 2 * t * h * n * (lat + val)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """Latent rows per tile, warps per program and pipeline depth (tiles in flight) of a kernel."""

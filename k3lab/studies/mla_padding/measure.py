@@ -391,7 +391,7 @@ def padding_cost(preset=None, contexts=(1024, 32768, 131072), batch: int = 1, dt
         for label, h in (("12 heads" if heads == 12 else f"{heads} heads", heads),
                          (f"padded to {padded}", padded)):
             q_bytes = batch * h * mla.LATENT_DIM * elem
-            flops = 2 * batch * h * n * (mla.LATENT_DIM + mla.VALUE_DIM)
+            flops = mla.decode_flops(batch * n, h)
             rows.append({"context": n, "query": label, "cache_bytes": cache, "query_bytes": q_bytes,
                          "output_bytes": batch * h * mla.VALUE_DIM * elem, "matrix_flops": flops,
                          "flops_per_cache_byte": flops / cache})

@@ -2,7 +2,8 @@
 
 `measure` floors each record on them and writes both into the record (extra['bytes'], extra['flops']);
 `work_of(record)` gives the same numbers from a record's shape, which is how records saved before the
-study wrote them are placed on a roofline (plots.study_roofline derives them at load and labels them so).
+study wrote them are placed on a roofline (profiling.roofline's `work` reads the record's figures, else
+these; its points say which).
 
   tail     k3lab.parallel.moe_tail.tail_cost: up_proj's rows and the norm weight read once, the fp32
            latent read, the output columns read and written; 2 flops per weight and token, 4 per latent

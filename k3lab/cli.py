@@ -189,14 +189,11 @@ def _cmd_import(args) -> int:
 
 
 def _cmd_profile(args) -> int:
-    """Each chosen variant under the chosen profiler (k3lab.profiling.tools.profile_study); a tool that cannot
-    run here is refused in one line before anything runs."""
+    """Each chosen variant under the chosen profiler (k3lab.profiling.tools.profile_study), which refuses
+    in one line, before anything is profiled, a study with nothing to profile, a variant the study does
+    not profile here and a tool that cannot run here."""
     from k3lab.profiling import tools
 
-    why = tools.missing(args.tool)
-    if why is not None:
-        print(f"k3lab profile: {why}", file=sys.stderr)
-        return 2
     out = Path(args.out) / "traces" / args.study
     try:
         caps = tools.profile_study(args.study, tool=args.tool, variants=args.variant, preset=args.preset,

@@ -271,16 +271,27 @@ def test_profile_decode_step_names_its_parts(tmp_path, capsys, monkeypatch):
 
 # ---------------------------------------------------------------- studies with nothing to profile here
 
-@pytest.mark.parametrize("study", sorted(tools.NO_KERNELS))
+@pytest.mark.parametrize("study", sorted(set(tools.NO_KERNELS) | {"draft_depth", "agent_cache"}))
 def test_profile_refuses_a_study_without_kernels(study, tmp_path, capsys, monkeypatch):
-    """A study with no kernels of its own exits 2 with one line naming it and the studies that have
-    kernels, and writes nothing; its profile_targets is indeed empty."""
+    """A study with no kernels of its own exits 2 with one line naming it, what to run instead and the
+    studies that have kernels, and writes nothing; its profile_targets are indeed empty or run host code
+    only (draft_depth's and agent_cache's simulators: a CPU capture of them records no PyTorch op)."""
+    import sys
+
     from k3lab import studies
 
-    assert studies.load_study(study).profile_targets() == {}
+    mod = studies.load_study(study)
+    if study == "draft_depth":  # its simulators at 2e4 cycles, not 1e6: the same code, a test's time
+        monkeypatch.setattr(sys.modules[mod.__name__ + ".measure"], "CYCLES", 20_000)
+    targets = mod.profile_targets()
+    assert bool(targets) == (study in ("draft_depth", "agent_cache"))
+    for variant, fn in targets.items():
+        cap = P.capture(fn, steps=1, warmup=0, device="cpu", trace_dir=tmp_path / "scratch", name=variant)
+        assert len(cap.kernels) == 0 and len(cap.table) == 0, (study, variant, cap.table)
     assert cli.main(["profile", study, "--steps", "1", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith(f"k3lab profile: {study} has no kernels to profile: ")
+    assert "`k3lab " in err  # what to run instead
     listed = err.split("Studies with kernels to profile: ")[1].split(", ")
     assert "decode_step" in listed and "kda_decode" in listed and not set(listed) & set(tools.NO_KERNELS)
     assert not (tmp_path / "out").exists()
@@ -288,6 +299,47 @@ def test_profile_refuses_a_study_without_kernels(study, tmp_path, capsys, monkey
     monkeypatch.setattr(tools, "_run", lambda *a, **k: pytest.fail("ncu ran for a study without kernels"))
     with pytest.raises(ValueError, match=f"{study} has no kernels"):
         tools.profile_study(study, tool="ncu", variants=["after"], out_dir=tmp_path)
+
+
+@pytest.mark.parametrize("tool", tools.TOOLS)
+def test_an_unknown_variant_is_refused_before_the_tool_is_looked_for(tool, tmp_path, capsys, monkeypatch):
+    """--variant naming no profile target: one line naming --variant, the study's variants and the wrong
+    name, exit 2, before the tool's presence is asked (so on a CPU too) and before any child or capture
+    runs; a known variant goes on to the tool check (here faked present, its child faked)."""
+    from k3lab.profiling import capture
+
+    asked = []
+    monkeypatch.setattr(tools, "missing", lambda t: asked.append(t))
+    monkeypatch.setattr(tools, "_run", lambda *a, **k: pytest.fail("a profiler ran for an unknown variant"))
+    monkeypatch.setattr(capture, "capture", lambda *a, **k: pytest.fail("captured an unknown variant"))
+    argv = ["profile", "launch_overhead", "--tool", tool, "--variant", "before", "nope", "--steps", "1",
+            "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and asked == [] and not (tmp_path / "out").exists()
+    assert err.startswith("k3lab profile: --variant: launch_overhead profiles before")
+    assert err.endswith("; not 'nope'")
+    with pytest.raises(ValueError, match="--variant: .*not an empty list"):
+        tools.profile_study("launch_overhead", tool=tool, variants=[], out_dir=tmp_path)
+    with pytest.raises(ValueError, match="--variant: expected a list"):
+        tools.profile_study("launch_overhead", tool=tool, variants="before", out_dir=tmp_path)
+    with pytest.raises(ValueError, match="--steps"):
+        tools.profile_study("launch_overhead", tool=tool, variants=["before"], steps=0, out_dir=tmp_path)
+    if tool == "torch":
+        return
+    ran = []
+    monkeypatch.setattr(tools, "capture_tool", lambda t, study, v, **k: ran.append((t, study, v)))
+    tools.profile_study("launch_overhead", tool=tool, variants=["before", "before"], out_dir=tmp_path)
+    assert asked == [tool] and ran == [(tool, "launch_overhead", "before")]
+
+
+def test_the_child_refuses_an_unknown_variant_in_the_same_words(capsys):
+    from k3lab import studies
+
+    names = ", ".join(studies.load_study("launch_overhead").profile_targets())
+    assert child.main(["launch_overhead", "nope"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        f"k3lab.profiling.child: --variant: launch_overhead profiles {names} here; not 'nope'"
 
 
 def test_profile_refuses_empty_targets_of_any_study(tmp_path, capsys, monkeypatch):

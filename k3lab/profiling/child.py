@@ -10,15 +10,14 @@ import sys
 
 
 def run(study: str, variant: str, *, preset: str | None = None, steps: int = 3, warmup: int = 1) -> int:
-    """Run `warmup` unmarked calls then `steps` marked calls of the variant; ValueError naming the variant
-    when the study has no such profile target."""
+    """Run `warmup` unmarked calls then `steps` marked calls of the variant; ValueError naming --variant
+    when the study has no such profile target (`k3lab profile` checks this before starting the child)."""
     from k3lab.profiling.export import STEP_PREFIX, label
+    from k3lab.profiling.tools import check_variants
     from k3lab.studies import load_study
 
     targets = load_study(study).profile_targets(preset=preset)
-    if variant not in targets:
-        raise ValueError(f"variant: {study} profiles {sorted(targets)}, not {variant!r}")
-    fn = targets[variant]
+    fn = targets[check_variants(study, targets, [variant])[0]]
     sync = _synchronize()
     for _ in range(warmup):
         fn()

@@ -11,10 +11,21 @@ nsys        Nsight Systems on a CUDA GPU: the child runs under `nsys profile --t
 rocprofv3   ROCm: the child under rocprofv3 (k3lab.profiling.rocprofv3_run.capture_rocprofv3).
 
 `missing(tool)` says, before anything runs, why a tool cannot run here (not on PATH, no GPU of its
-vendor), so the command refuses in one line. The ncu path has run on an NVIDIA H100 (its captures of the
-fused KDA decode and the MLA split kernel: profiles/nvidia-h100-80gb-hbm3/ncu); the nsys path has not yet
-been run on a GPU by this project through this module (NOT_YET_RUN says which). The readers are tested on
-real files (tests/fixtures/profiles/ncu, .../nsys, and the H100's ncu captures).
+vendor), so the command refuses in one line. A named variant is checked before that, against the
+profile targets built here (the names the child process would accept), so a wrong name is one line on
+any machine, never a traceback from the child once the profiler has started.
+
+Studies with nothing for these tools to record are refused in one line naming what to run instead
+(NO_KERNELS): occupancy and the serving studies, whose kernels are other studies' targets, and
+draft_depth and agent_cache, whose targets are simulators in numpy and plain Python on the host. Those
+run no PyTorch op and launch no device kernel, so torch.profiler's table of them is empty (notebook 06
+shows it) and ncu, nsys and rocprofv3 find nothing; what a user wants there is their time on the CPU,
+which `k3lab bench` measures (CPU seconds per wall second included).
+
+The ncu path has run on an NVIDIA H100 (its captures of the fused KDA decode and the MLA split kernel:
+profiles/nvidia-h100-80gb-hbm3/ncu); the nsys path has not yet been run on a GPU by this project through
+this module (NOT_YET_RUN says which). The readers are tested on real files (tests/fixtures/profiles/ncu,
+.../nsys, and the H100's ncu captures).
 """
 
 from __future__ import annotations
@@ -38,14 +49,19 @@ NOT_YET_RUN = {"nsys": "k3lab profile --tool nsys: not yet run on a GPU by this 
                "rocprofv3": "k3lab profile --tool rocprofv3: not yet run on AMD hardware by this project"}
 _VENDOR = {"ncu": ("cuda", "Nsight Compute"), "nsys": ("cuda", "Nsight Systems"),
            "rocprofv3": ("rocm", "ROCm")}
-# The studies with no kernels of their own (their profile_targets return {}), each with where its kernels
-# are profiled: `k3lab profile` refuses them in one line (`no_targets`) instead of writing nothing.
+# The studies with no kernels of their own (their profile_targets return {}, or run host code only), each
+# with what to run instead: `k3lab profile` refuses them in one line (`no_targets`) instead of writing a
+# trace with an empty table.
 NO_KERNELS = {
     "occupancy": "its one kernel is kda_scan's chunk prologue, relaunched at each shared-memory reserve by "
                  "`k3lab bench occupancy`; `k3lab profile kda_scan` traces that kernel",
     "serving": "its grid's steps are decode_step's; `k3lab profile decode_step` traces them",
     "serving_run": "its decode step is decode_step's and its chunked prefill kda_scan's; `k3lab profile "
                    "decode_step` and `k3lab profile kda_scan` trace them",
+    "draft_depth": "its simulators are numpy and plain Python on the host CPU (no PyTorch op, no device "
+                   "kernel); `k3lab bench draft_depth` times both variants there",
+    "agent_cache": "its prefix-cache simulator is plain Python on the host CPU (no PyTorch op, no device "
+                   "kernel); `k3lab bench agent_cache` times it and its host<->device copies",
 }
 
 
@@ -240,37 +256,80 @@ def capture_tool(tool: str, study: str, variant: str, *, preset: str | None, out
     raise ValueError(f"--tool: {tool!r} runs in this process; use k3lab.profile.capture")
 
 
+def check_variants(study: str, names, variants) -> list[str]:
+    """`variants` (names, in order, repeats dropped) when each is one of `names` (the study's profile
+    targets built here); ValueError naming --variant, the study's variants and the unknown ones."""
+    if isinstance(variants, str) or not all(isinstance(v, str) for v in variants):
+        raise ValueError(f"--variant: expected a list of variant names, got {variants!r}")
+    names = list(names)
+    unknown = [v for v in variants if v not in names]
+    if unknown or not variants:
+        raise ValueError(f"--variant: {study} profiles {', '.join(names)} here; not "
+                         f"{', '.join(map(repr, unknown)) or 'an empty list'}")
+    return list(dict.fromkeys(variants))
+
+
+def _targets(study: str, preset: str | None) -> dict:
+    from k3lab.studies import load_study
+
+    targets = load_study(study).profile_targets(preset=preset)
+    if not targets:  # a study outside NO_KERNELS that built nothing here: refused, never a silent no-op
+        raise ValueError(_nothing_line(study, "its profile_targets built none on this machine"))
+    return targets
+
+
+def _release(targets: dict) -> None:
+    """Drop the targets built here (a child process builds its own) and their device memory with them."""
+    targets.clear()
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def profile_study(study: str, *, tool: str = "torch", variants=None, preset: str | None = None,
                   steps: int = 3, out_dir, timeout_s: float | None = None) -> dict[str, Capture]:
     """Profile each of `variants` (default: every profile target of the study) with `tool`, files under
     `out_dir`. torch: per variant `<variant>.trace.json` (Chrome/Perfetto, with the step and part ranges)
     and an HTA folder `hta/<variant>/rank-0.json.gz` (k3lab.profiling.export). Other tools: their own
-    files (`capture_tool`). ValueError naming what is wrong (a tool that cannot run here, a study with
-    no kernels to profile, an unknown variant) before anything is profiled."""
+    files (`capture_tool`), from a child process.
+
+    ValueError naming what is wrong before anything is profiled, in this order: an unknown tool, steps
+    below 1, a study with no kernels to profile (NO_KERNELS), a variant the study does not profile here
+    (its targets are built here to know their names, so this holds whether or not the tool is present),
+    then a tool that cannot run here."""
     from k3lab.profiling.capture import capture
     from k3lab.profiling.export import write_hta_folder
-    from k3lab.studies import load_study
 
-    why = missing(tool) or no_targets(study)
+    if tool not in TOOLS:
+        raise ValueError(f"--tool: expected one of {', '.join(TOOLS)}, got {tool!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"--steps: expected an int >= 1, got {steps!r}")
+    why = no_targets(study)
     if why is not None:
         raise ValueError(why)
-    out_dir = Path(out_dir)
     targets = None
-    if variants is None or tool == "torch":
-        targets = load_study(study).profile_targets(preset=preset)
-        if not targets:  # a study outside NO_KERNELS that built nothing here: refused, never a silent no-op
-            raise ValueError(_nothing_line(study, "its profile_targets built none on this machine"))
-        names = list(targets)
-        unknown = [v for v in variants or () if v not in names]
-        if unknown:
-            raise ValueError(f"--variant: {study} profiles {', '.join(names)}; not {', '.join(unknown)}")
-        variants = list(variants or names)
+    if variants is not None:
+        targets = _targets(study, preset)
+        variants = check_variants(study, targets, variants)
+    why = missing(tool)
+    if why is not None:
+        raise ValueError(why)
+    if targets is None:
+        targets = _targets(study, preset)
+    variants = list(variants or targets)
+    out_dir = Path(out_dir)
     out: dict[str, Capture] = {}
-    for v in variants:
-        if tool != "torch":
+    if tool != "torch":
+        _release(targets)
+        for v in variants:
             out[v] = capture_tool(tool, study, v, preset=preset, out_dir=out_dir, steps=steps,
                                   timeout_s=timeout_s)
-            continue
+        return out
+    for v in variants:
         cap = capture(targets[v], steps=steps, warmup=1, trace_path=out_dir / f"{v}.trace.json",
                       overwrite=True, name=f"{study}-{v}")
         cap.files.append(write_hta_folder(cap.trace_path, out_dir / "hta" / v, overwrite=True))

@@ -71,11 +71,15 @@ def _backend() -> str:
     return env.detect().backend
 
 
+def _check_tool(tool) -> None:
+    if tool not in TOOLS:
+        raise ValueError(f"--tool: expected one of {', '.join(TOOLS)}, got {tool!r}")
+
+
 def missing(tool: str, *, backend: str | None = None, which=shutil.which) -> str | None:
     """Why `tool` cannot profile here (one line), or None when it can. ValueError for an unknown tool.
     `backend` ('cuda', 'rocm', 'cpu'; default: this machine's) and `which` are for tests."""
-    if tool not in TOOLS:
-        raise ValueError(f"--tool: expected one of {', '.join(TOOLS)}, got {tool!r}")
+    _check_tool(tool)
     if tool == "torch":
         return None
     backend = _backend() if backend is None else backend
@@ -304,8 +308,7 @@ def profile_study(study: str, *, tool: str = "torch", variants=None, preset: str
     from k3lab.profiling.capture import capture
     from k3lab.profiling.export import write_hta_folder
 
-    if tool not in TOOLS:
-        raise ValueError(f"--tool: expected one of {', '.join(TOOLS)}, got {tool!r}")
+    _check_tool(tool)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"--steps: expected an int >= 1, got {steps!r}")
     why = no_targets(study)

@@ -36,7 +36,7 @@ def test_library_path_prefers_the_environment(monkeypatch, tmp_path):
     ("page32", "paged pool"),
     ("contiguous", "paged pool"),
     ("no_table", "block_table"),
-    ("fp32", "bf16 or fp16"),
+    ("fp32", "q must be bfloat16 or float16, got torch.float32"),
 ])
 def test_limits_are_clear_errors(case, match):
     q = torch.randn(1, 1, 12, mla.LATENT_DIM, dtype=torch.bfloat16)

@@ -46,7 +46,7 @@ def _paged(page=64, L=96, lengths=(96,)):
     ("q_len2", "q_len"),
     ("heads17", "heads"),
     ("width512", "576"),
-    ("cache_fp16", "cache.dtype"),
+    ("cache_fp16", "cache must be bfloat16, got torch.float16"),
     ("row_stride", "stride"),
     ("page16", "page size"),
     ("paged_no_lengths", "lengths"),

@@ -141,9 +141,9 @@ def test_the_torch_path_is_route_then_sort_by_expert():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"logits": torch.randn(8)}, "logits must be a 2-D"),
-    ({"logits": torch.ones(2, 8, dtype=torch.int32)}, "logits must be fp32"),
+    ({"logits": torch.ones(2, 8, dtype=torch.int32)}, "logits must be float32, bfloat16, float16 or float64"),
     ({"logits": torch.randn(2, 0)}, "at least one expert"),
-    ({"bias": torch.randn(7)}, r"bias must be a floating-point \[E=8\]"),
+    ({"bias": torch.randn(7)}, r"bias must be \[E=8\] \(or None\), got \(7,\)"),
     ({"bias": torch.ones(8, dtype=torch.int64)}, "bias must be a floating-point"),
     ({"top_k": 0}, "top_k must be an integer in"),
     ({"top_k": 9}, "top_k must be an integer in"),

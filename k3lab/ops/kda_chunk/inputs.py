@@ -14,7 +14,7 @@ import itertools
 import torch
 
 from k3lab import env
-from k3lab.ops import check_finite, int_arg, positive_finite
+from k3lab.ops import check_finite, expect, int_arg, positive_finite
 from k3lab.ops import int_list as ops_int_list
 
 HEAD_DIM = 128  # K = V = 128 for K3's KDA; the kernels hold whole 128-row state tiles
@@ -45,13 +45,8 @@ def int_list(name: str, values) -> list[int]:
     return out
 
 
-def _shape(t) -> str:
-    return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
-
-
 def _check_tensors(q, k, v, g, beta) -> None:
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"q must be a [B, T, H, K] tensor, got {_shape(q)}")
+    expect("q", q, shape=4, what="[B, T, H, K]")
     B, T, H, K = q.shape
     if K != HEAD_DIM:
         raise ValueError(f"q's head dim K must be {HEAD_DIM} (the kernels hold 128-row state tiles), got {K}")
@@ -59,27 +54,16 @@ def _check_tensors(q, k, v, g, beta) -> None:
         raise ValueError(f"q must have B >= 1 and H >= 1, got {tuple(q.shape)}")
     if H > MAX_GRID:
         raise ValueError(f"q has {H} heads; the launch grids take at most {MAX_GRID}")
-    if q.dtype not in DTYPES:
-        raise ValueError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
-    for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dtype != q.dtype:
-            raise ValueError(f"{name} must have q's dtype {q.dtype}, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)}")
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.shape != (B, T, H, HEAD_DIM):
-        raise ValueError(f"v must be [B={B}, T={T}, H={H}, V={HEAD_DIM}], got {tuple(v.shape)}")
-    if not isinstance(g, torch.Tensor) or g.shape != q.shape or g.dtype != torch.float32:
-        raise ValueError(f"g must be a float32 log-decay tensor of q's shape {tuple(q.shape)}, got "
-                         f"{getattr(g, 'dtype', None)} {_shape(g)}")
-    if not isinstance(beta, torch.Tensor) or beta.shape != (B, T, H) or beta.dtype != torch.float32:
-        raise ValueError(f"beta must be a float32 tensor [B={B}, T={T}, H={H}], got "
-                         f"{getattr(beta, 'dtype', None)} {_shape(beta)}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-        if not t.is_contiguous():  # the kernels address [B, T, H, .] by fixed strides
-            raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    # contiguous: the kernels address [B, T, H, .] by fixed strides
+    expect("q", q, dtype=DTYPES, contiguous=True)
+    like_q = f"of q's shape {tuple(q.shape)}"
+    expect("k", k, shape=q.shape, dtype=q.dtype, device=q.device, contiguous=True, what=like_q)
+    expect("v", v, shape=(B, T, H, HEAD_DIM), dtype=q.dtype, device=q.device, contiguous=True,
+           what=f"[B={B}, T={T}, H={H}, V={HEAD_DIM}]")
+    expect("g", g, shape=q.shape, dtype=torch.float32, device=q.device, contiguous=True,
+           what=f"{like_q} (log-decays)")
+    expect("beta", beta, shape=(B, T, H), dtype=torch.float32, device=q.device, contiguous=True,
+           what=f"[B={B}, T={T}, H={H}]")
 
 
 def _lengths(cu_seqlens, B: int, T: int) -> list[int]:
@@ -116,16 +100,8 @@ def validate(q, k, v, g, beta, initial_state=None, cu_seqlens=None, scale=None, 
     if N > MAX_GRID:
         raise ValueError(f"{N} sequences: the launch grids take at most {MAX_GRID}; split the batch")
     if initial_state is not None:
-        if not isinstance(initial_state, torch.Tensor) or initial_state.dtype != torch.float32:
-            raise ValueError(f"initial_state must be a float32 tensor, got "
-                             f"{getattr(initial_state, 'dtype', None)}")
-        if initial_state.shape != (N, H, HEAD_DIM, HEAD_DIM):
-            raise ValueError(f"initial_state must be [N={N}, H={H}, {HEAD_DIM}, {HEAD_DIM}], got "
-                             f"{tuple(initial_state.shape)}")
-        if initial_state.device != q.device:
-            raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
-        if not initial_state.is_contiguous():
-            raise ValueError("initial_state must be contiguous (call .contiguous() first)")
+        expect("initial_state", initial_state, shape=(N, H, HEAD_DIM, HEAD_DIM), dtype=torch.float32,
+               device=q.device, contiguous=True, what=f"[N={N}, H={H}, {HEAD_DIM}, {HEAD_DIM}]")
     return lengths, H, HEAD_DIM**-0.5 if scale is None else float(scale)
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from k3lab.nn.kda import chunk_inverse
+from k3lab.ops import expect
 
 from .inputs import check_positive_int
 
@@ -37,24 +38,17 @@ from .inputs import check_positive_int
 def _check_inputs(q, k, v, g, beta, initial_state):
     """(B, T, H, K, V) of KDA's inputs (kda_chunked's shapes); ValueError naming a wrong one."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+        expect(name, t, dtype="float")
+    expect("q", q, shape=4, what="[B, T, H, K]")
     B, T, H, K = q.shape
     for name, t in (("k", k), ("g", g)):
-        if t.shape != q.shape:
-            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
-    if v.dim() != 4 or v.shape[:3] != (B, T, H):
-        raise ValueError(f"v must be [B={B}, T={T}, H={H}, V], got {tuple(v.shape)}")
-    if beta.shape != (B, T, H):
-        raise ValueError(f"beta must be [B={B}, T={T}, H={H}], got {tuple(beta.shape)}")
+        expect(name, t, shape=q.shape, what=f"of q's shape {tuple(q.shape)}")
+    expect("v", v, shape=(B, T, H, None), what=f"[B={B}, T={T}, H={H}, V]")
+    expect("beta", beta, shape=(B, T, H), what=f"[B={B}, T={T}, H={H}]")
     V = v.shape[-1]
-    if initial_state is not None and (initial_state.shape != (B, H, K, V)
-                                      or initial_state.dtype not in (torch.float32, torch.float64)):
-        raise ValueError(f"initial_state must be fp32 or fp64 [B={B}, H={H}, K={K}, V={V}], got "
-                         f"{initial_state.dtype} {tuple(initial_state.shape)}")
+    if initial_state is not None:
+        expect("initial_state", initial_state, shape=(B, H, K, V), dtype=(torch.float32, torch.float64),
+               what=f"[B={B}, H={H}, K={K}, V={V}]")
     return B, T, H, K, V
 
 

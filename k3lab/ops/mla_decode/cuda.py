@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3lab.ops import _build
+from k3lab.ops import _build, expect
 from k3lab.ops.mla_decode.inputs import (LATENT_DIM, LOG2E, MAX_Q_LEN, VALUE_DIM, Inputs, LaunchConfig,
                                          check_num_splits, check_scale, choose_splits, validate)
 
@@ -146,9 +146,7 @@ def registers(form: str = "mma") -> int:
 
 def _check_layout(q, cache, block_table) -> None:
     """The after kernel's own limits beyond inputs.validate (ValueError by name)."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"q must be a tensor [B, 1, H, {LATENT_DIM}], got "
-                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    expect("q", q, shape=4, what=f"[B, 1, H, {LATENT_DIM}]")
     if q.shape[1] != 1:
         raise ValueError(f"q_len (q.shape[1]) must be 1: this kernel decodes one token (verification groups "
                          f"run through plan_verify), got {q.shape[1]}")
@@ -157,14 +155,9 @@ def _check_layout(q, cache, block_table) -> None:
                          f"got {q.shape[3]}")
     if not 1 <= q.shape[2] <= MAX_HEADS:
         raise ValueError(f"heads (q.shape[2]) must be 1..{MAX_HEADS} (one 16-row mma tile), got {q.shape[2]}")
-    if q.dtype != torch.bfloat16:
-        raise ValueError(f"q.dtype must be bfloat16 (the kernel multiplies bf16 on the matrix units), got "
-                         f"{q.dtype}")
-    if not isinstance(cache, torch.Tensor) or cache.dim() != 3 or cache.shape[2] != LATENT_DIM:
-        raise ValueError(f"cache must be [B, L, {LATENT_DIM}] or [num_pages, page_size, {LATENT_DIM}], got "
-                         f"{tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__}")
-    if cache.dtype != torch.bfloat16:
-        raise ValueError(f"cache.dtype must be bfloat16 like q, got {cache.dtype}")
+    expect("q", q, dtype=torch.bfloat16)  # the kernel multiplies bf16 on the matrix units
+    expect("cache", cache, shape=(None, None, LATENT_DIM), dtype=torch.bfloat16,
+           what=f"[B, L, {LATENT_DIM}] or [num_pages, page_size, {LATENT_DIM}]")
     if cache.stride(2) != 1 or cache.stride(1) != LATENT_DIM:
         raise ValueError(f"cache rows must be contiguous {LATENT_DIM}-element rows (cache.stride(1) == "
                          f"{LATENT_DIM}, cache.stride(2) == 1; a tile of 32 rows is copied in blocks of 4 "
@@ -474,9 +467,7 @@ def plan_verify(q, cache, lengths, *, block_table, scale=None, num_splits=None, 
     for one token. Refusals by name as in `check`, plus: a paged cache and lengths are required."""
     if share not in (None, "pairs", "l2"):
         raise ValueError(f"share must be 'pairs', 'l2' or None, got {share!r}")
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"q must be a tensor [B, q_len, H, {LATENT_DIM}], got "
-                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    expect("q", q, shape=4, what=f"[B, q_len, H, {LATENT_DIM}]")
     if block_table is None or lengths is None:
         raise ValueError("plan_verify needs a paged cache: block_table= and lengths= (each token becomes a "
                          "request over the same pages)")
@@ -577,8 +568,7 @@ def check_before(q, cache, lengths=None, *, block_table=None) -> Inputs:
     """inputs.validate plus the before kernel's own limits (bf16, 4-byte aligned rows); ValueError by
     name. Returns the validated inputs."""
     inp = validate(q, cache, lengths, block_table)
-    if q.dtype != torch.bfloat16:
-        raise ValueError(f"q.dtype must be bfloat16 for the CUDA before kernel, got {q.dtype}")
+    expect("q", q, dtype=torch.bfloat16)  # the CUDA before kernel reads bf16 pairs
     if cache.stride(1) % 2 or cache.stride(0) % 2 or cache.data_ptr() % 4:
         raise ValueError("cache rows must start on 4-byte boundaries (even strides): the kernel reads bf16 "
                          "pairs")

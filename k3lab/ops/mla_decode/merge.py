@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.ops import Backend, check_finite, triton_and_torch
+from k3lab.ops import Backend, check_finite, expect, triton_and_torch
 
 BLOCK_D = 128  # value columns per merge program
 
@@ -41,31 +41,23 @@ LSE_VALUES = "a log-sum-exp is finite, or -inf for a piece that holds no positio
 
 
 def _check_lse(lse_parts) -> None:
-    if (not isinstance(lse_parts, torch.Tensor) or lse_parts.dim() < 1
-            or not lse_parts.dtype.is_floating_point):
-        raise ValueError(f"lse_parts must be a floating-point tensor [N, ...], got "
-                         f"{getattr(lse_parts, 'dtype', type(lse_parts).__name__)} "
-                         f"{tuple(getattr(lse_parts, 'shape', ()))}")
+    expect("lse_parts", lse_parts, dtype="float", what="[N, ...]")
+    if lse_parts.dim() < 1:
+        raise ValueError(f"lse_parts must be [N, ...] (at least one dim), got shape {tuple(lse_parts.shape)}")
 
 
 def _check(o_parts, lse_parts, backend, check_values) -> Backend:
     """Validate the inputs; the row that merges them."""
-    if not isinstance(o_parts, torch.Tensor) or o_parts.dim() < 2:
-        raise ValueError(
-            "o_parts must be a tensor [N, ..., D] with N >= 1 pieces, got "
-            f"{tuple(o_parts.shape) if isinstance(o_parts, torch.Tensor) else type(o_parts).__name__}"
-        )
-    if not isinstance(lse_parts, torch.Tensor) or tuple(lse_parts.shape) != tuple(o_parts.shape[:-1]):
-        raise ValueError(f"lse_parts must be [N, ...] = {tuple(o_parts.shape[:-1])} (o_parts without its "
-                         f"last dim), got "
-                         f"{tuple(lse_parts.shape) if isinstance(lse_parts, torch.Tensor) else lse_parts!r}")
+    expect("o_parts", o_parts, what="[N, ..., D]")
+    if o_parts.dim() < 2:
+        raise ValueError(f"o_parts must be a tensor [N, ..., D] with N >= 1 pieces, got "
+                         f"{tuple(o_parts.shape)}")
+    expect("lse_parts", lse_parts, shape=o_parts.shape[:-1],
+           what=f"[N, ...] = {tuple(o_parts.shape[:-1])} (o_parts without its last dim)")
     if o_parts.shape[0] < 1:
         raise ValueError("o_parts must hold at least one piece (N = o_parts.shape[0] >= 1)")
-    for name, t in (("o_parts", o_parts), ("lse_parts", lse_parts)):
-        if not t.dtype.is_floating_point:
-            raise ValueError(f"{name}.dtype must be floating point, got {t.dtype}")
-    if lse_parts.device != o_parts.device:
-        raise ValueError(f"lse_parts is on {lse_parts.device} but o_parts is on {o_parts.device}")
+    expect("o_parts", o_parts, dtype="float")
+    expect("lse_parts", lse_parts, dtype="float", device=o_parts.device)
     row = BACKENDS.pick(backend, o_parts.device, need="after")
     if check_values:
         check_finite(LSE_VALUES, {"lse_parts": lse_parts}, neg_inf_ok=("lse_parts",))

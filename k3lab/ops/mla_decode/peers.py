@@ -38,7 +38,7 @@ import torch
 
 from k3lab import env
 from k3lab.nn.mla import latent_attention
-from k3lab.ops import setting
+from k3lab.ops import expect, setting
 from k3lab.ops.mla_decode.inputs import DEFAULT_SCALE, LATENT_DIM, MMA_ROWS, VALUE_DIM, gather_paged, validate
 
 def reference(q, cache, lengths=None, *, block_table=None, scale=None):
@@ -281,13 +281,11 @@ def _load(path: Path) -> str:
 
 def flashmla_check(q, pool, lengths, block_table) -> None:
     """FlashMLA's own limits, as clear errors before any launch (the shared checks are inputs.validate's)."""
-    if not isinstance(pool, torch.Tensor) or pool.dim() != 3 or pool.shape[1] != FLASHMLA_PAGE_SIZE:
-        raise ValueError(f"FlashMLA needs a paged pool [num_pages, {FLASHMLA_PAGE_SIZE}, {LATENT_DIM}], got "
-                         f"{tuple(pool.shape) if isinstance(pool, torch.Tensor) else type(pool).__name__}")
+    expect("pool", pool, shape=(None, FLASHMLA_PAGE_SIZE, None),
+           what=f"[num_pages, {FLASHMLA_PAGE_SIZE}, {LATENT_DIM}] (FlashMLA's paged pool)")
     if block_table is None or lengths is None:
         raise ValueError("FlashMLA needs block_table= and lengths= (a paged cache)")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"FlashMLA needs bf16 or fp16 inputs, got q.dtype {q.dtype}")
+    expect("q", q, dtype=(torch.bfloat16, torch.float16))  # FlashMLA's input dtypes
 
 
 def flashmla_plan(q, pool, lengths, *, block_table, scale=None):

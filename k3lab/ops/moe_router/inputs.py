@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from k3lab.nn.moe import check_scaling
-from k3lab.ops import int_arg
+from k3lab.ops import expect, int_arg
 from k3lab.ops.moe_experts.inputs import check_block_m
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # fp64: torch only
@@ -18,23 +18,14 @@ def check_router(logits, bias, top_k, scaling, renormalize, num_experts=None,
     """Validate route_and_sort's inputs; returns (N, E). block_m None: not checked (`topk_weights` takes
     none). ValueError naming the argument: top_k and num_experts are ints (a bool is not a count),
     scaling a finite real number (an infinite one would make every weight inf or NaN)."""
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        raise ValueError(f"logits must be a 2-D [N, E] tensor, got "
-                         f"{getattr(logits, 'shape', type(logits).__name__)}")
-    if logits.dtype not in LOGIT_DTYPES:
-        raise ValueError(f"logits must be fp32, bf16, fp16 (or fp64 for the torch path), got {logits.dtype}")
+    expect("logits", logits, shape=2, dtype=LOGIT_DTYPES, what="[N, E]")  # fp64: the torch backend only
     N, E = logits.shape
     if E < 1:
         raise ValueError("logits must have at least one expert column (E >= 1)")
     if num_experts is not None and int_arg("num_experts", num_experts, low=1) != E:
         raise ValueError(f"num_experts must equal logits' width E={E} (or be None), got {num_experts!r}")
     if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.shape != (E,) or not bias.is_floating_point():
-            raise ValueError(f"bias must be a floating-point [E={E}] tensor or None, got "
-                             f"{getattr(bias, 'dtype', type(bias).__name__)} "
-                             f"{tuple(getattr(bias, 'shape', ()))}")
-        if bias.device != logits.device:
-            raise ValueError(f"bias must be on logits' device {logits.device}, got {bias.device}")
+        expect("bias", bias, shape=(E,), dtype="float", device=logits.device, what=f"[E={E}] (or None)")
     int_arg("top_k", top_k, low=1, high=E)
     check_scaling(scaling)
     if not isinstance(renormalize, bool):

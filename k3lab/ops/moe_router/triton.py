@@ -42,7 +42,7 @@ import torch
 
 from k3lab.ops.moe_experts.inputs import ExpertSort, check_block_m, max_tiles
 
-from k3lab.ops import int_arg
+from k3lab.ops import expect, int_arg
 
 from .inputs import check_router
 
@@ -305,11 +305,7 @@ def sort_pairs(idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
     block_m) builds, from idx [N, k] (int64 or int32, contiguous, values in [0, num_experts): the
     router's output, not read back) with N * k <= MAX_PAIRS. Sizes come from N, k, E and block_m alone
     (no read-back). ValueError on a bad argument, before the launch."""
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"idx must be an int32 or int64 [N, k] tensor, got "
-                         f"{getattr(idx, 'dtype', type(idx))}")
-    if not idx.is_contiguous():
-        raise ValueError("idx must be contiguous (the router's output is)")
+    expect("idx", idx, shape=2, dtype=(torch.int32, torch.int64), contiguous=True, what="[N, k]")
     num_experts = int_arg("num_experts", num_experts, low=1, what="a positive integer")
     check_block_m(block_m)
     if idx.numel() > MAX_PAIRS:

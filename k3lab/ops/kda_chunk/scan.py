@@ -12,6 +12,7 @@ import triton.language as tl
 
 from .inputs import HEAD_DIM, WHILE, dot_precisions, pipeline_stages
 from .plan import KdaPlan
+from .walk import state_tile
 
 BLOCK = 16  # 16 columns on 8 warps: no spills (32 columns on 4 warps needed 255 registers)
 WARPS = 8
@@ -30,20 +31,20 @@ def _scan_step(
     grp_sum,
     s_in,
     H,
+    rk,
+    rbv,
     v0,
     K: tl.constexpr,
     V: tl.constexpr,
-    BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Store group gi's starting state, then apply its summary: S <- D S + N S + b."""
-    rk = tl.arange(0, K)
-    rbv = tl.arange(0, BV)
-    tl.store(s_in + ((gi * H + h) * K + rk)[:, None] * V + v0 + rbv[None, :], S)
+    """Store group gi's starting state, then apply its summary: S <- D S + N S + b (rk, rbv: the
+    program's row and column ranges, `state_tile`'s)."""
+    tl.store(state_tile(s_in, gi * H + h, rk, rbv, v0, K, V), S)
     sb = tl.load(grp_sum + gi).to(tl.int64) * H + h
     D = tl.load(sum_d + sb * K + rk)
     N = tl.load(sum_n + (sb * K + rk)[:, None] * K + rk[None, :])
-    b = tl.load(sum_b + (sb * K + rk)[:, None] * V + v0 + rbv[None, :])
+    b = tl.load(state_tile(sum_b, sb, rk, rbv, v0, K, V))
     return D[:, None] * S + tl.dot(N, S, input_precision=PREC) + b
 
 
@@ -77,19 +78,19 @@ def _scan_kernel(
     g0 = tl.load(seq_grp0 + n).to(tl.int64)
     ng = tl.load(seq_ngrp + n)
     if HAS_INIT:
-        S = tl.load(s_init + ((n * H + h) * K + rk)[:, None] * V + v0 + rbv[None, :])
+        S = tl.load(state_tile(s_init, n * H + h, rk, rbv, v0, K, V))
     else:
         S = tl.zeros([K, BV], dtype=tl.float32)
     if WHILE:
         j = 0
         while j < ng - 1:
-            S = _scan_step(S, g0 + j, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0, K, V, BV, PREC)
+            S = _scan_step(S, g0 + j, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, rk, rbv, v0, K, V, PREC)
             j += 1
     else:
         for j in range(ng - 1):
-            S = _scan_step(S, g0 + j, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, v0, K, V, BV, PREC)
+            S = _scan_step(S, g0 + j, h, sum_n, sum_b, sum_d, grp_sum, s_in, H, rk, rbv, v0, K, V, PREC)
     gl = g0 + ng - 1
-    tl.store(s_in + ((gl * H + h) * K + rk)[:, None] * V + v0 + rbv[None, :], S)
+    tl.store(state_tile(s_in, gl * H + h, rk, rbv, v0, K, V), S)
 
 
 def buffers(plan: KdaPlan, device) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -29,6 +29,14 @@ SUMMARY_BLOCK = 64
 
 
 @triton.jit
+def state_tile(ptr, item, rk, rbv, v0, K: tl.constexpr, V: tl.constexpr):
+    """Pointers to columns v0 + rbv (rbv = tl.arange(0, BV)) of the rows rk = tl.arange(0, K) of matrix
+    `item` of a row-major [items, K, V] buffer (a state [N, H, K, V], item = n * H + h): the [K, BV]
+    tile of a state one program keeps on chip."""
+    return ptr + (item * K + rk)[:, None] * V + v0 + rbv[None, :]
+
+
+@triton.jit
 def _chunk_maps(w, kdt, dd, base, K: tl.constexpr, C: tl.constexpr):
     """W [C, K], Kd^T [K, C] and d [K] of chunk-head item `base`: what every walk step reads."""
     rc = tl.arange(0, C)
@@ -123,7 +131,7 @@ def _walk_kernel(
     nch = tl.load(grp_nchunks + gi)
     if HAS_SIN:
         sidx = tl.load(grp_sin + gi).to(tl.int64)
-        S = tl.load(s_in + ((sidx * H + h) * K + rk)[:, None] * V + v0 + rbv[None, :])
+        S = tl.load(state_tile(s_in, sidx * H + h, rk, rbv, v0, K, V))
     else:
         S = tl.zeros([K, BV], dtype=tl.float32)
     if WHILE:
@@ -140,7 +148,7 @@ def _walk_kernel(
             )
     if tl.load(grp_last + gi) != 0:
         n = tl.load(grp_seq + gi).to(tl.int64)
-        tl.store(s_final + ((n * H + h) * K + rk)[:, None] * V + v0 + rbv[None, :], S)
+        tl.store(state_tile(s_final, n * H + h, rk, rbv, v0, K, V), S)
 
 
 @triton.jit
@@ -240,10 +248,10 @@ def _summary_kernel(
             )
     sbase = si.to(tl.int64) * H + h
     if n_tile:
-        tl.store(sum_n + (sbase * K + rk)[:, None] * K + col0 + rbv[None, :], X)
+        tl.store(state_tile(sum_n, sbase, rk, rbv, col0, K, K), X)
         tl.store(sum_d + sbase * K + col0 + rbv, Dc)
     else:
-        tl.store(sum_b + (sbase * K + rk)[:, None] * V + vcol0 + rbv[None, :], X)
+        tl.store(state_tile(sum_b, sbase, rk, rbv, vcol0, K, V), X)
 
 
 def block_v(plan: KdaPlan) -> int:

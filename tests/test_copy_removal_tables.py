@@ -51,7 +51,9 @@ def test_attn_res_bytes_names_a_bad_size(kwargs, name):
 
 def test_table_values_are_the_records_fields(tmp_path):
     planted = _planted(tmp_path)
-    table = copy_removal.attn_res_table(device="cpu", root=tmp_path)
+    # make_record files the planted records under this machine's folder: cpu, or the GPU's slug on a GPU
+    folder = bench.device_slug(planted[0].device, planted[0].backend)
+    table = copy_removal.attn_res_table(device=folder, root=tmp_path)
     assert list(table.columns) == copy_removal.ATTN_RES_COLUMNS
     assert sorted(table["case"]) == ["attn_res_t64_s9", "attn_res_t64_s9_graph"]  # no sweep point, no pack
     by = {(r.case, r.variant): r for r in planted}

@@ -20,9 +20,19 @@ Exit status: pytest's.
 `--shard K/N` runs the K-th of N groups of the test files and notebooks the paths name (a notebook
 whole), split by expected time (`split`: each file's seconds in the --durations records, else its size),
 so a suite longer than one sitting runs as N calls; `plan` prints the groups without running them, and
-`merge` combines the N records into one record of the whole suite (`merge_records`). `--stop-after S`
-interrupts a serial run after S seconds: the record keeps the files that finished and lists the rest
-(`files_not_run`), which a later run of those files can cover before the merge.
+`merge` combines the N records into one record of the whole suite (`merge_records`).
+
+`--stop-after S` interrupts the run after S seconds (as Ctrl-C: pytest, and pytest-xdist's controller,
+end the session and write the JUnit file), so a call with a time limit always leaves a record: it keeps
+the files that finished and lists the rest (`files_not_run`), which a later run of those files covers
+before the merge. Serially a file is finished when a later one has begun. With several workers this
+module is loaded into pytest as a plugin (`-p gpu_check`): the controller writes the node ids the
+workers collected (OUT/collected_<label>.json; no collection pass of its own) and prints each failure's
+node id the moment it is reported; a file is finished when the JUnit file holds as many testcases for it
+as were collected (each parametrized id, each notebook cell, a collection error as one). The testcases
+of files not finished are dropped from the counts, but their failures are kept apart in
+`failures_in_unfinished_files` and printed: a stopped run hides no failure, and such a failure fails
+the merge even where the later run passes it.
 """
 
 from __future__ import annotations
@@ -181,6 +191,50 @@ def seen_files(junit: Path, files) -> list[str]:
     return order
 
 
+def testcase_files(junit: Path, files) -> collections.Counter:
+    """How many distinct testcases (classname and name: each parametrized id and each notebook cell its
+    own, a collection error one) the JUnit file holds for each of `files`."""
+    seen: set[tuple[str, str]] = set()
+    have: collections.Counter = collections.Counter()
+    for c in ET.parse(junit).getroot().iter("testcase"):
+        key = (c.get("classname") or "", c.get("name") or "")
+        owner = file_of(key[0] or key[1], files) if any(key) else None
+        if owner is not None and key not in seen:
+            seen.add(key)
+            have[owner] += 1
+    return have
+
+
+def read_collected(path: Path, files) -> dict[str, int] | None:
+    """Each of `files`' count of collected items from the file the run's plugin wrote (node ids the
+    workers collected, and collection errors, which JUnit records as one testcase each); None where the
+    run ended before its workers finished collecting."""
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    counts = collections.Counter({f: 0 for f in files})
+    for node in [*data["ids"], *data["errors"]]:
+        owner = file_of(file_key(node.split("::", 1)[0]), files)
+        if owner is not None:
+            counts[owner] += 1
+    return dict(counts)
+
+
+def unfinished_files(junit: Path, files, collected: dict[str, int] | None) -> list[str]:
+    """Those of `files` whose tests a run stopped with several workers did not all report: fewer
+    testcases in the JUnit file than pytest collected for it. Nothing collected known: all of them."""
+    if collected is None:
+        return list(files)
+    have = testcase_files(junit, files)
+    return [f for f in files if have[f] < collected.get(f, 0)]
+
+
+def failures_in(failures, files) -> list[dict]:
+    """Those of `failures` (summarize's) whose test belongs to one of `files`."""
+    return [f for f in failures if file_of(f["test"].split("::", 1)[0] or f["test"].split("::", 1)[1],
+                                           files) is not None]
+
+
 # ------------------------------------------------------------------------ splitting the suite into shards
 
 def suite_files(args, root: Path) -> list[str]:
@@ -265,9 +319,12 @@ def digest(files) -> str:
 
 def _status(record: dict) -> int:
     """A record's exit status for the merge: a run stopped at --stop-after counts by its failures alone
-    (pytest's status says it was interrupted; the files it did not finish are listed and run elsewhere)."""
+    (pytest's status says it was interrupted; the files it did not finish are listed and run elsewhere),
+    those in the files it did not finish included: their tests' counts are the later run's, but a failure
+    seen once fails the merge even where that run passes (a flaky test is still a failing one)."""
     if record.get("stopped"):
-        return 1 if record.get("counts", {}).get("failed") else 0
+        return 1 if record.get("counts", {}).get("failed") or record.get("failures_in_unfinished_files") \
+            else 0
     return record.get("exit_status") or 0
 
 
@@ -329,6 +386,8 @@ def merge_records(records: list[dict], label: str) -> dict:
         "gpu_memory": {k: max((r.get("gpu_memory") or {}).get(k, 0) for r in records)
                        for k in ("peak_total_mib", "peak_process_mib")},
         "counts": dict(counts), "failures": [f for r in records for f in r.get("failures", [])],
+        "failures_in_unfinished_files": [f for r in records
+                                         for f in r.get("failures_in_unfinished_files", [])],
         "skips": [{"reason": k, "count": v} for k, v in skips.most_common()], "slowest": slowest,
         "files": sorted(ran),
         "file_seconds": {f: records[i].get("file_seconds", {}).get(f) for f, i in sorted(ran.items())
@@ -354,6 +413,7 @@ def merge_main(argv) -> int:
           f"skipped in {merged['wall_s']:.0f} s over {len(args.records)} record(s)"
           + ("" if merged["complete"] else f"; NOT complete: shards {merged['missing_shards']} missing, "
              f"{len(merged['files_not_run'])} file(s) not run") + f" -> {path}")
+    say_failures(merged)
     return 0 if merged["complete"] and not merged["exit_status"] else 1
 
 
@@ -372,6 +432,58 @@ def plan_main(argv) -> int:
     for k, g in enumerate(groups, 1):
         print(f"shard {k}/{args.n}: {len(g)} files, {sum(cost[f] for f in g):,.0f} {unit}: {' '.join(g)}")
     return 0
+
+
+# ------------------------------------------------------------------------ inside pytest (-p gpu_check)
+# With several workers pytest loads this module as a plugin (scripts/ on PYTHONPATH). In the controller
+# it writes the node ids the workers collected, and the collection errors, to $GPU_CHECK_COLLECTED (so a
+# stopped run knows each file's count without a collection pass of its own), and prints each failure
+# the moment a worker reports it. Nothing in the workers, nor where the variable is unset.
+_LIVE: dict = {}
+
+
+def pytest_configure(config) -> None:
+    if os.environ.get("GPU_CHECK_COLLECTED") and not hasattr(config, "workerinput"):
+        _LIVE.update(config=config, path=Path(os.environ["GPU_CHECK_COLLECTED"]), ids=None, errors=[])
+
+
+def _write_collected() -> None:
+    if _LIVE.get("ids") is not None:
+        _LIVE["path"].write_text(json.dumps({"ids": _LIVE["ids"], "errors": _LIVE["errors"]}))
+
+
+def _say(text: str) -> None:
+    reporter = _LIVE["config"].pluginmanager.get_plugin("terminalreporter")
+    reporter.write_line(text) if reporter is not None else print(text, flush=True)
+
+
+def pytest_xdist_node_collection_finished(node, ids) -> None:
+    if _LIVE and _LIVE["ids"] is None:  # with --dist loadfile every worker collects the same ids
+        _LIVE["ids"] = list(ids)
+        _write_collected()
+
+
+def pytest_collectreport(report) -> None:
+    if _LIVE and report.failed and report.nodeid not in _LIVE["errors"]:
+        _LIVE["errors"].append(report.nodeid)
+        _write_collected()
+        _say(f"gpu_check: ERROR collecting {report.nodeid}")
+
+
+def pytest_runtest_logreport(report) -> None:
+    if _LIVE and report.failed:
+        _say(f"gpu_check: FAILED {report.nodeid}" + ("" if report.when == "call" else f" ({report.when})"))
+
+
+def say_failures(record: dict, most: int = 30) -> None:
+    """Print a record's failures by node id (at most `most` of each kind; the record has them all)."""
+    for field, tag in (("failures", "FAILED"),
+                       ("failures_in_unfinished_files", "FAILED (file not finished)")):
+        items = record.get(field) or []
+        for f in items[:most]:
+            print(f"  {tag} {f['test']}" + (f": {f['message']}" if f.get("message") else ""))
+        if len(items) > most:
+            print(f"  ... and {len(items) - most} more {tag} (the record's {field})")
 
 
 # ------------------------------------------------------------------------ running pytest
@@ -409,7 +521,7 @@ def main(argv=None) -> int:
     p.add_argument("--durations", type=Path, action="append", default=[],
                    help="a gpu_check record whose file_seconds weigh the files for --shard (repeatable)")
     p.add_argument("--stop-after", type=float, default=None,
-                   help="seconds: interrupt a serial run then, keeping the finished files in the record")
+                   help="seconds: interrupt the run then, keeping the finished files in the record")
     args, rest = p.parse_known_args(argv)
     if args.workers is not None and args.workers < 1:
         p.error(f"--workers must be >= 1, got {args.workers}")
@@ -437,17 +549,20 @@ def main(argv=None) -> int:
         print(f"gpu_check: {args.workers} worker(s): {why} (--workers N to choose)")
     else:
         why = "--workers"
-    if args.stop_after is not None and args.workers > 1:
-        p.error("--stop-after needs --workers 1: with several workers the files in flight when it stops are "
-                "not known")
     args.out.mkdir(parents=True, exist_ok=True)
     junit = args.out / f"junit_{args.label}.xml"
+    collected_path = args.out / f"collected_{args.label}.json"
+    collected_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
-    # one file per worker: a notebook's cells share one kernel and must run in order on one worker
-    cmd += ["-n", str(args.workers), "--dist", "loadfile"] if args.workers > 1 else []
-    cmd += pytest_args
     env = {**os.environ}
     env.setdefault("K3LAB_PREDICTIONS", "off")  # as make test: the notebooks' guesses are not a learner's
+    if args.workers > 1:
+        # one file per worker: a notebook's cells share one kernel and must run in order on one worker
+        cmd += ["-n", str(args.workers), "--dist", "loadfile", "-p", "gpu_check"]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
+                                                          env.get("PYTHONPATH")]))
+        env["GPU_CHECK_COLLECTED"] = str(collected_path.resolve())
+    cmd += pytest_args
     t0 = time.time()
     with MemorySampler() as memory:
         rc, stopped = run_pytest(cmd, env, args.stop_after)
@@ -465,10 +580,17 @@ def main(argv=None) -> int:
               "shard": shard, "stopped": stopped, "files": files, "files_not_run": []}
     if junit.exists():
         not_run = []
-        if stopped:  # the file in flight and those after it; the finished ones stay
+        if stopped and args.workers > 1:  # a file is finished when all its collected items are reported
+            collected = read_collected(collected_path, files)
+            not_run = unfinished_files(junit, files, collected)
+            record["collected"] = collected
+        elif stopped:  # the file in flight and those after it; the finished ones stay
             seen = seen_files(junit, files)
             not_run = [f for f in files if f not in seen[:-1]]
+        everything = summarize(junit, files)
         record |= summarize(junit, files, drop=set(not_run)) | {"files_not_run": not_run}
+        # their counts are the later run's, but their failures are real: never hidden by the stop
+        record["failures_in_unfinished_files"] = failures_in(everything["failures"], not_run)
     else:
         record |= {"counts": {}, "note": "pytest wrote no JUnit file", "files_not_run": files}
     path = args.out / f"gpu_check_{args.label}.json"
@@ -478,7 +600,10 @@ def main(argv=None) -> int:
           f"skipped in {wall:.0f} s on {info.name} with {args.workers} worker(s)"
           + (f", shard {args.shard} ({len(files)} files)" if shard else "")
           + (f"; {stopped}, {len(record['files_not_run'])} file(s) not run" if stopped else "")
+          + (f", {len(record['failures_in_unfinished_files'])} failure(s) in them"
+             if record.get("failures_in_unfinished_files") else "")
           + f" -> {path}")
+    say_failures(record)
     return rc
 
 

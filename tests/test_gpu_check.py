@@ -1,7 +1,8 @@
 """scripts/gpu_check.py: its choice of pytest-xdist workers from the GPU's free memory and the CPU count
 (at the machines' own figures: torch.cuda.mem_get_info's free bytes on an idle card) and its refusals;
 the split of the suite's files into shards (each file in one, the same every time, of similar expected
-time), a shard's run and a run stopped at its time limit, and the merge of shard records into one."""
+time), a shard's run and a run stopped at its time limit (serial, and with workers: which files
+finished, the failures in those that did not), and the merge of shard records into one."""
 
 from __future__ import annotations
 
@@ -182,9 +183,97 @@ def test_a_run_stopped_at_its_limit_keeps_the_finished_files_only(tmp_path, monk
     assert rc != 0 and rec["stopped"].startswith("--stop-after 20 s reached"), rec
     assert rec["files_not_run"] == ["test_b_slow.py", "test_c_never.py"], rec
     assert rec["counts"] == {"passed": 2} and list(rec["file_seconds"]) == ["test_a_fast.py"], rec
+    assert rec["wall_s"] < 100 and rec["failures_in_unfinished_files"] == []
+
+
+def _fake_suite(work: Path) -> list[str]:
+    """Three files for two workers: a parametrized one (ids with dots and slashes), one that fails at
+    once and then sleeps (SLOW_S seconds; unset: 120) and one with a failing test in a class."""
+    work.mkdir()
+    (work / "test_a_params.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('x', [1, 2, 'a.b/c'])\ndef test_p(x):\n    pass\n")
+    (work / "test_b_slow.py").write_text(
+        "import os\nimport time\n\ndef test_fails_early():\n    assert False, 'early'\n\n"
+        "def test_slow():\n    time.sleep(float(os.environ.get('SLOW_S', '120')))\n\n"
+        "def test_after():\n    pass\n")
+    (work / "test_c_class.py").write_text(
+        "class TestK:\n    def test_fails(self):\n        assert 1 == 2, 'boom'\n\n"
+        "    def test_ok(self):\n        pass\n")
+    return ["test_a_params.py", "test_b_slow.py", "test_c_class.py"]
+
+
+def test_a_run_with_workers_stopped_keeps_the_files_whose_tests_all_came(tmp_path, monkeypatch, capfd):
+    """A real pytest with two workers, interrupted while one sleeps in the second file: the first and
+    third files finished (all their collected items in the JUnit file) and are counted; the second is
+    listed as not run, its testcases dropped, but its failure is reported apart, printed and fails the
+    merge; the merge with a later run of that file is the whole suite."""
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed: runs with workers are not checked "
+                        "here (the serial stop above is)")
+    files = _fake_suite(tmp_path / "work")
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.delenv("SLOW_S", raising=False)
+    out = tmp_path / "out"
+    rc = gpu_check.main([str(out), "--label", "cut", "--workers", "2", "--stop-after", "15", *files])
+    rec = json.loads((out / "gpu_check_cut.json").read_text())
+    printed = capfd.readouterr().out
+    assert rc != 0 and rec["stopped"].startswith("--stop-after 15 s reached"), rec
+    assert rec["collected"] == {"test_a_params.py": 3, "test_b_slow.py": 3, "test_c_class.py": 2}, rec
+    assert rec["files_not_run"] == ["test_b_slow.py"], rec
+    assert rec["counts"] == {"passed": 4, "failed": 1}, rec
+    assert sorted(rec["file_seconds"]) == ["test_a_params.py", "test_c_class.py"], rec
+    assert [f["test"] for f in rec["failures"]] == ["test_c_class.TestK::test_fails"], rec
+    assert rec["failures_in_unfinished_files"] == [{"test": "test_b_slow::test_fails_early",
+                                                    "message": "AssertionError: early"}], rec
+    assert "gpu_check: FAILED test_b_slow.py::test_fails_early" in printed  # as it came
+    assert "FAILED (file not finished) test_b_slow::test_fails_early" in printed  # and at the end
     assert rec["wall_s"] < 100
-    with pytest.raises(SystemExit):
-        gpu_check.main([str(out), "--workers", "2", "--stop-after", "20", "test_a_fast.py"])
+    assert gpu_check._status(rec) == 1
+    # the next call runs the file not finished; the two records are the whole suite
+    monkeypatch.setenv("SLOW_S", "0")
+    gpu_check.main([str(out), "--label", "rest", "--workers", "1", *rec["files_not_run"]])
+    rest = json.loads((out / "gpu_check_rest.json").read_text())
+    assert rest["counts"] == {"passed": 2, "failed": 1}, rest
+    m = gpu_check.merge_records([rec, rest], "whole")
+    assert m["complete"] and m["files"] == files and m["files_not_run"] == [], m
+    assert m["counts"] == {"passed": 6, "failed": 2} and m["exit_status"] == 1, m
+    assert sorted(f["test"] for f in m["failures"]) == ["test_b_slow::test_fails_early",
+                                                        "test_c_class.TestK::test_fails"], m
+    assert m["failures_in_unfinished_files"] == rec["failures_in_unfinished_files"]
+
+
+def test_a_file_is_finished_when_the_junit_file_holds_all_it_collected(tmp_path):
+    """Parametrized ids, notebook cells (nbval's Cell N items) and a collection error (one testcase in
+    the JUnit file) each count; a test reported twice counts once; nothing collected known: no file is
+    taken as finished."""
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.test_x" name="test_p[a.b/c]" time="1"/>'
+        '<testcase classname="tests.test_x" name="test_p[a.b/c]" time="1"><error message="teardown"/>'
+        '</testcase><testcase classname="tests.test_x.TestK" name="test_q[1-2]" time="1"/>'
+        '<testcase classname="notebooks.01_dcp.ipynb" name="Cell 0" time="1"/>'
+        '<testcase classname="notebooks.01_dcp.ipynb" name="Cell 1" time="1"><failure message="nan"/>'
+        '</testcase><testcase classname="notebooks.02_mla.ipynb" name="Cell 0" time="1"/>'
+        '<testcase classname="" name="tests.test_broken" time="0"><error message="collection failure"/>'
+        '</testcase><testcase time="0.000"/></testsuite></testsuites>')
+    files = ["notebooks/01_dcp.ipynb", "notebooks/02_mla.ipynb", "tests/test_broken.py", "tests/test_x.py",
+             "tests/test_y.py"]
+    collected = tmp_path / "collected.json"
+    collected.write_text(json.dumps({"ids": [
+        "tests/test_x.py::test_p[a.b/c]", "tests/test_x.py::TestK::test_q[1-2]",
+        "notebooks/01_dcp.ipynb::Cell 0", "notebooks/01_dcp.ipynb::Cell 1",
+        "notebooks/02_mla.ipynb::Cell 0", "notebooks/02_mla.ipynb::Cell 1", "tests/test_y.py::test_z"],
+        "errors": ["tests/test_broken.py"]}))
+    counts = gpu_check.read_collected(collected, files)
+    assert counts == {"notebooks/01_dcp.ipynb": 2, "notebooks/02_mla.ipynb": 2, "tests/test_broken.py": 1,
+                      "tests/test_x.py": 2, "tests/test_y.py": 1}
+    assert gpu_check.unfinished_files(junit, files, counts) == ["notebooks/02_mla.ipynb", "tests/test_y.py"]
+    assert gpu_check.read_collected(tmp_path / "absent.json", files) is None  # stopped while collecting
+    assert gpu_check.unfinished_files(junit, files, None) == files
+    failures = gpu_check.summarize(junit, files)["failures"]
+    assert [f["message"] for f in gpu_check.failures_in(failures, ["notebooks/01_dcp.ipynb",
+                                                                   "tests/test_broken.py"])] == \
+        ["nan", "collection failure"]
 
 
 def test_summarize_gives_each_file_its_testcases(tmp_path):
@@ -258,6 +347,11 @@ def test_merge_of_a_missing_shard_or_a_stopped_one_is_not_complete_until_covered
     m = gpu_check.merge_records([_record(1), cut, _record(3), rest], "serial")
     assert m["complete"] and m["counts"]["passed"] == 60 and m["files"] == ALL
     assert m["exit_status"] == 0  # the interruption was made good by the rest's run
+    # a failure in a file the stopped run did not finish fails the merge, though the rest's run passed it
+    flaky = cut | {"failures_in_unfinished_files": [{"test": "tests.test_d::t", "message": "boom"}]}
+    m = gpu_check.merge_records([_record(1), flaky, _record(3), rest], "serial")
+    assert m["complete"] and m["exit_status"] == 1 and m["counts"].get("failed") is None
+    assert m["failures_in_unfinished_files"] == flaky["failures_in_unfinished_files"]
     for i, rec in enumerate([_record(1), _record(3)]):
         (tmp_path / f"r{i}.json").write_text(json.dumps(rec))
     assert gpu_check.main(["merge", str(tmp_path / "out"), "--label", "part", str(tmp_path / "r0.json"),

@@ -375,10 +375,44 @@ def test_profile_kda_decode_runs_here(tmp_path, capsys):
     assert cli.main(["profile", "kda_decode", "--steps", "1", "--top", "3", "--out", str(tmp_path)]) == 0
     for variant in targets:
         doc = json.loads((tmp_path / "traces" / "kda_decode" / f"{variant}.trace.json").read_text())
-        steps = [e for e in doc["traceEvents"] if e.get("name") == "k3lab.step.0"]
-        ops = [e for e in doc["traceEvents"] if e.get("cat") == "cpu_op"
-               and steps[0]["ts"] <= e["ts"] <= steps[0]["ts"] + steps[0]["dur"]]
-        assert steps and ops, variant
+        assert step_work(doc, gpu=torch.cuda.is_available()), variant
+
+
+def step_work(doc: dict, *, gpu: bool) -> list[dict]:
+    """The work a Chrome trace shows inside its first step's host range (k3lab.step.0): its ATen ops, and
+    on a GPU also its kernel launches (cuda_runtime / cuda_driver calls whose kernel the trace recorded),
+    since a variant that launches through ctypes (the fused KDA decode, the CUDA MLA kernels) runs no
+    ATen op. An empty list when the step is missing or ran nothing."""
+    events = doc["traceEvents"]
+    step = next((e for e in events if e.get("name") == "k3lab.step.0" and e.get("cat") == "user_annotation"),
+                None)
+    if step is None:
+        return []
+    end = step["ts"] + step["dur"]
+    inside = [e for e in events if e.get("ph") == "X" and step["ts"] <= e.get("ts", -1) <= end]
+    work = [e for e in inside if e.get("cat") == "cpu_op"]
+    if gpu:
+        ran = {e.get("args", {}).get("correlation") for e in events if e.get("cat") == "kernel"}
+        work += [e for e in inside if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                 and e.get("args", {}).get("correlation") in ran]
+    return work
+
+
+@pytest.mark.parametrize("variant", ["before", "after"])
+def test_step_work_reads_launches_on_the_committed_h200_mla_traces(variant):
+    """The H200's mla_padding traces: 'after' launches its CUDA kernels through ctypes (no ATen op at all),
+    so its step's work is its launches; without the GPU reading, or with its kernels gone, none is found."""
+    root = Path(__file__).parents[1] / "profiles" / "nvidia-h200" / "mla_padding" / "traces"
+    (path,) = root.glob(f"mla_padding-{variant}-cuda-*.trace.json.gz")
+    doc = json.loads(gzip.decompress(path.read_bytes()))
+    work = step_work(doc, gpu=True)
+    assert work and all(e["cat"] in ("cpu_op", "cuda_runtime", "cuda_driver") for e in work)
+    if variant == "after":
+        assert not any(e.get("cat") == "cpu_op" for e in doc["traceEvents"])
+        assert step_work(doc, gpu=False) == []
+    kept = [e for e in doc["traceEvents"] if e.get("cat") not in ("kernel", "cpu_op")]
+    no_kernels = dict(doc, traceEvents=kept)
+    assert step_work(no_kernels, gpu=True) == []
 
 
 @pytest.mark.follows_gpu  # the studies build their inputs on the GPU where there is one

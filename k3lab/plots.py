@@ -398,7 +398,8 @@ def roofline(points, *, peak=None, title: str | None = None, projected=None, isa
                                                                   if source else "")
         fig.add_trace(go.Scatter(name=str(label), x=sub["intensity"], y=sub["tflops"], mode="markers+text",
                                  text=sub["name"], textposition="top center",
-                                 marker=marker, customdata=sub["work"].fillna("not given") if source else None,
+                                 marker=marker,
+                                 customdata=sub["work"].fillna("not given") if source else None,
                                  hovertemplate=hover + "<extra></extra>"))
     left_out = int((~ok).sum())
     note = f" ({left_out} points without flops/bytes not shown)" if left_out else ""

@@ -197,13 +197,8 @@ WORK = {"copy_removal": _copy_removal, "mla_padding": _mla, "kda_scan": _kda_sca
         "kda_verify": _kda_step, "dcp": _study_work, "moe_sharding": _study_work}
 
 
-def work_source(record) -> str | None:
-    """Where `work(record)`'s bytes and flops come from, in words (a roofline point's `work` column);
-    None where `work` gives none."""
-    return None if work(record) is None else _source(record)
-
-
 def _source(record) -> str:
+    """Where `work(record)`'s bytes and flops come from, in words (a roofline point's `work` column)."""
     if WORK[record.study] is not _study_work:
         return f"k3lab.profiling.roofline's {record.study} formula from the record"
     if _carried(record) is not None:
@@ -223,7 +218,7 @@ def work(record) -> tuple[float, float] | None:
 
 def points(records, *, cases=None, modes=None) -> pd.DataFrame:
     """One row per record that `work` knows (POINT_COLUMNS): name 'case variant', bytes, flops, time_us
-    (the median), floor_us, work (`work_source`: where bytes and flops come from). `cases`: keep these
+    (the median), floor_us, work (where bytes and flops come from). `cases`: keep these
     cases (in this order); `modes`: these timing modes."""
     rows = []
     for r in records:

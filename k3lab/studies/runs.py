@@ -158,6 +158,8 @@ RUNS: tuple[Run, ...] = (
         {"GPU": ("k3lab/studies/decode_step/targets.py",)}),
     Run("serving_run_capacity", "the serving run's capacity form (the cache binds at DCP1 and holds at DCP8)",
         {}, {"GPU": ("README.md", "k3lab/studies/serving_run/measure.py")}),
+    Run("gpu_check_workers_stop", "scripts/gpu_check.py's --stop-after with several pytest-xdist workers "
+        "(a record of the finished files inside one device call)", {}, {"GPU": ("docs/gpu_check.md",)}),
 )
 
 

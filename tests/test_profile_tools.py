@@ -242,6 +242,17 @@ class _RecordingNvtx:
         self.open -= 1
 
 
+def one_weight_set(monkeypatch) -> None:
+    """decode_step's profile targets drawn with one weight set per layer kind instead of two: on a GPU
+    K3's TP8 step then holds about 7 GiB, not 15 (each MoE set is 896 experts, 7.4 GB in bf16), on a
+    device the suite's workers share; the parts and their ranges are the same."""
+    from k3lab.engine.weights import RankWeights
+
+    draw = RankWeights.random
+    monkeypatch.setattr(RankWeights, "random",
+                        classmethod(lambda cls, config, **kw: draw(config, **{**kw, "distinct_layers": 1})))
+
+
 @pytest.mark.follows_gpu  # the study builds its step on the GPU where there is one
 def test_profile_decode_step_names_its_parts(tmp_path, capsys, monkeypatch):
     """`k3lab profile decode_step`: the Chrome/Perfetto trace and the HTA folder hold a k3lab.part.* range
@@ -249,6 +260,7 @@ def test_profile_decode_step_names_its_parts(tmp_path, capsys, monkeypatch):
     standing in for torch.cuda.nvtx, which a CPU lacks)."""
     from k3lab.profiling import export
 
+    one_weight_set(monkeypatch)
     nvtx = _RecordingNvtx()
     monkeypatch.setattr(export, "_nvtx", lambda: nvtx)
     argv = ["profile", "decode_step", "--variant", "after", "--steps", "1", "--top", "3",

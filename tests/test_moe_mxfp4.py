@@ -166,6 +166,28 @@ def test_grouped_form_says_what_runs_where_it_cannot():
         mk.mxfp4_experts_grouped(*args)
 
 
+@pytest.mark.parametrize("arch, interpreted, gpu, ok", [
+    ("sm_90", False, True, True), ("gfx950", False, True, True), ("gfx942", False, True, False),
+    (None, True, False, False)])
+def test_grouped_runs_here_says_why_in_every_case(monkeypatch, arch, interpreted, gpu, ok):
+    """Every answer carries a reason (a Backends table shows it; an empty one fails its table test),
+    and the form is offered only where Triton compiles (not in its interpreter) for a target that
+    lowers tl.dot_scaled."""
+    from types import SimpleNamespace
+
+    from k3lab import env
+
+    monkeypatch.setattr(env, "triton_interpreted", lambda: interpreted)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(env, "detect", lambda: SimpleNamespace(arch=arch))
+    got, why = mk.grouped_runs_here()
+    assert got is ok and isinstance(why, str) and why, (arch, got, why)
+    if ok:
+        assert "tl.dot_scaled" in why and arch in why
+    elif gpu:
+        assert "GEMV form" in why and arch in why
+
+
 def test_mx_fp8_rounding_rule():
     x = torch.tensor([[448.0 * 4, 1.0, -3.0] + [0.0] * 29, [0.0] * 32], dtype=torch.float64)
     q = mk.mx_fp8(x)

@@ -159,7 +159,8 @@ RUNS: tuple[Run, ...] = (
     Run("serving_run_capacity", "the serving run's capacity form (the cache binds at DCP1 and holds at DCP8)",
         {}, {"GPU": ("README.md", "k3lab/studies/serving_run/measure.py")}),
     Run("gpu_check_workers_stop", "scripts/gpu_check.py's --stop-after with several pytest-xdist workers "
-        "(a record of the finished files inside one device call)", {}, {"GPU": ("docs/gpu_check.md",)}),
+        "(a record of the finished files inside one device call)",
+        {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/gpu_check/gpu_check_tests_f9fc851_part.json"}),
 )
 
 

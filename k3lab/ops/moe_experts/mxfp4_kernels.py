@@ -295,7 +295,9 @@ GROUPED = (16, 64, 128, 4)  # (rows per tile, columns, K values per step, warps)
 
 
 def grouped_runs_here() -> tuple[bool, str]:
-    """Whether the grouped dot_scaled form runs here (this process's device), and why not."""
+    """(ok, why) for the grouped dot_scaled form in this process: compiled Triton (on this GPU, or for
+    the ISA tool's target), never the interpreter, and not on an AMD target without scaled MFMA; `why`
+    is never empty (the Backends table shows it)."""
     from k3lab import env
 
     if triton is None:
@@ -308,7 +310,7 @@ def grouped_runs_here() -> tuple[bool, str]:
         # plain bf16 MFMA (not the scaled instruction the grouped form is for; its speed there is unmeasured)
         return False, f"{arch} has no scaled MFMA (Triton 3.6 cannot lower tl.dot_scaled there; later ones " \
             "emulate it with bf16 MFMA): the GEMV form runs"
-    return True, ""
+    return True, f"Triton {triton.__version__}: expert-sorted tiles on tl.dot_scaled ({arch or 'this GPU'})"
 
 
 def mxfp4_experts_grouped(z, weights, idx, w1: Mxfp4Weight, w3: Mxfp4Weight, w2: Mxfp4Weight, *,

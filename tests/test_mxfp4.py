@@ -72,6 +72,30 @@ def test_error_bounds_on_fresh_random_weights():
     assert torch.allclose(x.float() @ q.dequantize(torch.float32).T, ref.float(), rtol=1e-4, atol=1e-4)
 
 
+def _nearest_even(x: torch.Tensor) -> torch.Tensor:
+    """The E2M1 value nearest each scaled magnitude, ties to the even code, by brute force."""
+    grid = torch.tensor(mxfp4.E2M1, dtype=torch.float64)
+    d = (x.abs()[..., None] - grid).abs()
+    best = d.argmin(-1)
+    up = (best + 1).clamp(max=7)
+    tie = (d.gather(-1, up[..., None])[..., 0] == d.gather(-1, best[..., None])[..., 0]) & (up != best)
+    return torch.where(tie & (best % 2 == 1), up, best)
+
+
+def test_slabs_change_nothing_and_codes_match_a_brute_force_nearest(monkeypatch):
+    g = _gen(11)
+    w = torch.randn(3, 5, 96, generator=g, dtype=torch.float64) * torch.rand(3, 5, 1, generator=g, dtype=torch.float64)
+    w[0, 0, :8] = torch.tensor([4.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)   # exact ties
+    whole = mxfp4.quantize(w)
+    for slab in (64, 200, 96 * 7):      # a slab shorter than a row (one row a slab), uneven tails
+        monkeypatch.setattr(mxfp4, "_SLAB_VALUES", slab)
+        part = mxfp4.quantize(w)
+        assert torch.equal(part.packed, whole.packed) and torch.equal(part.scale_exp, whole.scale_exp)
+    scale = torch.pow(2.0, whole.scale_exp.double()).repeat_interleave(32, dim=-1)
+    x = (w / scale).clamp(-6, 6)
+    assert torch.equal(whole.codes().long() & 7, _nearest_even(x))
+
+
 @pytest.mark.parametrize("bad, says", [
     (torch.zeros(4, 30), "multiple of the block"),
     (torch.zeros(32), "2-D"),

@@ -154,8 +154,8 @@ RUNS: tuple[Run, ...] = (
         {"several GPUs": ("README.md", "k3lab/parallel/dcp.py", "k3lab/parallel/launch.py")}),
     Run("serving_run", "the measured serving run (continuous batching, chunked prefill, the prefix cache)",
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/serving_run"}),
-    Run("decode_step_targets", "the step targets' one budgeted run (k3lab.studies.decode_step.targets)", {},
-        {"GPU": ("k3lab/studies/decode_step/targets.py",)}),
+    Run("decode_step_targets", "the step targets' one budgeted run (k3lab.studies.decode_step.targets)",
+        {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/decode_step"}, {"H200": ()}),
     Run("serving_run_capacity", "the serving run's capacity form (the cache binds at DCP1 and holds at DCP8)",
         {}, {"GPU": ("README.md", "k3lab/studies/serving_run/measure.py")}),
     Run("gpu_check_workers_stop", "scripts/gpu_check.py's --stop-after with several pytest-xdist workers "

@@ -89,32 +89,51 @@ def _check_weight(weight) -> None:
         raise ValueError("weight must be finite (no NaN or inf): MXFP4 has no code for them")
 
 
+# Rows are quantized a slab at a time so the fp64 working copies stay near 8 x _SLAB_VALUES bytes
+# each, whatever the weight's size: a whole-stack pass over K3's TP8 experts would want tens of GiB.
+_SLAB_VALUES = 1 << 24
+# The midpoints between neighbouring E2M1 magnitudes: a magnitude rounds to the code whose interval
+# holds it; one exactly on a midpoint is a tie.
+_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1[:-1], E2M1[1:]))
+
+
+def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `w` [R, K] (any floating dtype) -> packed uint8 [R, K/2], scale exponents int8 [R, K/32]."""
+    r, k = w.shape
+    w = w.to(torch.float64).reshape(r, k // BLOCK, BLOCK)
+    amax = w.abs().amax(dim=-1)                                          # [R, K/32]
+    exp = torch.floor(torch.log2(amax.clamp_min(2.0 ** E8M0_MIN))) - E2M1_EMAX
+    exp = torch.where(amax > 0, exp, torch.full_like(exp, E8M0_MIN)).clamp(E8M0_MIN, E8M0_MAX)
+    x = (w / torch.pow(2.0, exp)[..., None]).clamp(-E2M1_MAX, E2M1_MAX)
+    mag = x.abs()
+    # bucketize puts a magnitude equal to a midpoint in the lower code's bucket; such a tie goes up
+    # when the lower code is odd (ties to the even code)
+    mids = torch.tensor(_MIDPOINTS, dtype=torch.float64, device=w.device)
+    best = torch.bucketize(mag, mids)
+    tie = mag == mids[best.clamp(max=len(_MIDPOINTS) - 1)]
+    best = torch.where(tie & (best % 2 == 1), best + 1, best)
+    code = best.to(torch.uint8) | torch.where(x < 0, 8, 0).to(torch.uint8)
+    code = torch.where(code == 8, torch.zeros_like(code), code)         # no negative zero
+    c = code.view(r, k)
+    return c[:, 0::2] | (c[:, 1::2] << 4), exp.to(torch.int8)
+
+
 def quantize(weight: torch.Tensor) -> Mxfp4Weight:
     """`weight` [N, K] or [E, N, K] (K a multiple of 32, finite, any floating dtype) in MXFP4 (module
-    docstring). ValueError / TypeError naming `weight` for anything else."""
+    docstring). ValueError / TypeError naming `weight` for anything else. Works a slab of rows at a
+    time, so its scratch memory (a few fp64 copies of a 2^24-value slab) does not grow with the weight."""
     _check_weight(weight)
     *lead, k = weight.shape
     n = 1
     for d in lead:
         n *= d
-    w = weight.detach().to(torch.float64).reshape(n, k // BLOCK, BLOCK)
-    amax = w.abs().amax(dim=-1)                                          # [N, K/32]
-    exp = torch.floor(torch.log2(amax.clamp_min(2.0 ** E8M0_MIN))) - E2M1_EMAX
-    exp = torch.where(amax > 0, exp, torch.full_like(exp, E8M0_MIN)).clamp(E8M0_MIN, E8M0_MAX)
-    x = (w / torch.pow(2.0, exp)[..., None]).clamp(-E2M1_MAX, E2M1_MAX)
-    # nearest E2M1 magnitude, ties to the even code: distances to every grid value, the first minimum
-    # among equals is the lower code, so ties go down unless the lower code is odd
-    grid = torch.tensor(E2M1, dtype=torch.float64, device=w.device)
-    d = (x.abs()[..., None] - grid).abs()
-    best = d.argmin(dim=-1)
-    upper = (best + 1).clamp(max=len(E2M1) - 1)
-    tie = (d.gather(-1, upper[..., None])[..., 0] == d.gather(-1, best[..., None])[..., 0]) & (upper != best)
-    code = torch.where(tie & (best % 2 == 1), upper, best).to(torch.uint8)
-    code = code | torch.where(x < 0, 8, 0).to(torch.uint8)
-    code = torch.where(code == 8, torch.zeros_like(code), code)         # no negative zero
-    c = code.view(n, k)
-    packed = (c[:, 0::2] | (c[:, 1::2] << 4)).reshape(*lead, k // 2).contiguous()
-    return Mxfp4Weight(packed, exp.to(torch.int8).reshape(*lead, k // BLOCK).contiguous())
+    flat = weight.detach().reshape(n, k)
+    packed = torch.empty(n, k // 2, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(n, k // BLOCK, dtype=torch.int8, device=weight.device)
+    rows = max(1, _SLAB_VALUES // max(k, 1))
+    for r0 in range(0, n, rows):
+        packed[r0:r0 + rows], scale[r0:r0 + rows] = _quantize_rows(flat[r0:r0 + rows])
+    return Mxfp4Weight(packed.reshape(*lead, k // 2), scale.reshape(*lead, k // BLOCK))
 
 
 def bytes_per_weight() -> float:

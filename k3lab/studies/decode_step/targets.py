@@ -33,8 +33,11 @@ longer, the compiling the same.
 On a CPU the pairs of B = 1, 1K run at the study's CPU case (`measure.CPU_CASES`, the tiny config with
 Triton in its interpreter), the article step left out as the study leaves it out there
 (`measure.CPU_SKIPPED`) and the other cases named as GPU cases: a check that the run and its table work,
-whose times are not speeds (the rows say so instead of pass or miss). The GPU path is not yet run on a
-GPU by this project: its estimates above come from other runs' records, not from a run of this command.
+whose times are not speeds (the rows say so instead of pass or miss). On a GPU the run has been made
+on an H100 only (its records under profiles/nvidia-h100-80gb-hbm3/decode_step/, the table in
+docs/decode_step.md): the four default pairs and the FP8 one in 50 s from a warm kernel cache, under the
+estimates above; the article's pair ran out of the card's memory while quantizing the routed experts
+(since done a slab of rows at a time, `mxfp4.quantize`) and has no GPU measurement yet.
 """
 
 from __future__ import annotations

@@ -90,6 +90,12 @@ def detect() -> DeviceInfo:
         peak = _peak_for(props.name + " " + (arch or ""))
         return DeviceInfo(backend, props.name, props.multi_processor_count, props.total_memory / 1e9, wave,
                           arch, peak)
+    return cpu_info()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_info() -> DeviceInfo:
+    """This machine's CPU as a DeviceInfo, GPU or not: what a host-clock timing ran on."""
     return DeviceInfo("cpu", platform.processor() or platform.machine(), os.cpu_count() or 1, None, None,
                       None, PEAKS["CPU"])
 

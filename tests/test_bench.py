@@ -259,11 +259,22 @@ def test_record_fields_are_filled_and_round_trip(tmp_path):
     assert r.extra["note"] == "x" and r.extra["repeats"] == 50
     paths = bench.save_records([r, _record(variant="after", median=4.0)], root=tmp_path)
     assert sorted(p.name for p in paths) == ["c__after.json", "c__before.json"]
-    assert all(p.parent == tmp_path / bench.device_slug() / "s" for p in paths)
-    assert [p.name for p in (tmp_path / bench.device_slug() / "s").iterdir() if p.suffix != ".json"] == []
+    assert all(p.parent == tmp_path / "cpu" / "s" for p in paths)    # a host-clock timing is the CPU's
+    assert [p.name for p in (tmp_path / "cpu" / "s").iterdir() if p.suffix != ".json"] == []
     back = bench.load_records(root=tmp_path)
     assert sorted(back, key=lambda x: x.variant)[1] == r
     json.loads(paths[0].read_text())  # plain JSON
+
+
+def test_a_host_clock_record_names_the_cpu_even_on_a_gpu_machine(monkeypatch):
+    from k3lab import env
+    gpu = env.DeviceInfo("cuda", "NVIDIA Test GPU", 132, 80.0, 32, "sm_90", env.PEAKS["H100"])
+    monkeypatch.setattr(env, "detect", lambda: gpu)
+    host = bench.make_record("s", "c", "after", _timing(10.0), shape={"n": 1}, dtype=torch.float32)
+    assert (host.device, host.backend) == (env.cpu_info().name, "cpu")
+    dev = bench.make_record("s", "c", "after", bench.Timing(10.0, 9.0, 11.0, 50, "eager", 0.1), shape={"n": 1},
+                            dtype=torch.float32)
+    assert (dev.device, dev.backend) == ("NVIDIA Test GPU", "cuda")
 
 
 def test_load_filters_by_study_and_device(tmp_path):

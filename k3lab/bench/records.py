@@ -209,12 +209,14 @@ def provenance() -> dict:
 def make_record(study: str, case: str, variant: str, timing: Timing, *, shape: dict, dtype,
                 floor_us: float | None = None, error: dict | None = None, **extra) -> Record:
     """A Record for this machine now: device, backend, versions, commit and date filled in; the
-    timing's repeats, overhead and graph copies kept in `extra`."""
+    timing's repeats, overhead and graph copies kept in `extra`. A timing made by the host clock (mode
+    'cpu': `time_fn(device="cpu")`) names the CPU as its device on any machine, so a host-side
+    measurement made on a GPU machine is filed under cpu/, not under the GPU's name."""
     if not isinstance(timing, Timing):
         raise ValueError(f"timing must be a bench.Timing, got {type(timing).__name__}")  # noqa: TRY004 - bad input is a ValueError here
     if not isinstance(shape, dict):
         raise ValueError(f"shape must be a dict of named sizes, got {type(shape).__name__}")  # noqa: TRY004 - bad input is a ValueError here
-    info = _env.detect()
+    info = _env.cpu_info() if timing.mode == "cpu" else _env.detect()
     ext = {"repeats": timing.repeats, "overhead_us": timing.overhead_us,
            "calls_per_sample": timing.calls_per_sample, "graph_copies": timing.graph_copies,
            "rotate_sets": timing.rotate_sets, "flush_l2": timing.flush_l2}

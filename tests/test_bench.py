@@ -272,8 +272,8 @@ def test_a_host_clock_record_names_the_cpu_even_on_a_gpu_machine(monkeypatch):
     monkeypatch.setattr(env, "detect", lambda: gpu)
     host = bench.make_record("s", "c", "after", _timing(10.0), shape={"n": 1}, dtype=torch.float32)
     assert (host.device, host.backend) == (env.cpu_info().name, "cpu")
-    dev = bench.make_record("s", "c", "after", bench.Timing(10.0, 9.0, 11.0, 50, "eager", 0.1), shape={"n": 1},
-                            dtype=torch.float32)
+    eager = bench.Timing(10.0, 9.0, 11.0, 50, "eager", 0.1)
+    dev = bench.make_record("s", "c", "after", eager, shape={"n": 1}, dtype=torch.float32)
     assert (dev.device, dev.backend) == ("NVIDIA Test GPU", "cuda")
 
 

@@ -84,8 +84,9 @@ def _nearest_even(x: torch.Tensor) -> torch.Tensor:
 
 def test_slabs_change_nothing_and_codes_match_a_brute_force_nearest(monkeypatch):
     g = _gen(11)
-    w = torch.randn(3, 5, 96, generator=g, dtype=torch.float64) * torch.rand(3, 5, 1, generator=g, dtype=torch.float64)
-    w[0, 0, :8] = torch.tensor([4.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)   # exact ties
+    w = torch.randn(3, 5, 96, generator=g, dtype=torch.float64)
+    w = w * torch.rand(3, 5, 1, generator=g, dtype=torch.float64)
+    w[0, 0, :8] = torch.tensor([4.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)  # ties
     whole = mxfp4.quantize(w)
     for slab in (64, 200, 96 * 7):      # a slab shorter than a row (one row a slab), uneven tails
         monkeypatch.setattr(mxfp4, "_SLAB_VALUES", slab)

@@ -2,7 +2,7 @@
 was skipped, how long it took, on which device and versions), for the GPU check before anything that
 touches notebooks, ops, engine or studies is called done.
 
-    python scripts/gpu_check.py OUT [--workers N] [--label NAME] [--shard K/N [--durations RECORD]]
+    python scripts/gpu_check.py OUT [--workers N] [--label NAME] [--shard K/N] [--durations RECORD]
                                     [--stop-after S] [PYTEST PATHS/ARGS ...]
     python scripts/gpu_check.py plan N [--durations RECORD] [PATHS ...]
     python scripts/gpu_check.py merge OUT --label NAME RECORD ...
@@ -21,6 +21,10 @@ Exit status: pytest's.
 whole), split by expected time (`split`: each file's seconds in the --durations records, else its size),
 so a suite longer than one sitting runs as N calls; `plan` prints the groups without running them, and
 `merge` combines the N records into one record of the whole suite (`merge_records`).
+
+With several workers and `--durations`, the files go to pytest slowest first (`slowest_first`), the
+order pytest-xdist's loadfile scheduler hands them out in: eight workers then end within about one
+short file of each other instead of waiting on a long file that started last.
 
 `--stop-after S` interrupts the run after S seconds (as Ctrl-C: pytest, and pytest-xdist's controller,
 end the session and write the JUnit file), so a call with a time limit always leaves a record: it keeps
@@ -300,6 +304,12 @@ def split(cost: dict[str, float], n: int) -> list[list[str]]:
     return [sorted(g) for g in groups]
 
 
+def slowest_first(cost: dict[str, float]) -> list[str]:
+    """`cost`'s files, the costliest first (path order on a tie): the order pytest-xdist's loadfile
+    scheduler hands files out in, so the longest file starts first and no worker ends on a long tail."""
+    return sorted(cost, key=lambda f: (-cost[f], f))
+
+
 def parse_shard(text: str) -> tuple[int, int]:
     """'K/N' -> (K, N), 1 <= K <= N."""
     try:
@@ -519,7 +529,8 @@ def main(argv=None) -> int:
     p.add_argument("--shard", default=None,
                    help="K/N: run the K-th of N groups of the files (`plan N` lists them)")
     p.add_argument("--durations", type=Path, action="append", default=[],
-                   help="a gpu_check record whose file_seconds weigh the files for --shard (repeatable)")
+                   help="a gpu_check record whose file_seconds weigh the files for --shard and, with "
+                        "several workers, order them slowest first (repeatable)")
     p.add_argument("--stop-after", type=float, default=None,
                    help="seconds: interrupt the run then, keeping the finished files in the record")
     args, rest = p.parse_known_args(argv)
@@ -562,6 +573,10 @@ def main(argv=None) -> int:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
                                                           env.get("PYTHONPATH")]))
         env["GPU_CHECK_COLLECTED"] = str(collected_path.resolve())
+    if args.workers > 1 and args.durations:
+        # the workers take files in the order pytest collects them: hand the longest out first
+        cost, _ = weights(files, root, read_durations(args.durations))
+        pytest_args = [a for a in pytest_args if a.startswith("-")] + slowest_first(cost)
     cmd += pytest_args
     t0 = time.time()
     with MemorySampler() as memory:

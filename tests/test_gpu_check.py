@@ -166,6 +166,26 @@ def test_a_shard_runs_its_files_with_the_options_and_says_so(tmp_path, monkeypat
     assert rec["shard"]["basis"] == "file sizes"
 
 
+def test_with_workers_and_durations_the_longest_files_go_first(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(gpu_check, "run_pytest", lambda cmd, env, stop: (seen.append(cmd) or 0, None))
+    monkeypatch.chdir(ROOT)
+    files = ["tests/test_bench.py", "tests/test_cli.py", "tests/test_env.py", "tests/test_runs.py"]
+    assert all((ROOT / f).exists() for f in files), files
+    secs = {f: float(i + 1) for i, f in enumerate(files)}        # the last path the slowest
+    record = tmp_path / "before.json"
+    record.write_text(json.dumps({"file_seconds": secs}))
+    for workers, want in ((2, files[::-1]), (1, files)):            # one worker runs in path order
+        gpu_check.main([str(tmp_path / str(workers)), "--label", "o", "--workers", str(workers),
+                        "--durations", str(record), "--co", *files])
+        cmd = seen[-1]
+        assert [a for a in cmd if a in files] == want, cmd
+        assert "--co" in cmd
+        rec = json.loads((tmp_path / str(workers) / "gpu_check_o.json").read_text())
+        assert rec["files"] == sorted(files)                        # the record's files stay in path order
+    assert gpu_check.slowest_first({"b": 1.0, "a": 1.0, "c": 3.0}) == ["c", "a", "b"]
+
+
 def test_a_run_stopped_at_its_limit_keeps_the_finished_files_only(tmp_path, monkeypatch):
     """A real pytest over three files, interrupted in the second: the first's tests are counted, the
     second (in flight) and third are listed as not run and none of their testcases are counted."""

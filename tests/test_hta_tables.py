@@ -119,6 +119,20 @@ def test_k3lab_tables_of_the_h200_gpu_pair_without_hta(tmp_path, no_hta):
     assert gone["before_calls"] == calls[gone["name"]]  # totals over the 3 steps, as HTA's are
 
 
+@pytest.mark.parametrize("with_hta", [True, False], ids=["hta", "k3lab"])
+def test_a_trace_compared_with_itself_has_an_empty_diff(tmp_path, monkeypatch, with_hta):
+    if with_hta:
+        pytest.importorskip("hta.trace_diff")
+    else:
+        for name in [m for m in sys.modules if m == "hta" or m.startswith("hta.")] + ["hta"]:
+            monkeypatch.setitem(sys.modules, name, None)
+    folders, _ = _h200_folders(tmp_path)
+    r = hta.compare(folders["before"], folders["before"])
+    assert r.source == ("HTA" if with_hta else "k3lab")
+    assert r.diff.empty and list(r.diff.columns) == list(hta.DIFF_COLUMNS)
+    assert not r.breakdown.empty
+
+
 def test_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="rank-"):
         hta.compare(tmp_path, tmp_path)

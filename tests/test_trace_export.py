@@ -79,11 +79,23 @@ def test_bad_inputs(tmp_path):
             pass
 
 
+def test_trace_steps_reads_the_step_marks_and_refuses_an_empty_folder(tmp_path):
+    marks = [{"ph": "X", "name": f"ProfilerStep#{n}", "ts": 10 * n, "dur": 5, "pid": 1, "tid": 1}
+             for n in (3, 1, 2)]
+    other = [{"ph": "X", "name": "ProfilerStep#x", "ts": 0, "dur": 1, "pid": 1, "tid": 1},
+             {"ph": "i", "name": "ProfilerStep#9", "ts": 0, "pid": 1, "tid": 1}]
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "rank-0.json").write_text(json.dumps({"traceEvents": marks + other}))
+    assert export.trace_steps(tmp_path / "f") == [1, 2, 3]
+    with pytest.raises(ValueError, match="folder: .* holds no rank"):
+        export.trace_steps(tmp_path)
+
+
 @needs_hta
 def test_hta_reads_the_steps_of_a_cpu_trace(cpu_capture, tmp_path):
     folder = tmp_path / "hta"
     export.write_hta_folder(cpu_capture.trace_path, folder)
-    assert export.hta_steps(folder) == [0, 1, 2]
+    assert export.hta_steps(folder) == [0, 1, 2] == export.trace_steps(folder)  # HTA's parse and k3lab's read
     assert export.hta_kernel_breakdown(folder).empty  # a CPU trace has no GPU kernel
 
 
@@ -139,7 +151,7 @@ def test_hta_reads_the_part_labels_of_k3lab_profile_decode_step(tmp_path, monkey
     caps = tools.profile_study("decode_step", steps=1, out_dir=tmp_path)
     assert sorted(caps) == ["after", "before"]
     folders = {v: tmp_path / "hta" / v for v in caps}
-    assert all(export.hta_steps(f) == [0] for f in folders.values())
+    assert all(export.trace_steps(f) == [0] for f in folders.values())
     diff = export.hta_trace_diff(folders["before"], folders["after"], device="cpu")
     parts = diff[diff.index.str.startswith("k3lab.part.")]
     want = {"k3lab.part." + p for p in ("embed", "mix", "kda", "mla", "moe", "dense", "collective")}

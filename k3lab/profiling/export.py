@@ -140,6 +140,23 @@ def hta_kernel_breakdown(folder) -> pd.DataFrame:
     return kernels.rename(columns=lambda c: c.replace(" (us)", "_us").replace(" ", "_"))
 
 
+def trace_steps(folder) -> list[int]:
+    """The step numbers N of the `ProfilerStep#N` ranges in an HTA folder's rank files, sorted: the steps
+    HTA finds there (`hta_steps`), read without HTA. HTA parses a whole trace to answer (on a GPU step's
+    trace, tens of seconds), so the diff asks this instead."""
+    folder = Path(folder)
+    files = sorted(folder.glob("rank-*.json*")) if folder.is_dir() else []
+    if not files:
+        raise ValueError(f"folder: {folder} holds no rank-<N>.json.gz (write one with write_hta_folder)")
+    found = set()
+    for f in files:
+        for e in _trace(f)["traceEvents"]:
+            name = e.get("name", "") if isinstance(e, dict) and e.get("ph") == "X" else ""
+            if isinstance(name, str) and name.startswith("ProfilerStep#") and name[13:].isdigit():
+                found.add(int(name[13:]))
+    return sorted(found)
+
+
 def hta_steps(folder) -> list[int]:
     """The profiler steps HTA finds in an HTA folder (RuntimeError naming the fallback without HTA)."""
     ok, why = hta_status()
@@ -165,7 +182,7 @@ def hta_trace_diff(before, after, *, device: str = "gpu") -> pd.DataFrame:
         raise RuntimeError(why)
     from hta.trace_diff import DeviceType, TraceDiff
 
-    steps = [hta_steps(f) for f in (before, after)]
+    steps = [trace_steps(f) for f in (before, after)]
     with _quiet_hta():
         df = TraceDiff.compare_traces(str(before), str(after), control_iteration=steps[0],
                                       test_iteration=steps[1],

@@ -92,10 +92,7 @@ def write_folders(traces: dict, root=None) -> dict[str, Path]:
 
 def _steps_in(folder) -> int:
     """The ProfilerStep ranges in a folder's trace (k3lab's per-step figures divide by it)."""
-    doc = export._trace(_rank_file(folder))
-    n = sum(1 for e in doc["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"
-            and str(e.get("name", "")).startswith("ProfilerStep#"))
-    return max(n, 1)
+    return max(len(export.trace_steps(folder)), 1)
 
 
 @contextlib.contextmanager
@@ -146,7 +143,9 @@ def _select(diff: pd.DataFrame, before_total: float, min_share: float) -> pd.Dat
     time, each group largest time change first."""
     calls = diff["before_calls"] != diff["after_calls"]
     keep = calls | (diff["diff_us"].abs() >= min_share * before_total)
-    out = diff[keep].assign(_c=~calls[keep], _o=-diff["diff_us"].abs())
+    # every column from the kept rows alone: a full-length column would bring the dropped rows back
+    # as NaN when nothing is kept (two traces of the same work)
+    out = diff[keep].assign(_c=~calls[keep], _o=-diff.loc[keep, "diff_us"].abs())
     out = out.sort_values(["_c", "_o"], kind="stable")[list(DIFF_COLUMNS)].reset_index(drop=True)
     return out.astype({"before_calls": int, "after_calls": int})
 

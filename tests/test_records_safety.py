@@ -11,6 +11,7 @@ import pytest
 
 from k3lab import bench
 from k3lab.bench import records as rec
+from k3lab.studies.runs import DEVICES  # every device folder a claim may name
 
 
 def _record(median: float, mode: str = "eager") -> bench.Record:
@@ -118,10 +119,11 @@ def test_a_bad_record_file_is_named_and_skipped(tmp_path, monkeypatch):
     assert "truncated__after.json" in names and "wrong__after.json" in names
 
 
-def test_the_gpu_check_folder_is_not_read_as_records(tmp_path, monkeypatch):
+@pytest.mark.parametrize("folder", sorted(rec.NOT_STUDIES))
+def test_the_gpu_check_and_ncu_folders_are_not_read_as_records(tmp_path, monkeypatch, folder):
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
     bench.save_records([_record(10.0)], root=tmp_path)
-    check = tmp_path / "nvidia-h200" / "gpu_check"
+    check = tmp_path / "nvidia-h200" / folder
     check.mkdir()
     (check / "tests_abc1234.json").write_text('{"label": "tests", "device": "NVIDIA H200"}')
     with warnings.catch_warnings():
@@ -133,10 +135,11 @@ def test_the_gpu_check_folder_is_not_read_as_records(tmp_path, monkeypatch):
         assert [r.median_us for r in bench.load_records(root=tmp_path)] == [10.0]
 
 
-def test_the_committed_records_load_without_a_warning():
+@pytest.mark.parametrize("device", sorted(DEVICES))
+def test_the_committed_records_load_without_a_warning(device):
     with warnings.catch_warnings():
         warnings.simplefilter("error", rec.RecordFileWarning)
-        assert bench.load_records(device="nvidia-h200")  # gpu_check's reports are passed over quietly
+        assert bench.load_records(device=device)  # gpu_check's reports and ncu's captures passed over
 
 
 # ------------------------------------------------------------------ concurrent writers keep every record

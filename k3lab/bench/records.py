@@ -144,9 +144,10 @@ def _repo_root() -> Path:
 # The committed results: found from any working directory (a notebook runs in notebooks/).
 PROFILES = _repo_root() / "profiles"
 # Folders beside the studies' under a device's folder that hold no result records: the GPU check's
-# test reports and report timings (scripts/gpu_check.py, docs/gpu_check.md). Reading every study skips
-# them; a file that does not parse inside a study's folder is still named (load_records).
-NOT_STUDIES = frozenset({"gpu_check"})
+# test reports and report timings (scripts/gpu_check.py, docs/gpu_check.md) and Nsight Compute's
+# captures with their summaries (`k3lab profile --tool ncu`, k3lab.profiling.tools). Reading every study
+# skips them; a file that does not parse inside a study's folder is still named (load_records).
+NOT_STUDIES = frozenset({"gpu_check", "ncu"})
 # Records a model computed, not measured (projected to another GPU, or modelled for a configuration nobody
 # measured; extra["projected"] is True), are saved under
 # <root>/projected/<device-slug>/<study>/, never beside a measured device's folder, and reading a root's

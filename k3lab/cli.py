@@ -343,9 +343,11 @@ def _check_save_profiles(args) -> None:
     if args.overwrite:
         return
     info = env.detect()
-    folder = Path(records.PROFILES) / records.device_slug(info.name, info.backend) / args.study
+    # this device's folder, and cpu/: a study's host-clock timings are filed as the CPU's on any machine
+    slugs = dict.fromkeys((records.device_slug(info.name, info.backend), "cpu"))
     cases = set(select_cases(load_study(args.study).case_names(args.preset), args.cases))
-    for f in sorted(folder.glob("*__*.json")):
+    files = [f for s in slugs for f in sorted((Path(records.PROFILES) / s / args.study).glob("*__*.json"))]
+    for f in files:
         why = records.committed_reason(f) if f.name.rsplit("__", 1)[0] in cases else None
         if why is not None:
             raise ValueError(f"--save-profiles: {f} is a committed reference ({why}); add --overwrite to "

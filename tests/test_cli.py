@@ -303,6 +303,26 @@ def test_import_refuses_a_bad_field_with_one_line_before_writing(tmp_path, capsy
     assert cli.main(["import", str(good), "--root", str(root)]) == 0  # the good one alone goes in
 
 
+def test_save_profiles_checks_the_cpu_folder_for_host_timed_records_on_a_gpu_machine(tmp_path, capsys,
+                                                                                    monkeypatch):
+    from k3lab import env
+    from k3lab.bench import records
+
+    gpu = env.DeviceInfo("cuda", "NVIDIA Test GPU", 132, 80.0, 32, "sm_90", env.PEAKS["H100"])
+    monkeypatch.setattr(env, "detect", lambda: gpu)
+    profiles = tmp_path / "profiles"
+    case = studies.load_study("draft_depth").case_names(None)[0]
+    folder = profiles / "cpu" / "draft_depth"      # where its host-clock records go, GPU or not
+    folder.mkdir(parents=True)
+    (folder / f"{case}__after.json").write_text("[]")
+    monkeypatch.setattr(records, "PROFILES", profiles)
+    monkeypatch.setattr(records, "committed_reason", lambda path: "tracked by git")
+    study = studies.load_study("draft_depth")
+    monkeypatch.setattr(study, "run", lambda **k: pytest.fail("ran despite a committed cpu/ record"))
+    assert cli.main(["bench", "draft_depth", "--save-profiles", "--cases", case]) == 2
+    assert f"{case}__after.json is a committed reference" in capsys.readouterr().err
+
+
 def test_save_profiles_onto_a_committed_record_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
     from k3lab.bench import records
 

@@ -5,8 +5,10 @@ H200 MLA traces (GPU kernels)."""
 
 from __future__ import annotations
 
+import collections
 import sys
 
+import pandas as pd
 import pytest
 import torch
 
@@ -106,6 +108,31 @@ def test_hta_tables_of_the_h200_gpu_pair(tmp_path):
     ours = P.trace_diff(P.read_trace(paths["before"]), P.read_trace(paths["after"]), steps=3)
     assert set(r.diff.loc[r.diff["change"] == "-", "name"]) == set(ours.names("gone")) != set()
     assert set(r.diff.loc[r.diff["change"] == "+", "name"]) == set(ours.names("new")) != set()
+
+
+def test_hta_reads_a_gpu_pair_without_host_ops_to_the_same_tables(tmp_path):
+    pytest.importorskip("hta.trace_diff")
+    # the MLA study's PyTorch and FlashMLA forms: eager launches, so the traces hold the host's ops
+    paths = {w: next(H200.glob(f"mla_padding-{v}-*.trace.json.gz"))
+             for w, v in (("before", "torch"), ("after", "flashmla"))}
+    folders = hta.write_folders(paths, root=tmp_path)
+    lean = hta.without_host_ops(folders["before"], tmp_path / "lean")
+    kinds = {}
+    for name, folder in (("whole", folders["before"]), ("lean", lean)):
+        events = export._trace(next(folder.glob("rank-*.json*")))["traceEvents"]
+        kinds[name] = collections.Counter(e.get("cat") for e in events if isinstance(e, dict))
+        kinds[name]["steps"] = sum(str(e.get("name", "")).startswith("ProfilerStep#") for e in events)
+    assert kinds["whole"]["cpu_op"] > 0 and kinds["lean"]["cpu_op"] == 0
+    for kept in ("kernel", "cuda_runtime", "ac2g", "steps"):
+        assert kinds["lean"][kept] == kinds["whole"][kept] > 0, kept
+    fast = hta.compare(folders["before"], folders["after"], top=50)
+    whole = hta.compare(folders["before"], folders["after"], top=50, host_ops=True)
+    assert not fast.diff.empty and not fast.breakdown.empty and fast.device == "gpu"
+    pd.testing.assert_frame_equal(fast.breakdown, whole.breakdown)
+    pd.testing.assert_frame_equal(fast.diff, whole.diff)
+    assert "without the host's operator events" in fast.note and "without" not in whole.note
+    with pytest.raises(ValueError, match="host_ops"):
+        hta.compare(folders["before"], folders["after"], host_ops="yes")
 
 
 def test_k3lab_tables_of_the_h200_gpu_pair_without_hta(tmp_path, no_hta):

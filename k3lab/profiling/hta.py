@@ -16,6 +16,11 @@ Where HTA is installed (the `hta` extra: pip install -e ".[hta]") the tables are
 - diff: HTA's TraceDiff over every step of both folders, GPU kernels or CPU ops (export.hta_trace_diff).
 HTA's parser rounds each event to whole microseconds by default, which makes sub-microsecond CPU ops
 negative; the calls here turn that rounding off (HTA_DISABLE_NS_ROUNDING) for their duration.
+For a GPU pair HTA reads copies of the folders without the host's operator events (`HOST_OP_CATEGORIES`,
+`without_host_ops`): its GPU tables place each kernel in a step through the runtime launch that
+correlates with it, so those events, often half of a trace and the costliest for HTA to parse (it builds
+their call stacks), change nothing in them (tests/test_hta_tables.py compares both reads on the H200
+pair); `host_ops=True` reads the whole folders.
 
 Without HTA the same call returns k3lab's own tables, labelled so (`source == "k3lab"`): the
 variants' `kernel_table` and `trace_diff`, read from the same folders.
@@ -24,7 +29,10 @@ variants' `kernel_table` and `trace_diff`, read from the same folders.
 from __future__ import annotations
 
 import contextlib
+import gzip
+import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +44,8 @@ from k3lab.profiling.frame import kernel_table
 from k3lab.profiling.read import read_trace
 
 DIFF_COLUMNS = ("name", "change", "before_calls", "after_calls", "before_us", "after_us", "diff_us")
+# the host events HTA's GPU tables do not read (module docstring); the step marks are always kept
+HOST_OP_CATEGORIES = frozenset({"cpu_op", "python_function"})
 BREAKDOWN_COLUMNS = ("variant", "name", "kind", "calls", "total_us", "share")
 
 
@@ -88,6 +98,22 @@ def write_folders(traces: dict, root=None) -> dict[str, Path]:
         export.write_hta_folder(path, folder, overwrite=True)
         out[variant] = folder
     return out
+
+
+def without_host_ops(folder, into) -> Path:
+    """A copy of an HTA folder's rank files in `into` without the complete events of the host's operators
+    (categories HOST_OP_CATEGORIES; `ProfilerStep#N` ranges kept whatever their category): what HTA's
+    GPU kernel breakdown and GPU trace diff read, at a fraction of the parse. Returns `into`."""
+    into = Path(into)
+    into.mkdir(parents=True, exist_ok=True)
+    for f in sorted(Path(folder).glob("rank-*.json*")):
+        doc = export._trace(f)
+        keep = [e for e in doc["traceEvents"]
+                if not (isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in HOST_OP_CATEGORIES
+                        and not str(e.get("name", "")).startswith("ProfilerStep#"))]
+        name = f.name if f.name.endswith(".gz") else f.name + ".gz"
+        (into / name).write_bytes(gzip.compress(json.dumps({**doc, "traceEvents": keep}).encode(), 1))
+    return into
 
 
 def _steps_in(folder) -> int:
@@ -150,27 +176,35 @@ def _select(diff: pd.DataFrame, before_total: float, min_share: float) -> pd.Dat
     return out.astype({"before_calls": int, "after_calls": int})
 
 
-def compare(before, after, *, min_share: float = 0.05, top: int = 12) -> Comparison:
+def compare(before, after, *, min_share: float = 0.05, top: int = 12, host_ops: bool = False) -> Comparison:
     """HTA's kernel breakdown and trace diff of two HTA folders (module docstring), or k3lab's own tables
     where HTA does not import (the note says which ran and why). The diff keeps the names whose call
     count changed (listed first) or whose time moved by at least `min_share` of before's total (GPU:
     its kernel time; CPU: its top-level ops' time); each table holds at most `top` rows per variant
-    (breakdown) or in all (diff), largest first."""
+    (breakdown) or in all (diff), largest first. host_ops: let HTA read a GPU pair's host operator
+    events too (by default it reads copies without them: the same tables, sooner)."""
     if not isinstance(min_share, (int, float)) or not 0 <= min_share < 1:
         raise ValueError(f"min_share: expected a number in [0, 1), got {min_share!r}")
     if not isinstance(top, int) or isinstance(top, bool) or top < 1:
         raise ValueError(f"top: expected a positive int, got {top!r}")
+    if not isinstance(host_ops, bool):
+        raise ValueError(f"host_ops: expected True or False, got {host_ops!r}")
     files = {"before": _rank_file(before), "after": _rank_file(after)}
     frames = {v: read_trace(p) for v, p in files.items()}
     device = "gpu" if any(f["kind"].isin(DEVICE_KINDS).any() for f in frames.values()) else "cpu"
     rows = "GPU kernels" if device == "gpu" else "CPU ops (a CPU trace has no GPU kernel)"
     ok, why = export.hta_status()
     if ok:
-        with _exact_times():
-            parts = {v: _hta_breakdown(f, device) for v, f in (("before", before), ("after", after))}
-            diff = export.hta_trace_diff(before, after, device=device).reset_index()
+        with _exact_times(), tempfile.TemporaryDirectory(prefix="k3lab-hta-") as tmp:
+            read = {"before": before, "after": after}
+            if device == "gpu" and not host_ops:
+                read = {v: without_host_ops(f, Path(tmp) / v) for v, f in read.items()}
+            parts = {v: _hta_breakdown(f, device) for v, f in read.items()}
+            diff = export.hta_trace_diff(read["before"], read["after"], device=device).reset_index()
         diff = diff.rename(columns={"kernel": "name"})
         source, note = "HTA", f"HolisticTraceAnalysis {why}: its breakdown and trace diff of {rows}"
+        if device == "gpu" and not host_ops:
+            note += " (read without the host's operator events, which those tables do not use)"
     else:
         steps = {v: _steps_in(f) for v, f in (("before", before), ("after", after))}
         parts = {v: _k3lab_breakdown(frames[v]) for v in frames}
@@ -194,4 +228,5 @@ def _step_us(frame: pd.DataFrame) -> float:
     return float(device_work(frame)["dur_us"].sum())
 
 
-__all__ = ["BREAKDOWN_COLUMNS", "DIFF_COLUMNS", "Comparison", "compare", "write_folders"]
+__all__ = ["BREAKDOWN_COLUMNS", "DIFF_COLUMNS", "HOST_OP_CATEGORIES", "Comparison", "compare",
+           "without_host_ops", "write_folders"]

@@ -22,9 +22,10 @@ whole), split by expected time (`split`: each file's seconds in the --durations 
 so a suite longer than one sitting runs as N calls; `plan` prints the groups without running them, and
 `merge` combines the N records into one record of the whole suite (`merge_records`).
 
-With several workers and `--durations`, the files go to pytest slowest first (`slowest_first`), the
-order pytest-xdist's loadfile scheduler hands them out in: eight workers then end within about one
-short file of each other instead of waiting on a long file that started last.
+With several workers and `--durations`, the files go to pytest slowest first (`slowest_first`) with
+pytest-xdist's own reordering off (by default it hands out the files with the most tests first), so
+its loadfile scheduler gives them out in that order: eight workers then end within about one short
+file of each other instead of waiting on a long file that started last.
 
 `--stop-after S` interrupts the run after S seconds (as Ctrl-C: pytest, and pytest-xdist's controller,
 end the session and write the JUnit file), so a call with a time limit always leaves a record: it keeps
@@ -310,6 +311,18 @@ def slowest_first(cost: dict[str, float]) -> list[str]:
     return sorted(cost, key=lambda f: (-cost[f], f))
 
 
+def _xdist_reorders() -> bool:
+    """Whether the installed pytest-xdist reorders --dist loadfile's files by their test counts (3.6 and
+    later, unless --no-loadscope-reorder); older ones keep the collection order."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(x) for x in version("pytest-xdist").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (3, 6)
+
+
 def parse_shard(text: str) -> tuple[int, int]:
     """'K/N' -> (K, N), 1 <= K <= N."""
     try:
@@ -574,9 +587,12 @@ def main(argv=None) -> int:
                                                           env.get("PYTHONPATH")]))
         env["GPU_CHECK_COLLECTED"] = str(collected_path.resolve())
     if args.workers > 1 and args.durations:
-        # the workers take files in the order pytest collects them: hand the longest out first
+        # the workers take files in the order pytest collects them, once pytest-xdist's own reordering
+        # (files with the most tests first, its default since 3.6) is off: hand the longest out first
         cost, _ = weights(files, root, read_durations(args.durations))
         pytest_args = [a for a in pytest_args if a.startswith("-")] + slowest_first(cost)
+        if _xdist_reorders():
+            cmd.append("--no-loadscope-reorder")
     cmd += pytest_args
     t0 = time.time()
     with MemorySampler() as memory:

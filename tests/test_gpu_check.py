@@ -180,10 +180,41 @@ def test_with_workers_and_durations_the_longest_files_go_first(tmp_path, monkeyp
                         "--durations", str(record), "--co", *files])
         cmd = seen[-1]
         assert [a for a in cmd if a in files] == want, cmd
-        assert "--co" in cmd
+        reorder_off = "--no-loadscope-reorder" in cmd
+        assert "--co" in cmd and reorder_off == (workers > 1 and gpu_check._xdist_reorders())
         rec = json.loads((tmp_path / str(workers) / "gpu_check_o.json").read_text())
         assert rec["files"] == sorted(files)                        # the record's files stay in path order
     assert gpu_check.slowest_first({"b": 1.0, "a": 1.0, "c": 3.0}) == ["c", "a", "b"]
+
+
+def test_two_real_workers_start_on_the_two_longest_files(tmp_path, monkeypatch):
+    """pytest-xdist with two workers over four files: two long ones of one test each and two short ones of
+    five (which xdist's own reordering would hand out first). With --durations each worker's first test
+    is from one of the two long files."""
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed: runs with workers are not checked")
+    work = tmp_path / "work"
+    work.mkdir()
+    log = tmp_path / "starts.txt"
+    body = ("import os, time\n\n{tests}")
+    one = ("def test_{n}():\n    with open({log!r}, 'a') as f:\n        f.write(f\"{{os.environ.get("
+           "'PYTEST_XDIST_WORKER')}} {file} {{time.time()}}\\n\")\n    time.sleep({sleep})\n\n")
+    spec = {"test_a_short.py": (5, 0.0), "test_b_short.py": (5, 0.0), "test_c_long.py": (1, 1.0),
+            "test_d_long.py": (1, 1.0)}
+    for name, (n, sleep) in spec.items():
+        tests = "".join(one.format(n=i, log=str(log), file=name, sleep=sleep) for i in range(n))
+        (work / name).write_text(body.format(tests=tests))
+    record = tmp_path / "durations.json"
+    record.write_text(json.dumps({"file_seconds": {"test_a_short.py": 1.0, "test_b_short.py": 1.0,
+                                                   "test_c_long.py": 50.0, "test_d_long.py": 40.0}}))
+    monkeypatch.chdir(work)
+    assert gpu_check.main([str(tmp_path / "out"), "--label", "o", "--workers", "2",
+                           "--durations", str(record), *spec]) == 0
+    first = {}
+    for line in log.read_text().splitlines():
+        worker, name, t = line.split()
+        if worker not in first or float(t) < first[worker][1]:
+            first[worker] = (name, float(t))
+    assert sorted(name for name, _ in first.values()) == ["test_c_long.py", "test_d_long.py"], first
 
 
 def test_a_run_stopped_at_its_limit_keeps_the_finished_files_only(tmp_path, monkeypatch):

@@ -288,6 +288,12 @@ def weights(files, root: Path, durations: dict[str, float] | None = None) -> tup
     return {f: known.get(f, size[f] * per_byte) for f in files}, "s"
 
 
+def slowest_first(cost: dict[str, float]) -> list[str]:
+    """`cost`'s files, the costliest first (path order on a tie): the order pytest-xdist's loadfile
+    scheduler hands files out in, so the longest file starts first and no worker ends on a long tail."""
+    return sorted(cost, key=lambda f: (-cost[f], f))
+
+
 def split(cost: dict[str, float], n: int) -> list[list[str]]:
     """`cost`'s files in `n` groups of similar total: the costliest first, each to the group with the
     least so far (the first such group on a tie); each group keeps the files in path order. The same
@@ -298,17 +304,11 @@ def split(cost: dict[str, float], n: int) -> list[list[str]]:
         raise ValueError(f"n must be at most the number of files ({len(cost)}), got {n}")
     groups: list[list[str]] = [[] for _ in range(n)]
     load = [0.0] * n
-    for f in sorted(cost, key=lambda f: (-cost[f], f)):
+    for f in slowest_first(cost):
         i = min(range(n), key=lambda j: (load[j], j))
         groups[i].append(f)
         load[i] += cost[f]
     return [sorted(g) for g in groups]
-
-
-def slowest_first(cost: dict[str, float]) -> list[str]:
-    """`cost`'s files, the costliest first (path order on a tie): the order pytest-xdist's loadfile
-    scheduler hands files out in, so the longest file starts first and no worker ends on a long tail."""
-    return sorted(cost, key=lambda f: (-cost[f], f))
 
 
 def _xdist_reorders() -> bool:

@@ -159,6 +159,46 @@ def test_the_notebooks_see_where_the_reports_records_are(tmp_path, monkeypatch):
     assert serving_run.report_records() is None  # outside a report: no fresh records
 
 
+
+def test_the_notebooks_start_longest_first_and_the_page_keeps_file_order(tmp_path, monkeypatch):
+    """The report hands the notebooks to its workers in order of their expected seconds, longest first
+    (ties in file order), so the last to start is a short one; the plan's ETA schedules them in that
+    order and the page lists them in file order. A planted start order that loses a notebook is refused."""
+    from k3lab import report
+    from k3lab.report import workers as pool
+
+    seconds = {"00_a": 10.0, "01_b": 90.0, "02_c": 10.0, "03_d": 40.0}
+    real = report.expected_seconds
+    monkeypatch.setattr(report, "expected_seconds", lambda kind, form, step, measured=None: (
+        seconds[step.split(":", 1)[1]] if step.startswith("notebook:") else real(kind, form, step, measured)))
+    seen = {}
+
+    def run_notebooks(paths, out_dir, timeout_s, workers, started=None, ended=None):
+        seen["order"] = [p.stem for p in paths]
+        got = {}
+        for p in paths:
+            started(p)
+            got[p] = pool.Outcome("passed", seconds=1.0)
+            ended(p, got[p])
+        return got, False
+
+    monkeypatch.setattr(pool, "run_notebooks", run_notebooks)
+    nbs = tmp_path / "nbs"
+    nbs.mkdir()
+    for stem in seconds:
+        (nbs / f"{stem}.ipynb").write_text("{}")
+    out = tmp_path / "out"
+    report.build_report(out=out, run_studies=False, notebooks=nbs, tty=False, workers=2)
+    assert seen["order"] == ["01_b", "03_d", "00_a", "02_c"]
+    page = (out / "report.html").read_text()
+    assert [page.index(f"notebooks/{s}.html") for s in seconds] == sorted(
+        page.index(f"notebooks/{s}.html") for s in seconds)
+
+    paths = sorted(nbs.glob("*.ipynb"))
+    with pytest.raises(ValueError, match="start_order must hold the same notebooks"):
+        report._run_notebooks(paths, out, 60, 2, 0.0, report.Checks(), [], start_order=paths[:-1])
+
+
 # ------------------------------------------------------------------ the ETA
 def test_expected_seconds_reads_the_table_and_the_budgets():
     assert expected_seconds("gpu", "quick", "study:decode_step") == GPU_QUICK["decode_step"].budget_s

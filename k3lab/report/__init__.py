@@ -131,11 +131,13 @@ FAILURE_KIND = {"timeout": "timed out", "failed": "failed"}
 
 def _run_notebooks(paths: list[Path], out: Path, timeout_s: int, workers: int, t0: float, checks: Checks,
                    failures: list[str], bar: Progress | None = None,
-                   outcomes_by_stem: dict | None = None) -> tuple[list[str], bool]:
-    """Execute the notebooks in worker processes (`workers`); one list item of HTML per notebook, in
-    file order, and whether Ctrl-C stopped them. `bar` marks each notebook as its worker starts and ends
-    (an interrupted one stays unfinished, so the timings show it as interrupted); `outcomes_by_stem`
-    gets each notebook's workers.Outcome (for timings.json)."""
+                   outcomes_by_stem: dict | None = None,
+                   start_order: list[Path] | None = None) -> tuple[list[str], bool]:
+    """Execute the notebooks in worker processes (`workers`), started in `start_order` (the same paths;
+    None: file order); one list item of HTML per notebook, in file order, and whether Ctrl-C stopped
+    them. `bar` marks each notebook as its worker starts and ends (an interrupted one stays unfinished,
+    so the timings show it as interrupted); `outcomes_by_stem` gets each notebook's workers.Outcome (for
+    timings.json)."""
     from k3lab.report import workers as pool
 
     def started(p: Path) -> None:
@@ -148,7 +150,10 @@ def _run_notebooks(paths: list[Path], out: Path, timeout_s: int, workers: int, t
         if bar is not None and got.status != "interrupted":
             bar.finish(f"notebook:{p.stem}")
 
-    outcomes, stopped = pool.run_notebooks(paths, out / "notebooks", timeout_s, workers, started, ended)
+    order = list(paths) if start_order is None else list(start_order)
+    if sorted(map(str, order)) != sorted(map(str, paths)):
+        raise ValueError(f"start_order must hold the same notebooks as paths, got {order} for {list(paths)}")
+    outcomes, stopped = pool.run_notebooks(order, out / "notebooks", timeout_s, workers, started, ended)
     rows = []
     for p in paths:
         got = outcomes[p]
@@ -342,9 +347,12 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
     for n in names if run_studies else []:
         if gpu or n not in GPU_ONLY:
             plan.add(f"study:{n}", expected_seconds(kind, form, f"study:{n}", measured))
-    for p in nb_paths:
-        plan.add(f"notebook:{p.stem}", expected_seconds(kind, form, f"notebook:{p.stem}", measured),
-                 parallel=True)
+    # notebooks start longest first (the expected seconds above), so that the last to start is a short
+    # one and the workers end close together; the page keeps file order
+    nb_expected = {p: expected_seconds(kind, form, f"notebook:{p.stem}", measured) for p in nb_paths}
+    nb_start = sorted(nb_paths, key=lambda p: -nb_expected[p])
+    for p in nb_start:
+        plan.add(f"notebook:{p.stem}", nb_expected[p], parallel=True)
     basis = (f"the steps' seconds in {_shown_path(source)}" if source is not None
              else "the table of expected seconds (no measured run of this machine kind yet)")
 
@@ -379,7 +387,7 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
                     os.environ[RECORDS_ENV] = str((out / "records").resolve())
                     try:
                         nb_rows, interrupted = _run_notebooks(nb_paths, out, timeout_s, workers, t0, checks,
-                                                              failures, bar, outcomes)
+                                                              failures, bar, outcomes, start_order=nb_start)
                     finally:
                         if before is None:
                             os.environ.pop(RECORDS_ENV, None)

@@ -192,7 +192,7 @@ def run_notebooks(paths: list[Path], out_dir: Path, timeout_s: int, workers: int
                   started: Callable[[Path], None] | None = None,
                   ended: Callable[[Path, Outcome], None] | None = None,
                   grace_s: float = GRACE_S) -> tuple[dict[Path, Outcome], bool]:
-    """Execute `paths` into out_dir, `workers` at a time in file order; started(path) as each worker
+    """Execute `paths` into out_dir, `workers` at a time in the order given; started(path) as each worker
     starts, ended(path, outcome) as each ends (interrupted ones included). Returns (outcome per path,
     whether Ctrl-C stopped the run); a KeyboardInterrupt here stops the run (module docstring) and
     does not propagate."""

@@ -85,6 +85,73 @@ def test_the_article_walk_keeps_only_projections_with_measured_or_cited_inputs(i
 
 
 @needs_records
+def test_the_models_choice_at_the_articles_targets_comes_from_its_own_figures(inp):
+    """At each of the article's targets the row is the best front point of the article's stack at or above
+    it; the caches and the host-tier flag are recomputed here from node's sizes; each difference from the
+    article's setting is named from those figures; a target nothing reaches says so; the page's section is
+    this table."""
+    from pathlib import Path
+
+    from k3lab.serving import node, validate
+
+    work = curve.agent_workload()
+    rows = article.settings(inp, work)
+    assert [r["target"] for r in rows] == sorted(hardware.SEED["settings"])
+    g = hardware.gpu("mi355x")
+    fr = curve.front(curve.candidates(inp, curve.RUNGS[-2], g, work))
+    free = node.free_gb(g)
+    ctx = work.mean_in + work.mean_out / 2
+    for r in rows:
+        assert r["kind"] == "projected" and "worst" in r["model_error"]
+        ok = [p for p in fr if p["tokens_per_s_user"] >= r["target"]]
+        if not ok:
+            assert r["model"] is None and "no configuration of the model reaches it" in r["why"]
+            continue
+        best = max(ok, key=lambda p: p["tokens_per_s_gpu"])
+        assert (r["dcp"], r["depth"], r["concurrency"]) == (best["dcp"], best["depth"], best["concurrency"])
+        need = best["concurrency"] * (1 + node.THINK_SHARE) * node.sequence_gb(ctx, best["dcp"])
+        assert r["cache_need_gb"] == pytest.approx(need) and r["hbm_free_gb"] == pytest.approx(free)
+        art = hardware.SEED["settings"][r["target"]]
+        assert r["agrees_host"] == ((need > free) == art["host"])
+        if need <= free and art["host"]:
+            assert "fit in the" in r["why"] and "host tier holds nothing" in r["why"]
+        if need > free:
+            assert "no transfer back" in r["why"]
+        if r["agrees_dcp"] and r["agrees_host"] and art["depths"][0] <= r["depth"] <= art["depths"][1]:
+            assert r["why"].startswith("agrees")
+        else:
+            assert not r["why"].startswith("agrees")
+    page = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    assert article.settings_markdown(inp, work, validate.model_error()) in page
+
+
+@needs_records
+def test_the_models_choice_follows_the_caches_it_must_hold(inp, monkeypatch):
+    """With ten sessions waiting on the agent per decoding one (planted; the model's share is
+    node.THINK_SHARE), the live caches pass the HBM left at a target where they fitted: that row now says
+    the host tier holds them and why, from the same figures."""
+    from k3lab.serving import node
+
+    work = curve.agent_workload()
+    real = article.settings(inp, work)
+    monkeypatch.setattr(node, "THINK_SHARE", 10.0)
+    planted = article.settings(inp, work)
+    moved = 0
+    for r, p in zip(real, planted):
+        if p["model"] is None:
+            continue
+        host = p["cache_need_gb"] > p["hbm_free_gb"]
+        assert ("host tier on" in p["model"]) == host and ("no transfer back" in p["why"]) == host
+        moved += r["model"] is not None and "GPU only" in r["model"] and host
+    assert moved >= 1
+
+@pytest.mark.parametrize("bad", [True, 0, -30.0, float("nan"), 40.0, "50"])
+def test_the_settings_refuse_a_target_the_article_does_not_name(inp, bad):
+    with pytest.raises(ValueError, match="targets must"):
+        article.settings(inp, curve.agent_workload(), targets=[bad])
+
+
+@needs_records
 def test_the_whatif_refuses_a_bad_dcp_before_computing(inp):
     from k3lab.studies.serving import tables
 

@@ -124,4 +124,96 @@ def terms(inp: node.Inputs, work: curve.Workload, *, gpu: str = "mi355x",
             for t, m, a, mk, ak in rows]
 
 
-__all__ = ["error_text", "step_c1_ms", "steps", "terms"]
+def _setting_text(dcp, host: bool, depths) -> str:
+    dcps = " or ".join(f"DCP{d}" for d in dcp)
+    lo, hi = depths
+    drafts = f"{lo} drafts" if lo == hi else f"{lo} to {hi} drafts"
+    return f"{dcps}, {drafts}, {'host tier on' if host else 'GPU only'}"
+
+
+def settings(inp: node.Inputs, work: curve.Workload, *, gpu: str = "mi355x", targets=None,
+             error: dict | None = None) -> list[dict]:
+    """At each of the article's comparison targets (tokens/s/user P90; default its `SEED['settings']`
+    keys), the configuration the model picks for `gpu` on the article's stack (every rung but k3lab's own
+    glue): the best point of its front at or above the target, beside the article's setting there. Each
+    row: target, model (its DCP degree, draft depth, concurrency, hit rate, tokens/s/GPU, 'projected' on
+    any GPU but the one whose steps are fitted), the caches that configuration's live sessions need
+    against the HBM left after the weights and whether the host tier holds any of them, the article's
+    setting, whether the two agree on DCP and on the host tier, `why` they differ, computed from those
+    figures, and the step model's error. A target no configuration reaches has model None and says so."""
+    g = gpu_of(gpu)
+    err = error_text(error)
+    targets = tuple(SEED["settings"]) if targets is None else tuple(targets)
+    for t in targets:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t != t:
+            raise ValueError(f"targets must be tokens/s/user > 0, got {t!r}")
+        if float(t) not in SEED["settings"]:
+            raise ValueError(f"targets must be among the article's ({sorted(SEED['settings'])}), got {t!r}")
+    rung = curve.RUNGS[-2]
+    fr = curve.front(curve.candidates(inp, rung, g, work))
+    ctx = work.mean_in + work.mean_out / 2
+    free = node.free_gb(g, moe_rows_only=rung.moe_rows_only)
+    rows = []
+    for t in targets:
+        art = SEED["settings"][float(t)]
+        ok = [p for p in fr if p["tokens_per_s_user"] >= t]
+        b = max(ok, key=lambda p: p["tokens_per_s_gpu"], default=None)
+        row = {"target": float(t), "article": _setting_text(art["dcp"], art["host"], art["depths"]),
+               "model_error": err, "kind": "modelled" if g.key == "h200" else "projected"}
+        if b is None:
+            top = max(fr, key=lambda p: p["tokens_per_s_user"])
+            row.update(model=None, agrees_dcp=False, agrees_host=False,
+                       why=(f"no configuration of the model reaches it: its fastest point is "
+                            f"{top['tokens_per_s_user']:.0f} tokens/s/user (DCP{top['dcp']}, depth "
+                            f"{top['depth']}, concurrency {top['concurrency']})"))
+            rows.append(row)
+            continue
+        need = b["concurrency"] * (1 + node.THINK_SHARE) * node.sequence_gb(ctx, b["dcp"])
+        host_used = need > free
+        row.update(model=_setting_text((b["dcp"],), host_used, (b["depth"], b["depth"])),
+                   dcp=b["dcp"], depth=b["depth"], concurrency=b["concurrency"], hit_rate=b["hit_rate"],
+                   tokens_per_s_gpu=b["tokens_per_s_gpu"], cache_need_gb=need, hbm_free_gb=free,
+                   agrees_dcp=b["dcp"] in art["dcp"], agrees_host=host_used == art["host"])
+        why, live = [], f"the live sessions' caches ({need:.0f} GB at concurrency {b['concurrency']})"
+        if not host_used and art["host"]:
+            why.append(f"{live} fit in the {free:.0f} GB of HBM left, so the host tier holds nothing and the "
+                       f"hit rate is the workload's theoretical {b['hit_rate']:.1%}")
+        if host_used:
+            why.append(f"{live} pass the {free:.0f} GB of HBM left and the host tier holds the rest; a hit "
+                       f"from the host costs the model no transfer back (not modelled), so a smaller history "
+                       f"per GPU (DCP8) buys it nothing")
+        if not row["agrees_dcp"]:
+            why.append(f"with capacity not binding, DCP{b['dcp']} beats "
+                       f"{' or '.join(f'DCP{d}' for d in art['dcp'] if d != b['dcp'])} on step time")
+        lo, hi = art["depths"]
+        if not lo <= b["depth"] <= hi:
+            why.append(f"depth {b['depth']} lies outside the article's {lo} to {hi}: the depth comes from "
+                       f"the model's acceptance curve and a drafter costed as one layer of the step (both "
+                       f"modelled)")
+        row["why"] = "; ".join(why) or "agrees on the DCP degree, the draft depth and the host tier"
+        rows.append(row)
+    return rows
+
+
+def settings_markdown(inp: node.Inputs, work: curve.Workload, error: dict, *, gpu: str = "mi355x") -> str:
+    """docs/serving.md's settings section, generated: `settings` as a table, labelled projected."""
+    rows = settings(inp, work, gpu=gpu, error=error)
+    g = gpu_of(gpu)
+    out = [f"The model's choice on {g.name} ({rows[0]['kind']}; step-model error carried: "
+           f"{rows[0]['model_error']}) beside the article's setting at each of its comparison targets.",
+           "",
+           "| tokens/s/user (P90) | the article's setting (its runs' configuration) | the model's choice | "
+           "concurrency | caches needed / HBM left (GB) | total tokens/s/GPU (projected) | why they differ |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["model"] is None:
+            out.append(f"| {r['target']:.0f} | {r['article']} | none reaches it | n/a: no configuration | "
+                       f"n/a: no configuration | n/a: no configuration | {r['why']} |")
+            continue
+        out.append(f"| {r['target']:.0f} | {r['article']} | {r['model']} | {r['concurrency']} | "
+                   f"{r['cache_need_gb']:.0f} / {r['hbm_free_gb']:.0f} | {r['tokens_per_s_gpu']:,.0f} | "
+                   f"{r['why']} |")
+    return "\n".join(out)
+
+
+__all__ = ["error_text", "settings", "settings_markdown", "step_c1_ms", "steps", "terms"]

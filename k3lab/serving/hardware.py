@@ -151,6 +151,11 @@ SEED = {
     "hit_rate_reported": (0.748, 0.801),
     # draft depths the recipe uses at 50 tokens/s/user (DCP8 without drafts to DCP1 with three)
     "depths_at_50": (0, 3),
+    # the MI355X serving settings at each comparison target (the article's benchmark notes), interpolated
+    # there between bracketing runs: the host tier on or off, the DCP degrees and the draft depths they span
+    "settings": {30.0: {"host": True, "dcp": (8, 1), "depths": (0, 3)},
+                 50.0: {"host": True, "dcp": (8, 1), "depths": (0, 3)},
+                 150.0: {"host": False, "dcp": (1,), "depths": (5, 7)}},
 }
 
 

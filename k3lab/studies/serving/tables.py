@@ -67,14 +67,18 @@ END = "<!-- end generated -->"
 
 def docs_sections(root=None) -> dict[str, str]:
     """docs/serving.md's generated sections, by the expression their marker names: the step model's
-    errors (serving.validate.report_markdown) and the projections' bands and calibration
-    (serving.bands.report_markdown), computed from the committed records under `root`."""
-    from k3lab.serving import bands, inputs, validate
+    errors (serving.validate.report_markdown), the projections' bands and calibration
+    (serving.bands.report_markdown) and the model's choice at the article's targets
+    (serving.article.settings_markdown), computed from the committed records under `root`."""
+    from k3lab.serving import article, bands, inputs, validate
 
     inp, work = inputs.node_inputs(root=root), curve.agent_workload()
+    err = validate.model_error(root=root)
     return {"k3lab.serving.validate.report_markdown()": validate.report_markdown(root=root),
             "k3lab.serving.bands.report_markdown(inputs.node_inputs(), curve.agent_workload(), "
-            "validate.model_error())": bands.report_markdown(inp, work, validate.model_error(root=root))}
+            "validate.model_error())": bands.report_markdown(inp, work, err),
+            "k3lab.serving.article.settings_markdown(inputs.node_inputs(), curve.agent_workload(), "
+            "validate.model_error())": article.settings_markdown(inp, work, err)}
 
 
 def update_docs(path=None, root=None) -> list[str]:

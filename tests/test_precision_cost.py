@@ -87,6 +87,23 @@ def test_one_step_at_a_slice_on_random_weights():
     assert 0 < rows["fp8"]["max_abs_logit"] <= 0.5 * rows["fp8"]["ref_abs_max"], rows["fp8"]
 
 
+@CPU_STEP
+def test_each_precision_builds_its_step_once(monkeypatch):
+    """step_cost builds the reference's step for the reference logits and each asked precision's step
+    once (a refused one too: its build is the refusal); at K3's widths a build draws and converts a TP8
+    slice of weights, the costly part of notebook 08's precision cell."""
+    built = []
+    real = pc.DecodeStep
+
+    def counting(*args, precision="bf16", **kwargs):
+        built.append(precision)
+        return real(*args, precision=precision, **kwargs)
+
+    monkeypatch.setattr(pc, "DecodeStep", counting)
+    pc.step_cost(SMALL.sliced(2), context_len=4, precisions=("bf16", "fp8"), device="cpu")
+    assert sorted(built) == ["bf16", "bf16", "fp8"]
+
+
 def test_compare_counts_tokens_and_divergence():
     ref = torch.zeros(4, 1, 3)
     ref[:, 0, 0] = 1.0

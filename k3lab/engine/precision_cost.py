@@ -284,22 +284,22 @@ def step_cost(config: K3Config | None = None, *, context_len: int = 64, precisio
         return DecodeStep(config, 1, context_len, weights="random", distinct_layers=1, seed=seed, device=dev,
                           optimizations=opt, precision=p)
 
-    def one(p):
-        step = build(p)
+    def one(step):
         step.routes = []
         with torch.no_grad():
             logits = step(ids)[:, -1].double().cpu()
         return logits[None], str(step.dtype).replace("torch.", ""), _runs(step), _routes(step)[None]
 
-    ref, dtype, _, ref_routes = one(REFERENCE)
+    ref, dtype, _, ref_routes = one(build(REFERENCE))
     ref_tokens = ref.argmax(-1)
     rows = []
     for p in wanted:
-        why = _refused(lambda: build(p))
+        built = []  # each precision's step is built once: refused here, or run below
+        why = _refused(lambda: built.append(build(p)))
         if why:
             rows.append(_row(p, status="not available", dtype=dtype, note=why))
             continue
-        logits, dtype, runs, routes = one(p)
+        logits, dtype, runs, routes = one(built.pop())
         rows.append(_row(p, dtype=dtype, runs=runs, **compare(logits, ref, ref_tokens, routes, ref_routes)))
     return rows
 

@@ -608,7 +608,10 @@ def main(argv=None) -> int:
               "command": " ".join(cmd[1:]), "exit_status": rc, "wall_s": round(wall, 1),
               "cpu_count": os.cpu_count(), "workers": args.workers, "workers_why": why,
               "gpu_memory": memory.record(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "shard": shard, "stopped": stopped, "files": files, "files_not_run": []}
+              "shard": shard, "stopped": stopped, "files": files, "files_not_run": [],
+              # the paths as asked ('tests' for the whole suite): `command` may list files instead, in
+              # the order they were handed out or as one shard's
+              "asked": [a for a in (rest or DEFAULT_ARGS) if not a.startswith("-")]}
     if junit.exists():
         not_run = []
         if stopped and args.workers > 1:  # a file is finished when all its collected items are reported

@@ -184,6 +184,12 @@ def test_with_workers_and_durations_the_longest_files_go_first(tmp_path, monkeyp
         assert "--co" in cmd and reorder_off == (workers > 1 and gpu_check._xdist_reorders())
         rec = json.loads((tmp_path / str(workers) / "gpu_check_o.json").read_text())
         assert rec["files"] == sorted(files)                        # the record's files stay in path order
+        assert rec["asked"] == files                                 # what was asked, beside what pytest got
+    seen.clear()
+    gpu_check.main([str(tmp_path / "whole"), "--label", "w", "--workers", "2", "--durations", str(record)])
+    rec = json.loads((tmp_path / "whole" / "gpu_check_w.json").read_text())
+    assert rec["asked"] == [a for a in gpu_check.DEFAULT_ARGS if not a.startswith("-")]
+    assert "tests" not in seen[-1] and len(rec["files"]) > 100       # the command lists files, not tests/
     assert gpu_check.slowest_first({"b": 1.0, "a": 1.0, "c": 3.0}) == ["c", "a", "b"]
 
 

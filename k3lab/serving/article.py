@@ -138,7 +138,8 @@ def settings(inp: node.Inputs, work: curve.Workload, *, gpu: str = "mi355x", tar
     glue): the best point of its front at or above the target, beside the article's setting there. Each
     row: target, model (its DCP degree, draft depth, concurrency, hit rate, tokens/s/GPU, 'projected' on
     any GPU but the one whose steps are fitted), the caches that configuration's live sessions need
-    against the HBM left after the weights and whether the host tier holds any of them, the article's
+    against the HBM left after the weights and whether the host tier holds any of them (with the restores
+    it costs over the host link: curve.evaluate's `restore_s` and `host_link_busy`), the article's
     setting, whether the two agree on DCP and on the host tier, `why` they differ, computed from those
     figures, and the step model's error. A target no configuration reaches has model None and says so."""
     g = gpu_of(gpu)
@@ -150,7 +151,8 @@ def settings(inp: node.Inputs, work: curve.Workload, *, gpu: str = "mi355x", tar
         if float(t) not in SEED["settings"]:
             raise ValueError(f"targets must be among the article's ({sorted(SEED['settings'])}), got {t!r}")
     rung = curve.RUNGS[-2]
-    fr = curve.front(curve.candidates(inp, rung, g, work))
+    every = curve.candidates(inp, rung, g, work)
+    fr = curve.front(every)
     ctx = work.mean_in + work.mean_out / 2
     free = node.free_gb(g, moe_rows_only=rung.moe_rows_only)
     rows = []
@@ -179,9 +181,15 @@ def settings(inp: node.Inputs, work: curve.Workload, *, gpu: str = "mi355x", tar
             why.append(f"{live} fit in the {free:.0f} GB of HBM left, so the host tier holds nothing and the "
                        f"hit rate is the workload's theoretical {b['hit_rate']:.1%}")
         if host_used:
-            why.append(f"{live} pass the {free:.0f} GB of HBM left and the host tier holds the rest; a hit "
-                       f"from the host costs the model no transfer back (not modelled), so a smaller history "
-                       f"per GPU (DCP8) buys it nothing")
+            other = [p for p in every if p["dcp"] != b["dcp"] and p["tokens_per_s_user"] >= t]
+            alt = max(other, key=lambda p: p["tokens_per_s_gpu"], default=None)
+            alt_text = (f"DCP{alt['dcp']}'s best there gives {alt['tokens_per_s_gpu']:,.0f} tokens/s/GPU"
+                        if alt else "no configuration at another DCP degree reaches the target")
+            why.append(f"{live} pass the {free:.0f} GB of HBM left and the host tier holds the rest: "
+                       f"{b['host_hit_rate']:.1%} of the input is restored from the host, "
+                       f"{b['restore_s'] * 1e3:.1f} ms per request over the host link "
+                       f"({g.host_gbs:g} GB/s, busy {b['host_link_busy']:.1%} of the time), so a smaller "
+                       f"history per GPU saves little ({alt_text})")
         if not row["agrees_dcp"]:
             why.append(f"with capacity not binding, DCP{b['dcp']} beats "
                        f"{' or '.join(f'DCP{d}' for d in art['dcp'] if d != b['dcp'])} on step time")

@@ -17,7 +17,8 @@ Every knob moves the figure one way, so the band's low front has all four at the
 front all at their high ends (the envelope of every combination); `per_source` moves one at a time.
 
 Beside total tokens/s/GPU every point carries output tokens/s/GPU (C x mean per-user rate / 8), TPOT P90
-(1 / the P90 per-user rate) and the modelled TTFT (the prefill of one request's uncached input).
+(1 / the P90 per-user rate) and the modelled TTFT (one request's restore of its hits from the host tier,
+if any, then the prefill of its uncached input).
 
 `calibration` states the article's measured tokens/s/GPU over the model's projection for the same GPU at
 the same interactivity (MI355X 7,567, B300 6,083), with the band's range: a calibration factor for
@@ -51,7 +52,7 @@ def _point(p: dict, work: curve.Workload) -> dict:
     return {**{k: p[k] for k in ("dcp", "depth", "concurrency", "tokens_per_s_user", "tokens_per_s_gpu",
                                  "hit_rate", "cycle_ms")},
             "output_tokens_per_s_gpu": p["concurrency"] * p["tokens_per_s_user_mean"] / 8,
-            "tpot_p90_ms": 1e3 / p["tokens_per_s_user"], "ttft_s_modelled": p["prefill_s"]}
+            "tpot_p90_ms": 1e3 / p["tokens_per_s_user"], "ttft_s_modelled": p["prefill_s"] + p["restore_s"]}
 
 
 def _front(inp, rung, g, work, memory_gb, scenario) -> list[dict]:

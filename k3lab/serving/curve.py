@@ -7,8 +7,13 @@ A configuration is (rung, GPU, DCP degree, draft depth, concurrency). For one, o
     cycle        one draft-verify step of the batch: depth x drafter + the verify step over depth + 1
                  positions (node.rank_step_us and node.verify_extra_us); depth 0 is plain decode
     R0           committed tokens per cycle (k3lab.speculative, the acceptance curve) / cycle time
-    prefill      the uncached input of a request (input x (1 - hit rate), node.hit_rate) x
+    prefill      the uncached input of a request (input x (1 - hit rate), node.hits) x
                  node.prefill_us_per_token; it stalls the decode batch
+    restore      the hits served from the host tier (node.hits), copied back over the GPU's host link
+                 (node.restore_gb / GPU.host_gbs): the request waits for it (TTFT = restore + prefill),
+                 the batch does not (a copy engine moves it); where the restores of the requests the
+                 configuration serves per second would keep the link busy more than all the time, the
+                 hits it cannot move are recomputed (prefilled) instead
     per user     R0 / (1 + C x R0 x prefill / output): the decode rate left after the prefills that the
                  batch's requests bring (C concurrent, each `output` tokens long)
     per GPU      C x per-user / output x (input + output) / 8: total tokens, input and output, as AgentX
@@ -220,7 +225,7 @@ def evaluate(
     p = work.out_tokens / work.out_tokens.sum()
     sums = rng.choice(work.in_tokens, size=(draws, C), p=p).sum(axis=1) + C * work.mean_out / 2
     t_draws = t + hist * (sums / (C * ctx) - 1.0)
-    hit = scenario.hit_rate if scenario.hit_rate is not None else node.hit_rate(
+    hit, host_hit = node.hits(
         work.reuse,
         C,
         ctx,
@@ -230,14 +235,28 @@ def evaluate(
         moe_rows_only=rung.moe_rows_only,
         memory_gb=memory_gb,
     )
-    prefill_s = work.mean_in * (1 - hit) * node.prefill_us_per_token(inp, ctx, g, rung.kda_scan) * 1e-6
+    if scenario.hit_rate is not None:  # the what-if's rate, split between HBM and host as the model's
+        host_hit = scenario.hit_rate * host_hit / hit if hit > 0 else 0.0
+        hit = scenario.hit_rate
+    pf_us = node.prefill_us_per_token(inp, ctx, g, rung.kda_scan)
     e = committed(depth, scenario.acceptance)
 
-    def per_user(t_us):
-        r0 = e / (np.asarray(t_us) * 1e-6)
-        return r0 / (1.0 + C * r0 * prefill_s / work.mean_out)
+    def rates(hit, host_hit):
+        prefill_s = work.mean_in * (1 - hit) * pf_us * 1e-6
+        restore_s = node.restore_gb(work.mean_in, hit, host_hit, dcp=dcp) / g.host_gbs
 
-    mean = float(per_user(t))
+        def per_user(t_us):
+            r0 = e / (np.asarray(t_us) * 1e-6)
+            return r0 / (1.0 + C * r0 * prefill_s / work.mean_out)
+
+        mean = float(per_user(t))
+        return prefill_s, restore_s, per_user, mean, C * mean / work.mean_out * restore_s
+
+    prefill_s, restore_s, per_user, mean, busy = rates(hit, host_hit)
+    if busy > 1.0:  # the host link cannot carry every restore: the hits it cannot move are recomputed
+        cut = host_hit * (1.0 - 1.0 / busy)
+        hit, host_hit = hit - cut, host_hit - cut
+        prefill_s, restore_s, per_user, mean, busy = rates(hit, host_hit)
     return {
         "rung": rung.name,
         "gpu": g.key,
@@ -250,7 +269,10 @@ def evaluate(
         "cycle_ms": t / 1e3,
         "committed": e,
         "hit_rate": hit,
+        "host_hit_rate": host_hit,
         "prefill_s": prefill_s,
+        "restore_s": restore_s,
+        "host_link_busy": busy,
         "terms_us": terms,
     }
 

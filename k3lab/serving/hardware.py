@@ -25,7 +25,8 @@ class Link:
 class GPU:
     """One GPU kind: memory (GB), peak and usable copy bandwidth (TB/s), dense bf16 matrix rate (TFLOP/s),
     its node's link, the seed's cost per GPU-hour (None where the seed gives none), sources, and its
-    compute units (SMs / CUs: the waves of a one-program-per-(token, head) kernel, stepmodel.waves)."""
+    compute units (SMs / CUs: the waves of a one-program-per-(token, head) kernel, stepmodel.waves), and
+    its host link: GB/s one way from pinned host memory (what a restore from the host tier moves at)."""
 
     key: str
     name: str
@@ -37,7 +38,18 @@ class GPU:
     usd_per_hour: float | None
     source: str
     compute_units: int
+    host_gbs: float
+    host_source: str
 
+
+# The H200's host-to-device copy of 64 MiB from pinned memory, measured by the agent_cache study
+# (profiles/nvidia-h200/agent_cache/h2d_64MiB__after.json: 51.97 GB/s over PCIe Gen5 x16, 63 GB/s raw).
+# The other GPUs here sit on a PCIe Gen5 x16 host link too (H100 SXM, MI355X) or are given it (B300): they
+# take the same figure, assumed, not measured.
+HOST_GBS_MEASURED = 52.0
+HOST_MEASURED = ("the H200's pinned host-to-device copy of 64 MiB measured by k3lab's agent_cache study, "
+                 "PCIe Gen5 x16")
+HOST_ASSUMED = "assumed: the H200's measured PCIe Gen5 x16 copy (52 GB/s), not measured on this GPU"
 
 # One small all-reduce or all-to-all per call inside a CUDA/HIP graph: anchors.md gives 7-25 us per
 # collective call for the DCP exchange; the model takes the low end for graph-captured small messages
@@ -80,6 +92,8 @@ GPUS: dict[str, GPU] = {
         "NVIDIA H200 datasheet (141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s bf16 dense); usable bandwidth: "
         "the 1 GiB copy measured in every decode_step record (anchors.md: 4.25 TB/s); 132 SMs",
         compute_units=132,
+        host_gbs=HOST_GBS_MEASURED,
+        host_source=HOST_MEASURED,
     ),
     "mi355x": GPU(
         "mi355x",
@@ -93,6 +107,8 @@ GPUS: dict[str, GPU] = {
         "the seed and AMD's MI355X page (288 GB HBM3E, 8 TB/s; 2.5 PFLOP/s bf16 dense); usable "
         "bandwidth 7.2 TB/s as measured in public work (anchors.md); $1.50 per GPU-hour (seed); 256 CUs",
         compute_units=256,
+        host_gbs=HOST_GBS_MEASURED,
+        host_source=HOST_ASSUMED,
     ),
     "h100": GPU(
         "h100",
@@ -107,6 +123,8 @@ GPUS: dict[str, GPU] = {
         "usable bandwidth: the H200's measured share of its peak until an H100 record carries its own "
         "(a step record's bandwidth_tbs is what the step model uses); 132 SMs",
         compute_units=132,
+        host_gbs=HOST_GBS_MEASURED,
+        host_source=HOST_ASSUMED,
     ),
     "b300": GPU(
         "b300",
@@ -121,6 +139,8 @@ GPUS: dict[str, GPU] = {
         "GPUs with sparsity, 2.25 PFLOP/s dense per GPU; NVLink 5 1.8 TB/s per GPU); usable bandwidth: the "
         "H200's measured share of its peak (assumed, not measured); 160 SMs (Blackwell Ultra)",
         compute_units=160,
+        host_gbs=HOST_GBS_MEASURED,
+        host_source=HOST_ASSUMED,
     ),
 }
 

@@ -128,7 +128,7 @@ def max_concurrency(
     return max(0, int(free // sequence_gb(context, dcp)))
 
 
-def hit_rate(
+def hits(
     theoretical: float,
     concurrency: int,
     context: float,
@@ -138,14 +138,33 @@ def hit_rate(
     host_gb: float,
     moe_rows_only: bool = True,
     memory_gb: float | None = None,
-) -> float:
-    """Prefix-cache hits (modelled): the workload's theoretical reuse while every live session's cache
-    (those decoding and those waiting on the agent, THINK_SHARE per decoding one) fits in HBM plus the
-    host tier, scaled down by the share that fits beyond that."""
-    free = free_gb(g, moe_rows_only=moe_rows_only, memory_gb=memory_gb)
+) -> tuple[float, float]:
+    """Prefix-cache hits (modelled) as (hit rate, the part of it served from the host tier): the
+    workload's theoretical reuse while every live session's cache (those decoding and those waiting on the
+    agent, THINK_SHARE per decoding one) fits in HBM plus the host tier, scaled down by the share that fits
+    beyond that; the share of the live caches that fits in HBM is served there, the rest of the hits from
+    the host (restored over the GPU's host link, `restore`)."""
+    free = max(0.0, free_gb(g, moe_rows_only=moe_rows_only, memory_gb=memory_gb))
     need = concurrency * (1 + THINK_SHARE) * sequence_gb(context, dcp)
-    room = max(0.0, free) + host_gb
-    return theoretical * min(1.0, room / need) if need > 0 else theoretical
+    if need <= 0:
+        return theoretical, 0.0
+    held = min(1.0, (free + host_gb) / need)
+    in_hbm = min(1.0, free / need)
+    return theoretical * held, theoretical * (held - in_hbm)
+
+
+def hit_rate(theoretical: float, concurrency: int, context: float, g: GPU, **kw) -> float:
+    """The hit rate of `hits` (keywords as there)."""
+    return hits(theoretical, concurrency, context, g, **kw)[0]
+
+
+def restore_gb(prompt: float, hit: float, host_hit: float, *, dcp: int) -> float:
+    """GB one GPU copies from the host tier for one request of `prompt` input tokens (modelled): its hit
+    prefix's cache (hit x prompt positions: MLA history over the DCP degree, KDA checkpoint whole) times
+    the share of hits served from the host."""
+    if hit <= 0 or host_hit <= 0:
+        return 0.0
+    return host_hit / hit * sequence_gb(hit * prompt, dcp)
 
 
 # ------------------------------------------------------------------------------------------- node model

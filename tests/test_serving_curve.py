@@ -72,7 +72,8 @@ def test_hits_from_the_host_cost_a_restore_over_the_host_link(inp):
     hit, host = node.hits(w.reuse, 24, ctx, g, dcp=1, host_gb=rung.host_gb)
     assert 0 < host < hit == p["hit_rate"] and p["host_hit_rate"] == host
     assert p["restore_s"] == pytest.approx(node.restore_gb(w.mean_in, hit, host, dcp=1) / g.host_gbs)
-    assert p["host_link_busy"] == pytest.approx(24 * p["tokens_per_s_user_mean"] / w.mean_out * p["restore_s"])
+    per_s = 24 * p["tokens_per_s_user_mean"] / w.mean_out  # requests the node serves per second
+    assert p["host_link_busy"] == pytest.approx(per_s * p["restore_s"])
     half = curve.evaluate(inp, rung, dataclasses.replace(g, host_gbs=g.host_gbs / 2), dcp=1, **kw)
     assert half["restore_s"] == pytest.approx(2 * p["restore_s"])
     assert half["tokens_per_s_gpu"] == pytest.approx(p["tokens_per_s_gpu"])

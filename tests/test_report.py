@@ -280,7 +280,7 @@ def test_the_serving_section_labels_the_projection_with_its_error_and_calibrates
     assert "projected" in page.split("</h2>", 1)[0]
     shown = page.split("<p class='projection'>", 1)[1].split("</p>", 1)[0]
     assert f"up to {err['worst']:.0%}" in shown and html.escape(err["kind"]) in shown
-    assert f"band {front.plain(band['low'])} to {front.plain(band['high'])}" in shown
+    assert f"band {front._tokens(band['low'])} to {front._tokens(band['high'])}" in shown
     assert page.count("<polygon") == 1 and "all on, projected band" in page  # the band, shaded
     for th in re.findall(r"<th>([^<]*tokens/s/GPU[^<]*)</th>", page):
         assert th.startswith("projected") and f"error up to {err['worst']:.0%}" in th, th

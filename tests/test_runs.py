@@ -44,7 +44,8 @@ def test_an_unclaimed_records_folder_fails():
 
 
 def test_said_not_run_on_a_gpu_with_a_gpu_record_fails():
-    part = runs.by_name("serving_run_capacity")
+    part = runs.by_name("profile_tools")  # said in its files not to have run on a GPU
+    assert "GPU" in part.not_run
     contradicted = replace(part, ran_on={"nvidia-h200": "nvidia-h200/serving"})
     assert any("said not to have run on a GPU" in p for p in runs.problems(_with(contradicted)))
 

@@ -177,3 +177,59 @@ def test_bad_inputs_by_name():
         Layout.of(TINY, 8)
     with pytest.raises(ValueError, match="at least two serving-run summaries"):
         costs_from_records([])
+
+
+def _capacity_records():
+    return sr.measured(device="nvidia-h100-80gb-hbm3", form="capacity")
+
+
+def test_the_capacity_table_is_the_committed_records():
+    """docs/serving_run.md's capacity table is capacity_markdown of the committed H100 capacity runs, every
+    figure recomputed here from the records; where capacity binds (the reference drops blocks), the host
+    tier and DCP8 each raise the hit rate and the total tokens/s/GPU, and only the host tier restores."""
+    from pathlib import Path
+
+    from k3lab.studies.runs import between
+    from k3lab.studies.serving import held_out
+    from k3lab.studies.serving_run import tables
+
+    recs = _capacity_records()
+    if not recs:
+        pytest.skip("no committed capacity-form run of the H100")
+    page = (Path(__file__).resolve().parents[1] / "docs" / "serving_run.md").read_text()
+    assert between(page, tables.CAPACITY_BEGIN, tables.CAPACITY_END) == held_out.capacity()
+    rows = {r["case"]: r for r in tables.capacity_rows(recs)}
+    for rec in recs:
+        s, row = rec.extra["summary"], rows[rec.case.removeprefix("capacity.")]
+        assert row["total_tok_s_gpu"] == s["total_tokens_per_s_gpu"] and row["hit_rate"] == s["hit_rate"]
+        assert row["restored_host_gb"] == s["cache"]["restored_host_bytes"] / 1e9
+    ref = rows[tables.CAPACITY_REFERENCE]
+    assert ref["dropped_blocks"] > 0 and ref["total_over_reference"] == 1.0
+    for case in ("c16.dcp1.host", "c16.dcp8.host"):
+        if case in rows:
+            r = rows[case]
+            assert r["hit_rate"] > ref["hit_rate"] and r["total_over_reference"] > 1.0
+            assert r["total_over_reference"] == pytest.approx(r["total_tok_s_gpu"] / ref["total_tok_s_gpu"])
+    if "c16.dcp1.host" in rows:
+        assert rows["c16.dcp1.host"]["restored_host_gb"] > 0
+
+
+def test_the_capacity_table_refuses_another_forms_records_and_plants_a_ratio():
+    """A quick-form record is refused by name; a capacity record whose total tokens are planted at twice
+    the reference's reads 2.00x."""
+    import copy
+
+    from k3lab.studies.serving_run import tables
+
+    recs = _capacity_records()
+    quick = sr.measured(device="nvidia-h100-80gb-hbm3")
+    if not recs or not quick:
+        pytest.skip("no committed H100 serving runs")
+    with pytest.raises(ValueError, match="capacity-form records"):
+        tables.capacity_rows(quick[:1])
+    ref = next(r for r in recs if r.case == "capacity." + tables.CAPACITY_REFERENCE)
+    other = copy.deepcopy(next(r for r in recs if r is not ref))
+    other.extra["summary"]["total_tokens_per_s_gpu"] = 2 * ref.extra["summary"]["total_tokens_per_s_gpu"]
+    rows = tables.capacity_rows([ref, other])
+    assert rows[1]["total_over_reference"] == pytest.approx(2.0)
+    assert "| 2.00x |" in tables.capacity_markdown([ref, other], "nvidia-h100-80gb-hbm3")

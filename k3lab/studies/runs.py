@@ -108,7 +108,8 @@ RUNS: tuple[Run, ...] = (
     Run("agent_cache", "the prefix-cache simulator and host<->device copies", _h200("agent_cache")),
     Run("dcp", "DCP8's local attention, the merge and the cache on one GPU", _h200("dcp")),
     Run("moe_sharding", "the MoE tail replicated vs sharded, the grouped experts", _h200("moe_sharding")),
-    Run("serving", "the step model fitted to measured steps, the serving curves", _h200("serving")),
+    Run("serving", "the step model fitted to measured steps, the serving curves",
+        {**_h200("serving"), "nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/serving"}),
     Run("gpu_check", "the tests, notebooks and `k3lab report` on a GPU machine",
         {"nvidia-h200": "nvidia-h200/gpu_check", "nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/gpu_check"}),
     Run("occupancy", "the seed's occupancy experiment: one binary, shared memory reserved level by level",
@@ -157,7 +158,7 @@ RUNS: tuple[Run, ...] = (
     Run("decode_step_targets", "the step targets' one budgeted run (k3lab.studies.decode_step.targets)",
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/decode_step"}, {"H200": ()}),
     Run("serving_run_capacity", "the serving run's capacity form (the cache binds at DCP1 and holds at DCP8)",
-        {}, {"GPU": ("README.md", "k3lab/studies/serving_run/measure.py")}),
+        {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/serving_run/capacity.c16.dcp8.host__after.json"}),
     Run("gpu_check_workers_stop", "scripts/gpu_check.py's --stop-after with several pytest-xdist workers "
         "(a record of the finished files inside one device call)",
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/gpu_check/gpu_check_tests_f9fc851_part.json"}),

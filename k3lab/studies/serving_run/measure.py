@@ -44,8 +44,8 @@ RUN_S = {"quick": (15.0, 10.0), "full": (40.0, 20.0), "brief": (6.0, 4.0),
 FORM_CASES = {"quick": QUICK, "full": FULL, "brief": BRIEF, "capacity": CAPACITY}
 CAPACITY_WHY = """The capacity form: where the cache's capacity binds, what DCP8 and the host tier change.
 
-Not yet run on a GPU: its GPU cases are planned from the H100 quick runs (serving.plan), not measured;
-only its CPU size has run.
+Its GPU cases were planned from the H100 quick runs (serving.plan) and then run on an H100 (records
+profiles/nvidia-h100-80gb-hbm3/serving_run/capacity.*; docs/serving_run.md's capacity table).
 
 Why it exists. In the quick form's 15 s a session at concurrency 16 completes about one turn (the
 sixteen first prompts' prefill takes longer than the clock), so almost no turn can hit a cached prefix

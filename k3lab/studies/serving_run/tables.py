@@ -183,3 +183,69 @@ def summary_text(records) -> str:
                      f"{s.get('hit_rate', math.nan):.2f}")
     return "\n".join(lines)
 
+
+
+CAPACITY_BEGIN = ("<!-- capacity table: python -m k3lab.studies.serving.held_out --write "
+                  "(k3lab/studies/serving_run/tables.py) -->")
+CAPACITY_END = "<!-- end of capacity table -->"
+CAPACITY_REFERENCE = "c16.dcp1.gpu_only"  # the capacity form's run where the cache binds and nothing helps
+
+
+def capacity_rows(records) -> list[dict]:
+    """One row per capacity-form record (ValueError for another form's or study's): its case, DCP
+    degree, host tier, requests done, prefix hit rate, the cache's peak in device memory and in the host
+    tier against the run's budget (GB), what it restored from the host (GB, seconds), the blocks it
+    dropped (evicted with nowhere to go), TTFT and TPOT P50/P90 (ms), output and total tokens/s/GPU,
+    and total tokens/s/GPU over the reference run's (CAPACITY_REFERENCE, same device; None without it)."""
+    rows = []
+    for r in records:
+        if getattr(r, "study", None) != NAME or parse_case(r.case).get("form") != "capacity":
+            raise ValueError(f"records must be {NAME!r} capacity-form records, got {getattr(r, 'case', r)!r}")
+        s = r.extra.get("summary", {})
+        c, b = s.get("cache", {}), r.extra.get("describe", {}).get("cache_budget", {})
+        ttft, tpot = s.get("ttft_ms", {}), s.get("tpot_ms", {})
+        rows.append({
+            "case": r.case.removeprefix(FORM_PREFIX), "device": r.device, "dcp": r.shape.get("dcp"),
+            "host_tier": r.shape.get("host_tier"), "requests": s.get("requests"),
+            "hit_rate": s.get("hit_rate"), "device_peak_gb": c.get("peak_device_bytes", 0) / 1e9,
+            "device_budget_gb": b.get("gpu_bytes", math.nan) / 1e9,
+            "host_peak_gb": c.get("peak_host_bytes", 0) / 1e9,
+            "host_budget_gb": b.get("host_bytes", math.nan) / 1e9 if r.shape.get("host_tier") else 0.0,
+            "restored_host_gb": c.get("restored_host_bytes", 0) / 1e9,
+            "restore_host_s": c.get("restore_host_s", 0.0), "dropped_blocks": c.get("dropped_blocks"),
+            "ttft_p50_ms": ttft.get("p50"), "ttft_p90_ms": ttft.get("p90"),
+            "tpot_p50_ms": tpot.get("p50"), "tpot_p90_ms": tpot.get("p90"),
+            "output_tok_s_gpu": s.get("output_tokens_per_s_gpu"),
+            "total_tok_s_gpu": s.get("total_tokens_per_s_gpu"),
+        })
+    for row in rows:
+        ref = next((x for x in rows if x["case"] == CAPACITY_REFERENCE and x["device"] == row["device"]),
+                   None)
+        row["total_over_reference"] = (row["total_tok_s_gpu"] / ref["total_tok_s_gpu"]
+                                       if ref and ref["total_tok_s_gpu"] else None)
+    return rows
+
+
+def capacity_markdown(records, device: str) -> str:
+    """docs/serving_run.md's capacity table: `capacity_rows` of `device`'s committed capacity-form runs,
+    every figure from the records; a line saying none is committed when there are none."""
+    rows = capacity_rows(records)
+    if not rows:
+        return f"No capacity-form run of {device} is committed."
+    out = [f"Measured on {rows[0]['device']}, the capacity form (docs above; records "
+           f"profiles/{device}/serving_run/capacity.*). The last column sets each run's total tokens/s/GPU "
+           f"over {CAPACITY_REFERENCE}'s, the run where the cache binds and neither DCP8 nor the host tier "
+           f"helps.", "",
+           "| run | requests | hit rate | cache peak / budget in HBM (GB) | host tier peak / budget (GB) | "
+           "restored from the host (GB in s) | blocks dropped | TTFT P50 / P90 (ms) | TPOT P50 / P90 (ms) | "
+           "output tok/s/GPU | total tok/s/GPU | total over the reference |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "-" if r["total_over_reference"] is None else f"{r['total_over_reference']:.2f}x"
+        host = (f"{r['host_peak_gb']:.2f} / {r['host_budget_gb']:.2f}" if r["host_tier"] else "no host tier")
+        out.append(f"| {r['case']} | {r['requests']} | {r['hit_rate']:.2f} | {r['device_peak_gb']:.2f} / "
+                   f"{r['device_budget_gb']:.2f} | {host} | {r['restored_host_gb']:.2f} in "
+                   f"{r['restore_host_s']:.2f} | {r['dropped_blocks']} | {r['ttft_p50_ms']:,.0f} / "
+                   f"{r['ttft_p90_ms']:,.0f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p90_ms']:.1f} | "
+                   f"{r['output_tok_s_gpu']:.1f} | {r['total_tok_s_gpu']:,.0f} | {ratio} |")
+    return "\n".join(out)

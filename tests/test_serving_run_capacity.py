@@ -203,6 +203,9 @@ def test_the_capacity_table_is_the_committed_records():
         s, row = rec.extra["summary"], rows[rec.case.removeprefix("capacity.")]
         assert row["total_tok_s_gpu"] == s["total_tokens_per_s_gpu"] and row["hit_rate"] == s["hit_rate"]
         assert row["restored_host_gb"] == s["cache"]["restored_host_bytes"] / 1e9
+        model = rec.extra.get("model", {})
+        assert row["model_term"] == model.get("wrong_term")
+        assert row["model ttft_p50_ms err"] == model.get("ttft_p50_ms err")
     ref = rows[tables.CAPACITY_REFERENCE]
     assert ref["dropped_blocks"] > 0 and ref["total_over_reference"] == 1.0
     for case in ("c16.dcp1.host", "c16.dcp8.host"):

@@ -196,7 +196,9 @@ def capacity_rows(records) -> list[dict]:
     degree, host tier, requests done, prefix hit rate, the cache's peak in device memory and in the host
     tier against the run's budget (GB), what it restored from the host (GB, seconds), the blocks it
     dropped (evicted with nowhere to go), TTFT and TPOT P50/P90 (ms), output and total tokens/s/GPU,
-    and total tokens/s/GPU over the reference run's (CAPACITY_REFERENCE, same device; None without it)."""
+    total tokens/s/GPU over the reference run's (CAPACITY_REFERENCE, same device; None without it), and
+    the step model's replay of the run (extra['model'], predict.check_run with the run's steps timed
+    alone): predicted / measured - 1 per MODEL_COLUMNS key ('model <key> err') and the term it names."""
     rows = []
     for r in records:
         if getattr(r, "study", None) != NAME or parse_case(r.case).get("form") != "capacity":
@@ -217,6 +219,8 @@ def capacity_rows(records) -> list[dict]:
             "tpot_p50_ms": tpot.get("p50"), "tpot_p90_ms": tpot.get("p90"),
             "output_tok_s_gpu": s.get("output_tokens_per_s_gpu"),
             "total_tok_s_gpu": s.get("total_tokens_per_s_gpu"),
+            **{f"model {k} err": r.extra.get("model", {}).get(f"{k} err") for k in MODEL_COLUMNS},
+            "model_term": r.extra.get("model", {}).get("wrong_term"),
         })
     for row in rows:
         ref = next((x for x in rows if x["case"] == CAPACITY_REFERENCE and x["device"] == row["device"]),
@@ -224,6 +228,14 @@ def capacity_rows(records) -> list[dict]:
         row["total_over_reference"] = (row["total_tok_s_gpu"] / ref["total_tok_s_gpu"]
                                        if ref and ref["total_tok_s_gpu"] else None)
     return rows
+
+
+def _errs(row: dict) -> str:
+    keys = ("ttft_p50_ms", "tpot_p50_ms", "output_tokens_per_s_gpu")
+    errs = [row.get(f"model {k} err") for k in keys]
+    if all(e is None for e in errs):
+        return "no replay recorded"
+    return ", ".join("-" if e is None else f"{100 * e:+.0f}%" for e in errs)
 
 
 def capacity_markdown(records, device: str) -> str:
@@ -238,8 +250,9 @@ def capacity_markdown(records, device: str) -> str:
            f"helps.", "",
            "| run | requests | hit rate | cache peak / budget in HBM (GB) | host tier peak / budget (GB) | "
            "restored from the host (GB in s) | blocks dropped | TTFT P50 / P90 (ms) | TPOT P50 / P90 (ms) | "
-           "output tok/s/GPU | total tok/s/GPU | total over the reference |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "output tok/s/GPU | total tok/s/GPU | total over the reference | the model's replay: TTFT P50, TPOT "
+           "P50, output tok/s (predicted / measured - 1) | the term it names |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "-" if r["total_over_reference"] is None else f"{r['total_over_reference']:.2f}x"
         host = (f"{r['host_peak_gb']:.2f} / {r['host_budget_gb']:.2f}" if r["host_tier"] else "no host tier")
@@ -247,5 +260,6 @@ def capacity_markdown(records, device: str) -> str:
                    f"{r['device_budget_gb']:.2f} | {host} | {r['restored_host_gb']:.2f} in "
                    f"{r['restore_host_s']:.2f} | {r['dropped_blocks']} | {r['ttft_p50_ms']:,.0f} / "
                    f"{r['ttft_p90_ms']:,.0f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p90_ms']:.1f} | "
-                   f"{r['output_tok_s_gpu']:.1f} | {r['total_tok_s_gpu']:,.0f} | {ratio} |")
+                   f"{r['output_tok_s_gpu']:.1f} | {r['total_tok_s_gpu']:,.0f} | {ratio} | {_errs(r)} | "
+                   f"{r['model_term'] or 'none'} |")
     return "\n".join(out)

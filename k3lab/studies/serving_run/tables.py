@@ -250,8 +250,9 @@ def capacity_markdown(records, device: str) -> str:
            f"helps.", "",
            "| run | requests | hit rate | cache peak / budget in HBM (GB) | host tier peak / budget (GB) | "
            "restored from the host (GB in s) | blocks dropped | TTFT P50 / P90 (ms) | TPOT P50 / P90 (ms) | "
-           "output tok/s/GPU | total tok/s/GPU | total over the reference | the model's replay: TTFT P50, TPOT "
-           "P50, output tok/s (predicted / measured - 1) | the term it names |",
+           "output tok/s/GPU | total tok/s/GPU | total over the reference | "
+           "the model's replay: TTFT P50, TPOT P50, output tok/s (predicted / measured - 1) | "
+           "the term it names |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "-" if r["total_over_reference"] is None else f"{r['total_over_reference']:.2f}x"

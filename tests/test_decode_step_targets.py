@@ -186,3 +186,24 @@ def test_a_pair_that_raises_is_named_as_failed_and_the_run_goes_on(monkeypatch, 
     assert tg.main(["--json", str(tmp_path / "t.json"), "--repeats", "1"]) == 1
     table = capsys.readouterr().out.rstrip().splitlines()[-8:]
     assert any("all_on_default" in line and "failed: RuntimeError" in line for line in table)
+
+
+def test_the_pages_targets_table_is_the_committed_records():
+    """docs/decode_step.md's targets table is doc_markdown of the committed H100 records; each measured
+    row's step time and verdict are recomputed here from the records; a tree without records says so."""
+    from k3lab import bench
+    from k3lab.studies.runs import REPO, between
+
+    page = (REPO / "docs" / "decode_step.md").read_text()
+    text = tg.doc_markdown()
+    assert between(page, tg.DOC_BEGIN, tg.DOC_END) == text
+    recs = bench.load_records(study="decode_step", device="nvidia-h100-80gb-hbm3")
+    for row in tg.target_rows(recs, device="nvidia-h100-80gb-hbm3"):
+        if row["ms"] == tg.NOT_MEASURED:
+            continue
+        rec = next(r for r in recs if r.case == f"{row['case']}.{row['variant']}.{row['mode']}"
+                   or (row["mode"] == "eager" and r.case == f"{row['case']}.{row['variant']}"))
+        assert row["ms"] == rec.median_us / 1e3
+        line = f"| {row['case']} | {row['variant']} | {row['ms']:.2f} |"
+        assert line in text and row["verdict"] in text
+    assert "is committed" in tg.doc_markdown(device="no-such-device")

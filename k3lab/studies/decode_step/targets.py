@@ -36,8 +36,7 @@ Triton in its interpreter), the article step left out as the study leaves it out
 whose times are not speeds (the rows say so instead of pass or miss). On a GPU the run has been made
 on an H100 only (its records under profiles/nvidia-h100-80gb-hbm3/decode_step/, the table in
 docs/decode_step.md): the four default pairs and the FP8 one in 50 s from a warm kernel cache, under the
-estimates above; the article's pair ran out of the card's memory while quantizing the routed experts
-(since done a slab of rows at a time, `mxfp4.quantize`) and has no GPU measurement yet.
+estimates above; B = 1, 1K's three pairs, the article's included, in 82 s on a fresh machine.
 """
 
 from __future__ import annotations
@@ -350,6 +349,48 @@ def table_text(rows: list[dict]) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body]]
     return "\n".join(lines)
+
+
+DOC_BEGIN = ("<!-- targets table: python -c \"from k3lab.studies.decode_step import targets; "
+             "targets.write_doc()\" (k3lab/studies/decode_step/targets.py) -->")
+DOC_END = "<!-- end of targets table -->"
+
+
+def doc_markdown(device: str = "nvidia-h100-80gb-hbm3", root=None) -> str:
+    """docs/decode_step.md's targets table: `target_rows` of `device`'s committed records as markdown,
+    with the device, its records' commits and the copy bandwidth they measured; every figure from the
+    records (root: default the tree's profiles/)."""
+    from k3lab import bench
+
+    recs = bench.load_records(study="decode_step", device=device, root=root)
+    rows = target_rows(recs, device=device)
+    pairs = {(row["case"], row["variant"]) for row in rows if row["ms"] != NOT_MEASURED}
+    named = [r for r in recs if tuple(r.case.split(".")[:2]) in pairs]
+    if not named:
+        return f"No decode-step target of {device} is committed.\n"
+    commits = sorted({r.commit for r in named})
+    bws = sorted({round((r.extra or {}).get("bandwidth_tbs") or 0, 2) for r in named} - {0})
+    head = (f"On {named[0].device}, graph replay where captured; records under profiles/{device}/"
+            f"decode_step/ (trees {', '.join(commits)}; copy bandwidth measured in each run "
+            f"{' and '.join(f'{b:.2f}' for b in bws)} TB/s).")
+    out = [head, "", "| case | variant | step ms | bytes floor ms | share of floor | target | result | note |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def f(key):
+            v = r.get(key)
+            if isinstance(v, float):
+                return _share(v) if key == "of_floor" else f"{v:.2f}"
+            return "-" if v == NOT_MEASURED else str(v)
+        out.append(f"| {r['case']} | {r['variant']} | {f('ms')} | {f('floor_ms')} | {f('of_floor')} | "
+                   f"{r['target']} | {r['verdict']} | {r['note']} |")
+    return "\n".join(out) + "\n"
+
+
+def write_doc(path: Path | None = None, device: str = "nvidia-h100-80gb-hbm3") -> bool:
+    """Put doc_markdown(device) between DOC_BEGIN and DOC_END in docs/decode_step.md; True if it changed."""
+    from k3lab.studies.runs import REPO, write_between
+
+    return write_between(path or REPO / "docs" / "decode_step.md", DOC_BEGIN, DOC_END, doc_markdown(device))
 
 
 def _write(path: Path, records: list) -> None:

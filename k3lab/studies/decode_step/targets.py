@@ -358,8 +358,8 @@ DOC_END = "<!-- end of targets table -->"
 
 def doc_markdown(device: str = "nvidia-h100-80gb-hbm3", root=None) -> str:
     """docs/decode_step.md's targets table: `target_rows` of `device`'s committed records as markdown,
-    with the device, its records' commits and the copy bandwidth they measured; every figure from the
-    records (root: default the tree's profiles/)."""
+    with the device and the copy bandwidth they measured; every figure from the records (root: default
+    the tree's profiles/)."""
     from k3lab import bench
 
     recs = bench.load_records(study="decode_step", device=device, root=root)
@@ -368,10 +368,9 @@ def doc_markdown(device: str = "nvidia-h100-80gb-hbm3", root=None) -> str:
     named = [r for r in recs if tuple(r.case.split(".")[:2]) in pairs]
     if not named:
         return f"No decode-step target of {device} is committed.\n"
-    commits = sorted({r.commit for r in named})
     bws = sorted({round((r.extra or {}).get("bandwidth_tbs") or 0, 2) for r in named} - {0})
     head = (f"On {named[0].device}, graph replay where captured; records under profiles/{device}/"
-            f"decode_step/ (trees {', '.join(commits)}; copy bandwidth measured in each run "
+            f"decode_step/ (each names its tree; copy bandwidth measured in the runs "
             f"{' and '.join(f'{b:.2f}' for b in bws)} TB/s).")
     out = [head, "", "| case | variant | step ms | bytes floor ms | share of floor | target | result | note |",
            "|---|---|---|---|---|---|---|---|"]

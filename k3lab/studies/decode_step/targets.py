@@ -372,8 +372,8 @@ def doc_markdown(device: str = "nvidia-h100-80gb-hbm3", root=None) -> str:
     head = (f"On {named[0].device}, graph replay where captured; records under profiles/{device}/"
             f"decode_step/ (each names its tree; copy bandwidth measured in the runs "
             f"{' and '.join(f'{b:.2f}' for b in bws)} TB/s).")
-    out = [head, "", "| case | variant | step ms | bytes floor ms | share of floor | target | result | note |",
-           "|---|---|---|---|---|---|---|---|"]
+    cols = "| case | variant | step ms | bytes floor ms | share of floor | target | result | note |"
+    out = [head, "", cols, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def f(key):
             v = r.get(key)

@@ -43,7 +43,41 @@ def test_the_glue_case_is_a_study_case_kept_out_of_the_step_tables():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the glue kernels are timed on a GPU")
 def test_glue_records_on_the_gpu():
-    recs = glue.run()
+    recs = glue.run(experts=False)
     cases = {r.case for r in recs}
     assert {"glue.moe_router.N1", "glue.moe_router.N64", "glue.situ_glu.shared_expert_N1"} <= cases
     assert {r.variant for r in recs} == {"before", "after"} and all(r.median_us > 0 for r in recs)
+
+
+def _tiny_experts(**kw):
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32  # the interpreter has no bf16 arithmetic
+    return glue.expert_records(glue.EXPERT_SWEEP[:2], experts=8, top_k=2, latent=64, intermediate=64, sets=2,
+                               repeats=3, device=DEV, dtype=dtype, log=lambda *a: None, **kw)
+
+
+def test_expert_records_check_each_choice_and_label_it():
+    """bf16 'before', one MXFP4 'after' per block choice (the first the default), each checked against its
+    fp64 product, floored at its own bytes (MXFP4's 4.25 bits against the dense dtype's)."""
+    from k3lab.ops.moe_experts import mxfp4_kernels as mk
+
+    recs = _tiny_experts()
+    assert [r.variant for r in recs] == ["before", "after", "after"]
+    assert recs[0].case == "glue.experts.N1.bf16" and recs[0].error["max_rel_vs_fp64"] <= 1e-2
+    for r, (up, down) in zip(recs[1:], glue.EXPERT_SWEEP[:2]):
+        assert r.case == "glue.experts.N1.mxfp4.up{}x{}w{}.down{}x{}w{}".format(*up, *down)
+        assert r.error["max_abs_vs_fp64"] <= r.error["tolerance"]
+        assert r.extra["default"] == ((up, down) == (mk.UP_BLOCKS, mk.DOWN_BLOCKS))
+        assert r.extra["bytes"] == mk.expert_bytes(1, 2, 64, 64) < recs[0].extra["bytes"]
+        assert r.floor_us == pytest.approx(r.extra["bytes"] / (r.extra["bandwidth_tbs"] * 1e6))
+
+
+def test_expert_records_refuse_a_wrong_kernel_before_timing(monkeypatch):
+    """A planted MXFP4 result 1% off fails its check, naming the block choice, and nothing is timed."""
+    from k3lab.ops.moe_experts import mxfp4_kernels as mk
+
+    real, timed = mk.mxfp4_experts, []
+    monkeypatch.setattr(mk, "mxfp4_experts", lambda *a, **k: real(*a, **k) * 1.01)
+    monkeypatch.setattr(bench, "time_fn", lambda *a, **k: timed.append(1))
+    with pytest.raises(bench.CheckFailed, match="up32x256w4.down16x256w4"):
+        _tiny_experts()
+    assert timed == []

@@ -1,10 +1,13 @@
 """The step's glue kernels, each against its torch path at the step's shapes: the fused router + expert
 sort (k3lab.ops.moe_router, K3's E = 896, top_k = 16, N = 1 and 64 tokens) and SiTU-GLU
 (k3lab.ops.situ_glu at the TP8 widths, N = 1 and 64 rows). The `glue_fused` switch turns both on in
-the whole step; here each is timed alone. The router's two Triton forms are also timed against each
-other at every size (`launch_records`): one launch (route and sort in one program) against two (a
-top-k program per token, then the sort), both forced, so the records show where route_and_sort's
-bound (moe_router.FUSED_PAIRS) should sit and which top-k width (warps) is quickest.
+the whole step; here each is timed alone. Beside them, one token's routed experts alone
+(`expert_records`): bf16 against MXFP4, and the MXFP4 one-token launches' block choices (`EXPERT_SWEEP`),
+the part of the article-precision step that its targets miss on (docs/decode_step.md). The router's
+two Triton forms are also timed against each other at every size (`launch_records`): one launch
+(route and sort in one program) against two (a top-k program per token, then the sort), both forced,
+so the records show where route_and_sort's bound (moe_router.FUSED_PAIRS) should sit and which top-k
+width (warps) is quickest.
 
     k3lab bench decode_step --cases glue --json F      (GPU; records of study decode_step, cases glue.*)
 
@@ -159,12 +162,118 @@ def situ_glu_records(rows=(1, 64), dtype=torch.bfloat16) -> list[bench.Record]:
     return out
 
 
-def run(log=print) -> list[bench.Record]:
-    """Both glue kernels' records; [] on a CPU (said in the log)."""
+# The one-token MXFP4 expert launches' block choices timed at K3's widths: (up, down) pairs of
+# (columns, values per step, warps); the first is mxfp4_kernels' default, then the up launch varied with
+# the default down, then the down launch varied with the default up (the two launches are independent).
+EXPERT_SWEEP = (((32, 256, 4), (16, 256, 4)),
+                ((16, 256, 4), (16, 256, 4)), ((64, 256, 8), (16, 256, 4)), ((32, 128, 4), (16, 256, 4)),
+                ((32, 512, 8), (16, 256, 4)),
+                ((32, 256, 4), (16, 128, 4)), ((32, 256, 4), (32, 128, 4)), ((32, 256, 4), (8, 128, 4)),
+                ((32, 256, 4), (16, 64, 2)))
+K3_EXPERTS = {"experts": E, "top_k": TOP_K, "latent": 3584, "intermediate": 384}  # a TP8 rank's, K3Config
+
+
+def _sliced(w, experts):
+    """The Mxfp4Weight of the chosen experts only (the reference dequantizes those, not all E)."""
+    from k3lab.ops.moe_experts.mxfp4 import Mxfp4Weight
+
+    return Mxfp4Weight(w.packed[experts], w.scale_exp[experts])
+
+
+def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, latent: int = 3584,
+                   intermediate: int = 384, sets: int = 8, repeats: int = 50, device: str = "cuda",
+                   dtype=torch.bfloat16, seed: int = 0, log=print) -> list[bench.Record]:
+    """One token's routed experts at a rank's widths (defaults: K3_EXPERTS), each call reading another
+    draw of `top_k` of `experts` (`sets` draws rotated, so the weights are not timed hot in L2): the bf16
+    stacks through routed_experts' Triton form ('before'), the MXFP4 stacks through the one-token kernels
+    at each (up, down) block choice of `sweep` ('after'; the first is the default); `dtype`: the dense
+    stacks' and the token's (bf16 as the step runs; fp32 for Triton's CPU interpreter, which has no bf16
+    arithmetic). Each MXFP4 choice is
+    checked first against the fp64 product of the dequantized chosen experts (mxfp4_kernels.reference;
+    2e-5 of the output's largest value, fp32 accumulation) and the bf16 path against the fp64 product of
+    its own weights (1e-2 relative, bf16 inputs); a failed check is a bench.CheckFailed naming the choice,
+    before anything is timed. floor_us: the streamed bytes (mxfp4_kernels.expert_bytes: 4.25 bits a
+    weight, or 2 bytes) over the copy bandwidth measured in the run (measure.measured_bandwidth_tbs; the
+    env peak on a CPU, where the times are not speeds). Cases glue.experts.N1.bf16 and
+    glue.experts.N1.mxfp4.up<n>x<k>w<w>.down<n>x<k>w<w>."""
+    from k3lab.ops import moe_experts
+    from k3lab.ops.moe_experts import mxfp4_kernels as mk
+
+    from .measure import measured_bandwidth_tbs
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    L, F = latent, intermediate
+    stacks = [torch.randn(shape_, generator=gen) * 0.05
+              for shape_ in ((experts, F, L), (experts, F, L), (experts, L, F))]
+    bf16 = [w.to(device=device, dtype=dtype) for w in stacks]
+    mx = [mk.quantize_experts(w.to(device)) for w in stacks]
+    del stacks
+    z = torch.randn(1, L, generator=gen).to(device=device, dtype=dtype)
+    draws = []
+    for _ in range(sets):
+        idx = torch.randperm(experts, generator=gen)[:top_k].to(torch.int32).reshape(1, top_k)
+        w = torch.rand(1, top_k, generator=gen)
+        draws.append((idx.to(device), (w / w.sum()).to(device)))
+    bw, how = measured_bandwidth_tbs()
+    graph = device != "cpu"
+    out = []
+    idx0, w0 = draws[0]
+    chosen = idx0.reshape(-1).long()
+    local = torch.arange(top_k, dtype=torch.int32, device=device).reshape(1, top_k)
+    ref = mk.reference(z, w0, local, *(_sliced(w, chosen) for w in mx))
+    got = moe_experts.routed_experts(z, w0, idx0, *bf16, backend="triton")
+    ref16 = torch.zeros_like(ref)
+    zd = z.double()[0]
+    from k3lab.nn.situ import situ_glu
+
+    for j, e in enumerate(chosen.tolist()):
+        h = situ_glu(bf16[0][e].double() @ zd, bf16[1][e].double() @ zd)
+        ref16[0] += float(w0[0, j]) * (bf16[2][e].double() @ h)
+    err16 = float((got.double() - ref16).abs().max() / ref16.abs().max())
+    if not err16 <= 1e-2:
+        raise bench.CheckFailed(f"routed_experts (bf16, triton) at one token: {err16:.3g} of the largest "
+                                f"output from the fp64 product, more than 1e-2")
+    tol, errs = 2e-5 * max(1.0, float(ref.abs().max())), {}
+    for up, down in sweep:  # every choice checked before anything is timed
+        y = mk.mxfp4_experts(z, w0, idx0, *mx, up_blocks=up, down_blocks=down)
+        errs[up, down] = err = float((y.double() - ref).abs().max())
+        if not err <= tol:
+            raise bench.CheckFailed("mxfp4_experts up{}x{}w{}.down{}x{}w{}: ".format(*up, *down)
+                                    + f"{err:.3g} from the fp64 product, more than {tol:.3g}")
+    rotate = [(i, w) for i, w in draws]
+    nbytes = {"bf16": mk.expert_bytes(1, top_k, L, F, bf16[0].element_size()),
+              "mxfp4": mk.expert_bytes(1, top_k, L, F)}
+    shape = {"tokens": 1, "experts": experts, "top_k": top_k, "latent": L, "intermediate": F, "sets": sets}
+    t = bench.time_fn(lambda i, w: moe_experts.routed_experts(z, w, i, *bf16, backend="triton",
+                                                              check_values=False),
+                      rotate=rotate, graph=graph, device=device, repeats=repeats, warmup=2)
+    out.append(bench.make_record(NAME, f"{PREFIX}experts.N1.bf16", "before", t, shape=shape,
+                                 dtype=dtype, floor_us=nbytes["bf16"] / (bw * 1e6),
+                                 error={"max_rel_vs_fp64": err16}, bytes=nbytes["bf16"], bandwidth_tbs=bw,
+                                 bandwidth_how=how, backend_used="triton"))
+    for up, down in sweep:
+        name = "up{}x{}w{}.down{}x{}w{}".format(*up, *down)
+        t = bench.time_fn(lambda i, w, up=up, down=down: mk.mxfp4_experts(z, w, i, *mx, check_values=False,
+                                                                          up_blocks=up, down_blocks=down),
+                          rotate=rotate, graph=graph, device=device, repeats=repeats, warmup=2)
+        rec = bench.make_record(NAME, f"{PREFIX}experts.N1.mxfp4.{name}", "after", t, shape=shape,
+                                dtype=dtype, floor_us=nbytes["mxfp4"] / (bw * 1e6),
+                                error={"max_abs_vs_fp64": errs[up, down], "tolerance": tol},
+                                bytes=nbytes["mxfp4"], bandwidth_tbs=bw, bandwidth_how=how,
+                                up_blocks=list(up), down_blocks=list(down),
+                                default=(up, down) == (mk.UP_BLOCKS, mk.DOWN_BLOCKS))
+        out.append(rec)
+        log(f"decode_step glue: experts mxfp4 {name}: {rec.median_us:.1f} us, floor {rec.floor_us:.1f} us")
+    return out
+
+
+def run(log=print, *, experts: bool = True) -> list[bench.Record]:
+    """The glue kernels' records, then (experts) the one-token routed experts' (`expert_records`, at K3's
+    widths: about 9 GB of expert stacks on the GPU); [] on a CPU (said in the log)."""
     if not torch.cuda.is_available():
         log("decode_step glue: the glue kernels are timed on a GPU; there is none here, so nothing is "
             "measured (tests/test_moe_router.py and tests/test_situ_glu_op.py check them on a CPU)")
         return []
     routes = router_records() + launch_records()
     log("decode_step glue: the MoE router, us per call in a CUDA graph\n" + router_table(routes))
-    return routes + situ_glu_records()
+    return routes + situ_glu_records() + (expert_records(log=log) if experts else [])

@@ -343,6 +343,13 @@ def test_run_accounting(weights):
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"]
     assert s["output_tokens_per_s_gpu"] > 0 and s["total_tokens_per_s_gpu"] > s["output_tokens_per_s_gpu"]
+    # the pool's stores are timed apart inside the prefill calls: a part of each, and there whenever a
+    # prompt finished (every request's did)
+    for row in res.iterations:
+        assert 0.0 <= row["store_s"] <= row["prefill_s"]
+        assert (row["store_s"] > 0) <= (row["prefill_tokens"] > 0)
+    assert 0 < s["prefill_store_s"] <= s["prefill_s"]
+    assert s["prefill_store_s"] == pytest.approx(sum(row["store_s"] for row in res.iterations))
 
 
 @CPU

@@ -197,6 +197,7 @@ class RunResult:
             "decode_steps": sum(len(v) for v in dec.values()),
             "prefill_calls": len(pf), "prefill_tokens": sum(row["prefill_tokens"] for row in pf),
             "prefill_s": sum(row["prefill_s"] for row in pf),
+            "prefill_store_s": sum(row.get("store_s", 0.0) for row in pf),
             "prefill_tokens_per_s": (sum(row["prefill_tokens"] for row in pf)
                                      / max(1e-12, sum(row["prefill_s"] for row in pf))),
             "iterations_with_prefill_and_decode": sum(1 for row in it if row["prefill_tokens"] and
@@ -430,9 +431,10 @@ class _Run:
         _sync(self.sc.device)
         return b, time.perf_counter() - t0
 
-    def _prefill(self, budget: int) -> tuple[list[_Req], int, float]:
+    def _prefill(self, budget: int) -> tuple[list[_Req], int, float, float]:
         """Chunks of the requests being prefilled within `budget` tokens; returns (requests whose prompt
-        is done, tokens run, seconds)."""
+        is done, tokens run, seconds, the part of them spent storing finished prompts and checkpoints in
+        the pool after the chunks' compute, a device sync on each side)."""
         chunks, reqs, iv = [], [], self.cfg.checkpoint_interval
         for r in self.active:
             if r.state != "prefill" or budget <= 0 or len(chunks) >= self.sc.staging:
@@ -445,9 +447,11 @@ class _Run:
             reqs.append(r)
             budget -= end - r.done
         if not chunks:
-            return [], 0, 0.0
+            return [], 0, 0.0, 0.0
         t0 = time.perf_counter()
         logits = self.e.prefill(chunks)
+        _sync(self.sc.device)
+        t1 = time.perf_counter()
         finished, B = [], self.s.workload.block_size
         for c, r, row in zip(chunks, reqs, logits):
             r.done += c.tokens
@@ -467,7 +471,8 @@ class _Run:
             elif iv and r.done % iv == 0:
                 self.pool.store(r.ids, r.slot, r.done // B, stage=r.stage, checkpoint=(r.done, None))
         _sync(self.sc.device)
-        return finished, sum(c.tokens for c in chunks), time.perf_counter() - t0
+        t2 = time.perf_counter()
+        return finished, sum(c.tokens for c in chunks), t2 - t0, t2 - t1
 
     def _step(self) -> None:
         _sync(self.sc.device)
@@ -475,7 +480,7 @@ class _Run:
         host_s = self._admit()
         decoding = [r for r in self.active if r.state == "decode"]
         b, dec_s = self._decode(decoding)
-        first, tokens, pf_s = self._prefill(self.cfg.max_batched_tokens - len(decoding))
+        first, tokens, pf_s, store_s = self._prefill(self.cfg.max_batched_tokens - len(decoding))
         _sync(self.sc.device)
         dt = time.perf_counter() - t0
         if self.cfg.step_cost is not None:
@@ -486,7 +491,7 @@ class _Run:
             r.times.append(self.now)
         self.iterations.append({"t": self.now, "dt": dt, "running": len(self.active), "decode_batch": b,
                                 "decode_seqs": len(decoding), "decode_s": dec_s, "prefill_tokens": tokens,
-                                "prefill_s": pf_s, "restore_host_s": host_s})
+                                "prefill_s": pf_s, "store_s": store_s, "restore_host_s": host_s})
         for r in [r for r in self.active if r.state == "decode" and len(r.times) >= r.out]:
             self._finish(r)
 

@@ -280,7 +280,7 @@ def test_the_serving_section_labels_the_projection_with_its_error_and_calibrates
     assert "projected" in page.split("</h2>", 1)[0]
     shown = page.split("<p class='projection'>", 1)[1].split("</p>", 1)[0]
     assert f"up to {err['worst']:.0%}" in shown and html.escape(err["kind"]) in shown
-    assert f"band {front._tokens(band['low'])} to {front._tokens(band['high'])}" in shown
+    assert front.band_phrase(band["low"], band["high"]) in shown
     assert page.count("<polygon") == 1 and "all on, projected band" in page  # the band, shaded
     for th in re.findall(r"<th>([^<]*tokens/s/GPU[^<]*)</th>", page):
         assert th.startswith("projected") and f"error up to {err['worst']:.0%}" in th, th
@@ -491,3 +491,9 @@ def test_notebook_06_runs_under_stock_runners(tmp_path, runner):
     ran = nbformat.read(out, as_version=4)
     code = [c for c in ran.cells if c.cell_type == "code"]
     assert all(c.get("execution_count") for c in code)
+
+
+def test_the_band_phrase_says_when_its_low_end_reaches_nothing():
+    assert front.band_phrase(1610.0, 26190.0) == "band 1,610 to 26,190"
+    low_none = front.band_phrase(0.0, 27140.0)
+    assert low_none.startswith("band up to 27,140") and "none reaching the target" in low_none

@@ -298,6 +298,15 @@ def _tokens(v: float) -> str:
     return plain(v) if v else "none reaches it"
 
 
+def band_phrase(low: float, high: float, fmt=None) -> str:
+    """'band L to H', or, where no configuration reaches the target at the band's low end (low 0),
+    'band up to H, with none reaching the target at its low end'; `fmt` writes a figure (default plain)."""
+    fmt = fmt or plain
+    if not low:
+        return f"band up to {fmt(high)}, with none reaching the target at its low end"
+    return f"band {fmt(low)} to {fmt(high)}"
+
+
 def _ratio(v: float | None) -> str:
     return "unbounded" if v is None else f"{v:.2f}"
 
@@ -369,7 +378,7 @@ def serving_html(n: dict) -> str:
         f"<p class='projection'><b>The projection's measured error:</b> the step model's, "
         f"{html.escape(err['kind'])}: up to {err['worst']:.0%} (serving.validate.model_error, "
         f"{err['points']} points). All on, projected at {plain(target)} tokens/s/user: "
-        f"{_tokens(a['central'])} tokens/s/GPU, band {_tokens(a['low'])} to {_tokens(a['high'])} (that "
+        f"{_tokens(a['central'])} tokens/s/GPU, {band_phrase(a['low'], a['high'])} (that "
         "error, the prefix hit rate, acceptance and call latency at their ends; serving.bands; shaded "
         "below).</p>"
         + (f"<p class='run-error'>{html.escape(n['run_error'])}</p>" if n.get("run_error") else "")

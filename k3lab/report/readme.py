@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from k3lab.report.front import _serving_numbers
+from k3lab.report.front import _serving_numbers, band_phrase
 from k3lab.studies.runs import REPO, between, section_main, write_between
 
 BEGIN = "<!-- projection error: python -m k3lab.report.readme --write (k3lab/report/readme.py) -->"
@@ -70,7 +70,7 @@ def markdown(root: Path = REPO) -> str:
     return (f"Every projection carries the step model's measured error: {err['kind']}, worst "
             f"{err['worst']:.0%} over {err['points']} points (`serving.validate.model_error()`). Projected "
             f"for 8x MI355X, all on, at {n['target']:g} tokens/s/user: {_tens(a['central'])} total "
-            f"tokens/s/GPU, band {_tens(a['low'])} to {_tens(a['high'])} (that error, the prefix hit rate, "
+            f"tokens/s/GPU, {band_phrase(a['low'], a['high'], _tens)} (that error, the prefix hit rate, "
             "acceptance and call latency at their ends: `serving.bands`). The other projections, and the "
             "article's measured figures as calibration ratios over them, are in "
             f"[docs/serving.md](docs/serving.md). {run_error(root)}\n")

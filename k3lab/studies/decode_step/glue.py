@@ -201,19 +201,20 @@ def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, 
 
     from .measure import measured_bandwidth_tbs
 
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # drawn where they are used: GBs at K3's widths
     L, F = latent, intermediate
-    stacks = [torch.randn(shape_, generator=gen) * 0.05
-              for shape_ in ((experts, F, L), (experts, F, L), (experts, L, F))]
-    bf16 = [w.to(device=device, dtype=dtype) for w in stacks]
-    mx = [mk.quantize_experts(w.to(device)) for w in stacks]
-    del stacks
-    z = torch.randn(1, L, generator=gen).to(device=device, dtype=dtype)
+    bf16, mx = [], []
+    for shape_ in ((experts, F, L), (experts, F, L), (experts, L, F)):  # one fp32 stack alive at a time
+        w = torch.randn(shape_, generator=gen, device=device) * 0.05
+        bf16.append(w.to(dtype))
+        mx.append(mk.quantize_experts(w))
+        del w
+    z = torch.randn(1, L, generator=gen, device=device).to(dtype)
     draws = []
     for _ in range(sets):
-        idx = torch.randperm(experts, generator=gen)[:top_k].to(torch.int32).reshape(1, top_k)
-        w = torch.rand(1, top_k, generator=gen)
-        draws.append((idx.to(device), (w / w.sum()).to(device)))
+        idx = torch.randperm(experts, generator=gen, device=device)[:top_k].to(torch.int32).reshape(1, top_k)
+        w = torch.rand(1, top_k, generator=gen, device=device)
+        draws.append((idx, w / w.sum()))
     bw, how = measured_bandwidth_tbs()
     graph = device != "cpu"
     out = []

@@ -9,7 +9,7 @@ A band's sources, each moved to both ends (`SOURCES`):
 - step model: every step x 1/(1 + e) for e in [-E, +E], E the largest abs(rel_err) of the error it is given
   (`error['kind']` says which: cross-GPU, else held-out and extrapolation, the band is labelled with it);
 - prefix hit rate: from the lowest the article's stack reported on AgentX (hardware.SEED, 74.8%) to the
-  modelled rate (node.hit_rate);
+  modelled rate (node.hits);
 - acceptance: each position's acceptance x 0.8 to x 1.1 (k3lab's curve is fitted to the seed's two figures;
   the range is an assumption, stated);
 - call latency: 7 to 25 us per collective call (anchors.md's range; the model's 8 us is its low end).

@@ -153,11 +153,6 @@ def hits(
     return theoretical * held, theoretical * (held - in_hbm)
 
 
-def hit_rate(theoretical: float, concurrency: int, context: float, g: GPU, **kw) -> float:
-    """The hit rate of `hits` (keywords as there)."""
-    return hits(theoretical, concurrency, context, g, **kw)[0]
-
-
 def restore_gb(prompt: float, hit: float, host_hit: float, *, dcp: int) -> float:
     """GB one GPU copies from the host tier for one request of `prompt` input tokens (modelled): its hit
     prefix's cache (hit x prompt positions: MLA history over the DCP degree, KDA checkpoint whole) times

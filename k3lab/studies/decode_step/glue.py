@@ -165,11 +165,15 @@ def situ_glu_records(rows=(1, 64), dtype=torch.bfloat16) -> list[bench.Record]:
 # The one-token MXFP4 expert launches' block choices timed at K3's widths: (up, down) pairs of
 # (columns, values per step, warps); the first is mxfp4_kernels' default, then the up launch varied with
 # the default down, then the down launch varied with the default up (the two launches are independent).
+# At one token the default grids are small (16 pairs x 12 column blocks up, 224 column blocks down: a few
+# warps per SM), so fewer columns per program, i.e. more programs with loads in flight, are among the
+# choices; so is a down step of 128 values, which divides the expert width (384) where 256 masks half of
+# its second step.
 EXPERT_SWEEP = (((32, 256, 4), (16, 256, 4)),
-                ((16, 256, 4), (16, 256, 4)), ((64, 256, 8), (16, 256, 4)), ((32, 128, 4), (16, 256, 4)),
-                ((32, 512, 8), (16, 256, 4)),
+                ((16, 256, 4), (16, 256, 4)), ((8, 256, 4), (16, 256, 4)), ((16, 128, 2), (16, 256, 4)),
+                ((64, 256, 8), (16, 256, 4)), ((32, 128, 4), (16, 256, 4)), ((32, 512, 8), (16, 256, 4)),
                 ((32, 256, 4), (16, 128, 4)), ((32, 256, 4), (32, 128, 4)), ((32, 256, 4), (8, 128, 4)),
-                ((32, 256, 4), (16, 64, 2)))
+                ((32, 256, 4), (4, 128, 4)), ((32, 256, 4), (16, 64, 2)), ((32, 256, 4), (8, 64, 2)))
 K3_EXPERTS = {"experts": E, "top_k": TOP_K, "latent": 3584, "intermediate": 384}  # a TP8 rank's, K3Config
 
 

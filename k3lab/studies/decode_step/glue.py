@@ -174,7 +174,6 @@ EXPERT_SWEEP = (((32, 256, 4), (16, 256, 4)),
                 ((64, 256, 8), (16, 256, 4)), ((32, 128, 4), (16, 256, 4)), ((32, 512, 8), (16, 256, 4)),
                 ((32, 256, 4), (16, 128, 4)), ((32, 256, 4), (32, 128, 4)), ((32, 256, 4), (8, 128, 4)),
                 ((32, 256, 4), (4, 128, 4)), ((32, 256, 4), (16, 64, 2)), ((32, 256, 4), (8, 64, 2)))
-K3_EXPERTS = {"experts": E, "top_k": TOP_K, "latent": 3584, "intermediate": 384}  # a TP8 rank's, K3Config
 
 
 def _sliced(w, experts):
@@ -184,10 +183,11 @@ def _sliced(w, experts):
     return Mxfp4Weight(w.packed[experts], w.scale_exp[experts])
 
 
-def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, latent: int = 3584,
-                   intermediate: int = 384, sets: int = 8, repeats: int = 50, device: str = "cuda",
+def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, latent: int | None = None,
+                   intermediate: int | None = None, sets: int = 8, repeats: int = 50, device: str = "cuda",
                    dtype=torch.bfloat16, seed: int = 0, log=print) -> list[bench.Record]:
-    """One token's routed experts at a rank's widths (defaults: K3_EXPERTS), each call reading another
+    """One token's routed experts at a rank's widths (latent, intermediate: default a TP8 rank's,
+    K3Config.tp_slice(8)'s routed_expert_hidden_size and moe_intermediate_size), each call reading another
     draw of `top_k` of `experts` (`sets` draws rotated, so the weights are not timed hot in L2): the bf16
     stacks through routed_experts' Triton form ('before'), the MXFP4 stacks through the one-token kernels
     at each (up, down) block choice of `sweep` ('after'; the first is the default); `dtype`: the dense
@@ -205,8 +205,12 @@ def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, 
 
     from .measure import measured_bandwidth_tbs
 
+    from k3lab.config import K3Config
+
+    rank = K3Config.tp_slice(8)
+    L = rank.routed_expert_hidden_size if latent is None else latent
+    F = rank.moe_intermediate_size if intermediate is None else intermediate
     gen = torch.Generator(device=device).manual_seed(seed)  # drawn where they are used: GBs at K3's widths
-    L, F = latent, intermediate
     bf16, mx = [], []
     for shape_ in ((experts, F, L), (experts, F, L), (experts, L, F)):  # one fp32 stack alive at a time
         w = torch.randn(shape_, generator=gen, device=device) * 0.05
@@ -227,13 +231,7 @@ def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, 
     local = torch.arange(top_k, dtype=torch.int32, device=device).reshape(1, top_k)
     ref = mk.reference(z, w0, local, *(_sliced(w, chosen) for w in mx))
     got = moe_experts.routed_experts(z, w0, idx0, *bf16, backend="triton")
-    ref16 = torch.zeros_like(ref)
-    zd = z.double()[0]
-    from k3lab.nn.situ import situ_glu
-
-    for j, e in enumerate(chosen.tolist()):
-        h = situ_glu(bf16[0][e].double() @ zd, bf16[1][e].double() @ zd)
-        ref16[0] += float(w0[0, j]) * (bf16[2][e].double() @ h)
+    ref16 = moe_experts.expert_loop(z.double(), w0.double(), local, *(w[chosen].double() for w in bf16))
     err16 = float((got.double() - ref16).abs().max() / ref16.abs().max())
     if not err16 <= 1e-2:
         raise bench.CheckFailed(f"routed_experts (bf16, triton) at one token: {err16:.3g} of the largest "

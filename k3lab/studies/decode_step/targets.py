@@ -333,15 +333,21 @@ COLUMNS = (("case", "case"), ("variant", "variant"), ("ms", "ms"), ("floor_ms", 
 NOTE_CHARS = 100  # a note longer than this is cut in the printed table (the run's log holds it whole)
 
 
+def _cell(key: str, v) -> str:
+    """One figure of a target row as the tables write it: ms to two decimals, shares in percent, '-' for
+    NOT_MEASURED (the verdict column says so in words)."""
+    if isinstance(v, float):
+        return _share(v) if key == "of_floor" else f"{v:.2f}"
+    if v == NOT_MEASURED and key != "verdict":
+        return "-"
+    return str(v)
+
+
 def table_text(rows: list[dict]) -> str:
     """`target_rows` as a plain-text table: ms to two decimals, shares in percent, '-' for a figure
     NOT_MEASURED (the pass/miss column says so), notes cut at NOTE_CHARS."""
     def cell(key: str, v) -> str:
-        if isinstance(v, float):
-            return _share(v) if key == "of_floor" else f"{v:.2f}"
-        if v == NOT_MEASURED and key != "verdict":
-            return "-"
-        v = str(v)
+        v = _cell(key, v)
         return v if key != "note" or len(v) <= NOTE_CHARS else v[:NOTE_CHARS - 3] + "..."
 
     body = [[cell(k, r.get(k, "")) for k, _ in COLUMNS] for r in rows]
@@ -372,16 +378,9 @@ def doc_markdown(device: str = "nvidia-h100-80gb-hbm3", root=None) -> str:
     head = (f"On {named[0].device}, graph replay where captured; records under profiles/{device}/"
             f"decode_step/ (each names its tree; copy bandwidth measured in the runs "
             f"{' and '.join(f'{b:.2f}' for b in bws)} TB/s).")
-    cols = "| case | variant | step ms | bytes floor ms | share of floor | target | result | note |"
-    out = [head, "", cols, "|---|---|---|---|---|---|---|---|"]
+    out = [head, "", "| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
-        def f(key):
-            v = r.get(key)
-            if isinstance(v, float):
-                return _share(v) if key == "of_floor" else f"{v:.2f}"
-            return "-" if v == NOT_MEASURED else str(v)
-        out.append(f"| {r['case']} | {r['variant']} | {f('ms')} | {f('floor_ms')} | {f('of_floor')} | "
-                   f"{r['target']} | {r['verdict']} | {r['note']} |")
+        out.append("| " + " | ".join(_cell(k, r.get(k, "")) for k, _ in COLUMNS) + " |")
     return "\n".join(out) + "\n"
 
 

@@ -159,6 +159,9 @@ RUNS: tuple[Run, ...] = (
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/decode_step"}, {"H200": ()}),
     Run("serving_run_capacity", "the serving run's capacity form (the cache binds at DCP1 and holds at DCP8)",
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/serving_run/capacity.c16.dcp8.host__after.json"}),
+    Run("decode_step_experts", "one token's routed experts alone, bf16 against MXFP4 and the one-token MXFP4 "
+        "launches' block choices (k3lab.studies.decode_step.glue.expert_records)", {},
+        {"GPU": ("k3lab/studies/decode_step/glue.py",)}),
     Run("gpu_check_workers_stop", "scripts/gpu_check.py's --stop-after with several pytest-xdist workers "
         "(a record of the finished files inside one device call)",
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/gpu_check/gpu_check_tests_f9fc851_part.json"}),

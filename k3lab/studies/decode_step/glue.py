@@ -199,7 +199,8 @@ def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, 
     before anything is timed. floor_us: the streamed bytes (mxfp4_kernels.expert_bytes: 4.25 bits a
     weight, or 2 bytes) over the copy bandwidth measured in the run (measure.measured_bandwidth_tbs; the
     env peak on a CPU, where the times are not speeds). Cases glue.experts.N1.bf16 and
-    glue.experts.N1.mxfp4.up<n>x<k>w<w>.down<n>x<k>w<w>."""
+    glue.experts.N1.mxfp4.up<n>x<k>w<w>.down<n>x<k>w<w>. Not yet run on a GPU: only its tiny CPU form
+    (tests/test_decode_step_glue.py) has run."""
     from k3lab.ops import moe_experts
     from k3lab.ops.moe_experts import mxfp4_kernels as mk
 

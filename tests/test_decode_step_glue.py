@@ -49,10 +49,11 @@ def test_glue_records_on_the_gpu():
     assert {r.variant for r in recs} == {"before", "after"} and all(r.median_us > 0 for r in recs)
 
 
-def _tiny_experts(**kw):
+def _tiny_experts(log=lambda *a: None, **kw):
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32  # the interpreter has no bf16 arithmetic
-    return glue.expert_records(glue.EXPERT_SWEEP[:2], experts=8, top_k=2, latent=64, intermediate=64, sets=2,
-                               repeats=3, device=DEV, dtype=dtype, log=lambda *a: None, **kw)
+    # widths 128: the grouped form's K step divides them
+    return glue.expert_records(glue.EXPERT_SWEEP[:2], experts=8, top_k=2, latent=128, intermediate=128,
+                               sets=2, repeats=3, device=DEV, dtype=dtype, log=log, **kw)
 
 
 def test_expert_records_check_each_choice_and_label_it():
@@ -60,15 +61,36 @@ def test_expert_records_check_each_choice_and_label_it():
     fp64 product, floored at its own bytes (MXFP4's 4.25 bits against the dense dtype's)."""
     from k3lab.ops.moe_experts import mxfp4_kernels as mk
 
-    recs = _tiny_experts()
-    assert [r.variant for r in recs] == ["before", "after", "after"]
+    said = []
+    recs = _tiny_experts(log=said.append)
+    grouped, why = mk.grouped_runs_here()
+    assert [r.variant for r in recs] == ["before", "after", "after"] + ["after"] * grouped
     assert recs[0].case == "glue.experts.N1.bf16" and recs[0].error["max_rel_vs_fp64"] <= 1e-2
-    for r, (up, down) in zip(recs[1:], glue.EXPERT_SWEEP[:2]):
+    for r, (up, down) in zip(recs[1:3], glue.EXPERT_SWEEP[:2]):
         assert r.case == "glue.experts.N1.mxfp4.up{}x{}w{}.down{}x{}w{}".format(*up, *down)
         assert r.error["max_abs_vs_fp64"] <= r.error["tolerance"]
         assert r.extra["default"] == ((up, down) == (mk.UP_BLOCKS, mk.DOWN_BLOCKS))
-        assert r.extra["bytes"] == mk.expert_bytes(1, 2, 64, 64) < recs[0].extra["bytes"]
+    for r in recs[1:]:
+        assert r.extra["bytes"] == mk.expert_bytes(1, 2, 128, 128) < recs[0].extra["bytes"]
         assert r.floor_us == pytest.approx(r.extra["bytes"] / (r.extra["bandwidth_tbs"] * 1e6))
+    if grouped:  # the tensor-core form at the same token, checked against MXFP8-rounded activations
+        r = recs[-1]
+        assert r.case == "glue.experts.N1.mxfp4_grouped.m{}n{}k{}w{}".format(*mk.GROUPED)
+        assert r.error["max_abs_vs_fp64_mx_activations"] <= r.error["tolerance"] and not r.extra["default"]
+    else:  # the interpreter has no tl.dot_scaled: said, not timed
+        assert any("grouped form not timed" in line and why in line for line in said)
+
+
+def test_expert_records_refuse_a_wrong_grouped_result(monkeypatch):
+    """Where the grouped form runs, a planted result 1% off fails its check before it is timed."""
+    from k3lab.ops.moe_experts import mxfp4_kernels as mk
+
+    if not mk.grouped_runs_here()[0]:
+        pytest.skip(mk.grouped_runs_here()[1])
+    real = mk.mxfp4_experts_grouped
+    monkeypatch.setattr(mk, "mxfp4_experts_grouped", lambda *a, **k: real(*a, **k) * 1.01)
+    with pytest.raises(bench.CheckFailed, match="mxfp4_experts_grouped at one token"):
+        _tiny_experts()
 
 
 def test_expert_records_refuse_a_wrong_kernel_before_timing(monkeypatch):

@@ -199,8 +199,9 @@ def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, 
     before anything is timed. floor_us: the streamed bytes (mxfp4_kernels.expert_bytes: 4.25 bits a
     weight, or 2 bytes) over the copy bandwidth measured in the run (measure.measured_bandwidth_tbs; the
     env peak on a CPU, where the times are not speeds). Cases glue.experts.N1.bf16 and
-    glue.experts.N1.mxfp4.up<n>x<k>w<w>.down<n>x<k>w<w>. Not yet run on a GPU: only its tiny CPU form
-    (tests/test_decode_step_glue.py) has run."""
+    glue.experts.N1.mxfp4.up<n>x<k>w<w>.down<n>x<k>w<w>; then the grouped form at the same token
+    (`_grouped_record`, case glue.experts.N1.mxfp4_grouped.m<m>n<n>k<k>w<w>) where it runs. Not yet run
+    on a GPU: only its tiny CPU form (tests/test_decode_step_glue.py) has run."""
     from k3lab.ops import moe_experts
     from k3lab.ops.moe_experts import mxfp4_kernels as mk
 
@@ -268,7 +269,42 @@ def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, 
                                 default=(up, down) == (mk.UP_BLOCKS, mk.DOWN_BLOCKS))
         out.append(rec)
         log(f"decode_step glue: experts mxfp4 {name}: {rec.median_us:.1f} us, floor {rec.floor_us:.1f} us")
-    return out
+    return out + _grouped_record(z, draws, mx, ref_args=(w0, local, chosen), shape=shape,
+                                 nbytes=nbytes["mxfp4"], bw=(bw, how), graph=graph, device=device,
+                                 repeats=repeats, dtype=dtype, log=log)
+
+
+def _grouped_record(z, draws, mx, *, ref_args, shape, nbytes, bw, graph, device, repeats, dtype, log):
+    """The grouped tl.dot_scaled form (mxfp4_kernels.mxfp4_experts_grouped, its default blocks) at the
+    same token and draws: the other way to run one token's MXFP4 experts (tensor-core tiles of which one
+    row in 16 is real, E2M1 converted by Triton's own lowering) against the GEMV launches' register
+    decode. Checked against the fp64 product with the activations rounded as MXFP8 (`reference(...,
+    mx_activations=True)`, 5e-3 of the largest output, as its op test). Where it cannot run
+    (`grouped_runs_here`: Triton's interpreter, gfx942) [] and the log says why."""
+    from k3lab.ops.moe_experts import mxfp4_kernels as mk
+
+    ok, why = mk.grouped_runs_here()
+    if not ok:
+        log(f"decode_step glue: experts mxfp4 grouped form not timed: {why}")
+        return []
+    w0, local, chosen = ref_args
+    idx0 = draws[0][0]
+    ref = mk.reference(z, w0, local, *(_sliced(w, chosen) for w in mx), mx_activations=True)
+    err = float((mk.mxfp4_experts_grouped(z, w0, idx0, *mx).double() - ref).abs().max())
+    tol = 5e-3 * float(ref.abs().max())
+    if not err <= tol:
+        raise bench.CheckFailed(f"mxfp4_experts_grouped at one token: {err:.3g} from the fp64 product (MXFP8 "
+                                f"activations), more than {tol:.3g}")
+    t = bench.time_fn(lambda i, w: mk.mxfp4_experts_grouped(z, w, i, *mx, check_values=False),
+                      rotate=list(draws), graph=graph, device=device, repeats=repeats, warmup=2)
+    name = "m{}n{}k{}w{}".format(*mk.GROUPED)
+    rec = bench.make_record(NAME, f"{PREFIX}experts.N1.mxfp4_grouped.{name}", "after", t, shape=shape,
+                            dtype=dtype, floor_us=nbytes / (bw[0] * 1e6),
+                            error={"max_abs_vs_fp64_mx_activations": err, "tolerance": tol}, bytes=nbytes,
+                            bandwidth_tbs=bw[0], bandwidth_how=bw[1], blocks=list(mk.GROUPED), default=False)
+    log(f"decode_step glue: experts mxfp4 grouped {name}: {rec.median_us:.1f} us, "
+        f"floor {rec.floor_us:.1f} us")
+    return [rec]
 
 
 def run(log=print, *, experts: bool = True) -> list[bench.Record]:

@@ -103,3 +103,28 @@ def test_expert_records_refuse_a_wrong_kernel_before_timing(monkeypatch):
     with pytest.raises(bench.CheckFailed, match="up32x256w4.down16x256w4"):
         _tiny_experts()
     assert timed == []
+
+
+def test_expert_table_is_made_of_the_records(tmp_path):
+    """The experts table holds each record's figures (median, floor, share, ratio to bf16 of the same
+    run) and marks the default; docs/decode_step.md holds the committed records' table."""
+    from pathlib import Path
+
+    from k3lab.ops.moe_experts import mxfp4_kernels as mk
+
+    assert "No one-token expert record" in glue.expert_markdown(root=tmp_path)
+    recs = _tiny_experts()
+    bench.save_records(recs, root=tmp_path)
+    text = glue.expert_markdown(root=tmp_path)
+    bf16 = recs[0]
+    for r in recs[1:3]:
+        blocks = r.case.split(".", 4)[4]
+        default = " (default)" if r.extra["default"] else ""
+        row = (f"| mxfp4 | {blocks}{default} | {r.median_us:.1f} | {r.floor_us:.1f} | "
+               f"{100 * r.floor_us / r.median_us:.0f}% | {r.median_us / bf16.median_us:.2f} |")
+        assert row in text, (row, text)
+    assert f"| bf16 | - | {bf16.median_us:.1f} | {bf16.floor_us:.1f} |" in text
+    assert text.count("(default)") == sum(r.extra.get("default", False) for r in recs) == (
+        (mk.UP_BLOCKS, mk.DOWN_BLOCKS) in glue.EXPERT_SWEEP[:2])
+    page = (Path(__file__).resolve().parents[1] / "docs" / "decode_step.md").read_text()
+    assert glue.expert_markdown() in page

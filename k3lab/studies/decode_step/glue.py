@@ -307,6 +307,52 @@ def _grouped_record(z, draws, mx, *, ref_args, shape, nbytes, bw, graph, device,
     return [rec]
 
 
+EXPERT_CASE = f"{PREFIX}experts.N1."
+EXPERT_DOC_BEGIN = ("<!-- experts table: python -c \"from k3lab.studies.decode_step import glue; "
+                    "glue.write_expert_doc()\" (k3lab/studies/decode_step/glue.py) -->")
+EXPERT_DOC_END = "<!-- end of experts table -->"
+
+
+def expert_markdown(root=None) -> str:
+    """docs/decode_step.md's table of one token's routed experts alone (`expert_records`), one table per
+    device with committed records (root: default the tree's profiles/): each form and block choice with
+    its median, its floor (its own bytes over the run's copy bandwidth), the share of the floor, and its
+    time over the bf16 experts' of the same run; the default block choice marked. Every figure from the
+    records."""
+    out, by_device = [], {}
+    for r in bench.load_records(study=NAME, root=root):
+        if r.case.startswith(EXPERT_CASE):
+            by_device.setdefault(bench.device_slug(r.device, r.backend), []).append(r)
+    for slug, recs in sorted(by_device.items()):
+        recs.sort(key=lambda r: (r.variant != "before", r.median_us))
+        bf16 = next((r for r in recs if r.variant == "before"), None)
+        x = recs[0].extra or {}
+        shape = recs[0].shape or {}
+        out += [f"On {recs[0].device} (records under profiles/{slug}/{NAME}/, tree {recs[0].commit}; "
+                f"copy bandwidth measured in the run {x.get('bandwidth_tbs', 0):.2f} TB/s): one token, "
+                f"{shape.get('top_k')} of {shape.get('experts')} experts, latent {shape.get('latent')}, "
+                f"expert width {shape.get('intermediate')}, graph replay, {shape.get('sets')} expert draws "
+                "rotated.", "",
+                "| form | blocks | us | floor us | % of floor | / bf16 |", "|---|---|---|---|---|---|"]
+        for r in recs:
+            form, _, blocks = r.case[len(EXPERT_CASE):].partition(".")
+            blocks = (blocks or "-") + (" (default)" if (r.extra or {}).get("default") else "")
+            ratio = f"{r.median_us / bf16.median_us:.2f}" if bf16 else "-"
+            out.append(f"| {form} | {blocks} | {r.median_us:.1f} | {r.floor_us:.1f} | "
+                       f"{100 * r.floor_us / r.median_us:.0f}% | {ratio} |")
+        out.append("")
+    return "\n".join(out) if out else "No one-token expert record is committed.\n"
+
+
+def write_expert_doc(path=None) -> bool:
+    """Put expert_markdown() between EXPERT_DOC_BEGIN and EXPERT_DOC_END in docs/decode_step.md; True if
+    it changed."""
+    from k3lab.studies.runs import REPO, write_between
+
+    return write_between(path or REPO / "docs" / "decode_step.md", EXPERT_DOC_BEGIN, EXPERT_DOC_END,
+                         expert_markdown())
+
+
 def run(log=print, *, experts: bool = True) -> list[bench.Record]:
     """The glue kernels' records, then (experts) the one-token routed experts' (`expert_records`, at K3's
     widths: about 9 GB of expert stacks on the GPU); [] on a CPU (said in the log)."""

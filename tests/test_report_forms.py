@@ -173,8 +173,9 @@ def test_the_notebooks_start_longest_first_and_the_page_keeps_file_order(tmp_pat
         seconds[step.split(":", 1)[1]] if step.startswith("notebook:") else real(kind, form, step, measured)))
     seen = {}
 
-    def run_notebooks(paths, out_dir, timeout_s, workers, started=None, ended=None):
-        seen["order"] = [p.stem for p in paths]
+    def run_notebooks(paths, out_dir, timeout_s, workers, started=None, ended=None, memory=None,
+                      retried=None):
+        seen["order"], seen["memory"] = [p.stem for p in paths], memory
         got = {}
         for p in paths:
             started(p)
@@ -190,6 +191,7 @@ def test_the_notebooks_start_longest_first_and_the_page_keeps_file_order(tmp_pat
     out = tmp_path / "out"
     report.build_report(out=out, run_studies=False, notebooks=nbs, tty=False, workers=2)
     assert seen["order"] == ["01_b", "03_d", "00_a", "02_c"]
+    assert (seen["memory"] is None) == (not torch.cuda.is_available())  # GPU memory is shared on a GPU only
     page = (out / "report.html").read_text()
     assert [page.index(f"notebooks/{s}.html") for s in seconds] == sorted(
         page.index(f"notebooks/{s}.html") for s in seconds)

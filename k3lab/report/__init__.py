@@ -26,6 +26,15 @@ notebooks and the first page show, every variant still checked; on a CPU the sma
 cases of each study. On a GPU every kernels/*.cu is built first, in parallel (`kernels`). One overall
 bar with an ETA runs over every step (`eta`); out/timings.json keeps each step's seconds.
 
+On a GPU the notebooks share its memory. The studies run in this process, whose cached memory is given
+back before the notebooks start; each notebook's kernel notes its peak (k3lab._cells), timings.json keeps
+it, and the next run on this kind of machine starts a notebook only where the peaks of those running
+beside it leave room in the memory free at the start (`workers.run_notebooks`). Where no peak is known
+yet, a notebook that runs out of GPU memory beside others runs again alone after them, said in the
+progress lines and in timings.json: on an H100 (80 GB) four notebooks at a time once left one 3 GiB.
+The peaks and the scheduling by them are not yet run on a GPU (tests/test_report_memory.py runs the
+scheduling and the rerun with real workers on a CPU).
+
 Modules: `execute` (the notebook runner), `workers` (one process per notebook, and Ctrl-C), `front` (the
 first screen), `sections` (per study), `tables` (compact before/after tables, shared with `k3lab bench`),
 `eta` (the overall bar and its ETA), `kernels` (the parallel build), `pages` (the offline notebook pages).
@@ -58,6 +67,7 @@ from k3lab.report.eta import (
     expected_seconds,
     fmt_duration,
     machine_kind,
+    measured_peaks,
     measured_seconds,
     timing_files,
 )
@@ -132,12 +142,13 @@ FAILURE_KIND = {"timeout": "timed out", "failed": "failed"}
 def _run_notebooks(paths: list[Path], out: Path, timeout_s: int, workers: int, t0: float, checks: Checks,
                    failures: list[str], bar: Progress | None = None,
                    outcomes_by_stem: dict | None = None,
-                   start_order: list[Path] | None = None) -> tuple[list[str], bool]:
+                   start_order: list[Path] | None = None,
+                   memory: tuple[dict, float] | None = None) -> tuple[list[str], bool]:
     """Execute the notebooks in worker processes (`workers`), started in `start_order` (the same paths;
     None: file order); one list item of HTML per notebook, in file order, and whether Ctrl-C stopped
     them. `bar` marks each notebook as its worker starts and ends (an interrupted one stays unfinished,
     so the timings show it as interrupted); `outcomes_by_stem` gets each notebook's workers.Outcome (for
-    timings.json)."""
+    timings.json); memory: workers.run_notebooks' (expected peaks, GiB they share), None on a CPU."""
     from k3lab.report import workers as pool
 
     def started(p: Path) -> None:
@@ -153,7 +164,12 @@ def _run_notebooks(paths: list[Path], out: Path, timeout_s: int, workers: int, t
     order = list(paths) if start_order is None else list(start_order)
     if sorted(map(str, order)) != sorted(map(str, paths)):
         raise ValueError(f"start_order must hold the same notebooks as paths, got {order} for {list(paths)}")
-    outcomes, stopped = pool.run_notebooks(order, out / "notebooks", timeout_s, workers, started, ended)
+    def retried(p: Path, got) -> None:
+        progress(t0, f"notebook {p.stem}: ran out of GPU memory beside {', '.join(got.rerun_alone)} "
+                     f"({got.message[:120]}): it runs again alone after them")
+
+    outcomes, stopped = pool.run_notebooks(order, out / "notebooks", timeout_s, workers, started, ended,
+                                           memory=memory, retried=retried)
     rows = []
     for p in paths:
         got = outcomes[p]
@@ -169,6 +185,25 @@ def _run_notebooks(paths: list[Path], out: Path, timeout_s: int, workers: int, t
         rows.append(f'<li{cls}><a href="notebooks/{p.stem}.html">{html.escape(p.stem)}</a> '
                     f'(<a href="notebooks/{p.name}">ipynb</a>): {html.escape(status)}{where}</li>')
     return rows, stopped
+
+
+def _notebook_memory(gpu: bool, paths: list[Path], source: Path | None) -> tuple[dict, float] | None:
+    """(each notebook's GPU memory peak in the timings file the ETA read, the GiB free on the GPU now)
+    for workers.run_notebooks; None on a CPU. The studies ran in this process: its cached GPU memory is
+    given back first, so the notebooks' kernels have it."""
+    if not gpu:
+        return None
+    import gc
+
+    import torch
+
+    from k3lab._cells import give_back_gpu_cache
+
+    gc.collect()
+    give_back_gpu_cache()
+    peaks = measured_peaks(source)
+    free = torch.cuda.mem_get_info()[0] / 2 ** 30
+    return {p: peaks[f"notebook:{p.stem}"] for p in paths if f"notebook:{p.stem}" in peaks}, free
 
 
 def _notebook_check(got) -> str:
@@ -234,6 +269,10 @@ def _write_timings(out: Path, plan: Plan, kind: str, form: str, total_s: float, 
                 steps[s.key]["status"] = got.status
             if got.cell:
                 steps[s.key]["stopped_at"] = got.cell.get("text")
+            if got.gpu_peak_gib is not None:
+                steps[s.key]["gpu_peak_gib"] = got.gpu_peak_gib
+            if got.rerun_alone:
+                steps[s.key]["rerun_alone_after_running_out_of_memory_beside"] = got.rerun_alone
     data = {"machine": kind, "machine_kind": machine_kind(kind), "form": form, "environment": env.describe(),
             "workers": plan.workers, "total_s": round(total_s, 1), "finished_at": round(now, 1),
             "status": "interrupted" if stopped else "complete", "steps": steps}
@@ -383,11 +422,13 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
                         bar.finish(key)
                 _study_checks(runs, checks, failures)
                 if run_notebooks:
+                    memory = _notebook_memory(gpu, nb_paths, source)
                     before = os.environ.get(RECORDS_ENV)
                     os.environ[RECORDS_ENV] = str((out / "records").resolve())
                     try:
                         nb_rows, interrupted = _run_notebooks(nb_paths, out, timeout_s, workers, t0, checks,
-                                                              failures, bar, outcomes, start_order=nb_start)
+                                                              failures, bar, outcomes, start_order=nb_start,
+                                                              memory=memory)
                     finally:
                         if before is None:
                             os.environ.pop(RECORDS_ENV, None)

@@ -182,6 +182,25 @@ def measured_seconds(machine: dict, form: str, files: list[Path]) -> tuple[dict[
     return {}, None
 
 
+def measured_peaks(path: Path | None) -> dict[str, float]:
+    """Each notebook step's GPU memory peak in GiB ('gpu_peak_gib', k3lab._cells) in the timings file
+    `path` (the one `measured_seconds` chose; {} for None or a file without them)."""
+    if path is None:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    steps = data.get("steps") if isinstance(data, dict) else None
+    out = {}
+    for key, step in (steps if isinstance(steps, dict) else {}).items():
+        peak = step.get("gpu_peak_gib") if isinstance(step, dict) else None
+        number = isinstance(peak, (int, float)) and not isinstance(peak, bool)
+        if number and math.isfinite(peak) and peak >= 0:
+            out[key] = float(peak)
+    return out
+
+
 def expected_seconds(kind: str, form: str, step: str, measured: dict[str, float] | None = None) -> float:
     """Expected seconds of `step` ('kernels', 'study:<name>' or 'notebook:<stem>') on a `kind`
     ('gpu' or 'cpu') machine in report form `form` ('quick' or 'full'): `measured[step]` when the

@@ -56,6 +56,8 @@ class Outcome:
     page: bool = False
     cell: dict | None = None
     cells: list = field(default_factory=list)
+    gpu_peak_gib: float | None = None
+    rerun_alone: list = field(default_factory=list)
 
 
 # -- processes -------------------------------------------------------------------------------------
@@ -188,31 +190,71 @@ def _stop(running: dict[Path, _Running], grace_s: float) -> None:
         w.proc.wait()
 
 
+def out_of_memory(got: Outcome) -> bool:
+    """Whether a notebook failed for want of GPU memory (torch's OutOfMemoryError in its message)."""
+    return got.status == "failed" and ("OutOfMemoryError" in got.message or "out of memory" in got.message)
+
+
 def run_notebooks(paths: list[Path], out_dir: Path, timeout_s: int, workers: int,
                   started: Callable[[Path], None] | None = None,
                   ended: Callable[[Path, Outcome], None] | None = None,
-                  grace_s: float = GRACE_S) -> tuple[dict[Path, Outcome], bool]:
-    """Execute `paths` into out_dir, `workers` at a time in the order given; started(path) as each worker
-    starts, ended(path, outcome) as each ends (interrupted ones included). Returns (outcome per path,
-    whether Ctrl-C stopped the run); a KeyboardInterrupt here stops the run (module docstring) and
-    does not propagate."""
+                  grace_s: float = GRACE_S, memory: tuple[dict, float] | None = None,
+                  retried: Callable[[Path, Outcome], None] | None = None) -> tuple[dict[Path, Outcome], bool]:
+    """Execute `paths` into out_dir, up to `workers` at a time in the order given; started(path) as each
+    worker starts, ended(path, outcome) as each ends (interrupted ones included). Returns (outcome per
+    path, whether Ctrl-C stopped the run); a KeyboardInterrupt here stops the run (module docstring) and
+    does not propagate.
+
+    GPU memory. memory = (peaks, room_gib): each notebook's expected peak in GiB (its last measured
+    `Outcome.gpu_peak_gib`; one without a figure counts 0) and the GiB the notebooks share. A notebook
+    starts only while the running ones' peaks and its own fit in room_gib (the first in order that fits;
+    with none running, the next in order starts whatever its peak). A notebook that fails for want of
+    GPU memory (`out_of_memory`) while others ran beside it is not a result: it goes back to the end of
+    the queue and reruns alone (nothing else starts while it runs), retried(path, outcome) says so, and
+    its final outcome names them (`rerun_alone`). A second failure is its result."""
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    peaks, room = memory if memory is not None else ({}, None)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     queue, running, outcomes = [Path(p) for p in paths], {}, {}
+    beside: dict[Path, set] = {}   # the notebooks that ran at some time during each running one
+    alone: dict[Path, list] = {}   # notebook -> what it ran out of memory beside, for its rerun alone
+
+    def fits(p: Path) -> bool:
+        if not running:
+            return True
+        if p in alone or running.keys() & alone.keys():
+            return False
+        return room is None or sum(peaks.get(q, 0.0) for q in running) + peaks.get(p, 0.0) <= room
+
     with tempfile.TemporaryDirectory(prefix="k3lab-report-") as tmp:
         try:
+            n_started = 0
             while queue or running:
                 while queue and len(running) < workers:
-                    p = queue[0]
-                    running[p] = _start(p, out_dir, timeout_s, Path(tmp) / f"{len(paths) - len(queue)}.json")
-                    queue.pop(0)
+                    p = next((q for q in queue if fits(q)), None)
+                    if p is None:
+                        break
+                    n_started += 1
+                    for q in running:
+                        beside[q].add(p)
+                    beside[p] = set(running)
+                    running[p] = _start(p, out_dir, timeout_s, Path(tmp) / f"{n_started}.json")
+                    queue.remove(p)
                     if started is not None:
                         started(p)
                 for p, w in list(running.items()):
                     if w.proc.poll() is not None:
-                        outcomes[p] = _outcome(running.pop(p))
+                        got = _outcome(running.pop(p))
+                        if p not in alone and beside[p] and out_of_memory(got):
+                            alone[p] = got.rerun_alone = sorted(q.stem for q in beside[p])
+                            queue.append(p)
+                            if retried is not None:
+                                retried(p, got)
+                            continue
+                        got.rerun_alone = alone.get(p, [])
+                        outcomes[p] = got
                         if ended is not None:
                             ended(p, outcomes[p])
                 time.sleep(0.1)
@@ -301,14 +343,18 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m k3lab.report.workers NOTEBOOK OUT_DIR TIMEOUT_S RESULT PARENT_PID",
               file=sys.stderr)
         return 2
+    from k3lab._cells import PEAK_ENV, read_peak
+
     signal.signal(STOP, _interrupt)
     _end_with_parent(int(args[4]))
+    result = Path(args[3])  # in the parent's private temp folder: written whole, then renamed
+    os.environ[PEAK_ENV] = str(result.with_suffix(".peak"))  # the kernel inherits it (k3lab._cells)
     try:
         _warm_up()
         outcome = run_one(Path(args[0]), Path(args[1]), int(args[2]))
     except KeyboardInterrupt:
         outcome = Outcome("interrupted", message="stopped before its first cell ran")
-    result = Path(args[3])  # in the parent's private temp folder: written whole, then renamed
+    outcome.gpu_peak_gib = read_peak(result.with_suffix(".peak"))
     result.with_suffix(".tmp").write_text(json.dumps(dataclasses.asdict(outcome)), encoding="utf-8")
     os.replace(result.with_suffix(".tmp"), result)
     sys.stdout.flush()

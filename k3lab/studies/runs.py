@@ -159,9 +159,14 @@ RUNS: tuple[Run, ...] = (
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/decode_step"}, {"H200": ()}),
     Run("serving_run_capacity", "the serving run's capacity form (the cache binds at DCP1 and holds at DCP8)",
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/serving_run/capacity.c16.dcp8.host__after.json"}),
-    Run("decode_step_experts", "one token's routed experts alone, bf16 against MXFP4 and the one-token MXFP4 "
-        "launches' block choices (k3lab.studies.decode_step.glue.expert_records)", {},
-        {"GPU": ("k3lab/studies/decode_step/glue.py",)}),
+    Run("decode_step_experts", "one token's routed experts alone, bf16 against MXFP4, the one-token MXFP4 "
+        "launches' block choices and the grouped form (k3lab.studies.decode_step.glue.expert_records)",
+        {"nvidia-h100-80gb-hbm3":
+         "nvidia-h100-80gb-hbm3/decode_step/glue.experts.N1.mxfp4.up8x256w4.down16x256w4__after.json"},
+        {"H200": ("k3lab/studies/decode_step/glue.py",)}),
+    Run("report_gpu_memory", "the report's notebooks scheduled by their GPU memory peaks, and rerun alone "
+        "after running out of memory beside others (k3lab.report.workers.run_notebooks)", {},
+        {"GPU": ("k3lab/report/__init__.py", "profiles/nvidia-h100-80gb-hbm3/gpu_check/README.md")}),
     Run("gpu_check_workers_stop", "scripts/gpu_check.py's --stop-after with several pytest-xdist workers "
         "(a record of the finished files inside one device call)",
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/gpu_check/gpu_check_tests_f9fc851_part.json"}),

@@ -59,8 +59,15 @@ except ImportError:  # mxfp4_experts then says so when called
     triton = None
 
 Z_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-UP_BLOCKS = (32, 256, 4)    # (F columns, K values per step, warps) of the up launch
-DOWN_BLOCKS = (16, 256, 4)  # (L columns, F values per step, warps) of the down launch
+# (F columns, K values per step, warps) of the up launch and (L columns, F values per step, warps) of the
+# down launch. At one token the grids are small (16 pairs x F / columns programs up, L / columns down),
+# so few columns per program put more loads in flight; a down step of 128 divides the expert width at
+# TP8 (384) where 256 masks half of its second step. Chosen launch by launch from the one-token sweep at
+# K3's widths on an H100 (k3lab.studies.decode_step.glue.EXPERT_SWEEP), each the fastest choice of its
+# launch with the other at the former default (32, 256, 4) / (16, 256, 4); the times are in
+# docs/decode_step.md's experts table. The pair together is the sweep's first row.
+UP_BLOCKS = (8, 256, 4)
+DOWN_BLOCKS = (4, 128, 4)
 
 
 if triton is not None:

@@ -163,17 +163,20 @@ def situ_glu_records(rows=(1, 64), dtype=torch.bfloat16) -> list[bench.Record]:
 
 
 # The one-token MXFP4 expert launches' block choices timed at K3's widths: (up, down) pairs of
-# (columns, values per step, warps); the first is mxfp4_kernels' default, then the up launch varied with
-# the default down, then the down launch varied with the default up (the two launches are independent).
-# At one token the default grids are small (16 pairs x 12 column blocks up, 224 column blocks down: a few
-# warps per SM), so fewer columns per program, i.e. more programs with loads in flight, are among the
-# choices; so is a down step of 128 values, which divides the expert width (384) where 256 masks half of
-# its second step.
-EXPERT_SWEEP = (((32, 256, 4), (16, 256, 4)),
-                ((16, 256, 4), (16, 256, 4)), ((8, 256, 4), (16, 256, 4)), ((16, 128, 2), (16, 256, 4)),
-                ((64, 256, 8), (16, 256, 4)), ((32, 128, 4), (16, 256, 4)), ((32, 512, 8), (16, 256, 4)),
-                ((32, 256, 4), (16, 128, 4)), ((32, 256, 4), (32, 128, 4)), ((32, 256, 4), (8, 128, 4)),
-                ((32, 256, 4), (4, 128, 4)), ((32, 256, 4), (16, 64, 2)), ((32, 256, 4), (8, 64, 2)))
+# (columns, values per step, warps); the first is mxfp4_kernels' default, the second the former default
+# it replaced, then each launch varied around the default with the other at its default (the two
+# launches are independent, so their times add). The choices the default was picked from, and their
+# times, are in docs/decode_step.md's experts table.
+EXPERT_SWEEP = (((8, 256, 4), (4, 128, 4)), ((32, 256, 4), (16, 256, 4)),
+                ((4, 256, 4), (4, 128, 4)), ((8, 256, 2), (4, 128, 4)), ((8, 512, 4), (4, 128, 4)),
+                ((16, 256, 4), (4, 128, 4)),
+                ((8, 256, 4), (2, 128, 4)), ((8, 256, 4), (4, 128, 2)), ((8, 256, 4), (4, 256, 4)),
+                ((8, 256, 4), (8, 128, 4)), ((8, 256, 4), (4, 64, 2)))
+
+
+def _choice_name(up, down) -> str:
+    """A block choice as its records name it: up<n>x<k>w<w>.down<n>x<k>w<w>."""
+    return "up{}x{}w{}.down{}x{}w{}".format(*up, *down)
 
 
 def _sliced(w, experts):
@@ -200,8 +203,9 @@ def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, 
     weight, or 2 bytes) over the copy bandwidth measured in the run (measure.measured_bandwidth_tbs; the
     env peak on a CPU, where the times are not speeds). Cases glue.experts.N1.bf16 and
     glue.experts.N1.mxfp4.up<n>x<k>w<w>.down<n>x<k>w<w>; then the grouped form at the same token
-    (`_grouped_record`, case glue.experts.N1.mxfp4_grouped.m<m>n<n>k<k>w<w>) where it runs. Not yet run
-    on a GPU: only its tiny CPU form (tests/test_decode_step_glue.py) has run."""
+    (`_grouped_record`, case glue.experts.N1.mxfp4_grouped.m<m>n<n>k<k>w<w>) where it runs. Run on an
+    H100 (k3lab.studies.runs, part 'decode_step_experts'), before the defaults became the sweep's first
+    row. Not yet run on an H200."""
     from k3lab.ops import moe_experts
     from k3lab.ops.moe_experts import mxfp4_kernels as mk
 
@@ -242,8 +246,8 @@ def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, 
         y = mk.mxfp4_experts(z, w0, idx0, *mx, up_blocks=up, down_blocks=down)
         errs[up, down] = err = float((y.double() - ref).abs().max())
         if not err <= tol:
-            raise bench.CheckFailed("mxfp4_experts up{}x{}w{}.down{}x{}w{}: ".format(*up, *down)
-                                    + f"{err:.3g} from the fp64 product, more than {tol:.3g}")
+            raise bench.CheckFailed(f"mxfp4_experts {_choice_name(up, down)}: {err:.3g} from the fp64 "
+                                    f"product, more than {tol:.3g}")
     bw, how = measured_bandwidth_tbs()  # timed: after every check
     rotate = [(i, w) for i, w in draws]
     nbytes = {"bf16": mk.expert_bytes(1, top_k, L, F, bf16[0].element_size()),
@@ -257,7 +261,7 @@ def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, 
                                  error={"max_rel_vs_fp64": err16}, bytes=nbytes["bf16"], bandwidth_tbs=bw,
                                  bandwidth_how=how, backend_used="triton"))
     for up, down in sweep:
-        name = "up{}x{}w{}.down{}x{}w{}".format(*up, *down)
+        name = _choice_name(up, down)
         t = bench.time_fn(lambda i, w, up=up, down=down: mk.mxfp4_experts(z, w, i, *mx, check_values=False,
                                                                           up_blocks=up, down_blocks=down),
                           rotate=rotate, graph=graph, device=device, repeats=repeats, warmup=2)
@@ -317,8 +321,11 @@ def expert_markdown(root=None) -> str:
     """docs/decode_step.md's table of one token's routed experts alone (`expert_records`), one table per
     device with committed records (root: default the tree's profiles/): each form and block choice with
     its median, its floor (its own bytes over the run's copy bandwidth), the share of the floor, and its
-    time over the bf16 experts' of the same run; the default block choice marked. Every figure from the
-    records."""
+    time over the bf16 experts' of the same run; mxfp4_kernels' default block choice marked (the code's,
+    whatever it was when a record was taken). Every figure from the records."""
+    from k3lab.ops.moe_experts import mxfp4_kernels as mk
+
+    default = _choice_name(mk.UP_BLOCKS, mk.DOWN_BLOCKS)
     out, by_device = [], {}
     for r in bench.load_records(study=NAME, root=root):
         if r.case.startswith(EXPERT_CASE):
@@ -336,7 +343,7 @@ def expert_markdown(root=None) -> str:
                 "| form | blocks | us | floor us | % of floor | / bf16 |", "|---|---|---|---|---|---|"]
         for r in recs:
             form, _, blocks = r.case[len(EXPERT_CASE):].partition(".")
-            blocks = (blocks or "-") + (" (default)" if (r.extra or {}).get("default") else "")
+            blocks = (blocks or "-") + (" (default)" if form == "mxfp4" and blocks == default else "")
             ratio = f"{r.median_us / bf16.median_us:.2f}" if bf16 else "-"
             out.append(f"| {form} | {blocks} | {r.median_us:.1f} | {r.floor_us:.1f} | "
                        f"{100 * r.floor_us / r.median_us:.0f}% | {ratio} |")

@@ -166,7 +166,8 @@ RUNS: tuple[Run, ...] = (
         {"H200": ("k3lab/studies/decode_step/glue.py",)}),
     Run("report_gpu_memory", "the report's notebooks scheduled by their GPU memory peaks, and rerun alone "
         "after running out of memory beside others (k3lab.report.workers.run_notebooks)", {},
-        {"GPU": ("k3lab/report/__init__.py", "profiles/nvidia-h100-80gb-hbm3/gpu_check/README.md")}),
+        {"GPU": ("k3lab/report/__init__.py", "docs/gpu_check.md",
+                 "profiles/nvidia-h100-80gb-hbm3/gpu_check/README.md")}),
     Run("gpu_check_workers_stop", "scripts/gpu_check.py's --stop-after with several pytest-xdist workers "
         "(a record of the finished files inside one device call)",
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/gpu_check/gpu_check_tests_f9fc851_part.json"}),

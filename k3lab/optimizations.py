@@ -161,7 +161,8 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
                  "k3lab.ops.moe_experts.mxfp4_kernels._down_kernel",
                  "k3lab.ops.moe_experts.mxfp4_kernels._scaled_up_kernel",
                  "k3lab.ops.moe_experts.mxfp4_kernels._scaled_down_kernel",
-                 "k3lab.ops.mla_decode.fp8_cache._fp8_split_kernel"),
+                 "k3lab.ops.mla_decode.fp8_cache._fp8_split_kernel",
+                 "k3lab.ops.mla_decode.fp8_cache._write_kernel"),
         docs=("docs/decode_step.md",), records=_rec("decode_step")),
     Entry(
         "serving", "The serving curve", "the serving curve",

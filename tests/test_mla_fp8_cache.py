@@ -176,3 +176,30 @@ def test_decode_refuses_bad_input_by_name():
     ]:
         with pytest.raises(exc, match=says):
             fc.plan_fp8(*args, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_launch_writer_writes_what_the_torch_writer_writes(dtype):
+    """row_writer (one launch) against write_rows (PyTorch) on fresh random rows read through a strided
+    view, some past 448 x scale (saturated): the same values, only the new positions written."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(11)
+    B, L, T, pos = 2, 12, 3, 6
+    base = torch.randn(B, T + 2, 576, generator=g) * 3
+    rows = base.to(dev, dtype)[:, 1:T + 1]               # not contiguous over (B, T)
+    for headroom in (0.5, 1.0, 1e-3):                      # 0.5: the largest rows saturate
+        scale = fc.scale_for(rows.float().abs().amax().cpu() * headroom).to(dev)
+        want = torch.randn(B, L, 576, generator=g).to(dev).to(fc.FP8)
+        got = want.clone()
+        fc.write_rows(want, rows, scale, pos)
+        assert fc.row_writer(got, rows, scale, pos)() is got
+        assert torch.equal(got.float(), want.float())
+        if headroom == 0.5:
+            assert (got.float().abs() == fc.FP8_MAX).any()
+    planted = fc.row_writer(got, rows * 1.01, scale, pos)  # a 1% different row is not the same write
+    planted()
+    assert not torch.equal(got.float(), want.float())
+    with pytest.raises(ValueError, match="pos"):
+        fc.row_writer(got, rows, scale, L - T + 1)
+    with pytest.raises(ValueError, match="rows"):
+        fc.row_writer(got, rows[..., :512], scale, pos)

@@ -144,7 +144,7 @@ def fp8_plan_binder() -> Callable:
     """bind(q, cache, kv_scale, lengths, scale, rows, pos) -> one MLA layer's decode over its FP8 latent
     cache (k3lab.ops.mla_decode.fp8_cache): a call quantizes the new latent rows `rows` [B, T, 576] (where
     the step's glue wrote them) into cache[:, pos:pos + T] with the cache's per-tensor scale (its row
-    writer's quantization: device ops only), then runs the FP8 split decode's plan, validated here once.
+    writer, one launch), then runs the FP8 split decode's plan, both validated here once.
     Returns (o, lse) as the bf16 plans do, so the DCP merge of partials is unchanged."""
     from k3lab.ops.mla_decode import fp8_cache
 
@@ -152,11 +152,10 @@ def fp8_plan_binder() -> Callable:
         fp8_cache.check_cache(cache)
         fp8_cache.check_kv_scale(kv_scale, cache.device)
         plan = fp8_cache.plan_fp8(q, cache, kv_scale, lengths, scale=scale)
-        dst = cache[:, pos:pos + rows.shape[1]]
-        quantize = fp8_cache.quantize_rows
+        write = fp8_cache.row_writer(cache, rows, kv_scale, pos)
 
         def decode():
-            dst.copy_(quantize(rows, kv_scale))
+            write()
             return plan()
 
         decode.backend = "triton_fp8"

@@ -72,12 +72,15 @@ def mla_after(batch=1, q_len=1, length=32768):
 
 
 def mla_fp8(batch=1, q_len=1, length=32768):
-    """The decode over an FP8 (E4M3) latent cache with its fp32 scale (k3lab.ops.mla_decode.fp8_cache)."""
+    """The decode over an FP8 (E4M3) latent cache with its fp32 scale, after the writer of the step's new
+    rows into it (k3lab.ops.mla_decode.fp8_cache)."""
     from k3lab.ops.mla_decode import fp8_cache
 
     q, kv, lengths, bt = _mla_inputs(batch, q_len, length)
     cache = torch.empty(kv.shape, dtype=fp8_cache.FP8)
     kv_scale = torch.ones(1, dtype=torch.float32)  # its value is read when the plan is made
+    step_cache = torch.empty(batch, 64, kv.shape[-1], dtype=fp8_cache.FP8)  # the writer's contiguous form
+    fp8_cache.row_writer(step_cache, q.new_empty(batch, q_len, kv.shape[-1]), kv_scale, 0)()
     fp8_cache.plan_fp8(q, cache, kv_scale, lengths, block_table=bt)()
 
 

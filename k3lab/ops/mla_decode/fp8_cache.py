@@ -26,7 +26,8 @@ q [B, q_len 1..8, H, 576] fp32 / fp16 / bf16, cache fp8 [B, L, 576] or a paged p
 page_size, 576] with block_table and lengths; returns (o [B, q_len, H, 512] in q's dtype, lse
 [B, q_len, H] fp32, natural log), the plan's own buffers. Verification groups are causal inside the
 group. So the DCP merge of partial (o, lse) is unchanged. The partials of a split history use the bf16
-decode's layout ([B * q_len * H * splits, 512] fp32, base-2 lse) and are merged here with torch ops.
+decode's layout ([B * q_len * H * splits, 512] fp32, base-2 lse) and are merged by its merge kernel
+(one launch; PyTorch ops here took about 16 small launches a layer in the step's attribution).
 
 Bad input raises ValueError / TypeError naming the argument before any kernel runs (the bf16 decode's
 own validation of q, lengths and block table, plus the cache's dtype and the scale). Needs a GPU, or
@@ -54,7 +55,7 @@ try:
 
     # the bf16 split decode's pieces: the query tile, the walk over a piece (its tile step converts the
     # FP8 codes in the load), the piece's store
-    from k3lab.ops.mla_decode.triton import _load_query, _store_piece, walk_piece
+    from k3lab.ops.mla_decode.triton import MERGE_DV, _load_query, _merge_kernel, _store_piece, walk_piece
 except ImportError:  # plan_fp8 then says so
     triton = None
 
@@ -144,6 +145,36 @@ def write_rows(cache: torch.Tensor, rows: torch.Tensor, kv_scale: torch.Tensor, 
     return cache
 
 
+def row_writer(cache: torch.Tensor, rows: torch.Tensor, kv_scale: torch.Tensor, pos: int):
+    """write() -> cache: the writer as one launch, validated once (the decode step binds it per layer):
+    cache[:, pos:pos + T] = quantize_rows(rows, kv_scale), the same values (tests; Triton's interpreter
+    writes a negative value that rounds to zero as +0 where torch writes -0), read from wherever
+    rows [B, T, 576] sits (strided rows; the last dimension contiguous). PyTorch's form takes five small
+    launches (the casts, the division, the clamp, the copy). Needs Triton (a GPU, or its interpreter);
+    ValueError / TypeError naming the argument as write_rows."""
+    check_cache(cache)
+    expect("rows", rows, dtype=(torch.float32, torch.float16, torch.bfloat16))
+    expect("rows", rows, shape=(cache.shape[0], None, LATENT_DIM), device=cache.device, contiguous="last",
+           what=f"[B={cache.shape[0]}, T, {LATENT_DIM}]")
+    T = rows.shape[1]
+    int_arg("pos", pos, high=cache.shape[1] - T)
+    check_kv_scale(kv_scale, cache.device)
+    if cache.dim() != 3 or cache.shape[0] != rows.shape[0]:
+        raise ValueError("cache must be a contiguous cache [B, L, 576] for row_writer")
+    if triton is None:
+        raise RuntimeError("row_writer needs Triton (a GPU, or TRITON_INTERPRET=1 on a CPU); write_rows "
+                           "runs without it")
+    grid = (rows.shape[0], T)
+    args = (rows, kv_scale, cache, pos, rows.stride(0), rows.stride(1), cache.stride(0), cache.stride(1))
+
+    def write():
+        if T:
+            _write_kernel[grid](*args, D=LATENT_DIM, BLOCK_D=triton.next_power_of_2(LATENT_DIM), num_warps=4)
+        return cache
+
+    return write
+
+
 def dequantize(cache: torch.Tensor, kv_scale: torch.Tensor,
                dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The values the cache stands for, cache x kv_scale, in `dtype` (the decode's reference)."""
@@ -161,6 +192,27 @@ def check_cache(cache) -> None:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _write_kernel(rows_ptr, scale_ptr, cache_ptr, pos, stride_rb, stride_rt, stride_cb, stride_ct,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr):
+        # one program = one (sequence, new row): cache[b, pos + t] = e4m3(clamp(rows[b, t] / scale, +-448))
+        b = tl.program_id(0)
+        t = tl.program_id(1)
+        offs = tl.arange(0, BLOCK_D)
+        ok = offs < D
+        x = tl.load(rows_ptr + b.to(tl.int64) * stride_rb + t * stride_rt + offs, mask=ok, other=0.0)
+        x = x.to(tl.float32) / tl.load(scale_ptr)
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        # round to E4M3's grid in fp32 first (nearest, ties to even: the 1.5 x 2^23 add and subtract), so
+        # the cast is exact: Triton's interpreter rounds fp32 -> e4m3 wrongly where the mantissa carries
+        # into the exponent (127.97 -> 64); the hardware's conversion needs none of it
+        e = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)   # subnormals below 2^-6
+        quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)               # 3 mantissa bits
+        r = ((tl.abs(x) / quantum + 12582912.0) - 12582912.0) * quantum  # on |x|: a tiny x < 0 gives -0
+        x = tl.where(x < 0, -r, r)
+        tl.store(cache_ptr + b.to(tl.int64) * stride_cb + (pos + t).to(tl.int64) * stride_ct + offs,
+                 x.to(tl.float8e4nv), mask=ok)
 
     @triton.jit
     def _fp8_split_kernel(q_ptr, kv_ptr, kv_scale_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr, op_ptr, lsep_ptr,
@@ -208,7 +260,7 @@ if triton is not None:
 class Fp8DecodePlan:
     """A validated FP8-cache decode, ready to launch: `plan()` returns (o, lse), its own buffers,
     overwritten by each call. grid: the split kernel's; num_splits: history pieces per request;
-    launches: kernels per call (the split kernel, plus the merge's torch ops when split)."""
+    launches: kernels per call (the split kernel, plus the merge kernel when split)."""
 
     grid: tuple[int, int, int]
     num_splits: int
@@ -220,23 +272,6 @@ class Fp8DecodePlan:
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._launch()
         return self.out, self.lse
-
-
-def _merge(o_part, l_part, out, lse, splits: int) -> None:
-    """Partials [B * Tq * H * splits, DV] fp32 and base-2 lse [B * Tq * H * splits] into out and lse
-    (natural log): lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s; an empty request gives
-    o = 0, lse = -inf (no NaN)."""
-    B, Tq, H = lse.shape
-    lp = l_part.view(B, Tq, H, splits)
-    m = lp.amax(-1, keepdim=True)
-    m = torch.where(m == -math.inf, torch.zeros_like(m), m)
-    w = torch.exp2(lp - m)
-    denom = w.sum(-1)
-    o = (w[..., None] * o_part.view(B, Tq, H, splits, VALUE_DIM)).sum(-2)
-    seen = denom > 0
-    out.copy_(o / torch.where(seen, denom, torch.ones_like(denom))[..., None])
-    lse.copy_(torch.where(seen, (m[..., 0] + torch.log2(torch.where(seen, denom, torch.ones_like(denom))))
-                          * math.log(2.0), torch.full_like(denom, -math.inf)))
 
 
 def plan_fp8(q, cache, kv_scale, lengths=None, *, block_table=None, scale=None, num_splits=None,
@@ -288,10 +323,16 @@ def plan_fp8(q, cache, kv_scale, lengths=None, *, block_table=None, scale=None, 
                   IEEE=q.dtype == torch.float32 or interpreted,
                   INTERPRET=interpreted, num_warps=warps)
 
+    merge_grid = (B, Tq * H, VALUE_DIM // MERGE_DV)
+    merge_args = (o_part, l_part, out, lse, H, Tq, splits, out.stride(0), out.stride(1), out.stride(2),
+                  lse.stride(0), lse.stride(1))
+    merge_consts = dict(DV=VALUE_DIM, BLOCK_DV=MERGE_DV, SPLITS_P2=triton.next_power_of_2(splits), PDL=False,
+                        num_warps=4)
+
     def launch():
         _fp8_split_kernel[grid](*args, **consts)
         if splits > 1:
-            _merge(o_part, l_part, out, lse, splits)
+            _merge_kernel[merge_grid](*merge_args, **merge_consts)
 
     return Fp8DecodePlan(grid, splits, out, lse, launch, launches=1 if splits == 1 else 2)
 
@@ -330,4 +371,5 @@ def reference(q, cache, kv_scale, lengths=None, *, block_table=None, scale=None)
 
 __all__ = ["ARTICLE_LAYERS", "ARTICLE_POSITIONS", "ARTICLE_RANKS", "FP8", "FP8_MAX", "Fp8DecodePlan",
            "bytes_per_position", "cache_bytes", "check_cache", "check_kv_scale", "dequantize",
-           "mla_decode_fp8", "plan_fp8", "quantize_rows", "reference", "scale_for", "write_rows"]
+           "mla_decode_fp8", "plan_fp8", "quantize_rows", "reference", "row_writer", "scale_for",
+           "write_rows"]

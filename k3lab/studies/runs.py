@@ -164,6 +164,9 @@ RUNS: tuple[Run, ...] = (
         {"nvidia-h100-80gb-hbm3":
          "nvidia-h100-80gb-hbm3/decode_step/glue.experts.N1.mxfp4.up8x256w4.down16x256w4__after.json"},
         {"H200": ("k3lab/studies/decode_step/glue.py",)}),
+    Run("fp8_cache_one_launch", "the FP8 MLA cache's row writer in one launch and its split pieces merged by "
+        "the Triton merge kernel (k3lab.ops.mla_decode.fp8_cache)", {},
+        {"GPU": ("k3lab/ops/mla_decode/fp8_cache.py",)}),
     Run("report_gpu_memory", "the report's notebooks scheduled by their GPU memory peaks, and rerun alone "
         "after running out of memory beside others (k3lab.report.workers.run_notebooks)", {},
         {"GPU": ("k3lab/report/__init__.py", "docs/gpu_check.md",

@@ -151,7 +151,8 @@ def row_writer(cache: torch.Tensor, rows: torch.Tensor, kv_scale: torch.Tensor, 
     writes a negative value that rounds to zero as +0 where torch writes -0), read from wherever
     rows [B, T, 576] sits (strided rows; the last dimension contiguous). PyTorch's form takes five small
     launches (the casts, the division, the clamp, the copy). Needs Triton (a GPU, or its interpreter);
-    ValueError / TypeError naming the argument as write_rows."""
+    ValueError / TypeError naming the argument as write_rows. Not yet run on a GPU (its test and the
+    step's run in Triton's interpreter; the ISA report compiles it)."""
     check_cache(cache)
     expect("rows", rows, dtype=(torch.float32, torch.float16, torch.bfloat16))
     expect("rows", rows, shape=(cache.shape[0], None, LATENT_DIM), device=cache.device, contiguous="last",

@@ -126,3 +126,20 @@ def test_a_worker_writes_the_peak_its_kernel_noted(tmp_path):
     subprocess.run([sys.executable, "-m", "k3lab.report.workers", str(nb), str(tmp_path / "out"), "120",
                     str(result), str(os.getpid())], check=True, timeout=180)
     assert json.loads(result.read_text())["gpu_peak_gib"] == 7.5
+
+
+def test_the_timings_keep_the_peak_and_a_rerun_s_own_seconds(tmp_path):
+    from k3lab import report
+
+    plan = eta.Plan(workers=2)
+    for key in ("notebook:04_x", "notebook:08_y"):
+        plan.add(key, 30.0, parallel=True)
+        plan.start(key, 100.0)
+        plan.finish(key, 190.0)  # 04's step spans its failed try, the wait and the rerun
+    outcomes = {"04_x": pool.Outcome("passed", seconds=41.0, gpu_peak_gib=3.5, rerun_alone=["08_y"]),
+                "08_y": pool.Outcome("passed", seconds=90.0, gpu_peak_gib=48.2)}
+    report._write_timings(tmp_path, plan, "gpu", "quick", 200.0, notebooks=outcomes)
+    steps = json.loads((tmp_path / "timings.json").read_text())["steps"]
+    assert steps["notebook:04_x"]["seconds"] == 41.0 and steps["notebook:08_y"]["seconds"] == 90.0
+    assert steps["notebook:04_x"]["rerun_alone_after_running_out_of_memory_beside"] == ["08_y"]
+    assert eta.measured_peaks(tmp_path / "timings.json") == {"notebook:04_x": 3.5, "notebook:08_y": 48.2}

@@ -271,8 +271,9 @@ def _write_timings(out: Path, plan: Plan, kind: str, form: str, total_s: float, 
                 steps[s.key]["stopped_at"] = got.cell.get("text")
             if got.gpu_peak_gib is not None:
                 steps[s.key]["gpu_peak_gib"] = got.gpu_peak_gib
-            if got.rerun_alone:
+            if got.rerun_alone:  # its step spans both tries and the wait between: keep the rerun's own time
                 steps[s.key]["rerun_alone_after_running_out_of_memory_beside"] = got.rerun_alone
+                steps[s.key]["seconds"] = round(got.seconds, 1)
     data = {"machine": kind, "machine_kind": machine_kind(kind), "form": form, "environment": env.describe(),
             "workers": plan.workers, "total_s": round(total_s, 1), "finished_at": round(now, 1),
             "status": "interrupted" if stopped else "complete", "steps": steps}

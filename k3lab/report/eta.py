@@ -157,6 +157,11 @@ def timing_files(out: Path | None = None, root: Path | None = None) -> list[Path
     return ([Path(out) / "timings.json"] if out is not None else []) + committed
 
 
+def _non_negative(x) -> bool:
+    """Whether a timings file's value is a finite number >= 0 (not a bool, a string or NaN)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
 def measured_seconds(machine: dict, form: str, files: list[Path]) -> tuple[dict[str, float], Path | None]:
     """Each step's seconds from the first of `files` measured on this kind of machine (`same_kind`) in
     report form `form`, and that file (({}, None) when none is). Steps that were interrupted or failed are
@@ -174,8 +179,7 @@ def measured_seconds(machine: dict, form: str, files: list[Path]) -> tuple[dict[
         steps = {}
         for key, step in (data.get("steps") or {}).items():
             seconds = step.get("seconds") if isinstance(step, dict) else None
-            if (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds)
-                    and seconds >= 0 and step.get("status") not in ("interrupted", "failed")):
+            if _non_negative(seconds) and step.get("status") not in ("interrupted", "failed"):
                 steps[key] = float(seconds)
         if steps:
             return steps, Path(path)
@@ -195,8 +199,7 @@ def measured_peaks(path: Path | None) -> dict[str, float]:
     out = {}
     for key, step in (steps if isinstance(steps, dict) else {}).items():
         peak = step.get("gpu_peak_gib") if isinstance(step, dict) else None
-        number = isinstance(peak, (int, float)) and not isinstance(peak, bool)
-        if number and math.isfinite(peak) and peak >= 0:
+        if _non_negative(peak):
             out[key] = float(peak)
     return out
 

@@ -134,15 +134,21 @@ def write_rows(cache: torch.Tensor, rows: torch.Tensor, kv_scale: torch.Tensor, 
     """The cache writer: cache[:, pos:pos + T] = quantize_rows(rows, kv_scale) for new latent rows
     [B, T, 576] of a contiguous FP8 cache [B, L, 576]; returns cache. ValueError / TypeError naming the
     argument before anything is written."""
-    check_cache(cache)
-    expect("rows", rows, dtype=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
-    expect("rows", rows, shape=(cache.shape[0], None, LATENT_DIM), device=cache.device,
-           what=f"[B={cache.shape[0]}, T, {LATENT_DIM}]")  # the cache's batch and device
-    T = rows.shape[1]
-    int_arg("pos", pos, high=cache.shape[1] - T)
-    check_kv_scale(kv_scale, cache.device)
+    T = _check_write(cache, rows, kv_scale, pos,
+                     (torch.float32, torch.float16, torch.bfloat16, torch.float64))
     cache[:, pos:pos + T] = quantize_rows(rows, kv_scale)
     return cache
+
+
+def _check_write(cache, rows, kv_scale, pos, dtypes, contiguous: bool | str = False) -> int:
+    """The writers' checks (ValueError / TypeError naming the argument); T, the new rows a sequence."""
+    check_cache(cache)
+    expect("rows", rows, dtype=dtypes)
+    expect("rows", rows, shape=(cache.shape[0], None, LATENT_DIM), device=cache.device, contiguous=contiguous,
+           what=f"[B={cache.shape[0]}, T, {LATENT_DIM}]")  # the cache's batch and device
+    int_arg("pos", pos, high=cache.shape[1] - rows.shape[1])
+    check_kv_scale(kv_scale, cache.device)
+    return rows.shape[1]
 
 
 def row_writer(cache: torch.Tensor, rows: torch.Tensor, kv_scale: torch.Tensor, pos: int):
@@ -153,15 +159,7 @@ def row_writer(cache: torch.Tensor, rows: torch.Tensor, kv_scale: torch.Tensor, 
     launches (the casts, the division, the clamp, the copy). Needs Triton (a GPU, or its interpreter);
     ValueError / TypeError naming the argument as write_rows. Not yet run on a GPU (its test and the
     step's run in Triton's interpreter; the ISA report compiles it)."""
-    check_cache(cache)
-    expect("rows", rows, dtype=(torch.float32, torch.float16, torch.bfloat16))
-    expect("rows", rows, shape=(cache.shape[0], None, LATENT_DIM), device=cache.device, contiguous="last",
-           what=f"[B={cache.shape[0]}, T, {LATENT_DIM}]")
-    T = rows.shape[1]
-    int_arg("pos", pos, high=cache.shape[1] - T)
-    check_kv_scale(kv_scale, cache.device)
-    if cache.dim() != 3 or cache.shape[0] != rows.shape[0]:
-        raise ValueError("cache must be a contiguous cache [B, L, 576] for row_writer")
+    T = _check_write(cache, rows, kv_scale, pos, (torch.float32, torch.float16, torch.bfloat16), "last")
     if triton is None:
         raise RuntimeError("row_writer needs Triton (a GPU, or TRITON_INTERPRET=1 on a CPU); write_rows "
                            "runs without it")

@@ -396,8 +396,8 @@ def test_compare_ratios():
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/HIP device")
 
 
-def _host_us(fn, n=5, fastest=False):
-    """The median (or the fastest) of n host-clock timings of fn, synchronized on both ends."""
+def _host_us(fn, n=5):
+    """The median of n host-clock timings of fn, synchronized on both ends."""
     out = []
     for _ in range(n):
         torch.cuda.synchronize()
@@ -405,7 +405,7 @@ def _host_us(fn, n=5, fastest=False):
         fn()
         torch.cuda.synchronize()
         out.append((time.perf_counter() - t0) * 1e6)
-    return min(out) if fastest else sorted(out)[n // 2]
+    return sorted(out)[n // 2]
 
 
 @pytest.mark.gpu
@@ -413,9 +413,12 @@ def _host_us(fn, n=5, fastest=False):
 def test_gpu_events_agree_with_a_host_clock_on_a_long_spin():
     spin = lambda: torch.cuda._sleep(2_000_000)  # noqa: E731
     t = bench.time_fn(spin, warmup=2, repeats=10)
-    # the fastest of several host timings: another process's kernels on the same GPU (pytest-xdist
-    # workers) stretch a host-clock sample while the events time the spin alone
-    host = _host_us(spin, n=15, fastest=True)  # adds launch + synchronize, tens of us at most
+    # the fastest of many host timings: another process's kernels on the same GPU (pytest-xdist
+    # workers) stretch a host-clock sample (3.5x seen with 8 workers on an H100) while the events time
+    # the spin alone, so sample for up to 5 s and stop at the first one within 10% of the events
+    host, deadline = float("inf"), time.perf_counter() + 5.0
+    while host > 1.1 * t.median_us and time.perf_counter() < deadline:
+        host = min(host, _host_us(spin, n=1))  # adds launch + synchronize, tens of us at most
     assert t.mode == "eager" and t.p20_us <= t.median_us <= t.p80_us
     assert 0.9 * host < t.median_us < host + 5
     assert 0 <= t.overhead_us < 20

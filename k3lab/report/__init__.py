@@ -32,8 +32,8 @@ it, and the next run on this kind of machine starts a notebook only where the pe
 beside it leave room in the memory free at the start (`workers.run_notebooks`). Where no peak is known
 yet, a notebook that runs out of GPU memory beside others runs again alone after them, said in the
 progress lines and in timings.json: on an H100 (80 GB) four notebooks at a time once left one 3 GiB.
-The peaks and the scheduling by them are not yet run on a GPU (tests/test_report_memory.py runs the
-scheduling and the rerun with real workers on a CPU).
+tests/test_report_memory.py runs the scheduling and the rerun with real workers (on a CPU, and on an
+H100 with a notebook's peak read back from its GPU).
 
 Modules: `execute` (the notebook runner), `workers` (one process per notebook, and Ctrl-C), `front` (the
 first screen), `sections` (per study), `tables` (compact before/after tables, shared with `k3lab bench`),

@@ -162,15 +162,16 @@ RUNS: tuple[Run, ...] = (
     Run("decode_step_experts", "one token's routed experts alone, bf16 against MXFP4, the one-token MXFP4 "
         "launches' block choices and the grouped form (k3lab.studies.decode_step.glue.expert_records)",
         {"nvidia-h100-80gb-hbm3":
-         "nvidia-h100-80gb-hbm3/decode_step/glue.experts.N1.mxfp4.up8x256w4.down16x256w4__after.json"},
+         "nvidia-h100-80gb-hbm3/decode_step/glue.experts.N1.mxfp4.up8x256w4.down4x128w4__after.json"},
         {"H200": ("k3lab/studies/decode_step/glue.py",)}),
     Run("fp8_cache_one_launch", "the FP8 MLA cache's row writer in one launch and its split pieces merged by "
-        "the Triton merge kernel (k3lab.ops.mla_decode.fp8_cache)", {},
-        {"GPU": ("k3lab/ops/mla_decode/fp8_cache.py",)}),
+        "the Triton merge kernel (k3lab.ops.mla_decode.fp8_cache)",
+        {"nvidia-h100-80gb-hbm3":
+         "nvidia-h100-80gb-hbm3/decode_step/attribution.b1_1k.all_on_article__after.json"},
+        {"H200": ("k3lab/ops/mla_decode/fp8_cache.py",)}),
     Run("report_gpu_memory", "the report's notebooks scheduled by their GPU memory peaks, and rerun alone "
-        "after running out of memory beside others (k3lab.report.workers.run_notebooks)", {},
-        {"GPU": ("k3lab/report/__init__.py", "docs/gpu_check.md",
-                 "profiles/nvidia-h100-80gb-hbm3/gpu_check/README.md")}),
+        "after running out of memory beside others (k3lab.report.workers.run_notebooks)",
+        {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/gpu_check/gpu_check_tests_302a1ad.json"}),
     Run("gpu_check_workers_stop", "scripts/gpu_check.py's --stop-after with several pytest-xdist workers "
         "(a record of the finished files inside one device call)",
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/gpu_check/gpu_check_tests_f9fc851_part.json"}),

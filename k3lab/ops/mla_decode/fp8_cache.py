@@ -157,8 +157,8 @@ def row_writer(cache: torch.Tensor, rows: torch.Tensor, kv_scale: torch.Tensor, 
     writes a negative value that rounds to zero as +0 where torch writes -0), read from wherever
     rows [B, T, 576] sits (strided rows; the last dimension contiguous). PyTorch's form takes five small
     launches (the casts, the division, the clamp, the copy). Needs Triton (a GPU, or its interpreter);
-    ValueError / TypeError naming the argument as write_rows. Not yet run on a GPU (its test and the
-    step's run in Triton's interpreter; the ISA report compiles it)."""
+    ValueError / TypeError naming the argument as write_rows. Run on an H100 (its tests, and the article
+    step's attribution: k3lab.studies.runs, part 'fp8_cache_one_launch'); not yet run on an H200."""
     T = _check_write(cache, rows, kv_scale, pos, (torch.float32, torch.float16, torch.bfloat16), "last")
     if triton is None:
         raise RuntimeError("row_writer needs Triton (a GPU, or TRITON_INTERPRET=1 on a CPU); write_rows "

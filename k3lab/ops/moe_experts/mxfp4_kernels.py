@@ -64,8 +64,9 @@ Z_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # so few columns per program put more loads in flight; a down step of 128 divides the expert width at
 # TP8 (384) where 256 masks half of its second step. Chosen launch by launch from the one-token sweep at
 # K3's widths on an H100 (k3lab.studies.decode_step.glue.EXPERT_SWEEP), each the fastest choice of its
-# launch with the other at the former default (32, 256, 4) / (16, 256, 4); the times are in
-# docs/decode_step.md's experts table. The pair together is the sweep's first row.
+# launch with the other at the former default (32, 256, 4) / (16, 256, 4), then timed together as the
+# sweep's first row (the fastest pair but one within 1%); the times are in docs/decode_step.md's
+# experts table.
 UP_BLOCKS = (8, 256, 4)
 DOWN_BLOCKS = (4, 128, 4)
 

@@ -204,8 +204,7 @@ def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, 
     env peak on a CPU, where the times are not speeds). Cases glue.experts.N1.bf16 and
     glue.experts.N1.mxfp4.up<n>x<k>w<w>.down<n>x<k>w<w>; then the grouped form at the same token
     (`_grouped_record`, case glue.experts.N1.mxfp4_grouped.m<m>n<n>k<k>w<w>) where it runs. Run on an
-    H100 (k3lab.studies.runs, part 'decode_step_experts'), before the defaults became the sweep's first
-    row. Not yet run on an H200."""
+    H100 (k3lab.studies.runs, part 'decode_step_experts'). Not yet run on an H200."""
     from k3lab.ops import moe_experts
     from k3lab.ops.moe_experts import mxfp4_kernels as mk
 

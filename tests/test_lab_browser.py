@@ -11,7 +11,9 @@ downloads its own browser, which an offline CI cannot. The protocol needs neithe
 already installs (.ci/run) is all it drives.
 
 Skips, saying why, where Chromium, JupyterLab, ipywidgets' lab extension or websocket-client is missing.
-Every wait has a deadline, and the test as a whole a pytest timeout, so it cannot hang.
+Every wait has a deadline, and the test as a whole a pytest timeout, so it cannot hang. JupyterLab's
+commands (open, Run All) are started and then polled, never awaited in one protocol reply: on a loaded
+2-core machine Run All outlasts any one reply's wait.
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ pytestmark = [pytest.mark.skipif(_missing() is not None, reason=_missing() or ""
               pytest.mark.timeout(300), pytest.mark.slow]
 
 
+try:   # a page too busy to answer within the socket's timeout is polled again, not a failure
+    from websocket import WebSocketTimeoutException
+    _WS_TIMEOUT: tuple = (WebSocketTimeoutException,)
+except ImportError:
+    _WS_TIMEOUT = ()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,7 +78,7 @@ def _wait(what: str, deadline_s: float, probe, interval: float = 0.25, describe=
     while time.monotonic() < end:
         try:
             last = probe()
-        except (OSError, ValueError) as e:   # not up yet
+        except (OSError, ValueError, *_WS_TIMEOUT) as e:   # not up yet, or the page busy past a reply's wait
             last = e
         else:
             if last:
@@ -104,6 +113,21 @@ class DevTools:
         if "exceptionDetails" in r:
             raise RuntimeError(f"page error: {r['exceptionDetails'].get('exception', {}).get('description')}")
         return r["result"].get("value")
+
+    def start(self, name: str, promise: str):
+        """Start a JupyterLab command without waiting on it: its promise can take longer than one reply
+        may (opening starts a kernel; Run All resolves when every cell ran), so its outcome goes to
+        window.__k3lab[name] and `outcome` polls it."""
+        return self.js(f"(() => {{ const s = window.__k3lab = window.__k3lab || {{}};"
+                       f" s[{name!r}] = 'running'; ({promise}).then(() => {{ s[{name!r}] = 'done'; }},"
+                       f" e => {{ s[{name!r}] = 'error: ' + e; }}); return true; }})()")
+
+    def outcome(self, name: str) -> str:
+        """'running' or 'done'; a rejected command fails the test with its error."""
+        now = self.js(f"(window.__k3lab || {{}})[{name!r}] || 'not started'")
+        if now.startswith("error") or now == "not started":
+            pytest.fail(f"JupyterLab's {name} command: {now}")
+        return now
 
     def mouse(self, kind: str, x: float, y: float, buttons: int = 1):
         self.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", buttons=buttons,
@@ -243,21 +267,27 @@ def test_notebook_06_runs_in_jupyterlab_and_its_slider_redraws_the_figure(page):
     tools = page
     t0 = time.monotonic()
     page_now = functools.partial(tools.js, SUMMARY)
-    _wait("JupyterLab to load in the page", PAGE_S, lambda: tools.js(
-        "window.jupyterapp ? window.jupyterapp.restored.then(() => true) : false"), describe=page_now)
-    tools.js(f"window.jupyterapp.commands.execute('docmanager:open', {{path: '{NOTEBOOK}', "
-             "factory: 'Notebook'}).then(() => true)")
+    _wait("JupyterLab to load in the page", PAGE_S,
+          lambda: tools.js("!!window.jupyterapp") and tools.start("restore", "window.jupyterapp.restored"),
+          describe=page_now)
+    _wait("JupyterLab to restore its layout", PAGE_S, lambda: tools.outcome("restore") == "done",
+          describe=page_now)
+    tools.start("open", f"window.jupyterapp.commands.execute('docmanager:open', {{path: '{NOTEBOOK}', "
+                        "factory: 'Notebook'})")
     _wait("the notebook to open with an idle kernel", PAGE_S,
-          lambda: (tools.js(CELLS_STATE) or {}).get("status") == "idle", describe=page_now)
+          lambda: tools.outcome("open") == "done" and (tools.js(CELLS_STATE) or {}).get("status") == "idle",
+          describe=page_now)
     # The menu's Run > Run All Cells, on the notebook's panel (activated: the command acts on the current).
-    tools.js(f"(() => {{ const p = {PANEL}; window.jupyterapp.shell.activateById(p.id); p.activate();"
-             "return window.jupyterapp.commands.execute('notebook:run-all-cells').then(() => true); })()")
+    tools.start("run-all", f"(() => {{ const p = {PANEL}; window.jupyterapp.shell.activateById(p.id); "
+                           "p.activate(); "
+                           "return window.jupyterapp.commands.execute('notebook:run-all-cells'); })()")
 
     def all_ran():
         state = tools.js(CELLS_STATE)
         if state and state["errors"]:
             pytest.fail("a cell raised in JupyterLab: " + "; ".join(state["errors"]))
-        return state if state and state["status"] == "idle" and all(state["counts"]) else None
+        done = tools.outcome("run-all") == "done"
+        return state if done and state and state["status"] == "idle" and all(state["counts"]) else None
     state = _wait("every code cell to run (Run All)", RUN_ALL_S, all_ran, interval=0.5)
     assert state["counts"] == sorted(state["counts"]), f"cells ran out of order: {state['counts']}"
 

@@ -159,6 +159,7 @@ OPTIMIZATIONS: tuple[Entry, ...] = (
                  # compiled by the ISA report (where they ran: k3lab.studies.runs)
                  "k3lab.ops.moe_experts.mxfp4_kernels._up_kernel",
                  "k3lab.ops.moe_experts.mxfp4_kernels._down_kernel",
+                 "k3lab.ops.moe_experts.mxfp4_kernels._down_flat_kernel",
                  "k3lab.ops.moe_experts.mxfp4_kernels._scaled_up_kernel",
                  "k3lab.ops.moe_experts.mxfp4_kernels._scaled_down_kernel",
                  "k3lab.ops.mla_decode.fp8_cache._fp8_split_kernel",

@@ -49,10 +49,14 @@ def test_glue_records_on_the_gpu():
     assert {r.variant for r in recs} == {"before", "after"} and all(r.median_us > 0 for r in recs)
 
 
+# the default, the former default and the down launch's first flat choice
+TINY_SWEEP = glue.EXPERT_SWEEP[:2] + tuple(c for c in glue.EXPERT_SWEEP if c[2] == "flat")[:1]
+
+
 def _tiny_experts(log=lambda *a: None, **kw):
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32  # the interpreter has no bf16 arithmetic
     # widths 128: the grouped form's K step divides them
-    return glue.expert_records(glue.EXPERT_SWEEP[:2], experts=8, top_k=2, latent=128, intermediate=128,
+    return glue.expert_records(TINY_SWEEP, experts=8, top_k=2, latent=128, intermediate=128,
                                sets=2, repeats=3, device=DEV, dtype=dtype, log=log, **kw)
 
 
@@ -64,12 +68,14 @@ def test_expert_records_check_each_choice_and_label_it():
     said = []
     recs = _tiny_experts(log=said.append)
     grouped, why = mk.grouped_runs_here()
-    assert [r.variant for r in recs] == ["before", "after", "after"] + ["after"] * grouped
+    assert [r.variant for r in recs] == ["before"] + ["after"] * (len(TINY_SWEEP) + grouped)
     assert recs[0].case == "glue.experts.N1.bf16" and recs[0].error["max_rel_vs_fp64"] <= 1e-2
-    for r, (up, down) in zip(recs[1:3], glue.EXPERT_SWEEP[:2]):
-        assert r.case == "glue.experts.N1.mxfp4.up{}x{}w{}.down{}x{}w{}".format(*up, *down)
-        assert r.error["max_abs_vs_fp64"] <= r.error["tolerance"]
-        assert r.extra["default"] == ((up, down) == (mk.UP_BLOCKS, mk.DOWN_BLOCKS))
+    assert [c[2] for c in TINY_SWEEP] == ["pairs", "pairs", "flat"]
+    for r, (up, down, form) in zip(recs[1:4], TINY_SWEEP):
+        word = {"pairs": "down", "flat": "flat"}[form]
+        assert r.case == f"glue.experts.N1.mxfp4.up{{}}x{{}}w{{}}.{word}{{}}x{{}}w{{}}".format(*up, *down)
+        assert r.error["max_abs_vs_fp64"] <= r.error["tolerance"] and r.extra["down_form"] == form
+        assert r.extra["default"] == ((up, down, form) == (mk.UP_BLOCKS, mk.DOWN_BLOCKS, mk.DOWN_FORM))
     for r in recs[1:]:
         assert r.extra["bytes"] == mk.expert_bytes(1, 2, 128, 128) < recs[0].extra["bytes"]
         assert r.floor_us == pytest.approx(r.extra["bytes"] / (r.extra["bandwidth_tbs"] * 1e6))
@@ -117,7 +123,7 @@ def test_expert_table_is_made_of_the_records(tmp_path):
     bench.save_records(recs, root=tmp_path)
     text = glue.expert_markdown(root=tmp_path)
     bf16 = recs[0]
-    for r in recs[1:3]:
+    for r in recs[1:4]:
         blocks = r.case.split(".", 4)[4]
         default = " (default)" if r.extra["default"] else ""
         row = (f"| mxfp4 | {blocks}{default} | {r.median_us:.1f} | {r.floor_us:.1f} | "
@@ -125,10 +131,11 @@ def test_expert_table_is_made_of_the_records(tmp_path):
         assert row in text, (row, text)
     assert f"| bf16 | - | {bf16.median_us:.1f} | {bf16.floor_us:.1f} |" in text
     assert text.count("(default)") == sum(r.extra.get("default", False) for r in recs) == (
-        (mk.UP_BLOCKS, mk.DOWN_BLOCKS) in glue.EXPERT_SWEEP[:2])
+        (mk.UP_BLOCKS, mk.DOWN_BLOCKS, mk.DOWN_FORM) in TINY_SWEEP)
     page = (Path(__file__).resolve().parents[1] / "docs" / "decode_step.md").read_text()
     committed = glue.expert_markdown()
     assert committed in page
     # the code's default is marked, not the one a record was taken under
     marked = [line.split(" | ")[1] for line in committed.splitlines() if "(default)" in line]
-    assert all(m == glue._choice_name(mk.UP_BLOCKS, mk.DOWN_BLOCKS) + " (default)" for m in marked), marked
+    assert all(m == glue._choice_name(mk.UP_BLOCKS, mk.DOWN_BLOCKS, mk.DOWN_FORM) + " (default)"
+               for m in marked), marked

@@ -37,27 +37,42 @@ def _close(y, ref):
     assert err <= 2e-5 * max(1.0, ref.abs().max().item()), err  # fp32 accumulation against fp64
 
 
+@pytest.mark.parametrize("down_form", mk.DOWN_FORMS)
 @pytest.mark.parametrize("N, k", [(1, 4), (3, 2)])
-def test_matches_fp64_product_and_is_bit_stable(N, k):
+def test_matches_fp64_product_and_is_bit_stable(N, k, down_form):
     args = _case(10 + N, N=N, k=k)
     codes = torch.cat([w.codes().reshape(-1) for w in args[3:]])
     assert len(torch.unique(codes)) == 15          # every E2M1 code and sign (quantize writes no -0)
-    y = mk.mxfp4_experts(*args)
+    y = mk.mxfp4_experts(*args, down_form=down_form)
     ref = mk.reference(*args)
     _close(y, ref)
     assert ref.abs().max() > 0.05                  # a product that would show a wrong code or scale
-    assert torch.equal(y, mk.mxfp4_experts(*args))  # the same bits from run to run
+    assert torch.equal(y, mk.mxfp4_experts(*args, down_form=down_form))  # the same bits run to run
 
 
-def test_bf16_input_edge_tiles_and_wide_scales():
-    # L = 96, F = 96: the 64-value steps end in a half-used step; 3 experts of a column block of 16 hit
-    # the column mask; scales spread over 2^-6 .. 2^4 by expert
+@pytest.mark.parametrize("down_form", mk.DOWN_FORMS)
+def test_bf16_input_edge_tiles_and_wide_scales(down_form):
+    # L = 96, F = 96: the 64-value steps end in a half-used step (the flat form's steps of two blocks
+    # straddle two pairs: 3 blocks a pair); 3 experts of a column block of 16 hit the column mask;
+    # scales spread over 2^-6 .. 2^4 by expert
     z, weights, idx, w1, w3, w2 = _case(21, N=2, k=3, E=5, L=96, F=96, dtype=torch.bfloat16)
     spread = torch.pow(2.0, torch.arange(-6, 4, 2.0, device=DEV))[:, None, None]
     w1, w3, w2 = (mk.quantize_experts(w.dequantize() * spread) for w in (w1, w3, w2))
     args = (z, weights, idx, w1, w3, w2)
-    y = mk.mxfp4_experts(*args, up_blocks=(16, 64, 4), down_blocks=(32, 64, 4))
+    y = mk.mxfp4_experts(*args, up_blocks=(16, 64, 4), down_blocks=(32, 64, 4), down_form=down_form)
     _close(y, mk.reference(*args))
+
+
+def test_the_flat_down_form_uses_every_pair_and_its_weight():
+    # each pair's routing weight scaled apart: a flat walk that took the wrong pair's expert, weight or h
+    # for a block would move y far past _close's bound
+    z, weights, idx, w1, w3, w2 = _case(8, N=2, k=4, E=7, L=64, F=96)
+    weights = weights * torch.tensor([1.0, 10.0, 100.0, 1000.0], device=DEV)
+    args = (z, weights, idx, w1, w3, w2)
+    ref = mk.reference(*args)
+    _close(mk.mxfp4_experts(*args, down_form="flat", down_blocks=(16, 128, 4)), ref)
+    swapped = idx.flip(1).contiguous()
+    assert (mk.reference(z, weights, swapped, w1, w3, w2) - ref).abs().max() > 1e-2 * ref.abs().max()
 
 
 def test_a_wrong_code_or_scale_is_caught():
@@ -97,6 +112,7 @@ def test_bad_input_refused_by_name():
     _refused(ValueError, "idx and weights", z, weights[:, :2], idx, w1, w3, w2)
     _refused(ValueError, "up_blocks", *good, up_blocks=(16, 16, 4))
     _refused(ValueError, "down_blocks", *good, down_blocks=(12, 64, 4))
+    _refused(ValueError, "down_form: expected one of", *good, down_form="tiles")
     with pytest.raises(ValueError, match="w must be a stack"):
         mk.quantize_experts(torch.zeros(4, 32))
 

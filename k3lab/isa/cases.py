@@ -208,8 +208,9 @@ def moe_experts(tokens=1):
             moe_triton.down_row(h, w2, weights.reshape(-1), idx.reshape(-1), L, F, blocks=blocks)
 
 
-def moe_mxfp4(tokens=1):
-    """The MXFP4 routed experts' two GEMV launches (codes and E8M0 scales dequantized in registers)."""
+def moe_mxfp4(tokens=1, down_form=None):
+    """The MXFP4 routed experts' two GEMV launches (codes and E8M0 scales dequantized in registers);
+    down_form: the down launch's form (mxfp4_kernels.DOWN_FORMS; None: the default)."""
     from k3lab.ops.moe_experts.mxfp4 import Mxfp4Weight
     from k3lab.ops.moe_experts import mxfp4_kernels, random_router_idx
 
@@ -227,7 +228,8 @@ def moe_mxfp4(tokens=1):
     run = mxfp4_kernels.mxfp4_experts
     if tokens > 1 and mxfp4_kernels.grouped_runs_here()[0]:
         run = mxfp4_kernels.mxfp4_experts_grouped
-    run(z, weights, idx, up, up, experts(L, F), check_values=False)
+    form = {} if down_form is None else {"down_form": down_form}
+    run(z, weights, idx, up, up, experts(L, F), check_values=False, **form)
 
 
 def moe_tail(tokens=1):
@@ -389,6 +391,8 @@ CASES: dict[str, tuple] = {
     "moe_experts.grouped_t1": (moe_experts, {}, "one token's 16 experts"),
     "moe_experts.grouped_t64": (moe_experts, {"tokens": 64}, "64 tokens"),
     "moe_experts.mxfp4_t1": (moe_mxfp4, {}, "MXFP4 experts, one token's 16: the two GEMV launches"),
+    "moe_experts.mxfp4_t1_flat": (moe_mxfp4, {"down_form": "flat"},
+                                  "MXFP4 experts, one token's 16: the down launch over the pairs end to end"),
     "moe_experts.mxfp4_t64": (moe_mxfp4, {"tokens": 64}, "MXFP4 experts, 64 tokens: grouped tl.dot_scaled "
                               "(gfx950, sm90), the GEMV form on gfx942"),
     "moe_experts.tail_t1": (moe_tail, {}, "latent tail, one token"),

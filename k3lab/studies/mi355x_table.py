@@ -50,11 +50,13 @@ _GEMV = "gemv.router,gemv.fp8_o_proj,gemv.stack_moe,gemv.glu_shared_down"
 _MOE = "moe_experts.grouped_t1,moe_experts.grouped_t64,moe_experts.tail_t1,moe_experts.tail_t256"
 _VA, _VB = "gfx950 kda_verify.after_b1_t4 0 ", "gfx950 kda_verify.before_b1_t4 0 "
 _FP8 = "mla_decode.fp8_cache_1k,mla_decode.fp8_cache_32k,mla_decode.fp8_cache_verify_4"
-_FP8_32K = "gfx950 mla_decode.fp8_cache_32k 0 "
-_MX = "moe_experts.mxfp4_t1,moe_experts.mxfp4_t64"
+_FP8_SPLIT = ",".join(f"{c}:_fp8_split_kernel" for c in _FP8.split(","))
+_FP8_WRITE = ",".join(f"{c}:_write_kernel" for c in _FP8.split(","))
+_FP8_32K = "gfx950 mla_decode.fp8_cache_32k:_fp8_split_kernel * "
+_MX = "moe_experts.mxfp4_t1,moe_experts.mxfp4_t1_flat,moe_experts.mxfp4_t64"
 _MX_UP, _MX_DOWN = ("gfx950 moe_experts.mxfp4_t64:_scaled_up_kernel * ",
                     "gfx950 moe_experts.mxfp4_t64:_scaled_down_kernel * ")
-_MX_GEMV = "moe_experts.mxfp4_t1"
+_MX_GEMV = "moe_experts.mxfp4_t1,moe_experts.mxfp4_t1_flat"
 _SCALED_MFMA = "v_mfma_scale_f32_16x16x128_f8f6f4"
 
 ROWS: tuple[tuple[str, str, str, str], ...] = (
@@ -75,14 +77,16 @@ ROWS: tuple[tuple[str, str, str, str], ...] = (
      f"{_t(_MLA_A + 'occupancy')} wave/SIMD, {_t(_MLA_A + 'grid0')} programs at 32K",
      "verify groups: one token per program on AMD (below). `mla_decode.cu` is a HIP stub"),
     ("MLA decode, FP8 latent cache (`fp8_cache.plan_fp8`)",
-     "Triton `_fp8_split_kernel` (E4M3 tiles converted in the load, one scale per cache tensor); a split "
-     "history's partials merged with torch ops",
+     "Triton `_fp8_split_kernel` (E4M3 tiles converted in the load, one scale per cache tensor); the step's "
+     "new rows rounded and written by `_write_kernel` (one launch), a split history's partials merged by "
+     "the bf16 decode's `_merge_kernel`",
      f"{_t(f'gfx950 {_FP8} * ok', 'yes')}: "
      f"{_t(_FP8_32K + 'matrix.v_mfma_f32_16x16x32_bf16')} `v_mfma_f32_16x16x32_bf16`, "
      f"{_t(_FP8_32K + 'kib', 'kib')} KiB LDS, {_t(_FP8_32K + 'vgprs')} + {_t(_FP8_32K + 'agprs')} VGPR/AGPR, "
-     f"{_t(_FP8_32K + 'occupancy')} wave/SIMD, {_t(_FP8_32K + 'grid0')} programs at 32K, "
-     f"{_t(f'gfx950 {_FP8} * spills', 'spills')}",
-     f"gfx942: {_t(f'gfx942 {_FP8} * vgprs', 'range')} + {_t(f'gfx942 {_FP8} * agprs', 'range')} VGPR/AGPR, "
+     f"{_t(_FP8_32K + 'occupancy')} wave/SIMD, {_t(_FP8_32K + 'grid0')} programs at 32K; the writer "
+     f"{_t(f'gfx950 {_FP8_WRITE} * vgprs', 'range')} VGPRs; {_t(f'gfx950 {_FP8} * spills', 'spills')}",
+     f"gfx942: the split kernel {_t(f'gfx942 {_FP8_SPLIT} * vgprs', 'range')} + "
+     f"{_t(f'gfx942 {_FP8_SPLIT} * agprs', 'range')} VGPR/AGPR, "
      f"{_t(f'gfx942 {_FP8} * spills', 'spills')}; verify groups: one token per program on AMD"),
     ("MLA decode, DCP merge", "torch, or Triton `merge._merge_kernel`",
      _t("gfx950 mla_decode.dcp_merge * ok", "yes"), ""),
@@ -123,7 +127,8 @@ ROWS: tuple[tuple[str, str, str, str], ...] = (
      f"{_t(f'gfx950 {_DOWN} * spills', 'spills')}", ""),
     ("MoE routed experts, MXFP4 (`mxfp4_kernels`)",
      "Triton `_up_kernel`, `_down_kernel` (GEMVs over the E2M1 codes and E8M0 block scales, dequantized in "
-     "registers); for many tokens where the target has scaled matrix instructions, `_scaled_up_kernel`, "
+     "registers; `_down_flat_kernel` the down launch's flat form); for many tokens where the target has "
+     "scaled matrix instructions, `_scaled_up_kernel`, "
      "`_scaled_down_kernel` on `tl.dot_scaled` (activations as MXFP8)",
      f"{_t(f'gfx950 {_MX} * ok', 'yes')}: the grouped form on the scaled MFMA, "
      f"{_t(f'{_MX_UP}matrix.{_SCALED_MFMA}')} / {_t(f'{_MX_DOWN}matrix.{_SCALED_MFMA}')} `{_SCALED_MFMA}` "

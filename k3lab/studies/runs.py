@@ -169,6 +169,10 @@ RUNS: tuple[Run, ...] = (
         {"nvidia-h100-80gb-hbm3":
          "nvidia-h100-80gb-hbm3/decode_step/attribution.b1_1k.all_on_article__after.json"},
         {"H200": ("k3lab/ops/mla_decode/fp8_cache.py",)}),
+    Run("mxfp4_flat_down", "the MXFP4 experts' down launch over the token's pairs end to end "
+        "(mxfp4_kernels._down_flat_kernel, down_form='flat') and its rows in the one-token sweep", {},
+        {"GPU": ("k3lab/ops/moe_experts/mxfp4_kernels.py", "k3lab/studies/decode_step/glue.py",
+                 "docs/decode_step.md")}),
     Run("report_gpu_memory", "the report's notebooks scheduled by their GPU memory peaks, and rerun alone "
         "after running out of memory beside others (k3lab.report.workers.run_notebooks)",
         {"nvidia-h100-80gb-hbm3": "nvidia-h100-80gb-hbm3/gpu_check/gpu_check_tests_302a1ad.json"}),

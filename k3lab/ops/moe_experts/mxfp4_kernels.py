@@ -12,6 +12,13 @@ Two launches:
   _down_kernel  one program per token and block of L columns: y[cols] = sum over the token's k pairs,
                 in slot order, of weight_j * w2[e_j][cols, :] h_j
 No atomics and a fixed order of every sum: the output is the same bits from run to run.
+The down launch has a second form, `down_form="flat"` (`_down_flat_kernel`): the token's k pairs' F
+values laid end to end as one product of k * F values (h is stored by pair, so the token's h is one
+contiguous run), each 32-value block finding its expert and routing weight by a vector load, so a
+program issues its weight loads without walking the pairs one after another. The bf16 experts' down
+launch took 70.4 us a layer walking its tiles and 14.3 us end to end (docs/decode_step.md); which MXFP4
+form wins is for the one-token sweep to say (DOWN_FORM: the default). The flat form is checked in the
+interpreter and compiled for gfx950, gfx942 and sm90 (the ISA report), not yet run on a GPU.
 
 Dequantization in registers: a byte holds the codes of columns 2i (low nibble) and 2i + 1 (high), so a
 tile of bytes multiplies the even and the odd inputs; a code becomes fp32 by its bits (exponent and
@@ -69,6 +76,8 @@ Z_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # experts table.
 UP_BLOCKS = (8, 256, 4)
 DOWN_BLOCKS = (4, 128, 4)
+DOWN_FORMS = ("pairs", "flat")   # the down launch walking the pairs in turn, or their values end to end
+DOWN_FORM = "pairs"
 
 
 if triton is not None:
@@ -142,6 +151,40 @@ if triton is not None:
             for k0 in range(0, F, BLOCK_K):
                 acc += _block_dot(w2_ptr, s2_ptr, w_row, s_row, h_ptr, pair.to(tl.int64) * F, k0, col_ok, rw,
                                   F // 32, NB)
+        tl.store(y_ptr + n.to(tl.int64) * L + cols, tl.sum(acc, axis=1), mask=col_ok)
+
+    @triton.jit
+    def _down_flat_kernel(h_ptr, w2_ptr, s2_ptr, weight_ptr, idx_ptr, y_ptr,
+                          L: tl.constexpr, F: tl.constexpr, TOP_K: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # one token's y[cols]: its TOP_K * F h values (pair-major, contiguous) as one product; block b of
+        # 32 values belongs to pair j = b // (F / 32) at block b % (F / 32) of that expert's row
+        n = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < L
+        NB: tl.constexpr = BLOCK_K // 32
+        FB: tl.constexpr = F // 32
+        TB: tl.constexpr = TOP_K * FB
+        acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        for b0 in range(0, TB, NB):
+            blk = b0 + tl.arange(0, NB)
+            blk_ok = blk < TB
+            j = blk // FB
+            fb = blk - j * FB
+            pair = n * TOP_K + j
+            e = tl.load(idx_ptr + pair, mask=blk_ok, other=0).to(tl.int64)
+            rw = tl.load(weight_ptr + pair, mask=blk_ok, other=0.0).to(tl.float32)
+            byte = blk[:, None] * 16 + tl.arange(0, 16)[None, :]                    # [NB, 16]
+            x_at = h_ptr + n.to(tl.int64) * (TOP_K * F) + 2 * byte
+            x_even = tl.load(x_at, mask=blk_ok[:, None], other=0.0) * rw[:, None]
+            x_odd = tl.load(x_at + 1, mask=blk_ok[:, None], other=0.0) * rw[:, None]
+            row = e[None, :] * L + cols[:, None].to(tl.int64)                       # [BLOCK_N, NB]
+            ok = col_ok[:, None] & blk_ok[None, :]
+            w_at = (row * (F // 2) + fb[None, :] * 16)[:, :, None] + tl.arange(0, 16)[None, None, :]
+            p = tl.load(w2_ptr + w_at, mask=ok[:, :, None], other=0).to(tl.int32)
+            part = tl.sum(_e2m1(p & 15) * x_even[None, :, :] + _e2m1(p >> 4) * x_odd[None, :, :], axis=2)
+            s = tl.load(s2_ptr + row * FB + fb[None, :], mask=ok, other=0).to(tl.float32)
+            acc += part * tl.exp2(s)
         tl.store(y_ptr + n.to(tl.int64) * L + cols, tl.sum(acc, axis=1), mask=col_ok)
 
 
@@ -274,9 +317,13 @@ def _blocks(name: str, blocks) -> tuple[int, int, int]:
 
 
 def mxfp4_experts(z, weights, idx, w1: Mxfp4Weight, w3: Mxfp4Weight, w2: Mxfp4Weight, *,
-                  check_values: bool = True, up_blocks=UP_BLOCKS, down_blocks=DOWN_BLOCKS) -> torch.Tensor:
+                  check_values: bool = True, up_blocks=UP_BLOCKS, down_blocks=DOWN_BLOCKS,
+                  down_form: str = DOWN_FORM) -> torch.Tensor:
     """y [N, L] fp32 = sum_j weights[n, j] * expert idx[n, j] of z[n] over MXFP4 weights (module
-    docstring). up_blocks / down_blocks: (columns, values per step, warps) of the two launches."""
+    docstring). up_blocks / down_blocks: (columns, values per step, warps) of the two launches;
+    down_form: one of DOWN_FORMS, how the down launch walks the token's pairs."""
+    if down_form not in DOWN_FORMS:
+        raise ValueError(f"down_form: expected one of {DOWN_FORMS}, got {down_form!r}")
     N, k, L, F, _ = check_inputs(z, weights, idx, w1, w3, w2, check_values=check_values)
     bn_u, bk_u, warps_u = _blocks("up_blocks", up_blocks)
     bn_d, bk_d, warps_d = _blocks("down_blocks", down_blocks)
@@ -293,7 +340,8 @@ def mxfp4_experts(z, weights, idx, w1: Mxfp4Weight, w3: Mxfp4Weight, w2: Mxfp4We
     _up_kernel[(N * k, triton.cdiv(F, bn_u))](
         z, w1.packed, w1.scale_exp, w3.packed, w3.scale_exp, flat_idx, h, L=L, F=F, TOP_K=k,
         BLOCK_N=bn_u, BLOCK_K=bk_u, num_warps=warps_u)
-    _down_kernel[(N, triton.cdiv(L, bn_d))](
+    down = _down_flat_kernel if down_form == "flat" else _down_kernel
+    down[(N, triton.cdiv(L, bn_d))](
         h, w2.packed, w2.scale_exp, flat_w, flat_idx, y, L=L, F=F, TOP_K=k,
         BLOCK_N=bn_d, BLOCK_K=bk_d, num_warps=warps_d)
     return y

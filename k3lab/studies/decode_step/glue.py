@@ -162,21 +162,27 @@ def situ_glu_records(rows=(1, 64), dtype=torch.bfloat16) -> list[bench.Record]:
     return out
 
 
-# The one-token MXFP4 expert launches' block choices timed at K3's widths: (up, down) pairs of
-# (columns, values per step, warps); the first is mxfp4_kernels' default, the second the former default
-# it replaced, then each launch varied around the default with the other at its default (the two
-# launches are independent, so their times add). The choices the default was picked from, and their
-# times, are in docs/decode_step.md's experts table.
-EXPERT_SWEEP = (((8, 256, 4), (4, 128, 4)), ((32, 256, 4), (16, 256, 4)),
-                ((4, 256, 4), (4, 128, 4)), ((8, 256, 2), (4, 128, 4)), ((8, 512, 4), (4, 128, 4)),
-                ((16, 256, 4), (4, 128, 4)),
-                ((8, 256, 4), (2, 128, 4)), ((8, 256, 4), (4, 128, 2)), ((8, 256, 4), (4, 256, 4)),
-                ((8, 256, 4), (8, 128, 4)), ((8, 256, 4), (4, 64, 2)))
+# The one-token MXFP4 expert launches' block choices timed at K3's widths: (up, down, down form), the
+# blocks (columns, values per step, warps); the first is mxfp4_kernels' default, the second the former
+# default it replaced, then each launch varied around the default with the other at its default (the two
+# launches are independent, so their times add), then the down launch's flat form (mxfp4_kernels.
+# DOWN_FORMS) at the default up blocks: its steps may span pairs, so wider steps are tried too. The
+# choices the default was picked from, and their times, are in docs/decode_step.md's experts table.
+_UP = (8, 256, 4)
+EXPERT_SWEEP = ((_UP, (4, 128, 4), "pairs"), ((32, 256, 4), (16, 256, 4), "pairs"),
+                ((4, 256, 4), (4, 128, 4), "pairs"), ((8, 256, 2), (4, 128, 4), "pairs"),
+                ((8, 512, 4), (4, 128, 4), "pairs"), ((16, 256, 4), (4, 128, 4), "pairs"),
+                (_UP, (2, 128, 4), "pairs"), (_UP, (4, 128, 2), "pairs"), (_UP, (4, 256, 4), "pairs"),
+                (_UP, (8, 128, 4), "pairs"), (_UP, (4, 64, 2), "pairs"),
+                (_UP, (4, 128, 4), "flat"), (_UP, (2, 128, 4), "flat"), (_UP, (8, 128, 4), "flat"),
+                (_UP, (4, 256, 4), "flat"), (_UP, (4, 512, 4), "flat"), (_UP, (8, 256, 4), "flat"),
+                (_UP, (4, 128, 2), "flat"))
 
 
-def _choice_name(up, down) -> str:
-    """A block choice as its records name it: up<n>x<k>w<w>.down<n>x<k>w<w>."""
-    return "up{}x{}w{}.down{}x{}w{}".format(*up, *down)
+def _choice_name(up, down, form="pairs") -> str:
+    """A choice as its records name it: up<n>x<k>w<w>.down<n>x<k>w<w> (the pairs form of the down
+    launch), up<n>x<k>w<w>.flat<n>x<k>w<w> (its flat form)."""
+    return "up{}x{}w{}.".format(*up) + ("down" if form == "pairs" else form) + "{}x{}w{}".format(*down)
 
 
 def _sliced(w, experts):
@@ -193,7 +199,7 @@ def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, 
     K3Config.tp_slice(8)'s routed_expert_hidden_size and moe_intermediate_size), each call reading another
     draw of `top_k` of `experts` (`sets` draws rotated, so the weights are not timed hot in L2): the bf16
     stacks through routed_experts' Triton form ('before'), the MXFP4 stacks through the one-token kernels
-    at each (up, down) block choice of `sweep` ('after'; the first is the default); `dtype`: the dense
+    at each (up, down, down form) choice of `sweep` ('after'; the first is the default); `dtype`: the dense
     stacks' and the token's (bf16 as the step runs; fp32 for Triton's CPU interpreter, which has no bf16
     arithmetic). Each MXFP4 choice is
     checked first against the fp64 product of the dequantized chosen experts (mxfp4_kernels.reference;
@@ -202,9 +208,10 @@ def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, 
     before anything is timed. floor_us: the streamed bytes (mxfp4_kernels.expert_bytes: 4.25 bits a
     weight, or 2 bytes) over the copy bandwidth measured in the run (measure.measured_bandwidth_tbs; the
     env peak on a CPU, where the times are not speeds). Cases glue.experts.N1.bf16 and
-    glue.experts.N1.mxfp4.up<n>x<k>w<w>.down<n>x<k>w<w>; then the grouped form at the same token
+    glue.experts.N1.mxfp4.<_choice_name>; then the grouped form at the same token
     (`_grouped_record`, case glue.experts.N1.mxfp4_grouped.m<m>n<n>k<k>w<w>) where it runs. Run on an
-    H100 (k3lab.studies.runs, part 'decode_step_experts'). Not yet run on an H200."""
+    H100 (k3lab.studies.runs, part 'decode_step_experts'). Not yet run on an H200. The down launch's flat
+    form (the sweep's 'flat' rows): not yet run on a GPU (part 'mxfp4_flat_down')."""
     from k3lab.ops import moe_experts
     from k3lab.ops.moe_experts import mxfp4_kernels as mk
 
@@ -241,12 +248,12 @@ def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, 
         raise bench.CheckFailed(f"routed_experts (bf16, triton) at one token: {err16:.3g} of the largest "
                                 f"output from the fp64 product, more than 1e-2")
     tol, errs = 2e-5 * max(1.0, float(ref.abs().max())), {}
-    for up, down in sweep:  # every choice checked before anything is timed
-        y = mk.mxfp4_experts(z, w0, idx0, *mx, up_blocks=up, down_blocks=down)
-        errs[up, down] = err = float((y.double() - ref).abs().max())
+    for up, down, form in sweep:  # every choice checked before anything is timed
+        y = mk.mxfp4_experts(z, w0, idx0, *mx, up_blocks=up, down_blocks=down, down_form=form)
+        errs[up, down, form] = err = float((y.double() - ref).abs().max())
         if not err <= tol:
-            raise bench.CheckFailed(f"mxfp4_experts {_choice_name(up, down)}: {err:.3g} from the fp64 "
-                                    f"product, more than {tol:.3g}")
+            raise bench.CheckFailed(f"mxfp4_experts {_choice_name(up, down, form)}: {err:.3g} from the "
+                                    f"fp64 product, more than {tol:.3g}")
     bw, how = measured_bandwidth_tbs()  # timed: after every check
     rotate = [(i, w) for i, w in draws]
     nbytes = {"bf16": mk.expert_bytes(1, top_k, L, F, bf16[0].element_size()),
@@ -259,17 +266,17 @@ def expert_records(sweep=EXPERT_SWEEP, *, experts: int = E, top_k: int = TOP_K, 
                                  dtype=dtype, floor_us=nbytes["bf16"] / (bw * 1e6),
                                  error={"max_rel_vs_fp64": err16}, bytes=nbytes["bf16"], bandwidth_tbs=bw,
                                  bandwidth_how=how, backend_used="triton"))
-    for up, down in sweep:
-        name = _choice_name(up, down)
-        t = bench.time_fn(lambda i, w, up=up, down=down: mk.mxfp4_experts(z, w, i, *mx, check_values=False,
-                                                                          up_blocks=up, down_blocks=down),
+    for up, down, form in sweep:
+        name = _choice_name(up, down, form)
+        blocks = {"up_blocks": up, "down_blocks": down, "down_form": form}
+        t = bench.time_fn(lambda i, w, b=blocks: mk.mxfp4_experts(z, w, i, *mx, check_values=False, **b),
                           rotate=rotate, graph=graph, device=device, repeats=repeats, warmup=2)
         rec = bench.make_record(NAME, f"{PREFIX}experts.N1.mxfp4.{name}", "after", t, shape=shape,
                                 dtype=dtype, floor_us=nbytes["mxfp4"] / (bw * 1e6),
-                                error={"max_abs_vs_fp64": errs[up, down], "tolerance": tol},
+                                error={"max_abs_vs_fp64": errs[up, down, form], "tolerance": tol},
                                 bytes=nbytes["mxfp4"], bandwidth_tbs=bw, bandwidth_how=how,
-                                up_blocks=list(up), down_blocks=list(down),
-                                default=(up, down) == (mk.UP_BLOCKS, mk.DOWN_BLOCKS))
+                                up_blocks=list(up), down_blocks=list(down), down_form=form,
+                                default=(up, down, form) == (mk.UP_BLOCKS, mk.DOWN_BLOCKS, mk.DOWN_FORM))
         out.append(rec)
         log(f"decode_step glue: experts mxfp4 {name}: {rec.median_us:.1f} us, floor {rec.floor_us:.1f} us")
     return out + _grouped_record(z, draws, mx, ref_args=(w0, local, chosen), shape=shape,
@@ -324,7 +331,7 @@ def expert_markdown(root=None) -> str:
     whatever it was when a record was taken). Every figure from the records."""
     from k3lab.ops.moe_experts import mxfp4_kernels as mk
 
-    default = _choice_name(mk.UP_BLOCKS, mk.DOWN_BLOCKS)
+    default = _choice_name(mk.UP_BLOCKS, mk.DOWN_BLOCKS, mk.DOWN_FORM)
     out, by_device = [], {}
     for r in bench.load_records(study=NAME, root=root):
         if r.case.startswith(EXPERT_CASE):

@@ -115,13 +115,14 @@ GPUS: dict[str, GPU] = {
         "NVIDIA H100",
         80.0,
         3.35,
-        3.35 * 4.25 / 4.8,
+        3.02,
         989.0,
         NVLINK_H200,
         None,
         "NVIDIA H100 SXM datasheet (80 GB HBM3, 3.35 TB/s, 989 TFLOP/s bf16 dense, NVLink 900 GB/s); "
-        "usable bandwidth: the H200's measured share of its peak until an H100 record carries its own "
-        "(a step record's bandwidth_tbs is what the step model uses); 132 SMs",
+        "usable bandwidth: the 1 GiB copy measured in the H100 80GB HBM3's decode_step records "
+        "(profiles/nvidia-h100-80gb-hbm3/decode_step/, 3.02 TB/s; a step record's own bandwidth_tbs is "
+        "what the step model uses); 132 SMs",
         compute_units=132,
         host_gbs=HOST_GBS_MEASURED,
         host_source=HOST_ASSUMED,

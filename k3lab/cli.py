@@ -434,8 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--full", action="store_true",
                    help="every case of every study (default: each study's quick form, which still checks "
                         "every variant; k3lab.studies.GPU_QUICK / CPU_CASES say which cases)")
-    r.add_argument("--skip-studies", action="store_true")
-    r.add_argument("--skip-notebooks", action="store_true")
+    r.add_argument("--skip-studies", action="store_true",
+                   help="the notebooks only (timings.json keeps the study steps of an earlier run in --out)")
+    r.add_argument("--skip-notebooks", action="store_true",
+                   help="the studies only (timings.json keeps the notebook steps of an earlier run in --out)")
     r.add_argument("--workers", type=_positive_int, default=None,
                    help="notebooks executed at a time (default: 4 on a GPU machine, 2 on a CPU)")
     r.add_argument("--timeout", type=_positive_int, default=CELL_TIMEOUT_S,

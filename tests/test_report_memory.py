@@ -143,3 +143,48 @@ def test_the_timings_keep_the_peak_and_a_rerun_s_own_seconds(tmp_path):
     assert steps["notebook:04_x"]["seconds"] == 41.0 and steps["notebook:08_y"]["seconds"] == 90.0
     assert steps["notebook:04_x"]["rerun_alone_after_running_out_of_memory_beside"] == ["08_y"]
     assert eta.measured_peaks(tmp_path / "timings.json") == {"notebook:04_x": 3.5, "notebook:08_y": 48.2}
+
+
+def _one_step_plan(key: str, seconds: float) -> eta.Plan:
+    plan = eta.Plan(workers=1)
+    plan.add(key, 5.0)
+    plan.start(key, 100.0)
+    plan.finish(key, 100.0 + seconds)
+    return plan
+
+
+def test_the_two_halves_in_one_folder_leave_one_timings_file(tmp_path):
+    """--skip-notebooks then --skip-studies with one --out: the second timings.json holds the first's study
+    steps too, named as carried; a file of another machine kind, form or an interrupted run carries
+    nothing, and a half that ran is never replaced by the earlier file's."""
+    from k3lab import report
+
+    path = tmp_path / "timings.json"
+    report._write_timings(tmp_path, _one_step_plan("study:kda_scan", 7.0), "cpu", "quick", 8.0,
+                          skipped="notebook:")
+    first = json.loads(path.read_text())
+    assert set(first["steps"]) == {"study:kda_scan"} and "carried" not in first
+    report._write_timings(tmp_path, _one_step_plan("notebook:05_kda_scan", 42.0), "cpu", "quick", 43.0,
+                          skipped="study:")
+    both = json.loads(path.read_text())
+    assert both["steps"]["study:kda_scan"]["seconds"] == 7.0
+    assert both["steps"]["notebook:05_kda_scan"]["seconds"] == 42.0 and both["total_s"] == 43.0
+    assert both["carried"]["steps"] == ["study:kda_scan"] and both["carried"]["total_s"] == 8.0
+    measured, source = eta.measured_seconds(eta.machine_kind("cpu"), "quick", [path])
+    assert measured == {"study:kda_scan": 7.0, "notebook:05_kda_scan": 42.0} and source == path
+    # the notebooks again, alone: the studies carried again, the notebook step this run's own
+    report._write_timings(tmp_path, _one_step_plan("notebook:05_kda_scan", 40.0), "cpu", "quick", 41.0,
+                          skipped="study:")
+    again = json.loads(path.read_text())["steps"]
+    assert again["notebook:05_kda_scan"]["seconds"] == 40.0 and again["study:kda_scan"]["seconds"] == 7.0
+    for change in ({"form": "full"}, {"status": "interrupted"},
+                   {"machine_kind": {**eta.machine_kind("cpu"), "cpus": 999}}):
+        path.write_text(json.dumps({**first, **change}))
+        report._write_timings(tmp_path, _one_step_plan("notebook:05_kda_scan", 42.0), "cpu", "quick", 43.0,
+                              skipped="study:")
+        kept = json.loads(path.read_text())
+        assert set(kept["steps"]) == {"notebook:05_kda_scan"} and "carried" not in kept, change
+    path.write_text("not json")
+    report._write_timings(tmp_path, _one_step_plan("study:kda_scan", 7.0), "cpu", "quick", 8.0,
+                          skipped="notebook:")
+    assert set(json.loads(path.read_text())["steps"]) == {"study:kda_scan"}

@@ -244,18 +244,42 @@ def _form_line(gpu: bool, full: bool) -> str:
     return f"quick form ({where}); k3lab report --full runs every case"
 
 
+def _other_half(path: Path, skipped: str, machine: dict, form: str) -> tuple[dict, dict | None]:
+    """The steps of the half this run skipped (keys starting with `skipped`, 'study:' or 'notebook:')
+    from the timings file `path` left in the same folder by an earlier complete run of this machine kind
+    and form, and where they came from ({}, None when there is no such file)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}, None
+    if not (isinstance(data, dict) and data.get("machine_kind") == machine and data.get("form") == form
+            and data.get("status") == "complete" and isinstance(data.get("steps"), dict)):
+        return {}, None
+    steps = {k: v for k, v in data["steps"].items() if k.startswith(skipped)}
+    carried = {"steps": sorted(steps), "finished_at": data.get("finished_at"), "total_s": data.get("total_s"),
+               "why": f"this run skipped its {skipped.rstrip(':')} steps; the earlier run in this folder "
+                      "timed them on this machine kind"}
+    return steps, carried if steps else None
+
+
 def _write_timings(out: Path, plan: Plan, kind: str, form: str, total_s: float, stopped: str = "",
-                   notebooks: dict | None = None) -> None:
+                   notebooks: dict | None = None, skipped: str | None = None) -> None:
     """out/timings.json: each step's seconds beside what the ETA expected, the machine kind they were
     measured on (`eta.machine_kind`: the next report on this kind of machine takes its ETA from them),
     and the run's status: 'complete', or 'interrupted' with what was running (`stopped`), each stopped
     step's seconds so far marked 'interrupted', and the steps that never started. Each notebook step
     adds its code cells' seconds ('cells': cell id -> seconds) and, when it did not pass, its status and
-    the cell that stopped it (`notebooks`: workers.Outcome by stem)."""
+    the cell that stopped it (`notebooks`: workers.Outcome by stem). `skipped` ('study:' or 'notebook:',
+    the half --skip-studies or --skip-notebooks left out): the steps of that half are carried over from
+    the timings.json an earlier complete run of this machine kind and form left in `out` (`_other_half`;
+    named under 'carried'), so the report's two halves run in two calls with one --out leave one file
+    holding both."""
     from k3lab import env
     from k3lab.files import write_atomic
 
-    now, steps = time.time(), {}
+    machine = machine_kind(kind)
+    steps, carried = _other_half(out / "timings.json", skipped, machine, form) if skipped else ({}, None)
+    now = time.time()
     for s in plan.steps:
         if s.finished is not None and s.started is not None:
             steps[s.key] = {"seconds": round(s.finished - s.started, 1), "expected": s.expected}
@@ -274,9 +298,11 @@ def _write_timings(out: Path, plan: Plan, kind: str, form: str, total_s: float, 
             if got.rerun_alone:  # its step spans both tries and the wait between: keep the rerun's own time
                 steps[s.key]["rerun_alone_after_running_out_of_memory_beside"] = got.rerun_alone
                 steps[s.key]["seconds"] = round(got.seconds, 1)
-    data = {"machine": kind, "machine_kind": machine_kind(kind), "form": form, "environment": env.describe(),
+    data = {"machine": kind, "machine_kind": machine, "form": form, "environment": env.describe(),
             "workers": plan.workers, "total_s": round(total_s, 1), "finished_at": round(now, 1),
             "status": "interrupted" if stopped else "complete", "steps": steps}
+    if carried:
+        data["carried"] = carried
     if stopped:
         data["interrupted"] = {"while": stopped,
                                "not_started": [s.key for s in plan.steps if s.started is None]}
@@ -449,7 +475,8 @@ def build_report(out: Path = Path("build"), preset: str | None = None, run_studi
             if nb_rows is None:
                 nb_rows = _unstarted(nb_paths, out, checks)
         total_s = time.time() - t0
-        _write_timings(out, plan, kind, form, total_s, stopped, outcomes)
+        skipped = "study:" if not run_studies else "notebook:" if not run_notebooks else None
+        _write_timings(out, plan, kind, form, total_s, stopped, outcomes, skipped=skipped)
         path = _write_page(out, runs, nb_rows or [], checks, failures, kernel_line, stopped, total_s,
                            gpu=gpu, full=full, run_studies=run_studies)
     progress(t0, f"report written to {path}" + (" (interrupted)" if stopped else ""))
